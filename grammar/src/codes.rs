@@ -1,0 +1,239 @@
+//! The registry of diagnostic codes: each with a title and the long explanation that
+//! `pipec explain CODE` prints. Codes are stable: never reuse or renumber one.
+//!
+//! Ranges: E01xx document structure, E02xx quantities, E03xx model, E04xx strategy,
+//! E05xx training, E06xx plan (compiler), E09xx internal.
+
+/// One registered code.
+#[derive(Debug, Clone, Copy)]
+pub struct CodeInfo {
+    pub code: &'static str,
+    pub title: &'static str,
+    pub explanation: &'static str,
+}
+
+/// Looks a code up (case-insensitive).
+pub fn lookup(code: &str) -> Option<&'static CodeInfo> {
+    CODES.iter().find(|c| c.code.eq_ignore_ascii_case(code))
+}
+
+macro_rules! codes {
+    ($($code:literal, $title:literal, $expl:literal;)*) => {
+        /// Every registered code.
+        pub const CODES: &[CodeInfo] = &[$(CodeInfo { code: $code, title: $title, explanation: $expl }),*];
+    };
+}
+
+codes! {
+"E0101", "YAML syntax error",
+"The file is not valid YAML, so nothing else in it can be checked.
+
+Example:
+
+    strategy:
+      stages: [2, 1
+      schedule: 1f1b
+
+The flow list `[2, 1` is never closed. Fix the YAML first; pipec then reports
+every other problem at once.";
+
+"E0102", "unknown key",
+"A mapping has a key pipec does not know. Keys are case-sensitive and spelled with
+underscores. The help names the closest known key; `pipec schema` lists them all.
+
+Example:
+
+    strategy:
+      microbatch: 8      # error: unknown key, did you mean `microbatches`?";
+
+"E0103", "wrong type",
+"A value has the wrong YAML type: a string where a number is needed, a list where a
+mapping is needed, and so on.
+
+Example:
+
+    training:
+      batch_size: large   # error: expected an integer";
+
+"E0104", "missing key",
+"A required key is absent. Each section's required keys are listed in docs/spec.md.
+
+Example:
+
+    cluster:
+      nodes: 1
+      # error: `devices_per_node` is missing";
+
+"E0105", "invalid value",
+"The value has the right type but is not one of the allowed values, or is out of range
+(a zero where a positive number is needed, a learning rate of 0, ...).
+
+Example:
+
+    model:
+      loss: hinge          # error: expected `cross_entropy` or `mse`";
+
+"E0201", "malformed quantity",
+"A quantity must be a number followed by a unit, like `16GiB`, `900GB/s`, `10Gbps`,
+`5us` or `312TFLOP/s`. The unit is missing or unknown.
+
+Example:
+
+    memory: 16 gigs       # error: unknown unit `gigs`";
+
+"E0202", "wrong kind of unit",
+"The unit exists but measures something else: a bandwidth where a memory size is
+needed, a time where a bandwidth is needed, ...
+
+Example:
+
+    device:
+      memory: 900GB/s     # error: expected a size in bytes, found a bandwidth";
+
+"E0203", "quantity out of range",
+"The quantity must be larger than zero (memory, bandwidth and throughput) or not
+negative (latency).";
+
+"E0301", "layer syntax error",
+"A layer item does not follow the layer language:
+
+    item  := [repeat N:] call (-> call)*
+    call  := name [(arg, key=arg, ...)] [as label]
+
+Example:
+
+    - linear(784, 1024 -> relu   # error: expected `,` or `)`";
+
+"E0302", "unknown layer",
+"The layer name is not one pipec knows. Known layers: linear, conv2d, maxpool2d,
+avgpool2d, flatten, relu, gelu, tanh, sigmoid, layernorm, dropout, embedding,
+transformer_block.";
+
+"E0303", "bad layer arguments",
+"A layer got too many or too few arguments, an unknown keyword, or a value of the
+wrong type. Signatures:
+
+    linear(in, out, bias=true)
+    conv2d(in, out, k, stride=1, pad=0, bias=true)
+    maxpool2d(k, stride=k)     avgpool2d(k, stride=k)
+    dropout(p)                 layernorm [(d)]
+    embedding(vocab, d)        transformer_block(d, heads, ff)";
+
+"E0304", "shape mismatch",
+"The shape flowing into a layer does not fit it. pipec infers the per-sample shape from
+`model.input` through every layer; the label shows the shape that arrives.
+
+Example:
+
+    input: [784]
+    layers:
+      - linear(100, 10)     # error: expects 100 input features, input has 784";
+
+"E0305", "duplicate layer label",
+"Two layers carry the same `as` label, so a partition cannot tell them apart. Labels
+inside `repeat` get `.0`, `.1`, ... appended automatically.";
+
+"E0306", "loss does not fit the model output",
+"`cross_entropy` needs a last layer with a vector output of at least two classes;
+`mse` needs a vector output. Add a `flatten` or a final `linear`.";
+
+"E0401", "strategy syntax error",
+"`strategy.stages` is PipeDream notation: replica counts per stage joined by `-`
+(`2-1-1`), or `straight`. A bare number must be quoted (`\"4\"` = one stage on four
+workers).";
+
+"E0402", "strategy does not match the cluster",
+"The strategy needs a different number of devices than the cluster has. `2-1-1` needs
+2+1+1 = 4 workers (times `tp`); `dp × pp × tp` must equal nodes × devices_per_node.
+
+Example:
+
+    cluster: { nodes: 1, devices_per_node: 3, ... }
+    strategy: { stages: \"2-1-1\" }     # error: needs 4 devices, cluster has 3";
+
+"E0403", "more stages than layers",
+"Every pipeline stage (and every virtual stage of an interleaved schedule) needs at
+least one layer.";
+
+"E0404", "microbatches do not divide the batch",
+"The global batch is split over data-parallel replicas and then into microbatches;
+`batch_size` must be divisible by replicas × microbatches so every microbatch has the
+same size (the result must equal one-device training).";
+
+"E0405", "schedule does not fit the strategy",
+"The schedule or one of its options makes no sense for this strategy: `interleaved`
+needs at least 2 stages and `virtual_stages` ≥ 2, `chimera` an even number of stages,
+`zbv` two chunks per device, `dp-only` exactly one stage, a synchronous pipeline
+schedule wants at least as many microbatches as stages, ...";
+
+"E0406", "partition ranges overlap",
+"Two stages of an explicit partition claim the same layer. Each layer belongs to
+exactly one stage.";
+
+"E0407", "partition leaves a gap",
+"An explicit partition must cover every layer once, in order, with contiguous stages.
+Some layers are in no stage, or stages are out of order.";
+
+"E0408", "partition range out of range",
+"A partition range names a layer index past the end of the model, a label no layer
+carries, or is empty.";
+
+"E0409", "partition has the wrong number of stages",
+"An explicit partition needs one entry per pipeline stage (times `virtual_stages` for
+interleaved schedules).";
+
+"E0410", "conflicting strategy keys",
+"`stages` (PipeDream notation) and `dp`/`pp` describe the same thing two ways; give one.";
+
+"E0501", "bad optimizer settings",
+"An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
+`momentum` with `adam`), or is out of range.";
+
+"E0502", "bad data settings",
+"The data section is inconsistent: a `csv`/`npy` source without a `path`, a path that
+does not exist, a classification task with an `mse` loss, ...";
+
+"E0503", "bad checkpoint settings",
+"The checkpoint settings are unusable: `checkpoint.every` must be at least 1 step, and
+`checkpoint.dir` must be a relative directory name inside the run's output directory.";
+
+"E0601", "device out of memory",
+"The plan needs more memory on a device than it has. The label gives the breakdown
+(weights × versions kept by the schedule, gradients, optimizer state, stashed
+activations, buffers, workspace reserve). Use more stages, `recompute: true`, fewer
+microbatches in flight (1F1B instead of GPipe), or a larger device.";
+
+"W0602", "device near its memory capacity",
+"The plan uses more than 90% of a device's memory. Memory fragmentation and framework
+overheads the cost model does not see may push it over at run time.";
+
+"E0603", "compiler bug: plan verification failed",
+"The static verifier found a problem in the instruction streams pipec generated. This
+is a bug in pipec, not in your spec; please report it with the spec.";
+
+"E0604", "profile file problem",
+"A layer profile given to the cost model cannot be read or does not match the model.";
+
+"W0605", "schedule bubble is large",
+"More than half of the devices' time in a step is idle. More microbatches, or a
+schedule with smaller bubbles (interleaved, zero-bubble), would use the devices better.";
+
+"E0901", "cannot read file",
+"The file could not be read (missing, a directory, not UTF-8, ...).";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_are_unique_well_formed_and_explained() {
+        let mut seen = std::collections::HashSet::new();
+        for c in CODES {
+            assert!(seen.insert(c.code), "duplicate code {}", c.code);
+            assert!(c.code.len() == 5 && (c.code.starts_with('E') || c.code.starts_with('W')), "{}", c.code);
+            assert!(c.explanation.len() > 40, "{} needs a real explanation", c.code);
+        }
+        assert!(lookup("e0102").is_some());
+    }
+}

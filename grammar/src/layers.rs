@@ -1,0 +1,303 @@
+//! The layer catalogue: each DSL layer's signature and documentation, and the resolution of a
+//! parsed call (`conv2d(3, 64, k=3, pad=1)`) into an [`Op`] with every argument checked.
+
+use pipec_plan::model::Op;
+
+use crate::dsl::{ArgValue, LayerCall, Rel};
+
+/// The kind of value an argument takes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ArgKind {
+    /// A positive integer.
+    Count,
+    /// A non-negative integer.
+    Size,
+    /// A probability in [0, 1).
+    Prob,
+    /// `true` or `false`.
+    Bool,
+}
+
+/// One parameter of a layer: its name, aliases, kind and default (None = required).
+#[derive(Debug, Clone, Copy)]
+pub struct Param {
+    pub name: &'static str,
+    pub aliases: &'static [&'static str],
+    pub kind: ArgKind,
+    pub default: Option<f64>,
+}
+
+/// One layer of the catalogue.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerDoc {
+    pub name: &'static str,
+    pub signature: &'static str,
+    pub doc: &'static str,
+    pub params: &'static [Param],
+}
+
+const fn p(name: &'static str, kind: ArgKind, default: Option<f64>) -> Param {
+    Param { name, aliases: &[], kind, default }
+}
+
+const fn pa(name: &'static str, aliases: &'static [&'static str], kind: ArgKind, default: Option<f64>) -> Param {
+    Param { name, aliases, kind, default }
+}
+
+/// Every layer the DSL knows.
+pub const LAYERS: &[LayerDoc] = &[
+    LayerDoc {
+        name: "linear",
+        signature: "linear(in, out, bias=true)",
+        doc: "Fully connected layer on the last dimension: y = x·Wᵀ + b.",
+        params: &[p("in", ArgKind::Count, None), p("out", ArgKind::Count, None), p("bias", ArgKind::Bool, Some(1.0))],
+    },
+    LayerDoc {
+        name: "conv2d",
+        signature: "conv2d(in, out, k, stride=1, pad=0, bias=true)",
+        doc: "2-D convolution over a [channels, height, width] input with a square k×k kernel.",
+        params: &[
+            p("in", ArgKind::Count, None),
+            p("out", ArgKind::Count, None),
+            pa("k", &["kernel"], ArgKind::Count, None),
+            p("stride", ArgKind::Count, Some(1.0)),
+            pa("pad", &["padding"], ArgKind::Size, Some(0.0)),
+            p("bias", ArgKind::Bool, Some(1.0)),
+        ],
+    },
+    LayerDoc {
+        name: "maxpool2d",
+        signature: "maxpool2d(k, stride=k)",
+        doc: "2-D max pooling with a k×k window.",
+        params: &[pa("k", &["kernel"], ArgKind::Count, None), p("stride", ArgKind::Count, Some(0.0))],
+    },
+    LayerDoc {
+        name: "avgpool2d",
+        signature: "avgpool2d(k, stride=k)",
+        doc: "2-D average pooling with a k×k window.",
+        params: &[pa("k", &["kernel"], ArgKind::Count, None), p("stride", ArgKind::Count, Some(0.0))],
+    },
+    LayerDoc { name: "flatten", signature: "flatten", doc: "Flattens the per-sample shape to one dimension.", params: &[] },
+    LayerDoc { name: "relu", signature: "relu", doc: "Rectified linear unit, max(x, 0).", params: &[] },
+    LayerDoc { name: "gelu", signature: "gelu", doc: "Gaussian error linear unit.", params: &[] },
+    LayerDoc { name: "tanh", signature: "tanh", doc: "Hyperbolic tangent.", params: &[] },
+    LayerDoc { name: "sigmoid", signature: "sigmoid", doc: "Logistic sigmoid.", params: &[] },
+    LayerDoc {
+        name: "layernorm",
+        signature: "layernorm [(d)]",
+        doc: "Layer normalisation over the last dimension (d is inferred when omitted).",
+        params: &[p("d", ArgKind::Count, Some(0.0))],
+    },
+    LayerDoc {
+        name: "dropout",
+        signature: "dropout(p)",
+        doc: "Zeroes each element with probability p during training.",
+        params: &[p("p", ArgKind::Prob, None)],
+    },
+    LayerDoc {
+        name: "embedding",
+        signature: "embedding(vocab, d)",
+        doc: "Token embedding: a [sequence] of token ids in 0..vocab becomes [sequence, d].",
+        params: &[p("vocab", ArgKind::Count, None), p("d", ArgKind::Count, None)],
+    },
+    LayerDoc {
+        name: "transformer_block",
+        signature: "transformer_block(d, heads, ff)",
+        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection.",
+        params: &[
+            pa("d", &["d_model"], ArgKind::Count, None),
+            p("heads", ArgKind::Count, None),
+            pa("ff", &["d_ff"], ArgKind::Count, None),
+        ],
+    },
+];
+
+/// Looks a layer up by name.
+pub fn layer_doc(name: &str) -> Option<&'static LayerDoc> {
+    LAYERS.iter().find(|l| l.name == name)
+}
+
+/// A problem with a call's arguments: diagnostic code, message and relative span.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallError {
+    pub code: &'static str,
+    pub message: String,
+    pub label: String,
+    pub span: Rel,
+    pub help: Option<String>,
+}
+
+/// Resolves a parsed call into an operator. `input` is the per-sample shape reaching the
+/// layer when known (used for `layernorm` without arguments).
+pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec<CallError>> {
+    let Some(doc) = layer_doc(&call.name) else {
+        let names = LAYERS.iter().map(|l| l.name);
+        let help = match crate::diagnostic::did_you_mean(&call.name, names) {
+            Some(s) => format!("did you mean `{s}`?"),
+            None => format!("known layers: {}", LAYERS.iter().map(|l| l.name).collect::<Vec<_>>().join(", ")),
+        };
+        return Err(vec![CallError {
+            code: "E0302",
+            message: format!("unknown layer `{}`", call.name),
+            label: "not a layer pipec knows".into(),
+            span: call.name_span,
+            help: Some(help),
+        }]);
+    };
+    let mut errors = Vec::new();
+    let mut values: Vec<Option<(f64, Rel)>> = vec![None; doc.params.len()];
+    let mut positional = 0usize;
+    for arg in &call.args {
+        let slot = match &arg.key {
+            None => {
+                let s = positional;
+                positional += 1;
+                if s >= doc.params.len() {
+                    errors.push(CallError {
+                        code: "E0303",
+                        message: format!("`{}` takes {} argument(s), got more", doc.name, doc.params.len()),
+                        label: "extra argument".into(),
+                        span: arg.span,
+                        help: Some(format!("signature: {}", doc.signature)),
+                    });
+                    continue;
+                }
+                s
+            }
+            Some((key, kspan)) => match doc.params.iter().position(|p| p.name == key || p.aliases.contains(&key.as_str())) {
+                Some(s) => s,
+                None => {
+                    let names = doc.params.iter().map(|p| p.name);
+                    let help = match crate::diagnostic::did_you_mean(key, names) {
+                        Some(s) => format!("did you mean `{s}`? signature: {}", doc.signature),
+                        None => format!("signature: {}", doc.signature),
+                    };
+                    errors.push(CallError {
+                        code: "E0303",
+                        message: format!("`{}` has no argument `{key}`", doc.name),
+                        label: "unknown argument".into(),
+                        span: *kspan,
+                        help: Some(help),
+                    });
+                    continue;
+                }
+            },
+        };
+        let param = doc.params[slot];
+        if values[slot].is_some() {
+            errors.push(CallError {
+                code: "E0303",
+                message: format!("argument `{}` of `{}` is given twice", param.name, doc.name),
+                label: "given again here".into(),
+                span: arg.span,
+                help: Some(format!("signature: {}", doc.signature)),
+            });
+            continue;
+        }
+        match check_value(param, &arg.value) {
+            Ok(v) => values[slot] = Some((v, arg.value_span)),
+            Err(why) => errors.push(CallError {
+                code: "E0303",
+                message: format!("argument `{}` of `{}` {why}", param.name, doc.name),
+                label: format!("found `{}`", arg.value),
+                span: arg.value_span,
+                help: Some(format!("signature: {}", doc.signature)),
+            }),
+        }
+    }
+    for (i, param) in doc.params.iter().enumerate() {
+        if values[i].is_none() && param.default.is_none() {
+            errors.push(CallError {
+                code: "E0303",
+                message: format!("`{}` is missing its argument `{}`", doc.name, param.name),
+                label: format!("needs `{}`", param.name),
+                span: call.span,
+                help: Some(format!("signature: {}", doc.signature)),
+            });
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    let get = |i: usize| values[i].map(|v| v.0).or(doc.params[i].default).unwrap_or(0.0);
+    let n = |i: usize| get(i) as usize;
+    let b = |i: usize| get(i) != 0.0;
+    let op = match doc.name {
+        "linear" => Op::Linear { in_features: n(0), out_features: n(1), bias: b(2) },
+        "conv2d" => Op::Conv2d { in_channels: n(0), out_channels: n(1), kernel: n(2), stride: n(3), padding: n(4), bias: b(5) },
+        "maxpool2d" => Op::MaxPool2d { kernel: n(0), stride: if n(1) == 0 { n(0) } else { n(1) } },
+        "avgpool2d" => Op::AvgPool2d { kernel: n(0), stride: if n(1) == 0 { n(0) } else { n(1) } },
+        "flatten" => Op::Flatten,
+        "relu" => Op::Relu,
+        "gelu" => Op::Gelu,
+        "tanh" => Op::Tanh,
+        "sigmoid" => Op::Sigmoid,
+        "layernorm" => {
+            let dim = if n(0) == 0 { input.and_then(|s| s.last().copied()).unwrap_or(0) } else { n(0) };
+            Op::LayerNorm { dim }
+        }
+        "dropout" => Op::Dropout { p: get(0) },
+        "embedding" => Op::Embedding { vocab: n(0), dim: n(1) },
+        "transformer_block" => Op::TransformerBlock { d_model: n(0), heads: n(1), d_ff: n(2) },
+        other => {
+            return Err(vec![CallError {
+                code: "E0302",
+                message: format!("layer `{other}` has no lowering"),
+                label: String::new(),
+                span: call.name_span,
+                help: None,
+            }])
+        }
+    };
+    Ok(op)
+}
+
+fn check_value(param: Param, v: &ArgValue) -> Result<f64, String> {
+    match (param.kind, v) {
+        (ArgKind::Count, ArgValue::Int(i)) if *i >= 1 => Ok(*i as f64),
+        (ArgKind::Count, _) => Err("must be a positive integer".into()),
+        (ArgKind::Size, ArgValue::Int(i)) if *i >= 0 => Ok(*i as f64),
+        (ArgKind::Size, _) => Err("must be a non-negative integer".into()),
+        (ArgKind::Prob, ArgValue::Float(f)) if (0.0..1.0).contains(f) => Ok(*f),
+        (ArgKind::Prob, ArgValue::Int(0)) => Ok(0.0),
+        (ArgKind::Prob, _) => Err("must be a probability in [0, 1)".into()),
+        (ArgKind::Bool, ArgValue::Ident(s)) if s == "true" => Ok(1.0),
+        (ArgKind::Bool, ArgValue::Ident(s)) if s == "false" => Ok(0.0),
+        (ArgKind::Bool, _) => Err("must be `true` or `false`".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dsl::parse_layer_item;
+
+    fn op(text: &str) -> Result<Op, Vec<CallError>> {
+        let item = parse_layer_item(text).expect("parses");
+        resolve_call(&item.chain[0], Some(&[3, 32, 32]))
+    }
+
+    #[test]
+    fn positional_keyword_and_alias_arguments() {
+        assert_eq!(
+            op("conv2d(3, 64, kernel=3, padding=1)"),
+            Ok(Op::Conv2d { in_channels: 3, out_channels: 64, kernel: 3, stride: 1, padding: 1, bias: true })
+        );
+        assert_eq!(op("maxpool2d(2)"), Ok(Op::MaxPool2d { kernel: 2, stride: 2 }));
+        assert_eq!(op("layernorm"), Ok(Op::LayerNorm { dim: 32 }));
+    }
+
+    #[test]
+    fn argument_errors_are_all_reported() {
+        let errs = op("linear(10, 0, bais=true, 4)").expect_err("bad");
+        let msgs: Vec<&str> = errs.iter().map(|e| e.message.as_str()).collect();
+        assert!(msgs.iter().any(|m| m.contains("`out`") && m.contains("positive")), "{msgs:?}");
+        assert!(msgs.iter().any(|m| m.contains("`bais`")), "{msgs:?}");
+        assert!(errs.iter().any(|e| e.help.as_deref().is_some_and(|h| h.contains("`bias`"))));
+        let errs = op("dropout(1.5)").expect_err("bad");
+        assert_eq!(errs[0].span, (8, 11));
+        let errs = op("lineer(1, 2)").expect_err("bad");
+        assert_eq!(errs[0].code, "E0302");
+        assert_eq!(errs[0].help.as_deref(), Some("did you mean `linear`?"));
+    }
+}

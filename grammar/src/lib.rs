@@ -1,0 +1,22 @@
+//! pipec's front end: reads a spec file into a typed, spanned [`spec::Spec`] and reports every
+//! problem as a [`diagnostic::Diagnostic`] pointing at the exact place in the file.
+//!
+//! Data flow: source text → [`yaml::parse`] (spanned YAML tree) → [`spec::lower`] (typed
+//! sections, the layer/unit/strategy DSLs parsed with nom, shapes inferred, cross-section
+//! checks) → [`check::CheckResult`]. This crate knows nothing of graphs or tensors.
+
+pub mod check;
+pub mod codes;
+pub mod diagnostic;
+pub mod dsl;
+pub mod layers;
+pub mod schema;
+pub mod span;
+pub mod spec;
+mod strategy;
+pub mod yaml;
+
+pub use check::{check_source, CheckResult};
+pub use diagnostic::{Diagnostic, Severity};
+pub use span::{LineIndex, Span};
+pub use spec::Spec;

@@ -1,0 +1,506 @@
+//! The spec's surface, as the user writes it in YAML, described as types for `schemars`.
+//!
+//! These types are never instantiated: the loader reads a spanned YAML tree and lowers it by
+//! hand (see [`crate::spec`]) so that it can report every mistake at once. They exist to be
+//! the single source of the spec's keys and their documentation: `pipec schema` prints the
+//! JSON Schema made from them, the checker takes each section's allowed keys from it (for
+//! "unknown key, did you mean ..."), and the language server takes hover text and
+//! completions from it.
+#![allow(dead_code)]
+
+use schemars::JsonSchema;
+use serde_json::Value as Json;
+
+/// A pipec training-job spec: the model, the cluster it runs on, how the work is split
+/// across devices, and how it trains.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+#[schemars(title = "pipec spec")]
+struct Spec {
+    /// A name for the job, used in reports and output file names.
+    name: Option<String>,
+    model: Model,
+    cluster: Cluster,
+    strategy: Strategy,
+    training: Training,
+}
+
+/// The network to train: its per-sample input shape, its layers in order, and its loss.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Model {
+    /// Shape of one input sample, without the batch dimension: `[784]`, `[3, 32, 32]`, or
+    /// `[128]` (a sequence of 128 token ids) when the first layer is an `embedding`.
+    input: Vec<u64>,
+    /// The layers in order. Each item is a chain in the layer language,
+    /// `linear(784, 1024) -> relu`, optionally labelled (`linear(1024, 10) as head`), or a
+    /// repetition `repeat 6: linear(1024, 1024) -> relu` (also written as a mapping
+    /// `- repeat 6: ...`). Layers: linear(in, out, bias=true), conv2d(in, out, k=3,
+    /// stride=1, pad=0), maxpool2d(k), avgpool2d(k), flatten, relu, gelu, tanh, sigmoid,
+    /// layernorm, dropout(p), embedding(vocab, d), transformer_block(d=, heads=, ff=).
+    layers: Vec<LayerItem>,
+    /// The loss at the end of the model: `cross_entropy` (classification; the last layer's
+    /// output size is the number of classes) or `mse` (regression).
+    loss: LossName,
+}
+
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum LayerItem {
+    /// A chain of layers joined by `->`.
+    Chain(String),
+    /// `repeat N: chain` written as a one-key mapping.
+    Repeat(std::collections::BTreeMap<String, String>),
+}
+
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum LossName {
+    CrossEntropy,
+    Mse,
+}
+
+/// The machines: nodes, devices per node, what one device is, and the links between them.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Cluster {
+    /// Number of nodes (servers).
+    nodes: u64,
+    /// Devices (GPUs or CPU workers) in each node.
+    devices_per_node: u64,
+    device: Device,
+    links: Links,
+}
+
+/// One device. All devices of the cluster are alike.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Device {
+    /// A free-form name for the device kind (`a100`, `v100`, `cpu`), shown in reports.
+    kind: Option<String>,
+    /// Memory per device, with a unit: `16GiB`, `80GB`.
+    memory: String,
+    /// Peak compute throughput used by the cost model, with a unit: `312TFLOP/s`,
+    /// `50GFLOP/s`.
+    throughput: String,
+}
+
+/// Bandwidth and latency per level of the cluster's hierarchy.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Links {
+    /// Between devices of one node.
+    intra_node: Link,
+    /// Between nodes. Required when `nodes` is more than 1.
+    inter_node: Option<Link>,
+}
+
+/// One link level of the α-β communication model.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Link {
+    /// Bandwidth (β⁻¹), with a unit: `900GB/s`, `10Gbps`.
+    bandwidth: String,
+    /// Latency per message (α), with a unit: `5us`, `1ms`.
+    latency: String,
+}
+
+/// How the training work is split across devices.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Strategy {
+    /// PipeDream notation: one number per pipeline stage, the number of workers replicating
+    /// that stage (`"2-1-1"`: three stages, the first on two workers). `straight`: one
+    /// unreplicated stage per device. Quote a single number (`"4"`: one stage on four
+    /// workers, i.e. data parallelism). Exclusive with `dp`/`pp`.
+    stages: Option<String>,
+    /// Data-parallel degree: replicas of every pipeline stage.
+    dp: Option<u64>,
+    /// Pipeline-parallel degree: number of pipeline stages.
+    pp: Option<u64>,
+    /// Tensor-parallel degree (Megatron-style) inside each stage replica.
+    tp: Option<u64>,
+    /// The pipeline schedule: a name, or a mapping with `kind` and its options.
+    schedule: ScheduleSpec,
+    /// Microbatches per step: the global batch is split into this many, and a replicated
+    /// stage receives them round-robin (with `dp: 2`, each pipeline replica gets half).
+    microbatches: Option<u64>,
+    /// How layers are assigned to stages: `auto` (PipeDream's dynamic program; also picks
+    /// the replication), `balanced` (contiguous split minimising the slowest stage), or a
+    /// list with one entry per stage of layer ranges: `"0..4"` (end excluded), `"4..=7"`
+    /// (end included), `"stem..head"` (labels), `"8.."` (to the end).
+    partition: Option<PartitionSpec>,
+    /// Recompute activations in the backward pass (keep only each stage's inputs).
+    recompute: Option<bool>,
+}
+
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum ScheduleSpec {
+    Name(ScheduleName),
+    Options(ScheduleOptions),
+}
+
+/// Pipeline schedules pipec generates.
+#[derive(JsonSchema)]
+enum ScheduleName {
+    /// GPipe: all forwards, then all backwards, one flush per step.
+    #[serde(rename = "gpipe")]
+    Gpipe,
+    /// 1F1B with a flush (PipeDream-Flush / DAPPLE): early backwards bound activation memory.
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// Interleaved 1F1B (Megatron): `virtual_stages` model chunks per device.
+    #[serde(rename = "interleaved")]
+    Interleaved,
+    /// PipeDream asynchronous 1F1B with weight stashing and vertical sync.
+    #[serde(rename = "pipedream")]
+    PipeDream,
+    /// PipeDream-2BW: double-buffered weights, one update every step.
+    #[serde(rename = "2bw")]
+    TwoBw,
+    /// Chimera: two pipelines in opposite directions (even number of stages).
+    #[serde(rename = "chimera")]
+    Chimera,
+    /// Zero-bubble ZB-H1: split backward into input and weight gradients.
+    #[serde(rename = "zb-h1")]
+    ZbH1,
+    /// Zero-bubble V schedule: two chunks per device in a V shape.
+    #[serde(rename = "zbv")]
+    Zbv,
+    /// Data parallelism only: one stage, every device a replica.
+    #[serde(rename = "dp-only")]
+    DpOnly,
+}
+
+/// A schedule with options.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ScheduleOptions {
+    kind: ScheduleName,
+    /// interleaved: model chunks (virtual stages) per device, at least 2.
+    virtual_stages: Option<u64>,
+    /// dp-only: `bsp` (synchronous, all-reduce every step) or `asp` (asynchronous,
+    /// bounded staleness).
+    sync: Option<SyncMode>,
+    /// dp-only with bsp: `ring` all-reduce or a central `ps` (parameter server).
+    reduce: Option<ReduceMode>,
+    /// dp-only with asp: how many steps a worker's weights may lag behind.
+    staleness: Option<u64>,
+}
+
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum SyncMode {
+    Bsp,
+    Asp,
+}
+
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum ReduceMode {
+    Ring,
+    Ps,
+}
+
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum PartitionSpec {
+    Mode(PartitionMode),
+    /// One entry per stage: a range string or a list of them.
+    Explicit(Vec<StageRanges>),
+}
+
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum PartitionMode {
+    Auto,
+    Balanced,
+}
+
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum StageRanges {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The training loop.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Training {
+    /// Global batch size (samples per optimizer step, over all replicas).
+    batch_size: u64,
+    /// Number of optimizer steps.
+    steps: u64,
+    optimizer: Optimizer,
+    /// Numeric precision of weights and activations: `fp32`, `bf16` or `fp16`.
+    precision: Option<Precision>,
+    /// Seed of the parameter initialisation and the synthetic data.
+    seed: Option<u64>,
+    data: Option<DataSpec>,
+    checkpoint: Option<Checkpoint>,
+}
+
+/// The optimizer and its hyper-parameters.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Optimizer {
+    /// `sgd`, `momentum` (SGD with momentum 0.9 unless given) or `adam`.
+    kind: OptimizerKind,
+    /// Learning rate.
+    lr: f64,
+    /// sgd/momentum: momentum factor.
+    momentum: Option<f64>,
+    /// L2 weight decay.
+    weight_decay: Option<f64>,
+    /// adam: β₁.
+    beta1: Option<f64>,
+    /// adam: β₂.
+    beta2: Option<f64>,
+    /// adam: ε.
+    eps: Option<f64>,
+}
+
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum OptimizerKind {
+    Sgd,
+    Momentum,
+    Adam,
+}
+
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum Precision {
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum DataSpec {
+    Name(DataKind),
+    Options(Data),
+}
+
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum DataKind {
+    Synthetic,
+}
+
+/// Where the training data comes from.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Data {
+    /// `synthetic` (deterministic from the seed), `csv` or `npy`.
+    kind: DataFileKind,
+    /// synthetic: `classification` (labels from a fixed random teacher) or `regression`.
+    task: Option<Task>,
+    /// synthetic: number of distinct samples in the data set (batches cycle through it).
+    samples: Option<u64>,
+    /// csv/npy: path of the features file, relative to the spec. CSV: one sample per row,
+    /// the last column is the label (class index or regression target).
+    path: Option<String>,
+    /// npy: path of the labels file (the features file holds the inputs).
+    labels: Option<String>,
+}
+
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum DataFileKind {
+    Synthetic,
+    Csv,
+    Npy,
+}
+
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum Task {
+    Classification,
+    Regression,
+}
+
+/// Checkpointing during `pipec run`.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Checkpoint {
+    /// Write a checkpoint every this many steps.
+    every: u64,
+    /// Directory for checkpoints, relative to the run's output directory.
+    dir: Option<String>,
+}
+
+/// The JSON Schema of the spec (draft 2020-12).
+pub fn json_schema() -> Json {
+    let schema = schemars::schema_for!(Spec);
+    let mut json = serde_json::to_value(&schema).unwrap_or(Json::Null);
+    strip_formats(&mut json);
+    json
+}
+
+/// The schema as pretty JSON text, exactly as committed in `schema/pipec.schema.json`.
+pub fn json_schema_text() -> String {
+    let mut s = serde_json::to_string_pretty(&json_schema()).unwrap_or_default();
+    s.push('\n');
+    s
+}
+
+/// schemars marks integers with `format: uint64`, which strict validators reject; the
+/// `minimum: 0` it also emits says the same thing.
+fn strip_formats(v: &mut Json) {
+    match v {
+        Json::Object(map) => {
+            if map.get("format").and_then(Json::as_str).is_some_and(|f| f.starts_with("uint") || f.starts_with("int") || f == "double") {
+                map.remove("format");
+            }
+            map.values_mut().for_each(strip_formats);
+        }
+        Json::Array(items) => items.iter_mut().for_each(strip_formats),
+        _ => {}
+    }
+}
+
+/// What the schema says about the object at a key path (`["strategy", "schedule"]`).
+#[derive(Debug, Clone, Default)]
+pub struct ObjectDoc {
+    /// The allowed keys, in schema order, each with its description.
+    pub keys: Vec<(String, String)>,
+}
+
+/// Navigates the schema by key path.
+#[derive(Debug, Clone)]
+pub struct SchemaIndex {
+    root: Json,
+}
+
+impl Default for SchemaIndex {
+    fn default() -> Self {
+        SchemaIndex { root: json_schema() }
+    }
+}
+
+impl SchemaIndex {
+    fn resolve<'a>(&'a self, mut s: &'a Json) -> &'a Json {
+        for _ in 0..16 {
+            match s.get("$ref").and_then(Json::as_str) {
+                Some(r) => {
+                    let name = r.rsplit('/').next().unwrap_or("");
+                    match self.root.get("$defs").and_then(|d| d.get(name)) {
+                        Some(t) => s = t,
+                        None => return s,
+                    }
+                }
+                None => return s,
+            }
+        }
+        s
+    }
+
+    /// All alternatives of a schema node (anyOf/oneOf flattened, refs resolved).
+    fn alternatives<'a>(&'a self, s: &'a Json) -> Vec<&'a Json> {
+        let s = self.resolve(s);
+        let mut out = Vec::new();
+        for key in ["anyOf", "oneOf"] {
+            if let Some(alts) = s.get(key).and_then(Json::as_array) {
+                for a in alts {
+                    out.extend(self.alternatives(a));
+                }
+            }
+        }
+        if out.is_empty() {
+            out.push(s);
+        }
+        out
+    }
+
+    /// The schema of the value at `path` (each element a mapping key; list items are
+    /// entered transparently).
+    pub fn node_at(&self, path: &[&str]) -> Option<&Json> {
+        let mut cur = &self.root;
+        for key in path {
+            let mut next = None;
+            for alt in self.alternatives(cur) {
+                if let Some(p) = alt.get("properties").and_then(|p| p.get(*key)) {
+                    next = Some(p);
+                    break;
+                }
+            }
+            cur = next?;
+        }
+        Some(cur)
+    }
+
+    /// The keys a mapping at `path` may have, or None when the value there is no mapping.
+    pub fn object_at(&self, path: &[&str]) -> Option<ObjectDoc> {
+        let node = self.node_at(path)?;
+        for alt in self.alternatives(node) {
+            if let Some(props) = alt.get("properties").and_then(Json::as_object) {
+                let keys = props
+                    .iter()
+                    .map(|(k, v)| (k.clone(), self.description(v).unwrap_or_default()))
+                    .collect();
+                return Some(ObjectDoc { keys });
+            }
+        }
+        None
+    }
+
+    /// The description of a schema node, following refs.
+    pub fn description(&self, s: &Json) -> Option<String> {
+        if let Some(d) = s.get("description").and_then(Json::as_str) {
+            return Some(d.to_string());
+        }
+        let r = self.resolve(s);
+        if let Some(d) = r.get("description").and_then(Json::as_str) {
+            return Some(d.to_string());
+        }
+        for alt in self.alternatives(s) {
+            if let Some(d) = alt.get("description").and_then(Json::as_str) {
+                return Some(d.to_string());
+            }
+        }
+        None
+    }
+
+    /// The documentation of the key at `path`.
+    pub fn doc_at(&self, path: &[&str]) -> Option<String> {
+        self.node_at(path).and_then(|n| self.description(n))
+    }
+
+    /// The allowed scalar values (enum constants) at `path`, with their docs.
+    pub fn values_at(&self, path: &[&str]) -> Vec<(String, String)> {
+        let Some(node) = self.node_at(path) else { return Vec::new() };
+        let mut out = Vec::new();
+        for alt in self.alternatives(node) {
+            if let Some(values) = alt.get("enum").and_then(Json::as_array) {
+                for v in values.iter().filter_map(Json::as_str) {
+                    out.push((v.to_string(), String::new()));
+                }
+            }
+            if let Some(c) = alt.get("const").and_then(Json::as_str) {
+                out.push((c.to_string(), self.description(alt).unwrap_or_default()));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_finds_keys_and_docs() {
+        let idx = SchemaIndex::default();
+        let strategy = idx.object_at(&["strategy"]).expect("strategy is an object");
+        assert!(strategy.keys.iter().any(|(k, _)| k == "microbatches"));
+        let sched = idx.object_at(&["strategy", "schedule"]).expect("schedule options");
+        assert!(sched.keys.iter().any(|(k, _)| k == "virtual_stages"));
+        assert!(idx.doc_at(&["cluster", "device", "memory"]).is_some_and(|d| d.contains("GiB")));
+        let names: Vec<String> = idx.values_at(&["strategy", "schedule"]).into_iter().map(|v| v.0).collect();
+        assert!(names.contains(&"1f1b".to_string()) && names.contains(&"zb-h1".to_string()));
+    }
+}

@@ -1,0 +1,487 @@
+//! Lowering and checking of the `strategy` section: the layout (PipeDream notation or
+//! dp/pp/tp degrees), the schedule and its options, microbatches and the partition. This is
+//! where the spec's sections meet, so the cross-section checks live here too: strategy vs
+//! cluster size, stages vs layers, microbatches vs batch size, partition ranges vs layers.
+
+use crate::diagnostic::Diagnostic;
+use crate::dsl::{self, LayerRef, StagesNotation};
+use crate::spec::{Cluster, Lower, Model, Partition, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode, Training};
+use crate::span::Span;
+use crate::yaml::{Node, Value};
+
+pub(crate) fn lower_strategy(
+    cx: &mut Lower<'_>,
+    node: &Node,
+    owner: Span,
+    model: Option<&Model>,
+    cluster: Option<&Cluster>,
+    training: Option<&Training>,
+) -> Option<Strategy> {
+    let f = cx.fields(node, &["strategy"], owner)?;
+    let tp = match f.get("tp") {
+        None => Some(1),
+        Some(n) => cx.uint(n, 1),
+    };
+    let schedule = cx.required(&f, "schedule", "strategy").and_then(|n| lower_schedule(cx, n, f.key_span("schedule").unwrap_or(owner)));
+    let microbatches_node = f.get("microbatches");
+    let microbatches = match microbatches_node {
+        None => Some(1),
+        Some(n) => cx.uint(n, 1),
+    };
+    let recompute = match f.get("recompute") {
+        None => Some(false),
+        Some(n) => cx.boolean(n),
+    };
+
+    // Layout: `stages` or dp/pp, not both.
+    let stages_node = f.get("stages");
+    let dp_node = f.get("dp");
+    let pp_node = f.get("pp");
+    if let (Some(s), Some(other)) = (stages_node, dp_node.or(pp_node)) {
+        let key = if dp_node.is_some() { "dp" } else { "pp" };
+        cx.push(
+            Diagnostic::error("E0410", format!("`stages` and `{key}` both give the layout"), f.key_span(key).unwrap_or(other.span), "second layout")
+                .with_label(s.span, "first layout")
+                .with_help("keep one: `stages: \"2-2\"` is the same as `dp: 2, pp: 2`"),
+        );
+        return None;
+    }
+    let devices = cluster.map(Cluster::device_count);
+    let schedule_kind = schedule.as_ref().map(|s| s.kind);
+    enum Layout {
+        Replicas(Vec<usize>, Vec<Span>),
+        Straight,
+        DpOnly,
+    }
+    let mut layout_span = owner;
+    let layout: Option<Layout> = if let Some(s) = stages_node {
+        layout_span = s.span;
+        match &s.value {
+            Value::Int(i) => {
+                cx.push(
+                    Diagnostic::error("E0401", format!("`stages: {i}` is a number; PipeDream notation is a string"), s.span, "quote this")
+                        .with_help(format!("`\"{i}\"` means one stage replicated on {i} workers; for {i} unreplicated stages write `straight` or `{}`", vec!["1"; (*i).clamp(1, 16) as usize].join("-")))
+                        .with_fix("quote the notation", s.span, format!("\"{i}\"")),
+                );
+                None
+            }
+            Value::Str(text) => match dsl::parse_stages(text) {
+                Ok(StagesNotation::Straight) => Some(Layout::Straight),
+                Ok(StagesNotation::Replicas(parts)) => {
+                    let mut ok = true;
+                    for (n, r) in &parts {
+                        if *n == 0 || *n > 1_000_000 {
+                            let span = cx.dsl_span(s, *r);
+                            cx.push(Diagnostic::error("E0401", format!("a stage needs at least one worker, found {n}"), span, "must be ≥ 1"));
+                            ok = false;
+                        }
+                    }
+                    ok.then(|| Layout::Replicas(parts.iter().map(|p| p.0 as usize).collect(), parts.iter().map(|p| cx.dsl_span(s, p.1)).collect()))
+                }
+                Err(e) => {
+                    cx.dsl_error("E0401", s, &e, "strategy syntax error");
+                    None
+                }
+            },
+            _ => {
+                cx.wrong_type(s, "PipeDream notation like \"2-1-1\" or `straight`");
+                None
+            }
+        }
+    } else if dp_node.is_some() || pp_node.is_some() {
+        layout_span = dp_node.or(pp_node).map(|n| n.span).unwrap_or(owner);
+        let dp = match dp_node {
+            None => Some(1),
+            Some(n) => cx.uint(n, 1),
+        };
+        let pp = match pp_node {
+            None => Some(1),
+            Some(n) => cx.uint(n, 1),
+        };
+        match (dp, pp) {
+            (Some(dp), Some(pp)) => Some(Layout::Replicas(vec![dp; pp], vec![layout_span; pp])),
+            _ => None,
+        }
+    } else if schedule_kind == Some(ScheduleKind::DpOnly) {
+        Some(Layout::DpOnly)
+    } else {
+        Some(Layout::Straight)
+    };
+    let layout_fixed = stages_node.is_some() || dp_node.is_some() || pp_node.is_some();
+
+    let (tp, schedule, microbatches, recompute, layout) = (tp?, schedule?, microbatches?, recompute?, layout?);
+    // Resolve `straight` and dp-only against the cluster.
+    let (replicas, replica_spans) = match layout {
+        Layout::Replicas(r, spans) => (r, spans),
+        Layout::Straight | Layout::DpOnly => {
+            let devices = devices?;
+            if devices % tp != 0 {
+                cx.push(Diagnostic::error("E0402", format!("tp = {tp} does not divide the cluster's {devices} devices"), f.key_span("tp").unwrap_or(owner), "tensor-parallel degree").with_help("choose a tp that divides nodes × devices_per_node"));
+                return None;
+            }
+            let n = devices / tp;
+            if matches!(layout, Layout::DpOnly) {
+                (vec![n], vec![layout_span])
+            } else {
+                (vec![1; n], vec![layout_span; n])
+            }
+        }
+    };
+    let stages = replicas.len();
+    let mut ok = true;
+
+    // Strategy vs cluster.
+    let needed = replicas.iter().sum::<usize>() * tp;
+    if let (Some(devices), Some(c)) = (devices, cluster) {
+        if needed != devices && (layout_fixed || tp > 1) {
+            let notation = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-");
+            let sum = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("+");
+            let needs = if tp > 1 { format!("({sum}) × tp {tp} = {needed}") } else { format!("{sum} = {needed}") };
+            cx.push(
+                Diagnostic::error("E0402", format!("the strategy `{notation}` needs {needed} devices, but the cluster has {devices}"), layout_span, format!("needs {needs} devices"))
+                    .with_label(c.devices_span, format!("{} node(s) × {} device(s) = {devices}", c.nodes, c.devices_per_node))
+                    .with_help(if needed < devices {
+                        format!("use all {devices} devices (e.g. `stages: straight`), or shrink the cluster")
+                    } else {
+                        format!("the cluster needs {needed} devices: raise `devices_per_node`/`nodes`, or use fewer stages or replicas")
+                    }),
+            );
+            ok = false;
+        }
+    }
+
+    // Schedule vs layout.
+    let v = schedule.virtual_stages;
+    let sched_err = |cx: &mut Lower<'_>, msg: String, label: &str, help: &str| {
+        cx.push(Diagnostic::error("E0405", msg, schedule.span, label.to_string()).with_help(help.to_string()));
+    };
+    match schedule.kind {
+        ScheduleKind::Interleaved if stages < 2 => {
+            sched_err(cx, "`interleaved` needs at least 2 pipeline stages".into(), "with one stage", "use `1f1b` or `dp-only` for a single stage, or more stages");
+            ok = false;
+        }
+        ScheduleKind::Interleaved if microbatches % stages != 0 => {
+            sched_err(cx, format!("`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"), "interleaved", "Megatron's interleaved schedule runs microbatches in groups of one per stage");
+            ok = false;
+        }
+        ScheduleKind::Chimera if stages % 2 != 0 || stages < 2 => {
+            sched_err(cx, format!("`chimera` needs an even number of stages, found {stages}"), "chimera", "Chimera pairs a down and an up pipeline: use 2, 4, 6, ... stages");
+            ok = false;
+        }
+        ScheduleKind::Chimera if microbatches % 2 != 0 => {
+            sched_err(cx, format!("`chimera` needs an even number of microbatches, found {microbatches}"), "chimera", "half of the microbatches go down, half go up");
+            ok = false;
+        }
+        ScheduleKind::DpOnly if stages != 1 => {
+            sched_err(cx, format!("`dp-only` runs the whole model as one stage, but the layout has {stages} stages"), "dp-only", "write `stages: \"N\"` (one stage on N workers) or choose a pipeline schedule");
+            ok = false;
+        }
+        ScheduleKind::Zbv if stages < 2 => {
+            sched_err(cx, "`zbv` needs at least 2 pipeline stages".into(), "zbv", "use `zb-h1` or `1f1b`");
+            ok = false;
+        }
+        ScheduleKind::Chimera | ScheduleKind::Interleaved | ScheduleKind::Zbv if replicas.iter().any(|&r| r != replicas[0]) => {
+            sched_err(cx, format!("`{}` needs every stage replicated equally", schedule.kind.name()), "uneven replication", "use `dp`/`pp` degrees or notation like `2-2-2-2`");
+            ok = false;
+        }
+        _ => {}
+    }
+
+    // Stages vs layers.
+    if let Some(m) = model {
+        let chunks = stages * v;
+        if chunks > m.layers.len() {
+            let what = if v > 1 { format!("{stages} stages × {v} virtual stages = {chunks} chunks") } else { format!("{stages} stages") };
+            cx.push(
+                Diagnostic::error("E0403", format!("{what} but the model has only {} layer(s)", m.layers.len()), layout_span, format!("{chunks} model chunks"))
+                    .with_label(m.layers_span, format!("{} layer(s)", m.layers.len()))
+                    .with_help("use fewer stages, or a deeper model"),
+            );
+            ok = false;
+        }
+    }
+
+    // Microbatches vs batch size and replication.
+    if let Some(t) = training {
+        let mb_span = microbatches_node.map(|n| n.span).unwrap_or(owner);
+        if t.batch_size % microbatches != 0 {
+            cx.push(
+                Diagnostic::error("E0404", format!("batch size {} is not divisible into {microbatches} microbatches", t.batch_size), mb_span, format!("{microbatches} microbatches"))
+                    .with_label(t.batch_span, format!("batch size {}", t.batch_size))
+                    .with_help(format!("choose microbatches among the divisors of {}: {}", t.batch_size, divisors_hint(t.batch_size))),
+            );
+            ok = false;
+        }
+        for (s, &r) in replicas.iter().enumerate() {
+            if r > 1 && microbatches % r != 0 {
+                let span = replica_spans.get(s).copied().unwrap_or(layout_span);
+                cx.push(
+                    Diagnostic::error("E0404", format!("stage {s} has {r} replicas, which cannot share {microbatches} microbatches evenly"), mb_span, format!("{microbatches} microbatches"))
+                        .with_label(span, format!("{r} replicas"))
+                        .with_help(format!("microbatches are routed round-robin to replicas: use a multiple of {r}")),
+                );
+                ok = false;
+                break;
+            }
+        }
+    }
+
+    // Partition.
+    let partition_node = f.get("partition");
+    let partition_span = partition_node.map(|n| n.span).unwrap_or(owner);
+    let partition = match partition_node {
+        None => Some(Partition::Balanced),
+        Some(n) => match &n.value {
+            Value::Str(s) if s == "auto" => Some(Partition::Auto),
+            Value::Str(s) if s == "balanced" => Some(Partition::Balanced),
+            Value::Str(_) => {
+                cx.choice(n, &["strategy", "partition"]);
+                None
+            }
+            Value::Seq(entries) => model.and_then(|m| lower_explicit_partition(cx, n, entries, m, stages * v)),
+            _ => {
+                cx.wrong_type(n, "`auto`, `balanced` or a list of layer ranges per stage");
+                None
+            }
+        },
+    };
+    let partition = partition?;
+    if !ok {
+        return None;
+    }
+    Some(Strategy { replicas, tp, schedule, microbatches, partition, recompute, layout_span, layout_fixed, partition_span, span: node.span })
+}
+
+fn divisors_hint(n: usize) -> String {
+    let d: Vec<String> = (1..=n).filter(|d| n % d == 0).take(10).map(|d| d.to_string()).collect();
+    d.join(", ")
+}
+
+fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedule> {
+    let (kind_name, f) = match &node.value {
+        Value::Map(_) => {
+            let f = cx.fields(node, &["strategy", "schedule"], owner)?;
+            let k = cx.required(&f, "kind", "strategy.schedule").and_then(|k| cx.choice(k, &["strategy", "schedule", "kind"]))?;
+            (k, Some(f))
+        }
+        _ => (cx.choice(node, &["strategy", "schedule"])?, None),
+    };
+    let kind = ScheduleKind::from_name(&kind_name)?;
+    let mut sched = Schedule {
+        kind,
+        virtual_stages: match kind {
+            ScheduleKind::Interleaved | ScheduleKind::Zbv => 2,
+            _ => 1,
+        },
+        sync: SyncMode::Bsp,
+        reduce: ReduceMode::Ring,
+        staleness: 0,
+        span: node.span,
+    };
+    let Some(f) = f else { return Some(sched) };
+    let mut ok = true;
+    let not_for = |cx: &mut Lower<'_>, key: &str, only: &str| {
+        if let Some(span) = f.key_span(key) {
+            cx.push(Diagnostic::error("E0405", format!("`{key}` is an option of {only}, not of `{}`", kind.name()), span, format!("not an option of `{}`", kind.name())).with_help("remove it"));
+        }
+    };
+    if let Some(n) = f.get("virtual_stages") {
+        match kind {
+            ScheduleKind::Interleaved => match cx.uint(n, 2) {
+                Some(v) => sched.virtual_stages = v,
+                None => ok = false,
+            },
+            ScheduleKind::Zbv => {
+                if cx.uint(n, 2) != Some(2) {
+                    cx.push(Diagnostic::error("E0405", "`zbv` always has 2 virtual stages per device", n.span, "must be 2"));
+                    ok = false;
+                }
+            }
+            _ => {
+                not_for(cx, "virtual_stages", "`interleaved`");
+                ok = false;
+            }
+        }
+    }
+    for key in ["sync", "reduce", "staleness"] {
+        if kind != ScheduleKind::DpOnly && f.get(key).is_some() {
+            not_for(cx, key, "`dp-only`");
+            ok = false;
+        }
+    }
+    if kind == ScheduleKind::DpOnly {
+        if let Some(n) = f.get("sync") {
+            match cx.choice(n, &["strategy", "schedule", "sync"]).as_deref() {
+                Some("asp") => sched.sync = SyncMode::Asp,
+                Some(_) => {}
+                None => ok = false,
+            }
+        }
+        if let Some(n) = f.get("reduce") {
+            match cx.choice(n, &["strategy", "schedule", "reduce"]).as_deref() {
+                Some("ps") => sched.reduce = ReduceMode::ParameterServer,
+                Some(_) => {}
+                None => ok = false,
+            }
+        }
+        if let Some(n) = f.get("staleness") {
+            if sched.sync != SyncMode::Asp {
+                cx.push(Diagnostic::error("E0405", "`staleness` applies to asynchronous data parallelism (`sync: asp`)", f.key_span("staleness").unwrap_or(n.span), "only with `sync: asp`"));
+                ok = false;
+            } else {
+                match cx.uint(n, 0) {
+                    Some(s) => sched.staleness = s,
+                    None => ok = false,
+                }
+            }
+        } else if sched.sync == SyncMode::Asp {
+            sched.staleness = 1;
+        }
+    }
+    ok.then_some(sched)
+}
+
+/// One resolved range with the span it was written at.
+struct StageRange {
+    start: usize,
+    end: usize,
+    span: Span,
+}
+
+fn lower_explicit_partition(cx: &mut Lower<'_>, node: &Node, entries: &[Node], model: &Model, chunks: usize) -> Option<Partition> {
+    let n_layers = model.layers.len();
+    if entries.len() != chunks {
+        cx.push(
+            Diagnostic::error("E0409", format!("the partition has {} stage(s), the strategy has {chunks}", entries.len()), node.span, format!("{} entries", entries.len()))
+                .with_help(format!("give one entry per stage{}", if chunks > 0 { format!(" ({chunks} in all)") } else { String::new() })),
+        );
+        return None;
+    }
+    let label_index = |name: &str| model.layers.iter().position(|l| l.label.as_deref() == Some(name));
+    let mut stages: Vec<Option<StageRange>> = Vec::new();
+    let mut ok = true;
+    for entry in entries {
+        let items: Vec<&Node> = match &entry.value {
+            Value::Seq(items) => items.iter().collect(),
+            _ => vec![entry],
+        };
+        let mut ranges: Vec<StageRange> = Vec::new();
+        for item in items {
+            let text = match &item.value {
+                Value::Str(s) => s.clone(),
+                Value::Int(i) => i.to_string(),
+                _ => {
+                    cx.wrong_type(item, "a layer range like \"0..4\"");
+                    ok = false;
+                    continue;
+                }
+            };
+            let r = match dsl::parse_range(&text) {
+                Ok(r) => r,
+                Err(e) => {
+                    cx.dsl_error("E0408", item, &e, "partition range syntax error");
+                    ok = false;
+                    continue;
+                }
+            };
+            let resolve = |cx: &mut Lower<'_>, (lr, rel): &(LayerRef, (usize, usize))| -> Option<usize> {
+                let span = cx.dsl_span(item, *rel);
+                match lr {
+                    LayerRef::Index(i) if (*i as usize) < n_layers || *i as usize == n_layers => Some(*i as usize),
+                    LayerRef::Index(i) => {
+                        cx.push(Diagnostic::error("E0408", format!("layer {i} does not exist: the model has {n_layers} layers (0..{n_layers})"), span, "past the last layer").with_label(model.layers_span, format!("{n_layers} layers")));
+                        None
+                    }
+                    LayerRef::Name(name) => match label_index(name) {
+                        Some(i) => Some(i),
+                        None => {
+                            let labels = model.layers.iter().filter_map(|l| l.label.as_deref());
+                            let mut d = Diagnostic::error("E0408", format!("no layer is labelled `{name}`"), span, "unknown label");
+                            if let Some(s) = crate::diagnostic::did_you_mean(name, labels) {
+                                d = d.with_help(format!("did you mean `{s}`?")).with_fix(format!("replace with `{s}`"), span, s);
+                            } else {
+                                d = d.with_help("label a layer with `as NAME`, e.g. `linear(1024, 10) as head`");
+                            }
+                            cx.push(d);
+                            None
+                        }
+                    },
+                }
+            };
+            let start = resolve(cx, &r.start);
+            let end = match &r.end {
+                None => start.map(|s| s + 1),
+                Some((None, _)) => Some(n_layers),
+                Some((Some(e), inclusive)) => resolve(cx, e).map(|e| if *inclusive { e + 1 } else { e }),
+            };
+            match (start, end) {
+                (Some(s), Some(e)) if s < e && e <= n_layers => ranges.push(StageRange { start: s, end: e, span: item.span }),
+                (Some(s), Some(e)) => {
+                    let why = if s >= n_layers { format!("layer {s} does not exist (the model has {n_layers} layers)") } else { format!("the range {s}..{e} is empty") };
+                    cx.push(Diagnostic::error("E0408", why, item.span, "empty or out of range"));
+                    ok = false;
+                }
+                _ => ok = false,
+            }
+        }
+        // A stage's ranges must join into one contiguous range.
+        ranges.sort_by_key(|r| r.start);
+        let mut merged: Option<StageRange> = None;
+        for r in ranges {
+            merged = match merged {
+                None => Some(r),
+                Some(m) if r.start == m.end => Some(StageRange { start: m.start, end: r.end, span: m.span }),
+                Some(m) if r.start < m.end => {
+                    cx.push(Diagnostic::error("E0406", format!("layers {}..{} are listed twice in one stage", r.start, m.end.min(r.end)), r.span, "overlaps").with_label(m.span, "with this range"));
+                    ok = false;
+                    Some(m)
+                }
+                Some(m) => {
+                    cx.push(Diagnostic::error("E0407", format!("a stage must hold contiguous layers; layers {}..{} are missing between its ranges", m.end, r.start), r.span, "not contiguous").with_label(m.span, "previous range"));
+                    ok = false;
+                    Some(m)
+                }
+            };
+        }
+        if merged.is_none() && ok {
+            cx.push(Diagnostic::error("E0408", "a stage has no layers", entry.span, "empty stage"));
+            ok = false;
+        }
+        stages.push(merged);
+    }
+    if !ok {
+        return None;
+    }
+    let stages: Vec<StageRange> = stages.into_iter().flatten().collect();
+    let mut expected = 0usize;
+    for (i, s) in stages.iter().enumerate() {
+        if s.start < expected {
+            let prev = &stages[i - 1];
+            cx.push(
+                Diagnostic::error("E0406", format!("stage {i} starts at layer {} but stage {} already holds layers up to {}", s.start, i - 1, expected - 1), s.span, format!("stage {i}"))
+                    .with_label(prev.span, format!("stage {}", i - 1))
+                    .with_help(format!("start stage {i} at layer {expected}")),
+            );
+            ok = false;
+        } else if s.start > expected {
+            let gap_span = model.layers[expected].span;
+            cx.push(
+                Diagnostic::error("E0407", format!("layers {expected}..{} belong to no stage", s.start), s.span, format!("stage {i} starts at layer {}", s.start))
+                    .with_label(gap_span, format!("layer {expected} is in no stage"))
+                    .with_help(format!("start stage {i} at layer {expected}, or extend the stage before it")),
+            );
+            ok = false;
+        }
+        expected = expected.max(s.end);
+    }
+    if ok && expected < n_layers {
+        let last = stages.last().map(|s| s.span).unwrap_or(node.span);
+        cx.push(
+            Diagnostic::error("E0407", format!("layers {expected}..{n_layers} belong to no stage"), last, "the last stage ends here")
+                .with_label(model.layers[expected].span, format!("layer {expected} is in no stage"))
+                .with_help(format!("end the last stage with an open range, e.g. \"{}..\"", stages.last().map(|s| s.start).unwrap_or(0))),
+        );
+        ok = false;
+    }
+    ok.then(|| Partition::Explicit(stages.iter().map(|s| s.start..s.end).collect()))
+}

@@ -1,0 +1,70 @@
+//! The command line as a user meets it: exit codes, JSON diagnostics, explain, bad input.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn pipec(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_pipec"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("pipec runs")
+}
+
+#[test]
+fn check_exit_codes() {
+    assert_eq!(pipec(&["check", "specs/mlp-1f1b.yaml"]).status.code(), Some(0));
+    assert_eq!(pipec(&["check", "specs/invalid/bad-loss.yaml"]).status.code(), Some(1));
+    assert_eq!(pipec(&["check", "specs/does-not-exist.yaml"]).status.code(), Some(2));
+    assert_eq!(pipec(&["check"]).status.code(), Some(2));
+    assert_eq!(pipec(&["check", "--format", "xml", "specs/mlp-1f1b.yaml"]).status.code(), Some(2));
+    // a directory and a binary file are I/O errors, not panics
+    assert_eq!(pipec(&["check", "specs"]).status.code(), Some(2));
+}
+
+#[test]
+fn json_lines_have_the_documented_fields() {
+    let out = pipec(&["check", "--format", "json", "specs/invalid/many-errors.yaml"]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect("one JSON object per line")).collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    for d in &lines {
+        for key in ["file", "code", "severity", "message", "help", "labels"] {
+            assert!(d.get(key).is_some(), "missing {key} in {d}");
+        }
+        let label = &d["labels"][0];
+        for key in ["label", "line", "column", "end_line", "end_column", "byte_start", "byte_end"] {
+            assert!(label.get(key).is_some(), "missing labels[0].{key} in {d}");
+        }
+    }
+    let unknown = lines.iter().find(|d| d["code"] == "E0102").expect("E0102 reported");
+    assert_eq!(unknown["labels"][0]["line"], 24);
+    assert_eq!(unknown["labels"][0]["column"], 3);
+    assert_eq!(unknown["fix"]["replacement"], "microbatches");
+}
+
+#[test]
+fn several_files_at_once_report_the_worst_exit() {
+    let out = pipec(&["check", "specs/mlp-1f1b.yaml", "specs/invalid/bad-loss.yaml", "specs/gpipe.yaml"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("specs/mlp-1f1b.yaml: ok") && err.contains("E0105"), "{err}");
+}
+
+#[test]
+fn explain_prints_explanations() {
+    let out = pipec(&["explain", "E0402"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("2-1-1"));
+    assert_eq!(pipec(&["explain", "E9999"]).status.code(), Some(2));
+    let list = pipec(&["explain", "--list"]);
+    assert!(String::from_utf8_lossy(&list.stdout).lines().count() >= 30);
+}
+
+#[test]
+fn schema_command_matches_committed_file() {
+    let out = pipec(&["schema"]);
+    let committed = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("schema/pipec.schema.json")).expect("schema file");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), committed);
+}

@@ -1,0 +1,94 @@
+//! Front-end tests driven by `specs/`: every example checks clean; every bad spec in
+//! `specs/invalid/` reports the diagnostics its `# expect: CODE LINE:COL` header names, at
+//! exactly that position, and its rendered report is a golden snapshot.
+
+use std::path::{Path, PathBuf};
+
+use pipec_grammar::diagnostic::render_human;
+use pipec_grammar::{check_source, LineIndex};
+
+fn spec_files(dir: &str) -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("cannot list {}: {e}", root.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    files
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
+}
+
+#[test]
+fn every_example_spec_checks_clean() {
+    let files = spec_files("specs");
+    assert!(files.len() >= 10, "expected at least 10 example specs, found {}", files.len());
+    for path in files {
+        let src = read(&path);
+        let result = check_source(&src);
+        let rendered = render_human(&path.display().to_string(), &src, &result.diagnostics, false);
+        assert!(!result.has_errors(), "{} has errors:\n{rendered}", path.display());
+        assert!(result.spec.is_some(), "{} produced no spec", path.display());
+    }
+}
+
+#[test]
+fn every_spec_file_names_the_schema() {
+    for path in spec_files("specs").into_iter().chain(spec_files("specs/invalid")) {
+        let first = read(&path).lines().next().unwrap_or_default().to_string();
+        assert!(first.starts_with("# yaml-language-server: $schema="), "{} must start with the schema comment", path.display());
+    }
+}
+
+/// The `# expect: CODE LINE:COL` lines of a bad spec.
+fn expectations(src: &str) -> Vec<(String, usize, usize)> {
+    src.lines()
+        .filter_map(|l| l.strip_prefix("# expect: "))
+        .map(|rest| {
+            let (code, pos) = rest.split_once(' ').expect("`# expect: CODE LINE:COL`");
+            let (line, col) = pos.trim().split_once(':').expect("LINE:COL");
+            (code.to_string(), line.parse().expect("line"), col.parse().expect("column"))
+        })
+        .collect()
+}
+
+#[test]
+fn every_invalid_spec_reports_its_expected_diagnostics_at_the_right_place() {
+    let files = spec_files("specs/invalid");
+    assert!(files.len() >= 30, "expected at least 30 invalid specs, found {}", files.len());
+    for path in files {
+        let src = read(&path);
+        let expected = expectations(&src);
+        assert!(!expected.is_empty(), "{} has no `# expect:` line", path.display());
+        let result = check_source(&src);
+        assert!(result.has_errors(), "{} should have errors", path.display());
+        let index = LineIndex::new(&src);
+        let got: Vec<(String, usize, usize)> = result
+            .diagnostics
+            .iter()
+            .map(|d| {
+                let lc = index.line_col(&src, d.span().start);
+                (d.code.to_string(), lc.line, lc.column)
+            })
+            .collect();
+        for e in &expected {
+            assert!(got.contains(e), "{}: expected {} at {}:{}, got {:?}", path.display(), e.0, e.1, e.2, got);
+        }
+        for d in &result.diagnostics {
+            assert!(pipec_grammar::codes::lookup(d.code).is_some(), "unregistered code {}", d.code);
+        }
+        let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or("spec").to_string();
+        let rendered = render_human(&format!("specs/invalid/{name}.yaml"), &src, &result.diagnostics, false);
+        insta::assert_snapshot!(format!("invalid__{name}"), rendered);
+    }
+}
+
+#[test]
+fn committed_schema_is_current() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("schema/pipec.schema.json");
+    let committed = read(&path);
+    assert_eq!(committed, pipec_grammar::schema::json_schema_text(), "schema/pipec.schema.json is stale: run `pipec schema > schema/pipec.schema.json`");
+}
