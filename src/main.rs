@@ -8,6 +8,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod check_cmd;
+mod compile_cmd;
+mod output;
 
 /// Exit codes, documented in README.md.
 pub const EXIT_OK: u8 = 0;
@@ -49,6 +51,22 @@ enum Command {
     },
     /// Print the JSON Schema of the spec format.
     Schema,
+    /// Compile a spec into a verified, simulated plan: DIR/plan.json, timeline.svg,
+    /// memory.svg and trace.json.
+    Compile {
+        file: PathBuf,
+        /// Output directory (default: out/<spec name>).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// Also print one form of the result on standard output.
+        #[arg(long, value_enum)]
+        emit: Option<compile_cmd::Emit>,
+        /// A measured per-layer profile (from `pipec profile`) replacing analytic costs.
+        #[arg(long)]
+        profile: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t = Format::Human)]
+        format: Format,
+    },
 }
 
 fn main() -> ExitCode {
@@ -56,6 +74,7 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
+        Command::Compile { file, out, emit, profile, format } => compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref()),
         Command::Schema => {
             print!("{}", pipec_grammar::schema::json_schema_text());
             EXIT_OK

@@ -1,0 +1,501 @@
+//! The compiler driver: the readable list of passes from a checked spec to a verified,
+//! simulated plan.
+//!
+//! ```text
+//! Spec ─ir::lower→ Graph ─cost→ [LayerCost] ─partition→ stages ─place→ Placement
+//!      ─schedule::generate→ Order ─lower→ streams ─verify→ ─simulate→ Timeline
+//!      ─memory→ per-device breakdown ─→ Plan (+ diagnostics)
+//! ```
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use pipec_grammar::diagnostic::Diagnostic;
+use pipec_grammar::spec::{Data, Optimizer, Partition, ReduceMode, ScheduleKind, Spec, SyncMode, Task as DataTask};
+use pipec_plan::plan::{DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, OptimizerPlan, ScheduleInfo, Simulation, StagePlan, TrainingPlan, PLAN_VERSION};
+use pipec_plan::{DeviceId, GroupId, Instr, Phase, Plan, StageId};
+
+use crate::cluster::{parameter_server_time, ring_allreduce_time, ClusterGraph};
+use crate::cost::{analytic_costs, LayerCost, Profile};
+use crate::ir::{self, Graph};
+use crate::lower::{lower, LowerInput, Updates};
+use crate::memory::{device_memory, human_bytes, StageBytes};
+use crate::partition::{self, AutoInput};
+use crate::schedule::{generate, Placement};
+use crate::simulate::{simulate, utilisation, CostModel, Timeline};
+use crate::verify::{verify, VerifyInput};
+
+/// Options beyond the spec.
+#[derive(Debug, Clone, Default)]
+pub struct CompileOptions {
+    /// Measured per-layer costs replacing the analytic ones.
+    pub profile: Option<Profile>,
+    /// Directory of the spec file (relative data paths are resolved against it).
+    pub base_dir: Option<std::path::PathBuf>,
+}
+
+/// Everything a compile produced.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    pub plan: Plan,
+    pub graph: Graph,
+    pub timeline: Timeline,
+    /// Warnings (and, when `plan_ok` is false, the errors) about the plan.
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+impl Compiled {
+    pub fn has_errors(&self) -> bool {
+        self.diagnostics.iter().any(Diagnostic::is_error)
+    }
+}
+
+/// The layout as the compiler resolves it: ranks of the pipeline, chunks per rank.
+struct Layout {
+    /// Replicas of each pipeline rank's stages.
+    replicas: Vec<usize>,
+    virtual_stages: usize,
+    ranges: Vec<Range<usize>>,
+    notation: String,
+}
+
+/// Compiles a checked spec. Returns the diagnostics alone when no plan can be built.
+pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Diagnostic>> {
+    let precision = spec.training.precision.bytes();
+    let graph = ir::lower(&spec.model, precision);
+    let cluster = ClusterGraph::new(&spec.cluster);
+    let strategy = &spec.strategy;
+    let microbatch_size = spec.training.batch_size / strategy.microbatches.max(1);
+    let tp = strategy.tp.max(1);
+
+    // Cost model.
+    let mut costs = analytic_costs(&graph, cluster.throughput * tp as f64, microbatch_size);
+    if let Some(profile) = &options.profile {
+        profile.apply(&mut costs, microbatch_size).map_err(|e| vec![Diagnostic::error("E0604", format!("the profile does not fit the model: {e}"), spec.model.layers_span, "this model").with_help("profile this spec with `pipec profile`")])?;
+    }
+    let opt_bytes_per_param = optimizer_bytes_per_parameter(&spec.training.optimizer, precision);
+
+    // Partition.
+    let layout = partition_layers(spec, &graph, &costs, &cluster, opt_bytes_per_param)?;
+    let stage_count = layout.ranges.len();
+    let ranks = layout.replicas.len();
+
+    // Placement.
+    let placement = place(spec.strategy.schedule.kind, &layout, tp, strategy.microbatches, &cluster).map_err(|msg| vec![Diagnostic::error("E0405", msg, strategy.schedule.span, "this schedule")])?;
+
+    // Stage figures.
+    let stage_time = |r: &Range<usize>| (costs[r.clone()].iter().map(|c| c.forward_s).sum::<f64>(), costs[r.clone()].iter().map(|c| c.backward_s).sum::<f64>());
+    let output_bytes: Vec<u64> = layout.ranges.iter().map(|r| graph.cut_bytes_per_sample(r.end) * microbatch_size as u64).collect();
+    let stage_bytes: Vec<StageBytes> = layout
+        .ranges
+        .iter()
+        .enumerate()
+        .map(|(s, r)| {
+            let params: u64 = costs[r.clone()].iter().map(|c| c.parameters).sum();
+            let pbytes: u64 = costs[r.clone()].iter().map(|c| c.parameter_bytes).sum::<u64>() / tp as u64;
+            let input_bytes = if r.start == 0 {
+                (graph.input_shape.iter().product::<usize>() * precision) as u64
+            } else {
+                graph.cut_bytes_per_sample(r.start)
+            } * microbatch_size as u64;
+            StageBytes {
+                parameters: params,
+                weights: pbytes,
+                optimizer: (params as f64 / tp as f64 * opt_bytes_per_param) as u64,
+                activations_per_microbatch: costs[r.clone()].iter().map(|c| c.activation_bytes_per_sample).sum::<u64>() * microbatch_size as u64 / tp as u64,
+                input_per_microbatch: input_bytes,
+                largest_message: input_bytes.max(output_bytes[s]),
+            }
+        })
+        .collect();
+    let gradient_bytes: Vec<u64> = stage_bytes.iter().map(|b| b.weights).collect();
+
+    // Groups.
+    let mut groups: HashMap<GroupId, Vec<DeviceId>> = HashMap::new();
+    let mut group_of: Vec<Option<GroupId>> = vec![None; stage_count];
+    for s in 0..stage_count {
+        if placement.replicas[s].len() > 1 {
+            let g = GroupId(groups.len() as u32);
+            groups.insert(g, placement.replicas[s].clone());
+            group_of[s] = Some(g);
+        }
+    }
+
+    // Schedule and lowering.
+    let kind = strategy.schedule.kind;
+    let order = generate(kind, &placement, ranks);
+    let updates = match kind {
+        ScheduleKind::PipeDream => Updates::PerMicrobatch,
+        ScheduleKind::TwoBw => Updates::Every(ranks.max(1)),
+        ScheduleKind::DpOnly if strategy.schedule.sync == SyncMode::Asp => Updates::PerMicrobatch,
+        _ => Updates::PerStep,
+    };
+    let streams = lower(&LowerInput { placement: &placement, order: &order, output_bytes: &output_bytes, gradient_bytes: &gradient_bytes, groups: &group_of, updates, recompute: strategy.recompute });
+
+    // Verify (a failure is a compiler bug).
+    let split = matches!(kind, ScheduleKind::ZbH1 | ScheduleKind::Zbv);
+    let violations = verify(&VerifyInput { streams: &streams, placement: &placement, groups: &groups, split_backward: split });
+    if !violations.is_empty() {
+        let mut text = String::new();
+        for v in violations.iter().take(8) {
+            text.push_str(&format!("\n- {}", v.message));
+        }
+        return Err(vec![Diagnostic::error("E0603", format!("internal compiler error: the {} plan failed verification ({} problem(s)):{text}", kind.name(), violations.len()), strategy.schedule.span, "while compiling this schedule")
+            .with_help("this is a bug in pipec, not in the spec; please report it with the spec")]);
+    }
+
+    // Simulate.
+    let stage_fb: Vec<(f64, f64)> = layout.ranges.iter().map(stage_time).collect();
+    let reduce = strategy.schedule.reduce;
+    let sim_cost = PlanCost { stage_fb: &stage_fb, cluster: &cluster, reduce, tp, tp_bytes: tp_allreduce_bytes(&graph, &layout.ranges, microbatch_size, precision) };
+    let timeline = simulate(&streams, &groups, &sim_cost).map_err(|stuck| {
+        vec![Diagnostic::error("E0603", format!("internal compiler error: the verified plan deadlocked in simulation: {}", stuck.reason), strategy.schedule.span, "while compiling this schedule")]
+    })?;
+    let device_ids: Vec<DeviceId> = (0..cluster.device_count()).map(|d| DeviceId(d as u32)).collect();
+    let (per_device, bubble) = utilisation(&timeline, &device_ids);
+
+    // Memory.
+    let weight_cap = match kind {
+        ScheduleKind::PipeDream => Some(u32::MAX),
+        ScheduleKind::TwoBw => Some(2),
+        _ => None,
+    };
+    let mut devices = Vec::new();
+    let mut diagnostics = Vec::new();
+    let empty = Vec::new();
+    for d in &device_ids {
+        let stream = streams.get(d).unwrap_or(&empty);
+        let memory = device_memory(stream, &stage_bytes, strategy.recompute, weight_cap, cluster.memory);
+        let held = placement.stages_of(*d).into_iter().map(|s| StageId(s as u32)).collect::<Vec<_>>();
+        devices.push(DevicePlan { id: *d, node: cluster.node_of(*d), stages: held, memory, peak_in_flight: crate::memory::peak_in_flight(stream) });
+    }
+    memory_diagnostics(spec, &devices, &stage_bytes, &placement, &mut diagnostics);
+    if bubble > 0.5 && strategy.schedule.kind != ScheduleKind::DpOnly {
+        diagnostics.push(
+            Diagnostic::warning("W0605", format!("the predicted bubble is {:.0}% of device time", bubble * 100.0), strategy.schedule.span, "this schedule")
+                .with_help(format!("more microbatches (now {}) or a schedule with smaller bubbles (interleaved, zb-h1) would use the devices better", strategy.microbatches)),
+        );
+    }
+
+    // Assemble the plan.
+    let layers: Vec<LayerPlan> = graph
+        .ops()
+        .zip(&costs)
+        .enumerate()
+        .map(|(index, ((_, node), c))| LayerPlan {
+            index,
+            op: node.op.clone(),
+            label: node.label.clone(),
+            input_shape: node.input_shape.clone(),
+            output_shape: node.output_shape.clone(),
+            parameters: c.parameters,
+            parameter_bytes: c.parameter_bytes,
+            forward_flops_per_sample: c.forward_flops_per_sample,
+            backward_flops_per_sample: c.backward_flops_per_sample,
+            forward_s: c.forward_s,
+            backward_s: c.backward_s,
+            activation_bytes_per_sample: c.activation_bytes_per_sample,
+            output_bytes_per_sample: c.output_bytes_per_sample,
+        })
+        .collect();
+    let stages: Vec<StagePlan> = layout
+        .ranges
+        .iter()
+        .enumerate()
+        .map(|(s, r)| StagePlan {
+            id: StageId(s as u32),
+            layers: [r.start, r.end],
+            replicas: placement.replicas[s].clone(),
+            route: placement.route[s].clone(),
+            group: group_of[s],
+            parameters: stage_bytes[s].parameters,
+            forward_s: stage_fb[s].0,
+            backward_s: stage_fb[s].1,
+            activation_bytes_per_microbatch: if strategy.recompute { stage_bytes[s].input_per_microbatch } else { stage_bytes[s].activations_per_microbatch },
+            output_bytes_per_microbatch: output_bytes[s],
+        })
+        .collect();
+    let mut group_list: Vec<GroupPlan> = groups.iter().map(|(g, m)| GroupPlan { id: *g, stage: StageId(group_of.iter().position(|x| *x == Some(*g)).unwrap_or(0) as u32), devices: m.clone() }).collect();
+    group_list.sort_by_key(|g| g.id);
+    let simulation = Simulation {
+        step_time_s: timeline.step_time,
+        bubble_fraction: bubble,
+        throughput_samples_per_s: if timeline.step_time > 0.0 { spec.training.batch_size as f64 / timeline.step_time } else { 0.0 },
+        devices: per_device
+            .iter()
+            .map(|(d, busy, b)| DeviceSimulation { id: *d, busy_s: *busy, bubble_fraction: *b, peak_memory_bytes: devices[d.0 as usize].memory.total })
+            .collect(),
+    };
+    let plan = Plan {
+        version: PLAN_VERSION,
+        name: spec.name.clone().unwrap_or_else(|| "pipec-job".into()),
+        model: ModelPlan { input: spec.model.input.clone(), loss: spec.model.loss, token_vocab: spec.model.token_vocab() },
+        training: training_plan(spec, microbatch_size, options),
+        schedule: ScheduleInfo {
+            kind: kind.name().to_string(),
+            virtual_stages: layout.virtual_stages,
+            synchronous: kind.is_synchronous(strategy.schedule.sync),
+            weight_versions: match kind {
+                ScheduleKind::PipeDream => devices.iter().flat_map(|d| crate::memory::peak_weight_versions(&streams[&d.id]).into_values()).max().map(|v| v as usize + 1).unwrap_or(1),
+                ScheduleKind::TwoBw => 2,
+                _ => 1,
+            },
+            reduce: match reduce {
+                ReduceMode::Ring => "ring".into(),
+                ReduceMode::ParameterServer => "ps".into(),
+            },
+        },
+        partition: layout.notation,
+        stages,
+        devices,
+        groups: group_list,
+        layers,
+        streams,
+        simulation,
+    };
+    Ok(Compiled { plan, graph, timeline, diagnostics })
+}
+
+fn optimizer_bytes_per_parameter(opt: &Optimizer, precision: usize) -> f64 {
+    let states = opt.state_per_parameter() as f64 * 4.0;
+    let master = if precision < 4 { 4.0 } else { 0.0 };
+    states + master
+}
+
+fn training_plan(spec: &Spec, microbatch_size: usize, options: &CompileOptions) -> TrainingPlan {
+    let t = &spec.training;
+    let resolve = |p: &str| -> String {
+        let path = std::path::Path::new(p);
+        match (&options.base_dir, path.is_absolute()) {
+            (Some(base), false) => base.join(path).display().to_string(),
+            _ => p.to_string(),
+        }
+    };
+    TrainingPlan {
+        batch_size: t.batch_size,
+        microbatches: spec.strategy.microbatches,
+        microbatch_size,
+        steps: t.steps,
+        optimizer: match t.optimizer {
+            Optimizer::Sgd { lr, momentum, weight_decay } => OptimizerPlan::Sgd { lr, momentum, weight_decay },
+            Optimizer::Adam { lr, beta1, beta2, eps, weight_decay } => OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay },
+        },
+        precision: t.precision.name().to_string(),
+        seed: t.seed,
+        data: match &t.data {
+            Data::Synthetic { task, samples } => DataPlan::Synthetic { task: if *task == DataTask::Regression { "regression".into() } else { "classification".into() }, samples: *samples },
+            Data::Csv { path, .. } => DataPlan::Csv { path: resolve(path) },
+            Data::Npy { path, labels, .. } => DataPlan::Npy { path: resolve(path), labels: labels.as_deref().map(resolve) },
+        },
+        checkpoint_every: t.checkpoint.as_ref().map(|c| c.every),
+        checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),
+        recompute: spec.strategy.recompute,
+    }
+}
+
+/// The rank that runs chunk `c` of `ranks × v` chunks.
+fn rank_of_chunk(kind: ScheduleKind, c: usize, ranks: usize) -> usize {
+    match kind {
+        ScheduleKind::Zbv => {
+            if c < ranks {
+                c
+            } else {
+                2 * ranks - 1 - c
+            }
+        }
+        _ => c % ranks.max(1),
+    }
+}
+
+fn partition_layers(spec: &Spec, graph: &Graph, costs: &[LayerCost], cluster: &ClusterGraph, opt_bytes: f64) -> Result<Layout, Vec<Diagnostic>> {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    let v = strategy.schedule.virtual_stages.max(1);
+    let times: Vec<f64> = costs.iter().map(|c| c.forward_s + c.backward_s).collect();
+    let replicas = strategy.replicas.clone();
+    let ranks = replicas.len();
+    let chunk_replicas: Vec<usize> = (0..ranks * v).map(|c| replicas[rank_of_chunk(kind, c, ranks)]).collect();
+    let fail = |msg: String| vec![Diagnostic::error("E0403", msg, strategy.partition_span, "partition").with_help("use fewer stages or a deeper model")];
+    match &strategy.partition {
+        Partition::Explicit(ranges) => Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges: ranges.clone() }),
+        Partition::Auto if !strategy.layout_fixed && v == 1 && matches!(kind, ScheduleKind::OneFOneB | ScheduleKind::Gpipe | ScheduleKind::PipeDream | ScheduleKind::TwoBw | ScheduleKind::ZbH1) => {
+            let machines = cluster.device_count() / strategy.tp.max(1);
+            let mb = spec.training.batch_size / strategy.microbatches.max(1);
+            let parameter_bytes: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();
+            let cut_bytes: Vec<f64> = (1..=costs.len()).map(|j| (graph.cut_bytes_per_sample(j) * mb as u64) as f64).collect();
+            let in_flight = strategy.microbatches.min(machines).max(1) as f64;
+            let memory: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64 * 2.0 + c.parameters as f64 * opt_bytes + c.activation_bytes_per_sample as f64 * mb as f64 * in_flight).collect();
+            let input = AutoInput {
+                layer_times: &times,
+                parameter_bytes: &parameter_bytes,
+                cut_bytes: &cut_bytes,
+                memory_bytes: &memory,
+                machines,
+                machines_per_node: cluster.devices_per_node / strategy.tp.max(1),
+                memory_capacity: cluster.memory - crate::memory::workspace_reserve(cluster.memory) as f64,
+                microbatches: strategy.microbatches,
+                intra: (cluster.intra.bandwidth, cluster.intra.latency),
+                inter: (cluster.inter.bandwidth, cluster.inter.latency),
+            };
+            let plan = partition::auto(&input).ok_or_else(|| vec![Diagnostic::error("E0601", "no partition of the model fits in device memory on this cluster", strategy.layout_span, format!("{} per device", human_bytes(cluster.memory as u64))).with_help("use larger devices, more devices, `recompute: true`, or fewer microbatches")])?;
+            Ok(Layout { notation: plan.notation(), replicas: plan.replicas, virtual_stages: 1, ranges: plan.ranges })
+        }
+        Partition::Auto | Partition::Balanced => {
+            let (ranges, _) = partition::balanced(&times, &chunk_replicas).ok_or_else(|| fail(format!("{} stages for {} layers", chunk_replicas.len(), times.len())))?;
+            Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges })
+        }
+    }
+}
+
+fn notation(replicas: &[usize]) -> String {
+    replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-")
+}
+
+/// Assigns devices: pipeline rank r's replicas get consecutive devices (a tensor-parallel
+/// group of `tp` devices each, led by its first), so replicas and TP groups stay inside a
+/// node when they can.
+fn place(kind: ScheduleKind, layout: &Layout, tp: usize, microbatches: usize, cluster: &ClusterGraph) -> Result<Placement, String> {
+    let ranks = layout.replicas.len();
+    let mut base = 0usize;
+    let mut rank_devices: Vec<Vec<DeviceId>> = Vec::new();
+    for &r in &layout.replicas {
+        rank_devices.push((0..r).map(|j| DeviceId((base + j * tp) as u32)).collect());
+        base += r * tp;
+    }
+    if base > cluster.device_count() {
+        return Err(format!("the layout needs {base} devices, the cluster has {}", cluster.device_count()));
+    }
+    let stages = layout.ranges.len();
+    let mut replicas = Vec::with_capacity(stages);
+    let mut route = Vec::with_capacity(stages);
+    if kind == ScheduleKind::Chimera {
+        if layout.replicas.iter().any(|&r| r != 1) {
+            return Err("this pipec places Chimera on unreplicated stages only (its two pipelines already replicate every stage)".into());
+        }
+        // stage s: the down pipeline's copy on device s, the up pipeline's on device D−1−s
+        for s in 0..stages {
+            replicas.push(vec![rank_devices[s][0], rank_devices[ranks - 1 - s][0]]);
+            route.push((0..microbatches).map(|m| u32::from(m >= microbatches / 2)).collect());
+        }
+    } else {
+        for c in 0..stages {
+            let devs = rank_devices[rank_of_chunk(kind, c, ranks)].clone();
+            let n = devs.len() as u32;
+            route.push((0..microbatches as u32).map(|m| m % n).collect());
+            replicas.push(devs);
+        }
+    }
+    Ok(Placement { replicas, route, devices: cluster.device_count(), microbatches })
+}
+
+/// Megatron tensor parallelism: two all-reduces of the layer's output per transformer block
+/// or pair of linears in forward, two in backward. Returns per stage the bytes each
+/// microbatch moves in TP all-reduces (forward, backward).
+fn tp_allreduce_bytes(graph: &Graph, ranges: &[Range<usize>], microbatch_size: usize, precision: usize) -> Vec<u64> {
+    ranges
+        .iter()
+        .map(|r| {
+            (r.start..r.end)
+                .map(|i| {
+                    let node = graph.node(graph.op_at(i));
+                    let out = node.output_shape.iter().product::<usize>() * precision * microbatch_size;
+                    match node.op {
+                        pipec_plan::model::Op::TransformerBlock { .. } => 2 * out as u64,
+                        pipec_plan::model::Op::Linear { .. } => out as u64 / 2,
+                        _ => 0,
+                    }
+                })
+                .sum()
+        })
+        .collect()
+}
+
+/// The simulator's cost model for a plan.
+struct PlanCost<'a> {
+    stage_fb: &'a [(f64, f64)],
+    cluster: &'a ClusterGraph,
+    reduce: ReduceMode,
+    tp: usize,
+    tp_bytes: Vec<u64>,
+}
+
+impl CostModel for PlanCost<'_> {
+    fn compute(&self, _device: DeviceId, instr: &Instr) -> f64 {
+        let s = instr.stage().0 as usize;
+        let (f, b) = self.stage_fb.get(s).copied().unwrap_or((0.0, 0.0));
+        let tp_comm = if self.tp > 1 { ring_allreduce_time(self.cluster.intra, self.tp, self.tp_bytes[s]) } else { 0.0 };
+        match instr.phase() {
+            Phase::Forward | Phase::Recompute => f + tp_comm,
+            Phase::Backward => b + tp_comm,
+            // the input gradient and the weight gradient each cost about one forward
+            Phase::BackwardInput => b / 2.0 + tp_comm,
+            Phase::BackwardWeight => b / 2.0,
+            _ => 0.0,
+        }
+    }
+    fn transfer(&self, from: DeviceId, to: DeviceId, bytes: u64) -> f64 {
+        self.cluster.p2p_time(from, to, bytes / self.tp as u64)
+    }
+    fn all_reduce(&self, members: &[DeviceId], bytes: u64) -> f64 {
+        let link = self.cluster.link(self.cluster.group_level(members)).unwrap_or(self.cluster.intra);
+        match self.reduce {
+            ReduceMode::Ring => ring_allreduce_time(link, members.len(), bytes),
+            ReduceMode::ParameterServer => parameter_server_time(link, members.len(), bytes),
+        }
+    }
+}
+
+fn memory_diagnostics(spec: &Spec, devices: &[DevicePlan], stage_bytes: &[StageBytes], placement: &Placement, out: &mut Vec<Diagnostic>) {
+    let strategy = &spec.strategy;
+    let worst = devices.iter().max_by(|a, b| (a.memory.total as f64 / a.memory.capacity.max(1) as f64).total_cmp(&(b.memory.total as f64 / b.memory.capacity.max(1) as f64)));
+    let Some(worst) = worst else { return };
+    let m = &worst.memory;
+    let share = m.total as f64 / m.capacity.max(1) as f64;
+    let breakdown = format!(
+        "weights {} + gradients {} + optimizer {} + activations {} + buffers {} + workspace {} = {}",
+        human_bytes(m.weights),
+        human_bytes(m.gradients),
+        human_bytes(m.optimizer),
+        human_bytes(m.activations),
+        human_bytes(m.buffers),
+        human_bytes(m.workspace),
+        human_bytes(m.total)
+    );
+    let over: Vec<String> = devices.iter().filter(|d| d.memory.total > d.memory.capacity).map(|d| d.id.to_string()).collect();
+    if !over.is_empty() {
+        // What would fit: recompute keeps only stage inputs; 1F1B bounds in-flight
+        // microbatches; a larger device by the missing amount.
+        let mut ideas = Vec::new();
+        if !strategy.recompute {
+            let held_acts: u64 = m.activations;
+            let saved: u64 = worst.stages.iter().map(|s| stage_bytes[s.0 as usize].input_per_microbatch * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))).sum::<u64>()
+                + worst.stages.iter().map(|s| stage_bytes[s.0 as usize].activations_per_microbatch).max().unwrap_or(0);
+            let with = m.total - held_acts + saved;
+            ideas.push(format!("`recompute: true` ({} on {})", human_bytes(with), worst.id));
+        }
+        if strategy.schedule.kind == ScheduleKind::Gpipe {
+            ideas.push("`schedule: 1f1b` (keeps at most one microbatch per later stage in flight instead of all)".to_string());
+        }
+        let per_stage_weights: u64 = worst.stages.iter().map(|s| stage_bytes[s.0 as usize].weights).sum();
+        if per_stage_weights > 0 && placement.stages() < spec.model.layers.len() {
+            ideas.push(format!("more pipeline stages (now {}), so each device holds fewer layers", placement.stages()));
+        }
+        ideas.push(format!("a device with at least {}", human_bytes(m.total)));
+        out.push(
+            Diagnostic::error("E0601", format!("device {} needs {} but has {} ({} device(s) over capacity: {})", worst.id, human_bytes(m.total), human_bytes(m.capacity), over.len(), over.join(", ")), strategy.layout_span, format!("device {} holds {}", worst.id, worst.stages.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")))
+                .with_label(spec.cluster.memory_span, format!("{} per device", human_bytes(m.capacity)))
+                .with_help(format!("{breakdown}. What would fit: {}", ideas.join("; "))),
+        );
+    } else if share > 0.9 {
+        out.push(
+            Diagnostic::warning("W0602", format!("device {} uses {:.0}% of its memory", worst.id, share * 100.0), strategy.layout_span, format!("{} of {}", human_bytes(m.total), human_bytes(m.capacity)))
+                .with_label(spec.cluster.memory_span, "device memory")
+                .with_help(breakdown),
+        );
+    }
+}
+
+/// Per-device summary for the command line: (device, stages, replicas of its first stage).
+pub fn device_rows(plan: &Plan) -> Vec<(DeviceId, Vec<StageId>, usize)> {
+    plan.devices.iter().map(|d| (d.id, d.stages.clone(), d.stages.first().and_then(|s| plan.stage(*s)).map(|s| s.replicas.len()).unwrap_or(0))).collect()
+}

@@ -1,0 +1,188 @@
+//! Lowering a compute order to instruction streams: one pass inserts every load, send,
+//! receive, all-reduce, weight stash/restore, free and optimizer step.
+//!
+//! Receives are placed right before the compute that consumes them. Sends are placed after
+//! the compute that produces them, in the order the peer receives them: a link carries
+//! messages in exactly its receiver's order (in-order matching, as NCCL and MPI do), and a
+//! send is delayed only until the messages the peer needs earlier are ready.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, StageId};
+
+use crate::schedule::{Order, Placement, Task, TaskKind};
+
+/// How weights are versioned and updated across the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Updates {
+    /// One update per step after every gradient is in (flush schedules, BSP).
+    PerStep,
+    /// PipeDream: update after every backward, stash the weights each forward used.
+    PerMicrobatch,
+    /// PipeDream-2BW: update after every `k` local backwards, two weight versions.
+    Every(usize),
+}
+
+/// What lowering needs besides the order.
+#[derive(Debug, Clone)]
+pub struct LowerInput<'a> {
+    pub placement: &'a Placement,
+    pub order: &'a Order,
+    /// Output bytes per microbatch of each stage (the activation sent to the next stage,
+    /// and the size of the gradient coming back).
+    pub output_bytes: &'a [u64],
+    /// Parameter-gradient bytes of each stage (what its all-reduce moves).
+    pub gradient_bytes: &'a [u64],
+    /// group[stage] = the stage's replica group, when it has more than one replica.
+    pub groups: &'a [Option<GroupId>],
+    pub updates: Updates,
+    pub recompute: bool,
+}
+
+/// A message on a link: what it carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Msg {
+    /// The activation produced by `stage` for `mb`.
+    Act(usize, usize),
+    /// The gradient w.r.t. the input of `stage` for `mb`.
+    Grad(usize, usize),
+}
+
+/// Builds every device's stream.
+pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
+    let p = input.placement;
+    let last = p.stages() - 1;
+    let st = |s: usize| StageId(s as u32);
+    let mbid = |m: usize| MicrobatchId(m as u32);
+
+    // Pass 1: receives, loads and compute, per device; and the receive order of every link.
+    let mut streams: Vec<Vec<Instr>> = vec![Vec::new(); p.devices];
+    let mut link_order: HashMap<(DeviceId, DeviceId), VecDeque<Msg>> = HashMap::new();
+    for (d, tasks) in input.order.iter().enumerate() {
+        let dev = DeviceId(d as u32);
+        let stream = &mut streams[d];
+        let mut local_backwards: HashMap<usize, usize> = HashMap::new();
+        for t in tasks {
+            let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
+            match t.kind {
+                TaskKind::Forward => {
+                    if s == 0 || s == last {
+                        stream.push(Instr::LoadMicrobatch { stage: st(s), mb: mbid(m), inputs: s == 0, labels: s == last });
+                    }
+                    if s > 0 {
+                        let peer = p.device_of(s - 1, m);
+                        stream.push(Instr::RecvActivation { peer, stage: st(s), mb: mbid(m), bytes: input.output_bytes[s - 1] });
+                        link_order.entry((peer, dev)).or_default().push_back(Msg::Act(s - 1, m));
+                    }
+                    if input.updates != Updates::PerStep {
+                        stream.push(Instr::StashWeights { stage: st(s), mb: mbid(m) });
+                    }
+                    stream.push(Instr::Forward { stage: st(s), mb: mbid(m) });
+                }
+                TaskKind::Backward | TaskKind::BackwardInput => {
+                    if s < last {
+                        let peer = p.device_of(s + 1, m);
+                        stream.push(Instr::RecvGradient { peer, stage: st(s), mb: mbid(m), bytes: input.output_bytes[s] });
+                        link_order.entry((peer, dev)).or_default().push_back(Msg::Grad(s + 1, m));
+                    }
+                    if input.recompute {
+                        stream.push(Instr::Recompute { stage: st(s), mb: mbid(m) });
+                    }
+                    if t.kind == TaskKind::Backward {
+                        if input.updates != Updates::PerStep {
+                            stream.push(Instr::RestoreWeights { stage: st(s), mb: mbid(m) });
+                        }
+                        stream.push(Instr::Backward { stage: st(s), mb: mbid(m) });
+                        stream.push(Instr::Free { stage: st(s), mb: mbid(m) });
+                        let count = local_backwards.entry(s).or_insert(0);
+                        *count += 1;
+                        let update_now = match input.updates {
+                            Updates::PerStep => false,
+                            Updates::PerMicrobatch => true,
+                            Updates::Every(k) => *count % k.max(1) == 0 || *count == p.local_microbatches(s, dev).len(),
+                        };
+                        if update_now {
+                            if let Some(group) = input.groups[s] {
+                                stream.push(Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
+                            }
+                            stream.push(Instr::OptimizerStep { stage: st(s) });
+                        }
+                    } else {
+                        stream.push(Instr::BackwardInput { stage: st(s), mb: mbid(m) });
+                    }
+                }
+                TaskKind::BackwardWeight => {
+                    stream.push(Instr::BackwardWeight { stage: st(s), mb: mbid(m) });
+                    stream.push(Instr::Free { stage: st(s), mb: mbid(m) });
+                }
+            }
+        }
+        if input.updates == Updates::PerStep {
+            // Gradient all-reduce and optimizer step per stage held, in stage order on every
+            // device, so the members of a group issue their collectives in the same order.
+            for s in p.stages_of(dev) {
+                if let Some(group) = input.groups[s] {
+                    stream.push(Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
+                }
+                stream.push(Instr::OptimizerStep { stage: st(s) });
+            }
+        }
+    }
+
+    // Pass 2: sends, in each link's receive order.
+    let mut out: BTreeMap<DeviceId, Vec<Instr>> = BTreeMap::new();
+    for (d, stream) in streams.into_iter().enumerate() {
+        let dev = DeviceId(d as u32);
+        let mut links: Vec<(DeviceId, VecDeque<Msg>)> =
+            link_order.iter().filter(|((from, _), _)| *from == dev).map(|((_, to), q)| (*to, q.clone())).collect();
+        links.sort_by_key(|(to, _)| *to);
+        let mut ready: HashSet<Msg> = HashSet::new();
+        let mut with_sends = Vec::with_capacity(stream.len() * 2);
+        for ins in stream {
+            let produced = match ins {
+                Instr::Forward { stage, mb } if (stage.0 as usize) < last => Some(Msg::Act(stage.0 as usize, mb.0 as usize)),
+                Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } if stage.0 > 0 => Some(Msg::Grad(stage.0 as usize, mb.0 as usize)),
+                _ => None,
+            };
+            with_sends.push(ins);
+            if let Some(msg) = produced {
+                ready.insert(msg);
+                for (to, queue) in links.iter_mut() {
+                    while let Some(front) = queue.front().copied() {
+                        if !ready.contains(&front) {
+                            break;
+                        }
+                        queue.pop_front();
+                        with_sends.push(send_instr(front, *to, input.output_bytes));
+                    }
+                }
+            }
+        }
+        out.insert(dev, with_sends);
+    }
+    out
+}
+
+fn send_instr(msg: Msg, peer: DeviceId, output_bytes: &[u64]) -> Instr {
+    match msg {
+        Msg::Act(s, m) => Instr::SendActivation { peer, stage: StageId(s as u32), mb: MicrobatchId(m as u32), bytes: output_bytes[s] },
+        Msg::Grad(s, m) => Instr::SendGradient { peer, stage: StageId(s as u32), mb: MicrobatchId(m as u32), bytes: output_bytes[s - 1] },
+    }
+}
+
+/// The compute tasks of a stream, in order (the inverse of lowering, for tests and exports).
+pub fn compute_order(stream: &[Instr]) -> Vec<Task> {
+    stream
+        .iter()
+        .filter_map(|i| {
+            let kind = match i {
+                Instr::Forward { .. } => TaskKind::Forward,
+                Instr::Backward { .. } => TaskKind::Backward,
+                Instr::BackwardInput { .. } => TaskKind::BackwardInput,
+                Instr::BackwardWeight { .. } => TaskKind::BackwardWeight,
+                _ => return None,
+            };
+            Some(Task { kind, stage: i.stage(), mb: i.microbatch()? })
+        })
+        .collect()
+}

@@ -1,0 +1,174 @@
+//! Memory feasibility: the bytes each device needs, broken down, with the activation counts
+//! taken from the generated streams themselves (how many microbatches each stage really
+//! keeps at once), not from a formula table.
+
+use std::collections::{BTreeMap, HashMap};
+
+use pipec_plan::plan::MemoryBreakdown;
+use pipec_plan::{DeviceId, Instr, StageId};
+
+/// Bytes a stage needs, independent of the schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StageBytes {
+    pub parameters: u64,
+    /// Parameter bytes at the training precision.
+    pub weights: u64,
+    /// Optimizer state (and the fp32 master copy under mixed precision).
+    pub optimizer: u64,
+    /// Bytes kept per microbatch for the backward.
+    pub activations_per_microbatch: u64,
+    /// With recompute: the stage input per microbatch (what is kept), and the full
+    /// activations of one microbatch (live during its recompute + backward).
+    pub input_per_microbatch: u64,
+    /// Largest message (activation or gradient) the stage sends or receives.
+    pub largest_message: u64,
+}
+
+/// The documented workspace reserve: 5% of the device memory, at most 1 GiB (allocator
+/// fragmentation, framework context, kernels' scratch space).
+pub fn workspace_reserve(capacity: f64) -> u64 {
+    (capacity * 0.05).min(1024.0 * 1024.0 * 1024.0) as u64
+}
+
+/// Peak microbatches in flight per stage held by the device: forwards whose saved
+/// activations are not yet freed, walking the stream in order.
+pub fn peak_in_flight(stream: &[Instr]) -> BTreeMap<StageId, u32> {
+    let mut now: HashMap<StageId, u32> = HashMap::new();
+    let mut peak: BTreeMap<StageId, u32> = BTreeMap::new();
+    for ins in stream {
+        match ins {
+            Instr::Forward { stage, .. } => {
+                let c = now.entry(*stage).or_insert(0);
+                *c += 1;
+                let p = peak.entry(*stage).or_insert(0);
+                *p = (*p).max(*c);
+            }
+            Instr::Free { stage, .. } => {
+                if let Some(c) = now.get_mut(stage) {
+                    *c = c.saturating_sub(1);
+                }
+            }
+            _ => {}
+        }
+    }
+    peak
+}
+
+/// Peak weight versions kept per stage (1 + stashes alive at once, for PipeDream).
+pub fn peak_weight_versions(stream: &[Instr]) -> HashMap<StageId, u32> {
+    let mut now: HashMap<StageId, u32> = HashMap::new();
+    let mut peak: HashMap<StageId, u32> = HashMap::new();
+    for ins in stream {
+        match ins {
+            Instr::StashWeights { stage, .. } => {
+                let c = now.entry(*stage).or_insert(0);
+                *c += 1;
+                let p = peak.entry(*stage).or_insert(0);
+                *p = (*p).max(*c);
+            }
+            Instr::RestoreWeights { stage, .. } => {
+                if let Some(c) = now.get_mut(stage) {
+                    *c = c.saturating_sub(1);
+                }
+            }
+            _ => {}
+        }
+    }
+    peak
+}
+
+/// The memory a device needs for its stream.
+pub fn device_memory(stream: &[Instr], stages: &[StageBytes], recompute: bool, weight_versions: Option<u32>, capacity: f64) -> MemoryBreakdown {
+    let held: Vec<StageId> = {
+        let mut v: Vec<StageId> = stream.iter().map(Instr::stage).collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    let stashes = peak_weight_versions(stream);
+    let mut m = MemoryBreakdown::default();
+    for s in &held {
+        let b = stages[s.0 as usize];
+        // Versions: the live weights plus stashed ones. A stash holds the version a forward
+        // used; when updates are rarer than forwards (2BW) many stashes share a version, so
+        // the schedule's own bound caps the count.
+        let stashed = stashes.get(s).copied().unwrap_or(0);
+        let versions = match weight_versions {
+            Some(cap) => (1 + stashed).min(cap.max(1)),
+            None => 1,
+        };
+        m.weights += b.weights * u64::from(versions);
+        m.gradients += b.weights;
+        m.optimizer += b.optimizer;
+        m.buffers = m.buffers.max(4 * b.largest_message);
+    }
+    // Activations: the peak over the stream of what all held stages keep at once.
+    let mut now: HashMap<StageId, u64> = HashMap::new();
+    let mut peak_total = 0u64;
+    let recompute_extra = if recompute { held.iter().map(|s| stages[s.0 as usize].activations_per_microbatch).max().unwrap_or(0) } else { 0 };
+    for ins in stream {
+        let per = |s: &StageId| {
+            let b = stages[s.0 as usize];
+            if recompute {
+                b.input_per_microbatch
+            } else {
+                b.activations_per_microbatch
+            }
+        };
+        match ins {
+            Instr::Forward { stage, .. } => {
+                *now.entry(*stage).or_insert(0) += per(stage);
+                peak_total = peak_total.max(now.values().sum());
+            }
+            Instr::Free { stage, .. } => {
+                let e = now.entry(*stage).or_insert(0);
+                *e = e.saturating_sub(per(stage));
+            }
+            _ => {}
+        }
+    }
+    m.activations = peak_total + recompute_extra;
+    m.workspace = workspace_reserve(capacity);
+    m.capacity = capacity as u64;
+    m.total = m.weights + m.gradients + m.optimizer + m.activations + m.buffers + m.workspace;
+    m
+}
+
+/// Formats bytes for people: `1.50 GiB`.
+pub fn human_bytes(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < units.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", units[u])
+    }
+}
+
+/// The per-device memory table `pipec compile` prints.
+pub fn table(devices: &[(DeviceId, Vec<StageId>, usize, &MemoryBreakdown)]) -> String {
+    let mut out = format!("{:<7} {:<10} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}\n", "device", "stages", "replicas", "weights", "gradients", "optimizer", "activations", "total", "capacity", "use");
+    for (id, stages, replicas, m) in devices {
+        let st: Vec<String> = stages.iter().map(ToString::to_string).collect();
+        let share = if m.capacity > 0 { m.total as f64 / m.capacity as f64 * 100.0 } else { 0.0 };
+        out.push_str(&format!(
+            "{:<7} {:<10} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>5.1}%\n",
+            id.to_string(),
+            st.join(","),
+            replicas,
+            human_bytes(m.weights),
+            human_bytes(m.gradients),
+            human_bytes(m.optimizer),
+            human_bytes(m.activations),
+            human_bytes(m.total),
+            human_bytes(m.capacity),
+            share
+        ));
+    }
+    out
+}

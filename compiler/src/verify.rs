@@ -1,0 +1,322 @@
+//! The static verifier. It runs on every compile; a failure is a bug in pipec's schedule
+//! generators or lowering, never in the user's spec, and is reported as such with the
+//! per-device grid of instructions.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use pipec_plan::{Buffer, DeviceId, GroupId, Instr, StageId};
+
+use crate::schedule::Placement;
+use crate::simulate::{simulate, UnitCost};
+
+/// One verifier finding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Violation {
+    pub device: Option<DeviceId>,
+    pub index: Option<usize>,
+    pub message: String,
+}
+
+fn v(device: DeviceId, index: usize, message: String) -> Violation {
+    Violation { device: Some(device), index: Some(index), message }
+}
+
+/// What the verifier knows besides the streams.
+#[derive(Debug, Clone)]
+pub struct VerifyInput<'a> {
+    pub streams: &'a BTreeMap<DeviceId, Vec<Instr>>,
+    pub placement: &'a Placement,
+    pub groups: &'a HashMap<GroupId, Vec<DeviceId>>,
+    /// Whether the backward is split (zero-bubble).
+    pub split_backward: bool,
+}
+
+/// Checks every property; returns all violations found (empty = the plan is sound).
+pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    check_compute(input, &mut out);
+    check_dataflow(input, &mut out);
+    check_updates(input, &mut out);
+    check_p2p(input, &mut out);
+    check_collectives(input, &mut out);
+    if out.is_empty() {
+        if let Err(stuck) = simulate(input.streams, input.groups, &UnitCost) {
+            let (device, index) = stuck.next.iter().find_map(|(d, i)| i.map(|i| (*d, i))).map(|(d, i)| (Some(d), Some(i))).unwrap_or((None, None));
+            out.push(Violation { device, index, message: format!("{}\n{}", stuck.reason, grid(input.streams, &stuck.next)) });
+        }
+    }
+    out
+}
+
+/// Every (stage, microbatch) runs its forward once, on its routed device, before exactly one
+/// backward (or one input-gradient pass followed by one weight-gradient pass) there.
+fn check_compute(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
+    let p = input.placement;
+    #[derive(Default, Clone)]
+    struct Seen {
+        fwd: Vec<(DeviceId, usize)>,
+        bwd: Vec<(DeviceId, usize)>,
+        bwd_in: Vec<(DeviceId, usize)>,
+        bwd_w: Vec<(DeviceId, usize)>,
+    }
+    let mut seen: HashMap<(u32, u32), Seen> = HashMap::new();
+    for (dev, stream) in input.streams {
+        for (i, ins) in stream.iter().enumerate() {
+            let key = (ins.stage().0, ins.microbatch().map(|m| m.0).unwrap_or(0));
+            let entry = seen.entry(key).or_default();
+            match ins {
+                Instr::Forward { .. } => entry.fwd.push((*dev, i)),
+                Instr::Backward { .. } => entry.bwd.push((*dev, i)),
+                Instr::BackwardInput { .. } => entry.bwd_in.push((*dev, i)),
+                Instr::BackwardWeight { .. } => entry.bwd_w.push((*dev, i)),
+                _ => {}
+            }
+        }
+    }
+    for s in 0..p.stages() {
+        for m in 0..p.microbatches {
+            let owner = p.device_of(s, m);
+            let e = seen.remove(&(s as u32, m as u32)).unwrap_or_default();
+            let what = format!("stage s{s} microbatch m{m}");
+            if e.fwd.len() != 1 {
+                out.push(Violation { device: Some(owner), index: None, message: format!("{what}: {} forward(s), expected exactly 1", e.fwd.len()) });
+                continue;
+            }
+            let (fdev, fi) = e.fwd[0];
+            if fdev != owner {
+                out.push(v(fdev, fi, format!("{what}: forward on {fdev}, but the placement routes it to {owner}")));
+            }
+            let backs: Vec<(DeviceId, usize)> = if input.split_backward { e.bwd_in.clone() } else { e.bwd.clone() };
+            if backs.len() != 1 || (!input.split_backward && !e.bwd_in.is_empty()) || (input.split_backward && !e.bwd.is_empty()) {
+                out.push(Violation { device: Some(owner), index: None, message: format!("{what}: {} backward(s), {} input-gradient and {} weight-gradient pass(es)", e.bwd.len(), e.bwd_in.len(), e.bwd_w.len()) });
+                continue;
+            }
+            let (bdev, bi) = backs[0];
+            if bdev != fdev || bi < fi {
+                out.push(v(bdev, bi, format!("{what}: backward before its forward or on another device")));
+            }
+            if input.split_backward {
+                if e.bwd_w.len() != 1 {
+                    out.push(Violation { device: Some(owner), index: None, message: format!("{what}: {} weight-gradient passes, expected 1", e.bwd_w.len()) });
+                } else if e.bwd_w[0].0 != bdev || e.bwd_w[0].1 < bi {
+                    out.push(v(e.bwd_w[0].0, e.bwd_w[0].1, format!("{what}: weight gradient before its input gradient")));
+                }
+            } else if !e.bwd_w.is_empty() {
+                out.push(v(e.bwd_w[0].0, e.bwd_w[0].1, format!("{what}: a weight-gradient pass in a schedule without split backward")));
+            }
+        }
+    }
+    for ((s, m), _) in seen {
+        if s as usize >= p.stages() || m as usize >= p.microbatches {
+            out.push(Violation { device: None, index: None, message: format!("an instruction names stage s{s} / microbatch m{m}, which does not exist") });
+        }
+    }
+}
+
+/// Every buffer is written before it is read, on the device that reads it; freed activations
+/// are not read again. The last stage's forward computes the loss from the labels, which
+/// seeds the gradient its backward starts from.
+fn check_dataflow(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
+    let last = StageId(input.placement.stages().saturating_sub(1) as u32);
+    for (dev, stream) in input.streams {
+        let mut live: HashSet<Buffer> = HashSet::new();
+        for s in input.placement.stages_of(*dev) {
+            live.insert(Buffer::Weights { stage: StageId(s as u32) });
+        }
+        for (i, ins) in stream.iter().enumerate() {
+            for b in ins.reads() {
+                let ok = match b {
+                    // the gradient buffer exists (zero) from the start; reading it before any
+                    // contribution is caught by check_updates
+                    Buffer::WeightGrad { stage } => live.contains(&Buffer::Weights { stage }),
+                    _ => live.contains(&b),
+                };
+                if !ok {
+                    out.push(v(*dev, i, format!("`{ins}` reads {b:?}, which is not available on {dev} at this point")));
+                }
+            }
+            if let Instr::Free { stage, mb } = ins {
+                live.remove(&Buffer::Saved { stage: *stage, mb: *mb });
+            }
+            if let Instr::RestoreWeights { stage, mb } = ins {
+                live.remove(&Buffer::Stash { stage: *stage, mb: *mb });
+            }
+            live.extend(ins.writes());
+            if let Instr::Forward { stage, mb } = ins {
+                if *stage == last {
+                    if live.contains(&Buffer::Labels { mb: *mb }) {
+                        live.insert(Buffer::OutputGrad { stage: *stage, mb: *mb });
+                    } else {
+                        out.push(v(*dev, i, format!("`{ins}` computes the loss, but the labels of {mb} were never loaded on {dev}")));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Optimizer steps come after the last gradient contribution of their stage, and after the
+/// stage's all-reduce when it is replicated; no gradient is left unapplied.
+fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
+    let replicated: HashSet<u32> = (0..input.placement.stages()).filter(|&s| input.placement.replicas[s].len() > 1).map(|s| s as u32).collect();
+    for (dev, stream) in input.streams {
+        // per stage: gradient contributions pending since the last step, and whether they
+        // were all-reduced
+        let mut pending: HashMap<StageId, (usize, bool)> = HashMap::new();
+        let mut steps: HashMap<StageId, usize> = HashMap::new();
+        for (i, ins) in stream.iter().enumerate() {
+            match ins {
+                Instr::Backward { stage, .. } | Instr::BackwardWeight { stage, .. } => {
+                    let e = pending.entry(*stage).or_insert((0, false));
+                    e.0 += 1;
+                    e.1 = false;
+                }
+                Instr::AllReduce { stage, .. } => {
+                    let e = pending.entry(*stage).or_insert((0, false));
+                    if e.0 == 0 {
+                        out.push(v(*dev, i, format!("`{ins}` reduces gradients before any were computed")));
+                    }
+                    e.1 = true;
+                }
+                Instr::OptimizerStep { stage } => {
+                    let e = pending.entry(*stage).or_insert((0, false));
+                    if e.0 == 0 {
+                        out.push(v(*dev, i, format!("`{ins}` applies no gradient")));
+                    }
+                    if replicated.contains(&stage.0) && !e.1 {
+                        out.push(v(*dev, i, format!("`{ins}` runs before the replicas' gradients are all-reduced")));
+                    }
+                    *e = (0, false);
+                    *steps.entry(*stage).or_insert(0) += 1;
+                }
+                _ => {}
+            }
+        }
+        for s in input.placement.stages_of(*dev) {
+            let stage = StageId(s as u32);
+            if pending.get(&stage).is_some_and(|e| e.0 > 0) {
+                out.push(Violation { device: Some(*dev), index: None, message: format!("{dev}: gradients of {stage} computed after its last optimizer step are never applied") });
+            }
+            if steps.get(&stage).copied().unwrap_or(0) == 0 {
+                out.push(Violation { device: Some(*dev), index: None, message: format!("{dev}: {stage} is never updated") });
+            }
+        }
+    }
+}
+
+/// Each send has exactly one receive with the same peer, tag and size, and every link
+/// delivers in the order its receiver expects.
+fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
+    type Key = (u8, u32, u32, u64);
+    let mut sends: HashMap<(DeviceId, DeviceId), Vec<(Key, usize)>> = HashMap::new();
+    let mut recvs: HashMap<(DeviceId, DeviceId), Vec<(Key, usize)>> = HashMap::new();
+    for (dev, stream) in input.streams {
+        for (i, ins) in stream.iter().enumerate() {
+            match *ins {
+                Instr::SendActivation { peer, stage, mb, bytes } => sends.entry((*dev, peer)).or_default().push(((0, stage.0, mb.0, bytes), i)),
+                Instr::SendGradient { peer, stage, mb, bytes } => sends.entry((*dev, peer)).or_default().push(((1, stage.0, mb.0, bytes), i)),
+                Instr::RecvActivation { peer, stage, mb, bytes } => {
+                    if stage.0 == 0 {
+                        out.push(v(*dev, i, format!("`{ins}`: the first stage receives no activation")));
+                        continue;
+                    }
+                    recvs.entry((peer, *dev)).or_default().push(((0, stage.0 - 1, mb.0, bytes), i));
+                }
+                Instr::RecvGradient { peer, stage, mb, bytes } => recvs.entry((peer, *dev)).or_default().push(((1, stage.0 + 1, mb.0, bytes), i)),
+                _ => {}
+            }
+        }
+    }
+    let mut links: Vec<(DeviceId, DeviceId)> = sends.keys().chain(recvs.keys()).copied().collect();
+    links.sort();
+    links.dedup();
+    for link in links {
+        let s = sends.get(&link).cloned().unwrap_or_default();
+        let r = recvs.get(&link).cloned().unwrap_or_default();
+        let name = |k: &Key| format!("{} of s{} m{} ({} B)", if k.0 == 0 { "activation" } else { "gradient" }, k.1, k.2, k.3);
+        let sent: HashMap<Key, usize> = s.iter().fold(HashMap::new(), |mut m, (k, _)| {
+            *m.entry(*k).or_insert(0) += 1;
+            m
+        });
+        let received: HashMap<Key, usize> = r.iter().fold(HashMap::new(), |mut m, (k, _)| {
+            *m.entry(*k).or_insert(0) += 1;
+            m
+        });
+        let mut ok = true;
+        for (k, i) in &s {
+            if received.get(k).copied().unwrap_or(0) != 1 || sent[k] != 1 {
+                out.push(v(link.0, *i, format!("{} sends the {} to {} {} time(s), which receives it {} time(s)", link.0, name(k), link.1, sent[k], received.get(k).copied().unwrap_or(0))));
+                ok = false;
+            }
+        }
+        for (k, i) in &r {
+            if !sent.contains_key(k) {
+                out.push(v(link.1, *i, format!("{} waits for the {} from {}, which never sends it", link.1, name(k), link.0)));
+                ok = false;
+            }
+        }
+        if ok {
+            for (pos, ((ks, si), (kr, ri))) in s.iter().zip(&r).enumerate() {
+                if ks != kr {
+                    out.push(Violation {
+                        device: Some(link.1),
+                        index: Some(*ri),
+                        message: format!("link {}→{}: message #{pos} is sent as the {} (instruction {si}) but received as the {} (out of order)", link.0, link.1, name(ks), name(kr)),
+                    });
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Every member of a group issues the same collectives in the same order.
+fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
+    let mut calls: HashMap<GroupId, BTreeMap<DeviceId, Vec<(StageId, u64, usize)>>> = HashMap::new();
+    for (dev, stream) in input.streams {
+        for (i, ins) in stream.iter().enumerate() {
+            if let Instr::AllReduce { stage, group, bytes } = ins {
+                match input.groups.get(group) {
+                    Some(members) if members.contains(dev) => calls.entry(*group).or_default().entry(*dev).or_default().push((*stage, *bytes, i)),
+                    _ => out.push(v(*dev, i, format!("`{ins}`: {dev} is not a member of {group}"))),
+                }
+            }
+        }
+    }
+    for (group, members) in input.groups {
+        let per = calls.get(group).cloned().unwrap_or_default();
+        let reference: Vec<(StageId, u64)> = per.get(&members[0]).map(|c| c.iter().map(|x| (x.0, x.1)).collect()).unwrap_or_default();
+        for m in members {
+            let mine: Vec<(StageId, u64)> = per.get(m).map(|c| c.iter().map(|x| (x.0, x.1)).collect()).unwrap_or_default();
+            if mine != reference {
+                out.push(Violation { device: Some(*m), index: None, message: format!("{group}: {m} issues {} all-reduce(s) {:?}, {} issues {:?}", mine.len(), mine, members[0], reference) });
+            }
+        }
+    }
+}
+
+/// The per-device grid of instructions with the stuck one of each device marked `>>`.
+pub fn grid(streams: &BTreeMap<DeviceId, Vec<Instr>>, next: &BTreeMap<DeviceId, Option<usize>>) -> String {
+    let mut out = String::new();
+    for (dev, stream) in streams {
+        let at = next.get(dev).copied().flatten();
+        out.push_str(&format!("{dev}:"));
+        let lo = at.map(|a| a.saturating_sub(3)).unwrap_or(stream.len().saturating_sub(2));
+        let hi = at.map(|a| (a + 3).min(stream.len())).unwrap_or(stream.len());
+        if lo > 0 {
+            out.push_str(" …");
+        }
+        for (i, ins) in stream.iter().enumerate().take(hi).skip(lo) {
+            if Some(i) == at {
+                out.push_str(&format!(" >>[{i}] {ins}<<"));
+            } else {
+                out.push_str(&format!(" [{i}] {ins}"));
+            }
+        }
+        if at.is_none() {
+            out.push_str(" (finished)");
+        }
+        out.push('\n');
+    }
+    out
+}

@@ -1,0 +1,262 @@
+//! The closed instruction set that the compiler emits and the executor interprets, one
+//! ordered stream per device. Every instruction names the buffers it reads and writes, so the
+//! verifier can check data flow without knowing what the instruction computes.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Identifies a device of the cluster (0-based, node-major).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct DeviceId(pub u32);
+
+/// Identifies a pipeline stage (a virtual stage for interleaved schedules): a contiguous
+/// range of layers with its own weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct StageId(pub u32);
+
+/// Identifies a microbatch within a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct MicrobatchId(pub u32);
+
+/// Identifies a group of devices that take part in one collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct GroupId(pub u32);
+
+impl fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "d{}", self.0)
+    }
+}
+impl fmt::Display for StageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "s{}", self.0)
+    }
+}
+impl fmt::Display for MicrobatchId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "m{}", self.0)
+    }
+}
+impl fmt::Display for GroupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "g{}", self.0)
+    }
+}
+
+/// A buffer an instruction reads or writes. Activation buffers are per (stage, microbatch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(tag = "buffer", rename_all = "snake_case")]
+pub enum Buffer {
+    /// The input of `stage` for `mb` (received, or loaded for the first stage).
+    Input { stage: StageId, mb: MicrobatchId },
+    /// The labels of `mb` (the last stage's loss needs them).
+    Labels { mb: MicrobatchId },
+    /// What `stage` keeps from its forward of `mb` for the backward (activations).
+    Saved { stage: StageId, mb: MicrobatchId },
+    /// The output of `stage` for `mb` (to be sent to the next stage).
+    Output { stage: StageId, mb: MicrobatchId },
+    /// The gradient w.r.t. the output of `stage` for `mb` (received from the next stage).
+    OutputGrad { stage: StageId, mb: MicrobatchId },
+    /// The gradient w.r.t. the input of `stage` for `mb` (sent to the previous stage).
+    InputGrad { stage: StageId, mb: MicrobatchId },
+    /// The accumulated weight gradients of `stage`.
+    WeightGrad { stage: StageId },
+    /// The weights of `stage`.
+    Weights { stage: StageId },
+    /// A stashed weight version of `stage` for `mb` (PipeDream weight stashing).
+    Stash { stage: StageId, mb: MicrobatchId },
+}
+
+/// One instruction of a device's stream.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Instr {
+    /// Load microbatch `mb`'s inputs (first stage) and/or labels (last stage).
+    LoadMicrobatch { stage: StageId, mb: MicrobatchId, inputs: bool, labels: bool },
+    /// Forward of `stage` on `mb`. On the last stage it also computes the loss from the
+    /// labels, which seeds the gradient (`OutputGrad`) its backward starts from.
+    Forward { stage: StageId, mb: MicrobatchId },
+    /// Full backward of `stage` on `mb`: input gradient and weight gradient.
+    Backward { stage: StageId, mb: MicrobatchId },
+    /// Zero-bubble split: gradient w.r.t. the stage input only.
+    BackwardInput { stage: StageId, mb: MicrobatchId },
+    /// Zero-bubble split: gradient w.r.t. the weights, after `BackwardInput`.
+    BackwardWeight { stage: StageId, mb: MicrobatchId },
+    /// Re-run the forward of `stage` on `mb` from its saved input (activation recompute).
+    Recompute { stage: StageId, mb: MicrobatchId },
+    /// Send `stage`'s output activation for `mb` to `peer` (which runs `stage + 1`).
+    SendActivation { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
+    /// Receive the input activation of `stage` for `mb` from `peer`.
+    RecvActivation { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
+    /// Send the gradient w.r.t. `stage`'s input for `mb` to `peer` (which runs `stage - 1`).
+    SendGradient { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
+    /// Receive the gradient w.r.t. `stage`'s output for `mb` from `peer`.
+    RecvGradient { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
+    /// Sum the weight gradients of `stage` over the replica group `group` (ring all-reduce,
+    /// or a parameter server when the plan says so).
+    AllReduce { stage: StageId, group: GroupId, bytes: u64 },
+    /// Keep a copy of the current weights of `stage` for `mb`'s backward (PipeDream).
+    StashWeights { stage: StageId, mb: MicrobatchId },
+    /// Swap in the weights stashed for `mb` before its backward; the newest weights return
+    /// after the backward.
+    RestoreWeights { stage: StageId, mb: MicrobatchId },
+    /// Apply the accumulated gradients of `stage` and clear them.
+    OptimizerStep { stage: StageId },
+    /// Drop what `stage` kept for `mb`.
+    Free { stage: StageId, mb: MicrobatchId },
+}
+
+/// The compute kind of an instruction, for timelines and schedules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Phase {
+    Forward,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Recompute,
+    Communication,
+    Collective,
+    Optimizer,
+    Memory,
+}
+
+impl Instr {
+    /// The stage the instruction belongs to.
+    pub fn stage(&self) -> StageId {
+        match *self {
+            Instr::LoadMicrobatch { stage, .. }
+            | Instr::Forward { stage, .. }
+            | Instr::Backward { stage, .. }
+            | Instr::BackwardInput { stage, .. }
+            | Instr::BackwardWeight { stage, .. }
+            | Instr::Recompute { stage, .. }
+            | Instr::SendActivation { stage, .. }
+            | Instr::RecvActivation { stage, .. }
+            | Instr::SendGradient { stage, .. }
+            | Instr::RecvGradient { stage, .. }
+            | Instr::AllReduce { stage, .. }
+            | Instr::StashWeights { stage, .. }
+            | Instr::RestoreWeights { stage, .. }
+            | Instr::OptimizerStep { stage }
+            | Instr::Free { stage, .. } => stage,
+        }
+    }
+
+    /// The microbatch, if the instruction is about one.
+    pub fn microbatch(&self) -> Option<MicrobatchId> {
+        match *self {
+            Instr::LoadMicrobatch { mb, .. }
+            | Instr::Forward { mb, .. }
+            | Instr::Backward { mb, .. }
+            | Instr::BackwardInput { mb, .. }
+            | Instr::BackwardWeight { mb, .. }
+            | Instr::Recompute { mb, .. }
+            | Instr::SendActivation { mb, .. }
+            | Instr::RecvActivation { mb, .. }
+            | Instr::SendGradient { mb, .. }
+            | Instr::RecvGradient { mb, .. }
+            | Instr::StashWeights { mb, .. }
+            | Instr::RestoreWeights { mb, .. }
+            | Instr::Free { mb, .. } => Some(mb),
+            Instr::AllReduce { .. } | Instr::OptimizerStep { .. } => None,
+        }
+    }
+
+    pub fn phase(&self) -> Phase {
+        match self {
+            Instr::Forward { .. } => Phase::Forward,
+            Instr::Backward { .. } => Phase::Backward,
+            Instr::BackwardInput { .. } => Phase::BackwardInput,
+            Instr::BackwardWeight { .. } => Phase::BackwardWeight,
+            Instr::Recompute { .. } => Phase::Recompute,
+            Instr::SendActivation { .. } | Instr::RecvActivation { .. } | Instr::SendGradient { .. } | Instr::RecvGradient { .. } => Phase::Communication,
+            Instr::AllReduce { .. } => Phase::Collective,
+            Instr::OptimizerStep { .. } => Phase::Optimizer,
+            Instr::LoadMicrobatch { .. } | Instr::StashWeights { .. } | Instr::RestoreWeights { .. } | Instr::Free { .. } => Phase::Memory,
+        }
+    }
+
+    /// The buffers this instruction reads.
+    pub fn reads(&self) -> Vec<Buffer> {
+        use Buffer as B;
+        match *self {
+            Instr::LoadMicrobatch { .. } => vec![],
+            Instr::Forward { stage, mb } => vec![B::Input { stage, mb }, B::Weights { stage }],
+            Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } => {
+                vec![B::Saved { stage, mb }, B::OutputGrad { stage, mb }, B::Weights { stage }]
+            }
+            Instr::BackwardWeight { stage, mb } => vec![B::Saved { stage, mb }, B::OutputGrad { stage, mb }],
+            Instr::Recompute { stage, mb } => vec![B::Input { stage, mb }, B::Weights { stage }],
+            Instr::SendActivation { stage, mb, .. } => vec![B::Output { stage, mb }],
+            Instr::SendGradient { stage, mb, .. } => vec![B::InputGrad { stage, mb }],
+            Instr::RecvActivation { .. } | Instr::RecvGradient { .. } => vec![],
+            Instr::AllReduce { stage, .. } | Instr::OptimizerStep { stage } => vec![B::WeightGrad { stage }],
+            Instr::StashWeights { stage, .. } => vec![B::Weights { stage }],
+            Instr::RestoreWeights { stage, mb } => vec![B::Stash { stage, mb }],
+            Instr::Free { stage, mb } => vec![B::Saved { stage, mb }],
+        }
+    }
+
+    /// The buffers this instruction writes.
+    pub fn writes(&self) -> Vec<Buffer> {
+        use Buffer as B;
+        match *self {
+            Instr::LoadMicrobatch { stage, mb, inputs, labels } => {
+                let mut w = Vec::new();
+                if inputs {
+                    w.push(B::Input { stage, mb });
+                }
+                if labels {
+                    w.push(B::Labels { mb });
+                }
+                w
+            }
+            Instr::Forward { stage, mb } | Instr::Recompute { stage, mb } => vec![B::Saved { stage, mb }, B::Output { stage, mb }],
+            Instr::Backward { stage, mb } => vec![B::InputGrad { stage, mb }, B::WeightGrad { stage }],
+            Instr::BackwardInput { stage, mb } => vec![B::InputGrad { stage, mb }],
+            Instr::BackwardWeight { stage, .. } => vec![B::WeightGrad { stage }],
+            Instr::RecvActivation { stage, mb, .. } => vec![B::Input { stage, mb }],
+            Instr::RecvGradient { stage, mb, .. } => vec![B::OutputGrad { stage, mb }],
+            Instr::SendActivation { .. } | Instr::SendGradient { .. } | Instr::Free { .. } => vec![],
+            Instr::AllReduce { stage, .. } => vec![B::WeightGrad { stage }],
+            Instr::OptimizerStep { stage } => vec![B::Weights { stage }, B::WeightGrad { stage }],
+            Instr::StashWeights { stage, mb } => vec![B::Stash { stage, mb }],
+            Instr::RestoreWeights { stage, .. } => vec![B::Weights { stage }],
+        }
+    }
+}
+
+impl fmt::Display for Instr {
+    /// The one-line text form documented in docs/plan-format.md.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Instr::LoadMicrobatch { stage, mb, inputs, labels } => {
+                let what = match (inputs, labels) {
+                    (true, true) => "inputs+labels",
+                    (true, false) => "inputs",
+                    (false, true) => "labels",
+                    (false, false) => "nothing",
+                };
+                write!(f, "load {stage} {mb} {what}")
+            }
+            Instr::Forward { stage, mb } => write!(f, "fwd {stage} {mb}"),
+            Instr::Backward { stage, mb } => write!(f, "bwd {stage} {mb}"),
+            Instr::BackwardInput { stage, mb } => write!(f, "bwd_in {stage} {mb}"),
+            Instr::BackwardWeight { stage, mb } => write!(f, "bwd_w {stage} {mb}"),
+            Instr::Recompute { stage, mb } => write!(f, "recompute {stage} {mb}"),
+            Instr::SendActivation { peer, stage, mb, bytes } => write!(f, "send_act {stage} {mb} -> {peer} {bytes}B"),
+            Instr::RecvActivation { peer, stage, mb, bytes } => write!(f, "recv_act {stage} {mb} <- {peer} {bytes}B"),
+            Instr::SendGradient { peer, stage, mb, bytes } => write!(f, "send_grad {stage} {mb} -> {peer} {bytes}B"),
+            Instr::RecvGradient { peer, stage, mb, bytes } => write!(f, "recv_grad {stage} {mb} <- {peer} {bytes}B"),
+            Instr::AllReduce { stage, group, bytes } => write!(f, "allreduce {stage} {group} {bytes}B"),
+            Instr::StashWeights { stage, mb } => write!(f, "stash {stage} {mb}"),
+            Instr::RestoreWeights { stage, mb } => write!(f, "restore {stage} {mb}"),
+            Instr::OptimizerStep { stage } => write!(f, "step {stage}"),
+            Instr::Free { stage, mb } => write!(f, "free {stage} {mb}"),
+        }
+    }
+}

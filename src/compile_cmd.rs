@@ -1,0 +1,183 @@
+//! `pipec compile`: spec → plan, with the plan's files written atomically.
+
+use std::path::{Path, PathBuf};
+
+use pipec_compiler::compile::device_rows;
+use pipec_compiler::lower::compute_order;
+use pipec_compiler::memory::table;
+use pipec_compiler::render::{human_time, memory_svg, timeline_svg, trace_json};
+use pipec_compiler::schedule::TaskKind;
+use pipec_compiler::{compile, CompileOptions, Compiled};
+use pipec_grammar::diagnostic::{render_human, render_json, Diagnostic};
+
+use crate::check_cmd::read_spec;
+use crate::output::write_atomic;
+use crate::{Format, EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
+
+/// What `--emit` prints on standard output.
+#[derive(Clone, Copy, Debug, clap::ValueEnum, PartialEq, Eq)]
+pub enum Emit {
+    /// The IR dump.
+    Ir,
+    /// The instruction streams in text form.
+    Streams,
+    /// plan.json.
+    Plan,
+    /// The per-device memory table.
+    Memory,
+    /// The compute order as torch.distributed.pipelining CSV (one row per rank).
+    TorchCsv,
+}
+
+/// The outcome of compiling a spec file: the compiled plan, or the exit code already earned.
+pub fn compile_file(path: &Path, format: Format, color: bool, profile: Option<&Path>) -> Result<(Compiled, String), u8> {
+    let source = read_spec(path).map_err(|e| {
+        eprintln!("error: {e}");
+        EXIT_USAGE
+    })?;
+    let name = path.display().to_string();
+    let report = |diags: &[Diagnostic]| match format {
+        Format::Human => eprint!("{}", render_human(&name, &source, diags, color)),
+        Format::Json => print!("{}", render_json(&name, &source, diags)),
+    };
+    let checked = pipec_grammar::check_source(&source);
+    if !checked.diagnostics.is_empty() {
+        report(&checked.diagnostics);
+    }
+    let Some(spec) = checked.spec else {
+        if format == Format::Human {
+            eprintln!("{name}: not compiled: {} error(s)", checked.diagnostics.iter().filter(|d| d.is_error()).count());
+        }
+        return Err(EXIT_DIAGNOSTICS);
+    };
+    let profile = match profile {
+        None => None,
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| {
+                eprintln!("error: cannot read profile `{}`: {e}", p.display());
+                EXIT_USAGE
+            })?;
+            Some(serde_json::from_str(&text).map_err(|e| {
+                eprintln!("error: `{}` is not a pipec profile: {e}", p.display());
+                EXIT_USAGE
+            })?)
+        }
+    };
+    let options = CompileOptions { profile, base_dir: path.parent().map(Path::to_path_buf) };
+    match compile(&spec, &options) {
+        Err(diags) => {
+            report(&diags);
+            Err(EXIT_DIAGNOSTICS)
+        }
+        Ok(compiled) => {
+            if !compiled.diagnostics.is_empty() {
+                report(&compiled.diagnostics);
+            }
+            if compiled.has_errors() {
+                if format == Format::Human {
+                    eprintln!("{name}: the plan is infeasible; nothing written");
+                }
+                return Err(EXIT_DIAGNOSTICS);
+            }
+            Ok((compiled, source))
+        }
+    }
+}
+
+pub fn run(path: &Path, out: Option<PathBuf>, emit: Option<Emit>, format: Format, color: bool, profile: Option<&Path>) -> u8 {
+    let (compiled, _) = match compile_file(path, format, color, profile) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let plan = &compiled.plan;
+    let dir = out.unwrap_or_else(|| PathBuf::from("out").join(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plan")));
+    let plan_json = match serde_json::to_string_pretty(plan) {
+        Ok(s) => s + "\n",
+        Err(e) => {
+            eprintln!("error: cannot serialise the plan: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let files: [(&str, String); 4] = [
+        ("plan.json", plan_json.clone()),
+        ("timeline.svg", timeline_svg(plan, &compiled.timeline)),
+        ("memory.svg", memory_svg(plan)),
+        ("trace.json", trace_json(plan, &compiled.timeline).to_string()),
+    ];
+    for (file, contents) in &files {
+        if let Err(e) = write_atomic(&dir.join(file), contents.as_bytes()) {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    }
+    match emit {
+        Some(Emit::Ir) => print!("{}", compiled.graph),
+        Some(Emit::Streams) => print!("{}", plan.streams_text()),
+        Some(Emit::Plan) => print!("{plan_json}"),
+        Some(Emit::Memory) => print!("{}", memory_table(plan)),
+        Some(Emit::TorchCsv) => print!("{}", torch_csv(plan)),
+        None => {}
+    }
+    if format == Format::Human {
+        eprint!("{}", summary(plan, &dir));
+    }
+    EXIT_OK
+}
+
+fn memory_table(plan: &pipec_plan::Plan) -> String {
+    let rows = device_rows(plan);
+    let with_memory: Vec<_> = rows.iter().zip(&plan.devices).map(|((id, st, r), d)| (*id, st.clone(), *r, &d.memory)).collect();
+    table(&with_memory)
+}
+
+fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
+    let sim = &plan.simulation;
+    let headroom = plan.devices.iter().filter(|d| d.memory.capacity > 0).map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64).fold(f64::INFINITY, f64::min);
+    let mut s = String::new();
+    s.push_str(&format!("{}: {} schedule, layout {} ({} stage(s) on {} device(s)), {} microbatches of {}\n", plan.name, plan.schedule.kind, plan.partition, plan.stages.len(), plan.devices.len(), plan.training.microbatches, plan.training.microbatch_size));
+    for st in &plan.stages {
+        s.push_str(&format!(
+            "  {}: layers {}..{} on {} ({} params), fwd {} bwd {} per microbatch\n",
+            st.id,
+            st.layers[0],
+            st.layers[1],
+            st.replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+            st.parameters,
+            human_time(st.forward_s),
+            human_time(st.backward_s)
+        ));
+    }
+    s.push_str(&format!(
+        "predicted step {}, bubble {:.1}%, {:.1} samples/s; tightest memory headroom {:.1}%\n",
+        human_time(sim.step_time_s),
+        sim.bubble_fraction * 100.0,
+        sim.throughput_samples_per_s,
+        headroom * 100.0
+    ));
+    s.push_str(&memory_table(plan));
+    s.push_str(&format!("wrote {}/{{plan.json, timeline.svg, memory.svg, trace.json}}\n", dir.display()));
+    s
+}
+
+/// The compute order per rank in torch.distributed.pipelining's CSV form (`0F0,0F1,...`,
+/// I/W for the split backward), one row per device.
+pub fn torch_csv(plan: &pipec_plan::Plan) -> String {
+    let mut out = String::new();
+    for stream in plan.streams.values() {
+        let row: Vec<String> = compute_order(stream)
+            .iter()
+            .map(|t| {
+                let k = match t.kind {
+                    TaskKind::Forward => "F",
+                    TaskKind::Backward => "B",
+                    TaskKind::BackwardInput => "I",
+                    TaskKind::BackwardWeight => "W",
+                };
+                format!("{}{k}{}", t.stage.0, t.mb.0)
+            })
+            .collect();
+        out.push_str(&row.join(","));
+        out.push('\n');
+    }
+    out
+}
