@@ -134,7 +134,11 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
 
     // Verify (a failure is a compiler bug).
     let split = matches!(kind, ScheduleKind::ZbH1 | ScheduleKind::Zbv);
-    let violations = verify(&VerifyInput { streams: &streams, placement: &placement, groups: &groups, split_backward: split });
+    let violations = verify(&VerifyInput { streams: &streams, placement: &placement, groups: &groups, split_backward: split, recompute: strategy.recompute, update_every: match updates {
+        Updates::PerStep => None,
+        Updates::PerMicrobatch => Some(1),
+        Updates::Every(k) => Some(k),
+    } });
     if !violations.is_empty() {
         let mut text = String::new();
         for v in violations.iter().take(8) {
@@ -168,6 +172,17 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
         let memory = device_memory(stream, &stage_bytes, strategy.recompute, weight_cap, cluster.memory);
         let held = placement.stages_of(*d).into_iter().map(|s| StageId(s as u32)).collect::<Vec<_>>();
         devices.push(DevicePlan { id: *d, node: cluster.node_of(*d), stages: held, memory, peak_in_flight: crate::memory::peak_in_flight(stream) });
+    }
+    // Tensor-parallel followers hold a shard the size of their group leader's.
+    if tp > 1 {
+        for d in 0..devices.len() {
+            let leader = d - d % tp;
+            if leader != d {
+                devices[d].memory = devices[leader].memory.clone();
+                devices[d].stages = devices[leader].stages.clone();
+                devices[d].peak_in_flight = devices[leader].peak_in_flight.clone();
+            }
+        }
     }
     memory_diagnostics(spec, &devices, &stage_bytes, &placement, &mut diagnostics);
     if bubble > 0.5 && strategy.schedule.kind != ScheduleKind::DpOnly {

@@ -71,7 +71,8 @@ pub fn generate(kind: ScheduleKind, placement: &Placement, pipeline_ranks: usize
         ScheduleKind::Gpipe => gpipe(placement),
         ScheduleKind::OneFOneB | ScheduleKind::PipeDream | ScheduleKind::TwoBw | ScheduleKind::DpOnly => one_f_one_b(placement),
         ScheduleKind::Interleaved => interleaved(placement, pipeline_ranks),
-        ScheduleKind::ZbH1 | ScheduleKind::Zbv => zero_bubble(placement),
+        ScheduleKind::ZbH1 => zb_h1(placement),
+        ScheduleKind::Zbv => zero_bubble(placement),
         ScheduleKind::Chimera => chimera(placement),
     }
 }
@@ -176,11 +177,51 @@ fn interleaved(p: &Placement, ranks: usize) -> Order {
     order
 }
 
-/// Zero-bubble schedules (ZB-H1, and ZBV with its V-shaped placement): a unit-time list
+/// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B with the backward
+/// split into the input gradient (I) and the weight gradient (W). Stage s runs 1F1B's
+/// warm-up, then F + I pairs; its first `s` weight passes are deferred (stage s idles
+/// longest in the cool-down) and run at the end, filling the cool-down bubble. Peak
+/// activation memory over the pipeline stays 1F1B's: stage s keeps (D − s) + s microbatches.
+fn zb_h1(p: &Placement) -> Order {
+    let mut order = vec![Vec::new(); p.devices];
+    for (d, tasks) in order.iter_mut().enumerate() {
+        let dev = DeviceId(d as u32);
+        for s in p.stages_of(dev) {
+            let local = p.local_microbatches(s, dev);
+            let n = local.len();
+            let ranks_after = in_flight_target(p, s);
+            let rank = p.stages() - ranks_after; // position in the pipeline
+            let warmup = ranks_after.saturating_sub(1).min(n);
+            let deferred = rank;
+            let mut next_w = 0;
+            for &m in &local[..warmup] {
+                tasks.push(Task::new(TaskKind::Forward, s, m));
+            }
+            for k in 0..n {
+                if warmup + k < n {
+                    tasks.push(Task::new(TaskKind::Forward, s, local[warmup + k]));
+                }
+                tasks.push(Task::new(TaskKind::BackwardInput, s, local[k]));
+                if k >= deferred {
+                    tasks.push(Task::new(TaskKind::BackwardWeight, s, local[next_w]));
+                    next_w += 1;
+                }
+            }
+            while next_w < n {
+                tasks.push(Task::new(TaskKind::BackwardWeight, s, local[next_w]));
+                next_w += 1;
+            }
+        }
+    }
+    order
+}
+
+/// Zero-bubble V schedule (ZBV, with its V-shaped placement): a unit-time list
 /// scheduler with the paper's priorities — input-gradient backward first (it unblocks the
 /// previous stage), then a forward while the device's in-flight activations stay within
 /// 1F1B's bound, then a deferred weight-gradient pass to fill what would be a bubble.
 fn zero_bubble(p: &Placement) -> Order {
+    // ZBV's per-device bound: 1F1B's peak of the device's first chunk.
     let limit = |dev: DeviceId| -> usize {
         // 1F1B's peak, in stage-activations: S − s for the first stage a device holds
         // (for ZBV the two half-size chunks of a device count as one full stage each).

@@ -62,8 +62,8 @@ pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<Group
     let devices: Vec<DeviceId> = streams.keys().copied().collect();
     let mut pc: HashMap<DeviceId, usize> = devices.iter().map(|d| (*d, 0)).collect();
     let mut clock: HashMap<DeviceId, f64> = devices.iter().map(|d| (*d, 0.0)).collect();
-    // messages in flight per link, in send order: (key, arrival time)
-    let mut links: HashMap<(DeviceId, DeviceId), VecDeque<((u8, u32, u32, u64), f64)>> = HashMap::new();
+    // messages in flight per link, in send order: (key, send time, arrival time)
+    let mut links: HashMap<(DeviceId, DeviceId), VecDeque<((u8, u32, u32, u64), f64, f64)>> = HashMap::new();
     // collectives: per group, the k-th call's arrivals
     let mut calls_made: HashMap<(GroupId, DeviceId), usize> = HashMap::new();
     let mut waiting: HashMap<(GroupId, usize), Vec<(DeviceId, f64, u64, u32)>> = HashMap::new();
@@ -83,7 +83,7 @@ pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<Group
                 Instr::SendActivation { peer, bytes, .. } | Instr::SendGradient { peer, bytes, .. } => {
                     let arrival = now + cost.transfer(dev, *peer, *bytes);
                     if let Some(key) = message_key(ins) {
-                        links.entry((dev, *peer)).or_default().push_back((key, arrival));
+                        links.entry((dev, *peer)).or_default().push_back((key, now, arrival));
                     }
                     events.push(Event { device: dev, index: i, start: now, end: now, phase: Phase::Communication });
                     if !queued.get(peer).copied().unwrap_or(true) {
@@ -96,15 +96,18 @@ pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<Group
                     let q = links.entry((*peer, dev)).or_default();
                     match q.front() {
                         None => break, // blocked: woken by the peer's next send
-                        Some((key, arrival)) => {
+                        Some((key, sent, arrival)) => {
                             if Some(*key) != want {
                                 error = Some(format!("{dev} receives `{ins}` but the next message from {peer} is a different one (out-of-order matching)"));
                                 break;
                             }
-                            let start = now.max(*arrival);
+                            // Only the transfer itself is communication; waiting for the peer
+                            // to produce the message is idle time (bubble).
+                            let done = now.max(*arrival);
+                            let start = now.max(*sent);
                             q.pop_front();
-                            events.push(Event { device: dev, index: i, start: now, end: start, phase: Phase::Communication });
-                            clock.insert(dev, start);
+                            events.push(Event { device: dev, index: i, start: start.min(done), end: done, phase: Phase::Communication });
+                            clock.insert(dev, done);
                         }
                     }
                 }

@@ -29,11 +29,17 @@ pub struct VerifyInput<'a> {
     pub groups: &'a HashMap<GroupId, Vec<DeviceId>>,
     /// Whether the backward is split (zero-bubble).
     pub split_backward: bool,
+    /// Whether forwards keep only their input (activation recompute before the backward).
+    pub recompute: bool,
+    /// Local backwards per optimizer step: None = one step per stage after all of them
+    /// (flush schedules); Some(1) = PipeDream's update per microbatch; Some(k) = 2BW.
+    pub update_every: Option<usize>,
 }
 
 /// Checks every property; returns all violations found (empty = the plan is sound).
 pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
     let mut out = Vec::new();
+    check_unique(input, &mut out);
     check_compute(input, &mut out);
     check_dataflow(input, &mut out);
     check_updates(input, &mut out);
@@ -46,6 +52,49 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
         }
     }
     out
+}
+
+/// Apart from collectives and optimizer steps (which asynchronous schedules repeat), an
+/// instruction appears at most once in a stream; loads happen once per microbatch where
+/// the first and last stages run it.
+fn check_unique(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
+    let p = input.placement;
+    let last = p.stages().saturating_sub(1);
+    let mut loads: HashMap<(u32, u32), usize> = HashMap::new();
+    for (dev, stream) in input.streams {
+        let mut seen: HashSet<&Instr> = HashSet::new();
+        for (i, ins) in stream.iter().enumerate() {
+            if matches!(ins, Instr::AllReduce { .. } | Instr::OptimizerStep { .. }) {
+                continue;
+            }
+            if !seen.insert(ins) {
+                out.push(v(*dev, i, format!("`{ins}` appears twice on {dev}")));
+            }
+            if let Instr::LoadMicrobatch { stage, mb, inputs, labels } = ins {
+                let s = stage.0 as usize;
+                let want = (s == 0, s == last);
+                if (*inputs, *labels) != want || (!want.0 && !want.1) {
+                    out.push(v(*dev, i, format!("`{ins}`: stage {stage} loads {}", if want.0 || want.1 { "the wrong parts of the microbatch" } else { "nothing" })));
+                }
+                if p.device_of(s, mb.0 as usize) != *dev {
+                    out.push(v(*dev, i, format!("`{ins}` on {dev}, but the microbatch runs on {}", p.device_of(s, mb.0 as usize))));
+                }
+                *loads.entry((stage.0, mb.0)).or_insert(0) += 1;
+            }
+        }
+    }
+    let mut load_stages = vec![0];
+    if last != 0 {
+        load_stages.push(last);
+    }
+    for s in load_stages {
+        for m in 0..p.microbatches {
+            let n = loads.get(&(s as u32, m as u32)).copied().unwrap_or(0);
+            if n != 1 {
+                out.push(Violation { device: Some(p.device_of(s, m)), index: None, message: format!("microbatch m{m} is loaded {n} time(s) for stage s{s}") });
+            }
+        }
+    }
 }
 
 /// Every (stage, microbatch) runs its forward once, on its routed device, before exactly one
@@ -119,7 +168,17 @@ fn check_compute(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
 fn check_dataflow(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     let last = StageId(input.placement.stages().saturating_sub(1) as u32);
     for (dev, stream) in input.streams {
+        check_stream_dataflow(input, *dev, stream, last, out);
+    }
+}
+
+fn check_stream_dataflow(input: &VerifyInput<'_>, dev: DeviceId, stream: &[Instr], last: StageId, out: &mut Vec<Violation>) {
+    let dev = &dev;
+    {
         let mut live: HashSet<Buffer> = HashSet::new();
+        let mut stashed: HashSet<(StageId, pipec_plan::MicrobatchId)> = HashSet::new();
+        let mut restored: HashSet<(StageId, pipec_plan::MicrobatchId)> = HashSet::new();
+        let mut forwarded: HashSet<(StageId, pipec_plan::MicrobatchId)> = HashSet::new();
         for s in input.placement.stages_of(*dev) {
             live.insert(Buffer::Weights { stage: StageId(s as u32) });
         }
@@ -139,9 +198,29 @@ fn check_dataflow(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 live.remove(&Buffer::Saved { stage: *stage, mb: *mb });
             }
             if let Instr::RestoreWeights { stage, mb } = ins {
+                if !forwarded.contains(&(*stage, *mb)) {
+                    out.push(v(*dev, i, format!("`{ins}` comes before the forward of {mb}: stashed weights are restored for the backward")));
+                }
                 live.remove(&Buffer::Stash { stage: *stage, mb: *mb });
+                restored.insert((*stage, *mb));
+            }
+            if let Instr::StashWeights { stage, mb } = ins {
+                stashed.insert((*stage, *mb));
+            }
+            if let Instr::Forward { stage, mb } = ins {
+                forwarded.insert((*stage, *mb));
+            }
+            // Weight stashing: a backward uses the weights its forward used.
+            if let Instr::Backward { stage, mb } = ins {
+                if stashed.contains(&(*stage, *mb)) && !restored.contains(&(*stage, *mb)) {
+                    out.push(v(*dev, i, format!("`{ins}` runs before the weights stashed for its forward are restored")));
+                }
             }
             live.extend(ins.writes());
+            if let (Instr::Forward { stage, mb }, true) = (ins, input.recompute) {
+                // the forward keeps only its input; the recompute rebuilds what the backward needs
+                live.remove(&Buffer::Saved { stage: *stage, mb: *mb });
+            }
             if let Instr::Forward { stage, mb } = ins {
                 if *stage == last {
                     if live.contains(&Buffer::Labels { mb: *mb }) {
@@ -150,6 +229,14 @@ fn check_dataflow(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                         out.push(v(*dev, i, format!("`{ins}` computes the loss, but the labels of {mb} were never loaded on {dev}")));
                     }
                 }
+            }
+        }
+        // Nothing the forwards kept may outlive the step.
+        for b in &live {
+            match b {
+                Buffer::Saved { stage, mb } => out.push(Violation { device: Some(*dev), index: None, message: format!("{dev}: the activations {stage} kept for {mb} are never freed") }),
+                Buffer::Stash { stage, mb } => out.push(Violation { device: Some(*dev), index: None, message: format!("{dev}: the weights {stage} stashed for {mb} are never restored for its backward") }),
+                _ => {}
             }
         }
     }
@@ -182,6 +269,12 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     let e = pending.entry(*stage).or_insert((0, false));
                     if e.0 == 0 {
                         out.push(v(*dev, i, format!("`{ins}` applies no gradient")));
+                    }
+                    if let Some(k) = input.update_every {
+                        let later = stream[i + 1..].iter().any(|x| matches!(x, Instr::Backward { stage: s, .. } | Instr::BackwardWeight { stage: s, .. } if s == stage));
+                        if e.0 > k || (e.0 < k && later) {
+                            out.push(v(*dev, i, format!("`{ins}` applies {} microbatches' gradients; this schedule updates every {k}", e.0)));
+                        }
                     }
                     if replicated.contains(&stage.0) && !e.1 {
                         out.push(v(*dev, i, format!("`{ins}` runs before the replicas' gradients are all-reduced")));

@@ -1,0 +1,240 @@
+//! Schedules checked against closed-form results, the verifier against every schedule and
+//! against single-instruction mutations, and golden instruction streams.
+
+use pipec_compiler::schedule::Placement;
+use pipec_compiler::verify::{verify, VerifyInput};
+use pipec_compiler::{compile, CompileOptions, Compiled};
+use pipec_plan::{DeviceId, GroupId, Instr};
+use proptest::prelude::*;
+use std::collections::HashMap;
+
+/// A spec of `layers` equal linear layers on `devices` devices with free communication, so
+/// the simulated bubble is the schedule's own.
+fn spec(devices: usize, microbatches: usize, schedule: &str, layers: usize, stages: &str) -> String {
+    format!(
+        "model:
+  input: [64]
+  layers:
+    - repeat {layers}: linear(64, 64)
+  loss: mse
+cluster:
+  nodes: 1
+  devices_per_node: {devices}
+  device: {{ memory: 64GiB, throughput: 1GFLOP/s }}
+  links:
+    intra_node: {{ bandwidth: 1000000TB/s, latency: 0us }}
+strategy:
+  stages: {stages}
+  schedule: {schedule}
+  microbatches: {microbatches}
+training:
+  batch_size: {}
+  steps: 1
+  optimizer: {{ kind: sgd, lr: 0.1 }}
+",
+        microbatches * 4
+    )
+}
+
+fn build(text: &str) -> Compiled {
+    let checked = pipec_grammar::check_source(text);
+    let spec = checked.spec.unwrap_or_else(|| panic!("spec has errors: {:?}\n{text}", checked.diagnostics));
+    compile(&spec, &CompileOptions::default()).unwrap_or_else(|d| panic!("compile failed: {d:?}"))
+}
+
+/// Equal up to the (tiny, non-zero) transfer times of the nearly free links.
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-6
+}
+
+#[test]
+fn gpipe_and_1f1b_bubble_is_closed_form() {
+    for d in [2usize, 3, 4, 8] {
+        for n in [1usize, 2, 4, 8, 16] {
+            for sched in ["gpipe", "1f1b"] {
+                let plan = build(&spec(d, n, sched, d * 2, "straight")).plan;
+                let expected = (d as f64 - 1.0) / (d as f64 - 1.0 + n as f64);
+                assert!(close(plan.simulation.bubble_fraction, expected), "{sched} D={d} N={n}: bubble {} expected {expected}", plan.simulation.bubble_fraction);
+            }
+        }
+    }
+}
+
+#[test]
+fn interleaved_bubble_is_closed_form() {
+    for d in [2usize, 4] {
+        for v in [2usize, 3] {
+            for n in [d, 2 * d, 4 * d] {
+                let sched = format!("{{ kind: interleaved, virtual_stages: {v} }}");
+                let plan = build(&spec(d, n, &sched, d * v * 2, "straight")).plan;
+                let expected = (d as f64 - 1.0) / (d as f64 - 1.0 + (v * n) as f64);
+                assert!(close(plan.simulation.bubble_fraction, expected), "interleaved D={d} V={v} N={n}: bubble {} expected {expected}", plan.simulation.bubble_fraction);
+            }
+        }
+    }
+}
+
+#[test]
+fn in_flight_microbatches_are_closed_form() {
+    for d in [2usize, 4] {
+        for n in [1usize, 3, 8] {
+            let onefb = build(&spec(d, n, "1f1b", d, "straight")).plan;
+            let gpipe = build(&spec(d, n, "gpipe", d, "straight")).plan;
+            for s in 0..d {
+                let stage = pipec_plan::StageId(s as u32);
+                assert_eq!(onefb.devices[s].peak_in_flight[&stage] as usize, n.min(d - s), "1F1B D={d} N={n} stage {s}");
+                assert_eq!(gpipe.devices[s].peak_in_flight[&stage] as usize, n, "GPipe D={d} N={n} stage {s}");
+            }
+        }
+    }
+}
+
+#[test]
+fn zero_bubble_h1_beats_1f1b_with_the_same_memory() {
+    // ZB-H1 (Qi et al. 2024): with F = B_input = B_weight the bubble shrinks to about a
+    // third of 1F1B's, at 1F1B's peak activation memory.
+    for d in [2usize, 4, 8] {
+        let n = 3 * d;
+        let zb = build(&spec(d, n, "zb-h1", d, "straight")).plan;
+        let ob = build(&spec(d, n, "1f1b", d, "straight")).plan;
+        let zb_idle = zb.simulation.bubble_fraction * zb.simulation.step_time_s;
+        let ob_idle = ob.simulation.bubble_fraction * ob.simulation.step_time_s;
+        // In units of one pass (F = I = W = t): 1F1B idles 3(D−1)t per device, ZB-H1 (D−1)t.
+        let t = zb.stages[0].forward_s;
+        let per_device_zb = zb_idle * d as f64;
+        let per_device_ob = ob_idle * d as f64;
+        assert!((per_device_ob / d as f64 - 3.0 * (d as f64 - 1.0) * t).abs() < 1e-6 * per_device_ob.max(1e-12) + 1e-9, "D={d}: 1f1b idle {per_device_ob} vs closed form");
+        assert!((per_device_zb / d as f64 - (d as f64 - 1.0) * t).abs() < 1e-6 * per_device_ob.max(1e-12) + 1e-9, "D={d}: zb-h1 idle {per_device_zb} per device vs (D-1)t = {}", (d as f64 - 1.0) * t);
+        // Peak activation memory over the pipeline equals 1F1B's (D microbatches).
+        let peak = |p: &pipec_plan::Plan| p.devices.iter().flat_map(|d| d.peak_in_flight.values().copied()).max().unwrap_or(0);
+        assert_eq!(peak(&zb), peak(&ob), "D={d}");
+    }
+}
+
+#[test]
+fn chimera_has_fewer_bubbles_than_1f1b() {
+    // Chimera (Li & Hoefler 2021): two opposite pipelines fill each other's bubbles.
+    for d in [2usize, 4, 6] {
+        let n = d;
+        let ch = build(&spec(d, n, "chimera", d, "straight")).plan;
+        let ob = build(&spec(d, n, "1f1b", d, "straight")).plan;
+        assert!(ch.simulation.bubble_fraction < ob.simulation.bubble_fraction, "D={d}: chimera {} vs 1f1b {}", ch.simulation.bubble_fraction, ob.simulation.bubble_fraction);
+    }
+}
+
+fn verify_plan(c: &Compiled, streams: &std::collections::BTreeMap<DeviceId, Vec<Instr>>) -> Vec<String> {
+    let plan = &c.plan;
+    let placement = Placement {
+        replicas: plan.stages.iter().map(|s| s.replicas.clone()).collect(),
+        route: plan.stages.iter().map(|s| s.route.clone()).collect(),
+        devices: plan.devices.len(),
+        microbatches: plan.training.microbatches,
+    };
+    let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
+    let split = matches!(plan.schedule.kind.as_str(), "zb-h1" | "zbv");
+    verify(&VerifyInput { streams, placement: &placement, groups: &groups, split_backward: split, recompute: plan.training.recompute, update_every: match plan.schedule.kind.as_str() {
+        "pipedream" => Some(1),
+        "2bw" => Some(plan.devices.len().min(plan.stages.len())),
+        _ => None,
+    } }).into_iter().map(|v| v.message).collect()
+}
+
+/// One small plan of every schedule.
+fn every_schedule() -> Vec<(&'static str, Compiled)> {
+    vec![
+        ("gpipe", build(&spec(3, 4, "gpipe", 6, "straight"))),
+        ("1f1b", build(&spec(3, 4, "1f1b", 6, "straight"))),
+        ("interleaved", build(&spec(2, 4, "{ kind: interleaved, virtual_stages: 2 }", 8, "straight"))),
+        ("pipedream", build(&spec(4, 4, "pipedream", 6, "\"2-1-1\""))),
+        ("2bw", build(&spec(3, 6, "2bw", 6, "straight"))),
+        ("chimera", build(&spec(4, 4, "chimera", 8, "straight"))),
+        ("zb-h1", build(&spec(3, 4, "zb-h1", 6, "straight"))),
+        ("zbv", build(&spec(2, 4, "zbv", 8, "straight"))),
+        ("dp-only", build(&spec(2, 4, "dp-only", 4, "\"2\""))),
+        ("hybrid-1f1b", build(&spec(4, 4, "1f1b", 4, "\"2-2\""))),
+    ]
+}
+
+#[test]
+fn golden_streams_for_every_schedule() {
+    for (name, c) in every_schedule() {
+        assert!(verify_plan(&c, &c.plan.streams).is_empty());
+        insta::assert_snapshot!(format!("streams__{name}"), c.plan.streams_text());
+    }
+}
+
+#[test]
+fn every_single_instruction_mutation_is_caught() {
+    for (name, c) in every_schedule() {
+        let streams = &c.plan.streams;
+        let mut mutations = 0;
+        for (dev, stream) in streams {
+            for i in 0..stream.len() {
+                // drop
+                let mut m = streams.clone();
+                m.get_mut(dev).expect("device").remove(i);
+                assert!(!verify_plan(&c, &m).is_empty(), "{name}: dropping {dev}[{i}] `{}` was not caught", stream[i]);
+                // duplicate
+                let mut m = streams.clone();
+                m.get_mut(dev).expect("device").insert(i, stream[i].clone());
+                assert!(!verify_plan(&c, &m).is_empty(), "{name}: duplicating {dev}[{i}] `{}` was not caught", stream[i]);
+                // swap with the next instruction (a reordering), when it changes anything
+                if i + 1 < stream.len() && stream[i] != stream[i + 1] && !commutes(&stream[i], &stream[i + 1]) {
+                    let mut m = streams.clone();
+                    m.get_mut(dev).expect("device").swap(i, i + 1);
+                    assert!(!verify_plan(&c, &m).is_empty(), "{name}: swapping {dev}[{i}] `{}` and `{}` was not caught", stream[i], stream[i + 1]);
+                }
+                mutations += 3;
+            }
+        }
+        assert!(mutations > 0);
+    }
+}
+
+/// Two adjacent instructions whose order does not matter, so swapping them yields another
+/// valid program rather than a bug: neither writes a buffer the other reads or writes
+/// (no read-after-write, write-after-read or write-after-write dependency), they use
+/// different links, and they are not both collectives.
+fn commutes(a: &Instr, b: &Instr) -> bool {
+    let conflict = |x: &Instr, y: &Instr| x.writes().iter().any(|w| y.reads().contains(w) || y.writes().contains(w));
+    // Free ends the life of Saved: it conflicts with anything that touches Saved.
+    let frees = |x: &Instr, y: &Instr| matches!(x, Instr::Free { stage, mb } if y.reads().iter().chain(y.writes().iter()).any(|b| *b == pipec_plan::Buffer::Saved { stage: *stage, mb: *mb }));
+    let shared = conflict(a, b) || conflict(b, a) || frees(a, b) || frees(b, a);
+    let link = |i: &Instr| match *i {
+        Instr::SendActivation { peer, .. } | Instr::SendGradient { peer, .. } => Some((0, peer)),
+        Instr::RecvActivation { peer, .. } | Instr::RecvGradient { peer, .. } => Some((1, peer)),
+        Instr::AllReduce { group, .. } => Some((2, DeviceId(group.0))),
+        _ => None,
+    };
+    let same_link = link(a).is_some() && link(a) == link(b);
+    !shared && !same_link
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn verifier_accepts_every_generated_plan(d in 2usize..6, n_mult in 1usize..4, v in 2usize..4, sched in 0usize..8, extra_layers in 0usize..5) {
+        let n = d * n_mult;
+        let (schedule, layers) = match sched {
+            0 => ("gpipe".to_string(), d + extra_layers),
+            1 => ("1f1b".to_string(), d + extra_layers),
+            2 => (format!("{{ kind: interleaved, virtual_stages: {v} }}"), d * v + extra_layers),
+            3 => ("pipedream".to_string(), d + extra_layers),
+            4 => ("2bw".to_string(), d + extra_layers),
+            5 => ("zb-h1".to_string(), d + extra_layers),
+            6 => ("zbv".to_string(), 2 * d + extra_layers),
+            _ => ("chimera".to_string(), d + extra_layers),
+        };
+        prop_assume!(sched != 7 || (d % 2 == 0 && n % 2 == 0));
+        let c = build(&spec(d, n, &schedule, layers, "straight"));
+        prop_assert!(verify_plan(&c, &c.plan.streams).is_empty());
+        // every device finishes and every layer is in exactly one stage
+        let mut covered = vec![0; layers];
+        for s in &c.plan.stages {
+            for l in s.layers[0]..s.layers[1] {
+                covered[l] += 1;
+            }
+        }
+        prop_assert!(covered.iter().all(|&c| c == 1));
+    }
+}
