@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 mod check_cmd;
 mod compile_cmd;
 mod output;
+mod run_cmd;
 
 /// Exit codes, documented in README.md.
 pub const EXIT_OK: u8 = 0;
@@ -51,6 +52,25 @@ enum Command {
     },
     /// Print the JSON Schema of the spec format.
     Schema,
+    /// Compile (or load a plan.json) and train: DIR/metrics.jsonl, trace.json, checkpoints.
+    Run {
+        /// A spec (.yaml) or a compiled plan (plan.json).
+        file: PathBuf,
+        /// Output directory (default: out/<job name>).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// Steps to run (default: the spec's).
+        #[arg(long)]
+        steps: Option<usize>,
+        #[arg(long, value_enum, default_value_t = run_cmd::Backend::Cpu)]
+        backend: run_cmd::Backend,
+        /// Resume from a checkpoint (a run directory, a checkpoints directory or a step-N directory).
+        #[arg(long)]
+        resume: Option<PathBuf>,
+        /// Seconds a worker may wait for a message before the run is declared stuck.
+        #[arg(long, default_value_t = 120)]
+        timeout: u64,
+    },
     /// Compile a spec into a verified, simulated plan: DIR/plan.json, timeline.svg,
     /// memory.svg and trace.json.
     Compile {
@@ -75,6 +95,9 @@ fn main() -> ExitCode {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
         Command::Compile { file, out, emit, profile, format } => compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref()),
+        Command::Run { file, out, steps, backend, resume, timeout } => {
+            run_cmd::run(run_cmd::RunArgs { file, out, steps, backend, resume, timeout_s: timeout, color: std::io::stderr().is_terminal() })
+        }
         Command::Schema => {
             print!("{}", pipec_grammar::schema::json_schema_text());
             EXIT_OK

@@ -1,1 +1,397 @@
-//! placeholder
+//! pipec's executor: trains a compiled plan for real on Burn by interpreting every device's
+//! instruction stream, one worker thread per device (or one MPI rank per device, through the
+//! same [`transport::Endpoint`] trait). The only crate of pipec that links Burn.
+
+pub mod checkpoint;
+pub mod data;
+pub mod layers;
+pub mod rng;
+pub mod transport;
+mod worker;
+
+use std::collections::{BTreeMap, HashMap};
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::channel;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::prelude::*;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use pipec_plan::{DeviceId, Plan, StageId};
+
+use crate::data::Dataset;
+use crate::transport::{Endpoint, Reduce};
+use crate::worker::{build_stages, snapshot, StageOptim, StageState, StepReport, Worker};
+
+pub use worker::StepReport as WorkerStep;
+
+/// Which Burn backend runs the plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Burn's `flex` CPU backend (pure Rust, nothing to install).
+    Cpu,
+    /// Burn's CUDA backend (cargo feature `cuda`).
+    Cuda,
+}
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Steps to run (default: the plan's).
+    pub steps: Option<usize>,
+    pub backend: BackendKind,
+    /// How long a receive may wait before the run is declared stuck.
+    pub timeout: Duration,
+    /// Checkpoint directory (checkpoints are written when the plan asks for them).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Resume from this checkpoint (a step directory, or a directory with `latest`).
+    pub resume: Option<PathBuf>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions { steps: None, backend: BackendKind::Cpu, timeout: Duration::from_secs(120), checkpoint_dir: None, resume: None }
+    }
+}
+
+/// What one training step measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepMetrics {
+    pub step: usize,
+    pub loss: f64,
+    pub step_seconds: f64,
+    pub samples_per_s: f64,
+}
+
+/// What a run produced.
+#[derive(Debug, Clone, Default)]
+pub struct RunReport {
+    pub steps: Vec<StepMetrics>,
+    /// The last step's measured timeline: (device, instruction index, start s, end s).
+    pub trace: Vec<(DeviceId, usize, f64, f64)>,
+    /// Peak microbatches each device kept for the backward, per stage, over the run.
+    pub peak_in_flight: BTreeMap<DeviceId, BTreeMap<StageId, u32>>,
+    /// Peak weight versions alive per stage (live + stashed), over the run.
+    pub peak_versions: BTreeMap<DeviceId, BTreeMap<StageId, u32>>,
+    /// Checkpoints written.
+    pub checkpoints: Vec<PathBuf>,
+}
+
+/// Why a run failed: where, and what happened.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunError {
+    pub device: Option<DeviceId>,
+    pub stage: Option<StageId>,
+    pub step: Option<usize>,
+    pub instruction: Option<String>,
+    pub message: String,
+}
+
+impl RunError {
+    fn plain(message: impl Into<String>) -> Self {
+        RunError { device: None, stage: None, step: None, instruction: None, message: message.into() }
+    }
+}
+
+impl std::fmt::Display for RunError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.device, &self.instruction) {
+            (Some(d), Some(i)) => write!(
+                f,
+                "device {d}{} failed at step {} on `{i}`: {}",
+                self.stage.map(|s| format!(" (stage {s})")).unwrap_or_default(),
+                self.step.unwrap_or(0),
+                self.message
+            ),
+            (Some(d), None) => write!(f, "device {d} failed: {}", self.message),
+            _ => f.write_str(&self.message),
+        }
+    }
+}
+
+/// Whether a CUDA device can be used by this build.
+pub fn cuda_available() -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::available()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err("this pipec was built without CUDA support: rebuild with `cargo build --release --features cuda`".into())
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    /// Checks for a driver and a device without letting cudarc panic.
+    pub fn available() -> Result<(), String> {
+        let lib = ["libcuda.so.1", "libcuda.so"].iter().any(|n| std::path::Path::new("/usr/lib/x86_64-linux-gnu").join(n).exists() || std::path::Path::new("/usr/local/nvidia/lib64").join(n).exists() || std::path::Path::new("/usr/lib64").join(n).exists());
+        let dev = std::path::Path::new("/dev/nvidiactl").exists() || std::path::Path::new("/dev/nvidia0").exists();
+        if lib && dev {
+            Ok(())
+        } else {
+            Err("no CUDA device found (no NVIDIA driver library or device node); run with `--backend cpu`".into())
+        }
+    }
+}
+
+/// Checks that this executor can run the plan.
+pub fn validate(plan: &Plan) -> Result<(), RunError> {
+    if plan.version != pipec_plan::plan::PLAN_VERSION {
+        return Err(RunError::plain(format!("plan format version {} is not supported", plan.version)));
+    }
+    if plan.stages.is_empty() {
+        return Err(RunError::plain("the plan has no stages"));
+    }
+    if plan.training.precision != "fp32" {
+        return Err(RunError::plain(format!("the executor trains in fp32; the plan asks for {} (the compiler accounts memory for it, the CPU backend has no {} kernels)", plan.training.precision, plan.training.precision)));
+    }
+    let devices_in_stages: std::collections::BTreeSet<DeviceId> = plan.stages.iter().flat_map(|s| s.replicas.iter().copied()).collect();
+    let streamed: std::collections::BTreeSet<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
+    if devices_in_stages != streamed {
+        return Err(RunError::plain("the plan's stages and streams name different devices"));
+    }
+    if plan.devices.len() > devices_in_stages.len() && plan.devices.iter().any(|d| !d.stages.is_empty() && !streamed.contains(&d.id)) {
+        return Err(RunError::plain("the plan uses tensor parallelism (tp > 1): it compiles and simulates, but this executor runs tp = 1 plans only"));
+    }
+    Ok(())
+}
+
+/// Runs a plan in this process: one thread per device, channels between them.
+pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<RunReport, RunError> {
+    validate(plan)?;
+    match options.backend {
+        BackendKind::Cpu => {
+            type B = burn::backend::Autodiff<burn::backend::Flex>;
+            run_in_process::<B>(plan, options, Default::default(), on_step)
+        }
+        BackendKind::Cuda => {
+            cuda_available().map_err(RunError::plain)?;
+            #[cfg(feature = "cuda")]
+            {
+                type B = burn::backend::Autodiff<burn::backend::Cuda>;
+                run_in_process::<B>(plan, options, burn::backend::cuda::CudaDevice::new(0), on_step)
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                Err(RunError::plain("CUDA support is not built in"))
+            }
+        }
+    }
+}
+
+enum Event {
+    Step(Box<StepReport>, Option<HashMap<u32, checkpoint::StageCheckpoint>>),
+    Failed(RunError),
+}
+
+struct ParamLoader<'a> {
+    values: &'a HashMap<u64, (Vec<usize>, Vec<f32>)>,
+    missing: Vec<u64>,
+}
+
+impl<B: Backend> ModuleMapper<B> for ParamLoader<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, _) = param.consume();
+        match self.values.get(&id.val()) {
+            Some((shape, v)) if shape.as_slice() == tensor.dims().as_slice() => {
+                let t = Tensor::<B, D>::from_data(TensorData::new(v.clone(), shape.clone()), &tensor.device()).require_grad();
+                Param::initialized(id, t)
+            }
+            _ => {
+                self.missing.push(id.val());
+                Param::initialized(id, tensor)
+            }
+        }
+    }
+}
+
+fn load_checkpoint<B: AutodiffBackend>(stages: &mut HashMap<StageId, StageState<B>>, loaded: &checkpoint::Loaded, dev: &B::Device) -> Result<(), String> {
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    for (id, st) in stages.iter_mut() {
+        let model = st.model.take().ok_or("no model")?;
+        let mut loader = ParamLoader { values: &loaded.params, missing: Vec::new() };
+        let model = model.map(&mut loader);
+        if !loader.missing.is_empty() {
+            return Err(format!("the checkpoint lacks {} parameter(s) of stage {id} (e.g. {})", loader.missing.len(), checkpoint::param_name(loader.missing[0])));
+        }
+        st.model = Some(model);
+        let bytes = loaded.optimizers.get(&id.0).ok_or(format!("the checkpoint has no optimizer state for stage {id}"))?.clone();
+        let optim = std::mem::replace(&mut st.optim, StageOptim::new(&pipec_plan::plan::OptimizerPlan::Sgd { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }));
+        st.optim = match optim {
+            StageOptim::Sgd(o) => {
+                let rec = std::panic::catch_unwind(AssertUnwindSafe(|| recorder.load(bytes.clone(), dev))).map_err(|_| "the optimizer state is corrupt".to_string())?.map_err(|e| format!("{e:?}"))?;
+                StageOptim::Sgd(burn::optim::Optimizer::load_record(o, rec))
+            }
+            StageOptim::Adam(o) => {
+                let rec = std::panic::catch_unwind(AssertUnwindSafe(|| recorder.load(bytes.clone(), dev))).map_err(|_| "the optimizer state is corrupt".to_string())?.map_err(|e| format!("{e:?}"))?;
+                StageOptim::Adam(burn::optim::Optimizer::load_record(o, rec))
+            }
+        };
+    }
+    Ok(())
+}
+
+fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>) -> Result<HashMap<u32, checkpoint::StageCheckpoint>, String> {
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let mut out = HashMap::new();
+    for (id, st) in stages {
+        let model = st.model.as_ref().ok_or("no model")?;
+        let params = snapshot::<B, _>(model).into_iter().map(|(pid, shape, v)| (ParamId::val(&pid), shape, v)).collect();
+        let optimizer = match &st.optim {
+            StageOptim::Sgd(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),
+            StageOptim::Adam(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),
+        }
+        .map_err(|e| format!("{e:?}"))?;
+        out.insert(id.0, checkpoint::StageCheckpoint { params, optimizer });
+    }
+    Ok(out)
+}
+
+/// Runs the workers of `devices` on this process with the given endpoints; used by the
+/// in-process transport (all devices) and by MPI (one device per process).
+pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, options: &RunOptions, dev: B::Device, endpoints: Vec<E>, abort: Arc<AtomicBool>, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<RunReport, RunError> {
+    let data = Dataset::for_plan(plan).map_err(RunError::plain)?;
+    let loaded = match &options.resume {
+        None => None,
+        Some(p) => Some(checkpoint::read(&checkpoint::locate(p).map_err(RunError::plain)?).map_err(RunError::plain)?),
+    };
+    let first_step = loaded.as_ref().map(|l| l.completed_steps).unwrap_or(0);
+    let total_steps = options.steps.unwrap_or(plan.training.steps);
+    let every = plan.training.checkpoint_every.filter(|_| options.checkpoint_dir.is_some());
+    let reduce = if plan.schedule.reduce == "ps" { Reduce::ParameterServer } else { Reduce::Ring };
+    let (tx, rx) = channel::<Event>();
+    let n_workers = endpoints.len();
+    let mut report = RunReport::default();
+    std::thread::scope(|scope| -> Result<(), RunError> {
+        for ep in endpoints {
+            let tx = tx.clone();
+            let abort = abort.clone();
+            let dev = dev.clone();
+            let data = &data;
+            let loaded = loaded.as_ref();
+            scope.spawn(move || {
+                let device = ep.device();
+                let fail = |step: Option<usize>, index: Option<usize>, message: String| {
+                    let stream = &plan.streams[&device];
+                    let ins = index.and_then(|i| stream.get(i));
+                    RunError { device: Some(device), stage: ins.map(pipec_plan::Instr::stage), step, instruction: ins.map(ToString::to_string), message }
+                };
+                let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), RunError> {
+                    let mut stages = build_stages::<B>(plan, device, &dev);
+                    if let Some(l) = loaded {
+                        load_checkpoint(&mut stages, l, &dev).map_err(|e| fail(None, None, e))?;
+                    }
+                    let stream = &plan.streams[&device];
+                    let mut w = Worker::new(device, plan, stream, data, ep, dev.clone(), stages, reduce);
+                    for step in first_step..total_steps {
+                        if abort.load(Ordering::Relaxed) {
+                            return Ok(());
+                        }
+                        let r = w.step(step).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
+                        let ckpt = match every {
+                            Some(k) if (step + 1) % k == 0 || step + 1 == total_steps => Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?),
+                            _ => None,
+                        };
+                        if tx.send(Event::Step(Box::new(r), ckpt)).is_err() {
+                            return Ok(());
+                        }
+                    }
+                    Ok(())
+                }));
+                let err = match outcome {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => Some(e),
+                    Err(panic) => {
+                        let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panicked".into());
+                        Some(fail(None, None, format!("the worker panicked: {msg}")))
+                    }
+                };
+                if let Some(e) = err {
+                    abort.store(true, Ordering::Relaxed);
+                    let _ = tx.send(Event::Failed(e));
+                }
+            });
+        }
+        drop(tx);
+        // The coordinator: gathers every worker's step, reports metrics, writes checkpoints.
+        let mut pending: BTreeMap<usize, Vec<(StepReport, Option<HashMap<u32, checkpoint::StageCheckpoint>>)>> = BTreeMap::new();
+        let mut first_error: Option<RunError> = None;
+        let mut last_done = Instant::now();
+        for ev in rx {
+            match ev {
+                Event::Failed(e) => {
+                    abort.store(true, Ordering::Relaxed);
+                    // Keep the root cause: a worker that was merely stopped reports less.
+                    let secondary = e.message.contains("another worker failed");
+                    if first_error.is_none() || (!secondary && first_error.as_ref().is_some_and(|f| f.message.contains("another worker failed"))) {
+                        first_error = Some(e);
+                    }
+                }
+                Event::Step(r, ck) => {
+                    let step = r.step;
+                    let entry = pending.entry(step).or_default();
+                    entry.push((*r, ck));
+                    if entry.len() == n_workers {
+                        let reports = pending.remove(&step).unwrap_or_default();
+                        let losses: Vec<f32> = reports.iter().flat_map(|(r, _)| r.losses.iter().map(|l| l.1)).collect();
+                        let loss = losses.iter().map(|&l| f64::from(l)).sum::<f64>() / losses.len().max(1) as f64;
+                        let now = Instant::now();
+                        let wall = now.duration_since(last_done).as_secs_f64();
+                        last_done = now;
+                        let step_seconds = reports.iter().map(|(r, _)| r.step_seconds).fold(0.0, f64::max).min(wall.max(f64::MIN_POSITIVE));
+                        let m = StepMetrics { step, loss, step_seconds, samples_per_s: plan.training.batch_size as f64 / step_seconds.max(1e-12) };
+                        on_step(&m);
+                        report.steps.push(m);
+                        report.trace = reports.iter().flat_map(|(r, _)| r.trace.iter().map(move |t| (r.device, t.0, t.1, t.2))).collect();
+                        for (r, _) in &reports {
+                            let e = report.peak_in_flight.entry(r.device).or_default();
+                            for (s, n) in &r.peak_in_flight {
+                                let p = e.entry(*s).or_insert(0);
+                                *p = (*p).max(*n);
+                            }
+                            let v = report.peak_versions.entry(r.device).or_default();
+                            for (s, n) in &r.peak_versions {
+                                let p = v.entry(*s).or_insert(0);
+                                *p = (*p).max(*n);
+                            }
+                        }
+                        if reports.iter().any(|(_, c)| c.is_some()) {
+                            let mut stages = HashMap::new();
+                            for (_, c) in reports {
+                                for (s, st) in c.unwrap_or_default() {
+                                    stages.entry(s).or_insert(st);
+                                }
+                            }
+                            if let Some(dir) = &options.checkpoint_dir {
+                                match checkpoint::write(dir, step + 1, &plan.name, &plan.partition, &stages) {
+                                    Ok(p) => report.checkpoints.push(p),
+                                    Err(e) => {
+                                        abort.store(true, Ordering::Relaxed);
+                                        first_error.get_or_insert(RunError::plain(format!("checkpoint: {e}")));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    })?;
+    Ok(report)
+}
+
+fn run_in_process<B: AutodiffBackend>(plan: &Plan, options: &RunOptions, dev: B::Device, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<RunReport, RunError> {
+    let devices: Vec<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
+    let abort = Arc::new(AtomicBool::new(false));
+    let endpoints = transport::in_process::connect(&devices, abort.clone(), options.timeout);
+    run_workers::<B, _>(plan, options, dev, endpoints, abort, on_step)
+}

@@ -1,0 +1,307 @@
+//! The model's layers as Burn modules, built from the plan's operators with deterministic
+//! initial weights (the same on every device and in every run), and their forward pass on
+//! activations of any rank.
+
+use burn::module::{Module, Param, ParamId};
+use burn::prelude::*;
+use burn::tensor::activation;
+use burn::tensor::module::{avg_pool2d, conv2d, embedding, max_pool2d};
+use burn::tensor::ops::ConvOptions;
+use pipec_plan::model::Op;
+
+use crate::rng::Rng;
+
+/// An activation flowing between layers: its rank varies along the model.
+#[derive(Debug, Clone)]
+pub enum Act<B: Backend> {
+    /// Token ids [batch, seq].
+    Tokens(Tensor<B, 2, Int>),
+    D2(Tensor<B, 2>),
+    D3(Tensor<B, 3>),
+    D4(Tensor<B, 4>),
+}
+
+impl<B: Backend> Act<B> {
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Act::Tokens(t) => t.dims().to_vec(),
+            Act::D2(t) => t.dims().to_vec(),
+            Act::D3(t) => t.dims().to_vec(),
+            Act::D4(t) => t.dims().to_vec(),
+        }
+    }
+}
+
+fn param<B: Backend, const D: usize>(id: u64, values: Vec<f32>, shape: [usize; D], device: &B::Device) -> Param<Tensor<B, D>> {
+    Param::initialized(ParamId::from(id), Tensor::from_data(TensorData::new(values, shape), device).require_grad())
+}
+
+/// Deterministic parameter ids: layer index and slot, so checkpoints and optimizer state are
+/// portable between layouts.
+fn pid(layer: usize, slot: u64) -> u64 {
+    ((layer as u64) << 8) | slot
+}
+
+/// A dense projection (weight [in, out], optional bias).
+#[derive(Module, Debug)]
+pub struct Dense<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
+}
+
+impl<B: Backend> Dense<B> {
+    fn new(layer: usize, slot: u64, seed: u64, fan_in: usize, fan_out: usize, bias: bool, gain: f64, device: &B::Device) -> Self {
+        let k = (gain * 3.0 / fan_in as f64).sqrt();
+        let mut rng = Rng::keyed(&[seed, 10, layer as u64, slot]);
+        Dense {
+            weight: param(pid(layer, slot), rng.uniform_vec(fan_in * fan_out, k), [fan_in, fan_out], device),
+            bias: bias.then(|| param(pid(layer, slot + 1), vec![0.0; fan_out], [fan_out], device)),
+        }
+    }
+
+    fn forward2(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let y = x.matmul(self.weight.val());
+        match &self.bias {
+            Some(b) => y + b.val().unsqueeze::<2>(),
+            None => y,
+        }
+    }
+
+    fn forward3(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, s, d] = x.dims();
+        let y = self.forward2(x.reshape([b * s, d]));
+        let out = y.dims()[1];
+        y.reshape([b, s, out])
+    }
+}
+
+/// Layer normalisation over the last dimension.
+#[derive(Module, Debug)]
+pub struct Norm<B: Backend> {
+    pub gamma: Param<Tensor<B, 1>>,
+    pub beta: Param<Tensor<B, 1>>,
+}
+
+impl<B: Backend> Norm<B> {
+    fn new(layer: usize, slot: u64, dim: usize, device: &B::Device) -> Self {
+        Norm { gamma: param(pid(layer, slot), vec![1.0; dim], [dim], device), beta: param(pid(layer, slot + 1), vec![0.0; dim], [dim], device) }
+    }
+
+    fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let mean = x.clone().mean_dim(D - 1);
+        let centered = x - mean;
+        let var = centered.clone().powi_scalar(2).mean_dim(D - 1);
+        let normed = centered / (var + 1e-5).sqrt();
+        let mut shape = [1usize; D];
+        shape[D - 1] = self.gamma.dims()[0];
+        normed * self.gamma.val().reshape(shape) + self.beta.val().reshape(shape)
+    }
+}
+
+/// A pre-norm transformer block.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub norm1: Norm<B>,
+    pub qkv: Dense<B>,
+    pub proj: Dense<B>,
+    pub norm2: Norm<B>,
+    pub fc1: Dense<B>,
+    pub fc2: Dense<B>,
+    pub heads: usize,
+}
+
+impl<B: Backend> Block<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, s, d] = x.dims();
+        let h = self.heads;
+        let dh = d / h;
+        let qkv = self.qkv.forward3(self.norm1.forward(x.clone()));
+        let split = |i: usize| qkv.clone().narrow(2, i * d, d).reshape([b, s, h, dh]).swap_dims(1, 2);
+        let (q, k, v) = (split(0), split(1), split(2));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt();
+        let attn = activation::softmax(scores, 3);
+        let ctx = attn.matmul(v).swap_dims(1, 2).reshape([b, s, d]);
+        let x = x + self.proj.forward3(ctx);
+        let m = self.fc2.forward3(activation::gelu(self.fc1.forward3(self.norm2.forward(x.clone()))));
+        x + m
+    }
+}
+
+/// A 2-D convolution.
+#[derive(Module, Debug)]
+pub struct Conv<B: Backend> {
+    pub weight: Param<Tensor<B, 4>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    #[module(skip)]
+    pub stride: usize,
+    #[module(skip)]
+    pub padding: usize,
+}
+
+/// A layer without weights; `index` is its global layer index (dropout masks use it).
+#[derive(Module, Debug, Clone)]
+pub struct Stateless {
+    #[module(skip)]
+    pub op: Op,
+    #[module(skip)]
+    pub index: usize,
+}
+
+/// An embedding table [vocab, d].
+#[derive(Module, Debug)]
+pub struct Embed<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+/// One layer of a stage.
+#[derive(Module, Debug)]
+pub enum Layer<B: Backend> {
+    Dense(Dense<B>),
+    Conv(Conv<B>),
+    Norm(Norm<B>),
+    Embedding(Embed<B>),
+    Block(Block<B>),
+    Stateless(Stateless),
+}
+
+impl<B: Backend> Layer<B> {
+    /// Builds layer `index` of the model with its deterministic initial weights.
+    pub fn new(index: usize, op: &Op, seed: u64, device: &B::Device) -> Self {
+        let he = 2.0; // He initialisation for layers followed by ReLU-like activations
+        match *op {
+            Op::Linear { in_features, out_features, bias } => Layer::Dense(Dense::new(index, 0, seed, in_features, out_features, bias, he, device)),
+            Op::Conv2d { in_channels, out_channels, kernel, stride, padding, bias } => {
+                let fan_in = in_channels * kernel * kernel;
+                let k = (he * 3.0 / fan_in as f64).sqrt();
+                let mut rng = Rng::keyed(&[seed, 10, index as u64, 0]);
+                Layer::Conv(Conv {
+                    weight: param(pid(index, 0), rng.uniform_vec(out_channels * fan_in, k), [out_channels, in_channels, kernel, kernel], device),
+                    bias: bias.then(|| param(pid(index, 1), vec![0.0; out_channels], [out_channels], device)),
+                    stride,
+                    padding,
+                })
+            }
+            Op::LayerNorm { dim } => Layer::Norm(Norm::new(index, 0, dim, device)),
+            Op::Embedding { vocab, dim } => {
+                let mut rng = Rng::keyed(&[seed, 10, index as u64, 0]);
+                Layer::Embedding(Embed { weight: param(pid(index, 0), rng.normal_vec(vocab * dim), [vocab, dim], device) })
+            }
+            Op::TransformerBlock { d_model: d, heads, d_ff: f } => Layer::Block(Block {
+                norm1: Norm::new(index, 0, d, device),
+                qkv: Dense::new(index, 2, seed, d, 3 * d, true, 1.0, device),
+                proj: Dense::new(index, 4, seed, d, d, true, 1.0, device),
+                norm2: Norm::new(index, 6, d, device),
+                fc1: Dense::new(index, 8, seed, d, f, true, he, device),
+                fc2: Dense::new(index, 10, seed, f, d, true, 1.0, device),
+                heads,
+            }),
+            _ => Layer::Stateless(Stateless { op: op.clone(), index }),
+        }
+    }
+
+    /// The forward pass. `mask_key` makes dropout masks depend on (step, microbatch) only.
+    pub fn forward(&self, x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>, String> {
+        Ok(match (self, x) {
+            (Layer::Dense(d), Act::D2(t)) => Act::D2(d.forward2(t)),
+            (Layer::Dense(d), Act::D3(t)) => Act::D3(d.forward3(t)),
+            (Layer::Conv(c), Act::D4(t)) => Act::D4(conv2d(t, c.weight.val(), c.bias.as_ref().map(Param::val), ConvOptions::new([c.stride; 2], [c.padding; 2], [1, 1], 1))),
+            (Layer::Norm(n), Act::D2(t)) => Act::D2(n.forward(t)),
+            (Layer::Norm(n), Act::D3(t)) => Act::D3(n.forward(t)),
+            (Layer::Embedding(e), Act::Tokens(t)) => Act::D3(embedding(e.weight.val(), t)),
+            (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t)),
+            (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key)?,
+            (layer, x) => return Err(format!("layer {} cannot take an activation of shape {:?}", layer_name(layer), x.dims())),
+        })
+    }
+}
+
+fn layer_name<B: Backend>(l: &Layer<B>) -> &'static str {
+    match l {
+        Layer::Dense(_) => "linear",
+        Layer::Conv(_) => "conv2d",
+        Layer::Norm(_) => "layernorm",
+        Layer::Embedding(_) => "embedding",
+        Layer::Block(_) => "transformer_block",
+        Layer::Stateless(st) => st.op.name(),
+    }
+}
+
+fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) -> Result<Act<B>, String> {
+    // Apply on a 2-D view and restore the shape.
+    let dims = x.dims();
+    let (flat, restore): (Tensor<B, 2>, Box<dyn Fn(Tensor<B, 2>) -> Act<B>>) = match x {
+        Act::D2(t) => (t, Box::new(Act::D2)),
+        Act::D3(t) => {
+            let [a, b, c] = t.dims();
+            (t.reshape([a, b * c]), Box::new(move |y: Tensor<B, 2>| Act::D3(y.reshape([a, b, c]))))
+        }
+        Act::D4(t) => {
+            let [a, b, c, d] = t.dims();
+            (t.reshape([a, b * c * d]), Box::new(move |y: Tensor<B, 2>| Act::D4(y.reshape([a, b, c, d]))))
+        }
+        Act::Tokens(_) => return Err(format!("an element-wise layer cannot take token ids {dims:?}")),
+    };
+    Ok(restore(f(flat)))
+}
+
+fn stateless<B: Backend>(op: &Op, index: usize, x: Act<B>, training: bool, key: (u64, u64, u64)) -> Result<Act<B>, String> {
+    match *op {
+        Op::Relu => elementwise(x, activation::relu),
+        Op::Gelu => elementwise(x, activation::gelu),
+        Op::Tanh => elementwise(x, activation::tanh),
+        Op::Sigmoid => elementwise(x, activation::sigmoid),
+        Op::Dropout { p } => {
+            if !training || p == 0.0 {
+                return Ok(x);
+            }
+            elementwise(x, |t| {
+                let [rows, cols] = t.dims();
+                let mut rng = Rng::keyed(&[key.0, 20, key.1, key.2, index as u64]);
+                let keep: Vec<f32> = (0..rows * cols).map(|_| if rng.uniform() < p { 0.0 } else { (1.0 / (1.0 - p)) as f32 }).collect();
+                let mask = Tensor::<B, 2>::from_data(TensorData::new(keep, [rows, cols]), &t.device());
+                t * mask
+            })
+        }
+        Op::Flatten => Ok(match x {
+            Act::D2(t) => Act::D2(t),
+            Act::D3(t) => {
+                let [a, b, c] = t.dims();
+                Act::D2(t.reshape([a, b * c]))
+            }
+            Act::D4(t) => {
+                let [a, b, c, d] = t.dims();
+                Act::D2(t.reshape([a, b * c * d]))
+            }
+            Act::Tokens(_) => return Err("flatten cannot take token ids".into()),
+        }),
+        Op::MaxPool2d { kernel, stride } => match x {
+            Act::D4(t) => Ok(Act::D4(max_pool2d(t, [kernel; 2], [stride; 2], [0, 0], [1, 1], false))),
+            other => Err(format!("maxpool2d needs [batch, C, H, W], got {:?}", other.dims())),
+        },
+        Op::AvgPool2d { kernel, stride } => match x {
+            Act::D4(t) => Ok(Act::D4(avg_pool2d(t, [kernel; 2], [stride; 2], [0, 0], true, false))),
+            other => Err(format!("avgpool2d needs [batch, C, H, W], got {:?}", other.dims())),
+        },
+        _ => Err(format!("{} is not a stateless layer", op.name())),
+    }
+}
+
+/// The layers of one stage.
+#[derive(Module, Debug)]
+pub struct StageModel<B: Backend> {
+    pub layers: Vec<Layer<B>>,
+}
+
+impl<B: Backend> StageModel<B> {
+    /// Builds layers `range` of the model.
+    pub fn new(ops: &[Op], first_index: usize, seed: u64, device: &B::Device) -> Self {
+        StageModel { layers: ops.iter().enumerate().map(|(i, op)| Layer::new(first_index + i, op, seed, device)).collect() }
+    }
+
+    pub fn forward(&self, mut x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>, String> {
+        for layer in &self.layers {
+            x = layer.forward(x, training, mask_key)?;
+        }
+        Ok(x)
+    }
+}

@@ -1,0 +1,514 @@
+//! The interpreter: one worker per device executes its instruction stream, step after step,
+//! with an exhaustive `match` on the instruction set. Nothing runs that the plan does not say.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{decay::WeightDecayConfig, Adam, AdamConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
+use burn::prelude::*;
+use burn::tensor::activation;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ElementConversion;
+use pipec_plan::model::Loss;
+use pipec_plan::plan::OptimizerPlan;
+use pipec_plan::{DeviceId, Instr, MicrobatchId, Plan, StageId};
+
+use crate::data::{Dataset, Inputs, Targets};
+use crate::layers::{Act, StageModel};
+use crate::transport::{Endpoint, Message, Reduce, Tag};
+
+/// Everything a worker reports about one step.
+#[derive(Debug, Clone, Default)]
+pub struct StepReport {
+    pub device: DeviceId,
+    pub step: usize,
+    /// (microbatch, loss) for every microbatch whose loss this device computed.
+    pub losses: Vec<(u32, f32)>,
+    /// (instruction index, start s, end s) from the step's start.
+    pub trace: Vec<(usize, f64, f64)>,
+    pub step_seconds: f64,
+    /// Peak microbatches kept for the backward at once, per stage.
+    pub peak_in_flight: HashMap<StageId, u32>,
+    /// Peak weight versions alive at once (live + stashed), per stage.
+    pub peak_versions: HashMap<StageId, u32>,
+}
+
+/// A stage's trainable state on a device.
+pub(crate) struct StageState<B: AutodiffBackend> {
+    pub model: Option<StageModel<B>>,
+    pub optim: StageOptim<B>,
+    /// Accumulated gradients, one flattened tensor per parameter in visiting order.
+    acc: Vec<Option<Tensor<B::InnerBackend, 1>>>,
+    /// Microbatches that contributed to `acc` since the last step.
+    contributions: usize,
+    stash: HashMap<MicrobatchId, StageModel<B>>,
+}
+
+/// The optimizer of a stage.
+pub(crate) enum StageOptim<B: AutodiffBackend> {
+    Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, StageModel<B>, B>),
+    Adam(OptimizerAdaptor<Adam, StageModel<B>, B>),
+}
+
+impl<B: AutodiffBackend> StageOptim<B> {
+    pub fn new(plan: &OptimizerPlan) -> Self {
+        match *plan {
+            OptimizerPlan::Sgd { momentum, weight_decay, .. } => {
+                let mut c = SgdConfig::new();
+                if momentum > 0.0 {
+                    c = c.with_momentum(Some(MomentumConfig { momentum, dampening: 0.0, nesterov: false }));
+                }
+                if weight_decay > 0.0 {
+                    c = c.with_weight_decay(Some(WeightDecayConfig { penalty: weight_decay as f32 }));
+                }
+                StageOptim::Sgd(c.init())
+            }
+            OptimizerPlan::Adam { beta1, beta2, eps, weight_decay, .. } => {
+                let mut c = AdamConfig::new().with_beta_1(beta1 as f32).with_beta_2(beta2 as f32).with_epsilon(eps as f32);
+                if weight_decay > 0.0 {
+                    c = c.with_weight_decay(Some(WeightDecayConfig { penalty: weight_decay as f32 }));
+                }
+                StageOptim::Adam(c.init())
+            }
+        }
+    }
+
+    fn step(&mut self, lr: f64, model: StageModel<B>, grads: GradientsParams) -> StageModel<B> {
+        match self {
+            StageOptim::Sgd(o) => o.step(lr, model, grads),
+            StageOptim::Adam(o) => o.step(lr, model, grads),
+        }
+    }
+}
+
+struct Collect<'a, B: AutodiffBackend> {
+    grads: &'a mut B::Gradients,
+    out: Vec<Option<Tensor<B::InnerBackend, 1>>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let g = param.val().grad_remove(self.grads).map(|g| {
+            let n = g.shape().num_elements();
+            g.reshape([n])
+        });
+        self.out.push(g);
+    }
+}
+
+struct Register<'a, B: AutodiffBackend> {
+    flat: &'a [Option<Tensor<B::InnerBackend, 1>>],
+    scale: f64,
+    next: usize,
+    out: GradientsParams,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Register<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(Some(g)) = self.flat.get(self.next) {
+            let shaped: Tensor<B::InnerBackend, D> = g.clone().reshape(param.shape());
+            let shaped = if self.scale == 1.0 { shaped } else { shaped * self.scale };
+            self.out.register::<B::InnerBackend, D>(param.id, shaped);
+        }
+        self.next += 1;
+    }
+}
+
+/// Parameter ids and values of a model, in visiting order (for checkpoints).
+pub(crate) struct Snapshot<B: Backend> {
+    pub params: Vec<(ParamId, Vec<usize>, Vec<f32>)>,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Snapshot<B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let t = param.val();
+        let values = t.clone().into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
+        self.params.push((param.id, t.dims().to_vec(), values));
+    }
+}
+
+pub(crate) fn snapshot<B: Backend, M: Module<B>>(m: &M) -> Vec<(ParamId, Vec<usize>, Vec<f32>)> {
+    let mut s = Snapshot::<B> { params: Vec::new(), _b: std::marker::PhantomData };
+    m.visit(&mut s);
+    s.params
+}
+
+/// A worker: one device, its stages, its stream.
+pub(crate) struct Worker<'a, B: AutodiffBackend, E: Endpoint> {
+    pub device: DeviceId,
+    pub plan: &'a Plan,
+    pub stream: &'a [Instr],
+    pub data: &'a Dataset,
+    pub ep: E,
+    pub dev: B::Device,
+    pub stages: HashMap<StageId, StageState<B>>,
+    pub reduce: Reduce,
+    // per-step buffers
+    inputs: HashMap<(StageId, MicrobatchId), Act<B>>,
+    labels: HashMap<MicrobatchId, Targets>,
+    saved: HashMap<(StageId, MicrobatchId), (Act<B>, Saved<B>)>,
+    outputs: HashMap<(StageId, MicrobatchId), Message>,
+    grads_in: HashMap<(StageId, MicrobatchId), Message>,
+    input_grads: HashMap<(StageId, MicrobatchId), Message>,
+    pending_weight_grads: HashMap<(StageId, MicrobatchId), Vec<Option<Tensor<B::InnerBackend, 1>>>>,
+    in_flight: HashMap<StageId, u32>,
+}
+
+/// What a forward kept for its backward.
+enum Saved<B: AutodiffBackend> {
+    /// The stage output (tracked).
+    Output(Act<B>),
+    /// The last stage's scaled loss (tracked) and its unscaled value.
+    Loss(Tensor<B, 1>),
+    /// Activation recompute: only the input is kept; the recompute fills this in.
+    Nothing,
+}
+
+fn host_to_act<B: Backend>(shape: &[usize], data: Vec<f32>, dev: &B::Device) -> Result<Act<B>, String> {
+    let td = TensorData::new(data, shape.to_vec());
+    Ok(match shape.len() {
+        2 => Act::D2(Tensor::from_data(td, dev)),
+        3 => Act::D3(Tensor::from_data(td, dev)),
+        4 => Act::D4(Tensor::from_data(td, dev)),
+        n => return Err(format!("cannot carry a rank-{n} activation")),
+    })
+}
+
+fn act_to_message<B: Backend>(a: &Act<B>, tag: Tag) -> Result<Message, String> {
+    let data = match a {
+        Act::D2(t) => t.clone().into_data(),
+        Act::D3(t) => t.clone().into_data(),
+        Act::D4(t) => t.clone().into_data(),
+        Act::Tokens(_) => return Err("token ids cannot cross a stage boundary".into()),
+    };
+    let shape = data.shape.clone();
+    let data = data.convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+    Ok(Message { tag, shape: shape.to_vec(), data })
+}
+
+fn require_grad<B: AutodiffBackend>(a: Act<B>) -> Act<B> {
+    match a {
+        Act::D2(t) => Act::D2(t.require_grad()),
+        Act::D3(t) => Act::D3(t.require_grad()),
+        Act::D4(t) => Act::D4(t.require_grad()),
+        other => other,
+    }
+}
+
+fn detach<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
+    match a {
+        Act::D2(t) => Act::D2(t.clone().detach()),
+        Act::D3(t) => Act::D3(t.clone().detach()),
+        Act::D4(t) => Act::D4(t.clone().detach()),
+        Act::Tokens(t) => Act::Tokens(t.clone()),
+    }
+}
+
+/// Σ(out ⊙ g): back-propagating it injects the received gradient `g` at the output.
+fn dot_with<B: AutodiffBackend>(out: &Act<B>, g: &Message, dev: &B::Device) -> Result<Tensor<B, 1>, String> {
+    let grad = host_to_act::<B>(&g.shape, g.data.clone(), dev)?;
+    Ok(match (out, grad) {
+        (Act::D2(o), Act::D2(g)) => (o.clone() * g).sum(),
+        (Act::D3(o), Act::D3(g)) => (o.clone() * g).sum(),
+        (Act::D4(o), Act::D4(g)) => (o.clone() * g).sum(),
+        (o, g) => return Err(format!("gradient of shape {:?} does not fit the output {:?}", g.dims(), o.dims())),
+    })
+}
+
+fn input_grad<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients, tag: Tag) -> Result<Option<Message>, String> {
+    let g = match x {
+        Act::D2(t) => t.grad_remove(grads).map(|g| g.into_data()),
+        Act::D3(t) => t.grad_remove(grads).map(|g| g.into_data()),
+        Act::D4(t) => t.grad_remove(grads).map(|g| g.into_data()),
+        Act::Tokens(_) => None,
+    };
+    match g {
+        None => Ok(None),
+        Some(d) => {
+            let shape = d.shape.to_vec();
+            Ok(Some(Message { tag, shape, data: d.convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))? }))
+        }
+    }
+}
+
+impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
+    pub fn new(device: DeviceId, plan: &'a Plan, stream: &'a [Instr], data: &'a Dataset, ep: E, dev: B::Device, stages: HashMap<StageId, StageState<B>>, reduce: Reduce) -> Self {
+        Worker {
+            device,
+            plan,
+            stream,
+            data,
+            ep,
+            dev,
+            stages,
+            reduce,
+            inputs: HashMap::new(),
+            labels: HashMap::new(),
+            saved: HashMap::new(),
+            outputs: HashMap::new(),
+            grads_in: HashMap::new(),
+            input_grads: HashMap::new(),
+            pending_weight_grads: HashMap::new(),
+            in_flight: HashMap::new(),
+        }
+    }
+
+    fn last_stage(&self) -> StageId {
+        StageId(self.plan.stages.len().saturating_sub(1) as u32)
+    }
+
+    fn state(&mut self, s: StageId) -> Result<&mut StageState<B>, String> {
+        self.stages.get_mut(&s).ok_or_else(|| format!("{} does not hold {s}", self.device))
+    }
+
+    /// Runs one step of the stream. On failure: the instruction index and the message.
+    pub fn step(&mut self, step: usize) -> Result<StepReport, (usize, String)> {
+        let start = Instant::now();
+        let mut report = StepReport { device: self.device, step, ..Default::default() };
+        let mut versions: HashMap<StageId, u32> = HashMap::new();
+        for (index, ins) in self.stream.iter().enumerate() {
+            let t0 = start.elapsed().as_secs_f64();
+            self.exec(step, ins, &mut report).map_err(|e| (index, e))?;
+            let t1 = start.elapsed().as_secs_f64();
+            report.trace.push((index, t0, t1));
+            for (s, n) in &self.in_flight {
+                let p = report.peak_in_flight.entry(*s).or_insert(0);
+                *p = (*p).max(*n);
+            }
+            for (s, st) in &self.stages {
+                let v = versions.entry(*s).or_insert(0);
+                *v = (*v).max(1 + st.stash.len() as u32);
+            }
+        }
+        if !self.saved.is_empty() || !self.outputs.is_empty() || !self.input_grads.is_empty() {
+            return Err((self.stream.len(), "buffers left over at the end of the step".into()));
+        }
+        report.peak_versions = versions;
+        report.step_seconds = start.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    fn exec(&mut self, step: usize, ins: &Instr, report: &mut StepReport) -> Result<(), String> {
+        let t = &self.plan.training;
+        let n_mb = t.microbatches as f64;
+        match *ins {
+            Instr::LoadMicrobatch { stage, mb, inputs, labels } => {
+                let (x, y) = self.data.microbatch(step, mb.0 as usize, t.microbatch_size, t.batch_size);
+                if inputs {
+                    let mut shape = vec![t.microbatch_size];
+                    shape.extend(&self.plan.model.input);
+                    let act = match x {
+                        Inputs::Features(v) => host_to_act::<B>(&shape, v, &self.dev)?,
+                        Inputs::Tokens(v) => Act::Tokens(Tensor::from_data(TensorData::new(v, shape), &self.dev)),
+                    };
+                    self.inputs.insert((stage, mb), act);
+                }
+                if labels {
+                    self.labels.insert(mb, y);
+                }
+            }
+            Instr::RecvActivation { peer, stage, mb, .. } => {
+                let msg = self.ep.recv(peer, (0, stage.0 - 1, mb.0)).map_err(|e| e.to_string())?;
+                let act = require_grad(host_to_act::<B>(&msg.shape, msg.data, &self.dev)?);
+                self.inputs.insert((stage, mb), act);
+            }
+            Instr::Forward { stage, mb } => {
+                let x = self.inputs.remove(&(stage, mb)).ok_or("its input is missing")?;
+                let key = (self.plan.training.seed, step as u64, u64::from(mb.0));
+                let recompute = self.plan.training.recompute;
+                let is_last = stage == self.last_stage();
+                let model = self.state(stage)?.model.as_ref().ok_or("no model")?;
+                let out = model.forward(x.clone(), true, key)?;
+                let saved = if is_last {
+                    let y = self.labels.get(&mb).ok_or("the labels of this microbatch were not loaded")?;
+                    let loss = loss_of::<B>(self.plan.model.loss, out, y, &self.dev)?;
+                    report.losses.push((mb.0, loss.clone().into_scalar().elem::<f32>()));
+                    Saved::Loss(loss)
+                } else {
+                    self.outputs.insert((stage, mb), act_to_message(&out, (0, stage.0, mb.0))?);
+                    if recompute {
+                        Saved::Nothing
+                    } else {
+                        Saved::Output(out)
+                    }
+                };
+                let x = if recompute { detach(&x) } else { x };
+                self.saved.insert((stage, mb), (x, saved));
+                *self.in_flight.entry(stage).or_insert(0) += 1;
+            }
+            Instr::Recompute { stage, mb } => {
+                let (x, _) = self.saved.remove(&(stage, mb)).ok_or("nothing kept for this microbatch")?;
+                let x = if stage.0 == 0 { x } else { require_grad(x) };
+                let key = (self.plan.training.seed, step as u64, u64::from(mb.0));
+                let model = self.state(stage)?.model.as_ref().ok_or("no model")?;
+                let out = model.forward(x.clone(), true, key)?;
+                let saved = if stage == self.last_stage() {
+                    let y = self.labels.get(&mb).ok_or("labels missing")?;
+                    Saved::Loss(loss_of::<B>(self.plan.model.loss, out, y, &self.dev)?)
+                } else {
+                    Saved::Output(out)
+                };
+                self.saved.insert((stage, mb), (x, saved));
+            }
+            Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } => {
+                let (x, saved) = self.saved.get(&(stage, mb)).ok_or("its forward's activations are missing")?;
+                let target = match saved {
+                    Saved::Loss(l) => l.clone() / n_mb,
+                    Saved::Output(out) => {
+                        let g = self.grads_in.remove(&(stage, mb)).ok_or("the gradient of its output was not received")?;
+                        dot_with::<B>(out, &g, &self.dev)?
+                    }
+                    Saved::Nothing => return Err("recompute was not run before the backward".into()),
+                };
+                let mut grads = target.backward();
+                if stage.0 > 0 {
+                    let g = input_grad::<B>(x, &mut grads, (1, stage.0, mb.0))?.ok_or("no gradient reached the stage input")?;
+                    self.input_grads.insert((stage, mb), g);
+                }
+                let model = self.stages.get(&stage).and_then(|s| s.model.as_ref()).ok_or("no model")?;
+                let mut c = Collect::<B> { grads: &mut grads, out: Vec::new() };
+                model.visit(&mut c);
+                let flat = c.out;
+                if matches!(ins, Instr::Backward { .. }) {
+                    let st = self.state(stage)?;
+                    accumulate::<B>(&mut st.acc, flat);
+                    st.contributions += 1;
+                    st.stash.remove(&mb);
+                } else {
+                    // Burn's autodiff computes input and weight gradients in one pass; the
+                    // weight part is applied when the plan's BackwardWeight comes.
+                    self.pending_weight_grads.insert((stage, mb), flat);
+                }
+            }
+            Instr::BackwardWeight { stage, mb } => {
+                let flat = self.pending_weight_grads.remove(&(stage, mb)).ok_or("the input-gradient pass did not run")?;
+                let st = self.state(stage)?;
+                accumulate::<B>(&mut st.acc, flat);
+                st.contributions += 1;
+            }
+            Instr::Free { stage, mb } => {
+                self.saved.remove(&(stage, mb)).ok_or("nothing to free")?;
+                if let Some(c) = self.in_flight.get_mut(&stage) {
+                    *c = c.saturating_sub(1);
+                }
+            }
+            Instr::SendActivation { peer, stage, mb, .. } => {
+                let msg = self.outputs.remove(&(stage, mb)).ok_or("the activation to send was not computed")?;
+                self.ep.send(peer, msg).map_err(|e| e.to_string())?;
+            }
+            Instr::RecvGradient { peer, stage, mb, .. } => {
+                let msg = self.ep.recv(peer, (1, stage.0 + 1, mb.0)).map_err(|e| e.to_string())?;
+                self.grads_in.insert((stage, mb), msg);
+            }
+            Instr::SendGradient { peer, stage, mb, .. } => {
+                let msg = self.input_grads.remove(&(stage, mb)).ok_or("the gradient to send was not computed")?;
+                self.ep.send(peer, msg).map_err(|e| e.to_string())?;
+            }
+            Instr::AllReduce { stage, group, .. } => {
+                let members = self.plan.groups.iter().find(|g| g.id == group).map(|g| g.devices.clone()).ok_or("unknown group")?;
+                let reduce = self.reduce;
+                let dev = self.dev.clone();
+                let st = self.state(stage)?;
+                let sizes: Vec<usize> = st.acc.iter().map(|g| g.as_ref().map(|t| t.dims()[0]).unwrap_or(0)).collect();
+                let mut flat: Vec<f32> = Vec::with_capacity(sizes.iter().sum());
+                for g in &st.acc {
+                    if let Some(t) = g {
+                        flat.extend(t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?);
+                    }
+                }
+                self.ep.all_reduce(&members, &mut flat, reduce).map_err(|e| e.to_string())?;
+                let st = self.state(stage)?;
+                let mut offset = 0;
+                for (g, n) in st.acc.iter_mut().zip(sizes) {
+                    if let Some(t) = g {
+                        *t = Tensor::from_data(TensorData::new(flat[offset..offset + n].to_vec(), [n]), &dev);
+                        offset += n;
+                    }
+                }
+                st.contributions *= members.len();
+            }
+            Instr::StashWeights { stage, mb } => {
+                let st = self.state(stage)?;
+                let m = st.model.as_ref().ok_or("no model")?.clone();
+                st.stash.insert(mb, m);
+            }
+            Instr::RestoreWeights { stage, mb } => {
+                // Burn's autodiff graph holds the exact weight tensors the forward used, so
+                // the backward already differentiates at the stashed version; the stash is
+                // what keeps that version alive (and counted) until then.
+                let st = self.state(stage)?;
+                if !st.stash.contains_key(&mb) {
+                    return Err("no weights were stashed for this microbatch".into());
+                }
+            }
+            Instr::OptimizerStep { stage } => {
+                let lr = match self.plan.training.optimizer {
+                    OptimizerPlan::Sgd { lr, .. } | OptimizerPlan::Adam { lr, .. } => lr,
+                };
+                let st = self.state(stage)?;
+                // Gradients are sums of per-microbatch means scaled by 1/N; an update made
+                // from fewer microbatches (PipeDream) rescales to their mean.
+                let scale = if st.contributions > 0 { n_mb / st.contributions as f64 } else { 1.0 };
+                let model = st.model.take().ok_or("no model")?;
+                let mut reg = Register::<B> { flat: &st.acc, scale, next: 0, out: GradientsParams::new() };
+                model.visit(&mut reg);
+                let grads = reg.out;
+                st.model = Some(st.optim.step(lr, model, grads));
+                st.acc.iter_mut().for_each(|g| *g = None);
+                st.contributions = 0;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn accumulate<B: AutodiffBackend>(acc: &mut Vec<Option<Tensor<B::InnerBackend, 1>>>, flat: Vec<Option<Tensor<B::InnerBackend, 1>>>) {
+    if acc.len() < flat.len() {
+        acc.resize(flat.len(), None);
+    }
+    for (a, g) in acc.iter_mut().zip(flat) {
+        *a = match (a.take(), g) {
+            (Some(x), Some(y)) => Some(x + y),
+            (x, None) => x,
+            (None, y) => y,
+        };
+    }
+}
+
+/// The mean loss of a microbatch (tracked).
+fn loss_of<B: AutodiffBackend>(loss: Loss, out: Act<B>, y: &Targets, dev: &B::Device) -> Result<Tensor<B, 1>, String> {
+    let Act::D2(logits) = out else {
+        return Err(format!("the loss needs a [batch, outputs] output, got {:?}", out.dims()));
+    };
+    let [n, c] = logits.dims();
+    match (loss, y) {
+        (Loss::CrossEntropy, Targets::Classes(classes)) => {
+            let labels = Tensor::<B, 2, Int>::from_data(TensorData::new(classes.clone(), [n, 1]), dev);
+            let logp = activation::log_softmax(logits, 1);
+            Ok(logp.gather(1, labels).mean().neg())
+        }
+        (Loss::Mse, Targets::Values(values)) => {
+            let target = Tensor::<B, 2>::from_data(TensorData::new(values.clone(), [n, c]), dev);
+            Ok((logits - target).powi_scalar(2).mean())
+        }
+        _ => Err("the targets do not fit the loss".into()),
+    }
+}
+
+/// Builds the state of the stages a device holds.
+pub(crate) fn build_stages<B: AutodiffBackend>(plan: &Plan, device: DeviceId, dev: &B::Device) -> HashMap<StageId, StageState<B>> {
+    let mut out = HashMap::new();
+    for s in &plan.stages {
+        if !s.replicas.contains(&device) {
+            continue;
+        }
+        let ops: Vec<_> = plan.layers[s.layers[0]..s.layers[1]].iter().map(|l| l.op.clone()).collect();
+        let model = StageModel::<B>::new(&ops, s.layers[0], plan.training.seed, dev);
+        out.insert(s.id, StageState { model: Some(model), optim: StageOptim::new(&plan.training.optimizer), acc: Vec::new(), contributions: 0, stash: HashMap::new() });
+    }
+    out
+}

@@ -1,0 +1,178 @@
+//! `pipec run`: compile (or load a plan.json) and train.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use pipec_compiler::render::{human_time, trace_event};
+use pipec_executor::{BackendKind, RunOptions, StepMetrics};
+use pipec_plan::{Phase, Plan};
+
+use crate::compile_cmd::compile_file;
+use crate::output::write_atomic;
+use crate::{Format, EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
+
+/// The backends `--backend` accepts.
+#[derive(Clone, Copy, Debug, clap::ValueEnum, PartialEq, Eq)]
+pub enum Backend {
+    Cpu,
+    Cuda,
+}
+
+/// `pipec run`'s options.
+#[derive(Debug, Clone)]
+pub struct RunArgs {
+    pub file: PathBuf,
+    pub out: Option<PathBuf>,
+    pub steps: Option<usize>,
+    pub backend: Backend,
+    pub resume: Option<PathBuf>,
+    pub timeout_s: u64,
+    pub color: bool,
+}
+
+/// Loads a plan: compiles a spec, or reads a plan.json.
+pub fn load_plan(file: &Path, color: bool) -> Result<Plan, u8> {
+    if file.extension().is_some_and(|e| e == "json") {
+        let text = std::fs::read_to_string(file).map_err(|e| {
+            eprintln!("error: cannot read `{}`: {e}", file.display());
+            EXIT_USAGE
+        })?;
+        return Plan::from_json(&text).map_err(|e| {
+            eprintln!("error: `{}`: {e}", file.display());
+            EXIT_DIAGNOSTICS
+        });
+    }
+    compile_file(file, Format::Human, color, None).map(|(c, _)| c.plan)
+}
+
+pub fn run(args: RunArgs) -> u8 {
+    let plan = match load_plan(&args.file, args.color) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    let backend = match args.backend {
+        Backend::Cpu => BackendKind::Cpu,
+        Backend::Cuda => BackendKind::Cuda,
+    };
+    if backend == BackendKind::Cuda {
+        if let Err(e) = pipec_executor::cuda_available() {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    }
+    if let Err(e) = pipec_executor::validate(&plan) {
+        eprintln!("error: cannot run this plan: {e}");
+        return EXIT_DIAGNOSTICS;
+    }
+    let dir = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(&plan.name));
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        eprintln!("error: cannot create `{}`: {e}", dir.display());
+        return EXIT_USAGE;
+    }
+    let plan_text = serde_json::to_string_pretty(&plan).unwrap_or_default() + "\n";
+    if let Err(e) = write_atomic(&dir.join("plan.json"), plan_text.as_bytes()) {
+        eprintln!("error: {e}");
+        return EXIT_USAGE;
+    }
+    let steps = args.steps.unwrap_or(plan.training.steps);
+    let options = RunOptions {
+        steps: Some(steps),
+        backend,
+        timeout: Duration::from_secs(args.timeout_s.max(1)),
+        checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
+        resume: args.resume.clone(),
+    };
+    // metrics.jsonl is written to a temporary file line by line and renamed at the end.
+    let metrics_path = dir.join("metrics.jsonl");
+    let metrics_tmp = dir.join(format!(".metrics.jsonl.tmp{}", std::process::id()));
+    let mut metrics = match std::fs::File::create(&metrics_tmp) {
+        Ok(f) => std::io::BufWriter::new(f),
+        Err(e) => {
+            eprintln!("error: cannot write `{}`: {e}", metrics_tmp.display());
+            return EXIT_USAGE;
+        }
+    };
+    let bar = indicatif::ProgressBar::new(steps as u64);
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_style(indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} ETA {eta}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    let quiet = bar.is_hidden();
+    eprintln!("{}: training {} step(s) of {} on {} worker(s) ({} backend)", plan.name, steps, plan.schedule.kind, plan.streams.values().filter(|s| !s.is_empty()).count(), if backend == BackendKind::Cpu { "cpu (flex)" } else { "cuda" });
+    let mut on_step = |m: &StepMetrics| {
+        let line = serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s});
+        let _ = writeln!(metrics, "{line}");
+        let _ = metrics.flush();
+        bar.set_position(m.step as u64 + 1);
+        bar.set_message(format!("loss {:.5} {:.0} samples/s", m.loss, m.samples_per_s));
+        if quiet && (m.step < 3 || (m.step + 1) % 10 == 0 || m.step + 1 == steps) {
+            eprintln!("step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s", m.step, m.loss, m.step_seconds * 1e3, m.samples_per_s);
+        }
+    };
+    let result = pipec_executor::run(&plan, &options, &mut on_step);
+    bar.finish_and_clear();
+    drop(metrics);
+    let _ = std::fs::rename(&metrics_tmp, &metrics_path);
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_DIAGNOSTICS;
+        }
+    };
+    // Measured trace, in the compiler's trace format.
+    let mut events: Vec<serde_json::Value> = Vec::new();
+    for (dev, index, start, end) in &report.trace {
+        if let Some(ins) = plan.streams.get(dev).and_then(|s| s.get(*index)) {
+            events.push(trace_event(*dev, ins, *start, *end));
+        }
+    }
+    let trace = serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": "pipec run (measured, last step)", "plan": plan.name}});
+    if let Err(e) = write_atomic(&dir.join("trace.json"), trace.to_string().as_bytes()) {
+        eprintln!("error: {e}");
+        return EXIT_USAGE;
+    }
+    let (measured_bubble, measured_step) = measured_bubble(&plan, &report.trace);
+    let timed: Vec<f64> = report.steps.iter().skip(1).map(|s| s.step_seconds).collect();
+    let median = median(&timed).unwrap_or(measured_step);
+    if let (Some(first), Some(last)) = (report.steps.first(), report.steps.last()) {
+        eprintln!("loss {:.6} (step {}) -> {:.6} (step {})", first.loss, first.step, last.loss, last.step);
+    }
+    eprintln!(
+        "step time: measured {} (median after the first step), predicted {}; bubble: measured {:.1}%, predicted {:.1}%",
+        human_time(median),
+        human_time(plan.simulation.step_time_s),
+        measured_bubble * 100.0,
+        plan.simulation.bubble_fraction * 100.0
+    );
+    for c in &report.checkpoints {
+        eprintln!("checkpoint {}", c.display());
+    }
+    eprintln!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
+    EXIT_OK
+}
+
+fn median(v: &[f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    Some(s[s.len() / 2])
+}
+
+/// Idle share of device time in the measured step: 1 − Σ busy / (devices × step).
+pub fn measured_bubble(plan: &Plan, trace: &[(pipec_plan::DeviceId, usize, f64, f64)]) -> (f64, f64) {
+    let step = trace.iter().map(|t| t.3).fold(0.0, f64::max);
+    let devices: std::collections::BTreeSet<_> = trace.iter().map(|t| t.0).collect();
+    let busy: f64 = trace
+        .iter()
+        .filter(|(d, i, _, _)| plan.streams.get(d).and_then(|s| s.get(*i)).is_some_and(|ins| !matches!(ins.phase(), Phase::Communication | Phase::Memory)))
+        .map(|t| t.3 - t.2)
+        .sum();
+    if step <= 0.0 || devices.is_empty() {
+        return (0.0, step);
+    }
+    (1.0 - busy / (step * devices.len() as f64), step)
+}
