@@ -327,8 +327,8 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
                 Event::Failed(e) => {
                     abort.store(true, Ordering::Relaxed);
                     // Keep the root cause: a worker that was merely stopped reports less.
-                    let secondary = e.message.contains("another worker failed");
-                    if first_error.is_none() || (!secondary && first_error.as_ref().is_some_and(|f| f.message.contains("another worker failed"))) {
+                    let is_secondary = |m: &str| m.contains("another worker failed") || m.ends_with("disconnected");
+                    if first_error.is_none() || (!is_secondary(&e.message) && first_error.as_ref().is_some_and(|f| is_secondary(&f.message))) {
                         first_error = Some(e);
                     }
                 }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{decay::WeightDecayConfig, Adam, AdamConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
@@ -150,12 +150,31 @@ pub(crate) struct Worker<'a, B: AutodiffBackend, E: Endpoint> {
     // per-step buffers
     inputs: HashMap<(StageId, MicrobatchId), Act<B>>,
     labels: HashMap<MicrobatchId, Targets>,
-    saved: HashMap<(StageId, MicrobatchId), (Act<B>, Saved<B>)>,
+    saved: HashMap<(StageId, MicrobatchId), (Act<B>, Saved<B>, StageModel<B>)>,
     outputs: HashMap<(StageId, MicrobatchId), Message>,
     grads_in: HashMap<(StageId, MicrobatchId), Message>,
     input_grads: HashMap<(StageId, MicrobatchId), Message>,
     pending_weight_grads: HashMap<(StageId, MicrobatchId), Vec<Option<Tensor<B::InnerBackend, 1>>>>,
     in_flight: HashMap<StageId, u32>,
+}
+
+/// A copy of a stage's weights that is a fresh autodiff leaf: every microbatch's forward
+/// builds its own graph on its own copy (sharing the weights' storage, not their graph
+/// nodes). Burn 0.21's graph memory management loses the input gradient of one microbatch
+/// when several microbatch graphs share the weight nodes and are back-propagated one by one
+/// (reproduced single-threaded; see ARCHITECTURE.md). The copy is also exactly what
+/// weight stashing needs: the backward differentiates at the weights the forward used.
+struct FreshLeaves;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, _) = param.consume();
+        Param::initialized(id, tensor.detach().require_grad())
+    }
+}
+
+fn microbatch_copy<B: AutodiffBackend>(model: &StageModel<B>) -> StageModel<B> {
+    model.clone().map(&mut FreshLeaves)
 }
 
 /// What a forward kept for its backward.
@@ -321,7 +340,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let key = (self.plan.training.seed, step as u64, u64::from(mb.0));
                 let recompute = self.plan.training.recompute;
                 let is_last = stage == self.last_stage();
-                let model = self.state(stage)?.model.as_ref().ok_or("no model")?;
+                let model = microbatch_copy(self.state(stage)?.model.as_ref().ok_or("no model")?);
                 let out = model.forward(x.clone(), true, key)?;
                 let saved = if is_last {
                     let y = self.labels.get(&mb).ok_or("the labels of this microbatch were not loaded")?;
@@ -337,14 +356,15 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     }
                 };
                 let x = if recompute { detach(&x) } else { x };
-                self.saved.insert((stage, mb), (x, saved));
+                self.saved.insert((stage, mb), (x, saved, model));
                 *self.in_flight.entry(stage).or_insert(0) += 1;
             }
             Instr::Recompute { stage, mb } => {
-                let (x, _) = self.saved.remove(&(stage, mb)).ok_or("nothing kept for this microbatch")?;
+                let (x, _, model) = self.saved.remove(&(stage, mb)).ok_or("nothing kept for this microbatch")?;
                 let x = if stage.0 == 0 { x } else { require_grad(x) };
                 let key = (self.plan.training.seed, step as u64, u64::from(mb.0));
-                let model = self.state(stage)?.model.as_ref().ok_or("no model")?;
+                // the weights the forward used (not the newest, if an update came between)
+                let model = microbatch_copy(&model);
                 let out = model.forward(x.clone(), true, key)?;
                 let saved = if stage == self.last_stage() {
                     let y = self.labels.get(&mb).ok_or("labels missing")?;
@@ -352,10 +372,10 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 } else {
                     Saved::Output(out)
                 };
-                self.saved.insert((stage, mb), (x, saved));
+                self.saved.insert((stage, mb), (x, saved, model));
             }
             Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } => {
-                let (x, saved) = self.saved.get(&(stage, mb)).ok_or("its forward's activations are missing")?;
+                let (x, saved, used) = self.saved.get(&(stage, mb)).ok_or("its forward's activations are missing")?;
                 let target = match saved {
                     Saved::Loss(l) => l.clone() / n_mb,
                     Saved::Output(out) => {
@@ -369,9 +389,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     let g = input_grad::<B>(x, &mut grads, (1, stage.0, mb.0))?.ok_or("no gradient reached the stage input")?;
                     self.input_grads.insert((stage, mb), g);
                 }
-                let model = self.stages.get(&stage).and_then(|s| s.model.as_ref()).ok_or("no model")?;
                 let mut c = Collect::<B> { grads: &mut grads, out: Vec::new() };
-                model.visit(&mut c);
+                used.visit(&mut c);
                 let flat = c.out;
                 if matches!(ins, Instr::Backward { .. }) {
                     let st = self.state(stage)?;
