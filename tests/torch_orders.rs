@@ -1,0 +1,50 @@
+//! pipec's GPipe, 1F1B and interleaved compute orders equal PyTorch's
+//! (`torch.distributed.pipelining`, dumped into tests/reference/torch/).
+
+use std::path::Path;
+
+use pipec_compiler::lower::compute_order;
+use pipec_compiler::schedule::TaskKind;
+use pipec_compiler::{compile, CompileOptions};
+
+fn spec(ranks: usize, microbatches: usize, schedule: &str, layers: usize) -> String {
+    format!(
+        "model:\n  input: [8]\n  layers:\n    - repeat {layers}: linear(8, 8)\n  loss: mse\ncluster:\n  nodes: 1\n  devices_per_node: {ranks}\n  device: {{ memory: 1GiB, throughput: 1GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 1GB/s, latency: 1us }}\nstrategy:\n  stages: straight\n  schedule: {schedule}\n  microbatches: {microbatches}\ntraining:\n  batch_size: {}\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n",
+        microbatches * 2
+    )
+}
+
+#[test]
+fn compute_orders_match_pytorch() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/torch");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).expect("reference dir") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        let ranks = r["ranks"].as_u64().expect("ranks") as usize;
+        let stages = r["stages"].as_u64().expect("stages") as usize;
+        let mbs = r["microbatches"].as_u64().expect("microbatches") as usize;
+        let schedule = match r["schedule"].as_str().expect("schedule") {
+            "ScheduleGPipe" => "gpipe".to_string(),
+            "Schedule1F1B" => "1f1b".to_string(),
+            "ScheduleInterleaved1F1B" => format!("{{ kind: interleaved, virtual_stages: {} }}", stages / ranks),
+            other => panic!("unexpected schedule {other}"),
+        };
+        let text = spec(ranks, mbs, &schedule, stages);
+        let s = pipec_grammar::check_source(&text).spec.expect("valid spec");
+        let plan = compile(&s, &CompileOptions::default()).expect("compiles").plan;
+        for (rank, stream) in plan.streams.values().enumerate() {
+            let ours: Vec<String> = compute_order(stream)
+                .iter()
+                .map(|t| format!("{}{}{}", t.stage.0, if t.kind == TaskKind::Forward { "F" } else { "B" }, t.mb.0))
+                .collect();
+            let theirs: Vec<String> = r["order"][rank.to_string()].as_array().expect("rank order").iter().map(|a| a.as_str().expect("action").to_string()).collect();
+            assert_eq!(ours, theirs, "{}: rank {rank}", path.display());
+        }
+        checked += 1;
+    }
+    assert!(checked >= 12, "only {checked} reference files");
+}
