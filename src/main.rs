@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 mod check_cmd;
 mod compile_cmd;
 mod output;
+mod profile_cmd;
 mod run_cmd;
 
 /// Exit codes, documented in README.md.
@@ -52,6 +53,20 @@ enum Command {
     },
     /// Print the JSON Schema of the spec format.
     Schema,
+    /// Measure every layer's forward and backward on a backend; writes the profile
+    /// `pipec compile --profile` accepts.
+    Profile {
+        /// A spec (.yaml) or a plan.json.
+        file: PathBuf,
+        /// Output file (default: out/<job name>/profile.json).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t = run_cmd::Backend::Cpu)]
+        backend: run_cmd::Backend,
+        /// Measured repetitions per layer (the median is kept).
+        #[arg(long, default_value_t = 10)]
+        reps: usize,
+    },
     /// Compile (or load a plan.json) and train: DIR/metrics.jsonl, trace.json, checkpoints.
     Run {
         /// A spec (.yaml) or a compiled plan (plan.json).
@@ -98,6 +113,7 @@ fn main() -> ExitCode {
         Command::Run { file, out, steps, backend, resume, timeout } => {
             run_cmd::run(run_cmd::RunArgs { file, out, steps, backend, resume, timeout_s: timeout, color: std::io::stderr().is_terminal() })
         }
+        Command::Profile { file, out, backend, reps } => profile_cmd::run(&file, out, backend, reps, std::io::stderr().is_terminal()),
         Command::Schema => {
             print!("{}", pipec_grammar::schema::json_schema_text());
             EXIT_OK

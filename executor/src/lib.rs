@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod layers;
+pub mod profile;
 pub mod rng;
 pub mod transport;
 mod worker;

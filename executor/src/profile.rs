@@ -1,0 +1,115 @@
+//! `pipec profile`: measures every layer's forward and backward on the chosen backend at the
+//! plan's microbatch size, and the bytes it keeps and outputs, producing the per-layer
+//! profile the cost model accepts (`pipec compile --profile`).
+
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use pipec_plan::Plan;
+
+use crate::layers::{Act, StageModel};
+use crate::rng::Rng;
+
+/// One measured layer (times in ms for `batch` samples; bytes for `batch` samples).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MeasuredLayer {
+    pub index: usize,
+    pub name: String,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    pub activation_bytes: u64,
+    pub output_bytes: u64,
+    pub parameter_bytes: u64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn random_input<B: Backend>(shape: &[usize], tokens: Option<usize>, dev: &B::Device) -> Act<B> {
+    let n: usize = shape.iter().product();
+    let mut rng = Rng::keyed(&[99, n as u64]);
+    match (tokens, shape.len()) {
+        (Some(v), _) => Act::Tokens(Tensor::from_data(TensorData::new((0..n).map(|_| rng.below(v as u64) as i64).collect::<Vec<i64>>(), shape.to_vec()), dev)),
+        (None, 2) => Act::D2(Tensor::from_data(TensorData::new(rng.normal_vec(n), shape.to_vec()), dev)),
+        (None, 3) => Act::D3(Tensor::from_data(TensorData::new(rng.normal_vec(n), shape.to_vec()), dev)),
+        _ => Act::D4(Tensor::from_data(TensorData::new(rng.normal_vec(n), shape.to_vec()), dev)),
+    }
+}
+
+fn require_grad<B: AutodiffBackend>(a: Act<B>) -> Act<B> {
+    match a {
+        Act::D2(t) => Act::D2(t.require_grad()),
+        Act::D3(t) => Act::D3(t.require_grad()),
+        Act::D4(t) => Act::D4(t.require_grad()),
+        other => other,
+    }
+}
+
+fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
+    match a {
+        Act::D2(t) => Some(t.clone().sum()),
+        Act::D3(t) => Some(t.clone().sum()),
+        Act::D4(t) => Some(t.clone().sum()),
+        Act::Tokens(_) => None,
+    }
+}
+
+/// Measures every layer of the plan: `warmup` unmeasured runs, then the median of `reps`.
+pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: usize, reps: usize) -> Result<Vec<MeasuredLayer>, String> {
+    let mb = plan.training.microbatch_size;
+    let precision = 4u64;
+    let mut out = Vec::new();
+    for (i, layer) in plan.layers.iter().enumerate() {
+        let model = StageModel::<B>::new(std::slice::from_ref(&layer.op), i, plan.training.seed, dev);
+        let mut shape = vec![mb];
+        shape.extend(&layer.input_shape);
+        let tokens = if layer.op.takes_token_ids() { plan.model.token_vocab } else { None };
+        let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+        for r in 0..warmup + reps {
+            let x = random_input::<B>(&shape, tokens, dev);
+            let x = if i == 0 { x } else { require_grad(x) };
+            let t0 = Instant::now();
+            let y = model.forward(x, true, (0, 0, r as u64))?;
+            let s = sum(&y).ok_or("a layer produced token ids")?;
+            // make the forward really run before the clock stops (lazy backends)
+            let _ = s.clone().into_scalar();
+            let t1 = Instant::now();
+            let grads = s.backward();
+            // touch one gradient so the backward has run
+            drop(grads);
+            let t2 = Instant::now();
+            if r >= warmup {
+                fwd.push((t1 - t0).as_secs_f64() * 1e3);
+                bwd.push((t2 - t1).as_secs_f64() * 1e3);
+            }
+        }
+        let params: usize = model.num_params();
+        out.push(MeasuredLayer {
+            index: i,
+            name: layer.op.name().to_string(),
+            forward_ms: median(fwd),
+            backward_ms: median(bwd),
+            activation_bytes: layer.activation_bytes_per_sample * mb as u64,
+            output_bytes: layer.output_shape.iter().product::<usize>() as u64 * precision * mb as u64,
+            parameter_bytes: params as u64 * precision,
+        });
+    }
+    Ok(out)
+}
+
+/// Profiles on the CPU backend.
+pub fn profile_cpu(plan: &Plan, warmup: usize, reps: usize) -> Result<Vec<MeasuredLayer>, String> {
+    type B = burn::backend::Autodiff<burn::backend::Flex>;
+    profile_layers::<B>(plan, &Default::default(), warmup, reps)
+}
+
+/// Profiles on the CUDA backend.
+#[cfg(feature = "cuda")]
+pub fn profile_cuda(plan: &Plan, warmup: usize, reps: usize) -> Result<Vec<MeasuredLayer>, String> {
+    type B = burn::backend::Autodiff<burn::backend::Cuda>;
+    profile_layers::<B>(plan, &burn::backend::cuda::CudaDevice::new(0), warmup, reps)
+}
