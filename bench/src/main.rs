@@ -1,0 +1,243 @@
+//! pipec's benchmarks. `cargo run --release -p pipec-bench -- [planner|compiler|vgg|executor|all]`.
+//! Every number in docs/benchmarks.md comes from this program; each figure is the median of
+//! several runs, printed with the machine's core count.
+
+use std::time::{Duration, Instant};
+
+use pipec_compiler::cost::{parse_pipedream_profile, pipedream_costs};
+use pipec_compiler::partition::{auto, balanced, AutoInput};
+use pipec_compiler::{compile, CompileOptions};
+use pipec_executor::RunOptions;
+use pipec_plan::Plan;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn time<T>(reps: usize, mut f: impl FnMut() -> T) -> (f64, T) {
+    let mut last = None;
+    let mut times = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        let out = f();
+        times.push(t.elapsed().as_secs_f64());
+        last = Some(out);
+    }
+    (median(times), last.expect("reps > 0"))
+}
+
+fn plan_of(text: &str) -> Plan {
+    let checked = pipec_grammar::check_source(text);
+    let spec = checked.spec.unwrap_or_else(|| panic!("{:?}", checked.diagnostics));
+    compile(&spec, &CompileOptions::default()).unwrap_or_else(|d| panic!("{d:?}")).plan
+}
+
+fn planner() {
+    println!("## planner");
+    // 1,000 layers with uneven costs, 1,024 workers on 128 nodes of 8
+    let n = 1000;
+    let times: Vec<f64> = (0..n).map(|i| 1e-3 * (1.0 + ((i * 7919) % 13) as f64 / 4.0)).collect();
+    let params: Vec<f64> = (0..n).map(|i| 4.0e6 * (1.0 + (i % 5) as f64)).collect();
+    let cuts: Vec<f64> = (0..n).map(|i| 2.0e6 * (1.0 + (i % 3) as f64)).collect();
+    let memory: Vec<f64> = (0..n).map(|i| 5.0e7 * (1.0 + (i % 4) as f64)).collect();
+    let input = AutoInput {
+        layer_times: &times,
+        parameter_bytes: &params,
+        cut_bytes: &cuts,
+        memory_bytes: &memory,
+        machines: 1024,
+        machines_per_node: 8,
+        memory_capacity: 80e9,
+        microbatches: 64,
+        intra: (300e9, 5e-6),
+        inter: (25e9, 10e-6),
+    };
+    let (t, plan) = time(5, || auto(&input).expect("plans"));
+    println!("auto, 1000 layers x 1024 workers: {:.3} s ({} stages, {} workers used, bottleneck {:.3} ms/microbatch)", t, plan.ranges.len(), plan.replicas.iter().sum::<usize>(), plan.time_per_microbatch * 1e3);
+    let (t, _) = time(5, || balanced(&times, &vec![1; 64]).expect("splits"));
+    println!("balanced, 1000 layers into 64 stages: {:.4} s", t);
+    let (t, _) = time(3, || balanced(&times, &(0..64).map(|i| 1 + i % 3).collect::<Vec<_>>()).expect("splits"));
+    println!("balanced with uneven replication, 1000 layers into 64 stages: {:.4} s", t);
+}
+
+fn transformer_spec(devices_per_node: usize, nodes: usize, layers: usize, strategy: &str, mbs: usize, batch: usize) -> String {
+    format!(
+        "model:
+  input: [256]
+  layers:
+    - embedding(32000, 1024)
+    - repeat {layers}: transformer_block(d=1024, heads=16, ff=4096)
+    - layernorm
+    - flatten
+    - linear(262144, 8)
+  loss: cross_entropy
+cluster:
+  nodes: {nodes}
+  devices_per_node: {devices_per_node}
+  device: {{ kind: a100, memory: 80GB, throughput: 312TFLOP/s }}
+  links:
+    intra_node: {{ bandwidth: 600GB/s, latency: 3us }}
+    inter_node: {{ bandwidth: 200Gbps, latency: 10us }}
+strategy:
+{strategy}
+  microbatches: {mbs}
+training:
+  batch_size: {batch}
+  steps: 10
+  optimizer: {{ kind: adam, lr: 0.0001 }}
+  precision: bf16
+"
+    )
+}
+
+fn compiler() {
+    println!("## compiler (parse + check + IR + cost + partition + schedule + lowering + verify + simulate + memory)");
+    // 32 pipeline stages x 128 microbatches, interleaved with 2 chunks per device
+    let text = transformer_spec(8, 4, 62, "  pp: 32\n  schedule: { kind: interleaved, virtual_stages: 2 }", 128, 256);
+    let (t, plan) = time(5, || plan_of(&text));
+    let instrs: usize = plan.streams.values().map(Vec::len).sum();
+    println!("interleaved, 32 stages x 2 chunks x 128 microbatches: {:.3} s for {} instructions (step {:.1} ms, bubble {:.1}%)", t, instrs, plan.simulation.step_time_s * 1e3, plan.simulation.bubble_fraction * 100.0);
+    let text = transformer_spec(8, 128, 96, "  dp: 32\n  pp: 8\n  tp: 4\n  schedule: 1f1b", 32, 1024);
+    let (t, plan) = time(5, || plan_of(&text));
+    let instrs: usize = plan.streams.values().map(Vec::len).sum();
+    println!("hybrid dp32 x pp8 x tp4 = 1024 devices, 96 transformer blocks: {:.3} s for {} instructions (step {:.1} ms, bubble {:.1}%)", t, instrs, plan.simulation.step_time_s * 1e3, plan.simulation.bubble_fraction * 100.0);
+}
+
+fn vgg() {
+    println!("## PipeDream's VGG-16 profile on 4 servers x 4 GPUs (8 GB/s inside, 10 Gbps between)");
+    let path = std::env::var("PIPEC_VGG16").unwrap_or_else(|_| "../shared/reference/pipedream-profiles/vgg16/graph.txt".into());
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        println!("(skipped: {path} not found; set PIPEC_VGG16)");
+        return;
+    };
+    let nodes = parse_pipedream_profile(&text).expect("parses");
+    // the profile is per minibatch of 64 samples; PipeDream plans per minibatch
+    let costs = pipedream_costs(&nodes, 64, 64);
+    let times: Vec<f64> = costs.iter().map(|c| c.forward_s + c.backward_s).collect();
+    let params: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();
+    let cuts: Vec<f64> = costs.iter().map(|c| c.output_bytes_per_sample as f64 * 64.0).collect();
+    let memory: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64 * 3.0).collect();
+    let single: f64 = times.iter().sum();
+    let input = AutoInput {
+        layer_times: &times,
+        parameter_bytes: &params,
+        cut_bytes: &cuts,
+        memory_bytes: &memory,
+        machines: 16,
+        machines_per_node: 4,
+        memory_capacity: 16e9,
+        microbatches: 1,
+        intra: (8e9, 0.0),
+        inter: (1.25e9, 0.0),
+    };
+    let (t, plan) = time(5, || auto(&input).expect("plans"));
+    let stages: Vec<String> = plan.ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
+    println!("{} layers; one GPU: {:.1} ms per minibatch", nodes.len(), single * 1e3);
+    println!("auto: {} (layers {}) predicted {:.2} ms per minibatch ({:.2}x one GPU), planned in {:.4} s", plan.notation(), stages.join(" "), plan.time_per_microbatch * 1e3, single / plan.time_per_microbatch, t);
+    // data parallelism over all 16 GPUs for comparison (the all-reduce crosses servers)
+    let dp = {
+        let w: f64 = params.iter().sum();
+        let ar = 2.0 * 15.0 / 16.0 * w / 1.25e9;
+        (single / 16.0).max(ar)
+    };
+    println!("for comparison, data parallelism over 16 GPUs: {:.2} ms per minibatch (weight sync over 10 Gbps dominates)", dp * 1e3);
+}
+
+fn mlp_spec(devices: usize, stages: &str, schedule: &str, throughput: &str) -> String {
+    format!(
+        "model:
+  input: [1024]
+  layers:
+    - repeat 8: linear(1024, 1024) -> relu
+    - linear(1024, 10)
+  loss: cross_entropy
+cluster:
+  nodes: 1
+  devices_per_node: {devices}
+  device: {{ memory: 8GiB, throughput: {throughput} }}
+  links:
+    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}
+strategy:
+  stages: {stages}
+  schedule: {schedule}
+  microbatches: 8
+training:
+  batch_size: 256
+  steps: 23
+  optimizer: {{ kind: sgd, lr: 0.005 }}
+  seed: 1234
+  data: {{ kind: synthetic, samples: 1024 }}
+"
+    )
+}
+
+fn run_steps(plan: &Plan) -> (f64, Vec<f64>, Vec<(pipec_plan::DeviceId, usize, f64, f64)>) {
+    let report = pipec_executor::run(plan, &RunOptions { timeout: Duration::from_secs(300), ..Default::default() }, &mut |_| {}).expect("runs");
+    let timed: Vec<f64> = report.steps.iter().skip(3).map(|s| s.step_seconds).collect();
+    (median(timed), report.steps.iter().map(|s| s.loss).collect(), report.trace)
+}
+
+fn executor() {
+    println!("## executor (CPU, flex backend): 8 x Linear(1024) + ReLU, batch 256, 8 microbatches, 3 warm-up + 20 timed steps");
+    // Calibrate the cost model with a measured profile of this machine, as a user would
+    // with `pipec profile`.
+    let single = plan_of(&mlp_spec(1, "\"1\"", "gpipe", "50GFLOP/s"));
+    let measured = pipec_executor::profile::profile_cpu(&single, 2, 10).expect("profiles");
+    let profile = pipec_compiler::cost::Profile {
+        version: 1,
+        batch_size: single.training.microbatch_size,
+        backend: "cpu".into(),
+        layers: measured
+            .iter()
+            .map(|l| pipec_compiler::cost::ProfiledLayer { index: l.index, name: l.name.clone(), forward_ms: l.forward_ms, backward_ms: l.backward_ms, activation_bytes: l.activation_bytes, output_bytes: l.output_bytes, parameter_bytes: l.parameter_bytes })
+            .collect(),
+    };
+    let with_profile = |text: &str| {
+        let spec = pipec_grammar::check_source(text).spec.expect("valid");
+        compile(&spec, &CompileOptions { profile: Some(profile.clone()), base_dir: None }).expect("compiles").plan
+    };
+    let one = with_profile(&mlp_spec(1, "\"1\"", "gpipe", "50GFLOP/s"));
+    let (t1, l1, _) = run_steps(&one);
+    println!("1 worker (8 microbatches accumulated): {:.4} s/step (predicted {:.4})", t1, one.simulation.step_time_s);
+    for sched in ["1f1b", "gpipe"] {
+        let two = with_profile(&mlp_spec(2, "\"1-1\"", sched, "50GFLOP/s"));
+        let (t2, l2, trace) = run_steps(&two);
+        let max_diff = l1.iter().zip(&l2).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
+        let busy: f64 = trace.iter().filter(|(d, i, _, _)| two.streams[d].get(*i).is_some_and(|x| !matches!(x.phase(), pipec_plan::Phase::Communication | pipec_plan::Phase::Memory))).map(|t| t.3 - t.2).sum();
+        let step = trace.iter().map(|t| t.3).fold(0.0, f64::max);
+        println!(
+            "2 workers, {sched}: {:.4} s/step, speedup {:.2}x; predicted {:.4} s ({:+.1}%); bubble measured {:.1}% predicted {:.1}%; max relative loss difference vs 1 worker {:.1e}",
+            t2,
+            t1 / t2,
+            two.simulation.step_time_s,
+            (two.simulation.step_time_s / t2 - 1.0) * 100.0,
+            (1.0 - busy / (2.0 * step)) * 100.0,
+            two.simulation.bubble_fraction * 100.0,
+            max_diff
+        );
+    }
+    // Interpreter and transport overhead: a model so small that compute is negligible.
+    let tiny = "model:\n  input: [8]\n  layers:\n    - repeat 4: linear(8, 8)\n  loss: mse\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: { memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 10GB/s, latency: 1us }\nstrategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: 64\ntraining:\n  batch_size: 64\n  steps: 23\n  optimizer: { kind: sgd, lr: 0.01 }\n  data: { kind: synthetic, task: regression }\n";
+    let p = plan_of(tiny);
+    let (t, _, _) = run_steps(&p);
+    let per_device = p.streams.values().map(Vec::len).max().unwrap_or(1);
+    println!("overhead: 2 workers x {} instructions per step on a 4 x Linear(8) model (1 sample per microbatch): {:.4} s/step = {:.1} µs per instruction, compute included", per_device, t, t / per_device as f64 * 1e6);
+}
+
+fn main() {
+    let what = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    println!("# pipec benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
+    if what == "planner" || what == "all" {
+        planner();
+    }
+    if what == "compiler" || what == "all" {
+        compiler();
+    }
+    if what == "vgg" || what == "all" {
+        vgg();
+    }
+    if what == "executor" || what == "all" {
+        executor();
+    }
+}
