@@ -98,15 +98,15 @@ fn compiler() {
     let (t, plan) = time(5, || plan_of(&text));
     let instrs: usize = plan.streams.values().map(Vec::len).sum();
     println!("interleaved, 32 stages x 2 chunks x 128 microbatches: {:.3} s for {} instructions (step {:.1} ms, bubble {:.1}%)", t, instrs, plan.simulation.step_time_s * 1e3, plan.simulation.bubble_fraction * 100.0);
-    let text = transformer_spec(8, 128, 96, "  dp: 32\n  pp: 8\n  tp: 4\n  schedule: 1f1b", 32, 1024);
+    let text = transformer_spec(8, 128, 96, "  dp: 32\n  pp: 8\n  tp: 4\n  schedule: 1f1b", 256, 1024);
     let (t, plan) = time(5, || plan_of(&text));
     let instrs: usize = plan.streams.values().map(Vec::len).sum();
-    println!("hybrid dp32 x pp8 x tp4 = 1024 devices, 96 transformer blocks: {:.3} s for {} instructions (step {:.1} ms, bubble {:.1}%)", t, instrs, plan.simulation.step_time_s * 1e3, plan.simulation.bubble_fraction * 100.0);
+    println!("hybrid dp32 x pp8 x tp4 = 1024 devices, 96 transformer blocks, 256 microbatches: {:.3} s for {} instructions (step {:.1} ms, bubble {:.1}%)", t, instrs, plan.simulation.step_time_s * 1e3, plan.simulation.bubble_fraction * 100.0);
 }
 
 fn vgg() {
     println!("## PipeDream's VGG-16 profile on 4 servers x 4 GPUs (8 GB/s inside, 10 Gbps between)");
-    let path = std::env::var("PIPEC_VGG16").unwrap_or_else(|_| "../shared/reference/pipedream-profiles/vgg16/graph.txt".into());
+    let path = std::env::var("PIPEC_VGG16").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/pipedream-profiles/vgg16/graph.txt").into());
     let Ok(text) = std::fs::read_to_string(&path) else {
         println!("(skipped: {path} not found; set PIPEC_VGG16)");
         return;

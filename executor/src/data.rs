@@ -24,7 +24,7 @@ pub enum Targets {
 /// Where samples come from.
 #[derive(Debug, Clone)]
 enum Source {
-    Synthetic { classification: bool, samples: usize, teacher: Vec<f32> },
+    Synthetic { classification: bool, samples: usize, teacher: Vec<f32>, cache: Option<std::sync::Arc<(Inputs, Targets)>> },
     Loaded { inputs: Inputs, targets: Targets, samples: usize },
 }
 
@@ -55,12 +55,23 @@ impl Dataset {
                 }
                 let rows = vocab.unwrap_or(numel);
                 let mut rng = Rng::keyed(&[seed, 2]);
-                Source::Synthetic { classification, samples: *samples, teacher: rng.normal_vec(rows * outputs) }
+                Source::Synthetic { classification, samples: *samples, teacher: rng.normal_vec(rows * outputs), cache: None }
             }
             DataPlan::Csv { path } => load_csv(path, numel, classification, outputs, vocab)?,
             DataPlan::Npy { path, labels } => load_npy(path, labels.as_deref(), numel, classification, outputs, vocab)?,
         };
-        Ok(Dataset { seed, numel, outputs, vocab, source })
+        let mut data = Dataset { seed, numel, outputs, vocab, source };
+        // A finite synthetic data set of moderate size is generated once, not every step.
+        if let Source::Synthetic { samples, .. } = data.source {
+            if samples > 0 && samples * (numel + outputs) <= 64 << 20 {
+                let all: Vec<usize> = (0..samples).collect();
+                let generated = data.samples(&all);
+                if let Source::Synthetic { cache, .. } = &mut data.source {
+                    *cache = Some(std::sync::Arc::new(generated));
+                }
+            }
+        }
+        Ok(data)
     }
 
     /// The samples of microbatch `mb` of step `step`.
@@ -72,7 +83,24 @@ impl Dataset {
 
     fn samples(&self, indices: &[usize]) -> (Inputs, Targets) {
         match &self.source {
-            Source::Synthetic { classification, samples, teacher } => {
+            Source::Synthetic { samples, cache: Some(cache), .. } => {
+                let (inputs, targets) = cache.as_ref();
+                let pick = |g: usize| g % samples;
+                let per_target = match targets {
+                    Targets::Classes(_) => 1,
+                    Targets::Values(_) => self.outputs,
+                };
+                let inputs = match inputs {
+                    Inputs::Features(all) => Inputs::Features(indices.iter().flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied()).collect()),
+                    Inputs::Tokens(all) => Inputs::Tokens(indices.iter().flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied()).collect()),
+                };
+                let targets = match targets {
+                    Targets::Classes(all) => Targets::Classes(indices.iter().map(|&g| all[pick(g)]).collect()),
+                    Targets::Values(all) => Targets::Values(indices.iter().flat_map(|&g| all[pick(g) * per_target..(pick(g) + 1) * per_target].iter().copied()).collect()),
+                };
+                (inputs, targets)
+            }
+            Source::Synthetic { classification, samples, teacher, .. } => {
                 let mut feats = Vec::new();
                 let mut toks = Vec::new();
                 let mut classes = Vec::new();

@@ -1,0 +1,112 @@
+//! `pipec compile` end to end: every example spec compiles, with its IR dump and memory
+//! table as golden snapshots; a model that cannot fit is rejected statically, and the same
+//! model with recompute or more stages is accepted; no file is written on failure.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use pipec_compiler::{compile, CompileOptions};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn pipec(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_pipec")).args(args).current_dir(root()).output().expect("pipec runs")
+}
+
+#[test]
+fn every_example_spec_compiles_with_golden_ir_and_memory() {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("specs")).expect("specs").filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "yaml")).collect();
+    files.sort();
+    for path in files {
+        let name = path.file_stem().and_then(|s| s.to_str()).expect("name").to_string();
+        let out = pipec(&["compile", path.to_str().expect("path"), "-o", std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id())).to_str().expect("tmp"), "--emit", "ir"]);
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        insta::assert_snapshot!(format!("ir__{name}"), String::from_utf8_lossy(&out.stdout));
+        let out = pipec(&["compile", path.to_str().expect("path"), "-o", std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id())).to_str().expect("tmp"), "--emit", "memory"]);
+        insta::assert_snapshot!(format!("memory__{name}"), String::from_utf8_lossy(&out.stdout));
+    }
+}
+
+fn compile_text(text: &str) -> Result<pipec_compiler::Compiled, Vec<pipec_grammar::Diagnostic>> {
+    let checked = pipec_grammar::check_source(text);
+    let spec = checked.spec.expect("the spec itself is valid");
+    compile(&spec, &CompileOptions::default())
+}
+
+#[test]
+fn a_model_that_cannot_fit_is_rejected_and_recompute_or_more_stages_fit() {
+    let text = std::fs::read_to_string(root().join("tests/specs/too-big.yaml")).expect("spec");
+    let c = compile_text(&text).expect("plans");
+    let err = c.diagnostics.iter().find(|d| d.code == "E0601").expect("E0601 reported");
+    assert!(err.is_error());
+    let help = err.help.clone().unwrap_or_default();
+    assert!(help.contains("recompute: true") && help.contains("more pipeline stages"), "{help}");
+    // the primary label is the strategy's layout, a second one the device memory
+    assert_eq!(&text[err.span().range()], "\"1-1\"");
+    assert!(err.labels.iter().any(|l| &text[l.span.range()] == "10GB"));
+
+    let recompute = text.replace("  microbatches: 16\n", "  microbatches: 16\n  recompute: true\n");
+    let c = compile_text(&recompute).expect("plans");
+    assert!(!c.has_errors(), "{:?}", c.diagnostics);
+    let four = text.replace("devices_per_node: 2", "devices_per_node: 4").replace("stages: \"1-1\"", "stages: straight");
+    let c = compile_text(&four).expect("plans");
+    assert!(!c.has_errors(), "{:?}", c.diagnostics);
+    let onefb = text.replace("schedule: gpipe", "schedule: 1f1b");
+    let c = compile_text(&onefb).expect("plans");
+    assert!(!c.has_errors(), "1F1B keeps fewer microbatches in flight: {:?}", c.diagnostics);
+}
+
+#[test]
+fn an_infeasible_plan_exits_1_and_writes_nothing() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out_dir = dir.path().join("plan");
+    let out = pipec(&["compile", "tests/specs/too-big.yaml", "-o", out_dir.to_str().expect("path")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("E0601"));
+    assert!(!out_dir.exists(), "nothing may be written for an infeasible plan");
+}
+
+#[test]
+fn compile_writes_plan_pictures_and_trace() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = pipec(&["compile", "specs/1f1b.yaml", "-o", dir.path().to_str().expect("path")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for f in ["plan.json", "timeline.svg", "memory.svg", "trace.json"] {
+        assert!(dir.path().join(f).is_file(), "{f} missing");
+    }
+    let plan = pipec_plan::Plan::from_json(&std::fs::read_to_string(dir.path().join("plan.json")).expect("plan")).expect("valid plan");
+    assert_eq!(plan.partition, "1-1");
+    assert!(plan.simulation.step_time_s > 0.0);
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("trace.json")).expect("trace")).expect("json");
+    assert!(trace["traceEvents"].as_array().is_some_and(|e| e.len() > 10));
+    let svg = std::fs::read_to_string(dir.path().join("timeline.svg")).expect("svg");
+    assert!(svg.contains("bubble") && svg.starts_with("<svg"));
+    // a plan that is not a plan is a clear error, not a panic
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "{\"version\": 99}").expect("write");
+    let out = pipec(&["run", bad.to_str().expect("path")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("version 99"));
+    let _ = Path::new("");
+}
+
+#[test]
+fn run_trains_from_the_cli_and_writes_metrics() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = pipec(&["run", "specs/mlp-1f1b.yaml", "-o", dir.path().to_str().expect("path"), "--steps", "5"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).expect("metrics");
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).expect("json line")).collect();
+    assert_eq!(lines.len(), 5);
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["step"], i);
+        assert!(l["loss"].as_f64().is_some_and(f64::is_finite) && l["samples_per_s"].as_f64().is_some_and(|v| v > 0.0));
+    }
+    assert!(dir.path().join("trace.json").is_file());
+    // asking for CUDA on a build without it is a clear error
+    let out = pipec(&["run", "specs/mlp-1f1b.yaml", "-o", dir.path().to_str().expect("path"), "--backend", "cuda"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("CUDA"));
+}
