@@ -25,3 +25,20 @@ cargo check -p pipec-executor --features cuda
 
 echo "== example specs check clean"
 "$CARGO_TARGET_DIR/debug/pipec" check specs/*.yaml
+
+echo "== language server driven by an independent client (pytest-lsp, PyPI)"
+VENV="${PIPEC_VENV:-$HOME/.cache/pipec-venv}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -c "import pytest_lsp, pytest_asyncio" 2>/dev/null || "$VENV/bin/pip" install -q "pytest-lsp==1.0.1" "pytest-asyncio>=1,<2"
+PIPEC_BIN="$CARGO_TARGET_DIR/debug/pipec" "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/lsp
+
+echo "== the committed JSON Schema against the specs (ajv-cli, npm)"
+NODE_DIR="${PIPEC_NODE_DIR:-$HOME/.cache/pipec-node}"
+[ -x "$NODE_DIR/node_modules/.bin/ajv" ] || { mkdir -p "$NODE_DIR" && npm install --prefix "$NODE_DIR" --silent --no-audit --no-fund ajv-cli@5; }
+AJV="$NODE_DIR/node_modules/.bin/ajv"
+"$AJV" validate --spec=draft2020 --strict=false --all-errors -s schema/pipec.schema.json -d "specs/*.yaml"
+if "$AJV" validate --spec=draft2020 --strict=false -s schema/pipec.schema.json -d specs/invalid/unknown-key-strategy.yaml >/dev/null 2>&1; then
+  echo "ajv accepted a spec with an unknown key" >&2
+  exit 1
+fi
+echo "schema: examples valid, unknown key rejected"

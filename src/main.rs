@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod check_cmd;
 mod compile_cmd;
+mod lsp;
 mod output;
 mod profile_cmd;
 mod run_cmd;
@@ -53,6 +54,9 @@ enum Command {
     },
     /// Print the JSON Schema of the spec format.
     Schema,
+    /// Run the language server on standard input/output (diagnostics, hover, completion,
+    /// quick fixes for spec files).
+    Lsp,
     /// Measure every layer's forward and backward on a backend; writes the profile
     /// `pipec compile --profile` accepts.
     Profile {
@@ -114,6 +118,7 @@ fn main() -> ExitCode {
             run_cmd::run(run_cmd::RunArgs { file, out, steps, backend, resume, timeout_s: timeout, color: std::io::stderr().is_terminal() })
         }
         Command::Profile { file, out, backend, reps } => profile_cmd::run(&file, out, backend, reps, std::io::stderr().is_terminal()),
+        Command::Lsp => lsp::run(),
         Command::Schema => {
             print!("{}", pipec_grammar::schema::json_schema_text());
             EXIT_OK

@@ -9,6 +9,7 @@ pub mod check;
 pub mod codes;
 pub mod diagnostic;
 pub mod dsl;
+pub mod ide;
 pub mod layers;
 pub mod schema;
 pub mod span;

@@ -1,0 +1,333 @@
+//! Editor support computed from the source text alone: where the cursor is in the spec's
+//! structure, hover documentation and completion candidates. The language server
+//! (`pipec lsp`) turns these into LSP messages; they work on text that does not parse yet
+//! (the structure is taken from indentation when the YAML is broken mid-edit).
+
+use crate::layers::{layer_doc, LAYERS};
+use crate::schema::SchemaIndex;
+use crate::span::Span;
+use crate::yaml::{self, Node, Value};
+
+/// What a completion inserts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CompletionKind {
+    Key,
+    Value,
+    Layer,
+}
+
+/// One completion candidate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub label: String,
+    pub detail: String,
+    pub kind: CompletionKind,
+    pub insert: String,
+}
+
+/// The structural context of a position.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Context {
+    /// Keys from the document root to the mapping the cursor is in.
+    pub path: Vec<String>,
+    /// The key whose value the cursor is in, if any.
+    pub key: Option<String>,
+    /// The word being typed (before the cursor).
+    pub prefix: String,
+    /// Whether the cursor is in a list item.
+    pub list_item: bool,
+}
+
+fn indent_of(line: &str) -> usize {
+    line.len() - line.trim_start_matches(' ').len()
+}
+
+/// The key a line opens (`  model:`, `- name: x` gives `name`), if any.
+fn line_key(line: &str) -> Option<(String, bool)> {
+    let t = line.trim_start();
+    let (t, item) = match t.strip_prefix("- ") {
+        Some(rest) => (rest, true),
+        None => (t, false),
+    };
+    let colon = t.find(':')?;
+    let key = &t[..colon];
+    if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+        return None;
+    }
+    Some((key.to_string(), item))
+}
+
+/// The context at byte `offset`, from indentation and the current line.
+pub fn context(src: &str, offset: usize) -> Context {
+    let offset = offset.min(src.len());
+    let mut offset = offset;
+    while !src.is_char_boundary(offset) {
+        offset -= 1;
+    }
+    let line_start = src[..offset].rfind('\n').map(|i| i + 1).unwrap_or(0);
+    let before = &src[line_start..offset];
+    let mut ctx = Context { prefix: before.rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-')).next().unwrap_or("").to_string(), ..Context::default() };
+    let trimmed = before.trim_start();
+    ctx.list_item = trimmed.starts_with("- ") || trimmed == "-";
+    let mut indent = indent_of(before);
+    // Inside a flow mapping on this line: `device: { kind: cpu, mem|`
+    let mut flow_path: Vec<String> = Vec::new();
+    if let Some(open) = before.rfind('{') {
+        if before[open..].find('}').is_none() {
+            if let Some((k, _)) = line_key(&before[..open]) {
+                flow_path.push(k);
+            }
+            let inner = &before[open + 1..];
+            let part = inner.rsplit(',').next().unwrap_or("");
+            if let Some(c) = part.find(':') {
+                ctx.key = Some(part[..c].trim().to_string());
+            }
+        }
+    }
+    if flow_path.is_empty() {
+        // `key: val|` on this line
+        if let Some((k, _)) = line_key(before) {
+            let after_colon = &before[before.find(':').map(|i| i + 1).unwrap_or(before.len())..];
+            if !after_colon.is_empty() {
+                ctx.key = Some(k);
+            }
+        }
+        if ctx.list_item {
+            indent += 2;
+        }
+    }
+    // Walk up to collect the enclosing keys.
+    let mut path: Vec<String> = Vec::new();
+    let mut limit = if before.trim().is_empty() { indent_of(before) } else { indent };
+    for line in src[..line_start].lines().rev() {
+        if line.trim().is_empty() || line.trim_start().starts_with('#') {
+            continue;
+        }
+        let ind = indent_of(line);
+        if ind < limit {
+            if let Some((k, item)) = line_key(line) {
+                let value = line[line.find(':').map(|i| i + 1).unwrap_or(line.len())..].trim();
+                if value.is_empty() || value.starts_with('#') {
+                    path.push(k);
+                    limit = if item { ind } else { ind };
+                    if ind == 0 {
+                        break;
+                    }
+                    continue;
+                }
+            }
+            limit = ind;
+        }
+    }
+    path.reverse();
+    path.extend(flow_path);
+    ctx.path = path;
+    ctx
+}
+
+/// Completion candidates at `offset`.
+pub fn completions(src: &str, offset: usize, schema: &SchemaIndex) -> Vec<Completion> {
+    let ctx = context(src, offset);
+    let path: Vec<&str> = ctx.path.iter().map(String::as_str).collect();
+    let mut out = Vec::new();
+    // Layer names inside `model.layers` items.
+    if path == ["model", "layers"] || (path.len() >= 2 && path[0] == "model" && path[1] == "layers") {
+        for l in LAYERS {
+            if l.name.starts_with(&ctx.prefix) {
+                out.push(Completion { label: l.name.to_string(), detail: l.signature.to_string(), kind: CompletionKind::Layer, insert: l.name.to_string() });
+            }
+        }
+        return out;
+    }
+    if let Some(key) = &ctx.key {
+        let mut full: Vec<&str> = path.clone();
+        full.push(key);
+        for (v, doc) in schema.values_at(&full) {
+            if v.starts_with(&ctx.prefix) {
+                out.push(Completion { label: v.clone(), detail: doc, kind: CompletionKind::Value, insert: v });
+            }
+        }
+        return out;
+    }
+    if let Some(doc) = schema.object_at(&path) {
+        let present = present_keys(src, offset, &ctx);
+        for (k, d) in doc.keys {
+            if k.starts_with(&ctx.prefix) && !present.contains(&k) {
+                out.push(Completion { label: k.clone(), detail: first_line(&d), kind: CompletionKind::Key, insert: format!("{k}: ") });
+            }
+        }
+    }
+    out
+}
+
+/// Keys already written at the same indentation in the same mapping.
+fn present_keys(src: &str, offset: usize, ctx: &Context) -> Vec<String> {
+    let line_start = src[..offset.min(src.len())].rfind('\n').map(|i| i + 1).unwrap_or(0);
+    let line_end = src[offset.min(src.len())..].find('\n').map(|i| offset + i).unwrap_or(src.len());
+    let indent = indent_of(&src[line_start..line_end]);
+    let mut keys = Vec::new();
+    let mut walk = |lines: &mut dyn Iterator<Item = &str>| {
+        for line in lines {
+            if line.trim().is_empty() || line.trim_start().starts_with('#') {
+                continue;
+            }
+            let ind = indent_of(line);
+            if ind < indent {
+                break;
+            }
+            if ind == indent {
+                if let Some((k, _)) = line_key(line) {
+                    keys.push(k);
+                }
+            }
+        }
+    };
+    walk(&mut src[..line_start].lines().rev());
+    walk(&mut src[line_end.min(src.len())..].lines().skip(1));
+    let _ = ctx;
+    keys
+}
+
+fn first_line(doc: &str) -> String {
+    doc.split(". ").next().unwrap_or(doc).trim_end_matches('.').to_string() + "."
+}
+
+/// Finds the deepest node (key or value) containing `offset`, with its key path.
+fn find(node: &Node, offset: usize, path: &mut Vec<String>) -> Option<(Span, bool)> {
+    match &node.value {
+        Value::Map(entries) => {
+            for (k, v) in entries {
+                if k.span.start <= offset && offset <= k.span.end {
+                    if let Some(name) = k.as_str() {
+                        path.push(name.to_string());
+                    }
+                    return Some((k.span, true));
+                }
+                if v.span.start <= offset && offset <= v.span.end.max(v.span.start) {
+                    if let Some(name) = k.as_str() {
+                        path.push(name.to_string());
+                    }
+                    return find(v, offset, path).or(Some((v.span, false)));
+                }
+            }
+            None
+        }
+        Value::Seq(items) => items.iter().find(|i| i.span.start <= offset && offset <= i.span.end).and_then(|i| find(i, offset, path).or(Some((i.span, false)))),
+        _ => (node.span.start <= offset && offset <= node.span.end).then_some((node.span, false)),
+    }
+}
+
+/// The word (identifier) around `offset` and its span.
+fn word_at(src: &str, offset: usize) -> Option<(Span, &str)> {
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let offset = offset.min(src.len());
+    if !src.is_char_boundary(offset) {
+        return None;
+    }
+    let start = src[..offset].rfind(|c: char| !is_word(c)).map(|i| i + 1).unwrap_or(0);
+    let end = src[offset..].find(|c: char| !is_word(c)).map(|i| offset + i).unwrap_or(src.len());
+    (start < end).then(|| (Span::new(start, end), &src[start..end]))
+}
+
+/// What `strategy.stages` means in words.
+pub fn explain_stages(text: &str) -> Option<String> {
+    match crate::dsl::parse_stages(text).ok()? {
+        crate::dsl::StagesNotation::Straight => Some("`straight`: one unreplicated pipeline stage per device.".into()),
+        crate::dsl::StagesNotation::Replicas(parts) => {
+            let n: u64 = parts.iter().map(|p| p.0).sum();
+            let per: Vec<String> = parts.iter().enumerate().map(|(i, p)| format!("stage {i} on {} worker(s)", p.0)).collect();
+            Some(format!("PipeDream notation `{text}`: {} stage(s) using {n} worker(s) (× tp): {}.", parts.len(), per.join(", ")))
+        }
+    }
+}
+
+/// Hover documentation at `offset`: the key's documentation, a layer's signature, what a
+/// strategy string means, or a schedule's description. `extra` is appended for the
+/// strategy line (the language server passes the last plan's prediction).
+pub fn hover(src: &str, offset: usize, schema: &SchemaIndex, extra: Option<&str>) -> Option<(Span, String)> {
+    let (path, span, is_key) = match yaml::parse(src) {
+        Ok(root) => {
+            let mut path = Vec::new();
+            let (span, is_key) = find(&root, offset, &mut path)?;
+            (path, span, is_key)
+        }
+        Err(_) => {
+            let ctx = context(src, offset);
+            let (span, _) = word_at(src, offset)?;
+            let mut path = ctx.path;
+            if let Some(k) = ctx.key {
+                path.push(k);
+            }
+            (path, span, false)
+        }
+    };
+    let p: Vec<&str> = path.iter().map(String::as_str).collect();
+    if !is_key && p.len() >= 2 && p[0] == "model" && p[1] == "layers" {
+        let (wspan, word) = word_at(src, offset)?;
+        let doc = layer_doc(word)?;
+        return Some((wspan, format!("**{}**\n\n{}", doc.signature, doc.doc)));
+    }
+    if !is_key && p == ["strategy", "stages"] {
+        let text = src.get(span.range())?.trim_matches(|c| c == '"' || c == '\'');
+        let mut s = explain_stages(text)?;
+        if let Some(e) = extra {
+            s.push_str("\n\n");
+            s.push_str(e);
+        }
+        return Some((span, s));
+    }
+    if !is_key {
+        if let Some((wspan, word)) = word_at(src, offset) {
+            if let Some((_, d)) = schema.values_at(&p).into_iter().find(|(v, d)| v == word && !d.is_empty()) {
+                return Some((wspan, format!("`{word}`: {d}")));
+            }
+        }
+    }
+    let doc = schema.doc_at(&p)?;
+    Some((span, format!("**{}**\n\n{doc}", p.join("."))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: &str = "model:\n  input: [64]\n  layers:\n    - linear(64, 10) -> relu\n  loss: mse\nstrategy:\n  stages: \"2-1-1\"\n  schedule: 1f1b\n  \ncluster:\n  device: { kind: cpu, mem";
+
+    #[test]
+    fn context_from_indentation_and_flow_maps() {
+        let at = SPEC.find("  \ncluster").expect("blank line") + 2;
+        let c = context(SPEC, at);
+        assert_eq!(c.path, vec!["strategy".to_string()]);
+        let c = context(SPEC, SPEC.len());
+        assert_eq!(c.path, vec!["cluster".to_string(), "device".to_string()]);
+        assert_eq!(c.prefix, "mem");
+    }
+
+    #[test]
+    fn completes_keys_values_and_layers() {
+        let schema = SchemaIndex::default();
+        let at = SPEC.find("  \ncluster").expect("blank line") + 2;
+        let keys: Vec<String> = completions(SPEC, at, &schema).into_iter().map(|c| c.label).collect();
+        assert!(keys.contains(&"microbatches".to_string()) && !keys.contains(&"schedule".to_string()), "{keys:?}");
+        let c: Vec<String> = completions(SPEC, SPEC.len(), &schema).into_iter().map(|c| c.label).collect();
+        assert_eq!(c, vec!["memory".to_string()]);
+        let src = "strategy:\n  schedule: zb";
+        let v: Vec<String> = completions(src, src.len(), &schema).into_iter().map(|c| c.label).collect();
+        assert!(v.contains(&"zb-h1".to_string()) && v.contains(&"zbv".to_string()), "{v:?}");
+        let src = "model:\n  layers:\n    - lin";
+        let l: Vec<String> = completions(src, src.len(), &schema).into_iter().map(|c| c.label).collect();
+        assert_eq!(l, vec!["linear".to_string()]);
+    }
+
+    #[test]
+    fn hovers_keys_layers_and_strategies() {
+        let schema = SchemaIndex::default();
+        let src = "model:\n  input: [64]\n  layers:\n    - linear(64, 10) -> relu\n  loss: mse\nstrategy:\n  stages: \"2-1-1\"\n";
+        let (_, h) = hover(src, src.find("linear").expect("layer") + 2, &schema, None).expect("hover");
+        assert!(h.contains("linear(in, out, bias=true)"), "{h}");
+        let (_, h) = hover(src, src.find("2-1-1").expect("stages"), &schema, Some("predicted step 1 ms")).expect("hover");
+        assert!(h.contains("3 stage(s) using 4 worker(s)") && h.contains("predicted step"), "{h}");
+        let (_, h) = hover(src, src.find("loss").expect("key") + 1, &schema, None).expect("hover");
+        assert!(h.contains("cross_entropy"), "{h}");
+    }
+}
