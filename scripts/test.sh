@@ -14,11 +14,18 @@ if ! command -v cargo-nextest >/dev/null 2>&1 && ! cargo nextest --version >/dev
   cargo install cargo-nextest --locked
 fi
 
+# Open MPI and clang (bindgen) for the `mpi` feature's tests (Debian packages).
+if ! command -v mpirun >/dev/null 2>&1 || ! dpkg -s libopenmpi-dev libclang-dev clang >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q libopenmpi-dev openmpi-bin clang libclang-dev
+fi
+
 echo "== build"
-cargo build --workspace --all-targets
+cargo build --workspace --all-targets --features mpi
 
 echo "== tests"
-cargo nextest run --workspace --no-fail-fast
+cargo nextest run --workspace --features mpi --no-fail-fast
 
 echo "== cuda feature type-checks (no GPU needed)"
 cargo check -p pipec-executor --features cuda

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod check_cmd;
 mod compile_cmd;
+mod launch_cmd;
 mod lsp;
 mod output;
 mod profile_cmd;
@@ -89,6 +90,24 @@ enum Command {
         /// Seconds a worker may wait for a message before the run is declared stuck.
         #[arg(long, default_value_t = 120)]
         timeout: u64,
+        /// Threads in this process, or one MPI process per device (under mpirun).
+        #[arg(long, value_enum, default_value_t = run_cmd::Transport::Threads)]
+        transport: run_cmd::Transport,
+    },
+    /// Print (and with --exec run) the mpirun command that trains the plan with one
+    /// process per device.
+    Launch {
+        file: PathBuf,
+        /// An Open MPI hostfile (`host slots=N` lines); each host's slots must equal the
+        /// spec's devices_per_node.
+        #[arg(long)]
+        hostfile: Option<PathBuf>,
+        /// Output directory passed to `pipec run`.
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// Run the command instead of only printing it.
+        #[arg(long)]
+        exec: bool,
     },
     /// Compile a spec into a verified, simulated plan: DIR/plan.json, timeline.svg,
     /// memory.svg and trace.json.
@@ -114,9 +133,10 @@ fn main() -> ExitCode {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
         Command::Compile { file, out, emit, profile, format } => compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref()),
-        Command::Run { file, out, steps, backend, resume, timeout } => {
-            run_cmd::run(run_cmd::RunArgs { file, out, steps, backend, resume, timeout_s: timeout, color: std::io::stderr().is_terminal() })
+        Command::Run { file, out, steps, backend, resume, timeout, transport } => {
+            run_cmd::run(run_cmd::RunArgs { transport, file, out, steps, backend, resume, timeout_s: timeout, color: std::io::stderr().is_terminal() })
         }
+        Command::Launch { file, hostfile, out, exec } => launch_cmd::run(&file, hostfile.as_deref(), out.as_deref(), exec),
         Command::Profile { file, out, backend, reps } => profile_cmd::run(&file, out, backend, reps, std::io::stderr().is_terminal()),
         Command::Lsp => lsp::run(),
         Command::Schema => {

@@ -19,9 +19,19 @@ pub enum Backend {
     Cuda,
 }
 
+/// How the workers talk.
+#[derive(Clone, Copy, Debug, clap::ValueEnum, PartialEq, Eq)]
+pub enum Transport {
+    /// One thread per device in this process.
+    Threads,
+    /// One process per device, started by mpirun (cargo feature `mpi`).
+    Mpi,
+}
+
 /// `pipec run`'s options.
 #[derive(Debug, Clone)]
 pub struct RunArgs {
+    pub transport: Transport,
     pub file: PathBuf,
     pub out: Option<PathBuf>,
     pub steps: Option<usize>,
@@ -66,6 +76,9 @@ pub fn run(args: RunArgs) -> u8 {
         return EXIT_DIAGNOSTICS;
     }
     let dir = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(&plan.name));
+    if args.transport == Transport::Mpi {
+        return run_mpi(&plan, &args, &dir);
+    }
     if let Err(e) = std::fs::create_dir_all(&dir) {
         eprintln!("error: cannot create `{}`: {e}", dir.display());
         return EXIT_USAGE;
@@ -151,6 +164,61 @@ pub fn run(args: RunArgs) -> u8 {
     }
     eprintln!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
     EXIT_OK
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
+    let steps = args.steps.unwrap_or(plan.training.steps);
+    let options = RunOptions { steps: Some(steps), backend: BackendKind::Cpu, timeout: Duration::from_secs(args.timeout_s.max(1)), checkpoint_dir: None, resume: None };
+    let mut lines = Vec::new();
+    let mut on_step = |m: &StepMetrics| {
+        lines.push(serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s}).to_string());
+        if m.step < 3 || (m.step + 1) % 10 == 0 || m.step + 1 == steps {
+            eprintln!("step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s", m.step, m.loss, m.step_seconds * 1e3, m.samples_per_s);
+        }
+    };
+    match pipec_executor::mpi_run::run(plan, &options, &mut on_step) {
+        Ok((info, Some(report))) => {
+            let _ = info;
+            if let Err(e) = std::fs::create_dir_all(dir) {
+                eprintln!("error: cannot create `{}`: {e}", dir.display());
+                return EXIT_USAGE;
+            }
+            let mut text = lines.join("\n");
+            text.push('\n');
+            let plan_text = serde_json::to_string_pretty(plan).unwrap_or_default() + "\n";
+            let mut events: Vec<serde_json::Value> = Vec::new();
+            for (dev, index, start, end) in &report.trace {
+                if let Some(ins) = plan.streams.get(dev).and_then(|s| s.get(*index)) {
+                    events.push(trace_event(*dev, ins, *start, *end));
+                }
+            }
+            let trace = serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": "pipec run --transport mpi (measured, last step)", "plan": plan.name}});
+            for (file, contents) in [("plan.json", plan_text), ("metrics.jsonl", text), ("trace.json", trace.to_string())] {
+                if let Err(e) = write_atomic(&dir.join(file), contents.as_bytes()) {
+                    eprintln!("error: {e}");
+                    return EXIT_USAGE;
+                }
+            }
+            eprintln!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
+            EXIT_OK
+        }
+        Ok((_, None)) => EXIT_OK,
+        Err((info, e)) => {
+            match info {
+                Some(i) => eprintln!("error: rank {} of {} (device {}): {e}", i.rank, i.size, i.device),
+                None => eprintln!("error: {e}"),
+            }
+            // Ends every rank of the job: none may wait for this one forever.
+            pipec_executor::mpi_run::abort(1)
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_plan: &Plan, _args: &RunArgs, _dir: &Path) -> u8 {
+    eprintln!("error: this pipec was built without MPI support: rebuild with `cargo build --release --features mpi` (needs Open MPI and clang)");
+    EXIT_USAGE
 }
 
 fn median(v: &[f64]) -> Option<f64> {

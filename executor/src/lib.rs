@@ -5,6 +5,10 @@
 pub mod checkpoint;
 pub mod data;
 pub mod layers;
+#[cfg(feature = "mpi")]
+pub mod mpi_run;
+#[cfg(feature = "mpi")]
+pub mod mpi_transport;
 pub mod profile;
 pub mod rng;
 pub mod transport;
@@ -59,11 +63,18 @@ impl Default for RunOptions {
     }
 }
 
+/// The CPU backend with autodiff.
+pub type CpuBackend = burn::backend::Autodiff<burn::backend::Flex>;
+
 /// What one training step measured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepMetrics {
     pub step: usize,
+    /// Mean loss over the step's microbatches.
     pub loss: f64,
+    /// Sum and count of the microbatch losses this process saw (for combining ranks).
+    pub loss_sum: f64,
+    pub loss_count: usize,
     pub step_seconds: f64,
     pub samples_per_s: f64,
 }
@@ -167,8 +178,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     validate(plan)?;
     match options.backend {
         BackendKind::Cpu => {
-            type B = burn::backend::Autodiff<burn::backend::Flex>;
-            run_in_process::<B>(plan, options, Default::default(), on_step)
+            run_in_process::<CpuBackend>(plan, options, Default::default(), on_step)
         }
         BackendKind::Cuda => {
             cuda_available().map_err(RunError::plain)?;
@@ -237,6 +247,7 @@ fn load_checkpoint<B: AutodiffBackend>(stages: &mut HashMap<StageId, StageState<
     Ok(())
 }
 
+#[allow(clippy::type_complexity)]
 fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>) -> Result<HashMap<u32, checkpoint::StageCheckpoint>, String> {
     let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
     let mut out = HashMap::new();
@@ -340,12 +351,13 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
                     if entry.len() == n_workers {
                         let reports = pending.remove(&step).unwrap_or_default();
                         let losses: Vec<f32> = reports.iter().flat_map(|(r, _)| r.losses.iter().map(|l| l.1)).collect();
-                        let loss = losses.iter().map(|&l| f64::from(l)).sum::<f64>() / losses.len().max(1) as f64;
+                        let loss_sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
+                        let loss = if losses.is_empty() { f64::NAN } else { loss_sum / losses.len() as f64 };
                         let now = Instant::now();
                         let wall = now.duration_since(last_done).as_secs_f64();
                         last_done = now;
                         let step_seconds = reports.iter().map(|(r, _)| r.step_seconds).fold(0.0, f64::max).min(wall.max(f64::MIN_POSITIVE));
-                        let m = StepMetrics { step, loss, step_seconds, samples_per_s: plan.training.batch_size as f64 / step_seconds.max(1e-12) };
+                        let m = StepMetrics { step, loss, loss_sum, loss_count: losses.len(), step_seconds, samples_per_s: plan.training.batch_size as f64 / step_seconds.max(1e-12) };
                         on_step(&m);
                         report.steps.push(m);
                         report.trace = reports.iter().flat_map(|(r, _)| r.trace.iter().map(move |t| (r.device, t.0, t.1, t.2))).collect();

@@ -1,0 +1,98 @@
+//! Running a plan as one MPI process per device (`mpirun -np N pipec run SPEC --transport
+//! mpi`). Every rank executes only its own device's stream; rank 0 gathers each step's
+//! loss and the final step's trace and reports them.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use mpi::Threading;
+use pipec_plan::{DeviceId, Plan};
+
+use crate::mpi_transport::{receive_bytes, start_sender, MpiEndpoint, TAG_METRIC, TAG_TRACE};
+use crate::{run_workers, RunError, RunOptions, RunReport, StepMetrics};
+
+/// What this rank is.
+#[derive(Debug, Clone, Copy)]
+pub struct RankInfo {
+    pub rank: i32,
+    pub size: i32,
+    pub device: DeviceId,
+}
+
+fn f64s(v: &[f64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn from_f64s(b: &[u8]) -> Vec<f64> {
+    b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect()
+}
+
+/// Runs this rank's device. Returns the report on rank 0 (None elsewhere). On failure the
+/// caller must abort the job ([`abort`]), so no rank waits forever.
+pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
+    crate::validate(plan).map_err(|e| (None, e))?;
+    let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple).ok_or((None, RunError::plain("MPI could not be initialised (is this process started by mpirun?)")))?;
+    let world = universe.world();
+    let (rank, size) = (world.rank(), world.size());
+    if threading != Threading::Multiple {
+        return Err((None, RunError::plain(format!("rank {rank}: the MPI library grants thread level {threading:?}; pipec needs MPI_THREAD_MULTIPLE"))));
+    }
+    let devices: Vec<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
+    if size as usize != devices.len() {
+        return Err((None, RunError::plain(format!("rank {rank}: the plan has {} devices with work but mpirun started {size} processes; run `mpirun -np {}` (see `pipec launch`)", devices.len(), devices.len()))));
+    }
+    let device = devices[rank as usize];
+    let info = RankInfo { rank, size, device };
+    let abort = Arc::new(AtomicBool::new(false));
+    let outgoing = start_sender();
+    let endpoint = MpiEndpoint::new(device, &devices, outgoing.clone(), abort.clone(), options.timeout);
+    if options.checkpoint_dir.is_some() && plan.training.checkpoint_every.is_some() {
+        return Err((Some(info), RunError::plain("checkpoints are written by in-process runs only for now; drop `checkpoint` from the spec for MPI runs")));
+    }
+    // Every rank reports each step's (loss sum, loss count) to rank 0, which combines them.
+    let timeout = options.timeout;
+    let mut gather = |m: &StepMetrics| {
+        if rank == 0 {
+            let (mut sum, mut count, mut secs) = (m.loss_sum, m.loss_count as f64, m.step_seconds);
+            for r in 1..size {
+                if let Ok(b) = receive_bytes(r, TAG_METRIC, &abort, timeout, devices[r as usize]) {
+                    let v = from_f64s(&b);
+                    if v.len() == 4 {
+                        sum += v[1];
+                        count += v[2];
+                        secs = secs.max(v[3]);
+                    }
+                }
+            }
+            let loss = if count > 0.0 { sum / count } else { f64::NAN };
+            on_step(&StepMetrics { step: m.step, loss, loss_sum: sum, loss_count: count as usize, step_seconds: secs, samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12) });
+        } else {
+            let _ = outgoing.send((0, TAG_METRIC, f64s(&[m.step as f64, m.loss_sum, m.loss_count as f64, m.step_seconds])));
+        }
+    };
+    let report = run_workers::<crate::CpuBackend, _>(plan, options, Default::default(), vec![endpoint], abort.clone(), &mut gather).map_err(|e| (Some(info), e))?;
+    // Rank 0 merges the last step's traces.
+    let flat: Vec<f64> = report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]).collect();
+    if rank == 0 {
+        let mut merged = report.clone();
+        for r in 1..size {
+            let b = receive_bytes(r, TAG_TRACE, &abort, timeout, devices[r as usize]).map_err(|e| (Some(info), RunError::plain(e.to_string())))?;
+            for t in from_f64s(&b).chunks_exact(4) {
+                merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
+            }
+        }
+        world.barrier();
+        Ok((info, Some(merged)))
+    } else {
+        let _ = outgoing.send((0, TAG_TRACE, f64s(&flat)));
+        world.barrier();
+        Ok((info, None))
+    }
+}
+
+/// Ends the whole job (MPI_Abort) after a rank failed.
+pub fn abort(code: i32) -> ! {
+    SimpleCommunicator::world().abort(code)
+}

@@ -1,0 +1,114 @@
+//! One process per device on Open MPI (`--features mpi`): the same plan gives exactly the
+//! in-process losses; a failing or killed rank ends the job with a non-zero exit within a
+//! bounded time; a wrong `-np` is an error on every rank, not a hang.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn pipec() -> &'static str {
+    env!("CARGO_BIN_EXE_pipec")
+}
+
+fn spec(stages: &str, devices: usize, steps: usize) -> String {
+    format!(
+        "name: mpi-test\nmodel:\n  input: [16]\n  layers:\n    - linear(16, 32) -> relu\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: {stages}\n  schedule: 1f1b\n  microbatches: 8\ntraining:\n  batch_size: 32\n  steps: {steps}\n  optimizer: {{ kind: adam, lr: 0.005 }}\n  seed: 3\n  data: {{ kind: synthetic, samples: 96 }}\n"
+    )
+}
+
+fn mpirun(np: usize, args: &[&str]) -> Output {
+    Command::new("mpirun").args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string(), pipec()]).args(args).output().expect("mpirun runs")
+}
+
+fn losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics").lines().map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"].as_f64().expect("loss")).collect()
+}
+
+fn equal_to_in_process(stages: &str, devices: usize) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec(stages, devices, 4)).expect("write");
+    let threads = dir.path().join("threads");
+    let out = Command::new(pipec()).args(["run", spec_path.to_str().expect("p"), "-o", threads.to_str().expect("p")]).output().expect("runs");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let mpi = dir.path().join("mpi");
+    let out = mpirun(devices, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", mpi.to_str().expect("p")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a, b) = (losses(&threads), losses(&mpi));
+    assert_eq!(a.len(), 4);
+    assert_eq!(a, b, "MPI losses differ from the in-process run");
+    assert!(mpi.join("trace.json").is_file());
+}
+
+#[test]
+fn four_rank_1f1b_equals_in_process_exactly() {
+    equal_to_in_process("straight", 4);
+}
+
+#[test]
+fn pipedream_2_1_1_with_replica_all_reduce_equals_in_process_exactly() {
+    equal_to_in_process("\"2-1-1\"", 4);
+}
+
+#[test]
+fn a_wrong_process_count_is_an_error_on_every_rank() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("straight", 4, 2)).expect("write");
+    let start = Instant::now();
+    let out = mpirun(3, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", dir.path().join("o").to_str().expect("p")]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(start.elapsed() < Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("mpirun started 3 processes") && err.contains("-np 4"), "{err}");
+}
+
+#[test]
+fn a_failing_rank_aborts_the_job_with_its_device_and_instruction() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("straight", 4, 3)).expect("write");
+    let plan_dir = dir.path().join("plan");
+    let out = Command::new(pipec()).args(["compile", spec_path.to_str().expect("p"), "-o", plan_dir.to_str().expect("p")]).output().expect("compiles");
+    assert_eq!(out.status.code(), Some(0));
+    // break the plan: device 1 never sends its first activation
+    let mut plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(plan_dir.join("plan.json")).expect("plan")).expect("json");
+    let stream = plan["streams"]["1"].as_array_mut().expect("d1 stream");
+    let i = stream.iter().position(|x| x["op"] == "send_activation").expect("a send");
+    stream.remove(i);
+    let broken = dir.path().join("broken.json");
+    std::fs::write(&broken, serde_json::to_string(&plan).expect("json")).expect("write");
+    let start = Instant::now();
+    let out = mpirun(4, &["run", broken.to_str().expect("p"), "--transport", "mpi", "--timeout", "3", "-o", dir.path().join("o").to_str().expect("p")]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(start.elapsed() < Duration::from_secs(60), "took {:?}", start.elapsed());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rank ") && err.contains("device d") && err.contains("recv_act"), "{err}");
+}
+
+#[test]
+fn a_killed_rank_ends_the_job() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("straight", 2, 100000)).expect("write");
+    let marker: PathBuf = dir.path().join("killme");
+    let mut child = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", pipec(), "run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", marker.to_str().expect("p")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun starts");
+    std::thread::sleep(Duration::from_secs(3));
+    let killed = Command::new("pkill").args(["-9", "-n", "-f", marker.to_str().expect("p")]).status().expect("pkill");
+    assert!(killed.success(), "no rank to kill");
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            assert!(!status.success());
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the job did not end after a rank was killed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
