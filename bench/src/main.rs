@@ -225,7 +225,74 @@ fn executor() {
     println!("overhead: 2 workers x {} instructions per step on a 4 x Linear(8) model (1 sample per microbatch): {:.4} s/step = {:.1} µs per instruction, compute included", per_device, t, t / per_device as f64 * 1e6);
 }
 
+/// Point-to-point latency and bandwidth under `mpirun -np 2`: plain MPI send/receive of
+/// byte buffers (osu_latency/osu_bw style ping-pong), then pipec's MPI endpoint moving the
+/// same sizes as tensors (header, sender thread, polling receive).
+#[cfg(feature = "mpi")]
+fn mpi_pingpong() {
+    use mpi::traits::*;
+    use pipec_executor::mpi_transport::{start_sender, MpiEndpoint};
+    use pipec_executor::transport::{Endpoint, Message};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Multiple).expect("MPI");
+    let world = universe.world();
+    let rank = world.rank();
+    assert_eq!(world.size(), 2, "run under mpirun -np 2");
+    let peer = world.process_at_rank(1 - rank);
+    if rank == 0 {
+        println!("## MPI point-to-point, 2 ranks on this machine (one-way time = round trip / 2)");
+        println!("| size | plain MPI latency | plain MPI bandwidth | pipec endpoint latency | pipec endpoint bandwidth |");
+        println!("|---|---|---|---|---|");
+    }
+    let devices = [pipec_plan::DeviceId(0), pipec_plan::DeviceId(1)];
+    let me = devices[rank as usize];
+    let other = devices[1 - rank as usize];
+    let mut ep = MpiEndpoint::new(me, &devices, start_sender(), Arc::new(AtomicBool::new(false)), Duration::from_secs(60));
+    let mut size = 64 * 1024;
+    while size <= 64 * 1024 * 1024 {
+        let iters = (256 * 1024 * 1024 / size).clamp(4, 200);
+        let buf = vec![1u8; size];
+        world.barrier();
+        let t = Instant::now();
+        for _ in 0..iters {
+            if rank == 0 {
+                peer.send_with_tag(&buf[..], 1);
+                let _ = peer.receive_vec_with_tag::<u8>(1);
+            } else {
+                let (b, _) = peer.receive_vec_with_tag::<u8>(1);
+                peer.send_with_tag(&b[..], 1);
+            }
+        }
+        let plain = t.elapsed().as_secs_f64() / iters as f64 / 2.0;
+        let floats = vec![1f32; size / 4];
+        world.barrier();
+        let t = Instant::now();
+        for i in 0..iters {
+            let tag = (0u8, 0u32, i as u32);
+            if rank == 0 {
+                ep.send(other, Message { tag, shape: vec![floats.len()], data: floats.clone() }).expect("send"); // the clone is part of the measured cost, as in the executor
+                let _ = ep.recv(other, tag).expect("recv");
+            } else {
+                let m = ep.recv(other, tag).expect("recv");
+                ep.send(other, m).expect("send");
+            }
+        }
+        let ours = t.elapsed().as_secs_f64() / iters as f64 / 2.0;
+        if rank == 0 {
+            println!("| {} KiB | {:.1} µs | {:.2} GB/s | {:.1} µs | {:.2} GB/s |", size / 1024, plain * 1e6, size as f64 / plain / 1e9, ours * 1e6, size as f64 / ours / 1e9);
+        }
+        size *= 4;
+    }
+    world.barrier();
+}
+
 fn main() {
+    #[cfg(feature = "mpi")]
+    if std::env::args().nth(1).as_deref() == Some("mpi-pingpong") {
+        mpi_pingpong();
+        return;
+    }
     let what = std::env::args().nth(1).unwrap_or_else(|| "all".into());
     println!("# pipec benchmarks ({} cores)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0));
     if what == "planner" || what == "all" {

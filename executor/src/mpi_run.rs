@@ -69,7 +69,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
             let loss = if count > 0.0 { sum / count } else { f64::NAN };
             on_step(&StepMetrics { step: m.step, loss, loss_sum: sum, loss_count: count as usize, step_seconds: secs, samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12) });
         } else {
-            let _ = outgoing.send((0, TAG_METRIC, f64s(&[m.step as f64, m.loss_sum, m.loss_count as f64, m.step_seconds])));
+            let _ = outgoing.send((0, TAG_METRIC, f64s(&[m.step as f64, m.loss_sum, m.loss_count as f64, m.step_seconds]), None));
         }
     };
     let report = run_workers::<crate::CpuBackend, _>(plan, options, Default::default(), vec![endpoint], abort.clone(), &mut gather).map_err(|e| (Some(info), e))?;
@@ -86,7 +86,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
         world.barrier();
         Ok((info, Some(merged)))
     } else {
-        let _ = outgoing.send((0, TAG_TRACE, f64s(&flat)));
+        let _ = outgoing.send((0, TAG_TRACE, f64s(&flat), None));
         world.barrier();
         Ok((info, None))
     }

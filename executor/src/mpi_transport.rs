@@ -32,8 +32,14 @@ pub const TAG_COLL: i32 = 11;
 pub const TAG_METRIC: i32 = 12;
 pub const TAG_TRACE: i32 = 13;
 
-/// Work for the sender thread: (destination rank, tag, bytes).
-pub type Outgoing = (i32, i32, Vec<u8>);
+/// Work for the sender thread: (destination rank, tag, header bytes, tensor values). The
+/// values travel as a second MPI message of f32 (no copy into bytes); MPI's
+/// non-overtaking rule keeps it right behind its header.
+pub type Outgoing = (i32, i32, Vec<u8>, Option<Vec<f32>>);
+
+fn header(tag: Tag, shape: &[usize]) -> Vec<u8> {
+    encode(tag, shape, &[])
+}
 
 fn encode(tag: Tag, shape: &[usize], data: &[f32]) -> Vec<u8> {
     let mut b = Vec::with_capacity(16 + 8 * shape.len() + 4 * data.len());
@@ -73,11 +79,24 @@ pub fn start_sender() -> Sender<Outgoing> {
     let (tx, rx) = channel::<Outgoing>();
     std::thread::spawn(move || {
         let world = SimpleCommunicator::world();
-        for (dest, tag, bytes) in rx {
-            world.process_at_rank(dest).send_with_tag(&bytes[..], tag);
+        for (dest, tag, bytes, values) in rx {
+            let p = world.process_at_rank(dest);
+            p.send_with_tag(&bytes[..], tag);
+            if let Some(v) = values {
+                p.send_with_tag(&v[..], tag);
+            }
         }
     });
     tx
+}
+
+/// Receives a header and its tensor values (see [`Outgoing`]).
+fn receive_tensor(rank: i32, tag: i32, abort: &AtomicBool, timeout: Duration, from: DeviceId) -> Result<Message, TransportError> {
+    let mut m = decode(&receive_bytes(rank, tag, abort, timeout, from)?)?;
+    let world = SimpleCommunicator::world();
+    let (values, _) = world.process_at_rank(rank).receive_vec_with_tag::<f32>(tag);
+    m.data = values;
+    Ok(m)
 }
 
 /// Receives the next message with `tag` from `rank`, polling so that an abort or a
@@ -138,11 +157,11 @@ impl Endpoint for MpiEndpoint {
     }
     fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
         let r = self.rank(to)?;
-        self.outgoing.send((r, TAG_P2P, encode(msg.tag, &msg.shape, &msg.data))).map_err(|_| TransportError::Disconnected(to))
+        self.outgoing.send((r, TAG_P2P, header(msg.tag, &msg.shape), Some(msg.data))).map_err(|_| TransportError::Disconnected(to))
     }
     fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
         let r = self.rank(from)?;
-        let m = decode(&receive_bytes(r, TAG_P2P, &self.abort, self.timeout, from)?)?;
+        let m = receive_tensor(r, TAG_P2P, &self.abort, self.timeout, from)?;
         if m.tag != tag {
             return Err(TransportError::Mismatch { from, expected: tag, got: m.tag });
         }
@@ -150,11 +169,11 @@ impl Endpoint for MpiEndpoint {
     }
     fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError> {
         let r = self.rank(to)?;
-        self.outgoing.send((r, TAG_COLL, encode((2, 0, 0), &[data.len()], &data))).map_err(|_| TransportError::Disconnected(to))
+        self.outgoing.send((r, TAG_COLL, header((2, 0, 0), &[data.len()]), Some(data))).map_err(|_| TransportError::Disconnected(to))
     }
     fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError> {
         let r = self.rank(from)?;
-        Ok(decode(&receive_bytes(r, TAG_COLL, &self.abort, self.timeout, from)?)?.data)
+        Ok(receive_tensor(r, TAG_COLL, &self.abort, self.timeout, from)?.data)
     }
 }
 
