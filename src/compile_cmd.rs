@@ -6,7 +6,6 @@ use pipec_compiler::compile::device_rows;
 use pipec_compiler::lower::compute_order;
 use pipec_compiler::memory::table;
 use pipec_compiler::render::{human_time, memory_svg, timeline_svg, trace_json};
-use pipec_compiler::schedule::TaskKind;
 use pipec_compiler::{compile, CompileOptions, Compiled};
 use pipec_grammar::diagnostic::{render_human, render_json, Diagnostic};
 
@@ -164,18 +163,7 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
 pub fn torch_csv(plan: &pipec_plan::Plan) -> String {
     let mut out = String::new();
     for stream in plan.streams.values() {
-        let row: Vec<String> = compute_order(stream)
-            .iter()
-            .map(|t| {
-                let k = match t.kind {
-                    TaskKind::Forward => "F",
-                    TaskKind::Backward => "B",
-                    TaskKind::BackwardInput => "I",
-                    TaskKind::BackwardWeight => "W",
-                };
-                format!("{}{k}{}", t.stage.0, t.mb.0)
-            })
-            .collect();
+        let row: Vec<String> = compute_order(stream).iter().map(ToString::to_string).collect();
         out.push_str(&row.join(","));
         out.push('\n');
     }

@@ -3,8 +3,6 @@
 
 use std::path::{Path, PathBuf};
 
-use pipec_compiler::cost::{Profile, ProfiledLayer};
-
 use crate::output::write_atomic;
 use crate::run_cmd::{load_plan, Backend};
 use crate::{EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
@@ -31,22 +29,15 @@ pub fn run(file: &Path, out: Option<PathBuf>, backend: Backend, reps: usize, col
             }
         }
     };
-    let layers = match measured {
-        Ok(l) => l,
+    let mut profile = match measured {
+        Ok(p) => p,
         Err(e) => {
             eprintln!("error: profiling failed: {e}");
             return EXIT_DIAGNOSTICS;
         }
     };
-    let profile = Profile {
-        version: 1,
-        batch_size: plan.training.microbatch_size,
-        backend: format!("{backend:?}").to_lowercase(),
-        layers: layers
-            .iter()
-            .map(|l| ProfiledLayer { index: l.index, name: l.name.clone(), forward_ms: l.forward_ms, backward_ms: l.backward_ms, activation_bytes: l.activation_bytes, output_bytes: l.output_bytes, parameter_bytes: l.parameter_bytes })
-            .collect(),
-    };
+    profile.backend = format!("{backend:?}").to_lowercase();
+    let layers = &profile.layers;
     let path = out.unwrap_or_else(|| PathBuf::from("out").join(&plan.name).join("profile.json"));
     let text = serde_json::to_string_pretty(&profile).unwrap_or_default() + "\n";
     if let Err(e) = write_atomic(&path, text.as_bytes()) {

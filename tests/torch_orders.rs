@@ -4,7 +4,6 @@
 use std::path::Path;
 
 use pipec_compiler::lower::compute_order;
-use pipec_compiler::schedule::TaskKind;
 use pipec_compiler::{compile, CompileOptions};
 
 fn spec(ranks: usize, microbatches: usize, schedule: &str, layers: usize) -> String {
@@ -39,7 +38,7 @@ fn compute_orders_match_pytorch() {
         for (rank, stream) in plan.streams.values().enumerate() {
             let ours: Vec<String> = compute_order(stream)
                 .iter()
-                .map(|t| format!("{}{}{}", t.stage.0, if t.kind == TaskKind::Forward { "F" } else { "B" }, t.mb.0))
+                .map(ToString::to_string)
                 .collect();
             let theirs: Vec<String> = r["order"][rank.to_string()].as_array().expect("rank order").iter().map(|a| a.as_str().expect("action").to_string()).collect();
             assert_eq!(ours, theirs, "{}: rank {rank}", path.display());

@@ -183,16 +183,7 @@ fn executor() {
     // Calibrate the cost model with a measured profile of this machine, as a user would
     // with `pipec profile`.
     let single = plan_of(&mlp_spec(1, "\"1\"", "gpipe", "50GFLOP/s"));
-    let measured = pipec_executor::profile::profile_cpu(&single, 2, 10).expect("profiles");
-    let profile = pipec_compiler::cost::Profile {
-        version: 1,
-        batch_size: single.training.microbatch_size,
-        backend: "cpu".into(),
-        layers: measured
-            .iter()
-            .map(|l| pipec_compiler::cost::ProfiledLayer { index: l.index, name: l.name.clone(), forward_ms: l.forward_ms, backward_ms: l.backward_ms, activation_bytes: l.activation_bytes, output_bytes: l.output_bytes, parameter_bytes: l.parameter_bytes })
-            .collect(),
-    };
+    let profile = pipec_executor::profile::profile_cpu(&single, 2, 10).expect("profiles");
     let with_profile = |text: &str| {
         let spec = pipec_grammar::check_source(text).spec.expect("valid");
         compile(&spec, &CompileOptions { profile: Some(profile.clone()), base_dir: None }).expect("compiles").plan

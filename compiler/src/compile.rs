@@ -16,7 +16,7 @@ use pipec_plan::plan::{DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerP
 use pipec_plan::{DeviceId, GroupId, Instr, Phase, Plan, StageId};
 
 use crate::cluster::{parameter_server_time, ring_allreduce_time, ClusterGraph};
-use crate::cost::{analytic_costs, LayerCost, Profile};
+use crate::cost::{analytic_costs, ApplyProfile, LayerCost, Profile};
 use crate::ir::{self, Graph};
 use crate::lower::{lower, LowerInput, Updates};
 use crate::memory::{device_memory, human_bytes, StageBytes};

@@ -106,33 +106,16 @@ pub fn analytic_costs(graph: &Graph, throughput: f64, microbatch_size: usize) ->
         .collect()
 }
 
-/// A measured per-layer profile (`pipec profile` writes it; see docs/plan-format.md).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Profile {
-    pub version: u32,
-    /// The samples each measurement covers.
-    pub batch_size: usize,
-    pub backend: String,
-    pub layers: Vec<ProfiledLayer>,
-}
+pub use pipec_plan::profile::{Profile, ProfiledLayer};
 
-/// One measured layer.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct ProfiledLayer {
-    pub index: usize,
-    pub name: String,
-    pub forward_ms: f64,
-    pub backward_ms: f64,
-    /// Bytes kept for the backward, for `batch_size` samples.
-    pub activation_bytes: u64,
-    /// Bytes of the output, for `batch_size` samples.
-    pub output_bytes: u64,
-    pub parameter_bytes: u64,
-}
-
-impl Profile {
+/// Applying a measured profile to the analytic costs.
+pub trait ApplyProfile {
     /// Replaces analytic costs with measured ones, scaled linearly to the microbatch size.
-    pub fn apply(&self, costs: &mut [LayerCost], microbatch_size: usize) -> Result<(), String> {
+    fn apply(&self, costs: &mut [LayerCost], microbatch_size: usize) -> Result<(), String>;
+}
+
+impl ApplyProfile for Profile {
+    fn apply(&self, costs: &mut [LayerCost], microbatch_size: usize) -> Result<(), String> {
         if self.layers.len() != costs.len() {
             return Err(format!("the profile has {} layers, the model has {}", self.layers.len(), costs.len()));
         }

@@ -28,6 +28,19 @@ pub struct Task {
     pub mb: MicrobatchId,
 }
 
+impl std::fmt::Display for Task {
+    /// PyTorch's action notation: `0F3`, `1B2`, `0I1` (input gradient), `0W1` (weights).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let k = match self.kind {
+            TaskKind::Forward => "F",
+            TaskKind::Backward => "B",
+            TaskKind::BackwardInput => "I",
+            TaskKind::BackwardWeight => "W",
+        };
+        write!(f, "{}{k}{}", self.stage.0, self.mb.0)
+    }
+}
+
 impl Task {
     fn new(kind: TaskKind, stage: usize, mb: usize) -> Self {
         Task { kind, stage: StageId(stage as u32), mb: MicrobatchId(mb as u32) }
@@ -353,20 +366,7 @@ mod tests {
     fn text(order: &Order) -> Vec<String> {
         order
             .iter()
-            .map(|ts| {
-                ts.iter()
-                    .map(|t| {
-                        let k = match t.kind {
-                            TaskKind::Forward => "F",
-                            TaskKind::Backward => "B",
-                            TaskKind::BackwardInput => "I",
-                            TaskKind::BackwardWeight => "W",
-                        };
-                        format!("{}{}{}", t.stage.0, k, t.mb.0)
-                    })
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            })
+            .map(|ts| ts.iter().map(ToString::to_string).collect::<Vec<_>>().join(" "))
             .collect()
     }
 

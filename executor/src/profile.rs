@@ -7,22 +7,12 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use pipec_plan::profile::{Profile, ProfiledLayer};
 use pipec_plan::Plan;
 
 use crate::layers::{Act, StageModel};
+use crate::worker::require_grad;
 use crate::rng::Rng;
-
-/// One measured layer (times in ms for `batch` samples; bytes for `batch` samples).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct MeasuredLayer {
-    pub index: usize,
-    pub name: String,
-    pub forward_ms: f64,
-    pub backward_ms: f64,
-    pub activation_bytes: u64,
-    pub output_bytes: u64,
-    pub parameter_bytes: u64,
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -40,15 +30,6 @@ fn random_input<B: Backend>(shape: &[usize], tokens: Option<usize>, dev: &B::Dev
     }
 }
 
-fn require_grad<B: AutodiffBackend>(a: Act<B>) -> Act<B> {
-    match a {
-        Act::D2(t) => Act::D2(t.require_grad()),
-        Act::D3(t) => Act::D3(t.require_grad()),
-        Act::D4(t) => Act::D4(t.require_grad()),
-        other => other,
-    }
-}
-
 fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
     match a {
         Act::D2(t) => Some(t.clone().sum()),
@@ -59,7 +40,7 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
 }
 
 /// Measures every layer of the plan: `warmup` unmeasured runs, then the median of `reps`.
-pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: usize, reps: usize) -> Result<Vec<MeasuredLayer>, String> {
+pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: usize, reps: usize) -> Result<Profile, String> {
     let mb = plan.training.microbatch_size;
     let precision = 4u64;
     let mut out = Vec::new();
@@ -88,7 +69,7 @@ pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: 
             }
         }
         let params: usize = model.num_params();
-        out.push(MeasuredLayer {
+        out.push(ProfiledLayer {
             index: i,
             name: layer.op.name().to_string(),
             forward_ms: median(fwd),
@@ -98,18 +79,18 @@ pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: 
             parameter_bytes: params as u64 * precision,
         });
     }
-    Ok(out)
+    Ok(Profile { version: 1, batch_size: mb, backend: std::any::type_name::<B>().rsplit("::").next().unwrap_or("burn").trim_end_matches('>').to_lowercase(), layers: out })
 }
 
 /// Profiles on the CPU backend.
-pub fn profile_cpu(plan: &Plan, warmup: usize, reps: usize) -> Result<Vec<MeasuredLayer>, String> {
+pub fn profile_cpu(plan: &Plan, warmup: usize, reps: usize) -> Result<Profile, String> {
     type B = burn::backend::Autodiff<burn::backend::Flex>;
     profile_layers::<B>(plan, &Default::default(), warmup, reps)
 }
 
 /// Profiles on the CUDA backend.
 #[cfg(feature = "cuda")]
-pub fn profile_cuda(plan: &Plan, warmup: usize, reps: usize) -> Result<Vec<MeasuredLayer>, String> {
+pub fn profile_cuda(plan: &Plan, warmup: usize, reps: usize) -> Result<Profile, String> {
     type B = burn::backend::Autodiff<burn::backend::Cuda>;
     profile_layers::<B>(plan, &burn::backend::cuda::CudaDevice::new(0), warmup, reps)
 }

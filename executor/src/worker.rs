@@ -209,7 +209,7 @@ fn act_to_message<B: Backend>(a: &Act<B>, tag: Tag) -> Result<Message, String> {
     Ok(Message { tag, shape: shape.to_vec(), data })
 }
 
-fn require_grad<B: AutodiffBackend>(a: Act<B>) -> Act<B> {
+pub(crate) fn require_grad<B: AutodiffBackend>(a: Act<B>) -> Act<B> {
     match a {
         Act::D2(t) => Act::D2(t.require_grad()),
         Act::D3(t) => Act::D3(t.require_grad()),

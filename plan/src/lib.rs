@@ -5,6 +5,7 @@
 pub mod instr;
 pub mod model;
 pub mod plan;
+pub mod profile;
 
 pub use instr::{Buffer, DeviceId, GroupId, Instr, MicrobatchId, Phase, StageId};
 pub use plan::Plan;

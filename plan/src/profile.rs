@@ -1,0 +1,29 @@
+//! The per-layer profile format: measured forward/backward times and bytes per layer.
+//! `pipec profile` writes it; `pipec compile --profile` feeds it to the cost model (see
+//! docs/plan-format.md).
+
+use serde::{Deserialize, Serialize};
+
+/// A measured per-layer profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    pub version: u32,
+    /// The samples each measurement covers.
+    pub batch_size: usize,
+    pub backend: String,
+    pub layers: Vec<ProfiledLayer>,
+}
+
+/// One measured layer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProfiledLayer {
+    pub index: usize,
+    pub name: String,
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    /// Bytes kept for the backward, for `batch_size` samples.
+    pub activation_bytes: u64,
+    /// Bytes of the output, for `batch_size` samples.
+    pub output_bytes: u64,
+    pub parameter_bytes: u64,
+}
