@@ -105,11 +105,11 @@ pub fn context(src: &str, offset: usize) -> Context {
         }
         let ind = indent_of(line);
         if ind < limit {
-            if let Some((k, item)) = line_key(line) {
+            if let Some((k, _)) = line_key(line) {
                 let value = line[line.find(':').map(|i| i + 1).unwrap_or(line.len())..].trim();
                 if value.is_empty() || value.starts_with('#') {
                     path.push(k);
-                    limit = if item { ind } else { ind };
+                    limit = ind;
                     if ind == 0 {
                         break;
                     }

@@ -387,7 +387,7 @@ fn lower_explicit_partition(cx: &mut Lower<'_>, node: &Node, entries: &[Node], m
             let resolve = |cx: &mut Lower<'_>, (lr, rel): &(LayerRef, (usize, usize))| -> Option<usize> {
                 let span = cx.dsl_span(item, *rel);
                 match lr {
-                    LayerRef::Index(i) if (*i as usize) < n_layers || *i as usize == n_layers => Some(*i as usize),
+                    LayerRef::Index(i) if (*i as usize) <= n_layers => Some(*i as usize),
                     LayerRef::Index(i) => {
                         cx.push(Diagnostic::error("E0408", format!("layer {i} does not exist: the model has {n_layers} layers (0..{n_layers})"), span, "past the last layer").with_label(model.layers_span, format!("{n_layers} layers")));
                         None
