@@ -12,6 +12,7 @@ mod compile_cmd;
 mod launch_cmd;
 mod lsp;
 mod output;
+mod plan_profile_cmd;
 mod profile_cmd;
 mod run_cmd;
 
@@ -55,6 +56,30 @@ enum Command {
     },
     /// Print the JSON Schema of the spec format.
     Schema,
+    /// Plan a measured profile alone (pipec's profile JSON or PipeDream's graph.txt) with the
+    /// `auto` planner on a cluster given by flags.
+    PlanProfile {
+        file: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        nodes: usize,
+        #[arg(long)]
+        devices_per_node: usize,
+        /// Bandwidth inside a node, e.g. `8GB/s`.
+        #[arg(long)]
+        intra: String,
+        /// Bandwidth between nodes, e.g. `10Gbps`.
+        #[arg(long)]
+        inter: String,
+        /// Memory per device.
+        #[arg(long, default_value = "16GB")]
+        memory: String,
+        /// Samples the profile's times cover (PipeDream's VGG-16 profile: 64).
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Microbatches the weight all-reduce is amortised over (PipeDream: 1).
+        #[arg(long, default_value_t = 1)]
+        microbatches: usize,
+    },
     /// Run the language server on standard input/output (diagnostics, hover, completion,
     /// quick fixes for spec files).
     Lsp,
@@ -139,6 +164,9 @@ fn main() -> ExitCode {
         Command::Launch { file, hostfile, out, exec } => launch_cmd::run(&file, hostfile.as_deref(), out.as_deref(), exec),
         Command::Profile { file, out, backend, reps } => profile_cmd::run(&file, out, backend, reps, std::io::stderr().is_terminal()),
         Command::Lsp => lsp::run(),
+        Command::PlanProfile { file, nodes, devices_per_node, intra, inter, memory, batch, microbatches } => {
+            plan_profile_cmd::run(&file, &plan_profile_cmd::PlanProfileArgs { nodes, devices_per_node, intra, inter, memory, batch, microbatches })
+        }
         Command::Schema => {
             print!("{}", pipec_grammar::schema::json_schema_text());
             EXIT_OK

@@ -110,3 +110,21 @@ fn run_trains_from_the_cli_and_writes_metrics() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("CUDA"));
 }
+
+#[test]
+fn pipedream_vgg16_profile_plans_on_4_by_4() {
+    // PipeDream's published profile, provided beside the repository in ../shared (as in CI).
+    let profile = root().join("../shared/reference/pipedream-profiles/vgg16/graph.txt");
+    assert!(profile.is_file(), "{} is missing: CI provides ../shared beside the clone", profile.display());
+    let out = pipec(&["plan-profile", profile.to_str().expect("path"), "--nodes", "4", "--devices-per-node", "4", "--intra", "8GB/s", "--inter", "10Gbps"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("41 layers"), "{text}");
+    let notation = text.lines().find_map(|l| l.strip_prefix("partition: ")).expect("a partition line");
+    let workers: usize = notation.split('-').map(|n| n.parse::<usize>().expect("count")).sum();
+    assert!(workers <= 16 && workers >= 2, "{notation}");
+    assert!(text.contains("predicted time per minibatch"));
+    // bad flags are errors, not panics
+    let out = pipec(&["plan-profile", profile.to_str().expect("path"), "--devices-per-node", "4", "--intra", "8GiB", "--inter", "10Gbps"]);
+    assert_eq!(out.status.code(), Some(2));
+}
