@@ -169,7 +169,13 @@ pub fn run(args: RunArgs) -> u8 {
 #[cfg(feature = "mpi")]
 fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
     let steps = args.steps.unwrap_or(plan.training.steps);
-    let options = RunOptions { steps: Some(steps), backend: BackendKind::Cpu, timeout: Duration::from_secs(args.timeout_s.max(1)), checkpoint_dir: None, resume: None };
+    let options = RunOptions {
+        steps: Some(steps),
+        backend: BackendKind::Cpu,
+        timeout: Duration::from_secs(args.timeout_s.max(1)),
+        checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
+        resume: args.resume.clone(),
+    };
     let mut lines = Vec::new();
     let mut on_step = |m: &StepMetrics| {
         lines.push(serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s}).to_string());
@@ -178,8 +184,10 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
         }
     };
     match pipec_executor::mpi_run::run(plan, &options, &mut on_step) {
-        Ok((info, Some(report))) => {
-            let _ = info;
+        Ok((_, Some(report))) => {
+            for c in &report.checkpoints {
+                eprintln!("checkpoint {}", c.display());
+            }
             if let Err(e) = std::fs::create_dir_all(dir) {
                 eprintln!("error: cannot create `{}`: {e}", dir.display());
                 return EXIT_USAGE;

@@ -112,3 +112,22 @@ fn a_killed_rank_ends_the_job() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn rank_0_writes_checkpoints_and_an_mpi_run_resumes_exactly() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("\"2-1-1\"", 4, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n")).expect("write");
+    let full = dir.path().join("full");
+    let out = mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", full.to_str().expect("p")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let ckpt = full.join("checkpoints/step-000002");
+    assert!(ckpt.join("model.safetensors").is_file() && ckpt.join("state.json").is_file());
+    for s in 0..3 {
+        assert!(ckpt.join(format!("optimizer-s{s}.bin")).is_file(), "stage {s}'s optimizer state missing");
+    }
+    let resumed = dir.path().join("resumed");
+    let out = mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "--resume", ckpt.to_str().expect("p"), "-o", resumed.to_str().expect("p")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(losses(&full)[2..].to_vec(), losses(&resumed));
+}

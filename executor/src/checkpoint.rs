@@ -18,6 +18,93 @@ pub struct StageCheckpoint {
     pub optimizer: Vec<u8>,
 }
 
+/// Serialises stage checkpoints for sending to another process.
+pub fn encode(stages: &HashMap<u32, StageCheckpoint>) -> Vec<u8> {
+    let mut b = Vec::new();
+    let put = |b: &mut Vec<u8>, v: u64| b.extend_from_slice(&v.to_le_bytes());
+    put(&mut b, stages.len() as u64);
+    let mut order: Vec<(&u32, &StageCheckpoint)> = stages.iter().collect();
+    order.sort_by_key(|(s, _)| **s);
+    for (s, st) in order {
+        put(&mut b, u64::from(*s));
+        put(&mut b, st.params.len() as u64);
+        for (id, shape, values) in &st.params {
+            put(&mut b, *id);
+            put(&mut b, shape.len() as u64);
+            for d in shape {
+                put(&mut b, *d as u64);
+            }
+            put(&mut b, values.len() as u64);
+            for v in values {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        put(&mut b, st.optimizer.len() as u64);
+        b.extend_from_slice(&st.optimizer);
+    }
+    b
+}
+
+struct Cursor<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let s = self.b.get(self.at..self.at + n).ok_or("truncated checkpoint message")?;
+        self.at += n;
+        Ok(s)
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        let s = self.take(8)?;
+        Ok(u64::from_le_bytes([s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]]))
+    }
+}
+
+/// The inverse of [`encode`].
+pub fn decode(b: &[u8]) -> Result<HashMap<u32, StageCheckpoint>, String> {
+    let mut c = Cursor { b, at: 0 };
+    let mut out = HashMap::new();
+    for _ in 0..c.u64()? {
+        let s = u32::try_from(c.u64()?).map_err(|_| "bad stage in checkpoint message")?;
+        let mut params = Vec::new();
+        for _ in 0..c.u64()? {
+            let id = c.u64()?;
+            let mut shape = Vec::new();
+            for _ in 0..c.u64()? {
+                shape.push(c.u64()? as usize);
+            }
+            let nv = c.u64()? as usize;
+            let raw = c.take(nv.checked_mul(4).ok_or("bad checkpoint message")?)?;
+            params.push((id, shape, raw.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect()));
+        }
+        let no = c.u64()? as usize;
+        let optimizer = c.take(no)?.to_vec();
+        out.insert(s, StageCheckpoint { params, optimizer });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stage_checkpoints_round_trip_and_truncation_is_an_error() {
+        let mut m = HashMap::new();
+        m.insert(2, StageCheckpoint { params: vec![(513, vec![2, 2], vec![1.0, 2.0, 3.0, -4.5])], optimizer: vec![9, 8, 7] });
+        m.insert(0, StageCheckpoint { params: vec![], optimizer: vec![] });
+        let b = encode(&m);
+        let back = decode(&b).expect("decodes");
+        assert_eq!(back[&2].params, m[&2].params);
+        assert_eq!(back[&2].optimizer, vec![9, 8, 7]);
+        assert!(decode(&b[..b.len() - 1]).is_err());
+        assert_eq!(param_name(513), "layer2.p1");
+        assert_eq!(parse_name("layer2.p1"), Some(513));
+    }
+}
+
 /// The parameter name of a deterministic parameter id (layer << 8 | slot).
 pub fn param_name(id: u64) -> String {
     format!("layer{}.p{}", id >> 8, id & 0xff)

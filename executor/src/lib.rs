@@ -264,9 +264,13 @@ fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>)
     Ok(out)
 }
 
+/// Where a step's checkpoint goes: given the completed steps and the stages this process
+/// saved, it writes (or forwards) them and says where they landed.
+pub type CheckpointSink<'a> = dyn FnMut(usize, HashMap<u32, checkpoint::StageCheckpoint>) -> Result<Option<PathBuf>, String> + 'a;
+
 /// Runs the workers of `devices` on this process with the given endpoints; used by the
 /// in-process transport (all devices) and by MPI (one device per process).
-pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, options: &RunOptions, dev: B::Device, endpoints: Vec<E>, abort: Arc<AtomicBool>, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<RunReport, RunError> {
+pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, options: &RunOptions, dev: B::Device, endpoints: Vec<E>, abort: Arc<AtomicBool>, on_step: &mut dyn FnMut(&StepMetrics), sink: &mut CheckpointSink<'_>) -> Result<RunReport, RunError> {
     let data = Dataset::for_plan(plan).map_err(RunError::plain)?;
     let loaded = match &options.resume {
         None => None,
@@ -380,13 +384,12 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
                                     stages.entry(s).or_insert(st);
                                 }
                             }
-                            if let Some(dir) = &options.checkpoint_dir {
-                                match checkpoint::write(dir, step + 1, &plan.name, &plan.partition, &stages) {
-                                    Ok(p) => report.checkpoints.push(p),
-                                    Err(e) => {
-                                        abort.store(true, Ordering::Relaxed);
-                                        first_error.get_or_insert(RunError::plain(format!("checkpoint: {e}")));
-                                    }
+                            match sink(step + 1, stages) {
+                                Ok(Some(p)) => report.checkpoints.push(p),
+                                Ok(None) => {}
+                                Err(e) => {
+                                    abort.store(true, Ordering::Relaxed);
+                                    first_error.get_or_insert(RunError::plain(format!("checkpoint: {e}")));
                                 }
                             }
                         }
@@ -406,5 +409,10 @@ fn run_in_process<B: AutodiffBackend>(plan: &Plan, options: &RunOptions, dev: B:
     let devices: Vec<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
     let abort = Arc::new(AtomicBool::new(false));
     let endpoints = transport::in_process::connect(&devices, abort.clone(), options.timeout);
-    run_workers::<B, _>(plan, options, dev, endpoints, abort, on_step)
+    let dir = options.checkpoint_dir.clone();
+    let mut sink = |steps: usize, stages: HashMap<u32, checkpoint::StageCheckpoint>| match &dir {
+        Some(d) => checkpoint::write(d, steps, &plan.name, &plan.partition, &stages).map(Some),
+        None => Ok(None),
+    };
+    run_workers::<B, _>(plan, options, dev, endpoints, abort, on_step, &mut sink)
 }

@@ -10,7 +10,7 @@ use mpi::traits::*;
 use mpi::Threading;
 use pipec_plan::{DeviceId, Plan};
 
-use crate::mpi_transport::{receive_bytes, start_sender, MpiEndpoint, TAG_METRIC, TAG_TRACE};
+use crate::mpi_transport::{receive_bytes, start_sender, MpiEndpoint, TAG_CKPT, TAG_METRIC, TAG_TRACE};
 use crate::{run_workers, RunError, RunOptions, RunReport, StepMetrics};
 
 /// What this rank is.
@@ -48,9 +48,6 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     let abort = Arc::new(AtomicBool::new(false));
     let outgoing = start_sender();
     let endpoint = MpiEndpoint::new(device, &devices, outgoing.clone(), abort.clone(), options.timeout);
-    if options.checkpoint_dir.is_some() && plan.training.checkpoint_every.is_some() {
-        return Err((Some(info), RunError::plain("checkpoints are written by in-process runs only for now; drop `checkpoint` from the spec for MPI runs")));
-    }
     // Every rank reports each step's (loss sum, loss count) to rank 0, which combines them.
     let timeout = options.timeout;
     let mut gather = |m: &StepMetrics| {
@@ -72,7 +69,26 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
             let _ = outgoing.send((0, TAG_METRIC, f64s(&[m.step as f64, m.loss_sum, m.loss_count as f64, m.step_seconds]), None));
         }
     };
-    let report = run_workers::<crate::CpuBackend, _>(plan, options, Default::default(), vec![endpoint], abort.clone(), &mut gather).map_err(|e| (Some(info), e))?;
+    // Checkpoints: every rank sends its stages to rank 0, which writes one checkpoint.
+    let ckpt_out = outgoing.clone();
+    let ckpt_abort = abort.clone();
+    let mut sink = |steps: usize, mut stages: std::collections::HashMap<u32, crate::checkpoint::StageCheckpoint>| -> Result<Option<std::path::PathBuf>, String> {
+        if rank != 0 {
+            let _ = ckpt_out.send((0, TAG_CKPT, crate::checkpoint::encode(&stages), None));
+            return Ok(None);
+        }
+        for r in 1..size {
+            let b = receive_bytes(r, TAG_CKPT, &ckpt_abort, timeout, devices[r as usize]).map_err(|e| e.to_string())?;
+            for (s, st) in crate::checkpoint::decode(&b)? {
+                stages.entry(s).or_insert(st);
+            }
+        }
+        match &options.checkpoint_dir {
+            Some(dir) => crate::checkpoint::write(dir, steps, &plan.name, &plan.partition, &stages).map(Some),
+            None => Ok(None),
+        }
+    };
+    let report = run_workers::<crate::CpuBackend, _>(plan, options, Default::default(), vec![endpoint], abort.clone(), &mut gather, &mut sink).map_err(|e| (Some(info), e))?;
     // Rank 0 merges the last step's traces.
     let flat: Vec<f64> = report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]).collect();
     if rank == 0 {

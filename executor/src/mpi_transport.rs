@@ -31,6 +31,7 @@ pub const TAG_P2P: i32 = 10;
 pub const TAG_COLL: i32 = 11;
 pub const TAG_METRIC: i32 = 12;
 pub const TAG_TRACE: i32 = 13;
+pub const TAG_CKPT: i32 = 14;
 
 /// Work for the sender thread: (destination rank, tag, header bytes, tensor values). The
 /// values travel as a second MPI message of f32 (no copy into bytes); MPI's
