@@ -24,7 +24,7 @@ pub fn run(files: &[PathBuf], format: Format, color: bool) -> u8 {
             }
         };
         let name = path.display().to_string();
-        let result = pipec_grammar::check_source(&source);
+        let result = pipec_grammar::check_source_in(&source, Some(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))));
         match format {
             Format::Human => {
                 if !result.diagnostics.is_empty() {

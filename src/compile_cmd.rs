@@ -39,7 +39,7 @@ pub fn compile_file(path: &Path, format: Format, color: bool, profile: Option<&P
         Format::Human => eprint!("{}", render_human(&name, &source, diags, color)),
         Format::Json => print!("{}", render_json(&name, &source, diags)),
     };
-    let checked = pipec_grammar::check_source(&source);
+    let checked = pipec_grammar::check_source_in(&source, Some(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))));
     if !checked.diagnostics.is_empty() {
         report(&checked.diagnostics);
     }

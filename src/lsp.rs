@@ -95,9 +95,31 @@ mod crossbeam_sender {
     pub type Sender = crossbeam_channel::Sender<lsp_server::Message>;
 }
 
+/// The directory of a `file:` URI (percent-escapes decoded).
+fn base_dir(uri: &Uri) -> Option<std::path::PathBuf> {
+    let path = uri.as_str().strip_prefix("file://")?;
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Some(v) = path.get(i + 1..i + 3).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    let decoded = String::from_utf8(out).ok()?;
+    std::path::Path::new(&decoded).parent().map(std::path::Path::to_path_buf)
+}
+
 /// Front-end diagnostics (fast, on every change).
-fn front_end(src: &str) -> (Vec<Diagnostic>, Option<pipec_grammar::Spec>) {
-    match std::panic::catch_unwind(|| pipec_grammar::check_source(src)) {
+fn front_end(src: &str, uri: &Uri) -> (Vec<Diagnostic>, Option<pipec_grammar::Spec>) {
+    let dir = base_dir(uri);
+    match std::panic::catch_unwind(AssertUnwindSafe(|| pipec_grammar::check_source_in(src, dir.as_deref()))) {
         Ok(r) => (r.diagnostics, r.spec),
         Err(_) => (Vec::new(), None),
     }
@@ -133,7 +155,7 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
             if current != Some(job.version) {
                 continue;
             }
-            let (mut diags, spec) = front_end(&job.text);
+            let (mut diags, spec) = front_end(&job.text, &job.uri);
             let Some(spec) = spec else { continue };
             let compiled = std::panic::catch_unwind(AssertUnwindSafe(|| pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())));
             match compiled {
@@ -279,7 +301,7 @@ pub fn run() -> u8 {
     let on_text = |uri: Uri, version: i32, text: String, docs: &mut HashMap<String, Doc>| {
         let key = uri.as_str().to_string();
         shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner).latest.insert(key.clone(), version);
-        let (diags, spec) = front_end(&text);
+        let (diags, spec) = front_end(&text, &uri);
         publish(&conn.sender, &shared, &uri, version, &text, diags);
         if spec.is_some() {
             let _ = jobs_tx.send(Job { uri, version, text: text.clone() });

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use pipec_grammar::diagnostic::render_human;
-use pipec_grammar::{check_source, LineIndex};
+use pipec_grammar::{check_source_in, LineIndex};
 
 fn spec_files(dir: &str) -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
@@ -28,7 +28,7 @@ fn every_example_spec_checks_clean() {
     assert!(files.len() >= 10, "expected at least 10 example specs, found {}", files.len());
     for path in files {
         let src = read(&path);
-        let result = check_source(&src);
+        let result = check_source_in(&src, path.parent());
         let rendered = render_human(&path.display().to_string(), &src, &result.diagnostics, false);
         assert!(!result.has_errors(), "{} has errors:\n{rendered}", path.display());
         assert!(result.spec.is_some(), "{} produced no spec", path.display());
@@ -63,7 +63,7 @@ fn every_invalid_spec_reports_its_expected_diagnostics_at_the_right_place() {
         let src = read(&path);
         let expected = expectations(&src);
         assert!(!expected.is_empty(), "{} has no `# expect:` line", path.display());
-        let result = check_source(&src);
+        let result = check_source_in(&src, path.parent());
         assert!(result.has_errors(), "{} should have errors", path.display());
         let index = LineIndex::new(&src);
         let got: Vec<(String, usize, usize)> = result

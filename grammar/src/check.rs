@@ -19,15 +19,21 @@ impl CheckResult {
     }
 }
 
-/// Checks a spec's source text.
+/// Checks a spec's source text (data paths are not checked: the file's place is unknown).
 pub fn check_source(source: &str) -> CheckResult {
+    check_source_in(source, None)
+}
+
+/// Checks a spec's source text; with `base_dir`, the spec's directory, the data files it
+/// names must exist there.
+pub fn check_source_in(source: &str, base_dir: Option<&std::path::Path>) -> CheckResult {
     thread_local! {
         static SCHEMA: SchemaIndex = SchemaIndex::default();
     }
-    SCHEMA.with(|schema| check_with_schema(source, schema))
+    SCHEMA.with(|schema| check_with_schema(source, schema, base_dir))
 }
 
-fn check_with_schema(source: &str, schema: &SchemaIndex) -> CheckResult {
+fn check_with_schema(source: &str, schema: &SchemaIndex, base_dir: Option<&std::path::Path>) -> CheckResult {
     let root = match yaml::parse(source) {
         Ok(root) => root,
         Err(e) => {
@@ -37,7 +43,7 @@ fn check_with_schema(source: &str, schema: &SchemaIndex) -> CheckResult {
             };
         }
     };
-    let lowered = lower(source, &root, schema);
+    let lowered = lower(source, &root, schema, base_dir);
     let mut diagnostics = lowered.diagnostics;
     sort_and_dedup(&mut diagnostics);
     let has_errors = diagnostics.iter().any(Diagnostic::is_error);

@@ -17,7 +17,7 @@ pub mod spec;
 mod strategy;
 pub mod yaml;
 
-pub use check::{check_source, CheckResult};
+pub use check::{check_source, check_source_in, CheckResult};
 pub use diagnostic::{Diagnostic, Severity};
 pub use span::{LineIndex, Span};
 pub use spec::Spec;

@@ -322,11 +322,13 @@ pub(crate) struct Lower<'a> {
     pub src: &'a str,
     pub schema: &'a SchemaIndex,
     pub diags: Vec<Diagnostic>,
+    /// The spec file's directory, when known: data paths are checked against it.
+    pub base_dir: Option<&'a std::path::Path>,
 }
 
 impl<'a> Lower<'a> {
     pub(crate) fn new(src: &'a str, schema: &'a SchemaIndex) -> Self {
-        Lower { src, schema, diags: Vec::new() }
+        Lower { src, schema, diags: Vec::new(), base_dir: None }
     }
 
     pub(crate) fn push(&mut self, d: Diagnostic) {
@@ -576,9 +578,11 @@ fn quote_list(items: &[String]) -> String {
     }
 }
 
-/// Lowers a parsed YAML document into the spec's sections.
-pub fn lower(src: &str, root: &Node, schema: &SchemaIndex) -> Lowered {
+/// Lowers a parsed YAML document into the spec's sections. With `base_dir` (the spec's
+/// directory), data files named in the spec must exist.
+pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: Option<&'a std::path::Path>) -> Lowered {
     let mut cx = Lower::new(src, schema);
+    cx.base_dir = base_dir;
     let mut out = Lowered::default();
     // Problems with the document as a whole are labelled at its first key.
     let doc_start = root.as_map().and_then(|m| m.first()).map(|(k, _)| k.span).unwrap_or(Span::new(0, 0));
@@ -987,6 +991,17 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                 return None;
             };
             let path = cx.string(p)?.to_string();
+            if let Some(base) = cx.base_dir {
+                for (what, node) in [("data", Some(p)), ("labels", f.get("labels"))] {
+                    let Some(node) = node else { continue };
+                    let Some(rel) = node.as_str() else { continue };
+                    let full = base.join(rel);
+                    if !full.is_file() {
+                        cx.push(Diagnostic::error("E0502", format!("the {what} file `{rel}` does not exist"), node.span, "no such file").with_help("paths are relative to the spec file's directory"));
+                        return None;
+                    }
+                }
+            }
             if file_kind == "csv" {
                 Some(Data::Csv { path, span: p.span })
             } else {
