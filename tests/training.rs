@@ -228,3 +228,32 @@ fn a_broken_stream_stops_the_run_quickly_with_the_place_in_the_message() {
     let text = err.to_string();
     assert!(text.contains("recv_act") || text.contains("recv_grad") || text.contains("left over"), "{text}");
 }
+
+#[test]
+fn asp_with_one_worker_is_per_microbatch_sgd_and_with_two_converges() {
+    // One worker: the parameter server applies every microbatch's gradient before the next
+    // forward, which is plain SGD with one update per microbatch.
+    let asp = losses(&train(&plan(&Job { schedule: "{ kind: dp-only, sync: asp, staleness: 0 }", microbatches: 4, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 3, ..Job::default() })));
+    let text = spec(&Job { microbatches: 1, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 12, ..Job::default() }).replace("batch_size: 32", "batch_size: 8");
+    let s = pipec_grammar::check_source(&text).spec.expect("valid");
+    let plain = losses(&train(&compile(&s, &CompileOptions::default()).expect("compiles").plan));
+    for t in 0..3 {
+        let expected: f64 = plain[4 * t..4 * t + 4].iter().sum::<f64>() / 4.0;
+        assert!((asp[t] - expected).abs() <= 1e-5 * expected, "step {t}: asp {} vs per-microbatch SGD {expected}", asp[t]);
+    }
+    // Two workers with stale weights (staleness 1) still learn.
+    let p = plan(&Job { devices: 2, stages: "\"2\"", schedule: "{ kind: dp-only, sync: asp, staleness: 1 }", microbatches: 8, optimizer: "{ kind: sgd, lr: 0.02 }", steps: 25, ..Job::default() });
+    assert_eq!(p.schedule.staleness, Some(1));
+    let l = losses(&train(&p));
+    assert!(l[l.len() - 1] < 0.8 * l[0], "asp did not converge: {l:?}");
+    // the staleness bound is in the plan: each worker pulls fresh weights every 2 microbatches
+    for (d, stream) in &p.streams {
+        if d.0 == 0 {
+            continue;
+        }
+        let pulls = stream.iter().filter(|i| matches!(i, pipec_plan::Instr::PullWeights { .. })).count();
+        let forwards = stream.iter().filter(|i| matches!(i, pipec_plan::Instr::Forward { .. })).count();
+        assert_eq!(pulls, forwards.div_ceil(2), "{d}");
+    }
+}
+

@@ -127,18 +127,36 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
     let updates = match kind {
         ScheduleKind::PipeDream => Updates::PerMicrobatch,
         ScheduleKind::TwoBw => Updates::Every(ranks.max(1)),
-        ScheduleKind::DpOnly if strategy.schedule.sync == SyncMode::Asp => Updates::PerMicrobatch,
         _ => Updates::PerStep,
     };
-    let streams = lower(&LowerInput { placement: &placement, order: &order, output_bytes: &output_bytes, gradient_bytes: &gradient_bytes, groups: &group_of, updates, recompute: strategy.recompute });
+    let asp = kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp;
+    if asp {
+        // the parameter server takes the place of the replica group
+        groups.clear();
+        group_of.iter_mut().for_each(|g| *g = None);
+    }
+    let streams = if asp {
+        crate::lower::lower_asp(&placement, gradient_bytes[0], strategy.schedule.staleness)
+    } else {
+        lower(&LowerInput { placement: &placement, order: &order, output_bytes: &output_bytes, gradient_bytes: &gradient_bytes, groups: &group_of, updates, recompute: strategy.recompute })
+    };
 
     // Verify (a failure is a compiler bug).
     let split = matches!(kind, ScheduleKind::ZbH1 | ScheduleKind::Zbv);
-    let violations = verify(&VerifyInput { streams: &streams, placement: &placement, groups: &groups, split_backward: split, recompute: strategy.recompute, update_every: match updates {
-        Updates::PerStep => None,
-        Updates::PerMicrobatch => Some(1),
-        Updates::Every(k) => Some(k),
-    } });
+    let violations = verify(&VerifyInput {
+        streams: &streams,
+        placement: &placement,
+        groups: &groups,
+        split_backward: split,
+        recompute: strategy.recompute,
+        update_every: match updates {
+            Updates::PerStep if asp => Some(1),
+            Updates::PerStep => None,
+            Updates::PerMicrobatch => Some(1),
+            Updates::Every(k) => Some(k),
+        },
+        asp_staleness: asp.then_some(strategy.schedule.staleness),
+    });
     if !violations.is_empty() {
         let mut text = String::new();
         for v in violations.iter().take(8) {
@@ -259,6 +277,7 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
                 ReduceMode::Ring => "ring".into(),
                 ReduceMode::ParameterServer => "ps".into(),
             },
+            staleness: asp.then_some(strategy.schedule.staleness),
         },
         partition: layout.notation,
         stages,

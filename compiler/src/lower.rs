@@ -170,6 +170,52 @@ fn send_instr(msg: Msg, peer: DeviceId, output_bytes: &[u64]) -> Instr {
     }
 }
 
+/// Asynchronous data parallelism (`dp-only` with `sync: asp`) with a parameter server on
+/// the stage's first replica. Every worker runs forward and backward on its microbatches
+/// and pushes each microbatch's gradient to the server; the server applies the gradients in
+/// a fixed round-robin order (round j: every worker's j-th gradient, its own first), one
+/// update each; after every `staleness + 1` rounds, and at the end of the step, it pushes
+/// its weights to every other worker, which pulls them after the same number of its own
+/// microbatches. A worker therefore computes with weights at most
+/// `(staleness + 1) × workers − 1` updates old; the server's own worker uses the newest.
+pub fn lower_asp(p: &Placement, gradient_bytes: u64, staleness: usize) -> BTreeMap<DeviceId, Vec<Instr>> {
+    let stage = StageId(0);
+    let workers = p.replicas[0].clone();
+    let server = workers[0];
+    let every = staleness + 1;
+    let local: Vec<Vec<usize>> = workers.iter().map(|w| p.local_microbatches(0, *w)).collect();
+    let n_local = local.iter().map(Vec::len).max().unwrap_or(0);
+    let mut out: BTreeMap<DeviceId, Vec<Instr>> = (0..p.devices).map(|d| (DeviceId(d as u32), Vec::new())).collect();
+    let rounds_end = |j: usize| (j + 1) % every == 0 || j + 1 == n_local;
+    let mut round = 0u32;
+    for j in 0..n_local {
+        for (wi, w) in workers.iter().enumerate() {
+            let Some(&m) = local[wi].get(j) else { continue };
+            let mb = MicrobatchId(m as u32);
+            let s = out.get_mut(w).expect("device");
+            s.push(Instr::LoadMicrobatch { stage, mb, inputs: true, labels: true });
+            s.push(Instr::Forward { stage, mb });
+            s.push(Instr::Backward { stage, mb });
+            s.push(Instr::Free { stage, mb });
+            s.push(Instr::PushGradient { peer: server, stage, mb, bytes: gradient_bytes });
+        }
+        let ps = out.get_mut(&server).expect("server");
+        for (wi, w) in workers.iter().enumerate() {
+            if let Some(&m) = local[wi].get(j) {
+                ps.push(Instr::ApplyGradient { peer: *w, stage, mb: MicrobatchId(m as u32), bytes: gradient_bytes });
+            }
+        }
+        if rounds_end(j) {
+            for w in workers.iter().skip(1) {
+                out.get_mut(&server).expect("server").push(Instr::PushWeights { peer: *w, stage, round, bytes: gradient_bytes });
+                out.get_mut(w).expect("worker").push(Instr::PullWeights { peer: server, stage, round, bytes: gradient_bytes });
+            }
+            round += 1;
+        }
+    }
+    out
+}
+
 /// The compute tasks of a stream, in order (the inverse of lowering, for tests and exports).
 pub fn compute_order(stream: &[Instr]) -> Vec<Task> {
     stream

@@ -53,6 +53,8 @@ fn message_key(i: &Instr) -> Option<(u8, u32, u32, u64)> {
         Instr::RecvActivation { stage, mb, bytes, .. } => Some((0, stage.0 - 1, mb.0, bytes)),
         Instr::SendGradient { stage, mb, bytes, .. } => Some((1, stage.0, mb.0, bytes)),
         Instr::RecvGradient { stage, mb, bytes, .. } => Some((1, stage.0 + 1, mb.0, bytes)),
+        Instr::PushGradient { stage, mb, bytes, .. } | Instr::ApplyGradient { stage, mb, bytes, .. } => Some((3, stage.0, mb.0, bytes)),
+        Instr::PushWeights { stage, round, bytes, .. } | Instr::PullWeights { stage, round, bytes, .. } => Some((4, stage.0, round, bytes)),
         _ => None,
     }
 }
@@ -80,7 +82,7 @@ pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<Group
             let Some(ins) = stream.get(i) else { break };
             let now = clock[&dev];
             match ins {
-                Instr::SendActivation { peer, bytes, .. } | Instr::SendGradient { peer, bytes, .. } => {
+                Instr::SendActivation { peer, bytes, .. } | Instr::SendGradient { peer, bytes, .. } | Instr::PushGradient { peer, bytes, .. } | Instr::PushWeights { peer, bytes, .. } => {
                     let arrival = now + cost.transfer(dev, *peer, *bytes);
                     if let Some(key) = message_key(ins) {
                         links.entry((dev, *peer)).or_default().push_back((key, now, arrival));
@@ -91,7 +93,7 @@ pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<Group
                         queue.push_back(*peer);
                     }
                 }
-                Instr::RecvActivation { peer, .. } | Instr::RecvGradient { peer, .. } => {
+                Instr::RecvActivation { peer, .. } | Instr::RecvGradient { peer, .. } | Instr::ApplyGradient { peer, .. } | Instr::PullWeights { peer, .. } => {
                     let want = message_key(ins);
                     let q = links.entry((*peer, dev)).or_default();
                     match q.front() {

@@ -34,6 +34,8 @@ pub struct VerifyInput<'a> {
     /// Local backwards per optimizer step: None = one step per stage after all of them
     /// (flush schedules); Some(1) = PipeDream's update per microbatch; Some(k) = 2BW.
     pub update_every: Option<usize>,
+    /// Asynchronous data parallelism with a parameter server: the staleness bound.
+    pub asp_staleness: Option<usize>,
 }
 
 /// Checks every property; returns all violations found (empty = the plan is sound).
@@ -45,6 +47,9 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
     check_updates(input, &mut out);
     check_p2p(input, &mut out);
     check_collectives(input, &mut out);
+    if let Some(s) = input.asp_staleness {
+        check_parameter_server(input, s, &mut out);
+    }
     if out.is_empty() {
         if let Err(stuck) = simulate(input.streams, input.groups, &UnitCost) {
             let (device, index) = stuck.next.iter().find_map(|(d, i)| i.map(|i| (*d, i))).map(|(d, i)| (Some(d), Some(i))).unwrap_or((None, None));
@@ -258,6 +263,16 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     e.0 += 1;
                     e.1 = false;
                 }
+                Instr::PushGradient { stage, .. } => {
+                    let e = pending.entry(*stage).or_insert((0, false));
+                    if e.0 != 1 {
+                        out.push(v(*dev, i, format!("`{ins}` pushes {} microbatches' gradients; the parameter server takes one at a time", e.0)));
+                    }
+                    *e = (0, false);
+                }
+                Instr::ApplyGradient { stage, .. } | Instr::PullWeights { stage, .. } => {
+                    *steps.entry(*stage).or_insert(0) += 1;
+                }
                 Instr::AllReduce { stage, .. } => {
                     let e = pending.entry(*stage).or_insert((0, false));
                     if e.0 == 0 {
@@ -316,6 +331,10 @@ fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     recvs.entry((peer, *dev)).or_default().push(((0, stage.0 - 1, mb.0, bytes), i));
                 }
                 Instr::RecvGradient { peer, stage, mb, bytes } => recvs.entry((peer, *dev)).or_default().push(((1, stage.0 + 1, mb.0, bytes), i)),
+                Instr::PushGradient { peer, stage, mb, bytes } => sends.entry((*dev, peer)).or_default().push(((3, stage.0, mb.0, bytes), i)),
+                Instr::ApplyGradient { peer, stage, mb, bytes } => recvs.entry((peer, *dev)).or_default().push(((3, stage.0, mb.0, bytes), i)),
+                Instr::PushWeights { peer, stage, round, bytes } => sends.entry((*dev, peer)).or_default().push(((4, stage.0, round, bytes), i)),
+                Instr::PullWeights { peer, stage, round, bytes } => recvs.entry((peer, *dev)).or_default().push(((4, stage.0, round, bytes), i)),
                 _ => {}
             }
         }
@@ -326,7 +345,15 @@ fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     for link in links {
         let s = sends.get(&link).cloned().unwrap_or_default();
         let r = recvs.get(&link).cloned().unwrap_or_default();
-        let name = |k: &Key| format!("{} of s{} m{} ({} B)", if k.0 == 0 { "activation" } else { "gradient" }, k.1, k.2, k.3);
+        let name = |k: &Key| {
+            let what = match k.0 {
+                0 => "activation",
+                1 => "gradient",
+                3 => "pushed gradient",
+                _ => "weights (round)",
+            };
+            format!("{what} of s{} m{} ({} B)", k.1, k.2, k.3)
+        };
         let sent: HashMap<Key, usize> = s.iter().fold(HashMap::new(), |mut m, (k, _)| {
             *m.entry(*k).or_insert(0) += 1;
             m
@@ -358,6 +385,68 @@ fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     });
                     break;
                 }
+            }
+        }
+    }
+}
+
+/// The parameter server applies gradients in the fixed round-robin order (round j: every
+/// worker's j-th microbatch, in worker order) and pushes weights after exactly the rounds
+/// the staleness bound allows; each worker pulls them after the same number of its own
+/// microbatches, before its next forward.
+fn check_parameter_server(input: &VerifyInput<'_>, staleness: usize, out: &mut Vec<Violation>) {
+    let p = input.placement;
+    let workers = &p.replicas[0];
+    let every = staleness + 1;
+    let local: Vec<Vec<usize>> = workers.iter().map(|w| p.local_microbatches(0, *w)).collect();
+    let n_local = local.iter().map(Vec::len).max().unwrap_or(0);
+    let server = workers[0];
+    let mut expected = Vec::new();
+    for j in 0..n_local {
+        for (wi, w) in workers.iter().enumerate() {
+            if let Some(&m) = local[wi].get(j) {
+                expected.push((*w, m as u32));
+            }
+        }
+    }
+    // rounds end after these many rounds of applies
+    let round_ends: Vec<usize> = (0..n_local).filter(|j| (j + 1) % every == 0 || j + 1 == n_local).map(|j| j + 1).collect();
+    let applied_after = |rounds: usize| -> usize { (0..rounds).map(|j| local.iter().filter(|l| l.len() > j).count()).sum() };
+    if let Some(stream) = input.streams.get(&server) {
+        let mut applied = 0usize;
+        for (i, ins) in stream.iter().enumerate() {
+            match ins {
+                Instr::ApplyGradient { peer, mb, .. } => {
+                    if expected.get(applied) != Some(&(*peer, mb.0)) {
+                        out.push(v(server, i, format!("`{ins}`: the server applies gradients in round-robin order; expected {:?}", expected.get(applied))));
+                    }
+                    applied += 1;
+                }
+                Instr::PushWeights { round, .. } => {
+                    let want = round_ends.get(*round as usize).map(|&r| applied_after(r));
+                    if want != Some(applied) {
+                        out.push(v(server, i, format!("`{ins}` after {applied} applied gradients; round {round} ends after {want:?}")));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    for (wi, w) in workers.iter().enumerate().skip(1) {
+        let Some(stream) = input.streams.get(w) else { continue };
+        let mut forwards = 0usize;
+        let mut pushed = 0usize;
+        for (i, ins) in stream.iter().enumerate() {
+            match ins {
+                Instr::Forward { .. } => forwards += 1,
+                Instr::PushGradient { .. } => pushed += 1,
+                Instr::PullWeights { round, .. } => {
+                    let want = round_ends.get(*round as usize).map(|&r| r.min(local[wi].len()));
+                    if want != Some(forwards) || want != Some(pushed) {
+                        out.push(v(*w, i, format!("`{ins}` after {forwards} forwards and {pushed} pushes; round {round} ends after {want:?} of this worker's microbatches")));
+                    }
+                }
+                _ => {}
             }
         }
     }

@@ -135,8 +135,9 @@ fn verify_plan(c: &Compiled, streams: &std::collections::BTreeMap<DeviceId, Vec<
     verify(&VerifyInput { streams, placement: &placement, groups: &groups, split_backward: split, recompute: plan.training.recompute, update_every: match plan.schedule.kind.as_str() {
         "pipedream" => Some(1),
         "2bw" => Some(plan.devices.len().min(plan.stages.len())),
+        _ if plan.schedule.staleness.is_some() => Some(1),
         _ => None,
-    } }).into_iter().map(|v| v.message).collect()
+    }, asp_staleness: plan.schedule.staleness }).into_iter().map(|v| v.message).collect()
 }
 
 /// One small plan of every schedule.
@@ -151,6 +152,7 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("zb-h1", build(&spec(3, 4, "zb-h1", 6, "straight"))),
         ("zbv", build(&spec(2, 4, "zbv", 8, "straight"))),
         ("dp-only", build(&spec(2, 4, "dp-only", 4, "\"2\""))),
+        ("dp-only-asp", build(&spec(3, 12, "{ kind: dp-only, sync: asp, staleness: 1 }", 4, "\"3\""))),
         ("hybrid-1f1b", build(&spec(4, 4, "1f1b", 4, "\"2-2\""))),
     ]
 }

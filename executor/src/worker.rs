@@ -464,6 +464,66 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     return Err("no weights were stashed for this microbatch".into());
                 }
             }
+            Instr::PushGradient { peer, stage, mb, .. } => {
+                let st = self.state(stage)?;
+                if st.contributions != 1 {
+                    return Err(format!("{} microbatch gradients to push, expected one", st.contributions));
+                }
+                let flat = flatten_grads::<B>(&st.acc)?;
+                st.acc.iter_mut().for_each(|g| *g = None);
+                st.contributions = 0;
+                let n = flat.len();
+                self.ep.send(peer, Message { tag: (3, stage.0, mb.0), shape: vec![n], data: flat }).map_err(|e| e.to_string())?;
+            }
+            Instr::ApplyGradient { peer, stage, mb, .. } => {
+                let msg = self.ep.recv(peer, (3, stage.0, mb.0)).map_err(|e| e.to_string())?;
+                let lr = match self.plan.training.optimizer {
+                    OptimizerPlan::Sgd { lr, .. } | OptimizerPlan::Adam { lr, .. } => lr,
+                };
+                let dev = self.dev.clone();
+                let st = self.state(stage)?;
+                let model = st.model.take().ok_or("no model")?;
+                let mut sizes = Sizes(Vec::new());
+                model.visit(&mut sizes);
+                if sizes.0.iter().sum::<usize>() != msg.data.len() {
+                    st.model = Some(model);
+                    return Err(format!("a gradient of {} values for a stage of {} parameters", msg.data.len(), sizes.0.iter().sum::<usize>()));
+                }
+                let mut offset = 0;
+                let flat: Vec<Option<Tensor<B::InnerBackend, 1>>> = sizes
+                    .0
+                    .iter()
+                    .map(|&n| {
+                        let t = Tensor::from_data(TensorData::new(msg.data[offset..offset + n].to_vec(), [n]), &dev);
+                        offset += n;
+                        Some(t)
+                    })
+                    .collect();
+                // one microbatch's gradient (its loss was scaled by 1/N): the update uses its mean
+                let mut reg = Register::<B> { flat: &flat, scale: n_mb, next: 0, out: GradientsParams::new() };
+                model.visit(&mut reg);
+                let grads = reg.out;
+                st.model = Some(st.optim.step(lr, model, grads));
+            }
+            Instr::PushWeights { peer, stage, round, .. } => {
+                let st = self.state(stage)?;
+                let model = st.model.as_ref().ok_or("no model")?;
+                let values: Vec<f32> = snapshot::<B, _>(model).into_iter().flat_map(|(_, _, v)| v).collect();
+                let n = values.len();
+                self.ep.send(peer, Message { tag: (4, stage.0, round), shape: vec![n], data: values }).map_err(|e| e.to_string())?;
+            }
+            Instr::PullWeights { peer, stage, round, .. } => {
+                let msg = self.ep.recv(peer, (4, stage.0, round)).map_err(|e| e.to_string())?;
+                let st = self.state(stage)?;
+                let model = st.model.take().ok_or("no model")?;
+                let mut loader = LoadFlat { values: &msg.data, offset: 0, ok: true };
+                let model = model.map(&mut loader);
+                let complete = loader.ok && loader.offset == msg.data.len();
+                st.model = Some(model);
+                if !complete {
+                    return Err("the pulled weights do not fit the stage".into());
+                }
+            }
             Instr::OptimizerStep { stage } => {
                 let lr = match self.plan.training.optimizer {
                     OptimizerPlan::Sgd { lr, .. } | OptimizerPlan::Adam { lr, .. } => lr,
@@ -483,6 +543,49 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         }
         Ok(())
     }
+}
+
+/// Replaces a model's parameters, in visiting order, with values from a flat vector.
+struct LoadFlat<'a> {
+    values: &'a [f32],
+    offset: usize,
+    ok: bool,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for LoadFlat<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, _) = param.consume();
+        let shape = tensor.dims();
+        let n: usize = shape.iter().product();
+        match self.values.get(self.offset..self.offset + n) {
+            Some(v) => {
+                self.offset += n;
+                let t = Tensor::<B, D>::from_data(TensorData::new(v.to_vec(), shape.to_vec()), &tensor.device()).require_grad();
+                Param::initialized(id, t)
+            }
+            None => {
+                self.ok = false;
+                Param::initialized(id, tensor)
+            }
+        }
+    }
+}
+
+/// Every parameter's element count, in visiting order.
+struct Sizes(Vec<usize>);
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Sizes {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push(param.shape().num_elements());
+    }
+}
+
+fn flatten_grads<B: AutodiffBackend>(acc: &[Option<Tensor<B::InnerBackend, 1>>]) -> Result<Vec<f32>, String> {
+    let mut flat = Vec::new();
+    for t in acc.iter().flatten() {
+        flat.extend(t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?);
+    }
+    Ok(flat)
 }
 
 fn accumulate<B: AutodiffBackend>(acc: &mut Vec<Option<Tensor<B::InnerBackend, 1>>>, flat: Vec<Option<Tensor<B::InnerBackend, 1>>>) {

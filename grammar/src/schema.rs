@@ -185,7 +185,8 @@ struct ScheduleOptions {
     sync: Option<SyncMode>,
     /// dp-only with bsp: `ring` all-reduce or a central `ps` (parameter server).
     reduce: Option<ReduceMode>,
-    /// dp-only with asp: how many steps a worker's weights may lag behind.
+    /// dp-only with asp: a worker pulls the parameter server's weights after every
+    /// `staleness + 1` of its microbatches (default 1).
     staleness: Option<u64>,
 }
 

@@ -108,6 +108,16 @@ pub enum Instr {
     OptimizerStep { stage: StageId },
     /// Drop what `stage` kept for `mb`.
     Free { stage: StageId, mb: MicrobatchId },
+    /// Asynchronous data parallelism: send this microbatch's weight gradient to the
+    /// parameter server `peer` and clear it.
+    PushGradient { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
+    /// On the parameter server: receive worker `peer`'s gradient of `mb` and apply it to the
+    /// master weights at once (one optimizer update).
+    ApplyGradient { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
+    /// On the parameter server: send the current master weights to worker `peer`.
+    PushWeights { peer: DeviceId, stage: StageId, round: u32, bytes: u64 },
+    /// On a worker: replace its (stale) weights with the parameter server's.
+    PullWeights { peer: DeviceId, stage: StageId, round: u32, bytes: u64 },
 }
 
 /// The compute kind of an instruction, for timelines and schedules.
@@ -142,7 +152,11 @@ impl Instr {
             | Instr::StashWeights { stage, .. }
             | Instr::RestoreWeights { stage, .. }
             | Instr::OptimizerStep { stage }
-            | Instr::Free { stage, .. } => stage,
+            | Instr::Free { stage, .. }
+            | Instr::PushGradient { stage, .. }
+            | Instr::ApplyGradient { stage, .. }
+            | Instr::PushWeights { stage, .. }
+            | Instr::PullWeights { stage, .. } => stage,
         }
     }
 
@@ -161,8 +175,10 @@ impl Instr {
             | Instr::RecvGradient { mb, .. }
             | Instr::StashWeights { mb, .. }
             | Instr::RestoreWeights { mb, .. }
-            | Instr::Free { mb, .. } => Some(mb),
-            Instr::AllReduce { .. } | Instr::OptimizerStep { .. } => None,
+            | Instr::Free { mb, .. }
+            | Instr::PushGradient { mb, .. }
+            | Instr::ApplyGradient { mb, .. } => Some(mb),
+            Instr::AllReduce { .. } | Instr::OptimizerStep { .. } | Instr::PushWeights { .. } | Instr::PullWeights { .. } => None,
         }
     }
 
@@ -173,7 +189,14 @@ impl Instr {
             Instr::BackwardInput { .. } => Phase::BackwardInput,
             Instr::BackwardWeight { .. } => Phase::BackwardWeight,
             Instr::Recompute { .. } => Phase::Recompute,
-            Instr::SendActivation { .. } | Instr::RecvActivation { .. } | Instr::SendGradient { .. } | Instr::RecvGradient { .. } => Phase::Communication,
+            Instr::SendActivation { .. }
+            | Instr::RecvActivation { .. }
+            | Instr::SendGradient { .. }
+            | Instr::RecvGradient { .. }
+            | Instr::PushGradient { .. }
+            | Instr::PushWeights { .. }
+            | Instr::PullWeights { .. } => Phase::Communication,
+            Instr::ApplyGradient { .. } => Phase::Optimizer,
             Instr::AllReduce { .. } => Phase::Collective,
             Instr::OptimizerStep { .. } => Phase::Optimizer,
             Instr::LoadMicrobatch { .. } | Instr::StashWeights { .. } | Instr::RestoreWeights { .. } | Instr::Free { .. } => Phase::Memory,
@@ -198,6 +221,9 @@ impl Instr {
             Instr::StashWeights { stage, .. } => vec![B::Weights { stage }],
             Instr::RestoreWeights { stage, mb } => vec![B::Stash { stage, mb }],
             Instr::Free { stage, mb } => vec![B::Saved { stage, mb }],
+            Instr::PushGradient { stage, .. } => vec![B::WeightGrad { stage }],
+            Instr::ApplyGradient { stage, .. } | Instr::PushWeights { stage, .. } => vec![B::Weights { stage }],
+            Instr::PullWeights { .. } => vec![],
         }
     }
 
@@ -226,6 +252,9 @@ impl Instr {
             Instr::OptimizerStep { stage } => vec![B::Weights { stage }, B::WeightGrad { stage }],
             Instr::StashWeights { stage, mb } => vec![B::Stash { stage, mb }],
             Instr::RestoreWeights { stage, .. } => vec![B::Weights { stage }],
+            Instr::PushGradient { stage, .. } => vec![B::WeightGrad { stage }],
+            Instr::ApplyGradient { stage, .. } | Instr::PullWeights { stage, .. } => vec![B::Weights { stage }],
+            Instr::PushWeights { .. } => vec![],
         }
     }
 }
@@ -257,6 +286,10 @@ impl fmt::Display for Instr {
             Instr::RestoreWeights { stage, mb } => write!(f, "restore {stage} {mb}"),
             Instr::OptimizerStep { stage } => write!(f, "step {stage}"),
             Instr::Free { stage, mb } => write!(f, "free {stage} {mb}"),
+            Instr::PushGradient { peer, stage, mb, bytes } => write!(f, "push_grad {stage} {mb} -> {peer} {bytes}B"),
+            Instr::ApplyGradient { peer, stage, mb, bytes } => write!(f, "apply_grad {stage} {mb} <- {peer} {bytes}B"),
+            Instr::PushWeights { peer, stage, round, bytes } => write!(f, "push_weights {stage} r{round} -> {peer} {bytes}B"),
+            Instr::PullWeights { peer, stage, round, bytes } => write!(f, "pull_weights {stage} r{round} <- {peer} {bytes}B"),
         }
     }
 }

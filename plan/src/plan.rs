@@ -90,6 +90,9 @@ pub struct ScheduleInfo {
     pub weight_versions: usize,
     /// `ring` or `ps` for gradient reduction.
     pub reduce: String,
+    /// Asynchronous data parallelism (parameter server): the staleness bound; None otherwise.
+    #[serde(default)]
+    pub staleness: Option<usize>,
 }
 
 /// One pipeline stage (a virtual stage for interleaved schedules).
