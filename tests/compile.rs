@@ -128,3 +128,27 @@ fn pipedream_vgg16_profile_plans_on_4_by_4() {
     let out = pipec(&["plan-profile", profile.to_str().expect("path"), "--devices-per-node", "4", "--intra", "8GiB", "--inter", "10Gbps"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn profile_then_compile_with_the_measured_costs() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let prof = dir.path().join("profile.json");
+    let out = pipec(&["profile", "specs/mlp-1f1b.yaml", "-o", prof.to_str().expect("path"), "--reps", "3"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let p: pipec_plan::profile::Profile = serde_json::from_str(&std::fs::read_to_string(&prof).expect("profile")).expect("a profile");
+    assert_eq!(p.layers.len(), 7);
+    assert_eq!(p.batch_size, 16);
+    assert!(p.layers.iter().all(|l| l.forward_ms > 0.0 && l.backward_ms > 0.0));
+    assert!(p.layers[0].parameter_bytes == (64 * 128 + 128) * 4);
+    let plan_dir = dir.path().join("plan");
+    let out = pipec(&["compile", "specs/mlp-1f1b.yaml", "--profile", prof.to_str().expect("path"), "-o", plan_dir.to_str().expect("path")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let plan = pipec_plan::Plan::from_json(&std::fs::read_to_string(plan_dir.join("plan.json")).expect("plan")).expect("plan");
+    let expected: f64 = p.layers.iter().map(|l| l.forward_ms).sum::<f64>() / 1e3;
+    let got: f64 = plan.layers.iter().map(|l| l.forward_s).sum();
+    assert!((got - expected).abs() < 1e-9, "the plan uses the measured times: {got} vs {expected}");
+    // a profile of another model is rejected with a diagnostic
+    let out = pipec(&["compile", "specs/1f1b.yaml", "--profile", prof.to_str().expect("path"), "-o", plan_dir.to_str().expect("path")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("E0604"));
+}

@@ -39,7 +39,8 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
     }
 }
 
-/// Measures every layer of the plan: `warmup` unmeasured runs, then the median of `reps`.
+/// Measures every layer of the plan: `warmup` unmeasured runs, then the median of `reps`;
+/// then the whole model once as one graph, and scales the layers' times to add up to it.
 pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: usize, reps: usize) -> Result<Profile, String> {
     let mb = plan.training.microbatch_size;
     let precision = 4u64;
@@ -78,6 +79,37 @@ pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: 
             output_bytes: layer.output_shape.iter().product::<usize>() as u64 * precision * mb as u64,
             parameter_bytes: params as u64 * precision,
         });
+    }
+    // Calibrate against the whole model run as one graph: a layer measured alone misses what
+    // a long autodiff graph costs (bookkeeping, memory traffic between layers). Scale the
+    // layers' forward and backward times so they add up to the whole model's.
+    let all_ops: Vec<_> = plan.layers.iter().map(|l| l.op.clone()).collect();
+    let whole = StageModel::<B>::new(&all_ops, 0, plan.training.seed, dev);
+    let mut shape = vec![mb];
+    shape.extend(&plan.model.input);
+    let tokens = plan.model.token_vocab;
+    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+    for r in 0..warmup + reps {
+        let x = random_input::<B>(&shape, tokens, dev);
+        let t0 = Instant::now();
+        let y = whole.forward(x, true, (0, 0, r as u64))?;
+        let s = sum(&y).ok_or("the model produced token ids")?;
+        let _ = s.clone().into_scalar();
+        let t1 = Instant::now();
+        drop(s.backward());
+        let t2 = Instant::now();
+        if r >= warmup {
+            fwd.push((t1 - t0).as_secs_f64() * 1e3);
+            bwd.push((t2 - t1).as_secs_f64() * 1e3);
+        }
+    }
+    let (whole_f, whole_b) = (median(fwd), median(bwd));
+    let (sum_f, sum_b): (f64, f64) = (out.iter().map(|l| l.forward_ms).sum(), out.iter().map(|l| l.backward_ms).sum());
+    if sum_f > 0.0 && sum_b > 0.0 && whole_f > 0.0 && whole_b > 0.0 {
+        for l in &mut out {
+            l.forward_ms *= whole_f / sum_f;
+            l.backward_ms *= whole_b / sum_b;
+        }
     }
     Ok(Profile { version: 1, batch_size: mb, backend: std::any::type_name::<B>().rsplit("::").next().unwrap_or("burn").trim_end_matches('>').to_lowercase(), layers: out })
 }
