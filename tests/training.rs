@@ -188,12 +188,18 @@ fn pipedream_updates_after_every_microbatch() {
     // On one stage, PipeDream is SGD with one update per microbatch: step t's loss is the
     // mean of the losses of four one-microbatch steps of plain training on the same samples.
     let pd = losses(&train(&plan(&Job { schedule: "pipedream", microbatches: 4, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 3, ..Job::default() })));
-    let text = spec(&Job { microbatches: 1, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 12, ..Job::default() }).replace("batch_size: 32", "batch_size: 8");
+    assert_per_microbatch_sgd("pipedream", &pd);
+}
+
+/// Asserts that `got[t]` (4 microbatches per step, one update each) is the mean of four
+/// one-microbatch steps of plain SGD on the same samples.
+fn assert_per_microbatch_sgd(what: &str, got: &[f64]) {
+    let text = spec(&Job { microbatches: 1, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 4 * got.len(), ..Job::default() }).replace("batch_size: 32", "batch_size: 8");
     let s = pipec_grammar::check_source(&text).spec.expect("valid");
     let plain = losses(&train(&compile(&s, &CompileOptions::default()).expect("compiles").plan));
-    for t in 0..3 {
+    for (t, g) in got.iter().enumerate() {
         let expected: f64 = plain[4 * t..4 * t + 4].iter().sum::<f64>() / 4.0;
-        assert!((pd[t] - expected).abs() <= 1e-5 * expected, "step {t}: pipedream {} vs per-microbatch SGD {expected}", pd[t]);
+        assert!((g - expected).abs() <= 1e-5 * expected, "step {t}: {what} {g} vs per-microbatch SGD {expected}");
     }
 }
 
@@ -234,13 +240,7 @@ fn asp_with_one_worker_is_per_microbatch_sgd_and_with_two_converges() {
     // One worker: the parameter server applies every microbatch's gradient before the next
     // forward, which is plain SGD with one update per microbatch.
     let asp = losses(&train(&plan(&Job { schedule: "{ kind: dp-only, sync: asp, staleness: 0 }", microbatches: 4, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 3, ..Job::default() })));
-    let text = spec(&Job { microbatches: 1, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 12, ..Job::default() }).replace("batch_size: 32", "batch_size: 8");
-    let s = pipec_grammar::check_source(&text).spec.expect("valid");
-    let plain = losses(&train(&compile(&s, &CompileOptions::default()).expect("compiles").plan));
-    for t in 0..3 {
-        let expected: f64 = plain[4 * t..4 * t + 4].iter().sum::<f64>() / 4.0;
-        assert!((asp[t] - expected).abs() <= 1e-5 * expected, "step {t}: asp {} vs per-microbatch SGD {expected}", asp[t]);
-    }
+    assert_per_microbatch_sgd("asp", &asp);
     // Two workers with stale weights (staleness 1) still learn.
     let p = plan(&Job { devices: 2, stages: "\"2\"", schedule: "{ kind: dp-only, sync: asp, staleness: 1 }", microbatches: 8, optimizer: "{ kind: sgd, lr: 0.02 }", steps: 25, ..Job::default() });
     assert_eq!(p.schedule.staleness, Some(1));

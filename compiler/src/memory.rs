@@ -30,51 +30,35 @@ pub fn workspace_reserve(capacity: f64) -> u64 {
     (capacity * 0.05).min(1024.0 * 1024.0 * 1024.0) as u64
 }
 
-/// Peak microbatches in flight per stage held by the device: forwards whose saved
-/// activations are not yet freed, walking the stream in order.
-pub fn peak_in_flight(stream: &[Instr]) -> BTreeMap<StageId, u32> {
+/// The peak, per stage, of a count that `opens` raises and `closes` lowers, walking the
+/// stream in order.
+fn peak_count(stream: &[Instr], opens: impl Fn(&Instr) -> bool, closes: impl Fn(&Instr) -> bool) -> BTreeMap<StageId, u32> {
     let mut now: HashMap<StageId, u32> = HashMap::new();
     let mut peak: BTreeMap<StageId, u32> = BTreeMap::new();
     for ins in stream {
-        match ins {
-            Instr::Forward { stage, .. } => {
-                let c = now.entry(*stage).or_insert(0);
-                *c += 1;
-                let p = peak.entry(*stage).or_insert(0);
-                *p = (*p).max(*c);
+        if opens(ins) {
+            let c = now.entry(ins.stage()).or_insert(0);
+            *c += 1;
+            let p = peak.entry(ins.stage()).or_insert(0);
+            *p = (*p).max(*c);
+        } else if closes(ins) {
+            if let Some(c) = now.get_mut(&ins.stage()) {
+                *c = c.saturating_sub(1);
             }
-            Instr::Free { stage, .. } => {
-                if let Some(c) = now.get_mut(stage) {
-                    *c = c.saturating_sub(1);
-                }
-            }
-            _ => {}
         }
     }
     peak
 }
 
-/// Peak weight versions kept per stage (1 + stashes alive at once, for PipeDream).
-pub fn peak_weight_versions(stream: &[Instr]) -> HashMap<StageId, u32> {
-    let mut now: HashMap<StageId, u32> = HashMap::new();
-    let mut peak: HashMap<StageId, u32> = HashMap::new();
-    for ins in stream {
-        match ins {
-            Instr::StashWeights { stage, .. } => {
-                let c = now.entry(*stage).or_insert(0);
-                *c += 1;
-                let p = peak.entry(*stage).or_insert(0);
-                *p = (*p).max(*c);
-            }
-            Instr::RestoreWeights { stage, .. } => {
-                if let Some(c) = now.get_mut(stage) {
-                    *c = c.saturating_sub(1);
-                }
-            }
-            _ => {}
-        }
-    }
-    peak
+/// Peak microbatches in flight per stage held by the device: forwards whose saved
+/// activations are not yet freed.
+pub fn peak_in_flight(stream: &[Instr]) -> BTreeMap<StageId, u32> {
+    peak_count(stream, |i| matches!(i, Instr::Forward { .. }), |i| matches!(i, Instr::Free { .. }))
+}
+
+/// Peak stashed weight versions alive at once per stage (PipeDream weight stashing).
+pub fn peak_weight_versions(stream: &[Instr]) -> BTreeMap<StageId, u32> {
+    peak_count(stream, |i| matches!(i, Instr::StashWeights { .. }), |i| matches!(i, Instr::RestoreWeights { .. }))
 }
 
 /// The memory a device needs for its stream.
