@@ -257,3 +257,22 @@ fn asp_with_one_worker_is_per_microbatch_sgd_and_with_two_converges() {
     }
 }
 
+
+#[test]
+fn tensor_parallel_equals_one_device() {
+    // Megatron column/row pairs of linear layers, alone, inside a pipeline, with data
+    // parallelism; SGD with momentum and Adam.
+    for opt in [SGD, ADAM] {
+        assert_same_as_one_device(Job { devices: 2, stages: "\"1\"\n  tp: 2", schedule: "gpipe", optimizer: opt, ..Job::default() });
+    }
+    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", optimizer: ADAM, ..Job::default() });
+    assert_same_as_one_device(Job { devices: 4, stages: "\"2\"\n  tp: 2", schedule: "dp-only", optimizer: SGD, ..Job::default() });
+}
+
+#[test]
+fn tensor_parallel_attention_equals_one_device() {
+    // transformer blocks split by heads and MLP columns, with residuals and layer norms
+    let layers = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32)\n    - layernorm\n    - flatten\n    - linear(256, 4)";
+    assert_same_as_one_device(Job { devices: 2, stages: "\"1\"\n  tp: 2", schedule: "gpipe", optimizer: ADAM, layers, ..Job::default() });
+    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", optimizer: SGD, layers, ..Job::default() });
+}

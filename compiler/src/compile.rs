@@ -135,11 +135,46 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
         groups.clear();
         group_of.iter_mut().for_each(|g| *g = None);
     }
-    let streams = if asp {
+    let mut streams = if asp {
         crate::lower::lower_asp(&placement, gradient_bytes[0], strategy.schedule.staleness)
     } else {
         lower(&LowerInput { placement: &placement, order: &order, output_bytes: &output_bytes, gradient_bytes: &gradient_bytes, groups: &group_of, updates, recompute: strategy.recompute })
     };
+
+    // Tensor parallelism: every member t of a TP group runs its leader's stream with peers
+    // and replica groups shifted by t (rank t of a stage talks to rank t of its neighbours).
+    let mut shifted_groups: HashMap<(GroupId, usize), GroupId> = HashMap::new();
+    if tp > 1 {
+        let leaders: Vec<(DeviceId, Vec<Instr>)> = streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, s)| (*d, s.clone())).collect();
+        let mut base_groups: Vec<(GroupId, Vec<DeviceId>)> = groups.iter().map(|(g, m)| (*g, m.clone())).collect();
+        base_groups.sort_by_key(|g| g.0);
+        for t in 1..tp {
+            for (g, members) in &base_groups {
+                let id = GroupId(groups.len() as u32);
+                groups.insert(id, members.iter().map(|d| DeviceId(d.0 + t as u32)).collect());
+                shifted_groups.insert((*g, t), id);
+            }
+            for (leader, stream) in &leaders {
+                let shift = |d: DeviceId| DeviceId(d.0 + t as u32);
+                let copy: Vec<Instr> = stream
+                    .iter()
+                    .map(|i| match *i {
+                        Instr::SendActivation { peer, stage, mb, bytes } => Instr::SendActivation { peer: shift(peer), stage, mb, bytes },
+                        Instr::RecvActivation { peer, stage, mb, bytes } => Instr::RecvActivation { peer: shift(peer), stage, mb, bytes },
+                        Instr::SendGradient { peer, stage, mb, bytes } => Instr::SendGradient { peer: shift(peer), stage, mb, bytes },
+                        Instr::RecvGradient { peer, stage, mb, bytes } => Instr::RecvGradient { peer: shift(peer), stage, mb, bytes },
+                        Instr::AllReduce { stage, group, bytes } => Instr::AllReduce { stage, group: shifted_groups.get(&(group, t)).copied().unwrap_or(group), bytes },
+                        Instr::PushGradient { peer, stage, mb, bytes } => Instr::PushGradient { peer: shift(peer), stage, mb, bytes },
+                        Instr::ApplyGradient { peer, stage, mb, bytes } => Instr::ApplyGradient { peer: shift(peer), stage, mb, bytes },
+                        Instr::PushWeights { peer, stage, round, bytes } => Instr::PushWeights { peer: shift(peer), stage, round, bytes },
+                        Instr::PullWeights { peer, stage, round, bytes } => Instr::PullWeights { peer: shift(peer), stage, round, bytes },
+                        ref other => other.clone(),
+                    })
+                    .collect();
+                streams.insert(shift(*leader), copy);
+            }
+        }
+    }
 
     // Verify (a failure is a compiler bug).
     let split = matches!(kind, ScheduleKind::ZbH1 | ScheduleKind::Zbv);
@@ -156,6 +191,7 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             Updates::Every(k) => Some(k),
         },
         asp_staleness: asp.then_some(strategy.schedule.staleness),
+        tp,
     });
     if !violations.is_empty() {
         let mut text = String::new();
@@ -246,9 +282,14 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             backward_s: stage_fb[s].1,
             activation_bytes_per_microbatch: if strategy.recompute { stage_bytes[s].input_per_microbatch } else { stage_bytes[s].activations_per_microbatch },
             output_bytes_per_microbatch: output_bytes[s],
+            tensor_parallel: if tp > 1 { placement.replicas[s].iter().map(|l| (0..tp as u32).map(|t| DeviceId(l.0 + t)).collect()).collect() } else { Vec::new() },
         })
         .collect();
-    let mut group_list: Vec<GroupPlan> = groups.iter().map(|(g, m)| GroupPlan { id: *g, stage: StageId(group_of.iter().position(|x| *x == Some(*g)).unwrap_or(0) as u32), devices: m.clone() }).collect();
+    let stage_of_group = |g: GroupId| -> u32 {
+        let base = shifted_groups.iter().find(|(_, v)| **v == g).map(|((b, _), _)| *b).unwrap_or(g);
+        group_of.iter().position(|x| *x == Some(base)).unwrap_or(0) as u32
+    };
+    let mut group_list: Vec<GroupPlan> = groups.iter().map(|(g, m)| GroupPlan { id: *g, stage: StageId(stage_of_group(*g)), devices: m.clone() }).collect();
     group_list.sort_by_key(|g| g.id);
     let simulation = Simulation {
         step_time_s: timeline.step_time,

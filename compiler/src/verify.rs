@@ -36,10 +36,34 @@ pub struct VerifyInput<'a> {
     pub update_every: Option<usize>,
     /// Asynchronous data parallelism with a parameter server: the staleness bound.
     pub asp_staleness: Option<usize>,
+    /// Tensor-parallel degree: member t of every group runs the leader's program with
+    /// devices shifted by t; each of these `tp` programs is verified on its own.
+    pub tp: usize,
 }
 
 /// Checks every property; returns all violations found (empty = the plan is sound).
 pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
+    if input.tp > 1 {
+        let mut out = Vec::new();
+        for t in 0..input.tp as u32 {
+            let shift = |d: &DeviceId| DeviceId(d.0 + t);
+            let placement = Placement { replicas: input.placement.replicas.iter().map(|r| r.iter().map(shift).collect()).collect(), ..input.placement.clone() };
+            let members: HashSet<DeviceId> = placement.replicas.iter().flatten().copied().collect();
+            let streams: BTreeMap<DeviceId, Vec<Instr>> = input.streams.iter().filter(|(d, _)| members.contains(d)).map(|(d, s)| (*d, s.clone())).collect();
+            let groups: HashMap<GroupId, Vec<DeviceId>> = input.groups.iter().filter(|(_, m)| m.iter().all(|d| members.contains(d))).map(|(g, m)| (*g, m.clone())).collect();
+            out.extend(verify(&VerifyInput { streams: &streams, placement: &placement, groups: &groups, tp: 1, ..input.clone() }));
+        }
+        // every device of a group runs a program: none is left without one
+        for r in input.placement.replicas.iter().flatten() {
+            for t in 0..input.tp as u32 {
+                let d = DeviceId(r.0 + t);
+                if input.streams.get(&d).is_none_or(Vec::is_empty) {
+                    out.push(Violation { device: Some(d), index: None, message: format!("{d} is in a tensor-parallel group but has no program") });
+                }
+            }
+        }
+        return out;
+    }
     let mut out = Vec::new();
     check_unique(input, &mut out);
     check_compute(input, &mut out);

@@ -137,7 +137,7 @@ fn verify_plan(c: &Compiled, streams: &std::collections::BTreeMap<DeviceId, Vec<
         "2bw" => Some(plan.devices.len().min(plan.stages.len())),
         _ if plan.schedule.staleness.is_some() => Some(1),
         _ => None,
-    }, asp_staleness: plan.schedule.staleness }).into_iter().map(|v| v.message).collect()
+    }, asp_staleness: plan.schedule.staleness, tp: plan.stages[0].tensor_parallel.first().map_or(1, Vec::len) }).into_iter().map(|v| v.message).collect()
 }
 
 /// One small plan of every schedule.
@@ -154,6 +154,7 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("dp-only", build(&spec(2, 4, "dp-only", 4, "\"2\""))),
         ("dp-only-asp", build(&spec(3, 12, "{ kind: dp-only, sync: asp, staleness: 1 }", 4, "\"3\""))),
         ("hybrid-1f1b", build(&spec(4, 4, "1f1b", 4, "\"2-2\""))),
+        ("tensor-parallel-1f1b", build(&spec(4, 4, "1f1b", 4, "\"1-1\"\n  tp: 2"))),
     ]
 }
 

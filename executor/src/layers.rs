@@ -49,14 +49,61 @@ pub struct Dense<B: Backend> {
     pub bias: Option<Param<Tensor<B, 1>>>,
 }
 
+/// The deterministic initial weight values of a dense projection ([in, out], row-major).
+pub(crate) fn dense_values(layer: usize, slot: u64, seed: u64, fan_in: usize, fan_out: usize, gain: f64) -> Vec<f32> {
+    let k = (gain * 3.0 / fan_in as f64).sqrt();
+    let mut rng = Rng::keyed(&[seed, 10, layer as u64, slot]);
+    rng.uniform_vec(fan_in * fan_out, k)
+}
+
 impl<B: Backend> Dense<B> {
     fn new(layer: usize, slot: u64, seed: u64, fan_in: usize, fan_out: usize, bias: bool, gain: f64, device: &B::Device) -> Self {
-        let k = (gain * 3.0 / fan_in as f64).sqrt();
-        let mut rng = Rng::keyed(&[seed, 10, layer as u64, slot]);
         Dense {
-            weight: param(pid(layer, slot), rng.uniform_vec(fan_in * fan_out, k), [fan_in, fan_out], device),
+            weight: param(pid(layer, slot), dense_values(layer, slot, seed, fan_in, fan_out, gain), [fan_in, fan_out], device),
             bias: bias.then(|| param(pid(layer, slot + 1), vec![0.0; fan_out], [fan_out], device)),
         }
+    }
+
+    /// A dense projection from explicit values (a tensor-parallel shard).
+    pub(crate) fn from_values(layer: usize, slot: u64, weight: Vec<f32>, shape: [usize; 2], bias: Option<Vec<f32>>, device: &B::Device) -> Self {
+        Dense {
+            weight: param(pid(layer, slot), weight, shape, device),
+            bias: bias.map(|b| {
+                let n = b.len();
+                param(pid(layer, slot + 1), b, [n], device)
+            }),
+        }
+    }
+
+    /// x · W without the bias (a row-parallel partial sum).
+    pub(crate) fn matmul_only(&self, x: Act<B>) -> Result<Act<B>, String> {
+        Ok(match x {
+            Act::D2(t) => Act::D2(t.matmul(self.weight.val())),
+            Act::D3(t) => {
+                let [b, s, d] = t.dims();
+                let y = t.reshape([b * s, d]).matmul(self.weight.val());
+                let out = y.dims()[1];
+                Act::D3(y.reshape([b, s, out]))
+            }
+            other => return Err(format!("a linear layer cannot take {:?}", other.dims())),
+        })
+    }
+
+    /// Adds the bias (after a row-parallel all-reduce).
+    pub(crate) fn add_bias(&self, y: Act<B>) -> Act<B> {
+        match (&self.bias, y) {
+            (Some(b), Act::D2(t)) => Act::D2(t + b.val().unsqueeze::<2>()),
+            (Some(b), Act::D3(t)) => Act::D3(t + b.val().unsqueeze::<3>()),
+            (_, y) => y,
+        }
+    }
+
+    pub(crate) fn forward_act(&self, x: Act<B>) -> Result<Act<B>, String> {
+        Ok(match x {
+            Act::D2(t) => Act::D2(self.forward2(t)),
+            Act::D3(t) => Act::D3(self.forward3(t)),
+            other => return Err(format!("a linear layer cannot take {:?}", other.dims())),
+        })
     }
 
     fn forward2(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
@@ -83,11 +130,11 @@ pub struct Norm<B: Backend> {
 }
 
 impl<B: Backend> Norm<B> {
-    fn new(layer: usize, slot: u64, dim: usize, device: &B::Device) -> Self {
+    pub(crate) fn new(layer: usize, slot: u64, dim: usize, device: &B::Device) -> Self {
         Norm { gamma: param(pid(layer, slot), vec![1.0; dim], [dim], device), beta: param(pid(layer, slot + 1), vec![0.0; dim], [dim], device) }
     }
 
-    fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+    pub(crate) fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let mean = x.clone().mean_dim(D - 1);
         let centered = x - mean;
         let var = centered.clone().powi_scalar(2).mean_dim(D - 1);
@@ -162,6 +209,13 @@ pub enum Layer<B: Backend> {
     Embedding(Embed<B>),
     Block(Block<B>),
     Stateless(Stateless),
+    /// Tensor parallelism: a column-parallel shard (this rank's output features).
+    ColumnLinear(Dense<B>),
+    /// Tensor parallelism: a row-parallel shard (this rank's input features); its output is
+    /// a partial sum completed by an all-reduce, then the (replicated) bias is added.
+    RowLinear(Dense<B>),
+    /// Tensor parallelism: a transformer block with this rank's heads and MLP columns.
+    ParallelBlock(Block<B>),
 }
 
 impl<B: Backend> Layer<B> {
@@ -210,6 +264,7 @@ impl<B: Backend> Layer<B> {
             (Layer::Embedding(e), Act::Tokens(t)) => Act::D3(embedding(e.weight.val(), t)),
             (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t)),
             (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key)?,
+            (Layer::ColumnLinear(d), x) => d.forward_act(x)?,
             (layer, x) => return Err(format!("layer {} cannot take an activation of shape {:?}", layer_name(layer), x.dims())),
         })
     }
@@ -223,6 +278,8 @@ fn layer_name<B: Backend>(l: &Layer<B>) -> &'static str {
         Layer::Embedding(_) => "embedding",
         Layer::Block(_) => "transformer_block",
         Layer::Stateless(st) => st.op.name(),
+        Layer::ColumnLinear(_) | Layer::RowLinear(_) => "tensor-parallel linear",
+        Layer::ParallelBlock(_) => "tensor-parallel transformer_block",
     }
 }
 
@@ -244,7 +301,7 @@ fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) 
     Ok(restore(f(flat)))
 }
 
-fn stateless<B: Backend>(op: &Op, index: usize, x: Act<B>, training: bool, key: (u64, u64, u64)) -> Result<Act<B>, String> {
+pub(crate) fn stateless<B: Backend>(op: &Op, index: usize, x: Act<B>, training: bool, key: (u64, u64, u64)) -> Result<Act<B>, String> {
     match *op {
         Op::Relu => elementwise(x, activation::relu),
         Op::Gelu => elementwise(x, activation::gelu),

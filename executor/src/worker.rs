@@ -39,12 +39,23 @@ pub struct StepReport {
 /// A stage's trainable state on a device.
 pub(crate) struct StageState<B: AutodiffBackend> {
     pub model: Option<StageModel<B>>,
+    /// Tensor parallelism: this device's rank, the group, and the parameters whose
+    /// gradients are partial per rank.
+    pub tp: Option<TpInfo>,
     pub optim: StageOptim<B>,
     /// Accumulated gradients, one flattened tensor per parameter in visiting order.
     acc: Vec<Option<Tensor<B::InnerBackend, 1>>>,
     /// Microbatches that contributed to `acc` since the last step.
     contributions: usize,
     stash: HashMap<MicrobatchId, StageModel<B>>,
+}
+
+/// A device's place in a tensor-parallel group.
+#[derive(Debug, Clone)]
+pub(crate) struct TpInfo {
+    pub rank: usize,
+    pub members: Vec<DeviceId>,
+    pub partial_ids: Vec<u64>,
 }
 
 /// The optimizer of a stage.
@@ -185,6 +196,9 @@ enum Saved<B: AutodiffBackend> {
     Loss(Tensor<B, 1>),
     /// Activation recompute: only the input is kept; the recompute fills this in.
     Nothing,
+    /// A tensor-parallel stage: its forward segments, and (last stage) the loss computed
+    /// on a leaf copy of the output.
+    Tp(Vec<crate::tensor_parallel::Segment<B>>, Option<(Act<B>, Tensor<B, 1>)>),
 }
 
 fn host_to_act<B: Backend>(shape: &[usize], data: Vec<f32>, dev: &B::Device) -> Result<Act<B>, String> {
@@ -276,6 +290,79 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         }
     }
 
+    /// The backward of a tensor-parallel stage, segment by segment (see
+    /// `tensor_parallel`); returns the weight gradients and leaves the input gradient to send.
+    fn backward_tp(&mut self, stage: StageId, mb: MicrobatchId, n_mb: f64) -> Result<Vec<Option<Tensor<B::InnerBackend, 1>>>, String> {
+        use crate::tensor_parallel::Boundary;
+        let tp = self.state(stage)?.tp.clone().ok_or("not tensor-parallel")?;
+        let size = tp.members.len() as f32;
+        let reduce = self.reduce;
+        let (_, saved, used) = self.saved.get(&(stage, mb)).ok_or("its forward's activations are missing")?;
+        let Saved::Tp(segments, loss) = saved else { return Err("not a tensor-parallel forward".into()) };
+        // clones share the forward's autodiff nodes, so gradients are found by them
+        let (segments, loss, used) = (segments.clone(), loss.clone(), used.clone());
+        // the gradient at the last segment's output
+        let mut grad_out: Message = match loss {
+            Some((leaf, l)) => {
+                let mut grads = (l / n_mb).backward();
+                input_grad::<B>(&leaf, &mut grads, (1, stage.0, mb.0))?.ok_or("no gradient reached the loss input")?
+            }
+            None => self.grads_in.remove(&(stage, mb)).ok_or("the gradient of its output was not received")?,
+        };
+        let mut flat: Vec<Option<Tensor<B::InnerBackend, 1>>> = Vec::new();
+        for (k, seg) in segments.iter().enumerate().rev() {
+            let mut grads = dot_with::<B>(&seg.out, &grad_out, &self.dev)?.backward();
+            let mut c = Collect::<B> { grads: &mut grads, out: Vec::new() };
+            used.visit(&mut c);
+            accumulate::<B>(&mut flat, c.out);
+            if k == 0 && stage.0 == 0 {
+                break;
+            }
+            let mut g = input_grad::<B>(&seg.leaf, &mut grads, (1, stage.0, mb.0))?.ok_or("no gradient reached a segment input")?;
+            match seg.boundary {
+                Boundary::Complete => {}
+                Boundary::Sum => self.ep.all_reduce(&tp.members, &mut g.data, reduce).map_err(|e| e.to_string())?,
+                Boundary::SumResidual => {
+                    self.ep.all_reduce(&tp.members, &mut g.data, reduce).map_err(|e| e.to_string())?;
+                    for (x, r) in g.data.iter_mut().zip(&grad_out.data) {
+                        *x -= (size - 1.0) * r;
+                    }
+                }
+            }
+            if k == 0 {
+                self.input_grads.insert((stage, mb), g);
+            } else {
+                grad_out = g;
+            }
+        }
+        Ok(flat)
+    }
+
+    /// Sums, over the tensor-parallel group, the gradients that are partial on each rank.
+    fn sum_partial_gradients(&mut self, stage: StageId) -> Result<(), String> {
+        let Some(tp) = self.state(stage)?.tp.clone() else { return Ok(()) };
+        if tp.partial_ids.is_empty() {
+            return Ok(());
+        }
+        let reduce = self.reduce;
+        let dev = self.dev.clone();
+        let st = self.stages.get_mut(&stage).ok_or("no stage")?;
+        let model = st.model.as_ref().ok_or("no model")?;
+        let mut ids = Ids(Vec::new());
+        model.visit(&mut ids);
+        for (i, id) in ids.0.iter().enumerate() {
+            if !tp.partial_ids.contains(id) {
+                continue;
+            }
+            let Some(Some(t)) = st.acc.get(i) else { continue };
+            let n = t.dims()[0];
+            let mut v = t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+            self.ep.all_reduce(&tp.members, &mut v, reduce).map_err(|e| e.to_string())?;
+            st.acc[i] = Some(Tensor::from_data(TensorData::new(v, [n]), &dev));
+        }
+        Ok(())
+    }
+
     fn last_stage(&self) -> StageId {
         StageId(self.plan.stages.len().saturating_sub(1) as u32)
     }
@@ -341,6 +428,31 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let recompute = self.plan.training.recompute;
                 let is_last = stage == self.last_stage();
                 let model = microbatch_copy(self.state(stage)?.model.as_ref().ok_or("no model")?);
+                if let Some(tp) = self.state(stage)?.tp.clone() {
+                    let reduce = self.reduce;
+                    let ep = &mut self.ep;
+                    let mut sum = |mut v: Vec<f32>| -> Result<Vec<f32>, String> {
+                        ep.all_reduce(&tp.members, &mut v, reduce).map_err(|e| e.to_string())?;
+                        Ok(v)
+                    };
+                    let segments = crate::tensor_parallel::forward(&model, x.clone(), true, key, &mut sum)?;
+                    let out = segments.last().map(|s| s.out.clone()).ok_or("no segments")?;
+                    let loss = if is_last {
+                        let y = self.labels.get(&mb).ok_or("the labels of this microbatch were not loaded")?;
+                        let leaf = crate::tensor_parallel::fresh(&out);
+                        let loss = loss_of::<B>(self.plan.model.loss, leaf.clone(), y, &self.dev)?;
+                        if tp.rank == 0 {
+                            report.losses.push((mb.0, loss.clone().into_scalar().elem::<f32>()));
+                        }
+                        Some((leaf, loss))
+                    } else {
+                        self.outputs.insert((stage, mb), act_to_message(&out, (0, stage.0, mb.0))?);
+                        None
+                    };
+                    self.saved.insert((stage, mb), (x, Saved::Tp(segments, loss), model));
+                    *self.in_flight.entry(stage).or_insert(0) += 1;
+                    return Ok(());
+                }
                 let out = model.forward(x.clone(), true, key)?;
                 let saved = if is_last {
                     let y = self.labels.get(&mb).ok_or("the labels of this microbatch were not loaded")?;
@@ -375,6 +487,18 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 self.saved.insert((stage, mb), (x, saved, model));
             }
             Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } => {
+                if let Some((_, Saved::Tp(..), _)) = self.saved.get(&(stage, mb)) {
+                    let flat = self.backward_tp(stage, mb, n_mb)?;
+                    let st = self.state(stage)?;
+                    if matches!(ins, Instr::Backward { .. }) {
+                        accumulate::<B>(&mut st.acc, flat);
+                        st.contributions += 1;
+                        st.stash.remove(&mb);
+                    } else {
+                        self.pending_weight_grads.insert((stage, mb), flat);
+                    }
+                    return Ok(());
+                }
                 let (x, saved, used) = self.saved.get(&(stage, mb)).ok_or("its forward's activations are missing")?;
                 let target = match saved {
                     Saved::Loss(l) => l.clone() / n_mb,
@@ -383,6 +507,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                         dot_with::<B>(out, &g, &self.dev)?
                     }
                     Saved::Nothing => return Err("recompute was not run before the backward".into()),
+                    Saved::Tp(..) => return Err("tensor-parallel stage".into()),
                 };
                 let mut grads = target.backward();
                 if stage.0 > 0 {
@@ -528,6 +653,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let lr = match self.plan.training.optimizer {
                     OptimizerPlan::Sgd { lr, .. } | OptimizerPlan::Adam { lr, .. } => lr,
                 };
+                self.sum_partial_gradients(stage)?;
                 let st = self.state(stage)?;
                 // Gradients are sums of per-microbatch means scaled by 1/N; an update made
                 // from fewer microbatches (PipeDream) rescales to their mean.
@@ -568,6 +694,15 @@ impl<B: AutodiffBackend> ModuleMapper<B> for LoadFlat<'_> {
                 Param::initialized(id, tensor)
             }
         }
+    }
+}
+
+/// Every parameter's id, in visiting order.
+struct Ids(Vec<u64>);
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Ids {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push(param.id.val());
     }
 }
 
@@ -622,15 +757,23 @@ fn loss_of<B: AutodiffBackend>(loss: Loss, out: Act<B>, y: &Targets, dev: &B::De
 }
 
 /// Builds the state of the stages a device holds.
-pub(crate) fn build_stages<B: AutodiffBackend>(plan: &Plan, device: DeviceId, dev: &B::Device) -> HashMap<StageId, StageState<B>> {
+pub(crate) fn build_stages<B: AutodiffBackend>(plan: &Plan, device: DeviceId, dev: &B::Device) -> Result<HashMap<StageId, StageState<B>>, String> {
     let mut out = HashMap::new();
     for s in &plan.stages {
-        if !s.replicas.contains(&device) {
+        if !s.replicas.contains(&device) && !s.tensor_parallel.iter().any(|g| g.contains(&device)) {
             continue;
         }
         let ops: Vec<_> = plan.layers[s.layers[0]..s.layers[1]].iter().map(|l| l.op.clone()).collect();
-        let model = StageModel::<B>::new(&ops, s.layers[0], plan.training.seed, dev);
-        out.insert(s.id, StageState { model: Some(model), optim: StageOptim::new(&plan.training.optimizer), acc: Vec::new(), contributions: 0, stash: HashMap::new() });
+        let (model, tp) = match s.tensor_parallel.iter().find(|g| g.contains(&device)) {
+            Some(group) if group.len() > 1 => {
+                let rank = group.iter().position(|d| *d == device).unwrap_or(0);
+                let model = crate::tensor_parallel::build_stage::<B>(&ops, s.layers[0], plan.training.seed, dev, rank, group.len())?;
+                let partial_ids = crate::tensor_parallel::partial_parameter_ids(&ops, s.layers[0], group.len())?;
+                (model, Some(TpInfo { rank, members: group.clone(), partial_ids }))
+            }
+            _ => (StageModel::<B>::new(&ops, s.layers[0], plan.training.seed, dev), None),
+        };
+        out.insert(s.id, StageState { model: Some(model), tp, optim: StageOptim::new(&plan.training.optimizer), acc: Vec::new(), contributions: 0, stash: HashMap::new() });
     }
-    out
+    Ok(out)
 }

@@ -114,6 +114,12 @@ pub struct StagePlan {
     pub activation_bytes_per_microbatch: u64,
     /// Bytes of the stage's output per microbatch (what is sent to the next stage).
     pub output_bytes_per_microbatch: u64,
+    /// Megatron tensor parallelism: per replica, the devices that split the stage's layers
+    /// (the replica's device first). Empty when the stage is not tensor-parallel. Every
+    /// member runs the same stream with its peers shifted by its rank in the group; its
+    /// forward and backward include the group's all-reduces.
+    #[serde(default)]
+    pub tensor_parallel: Vec<Vec<DeviceId>>,
 }
 
 /// Per-device memory, in bytes.

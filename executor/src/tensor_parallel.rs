@@ -1,0 +1,277 @@
+//! Megatron tensor parallelism inside a stage. Linear layers are paired — a column-parallel
+//! layer (each rank its slice of the output features), element-wise layers, then a
+//! row-parallel layer (each rank its slice of the input features) whose partial sums are
+//! all-reduced (Megatron's `g`) — and transformer blocks split their attention heads and MLP
+//! columns the same way. Other layers run replicated on every rank.
+//!
+//! Megatron's `f` (identity forward, all-reduce of the gradient in backward) needs
+//! communication in the middle of the backward pass, which Burn's autodiff cannot pause
+//! for. So a tensor-parallel stage's forward is cut into segments at every `f` point
+//! (the input of a column-parallel layer or of a block half): each segment starts from a
+//! fresh leaf, and the backward runs segment by segment, all-reducing the gradient at each
+//! leaf over the group before handing it to the segment before. For a block half the leaf
+//! also feeds the residual, whose share of the gradient is already complete on every rank:
+//! it is counted once (`all-reduce(g) − (tp − 1)·grad_out`). Layer norms that feed a
+//! column-parallel layer receive partial weight gradients, summed over the group before
+//! the optimizer step. Shards are slices of the full deterministic initial weights, so a
+//! tensor-parallel run computes what one device computes.
+
+use burn::prelude::*;
+use burn::tensor::activation;
+use burn::tensor::backend::AutodiffBackend;
+use pipec_plan::model::Op;
+
+use crate::layers::{dense_values, stateless, Act, Block, Dense, Layer, Norm, StageModel};
+
+/// How a stage's layer is split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    Replicated,
+    Column,
+    Row,
+    Block,
+}
+
+fn elementwise(op: &Op) -> bool {
+    matches!(op, Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid)
+}
+
+/// Decides each layer's split: a linear layer followed (through element-wise layers only)
+/// by a linear layer whose input it feeds becomes a column/row pair; transformer blocks
+/// split their heads. Errors when a block cannot be split `tp` ways.
+pub fn plan_splits(ops: &[Op], tp: usize) -> Result<Vec<Split>, String> {
+    let mut out = vec![Split::Replicated; ops.len()];
+    let mut i = 0;
+    while i < ops.len() {
+        match ops[i] {
+            Op::Linear { out_features, .. } if out_features % tp == 0 => {
+                let mut j = i + 1;
+                while j < ops.len() && elementwise(&ops[j]) {
+                    j += 1;
+                }
+                if let Some(Op::Linear { in_features, .. }) = ops.get(j) {
+                    if *in_features == out_features {
+                        out[i] = Split::Column;
+                        out[j] = Split::Row;
+                        i = j + 1;
+                        continue;
+                    }
+                }
+            }
+            Op::TransformerBlock { d_model, heads, d_ff } => {
+                if heads % tp != 0 || d_model % tp != 0 || d_ff % tp != 0 {
+                    return Err(format!("transformer_block(d={d_model}, heads={heads}, ff={d_ff}) cannot be split {tp} ways (heads and ff must be multiples of tp)"));
+                }
+                out[i] = Split::Block;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    Ok(out)
+}
+
+fn columns(values: &[f32], rows: usize, cols: usize, from: usize, to: usize) -> Vec<f32> {
+    (0..rows).flat_map(|r| values[r * cols + from..r * cols + to].iter().copied()).collect()
+}
+
+fn rows(values: &[f32], cols: usize, from: usize, to: usize) -> Vec<f32> {
+    values[from * cols..to * cols].to_vec()
+}
+
+/// Builds this rank's shard of layers `ops` (global index of the first: `first`).
+pub fn build_stage<B: Backend>(ops: &[Op], first: usize, seed: u64, device: &B::Device, rank: usize, tp: usize) -> Result<StageModel<B>, String> {
+    let splits = plan_splits(ops, tp)?;
+    let mut layers = Vec::with_capacity(ops.len());
+    for (k, (op, split)) in ops.iter().zip(&splits).enumerate() {
+        let index = first + k;
+        let layer = match (split, op) {
+            (Split::Column, Op::Linear { in_features, out_features, bias }) => {
+                let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
+                let part = out_features / tp;
+                let (a, b) = (rank * part, (rank + 1) * part);
+                Layer::ColumnLinear(Dense::from_values(index, 0, columns(&w, *in_features, *out_features, a, b), [*in_features, part], bias.then(|| vec![0.0; part]), device))
+            }
+            (Split::Row, Op::Linear { in_features, out_features, bias }) => {
+                let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
+                let part = in_features / tp;
+                let (a, b) = (rank * part, (rank + 1) * part);
+                Layer::RowLinear(Dense::from_values(index, 0, rows(&w, *out_features, a, b), [part, *out_features], bias.then(|| vec![0.0; *out_features]), device))
+            }
+            (Split::Block, Op::TransformerBlock { d_model: d, heads, d_ff: f }) => {
+                let (dl, fl) = (d / tp, f / tp);
+                let qkv = dense_values(index, 2, seed, *d, 3 * d, 1.0);
+                let mut qkv_local = Vec::with_capacity(d * 3 * dl);
+                for r in 0..*d {
+                    for part in 0..3 {
+                        let start = r * 3 * d + part * d + rank * dl;
+                        qkv_local.extend_from_slice(&qkv[start..start + dl]);
+                    }
+                }
+                let proj = dense_values(index, 4, seed, *d, *d, 1.0);
+                let fc1 = dense_values(index, 8, seed, *d, *f, 2.0);
+                let fc2 = dense_values(index, 10, seed, *f, *d, 1.0);
+                Layer::ParallelBlock(Block {
+                    norm1: Norm::new(index, 0, *d, device),
+                    qkv: Dense::from_values(index, 2, qkv_local, [*d, 3 * dl], Some(vec![0.0; 3 * dl]), device),
+                    proj: Dense::from_values(index, 4, rows(&proj, *d, rank * dl, (rank + 1) * dl), [dl, *d], Some(vec![0.0; *d]), device),
+                    norm2: Norm::new(index, 6, *d, device),
+                    fc1: Dense::from_values(index, 8, columns(&fc1, *d, *f, rank * fl, (rank + 1) * fl), [*d, fl], Some(vec![0.0; fl]), device),
+                    fc2: Dense::from_values(index, 10, rows(&fc2, *d, rank * fl, (rank + 1) * fl), [fl, *d], Some(vec![0.0; *d]), device),
+                    heads: heads / tp,
+                })
+            }
+            _ => Layer::new(index, op, seed, device),
+        };
+        layers.push(layer);
+    }
+    Ok(StageModel { layers })
+}
+
+/// Parameter ids (layer << 8 | slot) whose gradients are partial on each rank and must be
+/// summed over the group: the layer norms feeding a block's column-parallel projections.
+pub fn partial_parameter_ids(ops: &[Op], first: usize, tp: usize) -> Result<Vec<u64>, String> {
+    let splits = plan_splits(ops, tp)?;
+    Ok(splits
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| **s == Split::Block)
+        .flat_map(|(k, _)| {
+            let l = ((first + k) as u64) << 8;
+            [l, l | 1, l | 6, l | 7]
+        })
+        .collect())
+}
+
+/// How a segment's input gradient is completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Boundary {
+    /// The stage input, not followed by a split layer: the gradient is already complete.
+    Complete,
+    /// Megatron's `f`: sum the gradient over the group.
+    Sum,
+    /// `f` on a leaf that also feeds a residual: sum, then count the residual once.
+    SumResidual,
+}
+
+/// One segment of a tensor-parallel forward.
+#[derive(Debug, Clone)]
+pub struct Segment<B: Backend> {
+    pub leaf: Act<B>,
+    pub out: Act<B>,
+    pub boundary: Boundary,
+}
+
+/// Sums a tensor over the group (the forward all-reduce `g`): the value becomes the sum,
+/// the gradient passes through unchanged.
+fn g<B: AutodiffBackend>(partial: Act<B>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>) -> Result<Act<B>, String> {
+    fn host<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Result<Vec<f32>, String> {
+        t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))
+    }
+    Ok(match partial {
+        Act::D2(t) => {
+            let full = Tensor::<B, 2>::from_data(TensorData::new(reduce(host(&t)?)?, t.dims()), &t.device());
+            Act::D2(t.clone() + (full - t.detach()))
+        }
+        Act::D3(t) => {
+            let full = Tensor::<B, 3>::from_data(TensorData::new(reduce(host(&t)?)?, t.dims()), &t.device());
+            Act::D3(t.clone() + (full - t.detach()))
+        }
+        other => return Err(format!("cannot all-reduce {:?}", other.dims())),
+    })
+}
+
+/// A leaf copy of an activation (same values, new autodiff node).
+pub fn fresh<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
+    match a {
+        Act::D2(t) => Act::D2(t.clone().detach().require_grad()),
+        Act::D3(t) => Act::D3(t.clone().detach().require_grad()),
+        Act::D4(t) => Act::D4(t.clone().detach().require_grad()),
+        Act::Tokens(t) => Act::Tokens(t.clone()),
+    }
+}
+
+fn attention_half<B: AutodiffBackend>(b: &Block<B>, x: Tensor<B, 3>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>) -> Result<Tensor<B, 3>, String> {
+    let [n, s, d] = x.dims();
+    let h = b.heads;
+    let dl = b.qkv.weight.dims()[1] / 3;
+    let dh = dl / h.max(1);
+    let qkv = match b.qkv.forward_act(Act::D3(b.norm1.forward(x.clone())))? {
+        Act::D3(t) => t,
+        _ => return Err("qkv".into()),
+    };
+    let split = |i: usize| qkv.clone().narrow(2, i * dl, dl).reshape([n, s, h, dh]).swap_dims(1, 2);
+    let (q, k, v) = (split(0), split(1), split(2));
+    let attn = activation::softmax(q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt(), 3);
+    let ctx = attn.matmul(v).swap_dims(1, 2).reshape([n, s, dl]);
+    let a = b.proj.add_bias(g(b.proj.matmul_only(Act::D3(ctx))?, reduce)?);
+    let _ = d;
+    match a {
+        Act::D3(a) => Ok(x + a),
+        _ => Err("attention output".into()),
+    }
+}
+
+fn mlp_half<B: AutodiffBackend>(b: &Block<B>, h: Tensor<B, 3>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>) -> Result<Tensor<B, 3>, String> {
+    let up = match b.fc1.forward_act(Act::D3(b.norm2.forward(h.clone())))? {
+        Act::D3(t) => activation::gelu(t),
+        _ => return Err("fc1".into()),
+    };
+    let m = b.fc2.add_bias(g(b.fc2.matmul_only(Act::D3(up))?, reduce)?);
+    match m {
+        Act::D3(m) => Ok(h + m),
+        _ => Err("mlp output".into()),
+    }
+}
+
+/// The forward of a tensor-parallel stage, cut into segments at every `f` point.
+pub fn forward<B: AutodiffBackend>(model: &StageModel<B>, x: Act<B>, training: bool, key: (u64, u64, u64), reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>) -> Result<Vec<Segment<B>>, String> {
+    let mut segments = Vec::new();
+    let mut leaf = x.clone();
+    let mut cur = x;
+    let mut applied = 0usize; // layers applied since `leaf`
+    let mut boundary = Boundary::Complete;
+    let cut = |segments: &mut Vec<Segment<B>>, leaf: &mut Act<B>, cur: &mut Act<B>, applied: &mut usize, boundary: &mut Boundary, next: Boundary| {
+        if *applied > 0 {
+            segments.push(Segment { leaf: leaf.clone(), out: cur.clone(), boundary: *boundary });
+            *leaf = fresh(cur);
+            *cur = leaf.clone();
+        }
+        *boundary = next;
+        *applied = 0;
+    };
+    for layer in &model.layers {
+        match layer {
+            Layer::ColumnLinear(d) => {
+                cut(&mut segments, &mut leaf, &mut cur, &mut applied, &mut boundary, Boundary::Sum);
+                cur = d.forward_act(cur)?;
+            }
+            Layer::RowLinear(d) => {
+                cur = d.add_bias(g(d.matmul_only(cur)?, reduce)?);
+            }
+            Layer::ParallelBlock(b) => {
+                cut(&mut segments, &mut leaf, &mut cur, &mut applied, &mut boundary, Boundary::SumResidual);
+                let Act::D3(t) = cur.clone() else { return Err("a transformer block needs [batch, seq, d]".into()) };
+                let h = Act::D3(attention_half(b, t, reduce)?);
+                segments.push(Segment { leaf: leaf.clone(), out: h.clone(), boundary });
+                leaf = fresh(&h);
+                let Act::D3(t) = leaf.clone() else { return Err("block".into()) };
+                let y = Act::D3(mlp_half(b, t, reduce)?);
+                // The residual correction needs the gradient at the block's own output, so
+                // the segment ends there; what follows starts from a leaf whose gradient is
+                // already complete (the block output is replicated).
+                segments.push(Segment { leaf: leaf.clone(), out: y.clone(), boundary: Boundary::SumResidual });
+                leaf = fresh(&y);
+                cur = leaf.clone();
+                boundary = Boundary::Complete;
+                applied = 0;
+                continue;
+            }
+            Layer::Stateless(st) => cur = stateless(&st.op, st.index, cur, training, key)?,
+            other => cur = other.forward(cur, training, key)?,
+        }
+        applied += 1;
+    }
+    segments.push(Segment { leaf, out: cur, boundary });
+    Ok(segments)
+}
