@@ -316,7 +316,13 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
                             (_, TaskKind::Forward) => 1,
                             (_, TaskKind::BackwardWeight) => 2,
                         };
-                        let rank = (class as u64) << 48 | (m as u64) << 16 | (stages - s) as u64;
+                        // Zero-bubble: oldest microbatch first. Chimera: the task furthest along
+                        // its pipeline first — it frees the devices after it soonest, which
+                        // interleaves the two directions' forwards as Chimera's schedule does.
+                        let rank = match priority {
+                            Priority::BackwardFirst => (class as u64) << 48 | ((stages - s) as u64) << 24 | m as u64,
+                            Priority::ZeroBubble => (class as u64) << 48 | (m as u64) << 16 | (stages - s) as u64,
+                        };
                         candidates.push((rank, t));
                     }
                 }
