@@ -245,7 +245,9 @@ fn zero_bubble(p: &Placement) -> Order {
 
 /// Chimera: two pipelines in opposite directions over the same devices (stage s of the
 /// down pipeline on device s, of the up pipeline on device D−1−s), half the microbatches
-/// each, scheduled 1F1B-style per pipeline with backwards first.
+/// each; a list schedule that runs the task furthest along its microbatch's path first,
+/// with 1F1B's in-flight bound per stage copy. For N = D it has the paper's bubble,
+/// (D−2)/(2N+D−2) with equal forward and backward times.
 fn chimera(p: &Placement) -> Order {
     list_schedule(p, false, |_, s| in_flight_target(p, s), Priority::BackwardFirst)
 }
@@ -316,11 +318,15 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
                             (_, TaskKind::Forward) => 1,
                             (_, TaskKind::BackwardWeight) => 2,
                         };
-                        // Zero-bubble: oldest microbatch first. Chimera: the task furthest along
-                        // its pipeline first — it frees the devices after it soonest, which
-                        // interleaves the two directions' forwards as Chimera's schedule does.
+                        // Zero-bubble: oldest microbatch first. Chimera: the task whose
+                        // microbatch is furthest along its whole forward-and-backward path
+                        // first — it frees the devices after it soonest, which interleaves the
+                        // two directions as Chimera's schedule does (its bubble for N = D).
                         let rank = match priority {
-                            Priority::BackwardFirst => (class as u64) << 48 | ((stages - s) as u64) << 24 | m as u64,
+                            Priority::BackwardFirst => {
+                                let progress = if k == TaskKind::Forward { s } else { 2 * stages - 1 - s };
+                                ((2 * stages - progress) as u64) << 24 | m as u64
+                            }
                             Priority::ZeroBubble => (class as u64) << 48 | (m as u64) << 16 | (stages - s) as u64,
                         };
                         candidates.push((rank, t));

@@ -46,7 +46,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     let device = devices[rank as usize];
     let info = RankInfo { rank, size, device };
     let abort = Arc::new(AtomicBool::new(false));
-    let outgoing = start_sender();
+    let (outgoing, sender_thread) = start_sender();
     let endpoint = MpiEndpoint::new(device, &devices, outgoing.clone(), abort.clone(), options.timeout);
     // Every rank reports each step's (loss sum, loss count) to rank 0, which combines them.
     let timeout = options.timeout;
@@ -89,8 +89,15 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
         }
     };
     let report = run_workers::<crate::CpuBackend, _>(plan, options, Default::default(), vec![endpoint], abort.clone(), &mut gather, &mut sink).map_err(|e| (Some(info), e))?;
+    drop(ckpt_out);
     // Rank 0 merges the last step's traces.
     let flat: Vec<f64> = report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]).collect();
+    // Everything queued must be sent before MPI is finalised: close the queue, join the
+    // sender, then meet at a barrier.
+    let finish = |outgoing: std::sync::mpsc::Sender<crate::mpi_transport::Outgoing>| {
+        drop(outgoing);
+        let _ = sender_thread.join();
+    };
     if rank == 0 {
         let mut merged = report.clone();
         for r in 1..size {
@@ -99,10 +106,12 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
                 merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
             }
         }
+        finish(outgoing);
         world.barrier();
         Ok((info, Some(merged)))
     } else {
         let _ = outgoing.send((0, TAG_TRACE, f64s(&flat), None));
+        finish(outgoing);
         world.barrier();
         Ok((info, None))
     }

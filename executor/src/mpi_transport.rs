@@ -75,10 +75,12 @@ fn decode(b: &[u8]) -> Result<Message, TransportError> {
     Ok(Message { tag: (kind, stage, mb), shape, data })
 }
 
-/// Starts the sender thread; returns its queue.
-pub fn start_sender() -> Sender<Outgoing> {
+/// Starts the sender thread; returns its queue and its handle. The thread ends once every
+/// sender of the queue is dropped and everything queued is sent; join it before MPI is
+/// finalised.
+pub fn start_sender() -> (Sender<Outgoing>, std::thread::JoinHandle<()>) {
     let (tx, rx) = channel::<Outgoing>();
-    std::thread::spawn(move || {
+    let handle = std::thread::spawn(move || {
         let world = SimpleCommunicator::world();
         for (dest, tag, bytes, values) in rx {
             let p = world.process_at_rank(dest);
@@ -88,7 +90,7 @@ pub fn start_sender() -> Sender<Outgoing> {
             }
         }
     });
-    tx
+    (tx, handle)
 }
 
 /// Receives a header and its tensor values (see [`Outgoing`]).
