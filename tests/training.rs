@@ -276,3 +276,25 @@ fn tensor_parallel_attention_equals_one_device() {
     assert_same_as_one_device(Job { devices: 2, stages: "\"1\"\n  tp: 2", schedule: "gpipe", optimizer: ADAM, layers, ..Job::default() });
     assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", optimizer: SGD, layers, ..Job::default() });
 }
+
+#[test]
+fn pipedream_vertical_sync_uses_the_first_stages_version_everywhere() {
+    let p = plan(&Job { devices: 3, stages: "straight", schedule: "{ kind: pipedream, vertical_sync: true }", microbatches: 8, optimizer: "{ kind: sgd, lr: 0.02 }", steps: 25, ..Job::default() });
+    // every stage stashes, for microbatch m, the version stage 0 used for m
+    let mut versions: std::collections::HashMap<u32, std::collections::BTreeSet<u32>> = std::collections::HashMap::new();
+    for stream in p.streams.values() {
+        for i in stream {
+            if let pipec_plan::Instr::StashWeights { mb, version: Some(v), .. } = i {
+                versions.entry(mb.0).or_default().insert(*v);
+            }
+        }
+    }
+    assert_eq!(versions.len(), 8);
+    assert!(versions.values().all(|v| v.len() == 1), "{versions:?}");
+    assert!(versions.values().any(|v| v.iter().next() != Some(&0)), "later microbatches use later versions");
+    // and it trains, differently from PipeDream without vertical sync
+    let vsync = losses(&train(&p));
+    assert!(vsync[vsync.len() - 1] < 0.8 * vsync[0], "did not converge: {vsync:?}");
+    let plain = losses(&train(&plan(&Job { devices: 3, stages: "straight", schedule: "pipedream", microbatches: 8, optimizer: "{ kind: sgd, lr: 0.02 }", steps: 25, ..Job::default() })));
+    assert_ne!(vsync, plain);
+}

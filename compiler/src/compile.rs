@@ -138,7 +138,7 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
     let mut streams = if asp {
         crate::lower::lower_asp(&placement, gradient_bytes[0], strategy.schedule.staleness)
     } else {
-        lower(&LowerInput { placement: &placement, order: &order, output_bytes: &output_bytes, gradient_bytes: &gradient_bytes, groups: &group_of, updates, recompute: strategy.recompute })
+        lower(&LowerInput { placement: &placement, order: &order, output_bytes: &output_bytes, gradient_bytes: &gradient_bytes, groups: &group_of, updates, recompute: strategy.recompute, vertical_sync: strategy.schedule.vertical_sync })
     };
 
     // Tensor parallelism: every member t of a TP group runs its leader's stream with peers

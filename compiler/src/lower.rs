@@ -37,6 +37,9 @@ pub struct LowerInput<'a> {
     pub groups: &'a [Option<GroupId>],
     pub updates: Updates,
     pub recompute: bool,
+    /// PipeDream's vertical sync: every stage runs a microbatch's forward on the weight
+    /// version the first stage used for it (unreplicated pipelines).
+    pub vertical_sync: bool,
 }
 
 /// A message on a link: what it carries.
@@ -54,6 +57,23 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
     let last = p.stages() - 1;
     let st = |s: usize| StageId(s as u32);
     let mbid = |m: usize| MicrobatchId(m as u32);
+
+    // Vertical sync: the version stage 0 used for each microbatch = the updates (one per
+    // backward) it had applied when the microbatch's forward started.
+    let mut version_of: HashMap<usize, u32> = HashMap::new();
+    if input.vertical_sync {
+        let first = p.device_of(0, 0).0 as usize;
+        let mut updates = 0u32;
+        for t in &input.order[first] {
+            match t.kind {
+                TaskKind::Forward if t.stage.0 == 0 => {
+                    version_of.insert(t.mb.0 as usize, updates);
+                }
+                TaskKind::Backward if t.stage.0 == 0 => updates += 1,
+                _ => {}
+            }
+        }
+    }
 
     // Pass 1: receives, loads and compute, per device; and the receive order of every link.
     let mut streams: Vec<Vec<Instr>> = vec![Vec::new(); p.devices];
@@ -75,7 +95,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                         link_order.entry((peer, dev)).or_default().push_back(Msg::Act(s - 1, m));
                     }
                     if input.updates != Updates::PerStep {
-                        stream.push(Instr::StashWeights { stage: st(s), mb: mbid(m) });
+                        stream.push(Instr::StashWeights { stage: st(s), mb: mbid(m), version: version_of.get(&m).copied() });
                     }
                     stream.push(Instr::Forward { stage: st(s), mb: mbid(m) });
                 }

@@ -233,8 +233,17 @@ fn check_stream_dataflow(input: &VerifyInput<'_>, dev: DeviceId, stream: &[Instr
                 live.remove(&Buffer::Stash { stage: *stage, mb: *mb });
                 restored.insert((*stage, *mb));
             }
-            if let Instr::StashWeights { stage, mb } = ins {
+            if let Instr::StashWeights { stage, mb, version } = ins {
                 stashed.insert((*stage, *mb));
+                if stream.get(i + 1) != Some(&Instr::Forward { stage: *stage, mb: *mb }) {
+                    out.push(v(*dev, i, format!("`{ins}` must come right before the forward of {mb}")));
+                }
+                let applied = stream[..i].iter().filter(|x| matches!(x, Instr::OptimizerStep { stage: s } if s == stage)).count() as u32;
+                if let Some(v_) = version {
+                    if *v_ > applied {
+                        out.push(v(*dev, i, format!("`{ins}` asks for version {v_}, but only {applied} update(s) happened")));
+                    }
+                }
             }
             if let Instr::Forward { stage, mb } = ins {
                 forwarded.insert((*stage, *mb));

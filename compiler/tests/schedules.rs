@@ -165,6 +165,7 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("1f1b", build(&spec(3, 4, "1f1b", 6, "straight"))),
         ("interleaved", build(&spec(2, 4, "{ kind: interleaved, virtual_stages: 2 }", 8, "straight"))),
         ("pipedream", build(&spec(4, 4, "pipedream", 6, "\"2-1-1\""))),
+        ("pipedream-vertical-sync", build(&spec(3, 6, "{ kind: pipedream, vertical_sync: true }", 6, "straight"))),
         ("2bw", build(&spec(3, 6, "2bw", 6, "straight"))),
         ("chimera", build(&spec(4, 4, "chimera", 8, "straight"))),
         ("zb-h1", build(&spec(3, 4, "zb-h1", 6, "straight"))),

@@ -48,6 +48,8 @@ pub(crate) struct StageState<B: AutodiffBackend> {
     /// Microbatches that contributed to `acc` since the last step.
     contributions: usize,
     stash: HashMap<MicrobatchId, StageModel<B>>,
+    /// This step's weight versions (index k: after k updates), for vertical sync.
+    versions: Vec<StageModel<B>>,
 }
 
 /// A device's place in a tensor-parallel group.
@@ -375,6 +377,9 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
     pub fn step(&mut self, step: usize) -> Result<StepReport, (usize, String)> {
         let start = Instant::now();
         let mut report = StepReport { device: self.device, step, ..Default::default() };
+        for st in self.stages.values_mut() {
+            st.versions = st.model.iter().cloned().collect();
+        }
         let mut versions: HashMap<StageId, u32> = HashMap::new();
         for (index, ins) in self.stream.iter().enumerate() {
             let t0 = start.elapsed().as_secs_f64();
@@ -427,7 +432,14 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let key = (self.plan.training.seed, step as u64, u64::from(mb.0));
                 let recompute = self.plan.training.recompute;
                 let is_last = stage == self.last_stage();
-                let model = microbatch_copy(self.state(stage)?.model.as_ref().ok_or("no model")?);
+                let st = self.state(stage)?;
+                // the stashed weights when the plan stashed them (vertical sync may pick an
+                // older version than the current one), else the current weights
+                let base = match st.stash.get(&mb) {
+                    Some(m) => m,
+                    None => st.model.as_ref().ok_or("no model")?,
+                };
+                let model = microbatch_copy(base);
                 if let Some(tp) = self.state(stage)?.tp.clone() {
                     let reduce = self.reduce;
                     let ep = &mut self.ep;
@@ -575,9 +587,12 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 }
                 st.contributions *= members.len();
             }
-            Instr::StashWeights { stage, mb } => {
+            Instr::StashWeights { stage, mb, version } => {
                 let st = self.state(stage)?;
-                let m = st.model.as_ref().ok_or("no model")?.clone();
+                let m = match version {
+                    None => st.model.as_ref().ok_or("no model")?.clone(),
+                    Some(v) => st.versions.get(v as usize).cloned().ok_or_else(|| format!("weight version {v} does not exist yet ({} so far)", st.versions.len()))?,
+                };
                 st.stash.insert(mb, m);
             }
             Instr::RestoreWeights { stage, mb } => {
@@ -665,6 +680,9 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 st.model = Some(st.optim.step(lr, model, grads));
                 st.acc.iter_mut().for_each(|g| *g = None);
                 st.contributions = 0;
+                if let Some(m) = st.model.clone() {
+                    st.versions.push(m);
+                }
             }
         }
         Ok(())
@@ -773,7 +791,7 @@ pub(crate) fn build_stages<B: AutodiffBackend>(plan: &Plan, device: DeviceId, de
             }
             _ => (StageModel::<B>::new(&ops, s.layers[0], plan.training.seed, dev), None),
         };
-        out.insert(s.id, StageState { model: Some(model), tp, optim: StageOptim::new(&plan.training.optimizer), acc: Vec::new(), contributions: 0, stash: HashMap::new() });
+        out.insert(s.id, StageState { model: Some(model), tp, optim: StageOptim::new(&plan.training.optimizer), acc: Vec::new(), contributions: 0, stash: HashMap::new(), versions: Vec::new() });
     }
     Ok(out)
 }

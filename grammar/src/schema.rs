@@ -188,6 +188,9 @@ struct ScheduleOptions {
     /// dp-only with asp: a worker pulls the parameter server's weights after every
     /// `staleness + 1` of its microbatches (default 1).
     staleness: Option<u64>,
+    /// pipedream: vertical sync — every stage runs a microbatch's forward on the weight
+    /// version the first stage used for it (unreplicated stages).
+    vertical_sync: Option<bool>,
 }
 
 #[derive(JsonSchema)]

@@ -159,6 +159,8 @@ pub struct Schedule {
     pub sync: SyncMode,
     pub reduce: ReduceMode,
     pub staleness: usize,
+    /// PipeDream's vertical sync.
+    pub vertical_sync: bool,
     pub span: Span,
 }
 

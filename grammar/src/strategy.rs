@@ -180,6 +180,10 @@ pub(crate) fn lower_strategy(
             sched_err(cx, "`zbv` needs at least 2 pipeline stages".into(), "zbv", "use `zb-h1` or `1f1b`");
             ok = false;
         }
+        ScheduleKind::PipeDream if schedule.vertical_sync && replicas.iter().any(|&r| r != 1) => {
+            sched_err(cx, "vertical sync needs unreplicated stages".into(), "vertical_sync", "replicated stages update at different rates, so their weight versions do not line up; use `straight` or drop `vertical_sync`");
+            ok = false;
+        }
         ScheduleKind::Chimera | ScheduleKind::Interleaved | ScheduleKind::Zbv if replicas.iter().any(|&r| r != replicas[0]) => {
             sched_err(cx, format!("`{}` needs every stage replicated equally", schedule.kind.name()), "uneven replication", "use `dp`/`pp` degrees or notation like `2-2-2-2`");
             ok = false;
@@ -276,6 +280,7 @@ fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedu
         sync: SyncMode::Bsp,
         reduce: ReduceMode::Ring,
         staleness: 0,
+        vertical_sync: false,
         span: node.span,
     };
     let Some(f) = f else { return Some(sched) };
@@ -301,6 +306,17 @@ fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedu
                 not_for(cx, "virtual_stages", "`interleaved`");
                 ok = false;
             }
+        }
+    }
+    if let Some(n) = f.get("vertical_sync") {
+        if kind == ScheduleKind::PipeDream {
+            match cx.boolean(n) {
+                Some(b) => sched.vertical_sync = b,
+                None => ok = false,
+            }
+        } else {
+            not_for(cx, "vertical_sync", "`pipedream`");
+            ok = false;
         }
     }
     for key in ["sync", "reduce", "staleness"] {

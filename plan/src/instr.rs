@@ -99,8 +99,15 @@ pub enum Instr {
     /// Sum the weight gradients of `stage` over the replica group `group` (ring all-reduce,
     /// or a parameter server when the plan says so).
     AllReduce { stage: StageId, group: GroupId, bytes: u64 },
-    /// Keep a copy of the current weights of `stage` for `mb`'s backward (PipeDream).
-    StashWeights { stage: StageId, mb: MicrobatchId },
+    /// Keep the weights `mb`'s forward uses, for its backward (PipeDream weight stashing):
+    /// the current ones, or with `version` (vertical sync) the stage's weights after that
+    /// many of this step's updates — the version the first stage used for `mb`.
+    StashWeights {
+        stage: StageId,
+        mb: MicrobatchId,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        version: Option<u32>,
+    },
     /// Swap in the weights stashed for `mb` before its backward; the newest weights return
     /// after the backward.
     RestoreWeights { stage: StageId, mb: MicrobatchId },
@@ -250,7 +257,7 @@ impl Instr {
             Instr::SendActivation { .. } | Instr::SendGradient { .. } | Instr::Free { .. } => vec![],
             Instr::AllReduce { stage, .. } => vec![B::WeightGrad { stage }],
             Instr::OptimizerStep { stage } => vec![B::Weights { stage }, B::WeightGrad { stage }],
-            Instr::StashWeights { stage, mb } => vec![B::Stash { stage, mb }],
+            Instr::StashWeights { stage, mb, .. } => vec![B::Stash { stage, mb }],
             Instr::RestoreWeights { stage, .. } => vec![B::Weights { stage }],
             Instr::PushGradient { stage, .. } => vec![B::WeightGrad { stage }],
             Instr::ApplyGradient { stage, .. } | Instr::PullWeights { stage, .. } => vec![B::Weights { stage }],
@@ -282,7 +289,8 @@ impl fmt::Display for Instr {
             Instr::SendGradient { peer, stage, mb, bytes } => write!(f, "send_grad {stage} {mb} -> {peer} {bytes}B"),
             Instr::RecvGradient { peer, stage, mb, bytes } => write!(f, "recv_grad {stage} {mb} <- {peer} {bytes}B"),
             Instr::AllReduce { stage, group, bytes } => write!(f, "allreduce {stage} {group} {bytes}B"),
-            Instr::StashWeights { stage, mb } => write!(f, "stash {stage} {mb}"),
+            Instr::StashWeights { stage, mb, version: None } => write!(f, "stash {stage} {mb}"),
+            Instr::StashWeights { stage, mb, version: Some(v) } => write!(f, "stash {stage} {mb} v{v}"),
             Instr::RestoreWeights { stage, mb } => write!(f, "restore {stage} {mb}"),
             Instr::OptimizerStep { stage } => write!(f, "step {stage}"),
             Instr::Free { stage, mb } => write!(f, "free {stage} {mb}"),
