@@ -447,10 +447,11 @@ fn place(kind: ScheduleKind, layout: &Layout, tp: usize, microbatches: usize, cl
         if layout.replicas.iter().any(|&r| r != 1) {
             return Err("this pipec places Chimera on unreplicated stages only (its two pipelines already replicate every stage)".into());
         }
-        // stage s: the down pipeline's copy on device s, the up pipeline's on device D−1−s
+        // stage s: the down pipeline's copy on device s, the up pipeline's on device D−1−s;
+        // each unit of D microbatches sends its first half down and its second half up
         for s in 0..stages {
             replicas.push(vec![rank_devices[s][0], rank_devices[ranks - 1 - s][0]]);
-            route.push((0..microbatches).map(|m| u32::from(m >= microbatches / 2)).collect());
+            route.push((0..microbatches).map(|m| u32::from(m % ranks >= ranks / 2)).collect());
         }
     } else {
         for c in 0..stages {
