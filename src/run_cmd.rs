@@ -75,6 +75,9 @@ pub fn run(args: RunArgs) -> u8 {
         eprintln!("error: cannot run this plan: {e}");
         return EXIT_DIAGNOSTICS;
     }
+    for c in pipec_executor::caveats(&plan) {
+        eprintln!("warning: {c}");
+    }
     let dir = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(&plan.name));
     if args.transport == Transport::Mpi {
         return run_mpi(&plan, &args, &dir);

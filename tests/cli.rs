@@ -68,3 +68,18 @@ fn schema_command_matches_committed_file() {
     let committed = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("schema/pipec.schema.json")).expect("schema file");
     assert_eq!(String::from_utf8_lossy(&out.stdout), committed);
 }
+
+#[test]
+fn run_warns_that_a_bf16_spec_trains_in_fp32() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml")).expect("default spec");
+    let text = text.replace("  seed: 7\n", "  seed: 7\n  precision: bf16\n");
+    assert!(text.contains("precision: bf16"));
+    let spec = dir.path().join("bf16.yaml");
+    std::fs::write(&spec, text).expect("write spec");
+    let out_dir = dir.path().join("out");
+    let out = pipec(&["run", spec.to_str().expect("utf-8 path"), "--steps", "2", "--out", out_dir.to_str().expect("utf-8 path")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("warning: the plan asks for bf16 but the executor trains in fp32"), "{stderr}");
+}

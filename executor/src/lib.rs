@@ -152,6 +152,15 @@ mod cuda {
     }
 }
 
+/// What the executor will do differently from what the plan says, for the user to know.
+pub fn caveats(plan: &Plan) -> Vec<String> {
+    let mut out = Vec::new();
+    if plan.training.precision != "fp32" {
+        out.push(format!("the plan asks for {} but the executor trains in fp32 (its memory figures assume {})", plan.training.precision, plan.training.precision));
+    }
+    out
+}
+
 /// Checks that this executor can run the plan.
 pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if plan.version != pipec_plan::plan::PLAN_VERSION {
@@ -159,9 +168,6 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     }
     if plan.stages.is_empty() {
         return Err(RunError::plain("the plan has no stages"));
-    }
-    if plan.training.precision != "fp32" {
-        return Err(RunError::plain(format!("the executor trains in fp32; the plan asks for {} (the compiler accounts memory for it, the CPU backend has no {} kernels)", plan.training.precision, plan.training.precision)));
     }
     let devices_in_stages: std::collections::BTreeSet<DeviceId> = plan.stages.iter().flat_map(|s| s.replicas.iter().copied().chain(s.tensor_parallel.iter().flatten().copied())).collect();
     let streamed: std::collections::BTreeSet<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
