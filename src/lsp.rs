@@ -19,7 +19,7 @@ use lsp_types::request::{CodeActionRequest, Completion, HoverRequest, Request as
 use lsp_types::{
     CodeAction, CodeActionKind, CodeActionOrCommand, CodeActionParams, CodeActionProviderCapability, CompletionItem, CompletionItemKind, CompletionOptions, CompletionParams, CompletionResponse, Diagnostic as LspDiagnostic,
     DiagnosticRelatedInformation, DiagnosticSeverity, DidChangeTextDocumentParams, DidCloseTextDocumentParams, DidOpenTextDocumentParams, Hover, HoverContents, HoverParams, HoverProviderCapability, Location, MarkupContent, MarkupKind,
-    NumberOrString, Position, PublishDiagnosticsParams, Range, ServerCapabilities, TextDocumentSyncCapability, TextDocumentSyncKind, TextEdit, Uri, WorkspaceEdit,
+    NumberOrString, Position, PublishDiagnosticsParams, Range, ServerCapabilities, TextDocumentPositionParams, TextDocumentSyncCapability, TextDocumentSyncKind, TextEdit, Uri, WorkspaceEdit,
 };
 use pipec_grammar::ide;
 use pipec_grammar::schema::SchemaIndex;
@@ -189,17 +189,27 @@ fn respond<T: serde::Serialize>(conn: &Connection, id: lsp_server::RequestId, re
     let _ = conn.sender.send(Message::Response(resp));
 }
 
+/// The open document a position names, its line index and the byte offset of the position.
+fn locate<'a>(docs: &'a HashMap<String, Doc>, at: &TextDocumentPositionParams) -> Option<(&'a Doc, LineIndex, usize)> {
+    let doc = docs.get(at.text_document.uri.as_str())?;
+    let index = LineIndex::new(&doc.text);
+    let offset = offset(&index, &doc.text, at.position);
+    Some((doc, index, offset))
+}
+
+/// The byte offset of an LSP (UTF-16) position.
+fn offset(index: &LineIndex, text: &str, pos: Position) -> usize {
+    index.offset_of_utf16(text, pos.line, pos.character)
+}
+
 fn handle_request(conn: &Connection, req: Request, docs: &HashMap<String, Doc>, shared: &Mutex<Shared>, schema: &SchemaIndex) {
     let id = req.id.clone();
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<serde_json::Value, String> {
         match req.method.as_str() {
             HoverRequest::METHOD => {
                 let p: HoverParams = serde_json::from_value(req.params).map_err(|e| e.to_string())?;
+                let Some((doc, index, offset)) = locate(docs, &p.text_document_position_params) else { return Ok(serde_json::Value::Null) };
                 let uri = p.text_document_position_params.text_document.uri;
-                let Some(doc) = docs.get(uri.as_str()) else { return Ok(serde_json::Value::Null) };
-                let index = LineIndex::new(&doc.text);
-                let pos = p.text_document_position_params.position;
-                let offset = index.offset_of_utf16(&doc.text, pos.line, pos.character);
                 let extra = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner).prediction.get(uri.as_str()).cloned();
                 Ok(match ide::hover(&doc.text, offset, schema, extra.as_deref()) {
                     None => serde_json::Value::Null,
@@ -208,11 +218,7 @@ fn handle_request(conn: &Connection, req: Request, docs: &HashMap<String, Doc>, 
             }
             Completion::METHOD => {
                 let p: CompletionParams = serde_json::from_value(req.params).map_err(|e| e.to_string())?;
-                let uri = p.text_document_position.text_document.uri;
-                let Some(doc) = docs.get(uri.as_str()) else { return Ok(serde_json::Value::Null) };
-                let index = LineIndex::new(&doc.text);
-                let pos = p.text_document_position.position;
-                let offset = index.offset_of_utf16(&doc.text, pos.line, pos.character);
+                let Some((doc, _, offset)) = locate(docs, &p.text_document_position) else { return Ok(serde_json::Value::Null) };
                 let items: Vec<CompletionItem> = ide::completions(&doc.text, offset, schema)
                     .into_iter()
                     .map(|c| CompletionItem {
@@ -234,8 +240,7 @@ fn handle_request(conn: &Connection, req: Request, docs: &HashMap<String, Doc>, 
                 let uri = p.text_document.uri;
                 let Some(doc) = docs.get(uri.as_str()) else { return Ok(serde_json::Value::Null) };
                 let index = LineIndex::new(&doc.text);
-                let start = index.offset_of_utf16(&doc.text, p.range.start.line, p.range.start.character);
-                let end = index.offset_of_utf16(&doc.text, p.range.end.line, p.range.end.character);
+                let (start, end) = (offset(&index, &doc.text, p.range.start), offset(&index, &doc.text, p.range.end));
                 let published = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner).published.get(uri.as_str()).cloned().unwrap_or_default();
                 let mut actions = Vec::new();
                 for d in published.iter().filter(|d| d.fix.is_some()) {

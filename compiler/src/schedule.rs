@@ -121,26 +121,33 @@ pub fn in_flight_target(p: &Placement, stage: usize) -> usize {
 /// backward and one forward, then the remaining backwards. Also the order of the
 /// asynchronous PipeDream schedules and of data parallelism (one stage: F, B, F, B, ...).
 fn one_f_one_b(p: &Placement) -> Order {
+    stage_by_stage(p, |s, local, tasks| {
+        let warmup = in_flight_target(p, s).min(local.len());
+        let mut next_f = 0;
+        let mut next_b = 0;
+        while next_f < warmup {
+            tasks.push(Task::new(TaskKind::Forward, s, local[next_f]));
+            next_f += 1;
+        }
+        while next_b < local.len() {
+            tasks.push(Task::new(TaskKind::Backward, s, local[next_b]));
+            next_b += 1;
+            if next_f < local.len() {
+                tasks.push(Task::new(TaskKind::Forward, s, local[next_f]));
+                next_f += 1;
+            }
+        }
+    })
+}
+
+/// The order of a schedule that runs each stage a device holds to completion, one after the
+/// other: `emit(stage, the device's microbatches of it, the device's task list)`.
+fn stage_by_stage(p: &Placement, mut emit: impl FnMut(usize, &[usize], &mut Vec<Task>)) -> Order {
     let mut order = vec![Vec::new(); p.devices];
     for (d, tasks) in order.iter_mut().enumerate() {
         let dev = DeviceId(d as u32);
         for s in p.stages_of(dev) {
-            let local = p.local_microbatches(s, dev);
-            let warmup = in_flight_target(p, s).min(local.len());
-            let mut next_f = 0;
-            let mut next_b = 0;
-            while next_f < warmup {
-                tasks.push(Task::new(TaskKind::Forward, s, local[next_f]));
-                next_f += 1;
-            }
-            while next_b < local.len() {
-                tasks.push(Task::new(TaskKind::Backward, s, local[next_b]));
-                next_b += 1;
-                if next_f < local.len() {
-                    tasks.push(Task::new(TaskKind::Forward, s, local[next_f]));
-                    next_f += 1;
-                }
-            }
+            emit(s, &p.local_microbatches(s, dev), tasks);
         }
     }
     order
@@ -196,37 +203,31 @@ fn interleaved(p: &Placement, ranks: usize) -> Order {
 /// longest in the cool-down) and run at the end, filling the cool-down bubble. Peak
 /// activation memory over the pipeline stays 1F1B's: stage s keeps (D − s) + s microbatches.
 fn zb_h1(p: &Placement) -> Order {
-    let mut order = vec![Vec::new(); p.devices];
-    for (d, tasks) in order.iter_mut().enumerate() {
-        let dev = DeviceId(d as u32);
-        for s in p.stages_of(dev) {
-            let local = p.local_microbatches(s, dev);
-            let n = local.len();
-            let ranks_after = in_flight_target(p, s);
-            let rank = p.stages() - ranks_after; // position in the pipeline
-            let warmup = ranks_after.saturating_sub(1).min(n);
-            let deferred = rank;
-            let mut next_w = 0;
-            for &m in &local[..warmup] {
-                tasks.push(Task::new(TaskKind::Forward, s, m));
+    stage_by_stage(p, |s, local, tasks| {
+        let n = local.len();
+        let ranks_after = in_flight_target(p, s);
+        let rank = p.stages() - ranks_after; // position in the pipeline
+        let warmup = ranks_after.saturating_sub(1).min(n);
+        let deferred = rank;
+        let mut next_w = 0;
+        for &m in &local[..warmup] {
+            tasks.push(Task::new(TaskKind::Forward, s, m));
+        }
+        for k in 0..n {
+            if warmup + k < n {
+                tasks.push(Task::new(TaskKind::Forward, s, local[warmup + k]));
             }
-            for k in 0..n {
-                if warmup + k < n {
-                    tasks.push(Task::new(TaskKind::Forward, s, local[warmup + k]));
-                }
-                tasks.push(Task::new(TaskKind::BackwardInput, s, local[k]));
-                if k >= deferred {
-                    tasks.push(Task::new(TaskKind::BackwardWeight, s, local[next_w]));
-                    next_w += 1;
-                }
-            }
-            while next_w < n {
+            tasks.push(Task::new(TaskKind::BackwardInput, s, local[k]));
+            if k >= deferred {
                 tasks.push(Task::new(TaskKind::BackwardWeight, s, local[next_w]));
                 next_w += 1;
             }
         }
-    }
-    order
+        while next_w < n {
+            tasks.push(Task::new(TaskKind::BackwardWeight, s, local[next_w]));
+            next_w += 1;
+        }
+    })
 }
 
 /// Zero-bubble V schedule (ZBV, with its V-shaped placement): a unit-time list
