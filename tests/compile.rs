@@ -122,7 +122,7 @@ fn pipedream_vgg16_profile_plans_on_4_by_4() {
     assert!(text.contains("41 layers"), "{text}");
     let notation = text.lines().find_map(|l| l.strip_prefix("partition: ")).expect("a partition line");
     let workers: usize = notation.split('-').map(|n| n.parse::<usize>().expect("count")).sum();
-    assert!(workers <= 16 && workers >= 2, "{notation}");
+    assert!((2..=16).contains(&workers), "{notation}");
     assert!(text.contains("predicted time per minibatch"));
     // bad flags are errors, not panics
     let out = pipec(&["plan-profile", profile.to_str().expect("path"), "--devices-per-node", "4", "--intra", "8GiB", "--inter", "10Gbps"]);
