@@ -141,6 +141,10 @@ fn chimera_equals_one_device() {
     for opt in [SGD, ADAM] {
         assert_same_as_one_device(Job { devices: 2, stages: "straight", schedule: "chimera", optimizer: opt, ..Job::default() });
     }
+    // two concatenated units of 4 microbatches on 4 stages; a unit of 6 then one of 2 on 6
+    for devices in [4, 6] {
+        assert_same_as_one_device(Job { devices, stages: "straight", schedule: "chimera", microbatches: 8, optimizer: ADAM, ..Job::default() });
+    }
 }
 
 #[test]

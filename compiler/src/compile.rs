@@ -113,17 +113,18 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
     // Groups.
     let mut groups: HashMap<GroupId, Vec<DeviceId>> = HashMap::new();
     let mut group_of: Vec<Option<GroupId>> = vec![None; stage_count];
-    for s in 0..stage_count {
-        if placement.replicas[s].len() > 1 {
+    for (replicas, group) in placement.replicas.iter().zip(group_of.iter_mut()) {
+        if replicas.len() > 1 {
             let g = GroupId(groups.len() as u32);
-            groups.insert(g, placement.replicas[s].clone());
-            group_of[s] = Some(g);
+            groups.insert(g, replicas.clone());
+            *group = Some(g);
         }
     }
 
     // Schedule and lowering.
     let kind = strategy.schedule.kind;
-    let order = generate(kind, &placement, ranks);
+    let stage_fb: Vec<(f64, f64)> = layout.ranges.iter().map(stage_time).collect();
+    let order = generate(kind, &placement, ranks, backward_slots(&stage_fb));
     let updates = match kind {
         ScheduleKind::PipeDream => Updates::PerMicrobatch,
         ScheduleKind::TwoBw => Updates::Every(ranks.max(1)),
@@ -203,7 +204,6 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
     }
 
     // Simulate.
-    let stage_fb: Vec<(f64, f64)> = layout.ranges.iter().map(stage_time).collect();
     let reduce = strategy.schedule.reduce;
     let sim_cost = PlanCost { stage_fb: &stage_fb, cluster: &cluster, reduce, tp, tp_bytes: tp_allreduce_bytes(&graph, &layout.ranges, microbatch_size, precision) };
     let timeline = simulate(&streams, &groups, &sim_cost).map_err(|stuck| {
@@ -426,6 +426,12 @@ fn notation(replicas: &[usize]) -> String {
     replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-")
 }
 
+/// The plan's backward time in forward times, rounded to whole slots (at least 1).
+fn backward_slots(stage_fb: &[(f64, f64)]) -> usize {
+    let (f, b) = stage_fb.iter().fold((0.0, 0.0), |(f, b), &(sf, sb)| (f + sf, b + sb));
+    if f > 0.0 && b.is_finite() { ((b / f).round() as usize).clamp(1, 8) } else { 1 }
+}
+
 /// Assigns devices: pipeline rank r's replicas get consecutive devices (a tensor-parallel
 /// group of `tp` devices each, led by its first), so replicas and TP groups stay inside a
 /// node when they can.
@@ -448,10 +454,16 @@ fn place(kind: ScheduleKind, layout: &Layout, tp: usize, microbatches: usize, cl
             return Err("this pipec places Chimera on unreplicated stages only (its two pipelines already replicate every stage)".into());
         }
         // stage s: the down pipeline's copy on device s, the up pipeline's on device D−1−s;
-        // each unit of D microbatches sends its first half down and its second half up
+        // each unit of D microbatches (the last one may be smaller) sends its first half
+        // down and its second half up
+        let up = |m: usize| {
+            let unit_start = m - m % ranks;
+            let unit_len = ranks.min(microbatches - unit_start);
+            m - unit_start >= unit_len / 2
+        };
         for s in 0..stages {
             replicas.push(vec![rank_devices[s][0], rank_devices[ranks - 1 - s][0]]);
-            route.push((0..microbatches).map(|m| u32::from(m % ranks >= ranks / 2)).collect());
+            route.push((0..microbatches).map(|m| u32::from(up(m))).collect());
         }
     } else {
         for c in 0..stages {

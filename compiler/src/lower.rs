@@ -119,7 +119,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                         let update_now = match input.updates {
                             Updates::PerStep => false,
                             Updates::PerMicrobatch => true,
-                            Updates::Every(k) => *count % k.max(1) == 0 || *count == p.local_microbatches(s, dev).len(),
+                            Updates::Every(k) => (*count).is_multiple_of(k.max(1)) || *count == p.local_microbatches(s, dev).len(),
                         };
                         if update_now {
                             if let Some(group) = input.groups[s] {

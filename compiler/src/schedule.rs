@@ -79,14 +79,17 @@ impl Placement {
 pub type Order = Vec<Vec<Task>>;
 
 /// Generates the compute order of `kind` for a placement.
-pub fn generate(kind: ScheduleKind, placement: &Placement, pipeline_ranks: usize) -> Order {
+///
+/// `backward_slots` is the plan's backward time in forwards, rounded (1 when they are equal,
+/// about 2 for matrix layers); the schedules that pack passes by their length use it.
+pub fn generate(kind: ScheduleKind, placement: &Placement, pipeline_ranks: usize, backward_slots: usize) -> Order {
     match kind {
         ScheduleKind::Gpipe => gpipe(placement),
         ScheduleKind::OneFOneB | ScheduleKind::PipeDream | ScheduleKind::TwoBw | ScheduleKind::DpOnly => one_f_one_b(placement),
         ScheduleKind::Interleaved => interleaved(placement, pipeline_ranks),
         ScheduleKind::ZbH1 => zb_h1(placement),
         ScheduleKind::Zbv => zero_bubble(placement),
-        ScheduleKind::Chimera => chimera(placement),
+        ScheduleKind::Chimera => chimera(placement, backward_slots),
     }
 }
 
@@ -245,12 +248,92 @@ fn zero_bubble(p: &Placement) -> Order {
 }
 
 /// Chimera: two pipelines in opposite directions over the same devices (stage s of the
-/// down pipeline on device s, of the up pipeline on device D−1−s), half the microbatches
-/// each; a list schedule that runs the task furthest along its microbatch's path first,
-/// with 1F1B's in-flight bound per stage copy. For N = D it has the paper's bubble,
-/// (D−2)/(2N+D−2) with equal forward and backward times.
-fn chimera(p: &Placement) -> Order {
-    list_schedule(p, false, |_, s| in_flight_target(p, s), Priority::BackwardFirst)
+/// down pipeline on device s, of the up pipeline on device D−1−s). Microbatches come in
+/// basic units of D (the last unit may be smaller), the first half of a unit going down,
+/// the second half up. Each unit is a list schedule that runs the task furthest along its
+/// microbatch's path first, with 1F1B's in-flight bound per stage copy: D−2 idle passes
+/// per device with equal forward and backward times, the paper's basic unit. Units are then
+/// concatenated ([`concatenate`]) so that the next unit's forwards fill the previous unit's
+/// drain: with equal pass times that is seamless, (D−2)/(2N+D−2) for every N = kD.
+/// `backward_slots` is the plan's backward time in forwards (rounded), which the
+/// concatenation packs against.
+fn chimera(p: &Placement, backward_slots: usize) -> Order {
+    let d = p.stages().max(1);
+    let mut units: Vec<Order> = Vec::new();
+    let mut first = 0usize;
+    while first < p.microbatches {
+        let mbs: Vec<usize> = (first..(first + d).min(p.microbatches)).collect();
+        first += mbs.len();
+        let sub = Placement {
+            replicas: p.replicas.clone(),
+            route: p.route.iter().map(|r| mbs.iter().map(|&m| r[m]).collect()).collect(),
+            devices: p.devices,
+            microbatches: mbs.len(),
+        };
+        let mut unit = list_schedule(&sub, false, |_, s| in_flight_target(&sub, s), Priority::BackwardFirst);
+        for t in unit.iter_mut().flatten() {
+            t.mb = MicrobatchId(mbs[t.mb.0 as usize] as u32);
+        }
+        units.push(unit);
+    }
+    concatenate(p, &units, backward_slots.max(1), d + d / 2)
+}
+
+/// Concatenates the units of a unit schedule (Chimera's "direct concatenation"): every
+/// device runs each unit's tasks in that unit's order, a forward taking one slot and a
+/// backward `backward_slots`; whenever a device is free it starts the ready task of the
+/// earliest unit that has one. A later unit's forward waits while the device holds
+/// `max_in_flight` microbatches' activations, unless it belongs to the device's oldest
+/// unfinished unit — the oldest unit is never held back, so this always completes.
+fn concatenate(p: &Placement, units: &[Order], backward_slots: usize, max_in_flight: usize) -> Order {
+    use std::collections::HashMap;
+    let stages = p.stages();
+    let mut finish: HashMap<(TaskKind, usize, usize), usize> = HashMap::new();
+    let mut next = vec![vec![0usize; units.len()]; p.devices];
+    let mut busy_until = vec![0usize; p.devices];
+    let mut in_flight = vec![0usize; p.devices];
+    let mut order: Order = vec![Vec::new(); p.devices];
+    let total: usize = units.iter().map(|o| o.iter().map(Vec::len).sum::<usize>()).sum();
+    let mut placed = 0;
+    let mut time = 0usize;
+    // every slot starts at least one task somewhere until all are placed
+    let horizon = (backward_slots + 1) * (total + stages + 1);
+    while placed < total && time <= horizon {
+        for dev in 0..p.devices {
+            if busy_until[dev] > time {
+                continue;
+            }
+            let oldest = (0..units.len()).find(|&u| next[dev][u] < units[u][dev].len());
+            for u in 0..units.len() {
+                let Some(&task) = units[u][dev].get(next[dev][u]) else { continue };
+                let (s, m) = (task.stage.0 as usize, task.mb.0 as usize);
+                let done = |k: TaskKind, s: usize| finish.get(&(k, s, m)).is_some_and(|&f| f <= time);
+                let ready = match task.kind {
+                    TaskKind::Forward => s == 0 || done(TaskKind::Forward, s - 1),
+                    _ => done(TaskKind::Forward, s) && (s + 1 == stages || done(TaskKind::Backward, s + 1)),
+                };
+                let room = task.kind != TaskKind::Forward || in_flight[dev] < max_in_flight || Some(u) == oldest;
+                if !(ready && room) {
+                    continue;
+                }
+                let cost = if task.kind == TaskKind::Forward {
+                    in_flight[dev] += 1;
+                    1
+                } else {
+                    in_flight[dev] = in_flight[dev].saturating_sub(1);
+                    backward_slots
+                };
+                busy_until[dev] = time + cost;
+                finish.insert((task.kind, s, m), time + cost);
+                next[dev][u] += 1;
+                order[dev].push(task);
+                placed += 1;
+                break;
+            }
+        }
+        time += 1;
+    }
+    order // complete: the verifier would report any task missing
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

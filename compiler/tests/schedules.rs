@@ -120,18 +120,44 @@ fn equal_pass_spec(devices: usize, microbatches: usize, schedule: &str) -> Strin
 #[test]
 fn chimera_bubble_follows_the_paper() {
     // Li & Hoefler 2021: with equal forward and backward times, Chimera's bubble ratio is
-    // (D−2)/(2N+D−2), N a multiple of D. pipec's schedule has it for every N up to 3D with
-    // D ≤ 6, and for N = D (the paper's basic unit) up to D = 12; for N > D with D ≥ 8 the
-    // paper concatenates units more tightly (docs/benchmarks.md).
-    let mut cases: Vec<(usize, usize)> = Vec::new();
-    for d in [2usize, 4, 6] {
-        cases.extend([(d, d), (d, 2 * d), (d, 3 * d)]);
+    // (D−2)/(2N+D−2) for N a multiple of D (basic units of D microbatches, concatenated).
+    for d in [2usize, 4, 6, 8, 10, 12] {
+        for k in 1..=4 {
+            let n = k * d;
+            let plan = build(&equal_pass_spec(d, n, "chimera")).plan;
+            let paper = (d as f64 - 2.0) / (2.0 * n as f64 + d as f64 - 2.0);
+            assert!(close(plan.simulation.bubble_fraction, paper), "D={d} N={n}: bubble {}, paper {paper}", plan.simulation.bubble_fraction);
+        }
     }
-    cases.extend([(8, 8), (10, 10), (12, 12)]);
-    for (d, n) in cases {
-        let plan = build(&equal_pass_spec(d, n, "chimera")).plan;
-        let paper = (d as f64 - 2.0) / (2.0 * n as f64 + d as f64 - 2.0);
-        assert!(close(plan.simulation.bubble_fraction, paper), "D={d} N={n}: bubble {}, paper {paper}", plan.simulation.bubble_fraction);
+}
+
+#[test]
+fn chimera_with_twice_as_long_backwards_beats_1f1b_within_bounded_memory() {
+    // Linear layers: a backward takes two forwards. Concatenating units packed against
+    // that length keeps Chimera ahead of 1F1B for every N (the paper's direct
+    // concatenation with equal-length slots falls behind 1F1B from N = 3D on), while a
+    // device holds at most D + D/2 microbatches' activations at once (1F1B: D).
+    for d in [4usize, 6, 8, 12] {
+        for k in 1..=4 {
+            let n = k * d;
+            let ch = build(&spec(d, n, "chimera", d, "straight")).plan;
+            let ob = build(&spec(d, n, "1f1b", d, "straight")).plan;
+            assert!(ch.simulation.bubble_fraction < ob.simulation.bubble_fraction, "D={d} N={n}: chimera {} vs 1f1b {}", ch.simulation.bubble_fraction, ob.simulation.bubble_fraction);
+            assert!(ch.simulation.step_time_s < ob.simulation.step_time_s, "D={d} N={n}");
+            for (dev, stream) in &ch.streams {
+                let mut live = 0i64;
+                let mut peak = 0i64;
+                for i in stream {
+                    match i {
+                        pipec_plan::instr::Instr::Forward { .. } => live += 1,
+                        pipec_plan::instr::Instr::Backward { .. } => live -= 1,
+                        _ => {}
+                    }
+                    peak = peak.max(live);
+                }
+                assert!(peak as usize <= d + d / 2, "D={d} N={n}: device {dev} holds {peak} microbatches");
+            }
+        }
     }
 }
 

@@ -223,7 +223,7 @@ impl Optimizer {
     /// Optimizer-state floats per parameter (momentum buffer, Adam moments).
     pub fn state_per_parameter(&self) -> usize {
         match *self {
-            Optimizer::Sgd { momentum, .. } if momentum == 0.0 => 0,
+            Optimizer::Sgd { momentum: 0.0, .. } => 0,
             Optimizer::Sgd { .. } => 1,
             Optimizer::Adam { .. } => 2,
         }
@@ -462,7 +462,7 @@ impl<'a> Lower<'a> {
             self.wrong_type(node, &format!("one of {}", quote_list(&allowed)));
             return None;
         };
-        if allowed.iter().any(|a| *a == text) {
+        if allowed.contains(&text) {
             return Some(text);
         }
         let mut d = Diagnostic::error("E0105", format!("`{text}` is not a valid `{}`", path.last().unwrap_or(&"value")), node.span, format!("expected one of {}", quote_list(&allowed)));
@@ -495,7 +495,7 @@ impl<'a> Lower<'a> {
                 return None;
             }
             _ => {
-                self.wrong_type(node, &dim.describe().to_string());
+                self.wrong_type(node, dim.describe());
                 return None;
             }
         };

@@ -257,7 +257,7 @@ pub(crate) fn lower_strategy(
 }
 
 fn divisors_hint(n: usize) -> String {
-    let d: Vec<String> = (1..=n).filter(|d| n % d == 0).take(10).map(|d| d.to_string()).collect();
+    let d: Vec<String> = (1..=n).filter(|d| n.is_multiple_of(*d)).take(10).map(|d| d.to_string()).collect();
     d.join(", ")
 }
 
