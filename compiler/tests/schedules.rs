@@ -267,8 +267,13 @@ fn commutes(a: &Instr, b: &Instr) -> bool {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     #[test]
-    fn verifier_accepts_every_generated_plan(d in 2usize..6, n_mult in 1usize..4, v in 2usize..4, sched in 0usize..8, extra_layers in 0usize..5) {
-        let n = d * n_mult;
+    fn verifier_accepts_every_generated_plan(d in 2usize..6, n_mult in 1usize..4, v in 2usize..4, sched in 0usize..8, extra_layers in 0usize..5, partial in 0usize..3) {
+        // Chimera also with a last unit smaller than D, or fewer microbatches than D
+        let n = match sched {
+            7 if partial == 2 => 2,
+            7 => d * n_mult + 2 * partial,
+            _ => d * n_mult,
+        };
         let (schedule, layers) = match sched {
             0 => ("gpipe".to_string(), d + extra_layers),
             1 => ("1f1b".to_string(), d + extra_layers),
