@@ -200,6 +200,7 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("pipedream-vertical-sync", build(&spec(3, 6, "{ kind: pipedream, vertical_sync: true }", 6, "straight"))),
         ("2bw", build(&spec(3, 6, "2bw", 6, "straight"))),
         ("chimera", build(&spec(4, 4, "chimera", 8, "straight"))),
+        ("chimera-two-units", build(&spec(4, 8, "chimera", 4, "straight"))),
         ("zb-h1", build(&spec(3, 4, "zb-h1", 6, "straight"))),
         ("zbv", build(&spec(2, 4, "zbv", 8, "straight"))),
         ("dp-only", build(&spec(2, 4, "dp-only", 4, "\"2\""))),
