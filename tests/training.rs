@@ -145,6 +145,8 @@ fn chimera_equals_one_device() {
     for devices in [4, 6] {
         assert_same_as_one_device(Job { devices, stages: "straight", schedule: "chimera", microbatches: 8, optimizer: ADAM, ..Job::default() });
     }
+    // with data parallelism: two pipeline pairs over 2 stages, one gradient group of 4 per stage
+    assert_same_as_one_device(Job { devices: 4, stages: "\"2-2\"", schedule: "chimera", microbatches: 8, optimizer: SGD, ..Job::default() });
 }
 
 #[test]

@@ -450,20 +450,26 @@ fn place(kind: ScheduleKind, layout: &Layout, tp: usize, microbatches: usize, cl
     let mut replicas = Vec::with_capacity(stages);
     let mut route = Vec::with_capacity(stages);
     if kind == ScheduleKind::Chimera {
-        if layout.replicas.iter().any(|&r| r != 1) {
-            return Err("this pipec places Chimera on unreplicated stages only (its two pipelines already replicate every stage)".into());
+        // R = the stages' (equal) replication: R pipeline pairs, pair q made of the q-th
+        // replica device of every rank. In pair q, stage s's down copy runs on rank s's
+        // device and its up copy on rank D−1−s's. Microbatches come in units of R·D (the last
+        // may be smaller), dealt round-robin to the pairs; of each pair's share of a unit,
+        // the first half goes down and the second half up.
+        let pairs = layout.replicas[0].max(1);
+        if layout.replicas.iter().any(|&r| r != pairs) {
+            return Err("Chimera needs every stage replicated equally".into());
         }
-        // stage s: the down pipeline's copy on device s, the up pipeline's on device D−1−s;
-        // each unit of D microbatches (the last one may be smaller) sends its first half
-        // down and its second half up
-        let up = |m: usize| {
-            let unit_start = m - m % ranks;
-            let unit_len = ranks.min(microbatches - unit_start);
-            m - unit_start >= unit_len / 2
+        let unit = pairs * ranks;
+        let copy = |m: usize| -> u32 {
+            let unit_start = m - m % unit;
+            let unit_len = unit.min(microbatches - unit_start);
+            let (o, q) = (m - unit_start, (m - unit_start) % pairs);
+            let share = (unit_len - q).div_ceil(pairs);
+            (2 * q + usize::from(o / pairs >= share / 2)) as u32
         };
         for s in 0..stages {
-            replicas.push(vec![rank_devices[s][0], rank_devices[ranks - 1 - s][0]]);
-            route.push((0..microbatches).map(|m| u32::from(up(m))).collect());
+            replicas.push((0..pairs).flat_map(|q| [rank_devices[s][q], rank_devices[ranks - 1 - s][q]]).collect());
+            route.push((0..microbatches).map(copy).collect());
         }
     } else {
         for c in 0..stages {

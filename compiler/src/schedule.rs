@@ -248,9 +248,10 @@ fn zero_bubble(p: &Placement) -> Order {
 }
 
 /// Chimera: two pipelines in opposite directions over the same devices (stage s of the
-/// down pipeline on device s, of the up pipeline on device D−1−s). Microbatches come in
-/// basic units of D (the last unit may be smaller), the first half of a unit going down,
-/// the second half up. Each unit is a list schedule that runs the task furthest along its
+/// down pipeline on device s, of the up pipeline on device D−1−s; with data parallelism R
+/// such pairs side by side, see `compile::place`). Microbatches come in basic units of D
+/// per pair (the last unit may be smaller), the first half of a unit going down, the
+/// second half up. Each unit is a list schedule that runs the task furthest along its
 /// microbatch's path first, with 1F1B's in-flight bound per stage copy: D−2 idle passes
 /// per device with equal forward and backward times, the paper's basic unit. Units are then
 /// concatenated ([`concatenate`]) so that the next unit's forwards fill the previous unit's
@@ -259,10 +260,12 @@ fn zero_bubble(p: &Placement) -> Order {
 /// concatenation packs against.
 fn chimera(p: &Placement, backward_slots: usize) -> Order {
     let d = p.stages().max(1);
+    // with data parallelism, R pipeline pairs side by side: a unit is D microbatches per pair
+    let pairs = (p.replicas.first().map_or(2, Vec::len) / 2).max(1);
     let mut units: Vec<Order> = Vec::new();
     let mut first = 0usize;
     while first < p.microbatches {
-        let mbs: Vec<usize> = (first..(first + d).min(p.microbatches)).collect();
+        let mbs: Vec<usize> = (first..(first + pairs * d).min(p.microbatches)).collect();
         first += mbs.len();
         let sub = Placement {
             replicas: p.replicas.clone(),

@@ -132,6 +132,27 @@ fn chimera_bubble_follows_the_paper() {
 }
 
 #[test]
+fn chimera_with_data_parallelism_keeps_the_papers_bubble_per_pipeline_pair() {
+    // R pipeline pairs side by side, each with N/R microbatches: (D−2)/(2N/R+D−2).
+    for (d, r, n) in [(4usize, 2usize, 8usize), (4, 2, 16), (2, 3, 12), (6, 2, 24)] {
+        let layout = format!("\"{}\"", vec![r.to_string(); d].join("-"));
+        let text = spec(d * r, n, "chimera", d, &layout).replace(&format!("- repeat {d}: linear(64, 64)"), &format!("- repeat {d}: relu"));
+        let plan = build(&text).plan;
+        let per_pair = (n / r) as f64;
+        let paper = (d as f64 - 2.0) / (2.0 * per_pair + d as f64 - 2.0);
+        assert!(close(plan.simulation.bubble_fraction, paper), "D={d} R={r} N={n}: bubble {}, paper {paper}", plan.simulation.bubble_fraction);
+        // every stage has 2R copies, all in one gradient group
+        for s in &plan.stages {
+            assert_eq!(s.replicas.len(), 2 * r);
+            let mut devs = s.replicas.clone();
+            devs.sort();
+            devs.dedup();
+            assert_eq!(devs.len(), 2 * r, "stage {:?}: copies on distinct devices", s.id);
+        }
+    }
+}
+
+#[test]
 fn chimera_with_twice_as_long_backwards_beats_1f1b_within_bounded_memory() {
     // Linear layers: a backward takes two forwards. Concatenating units packed against
     // that length keeps Chimera ahead of 1F1B for every N (the paper's direct
@@ -201,6 +222,7 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("2bw", build(&spec(3, 6, "2bw", 6, "straight"))),
         ("chimera", build(&spec(4, 4, "chimera", 8, "straight"))),
         ("chimera-two-units", build(&spec(4, 8, "chimera", 4, "straight"))),
+        ("chimera-dp2", build(&spec(4, 8, "chimera", 2, "\"2-2\""))),
         ("zb-h1", build(&spec(3, 4, "zb-h1", 6, "straight"))),
         ("zbv", build(&spec(2, 4, "zbv", 8, "straight"))),
         ("dp-only", build(&spec(2, 4, "dp-only", 4, "\"2\""))),

@@ -162,8 +162,9 @@ same size (the result must equal one-device training).";
 
 "E0405", "schedule does not fit the strategy",
 "The schedule or one of its options makes no sense for this strategy: `interleaved`
-needs at least 2 stages and `virtual_stages` ≥ 2, `chimera` an even number of stages,
-`zbv` two chunks per device, `dp-only` exactly one stage, a synchronous pipeline
+needs at least 2 stages and `virtual_stages` ≥ 2, `chimera` an even number of stages
+and of microbatches (with stages replicated R times, a multiple of 2R: each of the R
+pipeline pairs sends half of its share down and half up), `zbv` two chunks per device, `dp-only` exactly one stage, a synchronous pipeline
 schedule wants at least as many microbatches as stages, ...";
 
 "E0406", "partition ranges overlap",

@@ -172,6 +172,16 @@ pub(crate) fn lower_strategy(
             sched_err(cx, format!("`chimera` needs an even number of microbatches, found {microbatches}"), "chimera", "half of the microbatches go down, half go up");
             ok = false;
         }
+        ScheduleKind::Chimera if replicas[0] > 1 && microbatches.is_multiple_of(replicas[0]) && !microbatches.is_multiple_of(2 * replicas[0]) => {
+            let r = replicas[0];
+            sched_err(
+                cx,
+                format!("`chimera` with stages replicated {r} times needs microbatches divisible by {}, found {microbatches}", 2 * r),
+                "chimera",
+                &format!("the microbatches are dealt to {r} pipeline pairs, each sending half of its share down and half up: use a multiple of {}", 2 * r),
+            );
+            ok = false;
+        }
         ScheduleKind::DpOnly if stages != 1 => {
             sched_err(cx, format!("`dp-only` runs the whole model as one stage, but the layout has {stages} stages"), "dp-only", "write `stages: \"N\"` (one stage on N workers) or choose a pipeline schedule");
             ok = false;
