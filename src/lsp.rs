@@ -243,12 +243,13 @@ fn handle_request(conn: &Connection, req: Request, docs: &HashMap<String, Doc>, 
                 let (start, end) = (offset(&index, &doc.text, p.range.start), offset(&index, &doc.text, p.range.end));
                 let published = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner).published.get(uri.as_str()).cloned().unwrap_or_default();
                 let mut actions = Vec::new();
-                for d in published.iter().filter(|d| d.fix.is_some()) {
-                    let span = d.span();
-                    if span.end < start || span.start > end {
+                for d in &published {
+                    let Some(fix) = &d.fix else { continue };
+                    // offered on the diagnostic and on the text the fix rewrites
+                    let touches = |span: Span| span.end >= start && span.start <= end;
+                    if !touches(d.span()) && !touches(fix.span) {
                         continue;
                     }
-                    let Some(fix) = &d.fix else { continue };
                     let edit = TextEdit { range: range(&index, &doc.text, fix.span), new_text: fix.replacement.clone() };
                     let mut changes = HashMap::new();
                     changes.insert(uri.clone(), vec![edit]);

@@ -92,3 +92,38 @@ fn committed_schema_is_current() {
     let committed = read(&path);
     assert_eq!(committed, pipec_grammar::schema::json_schema_text(), "schema/pipec.schema.json is stale: run `pipec schema > schema/pipec.schema.json`");
 }
+
+#[test]
+fn microbatch_fixes_meet_every_constraint_at_once() {
+    // (layout, schedule, microbatches, batch size) → the fix offered, if any value works
+    let base = read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/invalid/microbatches-vs-batch.yaml"));
+    let cases: &[(&str, &str, usize, usize, Option<&str>)] = &[
+        ("\"1-1\"", "1f1b", 5, 64, Some("4")),
+        // must divide 48 and be a multiple of 3 replicas: 3 and 6 are equally near 5 → 6
+        ("\"3-3\"", "1f1b", 5, 48, Some("6")),
+        // 3 replicas never divide a batch of 64
+        ("\"3-3\"", "1f1b", 4, 64, None),
+        // interleaved over 2 stages, batch 24: multiples of 2 dividing 24 → 6 is nearest to 5
+        ("\"1-1\"", "{ kind: interleaved, virtual_stages: 2 }", 5, 24, Some("6")),
+        // chimera on 2 pairs: a multiple of 4 dividing 48 → 4 and 8 tie for 6 → 8
+        ("\"2-2\"", "chimera", 6, 48, Some("8")),
+    ];
+    for &(layout, schedule, mb, batch, want) in cases {
+        let src = base
+            .replace("stages: \"1-1\"", &format!("stages: {layout}"))
+            .replace("schedule: 1f1b", &format!("schedule: {schedule}"))
+            .replace("microbatches: 5", &format!("microbatches: {mb}"))
+            .replace("batch_size: 64", &format!("batch_size: {batch}"))
+            .replace("devices_per_node: 2", "devices_per_node: 6");
+        let result = pipec_grammar::check_source(&src);
+        let errors: Vec<_> = result.diagnostics.iter().filter(|d| d.code == "E0404" || d.code == "E0405").collect();
+        assert!(!errors.is_empty(), "{layout} {schedule} {mb}/{batch}: no microbatch diagnostic: {:?}", result.diagnostics);
+        for d in errors {
+            let got = d.fix.as_ref().map(|f| {
+                assert_eq!(&src[f.span.start..f.span.end], mb.to_string(), "the fix rewrites the microbatches value");
+                f.replacement.as_str()
+            });
+            assert_eq!(got, want, "{layout} {schedule} {mb}/{batch}: {}", d.message);
+        }
+    }
+}

@@ -150,10 +150,33 @@ pub(crate) fn lower_strategy(
         }
     }
 
+    // The microbatch count nearest the written one that meets every constraint below,
+    // offered as a fix on each microbatch diagnostic.
+    let mb_fix: Option<(Span, usize)> = microbatches_node.and_then(|node| {
+        let fits = |n: usize| {
+            training.is_none_or(|t| t.batch_size.is_multiple_of(n))
+                && replicas.iter().all(|&r| n.is_multiple_of(r.max(1)))
+                && match schedule.kind {
+                    ScheduleKind::Interleaved => n.is_multiple_of(stages.max(1)),
+                    ScheduleKind::Chimera => n.is_multiple_of(2 * replicas.first().copied().unwrap_or(1).max(1)),
+                    _ => true,
+                }
+        };
+        let limit = training.map_or(4 * microbatches.max(stages), |t| t.batch_size);
+        (1..=limit).filter(|&n| fits(n) && n != microbatches).min_by_key(|&n| (n.abs_diff(microbatches), usize::MAX - n)).map(|n| (node.span, n))
+    });
+    let with_mb_fix = |d: Diagnostic| match mb_fix {
+        Some((span, n)) => d.with_fix(format!("use {n} microbatches"), span, n.to_string()),
+        None => d,
+    };
+
     // Schedule vs layout.
     let v = schedule.virtual_stages;
     let sched_err = |cx: &mut Lower<'_>, msg: String, label: &str, help: &str| {
         cx.push(Diagnostic::error("E0405", msg, schedule.span, label.to_string()).with_help(help.to_string()));
+    };
+    let mb_sched_err = |cx: &mut Lower<'_>, msg: String, label: &str, help: &str| {
+        cx.push(with_mb_fix(Diagnostic::error("E0405", msg, schedule.span, label.to_string()).with_help(help.to_string())));
     };
     match schedule.kind {
         ScheduleKind::Interleaved if stages < 2 => {
@@ -161,7 +184,7 @@ pub(crate) fn lower_strategy(
             ok = false;
         }
         ScheduleKind::Interleaved if microbatches % stages != 0 => {
-            sched_err(cx, format!("`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"), "interleaved", "Megatron's interleaved schedule runs microbatches in groups of one per stage");
+            mb_sched_err(cx, format!("`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"), "interleaved", "Megatron's interleaved schedule runs microbatches in groups of one per stage");
             ok = false;
         }
         ScheduleKind::Chimera if stages % 2 != 0 || stages < 2 => {
@@ -169,12 +192,12 @@ pub(crate) fn lower_strategy(
             ok = false;
         }
         ScheduleKind::Chimera if microbatches % 2 != 0 => {
-            sched_err(cx, format!("`chimera` needs an even number of microbatches, found {microbatches}"), "chimera", "half of the microbatches go down, half go up");
+            mb_sched_err(cx, format!("`chimera` needs an even number of microbatches, found {microbatches}"), "chimera", "half of the microbatches go down, half go up");
             ok = false;
         }
         ScheduleKind::Chimera if replicas[0] > 1 && microbatches.is_multiple_of(replicas[0]) && !microbatches.is_multiple_of(2 * replicas[0]) => {
             let r = replicas[0];
-            sched_err(
+            mb_sched_err(
                 cx,
                 format!("`chimera` with stages replicated {r} times needs microbatches divisible by {}, found {microbatches}", 2 * r),
                 "chimera",
@@ -219,21 +242,21 @@ pub(crate) fn lower_strategy(
     if let Some(t) = training {
         let mb_span = microbatches_node.map(|n| n.span).unwrap_or(owner);
         if t.batch_size % microbatches != 0 {
-            cx.push(
+            cx.push(with_mb_fix(
                 Diagnostic::error("E0404", format!("batch size {} is not divisible into {microbatches} microbatches", t.batch_size), mb_span, format!("{microbatches} microbatches"))
                     .with_label(t.batch_span, format!("batch size {}", t.batch_size))
                     .with_help(format!("choose microbatches among the divisors of {}: {}", t.batch_size, divisors_hint(t.batch_size))),
-            );
+            ));
             ok = false;
         }
         for (s, &r) in replicas.iter().enumerate() {
             if r > 1 && microbatches % r != 0 {
                 let span = replica_spans.get(s).copied().unwrap_or(layout_span);
-                cx.push(
+                cx.push(with_mb_fix(
                     Diagnostic::error("E0404", format!("stage {s} has {r} replicas, which cannot share {microbatches} microbatches evenly"), mb_span, format!("{microbatches} microbatches"))
                         .with_label(span, format!("{r} replicas"))
                         .with_help(format!("microbatches are routed round-robin to replicas: use a multiple of {r}")),
-                );
+                ));
                 ok = false;
                 break;
             }

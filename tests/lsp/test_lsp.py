@@ -88,6 +88,29 @@ async def test_quick_fix_for_a_misspelt_key(client: LanguageClient):
     assert edit.new_text == "microbatches" and edit.range == diags[0].range
 
 
+async def test_quick_fix_picks_a_microbatch_count_that_meets_every_constraint(client: LanguageClient):
+    # chimera on two pipeline pairs with 6 microbatches: the fix rewrites the microbatches
+    # value (not the schedule the diagnostic points at) to 8, which divides the batch of 48
+    # and is a multiple of 2 x 2; the cursor on either place offers it
+    name = "specs/invalid/chimera-replicated-microbatches.yaml"
+    text = (ROOT / name).read_text()
+    diags = await open_doc(client, name, text)
+    assert [d.code for d in diags] == ["E0405"]
+    line = next(i for i, l in enumerate(text.splitlines()) if l.startswith("  microbatches:"))
+    value = types.Range(start=types.Position(line=line, character=16), end=types.Position(line=line, character=17))
+    for where in (diags[0].range, value):
+        actions = await client.text_document_code_action_async(
+            types.CodeActionParams(
+                text_document=types.TextDocumentIdentifier(uri=uri_of(name)),
+                range=where,
+                context=types.CodeActionContext(diagnostics=list(diags)),
+            )
+        )
+        assert [a.title for a in actions] == ["use 8 microbatches"]
+        edit = actions[0].edit.changes[uri_of(name)][0]
+        assert edit.new_text == "8" and edit.range == value
+
+
 async def test_hover_on_layers_keys_and_strategy(client: LanguageClient):
     name = "specs/pipedream-2-1-1.yaml"
     text = (ROOT / name).read_text()
