@@ -273,6 +273,8 @@ fn tensor_parallel_equals_one_device() {
     }
     assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", optimizer: ADAM, ..Job::default() });
     assert_same_as_one_device(Job { devices: 4, stages: "\"2\"\n  tp: 2", schedule: "dp-only", optimizer: SGD, ..Job::default() });
+    // Chimera's two copies of each stage, each split over its own TP pair
+    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "chimera", optimizer: ADAM, ..Job::default() });
 }
 
 #[test]
