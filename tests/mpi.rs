@@ -131,3 +131,23 @@ fn rank_0_writes_checkpoints_and_an_mpi_run_resumes_exactly() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(losses(&full)[2..].to_vec(), losses(&resumed));
 }
+
+#[test]
+fn tensor_parallel_over_mpi_equals_in_process_and_resumes_from_its_shards() {
+    let layout = "\"1-1\"\n  tp: 2";
+    equal_to_in_process(layout, 4);
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec(layout, 4, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n")).expect("write");
+    let full = dir.path().join("full");
+    let out = mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", full.to_str().expect("p")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let ckpt = full.join("checkpoints/step-000002");
+    for (s, r) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        assert!(ckpt.join(format!("optimizer-s{s}-tp{r}.bin")).is_file(), "stage {s} rank {r}: optimizer shard missing");
+    }
+    let resumed = dir.path().join("resumed");
+    let out = mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "--resume", ckpt.to_str().expect("p"), "-o", resumed.to_str().expect("p")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(losses(&full)[2..].to_vec(), losses(&resumed));
+}

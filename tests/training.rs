@@ -9,6 +9,7 @@ use pipec_compiler::{compile, CompileOptions};
 use pipec_executor::{RunOptions, RunReport};
 use pipec_plan::Plan;
 
+#[derive(Clone, Copy)]
 struct Job<'a> {
     devices: usize,
     stages: &'a str,
@@ -209,21 +210,46 @@ fn assert_per_microbatch_sgd(what: &str, got: &[f64]) {
     }
 }
 
+fn checkpointed_plan(j: Job<'_>) -> pipec_plan::Plan {
+    let text = spec(&j).replace("  seed: 5\n", "  seed: 5\n  checkpoint: { every: 3 }\n");
+    let s = pipec_grammar::check_source(&text).spec.expect("valid");
+    compile(&s, &CompileOptions::default()).expect("compiles").plan
+}
+
 #[test]
 fn resume_gives_the_same_losses_as_an_uninterrupted_run() {
+    // a pipeline, and a pipeline of tensor-parallel stages (saved shard by shard) with
+    // data-parallel replicas and transformer blocks
+    let blocks = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32)\n    - layernorm\n    - flatten\n    - linear(256, 4)";
+    for j in [
+        Job { devices: 2, stages: "straight", schedule: "1f1b", optimizer: ADAM, steps: 6, ..Job::default() },
+        Job { devices: 8, stages: "\"2-2\"\n  tp: 2", schedule: "1f1b", optimizer: ADAM, steps: 6, layers: blocks, ..Job::default() },
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = checkpointed_plan(j);
+        let ckpt = dir.path().join("checkpoints");
+        let full = pipec_executor::run(&p, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {}).expect("runs");
+        assert_eq!(full.checkpoints.len(), 2);
+        assert!(ckpt.join("step-000003/model.safetensors").is_file() && ckpt.join("latest").is_file());
+        let resumed = pipec_executor::run(&p, &RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() }, &mut |_| {}).expect("resumes");
+        assert_eq!(resumed.steps.first().map(|s| s.step), Some(3));
+        let a: Vec<f64> = full.steps[3..].iter().map(|s| s.loss).collect();
+        let b: Vec<f64> = resumed.steps.iter().map(|s| s.loss).collect();
+        assert_eq!(a, b, "{}: resumed losses differ", j.stages);
+    }
+}
+
+#[test]
+fn a_tensor_parallel_checkpoint_resumes_only_on_the_same_degree() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let text = spec(&Job { devices: 2, stages: "straight", schedule: "1f1b", optimizer: ADAM, steps: 6, ..Job::default() }).replace("  seed: 5\n", "  seed: 5\n  checkpoint: { every: 3 }\n");
-    let s = pipec_grammar::check_source(&text).spec.expect("valid");
-    let p = compile(&s, &CompileOptions::default()).expect("compiles").plan;
     let ckpt = dir.path().join("checkpoints");
-    let full = pipec_executor::run(&p, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {}).expect("runs");
-    assert_eq!(full.checkpoints.len(), 2);
-    assert!(ckpt.join("step-000003/model.safetensors").is_file() && ckpt.join("latest").is_file());
-    let resumed = pipec_executor::run(&p, &RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() }, &mut |_| {}).expect("resumes");
-    assert_eq!(resumed.steps.first().map(|s| s.step), Some(3));
-    let a: Vec<f64> = full.steps[3..].iter().map(|s| s.loss).collect();
-    let b: Vec<f64> = resumed.steps.iter().map(|s| s.loss).collect();
-    assert_eq!(a, b, "resumed losses differ");
+    let tp2 = checkpointed_plan(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", steps: 3, ..Job::default() });
+    pipec_executor::run(&tp2, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {}).expect("runs");
+    let step = ckpt.join("step-000003");
+    assert!(step.join("optimizer-s0-tp1.bin").is_file(), "one optimizer file per shard");
+    let plain = checkpointed_plan(Job { devices: 2, stages: "\"1-1\"", schedule: "1f1b", steps: 3, ..Job::default() });
+    let err = pipec_executor::run(&plain, &RunOptions { resume: Some(step), ..Default::default() }, &mut |_| {}).expect_err("must refuse");
+    assert!(err.to_string().contains("resume with the same `tp`"), "{err}");
 }
 
 #[test]
@@ -275,6 +301,8 @@ fn tensor_parallel_equals_one_device() {
     assert_same_as_one_device(Job { devices: 4, stages: "\"2\"\n  tp: 2", schedule: "dp-only", optimizer: SGD, ..Job::default() });
     // Chimera's two copies of each stage, each split over its own TP pair
     assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "chimera", optimizer: ADAM, ..Job::default() });
+    // activation recompute: the group re-runs the forward, all-reduces included
+    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", recompute: true, optimizer: ADAM, ..Job::default() });
 }
 
 #[test]
@@ -283,6 +311,9 @@ fn tensor_parallel_attention_equals_one_device() {
     let layers = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32)\n    - layernorm\n    - flatten\n    - linear(256, 4)";
     assert_same_as_one_device(Job { devices: 2, stages: "\"1\"\n  tp: 2", schedule: "gpipe", optimizer: ADAM, layers, ..Job::default() });
     assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", optimizer: SGD, layers, ..Job::default() });
+    // with recompute, and with dropout (the recomputed masks equal the first ones)
+    let dropout = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32)\n    - layernorm\n    - dropout(0.2)\n    - flatten\n    - linear(256, 4)";
+    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "gpipe", recompute: true, optimizer: ADAM, layers: dropout, ..Job::default() });
 }
 
 #[test]

@@ -174,13 +174,6 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if devices_in_stages != streamed {
         return Err(RunError::plain("the plan's stages and streams name different devices"));
     }
-    let tensor_parallel = plan.stages.iter().any(|s| !s.tensor_parallel.is_empty());
-    if tensor_parallel && plan.training.recompute {
-        return Err(RunError::plain("activation recompute is not supported on tensor-parallel stages yet"));
-    }
-    if tensor_parallel && plan.training.checkpoint_every.is_some() {
-        return Err(RunError::plain("checkpoints of tensor-parallel stages are not written yet: drop `checkpoint` or use tp = 1"));
-    }
     Ok(())
 }
 
@@ -207,19 +200,21 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
 }
 
 enum Event {
-    Step(Box<StepReport>, Option<HashMap<u32, checkpoint::StageCheckpoint>>),
+    Step(Box<StepReport>, Option<checkpoint::Shards>),
     Failed(RunError),
 }
 
 struct ParamLoader<'a> {
-    values: &'a HashMap<u64, (Vec<usize>, Vec<f32>)>,
+    values: &'a HashMap<(u64, u32), (Vec<usize>, Vec<f32>)>,
+    /// The tensor-parallel rank whose shard this stage loads (0 without).
+    tp_rank: u32,
     missing: Vec<u64>,
 }
 
 impl<B: Backend> ModuleMapper<B> for ParamLoader<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, _) = param.consume();
-        match self.values.get(&id.val()) {
+        match self.values.get(&(id.val(), self.tp_rank)) {
             Some((shape, v)) if shape.as_slice() == tensor.dims().as_slice() => {
                 let t = Tensor::<B, D>::from_data(TensorData::new(v.clone(), shape.clone()), &tensor.device()).require_grad();
                 Param::initialized(id, t)
@@ -235,14 +230,18 @@ impl<B: Backend> ModuleMapper<B> for ParamLoader<'_> {
 fn load_checkpoint<B: AutodiffBackend>(stages: &mut HashMap<StageId, StageState<B>>, loaded: &checkpoint::Loaded, dev: &B::Device) -> Result<(), String> {
     let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
     for (id, st) in stages.iter_mut() {
+        let (tp_rank, tp_size) = st.tp.as_ref().map_or((0, 1), |t| (t.rank as u32, t.members.len() as u32));
+        if loaded.tp_size(id.0) != tp_size {
+            return Err(format!("stage {id} was saved split over {} tensor-parallel rank(s) and this plan splits it over {tp_size}: resume with the same `tp`", loaded.tp_size(id.0)));
+        }
         let model = st.model.take().ok_or("no model")?;
-        let mut loader = ParamLoader { values: &loaded.params, missing: Vec::new() };
+        let mut loader = ParamLoader { values: &loaded.params, tp_rank, missing: Vec::new() };
         let model = model.map(&mut loader);
         if !loader.missing.is_empty() {
             return Err(format!("the checkpoint lacks {} parameter(s) of stage {id} (e.g. {})", loader.missing.len(), checkpoint::param_name(loader.missing[0])));
         }
         st.model = Some(model);
-        let bytes = loaded.optimizers.get(&id.0).ok_or(format!("the checkpoint has no optimizer state for stage {id}"))?.clone();
+        let bytes = loaded.optimizers.get(&checkpoint::ShardKey { stage: id.0, tp_rank }).ok_or(format!("the checkpoint has no optimizer state for stage {id}"))?.clone();
         let optim = std::mem::replace(&mut st.optim, StageOptim::new(&pipec_plan::plan::OptimizerPlan::Sgd { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }));
         st.optim = match optim {
             StageOptim::Sgd(o) => {
@@ -259,7 +258,7 @@ fn load_checkpoint<B: AutodiffBackend>(stages: &mut HashMap<StageId, StageState<
 }
 
 #[allow(clippy::type_complexity)]
-fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>) -> Result<HashMap<u32, checkpoint::StageCheckpoint>, String> {
+fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>) -> Result<checkpoint::Shards, String> {
     let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
     let mut out = HashMap::new();
     for (id, st) in stages {
@@ -270,14 +269,15 @@ fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>)
             StageOptim::Adam(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),
         }
         .map_err(|e| format!("{e:?}"))?;
-        out.insert(id.0, checkpoint::StageCheckpoint { params, optimizer });
+        let (tp_rank, tp_size) = st.tp.as_ref().map_or((0, 1), |t| (t.rank as u32, t.members.len() as u32));
+        out.insert(checkpoint::ShardKey { stage: id.0, tp_rank }, checkpoint::StageCheckpoint { params, optimizer, tp_size });
     }
     Ok(out)
 }
 
 /// Where a step's checkpoint goes: given the completed steps and the stages this process
 /// saved, it writes (or forwards) them and says where they landed.
-pub type CheckpointSink<'a> = dyn FnMut(usize, HashMap<u32, checkpoint::StageCheckpoint>) -> Result<Option<PathBuf>, String> + 'a;
+pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Option<PathBuf>, String> + 'a;
 
 /// Runs the workers of `devices` on this process with the given endpoints; used by the
 /// in-process transport (all devices) and by MPI (one device per process).
@@ -346,7 +346,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
         }
         drop(tx);
         // The coordinator: gathers every worker's step, reports metrics, writes checkpoints.
-        let mut pending: BTreeMap<usize, Vec<(StepReport, Option<HashMap<u32, checkpoint::StageCheckpoint>>)>> = BTreeMap::new();
+        let mut pending: BTreeMap<usize, Vec<(StepReport, Option<checkpoint::Shards>)>> = BTreeMap::new();
         let mut first_error: Option<RunError> = None;
         let mut last_done = Instant::now();
         for ev in rx {
@@ -421,7 +421,7 @@ fn run_in_process<B: AutodiffBackend>(plan: &Plan, options: &RunOptions, dev: B:
     let abort = Arc::new(AtomicBool::new(false));
     let endpoints = transport::in_process::connect(&devices, abort.clone(), options.timeout);
     let dir = options.checkpoint_dir.clone();
-    let mut sink = |steps: usize, stages: HashMap<u32, checkpoint::StageCheckpoint>| match &dir {
+    let mut sink = |steps: usize, stages: checkpoint::Shards| match &dir {
         Some(d) => checkpoint::write(d, steps, &plan.name, &plan.partition, &stages).map(Some),
         None => Ok(None),
     };

@@ -72,7 +72,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     // Checkpoints: every rank sends its stages to rank 0, which writes one checkpoint.
     let ckpt_out = outgoing.clone();
     let ckpt_abort = abort.clone();
-    let mut sink = |steps: usize, mut stages: std::collections::HashMap<u32, crate::checkpoint::StageCheckpoint>| -> Result<Option<std::path::PathBuf>, String> {
+    let mut sink = |steps: usize, mut stages: crate::checkpoint::Shards| -> Result<Option<std::path::PathBuf>, String> {
         if rank != 0 {
             let _ = ckpt_out.send((0, TAG_CKPT, crate::checkpoint::encode(&stages), None));
             return Ok(None);

@@ -292,6 +292,31 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         }
     }
 
+    /// The forward of a tensor-parallel stage (see `tensor_parallel`), all-reducing over the
+    /// group where Megatron does; on the last stage also the loss, on a leaf copy of the
+    /// output.
+    #[allow(clippy::type_complexity)]
+    fn forward_tp(&mut self, stage: StageId, mb: MicrobatchId, model: &StageModel<B>, x: Act<B>, key: (u64, u64, u64)) -> Result<(Vec<crate::tensor_parallel::Segment<B>>, Option<(Act<B>, Tensor<B, 1>)>), String> {
+        let tp = self.state(stage)?.tp.clone().ok_or("not tensor-parallel")?;
+        let reduce = self.reduce;
+        let ep = &mut self.ep;
+        let mut sum = |mut v: Vec<f32>| -> Result<Vec<f32>, String> {
+            ep.all_reduce(&tp.members, &mut v, reduce).map_err(|e| e.to_string())?;
+            Ok(v)
+        };
+        let segments = crate::tensor_parallel::forward(model, x, true, key, &mut sum)?;
+        let loss = if stage == self.last_stage() {
+            let out = segments.last().map(|s| s.out.clone()).ok_or("no segments")?;
+            let y = self.labels.get(&mb).ok_or("the labels of this microbatch were not loaded")?;
+            let leaf = crate::tensor_parallel::fresh(&out);
+            let loss = loss_of::<B>(self.plan.model.loss, leaf.clone(), y, &self.dev)?;
+            Some((leaf, loss))
+        } else {
+            None
+        };
+        Ok((segments, loss))
+    }
+
     /// The backward of a tensor-parallel stage, segment by segment (see
     /// `tensor_parallel`); returns the weight gradients and leaves the input gradient to send.
     fn backward_tp(&mut self, stage: StageId, mb: MicrobatchId, n_mb: f64) -> Result<Vec<Option<Tensor<B::InnerBackend, 1>>>, String> {
@@ -440,28 +465,21 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     None => st.model.as_ref().ok_or("no model")?,
                 };
                 let model = microbatch_copy(base);
-                if let Some(tp) = self.state(stage)?.tp.clone() {
-                    let reduce = self.reduce;
-                    let ep = &mut self.ep;
-                    let mut sum = |mut v: Vec<f32>| -> Result<Vec<f32>, String> {
-                        ep.all_reduce(&tp.members, &mut v, reduce).map_err(|e| e.to_string())?;
-                        Ok(v)
-                    };
-                    let segments = crate::tensor_parallel::forward(&model, x.clone(), true, key, &mut sum)?;
-                    let out = segments.last().map(|s| s.out.clone()).ok_or("no segments")?;
-                    let loss = if is_last {
-                        let y = self.labels.get(&mb).ok_or("the labels of this microbatch were not loaded")?;
-                        let leaf = crate::tensor_parallel::fresh(&out);
-                        let loss = loss_of::<B>(self.plan.model.loss, leaf.clone(), y, &self.dev)?;
-                        if tp.rank == 0 {
-                            report.losses.push((mb.0, loss.clone().into_scalar().elem::<f32>()));
+                if self.state(stage)?.tp.is_some() {
+                    let (segments, loss) = self.forward_tp(stage, mb, &model, x.clone(), key)?;
+                    if let Some((_, l)) = &loss {
+                        if self.state(stage)?.tp.as_ref().is_some_and(|tp| tp.rank == 0) {
+                            report.losses.push((mb.0, l.clone().into_scalar().elem::<f32>()));
                         }
-                        Some((leaf, loss))
                     } else {
+                        let out = segments.last().map(|s| s.out.clone()).ok_or("no segments")?;
                         self.outputs.insert((stage, mb), act_to_message(&out, (0, stage.0, mb.0))?);
-                        None
-                    };
-                    self.saved.insert((stage, mb), (x, Saved::Tp(segments, loss), model));
+                    }
+                    // with recompute only the input is kept (the last stage keeps its loss,
+                    // as without tensor parallelism); the group re-runs the forward, its
+                    // all-reduces included, at `Recompute`
+                    let saved = if recompute && !is_last { (detach(&x), Saved::Nothing, model) } else { (x, Saved::Tp(segments, loss), model) };
+                    self.saved.insert((stage, mb), saved);
                     *self.in_flight.entry(stage).or_insert(0) += 1;
                     return Ok(());
                 }
@@ -489,6 +507,11 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let key = (self.plan.training.seed, step as u64, u64::from(mb.0));
                 // the weights the forward used (not the newest, if an update came between)
                 let model = microbatch_copy(&model);
+                if self.state(stage)?.tp.is_some() {
+                    let (segments, loss) = self.forward_tp(stage, mb, &model, x.clone(), key)?;
+                    self.saved.insert((stage, mb), (x, Saved::Tp(segments, loss), model));
+                    return Ok(());
+                }
                 let out = model.forward(x.clone(), true, key)?;
                 let saved = if stage == self.last_stage() {
                     let y = self.labels.get(&mb).ok_or("labels missing")?;
