@@ -127,3 +127,30 @@ fn microbatch_fixes_meet_every_constraint_at_once() {
         }
     }
 }
+
+#[test]
+fn huge_numbers_get_diagnostics_not_overflows_or_endless_work() {
+    let base = read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/invalid/microbatches-vs-batch.yaml"));
+    let check = |from: &[(&str, &str)]| {
+        let mut src = base.clone();
+        for (a, b) in from {
+            assert!(src.contains(a), "{a}");
+            src = src.replace(a, b);
+        }
+        pipec_grammar::check_source(&src).diagnostics
+    };
+    // a prime batch size near 10^12: its divisors are found in pairs up to the square root
+    let d = check(&[("batch_size: 64", "batch_size: 999999999989")]);
+    let e = d.iter().find(|d| d.code == "E0404").expect("E0404");
+    assert!(e.help.as_deref().is_some_and(|h| h.ends_with(": 1, 999999999989")), "{e:?}");
+    assert_eq!(e.fix.as_ref().map(|f| f.replacement.as_str()), Some("1"));
+    // a prime batch size near 2^63: too many candidates to search, so no fix, but a diagnostic
+    let d = check(&[("batch_size: 64", "batch_size: 9223372036854775783")]);
+    assert!(d.iter().any(|d| d.code == "E0404" && d.fix.is_none()), "{d:?}");
+    // nodes × devices overflowing usize
+    let d = check(&[("nodes: 1", "nodes: 4294967296"), ("devices_per_node: 2", "devices_per_node: 4294967296")]);
+    assert!(d.iter().any(|d| d.code == "E0105" && d.message.contains("devices")), "{d:?}");
+    // more (stage, microbatch) pairs than pipec plans
+    let d = check(&[("microbatches: 5", "microbatches: 1099511627776"), ("batch_size: 64", "batch_size: 1099511627776")]);
+    assert!(d.iter().any(|d| d.code == "E0105" && d.message.contains("forward passes per step")), "{d:?}");
+}

@@ -88,6 +88,14 @@ pub struct Cluster {
     pub span: Span,
 }
 
+/// The most layers a model may expand to.
+pub const MAX_LAYERS: usize = 1_000_000;
+/// The largest cluster pipec plans.
+pub const MAX_DEVICES: usize = 65_536;
+/// The most (stage, microbatch) pairs a plan may have: bounds the instruction streams
+/// (about 8 instructions per pair) and the compile time (a few seconds).
+pub const MAX_STAGE_MICROBATCHES: usize = 1 << 20;
+
 impl Cluster {
     pub fn device_count(&self) -> usize {
         self.nodes * self.devices_per_node
@@ -739,6 +747,13 @@ fn lower_layers(cx: &mut Lower<'_>, node: &Node, input: Option<&[usize]>) -> Opt
             ok = false;
             continue;
         }
+        if (pending.len() as u64).saturating_add(times.saturating_mul(chain.len() as u64)) > MAX_LAYERS as u64 {
+            cx.push(
+                Diagnostic::error("E0105", format!("the model grows past {MAX_LAYERS} layers here, more than pipec plans"), item.span, "too many layers")
+                    .with_help("describe the model at block granularity (e.g. `transformer_block`) rather than layer by layer"),
+            );
+            return None;
+        }
         for i in 0..times {
             for call in &chain {
                 let label = call.label.as_ref().map(|(l, r)| {
@@ -872,6 +887,13 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
         Some((intra?, inter, inter_node.is_some(), f.key_span("links").unwrap_or(n.span)))
     });
     let (nodes, dpn, (kind, memory, memory_span, throughput), (intra, inter, inter_given, links_key)) = (nodes?, dpn?, device?, links?);
+    if nodes.checked_mul(dpn).is_none_or(|n| n > MAX_DEVICES) {
+        cx.push(
+            Diagnostic::error("E0105", format!("a cluster of {nodes} × {dpn} devices is larger than pipec plans ({MAX_DEVICES} devices at most)"), dpn_node.map_or(node.span, |n| n.span), "too many devices")
+                .with_help("plan one representative slice of the cluster (data parallelism replicates it)"),
+        );
+        return None;
+    }
     if nodes > 1 && inter.is_none() {
         if !inter_given {
             cx.push(

@@ -9,6 +9,40 @@ use crate::spec::{Cluster, Lower, Model, Partition, ReduceMode, Schedule, Schedu
 use crate::span::Span;
 use crate::yaml::{Node, Value};
 
+/// The count nearest `current` (the larger on a tie) that divides `batch` (when known) and
+/// meets `fits`; bounded work for any input, `None` when nothing is found.
+fn nearest_microbatches(current: usize, batch: Option<usize>, fits: impl Fn(usize) -> bool) -> Option<usize> {
+    const BUDGET: usize = 1 << 21;
+    let better = |best: Option<usize>, n: usize| match best {
+        Some(b) if (b.abs_diff(current), usize::MAX - b) <= (n.abs_diff(current), usize::MAX - n) => Some(b),
+        _ => Some(n),
+    };
+    let mut best = None;
+    match batch {
+        Some(batch) => {
+            for n in divisors(batch)? {
+                if fits(n) {
+                    best = better(best, n);
+                }
+            }
+        }
+        // no batch size: outward from the current count
+        None => {
+            for delta in 1..BUDGET {
+                for n in [current.saturating_add(delta), current.saturating_sub(delta)] {
+                    if n > 0 && fits(n) {
+                        best = better(best, n);
+                    }
+                }
+                if best.is_some() {
+                    break;
+                }
+            }
+        }
+    }
+    best
+}
+
 pub(crate) fn lower_strategy(
     cx: &mut Lower<'_>,
     node: &Node,
@@ -150,11 +184,26 @@ pub(crate) fn lower_strategy(
         }
     }
 
+    // Size: the streams hold about 8 instructions per (stage chunk, microbatch).
+    let chunks = stages.saturating_mul(schedule.virtual_stages.max(1));
+    if chunks.saturating_mul(microbatches) > crate::spec::MAX_STAGE_MICROBATCHES {
+        cx.push(
+            Diagnostic::error(
+                "E0105",
+                format!("{chunks} stage(s) × {microbatches} microbatches = {} forward passes per step is more than pipec plans ({} at most)", chunks.saturating_mul(microbatches), crate::spec::MAX_STAGE_MICROBATCHES),
+                microbatches_node.map_or(owner, |n| n.span),
+                "too many microbatches",
+            )
+            .with_help("use fewer microbatches: beyond a few times the pipeline depth they no longer shrink the bubble"),
+        );
+        return None;
+    }
+
     // The microbatch count nearest the written one that meets every constraint below,
     // offered as a fix on each microbatch diagnostic.
     let mb_fix: Option<(Span, usize)> = microbatches_node.and_then(|node| {
         let fits = |n: usize| {
-            training.is_none_or(|t| t.batch_size.is_multiple_of(n))
+            n != microbatches
                 && replicas.iter().all(|&r| n.is_multiple_of(r.max(1)))
                 && match schedule.kind {
                     ScheduleKind::Interleaved => n.is_multiple_of(stages.max(1)),
@@ -162,11 +211,10 @@ pub(crate) fn lower_strategy(
                     _ => true,
                 }
         };
-        let limit = training.map_or(4 * microbatches.max(stages), |t| t.batch_size);
-        (1..=limit).filter(|&n| fits(n) && n != microbatches).min_by_key(|&n| (n.abs_diff(microbatches), usize::MAX - n)).map(|n| (node.span, n))
+        nearest_microbatches(microbatches, training.map(|t| t.batch_size), fits).map(|n| (node.span, n))
     });
     let with_mb_fix = |d: Diagnostic| match mb_fix {
-        Some((span, n)) => d.with_fix(format!("use {n} microbatches"), span, n.to_string()),
+        Some((span, n)) => d.with_fix(format!("use {n} microbatch{}", if n == 1 { "" } else { "es" }), span, n.to_string()),
         None => d,
     };
 
@@ -289,9 +337,35 @@ pub(crate) fn lower_strategy(
     Some(Strategy { replicas, tp, schedule, microbatches, partition, recompute, layout_span, layout_fixed, partition_span, span: node.span })
 }
 
+/// The divisors of `n`, ascending, found in pairs up to its square root; `None` past a
+/// bounded amount of work (a batch size near 2^64 must not stall the checker).
+fn divisors(n: usize) -> Option<Vec<usize>> {
+    const BUDGET: usize = 1 << 21;
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut d = 1usize;
+    while d.checked_mul(d).is_some_and(|sq| sq <= n) {
+        if d > BUDGET {
+            return None;
+        }
+        if n.is_multiple_of(d) {
+            small.push(d);
+            if d != n / d {
+                large.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    small.extend(large.into_iter().rev());
+    Some(small)
+}
+
 fn divisors_hint(n: usize) -> String {
-    let d: Vec<String> = (1..=n).filter(|d| n.is_multiple_of(*d)).take(10).map(|d| d.to_string()).collect();
-    d.join(", ")
+    match divisors(n) {
+        Some(d) if d.len() > 10 => format!("{}, ...", d.iter().take(10).map(ToString::to_string).collect::<Vec<_>>().join(", ")),
+        Some(d) => d.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+        None => "1, ...".into(),
+    }
 }
 
 fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedule> {
