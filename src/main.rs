@@ -118,6 +118,11 @@ enum Command {
         /// Threads in this process, or one MPI process per device (under mpirun).
         #[arg(long, value_enum, default_value_t = run_cmd::Transport::Threads)]
         transport: run_cmd::Transport,
+        /// Run a plan.json without verifying its streams first (its structure is still
+        /// checked): for debugging the executor with a deliberately broken plan, which
+        /// then fails at run time, within `--timeout`.
+        #[arg(long)]
+        no_verify: bool,
     },
     /// Print (and with --exec run) the mpirun command that trains the plan with one
     /// process per device.
@@ -158,8 +163,8 @@ fn main() -> ExitCode {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
         Command::Compile { file, out, emit, profile, format } => compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref()),
-        Command::Run { file, out, steps, backend, resume, timeout, transport } => {
-            run_cmd::run(run_cmd::RunArgs { transport, file, out, steps, backend, resume, timeout_s: timeout, color: std::io::stderr().is_terminal() })
+        Command::Run { file, out, steps, backend, resume, timeout, transport, no_verify } => {
+            run_cmd::run(run_cmd::RunArgs { transport, file, out, steps, backend, resume, timeout_s: timeout, verify: !no_verify, color: std::io::stderr().is_terminal() })
         }
         Command::Launch { file, hostfile, out, exec } => launch_cmd::run(&file, hostfile.as_deref(), out.as_deref(), exec),
         Command::Profile { file, out, backend, reps } => profile_cmd::run(&file, out, backend, reps, std::io::stderr().is_terminal()),

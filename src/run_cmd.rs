@@ -38,26 +38,43 @@ pub struct RunArgs {
     pub backend: Backend,
     pub resume: Option<PathBuf>,
     pub timeout_s: u64,
+    /// Verify a plan.json's streams before running it.
+    pub verify: bool,
     pub color: bool,
 }
 
 /// Loads a plan: compiles a spec, or reads a plan.json.
 pub fn load_plan(file: &Path, color: bool) -> Result<Plan, u8> {
+    load_plan_checked(file, color, true)
+}
+
+/// [`load_plan`], optionally without verifying a plan.json's streams (`--no-verify`).
+pub fn load_plan_checked(file: &Path, color: bool, verify: bool) -> Result<Plan, u8> {
     if file.extension().is_some_and(|e| e == "json") {
         let text = std::fs::read_to_string(file).map_err(|e| {
             eprintln!("error: cannot read `{}`: {e}", file.display());
             EXIT_USAGE
         })?;
-        return Plan::from_json(&text).map_err(|e| {
+        let plan = Plan::from_json(&text).map_err(|e| {
             eprintln!("error: `{}`: {e}", file.display());
             EXIT_DIAGNOSTICS
-        });
+        })?;
+        // a plan from a file may have been edited: verify it as a compile would
+        let problems = if verify { pipec_compiler::verify::verify_plan(&plan) } else { plan.check() };
+        if !problems.is_empty() {
+            eprintln!("error: `{}` does not pass verification ({} problem(s)):", file.display(), problems.len());
+            for p in problems.iter().take(8) {
+                eprintln!("  - {p}");
+            }
+            return Err(EXIT_DIAGNOSTICS);
+        }
+        return Ok(plan);
     }
     compile_file(file, Format::Human, color, None).map(|(c, _)| c.plan)
 }
 
 pub fn run(args: RunArgs) -> u8 {
-    let plan = match load_plan(&args.file, args.color) {
+    let plan = match load_plan_checked(&args.file, args.color, args.verify) {
         Ok(p) => p,
         Err(code) => return code,
     };

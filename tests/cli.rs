@@ -83,3 +83,45 @@ fn run_warns_that_a_bf16_spec_trains_in_fp32() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(stderr.contains("warning: the plan asks for bf16 but the executor trains in fp32"), "{stderr}");
 }
+
+#[test]
+fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml");
+    let compiled = dir.path().join("compiled");
+    let out = pipec(&["compile", spec.to_str().expect("utf-8 path"), "-o", compiled.to_str().expect("utf-8 path")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(compiled.join("plan.json")).expect("plan")).expect("json");
+    // (edit, what the error names)
+    let edits: Vec<(Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+        (Box::new(|p| p["streams"]["0"].as_array_mut().expect("stream").reverse()), "before its forward"),
+        (Box::new(|p| p["stages"][0]["layers"] = serde_json::json!([3, 1])), "covers layers [3, 1)"),
+        (Box::new(|p| p["training"]["batch_size"] = serde_json::json!(0)), "batch_size 0"),
+        (Box::new(|p| p["model"]["input"] = serde_json::json!([0])), "model.input"),
+        (Box::new(|p| p["stages"][1]["route"] = serde_json::json!([7])), "route"),
+    ];
+    for (i, (edit, expect)) in edits.iter().enumerate() {
+        let mut p = plan.clone();
+        edit(&mut p);
+        let file = dir.path().join(format!("edited-{i}.json"));
+        std::fs::write(&file, p.to_string()).expect("write");
+        let out_dir = dir.path().join(format!("out-{i}"));
+        let out = pipec(&["run", file.to_str().expect("utf-8 path"), "--steps", "1", "-o", out_dir.to_str().expect("utf-8 path")]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "edit {i}: {stderr}");
+        assert!(stderr.contains("does not pass verification") && stderr.contains(expect), "edit {i}: {stderr}");
+        assert!(!stderr.contains("panicked"), "edit {i}: {stderr}");
+        assert!(!out_dir.exists(), "edit {i}: nothing is written for a refused plan");
+    }
+    // --no-verify skips the stream verifier (not the structural check): the reversed
+    // streams then fail at run time, naming the device and instruction
+    let out = pipec(&["run", dir.path().join("edited-0.json").to_str().expect("utf-8 path"), "--no-verify", "--timeout", "2", "--steps", "1", "-o", dir.path().join("nv").to_str().expect("utf-8 path")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("device d") && !stderr.contains("does not pass verification"), "{stderr}");
+    let out = pipec(&["run", dir.path().join("edited-1.json").to_str().expect("utf-8 path"), "--no-verify", "--steps", "1", "-o", dir.path().join("nv1").to_str().expect("utf-8 path")]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("covers layers [3, 1)"), "the structure is checked even so");
+    // the unedited plan runs
+    let out = pipec(&["run", compiled.join("plan.json").to_str().expect("utf-8 path"), "--steps", "1", "-o", dir.path().join("ok").to_str().expect("utf-8 path")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}

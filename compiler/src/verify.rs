@@ -42,6 +42,41 @@ pub struct VerifyInput<'a> {
 }
 
 /// Checks every property; returns all violations found (empty = the plan is sound).
+/// Checks a plan read from a file: its structure ([`pipec_plan::Plan::check`]), then its
+/// streams with the same verifier every compile runs (exactly-once compute, data flow,
+/// point-to-point and collective order, deadlock freedom). Empty when the plan is sound.
+pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
+    let problems = plan.check();
+    if !problems.is_empty() {
+        return problems;
+    }
+    let placement = Placement {
+        replicas: plan.stages.iter().map(|s| s.replicas.clone()).collect(),
+        route: plan.stages.iter().map(|s| s.route.clone()).collect(),
+        devices: plan.devices.len(),
+        microbatches: plan.training.microbatches,
+    };
+    let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
+    let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
+    let update_every = match plan.schedule.kind.as_str() {
+        "pipedream" => Some(1),
+        "2bw" => Some(ranks.max(1)),
+        _ if plan.schedule.staleness.is_some() => Some(1),
+        _ => None,
+    };
+    let input = VerifyInput {
+        streams: &plan.streams,
+        placement: &placement,
+        groups: &groups,
+        split_backward: matches!(plan.schedule.kind.as_str(), "zb-h1" | "zbv"),
+        recompute: plan.training.recompute,
+        update_every,
+        asp_staleness: plan.schedule.staleness,
+        tp: plan.stages[0].tensor_parallel.first().map_or(1, Vec::len),
+    };
+    verify(&input).into_iter().map(|v| v.message).collect()
+}
+
 pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
     if input.tp > 1 {
         let mut out = Vec::new();

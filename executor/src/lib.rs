@@ -166,8 +166,8 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if plan.version != pipec_plan::plan::PLAN_VERSION {
         return Err(RunError::plain(format!("plan format version {} is not supported", plan.version)));
     }
-    if plan.stages.is_empty() {
-        return Err(RunError::plain("the plan has no stages"));
+    if let Some(problem) = plan.check().into_iter().next() {
+        return Err(RunError::plain(format!("the plan is malformed: {problem}")));
     }
     let devices_in_stages: std::collections::BTreeSet<DeviceId> = plan.stages.iter().flat_map(|s| s.replicas.iter().copied().chain(s.tensor_parallel.iter().flatten().copied())).collect();
     let streamed: std::collections::BTreeSet<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();

@@ -167,6 +167,29 @@ impl Instr {
         }
     }
 
+    /// The other device of a point-to-point instruction.
+    pub fn peer(&self) -> Option<DeviceId> {
+        match *self {
+            Instr::SendActivation { peer, .. }
+            | Instr::RecvActivation { peer, .. }
+            | Instr::SendGradient { peer, .. }
+            | Instr::RecvGradient { peer, .. }
+            | Instr::PushGradient { peer, .. }
+            | Instr::ApplyGradient { peer, .. }
+            | Instr::PushWeights { peer, .. }
+            | Instr::PullWeights { peer, .. } => Some(peer),
+            _ => None,
+        }
+    }
+
+    /// The collective group of a collective instruction.
+    pub fn group(&self) -> Option<GroupId> {
+        match *self {
+            Instr::AllReduce { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+
     /// The microbatch, if the instruction is about one.
     pub fn microbatch(&self) -> Option<MicrobatchId> {
         match *self {

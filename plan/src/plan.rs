@@ -224,3 +224,113 @@ impl Plan {
         serde_json::from_value(v).map_err(|e| format!("malformed plan: {e}"))
     }
 }
+
+/// The most (stage, microbatch) pairs a plan may hold (the front end's bound too).
+pub const MAX_STAGE_MICROBATCHES: usize = 1 << 20;
+
+impl Plan {
+    /// Structural checks of a plan read from a file: every index in range, the layer
+    /// chain's shapes consistent, stages covering the layers in order, routes and groups
+    /// well-formed. A compiled plan passes them; a hand-edited one that does not is refused
+    /// before anything runs. (The compiler's verifier then checks the streams' meaning.)
+    pub fn check(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let t = &self.training;
+        if self.model.input.is_empty() || self.model.input.contains(&0) {
+            out.push(format!("model.input {:?} must be non-empty with every dimension ≥ 1", self.model.input));
+        }
+        // the layer chain
+        let mut shape = self.model.input.clone();
+        for (i, l) in self.layers.iter().enumerate() {
+            if l.index != i {
+                out.push(format!("layers[{i}] has index {}", l.index));
+            }
+            match l.op.output_shape(&shape) {
+                Ok(next) if next == l.output_shape && shape == l.input_shape => shape = next,
+                Ok(next) => {
+                    out.push(format!("layer {i} ({}) maps {shape:?} to {next:?}, but the plan says {:?} → {:?}", l.op.name(), l.input_shape, l.output_shape));
+                    break;
+                }
+                Err(e) => {
+                    out.push(format!("layer {i} ({}): {}", l.op.name(), e.message));
+                    break;
+                }
+            }
+        }
+        if self.layers.is_empty() {
+            out.push("the plan has no layers".into());
+        }
+        // training
+        if t.batch_size == 0 || t.microbatches == 0 || t.batch_size % t.microbatches.max(1) != 0 || t.microbatch_size * t.microbatches != t.batch_size {
+            out.push(format!("training: batch_size {} must split into {} microbatches of {}", t.batch_size, t.microbatches, t.microbatch_size));
+        }
+        // stages
+        if self.stages.is_empty() {
+            out.push("the plan has no stages".into());
+        }
+        if self.stages.len().saturating_mul(t.microbatches) > MAX_STAGE_MICROBATCHES {
+            out.push(format!("{} stages × {} microbatches is more than pipec runs ({MAX_STAGE_MICROBATCHES})", self.stages.len(), t.microbatches));
+            return out;
+        }
+        let n_dev = self.devices.len();
+        let mut next_layer = 0;
+        for (i, s) in self.stages.iter().enumerate() {
+            if s.id.0 as usize != i {
+                out.push(format!("stages[{i}] has id {}", s.id));
+            }
+            let [a, b] = s.layers;
+            if a != next_layer || b <= a || b > self.layers.len() {
+                out.push(format!("stage {i} covers layers [{a}, {b}), expected a non-empty range starting at {next_layer} within the {} layers", self.layers.len()));
+            }
+            next_layer = b;
+            if s.replicas.is_empty() || s.replicas.iter().any(|d| d.0 as usize >= n_dev) {
+                out.push(format!("stage {i}: replicas {:?} must be non-empty devices of the plan's {n_dev}", s.replicas.iter().map(|d| d.0).collect::<Vec<_>>()));
+            }
+            if s.route.len() != t.microbatches || s.route.iter().any(|&r| r as usize >= s.replicas.len()) {
+                out.push(format!("stage {i}: its route must name a replica for each of the {} microbatches", t.microbatches));
+            }
+            if !s.tensor_parallel.is_empty() {
+                let size = s.tensor_parallel[0].len();
+                let ok = s.tensor_parallel.len() == s.replicas.len()
+                    && size >= 2
+                    && s.tensor_parallel.iter().zip(&s.replicas).all(|(g, r)| g.len() == size && g.first() == Some(r) && g.iter().all(|d| (d.0 as usize) < n_dev));
+                if !ok {
+                    out.push(format!("stage {i}: each replica needs a tensor-parallel group of one size, led by the replica's device"));
+                }
+            }
+        }
+        if next_layer != self.layers.len() && !self.stages.is_empty() {
+            out.push(format!("the stages cover layers [0, {next_layer}) of {}", self.layers.len()));
+        }
+        // devices and groups
+        for (i, d) in self.devices.iter().enumerate() {
+            if d.id.0 as usize != i {
+                out.push(format!("devices[{i}] has id {}", d.id));
+            }
+        }
+        let mut group_ids = std::collections::BTreeSet::new();
+        for g in &self.groups {
+            if !group_ids.insert(g.id) || g.devices.len() < 2 || g.devices.iter().any(|d| d.0 as usize >= n_dev) || g.stage.0 as usize >= self.stages.len() {
+                out.push(format!("group {}: needs a unique id, a stage of the plan and at least two of its devices", g.id));
+            }
+        }
+        // streams: every index in range
+        for (dev, stream) in &self.streams {
+            if dev.0 as usize >= n_dev {
+                out.push(format!("a stream for {dev}, which the plan does not have"));
+                continue;
+            }
+            for (k, ins) in stream.iter().enumerate() {
+                let bad_stage = ins.stage().0 as usize >= self.stages.len();
+                let bad_mb = ins.microbatch().is_some_and(|m| m.0 as usize >= t.microbatches);
+                let bad_peer = ins.peer().is_some_and(|p| p.0 as usize >= n_dev);
+                let bad_group = ins.group().is_some_and(|g| !group_ids.contains(&g));
+                if bad_stage || bad_mb || bad_peer || bad_group {
+                    out.push(format!("{dev}[{k}] `{ins}` names a stage, microbatch, device or group the plan does not have"));
+                    break;
+                }
+            }
+        }
+        out
+    }
+}
