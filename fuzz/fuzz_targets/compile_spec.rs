@@ -1,0 +1,19 @@
+//! Fuzz target: any spec the front end accepts goes through the whole compiler (IR, cost
+//! model, partitioning, schedule, lowering, verification, simulation, memory check,
+//! rendering). Must never panic; a verification failure would be a compiler bug (E0603).
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(src) = std::str::from_utf8(data) else { return };
+    let Some(spec) = pipec_grammar::check_source(src).spec else { return };
+    match pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default()) {
+        Ok(c) => {
+            let _ = pipec_compiler::render::timeline_svg(&c.plan, &c.timeline);
+            let _ = pipec_compiler::render::memory_svg(&c.plan);
+            let _ = pipec_compiler::render::trace_json(&c.plan, &c.timeline);
+            assert!(c.plan.simulation.step_time_s.is_finite() && c.plan.simulation.step_time_s >= 0.0, "step time {}", c.plan.simulation.step_time_s);
+        }
+        Err(diagnostics) => assert!(diagnostics.iter().all(|d| d.code != "E0603"), "compiler bug: {diagnostics:?}\n{src}"),
+    }
+});
