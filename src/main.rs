@@ -157,6 +157,11 @@ enum Command {
     },
 }
 
+/// mimalloc instead of glibc's malloc: training steps 15-25% faster on the CPU backend
+/// (the executor allocates and frees large tensors on every op; see docs/benchmarks.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {

@@ -279,6 +279,10 @@ fn mpi_pingpong() {
     world.barrier();
 }
 
+/// The allocator the `pipec` binary uses, so the executor numbers are the binary's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     #[cfg(feature = "mpi")]
     if std::env::args().nth(1).as_deref() == Some("mpi-pingpong") {
