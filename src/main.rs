@@ -96,6 +96,10 @@ enum Command {
         /// Measured repetitions per layer (the median is kept).
         #[arg(long, default_value_t = 10)]
         reps: usize,
+        /// CPU: measure with this many copies running at once, as the plan's worker threads
+        /// will share the machine (default: the plan's devices, at most the cores).
+        #[arg(long)]
+        concurrent: Option<usize>,
     },
     /// Compile (or load a plan.json) and train: DIR/metrics.jsonl, trace.json, checkpoints.
     Run {
@@ -172,7 +176,7 @@ fn main() -> ExitCode {
             run_cmd::run(run_cmd::RunArgs { transport, file, out, steps, backend, resume, timeout_s: timeout, verify: !no_verify, color: std::io::stderr().is_terminal() })
         }
         Command::Launch { file, hostfile, out, exec } => launch_cmd::run(&file, hostfile.as_deref(), out.as_deref(), exec),
-        Command::Profile { file, out, backend, reps } => profile_cmd::run(&file, out, backend, reps, std::io::stderr().is_terminal()),
+        Command::Profile { file, out, backend, reps, concurrent } => profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal()),
         Command::Lsp => lsp::run(),
         Command::PlanProfile { file, nodes, devices_per_node, intra, inter, memory, batch, microbatches } => {
             plan_profile_cmd::run(&file, &plan_profile_cmd::PlanProfileArgs { nodes, devices_per_node, intra, inter, memory, batch, microbatches })

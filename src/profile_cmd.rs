@@ -7,13 +7,19 @@ use crate::output::write_atomic;
 use crate::run_cmd::{load_plan, Backend};
 use crate::{EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
 
-pub fn run(file: &Path, out: Option<PathBuf>, backend: Backend, reps: usize, color: bool) -> u8 {
+pub fn run(file: &Path, out: Option<PathBuf>, backend: Backend, reps: usize, concurrent: Option<usize>, color: bool) -> u8 {
     let plan = match load_plan(file, color) {
         Ok(p) => p,
         Err(code) => return code,
     };
     let measured = match backend {
-        Backend::Cpu => pipec_executor::profile::profile_cpu(&plan, 2, reps.max(1)),
+        Backend::Cpu => {
+            // the plan's devices run as threads of one process and share these cores
+            let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+            let threads = concurrent.unwrap_or_else(|| plan.devices.len().clamp(1, cores)).max(1);
+            eprintln!("profiling on the CPU with {threads} concurrent worker(s)");
+            pipec_executor::profile::profile_cpu_concurrent(&plan, threads, 2, reps.max(1))
+        }
         Backend::Cuda => {
             if let Err(e) = pipec_executor::cuda_available() {
                 eprintln!("error: {e}");

@@ -182,11 +182,14 @@ fn executor() {
     println!("## executor (CPU, flex backend): 8 x Linear(1024) + ReLU, batch 256, 8 microbatches, 3 warm-up + 20 timed steps");
     // Calibrate the cost model with a measured profile of this machine, as a user would
     // with `pipec profile`.
+    // `pipec profile` measures with as many concurrent copies as the plan has workers
+    // sharing this machine: 1 for the single worker, 2 for the pipelines.
     let single = plan_of(&mlp_spec(1, "\"1\"", "gpipe", "50GFLOP/s"));
-    let profile = pipec_executor::profile::profile_cpu(&single, 2, 10).expect("profiles");
+    let profiles: Vec<_> = (1..=2).map(|threads| pipec_executor::profile::profile_cpu_concurrent(&single, threads, 2, 10).expect("profiles")).collect();
     let with_profile = |text: &str| {
         let spec = pipec_grammar::check_source(text).spec.expect("valid");
-        compile(&spec, &CompileOptions { profile: Some(profile.clone()), base_dir: None }).expect("compiles").plan
+        let workers = spec.cluster.device_count().clamp(1, 2);
+        compile(&spec, &CompileOptions { profile: Some(profiles[workers - 1].clone()), base_dir: None }).expect("compiles").plan
     };
     let one = with_profile(&mlp_spec(1, "\"1\"", "gpipe", "50GFLOP/s"));
     let (t1, l1, _) = run_steps(&one);

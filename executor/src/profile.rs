@@ -116,8 +116,39 @@ pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: 
 
 /// Profiles on the CPU backend.
 pub fn profile_cpu(plan: &Plan, warmup: usize, reps: usize) -> Result<Profile, String> {
+    profile_cpu_concurrent(plan, 1, warmup, reps)
+}
+
+/// Profiles on the CPU backend with `threads` copies of the measurement running at once,
+/// each on its own thread, and averages their times: on the CPU every device of a plan is
+/// a worker thread of one process, so its layers run while the other workers load the same
+/// cores, caches and memory bus — this measures them under that load.
+pub fn profile_cpu_concurrent(plan: &Plan, threads: usize, warmup: usize, reps: usize) -> Result<Profile, String> {
     type B = burn::backend::Autodiff<burn::backend::Flex>;
-    profile_layers::<B>(plan, &Default::default(), warmup, reps)
+    let threads = threads.max(1);
+    if threads == 1 {
+        return profile_layers::<B>(plan, &Default::default(), warmup, reps);
+    }
+    let barrier = std::sync::Barrier::new(threads);
+    let results: Vec<Result<Profile, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    barrier.wait();
+                    profile_layers::<B>(plan, &Default::default(), warmup, reps)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a profiling thread panicked".into()))).collect()
+    });
+    let profiles: Vec<Profile> = results.into_iter().collect::<Result<_, _>>()?;
+    let mut out = profiles[0].clone();
+    let n = profiles.len() as f64;
+    for (i, layer) in out.layers.iter_mut().enumerate() {
+        layer.forward_ms = profiles.iter().map(|p| p.layers[i].forward_ms).sum::<f64>() / n;
+        layer.backward_ms = profiles.iter().map(|p| p.layers[i].backward_ms).sum::<f64>() / n;
+    }
+    Ok(out)
 }
 
 /// Profiles on the CUDA backend.
