@@ -135,6 +135,12 @@ fn profile_then_compile_with_the_measured_costs() {
     let prof = dir.path().join("profile.json");
     let out = pipec(&["profile", "specs/mlp-1f1b.yaml", "-o", prof.to_str().expect("path"), "--reps", "3"]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // by default as many concurrent copies as the plan's 2 devices (on 2+ cores)
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("with {} concurrent worker(s)", cores.min(2))));
+    let solo = dir.path().join("solo.json");
+    let out = pipec(&["profile", "specs/mlp-1f1b.yaml", "-o", solo.to_str().expect("path"), "--reps", "2", "--concurrent", "1"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("with 1 concurrent worker(s)") && solo.is_file());
     let p: pipec_plan::profile::Profile = serde_json::from_str(&std::fs::read_to_string(&prof).expect("profile")).expect("a profile");
     assert_eq!(p.layers.len(), 7);
     assert_eq!(p.batch_size, 16);
