@@ -206,7 +206,7 @@ pub fn lower_asp(p: &Placement, gradient_bytes: u64, staleness: usize) -> BTreeM
     let local: Vec<Vec<usize>> = workers.iter().map(|w| p.local_microbatches(0, *w)).collect();
     let n_local = local.iter().map(Vec::len).max().unwrap_or(0);
     let mut out: BTreeMap<DeviceId, Vec<Instr>> = (0..p.devices).map(|d| (DeviceId(d as u32), Vec::new())).collect();
-    let rounds_end = |j: usize| (j + 1) % every == 0 || j + 1 == n_local;
+    let rounds_end = |j: usize| (j + 1).is_multiple_of(every) || j + 1 == n_local;
     let mut round = 0u32;
     for j in 0..n_local {
         for (wi, w) in workers.iter().enumerate() {

@@ -50,6 +50,11 @@ pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
     if !problems.is_empty() {
         return problems;
     }
+    verify_streams(plan, &plan.streams)
+}
+
+/// Verifies `streams` as the streams of `plan` (whose other fields are assumed sound).
+pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<Instr>>) -> Vec<String> {
     let placement = Placement {
         replicas: plan.stages.iter().map(|s| s.replicas.clone()).collect(),
         route: plan.stages.iter().map(|s| s.route.clone()).collect(),
@@ -65,14 +70,14 @@ pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
         _ => None,
     };
     let input = VerifyInput {
-        streams: &plan.streams,
+        streams,
         placement: &placement,
         groups: &groups,
         split_backward: matches!(plan.schedule.kind.as_str(), "zb-h1" | "zbv"),
         recompute: plan.training.recompute,
         update_every,
         asp_staleness: plan.schedule.staleness,
-        tp: plan.stages[0].tensor_parallel.first().map_or(1, Vec::len),
+        tp: plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len),
     };
     verify(&input).into_iter().map(|v| v.message).collect()
 }

@@ -1,12 +1,9 @@
 //! Schedules checked against closed-form results, the verifier against every schedule and
 //! against single-instruction mutations, and golden instruction streams.
 
-use pipec_compiler::schedule::Placement;
-use pipec_compiler::verify::{verify, VerifyInput};
 use pipec_compiler::{compile, CompileOptions, Compiled};
-use pipec_plan::{DeviceId, GroupId, Instr};
+use pipec_plan::{DeviceId, Instr};
 use proptest::prelude::*;
-use std::collections::HashMap;
 
 /// A spec of `layers` equal linear layers on `devices` devices with free communication, so
 /// the simulated bubble is the schedule's own.
@@ -194,21 +191,7 @@ fn chimera_has_fewer_bubbles_than_1f1b() {
 }
 
 fn verify_plan(c: &Compiled, streams: &std::collections::BTreeMap<DeviceId, Vec<Instr>>) -> Vec<String> {
-    let plan = &c.plan;
-    let placement = Placement {
-        replicas: plan.stages.iter().map(|s| s.replicas.clone()).collect(),
-        route: plan.stages.iter().map(|s| s.route.clone()).collect(),
-        devices: plan.devices.len(),
-        microbatches: plan.training.microbatches,
-    };
-    let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
-    let split = matches!(plan.schedule.kind.as_str(), "zb-h1" | "zbv");
-    verify(&VerifyInput { streams, placement: &placement, groups: &groups, split_backward: split, recompute: plan.training.recompute, update_every: match plan.schedule.kind.as_str() {
-        "pipedream" => Some(1),
-        "2bw" => Some(plan.devices.len().min(plan.stages.len())),
-        _ if plan.schedule.staleness.is_some() => Some(1),
-        _ => None,
-    }, asp_staleness: plan.schedule.staleness, tp: plan.stages[0].tensor_parallel.first().map_or(1, Vec::len) }).into_iter().map(|v| v.message).collect()
+    pipec_compiler::verify::verify_streams(&c.plan, streams)
 }
 
 /// One small plan of every schedule.

@@ -261,8 +261,14 @@ impl Plan {
             out.push("the plan has no layers".into());
         }
         // training
-        if t.batch_size == 0 || t.microbatches == 0 || t.batch_size % t.microbatches.max(1) != 0 || t.microbatch_size * t.microbatches != t.batch_size {
+        if t.batch_size == 0 || t.microbatches == 0 || !t.batch_size.is_multiple_of(t.microbatches.max(1)) || t.microbatch_size.checked_mul(t.microbatches) != Some(t.batch_size) {
             out.push(format!("training: batch_size {} must split into {} microbatches of {}", t.batch_size, t.microbatches, t.microbatch_size));
+        }
+        // no tensor of a microbatch beyond 2^32 elements (16 GiB in fp32)
+        let elements = |shape: &[usize]| shape.iter().try_fold(t.microbatch_size.max(1), |a, &d| a.checked_mul(d));
+        let mut shapes = std::iter::once(self.model.input.as_slice()).chain(self.layers.iter().map(|l| l.output_shape.as_slice()));
+        if shapes.any(|s| elements(s).is_none_or(|e| e > 1 << 32)) {
+            out.push(format!("a microbatch of {} samples makes tensors of more than 2^32 elements", t.microbatch_size));
         }
         // stages
         if self.stages.is_empty() {
