@@ -139,7 +139,7 @@ pub fn run(args: RunArgs) -> u8 {
         let _ = metrics.flush();
         bar.set_position(m.step as u64 + 1);
         bar.set_message(format!("loss {:.5} {:.0} samples/s", m.loss, m.samples_per_s));
-        if quiet && (m.step < 3 || (m.step + 1) % 10 == 0 || m.step + 1 == steps) {
+        if quiet && (m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps) {
             eprintln!("step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s", m.step, m.loss, m.step_seconds * 1e3, m.samples_per_s);
         }
     };
@@ -199,7 +199,7 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
     let mut lines = Vec::new();
     let mut on_step = |m: &StepMetrics| {
         lines.push(serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s}).to_string());
-        if m.step < 3 || (m.step + 1) % 10 == 0 || m.step + 1 == steps {
+        if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps {
             eprintln!("step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s", m.step, m.loss, m.step_seconds * 1e3, m.samples_per_s);
         }
     };

@@ -296,8 +296,8 @@ proptest! {
         // every device finishes and every layer is in exactly one stage
         let mut covered = vec![0; layers];
         for s in &c.plan.stages {
-            for l in s.layers[0]..s.layers[1] {
-                covered[l] += 1;
+            for c in &mut covered[s.layers[0]..s.layers[1]] {
+                *c += 1;
             }
         }
         prop_assert!(covered.iter().all(|&c| c == 1));

@@ -594,10 +594,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let st = self.state(stage)?;
                 let sizes: Vec<usize> = st.acc.iter().map(|g| g.as_ref().map(|t| t.dims()[0]).unwrap_or(0)).collect();
                 let mut flat: Vec<f32> = Vec::with_capacity(sizes.iter().sum());
-                for g in &st.acc {
-                    if let Some(t) = g {
-                        flat.extend(t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?);
-                    }
+                for t in st.acc.iter().flatten() {
+                    flat.extend(t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?);
                 }
                 self.ep.all_reduce(&members, &mut flat, reduce).map_err(|e| e.to_string())?;
                 let st = self.state(stage)?;
