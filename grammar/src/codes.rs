@@ -66,7 +66,10 @@ Example:
 
 "E0105", "invalid value",
 "The value has the right type but is not one of the allowed values, or is out of range
-(a zero where a positive number is needed, a learning rate of 0, ...).
+(a zero where a positive number is needed, a learning rate of 0, ...). Also past the size
+pipec plans, so any spec is checked and compiled in bounded time and memory: at most
+65,536 devices, 1,000,000 layers after `repeat`, and 1,048,576 forward passes per step
+(stage chunks × microbatches).
 
 Example:
 
