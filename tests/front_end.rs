@@ -154,3 +154,20 @@ fn huge_numbers_get_diagnostics_not_overflows_or_endless_work() {
     let d = check(&[("microbatches: 5", "microbatches: 1099511627776"), ("batch_size: 64", "batch_size: 1099511627776")]);
     assert!(d.iter().any(|d| d.code == "E0105" && d.message.contains("forward passes per step")), "{d:?}");
 }
+
+#[test]
+fn a_strategy_cluster_mismatch_offers_the_matching_cluster_size() {
+    let src = read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/invalid/strategy-vs-cluster.yaml"));
+    let d = pipec_grammar::check_source(&src).diagnostics;
+    let e = d.iter().find(|d| d.code == "E0402").expect("E0402");
+    let fix = e.fix.as_ref().expect("a fix");
+    assert_eq!((fix.title.as_str(), fix.replacement.as_str(), &src[fix.span.start..fix.span.end]), ("use 4 devices per node", "4", "2"));
+    // applied, the spec checks clean
+    let fixed = format!("{}{}{}", &src[..fix.span.start], fix.replacement, &src[fix.span.end..]);
+    assert!(!pipec_grammar::check_source(&fixed).has_errors());
+    // with 3 nodes, 4 devices cannot be spread evenly: no fix, the help still says what to do
+    let three = src.replace("  nodes: 1\n", "  nodes: 3\n").replace("    intra_node: { bandwidth: 10GB/s, latency: 5us }\n", "    intra_node: { bandwidth: 10GB/s, latency: 5us }\n    inter_node: { bandwidth: 10GB/s, latency: 5us }\n");
+    let d = pipec_grammar::check_source(&three).diagnostics;
+    let e = d.iter().find(|d| d.code == "E0402").expect("E0402");
+    assert!(e.fix.is_none() && e.help.is_some(), "{e:?}");
+}

@@ -171,15 +171,19 @@ pub(crate) fn lower_strategy(
             let notation = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-");
             let sum = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("+");
             let needs = if tp > 1 { format!("({sum}) × tp {tp} = {needed}") } else { format!("{sum} = {needed}") };
-            cx.push(
-                Diagnostic::error("E0402", format!("the strategy `{notation}` needs {needed} devices, but the cluster has {devices}"), layout_span, format!("needs {needs} devices"))
-                    .with_label(c.devices_span, format!("{} node(s) × {} device(s) = {devices}", c.nodes, c.devices_per_node))
-                    .with_help(if needed < devices {
-                        format!("use all {devices} devices (e.g. `stages: straight`), or shrink the cluster")
-                    } else {
-                        format!("the cluster needs {needed} devices: raise `devices_per_node`/`nodes`, or use fewer stages or replicas")
-                    }),
-            );
+            let mut d = Diagnostic::error("E0402", format!("the strategy `{notation}` needs {needed} devices, but the cluster has {devices}"), layout_span, format!("needs {needs} devices"))
+                .with_label(c.devices_span, format!("{} node(s) × {} device(s) = {devices}", c.nodes, c.devices_per_node))
+                .with_help(if needed < devices {
+                    format!("use all {devices} devices (e.g. `stages: straight`), or shrink the cluster")
+                } else {
+                    format!("the cluster needs {needed} devices: raise `devices_per_node`/`nodes`, or use fewer stages or replicas")
+                });
+            // the cluster resized to the strategy, when the nodes divide it
+            if needed.is_multiple_of(c.nodes.max(1)) && needed / c.nodes.max(1) >= 1 {
+                let per_node = needed / c.nodes.max(1);
+                d = d.with_fix(format!("use {per_node} device{} per node", if per_node == 1 { "" } else { "s" }), c.devices_span, per_node.to_string());
+            }
+            cx.push(d);
             ok = false;
         }
     }
