@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod check_cmd;
+mod compare_cmd;
 mod compile_cmd;
 mod launch_cmd;
 mod lsp;
@@ -159,6 +160,14 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
     },
+    /// Compile the spec under every schedule and print their predicted step time, bubble,
+    /// throughput and memory headroom side by side (nothing is written).
+    Compare {
+        file: PathBuf,
+        /// A measured per-layer profile (from `pipec profile`) replacing analytic costs.
+        #[arg(long)]
+        profile: Option<PathBuf>,
+    },
 }
 
 /// mimalloc instead of glibc's malloc: training steps 15-25% faster on the CPU backend
@@ -171,6 +180,7 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
+        Command::Compare { file, profile } => compare_cmd::run(&file, profile.as_deref()),
         Command::Compile { file, out, emit, profile, format } => compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref()),
         Command::Run { file, out, steps, backend, resume, timeout, transport, no_verify } => {
             run_cmd::run(run_cmd::RunArgs { transport, file, out, steps, backend, resume, timeout_s: timeout, verify: !no_verify, color: std::io::stderr().is_terminal() })

@@ -125,3 +125,40 @@ fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
     let out = pipec(&["run", compiled.join("plan.json").to_str().expect("utf-8 path"), "--steps", "1", "-o", dir.path().join("ok").to_str().expect("utf-8 path")]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn compare_lists_every_schedule_fastest_first_and_says_why_one_does_not_apply() {
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml");
+    let out = pipec(&["compare", spec.to_str().expect("utf-8 path")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rows: Vec<&str> = text.lines().skip(1).collect();
+    assert_eq!(rows.len(), 9, "{text}");
+    for s in ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "chimera", "pipedream", "2bw", "dp-only"] {
+        assert!(rows.iter().any(|r| r.starts_with(s) || r.contains(&format!("kind: {s}"))), "{s} missing:\n{text}");
+    }
+    // planned rows come first, in order of step time; then the ones that do not apply
+    let dp = rows.iter().position(|r| r.starts_with("dp-only")).expect("dp-only row");
+    assert_eq!(dp, rows.len() - 1);
+    assert!(rows[dp].contains("n/a") && rows[dp].contains("runs the whole model as one stage"), "{}", rows[dp]);
+    let seconds = |r: &str| {
+        let (v, unit) = (r[42..].split_whitespace().next().expect("step"), r[42..].split_whitespace().nth(1).expect("unit"));
+        let v: f64 = v.parse().expect("number");
+        v * match unit {
+            "s" => 1.0,
+            "ms" => 1e-3,
+            "µs" => 1e-6,
+            other => panic!("unit {other}"),
+        }
+    };
+    let steps: Vec<f64> = rows[..dp].iter().map(|r| seconds(r)).collect();
+    assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{steps:?}");
+    // the row of the spec's own schedule is the plan `pipec compile` makes
+    let row = rows.iter().find(|r| r.starts_with("1f1b ")).expect("1f1b row");
+    assert!(row.contains("550.7 µs") && row.contains("25.8%"), "{row}");
+    // a spec with errors is not compared
+    let bad = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/invalid/bad-loss.yaml");
+    let out = pipec(&["compare", bad.to_str().expect("utf-8 path")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("E0105"));
+}
