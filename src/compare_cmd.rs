@@ -9,7 +9,7 @@ use pipec_compiler::render::human_time;
 use pipec_compiler::{compile, CompileOptions};
 
 use crate::check_cmd::read_spec;
-use crate::{EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
+use crate::{Format, EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
 
 /// The schedules tried, as they would be written in a spec.
 const CANDIDATES: &[&str] = &["gpipe", "1f1b", "{ kind: interleaved, virtual_stages: 2 }", "zb-h1", "zbv", "chimera", "pipedream", "2bw", "dp-only"];
@@ -101,7 +101,23 @@ pub fn table(rows: &[Row]) -> String {
     s
 }
 
-pub fn run(path: &Path, profile: Option<&Path>) -> u8 {
+/// The comparison as JSON lines, in the order the schedules were tried.
+pub fn json_lines(rows: &[Row]) -> String {
+    rows.iter()
+        .map(|r| {
+            let v = match &r.outcome {
+                Outcome::Planned { step_s, bubble, throughput, headroom, synchronous, fits } => serde_json::json!({
+                    "schedule": r.schedule, "step_time_s": step_s, "bubble_fraction": bubble, "throughput_samples_per_s": throughput,
+                    "memory_headroom": headroom, "synchronous": synchronous, "fits": fits,
+                }),
+                Outcome::NotApplicable(why) => serde_json::json!({"schedule": r.schedule, "not_applicable": why}),
+            };
+            v.to_string() + "\n"
+        })
+        .collect()
+}
+
+pub fn run(path: &Path, profile: Option<&Path>, format: Format) -> u8 {
     let source = match read_spec(path) {
         Ok(s) => s,
         Err(e) => {
@@ -126,7 +142,10 @@ pub fn run(path: &Path, profile: Option<&Path>) -> u8 {
     let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     match compare(&source, Some(base), profile) {
         Ok(rows) => {
-            print!("{}", table(&rows));
+            match format {
+                Format::Human => print!("{}", table(&rows)),
+                Format::Json => print!("{}", json_lines(&rows)),
+            }
             EXIT_OK
         }
         Err(diags) => {

@@ -156,6 +156,13 @@ fn compare_lists_every_schedule_fastest_first_and_says_why_one_does_not_apply() 
     // the row of the spec's own schedule is the plan `pipec compile` makes
     let row = rows.iter().find(|r| r.starts_with("1f1b ")).expect("1f1b row");
     assert!(row.contains("550.7 µs") && row.contains("25.8%"), "{row}");
+    // JSON lines for scripts: the same numbers, one object per schedule
+    let out = pipec(&["compare", spec.to_str().expect("utf-8 path"), "--format", "json"]);
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    assert_eq!(lines.len(), 9);
+    let ob = lines.iter().find(|l| l["schedule"] == "1f1b").expect("1f1b");
+    assert!((ob["step_time_s"].as_f64().expect("step") - 550.7e-6).abs() < 1e-7 && ob["synchronous"] == true && ob["fits"] == true, "{ob}");
+    assert!(lines.iter().any(|l| l["schedule"] == "dp-only" && l["not_applicable"].is_string()));
     // a spec with errors is not compared
     let bad = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/invalid/bad-loss.yaml");
     let out = pipec(&["compare", bad.to_str().expect("utf-8 path")]);
