@@ -101,6 +101,37 @@ pub fn table(rows: &[Row]) -> String {
     s
 }
 
+/// The comparison as a Markdown table (the language server's hover), fastest first.
+pub fn markdown(rows: &[Row]) -> String {
+    let mut planned: Vec<(f64, String)> = Vec::new();
+    let mut others = Vec::new();
+    for r in rows {
+        match &r.outcome {
+            Outcome::Planned { step_s, bubble, headroom, synchronous, fits, .. } => {
+                let mut notes = Vec::new();
+                if !synchronous {
+                    notes.push("async");
+                }
+                if !fits {
+                    notes.push("does not fit");
+                }
+                planned.push((if *fits { *step_s } else { f64::INFINITY }, format!("| `{}` | {} | {:.1}% | {:.1}% | {} |", r.schedule, human_time(*step_s), bubble * 100.0, headroom * 100.0, notes.join(", "))));
+            }
+            Outcome::NotApplicable(_) => others.push(format!("`{}`", r.schedule)),
+        }
+    }
+    planned.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut s = String::from("Other schedules (predicted):\n\n| schedule | step | bubble | headroom | |\n|---|---|---|---|---|\n");
+    for (_, row) in planned {
+        s.push_str(&row);
+        s.push('\n');
+    }
+    if !others.is_empty() {
+        s.push_str(&format!("\nNot applicable here: {}.", others.join(", ")));
+    }
+    s
+}
+
 /// The comparison as JSON lines, in the order the schedules were tried.
 pub fn json_lines(rows: &[Row]) -> String {
     rows.iter()

@@ -125,6 +125,9 @@ fn front_end(src: &str, uri: &Uri) -> (Vec<Diagnostic>, Option<pipec_grammar::Sp
     }
 }
 
+/// The hover compares the other schedules only when one compile takes less than this.
+const COMPARE_BELOW: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// The background compiler: debounced, latest version per document only.
 fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared: Arc<Mutex<Shared>>) {
     let mut pending: HashMap<String, Job> = HashMap::new();
@@ -157,6 +160,7 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
             }
             let (mut diags, spec) = front_end(&job.text, &job.uri);
             let Some(spec) = spec else { continue };
+            let started = std::time::Instant::now();
             let compiled = std::panic::catch_unwind(AssertUnwindSafe(|| pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())));
             match compiled {
                 Ok(Ok(c)) => {
@@ -170,6 +174,12 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
                         sim.bubble_fraction * 100.0,
                         headroom * 100.0
                     );
+                    // the other schedules side by side, when compiling is cheap (nine compiles)
+                    let cheap = started.elapsed() < COMPARE_BELOW;
+                    let summary = match cheap.then(|| std::panic::catch_unwind(AssertUnwindSafe(|| crate::compare_cmd::compare(&job.text, base_dir(&job.uri).as_deref(), None)))) {
+                        Some(Ok(Ok(rows))) => format!("{summary}\n\n{}", crate::compare_cmd::markdown(&rows)),
+                        _ => summary,
+                    };
                     shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner).prediction.insert(key.clone(), summary);
                     diags.extend(c.diagnostics);
                 }

@@ -243,7 +243,8 @@ pub fn explain_stages(text: &str) -> Option<String> {
 
 /// Hover documentation at `offset`: the key's documentation, a layer's signature, what a
 /// strategy string means, or a schedule's description. `extra` is appended for the
-/// strategy line (the language server passes the last plan's prediction).
+/// strategy's layout and schedule values (the language server passes the last plan's
+/// prediction and the other schedules' predictions).
 pub fn hover(src: &str, offset: usize, schema: &SchemaIndex, extra: Option<&str>) -> Option<(Span, String)> {
     let (path, span, is_key) = match yaml::parse(src) {
         Ok(root) => {
@@ -279,7 +280,13 @@ pub fn hover(src: &str, offset: usize, schema: &SchemaIndex, extra: Option<&str>
     if !is_key {
         if let Some((wspan, word)) = word_at(src, offset) {
             if let Some((_, d)) = schema.values_at(&p).into_iter().find(|(v, d)| v == word && !d.is_empty()) {
-                return Some((wspan, format!("`{word}`: {d}")));
+                let mut s = format!("`{word}`: {d}");
+                // the schedule: also the plan's prediction and the other schedules'
+                if let (Some(e), true) = (extra, p.first() == Some(&"strategy") && p.get(1) == Some(&"schedule")) {
+                    s.push_str("\n\n");
+                    s.push_str(e);
+                }
+                return Some((wspan, s));
             }
         }
     }

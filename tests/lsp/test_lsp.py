@@ -139,6 +139,16 @@ async def test_hover_on_layers_keys_and_strategy(client: LanguageClient):
     )
     assert "3 stage(s) using 4 worker(s)" in hover.contents.value
     assert "predicted step" in hover.contents.value
+    # on the schedule: its description, the prediction, and the other schedules side by side
+    hover = await client.text_document_hover_async(
+        types.HoverParams(text_document=types.TextDocumentIdentifier(uri=uri_of(name)), position=pos("schedule: ", 11))
+    )
+    value = hover.contents.value
+    assert "predicted step" in value and "Other schedules (predicted)" in value, value
+    for schedule in ("`gpipe`", "`1f1b`", "`zb-h1`"):
+        assert schedule in value, value
+    # 2-1-1 replicates a stage unevenly: interleaved, ZBV and Chimera do not apply
+    assert "Not applicable here:" in value and "`chimera`" in value.split("Not applicable here:")[1], value
 
 
 async def test_completion_of_keys_values_and_layers(client: LanguageClient):
