@@ -18,6 +18,8 @@ const CANDIDATES: &[&str] = &["gpipe", "1f1b", "{ kind: interleaved, virtual_sta
 #[derive(Debug, Clone, PartialEq)]
 pub struct Row {
     pub schedule: String,
+    /// The microbatch count compiled (the spec's own unless a sweep was asked for).
+    pub microbatches: usize,
     pub outcome: Outcome,
 }
 
@@ -25,45 +27,91 @@ pub struct Row {
 pub enum Outcome {
     /// Compiled: step time (s), bubble fraction, samples/s, tightest memory headroom,
     /// whether the schedule trains like one device, whether it fits in memory.
-    Planned { step_s: f64, bubble: f64, throughput: f64, headroom: f64, synchronous: bool, fits: bool },
+    Planned {
+        step_s: f64,
+        bubble: f64,
+        throughput: f64,
+        headroom: f64,
+        synchronous: bool,
+        fits: bool,
+    },
     /// The schedule does not apply; the first error says why.
     NotApplicable(String),
 }
 
-/// Compiles `source` under every candidate schedule. `Err` when the spec itself has errors.
-pub fn compare(source: &str, base_dir: Option<&Path>, profile: Option<pipec_plan::profile::Profile>) -> Result<Vec<Row>, Vec<pipec_grammar::Diagnostic>> {
+/// Compiles `source` under every candidate schedule, and with each of `microbatches` (the
+/// spec's own count when empty). `Err` when the spec itself has errors, or a sweep is asked
+/// for and the spec has no `microbatches` key to vary.
+pub fn compare(source: &str, base_dir: Option<&Path>, profile: Option<pipec_plan::profile::Profile>, microbatches: &[usize]) -> Result<Vec<Row>, Vec<pipec_grammar::Diagnostic>> {
     let checked = pipec_grammar::check_source_in(source, base_dir);
     let Some(spec) = checked.spec else {
         return Err(checked.diagnostics.into_iter().filter(|d| d.is_error()).collect());
     };
     let span = spec.strategy.schedule.span;
-    let options = CompileOptions { profile, base_dir: base_dir.map(Path::to_path_buf) };
+    let counts: Vec<usize> = if microbatches.is_empty() { vec![spec.strategy.microbatches] } else { microbatches.to_vec() };
+    // the edits, in the order they appear in the text
+    let mb_span = match (spec.strategy.microbatches_span, microbatches.is_empty()) {
+        (Some(s), _) => Some(s),
+        (None, true) => None,
+        (None, false) => {
+            return Err(vec![pipec_grammar::Diagnostic::error(
+                "E0104",
+                "a microbatch sweep needs a `microbatches` key to vary",
+                spec.strategy.span,
+                "in this strategy",
+            )
+            .with_help("add `microbatches: N` to the strategy")]);
+        }
+    };
+    let options = CompileOptions {
+        profile,
+        base_dir: base_dir.map(Path::to_path_buf),
+    };
     let mut rows = Vec::new();
-    for candidate in CANDIDATES {
-        let text = format!("{}{}{}", &source[..span.start], candidate, &source[span.end..]);
-        let checked = pipec_grammar::check_source_in(&text, base_dir);
-        let outcome = match checked.spec {
-            None => {
-                let first = checked.diagnostics.iter().find(|d| d.is_error()).map_or_else(|| "does not apply".to_string(), |d| d.message.clone());
-                Outcome::NotApplicable(first)
+    for &count in &counts {
+        for candidate in CANDIDATES {
+            let mut edits = vec![(span, (*candidate).to_string())];
+            if let Some(m) = mb_span {
+                edits.push((m, count.to_string()));
             }
-            Some(spec) => match compile(&spec, &options) {
-                Err(diags) => Outcome::NotApplicable(diags.first().map_or_else(|| "does not compile".to_string(), |d| d.message.clone())),
-                Ok(c) => {
-                    let p = &c.plan;
-                    let headroom = p.devices.iter().filter(|d| d.memory.capacity > 0).map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64).fold(f64::INFINITY, f64::min);
-                    Outcome::Planned {
-                        step_s: p.simulation.step_time_s,
-                        bubble: p.simulation.bubble_fraction,
-                        throughput: p.simulation.throughput_samples_per_s,
-                        headroom,
-                        synchronous: p.schedule.synchronous,
-                        fits: !c.has_errors(),
-                    }
+            edits.sort_by_key(|(s, _)| std::cmp::Reverse(s.start));
+            let mut text = source.to_string();
+            for (s, with) in edits {
+                text.replace_range(s.start..s.end, &with);
+            }
+            let checked = pipec_grammar::check_source_in(&text, base_dir);
+            let outcome = match checked.spec {
+                None => {
+                    let first = checked.diagnostics.iter().find(|d| d.is_error()).map_or_else(|| "does not apply".to_string(), |d| d.message.clone());
+                    Outcome::NotApplicable(first)
                 }
-            },
-        };
-        rows.push(Row { schedule: (*candidate).to_string(), outcome });
+                Some(spec) => match compile(&spec, &options) {
+                    Err(diags) => Outcome::NotApplicable(diags.first().map_or_else(|| "does not compile".to_string(), |d| d.message.clone())),
+                    Ok(c) => {
+                        let p = &c.plan;
+                        let headroom = p
+                            .devices
+                            .iter()
+                            .filter(|d| d.memory.capacity > 0)
+                            .map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64)
+                            .fold(f64::INFINITY, f64::min);
+                        Outcome::Planned {
+                            step_s: p.simulation.step_time_s,
+                            bubble: p.simulation.bubble_fraction,
+                            throughput: p.simulation.throughput_samples_per_s,
+                            headroom,
+                            synchronous: p.schedule.synchronous,
+                            fits: !c.has_errors(),
+                        }
+                    }
+                },
+            };
+            rows.push(Row {
+                schedule: (*candidate).to_string(),
+                microbatches: count,
+                outcome,
+            });
+        }
     }
     Ok(rows)
 }
@@ -80,9 +128,20 @@ pub fn table(rows: &[Row]) -> String {
         let (fb, sb) = key(b);
         fa.cmp(&fb).then(sa.total_cmp(&sb))
     });
-    let mut s = format!("{:<42} {:>11} {:>7} {:>12} {:>9}  {}\n", "schedule", "step", "bubble", "samples/s", "headroom", "notes");
+    let mut s = format!(
+        "{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {}\n",
+        "schedule", "step", "bubble", "samples/s", "headroom", "microbatches", "notes"
+    );
     for r in planned {
-        if let Outcome::Planned { step_s, bubble, throughput, headroom, synchronous, fits } = r.outcome {
+        if let Outcome::Planned {
+            step_s,
+            bubble,
+            throughput,
+            headroom,
+            synchronous,
+            fits,
+        } = r.outcome
+        {
             let mut notes = Vec::new();
             if !synchronous {
                 notes.push("asynchronous (stale weights)");
@@ -90,12 +149,21 @@ pub fn table(rows: &[Row]) -> String {
             if !fits {
                 notes.push("does not fit in memory");
             }
-            s.push_str(&format!("{:<42} {:>11} {:>6.1}% {:>12.1} {:>8.1}%  {}\n", r.schedule, human_time(step_s), bubble * 100.0, throughput, headroom * 100.0, notes.join(", ")));
+            s.push_str(&format!(
+                "{:<42} {:>11} {:>6.1}% {:>12.1} {:>8.1}% {:>12}  {}\n",
+                r.schedule,
+                human_time(step_s),
+                bubble * 100.0,
+                throughput,
+                headroom * 100.0,
+                r.microbatches,
+                notes.join(", ")
+            ));
         }
     }
     for r in rows {
         if let Outcome::NotApplicable(why) = &r.outcome {
-            s.push_str(&format!("{:<42} {:>11}  {why}\n", r.schedule, "n/a"));
+            s.push_str(&format!("{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {why}\n", r.schedule, "n/a", "", "", "", r.microbatches));
         }
     }
     s
@@ -107,7 +175,14 @@ pub fn markdown(rows: &[Row]) -> String {
     let mut others = Vec::new();
     for r in rows {
         match &r.outcome {
-            Outcome::Planned { step_s, bubble, headroom, synchronous, fits, .. } => {
+            Outcome::Planned {
+                step_s,
+                bubble,
+                headroom,
+                synchronous,
+                fits,
+                ..
+            } => {
                 let mut notes = Vec::new();
                 if !synchronous {
                     notes.push("async");
@@ -115,7 +190,17 @@ pub fn markdown(rows: &[Row]) -> String {
                 if !fits {
                     notes.push("does not fit");
                 }
-                planned.push((if *fits { *step_s } else { f64::INFINITY }, format!("| `{}` | {} | {:.1}% | {:.1}% | {} |", r.schedule, human_time(*step_s), bubble * 100.0, headroom * 100.0, notes.join(", "))));
+                planned.push((
+                    if *fits { *step_s } else { f64::INFINITY },
+                    format!(
+                        "| `{}` | {} | {:.1}% | {:.1}% | {} |",
+                        r.schedule,
+                        human_time(*step_s),
+                        bubble * 100.0,
+                        headroom * 100.0,
+                        notes.join(", ")
+                    ),
+                ));
             }
             Outcome::NotApplicable(_) => others.push(format!("`{}`", r.schedule)),
         }
@@ -137,18 +222,25 @@ pub fn json_lines(rows: &[Row]) -> String {
     rows.iter()
         .map(|r| {
             let v = match &r.outcome {
-                Outcome::Planned { step_s, bubble, throughput, headroom, synchronous, fits } => serde_json::json!({
-                    "schedule": r.schedule, "step_time_s": step_s, "bubble_fraction": bubble, "throughput_samples_per_s": throughput,
+                Outcome::Planned {
+                    step_s,
+                    bubble,
+                    throughput,
+                    headroom,
+                    synchronous,
+                    fits,
+                } => serde_json::json!({
+                    "schedule": r.schedule, "microbatches": r.microbatches, "step_time_s": step_s, "bubble_fraction": bubble, "throughput_samples_per_s": throughput,
                     "memory_headroom": headroom, "synchronous": synchronous, "fits": fits,
                 }),
-                Outcome::NotApplicable(why) => serde_json::json!({"schedule": r.schedule, "not_applicable": why}),
+                Outcome::NotApplicable(why) => serde_json::json!({"schedule": r.schedule, "microbatches": r.microbatches, "not_applicable": why}),
             };
             v.to_string() + "\n"
         })
         .collect()
 }
 
-pub fn run(path: &Path, profile: Option<&Path>, format: Format) -> u8 {
+pub fn run(path: &Path, profile: Option<&Path>, microbatches: &[usize], format: Format) -> u8 {
     let source = match read_spec(path) {
         Ok(s) => s,
         Err(e) => {
@@ -171,7 +263,7 @@ pub fn run(path: &Path, profile: Option<&Path>, format: Format) -> u8 {
         },
     };
     let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    match compare(&source, Some(base), profile) {
+    match compare(&source, Some(base), profile, microbatches) {
         Ok(rows) => {
             match format {
                 Format::Human => print!("{}", table(&rows)),

@@ -176,7 +176,7 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
                     );
                     // the other schedules side by side, when compiling is cheap (nine compiles)
                     let cheap = started.elapsed() < COMPARE_BELOW;
-                    let summary = match cheap.then(|| std::panic::catch_unwind(AssertUnwindSafe(|| crate::compare_cmd::compare(&job.text, base_dir(&job.uri).as_deref(), None)))) {
+                    let summary = match cheap.then(|| std::panic::catch_unwind(AssertUnwindSafe(|| crate::compare_cmd::compare(&job.text, base_dir(&job.uri).as_deref(), None, &[])))) {
                         Some(Ok(Ok(rows))) => format!("{summary}\n\n{}", crate::compare_cmd::markdown(&rows)),
                         _ => summary,
                     };

@@ -167,6 +167,9 @@ enum Command {
         /// A measured per-layer profile (from `pipec profile`) replacing analytic costs.
         #[arg(long)]
         profile: Option<PathBuf>,
+        /// Also sweep the microbatch count, e.g. `--microbatches 4,8,16` (the batch stays).
+        #[arg(long, value_delimiter = ',')]
+        microbatches: Vec<usize>,
         /// `human`: a table; `json`: one JSON object per schedule per line.
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
@@ -183,7 +186,7 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
-        Command::Compare { file, profile, format } => compare_cmd::run(&file, profile.as_deref(), format),
+        Command::Compare { file, profile, microbatches, format } => compare_cmd::run(&file, profile.as_deref(), &microbatches, format),
         Command::Compile { file, out, emit, profile, format } => compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref()),
         Command::Run { file, out, steps, backend, resume, timeout, transport, no_verify } => {
             run_cmd::run(run_cmd::RunArgs { transport, file, out, steps, backend, resume, timeout_s: timeout, verify: !no_verify, color: std::io::stderr().is_terminal() })

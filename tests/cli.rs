@@ -163,6 +163,23 @@ fn compare_lists_every_schedule_fastest_first_and_says_why_one_does_not_apply() 
     let ob = lines.iter().find(|l| l["schedule"] == "1f1b").expect("1f1b");
     assert!((ob["step_time_s"].as_f64().expect("step") - 550.7e-6).abs() < 1e-7 && ob["synchronous"] == true && ob["fits"] == true, "{ob}");
     assert!(lines.iter().any(|l| l["schedule"] == "dp-only" && l["not_applicable"].is_string()));
+    // a microbatch sweep: every schedule with each count; a count that does not divide
+    // the batch is not applicable, with the check's reason
+    let out = pipec(&["compare", spec.to_str().expect("utf-8 path"), "--microbatches", "8,5", "--format", "json"]);
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    assert_eq!(lines.len(), 18);
+    let gpipe5 = lines.iter().find(|l| l["schedule"] == "gpipe" && l["microbatches"] == 5).expect("gpipe at 5");
+    assert!(gpipe5["not_applicable"].as_str().is_some_and(|w| w.contains("not divisible into 5 microbatches")), "{gpipe5}");
+    let ob8 = lines.iter().find(|l| l["schedule"] == "1f1b" && l["microbatches"] == 8).expect("1f1b at 8");
+    // 1F1B's bubble shrinks with more microbatches: (D−1)/(D−1+N) with free transfers
+    assert!(ob8["bubble_fraction"].as_f64().expect("bubble") < ob["bubble_fraction"].as_f64().expect("bubble"), "{ob8} vs {ob}");
+    // a sweep needs a `microbatches` key to vary
+    let dir = tempfile::tempdir().expect("temp dir");
+    let no_key = dir.path().join("no-key.yaml");
+    std::fs::write(&no_key, std::fs::read_to_string(&spec).expect("spec").replace("  microbatches: 4\n", "")).expect("write");
+    let out = pipec(&["compare", no_key.to_str().expect("utf-8 path"), "--microbatches", "2,4"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a `microbatches` key"));
     // a spec with errors is not compared
     let bad = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/invalid/bad-loss.yaml");
     let out = pipec(&["compare", bad.to_str().expect("utf-8 path")]);

@@ -199,6 +199,8 @@ pub struct Strategy {
     /// chooses the replication too.
     pub layout_fixed: bool,
     pub partition_span: Span,
+    /// The span of the `microbatches` value (None when the key is absent: 1 microbatch).
+    pub microbatches_span: Option<Span>,
     pub span: Span,
 }
 

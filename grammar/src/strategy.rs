@@ -338,7 +338,8 @@ pub(crate) fn lower_strategy(
     if !ok {
         return None;
     }
-    Some(Strategy { replicas, tp, schedule, microbatches, partition, recompute, layout_span, layout_fixed, partition_span, span: node.span })
+    let microbatches_span = microbatches_node.map(|n| n.span);
+    Some(Strategy { replicas, tp, schedule, microbatches, partition, recompute, layout_span, layout_fixed, partition_span, microbatches_span, span: node.span })
 }
 
 /// The divisors of `n`, ascending, found in pairs up to its square root; `None` past a
