@@ -25,18 +25,49 @@ pub struct Row {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
-    /// Compiled: step time (s), bubble fraction, samples/s, tightest memory headroom,
-    /// whether the schedule trains like one device, whether it fits in memory.
-    Planned {
-        step_s: f64,
-        bubble: f64,
-        throughput: f64,
-        headroom: f64,
-        synchronous: bool,
-        fits: bool,
-    },
+    Planned(Prediction),
     /// The schedule does not apply; the first error says why.
     NotApplicable(String),
+}
+
+/// What the compiler predicts for a candidate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    pub step_s: f64,
+    pub bubble: f64,
+    pub throughput: f64,
+    /// The tightest memory headroom over the devices.
+    pub headroom: f64,
+    /// Whether the schedule trains like one device.
+    pub synchronous: bool,
+    pub fits: bool,
+}
+
+impl Prediction {
+    /// What the numbers do not say: stale weights, no fit (short words for the hover).
+    fn notes(&self, short: bool) -> String {
+        let mut notes = Vec::new();
+        if !self.synchronous {
+            notes.push(if short { "async" } else { "asynchronous (stale weights)" });
+        }
+        if !self.fits {
+            notes.push(if short { "does not fit" } else { "does not fit in memory" });
+        }
+        notes.join(", ")
+    }
+}
+
+/// The planned rows, those that fit first, each group fastest first.
+fn fastest_first(rows: &[Row]) -> Vec<(&Row, &Prediction)> {
+    let mut planned: Vec<(&Row, &Prediction)> = rows
+        .iter()
+        .filter_map(|r| match &r.outcome {
+            Outcome::Planned(p) => Some((r, p)),
+            Outcome::NotApplicable(_) => None,
+        })
+        .collect();
+    planned.sort_by(|(_, a), (_, b)| (!a.fits).cmp(&!b.fits).then(a.step_s.total_cmp(&b.step_s)));
+    planned
 }
 
 /// Compiles `source` under every candidate schedule, and with each of `microbatches` (the
@@ -87,23 +118,14 @@ pub fn compare(source: &str, base_dir: Option<&Path>, profile: Option<pipec_plan
                 }
                 Some(spec) => match compile(&spec, &options) {
                     Err(diags) => Outcome::NotApplicable(diags.first().map_or_else(|| "does not compile".to_string(), |d| d.message.clone())),
-                    Ok(c) => {
-                        let p = &c.plan;
-                        let headroom = p
-                            .devices
-                            .iter()
-                            .filter(|d| d.memory.capacity > 0)
-                            .map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64)
-                            .fold(f64::INFINITY, f64::min);
-                        Outcome::Planned {
-                            step_s: p.simulation.step_time_s,
-                            bubble: p.simulation.bubble_fraction,
-                            throughput: p.simulation.throughput_samples_per_s,
-                            headroom,
-                            synchronous: p.schedule.synchronous,
-                            fits: !c.has_errors(),
-                        }
-                    }
+                    Ok(c) => Outcome::Planned(Prediction {
+                        step_s: c.plan.simulation.step_time_s,
+                        bubble: c.plan.simulation.bubble_fraction,
+                        throughput: c.plan.simulation.throughput_samples_per_s,
+                        headroom: c.plan.memory_headroom(),
+                        synchronous: c.plan.schedule.synchronous,
+                        fits: !c.has_errors(),
+                    }),
                 },
             };
             rows.push(Row {
@@ -118,48 +140,18 @@ pub fn compare(source: &str, base_dir: Option<&Path>, profile: Option<pipec_plan
 
 /// The comparison as a table, fastest feasible schedule first, the others after.
 pub fn table(rows: &[Row]) -> String {
-    let mut planned: Vec<&Row> = rows.iter().filter(|r| matches!(r.outcome, Outcome::Planned { .. })).collect();
-    let key = |r: &Row| match r.outcome {
-        Outcome::Planned { step_s, fits, .. } => (!fits, step_s),
-        Outcome::NotApplicable(_) => (true, f64::INFINITY),
-    };
-    planned.sort_by(|a, b| {
-        let (fa, sa) = key(a);
-        let (fb, sb) = key(b);
-        fa.cmp(&fb).then(sa.total_cmp(&sb))
-    });
-    let mut s = format!(
-        "{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {}\n",
-        "schedule", "step", "bubble", "samples/s", "headroom", "microbatches", "notes"
-    );
-    for r in planned {
-        if let Outcome::Planned {
-            step_s,
-            bubble,
-            throughput,
-            headroom,
-            synchronous,
-            fits,
-        } = r.outcome
-        {
-            let mut notes = Vec::new();
-            if !synchronous {
-                notes.push("asynchronous (stale weights)");
-            }
-            if !fits {
-                notes.push("does not fit in memory");
-            }
-            s.push_str(&format!(
-                "{:<42} {:>11} {:>6.1}% {:>12.1} {:>8.1}% {:>12}  {}\n",
-                r.schedule,
-                human_time(step_s),
-                bubble * 100.0,
-                throughput,
-                headroom * 100.0,
-                r.microbatches,
-                notes.join(", ")
-            ));
-        }
+    let mut s = format!("{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {}\n", "schedule", "step", "bubble", "samples/s", "headroom", "microbatches", "notes");
+    for (r, p) in fastest_first(rows) {
+        s.push_str(&format!(
+            "{:<42} {:>11} {:>6.1}% {:>12.1} {:>8.1}% {:>12}  {}\n",
+            r.schedule,
+            human_time(p.step_s),
+            p.bubble * 100.0,
+            p.throughput,
+            p.headroom * 100.0,
+            r.microbatches,
+            p.notes(false)
+        ));
     }
     for r in rows {
         if let Outcome::NotApplicable(why) = &r.outcome {
@@ -171,46 +163,11 @@ pub fn table(rows: &[Row]) -> String {
 
 /// The comparison as a Markdown table (the language server's hover), fastest first.
 pub fn markdown(rows: &[Row]) -> String {
-    let mut planned: Vec<(f64, String)> = Vec::new();
-    let mut others = Vec::new();
-    for r in rows {
-        match &r.outcome {
-            Outcome::Planned {
-                step_s,
-                bubble,
-                headroom,
-                synchronous,
-                fits,
-                ..
-            } => {
-                let mut notes = Vec::new();
-                if !synchronous {
-                    notes.push("async");
-                }
-                if !fits {
-                    notes.push("does not fit");
-                }
-                planned.push((
-                    if *fits { *step_s } else { f64::INFINITY },
-                    format!(
-                        "| `{}` | {} | {:.1}% | {:.1}% | {} |",
-                        r.schedule,
-                        human_time(*step_s),
-                        bubble * 100.0,
-                        headroom * 100.0,
-                        notes.join(", ")
-                    ),
-                ));
-            }
-            Outcome::NotApplicable(_) => others.push(format!("`{}`", r.schedule)),
-        }
-    }
-    planned.sort_by(|a, b| a.0.total_cmp(&b.0));
     let mut s = String::from("Other schedules (predicted):\n\n| schedule | step | bubble | headroom | |\n|---|---|---|---|---|\n");
-    for (_, row) in planned {
-        s.push_str(&row);
-        s.push('\n');
+    for (r, p) in fastest_first(rows) {
+        s.push_str(&format!("| `{}` | {} | {:.1}% | {:.1}% | {} |\n", r.schedule, human_time(p.step_s), p.bubble * 100.0, p.headroom * 100.0, p.notes(true)));
     }
+    let others: Vec<String> = rows.iter().filter(|r| matches!(r.outcome, Outcome::NotApplicable(_))).map(|r| format!("`{}`", r.schedule)).collect();
     if !others.is_empty() {
         s.push_str(&format!("\nNot applicable here: {}.", others.join(", ")));
     }
@@ -222,16 +179,9 @@ pub fn json_lines(rows: &[Row]) -> String {
     rows.iter()
         .map(|r| {
             let v = match &r.outcome {
-                Outcome::Planned {
-                    step_s,
-                    bubble,
-                    throughput,
-                    headroom,
-                    synchronous,
-                    fits,
-                } => serde_json::json!({
-                    "schedule": r.schedule, "microbatches": r.microbatches, "step_time_s": step_s, "bubble_fraction": bubble, "throughput_samples_per_s": throughput,
-                    "memory_headroom": headroom, "synchronous": synchronous, "fits": fits,
+                Outcome::Planned(p) => serde_json::json!({
+                    "schedule": r.schedule, "microbatches": r.microbatches, "step_time_s": p.step_s, "bubble_fraction": p.bubble,
+                    "throughput_samples_per_s": p.throughput, "memory_headroom": p.headroom, "synchronous": p.synchronous, "fits": p.fits,
                 }),
                 Outcome::NotApplicable(why) => serde_json::json!({"schedule": r.schedule, "microbatches": r.microbatches, "not_applicable": why}),
             };
@@ -248,19 +198,9 @@ pub fn run(path: &Path, profile: Option<&Path>, microbatches: &[usize], format: 
             return EXIT_USAGE;
         }
     };
-    let profile = match profile.map(std::fs::read_to_string) {
-        None => None,
-        Some(Err(e)) => {
-            eprintln!("error: cannot read the profile: {e}");
-            return EXIT_USAGE;
-        }
-        Some(Ok(text)) => match serde_json::from_str(&text) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                eprintln!("error: not a pipec profile: {e}");
-                return EXIT_USAGE;
-            }
-        },
+    let profile = match profile.map(crate::compile_cmd::read_profile).transpose() {
+        Ok(p) => p,
+        Err(code) => return code,
     };
     let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     match compare(&source, Some(base), profile, microbatches) {

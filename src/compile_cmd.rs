@@ -49,19 +49,7 @@ pub fn compile_file(path: &Path, format: Format, color: bool, profile: Option<&P
         }
         return Err(EXIT_DIAGNOSTICS);
     };
-    let profile = match profile {
-        None => None,
-        Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| {
-                eprintln!("error: cannot read profile `{}`: {e}", p.display());
-                EXIT_USAGE
-            })?;
-            Some(serde_json::from_str(&text).map_err(|e| {
-                eprintln!("error: `{}` is not a pipec profile: {e}", p.display());
-                EXIT_USAGE
-            })?)
-        }
-    };
+    let profile = profile.map(read_profile).transpose()?;
     let options = CompileOptions { profile, base_dir: path.parent().map(Path::to_path_buf) };
     match compile(&spec, &options) {
         Err(diags) => {
@@ -81,6 +69,19 @@ pub fn compile_file(path: &Path, format: Format, color: bool, profile: Option<&P
             Ok((compiled, source))
         }
     }
+}
+
+/// Reads a profile written by `pipec profile`; on failure the error is printed and the exit
+/// code returned.
+pub fn read_profile(p: &Path) -> Result<pipec_plan::profile::Profile, u8> {
+    let text = std::fs::read_to_string(p).map_err(|e| {
+        eprintln!("error: cannot read profile `{}`: {e}", p.display());
+        EXIT_USAGE
+    })?;
+    serde_json::from_str(&text).map_err(|e| {
+        eprintln!("error: `{}` is not a pipec profile: {e}", p.display());
+        EXIT_USAGE
+    })
 }
 
 pub fn run(path: &Path, out: Option<PathBuf>, emit: Option<Emit>, format: Format, color: bool, profile: Option<&Path>) -> u8 {
@@ -131,7 +132,7 @@ fn memory_table(plan: &pipec_plan::Plan) -> String {
 
 fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
     let sim = &plan.simulation;
-    let headroom = plan.devices.iter().filter(|d| d.memory.capacity > 0).map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64).fold(f64::INFINITY, f64::min);
+    let headroom = plan.memory_headroom();
     let mut s = String::new();
     s.push_str(&format!("{}: {} schedule, layout {} ({} stage(s) on {} device(s)), {} microbatches of {}\n", plan.name, plan.schedule.kind, plan.partition, plan.stages.len(), plan.devices.len(), plan.training.microbatches, plan.training.microbatch_size));
     for st in &plan.stages {

@@ -165,7 +165,7 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
             match compiled {
                 Ok(Ok(c)) => {
                     let sim = &c.plan.simulation;
-                    let headroom = c.plan.devices.iter().filter(|d| d.memory.capacity > 0).map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64).fold(f64::INFINITY, f64::min);
+                    let headroom = c.plan.memory_headroom();
                     let summary = format!(
                         "Plan: layout `{}`, {} schedule; predicted step {}, bubble {:.1}%, tightest memory headroom {:.1}%.",
                         c.plan.partition,

@@ -125,11 +125,7 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
     let kind = strategy.schedule.kind;
     let stage_fb: Vec<(f64, f64)> = layout.ranges.iter().map(stage_time).collect();
     let order = generate(kind, &placement, ranks, backward_slots(&stage_fb));
-    let updates = match kind {
-        ScheduleKind::PipeDream => Updates::PerMicrobatch,
-        ScheduleKind::TwoBw => Updates::Every(ranks.max(1)),
-        _ => Updates::PerStep,
-    };
+    let updates = Updates::of(kind, ranks);
     let asp = kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp;
     if asp {
         // the parameter server takes the place of the replica group
@@ -178,19 +174,13 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
     }
 
     // Verify (a failure is a compiler bug).
-    let split = matches!(kind, ScheduleKind::ZbH1 | ScheduleKind::Zbv);
     let violations = verify(&VerifyInput {
         streams: &streams,
         placement: &placement,
         groups: &groups,
-        split_backward: split,
+        split_backward: kind.splits_backward(),
         recompute: strategy.recompute,
-        update_every: match updates {
-            Updates::PerStep if asp => Some(1),
-            Updates::PerStep => None,
-            Updates::PerMicrobatch => Some(1),
-            Updates::Every(k) => Some(k),
-        },
+        update_every: updates.every(asp),
         asp_staleness: asp.then_some(strategy.schedule.staleness),
         tp,
     });

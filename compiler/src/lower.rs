@@ -23,6 +23,29 @@ pub enum Updates {
     Every(usize),
 }
 
+impl Updates {
+    /// The cadence a schedule implies over `ranks` pipeline ranks.
+    pub fn of(kind: pipec_grammar::spec::ScheduleKind, ranks: usize) -> Updates {
+        use pipec_grammar::spec::ScheduleKind;
+        match kind {
+            ScheduleKind::PipeDream => Updates::PerMicrobatch,
+            ScheduleKind::TwoBw => Updates::Every(ranks.max(1)),
+            _ => Updates::PerStep,
+        }
+    }
+
+    /// Local backwards per optimizer step, as the verifier counts them: None for one step
+    /// after all of them; asynchronous data parallelism (`asp`) updates per microbatch.
+    pub fn every(self, asp: bool) -> Option<usize> {
+        match self {
+            Updates::PerStep if asp => Some(1),
+            Updates::PerStep => None,
+            Updates::PerMicrobatch => Some(1),
+            Updates::Every(k) => Some(k),
+        }
+    }
+}
+
 /// What lowering needs besides the order.
 #[derive(Debug, Clone)]
 pub struct LowerInput<'a> {

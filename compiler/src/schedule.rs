@@ -289,9 +289,8 @@ fn chimera(p: &Placement, backward_slots: usize) -> Order {
 /// `max_in_flight` microbatches' activations, unless it belongs to the device's oldest
 /// unfinished unit — the oldest unit is never held back, so this always completes.
 fn concatenate(p: &Placement, units: &[Order], backward_slots: usize, max_in_flight: usize) -> Order {
-    use std::collections::HashMap;
     let stages = p.stages();
-    let mut finish: HashMap<(TaskKind, usize, usize), usize> = HashMap::new();
+    let mut finish = Finish::new();
     let mut next = vec![vec![0usize; units.len()]; p.devices];
     let mut busy_until = vec![0usize; p.devices];
     let mut in_flight = vec![0usize; p.devices];
@@ -310,11 +309,7 @@ fn concatenate(p: &Placement, units: &[Order], backward_slots: usize, max_in_fli
             for u in 0..units.len() {
                 let Some(&task) = units[u][dev].get(next[dev][u]) else { continue };
                 let (s, m) = (task.stage.0 as usize, task.mb.0 as usize);
-                let done = |k: TaskKind, s: usize| finish.get(&(k, s, m)).is_some_and(|&f| f <= time);
-                let ready = match task.kind {
-                    TaskKind::Forward => s == 0 || done(TaskKind::Forward, s - 1),
-                    _ => done(TaskKind::Forward, s) && (s + 1 == stages || done(TaskKind::Backward, s + 1)),
-                };
+                let ready = is_ready(&finish, &task, time, stages, false);
                 let room = task.kind != TaskKind::Forward || in_flight[dev] < max_in_flight || Some(u) == oldest;
                 if !(ready && room) {
                     continue;
@@ -339,6 +334,21 @@ fn concatenate(p: &Placement, units: &[Order], backward_slots: usize, max_in_fli
     order // complete: the verifier would report any task missing
 }
 
+/// When each started task finishes: (kind, stage, microbatch) → slot.
+type Finish = std::collections::HashMap<(TaskKind, usize, usize), usize>;
+
+/// Whether task `t` may start at slot `now`: its forward input and, for a backward, its own
+/// forward and the next stage's gradient (the input-gradient pass when `split`) are done.
+fn is_ready(done: &Finish, t: &Task, now: usize, stages: usize, split: bool) -> bool {
+    let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
+    let fin = |k: TaskKind, s: usize| done.get(&(k, s, m)).is_some_and(|&f| f <= now);
+    match t.kind {
+        TaskKind::Forward => s == 0 || fin(TaskKind::Forward, s - 1),
+        TaskKind::Backward | TaskKind::BackwardInput => fin(TaskKind::Forward, s) && (s + 1 == stages || fin(if split { TaskKind::BackwardInput } else { TaskKind::Backward }, s + 1)),
+        TaskKind::BackwardWeight => fin(TaskKind::BackwardInput, s),
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Priority {
     BackwardFirst,
@@ -354,7 +364,7 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
     let stages = p.stages();
     let n = p.microbatches;
     // finish time of each task, when done
-    let mut done: HashMap<(TaskKind, usize, usize), usize> = HashMap::new();
+    let mut done = Finish::new();
     let mut order = vec![Vec::new(); p.devices];
     let mut busy_until = vec![0usize; p.devices];
     let mut in_flight: HashMap<(usize, usize), usize> = HashMap::new(); // (device, stage or MAX) -> count
@@ -362,18 +372,7 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
     let mut scheduled = 0usize;
     let mut time = 0usize;
     let cost = |k: TaskKind| if k == TaskKind::Backward { 2 } else { 1 };
-    let ready = |done: &HashMap<(TaskKind, usize, usize), usize>, t: &Task, now: usize| -> bool {
-        let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
-        let fin = |k: TaskKind, s: usize| done.get(&(k, s, m)).is_some_and(|&f| f <= now);
-        match t.kind {
-            TaskKind::Forward => s == 0 || fin(TaskKind::Forward, s - 1),
-            TaskKind::Backward | TaskKind::BackwardInput => {
-                fin(TaskKind::Forward, s)
-                    && (s + 1 == stages || fin(if split { TaskKind::BackwardInput } else { TaskKind::Backward }, s + 1))
-            }
-            TaskKind::BackwardWeight => fin(TaskKind::BackwardInput, s),
-        }
-    };
+    let ready = |done: &Finish, t: &Task, now: usize| is_ready(done, t, now, stages, split);
     let mut started: std::collections::HashSet<(TaskKind, usize, usize)> = std::collections::HashSet::new();
     while scheduled < total_tasks {
         for d in 0..p.devices {

@@ -41,7 +41,6 @@ pub struct VerifyInput<'a> {
     pub tp: usize,
 }
 
-/// Checks every property; returns all violations found (empty = the plan is sound).
 /// Checks a plan read from a file: its structure ([`pipec_plan::Plan::check`]), then its
 /// streams with the same verifier every compile runs (exactly-once compute, data flow,
 /// point-to-point and collective order, deadlock freedom). Empty when the plan is sound.
@@ -62,26 +61,24 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         microbatches: plan.training.microbatches,
     };
     let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
-    let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
-    let update_every = match plan.schedule.kind.as_str() {
-        "pipedream" => Some(1),
-        "2bw" => Some(ranks.max(1)),
-        _ if plan.schedule.staleness.is_some() => Some(1),
-        _ => None,
+    let Some(kind) = pipec_grammar::spec::ScheduleKind::from_name(&plan.schedule.kind) else {
+        return vec![format!("unknown schedule `{}`", plan.schedule.kind)];
     };
+    let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
     let input = VerifyInput {
         streams,
         placement: &placement,
         groups: &groups,
-        split_backward: matches!(plan.schedule.kind.as_str(), "zb-h1" | "zbv"),
+        split_backward: kind.splits_backward(),
         recompute: plan.training.recompute,
-        update_every,
+        update_every: crate::lower::Updates::of(kind, ranks).every(plan.schedule.staleness.is_some()),
         asp_staleness: plan.schedule.staleness,
         tp: plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len),
     };
     verify(&input).into_iter().map(|v| v.message).collect()
 }
 
+/// Checks every property; returns all violations found (empty = the plan is sound).
 pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
     if input.tp > 1 {
         let mut out = Vec::new();

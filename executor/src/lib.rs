@@ -230,7 +230,7 @@ impl<B: Backend> ModuleMapper<B> for ParamLoader<'_> {
 fn load_checkpoint<B: AutodiffBackend>(stages: &mut HashMap<StageId, StageState<B>>, loaded: &checkpoint::Loaded, dev: &B::Device) -> Result<(), String> {
     let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
     for (id, st) in stages.iter_mut() {
-        let (tp_rank, tp_size) = st.tp.as_ref().map_or((0, 1), |t| (t.rank as u32, t.members.len() as u32));
+        let (tp_rank, tp_size) = st.tp_shard();
         if loaded.tp_size(id.0) != tp_size {
             return Err(format!("stage {id} was saved split over {} tensor-parallel rank(s) and this plan splits it over {tp_size}: resume with the same `tp`", loaded.tp_size(id.0)));
         }
@@ -269,7 +269,7 @@ fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>)
             StageOptim::Adam(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),
         }
         .map_err(|e| format!("{e:?}"))?;
-        let (tp_rank, tp_size) = st.tp.as_ref().map_or((0, 1), |t| (t.rank as u32, t.members.len() as u32));
+        let (tp_rank, tp_size) = st.tp_shard();
         out.insert(checkpoint::ShardKey { stage: id.0, tp_rank }, checkpoint::StageCheckpoint { params, optimizer, tp_size });
     }
     Ok(out)

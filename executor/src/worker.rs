@@ -60,6 +60,13 @@ pub(crate) struct TpInfo {
     pub partial_ids: Vec<u64>,
 }
 
+impl<B: AutodiffBackend> StageState<B> {
+    /// This device's (rank, group size) in the stage's tensor-parallel group; (0, 1) without.
+    pub fn tp_shard(&self) -> (u32, u32) {
+        self.tp.as_ref().map_or((0, 1), |t| (t.rank as u32, t.members.len() as u32))
+    }
+}
+
 /// The optimizer of a stage.
 pub(crate) enum StageOptim<B: AutodiffBackend> {
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, StageModel<B>, B>),

@@ -92,9 +92,8 @@ pub struct Cluster {
 pub const MAX_LAYERS: usize = 1_000_000;
 /// The largest cluster pipec plans.
 pub const MAX_DEVICES: usize = 65_536;
-/// The most (stage, microbatch) pairs a plan may have: bounds the instruction streams
-/// (about 8 instructions per pair) and the compile time (a few seconds).
-pub const MAX_STAGE_MICROBATCHES: usize = 1 << 20;
+/// The most (stage, microbatch) pairs a plan may have (one bound for specs and plan files).
+pub use pipec_plan::plan::MAX_STAGE_MICROBATCHES;
 
 impl Cluster {
     pub fn device_count(&self) -> usize {
@@ -133,6 +132,10 @@ impl ScheduleKind {
     }
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.iter().find(|(_, n)| *n == name).map(|(k, _)| *k)
+    }
+    /// Whether the backward is split into input- and weight-gradient passes (zero bubble).
+    pub fn splits_backward(self) -> bool {
+        matches!(self, ScheduleKind::ZbH1 | ScheduleKind::Zbv)
     }
     /// Whether the schedule computes exactly what one device would (no stale weights).
     pub fn is_synchronous(self, sync: SyncMode) -> bool {

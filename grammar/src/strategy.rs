@@ -9,10 +9,12 @@ use crate::spec::{Cluster, Lower, Model, Partition, ReduceMode, Schedule, Schedu
 use crate::span::Span;
 use crate::yaml::{Node, Value};
 
+/// How many candidates a microbatch search may try: bounded work for any input.
+const SEARCH_BUDGET: usize = 1 << 21;
+
 /// The count nearest `current` (the larger on a tie) that divides `batch` (when known) and
 /// meets `fits`; bounded work for any input, `None` when nothing is found.
 fn nearest_microbatches(current: usize, batch: Option<usize>, fits: impl Fn(usize) -> bool) -> Option<usize> {
-    const BUDGET: usize = 1 << 21;
     let better = |best: Option<usize>, n: usize| match best {
         Some(b) if (b.abs_diff(current), usize::MAX - b) <= (n.abs_diff(current), usize::MAX - n) => Some(b),
         _ => Some(n),
@@ -28,7 +30,7 @@ fn nearest_microbatches(current: usize, batch: Option<usize>, fits: impl Fn(usiz
         }
         // no batch size: outward from the current count
         None => {
-            for delta in 1..BUDGET {
+            for delta in 1..SEARCH_BUDGET {
                 for n in [current.saturating_add(delta), current.saturating_sub(delta)] {
                     if n > 0 && fits(n) {
                         best = better(best, n);
@@ -345,12 +347,11 @@ pub(crate) fn lower_strategy(
 /// The divisors of `n`, ascending, found in pairs up to its square root; `None` past a
 /// bounded amount of work (a batch size near 2^64 must not stall the checker).
 fn divisors(n: usize) -> Option<Vec<usize>> {
-    const BUDGET: usize = 1 << 21;
     let mut small = Vec::new();
     let mut large = Vec::new();
     let mut d = 1usize;
     while d.checked_mul(d).is_some_and(|sq| sq <= n) {
-        if d > BUDGET {
+        if d > SEARCH_BUDGET {
             return None;
         }
         if n.is_multiple_of(d) {

@@ -209,6 +209,12 @@ impl Plan {
         out
     }
 
+    /// The tightest memory headroom over the devices with a capacity: 1 − used/capacity
+    /// (infinite when no device states one).
+    pub fn memory_headroom(&self) -> f64 {
+        self.devices.iter().filter(|d| d.memory.capacity > 0).map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64).fold(f64::INFINITY, f64::min)
+    }
+
     /// The stage by id.
     pub fn stage(&self, id: StageId) -> Option<&StagePlan> {
         self.stages.get(id.0 as usize).filter(|s| s.id == id)
@@ -225,7 +231,9 @@ impl Plan {
     }
 }
 
-/// The most (stage, microbatch) pairs a plan may hold (the front end's bound too).
+/// The most (stage, microbatch) pairs a plan may hold, for specs and plan files alike:
+/// bounds the instruction streams (about 8 instructions per pair) and the compile time (a
+/// few seconds).
 pub const MAX_STAGE_MICROBATCHES: usize = 1 << 20;
 
 impl Plan {
