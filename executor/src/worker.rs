@@ -475,7 +475,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 if self.state(stage)?.tp.is_some() {
                     let (segments, loss) = self.forward_tp(stage, mb, &model, x.clone(), key)?;
                     if let Some((_, l)) = &loss {
-                        if self.state(stage)?.tp.as_ref().is_some_and(|tp| tp.rank == 0) {
+                        if self.state(stage)?.tp_shard().0 == 0 {
                             report.losses.push((mb.0, l.clone().into_scalar().elem::<f32>()));
                         }
                     } else {
