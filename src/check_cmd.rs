@@ -24,7 +24,10 @@ pub fn run(files: &[PathBuf], format: Format, color: bool) -> u8 {
             }
         };
         let name = path.display().to_string();
-        let result = pipec_grammar::check_source_in(&source, Some(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))));
+        let result = pipec_grammar::check_source_in(
+            &source,
+            Some(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))),
+        );
         match format {
             Format::Human => {
                 if !result.diagnostics.is_empty() {
@@ -33,7 +36,10 @@ pub fn run(files: &[PathBuf], format: Format, color: bool) -> u8 {
                 let errors = result.diagnostics.iter().filter(|d| d.is_error()).count();
                 let warnings = result.diagnostics.len() - errors;
                 if errors == 0 {
-                    eprintln!("{name}: ok{}", if warnings > 0 { format!(" ({warnings} warning(s))") } else { String::new() });
+                    eprintln!(
+                        "{name}: ok{}",
+                        if warnings > 0 { format!(" ({warnings} warning(s))") } else { String::new() }
+                    );
                 } else {
                     eprintln!("{name}: {errors} error(s), {warnings} warning(s)");
                 }

@@ -12,7 +12,17 @@ use crate::check_cmd::read_spec;
 use crate::{Format, EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
 
 /// The schedules tried, as they would be written in a spec.
-const CANDIDATES: &[&str] = &["gpipe", "1f1b", "{ kind: interleaved, virtual_stages: 2 }", "zb-h1", "zbv", "chimera", "pipedream", "2bw", "dp-only"];
+const CANDIDATES: &[&str] = &[
+    "gpipe",
+    "1f1b",
+    "{ kind: interleaved, virtual_stages: 2 }",
+    "zb-h1",
+    "zbv",
+    "chimera",
+    "pipedream",
+    "2bw",
+    "dp-only",
+];
 
 /// One row of the comparison.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,13 +83,19 @@ fn fastest_first(rows: &[Row]) -> Vec<(&Row, &Prediction)> {
 /// Compiles `source` under every candidate schedule, and with each of `microbatches` (the
 /// spec's own count when empty). `Err` when the spec itself has errors, or a sweep is asked
 /// for and the spec has no `microbatches` key to vary.
-pub fn compare(source: &str, base_dir: Option<&Path>, profile: Option<pipec_plan::profile::Profile>, microbatches: &[usize]) -> Result<Vec<Row>, Vec<pipec_grammar::Diagnostic>> {
+pub fn compare(
+    source: &str,
+    base_dir: Option<&Path>,
+    profile: Option<pipec_plan::profile::Profile>,
+    microbatches: &[usize],
+) -> Result<Vec<Row>, Vec<pipec_grammar::Diagnostic>> {
     let checked = pipec_grammar::check_source_in(source, base_dir);
     let Some(spec) = checked.spec else {
         return Err(checked.diagnostics.into_iter().filter(|d| d.is_error()).collect());
     };
     let span = spec.strategy.schedule.span;
-    let counts: Vec<usize> = if microbatches.is_empty() { vec![spec.strategy.microbatches] } else { microbatches.to_vec() };
+    let counts: Vec<usize> =
+        if microbatches.is_empty() { vec![spec.strategy.microbatches] } else { microbatches.to_vec() };
     // the edits, in the order they appear in the text
     let mb_span = match (spec.strategy.microbatches_span, microbatches.is_empty()) {
         (Some(s), _) => Some(s),
@@ -94,10 +110,7 @@ pub fn compare(source: &str, base_dir: Option<&Path>, profile: Option<pipec_plan
             .with_help("add `microbatches: N` to the strategy")]);
         }
     };
-    let options = CompileOptions {
-        profile,
-        base_dir: base_dir.map(Path::to_path_buf),
-    };
+    let options = CompileOptions { profile, base_dir: base_dir.map(Path::to_path_buf) };
     let mut rows = Vec::new();
     for &count in &counts {
         for candidate in CANDIDATES {
@@ -113,11 +126,17 @@ pub fn compare(source: &str, base_dir: Option<&Path>, profile: Option<pipec_plan
             let checked = pipec_grammar::check_source_in(&text, base_dir);
             let outcome = match checked.spec {
                 None => {
-                    let first = checked.diagnostics.iter().find(|d| d.is_error()).map_or_else(|| "does not apply".to_string(), |d| d.message.clone());
+                    let first = checked
+                        .diagnostics
+                        .iter()
+                        .find(|d| d.is_error())
+                        .map_or_else(|| "does not apply".to_string(), |d| d.message.clone());
                     Outcome::NotApplicable(first)
                 }
                 Some(spec) => match compile(&spec, &options) {
-                    Err(diags) => Outcome::NotApplicable(diags.first().map_or_else(|| "does not compile".to_string(), |d| d.message.clone())),
+                    Err(diags) => Outcome::NotApplicable(
+                        diags.first().map_or_else(|| "does not compile".to_string(), |d| d.message.clone()),
+                    ),
                     Ok(c) => Outcome::Planned(Prediction {
                         step_s: c.plan.simulation.step_time_s,
                         bubble: c.plan.simulation.bubble_fraction,
@@ -128,11 +147,7 @@ pub fn compare(source: &str, base_dir: Option<&Path>, profile: Option<pipec_plan
                     }),
                 },
             };
-            rows.push(Row {
-                schedule: (*candidate).to_string(),
-                microbatches: count,
-                outcome,
-            });
+            rows.push(Row { schedule: (*candidate).to_string(), microbatches: count, outcome });
         }
     }
     Ok(rows)
@@ -140,7 +155,10 @@ pub fn compare(source: &str, base_dir: Option<&Path>, profile: Option<pipec_plan
 
 /// The comparison as a table, fastest feasible schedule first, the others after.
 pub fn table(rows: &[Row]) -> String {
-    let mut s = format!("{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {}\n", "schedule", "step", "bubble", "samples/s", "headroom", "microbatches", "notes");
+    let mut s = format!(
+        "{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {}\n",
+        "schedule", "step", "bubble", "samples/s", "headroom", "microbatches", "notes"
+    );
     for (r, p) in fastest_first(rows) {
         s.push_str(&format!(
             "{:<42} {:>11} {:>6.1}% {:>12.1} {:>8.1}% {:>12}  {}\n",
@@ -155,7 +173,10 @@ pub fn table(rows: &[Row]) -> String {
     }
     for r in rows {
         if let Outcome::NotApplicable(why) = &r.outcome {
-            s.push_str(&format!("{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {why}\n", r.schedule, "n/a", "", "", "", r.microbatches));
+            s.push_str(&format!(
+                "{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {why}\n",
+                r.schedule, "n/a", "", "", "", r.microbatches
+            ));
         }
     }
     s
@@ -163,11 +184,24 @@ pub fn table(rows: &[Row]) -> String {
 
 /// The comparison as a Markdown table (the language server's hover), fastest first.
 pub fn markdown(rows: &[Row]) -> String {
-    let mut s = String::from("Other schedules (predicted):\n\n| schedule | step | bubble | headroom | |\n|---|---|---|---|---|\n");
+    let mut s = String::from(
+        "Other schedules (predicted):\n\n| schedule | step | bubble | headroom | |\n|---|---|---|---|---|\n",
+    );
     for (r, p) in fastest_first(rows) {
-        s.push_str(&format!("| `{}` | {} | {:.1}% | {:.1}% | {} |\n", r.schedule, human_time(p.step_s), p.bubble * 100.0, p.headroom * 100.0, p.notes(true)));
+        s.push_str(&format!(
+            "| `{}` | {} | {:.1}% | {:.1}% | {} |\n",
+            r.schedule,
+            human_time(p.step_s),
+            p.bubble * 100.0,
+            p.headroom * 100.0,
+            p.notes(true)
+        ));
     }
-    let others: Vec<String> = rows.iter().filter(|r| matches!(r.outcome, Outcome::NotApplicable(_))).map(|r| format!("`{}`", r.schedule)).collect();
+    let others: Vec<String> = rows
+        .iter()
+        .filter(|r| matches!(r.outcome, Outcome::NotApplicable(_)))
+        .map(|r| format!("`{}`", r.schedule))
+        .collect();
     if !others.is_empty() {
         s.push_str(&format!("\nNot applicable here: {}.", others.join(", ")));
     }

@@ -29,7 +29,12 @@ pub enum Emit {
 }
 
 /// The outcome of compiling a spec file: the compiled plan, or the exit code already earned.
-pub fn compile_file(path: &Path, format: Format, color: bool, profile: Option<&Path>) -> Result<(Compiled, String), u8> {
+pub fn compile_file(
+    path: &Path,
+    format: Format,
+    color: bool,
+    profile: Option<&Path>,
+) -> Result<(Compiled, String), u8> {
     let source = read_spec(path).map_err(|e| {
         eprintln!("error: {e}");
         EXIT_USAGE
@@ -39,7 +44,10 @@ pub fn compile_file(path: &Path, format: Format, color: bool, profile: Option<&P
         Format::Human => eprint!("{}", render_human(&name, &source, diags, color)),
         Format::Json => print!("{}", render_json(&name, &source, diags)),
     };
-    let checked = pipec_grammar::check_source_in(&source, Some(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))));
+    let checked = pipec_grammar::check_source_in(
+        &source,
+        Some(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))),
+    );
     if !checked.diagnostics.is_empty() {
         report(&checked.diagnostics);
     }
@@ -84,13 +92,21 @@ pub fn read_profile(p: &Path) -> Result<pipec_plan::profile::Profile, u8> {
     })
 }
 
-pub fn run(path: &Path, out: Option<PathBuf>, emit: Option<Emit>, format: Format, color: bool, profile: Option<&Path>) -> u8 {
+pub fn run(
+    path: &Path,
+    out: Option<PathBuf>,
+    emit: Option<Emit>,
+    format: Format,
+    color: bool,
+    profile: Option<&Path>,
+) -> u8 {
     let (compiled, _) = match compile_file(path, format, color, profile) {
         Ok(c) => c,
         Err(code) => return code,
     };
     let plan = &compiled.plan;
-    let dir = out.unwrap_or_else(|| PathBuf::from("out").join(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plan")));
+    let dir =
+        out.unwrap_or_else(|| PathBuf::from("out").join(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plan")));
     let plan_json = match serde_json::to_string_pretty(plan) {
         Ok(s) => s + "\n",
         Err(e) => {
@@ -126,7 +142,8 @@ pub fn run(path: &Path, out: Option<PathBuf>, emit: Option<Emit>, format: Format
 
 fn memory_table(plan: &pipec_plan::Plan) -> String {
     let rows = device_rows(plan);
-    let with_memory: Vec<_> = rows.iter().zip(&plan.devices).map(|((id, st, r), d)| (*id, st.clone(), *r, &d.memory)).collect();
+    let with_memory: Vec<_> =
+        rows.iter().zip(&plan.devices).map(|((id, st, r), d)| (*id, st.clone(), *r, &d.memory)).collect();
     table(&with_memory)
 }
 
@@ -134,7 +151,16 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
     let sim = &plan.simulation;
     let headroom = plan.memory_headroom();
     let mut s = String::new();
-    s.push_str(&format!("{}: {} schedule, layout {} ({} stage(s) on {} device(s)), {} microbatches of {}\n", plan.name, plan.schedule.kind, plan.partition, plan.stages.len(), plan.devices.len(), plan.training.microbatches, plan.training.microbatch_size));
+    s.push_str(&format!(
+        "{}: {} schedule, layout {} ({} stage(s) on {} device(s)), {} microbatches of {}\n",
+        plan.name,
+        plan.schedule.kind,
+        plan.partition,
+        plan.stages.len(),
+        plan.devices.len(),
+        plan.training.microbatches,
+        plan.training.microbatch_size
+    ));
     for st in &plan.stages {
         s.push_str(&format!(
             "  {}: layers {}..{} on {} ({} params), fwd {} bwd {} per microbatch\n",

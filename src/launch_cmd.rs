@@ -42,7 +42,9 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool)
     let ranks = plan.streams.values().filter(|s| !s.is_empty()).count();
     let per_node = plan.devices.iter().filter(|d| d.node == 0).count().max(1);
     let mut cmd: Vec<String> = vec!["mpirun".into()];
-    if std::env::var("USER").map(|u| u == "root").unwrap_or(false) || std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0).unwrap_or(false) {
+    if std::env::var("USER").map(|u| u == "root").unwrap_or(false)
+        || std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0).unwrap_or(false)
+    {
         cmd.push("--allow-run-as-root".into());
     }
     if let Some(h) = hostfile {

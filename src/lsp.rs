@@ -14,12 +14,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lsp_server::{Connection, ErrorCode, Message, Notification, Request, Response};
-use lsp_types::notification::{DidChangeTextDocument, DidCloseTextDocument, DidOpenTextDocument, Notification as _, PublishDiagnostics};
+use lsp_types::notification::{
+    DidChangeTextDocument, DidCloseTextDocument, DidOpenTextDocument, Notification as _, PublishDiagnostics,
+};
 use lsp_types::request::{CodeActionRequest, Completion, HoverRequest, Request as _};
 use lsp_types::{
-    CodeAction, CodeActionKind, CodeActionOrCommand, CodeActionParams, CodeActionProviderCapability, CompletionItem, CompletionItemKind, CompletionOptions, CompletionParams, CompletionResponse, Diagnostic as LspDiagnostic,
-    DiagnosticRelatedInformation, DiagnosticSeverity, DidChangeTextDocumentParams, DidCloseTextDocumentParams, DidOpenTextDocumentParams, Hover, HoverContents, HoverParams, HoverProviderCapability, Location, MarkupContent, MarkupKind,
-    NumberOrString, Position, PublishDiagnosticsParams, Range, ServerCapabilities, TextDocumentPositionParams, TextDocumentSyncCapability, TextDocumentSyncKind, TextEdit, Uri, WorkspaceEdit,
+    CodeAction, CodeActionKind, CodeActionOrCommand, CodeActionParams, CodeActionProviderCapability, CompletionItem,
+    CompletionItemKind, CompletionOptions, CompletionParams, CompletionResponse, Diagnostic as LspDiagnostic,
+    DiagnosticRelatedInformation, DiagnosticSeverity, DidChangeTextDocumentParams, DidCloseTextDocumentParams,
+    DidOpenTextDocumentParams, Hover, HoverContents, HoverParams, HoverProviderCapability, Location, MarkupContent,
+    MarkupKind, NumberOrString, Position, PublishDiagnosticsParams, Range, ServerCapabilities,
+    TextDocumentPositionParams, TextDocumentSyncCapability, TextDocumentSyncKind, TextEdit, Uri, WorkspaceEdit,
 };
 use pipec_grammar::ide;
 use pipec_grammar::schema::SchemaIndex;
@@ -58,7 +63,15 @@ fn range(index: &LineIndex, src: &str, span: Span) -> Range {
 }
 
 fn to_lsp(uri: &Uri, src: &str, index: &LineIndex, d: &Diagnostic) -> LspDiagnostic {
-    let related: Vec<DiagnosticRelatedInformation> = d.labels.iter().skip(1).map(|l| DiagnosticRelatedInformation { location: Location { uri: uri.clone(), range: range(index, src, l.span) }, message: l.message.clone() }).collect();
+    let related: Vec<DiagnosticRelatedInformation> = d
+        .labels
+        .iter()
+        .skip(1)
+        .map(|l| DiagnosticRelatedInformation {
+            location: Location { uri: uri.clone(), range: range(index, src, l.span) },
+            message: l.message.clone(),
+        })
+        .collect();
     let mut message = d.message.clone();
     if let Some(h) = &d.help {
         message.push_str("\nhelp: ");
@@ -78,14 +91,25 @@ fn to_lsp(uri: &Uri, src: &str, index: &LineIndex, d: &Diagnostic) -> LspDiagnos
     }
 }
 
-fn publish(sender: &crossbeam_sender::Sender, shared: &Mutex<Shared>, uri: &Uri, version: i32, src: &str, diags: Vec<Diagnostic>) {
+fn publish(
+    sender: &crossbeam_sender::Sender,
+    shared: &Mutex<Shared>,
+    uri: &Uri,
+    version: i32,
+    src: &str,
+    diags: Vec<Diagnostic>,
+) {
     let key = uri.as_str().to_string();
     let mut s = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if s.latest.get(&key).copied() != Some(version) {
         return; // a newer version exists: this result is stale
     }
     let index = LineIndex::new(src);
-    let params = PublishDiagnosticsParams { uri: uri.clone(), diagnostics: diags.iter().map(|d| to_lsp(uri, src, &index, d)).collect(), version: Some(version) };
+    let params = PublishDiagnosticsParams {
+        uri: uri.clone(),
+        diagnostics: diags.iter().map(|d| to_lsp(uri, src, &index, d)).collect(),
+        version: Some(version),
+    };
     s.published.insert(key, diags);
     let _ = sender.send(Message::Notification(Notification::new(PublishDiagnostics::METHOD.to_string(), params)));
 }
@@ -161,7 +185,9 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
             let (mut diags, spec) = front_end(&job.text, &job.uri);
             let Some(spec) = spec else { continue };
             let started = std::time::Instant::now();
-            let compiled = std::panic::catch_unwind(AssertUnwindSafe(|| pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())));
+            let compiled = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())
+            }));
             match compiled {
                 Ok(Ok(c)) => {
                     let sim = &c.plan.simulation;
@@ -176,11 +202,19 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
                     );
                     // the other schedules side by side, when compiling is cheap (nine compiles)
                     let cheap = started.elapsed() < COMPARE_BELOW;
-                    let summary = match cheap.then(|| std::panic::catch_unwind(AssertUnwindSafe(|| crate::compare_cmd::compare(&job.text, base_dir(&job.uri).as_deref(), None, &[])))) {
+                    let summary = match cheap.then(|| {
+                        std::panic::catch_unwind(AssertUnwindSafe(|| {
+                            crate::compare_cmd::compare(&job.text, base_dir(&job.uri).as_deref(), None, &[])
+                        }))
+                    }) {
                         Some(Ok(Ok(rows))) => format!("{summary}\n\n{}", crate::compare_cmd::markdown(&rows)),
                         _ => summary,
                     };
-                    shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner).prediction.insert(key.clone(), summary);
+                    shared
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .prediction
+                        .insert(key.clone(), summary);
                     diags.extend(c.diagnostics);
                 }
                 Ok(Err(d)) => diags.extend(d),
@@ -212,23 +246,42 @@ fn offset(index: &LineIndex, text: &str, pos: Position) -> usize {
     index.offset_of_utf16(text, pos.line, pos.character)
 }
 
-fn handle_request(conn: &Connection, req: Request, docs: &HashMap<String, Doc>, shared: &Mutex<Shared>, schema: &SchemaIndex) {
+fn handle_request(
+    conn: &Connection,
+    req: Request,
+    docs: &HashMap<String, Doc>,
+    shared: &Mutex<Shared>,
+    schema: &SchemaIndex,
+) {
     let id = req.id.clone();
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<serde_json::Value, String> {
         match req.method.as_str() {
             HoverRequest::METHOD => {
                 let p: HoverParams = serde_json::from_value(req.params).map_err(|e| e.to_string())?;
-                let Some((doc, index, offset)) = locate(docs, &p.text_document_position_params) else { return Ok(serde_json::Value::Null) };
+                let Some((doc, index, offset)) = locate(docs, &p.text_document_position_params) else {
+                    return Ok(serde_json::Value::Null);
+                };
                 let uri = p.text_document_position_params.text_document.uri;
-                let extra = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner).prediction.get(uri.as_str()).cloned();
+                let extra = shared
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .prediction
+                    .get(uri.as_str())
+                    .cloned();
                 Ok(match ide::hover(&doc.text, offset, schema, extra.as_deref()) {
                     None => serde_json::Value::Null,
-                    Some((span, text)) => serde_json::to_value(Hover { contents: HoverContents::Markup(MarkupContent { kind: MarkupKind::Markdown, value: text }), range: Some(range(&index, &doc.text, span)) }).map_err(|e| e.to_string())?,
+                    Some((span, text)) => serde_json::to_value(Hover {
+                        contents: HoverContents::Markup(MarkupContent { kind: MarkupKind::Markdown, value: text }),
+                        range: Some(range(&index, &doc.text, span)),
+                    })
+                    .map_err(|e| e.to_string())?,
                 })
             }
             Completion::METHOD => {
                 let p: CompletionParams = serde_json::from_value(req.params).map_err(|e| e.to_string())?;
-                let Some((doc, _, offset)) = locate(docs, &p.text_document_position) else { return Ok(serde_json::Value::Null) };
+                let Some((doc, _, offset)) = locate(docs, &p.text_document_position) else {
+                    return Ok(serde_json::Value::Null);
+                };
                 let items: Vec<CompletionItem> = ide::completions(&doc.text, offset, schema)
                     .into_iter()
                     .map(|c| CompletionItem {
@@ -251,7 +304,13 @@ fn handle_request(conn: &Connection, req: Request, docs: &HashMap<String, Doc>, 
                 let Some(doc) = docs.get(uri.as_str()) else { return Ok(serde_json::Value::Null) };
                 let index = LineIndex::new(&doc.text);
                 let (start, end) = (offset(&index, &doc.text, p.range.start), offset(&index, &doc.text, p.range.end));
-                let published = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner).published.get(uri.as_str()).cloned().unwrap_or_default();
+                let published = shared
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .published
+                    .get(uri.as_str())
+                    .cloned()
+                    .unwrap_or_default();
                 let mut actions = Vec::new();
                 for d in &published {
                     let Some(fix) = &d.fix else { continue };
@@ -260,7 +319,8 @@ fn handle_request(conn: &Connection, req: Request, docs: &HashMap<String, Doc>, 
                     if !touches(d.span()) && !touches(fix.span) {
                         continue;
                     }
-                    let edit = TextEdit { range: range(&index, &doc.text, fix.span), new_text: fix.replacement.clone() };
+                    let edit =
+                        TextEdit { range: range(&index, &doc.text, fix.span), new_text: fix.replacement.clone() };
                     let mut changes = HashMap::new();
                     changes.insert(uri.clone(), vec![edit]);
                     actions.push(CodeActionOrCommand::CodeAction(CodeAction {
@@ -293,7 +353,10 @@ pub fn run() -> u8 {
     let caps = ServerCapabilities {
         text_document_sync: Some(TextDocumentSyncCapability::Kind(TextDocumentSyncKind::FULL)),
         hover_provider: Some(HoverProviderCapability::Simple(true)),
-        completion_provider: Some(CompletionOptions { trigger_characters: Some(vec![":".into(), " ".into(), "-".into()]), ..Default::default() }),
+        completion_provider: Some(CompletionOptions {
+            trigger_characters: Some(vec![":".into(), " ".into(), "-".into()]),
+            ..Default::default()
+        }),
         code_action_provider: Some(CodeActionProviderCapability::Simple(true)),
         ..Default::default()
     };
@@ -344,7 +407,9 @@ pub fn run() -> u8 {
                     if let Ok(p) = serde_json::from_value::<DidChangeTextDocumentParams>(n.params) {
                         // Full synchronisation: the last change holds the whole text.
                         if let Some(change) = p.content_changes.into_iter().last() {
-                            let newer = docs.get(p.text_document.uri.as_str()).is_none_or(|d| p.text_document.version >= d.version);
+                            let newer = docs
+                                .get(p.text_document.uri.as_str())
+                                .is_none_or(|d| p.text_document.version >= d.version);
                             if newer {
                                 on_text(p.text_document.uri, p.text_document.version, change.text, &mut docs);
                             }
@@ -358,8 +423,15 @@ pub fn run() -> u8 {
                         let mut s = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                         s.latest.remove(&key);
                         s.published.remove(&key);
-                        let params = PublishDiagnosticsParams { uri: p.text_document.uri, diagnostics: Vec::new(), version: None };
-                        let _ = conn.sender.send(Message::Notification(Notification::new(PublishDiagnostics::METHOD.to_string(), params)));
+                        let params = PublishDiagnosticsParams {
+                            uri: p.text_document.uri,
+                            diagnostics: Vec::new(),
+                            version: None,
+                        };
+                        let _ = conn.sender.send(Message::Notification(Notification::new(
+                            PublishDiagnostics::METHOD.to_string(),
+                            params,
+                        )));
                     }
                 }
                 _ => {}

@@ -186,16 +186,45 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
-        Command::Compare { file, profile, microbatches, format } => compare_cmd::run(&file, profile.as_deref(), &microbatches, format),
-        Command::Compile { file, out, emit, profile, format } => compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref()),
-        Command::Run { file, out, steps, backend, resume, timeout, transport, no_verify } => {
-            run_cmd::run(run_cmd::RunArgs { transport, file, out, steps, backend, resume, timeout_s: timeout, verify: !no_verify, color: std::io::stderr().is_terminal() })
+        Command::Compare { file, profile, microbatches, format } => {
+            compare_cmd::run(&file, profile.as_deref(), &microbatches, format)
         }
-        Command::Launch { file, hostfile, out, exec } => launch_cmd::run(&file, hostfile.as_deref(), out.as_deref(), exec),
-        Command::Profile { file, out, backend, reps, concurrent } => profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal()),
+        Command::Compile { file, out, emit, profile, format } => {
+            compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref())
+        }
+        Command::Run { file, out, steps, backend, resume, timeout, transport, no_verify } => {
+            run_cmd::run(run_cmd::RunArgs {
+                transport,
+                file,
+                out,
+                steps,
+                backend,
+                resume,
+                timeout_s: timeout,
+                verify: !no_verify,
+                color: std::io::stderr().is_terminal(),
+            })
+        }
+        Command::Launch { file, hostfile, out, exec } => {
+            launch_cmd::run(&file, hostfile.as_deref(), out.as_deref(), exec)
+        }
+        Command::Profile { file, out, backend, reps, concurrent } => {
+            profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal())
+        }
         Command::Lsp => lsp::run(),
         Command::PlanProfile { file, nodes, devices_per_node, intra, inter, memory, batch, microbatches } => {
-            plan_profile_cmd::run(&file, &plan_profile_cmd::PlanProfileArgs { nodes, devices_per_node, intra, inter, memory, batch, microbatches })
+            plan_profile_cmd::run(
+                &file,
+                &plan_profile_cmd::PlanProfileArgs {
+                    nodes,
+                    devices_per_node,
+                    intra,
+                    inter,
+                    memory,
+                    batch,
+                    microbatches,
+                },
+            )
         }
         Command::Schema => {
             print!("{}", pipec_grammar::schema::json_schema_text());

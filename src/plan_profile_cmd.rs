@@ -65,14 +65,22 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
         (profile.layers.iter().map(|l| l.name.clone()).collect(), costs)
     } else {
         match parse_pipedream_profile(&text) {
-            Ok(nodes) => (nodes.iter().map(|n| n.description.clone()).collect(), pipedream_costs(&nodes, a.batch, a.batch)),
+            Ok(nodes) => {
+                (nodes.iter().map(|n| n.description.clone()).collect(), pipedream_costs(&nodes, a.batch, a.batch))
+            }
             Err(e) => {
                 eprintln!("error: `{}`: {e}", file.display());
                 return EXIT_USAGE;
             }
         }
     };
-    let parsed = (|| -> Result<(f64, f64, f64), String> { Ok((quantity(&a.intra, Dimension::Bandwidth, "intra")?, quantity(&a.inter, Dimension::Bandwidth, "inter")?, quantity(&a.memory, Dimension::Bytes, "memory")?)) })();
+    let parsed = (|| -> Result<(f64, f64, f64), String> {
+        Ok((
+            quantity(&a.intra, Dimension::Bandwidth, "intra")?,
+            quantity(&a.inter, Dimension::Bandwidth, "inter")?,
+            quantity(&a.memory, Dimension::Bytes, "memory")?,
+        ))
+    })();
     let (intra, inter, memory) = match parsed {
         Ok(v) => v,
         Err(e) => {
@@ -88,7 +96,10 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
     let params: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();
     let cuts: Vec<f64> = costs.iter().map(|c| c.output_bytes_per_sample as f64 * a.batch as f64).collect();
     // weights, gradients and one optimizer copy; activations for the in-flight microbatches
-    let memory_per_layer: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64 * 3.0 + c.activation_bytes_per_sample as f64 * a.batch as f64).collect();
+    let memory_per_layer: Vec<f64> = costs
+        .iter()
+        .map(|c| c.parameter_bytes as f64 * 3.0 + c.activation_bytes_per_sample as f64 * a.batch as f64)
+        .collect();
     let input = AutoInput {
         layer_times: &times,
         parameter_bytes: &params,
@@ -108,12 +119,30 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
     };
     let took = start.elapsed().as_secs_f64();
     let single: f64 = times.iter().sum();
-    println!("{} layers, {} node(s) x {} device(s); one device: {:.2} ms per minibatch", costs.len(), a.nodes, a.devices_per_node, single * 1e3);
+    println!(
+        "{} layers, {} node(s) x {} device(s); one device: {:.2} ms per minibatch",
+        costs.len(),
+        a.nodes,
+        a.devices_per_node,
+        single * 1e3
+    );
     println!("partition: {}", plan.notation());
     for (s, (r, m)) in plan.ranges.iter().zip(&plan.replicas).enumerate() {
         let t: f64 = times[r.clone()].iter().sum();
-        println!("  stage {s}: layers {}..{} ({} .. {}) on {m} device(s), {:.2} ms per minibatch", r.start, r.end, names[r.start], names[r.end - 1], t * 1e3);
+        println!(
+            "  stage {s}: layers {}..{} ({} .. {}) on {m} device(s), {:.2} ms per minibatch",
+            r.start,
+            r.end,
+            names[r.start],
+            names[r.end - 1],
+            t * 1e3
+        );
     }
-    println!("predicted time per minibatch: {:.2} ms ({:.2}x one device); planned in {:.4} s", plan.time_per_microbatch * 1e3, single / plan.time_per_microbatch, took);
+    println!(
+        "predicted time per minibatch: {:.2} ms ({:.2}x one device); planned in {:.4} s",
+        plan.time_per_microbatch * 1e3,
+        single / plan.time_per_microbatch,
+        took
+    );
     EXIT_OK
 }

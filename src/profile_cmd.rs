@@ -7,7 +7,14 @@ use crate::output::write_atomic;
 use crate::run_cmd::{load_plan, Backend};
 use crate::{EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
 
-pub fn run(file: &Path, out: Option<PathBuf>, backend: Backend, reps: usize, concurrent: Option<usize>, color: bool) -> u8 {
+pub fn run(
+    file: &Path,
+    out: Option<PathBuf>,
+    backend: Backend,
+    reps: usize,
+    concurrent: Option<usize>,
+    color: bool,
+) -> u8 {
     let plan = match load_plan(file, color) {
         Ok(p) => p,
         Err(code) => return code,
@@ -52,6 +59,12 @@ pub fn run(file: &Path, out: Option<PathBuf>, backend: Backend, reps: usize, con
     }
     let total_f: f64 = layers.iter().map(|l| l.forward_ms).sum();
     let total_b: f64 = layers.iter().map(|l| l.backward_ms).sum();
-    eprintln!("{}: {} layers at microbatch {}: forward {total_f:.3} ms, backward {total_b:.3} ms per microbatch; wrote {}", plan.name, layers.len(), plan.training.microbatch_size, path.display());
+    eprintln!(
+        "{}: {} layers at microbatch {}: forward {total_f:.3} ms, backward {total_b:.3} ms per microbatch; wrote {}",
+        plan.name,
+        layers.len(),
+        plan.training.microbatch_size,
+        path.display()
+    );
     EXIT_OK
 }

@@ -130,9 +130,19 @@ pub fn run(args: RunArgs) -> u8 {
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    bar.set_style(indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} ETA {eta}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} ETA {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     let quiet = bar.is_hidden();
-    eprintln!("{}: training {} step(s) of {} on {} worker(s) ({} backend)", plan.name, steps, plan.schedule.kind, plan.streams.values().filter(|s| !s.is_empty()).count(), if backend == BackendKind::Cpu { "cpu (flex)" } else { "cuda" });
+    eprintln!(
+        "{}: training {} step(s) of {} on {} worker(s) ({} backend)",
+        plan.name,
+        steps,
+        plan.schedule.kind,
+        plan.streams.values().filter(|s| !s.is_empty()).count(),
+        if backend == BackendKind::Cpu { "cpu (flex)" } else { "cuda" }
+    );
     let mut on_step = |m: &StepMetrics| {
         let line = serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s});
         let _ = writeln!(metrics, "{line}");
@@ -140,7 +150,13 @@ pub fn run(args: RunArgs) -> u8 {
         bar.set_position(m.step as u64 + 1);
         bar.set_message(format!("loss {:.5} {:.0} samples/s", m.loss, m.samples_per_s));
         if quiet && (m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps) {
-            eprintln!("step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s", m.step, m.loss, m.step_seconds * 1e3, m.samples_per_s);
+            eprintln!(
+                "step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s",
+                m.step,
+                m.loss,
+                m.step_seconds * 1e3,
+                m.samples_per_s
+            );
         }
     };
     let result = pipec_executor::run(&plan, &options, &mut on_step);
@@ -200,7 +216,13 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
     let mut on_step = |m: &StepMetrics| {
         lines.push(serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s}).to_string());
         if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps {
-            eprintln!("step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s", m.step, m.loss, m.step_seconds * 1e3, m.samples_per_s);
+            eprintln!(
+                "step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s",
+                m.step,
+                m.loss,
+                m.step_seconds * 1e3,
+                m.samples_per_s
+            );
         }
     };
     match pipec_executor::mpi_run::run(plan, &options, &mut on_step) {
@@ -222,7 +244,9 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
                 }
             }
             let trace = serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": "pipec run --transport mpi (measured, last step)", "plan": plan.name}});
-            for (file, contents) in [("plan.json", plan_text), ("metrics.jsonl", text), ("trace.json", trace.to_string())] {
+            for (file, contents) in
+                [("plan.json", plan_text), ("metrics.jsonl", text), ("trace.json", trace.to_string())]
+            {
                 if let Err(e) = write_atomic(&dir.join(file), contents.as_bytes()) {
                     eprintln!("error: {e}");
                     return EXIT_USAGE;
@@ -264,7 +288,12 @@ pub fn measured_bubble(plan: &Plan, trace: &[(pipec_plan::DeviceId, usize, f64, 
     let devices: std::collections::BTreeSet<_> = trace.iter().map(|t| t.0).collect();
     let busy: f64 = trace
         .iter()
-        .filter(|(d, i, _, _)| plan.streams.get(d).and_then(|s| s.get(*i)).is_some_and(|ins| !matches!(ins.phase(), Phase::Communication | Phase::Memory)))
+        .filter(|(d, i, _, _)| {
+            plan.streams
+                .get(d)
+                .and_then(|s| s.get(*i))
+                .is_some_and(|ins| !matches!(ins.phase(), Phase::Communication | Phase::Memory))
+        })
         .map(|t| t.3 - t.2)
         .sum();
     if step <= 0.0 || devices.is_empty() {

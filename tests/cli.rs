@@ -27,7 +27,8 @@ fn json_lines_have_the_documented_fields() {
     let out = pipec(&["check", "--format", "json", "specs/invalid/many-errors.yaml"]);
     assert_eq!(out.status.code(), Some(1));
     let text = String::from_utf8(out.stdout).expect("utf-8");
-    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect("one JSON object per line")).collect();
+    let lines: Vec<serde_json::Value> =
+        text.lines().map(|l| serde_json::from_str(l).expect("one JSON object per line")).collect();
     assert_eq!(lines.len(), 4, "{text}");
     for d in &lines {
         for key in ["file", "code", "severity", "message", "help", "labels"] {
@@ -65,20 +66,29 @@ fn explain_prints_explanations() {
 #[test]
 fn schema_command_matches_committed_file() {
     let out = pipec(&["schema"]);
-    let committed = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("schema/pipec.schema.json")).expect("schema file");
+    let committed = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("schema/pipec.schema.json"))
+        .expect("schema file");
     assert_eq!(String::from_utf8_lossy(&out.stdout), committed);
 }
 
 #[test]
 fn run_warns_that_a_bf16_spec_trains_in_fp32() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml")).expect("default spec");
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml"))
+        .expect("default spec");
     let text = text.replace("  seed: 7\n", "  seed: 7\n  precision: bf16\n");
     assert!(text.contains("precision: bf16"));
     let spec = dir.path().join("bf16.yaml");
     std::fs::write(&spec, text).expect("write spec");
     let out_dir = dir.path().join("out");
-    let out = pipec(&["run", spec.to_str().expect("utf-8 path"), "--steps", "2", "--out", out_dir.to_str().expect("utf-8 path")]);
+    let out = pipec(&[
+        "run",
+        spec.to_str().expect("utf-8 path"),
+        "--steps",
+        "2",
+        "--out",
+        out_dir.to_str().expect("utf-8 path"),
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(stderr.contains("warning: the plan asks for bf16 but the executor trains in fp32"), "{stderr}");
@@ -91,7 +101,8 @@ fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
     let compiled = dir.path().join("compiled");
     let out = pipec(&["compile", spec.to_str().expect("utf-8 path"), "-o", compiled.to_str().expect("utf-8 path")]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(compiled.join("plan.json")).expect("plan")).expect("json");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(compiled.join("plan.json")).expect("plan")).expect("json");
     // (edit, what the error names)
     let edits: Vec<(Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
         (Box::new(|p| p["streams"]["0"].as_array_mut().expect("stream").reverse()), "before its forward"),
@@ -106,7 +117,14 @@ fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
         let file = dir.path().join(format!("edited-{i}.json"));
         std::fs::write(&file, p.to_string()).expect("write");
         let out_dir = dir.path().join(format!("out-{i}"));
-        let out = pipec(&["run", file.to_str().expect("utf-8 path"), "--steps", "1", "-o", out_dir.to_str().expect("utf-8 path")]);
+        let out = pipec(&[
+            "run",
+            file.to_str().expect("utf-8 path"),
+            "--steps",
+            "1",
+            "-o",
+            out_dir.to_str().expect("utf-8 path"),
+        ]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "edit {i}: {stderr}");
         assert!(stderr.contains("does not pass verification") && stderr.contains(expect), "edit {i}: {stderr}");
@@ -115,14 +133,39 @@ fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
     }
     // --no-verify skips the stream verifier (not the structural check): the reversed
     // streams then fail at run time, naming the device and instruction
-    let out = pipec(&["run", dir.path().join("edited-0.json").to_str().expect("utf-8 path"), "--no-verify", "--timeout", "2", "--steps", "1", "-o", dir.path().join("nv").to_str().expect("utf-8 path")]);
+    let out = pipec(&[
+        "run",
+        dir.path().join("edited-0.json").to_str().expect("utf-8 path"),
+        "--no-verify",
+        "--timeout",
+        "2",
+        "--steps",
+        "1",
+        "-o",
+        dir.path().join("nv").to_str().expect("utf-8 path"),
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("device d") && !stderr.contains("does not pass verification"), "{stderr}");
-    let out = pipec(&["run", dir.path().join("edited-1.json").to_str().expect("utf-8 path"), "--no-verify", "--steps", "1", "-o", dir.path().join("nv1").to_str().expect("utf-8 path")]);
+    let out = pipec(&[
+        "run",
+        dir.path().join("edited-1.json").to_str().expect("utf-8 path"),
+        "--no-verify",
+        "--steps",
+        "1",
+        "-o",
+        dir.path().join("nv1").to_str().expect("utf-8 path"),
+    ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("covers layers [3, 1)"), "the structure is checked even so");
     // the unedited plan runs
-    let out = pipec(&["run", compiled.join("plan.json").to_str().expect("utf-8 path"), "--steps", "1", "-o", dir.path().join("ok").to_str().expect("utf-8 path")]);
+    let out = pipec(&[
+        "run",
+        compiled.join("plan.json").to_str().expect("utf-8 path"),
+        "--steps",
+        "1",
+        "-o",
+        dir.path().join("ok").to_str().expect("utf-8 path"),
+    ]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
@@ -142,7 +185,8 @@ fn compare_lists_every_schedule_fastest_first_and_says_why_one_does_not_apply() 
     assert_eq!(dp, rows.len() - 1);
     assert!(rows[dp].contains("n/a") && rows[dp].contains("runs the whole model as one stage"), "{}", rows[dp]);
     let seconds = |r: &str| {
-        let (v, unit) = (r[42..].split_whitespace().next().expect("step"), r[42..].split_whitespace().nth(1).expect("unit"));
+        let (v, unit) =
+            (r[42..].split_whitespace().next().expect("step"), r[42..].split_whitespace().nth(1).expect("unit"));
         let v: f64 = v.parse().expect("number");
         v * match unit {
             "s" => 1.0,
@@ -158,25 +202,39 @@ fn compare_lists_every_schedule_fastest_first_and_says_why_one_does_not_apply() 
     assert!(row.contains("550.7 µs") && row.contains("25.8%"), "{row}");
     // JSON lines for scripts: the same numbers, one object per schedule
     let out = pipec(&["compare", spec.to_str().expect("utf-8 path"), "--format", "json"]);
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
     assert_eq!(lines.len(), 9);
     let ob = lines.iter().find(|l| l["schedule"] == "1f1b").expect("1f1b");
-    assert!((ob["step_time_s"].as_f64().expect("step") - 550.7e-6).abs() < 1e-7 && ob["synchronous"] == true && ob["fits"] == true, "{ob}");
+    assert!(
+        (ob["step_time_s"].as_f64().expect("step") - 550.7e-6).abs() < 1e-7
+            && ob["synchronous"] == true
+            && ob["fits"] == true,
+        "{ob}"
+    );
     assert!(lines.iter().any(|l| l["schedule"] == "dp-only" && l["not_applicable"].is_string()));
     // a microbatch sweep: every schedule with each count; a count that does not divide
     // the batch is not applicable, with the check's reason
     let out = pipec(&["compare", spec.to_str().expect("utf-8 path"), "--microbatches", "8,5", "--format", "json"]);
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
     assert_eq!(lines.len(), 18);
     let gpipe5 = lines.iter().find(|l| l["schedule"] == "gpipe" && l["microbatches"] == 5).expect("gpipe at 5");
-    assert!(gpipe5["not_applicable"].as_str().is_some_and(|w| w.contains("not divisible into 5 microbatches")), "{gpipe5}");
+    assert!(
+        gpipe5["not_applicable"].as_str().is_some_and(|w| w.contains("not divisible into 5 microbatches")),
+        "{gpipe5}"
+    );
     let ob8 = lines.iter().find(|l| l["schedule"] == "1f1b" && l["microbatches"] == 8).expect("1f1b at 8");
     // 1F1B's bubble shrinks with more microbatches: (D−1)/(D−1+N) with free transfers
-    assert!(ob8["bubble_fraction"].as_f64().expect("bubble") < ob["bubble_fraction"].as_f64().expect("bubble"), "{ob8} vs {ob}");
+    assert!(
+        ob8["bubble_fraction"].as_f64().expect("bubble") < ob["bubble_fraction"].as_f64().expect("bubble"),
+        "{ob8} vs {ob}"
+    );
     // a sweep needs a `microbatches` key to vary
     let dir = tempfile::tempdir().expect("temp dir");
     let no_key = dir.path().join("no-key.yaml");
-    std::fs::write(&no_key, std::fs::read_to_string(&spec).expect("spec").replace("  microbatches: 4\n", "")).expect("write");
+    std::fs::write(&no_key, std::fs::read_to_string(&spec).expect("spec").replace("  microbatches: 4\n", ""))
+        .expect("write");
     let out = pipec(&["compare", no_key.to_str().expect("utf-8 path"), "--microbatches", "2,4"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("needs a `microbatches` key"));

@@ -17,14 +17,32 @@ fn pipec(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn every_example_spec_compiles_with_golden_ir_and_memory() {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("specs")).expect("specs").filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "yaml")).collect();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("specs"))
+        .expect("specs")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
     files.sort();
     for path in files {
         let name = path.file_stem().and_then(|s| s.to_str()).expect("name").to_string();
-        let out = pipec(&["compile", path.to_str().expect("path"), "-o", std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id())).to_str().expect("tmp"), "--emit", "ir"]);
+        let out = pipec(&[
+            "compile",
+            path.to_str().expect("path"),
+            "-o",
+            std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id())).to_str().expect("tmp"),
+            "--emit",
+            "ir",
+        ]);
         assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
         insta::assert_snapshot!(format!("ir__{name}"), String::from_utf8_lossy(&out.stdout));
-        let out = pipec(&["compile", path.to_str().expect("path"), "-o", std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id())).to_str().expect("tmp"), "--emit", "memory"]);
+        let out = pipec(&[
+            "compile",
+            path.to_str().expect("path"),
+            "-o",
+            std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id())).to_str().expect("tmp"),
+            "--emit",
+            "memory",
+        ]);
         insta::assert_snapshot!(format!("memory__{name}"), String::from_utf8_lossy(&out.stdout));
     }
 }
@@ -50,7 +68,8 @@ fn a_model_that_cannot_fit_is_rejected_and_recompute_or_more_stages_fit() {
     let recompute = text.replace("  microbatches: 16\n", "  microbatches: 16\n  recompute: true\n");
     let c = compile_text(&recompute).expect("plans");
     assert!(!c.has_errors(), "{:?}", c.diagnostics);
-    let four = text.replace("devices_per_node: 2", "devices_per_node: 4").replace("stages: \"1-1\"", "stages: straight");
+    let four =
+        text.replace("devices_per_node: 2", "devices_per_node: 4").replace("stages: \"1-1\"", "stages: straight");
     let c = compile_text(&four).expect("plans");
     assert!(!c.has_errors(), "{:?}", c.diagnostics);
     let onefb = text.replace("schedule: gpipe", "schedule: 1f1b");
@@ -76,10 +95,12 @@ fn compile_writes_plan_pictures_and_trace() {
     for f in ["plan.json", "timeline.svg", "memory.svg", "trace.json"] {
         assert!(dir.path().join(f).is_file(), "{f} missing");
     }
-    let plan = pipec_plan::Plan::from_json(&std::fs::read_to_string(dir.path().join("plan.json")).expect("plan")).expect("valid plan");
+    let plan = pipec_plan::Plan::from_json(&std::fs::read_to_string(dir.path().join("plan.json")).expect("plan"))
+        .expect("valid plan");
     assert_eq!(plan.partition, "1-1");
     assert!(plan.simulation.step_time_s > 0.0);
-    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("trace.json")).expect("trace")).expect("json");
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("trace.json")).expect("trace")).expect("json");
     assert!(trace["traceEvents"].as_array().is_some_and(|e| e.len() > 10));
     let svg = std::fs::read_to_string(dir.path().join("timeline.svg")).expect("svg");
     assert!(svg.contains("bubble") && svg.starts_with("<svg"));
@@ -116,7 +137,18 @@ fn pipedream_vgg16_profile_plans_on_4_by_4() {
     // PipeDream's published profile, provided beside the repository in ../shared (as in CI).
     let profile = root().join("../shared/reference/pipedream-profiles/vgg16/graph.txt");
     assert!(profile.is_file(), "{} is missing: CI provides ../shared beside the clone", profile.display());
-    let out = pipec(&["plan-profile", profile.to_str().expect("path"), "--nodes", "4", "--devices-per-node", "4", "--intra", "8GB/s", "--inter", "10Gbps"]);
+    let out = pipec(&[
+        "plan-profile",
+        profile.to_str().expect("path"),
+        "--nodes",
+        "4",
+        "--devices-per-node",
+        "4",
+        "--intra",
+        "8GB/s",
+        "--inter",
+        "10Gbps",
+    ]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("41 layers"), "{text}");
@@ -125,7 +157,16 @@ fn pipedream_vgg16_profile_plans_on_4_by_4() {
     assert!((2..=16).contains(&workers), "{notation}");
     assert!(text.contains("predicted time per minibatch"));
     // bad flags are errors, not panics
-    let out = pipec(&["plan-profile", profile.to_str().expect("path"), "--devices-per-node", "4", "--intra", "8GiB", "--inter", "10Gbps"]);
+    let out = pipec(&[
+        "plan-profile",
+        profile.to_str().expect("path"),
+        "--devices-per-node",
+        "4",
+        "--intra",
+        "8GiB",
+        "--inter",
+        "10Gbps",
+    ]);
     assert_eq!(out.status.code(), Some(2));
 }
 
@@ -139,22 +180,47 @@ fn profile_then_compile_with_the_measured_costs() {
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("with {} concurrent worker(s)", cores.min(2))));
     let solo = dir.path().join("solo.json");
-    let out = pipec(&["profile", "specs/mlp-1f1b.yaml", "-o", solo.to_str().expect("path"), "--reps", "2", "--concurrent", "1"]);
+    let out = pipec(&[
+        "profile",
+        "specs/mlp-1f1b.yaml",
+        "-o",
+        solo.to_str().expect("path"),
+        "--reps",
+        "2",
+        "--concurrent",
+        "1",
+    ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("with 1 concurrent worker(s)") && solo.is_file());
-    let p: pipec_plan::profile::Profile = serde_json::from_str(&std::fs::read_to_string(&prof).expect("profile")).expect("a profile");
+    let p: pipec_plan::profile::Profile =
+        serde_json::from_str(&std::fs::read_to_string(&prof).expect("profile")).expect("a profile");
     assert_eq!(p.layers.len(), 7);
     assert_eq!(p.batch_size, 16);
     assert!(p.layers.iter().all(|l| l.forward_ms > 0.0 && l.backward_ms > 0.0));
     assert!(p.layers[0].parameter_bytes == (64 * 128 + 128) * 4);
     let plan_dir = dir.path().join("plan");
-    let out = pipec(&["compile", "specs/mlp-1f1b.yaml", "--profile", prof.to_str().expect("path"), "-o", plan_dir.to_str().expect("path")]);
+    let out = pipec(&[
+        "compile",
+        "specs/mlp-1f1b.yaml",
+        "--profile",
+        prof.to_str().expect("path"),
+        "-o",
+        plan_dir.to_str().expect("path"),
+    ]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let plan = pipec_plan::Plan::from_json(&std::fs::read_to_string(plan_dir.join("plan.json")).expect("plan")).expect("plan");
+    let plan =
+        pipec_plan::Plan::from_json(&std::fs::read_to_string(plan_dir.join("plan.json")).expect("plan")).expect("plan");
     let expected: f64 = p.layers.iter().map(|l| l.forward_ms).sum::<f64>() / 1e3;
     let got: f64 = plan.layers.iter().map(|l| l.forward_s).sum();
     assert!((got - expected).abs() < 1e-9, "the plan uses the measured times: {got} vs {expected}");
     // a profile of another model is rejected with a diagnostic
-    let out = pipec(&["compile", "specs/1f1b.yaml", "--profile", prof.to_str().expect("path"), "-o", plan_dir.to_str().expect("path")]);
+    let out = pipec(&[
+        "compile",
+        "specs/1f1b.yaml",
+        "--profile",
+        prof.to_str().expect("path"),
+        "-o",
+        plan_dir.to_str().expect("path"),
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("E0604"));
 }

@@ -39,7 +39,11 @@ fn every_example_spec_checks_clean() {
 fn every_spec_file_names_the_schema() {
     for path in spec_files("specs").into_iter().chain(spec_files("specs/invalid")) {
         let first = read(&path).lines().next().unwrap_or_default().to_string();
-        assert!(first.starts_with("# yaml-language-server: $schema="), "{} must start with the schema comment", path.display());
+        assert!(
+            first.starts_with("# yaml-language-server: $schema="),
+            "{} must start with the schema comment",
+            path.display()
+        );
     }
 }
 
@@ -90,7 +94,11 @@ fn every_invalid_spec_reports_its_expected_diagnostics_at_the_right_place() {
 fn committed_schema_is_current() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("schema/pipec.schema.json");
     let committed = read(&path);
-    assert_eq!(committed, pipec_grammar::schema::json_schema_text(), "schema/pipec.schema.json is stale: run `pipec schema > schema/pipec.schema.json`");
+    assert_eq!(
+        committed,
+        pipec_grammar::schema::json_schema_text(),
+        "schema/pipec.schema.json is stale: run `pipec schema > schema/pipec.schema.json`"
+    );
 }
 
 #[test]
@@ -117,7 +125,11 @@ fn microbatch_fixes_meet_every_constraint_at_once() {
             .replace("devices_per_node: 2", "devices_per_node: 6");
         let result = pipec_grammar::check_source(&src);
         let errors: Vec<_> = result.diagnostics.iter().filter(|d| d.code == "E0404" || d.code == "E0405").collect();
-        assert!(!errors.is_empty(), "{layout} {schedule} {mb}/{batch}: no microbatch diagnostic: {:?}", result.diagnostics);
+        assert!(
+            !errors.is_empty(),
+            "{layout} {schedule} {mb}/{batch}: no microbatch diagnostic: {:?}",
+            result.diagnostics
+        );
         for d in errors {
             let got = d.fix.as_ref().map(|f| {
                 assert_eq!(&src[f.span.start..f.span.end], mb.to_string(), "the fix rewrites the microbatches value");
@@ -151,7 +163,8 @@ fn huge_numbers_get_diagnostics_not_overflows_or_endless_work() {
     let d = check(&[("nodes: 1", "nodes: 4294967296"), ("devices_per_node: 2", "devices_per_node: 4294967296")]);
     assert!(d.iter().any(|d| d.code == "E0105" && d.message.contains("devices")), "{d:?}");
     // more (stage, microbatch) pairs than pipec plans
-    let d = check(&[("microbatches: 5", "microbatches: 1099511627776"), ("batch_size: 64", "batch_size: 1099511627776")]);
+    let d =
+        check(&[("microbatches: 5", "microbatches: 1099511627776"), ("batch_size: 64", "batch_size: 1099511627776")]);
     assert!(d.iter().any(|d| d.code == "E0105" && d.message.contains("forward passes per step")), "{d:?}");
 }
 
@@ -161,12 +174,18 @@ fn a_strategy_cluster_mismatch_offers_the_matching_cluster_size() {
     let d = pipec_grammar::check_source(&src).diagnostics;
     let e = d.iter().find(|d| d.code == "E0402").expect("E0402");
     let fix = e.fix.as_ref().expect("a fix");
-    assert_eq!((fix.title.as_str(), fix.replacement.as_str(), &src[fix.span.start..fix.span.end]), ("use 4 devices per node", "4", "2"));
+    assert_eq!(
+        (fix.title.as_str(), fix.replacement.as_str(), &src[fix.span.start..fix.span.end]),
+        ("use 4 devices per node", "4", "2")
+    );
     // applied, the spec checks clean
     let fixed = format!("{}{}{}", &src[..fix.span.start], fix.replacement, &src[fix.span.end..]);
     assert!(!pipec_grammar::check_source(&fixed).has_errors());
     // with 3 nodes, 4 devices cannot be spread evenly: no fix, the help still says what to do
-    let three = src.replace("  nodes: 1\n", "  nodes: 3\n").replace("    intra_node: { bandwidth: 10GB/s, latency: 5us }\n", "    intra_node: { bandwidth: 10GB/s, latency: 5us }\n    inter_node: { bandwidth: 10GB/s, latency: 5us }\n");
+    let three = src.replace("  nodes: 1\n", "  nodes: 3\n").replace(
+        "    intra_node: { bandwidth: 10GB/s, latency: 5us }\n",
+        "    intra_node: { bandwidth: 10GB/s, latency: 5us }\n    inter_node: { bandwidth: 10GB/s, latency: 5us }\n",
+    );
     let d = pipec_grammar::check_source(&three).diagnostics;
     let e = d.iter().find(|d| d.code == "E0402").expect("E0402");
     assert!(e.fix.is_none() && e.help.is_some(), "{e:?}");

@@ -18,11 +18,19 @@ fn spec(stages: &str, devices: usize, steps: usize) -> String {
 }
 
 fn mpirun(np: usize, args: &[&str]) -> Output {
-    Command::new("mpirun").args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string(), pipec()]).args(args).output().expect("mpirun runs")
+    Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string(), pipec()])
+        .args(args)
+        .output()
+        .expect("mpirun runs")
 }
 
 fn losses(dir: &Path) -> Vec<f64> {
-    std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics").lines().map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"].as_f64().expect("loss")).collect()
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"].as_f64().expect("loss"))
+        .collect()
 }
 
 fn equal_to_in_process(stages: &str, devices: usize) {
@@ -30,10 +38,14 @@ fn equal_to_in_process(stages: &str, devices: usize) {
     let spec_path = dir.path().join("spec.yaml");
     std::fs::write(&spec_path, spec(stages, devices, 4)).expect("write");
     let threads = dir.path().join("threads");
-    let out = Command::new(pipec()).args(["run", spec_path.to_str().expect("p"), "-o", threads.to_str().expect("p")]).output().expect("runs");
+    let out = Command::new(pipec())
+        .args(["run", spec_path.to_str().expect("p"), "-o", threads.to_str().expect("p")])
+        .output()
+        .expect("runs");
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let mpi = dir.path().join("mpi");
-    let out = mpirun(devices, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", mpi.to_str().expect("p")]);
+    let out =
+        mpirun(devices, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", mpi.to_str().expect("p")]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let (a, b) = (losses(&threads), losses(&mpi));
     assert_eq!(a.len(), 4);
@@ -57,7 +69,10 @@ fn a_wrong_process_count_is_an_error_on_every_rank() {
     let spec_path = dir.path().join("spec.yaml");
     std::fs::write(&spec_path, spec("straight", 4, 2)).expect("write");
     let start = Instant::now();
-    let out = mpirun(3, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", dir.path().join("o").to_str().expect("p")]);
+    let out = mpirun(
+        3,
+        &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", dir.path().join("o").to_str().expect("p")],
+    );
     assert_ne!(out.status.code(), Some(0));
     assert!(start.elapsed() < Duration::from_secs(60));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -70,10 +85,14 @@ fn a_failing_rank_aborts_the_job_with_its_device_and_instruction() {
     let spec_path = dir.path().join("spec.yaml");
     std::fs::write(&spec_path, spec("straight", 4, 3)).expect("write");
     let plan_dir = dir.path().join("plan");
-    let out = Command::new(pipec()).args(["compile", spec_path.to_str().expect("p"), "-o", plan_dir.to_str().expect("p")]).output().expect("compiles");
+    let out = Command::new(pipec())
+        .args(["compile", spec_path.to_str().expect("p"), "-o", plan_dir.to_str().expect("p")])
+        .output()
+        .expect("compiles");
     assert_eq!(out.status.code(), Some(0));
     // break the plan: device 1 never sends its first activation
-    let mut plan: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(plan_dir.join("plan.json")).expect("plan")).expect("json");
+    let mut plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(plan_dir.join("plan.json")).expect("plan")).expect("json");
     let stream = plan["streams"]["1"].as_array_mut().expect("d1 stream");
     let i = stream.iter().position(|x| x["op"] == "send_activation").expect("a send");
     stream.remove(i);
@@ -81,7 +100,20 @@ fn a_failing_rank_aborts_the_job_with_its_device_and_instruction() {
     std::fs::write(&broken, serde_json::to_string(&plan).expect("json")).expect("write");
     let start = Instant::now();
     // `pipec run` would refuse the plan statically; --no-verify lets the ranks run into it
-    let out = mpirun(4, &["run", broken.to_str().expect("p"), "--no-verify", "--transport", "mpi", "--timeout", "3", "-o", dir.path().join("o").to_str().expect("p")]);
+    let out = mpirun(
+        4,
+        &[
+            "run",
+            broken.to_str().expect("p"),
+            "--no-verify",
+            "--transport",
+            "mpi",
+            "--timeout",
+            "3",
+            "-o",
+            dir.path().join("o").to_str().expect("p"),
+        ],
+    );
     assert_ne!(out.status.code(), Some(0));
     assert!(start.elapsed() < Duration::from_secs(60), "took {:?}", start.elapsed());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -95,7 +127,19 @@ fn a_killed_rank_ends_the_job() {
     std::fs::write(&spec_path, spec("straight", 2, 100000)).expect("write");
     let marker: PathBuf = dir.path().join("killme");
     let mut child = Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", pipec(), "run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", marker.to_str().expect("p")])
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "2",
+            pipec(),
+            "run",
+            spec_path.to_str().expect("p"),
+            "--transport",
+            "mpi",
+            "-o",
+            marker.to_str().expect("p"),
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -118,9 +162,14 @@ fn a_killed_rank_ends_the_job() {
 fn rank_0_writes_checkpoints_and_an_mpi_run_resumes_exactly() {
     let dir = tempfile::tempdir().expect("tmp");
     let spec_path = dir.path().join("spec.yaml");
-    std::fs::write(&spec_path, spec("\"2-1-1\"", 4, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n")).expect("write");
+    std::fs::write(
+        &spec_path,
+        spec("\"2-1-1\"", 4, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n"),
+    )
+    .expect("write");
     let full = dir.path().join("full");
-    let out = mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", full.to_str().expect("p")]);
+    let out =
+        mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", full.to_str().expect("p")]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let ckpt = full.join("checkpoints/step-000002");
     assert!(ckpt.join("model.safetensors").is_file() && ckpt.join("state.json").is_file());
@@ -128,7 +177,19 @@ fn rank_0_writes_checkpoints_and_an_mpi_run_resumes_exactly() {
         assert!(ckpt.join(format!("optimizer-s{s}.bin")).is_file(), "stage {s}'s optimizer state missing");
     }
     let resumed = dir.path().join("resumed");
-    let out = mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "--resume", ckpt.to_str().expect("p"), "-o", resumed.to_str().expect("p")]);
+    let out = mpirun(
+        4,
+        &[
+            "run",
+            spec_path.to_str().expect("p"),
+            "--transport",
+            "mpi",
+            "--resume",
+            ckpt.to_str().expect("p"),
+            "-o",
+            resumed.to_str().expect("p"),
+        ],
+    );
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(losses(&full)[2..].to_vec(), losses(&resumed));
 }
@@ -139,16 +200,33 @@ fn tensor_parallel_over_mpi_equals_in_process_and_resumes_from_its_shards() {
     equal_to_in_process(layout, 4);
     let dir = tempfile::tempdir().expect("tmp");
     let spec_path = dir.path().join("spec.yaml");
-    std::fs::write(&spec_path, spec(layout, 4, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n")).expect("write");
+    std::fs::write(&spec_path, spec(layout, 4, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n"))
+        .expect("write");
     let full = dir.path().join("full");
-    let out = mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", full.to_str().expect("p")]);
+    let out =
+        mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", full.to_str().expect("p")]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let ckpt = full.join("checkpoints/step-000002");
     for (s, r) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-        assert!(ckpt.join(format!("optimizer-s{s}-tp{r}.bin")).is_file(), "stage {s} rank {r}: optimizer shard missing");
+        assert!(
+            ckpt.join(format!("optimizer-s{s}-tp{r}.bin")).is_file(),
+            "stage {s} rank {r}: optimizer shard missing"
+        );
     }
     let resumed = dir.path().join("resumed");
-    let out = mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "--resume", ckpt.to_str().expect("p"), "-o", resumed.to_str().expect("p")]);
+    let out = mpirun(
+        4,
+        &[
+            "run",
+            spec_path.to_str().expect("p"),
+            "--transport",
+            "mpi",
+            "--resume",
+            ckpt.to_str().expect("p"),
+            "-o",
+            resumed.to_str().expect("p"),
+        ],
+    );
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(losses(&full)[2..].to_vec(), losses(&resumed));
 }

@@ -36,11 +36,13 @@ fn compute_orders_match_pytorch() {
         let s = pipec_grammar::check_source(&text).spec.expect("valid spec");
         let plan = compile(&s, &CompileOptions::default()).expect("compiles").plan;
         for (rank, stream) in plan.streams.values().enumerate() {
-            let ours: Vec<String> = compute_order(stream)
+            let ours: Vec<String> = compute_order(stream).iter().map(ToString::to_string).collect();
+            let theirs: Vec<String> = r["order"][rank.to_string()]
+                .as_array()
+                .expect("rank order")
                 .iter()
-                .map(ToString::to_string)
+                .map(|a| a.as_str().expect("action").to_string())
                 .collect();
-            let theirs: Vec<String> = r["order"][rank.to_string()].as_array().expect("rank order").iter().map(|a| a.as_str().expect("action").to_string()).collect();
             assert_eq!(ours, theirs, "{}: rank {rank}", path.display());
         }
         checked += 1;

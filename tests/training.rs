@@ -80,7 +80,8 @@ fn plan(j: &Job<'_>) -> Plan {
 }
 
 fn train(p: &Plan) -> RunReport {
-    pipec_executor::run(p, &RunOptions { timeout: Duration::from_secs(30), ..Default::default() }, &mut |_| {}).unwrap_or_else(|e| panic!("run failed: {e}"))
+    pipec_executor::run(p, &RunOptions { timeout: Duration::from_secs(30), ..Default::default() }, &mut |_| {})
+        .unwrap_or_else(|e| panic!("run failed: {e}"))
 }
 
 fn losses(r: &RunReport) -> Vec<f64> {
@@ -91,19 +92,35 @@ fn losses(r: &RunReport) -> Vec<f64> {
 /// the plan predicted.
 fn assert_same_as_one_device(j: Job<'_>) {
     let reference = Job { devices: 1, stages: "\"1\"", schedule: "gpipe", ..Job { ..j } };
-    let reference = train(&plan(&Job { layers: reference.layers, microbatches: reference.microbatches, optimizer: reference.optimizer, steps: reference.steps, ..Job::default() }));
+    let reference = train(&plan(&Job {
+        layers: reference.layers,
+        microbatches: reference.microbatches,
+        optimizer: reference.optimizer,
+        steps: reference.steps,
+        ..Job::default()
+    }));
     let p = plan(&j);
     let got = train(&p);
     let (a, b) = (losses(&reference), losses(&got));
     assert_eq!(a.len(), b.len());
     for (step, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-6), "{} {}: step {step}: one device {x}, plan {y}\nall: {a:?}\n vs {b:?}", j.schedule, j.stages);
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs().max(1e-6),
+            "{} {}: step {step}: one device {x}, plan {y}\nall: {a:?}\n vs {b:?}",
+            j.schedule,
+            j.stages
+        );
     }
     assert!(b.last() < b.first(), "{}: the loss did not fall: {b:?}", j.schedule);
     for (dev, stages) in &got.peak_in_flight {
         let predicted = &p.devices[dev.0 as usize].peak_in_flight;
         for (s, n) in stages {
-            assert!(*n <= predicted.get(s).copied().unwrap_or(0), "{}: {dev} kept {n} microbatches of {s}, the plan predicted {:?}", j.schedule, predicted.get(s));
+            assert!(
+                *n <= predicted.get(s).copied().unwrap_or(0),
+                "{}: {dev} kept {n} microbatches of {s}, the plan predicted {:?}",
+                j.schedule,
+                predicted.get(s)
+            );
         }
     }
 }
@@ -114,67 +131,148 @@ const ADAM: &str = "{ kind: adam, lr: 0.005 }";
 #[test]
 fn gpipe_equals_one_device() {
     for opt in [SGD, ADAM] {
-        assert_same_as_one_device(Job { devices: 4, stages: "straight", schedule: "gpipe", optimizer: opt, layers: "- linear(16, 32) -> relu -> dropout(0.2)\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)", ..Job::default() });
+        assert_same_as_one_device(Job {
+            devices: 4,
+            stages: "straight",
+            schedule: "gpipe",
+            optimizer: opt,
+            layers:
+                "- linear(16, 32) -> relu -> dropout(0.2)\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)",
+            ..Job::default()
+        });
     }
 }
 
 #[test]
 fn one_f_one_b_equals_one_device() {
     for opt in [SGD, ADAM] {
-        assert_same_as_one_device(Job { devices: 3, stages: "straight", schedule: "1f1b", microbatches: 8, optimizer: opt, ..Job::default() });
+        assert_same_as_one_device(Job {
+            devices: 3,
+            stages: "straight",
+            schedule: "1f1b",
+            microbatches: 8,
+            optimizer: opt,
+            ..Job::default()
+        });
     }
 }
 
 #[test]
 fn one_f_one_b_with_recompute_equals_one_device() {
-    assert_same_as_one_device(Job { devices: 2, stages: "straight", schedule: "1f1b", recompute: true, optimizer: ADAM, ..Job::default() });
+    assert_same_as_one_device(Job {
+        devices: 2,
+        stages: "straight",
+        schedule: "1f1b",
+        recompute: true,
+        optimizer: ADAM,
+        ..Job::default()
+    });
 }
 
 #[test]
 fn interleaved_equals_one_device() {
     for opt in [SGD, ADAM] {
-        assert_same_as_one_device(Job { devices: 2, stages: "straight", schedule: "{ kind: interleaved, virtual_stages: 2 }", optimizer: opt, ..Job::default() });
+        assert_same_as_one_device(Job {
+            devices: 2,
+            stages: "straight",
+            schedule: "{ kind: interleaved, virtual_stages: 2 }",
+            optimizer: opt,
+            ..Job::default()
+        });
     }
 }
 
 #[test]
 fn chimera_equals_one_device() {
     for opt in [SGD, ADAM] {
-        assert_same_as_one_device(Job { devices: 2, stages: "straight", schedule: "chimera", optimizer: opt, ..Job::default() });
+        assert_same_as_one_device(Job {
+            devices: 2,
+            stages: "straight",
+            schedule: "chimera",
+            optimizer: opt,
+            ..Job::default()
+        });
     }
     // two concatenated units of 4 microbatches on 4 stages; a unit of 6 then one of 2 on 6
     for devices in [4, 6] {
-        assert_same_as_one_device(Job { devices, stages: "straight", schedule: "chimera", microbatches: 8, optimizer: ADAM, ..Job::default() });
+        assert_same_as_one_device(Job {
+            devices,
+            stages: "straight",
+            schedule: "chimera",
+            microbatches: 8,
+            optimizer: ADAM,
+            ..Job::default()
+        });
     }
     // with data parallelism: two pipeline pairs over 2 stages, one gradient group of 4 per stage
-    assert_same_as_one_device(Job { devices: 4, stages: "\"2-2\"", schedule: "chimera", microbatches: 8, optimizer: SGD, ..Job::default() });
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"2-2\"",
+        schedule: "chimera",
+        microbatches: 8,
+        optimizer: SGD,
+        ..Job::default()
+    });
 }
 
 #[test]
 fn zero_bubble_equals_one_device() {
     for sched in ["zb-h1", "zbv"] {
-        assert_same_as_one_device(Job { devices: 2, stages: "straight", schedule: sched, optimizer: ADAM, ..Job::default() });
+        assert_same_as_one_device(Job {
+            devices: 2,
+            stages: "straight",
+            schedule: sched,
+            optimizer: ADAM,
+            ..Job::default()
+        });
     }
 }
 
 #[test]
 fn data_parallel_equals_one_device() {
     for sched in ["dp-only", "{ kind: dp-only, reduce: ps }"] {
-        assert_same_as_one_device(Job { devices: 4, stages: "\"4\"", schedule: sched, optimizer: SGD, ..Job::default() });
+        assert_same_as_one_device(Job {
+            devices: 4,
+            stages: "\"4\"",
+            schedule: sched,
+            optimizer: SGD,
+            ..Job::default()
+        });
     }
 }
 
 #[test]
 fn replicated_stages_equal_one_device() {
     // PipeDream's 2-1-1 layout and dp × pp, synchronously (1F1B with per-stage all-reduce)
-    assert_same_as_one_device(Job { devices: 4, stages: "\"2-1-1\"", schedule: "1f1b", optimizer: ADAM, ..Job::default() });
-    assert_same_as_one_device(Job { devices: 4, stages: "\"2-2\"", schedule: "gpipe", optimizer: SGD, ..Job::default() });
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"2-1-1\"",
+        schedule: "1f1b",
+        optimizer: ADAM,
+        ..Job::default()
+    });
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"2-2\"",
+        schedule: "gpipe",
+        optimizer: SGD,
+        ..Job::default()
+    });
 }
 
 #[test]
 fn asynchronous_schedules_stash_weights_and_converge() {
-    for (sched, stages, devices, max_versions) in [("pipedream", "\"2-1-1\"", 4, None), ("2bw", "straight", 3, Some(2))] {
-        let p = plan(&Job { devices, stages, schedule: sched, microbatches: 8, optimizer: "{ kind: sgd, lr: 0.02 }", steps: 25, ..Job::default() });
+    for (sched, stages, devices, max_versions) in [("pipedream", "\"2-1-1\"", 4, None), ("2bw", "straight", 3, Some(2))]
+    {
+        let p = plan(&Job {
+            devices,
+            stages,
+            schedule: sched,
+            microbatches: 8,
+            optimizer: "{ kind: sgd, lr: 0.02 }",
+            steps: 25,
+            ..Job::default()
+        });
         assert!(!p.schedule.synchronous);
         let r = train(&p);
         let l = losses(&r);
@@ -194,14 +292,22 @@ fn asynchronous_schedules_stash_weights_and_converge() {
 fn pipedream_updates_after_every_microbatch() {
     // On one stage, PipeDream is SGD with one update per microbatch: step t's loss is the
     // mean of the losses of four one-microbatch steps of plain training on the same samples.
-    let pd = losses(&train(&plan(&Job { schedule: "pipedream", microbatches: 4, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 3, ..Job::default() })));
+    let pd = losses(&train(&plan(&Job {
+        schedule: "pipedream",
+        microbatches: 4,
+        optimizer: "{ kind: sgd, lr: 0.05 }",
+        steps: 3,
+        ..Job::default()
+    })));
     assert_per_microbatch_sgd("pipedream", &pd);
 }
 
 /// Asserts that `got[t]` (4 microbatches per step, one update each) is the mean of four
 /// one-microbatch steps of plain SGD on the same samples.
 fn assert_per_microbatch_sgd(what: &str, got: &[f64]) {
-    let text = spec(&Job { microbatches: 1, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 4 * got.len(), ..Job::default() }).replace("batch_size: 32", "batch_size: 8");
+    let text =
+        spec(&Job { microbatches: 1, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 4 * got.len(), ..Job::default() })
+            .replace("batch_size: 32", "batch_size: 8");
     let s = pipec_grammar::check_source(&text).spec.expect("valid");
     let plain = losses(&train(&compile(&s, &CompileOptions::default()).expect("compiles").plan));
     for (t, g) in got.iter().enumerate() {
@@ -223,15 +329,33 @@ fn resume_gives_the_same_losses_as_an_uninterrupted_run() {
     let blocks = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32)\n    - layernorm\n    - flatten\n    - linear(256, 4)";
     for j in [
         Job { devices: 2, stages: "straight", schedule: "1f1b", optimizer: ADAM, steps: 6, ..Job::default() },
-        Job { devices: 8, stages: "\"2-2\"\n  tp: 2", schedule: "1f1b", optimizer: ADAM, steps: 6, layers: blocks, ..Job::default() },
+        Job {
+            devices: 8,
+            stages: "\"2-2\"\n  tp: 2",
+            schedule: "1f1b",
+            optimizer: ADAM,
+            steps: 6,
+            layers: blocks,
+            ..Job::default()
+        },
     ] {
         let dir = tempfile::tempdir().expect("tempdir");
         let p = checkpointed_plan(j);
         let ckpt = dir.path().join("checkpoints");
-        let full = pipec_executor::run(&p, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {}).expect("runs");
+        let full = pipec_executor::run(
+            &p,
+            &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() },
+            &mut |_| {},
+        )
+        .expect("runs");
         assert_eq!(full.checkpoints.len(), 2);
         assert!(ckpt.join("step-000003/model.safetensors").is_file() && ckpt.join("latest").is_file());
-        let resumed = pipec_executor::run(&p, &RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() }, &mut |_| {}).expect("resumes");
+        let resumed = pipec_executor::run(
+            &p,
+            &RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() },
+            &mut |_| {},
+        )
+        .expect("resumes");
         assert_eq!(resumed.steps.first().map(|s| s.step), Some(3));
         let a: Vec<f64> = full.steps[3..].iter().map(|s| s.loss).collect();
         let b: Vec<f64> = resumed.steps.iter().map(|s| s.loss).collect();
@@ -243,12 +367,15 @@ fn resume_gives_the_same_losses_as_an_uninterrupted_run() {
 fn a_tensor_parallel_checkpoint_resumes_only_on_the_same_degree() {
     let dir = tempfile::tempdir().expect("tempdir");
     let ckpt = dir.path().join("checkpoints");
-    let tp2 = checkpointed_plan(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", steps: 3, ..Job::default() });
-    pipec_executor::run(&tp2, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {}).expect("runs");
+    let tp2 =
+        checkpointed_plan(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", steps: 3, ..Job::default() });
+    pipec_executor::run(&tp2, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {})
+        .expect("runs");
     let step = ckpt.join("step-000003");
     assert!(step.join("optimizer-s0-tp1.bin").is_file(), "one optimizer file per shard");
     let plain = checkpointed_plan(Job { devices: 2, stages: "\"1-1\"", schedule: "1f1b", steps: 3, ..Job::default() });
-    let err = pipec_executor::run(&plain, &RunOptions { resume: Some(step), ..Default::default() }, &mut |_| {}).expect_err("must refuse");
+    let err = pipec_executor::run(&plain, &RunOptions { resume: Some(step), ..Default::default() }, &mut |_| {})
+        .expect_err("must refuse");
     assert!(err.to_string().contains("resume with the same `tp`"), "{err}");
 }
 
@@ -260,7 +387,9 @@ fn a_broken_stream_stops_the_run_quickly_with_the_place_in_the_message() {
     let i = stream.iter().position(|i| matches!(i, pipec_plan::Instr::SendActivation { .. })).expect("a send");
     stream.remove(i);
     let start = Instant::now();
-    let err = pipec_executor::run(&p, &RunOptions { timeout: Duration::from_secs(2), ..Default::default() }, &mut |_| {}).expect_err("must fail");
+    let err =
+        pipec_executor::run(&p, &RunOptions { timeout: Duration::from_secs(2), ..Default::default() }, &mut |_| {})
+            .expect_err("must fail");
     assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
     assert!(err.device.is_some() && err.instruction.is_some(), "{err}");
     let text = err.to_string();
@@ -271,10 +400,24 @@ fn a_broken_stream_stops_the_run_quickly_with_the_place_in_the_message() {
 fn asp_with_one_worker_is_per_microbatch_sgd_and_with_two_converges() {
     // One worker: the parameter server applies every microbatch's gradient before the next
     // forward, which is plain SGD with one update per microbatch.
-    let asp = losses(&train(&plan(&Job { schedule: "{ kind: dp-only, sync: asp, staleness: 0 }", microbatches: 4, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 3, ..Job::default() })));
+    let asp = losses(&train(&plan(&Job {
+        schedule: "{ kind: dp-only, sync: asp, staleness: 0 }",
+        microbatches: 4,
+        optimizer: "{ kind: sgd, lr: 0.05 }",
+        steps: 3,
+        ..Job::default()
+    })));
     assert_per_microbatch_sgd("asp", &asp);
     // Two workers with stale weights (staleness 1) still learn.
-    let p = plan(&Job { devices: 2, stages: "\"2\"", schedule: "{ kind: dp-only, sync: asp, staleness: 1 }", microbatches: 8, optimizer: "{ kind: sgd, lr: 0.02 }", steps: 25, ..Job::default() });
+    let p = plan(&Job {
+        devices: 2,
+        stages: "\"2\"",
+        schedule: "{ kind: dp-only, sync: asp, staleness: 1 }",
+        microbatches: 8,
+        optimizer: "{ kind: sgd, lr: 0.02 }",
+        steps: 25,
+        ..Job::default()
+    });
     assert_eq!(p.schedule.staleness, Some(1));
     let l = losses(&train(&p));
     assert!(l[l.len() - 1] < 0.8 * l[0], "asp did not converge: {l:?}");
@@ -289,38 +432,99 @@ fn asp_with_one_worker_is_per_microbatch_sgd_and_with_two_converges() {
     }
 }
 
-
 #[test]
 fn tensor_parallel_equals_one_device() {
     // Megatron column/row pairs of linear layers, alone, inside a pipeline, with data
     // parallelism; SGD with momentum and Adam.
     for opt in [SGD, ADAM] {
-        assert_same_as_one_device(Job { devices: 2, stages: "\"1\"\n  tp: 2", schedule: "gpipe", optimizer: opt, ..Job::default() });
+        assert_same_as_one_device(Job {
+            devices: 2,
+            stages: "\"1\"\n  tp: 2",
+            schedule: "gpipe",
+            optimizer: opt,
+            ..Job::default()
+        });
     }
-    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", optimizer: ADAM, ..Job::default() });
-    assert_same_as_one_device(Job { devices: 4, stages: "\"2\"\n  tp: 2", schedule: "dp-only", optimizer: SGD, ..Job::default() });
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"1-1\"\n  tp: 2",
+        schedule: "1f1b",
+        optimizer: ADAM,
+        ..Job::default()
+    });
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"2\"\n  tp: 2",
+        schedule: "dp-only",
+        optimizer: SGD,
+        ..Job::default()
+    });
     // Chimera's two copies of each stage, each split over its own TP pair
-    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "chimera", optimizer: ADAM, ..Job::default() });
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"1-1\"\n  tp: 2",
+        schedule: "chimera",
+        optimizer: ADAM,
+        ..Job::default()
+    });
     // activation recompute: the group re-runs the forward, all-reduces included
-    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", recompute: true, optimizer: ADAM, ..Job::default() });
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"1-1\"\n  tp: 2",
+        schedule: "1f1b",
+        recompute: true,
+        optimizer: ADAM,
+        ..Job::default()
+    });
 }
 
 #[test]
 fn tensor_parallel_attention_equals_one_device() {
     // transformer blocks split by heads and MLP columns, with residuals and layer norms
     let layers = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32)\n    - layernorm\n    - flatten\n    - linear(256, 4)";
-    assert_same_as_one_device(Job { devices: 2, stages: "\"1\"\n  tp: 2", schedule: "gpipe", optimizer: ADAM, layers, ..Job::default() });
-    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", optimizer: SGD, layers, ..Job::default() });
+    assert_same_as_one_device(Job {
+        devices: 2,
+        stages: "\"1\"\n  tp: 2",
+        schedule: "gpipe",
+        optimizer: ADAM,
+        layers,
+        ..Job::default()
+    });
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"1-1\"\n  tp: 2",
+        schedule: "1f1b",
+        optimizer: SGD,
+        layers,
+        ..Job::default()
+    });
     // with recompute, and with dropout (the recomputed masks equal the first ones)
     let dropout = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32)\n    - layernorm\n    - dropout(0.2)\n    - flatten\n    - linear(256, 4)";
-    assert_same_as_one_device(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "gpipe", recompute: true, optimizer: ADAM, layers: dropout, ..Job::default() });
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"1-1\"\n  tp: 2",
+        schedule: "gpipe",
+        recompute: true,
+        optimizer: ADAM,
+        layers: dropout,
+        ..Job::default()
+    });
 }
 
 #[test]
 fn pipedream_vertical_sync_uses_the_first_stages_version_everywhere() {
-    let p = plan(&Job { devices: 3, stages: "straight", schedule: "{ kind: pipedream, vertical_sync: true }", microbatches: 8, optimizer: "{ kind: sgd, lr: 0.02 }", steps: 25, ..Job::default() });
+    let p = plan(&Job {
+        devices: 3,
+        stages: "straight",
+        schedule: "{ kind: pipedream, vertical_sync: true }",
+        microbatches: 8,
+        optimizer: "{ kind: sgd, lr: 0.02 }",
+        steps: 25,
+        ..Job::default()
+    });
     // every stage stashes, for microbatch m, the version stage 0 used for m
-    let mut versions: std::collections::HashMap<u32, std::collections::BTreeSet<u32>> = std::collections::HashMap::new();
+    let mut versions: std::collections::HashMap<u32, std::collections::BTreeSet<u32>> =
+        std::collections::HashMap::new();
     for stream in p.streams.values() {
         for i in stream {
             if let pipec_plan::Instr::StashWeights { mb, version: Some(v), .. } = i {
@@ -334,6 +538,14 @@ fn pipedream_vertical_sync_uses_the_first_stages_version_everywhere() {
     // and it trains, differently from PipeDream without vertical sync
     let vsync = losses(&train(&p));
     assert!(vsync[vsync.len() - 1] < 0.8 * vsync[0], "did not converge: {vsync:?}");
-    let plain = losses(&train(&plan(&Job { devices: 3, stages: "straight", schedule: "pipedream", microbatches: 8, optimizer: "{ kind: sgd, lr: 0.02 }", steps: 25, ..Job::default() })));
+    let plain = losses(&train(&plan(&Job {
+        devices: 3,
+        stages: "straight",
+        schedule: "pipedream",
+        microbatches: 8,
+        optimizer: "{ kind: sgd, lr: 0.02 }",
+        steps: 25,
+        ..Job::default()
+    })));
     assert_ne!(vsync, plain);
 }

@@ -54,14 +54,27 @@ fn planner() {
         inter: (25e9, 10e-6),
     };
     let (t, plan) = time(5, || auto(&input).expect("plans"));
-    println!("auto, 1000 layers x 1024 workers: {:.3} s ({} stages, {} workers used, bottleneck {:.3} ms/microbatch)", t, plan.ranges.len(), plan.replicas.iter().sum::<usize>(), plan.time_per_microbatch * 1e3);
+    println!(
+        "auto, 1000 layers x 1024 workers: {:.3} s ({} stages, {} workers used, bottleneck {:.3} ms/microbatch)",
+        t,
+        plan.ranges.len(),
+        plan.replicas.iter().sum::<usize>(),
+        plan.time_per_microbatch * 1e3
+    );
     let (t, _) = time(5, || balanced(&times, &vec![1; 64]).expect("splits"));
     println!("balanced, 1000 layers into 64 stages: {:.4} s", t);
     let (t, _) = time(3, || balanced(&times, &(0..64).map(|i| 1 + i % 3).collect::<Vec<_>>()).expect("splits"));
     println!("balanced with uneven replication, 1000 layers into 64 stages: {:.4} s", t);
 }
 
-fn transformer_spec(devices_per_node: usize, nodes: usize, layers: usize, strategy: &str, mbs: usize, batch: usize) -> String {
+fn transformer_spec(
+    devices_per_node: usize,
+    nodes: usize,
+    layers: usize,
+    strategy: &str,
+    mbs: usize,
+    batch: usize,
+) -> String {
     format!(
         "model:
   input: [256]
@@ -106,7 +119,9 @@ fn compiler() {
 
 fn vgg() {
     println!("## PipeDream's VGG-16 profile on 4 servers x 4 GPUs (8 GB/s inside, 10 Gbps between)");
-    let path = std::env::var("PIPEC_VGG16").unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/pipedream-profiles/vgg16/graph.txt").into());
+    let path = std::env::var("PIPEC_VGG16").unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/pipedream-profiles/vgg16/graph.txt").into()
+    });
     let Ok(text) = std::fs::read_to_string(&path) else {
         println!("(skipped: {path} not found; set PIPEC_VGG16)");
         return;
@@ -134,14 +149,24 @@ fn vgg() {
     let (t, plan) = time(5, || auto(&input).expect("plans"));
     let stages: Vec<String> = plan.ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
     println!("{} layers; one GPU: {:.1} ms per minibatch", nodes.len(), single * 1e3);
-    println!("auto: {} (layers {}) predicted {:.2} ms per minibatch ({:.2}x one GPU), planned in {:.4} s", plan.notation(), stages.join(" "), plan.time_per_microbatch * 1e3, single / plan.time_per_microbatch, t);
+    println!(
+        "auto: {} (layers {}) predicted {:.2} ms per minibatch ({:.2}x one GPU), planned in {:.4} s",
+        plan.notation(),
+        stages.join(" "),
+        plan.time_per_microbatch * 1e3,
+        single / plan.time_per_microbatch,
+        t
+    );
     // data parallelism over all 16 GPUs for comparison (the all-reduce crosses servers)
     let dp = {
         let w: f64 = params.iter().sum();
         let ar = 2.0 * 15.0 / 16.0 * w / 1.25e9;
         (single / 16.0).max(ar)
     };
-    println!("for comparison, data parallelism over 16 GPUs: {:.2} ms per minibatch (weight sync over 10 Gbps dominates)", dp * 1e3);
+    println!(
+        "for comparison, data parallelism over 16 GPUs: {:.2} ms per minibatch (weight sync over 10 Gbps dominates)",
+        dp * 1e3
+    );
 }
 
 fn mlp_spec(devices: usize, stages: &str, schedule: &str, throughput: &str) -> String {
@@ -173,7 +198,9 @@ training:
 }
 
 fn run_steps(plan: &Plan) -> (f64, Vec<f64>, Vec<(pipec_plan::DeviceId, usize, f64, f64)>) {
-    let report = pipec_executor::run(plan, &RunOptions { timeout: Duration::from_secs(300), ..Default::default() }, &mut |_| {}).expect("runs");
+    let report =
+        pipec_executor::run(plan, &RunOptions { timeout: Duration::from_secs(300), ..Default::default() }, &mut |_| {})
+            .expect("runs");
     let timed: Vec<f64> = report.steps.iter().skip(3).map(|s| s.step_seconds).collect();
     (median(timed), report.steps.iter().map(|s| s.loss).collect(), report.trace)
 }
@@ -185,11 +212,15 @@ fn executor() {
     // `pipec profile` measures with as many concurrent copies as the plan has workers
     // sharing this machine: 1 for the single worker, 2 for the pipelines.
     let single = plan_of(&mlp_spec(1, "\"1\"", "gpipe", "50GFLOP/s"));
-    let profiles: Vec<_> = (1..=2).map(|threads| pipec_executor::profile::profile_cpu_concurrent(&single, threads, 2, 10).expect("profiles")).collect();
+    let profiles: Vec<_> = (1..=2)
+        .map(|threads| pipec_executor::profile::profile_cpu_concurrent(&single, threads, 2, 10).expect("profiles"))
+        .collect();
     let with_profile = |text: &str| {
         let spec = pipec_grammar::check_source(text).spec.expect("valid");
         let workers = spec.cluster.device_count().clamp(1, 2);
-        compile(&spec, &CompileOptions { profile: Some(profiles[workers - 1].clone()), base_dir: None }).expect("compiles").plan
+        compile(&spec, &CompileOptions { profile: Some(profiles[workers - 1].clone()), base_dir: None })
+            .expect("compiles")
+            .plan
     };
     let one = with_profile(&mlp_spec(1, "\"1\"", "gpipe", "50GFLOP/s"));
     let (t1, l1, _) = run_steps(&one);
@@ -198,7 +229,15 @@ fn executor() {
         let two = with_profile(&mlp_spec(2, "\"1-1\"", sched, "50GFLOP/s"));
         let (t2, l2, trace) = run_steps(&two);
         let max_diff = l1.iter().zip(&l2).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
-        let busy: f64 = trace.iter().filter(|(d, i, _, _)| two.streams[d].get(*i).is_some_and(|x| !matches!(x.phase(), pipec_plan::Phase::Communication | pipec_plan::Phase::Memory))).map(|t| t.3 - t.2).sum();
+        let busy: f64 = trace
+            .iter()
+            .filter(|(d, i, _, _)| {
+                two.streams[d]
+                    .get(*i)
+                    .is_some_and(|x| !matches!(x.phase(), pipec_plan::Phase::Communication | pipec_plan::Phase::Memory))
+            })
+            .map(|t| t.3 - t.2)
+            .sum();
         let step = trace.iter().map(|t| t.3).fold(0.0, f64::max);
         println!(
             "2 workers, {sched}: {:.4} s/step, speedup {:.2}x; predicted {:.4} s ({:+.1}%); bubble measured {:.1}% predicted {:.1}%; max relative loss difference vs 1 worker {:.1e}",
@@ -236,7 +275,9 @@ fn mpi_pingpong() {
     let peer = world.process_at_rank(1 - rank);
     if rank == 0 {
         println!("## MPI point-to-point, 2 ranks on this machine (one-way time = round trip / 2)");
-        println!("| size | plain MPI latency | plain MPI bandwidth | pipec endpoint latency | pipec endpoint bandwidth |");
+        println!(
+            "| size | plain MPI latency | plain MPI bandwidth | pipec endpoint latency | pipec endpoint bandwidth |"
+        );
         println!("|---|---|---|---|---|");
     }
     let devices = [pipec_plan::DeviceId(0), pipec_plan::DeviceId(1)];
@@ -275,7 +316,14 @@ fn mpi_pingpong() {
         }
         let ours = t.elapsed().as_secs_f64() / iters as f64 / 2.0;
         if rank == 0 {
-            println!("| {} KiB | {:.1} µs | {:.2} GB/s | {:.1} µs | {:.2} GB/s |", size / 1024, plain * 1e6, size as f64 / plain / 1e9, ours * 1e6, size as f64 / ours / 1e9);
+            println!(
+                "| {} KiB | {:.1} µs | {:.2} GB/s | {:.1} µs | {:.2} GB/s |",
+                size / 1024,
+                plain * 1e6,
+                size as f64 / plain / 1e9,
+                ours * 1e6,
+                size as f64 / ours / 1e9
+            );
         }
         size *= 4;
     }

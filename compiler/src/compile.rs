@@ -12,7 +12,10 @@ use std::ops::Range;
 
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::{Data, Optimizer, Partition, ReduceMode, ScheduleKind, Spec, SyncMode, Task as DataTask};
-use pipec_plan::plan::{DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, OptimizerPlan, ScheduleInfo, Simulation, StagePlan, TrainingPlan, PLAN_VERSION};
+use pipec_plan::plan::{
+    DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, OptimizerPlan, ScheduleInfo, Simulation,
+    StagePlan, TrainingPlan, PLAN_VERSION,
+};
 use pipec_plan::{DeviceId, GroupId, Instr, Phase, Plan, StageId};
 
 use crate::cluster::{parameter_server_time, ring_allreduce_time, ClusterGraph};
@@ -71,7 +74,15 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
     // Cost model.
     let mut costs = analytic_costs(&graph, cluster.throughput * tp as f64, microbatch_size);
     if let Some(profile) = &options.profile {
-        profile.apply(&mut costs, microbatch_size).map_err(|e| vec![Diagnostic::error("E0604", format!("the profile does not fit the model: {e}"), spec.model.layers_span, "this model").with_help("profile this spec with `pipec profile`")])?;
+        profile.apply(&mut costs, microbatch_size).map_err(|e| {
+            vec![Diagnostic::error(
+                "E0604",
+                format!("the profile does not fit the model: {e}"),
+                spec.model.layers_span,
+                "this model",
+            )
+            .with_help("profile this spec with `pipec profile`")]
+        })?;
     }
     let opt_bytes_per_param = optimizer_bytes_per_parameter(&spec.training.optimizer, precision);
 
@@ -81,11 +92,18 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
     let ranks = layout.replicas.len();
 
     // Placement.
-    let placement = place(spec.strategy.schedule.kind, &layout, tp, strategy.microbatches, &cluster).map_err(|msg| vec![Diagnostic::error("E0405", msg, strategy.schedule.span, "this schedule")])?;
+    let placement = place(spec.strategy.schedule.kind, &layout, tp, strategy.microbatches, &cluster)
+        .map_err(|msg| vec![Diagnostic::error("E0405", msg, strategy.schedule.span, "this schedule")])?;
 
     // Stage figures.
-    let stage_time = |r: &Range<usize>| (costs[r.clone()].iter().map(|c| c.forward_s).sum::<f64>(), costs[r.clone()].iter().map(|c| c.backward_s).sum::<f64>());
-    let output_bytes: Vec<u64> = layout.ranges.iter().map(|r| graph.cut_bytes_per_sample(r.end) * microbatch_size as u64).collect();
+    let stage_time = |r: &Range<usize>| {
+        (
+            costs[r.clone()].iter().map(|c| c.forward_s).sum::<f64>(),
+            costs[r.clone()].iter().map(|c| c.backward_s).sum::<f64>(),
+        )
+    };
+    let output_bytes: Vec<u64> =
+        layout.ranges.iter().map(|r| graph.cut_bytes_per_sample(r.end) * microbatch_size as u64).collect();
     let stage_bytes: Vec<StageBytes> = layout
         .ranges
         .iter()
@@ -102,7 +120,9 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
                 parameters: params,
                 weights: pbytes,
                 optimizer: (params as f64 / tp as f64 * opt_bytes_per_param) as u64,
-                activations_per_microbatch: costs[r.clone()].iter().map(|c| c.activation_bytes_per_sample).sum::<u64>() * microbatch_size as u64 / tp as u64,
+                activations_per_microbatch: costs[r.clone()].iter().map(|c| c.activation_bytes_per_sample).sum::<u64>()
+                    * microbatch_size as u64
+                    / tp as u64,
                 input_per_microbatch: input_bytes,
                 largest_message: input_bytes.max(output_bytes[s]),
             }
@@ -135,14 +155,24 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
     let mut streams = if asp {
         crate::lower::lower_asp(&placement, gradient_bytes[0], strategy.schedule.staleness)
     } else {
-        lower(&LowerInput { placement: &placement, order: &order, output_bytes: &output_bytes, gradient_bytes: &gradient_bytes, groups: &group_of, updates, recompute: strategy.recompute, vertical_sync: strategy.schedule.vertical_sync })
+        lower(&LowerInput {
+            placement: &placement,
+            order: &order,
+            output_bytes: &output_bytes,
+            gradient_bytes: &gradient_bytes,
+            groups: &group_of,
+            updates,
+            recompute: strategy.recompute,
+            vertical_sync: strategy.schedule.vertical_sync,
+        })
     };
 
     // Tensor parallelism: every member t of a TP group runs its leader's stream with peers
     // and replica groups shifted by t (rank t of a stage talks to rank t of its neighbours).
     let mut shifted_groups: HashMap<(GroupId, usize), GroupId> = HashMap::new();
     if tp > 1 {
-        let leaders: Vec<(DeviceId, Vec<Instr>)> = streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, s)| (*d, s.clone())).collect();
+        let leaders: Vec<(DeviceId, Vec<Instr>)> =
+            streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, s)| (*d, s.clone())).collect();
         let mut base_groups: Vec<(GroupId, Vec<DeviceId>)> = groups.iter().map(|(g, m)| (*g, m.clone())).collect();
         base_groups.sort_by_key(|g| g.0);
         for t in 1..tp {
@@ -156,15 +186,35 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
                 let copy: Vec<Instr> = stream
                     .iter()
                     .map(|i| match *i {
-                        Instr::SendActivation { peer, stage, mb, bytes } => Instr::SendActivation { peer: shift(peer), stage, mb, bytes },
-                        Instr::RecvActivation { peer, stage, mb, bytes } => Instr::RecvActivation { peer: shift(peer), stage, mb, bytes },
-                        Instr::SendGradient { peer, stage, mb, bytes } => Instr::SendGradient { peer: shift(peer), stage, mb, bytes },
-                        Instr::RecvGradient { peer, stage, mb, bytes } => Instr::RecvGradient { peer: shift(peer), stage, mb, bytes },
-                        Instr::AllReduce { stage, group, bytes } => Instr::AllReduce { stage, group: shifted_groups.get(&(group, t)).copied().unwrap_or(group), bytes },
-                        Instr::PushGradient { peer, stage, mb, bytes } => Instr::PushGradient { peer: shift(peer), stage, mb, bytes },
-                        Instr::ApplyGradient { peer, stage, mb, bytes } => Instr::ApplyGradient { peer: shift(peer), stage, mb, bytes },
-                        Instr::PushWeights { peer, stage, round, bytes } => Instr::PushWeights { peer: shift(peer), stage, round, bytes },
-                        Instr::PullWeights { peer, stage, round, bytes } => Instr::PullWeights { peer: shift(peer), stage, round, bytes },
+                        Instr::SendActivation { peer, stage, mb, bytes } => {
+                            Instr::SendActivation { peer: shift(peer), stage, mb, bytes }
+                        }
+                        Instr::RecvActivation { peer, stage, mb, bytes } => {
+                            Instr::RecvActivation { peer: shift(peer), stage, mb, bytes }
+                        }
+                        Instr::SendGradient { peer, stage, mb, bytes } => {
+                            Instr::SendGradient { peer: shift(peer), stage, mb, bytes }
+                        }
+                        Instr::RecvGradient { peer, stage, mb, bytes } => {
+                            Instr::RecvGradient { peer: shift(peer), stage, mb, bytes }
+                        }
+                        Instr::AllReduce { stage, group, bytes } => Instr::AllReduce {
+                            stage,
+                            group: shifted_groups.get(&(group, t)).copied().unwrap_or(group),
+                            bytes,
+                        },
+                        Instr::PushGradient { peer, stage, mb, bytes } => {
+                            Instr::PushGradient { peer: shift(peer), stage, mb, bytes }
+                        }
+                        Instr::ApplyGradient { peer, stage, mb, bytes } => {
+                            Instr::ApplyGradient { peer: shift(peer), stage, mb, bytes }
+                        }
+                        Instr::PushWeights { peer, stage, round, bytes } => {
+                            Instr::PushWeights { peer: shift(peer), stage, round, bytes }
+                        }
+                        Instr::PullWeights { peer, stage, round, bytes } => {
+                            Instr::PullWeights { peer: shift(peer), stage, round, bytes }
+                        }
                         ref other => other.clone(),
                     })
                     .collect();
@@ -189,15 +239,35 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
         for v in violations.iter().take(8) {
             text.push_str(&format!("\n- {}", v.message));
         }
-        return Err(vec![Diagnostic::error("E0603", format!("internal compiler error: the {} plan failed verification ({} problem(s)):{text}", kind.name(), violations.len()), strategy.schedule.span, "while compiling this schedule")
-            .with_help("this is a bug in pipec, not in the spec; please report it with the spec")]);
+        return Err(vec![Diagnostic::error(
+            "E0603",
+            format!(
+                "internal compiler error: the {} plan failed verification ({} problem(s)):{text}",
+                kind.name(),
+                violations.len()
+            ),
+            strategy.schedule.span,
+            "while compiling this schedule",
+        )
+        .with_help("this is a bug in pipec, not in the spec; please report it with the spec")]);
     }
 
     // Simulate.
     let reduce = strategy.schedule.reduce;
-    let sim_cost = PlanCost { stage_fb: &stage_fb, cluster: &cluster, reduce, tp, tp_bytes: tp_allreduce_bytes(&graph, &layout.ranges, microbatch_size, precision) };
+    let sim_cost = PlanCost {
+        stage_fb: &stage_fb,
+        cluster: &cluster,
+        reduce,
+        tp,
+        tp_bytes: tp_allreduce_bytes(&graph, &layout.ranges, microbatch_size, precision),
+    };
     let timeline = simulate(&streams, &groups, &sim_cost).map_err(|stuck| {
-        vec![Diagnostic::error("E0603", format!("internal compiler error: the verified plan deadlocked in simulation: {}", stuck.reason), strategy.schedule.span, "while compiling this schedule")]
+        vec![Diagnostic::error(
+            "E0603",
+            format!("internal compiler error: the verified plan deadlocked in simulation: {}", stuck.reason),
+            strategy.schedule.span,
+            "while compiling this schedule",
+        )]
     })?;
     let device_ids: Vec<DeviceId> = (0..cluster.device_count()).map(|d| DeviceId(d as u32)).collect();
     let (per_device, bubble) = utilisation(&timeline, &device_ids);
@@ -215,7 +285,13 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
         let stream = streams.get(d).unwrap_or(&empty);
         let memory = device_memory(stream, &stage_bytes, strategy.recompute, weight_cap, cluster.memory);
         let held = placement.stages_of(*d).into_iter().map(|s| StageId(s as u32)).collect::<Vec<_>>();
-        devices.push(DevicePlan { id: *d, node: cluster.node_of(*d), stages: held, memory, peak_in_flight: crate::memory::peak_in_flight(stream) });
+        devices.push(DevicePlan {
+            id: *d,
+            node: cluster.node_of(*d),
+            stages: held,
+            memory,
+            peak_in_flight: crate::memory::peak_in_flight(stream),
+        });
     }
     // Tensor-parallel followers hold a shard the size of their group leader's.
     if tp > 1 {
@@ -270,37 +346,66 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             parameters: stage_bytes[s].parameters,
             forward_s: stage_fb[s].0,
             backward_s: stage_fb[s].1,
-            activation_bytes_per_microbatch: if strategy.recompute { stage_bytes[s].input_per_microbatch } else { stage_bytes[s].activations_per_microbatch },
+            activation_bytes_per_microbatch: if strategy.recompute {
+                stage_bytes[s].input_per_microbatch
+            } else {
+                stage_bytes[s].activations_per_microbatch
+            },
             output_bytes_per_microbatch: output_bytes[s],
-            tensor_parallel: if tp > 1 { placement.replicas[s].iter().map(|l| (0..tp as u32).map(|t| DeviceId(l.0 + t)).collect()).collect() } else { Vec::new() },
+            tensor_parallel: if tp > 1 {
+                placement.replicas[s].iter().map(|l| (0..tp as u32).map(|t| DeviceId(l.0 + t)).collect()).collect()
+            } else {
+                Vec::new()
+            },
         })
         .collect();
     let stage_of_group = |g: GroupId| -> u32 {
         let base = shifted_groups.iter().find(|(_, v)| **v == g).map(|((b, _), _)| *b).unwrap_or(g);
         group_of.iter().position(|x| *x == Some(base)).unwrap_or(0) as u32
     };
-    let mut group_list: Vec<GroupPlan> = groups.iter().map(|(g, m)| GroupPlan { id: *g, stage: StageId(stage_of_group(*g)), devices: m.clone() }).collect();
+    let mut group_list: Vec<GroupPlan> = groups
+        .iter()
+        .map(|(g, m)| GroupPlan { id: *g, stage: StageId(stage_of_group(*g)), devices: m.clone() })
+        .collect();
     group_list.sort_by_key(|g| g.id);
     let simulation = Simulation {
         step_time_s: timeline.step_time,
         bubble_fraction: bubble,
-        throughput_samples_per_s: if timeline.step_time > 0.0 { spec.training.batch_size as f64 / timeline.step_time } else { 0.0 },
+        throughput_samples_per_s: if timeline.step_time > 0.0 {
+            spec.training.batch_size as f64 / timeline.step_time
+        } else {
+            0.0
+        },
         devices: per_device
             .iter()
-            .map(|(d, busy, b)| DeviceSimulation { id: *d, busy_s: *busy, bubble_fraction: *b, peak_memory_bytes: devices[d.0 as usize].memory.total })
+            .map(|(d, busy, b)| DeviceSimulation {
+                id: *d,
+                busy_s: *busy,
+                bubble_fraction: *b,
+                peak_memory_bytes: devices[d.0 as usize].memory.total,
+            })
             .collect(),
     };
     let plan = Plan {
         version: PLAN_VERSION,
         name: spec.name.clone().unwrap_or_else(|| "pipec-job".into()),
-        model: ModelPlan { input: spec.model.input.clone(), loss: spec.model.loss, token_vocab: spec.model.token_vocab() },
+        model: ModelPlan {
+            input: spec.model.input.clone(),
+            loss: spec.model.loss,
+            token_vocab: spec.model.token_vocab(),
+        },
         training: training_plan(spec, microbatch_size, options),
         schedule: ScheduleInfo {
             kind: kind.name().to_string(),
             virtual_stages: layout.virtual_stages,
             synchronous: kind.is_synchronous(strategy.schedule.sync),
             weight_versions: match kind {
-                ScheduleKind::PipeDream => devices.iter().flat_map(|d| crate::memory::peak_weight_versions(&streams[&d.id]).into_values()).max().map(|v| v as usize + 1).unwrap_or(1),
+                ScheduleKind::PipeDream => devices
+                    .iter()
+                    .flat_map(|d| crate::memory::peak_weight_versions(&streams[&d.id]).into_values())
+                    .max()
+                    .map(|v| v as usize + 1)
+                    .unwrap_or(1),
                 ScheduleKind::TwoBw => 2,
                 _ => 1,
             },
@@ -343,14 +448,21 @@ fn training_plan(spec: &Spec, microbatch_size: usize, options: &CompileOptions) 
         steps: t.steps,
         optimizer: match t.optimizer {
             Optimizer::Sgd { lr, momentum, weight_decay } => OptimizerPlan::Sgd { lr, momentum, weight_decay },
-            Optimizer::Adam { lr, beta1, beta2, eps, weight_decay } => OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay },
+            Optimizer::Adam { lr, beta1, beta2, eps, weight_decay } => {
+                OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay }
+            }
         },
         precision: t.precision.name().to_string(),
         seed: t.seed,
         data: match &t.data {
-            Data::Synthetic { task, samples } => DataPlan::Synthetic { task: if *task == DataTask::Regression { "regression".into() } else { "classification".into() }, samples: *samples },
+            Data::Synthetic { task, samples } => DataPlan::Synthetic {
+                task: if *task == DataTask::Regression { "regression".into() } else { "classification".into() },
+                samples: *samples,
+            },
             Data::Csv { path, .. } => DataPlan::Csv { path: resolve(path) },
-            Data::Npy { path, labels, .. } => DataPlan::Npy { path: resolve(path), labels: labels.as_deref().map(resolve) },
+            Data::Npy { path, labels, .. } => {
+                DataPlan::Npy { path: resolve(path), labels: labels.as_deref().map(resolve) }
+            }
         },
         checkpoint_every: t.checkpoint.as_ref().map(|c| c.every),
         checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),
@@ -372,7 +484,13 @@ fn rank_of_chunk(kind: ScheduleKind, c: usize, ranks: usize) -> usize {
     }
 }
 
-fn partition_layers(spec: &Spec, graph: &Graph, costs: &[LayerCost], cluster: &ClusterGraph, opt_bytes: f64) -> Result<Layout, Vec<Diagnostic>> {
+fn partition_layers(
+    spec: &Spec,
+    graph: &Graph,
+    costs: &[LayerCost],
+    cluster: &ClusterGraph,
+    opt_bytes: f64,
+) -> Result<Layout, Vec<Diagnostic>> {
     let strategy = &spec.strategy;
     let kind = strategy.schedule.kind;
     let v = strategy.schedule.virtual_stages.max(1);
@@ -380,16 +498,40 @@ fn partition_layers(spec: &Spec, graph: &Graph, costs: &[LayerCost], cluster: &C
     let replicas = strategy.replicas.clone();
     let ranks = replicas.len();
     let chunk_replicas: Vec<usize> = (0..ranks * v).map(|c| replicas[rank_of_chunk(kind, c, ranks)]).collect();
-    let fail = |msg: String| vec![Diagnostic::error("E0403", msg, strategy.partition_span, "partition").with_help("use fewer stages or a deeper model")];
+    let fail = |msg: String| {
+        vec![Diagnostic::error("E0403", msg, strategy.partition_span, "partition")
+            .with_help("use fewer stages or a deeper model")]
+    };
     match &strategy.partition {
-        Partition::Explicit(ranges) => Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges: ranges.clone() }),
-        Partition::Auto if !strategy.layout_fixed && v == 1 && matches!(kind, ScheduleKind::OneFOneB | ScheduleKind::Gpipe | ScheduleKind::PipeDream | ScheduleKind::TwoBw | ScheduleKind::ZbH1) => {
+        Partition::Explicit(ranges) => {
+            Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges: ranges.clone() })
+        }
+        Partition::Auto
+            if !strategy.layout_fixed
+                && v == 1
+                && matches!(
+                    kind,
+                    ScheduleKind::OneFOneB
+                        | ScheduleKind::Gpipe
+                        | ScheduleKind::PipeDream
+                        | ScheduleKind::TwoBw
+                        | ScheduleKind::ZbH1
+                ) =>
+        {
             let machines = cluster.device_count() / strategy.tp.max(1);
             let mb = spec.training.batch_size / strategy.microbatches.max(1);
             let parameter_bytes: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();
-            let cut_bytes: Vec<f64> = (1..=costs.len()).map(|j| (graph.cut_bytes_per_sample(j) * mb as u64) as f64).collect();
+            let cut_bytes: Vec<f64> =
+                (1..=costs.len()).map(|j| (graph.cut_bytes_per_sample(j) * mb as u64) as f64).collect();
             let in_flight = strategy.microbatches.min(machines).max(1) as f64;
-            let memory: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64 * 2.0 + c.parameters as f64 * opt_bytes + c.activation_bytes_per_sample as f64 * mb as f64 * in_flight).collect();
+            let memory: Vec<f64> = costs
+                .iter()
+                .map(|c| {
+                    c.parameter_bytes as f64 * 2.0
+                        + c.parameters as f64 * opt_bytes
+                        + c.activation_bytes_per_sample as f64 * mb as f64 * in_flight
+                })
+                .collect();
             let input = AutoInput {
                 layer_times: &times,
                 parameter_bytes: &parameter_bytes,
@@ -402,11 +544,20 @@ fn partition_layers(spec: &Spec, graph: &Graph, costs: &[LayerCost], cluster: &C
                 intra: (cluster.intra.bandwidth, cluster.intra.latency),
                 inter: (cluster.inter.bandwidth, cluster.inter.latency),
             };
-            let plan = partition::auto(&input).ok_or_else(|| vec![Diagnostic::error("E0601", "no partition of the model fits in device memory on this cluster", strategy.layout_span, format!("{} per device", human_bytes(cluster.memory as u64))).with_help("use larger devices, more devices, `recompute: true`, or fewer microbatches")])?;
+            let plan = partition::auto(&input).ok_or_else(|| {
+                vec![Diagnostic::error(
+                    "E0601",
+                    "no partition of the model fits in device memory on this cluster",
+                    strategy.layout_span,
+                    format!("{} per device", human_bytes(cluster.memory as u64)),
+                )
+                .with_help("use larger devices, more devices, `recompute: true`, or fewer microbatches")]
+            })?;
             Ok(Layout { notation: plan.notation(), replicas: plan.replicas, virtual_stages: 1, ranges: plan.ranges })
         }
         Partition::Auto | Partition::Balanced => {
-            let (ranges, _) = partition::balanced(&times, &chunk_replicas).ok_or_else(|| fail(format!("{} stages for {} layers", chunk_replicas.len(), times.len())))?;
+            let (ranges, _) = partition::balanced(&times, &chunk_replicas)
+                .ok_or_else(|| fail(format!("{} stages for {} layers", chunk_replicas.len(), times.len())))?;
             Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges })
         }
     }
@@ -419,13 +570,23 @@ fn notation(replicas: &[usize]) -> String {
 /// The plan's backward time in forward times, rounded to whole slots (at least 1).
 fn backward_slots(stage_fb: &[(f64, f64)]) -> usize {
     let (f, b) = stage_fb.iter().fold((0.0, 0.0), |(f, b), &(sf, sb)| (f + sf, b + sb));
-    if f > 0.0 && b.is_finite() { ((b / f).round() as usize).clamp(1, 8) } else { 1 }
+    if f > 0.0 && b.is_finite() {
+        ((b / f).round() as usize).clamp(1, 8)
+    } else {
+        1
+    }
 }
 
 /// Assigns devices: pipeline rank r's replicas get consecutive devices (a tensor-parallel
 /// group of `tp` devices each, led by its first), so replicas and TP groups stay inside a
 /// node when they can.
-fn place(kind: ScheduleKind, layout: &Layout, tp: usize, microbatches: usize, cluster: &ClusterGraph) -> Result<Placement, String> {
+fn place(
+    kind: ScheduleKind,
+    layout: &Layout,
+    tp: usize,
+    microbatches: usize,
+    cluster: &ClusterGraph,
+) -> Result<Placement, String> {
     let ranks = layout.replicas.len();
     let mut base = 0usize;
     let mut rank_devices: Vec<Vec<DeviceId>> = Vec::new();
@@ -507,7 +668,8 @@ impl CostModel for PlanCost<'_> {
     fn compute(&self, _device: DeviceId, instr: &Instr) -> f64 {
         let s = instr.stage().0 as usize;
         let (f, b) = self.stage_fb.get(s).copied().unwrap_or((0.0, 0.0));
-        let tp_comm = if self.tp > 1 { ring_allreduce_time(self.cluster.intra, self.tp, self.tp_bytes[s]) } else { 0.0 };
+        let tp_comm =
+            if self.tp > 1 { ring_allreduce_time(self.cluster.intra, self.tp, self.tp_bytes[s]) } else { 0.0 };
         match instr.phase() {
             Phase::Forward | Phase::Recompute => f + tp_comm,
             Phase::Backward => b + tp_comm,
@@ -529,9 +691,18 @@ impl CostModel for PlanCost<'_> {
     }
 }
 
-fn memory_diagnostics(spec: &Spec, devices: &[DevicePlan], stage_bytes: &[StageBytes], placement: &Placement, out: &mut Vec<Diagnostic>) {
+fn memory_diagnostics(
+    spec: &Spec,
+    devices: &[DevicePlan],
+    stage_bytes: &[StageBytes],
+    placement: &Placement,
+    out: &mut Vec<Diagnostic>,
+) {
     let strategy = &spec.strategy;
-    let worst = devices.iter().max_by(|a, b| (a.memory.total as f64 / a.memory.capacity.max(1) as f64).total_cmp(&(b.memory.total as f64 / b.memory.capacity.max(1) as f64)));
+    let worst = devices.iter().max_by(|a, b| {
+        (a.memory.total as f64 / a.memory.capacity.max(1) as f64)
+            .total_cmp(&(b.memory.total as f64 / b.memory.capacity.max(1) as f64))
+    });
     let Some(worst) = worst else { return };
     let m = &worst.memory;
     let share = m.total as f64 / m.capacity.max(1) as f64;
@@ -545,20 +716,30 @@ fn memory_diagnostics(spec: &Spec, devices: &[DevicePlan], stage_bytes: &[StageB
         human_bytes(m.workspace),
         human_bytes(m.total)
     );
-    let over: Vec<String> = devices.iter().filter(|d| d.memory.total > d.memory.capacity).map(|d| d.id.to_string()).collect();
+    let over: Vec<String> =
+        devices.iter().filter(|d| d.memory.total > d.memory.capacity).map(|d| d.id.to_string()).collect();
     if !over.is_empty() {
         // What would fit: recompute keeps only stage inputs; 1F1B bounds in-flight
         // microbatches; a larger device by the missing amount.
         let mut ideas = Vec::new();
         if !strategy.recompute {
             let held_acts: u64 = m.activations;
-            let saved: u64 = worst.stages.iter().map(|s| stage_bytes[s.0 as usize].input_per_microbatch * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))).sum::<u64>()
+            let saved: u64 = worst
+                .stages
+                .iter()
+                .map(|s| {
+                    stage_bytes[s.0 as usize].input_per_microbatch
+                        * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))
+                })
+                .sum::<u64>()
                 + worst.stages.iter().map(|s| stage_bytes[s.0 as usize].activations_per_microbatch).max().unwrap_or(0);
             let with = m.total - held_acts + saved;
             ideas.push(format!("`recompute: true` ({} on {})", human_bytes(with), worst.id));
         }
         if strategy.schedule.kind == ScheduleKind::Gpipe {
-            ideas.push("`schedule: 1f1b` (keeps at most one microbatch per later stage in flight instead of all)".to_string());
+            ideas.push(
+                "`schedule: 1f1b` (keeps at most one microbatch per later stage in flight instead of all)".to_string(),
+            );
         }
         let per_stage_weights: u64 = worst.stages.iter().map(|s| stage_bytes[s.0 as usize].weights).sum();
         if per_stage_weights > 0 && placement.stages() < spec.model.layers.len() {
@@ -566,20 +747,50 @@ fn memory_diagnostics(spec: &Spec, devices: &[DevicePlan], stage_bytes: &[StageB
         }
         ideas.push(format!("a device with at least {}", human_bytes(m.total)));
         out.push(
-            Diagnostic::error("E0601", format!("device {} needs {} but has {} ({} device(s) over capacity: {})", worst.id, human_bytes(m.total), human_bytes(m.capacity), over.len(), over.join(", ")), strategy.layout_span, format!("device {} holds {}", worst.id, worst.stages.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")))
-                .with_label(spec.cluster.memory_span, format!("{} per device", human_bytes(m.capacity)))
-                .with_help(format!("{breakdown}. What would fit: {}", ideas.join("; "))),
+            Diagnostic::error(
+                "E0601",
+                format!(
+                    "device {} needs {} but has {} ({} device(s) over capacity: {})",
+                    worst.id,
+                    human_bytes(m.total),
+                    human_bytes(m.capacity),
+                    over.len(),
+                    over.join(", ")
+                ),
+                strategy.layout_span,
+                format!(
+                    "device {} holds {}",
+                    worst.id,
+                    worst.stages.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                ),
+            )
+            .with_label(spec.cluster.memory_span, format!("{} per device", human_bytes(m.capacity)))
+            .with_help(format!("{breakdown}. What would fit: {}", ideas.join("; "))),
         );
     } else if share > 0.9 {
         out.push(
-            Diagnostic::warning("W0602", format!("device {} uses {:.0}% of its memory", worst.id, share * 100.0), strategy.layout_span, format!("{} of {}", human_bytes(m.total), human_bytes(m.capacity)))
-                .with_label(spec.cluster.memory_span, "device memory")
-                .with_help(breakdown),
+            Diagnostic::warning(
+                "W0602",
+                format!("device {} uses {:.0}% of its memory", worst.id, share * 100.0),
+                strategy.layout_span,
+                format!("{} of {}", human_bytes(m.total), human_bytes(m.capacity)),
+            )
+            .with_label(spec.cluster.memory_span, "device memory")
+            .with_help(breakdown),
         );
     }
 }
 
 /// Per-device summary for the command line: (device, stages, replicas of its first stage).
 pub fn device_rows(plan: &Plan) -> Vec<(DeviceId, Vec<StageId>, usize)> {
-    plan.devices.iter().map(|d| (d.id, d.stages.clone(), d.stages.first().and_then(|s| plan.stage(*s)).map(|s| s.replicas.len()).unwrap_or(0))).collect()
+    plan.devices
+        .iter()
+        .map(|d| {
+            (
+                d.id,
+                d.stages.clone(),
+                d.stages.first().and_then(|s| plan.stage(*s)).map(|s| s.replicas.len()).unwrap_or(0),
+            )
+        })
+        .collect()
 }

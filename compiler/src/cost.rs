@@ -72,7 +72,7 @@ pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
     let inp = numel(&node.input_shape);
     let bytes = match node.op {
         Op::Flatten => 0.0,
-        Op::Dropout { .. } => inp, // one-byte mask
+        Op::Dropout { .. } => inp,         // one-byte mask
         Op::Embedding { .. } => inp * 8.0, // token ids
         Op::TransformerBlock { d_model, heads, .. } => {
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
@@ -188,7 +188,8 @@ pub fn parse_pipedream_profile(text: &str) -> Result<Vec<PipeDreamNode>, String>
         });
     }
     // Topological order (Kahn), ties broken by node number so the order is deterministic.
-    let index: std::collections::HashMap<&str, usize> = nodes.iter().enumerate().map(|(i, n)| (n.id.as_str(), i)).collect();
+    let index: std::collections::HashMap<&str, usize> =
+        nodes.iter().enumerate().map(|(i, n)| (n.id.as_str(), i)).collect();
     let mut indegree = vec![0usize; nodes.len()];
     let mut out: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
     for (a, b) in &edges {
@@ -199,7 +200,8 @@ pub fn parse_pipedream_profile(text: &str) -> Result<Vec<PipeDreamNode>, String>
         indegree[ib] += 1;
     }
     let number = |i: usize| nodes[i].id.trim_start_matches("node").parse::<u64>().unwrap_or(u64::MAX);
-    let mut ready: std::collections::BTreeSet<(u64, usize)> = (0..nodes.len()).filter(|&i| indegree[i] == 0).map(|i| (number(i), i)).collect();
+    let mut ready: std::collections::BTreeSet<(u64, usize)> =
+        (0..nodes.len()).filter(|&i| indegree[i] == 0).map(|i| (number(i), i)).collect();
     let mut order = Vec::with_capacity(nodes.len());
     while let Some(first) = ready.iter().next().copied() {
         ready.remove(&first);

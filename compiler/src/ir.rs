@@ -76,7 +76,8 @@ impl Graph {
     /// Bytes per sample that cross a cut placed after the first `cut` operators in
     /// topological order (every edge from the prefix into the suffix).
     pub fn cut_bytes_per_sample(&self, cut: usize) -> u64 {
-        let position: std::collections::HashMap<OpId, usize> = self.order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+        let position: std::collections::HashMap<OpId, usize> =
+            self.order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
         self.graph
             .edge_references()
             .filter(|e| {
@@ -100,7 +101,12 @@ pub fn lower(model: &Model, precision_bytes: usize) -> Graph {
     let mut spans = Vec::with_capacity(model.layers.len());
     let mut prev: Option<NodeIndex<u32>> = None;
     for layer in &model.layers {
-        let n = graph.add_node(OpNode { op: layer.op.clone(), label: layer.label.clone(), input_shape: layer.input_shape.clone(), output_shape: layer.output_shape.clone() });
+        let n = graph.add_node(OpNode {
+            op: layer.op.clone(),
+            label: layer.label.clone(),
+            input_shape: layer.input_shape.clone(),
+            output_shape: layer.output_shape.clone(),
+        });
         if let Some(p) = prev {
             let shape = graph[p].output_shape.clone();
             let bytes = shape.iter().product::<usize>() as u64 * precision_bytes as u64;
@@ -119,14 +125,21 @@ impl fmt::Display for Graph {
     /// The textual IR dump (`pipec compile --emit ir`).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "input {}", fmt_shape(&self.input_shape))?;
-        let index: std::collections::HashMap<OpId, usize> = self.order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+        let index: std::collections::HashMap<OpId, usize> =
+            self.order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
         for (i, (id, node)) in self.ops().enumerate() {
             let mut args = String::new();
             let ins: Vec<String> = self.inputs(id).map(|p| format!("%{}", index[&p])).collect();
             let ins = if ins.is_empty() { "input".to_string() } else { ins.join(", ") };
             let _ = write!(args, "{}", op_args(&node.op));
             let label = node.label.as_ref().map(|l| format!("  @{l}")).unwrap_or_default();
-            writeln!(f, "%{i} = {}{args}({ins}) : {} -> {}{label}", node.op.name(), fmt_shape(&node.input_shape), fmt_shape(&node.output_shape))?;
+            writeln!(
+                f,
+                "%{i} = {}{args}({ins}) : {} -> {}{label}",
+                node.op.name(),
+                fmt_shape(&node.input_shape),
+                fmt_shape(&node.output_shape)
+            )?;
         }
         Ok(())
     }
@@ -134,9 +147,14 @@ impl fmt::Display for Graph {
 
 fn op_args(op: &Op) -> String {
     match op {
-        Op::Linear { in_features, out_features, bias } => format!("[{in_features}x{out_features}{}]", if *bias { ", bias" } else { "" }),
+        Op::Linear { in_features, out_features, bias } => {
+            format!("[{in_features}x{out_features}{}]", if *bias { ", bias" } else { "" })
+        }
         Op::Conv2d { in_channels, out_channels, kernel, stride, padding, bias } => {
-            format!("[{in_channels}->{out_channels}, k={kernel}, s={stride}, p={padding}{}]", if *bias { ", bias" } else { "" })
+            format!(
+                "[{in_channels}->{out_channels}, k={kernel}, s={stride}, p={padding}{}]",
+                if *bias { ", bias" } else { "" }
+            )
         }
         Op::MaxPool2d { kernel, stride } | Op::AvgPool2d { kernel, stride } => format!("[k={kernel}, s={stride}]"),
         Op::LayerNorm { dim } => format!("[{dim}]"),

@@ -110,22 +110,41 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
             match t.kind {
                 TaskKind::Forward => {
                     if s == 0 || s == last {
-                        stream.push(Instr::LoadMicrobatch { stage: st(s), mb: mbid(m), inputs: s == 0, labels: s == last });
+                        stream.push(Instr::LoadMicrobatch {
+                            stage: st(s),
+                            mb: mbid(m),
+                            inputs: s == 0,
+                            labels: s == last,
+                        });
                     }
                     if s > 0 {
                         let peer = p.device_of(s - 1, m);
-                        stream.push(Instr::RecvActivation { peer, stage: st(s), mb: mbid(m), bytes: input.output_bytes[s - 1] });
+                        stream.push(Instr::RecvActivation {
+                            peer,
+                            stage: st(s),
+                            mb: mbid(m),
+                            bytes: input.output_bytes[s - 1],
+                        });
                         link_order.entry((peer, dev)).or_default().push_back(Msg::Act(s - 1, m));
                     }
                     if input.updates != Updates::PerStep {
-                        stream.push(Instr::StashWeights { stage: st(s), mb: mbid(m), version: version_of.get(&m).copied() });
+                        stream.push(Instr::StashWeights {
+                            stage: st(s),
+                            mb: mbid(m),
+                            version: version_of.get(&m).copied(),
+                        });
                     }
                     stream.push(Instr::Forward { stage: st(s), mb: mbid(m) });
                 }
                 TaskKind::Backward | TaskKind::BackwardInput => {
                     if s < last {
                         let peer = p.device_of(s + 1, m);
-                        stream.push(Instr::RecvGradient { peer, stage: st(s), mb: mbid(m), bytes: input.output_bytes[s] });
+                        stream.push(Instr::RecvGradient {
+                            peer,
+                            stage: st(s),
+                            mb: mbid(m),
+                            bytes: input.output_bytes[s],
+                        });
                         link_order.entry((peer, dev)).or_default().push_back(Msg::Grad(s + 1, m));
                     }
                     if input.recompute {
@@ -142,7 +161,9 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                         let update_now = match input.updates {
                             Updates::PerStep => false,
                             Updates::PerMicrobatch => true,
-                            Updates::Every(k) => (*count).is_multiple_of(k.max(1)) || *count == p.local_microbatches(s, dev).len(),
+                            Updates::Every(k) => {
+                                (*count).is_multiple_of(k.max(1)) || *count == p.local_microbatches(s, dev).len()
+                            }
                         };
                         if update_now {
                             if let Some(group) = input.groups[s] {
@@ -183,8 +204,12 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
         let mut with_sends = Vec::with_capacity(stream.len() * 2);
         for ins in stream {
             let produced = match ins {
-                Instr::Forward { stage, mb } if (stage.0 as usize) < last => Some(Msg::Act(stage.0 as usize, mb.0 as usize)),
-                Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } if stage.0 > 0 => Some(Msg::Grad(stage.0 as usize, mb.0 as usize)),
+                Instr::Forward { stage, mb } if (stage.0 as usize) < last => {
+                    Some(Msg::Act(stage.0 as usize, mb.0 as usize))
+                }
+                Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } if stage.0 > 0 => {
+                    Some(Msg::Grad(stage.0 as usize, mb.0 as usize))
+                }
                 _ => None,
             };
             with_sends.push(ins);
@@ -208,8 +233,15 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
 
 fn send_instr(msg: Msg, peer: DeviceId, output_bytes: &[u64]) -> Instr {
     match msg {
-        Msg::Act(s, m) => Instr::SendActivation { peer, stage: StageId(s as u32), mb: MicrobatchId(m as u32), bytes: output_bytes[s] },
-        Msg::Grad(s, m) => Instr::SendGradient { peer, stage: StageId(s as u32), mb: MicrobatchId(m as u32), bytes: output_bytes[s - 1] },
+        Msg::Act(s, m) => {
+            Instr::SendActivation { peer, stage: StageId(s as u32), mb: MicrobatchId(m as u32), bytes: output_bytes[s] }
+        }
+        Msg::Grad(s, m) => Instr::SendGradient {
+            peer,
+            stage: StageId(s as u32),
+            mb: MicrobatchId(m as u32),
+            bytes: output_bytes[s - 1],
+        },
     }
 }
 
@@ -250,8 +282,18 @@ pub fn lower_asp(p: &Placement, gradient_bytes: u64, staleness: usize) -> BTreeM
         }
         if rounds_end(j) {
             for w in workers.iter().skip(1) {
-                out.get_mut(&server).expect("server").push(Instr::PushWeights { peer: *w, stage, round, bytes: gradient_bytes });
-                out.get_mut(w).expect("worker").push(Instr::PullWeights { peer: server, stage, round, bytes: gradient_bytes });
+                out.get_mut(&server).expect("server").push(Instr::PushWeights {
+                    peer: *w,
+                    stage,
+                    round,
+                    bytes: gradient_bytes,
+                });
+                out.get_mut(w).expect("worker").push(Instr::PullWeights {
+                    peer: server,
+                    stage,
+                    round,
+                    bytes: gradient_bytes,
+                });
             }
             round += 1;
         }

@@ -32,7 +32,11 @@ pub fn workspace_reserve(capacity: f64) -> u64 {
 
 /// The peak, per stage, of a count that `opens` raises and `closes` lowers, walking the
 /// stream in order.
-fn peak_count(stream: &[Instr], opens: impl Fn(&Instr) -> bool, closes: impl Fn(&Instr) -> bool) -> BTreeMap<StageId, u32> {
+fn peak_count(
+    stream: &[Instr],
+    opens: impl Fn(&Instr) -> bool,
+    closes: impl Fn(&Instr) -> bool,
+) -> BTreeMap<StageId, u32> {
     let mut now: HashMap<StageId, u32> = HashMap::new();
     let mut peak: BTreeMap<StageId, u32> = BTreeMap::new();
     for ins in stream {
@@ -62,7 +66,13 @@ pub fn peak_weight_versions(stream: &[Instr]) -> BTreeMap<StageId, u32> {
 }
 
 /// The memory a device needs for its stream.
-pub fn device_memory(stream: &[Instr], stages: &[StageBytes], recompute: bool, weight_versions: Option<u32>, capacity: f64) -> MemoryBreakdown {
+pub fn device_memory(
+    stream: &[Instr],
+    stages: &[StageBytes],
+    recompute: bool,
+    weight_versions: Option<u32>,
+    capacity: f64,
+) -> MemoryBreakdown {
     let held: Vec<StageId> = {
         let mut v: Vec<StageId> = stream.iter().map(Instr::stage).collect();
         v.sort();
@@ -89,7 +99,11 @@ pub fn device_memory(stream: &[Instr], stages: &[StageBytes], recompute: bool, w
     // Activations: the peak over the stream of what all held stages keep at once.
     let mut now: HashMap<StageId, u64> = HashMap::new();
     let mut peak_total = 0u64;
-    let recompute_extra = if recompute { held.iter().map(|s| stages[s.0 as usize].activations_per_microbatch).max().unwrap_or(0) } else { 0 };
+    let recompute_extra = if recompute {
+        held.iter().map(|s| stages[s.0 as usize].activations_per_microbatch).max().unwrap_or(0)
+    } else {
+        0
+    };
     for ins in stream {
         let per = |s: &StageId| {
             let b = stages[s.0 as usize];
@@ -136,7 +150,10 @@ pub fn human_bytes(b: u64) -> String {
 
 /// The per-device memory table `pipec compile` prints.
 pub fn table(devices: &[(DeviceId, Vec<StageId>, usize, &MemoryBreakdown)]) -> String {
-    let mut out = format!("{:<7} {:<10} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}\n", "device", "stages", "replicas", "weights", "gradients", "optimizer", "activations", "total", "capacity", "use");
+    let mut out = format!(
+        "{:<7} {:<10} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}\n",
+        "device", "stages", "replicas", "weights", "gradients", "optimizer", "activations", "total", "capacity", "use"
+    );
     for (id, stages, replicas, m) in devices {
         let st: Vec<String> = stages.iter().map(ToString::to_string).collect();
         let share = if m.capacity > 0 { m.total as f64 / m.capacity as f64 * 100.0 } else { 0.0 };

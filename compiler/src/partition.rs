@@ -20,7 +20,12 @@ use std::ops::Range;
 /// the first p items only grows with p), each cell is found by binary search, O(k·n·log n);
 /// otherwise every split point is tried, O(k·n²). Returns the ranges and the optimal
 /// maximum, or None when `k > n` or `k == 0`.
-pub fn min_max_contiguous(n: usize, k: usize, uniform: bool, cost: impl Fn(usize, usize, usize) -> f64) -> Option<(Vec<Range<usize>>, f64)> {
+pub fn min_max_contiguous(
+    n: usize,
+    k: usize,
+    uniform: bool,
+    cost: impl Fn(usize, usize, usize) -> f64,
+) -> Option<(Vec<Range<usize>>, f64)> {
     if k == 0 || k > n {
         return None;
     }
@@ -80,7 +85,9 @@ pub fn min_max_contiguous(n: usize, k: usize, uniform: bool, cost: impl Fn(usize
 pub fn balanced(layer_times: &[f64], replicas: &[usize]) -> Option<(Vec<Range<usize>>, f64)> {
     let prefix = prefix_sums(layer_times);
     let uniform = replicas.windows(2).all(|w| w[0] == w[1]);
-    min_max_contiguous(layer_times.len(), replicas.len(), uniform, |j, p, i| (prefix[i] - prefix[p]) / replicas[j].max(1) as f64)
+    min_max_contiguous(layer_times.len(), replicas.len(), uniform, |j, p, i| {
+        (prefix[i] - prefix[p]) / replicas[j].max(1) as f64
+    })
 }
 
 /// Prefix sums: `out[i]` = sum of the first i values.
@@ -152,7 +159,16 @@ impl AutoInput<'_> {
 
     /// The fewest replicas that make layers `i..j` (starting at machine `first`) run within
     /// `t`, or None. Also returns the stage's time.
-    fn replicas_for(&self, prefix_t: &[f64], prefix_w: &[f64], prefix_m: &[f64], i: usize, j: usize, first: usize, t: f64) -> Option<(usize, f64)> {
+    fn replicas_for(
+        &self,
+        prefix_t: &[f64],
+        prefix_w: &[f64],
+        prefix_m: &[f64],
+        i: usize,
+        j: usize,
+        first: usize,
+        t: f64,
+    ) -> Option<(usize, f64)> {
         let compute = prefix_t[j] - prefix_t[i];
         if prefix_m[j] - prefix_m[i] > self.memory_capacity {
             return None;
@@ -174,7 +190,13 @@ impl AutoInput<'_> {
     }
 
     /// Fewest machines reaching bottleneck `t`: (machines, ranges, replicas), or None.
-    fn cover(&self, prefix_t: &[f64], prefix_w: &[f64], prefix_m: &[f64], t: f64) -> Option<(usize, Vec<(usize, usize)>)> {
+    fn cover(
+        &self,
+        prefix_t: &[f64],
+        prefix_w: &[f64],
+        prefix_m: &[f64],
+        t: f64,
+    ) -> Option<(usize, Vec<(usize, usize)>)> {
         let n = self.layer_times.len();
         let mut fewest = vec![usize::MAX; n + 1];
         let mut from = vec![(0usize, 0usize); n + 1];

@@ -65,7 +65,10 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
     let t = timeline.step_time.max(1e-12);
     let x = |s: f64| left + s / t * (width - left - 16.0);
     let mut svg = String::new();
-    let _ = writeln!(svg, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">"#);
+    let _ = writeln!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">"#
+    );
     let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let _ = writeln!(
         svg,
@@ -76,11 +79,20 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
         human_time(timeline.step_time),
         plan.simulation.bubble_fraction * 100.0
     );
-    let _ = writeln!(svg, r##"<text x="{left}" y="34" fill="#555">predicted timeline of one training step; numbers are microbatches, s = stage</text>"##);
+    let _ = writeln!(
+        svg,
+        r##"<text x="{left}" y="34" fill="#555">predicted timeline of one training step; numbers are microbatches, s = stage</text>"##
+    );
     for (row, dev) in devices.iter().enumerate() {
         let y = top + row as f64 * row_h;
         let _ = writeln!(svg, r##"<text x="8" y="{}" dominant-baseline="middle">{dev}</text>"##, y + row_h / 2.0);
-        let _ = writeln!(svg, r##"<rect x="{left}" y="{}" width="{}" height="{}" fill="#f7f7f7" stroke="#ddd"/>"##, y + 2.0, width - left - 16.0, row_h - 4.0);
+        let _ = writeln!(
+            svg,
+            r##"<rect x="{left}" y="{}" width="{}" height="{}" fill="#f7f7f7" stroke="#ddd"/>"##,
+            y + 2.0,
+            width - left - 16.0,
+            row_h - 4.0
+        );
         let stream = plan.streams.get(dev);
         for e in timeline.events.iter().filter(|e| e.device == *dev) {
             if e.end <= e.start || e.phase == Phase::Memory {
@@ -89,40 +101,92 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
             let ins = stream.and_then(|s| s.get(e.index));
             let (x0, x1) = (x(e.start), x(e.end));
             let w = (x1 - x0).max(0.5);
-            let title = ins.map(|i| format!("{i}: {} → {}", human_time(e.start), human_time(e.end))).unwrap_or_default();
-            let _ = writeln!(svg, r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="{}" fill="{}" stroke="white" stroke-width="0.5"><title>{}</title></rect>"#, y + 3.0, row_h - 6.0, colour(e.phase), escape(&title));
+            let title =
+                ins.map(|i| format!("{i}: {} → {}", human_time(e.start), human_time(e.end))).unwrap_or_default();
+            let _ = writeln!(
+                svg,
+                r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="{}" fill="{}" stroke="white" stroke-width="0.5"><title>{}</title></rect>"#,
+                y + 3.0,
+                row_h - 6.0,
+                colour(e.phase),
+                escape(&title)
+            );
             if let Some(i) = ins {
-                if matches!(e.phase, Phase::Forward | Phase::Backward | Phase::BackwardInput | Phase::BackwardWeight) && w > 12.0 {
-                    let text = match (i.microbatch(), plan.stages.len() > devices.len() || plan.devices.iter().any(|d| d.stages.len() > 1)) {
+                if matches!(e.phase, Phase::Forward | Phase::Backward | Phase::BackwardInput | Phase::BackwardWeight)
+                    && w > 12.0
+                {
+                    let text = match (
+                        i.microbatch(),
+                        plan.stages.len() > devices.len() || plan.devices.iter().any(|d| d.stages.len() > 1),
+                    ) {
                         (Some(m), true) => format!("{}s{}", m.0, i.stage().0),
                         (Some(m), false) => format!("{}", m.0),
                         _ => String::new(),
                     };
-                    let _ = writeln!(svg, r#"<text x="{:.2}" y="{}" fill="white" text-anchor="middle" dominant-baseline="middle" font-size="10">{text}</text>"#, x0 + w / 2.0, y + row_h / 2.0);
+                    let _ = writeln!(
+                        svg,
+                        r#"<text x="{:.2}" y="{}" fill="white" text-anchor="middle" dominant-baseline="middle" font-size="10">{text}</text>"#,
+                        x0 + w / 2.0,
+                        y + row_h / 2.0
+                    );
                 }
             }
         }
     }
     // legend
     let ly = top + row_h * devices.len() as f64 + 18.0;
-    let used: Vec<Phase> = [Phase::Forward, Phase::Backward, Phase::BackwardInput, Phase::BackwardWeight, Phase::Recompute, Phase::Communication, Phase::Collective]
-        .into_iter()
-        .filter(|p| timeline.events.iter().any(|e| e.phase == *p && e.end > e.start))
-        .collect();
+    let used: Vec<Phase> = [
+        Phase::Forward,
+        Phase::Backward,
+        Phase::BackwardInput,
+        Phase::BackwardWeight,
+        Phase::Recompute,
+        Phase::Communication,
+        Phase::Collective,
+    ]
+    .into_iter()
+    .filter(|p| timeline.events.iter().any(|e| e.phase == *p && e.end > e.start))
+    .collect();
     let mut lx = left;
     for p in used {
-        let _ = writeln!(svg, r#"<rect x="{lx}" y="{ly}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{}</text>"#, colour(p), lx + 16.0, ly + 10.0, label(p));
+        let _ = writeln!(
+            svg,
+            r#"<rect x="{lx}" y="{ly}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{}</text>"#,
+            colour(p),
+            lx + 16.0,
+            ly + 10.0,
+            label(p)
+        );
         lx += 30.0 + label(p).len() as f64 * 6.5;
     }
-    let _ = writeln!(svg, r##"<rect x="{lx}" y="{ly}" width="12" height="12" fill="#f7f7f7" stroke="#ddd"/><text x="{}" y="{}">idle (bubble)</text>"##, lx + 16.0, ly + 10.0);
-    let _ = writeln!(svg, r##"<text x="{left}" y="{}" fill="#555">0</text><text x="{}" y="{}" fill="#555" text-anchor="end">{}</text>"##, ly + 30.0, width - 16.0, ly + 30.0, human_time(timeline.step_time));
+    let _ = writeln!(
+        svg,
+        r##"<rect x="{lx}" y="{ly}" width="12" height="12" fill="#f7f7f7" stroke="#ddd"/><text x="{}" y="{}">idle (bubble)</text>"##,
+        lx + 16.0,
+        ly + 10.0
+    );
+    let _ = writeln!(
+        svg,
+        r##"<text x="{left}" y="{}" fill="#555">0</text><text x="{}" y="{}" fill="#555" text-anchor="end">{}</text>"##,
+        ly + 30.0,
+        width - 16.0,
+        ly + 30.0,
+        human_time(timeline.step_time)
+    );
     svg.push_str("</svg>\n");
     svg
 }
 
 /// Stacked bars of each device's memory against its capacity.
 pub fn memory_svg(plan: &Plan) -> String {
-    let parts: [(&str, &str); 6] = [("weights", "#4e79a7"), ("gradients", "#59a14f"), ("optimizer", "#b07aa1"), ("activations", "#f28e2b"), ("buffers", "#e15759"), ("workspace", "#bab0ac")];
+    let parts: [(&str, &str); 6] = [
+        ("weights", "#4e79a7"),
+        ("gradients", "#59a14f"),
+        ("optimizer", "#b07aa1"),
+        ("activations", "#f28e2b"),
+        ("buffers", "#e15759"),
+        ("workspace", "#bab0ac"),
+    ];
     let n = plan.devices.len().max(1);
     let bar_w = (900.0 / n as f64).clamp(6.0, 60.0);
     let left = 80.0;
@@ -132,9 +196,18 @@ pub fn memory_svg(plan: &Plan) -> String {
     let max = plan.devices.iter().map(|d| d.memory.capacity.max(d.memory.total)).max().unwrap_or(1).max(1) as f64;
     let y = |b: f64| top + h - b / max * h;
     let mut svg = String::new();
-    let _ = writeln!(svg, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{}" font-family="sans-serif" font-size="11">"#, top + h + 60.0);
+    let _ = writeln!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{}" font-family="sans-serif" font-size="11">"#,
+        top + h + 60.0
+    );
     let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(svg, r#"<text x="{left}" y="20" font-size="14" font-weight="bold">{}: memory per device ({} layout)</text>"#, escape(&plan.name), escape(&plan.partition));
+    let _ = writeln!(
+        svg,
+        r#"<text x="{left}" y="20" font-size="14" font-weight="bold">{}: memory per device ({} layout)</text>"#,
+        escape(&plan.name),
+        escape(&plan.partition)
+    );
     for (i, d) in plan.devices.iter().enumerate() {
         let x = left + i as f64 * (bar_w + 6.0);
         let m = &d.memory;
@@ -151,24 +224,62 @@ pub fn memory_svg(plan: &Plan) -> String {
             if v <= 0.0 {
                 continue;
             }
-            let _ = writeln!(svg, r#"<rect x="{x:.1}" y="{:.1}" width="{bar_w:.1}" height="{:.1}" fill="{c}"><title>{}: {name} {}</title></rect>"#, y(acc + v), y(acc) - y(acc + v), d.id, human_bytes(v as u64));
+            let _ = writeln!(
+                svg,
+                r#"<rect x="{x:.1}" y="{:.1}" width="{bar_w:.1}" height="{:.1}" fill="{c}"><title>{}: {name} {}</title></rect>"#,
+                y(acc + v),
+                y(acc) - y(acc + v),
+                d.id,
+                human_bytes(v as u64)
+            );
             acc += v;
         }
         let cap = y(m.capacity as f64);
         let over = m.total > m.capacity;
-        let _ = writeln!(svg, r#"<line x1="{:.1}" x2="{:.1}" y1="{cap:.1}" y2="{cap:.1}" stroke="{}" stroke-width="2"/>"#, x - 2.0, x + bar_w + 2.0, if over { "red" } else { "black" });
+        let _ = writeln!(
+            svg,
+            r#"<line x1="{:.1}" x2="{:.1}" y1="{cap:.1}" y2="{cap:.1}" stroke="{}" stroke-width="2"/>"#,
+            x - 2.0,
+            x + bar_w + 2.0,
+            if over { "red" } else { "black" }
+        );
         if n <= 32 {
-            let _ = writeln!(svg, r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#, x + bar_w / 2.0, top + h + 14.0, d.id);
+            let _ = writeln!(
+                svg,
+                r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
+                x + bar_w / 2.0,
+                top + h + 14.0,
+                d.id
+            );
         }
     }
-    let _ = writeln!(svg, r##"<text x="{}" y="{}" text-anchor="end" fill="#555">{}</text><text x="{}" y="{}" text-anchor="end" fill="#555">0</text>"##, left - 6.0, top + 4.0, human_bytes(max as u64), left - 6.0, top + h);
+    let _ = writeln!(
+        svg,
+        r##"<text x="{}" y="{}" text-anchor="end" fill="#555">{}</text><text x="{}" y="{}" text-anchor="end" fill="#555">0</text>"##,
+        left - 6.0,
+        top + 4.0,
+        human_bytes(max as u64),
+        left - 6.0,
+        top + h
+    );
     let lx = left + n as f64 * (bar_w + 6.0) + 20.0;
     for (i, (name, c)) in parts.iter().enumerate() {
         let ly = top + i as f64 * 18.0;
-        let _ = writeln!(svg, r#"<rect x="{lx}" y="{ly}" width="12" height="12" fill="{c}"/><text x="{}" y="{}">{name}</text>"#, lx + 16.0, ly + 10.0);
+        let _ = writeln!(
+            svg,
+            r#"<rect x="{lx}" y="{ly}" width="12" height="12" fill="{c}"/><text x="{}" y="{}">{name}</text>"#,
+            lx + 16.0,
+            ly + 10.0
+        );
     }
     let ly = top + parts.len() as f64 * 18.0 + 6.0;
-    let _ = writeln!(svg, r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="black" stroke-width="2"/><text x="{}" y="{}">capacity</text>"#, lx + 12.0, lx + 16.0, ly + 4.0);
+    let _ = writeln!(
+        svg,
+        r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="black" stroke-width="2"/><text x="{}" y="{}">capacity</text>"#,
+        lx + 12.0,
+        lx + 16.0,
+        ly + 4.0
+    );
     svg.push_str("</svg>\n");
     svg
 }

@@ -85,7 +85,9 @@ pub type Order = Vec<Vec<Task>>;
 pub fn generate(kind: ScheduleKind, placement: &Placement, pipeline_ranks: usize, backward_slots: usize) -> Order {
     match kind {
         ScheduleKind::Gpipe => gpipe(placement),
-        ScheduleKind::OneFOneB | ScheduleKind::PipeDream | ScheduleKind::TwoBw | ScheduleKind::DpOnly => one_f_one_b(placement),
+        ScheduleKind::OneFOneB | ScheduleKind::PipeDream | ScheduleKind::TwoBw | ScheduleKind::DpOnly => {
+            one_f_one_b(placement)
+        }
         ScheduleKind::Interleaved => interleaved(placement, pipeline_ranks),
         ScheduleKind::ZbH1 => zb_h1(placement),
         ScheduleKind::Zbv => zero_bubble(placement),
@@ -344,7 +346,10 @@ fn is_ready(done: &Finish, t: &Task, now: usize, stages: usize, split: bool) -> 
     let fin = |k: TaskKind, s: usize| done.get(&(k, s, m)).is_some_and(|&f| f <= now);
     match t.kind {
         TaskKind::Forward => s == 0 || fin(TaskKind::Forward, s - 1),
-        TaskKind::Backward | TaskKind::BackwardInput => fin(TaskKind::Forward, s) && (s + 1 == stages || fin(if split { TaskKind::BackwardInput } else { TaskKind::Backward }, s + 1)),
+        TaskKind::Backward | TaskKind::BackwardInput => {
+            fin(TaskKind::Forward, s)
+                && (s + 1 == stages || fin(if split { TaskKind::BackwardInput } else { TaskKind::Backward }, s + 1))
+        }
         TaskKind::BackwardWeight => fin(TaskKind::BackwardInput, s),
     }
 }
@@ -462,10 +467,7 @@ mod tests {
     }
 
     fn text(order: &Order) -> Vec<String> {
-        order
-            .iter()
-            .map(|ts| ts.iter().map(ToString::to_string).collect::<Vec<_>>().join(" "))
-            .collect()
+        order.iter().map(|ts| ts.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ")).collect()
     }
 
     #[test]

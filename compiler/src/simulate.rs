@@ -53,14 +53,22 @@ fn message_key(i: &Instr) -> Option<(u8, u32, u32, u64)> {
         Instr::RecvActivation { stage, mb, bytes, .. } => Some((0, stage.0 - 1, mb.0, bytes)),
         Instr::SendGradient { stage, mb, bytes, .. } => Some((1, stage.0, mb.0, bytes)),
         Instr::RecvGradient { stage, mb, bytes, .. } => Some((1, stage.0 + 1, mb.0, bytes)),
-        Instr::PushGradient { stage, mb, bytes, .. } | Instr::ApplyGradient { stage, mb, bytes, .. } => Some((3, stage.0, mb.0, bytes)),
-        Instr::PushWeights { stage, round, bytes, .. } | Instr::PullWeights { stage, round, bytes, .. } => Some((4, stage.0, round, bytes)),
+        Instr::PushGradient { stage, mb, bytes, .. } | Instr::ApplyGradient { stage, mb, bytes, .. } => {
+            Some((3, stage.0, mb.0, bytes))
+        }
+        Instr::PushWeights { stage, round, bytes, .. } | Instr::PullWeights { stage, round, bytes, .. } => {
+            Some((4, stage.0, round, bytes))
+        }
         _ => None,
     }
 }
 
 /// Runs the streams. `groups` maps a group id to its members.
-pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<GroupId, Vec<DeviceId>>, cost: &dyn CostModel) -> Result<Timeline, Stuck> {
+pub fn simulate(
+    streams: &BTreeMap<DeviceId, Vec<Instr>>,
+    groups: &HashMap<GroupId, Vec<DeviceId>>,
+    cost: &dyn CostModel,
+) -> Result<Timeline, Stuck> {
     let devices: Vec<DeviceId> = streams.keys().copied().collect();
     let mut pc: HashMap<DeviceId, usize> = devices.iter().map(|d| (*d, 0)).collect();
     let mut clock: HashMap<DeviceId, f64> = devices.iter().map(|d| (*d, 0.0)).collect();
@@ -82,7 +90,10 @@ pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<Group
             let Some(ins) = stream.get(i) else { break };
             let now = clock[&dev];
             match ins {
-                Instr::SendActivation { peer, bytes, .. } | Instr::SendGradient { peer, bytes, .. } | Instr::PushGradient { peer, bytes, .. } | Instr::PushWeights { peer, bytes, .. } => {
+                Instr::SendActivation { peer, bytes, .. }
+                | Instr::SendGradient { peer, bytes, .. }
+                | Instr::PushGradient { peer, bytes, .. }
+                | Instr::PushWeights { peer, bytes, .. } => {
                     let arrival = now + cost.transfer(dev, *peer, *bytes);
                     if let Some(key) = message_key(ins) {
                         links.entry((dev, *peer)).or_default().push_back((key, now, arrival));
@@ -93,7 +104,10 @@ pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<Group
                         queue.push_back(*peer);
                     }
                 }
-                Instr::RecvActivation { peer, .. } | Instr::RecvGradient { peer, .. } | Instr::ApplyGradient { peer, .. } | Instr::PullWeights { peer, .. } => {
+                Instr::RecvActivation { peer, .. }
+                | Instr::RecvGradient { peer, .. }
+                | Instr::ApplyGradient { peer, .. }
+                | Instr::PullWeights { peer, .. } => {
                     let want = message_key(ins);
                     let q = links.entry((*peer, dev)).or_default();
                     match q.front() {
@@ -108,7 +122,13 @@ pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<Group
                             let done = now.max(*arrival);
                             let start = now.max(*sent);
                             q.pop_front();
-                            events.push(Event { device: dev, index: i, start: start.min(done), end: done, phase: Phase::Communication });
+                            events.push(Event {
+                                device: dev,
+                                index: i,
+                                start: start.min(done),
+                                end: done,
+                                phase: Phase::Communication,
+                            });
                             clock.insert(dev, done);
                         }
                     }
@@ -127,7 +147,8 @@ pub fn simulate(streams: &BTreeMap<DeviceId, Vec<Instr>>, groups: &HashMap<Group
                         break; // blocked until every member arrives; the last one releases all
                     }
                     if arrivals.iter().any(|a| a.2 != *bytes || a.3 != stage.0) {
-                        error = Some(format!("group {group}: the members' collective call #{k} disagree (stage or size)"));
+                        error =
+                            Some(format!("group {group}: the members' collective call #{k} disagree (stage or size)"));
                         break;
                     }
                     let start = arrivals.iter().map(|a| a.1).fold(0.0, f64::max);
@@ -207,6 +228,10 @@ pub fn utilisation(t: &Timeline, devices: &[DeviceId]) -> (Vec<(DeviceId, f64, f
         })
         .collect();
     let total_busy: f64 = per.iter().map(|p| p.1).sum();
-    let overall = if t.step_time > 0.0 && !devices.is_empty() { 1.0 - total_busy / (t.step_time * devices.len() as f64) } else { 0.0 };
+    let overall = if t.step_time > 0.0 && !devices.is_empty() {
+        1.0 - total_busy / (t.step_time * devices.len() as f64)
+    } else {
+        0.0
+    };
     (per, overall)
 }

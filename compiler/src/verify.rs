@@ -84,18 +84,37 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
         let mut out = Vec::new();
         for t in 0..input.tp as u32 {
             let shift = |d: &DeviceId| DeviceId(d.0 + t);
-            let placement = Placement { replicas: input.placement.replicas.iter().map(|r| r.iter().map(shift).collect()).collect(), ..input.placement.clone() };
+            let placement = Placement {
+                replicas: input.placement.replicas.iter().map(|r| r.iter().map(shift).collect()).collect(),
+                ..input.placement.clone()
+            };
             let members: HashSet<DeviceId> = placement.replicas.iter().flatten().copied().collect();
-            let streams: BTreeMap<DeviceId, Vec<Instr>> = input.streams.iter().filter(|(d, _)| members.contains(d)).map(|(d, s)| (*d, s.clone())).collect();
-            let groups: HashMap<GroupId, Vec<DeviceId>> = input.groups.iter().filter(|(_, m)| m.iter().all(|d| members.contains(d))).map(|(g, m)| (*g, m.clone())).collect();
-            out.extend(verify(&VerifyInput { streams: &streams, placement: &placement, groups: &groups, tp: 1, ..input.clone() }));
+            let streams: BTreeMap<DeviceId, Vec<Instr>> =
+                input.streams.iter().filter(|(d, _)| members.contains(d)).map(|(d, s)| (*d, s.clone())).collect();
+            let groups: HashMap<GroupId, Vec<DeviceId>> = input
+                .groups
+                .iter()
+                .filter(|(_, m)| m.iter().all(|d| members.contains(d)))
+                .map(|(g, m)| (*g, m.clone()))
+                .collect();
+            out.extend(verify(&VerifyInput {
+                streams: &streams,
+                placement: &placement,
+                groups: &groups,
+                tp: 1,
+                ..input.clone()
+            }));
         }
         // every device of a group runs a program: none is left without one
         for r in input.placement.replicas.iter().flatten() {
             for t in 0..input.tp as u32 {
                 let d = DeviceId(r.0 + t);
                 if input.streams.get(&d).is_none_or(Vec::is_empty) {
-                    out.push(Violation { device: Some(d), index: None, message: format!("{d} is in a tensor-parallel group but has no program") });
+                    out.push(Violation {
+                        device: Some(d),
+                        index: None,
+                        message: format!("{d} is in a tensor-parallel group but has no program"),
+                    });
                 }
             }
         }
@@ -113,8 +132,17 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
     }
     if out.is_empty() {
         if let Err(stuck) = simulate(input.streams, input.groups, &UnitCost) {
-            let (device, index) = stuck.next.iter().find_map(|(d, i)| i.map(|i| (*d, i))).map(|(d, i)| (Some(d), Some(i))).unwrap_or((None, None));
-            out.push(Violation { device, index, message: format!("{}\n{}", stuck.reason, grid(input.streams, &stuck.next)) });
+            let (device, index) = stuck
+                .next
+                .iter()
+                .find_map(|(d, i)| i.map(|i| (*d, i)))
+                .map(|(d, i)| (Some(d), Some(i)))
+                .unwrap_or((None, None));
+            out.push(Violation {
+                device,
+                index,
+                message: format!("{}\n{}", stuck.reason, grid(input.streams, &stuck.next)),
+            });
         }
     }
     out
@@ -140,10 +168,21 @@ fn check_unique(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 let s = stage.0 as usize;
                 let want = (s == 0, s == last);
                 if (*inputs, *labels) != want || (!want.0 && !want.1) {
-                    out.push(v(*dev, i, format!("`{ins}`: stage {stage} loads {}", if want.0 || want.1 { "the wrong parts of the microbatch" } else { "nothing" })));
+                    out.push(v(
+                        *dev,
+                        i,
+                        format!(
+                            "`{ins}`: stage {stage} loads {}",
+                            if want.0 || want.1 { "the wrong parts of the microbatch" } else { "nothing" }
+                        ),
+                    ));
                 }
                 if p.device_of(s, mb.0 as usize) != *dev {
-                    out.push(v(*dev, i, format!("`{ins}` on {dev}, but the microbatch runs on {}", p.device_of(s, mb.0 as usize))));
+                    out.push(v(
+                        *dev,
+                        i,
+                        format!("`{ins}` on {dev}, but the microbatch runs on {}", p.device_of(s, mb.0 as usize)),
+                    ));
                 }
                 *loads.entry((stage.0, mb.0)).or_insert(0) += 1;
             }
@@ -157,7 +196,11 @@ fn check_unique(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         for m in 0..p.microbatches {
             let n = loads.get(&(s as u32, m as u32)).copied().unwrap_or(0);
             if n != 1 {
-                out.push(Violation { device: Some(p.device_of(s, m)), index: None, message: format!("microbatch m{m} is loaded {n} time(s) for stage s{s}") });
+                out.push(Violation {
+                    device: Some(p.device_of(s, m)),
+                    index: None,
+                    message: format!("microbatch m{m} is loaded {n} time(s) for stage s{s}"),
+                });
             }
         }
     }
@@ -194,7 +237,11 @@ fn check_compute(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
             let e = seen.remove(&(s as u32, m as u32)).unwrap_or_default();
             let what = format!("stage s{s} microbatch m{m}");
             if e.fwd.len() != 1 {
-                out.push(Violation { device: Some(owner), index: None, message: format!("{what}: {} forward(s), expected exactly 1", e.fwd.len()) });
+                out.push(Violation {
+                    device: Some(owner),
+                    index: None,
+                    message: format!("{what}: {} forward(s), expected exactly 1", e.fwd.len()),
+                });
                 continue;
             }
             let (fdev, fi) = e.fwd[0];
@@ -202,8 +249,20 @@ fn check_compute(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 out.push(v(fdev, fi, format!("{what}: forward on {fdev}, but the placement routes it to {owner}")));
             }
             let backs: Vec<(DeviceId, usize)> = if input.split_backward { e.bwd_in.clone() } else { e.bwd.clone() };
-            if backs.len() != 1 || (!input.split_backward && !e.bwd_in.is_empty()) || (input.split_backward && !e.bwd.is_empty()) {
-                out.push(Violation { device: Some(owner), index: None, message: format!("{what}: {} backward(s), {} input-gradient and {} weight-gradient pass(es)", e.bwd.len(), e.bwd_in.len(), e.bwd_w.len()) });
+            if backs.len() != 1
+                || (!input.split_backward && !e.bwd_in.is_empty())
+                || (input.split_backward && !e.bwd.is_empty())
+            {
+                out.push(Violation {
+                    device: Some(owner),
+                    index: None,
+                    message: format!(
+                        "{what}: {} backward(s), {} input-gradient and {} weight-gradient pass(es)",
+                        e.bwd.len(),
+                        e.bwd_in.len(),
+                        e.bwd_w.len()
+                    ),
+                });
                 continue;
             }
             let (bdev, bi) = backs[0];
@@ -212,18 +271,34 @@ fn check_compute(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
             }
             if input.split_backward {
                 if e.bwd_w.len() != 1 {
-                    out.push(Violation { device: Some(owner), index: None, message: format!("{what}: {} weight-gradient passes, expected 1", e.bwd_w.len()) });
+                    out.push(Violation {
+                        device: Some(owner),
+                        index: None,
+                        message: format!("{what}: {} weight-gradient passes, expected 1", e.bwd_w.len()),
+                    });
                 } else if e.bwd_w[0].0 != bdev || e.bwd_w[0].1 < bi {
-                    out.push(v(e.bwd_w[0].0, e.bwd_w[0].1, format!("{what}: weight gradient before its input gradient")));
+                    out.push(v(
+                        e.bwd_w[0].0,
+                        e.bwd_w[0].1,
+                        format!("{what}: weight gradient before its input gradient"),
+                    ));
                 }
             } else if !e.bwd_w.is_empty() {
-                out.push(v(e.bwd_w[0].0, e.bwd_w[0].1, format!("{what}: a weight-gradient pass in a schedule without split backward")));
+                out.push(v(
+                    e.bwd_w[0].0,
+                    e.bwd_w[0].1,
+                    format!("{what}: a weight-gradient pass in a schedule without split backward"),
+                ));
             }
         }
     }
     for ((s, m), _) in seen {
         if s as usize >= p.stages() || m as usize >= p.microbatches {
-            out.push(Violation { device: None, index: None, message: format!("an instruction names stage s{s} / microbatch m{m}, which does not exist") });
+            out.push(Violation {
+                device: None,
+                index: None,
+                message: format!("an instruction names stage s{s} / microbatch m{m}, which does not exist"),
+            });
         }
     }
 }
@@ -238,7 +313,13 @@ fn check_dataflow(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     }
 }
 
-fn check_stream_dataflow(input: &VerifyInput<'_>, dev: DeviceId, stream: &[Instr], last: StageId, out: &mut Vec<Violation>) {
+fn check_stream_dataflow(
+    input: &VerifyInput<'_>,
+    dev: DeviceId,
+    stream: &[Instr],
+    last: StageId,
+    out: &mut Vec<Violation>,
+) {
     let dev = &dev;
     {
         let mut live: HashSet<Buffer> = HashSet::new();
@@ -265,7 +346,13 @@ fn check_stream_dataflow(input: &VerifyInput<'_>, dev: DeviceId, stream: &[Instr
             }
             if let Instr::RestoreWeights { stage, mb } = ins {
                 if !forwarded.contains(&(*stage, *mb)) {
-                    out.push(v(*dev, i, format!("`{ins}` comes before the forward of {mb}: stashed weights are restored for the backward")));
+                    out.push(v(
+                        *dev,
+                        i,
+                        format!(
+                            "`{ins}` comes before the forward of {mb}: stashed weights are restored for the backward"
+                        ),
+                    ));
                 }
                 live.remove(&Buffer::Stash { stage: *stage, mb: *mb });
                 restored.insert((*stage, *mb));
@@ -275,10 +362,16 @@ fn check_stream_dataflow(input: &VerifyInput<'_>, dev: DeviceId, stream: &[Instr
                 if stream.get(i + 1) != Some(&Instr::Forward { stage: *stage, mb: *mb }) {
                     out.push(v(*dev, i, format!("`{ins}` must come right before the forward of {mb}")));
                 }
-                let applied = stream[..i].iter().filter(|x| matches!(x, Instr::OptimizerStep { stage: s } if s == stage)).count() as u32;
+                let applied =
+                    stream[..i].iter().filter(|x| matches!(x, Instr::OptimizerStep { stage: s } if s == stage)).count()
+                        as u32;
                 if let Some(v_) = version {
                     if *v_ > applied {
-                        out.push(v(*dev, i, format!("`{ins}` asks for version {v_}, but only {applied} update(s) happened")));
+                        out.push(v(
+                            *dev,
+                            i,
+                            format!("`{ins}` asks for version {v_}, but only {applied} update(s) happened"),
+                        ));
                     }
                 }
             }
@@ -288,7 +381,11 @@ fn check_stream_dataflow(input: &VerifyInput<'_>, dev: DeviceId, stream: &[Instr
             // Weight stashing: a backward uses the weights its forward used.
             if let Instr::Backward { stage, mb } = ins {
                 if stashed.contains(&(*stage, *mb)) && !restored.contains(&(*stage, *mb)) {
-                    out.push(v(*dev, i, format!("`{ins}` runs before the weights stashed for its forward are restored")));
+                    out.push(v(
+                        *dev,
+                        i,
+                        format!("`{ins}` runs before the weights stashed for its forward are restored"),
+                    ));
                 }
             }
             live.extend(ins.writes());
@@ -301,7 +398,11 @@ fn check_stream_dataflow(input: &VerifyInput<'_>, dev: DeviceId, stream: &[Instr
                     if live.contains(&Buffer::Labels { mb: *mb }) {
                         live.insert(Buffer::OutputGrad { stage: *stage, mb: *mb });
                     } else {
-                        out.push(v(*dev, i, format!("`{ins}` computes the loss, but the labels of {mb} were never loaded on {dev}")));
+                        out.push(v(
+                            *dev,
+                            i,
+                            format!("`{ins}` computes the loss, but the labels of {mb} were never loaded on {dev}"),
+                        ));
                     }
                 }
             }
@@ -309,8 +410,16 @@ fn check_stream_dataflow(input: &VerifyInput<'_>, dev: DeviceId, stream: &[Instr
         // Nothing the forwards kept may outlive the step.
         for b in &live {
             match b {
-                Buffer::Saved { stage, mb } => out.push(Violation { device: Some(*dev), index: None, message: format!("{dev}: the activations {stage} kept for {mb} are never freed") }),
-                Buffer::Stash { stage, mb } => out.push(Violation { device: Some(*dev), index: None, message: format!("{dev}: the weights {stage} stashed for {mb} are never restored for its backward") }),
+                Buffer::Saved { stage, mb } => out.push(Violation {
+                    device: Some(*dev),
+                    index: None,
+                    message: format!("{dev}: the activations {stage} kept for {mb} are never freed"),
+                }),
+                Buffer::Stash { stage, mb } => out.push(Violation {
+                    device: Some(*dev),
+                    index: None,
+                    message: format!("{dev}: the weights {stage} stashed for {mb} are never restored for its backward"),
+                }),
                 _ => {}
             }
         }
@@ -320,7 +429,8 @@ fn check_stream_dataflow(input: &VerifyInput<'_>, dev: DeviceId, stream: &[Instr
 /// Optimizer steps come after the last gradient contribution of their stage, and after the
 /// stage's all-reduce when it is replicated; no gradient is left unapplied.
 fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
-    let replicated: HashSet<u32> = (0..input.placement.stages()).filter(|&s| input.placement.replicas[s].len() > 1).map(|s| s as u32).collect();
+    let replicated: HashSet<u32> =
+        (0..input.placement.stages()).filter(|&s| input.placement.replicas[s].len() > 1).map(|s| s as u32).collect();
     for (dev, stream) in input.streams {
         // per stage: gradient contributions pending since the last step, and whether they
         // were all-reduced
@@ -336,7 +446,14 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 Instr::PushGradient { stage, .. } => {
                     let e = pending.entry(*stage).or_insert((0, false));
                     if e.0 != 1 {
-                        out.push(v(*dev, i, format!("`{ins}` pushes {} microbatches' gradients; the parameter server takes one at a time", e.0)));
+                        out.push(v(
+                            *dev,
+                            i,
+                            format!(
+                                "`{ins}` pushes {} microbatches' gradients; the parameter server takes one at a time",
+                                e.0
+                            ),
+                        ));
                     }
                     *e = (0, false);
                 }
@@ -358,7 +475,14 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     if let Some(k) = input.update_every {
                         let later = stream[i + 1..].iter().any(|x| matches!(x, Instr::Backward { stage: s, .. } | Instr::BackwardWeight { stage: s, .. } if s == stage));
                         if e.0 > k || (e.0 < k && later) {
-                            out.push(v(*dev, i, format!("`{ins}` applies {} microbatches' gradients; this schedule updates every {k}", e.0)));
+                            out.push(v(
+                                *dev,
+                                i,
+                                format!(
+                                    "`{ins}` applies {} microbatches' gradients; this schedule updates every {k}",
+                                    e.0
+                                ),
+                            ));
                         }
                     }
                     if replicated.contains(&stage.0) && !e.1 {
@@ -373,10 +497,20 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         for s in input.placement.stages_of(*dev) {
             let stage = StageId(s as u32);
             if pending.get(&stage).is_some_and(|e| e.0 > 0) {
-                out.push(Violation { device: Some(*dev), index: None, message: format!("{dev}: gradients of {stage} computed after its last optimizer step are never applied") });
+                out.push(Violation {
+                    device: Some(*dev),
+                    index: None,
+                    message: format!(
+                        "{dev}: gradients of {stage} computed after its last optimizer step are never applied"
+                    ),
+                });
             }
             if steps.get(&stage).copied().unwrap_or(0) == 0 {
-                out.push(Violation { device: Some(*dev), index: None, message: format!("{dev}: {stage} is never updated") });
+                out.push(Violation {
+                    device: Some(*dev),
+                    index: None,
+                    message: format!("{dev}: {stage} is never updated"),
+                });
             }
         }
     }
@@ -391,8 +525,12 @@ fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     for (dev, stream) in input.streams {
         for (i, ins) in stream.iter().enumerate() {
             match *ins {
-                Instr::SendActivation { peer, stage, mb, bytes } => sends.entry((*dev, peer)).or_default().push(((0, stage.0, mb.0, bytes), i)),
-                Instr::SendGradient { peer, stage, mb, bytes } => sends.entry((*dev, peer)).or_default().push(((1, stage.0, mb.0, bytes), i)),
+                Instr::SendActivation { peer, stage, mb, bytes } => {
+                    sends.entry((*dev, peer)).or_default().push(((0, stage.0, mb.0, bytes), i))
+                }
+                Instr::SendGradient { peer, stage, mb, bytes } => {
+                    sends.entry((*dev, peer)).or_default().push(((1, stage.0, mb.0, bytes), i))
+                }
                 Instr::RecvActivation { peer, stage, mb, bytes } => {
                     if stage.0 == 0 {
                         out.push(v(*dev, i, format!("`{ins}`: the first stage receives no activation")));
@@ -400,11 +538,21 @@ fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     }
                     recvs.entry((peer, *dev)).or_default().push(((0, stage.0 - 1, mb.0, bytes), i));
                 }
-                Instr::RecvGradient { peer, stage, mb, bytes } => recvs.entry((peer, *dev)).or_default().push(((1, stage.0 + 1, mb.0, bytes), i)),
-                Instr::PushGradient { peer, stage, mb, bytes } => sends.entry((*dev, peer)).or_default().push(((3, stage.0, mb.0, bytes), i)),
-                Instr::ApplyGradient { peer, stage, mb, bytes } => recvs.entry((peer, *dev)).or_default().push(((3, stage.0, mb.0, bytes), i)),
-                Instr::PushWeights { peer, stage, round, bytes } => sends.entry((*dev, peer)).or_default().push(((4, stage.0, round, bytes), i)),
-                Instr::PullWeights { peer, stage, round, bytes } => recvs.entry((peer, *dev)).or_default().push(((4, stage.0, round, bytes), i)),
+                Instr::RecvGradient { peer, stage, mb, bytes } => {
+                    recvs.entry((peer, *dev)).or_default().push(((1, stage.0 + 1, mb.0, bytes), i))
+                }
+                Instr::PushGradient { peer, stage, mb, bytes } => {
+                    sends.entry((*dev, peer)).or_default().push(((3, stage.0, mb.0, bytes), i))
+                }
+                Instr::ApplyGradient { peer, stage, mb, bytes } => {
+                    recvs.entry((peer, *dev)).or_default().push(((3, stage.0, mb.0, bytes), i))
+                }
+                Instr::PushWeights { peer, stage, round, bytes } => {
+                    sends.entry((*dev, peer)).or_default().push(((4, stage.0, round, bytes), i))
+                }
+                Instr::PullWeights { peer, stage, round, bytes } => {
+                    recvs.entry((peer, *dev)).or_default().push(((4, stage.0, round, bytes), i))
+                }
                 _ => {}
             }
         }
@@ -435,13 +583,28 @@ fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         let mut ok = true;
         for (k, i) in &s {
             if received.get(k).copied().unwrap_or(0) != 1 || sent[k] != 1 {
-                out.push(v(link.0, *i, format!("{} sends the {} to {} {} time(s), which receives it {} time(s)", link.0, name(k), link.1, sent[k], received.get(k).copied().unwrap_or(0))));
+                out.push(v(
+                    link.0,
+                    *i,
+                    format!(
+                        "{} sends the {} to {} {} time(s), which receives it {} time(s)",
+                        link.0,
+                        name(k),
+                        link.1,
+                        sent[k],
+                        received.get(k).copied().unwrap_or(0)
+                    ),
+                ));
                 ok = false;
             }
         }
         for (k, i) in &r {
             if !sent.contains_key(k) {
-                out.push(v(link.1, *i, format!("{} waits for the {} from {}, which never sends it", link.1, name(k), link.0)));
+                out.push(v(
+                    link.1,
+                    *i,
+                    format!("{} waits for the {} from {}, which never sends it", link.1, name(k), link.0),
+                ));
                 ok = false;
             }
         }
@@ -480,22 +643,35 @@ fn check_parameter_server(input: &VerifyInput<'_>, staleness: usize, out: &mut V
         }
     }
     // rounds end after these many rounds of applies
-    let round_ends: Vec<usize> = (0..n_local).filter(|j| (j + 1) % every == 0 || j + 1 == n_local).map(|j| j + 1).collect();
-    let applied_after = |rounds: usize| -> usize { (0..rounds).map(|j| local.iter().filter(|l| l.len() > j).count()).sum() };
+    let round_ends: Vec<usize> =
+        (0..n_local).filter(|j| (j + 1) % every == 0 || j + 1 == n_local).map(|j| j + 1).collect();
+    let applied_after =
+        |rounds: usize| -> usize { (0..rounds).map(|j| local.iter().filter(|l| l.len() > j).count()).sum() };
     if let Some(stream) = input.streams.get(&server) {
         let mut applied = 0usize;
         for (i, ins) in stream.iter().enumerate() {
             match ins {
                 Instr::ApplyGradient { peer, mb, .. } => {
                     if expected.get(applied) != Some(&(*peer, mb.0)) {
-                        out.push(v(server, i, format!("`{ins}`: the server applies gradients in round-robin order; expected {:?}", expected.get(applied))));
+                        out.push(v(
+                            server,
+                            i,
+                            format!(
+                                "`{ins}`: the server applies gradients in round-robin order; expected {:?}",
+                                expected.get(applied)
+                            ),
+                        ));
                     }
                     applied += 1;
                 }
                 Instr::PushWeights { round, .. } => {
                     let want = round_ends.get(*round as usize).map(|&r| applied_after(r));
                     if want != Some(applied) {
-                        out.push(v(server, i, format!("`{ins}` after {applied} applied gradients; round {round} ends after {want:?}")));
+                        out.push(v(
+                            server,
+                            i,
+                            format!("`{ins}` after {applied} applied gradients; round {round} ends after {want:?}"),
+                        ));
                     }
                 }
                 _ => {}
@@ -529,7 +705,9 @@ fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         for (i, ins) in stream.iter().enumerate() {
             if let Instr::AllReduce { stage, group, bytes } = ins {
                 match input.groups.get(group) {
-                    Some(members) if members.contains(dev) => calls.entry(*group).or_default().entry(*dev).or_default().push((*stage, *bytes, i)),
+                    Some(members) if members.contains(dev) => {
+                        calls.entry(*group).or_default().entry(*dev).or_default().push((*stage, *bytes, i))
+                    }
                     _ => out.push(v(*dev, i, format!("`{ins}`: {dev} is not a member of {group}"))),
                 }
             }
@@ -537,11 +715,23 @@ fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     }
     for (group, members) in input.groups {
         let per = calls.get(group).cloned().unwrap_or_default();
-        let reference: Vec<(StageId, u64)> = per.get(&members[0]).map(|c| c.iter().map(|x| (x.0, x.1)).collect()).unwrap_or_default();
+        let reference: Vec<(StageId, u64)> =
+            per.get(&members[0]).map(|c| c.iter().map(|x| (x.0, x.1)).collect()).unwrap_or_default();
         for m in members {
-            let mine: Vec<(StageId, u64)> = per.get(m).map(|c| c.iter().map(|x| (x.0, x.1)).collect()).unwrap_or_default();
+            let mine: Vec<(StageId, u64)> =
+                per.get(m).map(|c| c.iter().map(|x| (x.0, x.1)).collect()).unwrap_or_default();
             if mine != reference {
-                out.push(Violation { device: Some(*m), index: None, message: format!("{group}: {m} issues {} all-reduce(s) {:?}, {} issues {:?}", mine.len(), mine, members[0], reference) });
+                out.push(Violation {
+                    device: Some(*m),
+                    index: None,
+                    message: format!(
+                        "{group}: {m} issues {} all-reduce(s) {:?}, {} issues {:?}",
+                        mine.len(),
+                        mine,
+                        members[0],
+                        reference
+                    ),
+                });
             }
         }
     }

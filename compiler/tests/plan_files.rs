@@ -18,7 +18,12 @@ fn plan_json(layout: &str, schedule: &str, devices: usize) -> Value {
 }
 
 fn plans() -> Vec<Value> {
-    vec![plan_json("straight", "1f1b", 3), plan_json("\"2-1\"", "gpipe", 3), plan_json("straight", "chimera", 2), plan_json("\"1-1\"\n  tp: 2", "1f1b", 4)]
+    vec![
+        plan_json("straight", "1f1b", 3),
+        plan_json("\"2-1\"", "gpipe", 3),
+        plan_json("straight", "chimera", 2),
+        plan_json("\"1-1\"\n  tp: 2", "1f1b", 4),
+    ]
 }
 
 /// Paths to every number in a JSON value.

@@ -51,7 +51,11 @@ fn gpipe_and_1f1b_bubble_is_closed_form() {
             for sched in ["gpipe", "1f1b"] {
                 let plan = build(&spec(d, n, sched, d * 2, "straight")).plan;
                 let expected = (d as f64 - 1.0) / (d as f64 - 1.0 + n as f64);
-                assert!(close(plan.simulation.bubble_fraction, expected), "{sched} D={d} N={n}: bubble {} expected {expected}", plan.simulation.bubble_fraction);
+                assert!(
+                    close(plan.simulation.bubble_fraction, expected),
+                    "{sched} D={d} N={n}: bubble {} expected {expected}",
+                    plan.simulation.bubble_fraction
+                );
             }
         }
     }
@@ -65,7 +69,11 @@ fn interleaved_bubble_is_closed_form() {
                 let sched = format!("{{ kind: interleaved, virtual_stages: {v} }}");
                 let plan = build(&spec(d, n, &sched, d * v * 2, "straight")).plan;
                 let expected = (d as f64 - 1.0) / (d as f64 - 1.0 + (v * n) as f64);
-                assert!(close(plan.simulation.bubble_fraction, expected), "interleaved D={d} V={v} N={n}: bubble {} expected {expected}", plan.simulation.bubble_fraction);
+                assert!(
+                    close(plan.simulation.bubble_fraction, expected),
+                    "interleaved D={d} V={v} N={n}: bubble {} expected {expected}",
+                    plan.simulation.bubble_fraction
+                );
             }
         }
     }
@@ -79,7 +87,11 @@ fn in_flight_microbatches_are_closed_form() {
             let gpipe = build(&spec(d, n, "gpipe", d, "straight")).plan;
             for s in 0..d {
                 let stage = pipec_plan::StageId(s as u32);
-                assert_eq!(onefb.devices[s].peak_in_flight[&stage] as usize, n.min(d - s), "1F1B D={d} N={n} stage {s}");
+                assert_eq!(
+                    onefb.devices[s].peak_in_flight[&stage] as usize,
+                    n.min(d - s),
+                    "1F1B D={d} N={n} stage {s}"
+                );
                 assert_eq!(gpipe.devices[s].peak_in_flight[&stage] as usize, n, "GPipe D={d} N={n} stage {s}");
             }
         }
@@ -100,10 +112,18 @@ fn zero_bubble_h1_beats_1f1b_with_the_same_memory() {
         let t = zb.stages[0].forward_s;
         let per_device_zb = zb_idle * d as f64;
         let per_device_ob = ob_idle * d as f64;
-        assert!((per_device_ob / d as f64 - 3.0 * (d as f64 - 1.0) * t).abs() < 1e-6 * per_device_ob.max(1e-12) + 1e-9, "D={d}: 1f1b idle {per_device_ob} vs closed form");
-        assert!((per_device_zb / d as f64 - (d as f64 - 1.0) * t).abs() < 1e-6 * per_device_ob.max(1e-12) + 1e-9, "D={d}: zb-h1 idle {per_device_zb} per device vs (D-1)t = {}", (d as f64 - 1.0) * t);
+        assert!(
+            (per_device_ob / d as f64 - 3.0 * (d as f64 - 1.0) * t).abs() < 1e-6 * per_device_ob.max(1e-12) + 1e-9,
+            "D={d}: 1f1b idle {per_device_ob} vs closed form"
+        );
+        assert!(
+            (per_device_zb / d as f64 - (d as f64 - 1.0) * t).abs() < 1e-6 * per_device_ob.max(1e-12) + 1e-9,
+            "D={d}: zb-h1 idle {per_device_zb} per device vs (D-1)t = {}",
+            (d as f64 - 1.0) * t
+        );
         // Peak activation memory over the pipeline equals 1F1B's (D microbatches).
-        let peak = |p: &pipec_plan::Plan| p.devices.iter().flat_map(|d| d.peak_in_flight.values().copied()).max().unwrap_or(0);
+        let peak =
+            |p: &pipec_plan::Plan| p.devices.iter().flat_map(|d| d.peak_in_flight.values().copied()).max().unwrap_or(0);
         assert_eq!(peak(&zb), peak(&ob), "D={d}");
     }
 }
@@ -111,7 +131,8 @@ fn zero_bubble_h1_beats_1f1b_with_the_same_memory() {
 /// Stages whose backward takes as long as their forward (element-wise layers), the
 /// assumption of Chimera's bubble formula.
 fn equal_pass_spec(devices: usize, microbatches: usize, schedule: &str) -> String {
-    spec(devices, microbatches, schedule, devices, "straight").replace(&format!("- repeat {devices}: linear(64, 64)"), &format!("- repeat {devices}: relu"))
+    spec(devices, microbatches, schedule, devices, "straight")
+        .replace(&format!("- repeat {devices}: linear(64, 64)"), &format!("- repeat {devices}: relu"))
 }
 
 #[test]
@@ -123,7 +144,11 @@ fn chimera_bubble_follows_the_paper() {
             let n = k * d;
             let plan = build(&equal_pass_spec(d, n, "chimera")).plan;
             let paper = (d as f64 - 2.0) / (2.0 * n as f64 + d as f64 - 2.0);
-            assert!(close(plan.simulation.bubble_fraction, paper), "D={d} N={n}: bubble {}, paper {paper}", plan.simulation.bubble_fraction);
+            assert!(
+                close(plan.simulation.bubble_fraction, paper),
+                "D={d} N={n}: bubble {}, paper {paper}",
+                plan.simulation.bubble_fraction
+            );
         }
     }
 }
@@ -133,11 +158,16 @@ fn chimera_with_data_parallelism_keeps_the_papers_bubble_per_pipeline_pair() {
     // R pipeline pairs side by side, each with N/R microbatches: (D−2)/(2N/R+D−2).
     for (d, r, n) in [(4usize, 2usize, 8usize), (4, 2, 16), (2, 3, 12), (6, 2, 24)] {
         let layout = format!("\"{}\"", vec![r.to_string(); d].join("-"));
-        let text = spec(d * r, n, "chimera", d, &layout).replace(&format!("- repeat {d}: linear(64, 64)"), &format!("- repeat {d}: relu"));
+        let text = spec(d * r, n, "chimera", d, &layout)
+            .replace(&format!("- repeat {d}: linear(64, 64)"), &format!("- repeat {d}: relu"));
         let plan = build(&text).plan;
         let per_pair = (n / r) as f64;
         let paper = (d as f64 - 2.0) / (2.0 * per_pair + d as f64 - 2.0);
-        assert!(close(plan.simulation.bubble_fraction, paper), "D={d} R={r} N={n}: bubble {}, paper {paper}", plan.simulation.bubble_fraction);
+        assert!(
+            close(plan.simulation.bubble_fraction, paper),
+            "D={d} R={r} N={n}: bubble {}, paper {paper}",
+            plan.simulation.bubble_fraction
+        );
         // every stage has 2R copies, all in one gradient group
         for s in &plan.stages {
             assert_eq!(s.replicas.len(), 2 * r);
@@ -160,7 +190,12 @@ fn chimera_with_twice_as_long_backwards_beats_1f1b_within_bounded_memory() {
             let n = k * d;
             let ch = build(&spec(d, n, "chimera", d, "straight")).plan;
             let ob = build(&spec(d, n, "1f1b", d, "straight")).plan;
-            assert!(ch.simulation.bubble_fraction < ob.simulation.bubble_fraction, "D={d} N={n}: chimera {} vs 1f1b {}", ch.simulation.bubble_fraction, ob.simulation.bubble_fraction);
+            assert!(
+                ch.simulation.bubble_fraction < ob.simulation.bubble_fraction,
+                "D={d} N={n}: chimera {} vs 1f1b {}",
+                ch.simulation.bubble_fraction,
+                ob.simulation.bubble_fraction
+            );
             assert!(ch.simulation.step_time_s < ob.simulation.step_time_s, "D={d} N={n}");
             for (dev, stream) in &ch.streams {
                 let mut live = 0i64;
@@ -186,7 +221,12 @@ fn chimera_has_fewer_bubbles_than_1f1b() {
         let n = d;
         let ch = build(&spec(d, n, "chimera", d, "straight")).plan;
         let ob = build(&spec(d, n, "1f1b", d, "straight")).plan;
-        assert!(ch.simulation.bubble_fraction < ob.simulation.bubble_fraction, "D={d}: chimera {} vs 1f1b {}", ch.simulation.bubble_fraction, ob.simulation.bubble_fraction);
+        assert!(
+            ch.simulation.bubble_fraction < ob.simulation.bubble_fraction,
+            "D={d}: chimera {} vs 1f1b {}",
+            ch.simulation.bubble_fraction,
+            ob.simulation.bubble_fraction
+        );
     }
 }
 
@@ -237,12 +277,21 @@ fn every_single_instruction_mutation_is_caught() {
                 // duplicate
                 let mut m = streams.clone();
                 m.get_mut(dev).expect("device").insert(i, stream[i].clone());
-                assert!(!verify_plan(&c, &m).is_empty(), "{name}: duplicating {dev}[{i}] `{}` was not caught", stream[i]);
+                assert!(
+                    !verify_plan(&c, &m).is_empty(),
+                    "{name}: duplicating {dev}[{i}] `{}` was not caught",
+                    stream[i]
+                );
                 // swap with the next instruction (a reordering), when it changes anything
                 if i + 1 < stream.len() && stream[i] != stream[i + 1] && !commutes(&stream[i], &stream[i + 1]) {
                     let mut m = streams.clone();
                     m.get_mut(dev).expect("device").swap(i, i + 1);
-                    assert!(!verify_plan(&c, &m).is_empty(), "{name}: swapping {dev}[{i}] `{}` and `{}` was not caught", stream[i], stream[i + 1]);
+                    assert!(
+                        !verify_plan(&c, &m).is_empty(),
+                        "{name}: swapping {dev}[{i}] `{}` and `{}` was not caught",
+                        stream[i],
+                        stream[i + 1]
+                    );
                 }
                 mutations += 3;
             }

@@ -114,7 +114,11 @@ pub fn decode(b: &[u8]) -> Result<Shards, String> {
             }
             let nv = c.u64()? as usize;
             let raw = c.take(nv.checked_mul(4).ok_or("bad checkpoint message")?)?;
-            params.push((id, shape, raw.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect()));
+            params.push((
+                id,
+                shape,
+                raw.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect(),
+            ));
         }
         let no = c.u64()? as usize;
         let optimizer = c.take(no)?.to_vec();
@@ -131,7 +135,14 @@ mod tests {
     fn stage_checkpoints_round_trip_and_truncation_is_an_error() {
         let mut m = HashMap::new();
         let k = |stage, tp_rank| ShardKey { stage, tp_rank };
-        m.insert(k(2, 1), StageCheckpoint { params: vec![(513, vec![2, 2], vec![1.0, 2.0, 3.0, -4.5])], optimizer: vec![9, 8, 7], tp_size: 2 });
+        m.insert(
+            k(2, 1),
+            StageCheckpoint {
+                params: vec![(513, vec![2, 2], vec![1.0, 2.0, 3.0, -4.5])],
+                optimizer: vec![9, 8, 7],
+                tp_size: 2,
+            },
+        );
         m.insert(k(0, 0), StageCheckpoint { params: vec![], optimizer: vec![], tp_size: 1 });
         let b = encode(&m);
         let back = decode(&b).expect("decodes");
@@ -153,7 +164,10 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let mut m = HashMap::new();
         let k = |stage, tp_rank| ShardKey { stage, tp_rank };
-        m.insert(k(0, 0), StageCheckpoint { params: vec![(1, vec![2], vec![1.0, 2.0])], optimizer: vec![1], tp_size: 1 });
+        m.insert(
+            k(0, 0),
+            StageCheckpoint { params: vec![(1, vec![2], vec![1.0, 2.0])], optimizer: vec![1], tp_size: 1 },
+        );
         m.insert(k(1, 0), StageCheckpoint { params: vec![(256, vec![1], vec![3.0])], optimizer: vec![2], tp_size: 2 });
         m.insert(k(1, 1), StageCheckpoint { params: vec![(256, vec![1], vec![4.0])], optimizer: vec![3], tp_size: 2 });
         let at = write(&dir, 5, "p", "1-1", &m).expect("written");
@@ -187,7 +201,13 @@ fn parse_name(name: &str) -> Option<(u64, u32)> {
 }
 
 /// Writes a checkpoint of `stages` (by shard) taken after `completed_steps` steps.
-pub fn write(dir: &Path, completed_steps: usize, plan_name: &str, partition: &str, stages: &Shards) -> Result<PathBuf, String> {
+pub fn write(
+    dir: &Path,
+    completed_steps: usize,
+    plan_name: &str,
+    partition: &str,
+    stages: &Shards,
+) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create `{}`: {e}", dir.display()))?;
     let name = format!("step-{completed_steps:06}");
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
@@ -199,22 +219,35 @@ pub fn write(dir: &Path, completed_steps: usize, plan_name: &str, partition: &st
     let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (k, st) in &order {
         for (id, shape, values) in &st.params {
-            bytes.push((stored_name(*id, **k, st.tp_size), shape.clone(), values.iter().flat_map(|v| v.to_le_bytes()).collect()));
+            bytes.push((
+                stored_name(*id, **k, st.tp_size),
+                shape.clone(),
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ));
         }
     }
     let views: Vec<(String, TensorView<'_>)> = bytes
         .iter()
-        .map(|(n, shape, b)| TensorView::new(Dtype::F32, shape.clone(), b).map(|v| (n.clone(), v)).map_err(|e| format!("{e}")))
+        .map(|(n, shape, b)| {
+            TensorView::new(Dtype::F32, shape.clone(), b).map(|v| (n.clone(), v)).map_err(|e| format!("{e}"))
+        })
         .collect::<Result<_, _>>()?;
-    safetensors::serialize_to_file(views, None, &tmp.join("model.safetensors")).map_err(|e| format!("cannot write model.safetensors: {e}"))?;
+    safetensors::serialize_to_file(views, None, &tmp.join("model.safetensors"))
+        .map_err(|e| format!("cannot write model.safetensors: {e}"))?;
     for (k, st) in &order {
-        std::fs::write(tmp.join(optimizer_file(k.stage, k.tp_rank, st.tp_size)), &st.optimizer).map_err(|e| format!("cannot write the optimizer state: {e}"))?;
+        std::fs::write(tmp.join(optimizer_file(k.stage, k.tp_rank, st.tp_size)), &st.optimizer)
+            .map_err(|e| format!("cannot write the optimizer state: {e}"))?;
     }
     let mut stage_ids: Vec<u32> = order.iter().map(|(k, _)| k.stage).collect();
     stage_ids.dedup();
-    let tensor_parallel: serde_json::Map<String, serde_json::Value> = order.iter().filter(|(_, st)| st.tp_size > 1).map(|(k, st)| (k.stage.to_string(), serde_json::Value::from(st.tp_size))).collect();
+    let tensor_parallel: serde_json::Map<String, serde_json::Value> = order
+        .iter()
+        .filter(|(_, st)| st.tp_size > 1)
+        .map(|(k, st)| (k.stage.to_string(), serde_json::Value::from(st.tp_size)))
+        .collect();
     let state = serde_json::json!({"format": 2, "completed_steps": completed_steps, "plan": plan_name, "partition": partition, "stages": stage_ids, "tensor_parallel": tensor_parallel});
-    std::fs::write(tmp.join("state.json"), serde_json::to_string_pretty(&state).unwrap_or_default()).map_err(|e| format!("cannot write state.json: {e}"))?;
+    std::fs::write(tmp.join("state.json"), serde_json::to_string_pretty(&state).unwrap_or_default())
+        .map_err(|e| format!("cannot write state.json: {e}"))?;
     let final_dir = dir.join(&name);
     let _ = std::fs::remove_dir_all(&final_dir);
     std::fs::rename(&tmp, &final_dir).map_err(|e| format!("cannot move the checkpoint into place: {e}"))?;
@@ -261,9 +294,15 @@ pub fn locate(path: &Path) -> Result<PathBuf, String> {
 
 /// Reads a checkpoint directory.
 pub fn read(dir: &Path) -> Result<Loaded, String> {
-    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).map_err(|e| format!("cannot read state.json: {e}"))?).map_err(|e| format!("state.json: {e}"))?;
-    let completed_steps = state.get("completed_steps").and_then(serde_json::Value::as_u64).ok_or("state.json has no completed_steps")? as usize;
-    let bytes = std::fs::read(dir.join("model.safetensors")).map_err(|e| format!("cannot read model.safetensors: {e}"))?;
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("state.json")).map_err(|e| format!("cannot read state.json: {e}"))?,
+    )
+    .map_err(|e| format!("state.json: {e}"))?;
+    let completed_steps =
+        state.get("completed_steps").and_then(serde_json::Value::as_u64).ok_or("state.json has no completed_steps")?
+            as usize;
+    let bytes =
+        std::fs::read(dir.join("model.safetensors")).map_err(|e| format!("cannot read model.safetensors: {e}"))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("model.safetensors: {e}"))?;
     let mut params = HashMap::new();
     for (name, view) in st.tensors() {
@@ -271,14 +310,19 @@ pub fn read(dir: &Path) -> Result<Loaded, String> {
         if view.dtype() != Dtype::F32 {
             return Err(format!("model.safetensors: `{name}` is not f32"));
         }
-        let values: Vec<f32> = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let values: Vec<f32> =
+            view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         params.insert(key, (view.shape().to_vec(), values));
     }
     let mut tensor_parallel = HashMap::new();
     if let Some(tp) = state.get("tensor_parallel").and_then(serde_json::Value::as_object) {
         for (s, n) in tp {
             let s: u32 = s.parse().map_err(|_| format!("state.json: bad stage `{s}` in tensor_parallel"))?;
-            let n = n.as_u64().and_then(|n| u32::try_from(n).ok()).filter(|&n| n >= 1).ok_or("state.json: bad tensor-parallel degree")?;
+            let n = n
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .filter(|&n| n >= 1)
+                .ok_or("state.json: bad tensor-parallel degree")?;
             tensor_parallel.insert(s, n);
         }
     }
@@ -287,7 +331,8 @@ pub fn read(dir: &Path) -> Result<Loaded, String> {
         let s = s.as_u64().and_then(|s| u32::try_from(s).ok()).ok_or("state.json: bad stage")?;
         let n = tensor_parallel.get(&s).copied().unwrap_or(1);
         for r in 0..n {
-            let b = std::fs::read(dir.join(optimizer_file(s, r, n))).map_err(|e| format!("cannot read the optimizer state of stage {s}: {e}"))?;
+            let b = std::fs::read(dir.join(optimizer_file(s, r, n)))
+                .map_err(|e| format!("cannot read the optimizer state of stage {s}: {e}"))?;
             optimizers.insert(ShardKey { stage: s, tp_rank: r }, b);
         }
     }

@@ -24,8 +24,17 @@ pub enum Targets {
 /// Where samples come from.
 #[derive(Debug, Clone)]
 enum Source {
-    Synthetic { classification: bool, samples: usize, teacher: Vec<f32>, cache: Option<std::sync::Arc<(Inputs, Targets)>> },
-    Loaded { inputs: Inputs, targets: Targets, samples: usize },
+    Synthetic {
+        classification: bool,
+        samples: usize,
+        teacher: Vec<f32>,
+        cache: Option<std::sync::Arc<(Inputs, Targets)>>,
+    },
+    Loaded {
+        inputs: Inputs,
+        targets: Targets,
+        samples: usize,
+    },
 }
 
 /// A data set for a plan.
@@ -51,11 +60,19 @@ impl Dataset {
         let source = match &plan.training.data {
             DataPlan::Synthetic { task, samples } => {
                 if classification != (task == "classification") {
-                    return Err(format!("the synthetic task `{task}` does not fit the `{}` loss", plan.model.loss.name()));
+                    return Err(format!(
+                        "the synthetic task `{task}` does not fit the `{}` loss",
+                        plan.model.loss.name()
+                    ));
                 }
                 let rows = vocab.unwrap_or(numel);
                 let mut rng = Rng::keyed(&[seed, 2]);
-                Source::Synthetic { classification, samples: *samples, teacher: rng.normal_vec(rows * outputs), cache: None }
+                Source::Synthetic {
+                    classification,
+                    samples: *samples,
+                    teacher: rng.normal_vec(rows * outputs),
+                    cache: None,
+                }
             }
             DataPlan::Csv { path } => load_csv(path, numel, classification, outputs, vocab)?,
             DataPlan::Npy { path, labels } => load_npy(path, labels.as_deref(), numel, classification, outputs, vocab)?,
@@ -91,12 +108,27 @@ impl Dataset {
                     Targets::Values(_) => self.outputs,
                 };
                 let inputs = match inputs {
-                    Inputs::Features(all) => Inputs::Features(indices.iter().flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied()).collect()),
-                    Inputs::Tokens(all) => Inputs::Tokens(indices.iter().flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied()).collect()),
+                    Inputs::Features(all) => Inputs::Features(
+                        indices
+                            .iter()
+                            .flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied())
+                            .collect(),
+                    ),
+                    Inputs::Tokens(all) => Inputs::Tokens(
+                        indices
+                            .iter()
+                            .flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied())
+                            .collect(),
+                    ),
                 };
                 let targets = match targets {
                     Targets::Classes(all) => Targets::Classes(indices.iter().map(|&g| all[pick(g)]).collect()),
-                    Targets::Values(all) => Targets::Values(indices.iter().flat_map(|&g| all[pick(g) * per_target..(pick(g) + 1) * per_target].iter().copied()).collect()),
+                    Targets::Values(all) => Targets::Values(
+                        indices
+                            .iter()
+                            .flat_map(|&g| all[pick(g) * per_target..(pick(g) + 1) * per_target].iter().copied())
+                            .collect(),
+                    ),
                 };
                 (inputs, targets)
             }
@@ -131,7 +163,8 @@ impl Dataset {
                         }
                     }
                     if *classification {
-                        let best = scores.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(c, _)| c).unwrap_or(0);
+                        let best =
+                            scores.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(c, _)| c).unwrap_or(0);
                         classes.push(best as i64);
                     } else {
                         let scale = (self.numel as f64).sqrt().max(1.0);
@@ -145,12 +178,27 @@ impl Dataset {
             Source::Loaded { inputs, targets, samples } => {
                 let pick = |g: usize| g % samples;
                 let inputs = match inputs {
-                    Inputs::Features(all) => Inputs::Features(indices.iter().flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied()).collect()),
-                    Inputs::Tokens(all) => Inputs::Tokens(indices.iter().flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied()).collect()),
+                    Inputs::Features(all) => Inputs::Features(
+                        indices
+                            .iter()
+                            .flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied())
+                            .collect(),
+                    ),
+                    Inputs::Tokens(all) => Inputs::Tokens(
+                        indices
+                            .iter()
+                            .flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied())
+                            .collect(),
+                    ),
                 };
                 let targets = match targets {
                     Targets::Classes(all) => Targets::Classes(indices.iter().map(|&g| all[pick(g)]).collect()),
-                    Targets::Values(all) => Targets::Values(indices.iter().flat_map(|&g| all[pick(g) * self.outputs..(pick(g) + 1) * self.outputs].iter().copied()).collect()),
+                    Targets::Values(all) => Targets::Values(
+                        indices
+                            .iter()
+                            .flat_map(|&g| all[pick(g) * self.outputs..(pick(g) + 1) * self.outputs].iter().copied())
+                            .collect(),
+                    ),
                 };
                 (inputs, targets)
             }
@@ -178,7 +226,13 @@ fn to_inputs(values: Vec<f64>, vocab: Option<usize>, what: &str) -> Result<Input
     }
 }
 
-fn load_csv(path: &str, numel: usize, classification: bool, outputs: usize, vocab: Option<usize>) -> Result<Source, String> {
+fn load_csv(
+    path: &str,
+    numel: usize,
+    classification: bool,
+    outputs: usize,
+    vocab: Option<usize>,
+) -> Result<Source, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read the data file `{path}`: {e}"))?;
     let targets_per_row = if classification { 1 } else { outputs };
     let mut feats = Vec::new();
@@ -227,24 +281,43 @@ pub fn read_npy(path: &str) -> Result<(Vec<usize>, Vec<f64>), String> {
         2 | 3 if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
         v => return Err(format!("`{path}`: NPY version {v} is not supported")),
     };
-    let header = std::str::from_utf8(bytes.get(start..start + header_len).ok_or(format!("`{path}`: truncated header"))?).map_err(|_| format!("`{path}`: header is not text"))?;
+    let header =
+        std::str::from_utf8(bytes.get(start..start + header_len).ok_or(format!("`{path}`: truncated header"))?)
+            .map_err(|_| format!("`{path}`: header is not text"))?;
     let field = |key: &str| -> Option<&str> {
         let i = header.find(&format!("'{key}'"))?;
         Some(header[i + key.len() + 2..].trim_start().trim_start_matches(':').trim_start())
     };
-    let descr = field("descr").and_then(|d| d.strip_prefix('\'')).and_then(|d| d.split('\'').next()).ok_or(format!("`{path}`: no dtype in header"))?;
+    let descr = field("descr")
+        .and_then(|d| d.strip_prefix('\''))
+        .and_then(|d| d.split('\'').next())
+        .ok_or(format!("`{path}`: no dtype in header"))?;
     if field("fortran_order").is_some_and(|f| f.starts_with("True")) {
         return Err(format!("`{path}`: Fortran-ordered arrays are not supported"));
     }
-    let shape_text = field("shape").and_then(|s| s.strip_prefix('(')).and_then(|s| s.split(')').next()).ok_or(format!("`{path}`: no shape in header"))?;
-    let shape: Vec<usize> = shape_text.split(',').map(str::trim).filter(|s| !s.is_empty()).map(|s| s.parse::<usize>().map_err(|_| format!("`{path}`: bad shape `{shape_text}`"))).collect::<Result<_, _>>()?;
+    let shape_text = field("shape")
+        .and_then(|s| s.strip_prefix('('))
+        .and_then(|s| s.split(')').next())
+        .ok_or(format!("`{path}`: no shape in header"))?;
+    let shape: Vec<usize> = shape_text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<usize>().map_err(|_| format!("`{path}`: bad shape `{shape_text}`")))
+        .collect::<Result<_, _>>()?;
     let data = &bytes[start + header_len..];
     let n: usize = shape.iter().product();
     let values: Vec<f64> = match descr {
-        "<f4" => data.chunks_exact(4).take(n).map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect(),
+        "<f4" => {
+            data.chunks_exact(4).take(n).map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect()
+        }
         "<f8" => data.chunks_exact(8).take(n).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect(),
-        "<i4" => data.chunks_exact(4).take(n).map(|c| f64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect(),
-        "<i8" => data.chunks_exact(8).take(n).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f64).collect(),
+        "<i4" => {
+            data.chunks_exact(4).take(n).map(|c| f64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect()
+        }
+        "<i8" => {
+            data.chunks_exact(8).take(n).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f64).collect()
+        }
         other => return Err(format!("`{path}`: dtype `{other}` is not supported (use <f4, <f8, <i4 or <i8)")),
     };
     if values.len() != n {
@@ -253,11 +326,20 @@ pub fn read_npy(path: &str) -> Result<(Vec<usize>, Vec<f64>), String> {
     Ok((shape, values))
 }
 
-fn load_npy(path: &str, labels: Option<&str>, numel: usize, classification: bool, outputs: usize, vocab: Option<usize>) -> Result<Source, String> {
+fn load_npy(
+    path: &str,
+    labels: Option<&str>,
+    numel: usize,
+    classification: bool,
+    outputs: usize,
+    vocab: Option<usize>,
+) -> Result<Source, String> {
     let (shape, values) = read_npy(path)?;
     let samples = shape.first().copied().unwrap_or(0);
     if samples == 0 || shape[1..].iter().product::<usize>() != numel {
-        return Err(format!("`{path}` has shape {shape:?}; the model needs (samples, ...) with {numel} values per sample"));
+        return Err(format!(
+            "`{path}` has shape {shape:?}; the model needs (samples, ...) with {numel} values per sample"
+        ));
     }
     let labels = labels.ok_or(format!("npy data needs a `labels` file beside `{path}`"))?;
     let (lshape, lvalues) = read_npy(labels)?;

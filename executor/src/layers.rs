@@ -32,7 +32,12 @@ impl<B: Backend> Act<B> {
     }
 }
 
-fn param<B: Backend, const D: usize>(id: u64, values: Vec<f32>, shape: [usize; D], device: &B::Device) -> Param<Tensor<B, D>> {
+fn param<B: Backend, const D: usize>(
+    id: u64,
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
     Param::initialized(ParamId::from(id), Tensor::from_data(TensorData::new(values, shape), device).require_grad())
 }
 
@@ -57,15 +62,36 @@ pub(crate) fn dense_values(layer: usize, slot: u64, seed: u64, fan_in: usize, fa
 }
 
 impl<B: Backend> Dense<B> {
-    fn new(layer: usize, slot: u64, seed: u64, fan_in: usize, fan_out: usize, bias: bool, gain: f64, device: &B::Device) -> Self {
+    fn new(
+        layer: usize,
+        slot: u64,
+        seed: u64,
+        fan_in: usize,
+        fan_out: usize,
+        bias: bool,
+        gain: f64,
+        device: &B::Device,
+    ) -> Self {
         Dense {
-            weight: param(pid(layer, slot), dense_values(layer, slot, seed, fan_in, fan_out, gain), [fan_in, fan_out], device),
+            weight: param(
+                pid(layer, slot),
+                dense_values(layer, slot, seed, fan_in, fan_out, gain),
+                [fan_in, fan_out],
+                device,
+            ),
             bias: bias.then(|| param(pid(layer, slot + 1), vec![0.0; fan_out], [fan_out], device)),
         }
     }
 
     /// A dense projection from explicit values (a tensor-parallel shard).
-    pub(crate) fn from_values(layer: usize, slot: u64, weight: Vec<f32>, shape: [usize; 2], bias: Option<Vec<f32>>, device: &B::Device) -> Self {
+    pub(crate) fn from_values(
+        layer: usize,
+        slot: u64,
+        weight: Vec<f32>,
+        shape: [usize; 2],
+        bias: Option<Vec<f32>>,
+        device: &B::Device,
+    ) -> Self {
         Dense {
             weight: param(pid(layer, slot), weight, shape, device),
             bias: bias.map(|b| {
@@ -131,7 +157,10 @@ pub struct Norm<B: Backend> {
 
 impl<B: Backend> Norm<B> {
     pub(crate) fn new(layer: usize, slot: u64, dim: usize, device: &B::Device) -> Self {
-        Norm { gamma: param(pid(layer, slot), vec![1.0; dim], [dim], device), beta: param(pid(layer, slot + 1), vec![0.0; dim], [dim], device) }
+        Norm {
+            gamma: param(pid(layer, slot), vec![1.0; dim], [dim], device),
+            beta: param(pid(layer, slot + 1), vec![0.0; dim], [dim], device),
+        }
     }
 
     pub(crate) fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
@@ -223,13 +252,20 @@ impl<B: Backend> Layer<B> {
     pub fn new(index: usize, op: &Op, seed: u64, device: &B::Device) -> Self {
         let he = 2.0; // He initialisation for layers followed by ReLU-like activations
         match *op {
-            Op::Linear { in_features, out_features, bias } => Layer::Dense(Dense::new(index, 0, seed, in_features, out_features, bias, he, device)),
+            Op::Linear { in_features, out_features, bias } => {
+                Layer::Dense(Dense::new(index, 0, seed, in_features, out_features, bias, he, device))
+            }
             Op::Conv2d { in_channels, out_channels, kernel, stride, padding, bias } => {
                 let fan_in = in_channels * kernel * kernel;
                 let k = (he * 3.0 / fan_in as f64).sqrt();
                 let mut rng = Rng::keyed(&[seed, 10, index as u64, 0]);
                 Layer::Conv(Conv {
-                    weight: param(pid(index, 0), rng.uniform_vec(out_channels * fan_in, k), [out_channels, in_channels, kernel, kernel], device),
+                    weight: param(
+                        pid(index, 0),
+                        rng.uniform_vec(out_channels * fan_in, k),
+                        [out_channels, in_channels, kernel, kernel],
+                        device,
+                    ),
                     bias: bias.then(|| param(pid(index, 1), vec![0.0; out_channels], [out_channels], device)),
                     stride,
                     padding,
@@ -238,7 +274,9 @@ impl<B: Backend> Layer<B> {
             Op::LayerNorm { dim } => Layer::Norm(Norm::new(index, 0, dim, device)),
             Op::Embedding { vocab, dim } => {
                 let mut rng = Rng::keyed(&[seed, 10, index as u64, 0]);
-                Layer::Embedding(Embed { weight: param(pid(index, 0), rng.normal_vec(vocab * dim), [vocab, dim], device) })
+                Layer::Embedding(Embed {
+                    weight: param(pid(index, 0), rng.normal_vec(vocab * dim), [vocab, dim], device),
+                })
             }
             Op::TransformerBlock { d_model: d, heads, d_ff: f } => Layer::Block(Block {
                 norm1: Norm::new(index, 0, d, device),
@@ -258,14 +296,21 @@ impl<B: Backend> Layer<B> {
         Ok(match (self, x) {
             (Layer::Dense(d), Act::D2(t)) => Act::D2(d.forward2(t)),
             (Layer::Dense(d), Act::D3(t)) => Act::D3(d.forward3(t)),
-            (Layer::Conv(c), Act::D4(t)) => Act::D4(conv2d(t, c.weight.val(), c.bias.as_ref().map(Param::val), ConvOptions::new([c.stride; 2], [c.padding; 2], [1, 1], 1))),
+            (Layer::Conv(c), Act::D4(t)) => Act::D4(conv2d(
+                t,
+                c.weight.val(),
+                c.bias.as_ref().map(Param::val),
+                ConvOptions::new([c.stride; 2], [c.padding; 2], [1, 1], 1),
+            )),
             (Layer::Norm(n), Act::D2(t)) => Act::D2(n.forward(t)),
             (Layer::Norm(n), Act::D3(t)) => Act::D3(n.forward(t)),
             (Layer::Embedding(e), Act::Tokens(t)) => Act::D3(embedding(e.weight.val(), t)),
             (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t)),
             (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key)?,
             (Layer::ColumnLinear(d), x) => d.forward_act(x)?,
-            (layer, x) => return Err(format!("layer {} cannot take an activation of shape {:?}", layer_name(layer), x.dims())),
+            (layer, x) => {
+                return Err(format!("layer {} cannot take an activation of shape {:?}", layer_name(layer), x.dims()))
+            }
         })
     }
 }
@@ -301,7 +346,13 @@ fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) 
     Ok(restore(f(flat)))
 }
 
-pub(crate) fn stateless<B: Backend>(op: &Op, index: usize, x: Act<B>, training: bool, key: (u64, u64, u64)) -> Result<Act<B>, String> {
+pub(crate) fn stateless<B: Backend>(
+    op: &Op,
+    index: usize,
+    x: Act<B>,
+    training: bool,
+    key: (u64, u64, u64),
+) -> Result<Act<B>, String> {
     match *op {
         Op::Relu => elementwise(x, activation::relu),
         Op::Gelu => elementwise(x, activation::gelu),
@@ -314,7 +365,8 @@ pub(crate) fn stateless<B: Backend>(op: &Op, index: usize, x: Act<B>, training: 
             elementwise(x, |t| {
                 let [rows, cols] = t.dims();
                 let mut rng = Rng::keyed(&[key.0, 20, key.1, key.2, index as u64]);
-                let keep: Vec<f32> = (0..rows * cols).map(|_| if rng.uniform() < p { 0.0 } else { (1.0 / (1.0 - p)) as f32 }).collect();
+                let keep: Vec<f32> =
+                    (0..rows * cols).map(|_| if rng.uniform() < p { 0.0 } else { (1.0 / (1.0 - p)) as f32 }).collect();
                 let mask = Tensor::<B, 2>::from_data(TensorData::new(keep, [rows, cols]), &t.device());
                 t * mask
             })
@@ -352,7 +404,9 @@ pub struct StageModel<B: Backend> {
 impl<B: Backend> StageModel<B> {
     /// Builds layers `range` of the model.
     pub fn new(ops: &[Op], first_index: usize, seed: u64, device: &B::Device) -> Self {
-        StageModel { layers: ops.iter().enumerate().map(|(i, op)| Layer::new(first_index + i, op, seed, device)).collect() }
+        StageModel {
+            layers: ops.iter().enumerate().map(|(i, op)| Layer::new(first_index + i, op, seed, device)).collect(),
+        }
     }
 
     pub fn forward(&self, mut x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>, String> {

@@ -60,7 +60,13 @@ pub struct RunOptions {
 
 impl Default for RunOptions {
     fn default() -> Self {
-        RunOptions { steps: None, backend: BackendKind::Cpu, timeout: Duration::from_secs(120), checkpoint_dir: None, resume: None }
+        RunOptions {
+            steps: None,
+            backend: BackendKind::Cpu,
+            timeout: Duration::from_secs(120),
+            checkpoint_dir: None,
+            resume: None,
+        }
     }
 }
 
@@ -142,7 +148,11 @@ pub fn cuda_available() -> Result<(), String> {
 mod cuda {
     /// Checks for a driver and a device without letting cudarc panic.
     pub fn available() -> Result<(), String> {
-        let lib = ["libcuda.so.1", "libcuda.so"].iter().any(|n| std::path::Path::new("/usr/lib/x86_64-linux-gnu").join(n).exists() || std::path::Path::new("/usr/local/nvidia/lib64").join(n).exists() || std::path::Path::new("/usr/lib64").join(n).exists());
+        let lib = ["libcuda.so.1", "libcuda.so"].iter().any(|n| {
+            std::path::Path::new("/usr/lib/x86_64-linux-gnu").join(n).exists()
+                || std::path::Path::new("/usr/local/nvidia/lib64").join(n).exists()
+                || std::path::Path::new("/usr/lib64").join(n).exists()
+        });
         let dev = std::path::Path::new("/dev/nvidiactl").exists() || std::path::Path::new("/dev/nvidia0").exists();
         if lib && dev {
             Ok(())
@@ -156,7 +166,10 @@ mod cuda {
 pub fn caveats(plan: &Plan) -> Vec<String> {
     let mut out = Vec::new();
     if plan.training.precision != "fp32" {
-        out.push(format!("the plan asks for {} but the executor trains in fp32 (its memory figures assume {})", plan.training.precision, plan.training.precision));
+        out.push(format!(
+            "the plan asks for {} but the executor trains in fp32 (its memory figures assume {})",
+            plan.training.precision, plan.training.precision
+        ));
     }
     out
 }
@@ -169,8 +182,13 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if let Some(problem) = plan.check().into_iter().next() {
         return Err(RunError::plain(format!("the plan is malformed: {problem}")));
     }
-    let devices_in_stages: std::collections::BTreeSet<DeviceId> = plan.stages.iter().flat_map(|s| s.replicas.iter().copied().chain(s.tensor_parallel.iter().flatten().copied())).collect();
-    let streamed: std::collections::BTreeSet<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
+    let devices_in_stages: std::collections::BTreeSet<DeviceId> = plan
+        .stages
+        .iter()
+        .flat_map(|s| s.replicas.iter().copied().chain(s.tensor_parallel.iter().flatten().copied()))
+        .collect();
+    let streamed: std::collections::BTreeSet<DeviceId> =
+        plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
     if devices_in_stages != streamed {
         return Err(RunError::plain("the plan's stages and streams name different devices"));
     }
@@ -181,9 +199,7 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
 pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<RunReport, RunError> {
     validate(plan)?;
     match options.backend {
-        BackendKind::Cpu => {
-            run_in_process::<CpuBackend>(plan, options, Default::default(), on_step)
-        }
+        BackendKind::Cpu => run_in_process::<CpuBackend>(plan, options, Default::default(), on_step),
         BackendKind::Cuda => {
             cuda_available().map_err(RunError::plain)?;
             #[cfg(feature = "cuda")]
@@ -216,7 +232,8 @@ impl<B: Backend> ModuleMapper<B> for ParamLoader<'_> {
         let (id, tensor, _) = param.consume();
         match self.values.get(&(id.val(), self.tp_rank)) {
             Some((shape, v)) if shape.as_slice() == tensor.dims().as_slice() => {
-                let t = Tensor::<B, D>::from_data(TensorData::new(v.clone(), shape.clone()), &tensor.device()).require_grad();
+                let t = Tensor::<B, D>::from_data(TensorData::new(v.clone(), shape.clone()), &tensor.device())
+                    .require_grad();
                 Param::initialized(id, t)
             }
             _ => {
@@ -227,7 +244,11 @@ impl<B: Backend> ModuleMapper<B> for ParamLoader<'_> {
     }
 }
 
-fn load_checkpoint<B: AutodiffBackend>(stages: &mut HashMap<StageId, StageState<B>>, loaded: &checkpoint::Loaded, dev: &B::Device) -> Result<(), String> {
+fn load_checkpoint<B: AutodiffBackend>(
+    stages: &mut HashMap<StageId, StageState<B>>,
+    loaded: &checkpoint::Loaded,
+    dev: &B::Device,
+) -> Result<(), String> {
     let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
     for (id, st) in stages.iter_mut() {
         let (tp_rank, tp_size) = st.tp_shard();
@@ -238,18 +259,33 @@ fn load_checkpoint<B: AutodiffBackend>(stages: &mut HashMap<StageId, StageState<
         let mut loader = ParamLoader { values: &loaded.params, tp_rank, missing: Vec::new() };
         let model = model.map(&mut loader);
         if !loader.missing.is_empty() {
-            return Err(format!("the checkpoint lacks {} parameter(s) of stage {id} (e.g. {})", loader.missing.len(), checkpoint::param_name(loader.missing[0])));
+            return Err(format!(
+                "the checkpoint lacks {} parameter(s) of stage {id} (e.g. {})",
+                loader.missing.len(),
+                checkpoint::param_name(loader.missing[0])
+            ));
         }
         st.model = Some(model);
-        let bytes = loaded.optimizers.get(&checkpoint::ShardKey { stage: id.0, tp_rank }).ok_or(format!("the checkpoint has no optimizer state for stage {id}"))?.clone();
-        let optim = std::mem::replace(&mut st.optim, StageOptim::new(&pipec_plan::plan::OptimizerPlan::Sgd { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }));
+        let bytes = loaded
+            .optimizers
+            .get(&checkpoint::ShardKey { stage: id.0, tp_rank })
+            .ok_or(format!("the checkpoint has no optimizer state for stage {id}"))?
+            .clone();
+        let optim = std::mem::replace(
+            &mut st.optim,
+            StageOptim::new(&pipec_plan::plan::OptimizerPlan::Sgd { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }),
+        );
         st.optim = match optim {
             StageOptim::Sgd(o) => {
-                let rec = std::panic::catch_unwind(AssertUnwindSafe(|| recorder.load(bytes.clone(), dev))).map_err(|_| "the optimizer state is corrupt".to_string())?.map_err(|e| format!("{e:?}"))?;
+                let rec = std::panic::catch_unwind(AssertUnwindSafe(|| recorder.load(bytes.clone(), dev)))
+                    .map_err(|_| "the optimizer state is corrupt".to_string())?
+                    .map_err(|e| format!("{e:?}"))?;
                 StageOptim::Sgd(burn::optim::Optimizer::load_record(o, rec))
             }
             StageOptim::Adam(o) => {
-                let rec = std::panic::catch_unwind(AssertUnwindSafe(|| recorder.load(bytes.clone(), dev))).map_err(|_| "the optimizer state is corrupt".to_string())?.map_err(|e| format!("{e:?}"))?;
+                let rec = std::panic::catch_unwind(AssertUnwindSafe(|| recorder.load(bytes.clone(), dev)))
+                    .map_err(|_| "the optimizer state is corrupt".to_string())?
+                    .map_err(|e| format!("{e:?}"))?;
                 StageOptim::Adam(burn::optim::Optimizer::load_record(o, rec))
             }
         };
@@ -263,14 +299,18 @@ fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>)
     let mut out = HashMap::new();
     for (id, st) in stages {
         let model = st.model.as_ref().ok_or("no model")?;
-        let params = snapshot::<B, _>(model).into_iter().map(|(pid, shape, v)| (ParamId::val(&pid), shape, v)).collect();
+        let params =
+            snapshot::<B, _>(model).into_iter().map(|(pid, shape, v)| (ParamId::val(&pid), shape, v)).collect();
         let optimizer = match &st.optim {
             StageOptim::Sgd(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),
             StageOptim::Adam(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),
         }
         .map_err(|e| format!("{e:?}"))?;
         let (tp_rank, tp_size) = st.tp_shard();
-        out.insert(checkpoint::ShardKey { stage: id.0, tp_rank }, checkpoint::StageCheckpoint { params, optimizer, tp_size });
+        out.insert(
+            checkpoint::ShardKey { stage: id.0, tp_rank },
+            checkpoint::StageCheckpoint { params, optimizer, tp_size },
+        );
     }
     Ok(out)
 }
@@ -281,7 +321,15 @@ pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Opt
 
 /// Runs the workers of `devices` on this process with the given endpoints; used by the
 /// in-process transport (all devices) and by MPI (one device per process).
-pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, options: &RunOptions, dev: B::Device, endpoints: Vec<E>, abort: Arc<AtomicBool>, on_step: &mut dyn FnMut(&StepMetrics), sink: &mut CheckpointSink<'_>) -> Result<RunReport, RunError> {
+pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
+    plan: &Plan,
+    options: &RunOptions,
+    dev: B::Device,
+    endpoints: Vec<E>,
+    abort: Arc<AtomicBool>,
+    on_step: &mut dyn FnMut(&StepMetrics),
+    sink: &mut CheckpointSink<'_>,
+) -> Result<RunReport, RunError> {
     let data = Dataset::for_plan(plan).map_err(RunError::plain)?;
     let loaded = match &options.resume {
         None => None,
@@ -306,7 +354,13 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
                 let fail = |step: Option<usize>, index: Option<usize>, message: String| {
                     let stream = &plan.streams[&device];
                     let ins = index.and_then(|i| stream.get(i));
-                    RunError { device: Some(device), stage: ins.map(pipec_plan::Instr::stage), step, instruction: ins.map(ToString::to_string), message }
+                    RunError {
+                        device: Some(device),
+                        stage: ins.map(pipec_plan::Instr::stage),
+                        step,
+                        instruction: ins.map(ToString::to_string),
+                        message,
+                    }
                 };
                 let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), RunError> {
                     let mut stages = build_stages::<B>(plan, device, &dev).map_err(|e| fail(None, None, e))?;
@@ -321,7 +375,9 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
                         }
                         let r = w.step(step).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
                         let ckpt = match every {
-                            Some(k) if (step + 1) % k == 0 || step + 1 == total_steps => Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?),
+                            Some(k) if (step + 1) % k == 0 || step + 1 == total_steps => {
+                                Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
+                            }
                             _ => None,
                         };
                         if tx.send(Event::Step(Box::new(r), ckpt)).is_err() {
@@ -334,7 +390,11 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
                     Ok(Ok(())) => None,
                     Ok(Err(e)) => Some(e),
                     Err(panic) => {
-                        let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "panicked".into());
+                        let msg = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_else(|| "panicked".into());
                         Some(fail(None, None, format!("the worker panicked: {msg}")))
                     }
                 };
@@ -355,7 +415,9 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
                     abort.store(true, Ordering::Relaxed);
                     // Keep the root cause: a worker that was merely stopped reports less.
                     let is_secondary = |m: &str| m.contains("another worker failed") || m.ends_with("disconnected");
-                    if first_error.is_none() || (!is_secondary(&e.message) && first_error.as_ref().is_some_and(|f| is_secondary(&f.message))) {
+                    if first_error.is_none()
+                        || (!is_secondary(&e.message) && first_error.as_ref().is_some_and(|f| is_secondary(&f.message)))
+                    {
                         first_error = Some(e);
                     }
                 }
@@ -371,11 +433,25 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
                         let now = Instant::now();
                         let wall = now.duration_since(last_done).as_secs_f64();
                         last_done = now;
-                        let step_seconds = reports.iter().map(|(r, _)| r.step_seconds).fold(0.0, f64::max).min(wall.max(f64::MIN_POSITIVE));
-                        let m = StepMetrics { step, loss, loss_sum, loss_count: losses.len(), step_seconds, samples_per_s: plan.training.batch_size as f64 / step_seconds.max(1e-12) };
+                        let step_seconds = reports
+                            .iter()
+                            .map(|(r, _)| r.step_seconds)
+                            .fold(0.0, f64::max)
+                            .min(wall.max(f64::MIN_POSITIVE));
+                        let m = StepMetrics {
+                            step,
+                            loss,
+                            loss_sum,
+                            loss_count: losses.len(),
+                            step_seconds,
+                            samples_per_s: plan.training.batch_size as f64 / step_seconds.max(1e-12),
+                        };
                         on_step(&m);
                         report.steps.push(m);
-                        report.trace = reports.iter().flat_map(|(r, _)| r.trace.iter().map(move |t| (r.device, t.0, t.1, t.2))).collect();
+                        report.trace = reports
+                            .iter()
+                            .flat_map(|(r, _)| r.trace.iter().map(move |t| (r.device, t.0, t.1, t.2)))
+                            .collect();
                         for (r, _) in &reports {
                             let e = report.peak_in_flight.entry(r.device).or_default();
                             for (s, n) in &r.peak_in_flight {
@@ -416,7 +492,12 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(plan: &Plan, optio
     Ok(report)
 }
 
-fn run_in_process<B: AutodiffBackend>(plan: &Plan, options: &RunOptions, dev: B::Device, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<RunReport, RunError> {
+fn run_in_process<B: AutodiffBackend>(
+    plan: &Plan,
+    options: &RunOptions,
+    dev: B::Device,
+    on_step: &mut dyn FnMut(&StepMetrics),
+) -> Result<RunReport, RunError> {
     let devices: Vec<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
     let abort = Arc::new(AtomicBool::new(false));
     let endpoints = transport::in_process::connect(&devices, abort.clone(), options.timeout);

@@ -31,13 +31,23 @@ fn from_f64s(b: &[u8]) -> Vec<f64> {
 
 /// Runs this rank's device. Returns the report on rank 0 (None elsewhere). On failure the
 /// caller must abort the job ([`abort`]), so no rank waits forever.
-pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
+pub fn run(
+    plan: &Plan,
+    options: &RunOptions,
+    on_step: &mut dyn FnMut(&StepMetrics),
+) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
     crate::validate(plan).map_err(|e| (None, e))?;
-    let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple).ok_or((None, RunError::plain("MPI could not be initialised (is this process started by mpirun?)")))?;
+    let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
+        .ok_or((None, RunError::plain("MPI could not be initialised (is this process started by mpirun?)")))?;
     let world = universe.world();
     let (rank, size) = (world.rank(), world.size());
     if threading != Threading::Multiple {
-        return Err((None, RunError::plain(format!("rank {rank}: the MPI library grants thread level {threading:?}; pipec needs MPI_THREAD_MULTIPLE"))));
+        return Err((
+            None,
+            RunError::plain(format!(
+                "rank {rank}: the MPI library grants thread level {threading:?}; pipec needs MPI_THREAD_MULTIPLE"
+            )),
+        ));
     }
     let devices: Vec<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
     if size as usize != devices.len() {
@@ -64,15 +74,29 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
                 }
             }
             let loss = if count > 0.0 { sum / count } else { f64::NAN };
-            on_step(&StepMetrics { step: m.step, loss, loss_sum: sum, loss_count: count as usize, step_seconds: secs, samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12) });
+            on_step(&StepMetrics {
+                step: m.step,
+                loss,
+                loss_sum: sum,
+                loss_count: count as usize,
+                step_seconds: secs,
+                samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12),
+            });
         } else {
-            let _ = outgoing.send((0, TAG_METRIC, f64s(&[m.step as f64, m.loss_sum, m.loss_count as f64, m.step_seconds]), None));
+            let _ = outgoing.send((
+                0,
+                TAG_METRIC,
+                f64s(&[m.step as f64, m.loss_sum, m.loss_count as f64, m.step_seconds]),
+                None,
+            ));
         }
     };
     // Checkpoints: every rank sends its stages to rank 0, which writes one checkpoint.
     let ckpt_out = outgoing.clone();
     let ckpt_abort = abort.clone();
-    let mut sink = |steps: usize, mut stages: crate::checkpoint::Shards| -> Result<Option<std::path::PathBuf>, String> {
+    let mut sink = |steps: usize,
+                    mut stages: crate::checkpoint::Shards|
+     -> Result<Option<std::path::PathBuf>, String> {
         if rank != 0 {
             let _ = ckpt_out.send((0, TAG_CKPT, crate::checkpoint::encode(&stages), None));
             return Ok(None);
@@ -88,7 +112,16 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
             None => Ok(None),
         }
     };
-    let report = run_workers::<crate::CpuBackend, _>(plan, options, Default::default(), vec![endpoint], abort.clone(), &mut gather, &mut sink).map_err(|e| (Some(info), e))?;
+    let report = run_workers::<crate::CpuBackend, _>(
+        plan,
+        options,
+        Default::default(),
+        vec![endpoint],
+        abort.clone(),
+        &mut gather,
+        &mut sink,
+    )
+    .map_err(|e| (Some(info), e))?;
     drop(ckpt_out);
     // Rank 0 merges the last step's traces.
     let flat: Vec<f64> = report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]).collect();
@@ -101,7 +134,8 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     if rank == 0 {
         let mut merged = report.clone();
         for r in 1..size {
-            let b = receive_bytes(r, TAG_TRACE, &abort, timeout, devices[r as usize]).map_err(|e| (Some(info), RunError::plain(e.to_string())))?;
+            let b = receive_bytes(r, TAG_TRACE, &abort, timeout, devices[r as usize])
+                .map_err(|e| (Some(info), RunError::plain(e.to_string())))?;
             for t in from_f64s(&b).chunks_exact(4) {
                 merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
             }

@@ -94,7 +94,13 @@ pub fn start_sender() -> (Sender<Outgoing>, std::thread::JoinHandle<()>) {
 }
 
 /// Receives a header and its tensor values (see [`Outgoing`]).
-fn receive_tensor(rank: i32, tag: i32, abort: &AtomicBool, timeout: Duration, from: DeviceId) -> Result<Message, TransportError> {
+fn receive_tensor(
+    rank: i32,
+    tag: i32,
+    abort: &AtomicBool,
+    timeout: Duration,
+    from: DeviceId,
+) -> Result<Message, TransportError> {
     let mut m = decode(&receive_bytes(rank, tag, abort, timeout, from)?)?;
     let world = SimpleCommunicator::world();
     let (values, _) = world.process_at_rank(rank).receive_vec_with_tag::<f32>(tag);
@@ -104,7 +110,13 @@ fn receive_tensor(rank: i32, tag: i32, abort: &AtomicBool, timeout: Duration, fr
 
 /// Receives the next message with `tag` from `rank`, polling so that an abort or a
 /// timeout ends the wait.
-pub fn receive_bytes(rank: i32, tag: i32, abort: &AtomicBool, timeout: Duration, from: DeviceId) -> Result<Vec<u8>, TransportError> {
+pub fn receive_bytes(
+    rank: i32,
+    tag: i32,
+    abort: &AtomicBool,
+    timeout: Duration,
+    from: DeviceId,
+) -> Result<Vec<u8>, TransportError> {
     let world = SimpleCommunicator::world();
     let process = world.process_at_rank(rank);
     let start = Instant::now();
@@ -145,8 +157,20 @@ impl std::fmt::Debug for MpiEndpoint {
 }
 
 impl MpiEndpoint {
-    pub fn new(device: DeviceId, devices: &[DeviceId], outgoing: Sender<Outgoing>, abort: Arc<AtomicBool>, timeout: Duration) -> Self {
-        MpiEndpoint { device, rank_of: devices.iter().enumerate().map(|(r, d)| (*d, r as i32)).collect(), outgoing, abort, timeout }
+    pub fn new(
+        device: DeviceId,
+        devices: &[DeviceId],
+        outgoing: Sender<Outgoing>,
+        abort: Arc<AtomicBool>,
+        timeout: Duration,
+    ) -> Self {
+        MpiEndpoint {
+            device,
+            rank_of: devices.iter().enumerate().map(|(r, d)| (*d, r as i32)).collect(),
+            outgoing,
+            abort,
+            timeout,
+        }
     }
 
     fn rank(&self, d: DeviceId) -> Result<i32, TransportError> {
@@ -160,7 +184,9 @@ impl Endpoint for MpiEndpoint {
     }
     fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
         let r = self.rank(to)?;
-        self.outgoing.send((r, TAG_P2P, header(msg.tag, &msg.shape), Some(msg.data))).map_err(|_| TransportError::Disconnected(to))
+        self.outgoing
+            .send((r, TAG_P2P, header(msg.tag, &msg.shape), Some(msg.data)))
+            .map_err(|_| TransportError::Disconnected(to))
     }
     fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
         let r = self.rank(from)?;
@@ -172,7 +198,9 @@ impl Endpoint for MpiEndpoint {
     }
     fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError> {
         let r = self.rank(to)?;
-        self.outgoing.send((r, TAG_COLL, header((2, 0, 0), &[data.len()]), Some(data))).map_err(|_| TransportError::Disconnected(to))
+        self.outgoing
+            .send((r, TAG_COLL, header((2, 0, 0), &[data.len()]), Some(data)))
+            .map_err(|_| TransportError::Disconnected(to))
     }
     fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError> {
         let r = self.rank(from)?;

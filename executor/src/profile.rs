@@ -11,8 +11,8 @@ use pipec_plan::profile::{Profile, ProfiledLayer};
 use pipec_plan::Plan;
 
 use crate::layers::{Act, StageModel};
-use crate::worker::require_grad;
 use crate::rng::Rng;
+use crate::worker::require_grad;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -23,7 +23,10 @@ fn random_input<B: Backend>(shape: &[usize], tokens: Option<usize>, dev: &B::Dev
     let n: usize = shape.iter().product();
     let mut rng = Rng::keyed(&[99, n as u64]);
     match (tokens, shape.len()) {
-        (Some(v), _) => Act::Tokens(Tensor::from_data(TensorData::new((0..n).map(|_| rng.below(v as u64) as i64).collect::<Vec<i64>>(), shape.to_vec()), dev)),
+        (Some(v), _) => Act::Tokens(Tensor::from_data(
+            TensorData::new((0..n).map(|_| rng.below(v as u64) as i64).collect::<Vec<i64>>(), shape.to_vec()),
+            dev,
+        )),
         (None, 2) => Act::D2(Tensor::from_data(TensorData::new(rng.normal_vec(n), shape.to_vec()), dev)),
         (None, 3) => Act::D3(Tensor::from_data(TensorData::new(rng.normal_vec(n), shape.to_vec()), dev)),
         _ => Act::D4(Tensor::from_data(TensorData::new(rng.normal_vec(n), shape.to_vec()), dev)),
@@ -41,7 +44,12 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
 
 /// Measures every layer of the plan: `warmup` unmeasured runs, then the median of `reps`;
 /// then the whole model once as one graph, and scales the layers' times to add up to it.
-pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: usize, reps: usize) -> Result<Profile, String> {
+pub fn profile_layers<B: AutodiffBackend>(
+    plan: &Plan,
+    dev: &B::Device,
+    warmup: usize,
+    reps: usize,
+) -> Result<Profile, String> {
     let mb = plan.training.microbatch_size;
     let precision = 4u64;
     let mut out = Vec::new();
@@ -111,7 +119,12 @@ pub fn profile_layers<B: AutodiffBackend>(plan: &Plan, dev: &B::Device, warmup: 
             l.backward_ms *= whole_b / sum_b;
         }
     }
-    Ok(Profile { version: 1, batch_size: mb, backend: std::any::type_name::<B>().rsplit("::").next().unwrap_or("burn").trim_end_matches('>').to_lowercase(), layers: out })
+    Ok(Profile {
+        version: 1,
+        batch_size: mb,
+        backend: std::any::type_name::<B>().rsplit("::").next().unwrap_or("burn").trim_end_matches('>').to_lowercase(),
+        layers: out,
+    })
 }
 
 /// Profiles on the CPU backend.

@@ -80,7 +80,14 @@ fn rows(values: &[f32], cols: usize, from: usize, to: usize) -> Vec<f32> {
 }
 
 /// Builds this rank's shard of layers `ops` (global index of the first: `first`).
-pub fn build_stage<B: Backend>(ops: &[Op], first: usize, seed: u64, device: &B::Device, rank: usize, tp: usize) -> Result<StageModel<B>, String> {
+pub fn build_stage<B: Backend>(
+    ops: &[Op],
+    first: usize,
+    seed: u64,
+    device: &B::Device,
+    rank: usize,
+    tp: usize,
+) -> Result<StageModel<B>, String> {
     let splits = plan_splits(ops, tp)?;
     let mut layers = Vec::with_capacity(ops.len());
     for (k, (op, split)) in ops.iter().zip(&splits).enumerate() {
@@ -90,13 +97,27 @@ pub fn build_stage<B: Backend>(ops: &[Op], first: usize, seed: u64, device: &B::
                 let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
                 let part = out_features / tp;
                 let (a, b) = (rank * part, (rank + 1) * part);
-                Layer::ColumnLinear(Dense::from_values(index, 0, columns(&w, *in_features, *out_features, a, b), [*in_features, part], bias.then(|| vec![0.0; part]), device))
+                Layer::ColumnLinear(Dense::from_values(
+                    index,
+                    0,
+                    columns(&w, *in_features, *out_features, a, b),
+                    [*in_features, part],
+                    bias.then(|| vec![0.0; part]),
+                    device,
+                ))
             }
             (Split::Row, Op::Linear { in_features, out_features, bias }) => {
                 let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
                 let part = in_features / tp;
                 let (a, b) = (rank * part, (rank + 1) * part);
-                Layer::RowLinear(Dense::from_values(index, 0, rows(&w, *out_features, a, b), [part, *out_features], bias.then(|| vec![0.0; *out_features]), device))
+                Layer::RowLinear(Dense::from_values(
+                    index,
+                    0,
+                    rows(&w, *out_features, a, b),
+                    [part, *out_features],
+                    bias.then(|| vec![0.0; *out_features]),
+                    device,
+                ))
             }
             (Split::Block, Op::TransformerBlock { d_model: d, heads, d_ff: f }) => {
                 let (dl, fl) = (d / tp, f / tp);
@@ -114,10 +135,31 @@ pub fn build_stage<B: Backend>(ops: &[Op], first: usize, seed: u64, device: &B::
                 Layer::ParallelBlock(Block {
                     norm1: Norm::new(index, 0, *d, device),
                     qkv: Dense::from_values(index, 2, qkv_local, [*d, 3 * dl], Some(vec![0.0; 3 * dl]), device),
-                    proj: Dense::from_values(index, 4, rows(&proj, *d, rank * dl, (rank + 1) * dl), [dl, *d], Some(vec![0.0; *d]), device),
+                    proj: Dense::from_values(
+                        index,
+                        4,
+                        rows(&proj, *d, rank * dl, (rank + 1) * dl),
+                        [dl, *d],
+                        Some(vec![0.0; *d]),
+                        device,
+                    ),
                     norm2: Norm::new(index, 6, *d, device),
-                    fc1: Dense::from_values(index, 8, columns(&fc1, *d, *f, rank * fl, (rank + 1) * fl), [*d, fl], Some(vec![0.0; fl]), device),
-                    fc2: Dense::from_values(index, 10, rows(&fc2, *d, rank * fl, (rank + 1) * fl), [fl, *d], Some(vec![0.0; *d]), device),
+                    fc1: Dense::from_values(
+                        index,
+                        8,
+                        columns(&fc1, *d, *f, rank * fl, (rank + 1) * fl),
+                        [*d, fl],
+                        Some(vec![0.0; fl]),
+                        device,
+                    ),
+                    fc2: Dense::from_values(
+                        index,
+                        10,
+                        rows(&fc2, *d, rank * fl, (rank + 1) * fl),
+                        [fl, *d],
+                        Some(vec![0.0; *d]),
+                        device,
+                    ),
                     heads: heads / tp,
                 })
             }
@@ -164,7 +206,10 @@ pub struct Segment<B: Backend> {
 
 /// Sums a tensor over the group (the forward all-reduce `g`): the value becomes the sum,
 /// the gradient passes through unchanged.
-fn g<B: AutodiffBackend>(partial: Act<B>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>) -> Result<Act<B>, String> {
+fn g<B: AutodiffBackend>(
+    partial: Act<B>,
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>,
+) -> Result<Act<B>, String> {
     fn host<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Result<Vec<f32>, String> {
         t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))
     }
@@ -191,7 +236,11 @@ pub fn fresh<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
     }
 }
 
-fn attention_half<B: AutodiffBackend>(b: &Block<B>, x: Tensor<B, 3>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>) -> Result<Tensor<B, 3>, String> {
+fn attention_half<B: AutodiffBackend>(
+    b: &Block<B>,
+    x: Tensor<B, 3>,
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>,
+) -> Result<Tensor<B, 3>, String> {
     let [n, s, d] = x.dims();
     let h = b.heads;
     let dl = b.qkv.weight.dims()[1] / 3;
@@ -212,7 +261,11 @@ fn attention_half<B: AutodiffBackend>(b: &Block<B>, x: Tensor<B, 3>, reduce: &mu
     }
 }
 
-fn mlp_half<B: AutodiffBackend>(b: &Block<B>, h: Tensor<B, 3>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>) -> Result<Tensor<B, 3>, String> {
+fn mlp_half<B: AutodiffBackend>(
+    b: &Block<B>,
+    h: Tensor<B, 3>,
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>,
+) -> Result<Tensor<B, 3>, String> {
     let up = match b.fc1.forward_act(Act::D3(b.norm2.forward(h.clone())))? {
         Act::D3(t) => activation::gelu(t),
         _ => return Err("fc1".into()),
@@ -225,13 +278,24 @@ fn mlp_half<B: AutodiffBackend>(b: &Block<B>, h: Tensor<B, 3>, reduce: &mut dyn 
 }
 
 /// The forward of a tensor-parallel stage, cut into segments at every `f` point.
-pub fn forward<B: AutodiffBackend>(model: &StageModel<B>, x: Act<B>, training: bool, key: (u64, u64, u64), reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>) -> Result<Vec<Segment<B>>, String> {
+pub fn forward<B: AutodiffBackend>(
+    model: &StageModel<B>,
+    x: Act<B>,
+    training: bool,
+    key: (u64, u64, u64),
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>,
+) -> Result<Vec<Segment<B>>, String> {
     let mut segments = Vec::new();
     let mut leaf = x.clone();
     let mut cur = x;
     let mut applied = 0usize; // layers applied since `leaf`
     let mut boundary = Boundary::Complete;
-    let cut = |segments: &mut Vec<Segment<B>>, leaf: &mut Act<B>, cur: &mut Act<B>, applied: &mut usize, boundary: &mut Boundary, next: Boundary| {
+    let cut = |segments: &mut Vec<Segment<B>>,
+               leaf: &mut Act<B>,
+               cur: &mut Act<B>,
+               applied: &mut usize,
+               boundary: &mut Boundary,
+               next: Boundary| {
         if *applied > 0 {
             segments.push(Segment { leaf: leaf.clone(), out: cur.clone(), boundary: *boundary });
             *leaf = fresh(cur);

@@ -25,23 +25,34 @@ pub struct Message {
 #[derive(Debug, Clone, PartialEq)]
 pub enum TransportError {
     /// Nothing arrived within the timeout.
-    Timeout { from: DeviceId, waited: Duration },
+    Timeout {
+        from: DeviceId,
+        waited: Duration,
+    },
     /// Another worker failed and the run is being stopped.
     Aborted,
     /// The peer is gone.
     Disconnected(DeviceId),
     /// The next message on the link is not the expected one.
-    Mismatch { from: DeviceId, expected: Tag, got: Tag },
+    Mismatch {
+        from: DeviceId,
+        expected: Tag,
+        got: Tag,
+    },
     Other(String),
 }
 
 impl std::fmt::Display for TransportError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            TransportError::Timeout { from, waited } => write!(f, "nothing arrived from {from} within {:.0} s", waited.as_secs_f64()),
+            TransportError::Timeout { from, waited } => {
+                write!(f, "nothing arrived from {from} within {:.0} s", waited.as_secs_f64())
+            }
             TransportError::Aborted => write!(f, "stopped because another worker failed"),
             TransportError::Disconnected(d) => write!(f, "{d} disconnected"),
-            TransportError::Mismatch { from, expected, got } => write!(f, "expected message {expected:?} from {from}, got {got:?} (out of order)"),
+            TransportError::Mismatch { from, expected, got } => {
+                write!(f, "expected message {expected:?} from {from}, got {got:?} (out of order)")
+            }
             TransportError::Other(s) => f.write_str(s),
         }
     }
@@ -82,12 +93,19 @@ fn chunk(len: usize, p: usize, i: usize) -> std::ops::Range<usize> {
 }
 
 /// Ring all-reduce: reduce-scatter then all-gather, 2(p−1) steps of n/p values each.
-pub fn ring_all_reduce<E: Endpoint + ?Sized>(ep: &mut E, group: &[DeviceId], data: &mut [f32]) -> Result<(), TransportError> {
+pub fn ring_all_reduce<E: Endpoint + ?Sized>(
+    ep: &mut E,
+    group: &[DeviceId],
+    data: &mut [f32],
+) -> Result<(), TransportError> {
     let p = group.len();
     if p <= 1 {
         return Ok(());
     }
-    let me = group.iter().position(|d| *d == ep.device()).ok_or_else(|| TransportError::Other(format!("{} is not in its all-reduce group", ep.device())))?;
+    let me = group
+        .iter()
+        .position(|d| *d == ep.device())
+        .ok_or_else(|| TransportError::Other(format!("{} is not in its all-reduce group", ep.device())))?;
     let next = group[(me + 1) % p];
     let prev = group[(me + p - 1) % p];
     let n = data.len();
@@ -112,7 +130,11 @@ pub fn ring_all_reduce<E: Endpoint + ?Sized>(ep: &mut E, group: &[DeviceId], dat
 
 /// A central parameter server (the group's first member): everyone sends, it sums in
 /// member order and sends the result back.
-pub fn ps_all_reduce<E: Endpoint + ?Sized>(ep: &mut E, group: &[DeviceId], data: &mut [f32]) -> Result<(), TransportError> {
+pub fn ps_all_reduce<E: Endpoint + ?Sized>(
+    ep: &mut E,
+    group: &[DeviceId],
+    data: &mut [f32],
+) -> Result<(), TransportError> {
     let server = group[0];
     if ep.device() == server {
         for &m in &group[1..] {
@@ -162,7 +184,15 @@ pub mod in_process {
     pub fn connect(devices: &[DeviceId], abort: Arc<AtomicBool>, timeout: Duration) -> Vec<InProcessEndpoint> {
         let mut eps: Vec<InProcessEndpoint> = devices
             .iter()
-            .map(|&d| InProcessEndpoint { device: d, to_p2p: HashMap::new(), to_coll: HashMap::new(), from_p2p: HashMap::new(), from_coll: HashMap::new(), abort: abort.clone(), timeout })
+            .map(|&d| InProcessEndpoint {
+                device: d,
+                to_p2p: HashMap::new(),
+                to_coll: HashMap::new(),
+                from_p2p: HashMap::new(),
+                from_coll: HashMap::new(),
+                abort: abort.clone(),
+                timeout,
+            })
             .collect();
         for i in 0..devices.len() {
             for j in 0..devices.len() {
@@ -204,7 +234,11 @@ pub mod in_process {
             self.device
         }
         fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
-            self.to_p2p.get(&to).ok_or(TransportError::Disconnected(to))?.send(Wire::P2p(msg)).map_err(|_| TransportError::Disconnected(to))
+            self.to_p2p
+                .get(&to)
+                .ok_or(TransportError::Disconnected(to))?
+                .send(Wire::P2p(msg))
+                .map_err(|_| TransportError::Disconnected(to))
         }
         fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
             let rx = self.from_p2p.get(&from).ok_or(TransportError::Disconnected(from))?;
@@ -215,7 +249,11 @@ pub mod in_process {
             }
         }
         fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError> {
-            self.to_coll.get(&to).ok_or(TransportError::Disconnected(to))?.send(Wire::Coll(data)).map_err(|_| TransportError::Disconnected(to))
+            self.to_coll
+                .get(&to)
+                .ok_or(TransportError::Disconnected(to))?
+                .send(Wire::Coll(data))
+                .map_err(|_| TransportError::Disconnected(to))
         }
         fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError> {
             let rx = self.from_coll.get(&from).ok_or(TransportError::Disconnected(from))?;
@@ -249,7 +287,8 @@ mod tests {
                         })
                     })
                     .collect();
-                let results: Vec<Vec<f32>> = handles.into_iter().map(|h| h.join().expect("thread").expect("all-reduce")).collect();
+                let results: Vec<Vec<f32>> =
+                    handles.into_iter().map(|h| h.join().expect("thread").expect("all-reduce")).collect();
                 let expected: Vec<f32> = (0..7).map(|k| (0..p).map(|i| (i * 10 + k) as f32).sum()).collect();
                 for r in &results {
                     assert_eq!(r, &expected, "{algorithm:?} p={p}");

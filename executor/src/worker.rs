@@ -87,7 +87,8 @@ impl<B: AutodiffBackend> StageOptim<B> {
                 StageOptim::Sgd(c.init())
             }
             OptimizerPlan::Adam { beta1, beta2, eps, weight_decay, .. } => {
-                let mut c = AdamConfig::new().with_beta_1(beta1 as f32).with_beta_2(beta2 as f32).with_epsilon(eps as f32);
+                let mut c =
+                    AdamConfig::new().with_beta_1(beta1 as f32).with_beta_2(beta2 as f32).with_epsilon(eps as f32);
                 if weight_decay > 0.0 {
                     c = c.with_weight_decay(Some(WeightDecayConfig { penalty: weight_decay as f32 }));
                 }
@@ -278,7 +279,16 @@ fn input_grad<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients, tag: Tag
 }
 
 impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
-    pub fn new(device: DeviceId, plan: &'a Plan, stream: &'a [Instr], data: &'a Dataset, ep: E, dev: B::Device, stages: HashMap<StageId, StageState<B>>, reduce: Reduce) -> Self {
+    pub fn new(
+        device: DeviceId,
+        plan: &'a Plan,
+        stream: &'a [Instr],
+        data: &'a Dataset,
+        ep: E,
+        dev: B::Device,
+        stages: HashMap<StageId, StageState<B>>,
+        reduce: Reduce,
+    ) -> Self {
         Worker {
             device,
             plan,
@@ -303,7 +313,14 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
     /// group where Megatron does; on the last stage also the loss, on a leaf copy of the
     /// output.
     #[allow(clippy::type_complexity)]
-    fn forward_tp(&mut self, stage: StageId, mb: MicrobatchId, model: &StageModel<B>, x: Act<B>, key: (u64, u64, u64)) -> Result<(Vec<crate::tensor_parallel::Segment<B>>, Option<(Act<B>, Tensor<B, 1>)>), String> {
+    fn forward_tp(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        model: &StageModel<B>,
+        x: Act<B>,
+        key: (u64, u64, u64),
+    ) -> Result<(Vec<crate::tensor_parallel::Segment<B>>, Option<(Act<B>, Tensor<B, 1>)>), String> {
         let tp = self.state(stage)?.tp.clone().ok_or("not tensor-parallel")?;
         let reduce = self.reduce;
         let ep = &mut self.ep;
@@ -326,7 +343,12 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
 
     /// The backward of a tensor-parallel stage, segment by segment (see
     /// `tensor_parallel`); returns the weight gradients and leaves the input gradient to send.
-    fn backward_tp(&mut self, stage: StageId, mb: MicrobatchId, n_mb: f64) -> Result<Vec<Option<Tensor<B::InnerBackend, 1>>>, String> {
+    fn backward_tp(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        n_mb: f64,
+    ) -> Result<Vec<Option<Tensor<B::InnerBackend, 1>>>, String> {
         use crate::tensor_parallel::Boundary;
         let tp = self.state(stage)?.tp.clone().ok_or("not tensor-parallel")?;
         let size = tp.members.len() as f32;
@@ -352,7 +374,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             if k == 0 && stage.0 == 0 {
                 break;
             }
-            let mut g = input_grad::<B>(&seg.leaf, &mut grads, (1, stage.0, mb.0))?.ok_or("no gradient reached a segment input")?;
+            let mut g = input_grad::<B>(&seg.leaf, &mut grads, (1, stage.0, mb.0))?
+                .ok_or("no gradient reached a segment input")?;
             match seg.boundary {
                 Boundary::Complete => {}
                 Boundary::Sum => self.ep.all_reduce(&tp.members, &mut g.data, reduce).map_err(|e| e.to_string())?,
@@ -485,7 +508,11 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     // with recompute only the input is kept (the last stage keeps its loss,
                     // as without tensor parallelism); the group re-runs the forward, its
                     // all-reduces included, at `Recompute`
-                    let saved = if recompute && !is_last { (detach(&x), Saved::Nothing, model) } else { (x, Saved::Tp(segments, loss), model) };
+                    let saved = if recompute && !is_last {
+                        (detach(&x), Saved::Nothing, model)
+                    } else {
+                        (x, Saved::Tp(segments, loss), model)
+                    };
                     self.saved.insert((stage, mb), saved);
                     *self.in_flight.entry(stage).or_insert(0) += 1;
                     return Ok(());
@@ -545,7 +572,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let target = match saved {
                     Saved::Loss(l) => l.clone() / n_mb,
                     Saved::Output(out) => {
-                        let g = self.grads_in.remove(&(stage, mb)).ok_or("the gradient of its output was not received")?;
+                        let g =
+                            self.grads_in.remove(&(stage, mb)).ok_or("the gradient of its output was not received")?;
                         dot_with::<B>(out, &g, &self.dev)?
                     }
                     Saved::Nothing => return Err("recompute was not run before the backward".into()),
@@ -553,7 +581,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 };
                 let mut grads = target.backward();
                 if stage.0 > 0 {
-                    let g = input_grad::<B>(x, &mut grads, (1, stage.0, mb.0))?.ok_or("no gradient reached the stage input")?;
+                    let g = input_grad::<B>(x, &mut grads, (1, stage.0, mb.0))?
+                        .ok_or("no gradient reached the stage input")?;
                     self.input_grads.insert((stage, mb), g);
                 }
                 let mut c = Collect::<B> { grads: &mut grads, out: Vec::new() };
@@ -571,7 +600,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 }
             }
             Instr::BackwardWeight { stage, mb } => {
-                let flat = self.pending_weight_grads.remove(&(stage, mb)).ok_or("the input-gradient pass did not run")?;
+                let flat =
+                    self.pending_weight_grads.remove(&(stage, mb)).ok_or("the input-gradient pass did not run")?;
                 let st = self.state(stage)?;
                 accumulate::<B>(&mut st.acc, flat);
                 st.contributions += 1;
@@ -595,14 +625,22 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 self.ep.send(peer, msg).map_err(|e| e.to_string())?;
             }
             Instr::AllReduce { stage, group, .. } => {
-                let members = self.plan.groups.iter().find(|g| g.id == group).map(|g| g.devices.clone()).ok_or("unknown group")?;
+                let members = self
+                    .plan
+                    .groups
+                    .iter()
+                    .find(|g| g.id == group)
+                    .map(|g| g.devices.clone())
+                    .ok_or("unknown group")?;
                 let reduce = self.reduce;
                 let dev = self.dev.clone();
                 let st = self.state(stage)?;
                 let sizes: Vec<usize> = st.acc.iter().map(|g| g.as_ref().map(|t| t.dims()[0]).unwrap_or(0)).collect();
                 let mut flat: Vec<f32> = Vec::with_capacity(sizes.iter().sum());
                 for t in st.acc.iter().flatten() {
-                    flat.extend(t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?);
+                    flat.extend(
+                        t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?,
+                    );
                 }
                 self.ep.all_reduce(&members, &mut flat, reduce).map_err(|e| e.to_string())?;
                 let st = self.state(stage)?;
@@ -619,7 +657,9 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let st = self.state(stage)?;
                 let m = match version {
                     None => st.model.as_ref().ok_or("no model")?.clone(),
-                    Some(v) => st.versions.get(v as usize).cloned().ok_or_else(|| format!("weight version {v} does not exist yet ({} so far)", st.versions.len()))?,
+                    Some(v) => st.versions.get(v as usize).cloned().ok_or_else(|| {
+                        format!("weight version {v} does not exist yet ({} so far)", st.versions.len())
+                    })?,
                 };
                 st.stash.insert(mb, m);
             }
@@ -641,7 +681,9 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 st.acc.iter_mut().for_each(|g| *g = None);
                 st.contributions = 0;
                 let n = flat.len();
-                self.ep.send(peer, Message { tag: (3, stage.0, mb.0), shape: vec![n], data: flat }).map_err(|e| e.to_string())?;
+                self.ep
+                    .send(peer, Message { tag: (3, stage.0, mb.0), shape: vec![n], data: flat })
+                    .map_err(|e| e.to_string())?;
             }
             Instr::ApplyGradient { peer, stage, mb, .. } => {
                 let msg = self.ep.recv(peer, (3, stage.0, mb.0)).map_err(|e| e.to_string())?;
@@ -655,7 +697,11 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 model.visit(&mut sizes);
                 if sizes.0.iter().sum::<usize>() != msg.data.len() {
                     st.model = Some(model);
-                    return Err(format!("a gradient of {} values for a stage of {} parameters", msg.data.len(), sizes.0.iter().sum::<usize>()));
+                    return Err(format!(
+                        "a gradient of {} values for a stage of {} parameters",
+                        msg.data.len(),
+                        sizes.0.iter().sum::<usize>()
+                    ));
                 }
                 let mut offset = 0;
                 let flat: Vec<Option<Tensor<B::InnerBackend, 1>>> = sizes
@@ -678,7 +724,9 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let model = st.model.as_ref().ok_or("no model")?;
                 let values: Vec<f32> = snapshot::<B, _>(model).into_iter().flat_map(|(_, _, v)| v).collect();
                 let n = values.len();
-                self.ep.send(peer, Message { tag: (4, stage.0, round), shape: vec![n], data: values }).map_err(|e| e.to_string())?;
+                self.ep
+                    .send(peer, Message { tag: (4, stage.0, round), shape: vec![n], data: values })
+                    .map_err(|e| e.to_string())?;
             }
             Instr::PullWeights { peer, stage, round, .. } => {
                 let msg = self.ep.recv(peer, (4, stage.0, round)).map_err(|e| e.to_string())?;
@@ -732,7 +780,8 @@ impl<B: AutodiffBackend> ModuleMapper<B> for LoadFlat<'_> {
         match self.values.get(self.offset..self.offset + n) {
             Some(v) => {
                 self.offset += n;
-                let t = Tensor::<B, D>::from_data(TensorData::new(v.to_vec(), shape.to_vec()), &tensor.device()).require_grad();
+                let t = Tensor::<B, D>::from_data(TensorData::new(v.to_vec(), shape.to_vec()), &tensor.device())
+                    .require_grad();
                 Param::initialized(id, t)
             }
             None => {
@@ -769,7 +818,10 @@ fn flatten_grads<B: AutodiffBackend>(acc: &[Option<Tensor<B::InnerBackend, 1>>])
     Ok(flat)
 }
 
-fn accumulate<B: AutodiffBackend>(acc: &mut Vec<Option<Tensor<B::InnerBackend, 1>>>, flat: Vec<Option<Tensor<B::InnerBackend, 1>>>) {
+fn accumulate<B: AutodiffBackend>(
+    acc: &mut Vec<Option<Tensor<B::InnerBackend, 1>>>,
+    flat: Vec<Option<Tensor<B::InnerBackend, 1>>>,
+) {
     if acc.len() < flat.len() {
         acc.resize(flat.len(), None);
     }
@@ -803,7 +855,11 @@ fn loss_of<B: AutodiffBackend>(loss: Loss, out: Act<B>, y: &Targets, dev: &B::De
 }
 
 /// Builds the state of the stages a device holds.
-pub(crate) fn build_stages<B: AutodiffBackend>(plan: &Plan, device: DeviceId, dev: &B::Device) -> Result<HashMap<StageId, StageState<B>>, String> {
+pub(crate) fn build_stages<B: AutodiffBackend>(
+    plan: &Plan,
+    device: DeviceId,
+    dev: &B::Device,
+) -> Result<HashMap<StageId, StageState<B>>, String> {
     let mut out = HashMap::new();
     for s in &plan.stages {
         if !s.replicas.contains(&device) && !s.tensor_parallel.iter().any(|g| g.contains(&device)) {
@@ -813,13 +869,31 @@ pub(crate) fn build_stages<B: AutodiffBackend>(plan: &Plan, device: DeviceId, de
         let (model, tp) = match s.tensor_parallel.iter().find(|g| g.contains(&device)) {
             Some(group) if group.len() > 1 => {
                 let rank = group.iter().position(|d| *d == device).unwrap_or(0);
-                let model = crate::tensor_parallel::build_stage::<B>(&ops, s.layers[0], plan.training.seed, dev, rank, group.len())?;
+                let model = crate::tensor_parallel::build_stage::<B>(
+                    &ops,
+                    s.layers[0],
+                    plan.training.seed,
+                    dev,
+                    rank,
+                    group.len(),
+                )?;
                 let partial_ids = crate::tensor_parallel::partial_parameter_ids(&ops, s.layers[0], group.len())?;
                 (model, Some(TpInfo { rank, members: group.clone(), partial_ids }))
             }
             _ => (StageModel::<B>::new(&ops, s.layers[0], plan.training.seed, dev), None),
         };
-        out.insert(s.id, StageState { model: Some(model), tp, optim: StageOptim::new(&plan.training.optimizer), acc: Vec::new(), contributions: 0, stash: HashMap::new(), versions: Vec::new() });
+        out.insert(
+            s.id,
+            StageState {
+                model: Some(model),
+                tp,
+                optim: StageOptim::new(&plan.training.optimizer),
+                acc: Vec::new(),
+                contributions: 0,
+                stash: HashMap::new(),
+                versions: Vec::new(),
+            },
+        );
     }
     Ok(out)
 }

@@ -12,8 +12,14 @@ fuzz_target!(|data: &[u8]| {
             let _ = pipec_compiler::render::timeline_svg(&c.plan, &c.timeline);
             let _ = pipec_compiler::render::memory_svg(&c.plan);
             let _ = pipec_compiler::render::trace_json(&c.plan, &c.timeline);
-            assert!(c.plan.simulation.step_time_s.is_finite() && c.plan.simulation.step_time_s >= 0.0, "step time {}", c.plan.simulation.step_time_s);
+            assert!(
+                c.plan.simulation.step_time_s.is_finite() && c.plan.simulation.step_time_s >= 0.0,
+                "step time {}",
+                c.plan.simulation.step_time_s
+            );
         }
-        Err(diagnostics) => assert!(diagnostics.iter().all(|d| d.code != "E0603"), "compiler bug: {diagnostics:?}\n{src}"),
+        Err(diagnostics) => {
+            assert!(diagnostics.iter().all(|d| d.code != "E0603"), "compiler bug: {diagnostics:?}\n{src}")
+        }
     }
 });

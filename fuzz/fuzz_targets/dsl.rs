@@ -7,7 +7,16 @@ use pipec_grammar::dsl;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(s) = std::str::from_utf8(data) {
-        for e in [dsl::parse_layer_item(s).err(), dsl::parse_chain(s).err(), dsl::parse_quantity(s).err(), dsl::parse_stages(s).err(), dsl::parse_range(s).err()].into_iter().flatten() {
+        for e in [
+            dsl::parse_layer_item(s).err(),
+            dsl::parse_chain(s).err(),
+            dsl::parse_quantity(s).err(),
+            dsl::parse_stages(s).err(),
+            dsl::parse_range(s).err(),
+        ]
+        .into_iter()
+        .flatten()
+        {
             assert!(e.offset + e.len <= s.len());
         }
         if let Ok(item) = dsl::parse_layer_item(s) {

@@ -39,7 +39,13 @@ fn check_with_schema(source: &str, schema: &SchemaIndex, base_dir: Option<&std::
         Err(e) => {
             return CheckResult {
                 spec: None,
-                diagnostics: vec![Diagnostic::error("E0101", format!("YAML syntax error: {}", e.message), e.span, "here").with_help("fix the YAML syntax; the rest of the spec is checked once it parses")],
+                diagnostics: vec![Diagnostic::error(
+                    "E0101",
+                    format!("YAML syntax error: {}", e.message),
+                    e.span,
+                    "here",
+                )
+                .with_help("fix the YAML syntax; the rest of the spec is checked once it parses")],
             };
         }
     };
@@ -48,7 +54,9 @@ fn check_with_schema(source: &str, schema: &SchemaIndex, base_dir: Option<&std::
     sort_and_dedup(&mut diagnostics);
     let has_errors = diagnostics.iter().any(Diagnostic::is_error);
     let spec = match (lowered.model, lowered.cluster, lowered.strategy, lowered.training) {
-        (Some(model), Some(cluster), Some(strategy), Some(training)) if !has_errors => Some(Spec { name: lowered.name, model, cluster, strategy, training }),
+        (Some(model), Some(cluster), Some(strategy), Some(training)) if !has_errors => {
+            Some(Spec { name: lowered.name, model, cluster, strategy, training })
+        }
         _ => None,
     };
     CheckResult { spec, diagnostics }

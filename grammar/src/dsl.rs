@@ -73,15 +73,8 @@ fn expect<'a, O>(
     what: &'static str,
 ) -> impl FnMut(In<'a>) -> PResult<'a, O> {
     move |i: In<'a>| {
-        p.parse(i).map_err(|e| {
-            e.map(|err| {
-                if err.expected.is_empty() {
-                    PErr { input: i, expected: what }
-                } else {
-                    err
-                }
-            })
-        })
+        p.parse(i)
+            .map_err(|e| e.map(|err| if err.expected.is_empty() { PErr { input: i, expected: what } } else { err }))
     }
 }
 
@@ -118,12 +111,9 @@ fn finish<'a, O>(res: PResult<'a, O>, what_next: &'static str) -> Result<O, DslE
         Err(nom::Err::Error(e)) | Err(nom::Err::Failure(e)) => {
             Err(DslError::at(e.input, if e.expected.is_empty() { what_next } else { e.expected }))
         }
-        Err(nom::Err::Incomplete(_)) => Err(DslError {
-            offset: 0,
-            len: 0,
-            expected: what_next.into(),
-            found: "end of text".into(),
-        }),
+        Err(nom::Err::Incomplete(_)) => {
+            Err(DslError { offset: 0, len: 0, expected: what_next.into(), found: "end of text".into() })
+        }
     }
 }
 
@@ -204,8 +194,7 @@ fn number(i: In<'_>) -> PResult<'_, (ArgValue, In<'_>)> {
 }
 
 fn arg_value(i: In<'_>) -> PResult<'_, (ArgValue, In<'_>)> {
-    alt((number, |i| ident(i).map(|(r, t)| (r, (ArgValue::Ident(t.fragment().to_string()), t)))))
-        .parse(i)
+    alt((number, |i| ident(i).map(|(r, t)| (r, (ArgValue::Ident(t.fragment().to_string()), t))))).parse(i)
 }
 
 fn arg(i: In<'_>) -> PResult<'_, Arg> {
@@ -248,8 +237,7 @@ fn layer_call(i: In<'_>) -> PResult<'_, LayerCall> {
     let (i, call_args) = if i.fragment().starts_with('(') { args(i)? } else { (i, Vec::new()) };
     let end_of_call = i;
     let (i2, _) = ws(i)?;
-    let (i, label) = match (tag::<&str, In<'_>, PErr<'_>>("as"), take_while1(|c: char| c == ' ' || c == '\t'))
-        .parse(i2)
+    let (i, label) = match (tag::<&str, In<'_>, PErr<'_>>("as"), take_while1(|c: char| c == ' ' || c == '\t')).parse(i2)
     {
         Ok((rest, _)) => {
             let (rest, l) = cut(expect(ident, "a layer label after `as`"))(rest)?;
@@ -258,10 +246,7 @@ fn layer_call(i: In<'_>) -> PResult<'_, LayerCall> {
         Err(_) => (end_of_call, None),
     };
     let span = (start.location_offset(), i.location_offset());
-    Ok((
-        i,
-        LayerCall { name: name.fragment().to_string(), name_span: rel(name), args: call_args, label, span },
-    ))
+    Ok((i, LayerCall { name: name.fragment().to_string(), name_span: rel(name), args: call_args, label, span }))
 }
 
 fn chain(i: In<'_>) -> PResult<'_, Vec<LayerCall>> {
@@ -462,8 +447,7 @@ pub fn parse_stages(text: &str) -> Result<StagesNotation, DslError> {
     let i = In::new(text);
     let res = (|i| {
         let (i, _) = ws(i)?;
-        let (mut i, first) =
-            expect(digit1, "a replica count (PipeDream notation like `2-1-1`) or `straight`")(i)?;
+        let (mut i, first) = expect(digit1, "a replica count (PipeDream notation like `2-1-1`) or `straight`")(i)?;
         let mut out = vec![first];
         loop {
             match char::<In<'_>, PErr<'_>>('-').parse(i) {
@@ -500,7 +484,11 @@ pub struct RangeExpr {
 
 fn layer_ref(i: In<'_>) -> PResult<'_, (LayerRef, Rel)> {
     alt((
-        |i| digit1(i).map(|(r, d): (In<'_>, In<'_>)| (r, (LayerRef::Index(d.fragment().parse().unwrap_or(u64::MAX)), rel(d)))),
+        |i| {
+            digit1(i).map(|(r, d): (In<'_>, In<'_>)| {
+                (r, (LayerRef::Index(d.fragment().parse().unwrap_or(u64::MAX)), rel(d)))
+            })
+        },
         |i| ident(i).map(|(r, n): (In<'_>, In<'_>)| (r, (LayerRef::Name(n.fragment().to_string()), rel(n)))),
     ))
     .parse(i)

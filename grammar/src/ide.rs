@@ -66,7 +66,14 @@ pub fn context(src: &str, offset: usize) -> Context {
     }
     let line_start = src[..offset].rfind('\n').map(|i| i + 1).unwrap_or(0);
     let before = &src[line_start..offset];
-    let mut ctx = Context { prefix: before.rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-')).next().unwrap_or("").to_string(), ..Context::default() };
+    let mut ctx = Context {
+        prefix: before
+            .rsplit(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+            .next()
+            .unwrap_or("")
+            .to_string(),
+        ..Context::default()
+    };
     let trimmed = before.trim_start();
     ctx.list_item = trimmed.starts_with("- ") || trimmed == "-";
     let mut indent = indent_of(before);
@@ -134,7 +141,12 @@ pub fn completions(src: &str, offset: usize, schema: &SchemaIndex) -> Vec<Comple
     if path == ["model", "layers"] || (path.len() >= 2 && path[0] == "model" && path[1] == "layers") {
         for l in LAYERS {
             if l.name.starts_with(&ctx.prefix) {
-                out.push(Completion { label: l.name.to_string(), detail: l.signature.to_string(), kind: CompletionKind::Layer, insert: l.name.to_string() });
+                out.push(Completion {
+                    label: l.name.to_string(),
+                    detail: l.signature.to_string(),
+                    kind: CompletionKind::Layer,
+                    insert: l.name.to_string(),
+                });
             }
         }
         return out;
@@ -153,7 +165,12 @@ pub fn completions(src: &str, offset: usize, schema: &SchemaIndex) -> Vec<Comple
         let present = present_keys(src, offset, &ctx);
         for (k, d) in doc.keys {
             if k.starts_with(&ctx.prefix) && !present.contains(&k) {
-                out.push(Completion { label: k.clone(), detail: first_line(&d), kind: CompletionKind::Key, insert: format!("{k}: ") });
+                out.push(Completion {
+                    label: k.clone(),
+                    detail: first_line(&d),
+                    kind: CompletionKind::Key,
+                    insert: format!("{k}: "),
+                });
             }
         }
     }
@@ -212,7 +229,10 @@ fn find(node: &Node, offset: usize, path: &mut Vec<String>) -> Option<(Span, boo
             }
             None
         }
-        Value::Seq(items) => items.iter().find(|i| i.span.start <= offset && offset <= i.span.end).and_then(|i| find(i, offset, path).or(Some((i.span, false)))),
+        Value::Seq(items) => items
+            .iter()
+            .find(|i| i.span.start <= offset && offset <= i.span.end)
+            .and_then(|i| find(i, offset, path).or(Some((i.span, false)))),
         _ => (node.span.start <= offset && offset <= node.span.end).then_some((node.span, false)),
     }
 }
@@ -235,8 +255,13 @@ pub fn explain_stages(text: &str) -> Option<String> {
         crate::dsl::StagesNotation::Straight => Some("`straight`: one unreplicated pipeline stage per device.".into()),
         crate::dsl::StagesNotation::Replicas(parts) => {
             let n: u64 = parts.iter().map(|p| p.0).sum();
-            let per: Vec<String> = parts.iter().enumerate().map(|(i, p)| format!("stage {i} on {} worker(s)", p.0)).collect();
-            Some(format!("PipeDream notation `{text}`: {} stage(s) using {n} worker(s) (× tp): {}.", parts.len(), per.join(", ")))
+            let per: Vec<String> =
+                parts.iter().enumerate().map(|(i, p)| format!("stage {i} on {} worker(s)", p.0)).collect();
+            Some(format!(
+                "PipeDream notation `{text}`: {} stage(s) using {n} worker(s) (× tp): {}.",
+                parts.len(),
+                per.join(", ")
+            ))
         }
     }
 }
@@ -332,7 +357,8 @@ mod tests {
         let src = "model:\n  input: [64]\n  layers:\n    - linear(64, 10) -> relu\n  loss: mse\nstrategy:\n  stages: \"2-1-1\"\n";
         let (_, h) = hover(src, src.find("linear").expect("layer") + 2, &schema, None).expect("hover");
         assert!(h.contains("linear(in, out, bias=true)"), "{h}");
-        let (_, h) = hover(src, src.find("2-1-1").expect("stages"), &schema, Some("predicted step 1 ms")).expect("hover");
+        let (_, h) =
+            hover(src, src.find("2-1-1").expect("stages"), &schema, Some("predicted step 1 ms")).expect("hover");
         assert!(h.contains("3 stage(s) using 4 worker(s)") && h.contains("predicted step"), "{h}");
         let (_, h) = hover(src, src.find("loss").expect("key") + 1, &schema, None).expect("hover");
         assert!(h.contains("cross_entropy"), "{h}");

@@ -164,24 +164,26 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
                 }
                 s
             }
-            Some((key, kspan)) => match doc.params.iter().position(|p| p.name == key || p.aliases.contains(&key.as_str())) {
-                Some(s) => s,
-                None => {
-                    let names = doc.params.iter().map(|p| p.name);
-                    let help = match crate::diagnostic::did_you_mean(key, names) {
-                        Some(s) => format!("did you mean `{s}`? signature: {}", doc.signature),
-                        None => format!("signature: {}", doc.signature),
-                    };
-                    errors.push(CallError {
-                        code: "E0303",
-                        message: format!("`{}` has no argument `{key}`", doc.name),
-                        label: "unknown argument".into(),
-                        span: *kspan,
-                        help: Some(help),
-                    });
-                    continue;
+            Some((key, kspan)) => {
+                match doc.params.iter().position(|p| p.name == key || p.aliases.contains(&key.as_str())) {
+                    Some(s) => s,
+                    None => {
+                        let names = doc.params.iter().map(|p| p.name);
+                        let help = match crate::diagnostic::did_you_mean(key, names) {
+                            Some(s) => format!("did you mean `{s}`? signature: {}", doc.signature),
+                            None => format!("signature: {}", doc.signature),
+                        };
+                        errors.push(CallError {
+                            code: "E0303",
+                            message: format!("`{}` has no argument `{key}`", doc.name),
+                            label: "unknown argument".into(),
+                            span: *kspan,
+                            help: Some(help),
+                        });
+                        continue;
+                    }
                 }
-            },
+            }
         };
         let param = doc.params[slot];
         if values[slot].is_some() {
@@ -224,7 +226,9 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
     let b = |i: usize| get(i) != 0.0;
     let op = match doc.name {
         "linear" => Op::Linear { in_features: n(0), out_features: n(1), bias: b(2) },
-        "conv2d" => Op::Conv2d { in_channels: n(0), out_channels: n(1), kernel: n(2), stride: n(3), padding: n(4), bias: b(5) },
+        "conv2d" => {
+            Op::Conv2d { in_channels: n(0), out_channels: n(1), kernel: n(2), stride: n(3), padding: n(4), bias: b(5) }
+        }
         "maxpool2d" => Op::MaxPool2d { kernel: n(0), stride: if n(1) == 0 { n(0) } else { n(1) } },
         "avgpool2d" => Op::AvgPool2d { kernel: n(0), stride: if n(1) == 0 { n(0) } else { n(1) } },
         "flatten" => Op::Flatten,

@@ -357,7 +357,11 @@ pub fn json_schema_text() -> String {
 fn strip_formats(v: &mut Json) {
     match v {
         Json::Object(map) => {
-            if map.get("format").and_then(Json::as_str).is_some_and(|f| f.starts_with("uint") || f.starts_with("int") || f == "double") {
+            if map
+                .get("format")
+                .and_then(Json::as_str)
+                .is_some_and(|f| f.starts_with("uint") || f.starts_with("int") || f == "double")
+            {
                 map.remove("format");
             }
             map.values_mut().for_each(strip_formats);
@@ -442,10 +446,7 @@ impl SchemaIndex {
         let node = self.node_at(path)?;
         for alt in self.alternatives(node) {
             if let Some(props) = alt.get("properties").and_then(Json::as_object) {
-                let keys = props
-                    .iter()
-                    .map(|(k, v)| (k.clone(), self.description(v).unwrap_or_default()))
-                    .collect();
+                let keys = props.iter().map(|(k, v)| (k.clone(), self.description(v).unwrap_or_default())).collect();
                 return Some(ObjectDoc { keys });
             }
         }

@@ -352,7 +352,12 @@ impl<'a> Lower<'a> {
 
     pub(crate) fn wrong_type(&mut self, node: &Node, expected: &str) {
         let found = node.value.kind_name();
-        self.push(Diagnostic::error("E0103", format!("expected {expected}, found {found}"), node.span, format!("expected {expected}")));
+        self.push(Diagnostic::error(
+            "E0103",
+            format!("expected {expected}, found {found}"),
+            node.span,
+            format!("expected {expected}"),
+        ));
     }
 
     /// Checks that `node` is a mapping whose keys are all known at `path`.
@@ -362,24 +367,37 @@ impl<'a> Lower<'a> {
             let found = node.value.kind_name();
             let span = if node.span.is_empty() { owner } else { node.span };
             self.push(
-                Diagnostic::error("E0103", format!("{what} must be a mapping, found {found}"), span, "expected a mapping of keys")
-                    .with_help(match self.schema.object_at(path) {
-                        Some(doc) => format!("keys: {}", doc.keys.iter().map(|k| k.0.as_str()).collect::<Vec<_>>().join(", ")),
-                        None => "see docs/spec.md".into(),
-                    }),
+                Diagnostic::error(
+                    "E0103",
+                    format!("{what} must be a mapping, found {found}"),
+                    span,
+                    "expected a mapping of keys",
+                )
+                .with_help(match self.schema.object_at(path) {
+                    Some(doc) => {
+                        format!("keys: {}", doc.keys.iter().map(|k| k.0.as_str()).collect::<Vec<_>>().join(", "))
+                    }
+                    None => "see docs/spec.md".into(),
+                }),
             );
             return None;
         };
         let allowed = self.schema.object_at(path).unwrap_or_default();
         for (k, _) in entries {
             let Some(key) = k.as_str() else {
-                self.push(Diagnostic::error("E0103", format!("keys must be strings, found {}", k.value.kind_name()), k.span, "not a key name"));
+                self.push(Diagnostic::error(
+                    "E0103",
+                    format!("keys must be strings, found {}", k.value.kind_name()),
+                    k.span,
+                    "not a key name",
+                ));
                 continue;
             };
             if allowed.keys.iter().any(|(a, _)| a == key) {
                 continue;
             }
-            let where_ = if path.is_empty() { "at the top level".to_string() } else { format!("in `{}`", path.join(".")) };
+            let where_ =
+                if path.is_empty() { "at the top level".to_string() } else { format!("in `{}`", path.join(".")) };
             let mut d = Diagnostic::error("E0102", format!("unknown key `{key}` {where_}"), k.span, "unknown key");
             match did_you_mean(key, allowed.keys.iter().map(|(a, _)| a.as_str())) {
                 Some(s) => {
@@ -421,7 +439,12 @@ impl<'a> Lower<'a> {
         match &node.value {
             Value::Int(i) if *i >= min as i64 => usize::try_from(*i).ok(),
             Value::Int(i) => {
-                self.push(Diagnostic::error("E0105", format!("must be at least {min}, found {i}"), node.span, format!("must be ≥ {min}")));
+                self.push(Diagnostic::error(
+                    "E0105",
+                    format!("must be at least {min}, found {i}"),
+                    node.span,
+                    format!("must be ≥ {min}"),
+                ));
                 None
             }
             _ => {
@@ -442,7 +465,12 @@ impl<'a> Lower<'a> {
         };
         if !v.is_finite() || v < 0.0 || (positive && v == 0.0) {
             let want = if positive { "larger than 0" } else { "0 or larger" };
-            self.push(Diagnostic::error("E0105", format!("must be {want}, found {v}"), node.span, format!("must be {want}")));
+            self.push(Diagnostic::error(
+                "E0105",
+                format!("must be {want}, found {v}"),
+                node.span,
+                format!("must be {want}"),
+            ));
             return None;
         }
         Some(v)
@@ -478,7 +506,12 @@ impl<'a> Lower<'a> {
         if allowed.contains(&text) {
             return Some(text);
         }
-        let mut d = Diagnostic::error("E0105", format!("`{text}` is not a valid `{}`", path.last().unwrap_or(&"value")), node.span, format!("expected one of {}", quote_list(&allowed)));
+        let mut d = Diagnostic::error(
+            "E0105",
+            format!("`{text}` is not a valid `{}`", path.last().unwrap_or(&"value")),
+            node.span,
+            format!("expected one of {}", quote_list(&allowed)),
+        );
         if let Some(s) = did_you_mean(&text, allowed.iter().map(String::as_str)) {
             d = d.with_help(format!("did you mean `{s}`?")).with_fix(format!("replace with `{s}`"), node.span, s);
         }
@@ -493,7 +526,12 @@ impl<'a> Lower<'a> {
 
     pub(crate) fn dsl_error(&mut self, code: &'static str, node: &Node, e: &DslError, what: &str) {
         let span = self.dsl_span(node, (e.offset, e.offset + e.len));
-        self.push(Diagnostic::error(code, format!("{what}: expected {}, found {}", e.expected, e.found), span, format!("expected {}", e.expected)));
+        self.push(Diagnostic::error(
+            code,
+            format!("{what}: expected {}, found {}", e.expected, e.found),
+            span,
+            format!("expected {}", e.expected),
+        ));
     }
 
     /// A quantity of the given dimension, in base units.
@@ -502,8 +540,13 @@ impl<'a> Lower<'a> {
             Value::Str(s) => s.clone(),
             Value::Int(_) | Value::Float(_) => {
                 self.push(
-                    Diagnostic::error("E0201", format!("`{}` has no unit", node.scalar_text().unwrap_or_default()), node.span, "missing unit")
-                        .with_help(format!("write {}", dim.describe())),
+                    Diagnostic::error(
+                        "E0201",
+                        format!("`{}` has no unit", node.scalar_text().unwrap_or_default()),
+                        node.span,
+                        "missing unit",
+                    )
+                    .with_help(format!("write {}", dim.describe())),
                 );
                 return None;
             }
@@ -517,8 +560,13 @@ impl<'a> Lower<'a> {
             Err(e) => {
                 let span = self.dsl_span(node, (e.offset, e.offset + e.len));
                 self.push(
-                    Diagnostic::error("E0201", format!("malformed quantity `{text}`: expected {}", e.expected), span, format!("expected {}", e.expected))
-                        .with_help(format!("write {}", dim.describe())),
+                    Diagnostic::error(
+                        "E0201",
+                        format!("malformed quantity `{text}`: expected {}", e.expected),
+                        span,
+                        format!("expected {}", e.expected),
+                    )
+                    .with_help(format!("write {}", dim.describe())),
                 );
                 return None;
             }
@@ -528,15 +576,25 @@ impl<'a> Lower<'a> {
             Some((d, factor)) if d == dim => {
                 let v = q.number * factor;
                 if v < 0.0 || (!allow_zero && v == 0.0) {
-                    self.push(Diagnostic::error("E0203", format!("{} must be larger than zero", dim.noun()), node.span, "out of range"));
+                    self.push(Diagnostic::error(
+                        "E0203",
+                        format!("{} must be larger than zero", dim.noun()),
+                        node.span,
+                        "out of range",
+                    ));
                     return None;
                 }
                 Some(v)
             }
             Some((d, _)) => {
                 self.push(
-                    Diagnostic::error("E0202", format!("expected {}, found {} `{}`", dim.noun(), d.noun(), q.unit), unit_span, format!("this is a unit of {}", d.noun()))
-                        .with_help(format!("write {}", dim.describe())),
+                    Diagnostic::error(
+                        "E0202",
+                        format!("expected {}, found {} `{}`", dim.noun(), d.noun(), q.unit),
+                        unit_span,
+                        format!("this is a unit of {}", d.noun()),
+                    )
+                    .with_help(format!("write {}", dim.describe())),
                 );
                 None
             }
@@ -544,7 +602,13 @@ impl<'a> Lower<'a> {
                 let units = dsl::UNITS.iter().filter(|u| u.1 == dim).map(|u| u.0);
                 let mut d = Diagnostic::error("E0201", format!("unknown unit `{}`", q.unit), unit_span, "unknown unit");
                 match did_you_mean(&q.unit, units) {
-                    Some(s) => d = d.with_help(format!("did you mean `{s}`?")).with_fix(format!("replace with `{s}`"), unit_span, s),
+                    Some(s) => {
+                        d = d.with_help(format!("did you mean `{s}`?")).with_fix(
+                            format!("replace with `{s}`"),
+                            unit_span,
+                            s,
+                        )
+                    }
                     None => d = d.with_help(format!("write {}", dim.describe())),
                 }
                 self.push(d);
@@ -602,7 +666,15 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     // Problems with the document as a whole are labelled at its first key.
     let doc_start = root.as_map().and_then(|m| m.first()).map(|(k, _)| k.span).unwrap_or(Span::new(0, 0));
     if matches!(root.value, Value::Null) {
-        cx.push(Diagnostic::error("E0104", "the spec is empty", Span::new(0, 0), "expected `model`, `cluster`, `strategy` and `training`").with_help("start from one of the examples in specs/"));
+        cx.push(
+            Diagnostic::error(
+                "E0104",
+                "the spec is empty",
+                Span::new(0, 0),
+                "expected `model`, `cluster`, `strategy` and `training`",
+            )
+            .with_help("start from one of the examples in specs/"),
+        );
         out.diagnostics = cx.diags;
         return out;
     }
@@ -619,7 +691,9 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     out.cluster = section(&mut cx, "cluster").and_then(|(n, ks)| lower_cluster(&mut cx, n, ks));
     let strategy_node = section(&mut cx, "strategy");
     out.training = section(&mut cx, "training").and_then(|(n, ks)| lower_training(&mut cx, n, ks));
-    out.strategy = strategy_node.and_then(|(n, ks)| crate::strategy::lower_strategy(&mut cx, n, ks, out.model.as_ref(), out.cluster.as_ref(), out.training.as_ref()));
+    out.strategy = strategy_node.and_then(|(n, ks)| {
+        crate::strategy::lower_strategy(&mut cx, n, ks, out.model.as_ref(), out.cluster.as_ref(), out.training.as_ref())
+    });
     out.diagnostics = cx.diags;
     out
 }
@@ -629,7 +703,13 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
     let input_node = cx.required(&f, "input", "model");
     let layers_node = cx.required(&f, "layers", "model");
     let loss_node = cx.required(&f, "loss", "model");
-    let loss = loss_node.and_then(|n| cx.choice(n, &["model", "loss"])).map(|l| if l == "mse" { Loss::Mse } else { Loss::CrossEntropy });
+    let loss = loss_node.and_then(|n| cx.choice(n, &["model", "loss"])).map(|l| {
+        if l == "mse" {
+            Loss::Mse
+        } else {
+            Loss::CrossEntropy
+        }
+    });
 
     let input = input_node.and_then(|n| {
         let Value::Seq(items) = &n.value else {
@@ -661,17 +741,30 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
     match loss {
         Loss::CrossEntropy if out.len() != 1 || out[0] < 2 => {
             cx.push(
-                Diagnostic::error("E0306", format!("`cross_entropy` needs a vector of at least 2 class scores, but the model outputs {}", fmt_shape(out)), loss_node.span, "needs [classes]")
-                    .with_label(last_span, format!("the last layer outputs {}", fmt_shape(out)))
-                    .with_help("end the model with `flatten` and/or `linear(features, classes)`"),
+                Diagnostic::error(
+                    "E0306",
+                    format!(
+                        "`cross_entropy` needs a vector of at least 2 class scores, but the model outputs {}",
+                        fmt_shape(out)
+                    ),
+                    loss_node.span,
+                    "needs [classes]",
+                )
+                .with_label(last_span, format!("the last layer outputs {}", fmt_shape(out)))
+                .with_help("end the model with `flatten` and/or `linear(features, classes)`"),
             );
             None
         }
         Loss::Mse if out.len() != 1 => {
             cx.push(
-                Diagnostic::error("E0306", format!("`mse` needs a vector output, but the model outputs {}", fmt_shape(out)), loss_node.span, "needs a vector output")
-                    .with_label(last_span, format!("the last layer outputs {}", fmt_shape(out)))
-                    .with_help("end the model with `flatten` and/or a final `linear`"),
+                Diagnostic::error(
+                    "E0306",
+                    format!("`mse` needs a vector output, but the model outputs {}", fmt_shape(out)),
+                    loss_node.span,
+                    "needs a vector output",
+                )
+                .with_label(last_span, format!("the last layer outputs {}", fmt_shape(out)))
+                .with_help("end the model with `flatten` and/or a final `linear`"),
             );
             None
         }
@@ -721,7 +814,15 @@ fn lower_layers(cx: &mut Lower<'_>, node: &Node, input: Option<&[usize]>) -> Opt
                         continue;
                     }
                     None => {
-                        cx.push(Diagnostic::error("E0301", format!("a layer mapping must be `repeat N: ...`, found key `{key}`"), k.span, "expected `repeat N`").with_help("write the layer as a string, e.g. `- linear(784, 1024) -> relu`"));
+                        cx.push(
+                            Diagnostic::error(
+                                "E0301",
+                                format!("a layer mapping must be `repeat N: ...`, found key `{key}`"),
+                                k.span,
+                                "expected `repeat N`",
+                            )
+                            .with_help("write the layer as a string, e.g. `- linear(784, 1024) -> relu`"),
+                        );
                         ok = false;
                         continue;
                     }
@@ -748,14 +849,26 @@ fn lower_layers(cx: &mut Lower<'_>, node: &Node, input: Option<&[usize]>) -> Opt
         };
         let times = repeat.unwrap_or(1);
         if times == 0 || times > 100_000 {
-            cx.push(Diagnostic::error("E0105", format!("repeat count {times} is out of range"), item.span, "must be between 1 and 100000"));
+            cx.push(Diagnostic::error(
+                "E0105",
+                format!("repeat count {times} is out of range"),
+                item.span,
+                "must be between 1 and 100000",
+            ));
             ok = false;
             continue;
         }
         if (pending.len() as u64).saturating_add(times.saturating_mul(chain.len() as u64)) > MAX_LAYERS as u64 {
             cx.push(
-                Diagnostic::error("E0105", format!("the model grows past {MAX_LAYERS} layers here, more than pipec plans"), item.span, "too many layers")
-                    .with_help("describe the model at block granularity (e.g. `transformer_block`) rather than layer by layer"),
+                Diagnostic::error(
+                    "E0105",
+                    format!("the model grows past {MAX_LAYERS} layers here, more than pipec plans"),
+                    item.span,
+                    "too many layers",
+                )
+                .with_help(
+                    "describe the model at block granularity (e.g. `transformer_block`) rather than layer by layer",
+                ),
             );
             return None;
         }
@@ -775,7 +888,11 @@ fn lower_layers(cx: &mut Lower<'_>, node: &Node, input: Option<&[usize]>) -> Opt
         if let Some((l, span)) = &p.label {
             if let Some(first) = seen.get(l) {
                 if first != span {
-                    cx.push(Diagnostic::error("E0305", format!("the label `{l}` is used twice"), *span, "second use").with_label(*first, "first use").with_help("give each layer its own label"));
+                    cx.push(
+                        Diagnostic::error("E0305", format!("the label `{l}` is used twice"), *span, "second use")
+                            .with_label(*first, "first use")
+                            .with_help("give each layer its own label"),
+                    );
                     ok = false;
                 }
             } else {
@@ -814,14 +931,25 @@ fn lower_layers(cx: &mut Lower<'_>, node: &Node, input: Option<&[usize]>) -> Opt
                     continue;
                 };
                 if index > 0 && op.takes_token_ids() {
-                    cx.push(Diagnostic::error("E0304", "`embedding` must be the first layer: it takes token ids", call_span, "not the first layer"));
+                    cx.push(Diagnostic::error(
+                        "E0304",
+                        "`embedding` must be the first layer: it takes token ids",
+                        call_span,
+                        "not the first layer",
+                    ));
                     ok = false;
                     shape = None;
                     continue;
                 }
                 match op.output_shape(&in_shape) {
                     Ok(out) => {
-                        layers.push(Layer { op, label: p.label.as_ref().map(|l| l.0.clone()), span: call_span, input_shape: in_shape, output_shape: out.clone() });
+                        layers.push(Layer {
+                            op,
+                            label: p.label.as_ref().map(|l| l.0.clone()),
+                            span: call_span,
+                            input_shape: in_shape,
+                            output_shape: out.clone(),
+                        });
                         shape = Some(out);
                     }
                     Err(e) => {
@@ -832,7 +960,12 @@ fn lower_layers(cx: &mut Lower<'_>, node: &Node, input: Option<&[usize]>) -> Opt
                             .map(|a| cx.dsl_span(p.node, a.value_span))
                             .unwrap_or(call_span);
                         if reported.insert(call_span) {
-                            let mut d = Diagnostic::error("E0304", format!("shape mismatch at layer {index} (`{}`): {}", p.call.name, e.message), span, format!("input here is {}", fmt_shape(&in_shape)));
+                            let mut d = Diagnostic::error(
+                                "E0304",
+                                format!("shape mismatch at layer {index} (`{}`): {}", p.call.name, e.message),
+                                span,
+                                format!("input here is {}", fmt_shape(&in_shape)),
+                            );
                             if span != call_span {
                                 d = d.with_label(call_span, "in this layer");
                             }
@@ -854,9 +987,17 @@ fn lower_layers(cx: &mut Lower<'_>, node: &Node, input: Option<&[usize]>) -> Opt
 
 fn shape_help(op: &Op, input: &[usize]) -> String {
     match op {
-        Op::Linear { .. } if input.len() > 1 && input.len() == 3 => "add `flatten` before this layer to turn the feature map into a vector".into(),
-        Op::Linear { out_features, .. } => format!("the input has {} features: write `linear({}, {out_features})`", input.last().copied().unwrap_or(0), input.last().copied().unwrap_or(0)),
-        Op::Conv2d { out_channels, .. } if input.len() == 3 => format!("the input has {} channels: write `conv2d({}, {out_channels}, ...)`", input[0], input[0]),
+        Op::Linear { .. } if input.len() > 1 && input.len() == 3 => {
+            "add `flatten` before this layer to turn the feature map into a vector".into()
+        }
+        Op::Linear { out_features, .. } => format!(
+            "the input has {} features: write `linear({}, {out_features})`",
+            input.last().copied().unwrap_or(0),
+            input.last().copied().unwrap_or(0)
+        ),
+        Op::Conv2d { out_channels, .. } if input.len() == 3 => {
+            format!("the input has {} channels: write `conv2d({}, {out_channels}, ...)`", input[0], input[0])
+        }
         Op::LayerNorm { .. } => "omit the argument: `layernorm` infers its size".into(),
         _ => format!("the shape arriving here is {}", fmt_shape(input)),
     }
@@ -881,34 +1022,62 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
         let kind = df.get("kind").and_then(|k| cx.string(k)).unwrap_or("device").to_string();
         let mem_node = cx.required(&df, "memory", "cluster.device");
         let mem = mem_node.and_then(|m| cx.quantity(m, Dimension::Bytes, false));
-        let tp = cx.required(&df, "throughput", "cluster.device").and_then(|t| cx.quantity(t, Dimension::FlopRate, false));
+        let tp =
+            cx.required(&df, "throughput", "cluster.device").and_then(|t| cx.quantity(t, Dimension::FlopRate, false));
         Some((kind, mem?, mem_node.map(|m| m.span).unwrap_or(owner), tp?))
     });
     let links = cx.required(&f, "links", "cluster").and_then(|n| {
         let lf = cx.fields(n, &["cluster", "links"], f.key_span("links").unwrap_or(owner))?;
-        let intra = cx.required(&lf, "intra_node", "cluster.links").and_then(|l| lower_link(cx, l, lf.key_span("intra_node").unwrap_or(owner), "intra_node"));
+        let intra = cx
+            .required(&lf, "intra_node", "cluster.links")
+            .and_then(|l| lower_link(cx, l, lf.key_span("intra_node").unwrap_or(owner), "intra_node"));
         let inter_node = lf.get("inter_node");
-        let inter = inter_node.and_then(|l| lower_link(cx, l, lf.key_span("inter_node").unwrap_or(owner), "inter_node"));
+        let inter =
+            inter_node.and_then(|l| lower_link(cx, l, lf.key_span("inter_node").unwrap_or(owner), "inter_node"));
         Some((intra?, inter, inter_node.is_some(), f.key_span("links").unwrap_or(n.span)))
     });
-    let (nodes, dpn, (kind, memory, memory_span, throughput), (intra, inter, inter_given, links_key)) = (nodes?, dpn?, device?, links?);
+    let (nodes, dpn, (kind, memory, memory_span, throughput), (intra, inter, inter_given, links_key)) =
+        (nodes?, dpn?, device?, links?);
     if nodes.checked_mul(dpn).is_none_or(|n| n > MAX_DEVICES) {
         cx.push(
-            Diagnostic::error("E0105", format!("a cluster of {nodes} × {dpn} devices is larger than pipec plans ({MAX_DEVICES} devices at most)"), dpn_node.map_or(node.span, |n| n.span), "too many devices")
-                .with_help("plan one representative slice of the cluster (data parallelism replicates it)"),
+            Diagnostic::error(
+                "E0105",
+                format!(
+                    "a cluster of {nodes} × {dpn} devices is larger than pipec plans ({MAX_DEVICES} devices at most)"
+                ),
+                dpn_node.map_or(node.span, |n| n.span),
+                "too many devices",
+            )
+            .with_help("plan one representative slice of the cluster (data parallelism replicates it)"),
         );
         return None;
     }
     if nodes > 1 && inter.is_none() {
         if !inter_given {
             cx.push(
-                Diagnostic::error("E0104", format!("a cluster of {nodes} nodes needs `links.inter_node`"), links_key, "`inter_node` is missing here")
-                    .with_help("add `inter_node: { bandwidth: 100Gbps, latency: 10us }` (your network's figures)"),
+                Diagnostic::error(
+                    "E0104",
+                    format!("a cluster of {nodes} nodes needs `links.inter_node`"),
+                    links_key,
+                    "`inter_node` is missing here",
+                )
+                .with_help("add `inter_node: { bandwidth: 100Gbps, latency: 10us }` (your network's figures)"),
             );
         }
         return None;
     }
-    Some(Cluster { nodes, devices_per_node: dpn, device_kind: kind, memory, memory_span, throughput, devices_span: dpn_node.map(|n| n.span).unwrap_or(node.span), intra_node: intra, inter_node: inter, span: node.span })
+    Some(Cluster {
+        nodes,
+        devices_per_node: dpn,
+        device_kind: kind,
+        memory,
+        memory_span,
+        throughput,
+        devices_span: dpn_node.map(|n| n.span).unwrap_or(node.span),
+        intra_node: intra,
+        inter_node: inter,
+        span: node.span,
+    })
 }
 
 fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Training> {
@@ -916,7 +1085,9 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
     let batch_node = cx.required(&f, "batch_size", "training");
     let batch = batch_node.and_then(|n| cx.uint(n, 1));
     let steps = cx.required(&f, "steps", "training").and_then(|n| cx.uint(n, 1));
-    let optimizer = cx.required(&f, "optimizer", "training").and_then(|n| lower_optimizer(cx, n, f.key_span("optimizer").unwrap_or(owner)));
+    let optimizer = cx
+        .required(&f, "optimizer", "training")
+        .and_then(|n| lower_optimizer(cx, n, f.key_span("optimizer").unwrap_or(owner)));
     let precision = match f.get("precision") {
         None => Some(Precision::Fp32),
         Some(n) => cx.choice(n, &["training", "precision"]).map(|p| match p.as_str() {
@@ -935,11 +1106,13 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
     };
     let checkpoint = match f.get("checkpoint") {
         None => Some(None),
-        Some(n) => cx.fields(n, &["training", "checkpoint"], f.key_span("checkpoint").unwrap_or(owner)).and_then(|cf| {
-            let every = cx.required(&cf, "every", "training.checkpoint").and_then(|e| cx.uint(e, 1));
-            let dir = cf.get("dir").and_then(|d| cx.string(d)).unwrap_or("checkpoints").to_string();
-            every.map(|every| Some(Checkpoint { every, dir }))
-        }),
+        Some(n) => {
+            cx.fields(n, &["training", "checkpoint"], f.key_span("checkpoint").unwrap_or(owner)).and_then(|cf| {
+                let every = cx.required(&cf, "every", "training.checkpoint").and_then(|e| cx.uint(e, 1));
+                let dir = cf.get("dir").and_then(|d| cx.string(d)).unwrap_or("checkpoints").to_string();
+                every.map(|every| Some(Checkpoint { every, dir }))
+            })
+        }
     };
     Some(Training {
         batch_size: batch?,
@@ -955,7 +1128,8 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
 
 fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optimizer> {
     let f = cx.fields(node, &["training", "optimizer"], owner)?;
-    let kind = cx.required(&f, "kind", "training.optimizer").and_then(|n| cx.choice(n, &["training", "optimizer", "kind"]));
+    let kind =
+        cx.required(&f, "kind", "training.optimizer").and_then(|n| cx.choice(n, &["training", "optimizer", "kind"]));
     let lr = cx.required(&f, "lr", "training.optimizer").and_then(|n| cx.float(n, true));
     let opt_f = |cx: &mut Lower<'_>, key: &str, default: f64| match f.get(key) {
         None => Some(default),
@@ -965,7 +1139,15 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
     let not_for = |cx: &mut Lower<'_>, keys: &[&str], kind: &str| {
         for k in keys {
             if let Some(span) = f.key_span(k) {
-                cx.push(Diagnostic::error("E0501", format!("`{k}` does not apply to the `{kind}` optimizer"), span, format!("not an option of `{kind}`")).with_help("remove it, or choose an optimizer that has it"));
+                cx.push(
+                    Diagnostic::error(
+                        "E0501",
+                        format!("`{k}` does not apply to the `{kind}` optimizer"),
+                        span,
+                        format!("not an option of `{kind}`"),
+                    )
+                    .with_help("remove it, or choose an optimizer that has it"),
+                );
             }
         }
     };
@@ -979,7 +1161,12 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
             for (k, v) in [("beta1", b1), ("beta2", b2)] {
                 if let (Some(v), Some(n)) = (v, f.get(k)) {
                     if v >= 1.0 {
-                        cx.push(Diagnostic::error("E0501", format!("`{k}` must be below 1, found {v}"), n.span, "must be in [0, 1)"));
+                        cx.push(Diagnostic::error(
+                            "E0501",
+                            format!("`{k}` must be below 1, found {v}"),
+                            n.span,
+                            "must be in [0, 1)",
+                        ));
                         return None;
                     }
                 }
@@ -1006,7 +1193,13 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
         "synthetic" => {
             let task = match f.get("task") {
                 None => Some(Task::Classification),
-                Some(n) => cx.choice(n, &["training", "data", "task"]).map(|t| if t == "regression" { Task::Regression } else { Task::Classification }),
+                Some(n) => cx.choice(n, &["training", "data", "task"]).map(|t| {
+                    if t == "regression" {
+                        Task::Regression
+                    } else {
+                        Task::Classification
+                    }
+                }),
             };
             let samples = match f.get("samples") {
                 None => Some(0),
@@ -1016,7 +1209,15 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
         }
         file_kind => {
             let Some(p) = f.get("path") else {
-                cx.push(Diagnostic::error("E0502", format!("`{file_kind}` data needs a `path`"), f.key_span("kind").unwrap_or(owner), "no `path` given").with_help("add `path: data/train.csv` (relative to the spec file)"));
+                cx.push(
+                    Diagnostic::error(
+                        "E0502",
+                        format!("`{file_kind}` data needs a `path`"),
+                        f.key_span("kind").unwrap_or(owner),
+                        "no `path` given",
+                    )
+                    .with_help("add `path: data/train.csv` (relative to the spec file)"),
+                );
                 return None;
             };
             let path = cx.string(p)?.to_string();
@@ -1026,7 +1227,15 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                     let Some(rel) = node.as_str() else { continue };
                     let full = base.join(rel);
                     if !full.is_file() {
-                        cx.push(Diagnostic::error("E0502", format!("the {what} file `{rel}` does not exist"), node.span, "no such file").with_help("paths are relative to the spec file's directory"));
+                        cx.push(
+                            Diagnostic::error(
+                                "E0502",
+                                format!("the {what} file `{rel}` does not exist"),
+                                node.span,
+                                "no such file",
+                            )
+                            .with_help("paths are relative to the spec file's directory"),
+                        );
                         return None;
                     }
                 }
@@ -1040,4 +1249,3 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
         }
     }
 }
-

@@ -5,8 +5,8 @@
 
 use crate::diagnostic::Diagnostic;
 use crate::dsl::{self, LayerRef, StagesNotation};
-use crate::spec::{Cluster, Lower, Model, Partition, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode, Training};
 use crate::span::Span;
+use crate::spec::{Cluster, Lower, Model, Partition, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode, Training};
 use crate::yaml::{Node, Value};
 
 /// How many candidates a microbatch search may try: bounded work for any input.
@@ -58,7 +58,9 @@ pub(crate) fn lower_strategy(
         None => Some(1),
         Some(n) => cx.uint(n, 1),
     };
-    let schedule = cx.required(&f, "schedule", "strategy").and_then(|n| lower_schedule(cx, n, f.key_span("schedule").unwrap_or(owner)));
+    let schedule = cx
+        .required(&f, "schedule", "strategy")
+        .and_then(|n| lower_schedule(cx, n, f.key_span("schedule").unwrap_or(owner)));
     let microbatches_node = f.get("microbatches");
     let microbatches = match microbatches_node {
         None => Some(1),
@@ -76,9 +78,14 @@ pub(crate) fn lower_strategy(
     if let (Some(s), Some(other)) = (stages_node, dp_node.or(pp_node)) {
         let key = if dp_node.is_some() { "dp" } else { "pp" };
         cx.push(
-            Diagnostic::error("E0410", format!("`stages` and `{key}` both give the layout"), f.key_span(key).unwrap_or(other.span), "second layout")
-                .with_label(s.span, "first layout")
-                .with_help("keep one: `stages: \"2-2\"` is the same as `dp: 2, pp: 2`"),
+            Diagnostic::error(
+                "E0410",
+                format!("`stages` and `{key}` both give the layout"),
+                f.key_span(key).unwrap_or(other.span),
+                "second layout",
+            )
+            .with_label(s.span, "first layout")
+            .with_help("keep one: `stages: \"2-2\"` is the same as `dp: 2, pp: 2`"),
         );
         return None;
     }
@@ -108,11 +115,21 @@ pub(crate) fn lower_strategy(
                     for (n, r) in &parts {
                         if *n == 0 || *n > 1_000_000 {
                             let span = cx.dsl_span(s, *r);
-                            cx.push(Diagnostic::error("E0401", format!("a stage needs at least one worker, found {n}"), span, "must be ≥ 1"));
+                            cx.push(Diagnostic::error(
+                                "E0401",
+                                format!("a stage needs at least one worker, found {n}"),
+                                span,
+                                "must be ≥ 1",
+                            ));
                             ok = false;
                         }
                     }
-                    ok.then(|| Layout::Replicas(parts.iter().map(|p| p.0 as usize).collect(), parts.iter().map(|p| cx.dsl_span(s, p.1)).collect()))
+                    ok.then(|| {
+                        Layout::Replicas(
+                            parts.iter().map(|p| p.0 as usize).collect(),
+                            parts.iter().map(|p| cx.dsl_span(s, p.1)).collect(),
+                        )
+                    })
                 }
                 Err(e) => {
                     cx.dsl_error("E0401", s, &e, "strategy syntax error");
@@ -152,7 +169,15 @@ pub(crate) fn lower_strategy(
         Layout::Straight | Layout::DpOnly => {
             let devices = devices?;
             if devices % tp != 0 {
-                cx.push(Diagnostic::error("E0402", format!("tp = {tp} does not divide the cluster's {devices} devices"), f.key_span("tp").unwrap_or(owner), "tensor-parallel degree").with_help("choose a tp that divides nodes × devices_per_node"));
+                cx.push(
+                    Diagnostic::error(
+                        "E0402",
+                        format!("tp = {tp} does not divide the cluster's {devices} devices"),
+                        f.key_span("tp").unwrap_or(owner),
+                        "tensor-parallel degree",
+                    )
+                    .with_help("choose a tp that divides nodes × devices_per_node"),
+                );
                 return None;
             }
             let n = devices / tp;
@@ -183,7 +208,11 @@ pub(crate) fn lower_strategy(
             // the cluster resized to the strategy, when the nodes divide it
             if needed.is_multiple_of(c.nodes.max(1)) && needed / c.nodes.max(1) >= 1 {
                 let per_node = needed / c.nodes.max(1);
-                d = d.with_fix(format!("use {per_node} device{} per node", if per_node == 1 { "" } else { "s" }), c.devices_span, per_node.to_string());
+                d = d.with_fix(
+                    format!("use {per_node} device{} per node", if per_node == 1 { "" } else { "s" }),
+                    c.devices_span,
+                    per_node.to_string(),
+                );
             }
             cx.push(d);
             ok = false;
@@ -220,7 +249,9 @@ pub(crate) fn lower_strategy(
         nearest_microbatches(microbatches, training.map(|t| t.batch_size), fits).map(|n| (node.span, n))
     });
     let with_mb_fix = |d: Diagnostic| match mb_fix {
-        Some((span, n)) => d.with_fix(format!("use {n} microbatch{}", if n == 1 { "" } else { "es" }), span, n.to_string()),
+        Some((span, n)) => {
+            d.with_fix(format!("use {n} microbatch{}", if n == 1 { "" } else { "es" }), span, n.to_string())
+        }
         None => d,
     };
 
@@ -230,26 +261,52 @@ pub(crate) fn lower_strategy(
         cx.push(Diagnostic::error("E0405", msg, schedule.span, label.to_string()).with_help(help.to_string()));
     };
     let mb_sched_err = |cx: &mut Lower<'_>, msg: String, label: &str, help: &str| {
-        cx.push(with_mb_fix(Diagnostic::error("E0405", msg, schedule.span, label.to_string()).with_help(help.to_string())));
+        cx.push(with_mb_fix(
+            Diagnostic::error("E0405", msg, schedule.span, label.to_string()).with_help(help.to_string()),
+        ));
     };
     match schedule.kind {
         ScheduleKind::Interleaved if stages < 2 => {
-            sched_err(cx, "`interleaved` needs at least 2 pipeline stages".into(), "with one stage", "use `1f1b` or `dp-only` for a single stage, or more stages");
+            sched_err(
+                cx,
+                "`interleaved` needs at least 2 pipeline stages".into(),
+                "with one stage",
+                "use `1f1b` or `dp-only` for a single stage, or more stages",
+            );
             ok = false;
         }
         ScheduleKind::Interleaved if microbatches % stages != 0 => {
-            mb_sched_err(cx, format!("`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"), "interleaved", "Megatron's interleaved schedule runs microbatches in groups of one per stage");
+            mb_sched_err(
+                cx,
+                format!("`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"),
+                "interleaved",
+                "Megatron's interleaved schedule runs microbatches in groups of one per stage",
+            );
             ok = false;
         }
         ScheduleKind::Chimera if stages % 2 != 0 || stages < 2 => {
-            sched_err(cx, format!("`chimera` needs an even number of stages, found {stages}"), "chimera", "Chimera pairs a down and an up pipeline: use 2, 4, 6, ... stages");
+            sched_err(
+                cx,
+                format!("`chimera` needs an even number of stages, found {stages}"),
+                "chimera",
+                "Chimera pairs a down and an up pipeline: use 2, 4, 6, ... stages",
+            );
             ok = false;
         }
         ScheduleKind::Chimera if microbatches % 2 != 0 => {
-            mb_sched_err(cx, format!("`chimera` needs an even number of microbatches, found {microbatches}"), "chimera", "half of the microbatches go down, half go up");
+            mb_sched_err(
+                cx,
+                format!("`chimera` needs an even number of microbatches, found {microbatches}"),
+                "chimera",
+                "half of the microbatches go down, half go up",
+            );
             ok = false;
         }
-        ScheduleKind::Chimera if replicas[0] > 1 && microbatches.is_multiple_of(replicas[0]) && !microbatches.is_multiple_of(2 * replicas[0]) => {
+        ScheduleKind::Chimera
+            if replicas[0] > 1
+                && microbatches.is_multiple_of(replicas[0])
+                && !microbatches.is_multiple_of(2 * replicas[0]) =>
+        {
             let r = replicas[0];
             mb_sched_err(
                 cx,
@@ -260,7 +317,12 @@ pub(crate) fn lower_strategy(
             ok = false;
         }
         ScheduleKind::DpOnly if stages != 1 => {
-            sched_err(cx, format!("`dp-only` runs the whole model as one stage, but the layout has {stages} stages"), "dp-only", "write `stages: \"N\"` (one stage on N workers) or choose a pipeline schedule");
+            sched_err(
+                cx,
+                format!("`dp-only` runs the whole model as one stage, but the layout has {stages} stages"),
+                "dp-only",
+                "write `stages: \"N\"` (one stage on N workers) or choose a pipeline schedule",
+            );
             ok = false;
         }
         ScheduleKind::Zbv if stages < 2 => {
@@ -271,8 +333,15 @@ pub(crate) fn lower_strategy(
             sched_err(cx, "vertical sync needs unreplicated stages".into(), "vertical_sync", "replicated stages update at different rates, so their weight versions do not line up; use `straight` or drop `vertical_sync`");
             ok = false;
         }
-        ScheduleKind::Chimera | ScheduleKind::Interleaved | ScheduleKind::Zbv if replicas.iter().any(|&r| r != replicas[0]) => {
-            sched_err(cx, format!("`{}` needs every stage replicated equally", schedule.kind.name()), "uneven replication", "use `dp`/`pp` degrees or notation like `2-2-2-2`");
+        ScheduleKind::Chimera | ScheduleKind::Interleaved | ScheduleKind::Zbv
+            if replicas.iter().any(|&r| r != replicas[0]) =>
+        {
+            sched_err(
+                cx,
+                format!("`{}` needs every stage replicated equally", schedule.kind.name()),
+                "uneven replication",
+                "use `dp`/`pp` degrees or notation like `2-2-2-2`",
+            );
             ok = false;
         }
         _ => {}
@@ -282,11 +351,20 @@ pub(crate) fn lower_strategy(
     if let Some(m) = model {
         let chunks = stages * v;
         if chunks > m.layers.len() {
-            let what = if v > 1 { format!("{stages} stages × {v} virtual stages = {chunks} chunks") } else { format!("{stages} stages") };
+            let what = if v > 1 {
+                format!("{stages} stages × {v} virtual stages = {chunks} chunks")
+            } else {
+                format!("{stages} stages")
+            };
             cx.push(
-                Diagnostic::error("E0403", format!("{what} but the model has only {} layer(s)", m.layers.len()), layout_span, format!("{chunks} model chunks"))
-                    .with_label(m.layers_span, format!("{} layer(s)", m.layers.len()))
-                    .with_help("use fewer stages, or a deeper model"),
+                Diagnostic::error(
+                    "E0403",
+                    format!("{what} but the model has only {} layer(s)", m.layers.len()),
+                    layout_span,
+                    format!("{chunks} model chunks"),
+                )
+                .with_label(m.layers_span, format!("{} layer(s)", m.layers.len()))
+                .with_help("use fewer stages, or a deeper model"),
             );
             ok = false;
         }
@@ -297,9 +375,18 @@ pub(crate) fn lower_strategy(
         let mb_span = microbatches_node.map(|n| n.span).unwrap_or(owner);
         if t.batch_size % microbatches != 0 {
             cx.push(with_mb_fix(
-                Diagnostic::error("E0404", format!("batch size {} is not divisible into {microbatches} microbatches", t.batch_size), mb_span, format!("{microbatches} microbatches"))
-                    .with_label(t.batch_span, format!("batch size {}", t.batch_size))
-                    .with_help(format!("choose microbatches among the divisors of {}: {}", t.batch_size, divisors_hint(t.batch_size))),
+                Diagnostic::error(
+                    "E0404",
+                    format!("batch size {} is not divisible into {microbatches} microbatches", t.batch_size),
+                    mb_span,
+                    format!("{microbatches} microbatches"),
+                )
+                .with_label(t.batch_span, format!("batch size {}", t.batch_size))
+                .with_help(format!(
+                    "choose microbatches among the divisors of {}: {}",
+                    t.batch_size,
+                    divisors_hint(t.batch_size)
+                )),
             ));
             ok = false;
         }
@@ -307,9 +394,14 @@ pub(crate) fn lower_strategy(
             if r > 1 && microbatches % r != 0 {
                 let span = replica_spans.get(s).copied().unwrap_or(layout_span);
                 cx.push(with_mb_fix(
-                    Diagnostic::error("E0404", format!("stage {s} has {r} replicas, which cannot share {microbatches} microbatches evenly"), mb_span, format!("{microbatches} microbatches"))
-                        .with_label(span, format!("{r} replicas"))
-                        .with_help(format!("microbatches are routed round-robin to replicas: use a multiple of {r}")),
+                    Diagnostic::error(
+                        "E0404",
+                        format!("stage {s} has {r} replicas, which cannot share {microbatches} microbatches evenly"),
+                        mb_span,
+                        format!("{microbatches} microbatches"),
+                    )
+                    .with_label(span, format!("{r} replicas"))
+                    .with_help(format!("microbatches are routed round-robin to replicas: use a multiple of {r}")),
                 ));
                 ok = false;
                 break;
@@ -341,7 +433,19 @@ pub(crate) fn lower_strategy(
         return None;
     }
     let microbatches_span = microbatches_node.map(|n| n.span);
-    Some(Strategy { replicas, tp, schedule, microbatches, partition, recompute, layout_span, layout_fixed, partition_span, microbatches_span, span: node.span })
+    Some(Strategy {
+        replicas,
+        tp,
+        schedule,
+        microbatches,
+        partition,
+        recompute,
+        layout_span,
+        layout_fixed,
+        partition_span,
+        microbatches_span,
+        span: node.span,
+    })
 }
 
 /// The divisors of `n`, ascending, found in pairs up to its square root; `None` past a
@@ -368,7 +472,9 @@ fn divisors(n: usize) -> Option<Vec<usize>> {
 
 fn divisors_hint(n: usize) -> String {
     match divisors(n) {
-        Some(d) if d.len() > 10 => format!("{}, ...", d.iter().take(10).map(ToString::to_string).collect::<Vec<_>>().join(", ")),
+        Some(d) if d.len() > 10 => {
+            format!("{}, ...", d.iter().take(10).map(ToString::to_string).collect::<Vec<_>>().join(", "))
+        }
         Some(d) => d.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
         None => "1, ...".into(),
     }
@@ -378,7 +484,9 @@ fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedu
     let (kind_name, f) = match &node.value {
         Value::Map(_) => {
             let f = cx.fields(node, &["strategy", "schedule"], owner)?;
-            let k = cx.required(&f, "kind", "strategy.schedule").and_then(|k| cx.choice(k, &["strategy", "schedule", "kind"]))?;
+            let k = cx
+                .required(&f, "kind", "strategy.schedule")
+                .and_then(|k| cx.choice(k, &["strategy", "schedule", "kind"]))?;
             (k, Some(f))
         }
         _ => (cx.choice(node, &["strategy", "schedule"])?, None),
@@ -400,7 +508,15 @@ fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedu
     let mut ok = true;
     let not_for = |cx: &mut Lower<'_>, key: &str, only: &str| {
         if let Some(span) = f.key_span(key) {
-            cx.push(Diagnostic::error("E0405", format!("`{key}` is an option of {only}, not of `{}`", kind.name()), span, format!("not an option of `{}`", kind.name())).with_help("remove it"));
+            cx.push(
+                Diagnostic::error(
+                    "E0405",
+                    format!("`{key}` is an option of {only}, not of `{}`", kind.name()),
+                    span,
+                    format!("not an option of `{}`", kind.name()),
+                )
+                .with_help("remove it"),
+            );
         }
     };
     if let Some(n) = f.get("virtual_stages") {
@@ -411,7 +527,12 @@ fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedu
             },
             ScheduleKind::Zbv => {
                 if cx.uint(n, 2) != Some(2) {
-                    cx.push(Diagnostic::error("E0405", "`zbv` always has 2 virtual stages per device", n.span, "must be 2"));
+                    cx.push(Diagnostic::error(
+                        "E0405",
+                        "`zbv` always has 2 virtual stages per device",
+                        n.span,
+                        "must be 2",
+                    ));
                     ok = false;
                 }
             }
@@ -455,7 +576,12 @@ fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedu
         }
         if let Some(n) = f.get("staleness") {
             if sched.sync != SyncMode::Asp {
-                cx.push(Diagnostic::error("E0405", "`staleness` applies to asynchronous data parallelism (`sync: asp`)", f.key_span("staleness").unwrap_or(n.span), "only with `sync: asp`"));
+                cx.push(Diagnostic::error(
+                    "E0405",
+                    "`staleness` applies to asynchronous data parallelism (`sync: asp`)",
+                    f.key_span("staleness").unwrap_or(n.span),
+                    "only with `sync: asp`",
+                ));
                 ok = false;
             } else {
                 match cx.uint(n, 0) {
@@ -477,12 +603,26 @@ struct StageRange {
     span: Span,
 }
 
-fn lower_explicit_partition(cx: &mut Lower<'_>, node: &Node, entries: &[Node], model: &Model, chunks: usize) -> Option<Partition> {
+fn lower_explicit_partition(
+    cx: &mut Lower<'_>,
+    node: &Node,
+    entries: &[Node],
+    model: &Model,
+    chunks: usize,
+) -> Option<Partition> {
     let n_layers = model.layers.len();
     if entries.len() != chunks {
         cx.push(
-            Diagnostic::error("E0409", format!("the partition has {} stage(s), the strategy has {chunks}", entries.len()), node.span, format!("{} entries", entries.len()))
-                .with_help(format!("give one entry per stage{}", if chunks > 0 { format!(" ({chunks} in all)") } else { String::new() })),
+            Diagnostic::error(
+                "E0409",
+                format!("the partition has {} stage(s), the strategy has {chunks}", entries.len()),
+                node.span,
+                format!("{} entries", entries.len()),
+            )
+            .with_help(format!(
+                "give one entry per stage{}",
+                if chunks > 0 { format!(" ({chunks} in all)") } else { String::new() }
+            )),
         );
         return None;
     }
@@ -518,16 +658,33 @@ fn lower_explicit_partition(cx: &mut Lower<'_>, node: &Node, entries: &[Node], m
                 match lr {
                     LayerRef::Index(i) if (*i as usize) <= n_layers => Some(*i as usize),
                     LayerRef::Index(i) => {
-                        cx.push(Diagnostic::error("E0408", format!("layer {i} does not exist: the model has {n_layers} layers (0..{n_layers})"), span, "past the last layer").with_label(model.layers_span, format!("{n_layers} layers")));
+                        cx.push(
+                            Diagnostic::error(
+                                "E0408",
+                                format!("layer {i} does not exist: the model has {n_layers} layers (0..{n_layers})"),
+                                span,
+                                "past the last layer",
+                            )
+                            .with_label(model.layers_span, format!("{n_layers} layers")),
+                        );
                         None
                     }
                     LayerRef::Name(name) => match label_index(name) {
                         Some(i) => Some(i),
                         None => {
                             let labels = model.layers.iter().filter_map(|l| l.label.as_deref());
-                            let mut d = Diagnostic::error("E0408", format!("no layer is labelled `{name}`"), span, "unknown label");
+                            let mut d = Diagnostic::error(
+                                "E0408",
+                                format!("no layer is labelled `{name}`"),
+                                span,
+                                "unknown label",
+                            );
                             if let Some(s) = crate::diagnostic::did_you_mean(name, labels) {
-                                d = d.with_help(format!("did you mean `{s}`?")).with_fix(format!("replace with `{s}`"), span, s);
+                                d = d.with_help(format!("did you mean `{s}`?")).with_fix(
+                                    format!("replace with `{s}`"),
+                                    span,
+                                    s,
+                                );
                             } else {
                                 d = d.with_help("label a layer with `as NAME`, e.g. `linear(1024, 10) as head`");
                             }
@@ -544,9 +701,15 @@ fn lower_explicit_partition(cx: &mut Lower<'_>, node: &Node, entries: &[Node], m
                 Some((Some(e), inclusive)) => resolve(cx, e).map(|e| if *inclusive { e + 1 } else { e }),
             };
             match (start, end) {
-                (Some(s), Some(e)) if s < e && e <= n_layers => ranges.push(StageRange { start: s, end: e, span: item.span }),
+                (Some(s), Some(e)) if s < e && e <= n_layers => {
+                    ranges.push(StageRange { start: s, end: e, span: item.span })
+                }
                 (Some(s), Some(e)) => {
-                    let why = if s >= n_layers { format!("layer {s} does not exist (the model has {n_layers} layers)") } else { format!("the range {s}..{e} is empty") };
+                    let why = if s >= n_layers {
+                        format!("layer {s} does not exist (the model has {n_layers} layers)")
+                    } else {
+                        format!("the range {s}..{e} is empty")
+                    };
                     cx.push(Diagnostic::error("E0408", why, item.span, "empty or out of range"));
                     ok = false;
                 }
@@ -561,12 +724,31 @@ fn lower_explicit_partition(cx: &mut Lower<'_>, node: &Node, entries: &[Node], m
                 None => Some(r),
                 Some(m) if r.start == m.end => Some(StageRange { start: m.start, end: r.end, span: m.span }),
                 Some(m) if r.start < m.end => {
-                    cx.push(Diagnostic::error("E0406", format!("layers {}..{} are listed twice in one stage", r.start, m.end.min(r.end)), r.span, "overlaps").with_label(m.span, "with this range"));
+                    cx.push(
+                        Diagnostic::error(
+                            "E0406",
+                            format!("layers {}..{} are listed twice in one stage", r.start, m.end.min(r.end)),
+                            r.span,
+                            "overlaps",
+                        )
+                        .with_label(m.span, "with this range"),
+                    );
                     ok = false;
                     Some(m)
                 }
                 Some(m) => {
-                    cx.push(Diagnostic::error("E0407", format!("a stage must hold contiguous layers; layers {}..{} are missing between its ranges", m.end, r.start), r.span, "not contiguous").with_label(m.span, "previous range"));
+                    cx.push(
+                        Diagnostic::error(
+                            "E0407",
+                            format!(
+                                "a stage must hold contiguous layers; layers {}..{} are missing between its ranges",
+                                m.end, r.start
+                            ),
+                            r.span,
+                            "not contiguous",
+                        )
+                        .with_label(m.span, "previous range"),
+                    );
                     ok = false;
                     Some(m)
                 }
@@ -587,17 +769,32 @@ fn lower_explicit_partition(cx: &mut Lower<'_>, node: &Node, entries: &[Node], m
         if s.start < expected {
             let prev = &stages[i - 1];
             cx.push(
-                Diagnostic::error("E0406", format!("stage {i} starts at layer {} but stage {} already holds layers up to {}", s.start, i - 1, expected - 1), s.span, format!("stage {i}"))
-                    .with_label(prev.span, format!("stage {}", i - 1))
-                    .with_help(format!("start stage {i} at layer {expected}")),
+                Diagnostic::error(
+                    "E0406",
+                    format!(
+                        "stage {i} starts at layer {} but stage {} already holds layers up to {}",
+                        s.start,
+                        i - 1,
+                        expected - 1
+                    ),
+                    s.span,
+                    format!("stage {i}"),
+                )
+                .with_label(prev.span, format!("stage {}", i - 1))
+                .with_help(format!("start stage {i} at layer {expected}")),
             );
             ok = false;
         } else if s.start > expected {
             let gap_span = model.layers[expected].span;
             cx.push(
-                Diagnostic::error("E0407", format!("layers {expected}..{} belong to no stage", s.start), s.span, format!("stage {i} starts at layer {}", s.start))
-                    .with_label(gap_span, format!("layer {expected} is in no stage"))
-                    .with_help(format!("start stage {i} at layer {expected}, or extend the stage before it")),
+                Diagnostic::error(
+                    "E0407",
+                    format!("layers {expected}..{} belong to no stage", s.start),
+                    s.span,
+                    format!("stage {i} starts at layer {}", s.start),
+                )
+                .with_label(gap_span, format!("layer {expected} is in no stage"))
+                .with_help(format!("start stage {i} at layer {expected}, or extend the stage before it")),
             );
             ok = false;
         }
@@ -606,9 +803,17 @@ fn lower_explicit_partition(cx: &mut Lower<'_>, node: &Node, entries: &[Node], m
     if ok && expected < n_layers {
         let last = stages.last().map(|s| s.span).unwrap_or(node.span);
         cx.push(
-            Diagnostic::error("E0407", format!("layers {expected}..{n_layers} belong to no stage"), last, "the last stage ends here")
-                .with_label(model.layers[expected].span, format!("layer {expected} is in no stage"))
-                .with_help(format!("end the last stage with an open range, e.g. \"{}..\"", stages.last().map(|s| s.start).unwrap_or(0))),
+            Diagnostic::error(
+                "E0407",
+                format!("layers {expected}..{n_layers} belong to no stage"),
+                last,
+                "the last stage ends here",
+            )
+            .with_label(model.layers[expected].span, format!("layer {expected} is in no stage"))
+            .with_help(format!(
+                "end the last stage with an open range, e.g. \"{}..\"",
+                stages.last().map(|s| s.start).unwrap_or(0)
+            )),
         );
         ok = false;
     }

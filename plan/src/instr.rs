@@ -208,7 +208,10 @@ impl Instr {
             | Instr::Free { mb, .. }
             | Instr::PushGradient { mb, .. }
             | Instr::ApplyGradient { mb, .. } => Some(mb),
-            Instr::AllReduce { .. } | Instr::OptimizerStep { .. } | Instr::PushWeights { .. } | Instr::PullWeights { .. } => None,
+            Instr::AllReduce { .. }
+            | Instr::OptimizerStep { .. }
+            | Instr::PushWeights { .. }
+            | Instr::PullWeights { .. } => None,
         }
     }
 
@@ -229,7 +232,10 @@ impl Instr {
             Instr::ApplyGradient { .. } => Phase::Optimizer,
             Instr::AllReduce { .. } => Phase::Collective,
             Instr::OptimizerStep { .. } => Phase::Optimizer,
-            Instr::LoadMicrobatch { .. } | Instr::StashWeights { .. } | Instr::RestoreWeights { .. } | Instr::Free { .. } => Phase::Memory,
+            Instr::LoadMicrobatch { .. }
+            | Instr::StashWeights { .. }
+            | Instr::RestoreWeights { .. }
+            | Instr::Free { .. } => Phase::Memory,
         }
     }
 
@@ -271,7 +277,9 @@ impl Instr {
                 }
                 w
             }
-            Instr::Forward { stage, mb } | Instr::Recompute { stage, mb } => vec![B::Saved { stage, mb }, B::Output { stage, mb }],
+            Instr::Forward { stage, mb } | Instr::Recompute { stage, mb } => {
+                vec![B::Saved { stage, mb }, B::Output { stage, mb }]
+            }
             Instr::Backward { stage, mb } => vec![B::InputGrad { stage, mb }, B::WeightGrad { stage }],
             Instr::BackwardInput { stage, mb } => vec![B::InputGrad { stage, mb }],
             Instr::BackwardWeight { stage, .. } => vec![B::WeightGrad { stage }],
@@ -319,8 +327,12 @@ impl fmt::Display for Instr {
             Instr::Free { stage, mb } => write!(f, "free {stage} {mb}"),
             Instr::PushGradient { peer, stage, mb, bytes } => write!(f, "push_grad {stage} {mb} -> {peer} {bytes}B"),
             Instr::ApplyGradient { peer, stage, mb, bytes } => write!(f, "apply_grad {stage} {mb} <- {peer} {bytes}B"),
-            Instr::PushWeights { peer, stage, round, bytes } => write!(f, "push_weights {stage} r{round} -> {peer} {bytes}B"),
-            Instr::PullWeights { peer, stage, round, bytes } => write!(f, "pull_weights {stage} r{round} <- {peer} {bytes}B"),
+            Instr::PushWeights { peer, stage, round, bytes } => {
+                write!(f, "push_weights {stage} r{round} -> {peer} {bytes}B")
+            }
+            Instr::PullWeights { peer, stage, round, bytes } => {
+                write!(f, "pull_weights {stage} r{round} <- {peer} {bytes}B")
+            }
         }
     }
 }

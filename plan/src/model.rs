@@ -8,21 +8,49 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Op {
-    Linear { in_features: usize, out_features: usize, bias: bool },
-    Conv2d { in_channels: usize, out_channels: usize, kernel: usize, stride: usize, padding: usize, bias: bool },
-    MaxPool2d { kernel: usize, stride: usize },
-    AvgPool2d { kernel: usize, stride: usize },
+    Linear {
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+    },
+    Conv2d {
+        in_channels: usize,
+        out_channels: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+        bias: bool,
+    },
+    MaxPool2d {
+        kernel: usize,
+        stride: usize,
+    },
+    AvgPool2d {
+        kernel: usize,
+        stride: usize,
+    },
     Flatten,
     Relu,
     Gelu,
     Tanh,
     Sigmoid,
     /// Layer normalisation over the last dimension (`dim` features).
-    LayerNorm { dim: usize },
-    Dropout { p: f64 },
-    Embedding { vocab: usize, dim: usize },
+    LayerNorm {
+        dim: usize,
+    },
+    Dropout {
+        p: f64,
+    },
+    Embedding {
+        vocab: usize,
+        dim: usize,
+    },
     /// Pre-norm transformer block: LN → multi-head self-attention → residual → LN → MLP → residual.
-    TransformerBlock { d_model: usize, heads: usize, d_ff: usize },
+    TransformerBlock {
+        d_model: usize,
+        heads: usize,
+        d_ff: usize,
+    },
 }
 
 /// Why an operator cannot take an input shape.
@@ -89,7 +117,10 @@ impl Op {
                 };
                 if *c != in_channels {
                     return Err(shape_err(
-                        format!("conv2d expects {in_channels} input channels but its input {} has {c}", fmt_shape(input)),
+                        format!(
+                            "conv2d expects {in_channels} input channels but its input {} has {c}",
+                            fmt_shape(input)
+                        ),
                         Some(0),
                     ));
                 }

@@ -212,7 +212,11 @@ impl Plan {
     /// The tightest memory headroom over the devices with a capacity: 1 − used/capacity
     /// (infinite when no device states one).
     pub fn memory_headroom(&self) -> f64 {
-        self.devices.iter().filter(|d| d.memory.capacity > 0).map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64).fold(f64::INFINITY, f64::min)
+        self.devices
+            .iter()
+            .filter(|d| d.memory.capacity > 0)
+            .map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64)
+            .fold(f64::INFINITY, f64::min)
     }
 
     /// The stage by id.
@@ -256,7 +260,12 @@ impl Plan {
             match l.op.output_shape(&shape) {
                 Ok(next) if next == l.output_shape && shape == l.input_shape => shape = next,
                 Ok(next) => {
-                    out.push(format!("layer {i} ({}) maps {shape:?} to {next:?}, but the plan says {:?} → {:?}", l.op.name(), l.input_shape, l.output_shape));
+                    out.push(format!(
+                        "layer {i} ({}) maps {shape:?} to {next:?}, but the plan says {:?} → {:?}",
+                        l.op.name(),
+                        l.input_shape,
+                        l.output_shape
+                    ));
                     break;
                 }
                 Err(e) => {
@@ -269,12 +278,20 @@ impl Plan {
             out.push("the plan has no layers".into());
         }
         // training
-        if t.batch_size == 0 || t.microbatches == 0 || !t.batch_size.is_multiple_of(t.microbatches.max(1)) || t.microbatch_size.checked_mul(t.microbatches) != Some(t.batch_size) {
-            out.push(format!("training: batch_size {} must split into {} microbatches of {}", t.batch_size, t.microbatches, t.microbatch_size));
+        if t.batch_size == 0
+            || t.microbatches == 0
+            || !t.batch_size.is_multiple_of(t.microbatches.max(1))
+            || t.microbatch_size.checked_mul(t.microbatches) != Some(t.batch_size)
+        {
+            out.push(format!(
+                "training: batch_size {} must split into {} microbatches of {}",
+                t.batch_size, t.microbatches, t.microbatch_size
+            ));
         }
         // no tensor of a microbatch beyond 2^32 elements (16 GiB in fp32)
         let elements = |shape: &[usize]| shape.iter().try_fold(t.microbatch_size.max(1), |a, &d| a.checked_mul(d));
-        let mut shapes = std::iter::once(self.model.input.as_slice()).chain(self.layers.iter().map(|l| l.output_shape.as_slice()));
+        let mut shapes =
+            std::iter::once(self.model.input.as_slice()).chain(self.layers.iter().map(|l| l.output_shape.as_slice()));
         if shapes.any(|s| elements(s).is_none_or(|e| e > 1 << 32)) {
             out.push(format!("a microbatch of {} samples makes tensors of more than 2^32 elements", t.microbatch_size));
         }
@@ -283,7 +300,11 @@ impl Plan {
             out.push("the plan has no stages".into());
         }
         if self.stages.len().saturating_mul(t.microbatches) > MAX_STAGE_MICROBATCHES {
-            out.push(format!("{} stages × {} microbatches is more than pipec runs ({MAX_STAGE_MICROBATCHES})", self.stages.len(), t.microbatches));
+            out.push(format!(
+                "{} stages × {} microbatches is more than pipec runs ({MAX_STAGE_MICROBATCHES})",
+                self.stages.len(),
+                t.microbatches
+            ));
             return out;
         }
         let n_dev = self.devices.len();
@@ -298,16 +319,24 @@ impl Plan {
             }
             next_layer = b;
             if s.replicas.is_empty() || s.replicas.iter().any(|d| d.0 as usize >= n_dev) {
-                out.push(format!("stage {i}: replicas {:?} must be non-empty devices of the plan's {n_dev}", s.replicas.iter().map(|d| d.0).collect::<Vec<_>>()));
+                out.push(format!(
+                    "stage {i}: replicas {:?} must be non-empty devices of the plan's {n_dev}",
+                    s.replicas.iter().map(|d| d.0).collect::<Vec<_>>()
+                ));
             }
             if s.route.len() != t.microbatches || s.route.iter().any(|&r| r as usize >= s.replicas.len()) {
-                out.push(format!("stage {i}: its route must name a replica for each of the {} microbatches", t.microbatches));
+                out.push(format!(
+                    "stage {i}: its route must name a replica for each of the {} microbatches",
+                    t.microbatches
+                ));
             }
             if !s.tensor_parallel.is_empty() {
                 let size = s.tensor_parallel[0].len();
                 let ok = s.tensor_parallel.len() == s.replicas.len()
                     && size >= 2
-                    && s.tensor_parallel.iter().zip(&s.replicas).all(|(g, r)| g.len() == size && g.first() == Some(r) && g.iter().all(|d| (d.0 as usize) < n_dev));
+                    && s.tensor_parallel.iter().zip(&s.replicas).all(|(g, r)| {
+                        g.len() == size && g.first() == Some(r) && g.iter().all(|d| (d.0 as usize) < n_dev)
+                    });
                 if !ok {
                     out.push(format!("stage {i}: each replica needs a tensor-parallel group of one size, led by the replica's device"));
                 }
@@ -324,8 +353,15 @@ impl Plan {
         }
         let mut group_ids = std::collections::BTreeSet::new();
         for g in &self.groups {
-            if !group_ids.insert(g.id) || g.devices.len() < 2 || g.devices.iter().any(|d| d.0 as usize >= n_dev) || g.stage.0 as usize >= self.stages.len() {
-                out.push(format!("group {}: needs a unique id, a stage of the plan and at least two of its devices", g.id));
+            if !group_ids.insert(g.id)
+                || g.devices.len() < 2
+                || g.devices.iter().any(|d| d.0 as usize >= n_dev)
+                || g.stage.0 as usize >= self.stages.len()
+            {
+                out.push(format!(
+                    "group {}: needs a unique id, a stage of the plan and at least two of its devices",
+                    g.id
+                ));
             }
         }
         // streams: every index in range
@@ -340,7 +376,9 @@ impl Plan {
                 let bad_peer = ins.peer().is_some_and(|p| p.0 as usize >= n_dev);
                 let bad_group = ins.group().is_some_and(|g| !group_ids.contains(&g));
                 if bad_stage || bad_mb || bad_peer || bad_group {
-                    out.push(format!("{dev}[{k}] `{ins}` names a stage, microbatch, device or group the plan does not have"));
+                    out.push(format!(
+                        "{dev}[{k}] `{ins}` names a stage, microbatch, device or group the plan does not have"
+                    ));
                     break;
                 }
             }
