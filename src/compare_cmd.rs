@@ -6,23 +6,11 @@
 use std::path::Path;
 
 use pipec_compiler::render::human_time;
-use pipec_compiler::{compile, CompileOptions};
+use pipec_compiler::{compile, CompileOptions, CompileResult};
+use pipec_plan::vocab::{Choice, ScheduleKind};
 
 use crate::check_cmd::read_spec;
 use crate::{Format, EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
-
-/// The schedules tried, as they would be written in a spec.
-const CANDIDATES: &[&str] = &[
-    "gpipe",
-    "1f1b",
-    "{ kind: interleaved, virtual_stages: 2 }",
-    "zb-h1",
-    "zbv",
-    "chimera",
-    "pipedream",
-    "2bw",
-    "dp-only",
-];
 
 /// One row of the comparison.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,8 +101,9 @@ pub fn compare(
     let options = CompileOptions { profile, base_dir: base_dir.map(Path::to_path_buf) };
     let mut rows = Vec::new();
     for &count in &counts {
-        for candidate in CANDIDATES {
-            let mut edits = vec![(span, (*candidate).to_string())];
+        // every schedule, as it would be written in a spec (with its default options)
+        for candidate in ScheduleKind::ALL.iter().map(|k| k.name()) {
+            let mut edits = vec![(span, candidate.to_string())];
             if let Some(m) = mb_span {
                 edits.push((m, count.to_string()));
             }
@@ -134,20 +123,20 @@ pub fn compare(
                     Outcome::NotApplicable(first)
                 }
                 Some(spec) => match compile(&spec, &options) {
-                    Err(diags) => Outcome::NotApplicable(
-                        diags.first().map_or_else(|| "does not compile".to_string(), |d| d.message.clone()),
+                    CompileResult { compiled: None, diagnostics } => Outcome::NotApplicable(
+                        diagnostics.first().map_or_else(|| "does not compile".to_string(), |d| d.message.clone()),
                     ),
-                    Ok(c) => Outcome::Planned(Prediction {
+                    ref result @ CompileResult { compiled: Some(ref c), .. } => Outcome::Planned(Prediction {
                         step_s: c.plan.simulation.step_time_s,
                         bubble: c.plan.simulation.bubble_fraction,
                         throughput: c.plan.simulation.throughput_samples_per_s,
                         headroom: c.plan.memory_headroom(),
                         synchronous: c.plan.schedule.synchronous,
-                        fits: !c.has_errors(),
+                        fits: !result.has_errors(),
                     }),
                 },
             };
-            rows.push(Row { schedule: (*candidate).to_string(), microbatches: count, outcome });
+            rows.push(Row { schedule: candidate.to_string(), microbatches: count, outcome });
         }
     }
     Ok(rows)

@@ -59,23 +59,19 @@ pub fn compile_file(
     };
     let profile = profile.map(read_profile).transpose()?;
     let options = CompileOptions { profile, base_dir: path.parent().map(Path::to_path_buf) };
-    match compile(&spec, &options) {
-        Err(diags) => {
-            report(&diags);
+    let result = compile(&spec, &options);
+    if !result.diagnostics.is_empty() {
+        report(&result.diagnostics);
+    }
+    match result.compiled {
+        None => Err(EXIT_DIAGNOSTICS),
+        Some(_) if result.has_errors() => {
+            if format == Format::Human {
+                eprintln!("{name}: the plan is infeasible; nothing written");
+            }
             Err(EXIT_DIAGNOSTICS)
         }
-        Ok(compiled) => {
-            if !compiled.diagnostics.is_empty() {
-                report(&compiled.diagnostics);
-            }
-            if compiled.has_errors() {
-                if format == Format::Human {
-                    eprintln!("{name}: the plan is infeasible; nothing written");
-                }
-                return Err(EXIT_DIAGNOSTICS);
-            }
-            Ok((compiled, source))
-        }
+        Some(compiled) => Ok((compiled, source)),
     }
 }
 

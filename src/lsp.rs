@@ -188,8 +188,8 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
             let compiled = std::panic::catch_unwind(AssertUnwindSafe(|| {
                 pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())
             }));
-            match compiled {
-                Ok(Ok(c)) => {
+            match compiled.map(|r| (r.compiled, r.diagnostics)) {
+                Ok((Some(c), plan_diagnostics)) => {
                     let sim = &c.plan.simulation;
                     let headroom = c.plan.memory_headroom();
                     let summary = format!(
@@ -215,9 +215,9 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .prediction
                         .insert(key.clone(), summary);
-                    diags.extend(c.diagnostics);
+                    diags.extend(plan_diagnostics);
                 }
-                Ok(Err(d)) => diags.extend(d),
+                Ok((None, d)) => diags.extend(d),
                 Err(_) => {}
             }
             publish(&sender, &shared, &job.uri, job.version, &job.text, diags);

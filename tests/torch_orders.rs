@@ -34,7 +34,7 @@ fn compute_orders_match_pytorch() {
         };
         let text = spec(ranks, mbs, &schedule, stages);
         let s = pipec_grammar::check_source(&text).spec.expect("valid spec");
-        let plan = compile(&s, &CompileOptions::default()).expect("compiles").plan;
+        let plan = compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan;
         for (rank, stream) in plan.streams.values().enumerate() {
             let ours: Vec<String> = compute_order(stream).iter().map(ToString::to_string).collect();
             let theirs: Vec<String> = r["order"][rank.to_string()]

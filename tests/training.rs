@@ -76,7 +76,7 @@ fn plan(j: &Job<'_>) -> Plan {
     let text = spec(j);
     let checked = pipec_grammar::check_source(&text);
     let s = checked.spec.unwrap_or_else(|| panic!("bad spec {:?}\n{text}", checked.diagnostics));
-    compile(&s, &CompileOptions::default()).unwrap_or_else(|d| panic!("{d:?}")).plan
+    compile(&s, &CompileOptions::default()).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan
 }
 
 fn train(p: &Plan) -> RunReport {
@@ -309,7 +309,7 @@ fn assert_per_microbatch_sgd(what: &str, got: &[f64]) {
         spec(&Job { microbatches: 1, optimizer: "{ kind: sgd, lr: 0.05 }", steps: 4 * got.len(), ..Job::default() })
             .replace("batch_size: 32", "batch_size: 8");
     let s = pipec_grammar::check_source(&text).spec.expect("valid");
-    let plain = losses(&train(&compile(&s, &CompileOptions::default()).expect("compiles").plan));
+    let plain = losses(&train(&compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan));
     for (t, g) in got.iter().enumerate() {
         let expected: f64 = plain[4 * t..4 * t + 4].iter().sum::<f64>() / 4.0;
         assert!((g - expected).abs() <= 1e-5 * expected, "step {t}: {what} {g} vs per-microbatch SGD {expected}");
@@ -319,7 +319,7 @@ fn assert_per_microbatch_sgd(what: &str, got: &[f64]) {
 fn checkpointed_plan(j: Job<'_>) -> pipec_plan::Plan {
     let text = spec(&j).replace("  seed: 5\n", "  seed: 5\n  checkpoint: { every: 3 }\n");
     let s = pipec_grammar::check_source(&text).spec.expect("valid");
-    compile(&s, &CompileOptions::default()).expect("compiles").plan
+    compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan
 }
 
 #[test]

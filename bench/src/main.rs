@@ -30,7 +30,7 @@ fn time<T>(reps: usize, mut f: impl FnMut() -> T) -> (f64, T) {
 fn plan_of(text: &str) -> Plan {
     let checked = pipec_grammar::check_source(text);
     let spec = checked.spec.unwrap_or_else(|| panic!("{:?}", checked.diagnostics));
-    compile(&spec, &CompileOptions::default()).unwrap_or_else(|d| panic!("{d:?}")).plan
+    compile(&spec, &CompileOptions::default()).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan
 }
 
 fn planner() {
@@ -219,6 +219,7 @@ fn executor() {
         let spec = pipec_grammar::check_source(text).spec.expect("valid");
         let workers = spec.cluster.device_count().clamp(1, 2);
         compile(&spec, &CompileOptions { profile: Some(profiles[workers - 1].clone()), base_dir: None })
+            .into_compiled()
             .expect("compiles")
             .plan
     };
@@ -305,7 +306,7 @@ fn mpi_pingpong() {
         world.barrier();
         let t = Instant::now();
         for i in 0..iters {
-            let tag = (0u8, 0u32, i as u32);
+            let tag = pipec_plan::MessageId::activation(pipec_plan::StageId(0), pipec_plan::MicrobatchId(i as u32));
             if rank == 0 {
                 ep.send(other, Message { tag, shape: vec![floats.len()], data: floats.clone() }).expect("send"); // the clone is part of the measured cost, as in the executor
                 let _ = ep.recv(other, tag).expect("recv");

@@ -2,16 +2,22 @@
 //! simulated plan.
 //!
 //! ```text
-//! Spec ─ir::lower→ Graph ─cost→ [LayerCost] ─partition→ stages ─place→ Placement
-//!      ─schedule::generate→ Order ─lower→ streams ─verify→ ─simulate→ Timeline
-//!      ─memory→ per-device breakdown ─→ Plan (+ diagnostics)
+//! Spec ─cost_model→ ModelCosts ─partition_layers→ Layout ─place→ Placement
+//!      ─stage_figures→ StageFigures ─lower_streams→ Lowered (schedule::generate, lower,
+//!      tensor-parallel copies) ─verify_lowered→ ─simulate_plan→ Timeline
+//!      ─check_memory→ devices + diagnostics ─assemble→ Plan
 //! ```
+//!
+//! [`compile`] is that list; each pass is a function from one type to the next, and the
+//! result is one [`CompileResult`] (the plan, if any, and every diagnostic).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use pipec_grammar::diagnostic::Diagnostic;
-use pipec_grammar::spec::{Data, Optimizer, Partition, ReduceMode, ScheduleKind, Spec, SyncMode, Task as DataTask};
+use pipec_grammar::spec::{Data, Optimizer, Partition, Spec};
+use pipec_plan::schedule::{ChunkPlacement, Updates, WeightVersions};
+use pipec_plan::vocab::{ReduceMode, ScheduleKind, SyncMode};
 use pipec_plan::plan::{
     DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, OptimizerPlan, ScheduleInfo, Simulation,
     StagePlan, TrainingPlan, PLAN_VERSION,
@@ -21,7 +27,7 @@ use pipec_plan::{DeviceId, GroupId, Instr, Phase, Plan, StageId};
 use crate::cluster::{parameter_server_time, ring_allreduce_time, ClusterGraph};
 use crate::cost::{analytic_costs, ApplyProfile, LayerCost, Profile};
 use crate::ir::{self, Graph};
-use crate::lower::{lower, LowerInput, Updates};
+use crate::lower::{lower, LowerInput};
 use crate::memory::{device_memory, human_bytes, StageBytes};
 use crate::partition::{self, AutoInput};
 use crate::schedule::{generate, Placement};
@@ -37,19 +43,58 @@ pub struct CompileOptions {
     pub base_dir: Option<std::path::PathBuf>,
 }
 
-/// Everything a compile produced.
+/// A plan and what it was built from.
 #[derive(Debug, Clone)]
 pub struct Compiled {
     pub plan: Plan,
     pub graph: Graph,
     pub timeline: Timeline,
-    /// Warnings (and, when `plan_ok` is false, the errors) about the plan.
+}
+
+/// What a compile produced: the plan when one could be built (also when it does not fit in
+/// memory: the diagnostics then hold the errors), and every diagnostic about it.
+#[derive(Debug, Clone)]
+pub struct CompileResult {
+    pub compiled: Option<Compiled>,
     pub diagnostics: Vec<Diagnostic>,
 }
 
-impl Compiled {
+impl CompileResult {
     pub fn has_errors(&self) -> bool {
         self.diagnostics.iter().any(Diagnostic::is_error)
+    }
+    /// The plan when one was built (it may still not fit: see the diagnostics); the
+    /// diagnostics otherwise.
+    pub fn into_compiled(self) -> Result<Compiled, Vec<Diagnostic>> {
+        self.compiled.ok_or(self.diagnostics)
+    }
+    /// The plan when one was built and nothing is wrong with it; the diagnostics otherwise.
+    pub fn feasible(self) -> Result<Compiled, Vec<Diagnostic>> {
+        match self.compiled {
+            Some(c) if !self.diagnostics.iter().any(Diagnostic::is_error) => Ok(c),
+            _ => Err(self.diagnostics),
+        }
+    }
+}
+
+/// Compiles a checked spec: the passes in order. A pass that cannot go on ends the compile
+/// with its diagnostics; the memory check reports problems with the plan it built.
+pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
+    let passes = || -> Result<(Compiled, Vec<Diagnostic>), Vec<Diagnostic>> {
+        let model = cost_model(spec, options)?;
+        let layout = partition_layers(spec, &model)?;
+        let placement = place(spec, &layout, &model.cluster)?;
+        let stages = stage_figures(spec, &model, &layout);
+        let lowered = lower_streams(spec, &layout, &placement, &stages);
+        verify_lowered(spec, &placement, &lowered)?;
+        let timeline = simulate_plan(spec, &model, &layout, &stages, &lowered)?;
+        let (devices, diagnostics) = check_memory(spec, &model, &placement, &stages, &lowered, &timeline);
+        let plan = assemble(spec, options, &model, layout, &placement, &stages, &lowered, &timeline, devices);
+        Ok((Compiled { plan, graph: model.graph, timeline }, diagnostics))
+    };
+    match passes() {
+        Ok((compiled, diagnostics)) => CompileResult { compiled: Some(compiled), diagnostics },
+        Err(diagnostics) => CompileResult { compiled: None, diagnostics },
     }
 }
 
@@ -62,16 +107,25 @@ struct Layout {
     notation: String,
 }
 
-/// Compiles a checked spec. Returns the diagnostics alone when no plan can be built.
-pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Diagnostic>> {
+/// The model as the later passes see it: the IR, per-layer costs, the cluster.
+struct ModelCosts {
+    graph: Graph,
+    costs: Vec<LayerCost>,
+    cluster: ClusterGraph,
+    /// Bytes per value at the training precision.
+    precision: usize,
+    microbatch_size: usize,
+    /// Optimizer-state bytes per parameter.
+    optimizer_bytes_per_parameter: f64,
+}
+
+/// IR and cost model: `Spec` → `ModelCosts` (analytic costs, or a measured profile).
+fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelCosts, Vec<Diagnostic>> {
     let precision = spec.training.precision.bytes();
     let graph = ir::lower(&spec.model, precision);
     let cluster = ClusterGraph::new(&spec.cluster);
-    let strategy = &spec.strategy;
-    let microbatch_size = spec.training.batch_size / strategy.microbatches.max(1);
-    let tp = strategy.tp.max(1);
-
-    // Cost model.
+    let microbatch_size = spec.training.batch_size / spec.strategy.microbatches.max(1);
+    let tp = spec.strategy.tp.max(1);
     let mut costs = analytic_costs(&graph, cluster.throughput * tp as f64, microbatch_size);
     if let Some(profile) = &options.profile {
         profile.apply(&mut costs, microbatch_size).map_err(|e| {
@@ -84,81 +138,105 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             .with_help("profile this spec with `pipec profile`")]
         })?;
     }
-    let opt_bytes_per_param = optimizer_bytes_per_parameter(&spec.training.optimizer, precision);
+    let optimizer_bytes_per_parameter = optimizer_bytes_per_parameter(&spec.training.optimizer, precision);
+    Ok(ModelCosts { graph, costs, cluster, precision, microbatch_size, optimizer_bytes_per_parameter })
+}
 
-    // Partition.
-    let layout = partition_layers(spec, &graph, &costs, &cluster, opt_bytes_per_param)?;
-    let stage_count = layout.ranges.len();
-    let ranks = layout.replicas.len();
+/// Per-stage figures: compute times, messages, bytes held.
+struct StageFigures {
+    /// (forward, backward) seconds per microbatch.
+    times: Vec<(f64, f64)>,
+    /// Output bytes per microbatch (what goes to the next stage).
+    output_bytes: Vec<u64>,
+    bytes: Vec<StageBytes>,
+}
 
-    // Placement.
-    let placement = place(spec.strategy.schedule.kind, &layout, tp, strategy.microbatches, &cluster)
-        .map_err(|msg| vec![Diagnostic::error("E0405", msg, strategy.schedule.span, "this schedule")])?;
-
-    // Stage figures.
-    let stage_time = |r: &Range<usize>| {
-        (
-            costs[r.clone()].iter().map(|c| c.forward_s).sum::<f64>(),
-            costs[r.clone()].iter().map(|c| c.backward_s).sum::<f64>(),
-        )
-    };
-    let output_bytes: Vec<u64> =
-        layout.ranges.iter().map(|r| graph.cut_bytes_per_sample(r.end) * microbatch_size as u64).collect();
-    let stage_bytes: Vec<StageBytes> = layout
+/// Stage figures: `Layout` → `StageFigures`.
+fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> StageFigures {
+    let (costs, graph, mb) = (&model.costs, &model.graph, model.microbatch_size as u64);
+    let tp = spec.strategy.tp.max(1) as u64;
+    let times = layout
         .ranges
         .iter()
-        .enumerate()
-        .map(|(s, r)| {
-            let params: u64 = costs[r.clone()].iter().map(|c| c.parameters).sum();
-            let pbytes: u64 = costs[r.clone()].iter().map(|c| c.parameter_bytes).sum::<u64>() / tp as u64;
+        .map(|r| {
+            let c = &costs[r.clone()];
+            (c.iter().map(|c| c.forward_s).sum::<f64>(), c.iter().map(|c| c.backward_s).sum::<f64>())
+        })
+        .collect();
+    let output_bytes: Vec<u64> = layout.ranges.iter().map(|r| graph.cut_bytes_per_sample(r.end) * mb).collect();
+    let bytes = layout
+        .ranges
+        .iter()
+        .zip(&output_bytes)
+        .map(|(r, &output)| {
+            let c = &costs[r.clone()];
+            let parameters: u64 = c.iter().map(|c| c.parameters).sum();
             let input_bytes = if r.start == 0 {
-                (graph.input_shape.iter().product::<usize>() * precision) as u64
+                (graph.input_shape.iter().product::<usize>() * model.precision) as u64
             } else {
                 graph.cut_bytes_per_sample(r.start)
-            } * microbatch_size as u64;
+            } * mb;
             StageBytes {
-                parameters: params,
-                weights: pbytes,
-                optimizer: (params as f64 / tp as f64 * opt_bytes_per_param) as u64,
-                activations_per_microbatch: costs[r.clone()].iter().map(|c| c.activation_bytes_per_sample).sum::<u64>()
-                    * microbatch_size as u64
-                    / tp as u64,
+                parameters,
+                weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>() / tp,
+                optimizer: (parameters as f64 / tp as f64 * model.optimizer_bytes_per_parameter) as u64,
+                activations_per_microbatch: c.iter().map(|c| c.activation_bytes_per_sample).sum::<u64>() * mb / tp,
                 input_per_microbatch: input_bytes,
-                largest_message: input_bytes.max(output_bytes[s]),
+                largest_message: input_bytes.max(output),
             }
         })
         .collect();
-    let gradient_bytes: Vec<u64> = stage_bytes.iter().map(|b| b.weights).collect();
+    StageFigures { times, output_bytes, bytes }
+}
 
-    // Groups.
-    let mut groups: HashMap<GroupId, Vec<DeviceId>> = HashMap::new();
-    let mut group_of: Vec<Option<GroupId>> = vec![None; stage_count];
-    for (replicas, group) in placement.replicas.iter().zip(group_of.iter_mut()) {
-        if replicas.len() > 1 {
-            let g = GroupId(groups.len() as u32);
-            groups.insert(g, replicas.clone());
-            *group = Some(g);
+/// The streams and the collective groups they use.
+struct Lowered {
+    streams: BTreeMap<DeviceId, Vec<Instr>>,
+    /// Every collective group with its stage and members (tensor-parallel shifted copies
+    /// included), in id order.
+    groups: BTreeMap<GroupId, (StageId, Vec<DeviceId>)>,
+    /// The replica group of each stage's leaders (None: unreplicated, or asp).
+    group_of: Vec<Option<GroupId>>,
+    updates: Updates,
+    /// Asynchronous data parallelism (a parameter server instead of replica groups).
+    asp: bool,
+}
+
+impl Lowered {
+    fn members(&self) -> HashMap<GroupId, Vec<DeviceId>> {
+        self.groups.iter().map(|(g, (_, m))| (*g, m.clone())).collect()
+    }
+}
+
+/// Schedule and lowering: `Placement` → `Lowered` (one replica group per replicated stage,
+/// the compute order, the instruction streams, tensor-parallel members' copies).
+fn lower_streams(spec: &Spec, layout: &Layout, placement: &Placement, stages: &StageFigures) -> Lowered {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    let asp = kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp;
+    let ranks = layout.replicas.len();
+    let updates = kind.updates(ranks);
+    let mut groups = BTreeMap::new();
+    let mut group_of = vec![None; placement.stages()];
+    if !asp {
+        // the parameter server of asp takes the place of the replica group
+        for (s, replicas) in placement.replicas.iter().enumerate() {
+            if replicas.len() > 1 {
+                let g = GroupId(groups.len() as u32);
+                groups.insert(g, (StageId(s as u32), replicas.clone()));
+                group_of[s] = Some(g);
+            }
         }
     }
-
-    // Schedule and lowering.
-    let kind = strategy.schedule.kind;
-    let stage_fb: Vec<(f64, f64)> = layout.ranges.iter().map(stage_time).collect();
-    let order = generate(kind, &placement, ranks, backward_slots(&stage_fb));
-    let updates = Updates::of(kind, ranks);
-    let asp = kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp;
-    if asp {
-        // the parameter server takes the place of the replica group
-        groups.clear();
-        group_of.iter_mut().for_each(|g| *g = None);
-    }
-    let mut streams = if asp {
-        crate::lower::lower_asp(&placement, gradient_bytes[0], strategy.schedule.staleness)
+    let gradient_bytes: Vec<u64> = stages.bytes.iter().map(|b| b.weights).collect();
+    let streams = if asp {
+        crate::lower::lower_asp(placement, gradient_bytes[0], strategy.schedule.staleness)
     } else {
+        let order = generate(kind, placement, ranks, backward_slots(&stages.times));
         lower(&LowerInput {
-            placement: &placement,
+            placement,
             order: &order,
-            output_bytes: &output_bytes,
+            output_bytes: &stages.output_bytes,
             gradient_bytes: &gradient_bytes,
             groups: &group_of,
             updates,
@@ -166,156 +244,166 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             vertical_sync: strategy.schedule.vertical_sync,
         })
     };
+    let mut lowered = Lowered { streams, groups, group_of, updates, asp };
+    tensor_parallel_copies(&mut lowered, strategy.tp.max(1));
+    lowered
+}
 
-    // Tensor parallelism: every member t of a TP group runs its leader's stream with peers
-    // and replica groups shifted by t (rank t of a stage talks to rank t of its neighbours).
-    let mut shifted_groups: HashMap<(GroupId, usize), GroupId> = HashMap::new();
-    if tp > 1 {
-        let leaders: Vec<(DeviceId, Vec<Instr>)> =
-            streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, s)| (*d, s.clone())).collect();
-        let mut base_groups: Vec<(GroupId, Vec<DeviceId>)> = groups.iter().map(|(g, m)| (*g, m.clone())).collect();
-        base_groups.sort_by_key(|g| g.0);
-        for t in 1..tp {
-            for (g, members) in &base_groups {
-                let id = GroupId(groups.len() as u32);
-                groups.insert(id, members.iter().map(|d| DeviceId(d.0 + t as u32)).collect());
-                shifted_groups.insert((*g, t), id);
-            }
-            for (leader, stream) in &leaders {
-                let shift = |d: DeviceId| DeviceId(d.0 + t as u32);
-                let copy: Vec<Instr> = stream
-                    .iter()
-                    .map(|i| match *i {
-                        Instr::SendActivation { peer, stage, mb, bytes } => {
-                            Instr::SendActivation { peer: shift(peer), stage, mb, bytes }
-                        }
-                        Instr::RecvActivation { peer, stage, mb, bytes } => {
-                            Instr::RecvActivation { peer: shift(peer), stage, mb, bytes }
-                        }
-                        Instr::SendGradient { peer, stage, mb, bytes } => {
-                            Instr::SendGradient { peer: shift(peer), stage, mb, bytes }
-                        }
-                        Instr::RecvGradient { peer, stage, mb, bytes } => {
-                            Instr::RecvGradient { peer: shift(peer), stage, mb, bytes }
-                        }
-                        Instr::AllReduce { stage, group, bytes } => Instr::AllReduce {
-                            stage,
-                            group: shifted_groups.get(&(group, t)).copied().unwrap_or(group),
-                            bytes,
-                        },
-                        Instr::PushGradient { peer, stage, mb, bytes } => {
-                            Instr::PushGradient { peer: shift(peer), stage, mb, bytes }
-                        }
-                        Instr::ApplyGradient { peer, stage, mb, bytes } => {
-                            Instr::ApplyGradient { peer: shift(peer), stage, mb, bytes }
-                        }
-                        Instr::PushWeights { peer, stage, round, bytes } => {
-                            Instr::PushWeights { peer: shift(peer), stage, round, bytes }
-                        }
-                        Instr::PullWeights { peer, stage, round, bytes } => {
-                            Instr::PullWeights { peer: shift(peer), stage, round, bytes }
-                        }
-                        ref other => other.clone(),
-                    })
-                    .collect();
-                streams.insert(shift(*leader), copy);
-            }
+/// Tensor parallelism: every member t of a TP group runs its leader's stream with peers and
+/// replica groups shifted by t (rank t of a stage talks to rank t of its neighbours).
+fn tensor_parallel_copies(lowered: &mut Lowered, tp: usize) {
+    let leaders: Vec<(DeviceId, Vec<Instr>)> =
+        lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, s)| (*d, s.clone())).collect();
+    let base_groups: Vec<(GroupId, (StageId, Vec<DeviceId>))> =
+        lowered.groups.iter().map(|(g, v)| (*g, v.clone())).collect();
+    for t in 1..tp as u32 {
+        let shift = |d: DeviceId| DeviceId(d.0 + t);
+        let mut shifted: HashMap<GroupId, GroupId> = HashMap::new();
+        for (g, (stage, members)) in &base_groups {
+            let id = GroupId(lowered.groups.len() as u32);
+            lowered.groups.insert(id, (*stage, members.iter().copied().map(shift).collect()));
+            shifted.insert(*g, id);
+        }
+        for (leader, stream) in &leaders {
+            let copy = stream.iter().map(|i| i.map_devices(shift, |g| shifted.get(&g).copied().unwrap_or(g))).collect();
+            lowered.streams.insert(shift(*leader), copy);
         }
     }
+}
 
-    // Verify (a failure is a compiler bug).
+/// Verification: a failure is a compiler bug, reported as E0603.
+fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lowered) -> Result<(), Vec<Diagnostic>> {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    let groups = lowered.members();
     let violations = verify(&VerifyInput {
-        streams: &streams,
-        placement: &placement,
+        streams: &lowered.streams,
+        placement,
         groups: &groups,
         split_backward: kind.splits_backward(),
         recompute: strategy.recompute,
-        update_every: updates.every(asp),
-        asp_staleness: asp.then_some(strategy.schedule.staleness),
-        tp,
+        update_every: lowered.updates.every(lowered.asp),
+        asp_staleness: lowered.asp.then_some(strategy.schedule.staleness),
+        tp: strategy.tp.max(1),
     });
-    if !violations.is_empty() {
-        let mut text = String::new();
-        for v in violations.iter().take(8) {
-            text.push_str(&format!("\n- {}", v.message));
-        }
-        return Err(vec![Diagnostic::error(
-            "E0603",
-            format!(
-                "internal compiler error: the {} plan failed verification ({} problem(s)):{text}",
-                kind.name(),
-                violations.len()
-            ),
-            strategy.schedule.span,
-            "while compiling this schedule",
-        )
-        .with_help("this is a bug in pipec, not in the spec; please report it with the spec")]);
+    if violations.is_empty() {
+        return Ok(());
     }
+    let mut text = String::new();
+    for v in violations.iter().take(8) {
+        text.push_str(&format!("\n- {}", v.message));
+    }
+    Err(vec![Diagnostic::error(
+        "E0603",
+        format!(
+            "internal compiler error: the {} plan failed verification ({} problem(s)):{text}",
+            kind.name(),
+            violations.len()
+        ),
+        strategy.schedule.span,
+        "while compiling this schedule",
+    )
+    .with_help("this is a bug in pipec, not in the spec; please report it with the spec")])
+}
 
-    // Simulate.
-    let reduce = strategy.schedule.reduce;
+/// Simulation: streams + cost model → `Timeline`.
+fn simulate_plan(
+    spec: &Spec,
+    model: &ModelCosts,
+    layout: &Layout,
+    stages: &StageFigures,
+    lowered: &Lowered,
+) -> Result<Timeline, Vec<Diagnostic>> {
     let sim_cost = PlanCost {
-        stage_fb: &stage_fb,
-        cluster: &cluster,
-        reduce,
-        tp,
-        tp_bytes: tp_allreduce_bytes(&graph, &layout.ranges, microbatch_size, precision),
+        stage_fb: &stages.times,
+        cluster: &model.cluster,
+        reduce: spec.strategy.schedule.reduce,
+        tp: spec.strategy.tp.max(1),
+        tp_bytes: tp_allreduce_bytes(&model.graph, &layout.ranges, model.microbatch_size, model.precision),
     };
-    let timeline = simulate(&streams, &groups, &sim_cost).map_err(|stuck| {
+    simulate(&lowered.streams, &lowered.members(), &sim_cost).map_err(|stuck| {
         vec![Diagnostic::error(
             "E0603",
             format!("internal compiler error: the verified plan deadlocked in simulation: {}", stuck.reason),
-            strategy.schedule.span,
+            spec.strategy.schedule.span,
             "while compiling this schedule",
         )]
-    })?;
-    let device_ids: Vec<DeviceId> = (0..cluster.device_count()).map(|d| DeviceId(d as u32)).collect();
-    let (per_device, bubble) = utilisation(&timeline, &device_ids);
+    })
+}
 
-    // Memory.
-    let weight_cap = match kind {
-        ScheduleKind::PipeDream => Some(u32::MAX),
-        ScheduleKind::TwoBw => Some(2),
-        _ => None,
-    };
-    let mut devices = Vec::new();
-    let mut diagnostics = Vec::new();
+/// Memory: per-device breakdowns from the streams, E0601/W0602, and the bubble warning.
+fn check_memory(
+    spec: &Spec,
+    model: &ModelCosts,
+    placement: &Placement,
+    stages: &StageFigures,
+    lowered: &Lowered,
+    timeline: &Timeline,
+) -> (Vec<DevicePlan>, Vec<Diagnostic>) {
+    let strategy = &spec.strategy;
+    let tp = strategy.tp.max(1);
+    let cluster = &model.cluster;
+    let weight_cap = strategy.schedule.kind.weight_versions().cap();
     let empty = Vec::new();
-    for d in &device_ids {
-        let stream = streams.get(d).unwrap_or(&empty);
-        let memory = device_memory(stream, &stage_bytes, strategy.recompute, weight_cap, cluster.memory);
-        let held = placement.stages_of(*d).into_iter().map(|s| StageId(s as u32)).collect::<Vec<_>>();
-        devices.push(DevicePlan {
-            id: *d,
-            node: cluster.node_of(*d),
-            stages: held,
-            memory,
-            peak_in_flight: crate::memory::peak_in_flight(stream),
-        });
-    }
-    // Tensor-parallel followers hold a shard the size of their group leader's.
-    if tp > 1 {
-        for d in 0..devices.len() {
-            let leader = d - d % tp;
-            if leader != d {
-                devices[d].memory = devices[leader].memory.clone();
-                devices[d].stages = devices[leader].stages.clone();
-                devices[d].peak_in_flight = devices[leader].peak_in_flight.clone();
+    let devices: Vec<DevicePlan> = (0..cluster.device_count())
+        .map(|d| {
+            let id = DeviceId(d as u32);
+            // tensor-parallel followers hold a shard the size of their group leader's
+            let leader = DeviceId((d - d % tp) as u32);
+            let stream = lowered.streams.get(&leader).unwrap_or(&empty);
+            DevicePlan {
+                id,
+                node: cluster.node_of(id),
+                stages: placement.stages_of(leader).into_iter().map(|s| StageId(s as u32)).collect(),
+                memory: device_memory(stream, &stages.bytes, strategy.recompute, weight_cap, cluster.memory),
+                peak_in_flight: crate::memory::peak_in_flight(stream),
             }
-        }
-    }
-    memory_diagnostics(spec, &devices, &stage_bytes, &placement, &mut diagnostics);
-    if bubble > 0.5 && strategy.schedule.kind != ScheduleKind::DpOnly {
+        })
+        .collect();
+    let mut diagnostics = Vec::new();
+    memory_diagnostics(spec, &devices, &stages.bytes, placement, &mut diagnostics);
+    let bubble = utilisation(timeline, &device_ids(cluster)).1;
+    if bubble > 0.5 && strategy.schedule.kind.is_pipeline() {
         diagnostics.push(
-            Diagnostic::warning("W0605", format!("the predicted bubble is {:.0}% of device time", bubble * 100.0), strategy.schedule.span, "this schedule")
-                .with_help(format!("more microbatches (now {}) or a schedule with smaller bubbles (interleaved, zb-h1) would use the devices better", strategy.microbatches)),
+            Diagnostic::warning(
+                "W0605",
+                format!("the predicted bubble is {:.0}% of device time", bubble * 100.0),
+                strategy.schedule.span,
+                "this schedule",
+            )
+            .with_help(format!(
+                "more microbatches (now {}) or a schedule with smaller bubbles (interleaved, zb-h1) would use the devices better",
+                strategy.microbatches
+            )),
         );
     }
+    (devices, diagnostics)
+}
 
-    // Assemble the plan.
-    let layers: Vec<LayerPlan> = graph
+fn device_ids(cluster: &ClusterGraph) -> Vec<DeviceId> {
+    (0..cluster.device_count()).map(|d| DeviceId(d as u32)).collect()
+}
+
+/// Assembly: everything above → `Plan`.
+#[allow(clippy::too_many_arguments)]
+fn assemble(
+    spec: &Spec,
+    options: &CompileOptions,
+    model: &ModelCosts,
+    layout: Layout,
+    placement: &Placement,
+    stages: &StageFigures,
+    lowered: &Lowered,
+    timeline: &Timeline,
+    devices: Vec<DevicePlan>,
+) -> Plan {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    let tp = strategy.tp.max(1);
+    let layers: Vec<LayerPlan> = model
+        .graph
         .ops()
-        .zip(&costs)
+        .zip(&model.costs)
         .enumerate()
         .map(|(index, ((_, node), c))| LayerPlan {
             index,
@@ -333,7 +421,7 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             output_bytes_per_sample: c.output_bytes_per_sample,
         })
         .collect();
-    let stages: Vec<StagePlan> = layout
+    let stage_plans: Vec<StagePlan> = layout
         .ranges
         .iter()
         .enumerate()
@@ -342,16 +430,16 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             layers: [r.start, r.end],
             replicas: placement.replicas[s].clone(),
             route: placement.route[s].clone(),
-            group: group_of[s],
-            parameters: stage_bytes[s].parameters,
-            forward_s: stage_fb[s].0,
-            backward_s: stage_fb[s].1,
+            group: lowered.group_of[s],
+            parameters: stages.bytes[s].parameters,
+            forward_s: stages.times[s].0,
+            backward_s: stages.times[s].1,
             activation_bytes_per_microbatch: if strategy.recompute {
-                stage_bytes[s].input_per_microbatch
+                stages.bytes[s].input_per_microbatch
             } else {
-                stage_bytes[s].activations_per_microbatch
+                stages.bytes[s].activations_per_microbatch
             },
-            output_bytes_per_microbatch: output_bytes[s],
+            output_bytes_per_microbatch: stages.output_bytes[s],
             tensor_parallel: if tp > 1 {
                 placement.replicas[s].iter().map(|l| (0..tp as u32).map(|t| DeviceId(l.0 + t)).collect()).collect()
             } else {
@@ -359,15 +447,12 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             },
         })
         .collect();
-    let stage_of_group = |g: GroupId| -> u32 {
-        let base = shifted_groups.iter().find(|(_, v)| **v == g).map(|((b, _), _)| *b).unwrap_or(g);
-        group_of.iter().position(|x| *x == Some(base)).unwrap_or(0) as u32
-    };
-    let mut group_list: Vec<GroupPlan> = groups
+    let groups: Vec<GroupPlan> = lowered
+        .groups
         .iter()
-        .map(|(g, m)| GroupPlan { id: *g, stage: StageId(stage_of_group(*g)), devices: m.clone() })
+        .map(|(g, (stage, members))| GroupPlan { id: *g, stage: *stage, devices: members.clone() })
         .collect();
-    group_list.sort_by_key(|g| g.id);
+    let (per_device, bubble) = utilisation(timeline, &device_ids(&model.cluster));
     let simulation = Simulation {
         step_time_s: timeline.step_time,
         bubble_fraction: bubble,
@@ -386,7 +471,17 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             })
             .collect(),
     };
-    let plan = Plan {
+    let weight_versions = match kind.weight_versions() {
+        WeightVersions::One => 1,
+        WeightVersions::Two => 2,
+        WeightVersions::Stashed => devices
+            .iter()
+            .filter_map(|d| lowered.streams.get(&d.id))
+            .flat_map(|s| crate::memory::peak_weight_versions(s).into_values())
+            .max()
+            .map_or(1, |v| v as usize + 1),
+    };
+    Plan {
         version: PLAN_VERSION,
         name: spec.name.clone().unwrap_or_else(|| "pipec-job".into()),
         model: ModelPlan {
@@ -394,36 +489,23 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> Result<Compiled, Vec<Di
             loss: spec.model.loss,
             token_vocab: spec.model.token_vocab(),
         },
-        training: training_plan(spec, microbatch_size, options),
+        training: training_plan(spec, model.microbatch_size, options),
         schedule: ScheduleInfo {
-            kind: kind.name().to_string(),
+            kind,
             virtual_stages: layout.virtual_stages,
             synchronous: kind.is_synchronous(strategy.schedule.sync),
-            weight_versions: match kind {
-                ScheduleKind::PipeDream => devices
-                    .iter()
-                    .flat_map(|d| crate::memory::peak_weight_versions(&streams[&d.id]).into_values())
-                    .max()
-                    .map(|v| v as usize + 1)
-                    .unwrap_or(1),
-                ScheduleKind::TwoBw => 2,
-                _ => 1,
-            },
-            reduce: match reduce {
-                ReduceMode::Ring => "ring".into(),
-                ReduceMode::ParameterServer => "ps".into(),
-            },
-            staleness: asp.then_some(strategy.schedule.staleness),
+            weight_versions,
+            reduce: strategy.schedule.reduce,
+            staleness: lowered.asp.then_some(strategy.schedule.staleness),
         },
         partition: layout.notation,
-        stages,
+        stages: stage_plans,
         devices,
-        groups: group_list,
+        groups,
         layers,
-        streams,
+        streams: lowered.streams.clone(),
         simulation,
-    };
-    Ok(Compiled { plan, graph, timeline, diagnostics })
+    }
 }
 
 fn optimizer_bytes_per_parameter(opt: &Optimizer, precision: usize) -> f64 {
@@ -452,13 +534,10 @@ fn training_plan(spec: &Spec, microbatch_size: usize, options: &CompileOptions) 
                 OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay }
             }
         },
-        precision: t.precision.name().to_string(),
+        precision: t.precision,
         seed: t.seed,
         data: match &t.data {
-            Data::Synthetic { task, samples } => DataPlan::Synthetic {
-                task: if *task == DataTask::Regression { "regression".into() } else { "classification".into() },
-                samples: *samples,
-            },
+            Data::Synthetic { task, samples } => DataPlan::Synthetic { task: *task, samples: *samples },
             Data::Csv { path, .. } => DataPlan::Csv { path: resolve(path) },
             Data::Npy { path, labels, .. } => {
                 DataPlan::Npy { path: resolve(path), labels: labels.as_deref().map(resolve) }
@@ -470,34 +549,19 @@ fn training_plan(spec: &Spec, microbatch_size: usize, options: &CompileOptions) 
     }
 }
 
-/// The rank that runs chunk `c` of `ranks × v` chunks.
-fn rank_of_chunk(kind: ScheduleKind, c: usize, ranks: usize) -> usize {
-    match kind {
-        ScheduleKind::Zbv => {
-            if c < ranks {
-                c
-            } else {
-                2 * ranks - 1 - c
-            }
-        }
-        _ => c % ranks.max(1),
-    }
-}
-
-fn partition_layers(
-    spec: &Spec,
-    graph: &Graph,
-    costs: &[LayerCost],
-    cluster: &ClusterGraph,
-    opt_bytes: f64,
-) -> Result<Layout, Vec<Diagnostic>> {
+/// Partitioning: `ModelCosts` → `Layout` (explicit ranges, `balanced`, or PipeDream's
+/// `auto`, which may also choose the replication).
+fn partition_layers(spec: &Spec, model: &ModelCosts) -> Result<Layout, Vec<Diagnostic>> {
+    let (graph, costs, cluster, opt_bytes) =
+        (&model.graph, &model.costs, &model.cluster, model.optimizer_bytes_per_parameter);
     let strategy = &spec.strategy;
     let kind = strategy.schedule.kind;
     let v = strategy.schedule.virtual_stages.max(1);
     let times: Vec<f64> = costs.iter().map(|c| c.forward_s + c.backward_s).collect();
     let replicas = strategy.replicas.clone();
     let ranks = replicas.len();
-    let chunk_replicas: Vec<usize> = (0..ranks * v).map(|c| replicas[rank_of_chunk(kind, c, ranks)]).collect();
+    let chunks = kind.chunk_placement();
+    let chunk_replicas: Vec<usize> = (0..ranks * v).map(|c| replicas[chunks.rank_of_chunk(c, ranks)]).collect();
     let fail = |msg: String| {
         vec![Diagnostic::error("E0403", msg, strategy.partition_span, "partition")
             .with_help("use fewer stages or a deeper model")]
@@ -506,17 +570,7 @@ fn partition_layers(
         Partition::Explicit(ranges) => {
             Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges: ranges.clone() })
         }
-        Partition::Auto
-            if !strategy.layout_fixed
-                && v == 1
-                && matches!(
-                    kind,
-                    ScheduleKind::OneFOneB
-                        | ScheduleKind::Gpipe
-                        | ScheduleKind::PipeDream
-                        | ScheduleKind::TwoBw
-                        | ScheduleKind::ZbH1
-                ) =>
+        Partition::Auto if !strategy.layout_fixed && v == 1 && kind.auto_replicates() =>
         {
             let machines = cluster.device_count() / strategy.tp.max(1);
             let mb = spec.training.batch_size / strategy.microbatches.max(1);
@@ -580,8 +634,16 @@ fn backward_slots(stage_fb: &[(f64, f64)]) -> usize {
 /// Assigns devices: pipeline rank r's replicas get consecutive devices (a tensor-parallel
 /// group of `tp` devices each, led by its first), so replicas and TP groups stay inside a
 /// node when they can.
-fn place(
-    kind: ScheduleKind,
+///
+/// Placement: `Layout` → `Placement`.
+fn place(spec: &Spec, layout: &Layout, cluster: &ClusterGraph) -> Result<Placement, Vec<Diagnostic>> {
+    let strategy = &spec.strategy;
+    place_chunks(strategy.schedule.kind.chunk_placement(), layout, strategy.tp.max(1), strategy.microbatches, cluster)
+        .map_err(|msg| vec![Diagnostic::error("E0405", msg, strategy.schedule.span, "this schedule")])
+}
+
+fn place_chunks(
+    chunks: ChunkPlacement,
     layout: &Layout,
     tp: usize,
     microbatches: usize,
@@ -600,7 +662,7 @@ fn place(
     let stages = layout.ranges.len();
     let mut replicas = Vec::with_capacity(stages);
     let mut route = Vec::with_capacity(stages);
-    if kind == ScheduleKind::Chimera {
+    if chunks == ChunkPlacement::Bidirectional {
         // R = the stages' (equal) replication: R pipeline pairs, pair q made of the q-th
         // replica device of every rank. In pair q, stage s's down copy runs on rank s's
         // device and its up copy on rank D−1−s's. Microbatches come in units of R·D (the last
@@ -624,7 +686,7 @@ fn place(
         }
     } else {
         for c in 0..stages {
-            let devs = rank_devices[rank_of_chunk(kind, c, ranks)].clone();
+            let devs = rank_devices[chunks.rank_of_chunk(c, ranks)].clone();
             let n = devs.len() as u32;
             route.push((0..microbatches as u32).map(|m| m % n).collect());
             replicas.push(devs);

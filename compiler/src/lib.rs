@@ -13,4 +13,4 @@ pub mod schedule;
 pub mod simulate;
 pub mod verify;
 
-pub use compile::{compile, CompileOptions, Compiled};
+pub use compile::{compile, CompileOptions, CompileResult, Compiled};

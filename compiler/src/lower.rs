@@ -8,43 +8,11 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
-use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, StageId};
+use pipec_plan::{DeviceId, GroupId, Instr, MessageId, MicrobatchId, Payload, StageId};
 
 use crate::schedule::{Order, Placement, Task, TaskKind};
 
-/// How weights are versioned and updated across the step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Updates {
-    /// One update per step after every gradient is in (flush schedules, BSP).
-    PerStep,
-    /// PipeDream: update after every backward, stash the weights each forward used.
-    PerMicrobatch,
-    /// PipeDream-2BW: update after every `k` local backwards, two weight versions.
-    Every(usize),
-}
-
-impl Updates {
-    /// The cadence a schedule implies over `ranks` pipeline ranks.
-    pub fn of(kind: pipec_grammar::spec::ScheduleKind, ranks: usize) -> Updates {
-        use pipec_grammar::spec::ScheduleKind;
-        match kind {
-            ScheduleKind::PipeDream => Updates::PerMicrobatch,
-            ScheduleKind::TwoBw => Updates::Every(ranks.max(1)),
-            _ => Updates::PerStep,
-        }
-    }
-
-    /// Local backwards per optimizer step, as the verifier counts them: None for one step
-    /// after all of them; asynchronous data parallelism (`asp`) updates per microbatch.
-    pub fn every(self, asp: bool) -> Option<usize> {
-        match self {
-            Updates::PerStep if asp => Some(1),
-            Updates::PerStep => None,
-            Updates::PerMicrobatch => Some(1),
-            Updates::Every(k) => Some(k),
-        }
-    }
-}
+pub use pipec_plan::schedule::Updates;
 
 /// What lowering needs besides the order.
 #[derive(Debug, Clone)]
@@ -63,15 +31,6 @@ pub struct LowerInput<'a> {
     /// PipeDream's vertical sync: every stage runs a microbatch's forward on the weight
     /// version the first stage used for it (unreplicated pipelines).
     pub vertical_sync: bool,
-}
-
-/// A message on a link: what it carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Msg {
-    /// The activation produced by `stage` for `mb`.
-    Act(usize, usize),
-    /// The gradient w.r.t. the input of `stage` for `mb`.
-    Grad(usize, usize),
 }
 
 /// Builds every device's stream.
@@ -100,7 +59,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
 
     // Pass 1: receives, loads and compute, per device; and the receive order of every link.
     let mut streams: Vec<Vec<Instr>> = vec![Vec::new(); p.devices];
-    let mut link_order: HashMap<(DeviceId, DeviceId), VecDeque<Msg>> = HashMap::new();
+    let mut link_order: HashMap<(DeviceId, DeviceId), VecDeque<MessageId>> = HashMap::new();
     for (d, tasks) in input.order.iter().enumerate() {
         let dev = DeviceId(d as u32);
         let stream = &mut streams[d];
@@ -125,7 +84,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                             mb: mbid(m),
                             bytes: input.output_bytes[s - 1],
                         });
-                        link_order.entry((peer, dev)).or_default().push_back(Msg::Act(s - 1, m));
+                        link_order.entry((peer, dev)).or_default().push_back(MessageId::activation(st(s - 1), mbid(m)));
                     }
                     if input.updates != Updates::PerStep {
                         stream.push(Instr::StashWeights {
@@ -145,7 +104,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                             mb: mbid(m),
                             bytes: input.output_bytes[s],
                         });
-                        link_order.entry((peer, dev)).or_default().push_back(Msg::Grad(s + 1, m));
+                        link_order.entry((peer, dev)).or_default().push_back(MessageId::gradient(st(s + 1), mbid(m)));
                     }
                     if input.recompute {
                         stream.push(Instr::Recompute { stage: st(s), mb: mbid(m) });
@@ -197,18 +156,16 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
     let mut out: BTreeMap<DeviceId, Vec<Instr>> = BTreeMap::new();
     for (d, stream) in streams.into_iter().enumerate() {
         let dev = DeviceId(d as u32);
-        let mut links: Vec<(DeviceId, VecDeque<Msg>)> =
+        let mut links: Vec<(DeviceId, VecDeque<MessageId>)> =
             link_order.iter().filter(|((from, _), _)| *from == dev).map(|((_, to), q)| (*to, q.clone())).collect();
         links.sort_by_key(|(to, _)| *to);
-        let mut ready: HashSet<Msg> = HashSet::new();
+        let mut ready: HashSet<MessageId> = HashSet::new();
         let mut with_sends = Vec::with_capacity(stream.len() * 2);
         for ins in stream {
             let produced = match ins {
-                Instr::Forward { stage, mb } if (stage.0 as usize) < last => {
-                    Some(Msg::Act(stage.0 as usize, mb.0 as usize))
-                }
+                Instr::Forward { stage, mb } if (stage.0 as usize) < last => Some(MessageId::activation(stage, mb)),
                 Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } if stage.0 > 0 => {
-                    Some(Msg::Grad(stage.0 as usize, mb.0 as usize))
+                    Some(MessageId::gradient(stage, mb))
                 }
                 _ => None,
             };
@@ -221,7 +178,14 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                             break;
                         }
                         queue.pop_front();
-                        with_sends.push(send_instr(front, *to, input.output_bytes));
+                        // an activation is the sending stage's output; a gradient the size of
+                        // the previous stage's output
+                        let s = front.stage.0 as usize;
+                        let bytes = match front.payload {
+                            Payload::Activation => input.output_bytes[s],
+                            _ => input.output_bytes[s.saturating_sub(1)],
+                        };
+                        with_sends.push(Instr::send(front, *to, bytes));
                     }
                 }
             }
@@ -229,20 +193,6 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
         out.insert(dev, with_sends);
     }
     out
-}
-
-fn send_instr(msg: Msg, peer: DeviceId, output_bytes: &[u64]) -> Instr {
-    match msg {
-        Msg::Act(s, m) => {
-            Instr::SendActivation { peer, stage: StageId(s as u32), mb: MicrobatchId(m as u32), bytes: output_bytes[s] }
-        }
-        Msg::Grad(s, m) => Instr::SendGradient {
-            peer,
-            stage: StageId(s as u32),
-            mb: MicrobatchId(m as u32),
-            bytes: output_bytes[s - 1],
-        },
-    }
 }
 
 /// Asynchronous data parallelism (`dp-only` with `sync: asp`) with a parameter server on

@@ -74,7 +74,7 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
         svg,
         r#"<text x="{left}" y="18" font-size="14" font-weight="bold">{}: {} on {} — step {}, bubble {:.1}%</text>"#,
         escape(&plan.name),
-        escape(&plan.schedule.kind),
+        escape(plan.schedule.kind.name()),
         escape(&plan.partition),
         human_time(timeline.step_time),
         plan.simulation.bubble_fraction * 100.0

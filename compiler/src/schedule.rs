@@ -5,7 +5,7 @@
 //! Stages here are the plan's stages (model chunks): `S = pipeline ranks × virtual stages`.
 //! A [`Placement`] says which device runs each stage for each microbatch.
 
-use pipec_grammar::spec::ScheduleKind;
+use pipec_plan::ScheduleKind;
 use pipec_plan::{DeviceId, MicrobatchId, StageId};
 
 /// The compute kinds a schedule orders.

@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use pipec_plan::{DeviceId, GroupId, Instr, Phase};
+use pipec_plan::{DeviceId, GroupId, Instr, MessageId, Phase};
 
 /// How long things take.
 pub trait CostModel {
@@ -47,20 +47,9 @@ pub struct Timeline {
 }
 
 /// Message identity on a link: kind, stage, microbatch.
-fn message_key(i: &Instr) -> Option<(u8, u32, u32, u64)> {
-    match *i {
-        Instr::SendActivation { stage, mb, bytes, .. } => Some((0, stage.0, mb.0, bytes)),
-        Instr::RecvActivation { stage, mb, bytes, .. } => Some((0, stage.0 - 1, mb.0, bytes)),
-        Instr::SendGradient { stage, mb, bytes, .. } => Some((1, stage.0, mb.0, bytes)),
-        Instr::RecvGradient { stage, mb, bytes, .. } => Some((1, stage.0 + 1, mb.0, bytes)),
-        Instr::PushGradient { stage, mb, bytes, .. } | Instr::ApplyGradient { stage, mb, bytes, .. } => {
-            Some((3, stage.0, mb.0, bytes))
-        }
-        Instr::PushWeights { stage, round, bytes, .. } | Instr::PullWeights { stage, round, bytes, .. } => {
-            Some((4, stage.0, round, bytes))
-        }
-        _ => None,
-    }
+/// What a link carries, as both ends name it (None: a receive nothing can match).
+fn message_key(i: &Instr) -> Option<(MessageId, u64)> {
+    i.transfer().and_then(|t| t.id.map(|id| (id, t.bytes)))
 }
 
 /// Runs the streams. `groups` maps a group id to its members.
@@ -73,7 +62,7 @@ pub fn simulate(
     let mut pc: HashMap<DeviceId, usize> = devices.iter().map(|d| (*d, 0)).collect();
     let mut clock: HashMap<DeviceId, f64> = devices.iter().map(|d| (*d, 0.0)).collect();
     // messages in flight per link, in send order: (key, send time, arrival time)
-    let mut links: HashMap<(DeviceId, DeviceId), VecDeque<((u8, u32, u32, u64), f64, f64)>> = HashMap::new();
+    let mut links: HashMap<(DeviceId, DeviceId), VecDeque<((MessageId, u64), f64, f64)>> = HashMap::new();
     // collectives: per group, the k-th call's arrivals
     let mut calls_made: HashMap<(GroupId, DeviceId), usize> = HashMap::new();
     let mut waiting: HashMap<(GroupId, usize), Vec<(DeviceId, f64, u64, u32)>> = HashMap::new();

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use pipec_plan::{Buffer, DeviceId, GroupId, Instr, StageId};
+use pipec_plan::{Buffer, DeviceId, End, GroupId, Instr, MessageId, StageId};
 
 use crate::schedule::Placement;
 use crate::simulate::{simulate, UnitCost};
@@ -61,9 +61,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         microbatches: plan.training.microbatches,
     };
     let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
-    let Some(kind) = pipec_grammar::spec::ScheduleKind::from_name(&plan.schedule.kind) else {
-        return vec![format!("unknown schedule `{}`", plan.schedule.kind)];
-    };
+    let kind = plan.schedule.kind;
     let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
     let input = VerifyInput {
         streams,
@@ -71,7 +69,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         groups: &groups,
         split_backward: kind.splits_backward(),
         recompute: plan.training.recompute,
-        update_every: crate::lower::Updates::of(kind, ranks).every(plan.schedule.staleness.is_some()),
+        update_every: kind.updates(ranks).every(plan.schedule.staleness.is_some()),
         asp_staleness: plan.schedule.staleness,
         tp: plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len),
     };
@@ -519,41 +517,19 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
 /// Each send has exactly one receive with the same peer, tag and size, and every link
 /// delivers in the order its receiver expects.
 fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
-    type Key = (u8, u32, u32, u64);
+    type Key = (MessageId, u64);
     let mut sends: HashMap<(DeviceId, DeviceId), Vec<(Key, usize)>> = HashMap::new();
     let mut recvs: HashMap<(DeviceId, DeviceId), Vec<(Key, usize)>> = HashMap::new();
     for (dev, stream) in input.streams {
         for (i, ins) in stream.iter().enumerate() {
-            match *ins {
-                Instr::SendActivation { peer, stage, mb, bytes } => {
-                    sends.entry((*dev, peer)).or_default().push(((0, stage.0, mb.0, bytes), i))
-                }
-                Instr::SendGradient { peer, stage, mb, bytes } => {
-                    sends.entry((*dev, peer)).or_default().push(((1, stage.0, mb.0, bytes), i))
-                }
-                Instr::RecvActivation { peer, stage, mb, bytes } => {
-                    if stage.0 == 0 {
-                        out.push(v(*dev, i, format!("`{ins}`: the first stage receives no activation")));
-                        continue;
-                    }
-                    recvs.entry((peer, *dev)).or_default().push(((0, stage.0 - 1, mb.0, bytes), i));
-                }
-                Instr::RecvGradient { peer, stage, mb, bytes } => {
-                    recvs.entry((peer, *dev)).or_default().push(((1, stage.0 + 1, mb.0, bytes), i))
-                }
-                Instr::PushGradient { peer, stage, mb, bytes } => {
-                    sends.entry((*dev, peer)).or_default().push(((3, stage.0, mb.0, bytes), i))
-                }
-                Instr::ApplyGradient { peer, stage, mb, bytes } => {
-                    recvs.entry((peer, *dev)).or_default().push(((3, stage.0, mb.0, bytes), i))
-                }
-                Instr::PushWeights { peer, stage, round, bytes } => {
-                    sends.entry((*dev, peer)).or_default().push(((4, stage.0, round, bytes), i))
-                }
-                Instr::PullWeights { peer, stage, round, bytes } => {
-                    recvs.entry((peer, *dev)).or_default().push(((4, stage.0, round, bytes), i))
-                }
-                _ => {}
+            let Some(t) = ins.transfer() else { continue };
+            let Some(id) = t.id else {
+                out.push(v(*dev, i, format!("`{ins}`: the first stage receives no activation")));
+                continue;
+            };
+            match t.end {
+                End::Send => sends.entry((*dev, t.peer)).or_default().push(((id, t.bytes), i)),
+                End::Recv => recvs.entry((t.peer, *dev)).or_default().push(((id, t.bytes), i)),
             }
         }
     }
@@ -563,15 +539,7 @@ fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     for link in links {
         let s = sends.get(&link).cloned().unwrap_or_default();
         let r = recvs.get(&link).cloned().unwrap_or_default();
-        let name = |k: &Key| {
-            let what = match k.0 {
-                0 => "activation",
-                1 => "gradient",
-                3 => "pushed gradient",
-                _ => "weights (round)",
-            };
-            format!("{what} of s{} m{} ({} B)", k.1, k.2, k.3)
-        };
+        let name = |(id, bytes): &Key| format!("{id} ({bytes} B)");
         let sent: HashMap<Key, usize> = s.iter().fold(HashMap::new(), |mut m, (k, _)| {
             *m.entry(*k).or_insert(0) += 1;
             m

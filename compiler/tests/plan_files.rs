@@ -13,7 +13,7 @@ fn plan_json(layout: &str, schedule: &str, devices: usize) -> Value {
         "model:\n  input: [32]\n  layers:\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ memory: 1GiB, throughput: 1TFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 1us }}\nstrategy:\n  stages: {layout}\n  schedule: {schedule}\n  microbatches: 4\ntraining:\n  batch_size: 16\n  steps: 1\n  optimizer: {{ kind: adam, lr: 0.001 }}\n"
     );
     let spec = pipec_grammar::check_source(&text).spec.expect("valid spec");
-    let plan = compile(&spec, &CompileOptions::default()).expect("compiles").plan;
+    let plan = compile(&spec, &CompileOptions::default()).into_compiled().expect("compiles").plan;
     serde_json::to_value(&plan).expect("serialises")
 }
 

@@ -36,7 +36,7 @@ training:
 fn build(text: &str) -> Compiled {
     let checked = pipec_grammar::check_source(text);
     let spec = checked.spec.unwrap_or_else(|| panic!("spec has errors: {:?}\n{text}", checked.diagnostics));
-    compile(&spec, &CompileOptions::default()).unwrap_or_else(|d| panic!("compile failed: {d:?}"))
+    compile(&spec, &CompileOptions::default()).into_compiled().unwrap_or_else(|d| panic!("compile failed: {d:?}"))
 }
 
 /// Equal up to the (tiny, non-zero) transfer times of the nearly free links.

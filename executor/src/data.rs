@@ -59,7 +59,7 @@ impl Dataset {
         let seed = plan.training.seed;
         let source = match &plan.training.data {
             DataPlan::Synthetic { task, samples } => {
-                if classification != (task == "classification") {
+                if classification != (*task == pipec_plan::Task::Classification) {
                     return Err(format!(
                         "the synthetic task `{task}` does not fit the `{}` loss",
                         plan.model.loss.name()

@@ -30,7 +30,7 @@ use burn::tensor::backend::AutodiffBackend;
 use pipec_plan::{DeviceId, Plan, StageId};
 
 use crate::data::Dataset;
-use crate::transport::{Endpoint, Reduce};
+use crate::transport::Endpoint;
 use crate::worker::{build_stages, snapshot, StageOptim, StageState, StepReport, Worker};
 
 pub use worker::StepReport as WorkerStep;
@@ -165,7 +165,7 @@ mod cuda {
 /// What the executor will do differently from what the plan says, for the user to know.
 pub fn caveats(plan: &Plan) -> Vec<String> {
     let mut out = Vec::new();
-    if plan.training.precision != "fp32" {
+    if plan.training.precision != pipec_plan::Precision::Fp32 {
         out.push(format!(
             "the plan asks for {} but the executor trains in fp32 (its memory figures assume {})",
             plan.training.precision, plan.training.precision
@@ -338,7 +338,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
     let first_step = loaded.as_ref().map(|l| l.completed_steps).unwrap_or(0);
     let total_steps = options.steps.unwrap_or(plan.training.steps);
     let every = plan.training.checkpoint_every.filter(|_| options.checkpoint_dir.is_some());
-    let reduce = if plan.schedule.reduce == "ps" { Reduce::ParameterServer } else { Reduce::Ring };
+    let reduce = plan.schedule.reduce;
     let (tx, rx) = channel::<Event>();
     let n_workers = endpoints.len();
     let mut report = RunReport::default();

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
-use pipec_plan::DeviceId;
+use pipec_plan::{DeviceId, Payload, StageId};
 
 use crate::transport::{Endpoint, Message, Tag, TransportError};
 
@@ -38,15 +38,28 @@ pub const TAG_CKPT: i32 = 14;
 /// non-overtaking rule keeps it right behind its header.
 pub type Outgoing = (i32, i32, Vec<u8>, Option<Vec<f32>>);
 
-fn header(tag: Tag, shape: &[usize]) -> Vec<u8> {
+/// The header code of collective traffic (point-to-point messages carry their payload's
+/// code, `Payload::code`).
+const COLLECTIVE_CODE: u8 = 2;
+
+/// A header or a whole message as it travels: its tag (None for collective traffic),
+/// shape and values.
+#[derive(Debug, Clone, PartialEq)]
+struct Wire {
+    tag: Option<Tag>,
+    shape: Vec<usize>,
+    data: Vec<f32>,
+}
+
+fn header(tag: Option<Tag>, shape: &[usize]) -> Vec<u8> {
     encode(tag, shape, &[])
 }
 
-fn encode(tag: Tag, shape: &[usize], data: &[f32]) -> Vec<u8> {
+fn encode(tag: Option<Tag>, shape: &[usize], data: &[f32]) -> Vec<u8> {
     let mut b = Vec::with_capacity(16 + 8 * shape.len() + 4 * data.len());
-    b.push(tag.0);
-    b.extend_from_slice(&tag.1.to_le_bytes());
-    b.extend_from_slice(&tag.2.to_le_bytes());
+    b.push(tag.map_or(COLLECTIVE_CODE, |t| t.payload.code()));
+    b.extend_from_slice(&tag.map_or(0, |t| t.stage.0).to_le_bytes());
+    b.extend_from_slice(&tag.map_or(0, |t| t.index).to_le_bytes());
     b.extend_from_slice(&(shape.len() as u32).to_le_bytes());
     for d in shape {
         b.extend_from_slice(&(*d as u64).to_le_bytes());
@@ -57,10 +70,14 @@ fn encode(tag: Tag, shape: &[usize], data: &[f32]) -> Vec<u8> {
     b
 }
 
-fn decode(b: &[u8]) -> Result<Message, TransportError> {
+fn decode(b: &[u8]) -> Result<Wire, TransportError> {
     let bad = || TransportError::Other("malformed MPI message".into());
     let u32_at = |i: usize| b.get(i..i + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]])).ok_or_else(bad);
-    let kind = *b.first().ok_or_else(bad)?;
+    let code = *b.first().ok_or_else(bad)?;
+    let payload = match code {
+        COLLECTIVE_CODE => None,
+        c => Some(Payload::from_code(c).ok_or_else(bad)?),
+    };
     let stage = u32_at(1)?;
     let mb = u32_at(5)?;
     let ndim = u32_at(9)? as usize;
@@ -72,7 +89,7 @@ fn decode(b: &[u8]) -> Result<Message, TransportError> {
         off += 8;
     }
     let data = b[off..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    Ok(Message { tag: (kind, stage, mb), shape, data })
+    Ok(Wire { tag: payload.map(|payload| Tag { payload, stage: StageId(stage), index: mb }), shape, data })
 }
 
 /// Starts the sender thread; returns its queue and its handle. The thread ends once every
@@ -100,7 +117,7 @@ fn receive_tensor(
     abort: &AtomicBool,
     timeout: Duration,
     from: DeviceId,
-) -> Result<Message, TransportError> {
+) -> Result<Wire, TransportError> {
     let mut m = decode(&receive_bytes(rank, tag, abort, timeout, from)?)?;
     let world = SimpleCommunicator::world();
     let (values, _) = world.process_at_rank(rank).receive_vec_with_tag::<f32>(tag);
@@ -185,21 +202,22 @@ impl Endpoint for MpiEndpoint {
     fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
         let r = self.rank(to)?;
         self.outgoing
-            .send((r, TAG_P2P, header(msg.tag, &msg.shape), Some(msg.data)))
+            .send((r, TAG_P2P, header(Some(msg.tag), &msg.shape), Some(msg.data)))
             .map_err(|_| TransportError::Disconnected(to))
     }
     fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
         let r = self.rank(from)?;
         let m = receive_tensor(r, TAG_P2P, &self.abort, self.timeout, from)?;
-        if m.tag != tag {
-            return Err(TransportError::Mismatch { from, expected: tag, got: m.tag });
+        let got = m.tag.ok_or_else(|| TransportError::Other("a collective message on the point-to-point tag".into()))?;
+        if got != tag {
+            return Err(TransportError::Mismatch { from, expected: tag, got });
         }
-        Ok(m)
+        Ok(Message { tag: got, shape: m.shape, data: m.data })
     }
     fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError> {
         let r = self.rank(to)?;
         self.outgoing
-            .send((r, TAG_COLL, header((2, 0, 0), &[data.len()]), Some(data)))
+            .send((r, TAG_COLL, header(None, &[data.len()]), Some(data)))
             .map_err(|_| TransportError::Disconnected(to))
     }
     fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError> {
@@ -211,12 +229,14 @@ impl Endpoint for MpiEndpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pipec_plan::MicrobatchId;
 
     #[test]
     fn messages_round_trip() {
-        let b = encode((1, 7, 3), &[2, 3], &[1.0, -2.5, 3.0, 0.0, 5.5, 6.25]);
+        let tag = Tag::gradient(StageId(7), MicrobatchId(3));
+        let b = encode(Some(tag), &[2, 3], &[1.0, -2.5, 3.0, 0.0, 5.5, 6.25]);
         let m = decode(&b).expect("decodes");
-        assert_eq!(m.tag, (1, 7, 3));
+        assert_eq!(m.tag, Some(tag));
         assert_eq!(m.shape, vec![2, 3]);
         assert_eq!(m.data, vec![1.0, -2.5, 3.0, 0.0, 5.5, 6.25]);
         assert!(decode(&b[..5]).is_err());

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use pipec_plan::DeviceId;
 
-/// Identifies a point-to-point message: kind (0 activation, 1 gradient), stage, microbatch.
-pub type Tag = (u8, u32, u32);
+/// Identifies a point-to-point message: the plan's message identity, which both ends
+/// compute from their instructions (`Instr::transfer`).
+pub type Tag = pipec_plan::MessageId;
 
 /// A tensor on the wire: its tag, shape and values.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,19 +52,15 @@ impl std::fmt::Display for TransportError {
             TransportError::Aborted => write!(f, "stopped because another worker failed"),
             TransportError::Disconnected(d) => write!(f, "{d} disconnected"),
             TransportError::Mismatch { from, expected, got } => {
-                write!(f, "expected message {expected:?} from {from}, got {got:?} (out of order)")
+                write!(f, "expected the {expected} from {from}, got the {got} (out of order)")
             }
             TransportError::Other(s) => f.write_str(s),
         }
     }
 }
 
-/// Gradient reduction algorithm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reduce {
-    Ring,
-    ParameterServer,
-}
+/// Gradient reduction algorithm: the plan's `schedule.reduce`.
+pub use pipec_plan::ReduceMode as Reduce;
 
 /// One device's connection to the others.
 pub trait Endpoint: Send {
@@ -269,6 +266,7 @@ pub mod in_process {
 mod tests {
     use super::in_process::connect;
     use super::*;
+    use pipec_plan::{MicrobatchId, StageId};
 
     #[test]
     fn ring_and_ps_all_reduce_sum_identically_on_every_member() {
@@ -301,7 +299,7 @@ mod tests {
     fn receive_times_out_instead_of_hanging() {
         let devices = [DeviceId(0), DeviceId(1)];
         let mut eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_millis(200));
-        let err = eps[0].recv(DeviceId(1), (0, 0, 0)).expect_err("nothing was sent");
+        let err = eps[0].recv(DeviceId(1), Tag::activation(StageId(0), MicrobatchId(0))).expect_err("nothing was sent");
         assert!(matches!(err, TransportError::Timeout { .. }));
     }
 }

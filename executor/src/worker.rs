@@ -221,6 +221,12 @@ fn host_to_act<B: Backend>(shape: &[usize], data: Vec<f32>, dev: &B::Device) -> 
     })
 }
 
+/// The message a point-to-point instruction sends or receives (the plan's identity, the
+/// same at both ends); an activation received by the first stage has none.
+fn expected_message(ins: &Instr) -> Result<Tag, String> {
+    ins.transfer().and_then(|t| t.id).ok_or_else(|| format!("`{ins}` names a message no stage sends"))
+}
+
 fn act_to_message<B: Backend>(a: &Act<B>, tag: Tag) -> Result<Message, String> {
     let data = match a {
         Act::D2(t) => t.clone().into_data(),
@@ -361,7 +367,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         let mut grad_out: Message = match loss {
             Some((leaf, l)) => {
                 let mut grads = (l / n_mb).backward();
-                input_grad::<B>(&leaf, &mut grads, (1, stage.0, mb.0))?.ok_or("no gradient reached the loss input")?
+                input_grad::<B>(&leaf, &mut grads, Tag::gradient(stage, mb))?.ok_or("no gradient reached the loss input")?
             }
             None => self.grads_in.remove(&(stage, mb)).ok_or("the gradient of its output was not received")?,
         };
@@ -374,7 +380,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             if k == 0 && stage.0 == 0 {
                 break;
             }
-            let mut g = input_grad::<B>(&seg.leaf, &mut grads, (1, stage.0, mb.0))?
+            let mut g = input_grad::<B>(&seg.leaf, &mut grads, Tag::gradient(stage, mb))?
                 .ok_or("no gradient reached a segment input")?;
             match seg.boundary {
                 Boundary::Complete => {}
@@ -478,7 +484,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 }
             }
             Instr::RecvActivation { peer, stage, mb, .. } => {
-                let msg = self.ep.recv(peer, (0, stage.0 - 1, mb.0)).map_err(|e| e.to_string())?;
+                let msg = self.ep.recv(peer, expected_message(ins)?).map_err(|e| e.to_string())?;
                 let act = require_grad(host_to_act::<B>(&msg.shape, msg.data, &self.dev)?);
                 self.inputs.insert((stage, mb), act);
             }
@@ -503,7 +509,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                         }
                     } else {
                         let out = segments.last().map(|s| s.out.clone()).ok_or("no segments")?;
-                        self.outputs.insert((stage, mb), act_to_message(&out, (0, stage.0, mb.0))?);
+                        self.outputs.insert((stage, mb), act_to_message(&out, Tag::activation(stage, mb))?);
                     }
                     // with recompute only the input is kept (the last stage keeps its loss,
                     // as without tensor parallelism); the group re-runs the forward, its
@@ -524,7 +530,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     report.losses.push((mb.0, loss.clone().into_scalar().elem::<f32>()));
                     Saved::Loss(loss)
                 } else {
-                    self.outputs.insert((stage, mb), act_to_message(&out, (0, stage.0, mb.0))?);
+                    self.outputs.insert((stage, mb), act_to_message(&out, Tag::activation(stage, mb))?);
                     if recompute {
                         Saved::Nothing
                     } else {
@@ -581,7 +587,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 };
                 let mut grads = target.backward();
                 if stage.0 > 0 {
-                    let g = input_grad::<B>(x, &mut grads, (1, stage.0, mb.0))?
+                    let g = input_grad::<B>(x, &mut grads, Tag::gradient(stage, mb))?
                         .ok_or("no gradient reached the stage input")?;
                     self.input_grads.insert((stage, mb), g);
                 }
@@ -617,7 +623,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 self.ep.send(peer, msg).map_err(|e| e.to_string())?;
             }
             Instr::RecvGradient { peer, stage, mb, .. } => {
-                let msg = self.ep.recv(peer, (1, stage.0 + 1, mb.0)).map_err(|e| e.to_string())?;
+                let msg = self.ep.recv(peer, expected_message(ins)?).map_err(|e| e.to_string())?;
                 self.grads_in.insert((stage, mb), msg);
             }
             Instr::SendGradient { peer, stage, mb, .. } => {
@@ -672,7 +678,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     return Err("no weights were stashed for this microbatch".into());
                 }
             }
-            Instr::PushGradient { peer, stage, mb, .. } => {
+            Instr::PushGradient { peer, stage, .. } => {
                 let st = self.state(stage)?;
                 if st.contributions != 1 {
                     return Err(format!("{} microbatch gradients to push, expected one", st.contributions));
@@ -682,11 +688,11 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 st.contributions = 0;
                 let n = flat.len();
                 self.ep
-                    .send(peer, Message { tag: (3, stage.0, mb.0), shape: vec![n], data: flat })
+                    .send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: flat })
                     .map_err(|e| e.to_string())?;
             }
-            Instr::ApplyGradient { peer, stage, mb, .. } => {
-                let msg = self.ep.recv(peer, (3, stage.0, mb.0)).map_err(|e| e.to_string())?;
+            Instr::ApplyGradient { peer, stage, .. } => {
+                let msg = self.ep.recv(peer, expected_message(ins)?).map_err(|e| e.to_string())?;
                 let lr = match self.plan.training.optimizer {
                     OptimizerPlan::Sgd { lr, .. } | OptimizerPlan::Adam { lr, .. } => lr,
                 };
@@ -719,17 +725,17 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let grads = reg.out;
                 st.model = Some(st.optim.step(lr, model, grads));
             }
-            Instr::PushWeights { peer, stage, round, .. } => {
+            Instr::PushWeights { peer, stage, .. } => {
                 let st = self.state(stage)?;
                 let model = st.model.as_ref().ok_or("no model")?;
                 let values: Vec<f32> = snapshot::<B, _>(model).into_iter().flat_map(|(_, _, v)| v).collect();
                 let n = values.len();
                 self.ep
-                    .send(peer, Message { tag: (4, stage.0, round), shape: vec![n], data: values })
+                    .send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: values })
                     .map_err(|e| e.to_string())?;
             }
-            Instr::PullWeights { peer, stage, round, .. } => {
-                let msg = self.ep.recv(peer, (4, stage.0, round)).map_err(|e| e.to_string())?;
+            Instr::PullWeights { peer, stage, .. } => {
+                let msg = self.ep.recv(peer, expected_message(ins)?).map_err(|e| e.to_string())?;
                 let st = self.state(stage)?;
                 let model = st.model.take().ok_or("no model")?;
                 let mut loader = LoadFlat { values: &msg.data, offset: 0, ok: true };

@@ -7,8 +7,9 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     let Ok(src) = std::str::from_utf8(data) else { return };
     let Some(spec) = pipec_grammar::check_source(src).spec else { return };
-    match pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default()) {
-        Ok(c) => {
+    let result = pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default());
+    assert!(result.diagnostics.iter().all(|d| d.code != "E0603"), "compiler bug: {:?}\n{src}", result.diagnostics);
+    if let Some(c) = result.compiled {
             let _ = pipec_compiler::render::timeline_svg(&c.plan, &c.timeline);
             let _ = pipec_compiler::render::memory_svg(&c.plan);
             let _ = pipec_compiler::render::trace_json(&c.plan, &c.timeline);
@@ -17,9 +18,5 @@ fuzz_target!(|data: &[u8]| {
                 "step time {}",
                 c.plan.simulation.step_time_s
             );
-        }
-        Err(diagnostics) => {
-            assert!(diagnostics.iter().all(|d| d.code != "E0603"), "compiler bug: {diagnostics:?}\n{src}")
-        }
     }
 });

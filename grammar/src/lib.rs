@@ -5,8 +5,10 @@
 //! sections, the layer/unit/strategy DSLs parsed with nom, shapes inferred, cross-section
 //! checks) → [`check::CheckResult`]. This crate knows nothing of graphs or tensors.
 
+pub mod ast;
 pub mod check;
 pub mod codes;
+mod cx;
 pub mod diagnostic;
 pub mod dsl;
 pub mod ide;

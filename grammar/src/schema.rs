@@ -8,6 +8,7 @@
 //! completions from it.
 #![allow(dead_code)]
 
+use pipec_plan::vocab::{Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task};
 use schemars::JsonSchema;
 use serde_json::Value as Json;
 
@@ -41,7 +42,7 @@ struct Model {
     layers: Vec<LayerItem>,
     /// The loss at the end of the model: `cross_entropy` (classification; the last layer's
     /// output size is the number of classes) or `mse` (regression).
-    loss: LossName,
+    loss: Loss,
 }
 
 #[derive(JsonSchema)]
@@ -51,13 +52,6 @@ enum LayerItem {
     Chain(String),
     /// `repeat N: chain` written as a one-key mapping.
     Repeat(std::collections::BTreeMap<String, String>),
-}
-
-#[derive(JsonSchema)]
-#[serde(rename_all = "snake_case")]
-enum LossName {
-    CrossEntropy,
-    Mse,
 }
 
 /// The machines: nodes, devices per node, what one device is, and the links between them.
@@ -137,47 +131,15 @@ struct Strategy {
 #[derive(JsonSchema)]
 #[serde(untagged)]
 enum ScheduleSpec {
-    Name(ScheduleName),
+    Name(ScheduleKind),
     Options(ScheduleOptions),
-}
-
-/// Pipeline schedules pipec generates.
-#[derive(JsonSchema)]
-enum ScheduleName {
-    /// GPipe: all forwards, then all backwards, one flush per step.
-    #[serde(rename = "gpipe")]
-    Gpipe,
-    /// 1F1B with a flush (PipeDream-Flush / DAPPLE): early backwards bound activation memory.
-    #[serde(rename = "1f1b")]
-    OneFOneB,
-    /// Interleaved 1F1B (Megatron): `virtual_stages` model chunks per device.
-    #[serde(rename = "interleaved")]
-    Interleaved,
-    /// PipeDream asynchronous 1F1B with weight stashing and vertical sync.
-    #[serde(rename = "pipedream")]
-    PipeDream,
-    /// PipeDream-2BW: double-buffered weights, one update every step.
-    #[serde(rename = "2bw")]
-    TwoBw,
-    /// Chimera: two pipelines in opposite directions (even number of stages).
-    #[serde(rename = "chimera")]
-    Chimera,
-    /// Zero-bubble ZB-H1: split backward into input and weight gradients.
-    #[serde(rename = "zb-h1")]
-    ZbH1,
-    /// Zero-bubble V schedule: two chunks per device in a V shape.
-    #[serde(rename = "zbv")]
-    Zbv,
-    /// Data parallelism only: one stage, every device a replica.
-    #[serde(rename = "dp-only")]
-    DpOnly,
 }
 
 /// A schedule with options.
 #[derive(JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct ScheduleOptions {
-    kind: ScheduleName,
+    kind: ScheduleKind,
     /// interleaved: model chunks (virtual stages) per device, at least 2.
     virtual_stages: Option<u64>,
     /// dp-only: `bsp` (synchronous, all-reduce every step) or `asp` (asynchronous,
@@ -191,20 +153,6 @@ struct ScheduleOptions {
     /// pipedream: vertical sync — every stage runs a microbatch's forward on the weight
     /// version the first stage used for it (unreplicated stages).
     vertical_sync: Option<bool>,
-}
-
-#[derive(JsonSchema)]
-#[serde(rename_all = "snake_case")]
-enum SyncMode {
-    Bsp,
-    Asp,
-}
-
-#[derive(JsonSchema)]
-#[serde(rename_all = "snake_case")]
-enum ReduceMode {
-    Ring,
-    Ps,
 }
 
 #[derive(JsonSchema)]
@@ -267,22 +215,6 @@ struct Optimizer {
 }
 
 #[derive(JsonSchema)]
-#[serde(rename_all = "snake_case")]
-enum OptimizerKind {
-    Sgd,
-    Momentum,
-    Adam,
-}
-
-#[derive(JsonSchema)]
-#[serde(rename_all = "snake_case")]
-enum Precision {
-    Fp32,
-    Bf16,
-    Fp16,
-}
-
-#[derive(JsonSchema)]
 #[serde(untagged)]
 enum DataSpec {
     Name(DataKind),
@@ -318,13 +250,6 @@ enum DataFileKind {
     Synthetic,
     Csv,
     Npy,
-}
-
-#[derive(JsonSchema)]
-#[serde(rename_all = "snake_case")]
-enum Task {
-    Classification,
-    Regression,
 }
 
 /// Checkpointing during `pipec run`.

@@ -6,6 +6,8 @@
 use crate::diagnostic::Diagnostic;
 use crate::dsl::{self, LayerRef, StagesNotation};
 use crate::span::Span;
+use pipec_plan::schedule::LayoutFacts;
+
 use crate::spec::{Cluster, Lower, Model, Partition, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode, Training};
 use crate::yaml::{Node, Value};
 
@@ -238,13 +240,7 @@ pub(crate) fn lower_strategy(
     // offered as a fix on each microbatch diagnostic.
     let mb_fix: Option<(Span, usize)> = microbatches_node.and_then(|node| {
         let fits = |n: usize| {
-            n != microbatches
-                && replicas.iter().all(|&r| n.is_multiple_of(r.max(1)))
-                && match schedule.kind {
-                    ScheduleKind::Interleaved => n.is_multiple_of(stages.max(1)),
-                    ScheduleKind::Chimera => n.is_multiple_of(2 * replicas.first().copied().unwrap_or(1).max(1)),
-                    _ => true,
-                }
+            n != microbatches && schedule.kind.accepts_microbatches(&replicas, n, schedule.vertical_sync)
         };
         nearest_microbatches(microbatches, training.map(|t| t.batch_size), fits).map(|n| (node.span, n))
     });
@@ -255,96 +251,13 @@ pub(crate) fn lower_strategy(
         None => d,
     };
 
-    // Schedule vs layout.
+    // Schedule vs layout: the schedule's first broken constraint (pipec_plan::schedule).
     let v = schedule.virtual_stages;
-    let sched_err = |cx: &mut Lower<'_>, msg: String, label: &str, help: &str| {
-        cx.push(Diagnostic::error("E0405", msg, schedule.span, label.to_string()).with_help(help.to_string()));
-    };
-    let mb_sched_err = |cx: &mut Lower<'_>, msg: String, label: &str, help: &str| {
-        cx.push(with_mb_fix(
-            Diagnostic::error("E0405", msg, schedule.span, label.to_string()).with_help(help.to_string()),
-        ));
-    };
-    match schedule.kind {
-        ScheduleKind::Interleaved if stages < 2 => {
-            sched_err(
-                cx,
-                "`interleaved` needs at least 2 pipeline stages".into(),
-                "with one stage",
-                "use `1f1b` or `dp-only` for a single stage, or more stages",
-            );
-            ok = false;
-        }
-        ScheduleKind::Interleaved if microbatches % stages != 0 => {
-            mb_sched_err(
-                cx,
-                format!("`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"),
-                "interleaved",
-                "Megatron's interleaved schedule runs microbatches in groups of one per stage",
-            );
-            ok = false;
-        }
-        ScheduleKind::Chimera if stages % 2 != 0 || stages < 2 => {
-            sched_err(
-                cx,
-                format!("`chimera` needs an even number of stages, found {stages}"),
-                "chimera",
-                "Chimera pairs a down and an up pipeline: use 2, 4, 6, ... stages",
-            );
-            ok = false;
-        }
-        ScheduleKind::Chimera if microbatches % 2 != 0 => {
-            mb_sched_err(
-                cx,
-                format!("`chimera` needs an even number of microbatches, found {microbatches}"),
-                "chimera",
-                "half of the microbatches go down, half go up",
-            );
-            ok = false;
-        }
-        ScheduleKind::Chimera
-            if replicas[0] > 1
-                && microbatches.is_multiple_of(replicas[0])
-                && !microbatches.is_multiple_of(2 * replicas[0]) =>
-        {
-            let r = replicas[0];
-            mb_sched_err(
-                cx,
-                format!("`chimera` with stages replicated {r} times needs microbatches divisible by {}, found {microbatches}", 2 * r),
-                "chimera",
-                &format!("the microbatches are dealt to {r} pipeline pairs, each sending half of its share down and half up: use a multiple of {}", 2 * r),
-            );
-            ok = false;
-        }
-        ScheduleKind::DpOnly if stages != 1 => {
-            sched_err(
-                cx,
-                format!("`dp-only` runs the whole model as one stage, but the layout has {stages} stages"),
-                "dp-only",
-                "write `stages: \"N\"` (one stage on N workers) or choose a pipeline schedule",
-            );
-            ok = false;
-        }
-        ScheduleKind::Zbv if stages < 2 => {
-            sched_err(cx, "`zbv` needs at least 2 pipeline stages".into(), "zbv", "use `zb-h1` or `1f1b`");
-            ok = false;
-        }
-        ScheduleKind::PipeDream if schedule.vertical_sync && replicas.iter().any(|&r| r != 1) => {
-            sched_err(cx, "vertical sync needs unreplicated stages".into(), "vertical_sync", "replicated stages update at different rates, so their weight versions do not line up; use `straight` or drop `vertical_sync`");
-            ok = false;
-        }
-        ScheduleKind::Chimera | ScheduleKind::Interleaved | ScheduleKind::Zbv
-            if replicas.iter().any(|&r| r != replicas[0]) =>
-        {
-            sched_err(
-                cx,
-                format!("`{}` needs every stage replicated equally", schedule.kind.name()),
-                "uneven replication",
-                "use `dp`/`pp` degrees or notation like `2-2-2-2`",
-            );
-            ok = false;
-        }
-        _ => {}
+    let facts = LayoutFacts { replicas: &replicas, microbatches, vertical_sync: schedule.vertical_sync };
+    if let Some(broken) = schedule.kind.check_layout(&facts).into_iter().next() {
+        let d = Diagnostic::error("E0405", broken.message, schedule.span, broken.label).with_help(broken.help);
+        cx.push(if broken.about_microbatches { with_mb_fix(d) } else { d });
+        ok = false;
     }
 
     // Stages vs layers.
@@ -481,23 +394,19 @@ fn divisors_hint(n: usize) -> String {
 }
 
 fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedule> {
-    let (kind_name, f) = match &node.value {
+    let (kind, f) = match &node.value {
         Value::Map(_) => {
             let f = cx.fields(node, &["strategy", "schedule"], owner)?;
             let k = cx
                 .required(&f, "kind", "strategy.schedule")
-                .and_then(|k| cx.choice(k, &["strategy", "schedule", "kind"]))?;
+                .and_then(|k| cx.choose::<ScheduleKind>(k, &["strategy", "schedule", "kind"]))?;
             (k, Some(f))
         }
-        _ => (cx.choice(node, &["strategy", "schedule"])?, None),
+        _ => (cx.choose::<ScheduleKind>(node, &["strategy", "schedule"])?, None),
     };
-    let kind = ScheduleKind::from_name(&kind_name)?;
     let mut sched = Schedule {
         kind,
-        virtual_stages: match kind {
-            ScheduleKind::Interleaved | ScheduleKind::Zbv => 2,
-            _ => 1,
-        },
+        virtual_stages: kind.default_virtual_stages(),
         sync: SyncMode::Bsp,
         reduce: ReduceMode::Ring,
         staleness: 0,
@@ -561,16 +470,14 @@ fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedu
     }
     if kind == ScheduleKind::DpOnly {
         if let Some(n) = f.get("sync") {
-            match cx.choice(n, &["strategy", "schedule", "sync"]).as_deref() {
-                Some("asp") => sched.sync = SyncMode::Asp,
-                Some(_) => {}
+            match cx.choose::<SyncMode>(n, &["strategy", "schedule", "sync"]) {
+                Some(sync) => sched.sync = sync,
                 None => ok = false,
             }
         }
         if let Some(n) = f.get("reduce") {
-            match cx.choice(n, &["strategy", "schedule", "reduce"]).as_deref() {
-                Some("ps") => sched.reduce = ReduceMode::ParameterServer,
-                Some(_) => {}
+            match cx.choose::<ReduceMode>(n, &["strategy", "schedule", "reduce"]) {
+                Some(reduce) => sched.reduce = reduce,
                 None => ok = false,
             }
         }

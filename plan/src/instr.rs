@@ -127,6 +127,93 @@ pub enum Instr {
     PullWeights { peer: DeviceId, stage: StageId, round: u32, bytes: u64 },
 }
 
+/// What a point-to-point message carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Payload {
+    /// A stage's output activation, to the next stage.
+    Activation,
+    /// The gradient w.r.t. a stage's input, to the previous stage.
+    Gradient,
+    /// Asynchronous data parallelism: a worker's weight gradient, to the parameter server.
+    WeightGradient,
+    /// Asynchronous data parallelism: the parameter server's weights, to a worker.
+    Weights,
+}
+
+impl Payload {
+    /// The payload's code on the wire (MPI headers).
+    pub fn code(self) -> u8 {
+        match self {
+            Payload::Activation => 0,
+            Payload::Gradient => 1,
+            Payload::WeightGradient => 3,
+            Payload::Weights => 4,
+        }
+    }
+    /// The payload with wire code `code`.
+    pub fn from_code(code: u8) -> Option<Payload> {
+        [Payload::Activation, Payload::Gradient, Payload::WeightGradient, Payload::Weights]
+            .into_iter()
+            .find(|p| p.code() == code)
+    }
+}
+
+/// The identity of a point-to-point message, the same at both ends: the payload, the stage
+/// that sends it, and the microbatch (or, for weights, the round). A link delivers messages
+/// in order; a receive names the message it expects next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct MessageId {
+    pub payload: Payload,
+    /// The sending stage (`stage - 1` for an activation a stage receives).
+    pub stage: StageId,
+    /// The microbatch, or the parameter server's round for weights.
+    pub index: u32,
+}
+
+impl MessageId {
+    /// `stage`'s output activation for `mb`.
+    pub fn activation(stage: StageId, mb: MicrobatchId) -> MessageId {
+        MessageId { payload: Payload::Activation, stage, index: mb.0 }
+    }
+    /// The gradient `stage` sends back for `mb` (w.r.t. its input).
+    pub fn gradient(stage: StageId, mb: MicrobatchId) -> MessageId {
+        MessageId { payload: Payload::Gradient, stage, index: mb.0 }
+    }
+}
+
+impl fmt::Display for MessageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.payload {
+            Payload::Activation => "activation",
+            Payload::Gradient => "gradient",
+            Payload::WeightGradient => "weight gradient",
+            Payload::Weights => "weights",
+        };
+        match self.payload {
+            Payload::Weights => write!(f, "{what} of {} round {}", self.stage, self.index),
+            _ => write!(f, "{what} of {} {}", self.stage, MicrobatchId(self.index)),
+        }
+    }
+}
+
+/// Which end of a message an instruction is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum End {
+    Send,
+    Recv,
+}
+
+/// A point-to-point instruction seen as a message: which end, the other device, what it
+/// carries and how many bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Transfer {
+    pub end: End,
+    pub peer: DeviceId,
+    /// None only for a receive no stage can send (an activation into stage 0).
+    pub id: Option<MessageId>,
+    pub bytes: u64,
+}
+
 /// The compute kind of an instruction, for timelines and schedules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Phase {
@@ -169,17 +256,7 @@ impl Instr {
 
     /// The other device of a point-to-point instruction.
     pub fn peer(&self) -> Option<DeviceId> {
-        match *self {
-            Instr::SendActivation { peer, .. }
-            | Instr::RecvActivation { peer, .. }
-            | Instr::SendGradient { peer, .. }
-            | Instr::RecvGradient { peer, .. }
-            | Instr::PushGradient { peer, .. }
-            | Instr::ApplyGradient { peer, .. }
-            | Instr::PushWeights { peer, .. }
-            | Instr::PullWeights { peer, .. } => Some(peer),
-            _ => None,
-        }
+        self.transfer().map(|t| t.peer)
     }
 
     /// The collective group of a collective instruction.
@@ -236,6 +313,91 @@ impl Instr {
             | Instr::StashWeights { .. }
             | Instr::RestoreWeights { .. }
             | Instr::Free { .. } => Phase::Memory,
+        }
+    }
+
+    /// The message a point-to-point instruction sends or receives; None for every other
+    /// instruction. The one place that says which send matches which receive.
+    pub fn transfer(&self) -> Option<Transfer> {
+        let (end, peer, id, bytes) = match *self {
+            Instr::SendActivation { peer, stage, mb, bytes } => {
+                (End::Send, peer, Some(MessageId::activation(stage, mb)), bytes)
+            }
+            Instr::RecvActivation { peer, stage, mb, bytes } => {
+                (End::Recv, peer, stage.0.checked_sub(1).map(|s| MessageId::activation(StageId(s), mb)), bytes)
+            }
+            Instr::SendGradient { peer, stage, mb, bytes } => (End::Send, peer, Some(MessageId::gradient(stage, mb)), bytes),
+            Instr::RecvGradient { peer, stage, mb, bytes } => {
+                (End::Recv, peer, stage.0.checked_add(1).map(|s| MessageId::gradient(StageId(s), mb)), bytes)
+            }
+            Instr::PushGradient { peer, stage, mb, bytes } | Instr::ApplyGradient { peer, stage, mb, bytes } => {
+                let end = if matches!(self, Instr::PushGradient { .. }) { End::Send } else { End::Recv };
+                (end, peer, Some(MessageId { payload: Payload::WeightGradient, stage, index: mb.0 }), bytes)
+            }
+            Instr::PushWeights { peer, stage, round, bytes } | Instr::PullWeights { peer, stage, round, bytes } => {
+                let end = if matches!(self, Instr::PushWeights { .. }) { End::Send } else { End::Recv };
+                (end, peer, Some(MessageId { payload: Payload::Weights, stage, index: round }), bytes)
+            }
+            Instr::LoadMicrobatch { .. }
+            | Instr::Forward { .. }
+            | Instr::Backward { .. }
+            | Instr::BackwardInput { .. }
+            | Instr::BackwardWeight { .. }
+            | Instr::Recompute { .. }
+            | Instr::AllReduce { .. }
+            | Instr::StashWeights { .. }
+            | Instr::RestoreWeights { .. }
+            | Instr::OptimizerStep { .. }
+            | Instr::Free { .. } => return None,
+        };
+        Some(Transfer { end, peer, id, bytes })
+    }
+
+    /// The instruction that sends message `id` to `peer` (the inverse of [`Instr::transfer`]
+    /// for sends).
+    pub fn send(id: MessageId, peer: DeviceId, bytes: u64) -> Instr {
+        let (stage, mb) = (id.stage, MicrobatchId(id.index));
+        match id.payload {
+            Payload::Activation => Instr::SendActivation { peer, stage, mb, bytes },
+            Payload::Gradient => Instr::SendGradient { peer, stage, mb, bytes },
+            Payload::WeightGradient => Instr::PushGradient { peer, stage, mb, bytes },
+            Payload::Weights => Instr::PushWeights { peer, stage, round: id.index, bytes },
+        }
+    }
+
+    /// The instruction with every device it names mapped by `device` and its collective
+    /// group by `group` (a tensor-parallel member runs its leader's stream shifted this way).
+    pub fn map_devices(&self, device: impl Fn(DeviceId) -> DeviceId, group: impl Fn(GroupId) -> GroupId) -> Instr {
+        match *self {
+            Instr::SendActivation { peer, stage, mb, bytes } => {
+                Instr::SendActivation { peer: device(peer), stage, mb, bytes }
+            }
+            Instr::RecvActivation { peer, stage, mb, bytes } => {
+                Instr::RecvActivation { peer: device(peer), stage, mb, bytes }
+            }
+            Instr::SendGradient { peer, stage, mb, bytes } => Instr::SendGradient { peer: device(peer), stage, mb, bytes },
+            Instr::RecvGradient { peer, stage, mb, bytes } => Instr::RecvGradient { peer: device(peer), stage, mb, bytes },
+            Instr::PushGradient { peer, stage, mb, bytes } => Instr::PushGradient { peer: device(peer), stage, mb, bytes },
+            Instr::ApplyGradient { peer, stage, mb, bytes } => {
+                Instr::ApplyGradient { peer: device(peer), stage, mb, bytes }
+            }
+            Instr::PushWeights { peer, stage, round, bytes } => {
+                Instr::PushWeights { peer: device(peer), stage, round, bytes }
+            }
+            Instr::PullWeights { peer, stage, round, bytes } => {
+                Instr::PullWeights { peer: device(peer), stage, round, bytes }
+            }
+            Instr::AllReduce { stage, group: g, bytes } => Instr::AllReduce { stage, group: group(g), bytes },
+            Instr::LoadMicrobatch { .. }
+            | Instr::Forward { .. }
+            | Instr::Backward { .. }
+            | Instr::BackwardInput { .. }
+            | Instr::BackwardWeight { .. }
+            | Instr::Recompute { .. }
+            | Instr::StashWeights { .. }
+            | Instr::RestoreWeights { .. }
+            | Instr::OptimizerStep { .. }
+            | Instr::Free { .. } => self.clone(),
         }
     }
 

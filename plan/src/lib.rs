@@ -6,6 +6,9 @@ pub mod instr;
 pub mod model;
 pub mod plan;
 pub mod profile;
+pub mod schedule;
+pub mod vocab;
 
-pub use instr::{Buffer, DeviceId, GroupId, Instr, MicrobatchId, Phase, StageId};
+pub use instr::{Buffer, DeviceId, End, GroupId, Instr, MessageId, MicrobatchId, Payload, Phase, StageId, Transfer};
 pub use plan::Plan;
+pub use vocab::{Choice, Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task};

@@ -217,22 +217,8 @@ impl Op {
     }
 }
 
-/// The loss function at the end of the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Hash)]
-#[serde(rename_all = "snake_case")]
-pub enum Loss {
-    CrossEntropy,
-    Mse,
-}
-
-impl Loss {
-    pub fn name(self) -> &'static str {
-        match self {
-            Loss::CrossEntropy => "cross_entropy",
-            Loss::Mse => "mse",
-        }
-    }
-}
+/// The loss function at the end of the model (defined with the other named choices).
+pub use crate::vocab::Loss;
 
 #[cfg(test)]
 mod tests {

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::instr::{DeviceId, GroupId, Instr, StageId};
 use crate::model::{Loss, Op};
+use crate::vocab::{Precision, ReduceMode, ScheduleKind, Task};
 
 /// Bumped on every incompatible change of the format.
 pub const PLAN_VERSION: u32 = 1;
@@ -56,7 +57,7 @@ pub enum OptimizerPlan {
 pub enum DataPlan {
     /// Deterministic data from the seed; `samples` distinct samples (0 = a fresh batch
     /// every step).
-    Synthetic { task: String, samples: usize },
+    Synthetic { task: Task, samples: usize },
     /// A CSV file (absolute path), one sample per row, label last.
     Csv { path: String },
     /// NPY features and labels (absolute paths).
@@ -71,7 +72,7 @@ pub struct TrainingPlan {
     pub microbatch_size: usize,
     pub steps: usize,
     pub optimizer: OptimizerPlan,
-    pub precision: String,
+    pub precision: Precision,
     pub seed: u64,
     pub data: DataPlan,
     pub checkpoint_every: Option<usize>,
@@ -82,14 +83,14 @@ pub struct TrainingPlan {
 /// The schedule that produced the streams.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScheduleInfo {
-    pub kind: String,
+    pub kind: ScheduleKind,
     pub virtual_stages: usize,
     /// Whether training equals one-device training (no stale weights).
     pub synchronous: bool,
     /// Weight versions a stage may keep at once (1 for flush schedules).
     pub weight_versions: usize,
-    /// `ring` or `ps` for gradient reduction.
-    pub reduce: String,
+    /// How replicated stages sum their gradients (`ring` or `ps`).
+    pub reduce: ReduceMode,
     /// Asynchronous data parallelism (parameter server): the staleness bound; None otherwise.
     #[serde(default)]
     pub staleness: Option<usize>,

@@ -1,0 +1,206 @@
+//! The typed spec: what lowering produces and every later phase reads. Every node keeps the
+//! span of the YAML it came from where a later phase may need to point back at it.
+
+use pipec_plan::model::{Loss, Op};
+
+use crate::span::Span;
+
+/// A fully checked spec. Every field carries the span of the YAML it came from where a later
+/// phase may need to point back at it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spec {
+    pub name: Option<String>,
+    pub model: Model,
+    pub cluster: Cluster,
+    pub strategy: Strategy,
+    pub training: Training,
+}
+
+/// The model: per-sample input shape, the flattened list of layers, the loss.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Model {
+    pub input: Vec<usize>,
+    pub input_span: Span,
+    pub layers: Vec<Layer>,
+    pub layers_span: Span,
+    pub loss: Loss,
+    pub loss_span: Span,
+}
+
+impl Model {
+    /// The per-sample output shape of the last layer.
+    pub fn output_shape(&self) -> &[usize] {
+        self.layers.last().map(|l| l.output_shape.as_slice()).unwrap_or(&self.input)
+    }
+    /// The vocabulary size when the model starts with an embedding (its input is token ids).
+    pub fn token_vocab(&self) -> Option<usize> {
+        match self.layers.first().map(|l| &l.op) {
+            Some(Op::Embedding { vocab, .. }) => Some(*vocab),
+            _ => None,
+        }
+    }
+}
+
+/// One operator of the model after `repeat` expansion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layer {
+    pub op: Op,
+    /// The `as` label; inside `repeat N` the i-th copy is `label.i`.
+    pub label: Option<String>,
+    /// The span of the call in the spec.
+    pub span: Span,
+    pub input_shape: Vec<usize>,
+    pub output_shape: Vec<usize>,
+}
+
+/// One link level of the cluster.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    /// Bytes per second.
+    pub bandwidth: f64,
+    /// Seconds per message.
+    pub latency: f64,
+}
+
+/// The cluster.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cluster {
+    pub nodes: usize,
+    pub devices_per_node: usize,
+    pub device_kind: String,
+    /// Bytes of memory per device.
+    pub memory: f64,
+    pub memory_span: Span,
+    /// FLOP/s per device.
+    pub throughput: f64,
+    /// The span of `devices_per_node`, for "the cluster has N devices" labels.
+    pub devices_span: Span,
+    pub intra_node: Link,
+    pub inter_node: Option<Link>,
+    pub span: Span,
+}
+
+/// The most layers a model may expand to.
+pub const MAX_LAYERS: usize = 1_000_000;
+/// The largest cluster pipec plans.
+pub const MAX_DEVICES: usize = 65_536;
+/// The most (stage, microbatch) pairs a plan may have (one bound for specs and plan files).
+pub use pipec_plan::plan::MAX_STAGE_MICROBATCHES;
+
+impl Cluster {
+    pub fn device_count(&self) -> usize {
+        self.nodes * self.devices_per_node
+    }
+}
+
+pub use pipec_plan::vocab::{Choice, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task};
+
+/// The schedule with its options.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Schedule {
+    pub kind: ScheduleKind,
+    /// Model chunks per device (interleaved: ≥ 2; zbv: 2; others 1).
+    pub virtual_stages: usize,
+    pub sync: SyncMode,
+    pub reduce: ReduceMode,
+    pub staleness: usize,
+    /// PipeDream's vertical sync.
+    pub vertical_sync: bool,
+    pub span: Span,
+}
+
+/// How layers are assigned to stages.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Partition {
+    Auto,
+    Balanced,
+    /// Half-open layer ranges, one per (virtual) stage, checked to cover every layer once.
+    Explicit(Vec<std::ops::Range<usize>>),
+}
+
+/// The parallel layout and schedule.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Strategy {
+    /// Workers replicating each pipeline stage (PipeDream notation). With `partition: auto`
+    /// this is the starting layout; the planner may choose another.
+    pub replicas: Vec<usize>,
+    /// Tensor-parallel degree inside each stage replica.
+    pub tp: usize,
+    pub schedule: Schedule,
+    pub microbatches: usize,
+    pub partition: Partition,
+    pub recompute: bool,
+    /// The span of the strategy's layout (`stages:` or `dp`/`pp`), for plan-level errors.
+    pub layout_span: Span,
+    /// Whether the user fixed the layout; with `partition: auto` and no layout the planner
+    /// chooses the replication too.
+    pub layout_fixed: bool,
+    pub partition_span: Span,
+    /// The span of the `microbatches` value (None when the key is absent: 1 microbatch).
+    pub microbatches_span: Option<Span>,
+    pub span: Span,
+}
+
+impl Strategy {
+    pub fn stage_count(&self) -> usize {
+        self.replicas.len()
+    }
+    pub fn devices_needed(&self) -> usize {
+        self.replicas.iter().sum::<usize>() * self.tp
+    }
+    /// The PipeDream notation of the layout (`2-1-1`).
+    pub fn notation(&self) -> String {
+        self.replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-")
+    }
+}
+
+/// The optimizer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Optimizer {
+    Sgd { lr: f64, momentum: f64, weight_decay: f64 },
+    Adam { lr: f64, beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+}
+
+impl Optimizer {
+    pub fn lr(&self) -> f64 {
+        match *self {
+            Optimizer::Sgd { lr, .. } | Optimizer::Adam { lr, .. } => lr,
+        }
+    }
+    /// Optimizer-state floats per parameter (momentum buffer, Adam moments).
+    pub fn state_per_parameter(&self) -> usize {
+        match *self {
+            Optimizer::Sgd { momentum: 0.0, .. } => 0,
+            Optimizer::Sgd { .. } => 1,
+            Optimizer::Adam { .. } => 2,
+        }
+    }
+}
+
+/// Training data.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Data {
+    Synthetic { task: Task, samples: usize },
+    Csv { path: String, span: Span },
+    Npy { path: String, labels: Option<String>, span: Span },
+}
+
+/// Checkpointing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    pub every: usize,
+    pub dir: String,
+}
+
+/// The training set-up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Training {
+    pub batch_size: usize,
+    pub batch_span: Span,
+    pub steps: usize,
+    pub optimizer: Optimizer,
+    pub precision: Precision,
+    pub seed: u64,
+    pub data: Data,
+    pub checkpoint: Option<Checkpoint>,
+}

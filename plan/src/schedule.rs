@@ -1,0 +1,360 @@
+//! What each pipeline schedule is, described once: the layouts it accepts (which drive the
+//! front end's E0405 diagnostics and its microbatch fixes), where its model chunks go, how
+//! often it updates the weights, how many weight versions it keeps, and whether it trains
+//! like one device. Every property is an exhaustive `match` on [`ScheduleKind`], so a new
+//! schedule cannot compile until each is decided. The compute order itself is generated in
+//! the compiler (`pipec_compiler::schedule::generate`, also an exhaustive match).
+
+use crate::vocab::{ScheduleKind, SyncMode};
+
+/// How weights are versioned and updated across the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Updates {
+    /// One update per step after every gradient is in (flush schedules, BSP).
+    PerStep,
+    /// PipeDream: update after every backward, stash the weights each forward used.
+    PerMicrobatch,
+    /// PipeDream-2BW: update after every `k` local backwards, two weight versions.
+    Every(usize),
+}
+
+impl Updates {
+    /// Local backwards per optimizer step, as the verifier counts them: None for one step
+    /// after all of them; asynchronous data parallelism (`asp`) updates per microbatch.
+    pub fn every(self, asp: bool) -> Option<usize> {
+        match self {
+            Updates::PerStep if asp => Some(1),
+            Updates::PerStep => None,
+            Updates::PerMicrobatch => Some(1),
+            Updates::Every(k) => Some(k),
+        }
+    }
+}
+
+/// How many versions of a stage's weights a device may hold at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightVersions {
+    /// The current weights only (flush schedules).
+    One,
+    /// PipeDream-2BW's double buffer.
+    Two,
+    /// PipeDream's weight stashing: one per microbatch in flight (counted from the streams).
+    Stashed,
+}
+
+impl WeightVersions {
+    /// The most versions the memory model counts per stage (None: just the weights).
+    pub fn cap(self) -> Option<u32> {
+        match self {
+            WeightVersions::One => None,
+            WeightVersions::Two => Some(2),
+            WeightVersions::Stashed => Some(u32::MAX),
+        }
+    }
+}
+
+/// Where the `ranks × v` model chunks of a layout go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChunkPlacement {
+    /// Chunk c on rank c mod D (one chunk per rank, or Megatron's interleaving).
+    RoundRobin,
+    /// Zero-bubble V: chunks 0..D down the ranks, D..2D back up.
+    V,
+    /// Chimera: every stage on two ranks, a down and an up pipeline (pairs of replicas).
+    Bidirectional,
+}
+
+impl ChunkPlacement {
+    /// The rank that runs chunk `c` of `ranks × v` chunks.
+    pub fn rank_of_chunk(self, c: usize, ranks: usize) -> usize {
+        match self {
+            ChunkPlacement::V if c >= ranks => (2 * ranks).saturating_sub(1 + c),
+            ChunkPlacement::V | ChunkPlacement::RoundRobin | ChunkPlacement::Bidirectional => c % ranks.max(1),
+        }
+    }
+}
+
+/// The facts about a layout that a schedule's constraints read.
+#[derive(Debug, Clone, Copy)]
+pub struct LayoutFacts<'a> {
+    /// Replicas of each pipeline stage (PipeDream notation).
+    pub replicas: &'a [usize],
+    pub microbatches: usize,
+    /// PipeDream's vertical sync was asked for.
+    pub vertical_sync: bool,
+}
+
+/// A layout the schedule cannot run, as the front end reports it (E0405).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    pub message: String,
+    /// The label under the schedule's span.
+    pub label: String,
+    pub help: String,
+    /// Whether another microbatch count would satisfy it (the front end then offers the
+    /// nearest count that satisfies every constraint as a fix).
+    pub about_microbatches: bool,
+}
+
+fn violation(message: impl Into<String>, label: &str, help: impl Into<String>, about_microbatches: bool) -> Violation {
+    Violation { message: message.into(), label: label.into(), help: help.into(), about_microbatches }
+}
+
+impl ScheduleKind {
+    /// Model chunks per device when the spec does not say.
+    pub fn default_virtual_stages(self) -> usize {
+        match self {
+            ScheduleKind::Interleaved | ScheduleKind::Zbv => 2,
+            ScheduleKind::Gpipe
+            | ScheduleKind::OneFOneB
+            | ScheduleKind::PipeDream
+            | ScheduleKind::TwoBw
+            | ScheduleKind::Chimera
+            | ScheduleKind::ZbH1
+            | ScheduleKind::DpOnly => 1,
+        }
+    }
+
+    /// Whether the backward is split into input- and weight-gradient passes (zero bubble).
+    pub fn splits_backward(self) -> bool {
+        match self {
+            ScheduleKind::ZbH1 | ScheduleKind::Zbv => true,
+            ScheduleKind::Gpipe
+            | ScheduleKind::OneFOneB
+            | ScheduleKind::Interleaved
+            | ScheduleKind::PipeDream
+            | ScheduleKind::TwoBw
+            | ScheduleKind::Chimera
+            | ScheduleKind::DpOnly => false,
+        }
+    }
+
+    /// Whether the schedule computes exactly what one device would (no stale weights).
+    pub fn is_synchronous(self, sync: SyncMode) -> bool {
+        match self {
+            ScheduleKind::PipeDream | ScheduleKind::TwoBw => false,
+            ScheduleKind::DpOnly => sync == SyncMode::Bsp,
+            ScheduleKind::Gpipe
+            | ScheduleKind::OneFOneB
+            | ScheduleKind::Interleaved
+            | ScheduleKind::Chimera
+            | ScheduleKind::ZbH1
+            | ScheduleKind::Zbv => true,
+        }
+    }
+
+    /// The update cadence over `ranks` pipeline ranks.
+    pub fn updates(self, ranks: usize) -> Updates {
+        match self {
+            ScheduleKind::PipeDream => Updates::PerMicrobatch,
+            ScheduleKind::TwoBw => Updates::Every(ranks.max(1)),
+            ScheduleKind::Gpipe
+            | ScheduleKind::OneFOneB
+            | ScheduleKind::Interleaved
+            | ScheduleKind::Chimera
+            | ScheduleKind::ZbH1
+            | ScheduleKind::Zbv
+            | ScheduleKind::DpOnly => Updates::PerStep,
+        }
+    }
+
+    /// How many weight versions a stage keeps.
+    pub fn weight_versions(self) -> WeightVersions {
+        match self {
+            ScheduleKind::PipeDream => WeightVersions::Stashed,
+            ScheduleKind::TwoBw => WeightVersions::Two,
+            ScheduleKind::Gpipe
+            | ScheduleKind::OneFOneB
+            | ScheduleKind::Interleaved
+            | ScheduleKind::Chimera
+            | ScheduleKind::ZbH1
+            | ScheduleKind::Zbv
+            | ScheduleKind::DpOnly => WeightVersions::One,
+        }
+    }
+
+    /// Where the model chunks go.
+    pub fn chunk_placement(self) -> ChunkPlacement {
+        match self {
+            ScheduleKind::Zbv => ChunkPlacement::V,
+            ScheduleKind::Chimera => ChunkPlacement::Bidirectional,
+            ScheduleKind::Gpipe
+            | ScheduleKind::OneFOneB
+            | ScheduleKind::Interleaved
+            | ScheduleKind::PipeDream
+            | ScheduleKind::TwoBw
+            | ScheduleKind::ZbH1
+            | ScheduleKind::DpOnly => ChunkPlacement::RoundRobin,
+        }
+    }
+
+    /// Whether `partition: auto` may choose the replication per stage (PipeDream's
+    /// planner: one chunk per rank, stages replicated independently).
+    pub fn auto_replicates(self) -> bool {
+        match self {
+            ScheduleKind::Gpipe
+            | ScheduleKind::OneFOneB
+            | ScheduleKind::PipeDream
+            | ScheduleKind::TwoBw
+            | ScheduleKind::ZbH1 => true,
+            ScheduleKind::Interleaved | ScheduleKind::Chimera | ScheduleKind::Zbv | ScheduleKind::DpOnly => false,
+        }
+    }
+
+    /// Whether a bubble warning makes sense (a pipeline, not data parallelism alone).
+    pub fn is_pipeline(self) -> bool {
+        self != ScheduleKind::DpOnly
+    }
+
+    /// Every constraint the layout breaks, in the order the front end reports them (it
+    /// reports the first). A microbatch count is acceptable to the schedule when none of
+    /// the violations is `about_microbatches`.
+    pub fn check_layout(self, facts: &LayoutFacts<'_>) -> Vec<Violation> {
+        let stages = facts.replicas.len();
+        let microbatches = facts.microbatches;
+        let first_replicas = facts.replicas.first().copied().unwrap_or(1).max(1);
+        let uneven = facts.replicas.iter().any(|&r| r != first_replicas);
+        let mut out = Vec::new();
+        match self {
+            ScheduleKind::Interleaved => {
+                if stages < 2 {
+                    out.push(violation(
+                        "`interleaved` needs at least 2 pipeline stages",
+                        "with one stage",
+                        "use `1f1b` or `dp-only` for a single stage, or more stages",
+                        false,
+                    ));
+                } else if !microbatches.is_multiple_of(stages) {
+                    out.push(violation(
+                        format!("`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"),
+                        "interleaved",
+                        "Megatron's interleaved schedule runs microbatches in groups of one per stage",
+                        true,
+                    ));
+                }
+            }
+            ScheduleKind::Chimera => {
+                if !stages.is_multiple_of(2) || stages < 2 {
+                    out.push(violation(
+                        format!("`chimera` needs an even number of stages, found {stages}"),
+                        "chimera",
+                        "Chimera pairs a down and an up pipeline: use 2, 4, 6, ... stages",
+                        false,
+                    ));
+                }
+                if !microbatches.is_multiple_of(2) {
+                    out.push(violation(
+                        format!("`chimera` needs an even number of microbatches, found {microbatches}"),
+                        "chimera",
+                        "half of the microbatches go down, half go up",
+                        true,
+                    ));
+                } else if first_replicas > 1
+                    && microbatches.is_multiple_of(first_replicas)
+                    && !microbatches.is_multiple_of(2 * first_replicas)
+                {
+                    let r = first_replicas;
+                    out.push(violation(
+                        format!(
+                            "`chimera` with stages replicated {r} times needs microbatches divisible by {}, found {microbatches}",
+                            2 * r
+                        ),
+                        "chimera",
+                        format!("the microbatches are dealt to {r} pipeline pairs, each sending half of its share down and half up: use a multiple of {}", 2 * r),
+                        true,
+                    ));
+                }
+            }
+            ScheduleKind::DpOnly => {
+                if stages != 1 {
+                    out.push(violation(
+                        format!("`dp-only` runs the whole model as one stage, but the layout has {stages} stages"),
+                        "dp-only",
+                        "write `stages: \"N\"` (one stage on N workers) or choose a pipeline schedule",
+                        false,
+                    ));
+                }
+            }
+            ScheduleKind::Zbv => {
+                if stages < 2 {
+                    out.push(violation("`zbv` needs at least 2 pipeline stages", "zbv", "use `zb-h1` or `1f1b`", false));
+                }
+            }
+            ScheduleKind::PipeDream => {
+                if facts.vertical_sync && facts.replicas.iter().any(|&r| r != 1) {
+                    out.push(violation(
+                        "vertical sync needs unreplicated stages",
+                        "vertical_sync",
+                        "replicated stages update at different rates, so their weight versions do not line up; use `straight` or drop `vertical_sync`",
+                        false,
+                    ));
+                }
+            }
+            ScheduleKind::Gpipe | ScheduleKind::OneFOneB | ScheduleKind::TwoBw | ScheduleKind::ZbH1 => {}
+        }
+        let needs_even_replication = match self {
+            ScheduleKind::Chimera | ScheduleKind::Interleaved | ScheduleKind::Zbv => true,
+            ScheduleKind::Gpipe
+            | ScheduleKind::OneFOneB
+            | ScheduleKind::PipeDream
+            | ScheduleKind::TwoBw
+            | ScheduleKind::ZbH1
+            | ScheduleKind::DpOnly => false,
+        };
+        if needs_even_replication && uneven {
+            out.push(violation(
+                format!("`{}` needs every stage replicated equally", self),
+                "uneven replication",
+                "use `dp`/`pp` degrees or notation like `2-2-2-2`",
+                false,
+            ));
+        }
+        out
+    }
+
+    /// Whether `microbatches` suits this schedule on `replicas` (every replica count
+    /// divides it, and no constraint of the schedule on microbatches is broken).
+    pub fn accepts_microbatches(self, replicas: &[usize], microbatches: usize, vertical_sync: bool) -> bool {
+        replicas.iter().all(|&r| microbatches.is_multiple_of(r.max(1)))
+            && !self
+                .check_layout(&LayoutFacts { replicas, microbatches, vertical_sync })
+                .iter()
+                .any(|v| v.about_microbatches)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn v_placement_goes_down_and_back_up() {
+        let ranks: Vec<usize> = (0..8).map(|c| ChunkPlacement::V.rank_of_chunk(c, 4)).collect();
+        assert_eq!(ranks, [0, 1, 2, 3, 3, 2, 1, 0]);
+        let ranks: Vec<usize> = (0..8).map(|c| ChunkPlacement::RoundRobin.rank_of_chunk(c, 4)).collect();
+        assert_eq!(ranks, [0, 1, 2, 3, 0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn microbatch_constraints_match_their_closed_forms() {
+        for n in 1..=48 {
+            assert_eq!(ScheduleKind::Interleaved.accepts_microbatches(&[1, 1, 1, 1], n, false), n % 4 == 0, "{n}");
+            assert_eq!(ScheduleKind::Chimera.accepts_microbatches(&[1, 1], n, false), n % 2 == 0, "{n}");
+            assert_eq!(ScheduleKind::Chimera.accepts_microbatches(&[3, 3], n, false), n % 6 == 0, "{n}");
+            assert_eq!(ScheduleKind::OneFOneB.accepts_microbatches(&[2, 1, 1], n, false), n % 2 == 0, "{n}");
+        }
+    }
+
+    #[test]
+    fn layout_violations_in_report_order() {
+        let facts = LayoutFacts { replicas: &[1, 1, 1], microbatches: 3, vertical_sync: false };
+        let v = ScheduleKind::Chimera.check_layout(&facts);
+        assert_eq!(v.len(), 2);
+        assert!(v[0].message.contains("even number of stages") && !v[0].about_microbatches);
+        assert!(v[1].message.contains("even number of microbatches") && v[1].about_microbatches);
+        assert!(ScheduleKind::OneFOneB.check_layout(&facts).is_empty());
+        let uneven = LayoutFacts { replicas: &[2, 1], microbatches: 4, vertical_sync: true };
+        assert_eq!(ScheduleKind::Zbv.check_layout(&uneven)[0].label, "uneven replication");
+        assert_eq!(ScheduleKind::PipeDream.check_layout(&uneven)[0].label, "vertical_sync");
+    }
+}

@@ -1,0 +1,188 @@
+//! The named choices a spec and a plan share: schedule, data-parallel sync and reduce modes,
+//! precision, synthetic task, loss, optimizer kind. Each is an enum defined once here, with
+//! its spelling (the serde name, the spec's keyword, the plan file's value) and its
+//! documentation; the front end lowers spec values into them with [`Choice::from_name`], the
+//! JSON Schema is derived from them (feature `schema`), and an unknown value in a plan file is
+//! a load error because serde knows only these names.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// A closed set of named values.
+pub trait Choice: Sized + Copy + PartialEq + 'static {
+    /// Every value, in documentation order.
+    const ALL: &'static [Self];
+    /// The spelling in specs and plan files.
+    fn name(self) -> &'static str;
+    /// The value spelled `name`, if any.
+    fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.iter().copied().find(|c| c.name() == name)
+    }
+    /// Every spelling, in documentation order.
+    fn names() -> Vec<&'static str> {
+        Self::ALL.iter().map(|c| c.name()).collect()
+    }
+}
+
+/// Defines a [`Choice`] enum: each variant with its doc and its one spelling, used by serde,
+/// the schema, `name()` and `Display` alike.
+macro_rules! choice {
+    ($(#[$meta:meta])* pub enum $ty:ident { $($(#[doc = $doc:literal])* $variant:ident = $text:tt,)+ }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+        pub enum $ty {
+            $($(#[doc = $doc])* #[serde(rename = $text)] $variant,)+
+        }
+        impl $ty {
+            /// The spelling in specs and plan files.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $text,)+
+                }
+            }
+        }
+        impl Choice for $ty {
+            const ALL: &'static [Self] = &[$($ty::$variant),+];
+            fn name(self) -> &'static str {
+                $ty::name(self)
+            }
+        }
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+// What each schedule is (its constraints, placement, update cadence, weight versions) is
+// described once, in `crate::schedule`.
+choice! {
+    /// Pipeline schedules pipec generates.
+    pub enum ScheduleKind {
+        /// GPipe: all forwards, then all backwards, one flush per step.
+        Gpipe = "gpipe",
+        /// 1F1B with a flush (PipeDream-Flush / DAPPLE): early backwards bound activation memory.
+        OneFOneB = "1f1b",
+        /// Interleaved 1F1B (Megatron): `virtual_stages` model chunks per device.
+        Interleaved = "interleaved",
+        /// PipeDream asynchronous 1F1B with weight stashing and vertical sync.
+        PipeDream = "pipedream",
+        /// PipeDream-2BW: double-buffered weights, one update every step.
+        TwoBw = "2bw",
+        /// Chimera: two pipelines in opposite directions (even number of stages).
+        Chimera = "chimera",
+        /// Zero-bubble ZB-H1: split backward into input and weight gradients.
+        ZbH1 = "zb-h1",
+        /// Zero-bubble V schedule: two chunks per device in a V shape.
+        Zbv = "zbv",
+        /// Data parallelism only: one stage, every device a replica.
+        DpOnly = "dp-only",
+    }
+}
+
+choice! {
+    /// Synchronous or asynchronous data parallelism (`dp-only`).
+    pub enum SyncMode {
+        /// Bulk-synchronous: gradients all-reduced every step.
+        Bsp = "bsp",
+        /// Asynchronous: a parameter server applies each worker's gradient as it arrives.
+        Asp = "asp",
+    }
+}
+
+choice! {
+    /// How a replicated stage sums its gradients.
+    pub enum ReduceMode {
+        /// Ring all-reduce over the replicas.
+        Ring = "ring",
+        /// A central parameter server.
+        ParameterServer = "ps",
+    }
+}
+
+choice! {
+    /// Numeric precision of weights and activations.
+    pub enum Precision {
+        /// 32-bit floating point.
+        Fp32 = "fp32",
+        /// bfloat16 (with an fp32 master copy of the weights).
+        Bf16 = "bf16",
+        /// IEEE half precision (with an fp32 master copy of the weights).
+        Fp16 = "fp16",
+    }
+}
+
+impl Precision {
+    /// Bytes per value.
+    pub fn bytes(self) -> usize {
+        match self {
+            Precision::Fp32 => 4,
+            Precision::Bf16 | Precision::Fp16 => 2,
+        }
+    }
+}
+
+choice! {
+    /// The task of synthetic data.
+    pub enum Task {
+        /// Labels from a fixed random teacher (class indices).
+        Classification = "classification",
+        /// Real-valued targets.
+        Regression = "regression",
+    }
+}
+
+choice! {
+    /// The loss at the end of the model.
+    pub enum Loss {
+        /// Softmax cross-entropy over class scores; the last layer's output size is the
+        /// number of classes.
+        CrossEntropy = "cross_entropy",
+        /// Mean squared error (regression).
+        Mse = "mse",
+    }
+}
+
+choice! {
+    /// The optimizer as the spec names it.
+    pub enum OptimizerKind {
+        /// Plain SGD.
+        Sgd = "sgd",
+        /// SGD with momentum (0.9 unless given).
+        Momentum = "momentum",
+        /// Adam.
+        Adam = "adam",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trips<C: Choice + Serialize + for<'de> Deserialize<'de> + fmt::Debug>() {
+        for &c in C::ALL {
+            let json = serde_json::to_string(&c).expect("a choice serialises");
+            assert_eq!(json, format!("\"{}\"", c.name()));
+            assert_eq!(serde_json::from_str::<C>(&json).expect("and reads back"), c);
+            assert_eq!(C::from_name(c.name()), Some(c));
+        }
+        assert!(serde_json::from_str::<C>("\"no-such-value\"").is_err());
+        assert_eq!(C::from_name("no-such-value"), None);
+    }
+
+    #[test]
+    fn every_choice_has_one_spelling_for_serde_and_name() {
+        round_trips::<ScheduleKind>();
+        round_trips::<SyncMode>();
+        round_trips::<ReduceMode>();
+        round_trips::<Precision>();
+        round_trips::<Task>();
+        round_trips::<Loss>();
+        round_trips::<OptimizerKind>();
+        assert_eq!(ScheduleKind::OneFOneB.to_string(), "1f1b");
+        assert_eq!(ReduceMode::ParameterServer.name(), "ps");
+    }
+}
