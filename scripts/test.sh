@@ -21,6 +21,14 @@ if ! command -v mpirun >/dev/null 2>&1 || ! dpkg -s libopenmpi-dev libclang-dev 
   apt-get install -y -q libopenmpi-dev openmpi-bin clang libclang-dev
 fi
 
+echo "== formatting and lints"
+if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
+  rustup component add rustfmt clippy
+fi
+cargo fmt --all --check
+(cd fuzz && cargo fmt --all --check)
+cargo clippy --workspace --all-targets --features mpi -- -D warnings
+
 echo "== build"
 cargo build --workspace --all-targets --features mpi
 

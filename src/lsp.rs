@@ -321,6 +321,8 @@ fn handle_request(
                     }
                     let edit =
                         TextEdit { range: range(&index, &doc.text, fix.span), new_text: fix.replacement.clone() };
+                    // lsp-types keys a WorkspaceEdit by Uri, which clippy counts as mutable
+                    #[allow(clippy::mutable_key_type)]
                     let mut changes = HashMap::new();
                     changes.insert(uri.clone(), vec![edit]);
                     actions.push(CodeActionOrCommand::CodeAction(CodeAction {

@@ -104,7 +104,8 @@ fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
     let plan: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(compiled.join("plan.json")).expect("plan")).expect("json");
     // (edit, what the error names)
-    let edits: Vec<(Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let edits: Vec<(Edit, &str)> = vec![
         (Box::new(|p| p["streams"]["0"].as_array_mut().expect("stream").reverse()), "before its forward"),
         (Box::new(|p| p["stages"][0]["layers"] = serde_json::json!([3, 1])), "covers layers [3, 1)"),
         (Box::new(|p| p["training"]["batch_size"] = serde_json::json!(0)), "batch_size 0"),

@@ -197,7 +197,10 @@ training:
     )
 }
 
-fn run_steps(plan: &Plan) -> (f64, Vec<f64>, Vec<(pipec_plan::DeviceId, usize, f64, f64)>) {
+/// One traced instruction: device, instruction index, start and end (seconds).
+type TraceEvent = (pipec_plan::DeviceId, usize, f64, f64);
+
+fn run_steps(plan: &Plan) -> (f64, Vec<f64>, Vec<TraceEvent>) {
     let report =
         pipec_executor::run(plan, &RunOptions { timeout: Duration::from_secs(300), ..Default::default() }, &mut |_| {})
             .expect("runs");

@@ -16,12 +16,12 @@ use std::ops::Range;
 
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::{Data, Optimizer, Partition, Spec};
-use pipec_plan::schedule::{ChunkPlacement, Updates, WeightVersions};
-use pipec_plan::vocab::{ReduceMode, ScheduleKind, SyncMode};
 use pipec_plan::plan::{
     DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, OptimizerPlan, ScheduleInfo, Simulation,
     StagePlan, TrainingPlan, PLAN_VERSION,
 };
+use pipec_plan::schedule::{ChunkPlacement, Updates, WeightVersions};
+use pipec_plan::vocab::{ReduceMode, ScheduleKind, SyncMode};
 use pipec_plan::{DeviceId, GroupId, Instr, Phase, Plan, StageId};
 
 use crate::cluster::{parameter_server_time, ring_allreduce_time, ClusterGraph};
@@ -570,8 +570,7 @@ fn partition_layers(spec: &Spec, model: &ModelCosts) -> Result<Layout, Vec<Diagn
         Partition::Explicit(ranges) => {
             Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges: ranges.clone() })
         }
-        Partition::Auto if !strategy.layout_fixed && v == 1 && kind.auto_replicates() =>
-        {
+        Partition::Auto if !strategy.layout_fixed && v == 1 && kind.auto_replicates() => {
             let machines = cluster.device_count() / strategy.tp.max(1);
             let mb = spec.training.batch_size / strategy.microbatches.max(1);
             let parameter_bytes: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();

@@ -32,8 +32,8 @@ pub fn min_max_contiguous(
     // best[j][i]: optimum for the first i items in j+1 stages; choice[j][i]: start of stage j.
     let mut best = vec![vec![f64::INFINITY; n + 1]; k];
     let mut choice = vec![vec![0usize; n + 1]; k];
-    for i in 1..=n {
-        best[0][i] = cost(0, 0, i);
+    for (i, b) in best[0].iter_mut().enumerate().skip(1) {
+        *b = cost(0, 0, i);
     }
     for j in 1..k {
         for i in (j + 1)..=n {
@@ -88,6 +88,14 @@ pub fn balanced(layer_times: &[f64], replicas: &[usize]) -> Option<(Vec<Range<us
     min_max_contiguous(layer_times.len(), replicas.len(), uniform, |j, p, i| {
         (prefix[i] - prefix[p]) / replicas[j].max(1) as f64
     })
+}
+
+/// Prefix sums over the layers of their time, parameter bytes and memory, so any range's
+/// total is one subtraction.
+struct Prefixes {
+    time: Vec<f64>,
+    weights: Vec<f64>,
+    memory: Vec<f64>,
 }
 
 /// Prefix sums: `out[i]` = sum of the first i values.
@@ -159,18 +167,9 @@ impl AutoInput<'_> {
 
     /// The fewest replicas that make layers `i..j` (starting at machine `first`) run within
     /// `t`, or None. Also returns the stage's time.
-    fn replicas_for(
-        &self,
-        prefix_t: &[f64],
-        prefix_w: &[f64],
-        prefix_m: &[f64],
-        i: usize,
-        j: usize,
-        first: usize,
-        t: f64,
-    ) -> Option<(usize, f64)> {
-        let compute = prefix_t[j] - prefix_t[i];
-        if prefix_m[j] - prefix_m[i] > self.memory_capacity {
+    fn replicas_for(&self, p: &Prefixes, i: usize, j: usize, first: usize, t: f64) -> Option<(usize, f64)> {
+        let compute = p.time[j] - p.time[i];
+        if p.memory[j] - p.memory[i] > self.memory_capacity {
             return None;
         }
         let m = ((compute / t) - 1e-12).ceil().max(1.0) as usize;
@@ -178,7 +177,7 @@ impl AutoInput<'_> {
             return None;
         }
         let level = self.link_between(first, first + m - 1);
-        let sync = ring(level, m, prefix_w[j] - prefix_w[i]) / self.microbatches.max(1) as f64;
+        let sync = ring(level, m, p.weights[j] - p.weights[i]) / self.microbatches.max(1) as f64;
         let cut = if j < self.layer_times.len() {
             let link = self.link_between(first + m - 1, first + m);
             2.0 * (link.1 + self.cut_bytes[j - 1] / link.0)
@@ -190,13 +189,7 @@ impl AutoInput<'_> {
     }
 
     /// Fewest machines reaching bottleneck `t`: (machines, ranges, replicas), or None.
-    fn cover(
-        &self,
-        prefix_t: &[f64],
-        prefix_w: &[f64],
-        prefix_m: &[f64],
-        t: f64,
-    ) -> Option<(usize, Vec<(usize, usize)>)> {
+    fn cover(&self, p: &Prefixes, t: f64) -> Option<(usize, Vec<(usize, usize)>)> {
         let n = self.layer_times.len();
         let mut fewest = vec![usize::MAX; n + 1];
         let mut from = vec![(0usize, 0usize); n + 1];
@@ -206,7 +199,7 @@ impl AutoInput<'_> {
                 if fewest[i] == usize::MAX {
                     continue;
                 }
-                if let Some((m, _)) = self.replicas_for(prefix_t, prefix_w, prefix_m, i, j, fewest[i], t) {
+                if let Some((m, _)) = self.replicas_for(p, i, j, fewest[i], t) {
                     let total = fewest[i] + m;
                     if total < fewest[j] {
                         fewest[j] = total;
@@ -236,17 +229,19 @@ pub fn auto(input: &AutoInput<'_>) -> Option<AutoPlan> {
     if n == 0 || input.machines == 0 {
         return None;
     }
-    let prefix_t = prefix_sums(input.layer_times);
-    let prefix_w = prefix_sums(input.parameter_bytes);
-    let prefix_m = prefix_sums(input.memory_bytes);
+    let prefixes = Prefixes {
+        time: prefix_sums(input.layer_times),
+        weights: prefix_sums(input.parameter_bytes),
+        memory: prefix_sums(input.memory_bytes),
+    };
     // Bisection on the bottleneck time between a lower bound (perfect split over all
     // machines) and an upper bound that is always reachable if anything is.
-    let total = prefix_t[n];
+    let total = prefixes.time[n];
     let mut lo = total / input.machines as f64 * 0.5;
     let mut hi = total.max(f64::MIN_POSITIVE);
     // Communication or sync may dominate: grow hi until feasible.
     let mut grow = 0;
-    while input.cover(&prefix_t, &prefix_w, &prefix_m, hi).is_none() {
+    while input.cover(&prefixes, hi).is_none() {
         hi *= 2.0;
         grow += 1;
         if grow > 60 {
@@ -255,7 +250,7 @@ pub fn auto(input: &AutoInput<'_>) -> Option<AutoPlan> {
     }
     for _ in 0..64 {
         let mid = 0.5 * (lo + hi);
-        if input.cover(&prefix_t, &prefix_w, &prefix_m, mid).is_some() {
+        if input.cover(&prefixes, mid).is_some() {
             hi = mid;
         } else {
             lo = mid;
@@ -264,14 +259,14 @@ pub fn auto(input: &AutoInput<'_>) -> Option<AutoPlan> {
             break;
         }
     }
-    let (_, stages) = input.cover(&prefix_t, &prefix_w, &prefix_m, hi)?;
+    let (_, stages) = input.cover(&prefixes, hi)?;
     let mut ranges = Vec::new();
     let mut replicas = Vec::new();
     let mut first = 0;
     let mut bottleneck: f64 = 0.0;
     for (k, &(i, m)) in stages.iter().enumerate() {
         let j = stages.get(k + 1).map(|s| s.0).unwrap_or(n);
-        let (_, time) = input.replicas_for(&prefix_t, &prefix_w, &prefix_m, i, j, first, hi)?;
+        let (_, time) = input.replicas_for(&prefixes, i, j, first, hi)?;
         bottleneck = bottleneck.max(time);
         ranges.push(i..j);
         replicas.push(m);

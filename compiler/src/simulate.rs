@@ -52,6 +52,11 @@ fn message_key(i: &Instr) -> Option<(MessageId, u64)> {
     i.transfer().and_then(|t| t.id.map(|id| (id, t.bytes)))
 }
 
+/// A message on a link: (what, bytes), send time, arrival time.
+type InFlight = ((MessageId, u64), f64, f64);
+/// A member's arrival at a collective: (device, time, bytes, stage).
+type Arrival = (DeviceId, f64, u64, u32);
+
 /// Runs the streams. `groups` maps a group id to its members.
 pub fn simulate(
     streams: &BTreeMap<DeviceId, Vec<Instr>>,
@@ -62,10 +67,10 @@ pub fn simulate(
     let mut pc: HashMap<DeviceId, usize> = devices.iter().map(|d| (*d, 0)).collect();
     let mut clock: HashMap<DeviceId, f64> = devices.iter().map(|d| (*d, 0.0)).collect();
     // messages in flight per link, in send order: (key, send time, arrival time)
-    let mut links: HashMap<(DeviceId, DeviceId), VecDeque<((MessageId, u64), f64, f64)>> = HashMap::new();
+    let mut links: HashMap<(DeviceId, DeviceId), VecDeque<InFlight>> = HashMap::new();
     // collectives: per group, the k-th call's arrivals
     let mut calls_made: HashMap<(GroupId, DeviceId), usize> = HashMap::new();
-    let mut waiting: HashMap<(GroupId, usize), Vec<(DeviceId, f64, u64, u32)>> = HashMap::new();
+    let mut waiting: HashMap<(GroupId, usize), Vec<Arrival>> = HashMap::new();
     let mut events = Vec::new();
     let mut queue: VecDeque<DeviceId> = devices.iter().copied().collect();
     let mut queued: HashMap<DeviceId, bool> = devices.iter().map(|d| (*d, true)).collect();

@@ -668,7 +668,9 @@ fn check_parameter_server(input: &VerifyInput<'_>, staleness: usize, out: &mut V
 
 /// Every member of a group issues the same collectives in the same order.
 fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
-    let mut calls: HashMap<GroupId, BTreeMap<DeviceId, Vec<(StageId, u64, usize)>>> = HashMap::new();
+    // per group and member, its all-reduces in order: (stage, bytes, instruction index)
+    type Calls = BTreeMap<DeviceId, Vec<(StageId, u64, usize)>>;
+    let mut calls: HashMap<GroupId, Calls> = HashMap::new();
     for (dev, stream) in input.streams {
         for (i, ins) in stream.iter().enumerate() {
             if let Instr::AllReduce { stage, group, bytes } = ins {

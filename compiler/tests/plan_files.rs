@@ -83,3 +83,28 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn an_unknown_named_value_in_a_plan_file_is_a_load_error() {
+    let plan = plan_json("\"2-1\"", "gpipe", 3);
+    assert!(Plan::from_json(&plan.to_string()).is_ok());
+    // each named choice, misspelled: refused with the value in the message, never a default
+    let edits: [(&[&str], &str); 5] = [
+        (&["schedule", "reduce"], "PS"),
+        (&["schedule", "kind"], "one-f-one-b"),
+        (&["training", "precision"], "fp64"),
+        (&["training", "data", "task"], "ranking"),
+        (&["model", "loss"], "hinge"),
+    ];
+    for (path, bad) in edits {
+        let mut edited = plan.clone();
+        let mut at = &mut edited;
+        for key in path {
+            at = &mut at[*key];
+        }
+        assert!(at.is_string(), "{path:?} is a named value");
+        *at = Value::String(bad.to_string());
+        let err = Plan::from_json(&edited.to_string()).expect_err("an unknown value is refused");
+        assert!(err.contains("unknown variant") && err.contains(bad), "{path:?}: {err}");
+    }
+}

@@ -12,6 +12,9 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 
+/// Parameter values keyed by (parameter id, tensor-parallel rank): shape and values.
+pub type ParamValues = HashMap<(u64, u32), (Vec<usize>, Vec<f32>)>;
+
 /// Which state a [`StageCheckpoint`] holds: a stage, or one tensor-parallel shard of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ShardKey {
@@ -262,7 +265,7 @@ pub fn write(
 pub struct Loaded {
     pub completed_steps: usize,
     /// By (parameter id, tensor-parallel rank).
-    pub params: HashMap<(u64, u32), (Vec<usize>, Vec<f32>)>,
+    pub params: ParamValues,
     pub optimizers: HashMap<ShardKey, Vec<u8>>,
     /// The tensor-parallel degree of each stage saved with one above 1.
     pub tensor_parallel: HashMap<u32, u32>,

@@ -62,6 +62,8 @@ pub(crate) fn dense_values(layer: usize, slot: u64, seed: u64, fan_in: usize, fa
 }
 
 impl<B: Backend> Dense<B> {
+    // the layer's identity (index, slot, seed) keys its initial weights; the rest is its shape
+    #[allow(clippy::too_many_arguments)]
     fn new(
         layer: usize,
         slot: u64,
@@ -331,7 +333,8 @@ fn layer_name<B: Backend>(l: &Layer<B>) -> &'static str {
 fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) -> Result<Act<B>, String> {
     // Apply on a 2-D view and restore the shape.
     let dims = x.dims();
-    let (flat, restore): (Tensor<B, 2>, Box<dyn Fn(Tensor<B, 2>) -> Act<B>>) = match x {
+    type Restore<B> = Box<dyn Fn(Tensor<B, 2>) -> Act<B>>;
+    let (flat, restore): (Tensor<B, 2>, Restore<B>) = match x {
         Act::D2(t) => (t, Box::new(Act::D2)),
         Act::D3(t) => {
             let [a, b, c] = t.dims();

@@ -221,7 +221,7 @@ enum Event {
 }
 
 struct ParamLoader<'a> {
-    values: &'a HashMap<(u64, u32), (Vec<usize>, Vec<f32>)>,
+    values: &'a checkpoint::ParamValues,
     /// The tensor-parallel rank whose shard this stage loads (0 without).
     tp_rank: u32,
     missing: Vec<u64>,
@@ -293,14 +293,13 @@ fn load_checkpoint<B: AutodiffBackend>(
     Ok(())
 }
 
-#[allow(clippy::type_complexity)]
 fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>) -> Result<checkpoint::Shards, String> {
     let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
     let mut out = HashMap::new();
     for (id, st) in stages {
         let model = st.model.as_ref().ok_or("no model")?;
         let params =
-            snapshot::<B, _>(model).into_iter().map(|(pid, shape, v)| (ParamId::val(&pid), shape, v)).collect();
+            snapshot::<B, _>(model)?.into_iter().map(|(pid, shape, v)| (ParamId::val(&pid), shape, v)).collect();
         let optimizer = match &st.optim {
             StageOptim::Sgd(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),
             StageOptim::Adam(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),

@@ -208,7 +208,8 @@ impl Endpoint for MpiEndpoint {
     fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
         let r = self.rank(from)?;
         let m = receive_tensor(r, TAG_P2P, &self.abort, self.timeout, from)?;
-        let got = m.tag.ok_or_else(|| TransportError::Other("a collective message on the point-to-point tag".into()))?;
+        let got =
+            m.tag.ok_or_else(|| TransportError::Other("a collective message on the point-to-point tag".into()))?;
         if got != tag {
             return Err(TransportError::Mismatch { from, expected: tag, got });
         }

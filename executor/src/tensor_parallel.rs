@@ -22,6 +22,7 @@ use burn::tensor::backend::AutodiffBackend;
 use pipec_plan::model::Op;
 
 use crate::layers::{dense_values, stateless, Act, Block, Dense, Layer, Norm, StageModel};
+use crate::worker::host_f32;
 
 /// How a stage's layer is split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,7 +212,7 @@ fn g<B: AutodiffBackend>(
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>,
 ) -> Result<Act<B>, String> {
     fn host<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Result<Vec<f32>, String> {
-        t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))
+        host_f32(t.clone().into_data())
     }
     Ok(match partial {
         Act::D2(t) => {

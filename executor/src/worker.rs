@@ -44,7 +44,7 @@ pub(crate) struct StageState<B: AutodiffBackend> {
     pub tp: Option<TpInfo>,
     pub optim: StageOptim<B>,
     /// Accumulated gradients, one flattened tensor per parameter in visiting order.
-    acc: Vec<Option<Tensor<B::InnerBackend, 1>>>,
+    acc: FlatGrads<B>,
     /// Microbatches that contributed to `acc` since the last step.
     contributions: usize,
     stash: HashMap<MicrobatchId, StageModel<B>>,
@@ -107,7 +107,7 @@ impl<B: AutodiffBackend> StageOptim<B> {
 
 struct Collect<'a, B: AutodiffBackend> {
     grads: &'a mut B::Gradients,
-    out: Vec<Option<Tensor<B::InnerBackend, 1>>>,
+    out: FlatGrads<B>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
@@ -138,24 +138,36 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Register<'_, B> {
     }
 }
 
-/// Parameter ids and values of a model, in visiting order (for checkpoints).
+/// One parameter: its id, shape and values.
+pub(crate) type ParamValue = (ParamId, Vec<usize>, Vec<f32>);
+
+/// Parameter ids and values of a model, in visiting order (for checkpoints); the first
+/// parameter whose values could not be read back is an error, never an empty tensor.
 pub(crate) struct Snapshot<B: Backend> {
-    pub params: Vec<(ParamId, Vec<usize>, Vec<f32>)>,
+    pub params: Vec<ParamValue>,
+    error: Option<String>,
     _b: std::marker::PhantomData<B>,
 }
 
 impl<B: Backend> ModuleVisitor<B> for Snapshot<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let t = param.val();
-        let values = t.clone().into_data().convert::<f32>().into_vec::<f32>().unwrap_or_default();
-        self.params.push((param.id, t.dims().to_vec(), values));
+        match t.clone().into_data().convert::<f32>().into_vec::<f32>() {
+            Ok(values) => self.params.push((param.id, t.dims().to_vec(), values)),
+            Err(e) => {
+                self.error.get_or_insert_with(|| format!("cannot read parameter {} back: {e:?}", param.id));
+            }
+        }
     }
 }
 
-pub(crate) fn snapshot<B: Backend, M: Module<B>>(m: &M) -> Vec<(ParamId, Vec<usize>, Vec<f32>)> {
-    let mut s = Snapshot::<B> { params: Vec::new(), _b: std::marker::PhantomData };
+pub(crate) fn snapshot<B: Backend, M: Module<B>>(m: &M) -> Result<Vec<ParamValue>, String> {
+    let mut s = Snapshot::<B> { params: Vec::new(), error: None, _b: std::marker::PhantomData };
     m.visit(&mut s);
-    s.params
+    match s.error {
+        Some(e) => Err(e),
+        None => Ok(s.params),
+    }
 }
 
 /// A worker: one device, its stages, its stream.
@@ -171,12 +183,23 @@ pub(crate) struct Worker<'a, B: AutodiffBackend, E: Endpoint> {
     // per-step buffers
     inputs: HashMap<(StageId, MicrobatchId), Act<B>>,
     labels: HashMap<MicrobatchId, Targets>,
-    saved: HashMap<(StageId, MicrobatchId), (Act<B>, Saved<B>, StageModel<B>)>,
+    saved: HashMap<(StageId, MicrobatchId), Kept<B>>,
     outputs: HashMap<(StageId, MicrobatchId), Message>,
     grads_in: HashMap<(StageId, MicrobatchId), Message>,
     input_grads: HashMap<(StageId, MicrobatchId), Message>,
-    pending_weight_grads: HashMap<(StageId, MicrobatchId), Vec<Option<Tensor<B::InnerBackend, 1>>>>,
+    pending_weight_grads: HashMap<(StageId, MicrobatchId), FlatGrads<B>>,
     in_flight: HashMap<StageId, u32>,
+}
+
+/// A stage's weight gradients, one flat tensor per parameter (None: no gradient yet).
+type FlatGrads<B> = Vec<Option<Tensor<<B as AutodiffBackend>::InnerBackend, 1>>>;
+
+/// What a forward keeps for its microbatch's backward: the stage input (detached under
+/// recompute), what the backward starts from, and the weights the forward used.
+struct Kept<B: AutodiffBackend> {
+    input: Act<B>,
+    saved: Saved<B>,
+    model: StageModel<B>,
 }
 
 /// A copy of a stage's weights that is a fresh autodiff leaf: every microbatch's forward
@@ -235,7 +258,7 @@ fn act_to_message<B: Backend>(a: &Act<B>, tag: Tag) -> Result<Message, String> {
         Act::Tokens(_) => return Err("token ids cannot cross a stage boundary".into()),
     };
     let shape = data.shape.clone();
-    let data = data.convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+    let data = host_f32(data)?;
     Ok(Message { tag, shape: shape.to_vec(), data })
 }
 
@@ -279,12 +302,14 @@ fn input_grad<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients, tag: Tag
         None => Ok(None),
         Some(d) => {
             let shape = d.shape.to_vec();
-            Ok(Some(Message { tag, shape, data: d.convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))? }))
+            Ok(Some(Message { tag, shape, data: host_f32(d)? }))
         }
     }
 }
 
 impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
+    // the worker's parts, each one of the run's: a struct of them would only be unpacked here
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         device: DeviceId,
         plan: &'a Plan,
@@ -349,17 +374,13 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
 
     /// The backward of a tensor-parallel stage, segment by segment (see
     /// `tensor_parallel`); returns the weight gradients and leaves the input gradient to send.
-    fn backward_tp(
-        &mut self,
-        stage: StageId,
-        mb: MicrobatchId,
-        n_mb: f64,
-    ) -> Result<Vec<Option<Tensor<B::InnerBackend, 1>>>, String> {
+    fn backward_tp(&mut self, stage: StageId, mb: MicrobatchId, n_mb: f64) -> Result<FlatGrads<B>, String> {
         use crate::tensor_parallel::Boundary;
         let tp = self.state(stage)?.tp.clone().ok_or("not tensor-parallel")?;
         let size = tp.members.len() as f32;
         let reduce = self.reduce;
-        let (_, saved, used) = self.saved.get(&(stage, mb)).ok_or("its forward's activations are missing")?;
+        let Kept { saved, model: used, .. } =
+            self.saved.get(&(stage, mb)).ok_or("its forward's activations are missing")?;
         let Saved::Tp(segments, loss) = saved else { return Err("not a tensor-parallel forward".into()) };
         // clones share the forward's autodiff nodes, so gradients are found by them
         let (segments, loss, used) = (segments.clone(), loss.clone(), used.clone());
@@ -367,11 +388,12 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         let mut grad_out: Message = match loss {
             Some((leaf, l)) => {
                 let mut grads = (l / n_mb).backward();
-                input_grad::<B>(&leaf, &mut grads, Tag::gradient(stage, mb))?.ok_or("no gradient reached the loss input")?
+                input_grad::<B>(&leaf, &mut grads, Tag::gradient(stage, mb))?
+                    .ok_or("no gradient reached the loss input")?
             }
             None => self.grads_in.remove(&(stage, mb)).ok_or("the gradient of its output was not received")?,
         };
-        let mut flat: Vec<Option<Tensor<B::InnerBackend, 1>>> = Vec::new();
+        let mut flat: FlatGrads<B> = Vec::new();
         for (k, seg) in segments.iter().enumerate().rev() {
             let mut grads = dot_with::<B>(&seg.out, &grad_out, &self.dev)?.backward();
             let mut c = Collect::<B> { grads: &mut grads, out: Vec::new() };
@@ -419,7 +441,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             }
             let Some(Some(t)) = st.acc.get(i) else { continue };
             let n = t.dims()[0];
-            let mut v = t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+            let mut v = host_f32(t.clone().into_data())?;
             self.ep.all_reduce(&tp.members, &mut v, reduce).map_err(|e| e.to_string())?;
             st.acc[i] = Some(Tensor::from_data(TensorData::new(v, [n]), &dev));
         }
@@ -515,9 +537,9 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     // as without tensor parallelism); the group re-runs the forward, its
                     // all-reduces included, at `Recompute`
                     let saved = if recompute && !is_last {
-                        (detach(&x), Saved::Nothing, model)
+                        Kept { input: detach(&x), saved: Saved::Nothing, model }
                     } else {
-                        (x, Saved::Tp(segments, loss), model)
+                        Kept { input: x, saved: Saved::Tp(segments, loss), model }
                     };
                     self.saved.insert((stage, mb), saved);
                     *self.in_flight.entry(stage).or_insert(0) += 1;
@@ -538,18 +560,19 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     }
                 };
                 let x = if recompute { detach(&x) } else { x };
-                self.saved.insert((stage, mb), (x, saved, model));
+                self.saved.insert((stage, mb), Kept { input: x, saved, model });
                 *self.in_flight.entry(stage).or_insert(0) += 1;
             }
             Instr::Recompute { stage, mb } => {
-                let (x, _, model) = self.saved.remove(&(stage, mb)).ok_or("nothing kept for this microbatch")?;
+                let Kept { input: x, model, .. } =
+                    self.saved.remove(&(stage, mb)).ok_or("nothing kept for this microbatch")?;
                 let x = if stage.0 == 0 { x } else { require_grad(x) };
                 let key = (self.plan.training.seed, step as u64, u64::from(mb.0));
                 // the weights the forward used (not the newest, if an update came between)
                 let model = microbatch_copy(&model);
                 if self.state(stage)?.tp.is_some() {
                     let (segments, loss) = self.forward_tp(stage, mb, &model, x.clone(), key)?;
-                    self.saved.insert((stage, mb), (x, Saved::Tp(segments, loss), model));
+                    self.saved.insert((stage, mb), Kept { input: x, saved: Saved::Tp(segments, loss), model });
                     return Ok(());
                 }
                 let out = model.forward(x.clone(), true, key)?;
@@ -559,10 +582,10 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 } else {
                     Saved::Output(out)
                 };
-                self.saved.insert((stage, mb), (x, saved, model));
+                self.saved.insert((stage, mb), Kept { input: x, saved, model });
             }
             Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } => {
-                if let Some((_, Saved::Tp(..), _)) = self.saved.get(&(stage, mb)) {
+                if let Some(Kept { saved: Saved::Tp(..), .. }) = self.saved.get(&(stage, mb)) {
                     let flat = self.backward_tp(stage, mb, n_mb)?;
                     let st = self.state(stage)?;
                     if matches!(ins, Instr::Backward { .. }) {
@@ -574,7 +597,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     }
                     return Ok(());
                 }
-                let (x, saved, used) = self.saved.get(&(stage, mb)).ok_or("its forward's activations are missing")?;
+                let Kept { input: x, saved, model: used } =
+                    self.saved.get(&(stage, mb)).ok_or("its forward's activations are missing")?;
                 let target = match saved {
                     Saved::Loss(l) => l.clone() / n_mb,
                     Saved::Output(out) => {
@@ -642,12 +666,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let dev = self.dev.clone();
                 let st = self.state(stage)?;
                 let sizes: Vec<usize> = st.acc.iter().map(|g| g.as_ref().map(|t| t.dims()[0]).unwrap_or(0)).collect();
-                let mut flat: Vec<f32> = Vec::with_capacity(sizes.iter().sum());
-                for t in st.acc.iter().flatten() {
-                    flat.extend(
-                        t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?,
-                    );
-                }
+                let mut flat = flatten_grads::<B>(&st.acc)?;
                 self.ep.all_reduce(&members, &mut flat, reduce).map_err(|e| e.to_string())?;
                 let st = self.state(stage)?;
                 let mut offset = 0;
@@ -710,7 +729,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     ));
                 }
                 let mut offset = 0;
-                let flat: Vec<Option<Tensor<B::InnerBackend, 1>>> = sizes
+                let flat: FlatGrads<B> = sizes
                     .0
                     .iter()
                     .map(|&n| {
@@ -728,7 +747,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             Instr::PushWeights { peer, stage, .. } => {
                 let st = self.state(stage)?;
                 let model = st.model.as_ref().ok_or("no model")?;
-                let values: Vec<f32> = snapshot::<B, _>(model).into_iter().flat_map(|(_, _, v)| v).collect();
+                let values: Vec<f32> = snapshot::<B, _>(model)?.into_iter().flat_map(|(_, _, v)| v).collect();
                 let n = values.len();
                 self.ep
                     .send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: values })
@@ -816,18 +835,22 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Sizes {
     }
 }
 
+/// A tensor's values on the host as f32 (what crosses a stage boundary or a collective).
+pub(crate) fn host_f32(data: TensorData) -> Result<Vec<f32>, String> {
+    data.convert::<f32>().into_vec::<f32>().map_err(|e| format!("cannot read a tensor back: {e:?}"))
+}
+
+/// The present gradients of `acc`, concatenated in parameter order (what an all-reduce or a
+/// push to the parameter server moves).
 fn flatten_grads<B: AutodiffBackend>(acc: &[Option<Tensor<B::InnerBackend, 1>>]) -> Result<Vec<f32>, String> {
     let mut flat = Vec::new();
     for t in acc.iter().flatten() {
-        flat.extend(t.clone().into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?);
+        flat.extend(host_f32(t.clone().into_data())?);
     }
     Ok(flat)
 }
 
-fn accumulate<B: AutodiffBackend>(
-    acc: &mut Vec<Option<Tensor<B::InnerBackend, 1>>>,
-    flat: Vec<Option<Tensor<B::InnerBackend, 1>>>,
-) {
+fn accumulate<B: AutodiffBackend>(acc: &mut FlatGrads<B>, flat: FlatGrads<B>) {
     if acc.len() < flat.len() {
         acc.resize(flat.len(), None);
     }

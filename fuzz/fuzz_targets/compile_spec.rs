@@ -10,13 +10,13 @@ fuzz_target!(|data: &[u8]| {
     let result = pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default());
     assert!(result.diagnostics.iter().all(|d| d.code != "E0603"), "compiler bug: {:?}\n{src}", result.diagnostics);
     if let Some(c) = result.compiled {
-            let _ = pipec_compiler::render::timeline_svg(&c.plan, &c.timeline);
-            let _ = pipec_compiler::render::memory_svg(&c.plan);
-            let _ = pipec_compiler::render::trace_json(&c.plan, &c.timeline);
-            assert!(
-                c.plan.simulation.step_time_s.is_finite() && c.plan.simulation.step_time_s >= 0.0,
-                "step time {}",
-                c.plan.simulation.step_time_s
-            );
+        let _ = pipec_compiler::render::timeline_svg(&c.plan, &c.timeline);
+        let _ = pipec_compiler::render::memory_svg(&c.plan);
+        let _ = pipec_compiler::render::trace_json(&c.plan, &c.timeline);
+        assert!(
+            c.plan.simulation.step_time_s.is_finite() && c.plan.simulation.step_time_s >= 0.0,
+            "step time {}",
+            c.plan.simulation.step_time_s
+        );
     }
 });

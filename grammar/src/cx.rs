@@ -10,7 +10,6 @@ use crate::schema::SchemaIndex;
 use crate::span::Span;
 use crate::yaml::{Node, Value};
 
-
 /// A mapping node whose keys were checked against the schema.
 pub(crate) struct Fields<'n> {
     pub(crate) entries: &'n [(Node, Node)],

@@ -239,9 +239,8 @@ pub(crate) fn lower_strategy(
     // The microbatch count nearest the written one that meets every constraint below,
     // offered as a fix on each microbatch diagnostic.
     let mb_fix: Option<(Span, usize)> = microbatches_node.and_then(|node| {
-        let fits = |n: usize| {
-            n != microbatches && schedule.kind.accepts_microbatches(&replicas, n, schedule.vertical_sync)
-        };
+        let fits =
+            |n: usize| n != microbatches && schedule.kind.accepts_microbatches(&replicas, n, schedule.vertical_sync);
         nearest_microbatches(microbatches, training.map(|t| t.batch_size), fits).map(|n| (node.span, n))
     });
     let with_mb_fix = |d: Diagnostic| match mb_fix {

@@ -326,7 +326,9 @@ impl Instr {
             Instr::RecvActivation { peer, stage, mb, bytes } => {
                 (End::Recv, peer, stage.0.checked_sub(1).map(|s| MessageId::activation(StageId(s), mb)), bytes)
             }
-            Instr::SendGradient { peer, stage, mb, bytes } => (End::Send, peer, Some(MessageId::gradient(stage, mb)), bytes),
+            Instr::SendGradient { peer, stage, mb, bytes } => {
+                (End::Send, peer, Some(MessageId::gradient(stage, mb)), bytes)
+            }
             Instr::RecvGradient { peer, stage, mb, bytes } => {
                 (End::Recv, peer, stage.0.checked_add(1).map(|s| MessageId::gradient(StageId(s), mb)), bytes)
             }
@@ -368,26 +370,17 @@ impl Instr {
     /// The instruction with every device it names mapped by `device` and its collective
     /// group by `group` (a tensor-parallel member runs its leader's stream shifted this way).
     pub fn map_devices(&self, device: impl Fn(DeviceId) -> DeviceId, group: impl Fn(GroupId) -> GroupId) -> Instr {
-        match *self {
-            Instr::SendActivation { peer, stage, mb, bytes } => {
-                Instr::SendActivation { peer: device(peer), stage, mb, bytes }
-            }
-            Instr::RecvActivation { peer, stage, mb, bytes } => {
-                Instr::RecvActivation { peer: device(peer), stage, mb, bytes }
-            }
-            Instr::SendGradient { peer, stage, mb, bytes } => Instr::SendGradient { peer: device(peer), stage, mb, bytes },
-            Instr::RecvGradient { peer, stage, mb, bytes } => Instr::RecvGradient { peer: device(peer), stage, mb, bytes },
-            Instr::PushGradient { peer, stage, mb, bytes } => Instr::PushGradient { peer: device(peer), stage, mb, bytes },
-            Instr::ApplyGradient { peer, stage, mb, bytes } => {
-                Instr::ApplyGradient { peer: device(peer), stage, mb, bytes }
-            }
-            Instr::PushWeights { peer, stage, round, bytes } => {
-                Instr::PushWeights { peer: device(peer), stage, round, bytes }
-            }
-            Instr::PullWeights { peer, stage, round, bytes } => {
-                Instr::PullWeights { peer: device(peer), stage, round, bytes }
-            }
-            Instr::AllReduce { stage, group: g, bytes } => Instr::AllReduce { stage, group: group(g), bytes },
+        let mut out = self.clone();
+        match &mut out {
+            Instr::SendActivation { peer, .. }
+            | Instr::RecvActivation { peer, .. }
+            | Instr::SendGradient { peer, .. }
+            | Instr::RecvGradient { peer, .. }
+            | Instr::PushGradient { peer, .. }
+            | Instr::ApplyGradient { peer, .. }
+            | Instr::PushWeights { peer, .. }
+            | Instr::PullWeights { peer, .. } => *peer = device(*peer),
+            Instr::AllReduce { group: g, .. } => *g = group(*g),
             Instr::LoadMicrobatch { .. }
             | Instr::Forward { .. }
             | Instr::Backward { .. }
@@ -397,8 +390,9 @@ impl Instr {
             | Instr::StashWeights { .. }
             | Instr::RestoreWeights { .. }
             | Instr::OptimizerStep { .. }
-            | Instr::Free { .. } => self.clone(),
+            | Instr::Free { .. } => {}
         }
+        out
     }
 
     /// The buffers this instruction reads.

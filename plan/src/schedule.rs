@@ -100,110 +100,126 @@ fn violation(message: impl Into<String>, label: &str, help: impl Into<String>, a
     Violation { message: message.into(), label: label.into(), help: help.into(), about_microbatches }
 }
 
+/// When a schedule trains exactly like one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Synchrony {
+    Always,
+    Never,
+    /// Only with bulk-synchronous data parallelism (`sync: bsp`).
+    WhenBsp,
+}
+
+/// How often a schedule updates the weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cadence {
+    PerStep,
+    PerMicrobatch,
+    /// Every `ranks` local backwards (PipeDream-2BW).
+    EveryRanks,
+}
+
+/// The static description of a schedule: one row per schedule in [`ScheduleKind::traits`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Traits {
+    /// Model chunks per device when the spec does not say.
+    pub default_virtual_stages: usize,
+    /// Whether the backward is split into input- and weight-gradient passes (zero bubble).
+    pub splits_backward: bool,
+    pub synchrony: Synchrony,
+    pub cadence: Cadence,
+    pub weight_versions: WeightVersions,
+    pub chunk_placement: ChunkPlacement,
+    /// Whether `partition: auto` may choose the replication per stage (PipeDream's planner:
+    /// one chunk per rank, stages replicated independently).
+    pub auto_replicates: bool,
+    /// Whether every stage must be replicated equally.
+    pub even_replication: bool,
+    /// A pipeline (a bubble warning makes sense), not data parallelism alone.
+    pub pipeline: bool,
+}
+
 impl ScheduleKind {
+    /// What the schedule is, in one row.
+    pub fn traits(self) -> Traits {
+        use ChunkPlacement::{Bidirectional, RoundRobin, V};
+        use WeightVersions::{One, Stashed, Two};
+        let row = |v, split, synchrony, cadence, weights, chunks, auto, even, pipeline| Traits {
+            default_virtual_stages: v,
+            splits_backward: split,
+            synchrony,
+            cadence,
+            weight_versions: weights,
+            chunk_placement: chunks,
+            auto_replicates: auto,
+            even_replication: even,
+            pipeline,
+        };
+        let (always, step) = (Synchrony::Always, Cadence::PerStep);
+        // row(default virtual stages, splits backward, synchrony, cadence, weight versions,
+        //     chunk placement, auto replicates, even replication, pipeline)
+        match self {
+            ScheduleKind::Gpipe => row(1, false, always, step, One, RoundRobin, true, false, true),
+            ScheduleKind::OneFOneB => row(1, false, always, step, One, RoundRobin, true, false, true),
+            ScheduleKind::Interleaved => row(2, false, always, step, One, RoundRobin, false, true, true),
+            ScheduleKind::PipeDream => {
+                row(1, false, Synchrony::Never, Cadence::PerMicrobatch, Stashed, RoundRobin, true, false, true)
+            }
+            ScheduleKind::TwoBw => {
+                row(1, false, Synchrony::Never, Cadence::EveryRanks, Two, RoundRobin, true, false, true)
+            }
+            ScheduleKind::Chimera => row(1, false, always, step, One, Bidirectional, false, true, true),
+            ScheduleKind::ZbH1 => row(1, true, always, step, One, RoundRobin, true, false, true),
+            ScheduleKind::Zbv => row(2, true, always, step, One, V, false, true, true),
+            ScheduleKind::DpOnly => row(1, false, Synchrony::WhenBsp, step, One, RoundRobin, false, false, false),
+        }
+    }
+
     /// Model chunks per device when the spec does not say.
     pub fn default_virtual_stages(self) -> usize {
-        match self {
-            ScheduleKind::Interleaved | ScheduleKind::Zbv => 2,
-            ScheduleKind::Gpipe
-            | ScheduleKind::OneFOneB
-            | ScheduleKind::PipeDream
-            | ScheduleKind::TwoBw
-            | ScheduleKind::Chimera
-            | ScheduleKind::ZbH1
-            | ScheduleKind::DpOnly => 1,
-        }
+        self.traits().default_virtual_stages
     }
 
     /// Whether the backward is split into input- and weight-gradient passes (zero bubble).
     pub fn splits_backward(self) -> bool {
-        match self {
-            ScheduleKind::ZbH1 | ScheduleKind::Zbv => true,
-            ScheduleKind::Gpipe
-            | ScheduleKind::OneFOneB
-            | ScheduleKind::Interleaved
-            | ScheduleKind::PipeDream
-            | ScheduleKind::TwoBw
-            | ScheduleKind::Chimera
-            | ScheduleKind::DpOnly => false,
-        }
+        self.traits().splits_backward
     }
 
     /// Whether the schedule computes exactly what one device would (no stale weights).
     pub fn is_synchronous(self, sync: SyncMode) -> bool {
-        match self {
-            ScheduleKind::PipeDream | ScheduleKind::TwoBw => false,
-            ScheduleKind::DpOnly => sync == SyncMode::Bsp,
-            ScheduleKind::Gpipe
-            | ScheduleKind::OneFOneB
-            | ScheduleKind::Interleaved
-            | ScheduleKind::Chimera
-            | ScheduleKind::ZbH1
-            | ScheduleKind::Zbv => true,
+        match self.traits().synchrony {
+            Synchrony::Always => true,
+            Synchrony::Never => false,
+            Synchrony::WhenBsp => sync == SyncMode::Bsp,
         }
     }
 
     /// The update cadence over `ranks` pipeline ranks.
     pub fn updates(self, ranks: usize) -> Updates {
-        match self {
-            ScheduleKind::PipeDream => Updates::PerMicrobatch,
-            ScheduleKind::TwoBw => Updates::Every(ranks.max(1)),
-            ScheduleKind::Gpipe
-            | ScheduleKind::OneFOneB
-            | ScheduleKind::Interleaved
-            | ScheduleKind::Chimera
-            | ScheduleKind::ZbH1
-            | ScheduleKind::Zbv
-            | ScheduleKind::DpOnly => Updates::PerStep,
+        match self.traits().cadence {
+            Cadence::PerStep => Updates::PerStep,
+            Cadence::PerMicrobatch => Updates::PerMicrobatch,
+            Cadence::EveryRanks => Updates::Every(ranks.max(1)),
         }
     }
 
     /// How many weight versions a stage keeps.
     pub fn weight_versions(self) -> WeightVersions {
-        match self {
-            ScheduleKind::PipeDream => WeightVersions::Stashed,
-            ScheduleKind::TwoBw => WeightVersions::Two,
-            ScheduleKind::Gpipe
-            | ScheduleKind::OneFOneB
-            | ScheduleKind::Interleaved
-            | ScheduleKind::Chimera
-            | ScheduleKind::ZbH1
-            | ScheduleKind::Zbv
-            | ScheduleKind::DpOnly => WeightVersions::One,
-        }
+        self.traits().weight_versions
     }
 
     /// Where the model chunks go.
     pub fn chunk_placement(self) -> ChunkPlacement {
-        match self {
-            ScheduleKind::Zbv => ChunkPlacement::V,
-            ScheduleKind::Chimera => ChunkPlacement::Bidirectional,
-            ScheduleKind::Gpipe
-            | ScheduleKind::OneFOneB
-            | ScheduleKind::Interleaved
-            | ScheduleKind::PipeDream
-            | ScheduleKind::TwoBw
-            | ScheduleKind::ZbH1
-            | ScheduleKind::DpOnly => ChunkPlacement::RoundRobin,
-        }
+        self.traits().chunk_placement
     }
 
-    /// Whether `partition: auto` may choose the replication per stage (PipeDream's
-    /// planner: one chunk per rank, stages replicated independently).
+    /// Whether `partition: auto` may choose the replication per stage.
     pub fn auto_replicates(self) -> bool {
-        match self {
-            ScheduleKind::Gpipe
-            | ScheduleKind::OneFOneB
-            | ScheduleKind::PipeDream
-            | ScheduleKind::TwoBw
-            | ScheduleKind::ZbH1 => true,
-            ScheduleKind::Interleaved | ScheduleKind::Chimera | ScheduleKind::Zbv | ScheduleKind::DpOnly => false,
-        }
+        self.traits().auto_replicates
     }
 
     /// Whether a bubble warning makes sense (a pipeline, not data parallelism alone).
     pub fn is_pipeline(self) -> bool {
-        self != ScheduleKind::DpOnly
+        self.traits().pipeline
     }
 
     /// Every constraint the layout breaks, in the order the front end reports them (it
@@ -226,7 +242,9 @@ impl ScheduleKind {
                     ));
                 } else if !microbatches.is_multiple_of(stages) {
                     out.push(violation(
-                        format!("`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"),
+                        format!(
+                            "`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"
+                        ),
                         "interleaved",
                         "Megatron's interleaved schedule runs microbatches in groups of one per stage",
                         true,
@@ -277,7 +295,12 @@ impl ScheduleKind {
             }
             ScheduleKind::Zbv => {
                 if stages < 2 {
-                    out.push(violation("`zbv` needs at least 2 pipeline stages", "zbv", "use `zb-h1` or `1f1b`", false));
+                    out.push(violation(
+                        "`zbv` needs at least 2 pipeline stages",
+                        "zbv",
+                        "use `zb-h1` or `1f1b`",
+                        false,
+                    ));
                 }
             }
             ScheduleKind::PipeDream => {
@@ -292,15 +315,7 @@ impl ScheduleKind {
             }
             ScheduleKind::Gpipe | ScheduleKind::OneFOneB | ScheduleKind::TwoBw | ScheduleKind::ZbH1 => {}
         }
-        let needs_even_replication = match self {
-            ScheduleKind::Chimera | ScheduleKind::Interleaved | ScheduleKind::Zbv => true,
-            ScheduleKind::Gpipe
-            | ScheduleKind::OneFOneB
-            | ScheduleKind::PipeDream
-            | ScheduleKind::TwoBw
-            | ScheduleKind::ZbH1
-            | ScheduleKind::DpOnly => false,
-        };
+        let needs_even_replication = self.traits().even_replication;
         if needs_even_replication && uneven {
             out.push(violation(
                 format!("`{}` needs every stage replicated equally", self),
