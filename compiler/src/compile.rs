@@ -68,13 +68,6 @@ impl CompileResult {
     pub fn into_compiled(self) -> Result<Compiled, Vec<Diagnostic>> {
         self.compiled.ok_or(self.diagnostics)
     }
-    /// The plan when one was built and nothing is wrong with it; the diagnostics otherwise.
-    pub fn feasible(self) -> Result<Compiled, Vec<Diagnostic>> {
-        match self.compiled {
-            Some(c) if !self.diagnostics.iter().any(Diagnostic::is_error) => Ok(c),
-            _ => Err(self.diagnostics),
-        }
-    }
 }
 
 /// Compiles a checked spec: the passes in order. A pass that cannot go on ends the compile
@@ -87,10 +80,10 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         let stages = stage_figures(spec, &model, &layout);
         let lowered = lower_streams(spec, &layout, &placement, &stages);
         verify_lowered(spec, &placement, &lowered)?;
-        let timeline = simulate_plan(spec, &model, &layout, &stages, &lowered)?;
-        let (devices, diagnostics) = check_memory(spec, &model, &placement, &stages, &lowered, &timeline);
-        let plan = assemble(spec, options, &model, layout, &placement, &stages, &lowered, &timeline, devices);
-        Ok((Compiled { plan, graph: model.graph, timeline }, diagnostics))
+        let simulated = simulate_plan(spec, &model, &layout, &stages, &lowered)?;
+        let (devices, diagnostics) = check_memory(spec, &model, &placement, &stages, &lowered, simulated.bubble);
+        let plan = assemble(spec, options, &model, layout, &placement, &stages, lowered, &simulated, devices);
+        Ok((Compiled { plan, graph: model.graph, timeline: simulated.timeline }, diagnostics))
     };
     match passes() {
         Ok((compiled, diagnostics)) => CompileResult { compiled: Some(compiled), diagnostics },
@@ -306,14 +299,23 @@ fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lowered) -> Resu
     .with_help("this is a bug in pipec, not in the spec; please report it with the spec")])
 }
 
-/// Simulation: streams + cost model → `Timeline`.
+/// The simulated step: the timeline and each device's busy time and bubble.
+struct Simulated {
+    timeline: Timeline,
+    /// (device, busy seconds, bubble fraction) for every device of the cluster.
+    per_device: Vec<(DeviceId, f64, f64)>,
+    /// Idle share of device-time over the step.
+    bubble: f64,
+}
+
+/// Simulation: streams + cost model → `Simulated`.
 fn simulate_plan(
     spec: &Spec,
     model: &ModelCosts,
     layout: &Layout,
     stages: &StageFigures,
     lowered: &Lowered,
-) -> Result<Timeline, Vec<Diagnostic>> {
+) -> Result<Simulated, Vec<Diagnostic>> {
     let sim_cost = PlanCost {
         stage_fb: &stages.times,
         cluster: &model.cluster,
@@ -321,14 +323,17 @@ fn simulate_plan(
         tp: spec.strategy.tp.max(1),
         tp_bytes: tp_allreduce_bytes(&model.graph, &layout.ranges, model.microbatch_size, model.precision),
     };
-    simulate(&lowered.streams, &lowered.members(), &sim_cost).map_err(|stuck| {
+    let timeline = simulate(&lowered.streams, &lowered.members(), &sim_cost).map_err(|stuck| {
         vec![Diagnostic::error(
             "E0603",
             format!("internal compiler error: the verified plan deadlocked in simulation: {}", stuck.reason),
             spec.strategy.schedule.span,
             "while compiling this schedule",
         )]
-    })
+    })?;
+    let device_ids: Vec<DeviceId> = (0..model.cluster.device_count()).map(|d| DeviceId(d as u32)).collect();
+    let (per_device, bubble) = utilisation(&timeline, &device_ids);
+    Ok(Simulated { timeline, per_device, bubble })
 }
 
 /// Memory: per-device breakdowns from the streams, E0601/W0602, and the bubble warning.
@@ -338,7 +343,7 @@ fn check_memory(
     placement: &Placement,
     stages: &StageFigures,
     lowered: &Lowered,
-    timeline: &Timeline,
+    bubble: f64,
 ) -> (Vec<DevicePlan>, Vec<Diagnostic>) {
     let strategy = &spec.strategy;
     let tp = strategy.tp.max(1);
@@ -362,7 +367,6 @@ fn check_memory(
         .collect();
     let mut diagnostics = Vec::new();
     memory_diagnostics(spec, &devices, &stages.bytes, placement, &mut diagnostics);
-    let bubble = utilisation(timeline, &device_ids(cluster)).1;
     if bubble > 0.5 && strategy.schedule.kind.is_pipeline() {
         diagnostics.push(
             Diagnostic::warning(
@@ -380,10 +384,6 @@ fn check_memory(
     (devices, diagnostics)
 }
 
-fn device_ids(cluster: &ClusterGraph) -> Vec<DeviceId> {
-    (0..cluster.device_count()).map(|d| DeviceId(d as u32)).collect()
-}
-
 /// Assembly: everything above → `Plan`.
 #[allow(clippy::too_many_arguments)]
 fn assemble(
@@ -393,8 +393,8 @@ fn assemble(
     layout: Layout,
     placement: &Placement,
     stages: &StageFigures,
-    lowered: &Lowered,
-    timeline: &Timeline,
+    lowered: Lowered,
+    simulated: &Simulated,
     devices: Vec<DevicePlan>,
 ) -> Plan {
     let strategy = &spec.strategy;
@@ -447,12 +447,9 @@ fn assemble(
             },
         })
         .collect();
-    let groups: Vec<GroupPlan> = lowered
-        .groups
-        .iter()
-        .map(|(g, (stage, members))| GroupPlan { id: *g, stage: *stage, devices: members.clone() })
-        .collect();
-    let (per_device, bubble) = utilisation(timeline, &device_ids(&model.cluster));
+    let groups: Vec<GroupPlan> =
+        lowered.groups.into_iter().map(|(id, (stage, devices))| GroupPlan { id, stage, devices }).collect();
+    let (timeline, bubble) = (&simulated.timeline, simulated.bubble);
     let simulation = Simulation {
         step_time_s: timeline.step_time,
         bubble_fraction: bubble,
@@ -461,7 +458,8 @@ fn assemble(
         } else {
             0.0
         },
-        devices: per_device
+        devices: simulated
+            .per_device
             .iter()
             .map(|(d, busy, b)| DeviceSimulation {
                 id: *d,
@@ -503,7 +501,7 @@ fn assemble(
         devices,
         groups,
         layers,
-        streams: lowered.streams.clone(),
+        streams: lowered.streams,
         simulation,
     }
 }

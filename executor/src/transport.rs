@@ -8,7 +8,7 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pipec_plan::DeviceId;
+use pipec_plan::{DeviceId, ReduceMode};
 
 /// Identifies a point-to-point message: the plan's message identity, which both ends
 /// compute from their instructions (`Instr::transfer`).
@@ -59,9 +59,6 @@ impl std::fmt::Display for TransportError {
     }
 }
 
-/// Gradient reduction algorithm: the plan's `schedule.reduce`.
-pub use pipec_plan::ReduceMode as Reduce;
-
 /// One device's connection to the others.
 pub trait Endpoint: Send {
     fn device(&self) -> DeviceId;
@@ -74,10 +71,15 @@ pub trait Endpoint: Send {
     fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError>;
 
     /// Sums `data` over `group` in place; every member ends with identical values.
-    fn all_reduce(&mut self, group: &[DeviceId], data: &mut [f32], algorithm: Reduce) -> Result<(), TransportError> {
+    fn all_reduce(
+        &mut self,
+        group: &[DeviceId],
+        data: &mut [f32],
+        algorithm: ReduceMode,
+    ) -> Result<(), TransportError> {
         match algorithm {
-            Reduce::Ring => ring_all_reduce(self, group, data),
-            Reduce::ParameterServer => ps_all_reduce(self, group, data),
+            ReduceMode::Ring => ring_all_reduce(self, group, data),
+            ReduceMode::ParameterServer => ps_all_reduce(self, group, data),
         }
     }
 }
@@ -270,7 +272,7 @@ mod tests {
 
     #[test]
     fn ring_and_ps_all_reduce_sum_identically_on_every_member() {
-        for algorithm in [Reduce::Ring, Reduce::ParameterServer] {
+        for algorithm in [ReduceMode::Ring, ReduceMode::ParameterServer] {
             for p in 1..=5usize {
                 let devices: Vec<DeviceId> = (0..p as u32).map(DeviceId).collect();
                 let eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_secs(10));

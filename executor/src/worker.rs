@@ -18,7 +18,9 @@ use pipec_plan::{DeviceId, Instr, MicrobatchId, Plan, StageId};
 
 use crate::data::{Dataset, Inputs, Targets};
 use crate::layers::{Act, StageModel};
-use crate::transport::{Endpoint, Message, Reduce, Tag};
+use pipec_plan::ReduceMode;
+
+use crate::transport::{Endpoint, Message, Tag};
 
 /// Everything a worker reports about one step.
 #[derive(Debug, Clone, Default)]
@@ -152,10 +154,10 @@ pub(crate) struct Snapshot<B: Backend> {
 impl<B: Backend> ModuleVisitor<B> for Snapshot<B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let t = param.val();
-        match t.clone().into_data().convert::<f32>().into_vec::<f32>() {
+        match host_f32(t.clone().into_data()) {
             Ok(values) => self.params.push((param.id, t.dims().to_vec(), values)),
             Err(e) => {
-                self.error.get_or_insert_with(|| format!("cannot read parameter {} back: {e:?}", param.id));
+                self.error.get_or_insert_with(|| format!("parameter {}: {e}", param.id));
             }
         }
     }
@@ -179,7 +181,7 @@ pub(crate) struct Worker<'a, B: AutodiffBackend, E: Endpoint> {
     pub ep: E,
     pub dev: B::Device,
     pub stages: HashMap<StageId, StageState<B>>,
-    pub reduce: Reduce,
+    pub reduce: ReduceMode,
     // per-step buffers
     inputs: HashMap<(StageId, MicrobatchId), Act<B>>,
     labels: HashMap<MicrobatchId, Targets>,
@@ -318,7 +320,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         ep: E,
         dev: B::Device,
         stages: HashMap<StageId, StageState<B>>,
-        reduce: Reduce,
+        reduce: ReduceMode,
     ) -> Self {
         Worker {
             device,

@@ -14,7 +14,6 @@ use crate::span::Span;
 use crate::yaml::{Node, Value};
 
 pub use crate::ast::*;
-pub use crate::cx::dsl_file_span;
 pub(crate) use crate::cx::Lower;
 
 /// The sections that lowered, and every diagnostic found on the way.

@@ -3,11 +3,11 @@
 //! where the spec's sections meet, so the cross-section checks live here too: strategy vs
 //! cluster size, stages vs layers, microbatches vs batch size, partition ranges vs layers.
 
+use pipec_plan::schedule::LayoutFacts;
+
 use crate::diagnostic::Diagnostic;
 use crate::dsl::{self, LayerRef, StagesNotation};
 use crate::span::Span;
-use pipec_plan::schedule::LayoutFacts;
-
 use crate::spec::{Cluster, Lower, Model, Partition, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode, Training};
 use crate::yaml::{Node, Value};
 

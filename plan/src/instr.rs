@@ -179,6 +179,14 @@ impl MessageId {
     pub fn gradient(stage: StageId, mb: MicrobatchId) -> MessageId {
         MessageId { payload: Payload::Gradient, stage, index: mb.0 }
     }
+    /// A worker's weight gradient of `stage` for `mb`, to the parameter server.
+    pub fn weight_gradient(stage: StageId, mb: MicrobatchId) -> MessageId {
+        MessageId { payload: Payload::WeightGradient, stage, index: mb.0 }
+    }
+    /// The parameter server's weights of `stage` after `round`.
+    pub fn weights(stage: StageId, round: u32) -> MessageId {
+        MessageId { payload: Payload::Weights, stage, index: round }
+    }
 }
 
 impl fmt::Display for MessageId {
@@ -332,13 +340,17 @@ impl Instr {
             Instr::RecvGradient { peer, stage, mb, bytes } => {
                 (End::Recv, peer, stage.0.checked_add(1).map(|s| MessageId::gradient(StageId(s), mb)), bytes)
             }
-            Instr::PushGradient { peer, stage, mb, bytes } | Instr::ApplyGradient { peer, stage, mb, bytes } => {
-                let end = if matches!(self, Instr::PushGradient { .. }) { End::Send } else { End::Recv };
-                (end, peer, Some(MessageId { payload: Payload::WeightGradient, stage, index: mb.0 }), bytes)
+            Instr::PushGradient { peer, stage, mb, bytes } => {
+                (End::Send, peer, Some(MessageId::weight_gradient(stage, mb)), bytes)
             }
-            Instr::PushWeights { peer, stage, round, bytes } | Instr::PullWeights { peer, stage, round, bytes } => {
-                let end = if matches!(self, Instr::PushWeights { .. }) { End::Send } else { End::Recv };
-                (end, peer, Some(MessageId { payload: Payload::Weights, stage, index: round }), bytes)
+            Instr::ApplyGradient { peer, stage, mb, bytes } => {
+                (End::Recv, peer, Some(MessageId::weight_gradient(stage, mb)), bytes)
+            }
+            Instr::PushWeights { peer, stage, round, bytes } => {
+                (End::Send, peer, Some(MessageId::weights(stage, round)), bytes)
+            }
+            Instr::PullWeights { peer, stage, round, bytes } => {
+                (End::Recv, peer, Some(MessageId::weights(stage, round)), bytes)
             }
             Instr::LoadMicrobatch { .. }
             | Instr::Forward { .. }

@@ -19,10 +19,6 @@ pub trait Choice: Sized + Copy + PartialEq + 'static {
     fn from_name(name: &str) -> Option<Self> {
         Self::ALL.iter().copied().find(|c| c.name() == name)
     }
-    /// Every spelling, in documentation order.
-    fn names() -> Vec<&'static str> {
-        Self::ALL.iter().map(|c| c.name()).collect()
-    }
 }
 
 /// Defines a [`Choice`] enum: each variant with its doc and its one spelling, used by serde,
