@@ -144,19 +144,12 @@ pub fn run(args: RunArgs) -> u8 {
         if backend == BackendKind::Cpu { "cpu (flex)" } else { "cuda" }
     );
     let mut on_step = |m: &StepMetrics| {
-        let line = serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s});
-        let _ = writeln!(metrics, "{line}");
+        let _ = writeln!(metrics, "{}", metrics_line(m));
         let _ = metrics.flush();
         bar.set_position(m.step as u64 + 1);
         bar.set_message(format!("loss {:.5} {:.0} samples/s", m.loss, m.samples_per_s));
-        if quiet && (m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps) {
-            eprintln!(
-                "step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s",
-                m.step,
-                m.loss,
-                m.step_seconds * 1e3,
-                m.samples_per_s
-            );
+        if quiet {
+            print_step(m, steps);
         }
     };
     let result = pipec_executor::run(&plan, &options, &mut on_step);
@@ -214,16 +207,8 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
     };
     let mut lines = Vec::new();
     let mut on_step = |m: &StepMetrics| {
-        lines.push(serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s}).to_string());
-        if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps {
-            eprintln!(
-                "step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s",
-                m.step,
-                m.loss,
-                m.step_seconds * 1e3,
-                m.samples_per_s
-            );
-        }
+        lines.push(metrics_line(m).to_string());
+        print_step(m, steps);
     };
     match pipec_executor::mpi_run::run(plan, &options, &mut on_step) {
         Ok((_, Some(report))) => {
@@ -300,4 +285,22 @@ pub fn measured_bubble(plan: &Plan, trace: &[(pipec_plan::DeviceId, usize, f64, 
         return (0.0, step);
     }
     (1.0 - busy / (step * devices.len() as f64), step)
+}
+
+/// One line of `metrics.jsonl`.
+fn metrics_line(m: &StepMetrics) -> serde_json::Value {
+    serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s})
+}
+
+/// Prints a step's loss and speed: the first three steps, every tenth and the last of `steps`.
+fn print_step(m: &StepMetrics, steps: usize) {
+    if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps {
+        eprintln!(
+            "step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s",
+            m.step,
+            m.loss,
+            m.step_seconds * 1e3,
+            m.samples_per_s
+        );
+    }
 }

@@ -102,35 +102,7 @@ impl Dataset {
         match &self.source {
             Source::Synthetic { samples, cache: Some(cache), .. } => {
                 let (inputs, targets) = cache.as_ref();
-                let pick = |g: usize| g % samples;
-                let per_target = match targets {
-                    Targets::Classes(_) => 1,
-                    Targets::Values(_) => self.outputs,
-                };
-                let inputs = match inputs {
-                    Inputs::Features(all) => Inputs::Features(
-                        indices
-                            .iter()
-                            .flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied())
-                            .collect(),
-                    ),
-                    Inputs::Tokens(all) => Inputs::Tokens(
-                        indices
-                            .iter()
-                            .flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied())
-                            .collect(),
-                    ),
-                };
-                let targets = match targets {
-                    Targets::Classes(all) => Targets::Classes(indices.iter().map(|&g| all[pick(g)]).collect()),
-                    Targets::Values(all) => Targets::Values(
-                        indices
-                            .iter()
-                            .flat_map(|&g| all[pick(g) * per_target..(pick(g) + 1) * per_target].iter().copied())
-                            .collect(),
-                    ),
-                };
-                (inputs, targets)
+                self.gather(inputs, targets, *samples, indices)
             }
             Source::Synthetic { classification, samples, teacher, .. } => {
                 let mut feats = Vec::new();
@@ -175,34 +147,28 @@ impl Dataset {
                 let targets = if *classification { Targets::Classes(classes) } else { Targets::Values(values) };
                 (inputs, targets)
             }
-            Source::Loaded { inputs, targets, samples } => {
-                let pick = |g: usize| g % samples;
-                let inputs = match inputs {
-                    Inputs::Features(all) => Inputs::Features(
-                        indices
-                            .iter()
-                            .flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied())
-                            .collect(),
-                    ),
-                    Inputs::Tokens(all) => Inputs::Tokens(
-                        indices
-                            .iter()
-                            .flat_map(|&g| all[pick(g) * self.numel..(pick(g) + 1) * self.numel].iter().copied())
-                            .collect(),
-                    ),
-                };
-                let targets = match targets {
-                    Targets::Classes(all) => Targets::Classes(indices.iter().map(|&g| all[pick(g)]).collect()),
-                    Targets::Values(all) => Targets::Values(
-                        indices
-                            .iter()
-                            .flat_map(|&g| all[pick(g) * self.outputs..(pick(g) + 1) * self.outputs].iter().copied())
-                            .collect(),
-                    ),
-                };
-                (inputs, targets)
-            }
+            Source::Loaded { inputs, targets, samples } => self.gather(inputs, targets, *samples, indices),
         }
+    }
+
+    /// The samples at `indices` (modulo the data set's `samples`) of a data set held in
+    /// memory: inputs of `numel` values each, one class or `outputs` values of target each.
+    fn gather(&self, inputs: &Inputs, targets: &Targets, samples: usize, indices: &[usize]) -> (Inputs, Targets) {
+        fn rows<T: Copy>(all: &[T], width: usize, indices: &[usize], samples: usize) -> Vec<T> {
+            indices
+                .iter()
+                .flat_map(|&g| all[(g % samples) * width..(g % samples + 1) * width].iter().copied())
+                .collect()
+        }
+        let inputs = match inputs {
+            Inputs::Features(all) => Inputs::Features(rows(all, self.numel, indices, samples)),
+            Inputs::Tokens(all) => Inputs::Tokens(rows(all, self.numel, indices, samples)),
+        };
+        let targets = match targets {
+            Targets::Classes(all) => Targets::Classes(rows(all, 1, indices, samples)),
+            Targets::Values(all) => Targets::Values(rows(all, self.outputs, indices, samples)),
+        };
+        (inputs, targets)
     }
 }
 
