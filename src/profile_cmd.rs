@@ -38,7 +38,7 @@ pub fn run(
             }
             #[cfg(not(feature = "cuda"))]
             {
-                Err("CUDA support is not built in".to_string())
+                Err(pipec_executor::error::ExecError::Setup("CUDA support is not built in".to_string()))
             }
         }
     };

@@ -25,25 +25,13 @@ fn every_example_spec_compiles_with_golden_ir_and_memory() {
     files.sort();
     for path in files {
         let name = path.file_stem().and_then(|s| s.to_str()).expect("name").to_string();
-        let out = pipec(&[
-            "compile",
-            path.to_str().expect("path"),
-            "-o",
-            std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id())).to_str().expect("tmp"),
-            "--emit",
-            "ir",
-        ]);
-        assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
-        insta::assert_snapshot!(format!("ir__{name}"), String::from_utf8_lossy(&out.stdout));
-        let out = pipec(&[
-            "compile",
-            path.to_str().expect("path"),
-            "-o",
-            std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id())).to_str().expect("tmp"),
-            "--emit",
-            "memory",
-        ]);
-        insta::assert_snapshot!(format!("memory__{name}"), String::from_utf8_lossy(&out.stdout));
+        let out_dir = std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id()));
+        for emit in ["ir", "memory"] {
+            let out =
+                pipec(&["compile", path.to_str().expect("path"), "-o", out_dir.to_str().expect("tmp"), "--emit", emit]);
+            assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+            insta::assert_snapshot!(format!("{emit}__{name}"), String::from_utf8_lossy(&out.stdout));
+        }
     }
 }
 

@@ -158,75 +158,40 @@ fn a_killed_rank_ends_the_job() {
     }
 }
 
-#[test]
-fn rank_0_writes_checkpoints_and_an_mpi_run_resumes_exactly() {
+/// Runs `layout` on `ranks` MPI processes with a checkpoint every 2 steps, checks that the
+/// step-2 checkpoint holds `files`, resumes from it on MPI and asserts that the resumed
+/// losses are the uninterrupted run's.
+fn checkpoint_and_resume_over_mpi(layout: &str, ranks: usize, files: &[String]) {
     let dir = tempfile::tempdir().expect("tmp");
     let spec_path = dir.path().join("spec.yaml");
-    std::fs::write(
-        &spec_path,
-        spec("\"2-1-1\"", 4, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n"),
-    )
-    .expect("write");
+    let text = spec(layout, ranks, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n");
+    std::fs::write(&spec_path, text).expect("write");
+    let spec_arg = spec_path.to_str().expect("p");
     let full = dir.path().join("full");
-    let out =
-        mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", full.to_str().expect("p")]);
+    let out = mpirun(ranks, &["run", spec_arg, "--transport", "mpi", "-o", full.to_str().expect("p")]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let ckpt = full.join("checkpoints/step-000002");
-    assert!(ckpt.join("model.safetensors").is_file() && ckpt.join("state.json").is_file());
-    for s in 0..3 {
-        assert!(ckpt.join(format!("optimizer-s{s}.bin")).is_file(), "stage {s}'s optimizer state missing");
+    for f in files {
+        assert!(ckpt.join(f).is_file(), "{f} missing from the checkpoint");
     }
     let resumed = dir.path().join("resumed");
-    let out = mpirun(
-        4,
-        &[
-            "run",
-            spec_path.to_str().expect("p"),
-            "--transport",
-            "mpi",
-            "--resume",
-            ckpt.to_str().expect("p"),
-            "-o",
-            resumed.to_str().expect("p"),
-        ],
-    );
+    let resume = ["--resume", ckpt.to_str().expect("p"), "-o", resumed.to_str().expect("p")];
+    let out = mpirun(ranks, &[&["run", spec_arg, "--transport", "mpi"][..], &resume[..]].concat());
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(losses(&full)[2..].to_vec(), losses(&resumed));
+}
+
+#[test]
+fn rank_0_writes_checkpoints_and_an_mpi_run_resumes_exactly() {
+    let mut files: Vec<String> = (0..3).map(|s| format!("optimizer-s{s}.bin")).collect();
+    files.extend(["model.safetensors".to_string(), "state.json".to_string()]);
+    checkpoint_and_resume_over_mpi("\"2-1-1\"", 4, &files);
 }
 
 #[test]
 fn tensor_parallel_over_mpi_equals_in_process_and_resumes_from_its_shards() {
     let layout = "\"1-1\"\n  tp: 2";
     equal_to_in_process(layout, 4);
-    let dir = tempfile::tempdir().expect("tmp");
-    let spec_path = dir.path().join("spec.yaml");
-    std::fs::write(&spec_path, spec(layout, 4, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n"))
-        .expect("write");
-    let full = dir.path().join("full");
-    let out =
-        mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", full.to_str().expect("p")]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let ckpt = full.join("checkpoints/step-000002");
-    for (s, r) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-        assert!(
-            ckpt.join(format!("optimizer-s{s}-tp{r}.bin")).is_file(),
-            "stage {s} rank {r}: optimizer shard missing"
-        );
-    }
-    let resumed = dir.path().join("resumed");
-    let out = mpirun(
-        4,
-        &[
-            "run",
-            spec_path.to_str().expect("p"),
-            "--transport",
-            "mpi",
-            "--resume",
-            ckpt.to_str().expect("p"),
-            "-o",
-            resumed.to_str().expect("p"),
-        ],
-    );
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(losses(&full)[2..].to_vec(), losses(&resumed));
+    let files: Vec<String> = [(0, 0), (0, 1), (1, 0), (1, 1)].map(|(s, r)| format!("optimizer-s{s}-tp{r}.bin")).into();
+    checkpoint_and_resume_over_mpi(layout, 4, &files);
 }

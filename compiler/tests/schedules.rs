@@ -44,18 +44,26 @@ fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-6
 }
 
+/// The bubble fraction of a synchronous schedule on D uniform stages: (D − 1) / (D − 1 + V·N)
+/// with V model chunks per device (1 for GPipe and 1F1B).
+fn assert_closed_form_bubble(schedule: &str, d: usize, v: usize, n: usize) {
+    let plan = build(&spec(d, n, schedule, d * v * 2, "straight")).plan;
+    let expected = (d as f64 - 1.0) / (d as f64 - 1.0 + (v * n) as f64);
+    assert_bubble(&plan, expected, format_args!("{schedule} D={d} V={v} N={n}"));
+}
+
+/// The plan's predicted bubble fraction is `expected` (to rounding).
+fn assert_bubble(plan: &pipec_plan::Plan, expected: f64, what: std::fmt::Arguments<'_>) {
+    let got = plan.simulation.bubble_fraction;
+    assert!(close(got, expected), "{what}: bubble {got}, expected {expected}");
+}
+
 #[test]
 fn gpipe_and_1f1b_bubble_is_closed_form() {
     for d in [2usize, 3, 4, 8] {
         for n in [1usize, 2, 4, 8, 16] {
             for sched in ["gpipe", "1f1b"] {
-                let plan = build(&spec(d, n, sched, d * 2, "straight")).plan;
-                let expected = (d as f64 - 1.0) / (d as f64 - 1.0 + n as f64);
-                assert!(
-                    close(plan.simulation.bubble_fraction, expected),
-                    "{sched} D={d} N={n}: bubble {} expected {expected}",
-                    plan.simulation.bubble_fraction
-                );
+                assert_closed_form_bubble(sched, d, 1, n);
             }
         }
     }
@@ -66,14 +74,7 @@ fn interleaved_bubble_is_closed_form() {
     for d in [2usize, 4] {
         for v in [2usize, 3] {
             for n in [d, 2 * d, 4 * d] {
-                let sched = format!("{{ kind: interleaved, virtual_stages: {v} }}");
-                let plan = build(&spec(d, n, &sched, d * v * 2, "straight")).plan;
-                let expected = (d as f64 - 1.0) / (d as f64 - 1.0 + (v * n) as f64);
-                assert!(
-                    close(plan.simulation.bubble_fraction, expected),
-                    "interleaved D={d} V={v} N={n}: bubble {} expected {expected}",
-                    plan.simulation.bubble_fraction
-                );
+                assert_closed_form_bubble(&format!("{{ kind: interleaved, virtual_stages: {v} }}"), d, v, n);
             }
         }
     }
@@ -144,11 +145,7 @@ fn chimera_bubble_follows_the_paper() {
             let n = k * d;
             let plan = build(&equal_pass_spec(d, n, "chimera")).plan;
             let paper = (d as f64 - 2.0) / (2.0 * n as f64 + d as f64 - 2.0);
-            assert!(
-                close(plan.simulation.bubble_fraction, paper),
-                "D={d} N={n}: bubble {}, paper {paper}",
-                plan.simulation.bubble_fraction
-            );
+            assert_bubble(&plan, paper, format_args!("D={d} N={n}"));
         }
     }
 }
@@ -163,11 +160,7 @@ fn chimera_with_data_parallelism_keeps_the_papers_bubble_per_pipeline_pair() {
         let plan = build(&text).plan;
         let per_pair = (n / r) as f64;
         let paper = (d as f64 - 2.0) / (2.0 * per_pair + d as f64 - 2.0);
-        assert!(
-            close(plan.simulation.bubble_fraction, paper),
-            "D={d} R={r} N={n}: bubble {}, paper {paper}",
-            plan.simulation.bubble_fraction
-        );
+        assert_bubble(&plan, paper, format_args!("D={d} R={r} N={n}"));
         // every stage has 2R copies, all in one gradient group
         for s in &plan.stages {
             assert_eq!(s.replicas.len(), 2 * r);

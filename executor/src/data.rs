@@ -179,6 +179,18 @@ fn check_labels(classes: &[i64], outputs: usize, what: &str) -> Result<(), Strin
     Ok(())
 }
 
+/// A file's target column(s): class indices (checked against the model's outputs) or
+/// regression values.
+fn to_targets(values: Vec<f64>, classification: bool, outputs: usize, what: &str) -> Result<Targets, String> {
+    if classification {
+        let c: Vec<i64> = values.iter().map(|&t| t as i64).collect();
+        check_labels(&c, outputs, what)?;
+        Ok(Targets::Classes(c))
+    } else {
+        Ok(Targets::Values(values.into_iter().map(|t| t as f32).collect()))
+    }
+}
+
 fn to_inputs(values: Vec<f64>, vocab: Option<usize>, what: &str) -> Result<Inputs, String> {
     match vocab {
         None => Ok(Inputs::Features(values.into_iter().map(|v| v as f32).collect())),
@@ -226,13 +238,7 @@ fn load_csv(
         return Err(format!("`{path}` has no samples"));
     }
     let inputs = to_inputs(feats, vocab, path)?;
-    let targets = if classification {
-        let c: Vec<i64> = targets.iter().map(|&t| t as i64).collect();
-        check_labels(&c, outputs, path)?;
-        Targets::Classes(c)
-    } else {
-        Targets::Values(targets.into_iter().map(|t| t as f32).collect())
-    };
+    let targets = to_targets(targets, classification, outputs, path)?;
     Ok(Source::Loaded { inputs, targets, samples })
 }
 
@@ -313,12 +319,6 @@ fn load_npy(
     if lshape.first().copied() != Some(samples) || lvalues.len() != samples * per {
         return Err(format!("`{labels}` has shape {lshape:?}; expected {samples} samples with {per} target(s) each"));
     }
-    let targets = if classification {
-        let c: Vec<i64> = lvalues.iter().map(|&v| v as i64).collect();
-        check_labels(&c, outputs, labels)?;
-        Targets::Classes(c)
-    } else {
-        Targets::Values(lvalues.into_iter().map(|v| v as f32).collect())
-    };
+    let targets = to_targets(lvalues, classification, outputs, labels)?;
     Ok(Source::Loaded { inputs: to_inputs(values, vocab, path)?, targets, samples })
 }

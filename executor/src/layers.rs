@@ -9,6 +9,7 @@ use burn::tensor::module::{avg_pool2d, conv2d, embedding, max_pool2d};
 use burn::tensor::ops::ConvOptions;
 use pipec_plan::model::Op;
 
+use crate::error::{ExecError, Result};
 use crate::rng::Rng;
 
 /// An activation flowing between layers: its rank varies along the model.
@@ -104,7 +105,7 @@ impl<B: Backend> Dense<B> {
     }
 
     /// x · W without the bias (a row-parallel partial sum).
-    pub(crate) fn matmul_only(&self, x: Act<B>) -> Result<Act<B>, String> {
+    pub(crate) fn matmul_only(&self, x: Act<B>) -> Result<Act<B>> {
         Ok(match x {
             Act::D2(t) => Act::D2(t.matmul(self.weight.val())),
             Act::D3(t) => {
@@ -113,7 +114,7 @@ impl<B: Backend> Dense<B> {
                 let out = y.dims()[1];
                 Act::D3(y.reshape([b, s, out]))
             }
-            other => return Err(format!("a linear layer cannot take {:?}", other.dims())),
+            other => return Err(ExecError::Shape(format!("a linear layer cannot take {:?}", other.dims()))),
         })
     }
 
@@ -126,11 +127,11 @@ impl<B: Backend> Dense<B> {
         }
     }
 
-    pub(crate) fn forward_act(&self, x: Act<B>) -> Result<Act<B>, String> {
+    pub(crate) fn forward_act(&self, x: Act<B>) -> Result<Act<B>> {
         Ok(match x {
             Act::D2(t) => Act::D2(self.forward2(t)),
             Act::D3(t) => Act::D3(self.forward3(t)),
-            other => return Err(format!("a linear layer cannot take {:?}", other.dims())),
+            other => return Err(ExecError::Shape(format!("a linear layer cannot take {:?}", other.dims()))),
         })
     }
 
@@ -294,7 +295,7 @@ impl<B: Backend> Layer<B> {
     }
 
     /// The forward pass. `mask_key` makes dropout masks depend on (step, microbatch) only.
-    pub fn forward(&self, x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>, String> {
+    pub fn forward(&self, x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>> {
         Ok(match (self, x) {
             (Layer::Dense(d), Act::D2(t)) => Act::D2(d.forward2(t)),
             (Layer::Dense(d), Act::D3(t)) => Act::D3(d.forward3(t)),
@@ -311,7 +312,11 @@ impl<B: Backend> Layer<B> {
             (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key)?,
             (Layer::ColumnLinear(d), x) => d.forward_act(x)?,
             (layer, x) => {
-                return Err(format!("layer {} cannot take an activation of shape {:?}", layer_name(layer), x.dims()))
+                return Err(ExecError::Shape(format!(
+                    "layer {} cannot take an activation of shape {:?}",
+                    layer_name(layer),
+                    x.dims()
+                )))
             }
         })
     }
@@ -330,7 +335,7 @@ fn layer_name<B: Backend>(l: &Layer<B>) -> &'static str {
     }
 }
 
-fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) -> Result<Act<B>, String> {
+fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) -> Result<Act<B>> {
     // Apply on a 2-D view and restore the shape.
     let dims = x.dims();
     type Restore<B> = Box<dyn Fn(Tensor<B, 2>) -> Act<B>>;
@@ -344,7 +349,9 @@ fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) 
             let [a, b, c, d] = t.dims();
             (t.reshape([a, b * c * d]), Box::new(move |y: Tensor<B, 2>| Act::D4(y.reshape([a, b, c, d]))))
         }
-        Act::Tokens(_) => return Err(format!("an element-wise layer cannot take token ids {dims:?}")),
+        Act::Tokens(_) => {
+            return Err(ExecError::Shape(format!("an element-wise layer cannot take token ids {dims:?}")))
+        }
     };
     Ok(restore(f(flat)))
 }
@@ -355,7 +362,7 @@ pub(crate) fn stateless<B: Backend>(
     x: Act<B>,
     training: bool,
     key: (u64, u64, u64),
-) -> Result<Act<B>, String> {
+) -> Result<Act<B>> {
     match *op {
         Op::Relu => elementwise(x, activation::relu),
         Op::Gelu => elementwise(x, activation::gelu),
@@ -384,17 +391,17 @@ pub(crate) fn stateless<B: Backend>(
                 let [a, b, c, d] = t.dims();
                 Act::D2(t.reshape([a, b * c * d]))
             }
-            Act::Tokens(_) => return Err("flatten cannot take token ids".into()),
+            Act::Tokens(_) => return Err(ExecError::Shape("flatten cannot take token ids".into())),
         }),
         Op::MaxPool2d { kernel, stride } => match x {
             Act::D4(t) => Ok(Act::D4(max_pool2d(t, [kernel; 2], [stride; 2], [0, 0], [1, 1], false))),
-            other => Err(format!("maxpool2d needs [batch, C, H, W], got {:?}", other.dims())),
+            other => Err(ExecError::Shape(format!("maxpool2d needs [batch, C, H, W], got {:?}", other.dims()))),
         },
         Op::AvgPool2d { kernel, stride } => match x {
             Act::D4(t) => Ok(Act::D4(avg_pool2d(t, [kernel; 2], [stride; 2], [0, 0], true, false))),
-            other => Err(format!("avgpool2d needs [batch, C, H, W], got {:?}", other.dims())),
+            other => Err(ExecError::Shape(format!("avgpool2d needs [batch, C, H, W], got {:?}", other.dims()))),
         },
-        _ => Err(format!("{} is not a stateless layer", op.name())),
+        _ => Err(ExecError::Shape(format!("{} is not a stateless layer", op.name()))),
     }
 }
 
@@ -412,7 +419,7 @@ impl<B: Backend> StageModel<B> {
         }
     }
 
-    pub fn forward(&self, mut x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>, String> {
+    pub fn forward(&self, mut x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>> {
         for layer in &self.layers {
             x = layer.forward(x, training, mask_key)?;
         }

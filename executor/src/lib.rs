@@ -4,11 +4,13 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod error;
 pub mod layers;
 #[cfg(feature = "mpi")]
 pub mod mpi_run;
 #[cfg(feature = "mpi")]
 pub mod mpi_transport;
+mod params;
 pub mod profile;
 pub mod rng;
 pub mod tensor_parallel;
@@ -23,15 +25,14 @@ use std::sync::mpsc::channel;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn::module::{Module, ModuleMapper, Param, ParamId};
-use burn::prelude::*;
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::module::ParamId;
 use burn::tensor::backend::AutodiffBackend;
 use pipec_plan::{DeviceId, Plan, StageId};
 
 use crate::data::Dataset;
+use crate::error::ExecError;
 use crate::transport::Endpoint;
-use crate::worker::{build_stages, snapshot, StageOptim, StageState, StepReport, Worker};
+use crate::worker::{build_stages, StageState, StepReport, Worker};
 
 pub use worker::StepReport as WorkerStep;
 
@@ -107,12 +108,19 @@ pub struct RunError {
     pub stage: Option<StageId>,
     pub step: Option<usize>,
     pub instruction: Option<String>,
-    pub message: String,
+    pub error: ExecError,
+}
+
+impl From<ExecError> for RunError {
+    fn from(error: ExecError) -> Self {
+        RunError { device: None, stage: None, step: None, instruction: None, error }
+    }
 }
 
 impl RunError {
-    fn plain(message: impl Into<String>) -> Self {
-        RunError { device: None, stage: None, step: None, instruction: None, message: message.into() }
+    /// A run that could not start (MPI, backend, plan version).
+    pub(crate) fn setup(message: impl Into<String>) -> Self {
+        ExecError::Setup(message.into()).into()
     }
 }
 
@@ -124,10 +132,10 @@ impl std::fmt::Display for RunError {
                 "device {d}{} failed at step {} on `{i}`: {}",
                 self.stage.map(|s| format!(" (stage {s})")).unwrap_or_default(),
                 self.step.unwrap_or(0),
-                self.message
+                self.error
             ),
-            (Some(d), None) => write!(f, "device {d} failed: {}", self.message),
-            _ => f.write_str(&self.message),
+            (Some(d), None) => write!(f, "device {d} failed: {}", self.error),
+            _ => self.error.fmt(f),
         }
     }
 }
@@ -177,10 +185,10 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
 /// Checks that this executor can run the plan.
 pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if plan.version != pipec_plan::plan::PLAN_VERSION {
-        return Err(RunError::plain(format!("plan format version {} is not supported", plan.version)));
+        return Err(RunError::setup(format!("plan format version {} is not supported", plan.version)));
     }
     if let Some(problem) = plan.check().into_iter().next() {
-        return Err(RunError::plain(format!("the plan is malformed: {problem}")));
+        return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
     }
     let devices_in_stages: std::collections::BTreeSet<DeviceId> = plan
         .stages
@@ -190,7 +198,7 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     let streamed: std::collections::BTreeSet<DeviceId> =
         plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
     if devices_in_stages != streamed {
-        return Err(RunError::plain("the plan's stages and streams name different devices"));
+        return Err(ExecError::Plan("the plan's stages and streams name different devices".into()).into());
     }
     Ok(())
 }
@@ -201,7 +209,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     match options.backend {
         BackendKind::Cpu => run_in_process::<CpuBackend>(plan, options, Default::default(), on_step),
         BackendKind::Cuda => {
-            cuda_available().map_err(RunError::plain)?;
+            cuda_available().map_err(RunError::setup)?;
             #[cfg(feature = "cuda")]
             {
                 type B = burn::backend::Autodiff<burn::backend::Cuda>;
@@ -209,7 +217,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
             }
             #[cfg(not(feature = "cuda"))]
             {
-                Err(RunError::plain("CUDA support is not built in"))
+                Err(RunError::setup("CUDA support is not built in"))
             }
         }
     }
@@ -220,91 +228,48 @@ enum Event {
     Failed(RunError),
 }
 
-struct ParamLoader<'a> {
-    values: &'a checkpoint::ParamValues,
-    /// The tensor-parallel rank whose shard this stage loads (0 without).
-    tp_rank: u32,
-    missing: Vec<u64>,
-}
-
-impl<B: Backend> ModuleMapper<B> for ParamLoader<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, _) = param.consume();
-        match self.values.get(&(id.val(), self.tp_rank)) {
-            Some((shape, v)) if shape.as_slice() == tensor.dims().as_slice() => {
-                let t = Tensor::<B, D>::from_data(TensorData::new(v.clone(), shape.clone()), &tensor.device())
-                    .require_grad();
-                Param::initialized(id, t)
-            }
-            _ => {
-                self.missing.push(id.val());
-                Param::initialized(id, tensor)
-            }
-        }
-    }
-}
-
 fn load_checkpoint<B: AutodiffBackend>(
     stages: &mut HashMap<StageId, StageState<B>>,
     loaded: &checkpoint::Loaded,
     dev: &B::Device,
-) -> Result<(), String> {
-    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+) -> Result<(), ExecError> {
     for (id, st) in stages.iter_mut() {
         let (tp_rank, tp_size) = st.tp_shard();
         if loaded.tp_size(id.0) != tp_size {
-            return Err(format!("stage {id} was saved split over {} tensor-parallel rank(s) and this plan splits it over {tp_size}: resume with the same `tp`", loaded.tp_size(id.0)));
+            return Err(ExecError::Checkpoint(format!("stage {id} was saved split over {} tensor-parallel rank(s) and this plan splits it over {tp_size}: resume with the same `tp`", loaded.tp_size(id.0))));
         }
-        let model = st.model.take().ok_or("no model")?;
-        let mut loader = ParamLoader { values: &loaded.params, tp_rank, missing: Vec::new() };
-        let model = model.map(&mut loader);
-        if !loader.missing.is_empty() {
-            return Err(format!(
-                "the checkpoint lacks {} parameter(s) of stage {id} (e.g. {})",
-                loader.missing.len(),
-                checkpoint::param_name(loader.missing[0])
-            ));
-        }
+        let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+        let (model, missing) = params::set_params(model, |id, shape| match loaded.params.get(&(id, tp_rank)) {
+            Some((saved, v)) if saved.as_slice() == shape => Some(v.clone()),
+            _ => None,
+        });
         st.model = Some(model);
+        if let Some(first) = missing.first() {
+            return Err(ExecError::Checkpoint(format!(
+                "the checkpoint lacks {} parameter(s) of stage {id} (e.g. {})",
+                missing.len(),
+                checkpoint::param_name(*first)
+            )));
+        }
         let bytes = loaded
             .optimizers
             .get(&checkpoint::ShardKey { stage: id.0, tp_rank })
-            .ok_or(format!("the checkpoint has no optimizer state for stage {id}"))?
-            .clone();
-        let optim = std::mem::replace(
-            &mut st.optim,
-            StageOptim::new(&pipec_plan::plan::OptimizerPlan::Sgd { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }),
-        );
-        st.optim = match optim {
-            StageOptim::Sgd(o) => {
-                let rec = std::panic::catch_unwind(AssertUnwindSafe(|| recorder.load(bytes.clone(), dev)))
-                    .map_err(|_| "the optimizer state is corrupt".to_string())?
-                    .map_err(|e| format!("{e:?}"))?;
-                StageOptim::Sgd(burn::optim::Optimizer::load_record(o, rec))
-            }
-            StageOptim::Adam(o) => {
-                let rec = std::panic::catch_unwind(AssertUnwindSafe(|| recorder.load(bytes.clone(), dev)))
-                    .map_err(|_| "the optimizer state is corrupt".to_string())?
-                    .map_err(|e| format!("{e:?}"))?;
-                StageOptim::Adam(burn::optim::Optimizer::load_record(o, rec))
-            }
-        };
+            .ok_or_else(|| ExecError::Checkpoint(format!("the checkpoint has no optimizer state for stage {id}")))?;
+        st.optim.load(bytes, dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
     }
     Ok(())
 }
 
-fn save_checkpoint<B: AutodiffBackend>(stages: &HashMap<StageId, StageState<B>>) -> Result<checkpoint::Shards, String> {
-    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+fn save_checkpoint<B: AutodiffBackend>(
+    stages: &HashMap<StageId, StageState<B>>,
+) -> Result<checkpoint::Shards, ExecError> {
     let mut out = HashMap::new();
     for (id, st) in stages {
-        let model = st.model.as_ref().ok_or("no model")?;
-        let params =
-            snapshot::<B, _>(model)?.into_iter().map(|(pid, shape, v)| (ParamId::val(&pid), shape, v)).collect();
-        let optimizer = match &st.optim {
-            StageOptim::Sgd(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),
-            StageOptim::Adam(o) => recorder.record(burn::optim::Optimizer::to_record(o), ()),
-        }
-        .map_err(|e| format!("{e:?}"))?;
+        let params = params::snapshot::<B, _>(st.model()?)?
+            .into_iter()
+            .map(|(pid, shape, v)| (ParamId::val(&pid), shape, v))
+            .collect();
+        let optimizer = st.optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
         let (tp_rank, tp_size) = st.tp_shard();
         out.insert(
             checkpoint::ShardKey { stage: id.0, tp_rank },
@@ -329,10 +294,12 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
     on_step: &mut dyn FnMut(&StepMetrics),
     sink: &mut CheckpointSink<'_>,
 ) -> Result<RunReport, RunError> {
-    let data = Dataset::for_plan(plan).map_err(RunError::plain)?;
+    let data = Dataset::for_plan(plan).map_err(ExecError::Data)?;
     let loaded = match &options.resume {
         None => None,
-        Some(p) => Some(checkpoint::read(&checkpoint::locate(p).map_err(RunError::plain)?).map_err(RunError::plain)?),
+        Some(p) => Some(
+            checkpoint::read(&checkpoint::locate(p).map_err(ExecError::Checkpoint)?).map_err(ExecError::Checkpoint)?,
+        ),
     };
     let first_step = loaded.as_ref().map(|l| l.completed_steps).unwrap_or(0);
     let total_steps = options.steps.unwrap_or(plan.training.steps);
@@ -350,7 +317,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
             let loaded = loaded.as_ref();
             scope.spawn(move || {
                 let device = ep.device();
-                let fail = |step: Option<usize>, index: Option<usize>, message: String| {
+                let fail = |step: Option<usize>, index: Option<usize>, error: ExecError| {
                     let stream = &plan.streams[&device];
                     let ins = index.and_then(|i| stream.get(i));
                     RunError {
@@ -358,7 +325,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                         stage: ins.map(pipec_plan::Instr::stage),
                         step,
                         instruction: ins.map(ToString::to_string),
-                        message,
+                        error,
                     }
                 };
                 let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), RunError> {
@@ -394,7 +361,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                             .cloned()
                             .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                             .unwrap_or_else(|| "panicked".into());
-                        Some(fail(None, None, format!("the worker panicked: {msg}")))
+                        Some(fail(None, None, ExecError::Panic(msg)))
                     }
                 };
                 if let Some(e) = err {
@@ -413,9 +380,8 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                 Event::Failed(e) => {
                     abort.store(true, Ordering::Relaxed);
                     // Keep the root cause: a worker that was merely stopped reports less.
-                    let is_secondary = |m: &str| m.contains("another worker failed") || m.ends_with("disconnected");
                     if first_error.is_none()
-                        || (!is_secondary(&e.message) && first_error.as_ref().is_some_and(|f| is_secondary(&f.message)))
+                        || (!e.error.is_secondary() && first_error.as_ref().is_some_and(|f| f.error.is_secondary()))
                     {
                         first_error = Some(e);
                     }
@@ -475,7 +441,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                                 Ok(None) => {}
                                 Err(e) => {
                                     abort.store(true, Ordering::Relaxed);
-                                    first_error.get_or_insert(RunError::plain(format!("checkpoint: {e}")));
+                                    first_error.get_or_insert(ExecError::Checkpoint(e).into());
                                 }
                             }
                         }

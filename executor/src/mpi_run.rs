@@ -38,20 +38,20 @@ pub fn run(
 ) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
     crate::validate(plan).map_err(|e| (None, e))?;
     let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
-        .ok_or((None, RunError::plain("MPI could not be initialised (is this process started by mpirun?)")))?;
+        .ok_or((None, RunError::setup("MPI could not be initialised (is this process started by mpirun?)")))?;
     let world = universe.world();
     let (rank, size) = (world.rank(), world.size());
     if threading != Threading::Multiple {
         return Err((
             None,
-            RunError::plain(format!(
+            RunError::setup(format!(
                 "rank {rank}: the MPI library grants thread level {threading:?}; pipec needs MPI_THREAD_MULTIPLE"
             )),
         ));
     }
     let devices: Vec<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
     if size as usize != devices.len() {
-        return Err((None, RunError::plain(format!("rank {rank}: the plan has {} devices with work but mpirun started {size} processes; run `mpirun -np {}` (see `pipec launch`)", devices.len(), devices.len()))));
+        return Err((None, RunError::setup(format!("rank {rank}: the plan has {} devices with work but mpirun started {size} processes; run `mpirun -np {}` (see `pipec launch`)", devices.len(), devices.len()))));
     }
     let device = devices[rank as usize];
     let info = RankInfo { rank, size, device };
@@ -135,7 +135,7 @@ pub fn run(
         let mut merged = report.clone();
         for r in 1..size {
             let b = receive_bytes(r, TAG_TRACE, &abort, timeout, devices[r as usize])
-                .map_err(|e| (Some(info), RunError::plain(e.to_string())))?;
+                .map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
             for t in from_f64s(&b).chunks_exact(4) {
                 merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
             }

@@ -10,6 +10,7 @@ use burn::tensor::backend::AutodiffBackend;
 use pipec_plan::profile::{Profile, ProfiledLayer};
 use pipec_plan::Plan;
 
+use crate::error::ExecError;
 use crate::layers::{Act, StageModel};
 use crate::rng::Rng;
 use crate::worker::require_grad;
@@ -49,7 +50,7 @@ pub fn profile_layers<B: AutodiffBackend>(
     dev: &B::Device,
     warmup: usize,
     reps: usize,
-) -> Result<Profile, String> {
+) -> Result<Profile, ExecError> {
     let mb = plan.training.microbatch_size;
     let precision = 4u64;
     let mut out = Vec::new();
@@ -64,7 +65,7 @@ pub fn profile_layers<B: AutodiffBackend>(
             let x = if i == 0 { x } else { require_grad(x) };
             let t0 = Instant::now();
             let y = model.forward(x, true, (0, 0, r as u64))?;
-            let s = sum(&y).ok_or("a layer produced token ids")?;
+            let s = sum(&y).ok_or(ExecError::Shape("a layer produced token ids".into()))?;
             // make the forward really run before the clock stops (lazy backends)
             let _ = s.clone().into_scalar();
             let t1 = Instant::now();
@@ -101,7 +102,7 @@ pub fn profile_layers<B: AutodiffBackend>(
         let x = random_input::<B>(&shape, tokens, dev);
         let t0 = Instant::now();
         let y = whole.forward(x, true, (0, 0, r as u64))?;
-        let s = sum(&y).ok_or("the model produced token ids")?;
+        let s = sum(&y).ok_or(ExecError::Shape("the model produced token ids".into()))?;
         let _ = s.clone().into_scalar();
         let t1 = Instant::now();
         drop(s.backward());
@@ -128,7 +129,7 @@ pub fn profile_layers<B: AutodiffBackend>(
 }
 
 /// Profiles on the CPU backend.
-pub fn profile_cpu(plan: &Plan, warmup: usize, reps: usize) -> Result<Profile, String> {
+pub fn profile_cpu(plan: &Plan, warmup: usize, reps: usize) -> Result<Profile, ExecError> {
     profile_cpu_concurrent(plan, 1, warmup, reps)
 }
 
@@ -136,14 +137,14 @@ pub fn profile_cpu(plan: &Plan, warmup: usize, reps: usize) -> Result<Profile, S
 /// each on its own thread, and averages their times: on the CPU every device of a plan is
 /// a worker thread of one process, so its layers run while the other workers load the same
 /// cores, caches and memory bus — this measures them under that load.
-pub fn profile_cpu_concurrent(plan: &Plan, threads: usize, warmup: usize, reps: usize) -> Result<Profile, String> {
+pub fn profile_cpu_concurrent(plan: &Plan, threads: usize, warmup: usize, reps: usize) -> Result<Profile, ExecError> {
     type B = burn::backend::Autodiff<burn::backend::Flex>;
     let threads = threads.max(1);
     if threads == 1 {
         return profile_layers::<B>(plan, &Default::default(), warmup, reps);
     }
     let barrier = std::sync::Barrier::new(threads);
-    let results: Vec<Result<Profile, String>> = std::thread::scope(|s| {
+    let results: Vec<Result<Profile, ExecError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
                 s.spawn(|| {
@@ -152,7 +153,10 @@ pub fn profile_cpu_concurrent(plan: &Plan, threads: usize, warmup: usize, reps: 
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a profiling thread panicked".into()))).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(ExecError::Panic("a profiling thread panicked".into()))))
+            .collect()
     });
     let profiles: Vec<Profile> = results.into_iter().collect::<Result<_, _>>()?;
     let mut out = profiles[0].clone();
@@ -166,7 +170,7 @@ pub fn profile_cpu_concurrent(plan: &Plan, threads: usize, warmup: usize, reps: 
 
 /// Profiles on the CUDA backend.
 #[cfg(feature = "cuda")]
-pub fn profile_cuda(plan: &Plan, warmup: usize, reps: usize) -> Result<Profile, String> {
+pub fn profile_cuda(plan: &Plan, warmup: usize, reps: usize) -> Result<Profile, ExecError> {
     type B = burn::backend::Autodiff<burn::backend::Cuda>;
     profile_layers::<B>(plan, &burn::backend::cuda::CudaDevice::new(0), warmup, reps)
 }

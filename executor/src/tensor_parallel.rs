@@ -21,8 +21,9 @@ use burn::tensor::activation;
 use burn::tensor::backend::AutodiffBackend;
 use pipec_plan::model::Op;
 
+use crate::error::{ExecError, Result};
 use crate::layers::{dense_values, stateless, Act, Block, Dense, Layer, Norm, StageModel};
-use crate::worker::host_f32;
+use crate::params::host_f32;
 
 /// How a stage's layer is split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +41,7 @@ fn elementwise(op: &Op) -> bool {
 /// Decides each layer's split: a linear layer followed (through element-wise layers only)
 /// by a linear layer whose input it feeds becomes a column/row pair; transformer blocks
 /// split their heads. Errors when a block cannot be split `tp` ways.
-pub fn plan_splits(ops: &[Op], tp: usize) -> Result<Vec<Split>, String> {
+pub fn plan_splits(ops: &[Op], tp: usize) -> Result<Vec<Split>> {
     let mut out = vec![Split::Replicated; ops.len()];
     let mut i = 0;
     while i < ops.len() {
@@ -61,7 +62,7 @@ pub fn plan_splits(ops: &[Op], tp: usize) -> Result<Vec<Split>, String> {
             }
             Op::TransformerBlock { d_model, heads, d_ff } => {
                 if heads % tp != 0 || d_model % tp != 0 || d_ff % tp != 0 {
-                    return Err(format!("transformer_block(d={d_model}, heads={heads}, ff={d_ff}) cannot be split {tp} ways (heads and ff must be multiples of tp)"));
+                    return Err(ExecError::Plan(format!("transformer_block(d={d_model}, heads={heads}, ff={d_ff}) cannot be split {tp} ways (heads and ff must be multiples of tp)")));
                 }
                 out[i] = Split::Block;
             }
@@ -88,7 +89,7 @@ pub fn build_stage<B: Backend>(
     device: &B::Device,
     rank: usize,
     tp: usize,
-) -> Result<StageModel<B>, String> {
+) -> Result<StageModel<B>> {
     let splits = plan_splits(ops, tp)?;
     let mut layers = Vec::with_capacity(ops.len());
     for (k, (op, split)) in ops.iter().zip(&splits).enumerate() {
@@ -173,7 +174,7 @@ pub fn build_stage<B: Backend>(
 
 /// Parameter ids (layer << 8 | slot) whose gradients are partial on each rank and must be
 /// summed over the group: the layer norms feeding a block's column-parallel projections.
-pub fn partial_parameter_ids(ops: &[Op], first: usize, tp: usize) -> Result<Vec<u64>, String> {
+pub fn partial_parameter_ids(ops: &[Op], first: usize, tp: usize) -> Result<Vec<u64>> {
     let splits = plan_splits(ops, tp)?;
     Ok(splits
         .iter()
@@ -207,11 +208,8 @@ pub struct Segment<B: Backend> {
 
 /// Sums a tensor over the group (the forward all-reduce `g`): the value becomes the sum,
 /// the gradient passes through unchanged.
-fn g<B: AutodiffBackend>(
-    partial: Act<B>,
-    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>,
-) -> Result<Act<B>, String> {
-    fn host<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Result<Vec<f32>, String> {
+fn g<B: AutodiffBackend>(partial: Act<B>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>) -> Result<Act<B>> {
+    fn host<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Result<Vec<f32>> {
         host_f32(t.clone().into_data())
     }
     Ok(match partial {
@@ -223,7 +221,7 @@ fn g<B: AutodiffBackend>(
             let full = Tensor::<B, 3>::from_data(TensorData::new(reduce(host(&t)?)?, t.dims()), &t.device());
             Act::D3(t.clone() + (full - t.detach()))
         }
-        other => return Err(format!("cannot all-reduce {:?}", other.dims())),
+        other => return Err(ExecError::Shape(format!("cannot all-reduce {:?}", other.dims()))),
     })
 }
 
@@ -240,15 +238,19 @@ pub fn fresh<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
 fn attention_half<B: AutodiffBackend>(
     b: &Block<B>,
     x: Tensor<B, 3>,
-    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>,
-) -> Result<Tensor<B, 3>, String> {
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+) -> Result<Tensor<B, 3>> {
     let [n, s, d] = x.dims();
     let h = b.heads;
     let dl = b.qkv.weight.dims()[1] / 3;
     let dh = dl / h.max(1);
     let qkv = match b.qkv.forward_act(Act::D3(b.norm1.forward(x.clone())))? {
         Act::D3(t) => t,
-        _ => return Err("qkv".into()),
+        _ => {
+            return Err(ExecError::Shape(
+                "the qkv projection of a tensor-parallel block must give [batch, seq, features]".into(),
+            ))
+        }
     };
     let split = |i: usize| qkv.clone().narrow(2, i * dl, dl).reshape([n, s, h, dh]).swap_dims(1, 2);
     let (q, k, v) = (split(0), split(1), split(2));
@@ -258,23 +260,29 @@ fn attention_half<B: AutodiffBackend>(
     let _ = d;
     match a {
         Act::D3(a) => Ok(x + a),
-        _ => Err("attention output".into()),
+        _ => Err(ExecError::Shape(
+            "the attention projection of a tensor-parallel block must give [batch, seq, d]".into(),
+        )),
     }
 }
 
 fn mlp_half<B: AutodiffBackend>(
     b: &Block<B>,
     h: Tensor<B, 3>,
-    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>,
-) -> Result<Tensor<B, 3>, String> {
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+) -> Result<Tensor<B, 3>> {
     let up = match b.fc1.forward_act(Act::D3(b.norm2.forward(h.clone())))? {
         Act::D3(t) => activation::gelu(t),
-        _ => return Err("fc1".into()),
+        _ => {
+            return Err(ExecError::Shape(
+                "the first MLP layer of a tensor-parallel block must give [batch, seq, features]".into(),
+            ))
+        }
     };
     let m = b.fc2.add_bias(g(b.fc2.matmul_only(Act::D3(up))?, reduce)?);
     match m {
         Act::D3(m) => Ok(h + m),
-        _ => Err("mlp output".into()),
+        _ => Err(ExecError::Shape("the MLP of a tensor-parallel block must give [batch, seq, d]".into())),
     }
 }
 
@@ -284,8 +292,8 @@ pub fn forward<B: AutodiffBackend>(
     x: Act<B>,
     training: bool,
     key: (u64, u64, u64),
-    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String>,
-) -> Result<Vec<Segment<B>>, String> {
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+) -> Result<Vec<Segment<B>>> {
     let mut segments = Vec::new();
     let mut leaf = x.clone();
     let mut cur = x;
@@ -316,11 +324,17 @@ pub fn forward<B: AutodiffBackend>(
             }
             Layer::ParallelBlock(b) => {
                 cut(&mut segments, &mut leaf, &mut cur, &mut applied, &mut boundary, Boundary::SumResidual);
-                let Act::D3(t) = cur.clone() else { return Err("a transformer block needs [batch, seq, d]".into()) };
+                let Act::D3(t) = cur.clone() else {
+                    return Err(ExecError::Shape("a transformer block needs [batch, seq, d]".into()));
+                };
                 let h = Act::D3(attention_half(b, t, reduce)?);
                 segments.push(Segment { leaf: leaf.clone(), out: h.clone(), boundary });
                 leaf = fresh(&h);
-                let Act::D3(t) = leaf.clone() else { return Err("block".into()) };
+                let Act::D3(t) = leaf.clone() else {
+                    return Err(ExecError::Shape(
+                        "a transformer block's attention half must give [batch, seq, d]".into(),
+                    ));
+                };
                 let y = Act::D3(mlp_half(b, t, reduce)?);
                 // The residual correction needs the gradient at the block's own output, so
                 // the segment ends there; what follows starts from a leaf whose gradient is

@@ -5,6 +5,7 @@
 
 use pipec_plan::schedule::LayoutFacts;
 
+use crate::cx::Fields;
 use crate::diagnostic::Diagnostic;
 use crate::dsl::{self, LayerRef, StagesNotation};
 use crate::span::Span;
@@ -72,8 +73,60 @@ pub(crate) fn lower_strategy(
         None => Some(false),
         Some(n) => cx.boolean(n),
     };
+    let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
-    // Layout: `stages` or dp/pp, not both.
+    let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
+    let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
+    let mut ok = check_device_count(cx, &layout, tp, cluster);
+    check_size(cx, &layout, &schedule, microbatches, microbatches_node.map_or(owner, |n| n.span))?;
+    let written_mb = MicrobatchesWritten { count: microbatches, span: microbatches_node.map(|n| n.span), owner };
+    ok &= check_schedule_and_microbatches(cx, &layout, &schedule, written_mb, model, training);
+
+    let partition_node = f.get("partition");
+    let chunks = layout.replicas.len() * schedule.virtual_stages;
+    let partition = lower_partition(cx, partition_node, model, chunks)?;
+    if !ok {
+        return None;
+    }
+    Some(Strategy {
+        replicas: layout.replicas,
+        tp,
+        schedule,
+        microbatches,
+        partition,
+        recompute,
+        layout_span: layout.span,
+        layout_fixed: layout.fixed,
+        partition_span: partition_node.map_or(owner, |n| n.span),
+        microbatches_span: microbatches_node.map(|n| n.span),
+        span: node.span,
+    })
+}
+
+/// The layout as written: PipeDream notation, dp/pp degrees, or nothing (one stage per
+/// device, or one replicated stage for `dp-only`).
+enum WrittenLayout {
+    Replicas(Vec<usize>, Vec<Span>),
+    Straight,
+    DpOnly,
+}
+
+/// The layout with the cluster's device count filled in: replicas per stage, the span of
+/// each stage's number (or of the whole layout), and whether the user wrote it.
+struct Layout {
+    replicas: Vec<usize>,
+    replica_spans: Vec<Span>,
+    span: Span,
+    fixed: bool,
+}
+
+/// Reads `stages` or `dp`/`pp` (not both).
+fn lower_layout(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    owner: Span,
+    schedule: Option<ScheduleKind>,
+) -> Option<(WrittenLayout, Span, bool)> {
     let stages_node = f.get("stages");
     let dp_node = f.get("dp");
     let pp_node = f.get("pp");
@@ -91,85 +144,82 @@ pub(crate) fn lower_strategy(
         );
         return None;
     }
-    let devices = cluster.map(Cluster::device_count);
-    let schedule_kind = schedule.as_ref().map(|s| s.kind);
-    enum Layout {
-        Replicas(Vec<usize>, Vec<Span>),
-        Straight,
-        DpOnly,
+    let fixed = stages_node.is_some() || dp_node.is_some() || pp_node.is_some();
+    if let Some(s) = stages_node {
+        return lower_stages_notation(cx, s).map(|l| (l, s.span, fixed));
     }
-    let mut layout_span = owner;
-    let layout: Option<Layout> = if let Some(s) = stages_node {
-        layout_span = s.span;
-        match &s.value {
-            Value::Int(i) => {
-                cx.push(
-                    Diagnostic::error("E0401", format!("`stages: {i}` is a number; PipeDream notation is a string"), s.span, "quote this")
-                        .with_help(format!("`\"{i}\"` means one stage replicated on {i} workers; for {i} unreplicated stages write `straight` or `{}`", vec!["1"; (*i).clamp(1, 16) as usize].join("-")))
-                        .with_fix("quote the notation", s.span, format!("\"{i}\"")),
-                );
-                None
-            }
-            Value::Str(text) => match dsl::parse_stages(text) {
-                Ok(StagesNotation::Straight) => Some(Layout::Straight),
-                Ok(StagesNotation::Replicas(parts)) => {
-                    let mut ok = true;
-                    for (n, r) in &parts {
-                        if *n == 0 || *n > 1_000_000 {
-                            let span = cx.dsl_span(s, *r);
-                            cx.push(Diagnostic::error(
-                                "E0401",
-                                format!("a stage needs at least one worker, found {n}"),
-                                span,
-                                "must be ≥ 1",
-                            ));
-                            ok = false;
-                        }
-                    }
-                    ok.then(|| {
-                        Layout::Replicas(
-                            parts.iter().map(|p| p.0 as usize).collect(),
-                            parts.iter().map(|p| cx.dsl_span(s, p.1)).collect(),
-                        )
-                    })
-                }
-                Err(e) => {
-                    cx.dsl_error("E0401", s, &e, "strategy syntax error");
-                    None
-                }
-            },
-            _ => {
-                cx.wrong_type(s, "PipeDream notation like \"2-1-1\" or `straight`");
-                None
-            }
-        }
-    } else if dp_node.is_some() || pp_node.is_some() {
-        layout_span = dp_node.or(pp_node).map(|n| n.span).unwrap_or(owner);
-        let dp = match dp_node {
+    if dp_node.is_some() || pp_node.is_some() {
+        let span = dp_node.or(pp_node).map_or(owner, |n| n.span);
+        let degree = |cx: &mut Lower<'_>, n: Option<&Node>| match n {
             None => Some(1),
             Some(n) => cx.uint(n, 1),
         };
-        let pp = match pp_node {
-            None => Some(1),
-            Some(n) => cx.uint(n, 1),
-        };
-        match (dp, pp) {
-            (Some(dp), Some(pp)) => Some(Layout::Replicas(vec![dp; pp], vec![layout_span; pp])),
-            _ => None,
-        }
-    } else if schedule_kind == Some(ScheduleKind::DpOnly) {
-        Some(Layout::DpOnly)
-    } else {
-        Some(Layout::Straight)
-    };
-    let layout_fixed = stages_node.is_some() || dp_node.is_some() || pp_node.is_some();
+        let (dp, pp) = (degree(cx, dp_node), degree(cx, pp_node));
+        return Some((WrittenLayout::Replicas(vec![dp?; pp?], vec![span; pp?]), span, fixed));
+    }
+    let layout = if schedule == Some(ScheduleKind::DpOnly) { WrittenLayout::DpOnly } else { WrittenLayout::Straight };
+    Some((layout, owner, fixed))
+}
 
-    let (tp, schedule, microbatches, recompute, layout) = (tp?, schedule?, microbatches?, recompute?, layout?);
-    // Resolve `straight` and dp-only against the cluster.
-    let (replicas, replica_spans) = match layout {
-        Layout::Replicas(r, spans) => (r, spans),
-        Layout::Straight | Layout::DpOnly => {
-            let devices = devices?;
+/// `stages: "2-1-1"` or `stages: straight`.
+fn lower_stages_notation(cx: &mut Lower<'_>, s: &Node) -> Option<WrittenLayout> {
+    match &s.value {
+        Value::Int(i) => {
+            cx.push(
+                Diagnostic::error("E0401", format!("`stages: {i}` is a number; PipeDream notation is a string"), s.span, "quote this")
+                    .with_help(format!("`\"{i}\"` means one stage replicated on {i} workers; for {i} unreplicated stages write `straight` or `{}`", vec!["1"; (*i).clamp(1, 16) as usize].join("-")))
+                    .with_fix("quote the notation", s.span, format!("\"{i}\"")),
+            );
+            None
+        }
+        Value::Str(text) => match dsl::parse_stages(text) {
+            Ok(StagesNotation::Straight) => Some(WrittenLayout::Straight),
+            Ok(StagesNotation::Replicas(parts)) => {
+                let mut ok = true;
+                for (n, r) in &parts {
+                    if *n == 0 || *n > 1_000_000 {
+                        let span = cx.dsl_span(s, *r);
+                        cx.push(Diagnostic::error(
+                            "E0401",
+                            format!("a stage needs at least one worker, found {n}"),
+                            span,
+                            "must be ≥ 1",
+                        ));
+                        ok = false;
+                    }
+                }
+                ok.then(|| {
+                    WrittenLayout::Replicas(
+                        parts.iter().map(|p| p.0 as usize).collect(),
+                        parts.iter().map(|p| cx.dsl_span(s, p.1)).collect(),
+                    )
+                })
+            }
+            Err(e) => {
+                cx.dsl_error("E0401", s, &e, "strategy syntax error");
+                None
+            }
+        },
+        _ => {
+            cx.wrong_type(s, "PipeDream notation like \"2-1-1\" or `straight`");
+            None
+        }
+    }
+}
+
+/// Resolves `straight` and dp-only against the cluster's device count.
+fn resolve_layout(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    owner: Span,
+    (written, span, fixed): (WrittenLayout, Span, bool),
+    cluster: Option<&Cluster>,
+    tp: usize,
+) -> Option<Layout> {
+    let (replicas, replica_spans) = match written {
+        WrittenLayout::Replicas(r, spans) => (r, spans),
+        WrittenLayout::Straight | WrittenLayout::DpOnly => {
+            let devices = cluster.map(Cluster::device_count)?;
             if devices % tp != 0 {
                 cx.push(
                     Diagnostic::error(
@@ -183,65 +233,98 @@ pub(crate) fn lower_strategy(
                 return None;
             }
             let n = devices / tp;
-            if matches!(layout, Layout::DpOnly) {
-                (vec![n], vec![layout_span])
+            if matches!(written, WrittenLayout::DpOnly) {
+                (vec![n], vec![span])
             } else {
-                (vec![1; n], vec![layout_span; n])
+                (vec![1; n], vec![span; n])
             }
         }
     };
-    let stages = replicas.len();
-    let mut ok = true;
+    Some(Layout { replicas, replica_spans, span, fixed })
+}
 
-    // Strategy vs cluster.
+/// Strategy vs cluster: the layout uses every device (E0402); false when it does not.
+fn check_device_count(cx: &mut Lower<'_>, layout: &Layout, tp: usize, cluster: Option<&Cluster>) -> bool {
+    let Some(c) = cluster else { return true };
+    let devices = c.device_count();
+    let replicas = &layout.replicas;
     let needed = replicas.iter().sum::<usize>() * tp;
-    if let (Some(devices), Some(c)) = (devices, cluster) {
-        if needed != devices && (layout_fixed || tp > 1) {
-            let notation = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-");
-            let sum = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("+");
-            let needs = if tp > 1 { format!("({sum}) × tp {tp} = {needed}") } else { format!("{sum} = {needed}") };
-            let mut d = Diagnostic::error("E0402", format!("the strategy `{notation}` needs {needed} devices, but the cluster has {devices}"), layout_span, format!("needs {needs} devices"))
-                .with_label(c.devices_span, format!("{} node(s) × {} device(s) = {devices}", c.nodes, c.devices_per_node))
-                .with_help(if needed < devices {
-                    format!("use all {devices} devices (e.g. `stages: straight`), or shrink the cluster")
-                } else {
-                    format!("the cluster needs {needed} devices: raise `devices_per_node`/`nodes`, or use fewer stages or replicas")
-                });
-            // the cluster resized to the strategy, when the nodes divide it
-            if needed.is_multiple_of(c.nodes.max(1)) && needed / c.nodes.max(1) >= 1 {
-                let per_node = needed / c.nodes.max(1);
-                d = d.with_fix(
-                    format!("use {per_node} device{} per node", if per_node == 1 { "" } else { "s" }),
-                    c.devices_span,
-                    per_node.to_string(),
-                );
-            }
-            cx.push(d);
-            ok = false;
-        }
+    if needed == devices || !(layout.fixed || tp > 1) {
+        return true;
     }
-
-    // Size: the streams hold about 8 instructions per (stage chunk, microbatch).
-    let chunks = stages.saturating_mul(schedule.virtual_stages.max(1));
-    if chunks.saturating_mul(microbatches) > crate::spec::MAX_STAGE_MICROBATCHES {
-        cx.push(
-            Diagnostic::error(
-                "E0105",
-                format!("{chunks} stage(s) × {microbatches} microbatches = {} forward passes per step is more than pipec plans ({} at most)", chunks.saturating_mul(microbatches), crate::spec::MAX_STAGE_MICROBATCHES),
-                microbatches_node.map_or(owner, |n| n.span),
-                "too many microbatches",
-            )
-            .with_help("use fewer microbatches: beyond a few times the pipeline depth they no longer shrink the bubble"),
+    let notation = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-");
+    let sum = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("+");
+    let needs = if tp > 1 { format!("({sum}) × tp {tp} = {needed}") } else { format!("{sum} = {needed}") };
+    let mut d = Diagnostic::error(
+        "E0402",
+        format!("the strategy `{notation}` needs {needed} devices, but the cluster has {devices}"),
+        layout.span,
+        format!("needs {needs} devices"),
+    )
+    .with_label(c.devices_span, format!("{} node(s) × {} device(s) = {devices}", c.nodes, c.devices_per_node))
+    .with_help(if needed < devices {
+        format!("use all {devices} devices (e.g. `stages: straight`), or shrink the cluster")
+    } else {
+        format!("the cluster needs {needed} devices: raise `devices_per_node`/`nodes`, or use fewer stages or replicas")
+    });
+    // the cluster resized to the strategy, when the nodes divide it
+    if needed.is_multiple_of(c.nodes.max(1)) && needed / c.nodes.max(1) >= 1 {
+        let per_node = needed / c.nodes.max(1);
+        d = d.with_fix(
+            format!("use {per_node} device{} per node", if per_node == 1 { "" } else { "s" }),
+            c.devices_span,
+            per_node.to_string(),
         );
-        return None;
     }
+    cx.push(d);
+    false
+}
 
-    // The microbatch count nearest the written one that meets every constraint below,
-    // offered as a fix on each microbatch diagnostic.
-    let mb_fix: Option<(Span, usize)> = microbatches_node.and_then(|node| {
+/// Size: the streams hold about 8 instructions per (stage chunk, microbatch); `None` (with
+/// E0105) past what pipec plans.
+fn check_size(cx: &mut Lower<'_>, layout: &Layout, schedule: &Schedule, microbatches: usize, span: Span) -> Option<()> {
+    let chunks = layout.replicas.len().saturating_mul(schedule.virtual_stages.max(1));
+    if chunks.saturating_mul(microbatches) <= crate::spec::MAX_STAGE_MICROBATCHES {
+        return Some(());
+    }
+    cx.push(
+        Diagnostic::error(
+            "E0105",
+            format!("{chunks} stage(s) × {microbatches} microbatches = {} forward passes per step is more than pipec plans ({} at most)", chunks.saturating_mul(microbatches), crate::spec::MAX_STAGE_MICROBATCHES),
+            span,
+            "too many microbatches",
+        )
+        .with_help("use fewer microbatches: beyond a few times the pipeline depth they no longer shrink the bubble"),
+    );
+    None
+}
+
+/// The microbatch count as written: its value and span (`None`: not written, 1 assumed).
+#[derive(Clone, Copy)]
+struct MicrobatchesWritten {
+    count: usize,
+    span: Option<Span>,
+    owner: Span,
+}
+
+/// Schedule vs layout (E0405), stages vs layers (E0403), microbatches vs batch size and
+/// replication (E0404); every microbatch diagnostic offers the nearest count that meets
+/// all of them. False when any fails.
+fn check_schedule_and_microbatches(
+    cx: &mut Lower<'_>,
+    layout: &Layout,
+    schedule: &Schedule,
+    mb: MicrobatchesWritten,
+    model: Option<&Model>,
+    training: Option<&Training>,
+) -> bool {
+    let replicas = &layout.replicas;
+    let microbatches = mb.count;
+    let mut ok = true;
+    let mb_fix: Option<(Span, usize)> = mb.span.and_then(|span| {
         let fits =
-            |n: usize| n != microbatches && schedule.kind.accepts_microbatches(&replicas, n, schedule.vertical_sync);
-        nearest_microbatches(microbatches, training.map(|t| t.batch_size), fits).map(|n| (node.span, n))
+            |n: usize| n != microbatches && schedule.kind.accepts_microbatches(replicas, n, schedule.vertical_sync);
+        nearest_microbatches(microbatches, training.map(|t| t.batch_size), fits).map(|n| (span, n))
     });
     let with_mb_fix = |d: Diagnostic| match mb_fix {
         Some((span, n)) => {
@@ -250,16 +333,15 @@ pub(crate) fn lower_strategy(
         None => d,
     };
 
-    // Schedule vs layout: the schedule's first broken constraint (pipec_plan::schedule).
-    let v = schedule.virtual_stages;
-    let facts = LayoutFacts { replicas: &replicas, microbatches, vertical_sync: schedule.vertical_sync };
+    // the schedule's first broken constraint (pipec_plan::schedule)
+    let facts = LayoutFacts { replicas, microbatches, vertical_sync: schedule.vertical_sync };
     if let Some(broken) = schedule.kind.check_layout(&facts).into_iter().next() {
         let d = Diagnostic::error("E0405", broken.message, schedule.span, broken.label).with_help(broken.help);
         cx.push(if broken.about_microbatches { with_mb_fix(d) } else { d });
         ok = false;
     }
 
-    // Stages vs layers.
+    let (stages, v) = (replicas.len(), schedule.virtual_stages);
     if let Some(m) = model {
         let chunks = stages * v;
         if chunks > m.layers.len() {
@@ -272,7 +354,7 @@ pub(crate) fn lower_strategy(
                 Diagnostic::error(
                     "E0403",
                     format!("{what} but the model has only {} layer(s)", m.layers.len()),
-                    layout_span,
+                    layout.span,
                     format!("{chunks} model chunks"),
                 )
                 .with_label(m.layers_span, format!("{} layer(s)", m.layers.len()))
@@ -282,82 +364,58 @@ pub(crate) fn lower_strategy(
         }
     }
 
-    // Microbatches vs batch size and replication.
-    if let Some(t) = training {
-        let mb_span = microbatches_node.map(|n| n.span).unwrap_or(owner);
-        if t.batch_size % microbatches != 0 {
-            cx.push(with_mb_fix(
-                Diagnostic::error(
-                    "E0404",
-                    format!("batch size {} is not divisible into {microbatches} microbatches", t.batch_size),
-                    mb_span,
-                    format!("{microbatches} microbatches"),
-                )
-                .with_label(t.batch_span, format!("batch size {}", t.batch_size))
-                .with_help(format!(
-                    "choose microbatches among the divisors of {}: {}",
-                    t.batch_size,
-                    divisors_hint(t.batch_size)
-                )),
-            ));
-            ok = false;
-        }
-        for (s, &r) in replicas.iter().enumerate() {
-            if r > 1 && microbatches % r != 0 {
-                let span = replica_spans.get(s).copied().unwrap_or(layout_span);
-                cx.push(with_mb_fix(
-                    Diagnostic::error(
-                        "E0404",
-                        format!("stage {s} has {r} replicas, which cannot share {microbatches} microbatches evenly"),
-                        mb_span,
-                        format!("{microbatches} microbatches"),
-                    )
-                    .with_label(span, format!("{r} replicas"))
-                    .with_help(format!("microbatches are routed round-robin to replicas: use a multiple of {r}")),
-                ));
-                ok = false;
-                break;
-            }
-        }
+    let Some(t) = training else { return ok };
+    let mb_span = mb.span.unwrap_or(mb.owner);
+    if t.batch_size % microbatches != 0 {
+        cx.push(with_mb_fix(
+            Diagnostic::error(
+                "E0404",
+                format!("batch size {} is not divisible into {microbatches} microbatches", t.batch_size),
+                mb_span,
+                format!("{microbatches} microbatches"),
+            )
+            .with_label(t.batch_span, format!("batch size {}", t.batch_size))
+            .with_help(format!(
+                "choose microbatches among the divisors of {}: {}",
+                t.batch_size,
+                divisors_hint(t.batch_size)
+            )),
+        ));
+        ok = false;
     }
+    if let Some((s, &r)) = replicas.iter().enumerate().find(|(_, &r)| r > 1 && !microbatches.is_multiple_of(r)) {
+        let span = layout.replica_spans.get(s).copied().unwrap_or(layout.span);
+        cx.push(with_mb_fix(
+            Diagnostic::error(
+                "E0404",
+                format!("stage {s} has {r} replicas, which cannot share {microbatches} microbatches evenly"),
+                mb_span,
+                format!("{microbatches} microbatches"),
+            )
+            .with_label(span, format!("{r} replicas"))
+            .with_help(format!("microbatches are routed round-robin to replicas: use a multiple of {r}")),
+        ));
+        ok = false;
+    }
+    ok
+}
 
-    // Partition.
-    let partition_node = f.get("partition");
-    let partition_span = partition_node.map(|n| n.span).unwrap_or(owner);
-    let partition = match partition_node {
-        None => Some(Partition::Balanced),
-        Some(n) => match &n.value {
-            Value::Str(s) if s == "auto" => Some(Partition::Auto),
-            Value::Str(s) if s == "balanced" => Some(Partition::Balanced),
-            Value::Str(_) => {
-                cx.choice(n, &["strategy", "partition"]);
-                None
-            }
-            Value::Seq(entries) => model.and_then(|m| lower_explicit_partition(cx, n, entries, m, stages * v)),
-            _ => {
-                cx.wrong_type(n, "`auto`, `balanced` or a list of layer ranges per stage");
-                None
-            }
-        },
-    };
-    let partition = partition?;
-    if !ok {
-        return None;
+/// `partition: auto | balanced | [ranges per stage chunk]`.
+fn lower_partition(cx: &mut Lower<'_>, node: Option<&Node>, model: Option<&Model>, chunks: usize) -> Option<Partition> {
+    let Some(n) = node else { return Some(Partition::Balanced) };
+    match &n.value {
+        Value::Str(s) if s == "auto" => Some(Partition::Auto),
+        Value::Str(s) if s == "balanced" => Some(Partition::Balanced),
+        Value::Str(_) => {
+            cx.choice(n, &["strategy", "partition"]);
+            None
+        }
+        Value::Seq(entries) => model.and_then(|m| lower_explicit_partition(cx, n, entries, m, chunks)),
+        _ => {
+            cx.wrong_type(n, "`auto`, `balanced` or a list of layer ranges per stage");
+            None
+        }
     }
-    let microbatches_span = microbatches_node.map(|n| n.span);
-    Some(Strategy {
-        replicas,
-        tp,
-        schedule,
-        microbatches,
-        partition,
-        recompute,
-        layout_span,
-        layout_fixed,
-        partition_span,
-        microbatches_span,
-        span: node.span,
-    })
 }
 
 /// The divisors of `n`, ascending, found in pairs up to its square root; `None` past a

@@ -236,6 +236,38 @@ pub enum Phase {
     Memory,
 }
 
+/// The pattern of every point-to-point instruction, binding its peer: one list for the
+/// exhaustive matches below.
+macro_rules! point_to_point {
+    ($peer:ident) => {
+        Instr::SendActivation { peer: $peer, .. }
+            | Instr::RecvActivation { peer: $peer, .. }
+            | Instr::SendGradient { peer: $peer, .. }
+            | Instr::RecvGradient { peer: $peer, .. }
+            | Instr::PushGradient { peer: $peer, .. }
+            | Instr::ApplyGradient { peer: $peer, .. }
+            | Instr::PushWeights { peer: $peer, .. }
+            | Instr::PullWeights { peer: $peer, .. }
+    };
+}
+
+/// The pattern of every instruction that involves no other device (neither a message nor
+/// a collective).
+macro_rules! on_device {
+    () => {
+        Instr::LoadMicrobatch { .. }
+            | Instr::Forward { .. }
+            | Instr::Backward { .. }
+            | Instr::BackwardInput { .. }
+            | Instr::BackwardWeight { .. }
+            | Instr::Recompute { .. }
+            | Instr::StashWeights { .. }
+            | Instr::RestoreWeights { .. }
+            | Instr::OptimizerStep { .. }
+            | Instr::Free { .. }
+    };
+}
+
 impl Instr {
     /// The stage the instruction belongs to.
     pub fn stage(&self) -> StageId {
@@ -352,17 +384,7 @@ impl Instr {
             Instr::PullWeights { peer, stage, round, bytes } => {
                 (End::Recv, peer, Some(MessageId::weights(stage, round)), bytes)
             }
-            Instr::LoadMicrobatch { .. }
-            | Instr::Forward { .. }
-            | Instr::Backward { .. }
-            | Instr::BackwardInput { .. }
-            | Instr::BackwardWeight { .. }
-            | Instr::Recompute { .. }
-            | Instr::AllReduce { .. }
-            | Instr::StashWeights { .. }
-            | Instr::RestoreWeights { .. }
-            | Instr::OptimizerStep { .. }
-            | Instr::Free { .. } => return None,
+            Instr::AllReduce { .. } | on_device!() => return None,
         };
         Some(Transfer { end, peer, id, bytes })
     }
@@ -384,25 +406,9 @@ impl Instr {
     pub fn map_devices(&self, device: impl Fn(DeviceId) -> DeviceId, group: impl Fn(GroupId) -> GroupId) -> Instr {
         let mut out = self.clone();
         match &mut out {
-            Instr::SendActivation { peer, .. }
-            | Instr::RecvActivation { peer, .. }
-            | Instr::SendGradient { peer, .. }
-            | Instr::RecvGradient { peer, .. }
-            | Instr::PushGradient { peer, .. }
-            | Instr::ApplyGradient { peer, .. }
-            | Instr::PushWeights { peer, .. }
-            | Instr::PullWeights { peer, .. } => *peer = device(*peer),
+            point_to_point!(peer) => *peer = device(*peer),
             Instr::AllReduce { group: g, .. } => *g = group(*g),
-            Instr::LoadMicrobatch { .. }
-            | Instr::Forward { .. }
-            | Instr::Backward { .. }
-            | Instr::BackwardInput { .. }
-            | Instr::BackwardWeight { .. }
-            | Instr::Recompute { .. }
-            | Instr::StashWeights { .. }
-            | Instr::RestoreWeights { .. }
-            | Instr::OptimizerStep { .. }
-            | Instr::Free { .. } => {}
+            on_device!() => {}
         }
         out
     }
