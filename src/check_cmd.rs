@@ -6,10 +6,51 @@ use pipec_grammar::diagnostic::{render_human, render_json};
 
 use crate::{Format, EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
 
+/// The largest spec file read (a spec of 10,000 layers is well below 1 MiB).
+pub const MAX_SPEC_BYTES: u64 = 16 << 20;
+/// The largest plan, profile or hostfile read: a plan's streams grow with devices ×
+/// microbatches, and this bounds what a mistyped path (`/dev/zero`) can make pipec read.
+pub const MAX_PLAN_BYTES: u64 = 1 << 30;
+
+/// Reads a UTF-8 text file of at most `limit` bytes, with a one-line error on failure. A
+/// file whose first bytes hold a NUL, or (for `json`) do not start a JSON value, is refused
+/// before more is read.
+pub fn read_text(path: &Path, limit: u64, json: bool) -> Result<String, String> {
+    use std::io::Read;
+    let shown = path.display();
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read `{shown}`: {e}"))?;
+    if file.metadata().is_ok_and(|m| m.is_dir()) {
+        return Err(format!("cannot read `{shown}`: it is a directory"));
+    }
+    let mut reader = file.take(limit + 1);
+    let mut bytes = Vec::new();
+    let mut chunk = vec![0u8; 64 << 10];
+    loop {
+        let n = reader.read(&mut chunk).map_err(|e| format!("cannot read `{shown}`: {e}"))?;
+        if n == 0 {
+            break;
+        }
+        if bytes.is_empty() {
+            let head = &chunk[..n];
+            if head.contains(&0) {
+                return Err(format!("cannot read `{shown}`: it is not a text file (it holds NUL bytes)"));
+            }
+            let first = head.iter().find(|b| !b.is_ascii_whitespace());
+            if json && first.is_some_and(|b| !matches!(b, b'{' | b'[')) {
+                return Err(format!("cannot read `{shown}`: it is not JSON"));
+            }
+        }
+        bytes.extend_from_slice(&chunk[..n]);
+    }
+    if bytes.len() as u64 > limit {
+        return Err(format!("cannot read `{shown}`: it is larger than {} MiB", limit >> 20));
+    }
+    String::from_utf8(bytes).map_err(|_| format!("cannot read `{shown}`: it is not UTF-8 text"))
+}
+
 /// Reads a spec file, with a one-line error on failure.
 pub fn read_spec(path: &Path) -> Result<String, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
-    String::from_utf8(bytes).map_err(|_| format!("cannot read `{}`: it is not UTF-8 text", path.display()))
+    read_text(path, MAX_SPEC_BYTES, false)
 }
 
 pub fn run(files: &[PathBuf], format: Format, color: bool) -> u8 {

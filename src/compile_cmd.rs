@@ -78,8 +78,8 @@ pub fn compile_file(
 /// Reads a profile written by `pipec profile`; on failure the error is printed and the exit
 /// code returned.
 pub fn read_profile(p: &Path) -> Result<pipec_plan::profile::Profile, u8> {
-    let text = std::fs::read_to_string(p).map_err(|e| {
-        eprintln!("error: cannot read profile `{}`: {e}", p.display());
+    let text = crate::check_cmd::read_text(p, crate::check_cmd::MAX_PLAN_BYTES, true).map_err(|e| {
+        eprintln!("error: profile: {e}");
         EXIT_USAGE
     })?;
     serde_json::from_str(&text).map_err(|e| {

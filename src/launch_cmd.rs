@@ -48,10 +48,10 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool)
         cmd.push("--allow-run-as-root".into());
     }
     if let Some(h) = hostfile {
-        let text = match std::fs::read_to_string(h) {
+        let text = match crate::check_cmd::read_text(h, crate::check_cmd::MAX_SPEC_BYTES, false) {
             Ok(t) => t,
             Err(e) => {
-                eprintln!("error: cannot read the hostfile `{}`: {e}", h.display());
+                eprintln!("error: hostfile: {e}");
                 return EXIT_USAGE;
             }
         };

@@ -33,10 +33,10 @@ fn quantity(text: &str, dim: Dimension, what: &str) -> Result<f64, String> {
 }
 
 pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
-    let text = match std::fs::read_to_string(file) {
+    let text = match crate::check_cmd::read_text(file, crate::check_cmd::MAX_PLAN_BYTES, false) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("error: cannot read `{}`: {e}", file.display());
+            eprintln!("error: {e}");
             return EXIT_USAGE;
         }
     };

@@ -51,8 +51,8 @@ pub fn load_plan(file: &Path, color: bool) -> Result<Plan, u8> {
 /// [`load_plan`], optionally without verifying a plan.json's streams (`--no-verify`).
 pub fn load_plan_checked(file: &Path, color: bool, verify: bool) -> Result<Plan, u8> {
     if file.extension().is_some_and(|e| e == "json") {
-        let text = std::fs::read_to_string(file).map_err(|e| {
-            eprintln!("error: cannot read `{}`: {e}", file.display());
+        let text = crate::check_cmd::read_text(file, crate::check_cmd::MAX_PLAN_BYTES, true).map_err(|e| {
+            eprintln!("error: {e}");
             EXIT_USAGE
         })?;
         let plan = Plan::from_json(&text).map_err(|e| {
@@ -74,6 +74,10 @@ pub fn load_plan_checked(file: &Path, color: bool, verify: bool) -> Result<Plan,
 }
 
 pub fn run(args: RunArgs) -> u8 {
+    if args.steps == Some(0) {
+        eprintln!("error: `--steps 0` trains nothing: give at least 1");
+        return EXIT_USAGE;
+    }
     let plan = match load_plan_checked(&args.file, args.color, args.verify) {
         Ok(p) => p,
         Err(code) => return code,

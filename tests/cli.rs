@@ -111,6 +111,29 @@ fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
         (Box::new(|p| p["training"]["batch_size"] = serde_json::json!(0)), "batch_size 0"),
         (Box::new(|p| p["model"]["input"] = serde_json::json!([0])), "model.input"),
         (Box::new(|p| p["stages"][1]["route"] = serde_json::json!([7])), "route"),
+        // every setting a spec's checker enforces holds for a plan file too
+        (Box::new(|p| p["training"]["checkpoint_every"] = serde_json::json!(0)), "checkpoint_every must be at least 1"),
+        (Box::new(|p| p["training"]["steps"] = serde_json::json!(0)), "training.steps must be at least 1, found 0"),
+        (
+            Box::new(|p| p["training"]["optimizer"]["lr"] = serde_json::json!(-0.1)),
+            "optimizer.lr must be larger than 0",
+        ),
+        (
+            Box::new(|p| {
+                p["training"]["optimizer"] =
+                    serde_json::json!({"kind": "sgd", "lr": 0.1, "momentum": -0.5, "weight_decay": 0.0})
+            }),
+            "optimizer.momentum must be in [0, 1), found -0.5",
+        ),
+        (
+            Box::new(|p| {
+                p["training"]["data"] = serde_json::json!({"kind": "synthetic", "task": "classification", "samples": 0})
+            }),
+            "training.samples must be at least 1",
+        ),
+        (Box::new(|p| p["stages"][0]["group"] = serde_json::json!(99)), "is not a group of this stage"),
+        (Box::new(|p| p["name"] = serde_json::json!("../escaped")), "climbs out of the output folder"),
+        (Box::new(|p| p["training"]["checkpoint_dir"] = serde_json::json!("/tmp/abs")), "is absolute"),
     ];
     for (i, (edit, expect)) in edits.iter().enumerate() {
         let mut p = plan.clone();
@@ -244,4 +267,29 @@ fn compare_lists_every_schedule_fastest_first_and_says_why_one_does_not_apply() 
     let out = pipec(&["compare", bad.to_str().expect("utf-8 path")]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("E0105"));
+}
+
+#[test]
+fn zero_steps_is_a_usage_error_not_a_run_that_trains_nothing() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out_dir = dir.path().join("out");
+    let out = pipec(&["run", "specs/mlp-1f1b.yaml", "--steps", "0", "-o", out_dir.to_str().expect("utf-8 path")]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`--steps 0` trains nothing"));
+    assert!(!out_dir.exists(), "nothing is written");
+}
+
+#[test]
+fn an_endless_or_binary_input_is_refused_after_its_first_bytes() {
+    for args in [["run", "/dev/zero"], ["check", "/dev/zero"], ["compile", "/dev/zero"]] {
+        let out = pipec(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("it is not a text file"), "{args:?}: {stderr}");
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let not_json = dir.path().join("plan.json");
+    std::fs::write(&not_json, "name: a yaml spec\n").expect("write");
+    let out = pipec(&["run", not_json.to_str().expect("utf-8 path")]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("it is not JSON"));
 }

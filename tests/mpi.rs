@@ -195,3 +195,19 @@ fn tensor_parallel_over_mpi_equals_in_process_and_resumes_from_its_shards() {
     let files: Vec<String> = [(0, 0), (0, 1), (1, 0), (1, 1)].map(|(s, r)| format!("optimizer-s{s}-tp{r}.bin")).into();
     checkpoint_and_resume_over_mpi(layout, 4, &files);
 }
+
+#[test]
+fn the_mpi_transport_outside_mpirun_says_how_to_start_it() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("straight", 2, 1)).expect("write");
+    let out = Command::new(pipec())
+        .args(["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o"])
+        .arg(dir.path().join("out"))
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("mpirun -np 2"), "{stderr}");
+    assert!(!stderr.contains("MPI_Abort") && !stderr.contains("MPI_FINALIZE"), "{stderr}");
+}

@@ -364,6 +364,52 @@ fn resume_gives_the_same_losses_as_an_uninterrupted_run() {
 }
 
 #[test]
+fn a_checkpoint_that_does_not_fit_the_run_is_refused_with_the_reason() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ckpt = dir.path().join("checkpoints");
+    let adam = Job { devices: 2, stages: "straight", schedule: "1f1b", optimizer: ADAM, steps: 3, ..Job::default() };
+    let p = checkpointed_plan(adam);
+    pipec_executor::run(&p, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {})
+        .expect("runs");
+    let step = ckpt.join("step-000003");
+    let resume = |plan: &Plan, steps: Option<usize>| {
+        let options = RunOptions { resume: Some(step.clone()), steps, ..Default::default() };
+        pipec_executor::run(plan, &options, &mut |_| {}).expect_err("must refuse").to_string()
+    };
+    // nothing left to train: an error, not an exit 0 that trained nothing
+    assert!(resume(&p, None).contains("completed 3 step(s) and this run is 3 step(s) long"));
+    // another model, another optimizer
+    let deeper = checkpointed_plan(Job { layers: "- linear(16, 32) -> relu\n    - linear(32, 4)", steps: 6, ..adam });
+    assert!(resume(&deeper, None).contains("holds another model"));
+    let sgd = checkpointed_plan(Job { optimizer: "{ kind: sgd, lr: 0.05 }", steps: 6, ..adam });
+    assert!(resume(&sgd, None).contains("holds `adam` optimizer state and this plan trains with `sgd`"));
+    // a flipped byte in the weights is caught by its checksum, before any value is read
+    let model = step.join("model.safetensors");
+    let mut b = std::fs::read(&model).expect("read");
+    let n = b.len();
+    b[n - 2] ^= 0x7f;
+    std::fs::write(&model, b).expect("write");
+    let err = resume(&checkpointed_plan(Job { steps: 6, ..adam }), None);
+    assert!(err.contains("model.safetensors does not match its checksum"), "{err}");
+}
+
+#[test]
+fn a_non_finite_loss_stops_the_run_at_its_step_device_and_instruction() {
+    let p = plan(&Job {
+        devices: 2,
+        stages: "straight",
+        schedule: "1f1b",
+        optimizer: "{ kind: sgd, lr: 1e30 }",
+        steps: 20,
+        ..Job::default()
+    });
+    let err = pipec_executor::run(&p, &RunOptions::default(), &mut |_| {}).expect_err("diverges");
+    assert!(err.to_string().contains("training diverged"), "{err}");
+    assert!(err.step.is_some() && err.device == Some(pipec_plan::DeviceId(1)), "{err:?}");
+    assert!(err.instruction.as_deref().is_some_and(|i| i.starts_with("fwd")), "{err:?}");
+}
+
+#[test]
 fn a_tensor_parallel_checkpoint_resumes_only_on_the_same_degree() {
     let dir = tempfile::tempdir().expect("tempdir");
     let ckpt = dir.path().join("checkpoints");
@@ -373,7 +419,7 @@ fn a_tensor_parallel_checkpoint_resumes_only_on_the_same_degree() {
         .expect("runs");
     let step = ckpt.join("step-000003");
     assert!(step.join("optimizer-s0-tp1.bin").is_file(), "one optimizer file per shard");
-    let plain = checkpointed_plan(Job { devices: 2, stages: "\"1-1\"", schedule: "1f1b", steps: 3, ..Job::default() });
+    let plain = checkpointed_plan(Job { devices: 2, stages: "\"1-1\"", schedule: "1f1b", steps: 6, ..Job::default() });
     let err = pipec_executor::run(&plain, &RunOptions { resume: Some(step), ..Default::default() }, &mut |_| {})
         .expect_err("must refuse");
     assert!(err.to_string().contains("resume with the same `tp`"), "{err}");

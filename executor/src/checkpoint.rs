@@ -1,16 +1,23 @@
 //! Checkpoints: `DIR/step-NNNNNN/` holding `model.safetensors` (every parameter, named
 //! `layer{L}.p{slot}`, f32, readable by PyTorch's `safetensors`), `optimizer-s{K}.bin` (the
-//! Burn record of stage K's optimizer state) and `state.json` (the next step to run, the
-//! plan's name and layout). A tensor-parallel stage is saved as its shards: rank r's
-//! parameters as `layer{L}.p{slot}.tp{r}` and its optimizer state as
+//! Burn record of stage K's optimizer state) and `state.json`: the completed steps, what the
+//! checkpoint holds (the model's hash, the optimizer, the plan's name and layout) and the
+//! SHA-256 and size of every other file. A tensor-parallel stage is saved as its shards:
+//! rank r's parameters as `layer{L}.p{slot}.tp{r}` and its optimizer state as
 //! `optimizer-s{K}-tp{r}.bin`, with the stage's degree in `state.json`'s
-//! `tensor_parallel`, so it resumes on the same degree. A checkpoint is written into a temporary directory and renamed
-//! into place, and `DIR/latest` names the newest one, so a crash never leaves half of one.
+//! `tensor_parallel`, so it resumes on the same degree. A checkpoint is written into a
+//! temporary directory and renamed into place, and `DIR/latest` names the newest one, so a
+//! crash never leaves half of one; temporary directories a killed run left behind are
+//! removed by the next run that writes into `DIR`. Reading verifies every checksum before
+//! anything is parsed, so a flipped byte or a file from another checkpoint is an error that
+//! names the file. docs/checkpoints.md describes the format.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use pipec_plan::Plan;
 use safetensors::tensor::{Dtype, TensorView};
+use sha2::{Digest, Sha256};
 
 /// Parameter values keyed by (parameter id, tensor-parallel rank): shape and values.
 pub type ParamValues = HashMap<(u64, u32), (Vec<usize>, Vec<f32>)>;
@@ -134,6 +141,96 @@ pub fn decode(b: &[u8]) -> Result<Shards, String> {
 mod tests {
     use super::*;
 
+    fn test_identity() -> Identity {
+        Identity { plan: "p".into(), partition: "1-1".into(), model_hash: "ab".repeat(32), optimizer: "adam".into() }
+    }
+
+    /// A checkpoint of two stages with a parameter each, in a fresh directory.
+    fn two_stage_checkpoint(tag: &str) -> (PathBuf, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("pipec-ckpt-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut m = HashMap::new();
+        for s in 0..2u32 {
+            let params = vec![(u64::from(s) << 8, vec![2], vec![1.0 + s as f32, 2.0])];
+            m.insert(
+                ShardKey { stage: s, tp_rank: 0 },
+                StageCheckpoint { params, optimizer: vec![s as u8; 64], tp_size: 1 },
+            );
+        }
+        let at = write(&dir, 3, &test_identity(), &m).expect("written");
+        (dir, at)
+    }
+
+    #[test]
+    fn a_flipped_byte_or_a_swapped_file_is_an_error_naming_the_file() {
+        let (dir, at) = two_stage_checkpoint("flip");
+        assert!(read(&at).is_ok());
+        let model = at.join("model.safetensors");
+        let mut b = std::fs::read(&model).expect("read");
+        let n = b.len();
+        b[n - 3] ^= 0x40;
+        std::fs::write(&model, &b).expect("write");
+        let e = read(&at).expect_err("a flipped byte is caught");
+        assert!(e.starts_with("model.safetensors does not match its checksum"), "{e}");
+        b[n - 3] ^= 0x40;
+        std::fs::write(&model, &b).expect("write");
+        // the optimizer states of the two stages swapped
+        let (a, c) = (at.join("optimizer-s0.bin"), at.join("optimizer-s1.bin"));
+        let (x, y) = (std::fs::read(&a).expect("a"), std::fs::read(&c).expect("c"));
+        std::fs::write(&a, y).expect("w");
+        std::fs::write(&c, x).expect("w");
+        let e = read(&at).expect_err("swapped files are caught");
+        assert!(e.starts_with("optimizer-s0.bin does not match its checksum"), "{e}");
+        // a truncated file
+        std::fs::write(&a, [0u8; 3]).expect("w");
+        let e = read(&at).expect_err("truncation is caught");
+        assert!(e.contains("optimizer-s0.bin has 3 bytes, state.json records 64"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn state_json_values_are_checked_one_by_one() {
+        let (dir, at) = two_stage_checkpoint("state");
+        let state_path = at.join("state.json");
+        let good: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&state_path).expect("s")).expect("j");
+        for (key, value, expect) in [
+            (
+                "completed_steps",
+                serde_json::json!(-3),
+                "`completed_steps` must be a whole number of steps ≥ 0, found -3",
+            ),
+            ("completed_steps", serde_json::json!("5"), "`completed_steps` must be a whole number"),
+            ("format", serde_json::json!(9), "checkpoint format 9 is not one this pipec reads"),
+            ("tensor_parallel", serde_json::json!({"0": 0}), "bad tensor-parallel degree 0 for stage 0"),
+        ] {
+            let mut bad = good.clone();
+            bad[key] = value;
+            std::fs::write(&state_path, bad.to_string()).expect("w");
+            let e = read(&at).expect_err(key);
+            assert!(e.contains(expect), "{key}: {e}");
+        }
+        let mut bad = good.clone();
+        bad["files"].as_object_mut().expect("files").remove("optimizer-s1.bin");
+        std::fs::write(&state_path, bad.to_string()).expect("w");
+        assert!(read(&at).expect_err("unlisted").contains("no checksum for optimizer-s1.bin"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn abandoned_temporary_checkpoints_are_removed() {
+        let (dir, _) = two_stage_checkpoint("tmp");
+        let stale = dir.join(".step-000009.tmp4000000");
+        std::fs::create_dir_all(stale.join("x")).expect("mkdir");
+        std::fs::write(dir.join(".latest.tmp4000000"), "step-000009").expect("w");
+        let own = dir.join(format!(".step-000010.tmp{}", std::process::id()));
+        std::fs::create_dir_all(&own).expect("mkdir");
+        clean_abandoned(&dir);
+        assert!(!stale.exists() && !dir.join(".latest.tmp4000000").exists());
+        assert!(own.exists() && dir.join("step-000003").exists() && dir.join("latest").exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn stage_checkpoints_round_trip_and_truncation_is_an_error() {
         let mut m = HashMap::new();
@@ -173,7 +270,7 @@ mod tests {
         );
         m.insert(k(1, 0), StageCheckpoint { params: vec![(256, vec![1], vec![3.0])], optimizer: vec![2], tp_size: 2 });
         m.insert(k(1, 1), StageCheckpoint { params: vec![(256, vec![1], vec![4.0])], optimizer: vec![3], tp_size: 2 });
-        let at = write(&dir, 5, "p", "1-1", &m).expect("written");
+        let at = write(&dir, 5, &test_identity(), &m).expect("written");
         assert!(at.join("optimizer-s1-tp1.bin").is_file() && at.join("optimizer-s0.bin").is_file());
         let l = read(&locate(&dir).expect("latest")).expect("read");
         assert_eq!(l.completed_steps, 5);
@@ -203,20 +300,69 @@ fn parse_name(name: &str) -> Option<(u64, u32)> {
     Some(((l.parse::<u64>().ok()? << 8) | p.parse::<u64>().ok()?, rank))
 }
 
+/// The checkpoint format this pipec writes; it reads this one and format 2 (the same files
+/// without identity or checksums, which then go unchecked).
+pub const FORMAT: u64 = 3;
+
+/// What a checkpoint holds, apart from the values: checked when a run resumes from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// The name of the plan that wrote it (informational).
+    pub plan: String,
+    /// The layout that wrote it, in PipeDream notation (informational).
+    pub partition: String,
+    /// SHA-256 of the model's definition (input shape, loss, every layer's operator): the
+    /// same for every layout of one model.
+    pub model_hash: String,
+    /// The optimizer whose state the `optimizer-*.bin` files hold (`sgd` or `adam`).
+    pub optimizer: String,
+}
+
+impl Identity {
+    pub fn of(plan: &Plan) -> Identity {
+        let ops: Vec<&pipec_plan::model::Op> = plan.layers.iter().map(|l| &l.op).collect();
+        let definition = serde_json::json!({ "model": plan.model, "layers": ops }).to_string();
+        let optimizer = match plan.training.optimizer {
+            pipec_plan::plan::OptimizerPlan::Sgd { .. } => "sgd",
+            pipec_plan::plan::OptimizerPlan::Adam { .. } => "adam",
+        };
+        Identity {
+            plan: plan.name.clone(),
+            partition: plan.partition.clone(),
+            model_hash: sha256_hex(definition.as_bytes()),
+            optimizer: optimizer.to_string(),
+        }
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Removes the temporary directories and files a killed run left in `dir` (those of this
+/// process's id are its own and kept).
+pub fn clean_abandoned(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let own = format!(".tmp{}", std::process::id());
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let abandoned = (name.starts_with(".step-") || name.starts_with(".latest"))
+            && name.contains(".tmp")
+            && !name.ends_with(&own);
+        if abandoned {
+            let p = e.path();
+            let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+        }
+    }
+}
+
 /// Writes a checkpoint of `stages` (by shard) taken after `completed_steps` steps.
-pub fn write(
-    dir: &Path,
-    completed_steps: usize,
-    plan_name: &str,
-    partition: &str,
-    stages: &Shards,
-) -> Result<PathBuf, String> {
+pub fn write(dir: &Path, completed_steps: usize, identity: &Identity, stages: &Shards) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create `{}`: {e}", dir.display()))?;
     let name = format!("step-{completed_steps:06}");
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create `{}`: {e}", tmp.display()))?;
-    // model.safetensors
     let mut order: Vec<(&ShardKey, &StageCheckpoint)> = stages.iter().collect();
     order.sort_by_key(|(k, _)| **k);
     let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
@@ -235,11 +381,15 @@ pub fn write(
             TensorView::new(Dtype::F32, shape.clone(), b).map(|v| (n.clone(), v)).map_err(|e| format!("{e}"))
         })
         .collect::<Result<_, _>>()?;
-    safetensors::serialize_to_file(views, None, &tmp.join("model.safetensors"))
-        .map_err(|e| format!("cannot write model.safetensors: {e}"))?;
+    let model = safetensors::serialize(views, None).map_err(|e| format!("cannot encode model.safetensors: {e}"))?;
+    let mut files: Vec<(String, &[u8])> = vec![("model.safetensors".to_string(), &model)];
     for (k, st) in &order {
-        std::fs::write(tmp.join(optimizer_file(k.stage, k.tp_rank, st.tp_size)), &st.optimizer)
-            .map_err(|e| format!("cannot write the optimizer state: {e}"))?;
+        files.push((optimizer_file(k.stage, k.tp_rank, st.tp_size), &st.optimizer));
+    }
+    let mut sums = serde_json::Map::new();
+    for (file, contents) in &files {
+        std::fs::write(tmp.join(file), contents).map_err(|e| format!("cannot write {file}: {e}"))?;
+        sums.insert(file.clone(), serde_json::json!({ "sha256": sha256_hex(contents), "bytes": contents.len() }));
     }
     let mut stage_ids: Vec<u32> = order.iter().map(|(k, _)| k.stage).collect();
     stage_ids.dedup();
@@ -248,7 +398,17 @@ pub fn write(
         .filter(|(_, st)| st.tp_size > 1)
         .map(|(k, st)| (k.stage.to_string(), serde_json::Value::from(st.tp_size)))
         .collect();
-    let state = serde_json::json!({"format": 2, "completed_steps": completed_steps, "plan": plan_name, "partition": partition, "stages": stage_ids, "tensor_parallel": tensor_parallel});
+    let state = serde_json::json!({
+        "format": FORMAT,
+        "completed_steps": completed_steps,
+        "plan": identity.plan,
+        "partition": identity.partition,
+        "model_hash": identity.model_hash,
+        "optimizer": identity.optimizer,
+        "stages": stage_ids,
+        "tensor_parallel": tensor_parallel,
+        "files": sums,
+    });
     std::fs::write(tmp.join("state.json"), serde_json::to_string_pretty(&state).unwrap_or_default())
         .map_err(|e| format!("cannot write state.json: {e}"))?;
     let final_dir = dir.join(&name);
@@ -269,12 +429,35 @@ pub struct Loaded {
     pub optimizers: HashMap<ShardKey, Vec<u8>>,
     /// The tensor-parallel degree of each stage saved with one above 1.
     pub tensor_parallel: HashMap<u32, u32>,
+    /// What it holds (None for a format-2 checkpoint, which does not say).
+    pub identity: Option<Identity>,
 }
 
 impl Loaded {
     /// The tensor-parallel degree stage `stage` was saved with.
     pub fn tp_size(&self, stage: u32) -> u32 {
         self.tensor_parallel.get(&stage).copied().unwrap_or(1)
+    }
+
+    /// Whether this checkpoint can resume `plan`: the same model and optimizer.
+    pub fn check_fits(&self, plan: &Plan) -> Result<(), String> {
+        let Some(saved) = &self.identity else { return Ok(()) };
+        let want = Identity::of(plan);
+        if saved.model_hash != want.model_hash {
+            return Err(format!(
+                "state.json: the checkpoint holds another model (model_hash {}…, this plan's model is {}…): resume with the spec that wrote it (plan `{}`)",
+                &saved.model_hash[..saved.model_hash.len().min(12)],
+                &want.model_hash[..12],
+                saved.plan
+            ));
+        }
+        if saved.optimizer != want.optimizer {
+            return Err(format!(
+                "state.json: the checkpoint holds `{}` optimizer state and this plan trains with `{}`",
+                saved.optimizer, want.optimizer
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -295,26 +478,109 @@ pub fn locate(path: &Path) -> Result<PathBuf, String> {
     Err(format!("no checkpoint found at `{}` (expected state.json, or a `latest` file)", path.display()))
 }
 
-/// Reads a checkpoint directory.
+/// The largest `state.json` read (it lists stages and files, never values).
+const MAX_STATE_BYTES: u64 = 16 << 20;
+
+/// Reads a file of the checkpoint and, when `state.json` records one, checks its size and
+/// SHA-256 before anything parses it.
+fn read_verified(
+    dir: &Path,
+    file: &str,
+    sums: Option<&serde_json::Map<String, serde_json::Value>>,
+) -> Result<Vec<u8>, String> {
+    let path = dir.join(file);
+    let expected = match sums {
+        None => None,
+        Some(sums) => {
+            let entry = sums.get(file).ok_or(format!("state.json lists no checksum for {file}"))?;
+            let sha = entry.get("sha256").and_then(serde_json::Value::as_str);
+            let bytes = entry.get("bytes").and_then(serde_json::Value::as_u64);
+            match (sha, bytes) {
+                (Some(s), Some(b)) => Some((s.to_string(), b)),
+                _ => return Err(format!("state.json: the entry of {file} needs `sha256` and `bytes`")),
+            }
+        }
+    };
+    let size = std::fs::metadata(&path).map_err(|e| format!("cannot read {file}: {e}"))?.len();
+    if let Some((_, bytes)) = &expected {
+        if size != *bytes {
+            return Err(format!(
+                "{file} has {size} bytes, state.json records {bytes}: the file is truncated or was replaced"
+            ));
+        }
+    }
+    let contents = std::fs::read(&path).map_err(|e| format!("cannot read {file}: {e}"))?;
+    if let Some((sha, _)) = expected {
+        let got = sha256_hex(&contents);
+        if got != sha {
+            return Err(format!(
+                "{file} does not match its checksum (sha256 {}…, state.json records {}…): the file was changed or comes from another checkpoint",
+                &got[..12],
+                &sha[..sha.len().min(12)]
+            ));
+        }
+    }
+    Ok(contents)
+}
+
+/// Reads a checkpoint directory: every file verified against `state.json`, every value
+/// checked for type and range, every problem an error naming the file.
 pub fn read(dir: &Path) -> Result<Loaded, String> {
+    let state_path = dir.join("state.json");
+    let size = std::fs::metadata(&state_path).map_err(|e| format!("cannot read state.json: {e}"))?.len();
+    if size > MAX_STATE_BYTES {
+        return Err(format!("state.json has {size} bytes; a checkpoint's state.json is far smaller"));
+    }
     let state: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("state.json")).map_err(|e| format!("cannot read state.json: {e}"))?,
+        &std::fs::read_to_string(&state_path).map_err(|e| format!("cannot read state.json: {e}"))?,
     )
     .map_err(|e| format!("state.json: {e}"))?;
-    let completed_steps =
-        state.get("completed_steps").and_then(serde_json::Value::as_u64).ok_or("state.json has no completed_steps")?
-            as usize;
-    let bytes =
-        std::fs::read(dir.join("model.safetensors")).map_err(|e| format!("cannot read model.safetensors: {e}"))?;
+    let format = state.get("format").and_then(serde_json::Value::as_u64);
+    if !matches!(format, Some(2) | Some(FORMAT)) {
+        return Err(format!(
+            "state.json: checkpoint format {} is not one this pipec reads (2 and {FORMAT})",
+            state.get("format").map_or("(missing)".to_string(), ToString::to_string)
+        ));
+    }
+    let completed_steps = match state.get("completed_steps") {
+        None => return Err("state.json has no `completed_steps`".into()),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or(format!("state.json: `completed_steps` must be a whole number of steps ≥ 0, found {v}"))?,
+    };
+    let text = |key: &str| -> Result<String, String> {
+        state
+            .get(key)
+            .and_then(serde_json::Value::as_str)
+            .map(str::to_string)
+            .ok_or(format!("state.json has no `{key}`"))
+    };
+    let (identity, sums) = if format == Some(FORMAT) {
+        let identity = Identity {
+            plan: text("plan")?,
+            partition: text("partition")?,
+            model_hash: text("model_hash")?,
+            optimizer: text("optimizer")?,
+        };
+        let sums = state.get("files").and_then(serde_json::Value::as_object).ok_or("state.json has no `files`")?;
+        (Some(identity), Some(sums))
+    } else {
+        (None, None)
+    };
+    let bytes = read_verified(dir, "model.safetensors", sums)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("model.safetensors: {e}"))?;
     let mut params = HashMap::new();
     for (name, view) in st.tensors() {
         let key = parse_name(&name).ok_or(format!("model.safetensors: unexpected tensor `{name}`"))?;
         if view.dtype() != Dtype::F32 {
-            return Err(format!("model.safetensors: `{name}` is not f32"));
+            return Err(format!("model.safetensors: `{name}` is {:?}, pipec writes and reads f32", view.dtype()));
         }
         let values: Vec<f32> =
             view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(format!("model.safetensors: `{name}` holds a non-finite value ({}) at element {i}", values[i]));
+        }
         params.insert(key, (view.shape().to_vec(), values));
     }
     let mut tensor_parallel = HashMap::new();
@@ -324,20 +590,19 @@ pub fn read(dir: &Path) -> Result<Loaded, String> {
             let n = n
                 .as_u64()
                 .and_then(|n| u32::try_from(n).ok())
-                .filter(|&n| n >= 1)
-                .ok_or("state.json: bad tensor-parallel degree")?;
+                .filter(|&n| (1..=4096).contains(&n))
+                .ok_or(format!("state.json: bad tensor-parallel degree {n} for stage {s}"))?;
             tensor_parallel.insert(s, n);
         }
     }
     let mut optimizers = HashMap::new();
     for s in state.get("stages").and_then(serde_json::Value::as_array).cloned().unwrap_or_default() {
-        let s = s.as_u64().and_then(|s| u32::try_from(s).ok()).ok_or("state.json: bad stage")?;
+        let s = s.as_u64().and_then(|s| u32::try_from(s).ok()).ok_or(format!("state.json: bad stage {s}"))?;
         let n = tensor_parallel.get(&s).copied().unwrap_or(1);
         for r in 0..n {
-            let b = std::fs::read(dir.join(optimizer_file(s, r, n)))
-                .map_err(|e| format!("cannot read the optimizer state of stage {s}: {e}"))?;
+            let b = read_verified(dir, &optimizer_file(s, r, n), sums)?;
             optimizers.insert(ShardKey { stage: s, tp_rank: r }, b);
         }
     }
-    Ok(Loaded { completed_steps, params, optimizers, tensor_parallel })
+    Ok(Loaded { completed_steps, params, optimizers, tensor_parallel, identity })
 }

@@ -26,6 +26,7 @@ pub enum Targets {
 enum Source {
     Synthetic {
         classification: bool,
+        /// Distinct samples cycled through; 0: a fresh batch every step.
         samples: usize,
         teacher: Vec<f32>,
         cache: Option<std::sync::Arc<(Inputs, Targets)>>,
@@ -69,7 +70,7 @@ impl Dataset {
                 let mut rng = Rng::keyed(&[seed, 2]);
                 Source::Synthetic {
                     classification,
-                    samples: *samples,
+                    samples: samples.unwrap_or(0),
                     teacher: rng.normal_vec(rows * outputs),
                     cache: None,
                 }

@@ -22,6 +22,8 @@ pub enum ExecError {
     Data(String),
     /// A checkpoint could not be read, written or applied to this plan.
     Checkpoint(String),
+    /// A loss came out NaN or infinite: training diverged, or the data holds such values.
+    NonFinite(String),
     /// Talking to another device failed.
     Transport(TransportError),
     /// The worker panicked (a defect in pipec or in Burn); the panic's text.
@@ -48,6 +50,10 @@ impl std::fmt::Display for ExecError {
             | ExecError::Backend(m)
             | ExecError::Data(m) => f.write_str(m),
             ExecError::Checkpoint(m) => write!(f, "checkpoint: {m}"),
+            ExecError::NonFinite(m) => write!(
+                f,
+                "{m}: training diverged or the data holds non-finite values (lower the learning rate, check the data)"
+            ),
             ExecError::Transport(e) => e.fmt(f),
             ExecError::Panic(m) => write!(f, "the worker panicked: {m}"),
         }
@@ -60,6 +66,35 @@ impl From<TransportError> for ExecError {
     fn from(e: TransportError) -> Self {
         ExecError::Transport(e)
     }
+}
+
+thread_local! {
+    static QUIET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` and turns a panic into its message, without the default hook printing it to
+/// stderr first: the caller reports it (as [`ExecError::Panic`] or a precise error), so the
+/// user reads one message, not Rust's and then pipec's.
+pub fn catch_quietly<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET.with(std::cell::Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    let was = QUIET.with(|q| q.replace(true));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    QUIET.with(|q| q.set(was));
+    outcome.map_err(|panic| {
+        panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panicked".into())
+    })
 }
 
 /// The executor's result type.

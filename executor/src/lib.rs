@@ -238,6 +238,16 @@ fn load_checkpoint<B: AutodiffBackend>(
         if loaded.tp_size(id.0) != tp_size {
             return Err(ExecError::Checkpoint(format!("stage {id} was saved split over {} tensor-parallel rank(s) and this plan splits it over {tp_size}: resume with the same `tp`", loaded.tp_size(id.0))));
         }
+        for (pid, shape) in params::layout::<B, _>(st.model()?) {
+            if let Some((saved, _)) = loaded.params.get(&(pid, tp_rank)) {
+                if saved != &shape {
+                    return Err(ExecError::Checkpoint(format!(
+                        "model.safetensors: `{}` has shape {saved:?}, and this plan's model needs {shape:?}",
+                        checkpoint::param_name(pid)
+                    )));
+                }
+            }
+        }
         let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
         let (model, missing) = params::set_params(model, |id, shape| match loaded.params.get(&(id, tp_rank)) {
             Some((saved, v)) if saved.as_slice() == shape => Some(v.clone()),
@@ -246,7 +256,7 @@ fn load_checkpoint<B: AutodiffBackend>(
         st.model = Some(model);
         if let Some(first) = missing.first() {
             return Err(ExecError::Checkpoint(format!(
-                "the checkpoint lacks {} parameter(s) of stage {id} (e.g. {})",
+                "model.safetensors lacks {} parameter(s) of stage {id} (e.g. `{}`)",
                 missing.len(),
                 checkpoint::param_name(*first)
             )));
@@ -301,8 +311,23 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
             checkpoint::read(&checkpoint::locate(p).map_err(ExecError::Checkpoint)?).map_err(ExecError::Checkpoint)?,
         ),
     };
+    if let Some(l) = &loaded {
+        l.check_fits(plan).map_err(ExecError::Checkpoint)?;
+    }
+    if let Some(dir) = &options.checkpoint_dir {
+        checkpoint::clean_abandoned(dir);
+    }
     let first_step = loaded.as_ref().map(|l| l.completed_steps).unwrap_or(0);
     let total_steps = options.steps.unwrap_or(plan.training.steps);
+    if total_steps == 0 {
+        return Err(RunError::setup("the run has 0 steps: nothing to train"));
+    }
+    if first_step >= total_steps {
+        return Err(ExecError::Checkpoint(format!(
+            "the checkpoint has completed {first_step} step(s) and this run is {total_steps} step(s) long: nothing is left to train (raise `--steps` or `training.steps`)"
+        ))
+        .into());
+    }
     let every = plan.training.checkpoint_every.filter(|_| options.checkpoint_dir.is_some());
     let reduce = plan.schedule.reduce;
     let (tx, rx) = channel::<Event>();
@@ -467,8 +492,9 @@ fn run_in_process<B: AutodiffBackend>(
     let abort = Arc::new(AtomicBool::new(false));
     let endpoints = transport::in_process::connect(&devices, abort.clone(), options.timeout);
     let dir = options.checkpoint_dir.clone();
+    let identity = checkpoint::Identity::of(plan);
     let mut sink = |steps: usize, stages: checkpoint::Shards| match &dir {
-        Some(d) => checkpoint::write(d, steps, &plan.name, &plan.partition, &stages).map(Some),
+        Some(d) => checkpoint::write(d, steps, &identity, &stages).map(Some),
         None => Ok(None),
     };
     run_workers::<B, _>(plan, options, dev, endpoints, abort, on_step, &mut sink)

@@ -37,6 +37,10 @@ pub fn run(
     on_step: &mut dyn FnMut(&StepMetrics),
 ) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
     crate::validate(plan).map_err(|e| (None, e))?;
+    let n_devices = plan.streams.values().filter(|s| !s.is_empty()).count();
+    if !launched() && n_devices > 1 {
+        return Err((None, RunError::setup(format!("`--transport mpi` runs one process per device: start the plan's {n_devices} devices with `mpirun -np {n_devices} pipec run …` (see `pipec launch`)"))));
+    }
     let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
         .ok_or((None, RunError::setup("MPI could not be initialised (is this process started by mpirun?)")))?;
     let world = universe.world();
@@ -94,6 +98,7 @@ pub fn run(
     // Checkpoints: every rank sends its stages to rank 0, which writes one checkpoint.
     let ckpt_out = outgoing.clone();
     let ckpt_abort = abort.clone();
+    let identity = crate::checkpoint::Identity::of(plan);
     let mut sink = |steps: usize,
                     mut stages: crate::checkpoint::Shards|
      -> Result<Option<std::path::PathBuf>, String> {
@@ -108,7 +113,7 @@ pub fn run(
             }
         }
         match &options.checkpoint_dir {
-            Some(dir) => crate::checkpoint::write(dir, steps, &plan.name, &plan.partition, &stages).map(Some),
+            Some(dir) => crate::checkpoint::write(dir, steps, &identity, &stages).map(Some),
             None => Ok(None),
         }
     };
@@ -151,7 +156,17 @@ pub fn run(
     }
 }
 
-/// Ends the whole job (MPI_Abort) after a rank failed.
+/// Ends the whole job (MPI_Abort) after a rank failed; a process whose MPI never started
+/// or has already shut down just exits (MPI_Abort is not allowed then).
 pub fn abort(code: i32) -> ! {
-    SimpleCommunicator::world().abort(code)
+    if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
+        SimpleCommunicator::world().abort(code)
+    }
+    std::process::exit(code)
+}
+
+/// Whether this process was started by an MPI launcher (Open MPI's `mpirun`, or a PMI/PMIx
+/// launcher such as Slurm's `srun`): without one, MPI would start a singleton world.
+pub fn launched() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK"].iter().any(|v| std::env::var_os(v).is_some())
 }

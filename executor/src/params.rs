@@ -136,12 +136,12 @@ pub(crate) fn snapshot<B: Backend, M: Module<B>>(m: &M) -> Result<Vec<ParamValue
     }
 }
 
-/// Every parameter's (id, element count), in visiting order.
-pub(crate) fn layout<B: Backend, M: Module<B>>(m: &M) -> Vec<(u64, usize)> {
-    struct Layout(Vec<(u64, usize)>);
+/// Every parameter's (id, shape), in visiting order.
+pub(crate) fn layout<B: Backend, M: Module<B>>(m: &M) -> Vec<(u64, Vec<usize>)> {
+    struct Layout(Vec<(u64, Vec<usize>)>);
     impl<B: Backend> ModuleVisitor<B> for Layout {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push((param.id.val(), param.shape().num_elements()));
+            self.0.push((param.id.val(), param.val().dims().to_vec()));
         }
     }
     let mut l = Layout(Vec::new());

@@ -4,7 +4,6 @@
 //! forward and backward run (`run_forward`, `run_backward`, see `tensor_parallel`).
 
 use std::collections::HashMap;
-use std::panic::AssertUnwindSafe;
 use std::time::Instant;
 
 use burn::module::{Module, ModuleMapper, Param};
@@ -147,7 +146,7 @@ impl<B: AutodiffBackend> StageOptim<B> {
     pub fn load(&mut self, bytes: &[u8], dev: &B::Device) -> std::result::Result<(), String> {
         fn read<R: Record<B2>, B2: Backend>(bytes: &[u8], dev: &B2::Device) -> std::result::Result<R, String> {
             let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-            std::panic::catch_unwind(AssertUnwindSafe(|| recorder.load(bytes.to_vec(), dev)))
+            crate::error::catch_quietly(|| recorder.load(bytes.to_vec(), dev))
                 .map_err(|_| "the optimizer state is corrupt".to_string())?
                 .map_err(|e| format!("the optimizer state is corrupt: {e:?}"))
         }
@@ -540,7 +539,11 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         });
         let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(step, mb))?;
         if let Some(loss) = f.loss {
-            report.losses.push((mb.0, loss.into_scalar().elem::<f32>()));
+            let value = loss.into_scalar().elem::<f32>();
+            if !value.is_finite() {
+                return Err(ExecError::NonFinite(format!("the loss of microbatch {} is {value}", mb.0)));
+            }
+            report.losses.push((mb.0, value));
         }
         if let Some(out) = &f.output {
             self.outputs.insert((stage, mb), act_to_message(out, Tag::activation(stage, mb))?);
@@ -731,7 +734,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         let n_mb = self.plan.training.microbatches as f64;
         let dev = self.dev.clone();
         let st = self.state(stage)?;
-        let sizes: Vec<usize> = layout::<B, _>(st.model()?).into_iter().map(|(_, n)| n).collect();
+        let sizes: Vec<usize> = layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product()).collect();
         let flat: FlatGrads<B> = unflatten::<B::InnerBackend>(values, &sizes, &dev)
             .map_err(|e| ExecError::Plan(format!("the parameter server sent a gradient that does not fit: {e}")))?
             .into_iter()

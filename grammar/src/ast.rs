@@ -180,9 +180,20 @@ impl Optimizer {
 /// Training data.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Data {
-    Synthetic { task: Task, samples: usize },
-    Csv { path: String, span: Span },
-    Npy { path: String, labels: Option<String>, span: Span },
+    /// `samples`: distinct samples cycled through (absent: a fresh batch every step).
+    Synthetic {
+        task: Task,
+        samples: Option<usize>,
+    },
+    Csv {
+        path: String,
+        span: Span,
+    },
+    Npy {
+        path: String,
+        labels: Option<String>,
+        span: Span,
+    },
 }
 
 /// Checkpointing.

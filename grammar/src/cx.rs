@@ -2,6 +2,7 @@
 //! readers of scalar values (integers, floats, quantities with units, named choices, ...)
 //! that every section's lowering uses. Each reader reports its own mistakes and returns None.
 
+use pipec_plan::rules::{inside_output_folder, Bound};
 use pipec_plan::vocab::Choice;
 
 use crate::diagnostic::{did_you_mean, Diagnostic};
@@ -147,7 +148,8 @@ impl<'a> Lower<'a> {
         }
     }
 
-    pub(crate) fn float(&mut self, node: &Node, positive: bool) -> Option<f64> {
+    /// A number within `bound` (the rule a plan file is held to as well, `pipec_plan::rules`).
+    pub(crate) fn number(&mut self, node: &Node, bound: Bound) -> Option<f64> {
         let v = match &node.value {
             Value::Int(i) => *i as f64,
             Value::Float(f) => *f,
@@ -156,8 +158,8 @@ impl<'a> Lower<'a> {
                 return None;
             }
         };
-        if !v.is_finite() || v < 0.0 || (positive && v == 0.0) {
-            let want = if positive { "larger than 0" } else { "0 or larger" };
+        if !bound.admits(v) {
+            let want = bound.describe();
             self.push(Diagnostic::error(
                 "E0105",
                 format!("must be {want}, found {v}"),
@@ -184,6 +186,22 @@ impl<'a> Lower<'a> {
             Value::Str(s) => Some(s),
             _ => {
                 self.wrong_type(node, "a string");
+                None
+            }
+        }
+    }
+
+    /// A path the run writes under its output folder (`pipec_plan::rules::inside_output_folder`):
+    /// relative, no `..`; `code` is the diagnostic's code.
+    pub(crate) fn output_path(&mut self, node: &Node, code: &'static str) -> Option<String> {
+        let text = self.string(node)?;
+        match inside_output_folder(text) {
+            Ok(()) => Some(text.to_string()),
+            Err(e) => {
+                self.push(
+                    Diagnostic::error(code, format!("this path {e}"), node.span, "must stay inside the output folder")
+                        .with_help("pipec writes only inside the output folder (`-o`); use a plain relative name like `checkpoints`"),
+                );
                 None
             }
         }

@@ -5,6 +5,7 @@
 //! lowered is `None`; later checks run on whatever sections are present.
 
 use pipec_plan::model::{fmt_shape, Loss, Op};
+use pipec_plan::rules;
 
 use crate::diagnostic::Diagnostic;
 use crate::dsl::{self, Dimension, LayerCall};
@@ -52,7 +53,7 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
         out.diagnostics = cx.diags;
         return out;
     };
-    out.name = top.get("name").and_then(|n| cx.string(n)).map(str::to_string);
+    out.name = top.get("name").and_then(|n| cx.output_path(n, "E0105"));
     let section = |cx: &mut Lower<'_>, key: &str| -> Option<(&Node, Span)> {
         let node = cx.required(&top, key, "spec")?;
         Some((node, top.key_span(key).unwrap_or(doc_start)))
@@ -447,8 +448,8 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
 fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Training> {
     let f = cx.fields(node, &["training"], owner)?;
     let batch_node = cx.required(&f, "batch_size", "training");
-    let batch = batch_node.and_then(|n| cx.uint(n, 1));
-    let steps = cx.required(&f, "steps", "training").and_then(|n| cx.uint(n, 1));
+    let batch = batch_node.and_then(|n| cx.uint(n, rules::training_minimum("batch_size")));
+    let steps = cx.required(&f, "steps", "training").and_then(|n| cx.uint(n, rules::training_minimum("steps")));
     let optimizer = cx
         .required(&f, "optimizer", "training")
         .and_then(|n| lower_optimizer(cx, n, f.key_span("optimizer").unwrap_or(owner)));
@@ -461,16 +462,21 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
         Some(n) => cx.uint(n, 0).map(|s| s as u64),
     };
     let data = match f.get("data") {
-        None => Some(Data::Synthetic { task: Task::Classification, samples: 0 }),
+        None => Some(Data::Synthetic { task: Task::Classification, samples: None }),
         Some(n) => lower_data(cx, n, f.key_span("data").unwrap_or(owner)),
     };
     let checkpoint = match f.get("checkpoint") {
         None => Some(None),
         Some(n) => {
             cx.fields(n, &["training", "checkpoint"], f.key_span("checkpoint").unwrap_or(owner)).and_then(|cf| {
-                let every = cx.required(&cf, "every", "training.checkpoint").and_then(|e| cx.uint(e, 1));
-                let dir = cf.get("dir").and_then(|d| cx.string(d)).unwrap_or("checkpoints").to_string();
-                every.map(|every| Some(Checkpoint { every, dir }))
+                let every = cx
+                    .required(&cf, "every", "training.checkpoint")
+                    .and_then(|e| cx.uint(e, rules::training_minimum("checkpoint_every")));
+                let dir = match cf.get("dir") {
+                    None => Some("checkpoints".to_string()),
+                    Some(d) => cx.output_path(d, "E0503"),
+                };
+                Some(Some(Checkpoint { every: every?, dir: dir? }))
             })
         }
     };
@@ -491,10 +497,10 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
     let kind = cx
         .required(&f, "kind", "training.optimizer")
         .and_then(|n| cx.choose::<OptimizerKind>(n, &["training", "optimizer", "kind"]));
-    let lr = cx.required(&f, "lr", "training.optimizer").and_then(|n| cx.float(n, true));
+    let lr = cx.required(&f, "lr", "training.optimizer").and_then(|n| cx.number(n, rules::optimizer_bound("lr")));
     let opt_f = |cx: &mut Lower<'_>, key: &str, default: f64| match f.get(key) {
         None => Some(default),
-        Some(n) => cx.float(n, false),
+        Some(n) => cx.number(n, rules::optimizer_bound(key)),
     };
     let kind = kind?;
     let not_for = |cx: &mut Lower<'_>, keys: &[&str], kind: &str| {
@@ -519,19 +525,6 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
             let b1 = opt_f(cx, "beta1", 0.9);
             let b2 = opt_f(cx, "beta2", 0.999);
             let eps = opt_f(cx, "eps", 1e-8);
-            for (k, v) in [("beta1", b1), ("beta2", b2)] {
-                if let (Some(v), Some(n)) = (v, f.get(k)) {
-                    if v >= 1.0 {
-                        cx.push(Diagnostic::error(
-                            "E0501",
-                            format!("`{k}` must be below 1, found {v}"),
-                            n.span,
-                            "must be in [0, 1)",
-                        ));
-                        return None;
-                    }
-                }
-            }
             Some(Optimizer::Adam { lr: lr?, beta1: b1?, beta2: b2?, eps: eps?, weight_decay: wd? })
         }
         OptimizerKind::Sgd | OptimizerKind::Momentum => {
@@ -546,7 +539,7 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
 fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
     if let Value::Str(_) = node.value {
         cx.choice(node, &["training", "data"])?;
-        return Some(Data::Synthetic { task: Task::Classification, samples: 0 });
+        return Some(Data::Synthetic { task: Task::Classification, samples: None });
     }
     let f = cx.fields(node, &["training", "data"], owner)?;
     let kind = cx.required(&f, "kind", "training.data").and_then(|n| cx.choice(n, &["training", "data", "kind"]))?;
@@ -557,8 +550,8 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                 Some(n) => cx.choose::<Task>(n, &["training", "data", "task"]),
             };
             let samples = match f.get("samples") {
-                None => Some(0),
-                Some(n) => cx.uint(n, 1),
+                None => Some(None),
+                Some(n) => cx.uint(n, rules::training_minimum("samples")).map(Some),
             };
             Some(Data::Synthetic { task: task?, samples: samples? })
         }

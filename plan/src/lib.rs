@@ -6,6 +6,7 @@ pub mod instr;
 pub mod model;
 pub mod plan;
 pub mod profile;
+pub mod rules;
 pub mod schedule;
 pub mod vocab;
 

@@ -51,13 +51,37 @@ pub enum OptimizerPlan {
     Adam { lr: f64, beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
 }
 
+impl OptimizerPlan {
+    /// Every real-valued setting with its spec key.
+    pub fn settings(&self) -> Vec<(&'static str, f64)> {
+        match *self {
+            OptimizerPlan::Sgd { lr, momentum, weight_decay } => {
+                vec![("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)]
+            }
+            OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay } => {
+                vec![("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)]
+            }
+        }
+    }
+
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerPlan::Sgd { lr, .. } | OptimizerPlan::Adam { lr, .. } => lr,
+        }
+    }
+}
+
 /// Where the data comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum DataPlan {
-    /// Deterministic data from the seed; `samples` distinct samples (0 = a fresh batch
+    /// Deterministic data from the seed; `samples` distinct samples (absent: a fresh batch
     /// every step).
-    Synthetic { task: Task, samples: usize },
+    Synthetic {
+        task: Task,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        samples: Option<usize>,
+    },
     /// A CSV file (absolute path), one sample per row, label last.
     Csv { path: String },
     /// NPY features and labels (absolute paths).
@@ -246,6 +270,41 @@ impl Plan {
     /// chain's shapes consistent, stages covering the layers in order, routes and groups
     /// well-formed. A compiled plan passes them; a hand-edited one that does not is refused
     /// before anything runs. (The compiler's verifier then checks the streams' meaning.)
+    /// The settings a spec's checker enforces, on the plan's fields (`crate::rules`): the
+    /// same rules, so a hand-edited plan.json is held to its spec's standard.
+    fn check_settings(&self) -> Vec<String> {
+        use crate::rules::{inside_output_folder, optimizer_bound, training_minimum};
+        let t = &self.training;
+        let mut out = Vec::new();
+        if let Err(e) = inside_output_folder(&self.name) {
+            out.push(format!("name: {e} (the name is the default output folder)"));
+        }
+        if let Some(dir) = &t.checkpoint_dir {
+            if let Err(e) = inside_output_folder(dir) {
+                out.push(format!("training.checkpoint_dir: {e}"));
+            }
+        }
+        let mut minimum = |key: &str, v: usize| {
+            if (v as u64) < training_minimum(key) {
+                out.push(format!("training.{key} must be at least {}, found {v}", training_minimum(key)));
+            }
+        };
+        minimum("steps", t.steps);
+        if let Some(every) = t.checkpoint_every {
+            minimum("checkpoint_every", every);
+        }
+        if let DataPlan::Synthetic { samples: Some(n), .. } = t.data {
+            minimum("samples", n);
+        }
+        for (key, v) in t.optimizer.settings() {
+            let bound = optimizer_bound(key);
+            if !bound.admits(v) {
+                out.push(format!("training.optimizer.{key} must be {}, found {v}", bound.describe()));
+            }
+        }
+        out
+    }
+
     pub fn check(&self) -> Vec<String> {
         let mut out = Vec::new();
         let t = &self.training;
@@ -289,6 +348,7 @@ impl Plan {
                 t.batch_size, t.microbatches, t.microbatch_size
             ));
         }
+        out.extend(self.check_settings());
         // no tensor of a microbatch beyond 2^32 elements (16 GiB in fp32)
         let elements = |shape: &[usize]| shape.iter().try_fold(t.microbatch_size.max(1), |a, &d| a.checked_mul(d));
         let mut shapes =
@@ -330,6 +390,11 @@ impl Plan {
                     "stage {i}: its route must name a replica for each of the {} microbatches",
                     t.microbatches
                 ));
+            }
+            if let Some(g) = s.group {
+                if !self.groups.iter().any(|x| x.id == g && x.stage == s.id) {
+                    out.push(format!("stage {i}: its group {g} is not a group of this stage in the plan"));
+                }
             }
             if !s.tensor_parallel.is_empty() {
                 let size = s.tensor_parallel[0].len();
