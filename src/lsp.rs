@@ -32,6 +32,9 @@ use pipec_grammar::{Diagnostic, LineIndex, Severity, Span};
 
 use crate::{EXIT_OK, EXIT_USAGE};
 
+/// The exit status of a server that ends without `shutdown` first (the LSP says 1).
+const EXIT_ABNORMAL: u8 = 1;
+
 /// How long typing must pause before the plan is compiled.
 const DEBOUNCE: Duration = Duration::from_millis(300);
 
@@ -351,7 +354,7 @@ fn handle_request(
 
 /// Runs the server until the client shuts it down.
 pub fn run() -> u8 {
-    let (conn, io) = Connection::stdio();
+    let (conn, io) = crate::lsp_io::stdio();
     let caps = ServerCapabilities {
         text_document_sync: Some(TextDocumentSyncCapability::Kind(TextDocumentSyncKind::FULL)),
         hover_provider: Some(HoverProviderCapability::Simple(true)),
@@ -389,11 +392,17 @@ pub fn run() -> u8 {
         }
         docs.insert(key, Doc { version, text });
     };
+    // LSP: `exit` after `shutdown` ends with 0, any other end (an `exit` without
+    // `shutdown`, the client closing stdin) with 1
+    let mut exit_code = EXIT_ABNORMAL;
     for msg in &conn.receiver {
         match msg {
             Message::Request(req) => {
                 match conn.handle_shutdown(&req) {
-                    Ok(true) => break,
+                    Ok(true) => {
+                        exit_code = EXIT_OK;
+                        break;
+                    }
                     Ok(false) => {}
                     Err(_) => break,
                 }
@@ -436,6 +445,7 @@ pub fn run() -> u8 {
                         )));
                     }
                 }
+                "exit" => break,
                 _ => {}
             },
             Message::Response(_) => {}
@@ -443,6 +453,6 @@ pub fn run() -> u8 {
     }
     drop(jobs_tx);
     drop(conn);
-    let _ = io.join();
-    EXIT_OK
+    io.join();
+    exit_code
 }

@@ -12,6 +12,7 @@ mod compare_cmd;
 mod compile_cmd;
 mod launch_cmd;
 mod lsp;
+mod lsp_io;
 mod output;
 mod plan_profile_cmd;
 mod profile_cmd;

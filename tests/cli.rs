@@ -293,3 +293,63 @@ fn an_endless_or_binary_input_is_refused_after_its_first_bytes() {
     let out = pipec(&["run", not_json.to_str().expect("utf-8 path")]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("it is not JSON"));
 }
+
+/// One LSP frame.
+fn frame(body: &str) -> Vec<u8> {
+    format!("Content-Length: {}\r\n\r\n{body}", body.len()).into_bytes()
+}
+
+/// The JSON bodies of the frames `pipec lsp` wrote.
+fn lsp_replies(stdout: &[u8]) -> Vec<serde_json::Value> {
+    let text = String::from_utf8_lossy(stdout);
+    text.split("Content-Length: ")
+        .filter_map(|part| part.split_once("\r\n\r\n"))
+        .filter_map(|(_, body)| serde_json::from_str(body.trim_end()).ok())
+        .collect()
+}
+
+fn lsp_session(input: &[u8]) -> (Option<i32>, Vec<serde_json::Value>) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pipec"))
+        .arg("lsp")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("pipec lsp starts");
+    child.stdin.take().expect("stdin").write_all(input).expect("write");
+    let out = child.wait_with_output().expect("ends");
+    (out.status.code(), lsp_replies(&out.stdout))
+}
+
+const LSP_INIT: &str = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"capabilities":{}}}"#;
+const LSP_INITIALIZED: &str = r#"{"jsonrpc":"2.0","method":"initialized","params":{}}"#;
+
+#[test]
+fn the_language_server_answers_malformed_input_with_errors_and_keeps_serving() {
+    let mut input = [frame(LSP_INIT), frame(LSP_INITIALIZED)].concat();
+    input.extend(frame("{this is not json"));
+    input.extend(b"Content-Length: 12x\r\n\r\n");
+    input.extend(b"Content-Length: 2\r\n\r\n\xff\xfe");
+    let open = r#"{"jsonrpc":"2.0","method":"textDocument/didOpen","params":{"textDocument":{"uri":"file:///t/s.yaml","languageId":"yaml","version":1,"text":"strategy:\n  schedule: 1f1b\n"}}}"#;
+    input.extend(frame(open));
+    let hover = r#"{"jsonrpc":"2.0","id":7,"method":"textDocument/hover","params":{"textDocument":{"uri":"file:///t/s.yaml"},"position":{"line":1,"character":13}}}"#;
+    input.extend(frame(hover));
+    input.extend(frame(r#"{"jsonrpc":"2.0","id":8,"method":"shutdown"}"#));
+    input.extend(frame(r#"{"jsonrpc":"2.0","method":"exit"}"#));
+    let (code, replies) = lsp_session(&input);
+    assert_eq!(code, Some(0), "shutdown then exit: {replies:?}");
+    let errors: Vec<i64> =
+        replies.iter().filter_map(|r| r["error"]["code"].as_i64()).filter(|&c| c == -32700).collect();
+    assert_eq!(errors.len(), 3, "one parse error per bad frame: {replies:?}");
+    let hovered = replies.iter().find(|r| r["id"] == 7).expect("the hover after the bad frames is answered");
+    assert!(hovered["result"]["contents"]["value"].as_str().is_some_and(|v| v.contains("1f1b")), "{hovered}");
+}
+
+#[test]
+fn the_language_server_exits_with_1_without_shutdown() {
+    let input = [frame(LSP_INIT), frame(LSP_INITIALIZED), frame(r#"{"jsonrpc":"2.0","method":"exit"}"#)].concat();
+    assert_eq!(lsp_session(&input).0, Some(1));
+    // the client going away (stdin closed) without shutdown
+    assert_eq!(lsp_session(&[frame(LSP_INIT), frame(LSP_INITIALIZED)].concat()).0, Some(1));
+}

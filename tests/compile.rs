@@ -213,3 +213,14 @@ fn profile_then_compile_with_the_measured_costs() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("E0604"));
 }
+
+#[test]
+fn out_of_memory_on_many_devices_names_the_worst_three_and_counts_the_rest() {
+    let text = "model:\n  input: [256]\n  layers:\n    - repeat 64: linear(256, 256) -> relu\n  loss: mse\ncluster:\n  nodes: 8\n  devices_per_node: 8\n  device: { memory: 64KiB, throughput: 1TFLOP/s }\n  links:\n    intra_node: { bandwidth: 100GB/s, latency: 1us }\n    inter_node: { bandwidth: 10GB/s, latency: 5us }\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 8\ntraining:\n  batch_size: 64\n  steps: 1\n  optimizer: { kind: adam, lr: 0.001 }\n";
+    let c = compile_text(text);
+    let d = c.diagnostics.iter().find(|d| d.code == "E0601").expect("out of memory");
+    assert!(d.message.contains("(64 device(s) over capacity: d"), "{}", d.message);
+    assert!(d.message.ends_with(" and 61 more)"), "{}", d.message);
+    assert_eq!(d.message.matches(" by ").count(), 3, "{}", d.message);
+    assert!(d.message.len() < 200, "{} characters: {}", d.message.len(), d.message);
+}

@@ -614,6 +614,21 @@ fn partition_layers(spec: &Spec, model: &ModelCosts) -> Result<Layout, Vec<Diagn
     }
 }
 
+/// The devices most over capacity, with how much over, and how many more there are: a
+/// message stays one line on a 1,024-device plan.
+fn worst_few(over: &[&DevicePlan]) -> String {
+    const SHOWN: usize = 3;
+    let named: Vec<String> = over
+        .iter()
+        .take(SHOWN)
+        .map(|d| format!("{} by {}", d.id, human_bytes(d.memory.total - d.memory.capacity)))
+        .collect();
+    match over.len().saturating_sub(SHOWN) {
+        0 => named.join(", "),
+        rest => format!("{} and {rest} more", named.join(", ")),
+    }
+}
+
 fn notation(replicas: &[usize]) -> String {
     replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-")
 }
@@ -775,8 +790,9 @@ fn memory_diagnostics(
         human_bytes(m.workspace),
         human_bytes(m.total)
     );
-    let over: Vec<String> =
-        devices.iter().filter(|d| d.memory.total > d.memory.capacity).map(|d| d.id.to_string()).collect();
+    // the devices over capacity, the most over first
+    let mut over: Vec<&DevicePlan> = devices.iter().filter(|d| d.memory.total > d.memory.capacity).collect();
+    over.sort_by_key(|d| (std::cmp::Reverse(d.memory.total - d.memory.capacity), d.id));
     if !over.is_empty() {
         // What would fit: recompute keeps only stage inputs; 1F1B bounds in-flight
         // microbatches; a larger device by the missing amount.
@@ -814,7 +830,7 @@ fn memory_diagnostics(
                     human_bytes(m.total),
                     human_bytes(m.capacity),
                     over.len(),
-                    over.join(", ")
+                    worst_few(&over)
                 ),
                 strategy.layout_span,
                 format!(

@@ -1,6 +1,9 @@
 //! Training data: deterministic synthetic tasks from the seed, or a CSV/NPY file. Data is
 //! produced on the host, per microbatch, identically wherever a microbatch runs.
 
+use std::path::Path;
+
+use pipec_plan::datafile;
 use pipec_plan::model::Loss;
 use pipec_plan::plan::DataPlan;
 use pipec_plan::Plan;
@@ -58,6 +61,7 @@ impl Dataset {
         let classification = plan.model.loss == Loss::CrossEntropy;
         let vocab = plan.model.token_vocab;
         let seed = plan.training.seed;
+        let expect = datafile::Expect { numel, classes: classification.then_some(outputs), outputs, vocab };
         let source = match &plan.training.data {
             DataPlan::Synthetic { task, samples } => {
                 if classification != (*task == pipec_plan::Task::Classification) {
@@ -75,8 +79,13 @@ impl Dataset {
                     cache: None,
                 }
             }
-            DataPlan::Csv { path } => load_csv(path, numel, classification, outputs, vocab)?,
-            DataPlan::Npy { path, labels } => load_npy(path, labels.as_deref(), numel, classification, outputs, vocab)?,
+            DataPlan::Csv { path } => {
+                loaded(datafile::load_csv(Path::new(path), &expect, datafile::Extent::All)?, &expect)
+            }
+            DataPlan::Npy { path, labels } => {
+                let labels = labels.as_deref().map(Path::new);
+                loaded(datafile::load_npy(Path::new(path), labels, &expect, datafile::Extent::All)?, &expect)
+            }
         };
         let mut data = Dataset { seed, numel, outputs, vocab, source };
         // A finite synthetic data set of moderate size is generated once, not every step.
@@ -173,153 +182,16 @@ impl Dataset {
     }
 }
 
-fn check_labels(classes: &[i64], outputs: usize, what: &str) -> Result<(), String> {
-    if let Some((i, c)) = classes.iter().enumerate().find(|(_, &c)| c < 0 || c as usize >= outputs) {
-        return Err(format!("{what}: sample {i} has label {c}, but the model has {outputs} classes (0..{outputs})"));
-    }
-    Ok(())
-}
-
-/// A file's target column(s): class indices (checked against the model's outputs) or
-/// regression values.
-fn to_targets(values: Vec<f64>, classification: bool, outputs: usize, what: &str) -> Result<Targets, String> {
-    if classification {
-        let c: Vec<i64> = values.iter().map(|&t| t as i64).collect();
-        check_labels(&c, outputs, what)?;
-        Ok(Targets::Classes(c))
-    } else {
-        Ok(Targets::Values(values.into_iter().map(|t| t as f32).collect()))
-    }
-}
-
-fn to_inputs(values: Vec<f64>, vocab: Option<usize>, what: &str) -> Result<Inputs, String> {
-    match vocab {
-        None => Ok(Inputs::Features(values.into_iter().map(|v| v as f32).collect())),
-        Some(v) => {
-            let toks: Vec<i64> = values.iter().map(|&x| x as i64).collect();
-            if let Some(bad) = toks.iter().find(|&&t| t < 0 || t as usize >= v) {
-                return Err(format!("{what}: token id {bad} is outside the vocabulary 0..{v}"));
-            }
-            Ok(Inputs::Tokens(toks))
-        }
-    }
-}
-
-fn load_csv(
-    path: &str,
-    numel: usize,
-    classification: bool,
-    outputs: usize,
-    vocab: Option<usize>,
-) -> Result<Source, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read the data file `{path}`: {e}"))?;
-    let targets_per_row = if classification { 1 } else { outputs };
-    let mut feats = Vec::new();
-    let mut targets = Vec::new();
-    let mut samples = 0;
-    for (lineno, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let values: Result<Vec<f64>, _> = line.split(',').map(|v| v.trim().parse::<f64>()).collect();
-        let values = match values {
-            Ok(v) => v,
-            Err(_) if samples == 0 && feats.is_empty() => continue, // a header row
-            Err(e) => return Err(format!("`{path}` line {}: {e}", lineno + 1)),
-        };
-        if values.len() != numel + targets_per_row {
-            return Err(format!("`{path}` line {}: {} columns, expected {} input values and {targets_per_row} target column(s) for the model's input of {numel}", lineno + 1, values.len(), numel));
-        }
-        feats.extend_from_slice(&values[..numel]);
-        targets.extend_from_slice(&values[numel..]);
-        samples += 1;
-    }
-    if samples == 0 {
-        return Err(format!("`{path}` has no samples"));
-    }
-    let inputs = to_inputs(feats, vocab, path)?;
-    let targets = to_targets(targets, classification, outputs, path)?;
-    Ok(Source::Loaded { inputs, targets, samples })
-}
-
-/// Reads a `.npy` file (format 1.0–3.0, little-endian f4/f8/i4/i8, C order).
-pub fn read_npy(path: &str) -> Result<(Vec<usize>, Vec<f64>), String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read the data file `{path}`: {e}"))?;
-    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
-        return Err(format!("`{path}` is not an NPY file"));
-    }
-    let (header_len, start) = match bytes[6] {
-        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        2 | 3 if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
-        v => return Err(format!("`{path}`: NPY version {v} is not supported")),
+/// A file's samples as the executor holds them: class indices or regression values, and
+/// features or token ids (checked by `pipec_plan::datafile`: finite, whole labels in range).
+fn loaded(s: datafile::Samples, expect: &datafile::Expect) -> Source {
+    let inputs = match expect.vocab {
+        Some(_) => Inputs::Tokens(s.inputs.iter().map(|&v| v as i64).collect()),
+        None => Inputs::Features(s.inputs.iter().map(|&v| v as f32).collect()),
     };
-    let header =
-        std::str::from_utf8(bytes.get(start..start + header_len).ok_or(format!("`{path}`: truncated header"))?)
-            .map_err(|_| format!("`{path}`: header is not text"))?;
-    let field = |key: &str| -> Option<&str> {
-        let i = header.find(&format!("'{key}'"))?;
-        Some(header[i + key.len() + 2..].trim_start().trim_start_matches(':').trim_start())
+    let targets = match expect.classes {
+        Some(_) => Targets::Classes(s.targets.iter().map(|&t| t as i64).collect()),
+        None => Targets::Values(s.targets.iter().map(|&t| t as f32).collect()),
     };
-    let descr = field("descr")
-        .and_then(|d| d.strip_prefix('\''))
-        .and_then(|d| d.split('\'').next())
-        .ok_or(format!("`{path}`: no dtype in header"))?;
-    if field("fortran_order").is_some_and(|f| f.starts_with("True")) {
-        return Err(format!("`{path}`: Fortran-ordered arrays are not supported"));
-    }
-    let shape_text = field("shape")
-        .and_then(|s| s.strip_prefix('('))
-        .and_then(|s| s.split(')').next())
-        .ok_or(format!("`{path}`: no shape in header"))?;
-    let shape: Vec<usize> = shape_text
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<usize>().map_err(|_| format!("`{path}`: bad shape `{shape_text}`")))
-        .collect::<Result<_, _>>()?;
-    let data = &bytes[start + header_len..];
-    let n: usize = shape.iter().product();
-    let values: Vec<f64> = match descr {
-        "<f4" => {
-            data.chunks_exact(4).take(n).map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect()
-        }
-        "<f8" => data.chunks_exact(8).take(n).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect(),
-        "<i4" => {
-            data.chunks_exact(4).take(n).map(|c| f64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect()
-        }
-        "<i8" => {
-            data.chunks_exact(8).take(n).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f64).collect()
-        }
-        other => return Err(format!("`{path}`: dtype `{other}` is not supported (use <f4, <f8, <i4 or <i8)")),
-    };
-    if values.len() != n {
-        return Err(format!("`{path}`: truncated data ({} of {n} values)", values.len()));
-    }
-    Ok((shape, values))
-}
-
-fn load_npy(
-    path: &str,
-    labels: Option<&str>,
-    numel: usize,
-    classification: bool,
-    outputs: usize,
-    vocab: Option<usize>,
-) -> Result<Source, String> {
-    let (shape, values) = read_npy(path)?;
-    let samples = shape.first().copied().unwrap_or(0);
-    if samples == 0 || shape[1..].iter().product::<usize>() != numel {
-        return Err(format!(
-            "`{path}` has shape {shape:?}; the model needs (samples, ...) with {numel} values per sample"
-        ));
-    }
-    let labels = labels.ok_or(format!("npy data needs a `labels` file beside `{path}`"))?;
-    let (lshape, lvalues) = read_npy(labels)?;
-    let per = if classification { 1 } else { outputs };
-    if lshape.first().copied() != Some(samples) || lvalues.len() != samples * per {
-        return Err(format!("`{labels}` has shape {lshape:?}; expected {samples} samples with {per} target(s) each"));
-    }
-    let targets = to_targets(lvalues, classification, outputs, labels)?;
-    Ok(Source::Loaded { inputs: to_inputs(values, vocab, path)?, targets, samples })
+    Source::Loaded { inputs, targets, samples: s.samples }
 }

@@ -195,7 +195,11 @@ interleaved schedules).";
 
 "E0502", "bad data settings",
 "The data section is inconsistent: a `csv`/`npy` source without a `path`, a path that
-does not exist, a classification task with an `mse` loss, ...";
+does not exist, a classification task with an `mse` loss, or a file whose contents do not
+fit the model — the wrong number of columns or shape, an NPY dtype pipec does not read,
+float class labels, a label that is not a whole class index of the model, a NaN or
+infinite cell. `pipec check` reads the first 4 MiB of the file with the executor's reader;
+`pipec run` reads all of it and stops at the first bad cell, naming its line or sample.";
 
 "E0503", "bad checkpoint settings",
 "The checkpoint settings are unusable: `checkpoint.every` must be at least 1 step, and

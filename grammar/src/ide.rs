@@ -244,7 +244,8 @@ fn word_at(src: &str, offset: usize) -> Option<(Span, &str)> {
     if !src.is_char_boundary(offset) {
         return None;
     }
-    let start = src[..offset].rfind(|c: char| !is_word(c)).map(|i| i + 1).unwrap_or(0);
+    // the word starts after the last non-word character, which may be several bytes long
+    let start = src[..offset].char_indices().rfind(|&(_, c)| !is_word(c)).map_or(0, |(i, c)| i + c.len_utf8());
     let end = src[offset..].find(|c: char| !is_word(c)).map(|i| offset + i).unwrap_or(src.len());
     (start < end).then(|| (Span::new(start, end), &src[start..end]))
 }
@@ -322,6 +323,24 @@ pub fn hover(src: &str, offset: usize, schema: &SchemaIndex, extra: Option<&str>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hover_never_panics_next_to_multibyte_characters() {
+        let schema = SchemaIndex::default();
+        for src in [
+            "model:\n  layers:\n    - é linear(64, 10) → relu # ünïcode\n  loss: mse\n",
+            "name: «run»\nstrategy:\n  stages: \"2–1\"\n  schedule: 1f1b\n",
+            "strategy: {schedule: ✓gpipe}",
+        ] {
+            for offset in 0..=src.len() + 2 {
+                let _ = hover(src, offset, &schema, None);
+                let _ = completions(src, offset, &schema);
+            }
+            let after = src.find('é').or_else(|| src.find('»')).or_else(|| src.find('✓')).expect("a multibyte char");
+            let next = after + src[after..].chars().next().map_or(1, char::len_utf8);
+            assert!(word_at(src, next).is_none_or(|(s, w)| src.get(s.range()) == Some(w)));
+        }
+    }
 
     const SPEC: &str = "model:\n  input: [64]\n  layers:\n    - linear(64, 10) -> relu\n  loss: mse\nstrategy:\n  stages: \"2-1-1\"\n  schedule: 1f1b\n  \ncluster:\n  device: { kind: cpu, mem";
 

@@ -62,11 +62,54 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     out.cluster = section(&mut cx, "cluster").and_then(|(n, ks)| lower_cluster(&mut cx, n, ks));
     let strategy_node = section(&mut cx, "strategy");
     out.training = section(&mut cx, "training").and_then(|(n, ks)| lower_training(&mut cx, n, ks));
+    if let (Some(model), Some(training), Some(base)) = (&out.model, &out.training, base_dir) {
+        check_data_file(&mut cx, model, training, base);
+    }
     out.strategy = strategy_node.and_then(|(n, ks)| {
         crate::strategy::lower_strategy(&mut cx, n, ks, out.model.as_ref(), out.cluster.as_ref(), out.training.as_ref())
     });
     out.diagnostics = cx.diags;
     out
+}
+
+/// How much of a data file `pipec check` (and the editor) reads: enough to catch a wrong
+/// layout or dtype and the first bad cells, bounded for any file.
+pub const DATA_CHECK_BYTES: u64 = 4 << 20;
+
+/// Reads the start of the data file(s) the spec names with the executor's own reader
+/// (`pipec_plan::datafile`) and reports what would stop or spoil the run: shape, dtype,
+/// labels out of range or not whole, non-finite values.
+fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base: &std::path::Path) {
+    let expect = pipec_plan::datafile::Expect {
+        numel: model.input.iter().product(),
+        classes: (model.loss == Loss::CrossEntropy).then(|| model.output_shape().iter().product()),
+        outputs: model.output_shape().iter().product(),
+        vocab: model.token_vocab(),
+    };
+    let extent = pipec_plan::datafile::Extent::Prefix(DATA_CHECK_BYTES);
+    let (result, span) = match &training.data {
+        Data::Synthetic { .. } => return,
+        Data::Csv { path, span } => (pipec_plan::datafile::load_csv(&base.join(path), &expect, extent), *span),
+        Data::Npy { path, labels, span } => {
+            let labels = labels.as_ref().map(|l| base.join(l));
+            (pipec_plan::datafile::load_npy(&base.join(path), labels.as_deref(), &expect, extent), *span)
+        }
+    };
+    if let Err(e) = result {
+        let base_shown = format!("`{}/", base.display());
+        cx.push(
+            Diagnostic::error(
+                "E0502",
+                format!("the data does not fit the model: {}", e.replace(&base_shown, "`")),
+                span,
+                "this data file",
+            )
+            .with_help(format!(
+                "`pipec check` reads the first {} MiB of a data file; `pipec run` reads and checks all of it",
+                DATA_CHECK_BYTES >> 20
+            )),
+        );
+    }
 }
 
 fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {

@@ -1,0 +1,438 @@
+//! Training-data files — CSV and NPY — read and checked without Burn. The executor loads
+//! them through here; `pipec check` reads the first bytes of the same files through the same
+//! code, so a bad cell is reported before a run, with the spec's span, and never trains to
+//! NaN. Every problem names the file and the line (CSV) or sample (NPY).
+
+use std::io::Read;
+use std::path::Path;
+
+/// What the model needs from each sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expect {
+    /// Input values per sample.
+    pub numel: usize,
+    /// The class count when targets are class indices (cross-entropy); None for regression.
+    pub classes: Option<usize>,
+    /// Target values per sample for regression (the model's output size).
+    pub outputs: usize,
+    /// The vocabulary when inputs are token ids (the first layer is an embedding).
+    pub vocab: Option<usize>,
+}
+
+impl Expect {
+    pub fn targets_per_sample(&self) -> usize {
+        if self.classes.is_some() {
+            1
+        } else {
+            self.outputs
+        }
+    }
+}
+
+/// Samples read from a file, sample-major.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Samples {
+    pub inputs: Vec<f64>,
+    pub targets: Vec<f64>,
+    pub samples: usize,
+}
+
+/// How much of a file to read: all of it (training), or its first bytes (`pipec check`;
+/// a cut last row is dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extent {
+    All,
+    Prefix(u64),
+}
+
+fn read_bytes(path: &Path, extent: Extent) -> Result<(Vec<u8>, bool), String> {
+    let shown = path.display();
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read the data file `{shown}`: {e}"))?;
+    if file.metadata().is_ok_and(|m| m.is_dir()) {
+        return Err(format!("the data file `{shown}` is a directory"));
+    }
+    let mut bytes = Vec::new();
+    let complete = match extent {
+        Extent::All => {
+            let mut f = file;
+            f.read_to_end(&mut bytes).map_err(|e| format!("cannot read the data file `{shown}`: {e}"))?;
+            true
+        }
+        Extent::Prefix(n) => {
+            file.take(n + 1)
+                .read_to_end(&mut bytes)
+                .map_err(|e| format!("cannot read the data file `{shown}`: {e}"))?;
+            let complete = bytes.len() as u64 <= n;
+            bytes.truncate(n as usize);
+            complete
+        }
+    };
+    Ok((bytes, complete))
+}
+
+/// Checks one sample's values against what the model needs; `at` says where it is.
+fn check_sample(inputs: &[f64], targets: &[f64], expect: &Expect, at: &dyn Fn() -> String) -> Result<(), String> {
+    for (j, &v) in inputs.iter().enumerate() {
+        if !v.is_finite() {
+            return Err(format!("{}: input value {} is {v}", at(), j + 1));
+        }
+        if let Some(vocab) = expect.vocab {
+            if v.fract() != 0.0 || v < 0.0 || v >= vocab as f64 {
+                return Err(format!("{}: token id {v} is not one of the vocabulary's 0..{vocab}", at()));
+            }
+        }
+    }
+    for &t in targets {
+        match expect.classes {
+            Some(classes) => {
+                if !t.is_finite() || t.fract() != 0.0 {
+                    return Err(format!("{}: the label {t} is not a class index (a whole number)", at()));
+                }
+                if t < 0.0 || t >= classes as f64 {
+                    return Err(format!(
+                        "{}: the label {t} is not one of the model's {classes} classes (0..{classes})",
+                        at()
+                    ));
+                }
+            }
+            None if !t.is_finite() => return Err(format!("{}: the target value is {t}", at())),
+            None => {}
+        }
+    }
+    Ok(())
+}
+
+/// The delimiter of a CSV file: the most frequent of `,`, `;` and tab outside quotes on its
+/// first data line (`,` when none appears).
+fn sniff_delimiter(line: &str) -> char {
+    let mut counts = [(',', 0usize), (';', 0), ('\t', 0)];
+    let mut quoted = false;
+    for c in line.chars() {
+        if c == '"' {
+            quoted = !quoted;
+        } else if !quoted {
+            if let Some(e) = counts.iter_mut().find(|e| e.0 == c) {
+                e.1 += 1;
+            }
+        }
+    }
+    counts.iter().filter(|e| e.1 > 0).max_by_key(|e| e.1).map_or(',', |e| e.0)
+}
+
+/// The fields of one CSV line: split at `delimiter` outside double quotes, quotes removed
+/// (`""` inside quotes is one quote), whitespace trimmed.
+fn split_fields(line: &str, delimiter: char) -> Vec<String> {
+    let mut fields = Vec::new();
+    let mut field = String::new();
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                field.push('"');
+                chars.next();
+            }
+            '"' => quoted = !quoted,
+            c if c == delimiter && !quoted => fields.push(std::mem::take(&mut field).trim().to_string()),
+            c => field.push(c),
+        }
+    }
+    fields.push(field.trim().to_string());
+    fields
+}
+
+/// Reads a CSV file: one sample per row, its input values then its target(s); `,`, `;` or
+/// tab separated, fields optionally double-quoted, lines starting with `#` ignored. The first
+/// row is a header when none of its fields is a number; any other row must be all numbers.
+pub fn load_csv(path: &Path, expect: &Expect, extent: Extent) -> Result<Samples, String> {
+    let shown = path.display();
+    let (bytes, complete) = read_bytes(path, extent)?;
+    let text = match std::str::from_utf8(&bytes) {
+        Ok(t) => t,
+        // a prefix may end inside a character
+        Err(e) if !complete && e.error_len().is_none() => std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or(""),
+        Err(e) => return Err(format!("`{shown}` is not UTF-8 text (at byte {})", e.valid_up_to())),
+    };
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let mut lines: Vec<(usize, &str)> = text.lines().enumerate().map(|(i, l)| (i + 1, l)).collect();
+    if !complete {
+        lines.pop(); // cut by the prefix
+    }
+    let per_row = expect.numel + expect.targets_per_sample();
+    let mut out = Samples::default();
+    let mut delimiter = None;
+    let mut first = true;
+    for (lineno, line) in lines {
+        let trimmed = line.trim();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            continue;
+        }
+        let d = *delimiter.get_or_insert_with(|| sniff_delimiter(trimmed));
+        let fields = split_fields(trimmed, d);
+        let parsed: Vec<Result<f64, String>> = fields.iter().map(|f| f.parse::<f64>().map_err(|_| f.clone())).collect();
+        let is_first = std::mem::replace(&mut first, false);
+        if is_first && parsed.iter().all(Result::is_err) {
+            continue; // a header row of names
+        }
+        let mut values = Vec::with_capacity(per_row);
+        for (k, p) in parsed.into_iter().enumerate() {
+            match p {
+                Ok(v) => values.push(v),
+                Err(f) => return Err(format!("`{shown}` line {lineno}: field {} `{f}` is not a number", k + 1)),
+            }
+        }
+        if values.len() != per_row {
+            return Err(format!(
+                "`{shown}` line {lineno}: {} fields, expected {} input value(s) and {} target(s) (separator `{}`)",
+                values.len(),
+                expect.numel,
+                expect.targets_per_sample(),
+                d.escape_default()
+            ));
+        }
+        let (x, y) = values.split_at(expect.numel);
+        check_sample(x, y, expect, &|| format!("`{shown}` line {lineno}"))?;
+        out.inputs.extend_from_slice(x);
+        out.targets.extend_from_slice(y);
+        out.samples += 1;
+    }
+    if out.samples == 0 {
+        return Err(format!("`{shown}` has no samples (rows of {per_row} numbers)"));
+    }
+    Ok(out)
+}
+
+/// An NPY element type pipec reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NpyKind {
+    Float,
+    Int,
+}
+
+/// An NPY array's header and (part of) its values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NpyArray {
+    pub shape: Vec<usize>,
+    pub kind: NpyKind,
+    /// The dtype as written (`<f4`, `|u1`, ...).
+    pub descr: String,
+    /// The values read (all of them, or those within a prefix).
+    pub values: Vec<f64>,
+}
+
+/// Parses an NPY file's bytes (format 1.0–3.0, little-endian or single-byte integers and
+/// floats, C order); with `complete` false the data may stop early.
+pub fn parse_npy(bytes: &[u8], complete: bool, shown: &str) -> Result<NpyArray, String> {
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return Err(format!("`{shown}` is not an NPY file (no \\x93NUMPY magic)"));
+    }
+    let (header_len, start): (usize, usize) = match bytes[6] {
+        1 => (usize::from(u16::from_le_bytes([bytes[8], bytes[9]])), 10),
+        2 | 3 if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
+        v => return Err(format!("`{shown}`: NPY format version {v} is not one pipec reads (1, 2, 3)")),
+    };
+    let header = bytes
+        .get(start..start.saturating_add(header_len))
+        .ok_or(format!("`{shown}`: the header says {header_len} bytes, the file has {}", bytes.len() - start))?;
+    let header = std::str::from_utf8(header).map_err(|_| format!("`{shown}`: the header is not text"))?;
+    let field = |key: &str| -> Option<&str> {
+        let i = header.find(&format!("'{key}'"))?;
+        Some(header[i + key.len() + 2..].trim_start().trim_start_matches(':').trim_start())
+    };
+    let descr = field("descr")
+        .and_then(|d| d.strip_prefix('\''))
+        .and_then(|d| d.split('\'').next())
+        .ok_or(format!("`{shown}`: no dtype (`descr`) in the header"))?
+        .to_string();
+    if field("fortran_order").is_some_and(|f| f.starts_with("True")) {
+        return Err(format!("`{shown}`: Fortran-ordered arrays are not supported (save with np.ascontiguousarray)"));
+    }
+    let shape_text = field("shape")
+        .and_then(|s| s.strip_prefix('('))
+        .and_then(|s| s.split(')').next())
+        .ok_or(format!("`{shown}`: no shape in the header"))?;
+    let shape: Vec<usize> = shape_text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<usize>().map_err(|_| format!("`{shown}`: bad shape `({shape_text})`")))
+        .collect::<Result<_, _>>()?;
+    let n = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or(format!("`{shown}`: shape {shape:?} is too large"))?;
+    let data = &bytes[start + header_len..];
+    type Decode = fn(&[u8]) -> f64;
+    let (kind, size, decode): (NpyKind, usize, Decode) = match descr.as_str() {
+        "<f4" => (NpyKind::Float, 4, |c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        "<f8" => (NpyKind::Float, 8, |c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])),
+        "|i1" => (NpyKind::Int, 1, |c| f64::from(c[0] as i8)),
+        "|u1" | "|b1" => (NpyKind::Int, 1, |c| f64::from(c[0])),
+        "<i2" => (NpyKind::Int, 2, |c| f64::from(i16::from_le_bytes([c[0], c[1]]))),
+        "<u2" => (NpyKind::Int, 2, |c| f64::from(u16::from_le_bytes([c[0], c[1]]))),
+        "<i4" => (NpyKind::Int, 4, |c| f64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        "<u4" => (NpyKind::Int, 4, |c| f64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        "<i8" => (NpyKind::Int, 8, |c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64),
+        "<u8" => (NpyKind::Int, 8, |c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f64),
+        other if other.starts_with('>') => {
+            return Err(format!("`{shown}`: dtype `{other}` is big-endian; save with .astype('<{}')", &other[1..]))
+        }
+        other => {
+            return Err(format!(
+                "`{shown}`: dtype `{other}` is not supported (floats <f4/<f8, integers |u1 |i1 <i2 <u2 <i4 <u4 <i8 <u8)"
+            ))
+        }
+    };
+    let available = data.len() / size;
+    if complete && available < n {
+        return Err(format!("`{shown}`: truncated data ({available} of {n} values)"));
+    }
+    let values: Vec<f64> = data.chunks_exact(size).take(n).map(decode).collect();
+    Ok(NpyArray { shape, kind, descr, values })
+}
+
+/// Reads an NPY file (see [`parse_npy`]).
+pub fn read_npy(path: &Path, extent: Extent) -> Result<NpyArray, String> {
+    let (bytes, complete) = read_bytes(path, extent)?;
+    parse_npy(&bytes, complete, &path.display().to_string())
+}
+
+/// Reads NPY inputs (`(samples, ...)`) and labels (`(samples,)` class indices, or
+/// `(samples, outputs)` regression targets).
+pub fn load_npy(path: &Path, labels: Option<&Path>, expect: &Expect, extent: Extent) -> Result<Samples, String> {
+    let shown = path.display();
+    let x = read_npy(path, extent)?;
+    let samples = x.shape.first().copied().unwrap_or(0);
+    if samples == 0 || x.shape[1..].iter().product::<usize>() != expect.numel {
+        return Err(format!(
+            "`{shown}` has shape {:?}; the model needs (samples, ...) with {} values per sample",
+            x.shape, expect.numel
+        ));
+    }
+    let labels = labels.ok_or(format!("npy data needs a `labels` file beside `{shown}`"))?;
+    let lshown = labels.display();
+    let y = read_npy(labels, extent)?;
+    let per = expect.targets_per_sample();
+    if y.shape.first().copied() != Some(samples) || y.shape[1..].iter().product::<usize>() != per {
+        return Err(format!(
+            "`{lshown}` has shape {:?}; expected {samples} samples with {per} target(s) each",
+            y.shape
+        ));
+    }
+    if expect.classes.is_some() && y.kind == NpyKind::Float {
+        return Err(format!(
+            "`{lshown}` holds {} values; class labels are integers (save with .astype(np.int64))",
+            y.descr
+        ));
+    }
+    let read = (x.values.len() / expect.numel).min(y.values.len() / per);
+    for i in 0..read {
+        let (xi, yi) = (&x.values[i * expect.numel..(i + 1) * expect.numel], &y.values[i * per..(i + 1) * per]);
+        check_sample(xi, yi, expect, &|| format!("`{shown}` sample {i}"))?;
+    }
+    Ok(Samples {
+        inputs: x.values[..read * expect.numel].to_vec(),
+        targets: y.values[..read * per].to_vec(),
+        samples: if extent == Extent::All { samples } else { read },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CLS: Expect = Expect { numel: 2, classes: Some(3), outputs: 3, vocab: None };
+
+    fn csv(text: &str, expect: &Expect) -> Result<Samples, String> {
+        let f = tempfile::NamedTempFile::new().expect("tmp");
+        std::fs::write(f.path(), text).expect("write");
+        let prefix = format!("`{}` ", f.path().display());
+        load_csv(f.path(), expect, Extent::All).map_err(|e| e.replacen(&prefix, "", 1))
+    }
+
+    #[test]
+    fn csv_reads_headers_quotes_and_other_separators() {
+        let want = Samples { inputs: vec![0.5, 1.0, -2.0, 3.0], targets: vec![2.0, 0.0], samples: 2 };
+        assert_eq!(csv("x,y,label\n0.5,1,2\n-2,3,0\n", &CLS).expect("plain"), want);
+        assert_eq!(csv("\"x\";\"y\";\"label\"\n\"0.5\";1;2\n-2;3;0\n", &CLS).expect("quoted ;"), want);
+        assert_eq!(csv("# comment\n0.5\t1\t2\n\n-2\t3\t0\n", &CLS).expect("tabs"), want);
+        assert_eq!(csv("\u{feff}0.5,1,2\n-2,3,0", &CLS).expect("bom"), want);
+    }
+
+    #[test]
+    fn every_bad_cell_is_an_error_with_its_line() {
+        for (text, expect) in [
+            ("x,y,label\n0.5,abc,2\n", "line 2: field 2 `abc` is not a number"),
+            ("0.5,abc,2\n1,1,1\n", "line 1: field 2 `abc` is not a number"),
+            ("0.5,1,2\nbad,row,here\n", "line 2: field 1 `bad` is not a number"),
+            ("0.5,nan,2\n", "line 1: input value 2 is NaN"),
+            ("inf,1,2\n", "line 1: input value 1 is inf"),
+            ("0.5,1,1.5\n", "line 1: the label 1.5 is not a class index"),
+            ("0.5,1,nan\n", "line 1: the label NaN is not a class index"),
+            ("0.5,1,3\n", "line 1: the label 3 is not one of the model's 3 classes"),
+            ("0.5,1\n", "line 1: 2 fields, expected 2 input value(s) and 1 target(s)"),
+            ("x,y,label\n", "has no samples"),
+        ] {
+            let e = csv(text, &CLS).expect_err(text);
+            assert!(e.contains(expect), "{text:?}: {e}");
+        }
+        let regression = Expect { classes: None, outputs: 1, ..CLS };
+        assert!(csv("0.5,1,-inf\n", &regression).expect_err("inf").contains("the target value is -inf"));
+        let tokens = Expect { vocab: Some(10), ..CLS };
+        assert!(csv("1,2.5,0\n", &tokens).expect_err("frac").contains("token id 2.5"));
+    }
+
+    /// An NPY file of version `major` holding `values` as `descr`.
+    fn npy(major: u8, descr: &str, shape: &str, data: &[u8]) -> Vec<u8> {
+        let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+        let prefix = if major == 1 { 10 } else { 12 };
+        while (prefix + header.len() + 1) % 64 != 0 {
+            header.push(' ');
+        }
+        header.push('\n');
+        let mut b = b"\x93NUMPY".to_vec();
+        b.extend([major, 0]);
+        if major == 1 {
+            b.extend((header.len() as u16).to_le_bytes());
+        } else {
+            b.extend((header.len() as u32).to_le_bytes());
+        }
+        b.extend(header.as_bytes());
+        b.extend(data);
+        b
+    }
+
+    #[test]
+    fn npy_versions_1_to_3_and_dtypes_read_the_same_values() {
+        let f4: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        for major in 1..=3 {
+            let a = parse_npy(&npy(major, "<f4", "(2,)", &f4), true, "x").expect("reads");
+            assert_eq!((a.shape.clone(), a.values.clone(), a.kind), (vec![2], vec![1.5, -2.0], NpyKind::Float));
+        }
+        let u1 = parse_npy(&npy(1, "|u1", "(3,)", &[0, 7, 255]), true, "y").expect("u1");
+        assert_eq!((u1.values, u1.kind), (vec![0.0, 7.0, 255.0], NpyKind::Int));
+        let e = parse_npy(&npy(1, ">f4", "(2,)", &f4), true, "z").expect_err("big-endian");
+        assert!(e.contains("big-endian"), "{e}");
+        let e = parse_npy(&npy(1, "<f4", "(3,)", &f4), true, "t").expect_err("short");
+        assert!(e.contains("truncated data (2 of 3 values)"), "{e}");
+        let mut cut = npy(2, "<f4", "(2,)", &f4);
+        cut.truncate(20);
+        assert!(parse_npy(&cut, true, "c").expect_err("cut header").contains("the header says"));
+    }
+
+    #[test]
+    fn npy_labels_must_be_integers_for_classification() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let x: Vec<u8> = [0.5f32, 1.0, 2.0, f32::NAN].iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(dir.path().join("x.npy"), npy(1, "<f4", "(2, 2)", &x)).expect("x");
+        let yf: Vec<u8> = [1.0f32, 0.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(dir.path().join("yf.npy"), npy(1, "<f4", "(2,)", &yf)).expect("yf");
+        let yi: Vec<u8> = [1i64, 0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(dir.path().join("yi.npy"), npy(1, "<i8", "(2,)", &yi)).expect("yi");
+        let (xp, yfp, yip) = (dir.path().join("x.npy"), dir.path().join("yf.npy"), dir.path().join("yi.npy"));
+        let e = load_npy(&xp, Some(&yfp), &CLS, Extent::All).expect_err("float labels");
+        assert!(e.contains("class labels are integers"), "{e}");
+        let e = load_npy(&xp, Some(&yip), &CLS, Extent::All).expect_err("nan input");
+        assert!(e.contains("sample 1: input value 2 is NaN"), "{e}");
+    }
+}
