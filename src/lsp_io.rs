@@ -32,9 +32,15 @@ impl Io {
 }
 
 fn write_frame(out: &Mutex<std::io::Stdout>, body: &str) -> std::io::Result<()> {
+    write_bytes(out, format!("Content-Length: {}\r\n\r\n{body}", body.len()).as_bytes())
+}
+
+/// Writes one whole frame while holding the lock, so frames from the reader (errors) and
+/// the writer (everything else) never interleave.
+fn write_bytes(out: &Mutex<std::io::Stdout>, frame: &[u8]) -> std::io::Result<()> {
     let stdout = out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut w = stdout.lock();
-    write!(w, "Content-Length: {}\r\n\r\n{body}", body.len())?;
+    w.write_all(frame)?;
     w.flush()
 }
 
@@ -125,8 +131,9 @@ pub fn stdio() -> (Connection, Io) {
         let stdout = stdout.clone();
         std::thread::spawn(move || {
             for msg in outgoing {
-                let Ok(body) = serde_json::to_string(&msg) else { continue };
-                if write_frame(&stdout, &body).is_err() {
+                // lsp-server's own framing (it adds `"jsonrpc": "2.0"`)
+                let mut frame = Vec::new();
+                if msg.write(&mut frame).is_err() || write_bytes(&stdout, &frame).is_err() {
                     return;
                 }
             }

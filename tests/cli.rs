@@ -339,6 +339,7 @@ fn the_language_server_answers_malformed_input_with_errors_and_keeps_serving() {
     input.extend(frame(r#"{"jsonrpc":"2.0","method":"exit"}"#));
     let (code, replies) = lsp_session(&input);
     assert_eq!(code, Some(0), "shutdown then exit: {replies:?}");
+    assert!(replies.iter().all(|r| r["jsonrpc"] == "2.0"), "every reply is JSON-RPC 2.0: {replies:?}");
     let errors: Vec<i64> =
         replies.iter().filter_map(|r| r["error"]["code"].as_i64()).filter(|&c| c == -32700).collect();
     assert_eq!(errors.len(), 3, "one parse error per bad frame: {replies:?}");

@@ -383,6 +383,9 @@ fn a_checkpoint_that_does_not_fit_the_run_is_refused_with_the_reason() {
     assert!(resume(&deeper, None).contains("holds another model"));
     let sgd = checkpointed_plan(Job { optimizer: "{ kind: sgd, lr: 0.05 }", steps: 6, ..adam });
     assert!(resume(&sgd, None).contains("holds `adam` optimizer state and this plan trains with `sgd`"));
+    // Adam moments are saved per stage: another layout is refused until they are re-sharded
+    let three = checkpointed_plan(Job { devices: 3, steps: 6, ..adam });
+    assert!(resume(&three, None).contains("resuming momentum or Adam state on other stages is not supported yet"));
     // a flipped byte in the weights is caught by its checksum, before any value is read
     let model = step.join("model.safetensors");
     let mut b = std::fs::read(&model).expect("read");

@@ -2,7 +2,7 @@
 //! instruction stream, one worker thread per device (or one MPI rank per device, through the
 //! same [`transport::Endpoint`] trait). The only crate of pipec that links Burn.
 
-pub mod checkpoint;
+pub use pipec_plan::checkpoint;
 pub mod data;
 pub mod error;
 pub mod layers;

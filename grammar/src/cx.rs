@@ -193,14 +193,14 @@ impl<'a> Lower<'a> {
 
     /// A path the run writes under its output folder (`pipec_plan::rules::inside_output_folder`):
     /// relative, no `..`; `code` is the diagnostic's code.
-    pub(crate) fn output_path(&mut self, node: &Node, code: &'static str) -> Option<String> {
+    pub(crate) fn output_path(&mut self, node: &Node, code: &'static str, example: &str) -> Option<String> {
         let text = self.string(node)?;
         match inside_output_folder(text) {
             Ok(()) => Some(text.to_string()),
             Err(e) => {
                 self.push(
                     Diagnostic::error(code, format!("this path {e}"), node.span, "must stay inside the output folder")
-                        .with_help("pipec writes only inside the output folder (`-o`); use a plain relative name like `checkpoints`"),
+                        .with_help(format!("pipec writes only inside the output folder (`-o`, default `out/<name>`); use a plain relative name like `{example}`")),
                 );
                 None
             }

@@ -53,7 +53,7 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
         out.diagnostics = cx.diags;
         return out;
     };
-    out.name = top.get("name").and_then(|n| cx.output_path(n, "E0105"));
+    out.name = top.get("name").and_then(|n| cx.output_path(n, "E0105", "my-run"));
     let section = |cx: &mut Lower<'_>, key: &str| -> Option<(&Node, Span)> {
         let node = cx.required(&top, key, "spec")?;
         Some((node, top.key_span(key).unwrap_or(doc_start)))
@@ -517,7 +517,7 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
                     .and_then(|e| cx.uint(e, rules::training_minimum("checkpoint_every")));
                 let dir = match cf.get("dir") {
                     None => Some("checkpoints".to_string()),
-                    Some(d) => cx.output_path(d, "E0503"),
+                    Some(d) => cx.output_path(d, "E0503", "checkpoints"),
                 };
                 Some(Some(Checkpoint { every: every?, dir: dir? }))
             })

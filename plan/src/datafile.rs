@@ -145,9 +145,13 @@ fn split_fields(line: &str, delimiter: char) -> Vec<String> {
 /// tab separated, fields optionally double-quoted, lines starting with `#` ignored. The first
 /// row is a header when none of its fields is a number; any other row must be all numbers.
 pub fn load_csv(path: &Path, expect: &Expect, extent: Extent) -> Result<Samples, String> {
-    let shown = path.display();
     let (bytes, complete) = read_bytes(path, extent)?;
-    let text = match std::str::from_utf8(&bytes) {
+    parse_csv(&bytes, complete, &path.display().to_string(), expect)
+}
+
+/// [`load_csv`] on a file's bytes (`complete` false: a prefix, whose cut last row is dropped).
+pub fn parse_csv(bytes: &[u8], complete: bool, shown: &str, expect: &Expect) -> Result<Samples, String> {
+    let text = match std::str::from_utf8(bytes) {
         Ok(t) => t,
         // a prefix may end inside a character
         Err(e) if !complete && e.error_len().is_none() => std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or(""),
@@ -325,7 +329,7 @@ pub fn load_npy(path: &Path, labels: Option<&Path>, expect: &Expect, extent: Ext
             y.descr
         ));
     }
-    let read = (x.values.len() / expect.numel).min(y.values.len() / per);
+    let read = (x.values.len() / expect.numel.max(1)).min(y.values.len() / per.max(1));
     for i in 0..read {
         let (xi, yi) = (&x.values[i * expect.numel..(i + 1) * expect.numel], &y.values[i * per..(i + 1) * per]);
         check_sample(xi, yi, expect, &|| format!("`{shown}` sample {i}"))?;

@@ -2,6 +2,7 @@
 //! ([`model`]), the closed instruction set ([`instr`]) and the plan format ([`plan`]) that the
 //! compiler writes to `plan.json` and the executor interprets.
 
+pub mod checkpoint;
 pub mod datafile;
 pub mod instr;
 pub mod model;

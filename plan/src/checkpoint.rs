@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use pipec_plan::Plan;
+use crate::Plan;
 use safetensors::tensor::{Dtype, TensorView};
 use sha2::{Digest, Sha256};
 
@@ -97,7 +97,8 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        let s = self.b.get(self.at..self.at + n).ok_or("truncated checkpoint message")?;
+        let end = self.at.checked_add(n).ok_or("truncated checkpoint message")?;
+        let s = self.b.get(self.at..end).ok_or("truncated checkpoint message")?;
         self.at += n;
         Ok(s)
     }
@@ -142,7 +143,14 @@ mod tests {
     use super::*;
 
     fn test_identity() -> Identity {
-        Identity { plan: "p".into(), partition: "1-1".into(), model_hash: "ab".repeat(32), optimizer: "adam".into() }
+        Identity {
+            plan: "p".into(),
+            partition: "1-1".into(),
+            model_hash: "ab".repeat(32),
+            optimizer: "adam".into(),
+            stateful: true,
+            stage_layers: vec![[0, 1], [1, 2]],
+        }
     }
 
     /// A checkpoint of two stages with a parameter each, in a fresh directory.
@@ -316,21 +324,28 @@ pub struct Identity {
     pub model_hash: String,
     /// The optimizer whose state the `optimizer-*.bin` files hold (`sgd` or `adam`).
     pub optimizer: String,
+    /// Whether that state is more than the weights (momentum or Adam moments): such state is
+    /// saved per stage, so it resumes only on the same stages.
+    pub stateful: bool,
+    /// Each stage's layer range `[start, end)`, by stage index.
+    pub stage_layers: Vec<[usize; 2]>,
 }
 
 impl Identity {
     pub fn of(plan: &Plan) -> Identity {
-        let ops: Vec<&pipec_plan::model::Op> = plan.layers.iter().map(|l| &l.op).collect();
+        let ops: Vec<&crate::model::Op> = plan.layers.iter().map(|l| &l.op).collect();
         let definition = serde_json::json!({ "model": plan.model, "layers": ops }).to_string();
-        let optimizer = match plan.training.optimizer {
-            pipec_plan::plan::OptimizerPlan::Sgd { .. } => "sgd",
-            pipec_plan::plan::OptimizerPlan::Adam { .. } => "adam",
+        let (optimizer, stateful) = match plan.training.optimizer {
+            crate::plan::OptimizerPlan::Sgd { momentum, .. } => ("sgd", momentum > 0.0),
+            crate::plan::OptimizerPlan::Adam { .. } => ("adam", true),
         };
         Identity {
             plan: plan.name.clone(),
             partition: plan.partition.clone(),
             model_hash: sha256_hex(definition.as_bytes()),
             optimizer: optimizer.to_string(),
+            stateful,
+            stage_layers: plan.stages.iter().map(|s| s.layers).collect(),
         }
     }
 }
@@ -405,6 +420,8 @@ pub fn write(dir: &Path, completed_steps: usize, identity: &Identity, stages: &S
         "partition": identity.partition,
         "model_hash": identity.model_hash,
         "optimizer": identity.optimizer,
+        "optimizer_stateful": identity.stateful,
+        "stage_layers": identity.stage_layers,
         "stages": stage_ids,
         "tensor_parallel": tensor_parallel,
         "files": sums,
@@ -446,8 +463,8 @@ impl Loaded {
         if saved.model_hash != want.model_hash {
             return Err(format!(
                 "state.json: the checkpoint holds another model (model_hash {}…, this plan's model is {}…): resume with the spec that wrote it (plan `{}`)",
-                &saved.model_hash[..saved.model_hash.len().min(12)],
-                &want.model_hash[..12],
+                short(&saved.model_hash),
+                short(&want.model_hash),
                 saved.plan
             ));
         }
@@ -455,6 +472,15 @@ impl Loaded {
             return Err(format!(
                 "state.json: the checkpoint holds `{}` optimizer state and this plan trains with `{}`",
                 saved.optimizer, want.optimizer
+            ));
+        }
+        if saved.stateful && saved.stage_layers != want.stage_layers {
+            let show = |r: &[[usize; 2]]| r.iter().map(|[a, b]| format!("[{a}, {b})")).collect::<Vec<_>>().join(" ");
+            return Err(format!(
+                "state.json: the checkpoint's optimizer state is saved per stage for stages holding layers {}, and this plan's stages hold {}: resuming momentum or Adam state on other stages is not supported yet (resume with the layout `{}`, or with plain SGD)",
+                show(&saved.stage_layers),
+                show(&want.stage_layers),
+                saved.partition
             ));
         }
         Ok(())
@@ -481,14 +507,21 @@ pub fn locate(path: &Path) -> Result<PathBuf, String> {
 /// The largest `state.json` read (it lists stages and files, never values).
 const MAX_STATE_BYTES: u64 = 16 << 20;
 
+/// Where a checkpoint's files come from: a directory, or (fuzzing, tests) memory.
+pub type Source<'a> = dyn Fn(&str) -> Result<Vec<u8>, String> + 'a;
+
+/// The first characters of a hash, for a message (any text, never split inside a character).
+fn short(hash: &str) -> String {
+    hash.chars().take(12).collect()
+}
+
 /// Reads a file of the checkpoint and, when `state.json` records one, checks its size and
 /// SHA-256 before anything parses it.
 fn read_verified(
-    dir: &Path,
+    source: &Source<'_>,
     file: &str,
     sums: Option<&serde_json::Map<String, serde_json::Value>>,
 ) -> Result<Vec<u8>, String> {
-    let path = dir.join(file);
     let expected = match sums {
         None => None,
         Some(sums) => {
@@ -501,7 +534,8 @@ fn read_verified(
             }
         }
     };
-    let size = std::fs::metadata(&path).map_err(|e| format!("cannot read {file}: {e}"))?.len();
+    let contents = source(file)?;
+    let size = contents.len() as u64;
     if let Some((_, bytes)) = &expected {
         if size != *bytes {
             return Err(format!(
@@ -509,14 +543,13 @@ fn read_verified(
             ));
         }
     }
-    let contents = std::fs::read(&path).map_err(|e| format!("cannot read {file}: {e}"))?;
     if let Some((sha, _)) = expected {
         let got = sha256_hex(&contents);
         if got != sha {
             return Err(format!(
                 "{file} does not match its checksum (sha256 {}…, state.json records {}…): the file was changed or comes from another checkpoint",
-                &got[..12],
-                &sha[..sha.len().min(12)]
+                short(&got),
+                short(&sha)
             ));
         }
     }
@@ -531,10 +564,16 @@ pub fn read(dir: &Path) -> Result<Loaded, String> {
     if size > MAX_STATE_BYTES {
         return Err(format!("state.json has {size} bytes; a checkpoint's state.json is far smaller"));
     }
-    let state: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&state_path).map_err(|e| format!("cannot read state.json: {e}"))?,
-    )
-    .map_err(|e| format!("state.json: {e}"))?;
+    read_from(&|file: &str| std::fs::read(dir.join(file)).map_err(|e| format!("cannot read {file}: {e}")))
+}
+
+/// [`read`] over any source of the checkpoint's files.
+pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
+    let state_bytes = source("state.json")?;
+    if state_bytes.len() as u64 > MAX_STATE_BYTES {
+        return Err(format!("state.json has {} bytes; a checkpoint's state.json is far smaller", state_bytes.len()));
+    }
+    let state: serde_json::Value = serde_json::from_slice(&state_bytes).map_err(|e| format!("state.json: {e}"))?;
     let format = state.get("format").and_then(serde_json::Value::as_u64);
     if !matches!(format, Some(2) | Some(FORMAT)) {
         return Err(format!(
@@ -562,13 +601,21 @@ pub fn read(dir: &Path) -> Result<Loaded, String> {
             partition: text("partition")?,
             model_hash: text("model_hash")?,
             optimizer: text("optimizer")?,
+            stateful: state
+                .get("optimizer_stateful")
+                .and_then(serde_json::Value::as_bool)
+                .ok_or("state.json has no `optimizer_stateful`")?,
+            stage_layers: state
+                .get("stage_layers")
+                .and_then(|v| serde_json::from_value::<Vec<[usize; 2]>>(v.clone()).ok())
+                .ok_or("state.json: `stage_layers` must be a list of [start, end) layer ranges")?,
         };
         let sums = state.get("files").and_then(serde_json::Value::as_object).ok_or("state.json has no `files`")?;
         (Some(identity), Some(sums))
     } else {
         (None, None)
     };
-    let bytes = read_verified(dir, "model.safetensors", sums)?;
+    let bytes = read_verified(source, "model.safetensors", sums)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("model.safetensors: {e}"))?;
     let mut params = HashMap::new();
     for (name, view) in st.tensors() {
@@ -600,7 +647,7 @@ pub fn read(dir: &Path) -> Result<Loaded, String> {
         let s = s.as_u64().and_then(|s| u32::try_from(s).ok()).ok_or(format!("state.json: bad stage {s}"))?;
         let n = tensor_parallel.get(&s).copied().unwrap_or(1);
         for r in 0..n {
-            let b = read_verified(dir, &optimizer_file(s, r, n), sums)?;
+            let b = read_verified(source, &optimizer_file(s, r, n), sums)?;
             optimizers.insert(ShardKey { stage: s, tp_rank: r }, b);
         }
     }
