@@ -35,8 +35,11 @@ cargo build --workspace --all-targets --features mpi
 echo "== tests"
 cargo nextest run --workspace --features mpi --no-fail-fast
 
-echo "== cuda feature type-checks (no GPU needed)"
-cargo check -p pipec-executor --features cuda
+echo "== cuda feature type-checks, with and without MPI (no GPU needed)"
+cargo check -p pipec --features cuda,mpi
+
+echo "== the GPU check, dry (CPU only): proves scripts/gpu-check.sh end to end"
+OUT="$(mktemp -d)/gpu-check" bash scripts/gpu-check.sh run --dry --bin "$CARGO_TARGET_DIR/debug/pipec"
 
 echo "== example specs check clean"
 "$CARGO_TARGET_DIR/debug/pipec" check specs/*.yaml

@@ -129,6 +129,10 @@ enum Command {
         /// then fails at run time, within `--timeout`.
         #[arg(long)]
         no_verify: bool,
+        /// With `--backend cuda`: let several devices share a GPU when there are fewer GPUs
+        /// than devices (each device otherwise gets its own GPU, and too few is an error).
+        #[arg(long)]
+        share_gpus: bool,
     },
     /// Print (and with --exec run) the mpirun command that trains the plan with one
     /// process per device.
@@ -193,7 +197,7 @@ fn main() -> ExitCode {
         Command::Compile { file, out, emit, profile, format } => {
             compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref())
         }
-        Command::Run { file, out, steps, backend, resume, timeout, transport, no_verify } => {
+        Command::Run { file, out, steps, backend, resume, timeout, transport, no_verify, share_gpus } => {
             run_cmd::run(run_cmd::RunArgs {
                 transport,
                 file,
@@ -203,6 +207,7 @@ fn main() -> ExitCode {
                 resume,
                 timeout_s: timeout,
                 verify: !no_verify,
+                share_gpus,
                 color: std::io::stderr().is_terminal(),
             })
         }

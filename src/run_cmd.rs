@@ -40,6 +40,8 @@ pub struct RunArgs {
     pub timeout_s: u64,
     /// Verify a plan.json's streams before running it.
     pub verify: bool,
+    /// Let several devices share a GPU.
+    pub share_gpus: bool,
     pub color: bool,
 }
 
@@ -82,11 +84,20 @@ pub fn run(args: RunArgs) -> u8 {
         Ok(p) => p,
         Err(code) => return code,
     };
-    let backend = match args.backend {
-        Backend::Cpu => BackendKind::Cpu,
-        Backend::Cuda => BackendKind::Cuda,
-    };
-    if backend == BackendKind::Cuda {
+    let backend = backend_kind(args.backend);
+    if backend == BackendKind::Cuda && args.transport == Transport::Threads {
+        let options = RunOptions { share_gpus: args.share_gpus, ..RunOptions::default() };
+        match pipec_executor::gpu_placement(&plan, &options) {
+            Ok(map) => {
+                let shown: Vec<String> = map.iter().map(|(d, g)| format!("{d} → GPU {g}")).collect();
+                eprintln!("devices: {}", shown.join(", "));
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                return EXIT_USAGE;
+            }
+        }
+    } else if backend == BackendKind::Cuda {
         if let Err(e) = pipec_executor::cuda_available() {
             eprintln!("error: {e}");
             return EXIT_USAGE;
@@ -119,6 +130,7 @@ pub fn run(args: RunArgs) -> u8 {
         timeout: Duration::from_secs(args.timeout_s.max(1)),
         checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
         resume: args.resume.clone(),
+        share_gpus: args.share_gpus,
     };
     // metrics.jsonl is written to a temporary file line by line and renamed at the end.
     let metrics_path = dir.join("metrics.jsonl");
@@ -204,10 +216,11 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
     let steps = args.steps.unwrap_or(plan.training.steps);
     let options = RunOptions {
         steps: Some(steps),
-        backend: BackendKind::Cpu,
+        backend: backend_kind(args.backend),
         timeout: Duration::from_secs(args.timeout_s.max(1)),
         checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
         resume: args.resume.clone(),
+        share_gpus: args.share_gpus,
     };
     let mut lines = Vec::new();
     let mut on_step = |m: &StepMetrics| {
@@ -294,6 +307,13 @@ pub fn measured_bubble(plan: &Plan, trace: &[(pipec_plan::DeviceId, usize, f64, 
 /// One line of `metrics.jsonl`.
 fn metrics_line(m: &StepMetrics) -> serde_json::Value {
     serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s})
+}
+
+fn backend_kind(b: Backend) -> BackendKind {
+    match b {
+        Backend::Cpu => BackendKind::Cpu,
+        Backend::Cuda => BackendKind::Cuda,
+    }
 }
 
 /// Prints a step's loss and speed: the first three steps, every tenth and the last of `steps`.

@@ -5,6 +5,7 @@
 pub use pipec_plan::checkpoint;
 pub mod data;
 pub mod error;
+pub mod gpus;
 pub mod layers;
 #[cfg(feature = "mpi")]
 pub mod mpi_run;
@@ -57,6 +58,8 @@ pub struct RunOptions {
     pub checkpoint_dir: Option<PathBuf>,
     /// Resume from this checkpoint (a step directory, or a directory with `latest`).
     pub resume: Option<PathBuf>,
+    /// Let several plan devices share one GPU when there are fewer GPUs than devices.
+    pub share_gpus: bool,
 }
 
 impl Default for RunOptions {
@@ -67,6 +70,7 @@ impl Default for RunOptions {
             timeout: Duration::from_secs(120),
             checkpoint_dir: None,
             resume: None,
+            share_gpus: false,
         }
     }
 }
@@ -99,6 +103,8 @@ pub struct RunReport {
     pub peak_versions: BTreeMap<DeviceId, BTreeMap<StageId, u32>>,
     /// Checkpoints written.
     pub checkpoints: Vec<PathBuf>,
+    /// Where each device of this process ran (`cpu`, `GPU 0`, ...).
+    pub placement: Vec<(DeviceId, String)>,
 }
 
 /// Why a run failed: where, and what happened.
@@ -168,6 +174,38 @@ mod cuda {
             Err("no CUDA device found (no NVIDIA driver library or device node); run with `--backend cpu`".into())
         }
     }
+
+    /// The number of GPUs, asked of the driver once it is known to load.
+    pub fn device_count() -> Result<usize, String> {
+        available()?;
+        // cudarc panics when the driver library cannot be loaded: that is an answer too
+        let counted = crate::error::catch_quietly(cudarc::driver::CudaContext::device_count)
+            .map_err(|_| "the NVIDIA driver library cannot be loaded; run with `--backend cpu`".to_string())?;
+        match counted {
+            Ok(n) if n > 0 => Ok(n as usize),
+            Ok(_) => Err("the NVIDIA driver reports no CUDA device; run with `--backend cpu`".into()),
+            Err(e) => Err(format!("the NVIDIA driver could not count the GPUs: {e:?}")),
+        }
+    }
+}
+
+/// The GPU each device of an in-process CUDA run gets (see `gpus`), for `run` and for
+/// `pipec run` to print before training starts.
+pub fn gpu_placement(plan: &Plan, options: &RunOptions) -> Result<Vec<(DeviceId, usize)>, RunError> {
+    cuda_available().map_err(RunError::setup)?;
+    #[cfg(feature = "cuda")]
+    let count = cuda::device_count().map_err(RunError::setup)?;
+    #[cfg(not(feature = "cuda"))]
+    let count = 0;
+    gpus::in_process(&working_devices(plan), count, options.share_gpus).map_err(RunError::setup)
+}
+
+/// Where each device of a process runs: the backend's device and its name for the user.
+pub type Placement<B> = BTreeMap<DeviceId, (burn::tensor::Device<B>, String)>;
+
+/// The plan's devices that have a stream to run, in device order.
+pub fn working_devices(plan: &Plan) -> Vec<DeviceId> {
+    plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect()
 }
 
 /// What the executor will do differently from what the plan says, for the user to know.
@@ -207,16 +245,24 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
 pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<RunReport, RunError> {
     validate(plan)?;
     match options.backend {
-        BackendKind::Cpu => run_in_process::<CpuBackend>(plan, options, Default::default(), on_step),
+        BackendKind::Cpu => {
+            let devices = working_devices(plan).into_iter().map(|d| (d, (Default::default(), "cpu".to_string())));
+            run_in_process::<CpuBackend>(plan, options, devices.collect(), on_step)
+        }
         BackendKind::Cuda => {
-            cuda_available().map_err(RunError::setup)?;
+            let map = gpu_placement(plan, options)?;
             #[cfg(feature = "cuda")]
             {
                 type B = burn::backend::Autodiff<burn::backend::Cuda>;
-                run_in_process::<B>(plan, options, burn::backend::cuda::CudaDevice::new(0), on_step)
+                let devices = map
+                    .into_iter()
+                    .map(|(d, g)| (d, (burn::backend::cuda::CudaDevice::new(g), format!("GPU {g}"))))
+                    .collect();
+                run_in_process::<B>(plan, options, devices, on_step)
             }
             #[cfg(not(feature = "cuda"))]
             {
+                let _ = map;
                 Err(RunError::setup("CUDA support is not built in"))
             }
         }
@@ -298,7 +344,7 @@ pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Opt
 pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
     plan: &Plan,
     options: &RunOptions,
-    dev: B::Device,
+    placement: &Placement<B>,
     endpoints: Vec<E>,
     abort: Arc<AtomicBool>,
     on_step: &mut dyn FnMut(&StepMetrics),
@@ -332,12 +378,15 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
     let reduce = plan.schedule.reduce;
     let (tx, rx) = channel::<Event>();
     let n_workers = endpoints.len();
-    let mut report = RunReport::default();
+    let mut report = RunReport {
+        placement: placement.iter().map(|(d, (_, name))| (*d, name.clone())).collect(),
+        ..RunReport::default()
+    };
     std::thread::scope(|scope| -> Result<(), RunError> {
         for ep in endpoints {
             let tx = tx.clone();
             let abort = abort.clone();
-            let dev = dev.clone();
+            let dev = placement.get(&ep.device()).map(|p| p.0.clone());
             let data = &data;
             let loaded = loaded.as_ref();
             scope.spawn(move || {
@@ -354,6 +403,9 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                     }
                 };
                 let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), RunError> {
+                    let dev = dev.ok_or_else(|| {
+                        fail(None, None, ExecError::Setup(format!("no compute device was assigned to {device}")))
+                    })?;
                     let mut stages = build_stages::<B>(plan, device, &dev).map_err(|e| fail(None, None, e))?;
                     if let Some(l) = loaded {
                         load_checkpoint(&mut stages, l, &dev).map_err(|e| fail(None, None, e))?;
@@ -485,10 +537,10 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
 fn run_in_process<B: AutodiffBackend>(
     plan: &Plan,
     options: &RunOptions,
-    dev: B::Device,
+    placement: Placement<B>,
     on_step: &mut dyn FnMut(&StepMetrics),
 ) -> Result<RunReport, RunError> {
-    let devices: Vec<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
+    let devices = working_devices(plan);
     let abort = Arc::new(AtomicBool::new(false));
     let endpoints = transport::in_process::connect(&devices, abort.clone(), options.timeout);
     let dir = options.checkpoint_dir.clone();
@@ -497,5 +549,5 @@ fn run_in_process<B: AutodiffBackend>(
         Some(d) => checkpoint::write(d, steps, &identity, &stages).map(Some),
         None => Ok(None),
     };
-    run_workers::<B, _>(plan, options, dev, endpoints, abort, on_step, &mut sink)
+    run_workers::<B, _>(plan, options, &placement, endpoints, abort, on_step, &mut sink)
 }

@@ -117,15 +117,21 @@ pub fn run(
             None => Ok(None),
         }
     };
-    let report = run_workers::<crate::CpuBackend, _>(
-        plan,
-        options,
-        Default::default(),
-        vec![endpoint],
-        abort.clone(),
-        &mut gather,
-        &mut sink,
-    )
+    let report = match options.backend {
+        crate::BackendKind::Cpu => {
+            let placement = [(device, (Default::default(), "cpu".to_string()))].into_iter().collect();
+            run_workers::<crate::CpuBackend, _>(
+                plan,
+                options,
+                &placement,
+                vec![endpoint],
+                abort.clone(),
+                &mut gather,
+                &mut sink,
+            )
+        }
+        crate::BackendKind::Cuda => run_cuda(plan, options, device, endpoint, abort.clone(), &mut gather, &mut sink),
+    }
     .map_err(|e| (Some(info), e))?;
     drop(ckpt_out);
     // Rank 0 merges the last step's traces.
@@ -153,6 +159,37 @@ pub fn run(
         finish(outgoing);
         world.barrier();
         Ok((info, None))
+    }
+}
+
+/// This rank's device on the GPU of its local rank. Activations and gradients are staged
+/// through host memory (`transport::Message` holds host `f32`s), so any MPI works, CUDA-aware
+/// or not.
+#[allow(clippy::too_many_arguments)]
+fn run_cuda(
+    plan: &Plan,
+    options: &RunOptions,
+    device: DeviceId,
+    endpoint: MpiEndpoint,
+    abort: Arc<AtomicBool>,
+    on_step: &mut dyn FnMut(&StepMetrics),
+    sink: &mut crate::CheckpointSink<'_>,
+) -> Result<RunReport, RunError> {
+    crate::cuda_available().map_err(RunError::setup)?;
+    #[cfg(feature = "cuda")]
+    {
+        type B = burn::backend::Autodiff<burn::backend::Cuda>;
+        let gpus = crate::cuda::device_count().map_err(RunError::setup)?;
+        let local = crate::gpus::local_rank_from_env().unwrap_or(0);
+        let gpu = crate::gpus::for_local_rank(local, gpus, options.share_gpus).map_err(RunError::setup)?;
+        let placement =
+            [(device, (burn::backend::cuda::CudaDevice::new(gpu), format!("GPU {gpu}")))].into_iter().collect();
+        run_workers::<B, _>(plan, options, &placement, vec![endpoint], abort, on_step, sink)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (plan, options, device, endpoint, abort, on_step, sink);
+        Err(RunError::setup("CUDA support is not built in"))
     }
 }
 
