@@ -111,8 +111,17 @@ pub fn run(args: RunArgs) -> u8 {
         eprintln!("warning: {c}");
     }
     let dir = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(&plan.name));
+    // the checkpoint to resume from, found before anything is written
+    let (resume, first_step) = match resolve_resume(&args, &plan) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let args = RunArgs { resume, ..args };
     if args.transport == Transport::Mpi {
-        return run_mpi(&plan, &args, &dir);
+        return run_mpi(&plan, &args, &dir, first_step);
     }
     if let Err(e) = std::fs::create_dir_all(&dir) {
         eprintln!("error: cannot create `{}`: {e}", dir.display());
@@ -131,17 +140,13 @@ pub fn run(args: RunArgs) -> u8 {
         checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
         resume: args.resume.clone(),
         share_gpus: args.share_gpus,
+        stop: Some(stop_on_signals()),
     };
-    // metrics.jsonl is written to a temporary file line by line and renamed at the end.
-    let metrics_path = dir.join("metrics.jsonl");
-    let metrics_tmp = dir.join(format!(".metrics.jsonl.tmp{}", std::process::id()));
-    let mut metrics = match std::fs::File::create(&metrics_tmp) {
-        Ok(f) => std::io::BufWriter::new(f),
-        Err(e) => {
-            eprintln!("error: cannot write `{}`: {e}", metrics_tmp.display());
-            return EXIT_USAGE;
-        }
-    };
+    let mut metrics = MetricsLog::new(&dir, first_step);
+    if let Err(e) = metrics.open() {
+        eprintln!("error: {e}");
+        return EXIT_USAGE;
+    }
     let bar = indicatif::ProgressBar::new(steps as u64);
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -160,8 +165,7 @@ pub fn run(args: RunArgs) -> u8 {
         if backend == BackendKind::Cpu { "cpu (flex)" } else { "cuda" }
     );
     let mut on_step = |m: &StepMetrics| {
-        let _ = writeln!(metrics, "{}", metrics_line(m));
-        let _ = metrics.flush();
+        metrics.append(m);
         bar.set_position(m.step as u64 + 1);
         bar.set_message(format!("loss {:.5} {:.0} samples/s", m.loss, m.samples_per_s));
         if quiet {
@@ -170,8 +174,6 @@ pub fn run(args: RunArgs) -> u8 {
     };
     let result = pipec_executor::run(&plan, &options, &mut on_step);
     bar.finish_and_clear();
-    drop(metrics);
-    let _ = std::fs::rename(&metrics_tmp, &metrics_path);
     let report = match result {
         Ok(r) => r,
         Err(e) => {
@@ -208,11 +210,23 @@ pub fn run(args: RunArgs) -> u8 {
         eprintln!("checkpoint {}", c.display());
     }
     eprintln!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
+    if report.interrupted {
+        let done = report.steps.last().map_or(first_step, |s| s.step + 1);
+        eprintln!(
+            "error: interrupted: stopped after step {done} of {steps} (every completed step is in metrics.jsonl{})",
+            if plan.training.checkpoint_every.is_some() {
+                "; resume from the last checkpoint with --resume"
+            } else {
+                ""
+            }
+        );
+        return EXIT_DIAGNOSTICS;
+    }
     EXIT_OK
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
+fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path, first_step: usize) -> u8 {
     let steps = args.steps.unwrap_or(plan.training.steps);
     let options = RunOptions {
         steps: Some(steps),
@@ -221,10 +235,17 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
         checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
         resume: args.resume.clone(),
         share_gpus: args.share_gpus,
+        // ranks would have to agree on the step: under MPI a signal ends the job (mpirun
+        // forwards it), and the metrics of the completed steps are already on disk
+        stop: None,
     };
-    let mut lines = Vec::new();
+    // rank 0 alone gets each step's metrics, and appends them as they come
+    let mut metrics = MetricsLog::new(dir, first_step);
     let mut on_step = |m: &StepMetrics| {
-        lines.push(metrics_line(m).to_string());
+        if metrics.file.is_none() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        metrics.append(m);
         print_step(m, steps);
     };
     match pipec_executor::mpi_run::run(plan, &options, &mut on_step) {
@@ -236,8 +257,6 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
                 eprintln!("error: cannot create `{}`: {e}", dir.display());
                 return EXIT_USAGE;
             }
-            let mut text = lines.join("\n");
-            text.push('\n');
             let plan_text = serde_json::to_string_pretty(plan).unwrap_or_default() + "\n";
             let mut events: Vec<serde_json::Value> = Vec::new();
             for (dev, index, start, end) in &report.trace {
@@ -246,9 +265,7 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
                 }
             }
             let trace = serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": "pipec run --transport mpi (measured, last step)", "plan": plan.name}});
-            for (file, contents) in
-                [("plan.json", plan_text), ("metrics.jsonl", text), ("trace.json", trace.to_string())]
-            {
+            for (file, contents) in [("plan.json", plan_text), ("trace.json", trace.to_string())] {
                 if let Err(e) = write_atomic(&dir.join(file), contents.as_bytes()) {
                     eprintln!("error: {e}");
                     return EXIT_USAGE;
@@ -259,10 +276,7 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
         }
         Ok((_, None)) => EXIT_OK,
         Err((info, e)) => {
-            match info {
-                Some(i) => eprintln!("error: rank {} of {} (device {}): {e}", i.rank, i.size, i.device),
-                None => eprintln!("error: {e}"),
-            }
+            pipec_executor::mpi_run::report_failure(info, &e);
             // Ends every rank of the job: none may wait for this one forever.
             pipec_executor::mpi_run::abort(1)
         }
@@ -270,7 +284,7 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path) -> u8 {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_plan: &Plan, _args: &RunArgs, _dir: &Path) -> u8 {
+fn run_mpi(_plan: &Plan, _args: &RunArgs, _dir: &Path, _first_step: usize) -> u8 {
     eprintln!("error: this pipec was built without MPI support: rebuild with `cargo build --release --features mpi` (needs Open MPI and clang)");
     EXIT_USAGE
 }
@@ -307,6 +321,81 @@ pub fn measured_bubble(plan: &Plan, trace: &[(pipec_plan::DeviceId, usize, f64, 
 /// One line of `metrics.jsonl`.
 fn metrics_line(m: &StepMetrics) -> serde_json::Value {
     serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s})
+}
+
+/// A flag SIGINT and SIGTERM set: the run stops at the next step boundary all workers agree
+/// on, keeps what it trained, and exits non-zero. A second SIGINT ends the process at once.
+fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let _ = signal_hook::flag::register_conditional_shutdown(SIGINT, 130, stop.clone());
+    for sig in [SIGINT, SIGTERM] {
+        let _ = signal_hook::flag::register(sig, stop.clone());
+    }
+    stop
+}
+
+/// The checkpoint `--resume` names (a step directory, a checkpoint directory, or a run
+/// directory, where the spec's `checkpoint.dir` is looked in too) and the step it resumes
+/// at; an error before anything is written when there is none.
+fn resolve_resume(args: &RunArgs, plan: &Plan) -> Result<(Option<PathBuf>, usize), String> {
+    let Some(p) = &args.resume else { return Ok((None, 0)) };
+    let found = pipec_executor::checkpoint::locate_in(p, plan.training.checkpoint_dir.as_deref())?;
+    let first = pipec_executor::checkpoint::completed_steps(&found).map_err(|e| format!("checkpoint: {e}"))?;
+    Ok((Some(found), first))
+}
+
+/// `metrics.jsonl`, one line per step, appended and flushed as each step completes, so a
+/// killed or failed run keeps every completed step's line. A fresh run starts it empty; a
+/// resumed run keeps the lines of the steps before the checkpoint and drops the rest. It is
+/// opened when the first line comes (under MPI only rank 0 writes).
+struct MetricsLog {
+    path: PathBuf,
+    first_step: usize,
+    file: Option<std::fs::File>,
+    failed: bool,
+}
+
+impl MetricsLog {
+    fn new(dir: &Path, first_step: usize) -> MetricsLog {
+        MetricsLog { path: dir.join("metrics.jsonl"), first_step, file: None, failed: false }
+    }
+
+    fn open(&mut self) -> Result<(), String> {
+        let kept: String = match std::fs::read_to_string(&self.path) {
+            Ok(text) => text
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v["step"].as_u64())
+                        .is_some_and(|s| (s as usize) < self.first_step)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect(),
+            Err(_) => String::new(),
+        };
+        write_atomic(&self.path, kept.as_bytes())?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.path)
+            .map_err(|e| format!("cannot write `{}`: {e}", self.path.display()))?;
+        self.file = Some(file);
+        Ok(())
+    }
+
+    fn append(&mut self, m: &StepMetrics) {
+        if self.file.is_none() && !self.failed {
+            if let Err(e) = self.open() {
+                eprintln!("warning: {e}; the metrics are not saved");
+                self.failed = true;
+            }
+        }
+        if let Some(f) = &mut self.file {
+            let _ = writeln!(f, "{}", metrics_line(m));
+            let _ = f.flush();
+        }
+    }
 }
 
 fn backend_kind(b: Backend) -> BackendKind {

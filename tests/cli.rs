@@ -354,3 +354,72 @@ fn the_language_server_exits_with_1_without_shutdown() {
     // the client going away (stdin closed) without shutdown
     assert_eq!(lsp_session(&[frame(LSP_INIT), frame(LSP_INITIALIZED)].concat()).0, Some(1));
 }
+
+/// `specs/mlp-1f1b.yaml` with `steps` steps and a checkpoint every 2 steps into `ckpts/`.
+fn checkpointing_spec(dir: &Path, steps: usize) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml"))
+        .expect("spec")
+        .replace("  steps: 30\n", &format!("  steps: {steps}\n  checkpoint: {{ every: 2, dir: ckpts }}\n"));
+    let path = dir.join("spec.yaml");
+    std::fs::write(&path, text).expect("write");
+    path
+}
+
+fn metric_steps(run: &Path) -> Vec<u64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["step"].as_u64().expect("step"))
+        .collect()
+}
+
+#[test]
+fn resume_finds_the_specs_checkpoint_dir_keeps_earlier_metrics_and_a_failed_resume_touches_nothing() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = checkpointing_spec(dir.path(), 4);
+    let run = dir.path().join("run");
+    let (s, r) = (spec.to_str().expect("utf-8"), run.to_str().expect("utf-8"));
+    assert_eq!(pipec(&["run", s, "-o", r]).status.code(), Some(0));
+    assert_eq!(metric_steps(&run), vec![0, 1, 2, 3]);
+    // a resume that finds nothing fails before anything is written
+    let out = pipec(&["run", s, "-o", r, "--resume", dir.path().join("nowhere").to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(metric_steps(&run), vec![0, 1, 2, 3], "a failed resume leaves the metrics alone");
+    // the run directory names the checkpoint: found under the spec's `checkpoint.dir`
+    let out = pipec(&["run", s, "-o", r, "--resume", r, "--steps", "6"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(metric_steps(&run), vec![0, 1, 2, 3, 4, 5], "earlier steps kept, resumed ones appended");
+}
+
+#[test]
+fn sigterm_stops_at_a_step_boundary_and_keeps_every_completed_step() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = checkpointing_spec(dir.path(), 100000);
+    let run = dir.path().join("run");
+    let child = Command::new(env!("CARGO_BIN_EXE_pipec"))
+        .args(["run", spec.to_str().expect("utf-8"), "-o", run.to_str().expect("utf-8")])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starts");
+    // wait for a few steps on disk, then ask it to stop
+    let start = std::time::Instant::now();
+    while metric_steps(&run).len() < 3 {
+        assert!(start.elapsed() < std::time::Duration::from_secs(60), "no steps after 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let out = child.wait_with_output().expect("ends");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("interrupted: stopped after step"), "{stderr}");
+    let steps = metric_steps(&run);
+    assert!(steps.len() >= 3 && steps.iter().enumerate().all(|(i, &s)| s == i as u64), "{steps:?}");
+    assert!(run.join("trace.json").is_file());
+    let leftovers: Vec<_> = std::fs::read_dir(&run)
+        .expect("dir")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}

@@ -156,6 +156,9 @@ fn a_killed_rank_ends_the_job() {
         assert!(start.elapsed() < Duration::from_secs(60), "the job did not end after a rank was killed");
         std::thread::sleep(Duration::from_millis(100));
     }
+    // rank 0 appended every completed step as it came: the kill loses none of them
+    let lines = std::fs::read_to_string(marker.join("metrics.jsonl")).unwrap_or_default();
+    assert!(lines.lines().count() >= 1, "the completed steps' metrics were lost");
 }
 
 /// Runs `layout` on `ranks` MPI processes with a checkpoint every 2 steps, checks that the
@@ -210,4 +213,44 @@ fn the_mpi_transport_outside_mpirun_says_how_to_start_it() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("mpirun -np 2"), "{stderr}");
     assert!(!stderr.contains("MPI_Abort") && !stderr.contains("MPI_FINALIZE"), "{stderr}");
+}
+
+#[test]
+fn a_silent_rank_stops_the_job_within_the_timeout_naming_device_and_instruction() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("straight", 2, 100000)).expect("write");
+    let marker: PathBuf = dir.path().join("stopme");
+    let child = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", pipec(), "run"])
+        .arg(&spec_path)
+        .args(["--transport", "mpi", "--timeout", "4", "-o"])
+        .arg(&marker)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun starts");
+    std::thread::sleep(Duration::from_secs(3));
+    // the newest rank stops answering (it is not killed: its peers must notice the silence)
+    let stopped =
+        Command::new("pkill").args(["-STOP", "-n", "-f", marker.to_str().expect("p")]).status().expect("pkill");
+    assert!(stopped.success(), "no rank to stop");
+    let start = Instant::now();
+    let out = std::thread::scope(|s| {
+        let waiter = s.spawn(|| child.wait_with_output().expect("wait"));
+        while !waiter.is_finished() {
+            if start.elapsed() > Duration::from_secs(40) {
+                // do not leave the stopped rank behind
+                let _ = Command::new("pkill").args(["-KILL", "-f", marker.to_str().expect("p")]).status();
+                panic!("the job did not stop within 40 s of a rank going silent (timeout 4 s)");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        waiter.join().expect("joined")
+    });
+    let _ = Command::new("pkill").args(["-KILL", "-f", marker.to_str().expect("p")]).status();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("nothing arrived from d") && stderr.contains("device d"), "{stderr}");
+    assert!(!stderr.contains("after MPI_FINALIZE"), "{stderr}");
 }

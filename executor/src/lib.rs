@@ -60,6 +60,9 @@ pub struct RunOptions {
     pub resume: Option<PathBuf>,
     /// Let several plan devices share one GPU when there are fewer GPUs than devices.
     pub share_gpus: bool,
+    /// Set (by a SIGINT/SIGTERM handler) to stop at the next step boundary every worker
+    /// agrees on; the run then returns what it trained with `RunReport::interrupted`.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 impl Default for RunOptions {
@@ -71,6 +74,7 @@ impl Default for RunOptions {
             checkpoint_dir: None,
             resume: None,
             share_gpus: false,
+            stop: None,
         }
     }
 }
@@ -105,6 +109,37 @@ pub struct RunReport {
     pub checkpoints: Vec<PathBuf>,
     /// Where each device of this process ran (`cpu`, `GPU 0`, ...).
     pub placement: Vec<(DeviceId, String)>,
+    /// The run was stopped (`RunOptions::stop`) before its last step.
+    pub interrupted: bool,
+}
+
+/// Where the workers of a run stop when asked to: the first step boundary that no worker
+/// has passed. Workers ask before each step, under one lock, so all of them run the same
+/// steps: every step some worker has begun is finished by all, and none begins a later one.
+struct StopGate {
+    flag: Option<Arc<AtomicBool>>,
+    /// (the highest step any worker has begun, the step no worker may begin)
+    state: std::sync::Mutex<(Option<usize>, Option<usize>)>,
+}
+
+impl StopGate {
+    /// Whether a worker may begin `step`.
+    fn begin(&self, step: usize) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let asked = self.flag.as_ref().is_some_and(|f| f.load(Ordering::Relaxed));
+        if asked && s.1.is_none() {
+            s.1 = Some(s.0.map_or(step, |begun| begun + 1));
+        }
+        if s.1.is_some_and(|stop| step >= stop) {
+            return false;
+        }
+        s.0 = Some(s.0.map_or(step, |begun| begun.max(step)));
+        true
+    }
+
+    fn stopped(&self) -> bool {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).1.is_some()
+    }
 }
 
 /// Why a run failed: where, and what happened.
@@ -378,6 +413,8 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
     let reduce = plan.schedule.reduce;
     let (tx, rx) = channel::<Event>();
     let n_workers = endpoints.len();
+    let gate = StopGate { flag: options.stop.clone(), state: std::sync::Mutex::new((None, None)) };
+    let gate = &gate;
     let mut report = RunReport {
         placement: placement.iter().map(|(d, (_, name))| (*d, name.clone())).collect(),
         ..RunReport::default()
@@ -413,7 +450,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                     let stream = &plan.streams[&device];
                     let mut w = Worker::new(device, plan, stream, data, ep, dev.clone(), stages, reduce);
                     for step in first_step..total_steps {
-                        if abort.load(Ordering::Relaxed) {
+                        if abort.load(Ordering::Relaxed) || !gate.begin(step) {
                             return Ok(());
                         }
                         let r = w.step(step).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
@@ -531,6 +568,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
             None => Ok(()),
         }
     })?;
+    report.interrupted = gate.stopped() && report.steps.last().is_none_or(|s| s.step + 1 < total_steps);
     Ok(report)
 }
 

@@ -44,6 +44,34 @@ pub fn run(
     let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
         .ok_or((None, RunError::setup("MPI could not be initialised (is this process started by mpirun?)")))?;
     let world = universe.world();
+    match run_rank(plan, options, on_step, &world, threading) {
+        Ok(done) => Ok(done),
+        Err((info, e)) => {
+            // Abort the job while MPI is still up: returning would drop `universe`, and
+            // MPI_Finalize waits for every rank, a silent one included, before the abort.
+            report_failure(info, &e);
+            world.abort(1)
+        }
+    }
+}
+
+/// Prints a rank's failure the one way every rank does (`pipec run` prints the failures
+/// that come before MPI is up the same way).
+pub fn report_failure(info: Option<RankInfo>, e: &RunError) {
+    match info {
+        Some(i) => eprintln!("error: rank {} of {} (device {}): {e}", i.rank, i.size, i.device),
+        None => eprintln!("error: {e}"),
+    }
+}
+
+/// This rank's part of the job, once MPI is up.
+fn run_rank(
+    plan: &Plan,
+    options: &RunOptions,
+    on_step: &mut dyn FnMut(&StepMetrics),
+    world: &SimpleCommunicator,
+    threading: Threading,
+) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
     let (rank, size) = (world.rank(), world.size());
     if threading != Threading::Multiple {
         return Err((

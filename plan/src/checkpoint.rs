@@ -490,10 +490,19 @@ impl Loaded {
 /// Finds the checkpoint to resume from: a `step-N` directory, a directory with a `latest`
 /// file, or a run directory holding `checkpoints/latest`.
 pub fn locate(path: &Path) -> Result<PathBuf, String> {
+    locate_in(path, None)
+}
+
+/// [`locate`], also looking in the run directory's `checkpoint_dir` (the spec's
+/// `training.checkpoint.dir`).
+pub fn locate_in(path: &Path, checkpoint_dir: Option<&str>) -> Result<PathBuf, String> {
     if path.join("state.json").is_file() {
         return Ok(path.to_path_buf());
     }
-    for base in [path.to_path_buf(), path.join("checkpoints")] {
+    let mut bases = vec![path.to_path_buf()];
+    bases.extend(checkpoint_dir.map(|d| path.join(d)));
+    bases.push(path.join("checkpoints"));
+    for base in bases {
         if let Ok(name) = std::fs::read_to_string(base.join("latest")) {
             let dir = base.join(name.trim());
             if dir.join("state.json").is_file() {
@@ -502,6 +511,17 @@ pub fn locate(path: &Path) -> Result<PathBuf, String> {
         }
     }
     Err(format!("no checkpoint found at `{}` (expected state.json, or a `latest` file)", path.display()))
+}
+
+/// The steps a checkpoint has completed, from its `state.json` alone.
+pub fn completed_steps(dir: &Path) -> Result<usize, String> {
+    let text = std::fs::read_to_string(dir.join("state.json")).map_err(|e| format!("cannot read state.json: {e}"))?;
+    let state: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("state.json: {e}"))?;
+    state
+        .get("completed_steps")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or("state.json: `completed_steps` must be a whole number of steps ≥ 0".into())
 }
 
 /// The largest `state.json` read (it lists stages and files, never values).
