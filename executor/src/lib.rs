@@ -342,11 +342,17 @@ fn load_checkpoint<B: AutodiffBackend>(
                 checkpoint::param_name(*first)
             )));
         }
-        let bytes = loaded
+        // the optimizer state of this stage's parameters, from whichever saved stage held
+        // them (shards of the same tensor-parallel rank and degree only)
+        let records: Vec<(String, &[u8])> = loaded
             .optimizers
-            .get(&checkpoint::ShardKey { stage: id.0, tp_rank })
-            .ok_or_else(|| ExecError::Checkpoint(format!("the checkpoint has no optimizer state for stage {id}")))?;
-        st.optim.load(bytes, dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+            .iter()
+            .filter(|(k, _)| k.tp_rank == tp_rank && loaded.tp_size(k.stage) == tp_size)
+            .map(|(k, b)| (format!("the optimizer state of stage {}", k.stage), b.as_slice()))
+            .collect();
+        let own: std::collections::HashSet<ParamId> =
+            params::layout::<B, _>(st.model()?).into_iter().map(|(id, _)| ParamId::from(id)).collect();
+        st.optim.load(&records, &own, dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
     }
     Ok(())
 }

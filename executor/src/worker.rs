@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{decay::WeightDecayConfig, Adam, AdamConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
@@ -141,19 +141,41 @@ impl<B: AutodiffBackend> StageOptim<B> {
         .map_err(|e| format!("cannot record the optimizer state: {e:?}"))
     }
 
-    /// Restores the state `save` wrote. Burn panics on some malformed records; that is
-    /// caught and reported as a corrupt state.
-    pub fn load(&mut self, bytes: &[u8], dev: &B::Device) -> std::result::Result<(), String> {
-        fn read<R: Record<B2>, B2: Backend>(bytes: &[u8], dev: &B2::Device) -> std::result::Result<R, String> {
+    /// Restores this stage's optimizer state from records `save` wrote — of any stages:
+    /// the state is kept per parameter (Burn's record maps each parameter id to its
+    /// momentum or moments, and pipec's parameter ids name the layer and slot), so the
+    /// entries of the parameters in `own` are taken from whichever stage saved them. That is
+    /// what lets a checkpoint resume on another pipeline layout. Burn panics on some
+    /// malformed records; that is caught and reported as a corrupt state.
+    pub fn load(
+        &mut self,
+        records: &[(String, &[u8])],
+        own: &std::collections::HashSet<ParamId>,
+        dev: &B::Device,
+    ) -> std::result::Result<(), String> {
+        // R: Burn's optimizer record, a map from parameter id to that parameter's state
+        fn merged<R, V, B2: Backend>(
+            records: &[(String, &[u8])],
+            own: &std::collections::HashSet<ParamId>,
+            dev: &B2::Device,
+        ) -> std::result::Result<R, String>
+        where
+            R: Record<B2> + IntoIterator<Item = (ParamId, V)> + FromIterator<(ParamId, V)>,
+        {
             let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-            crate::error::catch_quietly(|| recorder.load(bytes.to_vec(), dev))
-                .map_err(|_| "the optimizer state is corrupt".to_string())?
-                .map_err(|e| format!("the optimizer state is corrupt: {e:?}"))
+            let mut out = Vec::new();
+            for (file, bytes) in records {
+                let rec: R = crate::error::catch_quietly(|| recorder.load(bytes.to_vec(), dev))
+                    .map_err(|_| format!("{file}: the optimizer state is corrupt"))?
+                    .map_err(|e| format!("{file}: the optimizer state is corrupt: {e:?}"))?;
+                out.extend(rec.into_iter().filter(|(id, _)| own.contains(id)));
+            }
+            Ok(out.into_iter().collect())
         }
         let placeholder = StageOptim::Sgd(SgdConfig::new().init());
         *self = match std::mem::replace(self, placeholder) {
-            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(read(bytes, dev)?)),
-            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(read(bytes, dev)?)),
+            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(merged(records, own, dev)?)),
+            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(merged(records, own, dev)?)),
         };
         Ok(())
     }

@@ -474,15 +474,8 @@ impl Loaded {
                 saved.optimizer, want.optimizer
             ));
         }
-        if saved.stateful && saved.stage_layers != want.stage_layers {
-            let show = |r: &[[usize; 2]]| r.iter().map(|[a, b]| format!("[{a}, {b})")).collect::<Vec<_>>().join(" ");
-            return Err(format!(
-                "state.json: the checkpoint's optimizer state is saved per stage for stages holding layers {}, and this plan's stages hold {}: resuming momentum or Adam state on other stages is not supported yet (resume with the layout `{}`, or with plain SGD)",
-                show(&saved.stage_layers),
-                show(&want.stage_layers),
-                saved.partition
-            ));
-        }
+        // another layout is fine: weights and optimizer state are keyed by parameter
+        // (layer and slot), and each stage takes its parameters' entries wherever they were
         Ok(())
     }
 }
