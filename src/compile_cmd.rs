@@ -95,12 +95,20 @@ pub fn run(
     format: Format,
     color: bool,
     profile: Option<&Path>,
+    resume: Option<&Path>,
 ) -> u8 {
     let (compiled, _) = match compile_file(path, format, color, profile) {
         Ok(c) => c,
         Err(code) => return code,
     };
     let plan = &compiled.plan;
+    let moves = match resume.map(|r| resume_moves(r, plan)).transpose() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
     let dir =
         out.unwrap_or_else(|| PathBuf::from("out").join(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plan")));
     let plan_json = match serde_json::to_string_pretty(plan) {
@@ -133,7 +141,45 @@ pub fn run(
     if format == Format::Human {
         eprint!("{}", summary(plan, &dir));
     }
+    if let Some(text) = moves {
+        eprint!("{text}");
+    }
     EXIT_OK
+}
+
+/// What resuming `plan` from the checkpoint at `resume` moves between devices, in words.
+fn resume_moves(resume: &Path, plan: &pipec_plan::Plan) -> Result<String, String> {
+    use pipec_plan::checkpoint;
+    let dir = checkpoint::locate_in(resume, plan.training.checkpoint_dir.as_deref())?;
+    let loaded = checkpoint::read(&dir).map_err(|e| format!("checkpoint: {e}"))?;
+    loaded.check_fits(plan).map_err(|e| format!("checkpoint: {e}"))?;
+    let saved = loaded.identity.ok_or("checkpoint: written by an older pipec, it does not say how it was laid out")?;
+    let moves = checkpoint::reshard(&saved, plan).map_err(|e| format!("checkpoint: {e}"))?;
+    let devices = |d: &[u32]| d.iter().map(|d| format!("d{d}")).collect::<Vec<_>>().join(",");
+    let total: u64 = moves.iter().map(|m| m.bytes).sum();
+    let mut s = format!(
+        "resume from {} (step {}, layout `{}`) onto `{}`: {} to move\n",
+        dir.display(),
+        loaded.completed_steps,
+        saved.partition,
+        plan.partition,
+        pipec_compiler::memory::human_bytes(total)
+    );
+    for m in &moves {
+        let what = if m.bytes == 0 {
+            "stays".to_string()
+        } else {
+            format!("{} to move", pipec_compiler::memory::human_bytes(m.bytes))
+        };
+        s.push_str(&format!(
+            "  layers [{}, {}): {} -> {}  {what}\n",
+            m.layers[0],
+            m.layers[1],
+            devices(&m.from),
+            devices(&m.to)
+        ));
+    }
+    Ok(s)
 }
 
 fn memory_table(plan: &pipec_plan::Plan) -> String {

@@ -164,6 +164,9 @@ enum Command {
         profile: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
+        /// Show what resuming this plan from a checkpoint would move between devices.
+        #[arg(long)]
+        resume: Option<PathBuf>,
     },
     /// Compile the spec under every schedule and print their predicted step time, bubble,
     /// throughput and memory headroom side by side (nothing is written).
@@ -194,9 +197,15 @@ fn main() -> ExitCode {
         Command::Compare { file, profile, microbatches, format } => {
             compare_cmd::run(&file, profile.as_deref(), &microbatches, format)
         }
-        Command::Compile { file, out, emit, profile, format } => {
-            compile_cmd::run(&file, out, emit, format, std::io::stderr().is_terminal(), profile.as_deref())
-        }
+        Command::Compile { file, out, emit, profile, format, resume } => compile_cmd::run(
+            &file,
+            out,
+            emit,
+            format,
+            std::io::stderr().is_terminal(),
+            profile.as_deref(),
+            resume.as_deref(),
+        ),
         Command::Run { file, out, steps, backend, resume, timeout, transport, no_verify, share_gpus } => {
             run_cmd::run(run_cmd::RunArgs {
                 transport,

@@ -423,3 +423,34 @@ fn sigterm_stops_at_a_step_boundary_and_keeps_every_completed_step() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn compile_resume_shows_which_layers_move_between_devices_and_how_many_bytes() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = checkpointing_spec(dir.path(), 2);
+    let run = dir.path().join("run");
+    let out = pipec(&["run", spec.to_str().expect("utf-8"), "-o", run.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // the same model on three stages instead of two
+    let three = dir.path().join("three.yaml");
+    let text = std::fs::read_to_string(&spec)
+        .expect("spec")
+        .replace("stages: \"1-1\"", "stages: \"1-1-1\"")
+        .replace("devices_per_node: 2", "devices_per_node: 3");
+    std::fs::write(&three, text).expect("write");
+    let out = pipec(&[
+        "compile",
+        three.to_str().expect("utf-8"),
+        "-o",
+        dir.path().join("c").to_str().expect("utf-8"),
+        "--resume",
+        run.to_str().expect("utf-8"),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("(step 2, layout `1-1`) onto `1-1-1`"), "{stderr}");
+    assert!(
+        stderr.contains("d0 -> d0  stays") && stderr.contains("d1 -> d2") && stderr.contains("KiB to move"),
+        "{stderr}"
+    );
+}

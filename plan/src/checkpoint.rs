@@ -150,6 +150,7 @@ mod tests {
             optimizer: "adam".into(),
             stateful: true,
             stage_layers: vec![[0, 1], [1, 2]],
+            stage_devices: vec![vec![0], vec![1]],
         }
     }
 
@@ -329,6 +330,57 @@ pub struct Identity {
     pub stateful: bool,
     /// Each stage's layer range `[start, end)`, by stage index.
     pub stage_layers: Vec<[usize; 2]>,
+    /// The devices holding each stage (replicas and tensor-parallel members), by stage
+    /// index; empty when the checkpoint does not say.
+    pub stage_devices: Vec<Vec<u32>>,
+}
+
+/// Layers whose devices a resume changes: the weights and optimizer state to move.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Move {
+    /// Half-open layer range.
+    pub layers: [usize; 2],
+    pub from: Vec<u32>,
+    pub to: Vec<u32>,
+    /// Bytes the devices in `to` that did not hold these layers must receive (weights and
+    /// optimizer state).
+    pub bytes: u64,
+}
+
+/// What resuming `plan` from a checkpoint whose identity is `saved` moves between devices:
+/// one entry per run of layers with the same old and new devices (unmoved runs included,
+/// with 0 bytes).
+pub fn reshard(saved: &Identity, plan: &Plan) -> Result<Vec<Move>, String> {
+    if saved.stage_devices.len() != saved.stage_layers.len() || saved.stage_devices.is_empty() {
+        return Err("the checkpoint does not record which devices held its stages".into());
+    }
+    let want = Identity::of(plan);
+    let holders = |id: &Identity, layer: usize| -> Vec<u32> {
+        id.stage_layers
+            .iter()
+            .zip(&id.stage_devices)
+            .find(|([a, b], _)| (*a..*b).contains(&layer))
+            .map(|(_, d)| d.clone())
+            .unwrap_or_default()
+    };
+    let state_floats: u64 = match plan.training.optimizer {
+        crate::plan::OptimizerPlan::Adam { .. } => 2,
+        crate::plan::OptimizerPlan::Sgd { momentum, .. } => u64::from(momentum > 0.0),
+    };
+    let mut moves: Vec<Move> = Vec::new();
+    for (i, layer) in plan.layers.iter().enumerate() {
+        let (from, to) = (holders(saved, i), holders(&want, i));
+        let receivers = to.iter().filter(|d| !from.contains(d)).count() as u64;
+        let bytes = receivers * layer.parameter_bytes * (1 + state_floats);
+        match moves.last_mut() {
+            Some(m) if m.from == from && m.to == to => {
+                m.layers[1] = i + 1;
+                m.bytes += bytes;
+            }
+            _ => moves.push(Move { layers: [i, i + 1], from, to, bytes }),
+        }
+    }
+    Ok(moves)
 }
 
 impl Identity {
@@ -346,6 +398,17 @@ impl Identity {
             optimizer: optimizer.to_string(),
             stateful,
             stage_layers: plan.stages.iter().map(|s| s.layers).collect(),
+            stage_devices: plan
+                .stages
+                .iter()
+                .map(|s| {
+                    let mut d: Vec<u32> =
+                        s.replicas.iter().chain(s.tensor_parallel.iter().flatten()).map(|d| d.0).collect();
+                    d.sort_unstable();
+                    d.dedup();
+                    d
+                })
+                .collect(),
         }
     }
 }
@@ -422,6 +485,7 @@ pub fn write(dir: &Path, completed_steps: usize, identity: &Identity, stages: &S
         "optimizer": identity.optimizer,
         "optimizer_stateful": identity.stateful,
         "stage_layers": identity.stage_layers,
+        "stage_devices": identity.stage_devices,
         "stages": stage_ids,
         "tensor_parallel": tensor_parallel,
         "files": sums,
@@ -622,6 +686,11 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
                 .get("stage_layers")
                 .and_then(|v| serde_json::from_value::<Vec<[usize; 2]>>(v.clone()).ok())
                 .ok_or("state.json: `stage_layers` must be a list of [start, end) layer ranges")?,
+            stage_devices: match state.get("stage_devices") {
+                None => Vec::new(),
+                Some(v) => serde_json::from_value::<Vec<Vec<u32>>>(v.clone())
+                    .map_err(|_| "state.json: `stage_devices` must be a list of device-id lists")?,
+            },
         };
         let sums = state.get("files").and_then(serde_json::Value::as_object).ok_or("state.json has no `files`")?;
         (Some(identity), Some(sums))
