@@ -14,11 +14,12 @@ if ! command -v cargo-nextest >/dev/null 2>&1 && ! cargo nextest --version >/dev
   cargo install cargo-nextest --locked
 fi
 
-# Open MPI and clang (bindgen) for the `mpi` feature's tests (Debian packages).
-if ! command -v mpirun >/dev/null 2>&1 || ! dpkg -s libopenmpi-dev libclang-dev clang >/dev/null 2>&1; then
+# Open MPI and clang (bindgen) for the `mpi` feature's tests, iproute2 for the two-host
+# test's network namespaces (Debian packages).
+if ! command -v mpirun >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1 || ! dpkg -s libopenmpi-dev libclang-dev clang >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q
-  apt-get install -y -q libopenmpi-dev openmpi-bin clang libclang-dev
+  apt-get install -y -q libopenmpi-dev openmpi-bin clang libclang-dev iproute2
 fi
 
 echo "== formatting and lints"

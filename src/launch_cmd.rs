@@ -34,7 +34,7 @@ fn quote(s: &str) -> String {
     }
 }
 
-pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool) -> u8 {
+pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool, timeout: Option<u64>) -> u8 {
     let plan = match load_plan(file, false) {
         Ok(p) => p,
         Err(code) => return code,
@@ -77,6 +77,13 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool)
     } else if ranks > std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) {
         cmd.push("--oversubscribe".into());
     }
+    // Open MPI notices a host that stopped answering (a link down) within a few seconds
+    // instead of after its 300 s TCP keepalive default, and then ends the job
+    for (param, value) in
+        [("oob_tcp_keepalive_time", "1"), ("oob_tcp_keepalive_intvl", "1"), ("oob_tcp_keepalive_probes", "5")]
+    {
+        cmd.extend(["--mca".into(), param.into(), value.into()]);
+    }
     cmd.push("-np".into());
     cmd.push(ranks.to_string());
     let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_else(|_| "pipec".into());
@@ -85,16 +92,70 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool)
         cmd.push("-o".into());
         cmd.push(o.display().to_string());
     }
+    if let Some(t) = timeout {
+        cmd.push("--timeout".into());
+        cmd.push(t.to_string());
+    }
     println!("{}", cmd.iter().map(|c| quote(c)).collect::<Vec<_>>().join(" "));
     if !exec {
         return 0;
     }
-    match std::process::Command::new(&cmd[0]).args(&cmd[1..]).status() {
-        Ok(s) => s.code().map(|c| c.clamp(0, 255) as u8).unwrap_or(EXIT_DIAGNOSTICS),
-        Err(e) => {
-            eprintln!("error: cannot start mpirun: {e} (install Open MPI: apt-get install openmpi-bin)");
-            EXIT_USAGE
+    supervise(&cmd)
+}
+
+/// How long mpirun may take to end the job once a rank has aborted it.
+const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Runs mpirun, passing its output through. When a rank has aborted the job (Open MPI's
+/// "MPI_ABORT was invoked" banner) and mpirun is still running `ABORT_GRACE` later — it
+/// waits on the daemon of a host it can no longer reach — mpirun is stopped: the job must
+/// end within its timeout, whatever the network does.
+fn supervise(cmd: &[String]) -> u8 {
+    use std::io::BufRead;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut child =
+        match std::process::Command::new(&cmd[0]).args(&cmd[1..]).stderr(std::process::Stdio::piped()).spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: cannot start mpirun: {e} (install Open MPI: apt-get install openmpi-bin)");
+                return EXIT_USAGE;
+            }
+        };
+    let aborted = std::sync::Arc::new(AtomicBool::new(false));
+    if let Some(stderr) = child.stderr.take() {
+        let aborted = aborted.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("{line}");
+                if line.contains("MPI_ABORT was invoked") {
+                    aborted.store(true, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    let mut since: Option<std::time::Instant> = None;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return status.code().map(|c| c.clamp(0, 255) as u8).unwrap_or(EXIT_DIAGNOSTICS),
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("error: cannot wait for mpirun: {e}");
+                return EXIT_USAGE;
+            }
         }
+        if aborted.load(Ordering::Relaxed) {
+            let t = *since.get_or_insert_with(std::time::Instant::now);
+            if t.elapsed() > ABORT_GRACE {
+                let _ = child.kill();
+                let _ = child.wait();
+                eprintln!(
+                    "error: a rank aborted the job and mpirun had not ended it {} s later (a host it cannot reach?): stopped mpirun",
+                    ABORT_GRACE.as_secs()
+                );
+                return EXIT_DIAGNOSTICS;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
 

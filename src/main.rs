@@ -148,6 +148,10 @@ enum Command {
         /// Run the command instead of only printing it.
         #[arg(long)]
         exec: bool,
+        /// Seconds a rank may wait for a message before the job is stopped (passed to
+        /// `pipec run --timeout`).
+        #[arg(long)]
+        timeout: Option<u64>,
     },
     /// Compile a spec into a verified, simulated plan: DIR/plan.json, timeline.svg,
     /// memory.svg and trace.json.
@@ -220,8 +224,8 @@ fn main() -> ExitCode {
                 color: std::io::stderr().is_terminal(),
             })
         }
-        Command::Launch { file, hostfile, out, exec } => {
-            launch_cmd::run(&file, hostfile.as_deref(), out.as_deref(), exec)
+        Command::Launch { file, hostfile, out, exec, timeout } => {
+            launch_cmd::run(&file, hostfile.as_deref(), out.as_deref(), exec, timeout)
         }
         Command::Profile { file, out, backend, reps, concurrent } => {
             profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal())

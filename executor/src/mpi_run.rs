@@ -50,7 +50,7 @@ pub fn run(
             // Abort the job while MPI is still up: returning would drop `universe`, and
             // MPI_Finalize waits for every rank, a silent one included, before the abort.
             report_failure(info, &e);
-            world.abort(1)
+            abort_world(&world, 1)
         }
     }
 }
@@ -225,9 +225,23 @@ fn run_cuda(
 /// or has already shut down just exits (MPI_Abort is not allowed then).
 pub fn abort(code: i32) -> ! {
     if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
-        SimpleCommunicator::world().abort(code)
+        abort_world(&SimpleCommunicator::world(), code)
     }
     std::process::exit(code)
+}
+
+/// How long MPI_Abort may take before this process exits on its own.
+const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// MPI_Abort, and this process's own exit if that does not end it within `ABORT_GRACE`:
+/// with a peer unreachable (a network link down), Open MPI's abort waits on a daemon it
+/// cannot reach, and the rank must not outlive its job.
+fn abort_world(world: &SimpleCommunicator, code: i32) -> ! {
+    std::thread::spawn(move || {
+        std::thread::sleep(ABORT_GRACE);
+        std::process::exit(code)
+    });
+    world.abort(code)
 }
 
 /// Whether this process was started by an MPI launcher (Open MPI's `mpirun`, or a PMI/PMIx
