@@ -483,6 +483,36 @@ fn a_broken_stream_stops_the_run_quickly_with_the_place_in_the_message() {
     assert!(text.contains("recv_act") || text.contains("recv_grad") || text.contains("left over"), "{text}");
 }
 
+/// Asynchronous data parallelism keeps its optimizer state on the parameter server alone:
+/// the checkpoint must hold the server's, and the resumed run continues exactly.
+#[test]
+fn an_asp_run_resumes_exactly_on_its_layout() {
+    for optimizer in [ADAM, "{ kind: momentum, lr: 0.02 }"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ckpt = dir.path().join("checkpoints");
+        let p = checkpointed_plan(Job {
+            devices: 2,
+            stages: "\"2\"",
+            schedule: "{ kind: dp-only, sync: asp, staleness: 1 }",
+            microbatches: 8,
+            optimizer,
+            steps: 6,
+            ..Job::default()
+        });
+        let full = pipec_executor::run(
+            &p,
+            &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() },
+            &mut |_| {},
+        )
+        .expect("runs");
+        let options = RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() };
+        let resumed = pipec_executor::run(&p, &options, &mut |_| {}).expect("resumes");
+        let a: Vec<f64> = full.steps[3..].iter().map(|s| s.loss).collect();
+        let b: Vec<f64> = resumed.steps.iter().map(|s| s.loss).collect();
+        assert_eq!(a, b, "{optimizer}: the resumed asp run differs");
+    }
+}
+
 #[test]
 fn asp_with_one_worker_is_per_microbatch_sgd_and_with_two_converges() {
     // One worker: the parameter server applies every microbatch's gradient before the next

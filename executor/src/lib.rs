@@ -550,6 +550,12 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                             }
                         }
                         if reports.iter().any(|(_, c)| c.is_some()) {
+                            // a shard from the stage's first replica (the lowest device):
+                            // replicas of a synchronous stage hold the same state, and under
+                            // asynchronous data parallelism the first replica is the
+                            // parameter server, the only one whose optimizer state is live
+                            let mut reports = reports;
+                            reports.sort_by_key(|(r, _)| r.device);
                             let mut stages = HashMap::new();
                             for (_, c) in reports {
                                 for (s, st) in c.unwrap_or_default() {
