@@ -39,7 +39,7 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool,
         Ok(p) => p,
         Err(code) => return code,
     };
-    let ranks = plan.streams.values().filter(|s| !s.is_empty()).count();
+    let ranks = pipec_executor::working_devices(&plan).len();
     let per_node = plan.devices.iter().filter(|d| d.node == 0).count().max(1);
     let mut cmd: Vec<String> = vec!["mpirun".into()];
     if std::env::var("USER").map(|u| u == "root").unwrap_or(false)

@@ -133,15 +133,7 @@ pub fn run(args: RunArgs) -> u8 {
         return EXIT_USAGE;
     }
     let steps = args.steps.unwrap_or(plan.training.steps);
-    let options = RunOptions {
-        steps: Some(steps),
-        backend,
-        timeout: Duration::from_secs(args.timeout_s.max(1)),
-        checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
-        resume: args.resume.clone(),
-        share_gpus: args.share_gpus,
-        stop: Some(stop_on_signals()),
-    };
+    let options = RunOptions { stop: Some(stop_on_signals()), ..run_options(&plan, &args, &dir) };
     let mut metrics = MetricsLog::new(&dir, first_step);
     if let Err(e) = metrics.open() {
         eprintln!("error: {e}");
@@ -161,7 +153,7 @@ pub fn run(args: RunArgs) -> u8 {
         plan.name,
         steps,
         plan.schedule.kind,
-        plan.streams.values().filter(|s| !s.is_empty()).count(),
+        pipec_executor::working_devices(&plan).len(),
         if backend == BackendKind::Cpu { "cpu (flex)" } else { "cuda" }
     );
     let mut on_step = |m: &StepMetrics| {
@@ -228,17 +220,9 @@ pub fn run(args: RunArgs) -> u8 {
 #[cfg(feature = "mpi")]
 fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path, first_step: usize) -> u8 {
     let steps = args.steps.unwrap_or(plan.training.steps);
-    let options = RunOptions {
-        steps: Some(steps),
-        backend: backend_kind(args.backend),
-        timeout: Duration::from_secs(args.timeout_s.max(1)),
-        checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
-        resume: args.resume.clone(),
-        share_gpus: args.share_gpus,
-        // ranks would have to agree on the step: under MPI a signal ends the job (mpirun
-        // forwards it), and the metrics of the completed steps are already on disk
-        stop: None,
-    };
+    // no stop flag: ranks would have to agree on the step; under MPI a signal ends the job
+    // (mpirun forwards it), and the metrics of the completed steps are already on disk
+    let options = run_options(plan, args, dir);
     // rank 0 alone gets each step's metrics, and appends them as they come
     let mut metrics = MetricsLog::new(dir, first_step);
     let mut on_step = |m: &StepMetrics| {
@@ -395,6 +379,19 @@ impl MetricsLog {
             let _ = writeln!(f, "{}", metrics_line(m));
             let _ = f.flush();
         }
+    }
+}
+
+/// The executor's options for `pipec run`'s arguments, on either transport.
+fn run_options(plan: &Plan, args: &RunArgs, dir: &Path) -> RunOptions {
+    RunOptions {
+        steps: Some(args.steps.unwrap_or(plan.training.steps)),
+        backend: backend_kind(args.backend),
+        timeout: Duration::from_secs(args.timeout_s.max(1)),
+        checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
+        resume: args.resume.clone(),
+        share_gpus: args.share_gpus,
+        stop: None,
     }
 }
 

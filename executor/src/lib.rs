@@ -268,8 +268,7 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
         .iter()
         .flat_map(|s| s.replicas.iter().copied().chain(s.tensor_parallel.iter().flatten().copied()))
         .collect();
-    let streamed: std::collections::BTreeSet<DeviceId> =
-        plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
+    let streamed: std::collections::BTreeSet<DeviceId> = working_devices(plan).into_iter().collect();
     if devices_in_stages != streamed {
         return Err(ExecError::Plan("the plan's stages and streams name different devices".into()).into());
     }

@@ -37,7 +37,7 @@ pub fn run(
     on_step: &mut dyn FnMut(&StepMetrics),
 ) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
     crate::validate(plan).map_err(|e| (None, e))?;
-    let n_devices = plan.streams.values().filter(|s| !s.is_empty()).count();
+    let n_devices = crate::working_devices(plan).len();
     if !launched() && n_devices > 1 {
         return Err((None, RunError::setup(format!("`--transport mpi` runs one process per device: start the plan's {n_devices} devices with `mpirun -np {n_devices} pipec run …` (see `pipec launch`)"))));
     }
@@ -81,7 +81,7 @@ fn run_rank(
             )),
         ));
     }
-    let devices: Vec<DeviceId> = plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
+    let devices = crate::working_devices(plan);
     if size as usize != devices.len() {
         return Err((None, RunError::setup(format!("rank {rank}: the plan has {} devices with work but mpirun started {size} processes; run `mpirun -np {}` (see `pipec launch`)", devices.len(), devices.len()))));
     }
