@@ -106,8 +106,8 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool,
 /// How long mpirun may take to end the job once a rank has aborted it.
 const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Runs mpirun, passing its output through. When a rank has aborted the job (Open MPI's
-/// "MPI_ABORT was invoked" banner) and mpirun is still running `ABORT_GRACE` later — it
+/// Runs mpirun, passing its output through. When a rank has aborted the job (its
+/// `error: rank …` line, or Open MPI's "MPI_ABORT was invoked" banner) and mpirun is still running `ABORT_GRACE` later — it
 /// waits on the daemon of a host it can no longer reach — mpirun is stopped: the job must
 /// end within its timeout, whatever the network does.
 fn supervise(cmd: &[String]) -> u8 {
@@ -127,7 +127,8 @@ fn supervise(cmd: &[String]) -> u8 {
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
                 eprintln!("{line}");
-                if line.contains("MPI_ABORT was invoked") {
+                // a rank's own failure line (`mpi_run::report_failure`), or Open MPI's banner
+                if line.starts_with("error: rank ") || line.contains("MPI_ABORT was invoked") {
                     aborted.store(true, Ordering::Relaxed);
                 }
             }
