@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use pipec_compiler::cost::{parse_pipedream_profile, pipedream_costs, LayerCost, Profile};
+use pipec_compiler::cost::{parse_pipedream_profile, pipedream_costs, pipedream_cut_bytes, LayerCost, Profile};
 use pipec_compiler::partition::{auto, AutoInput};
 use pipec_grammar::dsl::{lookup_unit, parse_quantity, Dimension};
 
@@ -40,7 +40,9 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
             return EXIT_USAGE;
         }
     };
-    let (names, costs): (Vec<String>, Vec<LayerCost>) = if text.trim_start().starts_with('{') {
+    // the bytes crossing a cut after each layer, per minibatch: a pipec profile is a chain
+    // (a layer's output), a PipeDream graph sums every edge that crosses
+    let (names, costs, cuts): (Vec<String>, Vec<LayerCost>, Vec<f64>) = if text.trim_start().starts_with('{') {
         let profile: Profile = match serde_json::from_str(&text) {
             Ok(p) => p,
             Err(e) => {
@@ -48,7 +50,7 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
                 return EXIT_USAGE;
             }
         };
-        let costs = profile
+        let costs: Vec<LayerCost> = profile
             .layers
             .iter()
             .map(|l| LayerCost {
@@ -62,12 +64,15 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
                 output_bytes_per_sample: l.output_bytes / profile.batch_size.max(1) as u64,
             })
             .collect();
-        (profile.layers.iter().map(|l| l.name.clone()).collect(), costs)
+        let cuts = costs.iter().map(|c: &LayerCost| c.output_bytes_per_sample as f64 * a.batch as f64).collect();
+        (profile.layers.iter().map(|l| l.name.clone()).collect(), costs, cuts)
     } else {
         match parse_pipedream_profile(&text) {
-            Ok(nodes) => {
-                (nodes.iter().map(|n| n.description.clone()).collect(), pipedream_costs(&nodes, a.batch, a.batch))
-            }
+            Ok(nodes) => (
+                nodes.iter().map(|n| n.description.clone()).collect(),
+                pipedream_costs(&nodes, a.batch, a.batch),
+                pipedream_cut_bytes(&nodes),
+            ),
             Err(e) => {
                 eprintln!("error: `{}`: {e}", file.display());
                 return EXIT_USAGE;
@@ -94,7 +99,6 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
     }
     let times: Vec<f64> = costs.iter().map(|c| c.forward_s + c.backward_s).collect();
     let params: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();
-    let cuts: Vec<f64> = costs.iter().map(|c| c.output_bytes_per_sample as f64 * a.batch as f64).collect();
     // weights, gradients and one optimizer copy; activations for the in-flight microbatches
     let memory_per_layer: Vec<f64> = costs
         .iter()

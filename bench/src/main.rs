@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use pipec_compiler::cost::{parse_pipedream_profile, pipedream_costs};
+use pipec_compiler::cost::{parse_pipedream_profile, pipedream_costs, pipedream_cut_bytes};
 use pipec_compiler::partition::{auto, balanced, AutoInput};
 use pipec_compiler::{compile, CompileOptions};
 use pipec_executor::RunOptions;
@@ -131,7 +131,7 @@ fn vgg() {
     let costs = pipedream_costs(&nodes, 64, 64);
     let times: Vec<f64> = costs.iter().map(|c| c.forward_s + c.backward_s).collect();
     let params: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();
-    let cuts: Vec<f64> = costs.iter().map(|c| c.output_bytes_per_sample as f64 * 64.0).collect();
+    let cuts = pipedream_cut_bytes(&nodes);
     let memory: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64 * 3.0).collect();
     let single: f64 = times.iter().sum();
     let input = AutoInput {

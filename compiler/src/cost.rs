@@ -141,9 +141,22 @@ pub struct PipeDreamNode {
     pub description: String,
     pub forward_ms: f64,
     pub backward_ms: f64,
-    /// Output bytes for the profiled minibatch.
+    /// Output bytes for the profiled minibatch (a node with several outputs, such as
+    /// GNMT's LSTMs, lists them; they are summed).
     pub activation_size: f64,
     pub parameter_size: f64,
+    /// The nodes this node's output feeds, as indices into the topological order.
+    pub successors: Vec<usize>,
+}
+
+/// Bytes crossing a cut after each position of the topological order, for the profiled
+/// minibatch: every node before the cut whose output feeds a node after it counts once (a
+/// cut inside a residual block carries the block's input and its current activation).
+/// Entry j − 1 is the cut after the first j nodes.
+pub fn pipedream_cut_bytes(nodes: &[PipeDreamNode]) -> Vec<f64> {
+    (1..=nodes.len())
+        .map(|j| nodes[..j].iter().filter(|n| n.successors.iter().any(|&s| s >= j)).map(|n| n.activation_size).sum())
+        .collect()
 }
 
 /// Parses PipeDream's profile: node lines `nodeN -- desc -- forward_compute_time=..,
@@ -168,15 +181,23 @@ pub fn parse_pipedream_profile(text: &str) -> Result<Vec<PipeDreamNode>, String>
         if parts.len() != 3 {
             return Err(format!("line {}: expected `nodeN -- description -- costs`", lineno + 1));
         }
+        // `key=value` pairs; a value may be a list `[a; b]` (GNMT's LSTMs), which is summed
         let get = |key: &str| -> Result<f64, String> {
-            parts[2]
-                .split(',')
+            let start =
+                parts[2].find(&format!("{key}=")).ok_or_else(|| format!("line {}: missing `{key}`", lineno + 1))?
+                    + key.len()
+                    + 1;
+            let rest = parts[2][start..].trim_start();
+            let value = match rest.strip_prefix('[') {
+                Some(list) => list.split(']').next().unwrap_or(""),
+                None => rest.split(',').next().unwrap_or(""),
+            };
+            value
+                .split([',', ';'])
                 .map(str::trim)
-                .find_map(|kv| kv.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
-                .ok_or_else(|| format!("line {}: missing `{key}`", lineno + 1))?
-                .trim()
-                .parse::<f64>()
-                .map_err(|e| format!("line {}: `{key}`: {e}", lineno + 1))
+                .filter(|v| !v.is_empty())
+                .map(|v| v.parse::<f64>().map_err(|e| format!("line {}: `{key}`: {e}", lineno + 1)))
+                .sum::<Result<f64, String>>()
         };
         nodes.push(PipeDreamNode {
             id: parts[0].trim().to_string(),
@@ -185,6 +206,7 @@ pub fn parse_pipedream_profile(text: &str) -> Result<Vec<PipeDreamNode>, String>
             backward_ms: get("backward_compute_time")?,
             activation_size: get("activation_size")?,
             parameter_size: get("parameter_size")?,
+            successors: Vec::new(),
         });
     }
     // Topological order (Kahn), ties broken by node number so the order is deterministic.
@@ -199,6 +221,7 @@ pub fn parse_pipedream_profile(text: &str) -> Result<Vec<PipeDreamNode>, String>
         out[ia].push(ib);
         indegree[ib] += 1;
     }
+    let indegree_before = indegree.clone();
     let number = |i: usize| nodes[i].id.trim_start_matches("node").parse::<u64>().unwrap_or(u64::MAX);
     let mut ready: std::collections::BTreeSet<(u64, usize)> =
         (0..nodes.len()).filter(|&i| indegree[i] == 0).map(|i| (number(i), i)).collect();
@@ -216,7 +239,25 @@ pub fn parse_pipedream_profile(text: &str) -> Result<Vec<PipeDreamNode>, String>
     if order.len() != nodes.len() {
         return Err("the profile's graph has a cycle".into());
     }
-    Ok(order.into_iter().map(|i| nodes[i].clone()).collect())
+    let mut position = vec![0usize; nodes.len()];
+    for (p, &i) in order.iter().enumerate() {
+        position[i] = p;
+    }
+    Ok(order
+        .into_iter()
+        .map(|i| {
+            let mut n = nodes[i].clone();
+            n.successors = out[i].iter().map(|&j| position[j]).collect();
+            // The input source is data loading, not a layer: PipeDream's optimizer gives it
+            // no time, memory or parameters (it always sits on the first stage).
+            if indegree_before[i] == 0 && n.description.starts_with("Input") {
+                n.forward_ms = 0.0;
+                n.backward_ms = 0.0;
+                n.parameter_size = 0.0;
+            }
+            n
+        })
+        .collect())
 }
 
 /// Converts a PipeDream profile (profiled at `profiled_batch` samples) to layer costs at
