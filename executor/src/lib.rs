@@ -227,11 +227,11 @@ mod cuda {
 /// The GPU each device of an in-process CUDA run gets (see `gpus`), for `run` and for
 /// `pipec run` to print before training starts.
 pub fn gpu_placement(plan: &Plan, options: &RunOptions) -> Result<Vec<(DeviceId, usize)>, RunError> {
-    cuda_available().map_err(RunError::setup)?;
+    // the device count checks that CUDA is usable first (`cuda_available`)
     #[cfg(feature = "cuda")]
     let count = cuda::device_count().map_err(RunError::setup)?;
     #[cfg(not(feature = "cuda"))]
-    let count = 0;
+    let count = cuda_available().map(|()| 0).map_err(RunError::setup)?;
     gpus::in_process(&working_devices(plan), count, options.share_gpus).map_err(RunError::setup)
 }
 

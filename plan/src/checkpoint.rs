@@ -574,11 +574,18 @@ pub fn locate_in(path: &Path, checkpoint_dir: Option<&str>) -> Result<PathBuf, S
 pub fn completed_steps(dir: &Path) -> Result<usize, String> {
     let text = std::fs::read_to_string(dir.join("state.json")).map_err(|e| format!("cannot read state.json: {e}"))?;
     let state: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("state.json: {e}"))?;
-    state
-        .get("completed_steps")
-        .and_then(serde_json::Value::as_u64)
-        .and_then(|n| usize::try_from(n).ok())
-        .ok_or("state.json: `completed_steps` must be a whole number of steps ≥ 0".into())
+    steps_in(&state)
+}
+
+/// `state.json`'s `completed_steps`, checked: a whole number of steps ≥ 0.
+fn steps_in(state: &serde_json::Value) -> Result<usize, String> {
+    match state.get("completed_steps") {
+        None => Err("state.json has no `completed_steps`".into()),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or(format!("state.json: `completed_steps` must be a whole number of steps ≥ 0, found {v}")),
+    }
 }
 
 /// The largest `state.json` read (it lists stages and files, never values).
@@ -658,13 +665,7 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
             state.get("format").map_or("(missing)".to_string(), ToString::to_string)
         ));
     }
-    let completed_steps = match state.get("completed_steps") {
-        None => return Err("state.json has no `completed_steps`".into()),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| usize::try_from(n).ok())
-            .ok_or(format!("state.json: `completed_steps` must be a whole number of steps ≥ 0, found {v}"))?,
-    };
+    let completed_steps = steps_in(&state)?;
     let text = |key: &str| -> Result<String, String> {
         state
             .get(key)
