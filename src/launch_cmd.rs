@@ -42,6 +42,8 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool,
     let ranks = pipec_executor::working_devices(&plan).len();
     let per_node = plan.devices.iter().filter(|d| d.node == 0).count().max(1);
     let mut cmd: Vec<String> = vec!["mpirun".into()];
+    // which devices each host runs, to name them when Open MPI loses a host
+    let mut host_devices: Vec<(String, String)> = Vec::new();
     if std::env::var("USER").map(|u| u == "root").unwrap_or(false)
         || std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0).unwrap_or(false)
     {
@@ -69,6 +71,11 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool,
                 hosts.iter().map(|(h, s)| format!("{h} (slots={s})")).collect::<Vec<_>>().join(", ")
             );
             return EXIT_DIAGNOSTICS;
+        }
+        for (k, (host, _)) in hosts.iter().take(nodes).enumerate() {
+            let devices: Vec<String> =
+                plan.devices.iter().filter(|d| d.node as usize == k).map(|d| d.id.to_string()).collect();
+            host_devices.push((host.clone(), format!("node {k}: {}", devices.join(", "))));
         }
         cmd.push("--hostfile".into());
         cmd.push(h.display().to_string());
@@ -100,7 +107,7 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool,
     if !exec {
         return 0;
     }
-    supervise(&cmd)
+    supervise(&cmd, &host_devices)
 }
 
 /// How long mpirun may take to end the job once a rank has aborted it.
@@ -110,7 +117,10 @@ const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 /// `error: rank …` line, or Open MPI's "MPI_ABORT was invoked" banner) and mpirun is still running `ABORT_GRACE` later — it
 /// waits on the daemon of a host it can no longer reach — mpirun is stopped: the job must
 /// end within its timeout, whatever the network does.
-fn supervise(cmd: &[String]) -> u8 {
+///
+/// When Open MPI reports that it lost a host's daemon (a host down or unreachable), the
+/// devices that host ran are named once mpirun has ended.
+fn supervise(cmd: &[String], host_devices: &[(String, String)]) -> u8 {
     use std::io::BufRead;
     use std::sync::atomic::{AtomicBool, Ordering};
     let mut child =
@@ -122,22 +132,52 @@ fn supervise(cmd: &[String]) -> u8 {
             }
         };
     let aborted = std::sync::Arc::new(AtomicBool::new(false));
-    if let Some(stderr) = child.stderr.take() {
+    let lost_host = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+    let reader = child.stderr.take().map(|stderr| {
         let aborted = aborted.clone();
+        let lost_host = lost_host.clone();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
                 eprintln!("{line}");
+                // Open MPI: "Remote daemon: [[30846,0],1] on node 10.78.0.2"
+                if let Some(host) = line.trim().strip_prefix("Remote daemon:").and_then(|r| r.split(" on node ").nth(1))
+                {
+                    if let Ok(mut slot) = lost_host.lock() {
+                        slot.get_or_insert_with(|| host.trim().to_string());
+                    }
+                }
                 // a rank's own failure line (`mpi_run::report_failure`), or Open MPI's banner
                 if line.starts_with("error: rank ") || line.contains("MPI_ABORT was invoked") {
                     aborted.store(true, Ordering::Relaxed);
                 }
             }
-        });
-    }
+        })
+    });
+    let name_lost_host = || {
+        let host = lost_host.lock().ok().and_then(|h| h.clone());
+        if let Some(host) = host {
+            let devices =
+                host_devices.iter().find(|(h, _)| *h == host).map(|(_, d)| format!(" ({d})")).unwrap_or_default();
+            eprintln!("error: Open MPI lost host {host}{devices}: it stopped answering (host down or link lost), so the job was ended");
+            return true;
+        }
+        false
+    };
     let mut since: Option<std::time::Instant> = None;
     loop {
         match child.try_wait() {
-            Ok(Some(status)) => return status.code().map(|c| c.clamp(0, 255) as u8).unwrap_or(EXIT_DIAGNOSTICS),
+            Ok(Some(status)) => {
+                // everything mpirun printed has been read before naming what was lost
+                if let Some(r) = reader {
+                    let _ = r.join();
+                }
+                let lost = name_lost_host();
+                return match status.code() {
+                    Some(0) if lost => EXIT_DIAGNOSTICS,
+                    Some(c) => c.clamp(0, 255) as u8,
+                    None => EXIT_DIAGNOSTICS,
+                };
+            }
             Ok(None) => {}
             Err(e) => {
                 eprintln!("error: cannot wait for mpirun: {e}");
@@ -149,6 +189,7 @@ fn supervise(cmd: &[String]) -> u8 {
             if t.elapsed() > ABORT_GRACE {
                 let _ = child.kill();
                 let _ = child.wait();
+                name_lost_host();
                 eprintln!(
                     "error: a rank aborted the job and mpirun had not ended it {} s later (a host it cannot reach?): stopped mpirun",
                     ABORT_GRACE.as_secs()

@@ -294,6 +294,8 @@ fn handle_request(
                             ide::CompletionKind::Key => CompletionItemKind::PROPERTY,
                             ide::CompletionKind::Value => CompletionItemKind::ENUM_MEMBER,
                             ide::CompletionKind::Layer => CompletionItemKind::FUNCTION,
+                            ide::CompletionKind::Block => CompletionItemKind::MODULE,
+                            ide::CompletionKind::Tensor => CompletionItemKind::VARIABLE,
                         }),
                         insert_text: Some(c.insert),
                         ..Default::default()

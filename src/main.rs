@@ -75,12 +75,16 @@ enum Command {
         /// Memory per device.
         #[arg(long, default_value = "16GB")]
         memory: String,
-        /// Samples the profile's times cover (PipeDream's VGG-16 profile: 64).
+        /// Samples per microbatch, for a pipec profile (its times are scaled to it; a
+        /// PipeDream graph is planned per minibatch as profiled).
         #[arg(long, default_value_t = 64)]
         batch: usize,
-        /// Microbatches the weight all-reduce is amortised over (PipeDream: 1).
+        /// Microbatches per step, for `--sync all-reduce`.
         #[arg(long, default_value_t = 1)]
         microbatches: usize,
+        /// How replicated stages keep their weights in step.
+        #[arg(long, value_enum, default_value_t = plan_profile_cmd::SyncArg::Auto)]
+        sync: plan_profile_cmd::SyncArg,
     },
     /// Run the language server on standard input/output (diagnostics, hover, completion,
     /// quick fixes for spec files).
@@ -231,7 +235,7 @@ fn main() -> ExitCode {
             profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal())
         }
         Command::Lsp => lsp::run(),
-        Command::PlanProfile { file, nodes, devices_per_node, intra, inter, memory, batch, microbatches } => {
+        Command::PlanProfile { file, nodes, devices_per_node, intra, inter, memory, batch, microbatches, sync } => {
             plan_profile_cmd::run(
                 &file,
                 &plan_profile_cmd::PlanProfileArgs {
@@ -242,6 +246,7 @@ fn main() -> ExitCode {
                     memory,
                     batch,
                     microbatches,
+                    sync,
                 },
             )
         }

@@ -5,9 +5,11 @@
 use std::path::Path;
 use std::time::Instant;
 
-use pipec_compiler::cost::{parse_pipedream_profile, pipedream_costs, pipedream_cut_bytes, LayerCost, Profile};
-use pipec_compiler::partition::{auto, AutoInput};
+use pipec_compiler::cost::Profile;
+use pipec_compiler::partition::{auto, LayerChain, Machines, WeightSync};
+use pipec_compiler::pipedream::{self, parse_pipedream_profile};
 use pipec_grammar::dsl::{lookup_unit, parse_quantity, Dimension};
+use pipec_grammar::spec::Link;
 
 use crate::{EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
 
@@ -19,9 +21,21 @@ pub struct PlanProfileArgs {
     pub intra: String,
     pub inter: String,
     pub memory: String,
-    /// Samples the profile's times cover (PipeDream's profiles: the minibatch, 64 for VGG).
+    /// Samples per unit of work for a pipec profile (its times are scaled to it).
     pub batch: usize,
     pub microbatches: usize,
+    pub sync: SyncArg,
+}
+
+/// `--sync`: how replicated stages keep their weights in step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncArg {
+    /// PipeDream's for a PipeDream graph, an all-reduce per step for a pipec profile.
+    Auto,
+    /// PipeDream's: each replica exchanges weights after every minibatch it trains.
+    Pipedream,
+    /// One ring all-reduce per step of `--microbatches` microbatches.
+    AllReduce,
 }
 
 fn quantity(text: &str, dim: Dimension, what: &str) -> Result<f64, String> {
@@ -40,9 +54,18 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
             return EXIT_USAGE;
         }
     };
-    // the bytes crossing a cut after each layer, per minibatch: a pipec profile is a chain
-    // (a layer's output), a PipeDream graph sums every edge that crosses
-    let (names, costs, cuts): (Vec<String>, Vec<LayerCost>, Vec<f64>) = if text.trim_start().starts_with('{') {
+    // pipec's profile is a chain timed per `batch_size` samples (a microbatch of `--batch`);
+    // PipeDream's graph is timed per minibatch, and a cut carries every edge that crosses it
+    let pipedream_graph = !text.trim_start().starts_with('{');
+    let chain: LayerChain = if pipedream_graph {
+        match parse_pipedream_profile(&text) {
+            Ok(nodes) => pipedream::chain(&nodes),
+            Err(e) => {
+                eprintln!("error: `{}`: {e}", file.display());
+                return EXIT_USAGE;
+            }
+        }
+    } else {
         let profile: Profile = match serde_json::from_str(&text) {
             Ok(p) => p,
             Err(e) => {
@@ -50,34 +73,24 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
                 return EXIT_USAGE;
             }
         };
-        let costs: Vec<LayerCost> = profile
-            .layers
-            .iter()
-            .map(|l| LayerCost {
-                forward_flops_per_sample: 0.0,
-                backward_flops_per_sample: 0.0,
-                forward_s: l.forward_ms / 1e3,
-                backward_s: l.backward_ms / 1e3,
-                parameters: l.parameter_bytes / 4,
-                parameter_bytes: l.parameter_bytes,
-                activation_bytes_per_sample: l.activation_bytes / profile.batch_size.max(1) as u64,
-                output_bytes_per_sample: l.output_bytes / profile.batch_size.max(1) as u64,
-            })
-            .collect();
-        let cuts = costs.iter().map(|c: &LayerCost| c.output_bytes_per_sample as f64 * a.batch as f64).collect();
-        (profile.layers.iter().map(|l| l.name.clone()).collect(), costs, cuts)
-    } else {
-        match parse_pipedream_profile(&text) {
-            Ok(nodes) => (
-                nodes.iter().map(|n| n.description.clone()).collect(),
-                pipedream_costs(&nodes, a.batch, a.batch),
-                pipedream_cut_bytes(&nodes),
-            ),
-            Err(e) => {
-                eprintln!("error: `{}`: {e}", file.display());
-                return EXIT_USAGE;
-            }
+        let scale = a.batch as f64 / profile.batch_size.max(1) as f64;
+        let l = &profile.layers;
+        LayerChain {
+            names: l.iter().map(|l| l.name.clone()).collect(),
+            times: l.iter().map(|l| (l.forward_ms + l.backward_ms) / 1e3 * scale).collect(),
+            parameter_bytes: l.iter().map(|l| l.parameter_bytes as f64).collect(),
+            cut_bytes: l.iter().map(|l| l.output_bytes as f64 * scale).collect(),
+            memory_bytes: l
+                .iter()
+                .map(|l| 3.0 * l.parameter_bytes as f64 + l.activation_bytes as f64 * scale)
+                .collect(),
         }
+    };
+    let sync = match a.sync {
+        SyncArg::Pipedream => WeightSync::PipeDream,
+        SyncArg::AllReduce => WeightSync::PerStep { microbatches: a.microbatches.max(1) },
+        SyncArg::Auto if pipedream_graph => WeightSync::PipeDream,
+        SyncArg::Auto => WeightSync::PerStep { microbatches: a.microbatches.max(1) },
     };
     let parsed = (|| -> Result<(f64, f64, f64), String> {
         Ok((
@@ -93,57 +106,56 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
             return EXIT_USAGE;
         }
     };
-    if a.nodes == 0 || a.devices_per_node == 0 || costs.is_empty() {
+    if a.nodes == 0 || a.devices_per_node == 0 || chain.times.is_empty() {
         eprintln!("error: need at least one node, one device per node and one layer");
         return EXIT_USAGE;
     }
-    let times: Vec<f64> = costs.iter().map(|c| c.forward_s + c.backward_s).collect();
-    let params: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();
-    // weights, gradients and one optimizer copy; activations for the in-flight microbatches
-    let memory_per_layer: Vec<f64> = costs
-        .iter()
-        .map(|c| c.parameter_bytes as f64 * 3.0 + c.activation_bytes_per_sample as f64 * a.batch as f64)
-        .collect();
-    let input = AutoInput {
-        layer_times: &times,
-        parameter_bytes: &params,
-        cut_bytes: &cuts,
-        memory_bytes: &memory_per_layer,
-        machines: a.nodes * a.devices_per_node,
-        machines_per_node: a.devices_per_node,
+    let machines = Machines {
+        nodes: a.nodes,
+        per_node: a.devices_per_node,
         memory_capacity: memory,
-        microbatches: a.microbatches.max(1),
-        intra: (intra, 0.0),
-        inter: (inter, 0.0),
+        intra: Link { bandwidth: intra, latency: 0.0 },
+        inter: Link { bandwidth: inter, latency: 0.0 },
     };
+    let input = chain.input(&machines, sync);
     let start = Instant::now();
     let Some(plan) = auto(&input) else {
         eprintln!("error: no partition fits in {} per device", a.memory);
         return EXIT_DIAGNOSTICS;
     };
     let took = start.elapsed().as_secs_f64();
-    let single: f64 = times.iter().sum();
+    let single: f64 = chain.times.iter().sum();
+    let unit = if pipedream_graph { "minibatch" } else { "microbatch" };
     println!(
-        "{} layers, {} node(s) x {} device(s); one device: {:.2} ms per minibatch",
-        costs.len(),
+        "{} layers, {} node(s) x {} device(s); one device: {:.2} ms per {unit}",
+        chain.times.len(),
         a.nodes,
         a.devices_per_node,
         single * 1e3
     );
+    println!(
+        "weight sync: {}",
+        match sync {
+            WeightSync::PipeDream =>
+                "PipeDream's (every replica exchanges 4(m-1)/m of the stage's weights per minibatch it trains)"
+                    .to_string(),
+            WeightSync::PerStep { microbatches } => format!("one ring all-reduce per {microbatches} microbatch(es)"),
+        }
+    );
     println!("partition: {}", plan.notation());
     for (s, (r, m)) in plan.ranges.iter().zip(&plan.replicas).enumerate() {
-        let t: f64 = times[r.clone()].iter().sum();
+        let t: f64 = chain.times[r.clone()].iter().sum();
         println!(
-            "  stage {s}: layers {}..{} ({} .. {}) on {m} device(s), {:.2} ms per minibatch",
+            "  stage {s}: layers {}..{} ({} .. {}) on {m} device(s), {:.2} ms compute per {unit}",
             r.start,
             r.end,
-            names[r.start],
-            names[r.end - 1],
+            chain.names[r.start],
+            chain.names[r.end - 1],
             t * 1e3
         );
     }
     println!(
-        "predicted time per minibatch: {:.2} ms ({:.2}x one device); planned in {:.4} s",
+        "predicted time per {unit}: {:.2} ms ({:.2}x one device); planned in {:.4} s",
         plan.time_per_microbatch * 1e3,
         single / plan.time_per_microbatch,
         took

@@ -190,3 +190,62 @@ fn a_strategy_cluster_mismatch_offers_the_matching_cluster_size() {
     let e = d.iter().find(|d| d.code == "E0402").expect("E0402");
     assert!(e.fix.is_none() && e.help.is_some(), "{e:?}");
 }
+
+fn model_of(path: &str) -> pipec_grammar::spec::Model {
+    let src = read(&Path::new(env!("CARGO_MANIFEST_DIR")).join(path));
+    let result = check_source_in(&src, Path::new(path).parent());
+    assert!(!result.has_errors(), "{path}: {:?}", result.diagnostics);
+    result.spec.expect("checks").model
+}
+
+#[test]
+fn resnet50_has_torchvisions_parameter_count() {
+    // torchvision.models.resnet50(): sum(p.numel() for p in model.parameters())
+    let model = model_of("specs/resnet50.yaml");
+    let params: u64 = model.layers.iter().map(|l| l.op.parameter_count()).sum();
+    assert_eq!(params, 25_557_032);
+    // 53 convolutions (49 in the bottlenecks and the stem, 4 projections), 53 batch norms,
+    // 16 residual additions, one classifier
+    let count = |name: &str| model.layers.iter().filter(|l| l.op.name() == name).count();
+    assert_eq!((count("conv2d"), count("batchnorm2d"), count("add"), count("linear")), (53, 53, 16, 1));
+    assert_eq!(model.output_shape(), &[1000]);
+    // a labelled block call names the range of layers it expanded into
+    let res3 = model.groups.iter().find(|g| g.label == "res3").expect("res3");
+    assert_eq!(model.layers[res3.first].op.name(), "conv2d");
+    assert_eq!(model.layers[res3.last].op.name(), "relu");
+    assert_eq!(model.layers[res3.last].output_shape, vec![512, 28, 28]);
+    assert_eq!(model.layers[res3.last - 1].op.name(), "add");
+}
+
+#[test]
+fn inception_modules_concatenate_their_branches() {
+    // GoogLeNet's stem, 3a, 3b and 4a: torchvision's counts for these layers (convolutions
+    // with bias, no batch norm) plus a 512 -> 1000 classifier
+    let model = model_of("specs/inception.yaml");
+    let concats: Vec<&pipec_grammar::spec::Layer> = model.layers.iter().filter(|l| l.op.name() == "concat").collect();
+    assert_eq!(concats.len(), 3);
+    assert_eq!(concats[0].output_shape, vec![256, 28, 28]);
+    assert_eq!(concats[1].output_shape, vec![480, 28, 28]);
+    assert_eq!(concats[2].output_shape, vec![512, 14, 14]);
+    assert!(concats.iter().all(|c| c.inputs.len() == 4));
+    // every branch reads the module's input
+    let first = model.groups.iter().find(|g| g.label == "i3a").expect("i3a");
+    let module_input = pipec_plan::model::Source::Layer(first.first - 1);
+    let readers = model.layers[first.first..=first.last].iter().filter(|l| l.inputs.contains(&module_input)).count();
+    assert_eq!(readers, 4);
+}
+
+#[test]
+fn an_unused_branch_is_a_warning_and_blocks_are_scoped() {
+    let src = "name: g\nmodel:\n  input: [8]\n  blocks:\n    res(n):\n      - linear(n, n) -> relu as h\n      - add(h, in)\n  layers:\n    - linear(8, 8) as x\n    - x -> linear(8, 4) as unused\n    - x -> res(8) -> res(8)\n    - linear(8, 3)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { kind: cpu, memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 1us }\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
+    let result = check_source_in(src, None);
+    assert!(!result.has_errors(), "{:?}", result.diagnostics);
+    let warnings: Vec<&str> =
+        result.diagnostics.iter().filter(|d| d.code == "W0311").map(|d| d.message.as_str()).collect();
+    assert_eq!(warnings, vec!["`unused` is never used"]);
+    let model = result.spec.expect("checks").model;
+    // x, unused, two blocks of (linear, relu, add), the head: the blocks' `h` stays local
+    assert_eq!(model.layers.len(), 9);
+    assert_eq!(model.layers[4].inputs, vec![pipec_plan::model::Source::Layer(3), pipec_plan::model::Source::Layer(0)]);
+    assert!(model.layers.iter().all(|l| l.label.as_deref() != Some("h")));
+}

@@ -4,10 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use pipec_compiler::cost::{parse_pipedream_profile, pipedream_costs, pipedream_cut_bytes};
-use pipec_compiler::partition::{auto, balanced, AutoInput};
+use pipec_compiler::partition::{auto, balanced, AutoInput, WeightSync};
+use pipec_compiler::pipedream::{self, parse_pipedream_profile, pipedream_price, plan_like_pipedream};
 use pipec_compiler::{compile, CompileOptions};
 use pipec_executor::RunOptions;
+use pipec_grammar::spec::Link;
 use pipec_plan::Plan;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -49,9 +50,9 @@ fn planner() {
         machines: 1024,
         machines_per_node: 8,
         memory_capacity: 80e9,
-        microbatches: 64,
-        intra: (300e9, 5e-6),
-        inter: (25e9, 10e-6),
+        sync: WeightSync::PerStep { microbatches: 64 },
+        intra: Link { bandwidth: 300e9, latency: 5e-6 },
+        inter: Link { bandwidth: 25e9, latency: 10e-6 },
     };
     let (t, plan) = time(5, || auto(&input).expect("plans"));
     println!(
@@ -117,56 +118,63 @@ fn compiler() {
     println!("hybrid dp32 x pp8 x tp4 = 1024 devices, 96 transformer blocks, 256 microbatches: {:.3} s for {} instructions (step {:.1} ms, bubble {:.1}%)", t, instrs, plan.simulation.step_time_s * 1e3, plan.simulation.bubble_fraction * 100.0);
 }
 
-fn vgg() {
-    println!("## PipeDream's VGG-16 profile on 4 servers x 4 GPUs (8 GB/s inside, 10 Gbps between)");
-    let path = std::env::var("PIPEC_VGG16").unwrap_or_else(|_| {
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/pipedream-profiles/vgg16/graph.txt").into()
-    });
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        println!("(skipped: {path} not found; set PIPEC_VGG16)");
+/// pipec's `auto` against PipeDream's own optimizer on PipeDream's published profiles: the
+/// plans PipeDream chose (`tests/reference/pipedream-profiles/pipedream-plans.json`, written
+/// by `run_pipedream.py` there) against pipec's, both priced with PipeDream's objective.
+fn pipedream() {
+    println!("## PipeDream's published profiles: pipec's auto against PipeDream's optimizer");
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/pipedream-profiles");
+    let Ok(text) = std::fs::read_to_string(format!("{dir}/pipedream-plans.json")) else {
+        println!("(skipped: {dir}/pipedream-plans.json not found)");
         return;
     };
-    let nodes = parse_pipedream_profile(&text).expect("parses");
-    // the profile is per minibatch of 64 samples; PipeDream plans per minibatch
-    let costs = pipedream_costs(&nodes, 64, 64);
-    let times: Vec<f64> = costs.iter().map(|c| c.forward_s + c.backward_s).collect();
-    let params: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();
-    let cuts = pipedream_cut_bytes(&nodes);
-    let memory: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64 * 3.0).collect();
-    let single: f64 = times.iter().sum();
-    let input = AutoInput {
-        layer_times: &times,
-        parameter_bytes: &params,
-        cut_bytes: &cuts,
-        memory_bytes: &memory,
-        machines: 16,
-        machines_per_node: 4,
-        memory_capacity: 16e9,
-        microbatches: 1,
-        intra: (8e9, 0.0),
-        inter: (1.25e9, 0.0),
-    };
-    let (t, plan) = time(5, || auto(&input).expect("plans"));
-    let stages: Vec<String> = plan.ranges.iter().map(|r| format!("{}..{}", r.start, r.end)).collect();
-    println!("{} layers; one GPU: {:.1} ms per minibatch", nodes.len(), single * 1e3);
-    println!(
-        "auto: {} (layers {}) predicted {:.2} ms per minibatch ({:.2}x one GPU), planned in {:.4} s",
-        plan.notation(),
-        stages.join(" "),
-        plan.time_per_microbatch * 1e3,
-        single / plan.time_per_microbatch,
-        t
-    );
-    // data parallelism over all 16 GPUs for comparison (the all-reduce crosses servers)
-    let dp = {
-        let w: f64 = params.iter().sum();
-        let ar = 2.0 * 15.0 / 16.0 * w / 1.25e9;
-        (single / 16.0).max(ar)
-    };
-    println!(
-        "for comparison, data parallelism over 16 GPUs: {:.2} ms per minibatch (weight sync over 10 Gbps dominates)",
-        dp * 1e3
-    );
+    let recorded: serde_json::Value = serde_json::from_str(&text).expect("pipedream-plans.json parses");
+    let clusters = recorded["clusters"].as_array().cloned().unwrap_or_default();
+    println!("| profile | cluster | PipeDream's plan | PipeDream's time | its optimizer | pipec's plan | pipec predicted | priced by PipeDream | ratio | pipec planned in |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for run in recorded["runs"].as_array().cloned().unwrap_or_default() {
+        let model = run["model"].as_str().unwrap_or_default();
+        let cluster_name = run["cluster"].as_str().unwrap_or_default();
+        let Some(cluster) = clusters.iter().find(|c| c["name"] == cluster_name) else { continue };
+        let levels: Vec<(usize, f64)> = cluster["machines"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .zip(cluster["bandwidths"].as_array().into_iter().flatten())
+            .map(|(m, b)| (m.as_u64().unwrap_or(1) as usize, b.as_f64().unwrap_or(1.0)))
+            .collect();
+        let (per_server, b1) = levels[0];
+        let (servers, b2) = levels.get(1).copied().unwrap_or((1, b1));
+        let file = run["profile"].as_str().map(str::to_string).unwrap_or_else(|| format!("{model}/graph.txt"));
+        let nodes = parse_pipedream_profile(&std::fs::read_to_string(format!("{dir}/{file}")).expect("profile"))
+            .expect("parses");
+        let chain = pipedream::chain(&nodes);
+        let (t, plan) = time(3, || plan_like_pipedream(&chain, per_server, servers, (b1, b2)).expect("plans"));
+        let price = pipedream_price(&chain, &plan.ranges, &plan.replicas, per_server, (b1, b2));
+        let (theirs, their_time, their_seconds, ratio) = if run["finished"].as_bool() == Some(true) {
+            let layout: Vec<String> = run["stages"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|s| s["devices"].as_u64().unwrap_or(0).to_string())
+                .collect();
+            let ms = run["time_ms"].as_f64().unwrap_or(f64::NAN);
+            (
+                layout.join("-"),
+                format!("{ms:.2} ms"),
+                format!("{:.1} s", run["optimizer_seconds"].as_f64().unwrap_or(f64::NAN)),
+                format!("{:.3}", price * 1e3 / ms),
+            )
+        } else {
+            ("(did not finish)".into(), "-".into(), "-".into(), "-".into())
+        };
+        println!(
+            "| {model} | {cluster_name} | {theirs} | {their_time} | {their_seconds} | {} | {:.2} ms | {:.2} ms | {ratio} | {t:.4} s |",
+            plan.notation(),
+            plan.time_per_microbatch * 1e3,
+            price * 1e3,
+        );
+    }
 }
 
 fn mlp_spec(devices: usize, stages: &str, schedule: &str, throughput: &str) -> String {
@@ -352,8 +360,8 @@ fn main() {
     if what == "compiler" || what == "all" {
         compiler();
     }
-    if what == "vgg" || what == "all" {
-        vgg();
+    if what == "pipedream" || what == "all" {
+        pipedream();
     }
     if what == "executor" || what == "all" {
         executor();

@@ -16,6 +16,7 @@ use std::ops::Range;
 
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::{Data, Optimizer, Partition, Spec};
+use pipec_plan::model::Source;
 use pipec_plan::plan::{
     DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, OptimizerPlan, ScheduleInfo, Simulation,
     StagePlan, TrainingPlan, PLAN_VERSION,
@@ -29,7 +30,7 @@ use crate::cost::{analytic_costs, ApplyProfile, LayerCost, Profile};
 use crate::ir::{self, Graph};
 use crate::lower::{lower, LowerInput};
 use crate::memory::{device_memory, human_bytes, StageBytes};
-use crate::partition::{self, AutoInput};
+use crate::partition::{self, AutoInput, WeightSync};
 use crate::schedule::{generate, Placement};
 use crate::simulate::{simulate, utilisation, CostModel, Timeline};
 use crate::verify::{verify, VerifyInput};
@@ -409,6 +410,7 @@ fn assemble(
             index,
             op: node.op.clone(),
             label: node.label.clone(),
+            inputs: (node.inputs != [Source::before(index)]).then(|| node.inputs.clone()),
             input_shape: node.input_shape.clone(),
             output_shape: node.output_shape.clone(),
             parameters: c.parameters,
@@ -591,9 +593,9 @@ fn partition_layers(spec: &Spec, model: &ModelCosts) -> Result<Layout, Vec<Diagn
                 machines,
                 machines_per_node: cluster.devices_per_node / strategy.tp.max(1),
                 memory_capacity: cluster.memory - crate::memory::workspace_reserve(cluster.memory) as f64,
-                microbatches: strategy.microbatches,
-                intra: (cluster.intra.bandwidth, cluster.intra.latency),
-                inter: (cluster.inter.bandwidth, cluster.inter.latency),
+                sync: WeightSync::PerStep { microbatches: strategy.microbatches },
+                intra: cluster.intra,
+                inter: cluster.inter,
             };
             let plan = partition::auto(&input).ok_or_else(|| {
                 vec![Diagnostic::error(

@@ -40,7 +40,12 @@ pub fn forward_flops(node: &OpNode) -> f64 {
         }
         Op::Conv2d { in_channels, kernel, .. } => out * 2.0 * in_channels as f64 * (kernel * kernel) as f64,
         Op::MaxPool2d { kernel, .. } | Op::AvgPool2d { kernel, .. } => out * (kernel * kernel) as f64,
-        Op::Flatten => 0.0,
+        // every input element is summed once into its window's average
+        Op::AdaptiveAvgPool2d { .. } => inp,
+        // mean, variance, normalise, scale and shift
+        Op::BatchNorm2d { .. } => 5.0 * inp,
+        Op::Add { inputs } => (inputs.saturating_sub(1)) as f64 * out,
+        Op::Flatten | Op::Concat { .. } => 0.0,
         Op::Relu | Op::Dropout { .. } => inp,
         Op::Gelu | Op::Tanh | Op::Sigmoid => 8.0 * inp,
         Op::LayerNorm { .. } => 5.0 * inp,
@@ -71,7 +76,8 @@ pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
     let p = precision_bytes as f64;
     let inp = numel(&node.input_shape);
     let bytes = match node.op {
-        Op::Flatten => 0.0,
+        // the gradient passes through unchanged (add) or is sliced (concat, flatten)
+        Op::Flatten | Op::Add { .. } | Op::Concat { .. } | Op::AdaptiveAvgPool2d { .. } => 0.0,
         Op::Dropout { .. } => inp,         // one-byte mask
         Op::Embedding { .. } => inp * 8.0, // token ids
         Op::TransformerBlock { d_model, heads, .. } => {
@@ -134,158 +140,38 @@ impl ApplyProfile for Profile {
     }
 }
 
-/// A layer profile in PipeDream's `graph.txt` format, as a chain in topological order.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PipeDreamNode {
-    pub id: String,
-    pub description: String,
-    pub forward_ms: f64,
-    pub backward_ms: f64,
-    /// Output bytes for the profiled minibatch (a node with several outputs, such as
-    /// GNMT's LSTMs, lists them; they are summed).
-    pub activation_size: f64,
-    pub parameter_size: f64,
-    /// The nodes this node's output feeds, as indices into the topological order.
-    pub successors: Vec<usize>,
-}
-
-/// Bytes crossing a cut after each position of the topological order, for the profiled
-/// minibatch: every node before the cut whose output feeds a node after it counts once (a
-/// cut inside a residual block carries the block's input and its current activation).
-/// Entry j − 1 is the cut after the first j nodes.
-pub fn pipedream_cut_bytes(nodes: &[PipeDreamNode]) -> Vec<f64> {
-    (1..=nodes.len())
-        .map(|j| nodes[..j].iter().filter(|n| n.successors.iter().any(|&s| s >= j)).map(|n| n.activation_size).sum())
-        .collect()
-}
-
-/// Parses PipeDream's profile: node lines `nodeN -- desc -- forward_compute_time=..,
-/// backward_compute_time=.., activation_size=.., parameter_size=..` and edge lines
-/// `\tnodeA -- nodeB`. Returns the nodes in topological order.
-pub fn parse_pipedream_profile(text: &str) -> Result<Vec<PipeDreamNode>, String> {
-    let mut nodes: Vec<PipeDreamNode> = Vec::new();
-    let mut edges: Vec<(String, String)> = Vec::new();
-    for (lineno, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        if line.starts_with('\t') || line.starts_with(' ') {
-            let parts: Vec<&str> = line.trim().split(" -- ").collect();
-            if parts.len() != 2 {
-                return Err(format!("line {}: expected an edge `nodeA -- nodeB`", lineno + 1));
-            }
-            edges.push((parts[0].trim().to_string(), parts[1].trim().to_string()));
-            continue;
-        }
-        let parts: Vec<&str> = line.splitn(3, " -- ").collect();
-        if parts.len() != 3 {
-            return Err(format!("line {}: expected `nodeN -- description -- costs`", lineno + 1));
-        }
-        // `key=value` pairs; a value may be a list `[a; b]` (GNMT's LSTMs), which is summed
-        let get = |key: &str| -> Result<f64, String> {
-            let start =
-                parts[2].find(&format!("{key}=")).ok_or_else(|| format!("line {}: missing `{key}`", lineno + 1))?
-                    + key.len()
-                    + 1;
-            let rest = parts[2][start..].trim_start();
-            let value = match rest.strip_prefix('[') {
-                Some(list) => list.split(']').next().unwrap_or(""),
-                None => rest.split(',').next().unwrap_or(""),
-            };
-            value
-                .split([',', ';'])
-                .map(str::trim)
-                .filter(|v| !v.is_empty())
-                .map(|v| v.parse::<f64>().map_err(|e| format!("line {}: `{key}`: {e}", lineno + 1)))
-                .sum::<Result<f64, String>>()
-        };
-        nodes.push(PipeDreamNode {
-            id: parts[0].trim().to_string(),
-            description: parts[1].trim().to_string(),
-            forward_ms: get("forward_compute_time")?,
-            backward_ms: get("backward_compute_time")?,
-            activation_size: get("activation_size")?,
-            parameter_size: get("parameter_size")?,
-            successors: Vec::new(),
-        });
-    }
-    // Topological order (Kahn), ties broken by node number so the order is deterministic.
-    let index: std::collections::HashMap<&str, usize> =
-        nodes.iter().enumerate().map(|(i, n)| (n.id.as_str(), i)).collect();
-    let mut indegree = vec![0usize; nodes.len()];
-    let mut out: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
-    for (a, b) in &edges {
-        let (Some(&ia), Some(&ib)) = (index.get(a.as_str()), index.get(b.as_str())) else {
-            return Err(format!("edge {a} -- {b} names an unknown node"));
-        };
-        out[ia].push(ib);
-        indegree[ib] += 1;
-    }
-    let indegree_before = indegree.clone();
-    let number = |i: usize| nodes[i].id.trim_start_matches("node").parse::<u64>().unwrap_or(u64::MAX);
-    let mut ready: std::collections::BTreeSet<(u64, usize)> =
-        (0..nodes.len()).filter(|&i| indegree[i] == 0).map(|i| (number(i), i)).collect();
-    let mut order = Vec::with_capacity(nodes.len());
-    while let Some(first) = ready.iter().next().copied() {
-        ready.remove(&first);
-        order.push(first.1);
-        for &j in &out[first.1] {
-            indegree[j] -= 1;
-            if indegree[j] == 0 {
-                ready.insert((number(j), j));
-            }
-        }
-    }
-    if order.len() != nodes.len() {
-        return Err("the profile's graph has a cycle".into());
-    }
-    let mut position = vec![0usize; nodes.len()];
-    for (p, &i) in order.iter().enumerate() {
-        position[i] = p;
-    }
-    Ok(order
-        .into_iter()
-        .map(|i| {
-            let mut n = nodes[i].clone();
-            n.successors = out[i].iter().map(|&j| position[j]).collect();
-            // The input source is data loading, not a layer: PipeDream's optimizer gives it
-            // no time, memory or parameters (it always sits on the first stage).
-            if indegree_before[i] == 0 && n.description.starts_with("Input") {
-                n.forward_ms = 0.0;
-                n.backward_ms = 0.0;
-                n.parameter_size = 0.0;
-            }
-            n
-        })
-        .collect())
-}
-
-/// Converts a PipeDream profile (profiled at `profiled_batch` samples) to layer costs at
-/// `microbatch_size` samples.
-pub fn pipedream_costs(nodes: &[PipeDreamNode], profiled_batch: usize, microbatch_size: usize) -> Vec<LayerCost> {
-    let scale = microbatch_size as f64 / profiled_batch as f64;
-    nodes
-        .iter()
-        .map(|n| LayerCost {
-            forward_flops_per_sample: 0.0,
-            backward_flops_per_sample: 0.0,
-            forward_s: n.forward_ms / 1e3 * scale,
-            backward_s: n.backward_ms / 1e3 * scale,
-            parameters: (n.parameter_size / 4.0) as u64,
-            parameter_bytes: n.parameter_size as u64,
-            activation_bytes_per_sample: (n.activation_size / profiled_batch as f64) as u64,
-            output_bytes_per_sample: (n.activation_size / profiled_batch as f64) as u64,
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pipec_plan::model::Source;
 
     fn node(op: Op, input: Vec<usize>) -> OpNode {
         let output = op.output_shape(&input).expect("valid shape");
-        OpNode { op, label: None, input_shape: input, output_shape: output }
+        OpNode { op, label: None, inputs: vec![Source::Input], input_shape: input, output_shape: output }
+    }
+
+    #[test]
+    fn graph_layers_flops_and_activations() {
+        // batch norm on [64, 56, 56]: 5 FLOPs per element forward (mean, variance,
+        // normalise, scale, shift), twice that backward (it has weights); keeps its input
+        let bn = node(Op::BatchNorm2d { channels: 64 }, vec![64, 56, 56]);
+        let elems = 64.0 * 56.0 * 56.0;
+        assert_eq!(forward_flops(&bn), 5.0 * elems);
+        assert_eq!(backward_flops(&bn), 10.0 * elems);
+        assert_eq!(activation_bytes(&bn, 4), 64 * 56 * 56 * 4);
+        // a residual add of two [256, 56, 56] tensors: one add per element, nothing kept
+        let add = node(Op::Add { inputs: 2 }, vec![256, 56, 56]);
+        assert_eq!(forward_flops(&add), 256.0 * 56.0 * 56.0);
+        assert_eq!(backward_flops(&add), 256.0 * 56.0 * 56.0);
+        assert_eq!(activation_bytes(&add, 4), 0);
+        // concat only moves memory; global average pooling sums every input element once
+        let cat = node(Op::Concat { inputs: 4 }, vec![64, 28, 28]);
+        assert_eq!((forward_flops(&cat), activation_bytes(&cat, 4)), (0.0, 0));
+        let gap = node(Op::AdaptiveAvgPool2d { size: 1 }, vec![2048, 7, 7]);
+        assert_eq!((forward_flops(&gap), activation_bytes(&gap, 4)), (2048.0 * 49.0, 0));
+        // a padded 3x3/2 max pool on [64, 112, 112]: 9 comparisons per output element
+        let pool = node(Op::MaxPool2d { kernel: 3, stride: 2, padding: 1 }, vec![64, 112, 112]);
+        assert_eq!(forward_flops(&pool), 9.0 * 64.0 * 56.0 * 56.0);
     }
 
     #[test]
@@ -302,14 +188,5 @@ mod tests {
         let n = node(Op::TransformerBlock { d_model: 1024, heads: 16, d_ff: 4096 }, vec![512, 1024]);
         assert_eq!(activation_bytes(&n, 2), 34 * 512 * 1024 + 5 * 16 * 512 * 512);
         assert_eq!(activation_bytes(&n, 4), 2 * (34 * 512 * 1024 + 5 * 16 * 512 * 512));
-    }
-
-    #[test]
-    fn pipedream_profile_parses_in_topological_order() {
-        let text = "node2 -- ReLU -- forward_compute_time=1.0, backward_compute_time=2.0, activation_size=100.0, parameter_size=0.000\nnode1 -- Conv -- forward_compute_time=3.0, backward_compute_time=4.0, activation_size=200.0, parameter_size=40.0\n\tnode1 -- node2\n";
-        let nodes = parse_pipedream_profile(text).expect("parses");
-        assert_eq!(nodes[0].id, "node1");
-        assert_eq!(nodes[1].forward_ms, 1.0);
-        assert!(parse_pipedream_profile("node1 -- x -- forward_compute_time=1\n").is_err());
     }
 }

@@ -1,17 +1,16 @@
 //! The compiler's IR: the model as a graph of operators (petgraph), with typed ids, inferred
 //! shapes on nodes, tensor sizes on edges and a span side table pointing back at the spec.
 //!
-//! The DSL writes chains today, so lowering produces a path; the IR itself is a DAG (an
-//! operator may have several inputs and outputs), and every pass walks it in topological
-//! order, so residual branches need no change below the front end.
+//! The model is a DAG: an operator may read several tensors (a join) and its output may
+//! feed several operators (a residual connection, parallel branches). Operators are kept
+//! in the spec's topological order, the order stages are cut in.
 
 use std::fmt::{self, Write as _};
 
 use petgraph::graph::{DiGraph, NodeIndex};
-use petgraph::visit::EdgeRef;
 use pipec_grammar::spec::Model;
 use pipec_grammar::Span;
-use pipec_plan::model::{fmt_shape, Op};
+use pipec_plan::model::{fmt_shape, Op, Source};
 
 /// Identifies an operator in the IR.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -28,6 +27,9 @@ impl OpId {
 pub struct OpNode {
     pub op: Op,
     pub label: Option<String>,
+    /// The operands in order (the edges carry the same, without the model's input).
+    pub inputs: Vec<Source>,
+    /// The first operand's shape.
     pub input_shape: Vec<usize>,
     pub output_shape: Vec<usize>,
 }
@@ -74,19 +76,37 @@ impl Graph {
         self.spans.get(id.index()).copied().unwrap_or_default()
     }
     /// Bytes per sample that cross a cut placed after the first `cut` operators in
-    /// topological order (every edge from the prefix into the suffix).
+    /// topological order: every tensor made before the cut (the model's input included)
+    /// that an operator after it reads, each counted once however many read it.
     pub fn cut_bytes_per_sample(&self, cut: usize) -> u64 {
-        let position: std::collections::HashMap<OpId, usize> =
-            self.order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-        self.graph
-            .edge_references()
-            .filter(|e| {
-                let a = position[&OpId(e.source())];
-                let b = position[&OpId(e.target())];
-                a < cut && b >= cut
-            })
-            .map(|e| e.weight().bytes_per_sample)
-            .sum()
+        self.crossing(cut).iter().map(|&s| self.source_bytes(s)).sum()
+    }
+    /// The tensors crossing a cut after the first `cut` operators, in order (the model's
+    /// input first, then producers by position).
+    pub fn crossing(&self, cut: usize) -> Vec<Source> {
+        let mut out = std::collections::BTreeSet::new();
+        for &id in self.order.iter().skip(cut) {
+            for &s in &self.graph[id.0].inputs {
+                match s {
+                    Source::Layer(p) if p < cut => {
+                        out.insert(s);
+                    }
+                    Source::Input if cut > 0 => {
+                        out.insert(s);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        out.into_iter().collect()
+    }
+    /// Per-sample bytes of a tensor.
+    pub fn source_bytes(&self, s: Source) -> u64 {
+        let shape = match s {
+            Source::Input => &self.input_shape,
+            Source::Layer(i) => &self.graph[self.order[i].0].output_shape,
+        };
+        shape.iter().product::<usize>() as u64 * self.precision_bytes as u64
     }
     /// Producers feeding `id`.
     pub fn inputs(&self, id: OpId) -> impl Iterator<Item = OpId> + '_ {
@@ -99,22 +119,24 @@ pub fn lower(model: &Model, precision_bytes: usize) -> Graph {
     let mut graph = DiGraph::<OpNode, TensorEdge, u32>::default();
     let mut order = Vec::with_capacity(model.layers.len());
     let mut spans = Vec::with_capacity(model.layers.len());
-    let mut prev: Option<NodeIndex<u32>> = None;
     for layer in &model.layers {
         let n = graph.add_node(OpNode {
             op: layer.op.clone(),
             label: layer.label.clone(),
+            inputs: layer.inputs.clone(),
             input_shape: layer.input_shape.clone(),
             output_shape: layer.output_shape.clone(),
         });
-        if let Some(p) = prev {
-            let shape = graph[p].output_shape.clone();
-            let bytes = shape.iter().product::<usize>() as u64 * precision_bytes as u64;
-            graph.add_edge(p, n, TensorEdge { shape, bytes_per_sample: bytes });
+        for s in &layer.inputs {
+            if let Source::Layer(p) = *s {
+                let from: NodeIndex<u32> = order.get(p).map(|o: &OpId| o.0).unwrap_or(n);
+                let shape = graph[from].output_shape.clone();
+                let bytes = shape.iter().product::<usize>() as u64 * precision_bytes as u64;
+                graph.add_edge(from, n, TensorEdge { shape, bytes_per_sample: bytes });
+            }
         }
         spans.push(layer.span);
         order.push(OpId(n));
-        prev = Some(n);
     }
     // The graph is built in topological order; check it stays a DAG as the DSL grows.
     debug_assert!(petgraph::algo::toposort(&graph, None).is_ok());
@@ -129,8 +151,16 @@ impl fmt::Display for Graph {
             self.order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
         for (i, (id, node)) in self.ops().enumerate() {
             let mut args = String::new();
-            let ins: Vec<String> = self.inputs(id).map(|p| format!("%{}", index[&p])).collect();
-            let ins = if ins.is_empty() { "input".to_string() } else { ins.join(", ") };
+            let _ = (&index, id);
+            let ins: Vec<String> = node
+                .inputs
+                .iter()
+                .map(|s| match s {
+                    Source::Input => "input".to_string(),
+                    Source::Layer(p) => format!("%{p}"),
+                })
+                .collect();
+            let ins = ins.join(", ");
             let _ = write!(args, "{}", op_args(&node.op));
             let label = node.label.as_ref().map(|l| format!("  @{l}")).unwrap_or_default();
             writeln!(
@@ -156,7 +186,16 @@ fn op_args(op: &Op) -> String {
                 if *bias { ", bias" } else { "" }
             )
         }
-        Op::MaxPool2d { kernel, stride } | Op::AvgPool2d { kernel, stride } => format!("[k={kernel}, s={stride}]"),
+        Op::MaxPool2d { kernel, stride, padding } | Op::AvgPool2d { kernel, stride, padding } => {
+            if *padding > 0 {
+                format!("[k={kernel}, s={stride}, p={padding}]")
+            } else {
+                format!("[k={kernel}, s={stride}]")
+            }
+        }
+        Op::AdaptiveAvgPool2d { size } => format!("[{size}x{size}]"),
+        Op::BatchNorm2d { channels } => format!("[{channels}]"),
+        Op::Add { .. } | Op::Concat { .. } => String::new(),
         Op::LayerNorm { dim } => format!("[{dim}]"),
         Op::Dropout { p } => format!("[p={p}]"),
         Op::Embedding { vocab, dim } => format!("[{vocab}x{dim}]"),

@@ -5,7 +5,7 @@
 use burn::module::{Module, Param, ParamId};
 use burn::prelude::*;
 use burn::tensor::activation;
-use burn::tensor::module::{avg_pool2d, conv2d, embedding, max_pool2d};
+use burn::tensor::module::{adaptive_avg_pool2d, avg_pool2d, conv2d, embedding, max_pool2d};
 use burn::tensor::ops::ConvOptions;
 use pipec_plan::model::Op;
 
@@ -393,13 +393,20 @@ pub(crate) fn stateless<B: Backend>(
             }
             Act::Tokens(_) => return Err(ExecError::Shape("flatten cannot take token ids".into())),
         }),
-        Op::MaxPool2d { kernel, stride } => match x {
-            Act::D4(t) => Ok(Act::D4(max_pool2d(t, [kernel; 2], [stride; 2], [0, 0], [1, 1], false))),
+        Op::MaxPool2d { kernel, stride, padding } => match x {
+            Act::D4(t) => Ok(Act::D4(max_pool2d(t, [kernel; 2], [stride; 2], [padding; 2], [1, 1], false))),
             other => Err(ExecError::Shape(format!("maxpool2d needs [batch, C, H, W], got {:?}", other.dims()))),
         },
-        Op::AvgPool2d { kernel, stride } => match x {
-            Act::D4(t) => Ok(Act::D4(avg_pool2d(t, [kernel; 2], [stride; 2], [0, 0], true, false))),
+        // padded zeros count in the average (PyTorch's default)
+        Op::AvgPool2d { kernel, stride, padding } => match x {
+            Act::D4(t) => Ok(Act::D4(avg_pool2d(t, [kernel; 2], [stride; 2], [padding; 2], true, false))),
             other => Err(ExecError::Shape(format!("avgpool2d needs [batch, C, H, W], got {:?}", other.dims()))),
+        },
+        Op::AdaptiveAvgPool2d { size } => match x {
+            Act::D4(t) => Ok(Act::D4(adaptive_avg_pool2d(t, [size; 2]))),
+            other => {
+                Err(ExecError::Shape(format!("adaptive_avgpool2d needs [batch, C, H, W], got {:?}", other.dims())))
+            }
         },
         _ => Err(ExecError::Shape(format!("{} is not a stateless layer", op.name()))),
     }

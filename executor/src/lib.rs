@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::ParamId;
 use burn::tensor::backend::AutodiffBackend;
+use pipec_plan::model::Op;
 use pipec_plan::{DeviceId, Plan, StageId};
 
 use crate::data::Dataset;
@@ -262,6 +263,14 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     }
     if let Some(problem) = plan.check().into_iter().next() {
         return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
+    }
+    // planned and checked, but not run yet
+    if let Some(l) = plan.layers.iter().find(|l| l.inputs.is_some() || matches!(l.op, Op::BatchNorm2d { .. })) {
+        return Err(RunError::setup(format!(
+            "this executor does not run models with branches, joins or batch normalisation yet (layer {} `{}`): `pipec check` and `pipec compile` plan them, `pipec run` cannot train them",
+            l.index,
+            l.op.name()
+        )));
     }
     let devices_in_stages: std::collections::BTreeSet<DeviceId> = plan
         .stages

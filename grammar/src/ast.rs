@@ -1,7 +1,7 @@
 //! The typed spec: what lowering produces and every later phase reads. Every node keeps the
 //! span of the YAML it came from where a later phase may need to point back at it.
 
-use pipec_plan::model::{Loss, Op};
+use pipec_plan::model::{Loss, Op, Source};
 
 use crate::span::Span;
 
@@ -16,7 +16,8 @@ pub struct Spec {
     pub training: Training,
 }
 
-/// The model: per-sample input shape, the flattened list of layers, the loss.
+/// The model: per-sample input shape, the flattened list of layers in a topological order
+/// (each layer after every layer it reads), the loss.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Model {
     pub input: Vec<usize>,
@@ -25,6 +26,35 @@ pub struct Model {
     pub layers_span: Span,
     pub loss: Loss,
     pub loss_span: Span,
+    /// Labelled block calls: the layers each expanded into.
+    pub groups: Vec<LayerGroup>,
+    /// The blocks and named tensors the model defines (for the editor).
+    pub names: Vec<NameDef>,
+}
+
+/// The layers a labelled block call expanded into: `first..=last`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerGroup {
+    pub label: String,
+    pub first: usize,
+    pub last: usize,
+    pub span: Span,
+}
+
+/// What a name in the model language refers to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NameKind {
+    Block,
+    Tensor,
+}
+
+/// A block or a named tensor, where it is defined and what it is (its signature or shape).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NameDef {
+    pub name: String,
+    pub kind: NameKind,
+    pub span: Span,
+    pub detail: String,
 }
 
 impl Model {
@@ -49,8 +79,19 @@ pub struct Layer {
     pub label: Option<String>,
     /// The span of the call in the spec.
     pub span: Span,
+    /// Where each input comes from (one per operand; a chain's layer reads the layer
+    /// before it).
+    pub inputs: Vec<Source>,
+    /// The first input's shape.
     pub input_shape: Vec<usize>,
     pub output_shape: Vec<usize>,
+}
+
+impl Model {
+    /// Whether every layer reads only the layer before it (no branches, skips or joins).
+    pub fn is_chain(&self) -> bool {
+        self.layers.iter().enumerate().all(|(i, l)| l.inputs == [Source::before(i)])
+    }
 }
 
 /// One link level of the cluster.

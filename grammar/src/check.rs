@@ -69,6 +69,8 @@ mod tests {
 
     const EXAMPLE: &str = include_str!("../../specs/mlp-1f1b.yaml");
     const HYBRID: &str = include_str!("../../specs/hybrid.yaml");
+    const INCEPTION: &str = include_str!("../../specs/inception.yaml");
+    const RESNET: &str = include_str!("../../specs/resnet50.yaml");
 
     /// A spec with one random edit: a deleted range, an inserted string, a duplicated or
     /// swapped line.
@@ -112,10 +114,11 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(512))]
         #[test]
         fn mutated_specs_never_panic_and_errors_have_valid_spans(
-            which in 0u8..2, kind in 0u8..4, at in 0usize..2000, len in 0usize..40,
+            which in 0u8..4, kind in 0u8..4, at in 0usize..2000, len in 0usize..40,
             text in "[ -~\\n\\t:\\-\\[\\]{}\"'#&*!|>%@`µ]{0,12}",
         ) {
-            let base = if which == 0 { EXAMPLE } else { HYBRID };
+            // the graph specs exercise blocks, named tensors and joins
+            let base = [EXAMPLE, HYBRID, INCEPTION, RESNET][which as usize];
             let src = mutate(base, kind, at, len, &text);
             let result = check_source(&src);
             for d in &result.diagnostics {

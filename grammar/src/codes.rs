@@ -130,15 +130,69 @@ Example:
 
     input: [784]
     layers:
-      - linear(100, 10)     # error: expects 100 input features, input has 784";
+      - linear(100, 10)     # error: expects 100 input features, input has 784
+
+At `add` every operand must have the same shape, at `concat` every dimension but the
+first; the diagnostic names each operand's shape:
+
+      - add(branch, in)     # error: add needs operands of one shape, got [256, 56, 56] and [64, 56, 56]";
 
 "E0305", "duplicate layer label",
-"Two layers carry the same `as` label, so a partition cannot tell them apart. Labels
-inside `repeat` get `.0`, `.1`, ... appended automatically.";
+"Two layers carry the same `as` name, so neither a partition nor a later `add`/`concat`
+can tell them apart. Names inside `repeat` get `.0`, `.1`, ... appended for partitions,
+and each copy's name refers to the latest copy for what follows. `input` and `in` are
+reserved, and a tensor cannot take the name of a layer or block.";
 
 "E0306", "loss does not fit the model output",
 "`cross_entropy` needs a last layer with a vector output of at least two classes;
 `mse` needs a vector output. Add a `flatten` or a final `linear`.";
+
+"E0307", "unknown tensor",
+"A chain starts from, or a join names, a tensor that is not defined above. Tensors are
+named with `as NAME` after a call and can be used by any later item; `input` is the
+model's input and `in` a block's input. A name is visible where it was defined: inside a
+block only the block's own names and `in`.
+
+Example:
+
+    layers:
+      - conv2d(3, 64, k=3, pad=1) -> batchnorm2d as stem
+      - stem -> conv2d(64, 64, k=3, pad=1) as branch
+      - add(stme, branch)      # error: unknown tensor `stme`, did you mean `stem`?";
+
+"E0308", "misplaced tensor name or join",
+"`add(a, b, ...)` and `concat(a, b, ...)` take the tensors they name (two or more), so
+they start their item: `- add(branch, shortcut) -> relu`. A tensor name can only start a
+chain (`- x -> conv2d(...)`), and `as` names a layer's output, not an existing tensor.
+
+Example:
+
+    layers:
+      - conv2d(64, 64, k=1) -> add(in)     # error: `add` must start its item";
+
+"E0309", "bad block definition or call",
+"A block is defined under `model.blocks` as `name(param, param=default)` mapped to its
+items, and called like a layer with its arguments, by position or by name. The name may
+not be a layer's, parameters are names (`true`, `false`, `input` and `in` are reserved),
+and a call must give every parameter without a default exactly once.
+
+Example:
+
+    blocks:
+      bottleneck(cin, mid, cout, stride=1):
+        - conv2d(cin, mid, k=1) -> batchnorm2d -> relu
+        - ...
+    layers:
+      - bottleneck(64, 64)              # error: missing its argument `cout`";
+
+"E0310", "block calls itself",
+"A block calls itself, directly or through other blocks. Blocks are expanded in place, so
+a recursive block would never end; repeat a block with `repeat N: block(...)` instead.";
+
+"W0311", "unused tensor or block",
+"An output that nothing reads (a branch that is never joined back, an unused named
+tensor) or a block that is never called. The work is still planned and run, so this is
+usually a mistake: join the branch with `add`/`concat`, or remove it.";
 
 "E0401", "strategy syntax error",
 "`strategy.stages` is PipeDream notation: replica counts per stage joined by `-`

@@ -3,7 +3,7 @@
 //! (`pipec lsp`) turns these into LSP messages; they work on text that does not parse yet
 //! (the structure is taken from indentation when the YAML is broken mid-edit).
 
-use crate::layers::{layer_doc, LAYERS};
+use crate::layers::{layer_doc, JOINS, LAYERS};
 use crate::schema::SchemaIndex;
 use crate::span::Span;
 use crate::yaml::{self, Node, Value};
@@ -14,6 +14,10 @@ pub enum CompletionKind {
     Key,
     Value,
     Layer,
+    /// A block defined under `model.blocks`.
+    Block,
+    /// A tensor named with `as` (or `input` / `in`).
+    Tensor,
 }
 
 /// One completion candidate.
@@ -132,20 +136,102 @@ pub fn context(src: &str, offset: usize) -> Context {
     ctx
 }
 
+/// The blocks defined under `model.blocks`, read from the text (so they complete while the
+/// spec has errors): (name, header).
+fn block_headers(src: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut blocks_indent: Option<usize> = None;
+    let mut header_indent: Option<usize> = None;
+    for line in src.lines() {
+        let trimmed = line.trim_start();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            continue;
+        }
+        let ind = indent_of(line);
+        match blocks_indent {
+            None => {
+                if trimmed.starts_with("blocks:") {
+                    blocks_indent = Some(ind);
+                }
+            }
+            Some(b) if ind <= b => {
+                blocks_indent = if trimmed.starts_with("blocks:") { Some(ind) } else { None };
+                header_indent = None;
+            }
+            Some(_) => {
+                let h = *header_indent.get_or_insert(ind);
+                if ind == h && !trimmed.starts_with('-') {
+                    if let Some(header) = trimmed.strip_suffix(':').or_else(|| trimmed.split_once(": ").map(|(k, _)| k))
+                    {
+                        let header = header.trim().trim_matches(|c| c == '"' || c == '\'');
+                        let name: String =
+                            header.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                        if !name.is_empty() {
+                            out.push((name, header.to_string()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The names given with `as NAME` in `text`, in order.
+fn tensor_names(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find(" as ") {
+        rest = &rest[i + 4..];
+        let name: String = rest.trim_start().chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+        if !name.is_empty() && !out.contains(&name) {
+            out.push(name);
+        }
+    }
+    out
+}
+
 /// Completion candidates at `offset`.
 pub fn completions(src: &str, offset: usize, schema: &SchemaIndex) -> Vec<Completion> {
     let ctx = context(src, offset);
     let path: Vec<&str> = ctx.path.iter().map(String::as_str).collect();
     let mut out = Vec::new();
-    // Layer names inside `model.layers` items.
-    if path == ["model", "layers"] || (path.len() >= 2 && path[0] == "model" && path[1] == "layers") {
-        for l in LAYERS {
+    // Layers, joins, blocks and tensor names inside `model.layers` and `model.blocks` items.
+    if path.len() >= 2 && path[0] == "model" && (path[1] == "layers" || path[1] == "blocks") {
+        let in_block = path[1] == "blocks";
+        for l in LAYERS.iter().chain(JOINS) {
             if l.name.starts_with(&ctx.prefix) {
                 out.push(Completion {
                     label: l.name.to_string(),
                     detail: l.signature.to_string(),
                     kind: CompletionKind::Layer,
                     insert: l.name.to_string(),
+                });
+            }
+        }
+        for (name, header) in block_headers(src) {
+            if name.starts_with(&ctx.prefix) {
+                out.push(Completion { label: name.clone(), detail: header, kind: CompletionKind::Block, insert: name });
+            }
+        }
+        let reserved = if in_block { crate::graph::BLOCK_INPUT } else { crate::graph::MODEL_INPUT };
+        let mut tensors: Vec<String> = vec![reserved.to_string()];
+        let mut end = offset.min(src.len());
+        while !src.is_char_boundary(end) {
+            end -= 1;
+        }
+        for name in tensor_names(&src[..end]) {
+            if !tensors.contains(&name) {
+                tensors.push(name);
+            }
+        }
+        for name in tensors {
+            if name.starts_with(&ctx.prefix) {
+                out.push(Completion {
+                    label: name.clone(),
+                    detail: "tensor".into(),
+                    kind: CompletionKind::Tensor,
+                    insert: name,
                 });
             }
         }
@@ -289,10 +375,23 @@ pub fn hover(src: &str, offset: usize, schema: &SchemaIndex, extra: Option<&str>
         }
     };
     let p: Vec<&str> = path.iter().map(String::as_str).collect();
-    if !is_key && p.len() >= 2 && p[0] == "model" && p[1] == "layers" {
+    if !is_key && p.len() >= 2 && p[0] == "model" && (p[1] == "layers" || p[1] == "blocks") {
         let (wspan, word) = word_at(src, offset)?;
-        let doc = layer_doc(word)?;
-        return Some((wspan, format!("**{}**\n\n{}", doc.signature, doc.doc)));
+        if let Some(doc) = layer_doc(word).or_else(|| JOINS.iter().find(|j| j.name == word)) {
+            return Some((wspan, format!("**{}**\n\n{}", doc.signature, doc.doc)));
+        }
+        if let Some((_, header)) = block_headers(src).into_iter().find(|(n, _)| n == word) {
+            return Some((wspan, format!("**{header}**\n\nA block defined under `model.blocks`.")));
+        }
+        // a named tensor: its shape when the model checks
+        let model = crate::check_source(src).spec.map(|s| s.model);
+        let shape =
+            model.and_then(|m| m.names.into_iter().find(|n| n.name == word && n.kind == crate::ast::NameKind::Tensor));
+        return match shape {
+            Some(n) => Some((wspan, format!("**{word}**: tensor {}", n.detail))),
+            None if tensor_names(src).iter().any(|n| n == word) => Some((wspan, format!("**{word}**: a named tensor"))),
+            None => None,
+        };
     }
     if !is_key && p == ["strategy", "stages"] {
         let text = src.get(span.range())?.trim_matches(|c| c == '"' || c == '\'');
@@ -368,6 +467,26 @@ mod tests {
         let src = "model:\n  layers:\n    - lin";
         let l: Vec<String> = completions(src, src.len(), &schema).into_iter().map(|c| c.label).collect();
         assert_eq!(l, vec!["linear".to_string()]);
+    }
+
+    #[test]
+    fn completes_and_hovers_blocks_and_tensor_names() {
+        let schema = SchemaIndex::default();
+        let src = "model:\n  input: [3, 8, 8]\n  blocks:\n    bottleneck(c, mid):\n      - conv2d(c, mid, k=1) as branch\n      - add(br";
+        let c: Vec<(String, CompletionKind)> =
+            completions(src, src.len(), &schema).into_iter().map(|c| (c.label, c.kind)).collect();
+        assert_eq!(c, vec![("branch".to_string(), CompletionKind::Tensor)]);
+        let src = "model:\n  input: [3, 8, 8]\n  blocks:\n    bottleneck(c, mid):\n      - conv2d(c, mid, k=1)\n  layers:\n    - conv2d(3, 8, k=1) as stem\n    - bot";
+        let c: Vec<(String, String)> =
+            completions(src, src.len(), &schema).into_iter().map(|c| (c.label, c.detail)).collect();
+        assert_eq!(c, vec![("bottleneck".to_string(), "bottleneck(c, mid)".to_string())]);
+        let at = src.len() - 1;
+        let (_, text) = hover(&src.replace("- bot", "- bottleneck(8, 4)"), at, &schema, None).expect("hover");
+        assert!(text.contains("bottleneck(c, mid)"), "{text}");
+        let src = "model:\n  input: [3, 8, 8]\n  layers:\n    - conv2d(3, 8, k=1) as stem\n    - stem -> relu\n";
+        let at = src.find("stem ->").expect("use") + 1;
+        let (_, text) = hover(src, at, &schema, None).expect("hover");
+        assert!(text.contains("stem"), "{text}");
     }
 
     #[test]

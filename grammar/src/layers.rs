@@ -67,15 +67,35 @@ pub const LAYERS: &[LayerDoc] = &[
     },
     LayerDoc {
         name: "maxpool2d",
-        signature: "maxpool2d(k, stride=k)",
-        doc: "2-D max pooling with a k×k window.",
-        params: &[pa("k", &["kernel"], ArgKind::Count, None), p("stride", ArgKind::Count, Some(0.0))],
+        signature: "maxpool2d(k, stride=k, pad=0)",
+        doc: "2-D max pooling with a k×k window, padded by `pad` on each side (at most k/2).",
+        params: &[
+            pa("k", &["kernel"], ArgKind::Count, None),
+            p("stride", ArgKind::Count, Some(0.0)),
+            pa("pad", &["padding"], ArgKind::Size, Some(0.0)),
+        ],
     },
     LayerDoc {
         name: "avgpool2d",
-        signature: "avgpool2d(k, stride=k)",
-        doc: "2-D average pooling with a k×k window.",
-        params: &[pa("k", &["kernel"], ArgKind::Count, None), p("stride", ArgKind::Count, Some(0.0))],
+        signature: "avgpool2d(k, stride=k, pad=0)",
+        doc: "2-D average pooling with a k×k window, padded by `pad` zeros on each side (counted in the average).",
+        params: &[
+            pa("k", &["kernel"], ArgKind::Count, None),
+            p("stride", ArgKind::Count, Some(0.0)),
+            pa("pad", &["padding"], ArgKind::Size, Some(0.0)),
+        ],
+    },
+    LayerDoc {
+        name: "adaptive_avgpool2d",
+        signature: "adaptive_avgpool2d(size=1)",
+        doc: "Average pooling to a size×size output whatever the input's height and width; size 1 is global average pooling.",
+        params: &[p("size", ArgKind::Count, Some(1.0))],
+    },
+    LayerDoc {
+        name: "batchnorm2d",
+        signature: "batchnorm2d [(c)]",
+        doc: "Batch normalisation over the channels of a [channels, height, width] input (c is inferred when omitted). In training it uses each microbatch's statistics; its running mean and variance are state (docs/spec.md says how microbatches, replicas and recompute update them).",
+        params: &[p("c", ArgKind::Count, Some(0.0))],
     },
     LayerDoc { name: "flatten", signature: "flatten", doc: "Flattens the per-sample shape to one dimension.", params: &[] },
     LayerDoc { name: "relu", signature: "relu", doc: "Rectified linear unit, max(x, 0).", params: &[] },
@@ -109,6 +129,22 @@ pub const LAYERS: &[LayerDoc] = &[
             p("heads", ArgKind::Count, None),
             pa("ff", &["d_ff"], ArgKind::Count, None),
         ],
+    },
+];
+
+/// The joins: calls that take named tensors instead of the tensor flowing into them.
+pub const JOINS: &[LayerDoc] = &[
+    LayerDoc {
+        name: "add",
+        signature: "add(a, b, ...)",
+        doc: "Element-wise sum of two or more named tensors of one shape (a residual connection). Must start its item.",
+        params: &[],
+    },
+    LayerDoc {
+        name: "concat",
+        signature: "concat(a, b, ...)",
+        doc: "Concatenation of two or more named tensors along their first dimension (channels of a feature map). Must start its item.",
+        params: &[],
     },
 ];
 
@@ -229,8 +265,13 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
         "conv2d" => {
             Op::Conv2d { in_channels: n(0), out_channels: n(1), kernel: n(2), stride: n(3), padding: n(4), bias: b(5) }
         }
-        "maxpool2d" => Op::MaxPool2d { kernel: n(0), stride: if n(1) == 0 { n(0) } else { n(1) } },
-        "avgpool2d" => Op::AvgPool2d { kernel: n(0), stride: if n(1) == 0 { n(0) } else { n(1) } },
+        "maxpool2d" => Op::MaxPool2d { kernel: n(0), stride: if n(1) == 0 { n(0) } else { n(1) }, padding: n(2) },
+        "avgpool2d" => Op::AvgPool2d { kernel: n(0), stride: if n(1) == 0 { n(0) } else { n(1) }, padding: n(2) },
+        "adaptive_avgpool2d" => Op::AdaptiveAvgPool2d { size: n(0) },
+        "batchnorm2d" => {
+            let channels = if n(0) == 0 { input.and_then(|s| s.first().copied()).unwrap_or(0) } else { n(0) };
+            Op::BatchNorm2d { channels }
+        }
         "flatten" => Op::Flatten,
         "relu" => Op::Relu,
         "gelu" => Op::Gelu,
@@ -287,7 +328,9 @@ mod tests {
             op("conv2d(3, 64, kernel=3, padding=1)"),
             Ok(Op::Conv2d { in_channels: 3, out_channels: 64, kernel: 3, stride: 1, padding: 1, bias: true })
         );
-        assert_eq!(op("maxpool2d(2)"), Ok(Op::MaxPool2d { kernel: 2, stride: 2 }));
+        assert_eq!(op("maxpool2d(2)"), Ok(Op::MaxPool2d { kernel: 2, stride: 2, padding: 0 }));
+        assert_eq!(op("maxpool2d(3, stride=2, pad=1)"), Ok(Op::MaxPool2d { kernel: 3, stride: 2, padding: 1 }));
+        assert_eq!(op("batchnorm2d"), Ok(Op::BatchNorm2d { channels: 3 }));
         assert_eq!(op("layernorm"), Ok(Op::LayerNorm { dim: 32 }));
     }
 

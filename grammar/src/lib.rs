@@ -2,8 +2,9 @@
 //! problem as a [`diagnostic::Diagnostic`] pointing at the exact place in the file.
 //!
 //! Data flow: source text → [`yaml::parse`] (spanned YAML tree) → [`spec::lower`] (typed
-//! sections, the layer/unit/strategy DSLs parsed with nom, shapes inferred, cross-section
-//! checks) → [`check::CheckResult`]. This crate knows nothing of graphs or tensors.
+//! sections, the layer/unit/strategy DSLs parsed with nom, blocks and named tensors
+//! expanded into layers in topological order ([`graph`]), shapes inferred, cross-section
+//! checks) → [`check::CheckResult`]. This crate knows nothing of tensors.
 
 pub mod ast;
 pub mod check;
@@ -11,6 +12,7 @@ pub mod codes;
 mod cx;
 pub mod diagnostic;
 pub mod dsl;
+mod graph;
 pub mod ide;
 pub mod layers;
 pub mod schema;

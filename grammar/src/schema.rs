@@ -34,12 +34,21 @@ struct Model {
     /// `[128]` (a sequence of 128 token ids) when the first layer is an `embedding`.
     input: Vec<u64>,
     /// The layers in order. Each item is a chain in the layer language,
-    /// `linear(784, 1024) -> relu`, optionally labelled (`linear(1024, 10) as head`), or a
-    /// repetition `repeat 6: linear(1024, 1024) -> relu` (also written as a mapping
-    /// `- repeat 6: ...`). Layers: linear(in, out, bias=true), conv2d(in, out, k=3,
-    /// stride=1, pad=0), maxpool2d(k), avgpool2d(k), flatten, relu, gelu, tanh, sigmoid,
-    /// layernorm, dropout(p), embedding(vocab, d), transformer_block(d=, heads=, ff=).
+    /// `linear(784, 1024) -> relu`, optionally naming its output (`linear(1024, 10) as head`),
+    /// starting from a named tensor (`x -> conv2d(64, 64, k=1)`; `input` is the model's
+    /// input), joining named tensors (`add(a, b) -> relu`, `concat(a, b, c)`), calling a
+    /// block (`bottleneck(256, 64)`), or a repetition `repeat 6: linear(1024, 1024) -> relu`
+    /// (also written as a mapping `- repeat 6: ...`). Layers: linear(in, out, bias=true),
+    /// conv2d(in, out, k=3, stride=1, pad=0), maxpool2d(k, stride=k, pad=0),
+    /// avgpool2d(k, stride=k, pad=0), adaptive_avgpool2d(size=1), batchnorm2d, flatten,
+    /// relu, gelu, tanh, sigmoid, layernorm, dropout(p), embedding(vocab, d),
+    /// transformer_block(d=, heads=, ff=).
     layers: Vec<LayerItem>,
+    /// Reusable blocks, each `name(param, param=default)` mapped to its items (the same
+    /// language as `layers`; `in` is the block's input, its last item's output is the
+    /// block's output), e.g. `conv_bn(cin, cout, k=3): ["conv2d(cin, cout, k=k, pad=1) ->
+    /// batchnorm2d -> relu"]`.
+    blocks: Option<std::collections::BTreeMap<String, Vec<LayerItem>>>,
     /// The loss at the end of the model: `cross_entropy` (classification; the last layer's
     /// output size is the number of classes) or `mse` (regression).
     loss: Loss,

@@ -8,8 +8,7 @@ use pipec_plan::model::{fmt_shape, Loss, Op};
 use pipec_plan::rules;
 
 use crate::diagnostic::Diagnostic;
-use crate::dsl::{self, Dimension, LayerCall};
-use crate::layers::resolve_call;
+use crate::dsl::Dimension;
 use crate::schema::SchemaIndex;
 use crate::span::Span;
 use crate::yaml::{Node, Value};
@@ -116,6 +115,7 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
     let f = cx.fields(node, &["model"], owner)?;
     let input_node = cx.required(&f, "input", "model");
     let layers_node = cx.required(&f, "layers", "model");
+    let blocks_node = f.get("blocks");
     let loss_node = cx.required(&f, "loss", "model");
     let loss = loss_node.and_then(|n| cx.choose::<Loss>(n, &["model", "loss"]));
 
@@ -132,8 +132,16 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
         dims.into_iter().collect::<Option<Vec<usize>>>()
     });
 
-    let layers = layers_node.and_then(|n| lower_layers(cx, n, input.as_deref()));
-    let (input, layers, loss) = (input?, layers?, loss?);
+    let expanded = layers_node.and_then(|n| {
+        if matches!(&n.value, Value::Seq(items) if items.is_empty()) {
+            cx.push(Diagnostic::error("E0105", "the model has no layers", n.span, "add at least one layer"));
+            return None;
+        }
+        Some(crate::graph::expand(cx, n, blocks_node, input.as_deref()))
+    });
+    let expanded = expanded.filter(|e| e.ok);
+    let (input, expanded, loss) = (input?, expanded?, loss?);
+    let crate::graph::Expanded { layers, groups, names, .. } = expanded;
     let loss_node = loss_node?;
     let model = Model {
         input_span: input_node.map(|n| n.span).unwrap_or(owner),
@@ -142,6 +150,8 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
         input,
         layers,
         loss,
+        groups,
+        names,
     };
     // The loss needs a vector output; cross-entropy needs at least two classes.
     let out = model.output_shape();
@@ -180,220 +190,7 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
     }
 }
 
-/// A layer item before shape inference: the call, its file span, its label.
-struct PendingCall<'n> {
-    call: LayerCall,
-    node: &'n Node,
-    label: Option<(String, Span)>,
-}
-
-fn lower_layers(cx: &mut Lower<'_>, node: &Node, input: Option<&[usize]>) -> Option<Vec<Layer>> {
-    let Value::Seq(items) = &node.value else {
-        cx.wrong_type(node, "a list of layer chains");
-        return None;
-    };
-    if items.is_empty() {
-        cx.push(Diagnostic::error("E0105", "the model has no layers", node.span, "add at least one layer"));
-        return None;
-    }
-    // `None` marks an item that did not parse: shapes are unknown after it.
-    let mut pending: Vec<Option<PendingCall<'_>>> = Vec::new();
-    let mut ok = true;
-    for item in items {
-        // `- chain` or `- repeat N: chain`
-        let (repeat, chain_node, chain) = match &item.value {
-            Value::Str(text) => match dsl::parse_layer_item(text) {
-                Ok(parsed) => (parsed.repeat.map(|r| r.0), item, parsed.chain),
-                Err(e) => {
-                    cx.dsl_error("E0301", item, &e, "layer syntax error");
-                    ok = false;
-                    pending.push(None);
-                    continue;
-                }
-            },
-            Value::Map(entries) if entries.len() == 1 => {
-                let (k, v) = &entries[0];
-                let key = k.as_str().unwrap_or("");
-                let count = match dsl::parse_repeat_key(key) {
-                    Some(Ok((n, _))) => n,
-                    Some(Err(e)) => {
-                        cx.dsl_error("E0301", k, &e, "layer syntax error");
-                        ok = false;
-                        continue;
-                    }
-                    None => {
-                        cx.push(
-                            Diagnostic::error(
-                                "E0301",
-                                format!("a layer mapping must be `repeat N: ...`, found key `{key}`"),
-                                k.span,
-                                "expected `repeat N`",
-                            )
-                            .with_help("write the layer as a string, e.g. `- linear(784, 1024) -> relu`"),
-                        );
-                        ok = false;
-                        continue;
-                    }
-                };
-                let Some(text) = v.as_str() else {
-                    cx.wrong_type(v, "a layer chain after `repeat N:`");
-                    ok = false;
-                    continue;
-                };
-                match dsl::parse_chain(text) {
-                    Ok(chain) => (Some(count), v, chain),
-                    Err(e) => {
-                        cx.dsl_error("E0301", v, &e, "layer syntax error");
-                        ok = false;
-                        continue;
-                    }
-                }
-            }
-            _ => {
-                cx.wrong_type(item, "a layer chain like `linear(784, 1024) -> relu`");
-                ok = false;
-                continue;
-            }
-        };
-        let times = repeat.unwrap_or(1);
-        if times == 0 || times > 100_000 {
-            cx.push(Diagnostic::error(
-                "E0105",
-                format!("repeat count {times} is out of range"),
-                item.span,
-                "must be between 1 and 100000",
-            ));
-            ok = false;
-            continue;
-        }
-        if (pending.len() as u64).saturating_add(times.saturating_mul(chain.len() as u64)) > MAX_LAYERS as u64 {
-            cx.push(
-                Diagnostic::error(
-                    "E0105",
-                    format!("the model grows past {MAX_LAYERS} layers here, more than pipec plans"),
-                    item.span,
-                    "too many layers",
-                )
-                .with_help(
-                    "describe the model at block granularity (e.g. `transformer_block`) rather than layer by layer",
-                ),
-            );
-            return None;
-        }
-        for i in 0..times {
-            for call in &chain {
-                let label = call.label.as_ref().map(|(l, r)| {
-                    let name = if repeat.is_some() { format!("{l}.{i}") } else { l.clone() };
-                    (name, cx.dsl_span(chain_node, *r))
-                });
-                pending.push(Some(PendingCall { call: call.clone(), node: chain_node, label }));
-            }
-        }
-    }
-    // Duplicate labels.
-    let mut seen: std::collections::HashMap<String, Span> = std::collections::HashMap::new();
-    for p in pending.iter().flatten() {
-        if let Some((l, span)) = &p.label {
-            if let Some(first) = seen.get(l) {
-                if first != span {
-                    cx.push(
-                        Diagnostic::error("E0305", format!("the label `{l}` is used twice"), *span, "second use")
-                            .with_label(*first, "first use")
-                            .with_help("give each layer its own label"),
-                    );
-                    ok = false;
-                }
-            } else {
-                seen.insert(l.clone(), *span);
-            }
-        }
-    }
-    // Resolve calls and infer shapes; after the first mismatch, shapes are unknown and only
-    // argument errors are reported (no cascade of follow-on mismatches).
-    let mut shape: Option<Vec<usize>> = input.map(<[usize]>::to_vec);
-    let mut layers = Vec::with_capacity(pending.len());
-    let mut reported: std::collections::HashSet<Span> = std::collections::HashSet::new();
-    for (index, p) in pending.iter().enumerate() {
-        let Some(p) = p else {
-            shape = None;
-            continue;
-        };
-        let call_span = cx.dsl_span(p.node, p.call.span);
-        match resolve_call(&p.call, shape.as_deref()) {
-            Err(errs) => {
-                ok = false;
-                if reported.insert(call_span) {
-                    for e in errs {
-                        let span = cx.dsl_span(p.node, e.span);
-                        let mut d = Diagnostic::error(e.code, e.message, span, e.label);
-                        if let Some(h) = e.help {
-                            d = d.with_help(h);
-                        }
-                        cx.push(d);
-                    }
-                }
-                shape = None;
-            }
-            Ok(op) => {
-                let Some(in_shape) = shape.clone() else {
-                    continue;
-                };
-                if index > 0 && op.takes_token_ids() {
-                    cx.push(Diagnostic::error(
-                        "E0304",
-                        "`embedding` must be the first layer: it takes token ids",
-                        call_span,
-                        "not the first layer",
-                    ));
-                    ok = false;
-                    shape = None;
-                    continue;
-                }
-                match op.output_shape(&in_shape) {
-                    Ok(out) => {
-                        layers.push(Layer {
-                            op,
-                            label: p.label.as_ref().map(|l| l.0.clone()),
-                            span: call_span,
-                            input_shape: in_shape,
-                            output_shape: out.clone(),
-                        });
-                        shape = Some(out);
-                    }
-                    Err(e) => {
-                        ok = false;
-                        let span = e
-                            .argument
-                            .and_then(|a| p.call.args.get(a))
-                            .map(|a| cx.dsl_span(p.node, a.value_span))
-                            .unwrap_or(call_span);
-                        if reported.insert(call_span) {
-                            let mut d = Diagnostic::error(
-                                "E0304",
-                                format!("shape mismatch at layer {index} (`{}`): {}", p.call.name, e.message),
-                                span,
-                                format!("input here is {}", fmt_shape(&in_shape)),
-                            );
-                            if span != call_span {
-                                d = d.with_label(call_span, "in this layer");
-                            }
-                            d = d.with_help(shape_help(&op, &in_shape));
-                            cx.push(d);
-                        }
-                        shape = None;
-                    }
-                }
-            }
-        }
-    }
-    if ok && input.is_some() {
-        Some(layers)
-    } else {
-        None
-    }
-}
-
-fn shape_help(op: &Op, input: &[usize]) -> String {
+pub(crate) fn shape_help(op: &Op, input: &[usize]) -> String {
     match op {
         Op::Linear { .. } if input.len() > 1 && input.len() == 3 => {
             "add `flatten` before this layer to turn the feature map into a vector".into()

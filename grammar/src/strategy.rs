@@ -590,7 +590,15 @@ fn lower_explicit_partition(
         );
         return None;
     }
-    let label_index = |name: &str| model.layers.iter().position(|l| l.label.as_deref() == Some(name));
+    // a layer's label is that layer; a labelled block call is the layers it expanded into
+    let label_range = |name: &str| {
+        model
+            .layers
+            .iter()
+            .position(|l| l.label.as_deref() == Some(name))
+            .map(|i| (i, i))
+            .or_else(|| model.groups.iter().find(|g| g.label == name).map(|g| (g.first, g.last)))
+    };
     let mut stages: Vec<Option<StageRange>> = Vec::new();
     let mut ok = true;
     for entry in entries {
@@ -617,10 +625,10 @@ fn lower_explicit_partition(
                     continue;
                 }
             };
-            let resolve = |cx: &mut Lower<'_>, (lr, rel): &(LayerRef, (usize, usize))| -> Option<usize> {
+            let resolve = |cx: &mut Lower<'_>, (lr, rel): &(LayerRef, (usize, usize))| -> Option<(usize, usize)> {
                 let span = cx.dsl_span(item, *rel);
                 match lr {
-                    LayerRef::Index(i) if (*i as usize) <= n_layers => Some(*i as usize),
+                    LayerRef::Index(i) if (*i as usize) <= n_layers => Some((*i as usize, *i as usize)),
                     LayerRef::Index(i) => {
                         cx.push(
                             Diagnostic::error(
@@ -633,10 +641,14 @@ fn lower_explicit_partition(
                         );
                         None
                     }
-                    LayerRef::Name(name) => match label_index(name) {
-                        Some(i) => Some(i),
+                    LayerRef::Name(name) => match label_range(name) {
+                        Some(r) => Some(r),
                         None => {
-                            let labels = model.layers.iter().filter_map(|l| l.label.as_deref());
+                            let labels = model
+                                .layers
+                                .iter()
+                                .filter_map(|l| l.label.as_deref())
+                                .chain(model.groups.iter().map(|g| g.label.as_str()));
                             let mut d = Diagnostic::error(
                                 "E0408",
                                 format!("no layer is labelled `{name}`"),
@@ -658,11 +670,12 @@ fn lower_explicit_partition(
                     },
                 }
             };
-            let start = resolve(cx, &r.start);
+            let first = resolve(cx, &r.start);
+            let start = first.map(|f| f.0);
             let end = match &r.end {
-                None => start.map(|s| s + 1),
+                None => first.map(|f| f.1 + 1),
                 Some((None, _)) => Some(n_layers),
-                Some((Some(e), inclusive)) => resolve(cx, e).map(|e| if *inclusive { e + 1 } else { e }),
+                Some((Some(e), inclusive)) => resolve(cx, e).map(|e| if *inclusive { e.1 + 1 } else { e.0 }),
             };
             match (start, end) {
                 (Some(s), Some(e)) if s < e && e <= n_layers => {

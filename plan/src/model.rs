@@ -24,10 +24,35 @@ pub enum Op {
     MaxPool2d {
         kernel: usize,
         stride: usize,
+        /// Implicit padding on each side (−∞ for max pooling; for average pooling the
+        /// padded zeros count in the average, as PyTorch's default).
+        #[serde(default)]
+        padding: usize,
     },
     AvgPool2d {
         kernel: usize,
         stride: usize,
+        #[serde(default)]
+        padding: usize,
+    },
+    /// Average pooling to a fixed `size` × `size` output (1: global average pooling).
+    AdaptiveAvgPool2d {
+        size: usize,
+    },
+    /// Batch normalisation over the channels of a [channels, height, width] input: the
+    /// statistics of the microbatch in training, the running statistics otherwise
+    /// (eps 1e-5, momentum 0.1). Its running mean and variance are state, not parameters.
+    BatchNorm2d {
+        channels: usize,
+    },
+    /// Element-wise sum of `inputs` tensors of one shape (a residual connection).
+    Add {
+        inputs: usize,
+    },
+    /// Concatenation of `inputs` tensors along their first per-sample dimension (channels
+    /// of a feature map, features of a vector).
+    Concat {
+        inputs: usize,
     },
     Flatten,
     Relu,
@@ -51,6 +76,23 @@ pub enum Op {
         heads: usize,
         d_ff: usize,
     },
+}
+
+/// Where one of a layer's inputs comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Source {
+    /// The model's input.
+    Input,
+    /// The output of the layer with this index.
+    Layer(usize),
+}
+
+impl Source {
+    /// The input of layer `index` in a chain: the previous layer's output.
+    pub fn before(index: usize) -> Self {
+        index.checked_sub(1).map_or(Source::Input, Source::Layer)
+    }
 }
 
 /// Why an operator cannot take an input shape.
@@ -79,6 +121,10 @@ impl Op {
             Op::Conv2d { .. } => "conv2d",
             Op::MaxPool2d { .. } => "maxpool2d",
             Op::AvgPool2d { .. } => "avgpool2d",
+            Op::AdaptiveAvgPool2d { .. } => "adaptive_avgpool2d",
+            Op::BatchNorm2d { .. } => "batchnorm2d",
+            Op::Add { .. } => "add",
+            Op::Concat { .. } => "concat",
             Op::Flatten => "flatten",
             Op::Relu => "relu",
             Op::Gelu => "gelu",
@@ -133,22 +179,55 @@ impl Op {
                     )),
                 }
             }
-            Op::MaxPool2d { kernel, stride } | Op::AvgPool2d { kernel, stride } => {
+            Op::MaxPool2d { kernel, stride, padding } | Op::AvgPool2d { kernel, stride, padding } => {
                 let [c, h, w] = input else {
                     return Err(shape_err(
                         format!("{} expects a [channels, height, width] input, got {}", self.name(), fmt_shape(input)),
                         None,
                     ));
                 };
-                if kernel == 0 || *h < kernel || *w < kernel {
+                if padding > 0 && 2 * padding > kernel {
                     return Err(shape_err(
-                        format!("{} window {kernel} does not fit its input {}", self.name(), fmt_shape(input)),
+                        format!("{} padding {padding} is more than half its window {kernel}", self.name()),
+                        Some(2),
+                    ));
+                }
+                if kernel == 0 || h + 2 * padding < kernel || w + 2 * padding < kernel {
+                    return Err(shape_err(
+                        format!("{} window {kernel} does not fit its padded input {}", self.name(), fmt_shape(input)),
                         Some(0),
                     ));
                 }
                 let s = stride.max(1);
-                Ok(vec![*c, (h - kernel) / s + 1, (w - kernel) / s + 1])
+                Ok(vec![*c, (h + 2 * padding - kernel) / s + 1, (w + 2 * padding - kernel) / s + 1])
             }
+            Op::AdaptiveAvgPool2d { size } => match input {
+                [c, h, w] if size >= 1 && *h >= size && *w >= size => Ok(vec![*c, size, size]),
+                [_, _, _] => Err(shape_err(
+                    format!(
+                        "adaptive_avgpool2d to {size}×{size} needs an input at least that large, got {}",
+                        fmt_shape(input)
+                    ),
+                    Some(0),
+                )),
+                _ => Err(shape_err(
+                    format!("adaptive_avgpool2d expects a [channels, height, width] input, got {}", fmt_shape(input)),
+                    None,
+                )),
+            },
+            Op::BatchNorm2d { channels } => match input {
+                [c, _, _] if *c == channels => Ok(input.to_vec()),
+                [c, _, _] => Err(shape_err(
+                    format!("batchnorm2d normalises {channels} channels but its input {} has {c}", fmt_shape(input)),
+                    Some(0),
+                )),
+                _ => Err(shape_err(
+                    format!("batchnorm2d expects a [channels, height, width] input, got {}", fmt_shape(input)),
+                    None,
+                )),
+            },
+            // a join's shape comes from all its inputs: see `join_shape`
+            Op::Add { .. } | Op::Concat { .. } => Ok(input.to_vec()),
             Op::Flatten => Ok(vec![input.iter().product()]),
             Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid | Op::Dropout { .. } => Ok(input.to_vec()),
             Op::LayerNorm { dim } => match input.last() {
@@ -193,6 +272,7 @@ impl Op {
                 u(in_channels) * u(out_channels) * u(kernel) * u(kernel) + if bias { u(out_channels) } else { 0 }
             }
             Op::LayerNorm { dim } => 2 * u(dim),
+            Op::BatchNorm2d { channels } => 2 * u(channels),
             Op::Embedding { vocab, dim } => u(vocab) * u(dim),
             Op::TransformerBlock { d_model, d_ff, .. } => {
                 let d = u(d_model);
@@ -202,12 +282,60 @@ impl Op {
             }
             Op::MaxPool2d { .. }
             | Op::AvgPool2d { .. }
+            | Op::AdaptiveAvgPool2d { .. }
+            | Op::Add { .. }
+            | Op::Concat { .. }
             | Op::Flatten
             | Op::Relu
             | Op::Gelu
             | Op::Tanh
             | Op::Sigmoid
             | Op::Dropout { .. } => 0,
+        }
+    }
+
+    /// How many tensors the operator takes (joins take several).
+    pub fn arity(&self) -> usize {
+        match *self {
+            Op::Add { inputs } | Op::Concat { inputs } => inputs,
+            _ => 1,
+        }
+    }
+
+    /// Numbers kept per layer that are state but not parameters (batch normalisation's
+    /// running mean and variance): checkpointed, never trained.
+    pub fn state_count(&self) -> u64 {
+        match *self {
+            Op::BatchNorm2d { channels } => 2 * channels as u64,
+            _ => 0,
+        }
+    }
+
+    /// The output shape of a join from its inputs' shapes; errors name every operand.
+    pub fn join_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, ShapeError> {
+        let all = || inputs.iter().map(|s| fmt_shape(s)).collect::<Vec<_>>().join(" and ");
+        let first = inputs.first().copied().unwrap_or(&[]);
+        match self {
+            Op::Add { .. } => {
+                if inputs.iter().all(|s| *s == first) {
+                    Ok(first.to_vec())
+                } else {
+                    Err(shape_err(format!("add needs operands of one shape, got {}", all()), None))
+                }
+            }
+            Op::Concat { .. } => {
+                let rest_equal = inputs.iter().all(|s| s.len() == first.len() && !s.is_empty() && s[1..] == first[1..]);
+                if !rest_equal {
+                    return Err(shape_err(
+                        format!("concat joins along the first dimension, so the others must agree; got {}", all()),
+                        None,
+                    ));
+                }
+                let mut out = first.to_vec();
+                out[0] = inputs.iter().map(|s| s[0]).sum();
+                Ok(out)
+            }
+            _ => self.output_shape(first),
         }
     }
 
@@ -228,7 +356,7 @@ mod tests {
     fn conv_and_pool_shapes() {
         let conv = Op::Conv2d { in_channels: 3, out_channels: 64, kernel: 3, stride: 1, padding: 1, bias: true };
         assert_eq!(conv.output_shape(&[3, 32, 32]), Ok(vec![64, 32, 32]));
-        let pool = Op::MaxPool2d { kernel: 2, stride: 2 };
+        let pool = Op::MaxPool2d { kernel: 2, stride: 2, padding: 0 };
         assert_eq!(pool.output_shape(&[64, 32, 32]), Ok(vec![64, 16, 16]));
         assert_eq!(Op::Flatten.output_shape(&[64, 16, 16]), Ok(vec![16384]));
         assert_eq!(conv.parameter_count(), 3 * 64 * 9 + 64);
@@ -239,6 +367,30 @@ mod tests {
         let l = Op::Linear { in_features: 100, out_features: 10, bias: true };
         let e = l.output_shape(&[784]).expect_err("mismatch");
         assert!(e.message.contains("100") && e.message.contains("784"));
+    }
+
+    #[test]
+    fn joins_name_every_operand_shape() {
+        let add = Op::Add { inputs: 2 };
+        assert_eq!(add.join_shape(&[&[64, 8, 8], &[64, 8, 8]]), Ok(vec![64, 8, 8]));
+        let e = add.join_shape(&[&[64, 8, 8], &[32, 8, 8]]).expect_err("mismatch");
+        assert!(e.message.contains("[64, 8, 8]") && e.message.contains("[32, 8, 8]"), "{}", e.message);
+        let cat = Op::Concat { inputs: 3 };
+        assert_eq!(cat.join_shape(&[&[64, 8, 8], &[32, 8, 8], &[16, 8, 8]]), Ok(vec![112, 8, 8]));
+        assert!(cat.join_shape(&[&[64, 8, 8], &[32, 4, 4]]).is_err());
+    }
+
+    #[test]
+    fn padded_pools_and_batchnorm() {
+        // ResNet's stem pool: 3x3, stride 2, padding 1 on 112x112 gives 56x56
+        let pool = Op::MaxPool2d { kernel: 3, stride: 2, padding: 1 };
+        assert_eq!(pool.output_shape(&[64, 112, 112]), Ok(vec![64, 56, 56]));
+        assert!(Op::MaxPool2d { kernel: 2, stride: 2, padding: 2 }.output_shape(&[1, 8, 8]).is_err());
+        assert_eq!(Op::AdaptiveAvgPool2d { size: 1 }.output_shape(&[2048, 7, 7]), Ok(vec![2048, 1, 1]));
+        let bn = Op::BatchNorm2d { channels: 64 };
+        assert_eq!(bn.parameter_count(), 128);
+        assert_eq!(bn.state_count(), 128);
+        assert!(bn.output_shape(&[32, 8, 8]).is_err());
     }
 
     #[test]

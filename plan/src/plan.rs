@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::instr::{DeviceId, GroupId, Instr, StageId};
-use crate::model::{Loss, Op};
+use crate::model::{Loss, Op, Source};
 use crate::vocab::{Precision, ReduceMode, ScheduleKind, Task};
 
 /// Bumped on every incompatible change of the format.
@@ -187,6 +187,10 @@ pub struct LayerPlan {
     pub index: usize,
     pub op: Op,
     pub label: Option<String>,
+    /// Where each operand comes from, when the layer does not simply read the layer before
+    /// it (a join, or a branch starting from an earlier tensor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inputs: Option<Vec<Source>>,
     pub input_shape: Vec<usize>,
     pub output_shape: Vec<usize>,
     pub parameters: u64,
@@ -200,6 +204,13 @@ pub struct LayerPlan {
     pub activation_bytes_per_sample: u64,
     /// Bytes of the layer's output, per sample.
     pub output_bytes_per_sample: u64,
+}
+
+impl LayerPlan {
+    /// The layer's operands: as listed, or the layer before it.
+    pub fn operands(&self) -> Vec<Source> {
+        self.inputs.clone().unwrap_or_else(|| vec![Source::before(self.index)])
+    }
 }
 
 /// What the simulator predicted for one step.
@@ -311,18 +322,41 @@ impl Plan {
         if self.model.input.is_empty() || self.model.input.contains(&0) {
             out.push(format!("model.input {:?} must be non-empty with every dimension ≥ 1", self.model.input));
         }
-        // the layer chain
-        let mut shape = self.model.input.clone();
+        // the layer graph: operands defined before use, shapes consistent
         for (i, l) in self.layers.iter().enumerate() {
             if l.index != i {
                 out.push(format!("layers[{i}] has index {}", l.index));
             }
-            match l.op.output_shape(&shape) {
-                Ok(next) if next == l.output_shape && shape == l.input_shape => shape = next,
+            let operands = l.operands();
+            if operands.len() != l.op.arity() {
+                out.push(format!(
+                    "layer {i} ({}) takes {} input(s), the plan gives {}",
+                    l.op.name(),
+                    l.op.arity(),
+                    operands.len()
+                ));
+                break;
+            }
+            let mut shapes: Vec<&[usize]> = Vec::with_capacity(operands.len());
+            for s in &operands {
+                match *s {
+                    Source::Input => shapes.push(&self.model.input),
+                    Source::Layer(p) if p < i => shapes.push(&self.layers[p].output_shape),
+                    Source::Layer(p) => {
+                        out.push(format!("layer {i} reads layer {p}, which does not come before it"));
+                    }
+                }
+            }
+            if shapes.len() != operands.len() {
+                break;
+            }
+            match l.op.join_shape(&shapes) {
+                Ok(next) if next == l.output_shape && shapes[0] == l.input_shape.as_slice() => {}
                 Ok(next) => {
                     out.push(format!(
-                        "layer {i} ({}) maps {shape:?} to {next:?}, but the plan says {:?} → {:?}",
+                        "layer {i} ({}) maps {:?} to {next:?}, but the plan says {:?} → {:?}",
                         l.op.name(),
+                        shapes[0],
                         l.input_shape,
                         l.output_shape
                     ));
