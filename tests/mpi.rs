@@ -11,9 +11,19 @@ fn pipec() -> &'static str {
     env!("CARGO_BIN_EXE_pipec")
 }
 
+const CHAIN: &str =
+    "  layers:\n    - linear(16, 32) -> relu\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)\n";
+
+/// Residual blocks: a boundary inside a block carries two tensors in one message.
+const RESIDUAL: &str = "  blocks:\n    res(n):\n      - linear(n, n) -> relu as h\n      - h -> linear(n, n) as g\n      - add(g, in) -> relu\n  layers:\n    - linear(16, 32) -> relu\n    - repeat 3: res(32)\n    - linear(32, 4)\n";
+
 fn spec(stages: &str, devices: usize, steps: usize) -> String {
+    spec_of(CHAIN, stages, devices, steps)
+}
+
+fn spec_of(model: &str, stages: &str, devices: usize, steps: usize) -> String {
     format!(
-        "name: mpi-test\nmodel:\n  input: [16]\n  layers:\n    - linear(16, 32) -> relu\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: {stages}\n  schedule: 1f1b\n  microbatches: 8\ntraining:\n  batch_size: 32\n  steps: {steps}\n  optimizer: {{ kind: adam, lr: 0.005 }}\n  seed: 3\n  data: {{ kind: synthetic, samples: 96 }}\n"
+        "name: mpi-test\nmodel:\n  input: [16]\n{model}  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: {stages}\n  schedule: 1f1b\n  microbatches: 8\ntraining:\n  batch_size: 32\n  steps: {steps}\n  optimizer: {{ kind: adam, lr: 0.005 }}\n  seed: 3\n  data: {{ kind: synthetic, samples: 96 }}\n"
     )
 }
 
@@ -34,9 +44,13 @@ fn losses(dir: &Path) -> Vec<f64> {
 }
 
 fn equal_to_in_process(stages: &str, devices: usize) {
+    equal_to_in_process_for(CHAIN, stages, devices)
+}
+
+fn equal_to_in_process_for(model: &str, stages: &str, devices: usize) {
     let dir = tempfile::tempdir().expect("tmp");
     let spec_path = dir.path().join("spec.yaml");
-    std::fs::write(&spec_path, spec(stages, devices, 4)).expect("write");
+    std::fs::write(&spec_path, spec_of(model, stages, devices, 4)).expect("write");
     let threads = dir.path().join("threads");
     let out = Command::new(pipec())
         .args(["run", spec_path.to_str().expect("p"), "-o", threads.to_str().expect("p")])
@@ -56,6 +70,13 @@ fn equal_to_in_process(stages: &str, devices: usize) {
 #[test]
 fn four_rank_1f1b_equals_in_process_exactly() {
     equal_to_in_process("straight", 4);
+}
+
+#[test]
+fn a_graph_model_over_mpi_equals_in_process_exactly() {
+    // both cuts fall inside residual blocks: each boundary carries the block's input and
+    // the branch's activation in one message (and both gradients back)
+    equal_to_in_process_for(RESIDUAL, "straight\n  partition: [\"0..5\", \"5..9\", \"9..\"]", 3);
 }
 
 #[test]

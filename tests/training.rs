@@ -17,6 +17,10 @@ struct Job<'a> {
     microbatches: usize,
     optimizer: &'a str,
     layers: &'a str,
+    /// `model.blocks` entries (indented four spaces), if any.
+    blocks: &'a str,
+    /// More `strategy` keys (indented two spaces), e.g. a partition.
+    strategy: &'a str,
     recompute: bool,
     steps: usize,
 }
@@ -30,6 +34,8 @@ impl Default for Job<'_> {
             microbatches: 4,
             optimizer: "{ kind: sgd, lr: 0.05 }",
             layers: "- linear(16, 32) -> relu\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)",
+            blocks: "",
+            strategy: "",
             recompute: false,
             steps: 4,
         }
@@ -37,10 +43,11 @@ impl Default for Job<'_> {
 }
 
 fn spec(j: &Job<'_>) -> String {
+    let blocks = if j.blocks.is_empty() { String::new() } else { format!("  blocks:\n{}\n", j.blocks) };
     format!(
         "model:
   input: [16]
-  layers:
+{blocks}  layers:
     {layers}
   loss: cross_entropy
 cluster:
@@ -54,7 +61,7 @@ strategy:
   schedule: {schedule}
   microbatches: {mb}
   recompute: {recompute}
-training:
+{extra}training:
   batch_size: 32
   steps: {steps}
   optimizer: {opt}
@@ -68,7 +75,8 @@ training:
         mb = j.microbatches,
         recompute = j.recompute,
         steps = j.steps,
-        opt = j.optimizer
+        opt = j.optimizer,
+        extra = if j.strategy.is_empty() { String::new() } else { format!("{}\n", j.strategy) },
     )
 }
 
@@ -94,6 +102,7 @@ fn assert_same_as_one_device(j: Job<'_>) {
     let reference = Job { devices: 1, stages: "\"1\"", schedule: "gpipe", ..Job { ..j } };
     let reference = train(&plan(&Job {
         layers: reference.layers,
+        blocks: reference.blocks,
         microbatches: reference.microbatches,
         optimizer: reference.optimizer,
         steps: reference.steps,
@@ -239,6 +248,68 @@ fn data_parallel_equals_one_device() {
             ..Job::default()
         });
     }
+}
+
+/// A residual block (`add`) and a two-branch block (`concat`), three blocks deep.
+const GRAPH_BLOCKS: &str = "    res(n):\n      - linear(n, n) -> relu as h\n      - h -> linear(n, n) as g\n      - add(g, in) -> relu\n    two(n, m):\n      - in -> linear(n, n) -> relu as a\n      - in -> linear(n, n) -> tanh as b\n      - concat(a, b) -> linear(m, n)";
+const GRAPH_LAYERS: &str =
+    "- linear(16, 32) -> relu as stem\n    - res(32)\n    - two(32, 64)\n    - res(32)\n    - linear(32, 4)";
+
+#[test]
+fn graph_models_equal_one_device_on_every_synchronous_schedule() {
+    let graph = |j: Job<'static>| Job { layers: GRAPH_LAYERS, blocks: GRAPH_BLOCKS, ..j };
+    // a cut after the first block's linear and relu: its input (the stem) and `h` cross
+    let cut = "  partition: [\"0..4\", \"4..\"]";
+    let p = plan(&graph(Job { devices: 2, stages: "straight", schedule: "1f1b", strategy: cut, ..Job::default() }));
+    let operands: Vec<Vec<pipec_plan::model::Source>> = p.layers.iter().map(|l| l.operands()).collect();
+    let crossing = pipec_plan::model::crossing(operands.iter().map(Vec::as_slice), 4);
+    assert_eq!(crossing.len(), 2, "{crossing:?}");
+    for (schedule, recompute) in
+        [("gpipe", false), ("1f1b", false), ("1f1b", true), ("zb-h1", false), ("chimera", false)]
+    {
+        for opt in [SGD, ADAM] {
+            assert_same_as_one_device(graph(Job {
+                devices: 2,
+                stages: "straight",
+                schedule,
+                recompute,
+                optimizer: opt,
+                strategy: if schedule == "chimera" { "" } else { cut },
+                ..Job::default()
+            }));
+        }
+    }
+    // every stage boundary of a balanced 4-stage split, interleaved chunks, data parallelism
+    // and a replicated stage
+    assert_same_as_one_device(graph(Job {
+        devices: 4,
+        stages: "straight",
+        schedule: "1f1b",
+        optimizer: ADAM,
+        ..Job::default()
+    }));
+    assert_same_as_one_device(graph(Job {
+        devices: 2,
+        stages: "straight",
+        schedule: "{ kind: interleaved, virtual_stages: 2 }",
+        optimizer: SGD,
+        ..Job::default()
+    }));
+    assert_same_as_one_device(graph(Job {
+        devices: 4,
+        stages: "\"2-2\"",
+        schedule: "1f1b",
+        optimizer: SGD,
+        ..Job::default()
+    }));
+    assert_same_as_one_device(graph(Job {
+        devices: 3,
+        stages: "\"2-1\"",
+        schedule: "gpipe",
+        optimizer: ADAM,
+        strategy: cut,
+        ..Job::default()
+    }));
 }
 
 #[test]

@@ -84,21 +84,7 @@ impl Graph {
     /// The tensors crossing a cut after the first `cut` operators, in order (the model's
     /// input first, then producers by position).
     pub fn crossing(&self, cut: usize) -> Vec<Source> {
-        let mut out = std::collections::BTreeSet::new();
-        for &id in self.order.iter().skip(cut) {
-            for &s in &self.graph[id.0].inputs {
-                match s {
-                    Source::Layer(p) if p < cut => {
-                        out.insert(s);
-                    }
-                    Source::Input if cut > 0 => {
-                        out.insert(s);
-                    }
-                    _ => {}
-                }
-            }
-        }
-        out.into_iter().collect()
+        pipec_plan::model::crossing(self.order.iter().map(|id| self.graph[id.0].inputs.as_slice()), cut)
     }
     /// Per-sample bytes of a tensor.
     pub fn source_bytes(&self, s: Source) -> u64 {

@@ -7,7 +7,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use burn::tensor::module::{adaptive_avg_pool2d, avg_pool2d, conv2d, embedding, max_pool2d};
 use burn::tensor::ops::ConvOptions;
-use pipec_plan::model::Op;
+use pipec_plan::model::{Op, Source};
 
 use crate::error::{ExecError, Result};
 use crate::rng::Rng;
@@ -20,6 +20,9 @@ pub enum Act<B: Backend> {
     D2(Tensor<B, 2>),
     D3(Tensor<B, 3>),
     D4(Tensor<B, 4>),
+    /// Several tensors crossing one stage boundary together (a graph model's boundary:
+    /// `pipec_plan::model::crossing`), in that order.
+    Bundle(Vec<Act<B>>),
 }
 
 impl<B: Backend> Act<B> {
@@ -29,8 +32,40 @@ impl<B: Backend> Act<B> {
             Act::D2(t) => t.dims().to_vec(),
             Act::D3(t) => t.dims().to_vec(),
             Act::D4(t) => t.dims().to_vec(),
+            Act::Bundle(parts) => parts.first().map(Act::dims).unwrap_or_default(),
         }
     }
+
+    /// The tensors it carries: itself, or a bundle's parts.
+    pub fn parts(self) -> Vec<Act<B>> {
+        match self {
+            Act::Bundle(parts) => parts,
+            one => vec![one],
+        }
+    }
+
+    /// One tensor as itself, several as a bundle.
+    pub fn from_parts(mut parts: Vec<Act<B>>) -> Self {
+        if parts.len() == 1 {
+            parts.remove(0)
+        } else {
+            Act::Bundle(parts)
+        }
+    }
+}
+
+/// A stage of a graph model: which tensors each layer reads, which arrive at the stage
+/// and which leave it (`pipec_plan::model::crossing` at its two ends).
+#[derive(Debug, Clone)]
+pub struct StageGraph {
+    /// Per layer of the stage, its operands (model-wide sources).
+    pub operands: Vec<Vec<Source>>,
+    /// The global index of the stage's first layer.
+    pub first: usize,
+    /// What the stage receives, in order (the model's input on the first stage).
+    pub inputs: Vec<Source>,
+    /// What the stage sends on, in order (the model's output on the last stage).
+    pub outputs: Vec<Source>,
 }
 
 fn param<B: Backend, const D: usize>(
@@ -349,8 +384,8 @@ fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) 
             let [a, b, c, d] = t.dims();
             (t.reshape([a, b * c * d]), Box::new(move |y: Tensor<B, 2>| Act::D4(y.reshape([a, b, c, d]))))
         }
-        Act::Tokens(_) => {
-            return Err(ExecError::Shape(format!("an element-wise layer cannot take token ids {dims:?}")))
+        Act::Tokens(_) | Act::Bundle(_) => {
+            return Err(ExecError::Shape(format!("an element-wise layer cannot take token ids or a bundle {dims:?}")))
         }
     };
     Ok(restore(f(flat)))
@@ -391,7 +426,9 @@ pub(crate) fn stateless<B: Backend>(
                 let [a, b, c, d] = t.dims();
                 Act::D2(t.reshape([a, b * c * d]))
             }
-            Act::Tokens(_) => return Err(ExecError::Shape("flatten cannot take token ids".into())),
+            Act::Tokens(_) | Act::Bundle(_) => {
+                return Err(ExecError::Shape("flatten cannot take token ids or a bundle".into()))
+            }
         }),
         Op::MaxPool2d { kernel, stride, padding } => match x {
             Act::D4(t) => Ok(Act::D4(max_pool2d(t, [kernel; 2], [stride; 2], [padding; 2], [1, 1], false))),
@@ -416,6 +453,9 @@ pub(crate) fn stateless<B: Backend>(
 #[derive(Module, Debug)]
 pub struct StageModel<B: Backend> {
     pub layers: Vec<Layer<B>>,
+    /// A graph model's wiring (None: a chain, each layer reading the one before).
+    #[module(skip)]
+    pub graph: Option<StageGraph>,
 }
 
 impl<B: Backend> StageModel<B> {
@@ -423,13 +463,80 @@ impl<B: Backend> StageModel<B> {
     pub fn new(ops: &[Op], first_index: usize, seed: u64, device: &B::Device) -> Self {
         StageModel {
             layers: ops.iter().enumerate().map(|(i, op)| Layer::new(first_index + i, op, seed, device)).collect(),
+            graph: None,
         }
     }
 
     pub fn forward(&self, mut x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>> {
-        for layer in &self.layers {
-            x = layer.forward(x, training, mask_key)?;
+        let Some(g) = &self.graph else {
+            for layer in &self.layers {
+                x = layer.forward(x, training, mask_key)?;
+            }
+            return Ok(x);
+        };
+        // every tensor by its source: what arrived, then each layer's output
+        let arrived = x.parts();
+        if arrived.len() != g.inputs.len() {
+            return Err(ExecError::Shape(format!(
+                "the stage expects {} input tensor(s), got {}",
+                g.inputs.len(),
+                arrived.len()
+            )));
         }
-        Ok(x)
+        let mut env: std::collections::HashMap<Source, Act<B>> = g.inputs.iter().copied().zip(arrived).collect();
+        for (k, (layer, operands)) in self.layers.iter().zip(&g.operands).enumerate() {
+            let mut args = Vec::with_capacity(operands.len());
+            for s in operands {
+                args.push(env.get(s).cloned().ok_or(ExecError::Missing("a layer's operand is not on this stage"))?);
+            }
+            let out = match layer {
+                Layer::Stateless(st) if matches!(st.op, Op::Add { .. } | Op::Concat { .. }) => join(&st.op, args)?,
+                _ => {
+                    let x = args.into_iter().next().ok_or(ExecError::Missing("a layer has no operand"))?;
+                    layer.forward(x, training, mask_key)?
+                }
+            };
+            env.insert(Source::Layer(g.first + k), out);
+        }
+        let mut outs = Vec::with_capacity(g.outputs.len());
+        for s in &g.outputs {
+            outs.push(env.get(s).cloned().ok_or(ExecError::Missing("a tensor the stage sends on is not on it"))?);
+        }
+        Ok(Act::from_parts(outs))
     }
+}
+
+/// `add` (element-wise sum) or `concat` (along the first per-sample dimension).
+fn join<B: Backend>(op: &Op, args: Vec<Act<B>>) -> Result<Act<B>> {
+    macro_rules! joined {
+        ($variant:ident) => {{
+            let mut ts = Vec::with_capacity(args.len());
+            for a in args {
+                match a {
+                    Act::$variant(t) => ts.push(t),
+                    other => {
+                        return Err(ExecError::Shape(format!(
+                            "{} operands differ in rank: {:?}",
+                            op.name(),
+                            other.dims()
+                        )))
+                    }
+                }
+            }
+            match op {
+                Op::Add { .. } => {
+                    let mut it = ts.into_iter();
+                    let first = it.next().ok_or(ExecError::Missing("a join has no operand"))?;
+                    Act::$variant(it.fold(first, |acc, t| acc + t))
+                }
+                _ => Act::$variant(Tensor::cat(ts, 1)),
+            }
+        }};
+    }
+    Ok(match args.first() {
+        Some(Act::D2(_)) => joined!(D2),
+        Some(Act::D3(_)) => joined!(D3),
+        Some(Act::D4(_)) => joined!(D4),
+        _ => return Err(ExecError::Shape(format!("{} takes feature tensors", op.name()))),
+    })
 }

@@ -265,12 +265,18 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
         return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
     }
     // planned and checked, but not run yet
-    if let Some(l) = plan.layers.iter().find(|l| l.inputs.is_some() || matches!(l.op, Op::BatchNorm2d { .. })) {
+    if let Some(l) = plan.layers.iter().find(|l| matches!(l.op, Op::BatchNorm2d { .. })) {
         return Err(RunError::setup(format!(
-            "this executor does not run models with branches, joins or batch normalisation yet (layer {} `{}`): `pipec check` and `pipec compile` plan them, `pipec run` cannot train them",
+            "this executor does not run batch normalisation yet (layer {} `{}`): `pipec check` and `pipec compile` plan it, `pipec run` cannot train it",
             l.index,
             l.op.name()
         )));
+    }
+    let graph = plan.layers.iter().any(|l| l.inputs.is_some());
+    if graph && plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1)) {
+        return Err(RunError::setup(
+            "tensor parallelism splits chains of layers; this model has branches or joins".to_string(),
+        ));
     }
     let devices_in_stages: std::collections::BTreeSet<DeviceId> = plan
         .stages

@@ -7,11 +7,12 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use pipec_plan::model::Source;
 use pipec_plan::profile::{Profile, ProfiledLayer};
 use pipec_plan::Plan;
 
 use crate::error::ExecError;
-use crate::layers::{Act, StageModel};
+use crate::layers::{Act, StageGraph, StageModel};
 use crate::rng::Rng;
 use crate::worker::require_grad;
 
@@ -39,7 +40,7 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
         Act::D2(t) => Some(t.clone().sum()),
         Act::D3(t) => Some(t.clone().sum()),
         Act::D4(t) => Some(t.clone().sum()),
-        Act::Tokens(_) => None,
+        Act::Tokens(_) | Act::Bundle(_) => None,
     }
 }
 
@@ -55,13 +56,37 @@ pub fn profile_layers<B: AutodiffBackend>(
     let precision = 4u64;
     let mut out = Vec::new();
     for (i, layer) in plan.layers.iter().enumerate() {
-        let model = StageModel::<B>::new(std::slice::from_ref(&layer.op), i, plan.training.seed, dev);
-        let mut shape = vec![mb];
-        shape.extend(&layer.input_shape);
+        let mut model = StageModel::<B>::new(std::slice::from_ref(&layer.op), i, plan.training.seed, dev);
+        // in a graph model a layer may read several tensors: each gets an input of its shape
+        let sources: Vec<Source> = {
+            let mut v = layer.operands();
+            v.sort();
+            v.dedup();
+            v
+        };
+        if plan.layers.iter().any(|l| l.inputs.is_some()) {
+            model.graph = Some(StageGraph {
+                operands: vec![layer.operands()],
+                first: i,
+                inputs: sources.clone(),
+                outputs: vec![Source::Layer(i)],
+            });
+        }
+        let shapes: Vec<Vec<usize>> = sources
+            .iter()
+            .map(|s| {
+                let per_sample = match *s {
+                    Source::Layer(p) => plan.layers.get(p).map(|l| l.output_shape.clone()).unwrap_or_default(),
+                    Source::Input => plan.model.input.clone(),
+                };
+                std::iter::once(mb).chain(per_sample).collect()
+            })
+            .collect();
         let tokens = if layer.op.takes_token_ids() { plan.model.token_vocab } else { None };
         let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
         for r in 0..warmup + reps {
-            let x = random_input::<B>(&shape, tokens, dev);
+            let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
+            let x = Act::from_parts(parts);
             let x = if i == 0 { x } else { require_grad(x) };
             let t0 = Instant::now();
             let y = model.forward(x, true, (0, 0, r as u64))?;
@@ -93,7 +118,8 @@ pub fn profile_layers<B: AutodiffBackend>(
     // a long autodiff graph costs (bookkeeping, memory traffic between layers). Scale the
     // layers' forward and backward times so they add up to the whole model's.
     let all_ops: Vec<_> = plan.layers.iter().map(|l| l.op.clone()).collect();
-    let whole = StageModel::<B>::new(&all_ops, 0, plan.training.seed, dev);
+    let mut whole = StageModel::<B>::new(&all_ops, 0, plan.training.seed, dev);
+    whole.graph = crate::worker::stage_graph(plan, 0, plan.layers.len());
     let mut shape = vec![mb];
     shape.extend(&plan.model.input);
     let tokens = plan.model.token_vocab;

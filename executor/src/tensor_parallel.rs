@@ -169,7 +169,7 @@ pub fn build_stage<B: Backend>(
         };
         layers.push(layer);
     }
-    Ok(StageModel { layers })
+    Ok(StageModel { layers, graph: None })
 }
 
 /// Parameter ids (layer << 8 | slot) whose gradients are partial on each rank and must be
@@ -232,6 +232,7 @@ pub fn fresh<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
         Act::D3(t) => Act::D3(t.clone().detach().require_grad()),
         Act::D4(t) => Act::D4(t.clone().detach().require_grad()),
         Act::Tokens(t) => Act::Tokens(t.clone()),
+        Act::Bundle(parts) => Act::Bundle(parts.iter().map(fresh).collect()),
     }
 }
 

@@ -15,13 +15,13 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::activation;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ElementConversion;
-use pipec_plan::model::Loss;
+use pipec_plan::model::{crossing, Loss, Source};
 use pipec_plan::plan::OptimizerPlan;
 use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, Plan, ReduceMode, StageId};
 
 use crate::data::{Dataset, Inputs, Targets};
 use crate::error::{ExecError, Result};
-use crate::layers::{Act, StageModel};
+use crate::layers::{Act, StageGraph, StageModel};
 use crate::params::{
     accumulate, collect_grads, flatten_grads, host_f32, layout, set_params, snapshot, to_optimizer_grads, unflatten,
     FlatGrads,
@@ -252,7 +252,29 @@ fn microbatch_copy<B: AutodiffBackend>(model: &StageModel<B>) -> StageModel<B> {
     model.clone().map(&mut FreshLeaves)
 }
 
+/// An activation from the wire. A bundle (several tensors crossing one boundary) travels
+/// as one message of shape `[0, k, rank₁, dims₁…, rank₂, dims₂…]` — no tensor has a zero
+/// dimension — with the parts' values one after another.
 fn host_to_act<B: Backend>(shape: &[usize], data: Vec<f32>, dev: &B::Device) -> Result<Act<B>> {
+    if shape.first() == Some(&0) {
+        let bad = || ExecError::Shape(format!("a malformed bundle header {shape:?}"));
+        let k = *shape.get(1).ok_or_else(bad)?;
+        let (mut pos, mut offset) = (2usize, 0usize);
+        let mut parts = Vec::with_capacity(k.min(64));
+        for _ in 0..k {
+            let rank = *shape.get(pos).ok_or_else(bad)?;
+            let dims = shape.get(pos + 1..pos + 1 + rank).ok_or_else(bad)?;
+            let n: usize = dims.iter().product();
+            let values = data.get(offset..offset + n).ok_or_else(bad)?.to_vec();
+            parts.push(host_to_act::<B>(dims, values, dev)?);
+            pos += 1 + rank;
+            offset += n;
+        }
+        if pos != shape.len() || offset != data.len() {
+            return Err(bad());
+        }
+        return Ok(Act::Bundle(parts));
+    }
     let td = TensorData::new(data, shape.to_vec());
     Ok(match shape.len() {
         2 => Act::D2(Tensor::from_data(td, dev)),
@@ -262,6 +284,29 @@ fn host_to_act<B: Backend>(shape: &[usize], data: Vec<f32>, dev: &B::Device) -> 
     })
 }
 
+/// An activation's wire form: its shape (a bundle's header) and values.
+fn act_to_host<B: Backend>(a: &Act<B>) -> Result<(Vec<usize>, Vec<f32>)> {
+    let data = match a {
+        Act::D2(t) => t.clone().into_data(),
+        Act::D3(t) => t.clone().into_data(),
+        Act::D4(t) => t.clone().into_data(),
+        Act::Tokens(_) => return Err(ExecError::Shape("token ids cannot cross a stage boundary".into())),
+        Act::Bundle(parts) => {
+            let mut shape = vec![0, parts.len()];
+            let mut values = Vec::new();
+            for p in parts {
+                let (s, v) = act_to_host(p)?;
+                shape.push(s.len());
+                shape.extend(s);
+                values.extend(v);
+            }
+            return Ok((shape, values));
+        }
+    };
+    let shape = data.shape.to_vec();
+    Ok((shape, host_f32(data)?))
+}
+
 /// The message a point-to-point instruction sends or receives (the plan's identity, the
 /// same at both ends); an activation received by the first stage has none.
 fn expected_message(ins: &Instr) -> Result<Tag> {
@@ -269,15 +314,8 @@ fn expected_message(ins: &Instr) -> Result<Tag> {
 }
 
 fn act_to_message<B: Backend>(a: &Act<B>, tag: Tag) -> Result<Message> {
-    let data = match a {
-        Act::D2(t) => t.clone().into_data(),
-        Act::D3(t) => t.clone().into_data(),
-        Act::D4(t) => t.clone().into_data(),
-        Act::Tokens(_) => return Err(ExecError::Shape("token ids cannot cross a stage boundary".into())),
-    };
-    let shape = data.shape.clone();
-    let data = host_f32(data)?;
-    Ok(Message { tag, shape: shape.to_vec(), data })
+    let (shape, data) = act_to_host(a)?;
+    Ok(Message { tag, shape, data })
 }
 
 pub(crate) fn require_grad<B: AutodiffBackend>(a: Act<B>) -> Act<B> {
@@ -285,6 +323,7 @@ pub(crate) fn require_grad<B: AutodiffBackend>(a: Act<B>) -> Act<B> {
         Act::D2(t) => Act::D2(t.require_grad()),
         Act::D3(t) => Act::D3(t.require_grad()),
         Act::D4(t) => Act::D4(t.require_grad()),
+        Act::Bundle(parts) => Act::Bundle(parts.into_iter().map(require_grad).collect()),
         other => other,
     }
 }
@@ -295,16 +334,31 @@ fn detach<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
         Act::D3(t) => Act::D3(t.clone().detach()),
         Act::D4(t) => Act::D4(t.clone().detach()),
         Act::Tokens(t) => Act::Tokens(t.clone()),
+        Act::Bundle(parts) => Act::Bundle(parts.iter().map(detach).collect()),
     }
 }
 
 /// Σ(out ⊙ g): back-propagating it injects the received gradient `g` at the output.
 fn dot_with<B: AutodiffBackend>(out: &Act<B>, g: &Message, dev: &B::Device) -> Result<Tensor<B, 1>> {
-    let grad = host_to_act::<B>(&g.shape, g.data.clone(), dev)?;
+    dot(out, host_to_act::<B>(&g.shape, g.data.clone(), dev)?)
+}
+
+fn dot<B: AutodiffBackend>(out: &Act<B>, grad: Act<B>) -> Result<Tensor<B, 1>> {
     Ok(match (out, grad) {
         (Act::D2(o), Act::D2(g)) => (o.clone() * g).sum(),
         (Act::D3(o), Act::D3(g)) => (o.clone() * g).sum(),
         (Act::D4(o), Act::D4(g)) => (o.clone() * g).sum(),
+        (Act::Bundle(os), Act::Bundle(gs)) if os.len() == gs.len() => {
+            let mut total: Option<Tensor<B, 1>> = None;
+            for (o, g) in os.iter().zip(gs) {
+                let d = dot(o, g)?;
+                total = Some(match total {
+                    Some(t) => t + d,
+                    None => d,
+                });
+            }
+            total.ok_or(ExecError::Missing("an empty bundle"))?
+        }
         (o, g) => {
             return Err(ExecError::Shape(format!(
                 "gradient of shape {:?} does not fit the output {:?}",
@@ -315,19 +369,35 @@ fn dot_with<B: AutodiffBackend>(out: &Act<B>, g: &Message, dev: &B::Device) -> R
     })
 }
 
-fn input_grad<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients, tag: Tag) -> Result<Option<Message>> {
-    let g = match x {
-        Act::D2(t) => t.grad_remove(grads).map(|g| g.into_data()),
-        Act::D3(t) => t.grad_remove(grads).map(|g| g.into_data()),
-        Act::D4(t) => t.grad_remove(grads).map(|g| g.into_data()),
+/// The gradient that reached an input (a bundle's parts each: zeros where none reached one).
+fn grad_of<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients) -> Option<Act<B::InnerBackend>> {
+    match x {
+        Act::D2(t) => t.grad_remove(grads).map(Act::D2),
+        Act::D3(t) => t.grad_remove(grads).map(Act::D3),
+        Act::D4(t) => t.grad_remove(grads).map(Act::D4),
         Act::Tokens(_) => None,
-    };
-    match g {
-        None => Ok(None),
-        Some(d) => {
-            let shape = d.shape.to_vec();
-            Ok(Some(Message { tag, shape, data: host_f32(d)? }))
+        Act::Bundle(parts) => {
+            let mut out = Vec::with_capacity(parts.len());
+            for p in parts {
+                out.push(match grad_of(p, grads) {
+                    Some(g) => g,
+                    None => match p {
+                        Act::D2(t) => Act::D2(t.clone().inner().zeros_like()),
+                        Act::D3(t) => Act::D3(t.clone().inner().zeros_like()),
+                        Act::D4(t) => Act::D4(t.clone().inner().zeros_like()),
+                        _ => return None,
+                    },
+                });
+            }
+            Some(Act::Bundle(out))
         }
+    }
+}
+
+fn input_grad<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients, tag: Tag) -> Result<Option<Message>> {
+    match grad_of(x, grads) {
+        None => Ok(None),
+        Some(g) => Ok(Some(act_to_message(&g, tag)?)),
     }
 }
 
@@ -850,6 +920,23 @@ fn loss_of<B: AutodiffBackend>(loss: Loss, out: Act<B>, y: &Targets, dev: &B::De
 }
 
 /// Builds the state of the stages a device holds.
+/// The wiring of layers `a..b` of a graph model (None for a chain: each layer reads the one
+/// before, one tensor crosses each boundary).
+pub(crate) fn stage_graph(plan: &Plan, a: usize, b: usize) -> Option<StageGraph> {
+    if plan.layers.iter().all(|l| l.inputs.is_none()) {
+        return None;
+    }
+    let operands: Vec<Vec<Source>> = plan.layers.iter().map(|l| l.operands()).collect();
+    let slices = || operands.iter().map(Vec::as_slice);
+    let n = plan.layers.len();
+    Some(StageGraph {
+        operands: operands[a..b].to_vec(),
+        first: a,
+        inputs: if a == 0 { vec![Source::Input] } else { crossing(slices(), a) },
+        outputs: if b == n { vec![Source::Layer(n - 1)] } else { crossing(slices(), b) },
+    })
+}
+
 pub(crate) fn build_stages<B: AutodiffBackend>(
     plan: &Plan,
     device: DeviceId,
@@ -875,7 +962,11 @@ pub(crate) fn build_stages<B: AutodiffBackend>(
                 let partial_ids = crate::tensor_parallel::partial_parameter_ids(&ops, s.layers[0], group.len())?;
                 (model, Some(TpInfo { rank, members: group.clone(), partial_ids }))
             }
-            _ => (StageModel::<B>::new(&ops, s.layers[0], plan.training.seed, dev), None),
+            _ => {
+                let mut model = StageModel::<B>::new(&ops, s.layers[0], plan.training.seed, dev);
+                model.graph = stage_graph(plan, s.layers[0], s.layers[1]);
+                (model, None)
+            }
         };
         out.insert(
             s.id,

@@ -243,6 +243,12 @@ interleaved schedules).";
 "E0410", "conflicting strategy keys",
 "`stages` (PipeDream notation) and `dp`/`pp` describe the same thing two ways; give one.";
 
+"E0411", "strategy does not fit the model",
+"The strategy asks for something the model cannot do. Tensor parallelism (`tp` > 1)
+splits consecutive layers of a chain (Megatron's column- and row-parallel pairs and
+transformer blocks), so a model with branches or joins (`add`, `concat`, a tensor read
+again later) runs with `tp: 1`, using pipeline and data parallelism.";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";

@@ -59,7 +59,25 @@ pub(crate) fn lower_strategy(
     let f = cx.fields(node, &["strategy"], owner)?;
     let tp = match f.get("tp") {
         None => Some(1),
-        Some(n) => cx.uint(n, 1),
+        Some(n) => cx.uint(n, 1).and_then(|tp| {
+            // Megatron's split pairs consecutive layers of a chain
+            if let (true, Some(m)) = (tp > 1, model) {
+                if !m.is_chain() {
+                    cx.push(
+                        Diagnostic::error(
+                            "E0411",
+                            "tensor parallelism splits chains of layers, and this model has branches or joins",
+                            n.span,
+                            "tensor parallelism",
+                        )
+                        .with_label(m.layers_span, "a model with branches")
+                        .with_help("use `tp: 1` and pipeline or data parallelism for this model"),
+                    );
+                    return None;
+                }
+            }
+            Some(tp)
+        }),
     };
     let schedule = cx
         .required(&f, "schedule", "strategy")

@@ -95,6 +95,28 @@ impl Source {
     }
 }
 
+/// The tensors crossing a cut after the first `cut` layers, given each layer's operands:
+/// every tensor made before the cut (the model's input included) that a layer after it
+/// reads, each once, the model's input first and then by producer. A stage whose layers
+/// start at `cut` receives these; one ending there sends them.
+pub fn crossing<'a>(operands: impl IntoIterator<Item = &'a [Source]>, cut: usize) -> Vec<Source> {
+    let mut out = std::collections::BTreeSet::new();
+    for ops in operands.into_iter().skip(cut) {
+        for &s in ops {
+            match s {
+                Source::Layer(p) if p < cut => {
+                    out.insert(s);
+                }
+                Source::Input if cut > 0 => {
+                    out.insert(s);
+                }
+                _ => {}
+            }
+        }
+    }
+    out.into_iter().collect()
+}
+
 /// Why an operator cannot take an input shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShapeError {
