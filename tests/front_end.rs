@@ -249,3 +249,15 @@ fn an_unused_branch_is_a_warning_and_blocks_are_scoped() {
     assert_eq!(model.layers[4].inputs, vec![pipec_plan::model::Source::Layer(3), pipec_plan::model::Source::Layer(0)]);
     assert!(model.layers.iter().all(|l| l.label.as_deref() != Some("h")));
 }
+
+#[test]
+fn a_tensor_name_in_the_middle_of_a_chain_is_misplaced() {
+    let src = "name: g\nmodel:\n  input: [8]\n  layers:\n    - linear(8, 8) as x\n    - linear(8, 8) -> x -> linear(8, 3)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { kind: cpu, memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 1us }\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
+    let result = check_source_in(src, None);
+    let codes: Vec<(&str, &str)> = result.diagnostics.iter().map(|d| (d.code, d.message.as_str())).collect();
+    assert_eq!(codes, vec![("E0308", "the tensor `x` can only start a chain: `- x -> ...`")]);
+    // an unknown bare name there is an unknown layer, with a suggestion
+    let result = check_source_in(&src.replace("-> x ->", "-> relx ->"), None);
+    assert_eq!(result.diagnostics[0].code, "E0302");
+    assert_eq!(result.diagnostics[0].help.as_deref(), Some("did you mean `relu`?"));
+}

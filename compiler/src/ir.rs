@@ -133,11 +133,8 @@ impl fmt::Display for Graph {
     /// The textual IR dump (`pipec compile --emit ir`).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "input {}", fmt_shape(&self.input_shape))?;
-        let index: std::collections::HashMap<OpId, usize> =
-            self.order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-        for (i, (id, node)) in self.ops().enumerate() {
+        for (i, (_, node)) in self.ops().enumerate() {
             let mut args = String::new();
-            let _ = (&index, id);
             let ins: Vec<String> = node
                 .inputs
                 .iter()

@@ -424,12 +424,11 @@ impl<'n> Expander<'_, '_, 'n> {
     fn reference(&mut self, node: &Node, call: &LayerCall, scope: &Scope, first: bool) -> Tensor {
         let span = self.cx.dsl_span(node, call.name_span);
         if !first {
-            let msg = if scope.tensors.contains_key(&call.name) || call.name == MODEL_INPUT {
-                format!("the tensor `{}` can only start a chain: `- {} -> ...`", call.name, call.name)
+            let (code, msg) = if scope.tensors.contains_key(&call.name) || call.name == MODEL_INPUT {
+                ("E0308", format!("the tensor `{}` can only start a chain: `- {} -> ...`", call.name, call.name))
             } else {
-                format!("unknown layer `{}`", call.name)
+                ("E0302", format!("unknown layer `{}`", call.name))
             };
-            let code = if msg.starts_with("unknown") { "E0302" } else { "E0308" };
             let mut d = Diagnostic::error(code, msg, span, "here");
             if let Some(s) = did_you_mean(&call.name, self.callables()) {
                 d = d.with_help(format!("did you mean `{s}`?"));
