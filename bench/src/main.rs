@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use pipec_compiler::partition::{auto, balanced, AutoInput, WeightSync};
-use pipec_compiler::pipedream::{self, parse_pipedream_profile, pipedream_price, plan_like_pipedream};
+use pipec_compiler::pipedream::{self, parse_pipedream_profile, pipedream_price, plan_like_pipedream, recorded_runs};
 use pipec_compiler::{compile, CompileOptions};
 use pipec_executor::RunOptions;
 use pipec_grammar::spec::Link;
@@ -128,48 +128,30 @@ fn pipedream() {
         println!("(skipped: {dir}/pipedream-plans.json not found)");
         return;
     };
-    let recorded: serde_json::Value = serde_json::from_str(&text).expect("pipedream-plans.json parses");
-    let clusters = recorded["clusters"].as_array().cloned().unwrap_or_default();
+    let runs = recorded_runs(&text).expect("pipedream-plans.json reads");
     println!("| profile | cluster | PipeDream's plan | PipeDream's time | its optimizer | pipec's plan | pipec predicted | priced by PipeDream | ratio | pipec planned in |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
-    for run in recorded["runs"].as_array().cloned().unwrap_or_default() {
-        let model = run["model"].as_str().unwrap_or_default();
-        let cluster_name = run["cluster"].as_str().unwrap_or_default();
-        let Some(cluster) = clusters.iter().find(|c| c["name"] == cluster_name) else { continue };
-        let levels: Vec<(usize, f64)> = cluster["machines"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .zip(cluster["bandwidths"].as_array().into_iter().flatten())
-            .map(|(m, b)| (m.as_u64().unwrap_or(1) as usize, b.as_f64().unwrap_or(1.0)))
-            .collect();
-        let (per_server, b1) = levels[0];
-        let (servers, b2) = levels.get(1).copied().unwrap_or((1, b1));
-        let file = run["profile"].as_str().map(str::to_string).unwrap_or_else(|| format!("{model}/graph.txt"));
-        let nodes = parse_pipedream_profile(&std::fs::read_to_string(format!("{dir}/{file}")).expect("profile"))
-            .expect("parses");
+    for run in runs {
+        let (per_server, servers, bandwidths) = (run.per_server, run.servers, run.bandwidths);
+        let nodes =
+            parse_pipedream_profile(&std::fs::read_to_string(format!("{dir}/{}", run.profile)).expect("profile"))
+                .expect("parses");
         let chain = pipedream::chain(&nodes);
-        let (t, plan) = time(3, || plan_like_pipedream(&chain, per_server, servers, (b1, b2)).expect("plans"));
-        let price = pipedream_price(&chain, &plan.ranges, &plan.replicas, per_server, (b1, b2));
-        let (theirs, their_time, their_seconds, ratio) = if run["finished"].as_bool() == Some(true) {
-            let layout: Vec<String> = run["stages"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|s| s["devices"].as_u64().unwrap_or(0).to_string())
-                .collect();
-            let ms = run["time_ms"].as_f64().unwrap_or(f64::NAN);
-            (
-                layout.join("-"),
-                format!("{ms:.2} ms"),
-                format!("{:.1} s", run["optimizer_seconds"].as_f64().unwrap_or(f64::NAN)),
-                format!("{:.3}", price * 1e3 / ms),
-            )
-        } else {
-            ("(did not finish)".into(), "-".into(), "-".into(), "-".into())
+        let (t, plan) = time(3, || plan_like_pipedream(&chain, per_server, servers, bandwidths).expect("plans"));
+        let price = pipedream_price(&chain, &plan.ranges, &plan.replicas, per_server, bandwidths);
+        let (theirs, their_time, their_seconds, ratio) = match &run.plan {
+            Some(p) => (
+                p.notation(),
+                format!("{:.2} ms", p.time_s * 1e3),
+                format!("{:.1} s", p.optimizer_seconds),
+                format!("{:.3}", price / p.time_s),
+            ),
+            None => ("(did not finish)".into(), "-".into(), "-".into(), "-".into()),
         };
         println!(
-            "| {model} | {cluster_name} | {theirs} | {their_time} | {their_seconds} | {} | {:.2} ms | {:.2} ms | {ratio} | {t:.4} s |",
+            "| {} | {} | {theirs} | {their_time} | {their_seconds} | {} | {:.2} ms | {:.2} ms | {ratio} | {t:.4} s |",
+            run.model,
+            run.cluster,
             plan.notation(),
             plan.time_per_microbatch * 1e3,
             price * 1e3,

@@ -224,6 +224,89 @@ pub fn plan_like_pipedream(
     auto(&chain.input(&machines, WeightSync::PipeDream))
 }
 
+/// One run of PipeDream's optimizer as `run_pipedream.py` recorded it in
+/// `tests/reference/pipedream-profiles/pipedream-plans.json`: the profile, the cluster
+/// (devices per server, servers, bandwidths inside and between) and, when it finished,
+/// PipeDream's plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordedRun {
+    pub model: String,
+    pub cluster: String,
+    /// The profile planned, relative to the profiles' directory.
+    pub profile: String,
+    pub per_server: usize,
+    pub servers: usize,
+    pub bandwidths: (f64, f64),
+    pub plan: Option<RecordedPlan>,
+}
+
+/// What PipeDream chose: its time per minibatch, its stages as (state range, devices), and
+/// how long its optimizer took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordedPlan {
+    pub time_s: f64,
+    pub stages: Vec<(Range<usize>, usize)>,
+    pub optimizer_seconds: f64,
+}
+
+impl RecordedPlan {
+    /// The devices per stage, `15-1` style.
+    pub fn notation(&self) -> String {
+        self.stages.iter().map(|(_, d)| d.to_string()).collect::<Vec<_>>().join("-")
+    }
+}
+
+/// Reads `pipedream-plans.json`.
+pub fn recorded_runs(json: &str) -> Result<Vec<RecordedRun>, String> {
+    use serde_json::Value;
+    let v: Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    let list = |v: &Value, what: &str| v.as_array().cloned().ok_or_else(|| format!("`{what}` is not a list"));
+    let int = |v: &Value| v.as_u64().map(|x| x as usize).ok_or_else(|| format!("{v} is not a count"));
+    let num = |v: &Value| v.as_f64().ok_or_else(|| format!("{v} is not a number"));
+    let text = |v: &Value| v.as_str().map(str::to_string).ok_or_else(|| format!("{v} is not a string"));
+    let clusters = list(&v["clusters"], "clusters")?;
+    let mut runs = Vec::new();
+    for r in list(&v["runs"], "runs")? {
+        let c = clusters
+            .iter()
+            .find(|c| c["name"] == r["cluster"])
+            .ok_or_else(|| format!("run on an unrecorded cluster {}", r["cluster"]))?;
+        let machines = list(&c["machines"], "machines")?.iter().map(int).collect::<Result<Vec<_>, _>>()?;
+        let bandwidths = list(&c["bandwidths"], "bandwidths")?.iter().map(num).collect::<Result<Vec<_>, _>>()?;
+        let (Some(&per_server), Some(&b1)) = (machines.first(), bandwidths.first()) else {
+            return Err(format!("cluster {} has no level", c["name"]));
+        };
+        let model = text(&r["model"])?;
+        let plan = if r["finished"] == Value::Bool(true) {
+            let mut stages = Vec::new();
+            for s in list(&r["stages"], "stages")? {
+                let st = list(&s["states"], "states")?;
+                let (Some(a), Some(b)) = (st.first(), st.get(1)) else {
+                    return Err("a stage without its two states".into());
+                };
+                stages.push((int(a)?..int(b)?, int(&s["devices"])?));
+            }
+            Some(RecordedPlan {
+                time_s: num(&r["time_ms"])? / 1e3,
+                stages,
+                optimizer_seconds: num(&r["optimizer_seconds"])?,
+            })
+        } else {
+            None
+        };
+        runs.push(RecordedRun {
+            profile: r["profile"].as_str().map(str::to_string).unwrap_or_else(|| format!("{model}/graph.txt")),
+            model,
+            cluster: text(&r["cluster"])?,
+            per_server,
+            servers: machines.get(1).copied().unwrap_or(1),
+            bandwidths: (b1, bandwidths.get(1).copied().unwrap_or(b1)),
+            plan,
+        });
+    }
+    Ok(runs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,9 +5,9 @@
 use std::ops::Range;
 
 use pipec_compiler::pipedream::{
-    chain, parse_pipedream_profile, pipedream_cut_bytes, pipedream_price, plan_like_pipedream, PipeDreamNode,
+    chain, parse_pipedream_profile, pipedream_cut_bytes, pipedream_price, plan_like_pipedream, recorded_runs,
+    PipeDreamNode, RecordedPlan, RecordedRun,
 };
-use serde_json::Value;
 
 const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/reference/pipedream-profiles/");
 
@@ -21,87 +21,32 @@ fn profile(model: &str) -> Vec<PipeDreamNode> {
     load(&format!("{model}/graph.txt"))
 }
 
-/// One recorded PipeDream run: the profile, the cluster (devices per server, servers,
-/// bandwidths) and PipeDream's plan and time.
-struct Run {
-    model: String,
-    cluster: String,
-    profile: String,
-    per_server: usize,
-    servers: usize,
-    bandwidths: (f64, f64),
-    time_s: f64,
-    /// (state range, devices) per stage, as PipeDream printed them
-    stages: Vec<(Range<usize>, usize)>,
-}
-
-fn int(v: &Value) -> usize {
-    v.as_u64().expect("a count") as usize
-}
-
-fn num(v: &Value) -> f64 {
-    v.as_f64().expect("a number")
-}
-
-fn text(v: &Value) -> String {
-    v.as_str().expect("a string").to_string()
-}
-
-fn list(v: &Value) -> &Vec<Value> {
-    v.as_array().expect("a list")
-}
-
-fn recorded_runs() -> Vec<Run> {
+/// The recorded runs whose PipeDream optimizer finished, with PipeDream's plan.
+fn finished_runs() -> Vec<(RecordedRun, RecordedPlan)> {
     let file = std::fs::read_to_string(format!("{DIR}pipedream-plans.json")).expect("pipedream-plans.json");
-    let v: Value = serde_json::from_str(&file).expect("parses");
-    let mut runs = Vec::new();
-    for r in list(&v["runs"]) {
-        if r["finished"] != Value::Bool(true) {
-            continue;
-        }
-        let c = list(&v["clusters"]).iter().find(|c| c["name"] == r["cluster"]).expect("cluster recorded");
-        let m: Vec<usize> = list(&c["machines"]).iter().map(int).collect();
-        let b: Vec<f64> = list(&c["bandwidths"]).iter().map(num).collect();
-        runs.push(Run {
-            model: text(&r["model"]),
-            cluster: text(&r["cluster"]),
-            profile: text(&r["profile"]),
-            per_server: m[0],
-            servers: m.get(1).copied().unwrap_or(1),
-            bandwidths: (b[0], b.get(1).copied().unwrap_or(b[0])),
-            time_s: num(&r["time_ms"]) / 1e3,
-            stages: list(&r["stages"])
-                .iter()
-                .map(|s| {
-                    let st = list(&s["states"]);
-                    (int(&st[0])..int(&st[1]), int(&s["devices"]))
-                })
-                .collect(),
-        });
-    }
-    runs
+    recorded_runs(&file).expect("reads").into_iter().filter_map(|r| r.plan.clone().map(|p| (r, p))).collect()
 }
 
 /// Every profile whose PipeDream optimizer run finished on flat 16 GPUs and on 4 x 4 and 2 x 8
 /// servers: pipec's plan, priced with PipeDream's objective, is at most 1.01x PipeDream's.
 #[test]
 fn pipec_plans_are_as_good_as_pipedreams_by_its_own_objective() {
-    let runs = recorded_runs();
+    let runs = finished_runs();
     assert!(runs.len() >= 20, "only {} recorded runs", runs.len());
     let mut worse = Vec::new();
-    for run in &runs {
+    for (run, theirs) in &runs {
         let c = chain(&load(&run.profile));
         let plan = plan_like_pipedream(&c, run.per_server, run.servers, run.bandwidths).expect("plans");
         assert!(plan.replicas.iter().sum::<usize>() <= run.per_server * run.servers);
         let price = pipedream_price(&c, &plan.ranges, &plan.replicas, run.per_server, run.bandwidths);
-        if price > 1.01 * run.time_s {
+        if price > 1.01 * theirs.time_s {
             worse.push(format!(
                 "{} on {}: pipec {} at {:.3} ms, PipeDream {:.3} ms",
                 run.model,
                 run.cluster,
                 plan.notation(),
                 price * 1e3,
-                run.time_s * 1e3
+                theirs.time_s * 1e3
             ));
         }
         // on one level pipec's own prediction is PipeDream's objective (pipec also charges
@@ -128,19 +73,22 @@ fn pipec_plans_are_as_good_as_pipedreams_by_its_own_objective() {
 #[test]
 fn the_pricing_helper_reproduces_pipedreams_times_on_chains() {
     let mut checked = 0;
-    for run in recorded_runs().iter().filter(|r| r.servers == 1) {
+    for (run, theirs) in finished_runs().iter().filter(|(r, _)| r.servers == 1) {
         let nodes = load(&run.profile);
         let one_order = nodes.iter().enumerate().take(nodes.len() - 1).all(|(i, n)| n.successors.contains(&(i + 1)));
         if !one_order {
             continue;
         }
         // state k is the first k + 1 layers after the Input node (position 0 here)
-        let ranges: Vec<Range<usize>> =
-            run.stages.iter().map(|(r, _)| if r.start == 0 { 0..r.end + 1 } else { r.start + 1..r.end + 1 }).collect();
-        let replicas: Vec<usize> = run.stages.iter().map(|s| s.1).collect();
+        let ranges: Vec<Range<usize>> = theirs
+            .stages
+            .iter()
+            .map(|(r, _)| if r.start == 0 { 0..r.end + 1 } else { r.start + 1..r.end + 1 })
+            .collect();
+        let replicas: Vec<usize> = theirs.stages.iter().map(|s| s.1).collect();
         assert_eq!(ranges.last().map(|r| r.end), Some(nodes.len()), "{}", run.model);
         let price = pipedream_price(&chain(&nodes), &ranges, &replicas, run.per_server, run.bandwidths);
-        assert!((price - run.time_s).abs() <= 1e-9 * run.time_s, "{}: {price} vs {}", run.model, run.time_s);
+        assert!((price - theirs.time_s).abs() <= 1e-9 * theirs.time_s, "{}: {price} vs {}", run.model, theirs.time_s);
         checked += 1;
     }
     assert!(checked >= 2, "checked {checked} chain profiles");
