@@ -21,9 +21,15 @@ fn spec(stages: &str, devices: usize, steps: usize) -> String {
     spec_of(CHAIN, stages, devices, steps)
 }
 
+/// Batch normalisation in residual blocks on [2, 6, 6] images: a replicated stage
+/// all-reduces the batch statistics with its gradients.
+const BATCH_NORM: &str = "  input: [2, 6, 6]\n  blocks:\n    res(c):\n      - conv2d(c, c, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n      - conv2d(c, c, k=3, pad=1, bias=false) -> batchnorm2d as branch\n      - add(branch, in) -> relu\n  layers:\n    - conv2d(2, 4, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - repeat 2: res(4)\n    - adaptive_avgpool2d -> flatten -> linear(4, 4)\n";
+
+/// A spec training `model` (its `input` line, or `[16]`).
 fn spec_of(model: &str, stages: &str, devices: usize, steps: usize) -> String {
+    let input = if model.starts_with("  input:") { "" } else { "  input: [16]\n" };
     format!(
-        "name: mpi-test\nmodel:\n  input: [16]\n{model}  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: {stages}\n  schedule: 1f1b\n  microbatches: 8\ntraining:\n  batch_size: 32\n  steps: {steps}\n  optimizer: {{ kind: adam, lr: 0.005 }}\n  seed: 3\n  data: {{ kind: synthetic, samples: 96 }}\n"
+        "name: mpi-test\nmodel:\n{input}{model}  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: {stages}\n  schedule: 1f1b\n  microbatches: 8\ntraining:\n  batch_size: 32\n  steps: {steps}\n  optimizer: {{ kind: adam, lr: 0.005 }}\n  seed: 3\n  data: {{ kind: synthetic, samples: 96 }}\n"
     )
 }
 
@@ -50,7 +56,8 @@ fn equal_to_in_process(stages: &str, devices: usize) {
 fn equal_to_in_process_for(model: &str, stages: &str, devices: usize) {
     let dir = tempfile::tempdir().expect("tmp");
     let spec_path = dir.path().join("spec.yaml");
-    std::fs::write(&spec_path, spec_of(model, stages, devices, 4)).expect("write");
+    let text = spec_of(model, stages, devices, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 4 }\n");
+    std::fs::write(&spec_path, text).expect("write");
     let threads = dir.path().join("threads");
     let out = Command::new(pipec())
         .args(["run", spec_path.to_str().expect("p"), "-o", threads.to_str().expect("p")])
@@ -65,6 +72,10 @@ fn equal_to_in_process_for(model: &str, stages: &str, devices: usize) {
     assert_eq!(a.len(), 4);
     assert_eq!(a, b, "MPI losses differ from the in-process run");
     assert!(mpi.join("trace.json").is_file());
+    // the same weights (and running statistics) at the end, bit for bit
+    let weights =
+        |run: &Path| std::fs::read(run.join("checkpoints/step-000004/model.safetensors")).expect("checkpoint");
+    assert!(weights(&threads) == weights(&mpi), "MPI weights differ from the in-process run");
 }
 
 #[test]
@@ -77,6 +88,11 @@ fn a_graph_model_over_mpi_equals_in_process_exactly() {
     // both cuts fall inside residual blocks: each boundary carries the block's input and
     // the branch's activation in one message (and both gradients back)
     equal_to_in_process_for(RESIDUAL, "straight\n  partition: [\"0..5\", \"5..9\", \"9..\"]", 3);
+}
+
+#[test]
+fn batch_norm_with_a_replicated_stage_over_mpi_equals_in_process_exactly() {
+    equal_to_in_process_for(BATCH_NORM, "\"2-1\"", 3);
 }
 
 #[test]

@@ -12,6 +12,8 @@ use pipec_plan::Plan;
 #[derive(Clone, Copy)]
 struct Job<'a> {
     devices: usize,
+    /// The model's input shape.
+    input: &'a str,
     stages: &'a str,
     schedule: &'a str,
     microbatches: usize,
@@ -29,6 +31,7 @@ impl Default for Job<'_> {
     fn default() -> Self {
         Job {
             devices: 1,
+            input: "[16]",
             stages: "\"1\"",
             schedule: "gpipe",
             microbatches: 4,
@@ -46,7 +49,7 @@ fn spec(j: &Job<'_>) -> String {
     let blocks = if j.blocks.is_empty() { String::new() } else { format!("  blocks:\n{}\n", j.blocks) };
     format!(
         "model:
-  input: [16]
+  input: {input}
 {blocks}  layers:
     {layers}
   loss: cross_entropy
@@ -69,6 +72,7 @@ strategy:
   data: {{ kind: synthetic, samples: 96 }}
 ",
         layers = j.layers,
+        input = j.input,
         devices = j.devices,
         stages = j.stages,
         schedule = j.schedule,
@@ -101,6 +105,7 @@ fn losses(r: &RunReport) -> Vec<f64> {
 fn assert_same_as_one_device(j: Job<'_>) {
     let reference = Job { devices: 1, stages: "\"1\"", schedule: "gpipe", ..Job { ..j } };
     let reference = train(&plan(&Job {
+        input: reference.input,
         layers: reference.layers,
         blocks: reference.blocks,
         microbatches: reference.microbatches,
@@ -736,4 +741,238 @@ fn pipedream_vertical_sync_uses_the_first_stages_version_everywhere() {
         ..Job::default()
     })));
     assert_ne!(vsync, plain);
+}
+
+/// A residual CNN with batch normalisation everywhere, the first layer on the input itself
+/// (its statistics are the data's, so a reference can compute them from the samples).
+const BN_INPUT: &str = "[2, 6, 6]";
+const BN_BLOCKS: &str = "    res(c):\n      - conv2d(c, c, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n      - conv2d(c, c, k=3, pad=1, bias=false) -> batchnorm2d as branch\n      - add(branch, in) -> relu";
+const BN_LAYERS: &str = "- batchnorm2d as normed\n    - conv2d(2, 4, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - res(4)\n    - res(4)\n    - adaptive_avgpool2d -> flatten -> linear(4, 4)";
+
+fn bn(j: Job<'static>) -> Job<'static> {
+    Job { input: BN_INPUT, layers: BN_LAYERS, blocks: BN_BLOCKS, ..j }
+}
+
+type Statistics = std::collections::BTreeMap<u64, Vec<f32>>;
+
+/// Trains `j` with a checkpoint after its last step: the plan, the losses, and every batch
+/// normalisation layer's running statistics from the checkpoint (by checkpoint id).
+fn train_keeping_statistics(j: Job<'_>) -> (Plan, Vec<f64>, Statistics) {
+    train_keeping_statistics_in(j, tempfile::tempdir().expect("tempdir").path(), None)
+}
+
+/// [`train_keeping_statistics`] writing its checkpoints to `dir`, resuming from `resume`.
+fn train_keeping_statistics_in(
+    j: Job<'_>,
+    dir: &std::path::Path,
+    resume: Option<std::path::PathBuf>,
+) -> (Plan, Vec<f64>, Statistics) {
+    let text = spec(&j).replace("  seed: 5\n", &format!("  seed: 5\n  checkpoint: {{ every: {} }}\n", j.steps));
+    let s = pipec_grammar::check_source(&text).spec.unwrap_or_else(|| panic!("bad spec\n{text}"));
+    let p = compile(&s, &CompileOptions::default()).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan;
+    let r = pipec_executor::run(
+        &p,
+        &RunOptions { checkpoint_dir: Some(dir.to_path_buf()), resume, ..Default::default() },
+        &mut |_| {},
+    )
+    .unwrap_or_else(|e| panic!("run failed: {e}"));
+    let loaded =
+        pipec_plan::checkpoint::read(&pipec_plan::checkpoint::locate(dir).expect("a checkpoint")).expect("readable");
+    assert_eq!(loaded.completed_steps, j.steps);
+    let is_bn = |id: u64| matches!(p.layers[(id >> 8) as usize].op, pipec_plan::model::Op::BatchNorm2d { .. });
+    let stats = loaded
+        .params
+        .into_iter()
+        .filter(|((id, _), _)| matches!(id & 0xff, 2 | 3) && is_bn(*id))
+        .map(|((id, _), (_, v))| (id, v))
+        .collect();
+    (p, losses(&r), stats)
+}
+
+/// The running statistics of a batch normalisation layer on the model's input after
+/// `steps` steps, computed from the samples: each update folds in the mean over `groups`
+/// of the microbatches' per-channel mean and unbiased variance, with momentum 0.1.
+fn input_statistics_reference(p: &Plan, steps: usize, groups: &[Vec<usize>]) -> (Vec<f64>, Vec<f64>) {
+    let data = pipec_executor::data::Dataset::for_plan(p).expect("data");
+    let t = &p.training;
+    let [c, h, w] = p.model.input[..] else { panic!("an image input") };
+    let (mut mean, mut var) = (vec![0.0f64; c], vec![1.0f64; c]);
+    for step in 0..steps {
+        for group in groups {
+            let (mut m_sum, mut v_sum) = (vec![0.0f64; c], vec![0.0f64; c]);
+            for &mb in group {
+                let (x, _) = data.microbatch(step, mb, t.microbatch_size, t.batch_size);
+                let pipec_executor::data::Inputs::Features(x) = x else { panic!("features") };
+                for ch in 0..c {
+                    let values: Vec<f64> = (0..t.microbatch_size)
+                        .flat_map(|n| {
+                            let x = &x;
+                            (0..h * w).map(move |k| f64::from(x[(n * c + ch) * h * w + k]))
+                        })
+                        .collect();
+                    let n = values.len() as f64;
+                    let m = values.iter().sum::<f64>() / n;
+                    m_sum[ch] += m;
+                    v_sum[ch] += values.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / (n - 1.0);
+                }
+            }
+            let k = group.len() as f64;
+            for ch in 0..c {
+                mean[ch] = 0.9 * mean[ch] + 0.1 * m_sum[ch] / k;
+                var[ch] = 0.9 * var[ch] + 0.1 * v_sum[ch] / k;
+            }
+        }
+    }
+    (mean, var)
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(want) {
+        assert!((f64::from(*g) - w).abs() <= 1e-5 * w.abs().max(1e-2), "{what}: {got:?} vs {want:?}");
+    }
+}
+
+#[test]
+fn batch_norm_running_statistics_fold_once_per_update_from_the_updates_microbatches() {
+    let mean_id = 2; // layer 0, slot 2 (running mean); slot 3 the variance
+                     // synchronous: one update per step from the step's four microbatches
+    let (p, _, st) = train_keeping_statistics(bn(Job { schedule: "gpipe", ..Job::default() }));
+    let (m, v) = input_statistics_reference(&p, p.training.steps, &[vec![0, 1, 2, 3]]);
+    assert_close("gpipe mean", &st[&mean_id], &m);
+    assert_close("gpipe variance", &st[&(mean_id + 1)], &v);
+    // PipeDream on two stages: an update per microbatch, folding that microbatch's
+    // statistics — not those of the forwards that ran ahead of its backward
+    let (p, _, st) = train_keeping_statistics(bn(Job {
+        devices: 2,
+        stages: "straight",
+        schedule: "pipedream",
+        microbatches: 4,
+        optimizer: "{ kind: sgd, lr: 0.02 }",
+        ..Job::default()
+    }));
+    let (m, v) = input_statistics_reference(&p, p.training.steps, &[vec![0], vec![1], vec![2], vec![3]]);
+    assert_close("pipedream mean", &st[&mean_id], &m);
+    assert_close("pipedream variance", &st[&(mean_id + 1)], &v);
+    // a parameter server: it folds each gradient's statistics in the order it applies them
+    let (p, _, st) = train_keeping_statistics(bn(Job {
+        devices: 2,
+        stages: "\"2\"",
+        schedule: "{ kind: dp-only, sync: asp, staleness: 1 }",
+        optimizer: "{ kind: sgd, lr: 0.02 }",
+        ..Job::default()
+    }));
+    let applied: Vec<Vec<usize>> = p
+        .streams
+        .values()
+        .flatten()
+        .filter_map(|i| match i {
+            pipec_plan::Instr::ApplyGradient { mb, .. } => Some(vec![mb.0 as usize]),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(applied.len(), 4, "one update per microbatch");
+    let (m, v) = input_statistics_reference(&p, p.training.steps, &applied);
+    assert_close("asp mean", &st[&mean_id], &m);
+    assert_close("asp variance", &st[&(mean_id + 1)], &v);
+}
+
+#[test]
+fn batch_norm_trains_like_one_device_on_every_synchronous_layout() {
+    let (_, reference, want) = train_keeping_statistics(bn(Job { optimizer: ADAM, ..Job::default() }));
+    assert!(reference.last() < reference.first(), "the loss did not fall: {reference:?}");
+    assert_eq!(want.len(), 2 * 6, "six batch normalisation layers, mean and variance each");
+    // a cut inside the first residual block (between its second convolution and its batch
+    // normalisation: the block's input crosses too)
+    let cut = "  partition: [\"0..8\", \"8..\"]";
+    let layouts: Vec<Job<'static>> = vec![
+        Job { devices: 2, stages: "straight", schedule: "gpipe", strategy: cut, ..Job::default() },
+        Job { devices: 2, stages: "straight", schedule: "1f1b", strategy: cut, recompute: true, ..Job::default() },
+        Job { devices: 2, stages: "straight", schedule: "zb-h1", ..Job::default() },
+        Job { devices: 2, stages: "straight", schedule: "chimera", ..Job::default() },
+        Job { devices: 2, stages: "straight", schedule: "{ kind: interleaved, virtual_stages: 2 }", ..Job::default() },
+        Job { devices: 2, stages: "\"2\"", schedule: "dp-only", ..Job::default() },
+        Job { devices: 4, stages: "\"2-2\"", schedule: "1f1b", ..Job::default() },
+        Job { devices: 3, stages: "\"1-2\"", schedule: "gpipe", recompute: true, ..Job::default() },
+    ];
+    for j in layouts {
+        let what = format!("{} {}", j.schedule, j.stages);
+        let (_, got, stats) = train_keeping_statistics(bn(Job { optimizer: ADAM, ..j }));
+        for (step, (x, y)) in reference.iter().zip(&got).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * x.abs(), "{what}: step {step}: one device {x}, plan {y}");
+        }
+        assert_eq!(stats.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{what}");
+        for (id, w) in &want {
+            let w: Vec<f64> = w.iter().map(|x| f64::from(*x)).collect();
+            assert_close(&format!("{what}: {}", pipec_plan::checkpoint::param_name(*id)), &stats[id], &w);
+        }
+    }
+}
+
+#[test]
+fn batch_norm_statistics_resume_on_another_layout() {
+    // three steps on a 2-stage pipeline, then the rest on data parallelism × pipeline
+    let source = tempfile::tempdir().expect("tempdir");
+    let (_, _, saved) = train_keeping_statistics_in(
+        bn(Job { devices: 2, stages: "straight", schedule: "1f1b", optimizer: ADAM, steps: 3, ..Job::default() }),
+        source.path(),
+        None,
+    );
+    let target =
+        bn(Job { devices: 4, stages: "\"2-2\"", schedule: "gpipe", optimizer: ADAM, steps: 6, ..Job::default() });
+    let (_, full, want) = train_keeping_statistics(target);
+    let resumed_dir = tempfile::tempdir().expect("tempdir");
+    let (_, resumed, got) =
+        train_keeping_statistics_in(target, resumed_dir.path(), Some(source.path().join("step-000003")));
+    assert_eq!(resumed.len(), 3);
+    for (k, (a, b)) in full[3..].iter().zip(&resumed).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "step {}: uninterrupted {a}, resumed {b}", k + 3);
+    }
+    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+    for (id, w) in &want {
+        assert_ne!(&saved[id], w, "the statistics moved after the checkpoint");
+        let w: Vec<f64> = w.iter().map(|x| f64::from(*x)).collect();
+        assert_close(&pipec_plan::checkpoint::param_name(*id), &got[id], &w);
+    }
+}
+
+#[test]
+fn the_resnet_example_equals_one_device_on_every_synchronous_schedule() {
+    // specs/resnet-small.yaml as written (its balanced cut falls inside the second residual
+    // block: the block's input and its branch cross), then under every synchronous schedule
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/specs/resnet-small.yaml"))
+        .expect("the example")
+        .replace("steps: 30", "steps: 3");
+    let variant = |devices: usize, stages: &str, schedule: &str, recompute: bool| {
+        let t = text
+            .replace("devices_per_node: 2", &format!("devices_per_node: {devices}"))
+            .replace("stages: \"1-1\"", &format!("stages: {stages}"))
+            .replace("schedule: 1f1b", &format!("schedule: {schedule}\n  recompute: {recompute}"));
+        let s = pipec_grammar::check_source(&t).spec.unwrap_or_else(|| panic!("bad spec\n{t}"));
+        compile(&s, &CompileOptions::default()).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan
+    };
+    let example = variant(2, "\"1-1\"", "1f1b", false);
+    let cut = example.stages[1].layers[0];
+    let operands: Vec<Vec<pipec_plan::model::Source>> = example.layers.iter().map(|l| l.operands()).collect();
+    assert_eq!(pipec_plan::model::crossing(operands.iter().map(Vec::as_slice), cut).len(), 2, "cut at {cut}");
+    let reference = losses(&train(&variant(1, "\"1\"", "gpipe", false)));
+    let layouts = [
+        (2, "\"1-1\"", "1f1b", false),
+        (2, "\"1-1\"", "1f1b", true),
+        (2, "\"1-1\"", "gpipe", false),
+        (2, "\"1-1\"", "zb-h1", false),
+        (2, "\"1-1\"", "chimera", false),
+        (2, "straight", "{ kind: interleaved, virtual_stages: 2 }", false),
+        (4, "\"2-2\"", "gpipe", true),
+    ];
+    for (devices, stages, schedule, recompute) in layouts {
+        let got = losses(&train(&variant(devices, stages, schedule, recompute)));
+        assert_eq!(got.len(), 3);
+        for (step, (x, y)) in reference.iter().zip(&got).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs(),
+                "{schedule} {stages} recompute {recompute}: step {step}: one device {x}, plan {y}"
+            );
+        }
+    }
 }

@@ -252,6 +252,78 @@ pub struct Conv<B: Backend> {
     pub padding: usize,
 }
 
+/// Batch normalisation over a [batch, C, H, W] activation, per channel.
+///
+/// In training it normalises with the microbatch's own statistics (biased variance) and
+/// hands them (mean, unbiased variance; detached) to the caller, which folds them into the
+/// running statistics once per optimizer update (see `StageState::fold_statistics`). The
+/// running statistics are state, not parameters: the optimizer never sees them, a microbatch
+/// copy carries them along, checkpoints keep them (`RUNNING_MEAN_SLOT`, `RUNNING_VAR_SLOT`).
+#[derive(Module, Debug)]
+pub struct BatchNorm<B: Backend> {
+    pub gamma: Param<Tensor<B, 1>>,
+    pub beta: Param<Tensor<B, 1>>,
+    #[module(skip)]
+    pub running_mean: Vec<f32>,
+    #[module(skip)]
+    pub running_var: Vec<f32>,
+    /// The layer's global index.
+    #[module(skip)]
+    pub index: usize,
+}
+
+/// Batch normalisation's ε (PyTorch's default).
+pub const BN_EPS: f64 = 1e-5;
+/// How far one update moves the running statistics toward the new batch statistics
+/// (PyTorch's default `momentum`).
+pub const BN_MOMENTUM: f32 = 0.1;
+/// Checkpoint slots of the running statistics (the parameters take slots 0 and 1).
+pub const RUNNING_MEAN_SLOT: u64 = 2;
+pub const RUNNING_VAR_SLOT: u64 = 3;
+
+/// The checkpoint id of a state slot of layer `index` (the same scheme as its parameters').
+pub fn state_id(index: usize, slot: u64) -> u64 {
+    pid(index, slot)
+}
+
+impl<B: Backend> BatchNorm<B> {
+    fn new(index: usize, channels: usize, device: &B::Device) -> Self {
+        BatchNorm {
+            gamma: param(pid(index, 0), vec![1.0; channels], [channels], device),
+            beta: param(pid(index, 1), vec![0.0; channels], [channels], device),
+            running_mean: vec![0.0; channels],
+            running_var: vec![1.0; channels],
+            index,
+        }
+    }
+
+    /// Normalises `x`; in training, pushes [mean ‖ unbiased variance] (2·C values) to `stats`.
+    fn forward(&self, x: Tensor<B, 4>, training: bool, stats: &mut Vec<Tensor<B, 1>>) -> Result<Tensor<B, 4>> {
+        let [n, c, h, w] = x.dims();
+        let per_channel = n * h * w;
+        let (mean, var) = if training {
+            if per_channel < 2 {
+                return Err(ExecError::Shape(format!(
+                    "batchnorm2d (layer {}) needs more than one value per channel in a microbatch to compute a variance, got {n}×{h}×{w} (raise the microbatch size)",
+                    self.index
+                )));
+            }
+            let mean = x.clone().mean_dim(0).mean_dim(2).mean_dim(3);
+            let var = (x.clone() - mean.clone()).powi_scalar(2).mean_dim(0).mean_dim(2).mean_dim(3);
+            let unbiased = var.clone().detach() * (per_channel as f64 / (per_channel - 1) as f64);
+            stats.push(Tensor::cat(vec![mean.clone().detach().reshape([c]), unbiased.reshape([c])], 0));
+            (mean, var)
+        } else {
+            let dev = x.device();
+            let stat =
+                |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [c]), &dev).reshape([1, c, 1, 1]);
+            (stat(&self.running_mean), stat(&self.running_var))
+        };
+        let normed = (x - mean) / (var + BN_EPS).sqrt();
+        Ok(normed * self.gamma.val().reshape([1, c, 1, 1]) + self.beta.val().reshape([1, c, 1, 1]))
+    }
+}
+
 /// A layer without weights; `index` is its global layer index (dropout masks use it).
 #[derive(Module, Debug, Clone)]
 pub struct Stateless {
@@ -273,6 +345,7 @@ pub enum Layer<B: Backend> {
     Dense(Dense<B>),
     Conv(Conv<B>),
     Norm(Norm<B>),
+    BatchNorm(BatchNorm<B>),
     Embedding(Embed<B>),
     Block(Block<B>),
     Stateless(Stateless),
@@ -310,6 +383,7 @@ impl<B: Backend> Layer<B> {
                 })
             }
             Op::LayerNorm { dim } => Layer::Norm(Norm::new(index, 0, dim, device)),
+            Op::BatchNorm2d { channels } => Layer::BatchNorm(BatchNorm::new(index, channels, device)),
             Op::Embedding { vocab, dim } => {
                 let mut rng = Rng::keyed(&[seed, 10, index as u64, 0]);
                 Layer::Embedding(Embed {
@@ -329,9 +403,17 @@ impl<B: Backend> Layer<B> {
         }
     }
 
-    /// The forward pass. `mask_key` makes dropout masks depend on (step, microbatch) only.
-    pub fn forward(&self, x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>> {
+    /// The forward pass. `mask_key` makes dropout masks depend on (step, microbatch) only;
+    /// batch normalisation in training appends its batch statistics to `stats`.
+    pub fn forward(
+        &self,
+        x: Act<B>,
+        training: bool,
+        mask_key: (u64, u64, u64),
+        stats: &mut Vec<Tensor<B, 1>>,
+    ) -> Result<Act<B>> {
         Ok(match (self, x) {
+            (Layer::BatchNorm(bn), Act::D4(t)) => Act::D4(bn.forward(t, training, stats)?),
             (Layer::Dense(d), Act::D2(t)) => Act::D2(d.forward2(t)),
             (Layer::Dense(d), Act::D3(t)) => Act::D3(d.forward3(t)),
             (Layer::Conv(c), Act::D4(t)) => Act::D4(conv2d(
@@ -362,6 +444,7 @@ fn layer_name<B: Backend>(l: &Layer<B>) -> &'static str {
         Layer::Dense(_) => "linear",
         Layer::Conv(_) => "conv2d",
         Layer::Norm(_) => "layernorm",
+        Layer::BatchNorm(_) => "batchnorm2d",
         Layer::Embedding(_) => "embedding",
         Layer::Block(_) => "transformer_block",
         Layer::Stateless(st) => st.op.name(),
@@ -467,10 +550,75 @@ impl<B: Backend> StageModel<B> {
         }
     }
 
-    pub fn forward(&self, mut x: Act<B>, training: bool, mask_key: (u64, u64, u64)) -> Result<Act<B>> {
+    /// The stage's batch normalisation layers, in order.
+    pub fn batch_norms(&self) -> impl Iterator<Item = &BatchNorm<B>> {
+        self.layers.iter().filter_map(|l| match l {
+            Layer::BatchNorm(bn) => Some(bn),
+            _ => None,
+        })
+    }
+
+    /// How many values the stage's batch statistics (and running statistics) take: per
+    /// batch normalisation layer, a mean and a variance per channel.
+    pub fn statistics_len(&self) -> usize {
+        self.batch_norms().map(|bn| 2 * bn.running_mean.len()).sum()
+    }
+
+    /// The running statistics, per batch normalisation layer [mean ‖ variance].
+    pub fn running_statistics(&self) -> Vec<f32> {
+        self.batch_norms().flat_map(|bn| bn.running_mean.iter().chain(&bn.running_var).copied()).collect()
+    }
+
+    /// Replaces the running statistics with `values` (as `running_statistics` lays them out).
+    pub fn set_running_statistics(&mut self, values: &[f32]) -> Result<()> {
+        self.update_running(values, |_, new| new)
+    }
+
+    /// One update of the running statistics toward `mean_stats` (batch statistics averaged
+    /// over the microbatches the update covers, laid out as `running_statistics`):
+    /// running ← (1 − momentum)·running + momentum·batch.
+    pub fn fold_statistics(&mut self, mean_stats: &[f32]) -> Result<()> {
+        self.update_running(mean_stats, |old, new| (1.0 - BN_MOMENTUM) * old + BN_MOMENTUM * new)
+    }
+
+    fn update_running(&mut self, values: &[f32], f: impl Fn(f32, f32) -> f32) -> Result<()> {
+        if values.len() != self.statistics_len() {
+            return Err(ExecError::Shape(format!(
+                "{} batch-normalisation statistics for a stage that keeps {}",
+                values.len(),
+                self.statistics_len()
+            )));
+        }
+        let mut rest = values;
+        for layer in &mut self.layers {
+            if let Layer::BatchNorm(bn) = layer {
+                let c = bn.running_mean.len();
+                let (mean, tail) = rest.split_at(c);
+                let (var, tail) = tail.split_at(c);
+                for (r, v) in bn.running_mean.iter_mut().zip(mean) {
+                    *r = f(*r, *v);
+                }
+                for (r, v) in bn.running_var.iter_mut().zip(var) {
+                    *r = f(*r, *v);
+                }
+                rest = tail;
+            }
+        }
+        Ok(())
+    }
+
+    /// The stage's forward; batch normalisation layers in training append their batch
+    /// statistics to `stats`, in layer order.
+    pub fn forward(
+        &self,
+        mut x: Act<B>,
+        training: bool,
+        mask_key: (u64, u64, u64),
+        stats: &mut Vec<Tensor<B, 1>>,
+    ) -> Result<Act<B>> {
         let Some(g) = &self.graph else {
             for layer in &self.layers {
-                x = layer.forward(x, training, mask_key)?;
+                x = layer.forward(x, training, mask_key, stats)?;
             }
             return Ok(x);
         };
@@ -493,7 +641,7 @@ impl<B: Backend> StageModel<B> {
                 Layer::Stateless(st) if matches!(st.op, Op::Add { .. } | Op::Concat { .. }) => join(&st.op, args)?,
                 _ => {
                     let x = args.into_iter().next().ok_or(ExecError::Missing("a layer has no operand"))?;
-                    layer.forward(x, training, mask_key)?
+                    layer.forward(x, training, mask_key, stats)?
                 }
             };
             env.insert(Source::Layer(g.first + k), out);

@@ -264,13 +264,16 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if let Some(problem) = plan.check().into_iter().next() {
         return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
     }
-    // planned and checked, but not run yet
-    if let Some(l) = plan.layers.iter().find(|l| matches!(l.op, Op::BatchNorm2d { .. })) {
-        return Err(RunError::setup(format!(
-            "this executor does not run batch normalisation yet (layer {} `{}`): `pipec check` and `pipec compile` plan it, `pipec run` cannot train it",
-            l.index,
-            l.op.name()
-        )));
+    // batch normalisation needs a variance per channel in every microbatch
+    for l in &plan.layers {
+        if let (Op::BatchNorm2d { .. }, [_, h, w]) = (&l.op, l.input_shape.as_slice()) {
+            if plan.training.microbatch_size * h * w < 2 {
+                return Err(RunError::setup(format!(
+                    "layer {} `batchnorm2d` sees one value per channel in a microbatch of {} sample(s) at {h}×{w}: it cannot compute a batch variance (raise the microbatch size: fewer microbatches or a larger batch)",
+                    l.index, plan.training.microbatch_size
+                )));
+            }
+        }
     }
     let graph = plan.layers.iter().any(|l| l.inputs.is_some());
     if graph && plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1)) {
@@ -349,6 +352,7 @@ fn load_checkpoint<B: AutodiffBackend>(
             _ => None,
         });
         st.model = Some(model);
+        load_running_statistics(st, loaded, tp_rank)?;
         if let Some(first) = missing.first() {
             return Err(ExecError::Checkpoint(format!(
                 "model.safetensors lacks {} parameter(s) of stage {id} (e.g. `{}`)",
@@ -371,15 +375,53 @@ fn load_checkpoint<B: AutodiffBackend>(
     Ok(())
 }
 
+/// Batch normalisation's running statistics from a checkpoint (keyed like parameters).
+fn load_running_statistics<B: AutodiffBackend>(
+    st: &mut StageState<B>,
+    loaded: &checkpoint::Loaded,
+    tp_rank: u32,
+) -> Result<(), ExecError> {
+    let mut values = Vec::new();
+    for bn in st.model()?.batch_norms() {
+        let c = bn.running_mean.len();
+        for slot in [layers::RUNNING_MEAN_SLOT, layers::RUNNING_VAR_SLOT] {
+            let id = layers::state_id(bn.index, slot);
+            match loaded.params.get(&(id, tp_rank)) {
+                Some((shape, v)) if shape.as_slice() == [c] => values.extend_from_slice(v),
+                Some((shape, _)) => {
+                    return Err(ExecError::Checkpoint(format!(
+                        "model.safetensors: `{}` has shape {shape:?}, and this plan's model needs [{c}]",
+                        checkpoint::param_name(id)
+                    )))
+                }
+                None => {
+                    return Err(ExecError::Checkpoint(format!(
+                        "model.safetensors lacks the running statistics of layer {} (`{}`)",
+                        bn.index,
+                        checkpoint::param_name(id)
+                    )))
+                }
+            }
+        }
+    }
+    st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.set_running_statistics(&values)
+}
+
 fn save_checkpoint<B: AutodiffBackend>(
     stages: &HashMap<StageId, StageState<B>>,
 ) -> Result<checkpoint::Shards, ExecError> {
     let mut out = HashMap::new();
     for (id, st) in stages {
-        let params = params::snapshot::<B, _>(st.model()?)?
+        let mut params: Vec<(u64, Vec<usize>, Vec<f32>)> = params::snapshot::<B, _>(st.model()?)?
             .into_iter()
             .map(|(pid, shape, v)| (ParamId::val(&pid), shape, v))
             .collect();
+        // batch normalisation's running statistics, beside the layer's parameters
+        for bn in st.model()?.batch_norms() {
+            let c = bn.running_mean.len();
+            params.push((layers::state_id(bn.index, layers::RUNNING_MEAN_SLOT), vec![c], bn.running_mean.clone()));
+            params.push((layers::state_id(bn.index, layers::RUNNING_VAR_SLOT), vec![c], bn.running_var.clone()));
+        }
         let optimizer = st.optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
         let (tp_rank, tp_size) = st.tp_shard();
         out.insert(

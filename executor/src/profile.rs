@@ -89,7 +89,7 @@ pub fn profile_layers<B: AutodiffBackend>(
             let x = Act::from_parts(parts);
             let x = if i == 0 { x } else { require_grad(x) };
             let t0 = Instant::now();
-            let y = model.forward(x, true, (0, 0, r as u64))?;
+            let y = model.forward(x, true, (0, 0, r as u64), &mut Vec::new())?;
             let s = sum(&y).ok_or(ExecError::Shape("a layer produced token ids".into()))?;
             // make the forward really run before the clock stops (lazy backends)
             let _ = s.clone().into_scalar();
@@ -127,7 +127,7 @@ pub fn profile_layers<B: AutodiffBackend>(
     for r in 0..warmup + reps {
         let x = random_input::<B>(&shape, tokens, dev);
         let t0 = Instant::now();
-        let y = whole.forward(x, true, (0, 0, r as u64))?;
+        let y = whole.forward(x, true, (0, 0, r as u64), &mut Vec::new())?;
         let s = sum(&y).ok_or(ExecError::Shape("the model produced token ids".into()))?;
         let _ = s.clone().into_scalar();
         let t1 = Instant::now();

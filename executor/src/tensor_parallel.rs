@@ -294,6 +294,7 @@ pub fn forward<B: AutodiffBackend>(
     training: bool,
     key: (u64, u64, u64),
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+    stats: &mut Vec<Tensor<B, 1>>,
 ) -> Result<Vec<Segment<B>>> {
     let mut segments = Vec::new();
     let mut leaf = x.clone();
@@ -348,7 +349,7 @@ pub fn forward<B: AutodiffBackend>(
                 continue;
             }
             Layer::Stateless(st) => cur = stateless(&st.op, st.index, cur, training, key)?,
-            other => cur = other.forward(cur, training, key)?,
+            other => cur = other.forward(cur, training, key, stats)?,
         }
         applied += 1;
     }

@@ -56,6 +56,15 @@ pub(crate) struct StageState<B: AutodiffBackend> {
     acc: FlatGrads<B>,
     /// Microbatches that contributed to `acc` since the last step.
     contributions: usize,
+    /// Batch normalisation: each microbatch forward's batch statistics (laid out as
+    /// `StageModel::running_statistics`) until its gradient joins `acc`.
+    forward_stats: HashMap<MicrobatchId, Tensor<B::InnerBackend, 1>>,
+    /// The statistics of the microbatches whose gradients are in `acc`, summed, and how
+    /// many microbatches they cover. They travel with the gradients (all-reduce, parameter
+    /// server), so an update folds in the statistics of exactly the microbatches whose
+    /// gradients it applies.
+    stats: Option<Tensor<B::InnerBackend, 1>>,
+    stats_count: f32,
     stash: HashMap<MicrobatchId, StageModel<B>>,
     /// This step's weight versions (index k: after k updates), for vertical sync.
     versions: Vec<StageModel<B>>,
@@ -83,6 +92,68 @@ impl<B: AutodiffBackend> StageState<B> {
     fn clear_gradients(&mut self) {
         self.acc.iter_mut().for_each(|g| *g = None);
         self.contributions = 0;
+        self.stats = None;
+        self.stats_count = 0.0;
+    }
+
+    /// Keeps one microbatch forward's batch statistics (none on a stage without batch
+    /// normalisation) until its gradient is added.
+    fn record_statistics(&mut self, mb: MicrobatchId, stats: Vec<Tensor<B, 1>>) {
+        if !stats.is_empty() {
+            self.forward_stats.insert(mb, Tensor::cat(stats, 0).inner());
+        }
+    }
+
+    /// Adds microbatch `mb`'s statistics to those of the gradients in `acc`.
+    fn add_statistics(&mut self, mb: MicrobatchId) {
+        if let Some(t) = self.forward_stats.remove(&mb) {
+            self.stats = Some(match self.stats.take() {
+                Some(s) => s + t,
+                None => t,
+            });
+            self.stats_count += 1.0;
+        }
+    }
+
+    /// The recorded statistics' sums and then their count, as they travel with the
+    /// gradients; empty on a stage without batch normalisation.
+    fn statistics_message(&self) -> Result<Vec<f32>> {
+        let n = self.model()?.statistics_len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut v = match &self.stats {
+            Some(t) => host_f32(t.clone().into_data())?,
+            None => vec![0.0; n],
+        };
+        v.push(self.stats_count);
+        Ok(v)
+    }
+
+    /// How many values `statistics_message` takes.
+    fn statistics_message_len(&self) -> Result<usize> {
+        let n = self.model()?.statistics_len();
+        Ok(if n == 0 { 0 } else { n + 1 })
+    }
+
+    /// Takes statistics sums and count in `statistics_message`'s layout (summed over a group).
+    fn set_statistics(&mut self, message: &[f32], dev: &B::Device) -> Result<()> {
+        let Some((count, sums)) = message.split_last() else { return Ok(()) };
+        self.stats = Some(Tensor::from_data(TensorData::new(sums.to_vec(), [sums.len()]), dev));
+        self.stats_count = *count;
+        Ok(())
+    }
+
+    /// Folds the recorded statistics into the running statistics: one update of their
+    /// moving average with the mean over the microbatches recorded.
+    fn fold_statistics(&mut self) -> Result<()> {
+        let (Some(sums), count) = (self.stats.take(), self.stats_count) else { return Ok(()) };
+        if count > 0.0 {
+            let mean: Vec<f32> = host_f32(sums.into_data())?.into_iter().map(|x| x / count).collect();
+            self.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.fold_statistics(&mean)?;
+        }
+        self.stats_count = 0.0;
+        Ok(())
     }
 
     /// One optimizer update from flat gradients, each scaled by `scale`.
@@ -231,6 +302,8 @@ struct Forwarded<B: AutodiffBackend> {
     output: Option<Act<B>>,
     /// The loss this device reports (the last stage; on one rank of a tensor-parallel group).
     loss: Option<Tensor<B, 1>>,
+    /// Batch normalisation's statistics of this microbatch, in layer order.
+    stats: Vec<Tensor<B, 1>>,
 }
 
 /// A copy of a stage's weights that is a fresh autodiff leaf: every microbatch's forward
@@ -456,7 +529,11 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 *v = (*v).max(1 + st.stash.len() as u32);
             }
         }
-        if !self.saved.is_empty() || !self.outputs.is_empty() || !self.input_grads.is_empty() {
+        if !self.saved.is_empty()
+            || !self.outputs.is_empty()
+            || !self.input_grads.is_empty()
+            || self.stages.values().any(|st| !st.forward_stats.is_empty())
+        {
             return Err((self.stream.len(), ExecError::Missing("buffers are left over at the end of the step")));
         }
         report.peak_versions = versions;
@@ -479,7 +556,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             Instr::Recompute { stage, mb } => self.recompute(step, stage, mb),
             Instr::Backward { stage, mb } => {
                 let flat = self.run_backward(stage, mb)?;
-                self.add_gradient(stage, flat)?;
+                self.add_gradient(stage, mb, flat)?;
                 // the stashed version has served its backward
                 self.state(stage)?.stash.remove(&mb);
                 Ok(())
@@ -496,7 +573,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                     .pending_weight_grads
                     .remove(&(stage, mb))
                     .ok_or(ExecError::Missing("the input-gradient pass of this microbatch did not run"))?;
-                self.add_gradient(stage, flat)
+                self.add_gradient(stage, mb, flat)
             }
             Instr::Free { stage, mb } => {
                 self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
@@ -547,7 +624,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                         st.contributions
                     )));
                 }
-                let flat = flatten_grads::<B>(&st.acc)?;
+                let mut flat = flatten_grads::<B>(&st.acc)?;
+                flat.extend(st.statistics_message()?);
                 st.clear_gradients();
                 let n = flat.len();
                 Ok(self.ep.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: flat })?)
@@ -557,8 +635,9 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 self.apply_gradient(stage, &msg.data)
             }
             Instr::PushWeights { peer, stage, .. } => {
-                let values: Vec<f32> =
-                    snapshot::<B, _>(self.state(stage)?.model()?)?.into_iter().flat_map(|(_, _, v)| v).collect();
+                let model = self.state(stage)?.model()?;
+                let mut values: Vec<f32> = snapshot::<B, _>(model)?.into_iter().flat_map(|(_, _, v)| v).collect();
+                values.extend(model.running_statistics());
                 let n = values.len();
                 Ok(self.ep.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: values })?)
             }
@@ -630,6 +709,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             None => st.model()?,
         });
         let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(step, mb))?;
+        // the forward (not a recompute) records batch normalisation's statistics
+        self.state(stage)?.record_statistics(mb, f.stats);
         if let Some(loss) = f.loss {
             let value = loss.into_scalar().elem::<f32>();
             if !value.is_finite() {
@@ -683,22 +764,29 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 ep.all_reduce(&tp.members, &mut v, reduce)?;
                 Ok(v)
             };
-            let segments = crate::tensor_parallel::forward(model, x, true, key, &mut sum)?;
+            let mut stats = Vec::new();
+            let segments = crate::tensor_parallel::forward(model, x, true, key, &mut sum, &mut stats)?;
             let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
             if !is_last {
-                return Ok(Forwarded { saved: Saved::Tp(segments, None), output: Some(out), loss: None });
+                return Ok(Forwarded { saved: Saved::Tp(segments, None), output: Some(out), loss: None, stats });
             }
             let leaf = crate::tensor_parallel::fresh(&out);
             let loss = self.loss(mb, leaf.clone())?;
             let reported = (tp.rank == 0).then(|| loss.clone());
-            return Ok(Forwarded { saved: Saved::Tp(segments, Some((leaf, loss))), output: None, loss: reported });
+            return Ok(Forwarded {
+                saved: Saved::Tp(segments, Some((leaf, loss))),
+                output: None,
+                loss: reported,
+                stats,
+            });
         }
-        let out = model.forward(x, true, key)?;
+        let mut stats = Vec::new();
+        let out = model.forward(x, true, key, &mut stats)?;
         if is_last {
             let loss = self.loss(mb, out)?;
-            Ok(Forwarded { saved: Saved::Loss(loss.clone()), output: None, loss: Some(loss) })
+            Ok(Forwarded { saved: Saved::Loss(loss.clone()), output: None, loss: Some(loss), stats })
         } else {
-            Ok(Forwarded { saved: Saved::Output(out.clone()), output: Some(out), loss: None })
+            Ok(Forwarded { saved: Saved::Output(out.clone()), output: Some(out), loss: None, stats })
         }
     }
 
@@ -787,10 +875,12 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         Ok(flat)
     }
 
-    /// Adds one microbatch's weight gradients to the stage's accumulator.
-    fn add_gradient(&mut self, stage: StageId, flat: FlatGrads<B>) -> Result<()> {
+    /// Adds one microbatch's weight gradients (and its forward's batch statistics) to the
+    /// stage's accumulator.
+    fn add_gradient(&mut self, stage: StageId, mb: MicrobatchId, flat: FlatGrads<B>) -> Result<()> {
         let st = self.state(stage)?;
         accumulate::<B>(&mut st.acc, flat);
+        st.add_statistics(mb);
         st.contributions += 1;
         Ok(())
     }
@@ -809,8 +899,13 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         let st = self.state(stage)?;
         let sizes: Vec<usize> = st.acc.iter().flatten().map(|t| t.dims()[0]).collect();
         let mut flat = flatten_grads::<B>(&st.acc)?;
+        let stats = st.statistics_message()?;
+        let n_stats = stats.len();
+        flat.extend(stats);
         self.ep.all_reduce(&members, &mut flat, reduce)?;
         let st = self.state(stage)?;
+        let stats = flat.split_off(flat.len() - n_stats);
+        st.set_statistics(&stats, &dev)?;
         let mut summed = unflatten::<B::InnerBackend>(&flat, &sizes, &dev)?.into_iter();
         for g in st.acc.iter_mut().flatten() {
             *g = summed.next().ok_or(ExecError::Missing("fewer gradients came back than were sent"))?;
@@ -827,26 +922,40 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         let dev = self.dev.clone();
         let st = self.state(stage)?;
         let sizes: Vec<usize> = layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product()).collect();
+        let n_stats = st.statistics_message_len()?;
+        let Some(split) = values.len().checked_sub(n_stats) else {
+            return Err(ExecError::Plan("the parameter server sent a gradient that does not fit".into()));
+        };
+        let (values, stats) = values.split_at(split);
         let flat: FlatGrads<B> = unflatten::<B::InnerBackend>(values, &sizes, &dev)
             .map_err(|e| ExecError::Plan(format!("the parameter server sent a gradient that does not fit: {e}")))?
             .into_iter()
             .map(Some)
             .collect();
-        st.update(lr, &flat, n_mb)
+        st.update(lr, &flat, n_mb)?;
+        st.set_statistics(stats, &dev)?;
+        st.fold_statistics()
     }
 
     /// `PullWeights`: replaces the stage's weights with the parameter server's, in visiting order.
     fn pull_weights(&mut self, stage: StageId, values: &[f32]) -> Result<()> {
         let st = self.state(stage)?;
+        let n_stats = st.model()?.statistics_len();
+        let Some(split) = values.len().checked_sub(n_stats) else {
+            return Err(ExecError::Plan("the pulled weights do not fit the stage".into()));
+        };
+        let (values, running) = values.split_at(split);
         let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
         let mut offset = 0;
-        let (model, missing) = set_params(model, |_, shape| {
+        let (mut model, missing) = set_params(model, |_, shape| {
             let n: usize = shape.iter().product();
             let v = values.get(offset..offset + n)?.to_vec();
             offset += n;
             Some(v)
         });
+        let set = model.set_running_statistics(running);
         st.model = Some(model);
+        set?;
         if !missing.is_empty() || offset != values.len() {
             return Err(ExecError::Plan(format!(
                 "the pulled weights ({} values) do not fit the stage ({offset} values read, {} parameter(s) short)",
@@ -868,6 +977,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         let scale = if st.contributions > 0 { n_mb / st.contributions as f64 } else { 1.0 };
         let acc = std::mem::take(&mut st.acc);
         st.update(lr, &acc, scale)?;
+        st.fold_statistics()?;
         st.clear_gradients();
         if let Some(m) = st.model.clone() {
             st.versions.push(m);
@@ -976,6 +1086,9 @@ pub(crate) fn build_stages<B: AutodiffBackend>(
                 optim: StageOptim::new(&plan.training.optimizer),
                 acc: Vec::new(),
                 contributions: 0,
+                forward_stats: HashMap::new(),
+                stats: None,
+                stats_count: 0.0,
                 stash: HashMap::new(),
                 versions: Vec::new(),
             },

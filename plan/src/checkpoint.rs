@@ -342,8 +342,8 @@ pub struct Move {
     pub layers: [usize; 2],
     pub from: Vec<u32>,
     pub to: Vec<u32>,
-    /// Bytes the devices in `to` that did not hold these layers must receive (weights and
-    /// optimizer state).
+    /// Bytes the devices in `to` that did not hold these layers must receive (weights,
+    /// optimizer state, running statistics).
     pub bytes: u64,
 }
 
@@ -371,7 +371,8 @@ pub fn reshard(saved: &Identity, plan: &Plan) -> Result<Vec<Move>, String> {
     for (i, layer) in plan.layers.iter().enumerate() {
         let (from, to) = (holders(saved, i), holders(&want, i));
         let receivers = to.iter().filter(|d| !from.contains(d)).count() as u64;
-        let bytes = receivers * layer.parameter_bytes * (1 + state_floats);
+        // weights and optimizer state, and state that is not trained (running statistics, f32)
+        let bytes = receivers * (layer.parameter_bytes * (1 + state_floats) + 4 * layer.op.state_count());
         match moves.last_mut() {
             Some(m) if m.from == from && m.to == to => {
                 m.layers[1] = i + 1;
