@@ -304,7 +304,11 @@ pub fn measured_bubble(plan: &Plan, trace: &[(pipec_plan::DeviceId, usize, f64, 
 
 /// One line of `metrics.jsonl`.
 fn metrics_line(m: &StepMetrics) -> serde_json::Value {
-    serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s})
+    let mut line = serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s});
+    if let Some(p) = m.perplexity {
+        line["perplexity"] = p.into();
+    }
+    line
 }
 
 /// A flag SIGINT and SIGTERM set: the run stops at the next step boundary all workers agree
@@ -405,8 +409,9 @@ fn backend_kind(b: Backend) -> BackendKind {
 /// Prints a step's loss and speed: the first three steps, every tenth and the last of `steps`.
 fn print_step(m: &StepMetrics, steps: usize) {
     if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps {
+        let perplexity = m.perplexity.map(|p| format!("  perplexity {p:.2}")).unwrap_or_default();
         eprintln!(
-            "step {:>5}  loss {:.6}  {:.1} ms  {:.0} samples/s",
+            "step {:>5}  loss {:.6}{perplexity}  {:.1} ms  {:.0} samples/s",
             m.step,
             m.loss,
             m.step_seconds * 1e3,

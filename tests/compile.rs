@@ -42,6 +42,39 @@ fn compile_text(text: &str) -> pipec_compiler::CompileResult {
 }
 
 #[test]
+fn a_tie_across_stages_sums_the_copies_gradients_before_their_updates() {
+    // GPT-2: the embedding on the first stage, the tied output layer on the last; with
+    // 2-way data and tensor parallelism each tensor-parallel rank has its own tying group
+    let text = std::fs::read_to_string(root().join("specs/gpt2.yaml")).expect("gpt2");
+    let plan = compile_text(&text).into_compiled().expect("compiles").plan;
+    let last = plan.layers.len() - 1;
+    assert_eq!(plan.layers[last].tied, Some(0));
+    let ties: Vec<&pipec_plan::plan::GroupPlan> = plan.groups.iter().filter(|g| g.tie.is_some()).collect();
+    assert_eq!(ties.len(), 2, "one tying group per tensor-parallel rank");
+    let first_and_last: Vec<u32> = ties.iter().flat_map(|g| g.devices.iter().map(|d| d.0)).collect();
+    assert_eq!(first_and_last, vec![0, 2, 12, 14, 1, 3, 13, 15]);
+    for g in &ties {
+        assert_eq!(g.tie, Some([0, last]));
+        for d in &g.devices {
+            let stream = &plan.streams[d];
+            let tail: Vec<String> = stream[stream.len() - 3..].iter().map(|i| i.to_string()).collect();
+            // the replicas' all-reduce, then the tied sum (50,257 × 768 bf16 values), then the update
+            assert!(tail[0].starts_with("allreduce"), "{d}: {tail:?}");
+            assert_eq!(tail[1], format!("tiedallreduce {} {} 77194752B", stream[stream.len() - 1].stage(), g.id));
+            assert!(tail[2].starts_with("step"), "{d}: {tail:?}");
+        }
+    }
+    // the copy lives on the last stage: its memory holds the projection's 38.6M weights
+    assert_eq!(plan.stages[3].parameters, 50257 * 768);
+    // an asynchronous schedule cannot keep two copies equal
+    let tiny = std::fs::read_to_string(root().join("specs/gpt-tiny.yaml")).expect("gpt-tiny");
+    let pipedream = tiny.replace("schedule: 1f1b", "schedule: pipedream");
+    let err = compile_text(&pipedream).into_compiled().expect_err("refused");
+    let e = err.iter().find(|d| d.code == "E0411").expect("E0411");
+    assert!(e.message.contains("tied") && e.message.contains("pipedream"), "{}", e.message);
+}
+
+#[test]
 fn a_model_that_cannot_fit_is_rejected_and_recompute_or_more_stages_fit() {
     let text = std::fs::read_to_string(root().join("tests/specs/too-big.yaml")).expect("spec");
     let c = compile_text(&text);
@@ -134,6 +167,25 @@ fn the_residual_network_example_trains_with_batch_normalisation() {
     assert_eq!(loss.len(), 12);
     // 2.64 at step 0, 2.24 by step 9 when this was written
     assert!(loss[9..].iter().all(|l| *l < 0.95 * loss[0]), "the loss did not fall: {loss:?}");
+}
+
+#[test]
+fn the_tiny_gpt_learns_its_text_and_reports_perplexity() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = pipec(&["run", "specs/gpt-tiny.yaml", "-o", dir.path().to_str().expect("path")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).expect("metrics");
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    assert_eq!(lines.len(), 50);
+    let loss: Vec<f64> = lines.iter().map(|l| l["loss"].as_f64().expect("loss")).collect();
+    for l in &lines {
+        let (loss, ppl) = (l["loss"].as_f64().expect("loss"), l["perplexity"].as_f64().expect("perplexity"));
+        assert!((ppl - loss.exp()).abs() <= 1e-9 * ppl, "{l}");
+    }
+    // the loss falls by at least 30% within the 50 steps (5.79 → about 2.9 when written)
+    let best = loss.iter().copied().fold(f64::INFINITY, f64::min);
+    assert!(best <= 0.7 * loss[0], "{loss:?}");
+    assert!(loss[40..].iter().all(|l| *l <= 0.7 * loss[0]), "{loss:?}");
 }
 
 #[test]

@@ -218,6 +218,17 @@ fn resnet50_has_torchvisions_parameter_count() {
 }
 
 #[test]
+fn gpt2_small_has_hugging_faces_parameter_count() {
+    // transformers.GPT2LMHeadModel(GPT2Config()).num_parameters(): the output layer shares
+    // the token embedding, so it adds no parameters
+    let model = model_of("specs/gpt2.yaml");
+    assert_eq!(model.parameter_count(), 124_439_808);
+    let untied: u64 = model.layers.iter().map(|l| l.op.parameter_count()).sum();
+    assert_eq!(untied - model.parameter_count(), 50257 * 768);
+    assert_eq!(model.output_shape(), &[1024, 50257]);
+}
+
+#[test]
 fn inception_modules_concatenate_their_branches() {
     // GoogLeNet's stem, 3a, 3b and 4a: torchvision's counts for these layers (convolutions
     // with bias, no batch norm) plus a 512 -> 1000 classifier

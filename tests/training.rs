@@ -687,7 +687,7 @@ fn tensor_parallel_attention_equals_one_device() {
         devices: 4,
         stages: "\"1-1\"\n  tp: 2",
         schedule: "1f1b",
-        optimizer: SGD,
+        optimizer: "{ kind: momentum, lr: 0.02, momentum: 0.9 }",
         layers,
         ..Job::default()
     });
@@ -974,5 +974,89 @@ fn the_resnet_example_equals_one_device_on_every_synchronous_schedule() {
                 "{schedule} {stages} recompute {recompute}: step {step}: one device {x}, plan {y}"
             );
         }
+    }
+}
+
+/// A spec file of `specs/` with its strategy replaced: `stages`, `schedule`, `recompute`,
+/// `tp` on `devices` devices of one node, for `steps` steps (the spec's data paths resolve
+/// beside it).
+fn example_variant(
+    name: &str,
+    devices: usize,
+    stages: &str,
+    schedule: &str,
+    recompute: bool,
+    tp: usize,
+    steps: usize,
+) -> Plan {
+    let path = format!("{}/specs/{name}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).expect("the example");
+    let mut out = String::new();
+    for line in text.lines() {
+        let t = line.trim_start();
+        let line = if t.starts_with("devices_per_node:") {
+            format!("  devices_per_node: {devices}")
+        } else if t.starts_with("stages:") {
+            format!("  stages: {stages}\n  tp: {tp}\n  recompute: {recompute}")
+        } else if t.starts_with("schedule:") {
+            format!("  schedule: {schedule}")
+        } else if t.starts_with("steps:") {
+            format!("  steps: {steps}")
+        } else {
+            line.to_string()
+        };
+        out.push_str(&line);
+        out.push('\n');
+    }
+    let base = std::path::Path::new(&path).parent().expect("specs/").to_path_buf();
+    let checked = pipec_grammar::check_source_in(&out, Some(&base));
+    let s = checked.spec.unwrap_or_else(|| panic!("bad spec {:?}\n{out}", checked.diagnostics));
+    let options = CompileOptions { base_dir: Some(base), ..CompileOptions::default() };
+    compile(&s, &options).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan
+}
+
+fn assert_same_losses(what: &str, reference: &[f64], got: &[f64]) {
+    assert_eq!(reference.len(), got.len(), "{what}");
+    for (step, (x, y)) in reference.iter().zip(got).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{what}: step {step}: one device {x}, plan {y}");
+    }
+}
+
+#[test]
+fn the_tiny_gpt_equals_one_device_on_every_synchronous_layout() {
+    let reference = losses(&train(&example_variant("gpt-tiny.yaml", 1, "\"1\"", "gpipe", false, 1, 3)));
+    let layouts: [(usize, &str, &str, bool, usize); 8] = [
+        (2, "\"1-1\"", "1f1b", false, 1),
+        (2, "\"1-1\"", "1f1b", true, 1),
+        (2, "\"1-1\"", "gpipe", false, 1),
+        (2, "\"1-1\"", "zb-h1", false, 1),
+        (2, "\"1-1\"", "chimera", false, 1),
+        (2, "straight", "{ kind: interleaved, virtual_stages: 2 }", false, 1),
+        (4, "\"2-2\"", "1f1b", true, 1),
+        (4, "\"1-1\"", "1f1b", false, 2),
+    ];
+    for (devices, stages, schedule, recompute, tp) in layouts {
+        let p = example_variant("gpt-tiny.yaml", devices, stages, schedule, recompute, tp, 3);
+        let got = losses(&train(&p));
+        assert_same_losses(&format!("{schedule} {stages} tp {tp} recompute {recompute}"), &reference, &got);
+    }
+}
+
+#[test]
+fn an_lstm_language_model_equals_one_device() {
+    let lstm = |j: Job<'static>| Job {
+        input: "[12]",
+        layers: "- embedding(20, 8)\n    - lstm(8, 16)\n    - lstm(16, 8)\n    - linear(8, 20)",
+        optimizer: ADAM,
+        ..j
+    };
+    let (_, reference, _) = train_keeping_statistics(lstm(Job::default()));
+    assert!(reference.last() < reference.first(), "the loss did not fall: {reference:?}");
+    for j in [
+        Job { devices: 2, stages: "straight", schedule: "1f1b", ..Job::default() },
+        Job { devices: 3, stages: "\"1-2\"", schedule: "gpipe", recompute: true, ..Job::default() },
+    ] {
+        let (_, got, _) = train_keeping_statistics(lstm(j));
+        assert_same_losses(&format!("lstm {} {}", j.schedule, j.stages), &reference, &got);
     }
 }

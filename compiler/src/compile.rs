@@ -78,8 +78,9 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         let model = cost_model(spec, options)?;
         let layout = partition_layers(spec, &model)?;
         let placement = place(spec, &layout, &model.cluster)?;
+        check_ties(spec, &layout)?;
         let stages = stage_figures(spec, &model, &layout);
-        let lowered = lower_streams(spec, &layout, &placement, &stages);
+        let lowered = lower_streams(spec, &layout, &placement, &stages, model.precision);
         verify_lowered(spec, &placement, &lowered)?;
         let simulated = simulate_plan(spec, &model, &layout, &stages, &lowered)?;
         let (devices, diagnostics) = check_memory(spec, &model, &placement, &stages, &lowered, simulated.bubble);
@@ -170,11 +171,16 @@ fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> StageFigur
             } else {
                 graph.cut_bytes_per_sample(r.start)
             } * mb;
+            // the last stage also keeps the loss's input for its backward: the model's
+            // output (a language model's [sequence, vocab] logits), not split by tp
+            let loss_input =
+                if r.end == costs.len() { costs.last().map_or(0, |c| c.output_bytes_per_sample) * mb } else { 0 };
             StageBytes {
                 parameters,
                 weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>() / tp,
                 optimizer: (parameters as f64 / tp as f64 * model.optimizer_bytes_per_parameter) as u64,
-                activations_per_microbatch: c.iter().map(|c| c.activation_bytes_per_sample).sum::<u64>() * mb / tp,
+                activations_per_microbatch: c.iter().map(|c| c.activation_bytes_per_sample).sum::<u64>() * mb / tp
+                    + loss_input,
                 input_per_microbatch: input_bytes,
                 largest_message: input_bytes.max(output),
             }
@@ -191,6 +197,8 @@ struct Lowered {
     groups: BTreeMap<GroupId, (StageId, Vec<DeviceId>)>,
     /// The replica group of each stage's leaders (None: unreplicated, or asp).
     group_of: Vec<Option<GroupId>>,
+    /// Weight-tying groups: the tied (embedding, output projection) layers each sums.
+    ties: BTreeMap<GroupId, [usize; 2]>,
     updates: Updates,
     /// Asynchronous data parallelism (a parameter server instead of replica groups).
     asp: bool,
@@ -204,7 +212,13 @@ impl Lowered {
 
 /// Schedule and lowering: `Placement` → `Lowered` (one replica group per replicated stage,
 /// the compute order, the instruction streams, tensor-parallel members' copies).
-fn lower_streams(spec: &Spec, layout: &Layout, placement: &Placement, stages: &StageFigures) -> Lowered {
+fn lower_streams(
+    spec: &Spec,
+    layout: &Layout,
+    placement: &Placement,
+    stages: &StageFigures,
+    precision: usize,
+) -> Lowered {
     let strategy = &spec.strategy;
     let kind = strategy.schedule.kind;
     let asp = kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp;
@@ -238,9 +252,77 @@ fn lower_streams(spec: &Spec, layout: &Layout, placement: &Placement, stages: &S
             vertical_sync: strategy.schedule.vertical_sync,
         })
     };
-    let mut lowered = Lowered { streams, groups, group_of, updates, asp };
+    let mut lowered = Lowered { streams, groups, group_of, ties: BTreeMap::new(), updates, asp };
+    tied_all_reduces(spec, layout, placement, &mut lowered, precision);
     tensor_parallel_copies(&mut lowered, strategy.tp.max(1));
     lowered
+}
+
+/// The stage holding layer `i`.
+fn stage_of(layout: &Layout, i: usize) -> usize {
+    layout.ranges.iter().position(|r| r.contains(&i)).unwrap_or(0)
+}
+
+/// Weight tying across stages needs every copy to update together: a synchronous schedule.
+fn check_ties(spec: &Spec, layout: &Layout) -> Result<(), Vec<Diagnostic>> {
+    let kind = spec.strategy.schedule.kind;
+    if kind.updates(layout.replicas.len()) == Updates::PerStep {
+        return Ok(());
+    }
+    for (b, l) in spec.model.layers.iter().enumerate() {
+        let Some(a) = l.tied else { continue };
+        if stage_of(layout, a) != stage_of(layout, b) {
+            return Err(vec![Diagnostic::error(
+                "E0411",
+                format!(
+                    "layer {b} is tied to the embedding (layer {a}) on another stage, and `{}` updates each stage on its own clock, so the two copies would drift apart",
+                    kind.name()
+                ),
+                spec.strategy.schedule.span,
+                "an asynchronous schedule",
+            )
+            .with_label(l.span, "tied here")
+            .with_help("use a synchronous schedule (gpipe, 1f1b, interleaved, ...), or a partition that keeps the embedding and the tied layer on one stage")]);
+        }
+    }
+    Ok(())
+}
+
+/// Weight tying across stages: a group of every device holding the embedding's or the tied
+/// projection's stage, and on each of them, after the step's replica all-reduces, a
+/// `tiedallreduce` followed by the optimizer steps of the tied stages (moved behind it).
+/// Ties within one stage need no communication: the executor sums the two gradients.
+fn tied_all_reduces(spec: &Spec, layout: &Layout, placement: &Placement, lowered: &mut Lowered, precision: usize) {
+    for (b, l) in spec.model.layers.iter().enumerate() {
+        let Some(a) = l.tied else { continue };
+        let (sa, sb) = (stage_of(layout, a), stage_of(layout, b));
+        if sa == sb {
+            continue;
+        }
+        let mut members: Vec<DeviceId> = placement.replicas[sa].clone();
+        for d in &placement.replicas[sb] {
+            if !members.contains(d) {
+                members.push(*d);
+            }
+        }
+        let group = GroupId(lowered.groups.len() as u32);
+        lowered.groups.insert(group, (StageId(sb as u32), members.clone()));
+        lowered.ties.insert(group, [a, b]);
+        let bytes = (l.op.parameter_count() as usize * precision) as u64;
+        let tied = [StageId(sa as u32), StageId(sb as u32)];
+        for d in members {
+            let Some(stream) = lowered.streams.get_mut(&d) else { continue };
+            let held: Vec<StageId> = tied.iter().copied().filter(|s| stream.iter().any(|i| i.stage() == *s)).collect();
+            let steps: Vec<Instr> = stream
+                .iter()
+                .filter(|i| matches!(i, Instr::OptimizerStep { stage } if held.contains(stage)))
+                .cloned()
+                .collect();
+            stream.retain(|i| !matches!(i, Instr::OptimizerStep { stage } if held.contains(stage)));
+            stream.push(Instr::TiedAllReduce { stage: held[0], group, bytes });
+            stream.extend(steps);
+        }
+    }
 }
 
 /// Tensor parallelism: every member t of a TP group runs its leader's stream with peers and
@@ -256,6 +338,9 @@ fn tensor_parallel_copies(lowered: &mut Lowered, tp: usize) {
         for (g, (stage, members)) in &base_groups {
             let id = GroupId(lowered.groups.len() as u32);
             lowered.groups.insert(id, (*stage, members.iter().copied().map(shift).collect()));
+            if let Some(tie) = lowered.ties.get(g).copied() {
+                lowered.ties.insert(id, tie);
+            }
             shifted.insert(*g, id);
         }
         for (leader, stream) in &leaders {
@@ -411,6 +496,7 @@ fn assemble(
             op: node.op.clone(),
             label: node.label.clone(),
             inputs: (node.inputs != [Source::before(index)]).then(|| node.inputs.clone()),
+            tied: node.tied,
             input_shape: node.input_shape.clone(),
             output_shape: node.output_shape.clone(),
             parameters: c.parameters,
@@ -449,8 +535,12 @@ fn assemble(
             },
         })
         .collect();
-    let groups: Vec<GroupPlan> =
-        lowered.groups.into_iter().map(|(id, (stage, devices))| GroupPlan { id, stage, devices }).collect();
+    let ties = lowered.ties;
+    let groups: Vec<GroupPlan> = lowered
+        .groups
+        .into_iter()
+        .map(|(id, (stage, devices))| GroupPlan { id, stage, devices, tie: ties.get(&id).copied() })
+        .collect();
     let (timeline, bubble) = (&simulated.timeline, simulated.bubble);
     let simulation = Simulation {
         step_time_s: timeline.step_time,
@@ -542,6 +632,8 @@ fn training_plan(spec: &Spec, microbatch_size: usize, options: &CompileOptions) 
             Data::Npy { path, labels, .. } => {
                 DataPlan::Npy { path: resolve(path), labels: labels.as_deref().map(resolve) }
             }
+            Data::Text { path, .. } => DataPlan::Text { path: resolve(path) },
+            Data::Tokens { path, dtype, .. } => DataPlan::Tokens { path: resolve(path), dtype: *dtype },
         },
         checkpoint_every: t.checkpoint.as_ref().map(|c| c.every),
         checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),

@@ -50,6 +50,14 @@ pub fn forward_flops(node: &OpNode) -> f64 {
         Op::Gelu | Op::Tanh | Op::Sigmoid => 8.0 * inp,
         Op::LayerNorm { .. } => 5.0 * inp,
         Op::Embedding { .. } => out,
+        Op::PosEmbedding { .. } => inp,
+        Op::Lstm { input, hidden } => {
+            let s = node.input_shape.first().copied().unwrap_or(1) as f64;
+            let (i, h) = (input as f64, hidden as f64);
+            // per step: the gate pre-activations x·W_ih + h·W_hh (+ two biases), then the
+            // gates' non-linearities and the cell and hidden updates (~30 per hidden unit)
+            s * (2.0 * 4.0 * h * (i + h) + 2.0 * 4.0 * h + 30.0 * h)
+        }
         Op::TransformerBlock { d_model, d_ff, .. } => {
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
             let d = d_model as f64;
@@ -78,6 +86,13 @@ pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
     let bytes = match node.op {
         // the gradient passes through unchanged (add) or is sliced (concat, flatten)
         Op::Flatten | Op::Add { .. } | Op::Concat { .. } | Op::AdaptiveAvgPool2d { .. } => 0.0,
+        // the table's gradient is the output gradient itself
+        Op::PosEmbedding { .. } => 0.0,
+        // per step: the input, the four gates, the cell state and its tanh, the hidden state
+        Op::Lstm { input, hidden } => {
+            let s = node.input_shape.first().copied().unwrap_or(1) as f64;
+            s * (input as f64 + 7.0 * hidden as f64) * p
+        }
         Op::Dropout { .. } => inp,         // one-byte mask
         Op::Embedding { .. } => inp * 8.0, // token ids
         Op::TransformerBlock { d_model, heads, .. } => {
@@ -147,7 +162,7 @@ mod tests {
 
     fn node(op: Op, input: Vec<usize>) -> OpNode {
         let output = op.output_shape(&input).expect("valid shape");
-        OpNode { op, label: None, inputs: vec![Source::Input], input_shape: input, output_shape: output }
+        OpNode { op, label: None, inputs: vec![Source::Input], input_shape: input, output_shape: output, tied: None }
     }
 
     #[test]
@@ -175,6 +190,24 @@ mod tests {
     }
 
     #[test]
+    fn language_model_layers_flops_and_activations() {
+        // an LSTM step on [70, 400] → 1150: the gates' two matrix products (2·4h·(in + h)),
+        // their biases (2·4h), ~30 element-wise operations per hidden unit; it keeps the
+        // input, the four gates, the cell state, its tanh and the hidden state per step
+        let lstm = node(Op::Lstm { input: 400, hidden: 1150 }, vec![70, 400]);
+        let per_step = 2.0 * 4.0 * 1150.0 * (400.0 + 1150.0) + 2.0 * 4.0 * 1150.0 + 30.0 * 1150.0;
+        assert_eq!(forward_flops(&lstm), 70.0 * per_step);
+        assert_eq!(backward_flops(&lstm), 2.0 * 70.0 * per_step);
+        assert_eq!(activation_bytes(&lstm, 2), 70 * (400 + 7 * 1150) * 2);
+        // a positional embedding adds its table: one FLOP per element, nothing kept
+        let pos = node(Op::PosEmbedding { max_len: 1024, dim: 768 }, vec![1024, 768]);
+        assert_eq!((forward_flops(&pos), activation_bytes(&pos, 2)), (1024.0 * 768.0, 0));
+        // GPT-2's output layer on 1024 positions: 2·768·50257 FLOPs per position
+        let head = node(Op::Linear { in_features: 768, out_features: 50257, bias: false }, vec![1024, 768]);
+        assert_eq!(forward_flops(&head), 1024.0 * 2.0 * 768.0 * 50257.0);
+    }
+
+    #[test]
     fn linear_flops_and_activations() {
         let n = node(Op::Linear { in_features: 1024, out_features: 1024, bias: false }, vec![1024]);
         assert_eq!(forward_flops(&n), 2.0 * 1024.0 * 1024.0);
@@ -185,7 +218,7 @@ mod tests {
     #[test]
     fn transformer_activations_follow_korthikanti() {
         // s = 512, h = 1024, a = 16 at 16-bit: 34·s·h + 5·a·s² bytes per sample
-        let n = node(Op::TransformerBlock { d_model: 1024, heads: 16, d_ff: 4096 }, vec![512, 1024]);
+        let n = node(Op::TransformerBlock { d_model: 1024, heads: 16, d_ff: 4096, causal: false }, vec![512, 1024]);
         assert_eq!(activation_bytes(&n, 2), 34 * 512 * 1024 + 5 * 16 * 512 * 512);
         assert_eq!(activation_bytes(&n, 4), 2 * (34 * 512 * 1024 + 5 * 16 * 512 * 512));
     }

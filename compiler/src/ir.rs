@@ -32,6 +32,8 @@ pub struct OpNode {
     /// The first operand's shape.
     pub input_shape: Vec<usize>,
     pub output_shape: Vec<usize>,
+    /// Weight tying: the embedding whose table (transposed) this projection's weight is.
+    pub tied: Option<usize>,
 }
 
 /// One edge: the tensor flowing from producer to consumer.
@@ -112,6 +114,7 @@ pub fn lower(model: &Model, precision_bytes: usize) -> Graph {
             inputs: layer.inputs.clone(),
             input_shape: layer.input_shape.clone(),
             output_shape: layer.output_shape.clone(),
+            tied: layer.tied,
         });
         for s in &layer.inputs {
             if let Source::Layer(p) = *s {
@@ -145,7 +148,10 @@ impl fmt::Display for Graph {
                 .collect();
             let ins = ins.join(", ");
             let _ = write!(args, "{}", op_args(&node.op));
-            let label = node.label.as_ref().map(|l| format!("  @{l}")).unwrap_or_default();
+            let mut label = node.label.as_ref().map(|l| format!("  @{l}")).unwrap_or_default();
+            if let Some(a) = node.tied {
+                label.push_str(&format!("  tied to %{a}"));
+            }
             writeln!(
                 f,
                 "%{i} = {}{args}({ins}) : {} -> {}{label}",
@@ -182,7 +188,11 @@ fn op_args(op: &Op) -> String {
         Op::LayerNorm { dim } => format!("[{dim}]"),
         Op::Dropout { p } => format!("[p={p}]"),
         Op::Embedding { vocab, dim } => format!("[{vocab}x{dim}]"),
-        Op::TransformerBlock { d_model, heads, d_ff } => format!("[d={d_model}, heads={heads}, ff={d_ff}]"),
+        Op::TransformerBlock { d_model, heads, d_ff, causal } => {
+            format!("[d={d_model}, heads={heads}, ff={d_ff}{}]", if *causal { ", causal" } else { "" })
+        }
+        Op::PosEmbedding { max_len, dim } => format!("[{max_len}x{dim}]"),
+        Op::Lstm { input, hidden } => format!("[{input}->{hidden}]"),
         Op::Flatten | Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid => String::new(),
     }
 }

@@ -127,7 +127,9 @@ pub fn simulate(
                         }
                     }
                 }
-                Instr::AllReduce { group, bytes, stage } => {
+                // a tied all-reduce's members hold different stages; a replica group's, one
+                Instr::AllReduce { group, bytes, stage } | Instr::TiedAllReduce { group, bytes, stage } => {
+                    let stage = if matches!(ins, Instr::AllReduce { .. }) { stage.0 } else { u32::MAX };
                     let Some(members) = groups.get(group) else {
                         error = Some(format!("{dev}: `{ins}` names an unknown group"));
                         break;
@@ -135,12 +137,12 @@ pub fn simulate(
                     let k = *calls_made.get(&(*group, dev)).unwrap_or(&0);
                     let arrivals = waiting.entry((*group, k)).or_default();
                     if !arrivals.iter().any(|a| a.0 == dev) {
-                        arrivals.push((dev, now, *bytes, stage.0));
+                        arrivals.push((dev, now, *bytes, stage));
                     }
                     if arrivals.len() < members.len() {
                         break; // blocked until every member arrives; the last one releases all
                     }
-                    if arrivals.iter().any(|a| a.2 != *bytes || a.3 != stage.0) {
+                    if arrivals.iter().any(|a| a.2 != *bytes || a.3 != stage) {
                         error =
                             Some(format!("group {group}: the members' collective call #{k} disagree (stage or size)"));
                         break;

@@ -673,10 +673,12 @@ fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     let mut calls: HashMap<GroupId, Calls> = HashMap::new();
     for (dev, stream) in input.streams {
         for (i, ins) in stream.iter().enumerate() {
-            if let Instr::AllReduce { stage, group, bytes } = ins {
+            if let Instr::AllReduce { stage, group, bytes } | Instr::TiedAllReduce { stage, group, bytes } = ins {
+                // a tied all-reduce's members hold different stages: only sizes must agree
+                let stage = if matches!(ins, Instr::AllReduce { .. }) { *stage } else { StageId(u32::MAX) };
                 match input.groups.get(group) {
                     Some(members) if members.contains(dev) => {
-                        calls.entry(*group).or_default().entry(*dev).or_default().push((*stage, *bytes, i))
+                        calls.entry(*group).or_default().entry(*dev).or_default().push((stage, *bytes, i))
                     }
                     _ => out.push(v(*dev, i, format!("`{ins}`: {dev} is not a member of {group}"))),
                 }

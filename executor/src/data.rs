@@ -39,6 +39,13 @@ enum Source {
         targets: Targets,
         samples: usize,
     },
+    /// A language model's synthetic text: token sequences from a fixed random successor
+    /// table (each token followed by its successor with probability 0.9, by a random token
+    /// otherwise), so that the next token is mostly predictable.
+    SyntheticText {
+        samples: usize,
+        successor: Vec<u32>,
+    },
 }
 
 /// A data set for a plan.
@@ -50,6 +57,8 @@ pub struct Dataset {
     /// Output size of the model (classes, or regression targets).
     outputs: usize,
     vocab: Option<usize>,
+    /// Class labels per sample (a language model's sequence length; 1 otherwise).
+    positions: usize,
     source: Source,
 }
 
@@ -57,12 +66,35 @@ impl Dataset {
     /// Builds the data set a plan asks for; a missing or ill-shaped file is an error.
     pub fn for_plan(plan: &Plan) -> Result<Dataset, String> {
         let numel: usize = plan.model.input.iter().product();
-        let outputs: usize = plan.layers.last().map(|l| l.output_shape.iter().product()).unwrap_or(1);
+        let out_shape = plan.layers.last().map(|l| l.output_shape.clone()).unwrap_or_default();
+        let outputs: usize = out_shape.iter().product();
         let classification = plan.model.loss == Loss::CrossEntropy;
         let vocab = plan.model.token_vocab;
         let seed = plan.training.seed;
-        let expect = datafile::Expect { numel, classes: classification.then_some(outputs), outputs, vocab };
+        let expect = datafile::Expect::of(&plan.model.input, &out_shape, plan.model.loss, vocab);
+        let lm = pipec_plan::model::language_model_positions(&plan.model.input, &out_shape, vocab);
         let source = match &plan.training.data {
+            DataPlan::Synthetic { task, samples } if lm.is_some() && *task == pipec_plan::Task::Classification => {
+                let v = vocab.unwrap_or(1);
+                let mut rng = Rng::keyed(&[seed, 2]);
+                Source::SyntheticText {
+                    samples: samples.unwrap_or(0),
+                    successor: (0..v).map(|_| rng.below(v as u64) as u32).collect(),
+                }
+            }
+            DataPlan::Text { .. } | DataPlan::Tokens { .. } => {
+                let (Some(seq), Some(v)) = (lm, vocab) else {
+                    return Err("token data trains a language model ([sequence] token ids in, [sequence, vocab] scores out), and this model is not one".into());
+                };
+                let (path, kind) = match &plan.training.data {
+                    DataPlan::Text { path } => (path, datafile::TokenFile::Text),
+                    DataPlan::Tokens { path, dtype: Some(d) } => (path, datafile::TokenFile::Raw(*d)),
+                    DataPlan::Tokens { path, dtype: None } => (path, datafile::TokenFile::Npy),
+                    _ => unreachable!("matched above"),
+                };
+                let tokens = datafile::load_tokens(Path::new(path), kind, v, datafile::Extent::All)?;
+                loaded(datafile::token_windows(&tokens, seq, path)?, &expect)
+            }
             DataPlan::Synthetic { task, samples } => {
                 if classification != (*task == pipec_plan::Task::Classification) {
                     return Err(format!(
@@ -87,7 +119,7 @@ impl Dataset {
                 loaded(datafile::load_npy(Path::new(path), labels, &expect, datafile::Extent::All)?, &expect)
             }
         };
-        let mut data = Dataset { seed, numel, outputs, vocab, source };
+        let mut data = Dataset { seed, numel, outputs, vocab, positions: expect.positions, source };
         // A finite synthetic data set of moderate size is generated once, not every step.
         if let Source::Synthetic { samples, .. } = data.source {
             if samples > 0 && samples * (numel + outputs) <= 64 << 20 {
@@ -158,6 +190,24 @@ impl Dataset {
                 (inputs, targets)
             }
             Source::Loaded { inputs, targets, samples } => self.gather(inputs, targets, *samples, indices),
+            Source::SyntheticText { samples, successor } => {
+                let v = successor.len() as u64;
+                let (mut toks, mut next) = (Vec::new(), Vec::new());
+                for &g in indices {
+                    let g = if *samples > 0 { g % samples } else { g };
+                    let mut rng = Rng::keyed(&[self.seed, 1, g as u64]);
+                    let mut t = rng.below(v) as u32;
+                    let mut seq = Vec::with_capacity(self.numel + 1);
+                    seq.push(t);
+                    for _ in 0..self.numel {
+                        t = if rng.uniform() < 0.9 { successor[t as usize] } else { rng.below(v) as u32 };
+                        seq.push(t);
+                    }
+                    toks.extend(seq[..self.numel].iter().map(|&t| i64::from(t)));
+                    next.extend(seq[1..].iter().map(|&t| i64::from(t)));
+                }
+                (Inputs::Tokens(toks), Targets::Classes(next))
+            }
         }
     }
 
@@ -175,7 +225,7 @@ impl Dataset {
             Inputs::Tokens(all) => Inputs::Tokens(rows(all, self.numel, indices, samples)),
         };
         let targets = match targets {
-            Targets::Classes(all) => Targets::Classes(rows(all, 1, indices, samples)),
+            Targets::Classes(all) => Targets::Classes(rows(all, self.positions, indices, samples)),
             Targets::Values(all) => Targets::Values(rows(all, self.outputs, indices, samples)),
         };
         (inputs, targets)

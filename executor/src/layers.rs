@@ -79,8 +79,29 @@ fn param<B: Backend, const D: usize>(
 
 /// Deterministic parameter ids: layer index and slot, so checkpoints and optimizer state are
 /// portable between layouts.
-fn pid(layer: usize, slot: u64) -> u64 {
+pub(crate) fn pid(layer: usize, slot: u64) -> u64 {
     ((layer as u64) << 8) | slot
+}
+
+/// The deterministic initial table of embedding layer `index` ([vocab, dim], row-major):
+/// normal with standard deviation 1/√dim — the scale of the dense layers' weights, so a
+/// token's embedding is not drowned by the blocks' outputs, and a tied output projection's
+/// first scores have unit scale (GPT-2's 0.02 at its d = 768 is about the same); an output
+/// projection tied to it starts from its transpose.
+pub(crate) fn embedding_values(index: usize, seed: u64, vocab: usize, dim: usize) -> Vec<f32> {
+    let std = 1.0 / (dim.max(1) as f32).sqrt();
+    Rng::keyed(&[seed, 10, index as u64, 0]).normal_vec(vocab * dim).into_iter().map(|v| std * v).collect()
+}
+
+/// `values` ([rows, cols], row-major) transposed to [cols, rows].
+pub(crate) fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = values[r * cols + c];
+        }
+    }
+    out
 }
 
 /// A dense projection (weight [in, out], optional bias).
@@ -222,6 +243,25 @@ pub struct Block<B: Backend> {
     pub fc1: Dense<B>,
     pub fc2: Dense<B>,
     pub heads: usize,
+    /// Each position attends only to itself and earlier positions.
+    #[module(skip)]
+    pub causal: bool,
+}
+
+/// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
+/// `causal`, a key after its query gets weight 0 (its score is pushed to -1e9 first, which
+/// leaves the same softmax and gradient as removing it, without -∞ arithmetic).
+pub(crate) fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, dh: usize, causal: bool) -> Tensor<B, 4> {
+    let scores = q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt();
+    let scores = if causal {
+        let [_, _, s, _] = scores.dims();
+        let dev = scores.device();
+        let mask: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { -1e9 } else { 0.0 }).collect();
+        scores + Tensor::<B, 2>::from_data(TensorData::new(mask, [s, s]), &dev).unsqueeze::<4>()
+    } else {
+        scores
+    };
+    activation::softmax(scores, 3)
 }
 
 impl<B: Backend> Block<B> {
@@ -232,8 +272,7 @@ impl<B: Backend> Block<B> {
         let qkv = self.qkv.forward3(self.norm1.forward(x.clone()));
         let split = |i: usize| qkv.clone().narrow(2, i * d, d).reshape([b, s, h, dh]).swap_dims(1, 2);
         let (q, k, v) = (split(0), split(1), split(2));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt();
-        let attn = activation::softmax(scores, 3);
+        let attn = attention(q, k, dh, self.causal);
         let ctx = attn.matmul(v).swap_dims(1, 2).reshape([b, s, d]);
         let x = x + self.proj.forward3(ctx);
         let m = self.fc2.forward3(activation::gelu(self.fc1.forward3(self.norm2.forward(x.clone()))));
@@ -339,6 +378,60 @@ pub struct Embed<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
 }
 
+/// One LSTM layer (PyTorch's gate order i, f, g, o and its two biases), weights stored as
+/// [in, 4·hidden] and [hidden, 4·hidden] (the transpose of PyTorch's) like `Dense`.
+#[derive(Module, Debug)]
+pub struct Lstm<B: Backend> {
+    pub w_ih: Param<Tensor<B, 2>>,
+    pub w_hh: Param<Tensor<B, 2>>,
+    pub b_ih: Param<Tensor<B, 1>>,
+    pub b_hh: Param<Tensor<B, 1>>,
+}
+
+impl<B: Backend> Lstm<B> {
+    fn new(index: usize, seed: u64, input: usize, hidden: usize, device: &B::Device) -> Self {
+        // PyTorch's initialisation: every weight and bias uniform in ±1/√hidden
+        let k = 1.0 / (hidden as f64).sqrt();
+        let mut rng = Rng::keyed(&[seed, 10, index as u64, 0]);
+        let mut u = |n: usize| rng.uniform_vec(n, k);
+        let (w_ih, w_hh, b_ih, b_hh) = (u(input * 4 * hidden), u(hidden * 4 * hidden), u(4 * hidden), u(4 * hidden));
+        Lstm {
+            w_ih: param(pid(index, 0), w_ih, [input, 4 * hidden], device),
+            w_hh: param(pid(index, 1), w_hh, [hidden, 4 * hidden], device),
+            b_ih: param(pid(index, 2), b_ih, [4 * hidden], device),
+            b_hh: param(pid(index, 3), b_hh, [4 * hidden], device),
+        }
+    }
+
+    /// [batch, seq, in] → every step's hidden state [batch, seq, hidden], from zero state.
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [n, s, i] = x.dims();
+        let h4 = self.w_hh.dims()[1];
+        let hidden = h4 / 4;
+        // the input's part of every step's gates at once
+        let bias = (self.b_ih.val() + self.b_hh.val()).unsqueeze::<2>();
+        let xw = x.reshape([n * s, i]).matmul(self.w_ih.val()).reshape([n, s, h4]);
+        let dev = xw.device();
+        let mut h = Tensor::<B, 2>::zeros([n, hidden], &dev);
+        let mut c = Tensor::<B, 2>::zeros([n, hidden], &dev);
+        let mut outs = Vec::with_capacity(s);
+        for t in 0..s {
+            let gates = xw.clone().narrow(1, t, 1).reshape([n, h4]) + h.matmul(self.w_hh.val()) + bias.clone();
+            let gate = |k: usize| gates.clone().narrow(1, k * hidden, hidden);
+            let (ig, fg, gg, og) = (
+                activation::sigmoid(gate(0)),
+                activation::sigmoid(gate(1)),
+                gate(2).tanh(),
+                activation::sigmoid(gate(3)),
+            );
+            c = fg * c + ig * gg;
+            h = og * c.clone().tanh();
+            outs.push(h.clone().unsqueeze_dim::<3>(1));
+        }
+        Tensor::cat(outs, 1)
+    }
+}
+
 /// One layer of a stage.
 #[derive(Module, Debug)]
 pub enum Layer<B: Backend> {
@@ -347,6 +440,9 @@ pub enum Layer<B: Backend> {
     Norm(Norm<B>),
     BatchNorm(BatchNorm<B>),
     Embedding(Embed<B>),
+    /// A learned positional embedding table [max_len, d].
+    PosEmbedding(Embed<B>),
+    Lstm(Lstm<B>),
     Block(Block<B>),
     Stateless(Stateless),
     /// Tensor parallelism: a column-parallel shard (this rank's output features).
@@ -384,13 +480,16 @@ impl<B: Backend> Layer<B> {
             }
             Op::LayerNorm { dim } => Layer::Norm(Norm::new(index, 0, dim, device)),
             Op::BatchNorm2d { channels } => Layer::BatchNorm(BatchNorm::new(index, channels, device)),
-            Op::Embedding { vocab, dim } => {
+            Op::Embedding { vocab, dim } => Layer::Embedding(Embed {
+                weight: param(pid(index, 0), embedding_values(index, seed, vocab, dim), [vocab, dim], device),
+            }),
+            Op::PosEmbedding { max_len, dim } => {
                 let mut rng = Rng::keyed(&[seed, 10, index as u64, 0]);
-                Layer::Embedding(Embed {
-                    weight: param(pid(index, 0), rng.normal_vec(vocab * dim), [vocab, dim], device),
-                })
+                let table = rng.normal_vec(max_len * dim).into_iter().map(|v| 0.02 * v).collect();
+                Layer::PosEmbedding(Embed { weight: param(pid(index, 0), table, [max_len, dim], device) })
             }
-            Op::TransformerBlock { d_model: d, heads, d_ff: f } => Layer::Block(Block {
+            Op::Lstm { input, hidden } => Layer::Lstm(Lstm::new(index, seed, input, hidden, device)),
+            Op::TransformerBlock { d_model: d, heads, d_ff: f, causal } => Layer::Block(Block {
                 norm1: Norm::new(index, 0, d, device),
                 qkv: Dense::new(index, 2, seed, d, 3 * d, true, 1.0, device),
                 proj: Dense::new(index, 4, seed, d, d, true, 1.0, device),
@@ -398,6 +497,7 @@ impl<B: Backend> Layer<B> {
                 fc1: Dense::new(index, 8, seed, d, f, true, he, device),
                 fc2: Dense::new(index, 10, seed, f, d, true, 1.0, device),
                 heads,
+                causal,
             }),
             _ => Layer::Stateless(Stateless { op: op.clone(), index }),
         }
@@ -425,6 +525,11 @@ impl<B: Backend> Layer<B> {
             (Layer::Norm(n), Act::D2(t)) => Act::D2(n.forward(t)),
             (Layer::Norm(n), Act::D3(t)) => Act::D3(n.forward(t)),
             (Layer::Embedding(e), Act::Tokens(t)) => Act::D3(embedding(e.weight.val(), t)),
+            (Layer::PosEmbedding(e), Act::D3(t)) => {
+                let [_, s, d] = t.dims();
+                Act::D3(t + e.weight.val().narrow(0, 0, s).reshape([1, s, d]))
+            }
+            (Layer::Lstm(l), Act::D3(t)) => Act::D3(l.forward(t)),
             (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t)),
             (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key)?,
             (Layer::ColumnLinear(d), x) => d.forward_act(x)?,
@@ -446,6 +551,8 @@ fn layer_name<B: Backend>(l: &Layer<B>) -> &'static str {
         Layer::Norm(_) => "layernorm",
         Layer::BatchNorm(_) => "batchnorm2d",
         Layer::Embedding(_) => "embedding",
+        Layer::PosEmbedding(_) => "pos_embedding",
+        Layer::Lstm(_) => "lstm",
         Layer::Block(_) => "transformer_block",
         Layer::Stateless(st) => st.op.name(),
         Layer::ColumnLinear(_) | Layer::RowLinear(_) => "tensor-parallel linear",

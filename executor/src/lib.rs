@@ -94,6 +94,17 @@ pub struct StepMetrics {
     pub loss_count: usize,
     pub step_seconds: f64,
     pub samples_per_s: f64,
+    /// A language model's perplexity, exp(loss) (the loss is the mean next-token
+    /// cross-entropy in nats).
+    pub perplexity: Option<f64>,
+}
+
+/// Whether the plan trains a language model (token ids in, [sequence, vocab] scores out,
+/// cross-entropy with the next token).
+pub fn is_language_model(plan: &Plan) -> bool {
+    let out = plan.layers.last().map(|l| l.output_shape.as_slice()).unwrap_or_default();
+    plan.model.loss == pipec_plan::Loss::CrossEntropy
+        && pipec_plan::model::language_model_positions(&plan.model.input, out, plan.model.token_vocab).is_some()
 }
 
 /// What a run produced.
@@ -586,6 +597,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                             loss_count: losses.len(),
                             step_seconds,
                             samples_per_s: plan.training.batch_size as f64 / step_seconds.max(1e-12),
+                            perplexity: is_language_model(plan).then(|| loss.exp()),
                         };
                         on_step(&m);
                         report.steps.push(m);

@@ -113,6 +113,7 @@ fn run_rank(
                 loss_count: count as usize,
                 step_seconds: secs,
                 samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12),
+                perplexity: crate::is_language_model(plan).then(|| loss.exp()),
             });
         } else {
             let _ = outgoing.send((

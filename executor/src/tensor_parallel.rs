@@ -60,7 +60,7 @@ pub fn plan_splits(ops: &[Op], tp: usize) -> Result<Vec<Split>> {
                     }
                 }
             }
-            Op::TransformerBlock { d_model, heads, d_ff } => {
+            Op::TransformerBlock { d_model, heads, d_ff, .. } => {
                 if heads % tp != 0 || d_model % tp != 0 || d_ff % tp != 0 {
                     return Err(ExecError::Plan(format!("transformer_block(d={d_model}, heads={heads}, ff={d_ff}) cannot be split {tp} ways (heads and ff must be multiples of tp)")));
                 }
@@ -121,7 +121,7 @@ pub fn build_stage<B: Backend>(
                     device,
                 ))
             }
-            (Split::Block, Op::TransformerBlock { d_model: d, heads, d_ff: f }) => {
+            (Split::Block, Op::TransformerBlock { d_model: d, heads, d_ff: f, causal }) => {
                 let (dl, fl) = (d / tp, f / tp);
                 let qkv = dense_values(index, 2, seed, *d, 3 * d, 1.0);
                 let mut qkv_local = Vec::with_capacity(d * 3 * dl);
@@ -163,6 +163,7 @@ pub fn build_stage<B: Backend>(
                         device,
                     ),
                     heads: heads / tp,
+                    causal: *causal,
                 })
             }
             _ => Layer::new(index, op, seed, device),
@@ -255,7 +256,7 @@ fn attention_half<B: AutodiffBackend>(
     };
     let split = |i: usize| qkv.clone().narrow(2, i * dl, dl).reshape([n, s, h, dh]).swap_dims(1, 2);
     let (q, k, v) = (split(0), split(1), split(2));
-    let attn = activation::softmax(q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt(), 3);
+    let attn = crate::layers::attention(q, k, dh, b.causal);
     let ctx = attn.matmul(v).swap_dims(1, 2).reshape([n, s, dl]);
     let a = b.proj.add_bias(g(b.proj.matmul_only(Act::D3(ctx))?, reduce)?);
     let _ = d;

@@ -596,6 +596,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 self.send(peer, msg, "the gradient to send was not computed")
             }
             Instr::AllReduce { stage, group, .. } => self.all_reduce(stage, group),
+            Instr::TiedAllReduce { group, .. } => self.tied_all_reduce(group),
             Instr::StashWeights { stage, mb, version } => {
                 let st = self.state(stage)?;
                 let m = match version {
@@ -617,6 +618,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 Ok(())
             }
             Instr::PushGradient { peer, stage, .. } => {
+                self.sum_local_ties(stage)?;
                 let st = self.state(stage)?;
                 if st.contributions != 1 {
                     return Err(ExecError::Plan(format!(
@@ -966,6 +968,63 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         Ok(())
     }
 
+    /// `TiedAllReduce`: sums the tied weight's gradient over the copies in `group` (in the
+    /// embedding's [vocab, d] orientation): the first member holding each tied stage
+    /// contributes it, every member holding one takes the sum.
+    fn tied_all_reduce(&mut self, group: GroupId) -> Result<()> {
+        let g = self
+            .plan
+            .groups
+            .iter()
+            .find(|g| g.id == group)
+            .ok_or_else(|| ExecError::Plan(format!("the plan has no {group}")))?;
+        let [a, b] = g.tie.ok_or_else(|| ExecError::Plan(format!("{group} is not a weight-tying group")))?;
+        let members = g.devices.clone();
+        let plan = self.plan;
+        let holds = |s: &pipec_plan::plan::StagePlan, d: DeviceId| {
+            s.replicas.contains(&d) || s.tensor_parallel.iter().any(|t| t.contains(&d))
+        };
+        let stage_of = |layer: usize| plan.stages.iter().find(|s| (s.layers[0]..s.layers[1]).contains(&layer));
+        let mut sum: Option<Vec<f32>> = None;
+        let mut mine = Vec::new();
+        for layer in [a, b] {
+            let s = stage_of(layer).ok_or_else(|| ExecError::Plan(format!("no stage holds layer {layer}")))?;
+            if !self.stages.contains_key(&s.id) {
+                continue;
+            }
+            mine.push((s.id, layer));
+            let first = members.iter().copied().find(|d| holds(s, *d));
+            let g = tied_gradient(self.state(s.id)?, plan, layer)?;
+            let sum = sum.get_or_insert_with(|| vec![0.0; g.len()]);
+            if first == Some(self.device) {
+                sum.iter_mut().zip(&g).for_each(|(x, y)| *x += y);
+            }
+        }
+        let mut sum = sum.ok_or(ExecError::Plan(format!("{} holds no layer tied by {group}", self.device)))?;
+        self.ep.all_reduce(&members, &mut sum, self.reduce)?;
+        for (s, layer) in mine {
+            set_tied_gradient(self.state(s)?, plan, layer, &sum)?;
+        }
+        Ok(())
+    }
+
+    /// Ties within one stage: the embedding's and the projection's gradients summed, both
+    /// copies taking the sum (before the update, after any all-reduce).
+    fn sum_local_ties(&mut self, stage: StageId) -> Result<()> {
+        let plan = self.plan;
+        let Some(s) = plan.stages.get(stage.0 as usize) else { return Ok(()) };
+        let range = s.layers[0]..s.layers[1];
+        for l in &plan.layers[range.clone()] {
+            let Some(a) = l.tied.filter(|a| range.contains(a)) else { continue };
+            let st = self.state(stage)?;
+            let mut g = tied_gradient(st, plan, a)?;
+            g.iter_mut().zip(tied_gradient(st, plan, l.index)?).for_each(|(x, y)| *x += y);
+            set_tied_gradient(st, plan, a, &g)?;
+            set_tied_gradient(st, plan, l.index, &g)?;
+        }
+        Ok(())
+    }
+
     /// `OptimizerStep`: the update from the accumulated gradients. Gradients are sums of
     /// per-microbatch means scaled by 1/N; an update made from fewer microbatches
     /// (PipeDream) rescales to their mean.
@@ -973,6 +1032,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
         self.sum_partial_gradients(stage)?;
+        self.sum_local_ties(stage)?;
         let st = self.state(stage)?;
         let scale = if st.contributions > 0 { n_mb / st.contributions as f64 } else { 1.0 };
         let acc = std::mem::take(&mut st.acc);
@@ -1009,8 +1069,58 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
     }
 }
 
+/// The weight of a tied layer (an embedding table, or the projection tied to one) and its
+/// table's [vocab, d] shape.
+fn tied_weight(plan: &Plan, layer: usize) -> Result<(u64, usize, usize)> {
+    let table = plan.layers.get(layer).and_then(|l| l.tied).unwrap_or(layer);
+    match plan.layers.get(table).map(|l| &l.op) {
+        Some(pipec_plan::model::Op::Embedding { vocab, dim }) => Ok((crate::layers::pid(layer, 0), *vocab, *dim)),
+        _ => Err(ExecError::Plan(format!("layer {layer} is not tied to an embedding"))),
+    }
+}
+
+/// The accumulated gradient of a tied weight in the table's [vocab, d] orientation (zeros
+/// when none has accumulated).
+fn tied_gradient<B: AutodiffBackend>(st: &StageState<B>, plan: &Plan, layer: usize) -> Result<Vec<f32>> {
+    let (id, vocab, dim) = tied_weight(plan, layer)?;
+    let k = layout::<B, _>(st.model()?)
+        .iter()
+        .position(|(p, _)| *p == id)
+        .ok_or_else(|| ExecError::Plan(format!("layer {layer}'s weight is not on this stage")))?;
+    let g = match st.acc.get(k) {
+        Some(Some(t)) => host_f32(t.clone().into_data())?,
+        _ => return Ok(vec![0.0; vocab * dim]),
+    };
+    Ok(if plan.layers[layer].tied.is_some() { crate::layers::transpose(&g, dim, vocab) } else { g })
+}
+
+/// Replaces a tied weight's accumulated gradient with `g` (in the table's orientation).
+fn set_tied_gradient<B: AutodiffBackend>(st: &mut StageState<B>, plan: &Plan, layer: usize, g: &[f32]) -> Result<()> {
+    let (id, vocab, dim) = tied_weight(plan, layer)?;
+    let k = layout::<B, _>(st.model()?)
+        .iter()
+        .position(|(p, _)| *p == id)
+        .ok_or_else(|| ExecError::Plan(format!("layer {layer}'s weight is not on this stage")))?;
+    let values = if plan.layers[layer].tied.is_some() { crate::layers::transpose(g, vocab, dim) } else { g.to_vec() };
+    if st.acc.len() <= k {
+        st.acc.resize(k + 1, None);
+    }
+    let dev = st.model()?.devices().into_iter().next().ok_or(ExecError::Missing("the stage has no device"))?;
+    st.acc[k] = Some(Tensor::from_data(TensorData::new(values, [vocab * dim]), &dev));
+    Ok(())
+}
+
 /// The mean loss of a microbatch (tracked).
 fn loss_of<B: AutodiffBackend>(loss: Loss, out: Act<B>, y: &Targets, dev: &B::Device) -> Result<Tensor<B, 1>> {
+    // a language model's [batch, seq, vocab] scores: the mean over every position of the
+    // cross-entropy with its next token
+    let out = match (loss, out) {
+        (Loss::CrossEntropy, Act::D3(t)) => {
+            let [n, s, v] = t.dims();
+            Act::D2(t.reshape([n * s, v]))
+        }
+        (_, out) => out,
+    };
     let Act::D2(logits) = out else {
         return Err(ExecError::Shape(format!("the loss needs a [batch, outputs] output, got {:?}", out.dims())));
     };
@@ -1078,6 +1188,20 @@ pub(crate) fn build_stages<B: AutodiffBackend>(
                 (model, None)
             }
         };
+        // a projection tied to an embedding starts as the transpose of its table
+        let mut model = model;
+        for l in &plan.layers[s.layers[0]..s.layers[1]] {
+            let (Some(a), pipec_plan::model::Op::Linear { in_features: dim, out_features: vocab, .. }) =
+                (l.tied, &l.op)
+            else {
+                continue;
+            };
+            let table = crate::layers::embedding_values(a, plan.training.seed, *vocab, *dim);
+            let weight = crate::layers::transpose(&table, *vocab, *dim);
+            let id = crate::layers::pid(l.index, 0);
+            let mut weight = Some(weight);
+            model = crate::params::set_params(model, |p, _| if p == id { weight.take() } else { None }).0;
+        }
         out.insert(
             s.id,
             StageState {

@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
     let numel = usize::from(head & 0x0f) + 1;
     let classes = (head & 0x10 != 0).then_some(usize::from(head >> 5) + 2);
     let vocab = (head & 0x80 != 0 && classes.is_some()).then_some(16);
-    let expect = Expect { numel, classes, outputs: classes.unwrap_or(1), vocab };
+    let expect = Expect { numel, classes, outputs: classes.unwrap_or(1), vocab, positions: 1 };
     for complete in [true, false] {
         if let Ok(s) = parse_csv(body, complete, "fuzz.csv", &expect) {
             assert_eq!(s.inputs.len(), s.samples * numel);

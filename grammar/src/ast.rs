@@ -85,9 +85,18 @@ pub struct Layer {
     /// The first input's shape.
     pub input_shape: Vec<usize>,
     pub output_shape: Vec<usize>,
+    /// Weight tying (`tie=NAME`): the embedding layer whose table this output projection
+    /// transposes.
+    pub tied: Option<usize>,
 }
 
 impl Model {
+    /// The model's trainable parameters, a tied weight counted once (what
+    /// `sum(p.numel() for p in model.parameters())` gives in PyTorch).
+    pub fn parameter_count(&self) -> u64 {
+        self.layers.iter().filter(|l| l.tied.is_none()).map(|l| l.op.parameter_count()).sum()
+    }
+
     /// Whether every layer reads only the layer before it (no branches, skips or joins).
     pub fn is_chain(&self) -> bool {
         self.layers.iter().enumerate().all(|(i, l)| l.inputs == [Source::before(i)])
@@ -233,6 +242,17 @@ pub enum Data {
     Npy {
         path: String,
         labels: Option<String>,
+        span: Span,
+    },
+    /// A language model's characters.
+    Text {
+        path: String,
+        span: Span,
+    },
+    /// A language model's token ids (`dtype` for a raw file, None for `.npy`).
+    Tokens {
+        path: String,
+        dtype: Option<pipec_plan::TokenDtype>,
         span: Span,
     },
 }

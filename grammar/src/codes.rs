@@ -194,6 +194,15 @@ a recursive block would never end; repeat a block with `repeat N: block(...)` in
 tensor) or a block that is never called. The work is still planned and run, so this is
 usually a mistake: join the branch with `add`/`concat`, or remove it.";
 
+"E0312", "a tied layer does not fit its embedding",
+"`linear(d, vocab, bias=false, tie=NAME)` ties the output projection to the embedding whose
+output is named NAME (`embedding(vocab, d) as NAME`): its weight is the transpose of the
+embedding table, as in GPT-2. The name must be an `embedding`'s output, the linear layer must
+map the embedding's d features to its vocab scores, and it has no bias. When the two layers
+land on different pipeline stages each stage keeps a copy and their gradients are summed
+(`tiedallreduce` in the streams) before every update, so the copies stay equal; that needs a
+synchronous schedule.";
+
 "E0401", "strategy syntax error",
 "`strategy.stages` is PipeDream notation: replica counts per stage joined by `-`
 (`2-1-1`), or `straight`. A bare number must be quoted (`\"4\"` = one stage on four
@@ -247,7 +256,9 @@ interleaved schedules).";
 "The strategy asks for something the model cannot do. Tensor parallelism (`tp` > 1)
 splits consecutive layers of a chain (Megatron's column- and row-parallel pairs and
 transformer blocks), so a model with branches or joins (`add`, `concat`, a tensor read
-again later) runs with `tp: 1`, using pipeline and data parallelism.";
+again later) runs with `tp: 1`, using pipeline and data parallelism. An output layer tied to
+the embedding (`tie=`) on another stage needs a synchronous schedule: `pipedream` and `2bw`
+update each stage on its own clock, so the two copies of the tied weight would drift apart.";
 
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,

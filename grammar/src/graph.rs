@@ -572,9 +572,89 @@ impl<'n> Expander<'_, '_, 'n> {
     /// A layer reading `cur`.
     fn layer(&mut self, node: &Node, call: &LayerCall, scope: &Scope, cur: Tensor) -> Tensor {
         let call_span = self.cx.dsl_span(node, call.span);
-        let call = substitute(call, &scope.params);
+        let mut call = substitute(call, &scope.params);
+        // `tie=NAME`: weight tying with the embedding whose output is NAME
+        let tie = match call.args.iter().position(|a| a.key.as_ref().is_some_and(|(k, _)| k == "tie")) {
+            None => None,
+            Some(k) => {
+                let arg = call.args.remove(k);
+                let aspan = self.cx.dsl_span(node, arg.value_span);
+                let found = match &arg.value {
+                    ArgValue::Ident(n) => self.lookup(n, scope),
+                    _ => None,
+                };
+                match found {
+                    Some(t) => Some((t, aspan)),
+                    None => {
+                        self.error(
+                            Diagnostic::error(
+                                "E0312",
+                                format!(
+                                    "`tie` names the embedding to tie to; `{}` is not a tensor defined above",
+                                    arg.value
+                                ),
+                                aspan,
+                                "not an embedding's output",
+                            )
+                            .with_help(
+                                "name the embedding's output (`embedding(vocab, d) as tokens`) and write `tie=tokens`",
+                            ),
+                        );
+                        return Tensor::unknown();
+                    }
+                }
+            }
+        };
+        let out = self.untied_layer(node, &call, call_span, cur);
+        if let (Some((t, aspan)), Source::Layer(i)) = (tie, out.source) {
+            self.tie(i, &t, aspan);
+        }
+        out
+    }
+
+    /// Ties layer `i` (a linear layer) to the embedding that made `to`, or says why not.
+    fn tie(&mut self, i: usize, to: &Tensor, aspan: Span) {
+        let embedding = match to.source {
+            Source::Layer(a) => match self.layers[a].op {
+                Op::Embedding { vocab, dim } => Some((a, vocab, dim)),
+                _ => None,
+            },
+            Source::Input => None,
+        };
+        let problem = match (embedding, &self.layers[i].op) {
+            (None, _) => Some("the tensor it names is not an embedding's output".to_string()),
+            (Some(_), op) if !matches!(op, Op::Linear { .. }) => {
+                Some(format!("only `linear` can be tied, not `{}`", op.name()))
+            }
+            (Some((_, vocab, dim)), Op::Linear { in_features, out_features, bias }) => {
+                if (*in_features, *out_features) != (dim, vocab) {
+                    Some(format!(
+                        "the embedding's table is [{vocab}, {dim}], so the tied layer must be `linear({dim}, {vocab})`, not `linear({in_features}, {out_features})`"
+                    ))
+                } else if *bias {
+                    Some("a tied output projection has no bias: add `bias=false`".to_string())
+                } else {
+                    None
+                }
+            }
+            _ => None,
+        };
+        match (problem, embedding) {
+            (None, Some((a, _, _))) => self.layers[i].tied = Some(a),
+            (why, _) => {
+                let why = why.unwrap_or_default();
+                self.error(
+                    Diagnostic::error("E0312", format!("cannot tie this layer: {why}"), aspan, "tied here")
+                        .with_help("`linear(d, vocab, bias=false, tie=NAME)` after `embedding(vocab, d) as NAME`"),
+                );
+            }
+        }
+    }
+
+    /// A layer reading `cur` (its call without `tie`).
+    fn untied_layer(&mut self, node: &Node, call: &LayerCall, call_span: Span, cur: Tensor) -> Tensor {
         let shape = cur.shape.clone();
-        let op = match resolve_call(&call, shape.as_deref()) {
+        let op = match resolve_call(call, shape.as_deref()) {
             Ok(op) => op,
             Err(errs) => {
                 for e in errs {
@@ -664,7 +744,7 @@ impl<'n> Expander<'_, '_, 'n> {
             }
         }
         let index = self.layers.len();
-        self.layers.push(Layer { op, label: None, span, inputs, input_shape, output_shape: out.clone() });
+        self.layers.push(Layer { op, label: None, span, inputs, input_shape, output_shape: out.clone(), tied: None });
         self.read.push(false);
         Tensor { source: Source::Layer(index), shape: Some(out) }
     }

@@ -494,7 +494,7 @@ mod tests {
         let schema = SchemaIndex::default();
         let src = "model:\n  input: [64]\n  layers:\n    - linear(64, 10) -> relu\n  loss: mse\nstrategy:\n  stages: \"2-1-1\"\n";
         let (_, h) = hover(src, src.find("linear").expect("layer") + 2, &schema, None).expect("hover");
-        assert!(h.contains("linear(in, out, bias=true)"), "{h}");
+        assert!(h.contains("linear(in, out, bias=true, tie=NAME)"), "{h}");
         let (_, h) =
             hover(src, src.find("2-1-1").expect("stages"), &schema, Some("predicted step 1 ms")).expect("hover");
         assert!(h.contains("3 stage(s) using 4 worker(s)") && h.contains("predicted step"), "{h}");

@@ -48,8 +48,8 @@ const fn pa(name: &'static str, aliases: &'static [&'static str], kind: ArgKind,
 pub const LAYERS: &[LayerDoc] = &[
     LayerDoc {
         name: "linear",
-        signature: "linear(in, out, bias=true)",
-        doc: "Fully connected layer on the last dimension: y = x·Wᵀ + b.",
+        signature: "linear(in, out, bias=true, tie=NAME)",
+        doc: "Fully connected layer on the last dimension: y = x·Wᵀ + b. `tie=NAME` (with `bias=false`) makes W the embedding table whose output is named NAME, as GPT-2's output layer: the two copies apply the same summed gradient, across stages too.",
         params: &[p("in", ArgKind::Count, None), p("out", ArgKind::Count, None), p("bias", ArgKind::Bool, Some(1.0))],
     },
     LayerDoc {
@@ -121,14 +121,27 @@ pub const LAYERS: &[LayerDoc] = &[
         params: &[p("vocab", ArgKind::Count, None), p("d", ArgKind::Count, None)],
     },
     LayerDoc {
+        name: "pos_embedding",
+        signature: "pos_embedding [(max_len)]",
+        doc: "Learned positional embedding: adds a learned vector per position to a [sequence, d] input (GPT-2's `wpe`). The table has max_len rows (the sequence length when omitted).",
+        params: &[p("max_len", ArgKind::Count, Some(0.0))],
+    },
+    LayerDoc {
         name: "transformer_block",
-        signature: "transformer_block(d, heads, ff)",
-        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection.",
+        signature: "transformer_block(d, heads, ff, causal=false)",
+        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block).",
         params: &[
             pa("d", &["d_model"], ArgKind::Count, None),
             p("heads", ArgKind::Count, None),
             pa("ff", &["d_ff"], ArgKind::Count, None),
+            p("causal", ArgKind::Bool, Some(0.0)),
         ],
+    },
+    LayerDoc {
+        name: "lstm",
+        signature: "lstm(in, hidden)",
+        doc: "One LSTM layer over a [sequence, in] input; outputs every step's hidden state, [sequence, hidden]. Stack layers by repeating it.",
+        params: &[p("in", ArgKind::Count, None), p("hidden", ArgKind::Count, None)],
     },
 ];
 
@@ -283,7 +296,15 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
         }
         "dropout" => Op::Dropout { p: get(0) },
         "embedding" => Op::Embedding { vocab: n(0), dim: n(1) },
-        "transformer_block" => Op::TransformerBlock { d_model: n(0), heads: n(1), d_ff: n(2) },
+        "transformer_block" => Op::TransformerBlock { d_model: n(0), heads: n(1), d_ff: n(2), causal: b(3) },
+        "pos_embedding" => {
+            let (seq, dim) = match input {
+                Some([seq, dim]) => (*seq, *dim),
+                _ => (0, 0),
+            };
+            Op::PosEmbedding { max_len: if n(0) == 0 { seq } else { n(0) }, dim }
+        }
+        "lstm" => Op::Lstm { input: n(0), hidden: n(1) },
         other => {
             return Err(vec![CallError {
                 code: "E0302",

@@ -240,7 +240,9 @@ enum DataKind {
 #[derive(JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Data {
-    /// `synthetic` (deterministic from the seed), `csv` or `npy`.
+    /// `synthetic` (deterministic from the seed), `csv`, `npy`, or a language model's
+    /// `text` (UTF-8, one token per character) or `tokens` (token ids: `.npy`, or raw with
+    /// `dtype`).
     kind: DataFileKind,
     /// synthetic: `classification` (labels from a fixed random teacher) or `regression`.
     task: Option<Task>,
@@ -251,6 +253,9 @@ struct Data {
     path: Option<String>,
     /// npy: path of the labels file (the features file holds the inputs).
     labels: Option<String>,
+    /// tokens: the integer type of a raw token file (`uint16` or `uint32`); a `.npy` file
+    /// says its own.
+    dtype: Option<pipec_plan::TokenDtype>,
 }
 
 #[derive(JsonSchema)]
@@ -259,6 +264,8 @@ enum DataFileKind {
     Synthetic,
     Csv,
     Npy,
+    Text,
+    Tokens,
 }
 
 /// Checkpointing during `pipec run`.

@@ -79,15 +79,53 @@ pub const DATA_CHECK_BYTES: u64 = 4 << 20;
 /// (`pipec_plan::datafile`) and reports what would stop or spoil the run: shape, dtype,
 /// labels out of range or not whole, non-finite values.
 fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base: &std::path::Path) {
-    let expect = pipec_plan::datafile::Expect {
-        numel: model.input.iter().product(),
-        classes: (model.loss == Loss::CrossEntropy).then(|| model.output_shape().iter().product()),
-        outputs: model.output_shape().iter().product(),
-        vocab: model.token_vocab(),
-    };
+    let expect = pipec_plan::datafile::Expect::of(&model.input, model.output_shape(), model.loss, model.token_vocab());
     let extent = pipec_plan::datafile::Extent::Prefix(DATA_CHECK_BYTES);
+    let lm = pipec_plan::model::language_model_positions(&model.input, model.output_shape(), model.token_vocab());
+    let token_file = match &training.data {
+        Data::Text { path, span } => Some((path, pipec_plan::datafile::TokenFile::Text, *span)),
+        Data::Tokens { path, dtype: Some(d), span } => Some((path, pipec_plan::datafile::TokenFile::Raw(*d), *span)),
+        Data::Tokens { path, dtype: None, span } => Some((path, pipec_plan::datafile::TokenFile::Npy, *span)),
+        _ => None,
+    };
+    if let Some((path, kind, span)) = token_file {
+        let (Some(seq), Some(vocab)) = (lm, model.token_vocab()) else {
+            cx.push(
+                Diagnostic::error(
+                    "E0502",
+                    "token data trains a language model, and this model is not one",
+                    span,
+                    "token data",
+                )
+                .with_help(
+                    "a language model starts with `embedding(vocab, d)` and ends with `linear(d, vocab)` on every position ([sequence, vocab] scores)",
+                ),
+            );
+            return;
+        };
+        let full = base.join(path);
+        let shown = full.display().to_string();
+        let result = pipec_plan::datafile::load_tokens(&full, kind, vocab, extent)
+            .and_then(|t| pipec_plan::datafile::token_windows(&t, seq, &shown).map(|_| ()));
+        if let Err(e) = result {
+            let base_shown = format!("`{}/", base.display());
+            cx.push(
+                Diagnostic::error(
+                    "E0502",
+                    format!("the data does not fit the model: {}", e.replace(&base_shown, "`")),
+                    span,
+                    "this data file",
+                )
+                .with_help(format!(
+                    "`pipec check` reads the first {} MiB of a data file; `pipec run` reads and checks all of it",
+                    DATA_CHECK_BYTES >> 20
+                )),
+            );
+        }
+        return;
+    }
     let (result, span) = match &training.data {
-        Data::Synthetic { .. } => return,
+        Data::Synthetic { .. } | Data::Text { .. } | Data::Tokens { .. } => return,
         Data::Csv { path, span } => (pipec_plan::datafile::load_csv(&base.join(path), &expect, extent), *span),
         Data::Npy { path, labels, span } => {
             let labels = labels.as_ref().map(|l| base.join(l));
@@ -153,10 +191,31 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
         groups,
         names,
     };
-    // The loss needs a vector output; cross-entropy needs at least two classes.
+    // The loss needs a vector output (a language model's [sequence, vocab] for cross-entropy);
+    // cross-entropy needs at least two classes.
     let out = model.output_shape();
     let last_span = model.layers.last().map(|l| l.span).unwrap_or(model.input_span);
+    let lm = pipec_plan::model::language_model_positions(&model.input, out, model.token_vocab()).is_some();
     match loss {
+        Loss::CrossEntropy if lm => Some(model),
+        Loss::CrossEntropy if out.len() == 2 && model.token_vocab().is_some() => {
+            let vocab = model.token_vocab().unwrap_or(0);
+            cx.push(
+                Diagnostic::error(
+                    "E0306",
+                    format!(
+                        "`cross_entropy` over positions is a language model's next-token loss and needs [{}, {vocab}] scores (one per token of the vocabulary), but the model outputs {}",
+                        model.input.first().copied().unwrap_or(0),
+                        fmt_shape(out)
+                    ),
+                    loss_node.span,
+                    format!("needs [sequence, {vocab}]"),
+                )
+                .with_label(last_span, format!("the last layer outputs {}", fmt_shape(out)))
+                .with_help(format!("end the model with `linear(d, {vocab})` to score every token at every position")),
+            );
+            None
+        }
         Loss::CrossEntropy if out.len() != 1 || out[0] < 2 => {
             cx.push(
                 Diagnostic::error(
@@ -430,6 +489,27 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
             }
             if file_kind == "csv" {
                 Some(Data::Csv { path, span: p.span })
+            } else if file_kind == "text" {
+                Some(Data::Text { path, span: p.span })
+            } else if file_kind == "tokens" {
+                let npy = path.ends_with(".npy");
+                let dtype = match f.get("dtype") {
+                    Some(n) => Some(cx.choose::<pipec_plan::TokenDtype>(n, &["training", "data", "dtype"])?),
+                    None if npy => None,
+                    None => {
+                        cx.push(
+                            Diagnostic::error(
+                                "E0502",
+                                "a raw token file needs its integer type",
+                                p.span,
+                                "no `dtype` given",
+                            )
+                            .with_help("add `dtype: uint16` (2 bytes per token) or `dtype: uint32`; a `.npy` file says its own"),
+                        );
+                        return None;
+                    }
+                };
+                Some(Data::Tokens { path, dtype, span: p.span })
             } else {
                 let labels = f.get("labels").and_then(|l| cx.string(l)).map(str::to_string);
                 Some(Data::Npy { path, labels, span: p.span })

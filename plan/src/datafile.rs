@@ -17,12 +17,28 @@ pub struct Expect {
     pub outputs: usize,
     /// The vocabulary when inputs are token ids (the first layer is an embedding).
     pub vocab: Option<usize>,
+    /// Class labels per sample: 1, or a language model's sequence length (one next token
+    /// per position).
+    pub positions: usize,
 }
 
 impl Expect {
+    /// What a model needs from its data.
+    pub fn of(input: &[usize], output: &[usize], loss: crate::vocab::Loss, vocab: Option<usize>) -> Expect {
+        let lm = crate::model::language_model_positions(input, output, vocab);
+        let outputs: usize = output.iter().product();
+        Expect {
+            numel: input.iter().product(),
+            classes: (loss == crate::vocab::Loss::CrossEntropy).then(|| if lm.is_some() { output[1] } else { outputs }),
+            outputs,
+            vocab,
+            positions: lm.unwrap_or(1),
+        }
+    }
+
     pub fn targets_per_sample(&self) -> usize {
         if self.classes.is_some() {
-            1
+            self.positions
         } else {
             self.outputs
         }
@@ -341,11 +357,121 @@ pub fn load_npy(path: &Path, labels: Option<&Path>, expect: &Expect, extent: Ext
     })
 }
 
+/// Where a language model's token stream comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenFile {
+    /// UTF-8 text, one token per character.
+    Text,
+    /// Raw little-endian integers.
+    Raw(crate::vocab::TokenDtype),
+    /// A one-dimensional `.npy` array of integers.
+    Npy,
+}
+
+/// The token ids of a file, each checked to be in `0..vocab`. Text files number their
+/// distinct characters in code-point order; more distinct characters than `vocab` is an
+/// error that says how large the vocabulary must be.
+pub fn load_tokens(path: &Path, kind: TokenFile, vocab: usize, extent: Extent) -> Result<Vec<u32>, String> {
+    let shown = path.display();
+    let (bytes, complete) = read_bytes(path, extent)?;
+    let ids: Vec<u64> = match kind {
+        TokenFile::Text => {
+            let text = match std::str::from_utf8(&bytes) {
+                Ok(t) => t,
+                // a prefix may end inside a character
+                Err(e) if !complete && e.error_len().is_none() => {
+                    std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or_default()
+                }
+                Err(e) => {
+                    return Err(format!("`{shown}` is not UTF-8 text (byte {} is not valid UTF-8)", e.valid_up_to()))
+                }
+            };
+            let mut chars: Vec<char> = text.chars().collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+            chars.sort_unstable();
+            if chars.len() > vocab {
+                return Err(format!(
+                    "`{shown}` has {} distinct characters{}, more than the model's vocabulary of {vocab}: make the embedding's vocabulary (and the output layer) at least {}",
+                    chars.len(),
+                    if complete { "" } else { " in its first bytes" },
+                    chars.len()
+                ));
+            }
+            text.chars().map(|c| chars.binary_search(&c).unwrap_or(0) as u64).collect()
+        }
+        TokenFile::Raw(dtype) => {
+            let width = match dtype {
+                crate::vocab::TokenDtype::Uint16 => 2,
+                crate::vocab::TokenDtype::Uint32 => 4,
+            };
+            if complete && bytes.len() % width != 0 {
+                return Err(format!(
+                    "`{shown}` holds {} bytes, not a whole number of {dtype} tokens ({width} bytes each)",
+                    bytes.len()
+                ));
+            }
+            bytes
+                .chunks_exact(width)
+                .map(|c| {
+                    if width == 2 {
+                        u64::from(u16::from_le_bytes([c[0], c[1]]))
+                    } else {
+                        u64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    }
+                })
+                .collect()
+        }
+        TokenFile::Npy => {
+            let a = parse_npy(&bytes, complete, &shown.to_string())?;
+            if a.shape.len() != 1 || a.kind != NpyKind::Int {
+                return Err(format!(
+                    "`{shown}` holds {} values of shape {:?}; token ids are a one-dimensional integer array",
+                    a.descr, a.shape
+                ));
+            }
+            let mut out = Vec::with_capacity(a.values.len());
+            for (i, v) in a.values.iter().enumerate() {
+                if *v < 0.0 {
+                    return Err(format!("`{shown}`: token {i} is {v}, not a token id"));
+                }
+                out.push(*v as u64);
+            }
+            out
+        }
+    };
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id >= vocab as u64) {
+        return Err(format!(
+            "`{shown}`: token {i} has id {id}, outside the model's vocabulary 0..{vocab} (the embedding's vocabulary must exceed every id)"
+        ));
+    }
+    Ok(ids.into_iter().map(|v| v as u32).collect())
+}
+
+/// A token stream cut into a language model's samples: window k is tokens
+/// `k·seq .. k·seq + seq` and its targets the same window shifted by one. A stream shorter
+/// than one window (`seq + 1` tokens) is an error.
+pub fn token_windows(tokens: &[u32], seq: usize, shown: &str) -> Result<Samples, String> {
+    if seq == 0 || tokens.len() < seq + 1 {
+        return Err(format!(
+            "`{shown}` holds {} token(s), fewer than one window of {} (the sequence length {seq} and the next token)",
+            tokens.len(),
+            seq + 1
+        ));
+    }
+    let samples = (tokens.len() - 1) / seq;
+    let mut inputs = Vec::with_capacity(samples * seq);
+    let mut targets = Vec::with_capacity(samples * seq);
+    for k in 0..samples {
+        inputs.extend(tokens[k * seq..k * seq + seq].iter().map(|&t| f64::from(t)));
+        targets.extend(tokens[k * seq + 1..k * seq + seq + 1].iter().map(|&t| f64::from(t)));
+    }
+    Ok(Samples { inputs, targets, samples })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const CLS: Expect = Expect { numel: 2, classes: Some(3), outputs: 3, vocab: None };
+    const CLS: Expect = Expect { numel: 2, classes: Some(3), outputs: 3, vocab: None, positions: 1 };
 
     fn csv(text: &str, expect: &Expect) -> Result<Samples, String> {
         let f = tempfile::NamedTempFile::new().expect("tmp");
@@ -438,5 +564,35 @@ mod tests {
         assert!(e.contains("class labels are integers"), "{e}");
         let e = load_npy(&xp, Some(&yip), &CLS, Extent::All).expect_err("nan input");
         assert!(e.contains("sample 1: input value 2 is NaN"), "{e}");
+    }
+
+    #[test]
+    fn token_files_and_windows() {
+        let dir = std::env::temp_dir().join(format!("pipec-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let text = dir.join("t.txt");
+        std::fs::write(&text, "abcab€").expect("w");
+        // distinct characters in code-point order: a b c €
+        assert_eq!(load_tokens(&text, TokenFile::Text, 4, Extent::All), Ok(vec![0, 1, 2, 0, 1, 3]));
+        let e = load_tokens(&text, TokenFile::Text, 3, Extent::All).expect_err("overflow");
+        assert!(e.contains("4 distinct characters") && e.contains("at least 4"), "{e}");
+        // a prefix that ends inside the 3-byte € is read up to it
+        assert_eq!(load_tokens(&text, TokenFile::Text, 4, Extent::Prefix(6)), Ok(vec![0, 1, 2, 0, 1]));
+        let raw = dir.join("t.bin");
+        std::fs::write(&raw, [1u8, 0, 2, 0, 0, 1]).expect("w");
+        assert_eq!(
+            load_tokens(&raw, TokenFile::Raw(crate::vocab::TokenDtype::Uint16), 300, Extent::All),
+            Ok(vec![1, 2, 256])
+        );
+        let e = load_tokens(&raw, TokenFile::Raw(crate::vocab::TokenDtype::Uint16), 256, Extent::All).expect_err("id");
+        assert!(e.contains("token 2 has id 256"), "{e}");
+        assert!(load_tokens(&raw, TokenFile::Raw(crate::vocab::TokenDtype::Uint32), 300, Extent::All).is_err());
+        let w = token_windows(&[5, 6, 7, 8, 9, 10, 11], 3, "x").expect("windows");
+        assert_eq!(w.samples, 2);
+        assert_eq!(w.inputs, vec![5.0, 6.0, 7.0, 8.0, 9.0, 10.0]);
+        assert_eq!(w.targets, vec![6.0, 7.0, 8.0, 9.0, 10.0, 11.0]);
+        let e = token_windows(&[1, 2, 3], 3, "x").expect_err("short");
+        assert!(e.contains("fewer than one window of 4"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

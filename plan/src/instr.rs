@@ -99,6 +99,12 @@ pub enum Instr {
     /// Sum the weight gradients of `stage` over the replica group `group` (ring all-reduce,
     /// or a parameter server when the plan says so).
     AllReduce { stage: StageId, group: GroupId, bytes: u64 },
+    /// Weight tying across stages: sum the gradient of the tied weight `stage` holds (an
+    /// embedding table, or the output projection that is its transpose) with the other
+    /// copies' over `group` (every device holding a copy), after the replica all-reduces,
+    /// so every copy applies the same summed gradient. In each group the first device
+    /// holding a given stage contributes that stage's gradient; the others contribute zero.
+    TiedAllReduce { stage: StageId, group: GroupId, bytes: u64 },
     /// Keep the weights `mb`'s forward uses, for its backward (PipeDream weight stashing):
     /// the current ones, or with `version` (vertical sync) the stage's weights after that
     /// many of this step's updates — the version the first stage used for `mb`.
@@ -283,6 +289,7 @@ impl Instr {
             | Instr::SendGradient { stage, .. }
             | Instr::RecvGradient { stage, .. }
             | Instr::AllReduce { stage, .. }
+            | Instr::TiedAllReduce { stage, .. }
             | Instr::StashWeights { stage, .. }
             | Instr::RestoreWeights { stage, .. }
             | Instr::OptimizerStep { stage }
@@ -302,7 +309,7 @@ impl Instr {
     /// The collective group of a collective instruction.
     pub fn group(&self) -> Option<GroupId> {
         match *self {
-            Instr::AllReduce { group, .. } => Some(group),
+            Instr::AllReduce { group, .. } | Instr::TiedAllReduce { group, .. } => Some(group),
             _ => None,
         }
     }
@@ -326,6 +333,7 @@ impl Instr {
             | Instr::PushGradient { mb, .. }
             | Instr::ApplyGradient { mb, .. } => Some(mb),
             Instr::AllReduce { .. }
+            | Instr::TiedAllReduce { .. }
             | Instr::OptimizerStep { .. }
             | Instr::PushWeights { .. }
             | Instr::PullWeights { .. } => None,
@@ -347,7 +355,7 @@ impl Instr {
             | Instr::PushWeights { .. }
             | Instr::PullWeights { .. } => Phase::Communication,
             Instr::ApplyGradient { .. } => Phase::Optimizer,
-            Instr::AllReduce { .. } => Phase::Collective,
+            Instr::AllReduce { .. } | Instr::TiedAllReduce { .. } => Phase::Collective,
             Instr::OptimizerStep { .. } => Phase::Optimizer,
             Instr::LoadMicrobatch { .. }
             | Instr::StashWeights { .. }
@@ -384,7 +392,7 @@ impl Instr {
             Instr::PullWeights { peer, stage, round, bytes } => {
                 (End::Recv, peer, Some(MessageId::weights(stage, round)), bytes)
             }
-            Instr::AllReduce { .. } | on_device!() => return None,
+            Instr::AllReduce { .. } | Instr::TiedAllReduce { .. } | on_device!() => return None,
         };
         Some(Transfer { end, peer, id, bytes })
     }
@@ -407,7 +415,7 @@ impl Instr {
         let mut out = self.clone();
         match &mut out {
             point_to_point!(peer) => *peer = device(*peer),
-            Instr::AllReduce { group: g, .. } => *g = group(*g),
+            Instr::AllReduce { group: g, .. } | Instr::TiedAllReduce { group: g, .. } => *g = group(*g),
             on_device!() => {}
         }
         out
@@ -427,7 +435,9 @@ impl Instr {
             Instr::SendActivation { stage, mb, .. } => vec![B::Output { stage, mb }],
             Instr::SendGradient { stage, mb, .. } => vec![B::InputGrad { stage, mb }],
             Instr::RecvActivation { .. } | Instr::RecvGradient { .. } => vec![],
-            Instr::AllReduce { stage, .. } | Instr::OptimizerStep { stage } => vec![B::WeightGrad { stage }],
+            Instr::AllReduce { stage, .. } | Instr::TiedAllReduce { stage, .. } | Instr::OptimizerStep { stage } => {
+                vec![B::WeightGrad { stage }]
+            }
             Instr::StashWeights { stage, .. } => vec![B::Weights { stage }],
             Instr::RestoreWeights { stage, mb } => vec![B::Stash { stage, mb }],
             Instr::Free { stage, mb } => vec![B::Saved { stage, mb }],
@@ -460,7 +470,7 @@ impl Instr {
             Instr::RecvActivation { stage, mb, .. } => vec![B::Input { stage, mb }],
             Instr::RecvGradient { stage, mb, .. } => vec![B::OutputGrad { stage, mb }],
             Instr::SendActivation { .. } | Instr::SendGradient { .. } | Instr::Free { .. } => vec![],
-            Instr::AllReduce { stage, .. } => vec![B::WeightGrad { stage }],
+            Instr::AllReduce { stage, .. } | Instr::TiedAllReduce { stage, .. } => vec![B::WeightGrad { stage }],
             Instr::OptimizerStep { stage } => vec![B::Weights { stage }, B::WeightGrad { stage }],
             Instr::StashWeights { stage, mb, .. } => vec![B::Stash { stage, mb }],
             Instr::RestoreWeights { stage, .. } => vec![B::Weights { stage }],
@@ -494,6 +504,7 @@ impl fmt::Display for Instr {
             Instr::SendGradient { peer, stage, mb, bytes } => write!(f, "send_grad {stage} {mb} -> {peer} {bytes}B"),
             Instr::RecvGradient { peer, stage, mb, bytes } => write!(f, "recv_grad {stage} {mb} <- {peer} {bytes}B"),
             Instr::AllReduce { stage, group, bytes } => write!(f, "allreduce {stage} {group} {bytes}B"),
+            Instr::TiedAllReduce { stage, group, bytes } => write!(f, "tiedallreduce {stage} {group} {bytes}B"),
             Instr::StashWeights { stage, mb, version: None } => write!(f, "stash {stage} {mb}"),
             Instr::StashWeights { stage, mb, version: Some(v) } => write!(f, "stash {stage} {mb} v{v}"),
             Instr::RestoreWeights { stage, mb } => write!(f, "restore {stage} {mb}"),

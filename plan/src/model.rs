@@ -71,10 +71,25 @@ pub enum Op {
         dim: usize,
     },
     /// Pre-norm transformer block: LN → multi-head self-attention → residual → LN → MLP → residual.
+    /// With `causal`, position i attends to positions ≤ i only (a GPT-style decoder block).
     TransformerBlock {
         d_model: usize,
         heads: usize,
         d_ff: usize,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        causal: bool,
+    },
+    /// Learned positional embedding: adds row p of a [max_len, dim] table to position p of a
+    /// [sequence, dim] input (sequence ≤ max_len).
+    PosEmbedding {
+        max_len: usize,
+        dim: usize,
+    },
+    /// One LSTM layer over a [sequence, input] input, giving every step's hidden state
+    /// [sequence, hidden]; gates i, f, g, o with PyTorch's two biases, zero initial state.
+    Lstm {
+        input: usize,
+        hidden: usize,
     },
 }
 
@@ -117,6 +132,16 @@ pub fn crossing<'a>(operands: impl IntoIterator<Item = &'a [Source]>, cut: usize
     out.into_iter().collect()
 }
 
+/// A language model's sequence length: the model takes a [sequence] of token ids from a
+/// vocabulary of `vocab` and outputs [sequence, vocab] scores, one next-token prediction per
+/// position. None for any other model.
+pub fn language_model_positions(input: &[usize], output: &[usize], vocab: Option<usize>) -> Option<usize> {
+    match (input, output, vocab) {
+        ([seq], [s, v], Some(vocab)) if s == seq && *v == vocab => Some(*seq),
+        _ => None,
+    }
+}
+
 /// Why an operator cannot take an input shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShapeError {
@@ -156,6 +181,8 @@ impl Op {
             Op::Dropout { .. } => "dropout",
             Op::Embedding { .. } => "embedding",
             Op::TransformerBlock { .. } => "transformer_block",
+            Op::PosEmbedding { .. } => "pos_embedding",
+            Op::Lstm { .. } => "lstm",
         }
     }
 
@@ -267,6 +294,24 @@ impl Op {
                     None,
                 )),
             },
+            Op::PosEmbedding { max_len, dim } => match input {
+                [seq, d] if *d == dim && *seq <= max_len => Ok(input.to_vec()),
+                [seq, d] if *d == dim => Err(shape_err(
+                    format!("pos_embedding has {max_len} positions but its input {} has {seq}", fmt_shape(input)),
+                    Some(0),
+                )),
+                _ => Err(shape_err(
+                    format!("pos_embedding expects a [sequence, features] input, got {}", fmt_shape(input)),
+                    None,
+                )),
+            },
+            Op::Lstm { input: n_in, hidden } => match input {
+                [seq, d] if *d == n_in => Ok(vec![*seq, hidden]),
+                _ => Err(shape_err(
+                    format!("lstm expects a [sequence, {n_in}] input, got {}", fmt_shape(input)),
+                    Some(0),
+                )),
+            },
             Op::TransformerBlock { d_model, heads, .. } => match input {
                 [_, d] if *d == d_model => {
                     if heads == 0 || d_model % heads != 0 {
@@ -296,6 +341,9 @@ impl Op {
             Op::LayerNorm { dim } => 2 * u(dim),
             Op::BatchNorm2d { channels } => 2 * u(channels),
             Op::Embedding { vocab, dim } => u(vocab) * u(dim),
+            Op::PosEmbedding { max_len, dim } => u(max_len) * u(dim),
+            // W_ih [4h, in], W_hh [4h, h], b_ih and b_hh [4h] (PyTorch's layout)
+            Op::Lstm { input, hidden } => 4 * u(hidden) * (u(input) + u(hidden) + 2),
             Op::TransformerBlock { d_model, d_ff, .. } => {
                 let d = u(d_model);
                 let f = u(d_ff);
@@ -417,8 +465,21 @@ mod tests {
 
     #[test]
     fn transformer_block_parameters() {
-        let t = Op::TransformerBlock { d_model: 512, heads: 8, d_ff: 2048 };
+        let t = Op::TransformerBlock { d_model: 512, heads: 8, d_ff: 2048, causal: false };
         // 12·d² + 13·d (the usual count with biases and two layer norms), d_ff = 4d
         assert_eq!(t.parameter_count(), 12 * 512 * 512 + 13 * 512);
+    }
+
+    #[test]
+    fn language_model_layers() {
+        // PyTorch's nn.LSTM(400, 1150): 4·1150·(400 + 1150) weights and two biases of 4·1150
+        let lstm = Op::Lstm { input: 400, hidden: 1150 };
+        assert_eq!(lstm.parameter_count(), 4 * 1150 * 400 + 4 * 1150 * 1150 + 2 * 4 * 1150);
+        assert_eq!(lstm.output_shape(&[70, 400]), Ok(vec![70, 1150]));
+        assert!(lstm.output_shape(&[70, 300]).is_err());
+        let pos = Op::PosEmbedding { max_len: 1024, dim: 768 };
+        assert_eq!(pos.parameter_count(), 786_432);
+        assert_eq!(pos.output_shape(&[512, 768]), Ok(vec![512, 768]));
+        assert!(pos.output_shape(&[2048, 768]).expect_err("too long").message.contains("1024 positions"));
     }
 }

@@ -86,6 +86,16 @@ pub enum DataPlan {
     Csv { path: String },
     /// NPY features and labels (absolute paths).
     Npy { path: String, labels: Option<String> },
+    /// A language model's tokens: a UTF-8 text file read character by character (the
+    /// vocabulary is its distinct characters in code-point order), cut into windows.
+    Text { path: String },
+    /// A language model's tokens: a `.npy` array of integer ids, or a raw file of `dtype`
+    /// little-endian integers, cut into windows.
+    Tokens {
+        path: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        dtype: Option<crate::vocab::TokenDtype>,
+    },
 }
 
 /// The training loop's settings.
@@ -179,6 +189,10 @@ pub struct GroupPlan {
     pub id: GroupId,
     pub stage: StageId,
     pub devices: Vec<DeviceId>,
+    /// A weight-tying group: the embedding layer and the output projection whose tied
+    /// weight its `tiedallreduce`s sum (its members hold either layer's stage).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tie: Option<[usize; 2]>,
 }
 
 /// Cost-model inputs of one layer.
@@ -191,6 +205,10 @@ pub struct LayerPlan {
     /// it (a join, or a branch starting from an earlier tensor).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inputs: Option<Vec<Source>>,
+    /// Weight tying: this output projection's weight is the transpose of the embedding
+    /// table of that layer (a separate copy kept equal: both apply the summed gradient).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tied: Option<usize>,
     pub input_shape: Vec<usize>,
     pub output_shape: Vec<usize>,
     pub parameters: u64,
@@ -370,6 +388,22 @@ impl Plan {
         }
         if self.layers.is_empty() {
             out.push("the plan has no layers".into());
+        }
+        for l in &self.layers {
+            if let Some(a) = l.tied {
+                let fits = match (self.layers.get(a).map(|e| &e.op), &l.op) {
+                    (Some(Op::Embedding { vocab, dim }), Op::Linear { in_features, out_features, bias: false }) => {
+                        a < l.index && vocab == out_features && dim == in_features
+                    }
+                    _ => false,
+                };
+                if !fits {
+                    out.push(format!(
+                        "layer {} is tied to layer {a}, which is not an earlier embedding of its transposed shape (or it has a bias)",
+                        l.index
+                    ));
+                }
+            }
         }
         // training
         if t.batch_size == 0

@@ -132,10 +132,21 @@ choice! {
 }
 
 choice! {
+    /// The integer type of a raw token file (little-endian, no header).
+    pub enum TokenDtype {
+        /// 2 bytes per token (vocabularies up to 65,536, e.g. GPT-2's 50,257).
+        Uint16 = "uint16",
+        /// 4 bytes per token.
+        Uint32 = "uint32",
+    }
+}
+
+choice! {
     /// The loss at the end of the model.
     pub enum Loss {
         /// Softmax cross-entropy over class scores; the last layer's output size is the
-        /// number of classes.
+        /// number of classes. On a language model's [sequence, vocab] logits, the mean over
+        /// positions of the cross-entropy with the next token.
         CrossEntropy = "cross_entropy",
         /// Mean squared error (regression).
         Mse = "mse",

@@ -126,7 +126,7 @@ async def test_hover_on_layers_keys_and_strategy(client: LanguageClient):
     hover = await client.text_document_hover_async(
         types.HoverParams(text_document=types.TextDocumentIdentifier(uri=uri_of(name)), position=pos("linear"))
     )
-    assert "linear(in, out, bias=true)" in hover.contents.value
+    assert "linear(in, out, bias=true, tie=NAME)" in hover.contents.value
     hover = await client.text_document_hover_async(
         types.HoverParams(text_document=types.TextDocumentIdentifier(uri=uri_of(name)), position=pos("microbatches"))
     )
