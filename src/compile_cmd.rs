@@ -119,10 +119,10 @@ pub fn run(
         }
     };
     let files: [(&str, String); 4] = [
-        ("plan.json", plan_json.clone()),
+        ("plan.json", plan_json),
         ("timeline.svg", timeline_svg(plan, &compiled.timeline)),
         ("memory.svg", memory_svg(plan)),
-        ("trace.json", trace_json(plan, &compiled.timeline).to_string()),
+        ("trace.json", trace_json(plan, &compiled.timeline)),
     ];
     for (file, contents) in &files {
         if let Err(e) = write_atomic(&dir.join(file), contents.as_bytes()) {
@@ -133,7 +133,7 @@ pub fn run(
     match emit {
         Some(Emit::Ir) => print!("{}", compiled.graph),
         Some(Emit::Streams) => print!("{}", plan.streams_text()),
-        Some(Emit::Plan) => print!("{plan_json}"),
+        Some(Emit::Plan) => print!("{}", files[0].1),
         Some(Emit::Memory) => print!("{}", memory_table(plan)),
         Some(Emit::TorchCsv) => print!("{}", torch_csv(plan)),
         None => {}

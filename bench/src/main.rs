@@ -1,4 +1,4 @@
-//! pipec's benchmarks. `cargo run --release -p pipec-bench -- [planner|compiler|vgg|executor|all]`.
+//! pipec's benchmarks. `cargo run --release -p pipec-bench -- [planner|compiler|language-models|pipedream|executor|all]`.
 //! Every number in docs/benchmarks.md comes from this program; each figure is the median of
 //! several runs, printed with the machine's core count.
 
@@ -116,6 +116,57 @@ fn compiler() {
     let (t, plan) = time(5, || plan_of(&text));
     let instrs: usize = plan.streams.values().map(Vec::len).sum();
     println!("hybrid dp32 x pp8 x tp4 = 1024 devices, 96 transformer blocks, 256 microbatches: {:.3} s for {} instructions (step {:.1} ms, bubble {:.1}%)", t, instrs, plan.simulation.step_time_s * 1e3, plan.simulation.bubble_fraction * 100.0);
+}
+
+/// `pipec compile` of GPT-2 small (`specs/gpt2.yaml`) and GPT-3 175B on 1,024 GPUs
+/// (`bench/specs/gpt3-175b.yaml`): in process (check + compile), and as a whole process —
+/// start, parse, check, compile, write plan.json, timeline.svg, memory.svg and trace.json —
+/// with the `pipec` binary built beside this one (`cargo build --release -p pipec`).
+fn language_models() {
+    println!("## language models: compile time");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let pipec = std::env::current_exe().ok().and_then(|e| e.parent().map(|d| d.join("pipec")));
+    for spec in ["specs/gpt2.yaml", "bench/specs/gpt3-175b.yaml"] {
+        let path = root.join(spec);
+        let text = std::fs::read_to_string(&path).expect("the spec");
+        let (t, plan) = time(5, || plan_of(&text));
+        let instrs: usize = plan.streams.values().map(Vec::len).sum();
+        println!(
+            "{spec}: in process {t:.3} s, {} devices, {instrs} instructions, predicted step {:.1} ms",
+            plan.devices.len(),
+            plan.simulation.step_time_s * 1e3
+        );
+        let Some(bin) = pipec.as_ref().filter(|b| b.is_file()) else {
+            println!("  (no pipec binary beside this one: build it with `cargo build --release -p pipec`)");
+            continue;
+        };
+        let out = std::env::temp_dir().join(format!("pipec-bench-lm-{}", std::process::id()));
+        let mut runs = Vec::new();
+        for _ in 0..7 {
+            let t = Instant::now();
+            let status = std::process::Command::new(bin)
+                .arg("compile")
+                .arg(&path)
+                .arg("-o")
+                .arg(&out)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .expect("pipec runs");
+            assert!(status.success(), "pipec compile {spec} failed");
+            runs.push(t.elapsed().as_secs_f64());
+        }
+        let bytes: u64 = std::fs::read_dir(&out)
+            .map(|d| d.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum())
+            .unwrap_or(0);
+        let (lo, hi) = runs.iter().fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+        println!(
+            "  whole process: median {:.3} s (min {lo:.3}, max {hi:.3}, 7 runs), {:.1} MB written",
+            median(runs),
+            bytes as f64 / 1e6
+        );
+        let _ = std::fs::remove_dir_all(&out);
+    }
 }
 
 /// pipec's `auto` against PipeDream's own optimizer on PipeDream's published profiles: the
@@ -341,6 +392,9 @@ fn main() {
     }
     if what == "compiler" || what == "all" {
         compiler();
+    }
+    if what == "language-models" || what == "all" {
+        language_models();
     }
     if what == "pipedream" || what == "all" {
         pipedream();

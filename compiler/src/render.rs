@@ -54,8 +54,24 @@ pub fn human_time(s: f64) -> String {
 
 /// The Gantt chart of one step: a row per device, a box per compute (microbatch number in
 /// it), transfers waited for in red, idle time white.
+/// Beyond this many devices the timeline picture shows one row per stage (its first
+/// replica's device); `trace.json` keeps every device.
+pub const TIMELINE_MAX_ROWS: usize = 64;
+
 pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
-    let devices: Vec<DeviceId> = plan.devices.iter().map(|d| d.id).collect();
+    let all: Vec<DeviceId> = plan.devices.iter().map(|d| d.id).collect();
+    let devices: Vec<DeviceId> = if all.len() <= TIMELINE_MAX_ROWS {
+        all.clone()
+    } else {
+        let mut rows: Vec<DeviceId> = plan.stages.iter().filter_map(|s| s.replicas.first().copied()).collect();
+        rows.dedup();
+        rows
+    };
+    let mut by_device: std::collections::HashMap<DeviceId, Vec<&crate::simulate::Event>> =
+        std::collections::HashMap::new();
+    for e in &timeline.events {
+        by_device.entry(e.device).or_default().push(e);
+    }
     let row_h = 26.0;
     let left = 64.0;
     let width = 1100.0;
@@ -81,7 +97,16 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
     );
     let _ = writeln!(
         svg,
-        r##"<text x="{left}" y="34" fill="#555">predicted timeline of one training step; numbers are microbatches, s = stage</text>"##
+        r##"<text x="{left}" y="34" fill="#555">predicted timeline of one training step; numbers are microbatches, s = stage{}</text>"##,
+        if devices.len() < all.len() {
+            format!(
+                "; {} of {} devices: each stage's first replica (trace.json has them all)",
+                devices.len(),
+                all.len()
+            )
+        } else {
+            String::new()
+        }
     );
     for (row, dev) in devices.iter().enumerate() {
         let y = top + row as f64 * row_h;
@@ -94,7 +119,7 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
             row_h - 4.0
         );
         let stream = plan.streams.get(dev);
-        for e in timeline.events.iter().filter(|e| e.device == *dev) {
+        for e in by_device.get(dev).into_iter().flatten() {
             if e.end <= e.start || e.phase == Phase::Memory {
                 continue;
             }
@@ -297,20 +322,48 @@ pub fn trace_event(device: DeviceId, ins: &Instr, start_s: f64, end_s: f64) -> s
     })
 }
 
-/// The predicted step as a Chrome trace (one track per device).
-pub fn trace_json(plan: &Plan, timeline: &Timeline) -> serde_json::Value {
-    let mut events: Vec<serde_json::Value> = plan
-        .devices
-        .iter()
-        .map(|d| serde_json::json!({"name": "thread_name", "ph": "M", "pid": 0, "tid": d.id.0, "args": {"name": format!("device {}", d.id.0)}}))
-        .collect();
+/// The predicted step as a Chrome trace (one track per device), as JSON text: written
+/// directly, since a 1,024-device plan has hundreds of thousands of events (each one is
+/// what `trace_event` gives).
+pub fn trace_json(plan: &Plan, timeline: &Timeline) -> String {
+    let mut out = String::with_capacity(64 + timeline.events.len() * 120);
+    out.push_str("{\"traceEvents\":[");
+    let mut first = true;
+    let mut sep = |out: &mut String| {
+        if !first {
+            out.push(',');
+        }
+        first = false;
+    };
+    for d in &plan.devices {
+        sep(&mut out);
+        let _ = write!(
+            out,
+            r#"{{"name":"thread_name","ph":"M","pid":0,"tid":{0},"args":{{"name":"device {0}"}}}}"#,
+            d.id.0
+        );
+    }
     for e in &timeline.events {
         if e.end <= e.start {
             continue;
         }
         if let Some(ins) = plan.streams.get(&e.device).and_then(|s| s.get(e.index)) {
-            events.push(trace_event(e.device, ins, e.start, e.end));
+            sep(&mut out);
+            let name = serde_json::Value::String(ins.to_string());
+            let _ = write!(
+                out,
+                r#"{{"name":{name},"cat":"{}","ph":"X","pid":0,"tid":{},"ts":{},"dur":{}}}"#,
+                format!("{:?}", ins.phase()).to_lowercase(),
+                e.device.0,
+                serde_json::Value::from(e.start * 1e6),
+                serde_json::Value::from(((e.end - e.start) * 1e6).max(0.0))
+            );
         }
     }
-    serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": "pipec compile (predicted)", "plan": plan.name}})
+    let _ = write!(
+        out,
+        r#"],"displayTimeUnit":"ms","otherData":{{"source":"pipec compile (predicted)","plan":{}}}}}"#,
+        serde_json::Value::String(plan.name.clone())
+    );
+    out
 }

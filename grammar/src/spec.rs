@@ -88,7 +88,7 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
         Data::Tokens { path, dtype: None, span } => Some((path, pipec_plan::datafile::TokenFile::Npy, *span)),
         _ => None,
     };
-    if let Some((path, kind, span)) = token_file {
+    let (result, span) = if let Some((path, kind, span)) = token_file {
         let (Some(seq), Some(vocab)) = (lm, model.token_vocab()) else {
             cx.push(
                 Diagnostic::error(
@@ -106,30 +106,16 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
         let full = base.join(path);
         let shown = full.display().to_string();
         let result = pipec_plan::datafile::load_tokens(&full, kind, vocab, extent)
-            .and_then(|t| pipec_plan::datafile::token_windows(&t, seq, &shown).map(|_| ()));
-        if let Err(e) = result {
-            let base_shown = format!("`{}/", base.display());
-            cx.push(
-                Diagnostic::error(
-                    "E0502",
-                    format!("the data does not fit the model: {}", e.replace(&base_shown, "`")),
-                    span,
-                    "this data file",
-                )
-                .with_help(format!(
-                    "`pipec check` reads the first {} MiB of a data file; `pipec run` reads and checks all of it",
-                    DATA_CHECK_BYTES >> 20
-                )),
-            );
-        }
-        return;
-    }
-    let (result, span) = match &training.data {
-        Data::Synthetic { .. } | Data::Text { .. } | Data::Tokens { .. } => return,
-        Data::Csv { path, span } => (pipec_plan::datafile::load_csv(&base.join(path), &expect, extent), *span),
-        Data::Npy { path, labels, span } => {
-            let labels = labels.as_ref().map(|l| base.join(l));
-            (pipec_plan::datafile::load_npy(&base.join(path), labels.as_deref(), &expect, extent), *span)
+            .and_then(|t| pipec_plan::datafile::token_windows(&t, seq, &shown));
+        (result, span)
+    } else {
+        match &training.data {
+            Data::Synthetic { .. } | Data::Text { .. } | Data::Tokens { .. } => return,
+            Data::Csv { path, span } => (pipec_plan::datafile::load_csv(&base.join(path), &expect, extent), *span),
+            Data::Npy { path, labels, span } => {
+                let labels = labels.as_ref().map(|l| base.join(l));
+                (pipec_plan::datafile::load_npy(&base.join(path), labels.as_deref(), &expect, extent), *span)
+            }
         }
     };
     if let Err(e) = result {
