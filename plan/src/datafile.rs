@@ -372,11 +372,22 @@ pub enum TokenFile {
 /// distinct characters in code-point order; more distinct characters than `vocab` is an
 /// error that says how large the vocabulary must be.
 pub fn load_tokens(path: &Path, kind: TokenFile, vocab: usize, extent: Extent) -> Result<Vec<u32>, String> {
-    let shown = path.display();
     let (bytes, complete) = read_bytes(path, extent)?;
+    parse_tokens(&bytes, complete, kind, vocab, &path.display().to_string())
+}
+
+/// [`load_tokens`] on a file's bytes (`complete` false: a prefix, which may end inside a
+/// character or a token).
+pub fn parse_tokens(
+    bytes: &[u8],
+    complete: bool,
+    kind: TokenFile,
+    vocab: usize,
+    shown: &str,
+) -> Result<Vec<u32>, String> {
     let ids: Vec<u64> = match kind {
         TokenFile::Text => {
-            let text = match std::str::from_utf8(&bytes) {
+            let text = match std::str::from_utf8(bytes) {
                 Ok(t) => t,
                 // a prefix may end inside a character
                 Err(e) if !complete && e.error_len().is_none() => {
@@ -421,7 +432,7 @@ pub fn load_tokens(path: &Path, kind: TokenFile, vocab: usize, extent: Extent) -
                 .collect()
         }
         TokenFile::Npy => {
-            let a = parse_npy(&bytes, complete, &shown.to_string())?;
+            let a = parse_npy(bytes, complete, shown)?;
             if a.shape.len() != 1 || a.kind != NpyKind::Int {
                 return Err(format!(
                     "`{shown}` holds {} values of shape {:?}; token ids are a one-dimensional integer array",
