@@ -414,7 +414,7 @@ pub fn parse_tokens(
                 crate::vocab::TokenDtype::Uint16 => 2,
                 crate::vocab::TokenDtype::Uint32 => 4,
             };
-            if complete && bytes.len() % width != 0 {
+            if complete && !bytes.len().is_multiple_of(width) {
                 return Err(format!(
                     "`{shown}` holds {} bytes, not a whole number of {dtype} tokens ({width} bytes each)",
                     bytes.len()
