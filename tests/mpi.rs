@@ -25,6 +25,10 @@ fn spec(stages: &str, devices: usize, steps: usize) -> String {
 /// all-reduces the batch statistics with its gradients.
 const BATCH_NORM: &str = "  input: [2, 6, 6]\n  blocks:\n    res(c):\n      - conv2d(c, c, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n      - conv2d(c, c, k=3, pad=1, bias=false) -> batchnorm2d as branch\n      - add(branch, in) -> relu\n  layers:\n    - conv2d(2, 4, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - repeat 2: res(4)\n    - adaptive_avgpool2d -> flatten -> linear(4, 4)\n";
 
+/// A causal language model whose output layer is tied to its embedding: on two stages the
+/// tied gradient is summed across the ranks (`tiedallreduce`).
+const TIED_LM: &str = "  input: [12]\n  layers:\n    - embedding(20, 16) as tokens\n    - transformer_block(d=16, heads=2, ff=32, causal=true)\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)\n";
+
 /// A spec training `model` (its `input` line, or `[16]`).
 fn spec_of(model: &str, stages: &str, devices: usize, steps: usize) -> String {
     let input = if model.starts_with("  input:") { "" } else { "  input: [16]\n" };
@@ -93,6 +97,11 @@ fn a_graph_model_over_mpi_equals_in_process_exactly() {
 #[test]
 fn batch_norm_with_a_replicated_stage_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(BATCH_NORM, "\"2-1\"", 3);
+}
+
+#[test]
+fn a_tied_language_model_over_mpi_equals_in_process_exactly() {
+    equal_to_in_process_for(TIED_LM, "straight", 2);
 }
 
 #[test]

@@ -1060,3 +1060,32 @@ fn an_lstm_language_model_equals_one_device() {
         assert_same_losses(&format!("lstm {} {}", j.schedule, j.stages), &reference, &got);
     }
 }
+
+#[test]
+fn a_tied_language_model_resumes_across_a_tie_that_moves_between_stages() {
+    // saved with the embedding and the tied output layer on different stages (two copies,
+    // summed by tiedallreduce), resumed on one device (one stage: summed locally) and back
+    let tied = |j: Job<'static>| {
+        Job {
+        input: "[12]",
+        layers: "- embedding(20, 16) as tokens\n    - transformer_block(d=16, heads=2, ff=32, causal=true)\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)",
+        optimizer: ADAM,
+        ..j
+    }
+    };
+    let split = tied(Job { devices: 2, stages: "straight", schedule: "1f1b", ..Job::default() });
+    let one = tied(Job::default());
+    for (from, to) in [(split, one), (one, split)] {
+        let source = tempfile::tempdir().expect("tempdir");
+        train_keeping_statistics_in(Job { steps: 3, ..from }, source.path(), None);
+        let (_, full, _) = train_keeping_statistics(Job { steps: 6, ..to });
+        let resumed_dir = tempfile::tempdir().expect("tempdir");
+        let (_, resumed, _) = train_keeping_statistics_in(
+            Job { steps: 6, ..to },
+            resumed_dir.path(),
+            Some(source.path().join("step-000003")),
+        );
+        assert_same_losses(&format!("{} → {}", from.stages, to.stages), &full[3..], &resumed);
+        assert!(full.last() < full.first(), "{full:?}");
+    }
+}
