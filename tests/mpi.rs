@@ -300,3 +300,52 @@ fn a_silent_rank_stops_the_job_within_the_timeout_naming_device_and_instruction(
     assert!(stderr.contains("nothing arrived from d") && stderr.contains("device d"), "{stderr}");
     assert!(!stderr.contains("after MPI_FINALIZE"), "{stderr}");
 }
+
+#[test]
+fn a_threaded_tensor_parallel_checkpoint_resumes_over_mpi_without_tensor_parallelism() {
+    // written by threads with `tp: 2` on 4 devices, resumed by 2 MPI ranks with `tp: 1`:
+    // another transport and another tensor-parallel degree, the same losses as an
+    // uninterrupted run of the new layout
+    let dir = tempfile::tempdir().expect("tmp");
+    let write = |name: &str, layout: &str, devices: usize| {
+        let text = spec_of(CHAIN, layout, devices, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 2 }\n");
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write");
+        path
+    };
+    let tp2 = write("tp2.yaml", "\"1-1\"\n  tp: 2", 4);
+    let plain = write("plain.yaml", "\"1-1\"", 2);
+    let source = dir.path().join("source");
+    let out = Command::new(pipec())
+        .args(["run", tp2.to_str().expect("p"), "-o", source.to_str().expect("p")])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let full = dir.path().join("full");
+    let out = Command::new(pipec())
+        .args(["run", plain.to_str().expect("p"), "-o", full.to_str().expect("p")])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let resumed = dir.path().join("resumed");
+    let ckpt = source.join("checkpoints/step-000002");
+    let out = mpirun(
+        2,
+        &[
+            "run",
+            plain.to_str().expect("p"),
+            "--transport",
+            "mpi",
+            "--resume",
+            ckpt.to_str().expect("p"),
+            "-o",
+            resumed.to_str().expect("p"),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a, b) = (losses(&full)[2..].to_vec(), losses(&resumed));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "uninterrupted {a:?}, resumed {b:?}");
+    }
+}

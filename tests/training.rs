@@ -526,20 +526,46 @@ fn a_non_finite_loss_stops_the_run_at_its_step_device_and_instruction() {
     assert!(err.instruction.as_deref().is_some_and(|i| i.starts_with("fwd")), "{err:?}");
 }
 
+/// A checkpoint resumes under another tensor-parallel degree: column- and row-parallel
+/// weights, split QKV projections and MLPs, their Adam moments or momentum are joined from
+/// the saved shards and re-split for the new ranks.
 #[test]
-fn a_tensor_parallel_checkpoint_resumes_only_on_the_same_degree() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ckpt = dir.path().join("checkpoints");
-    let tp2 =
-        checkpointed_plan(Job { devices: 4, stages: "\"1-1\"\n  tp: 2", schedule: "1f1b", steps: 3, ..Job::default() });
-    pipec_executor::run(&tp2, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {})
-        .expect("runs");
-    let step = ckpt.join("step-000003");
-    assert!(step.join("optimizer-s0-tp1.bin").is_file(), "one optimizer file per shard");
-    let plain = checkpointed_plan(Job { devices: 2, stages: "\"1-1\"", schedule: "1f1b", steps: 6, ..Job::default() });
-    let err = pipec_executor::run(&plain, &RunOptions { resume: Some(step), ..Default::default() }, &mut |_| {})
-        .expect_err("must refuse");
-    assert!(err.to_string().contains("resume with the same `tp`"), "{err}");
+fn a_checkpoint_resumes_under_any_tensor_parallel_degree() {
+    let layers = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32)\n    - layernorm\n    - flatten\n    - linear(256, 32) -> relu\n    - linear(32, 4)";
+    let sources: [(usize, &str); 2] = [(4, "\"1-1\"\n  tp: 2"), (2, "\"1-1\"")];
+    let targets: [(usize, &str); 4] =
+        [(1, "\"1\""), (4, "\"1-1\"\n  tp: 2"), (4, "\"1\"\n  tp: 4"), (6, "\"2-1\"\n  tp: 2")];
+    for optimizer in [ADAM, "{ kind: momentum, lr: 0.02 }"] {
+        for (devices, stages) in sources {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let ckpt = dir.path().join("checkpoints");
+            let source = Job { devices, stages, schedule: "1f1b", optimizer, layers, steps: 3, ..Job::default() };
+            pipec_executor::run(
+                &checkpointed_plan(source),
+                &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() },
+                &mut |_| {},
+            )
+            .expect("source runs");
+            if stages.contains("tp") {
+                assert!(ckpt.join("step-000003/optimizer-s0-tp1.bin").is_file(), "one optimizer file per shard");
+            }
+            for (t_devices, t_stages) in targets {
+                let p = checkpointed_plan(Job {
+                    devices: t_devices,
+                    stages: t_stages,
+                    schedule: "gpipe",
+                    optimizer,
+                    layers,
+                    steps: 6,
+                    ..Job::default()
+                });
+                let full = losses(&train(&p));
+                let options = RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() };
+                let resumed = losses(&pipec_executor::run(&p, &options, &mut |_| {}).expect("resumes"));
+                assert_same_losses(&format!("{optimizer}: {stages} → {t_stages}"), &full[3..], &resumed);
+            }
+        }
+    }
 }
 
 #[test]
@@ -1088,4 +1114,32 @@ fn a_tied_language_model_resumes_across_a_tie_that_moves_between_stages() {
         assert_same_losses(&format!("{} → {}", from.stages, to.stages), &full[3..], &resumed);
         assert!(full.last() < full.first(), "{full:?}");
     }
+}
+
+/// An asynchronous schedule resumes exactly on the layout that wrote the checkpoint, and
+/// refuses another one with the reason (its staleness depends on the layout).
+#[test]
+fn a_pipedream_checkpoint_resumes_exactly_on_its_layout_and_refuses_another() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ckpt = dir.path().join("checkpoints");
+    let job = Job {
+        devices: 4,
+        stages: "\"2-1-1\"",
+        schedule: "pipedream",
+        optimizer: ADAM,
+        steps: 6,
+        microbatches: 8,
+        ..Job::default()
+    };
+    let p = checkpointed_plan(job);
+    let full = losses(
+        &pipec_executor::run(&p, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {})
+            .expect("runs"),
+    );
+    let options = RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() };
+    let resumed = losses(&pipec_executor::run(&p, &options, &mut |_| {}).expect("resumes"));
+    assert_eq!(full[3..].to_vec(), resumed, "the same layout continues exactly");
+    let other = checkpointed_plan(Job { devices: 2, stages: "straight", ..job });
+    let err = pipec_executor::run(&other, &options, &mut |_| {}).expect_err("another layout is refused");
+    assert!(err.to_string().contains("resume it on `2-1-1`"), "{err}");
 }

@@ -13,6 +13,7 @@ pub mod mpi_run;
 pub mod mpi_transport;
 mod params;
 pub mod profile;
+mod reshard;
 pub mod rng;
 pub mod tensor_parallel;
 pub mod transport;
@@ -337,33 +338,33 @@ enum Event {
     Failed(RunError),
 }
 
+/// Restores every stage of this device from a checkpoint, whatever layout wrote it: each
+/// parameter (and its optimizer state) from the saved stage and tensor-parallel ranks that
+/// held it, joined and re-split for this stage's rank (`reshard`).
 fn load_checkpoint<B: AutodiffBackend>(
+    plan: &Plan,
     stages: &mut HashMap<StageId, StageState<B>>,
     loaded: &checkpoint::Loaded,
     dev: &B::Device,
 ) -> Result<(), ExecError> {
+    let saved = reshard::SavedLayout::new(loaded, plan)?;
     for (id, st) in stages.iter_mut() {
         let (tp_rank, tp_size) = st.tp_shard();
-        if loaded.tp_size(id.0) != tp_size {
-            return Err(ExecError::Checkpoint(format!("stage {id} was saved split over {} tensor-parallel rank(s) and this plan splits it over {tp_size}: resume with the same `tp`", loaded.tp_size(id.0))));
-        }
+        let stage = plan.stages.get(id.0 as usize).ok_or_else(|| ExecError::Plan(format!("the plan has no {id}")))?;
+        let ops: Vec<_> = plan.layers[stage.layers[0]..stage.layers[1]].iter().map(|l| l.op.clone()).collect();
+        let split = tensor_parallel::shardings(&ops, stage.layers[0], tp_size as usize)?;
+        let to = |pid: u64| split.get(&pid).copied().unwrap_or(tensor_parallel::Sharding::Whole);
+        let mut values: HashMap<u64, Vec<f32>> = HashMap::new();
         for (pid, shape) in params::layout::<B, _>(st.model()?) {
-            if let Some((saved, _)) = loaded.params.get(&(pid, tp_rank)) {
-                if saved != &shape {
-                    return Err(ExecError::Checkpoint(format!(
-                        "model.safetensors: `{}` has shape {saved:?}, and this plan's model needs {shape:?}",
-                        checkpoint::param_name(pid)
-                    )));
-                }
+            let len = shape.iter().product();
+            if let Some(v) = saved.values(pid, to(pid), tp_size, tp_rank, len)? {
+                values.insert(pid, v);
             }
         }
         let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
-        let (model, missing) = params::set_params(model, |id, shape| match loaded.params.get(&(id, tp_rank)) {
-            Some((saved, v)) if saved.as_slice() == shape => Some(v.clone()),
-            _ => None,
-        });
+        let (model, missing) = params::set_params(model, |pid, _| values.remove(&pid));
         st.model = Some(model);
-        load_running_statistics(st, loaded, tp_rank)?;
+        load_running_statistics(st, &saved, tp_size, tp_rank)?;
         if let Some(first) = missing.first() {
             return Err(ExecError::Checkpoint(format!(
                 "model.safetensors lacks {} parameter(s) of stage {id} (e.g. `{}`)",
@@ -371,17 +372,23 @@ fn load_checkpoint<B: AutodiffBackend>(
                 checkpoint::param_name(*first)
             )));
         }
-        // the optimizer state of this stage's parameters, from whichever saved stage held
-        // them (shards of the same tensor-parallel rank and degree only)
-        let records: Vec<(String, &[u8])> = loaded
-            .optimizers
-            .iter()
-            .filter(|(k, _)| k.tp_rank == tp_rank && loaded.tp_size(k.stage) == tp_size)
-            .map(|(k, b)| (format!("the optimizer state of stage {}", k.stage), b.as_slice()))
-            .collect();
-        let own: std::collections::HashSet<ParamId> =
-            params::layout::<B, _>(st.model()?).into_iter().map(|(id, _)| ParamId::from(id)).collect();
-        st.optim.load(&records, &own, dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+        // the optimizer state of this stage's parameters, from the saved stage and ranks
+        // that held them
+        let mut wants = Vec::new();
+        for (pid, shape) in params::layout::<B, _>(st.model()?) {
+            let from = saved.saved(pid, tp_size, to(pid))?;
+            wants.push(worker::Want {
+                id: ParamId::from(pid),
+                shape,
+                saved: from,
+                to: to(pid),
+                tp: tp_size,
+                rank: tp_rank,
+            });
+        }
+        st.optim
+            .load(&loaded.optimizers, &wants, dev)
+            .map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
     }
     Ok(())
 }
@@ -389,7 +396,8 @@ fn load_checkpoint<B: AutodiffBackend>(
 /// Batch normalisation's running statistics from a checkpoint (keyed like parameters).
 fn load_running_statistics<B: AutodiffBackend>(
     st: &mut StageState<B>,
-    loaded: &checkpoint::Loaded,
+    saved: &reshard::SavedLayout<'_>,
+    tp_size: u32,
     tp_rank: u32,
 ) -> Result<(), ExecError> {
     let mut values = Vec::new();
@@ -397,14 +405,8 @@ fn load_running_statistics<B: AutodiffBackend>(
         let c = bn.running_mean.len();
         for slot in [layers::RUNNING_MEAN_SLOT, layers::RUNNING_VAR_SLOT] {
             let id = layers::state_id(bn.index, slot);
-            match loaded.params.get(&(id, tp_rank)) {
-                Some((shape, v)) if shape.as_slice() == [c] => values.extend_from_slice(v),
-                Some((shape, _)) => {
-                    return Err(ExecError::Checkpoint(format!(
-                        "model.safetensors: `{}` has shape {shape:?}, and this plan's model needs [{c}]",
-                        checkpoint::param_name(id)
-                    )))
-                }
+            match saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, c)? {
+                Some(v) => values.extend_from_slice(&v),
                 None => {
                     return Err(ExecError::Checkpoint(format!(
                         "model.safetensors lacks the running statistics of layer {} (`{}`)",
@@ -518,7 +520,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                     })?;
                     let mut stages = build_stages::<B>(plan, device, &dev).map_err(|e| fail(None, None, e))?;
                     if let Some(l) = loaded {
-                        load_checkpoint(&mut stages, l, &dev).map_err(|e| fail(None, None, e))?;
+                        load_checkpoint(plan, &mut stages, l, &dev).map_err(|e| fail(None, None, e))?;
                     }
                     let stream = &plan.streams[&device];
                     let mut w = Worker::new(device, plan, stream, data, ep, dev.clone(), stages, reduce);

@@ -73,12 +73,106 @@ pub fn plan_splits(ops: &[Op], tp: usize) -> Result<Vec<Split>> {
     Ok(out)
 }
 
-fn columns(values: &[f32], rows: usize, cols: usize, from: usize, to: usize) -> Vec<f32> {
-    (0..rows).flat_map(|r| values[r * cols + from..r * cols + to].iter().copied()).collect()
+/// How one parameter is laid out over a tensor-parallel group of `tp` ranks: the single
+/// definition that building a stage, resharding a checkpoint and resharding the optimizer
+/// state share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// The whole tensor on every rank.
+    Whole,
+    /// A [rows, cols] tensor (row-major) split by columns: rank r holds columns
+    /// `r·cols/tp .. (r+1)·cols/tp` of every row (a column-parallel weight; its bias with
+    /// `rows` 1).
+    Columns { rows: usize, cols: usize },
+    /// `tp` contiguous chunks of the row-major values (a row-parallel weight: its rows).
+    Rows,
+    /// A [rows, 3·d] QKV projection (its bias with `rows` 1): rank r holds, of each of the
+    /// query, key and value parts, columns `r·d/tp .. (r+1)·d/tp`.
+    Qkv { rows: usize, d: usize },
 }
 
-fn rows(values: &[f32], cols: usize, from: usize, to: usize) -> Vec<f32> {
-    values[from * cols..to * cols].to_vec()
+/// Rank `rank`'s shard of the whole tensor `full`.
+pub fn shard(full: &[f32], s: Sharding, tp: usize, rank: usize) -> Vec<f32> {
+    let tp = tp.max(1);
+    match s {
+        Sharding::Whole => full.to_vec(),
+        Sharding::Columns { rows, cols } => {
+            let part = cols / tp;
+            (0..rows).flat_map(|r| full[r * cols + rank * part..r * cols + (rank + 1) * part].iter().copied()).collect()
+        }
+        Sharding::Rows => {
+            let part = full.len() / tp;
+            full[rank * part..(rank + 1) * part].to_vec()
+        }
+        Sharding::Qkv { rows, d } => {
+            let part = d / tp;
+            let mut out = Vec::with_capacity(rows * 3 * part);
+            for r in 0..rows {
+                for p in 0..3 {
+                    let start = r * 3 * d + p * d + rank * part;
+                    out.extend_from_slice(&full[start..start + part]);
+                }
+            }
+            out
+        }
+    }
+}
+
+/// The whole tensor from every rank's shard, in rank order: the inverse of `shard`.
+pub fn unshard(parts: &[Vec<f32>], s: Sharding) -> Result<Vec<f32>> {
+    let tp = parts.len();
+    let bad = || ExecError::Checkpoint(format!("{tp} tensor-parallel shards of unequal or unexpected sizes"));
+    let n = parts.first().map_or(0, Vec::len);
+    if tp == 0 || parts.iter().any(|p| p.len() != n) {
+        return Err(bad());
+    }
+    if s == Sharding::Whole {
+        return Ok(parts[0].clone());
+    }
+    // where `shard` takes each value of each rank from
+    let positions: Vec<f32> = (0..n * tp).map(|i| i as f32).collect();
+    let mut full = vec![f32::NAN; n * tp];
+    for (rank, part) in parts.iter().enumerate() {
+        let from = shard(&positions, s, tp, rank);
+        if from.len() != n {
+            return Err(bad());
+        }
+        for (i, v) in from.iter().zip(part) {
+            full[*i as usize] = *v;
+        }
+    }
+    Ok(full)
+}
+
+/// How every split parameter of layers `ops` (the first is layer `first`) is laid out over
+/// `tp` ranks, by parameter id; a parameter not listed is whole on every rank.
+pub fn shardings(ops: &[Op], first: usize, tp: usize) -> Result<std::collections::HashMap<u64, Sharding>> {
+    let mut out = std::collections::HashMap::new();
+    if tp <= 1 {
+        return Ok(out);
+    }
+    let id = |k: usize, slot: u64| crate::layers::pid(first + k, slot);
+    for (k, (op, split)) in ops.iter().zip(plan_splits(ops, tp)?).enumerate() {
+        match (split, op) {
+            (Split::Column, Op::Linear { in_features, out_features, .. }) => {
+                out.insert(id(k, 0), Sharding::Columns { rows: *in_features, cols: *out_features });
+                out.insert(id(k, 1), Sharding::Columns { rows: 1, cols: *out_features });
+            }
+            (Split::Row, Op::Linear { .. }) => {
+                out.insert(id(k, 0), Sharding::Rows);
+            }
+            (Split::Block, Op::TransformerBlock { d_model: d, d_ff: f, .. }) => {
+                out.insert(id(k, 2), Sharding::Qkv { rows: *d, d: *d });
+                out.insert(id(k, 3), Sharding::Qkv { rows: 1, d: *d });
+                out.insert(id(k, 4), Sharding::Rows);
+                out.insert(id(k, 8), Sharding::Columns { rows: *d, cols: *f });
+                out.insert(id(k, 9), Sharding::Columns { rows: 1, cols: *f });
+                out.insert(id(k, 10), Sharding::Rows);
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
 }
 
 /// Builds this rank's shard of layers `ops` (global index of the first: `first`).
@@ -91,6 +185,8 @@ pub fn build_stage<B: Backend>(
     tp: usize,
 ) -> Result<StageModel<B>> {
     let splits = plan_splits(ops, tp)?;
+    let layout = shardings(ops, first, tp)?;
+    let at = |index: usize, slot: u64| layout.get(&crate::layers::pid(index, slot)).copied().unwrap_or(Sharding::Whole);
     let mut layers = Vec::with_capacity(ops.len());
     for (k, (op, split)) in ops.iter().zip(&splits).enumerate() {
         let index = first + k;
@@ -98,11 +194,10 @@ pub fn build_stage<B: Backend>(
             (Split::Column, Op::Linear { in_features, out_features, bias }) => {
                 let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
                 let part = out_features / tp;
-                let (a, b) = (rank * part, (rank + 1) * part);
                 Layer::ColumnLinear(Dense::from_values(
                     index,
                     0,
-                    columns(&w, *in_features, *out_features, a, b),
+                    shard(&w, at(index, 0), tp, rank),
                     [*in_features, part],
                     bias.then(|| vec![0.0; part]),
                     device,
@@ -111,11 +206,10 @@ pub fn build_stage<B: Backend>(
             (Split::Row, Op::Linear { in_features, out_features, bias }) => {
                 let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
                 let part = in_features / tp;
-                let (a, b) = (rank * part, (rank + 1) * part);
                 Layer::RowLinear(Dense::from_values(
                     index,
                     0,
-                    rows(&w, *out_features, a, b),
+                    shard(&w, at(index, 0), tp, rank),
                     [part, *out_features],
                     bias.then(|| vec![0.0; *out_features]),
                     device,
@@ -123,24 +217,17 @@ pub fn build_stage<B: Backend>(
             }
             (Split::Block, Op::TransformerBlock { d_model: d, heads, d_ff: f, causal }) => {
                 let (dl, fl) = (d / tp, f / tp);
-                let qkv = dense_values(index, 2, seed, *d, 3 * d, 1.0);
-                let mut qkv_local = Vec::with_capacity(d * 3 * dl);
-                for r in 0..*d {
-                    for part in 0..3 {
-                        let start = r * 3 * d + part * d + rank * dl;
-                        qkv_local.extend_from_slice(&qkv[start..start + dl]);
-                    }
-                }
+                let qkv = shard(&dense_values(index, 2, seed, *d, 3 * d, 1.0), at(index, 2), tp, rank);
                 let proj = dense_values(index, 4, seed, *d, *d, 1.0);
                 let fc1 = dense_values(index, 8, seed, *d, *f, 2.0);
                 let fc2 = dense_values(index, 10, seed, *f, *d, 1.0);
                 Layer::ParallelBlock(Block {
                     norm1: Norm::new(index, 0, *d, device),
-                    qkv: Dense::from_values(index, 2, qkv_local, [*d, 3 * dl], Some(vec![0.0; 3 * dl]), device),
+                    qkv: Dense::from_values(index, 2, qkv, [*d, 3 * dl], Some(vec![0.0; 3 * dl]), device),
                     proj: Dense::from_values(
                         index,
                         4,
-                        rows(&proj, *d, rank * dl, (rank + 1) * dl),
+                        shard(&proj, at(index, 4), tp, rank),
                         [dl, *d],
                         Some(vec![0.0; *d]),
                         device,
@@ -149,7 +236,7 @@ pub fn build_stage<B: Backend>(
                     fc1: Dense::from_values(
                         index,
                         8,
-                        columns(&fc1, *d, *f, rank * fl, (rank + 1) * fl),
+                        shard(&fc1, at(index, 8), tp, rank),
                         [*d, fl],
                         Some(vec![0.0; fl]),
                         device,
@@ -157,7 +244,7 @@ pub fn build_stage<B: Backend>(
                     fc2: Dense::from_values(
                         index,
                         10,
-                        rows(&fc2, *d, rank * fl, (rank + 1) * fl),
+                        shard(&fc2, at(index, 10), tp, rank),
                         [fl, *d],
                         Some(vec![0.0; *d]),
                         device,
@@ -356,4 +443,36 @@ pub fn forward<B: AutodiffBackend>(
     }
     segments.push(Segment { leaf, out: cur, boundary });
     Ok(segments)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_join_back_into_the_whole_tensor_for_every_split_and_degree() {
+        for tp in [1usize, 2, 4] {
+            let cases = [
+                (Sharding::Whole, 24),
+                (Sharding::Columns { rows: 3, cols: 8 }, 24),
+                (Sharding::Columns { rows: 1, cols: 8 }, 8),
+                (Sharding::Rows, 24),
+                (Sharding::Qkv { rows: 2, d: 4 }, 24),
+                (Sharding::Qkv { rows: 1, d: 4 }, 12),
+            ];
+            for (s, n) in cases {
+                let full: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
+                let parts: Vec<Vec<f32>> = (0..tp).map(|r| shard(&full, s, tp, r)).collect();
+                if s != Sharding::Whole {
+                    assert!(parts.iter().all(|p| p.len() == n / tp), "{s:?} tp {tp}");
+                }
+                assert_eq!(unshard(&parts, s).expect("joins"), full, "{s:?} tp {tp}");
+            }
+        }
+        // a QKV projection keeps each rank's query, key and value columns together:
+        // [q0 q1 | k0 k1 | v0 v1] over 2 ranks is [q0 k0 v0] and [q1 k1 v1]
+        let qkv = [1.0, 2.0, 10.0, 20.0, 100.0, 200.0];
+        assert_eq!(shard(&qkv, Sharding::Qkv { rows: 1, d: 2 }, 2, 1), vec![2.0, 20.0, 200.0]);
+        assert!(unshard(&[vec![1.0], vec![1.0, 2.0]], Sharding::Rows).is_err());
+    }
 }

@@ -15,6 +15,7 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::activation;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ElementConversion;
+use pipec_plan::checkpoint::ShardKey;
 use pipec_plan::model::{crossing, Loss, Source};
 use pipec_plan::plan::OptimizerPlan;
 use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, Plan, ReduceMode, StageId};
@@ -212,44 +213,100 @@ impl<B: AutodiffBackend> StageOptim<B> {
         .map_err(|e| format!("cannot record the optimizer state: {e:?}"))
     }
 
-    /// Restores this stage's optimizer state from records `save` wrote — of any stages:
-    /// the state is kept per parameter (Burn's record maps each parameter id to its
-    /// momentum or moments, and pipec's parameter ids name the layer and slot), so the
-    /// entries of the parameters in `own` are taken from whichever stage saved them. That is
-    /// what lets a checkpoint resume on another pipeline layout. Burn panics on some
+    /// Restores this stage's optimizer state from the records `save` wrote — of any stages
+    /// and tensor-parallel ranks. The state is kept per parameter (Burn's record maps each
+    /// parameter id to its momentum or moments, and pipec's parameter ids name the layer and
+    /// slot), so each wanted parameter's entry is taken from the saved stage that held it;
+    /// saved under another tensor-parallel split, the entries of every saved rank are
+    /// joined and re-split like the weights (`reshard::map_tensors`). Burn panics on some
     /// malformed records; that is caught and reported as a corrupt state.
     pub fn load(
         &mut self,
-        records: &[(String, &[u8])],
-        own: &std::collections::HashSet<ParamId>,
+        files: &HashMap<ShardKey, Vec<u8>>,
+        wants: &[Want],
         dev: &B::Device,
     ) -> std::result::Result<(), String> {
-        // R: Burn's optimizer record, a map from parameter id to that parameter's state
+        // R: Burn's optimizer record, a map from parameter id to that parameter's state V
         fn merged<R, V, B2: Backend>(
-            records: &[(String, &[u8])],
-            own: &std::collections::HashSet<ParamId>,
+            files: &HashMap<ShardKey, Vec<u8>>,
+            wants: &[Want],
             dev: &B2::Device,
         ) -> std::result::Result<R, String>
         where
             R: Record<B2> + IntoIterator<Item = (ParamId, V)> + FromIterator<(ParamId, V)>,
+            V: Record<B2>,
+            V::Item<FullPrecisionSettings>: serde::Serialize + serde::de::DeserializeOwned,
         {
             let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+            let mut decoded: HashMap<ShardKey, HashMap<ParamId, V>> = HashMap::new();
             let mut out = Vec::new();
-            for (file, bytes) in records {
-                let rec: R = crate::error::catch_quietly(|| recorder.load(bytes.to_vec(), dev))
-                    .map_err(|_| format!("{file}: the optimizer state is corrupt"))?
-                    .map_err(|e| format!("{file}: the optimizer state is corrupt: {e:?}"))?;
-                out.extend(rec.into_iter().filter(|(id, _)| own.contains(id)));
+            for want in wants {
+                let mut parts: Vec<V> = Vec::with_capacity(want.saved.files.len());
+                for candidates in &want.saved.files {
+                    let mut found = None;
+                    for key in candidates {
+                        if !decoded.contains_key(key) {
+                            let Some(bytes) = files.get(key) else { continue };
+                            let shown = format!("the optimizer state of stage {} (rank {})", key.stage, key.tp_rank);
+                            let rec: R = crate::error::catch_quietly(|| recorder.load(bytes.clone(), dev))
+                                .map_err(|_| format!("{shown} is corrupt"))?
+                                .map_err(|e| format!("{shown} is corrupt: {e:?}"))?;
+                            decoded.insert(*key, rec.into_iter().collect());
+                        }
+                        if let Some(v) = decoded.get_mut(key).and_then(|m| m.remove(&want.id)) {
+                            found = Some(v);
+                            break;
+                        }
+                    }
+                    match found {
+                        Some(v) => parts.push(v),
+                        None => break, // no state saved (plain SGD keeps none)
+                    }
+                }
+                if parts.len() != want.saved.files.len() {
+                    continue;
+                }
+                let direct = parts.len() == want.tp as usize && want.saved.from == want.to;
+                let state = if direct {
+                    parts.swap_remove(want.rank as usize)
+                } else {
+                    let items = parts
+                        .into_iter()
+                        .map(|v| serde_json::to_value(v.into_item::<FullPrecisionSettings>()))
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                        .map_err(|e| format!("the optimizer state cannot be resharded: {e}"))?;
+                    let (from, to, tp, rank) = (want.saved.from, want.to, want.tp as usize, want.rank as usize);
+                    let joined = crate::reshard::map_tensors(&items, &want.shape, &|parts| {
+                        Ok(crate::tensor_parallel::shard(&crate::tensor_parallel::unshard(&parts, from)?, to, tp, rank))
+                    })
+                    .map_err(|e| e.to_string())?;
+                    let item: V::Item<FullPrecisionSettings> = serde_json::from_value(joined)
+                        .map_err(|e| format!("the resharded optimizer state does not read back: {e}"))?;
+                    V::from_item(item, dev)
+                };
+                out.push((want.id, state));
             }
             Ok(out.into_iter().collect())
         }
         let placeholder = StageOptim::Sgd(SgdConfig::new().init());
         *self = match std::mem::replace(self, placeholder) {
-            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(merged(records, own, dev)?)),
-            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(merged(records, own, dev)?)),
+            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(merged(files, wants, dev)?)),
+            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(merged(files, wants, dev)?)),
         };
         Ok(())
     }
+}
+
+/// A parameter whose optimizer state a resume wants: where it was saved, and how this
+/// device's stage splits it.
+pub(crate) struct Want {
+    pub id: ParamId,
+    /// The parameter's shape on this rank.
+    pub shape: Vec<usize>,
+    pub saved: crate::reshard::Saved,
+    pub to: crate::tensor_parallel::Sharding,
+    pub tp: u32,
+    pub rank: u32,
 }
 
 /// A worker: one device, its stages, its stream.

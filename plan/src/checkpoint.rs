@@ -539,8 +539,20 @@ impl Loaded {
                 saved.optimizer, want.optimizer
             ));
         }
-        // another layout is fine: weights and optimizer state are keyed by parameter
-        // (layer and slot), and each stage takes its parameters' entries wherever they were
+        // another layout is fine for a synchronous schedule: weights and optimizer state are
+        // keyed by parameter (layer and slot) and each stage takes its parameters' entries
+        // wherever they were, re-split for another tensor-parallel degree. An asynchronous
+        // schedule's updates depend on its layout (how stale each stage's weights are), so
+        // continuing one exactly needs the layout that wrote the checkpoint.
+        if !plan.schedule.synchronous
+            && (saved.stage_layers != want.stage_layers
+                || (!saved.stage_devices.is_empty() && saved.stage_devices != want.stage_devices))
+        {
+            return Err(format!(
+                "state.json: the checkpoint was written by layout `{}` and this plan's asynchronous `{}` schedule would continue it on `{}`: its weight staleness depends on the layout, so resume it on `{}` (or with a synchronous schedule, which resumes on any layout)",
+                saved.partition, plan.schedule.kind, want.partition, saved.partition
+            ));
+        }
         Ok(())
     }
 }

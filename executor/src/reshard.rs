@@ -1,0 +1,165 @@
+//! Resuming on another layout: where each parameter's saved values are (which saved stage
+//! and tensor-parallel ranks hold it, split how) and how to turn them into what this
+//! device's stage holds. Weights and optimizer state (momentum, Adam's moments: tensors of
+//! the parameter's shape) go through the same two steps: the saved shards are joined into
+//! the whole tensor (`tensor_parallel::unshard`) and this rank's shard is cut from it
+//! (`tensor_parallel::shard`), so a checkpoint resumes under any tensor-parallel degree.
+
+use std::collections::HashMap;
+
+use pipec_plan::checkpoint::{self, Loaded, ShardKey};
+use pipec_plan::Plan;
+
+use crate::error::{ExecError, Result};
+use crate::tensor_parallel::{shard, shardings, unshard, Sharding};
+
+/// Where one parameter's saved values come from.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Saved {
+    /// Per saved tensor-parallel rank, in rank order, the optimizer files that may hold its
+    /// state (one, when the checkpoint says which stage held it).
+    pub files: Vec<Vec<ShardKey>>,
+    /// How the saved ranks split it.
+    pub from: Sharding,
+}
+
+/// A saved stage: its layer range, tensor-parallel degree and split parameters.
+type SavedStage = (std::ops::Range<usize>, u32, HashMap<u64, Sharding>);
+
+/// The saved layout of a checkpoint, for a plan of the same model.
+pub(crate) struct SavedLayout<'a> {
+    loaded: &'a Loaded,
+    /// Per saved stage (None: the checkpoint does not record its layout).
+    stages: Option<Vec<SavedStage>>,
+}
+
+impl<'a> SavedLayout<'a> {
+    pub fn new(loaded: &'a Loaded, plan: &Plan) -> Result<Self> {
+        let Some(identity) = &loaded.identity else { return Ok(SavedLayout { loaded, stages: None }) };
+        let mut stages = Vec::with_capacity(identity.stage_layers.len());
+        for (s, [a, b]) in identity.stage_layers.iter().enumerate() {
+            let degree = loaded.tp_size(s as u32);
+            let ops: Vec<_> = plan.layers.get(*a..*b).unwrap_or_default().iter().map(|l| l.op.clone()).collect();
+            let split = shardings(&ops, *a, degree as usize).map_err(|e| {
+                ExecError::Checkpoint(format!(
+                    "the checkpoint's stage {s} (layers {a}..{b}) cannot be split {degree} ways: {e}"
+                ))
+            })?;
+            stages.push((*a..*b, degree, split));
+        }
+        Ok(SavedLayout { loaded, stages: Some(stages) })
+    }
+
+    /// Where parameter `id` was saved. A checkpoint without its layout (format 2) is read
+    /// as if saved with this plan's degree and split (`tp`, `to`).
+    pub fn saved(&self, id: u64, tp: u32, to: Sharding) -> Result<Saved> {
+        let layer = (id >> 8) as usize;
+        match &self.stages {
+            Some(stages) => {
+                let (s, (_, degree, split)) =
+                    stages.iter().enumerate().find(|(_, (r, _, _))| r.contains(&layer)).ok_or_else(|| {
+                        ExecError::Checkpoint(format!("the checkpoint's stages do not hold layer {layer}"))
+                    })?;
+                Ok(Saved {
+                    files: (0..*degree).map(|k| vec![ShardKey { stage: s as u32, tp_rank: k }]).collect(),
+                    from: split.get(&id).copied().unwrap_or(Sharding::Whole),
+                })
+            }
+            None => {
+                let files = |k: u32| self.loaded.optimizers.keys().filter(|f| f.tp_rank == k).copied().collect();
+                Ok(Saved { files: (0..tp).map(files).collect(), from: to })
+            }
+        }
+    }
+
+    /// This rank's values of parameter (or state slot) `id`, `len` values split as `to`
+    /// over `tp` ranks; None when the checkpoint lacks it.
+    pub fn values(&self, id: u64, to: Sharding, tp: u32, rank: u32, len: usize) -> Result<Option<Vec<f32>>> {
+        let saved = self.saved(id, tp, to)?;
+        let degree = saved.files.len() as u32;
+        let mut parts = Vec::with_capacity(degree as usize);
+        for k in 0..degree {
+            match self.loaded.params.get(&(id, k)) {
+                Some((_, v)) => parts.push(v.clone()),
+                None => return Ok(None),
+            }
+        }
+        let out = if degree == tp && saved.from == to {
+            parts.swap_remove(rank as usize)
+        } else {
+            shard(&unshard(&parts, saved.from)?, to, tp as usize, rank as usize)
+        };
+        if out.len() != len {
+            return Err(ExecError::Checkpoint(format!(
+                "model.safetensors: `{}` has {} values for this rank, and this plan's model needs {len}",
+                checkpoint::param_name(id),
+                out.len()
+            )));
+        }
+        Ok(Some(out))
+    }
+}
+
+/// Applies `f` to every f32 tensor inside a serialised record item, in the same order in
+/// each of `items` (the saved ranks' states of one parameter); `f` gets each rank's values
+/// and returns this rank's. The state of an optimizer is a record of tensors shaped like
+/// its parameter (and counters, kept from the first rank).
+pub(crate) fn map_tensors(
+    items: &[serde_json::Value],
+    shape: &[usize],
+    f: &dyn Fn(Vec<Vec<f32>>) -> Result<Vec<f32>>,
+) -> Result<serde_json::Value> {
+    fn is_tensor(v: &serde_json::Value) -> bool {
+        v.get("bytes").is_some() && v.get("shape").is_some() && v.get("dtype").is_some()
+    }
+    fn floats(v: &serde_json::Value) -> Result<Vec<f32>> {
+        let bytes: Vec<u8> = serde_json::from_value(v["bytes"].clone())
+            .map_err(|e| ExecError::Checkpoint(format!("an optimizer tensor is unreadable: {e}")))?;
+        if v["dtype"] != serde_json::json!("F32") || !bytes.len().is_multiple_of(4) {
+            return Err(ExecError::Checkpoint(format!("an optimizer tensor is not f32 ({})", v["dtype"])));
+        }
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+    fn walk(
+        items: &[&serde_json::Value],
+        shape: &[usize],
+        f: &dyn Fn(Vec<Vec<f32>>) -> Result<Vec<f32>>,
+    ) -> Result<serde_json::Value> {
+        let first = items[0];
+        if is_tensor(first) {
+            let parts = items.iter().map(|v| floats(v)).collect::<Result<Vec<_>>>()?;
+            let values = f(parts)?;
+            let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let mut out = first.clone();
+            out["bytes"] = serde_json::to_value(bytes).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
+            out["shape"] = serde_json::to_value(shape).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
+            return Ok(out);
+        }
+        match first {
+            serde_json::Value::Object(map) => {
+                let mut out = serde_json::Map::new();
+                for (k, v) in map {
+                    let children: Vec<&serde_json::Value> =
+                        items.iter().map(|i| i.get(k).unwrap_or(&serde_json::Value::Null)).collect();
+                    out.insert(k.clone(), if v.is_null() { v.clone() } else { walk(&children, shape, f)? });
+                }
+                Ok(serde_json::Value::Object(out))
+            }
+            serde_json::Value::Array(list) => {
+                let mut out = Vec::with_capacity(list.len());
+                for (j, v) in list.iter().enumerate() {
+                    let children: Vec<&serde_json::Value> =
+                        items.iter().map(|i| i.get(j).unwrap_or(&serde_json::Value::Null)).collect();
+                    out.push(if v.is_null() { v.clone() } else { walk(&children, shape, f)? });
+                }
+                Ok(serde_json::Value::Array(out))
+            }
+            other => Ok(other.clone()),
+        }
+    }
+    let refs: Vec<&serde_json::Value> = items.iter().collect();
+    if refs.is_empty() {
+        return Err(ExecError::Checkpoint("no saved optimizer state to reshard".into()));
+    }
+    walk(&refs, shape, f)
+}
