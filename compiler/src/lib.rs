@@ -8,6 +8,7 @@ pub mod ir;
 pub mod lower;
 pub mod memory;
 pub mod partition;
+pub mod periodic;
 pub mod pipedream;
 pub mod render;
 pub mod schedule;

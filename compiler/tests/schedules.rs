@@ -345,3 +345,110 @@ proptest! {
         prop_assert!(covered.iter().all(|&c| c == 1));
     }
 }
+
+/// Forwards take one unit, backwards two; communication is free.
+struct TwoToOne;
+
+impl pipec_compiler::simulate::CostModel for TwoToOne {
+    fn compute(&self, _: DeviceId, instr: &Instr) -> f64 {
+        match instr {
+            Instr::Forward { .. } => 1.0,
+            Instr::Backward { .. } => 2.0,
+            _ => 0.0,
+        }
+    }
+    fn transfer(&self, _: DeviceId, _: DeviceId, _: u64) -> f64 {
+        0.0
+    }
+    fn all_reduce(&self, _: &[DeviceId], _: u64) -> f64 {
+        0.0
+    }
+}
+
+#[test]
+fn flush_free_pipedream_and_2bw_have_no_bubble_in_their_steady_state() {
+    use pipec_compiler::periodic::{build, steady_state, unroll, verify_periodic, PeriodicInput};
+    use pipec_compiler::schedule::Placement;
+    use pipec_plan::ScheduleKind;
+    for d in [2usize, 4, 8] {
+        let n = 2 * d;
+        let placement = Placement {
+            replicas: (0..d).map(|s| vec![DeviceId(s as u32)]).collect(),
+            route: vec![vec![0; n]; d],
+            devices: d,
+            microbatches: n,
+        };
+        let zeros = vec![0u64; d];
+        let groups = vec![None; d];
+        for kind in [ScheduleKind::PipeDream, ScheduleKind::TwoBw] {
+            let updates = kind.updates(d);
+            let p = build(&PeriodicInput {
+                kind,
+                placement: &placement,
+                ranks: d,
+                output_bytes: &zeros,
+                gradient_bytes: &zeros,
+                groups: &groups,
+                updates,
+                recompute: false,
+            })
+            .unwrap_or_else(|e| panic!("{kind} D={d}: {e}"));
+            let problems = verify_periodic(&p, &placement, &Default::default(), updates.every(false), false);
+            assert!(problems.is_empty(), "{kind} D={d}: {problems:?}");
+            // the body is one step: every device runs each of the step's N microbatches'
+            // forward and backward once
+            for (dev, body) in &p.body {
+                let fwd = body.iter().filter(|i| matches!(i, Instr::Forward { .. })).count();
+                let bwd = body.iter().filter(|i| matches!(i, Instr::Backward { .. })).count();
+                assert_eq!((fwd, bwd), (n, n), "{kind} D={d} {dev}");
+            }
+            let s = steady_state(&p, &Default::default(), &TwoToOne).expect("simulates");
+            // no bubble in the steady state: N forwards and backwards of 3 units each
+            assert!(s.bubble <= 0.01, "{kind} D={d}: steady-state bubble {}", s.bubble);
+            assert!((s.step_time - 3.0 * n as f64).abs() < 1e-9, "{kind} D={d}: step {}", s.step_time);
+            // while one flushing step keeps 1F1B's (D − 1)/(D − 1 + N) idle share
+            let flush = (d as f64 - 1.0) / (d as f64 - 1.0 + n as f64);
+            let one = pipec_compiler::simulate::simulate(&unroll(&p, 1), &Default::default(), &TwoToOne).expect("runs");
+            assert!((one.step_time - 3.0 * (n + d - 1) as f64).abs() < 1e-9, "{kind} D={d}: {}", one.step_time);
+            assert!(flush > 0.05);
+        }
+    }
+}
+
+#[test]
+fn flush_free_pipedream_with_a_replicated_stage_is_periodic_and_verified() {
+    use pipec_compiler::periodic::{build, steady_state, verify_periodic, PeriodicInput};
+    use pipec_compiler::schedule::Placement;
+    use pipec_plan::{GroupId, ScheduleKind};
+    // PipeDream's 2-1-1: the first stage on two workers, microbatches alternating
+    let n = 8;
+    let placement = Placement {
+        replicas: vec![vec![DeviceId(0), DeviceId(1)], vec![DeviceId(2)], vec![DeviceId(3)]],
+        route: vec![(0..n).map(|m| (m % 2) as u32).collect(), vec![0; n], vec![0; n]],
+        devices: 4,
+        microbatches: n,
+    };
+    let groups = vec![Some(GroupId(0)), None, None];
+    let members: std::collections::HashMap<GroupId, Vec<DeviceId>> =
+        [(GroupId(0), vec![DeviceId(0), DeviceId(1)])].into_iter().collect();
+    let updates = ScheduleKind::PipeDream.updates(3);
+    let p = build(&PeriodicInput {
+        kind: ScheduleKind::PipeDream,
+        placement: &placement,
+        ranks: 3,
+        output_bytes: &[0; 3],
+        gradient_bytes: &[0; 3],
+        groups: &groups,
+        updates,
+        recompute: false,
+    })
+    .expect("periodic");
+    let problems = verify_periodic(&p, &placement, &members, updates.every(false), false);
+    assert!(problems.is_empty(), "{problems:?}");
+    // each replica runs half the step's microbatches; the steady state keeps every worker
+    // busy: the replicated stage's two workers share its work, the others run all of theirs
+    let s = steady_state(&p, &members, &TwoToOne).expect("simulates");
+    assert!((s.step_time - 3.0 * n as f64).abs() < 1e-9, "step {}", s.step_time);
+    // device 0 and 1 are half idle (each has half the microbatches of an equal stage)
+    assert!((s.bubble - 0.25).abs() < 1e-9, "bubble {}", s.bubble);
+}

@@ -409,6 +409,35 @@ impl Instr {
         }
     }
 
+    /// The instruction with its microbatch (if any) mapped by `f`: a periodic stream's
+    /// microbatch numbers are relative to its step.
+    pub fn map_microbatch(&self, f: impl Fn(MicrobatchId) -> MicrobatchId) -> Instr {
+        let mut out = self.clone();
+        match &mut out {
+            Instr::LoadMicrobatch { mb, .. }
+            | Instr::Forward { mb, .. }
+            | Instr::Backward { mb, .. }
+            | Instr::BackwardInput { mb, .. }
+            | Instr::BackwardWeight { mb, .. }
+            | Instr::Recompute { mb, .. }
+            | Instr::SendActivation { mb, .. }
+            | Instr::RecvActivation { mb, .. }
+            | Instr::SendGradient { mb, .. }
+            | Instr::RecvGradient { mb, .. }
+            | Instr::StashWeights { mb, .. }
+            | Instr::RestoreWeights { mb, .. }
+            | Instr::Free { mb, .. }
+            | Instr::PushGradient { mb, .. }
+            | Instr::ApplyGradient { mb, .. } => *mb = f(*mb),
+            Instr::AllReduce { .. }
+            | Instr::TiedAllReduce { .. }
+            | Instr::OptimizerStep { .. }
+            | Instr::PushWeights { .. }
+            | Instr::PullWeights { .. } => {}
+        }
+        out
+    }
+
     /// The instruction with every device it names mapped by `device` and its collective
     /// group by `group` (a tensor-parallel member runs its leader's stream shifted this way).
     pub fn map_devices(&self, device: impl Fn(DeviceId) -> DeviceId, group: impl Fn(GroupId) -> GroupId) -> Instr {

@@ -1,0 +1,213 @@
+//! Flush-free pipelining for the asynchronous schedules (PipeDream's 1F1B with weight
+//! stashing, 2BW): instead of draining the pipeline at every step, a run is one continuous
+//! pipeline — a **prologue** once (the warm-up forwards), a **body** per step (the steady
+//! state: every device alternates forwards and backwards, including the next step's first
+//! forwards), and an **epilogue** for the last step (its backwards drain the pipeline). A run
+//! of K steps is `prologue, body × (K − 1), epilogue`.
+//!
+//! The three are cut from the continuous order itself: the schedule's generator orders
+//! four steps' worth of microbatches (`4·N`) as one pipeline, `lower` turns it into
+//! streams, and each device's stream is cut after the last instruction of each step's last
+//! backward. Microbatch numbers become relative to the segment's step: `m` in step t's
+//! segment is microbatch `t·N + m` of the run, so a body's forwards of the next step's
+//! microbatches carry numbers `N ..`. Segments 1 and 2 must be equal once relabelled
+//! (the schedule is periodic), segment 0 must end with that body (what precedes it is the
+//! prologue), and segment 3 is the epilogue. [`unroll`] rebuilds the streams of K steps,
+//! which the verifier checks for K = 1, 2, 3 like any plan (per-link order, exactly-once
+//! compute, stash discipline, deadlock freedom); the same body repeats for longer runs.
+
+use std::collections::{BTreeMap, HashMap};
+
+use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, ScheduleKind};
+
+use crate::lower::{lower, LowerInput, Updates};
+use crate::schedule::{generate, Placement};
+use crate::simulate::{simulate, CostModel, Timeline};
+use crate::verify::{verify, VerifyInput};
+
+/// A flush-free schedule's streams, microbatch numbers relative to each segment's step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Periodic {
+    pub prologue: BTreeMap<DeviceId, Vec<Instr>>,
+    pub body: BTreeMap<DeviceId, Vec<Instr>>,
+    pub epilogue: BTreeMap<DeviceId, Vec<Instr>>,
+    /// Microbatches per step.
+    pub microbatches: usize,
+}
+
+/// What building the periodic streams needs: the step's placement and lowering settings.
+pub struct PeriodicInput<'a> {
+    pub kind: ScheduleKind,
+    pub placement: &'a Placement,
+    pub ranks: usize,
+    pub output_bytes: &'a [u64],
+    pub gradient_bytes: &'a [u64],
+    pub groups: &'a [Option<GroupId>],
+    pub updates: Updates,
+    pub recompute: bool,
+}
+
+/// The placement of `steps` steps run as one pipeline: microbatch `t·N + m` goes where
+/// microbatch m of a step goes.
+pub fn repeated(p: &Placement, steps: usize) -> Placement {
+    let n = p.microbatches;
+    Placement {
+        replicas: p.replicas.clone(),
+        route: p.route.iter().map(|r| (0..n * steps).map(|g| r[g % n.max(1)]).collect()).collect(),
+        devices: p.devices,
+        microbatches: n * steps,
+    }
+}
+
+fn shifted(stream: &[Instr], by: i64) -> Vec<Instr> {
+    stream.iter().map(|i| i.map_microbatch(|m| MicrobatchId((i64::from(m.0) + by) as u32))).collect()
+}
+
+/// Whether an instruction prepares a compute that follows it (it belongs to the next
+/// segment when it comes after a cut), rather than finishing one before it.
+fn prepares(i: &Instr) -> bool {
+    !matches!(
+        i,
+        Instr::SendActivation { .. }
+            | Instr::SendGradient { .. }
+            | Instr::Free { .. }
+            | Instr::AllReduce { .. }
+            | Instr::TiedAllReduce { .. }
+            | Instr::OptimizerStep { .. }
+    )
+}
+
+/// Builds the prologue, body and epilogue of an asynchronous schedule, or says why it is
+/// not periodic.
+pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
+    let n = input.placement.microbatches;
+    let four = repeated(input.placement, 4);
+    let order = generate(input.kind, &four, input.ranks, 1);
+    let streams = lower(&LowerInput {
+        placement: &four,
+        order: &order,
+        output_bytes: input.output_bytes,
+        gradient_bytes: input.gradient_bytes,
+        groups: input.groups,
+        updates: input.updates,
+        recompute: input.recompute,
+        vertical_sync: false,
+    });
+    let mut out =
+        Periodic { prologue: BTreeMap::new(), body: BTreeMap::new(), epilogue: BTreeMap::new(), microbatches: n };
+    for (dev, stream) in streams {
+        if stream.is_empty() {
+            for part in [&mut out.prologue, &mut out.body, &mut out.epilogue] {
+                part.insert(dev, Vec::new());
+            }
+            continue;
+        }
+        // cut after step k's last backward and what finishes it
+        let mut cuts = Vec::with_capacity(3);
+        for k in 1..4 {
+            let last = stream
+                .iter()
+                .rposition(|i| {
+                    matches!(i, Instr::Backward { .. } | Instr::BackwardWeight { .. })
+                        && i.microbatch().is_some_and(|m| (m.0 as usize) < k * n)
+                })
+                .ok_or_else(|| format!("{dev} runs no backward of step {}", k - 1))?;
+            let mut cut = last + 1;
+            while cut < stream.len() && !prepares(&stream[cut]) {
+                cut += 1;
+            }
+            cuts.push(cut);
+        }
+        let seg = |a: usize, b: usize, k: i64| shifted(&stream[a..b], -k * n as i64);
+        let (s0, s1, s2, s3) =
+            (seg(0, cuts[0], 0), seg(cuts[0], cuts[1], 1), seg(cuts[1], cuts[2], 2), seg(cuts[2], stream.len(), 3));
+        if s1 != s2 {
+            return Err(format!("{} is not periodic on {dev}: its second and third steps differ", input.kind));
+        }
+        if !s0.ends_with(&s1) {
+            return Err(format!("{} does not settle into its steady state within its first step on {dev}", input.kind));
+        }
+        out.prologue.insert(dev, s0[..s0.len() - s1.len()].to_vec());
+        out.body.insert(dev, s1);
+        out.epilogue.insert(dev, s3);
+    }
+    Ok(out)
+}
+
+/// The streams of `steps` steps, microbatches numbered `t·N + m` across the run.
+pub fn unroll(p: &Periodic, steps: usize) -> BTreeMap<DeviceId, Vec<Instr>> {
+    let n = p.microbatches as i64;
+    p.body
+        .keys()
+        .map(|dev| {
+            let mut s: Vec<Instr> = p.prologue[dev].clone();
+            for t in 0..steps.saturating_sub(1) {
+                s.extend(shifted(&p.body[dev], t as i64 * n));
+            }
+            if steps > 0 {
+                s.extend(shifted(&p.epilogue[dev], (steps as i64 - 1) * n));
+            }
+            (*dev, s)
+        })
+        .collect()
+}
+
+/// Verifies the unrolled streams of 1, 2 and 3 steps; the violations' messages, if any.
+pub fn verify_periodic(
+    p: &Periodic,
+    placement: &Placement,
+    groups: &HashMap<GroupId, Vec<DeviceId>>,
+    update_every: Option<usize>,
+    recompute: bool,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for k in 1..=3 {
+        let streams = unroll(p, k);
+        let run = repeated(placement, k);
+        let violations = verify(&VerifyInput {
+            streams: &streams,
+            placement: &run,
+            groups,
+            split_backward: false,
+            recompute,
+            update_every,
+            asp_staleness: None,
+            tp: 1,
+        });
+        out.extend(violations.into_iter().map(|v| format!("unrolled over {k} step(s): {}", v.message)));
+    }
+    out
+}
+
+/// The steady state of a flush-free schedule under a cost model: the time one step's body
+/// adds to a run (PipeDream's time per minibatch), the idle share of device-time in it, and
+/// the first step's time (with the pipeline filling).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SteadyState {
+    pub step_time: f64,
+    pub bubble: f64,
+    pub first_step_time: f64,
+}
+
+/// Simulates 2 and 3 steps: the difference is one steady step.
+pub fn steady_state(
+    p: &Periodic,
+    groups: &HashMap<GroupId, Vec<DeviceId>>,
+    cost: &dyn CostModel,
+) -> Result<SteadyState, String> {
+    let run = |k: usize| -> Result<Timeline, String> {
+        simulate(&unroll(p, k), groups, cost).map_err(|s| format!("the unrolled schedule deadlocks: {}", s.reason))
+    };
+    let (one, two, three) = (run(1)?, run(2)?, run(3)?);
+    let busy = |t: &Timeline| -> f64 {
+        t.events
+            .iter()
+            .filter(|e| !matches!(e.phase, pipec_plan::Phase::Communication | pipec_plan::Phase::Memory))
+            .map(|e| e.end - e.start)
+            .sum()
+    };
+    let step_time = three.step_time - two.step_time;
+    let devices = p.body.values().filter(|s| !s.is_empty()).count().max(1) as f64;
+    let bubble = if step_time > 0.0 { 1.0 - (busy(&three) - busy(&two)) / (step_time * devices) } else { 0.0 };
+    Ok(SteadyState { step_time, bubble: bubble.max(0.0), first_step_time: one.step_time })
+}
