@@ -173,15 +173,9 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_DIAGNOSTICS;
         }
     };
-    // Measured trace, in the compiler's trace format.
-    let mut events: Vec<serde_json::Value> = Vec::new();
-    for (dev, index, start, end) in &report.trace {
-        if let Some(ins) = plan.streams.get(dev).and_then(|s| s.get(*index)) {
-            events.push(trace_event(*dev, ins, *start, *end));
-        }
-    }
-    let trace = serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": "pipec run (measured, last step)", "plan": plan.name}});
-    if let Err(e) = write_atomic(&dir.join("trace.json"), trace.to_string().as_bytes()) {
+    // Measured trace of every step, in the compiler's trace format.
+    let trace = measured_trace(&plan, &report, "pipec run (measured, every step)");
+    if let Err(e) = write_atomic(&dir.join("trace.json"), trace.as_bytes()) {
         eprintln!("error: {e}");
         return EXIT_USAGE;
     }
@@ -242,14 +236,8 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path, first_step: usize) -> u8 {
                 return EXIT_USAGE;
             }
             let plan_text = serde_json::to_string_pretty(plan).unwrap_or_default() + "\n";
-            let mut events: Vec<serde_json::Value> = Vec::new();
-            for (dev, index, start, end) in &report.trace {
-                if let Some(ins) = plan.streams.get(dev).and_then(|s| s.get(*index)) {
-                    events.push(trace_event(*dev, ins, *start, *end));
-                }
-            }
-            let trace = serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": "pipec run --transport mpi (measured, last step)", "plan": plan.name}});
-            for (file, contents) in [("plan.json", plan_text), ("trace.json", trace.to_string())] {
+            let trace = measured_trace(plan, &report, "pipec run --transport mpi (measured, every step)");
+            for (file, contents) in [("plan.json", plan_text), ("trace.json", trace)] {
                 if let Err(e) = write_atomic(&dir.join(file), contents.as_bytes()) {
                     eprintln!("error: {e}");
                     return EXIT_USAGE;
@@ -300,6 +288,28 @@ pub fn measured_bubble(plan: &Plan, trace: &[(pipec_plan::DeviceId, usize, f64, 
         return (0.0, step);
     }
     (1.0 - busy / (step * devices.len() as f64), step)
+}
+
+/// The measured trace of a run as a Chrome trace: every step's instructions on one time
+/// axis from the start of the run (each event's `args.step` says which step), and a marker
+/// where each step starts on each device.
+fn measured_trace(plan: &Plan, report: &pipec_executor::RunReport, source: &str) -> String {
+    let mut events: Vec<serde_json::Value> = Vec::with_capacity(report.timeline.len());
+    let mut step_marks: std::collections::BTreeMap<(pipec_plan::DeviceId, usize), f64> = Default::default();
+    for (dev, step, index, start, end) in &report.timeline {
+        if let Some(ins) = plan.streams.get(dev).and_then(|s| s.get(*index)) {
+            let mut e = trace_event(*dev, ins, *start, *end);
+            e["args"] = serde_json::json!({ "step": step });
+            events.push(e);
+            let mark = step_marks.entry((*dev, *step)).or_insert(*start);
+            *mark = mark.min(*start);
+        }
+    }
+    for ((dev, step), at) in step_marks {
+        events.push(serde_json::json!({"name": format!("step {step}"), "ph": "i", "s": "t", "pid": 0, "tid": dev.0, "ts": at * 1e6}));
+    }
+    let truncated = report.timeline.len() >= pipec_executor::TIMELINE_LIMIT;
+    serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": source, "plan": plan.name, "truncated": truncated}}).to_string()
 }
 
 /// One line of `metrics.jsonl`.

@@ -147,7 +147,27 @@ fn run_trains_from_the_cli_and_writes_metrics() {
         assert_eq!(l["step"], i);
         assert!(l["loss"].as_f64().is_some_and(f64::is_finite) && l["samples_per_s"].as_f64().is_some_and(|v| v > 0.0));
     }
-    assert!(dir.path().join("trace.json").is_file());
+    // the measured trace covers every step of the run, on one time axis
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("trace.json")).expect("trace")).expect("json");
+    let events = trace["traceEvents"].as_array().expect("events");
+    let mut steps: std::collections::BTreeMap<(u64, u64), (f64, f64)> = Default::default();
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        let key = (e["tid"].as_u64().expect("tid"), e["args"]["step"].as_u64().expect("step"));
+        let (ts, dur) = (e["ts"].as_f64().expect("ts"), e["dur"].as_f64().expect("dur"));
+        let span = steps.entry(key).or_insert((f64::MAX, 0.0));
+        *span = (span.0.min(ts), span.1.max(ts + dur));
+    }
+    for dev in [0u64, 1] {
+        for k in 0..5u64 {
+            assert!(steps.contains_key(&(dev, k)), "device {dev} step {k} missing from the trace");
+        }
+        for k in 1..5u64 {
+            // a device's step starts after its previous step ended
+            assert!(steps[&(dev, k)].0 >= steps[&(dev, k - 1)].1 - 1.0, "d{dev} step {k}: {steps:?}");
+        }
+    }
+    assert_eq!(events.iter().filter(|e| e["ph"] == "i").count(), 10, "a marker per device and step");
     // asking for CUDA on a build without it is a clear error
     let out = pipec(&["run", "specs/mlp-1f1b.yaml", "-o", dir.path().to_str().expect("path"), "--backend", "cuda"]);
     assert_eq!(out.status.code(), Some(2));

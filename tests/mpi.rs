@@ -75,7 +75,17 @@ fn equal_to_in_process_for(model: &str, stages: &str, devices: usize) {
     let (a, b) = (losses(&threads), losses(&mpi));
     assert_eq!(a.len(), 4);
     assert_eq!(a, b, "MPI losses differ from the in-process run");
-    assert!(mpi.join("trace.json").is_file());
+    // the measured trace covers every rank's every step
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(mpi.join("trace.json")).expect("trace")).expect("json");
+    let seen: std::collections::BTreeSet<(u64, u64)> = trace["traceEvents"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| (e["tid"].as_u64().expect("tid"), e["args"]["step"].as_u64().expect("step")))
+        .collect();
+    assert_eq!(seen.len(), devices * 4, "every device's 4 steps: {seen:?}");
     // the same weights (and running statistics) at the end, bit for bit
     let weights =
         |run: &Path| std::fs::read(run.join("checkpoints/step-000004/model.safetensors")).expect("checkpoint");

@@ -82,19 +82,11 @@ impl Dataset {
                     successor: (0..v).map(|_| rng.below(v as u64) as u32).collect(),
                 }
             }
-            DataPlan::Text { .. } | DataPlan::Tokens { .. } => {
-                let (Some(seq), Some(v)) = (lm, vocab) else {
-                    return Err("token data trains a language model ([sequence] token ids in, [sequence, vocab] scores out), and this model is not one".into());
-                };
-                let (path, kind) = match &plan.training.data {
-                    DataPlan::Text { path } => (path, datafile::TokenFile::Text),
-                    DataPlan::Tokens { path, dtype: Some(d) } => (path, datafile::TokenFile::Raw(*d)),
-                    DataPlan::Tokens { path, dtype: None } => (path, datafile::TokenFile::Npy),
-                    _ => unreachable!("matched above"),
-                };
-                let tokens = datafile::load_tokens(Path::new(path), kind, v, datafile::Extent::All)?;
-                loaded(datafile::token_windows(&tokens, seq, path)?, &expect)
+            DataPlan::Text { path } => token_source(path, datafile::TokenFile::Text, lm, vocab, &expect)?,
+            DataPlan::Tokens { path, dtype: Some(d) } => {
+                token_source(path, datafile::TokenFile::Raw(*d), lm, vocab, &expect)?
             }
+            DataPlan::Tokens { path, dtype: None } => token_source(path, datafile::TokenFile::Npy, lm, vocab, &expect)?,
             DataPlan::Synthetic { task, samples } => {
                 if classification != (*task == pipec_plan::Task::Classification) {
                     return Err(format!(
@@ -230,6 +222,21 @@ impl Dataset {
         };
         (inputs, targets)
     }
+}
+
+/// A language model's token file cut into windows of its sequence length (`lm`).
+fn token_source(
+    path: &str,
+    kind: datafile::TokenFile,
+    lm: Option<usize>,
+    vocab: Option<usize>,
+    expect: &datafile::Expect,
+) -> Result<Source, String> {
+    let (Some(seq), Some(v)) = (lm, vocab) else {
+        return Err("token data trains a language model ([sequence] token ids in, [sequence, vocab] scores out), and this model is not one".into());
+    };
+    let tokens = datafile::load_tokens(Path::new(path), kind, v, datafile::Extent::All)?;
+    Ok(loaded(datafile::token_windows(&tokens, seq, path)?, expect))
 }
 
 /// A file's samples as the executor holds them: class indices or regression values, and

@@ -114,6 +114,9 @@ pub struct RunReport {
     pub steps: Vec<StepMetrics>,
     /// The last step's measured timeline: (device, instruction index, start s, end s).
     pub trace: Vec<(DeviceId, usize, f64, f64)>,
+    /// Every step's measured timeline, from the start of the run: (device, step,
+    /// instruction index, start s, end s); at most `TIMELINE_LIMIT` entries.
+    pub timeline: Vec<(DeviceId, usize, usize, f64, f64)>,
     /// Peak microbatches each device kept for the backward, per stage, over the run.
     pub peak_in_flight: BTreeMap<DeviceId, BTreeMap<StageId, u32>>,
     /// Peak weight versions alive per stage (live + stashed), over the run.
@@ -445,6 +448,10 @@ fn save_checkpoint<B: AutodiffBackend>(
     Ok(out)
 }
 
+/// The most timeline entries a run keeps (about 40 bytes each): a long run's trace keeps
+/// its first steps in full.
+pub const TIMELINE_LIMIT: usize = 2_000_000;
+
 /// Where a step's checkpoint goes: given the completed steps and the stages this process
 /// saved, it writes (or forwards) them and says where they landed.
 pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Option<PathBuf>, String> + 'a;
@@ -490,6 +497,8 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
     let n_workers = endpoints.len();
     let gate = StopGate { flag: options.stop.clone(), state: std::sync::Mutex::new((None, None)) };
     let gate = &gate;
+    // every worker's step times are measured from here
+    let epoch = Instant::now();
     let mut report = RunReport {
         placement: placement.iter().map(|(d, (_, name))| (*d, name.clone())).collect(),
         ..RunReport::default()
@@ -524,6 +533,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                     }
                     let stream = &plan.streams[&device];
                     let mut w = Worker::new(device, plan, stream, data, ep, dev.clone(), stages, reduce);
+                    w.epoch = epoch;
                     for step in first_step..total_steps {
                         if abort.load(Ordering::Relaxed) || !gate.begin(step) {
                             return Ok(());
@@ -607,6 +617,15 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                             .iter()
                             .flat_map(|(r, _)| r.trace.iter().map(move |t| (r.device, t.0, t.1, t.2)))
                             .collect();
+                        for (r, _) in &reports {
+                            let room = TIMELINE_LIMIT.saturating_sub(report.timeline.len());
+                            report.timeline.extend(
+                                r.trace
+                                    .iter()
+                                    .take(room)
+                                    .map(|t| (r.device, r.step, t.0, r.started + t.1, r.started + t.2)),
+                            );
+                        }
                         for (r, _) in &reports {
                             let e = report.peak_in_flight.entry(r.device).or_default();
                             for (s, n) in &r.peak_in_flight {

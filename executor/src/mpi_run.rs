@@ -163,8 +163,11 @@ fn run_rank(
     }
     .map_err(|e| (Some(info), e))?;
     drop(ckpt_out);
-    // Rank 0 merges the last step's traces.
-    let flat: Vec<f64> = report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]).collect();
+    // Rank 0 merges the last step's traces and every step's timeline: one message of
+    // [trace entries n, n × (device, index, start, end), m × (device, step, index, start, end)].
+    let mut flat: Vec<f64> = vec![report.trace.len() as f64];
+    flat.extend(report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]));
+    flat.extend(report.timeline.iter().flat_map(|(d, k, i, s, e)| [f64::from(d.0), *k as f64, *i as f64, *s, *e]));
     // Everything queued must be sent before MPI is finalised: close the queue, join the
     // sender, then meet at a barrier.
     let finish = |outgoing: std::sync::mpsc::Sender<crate::mpi_transport::Outgoing>| {
@@ -176,8 +179,15 @@ fn run_rank(
         for r in 1..size {
             let b = receive_bytes(r, TAG_TRACE, &abort, timeout, devices[r as usize])
                 .map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
-            for t in from_f64s(&b).chunks_exact(4) {
+            let v = from_f64s(&b);
+            let n = v.first().map_or(0, |n| *n as usize).min(v.len().saturating_sub(1) / 4);
+            for t in v[1..1 + 4 * n].chunks_exact(4) {
                 merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
+            }
+            for t in v[1 + 4 * n..].chunks_exact(5) {
+                if merged.timeline.len() < crate::TIMELINE_LIMIT {
+                    merged.timeline.push((DeviceId(t[0] as u32), t[1] as usize, t[2] as usize, t[3], t[4]));
+                }
             }
         }
         finish(outgoing);

@@ -39,6 +39,8 @@ pub struct StepReport {
     pub losses: Vec<(u32, f32)>,
     /// (instruction index, start s, end s) from the step's start.
     pub trace: Vec<(usize, f64, f64)>,
+    /// When the step started, in seconds from the start of the run (of this process).
+    pub started: f64,
     pub step_seconds: f64,
     /// Peak microbatches kept for the backward at once, per stage.
     pub peak_in_flight: HashMap<StageId, u32>,
@@ -319,6 +321,8 @@ pub(crate) struct Worker<'a, B: AutodiffBackend, E: Endpoint> {
     pub dev: B::Device,
     pub stages: HashMap<StageId, StageState<B>>,
     pub reduce: ReduceMode,
+    /// The start of the run: step reports say when each step started from it.
+    pub epoch: Instant,
     // per-step buffers
     inputs: HashMap<(StageId, MicrobatchId), Act<B>>,
     labels: HashMap<MicrobatchId, Targets>,
@@ -553,6 +557,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             dev,
             stages,
             reduce,
+            epoch: Instant::now(),
             inputs: HashMap::new(),
             labels: HashMap::new(),
             saved: HashMap::new(),
@@ -567,7 +572,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
     /// Runs one step of the stream. On failure: the instruction index and the error.
     pub fn step(&mut self, step: usize) -> std::result::Result<StepReport, (usize, ExecError)> {
         let start = Instant::now();
-        let mut report = StepReport { device: self.device, step, ..Default::default() };
+        let started = start.duration_since(self.epoch).as_secs_f64();
+        let mut report = StepReport { device: self.device, step, started, ..Default::default() };
         for st in self.stages.values_mut() {
             st.versions = st.model.iter().cloned().collect();
         }
