@@ -39,6 +39,8 @@ pub struct Prediction {
     /// Whether the schedule trains like one device.
     pub synchronous: bool,
     pub fits: bool,
+    /// A flush-free pipeline's first step (its step time is then the steady state's).
+    pub first_step_s: Option<f64>,
 }
 
 impl Prediction {
@@ -47,6 +49,9 @@ impl Prediction {
         let mut notes = Vec::new();
         if !self.synchronous {
             notes.push(if short { "async" } else { "asynchronous (stale weights)" });
+        }
+        if self.first_step_s.is_some() {
+            notes.push(if short { "steady state" } else { "flush-free: steady-state step" });
         }
         if !self.fits {
             notes.push(if short { "does not fit" } else { "does not fit in memory" });
@@ -133,6 +138,7 @@ pub fn compare(
                         headroom: c.plan.memory_headroom(),
                         synchronous: c.plan.schedule.synchronous,
                         fits: !result.has_errors(),
+                        first_step_s: c.plan.simulation.first_step_time_s,
                     }),
                 },
             };
@@ -202,10 +208,18 @@ pub fn json_lines(rows: &[Row]) -> String {
     rows.iter()
         .map(|r| {
             let v = match &r.outcome {
-                Outcome::Planned(p) => serde_json::json!({
-                    "schedule": r.schedule, "microbatches": r.microbatches, "step_time_s": p.step_s, "bubble_fraction": p.bubble,
-                    "throughput_samples_per_s": p.throughput, "memory_headroom": p.headroom, "synchronous": p.synchronous, "fits": p.fits,
-                }),
+                Outcome::Planned(p) => {
+                    let mut v = serde_json::json!({
+                        "schedule": r.schedule, "microbatches": r.microbatches, "step_time_s": p.step_s, "bubble_fraction": p.bubble,
+                        "throughput_samples_per_s": p.throughput, "memory_headroom": p.headroom, "synchronous": p.synchronous, "fits": p.fits,
+                    });
+                    // a flush-free pipeline's figures are its steady state's
+                    if let Some(first) = p.first_step_s {
+                        v["steady_state"] = true.into();
+                        v["first_step_time_s"] = first.into();
+                    }
+                    v
+                }
                 Outcome::NotApplicable(why) => serde_json::json!({"schedule": r.schedule, "microbatches": r.microbatches, "not_applicable": why}),
             };
             v.to_string() + "\n"

@@ -215,9 +215,16 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
             human_time(st.backward_s)
         ));
     }
+    let kind = match sim.first_step_time_s {
+        Some(first) => format!(
+            "flush-free: steady-state step {} (the first, filling the pipeline: {})",
+            human_time(sim.step_time_s),
+            human_time(first)
+        ),
+        None => format!("predicted step {}", human_time(sim.step_time_s)),
+    };
     s.push_str(&format!(
-        "predicted step {}, bubble {:.1}%, {:.1} samples/s; tightest memory headroom {:.1}%\n",
-        human_time(sim.step_time_s),
+        "{kind}, bubble {:.1}%, {:.1} samples/s; tightest memory headroom {:.1}%\n",
         sim.bubble_fraction * 100.0,
         sim.throughput_samples_per_s,
         headroom * 100.0

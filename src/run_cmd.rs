@@ -277,10 +277,7 @@ pub fn measured_bubble(plan: &Plan, trace: &[(pipec_plan::DeviceId, usize, f64, 
     let busy: f64 = trace
         .iter()
         .filter(|(d, i, _, _)| {
-            plan.streams
-                .get(d)
-                .and_then(|s| s.get(*i))
-                .is_some_and(|ins| !matches!(ins.phase(), Phase::Communication | Phase::Memory))
+            plan.instruction(*d, *i).is_some_and(|ins| !matches!(ins.phase(), Phase::Communication | Phase::Memory))
         })
         .map(|t| t.3 - t.2)
         .sum();
@@ -297,7 +294,7 @@ fn measured_trace(plan: &Plan, report: &pipec_executor::RunReport, source: &str)
     let mut events: Vec<serde_json::Value> = Vec::with_capacity(report.timeline.len());
     let mut step_marks: std::collections::BTreeMap<(pipec_plan::DeviceId, usize), f64> = Default::default();
     for (dev, step, index, start, end) in &report.timeline {
-        if let Some(ins) = plan.streams.get(dev).and_then(|s| s.get(*index)) {
+        if let Some(ins) = plan.instruction(*dev, *index) {
             let mut e = trace_event(*dev, ins, *start, *end);
             e["args"] = serde_json::json!({ "step": step });
             events.push(e);

@@ -454,3 +454,35 @@ fn compile_resume_shows_which_layers_move_between_devices_and_how_many_bytes() {
         "{stderr}"
     );
 }
+
+#[test]
+fn compare_shows_the_flush_free_schedules_steady_state_without_a_bubble() {
+    // D uniform stages, free communication: PipeDream and 2BW keep every device busy in
+    // their steady state, 1F1B idles (D − 1)/(D − 1 + N) of each step
+    let dir = tempfile::tempdir().expect("tmp");
+    for d in [2usize, 4, 8] {
+        let n = 2 * d;
+        let text = format!(
+            "model:\n  input: [64]\n  layers:\n    - repeat {layers}: linear(64, 64)\n  loss: mse\ncluster:\n  nodes: 1\n  devices_per_node: {d}\n  device: {{ memory: 64GiB, throughput: 1GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 1000000TB/s, latency: 0us }}\nstrategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: {n}\ntraining:\n  batch_size: {batch}\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n",
+            layers = 2 * d,
+            batch = 4 * n
+        );
+        let path = dir.path().join(format!("uniform{d}.yaml"));
+        std::fs::write(&path, text).expect("write");
+        let out = pipec(&["compare", path.to_str().expect("path"), "--format", "json"]);
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let rows: Vec<serde_json::Value> =
+            String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+        let row = |s: &str| rows.iter().find(|r| r["schedule"] == s).unwrap_or_else(|| panic!("{s}: {rows:?}"));
+        for s in ["pipedream", "2bw"] {
+            let r = row(s);
+            assert_eq!(r["steady_state"], true, "{r}");
+            assert!(r["bubble_fraction"].as_f64().expect("bubble") <= 0.01, "D={d} {s}: {r}");
+            assert!(r["first_step_time_s"].as_f64() > r["step_time_s"].as_f64(), "D={d} {s}: {r}");
+        }
+        let f = row("1f1b");
+        let closed = (d as f64 - 1.0) / (d as f64 - 1.0 + n as f64);
+        assert!((f["bubble_fraction"].as_f64().expect("bubble") - closed).abs() < 1e-6, "D={d}: {f}");
+        assert!(f.get("steady_state").is_none());
+    }
+}

@@ -199,6 +199,8 @@ struct Lowered {
     group_of: Vec<Option<GroupId>>,
     /// Weight-tying groups: the tied (embedding, output projection) layers each sums.
     ties: BTreeMap<GroupId, [usize; 2]>,
+    /// A flush-free pipeline (`streams` is then its body).
+    periodic: Option<crate::periodic::Periodic>,
     updates: Updates,
     /// Asynchronous data parallelism (a parameter server instead of replica groups).
     asp: bool,
@@ -207,6 +209,15 @@ struct Lowered {
 impl Lowered {
     fn members(&self) -> HashMap<GroupId, Vec<DeviceId>> {
         self.groups.iter().map(|(g, (_, m))| (*g, m.clone())).collect()
+    }
+
+    /// The streams whose counts the memory check reads: a flush-free pipeline's over three
+    /// steps (what is in flight across step boundaries), a step's otherwise.
+    fn counted_streams(&self) -> std::borrow::Cow<'_, BTreeMap<DeviceId, Vec<Instr>>> {
+        match &self.periodic {
+            Some(p) => std::borrow::Cow::Owned(crate::periodic::unroll(p, 3)),
+            None => std::borrow::Cow::Borrowed(&self.streams),
+        }
     }
 }
 
@@ -252,7 +263,32 @@ fn lower_streams(
             vertical_sync: strategy.schedule.vertical_sync,
         })
     };
-    let mut lowered = Lowered { streams, groups, group_of, ties: BTreeMap::new(), updates, asp };
+    // PipeDream and 2BW run as one continuous pipeline when they can (vertical sync and
+    // tensor parallelism keep a flush per step)
+    let flush_free = !asp
+        && matches!(kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)
+        && !strategy.schedule.vertical_sync
+        && strategy.tp.max(1) == 1;
+    let periodic = flush_free
+        .then(|| {
+            crate::periodic::build(&crate::periodic::PeriodicInput {
+                kind,
+                placement,
+                ranks,
+                output_bytes: &stages.output_bytes,
+                gradient_bytes: &gradient_bytes,
+                groups: &group_of,
+                updates,
+                recompute: strategy.recompute,
+            })
+            .ok()
+        })
+        .flatten();
+    let streams = match &periodic {
+        Some(p) => p.body.clone(),
+        None => streams,
+    };
+    let mut lowered = Lowered { streams, groups, group_of, ties: BTreeMap::new(), periodic, updates, asp };
     tied_all_reduces(spec, layout, placement, &mut lowered, precision);
     tensor_parallel_copies(&mut lowered, strategy.tp.max(1));
     lowered
@@ -355,22 +391,34 @@ fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lowered) -> Resu
     let strategy = &spec.strategy;
     let kind = strategy.schedule.kind;
     let groups = lowered.members();
-    let violations = verify(&VerifyInput {
-        streams: &lowered.streams,
-        placement,
-        groups: &groups,
-        split_backward: kind.splits_backward(),
-        recompute: strategy.recompute,
-        update_every: lowered.updates.every(lowered.asp),
-        asp_staleness: lowered.asp.then_some(strategy.schedule.staleness),
-        tp: strategy.tp.max(1),
-    });
+    let violations: Vec<String> = match &lowered.periodic {
+        Some(p) => crate::periodic::verify_periodic(
+            p,
+            placement,
+            &groups,
+            lowered.updates.every(lowered.asp),
+            strategy.recompute,
+        ),
+        None => verify(&VerifyInput {
+            streams: &lowered.streams,
+            placement,
+            groups: &groups,
+            split_backward: kind.splits_backward(),
+            recompute: strategy.recompute,
+            update_every: lowered.updates.every(lowered.asp),
+            asp_staleness: lowered.asp.then_some(strategy.schedule.staleness),
+            tp: strategy.tp.max(1),
+        })
+        .into_iter()
+        .map(|v| v.message)
+        .collect(),
+    };
     if violations.is_empty() {
         return Ok(());
     }
     let mut text = String::new();
     for v in violations.iter().take(8) {
-        text.push_str(&format!("\n- {}", v.message));
+        text.push_str(&format!("\n- {v}"));
     }
     Err(vec![Diagnostic::error(
         "E0603",
@@ -387,7 +435,13 @@ fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lowered) -> Resu
 
 /// The simulated step: the timeline and each device's busy time and bubble.
 struct Simulated {
+    /// The step's timeline (a flush-free pipeline's: two steps, fill to drain, indices
+    /// being `plan::instruction_code`s).
     timeline: Timeline,
+    /// Seconds per step (a flush-free pipeline's steady state) and, flush-free, the first
+    /// step's.
+    step_time: f64,
+    first_step: Option<f64>,
     /// (device, busy seconds, bubble fraction) for every device of the cluster.
     per_device: Vec<(DeviceId, f64, f64)>,
     /// Idle share of device-time over the step.
@@ -409,6 +463,54 @@ fn simulate_plan(
         tp: spec.strategy.tp.max(1),
         tp_bytes: tp_allreduce_bytes(&model.graph, &layout.ranges, model.microbatch_size, model.precision),
     };
+    let device_ids: Vec<DeviceId> = (0..model.cluster.device_count()).map(|d| DeviceId(d as u32)).collect();
+    if let Some(p) = &lowered.periodic {
+        let steady = crate::periodic::steady_state(p, &lowered.members(), &sim_cost).map_err(|e| {
+            vec![Diagnostic::error(
+                "E0603",
+                format!("internal compiler error: the verified plan failed in simulation: {e}"),
+                spec.strategy.schedule.span,
+                "while compiling this schedule",
+            )]
+        })?;
+        let per_device = device_ids
+            .iter()
+            .map(|d| {
+                let busy = steady.busy.get(d).copied().unwrap_or(0.0);
+                let idle = if steady.step_time > 0.0 { (1.0 - busy / steady.step_time).max(0.0) } else { 0.0 };
+                (*d, busy, if p.body.get(d).is_some_and(|s| !s.is_empty()) { idle } else { 1.0 })
+            })
+            .collect();
+        // the two-step timeline's events name their instruction by segment and index
+        let mut timeline = steady.two_steps;
+        let codes: HashMap<DeviceId, Vec<usize>> = p
+            .body
+            .iter()
+            .map(|(d, body)| {
+                let pro = p.segments.prologue.get(d).map_or(0, Vec::len);
+                let epi = p.segments.epilogue.get(d).map_or(0, Vec::len);
+                use pipec_plan::plan::{instruction_code, Segment};
+                let codes = (0..pro)
+                    .map(|i| instruction_code(Segment::Prologue, i))
+                    .chain((0..body.len()).map(|i| instruction_code(Segment::Body, i)))
+                    .chain((0..epi).map(|i| instruction_code(Segment::Epilogue, i)))
+                    .collect();
+                (*d, codes)
+            })
+            .collect();
+        for e in &mut timeline.events {
+            if let Some(c) = codes.get(&e.device).and_then(|c| c.get(e.index)) {
+                e.index = *c;
+            }
+        }
+        return Ok(Simulated {
+            timeline,
+            step_time: steady.step_time,
+            first_step: Some(steady.first_step_time),
+            per_device,
+            bubble: steady.bubble,
+        });
+    }
     let timeline = simulate(&lowered.streams, &lowered.members(), &sim_cost).map_err(|stuck| {
         vec![Diagnostic::error(
             "E0603",
@@ -417,9 +519,8 @@ fn simulate_plan(
             "while compiling this schedule",
         )]
     })?;
-    let device_ids: Vec<DeviceId> = (0..model.cluster.device_count()).map(|d| DeviceId(d as u32)).collect();
     let (per_device, bubble) = utilisation(&timeline, &device_ids);
-    Ok(Simulated { timeline, per_device, bubble })
+    Ok(Simulated { step_time: timeline.step_time, first_step: None, timeline, per_device, bubble })
 }
 
 /// Memory: per-device breakdowns from the streams, E0601/W0602, and the bubble warning.
@@ -436,12 +537,13 @@ fn check_memory(
     let cluster = &model.cluster;
     let weight_cap = strategy.schedule.kind.weight_versions().cap();
     let empty = Vec::new();
+    let counted = lowered.counted_streams();
     let devices: Vec<DevicePlan> = (0..cluster.device_count())
         .map(|d| {
             let id = DeviceId(d as u32);
             // tensor-parallel followers hold a shard the size of their group leader's
             let leader = DeviceId((d - d % tp) as u32);
-            let stream = lowered.streams.get(&leader).unwrap_or(&empty);
+            let stream = counted.get(&leader).unwrap_or(&empty);
             DevicePlan {
                 id,
                 node: cluster.node_of(id),
@@ -486,6 +588,7 @@ fn assemble(
     let strategy = &spec.strategy;
     let kind = strategy.schedule.kind;
     let tp = strategy.tp.max(1);
+    let counted = lowered.counted_streams().into_owned();
     let layers: Vec<LayerPlan> = model
         .graph
         .ops()
@@ -541,15 +644,12 @@ fn assemble(
         .into_iter()
         .map(|(id, (stage, devices))| GroupPlan { id, stage, devices, tie: ties.get(&id).copied() })
         .collect();
-    let (timeline, bubble) = (&simulated.timeline, simulated.bubble);
+    let (step_time, bubble) = (simulated.step_time, simulated.bubble);
     let simulation = Simulation {
-        step_time_s: timeline.step_time,
+        step_time_s: step_time,
+        first_step_time_s: simulated.first_step,
         bubble_fraction: bubble,
-        throughput_samples_per_s: if timeline.step_time > 0.0 {
-            spec.training.batch_size as f64 / timeline.step_time
-        } else {
-            0.0
-        },
+        throughput_samples_per_s: if step_time > 0.0 { spec.training.batch_size as f64 / step_time } else { 0.0 },
         devices: simulated
             .per_device
             .iter()
@@ -566,7 +666,7 @@ fn assemble(
         WeightVersions::Two => 2,
         WeightVersions::Stashed => devices
             .iter()
-            .filter_map(|d| lowered.streams.get(&d.id))
+            .filter_map(|d| counted.get(&d.id))
             .flat_map(|s| crate::memory::peak_weight_versions(s).into_values())
             .max()
             .map_or(1, |v| v as usize + 1),
@@ -594,6 +694,7 @@ fn assemble(
         groups,
         layers,
         streams: lowered.streams,
+        flush_free: lowered.periodic.map(|p| p.segments),
         simulation,
     }
 }

@@ -18,6 +18,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use pipec_plan::plan::FlushFree;
 use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, ScheduleKind};
 
 use crate::lower::{lower, LowerInput, Updates};
@@ -28,9 +29,9 @@ use crate::verify::{verify, VerifyInput};
 /// A flush-free schedule's streams, microbatch numbers relative to each segment's step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Periodic {
-    pub prologue: BTreeMap<DeviceId, Vec<Instr>>,
     pub body: BTreeMap<DeviceId, Vec<Instr>>,
-    pub epilogue: BTreeMap<DeviceId, Vec<Instr>>,
+    /// The prologue and the epilogue (what a plan carries beside its body).
+    pub segments: FlushFree,
     /// Microbatches per step.
     pub microbatches: usize,
 }
@@ -93,11 +94,10 @@ pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
         recompute: input.recompute,
         vertical_sync: false,
     });
-    let mut out =
-        Periodic { prologue: BTreeMap::new(), body: BTreeMap::new(), epilogue: BTreeMap::new(), microbatches: n };
+    let mut out = Periodic { body: BTreeMap::new(), segments: FlushFree::default(), microbatches: n };
     for (dev, stream) in streams {
         if stream.is_empty() {
-            for part in [&mut out.prologue, &mut out.body, &mut out.epilogue] {
+            for part in [&mut out.segments.prologue, &mut out.body, &mut out.segments.epilogue] {
                 part.insert(dev, Vec::new());
             }
             continue;
@@ -127,29 +127,16 @@ pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
         if !s0.ends_with(&s1) {
             return Err(format!("{} does not settle into its steady state within its first step on {dev}", input.kind));
         }
-        out.prologue.insert(dev, s0[..s0.len() - s1.len()].to_vec());
+        out.segments.prologue.insert(dev, s0[..s0.len() - s1.len()].to_vec());
         out.body.insert(dev, s1);
-        out.epilogue.insert(dev, s3);
+        out.segments.epilogue.insert(dev, s3);
     }
     Ok(out)
 }
 
 /// The streams of `steps` steps, microbatches numbered `t·N + m` across the run.
 pub fn unroll(p: &Periodic, steps: usize) -> BTreeMap<DeviceId, Vec<Instr>> {
-    let n = p.microbatches as i64;
-    p.body
-        .keys()
-        .map(|dev| {
-            let mut s: Vec<Instr> = p.prologue[dev].clone();
-            for t in 0..steps.saturating_sub(1) {
-                s.extend(shifted(&p.body[dev], t as i64 * n));
-            }
-            if steps > 0 {
-                s.extend(shifted(&p.epilogue[dev], (steps as i64 - 1) * n));
-            }
-            (*dev, s)
-        })
-        .collect()
+    p.segments.unroll(&p.body, p.microbatches, steps)
 }
 
 /// Verifies the unrolled streams of 1, 2 and 3 steps; the violations' messages, if any.
@@ -181,15 +168,18 @@ pub fn verify_periodic(
 
 /// The steady state of a flush-free schedule under a cost model: the time one step's body
 /// adds to a run (PipeDream's time per minibatch), the idle share of device-time in it, and
-/// the first step's time (with the pipeline filling).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// the first step's time (with the pipeline filling); per device, the busy time one step's
+/// body adds; and the timeline of a two-step run (fill, one steady step, drain).
+#[derive(Debug, Clone, PartialEq)]
 pub struct SteadyState {
     pub step_time: f64,
     pub bubble: f64,
     pub first_step_time: f64,
+    pub busy: BTreeMap<DeviceId, f64>,
+    pub two_steps: Timeline,
 }
 
-/// Simulates 2 and 3 steps: the difference is one steady step.
+/// Simulates 1, 2 and 3 steps: the difference of the last two is one steady step.
 pub fn steady_state(
     p: &Periodic,
     groups: &HashMap<GroupId, Vec<DeviceId>>,
@@ -199,15 +189,27 @@ pub fn steady_state(
         simulate(&unroll(p, k), groups, cost).map_err(|s| format!("the unrolled schedule deadlocks: {}", s.reason))
     };
     let (one, two, three) = (run(1)?, run(2)?, run(3)?);
-    let busy = |t: &Timeline| -> f64 {
-        t.events
-            .iter()
-            .filter(|e| !matches!(e.phase, pipec_plan::Phase::Communication | pipec_plan::Phase::Memory))
-            .map(|e| e.end - e.start)
-            .sum()
+    let busy = |t: &Timeline| -> BTreeMap<DeviceId, f64> {
+        let mut out: BTreeMap<DeviceId, f64> = BTreeMap::new();
+        for e in &t.events {
+            if !matches!(e.phase, pipec_plan::Phase::Communication | pipec_plan::Phase::Memory) {
+                *out.entry(e.device).or_insert(0.0) += e.end - e.start;
+            }
+        }
+        out
     };
+    let (b2, b3) = (busy(&two), busy(&three));
+    let per_device: BTreeMap<DeviceId, f64> =
+        b3.iter().map(|(d, b)| (*d, b - b2.get(d).copied().unwrap_or(0.0))).collect();
     let step_time = three.step_time - two.step_time;
     let devices = p.body.values().filter(|s| !s.is_empty()).count().max(1) as f64;
-    let bubble = if step_time > 0.0 { 1.0 - (busy(&three) - busy(&two)) / (step_time * devices) } else { 0.0 };
-    Ok(SteadyState { step_time, bubble: bubble.max(0.0), first_step_time: one.step_time })
+    let total: f64 = per_device.values().sum();
+    let bubble = if step_time > 0.0 { 1.0 - total / (step_time * devices) } else { 0.0 };
+    Ok(SteadyState {
+        step_time,
+        bubble: bubble.max(0.0),
+        first_step_time: one.step_time,
+        busy: per_device,
+        two_steps: two,
+    })
 }

@@ -118,12 +118,11 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
             width - left - 16.0,
             row_h - 4.0
         );
-        let stream = plan.streams.get(dev);
         for e in by_device.get(dev).into_iter().flatten() {
             if e.end <= e.start || e.phase == Phase::Memory {
                 continue;
             }
-            let ins = stream.and_then(|s| s.get(e.index));
+            let ins = plan.instruction(*dev, e.index);
             let (x0, x1) = (x(e.start), x(e.end));
             let w = (x1 - x0).max(0.5);
             let title =
@@ -347,7 +346,7 @@ pub fn trace_json(plan: &Plan, timeline: &Timeline) -> String {
         if e.end <= e.start {
             continue;
         }
-        if let Some(ins) = plan.streams.get(&e.device).and_then(|s| s.get(e.index)) {
+        if let Some(ins) = plan.instruction(e.device, e.index) {
             sep(&mut out);
             let name = serde_json::Value::String(ins.to_string());
             let _ = write!(

@@ -49,17 +49,43 @@ pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
     if !problems.is_empty() {
         return problems;
     }
-    verify_streams(plan, &plan.streams)
+    match &plan.flush_free {
+        // a flush-free pipeline: the streams of 1, 2 and 3 steps, unrolled
+        Some(f) => {
+            let placement = placement_of(plan);
+            let groups: HashMap<GroupId, Vec<DeviceId>> =
+                plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
+            let p = crate::periodic::Periodic {
+                body: plan.streams.clone(),
+                segments: f.clone(),
+                microbatches: plan.training.microbatches,
+            };
+            let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
+            crate::periodic::verify_periodic(
+                &p,
+                &placement,
+                &groups,
+                plan.schedule.kind.updates(ranks).every(false),
+                plan.training.recompute,
+            )
+        }
+        None => verify_streams(plan, &plan.streams),
+    }
 }
 
-/// Verifies `streams` as the streams of `plan` (whose other fields are assumed sound).
-pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<Instr>>) -> Vec<String> {
-    let placement = Placement {
+/// The placement a plan's stages describe.
+fn placement_of(plan: &pipec_plan::Plan) -> Placement {
+    Placement {
         replicas: plan.stages.iter().map(|s| s.replicas.clone()).collect(),
         route: plan.stages.iter().map(|s| s.route.clone()).collect(),
         devices: plan.devices.len(),
         microbatches: plan.training.microbatches,
-    };
+    }
+}
+
+/// Verifies `streams` as the streams of `plan` (whose other fields are assumed sound).
+pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<Instr>>) -> Vec<String> {
+    let placement = placement_of(plan);
     let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
     let kind = plan.schedule.kind;
     let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);

@@ -513,8 +513,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
             scope.spawn(move || {
                 let device = ep.device();
                 let fail = |step: Option<usize>, index: Option<usize>, error: ExecError| {
-                    let stream = &plan.streams[&device];
-                    let ins = index.and_then(|i| stream.get(i));
+                    let ins = index.and_then(|i| plan.instruction(device, i));
                     RunError {
                         device: Some(device),
                         stage: ins.map(pipec_plan::Instr::stage),
@@ -534,11 +533,17 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                     let stream = &plan.streams[&device];
                     let mut w = Worker::new(device, plan, stream, data, ep, dev.clone(), stages, reduce);
                     w.epoch = epoch;
+                    // a flush-free pipeline starts empty, and is drained by the last step and by
+                    // every step a checkpoint follows (a checkpoint holds nothing in flight)
+                    let mut filled = false;
                     for step in first_step..total_steps {
                         if abort.load(Ordering::Relaxed) || !gate.begin(step) {
                             return Ok(());
                         }
-                        let r = w.step(step).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
+                        let drain = step + 1 == total_steps || every.is_some_and(|k| (step + 1) % k == 0);
+                        let segments = w.segments(filled, drain);
+                        let r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
+                        filled = !drain;
                         let ckpt = match every {
                             Some(k) if (step + 1) % k == 0 || step + 1 == total_steps => {
                                 Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
@@ -572,6 +577,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
         drop(tx);
         // The coordinator: gathers every worker's step, reports metrics, writes checkpoints.
         let mut pending: BTreeMap<usize, Vec<(StepReport, Option<checkpoint::Shards>)>> = BTreeMap::new();
+        let mut carry: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
         let mut first_error: Option<RunError> = None;
         let mut last_done = Instant::now();
         for ev in rx {
@@ -591,7 +597,14 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                     entry.push((*r, ck));
                     if entry.len() == n_workers {
                         let reports = pending.remove(&step).unwrap_or_default();
-                        let losses: Vec<f32> = reports.iter().flat_map(|(r, _)| r.losses.iter().map(|l| l.1)).collect();
+                        // a loss belongs to its microbatch's step: a flush-free step also
+                        // computes the next step's first losses, kept for it
+                        let n = plan.training.microbatches.max(1);
+                        for (mb, l) in reports.iter().flat_map(|(r, _)| r.losses.iter()) {
+                            carry.entry(*mb as usize / n).or_default().push(*l);
+                        }
+                        let losses: Vec<f32> = carry.remove(&step).unwrap_or_default();
+                        carry.retain(|s, _| *s > step);
                         let loss_sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
                         let loss = if losses.is_empty() { f64::NAN } else { loss_sum / losses.len() as f64 };
                         let now = Instant::now();

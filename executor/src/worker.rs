@@ -18,7 +18,9 @@ use burn::tensor::ElementConversion;
 use pipec_plan::checkpoint::ShardKey;
 use pipec_plan::model::{crossing, Loss, Source};
 use pipec_plan::plan::OptimizerPlan;
+use pipec_plan::plan::{instruction_code, Segment as StreamSegment};
 use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, Plan, ReduceMode, StageId};
+use std::collections::BTreeMap;
 
 use crate::data::{Dataset, Inputs, Targets};
 use crate::error::{ExecError, Result};
@@ -569,35 +571,64 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         }
     }
 
-    /// Runs one step of the stream. On failure: the instruction index and the error.
-    pub fn step(&mut self, step: usize) -> std::result::Result<StepReport, (usize, ExecError)> {
+    /// The segments step `step` runs: the plan's stream; for a flush-free pipeline the
+    /// prologue first when the pipeline is empty (`filled` false), then the body, or the
+    /// epilogue when the step must leave it empty (`drain`).
+    pub fn segments(&self, filled: bool, drain: bool) -> Vec<(StreamSegment, &'a [Instr])> {
+        let Some(f) = &self.plan.flush_free else { return vec![(StreamSegment::Body, self.stream)] };
+        let of = |m: &'a BTreeMap<DeviceId, Vec<Instr>>| m.get(&self.device).map_or(&[][..], Vec::as_slice);
+        let mut out = Vec::with_capacity(2);
+        if !filled {
+            out.push((StreamSegment::Prologue, of(&f.prologue)));
+        }
+        out.push(if drain { (StreamSegment::Epilogue, of(&f.epilogue)) } else { (StreamSegment::Body, self.stream) });
+        out
+    }
+
+    /// Runs one step: its `segments` (see `segments`), each instruction's microbatch made
+    /// absolute (`step·N + m`). With `drained`, nothing may be left in flight afterwards.
+    /// On failure: the instruction's `instruction_code` and the error.
+    pub fn step(
+        &mut self,
+        step: usize,
+        segments: &[(StreamSegment, &[Instr])],
+        drained: bool,
+    ) -> std::result::Result<StepReport, (usize, ExecError)> {
         let start = Instant::now();
         let started = start.duration_since(self.epoch).as_secs_f64();
         let mut report = StepReport { device: self.device, step, started, ..Default::default() };
         for st in self.stages.values_mut() {
             st.versions = st.model.iter().cloned().collect();
         }
+        let base = (step * self.plan.training.microbatches) as u32;
         let mut versions: HashMap<StageId, u32> = HashMap::new();
-        for (index, ins) in self.stream.iter().enumerate() {
-            let t0 = start.elapsed().as_secs_f64();
-            self.exec(step, ins, &mut report).map_err(|e| (index, e))?;
-            let t1 = start.elapsed().as_secs_f64();
-            report.trace.push((index, t0, t1));
-            for (s, n) in &self.in_flight {
-                let p = report.peak_in_flight.entry(*s).or_insert(0);
-                *p = (*p).max(*n);
-            }
-            for (s, st) in &self.stages {
-                let v = versions.entry(*s).or_insert(0);
-                *v = (*v).max(1 + st.stash.len() as u32);
+        let mut last = 0;
+        for (segment, stream) in segments {
+            for (index, ins) in stream.iter().enumerate() {
+                let code = instruction_code(*segment, index);
+                last = code;
+                let ins = ins.map_microbatch(|m| MicrobatchId(base + m.0));
+                let t0 = start.elapsed().as_secs_f64();
+                self.exec(step, &ins, &mut report).map_err(|e| (code, e))?;
+                let t1 = start.elapsed().as_secs_f64();
+                report.trace.push((code, t0, t1));
+                for (s, n) in &self.in_flight {
+                    let p = report.peak_in_flight.entry(*s).or_insert(0);
+                    *p = (*p).max(*n);
+                }
+                for (s, st) in &self.stages {
+                    let v = versions.entry(*s).or_insert(0);
+                    *v = (*v).max(1 + st.stash.len() as u32);
+                }
             }
         }
-        if !self.saved.is_empty()
-            || !self.outputs.is_empty()
-            || !self.input_grads.is_empty()
-            || self.stages.values().any(|st| !st.forward_stats.is_empty())
+        if drained
+            && (!self.saved.is_empty()
+                || !self.outputs.is_empty()
+                || !self.input_grads.is_empty()
+                || self.stages.values().any(|st| !st.forward_stats.is_empty()))
         {
-            return Err((self.stream.len(), ExecError::Missing("buffers are left over at the end of the step")));
+            return Err((last, ExecError::Missing("buffers are left over at the end of the step")));
         }
         report.peak_versions = versions;
         report.step_seconds = start.elapsed().as_secs_f64();
@@ -727,9 +758,11 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         self.stages.get_mut(&s).ok_or_else(|| ExecError::Plan(format!("{} does not hold {s}", self.device)))
     }
 
-    /// The dropout key of a microbatch's forward (the same at its recompute).
-    fn mask_key(&self, step: usize, mb: MicrobatchId) -> (u64, u64, u64) {
-        (self.plan.training.seed, step as u64, u64::from(mb.0))
+    /// The dropout key of a microbatch's forward (the same at its recompute): its step and
+    /// number in the step, from its number in the run.
+    fn mask_key(&self, _step: usize, mb: MicrobatchId) -> (u64, u64, u64) {
+        let n = self.plan.training.microbatches.max(1) as u64;
+        (self.plan.training.seed, u64::from(mb.0) / n, u64::from(mb.0) % n)
     }
 
     fn learning_rate(&self) -> f64 {
@@ -747,7 +780,10 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         labels: bool,
     ) -> Result<()> {
         let t = &self.plan.training;
-        let (x, y) = self.data.microbatch(step, mb.0 as usize, t.microbatch_size, t.batch_size);
+        // `mb` is the microbatch's number in the run: step·N + its number in the step
+        let _ = step;
+        let n = t.microbatches.max(1);
+        let (x, y) = self.data.microbatch(mb.0 as usize / n, mb.0 as usize % n, t.microbatch_size, t.batch_size);
         if inputs {
             let mut shape = vec![t.microbatch_size];
             shape.extend(&self.plan.model.input);

@@ -29,9 +29,69 @@ pub struct Plan {
     pub groups: Vec<GroupPlan>,
     /// The cost-model inputs per layer.
     pub layers: Vec<LayerPlan>,
-    /// One ordered instruction stream per device.
+    /// One ordered instruction stream per device: the step's, or with `flush_free` the
+    /// body every step but the last runs.
     pub streams: BTreeMap<DeviceId, Vec<Instr>>,
+    /// Flush-free pipelining (PipeDream, 2BW): a run is one continuous pipeline —
+    /// `prologue` once, `streams` (the body) every step, `epilogue` for the step that
+    /// drains it (the last, and one a checkpoint follows). Microbatch numbers are relative
+    /// to the step a segment belongs to: `m` in step t's segment is microbatch `t·N + m` of
+    /// the run, so a body's numbers `N..` are the next step's first microbatches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flush_free: Option<FlushFree>,
     pub simulation: Simulation,
+}
+
+/// The segments of a flush-free pipeline besides its body (see `Plan::flush_free`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct FlushFree {
+    pub prologue: BTreeMap<DeviceId, Vec<Instr>>,
+    pub epilogue: BTreeMap<DeviceId, Vec<Instr>>,
+}
+
+/// Which part of a flush-free pipeline an instruction is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Segment {
+    Prologue,
+    Body,
+    Epilogue,
+}
+
+/// An instruction's place in a step: the segment and the index in it, as one number
+/// (the body's index itself, so plain plans' indices are unchanged).
+pub fn instruction_code(segment: Segment, index: usize) -> usize {
+    match segment {
+        Segment::Body => index,
+        Segment::Prologue => (1 << 40) + index,
+        Segment::Epilogue => (2 << 40) + index,
+    }
+}
+
+impl FlushFree {
+    /// The streams of `steps` steps of the pipeline whose body is `body`, microbatches
+    /// numbered across the run (`t·n + m`): prologue, body × (steps − 1), epilogue.
+    pub fn unroll(
+        &self,
+        body: &BTreeMap<DeviceId, Vec<Instr>>,
+        n: usize,
+        steps: usize,
+    ) -> BTreeMap<DeviceId, Vec<Instr>> {
+        let shifted = |s: &[Instr], t: usize| -> Vec<Instr> {
+            s.iter().map(|i| i.map_microbatch(|m| crate::MicrobatchId(m.0 + (t * n) as u32))).collect()
+        };
+        body.iter()
+            .map(|(dev, b)| {
+                let mut s: Vec<Instr> = self.prologue.get(dev).cloned().unwrap_or_default();
+                for t in 0..steps.saturating_sub(1) {
+                    s.extend(shifted(b, t));
+                }
+                if steps > 0 {
+                    s.extend(shifted(self.epilogue.get(dev).map_or(&[][..], Vec::as_slice), steps - 1));
+                }
+                (*dev, s)
+            })
+            .collect()
+    }
 }
 
 /// The model as the executor builds it.
@@ -234,7 +294,12 @@ impl LayerPlan {
 /// What the simulator predicted for one step.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Simulation {
+    /// Predicted seconds per step (with `first_step_time_s`: the steady state of a
+    /// flush-free pipeline, what PipeDream's optimizer predicts per minibatch).
     pub step_time_s: f64,
+    /// A flush-free pipeline's first step, while it fills.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_step_time_s: Option<f64>,
     /// Idle share of device-time over the step.
     pub bubble_fraction: f64,
     pub throughput_samples_per_s: f64,
@@ -251,13 +316,43 @@ pub struct DeviceSimulation {
 }
 
 impl Plan {
+    /// The instruction a step's `instruction_code` names on `device`.
+    pub fn instruction(&self, device: DeviceId, code: usize) -> Option<&Instr> {
+        let (segment, index) = (code >> 40, code & ((1 << 40) - 1));
+        let stream = match (segment, &self.flush_free) {
+            (0, _) => self.streams.get(&device),
+            (1, Some(f)) => f.prologue.get(&device),
+            (2, Some(f)) => f.epilogue.get(&device),
+            _ => None,
+        };
+        stream.and_then(|s| s.get(index))
+    }
+
     /// The plan's streams in text form, one instruction per line under a `device dN:` header.
     pub fn streams_text(&self) -> String {
         let mut out = String::new();
-        for (dev, stream) in &self.streams {
-            out.push_str(&format!("device {dev}:\n"));
+        let write = |out: &mut String, stream: &[Instr]| {
             for (i, ins) in stream.iter().enumerate() {
                 out.push_str(&format!("  {i:4}  {ins}\n"));
+            }
+        };
+        for (dev, stream) in &self.streams {
+            match &self.flush_free {
+                None => {
+                    out.push_str(&format!("device {dev}:\n"));
+                    write(&mut out, stream);
+                }
+                Some(f) => {
+                    // microbatch numbers are relative to the segment's step
+                    out.push_str(&format!("device {dev} prologue (once, before the first step):\n"));
+                    write(&mut out, f.prologue.get(dev).map_or(&[][..], Vec::as_slice));
+                    out.push_str(&format!("device {dev} body (every step but the one that drains):\n"));
+                    write(&mut out, stream);
+                    out.push_str(&format!(
+                        "device {dev} epilogue (the step that drains: the last, one before a checkpoint):\n"
+                    ));
+                    write(&mut out, f.epilogue.get(dev).map_or(&[][..], Vec::as_slice));
+                }
             }
         }
         out
@@ -498,15 +593,17 @@ impl Plan {
                 ));
             }
         }
-        // streams: every index in range
-        for (dev, stream) in &self.streams {
+        // streams: every index in range (a flush-free body's next-step microbatches too)
+        let mb_limit = if self.flush_free.is_some() { 2 * t.microbatches } else { t.microbatches };
+        let segments = self.flush_free.iter().flat_map(|f| f.prologue.iter().chain(&f.epilogue));
+        for (dev, stream) in self.streams.iter().chain(segments) {
             if dev.0 as usize >= n_dev {
                 out.push(format!("a stream for {dev}, which the plan does not have"));
                 continue;
             }
             for (k, ins) in stream.iter().enumerate() {
                 let bad_stage = ins.stage().0 as usize >= self.stages.len();
-                let bad_mb = ins.microbatch().is_some_and(|m| m.0 as usize >= t.microbatches);
+                let bad_mb = ins.microbatch().is_some_and(|m| m.0 as usize >= mb_limit);
                 let bad_peer = ins.peer().is_some_and(|p| p.0 as usize >= n_dev);
                 let bad_group = ins.group().is_some_and(|g| !group_ids.contains(&g));
                 if bad_stage || bad_mb || bad_peer || bad_group {
