@@ -58,9 +58,16 @@ fn equal_to_in_process(stages: &str, devices: usize) {
 }
 
 fn equal_to_in_process_for(model: &str, stages: &str, devices: usize) {
+    equal_to_in_process_with(model, stages, devices, "1f1b")
+}
+
+/// [`equal_to_in_process_for`] under `schedule`.
+fn equal_to_in_process_with(model: &str, stages: &str, devices: usize, schedule: &str) {
     let dir = tempfile::tempdir().expect("tmp");
     let spec_path = dir.path().join("spec.yaml");
-    let text = spec_of(model, stages, devices, 4).replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 4 }\n");
+    let text = spec_of(model, stages, devices, 4)
+        .replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 4 }\n")
+        .replace("schedule: 1f1b", &format!("schedule: {schedule}"));
     std::fs::write(&spec_path, text).expect("write");
     let threads = dir.path().join("threads");
     let out = Command::new(pipec())
@@ -112,6 +119,13 @@ fn batch_norm_with_a_replicated_stage_over_mpi_equals_in_process_exactly() {
 #[test]
 fn a_tied_language_model_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(TIED_LM, "straight", 2);
+}
+
+#[test]
+fn flush_free_pipedream_over_mpi_equals_in_process_exactly() {
+    // one continuous pipeline across the four steps, the replicated first stage
+    // all-reducing after every update
+    equal_to_in_process_with(CHAIN, "\"2-1-1\"", 4, "pipedream");
 }
 
 #[test]
