@@ -365,9 +365,12 @@ fn checkpointing_spec(dir: &Path, steps: usize) -> std::path::PathBuf {
     path
 }
 
+/// The steps in a run's `metrics.jsonl`: its complete lines (a run still writing may have
+/// a last line without its newline yet).
 fn metric_steps(run: &Path) -> Vec<u64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap_or_default()
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["step"].as_u64().expect("step"))
         .collect()
