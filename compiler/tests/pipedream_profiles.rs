@@ -153,3 +153,82 @@ fn a_cut_is_charged_every_edge_that_crosses_it() {
     let more = (1..resnet.len()).filter(|&j| cuts[j - 1] > resnet[j - 1].activation_size).count();
     assert!(more > 0, "no cut inside a block carries more than the last layer's output");
 }
+
+/// PipeDream's VGG-16 profile on 16 GPUs at 2.5 GB/s with the 15-1 layout its optimizer
+/// chooses: pipec's flush-free steady state (the simulated time one more step adds, per
+/// 64-sample minibatch) against PipeDream's optimizer's 46.32 ms for the same plan
+/// (`pipedream-plans.json`, flat 16 run; docs/benchmarks.md).
+#[test]
+fn vgg16_flush_free_steady_state_is_within_ten_percent_of_pipedreams_prediction() {
+    use pipec_compiler::periodic::{build, steady_state, verify_periodic, PeriodicInput};
+    use pipec_compiler::schedule::Placement;
+    use pipec_plan::{DeviceId, GroupId, Instr, ScheduleKind};
+    let nodes = profile("vgg16");
+    let ranges = [0..26, 26..41];
+    let sum = |r: &Range<usize>, f: &dyn Fn(&PipeDreamNode) -> f64| -> f64 { nodes[r.clone()].iter().map(f).sum() };
+    let forward: Vec<f64> = ranges.iter().map(|r| sum(r, &|n| n.forward_ms / 1e3)).collect();
+    let backward: Vec<f64> = ranges.iter().map(|r| sum(r, &|n| n.backward_ms / 1e3)).collect();
+    let params: Vec<u64> = ranges.iter().map(|r| sum(r, &|n| n.parameter_size) as u64).collect();
+    let cut = pipedream_cut_bytes(&nodes);
+    let output: Vec<u64> = ranges.iter().map(|r| cut[r.end - 1] as u64).collect();
+    // one 64-sample minibatch of the profile = one microbatch; 2 rounds of 15 per step
+    let n = 30;
+    let replicas = vec![(0..15).map(DeviceId).collect::<Vec<_>>(), vec![DeviceId(15)]];
+    let placement = Placement {
+        replicas: replicas.clone(),
+        route: vec![(0..n).map(|m| (m % 15) as u32).collect(), vec![0; n]],
+        devices: 16,
+        microbatches: n,
+    };
+    let groups = vec![Some(GroupId(0)), None];
+    let members: std::collections::HashMap<GroupId, Vec<DeviceId>> = [(GroupId(0), replicas[0].clone())].into();
+    let updates = ScheduleKind::PipeDream.updates(2);
+    let p = build(&PeriodicInput {
+        kind: ScheduleKind::PipeDream,
+        placement: &placement,
+        ranks: 2,
+        output_bytes: &output,
+        gradient_bytes: &params,
+        groups: &groups,
+        updates,
+        recompute: false,
+    })
+    .expect("periodic");
+    assert!(verify_periodic(&p, &placement, &members, updates.every(false), false).is_empty());
+    // the stage times from the profile, 2.5 GB/s links, ring all-reduce (the simulator's)
+    struct Profiled {
+        forward: Vec<f64>,
+        backward: Vec<f64>,
+    }
+    impl pipec_compiler::simulate::CostModel for Profiled {
+        fn compute(&self, _: DeviceId, i: &Instr) -> f64 {
+            match i {
+                Instr::Forward { stage, .. } => self.forward[stage.0 as usize],
+                Instr::Backward { stage, .. } => self.backward[stage.0 as usize],
+                _ => 0.0,
+            }
+        }
+        fn transfer(&self, _: DeviceId, _: DeviceId, bytes: u64) -> f64 {
+            bytes as f64 / 2.5e9
+        }
+        fn all_reduce(&self, members: &[DeviceId], bytes: u64) -> f64 {
+            let m = members.len() as f64;
+            2.0 * (m - 1.0) / m * bytes as f64 / 2.5e9
+        }
+    }
+    let s = steady_state(&p, &members, &Profiled { forward, backward }).expect("simulates");
+    let per_minibatch = s.step_time / n as f64;
+    let pipedream = 0.04632;
+    assert!(
+        (per_minibatch - pipedream).abs() <= 0.10 * pipedream,
+        "pipec {:.2} ms per minibatch, PipeDream's optimizer {:.2} ms",
+        per_minibatch * 1e3,
+        pipedream * 1e3
+    );
+    eprintln!(
+        "VGG-16 15-1: pipec steady state {:.2} ms per minibatch (first step {:.1} ms), PipeDream {:.2} ms",
+        per_minibatch * 1e3,
+        s.first_step_time * 1e3,
+        pipedream * 1e3
+    );
+}
