@@ -257,6 +257,40 @@ macro_rules! point_to_point {
     };
 }
 
+/// The pattern of every instruction about one microbatch, binding it: one list for
+/// `microbatch` and `map_microbatch`.
+macro_rules! about_microbatch {
+    ($mb:ident) => {
+        Instr::LoadMicrobatch { mb: $mb, .. }
+            | Instr::Forward { mb: $mb, .. }
+            | Instr::Backward { mb: $mb, .. }
+            | Instr::BackwardInput { mb: $mb, .. }
+            | Instr::BackwardWeight { mb: $mb, .. }
+            | Instr::Recompute { mb: $mb, .. }
+            | Instr::SendActivation { mb: $mb, .. }
+            | Instr::RecvActivation { mb: $mb, .. }
+            | Instr::SendGradient { mb: $mb, .. }
+            | Instr::RecvGradient { mb: $mb, .. }
+            | Instr::StashWeights { mb: $mb, .. }
+            | Instr::RestoreWeights { mb: $mb, .. }
+            | Instr::Free { mb: $mb, .. }
+            | Instr::PushGradient { mb: $mb, .. }
+            | Instr::ApplyGradient { mb: $mb, .. }
+    };
+}
+
+/// The pattern of every instruction about no single microbatch (the rest of
+/// `about_microbatch`'s list, so the matches stay exhaustive).
+macro_rules! about_no_microbatch {
+    () => {
+        Instr::AllReduce { .. }
+            | Instr::TiedAllReduce { .. }
+            | Instr::OptimizerStep { .. }
+            | Instr::PushWeights { .. }
+            | Instr::PullWeights { .. }
+    };
+}
+
 /// The pattern of every instruction that involves no other device (neither a message nor
 /// a collective).
 macro_rules! on_device {
@@ -317,26 +351,8 @@ impl Instr {
     /// The microbatch, if the instruction is about one.
     pub fn microbatch(&self) -> Option<MicrobatchId> {
         match *self {
-            Instr::LoadMicrobatch { mb, .. }
-            | Instr::Forward { mb, .. }
-            | Instr::Backward { mb, .. }
-            | Instr::BackwardInput { mb, .. }
-            | Instr::BackwardWeight { mb, .. }
-            | Instr::Recompute { mb, .. }
-            | Instr::SendActivation { mb, .. }
-            | Instr::RecvActivation { mb, .. }
-            | Instr::SendGradient { mb, .. }
-            | Instr::RecvGradient { mb, .. }
-            | Instr::StashWeights { mb, .. }
-            | Instr::RestoreWeights { mb, .. }
-            | Instr::Free { mb, .. }
-            | Instr::PushGradient { mb, .. }
-            | Instr::ApplyGradient { mb, .. } => Some(mb),
-            Instr::AllReduce { .. }
-            | Instr::TiedAllReduce { .. }
-            | Instr::OptimizerStep { .. }
-            | Instr::PushWeights { .. }
-            | Instr::PullWeights { .. } => None,
+            about_microbatch!(mb) => Some(mb),
+            about_no_microbatch!() => None,
         }
     }
 
@@ -414,26 +430,8 @@ impl Instr {
     pub fn map_microbatch(&self, f: impl Fn(MicrobatchId) -> MicrobatchId) -> Instr {
         let mut out = self.clone();
         match &mut out {
-            Instr::LoadMicrobatch { mb, .. }
-            | Instr::Forward { mb, .. }
-            | Instr::Backward { mb, .. }
-            | Instr::BackwardInput { mb, .. }
-            | Instr::BackwardWeight { mb, .. }
-            | Instr::Recompute { mb, .. }
-            | Instr::SendActivation { mb, .. }
-            | Instr::RecvActivation { mb, .. }
-            | Instr::SendGradient { mb, .. }
-            | Instr::RecvGradient { mb, .. }
-            | Instr::StashWeights { mb, .. }
-            | Instr::RestoreWeights { mb, .. }
-            | Instr::Free { mb, .. }
-            | Instr::PushGradient { mb, .. }
-            | Instr::ApplyGradient { mb, .. } => *mb = f(*mb),
-            Instr::AllReduce { .. }
-            | Instr::TiedAllReduce { .. }
-            | Instr::OptimizerStep { .. }
-            | Instr::PushWeights { .. }
-            | Instr::PullWeights { .. } => {}
+            about_microbatch!(mb) => *mb = f(*mb),
+            about_no_microbatch!() => {}
         }
         out
     }
