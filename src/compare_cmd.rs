@@ -41,20 +41,25 @@ pub struct Prediction {
     pub fits: bool,
     /// A flush-free pipeline's first step (its step time is then the steady state's).
     pub first_step_s: Option<f64>,
+    /// The most weight versions a stage keeps alive at once (live + stashed).
+    pub weight_versions: usize,
 }
 
 impl Prediction {
     /// What the numbers do not say: stale weights, no fit (short words for the hover).
     fn notes(&self, short: bool) -> String {
-        let mut notes = Vec::new();
+        let mut notes: Vec<String> = Vec::new();
         if !self.synchronous {
-            notes.push(if short { "async" } else { "asynchronous (stale weights)" });
+            notes.push(if short { "async" } else { "asynchronous (stale weights)" }.into());
         }
         if self.first_step_s.is_some() {
-            notes.push(if short { "steady state" } else { "flush-free: steady-state step" });
+            notes.push(if short { "steady state" } else { "flush-free: steady-state step" }.into());
+        }
+        if self.weight_versions > 1 {
+            notes.push(format!("{} weight versions", self.weight_versions));
         }
         if !self.fits {
-            notes.push(if short { "does not fit" } else { "does not fit in memory" });
+            notes.push(if short { "does not fit" } else { "does not fit in memory" }.into());
         }
         notes.join(", ")
     }
@@ -139,6 +144,7 @@ pub fn compare(
                         synchronous: c.plan.schedule.synchronous,
                         fits: !result.has_errors(),
                         first_step_s: c.plan.simulation.first_step_time_s,
+                        weight_versions: c.plan.schedule.weight_versions,
                     }),
                 },
             };
@@ -212,6 +218,7 @@ pub fn json_lines(rows: &[Row]) -> String {
                     let mut v = serde_json::json!({
                         "schedule": r.schedule, "microbatches": r.microbatches, "step_time_s": p.step_s, "bubble_fraction": p.bubble,
                         "throughput_samples_per_s": p.throughput, "memory_headroom": p.headroom, "synchronous": p.synchronous, "fits": p.fits,
+                        "weight_versions": p.weight_versions,
                     });
                     // a flush-free pipeline's figures are its steady state's
                     if let Some(first) = p.first_step_s {

@@ -483,6 +483,10 @@ fn compare_shows_the_flush_free_schedules_steady_state_without_a_bubble() {
             assert!(r["bubble_fraction"].as_f64().expect("bubble") <= 0.01, "D={d} {s}: {r}");
             assert!(r["first_step_time_s"].as_f64() > r["step_time_s"].as_f64(), "D={d} {s}: {r}");
         }
+        // the trade-off is visible: PipeDream stashes versions, 2BW keeps two, 1F1B one
+        assert!(row("pipedream")["weight_versions"].as_u64() >= Some(2), "{rows:?}");
+        assert_eq!(row("2bw")["weight_versions"], 2);
+        assert_eq!(row("1f1b")["weight_versions"], 1);
         let f = row("1f1b");
         let closed = (d as f64 - 1.0) / (d as f64 - 1.0 + n as f64);
         assert!((f["bubble_fraction"].as_f64().expect("bubble") - closed).abs() < 1e-6, "D={d}: {f}");
