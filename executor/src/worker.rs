@@ -609,7 +609,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 last = code;
                 let ins = ins.map_microbatch(|m| MicrobatchId(base + m.0));
                 let t0 = start.elapsed().as_secs_f64();
-                self.exec(step, &ins, &mut report).map_err(|e| (code, e))?;
+                self.exec(&ins, &mut report).map_err(|e| (code, e))?;
                 let t1 = start.elapsed().as_secs_f64();
                 report.trace.push((code, t0, t1));
                 for (s, n) in &self.in_flight {
@@ -635,19 +635,17 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         Ok(report)
     }
 
-    fn exec(&mut self, step: usize, ins: &Instr, report: &mut StepReport) -> Result<()> {
+    fn exec(&mut self, ins: &Instr, report: &mut StepReport) -> Result<()> {
         match *ins {
-            Instr::LoadMicrobatch { stage, mb, inputs, labels } => {
-                self.load_microbatch(step, stage, mb, inputs, labels)
-            }
+            Instr::LoadMicrobatch { stage, mb, inputs, labels } => self.load_microbatch(stage, mb, inputs, labels),
             Instr::RecvActivation { peer, stage, mb, .. } => {
                 let msg = self.ep.recv(peer, expected_message(ins)?)?;
                 let act = require_grad(host_to_act::<B>(&msg.shape, msg.data, &self.dev)?);
                 self.inputs.insert((stage, mb), act);
                 Ok(())
             }
-            Instr::Forward { stage, mb } => self.forward(step, stage, mb, report),
-            Instr::Recompute { stage, mb } => self.recompute(step, stage, mb),
+            Instr::Forward { stage, mb } => self.forward(stage, mb, report),
+            Instr::Recompute { stage, mb } => self.recompute(stage, mb),
             Instr::Backward { stage, mb } => {
                 let flat = self.run_backward(stage, mb)?;
                 self.add_gradient(stage, mb, flat)?;
@@ -760,7 +758,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
 
     /// The dropout key of a microbatch's forward (the same at its recompute): its step and
     /// number in the step, from its number in the run.
-    fn mask_key(&self, _step: usize, mb: MicrobatchId) -> (u64, u64, u64) {
+    fn mask_key(&self, mb: MicrobatchId) -> (u64, u64, u64) {
         let n = self.plan.training.microbatches.max(1) as u64;
         (self.plan.training.seed, u64::from(mb.0) / n, u64::from(mb.0) % n)
     }
@@ -771,17 +769,9 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         }
     }
 
-    fn load_microbatch(
-        &mut self,
-        step: usize,
-        stage: StageId,
-        mb: MicrobatchId,
-        inputs: bool,
-        labels: bool,
-    ) -> Result<()> {
+    fn load_microbatch(&mut self, stage: StageId, mb: MicrobatchId, inputs: bool, labels: bool) -> Result<()> {
         let t = &self.plan.training;
         // `mb` is the microbatch's number in the run: step·N + its number in the step
-        let _ = step;
         let n = t.microbatches.max(1);
         let (x, y) = self.data.microbatch(mb.0 as usize / n, mb.0 as usize % n, t.microbatch_size, t.batch_size);
         if inputs {
@@ -802,14 +792,14 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
     /// `Forward`: runs the stage on a microbatch copy of its weights (the stashed version
     /// when the plan stashed one; vertical sync may pick an older version than the current
     /// one), reports the loss or keeps the output to send, and keeps what the backward needs.
-    fn forward(&mut self, step: usize, stage: StageId, mb: MicrobatchId, report: &mut StepReport) -> Result<()> {
+    fn forward(&mut self, stage: StageId, mb: MicrobatchId, report: &mut StepReport) -> Result<()> {
         let x = self.inputs.remove(&(stage, mb)).ok_or(ExecError::Missing("its input was not loaded or received"))?;
         let st = self.state(stage)?;
         let model = microbatch_copy(match st.stash.get(&mb) {
             Some(m) => m,
             None => st.model()?,
         });
-        let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(step, mb))?;
+        let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(mb))?;
         // the forward (not a recompute) records batch normalisation's statistics
         self.state(stage)?.record_statistics(mb, f.stats);
         if let Some(loss) = f.loss {
@@ -838,12 +828,12 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
 
     /// `Recompute`: re-runs the forward from the kept input at the weights the forward used
     /// (not the newest, if an update came between), with the same dropout masks.
-    fn recompute(&mut self, step: usize, stage: StageId, mb: MicrobatchId) -> Result<()> {
+    fn recompute(&mut self, stage: StageId, mb: MicrobatchId) -> Result<()> {
         let Kept { input, model, .. } =
             self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
         let x = if stage.0 == 0 { input } else { require_grad(input) };
         let model = microbatch_copy(&model);
-        let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(step, mb))?;
+        let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(mb))?;
         self.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model });
         Ok(())
     }
