@@ -18,8 +18,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use pipec_plan::plan::FlushFree;
-use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, ScheduleKind};
+use pipec_plan::plan::{shift_microbatches, FlushFree};
+use pipec_plan::{DeviceId, GroupId, Instr, ScheduleKind};
 
 use crate::lower::{lower, LowerInput, Updates};
 use crate::schedule::{generate, Placement};
@@ -58,10 +58,6 @@ pub fn repeated(p: &Placement, steps: usize) -> Placement {
         devices: p.devices,
         microbatches: n * steps,
     }
-}
-
-fn shifted(stream: &[Instr], by: i64) -> Vec<Instr> {
-    stream.iter().map(|i| i.map_microbatch(|m| MicrobatchId((i64::from(m.0) + by) as u32))).collect()
 }
 
 /// Whether an instruction prepares a compute that follows it (it belongs to the next
@@ -118,7 +114,7 @@ pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
             }
             cuts.push(cut);
         }
-        let seg = |a: usize, b: usize, k: i64| shifted(&stream[a..b], -k * n as i64);
+        let seg = |a: usize, b: usize, k: i64| shift_microbatches(&stream[a..b], -k * n as i64);
         let (s0, s1, s2, s3) =
             (seg(0, cuts[0], 0), seg(cuts[0], cuts[1], 1), seg(cuts[1], cuts[2], 2), seg(cuts[2], stream.len(), 3));
         if s1 != s2 {

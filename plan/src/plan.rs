@@ -67,6 +67,12 @@ pub fn instruction_code(segment: Segment, index: usize) -> usize {
     }
 }
 
+/// `stream` with every microbatch number moved by `by` (a flush-free segment's numbers
+/// are relative to its step; `t·N` makes them the run's, `−t·N` relative again).
+pub fn shift_microbatches(stream: &[Instr], by: i64) -> Vec<Instr> {
+    stream.iter().map(|i| i.map_microbatch(|m| crate::MicrobatchId((i64::from(m.0) + by) as u32))).collect()
+}
+
 impl FlushFree {
     /// The streams of `steps` steps of the pipeline whose body is `body`, microbatches
     /// numbered across the run (`t·n + m`): prologue, body × (steps − 1), epilogue.
@@ -76,9 +82,7 @@ impl FlushFree {
         n: usize,
         steps: usize,
     ) -> BTreeMap<DeviceId, Vec<Instr>> {
-        let shifted = |s: &[Instr], t: usize| -> Vec<Instr> {
-            s.iter().map(|i| i.map_microbatch(|m| crate::MicrobatchId(m.0 + (t * n) as u32))).collect()
-        };
+        let shifted = |s: &[Instr], t: usize| shift_microbatches(s, (t * n) as i64);
         body.iter()
             .map(|(dev, b)| {
                 let mut s: Vec<Instr> = self.prologue.get(dev).cloned().unwrap_or_default();
