@@ -544,11 +544,11 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                         let segments = w.segments(filled, drain);
                         let r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
                         filled = !drain;
-                        let ckpt = match every {
-                            Some(k) if (step + 1) % k == 0 || step + 1 == total_steps => {
-                                Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
-                            }
-                            _ => None,
+                        // a checkpoint follows the steps that drain, when checkpoints are on
+                        let ckpt = if every.is_some() && drain {
+                            Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
+                        } else {
+                            None
                         };
                         if tx.send(Event::Step(Box::new(r), ckpt)).is_err() {
                             return Ok(());
