@@ -229,6 +229,20 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         sim.throughput_samples_per_s,
         headroom * 100.0
     ));
+    // the device whose all-reduces are exposed the longest, if any device all-reduces
+    if let Some(d) = sim.devices.iter().filter(|d| d.collective_s > 0.0).max_by(|a, b| {
+        a.exposed_collective_s.total_cmp(&b.exposed_collective_s).then(a.collective_s.total_cmp(&b.collective_s))
+    }) {
+        let hidden = (d.collective_s - d.exposed_collective_s).max(0.0);
+        s.push_str(&format!(
+            "all-reduce on {}: {} in flight per step, {} hidden behind compute, {} exposed ({:.1}% of the step)\n",
+            d.id,
+            human_time(d.collective_s),
+            human_time(hidden),
+            human_time(d.exposed_collective_s),
+            if sim.step_time_s > 0.0 { d.exposed_collective_s / sim.step_time_s * 100.0 } else { 0.0 }
+        ));
+    }
     s.push_str(&memory_table(plan));
     s.push_str(&format!("wrote {}/{{plan.json, timeline.svg, memory.svg, trace.json}}\n", dir.display()));
     s

@@ -302,6 +302,25 @@ fn measured_trace(plan: &Plan, report: &pipec_executor::RunReport, source: &str)
             *mark = mark.min(*start);
         }
     }
+    // the communication threads' work: a second process track, one row per device
+    let mut comm_rows = std::collections::BTreeSet::new();
+    for (dev, step, index, start, end) in &report.comm_timeline {
+        if let Some(ins) = plan.instruction(*dev, *index) {
+            let mut e = trace_event(*dev, ins, *start, *end);
+            e["pid"] = serde_json::json!(1);
+            e["args"] = serde_json::json!({ "step": step });
+            events.push(e);
+            comm_rows.insert(dev.0);
+        }
+    }
+    if !comm_rows.is_empty() {
+        events.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "compute"}}));
+        events
+            .push(serde_json::json!({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "communication"}}));
+        for d in comm_rows {
+            events.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": d, "args": {"name": format!("device {d} communication")}}));
+        }
+    }
     for ((dev, step), at) in step_marks {
         events.push(serde_json::json!({"name": format!("step {step}"), "ph": "i", "s": "t", "pid": 0, "tid": dev.0, "ts": at * 1e6}));
     }

@@ -58,8 +58,9 @@ fn a_tie_across_stages_sums_the_copies_gradients_before_their_updates() {
         for d in &g.devices {
             let stream = &plan.streams[d];
             let tail: Vec<String> = stream[stream.len() - 3..].iter().map(|i| i.to_string()).collect();
-            // the replicas' all-reduce, then the tied sum (50,257 × 768 bf16 values), then the update
-            assert!(tail[0].starts_with("allreduce"), "{d}: {tail:?}");
+            // the wait for the replicas' all-reduce, then the tied sum (50,257 × 768 bf16
+            // values), then the update
+            assert!(tail[0].starts_with("wait_allreduce"), "{d}: {tail:?}");
             assert_eq!(tail[1], format!("tiedallreduce {} {} 77194752B", stream[stream.len() - 1].stage(), g.id));
             assert!(tail[2].starts_with("step"), "{d}: {tail:?}");
         }

@@ -1144,16 +1144,12 @@ fn a_pipedream_checkpoint_resumes_exactly_on_its_layout_and_refuses_another() {
     assert!(err.to_string().contains("resume it on `2-1-1`"), "{err}");
 }
 
-/// Flush-free PipeDream against a plain sequential loop of the same staleness: every
-/// microbatch's forward on each stage uses the weight version the schedule says (the
-/// updates that stage applied before it, read from the plan's unrolled streams), its
-/// backward differentiates at that same version (weight stashing), and each backward's
-/// gradient is one SGD update. Two linear stages with a squared loss, gradients by hand.
-#[test]
-fn flush_free_pipedream_equals_a_sequential_loop_of_the_same_staleness() {
-    let text = |lr: &str, steps: usize, every: usize| {
-        format!(
-            "model:
+/// A two-layer linear regression (6 → 5 → 3, no biases, squared loss, SGD) on `devices`
+/// devices laid out as `stages` under flush-free PipeDream, 4 microbatches of 2 samples:
+/// small enough for a sequential reference written by hand.
+fn two_linear_pipedream(devices: usize, stages: &str, lr: &str, steps: usize, every: usize, overlap: bool) -> Plan {
+    let text = format!(
+        "model:
   input: [6]
   layers:
     - linear(6, 5, bias=false)
@@ -1161,14 +1157,15 @@ fn flush_free_pipedream_equals_a_sequential_loop_of_the_same_staleness() {
   loss: mse
 cluster:
   nodes: 1
-  devices_per_node: 2
+  devices_per_node: {devices}
   device: {{ memory: 1GiB, throughput: 10GFLOP/s }}
   links:
     intra_node: {{ bandwidth: 10GB/s, latency: 5us }}
 strategy:
-  stages: straight
+  stages: {stages}
   schedule: pipedream
   microbatches: 4
+  overlap: {overlap}
 training:
   batch_size: 8
   steps: {steps}
@@ -1177,15 +1174,16 @@ training:
   checkpoint: {{ every: {every} }}
   data: {{ kind: synthetic, task: regression, samples: 64 }}
 "
-        )
-    };
-    let compile_text = |t: &str| {
-        let s = pipec_grammar::check_source(t).spec.expect("valid");
-        compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan
-    };
-    // the initial weights: a checkpoint after one step too small to change them in f32
+    );
+    let s = pipec_grammar::check_source(&text).spec.expect("valid");
+    compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan
+}
+
+/// The two layers' initial weights: a checkpoint after one step too small to change them
+/// in f32.
+fn two_linear_initial_weights(devices: usize, stages: &str) -> (Vec<f64>, Vec<f64>) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let frozen = compile_text(&text("1e-30", 1, 1));
+    let frozen = two_linear_pipedream(devices, stages, "1e-30", 1, 1, true);
     pipec_executor::run(
         &frozen,
         &RunOptions { checkpoint_dir: Some(dir.path().to_path_buf()), ..Default::default() },
@@ -1195,59 +1193,84 @@ training:
     let saved =
         pipec_plan::checkpoint::read(&pipec_plan::checkpoint::locate(dir.path()).expect("ckpt")).expect("reads");
     let weight = |layer: u64| -> Vec<f64> { saved.params[&(layer << 8, 0)].1.iter().map(|v| f64::from(*v)).collect() };
-    // the flush-free run: 3 steps, one pipeline (no checkpoint before the end)
-    let (steps, n, lr) = (3usize, 4usize, 0.05f64);
-    let plan = compile_text(&text("0.05", steps, 100));
-    let flush_free = plan.flush_free.as_ref().expect("pipedream runs flush-free");
-    let unrolled = flush_free.unroll(&plan.streams, n, steps);
-    // per stage: the updates applied before each microbatch's forward
-    let versions: Vec<Vec<usize>> = (0..2u32)
-        .map(|d| {
-            let mut updates = 0;
-            let mut v = vec![0; steps * n];
-            for ins in &unrolled[&pipec_plan::DeviceId(d)] {
-                match ins {
-                    pipec_plan::Instr::OptimizerStep { .. } => updates += 1,
-                    pipec_plan::Instr::Forward { mb, .. } => v[mb.0 as usize] = updates,
-                    _ => {}
-                }
+    (weight(0), weight(1))
+}
+
+/// Per stage, the updates applied before each microbatch's forward, read from a flush-free
+/// plan's streams unrolled over `steps` steps (every replica of a stage counts the same).
+fn forward_versions(plan: &Plan, steps: usize) -> Vec<Vec<usize>> {
+    let n = plan.training.microbatches;
+    let unrolled = plan.flush_free.as_ref().expect("flush-free").unroll(&plan.streams, n, steps);
+    let mut versions = vec![vec![0usize; steps * n]; plan.stages.len()];
+    for stream in unrolled.values() {
+        let mut updates = 0;
+        for ins in stream {
+            match ins {
+                pipec_plan::Instr::OptimizerStep { .. } => updates += 1,
+                pipec_plan::Instr::Forward { stage, mb } => versions[stage.0 as usize][mb.0 as usize] = updates,
+                _ => {}
             }
-            v
-        })
-        .collect();
-    assert!(versions[0][3] < 3, "the first stage runs ahead of its updates: {versions:?}");
-    let got = losses(&train(&plan));
-    // the sequential loop
-    let data = pipec_executor::data::Dataset::for_plan(&plan).expect("data");
+        }
+    }
+    versions
+}
+
+/// One microbatch `g` of the two-layer regression at weights (w0, w1), by hand: its loss
+/// (mean over the microbatch's values) and the weight gradients dW0 = xᵀ dy0, dW1 = y0ᵀ dy1
+/// with dy0 = dy1 W1ᵀ.
+fn two_linear_microbatch(plan: &Plan, g: usize, w0: &[f64], w1: &[f64]) -> (f64, Vec<f64>, Vec<f64>) {
+    let n = plan.training.microbatches;
+    let data = pipec_executor::data::Dataset::for_plan(plan).expect("data");
     let (b, (i, h, o)) = (plan.training.microbatch_size, (6usize, 5usize, 3usize));
     let matmul = |a: &[f64], w: &[f64], rows: usize, inner: usize, cols: usize| -> Vec<f64> {
         (0..rows * cols).map(|k| (0..inner).map(|j| a[(k / cols) * inner + j] * w[j * cols + k % cols]).sum()).collect()
     };
-    let (mut w0, mut w1) = (vec![weight(0)], vec![weight(1)]);
+    let (x, t) = data.microbatch(g / n, g % n, b, plan.training.batch_size);
+    let (pipec_executor::data::Inputs::Features(x), pipec_executor::data::Targets::Values(t)) = (x, t) else {
+        panic!("regression data")
+    };
+    let x: Vec<f64> = x.iter().map(|v| f64::from(*v)).collect();
+    let t: Vec<f64> = t.iter().map(|v| f64::from(*v)).collect();
+    let y0 = matmul(&x, w0, b, i, h);
+    let y1 = matmul(&y0, w1, b, h, o);
+    let count = (b * o) as f64;
+    let loss = y1.iter().zip(&t).map(|(y, t)| (y - t) * (y - t)).sum::<f64>() / count;
+    let dy1: Vec<f64> = y1.iter().zip(&t).map(|(y, t)| 2.0 * (y - t) / count).collect();
+    let dw1: Vec<f64> = (0..h * o).map(|k| (0..b).map(|r| y0[r * h + k / o] * dy1[r * o + k % o]).sum()).collect();
+    let dy0: Vec<f64> = (0..b * h).map(|k| (0..o).map(|j| dy1[(k / h) * o + j] * w1[(k % h) * o + j]).sum()).collect();
+    let dw0: Vec<f64> = (0..i * h).map(|k| (0..b).map(|r| x[r * i + k / h] * dy0[r * h + k % h]).sum()).collect();
+    (loss, dw0, dw1)
+}
+
+/// `w − lr · mean(grads)`.
+fn sgd(w: &[f64], lr: f64, grads: &[Vec<f64>]) -> Vec<f64> {
+    let k = grads.len() as f64;
+    w.iter().enumerate().map(|(j, w)| w - lr * grads.iter().map(|g| g[j]).sum::<f64>() / k).collect()
+}
+
+/// Flush-free PipeDream against a plain sequential loop of the same staleness: every
+/// microbatch's forward on each stage uses the weight version the schedule says (the
+/// updates that stage applied before it, read from the plan's unrolled streams), its
+/// backward differentiates at that same version (weight stashing), and each backward's
+/// gradient is one SGD update. Two linear stages with a squared loss, gradients by hand.
+#[test]
+fn flush_free_pipedream_equals_a_sequential_loop_of_the_same_staleness() {
+    let (init0, init1) = two_linear_initial_weights(2, "straight");
+    // the flush-free run: 3 steps, one pipeline (no checkpoint before the end)
+    let (steps, n, lr) = (3usize, 4usize, 0.05f64);
+    let plan = two_linear_pipedream(2, "straight", "0.05", steps, 100, true);
+    let versions = forward_versions(&plan, steps);
+    assert!(versions[0][3] < 3, "the first stage runs ahead of its updates: {versions:?}");
+    let got = losses(&train(&plan));
+    // the sequential loop: the backwards run in microbatch order on each stage, so
+    // microbatch g's is update g
+    let (mut w0, mut w1) = (vec![init0], vec![init1]);
     let mut step_losses = vec![0.0f64; steps];
     for g in 0..steps * n {
-        let (x, t) = data.microbatch(g / n, g % n, b, plan.training.batch_size);
-        let (pipec_executor::data::Inputs::Features(x), pipec_executor::data::Targets::Values(t)) = (x, t) else {
-            panic!("regression data")
-        };
-        let x: Vec<f64> = x.iter().map(|v| f64::from(*v)).collect();
-        let t: Vec<f64> = t.iter().map(|v| f64::from(*v)).collect();
-        let (a, c) = (&w0[versions[0][g]], &w1[versions[1][g]]);
-        let y0 = matmul(&x, a, b, i, h);
-        let y1 = matmul(&y0, c, b, h, o);
-        let count = (b * o) as f64;
-        step_losses[g / n] += y1.iter().zip(&t).map(|(y, t)| (y - t) * (y - t)).sum::<f64>() / count / n as f64;
-        let dy1: Vec<f64> = y1.iter().zip(&t).map(|(y, t)| 2.0 * (y - t) / count).collect();
-        // dW1 = y0ᵀ dy1, dy0 = dy1 W1ᵀ, dW0 = xᵀ dy0 (at the stashed versions)
-        let dw1: Vec<f64> = (0..h * o).map(|k| (0..b).map(|r| y0[r * h + k / o] * dy1[r * o + k % o]).sum()).collect();
-        let dy0: Vec<f64> =
-            (0..b * h).map(|k| (0..o).map(|j| dy1[(k / h) * o + j] * c[(k % h) * o + j]).sum()).collect();
-        let dw0: Vec<f64> = (0..i * h).map(|k| (0..b).map(|r| x[r * i + k / h] * dy0[r * h + k % h]).sum()).collect();
-        // the backwards run in microbatch order on each stage: microbatch g's is update g
-        let next1: Vec<f64> = w1.last().expect("w1").iter().zip(&dw1).map(|(w, d)| w - lr * d).collect();
-        let next0: Vec<f64> = w0.last().expect("w0").iter().zip(&dw0).map(|(w, d)| w - lr * d).collect();
-        w1.push(next1);
-        w0.push(next0);
+        let (loss, dw0, dw1) = two_linear_microbatch(&plan, g, &w0[versions[0][g]], &w1[versions[1][g]]);
+        step_losses[g / n] += loss / n as f64;
+        w1.push(sgd(w1.last().expect("w1"), lr, &[dw1]));
+        w0.push(sgd(w0.last().expect("w0"), lr, &[dw0]));
     }
     assert_eq!(got.len(), steps);
     for (k, (a, e)) in got.iter().zip(&step_losses).enumerate() {
@@ -1265,7 +1288,7 @@ training:
     assert_eq!(segment_steps(0), (0..steps - 1).collect(), "body");
     // a checkpoint drains the pipeline: with one after step 2 of 4, it fills and drains twice
     let ckpt = tempfile::tempdir().expect("tempdir");
-    let twice = compile_text(&text("0.05", 4, 2));
+    let twice = two_linear_pipedream(2, "straight", "0.05", 4, 2, true);
     let r = pipec_executor::run(
         &twice,
         &RunOptions { checkpoint_dir: Some(ckpt.path().to_path_buf()), ..Default::default() },
@@ -1282,4 +1305,88 @@ training:
             .collect()
     };
     assert_eq!((steps_of(1), steps_of(2)), (vec![0, 2], vec![1, 3]));
+}
+
+/// Flush-free PipeDream with a replicated first stage (`2-1`), with and without overlapped
+/// all-reduces, against a plain sequential loop of the same staleness. The two replicas
+/// take alternate microbatches; their k-th updates pair d0's k-th and d1's k-th backward
+/// (microbatches 2k and 2k + 1) and apply the mean of the two gradients. Each microbatch's
+/// forward uses the versions the plan's unrolled streams give it. With overlap, the
+/// all-reduce of an update runs while the replica's next forward computes, so that forward
+/// sees one update less: the two modes differ, and each equals its own loop.
+#[test]
+fn pipedream_with_overlapped_replica_all_reduces_equals_a_sequential_loop() {
+    let (init0, init1) = two_linear_initial_weights(3, "\"2-1\"");
+    let (steps, n, lr) = (3usize, 4usize, 0.05f64);
+    let mut all_versions = Vec::new();
+    for overlap in [true, false] {
+        let plan = two_linear_pipedream(3, "\"2-1\"", "0.05", steps, 100, overlap);
+        let versions = forward_versions(&plan, steps);
+        let d0 =
+            &plan.flush_free.as_ref().expect("flush-free").unroll(&plan.streams, n, steps)[&pipec_plan::DeviceId(0)];
+        let overlapped = d0.windows(2).any(|w| {
+            matches!(w, [pipec_plan::Instr::AllReduce { .. }, x] if !matches!(x, pipec_plan::Instr::WaitAllReduce { .. }))
+        });
+        assert_eq!(overlapped, overlap, "the all-reduce is waited for at once exactly without overlap");
+        let got = losses(&train(&plan));
+        let (mut w0, mut w1) = (vec![init0.clone()], vec![init1.clone()]);
+        let mut pending0: Vec<Vec<f64>> = Vec::new();
+        let mut step_losses = vec![0.0f64; steps];
+        for g in 0..steps * n {
+            assert!(versions[0][g] < w0.len() && versions[1][g] < w1.len(), "microbatch {g} needs a later version");
+            let (loss, dw0, dw1) = two_linear_microbatch(&plan, g, &w0[versions[0][g]], &w1[versions[1][g]]);
+            step_losses[g / n] += loss / n as f64;
+            w1.push(sgd(w1.last().expect("w1"), lr, &[dw1]));
+            // stage 0: the replicas' k-th updates pair microbatches 2k and 2k + 1
+            pending0.push(dw0);
+            if pending0.len() == 2 {
+                w0.push(sgd(w0.last().expect("w0"), lr, &pending0));
+                pending0.clear();
+            }
+        }
+        for (k, (a, e)) in got.iter().zip(&step_losses).enumerate() {
+            assert!(
+                (a - e).abs() <= 1e-6 * e.abs().max(1e-12),
+                "overlap {overlap}, step {k}: pipec {a}, sequential loop {e}"
+            );
+        }
+        all_versions.push(versions[0].clone());
+    }
+    assert_ne!(all_versions[0], all_versions[1], "overlap changes which version stage 0's forwards use");
+    assert!(all_versions[0].iter().zip(&all_versions[1]).all(|(a, b)| a <= b), "overlap only makes forwards staler");
+}
+
+/// `pipec run`'s measured communication: receives are posted ahead and all-reduces run on
+/// the collective thread, so each device's communication timeline overlaps its compute.
+#[test]
+fn the_measured_trace_shows_communication_beside_compute() {
+    let p = plan(&Job { devices: 3, stages: "\"1-2\"", schedule: "1f1b", microbatches: 8, steps: 4, ..Job::default() });
+    let r = train(&p);
+    let is_compute = |d: pipec_plan::DeviceId, code: usize| {
+        p.instruction(d, code)
+            .is_some_and(|i| matches!(i.phase(), pipec_plan::Phase::Forward | pipec_plan::Phase::Backward))
+    };
+    let overlapping = |want: fn(&pipec_plan::Instr) -> bool| {
+        r.comm_timeline.iter().any(|&(d, step, code, s, e)| {
+            p.instruction(d, code).is_some_and(want)
+                && r.timeline.iter().any(|&(d2, step2, c2, s2, e2)| {
+                    d2 == d && step2 == step && is_compute(d2, c2) && s < e2 && s2 < e && e2 > s2
+                })
+        })
+    };
+    assert!(!r.comm_timeline.is_empty(), "no communication was traced");
+    assert!(
+        overlapping(|i| matches!(i, pipec_plan::Instr::RecvActivation { .. } | pipec_plan::Instr::RecvGradient { .. })),
+        "no receive was in flight while its device computed"
+    );
+    // the replicated last stage's all-reduce is traced, and the run equals one device
+    assert!(r
+        .comm_timeline
+        .iter()
+        .any(|&(d, _, code, _, _)| matches!(p.instruction(d, code), Some(pipec_plan::Instr::AllReduce { .. }))));
+    let one = losses(&train(&plan(&Job { microbatches: 8, steps: 4, ..Job::default() })));
+    let got = losses(&r);
+    for (a, e) in got.iter().zip(&one) {
+        assert!((a - e).abs() <= 1e-5 * e.abs(), "{a} vs one device {e}");
+    }
 }

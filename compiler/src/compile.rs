@@ -261,6 +261,7 @@ fn lower_streams(
             updates,
             recompute: strategy.recompute,
             vertical_sync: strategy.schedule.vertical_sync,
+            overlap: strategy.overlap,
         })
     };
     // PipeDream and 2BW run as one continuous pipeline when they can (vertical sync and
@@ -280,6 +281,7 @@ fn lower_streams(
                 groups: &group_of,
                 updates,
                 recompute: strategy.recompute,
+                overlap: strategy.overlap,
             })
             .ok()
         })
@@ -446,6 +448,8 @@ struct Simulated {
     per_device: Vec<(DeviceId, f64, f64)>,
     /// Idle share of device-time over the step.
     bubble: f64,
+    /// Per device: its all-reduces' seconds in flight and exposed, per step.
+    collectives: BTreeMap<DeviceId, (f64, f64)>,
 }
 
 /// Simulation: streams + cost model → `Simulated`.
@@ -509,6 +513,7 @@ fn simulate_plan(
             first_step: Some(steady.first_step_time),
             per_device,
             bubble: steady.bubble,
+            collectives: steady.collectives,
         });
     }
     let timeline = simulate(&lowered.streams, &lowered.members(), &sim_cost).map_err(|stuck| {
@@ -520,7 +525,8 @@ fn simulate_plan(
         )]
     })?;
     let (per_device, bubble) = utilisation(&timeline, &device_ids);
-    Ok(Simulated { step_time: timeline.step_time, first_step: None, timeline, per_device, bubble })
+    let collectives = crate::simulate::collective_times(&timeline);
+    Ok(Simulated { step_time: timeline.step_time, first_step: None, timeline, per_device, bubble, collectives })
 }
 
 /// Memory: per-device breakdowns from the streams, E0601/W0602, and the bubble warning.
@@ -653,11 +659,16 @@ fn assemble(
         devices: simulated
             .per_device
             .iter()
-            .map(|(d, busy, b)| DeviceSimulation {
-                id: *d,
-                busy_s: *busy,
-                bubble_fraction: *b,
-                peak_memory_bytes: devices[d.0 as usize].memory.total,
+            .map(|(d, busy, b)| {
+                let (in_flight, exposed) = simulated.collectives.get(d).copied().unwrap_or((0.0, 0.0));
+                DeviceSimulation {
+                    id: *d,
+                    busy_s: *busy,
+                    bubble_fraction: *b,
+                    peak_memory_bytes: devices[d.0 as usize].memory.total,
+                    collective_s: in_flight,
+                    exposed_collective_s: exposed,
+                }
             })
             .collect(),
     };

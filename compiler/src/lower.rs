@@ -31,6 +31,12 @@ pub struct LowerInput<'a> {
     /// PipeDream's vertical sync: every stage runs a microbatch's forward on the weight
     /// version the first stage used for it (unreplicated pipelines).
     pub vertical_sync: bool,
+    /// Overlap gradient all-reduces with compute: a stage's all-reduce starts right after
+    /// its last gradient contribution and is waited for right before its optimizer step;
+    /// under per-microbatch updates (PipeDream, 2BW) the wait and the update move to the
+    /// stage's next backward, so the forwards in between run while the replicas reduce (on
+    /// the weights before that update). Without it, every all-reduce is waited for at once.
+    pub overlap: bool,
 }
 
 /// Builds every device's stream.
@@ -64,8 +70,19 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
         let dev = DeviceId(d as u32);
         let stream = &mut streams[d];
         let mut local_backwards: HashMap<usize, usize> = HashMap::new();
+        // per stage: the stream position right after its latest gradient contribution
+        let mut last_contribution: BTreeMap<usize, usize> = BTreeMap::new();
+        // per stage: an update whose all-reduce is in flight (overlap with per-microbatch updates)
+        let mut deferred: BTreeMap<usize, GroupId> = BTreeMap::new();
+        let defer = input.overlap && !input.vertical_sync;
         for t in tasks {
             let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
+            if matches!(t.kind, TaskKind::Backward | TaskKind::BackwardInput) {
+                if let Some(group) = deferred.remove(&s) {
+                    stream.push(Instr::WaitAllReduce { stage: st(s), group });
+                    stream.push(Instr::OptimizerStep { stage: st(s) });
+                }
+            }
             match t.kind {
                 TaskKind::Forward => {
                     if s == 0 || s == last {
@@ -115,6 +132,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                         }
                         stream.push(Instr::Backward { stage: st(s), mb: mbid(m) });
                         stream.push(Instr::Free { stage: st(s), mb: mbid(m) });
+                        last_contribution.insert(s, stream.len());
                         let count = local_backwards.entry(s).or_insert(0);
                         *count += 1;
                         let update_now = match input.updates {
@@ -125,10 +143,22 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                             }
                         };
                         if update_now {
-                            if let Some(group) = input.groups[s] {
-                                stream.push(Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
+                            match input.groups[s] {
+                                Some(group) => {
+                                    stream.push(Instr::AllReduce {
+                                        stage: st(s),
+                                        group,
+                                        bytes: input.gradient_bytes[s],
+                                    });
+                                    if defer {
+                                        deferred.insert(s, group);
+                                    } else {
+                                        stream.push(Instr::WaitAllReduce { stage: st(s), group });
+                                        stream.push(Instr::OptimizerStep { stage: st(s) });
+                                    }
+                                }
+                                None => stream.push(Instr::OptimizerStep { stage: st(s) }),
                             }
-                            stream.push(Instr::OptimizerStep { stage: st(s) });
                         }
                     } else {
                         stream.push(Instr::BackwardInput { stage: st(s), mb: mbid(m) });
@@ -137,15 +167,38 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                 TaskKind::BackwardWeight => {
                     stream.push(Instr::BackwardWeight { stage: st(s), mb: mbid(m) });
                     stream.push(Instr::Free { stage: st(s), mb: mbid(m) });
+                    last_contribution.insert(s, stream.len());
                 }
             }
         }
+        for (s, group) in deferred {
+            stream.push(Instr::WaitAllReduce { stage: st(s), group });
+            stream.push(Instr::OptimizerStep { stage: st(s) });
+        }
         if input.updates == Updates::PerStep {
-            // Gradient all-reduce and optimizer step per stage held, in stage order on every
-            // device, so the members of a group issue their collectives in the same order.
-            for s in p.stages_of(dev) {
+            // With overlap, each replicated stage's all-reduce starts right after its last
+            // gradient contribution (later positions first, so earlier ones stay valid);
+            // the waits and optimizer steps follow at the end, in stage order on every device.
+            let held = p.stages_of(dev);
+            if input.overlap {
+                let mut starts: Vec<(usize, usize)> = held
+                    .iter()
+                    .filter(|s| input.groups[**s].is_some())
+                    .map(|s| (last_contribution.get(s).copied().unwrap_or(stream.len()), *s))
+                    .collect();
+                starts.sort_by(|a, b| b.cmp(a));
+                for (at, s) in starts {
+                    if let Some(group) = input.groups[s] {
+                        stream.insert(at, Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
+                    }
+                }
+            }
+            for s in held {
                 if let Some(group) = input.groups[s] {
-                    stream.push(Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
+                    if !input.overlap {
+                        stream.push(Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
+                    }
+                    stream.push(Instr::WaitAllReduce { stage: st(s), group });
                 }
                 stream.push(Instr::OptimizerStep { stage: st(s) });
             }

@@ -46,6 +46,7 @@ pub struct PeriodicInput<'a> {
     pub groups: &'a [Option<GroupId>],
     pub updates: Updates,
     pub recompute: bool,
+    pub overlap: bool,
 }
 
 /// The placement of `steps` steps run as one pipeline: microbatch `t·N + m` goes where
@@ -89,6 +90,7 @@ pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
         updates: input.updates,
         recompute: input.recompute,
         vertical_sync: false,
+        overlap: input.overlap,
     });
     let mut out = Periodic { body: BTreeMap::new(), segments: FlushFree::default(), microbatches: n };
     for (dev, stream) in streams {
@@ -111,6 +113,21 @@ pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
             let mut cut = last + 1;
             while cut < stream.len() && !prepares(&stream[cut]) {
                 cut += 1;
+            }
+            // an all-reduce started there whose wait and update were deferred to the
+            // stage's next backward (overlap) ends the step with them: no collective is in
+            // flight between steps, so every step's segment is self-contained
+            for ins in &stream[last + 1..cut] {
+                if let Instr::AllReduce { stage, group, .. } = *ins {
+                    let wait = Instr::WaitAllReduce { stage, group };
+                    if let Some(at) = stream[cut..].iter().position(|x| *x == wait) {
+                        let mut end = cut + at + 1;
+                        if stream.get(end) == Some(&Instr::OptimizerStep { stage }) {
+                            end += 1;
+                        }
+                        cut = cut.max(end);
+                    }
+                }
             }
             cuts.push(cut);
         }
@@ -172,6 +189,8 @@ pub struct SteadyState {
     pub bubble: f64,
     pub first_step_time: f64,
     pub busy: BTreeMap<DeviceId, f64>,
+    /// Per device, what one step's body adds to its all-reduces' time in flight and exposed.
+    pub collectives: BTreeMap<DeviceId, (f64, f64)>,
     pub two_steps: Timeline,
 }
 
@@ -188,7 +207,7 @@ pub fn steady_state(
     let busy = |t: &Timeline| -> BTreeMap<DeviceId, f64> {
         let mut out: BTreeMap<DeviceId, f64> = BTreeMap::new();
         for e in &t.events {
-            if !matches!(e.phase, pipec_plan::Phase::Communication | pipec_plan::Phase::Memory) {
+            if !e.background && !matches!(e.phase, pipec_plan::Phase::Communication | pipec_plan::Phase::Memory) {
                 *out.entry(e.device).or_insert(0.0) += e.end - e.start;
             }
         }
@@ -197,6 +216,14 @@ pub fn steady_state(
     let (b2, b3) = (busy(&two), busy(&three));
     let per_device: BTreeMap<DeviceId, f64> =
         b3.iter().map(|(d, b)| (*d, b - b2.get(d).copied().unwrap_or(0.0))).collect();
+    let (c2, c3) = (crate::simulate::collective_times(&two), crate::simulate::collective_times(&three));
+    let collectives = c3
+        .iter()
+        .map(|(d, (f, e))| {
+            let (f2, e2) = c2.get(d).copied().unwrap_or((0.0, 0.0));
+            (*d, (f - f2, e - e2))
+        })
+        .collect();
     let step_time = three.step_time - two.step_time;
     let devices = p.body.values().filter(|s| !s.is_empty()).count().max(1) as f64;
     let total: f64 = per_device.values().sum();
@@ -206,6 +233,7 @@ pub fn steady_state(
         bubble: bubble.max(0.0),
         first_step_time: one.step_time,
         busy: per_device,
+        collectives,
         two_steps: two,
     })
 }

@@ -97,7 +97,7 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
     );
     let _ = writeln!(
         svg,
-        r##"<text x="{left}" y="34" fill="#555">predicted timeline of one training step; numbers are microbatches, s = stage{}</text>"##,
+        r##"<text x="{left}" y="34" fill="#555">predicted timeline of one training step; numbers are microbatches, s = stage; a thin bar is a collective in flight{}</text>"##,
         if devices.len() < all.len() {
             format!(
                 "; {} of {} devices: each stage's first replica (trace.json has them all)",
@@ -127,6 +127,18 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
             let w = (x1 - x0).max(0.5);
             let title =
                 ins.map(|i| format!("{i}: {} → {}", human_time(e.start), human_time(e.end))).unwrap_or_default();
+            if e.background {
+                // a collective in flight on the communication engine: a thin bar along the
+                // bottom of the row, under whatever the device computes meanwhile
+                let _ = writeln!(
+                    svg,
+                    r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="4" fill="{}" opacity="0.8"><title>in flight: {}</title></rect>"#,
+                    y + row_h - 6.0,
+                    colour(e.phase),
+                    escape(&title)
+                );
+                continue;
+            }
             let _ = writeln!(
                 svg,
                 r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="{}" fill="{}" stroke="white" stroke-width="0.5"><title>{}</title></rect>"#,
@@ -342,6 +354,11 @@ pub fn trace_json(plan: &Plan, timeline: &Timeline) -> String {
             d.id.0
         );
     }
+    if timeline.events.iter().any(|e| e.background) {
+        // collectives in flight on the devices' communication engines: a second process
+        sep(&mut out);
+        out.push_str(r#"{"name":"process_name","ph":"M","pid":1,"args":{"name":"communication engine"}}"#);
+    }
     for e in &timeline.events {
         if e.end <= e.start {
             continue;
@@ -351,8 +368,9 @@ pub fn trace_json(plan: &Plan, timeline: &Timeline) -> String {
             let name = serde_json::Value::String(ins.to_string());
             let _ = write!(
                 out,
-                r#"{{"name":{name},"cat":"{}","ph":"X","pid":0,"tid":{},"ts":{},"dur":{}}}"#,
+                r#"{{"name":{name},"cat":"{}","ph":"X","pid":{},"tid":{},"ts":{},"dur":{}}}"#,
                 format!("{:?}", ins.phase()).to_lowercase(),
+                u8::from(e.background),
                 e.device.0,
                 serde_json::Value::from(e.start * 1e6),
                 serde_json::Value::from(((e.end - e.start) * 1e6).max(0.0))

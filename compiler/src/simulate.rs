@@ -1,11 +1,19 @@
 //! Discrete-event simulation of instruction streams.
 //!
-//! Semantics (the executor's): compute runs one instruction at a time per device; a send is
-//! asynchronous (the sender goes on; the message arrives after α + n·β on the link level);
-//! a receive blocks until its message has arrived, and must match the first message not yet
-//! received on its link (in-order matching); an all-reduce blocks until every member of its
-//! group has reached its matching call, then takes the ring (or parameter-server) time on
-//! every member. The same engine, with unit costs, is the verifier's deadlock check.
+//! Semantics (the executor's): each device has a compute engine, which runs its stream one
+//! instruction at a time, and a communication engine beside it.
+//! - A send is asynchronous: the sender goes on; the message occupies its link (one
+//!   direction of one device pair) for α + n·β, after the link's earlier messages.
+//! - A receive blocks until its message has arrived, and must match the first message not
+//!   yet received on its link (in-order matching).
+//! - `allreduce` starts a collective on the communication engine and the device goes on:
+//!   the engine takes a device's collectives one at a time, in the order they were started,
+//!   and a collective begins once every member has started it and has nothing earlier on its
+//!   engine; it then takes the ring (or parameter-server) time on every member.
+//!   `wait_allreduce` blocks until it has finished; only that wait (the exposed part) is
+//!   time the device spends on the collective. A `tiedallreduce` starts and waits at once.
+//!
+//! The same engine, with unit costs, is the verifier's deadlock check.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -29,6 +37,9 @@ pub struct Event {
     pub start: f64,
     pub end: f64,
     pub phase: Phase,
+    /// On the device's communication engine, beside its compute (a collective in flight):
+    /// not time the device itself spends.
+    pub background: bool,
 }
 
 /// Where execution got stuck.
@@ -46,7 +57,6 @@ pub struct Timeline {
     pub step_time: f64,
 }
 
-/// Message identity on a link: kind, stage, microbatch.
 /// What a link carries, as both ends name it (None: a receive nothing can match).
 fn message_key(i: &Instr) -> Option<(MessageId, u64)> {
     i.transfer().and_then(|t| t.id.map(|id| (id, t.bytes)))
@@ -54,8 +64,111 @@ fn message_key(i: &Instr) -> Option<(MessageId, u64)> {
 
 /// A message on a link: (what, bytes), send time, arrival time.
 type InFlight = ((MessageId, u64), f64, f64);
-/// A member's arrival at a collective: (device, time, bytes, stage).
-type Arrival = (DeviceId, f64, u64, u32);
+/// A collective: its group and its number among the group's collectives.
+type CallKey = (GroupId, usize);
+
+/// A member's start of a collective.
+#[derive(Debug, Clone, Copy)]
+struct Started {
+    device: DeviceId,
+    index: usize,
+    at: f64,
+    bytes: u64,
+    /// The stage a replica all-reduce sums (u32::MAX for a tied one: its members hold
+    /// different stages).
+    stage: u32,
+}
+
+/// The communication engines: who started what, in which order, and what has finished.
+#[derive(Default)]
+struct Engines {
+    /// Per device, its started collectives not yet run, in start order.
+    queue: HashMap<DeviceId, VecDeque<CallKey>>,
+    started: HashMap<CallKey, Vec<Started>>,
+    free_at: HashMap<DeviceId, f64>,
+    /// When each collective ran: (begin, end).
+    finished: HashMap<CallKey, (f64, f64)>,
+    calls: HashMap<(GroupId, DeviceId), usize>,
+    /// Per (device, group): the collective its next wait waits for.
+    outstanding: HashMap<(DeviceId, GroupId), CallKey>,
+}
+
+impl Engines {
+    /// Records `device`'s start of the next collective on `group`; returns its key.
+    fn start(&mut self, group: GroupId, s: Started) -> CallKey {
+        let k = self.calls.entry((group, s.device)).or_insert(0);
+        let key = (group, *k);
+        *k += 1;
+        self.started.entry(key).or_default().push(s);
+        self.queue.entry(s.device).or_default().push_back(key);
+        self.outstanding.insert((s.device, group), key);
+        key
+    }
+
+    /// Runs every collective that can begin now (all members started it, nothing earlier
+    /// on their engines), starting from the engines of `touched`. Returns the devices whose
+    /// collectives finished (to wake), or an error when members disagree.
+    fn run(
+        &mut self,
+        touched: Vec<DeviceId>,
+        groups: &HashMap<GroupId, Vec<DeviceId>>,
+        cost: &dyn CostModel,
+        events: &mut Vec<Event>,
+    ) -> Result<Vec<DeviceId>, String> {
+        let mut work = touched;
+        let mut woken = Vec::new();
+        while let Some(d) = work.pop() {
+            let Some(&key) = self.queue.get(&d).and_then(VecDeque::front) else { continue };
+            let Some(members) = groups.get(&key.0) else {
+                return Err(format!("{d} starts a collective on the unknown group {}", key.0));
+            };
+            let started = &self.started[&key];
+            if started.len() < members.len() {
+                continue;
+            }
+            if !members.iter().all(|m| self.queue.get(m).and_then(VecDeque::front) == Some(&key)) {
+                continue;
+            }
+            if started.iter().any(|a| a.bytes != started[0].bytes || a.stage != started[0].stage) {
+                return Err(format!(
+                    "group {}: the members' collective call #{} disagree (stage or size)",
+                    key.0, key.1
+                ));
+            }
+            let begin = started
+                .iter()
+                .map(|a| a.at.max(self.free_at.get(&a.device).copied().unwrap_or(0.0)))
+                .fold(0.0, f64::max);
+            let end = begin + cost.all_reduce(members, started[0].bytes);
+            for a in started {
+                events.push(Event {
+                    device: a.device,
+                    index: a.index,
+                    start: begin,
+                    end,
+                    phase: Phase::Collective,
+                    background: true,
+                });
+                self.free_at.insert(a.device, end);
+                if let Some(q) = self.queue.get_mut(&a.device) {
+                    q.pop_front();
+                }
+                work.push(a.device);
+                woken.push(a.device);
+            }
+            self.finished.insert(key, (begin, end));
+        }
+        Ok(woken)
+    }
+}
+
+/// The exposed part of a collective that ran over `(begin, end)`, for a device that
+/// started waiting for it at `now`: only the collective's own time is communication;
+/// waiting for the other members to start it is idle time (bubble).
+fn waited(device: DeviceId, index: usize, now: f64, (begin, end): (f64, f64)) -> Event {
+    let end = now.max(end);
+    Event { device, index, start: now.max(begin).min(end), end, phase: Phase::Collective, background: false }
+}
 
 /// Runs the streams. `groups` maps a group id to its members.
 pub fn simulate(
@@ -66,15 +179,22 @@ pub fn simulate(
     let devices: Vec<DeviceId> = streams.keys().copied().collect();
     let mut pc: HashMap<DeviceId, usize> = devices.iter().map(|d| (*d, 0)).collect();
     let mut clock: HashMap<DeviceId, f64> = devices.iter().map(|d| (*d, 0.0)).collect();
-    // messages in flight per link, in send order: (key, send time, arrival time)
+    // messages in flight per link, in send order; and when each link is free again
     let mut links: HashMap<(DeviceId, DeviceId), VecDeque<InFlight>> = HashMap::new();
-    // collectives: per group, the k-th call's arrivals
-    let mut calls_made: HashMap<(GroupId, DeviceId), usize> = HashMap::new();
-    let mut waiting: HashMap<(GroupId, usize), Vec<Arrival>> = HashMap::new();
+    let mut link_free: HashMap<(DeviceId, DeviceId), f64> = HashMap::new();
+    let mut engines = Engines::default();
+    // a tied all-reduce started by the instruction at (device, index), waiting to finish
+    let mut blocking: HashMap<(DeviceId, usize), CallKey> = HashMap::new();
     let mut events = Vec::new();
     let mut queue: VecDeque<DeviceId> = devices.iter().copied().collect();
     let mut queued: HashMap<DeviceId, bool> = devices.iter().map(|d| (*d, true)).collect();
     let mut error: Option<String> = None;
+    let wake = |d: DeviceId, queue: &mut VecDeque<DeviceId>, queued: &mut HashMap<DeviceId, bool>| {
+        if !queued.get(&d).copied().unwrap_or(true) {
+            queued.insert(d, true);
+            queue.push_back(d);
+        }
+    };
 
     while let Some(dev) = queue.pop_front() {
         queued.insert(dev, false);
@@ -88,15 +208,22 @@ pub fn simulate(
                 | Instr::SendGradient { peer, bytes, .. }
                 | Instr::PushGradient { peer, bytes, .. }
                 | Instr::PushWeights { peer, bytes, .. } => {
-                    let arrival = now + cost.transfer(dev, *peer, *bytes);
+                    let free = link_free.entry((dev, *peer)).or_insert(0.0);
+                    let begin = now.max(*free);
+                    let arrival = begin + cost.transfer(dev, *peer, *bytes);
+                    *free = arrival;
                     if let Some(key) = message_key(ins) {
-                        links.entry((dev, *peer)).or_default().push_back((key, now, arrival));
+                        links.entry((dev, *peer)).or_default().push_back((key, begin, arrival));
                     }
-                    events.push(Event { device: dev, index: i, start: now, end: now, phase: Phase::Communication });
-                    if !queued.get(peer).copied().unwrap_or(true) {
-                        queued.insert(*peer, true);
-                        queue.push_back(*peer);
-                    }
+                    events.push(Event {
+                        device: dev,
+                        index: i,
+                        start: now,
+                        end: now,
+                        phase: Phase::Communication,
+                        background: false,
+                    });
+                    wake(*peer, &mut queue, &mut queued);
                 }
                 Instr::RecvActivation { peer, .. }
                 | Instr::RecvGradient { peer, .. }
@@ -122,53 +249,70 @@ pub fn simulate(
                                 start: start.min(done),
                                 end: done,
                                 phase: Phase::Communication,
+                                background: false,
                             });
                             clock.insert(dev, done);
                         }
                     }
                 }
-                // a tied all-reduce's members hold different stages; a replica group's, one
                 Instr::AllReduce { group, bytes, stage } | Instr::TiedAllReduce { group, bytes, stage } => {
-                    let stage = if matches!(ins, Instr::AllReduce { .. }) { stage.0 } else { u32::MAX };
-                    let Some(members) = groups.get(group) else {
-                        error = Some(format!("{dev}: `{ins}` names an unknown group"));
-                        break;
-                    };
-                    let k = *calls_made.get(&(*group, dev)).unwrap_or(&0);
-                    let arrivals = waiting.entry((*group, k)).or_default();
-                    if !arrivals.iter().any(|a| a.0 == dev) {
-                        arrivals.push((dev, now, *bytes, stage));
-                    }
-                    if arrivals.len() < members.len() {
-                        break; // blocked until every member arrives; the last one releases all
-                    }
-                    if arrivals.iter().any(|a| a.2 != *bytes || a.3 != stage) {
-                        error =
-                            Some(format!("group {group}: the members' collective call #{k} disagree (stage or size)"));
-                        break;
-                    }
-                    let start = arrivals.iter().map(|a| a.1).fold(0.0, f64::max);
-                    let end = start + cost.all_reduce(members, *bytes);
-                    for &(m, _, _, _) in arrivals.iter() {
-                        let mi = if m == dev { i } else { pc[&m] };
-                        events.push(Event { device: m, index: mi, start, end, phase: Phase::Collective });
-                        clock.insert(m, end);
-                        *calls_made.entry((*group, m)).or_insert(0) += 1;
-                        if m != dev {
-                            *pc.get_mut(&m).expect("member") += 1;
-                            if !queued.get(&m).copied().unwrap_or(true) {
-                                queued.insert(m, true);
-                                queue.push_back(m);
-                            }
+                    let tied = matches!(ins, Instr::TiedAllReduce { .. });
+                    if tied {
+                        if let Some(key) = blocking.get(&(dev, i)).copied() {
+                            // started earlier: blocked until it finishes
+                            let Some(&ran) = engines.finished.get(&key) else { break };
+                            blocking.remove(&(dev, i));
+                            engines.outstanding.remove(&(dev, *group));
+                            let e = waited(dev, i, now, ran);
+                            clock.insert(dev, e.end);
+                            events.push(e);
+                            *pc.get_mut(&dev).expect("device") += 1;
+                            continue;
                         }
                     }
-                    waiting.remove(&(*group, k));
-                    *pc.get_mut(&dev).expect("device") += 1;
-                    continue;
+                    if !groups.get(group).is_some_and(|m| m.contains(&dev)) {
+                        error = Some(format!("{dev}: `{ins}` names a group it is not a member of"));
+                        break;
+                    }
+                    let stage = if tied { u32::MAX } else { stage.0 };
+                    let key = engines.start(*group, Started { device: dev, index: i, at: now, bytes: *bytes, stage });
+                    match engines.run(vec![dev], groups, cost, &mut events) {
+                        Ok(woken) => {
+                            for d in woken {
+                                wake(d, &mut queue, &mut queued);
+                            }
+                        }
+                        Err(e) => {
+                            error = Some(e);
+                            break;
+                        }
+                    }
+                    if tied {
+                        blocking.insert((dev, i), key);
+                        continue; // the same instruction again: it waits
+                    }
+                }
+                Instr::WaitAllReduce { group, .. } => {
+                    let Some(key) = engines.outstanding.get(&(dev, *group)).copied() else {
+                        error = Some(format!("{dev}: `{ins}` waits for an all-reduce it never started"));
+                        break;
+                    };
+                    let Some(&ran) = engines.finished.get(&key) else { break }; // woken when it finishes
+                    engines.outstanding.remove(&(dev, *group));
+                    let e = waited(dev, i, now, ran);
+                    clock.insert(dev, e.end);
+                    events.push(e);
                 }
                 _ => {
                     let d = cost.compute(dev, ins);
-                    events.push(Event { device: dev, index: i, start: now, end: now + d, phase: ins.phase() });
+                    events.push(Event {
+                        device: dev,
+                        index: i,
+                        start: now,
+                        end: now + d,
+                        phase: ins.phase(),
+                        background: false,
+                    });
                     clock.insert(dev, now + d);
                 }
             }
@@ -179,11 +323,14 @@ pub fn simulate(
         }
     }
     let finished = devices.iter().all(|d| pc[d] >= streams[d].len());
-    if let Some(reason) = error.or_else(|| (!finished).then(|| "no device can make progress: every unfinished device waits for a message or a collective that never comes (deadlock)".to_string())) {
+    let unfinished_collective = engines.queue.values().any(|q| !q.is_empty());
+    if let Some(reason) = error.or_else(|| {
+        (!finished).then(|| "no device can make progress: every unfinished device waits for a message or a collective that never comes (deadlock)".to_string())
+    }).or_else(|| unfinished_collective.then(|| "a started all-reduce never runs: its group's members start their collectives in different orders, or one never starts it (deadlock)".to_string())) {
         let next = devices.iter().map(|d| (*d, (pc[d] < streams[d].len()).then_some(pc[d]))).collect();
         return Err(Stuck { next, reason });
     }
-    let step_time = clock.values().copied().fold(0.0, f64::max);
+    let step_time = clock.values().chain(engines.free_at.values()).copied().fold(0.0, f64::max);
     events.sort_by(|a, b| a.device.cmp(&b.device).then(a.start.total_cmp(&b.start)).then(a.index.cmp(&b.index)));
     Ok(Timeline { events, step_time })
 }
@@ -207,11 +354,27 @@ impl CostModel for UnitCost {
     }
 }
 
-/// Per-device busy time (compute, optimizer and collectives) and the bubble fractions.
+/// Per device: seconds its all-reduces were in flight on its communication engine, and the
+/// part of that the device waited for (exposed; the rest was hidden behind compute).
+pub fn collective_times(t: &Timeline) -> BTreeMap<DeviceId, (f64, f64)> {
+    let mut out: BTreeMap<DeviceId, (f64, f64)> = BTreeMap::new();
+    for e in t.events.iter().filter(|e| e.phase == Phase::Collective) {
+        let entry = out.entry(e.device).or_insert((0.0, 0.0));
+        if e.background {
+            entry.0 += e.end - e.start;
+        } else {
+            entry.1 += e.end - e.start;
+        }
+    }
+    out
+}
+
+/// Per-device busy time (compute, optimizer and the exposed part of collectives) and the
+/// bubble fractions.
 pub fn utilisation(t: &Timeline, devices: &[DeviceId]) -> (Vec<(DeviceId, f64, f64)>, f64) {
     let mut busy: HashMap<DeviceId, f64> = HashMap::new();
     for e in &t.events {
-        if !matches!(e.phase, Phase::Communication | Phase::Memory) {
+        if !e.background && !matches!(e.phase, Phase::Communication | Phase::Memory) {
             *busy.entry(e.device).or_insert(0.0) += e.end - e.start;
         }
     }

@@ -182,7 +182,7 @@ fn check_unique(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     for (dev, stream) in input.streams {
         let mut seen: HashSet<&Instr> = HashSet::new();
         for (i, ins) in stream.iter().enumerate() {
-            if matches!(ins, Instr::AllReduce { .. } | Instr::OptimizerStep { .. }) {
+            if matches!(ins, Instr::AllReduce { .. } | Instr::WaitAllReduce { .. } | Instr::OptimizerStep { .. }) {
                 continue;
             }
             if !seen.insert(ins) {
@@ -368,6 +368,9 @@ fn check_stream_dataflow(
             if let Instr::Free { stage, mb } = ins {
                 live.remove(&Buffer::Saved { stage: *stage, mb: *mb });
             }
+            if let Instr::WaitAllReduce { stage, .. } = ins {
+                live.remove(&Buffer::Reducing { stage: *stage });
+            }
             if let Instr::RestoreWeights { stage, mb } = ins {
                 if !forwarded.contains(&(*stage, *mb)) {
                     out.push(v(
@@ -460,7 +463,26 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         // were all-reduced
         let mut pending: HashMap<StageId, (usize, bool)> = HashMap::new();
         let mut steps: HashMap<StageId, usize> = HashMap::new();
+        // per stage: the group of its all-reduce in flight (started, not yet waited for)
+        let mut reducing: HashMap<StageId, GroupId> = HashMap::new();
         for (i, ins) in stream.iter().enumerate() {
+            // nothing touches a stage's gradient while its all-reduce is in flight
+            let touches = matches!(
+                ins,
+                Instr::Backward { .. }
+                    | Instr::BackwardWeight { .. }
+                    | Instr::OptimizerStep { .. }
+                    | Instr::PushGradient { .. }
+                    | Instr::TiedAllReduce { .. }
+                    | Instr::AllReduce { .. }
+            );
+            if touches && reducing.contains_key(&ins.stage()) {
+                out.push(v(
+                    *dev,
+                    i,
+                    format!("`{ins}` touches the gradient of {} while its all-reduce is in flight", ins.stage()),
+                ));
+            }
             match ins {
                 Instr::Backward { stage, .. } | Instr::BackwardWeight { stage, .. } => {
                     let e = pending.entry(*stage).or_insert((0, false));
@@ -484,12 +506,23 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 Instr::ApplyGradient { stage, .. } | Instr::PullWeights { stage, .. } => {
                     *steps.entry(*stage).or_insert(0) += 1;
                 }
-                Instr::AllReduce { stage, .. } => {
+                Instr::AllReduce { stage, group, .. } => {
                     let e = pending.entry(*stage).or_insert((0, false));
                     if e.0 == 0 {
                         out.push(v(*dev, i, format!("`{ins}` reduces gradients before any were computed")));
                     }
-                    e.1 = true;
+                    reducing.insert(*stage, *group);
+                }
+                Instr::WaitAllReduce { stage, group } => {
+                    if reducing.remove(stage) != Some(*group) {
+                        out.push(v(
+                            *dev,
+                            i,
+                            format!("`{ins}` waits for an all-reduce of {stage} on {group} that is not in flight"),
+                        ));
+                    } else {
+                        pending.entry(*stage).or_insert((0, false)).1 = true;
+                    }
                 }
                 Instr::OptimizerStep { stage } => {
                     let e = pending.entry(*stage).or_insert((0, false));
@@ -517,6 +550,13 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 }
                 _ => {}
             }
+        }
+        for (stage, group) in &reducing {
+            out.push(Violation {
+                device: Some(*dev),
+                index: None,
+                message: format!("{dev}: the all-reduce of {stage} on {group} is never waited for"),
+            });
         }
         for s in input.placement.stages_of(*dev) {
             let stage = StageId(s as u32);

@@ -398,6 +398,7 @@ fn flush_free_pipedream_and_2bw_have_no_bubble_in_their_steady_state() {
                 groups: &groups,
                 updates,
                 recompute: false,
+                overlap: true,
             })
             .unwrap_or_else(|e| panic!("{kind} D={d}: {e}"));
             let problems = verify_periodic(&p, &placement, &Default::default(), updates.every(false), false);
@@ -448,6 +449,7 @@ fn flush_free_pipedream_with_a_replicated_stage_is_periodic_and_verified() {
         groups: &groups,
         updates,
         recompute: false,
+        overlap: true,
     })
     .expect("periodic");
     let problems = verify_periodic(&p, &placement, &members, updates.every(false), false);
@@ -458,4 +460,137 @@ fn flush_free_pipedream_with_a_replicated_stage_is_periodic_and_verified() {
     assert!((s.step_time - 3.0 * n as f64).abs() < 1e-9, "step {}", s.step_time);
     // device 0 and 1 are half idle (each has half the microbatches of an equal stage)
     assert!((s.bubble - 0.25).abs() < 1e-9, "bubble {}", s.bubble);
+}
+
+/// Forward `f0` and backward `2·f0` on stage 0, 1 and 2 on every other stage; every
+/// all-reduce takes `a`; messages are free.
+struct AllReduceCost {
+    f0: f64,
+    a: f64,
+}
+
+impl pipec_compiler::simulate::CostModel for AllReduceCost {
+    fn compute(&self, _: DeviceId, instr: &Instr) -> f64 {
+        let forward = if instr.stage().0 == 0 { self.f0 } else { 1.0 };
+        match instr {
+            Instr::Forward { .. } => forward,
+            Instr::Backward { .. } => 2.0 * forward,
+            _ => 0.0,
+        }
+    }
+    fn transfer(&self, _: DeviceId, _: DeviceId, _: u64) -> f64 {
+        0.0
+    }
+    fn all_reduce(&self, _: &[DeviceId], _: u64) -> f64 {
+        self.a
+    }
+}
+
+/// PipeDream's per-update replica all-reduce overlaps the next forward. Hand-computed for
+/// `2-1` with 8 microbatches: each replica of stage 0 runs 4 microbatches a step at 2 + 4,
+/// and stage 1 runs 8 at 1 + 2, so with free communication the steady step is 24 with no
+/// bubble. An all-reduce shorter than the forward it hides behind (a = 1.5 < 2) adds
+/// nothing; a longer one (a = 3) exposes a − 2 = 1 per update, 4 updates a step: 28.
+/// Waiting for every all-reduce at once instead costs the whole a per update: 24 + 4a.
+#[test]
+fn pipedream_hides_a_replica_all_reduce_shorter_than_the_next_forward() {
+    use pipec_compiler::periodic::{build, steady_state, verify_periodic, PeriodicInput};
+    use pipec_compiler::schedule::Placement;
+    use pipec_plan::{GroupId, ScheduleKind};
+    let n = 8;
+    let placement = Placement {
+        replicas: vec![vec![DeviceId(0), DeviceId(1)], vec![DeviceId(2)]],
+        route: vec![(0..n).map(|m| (m % 2) as u32).collect(), vec![0; n]],
+        devices: 3,
+        microbatches: n,
+    };
+    let groups = vec![Some(GroupId(0)), None];
+    let members: std::collections::HashMap<GroupId, Vec<DeviceId>> =
+        [(GroupId(0), vec![DeviceId(0), DeviceId(1)])].into_iter().collect();
+    let updates = ScheduleKind::PipeDream.updates(2);
+    let steady = |overlap: bool, a: f64| {
+        let p = build(&PeriodicInput {
+            kind: ScheduleKind::PipeDream,
+            placement: &placement,
+            ranks: 2,
+            output_bytes: &[0; 2],
+            gradient_bytes: &[0; 2],
+            groups: &groups,
+            updates,
+            recompute: false,
+            overlap,
+        })
+        .expect("periodic");
+        let problems = verify_periodic(&p, &placement, &members, updates.every(false), false);
+        assert!(problems.is_empty(), "{problems:?}");
+        steady_state(&p, &members, &AllReduceCost { f0: 2.0, a }).expect("simulates")
+    };
+    for overlap in [true, false] {
+        let free = steady(overlap, 0.0);
+        assert!((free.step_time - 24.0).abs() < 1e-9, "free communication: step {}", free.step_time);
+        assert!(free.bubble.abs() < 1e-9, "free communication: bubble {}", free.bubble);
+    }
+    let hidden = steady(true, 1.5);
+    assert!((hidden.step_time - 24.0).abs() < 1e-9, "a = 1.5 hides: step {}", hidden.step_time);
+    let (in_flight, exposed) = hidden.collectives[&DeviceId(0)];
+    assert!((in_flight - 4.0 * 1.5).abs() < 1e-9 && exposed.abs() < 1e-9, "{in_flight} in flight, {exposed} exposed");
+    let partly = steady(true, 3.0);
+    assert!((partly.step_time - 28.0).abs() < 1e-9, "a = 3 exposes 1 per update: step {}", partly.step_time);
+    let (in_flight, exposed) = partly.collectives[&DeviceId(0)];
+    assert!(
+        (in_flight - 12.0).abs() < 1e-9 && (exposed - 4.0).abs() < 1e-9,
+        "{in_flight} in flight, {exposed} exposed"
+    );
+    let blocking = steady(false, 1.5);
+    assert!((blocking.step_time - 30.0).abs() < 1e-9, "waiting at once: step {}", blocking.step_time);
+}
+
+/// Interleaved 1F1B with two chunks per device and every stage on two replicas: the later
+/// chunk's last backward comes first, so its all-reduce starts then and runs behind the
+/// earlier chunk's remaining backwards; only the first chunk's all-reduce, started by the
+/// step's very last backward, is left to wait for. Hand-computed against the same schedule
+/// with free communication (T): overlapped, T + a; waiting for both at the end, T + 2a.
+#[test]
+fn synchronous_all_reduces_start_after_their_stages_last_backward_and_overlap_the_rest() {
+    use pipec_compiler::lower::{lower, LowerInput, Updates};
+    use pipec_compiler::schedule::{generate, Placement};
+    use pipec_compiler::simulate::{collective_times, simulate};
+    use pipec_plan::{GroupId, ScheduleKind};
+    let n = 4;
+    let rank = |r: u32| vec![DeviceId(2 * r), DeviceId(2 * r + 1)];
+    let placement = Placement {
+        replicas: (0..4u32).map(|s| rank(s % 2)).collect(),
+        route: vec![(0..n).map(|m| (m % 2) as u32).collect(); 4],
+        devices: 4,
+        microbatches: n,
+    };
+    let groups: Vec<Option<GroupId>> = (0..4).map(|s| Some(GroupId(s))).collect();
+    let members: std::collections::HashMap<GroupId, Vec<DeviceId>> =
+        (0..4u32).map(|s| (GroupId(s), rank(s % 2))).collect();
+    let order = generate(ScheduleKind::Interleaved, &placement, 2, 1);
+    let streams = |overlap: bool| {
+        lower(&LowerInput {
+            placement: &placement,
+            order: &order,
+            output_bytes: &[0; 4],
+            gradient_bytes: &[0; 4],
+            groups: &groups,
+            updates: Updates::PerStep,
+            recompute: false,
+            vertical_sync: false,
+            overlap,
+        })
+    };
+    let a = 0.5;
+    let free = simulate(&streams(true), &members, &AllReduceCost { f0: 1.0, a: 0.0 }).expect("runs").step_time;
+    let overlapped = simulate(&streams(true), &members, &AllReduceCost { f0: 1.0, a }).expect("runs");
+    let waiting = simulate(&streams(false), &members, &AllReduceCost { f0: 1.0, a }).expect("runs");
+    assert!((overlapped.step_time - (free + a)).abs() < 1e-9, "overlapped {} vs T = {free}", overlapped.step_time);
+    assert!((waiting.step_time - (free + 2.0 * a)).abs() < 1e-9, "waiting {} vs T = {free}", waiting.step_time);
+    // the first rank: two all-reduces in flight, one of them hidden
+    let (in_flight, exposed) = collective_times(&overlapped)[&DeviceId(0)];
+    assert!(
+        (in_flight - 2.0 * a).abs() < 1e-9 && (exposed - a).abs() < 1e-9,
+        "{in_flight} in flight, {exposed} exposed"
+    );
 }

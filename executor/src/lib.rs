@@ -3,6 +3,7 @@
 //! same [`transport::Endpoint`] trait). The only crate of pipec that links Burn.
 
 pub use pipec_plan::checkpoint;
+pub mod comm;
 pub mod data;
 pub mod error;
 pub mod gpus;
@@ -117,6 +118,10 @@ pub struct RunReport {
     /// Every step's measured timeline, from the start of the run: (device, step,
     /// instruction index, start s, end s); at most `TIMELINE_LIMIT` entries.
     pub timeline: Vec<(DeviceId, usize, usize, f64, f64)>,
+    /// What each device's communication threads ran, beside its compute, in the same form
+    /// (a receive from when it was posted to when its message arrived; an all-reduce while
+    /// it was in flight); at most `TIMELINE_LIMIT` entries.
+    pub comm_timeline: Vec<(DeviceId, usize, usize, f64, f64)>,
     /// Peak microbatches each device kept for the backward, per stage, over the run.
     pub peak_in_flight: BTreeMap<DeviceId, BTreeMap<StageId, u32>>,
     /// Peak weight versions alive per stage (live + stashed), over the run.
@@ -522,40 +527,50 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                         error,
                     }
                 };
-                let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), RunError> {
-                    let dev = dev.ok_or_else(|| {
-                        fail(None, None, ExecError::Setup(format!("no compute device was assigned to {device}")))
-                    })?;
-                    let mut stages = build_stages::<B>(plan, device, &dev).map_err(|e| fail(None, None, e))?;
-                    if let Some(l) = loaded {
-                        load_checkpoint(plan, &mut stages, l, &dev).map_err(|e| fail(None, None, e))?;
-                    }
-                    let stream = &plan.streams[&device];
-                    let mut w = Worker::new(device, plan, stream, data, ep, dev.clone(), stages, reduce);
-                    w.epoch = epoch;
-                    // a flush-free pipeline starts empty, and is drained by the last step and by
-                    // every step a checkpoint follows (a checkpoint holds nothing in flight)
-                    let mut filled = false;
-                    for step in first_step..total_steps {
-                        if abort.load(Ordering::Relaxed) || !gate.begin(step) {
-                            return Ok(());
+                // the worker computes on this thread; its communication threads run beside
+                // it in this scope and end with it (on a failure, the abort flag stops any
+                // transfer they are blocked in)
+                let outcome = std::thread::scope(|comm_scope| {
+                    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), RunError> {
+                        let dev = dev.ok_or_else(|| {
+                            fail(None, None, ExecError::Setup(format!("no compute device was assigned to {device}")))
+                        })?;
+                        let mut stages = build_stages::<B>(plan, device, &dev).map_err(|e| fail(None, None, e))?;
+                        if let Some(l) = loaded {
+                            load_checkpoint(plan, &mut stages, l, &dev).map_err(|e| fail(None, None, e))?;
                         }
-                        let drain = step + 1 == total_steps || every.is_some_and(|k| (step + 1) % k == 0);
-                        let segments = w.segments(filled, drain);
-                        let r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
-                        filled = !drain;
-                        // a checkpoint follows the steps that drain, when checkpoints are on
-                        let ckpt = if every.is_some() && drain {
-                            Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
-                        } else {
-                            None
-                        };
-                        if tx.send(Event::Step(Box::new(r), ckpt)).is_err() {
-                            return Ok(());
+                        let stream = &plan.streams[&device];
+                        let comm = comm::Comm::start(comm_scope, ep, epoch);
+                        let mut w = Worker::new(device, plan, stream, data, comm, dev.clone(), stages, reduce);
+                        w.epoch = epoch;
+                        // a flush-free pipeline starts empty, and is drained by the last step and
+                        // by every step a checkpoint follows (a checkpoint holds nothing in flight)
+                        let mut filled = false;
+                        for step in first_step..total_steps {
+                            if abort.load(Ordering::Relaxed) || !gate.begin(step) {
+                                return Ok(());
+                            }
+                            let drain = step + 1 == total_steps || every.is_some_and(|k| (step + 1) % k == 0);
+                            let segments = w.segments(filled, drain);
+                            let r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
+                            filled = !drain;
+                            // a checkpoint follows the steps that drain, when checkpoints are on
+                            let ckpt = if every.is_some() && drain {
+                                Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
+                            } else {
+                                None
+                            };
+                            if tx.send(Event::Step(Box::new(r), ckpt)).is_err() {
+                                return Ok(());
+                            }
                         }
+                        Ok(())
+                    }));
+                    if !matches!(outcome, Ok(Ok(()))) {
+                        abort.store(true, Ordering::Relaxed);
                     }
-                    Ok(())
-                }));
+                    outcome
+                });
                 let err = match outcome {
                     Ok(Ok(())) => None,
                     Ok(Err(e)) => Some(e),
@@ -630,6 +645,12 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
                             .iter()
                             .flat_map(|(r, _)| r.trace.iter().map(move |t| (r.device, t.0, t.1, t.2)))
                             .collect();
+                        for (r, _) in &reports {
+                            let room = TIMELINE_LIMIT.saturating_sub(report.comm_timeline.len());
+                            report
+                                .comm_timeline
+                                .extend(r.comm.iter().take(room).map(|t| (r.device, r.step, t.0, t.1, t.2)));
+                        }
                         for (r, _) in &reports {
                             let room = TIMELINE_LIMIT.saturating_sub(report.timeline.len());
                             report.timeline.extend(

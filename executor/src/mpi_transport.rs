@@ -199,6 +199,18 @@ impl Endpoint for MpiEndpoint {
     fn device(&self) -> DeviceId {
         self.device
     }
+    /// Both halves talk to the same MPI world (initialised with `MPI_THREAD_MULTIPLE`);
+    /// messages and collectives travel on different tags.
+    fn split(self) -> (Self, Self) {
+        let other = MpiEndpoint {
+            device: self.device,
+            rank_of: self.rank_of.clone(),
+            outgoing: self.outgoing.clone(),
+            abort: self.abort.clone(),
+            timeout: self.timeout,
+        };
+        (self, other)
+    }
     fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
         let r = self.rank(to)?;
         self.outgoing

@@ -62,6 +62,12 @@ impl std::fmt::Display for TransportError {
 /// One device's connection to the others.
 pub trait Endpoint: Send {
     fn device(&self) -> DeviceId;
+    /// Splits the endpoint into its point-to-point half and its collective half, each
+    /// driven by its own thread (see `comm`): a collective in flight never holds up a
+    /// message. Each half fails the other half's calls.
+    fn split(self) -> (Self, Self)
+    where
+        Self: Sized;
     /// Sends a point-to-point message (asynchronous: returns without waiting for the peer).
     fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError>;
     /// Receives the next point-to-point message from `from`, which must carry `tag`.
@@ -231,6 +237,18 @@ pub mod in_process {
     impl Endpoint for InProcessEndpoint {
         fn device(&self) -> DeviceId {
             self.device
+        }
+        fn split(mut self) -> (Self, Self) {
+            let coll = InProcessEndpoint {
+                device: self.device,
+                to_p2p: HashMap::new(),
+                to_coll: std::mem::take(&mut self.to_coll),
+                from_p2p: HashMap::new(),
+                from_coll: std::mem::take(&mut self.from_coll),
+                abort: self.abort.clone(),
+                timeout: self.timeout,
+            };
+            (self, coll)
         }
         fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
             self.to_p2p

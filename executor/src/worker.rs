@@ -22,6 +22,7 @@ use pipec_plan::plan::{instruction_code, Segment as StreamSegment};
 use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, Plan, ReduceMode, StageId};
 use std::collections::BTreeMap;
 
+use crate::comm::{Comm, CommTrace, Ticket};
 use crate::data::{Dataset, Inputs, Targets};
 use crate::error::{ExecError, Result};
 use crate::layers::{Act, StageGraph, StageModel};
@@ -30,7 +31,7 @@ use crate::params::{
     FlatGrads,
 };
 use crate::tensor_parallel::{Boundary, Segment};
-use crate::transport::{Endpoint, Message, Tag};
+use crate::transport::{Message, Tag};
 
 /// Everything a worker reports about one step.
 #[derive(Debug, Clone, Default)]
@@ -41,6 +42,9 @@ pub struct StepReport {
     pub losses: Vec<(u32, f32)>,
     /// (instruction index, start s, end s) from the step's start.
     pub trace: Vec<(usize, f64, f64)>,
+    /// What the communication threads ran during the step: (instruction index, start s,
+    /// end s) from the start of the run.
+    pub comm: CommTrace,
     /// When the step started, in seconds from the start of the run (of this process).
     pub started: f64,
     pub step_seconds: f64,
@@ -314,12 +318,12 @@ pub(crate) struct Want {
 }
 
 /// A worker: one device, its stages, its stream.
-pub(crate) struct Worker<'a, B: AutodiffBackend, E: Endpoint> {
+pub(crate) struct Worker<'a, B: AutodiffBackend> {
     pub device: DeviceId,
     pub plan: &'a Plan,
     pub stream: &'a [Instr],
     pub data: &'a Dataset,
-    pub ep: E,
+    pub comm: Comm,
     pub dev: B::Device,
     pub stages: HashMap<StageId, StageState<B>>,
     pub reduce: ReduceMode,
@@ -334,6 +338,28 @@ pub(crate) struct Worker<'a, B: AutodiffBackend, E: Endpoint> {
     input_grads: HashMap<(StageId, MicrobatchId), Message>,
     pending_weight_grads: HashMap<(StageId, MicrobatchId), FlatGrads<B>>,
     in_flight: HashMap<StageId, u32>,
+    /// Receives posted ahead, by position in the step.
+    posted: HashMap<usize, Ticket<Message>>,
+    /// All-reduces in flight, per stage.
+    reductions: HashMap<StageId, Reduction>,
+}
+
+/// A stage's all-reduce in flight: the sum to come, and how to unpack it.
+struct Reduction {
+    sum: Ticket<Vec<f32>>,
+    sizes: Vec<usize>,
+    n_stats: usize,
+    members: usize,
+    group: GroupId,
+}
+
+/// Whether an instruction sends a message (issued when the compute reaches it) or
+/// receives one (posted ahead).
+fn sends(ins: &Instr) -> bool {
+    ins.transfer().is_some_and(|t| t.end == pipec_plan::End::Send)
+}
+fn receives(ins: &Instr) -> bool {
+    ins.transfer().is_some_and(|t| t.end == pipec_plan::End::Recv)
 }
 
 /// What a forward keeps for its microbatch's backward: the stage input (detached under
@@ -537,7 +563,7 @@ fn input_grad<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients, tag: Tag
     }
 }
 
-impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
+impl<'a, B: AutodiffBackend> Worker<'a, B> {
     // the worker's parts, each one of the run's: a struct of them would only be unpacked here
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -545,7 +571,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         plan: &'a Plan,
         stream: &'a [Instr],
         data: &'a Dataset,
-        ep: E,
+        comm: Comm,
         dev: B::Device,
         stages: HashMap<StageId, StageState<B>>,
         reduce: ReduceMode,
@@ -555,7 +581,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             plan,
             stream,
             data,
-            ep,
+            comm,
             dev,
             stages,
             reduce,
@@ -568,6 +594,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             input_grads: HashMap::new(),
             pending_weight_grads: HashMap::new(),
             in_flight: HashMap::new(),
+            posted: HashMap::new(),
+            reductions: HashMap::new(),
         }
     }
 
@@ -602,25 +630,55 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         }
         let base = (step * self.plan.training.microbatches) as u32;
         let mut versions: HashMap<StageId, u32> = HashMap::new();
+        let all: Vec<(usize, Instr)> = segments
+            .iter()
+            .flat_map(|(segment, stream)| {
+                stream.iter().enumerate().map(move |(index, ins)| {
+                    (instruction_code(*segment, index), ins.map_microbatch(|m| MicrobatchId(base + m.0)))
+                })
+            })
+            .collect();
+        // the next message instruction not yet handed to the communication thread
+        let mut issued = 0;
         let mut last = 0;
-        for (segment, stream) in segments {
-            for (index, ins) in stream.iter().enumerate() {
-                let code = instruction_code(*segment, index);
-                last = code;
-                let ins = ins.map_microbatch(|m| MicrobatchId(base + m.0));
-                let t0 = start.elapsed().as_secs_f64();
-                self.exec(&ins, &mut report).map_err(|e| (code, e))?;
-                let t1 = start.elapsed().as_secs_f64();
-                report.trace.push((code, t0, t1));
-                for (s, n) in &self.in_flight {
-                    let p = report.peak_in_flight.entry(*s).or_insert(0);
-                    *p = (*p).max(*n);
+        for (at, (code, ins)) in all.iter().enumerate() {
+            last = *code;
+            // post the receives up to the next send: messages keep the stream's order, and a
+            // send is issued when the compute reaches it
+            while let Some((c, next)) = all.get(issued) {
+                if sends(next) {
+                    break;
                 }
-                for (s, st) in &self.stages {
-                    let v = versions.entry(*s).or_insert(0);
-                    *v = (*v).max(1 + st.stash.len() as u32);
+                if receives(next) {
+                    let tag = expected_message(next).map_err(|e| (*c, e))?;
+                    let peer = next.peer().unwrap_or(self.device);
+                    let ticket = self.comm.post_recv(peer, tag, *c).map_err(|e| (*c, e.into()))?;
+                    self.posted.insert(issued, ticket);
                 }
+                issued += 1;
             }
+            if sends(ins) {
+                issued = at + 1;
+            }
+            let t0 = start.elapsed().as_secs_f64();
+            self.exec(ins, *code, at, &mut report).map_err(|e| (*code, e))?;
+            let t1 = start.elapsed().as_secs_f64();
+            report.trace.push((*code, t0, t1));
+            for (s, n) in &self.in_flight {
+                let p = report.peak_in_flight.entry(*s).or_insert(0);
+                *p = (*p).max(*n);
+            }
+            for (s, st) in &self.stages {
+                let v = versions.entry(*s).or_insert(0);
+                *v = (*v).max(1 + st.stash.len() as u32);
+            }
+        }
+        report.comm = self.comm.fence().map_err(|e| (last, e.into()))?;
+        if !self.reductions.is_empty() || !self.posted.is_empty() {
+            return Err((
+                last,
+                ExecError::Missing("an all-reduce or a receive is left in flight at the end of the step"),
+            ));
         }
         if drained
             && (!self.saved.is_empty()
@@ -635,11 +693,16 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         Ok(report)
     }
 
-    fn exec(&mut self, ins: &Instr, report: &mut StepReport) -> Result<()> {
+    /// The message posted for the receive at position `at` of the step.
+    fn received(&mut self, at: usize) -> Result<Message> {
+        Ok(self.posted.remove(&at).ok_or(ExecError::Missing("the receive was not posted"))?.wait()?)
+    }
+
+    fn exec(&mut self, ins: &Instr, code: usize, at: usize, report: &mut StepReport) -> Result<()> {
         match *ins {
             Instr::LoadMicrobatch { stage, mb, inputs, labels } => self.load_microbatch(stage, mb, inputs, labels),
-            Instr::RecvActivation { peer, stage, mb, .. } => {
-                let msg = self.ep.recv(peer, expected_message(ins)?)?;
+            Instr::RecvActivation { stage, mb, .. } => {
+                let msg = self.received(at)?;
                 let act = require_grad(host_to_act::<B>(&msg.shape, msg.data, &self.dev)?);
                 self.inputs.insert((stage, mb), act);
                 Ok(())
@@ -676,19 +739,20 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             }
             Instr::SendActivation { peer, stage, mb, .. } => {
                 let msg = self.outputs.remove(&(stage, mb));
-                self.send(peer, msg, "the activation to send was not computed")
+                self.send(peer, msg, code, "the activation to send was not computed")
             }
-            Instr::RecvGradient { peer, stage, mb, .. } => {
-                let msg = self.ep.recv(peer, expected_message(ins)?)?;
+            Instr::RecvGradient { stage, mb, .. } => {
+                let msg = self.received(at)?;
                 self.grads_in.insert((stage, mb), msg);
                 Ok(())
             }
             Instr::SendGradient { peer, stage, mb, .. } => {
                 let msg = self.input_grads.remove(&(stage, mb));
-                self.send(peer, msg, "the gradient to send was not computed")
+                self.send(peer, msg, code, "the gradient to send was not computed")
             }
-            Instr::AllReduce { stage, group, .. } => self.all_reduce(stage, group),
-            Instr::TiedAllReduce { group, .. } => self.tied_all_reduce(group),
+            Instr::AllReduce { stage, group, .. } => self.start_all_reduce(stage, group, code),
+            Instr::WaitAllReduce { stage, group } => self.wait_all_reduce(stage, group),
+            Instr::TiedAllReduce { group, .. } => self.tied_all_reduce(group, code),
             Instr::StashWeights { stage, mb, version } => {
                 let st = self.state(stage)?;
                 let m = match version {
@@ -722,10 +786,10 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 flat.extend(st.statistics_message()?);
                 st.clear_gradients();
                 let n = flat.len();
-                Ok(self.ep.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: flat })?)
+                Ok(self.comm.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: flat }, code)?)
             }
-            Instr::ApplyGradient { peer, stage, .. } => {
-                let msg = self.ep.recv(peer, expected_message(ins)?)?;
+            Instr::ApplyGradient { stage, .. } => {
+                let msg = self.received(at)?;
                 self.apply_gradient(stage, &msg.data)
             }
             Instr::PushWeights { peer, stage, .. } => {
@@ -733,10 +797,10 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 let mut values: Vec<f32> = snapshot::<B, _>(model)?.into_iter().flat_map(|(_, _, v)| v).collect();
                 values.extend(model.running_statistics());
                 let n = values.len();
-                Ok(self.ep.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: values })?)
+                Ok(self.comm.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: values }, code)?)
             }
-            Instr::PullWeights { peer, stage, .. } => {
-                let msg = self.ep.recv(peer, expected_message(ins)?)?;
+            Instr::PullWeights { stage, .. } => {
+                let msg = self.received(at)?;
                 self.pull_weights(stage, &msg.data)
             }
             Instr::OptimizerStep { stage } => self.optimizer_step(stage),
@@ -744,8 +808,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
     }
 
     /// Sends a computed message; `missing` says what was not computed.
-    fn send(&mut self, peer: DeviceId, msg: Option<Message>, missing: &'static str) -> Result<()> {
-        Ok(self.ep.send(peer, msg.ok_or(ExecError::Missing(missing))?)?)
+    fn send(&mut self, peer: DeviceId, msg: Option<Message>, code: usize, missing: &'static str) -> Result<()> {
+        Ok(self.comm.send(peer, msg.ok_or(ExecError::Missing(missing))?, code)?)
     }
 
     fn last_stage(&self) -> StageId {
@@ -850,11 +914,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         let is_last = stage == self.last_stage();
         if let Some(tp) = self.state(stage)?.tp.clone() {
             let reduce = self.reduce;
-            let ep = &mut self.ep;
-            let mut sum = |mut v: Vec<f32>| -> Result<Vec<f32>> {
-                ep.all_reduce(&tp.members, &mut v, reduce)?;
-                Ok(v)
-            };
+            let comm = &self.comm;
+            let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> { Ok(comm.all_reduce(&tp.members, v, reduce, None)?) };
             let mut stats = Vec::new();
             let segments = crate::tensor_parallel::forward(model, x, true, key, &mut sum, &mut stats)?;
             let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
@@ -949,9 +1010,11 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 .ok_or(ExecError::Missing("no gradient reached a segment input"))?;
             match seg.boundary {
                 Boundary::Complete => {}
-                Boundary::Sum => self.ep.all_reduce(&tp.members, &mut g.data, reduce)?,
+                Boundary::Sum => {
+                    g.data = self.comm.all_reduce(&tp.members, std::mem::take(&mut g.data), reduce, None)?;
+                }
                 Boundary::SumResidual => {
-                    self.ep.all_reduce(&tp.members, &mut g.data, reduce)?;
+                    g.data = self.comm.all_reduce(&tp.members, std::mem::take(&mut g.data), reduce, None)?;
                     for (x, r) in g.data.iter_mut().zip(&grad_out.data) {
                         *x -= (size - 1.0) * r;
                     }
@@ -976,8 +1039,10 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
         Ok(())
     }
 
-    /// `AllReduce`: sums the accumulated gradients over the stage's data-parallel group.
-    fn all_reduce(&mut self, stage: StageId, group: GroupId) -> Result<()> {
+    /// `AllReduce`: hands the stage's accumulated gradients (and batch statistics) to the
+    /// collective thread, which sums them over the stage's data-parallel group while this
+    /// thread computes on.
+    fn start_all_reduce(&mut self, stage: StageId, group: GroupId, code: usize) -> Result<()> {
         let members = self
             .plan
             .groups
@@ -985,23 +1050,42 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             .find(|g| g.id == group)
             .map(|g| g.devices.clone())
             .ok_or_else(|| ExecError::Plan(format!("the plan has no {group}")))?;
+        if self.reductions.contains_key(&stage) {
+            return Err(ExecError::Plan(format!("{stage} starts an all-reduce while its last one is in flight")));
+        }
         let reduce = self.reduce;
-        let dev = self.dev.clone();
         let st = self.state(stage)?;
         let sizes: Vec<usize> = st.acc.iter().flatten().map(|t| t.dims()[0]).collect();
         let mut flat = flatten_grads::<B>(&st.acc)?;
         let stats = st.statistics_message()?;
         let n_stats = stats.len();
         flat.extend(stats);
-        self.ep.all_reduce(&members, &mut flat, reduce)?;
+        let n = members.len();
+        let sum = self.comm.start_all_reduce(members, flat, reduce, Some(code))?;
+        self.reductions.insert(stage, Reduction { sum, sizes, n_stats, members: n, group });
+        Ok(())
+    }
+
+    /// `WaitAllReduce`: takes the sum back into the stage's accumulator.
+    fn wait_all_reduce(&mut self, stage: StageId, group: GroupId) -> Result<()> {
+        let r = self
+            .reductions
+            .remove(&stage)
+            .filter(|r| r.group == group)
+            .ok_or_else(|| ExecError::Plan(format!("no all-reduce of {stage} on {group} is in flight")))?;
+        let mut flat = r.sum.wait()?;
+        let dev = self.dev.clone();
         let st = self.state(stage)?;
-        let stats = flat.split_off(flat.len() - n_stats);
+        if flat.len() < r.n_stats {
+            return Err(ExecError::Missing("fewer gradients came back than were sent"));
+        }
+        let stats = flat.split_off(flat.len() - r.n_stats);
         st.set_statistics(&stats, &dev)?;
-        let mut summed = unflatten::<B::InnerBackend>(&flat, &sizes, &dev)?.into_iter();
+        let mut summed = unflatten::<B::InnerBackend>(&flat, &r.sizes, &dev)?.into_iter();
         for g in st.acc.iter_mut().flatten() {
             *g = summed.next().ok_or(ExecError::Missing("fewer gradients came back than were sent"))?;
         }
-        st.contributions *= members.len();
+        st.contributions *= r.members;
         Ok(())
     }
 
@@ -1060,7 +1144,7 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
     /// `TiedAllReduce`: sums the tied weight's gradient over the copies in `group` (in the
     /// embedding's [vocab, d] orientation): the first member holding each tied stage
     /// contributes it, every member holding one takes the sum.
-    fn tied_all_reduce(&mut self, group: GroupId) -> Result<()> {
+    fn tied_all_reduce(&mut self, group: GroupId, code: usize) -> Result<()> {
         let g = self
             .plan
             .groups
@@ -1089,8 +1173,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
                 sum.iter_mut().zip(&g).for_each(|(x, y)| *x += y);
             }
         }
-        let mut sum = sum.ok_or(ExecError::Plan(format!("{} holds no layer tied by {group}", self.device)))?;
-        self.ep.all_reduce(&members, &mut sum, self.reduce)?;
+        let sum = sum.ok_or(ExecError::Plan(format!("{} holds no layer tied by {group}", self.device)))?;
+        let sum = self.comm.all_reduce(&members, sum, self.reduce, Some(code))?;
         for (s, layer) in mine {
             set_tied_gradient(self.state(s)?, plan, layer, &sum)?;
         }
@@ -1150,8 +1234,8 @@ impl<'a, B: AutodiffBackend, E: Endpoint> Worker<'a, B, E> {
             }
             let Some(Some(t)) = st.acc.get(i) else { continue };
             let n = t.dims()[0];
-            let mut v = host_f32(t.clone().into_data())?;
-            self.ep.all_reduce(&tp.members, &mut v, reduce)?;
+            let v = host_f32(t.clone().into_data())?;
+            let v = self.comm.all_reduce(&tp.members, v, reduce, None)?;
             st.acc[i] = Some(Tensor::from_data(TensorData::new(v, [n]), &dev));
         }
         Ok(())

@@ -180,6 +180,8 @@ pub struct Strategy {
     pub microbatches: usize,
     pub partition: Partition,
     pub recompute: bool,
+    /// Overlap gradient all-reduces with compute (default true).
+    pub overlap: bool,
     /// The span of the strategy's layout (`stages:` or `dp`/`pp`), for plan-level errors.
     pub layout_span: Span,
     /// Whether the user fixed the layout; with `partition: auto` and no layout the planner

@@ -135,6 +135,12 @@ struct Strategy {
     partition: Option<PartitionSpec>,
     /// Recompute activations in the backward pass (keep only each stage's inputs).
     recompute: Option<bool>,
+    /// Overlap gradient all-reduces with compute (default true): a replicated stage's
+    /// all-reduce starts right after its last backward of the step and is waited for only
+    /// before its optimizer step; under `pipedream`/`2bw` the next forwards run while it is
+    /// in flight (on the weights before that update). `false` waits for every all-reduce at
+    /// once.
+    overlap: Option<bool>,
 }
 
 #[derive(JsonSchema)]

@@ -91,9 +91,14 @@ pub(crate) fn lower_strategy(
         None => Some(false),
         Some(n) => cx.boolean(n),
     };
+    let overlap = match f.get("overlap") {
+        None => Some(true),
+        Some(n) => cx.boolean(n),
+    };
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
+    let overlap = overlap?;
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
     let mut ok = check_device_count(cx, &layout, tp, cluster);
     check_size(cx, &layout, &schedule, microbatches, microbatches_node.map_or(owner, |n| n.span))?;
@@ -113,6 +118,7 @@ pub(crate) fn lower_strategy(
         microbatches,
         partition,
         recompute,
+        overlap,
         layout_span: layout.span,
         layout_fixed: layout.fixed,
         partition_span: partition_node.map_or(owner, |n| n.span),

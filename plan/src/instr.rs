@@ -69,6 +69,9 @@ pub enum Buffer {
     Weights { stage: StageId },
     /// A stashed weight version of `stage` for `mb` (PipeDream weight stashing).
     Stash { stage: StageId, mb: MicrobatchId },
+    /// The gradients of `stage` while its all-reduce is in flight (between `AllReduce` and
+    /// `WaitAllReduce`).
+    Reducing { stage: StageId },
 }
 
 /// One instruction of a device's stream.
@@ -96,9 +99,15 @@ pub enum Instr {
     SendGradient { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
     /// Receive the gradient w.r.t. `stage`'s output for `mb` from `peer`.
     RecvGradient { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
-    /// Sum the weight gradients of `stage` over the replica group `group` (ring all-reduce,
-    /// or a parameter server when the plan says so).
+    /// Start summing the weight gradients of `stage` over the replica group `group` (ring
+    /// all-reduce, or a parameter server when the plan says so). The reduction runs on the
+    /// device's communication engine, which takes a device's collectives one at a time in the
+    /// order they were started, while the device goes on computing; `WaitAllReduce` waits for
+    /// it. Nothing may touch the stage's gradient in between.
     AllReduce { stage: StageId, group: GroupId, bytes: u64 },
+    /// Wait until the last `AllReduce` of `stage` over `group` has finished: the summed
+    /// gradient is in place afterwards (the optimizer step may follow).
+    WaitAllReduce { stage: StageId, group: GroupId },
     /// Weight tying across stages: sum the gradient of the tied weight `stage` holds (an
     /// embedding table, or the output projection that is its transpose) with the other
     /// copies' over `group` (every device holding a copy), after the replica all-reduces,
@@ -284,6 +293,7 @@ macro_rules! about_microbatch {
 macro_rules! about_no_microbatch {
     () => {
         Instr::AllReduce { .. }
+            | Instr::WaitAllReduce { .. }
             | Instr::TiedAllReduce { .. }
             | Instr::OptimizerStep { .. }
             | Instr::PushWeights { .. }
@@ -323,6 +333,7 @@ impl Instr {
             | Instr::SendGradient { stage, .. }
             | Instr::RecvGradient { stage, .. }
             | Instr::AllReduce { stage, .. }
+            | Instr::WaitAllReduce { stage, .. }
             | Instr::TiedAllReduce { stage, .. }
             | Instr::StashWeights { stage, .. }
             | Instr::RestoreWeights { stage, .. }
@@ -343,7 +354,9 @@ impl Instr {
     /// The collective group of a collective instruction.
     pub fn group(&self) -> Option<GroupId> {
         match *self {
-            Instr::AllReduce { group, .. } | Instr::TiedAllReduce { group, .. } => Some(group),
+            Instr::AllReduce { group, .. }
+            | Instr::WaitAllReduce { group, .. }
+            | Instr::TiedAllReduce { group, .. } => Some(group),
             _ => None,
         }
     }
@@ -371,7 +384,7 @@ impl Instr {
             | Instr::PushWeights { .. }
             | Instr::PullWeights { .. } => Phase::Communication,
             Instr::ApplyGradient { .. } => Phase::Optimizer,
-            Instr::AllReduce { .. } | Instr::TiedAllReduce { .. } => Phase::Collective,
+            Instr::AllReduce { .. } | Instr::WaitAllReduce { .. } | Instr::TiedAllReduce { .. } => Phase::Collective,
             Instr::OptimizerStep { .. } => Phase::Optimizer,
             Instr::LoadMicrobatch { .. }
             | Instr::StashWeights { .. }
@@ -408,7 +421,9 @@ impl Instr {
             Instr::PullWeights { peer, stage, round, bytes } => {
                 (End::Recv, peer, Some(MessageId::weights(stage, round)), bytes)
             }
-            Instr::AllReduce { .. } | Instr::TiedAllReduce { .. } | on_device!() => return None,
+            Instr::AllReduce { .. } | Instr::WaitAllReduce { .. } | Instr::TiedAllReduce { .. } | on_device!() => {
+                return None
+            }
         };
         Some(Transfer { end, peer, id, bytes })
     }
@@ -442,7 +457,9 @@ impl Instr {
         let mut out = self.clone();
         match &mut out {
             point_to_point!(peer) => *peer = device(*peer),
-            Instr::AllReduce { group: g, .. } | Instr::TiedAllReduce { group: g, .. } => *g = group(*g),
+            Instr::AllReduce { group: g, .. }
+            | Instr::WaitAllReduce { group: g, .. }
+            | Instr::TiedAllReduce { group: g, .. } => *g = group(*g),
             on_device!() => {}
         }
         out
@@ -465,6 +482,7 @@ impl Instr {
             Instr::AllReduce { stage, .. } | Instr::TiedAllReduce { stage, .. } | Instr::OptimizerStep { stage } => {
                 vec![B::WeightGrad { stage }]
             }
+            Instr::WaitAllReduce { stage, .. } => vec![B::Reducing { stage }],
             Instr::StashWeights { stage, .. } => vec![B::Weights { stage }],
             Instr::RestoreWeights { stage, mb } => vec![B::Stash { stage, mb }],
             Instr::Free { stage, mb } => vec![B::Saved { stage, mb }],
@@ -497,7 +515,8 @@ impl Instr {
             Instr::RecvActivation { stage, mb, .. } => vec![B::Input { stage, mb }],
             Instr::RecvGradient { stage, mb, .. } => vec![B::OutputGrad { stage, mb }],
             Instr::SendActivation { .. } | Instr::SendGradient { .. } | Instr::Free { .. } => vec![],
-            Instr::AllReduce { stage, .. } | Instr::TiedAllReduce { stage, .. } => vec![B::WeightGrad { stage }],
+            Instr::AllReduce { stage, .. } => vec![B::Reducing { stage }],
+            Instr::WaitAllReduce { stage, .. } | Instr::TiedAllReduce { stage, .. } => vec![B::WeightGrad { stage }],
             Instr::OptimizerStep { stage } => vec![B::Weights { stage }, B::WeightGrad { stage }],
             Instr::StashWeights { stage, mb, .. } => vec![B::Stash { stage, mb }],
             Instr::RestoreWeights { stage, .. } => vec![B::Weights { stage }],
@@ -531,6 +550,7 @@ impl fmt::Display for Instr {
             Instr::SendGradient { peer, stage, mb, bytes } => write!(f, "send_grad {stage} {mb} -> {peer} {bytes}B"),
             Instr::RecvGradient { peer, stage, mb, bytes } => write!(f, "recv_grad {stage} {mb} <- {peer} {bytes}B"),
             Instr::AllReduce { stage, group, bytes } => write!(f, "allreduce {stage} {group} {bytes}B"),
+            Instr::WaitAllReduce { stage, group } => write!(f, "wait_allreduce {stage} {group}"),
             Instr::TiedAllReduce { stage, group, bytes } => write!(f, "tiedallreduce {stage} {group} {bytes}B"),
             Instr::StashWeights { stage, mb, version: None } => write!(f, "stash {stage} {mb}"),
             Instr::StashWeights { stage, mb, version: Some(v) } => write!(f, "stash {stage} {mb} v{v}"),

@@ -11,7 +11,7 @@ use crate::model::{Loss, Op, Source};
 use crate::vocab::{Precision, ReduceMode, ScheduleKind, Task};
 
 /// Bumped on every incompatible change of the format.
-pub const PLAN_VERSION: u32 = 1;
+pub const PLAN_VERSION: u32 = 2;
 
 /// A compiled training plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -317,6 +317,12 @@ pub struct DeviceSimulation {
     pub busy_s: f64,
     pub bubble_fraction: f64,
     pub peak_memory_bytes: u64,
+    /// Seconds per step the device's all-reduces are in flight on its communication engine.
+    #[serde(default)]
+    pub collective_s: f64,
+    /// The part of `collective_s` the device waits for (not hidden behind its compute).
+    #[serde(default)]
+    pub exposed_collective_s: f64,
 }
 
 impl Plan {

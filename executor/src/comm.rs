@@ -1,0 +1,248 @@
+//! A device's communication engine: two threads beside the worker's compute thread, one
+//! for point-to-point messages and one for collectives, each taking its commands in the
+//! order the stream issues them (what the simulator models as the device's communication
+//! engine).
+//!
+//! - Sends return at once; receives are posted ahead of the compute that needs them (as
+//!   soon as every earlier message of the stream has been issued) and waited for when that
+//!   compute comes.
+//! - `allreduce` hands the stage's gradients to the collective thread and the worker
+//!   computes on; `wait_allreduce` takes the sum back. A tensor-parallel all-reduce inside
+//!   a forward or backward goes through the same thread and is waited for at once, so every
+//!   device's collectives keep one order.
+//!
+//! A transfer that fails fails the command that waits for it, or the step's fence. Each
+//! thread records when it ran each instruction, for the measured trace.
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::time::Instant;
+
+use pipec_plan::{DeviceId, ReduceMode};
+
+use crate::transport::{Endpoint, Message, Tag, TransportError};
+
+/// (instruction code, start, end): seconds from the run's start.
+pub type CommTrace = Vec<(usize, f64, f64)>;
+
+enum P2p {
+    Send { to: DeviceId, msg: Message, code: usize },
+    Recv { from: DeviceId, tag: Tag, code: usize, reply: Sender<Result<Message, TransportError>> },
+    Fence(Sender<(CommTrace, Option<TransportError>)>),
+}
+
+enum Coll {
+    AllReduce {
+        members: Vec<DeviceId>,
+        data: Vec<f32>,
+        mode: ReduceMode,
+        code: Option<usize>,
+        reply: Sender<Result<Vec<f32>, TransportError>>,
+    },
+    Fence(Sender<(CommTrace, Option<TransportError>)>),
+}
+
+/// A result the worker waits for.
+pub struct Ticket<T>(Receiver<Result<T, TransportError>>);
+
+impl<T> Ticket<T> {
+    /// Blocks until the transfer is done.
+    pub fn wait(self) -> Result<T, TransportError> {
+        self.0.recv().unwrap_or_else(|_| Err(TransportError::Other("the communication thread stopped".into())))
+    }
+}
+
+/// The worker's handle on its communication threads.
+pub struct Comm {
+    p2p: Sender<P2p>,
+    coll: Sender<Coll>,
+}
+
+fn gone() -> TransportError {
+    TransportError::Other("the communication thread stopped".into())
+}
+
+impl Comm {
+    /// Starts the two threads in `scope`, driving the two halves of `ep`; times are
+    /// measured from `epoch`. The threads end when the `Comm` is dropped.
+    pub fn start<'scope, E: Endpoint + 'scope>(
+        scope: &'scope std::thread::Scope<'scope, '_>,
+        ep: E,
+        epoch: Instant,
+    ) -> Comm {
+        let (p2p_ep, coll_ep) = ep.split();
+        let (p2p, p2p_rx) = channel();
+        let (coll, coll_rx) = channel();
+        scope.spawn(move || p2p_loop(p2p_ep, p2p_rx, epoch));
+        scope.spawn(move || coll_loop(coll_ep, coll_rx, epoch));
+        Comm { p2p, coll }
+    }
+
+    pub fn send(&self, to: DeviceId, msg: Message, code: usize) -> Result<(), TransportError> {
+        self.p2p.send(P2p::Send { to, msg, code }).map_err(|_| gone())
+    }
+
+    /// Posts the receive of the next message from `from`, which must carry `tag`.
+    pub fn post_recv(&self, from: DeviceId, tag: Tag, code: usize) -> Result<Ticket<Message>, TransportError> {
+        let (reply, rx) = channel();
+        self.p2p.send(P2p::Recv { from, tag, code, reply }).map_err(|_| gone())?;
+        Ok(Ticket(rx))
+    }
+
+    /// Starts summing `data` over `members`; `code` names the instruction in the trace
+    /// (None: part of a compute instruction, not traced on its own).
+    pub fn start_all_reduce(
+        &self,
+        members: Vec<DeviceId>,
+        data: Vec<f32>,
+        mode: ReduceMode,
+        code: Option<usize>,
+    ) -> Result<Ticket<Vec<f32>>, TransportError> {
+        let (reply, rx) = channel();
+        self.coll.send(Coll::AllReduce { members, data, mode, code, reply }).map_err(|_| gone())?;
+        Ok(Ticket(rx))
+    }
+
+    /// Sums `data` over `members` and waits for it.
+    pub fn all_reduce(
+        &self,
+        members: &[DeviceId],
+        data: Vec<f32>,
+        mode: ReduceMode,
+        code: Option<usize>,
+    ) -> Result<Vec<f32>, TransportError> {
+        self.start_all_reduce(members.to_vec(), data, mode, code)?.wait()
+    }
+
+    /// Waits until everything issued so far is done; returns what both threads ran since
+    /// the last fence, or the first transfer that failed.
+    pub fn fence(&self) -> Result<CommTrace, TransportError> {
+        let (a, ra) = channel();
+        let (b, rb) = channel();
+        self.p2p.send(P2p::Fence(a)).map_err(|_| gone())?;
+        self.coll.send(Coll::Fence(b)).map_err(|_| gone())?;
+        let (mut trace, e1) = ra.recv().map_err(|_| gone())?;
+        let (more, e2) = rb.recv().map_err(|_| gone())?;
+        if let Some(e) = e1.or(e2) {
+            return Err(e);
+        }
+        trace.extend(more);
+        Ok(trace)
+    }
+}
+
+fn since(epoch: Instant) -> f64 {
+    epoch.elapsed().as_secs_f64()
+}
+
+fn p2p_loop<E: Endpoint>(mut ep: E, rx: Receiver<P2p>, epoch: Instant) {
+    let mut trace = CommTrace::new();
+    let mut failed: Option<TransportError> = None;
+    for cmd in rx {
+        match cmd {
+            P2p::Send { to, msg, code } => {
+                if failed.is_none() {
+                    let t0 = since(epoch);
+                    if let Err(e) = ep.send(to, msg) {
+                        failed = Some(e);
+                    }
+                    trace.push((code, t0, since(epoch)));
+                }
+            }
+            P2p::Recv { from, tag, code, reply } => {
+                let got = match &failed {
+                    Some(e) => Err(e.clone()),
+                    None => {
+                        let t0 = since(epoch);
+                        let got = ep.recv(from, tag);
+                        trace.push((code, t0, since(epoch)));
+                        got
+                    }
+                };
+                if let Err(e) = &got {
+                    failed.get_or_insert_with(|| e.clone());
+                }
+                let _ = reply.send(got);
+            }
+            P2p::Fence(reply) => {
+                let _ = reply.send((std::mem::take(&mut trace), failed.clone()));
+            }
+        }
+    }
+}
+
+fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, epoch: Instant) {
+    let mut trace = CommTrace::new();
+    let mut failed: Option<TransportError> = None;
+    for cmd in rx {
+        match cmd {
+            Coll::AllReduce { members, mut data, mode, code, reply } => {
+                let got = match &failed {
+                    Some(e) => Err(e.clone()),
+                    None => {
+                        let t0 = since(epoch);
+                        let got = ep.all_reduce(&members, &mut data, mode).map(|()| data);
+                        if let Some(code) = code {
+                            trace.push((code, t0, since(epoch)));
+                        }
+                        got
+                    }
+                };
+                if let Err(e) = &got {
+                    failed.get_or_insert_with(|| e.clone());
+                }
+                let _ = reply.send(got);
+            }
+            Coll::Fence(reply) => {
+                let _ = reply.send((std::mem::take(&mut trace), failed.clone()));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::in_process::connect;
+    use pipec_plan::{MicrobatchId, StageId};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// A collective in flight does not hold up point-to-point messages, and receives posted
+    /// early complete when their messages come.
+    #[test]
+    fn a_collective_in_flight_does_not_hold_up_messages() {
+        let devices = [DeviceId(0), DeviceId(1)];
+        let mut eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_secs(10)).into_iter();
+        let (e0, e1) = (eps.next().expect("d0"), eps.next().expect("d1"));
+        let epoch = Instant::now();
+        let tag = Tag::activation(StageId(0), MicrobatchId(0));
+        std::thread::scope(|s| {
+            let c0 = Comm::start(s, e0, epoch);
+            let c1 = Comm::start(s, e1, epoch);
+            // d0 starts an all-reduce that d1 joins only after the message has gone through
+            let sum = c0.start_all_reduce(devices.to_vec(), vec![1.0, 2.0], ReduceMode::Ring, Some(7)).expect("start");
+            let posted = c1.post_recv(DeviceId(0), tag, 3).expect("post");
+            c0.send(DeviceId(1), Message { tag, shape: vec![1], data: vec![5.0] }, 2).expect("send");
+            assert_eq!(posted.wait().expect("message").data, vec![5.0]);
+            let other = c1.all_reduce(&devices, vec![10.0, 20.0], ReduceMode::Ring, Some(7)).expect("joins");
+            assert_eq!(sum.wait().expect("sum"), vec![11.0, 22.0]);
+            assert_eq!(other, vec![11.0, 22.0]);
+            let trace = c0.fence().expect("fence");
+            assert!(trace.iter().any(|t| t.0 == 7) && trace.iter().any(|t| t.0 == 2), "{trace:?}");
+        });
+    }
+
+    #[test]
+    fn a_failed_receive_is_reported_by_the_wait_and_the_fence() {
+        let devices = [DeviceId(0), DeviceId(1)];
+        let mut eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_millis(100)).into_iter();
+        let e0 = eps.next().expect("d0");
+        std::thread::scope(|s| {
+            let c0 = Comm::start(s, e0, Instant::now());
+            let t = c0.post_recv(DeviceId(1), Tag::activation(StageId(0), MicrobatchId(0)), 0).expect("post");
+            assert!(matches!(t.wait(), Err(TransportError::Timeout { .. })));
+            assert!(c0.fence().is_err());
+        });
+    }
+}
