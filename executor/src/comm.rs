@@ -3,7 +3,7 @@
 //! order the stream issues them (what the simulator models as the device's communication
 //! engine).
 //!
-//! - Sends return at once; receives are posted ahead of the compute that needs them (as
+//! - Sends are made by the worker itself (they only queue the message); receives are posted ahead of the compute that needs them (as
 //!   soon as every earlier message of the stream has been issued) and waited for when that
 //!   compute comes.
 //! - `allreduce` hands the stage's gradients to the collective thread and the worker
@@ -19,13 +19,12 @@ use std::time::Instant;
 
 use pipec_plan::{DeviceId, ReduceMode};
 
-use crate::transport::{Endpoint, Message, Tag, TransportError};
+use crate::transport::{Endpoint, Message, SendHalf, Tag, TransportError};
 
 /// (instruction code, start, end): seconds from the run's start.
 pub type CommTrace = Vec<(usize, f64, f64)>;
 
 enum P2p {
-    Send { to: DeviceId, msg: Message, code: usize },
     Recv { from: DeviceId, tag: Tag, code: usize, reply: Sender<Result<Message, TransportError>> },
     Fence(Sender<(CommTrace, Option<TransportError>)>),
 }
@@ -51,10 +50,15 @@ impl<T> Ticket<T> {
     }
 }
 
-/// The worker's handle on its communication threads.
+/// The worker's handle on its communication threads (and its sends, which it makes itself:
+/// they only queue the message).
 pub struct Comm {
     p2p: Sender<P2p>,
     coll: Sender<Coll>,
+    sender: Box<dyn SendHalf>,
+    epoch: Instant,
+    /// The sends made since the last fence.
+    sent: CommTrace,
 }
 
 fn gone() -> TransportError {
@@ -69,16 +73,21 @@ impl Comm {
         ep: E,
         epoch: Instant,
     ) -> Comm {
+        let sender = ep.send_half();
         let (p2p_ep, coll_ep) = ep.split();
         let (p2p, p2p_rx) = channel();
         let (coll, coll_rx) = channel();
         scope.spawn(move || p2p_loop(p2p_ep, p2p_rx, epoch));
         scope.spawn(move || coll_loop(coll_ep, coll_rx, epoch));
-        Comm { p2p, coll }
+        Comm { p2p, coll, sender, epoch, sent: CommTrace::new() }
     }
 
-    pub fn send(&self, to: DeviceId, msg: Message, code: usize) -> Result<(), TransportError> {
-        self.p2p.send(P2p::Send { to, msg, code }).map_err(|_| gone())
+    /// Sends a message (queued: returns at once).
+    pub fn send(&mut self, to: DeviceId, msg: Message, code: usize) -> Result<(), TransportError> {
+        let t0 = since(self.epoch);
+        self.sender.send(to, msg)?;
+        self.sent.push((code, t0, since(self.epoch)));
+        Ok(())
     }
 
     /// Posts the receive of the next message from `from`, which must carry `tag`.
@@ -115,7 +124,7 @@ impl Comm {
 
     /// Waits until everything issued so far is done; returns what both threads ran since
     /// the last fence, or the first transfer that failed.
-    pub fn fence(&self) -> Result<CommTrace, TransportError> {
+    pub fn fence(&mut self) -> Result<CommTrace, TransportError> {
         let (a, ra) = channel();
         let (b, rb) = channel();
         self.p2p.send(P2p::Fence(a)).map_err(|_| gone())?;
@@ -126,6 +135,7 @@ impl Comm {
             return Err(e);
         }
         trace.extend(more);
+        trace.append(&mut self.sent);
         Ok(trace)
     }
 }
@@ -139,15 +149,6 @@ fn p2p_loop<E: Endpoint>(mut ep: E, rx: Receiver<P2p>, epoch: Instant) {
     let mut failed: Option<TransportError> = None;
     for cmd in rx {
         match cmd {
-            P2p::Send { to, msg, code } => {
-                if failed.is_none() {
-                    let t0 = since(epoch);
-                    if let Err(e) = ep.send(to, msg) {
-                        failed = Some(e);
-                    }
-                    trace.push((code, t0, since(epoch)));
-                }
-            }
             P2p::Recv { from, tag, code, reply } => {
                 let got = match &failed {
                     Some(e) => Err(e.clone()),
@@ -218,7 +219,7 @@ mod tests {
         let epoch = Instant::now();
         let tag = Tag::activation(StageId(0), MicrobatchId(0));
         std::thread::scope(|s| {
-            let c0 = Comm::start(s, e0, epoch);
+            let mut c0 = Comm::start(s, e0, epoch);
             let c1 = Comm::start(s, e1, epoch);
             // d0 starts an all-reduce that d1 joins only after the message has gone through
             let sum = c0.start_all_reduce(devices.to_vec(), vec![1.0, 2.0], ReduceMode::Ring, Some(7)).expect("start");
@@ -239,7 +240,7 @@ mod tests {
         let mut eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_millis(100)).into_iter();
         let e0 = eps.next().expect("d0");
         std::thread::scope(|s| {
-            let c0 = Comm::start(s, e0, Instant::now());
+            let mut c0 = Comm::start(s, e0, Instant::now());
             let t = c0.post_recv(DeviceId(1), Tag::activation(StageId(0), MicrobatchId(0)), 0).expect("post");
             assert!(matches!(t.wait(), Err(TransportError::Timeout { .. })));
             assert!(c0.fence().is_err());

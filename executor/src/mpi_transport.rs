@@ -25,7 +25,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use pipec_plan::{DeviceId, Payload, StageId};
 
-use crate::transport::{Endpoint, Message, Tag, TransportError};
+use crate::transport::{Endpoint, Message, SendHalf, Tag, TransportError};
 
 pub const TAG_P2P: i32 = 10;
 pub const TAG_COLL: i32 = 11;
@@ -195,9 +195,27 @@ impl MpiEndpoint {
     }
 }
 
+/// A rank's point-to-point sends, for the computing thread: the sender thread's queue.
+struct MpiSender {
+    rank_of: HashMap<DeviceId, i32>,
+    outgoing: Sender<Outgoing>,
+}
+
+impl SendHalf for MpiSender {
+    fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
+        let r = self.rank_of.get(&to).copied().ok_or(TransportError::Disconnected(to))?;
+        self.outgoing
+            .send((r, TAG_P2P, header(Some(msg.tag), &msg.shape), Some(msg.data)))
+            .map_err(|_| TransportError::Disconnected(to))
+    }
+}
+
 impl Endpoint for MpiEndpoint {
     fn device(&self) -> DeviceId {
         self.device
+    }
+    fn send_half(&self) -> Box<dyn SendHalf> {
+        Box::new(MpiSender { rank_of: self.rank_of.clone(), outgoing: self.outgoing.clone() })
     }
     /// Both halves talk to the same MPI world (initialised with `MPI_THREAD_MULTIPLE`);
     /// messages and collectives travel on different tags.

@@ -68,6 +68,9 @@ pub trait Endpoint: Send {
     fn split(self) -> (Self, Self)
     where
         Self: Sized;
+    /// A handle that sends this device's point-to-point messages from the computing thread
+    /// while another thread receives (one sender per link keeps each link's order).
+    fn send_half(&self) -> Box<dyn SendHalf>;
     /// Sends a point-to-point message (asynchronous: returns without waiting for the peer).
     fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError>;
     /// Receives the next point-to-point message from `from`, which must carry `tag`.
@@ -88,6 +91,11 @@ pub trait Endpoint: Send {
             ReduceMode::ParameterServer => ps_all_reduce(self, group, data),
         }
     }
+}
+
+/// The sending side of a device's point-to-point messages.
+pub trait SendHalf: Send {
+    fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError>;
 }
 
 fn chunk(len: usize, p: usize, i: usize) -> std::ops::Range<usize> {
@@ -214,6 +222,21 @@ pub mod in_process {
         eps
     }
 
+    /// A device's point-to-point senders, for the computing thread.
+    struct InProcessSender {
+        to_p2p: HashMap<DeviceId, Sender<Wire>>,
+    }
+
+    impl SendHalf for InProcessSender {
+        fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
+            self.to_p2p
+                .get(&to)
+                .ok_or(TransportError::Disconnected(to))?
+                .send(Wire::P2p(msg))
+                .map_err(|_| TransportError::Disconnected(to))
+        }
+    }
+
     impl InProcessEndpoint {
         fn wait(&self, rx: &Receiver<Wire>, from: DeviceId) -> Result<Wire, TransportError> {
             let start = Instant::now();
@@ -237,6 +260,9 @@ pub mod in_process {
     impl Endpoint for InProcessEndpoint {
         fn device(&self) -> DeviceId {
             self.device
+        }
+        fn send_half(&self) -> Box<dyn SendHalf> {
+            Box::new(InProcessSender { to_p2p: self.to_p2p.clone() })
         }
         fn split(mut self) -> (Self, Self) {
             let coll = InProcessEndpoint {
