@@ -17,6 +17,7 @@ mod output;
 mod plan_profile_cmd;
 mod profile_cmd;
 mod run_cmd;
+mod search_cmd;
 
 /// Exit codes, documented in README.md.
 pub const EXIT_OK: u8 = 0;
@@ -176,6 +177,34 @@ enum Command {
         #[arg(long)]
         resume: Option<PathBuf>,
     },
+    /// Search every strategy for the spec's model on its cluster (tensor-parallel degree,
+    /// pipeline depth × data parallelism, schedule, microbatches, recompute), ranked by the
+    /// predicted step under every device's memory; prints the best as a `strategy` to paste,
+    /// the runner-ups and why they lost (the spec's own strategy is ignored).
+    Search {
+        file: PathBuf,
+        /// A measured per-layer profile (from `pipec profile`) replacing analytic costs.
+        #[arg(long)]
+        profile: Option<PathBuf>,
+        /// Also consider the asynchronous schedules (pipedream, 2bw: stale weights).
+        #[arg(long = "async")]
+        allow_async: bool,
+        /// The most pipeline stages to consider.
+        #[arg(long)]
+        max_depth: Option<usize>,
+        /// Memory headroom every device must keep, in percent of its capacity.
+        #[arg(long, default_value_t = 0.0)]
+        headroom: f64,
+        /// Only these schedules, e.g. `--schedules 1f1b,interleaved`.
+        #[arg(long, value_delimiter = ',')]
+        schedules: Vec<String>,
+        /// How many plans to list (the best and the runner-ups).
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+        /// `human`: the report; `json`: one JSON object.
+        #[arg(long, value_enum, default_value_t = Format::Human)]
+        format: Format,
+    },
     /// Compile the spec under every schedule and print their predicted step time, bubble,
     /// throughput and memory headroom side by side (nothing is written).
     Compare {
@@ -202,6 +231,18 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
+        Command::Search { file, profile, allow_async, max_depth, headroom, schedules, top, format } => {
+            search_cmd::run(search_cmd::SearchArgs {
+                path: &file,
+                profile: profile.as_deref(),
+                allow_async,
+                max_depth,
+                headroom_percent: headroom,
+                schedules: &schedules,
+                top,
+                format,
+            })
+        }
         Command::Compare { file, profile, microbatches, format } => {
             compare_cmd::run(&file, profile.as_deref(), &microbatches, format)
         }

@@ -93,6 +93,125 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
     }
 }
 
+/// What a strategy costs at least, found without lowering, verifying or simulating it:
+/// the bound the strategy search prunes with (`search`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bound {
+    /// No simulation of the strategy predicts a shorter step (a flush-free schedule's
+    /// steady state included).
+    pub step_s: f64,
+    /// Whether the weights, gradients and optimizer state alone (and the workspace
+    /// reserve) overflow some device: then no plan of the strategy fits.
+    pub overflows: bool,
+}
+
+/// The lower bound of a checked spec's strategy: per device, the compute of every
+/// microbatch of every stage it holds, with the same per-instruction costs the simulator
+/// uses; for a flush schedule, plus the forwards (and cheapest transfers) of the stages
+/// upstream of the device's first stage (they run before its first instruction, for its
+/// first microbatch) and then the longer of the upstream backwards (they follow its last
+/// instruction, for its last microbatch; not with a split backward, whose last instruction
+/// may be a weight pass) and, when every stage it holds is replicated, the all-reduce of the
+/// stage its last instruction belongs to.
+pub fn lower_bound(spec: &Spec, options: &CompileOptions) -> Result<Bound, Vec<Diagnostic>> {
+    let model = cost_model(spec, options)?;
+    let layout = partition_layers(spec, &model)?;
+    let placement = place(spec, &layout, &model.cluster)?;
+    let stages = stage_figures(spec, &model, &layout);
+    let cost = PlanCost {
+        stage_fb: &stages.times,
+        cluster: &model.cluster,
+        reduce: spec.strategy.schedule.reduce,
+        tp: spec.strategy.tp.max(1),
+        tp_bytes: tp_allreduce_bytes(&model.graph, &layout.ranges, model.microbatch_size, model.precision),
+    };
+    let kind = spec.strategy.schedule.kind;
+    let split = kind.splits_backward();
+    let mb = pipec_plan::MicrobatchId(0);
+    let of = |ins: Instr| cost.compute(DeviceId(0), &ins);
+    let n_stages = placement.stages();
+    let forward: Vec<f64> = (0..n_stages).map(|s| of(Instr::Forward { stage: StageId(s as u32), mb })).collect();
+    // what follows a stage's last backward upstream: the input-gradient pass
+    let upstream_backward: Vec<f64> = (0..n_stages)
+        .map(|s| {
+            let stage = StageId(s as u32);
+            if split {
+                of(Instr::BackwardInput { stage, mb })
+            } else {
+                of(Instr::Backward { stage, mb })
+            }
+        })
+        .collect();
+    // the cheapest transfer of stage s's output to stage s + 1 (either direction: the
+    // gradient coming back is the same size)
+    let hop: Vec<f64> = (0..n_stages)
+        .map(|s| {
+            let (Some(from), Some(to)) = (placement.replicas.get(s), placement.replicas.get(s + 1)) else { return 0.0 };
+            from.iter()
+                .flat_map(|a| to.iter().map(move |b| (*a, *b)))
+                .map(|(a, b)| {
+                    cost.transfer(a, b, stages.output_bytes[s]).min(cost.transfer(b, a, stages.output_bytes[s]))
+                })
+                .fold(f64::INFINITY, f64::min)
+        })
+        .map(|t| if t.is_finite() { t } else { 0.0 })
+        .collect();
+    let forward_hop: Vec<f64> = forward.iter().zip(&hop).map(|(f, h)| f + h).collect();
+    let backward_hop: Vec<f64> = upstream_backward.iter().zip(&hop).map(|(b, h)| b + h).collect();
+    // a replicated stage's gradient all-reduce
+    let all_reduce: Vec<Option<f64>> = (0..n_stages)
+        .map(|s| {
+            let members = &placement.replicas[s];
+            (members.len() > 1).then(|| cost.all_reduce(members, stages.bytes[s].weights))
+        })
+        .collect();
+    let flush = !(matches!(kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)
+        && !spec.strategy.schedule.vertical_sync
+        && spec.strategy.tp.max(1) == 1);
+    let capacity = model.cluster.memory;
+    let reserve = crate::memory::workspace_reserve(capacity) as f64;
+    let mut step_s: f64 = 0.0;
+    let mut overflows = false;
+    for d in 0..placement.devices {
+        let dev = DeviceId(d as u32);
+        let held = placement.stages_of(dev);
+        if held.is_empty() {
+            continue;
+        }
+        let mut load = 0.0;
+        let mut state = 0.0;
+        for &s in &held {
+            let stage = StageId(s as u32);
+            let n = placement.local_microbatches(s, dev).len() as f64;
+            let backward = if split {
+                of(Instr::BackwardInput { stage, mb }) + of(Instr::BackwardWeight { stage, mb })
+            } else {
+                of(Instr::Backward { stage, mb })
+            };
+            let recompute = if spec.strategy.recompute { forward[s] } else { 0.0 };
+            load += n * (forward[s] + backward + recompute);
+            let b = &stages.bytes[s];
+            state += (2 * b.weights + b.optimizer) as f64;
+        }
+        let (head, tail) = if flush {
+            let upstream = |v: &[f64]| held.iter().map(|&c| v[..c].iter().sum::<f64>()).fold(f64::INFINITY, f64::min);
+            // the device's last instruction is a backward of a stage it holds; when every
+            // stage it holds is replicated, that stage's all-reduce follows it
+            let reduce =
+                held.iter().map(|&c| all_reduce[c]).try_fold(f64::INFINITY, |m, a| a.map(|a| m.min(a))).unwrap_or(0.0);
+            // with a split backward the last instruction may be a weight pass, after which
+            // nothing upstream need wait
+            let drain = if split { 0.0 } else { upstream(&backward_hop) };
+            (upstream(&forward_hop), drain.max(reduce))
+        } else {
+            (0.0, 0.0)
+        };
+        step_s = step_s.max(head + load + tail);
+        overflows |= state + reserve > capacity;
+    }
+    Ok(Bound { step_s, overflows })
+}
+
 /// The layout as the compiler resolves it: ranks of the pipeline, chunks per rank.
 struct Layout {
     /// Replicas of each pipeline rank's stages.

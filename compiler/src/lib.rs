@@ -12,6 +12,7 @@ pub mod periodic;
 pub mod pipedream;
 pub mod render;
 pub mod schedule;
+pub mod search;
 pub mod simulate;
 pub mod verify;
 

@@ -1,0 +1,353 @@
+//! The strategy search: every way to lay a spec's model out on its cluster — tensor-parallel
+//! degree within a node, pipeline depth and data-parallel degree, schedule, microbatch
+//! count, recompute — ranked by the same prediction `pipec compile` makes, under every
+//! device's memory.
+//!
+//! Each candidate is written as the spec's own text with its `strategy` replaced, so it goes
+//! through the same front end as a user's spec (every constraint `pipec check` knows) and
+//! the winner is text the user can paste. The search is branch and bound: every valid
+//! candidate gets a lower bound ([`crate::compile::lower_bound`]: per device, its compute
+//! plus the pipeline's unavoidable fill and drain, with the simulator's costs; and whether
+//! its weights and optimizer state alone overflow a device); candidates are then compiled
+//! and simulated in order of their bound, and the search stops when the next bound is no
+//! better than the best plan that fits. Since no simulation beats its bound, the winner is
+//! the best of the whole space under the compiler's model (a brute force over the same
+//! space checks it in the tests).
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use pipec_grammar::check_source_in;
+use pipec_grammar::spec::Spec;
+use pipec_plan::vocab::ScheduleKind;
+
+use crate::compile::{compile, lower_bound, CompileOptions};
+
+/// What the user pins.
+#[derive(Debug, Clone)]
+pub struct SearchOptions {
+    /// Only schedules that train like one device (the default).
+    pub synchronous_only: bool,
+    /// The most pipeline stages (ranks) to consider.
+    pub max_pipeline_depth: Option<usize>,
+    /// The memory headroom every device must keep (a fraction of its capacity).
+    pub headroom: f64,
+    /// Only these schedules (all that apply when None).
+    pub schedules: Option<Vec<ScheduleKind>>,
+    /// Compile and simulate every valid candidate instead of pruning by the bound (tests).
+    pub exhaustive: bool,
+}
+
+impl Default for SearchOptions {
+    fn default() -> Self {
+        SearchOptions {
+            synchronous_only: true,
+            max_pipeline_depth: None,
+            headroom: 0.0,
+            schedules: None,
+            exhaustive: false,
+        }
+    }
+}
+
+/// One point of the space.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    pub tp: usize,
+    pub pp: usize,
+    pub dp: usize,
+    pub schedule: ScheduleKind,
+    pub microbatches: usize,
+    pub recompute: bool,
+    /// The `strategy` mapping, as YAML flow text.
+    pub strategy: String,
+    pub outcome: Outcome,
+}
+
+/// What became of a candidate.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The front end refused it (the first error's message).
+    Invalid(String),
+    /// Its weights and optimizer state alone overflow a device.
+    TooBig,
+    /// Its bound is no better than a plan already found.
+    Pruned { bound_s: f64 },
+    /// Compiled and simulated.
+    Planned(Prediction),
+}
+
+/// A compiled candidate's prediction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prediction {
+    pub bound_s: f64,
+    pub step_s: f64,
+    pub bubble: f64,
+    /// The tightest memory headroom over the devices (negative: it does not fit).
+    pub headroom: f64,
+    /// The longest exposed all-reduce per step on any device.
+    pub exposed_all_reduce_s: f64,
+    pub fits: bool,
+}
+
+/// The search's result.
+#[derive(Debug, Clone)]
+pub struct SearchReport {
+    pub candidates: Vec<Candidate>,
+    /// Index of the winner in `candidates`.
+    pub best: Option<usize>,
+    pub seconds: f64,
+}
+
+impl SearchReport {
+    pub fn count(&self, f: impl Fn(&Outcome) -> bool) -> usize {
+        self.candidates.iter().filter(|c| f(&c.outcome)).count()
+    }
+
+    /// The planned candidates that fit and keep the headroom, fastest first.
+    pub fn ranked(&self, headroom: f64) -> Vec<(usize, &Prediction)> {
+        let mut out: Vec<(usize, &Prediction)> = self
+            .candidates
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| match &c.outcome {
+                Outcome::Planned(p) if p.fits && p.headroom >= headroom => Some((i, p)),
+                _ => None,
+            })
+            .collect();
+        out.sort_by(|a, b| a.1.step_s.total_cmp(&b.1.step_s).then(a.0.cmp(&b.0)));
+        out
+    }
+}
+
+fn divisors(n: usize) -> impl Iterator<Item = usize> {
+    (1..=n).filter(move |d| n.is_multiple_of(*d))
+}
+
+/// The schedules the search tries for a pipeline of `pp` ranks.
+fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<ScheduleKind> {
+    let all: Vec<ScheduleKind> = if pp == 1 {
+        vec![ScheduleKind::DpOnly]
+    } else {
+        let mut v = vec![
+            ScheduleKind::Gpipe,
+            ScheduleKind::OneFOneB,
+            ScheduleKind::Interleaved,
+            ScheduleKind::ZbH1,
+            ScheduleKind::Zbv,
+            ScheduleKind::Chimera,
+        ];
+        if !options.synchronous_only {
+            v.extend([ScheduleKind::PipeDream, ScheduleKind::TwoBw]);
+        }
+        v
+    };
+    all.into_iter().filter(|k| options.schedules.as_ref().is_none_or(|only| only.contains(k))).collect()
+}
+
+/// The `strategy` of a candidate as YAML flow text.
+fn strategy_text(
+    tp: usize,
+    pp: usize,
+    dp: usize,
+    schedule: ScheduleKind,
+    microbatches: usize,
+    recompute: bool,
+) -> String {
+    let stages = vec![dp.to_string(); pp].join("-");
+    let schedule = match schedule {
+        ScheduleKind::Interleaved | ScheduleKind::Zbv => format!("{{ kind: {}, virtual_stages: 2 }}", schedule.name()),
+        other => other.name().to_string(),
+    };
+    format!(
+        "{{ stages: \"{stages}\", tp: {tp}, schedule: {schedule}, microbatches: {microbatches}, partition: balanced, recompute: {recompute} }}"
+    )
+}
+
+/// `source` with its `strategy` value replaced by `strategy`.
+fn with_strategy(source: &str, spec: &Spec, strategy: &str) -> String {
+    let span = spec.strategy.span;
+    let (a, b) = (span.start.min(source.len()), span.end.min(source.len()));
+    format!("{}{strategy}{}", &source[..a], &source[b..])
+}
+
+/// Searches the strategies of `spec` (whose text is `source`).
+pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, options: &SearchOptions) -> SearchReport {
+    let started = Instant::now();
+    let devices = spec.cluster.device_count();
+    let per_node = spec.cluster.devices_per_node.max(1);
+    let layers = spec.model.layers.len();
+    let batch = spec.training.batch_size;
+    let mut candidates = Vec::new();
+    let mut valid: Vec<(usize, Spec, f64)> = Vec::new();
+    for tp in divisors(per_node).filter(|t| *t == 1 || spec.model.is_chain()) {
+        let machines = devices / tp;
+        for pp in divisors(machines).filter(|p| *p <= layers && options.max_pipeline_depth.is_none_or(|m| *p <= m)) {
+            let dp = machines / pp;
+            for schedule in schedules_for(pp, options) {
+                for microbatches in divisors(batch).filter(|n| n.is_multiple_of(dp)) {
+                    for recompute in [false, true] {
+                        let strategy = strategy_text(tp, pp, dp, schedule, microbatches, recompute);
+                        let text = with_strategy(source, spec, &strategy);
+                        let checked = check_source_in(&text, compile_options.base_dir.as_deref());
+                        let outcome = match (checked.spec, checked.diagnostics.iter().find(|d| d.is_error())) {
+                            (Some(s), None) => match lower_bound(&s, compile_options) {
+                                Ok(b) if b.overflows => Outcome::TooBig,
+                                Ok(b) => {
+                                    valid.push((candidates.len(), s, b.step_s));
+                                    Outcome::Pruned { bound_s: b.step_s }
+                                }
+                                Err(d) => Outcome::Invalid(d.first().map_or_else(String::new, |d| d.message.clone())),
+                            },
+                            (_, Some(d)) => Outcome::Invalid(d.message.clone()),
+                            (None, None) => Outcome::Invalid("the spec did not check".into()),
+                        };
+                        candidates.push(Candidate { tp, pp, dp, schedule, microbatches, recompute, strategy, outcome });
+                    }
+                }
+            }
+        }
+    }
+    // branch and bound: compile in order of the bound until no bound can beat the best
+    valid.sort_by(|a, b| a.2.total_cmp(&b.2).then(a.0.cmp(&b.0)));
+    let mut best: Option<(usize, f64)> = None;
+    for (i, s, bound_s) in valid {
+        if !options.exhaustive && best.is_some_and(|(_, t)| bound_s >= t) {
+            break;
+        }
+        let result = compile(&s, compile_options);
+        let fits = !result.has_errors();
+        let Some(c) = result.compiled else {
+            let why = result.diagnostics.iter().find(|d| d.is_error()).map_or_else(String::new, |d| d.message.clone());
+            candidates[i].outcome = Outcome::Invalid(why);
+            continue;
+        };
+        let sim = &c.plan.simulation;
+        let prediction = Prediction {
+            bound_s,
+            step_s: sim.step_time_s,
+            bubble: sim.bubble_fraction,
+            headroom: c.plan.memory_headroom(),
+            exposed_all_reduce_s: sim.devices.iter().map(|d| d.exposed_collective_s).fold(0.0, f64::max),
+            fits,
+        };
+        if fits && prediction.headroom >= options.headroom && best.is_none_or(|(_, t)| prediction.step_s < t) {
+            best = Some((i, prediction.step_s));
+        }
+        candidates[i].outcome = Outcome::Planned(prediction);
+    }
+    SearchReport { candidates, best: best.map(|b| b.0), seconds: started.elapsed().as_secs_f64() }
+}
+
+fn describe(c: &Candidate) -> String {
+    format!(
+        "{} · tp {} × pp {} × dp {}, {} microbatches{}",
+        c.schedule.name(),
+        c.tp,
+        c.pp,
+        c.dp,
+        c.microbatches,
+        if c.recompute { ", recompute" } else { "" }
+    )
+}
+
+/// Why the winner beat a runner-up, in the terms that differ.
+fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> String {
+    let ((b, bp), (o, op)) = (best, other);
+    let mut reasons = Vec::new();
+    if (op.bubble - bp.bubble).abs() >= 0.01 {
+        reasons.push(format!("bubble {:.0}% vs {:.0}%", op.bubble * 100.0, bp.bubble * 100.0));
+    }
+    if (op.exposed_all_reduce_s - bp.exposed_all_reduce_s).abs() > 0.01 * bp.step_s {
+        reasons.push(format!(
+            "exposed all-reduce {} vs {}",
+            crate::render::human_time(op.exposed_all_reduce_s),
+            crate::render::human_time(bp.exposed_all_reduce_s)
+        ));
+    }
+    if o.recompute && !b.recompute {
+        reasons.push("recomputes every forward".into());
+    }
+    if o.tp != b.tp {
+        reasons.push(format!("tp {} (tensor-parallel all-reduces inside every pass)", o.tp));
+    }
+    if reasons.is_empty() {
+        reasons.push("same shape of timeline, slower stages".into());
+    }
+    reasons.join("; ")
+}
+
+impl SearchReport {
+    /// The human report: the winner as a strategy to paste, the runner-ups and why they
+    /// lost, and what the search did.
+    pub fn explain(&self, options: &SearchOptions, top: usize) -> String {
+        let mut s = String::new();
+        let ranked = self.ranked(options.headroom);
+        let planned = self.count(|o| matches!(o, Outcome::Planned(_)));
+        let _ = writeln!(
+            s,
+            "searched {} strategies in {:.3} s: {} invalid, {} too big for memory, {} pruned by their bound, {} compiled and simulated",
+            self.candidates.len(),
+            self.seconds,
+            self.count(|o| matches!(o, Outcome::Invalid(_))),
+            self.count(|o| matches!(o, Outcome::TooBig)),
+            self.count(|o| matches!(o, Outcome::Pruned { .. })),
+            planned
+        );
+        let Some(&(bi, bp)) = ranked.first() else {
+            s.push_str("no strategy fits in device memory on this cluster\n");
+            return s;
+        };
+        let b = &self.candidates[bi];
+        let _ = writeln!(
+            s,
+            "best: {} — step {}, bubble {:.1}%, memory headroom {:.1}%",
+            describe(b),
+            crate::render::human_time(bp.step_s),
+            bp.bubble * 100.0,
+            bp.headroom * 100.0
+        );
+        let _ = writeln!(s, "strategy: {}", b.strategy);
+        if ranked.len() > 1 {
+            s.push_str("runner-ups:\n");
+        }
+        for &(i, p) in ranked.iter().skip(1).take(top.saturating_sub(1)) {
+            let c = &self.candidates[i];
+            let _ = writeln!(
+                s,
+                "  {} — step {} (+{:.1}%), bubble {:.1}%, headroom {:.1}%: {}",
+                describe(c),
+                crate::render::human_time(p.step_s),
+                (p.step_s / bp.step_s - 1.0) * 100.0,
+                p.bubble * 100.0,
+                p.headroom * 100.0,
+                why((b, bp), (c, p))
+            );
+        }
+        s
+    }
+
+    /// The report as JSON for tools.
+    pub fn to_json(&self, options: &SearchOptions, top: usize) -> serde_json::Value {
+        let ranked = self.ranked(options.headroom);
+        let entry = |i: usize, p: &Prediction| {
+            let c = &self.candidates[i];
+            serde_json::json!({
+                "strategy": c.strategy, "tp": c.tp, "pp": c.pp, "dp": c.dp, "schedule": c.schedule.name(),
+                "microbatches": c.microbatches, "recompute": c.recompute, "step_time_s": p.step_s,
+                "bound_s": p.bound_s, "bubble_fraction": p.bubble, "memory_headroom": p.headroom,
+                "exposed_all_reduce_s": p.exposed_all_reduce_s,
+            })
+        };
+        serde_json::json!({
+            "best": ranked.first().map(|(i, p)| entry(*i, p)),
+            "runner_ups": ranked.iter().skip(1).take(top.saturating_sub(1)).map(|(i, p)| entry(*i, p)).collect::<Vec<_>>(),
+            "considered": self.candidates.len(),
+            "invalid": self.count(|o| matches!(o, Outcome::Invalid(_))),
+            "too_big": self.count(|o| matches!(o, Outcome::TooBig)),
+            "pruned": self.count(|o| matches!(o, Outcome::Pruned { .. })),
+            "simulated": self.count(|o| matches!(o, Outcome::Planned(_))),
+            "seconds": self.seconds,
+        })
+    }
+}

@@ -1,0 +1,112 @@
+//! The strategy search against a brute force over the same space, and its bound against
+//! the simulation of every candidate.
+
+use pipec_compiler::search::{search, Outcome, SearchOptions};
+use pipec_compiler::{compile, CompileOptions};
+
+fn spec_text(devices_per_node: usize, nodes: usize, layers: &str, batch: usize, memory: &str) -> String {
+    format!(
+        "model:
+  input: [64]
+  layers:
+{layers}
+  loss: cross_entropy
+cluster:
+  nodes: {nodes}
+  devices_per_node: {devices_per_node}
+  device: {{ memory: {memory}, throughput: 10TFLOP/s }}
+  links:
+    intra_node: {{ bandwidth: 20GB/s, latency: 5us }}
+    inter_node: {{ bandwidth: 2GB/s, latency: 20us }}
+strategy:
+  stages: straight
+  schedule: 1f1b
+  microbatches: 4
+training:
+  batch_size: {batch}
+  steps: 1
+  optimizer: {{ kind: adam, lr: 0.001 }}
+"
+    )
+}
+
+/// Small cases: an uneven MLP on 4 devices in one node, and on 2 nodes of 2 (tensor
+/// parallelism inside a node, slow links between), the second tight on memory.
+fn cases() -> Vec<(String, String)> {
+    let mlp = "    - linear(64, 2048) -> relu\n    - repeat 3: linear(2048, 2048) -> relu\n    - linear(2048, 512) -> relu\n    - linear(512, 10)";
+    vec![
+        ("4 devices".into(), spec_text(4, 1, mlp, 32, "8GiB")),
+        ("2 x 2 devices, 300 MiB".into(), spec_text(2, 2, mlp, 16, "300MiB")),
+    ]
+}
+
+#[test]
+fn the_search_finds_the_brute_forces_best_and_no_simulation_beats_its_bound() {
+    for (what, text) in cases() {
+        let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+        let options = CompileOptions::default();
+        let pruned = search(&text, &spec, &options, &SearchOptions::default());
+        let all = search(&text, &spec, &options, &SearchOptions { exhaustive: true, ..SearchOptions::default() });
+        assert_eq!(pruned.candidates.len(), all.candidates.len(), "{what}: the same space");
+        // the bound holds for every compiled candidate
+        let mut planned = 0;
+        for c in &all.candidates {
+            if let Outcome::Planned(p) = &c.outcome {
+                planned += 1;
+                assert!(
+                    p.bound_s <= p.step_s * (1.0 + 1e-9),
+                    "{what}: {} bound {} > step {}",
+                    c.strategy,
+                    p.bound_s,
+                    p.step_s
+                );
+            }
+        }
+        // a candidate too big by the bound does not fit when compiled either
+        for (i, c) in all.candidates.iter().enumerate() {
+            if c.outcome == Outcome::TooBig {
+                let s = pipec_grammar::check_source(
+                    &text.replace(&text[spec.strategy.span.start..spec.strategy.span.end], &c.strategy),
+                )
+                .spec
+                .expect("valid");
+                assert!(compile(&s, &options).has_errors(), "{what}: candidate {i} ({}) fits after all", c.strategy);
+            }
+        }
+        let best = |r: &pipec_compiler::search::SearchReport| r.ranked(0.0).first().map(|(_, p)| p.step_s);
+        let (got, brute) = (best(&pruned).expect("a plan"), best(&all).expect("a plan"));
+        assert_eq!(got, brute, "{what}: the search's best vs the brute force's");
+        let simulated = pruned.count(|o| matches!(o, Outcome::Planned(_)));
+        assert!(simulated < planned, "{what}: the bound pruned nothing ({simulated} of {planned} simulated)");
+        eprintln!(
+            "{what}: {} candidates, {planned} valid plans by brute force, {simulated} simulated by the search; best {:.3} ms",
+            all.candidates.len(),
+            got * 1e3
+        );
+    }
+}
+
+/// The winner's strategy pasted into the spec compiles to the predicted step it was
+/// chosen for, and the headroom constraint is honoured.
+#[test]
+fn the_best_strategy_pasted_back_compiles_to_its_prediction() {
+    let (_, text) = cases().remove(0);
+    let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+    let options = SearchOptions { headroom: 0.5, ..SearchOptions::default() };
+    let report = search(&text, &spec, &CompileOptions::default(), &options);
+    let (i, p) = report.ranked(options.headroom)[0];
+    assert!(p.headroom >= 0.5);
+    let pasted = format!(
+        "{}{}{}",
+        &text[..spec.strategy.span.start],
+        report.candidates[i].strategy,
+        &text[spec.strategy.span.end..]
+    );
+    let s = pipec_grammar::check_source(&pasted).spec.expect("the pasted strategy checks");
+    let plan = compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan;
+    assert_eq!(plan.simulation.step_time_s, p.step_s);
+    let json = report.to_json(&options, 3);
+    assert_eq!(json["best"]["step_time_s"].as_f64(), Some(p.step_s));
+    assert_eq!(json["runner_ups"].as_array().map(Vec::len), Some(2));
+    assert_eq!(json["considered"].as_u64(), Some(report.candidates.len() as u64));
+}

@@ -1,0 +1,82 @@
+//! `pipec search`: every strategy of a spec's model on its cluster, ranked by the compiler's
+//! prediction under memory (`pipec_compiler::search`); prints the best as a `strategy` to
+//! paste, the runner-ups and why they lost.
+
+use std::path::Path;
+
+use pipec_compiler::search::{search, SearchOptions};
+use pipec_compiler::CompileOptions;
+use pipec_plan::vocab::ScheduleKind;
+
+use crate::check_cmd::read_spec;
+use crate::Format;
+use crate::{EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
+
+/// What the user pins, from the command line.
+pub struct SearchArgs<'a> {
+    pub path: &'a Path,
+    pub profile: Option<&'a Path>,
+    pub allow_async: bool,
+    pub max_depth: Option<usize>,
+    pub headroom_percent: f64,
+    pub schedules: &'a [String],
+    pub top: usize,
+    pub format: Format,
+}
+
+pub fn run(a: SearchArgs<'_>) -> u8 {
+    let source = match read_spec(a.path) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    if !(0.0..100.0).contains(&a.headroom_percent) {
+        eprintln!("error: --headroom must be a percentage in [0, 100), got {}", a.headroom_percent);
+        return EXIT_USAGE;
+    }
+    let mut schedules = Vec::new();
+    for name in a.schedules {
+        match <ScheduleKind as pipec_plan::vocab::Choice>::from_name(name.as_str()) {
+            Some(k) => schedules.push(k),
+            None => {
+                let names: Vec<&str> =
+                    <ScheduleKind as pipec_plan::vocab::Choice>::ALL.iter().map(|k| k.name()).collect();
+                eprintln!("error: unknown schedule `{name}` (one of: {})", names.join(", "));
+                return EXIT_USAGE;
+            }
+        }
+    }
+    let profile = match a.profile.map(crate::compile_cmd::read_profile).transpose() {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    let base = a.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let checked = pipec_grammar::check_source_in(&source, Some(base));
+    let Some(spec) = checked.spec else {
+        let name = a.path.display().to_string();
+        let errors: Vec<_> = checked.diagnostics.into_iter().filter(|d| d.is_error()).collect();
+        eprint!("{}", pipec_grammar::diagnostic::render_human(&name, &source, &errors, false));
+        eprintln!("{name}: fix these errors first (`pipec check`)");
+        return EXIT_DIAGNOSTICS;
+    };
+    let options = SearchOptions {
+        synchronous_only: !a.allow_async,
+        max_pipeline_depth: a.max_depth,
+        headroom: a.headroom_percent / 100.0,
+        schedules: (!schedules.is_empty()).then_some(schedules),
+        exhaustive: false,
+    };
+    let compile_options = CompileOptions { profile, base_dir: Some(base.to_path_buf()) };
+    let report = search(&source, &spec, &compile_options, &options);
+    match a.format {
+        Format::Human => print!("{}", report.explain(&options, a.top)),
+        Format::Json => println!("{}", report.to_json(&options, a.top)),
+    }
+    if report.best.is_some() {
+        EXIT_OK
+    } else {
+        EXIT_DIAGNOSTICS
+    }
+}
