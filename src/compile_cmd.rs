@@ -58,7 +58,11 @@ pub fn compile_file(
         return Err(EXIT_DIAGNOSTICS);
     };
     let profile = profile.map(read_profile).transpose()?;
-    let options = CompileOptions { profile, base_dir: path.parent().map(Path::to_path_buf) };
+    let options = CompileOptions {
+        profile,
+        base_dir: path.parent().map(Path::to_path_buf),
+        source: Some(source.as_str().into()),
+    };
     let result = compile(&spec, &options);
     if !result.diagnostics.is_empty() {
         report(&result.diagnostics);

@@ -189,7 +189,9 @@ fn compiler_thread(jobs: Receiver<Job>, sender: crossbeam_sender::Sender, shared
             let Some(spec) = spec else { continue };
             let started = std::time::Instant::now();
             let compiled = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())
+                let options =
+                    pipec_compiler::CompileOptions { source: Some(job.text.as_str().into()), ..Default::default() };
+                pipec_compiler::compile(&spec, &options)
             }));
             match compiled.map(|r| (r.compiled, r.diagnostics)) {
                 Ok((Some(c), plan_diagnostics)) => {

@@ -66,9 +66,9 @@ pub fn run(a: SearchArgs<'_>) -> u8 {
         max_pipeline_depth: a.max_depth,
         headroom: a.headroom_percent / 100.0,
         schedules: (!schedules.is_empty()).then_some(schedules),
-        exhaustive: false,
+        ..SearchOptions::default()
     };
-    let compile_options = CompileOptions { profile, base_dir: Some(base.to_path_buf()) };
+    let compile_options = CompileOptions { profile, base_dir: Some(base.to_path_buf()), source: None };
     let report = search(&source, &spec, &compile_options, &options);
     match a.format {
         Format::Human => print!("{}", report.explain(&options, a.top)),

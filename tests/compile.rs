@@ -313,3 +313,64 @@ fn out_of_memory_on_many_devices_names_the_worst_three_and_counts_the_rest() {
     assert_eq!(d.message.matches(" by ").count(), 3, "{}", d.message);
     assert!(d.message.len() < 200, "{} characters: {}", d.message.len(), d.message);
 }
+
+/// A spec with `strategy: auto`, or with some fields `auto`, compiled as text.
+fn compile_auto(text: &str) -> pipec_compiler::CompileResult {
+    let spec = pipec_grammar::check_source(text).spec.expect("the spec itself is valid");
+    compile(&spec, &CompileOptions { source: Some(text.into()), ..CompileOptions::default() })
+}
+
+/// `hybrid.yaml`'s model and cluster (16 GPUs in 2 nodes) with `strategy` replaced.
+fn hybrid_with(strategy: &str) -> String {
+    let text = std::fs::read_to_string(root().join("specs/hybrid.yaml")).expect("hybrid");
+    let start = text.find("\nstrategy:").expect("a strategy") + 1;
+    let end = text.find("\ntraining:").expect("training") + 1;
+    format!("{}{strategy}\n{}", &text[..start], &text[end..])
+}
+
+#[test]
+fn strategy_auto_compiles_the_searchs_best_and_offers_it_as_a_fix() {
+    let text = hybrid_with("strategy: auto");
+    let r = compile_auto(&text);
+    assert!(!r.has_errors(), "{:?}", r.diagnostics);
+    let note = r.diagnostics.iter().find(|d| d.code == "W0606").expect("the choice is reported");
+    let fix = note.fix.as_ref().expect("a quick fix writes the choice");
+    let plan = r.compiled.expect("a plan").plan;
+    // the same as `pipec search` on the spec
+    let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+    let report = pipec_compiler::search::search(
+        &text,
+        &spec,
+        &CompileOptions::default(),
+        &pipec_compiler::search::SearchOptions::default(),
+    );
+    let (i, best) = report.ranked(0.0)[0];
+    assert_eq!(plan.simulation.step_time_s, best.step_s);
+    assert_eq!(fix.replacement, report.candidates[i].strategy);
+    // the fix applied: a written strategy that compiles to the same plan without searching
+    let fixed = format!("{}{}{}", &text[..fix.span.start], fix.replacement, &text[fix.span.end..]);
+    let again = compile_text(&fixed);
+    assert!(again.diagnostics.iter().all(|d| d.code != "W0606"), "no search once written");
+    assert_eq!(again.compiled.expect("plan").plan.simulation.step_time_s, best.step_s);
+}
+
+#[test]
+fn auto_fields_keep_what_the_user_wrote_and_the_search_constraints() {
+    let text = hybrid_with(
+        "strategy:\n  tp: 2\n  schedule: auto\n  microbatches: auto\n  recompute: false\n  search: { max_depth: 2, headroom: \"50%\", schedules: [gpipe, 1f1b] }",
+    );
+    let r = compile_auto(&text);
+    assert!(!r.has_errors(), "{:?}", r.diagnostics);
+    let plan = r.compiled.expect("a plan").plan;
+    assert!(plan.stages.iter().all(|s| s.tensor_parallel.iter().all(|g| g.len() == 2)), "tp stays 2");
+    assert!(plan.stages.len() <= 2, "at most 2 pipeline stages: {}", plan.stages.len());
+    assert!(matches!(plan.schedule.kind.name(), "gpipe" | "1f1b"), "{}", plan.schedule.kind.name());
+    assert!(!plan.training.recompute);
+    assert!(plan.memory_headroom() >= 0.5);
+    // a model too big for the devices: no strategy fits
+    let small = hybrid_with("strategy: auto").replace("memory: 80GB", "memory: 64MB");
+    assert_ne!(small, hybrid_with("strategy: auto"), "the spec names its memory");
+    let r = compile_auto(&small);
+    let e = r.diagnostics.iter().find(|d| d.code == "E0607").expect("nothing fits");
+    assert!(e.message.contains("no strategy fits"), "{}", e.message);
+}

@@ -262,7 +262,7 @@ fn executor() {
     let with_profile = |text: &str| {
         let spec = pipec_grammar::check_source(text).spec.expect("valid");
         let workers = spec.cluster.device_count().clamp(1, 2);
-        compile(&spec, &CompileOptions { profile: Some(profiles[workers - 1].clone()), base_dir: None })
+        compile(&spec, &CompileOptions { profile: Some(profiles[workers - 1].clone()), ..CompileOptions::default() })
             .into_compiled()
             .expect("compiles")
             .plan

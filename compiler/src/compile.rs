@@ -42,6 +42,9 @@ pub struct CompileOptions {
     pub profile: Option<Profile>,
     /// Directory of the spec file (relative data paths are resolved against it).
     pub base_dir: Option<std::path::PathBuf>,
+    /// The spec's text: a strategy with `auto` fields is searched as text (each candidate
+    /// goes through the front end like a written spec).
+    pub source: Option<std::sync::Arc<str>>,
 }
 
 /// A plan and what it was built from.
@@ -74,6 +77,9 @@ impl CompileResult {
 /// Compiles a checked spec: the passes in order. A pass that cannot go on ends the compile
 /// with its diagnostics; the memory check reports problems with the plan it built.
 pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
+    if let Some(auto) = &spec.strategy.auto {
+        return crate::search::compile_auto(spec, options, auto);
+    }
     let passes = || -> Result<(Compiled, Vec<Diagnostic>), Vec<Diagnostic>> {
         let model = cost_model(spec, options)?;
         let layout = partition_layers(spec, &model)?;

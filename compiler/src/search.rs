@@ -18,10 +18,11 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 use pipec_grammar::check_source_in;
-use pipec_grammar::spec::Spec;
+use pipec_grammar::diagnostic::Diagnostic;
+use pipec_grammar::spec::{AutoStrategy, Spec};
 use pipec_plan::vocab::ScheduleKind;
 
-use crate::compile::{compile, lower_bound, CompileOptions};
+use crate::compile::{compile, lower_bound, CompileOptions, CompileResult};
 
 /// What the user pins.
 #[derive(Debug, Clone)]
@@ -36,6 +37,12 @@ pub struct SearchOptions {
     pub schedules: Option<Vec<ScheduleKind>>,
     /// Compile and simulate every valid candidate instead of pruning by the bound (tests).
     pub exhaustive: bool,
+    /// Fields the user fixed: the tensor-parallel degree, the layout (replicas per stage),
+    /// the microbatch count, recompute.
+    pub tp: Option<usize>,
+    pub layout: Option<Vec<usize>>,
+    pub microbatches: Option<usize>,
+    pub recompute: Option<bool>,
 }
 
 impl Default for SearchOptions {
@@ -46,6 +53,28 @@ impl Default for SearchOptions {
             headroom: 0.0,
             schedules: None,
             exhaustive: false,
+            tp: None,
+            layout: None,
+            microbatches: None,
+            recompute: None,
+        }
+    }
+}
+
+impl SearchOptions {
+    /// What a spec's `auto` strategy leaves free and pins.
+    pub fn from_spec(spec: &Spec, auto: &AutoStrategy) -> SearchOptions {
+        let st = &spec.strategy;
+        SearchOptions {
+            synchronous_only: !auto.asynchronous,
+            max_pipeline_depth: auto.max_depth,
+            headroom: auto.headroom,
+            schedules: if auto.schedule { auto.schedules.clone() } else { Some(vec![st.schedule.kind]) },
+            exhaustive: false,
+            tp: (!auto.tp).then_some(st.tp),
+            layout: (!auto.layout).then(|| st.replicas.clone()),
+            microbatches: (!auto.microbatches).then_some(st.microbatches),
+            recompute: (!auto.recompute).then_some(st.recompute),
         }
     }
 }
@@ -148,24 +177,25 @@ fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<ScheduleKind> {
 /// The `strategy` of a candidate as YAML flow text.
 fn strategy_text(
     tp: usize,
-    pp: usize,
-    dp: usize,
+    layout: &[usize],
     schedule: ScheduleKind,
     microbatches: usize,
     recompute: bool,
+    overlap: bool,
 ) -> String {
-    let stages = vec![dp.to_string(); pp].join("-");
+    let stages = layout.iter().map(ToString::to_string).collect::<Vec<_>>().join("-");
     let schedule = match schedule {
         ScheduleKind::Interleaved | ScheduleKind::Zbv => format!("{{ kind: {}, virtual_stages: 2 }}", schedule.name()),
         other => other.name().to_string(),
     };
+    let overlap = if overlap { "" } else { ", overlap: false" };
     format!(
-        "{{ stages: \"{stages}\", tp: {tp}, schedule: {schedule}, microbatches: {microbatches}, partition: balanced, recompute: {recompute} }}"
+        "{{ stages: \"{stages}\", tp: {tp}, schedule: {schedule}, microbatches: {microbatches}, partition: balanced, recompute: {recompute}{overlap} }}"
     )
 }
 
 /// `source` with its `strategy` value replaced by `strategy`.
-fn with_strategy(source: &str, spec: &Spec, strategy: &str) -> String {
+pub fn with_strategy(source: &str, spec: &Spec, strategy: &str) -> String {
     let span = spec.strategy.span;
     let (a, b) = (span.start.min(source.len()), span.end.min(source.len()));
     format!("{}{strategy}{}", &source[..a], &source[b..])
@@ -180,14 +210,29 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
     let batch = spec.training.batch_size;
     let mut candidates = Vec::new();
     let mut valid: Vec<(usize, Spec, f64)> = Vec::new();
-    for tp in divisors(per_node).filter(|t| *t == 1 || spec.model.is_chain()) {
+    let tps: Vec<usize> = match options.tp {
+        Some(t) => vec![t],
+        None => divisors(per_node).filter(|t| *t == 1 || spec.model.is_chain()).collect(),
+    };
+    for tp in tps {
         let machines = devices / tp;
-        for pp in divisors(machines).filter(|p| *p <= layers && options.max_pipeline_depth.is_none_or(|m| *p <= m)) {
-            let dp = machines / pp;
+        // the layouts: the user's, or every pipeline depth with equal replication
+        let layouts: Vec<Vec<usize>> = match &options.layout {
+            Some(l) => vec![l.clone()],
+            None => divisors(machines).filter(|p| *p <= layers).map(|pp| vec![machines / pp; pp]).collect(),
+        };
+        for layout in layouts.into_iter().filter(|l| options.max_pipeline_depth.is_none_or(|m| l.len() <= m)) {
+            let (pp, dp) = (layout.len(), layout[0]);
             for schedule in schedules_for(pp, options) {
-                for microbatches in divisors(batch).filter(|n| n.is_multiple_of(dp)) {
-                    for recompute in [false, true] {
-                        let strategy = strategy_text(tp, pp, dp, schedule, microbatches, recompute);
+                let counts: Vec<usize> = match options.microbatches {
+                    Some(n) => vec![n],
+                    None => divisors(batch).filter(|n| n.is_multiple_of(dp)).collect(),
+                };
+                let recomputes: Vec<bool> = options.recompute.map_or_else(|| vec![false, true], |r| vec![r]);
+                for &microbatches in &counts {
+                    for &recompute in &recomputes {
+                        let strategy =
+                            strategy_text(tp, &layout, schedule, microbatches, recompute, spec.strategy.overlap);
                         let text = with_strategy(source, spec, &strategy);
                         let checked = check_source_in(&text, compile_options.base_dir.as_deref());
                         let outcome = match (checked.spec, checked.diagnostics.iter().find(|d| d.is_error())) {
@@ -350,4 +395,59 @@ impl SearchReport {
             "seconds": self.seconds,
         })
     }
+}
+
+/// `compile` for a spec whose strategy is `auto` (or has `auto` fields): searches, then
+/// compiles the winner. The winner's diagnostics point at the strategy (the plan's own text
+/// differs from the user's there); a W0606 note says what was chosen, with a quick fix that
+/// writes it into the spec.
+pub fn compile_auto(spec: &Spec, options: &CompileOptions, auto: &AutoStrategy) -> CompileResult {
+    let span = spec.strategy.span;
+    let Some(source) = options.source.as_deref() else {
+        let d = Diagnostic::error(
+            "E0607",
+            "`auto` strategy fields are chosen from the spec's text, which this caller did not give",
+            span,
+            "searched strategy",
+        )
+        .with_help("compile the spec with `pipec compile` or `pipec search`");
+        return CompileResult { compiled: None, diagnostics: vec![d] };
+    };
+    let search_options = SearchOptions::from_spec(spec, auto);
+    let report = search(source, spec, options, &search_options);
+    let Some(&(i, p)) = report.ranked(search_options.headroom).first() else {
+        let d = Diagnostic::error("E0607", "no strategy fits in every device's memory", span, "searched strategy")
+            .with_help(report.explain(&search_options, 1).lines().next().unwrap_or_default().to_string());
+        return CompileResult { compiled: None, diagnostics: vec![d] };
+    };
+    let chosen = &report.candidates[i];
+    let text = with_strategy(source, spec, &chosen.strategy);
+    let Some(concrete) = check_source_in(&text, options.base_dir.as_deref()).spec else {
+        let d =
+            Diagnostic::error("E0607", "the chosen strategy does not check (a pipec bug)", span, "searched strategy");
+        return CompileResult { compiled: None, diagnostics: vec![d] };
+    };
+    let inner = CompileOptions { source: None, ..options.clone() };
+    let mut result = compile(&concrete, &inner);
+    for d in &mut result.diagnostics {
+        for l in &mut d.labels {
+            l.span = span;
+        }
+        d.fix = None;
+    }
+    let note = Diagnostic::warning(
+        "W0606",
+        format!(
+            "the search chose {} (predicted step {}, bubble {:.1}%)",
+            describe(chosen),
+            crate::render::human_time(p.step_s),
+            p.bubble * 100.0
+        ),
+        span,
+        "chosen by the strategy search",
+    )
+    .with_help(report.explain(&search_options, 3))
+    .with_fix("write the chosen strategy into the spec", span, chosen.strategy.clone());
+    result.diagnostics.insert(0, note);
+    result
 }

@@ -168,6 +168,26 @@ pub enum Partition {
     Explicit(Vec<std::ops::Range<usize>>),
 }
 
+/// Which strategy fields the search fills in, and what the user pins.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AutoStrategy {
+    /// The layout (`stages`/`dp`/`pp`), the tensor-parallel degree, the schedule, the
+    /// microbatch count and recompute: free (true) or as written.
+    pub layout: bool,
+    pub tp: bool,
+    pub schedule: bool,
+    pub microbatches: bool,
+    pub recompute: bool,
+    /// `search.async`: the asynchronous schedules (stale weights) may be chosen.
+    pub asynchronous: bool,
+    /// `search.max_depth`: the most pipeline stages.
+    pub max_depth: Option<usize>,
+    /// `search.headroom`: the memory share every device must keep free.
+    pub headroom: f64,
+    /// `search.schedules`: only these schedules.
+    pub schedules: Option<Vec<ScheduleKind>>,
+}
+
 /// The parallel layout and schedule.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Strategy {
@@ -182,6 +202,9 @@ pub struct Strategy {
     pub recompute: bool,
     /// Overlap gradient all-reduces with compute (default true).
     pub overlap: bool,
+    /// `strategy: auto`, or `auto` fields: what the compiler's strategy search chooses (the
+    /// other fields then hold placeholders where they are free).
+    pub auto: Option<AutoStrategy>,
     /// The span of the strategy's layout (`stages:` or `dp`/`pp`), for plan-level errors.
     pub layout_span: Span,
     /// Whether the user fixed the layout; with `partition: auto` and no layout the planner

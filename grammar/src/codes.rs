@@ -297,6 +297,20 @@ is a bug in pipec, not in your spec; please report it with the spec.";
 "More than half of the devices' time in a step is idle. More microbatches, or a
 schedule with smaller bubbles (interleaved, zero-bubble), would use the devices better.";
 
+"W0606", "strategy chosen by the search",
+"The strategy has `auto` fields (or is `strategy: auto`): pipec searched every strategy
+that fills them in — tensor-parallel degree within a node, pipeline depth × data
+parallelism, schedule, microbatches, recompute — and compiled the fastest one that fits in
+every device's memory (with the headroom asked for). The message says what it chose and the
+runner-ups; the quick fix replaces the strategy with the chosen one, so later compiles do
+not search again. `pipec search` prints the full report.";
+
+"E0607", "no strategy fits",
+"`strategy: auto` (or an `auto` field) found no strategy whose plan fits in every
+device's memory with the headroom asked for, among the strategies the fixed fields and the
+`search` constraints allow. Allow more (drop a constraint, lower `headroom`, allow
+`recompute`), use devices with more memory, or a smaller model or batch.";
+
 "E0901", "cannot read file",
 "The file could not be read (missing, a directory, not UTF-8, ...).";
 }

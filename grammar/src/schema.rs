@@ -22,7 +22,7 @@ struct Spec {
     name: Option<String>,
     model: Model,
     cluster: Cluster,
-    strategy: Strategy,
+    strategy: StrategySpec,
     training: Training,
 }
 
@@ -108,6 +108,54 @@ struct Link {
     latency: String,
 }
 
+/// The strategy as written, or `auto`: the compiler searches every strategy (tensor
+/// parallelism, pipeline depth × data parallelism, schedule, microbatches, recompute) and
+/// compiles the fastest that fits.
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum StrategySpec {
+    Auto(AutoWord),
+    Written(Box<Strategy>),
+}
+
+/// `auto`: the strategy search fills this in.
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum AutoWord {
+    Auto,
+}
+
+/// A number, or `auto` (the strategy search chooses it).
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum CountOrAuto {
+    Count(u64),
+    Auto(AutoWord),
+}
+
+/// `true`/`false`, or `auto` (the strategy search chooses it).
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum FlagOrAuto {
+    Flag(bool),
+    Auto(AutoWord),
+}
+
+/// Constraints on the strategy search (with `auto` fields).
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct SearchSpec {
+    /// Allow the asynchronous schedules (`pipedream`, `2bw`: stale weights). Default false.
+    #[serde(rename = "async")]
+    asynchronous: Option<bool>,
+    /// The most pipeline stages to consider.
+    max_depth: Option<u64>,
+    /// Memory every device must keep free, e.g. `10%`.
+    headroom: Option<String>,
+    /// Only these schedules.
+    schedules: Option<Vec<ScheduleKind>>,
+}
+
 /// How the training work is split across devices.
 #[derive(JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -117,24 +165,29 @@ struct Strategy {
     /// unreplicated stage per device. Quote a single number (`"4"`: one stage on four
     /// workers, i.e. data parallelism). Exclusive with `dp`/`pp`.
     stages: Option<String>,
-    /// Data-parallel degree: replicas of every pipeline stage.
-    dp: Option<u64>,
-    /// Pipeline-parallel degree: number of pipeline stages.
-    pp: Option<u64>,
-    /// Tensor-parallel degree (Megatron-style) inside each stage replica.
-    tp: Option<u64>,
-    /// The pipeline schedule: a name, or a mapping with `kind` and its options.
-    schedule: ScheduleSpec,
+    /// Data-parallel degree: replicas of every pipeline stage; `auto`: searched.
+    dp: Option<CountOrAuto>,
+    /// Pipeline-parallel degree: number of pipeline stages; `auto`: searched.
+    pp: Option<CountOrAuto>,
+    /// Tensor-parallel degree (Megatron-style) inside each stage replica; `auto`: searched.
+    tp: Option<CountOrAuto>,
+    /// The pipeline schedule: a name, or a mapping with `kind` and its options; `auto`:
+    /// searched.
+    schedule: Option<ScheduleSpec>,
     /// Microbatches per step: the global batch is split into this many, and a replicated
-    /// stage receives them round-robin (with `dp: 2`, each pipeline replica gets half).
-    microbatches: Option<u64>,
+    /// stage receives them round-robin (with `dp: 2`, each pipeline replica gets half);
+    /// `auto`: searched.
+    microbatches: Option<CountOrAuto>,
     /// How layers are assigned to stages: `auto` (PipeDream's dynamic program; also picks
     /// the replication), `balanced` (contiguous split minimising the slowest stage), or a
     /// list with one entry per stage of layer ranges: `"0..4"` (end excluded), `"4..=7"`
     /// (end included), `"stem..head"` (labels), `"8.."` (to the end).
     partition: Option<PartitionSpec>,
-    /// Recompute activations in the backward pass (keep only each stage's inputs).
-    recompute: Option<bool>,
+    /// Recompute activations in the backward pass (keep only each stage's inputs); `auto`:
+    /// searched.
+    recompute: Option<FlagOrAuto>,
+    /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
+    search: Option<SearchSpec>,
     /// Overlap gradient all-reduces with compute (default true): a replicated stage's
     /// all-reduce starts right after its last backward of the step and is waited for only
     /// before its optimizer step; under `pipedream`/`2bw` the next forwards run while it is
@@ -146,6 +199,7 @@ struct Strategy {
 #[derive(JsonSchema)]
 #[serde(untagged)]
 enum ScheduleSpec {
+    Auto(AutoWord),
     Name(ScheduleKind),
     Options(ScheduleOptions),
 }

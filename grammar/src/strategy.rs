@@ -9,7 +9,9 @@ use crate::cx::Fields;
 use crate::diagnostic::Diagnostic;
 use crate::dsl::{self, LayerRef, StagesNotation};
 use crate::span::Span;
-use crate::spec::{Cluster, Lower, Model, Partition, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode, Training};
+use crate::spec::{
+    AutoStrategy, Cluster, Lower, Model, Partition, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode, Training,
+};
 use crate::yaml::{Node, Value};
 
 /// How many candidates a microbatch search may try: bounded work for any input.
@@ -56,7 +58,32 @@ pub(crate) fn lower_strategy(
     cluster: Option<&Cluster>,
     training: Option<&Training>,
 ) -> Option<Strategy> {
+    if is_auto(node) {
+        let all = AutoStrategy {
+            layout: true,
+            tp: true,
+            schedule: true,
+            microbatches: true,
+            recompute: true,
+            asynchronous: false,
+            max_depth: None,
+            headroom: 0.0,
+            schedules: None,
+        };
+        return Some(placeholder_strategy(node, owner, cluster, all));
+    }
     let f = cx.fields(node, &["strategy"], owner)?;
+    let free = |key: &str| f.get(key).is_some_and(is_auto);
+    let layout_free = free("stages") || free("dp") || free("pp");
+    if layout_free
+        || free("tp")
+        || free("schedule")
+        || free("microbatches")
+        || free("recompute")
+        || f.get("search").is_some()
+    {
+        return lower_auto_strategy(cx, node, &f, owner, cluster, layout_free);
+    }
     let tp = match f.get("tp") {
         None => Some(1),
         Some(n) => cx.uint(n, 1).and_then(|tp| {
@@ -119,12 +146,179 @@ pub(crate) fn lower_strategy(
         partition,
         recompute,
         overlap,
+        auto: None,
         layout_span: layout.span,
         layout_fixed: layout.fixed,
         partition_span: partition_node.map_or(owner, |n| n.span),
         microbatches_span: microbatches_node.map(|n| n.span),
         span: node.span,
     })
+}
+
+/// Whether a value is the word `auto`.
+fn is_auto(node: &Node) -> bool {
+    matches!(&node.value, Value::Str(s) if s == "auto")
+}
+
+/// A strategy the search fills in: placeholders (one data-parallel stage on every device,
+/// `dp-only`, one microbatch) where it is free; the fields written stay as written, and the
+/// search keeps them (`auto`).
+fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, auto: AutoStrategy) -> Strategy {
+    let devices = cluster.map_or(1, Cluster::device_count).max(1);
+    Strategy {
+        replicas: vec![devices],
+        tp: 1,
+        schedule: Schedule {
+            kind: ScheduleKind::DpOnly,
+            virtual_stages: 1,
+            sync: SyncMode::Bsp,
+            reduce: ReduceMode::Ring,
+            staleness: 0,
+            vertical_sync: false,
+            span: node.span,
+        },
+        microbatches: 1,
+        partition: Partition::Balanced,
+        recompute: false,
+        overlap: true,
+        auto: Some(auto),
+        layout_span: node.span,
+        layout_fixed: false,
+        partition_span: owner,
+        microbatches_span: None,
+        span: node.span,
+    }
+}
+
+/// A strategy with `auto` fields or `search` constraints: the fixed fields are read (and
+/// checked on their own), the search does the rest.
+fn lower_auto_strategy(
+    cx: &mut Lower<'_>,
+    node: &Node,
+    f: &Fields<'_>,
+    owner: Span,
+    cluster: Option<&Cluster>,
+    layout_free: bool,
+) -> Option<Strategy> {
+    let free = |key: &str| f.get(key).is_some_and(is_auto);
+    let mut auto = AutoStrategy {
+        layout: layout_free || (f.get("stages").is_none() && f.get("dp").is_none() && f.get("pp").is_none()),
+        tp: free("tp") || f.get("tp").is_none(),
+        schedule: free("schedule") || f.get("schedule").is_none(),
+        microbatches: free("microbatches") || f.get("microbatches").is_none(),
+        recompute: free("recompute") || f.get("recompute").is_none(),
+        asynchronous: false,
+        max_depth: None,
+        headroom: 0.0,
+        schedules: None,
+    };
+    let mut ok = true;
+    if let Some(n) = f.get("search") {
+        let g = cx.fields(n, &["strategy", "search"], owner)?;
+        if let Some(a) = g.get("async") {
+            auto.asynchronous = cx.boolean(a).unwrap_or_else(|| {
+                ok = false;
+                false
+            });
+        }
+        if let Some(d) = g.get("max_depth") {
+            auto.max_depth = cx.uint(d, 1);
+            ok &= auto.max_depth.is_some();
+        }
+        if let Some(h) = g.get("headroom") {
+            match headroom(h) {
+                Some(v) => auto.headroom = v,
+                None => {
+                    cx.push(Diagnostic::error(
+                        "E0105",
+                        "a memory headroom is a percentage below 100, e.g. `10%`",
+                        h.span,
+                        "expected a percentage",
+                    ));
+                    ok = false;
+                }
+            }
+        }
+        if let Some(list) = g.get("schedules") {
+            match &list.value {
+                Value::Seq(items) => {
+                    let kinds: Vec<Option<ScheduleKind>> = items.iter().map(|i| schedule_name(cx, i)).collect();
+                    ok &= kinds.iter().all(Option::is_some);
+                    auto.schedules = Some(kinds.into_iter().flatten().collect());
+                }
+                _ => {
+                    cx.wrong_type(list, "a list of schedule names");
+                    ok = false;
+                }
+            }
+        }
+    }
+    let mut strategy = placeholder_strategy(node, owner, cluster, auto.clone());
+    if !auto.tp {
+        strategy.tp = f.get("tp").and_then(|n| cx.uint(n, 1))?;
+    }
+    if !auto.schedule {
+        let n = f.get("schedule")?;
+        strategy.schedule = lower_schedule(cx, n, f.key_span("schedule").unwrap_or(owner))?;
+    }
+    if !auto.microbatches {
+        let n = f.get("microbatches")?;
+        strategy.microbatches = cx.uint(n, 1)?;
+        strategy.microbatches_span = Some(n.span);
+    }
+    if !auto.recompute {
+        strategy.recompute = f.get("recompute").and_then(|n| cx.boolean(n))?;
+    }
+    if let Some(n) = f.get("overlap") {
+        strategy.overlap = cx.boolean(n)?;
+    }
+    if !auto.layout {
+        let kind = (!auto.schedule).then_some(strategy.schedule.kind);
+        let written = lower_layout(cx, f, owner, kind)?;
+        let layout = resolve_layout(cx, f, owner, written, cluster, strategy.tp)?;
+        ok &= check_device_count(cx, &layout, strategy.tp, cluster);
+        strategy.replicas = layout.replicas;
+        strategy.layout_span = layout.span;
+        strategy.layout_fixed = true;
+    }
+    ok.then_some(strategy)
+}
+
+/// A schedule's name in `search.schedules`.
+fn schedule_name(cx: &mut Lower<'_>, node: &Node) -> Option<ScheduleKind> {
+    let text = match &node.value {
+        Value::Str(s) => s.as_str(),
+        _ => {
+            cx.wrong_type(node, "a schedule name");
+            return None;
+        }
+    };
+    if let Some(k) = <ScheduleKind as crate::spec::Choice>::from_name(text) {
+        return Some(k);
+    }
+    let names: Vec<&str> = <ScheduleKind as crate::spec::Choice>::ALL.iter().map(|k| k.name()).collect();
+    let mut d = Diagnostic::error(
+        "E0105",
+        format!("`{text}` is not a schedule"),
+        node.span,
+        format!("expected one of {}", names.join(", ")),
+    );
+    if let Some(s) = crate::diagnostic::did_you_mean(text, names.iter().copied()) {
+        d = d.with_help(format!("did you mean `{s}`?")).with_fix(format!("replace with `{s}`"), node.span, s);
+    }
+    cx.push(d);
+    None
+}
+
+/// `10%` (or a fraction below 1, `0.1`) as a fraction.
+fn headroom(node: &Node) -> Option<f64> {
+    let v = match &node.value {
+        Value::Str(s) => s.strip_suffix('%')?.trim().parse::<f64>().ok()? / 100.0,
+        Value::Int(i) => *i as f64,
+        Value::Float(x) => *x,
+        _ => return None,
+    };
+    (0.0..1.0).contains(&v).then_some(v)
 }
 
 /// The layout as written: PipeDream notation, dp/pp degrees, or nothing (one stage per
