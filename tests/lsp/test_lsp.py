@@ -181,6 +181,28 @@ async def test_plan_level_diagnostics_arrive_off_the_typing_path(client: Languag
     assert "E0601" in codes
 
 
+async def test_strategy_auto_is_searched_and_offered_as_a_code_action(client: LanguageClient):
+    # the background compile searches the strategy; its choice arrives as W0606, whose
+    # code action writes the chosen strategy into the spec
+    name = "specs/auto.yaml"
+    text = (ROOT / name).read_text()
+    diags = await open_doc(client, name, text)
+    assert list(diags) == [], "the front end finds nothing wrong"
+    await client.wait_for_notification(types.TEXT_DOCUMENT_PUBLISH_DIAGNOSTICS)
+    chosen = [d for d in client.diagnostics[uri_of(name)] if d.code == "W0606"]
+    assert chosen and "the search chose" in chosen[0].message, client.diagnostics[uri_of(name)]
+    actions = await client.text_document_code_action_async(
+        types.CodeActionParams(
+            text_document=types.TextDocumentIdentifier(uri=uri_of(name)),
+            range=chosen[0].range,
+            context=types.CodeActionContext(diagnostics=chosen),
+        )
+    )
+    assert [a.title for a in actions] == ["write the chosen strategy into the spec"]
+    edit = actions[0].edit.changes[uri_of(name)][0]
+    assert edit.new_text.startswith("{ stages: ") and "schedule: " in edit.new_text, edit.new_text
+
+
 async def test_a_stream_of_random_edits_never_breaks_the_server(client: LanguageClient):
     name = "specs/hybrid.yaml"
     text = (ROOT / name).read_text()
