@@ -124,13 +124,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions) -> Result<Bound, Vec<D
     let layout = partition_layers(spec, &model)?;
     let placement = place(spec, &layout, &model.cluster)?;
     let stages = stage_figures(spec, &model, &layout);
-    let cost = PlanCost {
-        stage_fb: &stages.times,
-        cluster: &model.cluster,
-        reduce: spec.strategy.schedule.reduce,
-        tp: spec.strategy.tp.max(1),
-        tp_bytes: tp_allreduce_bytes(&model.graph, &layout.ranges, model.microbatch_size, model.precision),
-    };
+    let cost = PlanCost::new(spec, &model, &layout, &stages);
     let kind = spec.strategy.schedule.kind;
     let split = kind.splits_backward();
     let mb = pipec_plan::MicrobatchId(0);
@@ -585,13 +579,7 @@ fn simulate_plan(
     stages: &StageFigures,
     lowered: &Lowered,
 ) -> Result<Simulated, Vec<Diagnostic>> {
-    let sim_cost = PlanCost {
-        stage_fb: &stages.times,
-        cluster: &model.cluster,
-        reduce: spec.strategy.schedule.reduce,
-        tp: spec.strategy.tp.max(1),
-        tp_bytes: tp_allreduce_bytes(&model.graph, &layout.ranges, model.microbatch_size, model.precision),
-    };
+    let sim_cost = PlanCost::new(spec, model, layout, stages);
     let device_ids: Vec<DeviceId> = (0..model.cluster.device_count()).map(|d| DeviceId(d as u32)).collect();
     if let Some(p) = &lowered.periodic {
         let steady = crate::periodic::steady_state(p, &lowered.members(), &sim_cost).map_err(|e| {
@@ -1067,6 +1055,20 @@ struct PlanCost<'a> {
     reduce: ReduceMode,
     tp: usize,
     tp_bytes: Vec<u64>,
+}
+
+impl<'a> PlanCost<'a> {
+    /// The costs of a plan's instructions: its stages' times, the cluster's links, the
+    /// reduction and the tensor-parallel all-reduces inside every pass.
+    fn new(spec: &Spec, model: &'a ModelCosts, layout: &Layout, stages: &'a StageFigures) -> Self {
+        PlanCost {
+            stage_fb: &stages.times,
+            cluster: &model.cluster,
+            reduce: spec.strategy.schedule.reduce,
+            tp: spec.strategy.tp.max(1),
+            tp_bytes: tp_allreduce_bytes(&model.graph, &layout.ranges, model.microbatch_size, model.precision),
+        }
+    }
 }
 
 impl CostModel for PlanCost<'_> {

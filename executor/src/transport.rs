@@ -229,12 +229,17 @@ pub mod in_process {
 
     impl SendHalf for InProcessSender {
         fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
-            self.to_p2p
-                .get(&to)
-                .ok_or(TransportError::Disconnected(to))?
-                .send(Wire::P2p(msg))
-                .map_err(|_| TransportError::Disconnected(to))
+            send_p2p(&self.to_p2p, to, msg)
         }
+    }
+
+    /// Queues `msg` on the point-to-point channel to `to`.
+    fn send_p2p(to_p2p: &HashMap<DeviceId, Sender<Wire>>, to: DeviceId, msg: Message) -> Result<(), TransportError> {
+        to_p2p
+            .get(&to)
+            .ok_or(TransportError::Disconnected(to))?
+            .send(Wire::P2p(msg))
+            .map_err(|_| TransportError::Disconnected(to))
     }
 
     impl InProcessEndpoint {
@@ -277,11 +282,7 @@ pub mod in_process {
             (self, coll)
         }
         fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
-            self.to_p2p
-                .get(&to)
-                .ok_or(TransportError::Disconnected(to))?
-                .send(Wire::P2p(msg))
-                .map_err(|_| TransportError::Disconnected(to))
+            send_p2p(&self.to_p2p, to, msg)
         }
         fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
             let rx = self.from_p2p.get(&from).ok_or(TransportError::Disconnected(from))?;
