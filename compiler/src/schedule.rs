@@ -292,7 +292,7 @@ fn chimera(p: &Placement, backward_slots: usize) -> Order {
 /// unfinished unit — the oldest unit is never held back, so this always completes.
 fn concatenate(p: &Placement, units: &[Order], backward_slots: usize, max_in_flight: usize) -> Order {
     let stages = p.stages();
-    let mut finish = Finish::new();
+    let mut finish = Finish::new(stages, p.microbatches);
     let mut next = vec![vec![0usize; units.len()]; p.devices];
     let mut busy_until = vec![0usize; p.devices];
     let mut in_flight = vec![0usize; p.devices];
@@ -336,8 +336,40 @@ fn concatenate(p: &Placement, units: &[Order], backward_slots: usize, max_in_fli
     order // complete: the verifier would report any task missing
 }
 
-/// When each started task finishes: (kind, stage, microbatch) → slot.
-type Finish = std::collections::HashMap<(TaskKind, usize, usize), usize>;
+/// When each started task finishes, by (kind, stage, microbatch): a dense table (the list
+/// schedulers look tasks up for every free device at every slot).
+struct Finish {
+    stages: usize,
+    microbatches: usize,
+    at: Vec<usize>,
+}
+
+impl Finish {
+    fn new(stages: usize, microbatches: usize) -> Self {
+        Finish { stages, microbatches, at: vec![usize::MAX; 4 * stages * microbatches] }
+    }
+    fn slot(&self, (k, s, m): (TaskKind, usize, usize)) -> usize {
+        let kind = match k {
+            TaskKind::Forward => 0,
+            TaskKind::Backward => 1,
+            TaskKind::BackwardInput => 2,
+            TaskKind::BackwardWeight => 3,
+        };
+        (kind * self.stages + s) * self.microbatches + m
+    }
+    fn insert(&mut self, task: (TaskKind, usize, usize), finish: usize) {
+        let i = self.slot(task);
+        if let Some(x) = self.at.get_mut(i) {
+            *x = finish;
+        }
+    }
+    fn get(&self, task: &(TaskKind, usize, usize)) -> Option<&usize> {
+        self.at.get(self.slot(*task)).filter(|f| **f != usize::MAX)
+    }
+    fn started(&self, task: (TaskKind, usize, usize)) -> bool {
+        self.get(&task).is_some()
+    }
+}
 
 /// Whether task `t` may start at slot `now`: its forward input and, for a backward, its own
 /// forward and the next stage's gradient (the input-gradient pass when `split`) are done.
@@ -369,7 +401,7 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
     let stages = p.stages();
     let n = p.microbatches;
     // finish time of each task, when done
-    let mut done = Finish::new();
+    let mut done = Finish::new(stages, n);
     let mut order = vec![Vec::new(); p.devices];
     let mut busy_until = vec![0usize; p.devices];
     let mut in_flight: HashMap<(usize, usize), usize> = HashMap::new(); // (device, stage or MAX) -> count
@@ -378,7 +410,6 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
     let mut time = 0usize;
     let cost = |k: TaskKind| if k == TaskKind::Backward { 2 } else { 1 };
     let ready = |done: &Finish, t: &Task, now: usize| is_ready(done, t, now, stages, split);
-    let mut started: std::collections::HashSet<(TaskKind, usize, usize)> = std::collections::HashSet::new();
     while scheduled < total_tasks {
         for d in 0..p.devices {
             if busy_until[d] > time {
@@ -395,7 +426,7 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
                     };
                     for &k in kinds {
                         let t = Task::new(k, s, m);
-                        if started.contains(&(k, s, m)) || !ready(&done, &t, time) {
+                        if done.started((k, s, m)) || !ready(&done, &t, time) {
                             continue;
                         }
                         let key = if priority == Priority::ZeroBubble { (d, usize::MAX) } else { (d, s) };
@@ -427,7 +458,6 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
             // A deferred weight pass must not wait forever: once nothing else is ready it runs.
             if let Some(&(_, t)) = candidates.iter().min_by_key(|c| c.0) {
                 let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
-                started.insert((t.kind, s, m));
                 let fin = time + cost(t.kind);
                 done.insert((t.kind, s, m), fin);
                 busy_until[d] = fin;
