@@ -402,6 +402,13 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
     let n = p.microbatches;
     // finish time of each task, when done
     let mut done = Finish::new(stages, n);
+    // per device: the stages it holds and their microbatches, in order
+    let local: Vec<Vec<(usize, Vec<usize>)>> = (0..p.devices)
+        .map(|d| {
+            let dev = DeviceId(d as u32);
+            p.stages_of(dev).into_iter().map(|s| (s, p.local_microbatches(s, dev))).collect()
+        })
+        .collect();
     let mut order = vec![Vec::new(); p.devices];
     let mut busy_until = vec![0usize; p.devices];
     let mut in_flight: HashMap<(usize, usize), usize> = HashMap::new(); // (device, stage or MAX) -> count
@@ -417,8 +424,9 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
             }
             let dev = DeviceId(d as u32);
             let mut candidates: Vec<(u64, Task)> = Vec::new();
-            for s in p.stages_of(dev) {
-                for m in p.local_microbatches(s, dev) {
+            for (s, mbs) in &local[d] {
+                let s = *s;
+                for &m in mbs {
                     let kinds: &[TaskKind] = if split {
                         &[TaskKind::Forward, TaskKind::BackwardInput, TaskKind::BackwardWeight]
                     } else {

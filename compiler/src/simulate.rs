@@ -17,6 +17,8 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+use rustc_hash::FxHashMap;
+
 use pipec_plan::{DeviceId, GroupId, Instr, MessageId, Phase};
 
 /// How long things take.
@@ -83,14 +85,14 @@ struct Started {
 #[derive(Default)]
 struct Engines {
     /// Per device, its started collectives not yet run, in start order.
-    queue: HashMap<DeviceId, VecDeque<CallKey>>,
-    started: HashMap<CallKey, Vec<Started>>,
-    free_at: HashMap<DeviceId, f64>,
+    queue: FxHashMap<DeviceId, VecDeque<CallKey>>,
+    started: FxHashMap<CallKey, Vec<Started>>,
+    free_at: FxHashMap<DeviceId, f64>,
     /// When each collective ran: (begin, end).
-    finished: HashMap<CallKey, (f64, f64)>,
-    calls: HashMap<(GroupId, DeviceId), usize>,
+    finished: FxHashMap<CallKey, (f64, f64)>,
+    calls: FxHashMap<(GroupId, DeviceId), usize>,
     /// Per (device, group): the collective its next wait waits for.
-    outstanding: HashMap<(DeviceId, GroupId), CallKey>,
+    outstanding: FxHashMap<(DeviceId, GroupId), CallKey>,
 }
 
 impl Engines {
@@ -177,19 +179,19 @@ pub fn simulate(
     cost: &dyn CostModel,
 ) -> Result<Timeline, Stuck> {
     let devices: Vec<DeviceId> = streams.keys().copied().collect();
-    let mut pc: HashMap<DeviceId, usize> = devices.iter().map(|d| (*d, 0)).collect();
-    let mut clock: HashMap<DeviceId, f64> = devices.iter().map(|d| (*d, 0.0)).collect();
+    let mut pc: FxHashMap<DeviceId, usize> = devices.iter().map(|d| (*d, 0)).collect();
+    let mut clock: FxHashMap<DeviceId, f64> = devices.iter().map(|d| (*d, 0.0)).collect();
     // messages in flight per link, in send order; and when each link is free again
-    let mut links: HashMap<(DeviceId, DeviceId), VecDeque<InFlight>> = HashMap::new();
-    let mut link_free: HashMap<(DeviceId, DeviceId), f64> = HashMap::new();
+    let mut links: FxHashMap<(DeviceId, DeviceId), VecDeque<InFlight>> = FxHashMap::default();
+    let mut link_free: FxHashMap<(DeviceId, DeviceId), f64> = FxHashMap::default();
     let mut engines = Engines::default();
     // a tied all-reduce started by the instruction at (device, index), waiting to finish
-    let mut blocking: HashMap<(DeviceId, usize), CallKey> = HashMap::new();
+    let mut blocking: FxHashMap<(DeviceId, usize), CallKey> = FxHashMap::default();
     let mut events = Vec::new();
     let mut queue: VecDeque<DeviceId> = devices.iter().copied().collect();
-    let mut queued: HashMap<DeviceId, bool> = devices.iter().map(|d| (*d, true)).collect();
+    let mut queued: FxHashMap<DeviceId, bool> = devices.iter().map(|d| (*d, true)).collect();
     let mut error: Option<String> = None;
-    let wake = |d: DeviceId, queue: &mut VecDeque<DeviceId>, queued: &mut HashMap<DeviceId, bool>| {
+    let wake = |d: DeviceId, queue: &mut VecDeque<DeviceId>, queued: &mut FxHashMap<DeviceId, bool>| {
         if !queued.get(&d).copied().unwrap_or(true) {
             queued.insert(d, true);
             queue.push_back(d);
