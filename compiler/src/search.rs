@@ -19,7 +19,8 @@ use std::time::Instant;
 
 use pipec_grammar::check_source_in;
 use pipec_grammar::diagnostic::Diagnostic;
-use pipec_grammar::spec::{AutoStrategy, Spec};
+use pipec_grammar::spec::{AutoStrategy, Partition, ReduceMode, Schedule, Spec, SyncMode};
+use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::ScheduleKind;
 
 use crate::compile::{compile, lower_bound, CompileOptions, CompileResult};
@@ -194,6 +195,40 @@ fn strategy_text(
     )
 }
 
+/// The spec a candidate's strategy text gives, without reading the text (for its bound):
+/// the base spec with the strategy's fields set as the front end sets them.
+fn concrete(
+    spec: &Spec,
+    tp: usize,
+    layout: &[usize],
+    schedule: ScheduleKind,
+    microbatches: usize,
+    recompute: bool,
+) -> Spec {
+    let mut s = spec.clone();
+    let st = &mut s.strategy;
+    st.replicas = layout.to_vec();
+    st.tp = tp;
+    st.schedule = Schedule {
+        kind: schedule,
+        virtual_stages: match schedule {
+            ScheduleKind::Interleaved | ScheduleKind::Zbv => 2,
+            other => other.default_virtual_stages(),
+        },
+        sync: SyncMode::Bsp,
+        reduce: ReduceMode::Ring,
+        staleness: 0,
+        vertical_sync: false,
+        span: st.schedule.span,
+    };
+    st.microbatches = microbatches;
+    st.partition = Partition::Balanced;
+    st.recompute = recompute;
+    st.auto = None;
+    st.layout_fixed = true;
+    s
+}
+
 /// `source` with its `strategy` value replaced by `strategy`.
 pub fn with_strategy(source: &str, spec: &Spec, strategy: &str) -> String {
     let span = spec.strategy.span;
@@ -209,7 +244,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
     let layers = spec.model.layers.len();
     let batch = spec.training.batch_size;
     let mut candidates = Vec::new();
-    let mut valid: Vec<(usize, Spec, f64)> = Vec::new();
+    let mut valid: Vec<(usize, f64)> = Vec::new();
     let tps: Vec<usize> = match options.tp {
         Some(t) => vec![t],
         None => divisors(per_node).filter(|t| *t == 1 || spec.model.is_chain()).collect(),
@@ -233,19 +268,24 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                     for &recompute in &recomputes {
                         let strategy =
                             strategy_text(tp, &layout, schedule, microbatches, recompute, spec.strategy.overlap);
-                        let text = with_strategy(source, spec, &strategy);
-                        let checked = check_source_in(&text, compile_options.base_dir.as_deref());
-                        let outcome = match (checked.spec, checked.diagnostics.iter().find(|d| d.is_error())) {
-                            (Some(s), None) => match lower_bound(&s, compile_options) {
-                                Ok(b) if b.overflows => Outcome::TooBig,
-                                Ok(b) => {
-                                    valid.push((candidates.len(), s, b.step_s));
-                                    Outcome::Pruned { bound_s: b.step_s }
+                        // the schedule's layout rules (the front end's), then the bound on the
+                        // spec the text would give; the text itself is checked before compiling
+                        let facts = LayoutFacts { replicas: &layout, microbatches, vertical_sync: false };
+                        let outcome = match schedule.check_layout(&facts).into_iter().next() {
+                            Some(v) => Outcome::Invalid(v.message),
+                            None => {
+                                let s = concrete(spec, tp, &layout, schedule, microbatches, recompute);
+                                match lower_bound(&s, compile_options) {
+                                    Ok(b) if b.overflows => Outcome::TooBig,
+                                    Ok(b) => {
+                                        valid.push((candidates.len(), b.step_s));
+                                        Outcome::Pruned { bound_s: b.step_s }
+                                    }
+                                    Err(d) => {
+                                        Outcome::Invalid(d.first().map_or_else(String::new, |d| d.message.clone()))
+                                    }
                                 }
-                                Err(d) => Outcome::Invalid(d.first().map_or_else(String::new, |d| d.message.clone())),
-                            },
-                            (_, Some(d)) => Outcome::Invalid(d.message.clone()),
-                            (None, None) => Outcome::Invalid("the spec did not check".into()),
+                            }
                         };
                         candidates.push(Candidate { tp, pp, dp, schedule, microbatches, recompute, strategy, outcome });
                     }
@@ -254,12 +294,25 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         }
     }
     // branch and bound: compile in order of the bound until no bound can beat the best
-    valid.sort_by(|a, b| a.2.total_cmp(&b.2).then(a.0.cmp(&b.0)));
+    valid.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
     let mut best: Option<(usize, f64)> = None;
-    for (i, s, bound_s) in valid {
+    for (i, bound_s) in valid {
         if !options.exhaustive && best.is_some_and(|(_, t)| bound_s >= t) {
             break;
         }
+        let text = with_strategy(source, spec, &candidates[i].strategy);
+        let checked = check_source_in(&text, compile_options.base_dir.as_deref());
+        let s = match (checked.spec, checked.diagnostics.iter().find(|d| d.is_error())) {
+            (Some(s), None) => s,
+            (_, Some(d)) => {
+                candidates[i].outcome = Outcome::Invalid(d.message.clone());
+                continue;
+            }
+            (None, None) => {
+                candidates[i].outcome = Outcome::Invalid("the spec did not check".into());
+                continue;
+            }
+        };
         let result = compile(&s, compile_options);
         let fits = !result.has_errors();
         let Some(c) = result.compiled else {
