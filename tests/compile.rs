@@ -374,3 +374,31 @@ fn auto_fields_keep_what_the_user_wrote_and_the_search_constraints() {
     let e = r.diagnostics.iter().find(|d| d.code == "E0607").expect("nothing fits");
     assert!(e.message.contains("no strategy fits"), "{}", e.message);
 }
+
+/// A device's per-pass `overhead` adds to every layer's forward once and its backward
+/// twice, whatever the microbatch size; so the strategy search no longer splits the batch
+/// into one-sample microbatches for free.
+#[test]
+fn a_per_pass_overhead_costs_every_layer_and_steers_the_search_to_larger_microbatches() {
+    let base = hybrid_with("strategy:\n  stages: \"8-8\"\n  schedule: 1f1b\n  microbatches: 16");
+    let with = base.replace("throughput: 312TFLOP/s", "throughput: 312TFLOP/s, overhead: 1ms");
+    assert_ne!(base, with);
+    let (a, b) = (compile_text(&base), compile_text(&with));
+    let (a, b) = (a.compiled.expect("plan").plan, b.compiled.expect("plan").plan);
+    for (x, y) in a.layers.iter().zip(&b.layers) {
+        assert!((y.forward_s - x.forward_s - 1e-3).abs() < 1e-12, "{} vs {}", y.forward_s, x.forward_s);
+        assert!((y.backward_s - x.backward_s - 2e-3).abs() < 1e-12);
+    }
+    for y in &b.stages {
+        let layers: f64 = b.layers[y.layers[0]..y.layers[1]].iter().map(|l| l.forward_s).sum();
+        assert!((y.forward_s - layers).abs() < 1e-9, "a stage costs the sum of its layers");
+    }
+    let microbatches = |text: &str| -> usize {
+        let r = compile_auto(
+            &text.replace("strategy:\n  stages: \"8-8\"\n  schedule: 1f1b\n  microbatches: 16", "strategy: auto"),
+        );
+        r.compiled.expect("a plan").plan.training.microbatches
+    };
+    let (free, costly) = (microbatches(&base), microbatches(&with));
+    assert!(costly < free, "with a per-pass overhead the search picks fewer microbatches: {costly} vs {free}");
+}

@@ -240,7 +240,7 @@ fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelCosts, Vec<D
     let cluster = ClusterGraph::new(&spec.cluster);
     let microbatch_size = spec.training.batch_size / spec.strategy.microbatches.max(1);
     let tp = spec.strategy.tp.max(1);
-    let mut costs = analytic_costs(&graph, cluster.throughput * tp as f64, microbatch_size);
+    let mut costs = analytic_costs(&graph, cluster.throughput * tp as f64, spec.cluster.overhead, microbatch_size);
     if let Some(profile) = &options.profile {
         profile.apply(&mut costs, microbatch_size).map_err(|e| {
             vec![Diagnostic::error(

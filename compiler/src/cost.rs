@@ -105,7 +105,7 @@ pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
 }
 
 /// Costs every layer of the graph analytically.
-pub fn analytic_costs(graph: &Graph, throughput: f64, microbatch_size: usize) -> Vec<LayerCost> {
+pub fn analytic_costs(graph: &Graph, throughput: f64, overhead: f64, microbatch_size: usize) -> Vec<LayerCost> {
     let p = graph.precision_bytes;
     graph
         .ops()
@@ -116,8 +116,8 @@ pub fn analytic_costs(graph: &Graph, throughput: f64, microbatch_size: usize) ->
             LayerCost {
                 forward_flops_per_sample: ff,
                 backward_flops_per_sample: bf,
-                forward_s: ff * microbatch_size as f64 / throughput,
-                backward_s: bf * microbatch_size as f64 / throughput,
+                forward_s: ff * microbatch_size as f64 / throughput + overhead,
+                backward_s: bf * microbatch_size as f64 / throughput + 2.0 * overhead,
                 parameters: params,
                 parameter_bytes: params * p as u64,
                 activation_bytes_per_sample: activation_bytes(node, p),

@@ -123,6 +123,9 @@ pub struct Cluster {
     pub memory_span: Span,
     /// FLOP/s per device.
     pub throughput: f64,
+    /// Seconds every layer's forward (and, twice, its backward) costs beyond its FLOPs:
+    /// kernel launches and framework work per pass (0 unless given).
+    pub overhead: f64,
     /// The span of `devices_per_node`, for "the cluster has N devices" labels.
     pub devices_span: Span,
     pub intra_node: Link,

@@ -86,6 +86,10 @@ struct Device {
     /// Peak compute throughput used by the cost model, with a unit: `312TFLOP/s`,
     /// `50GFLOP/s`.
     throughput: String,
+    /// Time every layer's forward pass costs beyond its FLOPs (its backward: twice that),
+    /// with a unit: `20us`. Kernel launches and framework work per pass, which do not shrink
+    /// with the microbatch; default 0.
+    overhead: Option<String>,
 }
 
 /// Bandwidth and latency per level of the cluster's hierarchy.

@@ -274,7 +274,11 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
         let mem = mem_node.and_then(|m| cx.quantity(m, Dimension::Bytes, false));
         let tp =
             cx.required(&df, "throughput", "cluster.device").and_then(|t| cx.quantity(t, Dimension::FlopRate, false));
-        Some((kind, mem?, mem_node.map(|m| m.span).unwrap_or(owner), tp?))
+        let overhead = match df.get("overhead") {
+            None => Some(0.0),
+            Some(o) => cx.quantity(o, Dimension::Time, true),
+        };
+        Some((kind, mem?, mem_node.map(|m| m.span).unwrap_or(owner), tp?, overhead?))
     });
     let links = cx.required(&f, "links", "cluster").and_then(|n| {
         let lf = cx.fields(n, &["cluster", "links"], f.key_span("links").unwrap_or(owner))?;
@@ -286,7 +290,7 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
             inter_node.and_then(|l| lower_link(cx, l, lf.key_span("inter_node").unwrap_or(owner), "inter_node"));
         Some((intra?, inter, inter_node.is_some(), f.key_span("links").unwrap_or(n.span)))
     });
-    let (nodes, dpn, (kind, memory, memory_span, throughput), (intra, inter, inter_given, links_key)) =
+    let (nodes, dpn, (kind, memory, memory_span, throughput, overhead), (intra, inter, inter_given, links_key)) =
         (nodes?, dpn?, device?, links?);
     if nodes.checked_mul(dpn).is_none_or(|n| n > MAX_DEVICES) {
         cx.push(
@@ -323,6 +327,7 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
         memory,
         memory_span,
         throughput,
+        overhead,
         devices_span: dpn_node.map(|n| n.span).unwrap_or(node.span),
         intra_node: intra,
         inter_node: inter,
