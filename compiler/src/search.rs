@@ -87,6 +87,8 @@ pub struct Candidate {
     pub pp: usize,
     pub dp: usize,
     pub schedule: ScheduleKind,
+    /// Model chunks per device (interleaved, zbv; 1 otherwise).
+    pub chunks: usize,
     pub microbatches: usize,
     pub recompute: bool,
     /// The `strategy` mapping, as YAML flow text.
@@ -154,8 +156,9 @@ fn divisors(n: usize) -> impl Iterator<Item = usize> {
     (1..=n).filter(move |d| n.is_multiple_of(*d))
 }
 
-/// The schedules the search tries for a pipeline of `pp` ranks.
-fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<ScheduleKind> {
+/// The schedules the search tries for a pipeline of `pp` ranks, each with its model chunks
+/// per device: interleaved with 2 and 4, ZBV with its 2, the others 1.
+fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<(ScheduleKind, usize)> {
     let all: Vec<ScheduleKind> = if pp == 1 {
         vec![ScheduleKind::DpOnly]
     } else {
@@ -172,21 +175,30 @@ fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<ScheduleKind> {
         }
         v
     };
-    all.into_iter().filter(|k| options.schedules.as_ref().is_none_or(|only| only.contains(k))).collect()
+    all.into_iter()
+        .filter(|k| options.schedules.as_ref().is_none_or(|only| only.contains(k)))
+        .flat_map(|k| match k {
+            ScheduleKind::Interleaved => vec![(k, 2), (k, 4)],
+            ScheduleKind::Zbv => vec![(k, 2)],
+            other => vec![(other, 1)],
+        })
+        .collect()
 }
 
 /// The `strategy` of a candidate as YAML flow text.
 fn strategy_text(
     tp: usize,
     layout: &[usize],
-    schedule: ScheduleKind,
+    (schedule, chunks): (ScheduleKind, usize),
     microbatches: usize,
     recompute: bool,
     overlap: bool,
 ) -> String {
     let stages = layout.iter().map(ToString::to_string).collect::<Vec<_>>().join("-");
     let schedule = match schedule {
-        ScheduleKind::Interleaved | ScheduleKind::Zbv => format!("{{ kind: {}, virtual_stages: 2 }}", schedule.name()),
+        ScheduleKind::Interleaved | ScheduleKind::Zbv => {
+            format!("{{ kind: {}, virtual_stages: {chunks} }}", schedule.name())
+        }
         other => other.name().to_string(),
     };
     let overlap = if overlap { "" } else { ", overlap: false" };
@@ -201,7 +213,7 @@ fn concrete(
     spec: &Spec,
     tp: usize,
     layout: &[usize],
-    schedule: ScheduleKind,
+    (schedule, chunks): (ScheduleKind, usize),
     microbatches: usize,
     recompute: bool,
 ) -> Spec {
@@ -212,7 +224,7 @@ fn concrete(
     st.schedule = Schedule {
         kind: schedule,
         virtual_stages: match schedule {
-            ScheduleKind::Interleaved | ScheduleKind::Zbv => 2,
+            ScheduleKind::Interleaved | ScheduleKind::Zbv => chunks,
             other => other.default_virtual_stages(),
         },
         sync: SyncMode::Bsp,
@@ -258,7 +270,10 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         };
         for layout in layouts.into_iter().filter(|l| options.max_pipeline_depth.is_none_or(|m| l.len() <= m)) {
             let (pp, dp) = (layout.len(), layout[0]);
-            for schedule in schedules_for(pp, options) {
+            for (schedule, chunks) in schedules_for(pp, options) {
+                if pp * chunks > layers {
+                    continue;
+                }
                 let counts: Vec<usize> = match options.microbatches {
                     Some(n) => vec![n],
                     None => divisors(batch).filter(|n| n.is_multiple_of(dp)).collect(),
@@ -266,15 +281,21 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                 let recomputes: Vec<bool> = options.recompute.map_or_else(|| vec![false, true], |r| vec![r]);
                 for &microbatches in &counts {
                     for &recompute in &recomputes {
-                        let strategy =
-                            strategy_text(tp, &layout, schedule, microbatches, recompute, spec.strategy.overlap);
+                        let strategy = strategy_text(
+                            tp,
+                            &layout,
+                            (schedule, chunks),
+                            microbatches,
+                            recompute,
+                            spec.strategy.overlap,
+                        );
                         // the schedule's layout rules (the front end's), then the bound on the
                         // spec the text would give; the text itself is checked before compiling
                         let facts = LayoutFacts { replicas: &layout, microbatches, vertical_sync: false };
                         let outcome = match schedule.check_layout(&facts).into_iter().next() {
                             Some(v) => Outcome::Invalid(v.message),
                             None => {
-                                let s = concrete(spec, tp, &layout, schedule, microbatches, recompute);
+                                let s = concrete(spec, tp, &layout, (schedule, chunks), microbatches, recompute);
                                 match lower_bound(&s, compile_options) {
                                     Ok(b) if b.overflows => Outcome::TooBig,
                                     Ok(b) => {
@@ -287,7 +308,17 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                                 }
                             }
                         };
-                        candidates.push(Candidate { tp, pp, dp, schedule, microbatches, recompute, strategy, outcome });
+                        candidates.push(Candidate {
+                            tp,
+                            pp,
+                            dp,
+                            schedule,
+                            chunks,
+                            microbatches,
+                            recompute,
+                            strategy,
+                            outcome,
+                        });
                     }
                 }
             }
@@ -338,8 +369,9 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
 }
 
 fn describe(c: &Candidate) -> String {
+    let chunks = if c.chunks > 1 { format!(" ({} chunks)", c.chunks) } else { String::new() };
     format!(
-        "{} · tp {} × pp {} × dp {}, {} microbatches{}",
+        "{}{chunks} · tp {} × pp {} × dp {}, {} microbatches{}",
         c.schedule.name(),
         c.tp,
         c.pp,
@@ -431,7 +463,7 @@ impl SearchReport {
         let entry = |i: usize, p: &Prediction| {
             let c = &self.candidates[i];
             serde_json::json!({
-                "strategy": c.strategy, "tp": c.tp, "pp": c.pp, "dp": c.dp, "schedule": c.schedule.name(),
+                "strategy": c.strategy, "tp": c.tp, "pp": c.pp, "dp": c.dp, "schedule": c.schedule.name(), "chunks": c.chunks,
                 "microbatches": c.microbatches, "recompute": c.recompute, "step_time_s": p.step_s,
                 "bound_s": p.bound_s, "bubble_fraction": p.bubble, "memory_headroom": p.headroom,
                 "exposed_all_reduce_s": p.exposed_all_reduce_s,
