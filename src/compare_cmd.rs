@@ -108,7 +108,7 @@ pub fn compare(
             .with_help("add `microbatches: N` to the strategy")]);
         }
     };
-    let options = CompileOptions { profile, base_dir: base_dir.map(Path::to_path_buf), source: None };
+    let options = CompileOptions { profile, base_dir: base_dir.map(Path::to_path_buf), ..CompileOptions::default() };
     let mut rows = Vec::new();
     for &count in &counts {
         // every schedule, as it would be written in a spec (with its default options)

@@ -68,7 +68,7 @@ pub fn run(a: SearchArgs<'_>) -> u8 {
         schedules: (!schedules.is_empty()).then_some(schedules),
         ..SearchOptions::default()
     };
-    let compile_options = CompileOptions { profile, base_dir: Some(base.to_path_buf()), source: None };
+    let compile_options = CompileOptions { profile, base_dir: Some(base.to_path_buf()), ..CompileOptions::default() };
     let report = search(&source, &spec, &compile_options, &options);
     match a.format {
         Format::Human => print!("{}", report.explain(&options, a.top)),

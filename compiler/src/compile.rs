@@ -45,6 +45,9 @@ pub struct CompileOptions {
     /// The spec's text: a strategy with `auto` fields is searched as text (each candidate
     /// goes through the front end like a written spec).
     pub source: Option<std::sync::Arc<str>>,
+    /// Skip the stream verifier: only for the strategy search's candidates, whose winner is
+    /// compiled again with it.
+    pub skip_verify: bool,
 }
 
 /// A plan and what it was built from.
@@ -87,7 +90,9 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         check_ties(spec, &layout)?;
         let stages = stage_figures(spec, &model, &layout);
         let lowered = lower_streams(spec, &layout, &placement, &stages, model.precision);
-        verify_lowered(spec, &placement, &lowered)?;
+        if !options.skip_verify {
+            verify_lowered(spec, &placement, &lowered)?;
+        }
         let simulated = simulate_plan(spec, &model, &layout, &stages, &lowered)?;
         let (devices, diagnostics) = check_memory(spec, &model, &placement, &stages, &lowered, simulated.bubble);
         let plan = assemble(spec, options, &model, layout, &placement, &stages, lowered, &simulated, devices);

@@ -344,7 +344,8 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                 continue;
             }
         };
-        let result = compile(&s, compile_options);
+        // candidates are not verified: the winner is, when it is compiled for the plan
+        let result = compile(&s, &CompileOptions { skip_verify: true, ..compile_options.clone() });
         let fits = !result.has_errors();
         let Some(c) = result.compiled else {
             let why = result.diagnostics.iter().find(|d| d.is_error()).map_or_else(String::new, |d| d.message.clone());
@@ -512,7 +513,7 @@ pub fn compile_auto(spec: &Spec, options: &CompileOptions, auto: &AutoStrategy) 
             Diagnostic::error("E0607", "the chosen strategy does not check (a pipec bug)", span, "searched strategy");
         return CompileResult { compiled: None, diagnostics: vec![d] };
     };
-    let inner = CompileOptions { source: None, ..options.clone() };
+    let inner = CompileOptions { source: None, skip_verify: false, ..options.clone() };
     let mut result = compile(&concrete, &inner);
     for d in &mut result.diagnostics {
         for l in &mut d.labels {

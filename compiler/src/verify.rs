@@ -4,6 +4,8 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use rustc_hash::{FxHashMap, FxHashSet};
+
 use pipec_plan::{Buffer, DeviceId, End, GroupId, Instr, MessageId, StageId};
 
 use crate::schedule::Placement;
@@ -178,9 +180,9 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
 fn check_unique(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     let p = input.placement;
     let last = p.stages().saturating_sub(1);
-    let mut loads: HashMap<(u32, u32), usize> = HashMap::new();
+    let mut loads: FxHashMap<(u32, u32), usize> = FxHashMap::default();
     for (dev, stream) in input.streams {
-        let mut seen: HashSet<&Instr> = HashSet::new();
+        let mut seen: FxHashSet<&Instr> = FxHashSet::default();
         for (i, ins) in stream.iter().enumerate() {
             if matches!(ins, Instr::AllReduce { .. } | Instr::WaitAllReduce { .. } | Instr::OptimizerStep { .. }) {
                 continue;
@@ -241,7 +243,7 @@ fn check_compute(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         bwd_in: Vec<(DeviceId, usize)>,
         bwd_w: Vec<(DeviceId, usize)>,
     }
-    let mut seen: HashMap<(u32, u32), Seen> = HashMap::new();
+    let mut seen: FxHashMap<(u32, u32), Seen> = FxHashMap::default();
     for (dev, stream) in input.streams {
         for (i, ins) in stream.iter().enumerate() {
             let key = (ins.stage().0, ins.microbatch().map(|m| m.0).unwrap_or(0));
@@ -346,10 +348,10 @@ fn check_stream_dataflow(
 ) {
     let dev = &dev;
     {
-        let mut live: HashSet<Buffer> = HashSet::new();
-        let mut stashed: HashSet<(StageId, pipec_plan::MicrobatchId)> = HashSet::new();
-        let mut restored: HashSet<(StageId, pipec_plan::MicrobatchId)> = HashSet::new();
-        let mut forwarded: HashSet<(StageId, pipec_plan::MicrobatchId)> = HashSet::new();
+        let mut live: FxHashSet<Buffer> = FxHashSet::default();
+        let mut stashed: FxHashSet<(StageId, pipec_plan::MicrobatchId)> = FxHashSet::default();
+        let mut restored: FxHashSet<(StageId, pipec_plan::MicrobatchId)> = FxHashSet::default();
+        let mut forwarded: FxHashSet<(StageId, pipec_plan::MicrobatchId)> = FxHashSet::default();
         for s in input.placement.stages_of(*dev) {
             live.insert(Buffer::Weights { stage: StageId(s as u32) });
         }
@@ -456,15 +458,15 @@ fn check_stream_dataflow(
 /// Optimizer steps come after the last gradient contribution of their stage, and after the
 /// stage's all-reduce when it is replicated; no gradient is left unapplied.
 fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
-    let replicated: HashSet<u32> =
+    let replicated: FxHashSet<u32> =
         (0..input.placement.stages()).filter(|&s| input.placement.replicas[s].len() > 1).map(|s| s as u32).collect();
     for (dev, stream) in input.streams {
         // per stage: gradient contributions pending since the last step, and whether they
         // were all-reduced
-        let mut pending: HashMap<StageId, (usize, bool)> = HashMap::new();
-        let mut steps: HashMap<StageId, usize> = HashMap::new();
+        let mut pending: FxHashMap<StageId, (usize, bool)> = FxHashMap::default();
+        let mut steps: FxHashMap<StageId, usize> = FxHashMap::default();
         // per stage: the group of its all-reduce in flight (started, not yet waited for)
-        let mut reducing: HashMap<StageId, GroupId> = HashMap::new();
+        let mut reducing: FxHashMap<StageId, GroupId> = FxHashMap::default();
         for (i, ins) in stream.iter().enumerate() {
             // nothing touches a stage's gradient while its all-reduce is in flight
             let touches = matches!(
@@ -584,8 +586,8 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
 /// delivers in the order its receiver expects.
 fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     type Key = (MessageId, u64);
-    let mut sends: HashMap<(DeviceId, DeviceId), Vec<(Key, usize)>> = HashMap::new();
-    let mut recvs: HashMap<(DeviceId, DeviceId), Vec<(Key, usize)>> = HashMap::new();
+    let mut sends: FxHashMap<(DeviceId, DeviceId), Vec<(Key, usize)>> = FxHashMap::default();
+    let mut recvs: FxHashMap<(DeviceId, DeviceId), Vec<(Key, usize)>> = FxHashMap::default();
     for (dev, stream) in input.streams {
         for (i, ins) in stream.iter().enumerate() {
             let Some(t) = ins.transfer() else { continue };
@@ -606,11 +608,11 @@ fn check_p2p(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         let s = sends.get(&link).cloned().unwrap_or_default();
         let r = recvs.get(&link).cloned().unwrap_or_default();
         let name = |(id, bytes): &Key| format!("{id} ({bytes} B)");
-        let sent: HashMap<Key, usize> = s.iter().fold(HashMap::new(), |mut m, (k, _)| {
+        let sent: FxHashMap<Key, usize> = s.iter().fold(FxHashMap::default(), |mut m, (k, _)| {
             *m.entry(*k).or_insert(0) += 1;
             m
         });
-        let received: HashMap<Key, usize> = r.iter().fold(HashMap::new(), |mut m, (k, _)| {
+        let received: FxHashMap<Key, usize> = r.iter().fold(FxHashMap::default(), |mut m, (k, _)| {
             *m.entry(*k).or_insert(0) += 1;
             m
         });
@@ -736,7 +738,7 @@ fn check_parameter_server(input: &VerifyInput<'_>, staleness: usize, out: &mut V
 fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     // per group and member, its all-reduces in order: (stage, bytes, instruction index)
     type Calls = BTreeMap<DeviceId, Vec<(StageId, u64, usize)>>;
-    let mut calls: HashMap<GroupId, Calls> = HashMap::new();
+    let mut calls: FxHashMap<GroupId, Calls> = FxHashMap::default();
     for (dev, stream) in input.streams {
         for (i, ins) in stream.iter().enumerate() {
             if let Instr::AllReduce { stage, group, bytes } | Instr::TiedAllReduce { stage, group, bytes } = ins {
