@@ -240,15 +240,33 @@ impl ScheduleKind {
                         "use `1f1b` or `dp-only` for a single stage, or more stages",
                         false,
                     ));
-                } else if !microbatches.is_multiple_of(stages) {
-                    out.push(violation(
-                        format!(
-                            "`interleaved` needs microbatches divisible by the {stages} stages, found {microbatches}"
-                        ),
-                        "interleaved",
-                        "Megatron's interleaved schedule runs microbatches in groups of one per stage",
-                        true,
-                    ));
+                } else {
+                    // each pipeline replica runs its share of the microbatches in groups of
+                    // one per stage: every share must divide by the stages
+                    let gcd = |mut a: usize, mut b: usize| {
+                        while b != 0 {
+                            (a, b) = (b, a % b);
+                        }
+                        a
+                    };
+                    let lcm = facts.replicas.iter().fold(1usize, |l, &r| {
+                        let r = r.max(1);
+                        (l / gcd(l, r)).saturating_mul(r)
+                    });
+                    let need = stages.saturating_mul(lcm);
+                    if !microbatches.is_multiple_of(need) {
+                        let what = if lcm > 1 {
+                            format!("a multiple of {need} ({stages} stages × {lcm} replicas: each replica's share divisible by the stages)")
+                        } else {
+                            format!("divisible by the {stages} stages")
+                        };
+                        out.push(violation(
+                            format!("`interleaved` needs microbatches {what}, found {microbatches}"),
+                            "interleaved",
+                            "Megatron's interleaved schedule runs each pipeline's microbatches in groups of one per stage",
+                            true,
+                        ));
+                    }
                 }
             }
             ScheduleKind::Chimera => {
@@ -354,6 +372,8 @@ mod tests {
     fn microbatch_constraints_match_their_closed_forms() {
         for n in 1..=48 {
             assert_eq!(ScheduleKind::Interleaved.accepts_microbatches(&[1, 1, 1, 1], n, false), n % 4 == 0, "{n}");
+            // with 4 replicas of 2 stages, each replica's share must divide by 2
+            assert_eq!(ScheduleKind::Interleaved.accepts_microbatches(&[4, 4], n, false), n % 8 == 0, "{n}");
             assert_eq!(ScheduleKind::Chimera.accepts_microbatches(&[1, 1], n, false), n % 2 == 0, "{n}");
             assert_eq!(ScheduleKind::Chimera.accepts_microbatches(&[3, 3], n, false), n % 6 == 0, "{n}");
             assert_eq!(ScheduleKind::OneFOneB.accepts_microbatches(&[2, 1, 1], n, false), n % 2 == 0, "{n}");
