@@ -74,7 +74,7 @@ pub fn run(a: SearchArgs<'_>) -> u8 {
         Format::Human => print!("{}", report.explain(&options, a.top)),
         Format::Json => println!("{}", report.to_json(&options, a.top)),
     }
-    if report.best.is_some() {
+    if !report.ranked(options.headroom).is_empty() {
         EXIT_OK
     } else {
         EXIT_DIAGNOSTICS

@@ -79,8 +79,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
             let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
             if matches!(t.kind, TaskKind::Backward | TaskKind::BackwardInput) {
                 if let Some(group) = deferred.remove(&s) {
-                    stream.push(Instr::WaitAllReduce { stage: st(s), group });
-                    stream.push(Instr::OptimizerStep { stage: st(s) });
+                    update_after_reduce(stream, st(s), group);
                 }
             }
             match t.kind {
@@ -153,8 +152,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                                     if defer {
                                         deferred.insert(s, group);
                                     } else {
-                                        stream.push(Instr::WaitAllReduce { stage: st(s), group });
-                                        stream.push(Instr::OptimizerStep { stage: st(s) });
+                                        update_after_reduce(stream, st(s), group);
                                     }
                                 }
                                 None => stream.push(Instr::OptimizerStep { stage: st(s) }),
@@ -172,8 +170,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
             }
         }
         for (s, group) in deferred {
-            stream.push(Instr::WaitAllReduce { stage: st(s), group });
-            stream.push(Instr::OptimizerStep { stage: st(s) });
+            update_after_reduce(stream, st(s), group);
         }
         if input.updates == Updates::PerStep {
             // With overlap, each replicated stage's all-reduce starts right after its last
@@ -181,16 +178,16 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
             // the waits and optimizer steps follow at the end, in stage order on every device.
             let held = p.stages_of(dev);
             if input.overlap {
-                let mut starts: Vec<(usize, usize)> = held
+                let mut starts: Vec<(usize, usize, GroupId)> = held
                     .iter()
-                    .filter(|s| input.groups[**s].is_some())
-                    .map(|s| (last_contribution.get(s).copied().unwrap_or(stream.len()), *s))
+                    .filter_map(|&s| {
+                        let at = last_contribution.get(&s).copied().unwrap_or(stream.len());
+                        input.groups[s].map(|group| (at, s, group))
+                    })
                     .collect();
                 starts.sort_by(|a, b| b.cmp(a));
-                for (at, s) in starts {
-                    if let Some(group) = input.groups[s] {
-                        stream.insert(at, Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
-                    }
+                for (at, s, group) in starts {
+                    stream.insert(at, Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
                 }
             }
             for s in held {
@@ -246,6 +243,12 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
         out.insert(dev, with_sends);
     }
     out
+}
+
+/// The update of a replicated stage once its all-reduce is in: wait for it, then step.
+fn update_after_reduce(stream: &mut Vec<Instr>, stage: StageId, group: GroupId) {
+    stream.push(Instr::WaitAllReduce { stage, group });
+    stream.push(Instr::OptimizerStep { stage });
 }
 
 /// Asynchronous data parallelism (`dp-only` with `sync: asp`) with a parameter server on

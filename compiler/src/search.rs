@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use pipec_grammar::check_source_in;
 use pipec_grammar::diagnostic::Diagnostic;
-use pipec_grammar::spec::{AutoStrategy, Partition, ReduceMode, Schedule, Spec, SyncMode};
+use pipec_grammar::spec::{AutoStrategy, Partition, Schedule, Spec};
 use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::ScheduleKind;
 
@@ -126,8 +126,6 @@ pub struct Prediction {
 #[derive(Debug, Clone)]
 pub struct SearchReport {
     pub candidates: Vec<Candidate>,
-    /// Index of the winner in `candidates`.
-    pub best: Option<usize>,
     pub seconds: f64,
 }
 
@@ -221,24 +219,24 @@ fn concrete(
     let st = &mut s.strategy;
     st.replicas = layout.to_vec();
     st.tp = tp;
-    st.schedule = Schedule {
-        kind: schedule,
-        virtual_stages: match schedule {
-            ScheduleKind::Interleaved | ScheduleKind::Zbv => chunks,
-            other => other.default_virtual_stages(),
-        },
-        sync: SyncMode::Bsp,
-        reduce: ReduceMode::Ring,
-        staleness: 0,
-        vertical_sync: false,
-        span: st.schedule.span,
-    };
+    st.schedule = Schedule::new(schedule, st.schedule.span);
+    if matches!(schedule, ScheduleKind::Interleaved | ScheduleKind::Zbv) {
+        st.schedule.virtual_stages = chunks;
+    }
     st.microbatches = microbatches;
     st.partition = Partition::Balanced;
     st.recompute = recompute;
     st.auto = None;
     st.layout_fixed = true;
     s
+}
+
+/// The first error's message among `diagnostics` (what an invalid candidate reports).
+fn first_error(diagnostics: &[Diagnostic]) -> String {
+    diagnostics
+        .iter()
+        .find(|d| d.is_error())
+        .map_or_else(|| "refused without an error message".into(), |d| d.message.clone())
 }
 
 /// `source` with its `strategy` value replaced by `strategy`.
@@ -302,9 +300,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                                         valid.push((candidates.len(), b.step_s));
                                         Outcome::Pruned { bound_s: b.step_s }
                                     }
-                                    Err(d) => {
-                                        Outcome::Invalid(d.first().map_or_else(String::new, |d| d.message.clone()))
-                                    }
+                                    Err(d) => Outcome::Invalid(first_error(&d)),
                                 }
                             }
                         };
@@ -326,21 +322,18 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
     }
     // branch and bound: compile in order of the bound until no bound can beat the best
     valid.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
-    let mut best: Option<(usize, f64)> = None;
+    // the best step found so far among plans that fit with the headroom
+    let mut best: Option<f64> = None;
     for (i, bound_s) in valid {
-        if !options.exhaustive && best.is_some_and(|(_, t)| bound_s >= t) {
+        if !options.exhaustive && best.is_some_and(|t| bound_s >= t) {
             break;
         }
         let text = with_strategy(source, spec, &candidates[i].strategy);
         let checked = check_source_in(&text, compile_options.base_dir.as_deref());
-        let s = match (checked.spec, checked.diagnostics.iter().find(|d| d.is_error())) {
-            (Some(s), None) => s,
-            (_, Some(d)) => {
-                candidates[i].outcome = Outcome::Invalid(d.message.clone());
-                continue;
-            }
-            (None, None) => {
-                candidates[i].outcome = Outcome::Invalid("the spec did not check".into());
+        let s = match checked.spec {
+            Some(s) if !checked.diagnostics.iter().any(Diagnostic::is_error) => s,
+            _ => {
+                candidates[i].outcome = Outcome::Invalid(first_error(&checked.diagnostics));
                 continue;
             }
         };
@@ -348,8 +341,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         let result = compile(&s, &CompileOptions { skip_verify: true, ..compile_options.clone() });
         let fits = !result.has_errors();
         let Some(c) = result.compiled else {
-            let why = result.diagnostics.iter().find(|d| d.is_error()).map_or_else(String::new, |d| d.message.clone());
-            candidates[i].outcome = Outcome::Invalid(why);
+            candidates[i].outcome = Outcome::Invalid(first_error(&result.diagnostics));
             continue;
         };
         let sim = &c.plan.simulation;
@@ -361,12 +353,12 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
             exposed_all_reduce_s: sim.devices.iter().map(|d| d.exposed_collective_s).fold(0.0, f64::max),
             fits,
         };
-        if fits && prediction.headroom >= options.headroom && best.is_none_or(|(_, t)| prediction.step_s < t) {
-            best = Some((i, prediction.step_s));
+        if fits && prediction.headroom >= options.headroom && best.is_none_or(|t| prediction.step_s < t) {
+            best = Some(prediction.step_s);
         }
         candidates[i].outcome = Outcome::Planned(prediction);
     }
-    SearchReport { candidates, best: best.map(|b| b.0), seconds: started.elapsed().as_secs_f64() }
+    SearchReport { candidates, seconds: started.elapsed().as_secs_f64() }
 }
 
 fn describe(c: &Candidate) -> String {

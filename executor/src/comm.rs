@@ -144,57 +144,68 @@ fn since(epoch: Instant) -> f64 {
     epoch.elapsed().as_secs_f64()
 }
 
+/// What one communication thread has done since its last fence, and the first transfer
+/// that failed (every later command fails with it).
+struct Log {
+    epoch: Instant,
+    trace: CommTrace,
+    failed: Option<TransportError>,
+}
+
+impl Log {
+    fn new(epoch: Instant) -> Self {
+        Log { epoch, trace: CommTrace::new(), failed: None }
+    }
+
+    /// Runs a transfer unless an earlier one failed, tracing it under `code` (if any).
+    fn run<T>(
+        &mut self,
+        code: Option<usize>,
+        transfer: impl FnOnce() -> Result<T, TransportError>,
+    ) -> Result<T, TransportError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let t0 = since(self.epoch);
+        let got = transfer();
+        if let Some(code) = code {
+            self.trace.push((code, t0, since(self.epoch)));
+        }
+        if let Err(e) = &got {
+            self.failed = Some(e.clone());
+        }
+        got
+    }
+
+    /// The fence's answer: the trace since the last one, and the first failure.
+    fn fence(&mut self) -> (CommTrace, Option<TransportError>) {
+        (std::mem::take(&mut self.trace), self.failed.clone())
+    }
+}
+
 fn p2p_loop<E: Endpoint>(mut ep: E, rx: Receiver<P2p>, epoch: Instant) {
-    let mut trace = CommTrace::new();
-    let mut failed: Option<TransportError> = None;
+    let mut log = Log::new(epoch);
     for cmd in rx {
         match cmd {
             P2p::Recv { from, tag, code, reply } => {
-                let got = match &failed {
-                    Some(e) => Err(e.clone()),
-                    None => {
-                        let t0 = since(epoch);
-                        let got = ep.recv(from, tag);
-                        trace.push((code, t0, since(epoch)));
-                        got
-                    }
-                };
-                if let Err(e) = &got {
-                    failed.get_or_insert_with(|| e.clone());
-                }
-                let _ = reply.send(got);
+                let _ = reply.send(log.run(Some(code), || ep.recv(from, tag)));
             }
             P2p::Fence(reply) => {
-                let _ = reply.send((std::mem::take(&mut trace), failed.clone()));
+                let _ = reply.send(log.fence());
             }
         }
     }
 }
 
 fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, epoch: Instant) {
-    let mut trace = CommTrace::new();
-    let mut failed: Option<TransportError> = None;
+    let mut log = Log::new(epoch);
     for cmd in rx {
         match cmd {
             Coll::AllReduce { members, mut data, mode, code, reply } => {
-                let got = match &failed {
-                    Some(e) => Err(e.clone()),
-                    None => {
-                        let t0 = since(epoch);
-                        let got = ep.all_reduce(&members, &mut data, mode).map(|()| data);
-                        if let Some(code) = code {
-                            trace.push((code, t0, since(epoch)));
-                        }
-                        got
-                    }
-                };
-                if let Err(e) = &got {
-                    failed.get_or_insert_with(|| e.clone());
-                }
-                let _ = reply.send(got);
+                let _ = reply.send(log.run(code, || ep.all_reduce(&members, &mut data, mode).map(|()| data)));
             }
             Coll::Fence(reply) => {
-                let _ = reply.send((std::mem::take(&mut trace), failed.clone()));
+                let _ = reply.send(log.fence());
             }
         }
     }

@@ -162,6 +162,22 @@ pub struct Schedule {
     pub span: Span,
 }
 
+impl Schedule {
+    /// `kind` with its default options: its default model chunks per device, synchronous
+    /// ring all-reduce, no staleness, no vertical sync.
+    pub fn new(kind: ScheduleKind, span: Span) -> Self {
+        Schedule {
+            kind,
+            virtual_stages: kind.default_virtual_stages(),
+            sync: SyncMode::Bsp,
+            reduce: ReduceMode::Ring,
+            staleness: 0,
+            vertical_sync: false,
+            span,
+        }
+    }
+}
+
 /// How layers are assigned to stages.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Partition {

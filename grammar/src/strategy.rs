@@ -168,15 +168,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
     Strategy {
         replicas: vec![devices],
         tp: 1,
-        schedule: Schedule {
-            kind: ScheduleKind::DpOnly,
-            virtual_stages: 1,
-            sync: SyncMode::Bsp,
-            reduce: ReduceMode::Ring,
-            staleness: 0,
-            vertical_sync: false,
-            span: node.span,
-        },
+        schedule: Schedule::new(ScheduleKind::DpOnly, node.span),
         microbatches: 1,
         partition: Partition::Balanced,
         recompute: false,
@@ -679,15 +671,7 @@ fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedu
         }
         _ => (cx.choose::<ScheduleKind>(node, &["strategy", "schedule"])?, None),
     };
-    let mut sched = Schedule {
-        kind,
-        virtual_stages: kind.default_virtual_stages(),
-        sync: SyncMode::Bsp,
-        reduce: ReduceMode::Ring,
-        staleness: 0,
-        vertical_sync: false,
-        span: node.span,
-    };
+    let mut sched = Schedule::new(kind, node.span);
     let Some(f) = f else { return Some(sched) };
     let mut ok = true;
     let not_for = |cx: &mut Lower<'_>, key: &str, only: &str| {
