@@ -62,7 +62,6 @@ pub fn compile_file(
         profile,
         base_dir: path.parent().map(Path::to_path_buf),
         source: Some(source.as_str().into()),
-        skip_verify: false,
     };
     let result = compile(&spec, &options);
     if !result.diagnostics.is_empty() {

@@ -37,6 +37,10 @@ impl ClusterGraph {
     pub fn device_count(&self) -> usize {
         self.nodes * self.devices_per_node
     }
+    /// Every device, in id order.
+    pub fn devices(&self) -> Vec<DeviceId> {
+        (0..self.device_count()).map(|d| DeviceId(d as u32)).collect()
+    }
     pub fn node_of(&self, d: DeviceId) -> u32 {
         d.0 / self.devices_per_node.max(1) as u32
     }

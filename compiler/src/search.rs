@@ -23,7 +23,7 @@ use pipec_grammar::spec::{AutoStrategy, Partition, Schedule, Spec};
 use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::ScheduleKind;
 
-use crate::compile::{compile, lower_bound, CompileOptions, CompileResult};
+use crate::compile::{compile, lower_bound, predict, CompileOptions, CompileResult, Memo};
 
 /// What the user pins.
 #[derive(Debug, Clone)]
@@ -255,6 +255,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
     let batch = spec.training.batch_size;
     let mut candidates = Vec::new();
     let mut valid: Vec<(usize, f64)> = Vec::new();
+    let mut memo = Memo::default();
     let tps: Vec<usize> = match options.tp {
         Some(t) => vec![t],
         None => divisors(per_node).filter(|t| *t == 1 || spec.model.is_chain()).collect(),
@@ -294,7 +295,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                             Some(v) => Outcome::Invalid(v.message),
                             None => {
                                 let s = concrete(spec, tp, &layout, (schedule, chunks), microbatches, recompute);
-                                match lower_bound(&s, compile_options) {
+                                match lower_bound(&s, compile_options, &mut memo) {
                                     Ok(b) if b.overflows => Outcome::TooBig,
                                     Ok(b) => {
                                         valid.push((candidates.len(), b.step_s));
@@ -337,22 +338,24 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                 continue;
             }
         };
+        // the compiler's figures, from one pipeline replica when the plan is symmetric;
         // candidates are not verified: the winner is, when it is compiled for the plan
-        let result = compile(&s, &CompileOptions { skip_verify: true, ..compile_options.clone() });
-        let fits = !result.has_errors();
-        let Some(c) = result.compiled else {
-            candidates[i].outcome = Outcome::Invalid(first_error(&result.diagnostics));
-            continue;
+        let f = match predict(&s, compile_options, &mut memo) {
+            Ok(f) => f,
+            Err(d) => {
+                candidates[i].outcome = Outcome::Invalid(first_error(&d));
+                continue;
+            }
         };
-        let sim = &c.plan.simulation;
         let prediction = Prediction {
             bound_s,
-            step_s: sim.step_time_s,
-            bubble: sim.bubble_fraction,
-            headroom: c.plan.memory_headroom(),
-            exposed_all_reduce_s: sim.devices.iter().map(|d| d.exposed_collective_s).fold(0.0, f64::max),
-            fits,
+            step_s: f.step_s,
+            bubble: f.bubble,
+            headroom: f.headroom,
+            exposed_all_reduce_s: f.exposed_all_reduce_s,
+            fits: f.fits,
         };
+        let fits = f.fits;
         if fits && prediction.headroom >= options.headroom && best.is_none_or(|t| prediction.step_s < t) {
             best = Some(prediction.step_s);
         }
@@ -505,7 +508,7 @@ pub fn compile_auto(spec: &Spec, options: &CompileOptions, auto: &AutoStrategy) 
             Diagnostic::error("E0607", "the chosen strategy does not check (a pipec bug)", span, "searched strategy");
         return CompileResult { compiled: None, diagnostics: vec![d] };
     };
-    let inner = CompileOptions { source: None, skip_verify: false, ..options.clone() };
+    let inner = CompileOptions { source: None, ..options.clone() };
     let mut result = compile(&concrete, &inner);
     for d in &mut result.diagnostics {
         for l in &mut d.labels {

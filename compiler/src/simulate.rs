@@ -27,8 +27,10 @@ pub trait CostModel {
     fn compute(&self, device: DeviceId, instr: &Instr) -> f64;
     /// Seconds for `bytes` from `from` to `to`.
     fn transfer(&self, from: DeviceId, to: DeviceId, bytes: u64) -> f64;
-    /// Seconds of an all-reduce of `bytes` over `members`.
-    fn all_reduce(&self, members: &[DeviceId], bytes: u64) -> f64;
+    /// Seconds of an all-reduce of `bytes` by `group`, whose simulated members are
+    /// `members` (a cost model may know the group as larger: the strategy search simulates
+    /// one pipeline replica of symmetric plans).
+    fn all_reduce(&self, group: GroupId, members: &[DeviceId], bytes: u64) -> f64;
 }
 
 /// One executed instruction.
@@ -141,7 +143,7 @@ impl Engines {
                 .iter()
                 .map(|a| a.at.max(self.free_at.get(&a.device).copied().unwrap_or(0.0)))
                 .fold(0.0, f64::max);
-            let end = begin + cost.all_reduce(members, started[0].bytes);
+            let end = begin + cost.all_reduce(key.0, members, started[0].bytes);
             for a in started {
                 events.push(Event {
                     device: a.device,
@@ -351,7 +353,7 @@ impl CostModel for UnitCost {
     fn transfer(&self, _: DeviceId, _: DeviceId, _: u64) -> f64 {
         0.0
     }
-    fn all_reduce(&self, _: &[DeviceId], _: u64) -> f64 {
+    fn all_reduce(&self, _: GroupId, _: &[DeviceId], _: u64) -> f64 {
         0.0
     }
 }

@@ -367,7 +367,7 @@ impl pipec_compiler::simulate::CostModel for TwoToOne {
     fn transfer(&self, _: DeviceId, _: DeviceId, _: u64) -> f64 {
         0.0
     }
-    fn all_reduce(&self, _: &[DeviceId], _: u64) -> f64 {
+    fn all_reduce(&self, _: pipec_plan::GroupId, _: &[DeviceId], _: u64) -> f64 {
         0.0
     }
 }
@@ -481,7 +481,7 @@ impl pipec_compiler::simulate::CostModel for AllReduceCost {
     fn transfer(&self, _: DeviceId, _: DeviceId, _: u64) -> f64 {
         0.0
     }
-    fn all_reduce(&self, _: &[DeviceId], _: u64) -> f64 {
+    fn all_reduce(&self, _: pipec_plan::GroupId, _: &[DeviceId], _: u64) -> f64 {
         self.a
     }
 }

@@ -1,7 +1,7 @@
 //! The strategy search against a brute force over the same space, and its bound against
 //! the simulation of every candidate.
 
-use pipec_compiler::search::{search, Outcome, SearchOptions};
+use pipec_compiler::search::{search, with_strategy, Outcome, SearchOptions};
 use pipec_compiler::{compile, CompileOptions};
 
 fn spec_text(devices_per_node: usize, nodes: usize, layers: &str, batch: usize, memory: &str) -> String {
@@ -109,4 +109,81 @@ fn the_best_strategy_pasted_back_compiles_to_its_prediction() {
     assert_eq!(json["best"]["step_time_s"].as_f64(), Some(p.step_s));
     assert_eq!(json["runner_ups"].as_array().map(Vec::len), Some(2));
     assert_eq!(json["considered"].as_u64(), Some(report.candidates.len() as u64));
+}
+
+/// A small GPT (tied embedding and output layer) on 2 nodes of 4: replica groups, the tie's
+/// group and tensor parallelism inside a node.
+fn language_model() -> String {
+    "model:
+  input: [16]
+  layers:
+    - embedding(64, 32) as wte
+    - pos_embedding
+    - repeat 4: transformer_block(d=32, heads=2, ff=64, causal=true)
+    - layernorm
+    - linear(32, 64, bias=false, tie=wte)
+  loss: cross_entropy
+cluster:
+  nodes: 2
+  devices_per_node: 4
+  device: { memory: 2GiB, throughput: 10TFLOP/s }
+  links:
+    intra_node: { bandwidth: 20GB/s, latency: 5us }
+    inter_node: { bandwidth: 2GB/s, latency: 20us }
+strategy:
+  stages: straight
+  schedule: 1f1b
+  microbatches: 4
+training:
+  batch_size: 16
+  steps: 1
+  optimizer: { kind: adam, lr: 0.001 }
+"
+    .into()
+}
+
+/// The search's figures for a candidate come from one pipeline replica when the plan is
+/// symmetric: for every candidate of the small cases (asynchronous schedules included),
+/// they are the whole compiled plan's — step, bubble, memory headroom, exposed all-reduce,
+/// whether it fits.
+#[test]
+fn one_pipeline_replica_predicts_the_whole_plan() {
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()) + 1e-12;
+    let mut texts: Vec<(String, String)> = cases();
+    texts.push(("a tied language model on 2 x 4".into(), language_model()));
+    for (what, text) in texts {
+        let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+        let options = CompileOptions::default();
+        let all = search(
+            &text,
+            &spec,
+            &options,
+            &SearchOptions { exhaustive: true, synchronous_only: false, ..SearchOptions::default() },
+        );
+        let (mut compared, mut replicated) = (0, 0);
+        for c in &all.candidates {
+            let Outcome::Planned(p) = &c.outcome else { continue };
+            let s = pipec_grammar::check_source(&with_strategy(&text, &spec, &c.strategy)).spec.expect("valid");
+            let result = compile(&s, &options);
+            let fits = !result.has_errors();
+            let plan = result.into_compiled().expect("compiles").plan;
+            let sim = &plan.simulation;
+            let exposed = sim.devices.iter().map(|d| d.exposed_collective_s).fold(0.0, f64::max);
+            let whole = (sim.step_time_s, sim.bubble_fraction, plan.memory_headroom(), exposed);
+            assert!(
+                close(p.step_s, whole.0)
+                    && close(p.bubble, whole.1)
+                    && close(p.headroom, whole.2)
+                    && close(p.exposed_all_reduce_s, whole.3),
+                "{what}: {}: predicted (step, bubble, headroom, exposed) {:?}, the whole plan {whole:?}",
+                c.strategy,
+                (p.step_s, p.bubble, p.headroom, p.exposed_all_reduce_s)
+            );
+            assert_eq!(p.fits, fits, "{what}: {}", c.strategy);
+            compared += 1;
+            replicated += usize::from(c.dp * c.tp > 1);
+        }
+        eprintln!("{what}: {compared} candidates, {replicated} with replicas or tensor parallelism");
+        assert!(replicated >= 20, "{what}: only {replicated} replicated candidates compared");
+    }
 }
