@@ -43,7 +43,7 @@ echo "== the GPU check, dry (CPU only): proves scripts/gpu-check.sh end to end"
 OUT="$(mktemp -d)/gpu-check" bash scripts/gpu-check.sh run --dry --bin "$CARGO_TARGET_DIR/debug/pipec"
 
 echo "== example specs check clean"
-"$CARGO_TARGET_DIR/debug/pipec" check specs/*.yaml
+"$CARGO_TARGET_DIR/debug/pipec" check specs/*.yaml bench/specs/*.yaml bench/specs/megatron/*.yaml
 
 echo "== language server driven by an independent client (pytest-lsp, PyPI)"
 VENV="${PIPEC_VENV:-$HOME/.cache/pipec-venv}"

@@ -180,7 +180,8 @@ enum Command {
     /// Search every strategy for the spec's model on its cluster (tensor-parallel degree,
     /// pipeline depth × data parallelism, schedule, microbatches, recompute), ranked by the
     /// predicted step under every device's memory; prints the best as a `strategy` to paste,
-    /// the runner-ups and why they lost (the spec's own strategy is ignored).
+    /// the runner-ups and why they lost. A written strategy is ignored; an `auto` one keeps
+    /// its pinned fields and `search:` constraints, which the options below override.
     Search {
         file: PathBuf,
         /// A measured per-layer profile (from `pipec profile`) replacing analytic costs.
@@ -192,9 +193,10 @@ enum Command {
         /// The most pipeline stages to consider.
         #[arg(long)]
         max_depth: Option<usize>,
-        /// Memory headroom every device must keep, in percent of its capacity.
-        #[arg(long, default_value_t = 0.0)]
-        headroom: f64,
+        /// Memory headroom every device must keep, in percent of its capacity (default: the
+        /// spec's `search: headroom`, or 0).
+        #[arg(long)]
+        headroom: Option<f64>,
         /// Only these schedules, e.g. `--schedules 1f1b,interleaved`.
         #[arg(long, value_delimiter = ',')]
         schedules: Vec<String>,

@@ -18,7 +18,7 @@ pub struct SearchArgs<'a> {
     pub profile: Option<&'a Path>,
     pub allow_async: bool,
     pub max_depth: Option<usize>,
-    pub headroom_percent: f64,
+    pub headroom_percent: Option<f64>,
     pub schedules: &'a [String],
     pub top: usize,
     pub format: Format,
@@ -32,8 +32,8 @@ pub fn run(a: SearchArgs<'_>) -> u8 {
             return EXIT_USAGE;
         }
     };
-    if !(0.0..100.0).contains(&a.headroom_percent) {
-        eprintln!("error: --headroom must be a percentage in [0, 100), got {}", a.headroom_percent);
+    if let Some(h) = a.headroom_percent.filter(|h| !(0.0..100.0).contains(h)) {
+        eprintln!("error: --headroom must be a percentage in [0, 100), got {h}");
         return EXIT_USAGE;
     }
     let mut schedules = Vec::new();
@@ -61,13 +61,19 @@ pub fn run(a: SearchArgs<'_>) -> u8 {
         eprintln!("{name}: fix these errors first (`pipec check`)");
         return EXIT_DIAGNOSTICS;
     };
-    let options = SearchOptions {
-        synchronous_only: !a.allow_async,
-        max_pipeline_depth: a.max_depth,
-        headroom: a.headroom_percent / 100.0,
-        schedules: (!schedules.is_empty()).then_some(schedules),
-        ..SearchOptions::default()
+    // an `auto` strategy's pinned fields and constraints, the flags over them
+    let mut options = match &spec.strategy.auto {
+        Some(auto) => SearchOptions::from_spec(&spec, auto),
+        None => SearchOptions::default(),
     };
+    options.synchronous_only &= !a.allow_async;
+    options.max_pipeline_depth = a.max_depth.or(options.max_pipeline_depth);
+    if let Some(h) = a.headroom_percent {
+        options.headroom = h / 100.0;
+    }
+    if !schedules.is_empty() {
+        options.schedules = Some(schedules);
+    }
     let compile_options = CompileOptions { profile, base_dir: Some(base.to_path_buf()), ..CompileOptions::default() };
     let report = search(&source, &spec, &compile_options, &options);
     match a.format {

@@ -375,6 +375,41 @@ fn auto_fields_keep_what_the_user_wrote_and_the_search_constraints() {
     assert!(e.message.contains("no strategy fits"), "{}", e.message);
 }
 
+/// `pipec search` on a spec whose strategy is `auto` with pinned fields keeps them and its
+/// `search:` constraints; a flag overrides a constraint.
+#[test]
+fn pipec_search_keeps_an_auto_strategys_pins_and_flags_override_them() {
+    let text = hybrid_with(
+        "strategy:\n  tp: 2\n  schedule: auto\n  microbatches: auto\n  recompute: false\n  search: { max_depth: 2, schedules: [gpipe, 1f1b] }",
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("pinned.yaml");
+    std::fs::write(&path, &text).expect("write");
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["search", path.to_str().expect("utf-8"), "--format", "json", "--top", "50"];
+        args.extend_from_slice(extra);
+        let out = pipec(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let listed = |v: &serde_json::Value| -> Vec<serde_json::Value> {
+        std::iter::once(v["best"].clone()).chain(v["runner_ups"].as_array().cloned().unwrap_or_default()).collect()
+    };
+    let pinned = run(&[]);
+    for p in listed(&pinned) {
+        assert_eq!(p["tp"], 2, "{p}");
+        assert!(p["pp"].as_u64().is_some_and(|pp| pp <= 2), "{p}");
+        assert!(matches!(p["schedule"].as_str(), Some("gpipe" | "1f1b")), "{p}");
+        assert_eq!(p["recompute"], false, "{p}");
+    }
+    // --schedules replaces the spec's list; the pins stay
+    let zb = run(&["--schedules", "zb-h1"]);
+    for p in listed(&zb) {
+        assert_eq!(p["schedule"], "zb-h1", "{p}");
+        assert_eq!(p["tp"], 2, "{p}");
+    }
+}
+
 /// A device's per-pass `overhead` adds to every layer's forward once and its backward
 /// twice, whatever the microbatch size; so the strategy search no longer splits the batch
 /// into one-sample microbatches for free.

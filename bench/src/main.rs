@@ -1,4 +1,4 @@
-//! pipec's benchmarks. `cargo run --release -p pipec-bench -- [planner|compiler|language-models|pipedream|executor|all]`.
+//! pipec's benchmarks. `cargo run --release -p pipec-bench -- [planner|compiler|language-models|pipedream|megatron|executor|all]`.
 //! Every number in docs/benchmarks.md comes from this program; each figure is the median of
 //! several runs, printed with the machine's core count.
 
@@ -375,6 +375,113 @@ fn mpi_pingpong() {
     world.barrier();
 }
 
+/// One row of Table 1 of "Efficient Large-Scale Language Model Training on GPU Clusters
+/// Using Megatron-LM" (Narayanan et al., 2021): the spec's name, hidden size, layers, the
+/// paper's tensor- and pipeline-parallel degrees, GPUs, batch and measured teraFLOP/s per GPU.
+struct MegatronRow {
+    name: &'static str,
+    hidden: f64,
+    layers: f64,
+    t: usize,
+    p: usize,
+    gpus: usize,
+    batch: usize,
+    tflops: f64,
+}
+
+const MEGATRON_TABLE_1: [MegatronRow; 10] = [
+    MegatronRow { name: "1.7b", hidden: 2304.0, layers: 24.0, t: 1, p: 1, gpus: 32, batch: 512, tflops: 137.0 },
+    MegatronRow { name: "3.6b", hidden: 3072.0, layers: 30.0, t: 2, p: 1, gpus: 64, batch: 512, tflops: 138.0 },
+    MegatronRow { name: "7.5b", hidden: 4096.0, layers: 36.0, t: 4, p: 1, gpus: 128, batch: 512, tflops: 142.0 },
+    MegatronRow { name: "18b", hidden: 6144.0, layers: 40.0, t: 8, p: 1, gpus: 256, batch: 1024, tflops: 135.0 },
+    MegatronRow { name: "39b", hidden: 8192.0, layers: 48.0, t: 8, p: 2, gpus: 512, batch: 1536, tflops: 138.0 },
+    MegatronRow { name: "76b", hidden: 10240.0, layers: 60.0, t: 8, p: 4, gpus: 1024, batch: 1792, tflops: 140.0 },
+    MegatronRow { name: "145b", hidden: 12288.0, layers: 80.0, t: 8, p: 8, gpus: 1536, batch: 2304, tflops: 148.0 },
+    MegatronRow { name: "310b", hidden: 16384.0, layers: 96.0, t: 8, p: 16, gpus: 1920, batch: 2160, tflops: 155.0 },
+    MegatronRow { name: "530b", hidden: 20480.0, layers: 105.0, t: 8, p: 35, gpus: 2520, batch: 2520, tflops: 163.0 },
+    MegatronRow { name: "1t", hidden: 25600.0, layers: 128.0, t: 8, p: 64, gpus: 3072, batch: 3072, tflops: 163.0 },
+];
+
+/// `strategy: auto` on the specs of Megatron-LM's Table 1 (bench/specs/megatron), and the
+/// same search with the paper's (t, p, d) pinned. Throughput per GPU counts FLOPs the
+/// paper's way, its Eq. (3): 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per iteration with
+/// activation recomputation (the paper's runs), 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))
+/// without; s = 2048, V = 51,200.
+fn megatron() {
+    use pipec_compiler::search::{search, SearchOptions};
+    println!("## megatron");
+    println!("| model | GPUs | paper (t, p, d) | paper TFLOP/s per GPU (iteration) | pipec on the paper's (t, p, d) | auto's choice | auto's TFLOP/s per GPU (step) | search time |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/megatron");
+    for row in &MEGATRON_TABLE_1 {
+        let path = root.join(format!("gpt-{}.yaml", row.name));
+        let source = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let (s, v, h, l) = (2048.0, 51200.0, row.hidden, row.layers);
+        let b = row.batch as f64;
+        let flops = |recompute: bool| {
+            if recompute {
+                96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
+            } else {
+                72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+            }
+        };
+        let per_gpu = |step: f64, recompute: bool| flops(recompute) / (step * row.gpus as f64) / 1e12;
+        let best = |text: &str| {
+            let checked = pipec_grammar::check_source(text);
+            let spec = checked.spec.unwrap_or_else(|| panic!("{}: {:?}", row.name, checked.diagnostics));
+            let auto = spec.strategy.auto.clone().expect("an auto strategy");
+            let options = SearchOptions::from_spec(&spec, &auto);
+            let started = Instant::now();
+            let report = search(text, &spec, &CompileOptions::default(), &options);
+            let seconds = started.elapsed().as_secs_f64();
+            let ranked = report.ranked(options.headroom);
+            let described = ranked.first().map(|&(i, p)| {
+                let c = &report.candidates[i];
+                let chunks = if c.chunks > 1 { format!(" ×{}", c.chunks) } else { String::new() };
+                let what = format!(
+                    "({}, {}, {}) {}{chunks}, {} mb{}",
+                    c.tp,
+                    c.pp,
+                    c.dp,
+                    c.schedule.name(),
+                    c.microbatches,
+                    if c.recompute { ", recompute" } else { "" }
+                );
+                (what, p.step_s, c.recompute)
+            });
+            (described, seconds)
+        };
+        let (auto, seconds) = best(&source);
+        let d = row.gpus / (row.t * row.p);
+        let pinned = source.replace(
+            "strategy: auto",
+            &format!(
+                "strategy: {{ dp: {d}, pp: {}, tp: {}, schedule: auto, microbatches: auto, recompute: auto }}",
+                row.p, row.t
+            ),
+        );
+        let (paper_plan, _) = best(&pinned);
+        let paper_iteration = flops(true) / (row.tflops * 1e12 * row.gpus as f64);
+        let shown = |b: &Option<(String, f64, bool)>| match b {
+            Some((what, step, r)) => format!("{what}: {:.0} ({step:.2} s)", per_gpu(*step, *r)),
+            None => "nothing fits".into(),
+        };
+        let (auto_what, auto_step) = match &auto {
+            Some((what, step, r)) => (what.clone(), format!("{:.0} ({step:.2} s)", per_gpu(*step, *r))),
+            None => ("nothing fits".into(), "-".into()),
+        };
+        println!(
+            "| {} | {} | ({}, {}, {d}) | {:.0} ({paper_iteration:.2} s) | {} | {auto_what} | {auto_step} | {seconds:.2} s |",
+            row.name.to_uppercase(),
+            row.gpus,
+            row.t,
+            row.p,
+            row.tflops,
+            shown(&paper_plan),
+        );
+    }
+}
+
 /// The allocator the `pipec` binary uses, so the executor numbers are the binary's.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -398,6 +505,9 @@ fn main() {
     }
     if what == "pipedream" || what == "all" {
         pipedream();
+    }
+    if what == "megatron" || what == "all" {
+        megatron();
     }
     if what == "executor" || what == "all" {
         executor();

@@ -1127,8 +1127,9 @@ fn rank_devices(replicas: &[usize], tp: usize) -> Vec<Vec<DeviceId>> {
 /// tensor-parallel leader), running its share of the microbatches (renumbered), with the
 /// plan's device ids. What it simulates is exactly what every replica and every
 /// tensor-parallel member of the whole plan does when the plan is symmetric: every rank on
-/// the same number `r` of replicas, the microbatches an equal share per replica (for
-/// Chimera, whole units of `r` pipeline pairs), tensor-parallel groups inside a node, and
+/// the same number `r` of replicas, the microbatches a multiple of `r` (each replica, or
+/// each of Chimera's pipeline pairs, then gets the same pattern: Chimera's last, partial
+/// unit too), tensor-parallel groups inside a node, and
 /// between any two ranks the same link for every replica. The simulator's costs are the
 /// same on every device and collectives are costed over the whole group (`summed_over`),
 /// so each replica's timeline is replica 0's. Returns the view and how many devices of the
@@ -1146,11 +1147,10 @@ fn one_replica(
     let r = *layout.replicas.first()?;
     let ranks = layout.replicas.len();
     let chunks = kind.chunk_placement();
-    let unit = if chunks == ChunkPlacement::Bidirectional { r * ranks } else { r };
     let symmetric = r > 0
         && layout.replicas.iter().all(|&x| x == r)
         && cluster.devices_per_node.is_multiple_of(tp)
-        && placement.microbatches.is_multiple_of(unit)
+        && placement.microbatches.is_multiple_of(r)
         && !(kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp);
     if !symmetric || r * tp == 1 {
         return None;

@@ -240,13 +240,16 @@ fn zb_h1(p: &Placement) -> Order {
 /// previous stage), then a forward while the device's in-flight activations stay within
 /// 1F1B's bound, then a deferred weight-gradient pass to fill what would be a bubble.
 fn zero_bubble(p: &Placement) -> Order {
-    // ZBV's per-device bound: 1F1B's peak of the device's first chunk.
-    let limit = |dev: DeviceId| -> usize {
-        // 1F1B's peak, in stage-activations: S − s for the first stage a device holds
-        // (for ZBV the two half-size chunks of a device count as one full stage each).
-        p.stages_of(dev).iter().map(|&s| in_flight_target(p, s)).max().unwrap_or(1)
-    };
-    list_schedule(p, true, |dev, _| limit(dev), Priority::ZeroBubble)
+    // ZBV's per-device bound: 1F1B's peak, in stage-activations: S − s for the first stage a
+    // device holds (for ZBV the two half-size chunks of a device count as one full stage each)
+    let mut limit = vec![1usize; p.devices];
+    for s in 0..p.stages() {
+        for d in &p.replicas[s] {
+            let l = &mut limit[d.0 as usize];
+            *l = (*l).max(in_flight_target(p, s));
+        }
+    }
+    list_schedule(p, true, |dev, _| limit[dev.0 as usize], Priority::ZeroBubble)
 }
 
 /// Chimera: two pipelines in opposite directions over the same devices (stage s of the

@@ -151,6 +151,7 @@ fn one_pipeline_replica_predicts_the_whole_plan() {
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()) + 1e-12;
     let mut texts: Vec<(String, String)> = cases();
     texts.push(("a tied language model on 2 x 4".into(), language_model()));
+    let mut chimera_partial = 0;
     for (what, text) in texts {
         let spec = pipec_grammar::check_source(&text).spec.expect("valid");
         let options = CompileOptions::default();
@@ -182,8 +183,13 @@ fn one_pipeline_replica_predicts_the_whole_plan() {
             assert_eq!(p.fits, fits, "{what}: {}", c.strategy);
             compared += 1;
             replicated += usize::from(c.dp * c.tp > 1);
+            // Chimera's pipeline pairs whose last unit of microbatches is partial
+            chimera_partial += usize::from(
+                c.schedule == pipec_plan::ScheduleKind::Chimera && c.dp > 1 && c.microbatches % (c.dp * c.pp) != 0,
+            );
         }
         eprintln!("{what}: {compared} candidates, {replicated} with replicas or tensor parallelism");
         assert!(replicated >= 20, "{what}: only {replicated} replicated candidates compared");
     }
+    assert!(chimera_partial >= 1, "no Chimera candidate with replicated pairs and a partial last unit");
 }
