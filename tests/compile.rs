@@ -437,3 +437,29 @@ fn a_per_pass_overhead_costs_every_layer_and_steers_the_search_to_larger_microba
     let (free, costly) = (microbatches(&base), microbatches(&with));
     assert!(costly < free, "with a per-pass overhead the search picks fewer microbatches: {costly} vs {free}");
 }
+
+/// ZB-H1 on unequally replicated stages (a layout PipeDream's planner may pick, e.g. "2-2-4"):
+/// stage s still defers its first s weight passes — stage 0 none, so each of its weight
+/// passes follows its input-gradient pass — and the plan verifies.
+#[test]
+fn zb_h1_on_unequal_replication_defers_weight_passes_by_stage_position() {
+    let text = hybrid_with("strategy:\n  stages: \"2-2-4\"\n  tp: 2\n  schedule: zb-h1\n  microbatches: 16");
+    let r = compile_text(&text);
+    assert!(!r.has_errors(), "{:?}", r.diagnostics);
+    let plan = r.compiled.expect("a plan").plan;
+    let first = &plan.streams[&pipec_plan::DeviceId(0)];
+    let computes: Vec<&pipec_plan::Instr> = first
+        .iter()
+        .filter(|i| matches!(i, pipec_plan::Instr::BackwardInput { .. } | pipec_plan::Instr::BackwardWeight { .. }))
+        .collect();
+    assert!(!computes.is_empty());
+    for pair in computes.chunks(2) {
+        assert!(
+            matches!(
+                pair,
+                [pipec_plan::Instr::BackwardInput { mb: a, .. }, pipec_plan::Instr::BackwardWeight { mb: b, .. }] if a == b
+            ),
+            "stage 0 defers no weight pass: {pair:?}"
+        );
+    }
+}

@@ -104,7 +104,7 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
 
 /// What a strategy costs at least, found without lowering, verifying or simulating it:
 /// the bound the strategy search prunes with (`search`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Bound {
     /// No simulation of the strategy predicts a shorter step (a flush-free schedule's
     /// steady state included).
@@ -112,6 +112,9 @@ pub struct Bound {
     /// Whether the weights, gradients and optimizer state alone (and the workspace
     /// reserve) overflow some device: then no plan of the strategy fits.
     pub overflows: bool,
+    /// The layout bounded: replicas per pipeline rank (PipeDream's planner's choice when
+    /// the strategy leaves it to `partition: auto`).
+    pub replicas: Vec<usize>,
 }
 
 /// The lower bound of a checked spec's strategy: per device, the compute of every
@@ -224,7 +227,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         step_s = step_s.max(head + load + tail);
         overflows |= state + reserve > capacity;
     }
-    Ok(Bound { step_s, overflows })
+    Ok(Bound { step_s, overflows, replicas: layout.replicas })
 }
 
 /// A pair of devices, one from each list, on the fastest link any such pair has (the same
@@ -240,15 +243,23 @@ fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[DeviceId]) -> (
     to.iter().find_map(|&d| nodes.get(&cluster.node_of(d)).map(|&f| (f, d))).unwrap_or((a, b))
 }
 
-/// Balanced partitions of one cost model, by the replicas of each chunk.
-type BalancedMemo = HashMap<Vec<usize>, Option<Vec<Range<usize>>>>;
+/// PipeDream's planner's layout: replicas per stage and the stages' layer ranges.
+type PlannedLayout = (Vec<usize>, Vec<Range<usize>>);
+
+/// The partitions of one cost model: balanced ones by the replicas of each chunk, and
+/// PipeDream's planner's (replicas and ranges) by whether activations are recomputed.
+#[derive(Default)]
+struct Partitions {
+    balanced: HashMap<Vec<usize>, Option<Vec<Range<usize>>>>,
+    planned: HashMap<bool, Option<PlannedLayout>>,
+}
 
 /// Work the candidates of one spec's strategy search share: the model's costs per
 /// (tensor-parallel degree, microbatch size) — all a candidate's strategy changes in them —
 /// and the balanced partitions of each. Only for specs that differ in their strategy.
 #[derive(Default)]
 pub struct Memo {
-    models: HashMap<(usize, usize), (std::rc::Rc<ModelCosts>, BalancedMemo)>,
+    models: HashMap<(usize, usize), (std::rc::Rc<ModelCosts>, Partitions)>,
 }
 
 impl Memo {
@@ -258,16 +269,38 @@ impl Memo {
         spec: &Spec,
         options: &CompileOptions,
     ) -> Result<(std::rc::Rc<ModelCosts>, Layout), Vec<Diagnostic>> {
-        let key = (spec.strategy.tp.max(1), spec.training.batch_size / spec.strategy.microbatches.max(1));
-        let (model, balanced) = match self.models.entry(key) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert((std::rc::Rc::new(cost_model(spec, options)?), HashMap::new()))
-            }
-        };
-        let layout = partition_layers(spec, model, Some(balanced))?;
+        let (model, partitions) = self.entry(spec, options)?;
+        let layout = partition_layers(spec, model, Some(partitions))?;
         Ok((model.clone(), layout))
     }
+
+    /// A candidate's cost model (computed once per tensor-parallel degree and microbatch
+    /// size) and its partitions.
+    fn entry(
+        &mut self,
+        spec: &Spec,
+        options: &CompileOptions,
+    ) -> Result<&mut (std::rc::Rc<ModelCosts>, Partitions), Vec<Diagnostic>> {
+        let key = (spec.strategy.tp.max(1), spec.training.batch_size / spec.strategy.microbatches.max(1));
+        Ok(match self.models.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert((std::rc::Rc::new(cost_model(spec, options)?), Partitions::default()))
+            }
+        })
+    }
+}
+
+/// A bound on any layout of a checked spec's strategy: every microbatch's compute (forward,
+/// backward, recomputed forward) spread evenly over the devices. What the strategy search
+/// ranks a layout PipeDream's planner has not laid out yet by (no per-device load is
+/// below the average; the tensor-parallel all-reduces inside passes only add).
+pub fn work_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result<f64, Vec<Diagnostic>> {
+    let model = memo.entry(spec, options)?.0.clone();
+    let recompute = if spec.strategy.recompute { 1.0 } else { 0.0 };
+    let per_microbatch: f64 = model.costs.iter().map(|c| c.forward_s * (1.0 + recompute) + c.backward_s).sum();
+    let machines = (model.cluster.device_count() / spec.strategy.tp.max(1)).max(1);
+    Ok(per_microbatch * spec.strategy.microbatches as f64 / machines as f64)
 }
 
 /// The layout as the compiler resolves it: ranks of the pipeline, chunks per rank.
@@ -947,13 +980,9 @@ fn training_plan(spec: &Spec, microbatch_size: usize, options: &CompileOptions) 
 }
 
 /// Partitioning: `ModelCosts` → `Layout` (explicit ranges, `balanced`, or PipeDream's
-/// `auto`, which may also choose the replication). `balanced` partitions are looked up in
-/// and added to `memo` when given (the strategy search's candidates share them).
-fn partition_layers(
-    spec: &Spec,
-    model: &ModelCosts,
-    memo: Option<&mut BalancedMemo>,
-) -> Result<Layout, Vec<Diagnostic>> {
+/// `auto`, which may also choose the replication). Partitions are looked up in and added
+/// to `memo` when given (the strategy search's candidates of one cost model share them).
+fn partition_layers(spec: &Spec, model: &ModelCosts, memo: Option<&mut Partitions>) -> Result<Layout, Vec<Diagnostic>> {
     let (graph, costs, cluster, opt_bytes) =
         (&model.graph, &model.costs, &model.cluster, model.optimizer_bytes_per_parameter);
     let strategy = &spec.strategy;
@@ -973,20 +1002,29 @@ fn partition_layers(
             Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges: ranges.clone() })
         }
         Partition::Auto if !strategy.layout_fixed && v == 1 && kind.auto_replicates() => {
-            let machines = cluster.device_count() / strategy.tp.max(1);
+            let tp = strategy.tp.max(1);
+            let machines = cluster.device_count() / tp;
             let mb = spec.training.batch_size / strategy.microbatches.max(1);
-            let parameter_bytes: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64).collect();
+            // a tensor-parallel member holds 1/tp of each layer's weights, optimizer state
+            // and activations, and reduces 1/tp of its gradient
+            let tp = tp as f64;
+            let parameter_bytes: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64 / tp).collect();
             let cut_bytes: Vec<f64> =
                 (1..=costs.len()).map(|j| (graph.cut_bytes_per_sample(j) * mb as u64) as f64).collect();
             let in_flight = strategy.microbatches.min(machines).max(1) as f64;
+            // activations: every microbatch in flight keeps its own, or with recompute one
+            // microbatch's (its backward) plus each in-flight microbatch's stage input, at
+            // most the largest cut (reserved below)
+            let kept = if strategy.recompute { 1.0 } else { in_flight };
             let memory: Vec<f64> = costs
                 .iter()
                 .map(|c| {
-                    c.parameter_bytes as f64 * 2.0
-                        + c.parameters as f64 * opt_bytes
-                        + c.activation_bytes_per_sample as f64 * mb as f64 * in_flight
+                    (c.parameter_bytes as f64 * 2.0 + c.parameters as f64 * opt_bytes) / tp
+                        + c.activation_bytes_per_sample as f64 * mb as f64 / tp * kept
                 })
                 .collect();
+            let inputs =
+                if strategy.recompute { cut_bytes.iter().fold(0.0, |m: f64, c| m.max(*c)) * in_flight } else { 0.0 };
             let input = AutoInput {
                 layer_times: &times,
                 parameter_bytes: &parameter_bytes,
@@ -994,12 +1032,17 @@ fn partition_layers(
                 memory_bytes: &memory,
                 machines,
                 machines_per_node: cluster.devices_per_node / strategy.tp.max(1),
-                memory_capacity: cluster.memory - crate::memory::workspace_reserve(cluster.memory) as f64,
+                memory_capacity: cluster.memory - crate::memory::workspace_reserve(cluster.memory) as f64 - inputs,
                 sync: WeightSync::PerStep { microbatches: strategy.microbatches },
                 intra: cluster.intra,
                 inter: cluster.inter,
             };
-            let plan = partition::auto(&input).ok_or_else(|| {
+            let solve = || partition::auto(&input).map(|p| (p.replicas, p.ranges));
+            let plan = match memo {
+                Some(memo) => memo.planned.entry(strategy.recompute).or_insert_with(solve).clone(),
+                None => solve(),
+            };
+            let (replicas, ranges) = plan.ok_or_else(|| {
                 vec![Diagnostic::error(
                     "E0601",
                     "no partition of the model fits in device memory on this cluster",
@@ -1008,12 +1051,12 @@ fn partition_layers(
                 )
                 .with_help("use larger devices, more devices, `recompute: true`, or fewer microbatches")]
             })?;
-            Ok(Layout { notation: plan.notation(), replicas: plan.replicas, virtual_stages: 1, ranges: plan.ranges })
+            Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: 1, ranges })
         }
         Partition::Auto | Partition::Balanced => {
             let solve = || partition::balanced(&times, &chunk_replicas).map(|(ranges, _)| ranges);
             let ranges = match memo {
-                Some(memo) => memo.entry(chunk_replicas.clone()).or_insert_with(solve).clone(),
+                Some(memo) => memo.balanced.entry(chunk_replicas.clone()).or_insert_with(solve).clone(),
                 None => solve(),
             }
             .ok_or_else(|| fail(format!("{} stages for {} layers", chunk_replicas.len(), times.len())))?;

@@ -211,9 +211,10 @@ fn zb_h1(p: &Placement) -> Order {
     stage_by_stage(p, |s, local, tasks| {
         let n = local.len();
         let ranks_after = in_flight_target(p, s);
-        let rank = p.stages() - ranks_after; // position in the pipeline
         let warmup = ranks_after.saturating_sub(1).min(n);
-        let deferred = rank;
+        // the stage's position in the pipeline (with equal replication, the stages after
+        // it are the in-flight target's: S − s)
+        let deferred = s;
         let mut next_w = 0;
         for &m in &local[..warmup] {
             tasks.push(Task::new(TaskKind::Forward, s, m));

@@ -14,6 +14,8 @@
 //! the best of the whole space under the compiler's model (a brute force over the same
 //! space checks it in the tests).
 
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -23,7 +25,7 @@ use pipec_grammar::spec::{AutoStrategy, Partition, Schedule, Spec};
 use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::ScheduleKind;
 
-use crate::compile::{compile, lower_bound, predict, CompileOptions, CompileResult, Memo};
+use crate::compile::{compile, lower_bound, predict, work_bound, CompileOptions, CompileResult, Memo};
 
 /// What the user pins.
 #[derive(Debug, Clone)]
@@ -84,6 +86,12 @@ impl SearchOptions {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
     pub tp: usize,
+    /// Replicas per pipeline rank (for a layout left to PipeDream's planner, its choice
+    /// once bounded; empty when it found none).
+    pub replicas: Vec<usize>,
+    /// The layout is PipeDream's planner's (`partition: auto`, no stages written).
+    pub planner: bool,
+    /// Pipeline ranks, and the most replicas of any.
     pub pp: usize,
     pub dp: usize,
     pub schedule: ScheduleKind,
@@ -150,6 +158,33 @@ impl SearchReport {
     }
 }
 
+/// A candidate waiting in the branch and bound, by its bound (then its index, so the order
+/// is the candidates' when bounds tie).
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    bound_s: f64,
+    index: usize,
+    /// A planner candidate's bound is its planned layout's (not the work spread evenly).
+    refined: bool,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Queued {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.bound_s.total_cmp(&other.bound_s).then(self.index.cmp(&other.index))
+    }
+}
+
 fn divisors(n: usize) -> impl Iterator<Item = usize> {
     (1..=n).filter(move |d| n.is_multiple_of(*d))
 }
@@ -186,13 +221,12 @@ fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<(ScheduleKind, usize
 /// The `strategy` of a candidate as YAML flow text.
 fn strategy_text(
     tp: usize,
-    layout: &[usize],
+    layout: Option<&[usize]>,
     (schedule, chunks): (ScheduleKind, usize),
     microbatches: usize,
     recompute: bool,
     overlap: bool,
 ) -> String {
-    let stages = layout.iter().map(ToString::to_string).collect::<Vec<_>>().join("-");
     let schedule = match schedule {
         ScheduleKind::Interleaved | ScheduleKind::Zbv => {
             format!("{{ kind: {}, virtual_stages: {chunks} }}", schedule.name())
@@ -200,34 +234,44 @@ fn strategy_text(
         other => other.name().to_string(),
     };
     let overlap = if overlap { "" } else { ", overlap: false" };
+    // PipeDream's planner lays out what has no stages written
+    let (stages, partition) = match layout {
+        Some(l) => (format!("stages: \"{}\", ", notation(l)), "balanced"),
+        None => (String::new(), "auto"),
+    };
     format!(
-        "{{ stages: \"{stages}\", tp: {tp}, schedule: {schedule}, microbatches: {microbatches}, partition: balanced, recompute: {recompute}{overlap} }}"
+        "{{ {stages}tp: {tp}, schedule: {schedule}, microbatches: {microbatches}, partition: {partition}, recompute: {recompute}{overlap} }}"
     )
 }
 
+fn notation(replicas: &[usize]) -> String {
+    replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-")
+}
+
 /// The spec a candidate's strategy text gives, without reading the text (for its bound):
-/// the base spec with the strategy's fields set as the front end sets them.
+/// the base spec with the strategy's fields set as the front end sets them (a layout left
+/// to PipeDream's planner: one stage per device until it plans).
 fn concrete(
     spec: &Spec,
     tp: usize,
-    layout: &[usize],
+    layout: Option<&[usize]>,
     (schedule, chunks): (ScheduleKind, usize),
     microbatches: usize,
     recompute: bool,
 ) -> Spec {
     let mut s = spec.clone();
     let st = &mut s.strategy;
-    st.replicas = layout.to_vec();
+    st.replicas = layout.map_or_else(|| vec![1; spec.cluster.device_count() / tp.max(1)], <[usize]>::to_vec);
     st.tp = tp;
     st.schedule = Schedule::new(schedule, st.schedule.span);
     if matches!(schedule, ScheduleKind::Interleaved | ScheduleKind::Zbv) {
         st.schedule.virtual_stages = chunks;
     }
     st.microbatches = microbatches;
-    st.partition = Partition::Balanced;
+    st.partition = if layout.is_some() { Partition::Balanced } else { Partition::Auto };
     st.recompute = recompute;
     st.auto = None;
-    st.layout_fixed = true;
+    st.layout_fixed = layout.is_some();
     s
 }
 
@@ -260,41 +304,60 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         Some(t) => vec![t],
         None => divisors(per_node).filter(|t| *t == 1 || spec.model.is_chain()).collect(),
     };
+    let recomputes: Vec<bool> = options.recompute.map_or_else(|| vec![false, true], |r| vec![r]);
     for tp in tps {
         let machines = devices / tp;
-        // the layouts: the user's, or every pipeline depth with equal replication
-        let layouts: Vec<Vec<usize>> = match &options.layout {
-            Some(l) => vec![l.clone()],
-            None => divisors(machines).filter(|p| *p <= layers).map(|pp| vec![machines / pp; pp]).collect(),
+        // the layouts: the user's, or every pipeline depth with equal replication, and the
+        // one PipeDream's planner picks (stage boundaries and replication per stage)
+        let mut layouts: Vec<Option<Vec<usize>>> = match &options.layout {
+            Some(l) => vec![Some(l.clone())],
+            None => divisors(machines).filter(|p| *p <= layers).map(|pp| Some(vec![machines / pp; pp])).collect(),
         };
-        for layout in layouts.into_iter().filter(|l| options.max_pipeline_depth.is_none_or(|m| l.len() <= m)) {
-            let (pp, dp) = (layout.len(), layout[0]);
-            for (schedule, chunks) in schedules_for(pp, options) {
-                if pp * chunks > layers {
-                    continue;
-                }
-                let counts: Vec<usize> = match options.microbatches {
-                    Some(n) => vec![n],
-                    None => divisors(batch).filter(|n| n.is_multiple_of(dp)).collect(),
-                };
-                let recomputes: Vec<bool> = options.recompute.map_or_else(|| vec![false, true], |r| vec![r]);
+        if options.layout.is_none() && machines > 1 {
+            layouts.push(None);
+        }
+        let too_deep = |pp: usize| options.max_pipeline_depth.is_some_and(|m| pp > m);
+        for layout in layouts.into_iter().filter(|l| l.as_ref().is_none_or(|l| !too_deep(l.len()))) {
+            let schedules: Vec<(ScheduleKind, usize)> = match &layout {
+                Some(l) => schedules_for(l.len(), options).into_iter().filter(|(_, c)| l.len() * c <= layers).collect(),
+                // the planner lays out one chunk per rank, for the schedules it can replicate
+                None => schedules_for(2, options).into_iter().filter(|(k, _)| k.auto_replicates()).collect(),
+            };
+            // microbatch counts dividing the batch, an equal share per replica
+            let dp = layout.as_ref().map_or(1, |l| l[0]);
+            let counts: Vec<usize> = match options.microbatches {
+                Some(n) => vec![n],
+                None => divisors(batch).filter(|n| n.is_multiple_of(dp)).collect(),
+            };
+            for (schedule, chunks) in schedules {
                 for &microbatches in &counts {
                     for &recompute in &recomputes {
-                        let strategy = strategy_text(
-                            tp,
-                            &layout,
-                            (schedule, chunks),
-                            microbatches,
-                            recompute,
-                            spec.strategy.overlap,
-                        );
+                        let l = layout.as_deref();
+                        let strategy =
+                            strategy_text(tp, l, (schedule, chunks), microbatches, recompute, spec.strategy.overlap);
                         // the schedule's layout rules (the front end's), then the bound on the
                         // spec the text would give; the text itself is checked before compiling
-                        let facts = LayoutFacts { replicas: &layout, microbatches, vertical_sync: false };
-                        let outcome = match schedule.check_layout(&facts).into_iter().next() {
+                        let replicas = layout.clone().unwrap_or_default();
+                        let broken = l.and_then(|l| {
+                            let facts = LayoutFacts { replicas: l, microbatches, vertical_sync: false };
+                            schedule.check_layout(&facts).into_iter().next()
+                        });
+                        let outcome = match broken {
                             Some(v) => Outcome::Invalid(v.message),
+                            // PipeDream's planner runs when the search reaches the candidate:
+                            // until then its bound is the work spread evenly
+                            None if l.is_none() => {
+                                let s = concrete(spec, tp, l, (schedule, chunks), microbatches, recompute);
+                                match work_bound(&s, compile_options, &mut memo) {
+                                    Ok(b) => {
+                                        valid.push((candidates.len(), b));
+                                        Outcome::Pruned { bound_s: b }
+                                    }
+                                    Err(d) => Outcome::Invalid(first_error(&d)),
+                                }
+                            }
                             None => {
-                                let s = concrete(spec, tp, &layout, (schedule, chunks), microbatches, recompute);
+                                let s = concrete(spec, tp, l, (schedule, chunks), microbatches, recompute);
                                 match lower_bound(&s, compile_options, &mut memo) {
                                     Ok(b) if b.overflows => Outcome::TooBig,
                                     Ok(b) => {
@@ -307,8 +370,10 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                         };
                         candidates.push(Candidate {
                             tp,
-                            pp,
-                            dp,
+                            pp: replicas.len(),
+                            dp: replicas.iter().copied().max().unwrap_or(0),
+                            replicas,
+                            planner: layout.is_none(),
                             schedule,
                             chunks,
                             microbatches,
@@ -321,13 +386,39 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
             }
         }
     }
-    // branch and bound: compile in order of the bound until no bound can beat the best
-    valid.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+    // branch and bound: compile in order of the bound until no bound can beat the best;
+    // a candidate laid out by PipeDream's planner is planned and bounded again when reached
+    let mut queue: BinaryHeap<Reverse<Queued>> =
+        valid.into_iter().map(|(i, b)| Reverse(Queued { bound_s: b, index: i, refined: false })).collect();
     // the best step found so far among plans that fit with the headroom
     let mut best: Option<f64> = None;
-    for (i, bound_s) in valid {
+    while let Some(Reverse(Queued { bound_s, index: i, refined })) = queue.pop() {
         if !options.exhaustive && best.is_some_and(|t| bound_s >= t) {
             break;
+        }
+        let c = &mut candidates[i];
+        if c.planner && !refined {
+            let s = concrete(spec, c.tp, None, (c.schedule, c.chunks), c.microbatches, c.recompute);
+            match lower_bound(&s, compile_options, &mut memo) {
+                Ok(b) => {
+                    (c.pp, c.dp) = (b.replicas.len(), b.replicas.iter().copied().max().unwrap_or(0));
+                    c.replicas = b.replicas;
+                    if let Some(m) = options.max_pipeline_depth.filter(|m| c.pp > *m) {
+                        c.outcome = Outcome::Invalid(format!(
+                            "PipeDream's planner chose {} stages, more than the {m} allowed",
+                            c.pp
+                        ));
+                    } else if b.overflows {
+                        c.outcome = Outcome::TooBig;
+                    } else {
+                        let bound_s = b.step_s.max(bound_s);
+                        c.outcome = Outcome::Pruned { bound_s };
+                        queue.push(Reverse(Queued { bound_s, index: i, refined: true }));
+                    }
+                }
+                Err(d) => c.outcome = Outcome::Invalid(first_error(&d)),
+            }
+            continue;
         }
         let text = with_strategy(source, spec, &candidates[i].strategy);
         let checked = check_source_in(&text, compile_options.base_dir.as_deref());
@@ -366,12 +457,15 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
 
 fn describe(c: &Candidate) -> String {
     let chunks = if c.chunks > 1 { format!(" ({} chunks)", c.chunks) } else { String::new() };
+    let layout = if c.planner {
+        format!("stages \"{}\" (PipeDream's planner)", notation(&c.replicas))
+    } else {
+        format!("pp {} × dp {}", c.pp, c.dp)
+    };
     format!(
-        "{}{chunks} · tp {} × pp {} × dp {}, {} microbatches{}",
+        "{}{chunks} · tp {} × {layout}, {} microbatches{}",
         c.schedule.name(),
         c.tp,
-        c.pp,
-        c.dp,
         c.microbatches,
         if c.recompute { ", recompute" } else { "" }
     )
@@ -459,7 +553,8 @@ impl SearchReport {
         let entry = |i: usize, p: &Prediction| {
             let c = &self.candidates[i];
             serde_json::json!({
-                "strategy": c.strategy, "tp": c.tp, "pp": c.pp, "dp": c.dp, "schedule": c.schedule.name(), "chunks": c.chunks,
+                "strategy": c.strategy, "tp": c.tp, "pp": c.pp, "dp": c.dp, "stages": notation(&c.replicas),
+                "planner": c.planner, "schedule": c.schedule.name(), "chunks": c.chunks,
                 "microbatches": c.microbatches, "recompute": c.recompute, "step_time_s": p.step_s,
                 "bound_s": p.bound_s, "bubble_fraction": p.bubble, "memory_headroom": p.headroom,
                 "exposed_all_reduce_s": p.exposed_all_reduce_s,

@@ -127,12 +127,21 @@ pub(crate) fn lower_strategy(
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
     let overlap = overlap?;
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
-    let mut ok = check_device_count(cx, &layout, tp, cluster);
-    check_size(cx, &layout, &schedule, microbatches, microbatches_node.map_or(owner, |n| n.span))?;
-    let written_mb = MicrobatchesWritten { count: microbatches, span: microbatches_node.map(|n| n.span), owner };
-    ok &= check_schedule_and_microbatches(cx, &layout, &schedule, written_mb, model, training);
-
     let partition_node = f.get("partition");
+    // `partition: auto` with no layout written: PipeDream's planner picks the stages and
+    // their replication when compiling (at most one per layer); until then the layout is
+    // one stage per device
+    let planned = (!layout.fixed
+        && schedule.virtual_stages == 1
+        && schedule.kind.auto_replicates()
+        && partition_node.is_some_and(is_auto))
+    .then(|| model.map_or(layout.replicas.len(), |m| m.layers.len().clamp(1, layout.replicas.len())));
+    let mut ok = check_device_count(cx, &layout, tp, cluster);
+    let stages = planned.unwrap_or(layout.replicas.len());
+    check_size(cx, stages, &schedule, microbatches, microbatches_node.map_or(owner, |n| n.span))?;
+    let written_mb = MicrobatchesWritten { count: microbatches, span: microbatches_node.map(|n| n.span), owner };
+    ok &= check_schedule_and_microbatches(cx, &layout, planned.is_some(), &schedule, written_mb, model, training);
+
     let chunks = layout.replicas.len() * schedule.virtual_stages;
     let partition = lower_partition(cx, partition_node, model, chunks)?;
     if !ok {
@@ -492,8 +501,8 @@ fn check_device_count(cx: &mut Lower<'_>, layout: &Layout, tp: usize, cluster: O
 
 /// Size: the streams hold about 8 instructions per (stage chunk, microbatch); `None` (with
 /// E0105) past what pipec plans.
-fn check_size(cx: &mut Lower<'_>, layout: &Layout, schedule: &Schedule, microbatches: usize, span: Span) -> Option<()> {
-    let chunks = layout.replicas.len().saturating_mul(schedule.virtual_stages.max(1));
+fn check_size(cx: &mut Lower<'_>, stages: usize, schedule: &Schedule, microbatches: usize, span: Span) -> Option<()> {
+    let chunks = stages.saturating_mul(schedule.virtual_stages.max(1));
     if chunks.saturating_mul(microbatches) <= crate::spec::MAX_STAGE_MICROBATCHES {
         return Some(());
     }
@@ -517,12 +526,14 @@ struct MicrobatchesWritten {
     owner: Span,
 }
 
-/// Schedule vs layout (E0405), stages vs layers (E0403), microbatches vs batch size and
-/// replication (E0404); every microbatch diagnostic offers the nearest count that meets
-/// all of them. False when any fails.
+/// Schedule vs layout (E0405), stages vs layers (E0403, not for a layout PipeDream's
+/// planner picks: `planned`), microbatches vs batch size and replication (E0404); every
+/// microbatch diagnostic offers the nearest count that meets all of them. False when any
+/// fails.
 fn check_schedule_and_microbatches(
     cx: &mut Lower<'_>,
     layout: &Layout,
+    planned: bool,
     schedule: &Schedule,
     mb: MicrobatchesWritten,
     model: Option<&Model>,
@@ -552,7 +563,7 @@ fn check_schedule_and_microbatches(
     }
 
     let (stages, v) = (replicas.len(), schedule.virtual_stages);
-    if let Some(m) = model {
+    if let Some(m) = model.filter(|_| !planned) {
         let chunks = stages * v;
         if chunks > m.layers.len() {
             let what = if v > 1 {
