@@ -23,7 +23,8 @@ struct Job<'a> {
     blocks: &'a str,
     /// More `strategy` keys (indented two spaces), e.g. a partition.
     strategy: &'a str,
-    recompute: bool,
+    /// `recompute`: `true`, `false` or a list of stages.
+    recompute: &'a str,
     steps: usize,
 }
 
@@ -39,7 +40,7 @@ impl Default for Job<'_> {
             layers: "- linear(16, 32) -> relu\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)",
             blocks: "",
             strategy: "",
-            recompute: false,
+            recompute: "false",
             steps: 4,
         }
     }
@@ -177,10 +178,36 @@ fn one_f_one_b_with_recompute_equals_one_device() {
         devices: 2,
         stages: "straight",
         schedule: "1f1b",
-        recompute: true,
+        recompute: "true",
         optimizer: ADAM,
         ..Job::default()
     });
+}
+
+/// Recompute on some stages only: those stages keep just their inputs and re-run their
+/// forwards (the plan has `recompute` instructions for them alone), the others keep their
+/// activations; training equals one device's.
+#[test]
+fn recompute_on_some_stages_equals_one_device() {
+    for (schedule, stages) in [("1f1b", "[0]"), ("{ kind: interleaved, virtual_stages: 2 }", "[1, 2]")] {
+        let job =
+            Job { devices: 2, stages: "straight", schedule, recompute: stages, optimizer: ADAM, ..Job::default() };
+        let p = plan(&job);
+        let recomputed: Vec<u32> = p.stages.iter().filter(|s| s.recompute).map(|s| s.id.0).collect();
+        let want: Vec<u32> = if stages == "[0]" { vec![0] } else { vec![1, 2] };
+        assert_eq!(recomputed, want, "{schedule}");
+        let rerun: std::collections::BTreeSet<u32> = p
+            .streams
+            .values()
+            .flatten()
+            .filter_map(|i| match i {
+                pipec_plan::Instr::Recompute { stage, .. } => Some(stage.0),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(rerun.into_iter().collect::<Vec<_>>(), want, "{schedule}: recompute instructions");
+        assert_same_as_one_device(job);
+    }
 }
 
 #[test]
@@ -270,7 +297,7 @@ fn graph_models_equal_one_device_on_every_synchronous_schedule() {
     let crossing = pipec_plan::model::crossing(operands.iter().map(Vec::as_slice), 4);
     assert_eq!(crossing.len(), 2, "{crossing:?}");
     for (schedule, recompute) in
-        [("gpipe", false), ("1f1b", false), ("1f1b", true), ("zb-h1", false), ("chimera", false)]
+        [("gpipe", "false"), ("1f1b", "false"), ("1f1b", "true"), ("zb-h1", "false"), ("chimera", "false")]
     {
         for opt in [SGD, ADAM] {
             assert_same_as_one_device(graph(Job {
@@ -691,7 +718,7 @@ fn tensor_parallel_equals_one_device() {
         devices: 4,
         stages: "\"1-1\"\n  tp: 2",
         schedule: "1f1b",
-        recompute: true,
+        recompute: "true",
         optimizer: ADAM,
         ..Job::default()
     });
@@ -723,7 +750,7 @@ fn tensor_parallel_attention_equals_one_device() {
         devices: 4,
         stages: "\"1-1\"\n  tp: 2",
         schedule: "gpipe",
-        recompute: true,
+        recompute: "true",
         optimizer: ADAM,
         layers: dropout,
         ..Job::default()
@@ -913,13 +940,13 @@ fn batch_norm_trains_like_one_device_on_every_synchronous_layout() {
     let cut = "  partition: [\"0..8\", \"8..\"]";
     let layouts: Vec<Job<'static>> = vec![
         Job { devices: 2, stages: "straight", schedule: "gpipe", strategy: cut, ..Job::default() },
-        Job { devices: 2, stages: "straight", schedule: "1f1b", strategy: cut, recompute: true, ..Job::default() },
+        Job { devices: 2, stages: "straight", schedule: "1f1b", strategy: cut, recompute: "true", ..Job::default() },
         Job { devices: 2, stages: "straight", schedule: "zb-h1", ..Job::default() },
         Job { devices: 2, stages: "straight", schedule: "chimera", ..Job::default() },
         Job { devices: 2, stages: "straight", schedule: "{ kind: interleaved, virtual_stages: 2 }", ..Job::default() },
         Job { devices: 2, stages: "\"2\"", schedule: "dp-only", ..Job::default() },
         Job { devices: 4, stages: "\"2-2\"", schedule: "1f1b", ..Job::default() },
-        Job { devices: 3, stages: "\"1-2\"", schedule: "gpipe", recompute: true, ..Job::default() },
+        Job { devices: 3, stages: "\"1-2\"", schedule: "gpipe", recompute: "true", ..Job::default() },
     ];
     for j in layouts {
         let what = format!("{} {}", j.schedule, j.stages);
@@ -1080,7 +1107,7 @@ fn an_lstm_language_model_equals_one_device() {
     assert!(reference.last() < reference.first(), "the loss did not fall: {reference:?}");
     for j in [
         Job { devices: 2, stages: "straight", schedule: "1f1b", ..Job::default() },
-        Job { devices: 3, stages: "\"1-2\"", schedule: "gpipe", recompute: true, ..Job::default() },
+        Job { devices: 3, stages: "\"1-2\"", schedule: "gpipe", recompute: "true", ..Job::default() },
     ] {
         let (_, got, _) = train_keeping_statistics(lstm(j));
         assert_same_losses(&format!("lstm {} {}", j.schedule, j.stages), &reference, &got);

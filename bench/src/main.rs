@@ -409,6 +409,7 @@ const MEGATRON_TABLE_1: [MegatronRow; 10] = [
 /// without; s = 2048, V = 51,200.
 fn megatron() {
     use pipec_compiler::search::{search, SearchOptions};
+    use pipec_grammar::spec::Recompute;
     println!("## megatron");
     println!("| model | GPUs | paper (t, p, d) | paper TFLOP/s per GPU (iteration) | pipec on the paper's (t, p, d) | auto's choice | auto's TFLOP/s per GPU (step) | search time |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -418,14 +419,13 @@ fn megatron() {
         let source = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let (s, v, h, l) = (2048.0, 51200.0, row.hidden, row.layers);
         let b = row.batch as f64;
-        let flops = |recompute: bool| {
-            if recompute {
-                96.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h))
-            } else {
-                72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
-            }
+        // `share`: the part of the blocks whose forward is recomputed (stages hold about
+        // equal numbers of blocks); the logits are never recomputed
+        let flops = |share: f64| {
+            72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * l * h))
+                + share * 24.0 * b * s * l * h * h * (1.0 + s / (6.0 * h))
         };
-        let per_gpu = |step: f64, recompute: bool| flops(recompute) / (step * row.gpus as f64) / 1e12;
+        let per_gpu = |step: f64, share: f64| flops(share) / (step * row.gpus as f64) / 1e12;
         let best = |text: &str| {
             let checked = pipec_grammar::check_source(text);
             let spec = checked.spec.unwrap_or_else(|| panic!("{}: {:?}", row.name, checked.diagnostics));
@@ -445,9 +445,18 @@ fn megatron() {
                     c.dp,
                     c.schedule.name(),
                     c.microbatches,
-                    if c.recompute { ", recompute" } else { "" }
+                    match &c.recompute {
+                        Recompute::Off => String::new(),
+                        Recompute::All => ", recompute".into(),
+                        Recompute::Stages(v) => format!(", recompute {} of {} stages", v.len(), c.pp * c.chunks),
+                    }
                 );
-                (what, p.step_s, c.recompute)
+                let share = match &c.recompute {
+                    Recompute::Off => 0.0,
+                    Recompute::All => 1.0,
+                    Recompute::Stages(v) => v.len() as f64 / (c.pp * c.chunks).max(1) as f64,
+                };
+                (what, p.step_s, share)
             });
             (described, seconds)
         };
@@ -461,8 +470,8 @@ fn megatron() {
             ),
         );
         let (paper_plan, _) = best(&pinned);
-        let paper_iteration = flops(true) / (row.tflops * 1e12 * row.gpus as f64);
-        let shown = |b: &Option<(String, f64, bool)>| match b {
+        let paper_iteration = flops(1.0) / (row.tflops * 1e12 * row.gpus as f64);
+        let shown = |b: &Option<(String, f64, f64)>| match b {
             Some((what, step, r)) => format!("{what}: {:.0} ({step:.2} s)", per_gpu(*step, *r)),
             None => "nothing fits".into(),
         };

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use pipec_grammar::diagnostic::Diagnostic;
-use pipec_grammar::spec::{Data, Optimizer, Partition, Spec};
+use pipec_grammar::spec::{Data, Optimizer, Partition, Recompute, Spec};
 use pipec_plan::model::Source;
 use pipec_plan::plan::{
     DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, OptimizerPlan, ScheduleInfo, Simulation,
@@ -206,7 +206,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             } else {
                 of(Instr::Backward { stage, mb })
             };
-            let recompute = if spec.strategy.recompute { forward[s] } else { 0.0 };
+            let recompute = if layout.recompute[s] { forward[s] } else { 0.0 };
             load += n * (forward[s] + backward + recompute);
             let b = &stages.bytes[s];
             state += (2 * b.weights + b.optimizer) as f64;
@@ -297,7 +297,8 @@ impl Memo {
 /// below the average; the tensor-parallel all-reduces inside passes only add).
 pub fn work_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result<f64, Vec<Diagnostic>> {
     let model = memo.entry(spec, options)?.0.clone();
-    let recompute = if spec.strategy.recompute { 1.0 } else { 0.0 };
+    // (the stages are not known yet: a list of recomputed stages counts as none)
+    let recompute = if spec.strategy.recompute == Recompute::All { 1.0 } else { 0.0 };
     let per_microbatch: f64 = model.costs.iter().map(|c| c.forward_s * (1.0 + recompute) + c.backward_s).sum();
     let machines = (model.cluster.device_count() / spec.strategy.tp.max(1)).max(1);
     Ok(per_microbatch * spec.strategy.microbatches as f64 / machines as f64)
@@ -310,6 +311,8 @@ struct Layout {
     virtual_stages: usize,
     ranges: Vec<Range<usize>>,
     notation: String,
+    /// Per stage: activation recompute.
+    recompute: Vec<bool>,
 }
 
 /// The model as the later passes see it: the IR, per-layer costs, the cluster.
@@ -418,6 +421,8 @@ struct Lowered {
     /// strategy search simulates one pipeline replica of a symmetric plan): who the
     /// all-reduce's cost is for. Empty for a whole plan.
     summed_over: HashMap<GroupId, Vec<DeviceId>>,
+    /// Per stage: activation recompute (the layout's).
+    recompute: Vec<bool>,
 }
 
 impl Lowered {
@@ -480,7 +485,7 @@ fn lower_streams(
             gradient_bytes: &gradient_bytes,
             groups: &group_of,
             updates,
-            recompute: strategy.recompute,
+            recompute: &layout.recompute,
             vertical_sync: strategy.schedule.vertical_sync,
             overlap: strategy.overlap,
         })
@@ -501,7 +506,7 @@ fn lower_streams(
                 gradient_bytes: &gradient_bytes,
                 groups: &group_of,
                 updates,
-                recompute: strategy.recompute,
+                recompute: &layout.recompute,
                 overlap: strategy.overlap,
             })
             .ok()
@@ -511,7 +516,17 @@ fn lower_streams(
         Some(p) => p.body.clone(),
         None => streams,
     };
-    let mut lowered = Lowered { streams, groups, group_of, ties: BTreeMap::new(), periodic, updates, asp, summed_over };
+    let mut lowered = Lowered {
+        streams,
+        groups,
+        group_of,
+        ties: BTreeMap::new(),
+        periodic,
+        updates,
+        asp,
+        summed_over,
+        recompute: layout.recompute.clone(),
+    };
     tied_all_reduces(spec, layout, placement, summed, &mut lowered, precision);
     lowered
 }
@@ -630,14 +645,14 @@ fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lowered) -> Resu
             placement,
             &groups,
             lowered.updates.every(lowered.asp),
-            strategy.recompute,
+            &lowered.recompute,
         ),
         None => verify(&VerifyInput {
             streams: &lowered.streams,
             placement,
             groups: &groups,
             split_backward: kind.splits_backward(),
-            recompute: strategy.recompute,
+            recompute: &lowered.recompute,
             update_every: lowered.updates.every(lowered.asp),
             asp_staleness: lowered.asp.then_some(strategy.schedule.staleness),
             tp: strategy.tp.max(1),
@@ -780,13 +795,13 @@ fn check_memory(
                 id,
                 node: cluster.node_of(id),
                 stages: placement.stages_of(leader).into_iter().map(|s| StageId(s as u32)).collect(),
-                memory: device_memory(stream, &stages.bytes, strategy.recompute, weight_cap, cluster.memory),
+                memory: device_memory(stream, &stages.bytes, &lowered.recompute, weight_cap, cluster.memory),
                 peak_in_flight: crate::memory::peak_in_flight(stream),
             }
         })
         .collect();
     let mut diagnostics = Vec::new();
-    memory_diagnostics(spec, &devices, &stages.bytes, placement, &mut diagnostics);
+    memory_diagnostics(spec, &devices, &stages.bytes, &lowered.recompute, placement, &mut diagnostics);
     if bubble > 0.5 && strategy.schedule.kind.is_pipeline() {
         diagnostics.push(
             Diagnostic::warning(
@@ -857,7 +872,8 @@ fn assemble(
             parameters: stages.bytes[s].parameters,
             forward_s: stages.times[s].0,
             backward_s: stages.times[s].1,
-            activation_bytes_per_microbatch: if strategy.recompute {
+            recompute: layout.recompute[s],
+            activation_bytes_per_microbatch: if layout.recompute[s] {
                 stages.bytes[s].input_per_microbatch
             } else {
                 stages.bytes[s].activations_per_microbatch
@@ -975,7 +991,6 @@ fn training_plan(spec: &Spec, microbatch_size: usize, options: &CompileOptions) 
         },
         checkpoint_every: t.checkpoint.as_ref().map(|c| c.every),
         checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),
-        recompute: spec.strategy.recompute,
     }
 }
 
@@ -997,10 +1012,8 @@ fn partition_layers(spec: &Spec, model: &ModelCosts, memo: Option<&mut Partition
         vec![Diagnostic::error("E0403", msg, strategy.partition_span, "partition")
             .with_help("use fewer stages or a deeper model")]
     };
-    match &strategy.partition {
-        Partition::Explicit(ranges) => {
-            Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges: ranges.clone() })
-        }
+    let (replicas, virtual_stages, ranges) = match &strategy.partition {
+        Partition::Explicit(ranges) => (replicas, v, ranges.clone()),
         Partition::Auto if !strategy.layout_fixed && v == 1 && kind.auto_replicates() => {
             let tp = strategy.tp.max(1);
             let machines = cluster.device_count() / tp;
@@ -1015,7 +1028,9 @@ fn partition_layers(spec: &Spec, model: &ModelCosts, memo: Option<&mut Partition
             // activations: every microbatch in flight keeps its own, or with recompute one
             // microbatch's (its backward) plus each in-flight microbatch's stage input, at
             // most the largest cut (reserved below)
-            let kept = if strategy.recompute { 1.0 } else { in_flight };
+            // (the planner's stages are not known yet: only `recompute: true` counts here)
+            let recompute_all = strategy.recompute == Recompute::All;
+            let kept = if recompute_all { 1.0 } else { in_flight };
             let memory: Vec<f64> = costs
                 .iter()
                 .map(|c| {
@@ -1024,7 +1039,7 @@ fn partition_layers(spec: &Spec, model: &ModelCosts, memo: Option<&mut Partition
                 })
                 .collect();
             let inputs =
-                if strategy.recompute { cut_bytes.iter().fold(0.0, |m: f64, c| m.max(*c)) * in_flight } else { 0.0 };
+                if recompute_all { cut_bytes.iter().fold(0.0, |m: f64, c| m.max(*c)) * in_flight } else { 0.0 };
             let input = AutoInput {
                 layer_times: &times,
                 parameter_bytes: &parameter_bytes,
@@ -1039,7 +1054,7 @@ fn partition_layers(spec: &Spec, model: &ModelCosts, memo: Option<&mut Partition
             };
             let solve = || partition::auto(&input).map(|p| (p.replicas, p.ranges));
             let plan = match memo {
-                Some(memo) => memo.planned.entry(strategy.recompute).or_insert_with(solve).clone(),
+                Some(memo) => memo.planned.entry(recompute_all).or_insert_with(solve).clone(),
                 None => solve(),
             };
             let (replicas, ranges) = plan.ok_or_else(|| {
@@ -1051,7 +1066,7 @@ fn partition_layers(spec: &Spec, model: &ModelCosts, memo: Option<&mut Partition
                 )
                 .with_help("use larger devices, more devices, `recompute: true`, or fewer microbatches")]
             })?;
-            Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: 1, ranges })
+            (replicas, 1, ranges)
         }
         Partition::Auto | Partition::Balanced => {
             let solve = || partition::balanced(&times, &chunk_replicas).map(|(ranges, _)| ranges);
@@ -1060,9 +1075,20 @@ fn partition_layers(spec: &Spec, model: &ModelCosts, memo: Option<&mut Partition
                 None => solve(),
             }
             .ok_or_else(|| fail(format!("{} stages for {} layers", chunk_replicas.len(), times.len())))?;
-            Ok(Layout { notation: notation(&replicas), replicas, virtual_stages: v, ranges })
+            (replicas, v, ranges)
         }
+    };
+    // the stages `recompute` names exist (the front end checked a layout it knew)
+    if let Some(s) = strategy.recompute.beyond(ranges.len()) {
+        return Err(vec![pipec_grammar::recompute_beyond(s, ranges.len(), strategy.span, strategy.layout_span)]);
     }
+    Ok(Layout {
+        notation: notation(&replicas),
+        recompute: strategy.recompute.per_stage(ranges.len()),
+        replicas,
+        virtual_stages,
+        ranges,
+    })
 }
 
 /// The devices most over capacity, with how much over, and how many more there are: a
@@ -1208,6 +1234,7 @@ fn one_replica(
         }
     }
     let one = Layout {
+        recompute: layout.recompute.clone(),
         replicas: vec![1; ranks],
         virtual_stages: layout.virtual_stages,
         ranges: layout.ranges.clone(),
@@ -1224,7 +1251,7 @@ fn one_replica(
 }
 
 /// What the strategy search needs of a candidate: the figures of its compiled plan.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Figures {
     /// The simulated step (a flush-free schedule's steady state).
     pub step_s: f64,
@@ -1236,6 +1263,9 @@ pub struct Figures {
     pub exposed_all_reduce_s: f64,
     /// No device is over its memory.
     pub fits: bool,
+    /// Per stage: the tightest memory headroom of the devices holding it (what the search
+    /// recomputes when a plan does not fit).
+    pub stage_headroom: Vec<f64>,
 }
 
 /// The figures `compile` would report for a checked spec, without the verifier and without
@@ -1274,7 +1304,17 @@ pub fn predict(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result
         }
     };
     let (plans, diagnostics) = check_memory(spec, model, &simulated_placement, &stages, &lowered, bubble, &devices);
+    let mut stage_headroom = vec![f64::INFINITY; layout.ranges.len()];
+    for d in plans.iter().filter(|d| d.memory.capacity > 0) {
+        let h = 1.0 - d.memory.total as f64 / d.memory.capacity as f64;
+        for s in &d.stages {
+            if let Some(x) = stage_headroom.get_mut(s.0 as usize) {
+                *x = x.min(h);
+            }
+        }
+    }
     Ok(Figures {
+        stage_headroom,
         step_s: simulated.step_time,
         bubble,
         headroom: plans
@@ -1378,6 +1418,7 @@ fn memory_diagnostics(
     spec: &Spec,
     devices: &[DevicePlan],
     stage_bytes: &[StageBytes],
+    recompute: &[bool],
     placement: &Placement,
     out: &mut Vec<Diagnostic>,
 ) {
@@ -1406,7 +1447,7 @@ fn memory_diagnostics(
         // What would fit: recompute keeps only stage inputs; 1F1B bounds in-flight
         // microbatches; a larger device by the missing amount.
         let mut ideas = Vec::new();
-        if !strategy.recompute {
+        if worst.stages.iter().any(|s| !recompute.get(s.0 as usize).copied().unwrap_or(false)) {
             let held_acts: u64 = m.activations;
             let saved: u64 = worst
                 .stages

@@ -27,7 +27,8 @@ pub struct LowerInput<'a> {
     /// group[stage] = the stage's replica group, when it has more than one replica.
     pub groups: &'a [Option<GroupId>],
     pub updates: Updates,
-    pub recompute: bool,
+    /// Per stage: whether its forwards keep only their input (activation recompute).
+    pub recompute: &'a [bool],
     /// PipeDream's vertical sync: every stage runs a microbatch's forward on the weight
     /// version the first stage used for it (unreplicated pipelines).
     pub vertical_sync: bool,
@@ -122,7 +123,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                         });
                         link_order.entry((peer, dev)).or_default().push_back(MessageId::gradient(st(s + 1), mbid(m)));
                     }
-                    if input.recompute {
+                    if input.recompute.get(s).copied().unwrap_or(false) {
                         stream.push(Instr::Recompute { stage: st(s), mb: mbid(m) });
                     }
                     if t.kind == TaskKind::Backward {

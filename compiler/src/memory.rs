@@ -69,7 +69,7 @@ pub fn peak_weight_versions(stream: &[Instr]) -> BTreeMap<StageId, u32> {
 pub fn device_memory(
     stream: &[Instr],
     stages: &[StageBytes],
-    recompute: bool,
+    recompute: &[bool],
     weight_versions: Option<u32>,
     capacity: f64,
 ) -> MemoryBreakdown {
@@ -99,15 +99,18 @@ pub fn device_memory(
     // Activations: the peak over the stream of what all held stages keep at once.
     let mut now: HashMap<StageId, u64> = HashMap::new();
     let mut peak_total = 0u64;
-    let recompute_extra = if recompute {
-        held.iter().map(|s| stages[s.0 as usize].activations_per_microbatch).max().unwrap_or(0)
-    } else {
-        0
-    };
+    let recomputed = |s: &StageId| recompute.get(s.0 as usize).copied().unwrap_or(false);
+    // a recomputed stage rebuilds one microbatch's activations at a time
+    let recompute_extra = held
+        .iter()
+        .filter(|s| recomputed(s))
+        .map(|s| stages[s.0 as usize].activations_per_microbatch)
+        .max()
+        .unwrap_or(0);
     for ins in stream {
         let per = |s: &StageId| {
             let b = stages[s.0 as usize];
-            if recompute {
+            if recomputed(s) {
                 b.input_per_microbatch
             } else {
                 b.activations_per_microbatch

@@ -45,7 +45,8 @@ pub struct PeriodicInput<'a> {
     pub gradient_bytes: &'a [u64],
     pub groups: &'a [Option<GroupId>],
     pub updates: Updates,
-    pub recompute: bool,
+    /// Per stage: activation recompute.
+    pub recompute: &'a [bool],
     pub overlap: bool,
 }
 
@@ -158,7 +159,7 @@ pub fn verify_periodic(
     placement: &Placement,
     groups: &HashMap<GroupId, Vec<DeviceId>>,
     update_every: Option<usize>,
-    recompute: bool,
+    recompute: &[bool],
 ) -> Vec<String> {
     let mut out = Vec::new();
     for k in 1..=3 {

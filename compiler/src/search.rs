@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use pipec_grammar::check_source_in;
 use pipec_grammar::diagnostic::Diagnostic;
-use pipec_grammar::spec::{AutoStrategy, Partition, Schedule, Spec};
+use pipec_grammar::spec::{AutoStrategy, Partition, Recompute, Schedule, Spec};
 use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::ScheduleKind;
 
@@ -45,7 +45,7 @@ pub struct SearchOptions {
     pub tp: Option<usize>,
     pub layout: Option<Vec<usize>>,
     pub microbatches: Option<usize>,
-    pub recompute: Option<bool>,
+    pub recompute: Option<Recompute>,
 }
 
 impl Default for SearchOptions {
@@ -77,7 +77,7 @@ impl SearchOptions {
             tp: (!auto.tp).then_some(st.tp),
             layout: (!auto.layout).then(|| st.replicas.clone()),
             microbatches: (!auto.microbatches).then_some(st.microbatches),
-            recompute: (!auto.recompute).then_some(st.recompute),
+            recompute: (!auto.recompute).then(|| st.recompute.clone()),
         }
     }
 }
@@ -98,7 +98,7 @@ pub struct Candidate {
     /// Model chunks per device (interleaved, zbv; 1 otherwise).
     pub chunks: usize,
     pub microbatches: usize,
-    pub recompute: bool,
+    pub recompute: Recompute,
     /// The `strategy` mapping, as YAML flow text.
     pub strategy: String,
     pub outcome: Outcome,
@@ -224,7 +224,7 @@ fn strategy_text(
     layout: Option<&[usize]>,
     (schedule, chunks): (ScheduleKind, usize),
     microbatches: usize,
-    recompute: bool,
+    recompute: &Recompute,
     overlap: bool,
 ) -> String {
     let schedule = match schedule {
@@ -240,12 +240,26 @@ fn strategy_text(
         None => (String::new(), "auto"),
     };
     format!(
-        "{{ {stages}tp: {tp}, schedule: {schedule}, microbatches: {microbatches}, partition: {partition}, recompute: {recompute}{overlap} }}"
+        "{{ {stages}tp: {tp}, schedule: {schedule}, microbatches: {microbatches}, partition: {partition}, recompute: {}{overlap} }}",
+        recompute.text()
     )
 }
 
 fn notation(replicas: &[usize]) -> String {
     replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-")
+}
+
+fn notation_list(stages: &[usize]) -> String {
+    stages.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// `recompute` in the JSON report: `true`, `false` or the list of stages.
+fn recompute_json(r: &Recompute) -> serde_json::Value {
+    match r {
+        Recompute::Off => false.into(),
+        Recompute::All => true.into(),
+        Recompute::Stages(v) => v.clone().into(),
+    }
 }
 
 /// The spec a candidate's strategy text gives, without reading the text (for its bound):
@@ -257,7 +271,7 @@ fn concrete(
     layout: Option<&[usize]>,
     (schedule, chunks): (ScheduleKind, usize),
     microbatches: usize,
-    recompute: bool,
+    recompute: &Recompute,
 ) -> Spec {
     let mut s = spec.clone();
     let st = &mut s.strategy;
@@ -269,7 +283,7 @@ fn concrete(
     }
     st.microbatches = microbatches;
     st.partition = if layout.is_some() { Partition::Balanced } else { Partition::Auto };
-    st.recompute = recompute;
+    st.recompute = recompute.clone();
     st.auto = None;
     st.layout_fixed = layout.is_some();
     s
@@ -304,7 +318,10 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         Some(t) => vec![t],
         None => divisors(per_node).filter(|t| *t == 1 || spec.model.is_chain()).collect(),
     };
-    let recomputes: Vec<bool> = options.recompute.map_or_else(|| vec![false, true], |r| vec![r]);
+    // recompute on every stage or none; a plan that does not fit without it is also tried
+    // with only the stages of its devices short of memory recomputed (in the branch and bound)
+    let recomputes: Vec<Recompute> =
+        options.recompute.clone().map_or_else(|| vec![Recompute::Off, Recompute::All], |r| vec![r]);
     for tp in tps {
         let machines = devices / tp;
         // the layouts: the user's, or every pipeline depth with equal replication, and the
@@ -331,7 +348,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
             };
             for (schedule, chunks) in schedules {
                 for &microbatches in &counts {
-                    for &recompute in &recomputes {
+                    for recompute in &recomputes {
                         let l = layout.as_deref();
                         let strategy =
                             strategy_text(tp, l, (schedule, chunks), microbatches, recompute, spec.strategy.overlap);
@@ -377,7 +394,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                             schedule,
                             chunks,
                             microbatches,
-                            recompute,
+                            recompute: recompute.clone(),
                             strategy,
                             outcome,
                         });
@@ -398,7 +415,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         }
         let c = &mut candidates[i];
         if c.planner && !refined {
-            let s = concrete(spec, c.tp, None, (c.schedule, c.chunks), c.microbatches, c.recompute);
+            let s = concrete(spec, c.tp, None, (c.schedule, c.chunks), c.microbatches, &c.recompute);
             match lower_bound(&s, compile_options, &mut memo) {
                 Ok(b) => {
                     (c.pp, c.dp) = (b.replicas.len(), b.replicas.iter().copied().max().unwrap_or(0));
@@ -451,6 +468,42 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
             best = Some(prediction.step_s);
         }
         candidates[i].outcome = Outcome::Planned(prediction);
+        // short of memory without recompute: also try recomputing only the stages of the
+        // devices short of it (every stage is its own candidate already)
+        let short: Vec<usize> =
+            (0..f.stage_headroom.len()).filter(|&s| f.stage_headroom[s] < options.headroom).collect();
+        if candidates[i].recompute == Recompute::Off
+            && options.recompute.is_none()
+            && !short.is_empty()
+            && short.len() < f.stage_headroom.len()
+        {
+            let c = &candidates[i];
+            let recompute = Recompute::Stages(short);
+            let layout = (!c.planner).then_some(c.replicas.as_slice());
+            let s = concrete(spec, c.tp, layout, (c.schedule, c.chunks), c.microbatches, &recompute);
+            let mut derived = Candidate {
+                strategy: strategy_text(
+                    c.tp,
+                    layout,
+                    (c.schedule, c.chunks),
+                    c.microbatches,
+                    &recompute,
+                    spec.strategy.overlap,
+                ),
+                recompute,
+                outcome: Outcome::TooBig,
+                ..c.clone()
+            };
+            derived.outcome = match lower_bound(&s, compile_options, &mut memo) {
+                Ok(b) if b.overflows => Outcome::TooBig,
+                Ok(b) => {
+                    queue.push(Reverse(Queued { bound_s: b.step_s, index: candidates.len(), refined: true }));
+                    Outcome::Pruned { bound_s: b.step_s }
+                }
+                Err(d) => Outcome::Invalid(first_error(&d)),
+            };
+            candidates.push(derived);
+        }
     }
     SearchReport { candidates, seconds: started.elapsed().as_secs_f64() }
 }
@@ -467,7 +520,11 @@ fn describe(c: &Candidate) -> String {
         c.schedule.name(),
         c.tp,
         c.microbatches,
-        if c.recompute { ", recompute" } else { "" }
+        match &c.recompute {
+            Recompute::Off => String::new(),
+            Recompute::All => ", recompute".into(),
+            Recompute::Stages(v) => format!(", recompute stages {}", notation_list(v)),
+        }
     )
 }
 
@@ -485,8 +542,16 @@ fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> Str
             crate::render::human_time(bp.exposed_all_reduce_s)
         ));
     }
-    if o.recompute && !b.recompute {
-        reasons.push("recomputes every forward".into());
+    let recomputed = |c: &Candidate| match &c.recompute {
+        Recompute::Off => 0,
+        Recompute::All => usize::MAX,
+        Recompute::Stages(v) => v.len(),
+    };
+    if recomputed(o) > recomputed(b) {
+        reasons.push(match o.recompute {
+            Recompute::All => "recomputes every forward".into(),
+            _ => "recomputes more stages' forwards".to_string(),
+        });
     }
     if o.tp != b.tp {
         reasons.push(format!("tp {} (tensor-parallel all-reduces inside every pass)", o.tp));
@@ -555,7 +620,7 @@ impl SearchReport {
             serde_json::json!({
                 "strategy": c.strategy, "tp": c.tp, "pp": c.pp, "dp": c.dp, "stages": notation(&c.replicas),
                 "planner": c.planner, "schedule": c.schedule.name(), "chunks": c.chunks,
-                "microbatches": c.microbatches, "recompute": c.recompute, "step_time_s": p.step_s,
+                "microbatches": c.microbatches, "recompute": recompute_json(&c.recompute), "step_time_s": p.step_s,
                 "bound_s": p.bound_s, "bubble_fraction": p.bubble, "memory_headroom": p.headroom,
                 "exposed_all_reduce_s": p.exposed_all_reduce_s,
             })

@@ -31,8 +31,9 @@ pub struct VerifyInput<'a> {
     pub groups: &'a HashMap<GroupId, Vec<DeviceId>>,
     /// Whether the backward is split (zero-bubble).
     pub split_backward: bool,
-    /// Whether forwards keep only their input (activation recompute before the backward).
-    pub recompute: bool,
+    /// Per stage: whether its forwards keep only their input (activation recompute before
+    /// the backward).
+    pub recompute: &'a [bool],
     /// Local backwards per optimizer step: None = one step per stage after all of them
     /// (flush schedules); Some(1) = PipeDream's update per microbatch; Some(k) = 2BW.
     pub update_every: Option<usize>,
@@ -68,11 +69,16 @@ pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
                 &placement,
                 &groups,
                 plan.schedule.kind.updates(ranks).every(false),
-                plan.training.recompute,
+                &recomputed_stages(plan),
             )
         }
         None => verify_streams(plan, &plan.streams),
     }
+}
+
+/// Per stage of a plan: whether it recomputes its activations.
+fn recomputed_stages(plan: &pipec_plan::Plan) -> Vec<bool> {
+    plan.stages.iter().map(|s| s.recompute).collect()
 }
 
 /// The placement a plan's stages describe.
@@ -96,7 +102,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         placement: &placement,
         groups: &groups,
         split_backward: kind.splits_backward(),
-        recompute: plan.training.recompute,
+        recompute: &recomputed_stages(plan),
         update_every: kind.updates(ranks).every(plan.schedule.staleness.is_some()),
         asp_staleness: plan.schedule.staleness,
         tp: plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len),
@@ -418,9 +424,12 @@ fn check_stream_dataflow(
                 }
             }
             live.extend(ins.writes());
-            if let (Instr::Forward { stage, mb }, true) = (ins, input.recompute) {
-                // the forward keeps only its input; the recompute rebuilds what the backward needs
-                live.remove(&Buffer::Saved { stage: *stage, mb: *mb });
+            if let Instr::Forward { stage, mb } = ins {
+                if input.recompute.get(stage.0 as usize).copied().unwrap_or(false) {
+                    // the forward keeps only its input; the recompute rebuilds what the
+                    // backward needs
+                    live.remove(&Buffer::Saved { stage: *stage, mb: *mb });
+                }
             }
             if let Instr::Forward { stage, mb } = ins {
                 if *stage == last {

@@ -192,11 +192,11 @@ fn vgg16_flush_free_steady_state_is_within_ten_percent_of_pipedreams_prediction(
             gradient_bytes: &params,
             groups: &groups,
             updates,
-            recompute: false,
+            recompute: &[],
             overlap,
         })
         .expect("periodic");
-        assert!(verify_periodic(&p, &placement, &members, updates.every(false), false).is_empty());
+        assert!(verify_periodic(&p, &placement, &members, updates.every(false), &[]).is_empty());
         p
     };
     // the stage times from the profile, 2.5 GB/s links, ring all-reduce (the simulator's)

@@ -397,11 +397,11 @@ fn flush_free_pipedream_and_2bw_have_no_bubble_in_their_steady_state() {
                 gradient_bytes: &zeros,
                 groups: &groups,
                 updates,
-                recompute: false,
+                recompute: &[],
                 overlap: true,
             })
             .unwrap_or_else(|e| panic!("{kind} D={d}: {e}"));
-            let problems = verify_periodic(&p, &placement, &Default::default(), updates.every(false), false);
+            let problems = verify_periodic(&p, &placement, &Default::default(), updates.every(false), &[]);
             assert!(problems.is_empty(), "{kind} D={d}: {problems:?}");
             // the body is one step: every device runs each of the step's N microbatches'
             // forward and backward once
@@ -448,11 +448,11 @@ fn flush_free_pipedream_with_a_replicated_stage_is_periodic_and_verified() {
         gradient_bytes: &[0; 3],
         groups: &groups,
         updates,
-        recompute: false,
+        recompute: &[],
         overlap: true,
     })
     .expect("periodic");
-    let problems = verify_periodic(&p, &placement, &members, updates.every(false), false);
+    let problems = verify_periodic(&p, &placement, &members, updates.every(false), &[]);
     assert!(problems.is_empty(), "{problems:?}");
     // each replica runs half the step's microbatches; the steady state keeps every worker
     // busy: the replicated stage's two workers share its work, the others run all of theirs
@@ -517,11 +517,11 @@ fn pipedream_hides_a_replica_all_reduce_shorter_than_the_next_forward() {
             gradient_bytes: &[0; 2],
             groups: &groups,
             updates,
-            recompute: false,
+            recompute: &[],
             overlap,
         })
         .expect("periodic");
-        let problems = verify_periodic(&p, &placement, &members, updates.every(false), false);
+        let problems = verify_periodic(&p, &placement, &members, updates.every(false), &[]);
         assert!(problems.is_empty(), "{problems:?}");
         steady_state(&p, &members, &AllReduceCost { f0: 2.0, a }).expect("simulates")
     };
@@ -576,7 +576,7 @@ fn synchronous_all_reduces_start_after_their_stages_last_backward_and_overlap_th
             gradient_bytes: &[0; 4],
             groups: &groups,
             updates: Updates::PerStep,
-            recompute: false,
+            recompute: &[],
             vertical_sync: false,
             overlap,
         })

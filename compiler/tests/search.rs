@@ -31,12 +31,23 @@ training:
 }
 
 /// Small cases: an uneven MLP on 4 devices in one node, and on 2 nodes of 2 (tensor
-/// parallelism inside a node, slow links between), the second tight on memory.
+/// parallelism inside a node, slow links between), the second tight on memory; and a small
+/// language model whose 1F1B pipeline's first stage alone is short of memory without
+/// recompute (it holds the most microbatches in flight).
 fn cases() -> Vec<(String, String)> {
     let mlp = "    - linear(64, 2048) -> relu\n    - repeat 3: linear(2048, 2048) -> relu\n    - linear(2048, 512) -> relu\n    - linear(512, 10)";
+    let lm = language_model()
+        .replace("input: [16]", "input: [256]")
+        .replace("devices_per_node: 4", "devices_per_node: 2")
+        .replace("memory: 2GiB", "memory: 70MiB")
+        .replace("batch_size: 16", "batch_size: 64")
+        .replace("embedding(64, 32)", "embedding(64, 64)")
+        .replace("d=32, heads=2, ff=64", "d=64, heads=2, ff=256")
+        .replace("linear(32, 64,", "linear(64, 64,");
     vec![
         ("4 devices".into(), spec_text(4, 1, mlp, 32, "8GiB")),
         ("2 x 2 devices, 300 MiB".into(), spec_text(2, 2, mlp, 16, "300MiB")),
+        ("a language model on 2 x 2 devices, 70 MiB".into(), lm),
     ]
 }
 
@@ -47,7 +58,12 @@ fn the_search_finds_the_brute_forces_best_and_no_simulation_beats_its_bound() {
         let options = CompileOptions::default();
         let pruned = search(&text, &spec, &options, &SearchOptions::default());
         let all = search(&text, &spec, &options, &SearchOptions { exhaustive: true, ..SearchOptions::default() });
-        assert_eq!(pruned.candidates.len(), all.candidates.len(), "{what}: the same space");
+        // the same space (candidates recomputing some stages are derived from the plans that
+        // were simulated: the brute force has all of them)
+        let base = |r: &pipec_compiler::search::SearchReport| {
+            r.candidates.iter().filter(|c| !matches!(c.recompute, pipec_grammar::spec::Recompute::Stages(_))).count()
+        };
+        assert_eq!(base(&pruned), base(&all), "{what}: the same space");
         // the bound holds for every compiled candidate
         let mut planned = 0;
         for c in &all.candidates {
@@ -75,7 +91,18 @@ fn the_search_finds_the_brute_forces_best_and_no_simulation_beats_its_bound() {
         }
         let best = |r: &pipec_compiler::search::SearchReport| r.ranked(0.0).first().map(|(_, p)| p.step_s);
         let (got, brute) = (best(&pruned).expect("a plan"), best(&all).expect("a plan"));
-        assert_eq!(got, brute, "{what}: the search's best vs the brute force's");
+        // (two candidates may give the same plan, their sums rounded in another order)
+        assert!((got - brute).abs() <= 1e-12 * brute, "{what}: the search's best {got} vs the brute force's {brute}");
+        let partial = all
+            .candidates
+            .iter()
+            .filter(|c| matches!(c.recompute, pipec_grammar::spec::Recompute::Stages(_)))
+            .filter(|c| matches!(c.outcome, Outcome::Planned(_)))
+            .count();
+        eprintln!("{what}: {partial} plans recompute only the stages short of memory");
+        if what.contains("70 MiB") {
+            assert!(partial > 0, "{what}: no plan recomputes only some stages");
+        }
         let simulated = pruned.count(|o| matches!(o, Outcome::Planned(_)));
         assert!(simulated < planned, "{what}: the bound pruned nothing ({simulated} of {planned} simulated)");
         eprintln!(

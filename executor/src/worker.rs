@@ -879,7 +879,7 @@ impl<'a, B: AutodiffBackend> Worker<'a, B> {
         // with recompute only the input is kept (the last stage keeps its loss); the
         // `Recompute` instruction re-runs the forward, a tensor-parallel group's
         // all-reduces included
-        let recompute = self.plan.training.recompute;
+        let recompute = self.plan.stage(stage).is_some_and(|s| s.recompute);
         let kept = Kept {
             input: if recompute { detach(&x) } else { x },
             saved: if recompute && stage != self.last_stage() { Saved::Nothing } else { f.saved },

@@ -187,6 +187,50 @@ pub enum Partition {
     Explicit(Vec<std::ops::Range<usize>>),
 }
 
+/// Which stages recompute their activations in the backward pass (keeping only their
+/// inputs) instead of keeping them: `recompute: false`, `true`, or a list of stage indices
+/// (one per virtual stage for interleaved schedules).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Recompute {
+    #[default]
+    Off,
+    All,
+    /// These stages, ascending, without repeats.
+    Stages(Vec<usize>),
+}
+
+impl Recompute {
+    /// Whether stage `s` recomputes.
+    pub fn stage(&self, s: usize) -> bool {
+        match self {
+            Recompute::Off => false,
+            Recompute::All => true,
+            Recompute::Stages(v) => v.binary_search(&s).is_ok(),
+        }
+    }
+    /// Per stage, for a plan of `stages` stages.
+    pub fn per_stage(&self, stages: usize) -> Vec<bool> {
+        (0..stages).map(|s| self.stage(s)).collect()
+    }
+    /// The stages named past the last of `stages` (what E0412 reports).
+    pub fn beyond(&self, stages: usize) -> Option<usize> {
+        match self {
+            Recompute::Stages(v) => v.last().copied().filter(|&s| s >= stages),
+            _ => None,
+        }
+    }
+    /// The strategy text: `false`, `true` or `[0, 2]`.
+    pub fn text(&self) -> String {
+        match self {
+            Recompute::Off => "false".into(),
+            Recompute::All => "true".into(),
+            Recompute::Stages(v) => {
+                format!("[{}]", v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))
+            }
+        }
+    }
+}
+
 /// Which strategy fields the search fills in, and what the user pins.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AutoStrategy {
@@ -218,7 +262,7 @@ pub struct Strategy {
     pub schedule: Schedule,
     pub microbatches: usize,
     pub partition: Partition,
-    pub recompute: bool,
+    pub recompute: Recompute,
     /// Overlap gradient all-reduces with compute (default true).
     pub overlap: bool,
     /// `strategy: auto`, or `auto` fields: what the compiler's strategy search chooses (the

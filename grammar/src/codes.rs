@@ -260,6 +260,12 @@ again later) runs with `tp: 1`, using pipeline and data parallelism. An output l
 the embedding (`tie=`) on another stage needs a synchronous schedule: `pipedream` and `2bw`
 update each stage on its own clock, so the two copies of the tied weight would drift apart.";
 
+"E0412", "recompute names a stage the strategy does not have",
+"`recompute` takes `true` (every stage), `false`, or a list of stage indices counted
+from 0 — one per virtual stage for interleaved schedules, so `[0, 1]` with 4 stages
+recomputes the first two. An index must be below the number of stages the strategy has
+(for a layout PipeDream's planner picks, the number it picked).";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";

@@ -137,11 +137,12 @@ enum CountOrAuto {
     Auto(AutoWord),
 }
 
-/// `true`/`false`, or `auto` (the strategy search chooses it).
+/// `true`/`false`, a list of stage indices, or `auto` (the strategy search chooses).
 #[derive(JsonSchema)]
 #[serde(untagged)]
-enum FlagOrAuto {
+enum RecomputeSpec {
     Flag(bool),
+    Stages(Vec<u32>),
     Auto(AutoWord),
 }
 
@@ -187,9 +188,10 @@ struct Strategy {
     /// list with one entry per stage of layer ranges: `"0..4"` (end excluded), `"4..=7"`
     /// (end included), `"stem..head"` (labels), `"8.."` (to the end).
     partition: Option<PartitionSpec>,
-    /// Recompute activations in the backward pass (keep only each stage's inputs); `auto`:
+    /// Recompute activations in the backward pass (keep only each stage's inputs): `true`
+    /// for every stage, `false`, or a list of stage indices (e.g. `[0, 1]`); `auto`:
     /// searched.
-    recompute: Option<FlagOrAuto>,
+    recompute: Option<RecomputeSpec>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
     /// Overlap gradient all-reduces with compute (default true): a replicated stage's

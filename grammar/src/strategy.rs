@@ -10,7 +10,8 @@ use crate::diagnostic::Diagnostic;
 use crate::dsl::{self, LayerRef, StagesNotation};
 use crate::span::Span;
 use crate::spec::{
-    AutoStrategy, Cluster, Lower, Model, Partition, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode, Training,
+    AutoStrategy, Cluster, Lower, Model, Partition, Recompute, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode,
+    Training,
 };
 use crate::yaml::{Node, Value};
 
@@ -115,8 +116,8 @@ pub(crate) fn lower_strategy(
         Some(n) => cx.uint(n, 1),
     };
     let recompute = match f.get("recompute") {
-        None => Some(false),
-        Some(n) => cx.boolean(n),
+        None => Some(Recompute::Off),
+        Some(n) => lower_recompute(cx, n),
     };
     let overlap = match f.get("overlap") {
         None => Some(true),
@@ -144,6 +145,16 @@ pub(crate) fn lower_strategy(
 
     let chunks = layout.replicas.len() * schedule.virtual_stages;
     let partition = lower_partition(cx, partition_node, model, chunks)?;
+    // recomputed stages exist (a planned layout's stages are known when compiling)
+    if let (None, Some(s), Some(n)) = (planned, recompute.beyond(chunks), f.get("recompute")) {
+        // the list item that names it
+        let at = match &n.value {
+            Value::Seq(items) => items.iter().find(|i| matches!(i.value, Value::Int(v) if v == s as i64)),
+            _ => None,
+        };
+        cx.push(recompute_beyond(s, chunks, at.map_or(n.span, |i| i.span), layout.span));
+        ok = false;
+    }
     if !ok {
         return None;
     }
@@ -164,6 +175,42 @@ pub(crate) fn lower_strategy(
     })
 }
 
+/// E0412: `recompute` names stage `stage` of a plan with `stages` stages.
+pub fn recompute_beyond(stage: usize, stages: usize, at: Span, layout: Span) -> Diagnostic {
+    Diagnostic::error(
+        "E0412",
+        format!(
+            "`recompute` names stage {stage}, but the strategy has {stages} stage(s) (0 to {})",
+            stages.saturating_sub(1)
+        ),
+        at,
+        format!("stage {stage}"),
+    )
+    .with_label(layout, format!("{stages} stage(s)"))
+    .with_help("name stages from 0 (one per virtual stage for interleaved schedules), or `recompute: true` for all")
+}
+
+/// `recompute`: `true`, `false`, or a list of stage indices (sorted, without repeats).
+fn lower_recompute(cx: &mut Lower<'_>, node: &Node) -> Option<Recompute> {
+    match &node.value {
+        Value::Bool(true) => Some(Recompute::All),
+        Value::Bool(false) => Some(Recompute::Off),
+        Value::Seq(items) => {
+            let mut stages = Vec::with_capacity(items.len());
+            for item in items {
+                stages.push(cx.uint(item, 0)?);
+            }
+            stages.sort_unstable();
+            stages.dedup();
+            Some(if stages.is_empty() { Recompute::Off } else { Recompute::Stages(stages) })
+        }
+        _ => {
+            cx.wrong_type(node, "`true`, `false` or a list of stage indices such as `[0, 1]`");
+            None
+        }
+    }
+}
+
 /// Whether a value is the word `auto`.
 fn is_auto(node: &Node) -> bool {
     matches!(&node.value, Value::Str(s) if s == "auto")
@@ -180,7 +227,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         schedule: Schedule::new(ScheduleKind::DpOnly, node.span),
         microbatches: 1,
         partition: Partition::Balanced,
-        recompute: false,
+        recompute: Recompute::Off,
         overlap: true,
         auto: Some(auto),
         layout_span: node.span,
@@ -268,7 +315,7 @@ fn lower_auto_strategy(
         strategy.microbatches_span = Some(n.span);
     }
     if !auto.recompute {
-        strategy.recompute = f.get("recompute").and_then(|n| cx.boolean(n))?;
+        strategy.recompute = f.get("recompute").and_then(|n| lower_recompute(cx, n))?;
     }
     if let Some(n) = f.get("overlap") {
         strategy.overlap = cx.boolean(n)?;

@@ -11,7 +11,7 @@ use crate::model::{Loss, Op, Source};
 use crate::vocab::{Precision, ReduceMode, ScheduleKind, Task};
 
 /// Bumped on every incompatible change of the format.
-pub const PLAN_VERSION: u32 = 2;
+pub const PLAN_VERSION: u32 = 3;
 
 /// A compiled training plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -175,7 +175,6 @@ pub struct TrainingPlan {
     pub data: DataPlan,
     pub checkpoint_every: Option<usize>,
     pub checkpoint_dir: Option<String>,
-    pub recompute: bool,
 }
 
 /// The schedule that produced the streams.
@@ -209,6 +208,9 @@ pub struct StagePlan {
     pub parameters: u64,
     pub forward_s: f64,
     pub backward_s: f64,
+    /// Activation recompute: the forward keeps only the stage's input, and a `recompute`
+    /// instruction rebuilds the rest before the backward.
+    pub recompute: bool,
     /// Bytes kept for the backward per microbatch (with recompute: the stage input only).
     pub activation_bytes_per_microbatch: u64,
     /// Bytes of the stage's output per microbatch (what is sent to the next stage).
