@@ -441,20 +441,20 @@ fn megatron() {
                 let what = format!(
                     "({}, {}, {}) {}{chunks}, {} mb{}",
                     c.tp,
-                    c.pp,
-                    c.dp,
+                    c.pp(),
+                    c.dp(),
                     c.schedule.name(),
                     c.microbatches,
                     match &c.recompute {
                         Recompute::Off => String::new(),
                         Recompute::All => ", recompute".into(),
-                        Recompute::Stages(v) => format!(", recompute {} of {} stages", v.len(), c.pp * c.chunks),
+                        Recompute::Stages(v) => format!(", recompute {} of {} stages", v.len(), c.pp() * c.chunks),
                     }
                 );
                 let share = match &c.recompute {
                     Recompute::Off => 0.0,
                     Recompute::All => 1.0,
-                    Recompute::Stages(v) => v.len() as f64 / (c.pp * c.chunks).max(1) as f64,
+                    Recompute::Stages(v) => v.len() as f64 / (c.pp() * c.chunks).max(1) as f64,
                 };
                 (what, p.step_s, share)
             });

@@ -91,9 +91,6 @@ pub struct Candidate {
     pub replicas: Vec<usize>,
     /// The layout is PipeDream's planner's (`partition: auto`, no stages written).
     pub planner: bool,
-    /// Pipeline ranks, and the most replicas of any.
-    pub pp: usize,
-    pub dp: usize,
     pub schedule: ScheduleKind,
     /// Model chunks per device (interleaved, zbv; 1 otherwise).
     pub chunks: usize,
@@ -102,6 +99,17 @@ pub struct Candidate {
     /// The `strategy` mapping, as YAML flow text.
     pub strategy: String,
     pub outcome: Outcome,
+}
+
+impl Candidate {
+    /// Pipeline ranks.
+    pub fn pp(&self) -> usize {
+        self.replicas.len()
+    }
+    /// The most replicas of any rank (the data-parallel degree of an equal layout).
+    pub fn dp(&self) -> usize {
+        self.replicas.iter().copied().max().unwrap_or(0)
+    }
 }
 
 /// What became of a candidate.
@@ -387,8 +395,6 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                         };
                         candidates.push(Candidate {
                             tp,
-                            pp: replicas.len(),
-                            dp: replicas.iter().copied().max().unwrap_or(0),
                             replicas,
                             planner: layout.is_none(),
                             schedule,
@@ -418,12 +424,11 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
             let s = concrete(spec, c.tp, None, (c.schedule, c.chunks), c.microbatches, &c.recompute);
             match lower_bound(&s, compile_options, &mut memo) {
                 Ok(b) => {
-                    (c.pp, c.dp) = (b.replicas.len(), b.replicas.iter().copied().max().unwrap_or(0));
                     c.replicas = b.replicas;
-                    if let Some(m) = options.max_pipeline_depth.filter(|m| c.pp > *m) {
+                    if let Some(m) = options.max_pipeline_depth.filter(|m| c.pp() > *m) {
                         c.outcome = Outcome::Invalid(format!(
                             "PipeDream's planner chose {} stages, more than the {m} allowed",
-                            c.pp
+                            c.pp()
                         ));
                     } else if b.overflows {
                         c.outcome = Outcome::TooBig;
@@ -513,7 +518,7 @@ fn describe(c: &Candidate) -> String {
     let layout = if c.planner {
         format!("stages \"{}\" (PipeDream's planner)", notation(&c.replicas))
     } else {
-        format!("pp {} × dp {}", c.pp, c.dp)
+        format!("pp {} × dp {}", c.pp(), c.dp())
     };
     format!(
         "{}{chunks} · tp {} × {layout}, {} microbatches{}",
@@ -618,7 +623,7 @@ impl SearchReport {
         let entry = |i: usize, p: &Prediction| {
             let c = &self.candidates[i];
             serde_json::json!({
-                "strategy": c.strategy, "tp": c.tp, "pp": c.pp, "dp": c.dp, "stages": notation(&c.replicas),
+                "strategy": c.strategy, "tp": c.tp, "pp": c.pp(), "dp": c.dp(), "stages": notation(&c.replicas),
                 "planner": c.planner, "schedule": c.schedule.name(), "chunks": c.chunks,
                 "microbatches": c.microbatches, "recompute": recompute_json(&c.recompute), "step_time_s": p.step_s,
                 "bound_s": p.bound_s, "bubble_fraction": p.bubble, "memory_headroom": p.headroom,

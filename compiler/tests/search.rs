@@ -209,10 +209,12 @@ fn one_pipeline_replica_predicts_the_whole_plan() {
             );
             assert_eq!(p.fits, fits, "{what}: {}", c.strategy);
             compared += 1;
-            replicated += usize::from(c.dp * c.tp > 1);
+            replicated += usize::from(c.dp() * c.tp > 1);
             // Chimera's pipeline pairs whose last unit of microbatches is partial
             chimera_partial += usize::from(
-                c.schedule == pipec_plan::ScheduleKind::Chimera && c.dp > 1 && c.microbatches % (c.dp * c.pp) != 0,
+                c.schedule == pipec_plan::ScheduleKind::Chimera
+                    && c.dp() > 1
+                    && c.microbatches % (c.dp() * c.pp()) != 0,
             );
         }
         eprintln!("{what}: {compared} candidates, {replicated} with replicas or tensor parallelism");
