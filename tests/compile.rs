@@ -463,3 +463,42 @@ fn zb_h1_on_unequal_replication_defers_weight_passes_by_stage_position() {
         );
     }
 }
+
+/// `partition: auto` with no stages written lets PipeDream's planner lay out the devices,
+/// so a cluster with more devices than the model has layers is not an error (E0403 is for
+/// a written layout): the planner replicates stages instead.
+#[test]
+fn the_planner_lays_out_more_devices_than_layers() {
+    let text = "model:
+  input: [64]
+  layers:
+    - linear(64, 256) -> relu
+    - linear(256, 256) -> relu
+    - linear(256, 10)
+  loss: cross_entropy
+cluster:
+  nodes: 1
+  devices_per_node: 8
+  device: { memory: 2GiB, throughput: 20GFLOP/s }
+  links:
+    intra_node: { bandwidth: 10GB/s, latency: 5us }
+strategy:
+  schedule: 1f1b
+  microbatches: 8
+  partition: auto
+training:
+  batch_size: 64
+  steps: 1
+  optimizer: { kind: sgd, lr: 0.05 }
+";
+    let r = compile_text(text);
+    assert!(!r.has_errors(), "{:?}", r.diagnostics);
+    let plan = r.compiled.expect("a plan").plan;
+    assert!(plan.stages.len() <= 3, "at most one stage per layer: {}", plan.partition);
+    let devices: usize = plan.stages.iter().map(|s| s.replicas.len()).sum();
+    assert_eq!(devices, 8, "every device used: {}", plan.partition);
+    // a written layout deeper than the model is still an error
+    let written = text.replace("  partition: auto\n", "  stages: straight\n  partition: auto\n");
+    let checked = pipec_grammar::check_source(&written);
+    assert!(checked.diagnostics.iter().any(|d| d.code == "E0403"), "{:?}", checked.diagnostics);
+}
