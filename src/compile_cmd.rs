@@ -209,14 +209,15 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
     ));
     for st in &plan.stages {
         s.push_str(&format!(
-            "  {}: layers {}..{} on {} ({} params), fwd {} bwd {} per microbatch\n",
+            "  {}: layers {}..{} on {} ({} params), fwd {} bwd {} per microbatch{}\n",
             st.id,
             st.layers[0],
             st.layers[1],
             st.replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
             st.parameters,
             human_time(st.forward_s),
-            human_time(st.backward_s)
+            human_time(st.backward_s),
+            if st.recompute { ", forward recomputed before the backward" } else { "" }
         ));
     }
     let kind = match sim.first_step_time_s {

@@ -502,3 +502,21 @@ training:
     let checked = pipec_grammar::check_source(&written);
     assert!(checked.diagnostics.iter().any(|d| d.code == "E0403"), "{:?}", checked.diagnostics);
 }
+
+/// `pipec compile` says which stages recompute their forward.
+#[test]
+fn the_compile_summary_names_the_recomputed_stages() {
+    let text = std::fs::read_to_string(root().join("specs/invalid/recompute-stage-out-of-range.yaml"))
+        .expect("spec")
+        .replace("recompute: [0, 3]", "recompute: [1]");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = dir.path().join("recompute.yaml");
+    std::fs::write(&spec, text).expect("write");
+    let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("out").to_str().expect("utf-8")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // the summary goes to standard error when the plan is written to a folder
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let stage = |s: &str| text.lines().find(|l| l.trim_start().starts_with(s)).unwrap_or_default().to_string();
+    assert!(!stage("s0:").contains("recomputed"), "{text}");
+    assert!(stage("s1:").contains("forward recomputed before the backward"), "{text}");
+}
