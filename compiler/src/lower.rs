@@ -6,7 +6,9 @@
 //! messages in exactly its receiver's order (in-order matching, as NCCL and MPI do), and a
 //! send is delayed only until the messages the peer needs earlier are ready.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use pipec_plan::{DeviceId, GroupId, Instr, MessageId, MicrobatchId, Payload, StageId};
 
@@ -49,7 +51,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
 
     // Vertical sync: the version stage 0 used for each microbatch = the updates (one per
     // backward) it had applied when the microbatch's forward started.
-    let mut version_of: HashMap<usize, u32> = HashMap::new();
+    let mut version_of: HashMap<usize, u32> = HashMap::default();
     if input.vertical_sync {
         let first = p.device_of(0, 0).0 as usize;
         let mut updates = 0u32;
@@ -66,11 +68,11 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
 
     // Pass 1: receives, loads and compute, per device; and the receive order of every link.
     let mut streams: Vec<Vec<Instr>> = vec![Vec::new(); p.devices];
-    let mut link_order: HashMap<(DeviceId, DeviceId), VecDeque<MessageId>> = HashMap::new();
+    let mut link_order: HashMap<(DeviceId, DeviceId), VecDeque<MessageId>> = HashMap::default();
     for (d, tasks) in input.order.iter().enumerate() {
         let dev = DeviceId(d as u32);
         let stream = &mut streams[d];
-        let mut local_backwards: HashMap<usize, usize> = HashMap::new();
+        let mut local_backwards: HashMap<usize, usize> = HashMap::default();
         // per stage: the stream position right after its latest gradient contribution
         let mut last_contribution: BTreeMap<usize, usize> = BTreeMap::new();
         // per stage: an update whose all-reduce is in flight (overlap with per-microbatch updates)
@@ -210,7 +212,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
         let mut links: Vec<(DeviceId, VecDeque<MessageId>)> =
             link_order.iter().filter(|((from, _), _)| *from == dev).map(|((_, to), q)| (*to, q.clone())).collect();
         links.sort_by_key(|(to, _)| *to);
-        let mut ready: HashSet<MessageId> = HashSet::new();
+        let mut ready: HashSet<MessageId> = HashSet::default();
         let mut with_sends = Vec::with_capacity(stream.len() * 2);
         for ins in stream {
             let produced = match ins {
