@@ -1305,8 +1305,8 @@ pub fn predict(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result
     };
     let (plans, diagnostics) = check_memory(spec, model, &simulated_placement, &stages, &lowered, bubble, &devices);
     let mut stage_headroom = vec![f64::INFINITY; layout.ranges.len()];
-    for d in plans.iter().filter(|d| d.memory.capacity > 0) {
-        let h = 1.0 - d.memory.total as f64 / d.memory.capacity as f64;
+    for d in &plans {
+        let Some(h) = d.memory.headroom() else { continue };
         for s in &d.stages {
             if let Some(x) = stage_headroom.get_mut(s.0 as usize) {
                 *x = x.min(h);
@@ -1317,11 +1317,7 @@ pub fn predict(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result
         stage_headroom,
         step_s: simulated.step_time,
         bubble,
-        headroom: plans
-            .iter()
-            .filter(|d| d.memory.capacity > 0)
-            .map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64)
-            .fold(f64::INFINITY, f64::min),
+        headroom: plans.iter().filter_map(|d| d.memory.headroom()).fold(f64::INFINITY, f64::min),
         exposed_all_reduce_s: simulated.collectives.values().map(|c| c.1).fold(0.0, f64::max),
         fits: !diagnostics.iter().any(Diagnostic::is_error),
     })

@@ -25,7 +25,7 @@ use pipec_grammar::spec::{AutoStrategy, Partition, Recompute, Schedule, Spec};
 use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::ScheduleKind;
 
-use crate::compile::{compile, lower_bound, predict, work_bound, CompileOptions, CompileResult, Memo};
+use crate::compile::{compile, lower_bound, predict, work_bound, Bound, CompileOptions, CompileResult, Memo};
 
 /// What the user pins.
 #[derive(Debug, Clone)]
@@ -102,6 +102,54 @@ pub struct Candidate {
 }
 
 impl Candidate {
+    /// The layout written into the strategy (None: PipeDream's planner lays it out).
+    fn layout(&self) -> Option<&[usize]> {
+        (!self.planner).then_some(self.replicas.as_slice())
+    }
+
+    /// The `strategy` mapping as YAML flow text.
+    fn text(&self, overlap: bool) -> String {
+        let schedule = match self.schedule {
+            ScheduleKind::Interleaved | ScheduleKind::Zbv => {
+                format!("{{ kind: {}, virtual_stages: {} }}", self.schedule.name(), self.chunks)
+            }
+            other => other.name().to_string(),
+        };
+        let overlap = if overlap { "" } else { ", overlap: false" };
+        // PipeDream's planner lays out what has no stages written
+        let (stages, partition) = match self.layout() {
+            Some(l) => (format!("stages: \"{}\", ", notation(l)), "balanced"),
+            None => (String::new(), "auto"),
+        };
+        format!(
+            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{overlap} }}",
+            self.tp,
+            self.microbatches,
+            self.recompute.text()
+        )
+    }
+
+    /// The spec the strategy text gives, without reading the text (for the bound): `base`
+    /// with the strategy's fields set as the front end sets them (a layout left to
+    /// PipeDream's planner: one stage per device until it plans).
+    fn spec(&self, base: &Spec) -> Spec {
+        let layout = self.layout();
+        let mut s = base.clone();
+        let st = &mut s.strategy;
+        st.replicas = layout.map_or_else(|| vec![1; base.cluster.device_count() / self.tp.max(1)], <[usize]>::to_vec);
+        st.tp = self.tp;
+        st.schedule = Schedule::new(self.schedule, st.schedule.span);
+        if matches!(self.schedule, ScheduleKind::Interleaved | ScheduleKind::Zbv) {
+            st.schedule.virtual_stages = self.chunks;
+        }
+        st.microbatches = self.microbatches;
+        st.partition = if layout.is_some() { Partition::Balanced } else { Partition::Auto };
+        st.recompute = self.recompute.clone();
+        st.auto = None;
+        st.layout_fixed = layout.is_some();
+        s
+    }
+
     /// Pipeline ranks.
     pub fn pp(&self) -> usize {
         self.replicas.len()
@@ -226,33 +274,6 @@ fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<(ScheduleKind, usize
         .collect()
 }
 
-/// The `strategy` of a candidate as YAML flow text.
-fn strategy_text(
-    tp: usize,
-    layout: Option<&[usize]>,
-    (schedule, chunks): (ScheduleKind, usize),
-    microbatches: usize,
-    recompute: &Recompute,
-    overlap: bool,
-) -> String {
-    let schedule = match schedule {
-        ScheduleKind::Interleaved | ScheduleKind::Zbv => {
-            format!("{{ kind: {}, virtual_stages: {chunks} }}", schedule.name())
-        }
-        other => other.name().to_string(),
-    };
-    let overlap = if overlap { "" } else { ", overlap: false" };
-    // PipeDream's planner lays out what has no stages written
-    let (stages, partition) = match layout {
-        Some(l) => (format!("stages: \"{}\", ", notation(l)), "balanced"),
-        None => (String::new(), "auto"),
-    };
-    format!(
-        "{{ {stages}tp: {tp}, schedule: {schedule}, microbatches: {microbatches}, partition: {partition}, recompute: {}{overlap} }}",
-        recompute.text()
-    )
-}
-
 fn notation(replicas: &[usize]) -> String {
     replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-")
 }
@@ -270,31 +291,17 @@ fn recompute_json(r: &Recompute) -> serde_json::Value {
     }
 }
 
-/// The spec a candidate's strategy text gives, without reading the text (for its bound):
-/// the base spec with the strategy's fields set as the front end sets them (a layout left
-/// to PipeDream's planner: one stage per device until it plans).
-fn concrete(
-    spec: &Spec,
-    tp: usize,
-    layout: Option<&[usize]>,
-    (schedule, chunks): (ScheduleKind, usize),
-    microbatches: usize,
-    recompute: &Recompute,
-) -> Spec {
-    let mut s = spec.clone();
-    let st = &mut s.strategy;
-    st.replicas = layout.map_or_else(|| vec![1; spec.cluster.device_count() / tp.max(1)], <[usize]>::to_vec);
-    st.tp = tp;
-    st.schedule = Schedule::new(schedule, st.schedule.span);
-    if matches!(schedule, ScheduleKind::Interleaved | ScheduleKind::Zbv) {
-        st.schedule.virtual_stages = chunks;
+/// A candidate's outcome from its bound: too big, invalid, or waiting (`queue` takes its
+/// bound) until the branch and bound reaches it.
+fn bounded(bound: Result<Bound, Vec<Diagnostic>>, queue: impl FnOnce(f64)) -> Outcome {
+    match bound {
+        Ok(b) if b.overflows => Outcome::TooBig,
+        Ok(b) => {
+            queue(b.step_s);
+            Outcome::Pruned { bound_s: b.step_s }
+        }
+        Err(d) => Outcome::Invalid(first_error(&d)),
     }
-    st.microbatches = microbatches;
-    st.partition = if layout.is_some() { Partition::Balanced } else { Partition::Auto };
-    st.recompute = recompute.clone();
-    st.auto = None;
-    st.layout_fixed = layout.is_some();
-    s
 }
 
 /// The first error's message among `diagnostics` (what an invalid candidate reports).
@@ -357,53 +364,40 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
             for (schedule, chunks) in schedules {
                 for &microbatches in &counts {
                     for recompute in &recomputes {
-                        let l = layout.as_deref();
-                        let strategy =
-                            strategy_text(tp, l, (schedule, chunks), microbatches, recompute, spec.strategy.overlap);
-                        // the schedule's layout rules (the front end's), then the bound on the
-                        // spec the text would give; the text itself is checked before compiling
-                        let replicas = layout.clone().unwrap_or_default();
-                        let broken = l.and_then(|l| {
-                            let facts = LayoutFacts { replicas: l, microbatches, vertical_sync: false };
-                            schedule.check_layout(&facts).into_iter().next()
-                        });
-                        let outcome = match broken {
-                            Some(v) => Outcome::Invalid(v.message),
-                            // PipeDream's planner runs when the search reaches the candidate:
-                            // until then its bound is the work spread evenly
-                            None if l.is_none() => {
-                                let s = concrete(spec, tp, l, (schedule, chunks), microbatches, recompute);
-                                match work_bound(&s, compile_options, &mut memo) {
-                                    Ok(b) => {
-                                        valid.push((candidates.len(), b));
-                                        Outcome::Pruned { bound_s: b }
-                                    }
-                                    Err(d) => Outcome::Invalid(first_error(&d)),
-                                }
-                            }
-                            None => {
-                                let s = concrete(spec, tp, l, (schedule, chunks), microbatches, recompute);
-                                match lower_bound(&s, compile_options, &mut memo) {
-                                    Ok(b) if b.overflows => Outcome::TooBig,
-                                    Ok(b) => {
-                                        valid.push((candidates.len(), b.step_s));
-                                        Outcome::Pruned { bound_s: b.step_s }
-                                    }
-                                    Err(d) => Outcome::Invalid(first_error(&d)),
-                                }
-                            }
-                        };
-                        candidates.push(Candidate {
+                        let mut c = Candidate {
                             tp,
-                            replicas,
+                            replicas: layout.clone().unwrap_or_default(),
                             planner: layout.is_none(),
                             schedule,
                             chunks,
                             microbatches,
                             recompute: recompute.clone(),
-                            strategy,
-                            outcome,
+                            strategy: String::new(),
+                            outcome: Outcome::TooBig,
+                        };
+                        c.strategy = c.text(spec.strategy.overlap);
+                        // the schedule's layout rules (the front end's), then the bound on the
+                        // spec the text would give; the text itself is checked before compiling
+                        let broken = c.layout().and_then(|l| {
+                            let facts = LayoutFacts { replicas: l, microbatches, vertical_sync: false };
+                            schedule.check_layout(&facts).into_iter().next()
                         });
+                        c.outcome = match broken {
+                            Some(v) => Outcome::Invalid(v.message),
+                            // PipeDream's planner runs when the search reaches the candidate:
+                            // until then its bound is the work spread evenly
+                            None if c.planner => match work_bound(&c.spec(spec), compile_options, &mut memo) {
+                                Ok(b) => {
+                                    valid.push((candidates.len(), b));
+                                    Outcome::Pruned { bound_s: b }
+                                }
+                                Err(d) => Outcome::Invalid(first_error(&d)),
+                            },
+                            None => bounded(lower_bound(&c.spec(spec), compile_options, &mut memo), |b| {
+                                valid.push((candidates.len(), b))
+                            }),
+                        };
+                        candidates.push(c);
                     }
                 }
             }
@@ -421,8 +415,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         }
         let c = &mut candidates[i];
         if c.planner && !refined {
-            let s = concrete(spec, c.tp, None, (c.schedule, c.chunks), c.microbatches, &c.recompute);
-            match lower_bound(&s, compile_options, &mut memo) {
+            match lower_bound(&c.spec(spec), compile_options, &mut memo) {
                 Ok(b) => {
                     c.replicas = b.replicas;
                     if let Some(m) = options.max_pipeline_depth.filter(|m| c.pp() > *m) {
@@ -482,31 +475,12 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
             && !short.is_empty()
             && short.len() < f.stage_headroom.len()
         {
-            let c = &candidates[i];
-            let recompute = Recompute::Stages(short);
-            let layout = (!c.planner).then_some(c.replicas.as_slice());
-            let s = concrete(spec, c.tp, layout, (c.schedule, c.chunks), c.microbatches, &recompute);
-            let mut derived = Candidate {
-                strategy: strategy_text(
-                    c.tp,
-                    layout,
-                    (c.schedule, c.chunks),
-                    c.microbatches,
-                    &recompute,
-                    spec.strategy.overlap,
-                ),
-                recompute,
-                outcome: Outcome::TooBig,
-                ..c.clone()
-            };
-            derived.outcome = match lower_bound(&s, compile_options, &mut memo) {
-                Ok(b) if b.overflows => Outcome::TooBig,
-                Ok(b) => {
-                    queue.push(Reverse(Queued { bound_s: b.step_s, index: candidates.len(), refined: true }));
-                    Outcome::Pruned { bound_s: b.step_s }
-                }
-                Err(d) => Outcome::Invalid(first_error(&d)),
-            };
+            let mut derived = Candidate { recompute: Recompute::Stages(short), ..candidates[i].clone() };
+            derived.strategy = derived.text(spec.strategy.overlap);
+            let index = candidates.len();
+            derived.outcome = bounded(lower_bound(&derived.spec(spec), compile_options, &mut memo), |bound_s| {
+                queue.push(Reverse(Queued { bound_s, index, refined: true }))
+            });
             candidates.push(derived);
         }
     }

@@ -238,6 +238,13 @@ pub struct MemoryBreakdown {
     pub capacity: u64,
 }
 
+impl MemoryBreakdown {
+    /// The share of the capacity left free, 1 − total/capacity (None without a capacity).
+    pub fn headroom(&self) -> Option<f64> {
+        (self.capacity > 0).then(|| 1.0 - self.total as f64 / self.capacity as f64)
+    }
+}
+
 /// One device.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DevicePlan {
@@ -373,11 +380,7 @@ impl Plan {
     /// The tightest memory headroom over the devices with a capacity: 1 − used/capacity
     /// (infinite when no device states one).
     pub fn memory_headroom(&self) -> f64 {
-        self.devices
-            .iter()
-            .filter(|d| d.memory.capacity > 0)
-            .map(|d| 1.0 - d.memory.total as f64 / d.memory.capacity as f64)
-            .fold(f64::INFINITY, f64::min)
+        self.devices.iter().filter_map(|d| d.memory.headroom()).fold(f64::INFINITY, f64::min)
     }
 
     /// The stage by id.
