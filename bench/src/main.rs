@@ -303,6 +303,52 @@ fn executor() {
     println!("overhead: 2 workers x {} instructions per step on a 4 x Linear(8) model (1 sample per microbatch): {:.4} s/step = {:.1} µs per instruction, compute included", per_device, t, t / per_device as f64 * 1e6);
 }
 
+/// The products of a dense layer on the CPU backend, at the executor benchmark's shapes
+/// (1024 × 1024 weight, a 32-row microbatch and the 256-row batch): the forward `x · W`, the
+/// input gradient in Burn's orientation `dy · Wᵀ` and in the one pipec's dense op uses on
+/// `flex`, `(W · dyᵀ)ᵀ`, and the weight gradient `xᵀ · dy`; then one layer's forward and
+/// backward through Burn's matmul and through pipec's op. Median of 30 after 3 warm-ups.
+fn kernels() {
+    use burn::tensor::{Distribution, Tensor};
+    use pipec_executor::dense::Kernels;
+    type B = pipec_executor::CpuBackend;
+    type I = burn::backend::Flex;
+    println!("## kernels (CPU, flex backend, one thread): 1024 x 1024 weight, median of 30 after 3 warm-ups");
+    let dev = Default::default();
+    let ms = |f: &mut dyn FnMut()| {
+        for _ in 0..3 {
+            f();
+        }
+        time(30, &mut *f).0 * 1e3
+    };
+    let w = Tensor::<I, 2>::random([1024, 1024], Distribution::Normal(0.0, 0.03), &dev);
+    for rows in [32usize, 256] {
+        let x = Tensor::<I, 2>::random([rows, 1024], Distribution::Normal(0.0, 1.0), &dev);
+        let dy = Tensor::<I, 2>::random([rows, 1024], Distribution::Normal(0.0, 1.0), &dev);
+        let gflop = 2.0 * rows as f64 * 1024.0 * 1024.0 / 1e9;
+        let products: [(&str, &mut dyn FnMut()); 4] = [
+            ("forward x . W", &mut || drop(x.clone().matmul(w.clone()))),
+            ("input gradient dy . W^T (Burn)", &mut || drop(dy.clone().matmul(w.clone().transpose()))),
+            ("input gradient (W . dy^T)^T (pipec)", &mut || drop(w.clone().matmul(dy.clone().transpose()).transpose())),
+            ("weight gradient x^T . dy", &mut || drop(x.clone().transpose().matmul(dy.clone()))),
+        ];
+        for (name, f) in products {
+            let t = ms(f);
+            println!("{rows:>3} rows  {name:<36} {t:.3} ms  {:.0} GFLOP/s", gflop / t * 1e3);
+        }
+        let wa = Tensor::<B, 2>::from_inner(w.clone()).require_grad();
+        let xa = Tensor::<B, 2>::from_inner(x.clone()).require_grad();
+        for (name, ours) in [("Burn's matmul", false), ("pipec's dense op", true)] {
+            let t = ms(&mut || {
+                let y = if ours { B::dense(xa.clone(), wa.clone()) } else { xa.clone().matmul(wa.clone()) };
+                let g = burn::tensor::activation::relu(y).sum().backward();
+                drop((xa.grad(&g), wa.grad(&g)));
+            });
+            println!("{rows:>3} rows  layer forward + backward, {name:<17} {t:.3} ms");
+        }
+    }
+}
+
 /// Point-to-point latency and bandwidth under `mpirun -np 2`: plain MPI send/receive of
 /// byte buffers (osu_latency/osu_bw style ping-pong), then pipec's MPI endpoint moving the
 /// same sizes as tensors (header, sender thread, polling receive).
@@ -517,6 +563,9 @@ fn main() {
     }
     if what == "megatron" || what == "all" {
         megatron();
+    }
+    if what == "kernels" || what == "all" {
+        kernels();
     }
     if what == "executor" || what == "all" {
         executor();

@@ -9,6 +9,7 @@ use burn::tensor::module::{adaptive_avg_pool2d, avg_pool2d, conv2d, embedding, m
 use burn::tensor::ops::ConvOptions;
 use pipec_plan::model::{Op, Source};
 
+use crate::dense::Kernels;
 use crate::error::{ExecError, Result};
 use crate::rng::Rng;
 
@@ -118,7 +119,7 @@ pub(crate) fn dense_values(layer: usize, slot: u64, seed: u64, fan_in: usize, fa
     rng.uniform_vec(fan_in * fan_out, k)
 }
 
-impl<B: Backend> Dense<B> {
+impl<B: Kernels> Dense<B> {
     // the layer's identity (index, slot, seed) keys its initial weights; the rest is its shape
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -163,10 +164,10 @@ impl<B: Backend> Dense<B> {
     /// x · W without the bias (a row-parallel partial sum).
     pub(crate) fn matmul_only(&self, x: Act<B>) -> Result<Act<B>> {
         Ok(match x {
-            Act::D2(t) => Act::D2(t.matmul(self.weight.val())),
+            Act::D2(t) => Act::D2(B::dense(t, self.weight.val())),
             Act::D3(t) => {
                 let [b, s, d] = t.dims();
-                let y = t.reshape([b * s, d]).matmul(self.weight.val());
+                let y = B::dense(t.reshape([b * s, d]), self.weight.val());
                 let out = y.dims()[1];
                 Act::D3(y.reshape([b, s, out]))
             }
@@ -192,7 +193,7 @@ impl<B: Backend> Dense<B> {
     }
 
     fn forward2(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let y = x.matmul(self.weight.val());
+        let y = B::dense(x, self.weight.val());
         match &self.bias {
             Some(b) => y + b.val().unsqueeze::<2>(),
             None => y,
@@ -264,7 +265,7 @@ pub(crate) fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, dh: usize,
     activation::softmax(scores, 3)
 }
 
-impl<B: Backend> Block<B> {
+impl<B: Kernels> Block<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, s, d] = x.dims();
         let h = self.heads;
@@ -388,7 +389,7 @@ pub struct Lstm<B: Backend> {
     pub b_hh: Param<Tensor<B, 1>>,
 }
 
-impl<B: Backend> Lstm<B> {
+impl<B: Kernels> Lstm<B> {
     fn new(index: usize, seed: u64, input: usize, hidden: usize, device: &B::Device) -> Self {
         // PyTorch's initialisation: every weight and bias uniform in ±1/√hidden
         let k = 1.0 / (hidden as f64).sqrt();
@@ -410,13 +411,13 @@ impl<B: Backend> Lstm<B> {
         let hidden = h4 / 4;
         // the input's part of every step's gates at once
         let bias = (self.b_ih.val() + self.b_hh.val()).unsqueeze::<2>();
-        let xw = x.reshape([n * s, i]).matmul(self.w_ih.val()).reshape([n, s, h4]);
+        let xw = B::dense(x.reshape([n * s, i]), self.w_ih.val()).reshape([n, s, h4]);
         let dev = xw.device();
         let mut h = Tensor::<B, 2>::zeros([n, hidden], &dev);
         let mut c = Tensor::<B, 2>::zeros([n, hidden], &dev);
         let mut outs = Vec::with_capacity(s);
         for t in 0..s {
-            let gates = xw.clone().narrow(1, t, 1).reshape([n, h4]) + h.matmul(self.w_hh.val()) + bias.clone();
+            let gates = xw.clone().narrow(1, t, 1).reshape([n, h4]) + B::dense(h, self.w_hh.val()) + bias.clone();
             let gate = |k: usize| gates.clone().narrow(1, k * hidden, hidden);
             let (ig, fg, gg, og) = (
                 activation::sigmoid(gate(0)),
@@ -454,7 +455,7 @@ pub enum Layer<B: Backend> {
     ParallelBlock(Block<B>),
 }
 
-impl<B: Backend> Layer<B> {
+impl<B: Kernels> Layer<B> {
     /// Builds layer `index` of the model with its deterministic initial weights.
     pub fn new(index: usize, op: &Op, seed: u64, device: &B::Device) -> Self {
         let he = 2.0; // He initialisation for layers followed by ReLU-like activations
@@ -648,7 +649,7 @@ pub struct StageModel<B: Backend> {
     pub graph: Option<StageGraph>,
 }
 
-impl<B: Backend> StageModel<B> {
+impl<B: Kernels> StageModel<B> {
     /// Builds layers `range` of the model.
     pub fn new(ops: &[Op], first_index: usize, seed: u64, device: &B::Device) -> Self {
         StageModel {

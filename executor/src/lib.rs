@@ -5,6 +5,7 @@
 pub use pipec_plan::checkpoint;
 pub mod comm;
 pub mod data;
+pub mod dense;
 pub mod error;
 pub mod gpus;
 pub mod layers;
@@ -28,8 +29,8 @@ use std::sync::mpsc::channel;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::dense::ExecBackend;
 use burn::module::ParamId;
-use burn::tensor::backend::AutodiffBackend;
 use pipec_plan::model::Op;
 use pipec_plan::{DeviceId, Plan, StageId};
 
@@ -349,7 +350,7 @@ enum Event {
 /// Restores every stage of this device from a checkpoint, whatever layout wrote it: each
 /// parameter (and its optimizer state) from the saved stage and tensor-parallel ranks that
 /// held it, joined and re-split for this stage's rank (`reshard`).
-fn load_checkpoint<B: AutodiffBackend>(
+fn load_checkpoint<B: ExecBackend>(
     plan: &Plan,
     stages: &mut HashMap<StageId, StageState<B>>,
     loaded: &checkpoint::Loaded,
@@ -402,7 +403,7 @@ fn load_checkpoint<B: AutodiffBackend>(
 }
 
 /// Batch normalisation's running statistics from a checkpoint (keyed like parameters).
-fn load_running_statistics<B: AutodiffBackend>(
+fn load_running_statistics<B: ExecBackend>(
     st: &mut StageState<B>,
     saved: &reshard::SavedLayout<'_>,
     tp_size: u32,
@@ -428,9 +429,7 @@ fn load_running_statistics<B: AutodiffBackend>(
     st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.set_running_statistics(&values)
 }
 
-fn save_checkpoint<B: AutodiffBackend>(
-    stages: &HashMap<StageId, StageState<B>>,
-) -> Result<checkpoint::Shards, ExecError> {
+fn save_checkpoint<B: ExecBackend>(stages: &HashMap<StageId, StageState<B>>) -> Result<checkpoint::Shards, ExecError> {
     let mut out = HashMap::new();
     for (id, st) in stages {
         let mut params: Vec<(u64, Vec<usize>, Vec<f32>)> = params::snapshot::<B, _>(st.model()?)?
@@ -463,7 +462,7 @@ pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Opt
 
 /// Runs the workers of `devices` on this process with the given endpoints; used by the
 /// in-process transport (all devices) and by MPI (one device per process).
-pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
+pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
     plan: &Plan,
     options: &RunOptions,
     placement: &Placement<B>,
@@ -707,7 +706,7 @@ pub fn run_workers<B: AutodiffBackend, E: Endpoint + 'static>(
     Ok(report)
 }
 
-fn run_in_process<B: AutodiffBackend>(
+fn run_in_process<B: ExecBackend>(
     plan: &Plan,
     options: &RunOptions,
     placement: Placement<B>,

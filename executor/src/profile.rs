@@ -4,9 +4,9 @@
 
 use std::time::Instant;
 
+use crate::dense::ExecBackend;
 use burn::module::Module;
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use pipec_plan::model::Source;
 use pipec_plan::profile::{Profile, ProfiledLayer};
 use pipec_plan::Plan;
@@ -46,7 +46,7 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
 
 /// Measures every layer of the plan: `warmup` unmeasured runs, then the median of `reps`;
 /// then the whole model once as one graph, and scales the layers' times to add up to it.
-pub fn profile_layers<B: AutodiffBackend>(
+pub fn profile_layers<B: ExecBackend>(
     plan: &Plan,
     dev: &B::Device,
     warmup: usize,

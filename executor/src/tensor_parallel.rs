@@ -16,9 +16,9 @@
 //! the optimizer step. Shards are slices of the full deterministic initial weights, so a
 //! tensor-parallel run computes what one device computes.
 
+use crate::dense::{ExecBackend, Kernels};
 use burn::prelude::*;
 use burn::tensor::activation;
-use burn::tensor::backend::AutodiffBackend;
 use pipec_plan::model::Op;
 
 use crate::error::{ExecError, Result};
@@ -176,7 +176,7 @@ pub fn shardings(ops: &[Op], first: usize, tp: usize) -> Result<std::collections
 }
 
 /// Builds this rank's shard of layers `ops` (global index of the first: `first`).
-pub fn build_stage<B: Backend>(
+pub fn build_stage<B: Kernels>(
     ops: &[Op],
     first: usize,
     seed: u64,
@@ -296,7 +296,7 @@ pub struct Segment<B: Backend> {
 
 /// Sums a tensor over the group (the forward all-reduce `g`): the value becomes the sum,
 /// the gradient passes through unchanged.
-fn g<B: AutodiffBackend>(partial: Act<B>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>) -> Result<Act<B>> {
+fn g<B: ExecBackend>(partial: Act<B>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>) -> Result<Act<B>> {
     fn host<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Result<Vec<f32>> {
         host_f32(t.clone().into_data())
     }
@@ -314,7 +314,7 @@ fn g<B: AutodiffBackend>(partial: Act<B>, reduce: &mut dyn FnMut(Vec<f32>) -> Re
 }
 
 /// A leaf copy of an activation (same values, new autodiff node).
-pub fn fresh<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
+pub fn fresh<B: ExecBackend>(a: &Act<B>) -> Act<B> {
     match a {
         Act::D2(t) => Act::D2(t.clone().detach().require_grad()),
         Act::D3(t) => Act::D3(t.clone().detach().require_grad()),
@@ -324,7 +324,7 @@ pub fn fresh<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
     }
 }
 
-fn attention_half<B: AutodiffBackend>(
+fn attention_half<B: ExecBackend>(
     b: &Block<B>,
     x: Tensor<B, 3>,
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
@@ -355,7 +355,7 @@ fn attention_half<B: AutodiffBackend>(
     }
 }
 
-fn mlp_half<B: AutodiffBackend>(
+fn mlp_half<B: ExecBackend>(
     b: &Block<B>,
     h: Tensor<B, 3>,
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
@@ -376,7 +376,7 @@ fn mlp_half<B: AutodiffBackend>(
 }
 
 /// The forward of a tensor-parallel stage, cut into segments at every `f` point.
-pub fn forward<B: AutodiffBackend>(
+pub fn forward<B: ExecBackend>(
     model: &StageModel<B>,
     x: Act<B>,
     training: bool,

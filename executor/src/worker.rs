@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use crate::dense::ExecBackend;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumConfig;
@@ -13,7 +14,6 @@ use burn::optim::{decay::WeightDecayConfig, Adam, AdamConfig, GradientsParams, O
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::activation;
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ElementConversion;
 use pipec_plan::checkpoint::ShardKey;
 use pipec_plan::model::{crossing, Loss, Source};
@@ -55,7 +55,7 @@ pub struct StepReport {
 }
 
 /// A stage's trainable state on a device.
-pub(crate) struct StageState<B: AutodiffBackend> {
+pub(crate) struct StageState<B: ExecBackend> {
     pub model: Option<StageModel<B>>,
     /// Tensor parallelism: this device's rank, the group, and the parameters whose
     /// gradients are partial per rank.
@@ -87,7 +87,7 @@ pub(crate) struct TpInfo {
     pub partial_ids: Vec<u64>,
 }
 
-impl<B: AutodiffBackend> StageState<B> {
+impl<B: ExecBackend> StageState<B> {
     /// This device's (rank, group size) in the stage's tensor-parallel group; (0, 1) without.
     pub fn tp_shard(&self) -> (u32, u32) {
         self.tp.as_ref().map_or((0, 1), |t| (t.rank as u32, t.members.len() as u32))
@@ -175,12 +175,12 @@ impl<B: AutodiffBackend> StageState<B> {
 }
 
 /// The optimizer of a stage.
-pub(crate) enum StageOptim<B: AutodiffBackend> {
+pub(crate) enum StageOptim<B: ExecBackend> {
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, StageModel<B>, B>),
     Adam(OptimizerAdaptor<Adam, StageModel<B>, B>),
 }
 
-impl<B: AutodiffBackend> StageOptim<B> {
+impl<B: ExecBackend> StageOptim<B> {
     pub fn new(plan: &OptimizerPlan) -> Self {
         match *plan {
             OptimizerPlan::Sgd { momentum, weight_decay, .. } => {
@@ -318,7 +318,7 @@ pub(crate) struct Want {
 }
 
 /// A worker: one device, its stages, its stream.
-pub(crate) struct Worker<'a, B: AutodiffBackend> {
+pub(crate) struct Worker<'a, B: ExecBackend> {
     pub device: DeviceId,
     pub plan: &'a Plan,
     pub stream: &'a [Instr],
@@ -364,14 +364,14 @@ fn receives(ins: &Instr) -> bool {
 
 /// What a forward keeps for its microbatch's backward: the stage input (detached under
 /// recompute), what the backward starts from, and the weights the forward used.
-struct Kept<B: AutodiffBackend> {
+struct Kept<B: ExecBackend> {
     input: Act<B>,
     saved: Saved<B>,
     model: StageModel<B>,
 }
 
 /// What a forward kept for its backward.
-enum Saved<B: AutodiffBackend> {
+enum Saved<B: ExecBackend> {
     /// The stage output (tracked).
     Output(Act<B>),
     /// The last stage's loss (tracked).
@@ -384,7 +384,7 @@ enum Saved<B: AutodiffBackend> {
 }
 
 /// What a stage's forward produced.
-struct Forwarded<B: AutodiffBackend> {
+struct Forwarded<B: ExecBackend> {
     /// What the backward starts from.
     saved: Saved<B>,
     /// The output to send to the next stage (every stage but the last).
@@ -403,14 +403,14 @@ struct Forwarded<B: AutodiffBackend> {
 /// weight stashing needs: the backward differentiates at the weights the forward used.
 struct FreshLeaves;
 
-impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
+impl<B: ExecBackend> ModuleMapper<B> for FreshLeaves {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, _) = param.consume();
         Param::initialized(id, tensor.detach().require_grad())
     }
 }
 
-fn microbatch_copy<B: AutodiffBackend>(model: &StageModel<B>) -> StageModel<B> {
+fn microbatch_copy<B: ExecBackend>(model: &StageModel<B>) -> StageModel<B> {
     model.clone().map(&mut FreshLeaves)
 }
 
@@ -480,7 +480,7 @@ fn act_to_message<B: Backend>(a: &Act<B>, tag: Tag) -> Result<Message> {
     Ok(Message { tag, shape, data })
 }
 
-pub(crate) fn require_grad<B: AutodiffBackend>(a: Act<B>) -> Act<B> {
+pub(crate) fn require_grad<B: ExecBackend>(a: Act<B>) -> Act<B> {
     match a {
         Act::D2(t) => Act::D2(t.require_grad()),
         Act::D3(t) => Act::D3(t.require_grad()),
@@ -490,7 +490,7 @@ pub(crate) fn require_grad<B: AutodiffBackend>(a: Act<B>) -> Act<B> {
     }
 }
 
-fn detach<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
+fn detach<B: ExecBackend>(a: &Act<B>) -> Act<B> {
     match a {
         Act::D2(t) => Act::D2(t.clone().detach()),
         Act::D3(t) => Act::D3(t.clone().detach()),
@@ -501,11 +501,11 @@ fn detach<B: AutodiffBackend>(a: &Act<B>) -> Act<B> {
 }
 
 /// Σ(out ⊙ g): back-propagating it injects the received gradient `g` at the output.
-fn dot_with<B: AutodiffBackend>(out: &Act<B>, g: &Message, dev: &B::Device) -> Result<Tensor<B, 1>> {
+fn dot_with<B: ExecBackend>(out: &Act<B>, g: &Message, dev: &B::Device) -> Result<Tensor<B, 1>> {
     dot(out, host_to_act::<B>(&g.shape, g.data.clone(), dev)?)
 }
 
-fn dot<B: AutodiffBackend>(out: &Act<B>, grad: Act<B>) -> Result<Tensor<B, 1>> {
+fn dot<B: ExecBackend>(out: &Act<B>, grad: Act<B>) -> Result<Tensor<B, 1>> {
     Ok(match (out, grad) {
         (Act::D2(o), Act::D2(g)) => (o.clone() * g).sum(),
         (Act::D3(o), Act::D3(g)) => (o.clone() * g).sum(),
@@ -532,7 +532,7 @@ fn dot<B: AutodiffBackend>(out: &Act<B>, grad: Act<B>) -> Result<Tensor<B, 1>> {
 }
 
 /// The gradient that reached an input (a bundle's parts each: zeros where none reached one).
-fn grad_of<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients) -> Option<Act<B::InnerBackend>> {
+fn grad_of<B: ExecBackend>(x: &Act<B>, grads: &mut B::Gradients) -> Option<Act<B::InnerBackend>> {
     match x {
         Act::D2(t) => t.grad_remove(grads).map(Act::D2),
         Act::D3(t) => t.grad_remove(grads).map(Act::D3),
@@ -556,14 +556,14 @@ fn grad_of<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients) -> Option<A
     }
 }
 
-fn input_grad<B: AutodiffBackend>(x: &Act<B>, grads: &mut B::Gradients, tag: Tag) -> Result<Option<Message>> {
+fn input_grad<B: ExecBackend>(x: &Act<B>, grads: &mut B::Gradients, tag: Tag) -> Result<Option<Message>> {
     match grad_of(x, grads) {
         None => Ok(None),
         Some(g) => Ok(Some(act_to_message(&g, tag)?)),
     }
 }
 
-impl<'a, B: AutodiffBackend> Worker<'a, B> {
+impl<'a, B: ExecBackend> Worker<'a, B> {
     // the worker's parts, each one of the run's: a struct of them would only be unpacked here
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -1254,7 +1254,7 @@ fn tied_weight(plan: &Plan, layer: usize) -> Result<(u64, usize, usize)> {
 
 /// The accumulated gradient of a tied weight in the table's [vocab, d] orientation (zeros
 /// when none has accumulated).
-fn tied_gradient<B: AutodiffBackend>(st: &StageState<B>, plan: &Plan, layer: usize) -> Result<Vec<f32>> {
+fn tied_gradient<B: ExecBackend>(st: &StageState<B>, plan: &Plan, layer: usize) -> Result<Vec<f32>> {
     let (id, vocab, dim) = tied_weight(plan, layer)?;
     let k = layout::<B, _>(st.model()?)
         .iter()
@@ -1268,7 +1268,7 @@ fn tied_gradient<B: AutodiffBackend>(st: &StageState<B>, plan: &Plan, layer: usi
 }
 
 /// Replaces a tied weight's accumulated gradient with `g` (in the table's orientation).
-fn set_tied_gradient<B: AutodiffBackend>(st: &mut StageState<B>, plan: &Plan, layer: usize, g: &[f32]) -> Result<()> {
+fn set_tied_gradient<B: ExecBackend>(st: &mut StageState<B>, plan: &Plan, layer: usize, g: &[f32]) -> Result<()> {
     let (id, vocab, dim) = tied_weight(plan, layer)?;
     let k = layout::<B, _>(st.model()?)
         .iter()
@@ -1284,7 +1284,7 @@ fn set_tied_gradient<B: AutodiffBackend>(st: &mut StageState<B>, plan: &Plan, la
 }
 
 /// The mean loss of a microbatch (tracked).
-fn loss_of<B: AutodiffBackend>(loss: Loss, out: Act<B>, y: &Targets, dev: &B::Device) -> Result<Tensor<B, 1>> {
+fn loss_of<B: ExecBackend>(loss: Loss, out: Act<B>, y: &Targets, dev: &B::Device) -> Result<Tensor<B, 1>> {
     // a language model's [batch, seq, vocab] scores: the mean over every position of the
     // cross-entropy with its next token
     let out = match (loss, out) {
@@ -1330,7 +1330,7 @@ pub(crate) fn stage_graph(plan: &Plan, a: usize, b: usize) -> Option<StageGraph>
     })
 }
 
-pub(crate) fn build_stages<B: AutodiffBackend>(
+pub(crate) fn build_stages<B: ExecBackend>(
     plan: &Plan,
     device: DeviceId,
     dev: &B::Device,
