@@ -1,6 +1,7 @@
 //! `pipec profile`: measures every layer's forward and backward on the chosen backend at the
 //! plan's microbatch size, and the bytes it keeps and outputs, producing the per-layer
-//! profile the cost model accepts (`pipec compile --profile`).
+//! profile the cost model accepts (`pipec compile --profile`). A backward is measured as the
+//! executor runs it: the autodiff pass and the weight gradients added into the step's sums.
 
 use std::time::Instant;
 
@@ -13,6 +14,7 @@ use pipec_plan::Plan;
 
 use crate::error::ExecError;
 use crate::layers::{Act, StageGraph, StageModel};
+use crate::params::{accumulate, collect_grads, FlatGrads};
 use crate::rng::Rng;
 use crate::worker::require_grad;
 
@@ -84,6 +86,7 @@ pub fn profile_layers<B: ExecBackend>(
             .collect();
         let tokens = if layer.op.takes_token_ids() { plan.model.token_vocab } else { None };
         let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+        let mut acc = FlatGrads::<B>::new();
         for r in 0..warmup + reps {
             let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
             let x = Act::from_parts(parts);
@@ -94,9 +97,9 @@ pub fn profile_layers<B: ExecBackend>(
             // make the forward really run before the clock stops (lazy backends)
             let _ = s.clone().into_scalar();
             let t1 = Instant::now();
-            let grads = s.backward();
-            // touch one gradient so the backward has run
-            drop(grads);
+            // a backward in the executor also adds the weight gradients into the step's sums
+            let mut grads = s.backward();
+            accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
             let t2 = Instant::now();
             if r >= warmup {
                 fwd.push((t1 - t0).as_secs_f64() * 1e3);
@@ -124,6 +127,7 @@ pub fn profile_layers<B: ExecBackend>(
     shape.extend(&plan.model.input);
     let tokens = plan.model.token_vocab;
     let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+    let mut acc = FlatGrads::<B>::new();
     for r in 0..warmup + reps {
         let x = random_input::<B>(&shape, tokens, dev);
         let t0 = Instant::now();
@@ -131,7 +135,8 @@ pub fn profile_layers<B: ExecBackend>(
         let s = sum(&y).ok_or(ExecError::Shape("the model produced token ids".into()))?;
         let _ = s.clone().into_scalar();
         let t1 = Instant::now();
-        drop(s.backward());
+        let mut grads = s.backward();
+        accumulate::<B>(&mut acc, collect_grads(&whole, &mut grads));
         let t2 = Instant::now();
         if r >= warmup {
             fwd.push((t1 - t0).as_secs_f64() * 1e3);
