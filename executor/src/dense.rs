@@ -4,9 +4,10 @@
 //! Burn's own matmul backward takes the input gradient as `dy · Wᵀ` through a transposed
 //! view of `W`. On the CPU (`flex`, i.e. the `gemm` crate) that is the one orientation whose
 //! kernel repacks the whole weight on every call: at the benchmark model's 32-row
-//! microbatches it ran 1.52–1.59 ms for 32 × 1024 · 1024 × 1024, against 0.45–0.48 ms for the
-//! same numbers computed as `(W · dyᵀ)ᵀ` (and 0.77–0.82 ms for the forward `x · W`). Nothing
-//! is copied or cached: the result is a transposed view, which the next operation reads.
+//! microbatches it ran 1.60–1.62 ms for 32 × 1024 · 1024 × 1024, against 0.46 ms for the
+//! same numbers computed as `(W · dyᵀ)ᵀ` (and 0.79–0.90 ms for the forward `x · W`;
+//! `pipec-bench kernels`). Nothing is copied or cached: the result is a transposed view,
+//! which the next operation reads.
 //! Gradients are Burn's own up to float rounding (the kernel sums in another order; tested),
 //! and every schedule of a plan runs the same products, so pipelines still train to exactly
 //! the single device's numbers.
