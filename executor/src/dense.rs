@@ -176,4 +176,79 @@ mod tests {
         let y = <B as AutodiffBackend>::InnerBackend::dense(x.clone().inner(), frozen.clone().inner());
         assert_eq!(data(y), data(x.inner().matmul(frozen.inner())));
     }
+
+    #[test]
+    fn on_flex_the_input_gradient_reads_the_weight_as_it_lies() {
+        // (w · dyᵀ)ᵀ: a transposed view of a product, not Burn's dy · wᵀ
+        let dy = random([32, 64], 12).inner().into_primitive().tensor();
+        let w = random([48, 64], 13).inner().into_primitive().tensor();
+        let ours = <burn::backend::Flex as Kernels>::input_grad(dy.clone(), w.clone());
+        assert!(!ours.is_contiguous(), "the product is taken transposed and not copied");
+        let burns = <burn::backend::Flex as FloatTensorOps<_>>::float_matmul(
+            dy,
+            <burn::backend::Flex as FloatTensorOps<_>>::float_transpose(w),
+        );
+        let as_data = |t| Tensor::<burn::backend::Flex, 2>::from_primitive(TensorPrimitive::Float(t)).into_data();
+        close(as_data(ours), as_data(burns), "input gradient");
+    }
+
+    /// A step that blocks a backward until the test releases it.
+    #[derive(Debug)]
+    struct Held;
+
+    /// (entered the backward, released by the test, gave up waiting)
+    type Gate = std::sync::Arc<(std::sync::Mutex<(bool, bool, bool)>, std::sync::Condvar)>;
+
+    impl<I: Backend> Backward<I, 1> for Held {
+        type State = Gate;
+
+        fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+            let (lock, cvar) = &*ops.state;
+            let mut state = lock.lock().expect("gate");
+            state.0 = true; // entered
+            cvar.notify_all();
+            let (mut state, _) =
+                cvar.wait_timeout_while(state, std::time::Duration::from_secs(20), |s| !s.1).expect("gate");
+            state.2 = !state.1;
+            drop(state);
+            burn::backend::autodiff::ops::unary::<I, _>(ops.parents, ops.node, grads, |g| g);
+        }
+    }
+
+    /// One device's backward must not wait for another device's backward to end (the sweep
+    /// at the end of every backward skips busy graphs: vendor/burn-autodiff's fix).
+    #[test]
+    fn a_backward_does_not_wait_for_another_threads_backward() {
+        let gate: Gate = Default::default();
+        let held = {
+            let gate = gate.clone();
+            std::thread::spawn(move || {
+                let x = random([2, 3], 14).require_grad().into_primitive().tensor();
+                let y = match Held
+                    .prepare::<burn::backend::autodiff::checkpoint::strategy::NoCheckpointing>([x.node.clone()])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(gate, x.primitive),
+                    OpsKind::UnTracked(prep) => prep.finish(x.primitive),
+                };
+                drop(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).sum().backward());
+            })
+        };
+        let (lock, cvar) = &*gate;
+        let state = cvar.wait_while(lock.lock().expect("gate"), |s| !s.0).expect("gate");
+        drop(state);
+        // the other thread is inside its backward, holding its graph: this one must finish
+        let z = random([2, 2], 15).require_grad();
+        let g = B::dense(z.clone(), random([2, 2], 16)).sum().backward();
+        assert!(z.grad(&g).is_some());
+        {
+            let mut state = lock.lock().expect("gate");
+            state.1 = true;
+            cvar.notify_all();
+        }
+        held.join().expect("the held backward finishes");
+        let gave_up = lock.lock().expect("gate").2;
+        assert!(!gave_up, "this backward waited for the other thread's backward to end");
+    }
 }
