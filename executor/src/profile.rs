@@ -46,6 +46,37 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
     }
 }
 
+/// Runs `model` forward and backward on `input()` `warmup` times unmeasured, then `reps`
+/// times; the median forward and backward in milliseconds. A backward is timed as the
+/// executor runs it: the autodiff pass and the weight gradients added into the step's sums.
+fn time_passes<B: ExecBackend>(
+    model: &StageModel<B>,
+    warmup: usize,
+    reps: usize,
+    what: &str,
+    mut input: impl FnMut() -> Act<B>,
+) -> Result<(f64, f64), ExecError> {
+    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+    let mut acc = FlatGrads::<B>::new();
+    for r in 0..warmup + reps {
+        let x = input();
+        let t0 = Instant::now();
+        let y = model.forward(x, true, (0, 0, r as u64), &mut Vec::new())?;
+        let s = sum(&y).ok_or_else(|| ExecError::Shape(format!("{what} produced token ids")))?;
+        // make the forward really run before the clock stops (lazy backends)
+        let _ = s.clone().into_scalar();
+        let t1 = Instant::now();
+        let mut grads = s.backward();
+        accumulate::<B>(&mut acc, collect_grads(model, &mut grads));
+        let t2 = Instant::now();
+        if r >= warmup {
+            fwd.push((t1 - t0).as_secs_f64() * 1e3);
+            bwd.push((t2 - t1).as_secs_f64() * 1e3);
+        }
+    }
+    Ok((median(fwd), median(bwd)))
+}
+
 /// Measures every layer of the plan: `warmup` unmeasured runs, then the median of `reps`;
 /// then the whole model once as one graph, and scales the layers' times to add up to it.
 pub fn profile_layers<B: ExecBackend>(
@@ -85,33 +116,21 @@ pub fn profile_layers<B: ExecBackend>(
             })
             .collect();
         let tokens = if layer.op.takes_token_ids() { plan.model.token_vocab } else { None };
-        let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
-        let mut acc = FlatGrads::<B>::new();
-        for r in 0..warmup + reps {
+        let (forward_ms, backward_ms) = time_passes(&model, warmup, reps, "a layer", || {
             let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
             let x = Act::from_parts(parts);
-            let x = if i == 0 { x } else { require_grad(x) };
-            let t0 = Instant::now();
-            let y = model.forward(x, true, (0, 0, r as u64), &mut Vec::new())?;
-            let s = sum(&y).ok_or(ExecError::Shape("a layer produced token ids".into()))?;
-            // make the forward really run before the clock stops (lazy backends)
-            let _ = s.clone().into_scalar();
-            let t1 = Instant::now();
-            // a backward in the executor also adds the weight gradients into the step's sums
-            let mut grads = s.backward();
-            accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
-            let t2 = Instant::now();
-            if r >= warmup {
-                fwd.push((t1 - t0).as_secs_f64() * 1e3);
-                bwd.push((t2 - t1).as_secs_f64() * 1e3);
+            if i == 0 {
+                x
+            } else {
+                require_grad(x)
             }
-        }
+        })?;
         let params: usize = model.num_params();
         out.push(ProfiledLayer {
             index: i,
             name: layer.op.name().to_string(),
-            forward_ms: median(fwd),
-            backward_ms: median(bwd),
+            forward_ms,
+            backward_ms,
             activation_bytes: layer.activation_bytes_per_sample * mb as u64,
             output_bytes: layer.output_shape.iter().product::<usize>() as u64 * precision * mb as u64,
             parameter_bytes: params as u64 * precision,
@@ -126,24 +145,7 @@ pub fn profile_layers<B: ExecBackend>(
     let mut shape = vec![mb];
     shape.extend(&plan.model.input);
     let tokens = plan.model.token_vocab;
-    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
-    let mut acc = FlatGrads::<B>::new();
-    for r in 0..warmup + reps {
-        let x = random_input::<B>(&shape, tokens, dev);
-        let t0 = Instant::now();
-        let y = whole.forward(x, true, (0, 0, r as u64), &mut Vec::new())?;
-        let s = sum(&y).ok_or(ExecError::Shape("the model produced token ids".into()))?;
-        let _ = s.clone().into_scalar();
-        let t1 = Instant::now();
-        let mut grads = s.backward();
-        accumulate::<B>(&mut acc, collect_grads(&whole, &mut grads));
-        let t2 = Instant::now();
-        if r >= warmup {
-            fwd.push((t1 - t0).as_secs_f64() * 1e3);
-            bwd.push((t2 - t1).as_secs_f64() * 1e3);
-        }
-    }
-    let (whole_f, whole_b) = (median(fwd), median(bwd));
+    let (whole_f, whole_b) = time_passes(&whole, warmup, reps, "the model", || random_input::<B>(&shape, tokens, dev))?;
     let (sum_f, sum_b): (f64, f64) = (out.iter().map(|l| l.forward_ms).sum(), out.iter().map(|l| l.backward_ms).sum());
     if sum_f > 0.0 && sum_b > 0.0 && whole_f > 0.0 && whole_b > 0.0 {
         for l in &mut out {
