@@ -1387,7 +1387,19 @@ fn pipedream_with_overlapped_replica_all_reduces_equals_a_sequential_loop() {
 /// the collective thread, so each device's communication timeline overlaps its compute.
 #[test]
 fn the_measured_trace_shows_communication_beside_compute() {
-    let p = plan(&Job { devices: 3, stages: "\"1-2\"", schedule: "1f1b", microbatches: 8, steps: 4, ..Job::default() });
+    // wide enough that a pass takes about a millisecond: with the default model's
+    // microsecond passes, whether a receive is still waiting when its device starts
+    // computing is a race (it failed once in a full suite run)
+    let layers = "- linear(16, 256) -> relu\n    - repeat 4: linear(256, 256) -> relu\n    - linear(256, 4)";
+    let p = plan(&Job {
+        devices: 3,
+        stages: "\"1-2\"",
+        schedule: "1f1b",
+        microbatches: 8,
+        steps: 4,
+        layers,
+        ..Job::default()
+    });
     let r = train(&p);
     let is_compute = |d: pipec_plan::DeviceId, code: usize| {
         p.instruction(d, code)
@@ -1411,7 +1423,7 @@ fn the_measured_trace_shows_communication_beside_compute() {
         .comm_timeline
         .iter()
         .any(|&(d, _, code, _, _)| matches!(p.instruction(d, code), Some(pipec_plan::Instr::AllReduce { .. }))));
-    let one = losses(&train(&plan(&Job { microbatches: 8, steps: 4, ..Job::default() })));
+    let one = losses(&train(&plan(&Job { microbatches: 8, steps: 4, layers, ..Job::default() })));
     let got = losses(&r);
     for (a, e) in got.iter().zip(&one) {
         assert!((a - e).abs() <= 1e-5 * e.abs(), "{a} vs one device {e}");
