@@ -326,15 +326,22 @@ fn kernels() {
         let x = Tensor::<I, 2>::random([rows, 1024], Distribution::Normal(0.0, 1.0), &dev);
         let dy = Tensor::<I, 2>::random([rows, 1024], Distribution::Normal(0.0, 1.0), &dev);
         let gflop = 2.0 * rows as f64 * 1024.0 * 1024.0 / 1e9;
-        let products: [(&str, &mut dyn FnMut()); 4] = [
+        // pipec's product: flex's kernel without the zero-fill and copy of the output
+        let ours = |a: Tensor<I, 2>, b: Tensor<I, 2>| {
+            drop(I::product(a.into_primitive().tensor(), b.into_primitive().tensor()))
+        };
+        let products: [(&str, &mut dyn FnMut()); 7] = [
             ("forward x . W", &mut || drop(x.clone().matmul(w.clone()))),
+            ("forward x . W, pipec's product", &mut || ours(x.clone(), w.clone())),
             ("input gradient dy . W^T (Burn)", &mut || drop(dy.clone().matmul(w.clone().transpose()))),
             ("input gradient (W . dy^T)^T (pipec)", &mut || drop(w.clone().matmul(dy.clone().transpose()).transpose())),
+            ("the same, pipec's product", &mut || ours(w.clone(), dy.clone().transpose())),
             ("weight gradient x^T . dy", &mut || drop(x.clone().transpose().matmul(dy.clone()))),
+            ("the same, pipec's product", &mut || ours(x.clone().transpose(), dy.clone())),
         ];
         for (name, f) in products {
             let t = ms(f);
-            println!("{rows:>3} rows  {name:<36} {t:.3} ms  {:.0} GFLOP/s", gflop / t * 1e3);
+            println!("{rows:>3} rows  {name:<38} {t:.3} ms  {:.0} GFLOP/s", gflop / t * 1e3);
         }
         let wa = Tensor::<B, 2>::from_inner(w.clone()).require_grad();
         let xa = Tensor::<B, 2>::from_inner(x.clone()).require_grad();

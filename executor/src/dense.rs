@@ -17,30 +17,59 @@
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{binary, Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::HashMap;
 
 /// What the executor needs of a backend beyond Burn's: its dense product.
 pub trait Kernels: Backend {
+    /// `a · b` for 2-D tensors (by default Burn's matmul).
+    fn product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(a, b)
+    }
+
+    /// `acc + a · b` for 2-D tensors, in `acc`'s buffer where the backend can.
+    fn product_add(acc: FloatTensor<Self>, a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_add(acc, Self::product(a, b))
+    }
+
+    /// The key under which a weight's gradient is summed in place ([`with_gradient_sums`]):
+    /// on an autodiff backend the weight's graph node; `None` elsewhere.
+    fn sum_key(_weight: &FloatTensor<Self>) -> Option<NodeId> {
+        None
+    }
+
     /// `dy · wᵀ`, the input gradient of `x · w` (2-D), computed the way this backend runs it
     /// fastest (by default Burn's: through the transposed view of `w`).
     fn input_grad(dy: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        Self::float_matmul(dy, Self::float_transpose(w))
+        Self::product(dy, Self::float_transpose(w))
     }
 
     /// `x · w` for a weight matrix `w` ([in, out]).
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        x.matmul(w)
+        let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
+        Tensor::from_primitive(TensorPrimitive::Float(Self::product(x, w)))
     }
 }
 
 impl Kernels for burn::backend::Flex {
+    fn product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        // flex's kernel without its zero-fill and copy of the output (crate::flex_gemm)
+        crate::flex_gemm::product(&a, &b).unwrap_or_else(|| Self::float_matmul(a, b))
+    }
+
+    fn product_add(acc: FloatTensor<Self>, a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::flex_gemm::product_add(acc, &a, &b).unwrap_or_else(|acc| Self::float_add(acc, Self::product(a, b)))
+    }
+
     fn input_grad(dy: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
         // (w · dyᵀ)ᵀ: the kernel streams w as it is laid out
-        Self::float_transpose(Self::float_matmul(w, Self::float_transpose(dy)))
+        Self::float_transpose(Self::product(w, Self::float_transpose(dy)))
     }
 }
 
@@ -53,6 +82,10 @@ pub trait ExecBackend: AutodiffBackend<InnerBackend: Kernels> + Kernels {}
 impl<B: AutodiffBackend<InnerBackend: Kernels> + Kernels> ExecBackend for B {}
 
 impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
+    fn sum_key(weight: &FloatTensor<Self>) -> Option<NodeId> {
+        Some(weight.node.id)
+    }
+
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
@@ -61,9 +94,9 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
                 // x for the weight gradient, w for the input gradient, each only if needed
                 let x_state = w_tracked.then(|| prep.checkpoint(&x));
                 let w_state = x_tracked.then(|| w.primitive.clone());
-                prep.finish((x_state, w_state), I::float_matmul(x.primitive, w.primitive))
+                prep.finish((x_state, w_state), I::product(x.primitive, w.primitive))
             }
-            OpsKind::UnTracked(prep) => prep.finish(I::float_matmul(x.primitive, w.primitive)),
+            OpsKind::UnTracked(prep) => prep.finish(I::product(x.primitive, w.primitive)),
         };
         Tensor::from_primitive(TensorPrimitive::Float(y))
     }
@@ -79,14 +112,75 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
         let (x, w) = ops.state;
         let x: Option<FloatTensor<I>> = x.map(|x| checkpointer.retrieve_node_output(x));
-        binary::<I, _, _>(
-            ops.parents,
-            ops.node,
-            grads,
-            |dy| I::input_grad(dy, w.expect("the input is tracked, so its weight was kept")),
-            |dy| I::float_matmul(I::float_transpose(x.expect("the weight is tracked, so its input was kept")), dy),
-        );
+        let [to_x, to_w] = ops.parents;
+        let dy = grads.consume::<I>(&ops.node);
+        if let Some(node) = to_x {
+            let w = w.expect("the input is tracked, so its weight was kept");
+            grads.register::<I>(node.id, I::input_grad(dy.clone(), w));
+        }
+        if let Some(node) = to_w {
+            let xt = I::float_transpose(x.expect("the weight is tracked, so its input was kept"));
+            if let Some(dw) = add_to_sum::<I>(node.id, xt, dy) {
+                grads.register::<I>(node.id, dw);
+            }
+        }
     }
+}
+
+/// The step's running weight-gradient sums, keyed by weight ([`Kernels::sum_key`]).
+pub(crate) type Sums<I> = HashMap<NodeId, Option<FloatTensor<I>>>;
+
+thread_local! {
+    /// This thread's [`Sums`] while [`with_gradient_sums`] runs (type-erased: one per backend).
+    static SUMS: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// Runs `backward` with `sums` installed on this thread: the dense product's backward adds
+/// the weight gradient `xᵀ · dy` of every weight keyed there straight into its sum
+/// ([`Kernels::product_add`]: on `flex` the kernel accumulates into the sum's buffer)
+/// instead of handing it to Burn's gradients, so a microbatch's gradient of a 1024 × 1024
+/// weight is never written out, read back and added. Weights not keyed (and every other
+/// op's gradients) go through Burn's gradients as before. Returns the sums, 2-D where a
+/// product touched them.
+pub(crate) fn with_gradient_sums<I: Backend, R>(sums: Sums<I>, backward: impl FnOnce() -> R) -> (R, Sums<I>) {
+    /// Uninstalls the sums even if the backward panics.
+    struct Installed;
+    impl Drop for Installed {
+        fn drop(&mut self) {
+            SUMS.with(|s| s.borrow_mut().take());
+        }
+    }
+    SUMS.with(|s| *s.borrow_mut() = Some(Box::new(sums)));
+    let installed = Installed;
+    let out = backward();
+    let sums = SUMS.with(|s| s.borrow_mut().take()).and_then(|b| b.downcast::<Sums<I>>().ok()).map(|b| *b);
+    drop(installed);
+    (out, sums.unwrap_or_default())
+}
+
+/// Adds `xt · dy` into the installed sum of weight `node`; gives the product back when no sum
+/// is installed for it.
+fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) -> Option<FloatTensor<I>> {
+    // taken out while the product runs, so no borrow of the thread-local spans it
+    let slot = SUMS.with(|s| {
+        let mut s = s.borrow_mut();
+        let sums = s.as_mut()?.downcast_mut::<Sums<I>>()?;
+        sums.get_mut(&node).map(Option::take)
+    });
+    let Some(sum) = slot else { return Some(I::product(xt, dy)) };
+    let new = match sum {
+        Some(sum) => {
+            let shape = Shape::new([xt.shape().dims::<2>()[0], dy.shape().dims::<2>()[1]]);
+            I::product_add(I::float_reshape(sum, shape), xt, dy)
+        }
+        None => I::product(xt, dy),
+    };
+    SUMS.with(|s| {
+        if let Some(sums) = s.borrow_mut().as_mut().and_then(|b| b.downcast_mut::<Sums<I>>()) {
+            sums.insert(node, Some(new));
+        }
+    });
+    None
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ pub mod comm;
 pub mod data;
 pub mod dense;
 pub mod error;
+mod flex_gemm;
 pub mod gpus;
 pub mod layers;
 #[cfg(feature = "mpi")]

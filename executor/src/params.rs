@@ -3,10 +3,14 @@
 //! walks parameters in Burn's visiting order, which is the same on every device that holds
 //! the stage.
 
+use burn::backend::autodiff::NodeId;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::TensorPrimitive;
+
+use crate::dense::Sums;
 
 use crate::error::{ExecError, Result};
 
@@ -39,6 +43,50 @@ pub(crate) fn collect_grads<B: AutodiffBackend, M: Module<B>>(model: &M, grads: 
     let mut c = Collect::<B> { grads, out: Vec::new() };
     model.visit(&mut c);
     c.out
+}
+
+/// Every parameter's key for in-place gradient sums ([`crate::dense::Kernels::sum_key`]), in
+/// visiting order (the order of [`collect_grads`]).
+pub(crate) fn sum_keys<B: crate::dense::ExecBackend, M: Module<B>>(model: &M) -> Vec<Option<NodeId>> {
+    struct Keys(Vec<Option<NodeId>>);
+    impl<B: crate::dense::ExecBackend> ModuleVisitor<B> for Keys {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(B::sum_key(&param.val().into_primitive().tensor()));
+        }
+    }
+    let mut keys = Keys(Vec::new());
+    model.visit(&mut keys);
+    keys.0
+}
+
+/// Moves the running sums of the keyed parameters out of `acc` (flat, in visiting order)
+/// for a backward to add into ([`crate::dense::with_gradient_sums`]).
+pub(crate) fn lend_sums<B: AutodiffBackend>(acc: &mut FlatGrads<B>, keys: &[Option<NodeId>]) -> Sums<B::InnerBackend> {
+    if acc.len() < keys.len() {
+        acc.resize(keys.len(), None);
+    }
+    let mut sums = Sums::<B::InnerBackend>::new();
+    for (a, key) in acc.iter_mut().zip(keys) {
+        if let Some(key) = key {
+            sums.insert(*key, a.take().map(|t| t.into_primitive().tensor()));
+        }
+    }
+    sums
+}
+
+/// Puts the sums back into `acc`, flat (the inverse of [`lend_sums`]).
+pub(crate) fn return_sums<B: AutodiffBackend>(
+    acc: &mut FlatGrads<B>,
+    keys: &[Option<NodeId>],
+    mut sums: Sums<B::InnerBackend>,
+) {
+    for (a, key) in acc.iter_mut().zip(keys) {
+        if let Some(sum) = key.and_then(|k| sums.remove(&k)).flatten() {
+            let t = Tensor::<B::InnerBackend, 2>::from_primitive(TensorPrimitive::Float(sum));
+            let n = t.shape().num_elements();
+            *a = Some(t.reshape([n]));
+        }
+    }
 }
 
 /// The optimizer's view of flat gradients: each one reshaped to its parameter and scaled.
@@ -181,4 +229,73 @@ pub(crate) fn set_params<B: Backend, M: Module<B>>(
     let mut set = Set { source, missing: Vec::new() };
     let model = model.map(&mut set);
     (model, set.missing)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dense::{with_gradient_sums, Kernels};
+    use burn::module::Module;
+    use burn::tensor::Distribution;
+
+    type B = crate::CpuBackend;
+    type I = <B as AutodiffBackend>::InnerBackend;
+
+    #[derive(Module, Debug)]
+    struct Two<B: Backend> {
+        w1: Param<Tensor<B, 2>>,
+        bias: Param<Tensor<B, 1>>,
+        w2: Param<Tensor<B, 2>>,
+    }
+
+    fn random<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+        <B as Backend>::seed(&Default::default(), seed);
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+    }
+
+    fn loss(m: &Two<B>, x: Tensor<B, 2>) -> Tensor<B, 1> {
+        let h = burn::tensor::activation::relu(B::dense(x, m.w1.val()) + m.bias.val().unsqueeze());
+        B::dense(h, m.w2.val()).sum()
+    }
+
+    fn values(acc: &FlatGrads<B>) -> Vec<Vec<f32>> {
+        acc.iter().map(|g| g.clone().expect("a gradient").into_data().to_vec::<f32>().expect("f32")).collect()
+    }
+
+    /// Two microbatches' gradients summed the usual way (each backward's gradients added into
+    /// the sums) and with the dense weights' gradients added inside the backward: the same
+    /// sums, and the second way really bypasses Burn's gradients for those weights.
+    #[test]
+    fn gradients_summed_inside_the_backward_equal_the_usual_sums() {
+        let m = Two::<B> {
+            w1: Param::from_tensor(random([24, 40], 1).require_grad()),
+            bias: Param::from_tensor(random([40], 2).require_grad()),
+            w2: Param::from_tensor(random([40, 8], 3).require_grad()),
+        };
+        let xs = [random([16, 24], 4), random([16, 24], 5)];
+        let mut usual: FlatGrads<B> = Vec::new();
+        for x in &xs {
+            accumulate::<B>(&mut usual, collect_grads(&m, &mut loss(&m, x.clone()).backward()));
+        }
+        let keys = sum_keys(&m);
+        assert!(keys.iter().all(Option::is_some), "every parameter of an autodiff model has a key");
+        let mut inside: FlatGrads<B> = Vec::new();
+        for x in &xs {
+            let sums = lend_sums::<B>(&mut inside, &keys);
+            let (mut grads, sums) = with_gradient_sums::<I, _>(sums, || loss(&m, x.clone()).backward());
+            let rest = collect_grads(&m, &mut grads);
+            // the weights' gradients went into the sums, the bias's through Burn's gradients
+            assert!(rest[0].is_none() && rest[2].is_none(), "the dense weights' gradients bypass Burn's");
+            assert!(rest[1].is_some(), "the bias's gradient is Burn's");
+            return_sums::<B>(&mut inside, &keys, sums);
+            accumulate::<B>(&mut inside, rest);
+        }
+        for (i, (a, b)) in values(&usual).iter().zip(values(&inside)).enumerate() {
+            let scale = a.iter().fold(1e-6f32, |s, v| s.max(v.abs()));
+            assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 1e-6 * scale), "parameter {i}");
+        }
+        // with nothing installed, the backward hands every gradient to Burn's
+        let all = collect_grads(&m, &mut loss(&m, xs[0].clone()).backward());
+        assert!(all.iter().all(Option::is_some));
+    }
 }

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::dense::ExecBackend;
+use crate::dense::{with_gradient_sums, ExecBackend};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumConfig;
@@ -27,8 +27,8 @@ use crate::data::{Dataset, Inputs, Targets};
 use crate::error::{ExecError, Result};
 use crate::layers::{Act, StageGraph, StageModel};
 use crate::params::{
-    accumulate, collect_grads, flatten_grads, host_f32, layout, set_params, snapshot, to_optimizer_grads, unflatten,
-    FlatGrads,
+    accumulate, collect_grads, flatten_grads, host_f32, layout, lend_sums, return_sums, set_params, snapshot, sum_keys,
+    to_optimizer_grads, unflatten, FlatGrads,
 };
 use crate::tensor_parallel::{Boundary, Segment};
 use crate::transport::{Message, Tag};
@@ -710,7 +710,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Instr::Forward { stage, mb } => self.forward(stage, mb, report),
             Instr::Recompute { stage, mb } => self.recompute(stage, mb),
             Instr::Backward { stage, mb } => {
-                let flat = self.run_backward(stage, mb)?;
+                let flat = self.run_backward(stage, mb, true)?;
                 self.add_gradient(stage, mb, flat)?;
                 // the stashed version has served its backward
                 self.state(stage)?.stash.remove(&mb);
@@ -719,7 +719,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Instr::BackwardInput { stage, mb } => {
                 // Burn's autodiff computes input and weight gradients in one pass; the
                 // weight part is applied when the plan's BackwardWeight comes.
-                let flat = self.run_backward(stage, mb)?;
+                let flat = self.run_backward(stage, mb, false)?;
                 self.pending_weight_grads.insert((stage, mb), flat);
                 Ok(())
             }
@@ -949,8 +949,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     }
 
     /// A microbatch's backward: leaves the input gradient to send (every stage but the
-    /// first) and returns the weight gradients.
-    fn run_backward(&mut self, stage: StageId, mb: MicrobatchId) -> Result<FlatGrads<B>> {
+    /// first) and returns the weight gradients. With `into_sums`, the weight gradients of
+    /// dense products are added straight into the stage's sums instead (see
+    /// `dense::with_gradient_sums`) and the returned gradients hold the rest.
+    fn run_backward(&mut self, stage: StageId, mb: MicrobatchId, into_sums: bool) -> Result<FlatGrads<B>> {
         let n_mb = self.plan.training.microbatches as f64;
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         let target = match &kept.saved {
@@ -965,13 +967,18 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
             Saved::Nothing => return Err(ExecError::Missing("recompute was not run before the backward")),
         };
-        let mut grads = target.backward();
-        if stage.0 > 0 {
-            let g = input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb))?
-                .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
+        let keys = if into_sums { sum_keys(&kept.model) } else { Vec::new() };
+        let sums = lend_sums::<B>(&mut self.state(stage)?.acc, &keys);
+        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let (mut grads, sums) = with_gradient_sums::<B::InnerBackend, _>(sums, || target.backward());
+        let flat = collect_grads(&kept.model, &mut grads);
+        let input = (stage.0 > 0).then(|| input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb)));
+        return_sums::<B>(&mut self.state(stage)?.acc, &keys, sums);
+        if let Some(g) = input {
+            let g = g?.ok_or(ExecError::Missing("no gradient reached the stage input"))?;
             self.input_grads.insert((stage, mb), g);
         }
-        Ok(collect_grads(&kept.model, &mut grads))
+        Ok(flat)
     }
 
     /// The backward of a tensor-parallel stage, segment by segment (see
