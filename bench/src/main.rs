@@ -285,7 +285,7 @@ fn executor() {
             .sum();
         let step = trace.iter().map(|t| t.3).fold(0.0, f64::max);
         println!(
-            "2 workers, {sched}: {:.4} s/step, speedup {:.2}x; predicted {:.4} s ({:+.1}%); bubble measured {:.1}% predicted {:.1}%; max relative loss difference vs 1 worker {:.1e}",
+            "2 workers, {sched}: {:.4} s/step, speedup {:.2}x; predicted {:.4} s ({:+.1}% of measured); bubble measured {:.1}% predicted {:.1}%; max relative loss difference vs 1 worker {:.1e}",
             t2,
             t1 / t2,
             two.simulation.step_time_s,

@@ -10,7 +10,7 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::TensorPrimitive;
 
-use crate::dense::Sums;
+use crate::dense::{with_gradient_sums, Sums};
 
 use crate::error::{ExecError, Result};
 
@@ -59,9 +59,23 @@ pub(crate) fn sum_keys<B: crate::dense::ExecBackend, M: Module<B>>(model: &M) ->
     keys.0
 }
 
+/// Runs `backward` with the running sums in `acc` of the parameters keyed in `keys` lent to
+/// the dense products ([`with_gradient_sums`]): their weight gradients are added into `acc`
+/// inside the backward, and Burn's gradients returned hold the rest.
+pub(crate) fn backward_into_sums<B: crate::dense::ExecBackend>(
+    acc: &mut FlatGrads<B>,
+    keys: &[Option<NodeId>],
+    backward: impl FnOnce() -> B::Gradients,
+) -> B::Gradients {
+    let sums = lend_sums::<B>(acc, keys);
+    let (grads, sums) = with_gradient_sums::<B::InnerBackend, _>(sums, backward);
+    return_sums::<B>(acc, keys, sums);
+    grads
+}
+
 /// Moves the running sums of the keyed parameters out of `acc` (flat, in visiting order)
-/// for a backward to add into ([`crate::dense::with_gradient_sums`]).
-pub(crate) fn lend_sums<B: AutodiffBackend>(acc: &mut FlatGrads<B>, keys: &[Option<NodeId>]) -> Sums<B::InnerBackend> {
+/// for a backward to add into.
+fn lend_sums<B: AutodiffBackend>(acc: &mut FlatGrads<B>, keys: &[Option<NodeId>]) -> Sums<B::InnerBackend> {
     if acc.len() < keys.len() {
         acc.resize(keys.len(), None);
     }
@@ -75,11 +89,7 @@ pub(crate) fn lend_sums<B: AutodiffBackend>(acc: &mut FlatGrads<B>, keys: &[Opti
 }
 
 /// Puts the sums back into `acc`, flat (the inverse of [`lend_sums`]).
-pub(crate) fn return_sums<B: AutodiffBackend>(
-    acc: &mut FlatGrads<B>,
-    keys: &[Option<NodeId>],
-    mut sums: Sums<B::InnerBackend>,
-) {
+fn return_sums<B: AutodiffBackend>(acc: &mut FlatGrads<B>, keys: &[Option<NodeId>], mut sums: Sums<B::InnerBackend>) {
     for (a, key) in acc.iter_mut().zip(keys) {
         if let Some(sum) = key.and_then(|k| sums.remove(&k)).flatten() {
             let t = Tensor::<B::InnerBackend, 2>::from_primitive(TensorPrimitive::Float(sum));
@@ -234,12 +244,11 @@ pub(crate) fn set_params<B: Backend, M: Module<B>>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dense::{with_gradient_sums, Kernels};
+    use crate::dense::Kernels;
     use burn::module::Module;
     use burn::tensor::Distribution;
 
     type B = crate::CpuBackend;
-    type I = <B as AutodiffBackend>::InnerBackend;
 
     #[derive(Module, Debug)]
     struct Two<B: Backend> {
@@ -281,13 +290,11 @@ mod tests {
         assert!(keys.iter().all(Option::is_some), "every parameter of an autodiff model has a key");
         let mut inside: FlatGrads<B> = Vec::new();
         for x in &xs {
-            let sums = lend_sums::<B>(&mut inside, &keys);
-            let (mut grads, sums) = with_gradient_sums::<I, _>(sums, || loss(&m, x.clone()).backward());
+            let mut grads = backward_into_sums::<B>(&mut inside, &keys, || loss(&m, x.clone()).backward());
             let rest = collect_grads(&m, &mut grads);
             // the weights' gradients went into the sums, the bias's through Burn's gradients
             assert!(rest[0].is_none() && rest[2].is_none(), "the dense weights' gradients bypass Burn's");
             assert!(rest[1].is_some(), "the bias's gradient is Burn's");
-            return_sums::<B>(&mut inside, &keys, sums);
             accumulate::<B>(&mut inside, rest);
         }
         for (i, (a, b)) in values(&usual).iter().zip(values(&inside)).enumerate() {

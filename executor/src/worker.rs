@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::dense::{with_gradient_sums, ExecBackend};
+use crate::dense::ExecBackend;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumConfig;
@@ -27,7 +27,7 @@ use crate::data::{Dataset, Inputs, Targets};
 use crate::error::{ExecError, Result};
 use crate::layers::{Act, StageGraph, StageModel};
 use crate::params::{
-    accumulate, collect_grads, flatten_grads, host_f32, layout, lend_sums, return_sums, set_params, snapshot, sum_keys,
+    accumulate, backward_into_sums, collect_grads, flatten_grads, host_f32, layout, set_params, snapshot, sum_keys,
     to_optimizer_grads, unflatten, FlatGrads,
 };
 use crate::tensor_parallel::{Boundary, Segment};
@@ -968,17 +968,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Saved::Nothing => return Err(ExecError::Missing("recompute was not run before the backward")),
         };
         let keys = if into_sums { sum_keys(&kept.model) } else { Vec::new() };
-        let sums = lend_sums::<B>(&mut self.state(stage)?.acc, &keys);
+        let mut grads = backward_into_sums::<B>(&mut self.state(stage)?.acc, &keys, || target.backward());
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
-        let (mut grads, sums) = with_gradient_sums::<B::InnerBackend, _>(sums, || target.backward());
-        let flat = collect_grads(&kept.model, &mut grads);
-        let input = (stage.0 > 0).then(|| input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb)));
-        return_sums::<B>(&mut self.state(stage)?.acc, &keys, sums);
-        if let Some(g) = input {
-            let g = g?.ok_or(ExecError::Missing("no gradient reached the stage input"))?;
+        if stage.0 > 0 {
+            let g = input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb))?
+                .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
             self.input_grads.insert((stage, mb), g);
         }
-        Ok(flat)
+        Ok(collect_grads(&kept.model, &mut grads))
     }
 
     /// The backward of a tensor-parallel stage, segment by segment (see
