@@ -20,50 +20,14 @@ use burn::tensor::{DType, TensorData};
 /// `a · b` for 2-D `f32` tensors of any strides; `None` where flex's own product should run
 /// (another dtype or rank, an empty side, mismatched inner dimensions, which flex reports).
 pub(crate) fn product(a: &FlexTensor, b: &FlexTensor) -> Option<FlexTensor> {
-    if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
-        return None;
-    }
-    let (la, lb) = (a.layout(), b.layout());
-    let ([m, k], [kb, n]) = (dims(la)?, dims(lb)?);
-    if k != kb || m == 0 || n == 0 || k == 0 {
-        return None;
-    }
-    let (sa, sb) = (a.storage::<f32>(), b.storage::<f32>());
-    // every element the kernel reads lies inside the buffers
-    let (a_off, b_off) = (in_bounds(la, sa.len())?, in_bounds(lb, sb.len())?);
-    let (a_rs, a_cs) = (la.strides()[0], la.strides()[1]);
-    let (b_rs, b_cs) = (lb.strides()[0], lb.strides()[1]);
+    let operands = Operands::of(a, b)?;
+    let [m, n] = operands.out;
     let len = m.checked_mul(n)?;
     let mut out: Vec<f32> = Vec::with_capacity(len);
-    // SAFETY: `out` has room for m × n values, written row-major (column stride 1, row
-    // stride n) and all of them written: with `read_dst` false the kernel stores
-    // `lhs · rhs` into every element without reading the destination. The operands' offsets
-    // and strides were checked against their buffers' lengths above, the buffers outlive the
-    // call, and nothing else can write to them (they are shared, read-only storage).
+    // SAFETY: `out` has room for exactly m × n values, and with `accumulate` false the kernel
+    // writes every one of them without reading any (then they are initialised).
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            sa.as_ptr().add(a_off),
-            a_cs,
-            a_rs,
-            sb.as_ptr().add(b_off),
-            b_cs,
-            b_rs,
-            0.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            // one thread, as flex runs it without its `rayon` feature (which pipec leaves
-            // off: a device is a thread, docs/benchmarks.md)
-            gemm::Parallelism::None,
-        );
+        operands.run(out.as_mut_ptr(), false);
         out.set_len(len);
     }
     Some(FlexTensor::from_data(TensorData::new(out, [m, n])))
@@ -74,56 +38,91 @@ pub(crate) fn product(a: &FlexTensor, b: &FlexTensor) -> Option<FlexTensor> {
 /// untouched. Summing a microbatch's weight gradient into the step's sum this way saves
 /// writing the gradient out and reading it back for the addition.
 pub(crate) fn product_add(mut acc: FlexTensor, a: &FlexTensor, b: &FlexTensor) -> Result<FlexTensor, FlexTensor> {
-    let ok = acc.dtype() == DType::F32
-        && a.dtype() == DType::F32
-        && b.dtype() == DType::F32
+    let Some(operands) = Operands::of(a, b) else { return Err(acc) };
+    let fits = acc.dtype() == DType::F32
         && acc.layout().is_contiguous()
-        && acc.layout().start_offset() == 0;
-    let (Some([m, k]), Some([kb, n]), Some([am, an])) = (dims(a.layout()), dims(b.layout()), dims(acc.layout())) else {
-        return Err(acc);
-    };
-    if !ok || k != kb || (am, an) != (m, n) || m == 0 || n == 0 || k == 0 {
+        && acc.layout().start_offset() == 0
+        && dims(acc.layout()) == Some(operands.out);
+    if !fits {
         return Err(acc);
     }
-    let (la, lb) = (a.layout(), b.layout());
-    let (sa, sb) = (a.storage::<f32>(), b.storage::<f32>());
-    let (Some(a_off), Some(b_off)) = (in_bounds(la, sa.len()), in_bounds(lb, sb.len())) else {
-        return Err(acc);
-    };
-    let (a_rs, a_cs) = (la.strides()[0], la.strides()[1]);
-    let (b_rs, b_cs) = (lb.strides()[0], lb.strides()[1]);
     // None when the buffer is shared (a clone elsewhere must not see the sum change)
     let Some(out) = acc.try_storage_mut::<f32>() else { return Err(acc) };
-    if out.len() != m * n {
+    if out.len() != operands.out[0] * operands.out[1] {
         return Err(acc);
     }
-    // SAFETY: as in `product`, with the destination `acc`'s own buffer of exactly m × n
-    // values (checked), held by nobody else (`try_storage_mut`), which the kernel reads and
-    // writes row-major (`read_dst`: out := 1 · out + 1 · a · b).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            true,
-            sa.as_ptr().add(a_off),
-            a_cs,
-            a_rs,
-            sb.as_ptr().add(b_off),
-            b_cs,
-            b_rs,
-            1.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
+    // SAFETY: `out` is `acc`'s own buffer of exactly m × n initialised values, held by
+    // nobody else (`try_storage_mut`), which the kernel reads and writes.
+    unsafe { operands.run(out.as_mut_ptr(), true) };
     Ok(acc)
+}
+
+/// The two operands of a product, checked: 2-D `f32`, matching inner dimensions, nothing
+/// empty, and every element their layouts address inside their buffers.
+struct Operands<'a> {
+    /// (buffer, offset of the first element, row stride, column stride)
+    a: (&'a [f32], usize, isize, isize),
+    b: (&'a [f32], usize, isize, isize),
+    k: usize,
+    /// the product's shape [m, n]
+    out: [usize; 2],
+}
+
+impl<'a> Operands<'a> {
+    fn of(a: &'a FlexTensor, b: &'a FlexTensor) -> Option<Self> {
+        if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+            return None;
+        }
+        let (la, lb) = (a.layout(), b.layout());
+        let ([m, k], [kb, n]) = (dims(la)?, dims(lb)?);
+        if k != kb || m == 0 || n == 0 || k == 0 {
+            return None;
+        }
+        let (sa, sb) = (a.storage::<f32>(), b.storage::<f32>());
+        Some(Operands {
+            a: (sa, in_bounds(la, sa.len())?, la.strides()[0], la.strides()[1]),
+            b: (sb, in_bounds(lb, sb.len())?, lb.strides()[0], lb.strides()[1]),
+            k,
+            out: [m, n],
+        })
+    }
+
+    /// `out := a · b`, or `out := out + a · b` with `accumulate`, on one thread (as flex
+    /// runs it without its `rayon` feature, which pipec leaves off: a device is a thread).
+    ///
+    /// # Safety
+    /// `out` must point to m × n `f32`s laid out row-major that nothing else accesses during
+    /// the call, initialised if `accumulate`.
+    unsafe fn run(&self, out: *mut f32, accumulate: bool) {
+        let ([m, n], (sa, a_off, a_rs, a_cs), (sb, b_off, b_rs, b_cs)) = (self.out, self.a, self.b);
+        // SAFETY: the operands' offsets and strides were checked against their buffers'
+        // lengths (`of`), the buffers outlive the call and are only read; `out` is as the
+        // caller guarantees, and the kernel writes exactly its m × n elements (column stride 1,
+        // row stride n), reading them only with `read_dst`.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                self.k,
+                out,
+                1,
+                n as isize,
+                accumulate,
+                sa.as_ptr().add(a_off),
+                a_cs,
+                a_rs,
+                sb.as_ptr().add(b_off),
+                b_cs,
+                b_rs,
+                1.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    }
 }
 
 fn dims(layout: &Layout) -> Option<[usize; 2]> {
