@@ -100,7 +100,8 @@ enum Command {
         out: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t = run_cmd::Backend::Cpu)]
         backend: run_cmd::Backend,
-        /// Measured repetitions per layer (the median is kept).
+        /// Measured repetitions per layer (the median is kept; a forward's, of groups of as
+        /// many forwards as a weight version serves in a step).
         #[arg(long, default_value_t = 10)]
         reps: usize,
         /// CPU: measure with this many copies running at once, as the plan's worker threads

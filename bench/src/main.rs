@@ -304,24 +304,38 @@ fn executor() {
 }
 
 /// The products of a dense layer on the CPU backend, at the executor benchmark's shapes
-/// (1024 × 1024 weight, a 32-row microbatch and the 256-row batch): the forward `x · W`, the
+/// (1024 × 1024 weight, a 32-row microbatch and the 256-row batch): the forward `x · W` (flex
+/// under `gemm`'s default packing, and under pipec's, which a pipec product sets; the
+/// executor's forward from the weight's transposed copy, and what an update costs it), the
 /// input gradient in Burn's orientation `dy · Wᵀ` and in the one pipec's dense op uses on
 /// `flex`, `(W · dyᵀ)ᵀ`, and the weight gradient `xᵀ · dy`; then one layer's forward and
-/// backward through Burn's matmul and through pipec's op. Median of 30 after 3 warm-ups.
+/// backward through Burn's matmul and through pipec's op. Each product takes four weights in
+/// turn (a stage's 16 MiB, which the cache does not keep between two uses of one, as in a
+/// step); median of 120 after 12 warm-ups.
 fn kernels() {
     use burn::tensor::{Distribution, Tensor};
     use pipec_executor::dense::Kernels;
     type B = pipec_executor::CpuBackend;
     type I = burn::backend::Flex;
-    println!("## kernels (CPU, flex backend, one thread): 1024 x 1024 weight, median of 30 after 3 warm-ups");
+    println!(
+        "## kernels (CPU, flex backend, one thread): 1024 x 1024 weights, the products taking four in turn, median of 120 after 12 warm-ups"
+    );
     let dev = Default::default();
+    // four of every operand in turn: a stage's 16 MiB of weights, which the cache does not
+    // keep between two uses of a weight, as in a training step
     let ms = |f: &mut dyn FnMut()| {
-        for _ in 0..3 {
+        for _ in 0..12 {
             f();
         }
-        time(30, &mut *f).0 * 1e3
+        time(120, &mut *f).0 * 1e3
     };
-    let w = Tensor::<I, 2>::random([1024, 1024], Distribution::Normal(0.0, 0.03), &dev);
+    let weights: Vec<_> =
+        (0..4).map(|_| Tensor::<I, 2>::random([1024, 1024], Distribution::Normal(0.0, 0.03), &dev)).collect();
+    let turn = std::cell::Cell::new(0usize);
+    let w = || {
+        turn.set(turn.get() + 1);
+        weights[turn.get() % weights.len()].clone()
+    };
     for rows in [32usize, 256] {
         let x = Tensor::<I, 2>::random([rows, 1024], Distribution::Normal(0.0, 1.0), &dev);
         let dy = Tensor::<I, 2>::random([rows, 1024], Distribution::Normal(0.0, 1.0), &dev);
@@ -330,20 +344,38 @@ fn kernels() {
         let ours = |a: Tensor<I, 2>, b: Tensor<I, 2>| {
             drop(I::product(a.into_primitive().tensor(), b.into_primitive().tensor()))
         };
-        let products: [(&str, &mut dyn FnMut()); 7] = [
-            ("forward x . W", &mut || drop(x.clone().matmul(w.clone()))),
-            ("forward x . W, pipec's product", &mut || ours(x.clone(), w.clone())),
-            ("input gradient dy . W^T (Burn)", &mut || drop(dy.clone().matmul(w.clone().transpose()))),
-            ("input gradient (W . dy^T)^T (pipec)", &mut || drop(w.clone().matmul(dy.clone().transpose()).transpose())),
-            ("the same, pipec's product", &mut || ours(w.clone(), dy.clone().transpose())),
-            ("weight gradient x^T . dy", &mut || drop(x.clone().transpose().matmul(dy.clone()))),
-            ("the same, pipec's product", &mut || ours(x.clone().transpose(), dy.clone())),
+        // flex's product as it runs without pipec: `gemm`'s default packing threshold (8)
+        let default_packing = |a: Tensor<I, 2>, b: Tensor<I, 2>| {
+            gemm::set_lhs_packing_threshold_single_thread(8);
+            drop(a.matmul(b))
+        };
+        // the executor's forward: from W's transposed copy once W has served one forward
+        let forward = |x: Tensor<I, 2>, w: Tensor<I, 2>| {
+            drop(I::weight_product(x.into_primitive().tensor(), w.into_primitive().tensor()))
+        };
+        // (the lines after the first run under pipec's threshold, which its product sets)
+        let products: [(&str, f64, &mut dyn FnMut()); 9] = [
+            ("forward x . W, gemm's default packing", 1.0, &mut || default_packing(x.clone(), w())),
+            ("forward x . W, pipec's product (packs W)", 1.0, &mut || ours(x.clone(), w())),
+            ("forward (W^T . x^T)^T from W's copy", 1.0, &mut || forward(x.clone(), w())),
+            ("first two forwards after an update", 2.0, &mut || {
+                // the first packs W, the second makes W's transposed copy and uses it
+                I::release_weight_copies();
+                let w = w();
+                forward(x.clone(), w.clone());
+                forward(x.clone(), w);
+            }),
+            ("input gradient dy . W^T (Burn)", 1.0, &mut || drop(dy.clone().matmul(w().transpose()))),
+            ("input gradient (W . dy^T)^T (pipec)", 1.0, &mut || drop(w().matmul(dy.clone().transpose()).transpose())),
+            ("the same, pipec's product", 1.0, &mut || ours(w(), dy.clone().transpose())),
+            ("weight gradient x^T . dy", 1.0, &mut || drop(x.clone().transpose().matmul(dy.clone()))),
+            ("the same, pipec's product", 1.0, &mut || ours(x.clone().transpose(), dy.clone())),
         ];
-        for (name, f) in products {
+        for (name, count, f) in products {
             let t = ms(f);
-            println!("{rows:>3} rows  {name:<38} {t:.3} ms  {:.0} GFLOP/s", gflop / t * 1e3);
+            println!("{rows:>3} rows  {name:<42} {t:.3} ms  {:.0} GFLOP/s", count * gflop / t * 1e3);
         }
-        let wa = Tensor::<B, 2>::from_inner(w.clone()).require_grad();
+        let wa = Tensor::<B, 2>::from_inner(weights[0].clone()).require_grad();
         let xa = Tensor::<B, 2>::from_inner(x.clone()).require_grad();
         for (name, ours) in [("Burn's matmul", false), ("pipec's dense op", true)] {
             let t = ms(&mut || {

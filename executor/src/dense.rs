@@ -12,7 +12,10 @@
 //! and every schedule of a plan runs the same products, so pipelines still train to exactly
 //! the single device's numbers.
 //!
-//! A backend picks its orientation in [`Kernels::input_grad`]; CUDA keeps Burn's.
+//! A backend picks its orientation in [`Kernels::input_grad`]; CUDA keeps Burn's. The
+//! forward goes through [`Kernels::weight_product`]: on `flex`, from a weight's second
+//! forward on, `(Wᵀ · xᵀ)ᵀ` from a transposed copy of the weight, for the same reason and
+//! with the same bits (`crate::flex_weights`).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -38,6 +41,15 @@ pub trait Kernels: Backend {
         Self::float_add(acc, Self::product(a, b))
     }
 
+    /// `x · w` in a forward pass, `w` a weight (by default [`Kernels::product`]).
+    fn weight_product(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::product(x, w)
+    }
+
+    /// Drops whatever this thread keeps to speed up [`Kernels::weight_product`] (called when
+    /// weights have changed; only frees memory).
+    fn release_weight_copies() {}
+
     /// The key under which a weight's gradient is summed in place ([`with_gradient_sums`]):
     /// on an autodiff backend the weight's graph node; `None` elsewhere.
     fn sum_key(_weight: &FloatTensor<Self>) -> Option<NodeId> {
@@ -53,7 +65,7 @@ pub trait Kernels: Backend {
     /// `x · w` for a weight matrix `w` ([in, out]).
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
-        Tensor::from_primitive(TensorPrimitive::Float(Self::product(x, w)))
+        Tensor::from_primitive(TensorPrimitive::Float(Self::weight_product(x, w)))
     }
 }
 
@@ -71,6 +83,15 @@ impl Kernels for burn::backend::Flex {
         // (w · dyᵀ)ᵀ: the kernel streams w as it is laid out
         Self::float_transpose(Self::product(w, Self::float_transpose(dy)))
     }
+
+    fn weight_product(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        // (wᵀ · xᵀ)ᵀ from a transposed copy of w, from its second forward on (crate::flex_weights)
+        crate::flex_weights::product(&x, &w).unwrap_or_else(|| Self::product(x, w))
+    }
+
+    fn release_weight_copies() {
+        crate::flex_weights::release()
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -86,6 +107,10 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         Some(weight.node.id)
     }
 
+    fn release_weight_copies() {
+        I::release_weight_copies()
+    }
+
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
@@ -94,9 +119,9 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
                 // x for the weight gradient, w for the input gradient, each only if needed
                 let x_state = w_tracked.then(|| prep.checkpoint(&x));
                 let w_state = x_tracked.then(|| w.primitive.clone());
-                prep.finish((x_state, w_state), I::product(x.primitive, w.primitive))
+                prep.finish((x_state, w_state), I::weight_product(x.primitive, w.primitive))
             }
-            OpsKind::UnTracked(prep) => prep.finish(I::product(x.primitive, w.primitive)),
+            OpsKind::UnTracked(prep) => prep.finish(I::weight_product(x.primitive, w.primitive)),
         };
         Tensor::from_primitive(TensorPrimitive::Float(y))
     }

@@ -8,6 +8,7 @@ pub mod data;
 pub mod dense;
 pub mod error;
 mod flex_gemm;
+mod flex_weights;
 pub mod gpus;
 pub mod layers;
 #[cfg(feature = "mpi")]

@@ -49,17 +49,27 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
 /// Runs `model` forward and backward on `input()` `warmup` times unmeasured, then `reps`
 /// times; the median forward and backward in milliseconds. A backward is timed as the
 /// executor runs it: the autodiff pass and the weight gradients added into the step's sums.
+/// The weights count as updated every `per_version` passes, as in a step that runs that
+/// many microbatches per update, and a forward is the mean over such a group: what a backend
+/// does once per weight version (flex's transposed copies, `Kernels::weight_product`) is
+/// spread over the forwards it serves. Both counts are rounded up to whole groups.
 fn time_passes<B: ExecBackend>(
     model: &StageModel<B>,
     warmup: usize,
     reps: usize,
+    per_version: usize,
     what: &str,
     mut input: impl FnMut() -> Act<B>,
 ) -> Result<(f64, f64), ExecError> {
     let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
     let mut acc = FlatGrads::<B>::new();
     let keys = sum_keys(model);
+    let per_version = per_version.max(1);
+    let (warmup, reps) = (warmup.div_ceil(per_version) * per_version, reps.max(1).div_ceil(per_version) * per_version);
     for r in 0..warmup + reps {
+        if r % per_version == 0 {
+            B::release_weight_copies();
+        }
         let x = input();
         let t0 = Instant::now();
         let y = model.forward(x, true, (0, 0, r as u64), &mut Vec::new())?;
@@ -77,7 +87,21 @@ fn time_passes<B: ExecBackend>(
             bwd.push((t2 - t1).as_secs_f64() * 1e3);
         }
     }
-    Ok((median(fwd), median(bwd)))
+    B::release_weight_copies();
+    let forward = median(fwd.chunks(per_version).map(|g| g.iter().sum::<f64>() / g.len() as f64).collect());
+    Ok((forward, median(bwd)))
+}
+
+/// How many forwards a layer's weights serve between two updates on one device: under a
+/// flush schedule the microbatches of a step routed to one replica of the layer's stage; one
+/// under the asynchronous schedules, which update as often as every microbatch.
+fn forwards_per_version(plan: &Plan, layer: usize) -> usize {
+    if !plan.schedule.synchronous {
+        return 1;
+    }
+    let replicas =
+        plan.stages.iter().find(|s| (s.layers[0]..s.layers[1]).contains(&layer)).map_or(1, |s| s.replicas.len().max(1));
+    (plan.training.microbatches / replicas).max(1)
 }
 
 /// Measures every layer of the plan: `warmup` unmeasured runs, then the median of `reps`;
@@ -119,15 +143,16 @@ pub fn profile_layers<B: ExecBackend>(
             })
             .collect();
         let tokens = if layer.op.takes_token_ids() { plan.model.token_vocab } else { None };
-        let (forward_ms, backward_ms) = time_passes(&model, warmup, reps, "a layer", || {
-            let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
-            let x = Act::from_parts(parts);
-            if i == 0 {
-                x
-            } else {
-                require_grad(x)
-            }
-        })?;
+        let (forward_ms, backward_ms) =
+            time_passes(&model, warmup, reps, forwards_per_version(plan, i), "a layer", || {
+                let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
+                let x = Act::from_parts(parts);
+                if i == 0 {
+                    x
+                } else {
+                    require_grad(x)
+                }
+            })?;
         let params: usize = model.num_params();
         out.push(ProfiledLayer {
             index: i,
@@ -148,7 +173,9 @@ pub fn profile_layers<B: ExecBackend>(
     let mut shape = vec![mb];
     shape.extend(&plan.model.input);
     let tokens = plan.model.token_vocab;
-    let (whole_f, whole_b) = time_passes(&whole, warmup, reps, "the model", || random_input::<B>(&shape, tokens, dev))?;
+    let per_version = forwards_per_version(plan, 0);
+    let (whole_f, whole_b) =
+        time_passes(&whole, warmup, reps, per_version, "the model", || random_input::<B>(&shape, tokens, dev))?;
     let (sum_f, sum_b): (f64, f64) = (out.iter().map(|l| l.forward_ms).sum(), out.iter().map(|l| l.backward_ms).sum());
     if sum_f > 0.0 && sum_b > 0.0 && whole_f > 0.0 && whole_b > 0.0 {
         for l in &mut out {

@@ -1096,6 +1096,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// `ApplyGradient` (parameter server): one microbatch's gradient for the whole stage;
     /// its loss was scaled by 1/N, so the update uses its mean.
     fn apply_gradient(&mut self, stage: StageId, values: &[f32]) -> Result<()> {
+        B::release_weight_copies(); // as for an optimizer step
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
         let dev = self.dev.clone();
@@ -1206,6 +1207,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// per-microbatch means scaled by 1/N; an update made from fewer microbatches
     /// (PipeDream) rescales to their mean.
     fn optimizer_step(&mut self, stage: StageId) -> Result<()> {
+        // the weights' transposed copies are for the version being replaced: drop them
+        // first, so that nothing extra holds the weights while they are updated
+        B::release_weight_copies();
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
         self.sum_partial_gradients(stage)?;
