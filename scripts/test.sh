@@ -40,7 +40,9 @@ echo "== cuda feature type-checks, with and without MPI (no GPU needed)"
 cargo check -p pipec --features cuda,mpi
 
 echo "== the GPU check, dry (CPU only): proves scripts/gpu-check.sh end to end"
-OUT="$(mktemp -d)/gpu-check" bash scripts/gpu-check.sh run --dry --bin "$CARGO_TARGET_DIR/debug/pipec"
+GPU_CHECK_DIR="$(mktemp -d)"
+OUT="$GPU_CHECK_DIR/gpu-check" bash scripts/gpu-check.sh run --dry --bin "$CARGO_TARGET_DIR/debug/pipec"
+rm -rf "$GPU_CHECK_DIR"
 
 echo "== example specs check clean"
 "$CARGO_TARGET_DIR/debug/pipec" check specs/*.yaml bench/specs/*.yaml bench/specs/megatron/*.yaml

@@ -23,9 +23,10 @@ fn every_example_spec_compiles_with_golden_ir_and_memory() {
         .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
         .collect();
     files.sort();
+    let tmp = tempfile::tempdir().expect("a temporary folder"); // removed at the end
     for path in files {
         let name = path.file_stem().and_then(|s| s.to_str()).expect("name").to_string();
-        let out_dir = std::env::temp_dir().join(format!("pipec-golden-{name}-{}", std::process::id()));
+        let out_dir = tmp.path().join(&name);
         for emit in ["ir", "memory"] {
             let out =
                 pipec(&["compile", path.to_str().expect("path"), "-o", out_dir.to_str().expect("tmp"), "--emit", emit]);
