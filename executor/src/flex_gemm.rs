@@ -12,7 +12,7 @@
 //!
 //! Every product here first sets the `gemm` crate's packing threshold for a left operand
 //! ([`pack_left_operands`]): the kernel then copies a weight it would otherwise read with a
-//! 4 KiB stride into contiguous panels. That makes a microbatch's forward `x · W` 1.5–2.6×
+//! 4 KiB stride into contiguous panels. That made a 16–32-row forward `x · W` 1.5–1.8×
 //! faster on an AVX2 machine and changes no result (packing moves values, not the order in
 //! which they are summed; tested).
 //!
@@ -153,9 +153,9 @@ const LEFT_PACKING_THRESHOLD: usize = 1;
 /// `gemm` turns a row-major product around so that it writes columns, which makes a
 /// row-major weight `W` of the forward `x · W` its left operand, read in place, column by
 /// column: 16 floats from every row, a 4 KiB stride apart, and all of it again for each
-/// block of 6 (AVX2) or 8 columns of the microbatch. By default it packs that operand into
-/// contiguous panels only when the microbatch has more than 8 such blocks (48–64 rows), so
-/// at the benchmark's 32 rows every forward read its weight strided, 4–5 times over. Packed,
+/// block of 6 (AVX2) or more columns of the microbatch. By default it packs that operand
+/// into contiguous panels only when the microbatch has more than 8 such blocks (48 rows on
+/// AVX2), so at the benchmark's 32 rows every forward read its weight strided 6 times. Packed,
 /// the forward of a 32 × 1024 · 1024 × 1024 product took 1.41–1.45 ms instead of
 /// 2.43–2.56 ms, 16 rows 0.94–1.03 instead of 1.53–1.60 ms, 8 rows 0.95–1.00 instead of
 /// 1.32–1.59 ms; 64 rows and more were packed already (docs/benchmarks.md).

@@ -6,14 +6,15 @@
 //! `x · W` reads `W` across its rows instead, so `gemm` first packs it — a gather of 64-byte
 //! pieces 4 KiB apart, on every forward (16% of a one-worker step on the benchmark model).
 //! The same numbers come from `(Wᵀ · xᵀ)ᵀ` with a contiguous `Wᵀ`, which the kernel streams
-//! like the input gradient's `W`: 32 × 1024 · 1024 × 1024 in 0.87–0.91 ms instead of
-//! 1.30–1.34 ms with packing (`pipec-bench kernels`, docs/benchmarks.md).
+//! like the input gradient's `W`: 32 × 1024 · 1024 × 1024 over a stage's four weights in
+//! 0.94–1.27 ms instead of 1.40–1.79 ms packed (`pipec-bench kernels`, docs/benchmarks.md).
 //!
 //! A weight's transposed copy is made at its second forward (a weight used once per update,
 //! as under PipeDream's per-microbatch updates, is never copied) and kept, per thread, for as
 //! long as anything else holds that weight; [`release`] drops them all (the worker calls it
 //! after an optimizer step). A copy costs one transposition per weight and update
-//! (1.0–1.3 ms for 1024 × 1024) and the weight's size in memory while it lives.
+//! (0.9–1.9 ms for 1024 × 1024, which two to four forwards from it repay) and the weight's
+//! size in memory while it lives.
 //!
 //! The copy is only used where the two orientations run `gemm`'s same kernel path, so that
 //! the result is the direct product's bit for bit (tested): a schedule's numbers do not
@@ -103,8 +104,8 @@ fn transposed(w: &FlexTensor) -> Option<FlexTensor> {
 
 /// The `cols × rows` transpose of a row-major `rows × cols` matrix. Bands of 8 source rows:
 /// each output row gets 8 consecutive values per band while the band's rows stay in cache
-/// (1.0–1.3 ms for 1024 × 1024, against 4.6 ms for 32 × 32 tiles, whose 4 KiB-apart writes
-/// share a cache set, and 5.2 ms for flex's tiled copy).
+/// (0.9–1.5 ms for 1024 × 1024 in a scratch program, against 4.6 ms for 32 × 32 tiles, whose
+/// 4 KiB-apart writes share cache sets, and 5.2 ms for flex's own transposed copy).
 fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0f32; rows * cols];
     for (b, band) in src.chunks(8 * cols).enumerate() {
