@@ -12,7 +12,7 @@
 //! A weight's transposed copy is made at its second forward (a weight used once per update,
 //! as under PipeDream's per-microbatch updates, is never copied) and kept, per thread, for as
 //! long as anything else holds that weight; [`release`] drops them all (the worker calls it
-//! after an optimizer step). A copy costs one transposition per weight and update
+//! before every update, so that nothing extra holds the weights being updated). A copy costs one transposition per weight and update
 //! (0.9–1.9 ms for 1024 × 1024, which two to four forwards from it repay) and the weight's
 //! size in memory while it lives.
 //!
