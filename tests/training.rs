@@ -391,6 +391,30 @@ fn asynchronous_schedules_stash_weights_and_converge() {
     }
 }
 
+/// `pipec profile` spreads what a backend does once per weight version over the forwards
+/// that version serves: the microbatches of a step per replica of the layer's stage under a
+/// flush schedule, one under PipeDream's per-microbatch updates.
+#[test]
+fn the_profile_counts_the_forwards_a_weight_version_serves() {
+    use pipec_executor::profile::forwards_per_version;
+    let per_layer = |j: Job<'_>| {
+        let p = plan(&j);
+        (0..p.layers.len()).map(|l| forwards_per_version(&p, l)).collect::<Vec<_>>()
+    };
+    let one = per_layer(Job { microbatches: 8, ..Job::default() });
+    assert!(one.iter().all(|&n| n == 8), "{one:?}");
+    // 2-1-1: the first stage's two replicas split the step's microbatches
+    let p = plan(&Job { devices: 4, stages: "\"2-1-1\"", schedule: "1f1b", microbatches: 8, ..Job::default() });
+    assert_eq!(p.stages[0].replicas.len(), 2);
+    for (l, layer) in p.layers.iter().enumerate() {
+        let stage = p.stages.iter().find(|s| (s.layers[0]..s.layers[1]).contains(&l)).expect("a stage");
+        let want = if stage.replicas.len() == 2 { 4 } else { 8 };
+        assert_eq!(forwards_per_version(&p, l), want, "layer {l} ({})", layer.op.name());
+    }
+    let async_ = per_layer(Job { devices: 2, stages: "straight", schedule: "pipedream", ..Job::default() });
+    assert!(async_.iter().all(|&n| n == 1), "{async_:?}");
+}
+
 #[test]
 fn pipedream_updates_after_every_microbatch() {
     // On one stage, PipeDream is SGD with one update per microbatch: step t's loss is the

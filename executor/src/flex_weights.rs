@@ -12,9 +12,9 @@
 //! A weight's transposed copy is made at its second forward (a weight used once per update,
 //! as under PipeDream's per-microbatch updates, is never copied) and kept, per thread, for as
 //! long as anything else holds that weight; [`release`] drops them all (the worker calls it
-//! before every update, so that nothing extra holds the weights being updated). A copy costs one transposition per weight and update
-//! (0.9–1.9 ms for 1024 × 1024, which two to four forwards from it repay) and the weight's
-//! size in memory while it lives.
+//! before every update, so that nothing extra holds the weights being updated). A copy costs
+//! one transposition per weight and update (0.9–1.9 ms for 1024 × 1024, which two to four
+//! forwards from it repay) and the weight's size in memory while it lives.
 //!
 //! The copy is only used where the two orientations run `gemm`'s same kernel path, so that
 //! the result is the direct product's bit for bit (tested): a schedule's numbers do not

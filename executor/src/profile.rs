@@ -95,7 +95,7 @@ fn time_passes<B: ExecBackend>(
 /// How many forwards a layer's weights serve between two updates on one device: under a
 /// flush schedule the microbatches of a step routed to one replica of the layer's stage; one
 /// under the asynchronous schedules, which update as often as every microbatch.
-fn forwards_per_version(plan: &Plan, layer: usize) -> usize {
+pub fn forwards_per_version(plan: &Plan, layer: usize) -> usize {
     if !plan.schedule.synchronous {
         return 1;
     }
