@@ -291,6 +291,14 @@ fn profile_then_compile_with_the_measured_costs() {
     let expected: f64 = p.layers.iter().map(|l| l.forward_ms).sum::<f64>() / 1e3;
     let got: f64 = plan.layers.iter().map(|l| l.forward_s).sum();
     assert!((got - expected).abs() < 1e-9, "the plan uses the measured times: {got} vs {expected}");
+    // every layer with weights has an update time, and a stage's is the sum of its layers'
+    for l in p.layers.iter().filter(|l| l.parameter_bytes > 0) {
+        assert!(l.update_ms > 0.0, "layer {} ({}) has no update time", l.index, l.name);
+    }
+    for s in &plan.stages {
+        let expected: f64 = p.layers[s.layers[0]..s.layers[1]].iter().map(|l| l.update_ms).sum::<f64>() / 1e3;
+        assert!((s.update_s - expected).abs() < 1e-12, "stage {}: {} vs {expected}", s.id.0, s.update_s);
+    }
     // a profile of another model is rejected with a diagnostic
     let out = pipec(&[
         "compile",
@@ -520,4 +528,53 @@ fn the_compile_summary_names_the_recomputed_stages() {
     let stage = |s: &str| text.lines().find(|l| l.trim_start().starts_with(s)).unwrap_or_default().to_string();
     assert!(!stage("s0:").contains("recomputed"), "{text}");
     assert!(stage("s1:").contains("forward recomputed before the backward"), "{text}");
+}
+
+/// A profile's update times are each stage's optimizer step in the simulation: on one
+/// device a step is N·(F + B) + U, and a two-stage GPipe step grows by the first stage's
+/// update alone (that stage finishes last; the second stage's update overlaps the first
+/// stage's last backward).
+#[test]
+fn the_simulated_step_includes_the_profiled_updates() {
+    let spec = |stages: &str, devices: usize| {
+        format!(
+            "model:\n  input: [64]\n  layers:\n    - repeat 4: linear(64, 64)\n  loss: mse\ncluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ memory: 1GiB, throughput: 1TFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: \"{stages}\"\n  schedule: gpipe\n  microbatches: 4\ntraining:\n  batch_size: 32\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n"
+        )
+    };
+    let profile = |update_ms: [f64; 4]| pipec_plan::profile::Profile {
+        version: 1,
+        batch_size: 8,
+        backend: "test".into(),
+        layers: (0..4)
+            .map(|i| pipec_plan::profile::ProfiledLayer {
+                index: i,
+                name: "linear".into(),
+                forward_ms: 1.0,
+                backward_ms: 2.0,
+                update_ms: update_ms[i],
+                activation_bytes: 2048,
+                output_bytes: 2048,
+                parameter_bytes: 65 * 64 * 4,
+            })
+            .collect(),
+    };
+    let step = |text: &str, update_ms: [f64; 4]| {
+        let spec = pipec_grammar::check_source(text).spec.expect("valid");
+        let c = compile(&spec, &CompileOptions { profile: Some(profile(update_ms)), ..CompileOptions::default() });
+        let compiled = c.compiled.expect("a plan");
+        (compiled.plan.simulation.step_time_s, compiled.plan.stages.iter().map(|s| s.update_s).collect::<Vec<_>>())
+    };
+    let updates = [0.5, 0.25, 0.125, 0.0625];
+    // one device: 4 microbatches of 4 ms forward and 8 ms backward, then one update
+    let (one, stage_updates) = step(&spec("1", 1), updates);
+    assert_eq!(stage_updates, vec![0.9375e-3]);
+    assert!((one - (4.0 * 12.0 + 0.9375) / 1e3).abs() < 1e-12, "{one}");
+    let (none, stage_updates) = step(&spec("1", 1), [0.0; 4]);
+    assert_eq!(stage_updates, vec![0.0]);
+    assert!((none - 48e-3).abs() < 1e-12, "{none}");
+    // two stages: the first stage's update (0.75 ms) is added, the second's is hidden
+    let (with, stage_updates) = step(&spec("1-1", 2), updates);
+    assert_eq!(stage_updates, vec![0.75e-3, 0.1875e-3]);
+    let (without, _) = step(&spec("1-1", 2), [0.0; 4]);
+    assert!((with - without - 0.75e-3).abs() < 1e-12, "{with} against {without}");
 }

@@ -354,6 +354,8 @@ fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelCosts, Vec<D
 struct StageFigures {
     /// (forward, backward) seconds per microbatch.
     times: Vec<(f64, f64)>,
+    /// Seconds of one optimizer update of the stage's parameters (on one tensor-parallel rank).
+    update: Vec<f64>,
     /// Output bytes per microbatch (what goes to the next stage).
     output_bytes: Vec<u64>,
     bytes: Vec<StageBytes>,
@@ -371,6 +373,8 @@ fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> StageFigur
             (c.iter().map(|c| c.forward_s).sum::<f64>(), c.iter().map(|c| c.backward_s).sum::<f64>())
         })
         .collect();
+    let update =
+        layout.ranges.iter().map(|r| costs[r.clone()].iter().map(|c| c.update_s).sum::<f64>() / tp as f64).collect();
     let output_bytes: Vec<u64> = layout.ranges.iter().map(|r| graph.cut_bytes_per_sample(r.end) * mb).collect();
     let bytes = layout
         .ranges
@@ -399,7 +403,7 @@ fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> StageFigur
             }
         })
         .collect();
-    StageFigures { times, output_bytes, bytes }
+    StageFigures { times, update, output_bytes, bytes }
 }
 
 /// The streams and the collective groups they use.
@@ -872,6 +876,7 @@ fn assemble(
             parameters: stages.bytes[s].parameters,
             forward_s: stages.times[s].0,
             backward_s: stages.times[s].1,
+            update_s: stages.update[s],
             recompute: layout.recompute[s],
             activation_bytes_per_microbatch: if layout.recompute[s] {
                 stages.bytes[s].input_per_microbatch
@@ -1348,6 +1353,7 @@ fn tp_allreduce_bytes(graph: &Graph, ranges: &[Range<usize>], microbatch_size: u
 /// The simulator's cost model for a plan.
 struct PlanCost<'a> {
     stage_fb: &'a [(f64, f64)],
+    stage_update: &'a [f64],
     cluster: &'a ClusterGraph,
     reduce: ReduceMode,
     tp: usize,
@@ -1368,6 +1374,7 @@ impl<'a> PlanCost<'a> {
     ) -> Self {
         PlanCost {
             stage_fb: &stages.times,
+            stage_update: &stages.update,
             cluster: &model.cluster,
             reduce: spec.strategy.schedule.reduce,
             tp: spec.strategy.tp.max(1),
@@ -1399,6 +1406,7 @@ impl CostModel for PlanCost<'_> {
             // the input gradient and the weight gradient each cost about one forward
             Phase::BackwardInput => b / 2.0 + tp_comm,
             Phase::BackwardWeight => b / 2.0,
+            Phase::Optimizer => self.stage_update.get(s).copied().unwrap_or(0.0),
             _ => 0.0,
         }
     }

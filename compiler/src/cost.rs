@@ -17,6 +17,10 @@ pub struct LayerCost {
     pub backward_flops_per_sample: f64,
     pub forward_s: f64,
     pub backward_s: f64,
+    /// One optimizer update of the layer's parameters. The analytic model leaves it at 0
+    /// (memory-bound work the spec's FLOP rate says nothing about, and the closed forms of
+    /// the schedules have no term for it); a profile measures it.
+    pub update_s: f64,
     pub parameters: u64,
     pub parameter_bytes: u64,
     /// Bytes kept for the backward, per sample.
@@ -118,6 +122,7 @@ pub fn analytic_costs(graph: &Graph, throughput: f64, overhead: f64, microbatch_
                 backward_flops_per_sample: bf,
                 forward_s: ff * microbatch_size as f64 / throughput + overhead,
                 backward_s: bf * microbatch_size as f64 / throughput + 2.0 * overhead,
+                update_s: 0.0,
                 parameters: params,
                 parameter_bytes: params * p as u64,
                 activation_bytes_per_sample: activation_bytes(node, p),
@@ -131,7 +136,8 @@ pub use pipec_plan::profile::{Profile, ProfiledLayer};
 
 /// Applying a measured profile to the analytic costs.
 pub trait ApplyProfile {
-    /// Replaces analytic costs with measured ones, scaled linearly to the microbatch size.
+    /// Replaces analytic costs with measured ones, passes scaled linearly to the microbatch
+    /// size.
     fn apply(&self, costs: &mut [LayerCost], microbatch_size: usize) -> Result<(), String>;
 }
 
@@ -147,6 +153,8 @@ impl ApplyProfile for Profile {
         for (c, l) in costs.iter_mut().zip(&self.layers) {
             c.forward_s = l.forward_ms / 1e3 * scale;
             c.backward_s = l.backward_ms / 1e3 * scale;
+            // an update's work depends on the parameters, not on the microbatch
+            c.update_s = l.update_ms / 1e3;
             c.activation_bytes_per_sample = l.activation_bytes / self.batch_size as u64;
             c.output_bytes_per_sample = l.output_bytes / self.batch_size as u64;
             c.parameter_bytes = l.parameter_bytes;

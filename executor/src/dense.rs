@@ -13,9 +13,9 @@
 //! the single device's numbers.
 //!
 //! A backend picks its orientation in [`Kernels::input_grad`]; CUDA keeps Burn's. The
-//! forward goes through [`Kernels::weight_product`]: on `flex`, from a weight's second
-//! forward on, `(Wᵀ · xᵀ)ᵀ` from a transposed copy of the weight, for the same reason and
-//! with the same bits (`crate::flex_weights`).
+//! forward goes through [`Kernels::weight_product`]: on `flex`, `(Wᵀ · xᵀ)ᵀ` from a
+//! transposed copy of the weight (from its second forward, and after an update from the
+//! first), for the same reason and with the same bits (`crate::flex_weights`).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -46,9 +46,19 @@ pub trait Kernels: Backend {
         Self::product(x, w)
     }
 
-    /// Drops whatever this thread keeps to speed up [`Kernels::weight_product`] (called when
-    /// weights have changed; only frees memory).
+    /// Drops whatever this thread keeps to speed up [`Kernels::weight_product`], for every
+    /// weight (only frees memory; `pipec profile` starts and ends each layer with it).
     fn release_weight_copies() {}
+
+    /// Drops what this thread keeps for [`Kernels::weight_product`] of `w` (a transposed
+    /// copy on `flex`); whether there was something.
+    fn take_weight_copy(_w: &FloatTensor<Self>) -> bool {
+        false
+    }
+
+    /// Makes now what [`Kernels::weight_product`] would make for `w` at its second forward
+    /// (after an update, for the weights whose previous version had it).
+    fn copy_weight(_w: &FloatTensor<Self>) {}
 
     /// The key under which a weight's gradient is summed in place ([`with_gradient_sums`]):
     /// on an autodiff backend the weight's graph node; `None` elsewhere.
@@ -85,12 +95,20 @@ impl Kernels for burn::backend::Flex {
     }
 
     fn weight_product(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        // (wᵀ · xᵀ)ᵀ from a transposed copy of w, from its second forward on (crate::flex_weights)
+        // (wᵀ · xᵀ)ᵀ from a transposed copy of w, once it has one (crate::flex_weights)
         crate::flex_weights::product(&x, &w).unwrap_or_else(|| Self::product(x, w))
     }
 
     fn release_weight_copies() {
         crate::flex_weights::release()
+    }
+
+    fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
+        crate::flex_weights::take(w)
+    }
+
+    fn copy_weight(w: &FloatTensor<Self>) {
+        crate::flex_weights::copy_now(w)
     }
 }
 
@@ -109,6 +127,14 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
 
     fn release_weight_copies() {
         I::release_weight_copies()
+    }
+
+    fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
+        I::take_weight_copy(&w.primitive)
+    }
+
+    fn copy_weight(w: &FloatTensor<Self>) {
+        I::copy_weight(&w.primitive)
     }
 
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {

@@ -11,10 +11,14 @@
 //!
 //! A weight's transposed copy is made at its second forward (a weight used once per update,
 //! as under PipeDream's per-microbatch updates, is never copied) and kept, per thread, for as
-//! long as anything else holds that weight; [`release`] drops them all (the worker calls it
-//! before every update, so that nothing extra holds the weights being updated). A copy costs
-//! one transposition per weight and update (0.9–1.9 ms for 1024 × 1024, which two to four
-//! forwards from it repay) and the weight's size in memory while it lives.
+//! long as anything else holds that weight. An update ([`crate::worker::StageOptim::update`])
+//! takes the copies of the weights it replaces ([`take`]: nothing extra then holds them
+//! while they are updated) and makes the new version's right after ([`copy_now`]), in the
+//! replaced copy's buffer, so that every forward of the version runs from the copy and the
+//! transposition runs inside the update — which a later pipeline stage does while it waits
+//! for its next first input. A copy costs one transposition per weight and update (about a
+//! millisecond for 1024 × 1024, repaid by two to four forwards from it) and the weight's size
+//! in memory while it lives; [`release`] drops them all.
 //!
 //! The copy is only used where the two orientations run `gemm`'s same kernel path, so that
 //! the result is the direct product's bit for bit (tested): a schedule's numbers do not
@@ -43,19 +47,18 @@ struct Entry {
 
 thread_local! {
     static COPIES: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
+    /// Copies of replaced weights, nothing else holds, kept from [`take`] to [`copy_now`]
+    /// across an update, which writes the new version's copy into one of them.
+    static SPARES: RefCell<Vec<FlexTensor>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `x · w` from `w`'s transposed copy, for a 2-D `f32` microbatch `x` and a contiguous 2-D
 /// `f32` weight `w`; `None` where the direct product should run (the weight's first forward,
 /// other shapes, layouts and dtypes).
 pub(crate) fn product(x: &FlexTensor, w: &FlexTensor) -> Option<FlexTensor> {
-    let (&[rows, inner], &[w_rows, cols]) = (x.layout().shape().as_slice(), w.layout().shape().as_slice()) else {
-        return None;
-    };
-    let whole = w.layout().is_contiguous()
-        && w.layout().start_offset() == 0
-        && w.bytes().len() == w_rows * cols * std::mem::size_of::<f32>();
-    if x.dtype() != DType::F32 || w.dtype() != DType::F32 || !whole || inner != w_rows {
+    let &[rows, inner] = x.layout().shape().as_slice() else { return None };
+    let (w_rows, cols) = whole_matrix(w)?;
+    if x.dtype() != DType::F32 || inner != w_rows {
         return None;
     }
     if rows > MAX_ROWS || !same_kernel_path(rows, cols) {
@@ -66,10 +69,72 @@ pub(crate) fn product(x: &FlexTensor, w: &FlexTensor) -> Option<FlexTensor> {
     crate::flex_gemm::product(&wt, &x.transpose(0, 1)).map(|yt| yt.transpose(0, 1))
 }
 
+/// `w`'s (rows, cols) if it is a contiguous 2-D `f32` matrix filling its buffer.
+fn whole_matrix(w: &FlexTensor) -> Option<(usize, usize)> {
+    let &[rows, cols] = w.layout().shape().as_slice() else { return None };
+    let whole = w.layout().is_contiguous()
+        && w.layout().start_offset() == 0
+        && w.bytes().len() == rows * cols * std::mem::size_of::<f32>();
+    (w.dtype() == DType::F32 && whole).then_some((rows, cols))
+}
+
+/// Drops this thread's entry for `w` (so that nothing here holds it while it is updated);
+/// whether it had a transposed copy. The copy's buffer is kept for [`copy_now`] if nothing
+/// else holds it.
+pub(crate) fn take(w: &FlexTensor) -> bool {
+    let taken = COPIES.with(|c| {
+        let mut entries = c.borrow_mut();
+        let at = entries.iter().position(|e| same_weight(&e.weight, w));
+        at.and_then(|i| entries.swap_remove(i).transposed)
+    });
+    let Some(t) = taken else { return false };
+    if t.is_unique() {
+        SPARES.with(|s| s.borrow_mut().push(t));
+    }
+    true
+}
+
+/// Makes `w`'s transposed copy now instead of at its second forward: for the new version of
+/// a weight whose previous version had one, so that all its forwards run from the copy and
+/// the transposition runs where the worker puts it (after the update, while a later stage
+/// waits for its first input). Other matrices are left alone.
+pub(crate) fn copy_now(w: &FlexTensor) {
+    let Some((rows, cols)) = whole_matrix(w) else { return };
+    COPIES.with(|c| {
+        let mut entries = c.borrow_mut();
+        if entries.iter().any(|e| same_weight(&e.weight, w) && e.transposed.is_some()) {
+            return;
+        }
+        entries.retain(|e| !e.weight.is_unique() && !same_weight(&e.weight, w));
+        // into the buffer of a replaced copy of the same shape where there is one
+        let spare = SPARES.with(|s| {
+            let mut spares = s.borrow_mut();
+            let at = spares.iter().position(|t| t.layout().shape().as_slice() == [cols, rows]);
+            at.map(|i| spares.swap_remove(i))
+        });
+        let transposed = match spare {
+            Some(mut t) => match t.try_storage_mut::<f32>() {
+                Some(out) => {
+                    transpose_into(w.storage::<f32>(), rows, cols, out);
+                    t
+                }
+                None => fresh_transpose(w, rows, cols),
+            },
+            None => fresh_transpose(w, rows, cols),
+        };
+        entries.push(Entry { weight: w.clone(), transposed: Some(transposed) });
+    })
+}
+
+fn same_weight(a: &FlexTensor, b: &FlexTensor) -> bool {
+    a.bytes().as_ptr() == b.bytes().as_ptr() && a.layout() == b.layout()
+}
+
 /// Drops this thread's transposed copies (they are only a speed-up: the next forwards make
 /// them again).
 pub(crate) fn release() {
     COPIES.with(|c| c.borrow_mut().clear());
+    SPARES.with(|s| s.borrow_mut().clear());
 }
 
 /// How many weights this thread holds copies of.
@@ -82,13 +147,11 @@ fn copies() -> usize {
 fn transposed(w: &FlexTensor) -> Option<FlexTensor> {
     COPIES.with(|c| {
         let mut entries = c.borrow_mut();
-        let at = w.bytes().as_ptr();
-        match entries.iter_mut().find(|e| e.weight.bytes().as_ptr() == at && e.weight.layout() == w.layout()) {
+        match entries.iter_mut().find(|e| same_weight(&e.weight, w)) {
             Some(entry) => {
                 if entry.transposed.is_none() {
                     let [rows, cols] = [w.layout().shape()[0], w.layout().shape()[1]];
-                    let t = transpose(w.storage::<f32>(), rows, cols);
-                    entry.transposed = Some(FlexTensor::from_data(burn::tensor::TensorData::new(t, [cols, rows])));
+                    entry.transposed = Some(fresh_transpose(w, rows, cols));
                 }
                 entry.transposed.clone()
             }
@@ -108,6 +171,12 @@ fn transposed(w: &FlexTensor) -> Option<FlexTensor> {
 /// 4 KiB-apart writes share cache sets, and 5.2 ms for flex's own transposed copy).
 fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0f32; rows * cols];
+    transpose_into(src, rows, cols, &mut out);
+    out
+}
+
+/// [`transpose`] into `out` (`rows × cols` values).
+fn transpose_into(src: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
     for (b, band) in src.chunks(8 * cols).enumerate() {
         let first = b * 8;
         let n = band.len() / cols;
@@ -117,7 +186,12 @@ fn transpose(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
             }
         }
     }
-    out
+}
+
+/// `w`'s transpose in a new tensor.
+fn fresh_transpose(w: &FlexTensor, rows: usize, cols: usize) -> FlexTensor {
+    let t = transpose(w.storage::<f32>(), rows, cols);
+    FlexTensor::from_data(burn::tensor::TensorData::new(t, [cols, rows]))
 }
 
 #[cfg(test)]
@@ -206,5 +280,47 @@ mod tests {
         drop(product(&x, &kept));
         assert_eq!(copies(), 1);
         release();
+    }
+
+    /// After an update the new version's copy is made at once, in the buffer of the replaced
+    /// version's copy, and its first forward already runs from it, with the direct
+    /// product's bits; a weight used once (no copy) gets none.
+    #[test]
+    fn an_update_makes_the_new_versions_copy_in_the_old_ones_buffer() {
+        release();
+        let x = random([32, 96], 100);
+        let old = random([96, 80], 101);
+        drop(product(&x, &old));
+        drop(product(&x, &old));
+        let at = copy_address(&old).expect("a copy from the second forward");
+        assert!(take(&old), "the old version had a copy");
+        assert_eq!(copies(), 0);
+        drop(old);
+        let new = random([96, 80], 102);
+        copy_now(&new);
+        assert_eq!(copies(), 1);
+        assert_eq!(copy_address(&new), Some(at), "written into the replaced copy's buffer");
+        assert_eq!(SPARES.with(|s| s.borrow().len()), 0);
+        let direct = values(Flex::float_matmul(x.clone(), new.clone()));
+        let first = product(&x, &new).expect("the first forward runs from the copy");
+        assert!(values(first).iter().zip(&direct).all(|(a, b)| a.to_bits() == b.to_bits()));
+        // used once: nothing to renew
+        let once = random([96, 80], 103);
+        drop(product(&x, &once));
+        assert!(!take(&once));
+        assert!(!take(&random([96, 80], 104)), "never seen");
+        release();
+        assert_eq!(copies(), 0);
+    }
+
+    /// Where the new version's copy lives.
+    fn copy_address(w: &FlexTensor) -> Option<*const u8> {
+        COPIES.with(|c| {
+            c.borrow()
+                .iter()
+                .find(|e| same_weight(&e.weight, w))
+                .and_then(|e| e.transposed.as_ref())
+                .map(|t| t.bytes().as_ptr())
+        })
     }
 }

@@ -59,6 +59,38 @@ pub(crate) fn sum_keys<B: crate::dense::ExecBackend, M: Module<B>>(model: &M) ->
     keys.0
 }
 
+/// Drops what this thread keeps for the forward products of `model`'s weights
+/// ([`crate::dense::Kernels::take_weight_copy`]); the ids of those that had a copy.
+pub(crate) fn take_weight_copies<B: crate::dense::ExecBackend, M: Module<B>>(model: &M) -> Vec<ParamId> {
+    struct Held(Vec<ParamId>);
+    impl<B: crate::dense::ExecBackend> ModuleVisitor<B> for Held {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if D == 2 && B::take_weight_copy(&param.val().into_primitive().tensor()) {
+                self.0.push(param.id);
+            }
+        }
+    }
+    let mut held = Held(Vec::new());
+    model.visit(&mut held);
+    held.0
+}
+
+/// Makes the copies of the parameters `ids` names now ([`crate::dense::Kernels::copy_weight`]):
+/// after an update, for the weights whose previous version had one.
+pub(crate) fn copy_weights<B: crate::dense::ExecBackend, M: Module<B>>(model: &M, ids: &[ParamId]) {
+    struct Copy<'a>(&'a [ParamId]);
+    impl<B: crate::dense::ExecBackend> ModuleVisitor<B> for Copy<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if D == 2 && self.0.contains(&param.id) {
+                B::copy_weight(&param.val().into_primitive().tensor());
+            }
+        }
+    }
+    if !ids.is_empty() {
+        model.visit(&mut Copy(ids));
+    }
+}
+
 /// Runs `backward` with the running sums in `acc` of the parameters keyed in `keys` lent to
 /// the dense products ([`with_gradient_sums`]): their weight gradients are added into `acc`
 /// inside the backward, and Burn's gradients returned hold the rest.

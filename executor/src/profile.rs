@@ -17,6 +17,7 @@ use crate::layers::{Act, StageGraph, StageModel};
 use crate::params::{accumulate, backward_into_sums, collect_grads, sum_keys, FlatGrads};
 use crate::rng::Rng;
 use crate::worker::require_grad;
+use crate::worker::StageOptim;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -46,30 +47,36 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
     }
 }
 
+/// A layer's (or a model's) measured passes, in milliseconds.
+struct Passes {
+    forward: f64,
+    backward: f64,
+    update: f64,
+}
+
 /// Runs `model` forward and backward on `input()` `warmup` times unmeasured, then `reps`
-/// times; the median forward and backward in milliseconds. A backward is timed as the
-/// executor runs it: the autodiff pass and the weight gradients added into the step's sums.
-/// The weights count as updated every `per_version` passes, as in a step that runs that
-/// many microbatches per update, and a forward is the mean over such a group: what a backend
-/// does once per weight version (flex's transposed copies, `Kernels::weight_product`) is
-/// spread over the forwards it serves. Both counts are rounded up to whole groups.
+/// times, and updates it with the plan's optimizer after every `per_version` passes, as in
+/// a step that runs that many microbatches per update; the medians of the forwards, the
+/// backwards and the updates. A backward is timed as the executor runs it: the autodiff
+/// pass and the weight gradients added into the step's sums. An update is the optimizer
+/// step and what the backend does once per weight version (flex's transposed copies,
+/// `StageOptim::update`), with a learning rate of zero, which costs the same work and keeps
+/// the weights at their values. Both counts are rounded up to whole groups.
 fn time_passes<B: ExecBackend>(
-    model: &StageModel<B>,
-    warmup: usize,
-    reps: usize,
-    per_version: usize,
+    mut model: StageModel<B>,
+    plan: &Plan,
+    (warmup, reps, per_version): (usize, usize, usize),
     what: &str,
     mut input: impl FnMut() -> Act<B>,
-) -> Result<(f64, f64), ExecError> {
-    let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+) -> Result<Passes, ExecError> {
+    let (mut fwd, mut bwd, mut upd) = (Vec::new(), Vec::new(), Vec::new());
+    let mut optim = StageOptim::<B>::new(&plan.training.optimizer);
     let mut acc = FlatGrads::<B>::new();
-    let keys = sum_keys(model);
+    let keys = sum_keys(&model);
     let per_version = per_version.max(1);
     let (warmup, reps) = (warmup.div_ceil(per_version) * per_version, reps.max(1).div_ceil(per_version) * per_version);
+    B::release_weight_copies();
     for r in 0..warmup + reps {
-        if r % per_version == 0 {
-            B::release_weight_copies();
-        }
         let x = input();
         let t0 = Instant::now();
         let y = model.forward(x, true, (0, 0, r as u64), &mut Vec::new())?;
@@ -80,16 +87,39 @@ fn time_passes<B: ExecBackend>(
         // as the executor runs it: dense weight gradients added into the sums inside the
         // backward, the rest collected and added after
         let mut grads = backward_into_sums::<B>(&mut acc, &keys, || s.backward());
-        accumulate::<B>(&mut acc, collect_grads(model, &mut grads));
+        accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
         let t2 = Instant::now();
         if r >= warmup {
             fwd.push((t1 - t0).as_secs_f64() * 1e3);
             bwd.push((t2 - t1).as_secs_f64() * 1e3);
         }
+        if (r + 1) % per_version == 0 {
+            let t3 = Instant::now();
+            model = optim.update(0.0, model, &std::mem::take(&mut acc), 1.0);
+            // make the update really run (lazy backends): read one value of every weight
+            sync_weights(&model);
+            if r >= warmup {
+                upd.push(t3.elapsed().as_secs_f64() * 1e3);
+            }
+        }
     }
     B::release_weight_copies();
-    let forward = median(fwd.chunks(per_version).map(|g| g.iter().sum::<f64>() / g.len() as f64).collect());
-    Ok((forward, median(bwd)))
+    Ok(Passes { forward: median(fwd), backward: median(bwd), update: median(upd) })
+}
+
+/// Waits for every weight of `model` (one value each; lazy backends run what they queued).
+fn sync_weights<B: ExecBackend>(model: &StageModel<B>) {
+    struct Sync;
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Sync {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            let t = param.val();
+            let n = t.shape().num_elements();
+            if n > 0 {
+                let _ = t.reshape([n]).narrow(0, 0, 1).into_data();
+            }
+        }
+    }
+    model.visit(&mut Sync);
 }
 
 /// How many forwards a layer's weights serve between two updates on one device: under a
@@ -143,22 +173,23 @@ pub fn profile_layers<B: ExecBackend>(
             })
             .collect();
         let tokens = if layer.op.takes_token_ids() { plan.model.token_vocab } else { None };
-        let (forward_ms, backward_ms) =
-            time_passes(&model, warmup, reps, forwards_per_version(plan, i), "a layer", || {
-                let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
-                let x = Act::from_parts(parts);
-                if i == 0 {
-                    x
-                } else {
-                    require_grad(x)
-                }
-            })?;
         let params: usize = model.num_params();
+        let per_version = forwards_per_version(plan, i);
+        let passes = time_passes(model, plan, (warmup, reps, per_version), "a layer", || {
+            let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
+            let x = Act::from_parts(parts);
+            if i == 0 {
+                x
+            } else {
+                require_grad(x)
+            }
+        })?;
         out.push(ProfiledLayer {
             index: i,
             name: layer.op.name().to_string(),
-            forward_ms,
-            backward_ms,
+            forward_ms: passes.forward,
+            backward_ms: passes.backward,
+            update_ms: passes.update,
             activation_bytes: layer.activation_bytes_per_sample * mb as u64,
             output_bytes: layer.output_shape.iter().product::<usize>() as u64 * precision * mb as u64,
             parameter_bytes: params as u64 * precision,
@@ -166,7 +197,7 @@ pub fn profile_layers<B: ExecBackend>(
     }
     // Calibrate against the whole model run as one graph: a layer measured alone misses what
     // a long autodiff graph costs (bookkeeping, memory traffic between layers). Scale the
-    // layers' forward and backward times so they add up to the whole model's.
+    // layers' times so they add up to the whole model's.
     let all_ops: Vec<_> = plan.layers.iter().map(|l| l.op.clone()).collect();
     let mut whole = StageModel::<B>::new(&all_ops, 0, plan.training.seed, dev);
     whole.graph = crate::worker::stage_graph(plan, 0, plan.layers.len());
@@ -174,14 +205,19 @@ pub fn profile_layers<B: ExecBackend>(
     shape.extend(&plan.model.input);
     let tokens = plan.model.token_vocab;
     let per_version = forwards_per_version(plan, 0);
-    let (whole_f, whole_b) =
-        time_passes(&whole, warmup, reps, per_version, "the model", || random_input::<B>(&shape, tokens, dev))?;
-    let (sum_f, sum_b): (f64, f64) = (out.iter().map(|l| l.forward_ms).sum(), out.iter().map(|l| l.backward_ms).sum());
-    if sum_f > 0.0 && sum_b > 0.0 && whole_f > 0.0 && whole_b > 0.0 {
-        for l in &mut out {
-            l.forward_ms *= whole_f / sum_f;
-            l.backward_ms *= whole_b / sum_b;
-        }
+    let whole =
+        time_passes(whole, plan, (warmup, reps, per_version), "the model", || random_input::<B>(&shape, tokens, dev))?;
+    let sums = |f: fn(&ProfiledLayer) -> f64| out.iter().map(f).sum::<f64>();
+    let scale = |whole: f64, sum: f64| if whole > 0.0 && sum > 0.0 { whole / sum } else { 1.0 };
+    let (sf, sb, su) = (
+        scale(whole.forward, sums(|l| l.forward_ms)),
+        scale(whole.backward, sums(|l| l.backward_ms)),
+        scale(whole.update, sums(|l| l.update_ms)),
+    );
+    for l in &mut out {
+        l.forward_ms *= sf;
+        l.backward_ms *= sb;
+        l.update_ms *= su;
     }
     Ok(Profile {
         version: 1,
@@ -227,6 +263,7 @@ pub fn profile_cpu_concurrent(plan: &Plan, threads: usize, warmup: usize, reps: 
     for (i, layer) in out.layers.iter_mut().enumerate() {
         layer.forward_ms = profiles.iter().map(|p| p.layers[i].forward_ms).sum::<f64>() / n;
         layer.backward_ms = profiles.iter().map(|p| p.layers[i].backward_ms).sum::<f64>() / n;
+        layer.update_ms = profiles.iter().map(|p| p.layers[i].update_ms).sum::<f64>() / n;
     }
     Ok(out)
 }

@@ -27,8 +27,8 @@ use crate::data::{Dataset, Inputs, Targets};
 use crate::error::{ExecError, Result};
 use crate::layers::{Act, StageGraph, StageModel};
 use crate::params::{
-    accumulate, backward_into_sums, collect_grads, flatten_grads, host_f32, layout, set_params, snapshot, sum_keys,
-    to_optimizer_grads, unflatten, FlatGrads,
+    accumulate, backward_into_sums, collect_grads, copy_weights, flatten_grads, host_f32, layout, set_params, snapshot,
+    sum_keys, take_weight_copies, to_optimizer_grads, unflatten, FlatGrads,
 };
 use crate::tensor_parallel::{Boundary, Segment};
 use crate::transport::{Message, Tag};
@@ -168,8 +168,7 @@ impl<B: ExecBackend> StageState<B> {
     /// One optimizer update from flat gradients, each scaled by `scale`.
     fn update(&mut self, lr: f64, flat: &[Option<Tensor<B::InnerBackend, 1>>], scale: f64) -> Result<()> {
         let model = self.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
-        let grads = to_optimizer_grads(&model, flat, scale);
-        self.model = Some(self.optim.step(lr, model, grads));
+        self.model = Some(self.optim.update(lr, model, flat, scale));
         Ok(())
     }
 }
@@ -209,6 +208,27 @@ impl<B: ExecBackend> StageOptim<B> {
             StageOptim::Sgd(o) => o.step(lr, model, grads),
             StageOptim::Adam(o) => o.step(lr, model, grads),
         }
+    }
+
+    /// One update of `model` from flat gradients (in visiting order), each scaled by
+    /// `scale`. The weights' transposed copies (`crate::flex_weights`) belong to the version
+    /// being replaced: they are dropped first, so that nothing extra holds the weights while
+    /// they are updated, and the new version's are made at once, so that its forwards all
+    /// run from them and the transposition runs here, where a stage that waits for its
+    /// first input after the update has the time (`pipec profile` times it as part of the
+    /// update).
+    pub(crate) fn update(
+        &mut self,
+        lr: f64,
+        model: StageModel<B>,
+        flat: &[Option<Tensor<B::InnerBackend, 1>>],
+        scale: f64,
+    ) -> StageModel<B> {
+        let copied = take_weight_copies(&model);
+        let grads = to_optimizer_grads(&model, flat, scale);
+        let model = self.step(lr, model, grads);
+        copy_weights(&model, &copied);
+        model
     }
 
     /// The optimizer's state (momentum, Adam moments) in Burn's binary record format.
@@ -1096,7 +1116,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// `ApplyGradient` (parameter server): one microbatch's gradient for the whole stage;
     /// its loss was scaled by 1/N, so the update uses its mean.
     fn apply_gradient(&mut self, stage: StageId, values: &[f32]) -> Result<()> {
-        B::release_weight_copies(); // as for an optimizer step
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
         let dev = self.dev.clone();
@@ -1207,9 +1226,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// per-microbatch means scaled by 1/N; an update made from fewer microbatches
     /// (PipeDream) rescales to their mean.
     fn optimizer_step(&mut self, stage: StageId) -> Result<()> {
-        // the weights' transposed copies are for the version being replaced: drop them
-        // first, so that nothing extra holds the weights while they are updated
-        B::release_weight_copies();
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
         self.sum_partial_gradients(stage)?;

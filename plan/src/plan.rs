@@ -208,6 +208,10 @@ pub struct StagePlan {
     pub parameters: u64,
     pub forward_s: f64,
     pub backward_s: f64,
+    /// One optimizer update of the stage's parameters (per tensor-parallel rank); only
+    /// written when a profile measured it (the analytic cost model has no figure for it).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub update_s: f64,
     /// Activation recompute: the forward keeps only the stage's input, and a `recompute`
     /// instruction rebuilds the rest before the backward.
     pub recompute: bool,
@@ -221,6 +225,10 @@ pub struct StagePlan {
     /// forward and backward include the group's all-reduces.
     #[serde(default)]
     pub tensor_parallel: Vec<Vec<DeviceId>>,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// Per-device memory, in bytes.

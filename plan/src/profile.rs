@@ -21,6 +21,10 @@ pub struct ProfiledLayer {
     pub name: String,
     pub forward_ms: f64,
     pub backward_ms: f64,
+    /// One optimizer update of the layer's parameters, with what the backend does once per
+    /// weight version (independent of the batch size; 0 in profiles that predate it).
+    #[serde(default)]
+    pub update_ms: f64,
     /// Bytes kept for the backward, for `batch_size` samples.
     pub activation_bytes: u64,
     /// Bytes of the output, for `batch_size` samples.
