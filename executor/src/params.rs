@@ -337,4 +337,33 @@ mod tests {
         let all = collect_grads(&m, &mut loss(&m, xs[0].clone()).backward());
         assert!(all.iter().all(Option::is_some));
     }
+
+    /// An update's copies: the weights whose forwards ran from a transposed copy are named
+    /// and their copies dropped before the update, and only those get the new version's
+    /// copy after it (here `w1`; `w2`'s 16 × 8 products are left to the direct product).
+    #[test]
+    fn an_update_renews_the_copies_of_the_weights_that_had_them() {
+        B::release_weight_copies();
+        let m = Two::<B> {
+            w1: Param::from_tensor(random([24, 40], 11).require_grad()),
+            bias: Param::from_tensor(random([40], 12).require_grad()),
+            w2: Param::from_tensor(random([40, 8], 13).require_grad()),
+        };
+        for seed in [14, 15] {
+            drop(loss(&m, random([16, 24], seed)));
+        }
+        let ids = take_weight_copies(&m);
+        assert_eq!(ids, vec![m.w1.id]);
+        assert!(take_weight_copies(&m).is_empty(), "taken: nothing left to take");
+        // the new version (as the optimizer returns it): new tensors under the same ids
+        let new = Two::<B> {
+            w1: Param::initialized(m.w1.id, random([24, 40], 16).require_grad()),
+            bias: Param::initialized(m.bias.id, random([40], 17).require_grad()),
+            w2: Param::initialized(m.w2.id, random([40, 8], 18).require_grad()),
+        };
+        drop(m);
+        copy_weights(&new, &ids);
+        assert_eq!(take_weight_copies(&new), vec![new.w1.id], "made after the update, for w1 only");
+        B::release_weight_copies();
+    }
 }
