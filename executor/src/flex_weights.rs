@@ -112,16 +112,11 @@ pub(crate) fn copy_now(w: &FlexTensor) {
             let at = spares.iter().position(|t| t.layout().shape().as_slice() == [cols, rows]);
             at.map(|i| spares.swap_remove(i))
         });
-        let transposed = match spare {
-            Some(mut t) => match t.try_storage_mut::<f32>() {
-                Some(out) => {
-                    transpose_into(w.storage::<f32>(), rows, cols, out);
-                    t
-                }
-                None => fresh_transpose(w, rows, cols),
-            },
-            None => fresh_transpose(w, rows, cols),
-        };
+        let reused = spare.and_then(|mut t| {
+            transpose_into(w.storage::<f32>(), rows, cols, t.try_storage_mut::<f32>()?);
+            Some(t)
+        });
+        let transposed = reused.unwrap_or_else(|| fresh_transpose(w, rows, cols));
         entries.push(Entry { weight: w.clone(), transposed: Some(transposed) });
     })
 }
