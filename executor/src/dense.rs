@@ -27,7 +27,7 @@ use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
 use std::any::Any;
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// What the executor needs of a backend beyond Burn's: its dense product.
 pub trait Kernels: Backend {
@@ -181,9 +181,60 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
 /// The step's running weight-gradient sums, keyed by weight ([`Kernels::sum_key`]).
 pub(crate) type Sums<I> = HashMap<NodeId, Option<FloatTensor<I>>>;
 
+/// Weight gradients a split backward's input pass put off ([`with_deferred_weight_gradients`]):
+/// per keyed weight, the operands `xᵀ` and `dy` of its product, in the order the backward
+/// reached them. [`add_deferred`] computes them.
+pub(crate) struct Deferred<I: Backend>(Vec<(NodeId, FloatTensor<I>, FloatTensor<I>)>);
+
+impl<I: Backend> Default for Deferred<I> {
+    fn default() -> Self {
+        Deferred(Vec::new())
+    }
+}
+
+impl<I: Backend> std::fmt::Debug for Deferred<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} deferred weight gradient(s)", self.0.len())
+    }
+}
+
+impl<I: Backend> Deferred<I> {
+    /// How many weight gradients wait here.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// What a backward on this thread does with the weight gradients of keyed weights.
+enum Lent<I: Backend> {
+    /// Adds each into its running sum at once.
+    Sums(Sums<I>),
+    /// Keeps its operands for later (the weights keyed are the map's keys).
+    Defer(HashSet<NodeId>, Deferred<I>),
+}
+
 thread_local! {
-    /// This thread's [`Sums`] while [`with_gradient_sums`] runs (type-erased: one per backend).
-    static SUMS: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+    /// This thread's [`Lent`] while a backward runs (type-erased: one per backend).
+    static LENT: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// Runs `backward` with `lent` installed on this thread, and takes it back (also if the
+/// backward panics).
+fn with_lent<I: Backend, R>(lent: Lent<I>, backward: impl FnOnce() -> R) -> (R, Option<Lent<I>>) {
+    /// Uninstalls what was lent even if the backward panics.
+    struct Installed;
+    impl Drop for Installed {
+        fn drop(&mut self) {
+            LENT.with(|s| s.borrow_mut().take());
+        }
+    }
+    LENT.with(|s| *s.borrow_mut() = Some(Box::new(lent)));
+    let installed = Installed;
+    let out = backward();
+    let lent = LENT.with(|s| s.borrow_mut().take()).and_then(|b| b.downcast::<Lent<I>>().ok()).map(|b| *b);
+    drop(installed);
+    (out, lent)
 }
 
 /// Runs `backward` with `sums` installed on this thread: the dense product's backward adds
@@ -194,40 +245,82 @@ thread_local! {
 /// op's gradients) go through Burn's gradients as before. Returns the sums, 2-D where a
 /// product touched them.
 pub(crate) fn with_gradient_sums<I: Backend, R>(sums: Sums<I>, backward: impl FnOnce() -> R) -> (R, Sums<I>) {
-    /// Uninstalls the sums even if the backward panics.
-    struct Installed;
-    impl Drop for Installed {
-        fn drop(&mut self) {
-            SUMS.with(|s| s.borrow_mut().take());
-        }
-    }
-    SUMS.with(|s| *s.borrow_mut() = Some(Box::new(sums)));
-    let installed = Installed;
-    let out = backward();
-    let sums = SUMS.with(|s| s.borrow_mut().take()).and_then(|b| b.downcast::<Sums<I>>().ok()).map(|b| *b);
-    drop(installed);
-    (out, sums.unwrap_or_default())
+    let (out, lent) = with_lent(Lent::<I>::Sums(sums), backward);
+    let sums = match lent {
+        Some(Lent::Sums(sums)) => sums,
+        _ => Sums::<I>::new(),
+    };
+    (out, sums)
 }
 
-/// Adds `xt · dy` into the installed sum of weight `node`; gives the product back when no sum
-/// is installed for it.
-fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) -> Option<FloatTensor<I>> {
-    // taken out while the product runs, so no borrow of the thread-local spans it
-    let slot = SUMS.with(|s| {
-        let mut s = s.borrow_mut();
-        let sums = s.as_mut()?.downcast_mut::<Sums<I>>()?;
-        sums.get_mut(&node).map(Option::take)
-    });
-    let Some(sum) = slot else { return Some(I::product(xt, dy)) };
-    let new = match sum {
+/// Runs `backward` as the input half of a split backward (zero-bubble's `BackwardInput`):
+/// the dense product's backward computes the input gradient but only keeps the operands of
+/// the weight gradient of every weight in `keys`, which [`add_deferred`] adds into the sums
+/// later (the plan's `BackwardWeight`). The weight products are the backward's largest
+/// share that nothing downstream waits for; a stage that sends its input gradient before
+/// computing them lets the previous stage start its backward that much sooner. Other
+/// gradients go through Burn's as usual.
+pub(crate) fn with_deferred_weight_gradients<I: Backend, R>(
+    keys: impl IntoIterator<Item = NodeId>,
+    backward: impl FnOnce() -> R,
+) -> (R, Deferred<I>) {
+    let keyed = keys.into_iter().collect();
+    let (out, lent) = with_lent(Lent::<I>::Defer(keyed, Deferred::default()), backward);
+    let deferred = match lent {
+        Some(Lent::Defer(_, deferred)) => deferred,
+        _ => Deferred::default(),
+    };
+    (out, deferred)
+}
+
+/// Adds the weight gradients `deferred` kept into `sums` (the weights must be keyed there),
+/// in the order the backward reached them: the same products and sums as when a whole
+/// backward adds them ([`with_gradient_sums`]), so a split backward's numbers are the
+/// unsplit one's bit for bit. Returns the sums.
+pub(crate) fn add_deferred<I: Kernels>(mut sums: Sums<I>, deferred: Deferred<I>) -> Sums<I> {
+    for (node, xt, dy) in deferred.0 {
+        let sum = sums.get_mut(&node).and_then(Option::take);
+        sums.insert(node, Some(sum_product::<I>(sum, xt, dy)));
+    }
+    sums
+}
+
+/// `sum + xt · dy`, in `sum`'s buffer where the backend can; `xt · dy` for the first.
+fn sum_product<I: Kernels>(sum: Option<FloatTensor<I>>, xt: FloatTensor<I>, dy: FloatTensor<I>) -> FloatTensor<I> {
+    match sum {
         Some(sum) => {
             let shape = Shape::new([xt.shape().dims::<2>()[0], dy.shape().dims::<2>()[1]]);
             I::product_add(I::float_reshape(sum, shape), xt, dy)
         }
         None => I::product(xt, dy),
-    };
-    SUMS.with(|s| {
-        if let Some(sums) = s.borrow_mut().as_mut().and_then(|b| b.downcast_mut::<Sums<I>>()) {
+    }
+}
+
+/// Adds `xt · dy` into the installed sum of weight `node`, or keeps the operands when the
+/// installed backward defers it; gives the product back when nothing is installed for it.
+fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) -> Option<FloatTensor<I>> {
+    enum Slot<I: Backend> {
+        Sum(Option<FloatTensor<I>>),
+        Deferred,
+    }
+    // the sum is taken out while the product runs, so no borrow of the thread-local spans it
+    let mut operands = Some((xt, dy));
+    let slot = LENT.with(|s| {
+        let mut s = s.borrow_mut();
+        match s.as_mut()?.downcast_mut::<Lent<I>>()? {
+            Lent::Sums(sums) => sums.get_mut(&node).map(|sum| Slot::<I>::Sum(sum.take())),
+            Lent::Defer(keyed, deferred) => keyed.contains(&node).then(|| {
+                let (xt, dy) = operands.take().expect("operands are taken once");
+                deferred.0.push((node, xt, dy));
+                Slot::<I>::Deferred
+            }),
+        }
+    });
+    let (xt, dy) = operands?;
+    let Some(Slot::Sum(sum)) = slot else { return Some(I::product(xt, dy)) };
+    let new = sum_product::<I>(sum, xt, dy);
+    LENT.with(|s| {
+        if let Some(Lent::Sums(sums)) = s.borrow_mut().as_mut().and_then(|b| b.downcast_mut::<Lent<I>>()) {
             sums.insert(node, Some(new));
         }
     });

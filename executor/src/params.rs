@@ -10,7 +10,7 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::TensorPrimitive;
 
-use crate::dense::{with_gradient_sums, Sums};
+use crate::dense::{add_deferred, with_deferred_weight_gradients, with_gradient_sums, Deferred, Sums};
 
 use crate::error::{ExecError, Result};
 
@@ -103,6 +103,28 @@ pub(crate) fn backward_into_sums<B: crate::dense::ExecBackend>(
     let (grads, sums) = with_gradient_sums::<B::InnerBackend, _>(sums, backward);
     return_sums::<B>(acc, keys, sums);
     grads
+}
+
+/// The input half of a split backward: runs `backward` with the weight gradients of the
+/// parameters keyed in `keys` put off ([`with_deferred_weight_gradients`]); Burn's
+/// gradients returned hold the rest. [`add_deferred_into_sums`] is the weight half.
+pub(crate) fn backward_deferring<B: crate::dense::ExecBackend>(
+    keys: &[Option<NodeId>],
+    backward: impl FnOnce() -> B::Gradients,
+) -> (B::Gradients, Deferred<B::InnerBackend>) {
+    with_deferred_weight_gradients::<B::InnerBackend, _>(keys.iter().flatten().copied(), backward)
+}
+
+/// The weight half of a split backward: adds the gradients [`backward_deferring`] put off
+/// into the running sums in `acc` (the same products and sums as [`backward_into_sums`]).
+pub(crate) fn add_deferred_into_sums<B: crate::dense::ExecBackend>(
+    acc: &mut FlatGrads<B>,
+    keys: &[Option<NodeId>],
+    deferred: Deferred<B::InnerBackend>,
+) {
+    let sums = lend_sums::<B>(acc, keys);
+    let sums = add_deferred::<B::InnerBackend>(sums, deferred);
+    return_sums::<B>(acc, keys, sums);
 }
 
 /// Moves the running sums of the keyed parameters out of `acc` (flat, in visiting order)
@@ -336,6 +358,44 @@ mod tests {
         // with nothing installed, the backward hands every gradient to Burn's
         let all = collect_grads(&m, &mut loss(&m, xs[0].clone()).backward());
         assert!(all.iter().all(Option::is_some));
+    }
+
+    /// A split backward (zero-bubble's `BackwardInput` then `BackwardWeight`): the input
+    /// half leaves the dense weights' sums alone and keeps their operands, the weight half
+    /// adds them; the sums and the input gradient are the whole backward's bit for bit (two
+    /// sizes, the second large enough for the transposed forward copies).
+    #[test]
+    fn a_split_backward_gives_the_whole_backwards_sums_bit_for_bit() {
+        for (rows, inner, hidden) in [(16, 24, 40), (32, 64, 256)] {
+            let m = Two::<B> {
+                w1: Param::from_tensor(random([inner, hidden], 21).require_grad()),
+                bias: Param::from_tensor(random([hidden], 22).require_grad()),
+                w2: Param::from_tensor(random([hidden, 8], 23).require_grad()),
+            };
+            let xs = [random([rows, inner], 24).require_grad(), random([rows, inner], 25).require_grad()];
+            let keys = sum_keys(&m);
+            let (mut whole, mut split): (FlatGrads<B>, FlatGrads<B>) = (Vec::new(), Vec::new());
+            for x in &xs {
+                let mut grads = backward_into_sums::<B>(&mut whole, &keys, || loss(&m, x.clone()).backward());
+                let dx_whole = x.grad_remove(&mut grads).expect("an input gradient").into_data();
+                accumulate::<B>(&mut whole, collect_grads(&m, &mut grads));
+
+                let before = split.iter().map(|g| g.as_ref().map(|t| t.clone().into_data())).collect::<Vec<_>>();
+                let (mut grads, deferred) = backward_deferring::<B>(&keys, || loss(&m, x.clone()).backward());
+                assert_eq!(deferred.len(), 2, "both dense weights' products wait for the weight half");
+                let dx_split = x.grad_remove(&mut grads).expect("an input gradient").into_data();
+                assert_eq!(dx_split, dx_whole, "{rows} × {inner}: the input gradient is the whole backward's");
+                let rest = collect_grads(&m, &mut grads);
+                assert!(rest[0].is_none() && rest[2].is_none() && rest[1].is_some(), "only the bias's is Burn's");
+                let after = split.iter().map(|g| g.as_ref().map(|t| t.clone().into_data())).collect::<Vec<_>>();
+                assert_eq!(before, after, "the input half leaves the sums alone");
+                add_deferred_into_sums::<B>(&mut split, &keys, deferred);
+                accumulate::<B>(&mut split, rest);
+            }
+            for (i, (a, b)) in values(&whole).iter().zip(values(&split)).enumerate() {
+                assert_eq!(a, &b, "{rows} × {inner}: parameter {i}");
+            }
+        }
     }
 
     /// An update's copies: the weights whose forwards ran from a transposed copy are named

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use crate::dense::ExecBackend;
+use burn::backend::autodiff::NodeId;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumConfig;
@@ -24,11 +25,13 @@ use std::collections::BTreeMap;
 
 use crate::comm::{Comm, CommTrace, Ticket};
 use crate::data::{Dataset, Inputs, Targets};
+use crate::dense::Deferred;
 use crate::error::{ExecError, Result};
 use crate::layers::{Act, StageGraph, StageModel};
 use crate::params::{
-    accumulate, backward_into_sums, collect_grads, copy_weights, flatten_grads, host_f32, layout, set_params, snapshot,
-    sum_keys, take_weight_copies, to_optimizer_grads, unflatten, FlatGrads,
+    accumulate, add_deferred_into_sums, backward_deferring, backward_into_sums, collect_grads, copy_weights,
+    flatten_grads, host_f32, layout, set_params, snapshot, sum_keys, take_weight_copies, to_optimizer_grads, unflatten,
+    FlatGrads,
 };
 use crate::tensor_parallel::{Boundary, Segment};
 use crate::transport::{Message, Tag};
@@ -356,12 +359,31 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     outputs: HashMap<(StageId, MicrobatchId), Message>,
     grads_in: HashMap<(StageId, MicrobatchId), Message>,
     input_grads: HashMap<(StageId, MicrobatchId), Message>,
-    pending_weight_grads: HashMap<(StageId, MicrobatchId), FlatGrads<B>>,
+    /// Split backwards' weight halves to come (`BackwardWeight`).
+    pending_weight_grads: HashMap<(StageId, MicrobatchId), WeightGrads<B>>,
     in_flight: HashMap<StageId, u32>,
     /// Receives posted ahead, by position in the step.
     posted: HashMap<usize, Ticket<Message>>,
     /// All-reduces in flight, per stage.
     reductions: HashMap<StageId, Reduction>,
+}
+
+/// One backward's weight gradients, not yet in the stage's running sums.
+struct WeightGrads<B: ExecBackend> {
+    /// The gradients Burn's autodiff handed back, flat in visiting order.
+    rest: FlatGrads<B>,
+    /// The dense weights' gradients a split backward's input half put off.
+    deferred: Option<PutOff<B>>,
+}
+
+/// Weight gradients put off ([`Deferred`]), with the stage's parameter keys they are summed
+/// under (`params::sum_keys`).
+type PutOff<B> = (Vec<Option<NodeId>>, Deferred<<B as burn::tensor::backend::AutodiffBackend>::InnerBackend>);
+
+impl<B: ExecBackend> WeightGrads<B> {
+    fn all(rest: FlatGrads<B>) -> Self {
+        WeightGrads { rest, deferred: None }
+    }
 }
 
 /// A stage's all-reduce in flight: the sum to come, and how to unpack it.
@@ -730,25 +752,25 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Instr::Forward { stage, mb } => self.forward(stage, mb, report),
             Instr::Recompute { stage, mb } => self.recompute(stage, mb),
             Instr::Backward { stage, mb } => {
-                let flat = self.run_backward(stage, mb, true)?;
-                self.add_gradient(stage, mb, flat)?;
+                let grads = self.run_backward(stage, mb, false)?;
+                self.add_gradient(stage, mb, grads)?;
                 // the stashed version has served its backward
                 self.state(stage)?.stash.remove(&mb);
                 Ok(())
             }
             Instr::BackwardInput { stage, mb } => {
-                // Burn's autodiff computes input and weight gradients in one pass; the
-                // weight part is applied when the plan's BackwardWeight comes.
-                let flat = self.run_backward(stage, mb, false)?;
-                self.pending_weight_grads.insert((stage, mb), flat);
+                // the input gradients, and every gradient but the dense weights' products,
+                // which wait for the plan's BackwardWeight
+                let grads = self.run_backward(stage, mb, true)?;
+                self.pending_weight_grads.insert((stage, mb), grads);
                 Ok(())
             }
             Instr::BackwardWeight { stage, mb } => {
-                let flat = self
+                let grads = self
                     .pending_weight_grads
                     .remove(&(stage, mb))
                     .ok_or(ExecError::Missing("the input-gradient pass of this microbatch did not run"))?;
-                self.add_gradient(stage, mb, flat)
+                self.add_gradient(stage, mb, grads)
             }
             Instr::Free { stage, mb } => {
                 self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
@@ -972,11 +994,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// first) and returns the weight gradients. With `into_sums`, the weight gradients of
     /// dense products are added straight into the stage's sums instead (see
     /// `dense::with_gradient_sums`) and the returned gradients hold the rest.
-    fn run_backward(&mut self, stage: StageId, mb: MicrobatchId, into_sums: bool) -> Result<FlatGrads<B>> {
+    /// A microbatch's backward: the input gradient to send, and the weight gradients — the
+    /// dense weights' added into the stage's sums inside the pass, or, for the input half of
+    /// a split backward (`split`), put off to its weight half.
+    fn run_backward(&mut self, stage: StageId, mb: MicrobatchId, split: bool) -> Result<WeightGrads<B>> {
         let n_mb = self.plan.training.microbatches as f64;
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         let target = match &kept.saved {
-            Saved::Tp(..) => return self.backward_tp(stage, mb, n_mb),
+            Saved::Tp(..) => return self.backward_tp(stage, mb, n_mb).map(WeightGrads::all),
             Saved::Loss(l) => l.clone() / n_mb,
             Saved::Output(out) => {
                 let g = self
@@ -987,15 +1012,20 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
             Saved::Nothing => return Err(ExecError::Missing("recompute was not run before the backward")),
         };
-        let keys = if into_sums { sum_keys(&kept.model) } else { Vec::new() };
-        let mut grads = backward_into_sums::<B>(&mut self.state(stage)?.acc, &keys, || target.backward());
+        let keys = sum_keys(&kept.model);
+        let (mut grads, deferred) = if split {
+            let (grads, deferred) = backward_deferring::<B>(&keys, || target.backward());
+            (grads, Some((keys, deferred)))
+        } else {
+            (backward_into_sums::<B>(&mut self.state(stage)?.acc, &keys, || target.backward()), None)
+        };
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         if stage.0 > 0 {
             let g = input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb))?
                 .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
             self.input_grads.insert((stage, mb), g);
         }
-        Ok(collect_grads(&kept.model, &mut grads))
+        Ok(WeightGrads { rest: collect_grads(&kept.model, &mut grads), deferred })
     }
 
     /// The backward of a tensor-parallel stage, segment by segment (see
@@ -1055,9 +1085,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
 
     /// Adds one microbatch's weight gradients (and its forward's batch statistics) to the
     /// stage's accumulator.
-    fn add_gradient(&mut self, stage: StageId, mb: MicrobatchId, flat: FlatGrads<B>) -> Result<()> {
+    fn add_gradient(&mut self, stage: StageId, mb: MicrobatchId, grads: WeightGrads<B>) -> Result<()> {
         let st = self.state(stage)?;
-        accumulate::<B>(&mut st.acc, flat);
+        if let Some((keys, deferred)) = grads.deferred {
+            add_deferred_into_sums::<B>(&mut st.acc, &keys, deferred);
+        }
+        accumulate::<B>(&mut st.acc, grads.rest);
         st.add_statistics(mb);
         st.contributions += 1;
         Ok(())
