@@ -31,7 +31,7 @@ use crate::ir::{self, Graph};
 use crate::lower::{lower, LowerInput};
 use crate::memory::{device_memory, human_bytes, StageBytes};
 use crate::partition::{self, AutoInput, WeightSync};
-use crate::schedule::{generate, Placement};
+use crate::schedule::{generate, send_gradients_first, Placement};
 use crate::simulate::{simulate, utilisation, CostModel, Timeline};
 use crate::verify::{verify, VerifyInput};
 
@@ -123,8 +123,9 @@ pub struct Bound {
 /// upstream of the device's first stage (they run before its first instruction, for its
 /// first microbatch) and then the longer of the upstream backwards (they follow its last
 /// instruction, for its last microbatch; not with a split backward, whose last instruction
-/// may be a weight pass) and, when every stage it holds is replicated, the all-reduce of the
-/// stage its last instruction belongs to.
+/// may be a weight pass; less that weight pass where later stages send their gradients
+/// first) and, when every stage it holds is replicated, the all-reduce of the stage its
+/// last instruction belongs to.
 pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result<Bound, Vec<Diagnostic>> {
     let (model, layout) = memo.model_and_layout(spec, options)?;
     let model = &*model;
@@ -133,6 +134,8 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let cost = PlanCost::new(spec, model, &layout, &stages, HashMap::new());
     let kind = spec.strategy.schedule.kind;
     let split = kind.splits_backward();
+    // a later stage sends its gradient after its input-gradient pass
+    let early_send = sends_gradients_first(spec, layout.replicas.len());
     let mb = pipec_plan::MicrobatchId(0);
     let of = |ins: Instr| cost.compute(DeviceId(0), &ins);
     let n_stages = placement.stages();
@@ -141,12 +144,16 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let upstream_backward: Vec<f64> = (0..n_stages)
         .map(|s| {
             let stage = StageId(s as u32);
-            if split {
+            if split || (early_send && s > 0) {
                 of(Instr::BackwardInput { stage, mb })
             } else {
                 of(Instr::Backward { stage, mb })
             }
         })
+        .collect();
+    // what a stage's last instruction may overlap of the upstream backwards: its weight pass
+    let last_weight_pass: Vec<f64> = (0..n_stages)
+        .map(|s| if early_send && s > 0 { of(Instr::BackwardWeight { stage: StageId(s as u32), mb }) } else { 0.0 })
         .collect();
     // the cheapest transfer of stage s's output to stage s + 1 (either direction: the
     // gradient coming back is the same size)
@@ -201,7 +208,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         for &(s, n) in stage_counts {
             let stage = StageId(s as u32);
             let n = n as f64;
-            let backward = if split {
+            let backward = if split || (early_send && s > 0) {
                 of(Instr::BackwardInput { stage, mb }) + of(Instr::BackwardWeight { stage, mb })
             } else {
                 of(Instr::Backward { stage, mb })
@@ -218,8 +225,15 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             let reduce =
                 held.iter().map(|&c| all_reduce[c]).try_fold(f64::INFINITY, |m, a| a.map(|a| m.min(a))).unwrap_or(0.0);
             // with a split backward the last instruction may be a weight pass, after which
-            // nothing upstream need wait
-            let drain = if split { 0.0 } else { upstream(&backward_hop) };
+            // nothing upstream need wait; a stage that sends its gradient first runs its
+            // last weight pass beside the upstream backwards
+            let drain = if split {
+                0.0
+            } else {
+                held.iter()
+                    .map(|&c| (backward_hop[..c].iter().sum::<f64>() - last_weight_pass[c]).max(0.0))
+                    .fold(f64::INFINITY, f64::min)
+            };
             (upstream(&forward_hop), drain.max(reduce))
         } else {
             (0.0, 0.0)
@@ -481,7 +495,10 @@ fn lower_streams(
     let streams = if asp {
         crate::lower::lower_asp(placement, gradient_bytes[0], strategy.schedule.staleness)
     } else {
-        let order = generate(kind, placement, ranks, backward_slots(&stages.times));
+        let mut order = generate(kind, placement, ranks, backward_slots(&stages.times));
+        if sends_gradients_first(spec, ranks) {
+            send_gradients_first(&mut order);
+        }
         lower(&LowerInput {
             placement,
             order: &order,
@@ -533,6 +550,19 @@ fn lower_streams(
     };
     tied_all_reduces(spec, layout, placement, summed, &mut lowered, precision);
     lowered
+}
+
+/// Whether a later stage sends its input gradient before it computes its weight gradients
+/// (`schedule::send_gradients_first`): with `overlap` (the default), on a schedule that
+/// updates once per step and does not split its backward already, without tensor
+/// parallelism (whose backward runs segment by segment with its all-reduces).
+fn sends_gradients_first(spec: &Spec, pipeline_ranks: usize) -> bool {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    strategy.overlap
+        && kind.updates(pipeline_ranks) == Updates::PerStep
+        && !kind.splits_backward()
+        && strategy.tp.max(1) == 1
 }
 
 /// The stage holding layer `i`.
@@ -655,7 +685,6 @@ fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lowered) -> Resu
             streams: &lowered.streams,
             placement,
             groups: &groups,
-            split_backward: kind.splits_backward(),
             recompute: &lowered.recompute,
             update_every: lowered.updates.every(lowered.asp),
             asp_staleness: lowered.asp.then_some(strategy.schedule.staleness),

@@ -169,7 +169,6 @@ pub fn verify_periodic(
             streams: &streams,
             placement: &run,
             groups,
-            split_backward: false,
             recompute,
             update_every,
             asp_staleness: None,

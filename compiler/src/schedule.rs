@@ -95,6 +95,29 @@ pub fn generate(kind: ScheduleKind, placement: &Placement, pipeline_ranks: usize
     }
 }
 
+/// Sends input gradients before weight gradients: every backward of a stage after the
+/// first becomes its input half followed at once by its weight half (zero-bubble's split,
+/// with nothing moved in between). Lowering sends the gradient after the input half, so the
+/// previous stage starts its backward while this one computes its weight gradients; every
+/// device runs the same work in the same order, and a receiver's input only comes sooner, so
+/// no pass starts later (`compiler/tests/schedules.rs` checks the step against the closed
+/// form and never above the unsplit one's). The first stage sends nothing and keeps its
+/// backwards whole.
+pub fn send_gradients_first(order: &mut Order) {
+    for tasks in order.iter_mut() {
+        let mut split = Vec::with_capacity(tasks.len() * 2);
+        for t in tasks.drain(..) {
+            if t.kind == TaskKind::Backward && t.stage.0 > 0 {
+                split.push(Task { kind: TaskKind::BackwardInput, ..t });
+                split.push(Task { kind: TaskKind::BackwardWeight, ..t });
+            } else {
+                split.push(t);
+            }
+        }
+        *tasks = split;
+    }
+}
+
 /// GPipe: every forward, then every backward (in microbatch order, as PyTorch does).
 fn gpipe(p: &Placement) -> Order {
     let mut order = vec![Vec::new(); p.devices];

@@ -29,8 +29,6 @@ pub struct VerifyInput<'a> {
     pub streams: &'a BTreeMap<DeviceId, Vec<Instr>>,
     pub placement: &'a Placement,
     pub groups: &'a HashMap<GroupId, Vec<DeviceId>>,
-    /// Whether the backward is split (zero-bubble).
-    pub split_backward: bool,
     /// Per stage: whether its forwards keep only their input (activation recompute before
     /// the backward).
     pub recompute: &'a [bool],
@@ -101,7 +99,6 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         streams,
         placement: &placement,
         groups: &groups,
-        split_backward: kind.splits_backward(),
         recompute: &recomputed_stages(plan),
         update_every: kind.updates(ranks).every(plan.schedule.staleness.is_some()),
         asp_staleness: plan.schedule.staleness,
@@ -280,47 +277,36 @@ fn check_compute(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
             if fdev != owner {
                 out.push(v(fdev, fi, format!("{what}: forward on {fdev}, but the placement routes it to {owner}")));
             }
-            let backs: Vec<(DeviceId, usize)> = if input.split_backward { e.bwd_in.clone() } else { e.bwd.clone() };
-            if backs.len() != 1
-                || (!input.split_backward && !e.bwd_in.is_empty())
-                || (input.split_backward && !e.bwd.is_empty())
-            {
-                out.push(Violation {
-                    device: Some(owner),
-                    index: None,
-                    message: format!(
-                        "{what}: {} backward(s), {} input-gradient and {} weight-gradient pass(es)",
-                        e.bwd.len(),
-                        e.bwd_in.len(),
-                        e.bwd_w.len()
-                    ),
-                });
-                continue;
-            }
-            let (bdev, bi) = backs[0];
-            if bdev != fdev || bi < fi {
-                out.push(v(bdev, bi, format!("{what}: backward before its forward or on another device")));
-            }
-            if input.split_backward {
-                if e.bwd_w.len() != 1 {
+            // one backward, or one input-gradient pass and then one weight-gradient pass (a
+            // zero-bubble schedule, or a later stage sending its input gradient first)
+            let (bdev, bi) = match (e.bwd.as_slice(), e.bwd_in.as_slice(), e.bwd_w.as_slice()) {
+                ([whole], [], []) => *whole,
+                ([], [input], [weight]) => {
+                    if weight.0 != input.0 || weight.1 < input.1 {
+                        out.push(v(
+                            weight.0,
+                            weight.1,
+                            format!("{what}: weight gradient before its input gradient or on another device"),
+                        ));
+                    }
+                    *input
+                }
+                _ => {
                     out.push(Violation {
                         device: Some(owner),
                         index: None,
-                        message: format!("{what}: {} weight-gradient passes, expected 1", e.bwd_w.len()),
+                        message: format!(
+                            "{what}: {} backward(s), {} input-gradient and {} weight-gradient pass(es); expected 1 backward, or 1 of each pass",
+                            e.bwd.len(),
+                            e.bwd_in.len(),
+                            e.bwd_w.len()
+                        ),
                     });
-                } else if e.bwd_w[0].0 != bdev || e.bwd_w[0].1 < bi {
-                    out.push(v(
-                        e.bwd_w[0].0,
-                        e.bwd_w[0].1,
-                        format!("{what}: weight gradient before its input gradient"),
-                    ));
+                    continue;
                 }
-            } else if !e.bwd_w.is_empty() {
-                out.push(v(
-                    e.bwd_w[0].0,
-                    e.bwd_w[0].1,
-                    format!("{what}: a weight-gradient pass in a schedule without split backward"),
-                ));
+            };
+            if bdev != fdev || bi < fi {
+                out.push(v(bdev, bi, format!("{what}: backward before its forward or on another device")));
             }
         }
     }

@@ -33,6 +33,14 @@ training:
     )
 }
 
+/// `text` with its schedule as the paper gives it: `overlap: false`, so a later stage runs
+/// each backward as one pass and sends its input gradient after it (by default it sends it
+/// before its weight-gradient pass, `gradients_sent_first_*` below).
+fn as_the_paper_gives_it(text: &str) -> String {
+    assert!(text.contains("\ntraining:\n"));
+    text.replace("\ntraining:\n", "\n  overlap: false\ntraining:\n")
+}
+
 fn build(text: &str) -> Compiled {
     let checked = pipec_grammar::check_source(text);
     let spec = checked.spec.unwrap_or_else(|| panic!("spec has errors: {:?}\n{text}", checked.diagnostics));
@@ -47,7 +55,7 @@ fn close(a: f64, b: f64) -> bool {
 /// The bubble fraction of a synchronous schedule on D uniform stages: (D − 1) / (D − 1 + V·N)
 /// with V model chunks per device (1 for GPipe and 1F1B).
 fn assert_closed_form_bubble(schedule: &str, d: usize, v: usize, n: usize) {
-    let plan = build(&spec(d, n, schedule, d * v * 2, "straight")).plan;
+    let plan = build(&as_the_paper_gives_it(&spec(d, n, schedule, d * v * 2, "straight"))).plan;
     let expected = (d as f64 - 1.0) / (d as f64 - 1.0 + (v * n) as f64);
     assert_bubble(&plan, expected, format_args!("{schedule} D={d} V={v} N={n}"));
 }
@@ -67,6 +75,89 @@ fn gpipe_and_1f1b_bubble_is_closed_form() {
             }
         }
     }
+}
+
+/// GPipe and 1F1B on D uniform stages (forward F, backward B = B_in + B_w) when every later
+/// stage sends its input gradient before its weight-gradient pass: the last microbatch's
+/// gradient reaches the first stage (D − 1)·B_in after the last stage's input pass instead
+/// of (D − 1)·B, so the step is N(F + B) + (D − 1)(F + B_in) and the bubble
+/// (D − 1)(F + B_in) / (N(F + B) + (D − 1)(F + B_in)): for linear layers (B = 2F, B_in = F)
+/// 2(D − 1) / (3N + 2(D − 1)), against the paper's 3(D − 1) / (3N + 3(D − 1)).
+#[test]
+fn gradients_sent_first_give_the_closed_form_bubble() {
+    for d in [2usize, 3, 4, 8] {
+        for n in [1usize, 2, 4, 8, 16] {
+            for sched in ["gpipe", "1f1b"] {
+                let plan = build(&spec(d, n, sched, d * 2, "straight")).plan;
+                let (f, b) = (plan.stages[0].forward_s, plan.stages[0].backward_s);
+                assert!(close(b, 2.0 * f), "linear layers: a backward is two forwards");
+                let b_in = b / 2.0;
+                let idle = (d as f64 - 1.0) * (f + b_in);
+                let step = n as f64 * (f + b) + idle;
+                assert!(close(plan.simulation.step_time_s, step), "{sched} D={d} N={n}: step");
+                let expected = idle / step;
+                assert_bubble(&plan, expected, format_args!("{sched} D={d} N={n}, gradients sent first"));
+                let paper = build(&as_the_paper_gives_it(&spec(d, n, sched, d * 2, "straight"))).plan;
+                assert!(close(paper.simulation.step_time_s, n as f64 * (f + b) + (d as f64 - 1.0) * (f + b)));
+            }
+        }
+    }
+}
+
+/// Sending gradients first only moves sends earlier: on every synchronous schedule, with
+/// uneven stages and links that cost something, no step is longer than the paper's, every
+/// device runs the same passes in the same order (each later stage's backward as its
+/// input then weight pass), and the first stage's backwards stay whole.
+#[test]
+fn gradients_sent_first_never_lengthen_a_step() {
+    let schedules = ["gpipe", "1f1b", "{ kind: interleaved, virtual_stages: 2 }", "chimera", "zb-h1"];
+    for d in [2usize, 4] {
+        for n in [d, 2 * d, 3 * d] {
+            for sched in schedules {
+                for layers in [2 * d + 1, 4 * d - 1] {
+                    let text = spec(d, n, sched, layers, "straight").replace(
+                        "intra_node: { bandwidth: 1000000TB/s, latency: 0us }",
+                        "intra_node: { bandwidth: 2GB/s, latency: 20us }",
+                    );
+                    let (Some(ours), Some(paper)) = (compile_ok(&text), compile_ok(&as_the_paper_gives_it(&text)))
+                    else {
+                        continue;
+                    };
+                    let what = format!("{sched} D={d} N={n} layers={layers}");
+                    assert!(
+                        ours.simulation.step_time_s <= paper.simulation.step_time_s * (1.0 + 1e-9),
+                        "{what}: {} against the paper's {}",
+                        ours.simulation.step_time_s,
+                        paper.simulation.step_time_s
+                    );
+                    for (dev, stream) in &ours.streams {
+                        let expanded: Vec<String> = pipec_compiler::lower::compute_order(&paper.streams[dev])
+                            .iter()
+                            .flat_map(|t| {
+                                let s = t.to_string();
+                                match s.split_once('B') {
+                                    Some((stage, mb)) if stage != "0" => {
+                                        vec![format!("{stage}I{mb}"), format!("{stage}W{mb}")]
+                                    }
+                                    _ => vec![s],
+                                }
+                            })
+                            .collect();
+                        let got: Vec<String> =
+                            pipec_compiler::lower::compute_order(stream).iter().map(ToString::to_string).collect();
+                        assert_eq!(got, expanded, "{what}: {dev}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The plan of `text`, or None where the strategy does not apply (an uneven split Chimera
+/// refuses).
+fn compile_ok(text: &str) -> Option<pipec_plan::Plan> {
+    let spec = pipec_grammar::check_source(text).spec?;
+    compile(&spec, &CompileOptions::default()).into_compiled().ok().map(|c| c.plan)
 }
 
 #[test]
@@ -106,16 +197,23 @@ fn zero_bubble_h1_beats_1f1b_with_the_same_memory() {
     for d in [2usize, 4, 8] {
         let n = 3 * d;
         let zb = build(&spec(d, n, "zb-h1", d, "straight")).plan;
-        let ob = build(&spec(d, n, "1f1b", d, "straight")).plan;
+        let ob = build(&as_the_paper_gives_it(&spec(d, n, "1f1b", d, "straight"))).plan;
+        let early = build(&spec(d, n, "1f1b", d, "straight")).plan;
         let zb_idle = zb.simulation.bubble_fraction * zb.simulation.step_time_s;
         let ob_idle = ob.simulation.bubble_fraction * ob.simulation.step_time_s;
-        // In units of one pass (F = I = W = t): 1F1B idles 3(D−1)t per device, ZB-H1 (D−1)t.
+        let early_idle = early.simulation.bubble_fraction * early.simulation.step_time_s;
+        // In units of one pass (F = I = W = t): 1F1B idles 3(D−1)t per device, 2(D−1)t when
+        // later stages send their gradients first, ZB-H1 (D−1)t.
         let t = zb.stages[0].forward_s;
         let per_device_zb = zb_idle * d as f64;
         let per_device_ob = ob_idle * d as f64;
         assert!(
             (per_device_ob / d as f64 - 3.0 * (d as f64 - 1.0) * t).abs() < 1e-6 * per_device_ob.max(1e-12) + 1e-9,
             "D={d}: 1f1b idle {per_device_ob} vs closed form"
+        );
+        assert!(
+            (early_idle - 2.0 * (d as f64 - 1.0) * t).abs() < 1e-6 * per_device_ob.max(1e-12) + 1e-9,
+            "D={d}: 1f1b sending gradients first idles {early_idle} vs 2(D-1)t"
         );
         assert!(
             (per_device_zb / d as f64 - (d as f64 - 1.0) * t).abs() < 1e-6 * per_device_ob.max(1e-12) + 1e-9,
@@ -143,7 +241,7 @@ fn chimera_bubble_follows_the_paper() {
     for d in [2usize, 4, 6, 8, 10, 12] {
         for k in 1..=4 {
             let n = k * d;
-            let plan = build(&equal_pass_spec(d, n, "chimera")).plan;
+            let plan = build(&as_the_paper_gives_it(&equal_pass_spec(d, n, "chimera"))).plan;
             let paper = (d as f64 - 2.0) / (2.0 * n as f64 + d as f64 - 2.0);
             assert_bubble(&plan, paper, format_args!("D={d} N={n}"));
         }
@@ -157,7 +255,7 @@ fn chimera_with_data_parallelism_keeps_the_papers_bubble_per_pipeline_pair() {
         let layout = format!("\"{}\"", vec![r.to_string(); d].join("-"));
         let text = spec(d * r, n, "chimera", d, &layout)
             .replace(&format!("- repeat {d}: linear(64, 64)"), &format!("- repeat {d}: relu"));
-        let plan = build(&text).plan;
+        let plan = build(&as_the_paper_gives_it(&text)).plan;
         let per_pair = (n / r) as f64;
         let paper = (d as f64 - 2.0) / (2.0 * per_pair + d as f64 - 2.0);
         assert_bubble(&plan, paper, format_args!("D={d} R={r} N={n}"));
@@ -181,8 +279,8 @@ fn chimera_with_twice_as_long_backwards_beats_1f1b_within_bounded_memory() {
     for d in [4usize, 6, 8, 12] {
         for k in 1..=4 {
             let n = k * d;
-            let ch = build(&spec(d, n, "chimera", d, "straight")).plan;
-            let ob = build(&spec(d, n, "1f1b", d, "straight")).plan;
+            let ch = build(&as_the_paper_gives_it(&spec(d, n, "chimera", d, "straight"))).plan;
+            let ob = build(&as_the_paper_gives_it(&spec(d, n, "1f1b", d, "straight"))).plan;
             assert!(
                 ch.simulation.bubble_fraction < ob.simulation.bubble_fraction,
                 "D={d} N={n}: chimera {} vs 1f1b {}",

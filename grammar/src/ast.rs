@@ -263,7 +263,8 @@ pub struct Strategy {
     pub microbatches: usize,
     pub partition: Partition,
     pub recompute: Recompute,
-    /// Overlap gradient all-reduces with compute (default true).
+    /// Overlap communication with compute (default true): all-reduces in flight while the
+    /// device computes, and input gradients sent before the weight gradients are computed.
     pub overlap: bool,
     /// `strategy: auto`, or `auto` fields: what the compiler's strategy search chooses (the
     /// other fields then hold placeholders where they are free).

@@ -194,11 +194,13 @@ struct Strategy {
     recompute: Option<RecomputeSpec>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
-    /// Overlap gradient all-reduces with compute (default true): a replicated stage's
-    /// all-reduce starts right after its last backward of the step and is waited for only
-    /// before its optimizer step; under `pipedream`/`2bw` the next forwards run while it is
-    /// in flight (on the weights before that update). `false` waits for every all-reduce at
-    /// once.
+    /// Overlap communication with compute (default true): a replicated stage's all-reduce
+    /// starts right after its last backward of the step and is waited for only before its
+    /// optimizer step; under `pipedream`/`2bw` the next forwards run while it is in flight
+    /// (on the weights before that update); under a schedule with one update per step, a
+    /// stage after the first sends its input gradient before it computes its weight
+    /// gradients. `false` waits for every all-reduce at once and runs every backward as one
+    /// pass, as the schedules' papers do.
     overlap: Option<bool>,
 }
 
