@@ -16,6 +16,12 @@
 //! forward goes through [`Kernels::weight_product`]: on `flex`, `(Wᵀ · xᵀ)ᵀ` from a
 //! transposed copy of the weight (from its second forward, and after an update from the
 //! first), for the same reason and with the same bits (`crate::flex_weights`).
+//!
+//! The weight gradients `xᵀ · dy` are summed into the step's running sums inside the
+//! backward ([`with_gradient_sums`]), or, for the input half of a split backward (a
+//! zero-bubble schedule's, or a later stage's that sends its gradient first), kept as
+//! operands and multiplied in its weight half ([`with_deferred_weight_gradients`],
+//! [`add_deferred`]) — the same products into the same sums either way.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;

@@ -991,12 +991,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     }
 
     /// A microbatch's backward: leaves the input gradient to send (every stage but the
-    /// first) and returns the weight gradients. With `into_sums`, the weight gradients of
-    /// dense products are added straight into the stage's sums instead (see
-    /// `dense::with_gradient_sums`) and the returned gradients hold the rest.
-    /// A microbatch's backward: the input gradient to send, and the weight gradients — the
-    /// dense weights' added into the stage's sums inside the pass, or, for the input half of
-    /// a split backward (`split`), put off to its weight half.
+    /// first) and returns the weight gradients not yet summed. The dense weights' gradients
+    /// are added straight into the stage's sums inside the pass (`dense::with_gradient_sums`)
+    /// or, for the input half of a split backward (`split`), put off to its weight half
+    /// (`dense::with_deferred_weight_gradients`); the rest are Burn's.
     fn run_backward(&mut self, stage: StageId, mb: MicrobatchId, split: bool) -> Result<WeightGrads<B>> {
         let n_mb = self.plan.training.microbatches as f64;
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
