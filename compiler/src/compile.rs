@@ -136,6 +136,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let split = kind.splits_backward();
     // a later stage sends its gradient after its input-gradient pass
     let early_send = sends_gradients_first(spec, layout.replicas.len());
+    let split_at = |s: usize| split || (early_send && s > 0);
     let mb = pipec_plan::MicrobatchId(0);
     let of = |ins: Instr| cost.compute(DeviceId(0), &ins);
     let n_stages = placement.stages();
@@ -144,7 +145,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let upstream_backward: Vec<f64> = (0..n_stages)
         .map(|s| {
             let stage = StageId(s as u32);
-            if split || (early_send && s > 0) {
+            if split_at(s) {
                 of(Instr::BackwardInput { stage, mb })
             } else {
                 of(Instr::Backward { stage, mb })
@@ -208,7 +209,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         for &(s, n) in stage_counts {
             let stage = StageId(s as u32);
             let n = n as f64;
-            let backward = if split || (early_send && s > 0) {
+            let backward = if split_at(s) {
                 of(Instr::BackwardInput { stage, mb }) + of(Instr::BackwardWeight { stage, mb })
             } else {
                 of(Instr::Backward { stage, mb })
