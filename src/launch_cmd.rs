@@ -110,7 +110,8 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool,
     supervise(&cmd, &host_devices)
 }
 
-/// How long mpirun may take to end the job once a rank has aborted it.
+/// How long mpirun may take to end the job once a rank has aborted it (or Open MPI has
+/// lost a host).
 const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Runs mpirun, passing its output through. When a rank has aborted the job (its
@@ -118,8 +119,10 @@ const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 /// waits on the daemon of a host it can no longer reach — mpirun is stopped: the job must
 /// end within its timeout, whatever the network does.
 ///
-/// When Open MPI reports that it lost a host's daemon (a host down or unreachable), the
-/// devices that host ran are named once mpirun has ended.
+/// When Open MPI reports that it lost a host's daemon (a host down or unreachable), it ends
+/// the job itself, but can hang tearing it down, waiting on that host — before any rank's
+/// receive timeout fired, so no rank reports a failure: that report starts the same grace
+/// period. The devices that host ran are named once mpirun has ended.
 fn supervise(cmd: &[String], host_devices: &[(String, String)]) -> u8 {
     use std::io::BufRead;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -145,6 +148,7 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)]) -> u8 {
                     if let Ok(mut slot) = lost_host.lock() {
                         slot.get_or_insert_with(|| host.trim().to_string());
                     }
+                    aborted.store(true, Ordering::Relaxed);
                 }
                 // a rank's own failure line (`mpi_run::report_failure`), or Open MPI's banner
                 if line.starts_with("error: rank ") || line.contains("MPI_ABORT was invoked") {
@@ -191,7 +195,7 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)]) -> u8 {
                 let _ = child.wait();
                 name_lost_host();
                 eprintln!(
-                    "error: a rank aborted the job and mpirun had not ended it {} s later (a host it cannot reach?): stopped mpirun",
+                    "error: the job was aborted (a rank failed, or Open MPI lost a host) and mpirun had not ended it {} s later (a host it cannot reach?): stopped mpirun",
                     ABORT_GRACE.as_secs()
                 );
                 return EXIT_DIAGNOSTICS;
