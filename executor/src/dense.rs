@@ -216,7 +216,7 @@ impl<I: Backend> Deferred<I> {
 enum Lent<I: Backend> {
     /// Adds each into its running sum at once.
     Sums(Sums<I>),
-    /// Keeps its operands for later (the weights keyed are the map's keys).
+    /// Keeps its operands for later, for the weights in the set.
     Defer(HashSet<NodeId>, Deferred<I>),
 }
 
@@ -305,25 +305,23 @@ fn sum_product<I: Kernels>(sum: Option<FloatTensor<I>>, xt: FloatTensor<I>, dy: 
 /// Adds `xt · dy` into the installed sum of weight `node`, or keeps the operands when the
 /// installed backward defers it; gives the product back when nothing is installed for it.
 fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) -> Option<FloatTensor<I>> {
-    enum Slot<I: Backend> {
-        Sum(Option<FloatTensor<I>>),
-        Deferred,
-    }
-    // the sum is taken out while the product runs, so no borrow of the thread-local spans it
+    // the sum is taken out while the product runs, so no borrow of the thread-local spans it;
+    // deferred, the operands are moved into the list and nothing is left to compute
     let mut operands = Some((xt, dy));
     let slot = LENT.with(|s| {
         let mut s = s.borrow_mut();
         match s.as_mut()?.downcast_mut::<Lent<I>>()? {
-            Lent::Sums(sums) => sums.get_mut(&node).map(|sum| Slot::<I>::Sum(sum.take())),
-            Lent::Defer(keyed, deferred) => keyed.contains(&node).then(|| {
-                let (xt, dy) = operands.take().expect("operands are taken once");
-                deferred.0.push((node, xt, dy));
-                Slot::<I>::Deferred
-            }),
+            Lent::Sums(sums) => sums.get_mut(&node).map(Option::take),
+            Lent::Defer(keyed, deferred) => {
+                if keyed.contains(&node) {
+                    deferred.0.extend(operands.take().map(|(xt, dy)| (node, xt, dy)));
+                }
+                None
+            }
         }
     });
     let (xt, dy) = operands?;
-    let Some(Slot::Sum(sum)) = slot else { return Some(I::product(xt, dy)) };
+    let Some(sum) = slot else { return Some(I::product(xt, dy)) };
     let new = sum_product::<I>(sum, xt, dy);
     LENT.with(|s| {
         if let Some(Lent::Sums(sums)) = s.borrow_mut().as_mut().and_then(|b| b.downcast_mut::<Lent<I>>()) {
