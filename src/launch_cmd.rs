@@ -215,4 +215,18 @@ mod tests {
         assert_eq!(h, vec![("node1".into(), 4), ("node2".into(), 4), ("node3".into(), 1)]);
         assert!(parse_hostfile("a slots=x").is_err());
     }
+
+    /// An mpirun that reports a lost host's daemon and then hangs tearing the job down (no
+    /// rank ever reports a failure) is stopped after the grace period, not waited for.
+    #[test]
+    fn a_hanging_mpirun_that_lost_a_host_is_stopped() {
+        let fake = "echo 'ORTE has lost communication with a remote daemon.' >&2; \
+                    echo '  Remote daemon: [[1,0],1] on node 10.0.0.2' >&2; exec sleep 120";
+        let cmd: Vec<String> = ["sh", "-c", fake].map(String::from).to_vec();
+        let started = std::time::Instant::now();
+        let code = supervise(&cmd, &[("10.0.0.2".to_string(), "node 1: d1".to_string())]);
+        assert_eq!(code, EXIT_DIAGNOSTICS);
+        let waited = started.elapsed();
+        assert!(waited >= ABORT_GRACE && waited < ABORT_GRACE * 6, "stopped after {waited:?}");
+    }
 }
