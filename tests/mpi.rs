@@ -373,3 +373,65 @@ fn a_threaded_tensor_parallel_checkpoint_resumes_over_mpi_without_tensor_paralle
         assert!((x - y).abs() <= 1e-5 * x.abs(), "uninterrupted {a:?}, resumed {b:?}");
     }
 }
+
+/// The MLP of the stall report: 8 linear layers, 256 wide and up (every activation and
+/// gradient message, 16 rows × 256–2048 floats, is above Open MPI's eager limits: 4 KiB
+/// in shared memory, 64 KiB over TCP, so each send is a rendezvous).
+const WIDE_CHAIN: &str = "  input: [256]\n  layers:\n    - linear(256, 512) -> relu\n    - linear(512, 1024) -> relu\n    - linear(1024, 2048) -> relu\n    - linear(2048, 1024) -> relu\n    - linear(1024, 512) -> relu\n    - linear(512, 256) -> relu\n    - linear(256, 128) -> relu\n    - linear(128, 10)\n";
+
+/// The same depth at 256 wide: every message (16 × 256 floats, 16 KiB) still a rendezvous
+/// in shared memory, and checkpoints a tenth the size, so it can run several times.
+const NARROW_CHAIN: &str =
+    "  input: [256]\n  layers:\n    - repeat 7: linear(256, 256) -> relu\n    - linear(256, 10)\n";
+
+/// A straight 1F1B pipeline of `model` over MPI with a checkpoint after every step: before
+/// the sender thread made its sends nonblocking, a rank's blocking send of its checkpoint
+/// shard to rank 0 held up its next activation, whose receiver was itself blocked, and the
+/// job stalled right after the first checkpoint (22 of 26 runs of the reported case on 4
+/// ranks; here before the fix, 2 of 2 runs of each test's first configuration, each
+/// ending at the 20 s timeout).
+fn pipeline_with_checkpoints_every_step(model: &str, ranks: usize, steps: usize) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    let text = format!(
+        "name: stall\nmodel:\n{model}  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {ranks}\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: 4\ntraining:\n  batch_size: 64\n  steps: {steps}\n  optimizer: {{ kind: adam, lr: 0.001 }}\n  seed: 5\n  checkpoint: {{ every: 1 }}\n  data: {{ kind: synthetic, samples: 256 }}\n"
+    );
+    std::fs::write(&spec_path, text).expect("write");
+    let out = dir.path().join("out");
+    let start = Instant::now();
+    let run = mpirun(
+        ranks,
+        &[
+            "run",
+            spec_path.to_str().expect("p"),
+            "--transport",
+            "mpi",
+            "--timeout",
+            "20",
+            "-o",
+            out.to_str().expect("p"),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(0), "stalled or failed after {:?}: {stderr}", start.elapsed());
+    assert_eq!(losses(&out).len(), steps);
+    let latest = std::fs::read_to_string(out.join("checkpoints/latest")).expect("latest");
+    assert_eq!(latest.trim(), format!("step-{steps:06}"));
+}
+
+#[test]
+fn a_four_stage_pipeline_checkpointing_every_step_does_not_stall() {
+    // the reported configuration, then two more runs of the narrow model
+    pipeline_with_checkpoints_every_step(WIDE_CHAIN, 4, 40);
+    for _ in 0..2 {
+        pipeline_with_checkpoints_every_step(NARROW_CHAIN, 4, 20);
+    }
+}
+
+#[test]
+fn an_eight_stage_pipeline_checkpointing_every_step_does_not_stall() {
+    // (the narrow model did not stall on 8 ranks before the fix; the wide one did, 2 of 2)
+    for _ in 0..2 {
+        pipeline_with_checkpoints_every_step(WIDE_CHAIN, 8, 6);
+    }
+}

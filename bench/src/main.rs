@@ -413,8 +413,9 @@ fn mpi_pingpong() {
     let devices = [pipec_plan::DeviceId(0), pipec_plan::DeviceId(1)];
     let me = devices[rank as usize];
     let other = devices[1 - rank as usize];
-    let (outgoing, _sender) = start_sender();
-    let mut ep = MpiEndpoint::new(me, &devices, outgoing, Arc::new(AtomicBool::new(false)), Duration::from_secs(60));
+    let abort = Arc::new(AtomicBool::new(false));
+    let (outgoing, _sender) = start_sender(abort.clone());
+    let mut ep = MpiEndpoint::new(me, &devices, outgoing, abort, Duration::from_secs(60));
     let mut size = 64 * 1024;
     while size <= 64 * 1024 * 1024 {
         let iters = (256 * 1024 * 1024 / size).clamp(4, 200);

@@ -14,6 +14,8 @@ pub mod layers;
 #[cfg(feature = "mpi")]
 pub mod mpi_run;
 #[cfg(feature = "mpi")]
+mod mpi_send;
+#[cfg(feature = "mpi")]
 pub mod mpi_transport;
 mod params;
 pub mod profile;
@@ -460,7 +462,7 @@ pub const TIMELINE_LIMIT: usize = 2_000_000;
 
 /// Where a step's checkpoint goes: given the completed steps and the stages this process
 /// saved, it writes (or forwards) them and says where they landed.
-pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Option<PathBuf>, String> + 'a;
+pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Option<PathBuf>, ExecError> + 'a;
 
 /// Runs the workers of `devices` on this process with the given endpoints; used by the
 /// in-process transport (all devices) and by MPI (one device per process).
@@ -595,18 +597,19 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         let mut pending: BTreeMap<usize, Vec<(StepReport, Option<checkpoint::Shards>)>> = BTreeMap::new();
         let mut carry: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
         let mut first_error: Option<RunError> = None;
+        // Keep the root cause: a worker that was merely stopped reports less.
+        let record = |first_error: &mut Option<RunError>, e: RunError| {
+            abort.store(true, Ordering::Relaxed);
+            if first_error.is_none()
+                || (!e.error.is_secondary() && first_error.as_ref().is_some_and(|f| f.error.is_secondary()))
+            {
+                *first_error = Some(e);
+            }
+        };
         let mut last_done = Instant::now();
         for ev in rx {
             match ev {
-                Event::Failed(e) => {
-                    abort.store(true, Ordering::Relaxed);
-                    // Keep the root cause: a worker that was merely stopped reports less.
-                    if first_error.is_none()
-                        || (!e.error.is_secondary() && first_error.as_ref().is_some_and(|f| f.error.is_secondary()))
-                    {
-                        first_error = Some(e);
-                    }
-                }
+                Event::Failed(e) => record(&mut first_error, e),
                 Event::Step(r, ck) => {
                     let step = r.step;
                     let entry = pending.entry(step).or_default();
@@ -689,10 +692,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
                             match sink(step + 1, stages) {
                                 Ok(Some(p)) => report.checkpoints.push(p),
                                 Ok(None) => {}
-                                Err(e) => {
-                                    abort.store(true, Ordering::Relaxed);
-                                    first_error.get_or_insert(ExecError::Checkpoint(e).into());
-                                }
+                                Err(e) => record(&mut first_error, RunError { step: Some(step), ..e.into() }),
                             }
                         }
                     }
@@ -720,7 +720,7 @@ fn run_in_process<B: ExecBackend>(
     let dir = options.checkpoint_dir.clone();
     let identity = checkpoint::Identity::of(plan);
     let mut sink = |steps: usize, stages: checkpoint::Shards| match &dir {
-        Some(d) => checkpoint::write(d, steps, &identity, &stages).map(Some),
+        Some(d) => checkpoint::write(d, steps, &identity, &stages).map(Some).map_err(ExecError::Checkpoint),
         None => Ok(None),
     };
     run_workers::<B, _>(plan, options, &placement, endpoints, abort, on_step, &mut sink)

@@ -88,7 +88,7 @@ fn run_rank(
     let device = devices[rank as usize];
     let info = RankInfo { rank, size, device };
     let abort = Arc::new(AtomicBool::new(false));
-    let (outgoing, sender_thread) = start_sender();
+    let (outgoing, sender_thread) = start_sender(abort.clone());
     let endpoint = MpiEndpoint::new(device, &devices, outgoing.clone(), abort.clone(), options.timeout);
     // Every rank reports each step's (loss sum, loss count) to rank 0, which combines them.
     let timeout = options.timeout;
@@ -130,19 +130,24 @@ fn run_rank(
     let identity = crate::checkpoint::Identity::of(plan);
     let mut sink = |steps: usize,
                     mut stages: crate::checkpoint::Shards|
-     -> Result<Option<std::path::PathBuf>, String> {
+     -> Result<Option<std::path::PathBuf>, crate::error::ExecError> {
+        use crate::error::ExecError;
         if rank != 0 {
             let _ = ckpt_out.send((0, TAG_CKPT, crate::checkpoint::encode(&stages), None));
             return Ok(None);
         }
         for r in 1..size {
-            let b = receive_bytes(r, TAG_CKPT, &ckpt_abort, timeout, devices[r as usize]).map_err(|e| e.to_string())?;
-            for (s, st) in crate::checkpoint::decode(&b)? {
+            // a transfer that fails keeps its kind: a wait ended by another failure is
+            // secondary to it, and the root cause is what the rank reports
+            let b = receive_bytes(r, TAG_CKPT, &ckpt_abort, timeout, devices[r as usize])?;
+            for (s, st) in crate::checkpoint::decode(&b).map_err(ExecError::Checkpoint)? {
                 stages.entry(s).or_insert(st);
             }
         }
         match &options.checkpoint_dir {
-            Some(dir) => crate::checkpoint::write(dir, steps, &identity, &stages).map(Some),
+            Some(dir) => {
+                crate::checkpoint::write(dir, steps, &identity, &stages).map(Some).map_err(ExecError::Checkpoint)
+            }
             None => Ok(None),
         }
     };

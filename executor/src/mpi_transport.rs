@@ -7,8 +7,9 @@
 //!   ranks of one host are the devices of one node.
 //! - Point-to-point: one MPI message per tensor (a small header and the f32 values),
 //!   all on one tag per class, so MPI's non-overtaking rule gives in-order links. Sends go
-//!   through a sender thread, so they are asynchronous for the interpreter as the plan
-//!   assumes; receives poll (`MPI_Iprobe`) so they can time out and notice an abort.
+//!   through a sender thread that starts each one nonblocking (`mpi_send`), so they are
+//!   asynchronous for the interpreter and for each other, as the plan assumes; receives
+//!   poll (`MPI_Iprobe`) so they can time out and notice an abort.
 //! - All-reduce: the same ring (or parameter-server) algorithm as in-process, over MPI
 //!   point-to-point on its own tag: the same arithmetic in the same order, so an MPI run
 //!   gives bit-identical losses.
@@ -17,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use pipec_plan::{DeviceId, Payload, StageId};
 
+pub use crate::mpi_send::{start_sender, Outgoing};
 use crate::transport::{Endpoint, Message, SendHalf, Tag, TransportError};
 
 pub const TAG_P2P: i32 = 10;
@@ -32,11 +34,6 @@ pub const TAG_COLL: i32 = 11;
 pub const TAG_METRIC: i32 = 12;
 pub const TAG_TRACE: i32 = 13;
 pub const TAG_CKPT: i32 = 14;
-
-/// Work for the sender thread: (destination rank, tag, header bytes, tensor values). The
-/// values travel as a second MPI message of f32 (no copy into bytes); MPI's
-/// non-overtaking rule keeps it right behind its header.
-pub type Outgoing = (i32, i32, Vec<u8>, Option<Vec<f32>>);
 
 /// The header code of collective traffic (point-to-point messages carry their payload's
 /// code, `Payload::code`).
@@ -90,24 +87,6 @@ fn decode(b: &[u8]) -> Result<Wire, TransportError> {
     }
     let data = b[off..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     Ok(Wire { tag: payload.map(|payload| Tag { payload, stage: StageId(stage), index: mb }), shape, data })
-}
-
-/// Starts the sender thread; returns its queue and its handle. The thread ends once every
-/// sender of the queue is dropped and everything queued is sent; join it before MPI is
-/// finalised.
-pub fn start_sender() -> (Sender<Outgoing>, std::thread::JoinHandle<()>) {
-    let (tx, rx) = channel::<Outgoing>();
-    let handle = std::thread::spawn(move || {
-        let world = SimpleCommunicator::world();
-        for (dest, tag, bytes, values) in rx {
-            let p = world.process_at_rank(dest);
-            p.send_with_tag(&bytes[..], tag);
-            if let Some(v) = values {
-                p.send_with_tag(&v[..], tag);
-            }
-        }
-    });
-    (tx, handle)
 }
 
 /// Receives a header and its tensor values (see [`Outgoing`]).
