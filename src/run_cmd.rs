@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use pipec_compiler::render::{human_time, trace_event};
-use pipec_executor::{BackendKind, RunOptions, StepMetrics};
+use pipec_executor::{BackendKind, Resume, RunOptions, StepMetrics};
 use pipec_plan::{Phase, Plan};
 
 use crate::compile_cmd::compile_file;
@@ -111,7 +111,7 @@ pub fn run(args: RunArgs) -> u8 {
         eprintln!("warning: {c}");
     }
     let dir = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(&plan.name));
-    // the checkpoint to resume from, found before anything is written
+    // the checkpoint to resume from, read and verified before anything is written
     let (resume, first_step) = match resolve_resume(&args, &plan) {
         Ok(r) => r,
         Err(e) => {
@@ -119,26 +119,18 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_USAGE;
         }
     };
-    let args = RunArgs { resume, ..args };
+    if dir.exists() && !dir.is_dir() {
+        eprintln!("error: the output folder `{}` is a file", dir.display());
+        return EXIT_USAGE;
+    }
     if args.transport == Transport::Mpi {
-        return run_mpi(&plan, &args, &dir, first_step);
-    }
-    if let Err(e) = std::fs::create_dir_all(&dir) {
-        eprintln!("error: cannot create `{}`: {e}", dir.display());
-        return EXIT_USAGE;
-    }
-    let plan_text = serde_json::to_string_pretty(&plan).unwrap_or_default() + "\n";
-    if let Err(e) = write_atomic(&dir.join("plan.json"), plan_text.as_bytes()) {
-        eprintln!("error: {e}");
-        return EXIT_USAGE;
+        return run_mpi(&plan, &args, resume, &dir, first_step);
     }
     let steps = args.steps.unwrap_or(plan.training.steps);
-    let options = RunOptions { stop: Some(stop_on_signals()), ..run_options(&plan, &args, &dir) };
-    let mut metrics = MetricsLog::new(&dir, first_step);
-    if let Err(e) = metrics.open() {
-        eprintln!("error: {e}");
-        return EXIT_USAGE;
-    }
+    let options = RunOptions { stop: Some(stop_on_signals()), resume, ..run_options(&plan, &args, &dir) };
+    // nothing is written until the first step is done: a run that fails before it (a
+    // checkpoint that does not load, bad data) leaves the output folder as it was
+    let mut metrics = MetricsLog::new(&dir, first_step, &plan);
     let bar = indicatif::ProgressBar::new(steps as u64);
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -173,11 +165,14 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_DIAGNOSTICS;
         }
     };
-    // Measured trace of every step, in the compiler's trace format.
+    // Measured trace of every step, in the compiler's trace format (none when a stop
+    // request came before the first step: then nothing was written at all).
     let trace = measured_trace(&plan, &report, "pipec run (measured, every step)");
-    if let Err(e) = write_atomic(&dir.join("trace.json"), trace.as_bytes()) {
-        eprintln!("error: {e}");
-        return EXIT_USAGE;
+    if !report.steps.is_empty() {
+        if let Err(e) = write_atomic(&dir.join("trace.json"), trace.as_bytes()) {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
     }
     let (measured_bubble, measured_step) = measured_bubble(&plan, &report.trace);
     let timed: Vec<f64> = report.steps.iter().skip(1).map(|s| s.step_seconds).collect();
@@ -212,17 +207,14 @@ pub fn run(args: RunArgs) -> u8 {
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path, first_step: usize) -> u8 {
+fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, first_step: usize) -> u8 {
     let steps = args.steps.unwrap_or(plan.training.steps);
     // no stop flag: ranks would have to agree on the step; under MPI a signal ends the job
     // (mpirun forwards it), and the metrics of the completed steps are already on disk
-    let options = run_options(plan, args, dir);
+    let options = RunOptions { resume, ..run_options(plan, args, dir) };
     // rank 0 alone gets each step's metrics, and appends them as they come
-    let mut metrics = MetricsLog::new(dir, first_step);
+    let mut metrics = MetricsLog::new(dir, first_step, plan);
     let mut on_step = |m: &StepMetrics| {
-        if metrics.file.is_none() {
-            let _ = std::fs::create_dir_all(dir);
-        }
         metrics.append(m);
         print_step(m, steps);
     };
@@ -231,17 +223,10 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path, first_step: usize) -> u8 {
             for c in &report.checkpoints {
                 eprintln!("checkpoint {}", c.display());
             }
-            if let Err(e) = std::fs::create_dir_all(dir) {
-                eprintln!("error: cannot create `{}`: {e}", dir.display());
-                return EXIT_USAGE;
-            }
-            let plan_text = serde_json::to_string_pretty(plan).unwrap_or_default() + "\n";
             let trace = measured_trace(plan, &report, "pipec run --transport mpi (measured, every step)");
-            for (file, contents) in [("plan.json", plan_text), ("trace.json", trace)] {
-                if let Err(e) = write_atomic(&dir.join(file), contents.as_bytes()) {
-                    eprintln!("error: {e}");
-                    return EXIT_USAGE;
-                }
+            if let Err(e) = write_atomic(&dir.join("trace.json"), trace.as_bytes()) {
+                eprintln!("error: {e}");
+                return EXIT_USAGE;
             }
             eprintln!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
             EXIT_OK
@@ -256,7 +241,7 @@ fn run_mpi(plan: &Plan, args: &RunArgs, dir: &Path, first_step: usize) -> u8 {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_plan: &Plan, _args: &RunArgs, _dir: &Path, _first_step: usize) -> u8 {
+fn run_mpi(_plan: &Plan, _args: &RunArgs, _resume: Option<Resume>, _dir: &Path, _first_step: usize) -> u8 {
     eprintln!("error: this pipec was built without MPI support: rebuild with `cargo build --release --features mpi` (needs Open MPI and clang)");
     EXIT_USAGE
 }
@@ -350,33 +335,50 @@ fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
 }
 
 /// The checkpoint `--resume` names (a step directory, a checkpoint directory, or a run
-/// directory, where the spec's `checkpoint.dir` is looked in too) and the step it resumes
-/// at; an error before anything is written when there is none.
-fn resolve_resume(args: &RunArgs, plan: &Plan) -> Result<(Option<PathBuf>, usize), String> {
+/// directory, where the spec's `checkpoint.dir` is looked in too), read and verified
+/// (checksums, shapes against the plan's model), and the step it resumes at; an error
+/// before anything is written when there is none or it does not load.
+fn resolve_resume(args: &RunArgs, plan: &Plan) -> Result<(Option<Resume>, usize), String> {
     let Some(p) = &args.resume else { return Ok((None, 0)) };
     let found = pipec_executor::checkpoint::locate_in(p, plan.training.checkpoint_dir.as_deref())?;
-    let first = pipec_executor::checkpoint::completed_steps(&found).map_err(|e| format!("checkpoint: {e}"))?;
-    Ok((Some(found), first))
+    let loaded =
+        pipec_executor::checkpoint::read(&found).map_err(|e| format!("checkpoint `{}`: {e}", found.display()))?;
+    loaded.check_fits(plan).map_err(|e| format!("checkpoint `{}`: {e}", found.display()))?;
+    let first = loaded.completed_steps;
+    let steps = args.steps.unwrap_or(plan.training.steps);
+    if first >= steps {
+        return Err(format!(
+            "the checkpoint has completed {first} step(s) and this run is {steps} step(s) long: nothing is left to train (raise `--steps` or `training.steps`)"
+        ));
+    }
+    Ok((Some(Resume::Loaded(std::sync::Arc::new(loaded))), first))
 }
 
 /// `metrics.jsonl`, one line per step, appended and flushed as each step completes, so a
 /// killed or failed run keeps every completed step's line. A fresh run starts it empty; a
-/// resumed run keeps the lines of the steps before the checkpoint and drops the rest. It is
-/// opened when the first line comes (under MPI only rank 0 writes).
+/// resumed run keeps the lines of the steps before the checkpoint and drops the rest.
+/// Nothing is written before the first step is done: then the output folder is made, the
+/// plan written (`plan.json`) and the log opened, so a run that fails before training
+/// anything leaves an existing run's files as they were. Under MPI only rank 0 writes.
 struct MetricsLog {
-    path: PathBuf,
+    dir: PathBuf,
+    plan_text: String,
     first_step: usize,
     file: Option<std::fs::File>,
     failed: bool,
 }
 
 impl MetricsLog {
-    fn new(dir: &Path, first_step: usize) -> MetricsLog {
-        MetricsLog { path: dir.join("metrics.jsonl"), first_step, file: None, failed: false }
+    fn new(dir: &Path, first_step: usize, plan: &Plan) -> MetricsLog {
+        let plan_text = serde_json::to_string_pretty(plan).unwrap_or_default() + "\n";
+        MetricsLog { dir: dir.to_path_buf(), plan_text, first_step, file: None, failed: false }
     }
 
     fn open(&mut self) -> Result<(), String> {
-        let kept: String = match std::fs::read_to_string(&self.path) {
+        std::fs::create_dir_all(&self.dir).map_err(|e| format!("cannot create `{}`: {e}", self.dir.display()))?;
+        write_atomic(&self.dir.join("plan.json"), self.plan_text.as_bytes())?;
+        let path = self.dir.join("metrics.jsonl");
+        let kept: String = match std::fs::read_to_string(&path) {
             Ok(text) => text
                 .lines()
                 .filter(|l| {
@@ -389,11 +391,11 @@ impl MetricsLog {
                 .collect(),
             Err(_) => String::new(),
         };
-        write_atomic(&self.path, kept.as_bytes())?;
+        write_atomic(&path, kept.as_bytes())?;
         let file = std::fs::OpenOptions::new()
             .append(true)
-            .open(&self.path)
-            .map_err(|e| format!("cannot write `{}`: {e}", self.path.display()))?;
+            .open(&path)
+            .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
         self.file = Some(file);
         Ok(())
     }
@@ -419,7 +421,7 @@ fn run_options(plan: &Plan, args: &RunArgs, dir: &Path) -> RunOptions {
         backend: backend_kind(args.backend),
         timeout: Duration::from_secs(args.timeout_s.max(1)),
         checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
-        resume: args.resume.clone(),
+        resume: None,
         share_gpus: args.share_gpus,
         stop: None,
     }

@@ -394,6 +394,63 @@ fn resume_finds_the_specs_checkpoint_dir_keeps_earlier_metrics_and_a_failed_resu
     assert_eq!(metric_steps(&run), vec![0, 1, 2, 3, 4, 5], "earlier steps kept, resumed ones appended");
 }
 
+/// Every file of a run folder (recursively) with its bytes.
+fn folder_contents(dir: &Path) -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).expect("dir").flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.insert(p.strip_prefix(dir).expect("inside").to_path_buf(), std::fs::read(&p).expect("read"));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_resume_from_a_corrupt_checkpoint_leaves_the_output_folder_byte_for_byte() {
+    // the reported case: 8 steps into `run`, 4 into `half`, a byte of `half`'s weights
+    // flipped, then `--resume half -o run` (it truncated run's metrics to 4 lines and
+    // rewrote its plan.json)
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = checkpointing_spec(dir.path(), 8);
+    let (run, half) = (dir.path().join("run"), dir.path().join("half"));
+    let s = spec.to_str().expect("utf-8");
+    assert_eq!(pipec(&["run", s, "-o", run.to_str().expect("utf-8")]).status.code(), Some(0));
+    let out = pipec(&["run", s, "-o", half.to_str().expect("utf-8"), "--steps", "4"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let weights = half.join("ckpts/step-000004/model.safetensors");
+    let mut bytes = std::fs::read(&weights).expect("weights");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&weights, bytes).expect("write");
+    let before = folder_contents(&run);
+    assert_eq!(metric_steps(&run).len(), 8);
+    let out = pipec(&["run", s, "-o", run.to_str().expect("utf-8"), "--resume", half.to_str().expect("utf-8")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("model.safetensors"), "the error names the damaged file: {stderr}");
+    assert!(folder_contents(&run) == before, "a failed resume changed the output folder");
+    // a checkpoint of another model fails the same way, before anything is written
+    let other = dir.path().join("other.yaml");
+    let text = std::fs::read_to_string(&spec).expect("spec").replace("relu", "gelu");
+    std::fs::write(&other, text).expect("write");
+    let out = pipec(&[
+        "run",
+        other.to_str().expect("utf-8"),
+        "-o",
+        run.to_str().expect("utf-8"),
+        "--resume",
+        run.to_str().expect("utf-8"),
+    ]);
+    assert_ne!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(folder_contents(&run) == before, "a resume that does not fit changed the output folder");
+}
+
 #[test]
 fn sigterm_stops_at_a_step_boundary_and_keeps_every_completed_step() {
     let dir = tempfile::tempdir().expect("temp dir");

@@ -479,7 +479,7 @@ fn resume_gives_the_same_losses_as_an_uninterrupted_run() {
         assert!(ckpt.join("step-000003/model.safetensors").is_file() && ckpt.join("latest").is_file());
         let resumed = pipec_executor::run(
             &p,
-            &RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() },
+            &RunOptions { resume: Some(ckpt.join("step-000003").into()), ..Default::default() },
             &mut |_| {},
         )
         .expect("resumes");
@@ -500,7 +500,7 @@ fn a_checkpoint_that_does_not_fit_the_run_is_refused_with_the_reason() {
         .expect("runs");
     let step = ckpt.join("step-000003");
     let resume = |plan: &Plan, steps: Option<usize>| {
-        let options = RunOptions { resume: Some(step.clone()), steps, ..Default::default() };
+        let options = RunOptions { resume: Some(step.clone().into()), steps, ..Default::default() };
         pipec_executor::run(plan, &options, &mut |_| {}).expect_err("must refuse").to_string()
     };
     // nothing left to train: an error, not an exit 0 that trained nothing
@@ -546,7 +546,7 @@ fn a_checkpoint_resumes_on_any_synchronous_layout_with_adam_and_momentum() {
         for (devices, stages, schedule) in targets {
             let p = checkpointed_plan(Job { devices, stages, schedule, optimizer, steps: 6, ..Job::default() });
             let full = losses(&train(&p));
-            let options = RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() };
+            let options = RunOptions { resume: Some(ckpt.join("step-000003").into()), ..Default::default() };
             let resumed: Vec<f64> =
                 pipec_executor::run(&p, &options, &mut |_| {}).expect("resumes").steps.iter().map(|s| s.loss).collect();
             assert_eq!(resumed.len(), 3);
@@ -611,7 +611,7 @@ fn a_checkpoint_resumes_under_any_tensor_parallel_degree() {
                     ..Job::default()
                 });
                 let full = losses(&train(&p));
-                let options = RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() };
+                let options = RunOptions { resume: Some(ckpt.join("step-000003").into()), ..Default::default() };
                 let resumed = losses(&pipec_executor::run(&p, &options, &mut |_| {}).expect("resumes"));
                 assert_same_losses(&format!("{optimizer}: {stages} → {t_stages}"), &full[3..], &resumed);
             }
@@ -658,7 +658,7 @@ fn an_asp_run_resumes_exactly_on_its_layout() {
             &mut |_| {},
         )
         .expect("runs");
-        let options = RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() };
+        let options = RunOptions { resume: Some(ckpt.join("step-000003").into()), ..Default::default() };
         let resumed = pipec_executor::run(&p, &options, &mut |_| {}).expect("resumes");
         let a: Vec<f64> = full.steps[3..].iter().map(|s| s.loss).collect();
         let b: Vec<f64> = resumed.steps.iter().map(|s| s.loss).collect();
@@ -849,7 +849,7 @@ fn train_keeping_statistics_in(
     let p = compile(&s, &CompileOptions::default()).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan;
     let r = pipec_executor::run(
         &p,
-        &RunOptions { checkpoint_dir: Some(dir.to_path_buf()), resume, ..Default::default() },
+        &RunOptions { checkpoint_dir: Some(dir.to_path_buf()), resume: resume.map(Into::into), ..Default::default() },
         &mut |_| {},
     )
     .unwrap_or_else(|e| panic!("run failed: {e}"));
@@ -1187,7 +1187,7 @@ fn a_pipedream_checkpoint_resumes_exactly_on_its_layout_and_refuses_another() {
         &pipec_executor::run(&p, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {})
             .expect("runs"),
     );
-    let options = RunOptions { resume: Some(ckpt.join("step-000003")), ..Default::default() };
+    let options = RunOptions { resume: Some(ckpt.join("step-000003").into()), ..Default::default() };
     let resumed = losses(&pipec_executor::run(&p, &options, &mut |_| {}).expect("resumes"));
     assert_eq!(full[3..].to_vec(), resumed, "the same layout continues exactly");
     let other = checkpointed_plan(Job { devices: 2, stages: "straight", ..job });

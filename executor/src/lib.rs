@@ -54,6 +54,32 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// The checkpoint a run resumes from.
+#[derive(Debug, Clone)]
+pub enum Resume {
+    /// A step directory, or a directory with `latest`: read when the run starts.
+    Dir(PathBuf),
+    /// Already read and verified (`pipec run` reads it before it writes anything, so a
+    /// checkpoint that does not load leaves the output folder as it was).
+    Loaded(Arc<checkpoint::Loaded>),
+}
+
+impl From<PathBuf> for Resume {
+    fn from(dir: PathBuf) -> Self {
+        Resume::Dir(dir)
+    }
+}
+
+impl Resume {
+    /// Reads and verifies the checkpoint (once).
+    pub fn load(&self) -> Result<Arc<checkpoint::Loaded>, String> {
+        match self {
+            Resume::Dir(p) => Ok(Arc::new(checkpoint::read(&checkpoint::locate(p)?)?)),
+            Resume::Loaded(l) => Ok(l.clone()),
+        }
+    }
+}
+
 /// How to run.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -64,8 +90,8 @@ pub struct RunOptions {
     pub timeout: Duration,
     /// Checkpoint directory (checkpoints are written when the plan asks for them).
     pub checkpoint_dir: Option<PathBuf>,
-    /// Resume from this checkpoint (a step directory, or a directory with `latest`).
-    pub resume: Option<PathBuf>,
+    /// Resume from this checkpoint.
+    pub resume: Option<Resume>,
     /// Let several plan devices share one GPU when there are fewer GPUs than devices.
     pub share_gpus: bool,
     /// Set (by a SIGINT/SIGTERM handler) to stop at the next step boundary every worker
@@ -476,12 +502,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
     sink: &mut CheckpointSink<'_>,
 ) -> Result<RunReport, RunError> {
     let data = Dataset::for_plan(plan).map_err(ExecError::Data)?;
-    let loaded = match &options.resume {
-        None => None,
-        Some(p) => Some(
-            checkpoint::read(&checkpoint::locate(p).map_err(ExecError::Checkpoint)?).map_err(ExecError::Checkpoint)?,
-        ),
-    };
+    let loaded = options.resume.as_ref().map(Resume::load).transpose().map_err(ExecError::Checkpoint)?;
     if let Some(l) = &loaded {
         l.check_fits(plan).map_err(ExecError::Checkpoint)?;
     }
