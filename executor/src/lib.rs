@@ -165,28 +165,54 @@ pub struct RunReport {
     pub interrupted: bool,
 }
 
-/// Where the workers of a run stop when asked to: the first step boundary that no worker
-/// has passed. Workers ask before each step, under one lock, so all of them run the same
+/// Where the workers of a run stop when asked to: a step boundary that no worker has
+/// passed. Workers ask before each step, under one lock, so all of them run the same
 /// steps: every step some worker has begun is finished by all, and none begins a later one.
+/// A flush-free pipeline (PipeDream, 2BW) must end on a step that drains it, and a worker
+/// that has already begun a step began it without draining; there the run stops one step
+/// later, and that last step drains (its epilogue), so nothing is left in flight.
 struct StopGate {
     flag: Option<Arc<AtomicBool>>,
+    /// Whether the plan's steps leave microbatches in flight (a flush-free pipeline).
+    flush_free: bool,
     /// (the highest step any worker has begun, the step no worker may begin)
     state: std::sync::Mutex<(Option<usize>, Option<usize>)>,
 }
 
+/// What a worker about to begin a step is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Begin {
+    /// Run the step as planned.
+    Run,
+    /// Run it and drain the pipeline: it is the last step before a stop.
+    RunLast,
+    /// Stop before it.
+    Stop,
+}
+
 impl StopGate {
-    /// Whether a worker may begin `step`.
-    fn begin(&self, step: usize) -> bool {
+    fn new(flag: Option<Arc<AtomicBool>>, flush_free: bool) -> Self {
+        StopGate { flag, flush_free, state: std::sync::Mutex::new((None, None)) }
+    }
+
+    /// Whether a worker may begin `step`, and whether it is the last.
+    fn begin(&self, step: usize) -> Begin {
         let mut s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let asked = self.flag.as_ref().is_some_and(|f| f.load(Ordering::Relaxed));
         if asked && s.1.is_none() {
-            s.1 = Some(s.0.map_or(step, |begun| begun + 1));
+            let extra = usize::from(self.flush_free);
+            s.1 = Some(s.0.map_or(step, |begun| begun + 1 + extra));
         }
-        if s.1.is_some_and(|stop| step >= stop) {
-            return false;
+        match s.1 {
+            Some(stop) if step >= stop => return Begin::Stop,
+            _ => {}
         }
         s.0 = Some(s.0.map_or(step, |begun| begun.max(step)));
-        true
+        if s.1 == Some(step + 1) {
+            Begin::RunLast
+        } else {
+            Begin::Run
+        }
     }
 
     fn stopped(&self) -> bool {
@@ -524,7 +550,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
     let reduce = plan.schedule.reduce;
     let (tx, rx) = channel::<Event>();
     let n_workers = endpoints.len();
-    let gate = StopGate { flag: options.stop.clone(), state: std::sync::Mutex::new((None, None)) };
+    let gate = StopGate::new(options.stop.clone(), plan.flush_free.is_some());
     let gate = &gate;
     // every worker's step times are measured from here
     let epoch = Instant::now();
@@ -571,15 +597,18 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
                         // by every step a checkpoint follows (a checkpoint holds nothing in flight)
                         let mut filled = false;
                         for step in first_step..total_steps {
-                            if abort.load(Ordering::Relaxed) || !gate.begin(step) {
+                            let begin = gate.begin(step);
+                            if abort.load(Ordering::Relaxed) || begin == Begin::Stop {
                                 return Ok(());
                             }
-                            let drain = step + 1 == total_steps || every.is_some_and(|k| (step + 1) % k == 0);
+                            let planned = step + 1 == total_steps || every.is_some_and(|k| (step + 1) % k == 0);
+                            let drain = planned || begin == Begin::RunLast;
                             let segments = w.segments(filled, drain);
                             let r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
                             filled = !drain;
-                            // a checkpoint follows the steps that drain, when checkpoints are on
-                            let ckpt = if every.is_some() && drain {
+                            // a checkpoint follows the steps that drain as planned, when
+                            // checkpoints are on
+                            let ckpt = if every.is_some() && planned {
                                 Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
                             } else {
                                 None
@@ -745,4 +774,40 @@ fn run_in_process<B: ExecBackend>(
         None => Ok(None),
     };
     run_workers::<B, _>(plan, options, &placement, endpoints, abort, on_step, &mut sink)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn asked() -> Arc<AtomicBool> {
+        Arc::new(AtomicBool::new(false))
+    }
+
+    #[test]
+    fn a_stop_ends_a_flushed_run_at_the_first_step_no_worker_began() {
+        let flag = asked();
+        let gate = StopGate::new(Some(flag.clone()), false);
+        assert_eq!(gate.begin(0), Begin::Run);
+        assert_eq!(gate.begin(1), Begin::Run);
+        flag.store(true, Ordering::Relaxed);
+        // a worker still at step 0 finishes the steps another has begun (the last), and no more
+        assert_eq!(gate.begin(1), Begin::RunLast);
+        assert_eq!(gate.begin(2), Begin::Stop);
+        assert!(gate.stopped());
+    }
+
+    #[test]
+    fn a_stop_drains_a_flush_free_pipeline_on_the_step_after_the_last_begun() {
+        let flag = asked();
+        let gate = StopGate::new(Some(flag.clone()), true);
+        assert_eq!(gate.begin(0), Begin::Run);
+        assert_eq!(gate.begin(1), Begin::Run);
+        flag.store(true, Ordering::Relaxed);
+        // step 1 was begun without draining: step 2 drains, every worker runs it as the last
+        assert_eq!(gate.begin(1), Begin::Run);
+        assert_eq!(gate.begin(2), Begin::RunLast);
+        assert_eq!(gate.begin(2), Begin::RunLast);
+        assert_eq!(gate.begin(3), Begin::Stop);
+    }
 }
