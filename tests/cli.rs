@@ -355,6 +355,45 @@ fn the_language_server_exits_with_1_without_shutdown() {
     assert_eq!(lsp_session(&[frame(LSP_INIT), frame(LSP_INITIALIZED)].concat()).0, Some(1));
 }
 
+/// A spec whose `depth` blocks each call the next (`b0` holds the one layer).
+fn nested_blocks_spec(depth: usize) -> String {
+    let mut text = String::from("name: deep\nmodel:\n  input: [8]\n  blocks:\n    b0(n):\n      - linear(n, n)\n");
+    for i in 1..depth {
+        text.push_str(&format!("    b{i}(n):\n      - b{}(n)\n", i - 1));
+    }
+    text.push_str(&format!("  layers:\n    - b{}(8)\n    - linear(8, 2)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n  data: {{ kind: synthetic, samples: 8 }}\n", depth - 1));
+    text
+}
+
+#[test]
+fn five_thousand_nested_blocks_are_a_diagnostic_in_check_and_in_the_language_server() {
+    // they overflowed the stack: `pipec check` aborted and `pipec lsp` died
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("deep.yaml");
+    let text = nested_blocks_spec(5000);
+    std::fs::write(&spec, &text).expect("write");
+    let out = pipec(&["check", spec.to_str().expect("utf-8"), "--format", "json"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("\"E0313\""), "{stdout}");
+    let open = serde_json::json!({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {"textDocument": {"uri": "file:///t/deep.yaml", "languageId": "yaml", "version": 1, "text": text}}});
+    let hover = r#"{"jsonrpc":"2.0","id":7,"method":"textDocument/hover","params":{"textDocument":{"uri":"file:///t/deep.yaml"},"position":{"line":0,"character":1}}}"#;
+    let input = [
+        frame(LSP_INIT),
+        frame(LSP_INITIALIZED),
+        frame(&open.to_string()),
+        frame(hover),
+        frame(r#"{"jsonrpc":"2.0","id":8,"method":"shutdown"}"#),
+        frame(r#"{"jsonrpc":"2.0","method":"exit"}"#),
+    ]
+    .concat();
+    let (code, replies) = lsp_session(&input);
+    assert_eq!(code, Some(0), "the server ended badly: {replies:?}");
+    let published = replies.iter().find(|r| r["method"] == "textDocument/publishDiagnostics").expect("diagnostics");
+    assert!(published.to_string().contains("E0313"), "{published}");
+    assert!(replies.iter().any(|r| r["id"] == 7), "the hover after the deep spec is answered");
+}
+
 /// `specs/mlp-1f1b.yaml` with `steps` steps and a checkpoint every 2 steps into `ckpts/`.
 fn checkpointing_spec(dir: &Path, steps: usize) -> std::path::PathBuf {
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml"))

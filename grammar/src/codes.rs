@@ -194,6 +194,12 @@ a recursive block would never end; repeat a block with `repeat N: block(...)` in
 tensor) or a block that is never called. The work is still planned and run, so this is
 usually a mistake: join the branch with `add`/`concat`, or remove it.";
 
+"E0313", "blocks nested too deeply",
+"Block calls nest more than 64 deep: a block calls a block that calls a block, and so on.
+Each call is expanded in place, and pipec bounds the nesting so that a spec cannot exhaust
+the checker's stack. Real models nest a few levels; flatten the nest by listing several
+calls in one block, or repeat one call with `repeat N:`.";
+
 "E0312", "a tied layer does not fit its embedding",
 "`linear(d, vocab, bias=false, tie=NAME)` ties the output projection to the embedding whose
 output is named NAME (`embedding(vocab, d) as NAME`): its weight is the transpose of the

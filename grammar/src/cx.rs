@@ -33,11 +33,15 @@ pub(crate) struct Lower<'a> {
     pub diags: Vec<Diagnostic>,
     /// The spec file's directory, when known: data paths are checked against it.
     pub base_dir: Option<&'a std::path::Path>,
+    /// The last scalar whose string offsets were mapped to file offsets, and where its text
+    /// starts in the file ([`text_start`]): a chain of many calls maps one offset per call,
+    /// and comparing the scalar's text each time made a 240,000-layer chain quadratic.
+    span_base: std::cell::Cell<Option<(Span, Option<usize>)>>,
 }
 
 impl<'a> Lower<'a> {
     pub(crate) fn new(src: &'a str, schema: &'a SchemaIndex) -> Self {
-        Lower { src, schema, diags: Vec::new(), base_dir: None }
+        Lower { src, schema, diags: Vec::new(), base_dir: None, span_base: std::cell::Cell::new(None) }
     }
 
     pub(crate) fn push(&mut self, d: Diagnostic) {
@@ -238,7 +242,15 @@ impl<'a> Lower<'a> {
 
     /// Maps a span relative to a DSL string to a file span.
     pub(crate) fn dsl_span(&self, node: &Node, rel: Rel) -> Span {
-        dsl_file_span(self.src, node, rel)
+        let base = match self.span_base.get() {
+            Some((span, base)) if span == node.span => base,
+            _ => {
+                let base = text_start(self.src, node);
+                self.span_base.set(Some((node.span, base)));
+                base
+            }
+        };
+        span_at(node, base, rel)
     }
 
     pub(crate) fn dsl_error(&mut self, code: &'static str, node: &Node, e: &DslError, what: &str) {
@@ -338,23 +350,33 @@ impl<'a> Lower<'a> {
 /// Maps a span relative to a scalar's decoded text to a file span: exact when the source
 /// holds the text verbatim (plain or simply quoted), else the whole scalar.
 pub fn dsl_file_span(src: &str, node: &Node, rel: Rel) -> Span {
+    span_at(node, text_start(src, node), rel)
+}
+
+/// Where a string scalar's text starts in the file: at its span's start when the file
+/// spells it as is, one byte in when it is quoted without escapes; None when the text
+/// differs from the file (escapes, folding), where offsets cannot be mapped.
+fn text_start(src: &str, node: &Node) -> Option<usize> {
+    #[cfg(test)]
+    tests::SCANS.with(|n| n.set(n.get() + 1));
     let raw = src.get(node.span.range()).unwrap_or("");
-    let Some(text) = node.as_str() else { return node.span };
-    let base = if raw == text {
+    let text = node.as_str()?;
+    if raw == text {
         Some(node.span.start)
     } else if raw.len() >= 2 && (raw.starts_with('"') || raw.starts_with('\'')) && &raw[1..raw.len() - 1] == text {
         Some(node.span.start + 1)
     } else {
         None
-    };
-    match base {
-        Some(b) => {
-            let len = rel.1.saturating_sub(rel.0).max(usize::from(rel.0 < text.len()));
-            let len = if rel.0 < text.len() { len.min(text.len() - rel.0).max(1) } else { 0 };
-            Span::new(b + rel.0, b + rel.0 + len)
-        }
-        None => node.span,
     }
+}
+
+/// The file span of `rel` inside `node`'s text, which starts at `base` ([`text_start`]);
+/// the whole scalar where its text cannot be mapped.
+fn span_at(node: &Node, base: Option<usize>, rel: Rel) -> Span {
+    let (Some(b), Some(text)) = (base, node.as_str()) else { return node.span };
+    let len = rel.1.saturating_sub(rel.0).max(usize::from(rel.0 < text.len()));
+    let len = if rel.0 < text.len() { len.min(text.len() - rel.0).max(1) } else { 0 };
+    Span::new(b + rel.0, b + rel.0 + len)
 }
 
 pub(crate) fn first_sentence(doc: &str) -> String {
@@ -371,5 +393,36 @@ pub(crate) fn quote_list(items: &[String]) -> String {
         0 => String::new(),
         1 => q[0].clone(),
         n => format!("{} or {}", q[..n - 1].join(", "), q[n - 1]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    thread_local! {
+        /// How many times a scalar's text was compared with the file ([`text_start`]).
+        pub(super) static SCANS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    #[test]
+    fn a_long_chain_is_scanned_once_not_once_per_call() {
+        // mapping each call of a chain to the file compared the whole chain's text every
+        // time: a 240,000-layer chain took 22 s to check, 480,000 more than 60 s
+        let chain = vec!["linear(8, 8)"; 1000].join(" -> ");
+        let src = format!("layers:\n  - {chain}\n");
+        let root = crate::yaml::parse(&src).expect("yaml");
+        let crate::yaml::Value::Map(entries) = &root.value else { panic!("a map") };
+        let crate::yaml::Value::Seq(items) = &entries[0].1.value else { panic!("a list") };
+        let node = &items[0];
+        let schema = SchemaIndex::default();
+        let cx = Lower::new(&src, &schema);
+        SCANS.with(|n| n.set(0));
+        let start = src.find("linear").expect("found");
+        for k in 0..1000 {
+            let at = k * "linear(8, 8) -> ".len();
+            assert_eq!(cx.dsl_span(node, (at, at + 6)), Span::new(start + at, start + at + 6));
+        }
+        assert_eq!(SCANS.with(std::cell::Cell::get), 1);
     }
 }

@@ -31,6 +31,10 @@ use crate::yaml::{Node, Value};
 pub const MODEL_INPUT: &str = "input";
 /// The name of a block's input tensor inside the block.
 pub const BLOCK_INPUT: &str = "in";
+/// How deeply block calls may nest. Expanding a call recurses, so without a bound a spec
+/// of thousands of blocks each calling the next overflowed the stack (`pipec check` and
+/// the language server died); real models nest a handful deep.
+pub const MAX_BLOCK_DEPTH: usize = 64;
 
 /// A block definition.
 struct Block<'n> {
@@ -771,6 +775,21 @@ impl<'n> Expander<'_, '_, 'n> {
                 )
                 .with_help("blocks cannot be recursive: expand the repetition with `repeat N:`"),
             );
+            return Tensor::unknown();
+        }
+        if self.stack.len() >= MAX_BLOCK_DEPTH {
+            let outer = self.stack.first().map_or(name.as_str(), |(b, _)| b.as_str()).to_string();
+            self.error(
+                Diagnostic::error(
+                    "E0313",
+                    format!("block calls nest more than {MAX_BLOCK_DEPTH} deep here (from `{outer}` down to `{name}`)"),
+                    call_span,
+                    format!("call number {} in the nest", self.stack.len() + 1),
+                )
+                .with_help("flatten the blocks: a block can list several calls, and `repeat N:` repeats one"),
+            );
+            // the whole nest is unusable: stop expanding it rather than report every level
+            self.overflow = true;
             return Tensor::unknown();
         }
         self.used_blocks.insert(name.clone());
