@@ -347,12 +347,6 @@ impl<'a> Lower<'a> {
     }
 }
 
-/// Maps a span relative to a scalar's decoded text to a file span: exact when the source
-/// holds the text verbatim (plain or simply quoted), else the whole scalar.
-pub fn dsl_file_span(src: &str, node: &Node, rel: Rel) -> Span {
-    span_at(node, text_start(src, node), rel)
-}
-
 /// Where a string scalar's text starts in the file: at its span's start when the file
 /// spells it as is, one byte in when it is quoted without escapes; None when the text
 /// differs from the file (escapes, folding), where offsets cannot be mapped.
@@ -370,8 +364,9 @@ fn text_start(src: &str, node: &Node) -> Option<usize> {
     }
 }
 
-/// The file span of `rel` inside `node`'s text, which starts at `base` ([`text_start`]);
-/// the whole scalar where its text cannot be mapped.
+/// Maps a span relative to a scalar's decoded text to a file span, given where that text
+/// starts ([`text_start`]): exact when the source holds the text verbatim (plain or simply
+/// quoted), else the whole scalar.
 fn span_at(node: &Node, base: Option<usize>, rel: Rel) -> Span {
     let (Some(b), Some(text)) = (base, node.as_str()) else { return node.span };
     let len = rel.1.saturating_sub(rel.0).max(usize::from(rel.0 < text.len()));
