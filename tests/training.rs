@@ -520,6 +520,71 @@ fn a_checkpoint_that_does_not_fit_the_run_is_refused_with_the_reason() {
     assert!(err.contains("model.safetensors does not match its checksum"), "{err}");
 }
 
+/// Rewrites `file` in checkpoint `step` with `f` and records its new SHA-256 in state.json,
+/// as a forger (or a buggy tool) would, so the checksums no longer catch the change.
+fn forge(step: &std::path::Path, file: &str, f: impl FnOnce(Vec<u8>) -> Vec<u8>) {
+    use sha2::Digest;
+    let path = step.join(file);
+    let bytes = f(std::fs::read(&path).expect("read"));
+    let sum: String = sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+    std::fs::write(&path, &bytes).expect("write");
+    let state_path = step.join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state_path).expect("state")).expect("json");
+    state["files"][file] = serde_json::json!({ "sha256": sum, "bytes": bytes.len() });
+    std::fs::write(&state_path, state.to_string()).expect("write");
+}
+
+#[test]
+fn forged_checkpoints_with_recomputed_checksums_are_refused_not_loaded_wrong() {
+    let adam = Job { devices: 2, stages: "straight", schedule: "1f1b", optimizer: ADAM, steps: 6, ..Job::default() };
+    let p = checkpointed_plan(adam);
+    let fresh = || {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ckpt = dir.path().join("checkpoints");
+        pipec_executor::run(
+            &p,
+            &RunOptions { checkpoint_dir: Some(ckpt.clone()), steps: Some(3), ..Default::default() },
+            &mut |_| {},
+        )
+        .expect("runs");
+        (dir, ckpt.join("step-000003"))
+    };
+    let resume = |step: &std::path::Path| {
+        let options = RunOptions { resume: Some(step.to_path_buf().into()), ..Default::default() };
+        pipec_executor::run(&p, &options, &mut |_| {}).expect_err("must refuse").to_string()
+    };
+    // a weight stored transposed: the same element count (it loaded, losses 35% off)
+    let (_d, step) = fresh();
+    forge(&step, "model.safetensors", |mut b| {
+        // the header is JSON at the file's start: swap the first weight's dimensions there
+        let at = b.windows(7).position(|w| w == b"[16,32]").expect("the first weight's shape is in the header");
+        b[at..at + 7].copy_from_slice(b"[32,16]");
+        b
+    });
+    let err = resume(&step);
+    assert!(err.contains("`layer0.p0` is stored as [32, 16], and this model's needs [16, 32]"), "{err}");
+    // the two stages' optimizer files exchanged (Adam's state was silently reset)
+    let (_d, step) = fresh();
+    let (s0, s1) = (
+        std::fs::read(step.join("optimizer-s0.bin")).expect("s0"),
+        std::fs::read(step.join("optimizer-s1.bin")).expect("s1"),
+    );
+    forge(&step, "optimizer-s0.bin", |_| s1.clone());
+    forge(&step, "optimizer-s1.bin", |_| s0.clone());
+    let err = resume(&step);
+    assert!(err.contains("no optimizer state for `layer") && err.contains("exchanged"), "{err}");
+    // a stage missing from state.json's `stages`: its optimizer file is never read
+    let (_d, step) = fresh();
+    let state_path = step.join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state_path).expect("state")).expect("json");
+    state["stages"] = serde_json::json!([0]);
+    std::fs::write(&state_path, state.to_string()).expect("write");
+    let err = resume(&step);
+    assert!(err.contains("state.json lists no optimizer state of stage 1"), "{err}");
+}
+
 /// Resuming on another layout (stages, replication, schedule) continues as an uninterrupted
 /// run on the new layout would: weights and optimizer state are keyed by parameter, not by
 /// the stage that saved them.

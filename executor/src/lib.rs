@@ -421,8 +421,7 @@ fn load_checkpoint<B: ExecBackend>(
         let to = |pid: u64| split.get(&pid).copied().unwrap_or(tensor_parallel::Sharding::Whole);
         let mut values: HashMap<u64, Vec<f32>> = HashMap::new();
         for (pid, shape) in params::layout::<B, _>(st.model()?) {
-            let len = shape.iter().product();
-            if let Some(v) = saved.values(pid, to(pid), tp_size, tp_rank, len)? {
+            if let Some(v) = saved.values(pid, to(pid), tp_size, tp_rank, &shape)? {
                 values.insert(pid, v);
             }
         }
@@ -451,8 +450,10 @@ fn load_checkpoint<B: ExecBackend>(
                 rank: tp_rank,
             });
         }
+        // a checkpoint that says its optimizer keeps state must hold every parameter's
+        let complete = loaded.identity.as_ref().is_some_and(|i| i.stateful) && loaded.completed_steps > 0;
         st.optim
-            .load(&loaded.optimizers, &wants, dev)
+            .load(&loaded.optimizers, &wants, complete, dev)
             .map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
     }
     Ok(())
@@ -470,7 +471,7 @@ fn load_running_statistics<B: ExecBackend>(
         let c = bn.running_mean.len();
         for slot in [layers::RUNNING_MEAN_SLOT, layers::RUNNING_VAR_SLOT] {
             let id = layers::state_id(bn.index, slot);
-            match saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, c)? {
+            match saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, &[c])? {
                 Some(v) => values.extend_from_slice(&v),
                 None => {
                     return Err(ExecError::Checkpoint(format!(

@@ -11,7 +11,7 @@ use pipec_plan::checkpoint::{self, Loaded, ShardKey};
 use pipec_plan::Plan;
 
 use crate::error::{ExecError, Result};
-use crate::tensor_parallel::{shard, shardings, unshard, Sharding};
+use crate::tensor_parallel::{shard, shard_shape, shardings, unshard, whole_shape, Sharding};
 
 /// Where one parameter's saved values come from.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,18 +72,32 @@ impl<'a> SavedLayout<'a> {
         }
     }
 
-    /// This rank's values of parameter (or state slot) `id`, `len` values split as `to`
-    /// over `tp` ranks; None when the checkpoint lacks it.
-    pub fn values(&self, id: u64, to: Sharding, tp: u32, rank: u32, len: usize) -> Result<Option<Vec<f32>>> {
+    /// This rank's values of parameter (or state slot) `id`, of `shape` (this rank's shard
+    /// when split as `to` over `tp` ranks); None when the checkpoint lacks it. Every saved
+    /// part's shape must be the part of the whole tensor its rank held: the element count
+    /// alone would take a weight stored transposed.
+    pub fn values(&self, id: u64, to: Sharding, tp: u32, rank: u32, shape: &[usize]) -> Result<Option<Vec<f32>>> {
         let saved = self.saved(id, tp, to)?;
         let degree = saved.files.len() as u32;
+        let whole = whole_shape(shape, to, tp as usize);
+        let expected = shard_shape(&whole, saved.from, degree as usize);
         let mut parts = Vec::with_capacity(degree as usize);
         for k in 0..degree {
             match self.loaded.params.get(&(id, k)) {
-                Some((_, v)) => parts.push(v.clone()),
+                Some((stored, v)) => {
+                    if *stored != expected {
+                        let which = if degree > 1 { format!(" (tensor-parallel rank {k})") } else { String::new() };
+                        return Err(ExecError::Checkpoint(format!(
+                            "model.safetensors: `{}`{which} is stored as {stored:?}, and this model's needs {expected:?}",
+                            checkpoint::param_name(id)
+                        )));
+                    }
+                    parts.push(v.clone());
+                }
                 None => return Ok(None),
             }
         }
+        let len: usize = shape.iter().product();
         let out = if degree == tp && saved.from == to {
             parts.swap_remove(rank as usize)
         } else {

@@ -91,6 +91,46 @@ pub enum Sharding {
     Qkv { rows: usize, d: usize },
 }
 
+/// The shape of one rank's shard of a tensor of shape `whole` split as `s` over `tp` ranks.
+pub fn shard_shape(whole: &[usize], s: Sharding, tp: usize) -> Vec<usize> {
+    let tp = tp.max(1);
+    let mut out = whole.to_vec();
+    match s {
+        Sharding::Whole => {}
+        Sharding::Rows => {
+            if let Some(d) = out.first_mut() {
+                *d /= tp;
+            }
+        }
+        Sharding::Columns { .. } | Sharding::Qkv { .. } => {
+            if let Some(d) = out.last_mut() {
+                *d /= tp;
+            }
+        }
+    }
+    out
+}
+
+/// The whole tensor's shape from one rank's `shard` shape ([`shard_shape`]'s inverse).
+pub fn whole_shape(shard: &[usize], s: Sharding, tp: usize) -> Vec<usize> {
+    let tp = tp.max(1);
+    let mut out = shard.to_vec();
+    match s {
+        Sharding::Whole => {}
+        Sharding::Rows => {
+            if let Some(d) = out.first_mut() {
+                *d *= tp;
+            }
+        }
+        Sharding::Columns { .. } | Sharding::Qkv { .. } => {
+            if let Some(d) = out.last_mut() {
+                *d *= tp;
+            }
+        }
+    }
+    out
+}
+
 /// Rank `rank`'s shard of the whole tensor `full`.
 pub fn shard(full: &[f32], s: Sharding, tp: usize, rank: usize) -> Vec<f32> {
     let tp = tp.max(1);

@@ -251,16 +251,24 @@ impl<B: ExecBackend> StageOptim<B> {
     /// saved under another tensor-parallel split, the entries of every saved rank are
     /// joined and re-split like the weights (`reshard::map_tensors`). Burn panics on some
     /// malformed records; that is caught and reported as a corrupt state.
+    ///
+    /// With `complete` (the checkpoint says its optimizer keeps state: momentum or Adam's
+    /// moments), every wanted parameter must have its entry: a missing file or entry is an
+    /// error, never a silent reset of that parameter's state (which a checkpoint whose
+    /// optimizer files were exchanged between stages, or whose `state.json` lost a stage,
+    /// used to give, with losses 1e-3 off).
     pub fn load(
         &mut self,
         files: &HashMap<ShardKey, Vec<u8>>,
         wants: &[Want],
+        complete: bool,
         dev: &B::Device,
     ) -> std::result::Result<(), String> {
         // R: Burn's optimizer record, a map from parameter id to that parameter's state V
         fn merged<R, V, B2: Backend>(
             files: &HashMap<ShardKey, Vec<u8>>,
             wants: &[Want],
+            complete: bool,
             dev: &B2::Device,
         ) -> std::result::Result<R, String>
         where
@@ -291,6 +299,26 @@ impl<B: ExecBackend> StageOptim<B> {
                     }
                     match found {
                         Some(v) => parts.push(v),
+                        None if complete => {
+                            let name = pipec_plan::checkpoint::param_name(want.id.val());
+                            let held = candidates.iter().filter(|k| files.contains_key(k)).count();
+                            let place = match candidates.as_slice() {
+                                [k] if held == 0 => {
+                                    format!(
+                                        "state.json lists no optimizer state of stage {} (rank {})",
+                                        k.stage, k.tp_rank
+                                    )
+                                }
+                                [k] => format!(
+                                    "the optimizer state of stage {} (rank {}) has no entry for it",
+                                    k.stage, k.tp_rank
+                                ),
+                                _ => "no saved optimizer file has an entry for it".to_string(),
+                            };
+                            return Err(format!(
+                                "no optimizer state for `{name}`: {place} (the checkpoint is incomplete, or its optimizer files were exchanged)"
+                            ));
+                        }
                         None => break, // no state saved (plain SGD keeps none)
                     }
                 }
@@ -321,8 +349,8 @@ impl<B: ExecBackend> StageOptim<B> {
         }
         let placeholder = StageOptim::Sgd(SgdConfig::new().init());
         *self = match std::mem::replace(self, placeholder) {
-            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(merged(files, wants, dev)?)),
-            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(merged(files, wants, dev)?)),
+            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(merged(files, wants, complete, dev)?)),
+            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(merged(files, wants, complete, dev)?)),
         };
         Ok(())
     }
