@@ -390,7 +390,10 @@ fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> StageFigur
         .collect();
     let update =
         layout.ranges.iter().map(|r| costs[r.clone()].iter().map(|c| c.update_s).sum::<f64>() / tp as f64).collect();
-    let output_bytes: Vec<u64> = layout.ranges.iter().map(|r| graph.cut_bytes_per_sample(r.end) * mb).collect();
+    // byte counts saturate: a spec past pipec's limits is refused by the front end, and a
+    // figure that saturates reads as "does not fit" rather than wrapping to a small one
+    let output_bytes: Vec<u64> =
+        layout.ranges.iter().map(|r| graph.cut_bytes_per_sample(r.end).saturating_mul(mb)).collect();
     let bytes = layout
         .ranges
         .iter()
@@ -398,21 +401,26 @@ fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> StageFigur
         .map(|(r, &output)| {
             let c = &costs[r.clone()];
             let parameters: u64 = c.iter().map(|c| c.parameters).sum();
-            let input_bytes = if r.start == 0 {
-                (graph.input_shape.iter().product::<usize>() * model.precision) as u64
-            } else {
-                graph.cut_bytes_per_sample(r.start)
-            } * mb;
+            let input_bytes =
+                if r.start == 0 { graph.source_bytes(Source::Input) } else { graph.cut_bytes_per_sample(r.start) }
+                    .saturating_mul(mb);
             // the last stage also keeps the loss's input for its backward: the model's
             // output (a language model's [sequence, vocab] logits), not split by tp
-            let loss_input =
-                if r.end == costs.len() { costs.last().map_or(0, |c| c.output_bytes_per_sample) * mb } else { 0 };
+            let loss_input = if r.end == costs.len() {
+                costs.last().map_or(0, |c| c.output_bytes_per_sample).saturating_mul(mb)
+            } else {
+                0
+            };
             StageBytes {
                 parameters,
                 weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>() / tp,
                 optimizer: (parameters as f64 / tp as f64 * model.optimizer_bytes_per_parameter) as u64,
-                activations_per_microbatch: c.iter().map(|c| c.activation_bytes_per_sample).sum::<u64>() * mb / tp
-                    + loss_input,
+                activations_per_microbatch: (c
+                    .iter()
+                    .fold(0u64, |a, c| a.saturating_add(c.activation_bytes_per_sample))
+                    .saturating_mul(mb)
+                    / tp)
+                    .saturating_add(loss_input),
                 input_per_microbatch: input_bytes,
                 largest_message: input_bytes.max(output),
             }
@@ -1368,10 +1376,12 @@ fn tp_allreduce_bytes(graph: &Graph, ranges: &[Range<usize>], microbatch_size: u
             (r.start..r.end)
                 .map(|i| {
                     let node = graph.node(graph.op_at(i));
-                    let out = node.output_shape.iter().product::<usize>() * precision * microbatch_size;
+                    let out = pipec_plan::model::elements(&node.output_shape)
+                        .unwrap_or(u64::MAX)
+                        .saturating_mul((precision * microbatch_size) as u64);
                     match node.op {
-                        pipec_plan::model::Op::TransformerBlock { .. } => 2 * out as u64,
-                        pipec_plan::model::Op::Linear { .. } => out as u64 / 2,
+                        pipec_plan::model::Op::TransformerBlock { .. } => out.saturating_mul(2),
+                        pipec_plan::model::Op::Linear { .. } => out / 2,
                         _ => 0,
                     }
                 })

@@ -94,12 +94,18 @@ impl Graph {
             Source::Input => &self.input_shape,
             Source::Layer(i) => &self.graph[self.order[i].0].output_shape,
         };
-        shape.iter().product::<usize>() as u64 * self.precision_bytes as u64
+        tensor_bytes(shape, self.precision_bytes)
     }
     /// Producers feeding `id`.
     pub fn inputs(&self, id: OpId) -> impl Iterator<Item = OpId> + '_ {
         self.graph.neighbors_directed(id.0, petgraph::Direction::Incoming).map(OpId)
     }
+}
+
+/// The bytes of one sample's tensor of `shape`, saturating (a checked spec's tensors are
+/// far below: `pipec_plan::model::MAX_TENSOR_ELEMENTS`).
+fn tensor_bytes(shape: &[usize], precision_bytes: usize) -> u64 {
+    pipec_plan::model::elements(shape).unwrap_or(u64::MAX).saturating_mul(precision_bytes as u64)
 }
 
 /// Lowers the checked model to the IR.
@@ -120,7 +126,7 @@ pub fn lower(model: &Model, precision_bytes: usize) -> Graph {
             if let Source::Layer(p) = *s {
                 let from: NodeIndex<u32> = order.get(p).map(|o: &OpId| o.0).unwrap_or(n);
                 let shape = graph[from].output_shape.clone();
-                let bytes = shape.iter().product::<usize>() as u64 * precision_bytes as u64;
+                let bytes = tensor_bytes(&shape, precision_bytes);
                 graph.add_edge(from, n, TensorEdge { shape, bytes_per_sample: bytes });
             }
         }

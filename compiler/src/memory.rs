@@ -91,10 +91,10 @@ pub fn device_memory(
             Some(cap) => (1 + stashed).min(cap.max(1)),
             None => 1,
         };
-        m.weights += b.weights * u64::from(versions);
-        m.gradients += b.weights;
-        m.optimizer += b.optimizer;
-        m.buffers = m.buffers.max(4 * b.largest_message);
+        m.weights = m.weights.saturating_add(b.weights.saturating_mul(u64::from(versions)));
+        m.gradients = m.gradients.saturating_add(b.weights);
+        m.optimizer = m.optimizer.saturating_add(b.optimizer);
+        m.buffers = m.buffers.max(b.largest_message.saturating_mul(4));
     }
     // Activations: the peak over the stream of what all held stages keep at once.
     let mut now: HashMap<StageId, u64> = HashMap::new();
@@ -118,8 +118,9 @@ pub fn device_memory(
         };
         match ins {
             Instr::Forward { stage, .. } => {
-                *now.entry(*stage).or_insert(0) += per(stage);
-                peak_total = peak_total.max(now.values().sum());
+                let e = now.entry(*stage).or_insert(0);
+                *e = e.saturating_add(per(stage));
+                peak_total = peak_total.max(now.values().fold(0u64, |a, &v| a.saturating_add(v)));
             }
             Instr::Free { stage, .. } => {
                 let e = now.entry(*stage).or_insert(0);
@@ -128,10 +129,12 @@ pub fn device_memory(
             _ => {}
         }
     }
-    m.activations = peak_total + recompute_extra;
+    m.activations = peak_total.saturating_add(recompute_extra);
     m.workspace = workspace_reserve(capacity);
     m.capacity = capacity as u64;
-    m.total = m.weights + m.gradients + m.optimizer + m.activations + m.buffers + m.workspace;
+    m.total = [m.gradients, m.optimizer, m.activations, m.buffers, m.workspace]
+        .into_iter()
+        .fold(m.weights, u64::saturating_add);
     m
 }
 

@@ -553,8 +553,9 @@ impl<'n> Expander<'_, '_, 'n> {
                 self.push_layer(op, span, inputs, input_shape, out)
             }
             Err(e) => {
+                let code = if e.limit { "E0105" } else { "E0304" };
                 let mut d = Diagnostic::error(
-                    "E0304",
+                    code,
                     format!("shape mismatch at `{}`: {}", call.name, e.message),
                     span,
                     "these operands",
@@ -699,6 +700,18 @@ impl<'n> Expander<'_, '_, 'n> {
                     .map(|a| self.cx.dsl_span(node, a.value_span))
                     .unwrap_or(call_span);
                 let index = self.layers.len();
+                if e.limit {
+                    self.error(
+                        Diagnostic::error(
+                            "E0105",
+                            format!("layer {index} (`{}`) is too large: {}", call.name, e.message),
+                            span,
+                            format!("input here is {}", fmt_shape(&in_shape)),
+                        )
+                        .with_help("pipec plans up to 2^32 per dimension, 2^40 elements per sample per tensor and 2^40 parameters per layer"),
+                    );
+                    return Tensor::unknown();
+                }
                 let mut d = Diagnostic::error(
                     "E0304",
                     format!("shape mismatch at layer {index} (`{}`): {}", call.name, e.message),

@@ -195,6 +195,8 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
     };
     let mut errors = Vec::new();
     let mut values: Vec<Option<(f64, Rel)>> = vec![None; doc.params.len()];
+    // arguments given with a bad value: reported once, not again as missing
+    let mut invalid = vec![false; doc.params.len()];
     let mut positional = 0usize;
     for arg in &call.args {
         let slot = match &arg.key {
@@ -247,17 +249,20 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
         }
         match check_value(param, &arg.value) {
             Ok(v) => values[slot] = Some((v, arg.value_span)),
-            Err(why) => errors.push(CallError {
-                code: "E0303",
-                message: format!("argument `{}` of `{}` {why}", param.name, doc.name),
-                label: format!("found `{}`", arg.value),
-                span: arg.value_span,
-                help: Some(format!("signature: {}", doc.signature)),
-            }),
+            Err(why) => {
+                invalid[slot] = true;
+                errors.push(CallError {
+                    code: "E0303",
+                    message: format!("argument `{}` of `{}` {why}", param.name, doc.name),
+                    label: format!("found `{}`", arg.value),
+                    span: arg.value_span,
+                    help: Some(format!("signature: {}", doc.signature)),
+                });
+            }
         }
     }
     for (i, param) in doc.params.iter().enumerate() {
-        if values[i].is_none() && param.default.is_none() {
+        if values[i].is_none() && !invalid[i] && param.default.is_none() {
             errors.push(CallError {
                 code: "E0303",
                 message: format!("`{}` is missing its argument `{}`", doc.name, param.name),
@@ -319,7 +324,11 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
 }
 
 fn check_value(param: Param, v: &ArgValue) -> Result<f64, String> {
+    let max = pipec_plan::model::MAX_DIM as i64;
     match (param.kind, v) {
+        (ArgKind::Count | ArgKind::Size, ArgValue::Int(i)) if *i > max => {
+            Err(format!("is {i}, more than pipec plans (at most {max})"))
+        }
         (ArgKind::Count, ArgValue::Int(i)) if *i >= 1 => Ok(*i as f64),
         (ArgKind::Count, _) => Err("must be a positive integer".into()),
         (ArgKind::Size, ArgValue::Int(i)) if *i >= 0 => Ok(*i as f64),

@@ -61,6 +61,9 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     out.cluster = section(&mut cx, "cluster").and_then(|(n, ks)| lower_cluster(&mut cx, n, ks));
     let strategy_node = section(&mut cx, "strategy");
     out.training = section(&mut cx, "training").and_then(|(n, ks)| lower_training(&mut cx, n, ks));
+    if let (Some(model), Some(training)) = (&out.model, &out.training) {
+        check_batch_size(&mut cx, model, training);
+    }
     if let (Some(model), Some(training), Some(base)) = (&out.model, &out.training, base_dir) {
         check_data_file(&mut cx, model, training, base);
     }
@@ -69,6 +72,39 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     });
     out.diagnostics = cx.diags;
     out
+}
+
+/// The most values one batch's layer outputs may hold together (2^52, about 4.5·10^15):
+/// with every tensor within `pipec_plan::model`'s limits and the batch within this, every
+/// byte count the compiler forms fits in 64 bits.
+pub const MAX_BATCH_ELEMENTS: u64 = 1 << 52;
+
+/// The batch against the model's size: the values of every layer's output for the whole
+/// batch, counted without wrapping, within [`MAX_BATCH_ELEMENTS`].
+fn check_batch_size(cx: &mut Lower<'_>, model: &Model, training: &Training) {
+    let per_sample = model
+        .layers
+        .iter()
+        .map(|l| pipec_plan::model::elements(&l.output_shape))
+        .chain([pipec_plan::model::elements(&model.input)])
+        .try_fold(0u64, |sum, n| sum.checked_add(n?));
+    let total = per_sample.and_then(|n| n.checked_mul(training.batch_size as u64));
+    if total.is_some_and(|t| t <= MAX_BATCH_ELEMENTS) {
+        return;
+    }
+    let shown = total.map_or("more than 2^64".to_string(), |t| t.to_string());
+    cx.push(
+        Diagnostic::error(
+            "E0105",
+            format!(
+                "a batch of {} samples holds {shown} layer-output values, more than pipec plans (at most {MAX_BATCH_ELEMENTS})",
+                training.batch_size
+            ),
+            training.batch_span,
+            "too large a batch for this model",
+        )
+        .with_help("use a smaller batch_size (and more steps)"),
+    );
 }
 
 /// How much of a data file `pipec check` (and the editor) reads: enough to catch a wrong
@@ -153,7 +189,15 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
             return None;
         }
         let dims: Vec<Option<usize>> = items.iter().map(|d| cx.uint(d, 1)).collect();
-        dims.into_iter().collect::<Option<Vec<usize>>>()
+        let dims = dims.into_iter().collect::<Option<Vec<usize>>>()?;
+        if let Err(m) = pipec_plan::model::check_shape(&dims) {
+            cx.push(
+                Diagnostic::error("E0105", format!("the input {m}"), n.span, "too large")
+                    .with_help("pipec plans up to 2^32 per dimension and 2^40 elements per sample"),
+            );
+            return None;
+        }
+        Some(dims)
     });
 
     let expanded = layers_node.and_then(|n| {

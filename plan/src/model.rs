@@ -148,10 +148,49 @@ pub struct ShapeError {
     pub message: String,
     /// Index into the call's arguments that the mismatch is about, if any.
     pub argument: Option<usize>,
+    /// The shapes fit, but a size is past what pipec plans ([`MAX_DIM`],
+    /// [`MAX_TENSOR_ELEMENTS`], [`MAX_LAYER_PARAMETERS`]).
+    pub limit: bool,
 }
 
 fn shape_err(message: String, argument: Option<usize>) -> ShapeError {
-    ShapeError { message, argument }
+    ShapeError { message, argument, limit: false }
+}
+
+fn limit_err(message: String) -> ShapeError {
+    ShapeError { message, argument: None, limit: true }
+}
+
+/// The largest dimension, and the largest layer argument, pipec plans (2^32). Every size
+/// computed from them is then exact in `f64` and in `u64`: nothing wraps.
+pub const MAX_DIM: usize = 1 << 32;
+/// The most elements one sample's tensor may have (2^40, about 1.1·10^12).
+pub const MAX_TENSOR_ELEMENTS: u64 = 1 << 40;
+/// The most parameters one layer may have (2^40).
+pub const MAX_LAYER_PARAMETERS: u64 = 1 << 40;
+
+/// The number of elements of a shape; None when it would not fit in `u64`.
+pub fn elements(shape: &[usize]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+}
+
+/// Whether pipec plans a tensor of this per-sample shape: every dimension at most
+/// [`MAX_DIM`], at most [`MAX_TENSOR_ELEMENTS`] elements in all (checked, never wrapped).
+pub fn check_shape(shape: &[usize]) -> Result<(), String> {
+    if let Some(d) = shape.iter().find(|&&d| d > MAX_DIM) {
+        return Err(format!("has a dimension of {d}, more than pipec plans (at most {MAX_DIM})"));
+    }
+    match elements(shape) {
+        Some(n) if n <= MAX_TENSOR_ELEMENTS => Ok(()),
+        Some(n) => Err(format!(
+            "has {n} elements per sample ({}), more than pipec plans (at most {MAX_TENSOR_ELEMENTS})",
+            fmt_shape(shape)
+        )),
+        None => Err(format!(
+            "has more than 2^64 elements per sample ({}), more than pipec plans (at most {MAX_TENSOR_ELEMENTS})",
+            fmt_shape(shape)
+        )),
+    }
 }
 
 /// Renders a per-sample shape as `[3, 32, 32]`.
@@ -186,8 +225,60 @@ impl Op {
         }
     }
 
+    /// The operator's integer arguments (sizes, counts, kernel and padding).
+    fn sizes(&self) -> Vec<usize> {
+        match *self {
+            Op::Linear { in_features, out_features, .. } => vec![in_features, out_features],
+            Op::Conv2d { in_channels, out_channels, kernel, stride, padding, .. } => {
+                vec![in_channels, out_channels, kernel, stride, padding]
+            }
+            Op::MaxPool2d { kernel, stride, padding } | Op::AvgPool2d { kernel, stride, padding } => {
+                vec![kernel, stride, padding]
+            }
+            Op::AdaptiveAvgPool2d { size } => vec![size],
+            Op::BatchNorm2d { channels } => vec![channels],
+            Op::Add { inputs } | Op::Concat { inputs } => vec![inputs],
+            Op::LayerNorm { dim } => vec![dim],
+            Op::Embedding { vocab, dim } => vec![vocab, dim],
+            Op::PosEmbedding { max_len, dim } => vec![max_len, dim],
+            Op::Lstm { input, hidden } => vec![input, hidden],
+            Op::TransformerBlock { d_model, heads, d_ff, .. } => vec![d_model, heads, d_ff],
+            Op::Flatten | Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid | Op::Dropout { .. } => Vec::new(),
+        }
+    }
+
+    /// Whether pipec plans this operator on this input: arguments and input dimensions at
+    /// most [`MAX_DIM`], the input at most [`MAX_TENSOR_ELEMENTS`], its parameters at most
+    /// [`MAX_LAYER_PARAMETERS`].
+    fn check_sizes(&self, input: &[usize]) -> Result<(), ShapeError> {
+        if let Some(v) = self.sizes().into_iter().find(|&v| v > MAX_DIM) {
+            return Err(limit_err(format!(
+                "{} takes an argument of {v}, more than pipec plans (at most {MAX_DIM})",
+                self.name()
+            )));
+        }
+        check_shape(input).map_err(|m| limit_err(format!("its input {m}")))?;
+        let p = self.parameter_count_wide();
+        if p > u128::from(MAX_LAYER_PARAMETERS) {
+            return Err(limit_err(format!(
+                "{} would have {p} parameters, more than pipec plans in one layer (at most {MAX_LAYER_PARAMETERS})",
+                self.name()
+            )));
+        }
+        Ok(())
+    }
+
     /// The per-sample output shape for a per-sample input shape (batch dimension excluded).
+    /// Every size is checked against pipec's limits first, and the output after, so no
+    /// arithmetic here or downstream wraps.
     pub fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>, ShapeError> {
+        self.check_sizes(input)?;
+        let out = self.unchecked_output_shape(input)?;
+        check_shape(&out).map_err(|m| limit_err(format!("its output {m}")))?;
+        Ok(out)
+    }
+
+    fn unchecked_output_shape(&self, input: &[usize]) -> Result<Vec<usize>, ShapeError> {
         match *self {
             Op::Linear { in_features, out_features, .. } => match input.last() {
                 Some(&d) if d == in_features => {
@@ -328,27 +419,40 @@ impl Op {
         }
     }
 
-    /// Number of trainable parameters.
+    /// Number of trainable parameters (saturating; an operator that passes
+    /// [`Op::output_shape`] has at most [`MAX_LAYER_PARAMETERS`]).
     pub fn parameter_count(&self) -> u64 {
-        let u = |x: usize| x as u64;
+        u64::try_from(self.parameter_count_wide()).unwrap_or(u64::MAX)
+    }
+
+    /// The parameter count in 128 bits, saturating: exact for any arguments up to
+    /// [`MAX_DIM`], and never wrapping for any others (a plan file's).
+    fn parameter_count_wide(&self) -> u128 {
+        let u = |x: usize| x as u128;
+        // Σ Π: a sum of products, saturating
+        let sum_of = |terms: &[&[u128]]| {
+            terms.iter().fold(0u128, |acc, t| acc.saturating_add(t.iter().fold(1u128, |p, &f| p.saturating_mul(f))))
+        };
         match *self {
             Op::Linear { in_features, out_features, bias } => {
-                u(in_features) * u(out_features) + if bias { u(out_features) } else { 0 }
+                sum_of(&[&[u(in_features), u(out_features)], &[u(out_features), u128::from(bias)]])
             }
-            Op::Conv2d { in_channels, out_channels, kernel, bias, .. } => {
-                u(in_channels) * u(out_channels) * u(kernel) * u(kernel) + if bias { u(out_channels) } else { 0 }
-            }
+            Op::Conv2d { in_channels, out_channels, kernel, bias, .. } => sum_of(&[
+                &[u(in_channels), u(out_channels), u(kernel), u(kernel)],
+                &[u(out_channels), u128::from(bias)],
+            ]),
             Op::LayerNorm { dim } => 2 * u(dim),
             Op::BatchNorm2d { channels } => 2 * u(channels),
-            Op::Embedding { vocab, dim } => u(vocab) * u(dim),
-            Op::PosEmbedding { max_len, dim } => u(max_len) * u(dim),
+            Op::Embedding { vocab, dim } => sum_of(&[&[u(vocab), u(dim)]]),
+            Op::PosEmbedding { max_len, dim } => sum_of(&[&[u(max_len), u(dim)]]),
             // W_ih [4h, in], W_hh [4h, h], b_ih and b_hh [4h] (PyTorch's layout)
-            Op::Lstm { input, hidden } => 4 * u(hidden) * (u(input) + u(hidden) + 2),
+            Op::Lstm { input, hidden } => {
+                sum_of(&[&[4, u(hidden), u(input)], &[4, u(hidden), u(hidden)], &[8, u(hidden)]])
+            }
             Op::TransformerBlock { d_model, d_ff, .. } => {
-                let d = u(d_model);
-                let f = u(d_ff);
+                let (d, f) = (u(d_model), u(d_ff));
                 // two layer norms, QKV + output projection, two MLP linears (all with bias)
-                2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+                sum_of(&[&[4, d], &[3, d, d], &[3, d], &[d, d], &[d], &[d, f], &[f], &[f, d], &[d]])
             }
             Op::MaxPool2d { .. }
             | Op::AvgPool2d { .. }
@@ -430,6 +534,37 @@ mod tests {
         assert_eq!(pool.output_shape(&[64, 32, 32]), Ok(vec![64, 16, 16]));
         assert_eq!(Op::Flatten.output_shape(&[64, 16, 16]), Ok(vec![16384]));
         assert_eq!(conv.parameter_count(), 3 * 64 * 9 + 64);
+    }
+
+    #[test]
+    fn sizes_past_the_limits_are_errors_never_wrapped() {
+        // 17 × 1085102592571150096 wraps to 16 in 64 bits: it was planned as 16 features
+        let wraps = [17, 1_085_102_592_571_150_096];
+        assert_eq!(elements(&wraps), None);
+        assert!(check_shape(&wraps).is_err());
+        let e = Op::Flatten.output_shape(&wraps).expect_err("past the limits");
+        assert!(e.limit && e.message.contains("1085102592571150096"), "{}", e.message);
+        // within every dimension's limit, past the element limit
+        let e = Op::Flatten.output_shape(&[1 << 21, 1 << 21]).expect_err("2^42 elements");
+        assert!(e.limit && e.message.contains("4398046511104 elements"), "{}", e.message);
+        // parameters: exact in 128 bits, past the limit an error; the count saturates
+        let huge = Op::Linear { in_features: 1 << 32, out_features: 1 << 32, bias: true };
+        assert!(huge.output_shape(&[1 << 32]).expect_err("2^64 parameters").limit);
+        assert_eq!(huge.parameter_count(), u64::MAX);
+        let forged = Op::Conv2d {
+            in_channels: usize::MAX,
+            out_channels: usize::MAX,
+            kernel: usize::MAX,
+            stride: 1,
+            padding: usize::MAX,
+            bias: true,
+        };
+        assert_eq!(forged.parameter_count(), u64::MAX);
+        assert!(forged.output_shape(&[3, 8, 8]).expect_err("arguments past 2^32").limit);
+        // the largest sizes still plan
+        let wide = Op::Linear { in_features: 1 << 20, out_features: 1 << 20, bias: false };
+        assert_eq!(wide.output_shape(&[1 << 20]), Ok(vec![1 << 20]));
+        assert_eq!(wide.parameter_count(), 1 << 40);
     }
 
     #[test]

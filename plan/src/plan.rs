@@ -457,6 +457,8 @@ impl Plan {
         let t = &self.training;
         if self.model.input.is_empty() || self.model.input.contains(&0) {
             out.push(format!("model.input {:?} must be non-empty with every dimension ≥ 1", self.model.input));
+        } else if let Err(m) = crate::model::check_shape(&self.model.input) {
+            out.push(format!("model.input {m}"));
         }
         // the layer graph: operands defined before use, shapes consistent
         for (i, l) in self.layers.iter().enumerate() {
