@@ -86,10 +86,15 @@ pub fn read_profile(p: &Path) -> Result<pipec_plan::profile::Profile, u8> {
         eprintln!("error: profile: {e}");
         EXIT_USAGE
     })?;
-    serde_json::from_str(&text).map_err(|e| {
+    let profile: pipec_plan::profile::Profile = serde_json::from_str(&text).map_err(|e| {
         eprintln!("error: `{}` is not a pipec profile: {e}", p.display());
         EXIT_USAGE
-    })
+    })?;
+    profile.check().map_err(|e| {
+        eprintln!("error: `{}`: {e}", p.display());
+        EXIT_USAGE
+    })?;
+    Ok(profile)
 }
 
 pub fn run(

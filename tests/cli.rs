@@ -394,6 +394,61 @@ fn five_thousand_nested_blocks_are_a_diagnostic_in_check_and_in_the_language_ser
     assert!(replies.iter().any(|r| r["id"] == 7), "the hover after the deep spec is answered");
 }
 
+#[test]
+fn a_hand_edited_plan_or_profile_is_refused_with_the_field_not_a_panic() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let plan_dir = dir.path().join("plan");
+    let spec = root.join("specs/transformer.yaml");
+    let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", plan_dir.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(plan_dir.join("plan.json")).expect("plan")).expect("json");
+    // a token vocabulary that is not the embedding's (1000) made a worker panic in Burn's
+    // gather on synthetic token data
+    for vocab in [serde_json::json!(4000), serde_json::json!(3), serde_json::Value::Null] {
+        plan["model"]["token_vocab"] = vocab.clone();
+        let edited = dir.path().join("edited.json");
+        std::fs::write(&edited, plan.to_string()).expect("write");
+        let out = pipec(&[
+            "run",
+            edited.to_str().expect("utf-8"),
+            "--steps",
+            "1",
+            "-o",
+            dir.path().join("o").to_str().expect("utf-8"),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "token_vocab {vocab}: {stderr}");
+        assert!(stderr.contains("token_vocab") && !stderr.contains("panicked"), "token_vocab {vocab}: {stderr}");
+    }
+    // a profile whose times are -1 predicted a 0.0 µs step
+    let layers = plan["layers"].as_array().expect("layers").len();
+    let profile = serde_json::json!({
+        "version": 1,
+        "batch_size": 8,
+        "backend": "cpu",
+        "layers": (0..layers).map(|i| serde_json::json!({
+            "index": i, "name": "layer", "forward_ms": -1.0, "backward_ms": -1.0, "update_ms": 0.0,
+            "activation_bytes": 0, "output_bytes": 0, "parameter_bytes": 0
+        })).collect::<Vec<_>>()
+    });
+    let bad = dir.path().join("profile.json");
+    std::fs::write(&bad, profile.to_string()).expect("write");
+    let out = pipec(&[
+        "compile",
+        spec.to_str().expect("utf-8"),
+        "--profile",
+        bad.to_str().expect("utf-8"),
+        "-o",
+        dir.path().join("c").to_str().expect("utf-8"),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("forward_ms -1") && stderr.contains("finite and not negative"), "{stderr}");
+    assert!(!dir.path().join("c").exists(), "nothing is written");
+}
+
 /// `specs/mlp-1f1b.yaml` with `steps` steps and a checkpoint every 2 steps into `ckpts/`.
 fn checkpointing_spec(dir: &Path, steps: usize) -> std::path::PathBuf {
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml"))

@@ -146,9 +146,7 @@ impl ApplyProfile for Profile {
         if self.layers.len() != costs.len() {
             return Err(format!("the profile has {} layers, the model has {}", self.layers.len(), costs.len()));
         }
-        if self.batch_size == 0 {
-            return Err("the profile's batch_size is 0".into());
-        }
+        self.check()?;
         let scale = microbatch_size as f64 / self.batch_size as f64;
         for (c, l) in costs.iter_mut().zip(&self.layers) {
             c.forward_s = l.forward_ms / 1e3 * scale;

@@ -509,6 +509,19 @@ impl Plan {
         if self.layers.is_empty() {
             out.push("the plan has no layers".into());
         }
+        // the token vocabulary is the first layer's, when that is an embedding
+        let vocab = match self.layers.first().map(|l| &l.op) {
+            Some(Op::Embedding { vocab, .. }) => Some(*vocab),
+            _ => None,
+        };
+        if self.model.token_vocab != vocab {
+            let shown = |v: Option<usize>| v.map_or("none".to_string(), |v| v.to_string());
+            out.push(format!(
+                "model.token_vocab is {}, and the first layer's vocabulary is {} (it must be the embedding's, or absent without one)",
+                shown(self.model.token_vocab),
+                shown(vocab)
+            ));
+        }
         for l in &self.layers {
             if let Some(a) = l.tied {
                 let fits = match (self.layers.get(a).map(|e| &e.op), &l.op) {

@@ -31,3 +31,29 @@ pub struct ProfiledLayer {
     pub output_bytes: u64,
     pub parameter_bytes: u64,
 }
+
+impl Profile {
+    /// Whether the profile can be used: a positive batch size, layers numbered in order,
+    /// every time finite and not negative (a profile with times of −1 predicted a step of
+    /// 0.0 µs).
+    pub fn check(&self) -> Result<(), String> {
+        if self.batch_size == 0 {
+            return Err("the profile's batch_size is 0".into());
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            if l.index != i {
+                return Err(format!("the profile's layer {i} has index {}", l.index));
+            }
+            for (field, v) in [("forward_ms", l.forward_ms), ("backward_ms", l.backward_ms), ("update_ms", l.update_ms)]
+            {
+                if !v.is_finite() || v < 0.0 {
+                    return Err(format!(
+                        "the profile's layer {i} (`{}`) has {field} {v}: a time must be finite and not negative",
+                        l.name
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
