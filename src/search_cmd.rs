@@ -32,6 +32,10 @@ pub fn run(a: SearchArgs<'_>) -> u8 {
             return EXIT_USAGE;
         }
     };
+    if a.max_depth == Some(0) {
+        eprintln!("error: --max-depth must be at least 1 (a pipeline has at least one stage)");
+        return EXIT_USAGE;
+    }
     if let Some(h) = a.headroom_percent.filter(|h| !(0.0..100.0).contains(h)) {
         eprintln!("error: --headroom must be a percentage in [0, 100), got {h}");
         return EXIT_USAGE;

@@ -449,6 +449,36 @@ fn a_hand_edited_plan_or_profile_is_refused_with_the_field_not_a_panic() {
     assert!(!dir.path().join("c").exists(), "nothing is written");
 }
 
+#[test]
+fn a_search_that_chooses_nothing_names_the_real_reason() {
+    // each used to say "no strategy fits in device memory"
+    let out = pipec(&["search", "specs/mlp-1f1b.yaml", "--max-depth", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--max-depth must be at least 1"), "{stderr}");
+    let out = pipec(&["search", "specs/mlp-1f1b.yaml", "--schedules", "pipedream"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("`pipedream` is asynchronous") && stdout.contains("--async"), "{stdout}");
+    assert!(!stdout.contains("fits in device memory"), "{stdout}");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("tp3.yaml");
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml"))
+        .expect("spec")
+        .replace("devices_per_node: 2", "devices_per_node: 8")
+        .replace("  stages: \"1-1\"", "  stages: auto\n  tp: 3");
+    std::fs::write(&spec, text).expect("write");
+    let out = pipec(&["search", spec.to_str().expect("utf-8"), "--format", "json"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let why = report["none_because"].as_str().expect("a reason");
+    assert!(why.starts_with("no valid strategy") && why.contains("tp = 3 does not divide"), "{why}");
+    let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("o").to_str().expect("utf-8")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("E0607") && stderr.contains("does not divide"), "{stderr}");
+    assert!(!stderr.contains("fits in device memory"), "{stderr}");
+}
+
 /// `specs/mlp-1f1b.yaml` with `steps` steps and a checkpoint every 2 steps into `ckpts/`.
 fn checkpointing_spec(dir: &Path, steps: usize) -> std::path::PathBuf {
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml"))

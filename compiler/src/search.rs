@@ -542,6 +542,68 @@ fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> Str
 }
 
 impl SearchReport {
+    /// Why the search chose nothing, in the terms of what stopped every candidate: the
+    /// options leaving none to try, every candidate refused by the rules (the most common
+    /// reasons, with counts), or memory (and the headroom asked for).
+    pub fn nothing_chosen(&self, options: &SearchOptions) -> String {
+        if self.candidates.is_empty() {
+            let asked_async: Vec<&str> = options
+                .schedules
+                .iter()
+                .flatten()
+                .filter(|k| !k.is_synchronous(pipec_plan::vocab::SyncMode::Bsp))
+                .map(|k| k.name())
+                .collect();
+            let why = if options.synchronous_only && !asked_async.is_empty() {
+                format!(
+                    "{} {} asynchronous and the search considers only schedules that train like one device: allow them with `--async` (`search: {{ asynchronous: true }}` in the spec)",
+                    asked_async.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", "),
+                    if asked_async.len() == 1 { "is" } else { "are" }
+                )
+            } else {
+                "the pinned fields and constraints leave no layout, schedule and microbatch count to try".to_string()
+            };
+            return format!("no strategy was considered: {why}");
+        }
+        let memory = self.count(|o| matches!(o, Outcome::TooBig | Outcome::Planned(_)));
+        if memory == 0 {
+            let mut reasons: Vec<(usize, &str)> = Vec::new();
+            for c in &self.candidates {
+                if let Outcome::Invalid(m) = &c.outcome {
+                    match reasons.iter_mut().find(|(_, r)| *r == m.as_str()) {
+                        Some(e) => e.0 += 1,
+                        None => reasons.push((1, m)),
+                    }
+                }
+            }
+            reasons.sort_by_key(|r| std::cmp::Reverse(r.0));
+            let shown: Vec<String> = reasons.iter().take(3).map(|(n, r)| format!("{n} × {r}")).collect();
+            let more =
+                if reasons.len() > 3 { format!("; and {} other reason(s)", reasons.len() - 3) } else { String::new() };
+            return format!(
+                "no valid strategy: all {} candidates break a rule — {}{more}",
+                self.candidates.len(),
+                shown.join("; ")
+            );
+        }
+        let best_fitting = self
+            .candidates
+            .iter()
+            .filter_map(|c| match &c.outcome {
+                Outcome::Planned(p) if p.fits => Some(p.headroom),
+                _ => None,
+            })
+            .fold(None, |m: Option<f64>, h| Some(m.map_or(h, |m| m.max(h))));
+        match best_fitting {
+            Some(h) if options.headroom > 0.0 => format!(
+                "no strategy keeps {:.1}% of device memory free (the roomiest that fits keeps {:.1}%)",
+                options.headroom * 100.0,
+                h * 100.0
+            ),
+            _ => "no strategy fits in device memory on this cluster".to_string(),
+        }
+    }
+
     /// The human report: the winner as a strategy to paste, the runner-ups and why they
     /// lost, and what the search did.
     pub fn explain(&self, options: &SearchOptions, top: usize) -> String {
@@ -559,7 +621,7 @@ impl SearchReport {
             planned
         );
         let Some(&(bi, bp)) = ranked.first() else {
-            s.push_str("no strategy fits in device memory on this cluster\n");
+            let _ = writeln!(s, "{}", self.nothing_chosen(options));
             return s;
         };
         let b = &self.candidates[bi];
@@ -606,6 +668,7 @@ impl SearchReport {
         };
         serde_json::json!({
             "best": ranked.first().map(|(i, p)| entry(*i, p)),
+            "none_because": ranked.is_empty().then(|| self.nothing_chosen(options)),
             "runner_ups": ranked.iter().skip(1).take(top.saturating_sub(1)).map(|(i, p)| entry(*i, p)).collect::<Vec<_>>(),
             "considered": self.candidates.len(),
             "invalid": self.count(|o| matches!(o, Outcome::Invalid(_))),
@@ -636,7 +699,7 @@ pub fn compile_auto(spec: &Spec, options: &CompileOptions, auto: &AutoStrategy) 
     let search_options = SearchOptions::from_spec(spec, auto);
     let report = search(source, spec, options, &search_options);
     let Some(&(i, p)) = report.ranked(search_options.headroom).first() else {
-        let d = Diagnostic::error("E0607", "no strategy fits in every device's memory", span, "searched strategy")
+        let d = Diagnostic::error("E0607", report.nothing_chosen(&search_options), span, "searched strategy")
             .with_help(report.explain(&search_options, 1).lines().next().unwrap_or_default().to_string());
         return CompileResult { compiled: None, diagnostics: vec![d] };
     };

@@ -318,9 +318,12 @@ runner-ups; the quick fix replaces the strategy with the chosen one, so later co
 not search again. `pipec search` prints the full report.";
 
 "E0607", "no strategy fits",
-"`strategy: auto` (or an `auto` field) found no strategy whose plan fits in every
-device's memory with the headroom asked for, among the strategies the fixed fields and the
-`search` constraints allow. Allow more (drop a constraint, lower `headroom`, allow
+"`strategy: auto` (or an `auto` field) found no strategy to choose, among the strategies
+the fixed fields and the `search` constraints allow. The message says which of three it
+was: nothing was left to try (e.g. only asynchronous schedules asked for without
+`asynchronous: true`); every candidate broke a rule (the commonest reasons, with counts:
+e.g. a fixed `tp` that does not divide the devices); or no plan fits in every device's
+memory with the headroom asked for. Allow more (drop a constraint, lower `headroom`, allow
 `recompute`), use devices with more memory, or a smaller model or batch.";
 
 "E0901", "cannot read file",
