@@ -34,7 +34,14 @@ fn quote(s: &str) -> String {
     }
 }
 
-pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool, timeout: Option<u64>) -> u8 {
+pub fn run(
+    file: &Path,
+    hostfile: Option<&Path>,
+    out: Option<&Path>,
+    exec: bool,
+    timeout: Option<u64>,
+    start_timeout: std::time::Duration,
+) -> u8 {
     let plan = match load_plan(file, false) {
         Ok(p) => p,
         Err(code) => return code,
@@ -107,7 +114,8 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool,
     if !exec {
         return 0;
     }
-    supervise(&cmd, &host_devices)
+    let agent = std::env::var("OMPI_MCA_plm_rsh_agent").unwrap_or_else(|_| "ssh".into());
+    supervise(&cmd, &host_devices, start_timeout, &agent)
 }
 
 /// How long mpirun may take to end the job once a rank has aborted it (or Open MPI has
@@ -115,15 +123,20 @@ pub fn run(file: &Path, hostfile: Option<&Path>, out: Option<&Path>, exec: bool,
 const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Runs mpirun, passing its output through. When a rank has aborted the job (its
-/// `error: rank …` line, or Open MPI's "MPI_ABORT was invoked" banner) and mpirun is still running `ABORT_GRACE` later — it
-/// waits on the daemon of a host it can no longer reach — mpirun is stopped: the job must
-/// end within its timeout, whatever the network does.
+/// `error: rank …` line, or Open MPI's "MPI_ABORT was invoked" banner) and mpirun is still
+/// running `ABORT_GRACE` later — it waits on the daemon of a host it can no longer reach —
+/// mpirun is stopped: the job must end within its timeout, whatever the network does.
 ///
 /// When Open MPI reports that it lost a host's daemon (a host down or unreachable), it ends
 /// the job itself, but can hang tearing it down, waiting on that host — before any rank's
 /// receive timeout fired, so no rank reports a failure: that report starts the same grace
 /// period. The devices that host ran are named once mpirun has ended.
-fn supervise(cmd: &[String], host_devices: &[(String, String)]) -> u8 {
+///
+/// Start-up is bounded too: until every rank has started (rank 0's `MPI_STARTED` line) no
+/// rank's receive timeout runs, and mpirun waits as long as it takes to reach a host (ssh's
+/// own connect timeout, minutes). Past `start_timeout` mpirun is stopped, and each host is
+/// asked through Open MPI's own launch agent whether it answers; those that do not are named.
+fn supervise(cmd: &[String], host_devices: &[(String, String)], start_timeout: std::time::Duration, agent: &str) -> u8 {
     use std::io::BufRead;
     use std::sync::atomic::{AtomicBool, Ordering};
     let mut child =
@@ -134,13 +147,20 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)]) -> u8 {
                 return EXIT_USAGE;
             }
         };
+    let launched_at = std::time::Instant::now();
     let aborted = std::sync::Arc::new(AtomicBool::new(false));
+    let started = std::sync::Arc::new(AtomicBool::new(false));
     let lost_host = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
     let reader = child.stderr.take().map(|stderr| {
         let aborted = aborted.clone();
+        let started = started.clone();
         let lost_host = lost_host.clone();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.starts_with(pipec_executor::MPI_STARTED) {
+                    started.store(true, Ordering::Relaxed);
+                    continue;
+                }
                 eprintln!("{line}");
                 // Open MPI: "Remote daemon: [[30846,0],1] on node 10.78.0.2"
                 if let Some(host) = line.trim().strip_prefix("Remote daemon:").and_then(|r| r.split(" on node ").nth(1))
@@ -200,9 +220,77 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)]) -> u8 {
                 );
                 return EXIT_DIAGNOSTICS;
             }
+        } else if !started.load(Ordering::Relaxed) && launched_at.elapsed() > start_timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            let silent = silent_hosts(host_devices, agent);
+            let named = if silent.is_empty() {
+                "every host answered the launch agent, so Open MPI itself did not start the ranks (see its output above)"
+                    .to_string()
+            } else {
+                format!("{} did not answer", silent.join(", "))
+            };
+            eprintln!(
+                "error: the job had not started {} s after launch (not every rank was up): {named}; stopped mpirun (raise --start-timeout for a slow start)",
+                start_timeout.as_secs()
+            );
+            return EXIT_DIAGNOSTICS;
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
+}
+
+/// How long a host has to answer the launch agent when a job did not start.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The hosts (with the devices they run) that do not run `true` through Open MPI's launch
+/// `agent` (`OMPI_MCA_plm_rsh_agent`, by default ssh) within [`PROBE_TIMEOUT`], asked all
+/// at once.
+fn silent_hosts(host_devices: &[(String, String)], agent: &str) -> Vec<String> {
+    let mut words = agent.split_whitespace().map(str::to_string);
+    let Some(program) = words.next() else { return Vec::new() };
+    let mut args: Vec<String> = words.collect();
+    if Path::new(&program).file_name().is_some_and(|n| n == "ssh") {
+        args.extend([
+            "-o".into(),
+            "BatchMode=yes".into(),
+            "-o".into(),
+            format!("ConnectTimeout={}", PROBE_TIMEOUT.as_secs()),
+        ]);
+    }
+    let probes: Vec<_> = host_devices
+        .iter()
+        .map(|(host, devices)| {
+            let child = std::process::Command::new(&program)
+                .args(&args)
+                .args([host.as_str(), "true"])
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn();
+            (format!("host {host} ({devices})"), child)
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + PROBE_TIMEOUT;
+    probes
+        .into_iter()
+        .filter_map(|(name, child)| {
+            let Ok(mut child) = child else { return Some(name) };
+            loop {
+                match child.try_wait() {
+                    Ok(Some(status)) => return (!status.success()).then_some(name),
+                    Ok(None) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(std::time::Duration::from_millis(50))
+                    }
+                    _ => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Some(name);
+                    }
+                }
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -224,9 +312,33 @@ mod tests {
                     echo '  Remote daemon: [[1,0],1] on node 10.0.0.2' >&2; exec sleep 120";
         let cmd: Vec<String> = ["sh", "-c", fake].map(String::from).to_vec();
         let started = std::time::Instant::now();
-        let code = supervise(&cmd, &[("10.0.0.2".to_string(), "node 1: d1".to_string())]);
+        let hosts = [("10.0.0.2".to_string(), "node 1: d1".to_string())];
+        let code = supervise(&cmd, &hosts, std::time::Duration::from_secs(60), "ssh");
         assert_eq!(code, EXIT_DIAGNOSTICS);
         let waited = started.elapsed();
         assert!(waited >= ABORT_GRACE && waited < ABORT_GRACE * 6, "stopped after {waited:?}");
+    }
+
+    /// An mpirun that never starts the ranks (a host it cannot reach: ssh waits minutes) is
+    /// stopped once the start-up bound has passed, and the host that does not answer the
+    /// launch agent is named.
+    #[test]
+    fn a_job_that_never_starts_is_stopped_and_the_silent_host_named() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let agent = dir.path().join("agent.sh");
+        // 10.0.0.1 answers; 10.0.0.2 hangs, as ssh does on a host it cannot reach
+        std::fs::write(&agent, "#!/bin/sh\ncase \"$1\" in 10.0.0.1) exit 0 ;; *) exec sleep 120 ;; esac\n")
+            .expect("agent");
+        std::process::Command::new("chmod").arg("+x").arg(&agent).status().expect("chmod");
+        let agent = agent.to_str().expect("utf-8");
+        let hosts =
+            [("10.0.0.1".to_string(), "node 0: d0".to_string()), ("10.0.0.2".to_string(), "node 1: d1".to_string())];
+        assert_eq!(silent_hosts(&hosts, agent), vec!["host 10.0.0.2 (node 1: d1)".to_string()]);
+        let cmd: Vec<String> = ["sh", "-c", "exec sleep 120"].map(String::from).to_vec();
+        let started = std::time::Instant::now();
+        let start_timeout = std::time::Duration::from_secs(1);
+        assert_eq!(supervise(&cmd, &hosts, start_timeout, agent), EXIT_DIAGNOSTICS);
+        let waited = started.elapsed();
+        assert!(waited >= start_timeout && waited < start_timeout + PROBE_TIMEOUT * 3, "stopped after {waited:?}");
     }
 }

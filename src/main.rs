@@ -158,6 +158,11 @@ enum Command {
         /// `pipec run --timeout`).
         #[arg(long)]
         timeout: Option<u64>,
+        /// With --exec: seconds every rank has to start (Open MPI reaching every host and
+        /// starting its processes); past them mpirun is stopped and the hosts that do not
+        /// answer are named.
+        #[arg(long, default_value_t = 120)]
+        start_timeout: u64,
     },
     /// Compile a spec into a verified, simulated plan: DIR/plan.json, timeline.svg,
     /// memory.svg and trace.json.
@@ -272,9 +277,14 @@ fn main() -> ExitCode {
                 color: std::io::stderr().is_terminal(),
             })
         }
-        Command::Launch { file, hostfile, out, exec, timeout } => {
-            launch_cmd::run(&file, hostfile.as_deref(), out.as_deref(), exec, timeout)
-        }
+        Command::Launch { file, hostfile, out, exec, timeout, start_timeout } => launch_cmd::run(
+            &file,
+            hostfile.as_deref(),
+            out.as_deref(),
+            exec,
+            timeout,
+            std::time::Duration::from_secs(start_timeout.max(1)),
+        ),
         Command::Profile { file, out, backend, reps, concurrent } => {
             profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal())
         }

@@ -56,12 +56,14 @@ impl TwoHosts {
         assert!(sh(&["ip", "netns", "exec", &self.a, "ip", "link", "set", &self.veth_a, "down"]), "link down");
     }
 
-    /// The rsh agent Open MPI starts its remote daemon with: it enters the host's namespace.
+    /// The rsh agent Open MPI starts its remote daemon with: it enters the host's namespace,
+    /// after making sure, as ssh would by connecting, that host a's link to it is up (ssh
+    /// waits minutes on a host it cannot reach; so does this).
     fn agent(&self, dir: &Path) -> PathBuf {
         let path = dir.join("agent.sh");
         let script = format!(
-            "#!/bin/sh\nhost=\"$1\"; shift\ncase \"$host\" in 10.78.0.1) ns={} ;; 10.78.0.2) ns={} ;; *) echo \"unknown host $host\" >&2; exit 1 ;; esac\nexec ip netns exec \"$ns\" sh -c \"$*\"\n",
-            self.a, self.b
+            "#!/bin/sh\nhost=\"$1\"; shift\ncase \"$host\" in 10.78.0.1) ns={} ;; 10.78.0.2) ns={} ;; *) echo \"unknown host $host\" >&2; exit 1 ;; esac\n[ \"$ns\" = {} ] || ip -netns {} link show {} | grep -q ',UP' || exec sleep 600\nexec ip netns exec \"$ns\" sh -c \"$*\"\n",
+            self.a, self.b, self.a, self.a, self.veth_a
         );
         std::fs::write(&path, script).expect("agent");
         assert!(sh(&["chmod", "+x", path.to_str().expect("p")]));
@@ -70,6 +72,11 @@ impl TwoHosts {
 
     /// `pipec launch --exec` from host a, with Open MPI on TCP over the veth pair only.
     fn launch(&self, dir: &Path, spec: &Path, out: &Path, timeout: u64) -> Command {
+        self.launch_within(dir, spec, out, timeout, 120)
+    }
+
+    /// [`TwoHosts::launch`] with a start-up bound of `start` seconds.
+    fn launch_within(&self, dir: &Path, spec: &Path, out: &Path, timeout: u64, start: u64) -> Command {
         let hostfile = dir.join("hosts");
         std::fs::write(&hostfile, "10.78.0.1 slots=1\n10.78.0.2 slots=1\n").expect("hostfile");
         let mut c = Command::new("ip");
@@ -79,7 +86,7 @@ impl TwoHosts {
             .arg(&hostfile)
             .arg("-o")
             .arg(out)
-            .args(["--exec", "--timeout", &timeout.to_string()])
+            .args(["--exec", "--timeout", &timeout.to_string(), "--start-timeout", &start.to_string()])
             .env("OMPI_MCA_plm_rsh_agent", self.agent(dir))
             .env("OMPI_MCA_btl", "tcp,self")
             .env("OMPI_MCA_btl_tcp_if_include", "10.78.0.0/24")
@@ -189,4 +196,38 @@ fn two_hosts_train_like_one_and_a_link_down_stops_the_job_naming_the_peer() {
         "{stderr}"
     );
     eprintln!("the job ended {:.1} s after the link went down (timeout 4 s)", down.elapsed().as_secs_f64());
+}
+
+#[test]
+fn a_host_unreachable_at_start_up_stops_the_launch_naming_it() {
+    // no rank starts, so neither a rank's receive timeout nor the abort grace applied, and
+    // `pipec launch --exec` still ran at 240 s
+    let Some(hosts) = TwoHosts::new() else {
+        eprintln!("SKIP: network namespaces cannot be made here (needs root and CAP_NET_ADMIN)");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tmp");
+    hosts.link_down();
+    let start = Instant::now();
+    let mut child = hosts
+        .launch_within(dir.path(), &spec(dir.path(), 4), &dir.path().join("out"), 4, 8)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts");
+    while child.try_wait().expect("wait").is_none() {
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the launch still ran 60 s after it began (start-up bound 8 s)");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().expect("ended");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("had not started 8 s after launch"), "{stderr}");
+    assert!(stderr.contains("host 10.78.0.2 (node 1: d1) did not answer"), "{stderr}");
+    assert!(!stderr.contains("host 10.78.0.1 (node 0"), "the reachable host is not named: {stderr}");
+    eprintln!("the launch ended {:.1} s after it began (start-up bound 8 s)", start.elapsed().as_secs_f64());
 }

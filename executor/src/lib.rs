@@ -54,6 +54,10 @@ pub enum BackendKind {
     Cuda,
 }
 
+/// The start of the line rank 0 of an MPI job prints once every rank has started (`pipec
+/// launch --exec` bounds the start-up until it comes).
+pub const MPI_STARTED: &str = "mpi: started all";
+
 /// The checkpoint a run resumes from.
 #[derive(Debug, Clone)]
 pub enum Resume {

@@ -87,6 +87,12 @@ fn run_rank(
     }
     let device = devices[rank as usize];
     let info = RankInfo { rank, size, device };
+    // every rank is up once all reach this barrier; `pipec launch --exec` waits for this
+    // line to know the job started (its start-up bound)
+    world.barrier();
+    if rank == 0 {
+        eprintln!("{} {size} ranks", crate::MPI_STARTED);
+    }
     let abort = Arc::new(AtomicBool::new(false));
     let (outgoing, sender_thread) = start_sender(abort.clone());
     let endpoint = MpiEndpoint::new(device, &devices, outgoing.clone(), abort.clone(), options.timeout);
