@@ -119,8 +119,10 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_USAGE;
         }
     };
-    if dir.exists() && !dir.is_dir() {
-        eprintln!("error: the output folder `{}` is a file", dir.display());
+    // the output folder is made when the first step is done: refuse now one that cannot be
+    // (it, or the nearest part of its path that exists, is a file)
+    if let Some(blocking) = dir.ancestors().find(|a| a.exists()).filter(|a| !a.is_dir()) {
+        eprintln!("error: cannot write into `{}`: `{}` is a file", dir.display(), blocking.display());
         return EXIT_USAGE;
     }
     if args.transport == Transport::Mpi {

@@ -573,6 +573,13 @@ fn a_resume_from_a_corrupt_checkpoint_leaves_the_output_folder_byte_for_byte() {
     ]);
     assert_ne!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(folder_contents(&run) == before, "a resume that does not fit changed the output folder");
+    // an output folder under a file is refused before anything runs
+    let under_file = run.join("metrics.jsonl").join("sub");
+    let out = pipec(&["run", s, "-o", under_file.to_str().expect("utf-8"), "--steps", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is a file") && !stderr.contains("training"), "{stderr}");
+    assert!(folder_contents(&run) == before);
 }
 
 /// A small PipeDream "2-1-1" pipeline under `schedule` (flush-free: its steps leave
