@@ -2,7 +2,6 @@
 
 use std::path::{Path, PathBuf};
 
-use pipec_compiler::compile::device_rows;
 use pipec_compiler::lower::compute_order;
 use pipec_compiler::memory::table;
 use pipec_compiler::render::{human_time, memory_svg, timeline_svg, trace_json};
@@ -268,4 +267,18 @@ pub fn torch_csv(plan: &pipec_plan::Plan) -> String {
         out.push('\n');
     }
     out
+}
+
+/// Per-device summary for the command line: (device, stages, replicas of its first stage).
+fn device_rows(plan: &pipec_plan::Plan) -> Vec<(pipec_plan::DeviceId, Vec<pipec_plan::StageId>, usize)> {
+    plan.devices
+        .iter()
+        .map(|d| {
+            (
+                d.id,
+                d.stages.clone(),
+                d.stages.first().and_then(|s| plan.stage(*s)).map(|s| s.replicas.len()).unwrap_or(0),
+            )
+        })
+        .collect()
 }

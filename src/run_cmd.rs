@@ -62,7 +62,7 @@ pub fn load_plan_checked(file: &Path, color: bool, verify: bool) -> Result<Plan,
             EXIT_DIAGNOSTICS
         })?;
         // a plan from a file may have been edited: verify it as a compile would
-        let problems = if verify { pipec_compiler::verify::verify_plan(&plan) } else { plan.check() };
+        let problems = if verify { pipec_compiler::verification::verify_plan(&plan) } else { plan.check() };
         if !problems.is_empty() {
             eprintln!("error: `{}` does not pass verification ({} problem(s)):", file.display(), problems.len());
             for p in problems.iter().take(8) {

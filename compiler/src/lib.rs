@@ -1,19 +1,44 @@
 //! pipec's compiler: from a checked spec to a verified, simulated plan. One module per
 //! phase; [`compile::compile`] lists the passes in order.
 
+pub mod assemble;
+pub mod bound;
 pub mod cluster;
 pub mod compile;
 pub mod cost;
+pub mod figures;
+pub mod fit;
 pub mod ir;
 pub mod lower;
 pub mod memory;
+pub mod model;
+pub mod options;
 pub mod partition;
 pub mod periodic;
 pub mod pipedream;
+pub mod place;
+pub mod plan_cost;
+pub mod predict;
 pub mod render;
 pub mod schedule;
 pub mod search;
 pub mod simulate;
+pub mod simulation;
+pub mod streams;
+pub mod verification;
 pub mod verify;
 
-pub use compile::{compile, CompileOptions, CompileResult, Compiled};
+pub use compile::{CompileResult, Compiled};
+pub use options::CompileOptions;
+
+use pipec_grammar::spec::Spec;
+
+/// Compiles a checked spec: a strategy with `auto` fields is searched first and the winner
+/// compiled (`search::compile_auto`); a concrete one goes straight through the passes
+/// (`compile::compile`). The one entry point, above both.
+pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
+    match &spec.strategy.auto {
+        Some(auto) => search::compile_auto(spec, options, auto),
+        None => compile::compile(spec, options),
+    }
+}

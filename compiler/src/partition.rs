@@ -4,6 +4,8 @@
 //! - [`min_max_contiguous`]: the exact dynamic program behind `balanced`: split `n` layers
 //!   into `k` contiguous non-empty stages minimising the slowest stage, for any stage cost
 //!   that does not grow when a stage starts later. O(k·n·log n).
+//! - [`partition_layers`]: the pass, `ModelCosts` → [`Layout`] (explicit ranges,
+//!   `balanced`, or PipeDream's `auto`).
 //! - [`auto`]: PipeDream's planner: the number of stages and the replication of each stage
 //!   that minimise the time per microbatch on `machines` workers, counting compute, the
 //!   weight synchronisation of replicated stages ([`WeightSync`]: pipec's all-reduce per
@@ -15,11 +17,15 @@
 //!   levels, the position inside a node), so 1,000 layers × 1,024 workers plan in under a
 //!   second (docs/benchmarks.md).
 
+use std::collections::HashMap;
 use std::ops::Range;
 
-use pipec_grammar::spec::Link;
+use pipec_grammar::diagnostic::Diagnostic;
+use pipec_grammar::spec::{Link, Partition, Recompute, Spec};
 
 use crate::cluster::ring_allreduce_time;
+use crate::memory::human_bytes;
+use crate::model::ModelCosts;
 
 /// Splits `n` items into `k` contiguous non-empty ranges minimising the maximum of
 /// `cost(stage, start, end)`. `cost` must not increase as `start` grows (for fixed stage
@@ -446,6 +452,133 @@ pub fn auto(input: &AutoInput<'_>) -> Option<AutoPlan> {
         first += m;
     }
     Some(AutoPlan { ranges, replicas, time_per_microbatch: bottleneck })
+}
+
+/// PipeDream's planner's layout: replicas per stage and the stages' layer ranges.
+pub(crate) type PlannedLayout = (Vec<usize>, Vec<Range<usize>>);
+
+/// The partitions of one cost model: balanced ones by the replicas of each chunk, and
+/// PipeDream's planner's (replicas and ranges) by whether activations are recomputed.
+#[derive(Default)]
+pub(crate) struct Partitions {
+    pub(crate) balanced: HashMap<Vec<usize>, Option<Vec<Range<usize>>>>,
+    pub(crate) planned: HashMap<bool, Option<PlannedLayout>>,
+}
+
+/// The layout as the compiler resolves it: ranks of the pipeline, chunks per rank.
+pub(crate) struct Layout {
+    /// Replicas of each pipeline rank's stages.
+    pub(crate) replicas: Vec<usize>,
+    pub(crate) virtual_stages: usize,
+    pub(crate) ranges: Vec<Range<usize>>,
+    pub(crate) notation: String,
+    /// Per stage: activation recompute.
+    pub(crate) recompute: Vec<bool>,
+}
+
+/// Partitioning: `ModelCosts` → `Layout` (explicit ranges, `balanced`, or PipeDream's
+/// `auto`, which may also choose the replication). Partitions are looked up in and added
+/// to `memo` when given (the strategy search's candidates of one cost model share them).
+pub(crate) fn partition_layers(
+    spec: &Spec,
+    model: &ModelCosts,
+    memo: Option<&mut Partitions>,
+) -> Result<Layout, Vec<Diagnostic>> {
+    let (graph, costs, cluster, opt_bytes) =
+        (&model.graph, &model.costs, &model.cluster, model.optimizer_bytes_per_parameter);
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    let v = strategy.schedule.virtual_stages.max(1);
+    let times: Vec<f64> = costs.iter().map(|c| c.forward_s + c.backward_s).collect();
+    let replicas = strategy.replicas.clone();
+    let ranks = replicas.len();
+    let chunks = kind.chunk_placement();
+    let chunk_replicas: Vec<usize> = (0..ranks * v).map(|c| replicas[chunks.rank_of_chunk(c, ranks)]).collect();
+    let fail = |msg: String| {
+        vec![Diagnostic::error("E0403", msg, strategy.partition_span, "partition")
+            .with_help("use fewer stages or a deeper model")]
+    };
+    let (replicas, virtual_stages, ranges) = match &strategy.partition {
+        Partition::Explicit(ranges) => (replicas, v, ranges.clone()),
+        Partition::Auto if !strategy.layout_fixed && v == 1 && kind.auto_replicates() => {
+            let tp = strategy.tp.max(1);
+            let machines = cluster.device_count() / tp;
+            let mb = spec.training.batch_size / strategy.microbatches.max(1);
+            // a tensor-parallel member holds 1/tp of each layer's weights, optimizer state
+            // and activations, and reduces 1/tp of its gradient
+            let tp = tp as f64;
+            let parameter_bytes: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64 / tp).collect();
+            let cut_bytes: Vec<f64> =
+                (1..=costs.len()).map(|j| (graph.cut_bytes_per_sample(j) * mb as u64) as f64).collect();
+            let in_flight = strategy.microbatches.min(machines).max(1) as f64;
+            // activations: every microbatch in flight keeps its own, or with recompute one
+            // microbatch's (its backward) plus each in-flight microbatch's stage input, at
+            // most the largest cut (reserved below)
+            // (the planner's stages are not known yet: only `recompute: true` counts here)
+            let recompute_all = strategy.recompute == Recompute::All;
+            let kept = if recompute_all { 1.0 } else { in_flight };
+            let memory: Vec<f64> = costs
+                .iter()
+                .map(|c| {
+                    (c.parameter_bytes as f64 * 2.0 + c.parameters as f64 * opt_bytes) / tp
+                        + c.activation_bytes_per_sample as f64 * mb as f64 / tp * kept
+                })
+                .collect();
+            let inputs =
+                if recompute_all { cut_bytes.iter().fold(0.0, |m: f64, c| m.max(*c)) * in_flight } else { 0.0 };
+            let input = AutoInput {
+                layer_times: &times,
+                parameter_bytes: &parameter_bytes,
+                cut_bytes: &cut_bytes,
+                memory_bytes: &memory,
+                machines,
+                machines_per_node: cluster.devices_per_node / strategy.tp.max(1),
+                memory_capacity: cluster.memory - crate::memory::workspace_reserve(cluster.memory) as f64 - inputs,
+                sync: WeightSync::PerStep { microbatches: strategy.microbatches },
+                intra: cluster.intra,
+                inter: cluster.inter,
+            };
+            let solve = || auto(&input).map(|p| (p.replicas, p.ranges));
+            let plan = match memo {
+                Some(memo) => memo.planned.entry(recompute_all).or_insert_with(solve).clone(),
+                None => solve(),
+            };
+            let (replicas, ranges) = plan.ok_or_else(|| {
+                vec![Diagnostic::error(
+                    "E0601",
+                    "no partition of the model fits in device memory on this cluster",
+                    strategy.layout_span,
+                    format!("{} per device", human_bytes(cluster.memory as u64)),
+                )
+                .with_help("use larger devices, more devices, `recompute: true`, or fewer microbatches")]
+            })?;
+            (replicas, 1, ranges)
+        }
+        Partition::Auto | Partition::Balanced => {
+            let solve = || balanced(&times, &chunk_replicas).map(|(ranges, _)| ranges);
+            let ranges = match memo {
+                Some(memo) => memo.balanced.entry(chunk_replicas.clone()).or_insert_with(solve).clone(),
+                None => solve(),
+            }
+            .ok_or_else(|| fail(format!("{} stages for {} layers", chunk_replicas.len(), times.len())))?;
+            (replicas, v, ranges)
+        }
+    };
+    // the stages `recompute` names exist (the front end checked a layout it knew)
+    if let Some(s) = strategy.recompute.beyond(ranges.len()) {
+        return Err(vec![pipec_grammar::recompute_beyond(s, ranges.len(), strategy.span, strategy.layout_span)]);
+    }
+    Ok(Layout {
+        notation: notation(&replicas),
+        recompute: strategy.recompute.per_stage(ranges.len()),
+        replicas,
+        virtual_stages,
+        ranges,
+    })
+}
+
+pub(crate) fn notation(replicas: &[usize]) -> String {
+    replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-")
 }
 
 #[cfg(test)]

@@ -25,7 +25,10 @@ use pipec_grammar::spec::{AutoStrategy, Partition, Recompute, Schedule, Spec};
 use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::ScheduleKind;
 
-use crate::compile::{compile, lower_bound, predict, work_bound, Bound, CompileOptions, CompileResult, Memo};
+use crate::bound::{lower_bound, work_bound, Bound, Memo};
+use crate::compile::{compile, CompileResult};
+use crate::options::CompileOptions;
+use crate::predict::predict;
 
 /// What the user pins.
 #[derive(Debug, Clone)]

@@ -2,7 +2,7 @@
 //! number is changed, and any change to which stage, microbatch or peer an instruction
 //! names is reported.
 
-use pipec_compiler::verify::verify_plan;
+use pipec_compiler::verification::verify_plan;
 use pipec_compiler::{compile, CompileOptions};
 use pipec_plan::Plan;
 use proptest::prelude::*;

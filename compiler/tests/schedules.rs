@@ -327,9 +327,9 @@ fn verify_plan(c: &Compiled, streams: &std::collections::BTreeMap<DeviceId, Vec<
     if c.plan.flush_free.is_some() {
         let mut plan = c.plan.clone();
         plan.streams = streams.clone();
-        return pipec_compiler::verify::verify_plan(&plan);
+        return pipec_compiler::verification::verify_plan(&plan);
     }
-    pipec_compiler::verify::verify_streams(&c.plan, streams)
+    pipec_compiler::verification::verify_streams(&c.plan, streams)
 }
 
 /// One small plan of every schedule.

@@ -8,6 +8,6 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };
     let Ok(plan) = pipec_plan::Plan::from_json(text) else { return };
     if plan.check().is_empty() {
-        let _ = pipec_compiler::verify::verify_plan(&plan);
+        let _ = pipec_compiler::verification::verify_plan(&plan);
     }
 });

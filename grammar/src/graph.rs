@@ -721,7 +721,7 @@ impl<'n> Expander<'_, '_, 'n> {
                 if span != call_span {
                     d = d.with_label(call_span, "in this layer");
                 }
-                d = d.with_help(crate::spec::shape_help(&op, &in_shape));
+                d = d.with_help(shape_help(&op, &in_shape));
                 self.error(d);
                 Tensor::unknown()
             }
@@ -1025,4 +1025,23 @@ fn substitute(call: &LayerCall, params: &HashMap<String, ArgValue>) -> LayerCall
         }
     }
     c
+}
+
+/// The help of a shape mismatch at a layer: the call that fits the shape arriving.
+fn shape_help(op: &Op, input: &[usize]) -> String {
+    match op {
+        Op::Linear { .. } if input.len() > 1 && input.len() == 3 => {
+            "add `flatten` before this layer to turn the feature map into a vector".into()
+        }
+        Op::Linear { out_features, .. } => format!(
+            "the input has {} features: write `linear({}, {out_features})`",
+            input.last().copied().unwrap_or(0),
+            input.last().copied().unwrap_or(0)
+        ),
+        Op::Conv2d { out_channels, .. } if input.len() == 3 => {
+            format!("the input has {} channels: write `conv2d({}, {out_channels}, ...)`", input[0], input[0])
+        }
+        Op::LayerNorm { .. } => "omit the argument: `layernorm` infers its size".into(),
+        _ => format!("the shape arriving here is {}", fmt_shape(input)),
+    }
 }

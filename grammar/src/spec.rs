@@ -4,7 +4,7 @@
 //! checked on its own, and every problem becomes a [`Diagnostic`]. A section that cannot be
 //! lowered is `None`; later checks run on whatever sections are present.
 
-use pipec_plan::model::{fmt_shape, Loss, Op};
+use pipec_plan::model::{fmt_shape, Loss};
 use pipec_plan::rules;
 
 use crate::diagnostic::Diagnostic;
@@ -276,24 +276,6 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
             None
         }
         _ => Some(model),
-    }
-}
-
-pub(crate) fn shape_help(op: &Op, input: &[usize]) -> String {
-    match op {
-        Op::Linear { .. } if input.len() > 1 && input.len() == 3 => {
-            "add `flatten` before this layer to turn the feature map into a vector".into()
-        }
-        Op::Linear { out_features, .. } => format!(
-            "the input has {} features: write `linear({}, {out_features})`",
-            input.last().copied().unwrap_or(0),
-            input.last().copied().unwrap_or(0)
-        ),
-        Op::Conv2d { out_channels, .. } if input.len() == 3 => {
-            format!("the input has {} channels: write `conv2d({}, {out_channels}, ...)`", input[0], input[0])
-        }
-        Op::LayerNorm { .. } => "omit the argument: `layernorm` infers its size".into(),
-        _ => format!("the shape arriving here is {}", fmt_shape(input)),
     }
 }
 

@@ -5,14 +5,15 @@
 
 use pipec_plan::schedule::LayoutFacts;
 
+use crate::ast::{
+    AutoStrategy, Choice, Cluster, Model, Partition, Recompute, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode,
+    Training, MAX_STAGE_MICROBATCHES,
+};
 use crate::cx::Fields;
+use crate::cx::Lower;
 use crate::diagnostic::Diagnostic;
 use crate::dsl::{self, LayerRef, StagesNotation};
 use crate::span::Span;
-use crate::spec::{
-    AutoStrategy, Cluster, Lower, Model, Partition, Recompute, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode,
-    Training,
-};
 use crate::yaml::{Node, Value};
 
 /// How many candidates a microbatch search may try: bounded work for any input.
@@ -341,10 +342,10 @@ fn schedule_name(cx: &mut Lower<'_>, node: &Node) -> Option<ScheduleKind> {
             return None;
         }
     };
-    if let Some(k) = <ScheduleKind as crate::spec::Choice>::from_name(text) {
+    if let Some(k) = <ScheduleKind as Choice>::from_name(text) {
         return Some(k);
     }
-    let names: Vec<&str> = <ScheduleKind as crate::spec::Choice>::ALL.iter().map(|k| k.name()).collect();
+    let names: Vec<&str> = <ScheduleKind as Choice>::ALL.iter().map(|k| k.name()).collect();
     let mut d = Diagnostic::error(
         "E0105",
         format!("`{text}` is not a schedule"),
@@ -550,13 +551,13 @@ fn check_device_count(cx: &mut Lower<'_>, layout: &Layout, tp: usize, cluster: O
 /// E0105) past what pipec plans.
 fn check_size(cx: &mut Lower<'_>, stages: usize, schedule: &Schedule, microbatches: usize, span: Span) -> Option<()> {
     let chunks = stages.saturating_mul(schedule.virtual_stages.max(1));
-    if chunks.saturating_mul(microbatches) <= crate::spec::MAX_STAGE_MICROBATCHES {
+    if chunks.saturating_mul(microbatches) <= MAX_STAGE_MICROBATCHES {
         return Some(());
     }
     cx.push(
         Diagnostic::error(
             "E0105",
-            format!("{chunks} stage(s) × {microbatches} microbatches = {} forward passes per step is more than pipec plans ({} at most)", chunks.saturating_mul(microbatches), crate::spec::MAX_STAGE_MICROBATCHES),
+            format!("{chunks} stage(s) × {microbatches} microbatches = {} forward passes per step is more than pipec plans ({} at most)", chunks.saturating_mul(microbatches), MAX_STAGE_MICROBATCHES),
             span,
             "too many microbatches",
         )

@@ -1,0 +1,188 @@
+//! Assembly: everything the passes built → the `Plan` the executor runs.
+
+use pipec_grammar::spec::{Data, Optimizer, Spec};
+use pipec_plan::model::Source;
+use pipec_plan::plan::{
+    DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, OptimizerPlan, ScheduleInfo, Simulation,
+    StagePlan, TrainingPlan, PLAN_VERSION,
+};
+use pipec_plan::schedule::WeightVersions;
+use pipec_plan::{DeviceId, Plan, StageId};
+
+use crate::figures::StageFigures;
+use crate::model::ModelCosts;
+use crate::options::CompileOptions;
+use crate::partition::Layout;
+use crate::schedule::Placement;
+use crate::simulation::Simulated;
+use crate::streams::Lowered;
+
+/// Assembly: everything above → `Plan`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn assemble(
+    spec: &Spec,
+    options: &CompileOptions,
+    model: &ModelCosts,
+    layout: Layout,
+    placement: &Placement,
+    stages: &StageFigures,
+    lowered: Lowered,
+    simulated: &Simulated,
+    devices: Vec<DevicePlan>,
+) -> Plan {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    let tp = strategy.tp.max(1);
+    let counted = lowered.counted_streams().into_owned();
+    let layers: Vec<LayerPlan> = model
+        .graph
+        .ops()
+        .zip(&model.costs)
+        .enumerate()
+        .map(|(index, ((_, node), c))| LayerPlan {
+            index,
+            op: node.op.clone(),
+            label: node.label.clone(),
+            inputs: (node.inputs != [Source::before(index)]).then(|| node.inputs.clone()),
+            tied: node.tied,
+            input_shape: node.input_shape.clone(),
+            output_shape: node.output_shape.clone(),
+            parameters: c.parameters,
+            parameter_bytes: c.parameter_bytes,
+            forward_flops_per_sample: c.forward_flops_per_sample,
+            backward_flops_per_sample: c.backward_flops_per_sample,
+            forward_s: c.forward_s,
+            backward_s: c.backward_s,
+            activation_bytes_per_sample: c.activation_bytes_per_sample,
+            output_bytes_per_sample: c.output_bytes_per_sample,
+        })
+        .collect();
+    let stage_plans: Vec<StagePlan> = layout
+        .ranges
+        .iter()
+        .enumerate()
+        .map(|(s, r)| StagePlan {
+            id: StageId(s as u32),
+            layers: [r.start, r.end],
+            replicas: placement.replicas[s].clone(),
+            route: placement.route[s].clone(),
+            group: lowered.group_of[s],
+            parameters: stages.bytes[s].parameters,
+            forward_s: stages.times[s].0,
+            backward_s: stages.times[s].1,
+            update_s: stages.update[s],
+            recompute: layout.recompute[s],
+            activation_bytes_per_microbatch: if layout.recompute[s] {
+                stages.bytes[s].input_per_microbatch
+            } else {
+                stages.bytes[s].activations_per_microbatch
+            },
+            output_bytes_per_microbatch: stages.output_bytes[s],
+            tensor_parallel: if tp > 1 {
+                placement.replicas[s].iter().map(|l| (0..tp as u32).map(|t| DeviceId(l.0 + t)).collect()).collect()
+            } else {
+                Vec::new()
+            },
+        })
+        .collect();
+    let ties = lowered.ties;
+    let groups: Vec<GroupPlan> = lowered
+        .groups
+        .into_iter()
+        .map(|(id, (stage, devices))| GroupPlan { id, stage, devices, tie: ties.get(&id).copied() })
+        .collect();
+    let (step_time, bubble) = (simulated.step_time, simulated.bubble);
+    let simulation = Simulation {
+        step_time_s: step_time,
+        first_step_time_s: simulated.first_step,
+        bubble_fraction: bubble,
+        throughput_samples_per_s: if step_time > 0.0 { spec.training.batch_size as f64 / step_time } else { 0.0 },
+        devices: simulated
+            .per_device
+            .iter()
+            .map(|(d, busy, b)| {
+                let (in_flight, exposed) = simulated.collectives.get(d).copied().unwrap_or((0.0, 0.0));
+                DeviceSimulation {
+                    id: *d,
+                    busy_s: *busy,
+                    bubble_fraction: *b,
+                    peak_memory_bytes: devices[d.0 as usize].memory.total,
+                    collective_s: in_flight,
+                    exposed_collective_s: exposed,
+                }
+            })
+            .collect(),
+    };
+    let weight_versions = match kind.weight_versions() {
+        WeightVersions::One => 1,
+        WeightVersions::Two => 2,
+        WeightVersions::Stashed => devices
+            .iter()
+            .filter_map(|d| counted.get(&d.id))
+            .flat_map(|s| crate::memory::peak_weight_versions(s).into_values())
+            .max()
+            .map_or(1, |v| v as usize + 1),
+    };
+    Plan {
+        version: PLAN_VERSION,
+        name: spec.name.clone().unwrap_or_else(|| "pipec-job".into()),
+        model: ModelPlan {
+            input: spec.model.input.clone(),
+            loss: spec.model.loss,
+            token_vocab: spec.model.token_vocab(),
+        },
+        training: training_plan(spec, model.microbatch_size, options),
+        schedule: ScheduleInfo {
+            kind,
+            virtual_stages: layout.virtual_stages,
+            synchronous: kind.is_synchronous(strategy.schedule.sync),
+            weight_versions,
+            reduce: strategy.schedule.reduce,
+            staleness: lowered.asp.then_some(strategy.schedule.staleness),
+        },
+        partition: layout.notation,
+        stages: stage_plans,
+        devices,
+        groups,
+        layers,
+        streams: lowered.streams,
+        flush_free: lowered.periodic.map(|p| p.segments),
+        simulation,
+    }
+}
+
+pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &CompileOptions) -> TrainingPlan {
+    let t = &spec.training;
+    let resolve = |p: &str| -> String {
+        let path = std::path::Path::new(p);
+        match (&options.base_dir, path.is_absolute()) {
+            (Some(base), false) => base.join(path).display().to_string(),
+            _ => p.to_string(),
+        }
+    };
+    TrainingPlan {
+        batch_size: t.batch_size,
+        microbatches: spec.strategy.microbatches,
+        microbatch_size,
+        steps: t.steps,
+        optimizer: match t.optimizer {
+            Optimizer::Sgd { lr, momentum, weight_decay } => OptimizerPlan::Sgd { lr, momentum, weight_decay },
+            Optimizer::Adam { lr, beta1, beta2, eps, weight_decay } => {
+                OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay }
+            }
+        },
+        precision: t.precision,
+        seed: t.seed,
+        data: match &t.data {
+            Data::Synthetic { task, samples } => DataPlan::Synthetic { task: *task, samples: *samples },
+            Data::Csv { path, .. } => DataPlan::Csv { path: resolve(path) },
+            Data::Npy { path, labels, .. } => {
+                DataPlan::Npy { path: resolve(path), labels: labels.as_deref().map(resolve) }
+            }
+            Data::Text { path, .. } => DataPlan::Text { path: resolve(path) },
+            Data::Tokens { path, dtype, .. } => DataPlan::Tokens { path: resolve(path), dtype: *dtype },
+        },
+        checkpoint_every: t.checkpoint.as_ref().map(|c| c.every),
+        checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),
+    }
+}

@@ -1,0 +1,171 @@
+//! The memory pass: each device's memory from its stream, and whether the plan fits —
+//! E0601 with what would fit, W0602 near capacity, W0605 for a large bubble.
+
+use pipec_grammar::diagnostic::Diagnostic;
+use pipec_grammar::spec::Spec;
+use pipec_plan::plan::DevicePlan;
+use pipec_plan::vocab::ScheduleKind;
+use pipec_plan::{DeviceId, StageId};
+
+use crate::figures::StageFigures;
+use crate::memory::{device_memory, human_bytes, StageBytes};
+use crate::model::ModelCosts;
+use crate::schedule::Placement;
+use crate::streams::Lowered;
+
+/// Memory: per-device breakdowns from the streams, E0601/W0602, and the bubble warning.
+pub(crate) fn check_memory(
+    spec: &Spec,
+    model: &ModelCosts,
+    placement: &Placement,
+    stages: &StageFigures,
+    lowered: &Lowered,
+    bubble: f64,
+    device_ids: &[DeviceId],
+) -> (Vec<DevicePlan>, Vec<Diagnostic>) {
+    let strategy = &spec.strategy;
+    let tp = strategy.tp.max(1);
+    let cluster = &model.cluster;
+    let weight_cap = strategy.schedule.kind.weight_versions().cap();
+    let empty = Vec::new();
+    let counted = lowered.counted_streams();
+    let devices: Vec<DevicePlan> = device_ids
+        .iter()
+        .map(|&id| {
+            // tensor-parallel followers hold a shard the size of their group leader's
+            let leader = DeviceId(id.0 - id.0 % tp as u32);
+            let stream = counted.get(&leader).unwrap_or(&empty);
+            DevicePlan {
+                id,
+                node: cluster.node_of(id),
+                stages: placement.stages_of(leader).into_iter().map(|s| StageId(s as u32)).collect(),
+                memory: device_memory(stream, &stages.bytes, &lowered.recompute, weight_cap, cluster.memory),
+                peak_in_flight: crate::memory::peak_in_flight(stream),
+            }
+        })
+        .collect();
+    let mut diagnostics = Vec::new();
+    memory_diagnostics(spec, &devices, &stages.bytes, &lowered.recompute, placement, &mut diagnostics);
+    if bubble > 0.5 && strategy.schedule.kind.is_pipeline() {
+        diagnostics.push(
+            Diagnostic::warning(
+                "W0605",
+                format!("the predicted bubble is {:.0}% of device time", bubble * 100.0),
+                strategy.schedule.span,
+                "this schedule",
+            )
+            .with_help(format!(
+                "more microbatches (now {}) or a schedule with smaller bubbles (interleaved, zb-h1) would use the devices better",
+                strategy.microbatches
+            )),
+        );
+    }
+    (devices, diagnostics)
+}
+
+pub(crate) fn memory_diagnostics(
+    spec: &Spec,
+    devices: &[DevicePlan],
+    stage_bytes: &[StageBytes],
+    recompute: &[bool],
+    placement: &Placement,
+    out: &mut Vec<Diagnostic>,
+) {
+    let strategy = &spec.strategy;
+    let worst = devices.iter().max_by(|a, b| {
+        (a.memory.total as f64 / a.memory.capacity.max(1) as f64)
+            .total_cmp(&(b.memory.total as f64 / b.memory.capacity.max(1) as f64))
+    });
+    let Some(worst) = worst else { return };
+    let m = &worst.memory;
+    let share = m.total as f64 / m.capacity.max(1) as f64;
+    let breakdown = format!(
+        "weights {} + gradients {} + optimizer {} + activations {} + buffers {} + workspace {} = {}",
+        human_bytes(m.weights),
+        human_bytes(m.gradients),
+        human_bytes(m.optimizer),
+        human_bytes(m.activations),
+        human_bytes(m.buffers),
+        human_bytes(m.workspace),
+        human_bytes(m.total)
+    );
+    // the devices over capacity, the most over first
+    let mut over: Vec<&DevicePlan> = devices.iter().filter(|d| d.memory.total > d.memory.capacity).collect();
+    over.sort_by_key(|d| (std::cmp::Reverse(d.memory.total - d.memory.capacity), d.id));
+    if !over.is_empty() {
+        // What would fit: recompute keeps only stage inputs; 1F1B bounds in-flight
+        // microbatches; a larger device by the missing amount.
+        let mut ideas = Vec::new();
+        if worst.stages.iter().any(|s| !recompute.get(s.0 as usize).copied().unwrap_or(false)) {
+            let held_acts: u64 = m.activations;
+            let saved: u64 = worst
+                .stages
+                .iter()
+                .map(|s| {
+                    stage_bytes[s.0 as usize].input_per_microbatch
+                        * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))
+                })
+                .sum::<u64>()
+                + worst.stages.iter().map(|s| stage_bytes[s.0 as usize].activations_per_microbatch).max().unwrap_or(0);
+            let with = m.total - held_acts + saved;
+            ideas.push(format!("`recompute: true` ({} on {})", human_bytes(with), worst.id));
+        }
+        if strategy.schedule.kind == ScheduleKind::Gpipe {
+            ideas.push(
+                "`schedule: 1f1b` (keeps at most one microbatch per later stage in flight instead of all)".to_string(),
+            );
+        }
+        let per_stage_weights: u64 = worst.stages.iter().map(|s| stage_bytes[s.0 as usize].weights).sum();
+        if per_stage_weights > 0 && placement.stages() < spec.model.layers.len() {
+            ideas.push(format!("more pipeline stages (now {}), so each device holds fewer layers", placement.stages()));
+        }
+        ideas.push(format!("a device with at least {}", human_bytes(m.total)));
+        out.push(
+            Diagnostic::error(
+                "E0601",
+                format!(
+                    "device {} needs {} but has {} ({} device(s) over capacity: {})",
+                    worst.id,
+                    human_bytes(m.total),
+                    human_bytes(m.capacity),
+                    over.len(),
+                    worst_few(&over)
+                ),
+                strategy.layout_span,
+                format!(
+                    "device {} holds {}",
+                    worst.id,
+                    worst.stages.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                ),
+            )
+            .with_label(spec.cluster.memory_span, format!("{} per device", human_bytes(m.capacity)))
+            .with_help(format!("{breakdown}. What would fit: {}", ideas.join("; "))),
+        );
+    } else if share > 0.9 {
+        out.push(
+            Diagnostic::warning(
+                "W0602",
+                format!("device {} uses {:.0}% of its memory", worst.id, share * 100.0),
+                strategy.layout_span,
+                format!("{} of {}", human_bytes(m.total), human_bytes(m.capacity)),
+            )
+            .with_label(spec.cluster.memory_span, "device memory")
+            .with_help(breakdown),
+        );
+    }
+}
+
+/// The devices most over capacity, with how much over, and how many more there are: a
+/// message stays one line on a 1,024-device plan.
+pub(crate) fn worst_few(over: &[&DevicePlan]) -> String {
+    const SHOWN: usize = 3;
+    let named: Vec<String> = over
+        .iter()
+        .take(SHOWN)
+        .map(|d| format!("{} by {}", d.id, human_bytes(d.memory.total - d.memory.capacity)))
+        .collect();
+    match over.len().saturating_sub(SHOWN) {
+        0 => named.join(", "),
+        rest => format!("{} and {rest} more", named.join(", ")),
+    }
+}

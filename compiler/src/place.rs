@@ -1,0 +1,82 @@
+//! Placement: `Layout` → `Placement`, which device runs each stage for each microbatch.
+
+use pipec_grammar::diagnostic::Diagnostic;
+use pipec_grammar::spec::Spec;
+use pipec_plan::schedule::ChunkPlacement;
+use pipec_plan::DeviceId;
+
+use crate::cluster::ClusterGraph;
+use crate::partition::Layout;
+use crate::schedule::Placement;
+
+/// Assigns devices: pipeline rank r's replicas get consecutive devices (a tensor-parallel
+/// group of `tp` devices each, led by its first), so replicas and TP groups stay inside a
+/// node when they can.
+///
+/// Placement: `Layout` → `Placement`.
+pub(crate) fn place(spec: &Spec, layout: &Layout, cluster: &ClusterGraph) -> Result<Placement, Vec<Diagnostic>> {
+    let strategy = &spec.strategy;
+    place_chunks(strategy.schedule.kind.chunk_placement(), layout, strategy.tp.max(1), strategy.microbatches, cluster)
+        .map_err(|msg| vec![Diagnostic::error("E0405", msg, strategy.schedule.span, "this schedule")])
+}
+
+pub(crate) fn place_chunks(
+    chunks: ChunkPlacement,
+    layout: &Layout,
+    tp: usize,
+    microbatches: usize,
+    cluster: &ClusterGraph,
+) -> Result<Placement, String> {
+    let ranks = layout.replicas.len();
+    let rank_devices = rank_devices(&layout.replicas, tp);
+    let base = layout.replicas.iter().sum::<usize>() * tp;
+    if base > cluster.device_count() {
+        return Err(format!("the layout needs {base} devices, the cluster has {}", cluster.device_count()));
+    }
+    let stages = layout.ranges.len();
+    let mut replicas = Vec::with_capacity(stages);
+    let mut route = Vec::with_capacity(stages);
+    if chunks == ChunkPlacement::Bidirectional {
+        // R = the stages' (equal) replication: R pipeline pairs, pair q made of the q-th
+        // replica device of every rank. In pair q, stage s's down copy runs on rank s's
+        // device and its up copy on rank D−1−s's. Microbatches come in units of R·D (the last
+        // may be smaller), dealt round-robin to the pairs; of each pair's share of a unit,
+        // the first half goes down and the second half up.
+        let pairs = layout.replicas[0].max(1);
+        if layout.replicas.iter().any(|&r| r != pairs) {
+            return Err("Chimera needs every stage replicated equally".into());
+        }
+        let unit = pairs * ranks;
+        let copy = |m: usize| -> u32 {
+            let unit_start = m - m % unit;
+            let unit_len = unit.min(microbatches - unit_start);
+            let (o, q) = (m - unit_start, (m - unit_start) % pairs);
+            let share = (unit_len - q).div_ceil(pairs);
+            (2 * q + usize::from(o / pairs >= share / 2)) as u32
+        };
+        for s in 0..stages {
+            replicas.push((0..pairs).flat_map(|q| [rank_devices[s][q], rank_devices[ranks - 1 - s][q]]).collect());
+            route.push((0..microbatches).map(copy).collect());
+        }
+    } else {
+        for c in 0..stages {
+            let devs = rank_devices[chunks.rank_of_chunk(c, ranks)].clone();
+            let n = devs.len() as u32;
+            route.push((0..microbatches as u32).map(|m| m % n).collect());
+            replicas.push(devs);
+        }
+    }
+    Ok(Placement { replicas, route, devices: cluster.device_count(), microbatches })
+}
+
+/// The devices of each pipeline rank's replicas (the tensor-parallel leaders): consecutive,
+/// `tp` apart, rank after rank.
+pub(crate) fn rank_devices(replicas: &[usize], tp: usize) -> Vec<Vec<DeviceId>> {
+    let mut base = 0usize;
+    let mut out = Vec::with_capacity(replicas.len());
+    for &r in replicas {
+        out.push((0..r).map(|j| DeviceId((base + j * tp) as u32)).collect());
+        base += r * tp;
+    }
+    out
+}

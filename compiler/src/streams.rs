@@ -1,0 +1,274 @@
+//! Schedule and lowering: `Placement` → `Lowered`. One replica group per replicated stage,
+//! the compute order (`schedule::generate`), the instruction streams (`lower`), weight
+//! tying across stages, and the tensor-parallel members' copies of their leaders' streams.
+
+use std::collections::{BTreeMap, HashMap};
+
+use pipec_grammar::diagnostic::Diagnostic;
+use pipec_grammar::spec::Spec;
+use pipec_plan::schedule::Updates;
+use pipec_plan::vocab::{ScheduleKind, SyncMode};
+use pipec_plan::{DeviceId, GroupId, Instr, StageId};
+
+use crate::figures::StageFigures;
+use crate::lower::{lower, LowerInput};
+use crate::partition::Layout;
+use crate::schedule::{generate, send_gradients_first, Placement};
+
+/// The streams and the collective groups they use.
+pub(crate) struct Lowered {
+    pub(crate) streams: BTreeMap<DeviceId, Vec<Instr>>,
+    /// Every collective group with its stage and members (tensor-parallel shifted copies
+    /// included), in id order.
+    pub(crate) groups: BTreeMap<GroupId, (StageId, Vec<DeviceId>)>,
+    /// The replica group of each stage's leaders (None: unreplicated, or asp).
+    pub(crate) group_of: Vec<Option<GroupId>>,
+    /// Weight-tying groups: the tied (embedding, output projection) layers each sums.
+    pub(crate) ties: BTreeMap<GroupId, [usize; 2]>,
+    /// A flush-free pipeline (`streams` is then its body).
+    pub(crate) periodic: Option<crate::periodic::Periodic>,
+    pub(crate) updates: Updates,
+    /// Asynchronous data parallelism (a parameter server instead of replica groups).
+    pub(crate) asp: bool,
+    /// The groups whose simulated members are fewer than the devices they sum over (the
+    /// strategy search simulates one pipeline replica of a symmetric plan): who the
+    /// all-reduce's cost is for. Empty for a whole plan.
+    pub(crate) summed_over: HashMap<GroupId, Vec<DeviceId>>,
+    /// Per stage: activation recompute (the layout's).
+    pub(crate) recompute: Vec<bool>,
+}
+
+impl Lowered {
+    pub(crate) fn members(&self) -> HashMap<GroupId, Vec<DeviceId>> {
+        self.groups.iter().map(|(g, (_, m))| (*g, m.clone())).collect()
+    }
+
+    /// The streams whose counts the memory check reads: a flush-free pipeline's over three
+    /// steps (what is in flight across step boundaries), a step's otherwise.
+    pub(crate) fn counted_streams(&self) -> std::borrow::Cow<'_, BTreeMap<DeviceId, Vec<Instr>>> {
+        match &self.periodic {
+            Some(p) => std::borrow::Cow::Owned(crate::periodic::unroll(p, 3)),
+            None => std::borrow::Cow::Borrowed(&self.streams),
+        }
+    }
+}
+
+/// Schedule and lowering: `Placement` → `Lowered` (one replica group per replicated stage,
+/// the compute order, the instruction streams). `summed` holds each stage's replicas, whose
+/// gradients its all-reduce sums: `placement.replicas` for a whole plan, the whole plan's
+/// for one replica of it (`one_replica`).
+pub(crate) fn lower_streams(
+    spec: &Spec,
+    layout: &Layout,
+    placement: &Placement,
+    summed: &[Vec<DeviceId>],
+    stages: &StageFigures,
+    precision: usize,
+) -> Lowered {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    let asp = kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp;
+    let ranks = layout.replicas.len();
+    let updates = kind.updates(ranks);
+    let mut groups = BTreeMap::new();
+    let mut group_of = vec![None; placement.stages()];
+    let mut summed_over = HashMap::new();
+    if !asp {
+        // the parameter server of asp takes the place of the replica group
+        for (s, (replicas, summed)) in placement.replicas.iter().zip(summed).enumerate() {
+            if summed.len() > 1 {
+                let g = GroupId(groups.len() as u32);
+                groups.insert(g, (StageId(s as u32), replicas.clone()));
+                group_of[s] = Some(g);
+                if summed != replicas {
+                    summed_over.insert(g, summed.clone());
+                }
+            }
+        }
+    }
+    let gradient_bytes: Vec<u64> = stages.bytes.iter().map(|b| b.weights).collect();
+    let streams = if asp {
+        crate::lower::lower_asp(placement, gradient_bytes[0], strategy.schedule.staleness)
+    } else {
+        let mut order = generate(kind, placement, ranks, backward_slots(&stages.times));
+        if sends_gradients_first(spec, ranks) {
+            send_gradients_first(&mut order);
+        }
+        lower(&LowerInput {
+            placement,
+            order: &order,
+            output_bytes: &stages.output_bytes,
+            gradient_bytes: &gradient_bytes,
+            groups: &group_of,
+            updates,
+            recompute: &layout.recompute,
+            vertical_sync: strategy.schedule.vertical_sync,
+            overlap: strategy.overlap,
+        })
+    };
+    // PipeDream and 2BW run as one continuous pipeline when they can (vertical sync and
+    // tensor parallelism keep a flush per step)
+    let flush_free = !asp
+        && matches!(kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)
+        && !strategy.schedule.vertical_sync
+        && strategy.tp.max(1) == 1;
+    let periodic = flush_free
+        .then(|| {
+            crate::periodic::build(&crate::periodic::PeriodicInput {
+                kind,
+                placement,
+                ranks,
+                output_bytes: &stages.output_bytes,
+                gradient_bytes: &gradient_bytes,
+                groups: &group_of,
+                updates,
+                recompute: &layout.recompute,
+                overlap: strategy.overlap,
+            })
+            .ok()
+        })
+        .flatten();
+    let streams = match &periodic {
+        Some(p) => p.body.clone(),
+        None => streams,
+    };
+    let mut lowered = Lowered {
+        streams,
+        groups,
+        group_of,
+        ties: BTreeMap::new(),
+        periodic,
+        updates,
+        asp,
+        summed_over,
+        recompute: layout.recompute.clone(),
+    };
+    tied_all_reduces(spec, layout, placement, summed, &mut lowered, precision);
+    lowered
+}
+
+/// Whether a later stage sends its input gradient before it computes its weight gradients
+/// (`schedule::send_gradients_first`): with `overlap` (the default), on a schedule that
+/// updates once per step and does not split its backward already, without tensor
+/// parallelism (whose backward runs segment by segment with its all-reduces).
+pub(crate) fn sends_gradients_first(spec: &Spec, pipeline_ranks: usize) -> bool {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    strategy.overlap
+        && kind.updates(pipeline_ranks) == Updates::PerStep
+        && !kind.splits_backward()
+        && strategy.tp.max(1) == 1
+}
+
+/// The stage holding layer `i`.
+pub(crate) fn stage_of(layout: &Layout, i: usize) -> usize {
+    layout.ranges.iter().position(|r| r.contains(&i)).unwrap_or(0)
+}
+
+/// Weight tying across stages needs every copy to update together: a synchronous schedule.
+pub(crate) fn check_ties(spec: &Spec, layout: &Layout) -> Result<(), Vec<Diagnostic>> {
+    let kind = spec.strategy.schedule.kind;
+    if kind.updates(layout.replicas.len()) == Updates::PerStep {
+        return Ok(());
+    }
+    for (b, l) in spec.model.layers.iter().enumerate() {
+        let Some(a) = l.tied else { continue };
+        if stage_of(layout, a) != stage_of(layout, b) {
+            return Err(vec![Diagnostic::error(
+                "E0411",
+                format!(
+                    "layer {b} is tied to the embedding (layer {a}) on another stage, and `{}` updates each stage on its own clock, so the two copies would drift apart",
+                    kind.name()
+                ),
+                spec.strategy.schedule.span,
+                "an asynchronous schedule",
+            )
+            .with_label(l.span, "tied here")
+            .with_help("use a synchronous schedule (gpipe, 1f1b, interleaved, ...), or a partition that keeps the embedding and the tied layer on one stage")]);
+        }
+    }
+    Ok(())
+}
+
+/// Weight tying across stages: a group of every device holding the embedding's or the tied
+/// projection's stage, and on each of them, after the step's replica all-reduces, a
+/// `tiedallreduce` followed by the optimizer steps of the tied stages (moved behind it).
+/// Ties within one stage need no communication: the executor sums the two gradients.
+pub(crate) fn tied_all_reduces(
+    spec: &Spec,
+    layout: &Layout,
+    placement: &Placement,
+    summed: &[Vec<DeviceId>],
+    lowered: &mut Lowered,
+    precision: usize,
+) {
+    let union = |a: &[DeviceId], b: &[DeviceId]| -> Vec<DeviceId> {
+        let mut members = a.to_vec();
+        members.extend(b.iter().filter(|d| !a.contains(d)));
+        members
+    };
+    for (b, l) in spec.model.layers.iter().enumerate() {
+        let Some(a) = l.tied else { continue };
+        let (sa, sb) = (stage_of(layout, a), stage_of(layout, b));
+        if sa == sb {
+            continue;
+        }
+        let members = union(&placement.replicas[sa], &placement.replicas[sb]);
+        let group = GroupId(lowered.groups.len() as u32);
+        let sums = union(&summed[sa], &summed[sb]);
+        if sums != members {
+            lowered.summed_over.insert(group, sums);
+        }
+        lowered.groups.insert(group, (StageId(sb as u32), members.clone()));
+        lowered.ties.insert(group, [a, b]);
+        let bytes = (l.op.parameter_count() as usize * precision) as u64;
+        let tied = [StageId(sa as u32), StageId(sb as u32)];
+        for d in members {
+            let Some(stream) = lowered.streams.get_mut(&d) else { continue };
+            let held: Vec<StageId> = tied.iter().copied().filter(|s| stream.iter().any(|i| i.stage() == *s)).collect();
+            let steps: Vec<Instr> = stream
+                .iter()
+                .filter(|i| matches!(i, Instr::OptimizerStep { stage } if held.contains(stage)))
+                .cloned()
+                .collect();
+            stream.retain(|i| !matches!(i, Instr::OptimizerStep { stage } if held.contains(stage)));
+            stream.push(Instr::TiedAllReduce { stage: held[0], group, bytes });
+            stream.extend(steps);
+        }
+    }
+}
+
+/// Tensor parallelism: every member t of a TP group runs its leader's stream with peers and
+/// replica groups shifted by t (rank t of a stage talks to rank t of its neighbours).
+pub(crate) fn tensor_parallel_copies(lowered: &mut Lowered, tp: usize) {
+    let leaders: Vec<(DeviceId, Vec<Instr>)> =
+        lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, s)| (*d, s.clone())).collect();
+    let base_groups: Vec<(GroupId, (StageId, Vec<DeviceId>))> =
+        lowered.groups.iter().map(|(g, v)| (*g, v.clone())).collect();
+    for t in 1..tp as u32 {
+        let shift = |d: DeviceId| DeviceId(d.0 + t);
+        let mut shifted: HashMap<GroupId, GroupId> = HashMap::new();
+        for (g, (stage, members)) in &base_groups {
+            let id = GroupId(lowered.groups.len() as u32);
+            lowered.groups.insert(id, (*stage, members.iter().copied().map(shift).collect()));
+            if let Some(tie) = lowered.ties.get(g).copied() {
+                lowered.ties.insert(id, tie);
+            }
+            shifted.insert(*g, id);
+        }
+        for (leader, stream) in &leaders {
+            let copy = stream.iter().map(|i| i.map_devices(shift, |g| shifted.get(&g).copied().unwrap_or(g))).collect();
+            lowered.streams.insert(shift(*leader), copy);
+        }
+    }
+}
+
+/// The plan's backward time in forward times, rounded to whole slots (at least 1).
+pub(crate) fn backward_slots(stage_fb: &[(f64, f64)]) -> usize {
+    let (f, b) = stage_fb.iter().fold((0.0, 0.0), |(f, b), &(sf, sb)| (f + sf, b + sb));
+    if f > 0.0 && b.is_finite() {
+        ((b / f).round() as usize).clamp(1, 8)
+    } else {
+        1
+    }
+}

@@ -1,0 +1,123 @@
+//! The verification pass: the lowered streams through the static verifier (a flush-free
+//! pipeline's unrolled over several steps), and the same checks on a plan read from a file.
+
+use std::collections::{BTreeMap, HashMap};
+
+use pipec_grammar::diagnostic::Diagnostic;
+use pipec_grammar::spec::Spec;
+use pipec_plan::{DeviceId, GroupId, Instr};
+
+use crate::schedule::Placement;
+use crate::streams::Lowered;
+use crate::verify::{verify, VerifyInput};
+
+/// Verification: a failure is a compiler bug, reported as E0603.
+pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lowered) -> Result<(), Vec<Diagnostic>> {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    let groups = lowered.members();
+    let violations: Vec<String> = match &lowered.periodic {
+        Some(p) => crate::periodic::verify_periodic(
+            p,
+            placement,
+            &groups,
+            lowered.updates.every(lowered.asp),
+            &lowered.recompute,
+        ),
+        None => verify(&VerifyInput {
+            streams: &lowered.streams,
+            placement,
+            groups: &groups,
+            recompute: &lowered.recompute,
+            update_every: lowered.updates.every(lowered.asp),
+            asp_staleness: lowered.asp.then_some(strategy.schedule.staleness),
+            tp: strategy.tp.max(1),
+        })
+        .into_iter()
+        .map(|v| v.message)
+        .collect(),
+    };
+    if violations.is_empty() {
+        return Ok(());
+    }
+    let mut text = String::new();
+    for v in violations.iter().take(8) {
+        text.push_str(&format!("\n- {v}"));
+    }
+    Err(vec![Diagnostic::error(
+        "E0603",
+        format!(
+            "internal compiler error: the {} plan failed verification ({} problem(s)):{text}",
+            kind.name(),
+            violations.len()
+        ),
+        strategy.schedule.span,
+        "while compiling this schedule",
+    )
+    .with_help("this is a bug in pipec, not in the spec; please report it with the spec")])
+}
+
+/// Checks a plan read from a file: its structure ([`pipec_plan::Plan::check`]), then its
+/// streams with the same verifier every compile runs (exactly-once compute, data flow,
+/// point-to-point and collective order, deadlock freedom). Empty when the plan is sound.
+pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
+    let problems = plan.check();
+    if !problems.is_empty() {
+        return problems;
+    }
+    match &plan.flush_free {
+        // a flush-free pipeline: the streams of 1, 2 and 3 steps, unrolled
+        Some(f) => {
+            let placement = placement_of(plan);
+            let groups: HashMap<GroupId, Vec<DeviceId>> =
+                plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
+            let p = crate::periodic::Periodic {
+                body: plan.streams.clone(),
+                segments: f.clone(),
+                microbatches: plan.training.microbatches,
+            };
+            let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
+            crate::periodic::verify_periodic(
+                &p,
+                &placement,
+                &groups,
+                plan.schedule.kind.updates(ranks).every(false),
+                &recomputed_stages(plan),
+            )
+        }
+        None => verify_streams(plan, &plan.streams),
+    }
+}
+
+/// Per stage of a plan: whether it recomputes its activations.
+fn recomputed_stages(plan: &pipec_plan::Plan) -> Vec<bool> {
+    plan.stages.iter().map(|s| s.recompute).collect()
+}
+
+/// The placement a plan's stages describe.
+fn placement_of(plan: &pipec_plan::Plan) -> Placement {
+    Placement {
+        replicas: plan.stages.iter().map(|s| s.replicas.clone()).collect(),
+        route: plan.stages.iter().map(|s| s.route.clone()).collect(),
+        devices: plan.devices.len(),
+        microbatches: plan.training.microbatches,
+    }
+}
+
+/// Verifies `streams` as the streams of `plan` (whose other fields are assumed sound).
+pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<Instr>>) -> Vec<String> {
+    let placement = placement_of(plan);
+    let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
+    let kind = plan.schedule.kind;
+    let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
+    let input = VerifyInput {
+        streams,
+        placement: &placement,
+        groups: &groups,
+        recompute: &recomputed_stages(plan),
+        update_every: kind.updates(ranks).every(plan.schedule.staleness.is_some()),
+        asp_staleness: plan.schedule.staleness,
+        tp: plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len),
+    };
+    verify(&input).into_iter().map(|v| v.message).collect()
+}
