@@ -58,12 +58,14 @@ fn a_tie_across_stages_sums_the_copies_gradients_before_their_updates() {
         assert_eq!(g.tie, Some([0, last]));
         for d in &g.devices {
             let stream = &plan.streams[d];
-            let tail: Vec<String> = stream[stream.len() - 3..].iter().map(|i| i.to_string()).collect();
+            let tail: Vec<String> = stream[stream.len() - 4..].iter().map(|i| i.to_string()).collect();
             // the wait for the replicas' all-reduce, then the tied sum (50,257 × 768 bf16
-            // values), then the update
-            assert!(tail[0].starts_with("wait_allreduce"), "{d}: {tail:?}");
-            assert_eq!(tail[1], format!("tiedallreduce {} {} 77194752B", stream[stream.len() - 1].stage(), g.id));
-            assert!(tail[2].starts_with("step"), "{d}: {tail:?}");
+            // values) and its wait, then the update
+            assert!(tail[0].starts_with("wait") && tail[0].ends_with("gradients"), "{d}: {tail:?}");
+            let stage = stream[stream.len() - 1].stage();
+            assert_eq!(tail[1], format!("all_reduce {stage} {} tied_gradient 77194752B", g.id));
+            assert_eq!(tail[2], format!("wait {stage} {} tied_gradient", g.id));
+            assert!(tail[3].starts_with("step"), "{d}: {tail:?}");
         }
     }
     // the copy lives on the last stage: its memory holds the projection's 38.6M weights

@@ -1441,7 +1441,7 @@ fn pipedream_with_overlapped_replica_all_reduces_equals_a_sequential_loop() {
         let d0 =
             &plan.flush_free.as_ref().expect("flush-free").unroll(&plan.streams, n, steps)[&pipec_plan::DeviceId(0)];
         let overlapped = d0.windows(2).any(|w| {
-            matches!(w, [pipec_plan::Instr::AllReduce { .. }, x] if !matches!(x, pipec_plan::Instr::WaitAllReduce { .. }))
+            matches!(w, [pipec_plan::Instr::Collective { .. }, x] if !matches!(x, pipec_plan::Instr::WaitCollective { .. }))
         });
         assert_eq!(overlapped, overlap, "the all-reduce is waited for at once exactly without overlap");
         let got = losses(&train(&plan));
@@ -1511,7 +1511,7 @@ fn the_measured_trace_shows_communication_beside_compute() {
     assert!(r
         .comm_timeline
         .iter()
-        .any(|&(d, _, code, _, _)| matches!(p.instruction(d, code), Some(pipec_plan::Instr::AllReduce { .. }))));
+        .any(|&(d, _, code, _, _)| matches!(p.instruction(d, code), Some(pipec_plan::Instr::Collective { .. }))));
     let one = losses(&train(&plan(&Job { microbatches: 8, steps: 4, layers, ..Job::default() })));
     let got = losses(&r);
     for (a, e) in got.iter().zip(&one) {

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
-use pipec_plan::{DeviceId, GroupId, Instr, MessageId, MicrobatchId, Payload, StageId};
+use pipec_plan::{CollectivePayload, DeviceId, GroupId, Instr, MessageId, MicrobatchId, Payload, StageId};
 
 use crate::schedule::{Order, Placement, Task, TaskKind};
 
@@ -147,11 +147,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                         if update_now {
                             match input.groups[s] {
                                 Some(group) => {
-                                    stream.push(Instr::AllReduce {
-                                        stage: st(s),
-                                        group,
-                                        bytes: input.gradient_bytes[s],
-                                    });
+                                    stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
                                     if defer {
                                         deferred.insert(s, group);
                                     } else {
@@ -190,15 +186,15 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
                     .collect();
                 starts.sort_by(|a, b| b.cmp(a));
                 for (at, s, group) in starts {
-                    stream.insert(at, Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
+                    stream.insert(at, Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
                 }
             }
             for s in held {
                 if let Some(group) = input.groups[s] {
                     if !input.overlap {
-                        stream.push(Instr::AllReduce { stage: st(s), group, bytes: input.gradient_bytes[s] });
+                        stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
                     }
-                    stream.push(Instr::WaitAllReduce { stage: st(s), group });
+                    stream.push(Instr::wait(CollectivePayload::Gradients, st(s), group));
                 }
                 stream.push(Instr::OptimizerStep { stage: st(s) });
             }
@@ -250,7 +246,7 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
 
 /// The update of a replicated stage once its all-reduce is in: wait for it, then step.
 fn update_after_reduce(stream: &mut Vec<Instr>, stage: StageId, group: GroupId) {
-    stream.push(Instr::WaitAllReduce { stage, group });
+    stream.push(Instr::wait(CollectivePayload::Gradients, stage, group));
     stream.push(Instr::OptimizerStep { stage });
 }
 

@@ -70,8 +70,7 @@ fn prepares(i: &Instr) -> bool {
         Instr::SendActivation { .. }
             | Instr::SendGradient { .. }
             | Instr::Free { .. }
-            | Instr::AllReduce { .. }
-            | Instr::TiedAllReduce { .. }
+            | Instr::Collective { .. }
             | Instr::OptimizerStep { .. }
     )
 }
@@ -119,8 +118,8 @@ pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
             // stage's next backward (overlap) ends the step with them: no collective is in
             // flight between steps, so every step's segment is self-contained
             for ins in &stream[last + 1..cut] {
-                if let Instr::AllReduce { stage, group, .. } = *ins {
-                    let wait = Instr::WaitAllReduce { stage, group };
+                if let Instr::Collective { payload, stage, group, .. } = *ins {
+                    let wait = Instr::wait(payload, stage, group);
                     if let Some(at) = stream[cut..].iter().position(|x| *x == wait) {
                         let mut end = cut + at + 1;
                         if stream.get(end) == Some(&Instr::OptimizerStep { stage }) {

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use pipec_grammar::spec::Spec;
 use pipec_plan::vocab::ReduceMode;
-use pipec_plan::{DeviceId, GroupId, Instr, Phase};
+use pipec_plan::{CollectiveKind, DeviceId, GroupId, Instr, Phase};
 
 use crate::cluster::{parameter_server_time, ring_allreduce_time, ClusterGraph};
 use crate::figures::StageFigures;
@@ -107,7 +107,10 @@ impl CostModel for PlanCost<'_> {
     fn transfer(&self, from: DeviceId, to: DeviceId, bytes: u64) -> f64 {
         self.cluster.p2p_time(from, to, bytes / self.tp as u64)
     }
-    fn all_reduce(&self, group: GroupId, members: &[DeviceId], bytes: u64) -> f64 {
-        self.reduce_time(self.summed_over.get(&group).map_or(members, Vec::as_slice), bytes)
+    fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64 {
+        let members = self.summed_over.get(&group).map_or(members, Vec::as_slice);
+        match kind {
+            CollectiveKind::AllReduce => self.reduce_time(members, bytes),
+        }
     }
 }

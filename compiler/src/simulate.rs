@@ -6,12 +6,12 @@
 //!   direction of one device pair) for α + n·β, after the link's earlier messages.
 //! - A receive blocks until its message has arrived, and must match the first message not
 //!   yet received on its link (in-order matching).
-//! - `allreduce` starts a collective on the communication engine and the device goes on:
-//!   the engine takes a device's collectives one at a time, in the order they were started,
-//!   and a collective begins once every member has started it and has nothing earlier on its
-//!   engine; it then takes the ring (or parameter-server) time on every member.
-//!   `wait_allreduce` blocks until it has finished; only that wait (the exposed part) is
-//!   time the device spends on the collective. A `tiedallreduce` starts and waits at once.
+//! - A collective (`all_reduce ...`) starts on the communication engine and the device goes
+//!   on: the engine takes a device's collectives one at a time, in the order they were
+//!   started, and a collective begins once every member has started it and has nothing
+//!   earlier on its engine; it then takes its kind's time (`CostModel::collective`) on every
+//!   member. `wait` blocks until it has finished; only that wait (the exposed part) is time
+//!   the device spends on the collective.
 //!
 //! The same engine, with unit costs, is the verifier's deadlock check.
 
@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use rustc_hash::FxHashMap;
 
-use pipec_plan::{DeviceId, GroupId, Instr, MessageId, Phase};
+use pipec_plan::{CollectiveKind, CollectivePayload, DeviceId, GroupId, Instr, MessageId, Phase};
 
 /// How long things take.
 pub trait CostModel {
@@ -27,10 +27,10 @@ pub trait CostModel {
     fn compute(&self, device: DeviceId, instr: &Instr) -> f64;
     /// Seconds for `bytes` from `from` to `to`.
     fn transfer(&self, from: DeviceId, to: DeviceId, bytes: u64) -> f64;
-    /// Seconds of an all-reduce of `bytes` by `group`, whose simulated members are
-    /// `members` (a cost model may know the group as larger: the strategy search simulates
-    /// one pipeline replica of symmetric plans).
-    fn all_reduce(&self, group: GroupId, members: &[DeviceId], bytes: u64) -> f64;
+    /// Seconds of a collective of `kind` on `bytes` per member by `group`, whose simulated
+    /// members are `members` (a cost model may know the group as larger: the strategy
+    /// search simulates one pipeline replica of symmetric plans).
+    fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64;
 }
 
 /// One executed instruction.
@@ -78,6 +78,7 @@ struct Started {
     index: usize,
     at: f64,
     bytes: u64,
+    kind: CollectiveKind,
     /// The stage a replica all-reduce sums (u32::MAX for a tied one: its members hold
     /// different stages).
     stage: u32,
@@ -133,9 +134,12 @@ impl Engines {
             if !members.iter().all(|m| self.queue.get(m).and_then(VecDeque::front) == Some(&key)) {
                 continue;
             }
-            if started.iter().any(|a| a.bytes != started[0].bytes || a.stage != started[0].stage) {
+            if started
+                .iter()
+                .any(|a| (a.kind, a.bytes, a.stage) != (started[0].kind, started[0].bytes, started[0].stage))
+            {
                 return Err(format!(
-                    "group {}: the members' collective call #{} disagree (stage or size)",
+                    "group {}: the members' collective call #{} disagree (kind, stage or size)",
                     key.0, key.1
                 ));
             }
@@ -143,7 +147,7 @@ impl Engines {
                 .iter()
                 .map(|a| a.at.max(self.free_at.get(&a.device).copied().unwrap_or(0.0)))
                 .fold(0.0, f64::max);
-            let end = begin + cost.all_reduce(key.0, members, started[0].bytes);
+            let end = begin + cost.collective(started[0].kind, key.0, members, started[0].bytes);
             for a in started {
                 events.push(Event {
                     device: a.device,
@@ -187,8 +191,6 @@ pub fn simulate(
     let mut links: FxHashMap<(DeviceId, DeviceId), VecDeque<InFlight>> = FxHashMap::default();
     let mut link_free: FxHashMap<(DeviceId, DeviceId), f64> = FxHashMap::default();
     let mut engines = Engines::default();
-    // a tied all-reduce started by the instruction at (device, index), waiting to finish
-    let mut blocking: FxHashMap<(DeviceId, usize), CallKey> = FxHashMap::default();
     let mut events = Vec::new();
     let mut queue: VecDeque<DeviceId> = devices.iter().copied().collect();
     let mut queued: FxHashMap<DeviceId, bool> = devices.iter().map(|d| (*d, true)).collect();
@@ -259,27 +261,15 @@ pub fn simulate(
                         }
                     }
                 }
-                Instr::AllReduce { group, bytes, stage } | Instr::TiedAllReduce { group, bytes, stage } => {
-                    let tied = matches!(ins, Instr::TiedAllReduce { .. });
-                    if tied {
-                        if let Some(key) = blocking.get(&(dev, i)).copied() {
-                            // started earlier: blocked until it finishes
-                            let Some(&ran) = engines.finished.get(&key) else { break };
-                            blocking.remove(&(dev, i));
-                            engines.outstanding.remove(&(dev, *group));
-                            let e = waited(dev, i, now, ran);
-                            clock.insert(dev, e.end);
-                            events.push(e);
-                            *pc.get_mut(&dev).expect("device") += 1;
-                            continue;
-                        }
-                    }
+                Instr::Collective { kind, payload, stage, group, bytes } => {
                     if !groups.get(group).is_some_and(|m| m.contains(&dev)) {
                         error = Some(format!("{dev}: `{ins}` names a group it is not a member of"));
                         break;
                     }
-                    let stage = if tied { u32::MAX } else { stage.0 };
-                    let key = engines.start(*group, Started { device: dev, index: i, at: now, bytes: *bytes, stage });
+                    // a tied gradient's members hold different stages
+                    let stage = if *payload == CollectivePayload::TiedGradient { u32::MAX } else { stage.0 };
+                    let started = Started { device: dev, index: i, at: now, bytes: *bytes, kind: *kind, stage };
+                    engines.start(*group, started);
                     match engines.run(vec![dev], groups, cost, &mut events) {
                         Ok(woken) => {
                             for d in woken {
@@ -291,14 +281,10 @@ pub fn simulate(
                             break;
                         }
                     }
-                    if tied {
-                        blocking.insert((dev, i), key);
-                        continue; // the same instruction again: it waits
-                    }
                 }
-                Instr::WaitAllReduce { group, .. } => {
+                Instr::WaitCollective { group, .. } => {
                     let Some(key) = engines.outstanding.get(&(dev, *group)).copied() else {
-                        error = Some(format!("{dev}: `{ins}` waits for an all-reduce it never started"));
+                        error = Some(format!("{dev}: `{ins}` waits for a collective it never started"));
                         break;
                     };
                     let Some(&ran) = engines.finished.get(&key) else { break }; // woken when it finishes
@@ -330,7 +316,7 @@ pub fn simulate(
     let unfinished_collective = engines.queue.values().any(|q| !q.is_empty());
     if let Some(reason) = error.or_else(|| {
         (!finished).then(|| "no device can make progress: every unfinished device waits for a message or a collective that never comes (deadlock)".to_string())
-    }).or_else(|| unfinished_collective.then(|| "a started all-reduce never runs: its group's members start their collectives in different orders, or one never starts it (deadlock)".to_string())) {
+    }).or_else(|| unfinished_collective.then(|| "a started collective never runs: its group's members start their collectives in different orders, or one never starts it (deadlock)".to_string())) {
         let next = devices.iter().map(|d| (*d, (pc[d] < streams[d].len()).then_some(pc[d]))).collect();
         return Err(Stuck { next, reason });
     }
@@ -353,7 +339,7 @@ impl CostModel for UnitCost {
     fn transfer(&self, _: DeviceId, _: DeviceId, _: u64) -> f64 {
         0.0
     }
-    fn all_reduce(&self, _: GroupId, _: &[DeviceId], _: u64) -> f64 {
+    fn collective(&self, _: CollectiveKind, _: GroupId, _: &[DeviceId], _: u64) -> f64 {
         0.0
     }
 }

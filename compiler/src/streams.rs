@@ -8,7 +8,7 @@ use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
 use pipec_plan::schedule::Updates;
 use pipec_plan::vocab::{ScheduleKind, SyncMode};
-use pipec_plan::{DeviceId, GroupId, Instr, StageId};
+use pipec_plan::{CollectiveKind, CollectivePayload, DeviceId, GroupId, Instr, StageId};
 
 use crate::figures::StageFigures;
 use crate::lower::{lower, LowerInput};
@@ -191,8 +191,9 @@ pub(crate) fn check_ties(spec: &Spec, layout: &Layout) -> Result<(), Vec<Diagnos
 }
 
 /// Weight tying across stages: a group of every device holding the embedding's or the tied
-/// projection's stage, and on each of them, after the step's replica all-reduces, a
-/// `tiedallreduce` followed by the optimizer steps of the tied stages (moved behind it).
+/// projection's stage, and on each of them, after the step's replica all-reduces, an
+/// all-reduce of the tied gradient and its wait, followed by the optimizer steps of the
+/// tied stages (moved behind them).
 /// Ties within one stage need no communication: the executor sums the two gradients.
 pub(crate) fn tied_all_reduces(
     spec: &Spec,
@@ -232,7 +233,14 @@ pub(crate) fn tied_all_reduces(
                 .cloned()
                 .collect();
             stream.retain(|i| !matches!(i, Instr::OptimizerStep { stage } if held.contains(stage)));
-            stream.push(Instr::TiedAllReduce { stage: held[0], group, bytes });
+            stream.push(Instr::Collective {
+                kind: CollectiveKind::AllReduce,
+                payload: CollectivePayload::TiedGradient,
+                stage: held[0],
+                group,
+                bytes,
+            });
+            stream.push(Instr::wait(CollectivePayload::TiedGradient, held[0], group));
             stream.extend(steps);
         }
     }

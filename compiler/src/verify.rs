@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use pipec_plan::{Buffer, DeviceId, End, GroupId, Instr, MessageId, StageId};
+use pipec_plan::{Buffer, CollectiveKind, CollectivePayload, DeviceId, End, GroupId, Instr, MessageId, StageId};
 
 use crate::schedule::Placement;
 use crate::simulate::{simulate, UnitCost};
@@ -122,7 +122,7 @@ fn check_unique(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     for (dev, stream) in input.streams {
         let mut seen: FxHashSet<&Instr> = FxHashSet::default();
         for (i, ins) in stream.iter().enumerate() {
-            if matches!(ins, Instr::AllReduce { .. } | Instr::WaitAllReduce { .. } | Instr::OptimizerStep { .. }) {
+            if matches!(ins, Instr::Collective { .. } | Instr::WaitCollective { .. } | Instr::OptimizerStep { .. }) {
                 continue;
             }
             if !seen.insert(ins) {
@@ -297,8 +297,8 @@ fn check_stream_dataflow(
             if let Instr::Free { stage, mb } = ins {
                 live.remove(&Buffer::Saved { stage: *stage, mb: *mb });
             }
-            if let Instr::WaitAllReduce { stage, .. } = ins {
-                live.remove(&Buffer::Reducing { stage: *stage });
+            if let Instr::WaitCollective { stage, group, .. } = ins {
+                live.remove(&Buffer::InFlight { stage: *stage, group: *group });
             }
             if let Instr::RestoreWeights { stage, mb } = ins {
                 if !forwarded.contains(&(*stage, *mb)) {
@@ -395,24 +395,24 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         // were all-reduced
         let mut pending: FxHashMap<StageId, (usize, bool)> = FxHashMap::default();
         let mut steps: FxHashMap<StageId, usize> = FxHashMap::default();
-        // per stage: the group of its all-reduce in flight (started, not yet waited for)
-        let mut reducing: FxHashMap<StageId, GroupId> = FxHashMap::default();
+        // per stage: the group and payload of its collective in flight (started, not yet
+        // waited for)
+        let mut reducing: FxHashMap<StageId, (GroupId, CollectivePayload)> = FxHashMap::default();
         for (i, ins) in stream.iter().enumerate() {
-            // nothing touches a stage's gradient while its all-reduce is in flight
+            // nothing touches a stage's gradient while a collective on it is in flight
             let touches = matches!(
                 ins,
                 Instr::Backward { .. }
                     | Instr::BackwardWeight { .. }
                     | Instr::OptimizerStep { .. }
                     | Instr::PushGradient { .. }
-                    | Instr::TiedAllReduce { .. }
-                    | Instr::AllReduce { .. }
+                    | Instr::Collective { .. }
             );
             if touches && reducing.contains_key(&ins.stage()) {
                 out.push(v(
                     *dev,
                     i,
-                    format!("`{ins}` touches the gradient of {} while its all-reduce is in flight", ins.stage()),
+                    format!("`{ins}` touches the gradient of {} while a collective on it is in flight", ins.stage()),
                 ));
             }
             match ins {
@@ -438,21 +438,21 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 Instr::ApplyGradient { stage, .. } | Instr::PullWeights { stage, .. } => {
                     *steps.entry(*stage).or_insert(0) += 1;
                 }
-                Instr::AllReduce { stage, group, .. } => {
+                Instr::Collective { payload, stage, group, .. } => {
                     let e = pending.entry(*stage).or_insert((0, false));
                     if e.0 == 0 {
                         out.push(v(*dev, i, format!("`{ins}` reduces gradients before any were computed")));
                     }
-                    reducing.insert(*stage, *group);
+                    reducing.insert(*stage, (*group, *payload));
                 }
-                Instr::WaitAllReduce { stage, group } => {
-                    if reducing.remove(stage) != Some(*group) {
+                Instr::WaitCollective { payload, stage, group } => {
+                    if reducing.remove(stage) != Some((*group, *payload)) {
                         out.push(v(
                             *dev,
                             i,
-                            format!("`{ins}` waits for an all-reduce of {stage} on {group} that is not in flight"),
+                            format!("`{ins}` waits for a collective of {stage} on {group} that is not in flight"),
                         ));
-                    } else {
+                    } else if *payload == CollectivePayload::Gradients {
                         pending.entry(*stage).or_insert((0, false)).1 = true;
                     }
                 }
@@ -483,11 +483,11 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 _ => {}
             }
         }
-        for (stage, group) in &reducing {
+        for (stage, (group, payload)) in &reducing {
             out.push(Violation {
                 device: Some(*dev),
                 index: None,
-                message: format!("{dev}: the all-reduce of {stage} on {group} is never waited for"),
+                message: format!("{dev}: the collective of {stage} on {group} ({payload}) is never waited for"),
             });
         }
         for s in input.placement.stages_of(*dev) {
@@ -666,17 +666,19 @@ fn check_parameter_server(input: &VerifyInput<'_>, staleness: usize, out: &mut V
 
 /// Every member of a group issues the same collectives in the same order.
 fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
-    // per group and member, its all-reduces in order: (stage, bytes, instruction index)
-    type Calls = BTreeMap<DeviceId, Vec<(StageId, u64, usize)>>;
+    // per group and member, its collectives in order: (what, stage, bytes, instruction index)
+    type Call = ((CollectiveKind, CollectivePayload), StageId, u64, usize);
+    type Calls = BTreeMap<DeviceId, Vec<Call>>;
     let mut calls: FxHashMap<GroupId, Calls> = FxHashMap::default();
     for (dev, stream) in input.streams {
         for (i, ins) in stream.iter().enumerate() {
-            if let Instr::AllReduce { stage, group, bytes } | Instr::TiedAllReduce { stage, group, bytes } = ins {
-                // a tied all-reduce's members hold different stages: only sizes must agree
-                let stage = if matches!(ins, Instr::AllReduce { .. }) { *stage } else { StageId(u32::MAX) };
+            if let Instr::Collective { kind, payload, stage, group, bytes } = ins {
+                // a tied gradient's members hold different stages: only sizes must agree
+                let stage = if *payload == CollectivePayload::TiedGradient { StageId(u32::MAX) } else { *stage };
+                let what = (*kind, *payload);
                 match input.groups.get(group) {
                     Some(members) if members.contains(dev) => {
-                        calls.entry(*group).or_default().entry(*dev).or_default().push((stage, *bytes, i))
+                        calls.entry(*group).or_default().entry(*dev).or_default().push((what, stage, *bytes, i))
                     }
                     _ => out.push(v(*dev, i, format!("`{ins}`: {dev} is not a member of {group}"))),
                 }
@@ -685,17 +687,20 @@ fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     }
     for (group, members) in input.groups {
         let per = calls.get(group).cloned().unwrap_or_default();
-        let reference: Vec<(StageId, u64)> =
-            per.get(&members[0]).map(|c| c.iter().map(|x| (x.0, x.1)).collect()).unwrap_or_default();
+        let calls_of = |m: &DeviceId| -> Vec<(String, StageId, u64)> {
+            per.get(m)
+                .map(|c| c.iter().map(|x| (format!("{} {}", x.0 .0, x.0 .1), x.1, x.2)).collect())
+                .unwrap_or_default()
+        };
+        let reference = calls_of(&members[0]);
         for m in members {
-            let mine: Vec<(StageId, u64)> =
-                per.get(m).map(|c| c.iter().map(|x| (x.0, x.1)).collect()).unwrap_or_default();
+            let mine = calls_of(m);
             if mine != reference {
                 out.push(Violation {
                     device: Some(*m),
                     index: None,
                     message: format!(
-                        "{group}: {m} issues {} all-reduce(s) {:?}, {} issues {:?}",
+                        "{group}: {m} issues {} collective(s) {:?}, {} issues {:?}",
                         mine.len(),
                         mine,
                         members[0],

@@ -215,7 +215,7 @@ fn vgg16_flush_free_steady_state_is_within_ten_percent_of_pipedreams_prediction(
         fn transfer(&self, _: DeviceId, _: DeviceId, bytes: u64) -> f64 {
             bytes as f64 / 2.5e9
         }
-        fn all_reduce(&self, _: GroupId, members: &[DeviceId], bytes: u64) -> f64 {
+        fn collective(&self, _: pipec_plan::CollectiveKind, _: GroupId, members: &[DeviceId], bytes: u64) -> f64 {
             let m = members.len() as f64;
             2.0 * (m - 1.0) / m * bytes as f64 / 2.5e9
         }

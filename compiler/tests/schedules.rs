@@ -410,7 +410,7 @@ fn commutes(a: &Instr, b: &Instr) -> bool {
     let link = |i: &Instr| match *i {
         Instr::SendActivation { peer, .. } | Instr::SendGradient { peer, .. } => Some((0, peer)),
         Instr::RecvActivation { peer, .. } | Instr::RecvGradient { peer, .. } => Some((1, peer)),
-        Instr::AllReduce { group, .. } => Some((2, DeviceId(group.0))),
+        Instr::Collective { group, .. } => Some((2, DeviceId(group.0))),
         _ => None,
     };
     let same_link = link(a).is_some() && link(a) == link(b);
@@ -465,7 +465,7 @@ impl pipec_compiler::simulate::CostModel for TwoToOne {
     fn transfer(&self, _: DeviceId, _: DeviceId, _: u64) -> f64 {
         0.0
     }
-    fn all_reduce(&self, _: pipec_plan::GroupId, _: &[DeviceId], _: u64) -> f64 {
+    fn collective(&self, _: pipec_plan::CollectiveKind, _: pipec_plan::GroupId, _: &[DeviceId], _: u64) -> f64 {
         0.0
     }
 }
@@ -579,7 +579,7 @@ impl pipec_compiler::simulate::CostModel for AllReduceCost {
     fn transfer(&self, _: DeviceId, _: DeviceId, _: u64) -> f64 {
         0.0
     }
-    fn all_reduce(&self, _: pipec_plan::GroupId, _: &[DeviceId], _: u64) -> f64 {
+    fn collective(&self, _: pipec_plan::CollectiveKind, _: pipec_plan::GroupId, _: &[DeviceId], _: u64) -> f64 {
         self.a
     }
 }

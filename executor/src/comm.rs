@@ -6,9 +6,9 @@
 //! - Sends are made by the worker itself (they only queue the message); receives are posted ahead of the compute that needs them (as
 //!   soon as every earlier message of the stream has been issued) and waited for when that
 //!   compute comes.
-//! - `allreduce` hands the stage's gradients to the collective thread and the worker
-//!   computes on; `wait_allreduce` takes the sum back. A tensor-parallel all-reduce inside
-//!   a forward or backward goes through the same thread and is waited for at once, so every
+//! - A collective instruction hands its data to the collective thread and the worker
+//!   computes on; its wait takes the result back. A tensor-parallel all-reduce inside a
+//!   forward or backward goes through the same thread and is waited for at once, so every
 //!   device's collectives keep one order.
 //!
 //! A transfer that fails fails the command that waits for it, or the step's fence. Each
@@ -17,7 +17,7 @@
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::Instant;
 
-use pipec_plan::{DeviceId, ReduceMode};
+use pipec_plan::{CollectiveKind, DeviceId, ReduceMode};
 
 use crate::transport::{Endpoint, Message, SendHalf, Tag, TransportError};
 
@@ -30,7 +30,8 @@ enum P2p {
 }
 
 enum Coll {
-    AllReduce {
+    Run {
+        kind: CollectiveKind,
         members: Vec<DeviceId>,
         data: Vec<f32>,
         mode: ReduceMode,
@@ -97,29 +98,32 @@ impl Comm {
         Ok(Ticket(rx))
     }
 
-    /// Starts summing `data` over `members`; `code` names the instruction in the trace
-    /// (None: part of a compute instruction, not traced on its own).
-    pub fn start_all_reduce(
+    /// Starts a collective of `kind` on `data` over `members`; `code` names the
+    /// instruction in the trace (None: part of a compute instruction, not traced on its
+    /// own).
+    pub fn start_collective(
         &self,
+        kind: CollectiveKind,
         members: Vec<DeviceId>,
         data: Vec<f32>,
         mode: ReduceMode,
         code: Option<usize>,
     ) -> Result<Ticket<Vec<f32>>, TransportError> {
         let (reply, rx) = channel();
-        self.coll.send(Coll::AllReduce { members, data, mode, code, reply }).map_err(|_| gone())?;
+        self.coll.send(Coll::Run { kind, members, data, mode, code, reply }).map_err(|_| gone())?;
         Ok(Ticket(rx))
     }
 
-    /// Sums `data` over `members` and waits for it.
-    pub fn all_reduce(
+    /// Runs a collective of `kind` on `data` over `members` and waits for it.
+    pub fn collective(
         &self,
+        kind: CollectiveKind,
         members: &[DeviceId],
         data: Vec<f32>,
         mode: ReduceMode,
         code: Option<usize>,
     ) -> Result<Vec<f32>, TransportError> {
-        self.start_all_reduce(members.to_vec(), data, mode, code)?.wait()
+        self.start_collective(kind, members.to_vec(), data, mode, code)?.wait()
     }
 
     /// Waits until everything issued so far is done; returns what both threads ran since
@@ -201,8 +205,8 @@ fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, epoch: Instant) {
     let mut log = Log::new(epoch);
     for cmd in rx {
         match cmd {
-            Coll::AllReduce { members, mut data, mode, code, reply } => {
-                let _ = reply.send(log.run(code, || ep.all_reduce(&members, &mut data, mode).map(|()| data)));
+            Coll::Run { kind, members, mut data, mode, code, reply } => {
+                let _ = reply.send(log.run(code, || ep.collective(kind, &members, &mut data, mode).map(|()| data)));
             }
             Coll::Fence(reply) => {
                 let _ = reply.send(log.fence());
@@ -233,11 +237,21 @@ mod tests {
             let mut c0 = Comm::start(s, e0, epoch);
             let c1 = Comm::start(s, e1, epoch);
             // d0 starts an all-reduce that d1 joins only after the message has gone through
-            let sum = c0.start_all_reduce(devices.to_vec(), vec![1.0, 2.0], ReduceMode::Ring, Some(7)).expect("start");
+            let sum = c0
+                .start_collective(
+                    CollectiveKind::AllReduce,
+                    devices.to_vec(),
+                    vec![1.0, 2.0],
+                    ReduceMode::Ring,
+                    Some(7),
+                )
+                .expect("start");
             let posted = c1.post_recv(DeviceId(0), tag, 3).expect("post");
             c0.send(DeviceId(1), Message { tag, shape: vec![1], data: vec![5.0] }, 2).expect("send");
             assert_eq!(posted.wait().expect("message").data, vec![5.0]);
-            let other = c1.all_reduce(&devices, vec![10.0, 20.0], ReduceMode::Ring, Some(7)).expect("joins");
+            let other = c1
+                .collective(CollectiveKind::AllReduce, &devices, vec![10.0, 20.0], ReduceMode::Ring, Some(7))
+                .expect("joins");
             assert_eq!(sum.wait().expect("sum"), vec![11.0, 22.0]);
             assert_eq!(other, vec![11.0, 22.0]);
             let trace = c0.fence().expect("fence");

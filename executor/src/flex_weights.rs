@@ -11,7 +11,7 @@
 //!
 //! A weight's transposed copy is made at its second forward (a weight used once per update,
 //! as under PipeDream's per-microbatch updates, is never copied) and kept, per thread, for as
-//! long as anything else holds that weight. An update ([`crate::worker::StageOptim::update`])
+//! long as anything else holds that weight. An update ([`crate::stage::StageOptim::update`])
 //! takes the copies of the weights it replaces ([`take`]: nothing extra then holds them
 //! while they are updated) and makes the new version's right after ([`copy_now`]), in the
 //! replaced copy's buffer, so that every forward of the version runs from the copy and the

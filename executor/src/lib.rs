@@ -3,7 +3,9 @@
 //! same [`transport::Endpoint`] trait). The only crate of pipec that links Burn.
 
 pub use pipec_plan::checkpoint;
+mod collectives;
 pub mod comm;
+mod compute;
 pub mod data;
 pub mod dense;
 pub mod error;
@@ -21,8 +23,10 @@ mod params;
 pub mod profile;
 mod reshard;
 pub mod rng;
+mod stage;
 pub mod tensor_parallel;
 pub mod transport;
+mod values;
 mod worker;
 
 use std::collections::{BTreeMap, HashMap};
@@ -40,8 +44,9 @@ use pipec_plan::{DeviceId, Plan, StageId};
 
 use crate::data::Dataset;
 use crate::error::ExecError;
+use crate::stage::{build_stages, StageState};
 use crate::transport::Endpoint;
-use crate::worker::{build_stages, StageState, StepReport, Worker};
+use crate::worker::{StepReport, Worker};
 
 pub use worker::StepReport as WorkerStep;
 
@@ -445,7 +450,7 @@ fn load_checkpoint<B: ExecBackend>(
         let mut wants = Vec::new();
         for (pid, shape) in params::layout::<B, _>(st.model()?) {
             let from = saved.saved(pid, tp_size, to(pid))?;
-            wants.push(worker::Want {
+            wants.push(stage::Want {
                 id: ParamId::from(pid),
                 shape,
                 saved: from,

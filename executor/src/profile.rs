@@ -16,8 +16,8 @@ use crate::error::ExecError;
 use crate::layers::{Act, StageGraph, StageModel};
 use crate::params::{accumulate, backward_into_sums, collect_grads, sum_keys, FlatGrads};
 use crate::rng::Rng;
-use crate::worker::require_grad;
-use crate::worker::StageOptim;
+use crate::stage::StageOptim;
+use crate::values::require_grad;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -200,7 +200,7 @@ pub fn profile_layers<B: ExecBackend>(
     // layers' times so they add up to the whole model's.
     let all_ops: Vec<_> = plan.layers.iter().map(|l| l.op.clone()).collect();
     let mut whole = StageModel::<B>::new(&all_ops, 0, plan.training.seed, dev);
-    whole.graph = crate::worker::stage_graph(plan, 0, plan.layers.len());
+    whole.graph = crate::stage::stage_graph(plan, 0, plan.layers.len());
     let mut shape = vec![mb];
     shape.extend(&plan.model.input);
     let tokens = plan.model.token_vocab;

@@ -8,7 +8,7 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pipec_plan::{DeviceId, ReduceMode};
+use pipec_plan::{CollectiveKind, DeviceId, ReduceMode};
 
 /// Identifies a point-to-point message: the plan's message identity, which both ends
 /// compute from their instructions (`Instr::transfer`).
@@ -79,16 +79,20 @@ pub trait Endpoint: Send {
     fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError>;
     fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError>;
 
-    /// Sums `data` over `group` in place; every member ends with identical values.
-    fn all_reduce(
+    /// Runs a collective of `kind` over `group` on `data`, in place: the one place a
+    /// transport handles each kind, on top of its collective traffic (`coll_send`,
+    /// `coll_recv`), so every transport computes the same values in the same order.
+    /// `AllReduce`: every member ends with the sum, by a ring or a parameter server.
+    fn collective(
         &mut self,
+        kind: CollectiveKind,
         group: &[DeviceId],
         data: &mut [f32],
         algorithm: ReduceMode,
     ) -> Result<(), TransportError> {
-        match algorithm {
-            ReduceMode::Ring => ring_all_reduce(self, group, data),
-            ReduceMode::ParameterServer => ps_all_reduce(self, group, data),
+        match (kind, algorithm) {
+            (CollectiveKind::AllReduce, ReduceMode::Ring) => ring_all_reduce(self, group, data),
+            (CollectiveKind::AllReduce, ReduceMode::ParameterServer) => ps_all_reduce(self, group, data),
         }
     }
 }
@@ -328,7 +332,7 @@ mod tests {
                         let group = devices.clone();
                         std::thread::spawn(move || {
                             let mut data: Vec<f32> = (0..7).map(|k| (i * 10 + k) as f32).collect();
-                            ep.all_reduce(&group, &mut data, algorithm).map(|_| data)
+                            ep.collective(CollectiveKind::AllReduce, &group, &mut data, algorithm).map(|_| data)
                         })
                     })
                     .collect();

@@ -5,6 +5,8 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
+pub use crate::vocab::{CollectiveKind, CollectivePayload};
+
 /// Identifies a device of the cluster (0-based, node-major).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -69,9 +71,9 @@ pub enum Buffer {
     Weights { stage: StageId },
     /// A stashed weight version of `stage` for `mb` (PipeDream weight stashing).
     Stash { stage: StageId, mb: MicrobatchId },
-    /// The gradients of `stage` while its all-reduce is in flight (between `AllReduce` and
-    /// `WaitAllReduce`).
-    Reducing { stage: StageId },
+    /// What a collective of `stage` over `group` holds while it is in flight (between its
+    /// `Collective` and its `WaitCollective`).
+    InFlight { stage: StageId, group: GroupId },
 }
 
 /// One instruction of a device's stream.
@@ -99,21 +101,23 @@ pub enum Instr {
     SendGradient { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
     /// Receive the gradient w.r.t. `stage`'s output for `mb` from `peer`.
     RecvGradient { peer: DeviceId, stage: StageId, mb: MicrobatchId, bytes: u64 },
-    /// Start summing the weight gradients of `stage` over the replica group `group` (ring
-    /// all-reduce, or a parameter server when the plan says so). The reduction runs on the
-    /// device's communication engine, which takes a device's collectives one at a time in the
-    /// order they were started, while the device goes on computing; `WaitAllReduce` waits for
-    /// it. Nothing may touch the stage's gradient in between.
-    AllReduce { stage: StageId, group: GroupId, bytes: u64 },
-    /// Wait until the last `AllReduce` of `stage` over `group` has finished: the summed
-    /// gradient is in place afterwards (the optimizer step may follow).
-    WaitAllReduce { stage: StageId, group: GroupId },
-    /// Weight tying across stages: sum the gradient of the tied weight `stage` holds (an
-    /// embedding table, or the output projection that is its transpose) with the other
-    /// copies' over `group` (every device holding a copy), after the replica all-reduces,
-    /// so every copy applies the same summed gradient. In each group the first device
-    /// holding a given stage contributes that stage's gradient; the others contribute zero.
-    TiedAllReduce { stage: StageId, group: GroupId, bytes: u64 },
+    /// Start a collective: `kind` over the members of `group`, on what `payload` names of
+    /// `stage`, `bytes` per member. It runs on the device's communication engine, which
+    /// takes a device's collectives one at a time in the order they were started, while
+    /// the device goes on computing; `WaitCollective` waits for it, and nothing may touch
+    /// what it carries in between. Its uses:
+    /// - `Gradients`: the weight gradients of `stage` (with its batch statistics), summed
+    ///   over the stage's replica group (ring all-reduce, or a parameter server when the
+    ///   plan says so).
+    /// - `TiedGradient`: weight tying across stages: the gradient of the tied weight
+    ///   `stage` holds (an embedding table, or the output projection that is its
+    ///   transpose) summed with the other copies' over every device holding one, after the
+    ///   replica all-reduces, so every copy applies the same sum. In the group the first
+    ///   device holding each tied stage contributes its gradient, the others zero.
+    Collective { kind: CollectiveKind, payload: CollectivePayload, stage: StageId, group: GroupId, bytes: u64 },
+    /// Wait until the last collective `stage` started over `group` has finished: its
+    /// result is in place afterwards (the summed gradient, for an optimizer step).
+    WaitCollective { payload: CollectivePayload, stage: StageId, group: GroupId },
     /// Keep the weights `mb`'s forward uses, for its backward (PipeDream weight stashing):
     /// the current ones, or with `version` (vertical sync) the stage's weights after that
     /// many of this step's updates — the version the first stage used for `mb`.
@@ -292,9 +296,8 @@ macro_rules! about_microbatch {
 /// `about_microbatch`'s list, so the matches stay exhaustive).
 macro_rules! about_no_microbatch {
     () => {
-        Instr::AllReduce { .. }
-            | Instr::WaitAllReduce { .. }
-            | Instr::TiedAllReduce { .. }
+        Instr::Collective { .. }
+            | Instr::WaitCollective { .. }
             | Instr::OptimizerStep { .. }
             | Instr::PushWeights { .. }
             | Instr::PullWeights { .. }
@@ -318,7 +321,34 @@ macro_rules! on_device {
     };
 }
 
+impl CollectivePayload {
+    /// The buffer of `stage` a collective with this payload reads at its start and writes
+    /// at its wait.
+    pub fn buffer(self, stage: StageId) -> Buffer {
+        match self {
+            // the tied weight's gradient is part of the stage's weight gradients
+            CollectivePayload::Gradients | CollectivePayload::TiedGradient => Buffer::WeightGrad { stage },
+        }
+    }
+}
+
 impl Instr {
+    /// Starts summing `stage`'s weight gradients over its replica group `group`.
+    pub fn all_reduce_gradients(stage: StageId, group: GroupId, bytes: u64) -> Instr {
+        Instr::Collective {
+            kind: CollectiveKind::AllReduce,
+            payload: CollectivePayload::Gradients,
+            stage,
+            group,
+            bytes,
+        }
+    }
+
+    /// Waits for `stage`'s collective over `group` carrying `payload`.
+    pub fn wait(payload: CollectivePayload, stage: StageId, group: GroupId) -> Instr {
+        Instr::WaitCollective { payload, stage, group }
+    }
+
     /// The stage the instruction belongs to.
     pub fn stage(&self) -> StageId {
         match *self {
@@ -332,9 +362,8 @@ impl Instr {
             | Instr::RecvActivation { stage, .. }
             | Instr::SendGradient { stage, .. }
             | Instr::RecvGradient { stage, .. }
-            | Instr::AllReduce { stage, .. }
-            | Instr::WaitAllReduce { stage, .. }
-            | Instr::TiedAllReduce { stage, .. }
+            | Instr::Collective { stage, .. }
+            | Instr::WaitCollective { stage, .. }
             | Instr::StashWeights { stage, .. }
             | Instr::RestoreWeights { stage, .. }
             | Instr::OptimizerStep { stage }
@@ -354,9 +383,7 @@ impl Instr {
     /// The collective group of a collective instruction.
     pub fn group(&self) -> Option<GroupId> {
         match *self {
-            Instr::AllReduce { group, .. }
-            | Instr::WaitAllReduce { group, .. }
-            | Instr::TiedAllReduce { group, .. } => Some(group),
+            Instr::Collective { group, .. } | Instr::WaitCollective { group, .. } => Some(group),
             _ => None,
         }
     }
@@ -384,7 +411,7 @@ impl Instr {
             | Instr::PushWeights { .. }
             | Instr::PullWeights { .. } => Phase::Communication,
             Instr::ApplyGradient { .. } => Phase::Optimizer,
-            Instr::AllReduce { .. } | Instr::WaitAllReduce { .. } | Instr::TiedAllReduce { .. } => Phase::Collective,
+            Instr::Collective { .. } | Instr::WaitCollective { .. } => Phase::Collective,
             Instr::OptimizerStep { .. } => Phase::Optimizer,
             Instr::LoadMicrobatch { .. }
             | Instr::StashWeights { .. }
@@ -421,9 +448,7 @@ impl Instr {
             Instr::PullWeights { peer, stage, round, bytes } => {
                 (End::Recv, peer, Some(MessageId::weights(stage, round)), bytes)
             }
-            Instr::AllReduce { .. } | Instr::WaitAllReduce { .. } | Instr::TiedAllReduce { .. } | on_device!() => {
-                return None
-            }
+            Instr::Collective { .. } | Instr::WaitCollective { .. } | on_device!() => return None,
         };
         Some(Transfer { end, peer, id, bytes })
     }
@@ -457,9 +482,7 @@ impl Instr {
         let mut out = self.clone();
         match &mut out {
             point_to_point!(peer) => *peer = device(*peer),
-            Instr::AllReduce { group: g, .. }
-            | Instr::WaitAllReduce { group: g, .. }
-            | Instr::TiedAllReduce { group: g, .. } => *g = group(*g),
+            Instr::Collective { group: g, .. } | Instr::WaitCollective { group: g, .. } => *g = group(*g),
             on_device!() => {}
         }
         out
@@ -479,10 +502,9 @@ impl Instr {
             Instr::SendActivation { stage, mb, .. } => vec![B::Output { stage, mb }],
             Instr::SendGradient { stage, mb, .. } => vec![B::InputGrad { stage, mb }],
             Instr::RecvActivation { .. } | Instr::RecvGradient { .. } => vec![],
-            Instr::AllReduce { stage, .. } | Instr::TiedAllReduce { stage, .. } | Instr::OptimizerStep { stage } => {
-                vec![B::WeightGrad { stage }]
-            }
-            Instr::WaitAllReduce { stage, .. } => vec![B::Reducing { stage }],
+            Instr::Collective { payload, stage, .. } => vec![payload.buffer(stage)],
+            Instr::OptimizerStep { stage } => vec![B::WeightGrad { stage }],
+            Instr::WaitCollective { stage, group, .. } => vec![B::InFlight { stage, group }],
             Instr::StashWeights { stage, .. } => vec![B::Weights { stage }],
             Instr::RestoreWeights { stage, mb } => vec![B::Stash { stage, mb }],
             Instr::Free { stage, mb } => vec![B::Saved { stage, mb }],
@@ -515,8 +537,8 @@ impl Instr {
             Instr::RecvActivation { stage, mb, .. } => vec![B::Input { stage, mb }],
             Instr::RecvGradient { stage, mb, .. } => vec![B::OutputGrad { stage, mb }],
             Instr::SendActivation { .. } | Instr::SendGradient { .. } | Instr::Free { .. } => vec![],
-            Instr::AllReduce { stage, .. } => vec![B::Reducing { stage }],
-            Instr::WaitAllReduce { stage, .. } | Instr::TiedAllReduce { stage, .. } => vec![B::WeightGrad { stage }],
+            Instr::Collective { stage, group, .. } => vec![B::InFlight { stage, group }],
+            Instr::WaitCollective { payload, stage, .. } => vec![payload.buffer(stage)],
             Instr::OptimizerStep { stage } => vec![B::Weights { stage }, B::WeightGrad { stage }],
             Instr::StashWeights { stage, mb, .. } => vec![B::Stash { stage, mb }],
             Instr::RestoreWeights { stage, .. } => vec![B::Weights { stage }],
@@ -549,9 +571,10 @@ impl fmt::Display for Instr {
             Instr::RecvActivation { peer, stage, mb, bytes } => write!(f, "recv_act {stage} {mb} <- {peer} {bytes}B"),
             Instr::SendGradient { peer, stage, mb, bytes } => write!(f, "send_grad {stage} {mb} -> {peer} {bytes}B"),
             Instr::RecvGradient { peer, stage, mb, bytes } => write!(f, "recv_grad {stage} {mb} <- {peer} {bytes}B"),
-            Instr::AllReduce { stage, group, bytes } => write!(f, "allreduce {stage} {group} {bytes}B"),
-            Instr::WaitAllReduce { stage, group } => write!(f, "wait_allreduce {stage} {group}"),
-            Instr::TiedAllReduce { stage, group, bytes } => write!(f, "tiedallreduce {stage} {group} {bytes}B"),
+            Instr::Collective { kind, payload, stage, group, bytes } => {
+                write!(f, "{kind} {stage} {group} {payload} {bytes}B")
+            }
+            Instr::WaitCollective { payload, stage, group } => write!(f, "wait {stage} {group} {payload}"),
             Instr::StashWeights { stage, mb, version: None } => write!(f, "stash {stage} {mb}"),
             Instr::StashWeights { stage, mb, version: Some(v) } => write!(f, "stash {stage} {mb} v{v}"),
             Instr::RestoreWeights { stage, mb } => write!(f, "restore {stage} {mb}"),

@@ -14,4 +14,7 @@ pub mod vocab;
 
 pub use instr::{Buffer, DeviceId, End, GroupId, Instr, MessageId, MicrobatchId, Payload, Phase, StageId, Transfer};
 pub use plan::Plan;
-pub use vocab::{Choice, Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task, TokenDtype};
+pub use vocab::{
+    Choice, CollectiveKind, CollectivePayload, Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode,
+    Task, TokenDtype,
+};

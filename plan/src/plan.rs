@@ -11,7 +11,7 @@ use crate::model::{Loss, Op, Source};
 use crate::vocab::{Precision, ReduceMode, ScheduleKind, Task};
 
 /// Bumped on every incompatible change of the format.
-pub const PLAN_VERSION: u32 = 3;
+pub const PLAN_VERSION: u32 = 4;
 
 /// A compiled training plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

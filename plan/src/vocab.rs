@@ -53,6 +53,28 @@ macro_rules! choice {
     };
 }
 
+choice! {
+    /// What a collective computes over its group (`Instr::Collective`). The verifier's
+    /// buffer rules, the simulator's cost and both executor transports each handle a kind
+    /// in one place (docs/plan-format.md).
+    pub enum CollectiveKind {
+        /// Every member ends with the sum of every member's values.
+        AllReduce = "all_reduce",
+    }
+}
+
+choice! {
+    /// What a collective carries: its use in the plan, which says which buffers it reads
+    /// and writes.
+    pub enum CollectivePayload {
+        /// A stage's weight gradients (and batch statistics), over the stage's replicas.
+        Gradients = "gradients",
+        /// A tied weight's gradient (an embedding and the projection tied to it), over every
+        /// device holding a copy.
+        TiedGradient = "tied_gradient",
+    }
+}
+
 // What each schedule is (its constraints, placement, update cadence, weight versions) is
 // described once, in `crate::schedule`.
 choice! {

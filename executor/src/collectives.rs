@@ -1,0 +1,175 @@
+//! The worker's collectives, each handled here: a `Collective` instruction gathers what its
+//! payload names of the stage and hands it to the communication engine's collective thread
+//! (`comm`), which runs its kind over the group (`transport::Endpoint::collective`) while
+//! this thread computes on; its `WaitCollective` takes the result back and puts it where the
+//! payload says. The tensor-parallel sums inside a pass go through the same thread, waited
+//! for at once, so each device's collectives keep one order.
+
+use burn::prelude::*;
+use pipec_plan::{CollectiveKind, CollectivePayload, DeviceId, GroupId, StageId};
+
+use crate::comm::Ticket;
+use crate::dense::ExecBackend;
+use crate::error::{ExecError, Result};
+use crate::params::{flatten_grads, host_f32, layout, unflatten};
+use crate::stage::{set_tied_gradient, tied_gradient};
+use crate::worker::Worker;
+
+/// A collective in flight: its result to come, and where it goes.
+pub(crate) struct InFlight {
+    payload: CollectivePayload,
+    result: Ticket<Vec<f32>>,
+    into: Landing,
+}
+
+/// Where a collective's result goes, by payload.
+enum Landing {
+    /// The stage's gradient sums (tensors of these sizes, in visiting order), then its batch
+    /// statistics; `members` replicas contributed.
+    Gradients { sizes: Vec<usize>, n_stats: usize, members: usize },
+    /// The tied weights of these (stage, layer)s this device holds, in the table's
+    /// orientation.
+    TiedGradient { held: Vec<(StageId, usize)> },
+}
+
+impl<'a, B: ExecBackend> Worker<'a, B> {
+    /// `Collective`: starts `kind` over `group` on what `payload` names of `stage`.
+    pub(crate) fn start_collective(
+        &mut self,
+        kind: CollectiveKind,
+        payload: CollectivePayload,
+        stage: StageId,
+        group: GroupId,
+        code: usize,
+    ) -> Result<()> {
+        let members = self
+            .plan
+            .groups
+            .iter()
+            .find(|g| g.id == group)
+            .map(|g| g.devices.clone())
+            .ok_or_else(|| ExecError::Plan(format!("the plan has no {group}")))?;
+        if self.collectives.contains_key(&(stage, group)) {
+            return Err(ExecError::Plan(format!("{stage} starts a collective on {group} while its last is in flight")));
+        }
+        let (data, into) = match payload {
+            CollectivePayload::Gradients => self.gradients_out(stage, members.len())?,
+            CollectivePayload::TiedGradient => self.tied_gradient_out(group, &members)?,
+        };
+        let result = self.comm.start_collective(kind, members, data, self.reduce, Some(code))?;
+        self.collectives.insert((stage, group), InFlight { payload, result, into });
+        Ok(())
+    }
+
+    /// `WaitCollective`: waits for `stage`'s collective on `group` and puts its result back.
+    pub(crate) fn wait_collective(&mut self, payload: CollectivePayload, stage: StageId, group: GroupId) -> Result<()> {
+        let c =
+            self.collectives.remove(&(stage, group)).filter(|c| c.payload == payload).ok_or_else(|| {
+                ExecError::Plan(format!("no {payload} collective of {stage} on {group} is in flight"))
+            })?;
+        let data = c.result.wait()?;
+        match c.into {
+            Landing::Gradients { sizes, n_stats, members } => self.gradients_in(stage, data, &sizes, n_stats, members),
+            Landing::TiedGradient { held } => {
+                let plan = self.plan;
+                for (s, layer) in held {
+                    set_tied_gradient(self.state(s)?, plan, layer, &data)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The stage's accumulated gradients (and batch statistics), flat, for its replicas'
+    /// sum.
+    fn gradients_out(&mut self, stage: StageId, members: usize) -> Result<(Vec<f32>, Landing)> {
+        let st = self.state(stage)?;
+        let sizes: Vec<usize> = st.acc.iter().flatten().map(|t| t.dims()[0]).collect();
+        let mut flat = flatten_grads::<B>(&st.acc)?;
+        let stats = st.statistics_message()?;
+        let n_stats = stats.len();
+        flat.extend(stats);
+        Ok((flat, Landing::Gradients { sizes, n_stats, members }))
+    }
+
+    /// The replicas' sum back into the stage's accumulator.
+    fn gradients_in(
+        &mut self,
+        stage: StageId,
+        mut flat: Vec<f32>,
+        sizes: &[usize],
+        n_stats: usize,
+        members: usize,
+    ) -> Result<()> {
+        let dev = self.dev.clone();
+        let st = self.state(stage)?;
+        if flat.len() < n_stats {
+            return Err(ExecError::Missing("fewer gradients came back than were sent"));
+        }
+        let stats = flat.split_off(flat.len() - n_stats);
+        st.set_statistics(&stats, &dev)?;
+        let mut summed = unflatten::<B::InnerBackend>(&flat, sizes, &dev)?.into_iter();
+        for g in st.acc.iter_mut().flatten() {
+            *g = summed.next().ok_or(ExecError::Missing("fewer gradients came back than were sent"))?;
+        }
+        st.contributions *= members;
+        Ok(())
+    }
+
+    /// This device's share of a tied weight's sum over the copies in `group` (in the
+    /// embedding's [vocab, d] orientation): the first member holding each tied stage
+    /// contributes it, every member holding one takes the sum.
+    fn tied_gradient_out(&mut self, group: GroupId, members: &[DeviceId]) -> Result<(Vec<f32>, Landing)> {
+        let plan = self.plan;
+        let g = plan
+            .groups
+            .iter()
+            .find(|g| g.id == group)
+            .ok_or_else(|| ExecError::Plan(format!("the plan has no {group}")))?;
+        let [a, b] = g.tie.ok_or_else(|| ExecError::Plan(format!("{group} is not a weight-tying group")))?;
+        let holds = |s: &pipec_plan::plan::StagePlan, d: DeviceId| {
+            s.replicas.contains(&d) || s.tensor_parallel.iter().any(|t| t.contains(&d))
+        };
+        let stage_of = |layer: usize| plan.stages.iter().find(|s| (s.layers[0]..s.layers[1]).contains(&layer));
+        let mut sum: Option<Vec<f32>> = None;
+        let mut held = Vec::new();
+        for layer in [a, b] {
+            let s = stage_of(layer).ok_or_else(|| ExecError::Plan(format!("no stage holds layer {layer}")))?;
+            if !self.stages.contains_key(&s.id) {
+                continue;
+            }
+            held.push((s.id, layer));
+            let first = members.iter().copied().find(|d| holds(s, *d));
+            let g = tied_gradient(self.state(s.id)?, plan, layer)?;
+            let sum = sum.get_or_insert_with(|| vec![0.0; g.len()]);
+            if first == Some(self.device) {
+                sum.iter_mut().zip(&g).for_each(|(x, y)| *x += y);
+            }
+        }
+        let sum = sum.ok_or(ExecError::Plan(format!("{} holds no layer tied by {group}", self.device)))?;
+        Ok((sum, Landing::TiedGradient { held }))
+    }
+
+    /// Sums, over the tensor-parallel group, the gradients that are partial on each rank.
+    pub(crate) fn sum_partial_gradients(&mut self, stage: StageId) -> Result<()> {
+        let Some(tp) = self.state(stage)?.tp.clone() else { return Ok(()) };
+        if tp.partial_ids.is_empty() {
+            return Ok(());
+        }
+        let reduce = self.reduce;
+        let dev = self.dev.clone();
+        let st = self.stages.get_mut(&stage).ok_or(ExecError::Missing("no stage"))?;
+        let ids = layout::<B, _>(st.model()?);
+        for (i, (id, _)) in ids.iter().enumerate() {
+            if !tp.partial_ids.contains(id) {
+                continue;
+            }
+            let Some(Some(t)) = st.acc.get(i) else { continue };
+            let n = t.dims()[0];
+            let v = host_f32(t.clone().into_data())?;
+            let v = self.comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?;
+            st.acc[i] = Some(Tensor::from_data(TensorData::new(v, [n]), &dev));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,253 @@
+//! The worker's compute instructions: forward, recompute and backward (whole or split),
+//! each on a fresh-leaf copy of the stage's weights; a tensor-parallel stage differs only
+//! in `run_forward` and `run_backward` (see `tensor_parallel`).
+
+use burn::prelude::*;
+use burn::tensor::activation;
+use burn::tensor::ElementConversion;
+use pipec_plan::model::Loss;
+use pipec_plan::{CollectiveKind, MicrobatchId, StageId};
+
+use crate::data::Targets;
+use crate::dense::ExecBackend;
+use crate::error::{ExecError, Result};
+use crate::layers::{Act, StageModel};
+use crate::params::{
+    accumulate, add_deferred_into_sums, backward_deferring, backward_into_sums, collect_grads, sum_keys, FlatGrads,
+};
+use crate::tensor_parallel::Boundary;
+use crate::transport::{Message, Tag};
+use crate::values::{
+    act_to_message, detach, dot_with, input_grad, microbatch_copy, require_grad, Forwarded, Kept, Saved, WeightGrads,
+};
+use crate::worker::{StepReport, Worker};
+
+impl<'a, B: ExecBackend> Worker<'a, B> {
+    /// `Forward`: runs the stage on a microbatch copy of its weights (the stashed version
+    /// when the plan stashed one; vertical sync may pick an older version than the current
+    /// one), reports the loss or keeps the output to send, and keeps what the backward needs.
+    pub(crate) fn forward(&mut self, stage: StageId, mb: MicrobatchId, report: &mut StepReport) -> Result<()> {
+        let x = self.inputs.remove(&(stage, mb)).ok_or(ExecError::Missing("its input was not loaded or received"))?;
+        let st = self.state(stage)?;
+        let model = microbatch_copy(match st.stash.get(&mb) {
+            Some(m) => m,
+            None => st.model()?,
+        });
+        let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(mb))?;
+        // the forward (not a recompute) records batch normalisation's statistics
+        self.state(stage)?.record_statistics(mb, f.stats);
+        if let Some(loss) = f.loss {
+            let value = loss.into_scalar().elem::<f32>();
+            if !value.is_finite() {
+                return Err(ExecError::NonFinite(format!("the loss of microbatch {} is {value}", mb.0)));
+            }
+            report.losses.push((mb.0, value));
+        }
+        if let Some(out) = &f.output {
+            self.outputs.insert((stage, mb), act_to_message(out, Tag::activation(stage, mb))?);
+        }
+        // with recompute only the input is kept (the last stage keeps its loss); the
+        // `Recompute` instruction re-runs the forward, a tensor-parallel group's
+        // all-reduces included
+        let recompute = self.plan.stage(stage).is_some_and(|s| s.recompute);
+        let kept = Kept {
+            input: if recompute { detach(&x) } else { x },
+            saved: if recompute && stage != self.last_stage() { Saved::Nothing } else { f.saved },
+            model,
+        };
+        self.saved.insert((stage, mb), kept);
+        *self.in_flight.entry(stage).or_insert(0) += 1;
+        Ok(())
+    }
+
+    /// `Recompute`: re-runs the forward from the kept input at the weights the forward used
+    /// (not the newest, if an update came between), with the same dropout masks.
+    pub(crate) fn recompute(&mut self, stage: StageId, mb: MicrobatchId) -> Result<()> {
+        let Kept { input, model, .. } =
+            self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
+        let x = if stage.0 == 0 { input } else { require_grad(input) };
+        let model = microbatch_copy(&model);
+        let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(mb))?;
+        self.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model });
+        Ok(())
+    }
+
+    /// A stage's forward on `model`; the one place a tensor-parallel stage's forward differs.
+    pub(crate) fn run_forward(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        model: &StageModel<B>,
+        x: Act<B>,
+        key: (u64, u64, u64),
+    ) -> Result<Forwarded<B>> {
+        let is_last = stage == self.last_stage();
+        if let Some(tp) = self.state(stage)?.tp.clone() {
+            let reduce = self.reduce;
+            let comm = &self.comm;
+            let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> {
+                Ok(comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?)
+            };
+            let mut stats = Vec::new();
+            let segments = crate::tensor_parallel::forward(model, x, true, key, &mut sum, &mut stats)?;
+            let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
+            if !is_last {
+                return Ok(Forwarded { saved: Saved::Tp(segments, None), output: Some(out), loss: None, stats });
+            }
+            let leaf = crate::tensor_parallel::fresh(&out);
+            let loss = self.loss(mb, leaf.clone())?;
+            let reported = (tp.rank == 0).then(|| loss.clone());
+            return Ok(Forwarded {
+                saved: Saved::Tp(segments, Some((leaf, loss))),
+                output: None,
+                loss: reported,
+                stats,
+            });
+        }
+        let mut stats = Vec::new();
+        let out = model.forward(x, true, key, &mut stats)?;
+        if is_last {
+            let loss = self.loss(mb, out)?;
+            Ok(Forwarded { saved: Saved::Loss(loss.clone()), output: None, loss: Some(loss), stats })
+        } else {
+            Ok(Forwarded { saved: Saved::Output(out.clone()), output: Some(out), loss: None, stats })
+        }
+    }
+
+    /// The mean loss of a microbatch's output (tracked).
+    pub(crate) fn loss(&self, mb: MicrobatchId, out: Act<B>) -> Result<Tensor<B, 1>> {
+        let y = self.labels.get(&mb).ok_or(ExecError::Missing("the labels of this microbatch were not loaded"))?;
+        loss_of::<B>(self.plan.model.loss, out, y, &self.dev)
+    }
+
+    /// A microbatch's backward: leaves the input gradient to send (every stage but the
+    /// first) and returns the weight gradients not yet summed. The dense weights' gradients
+    /// are added straight into the stage's sums inside the pass (`dense::with_gradient_sums`)
+    /// or, for the input half of a split backward (`split`), put off to its weight half
+    /// (`dense::with_deferred_weight_gradients`); the rest are Burn's.
+    pub(crate) fn run_backward(&mut self, stage: StageId, mb: MicrobatchId, split: bool) -> Result<WeightGrads<B>> {
+        let n_mb = self.plan.training.microbatches as f64;
+        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let target = match &kept.saved {
+            Saved::Tp(..) => return self.backward_tp(stage, mb, n_mb).map(WeightGrads::all),
+            Saved::Loss(l) => l.clone() / n_mb,
+            Saved::Output(out) => {
+                let g = self
+                    .grads_in
+                    .remove(&(stage, mb))
+                    .ok_or(ExecError::Missing("the gradient of its output was not received"))?;
+                dot_with::<B>(out, &g, &self.dev)?
+            }
+            Saved::Nothing => return Err(ExecError::Missing("recompute was not run before the backward")),
+        };
+        let keys = sum_keys(&kept.model);
+        let (mut grads, deferred) = if split {
+            let (grads, deferred) = backward_deferring::<B>(&keys, || target.backward());
+            (grads, Some((keys, deferred)))
+        } else {
+            (backward_into_sums::<B>(&mut self.state(stage)?.acc, &keys, || target.backward()), None)
+        };
+        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        if stage.0 > 0 {
+            let g = input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb))?
+                .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
+            self.input_grads.insert((stage, mb), g);
+        }
+        Ok(WeightGrads { rest: collect_grads(&kept.model, &mut grads), deferred })
+    }
+
+    /// The backward of a tensor-parallel stage, segment by segment (see
+    /// `tensor_parallel`); returns the weight gradients and leaves the input gradient to send.
+    pub(crate) fn backward_tp(&mut self, stage: StageId, mb: MicrobatchId, n_mb: f64) -> Result<FlatGrads<B>> {
+        let tp = self.state(stage)?.tp.clone().ok_or(ExecError::Plan(format!("{stage} is not tensor-parallel")))?;
+        let size = tp.members.len() as f32;
+        let reduce = self.reduce;
+        let Kept { saved, model: used, .. } =
+            self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let Saved::Tp(segments, loss) = saved else {
+            return Err(ExecError::Plan(format!("{stage}'s forward was not tensor-parallel")));
+        };
+        // clones share the forward's autodiff nodes, so gradients are found by them
+        let (segments, loss, used) = (segments.clone(), loss.clone(), used.clone());
+        // the gradient at the last segment's output
+        let mut grad_out: Message = match loss {
+            Some((leaf, l)) => {
+                let mut grads = (l / n_mb).backward();
+                input_grad::<B>(&leaf, &mut grads, Tag::gradient(stage, mb))?
+                    .ok_or(ExecError::Missing("no gradient reached the loss input"))?
+            }
+            None => self
+                .grads_in
+                .remove(&(stage, mb))
+                .ok_or(ExecError::Missing("the gradient of its output was not received"))?,
+        };
+        let mut flat: FlatGrads<B> = Vec::new();
+        for (k, seg) in segments.iter().enumerate().rev() {
+            let mut grads = dot_with::<B>(&seg.out, &grad_out, &self.dev)?.backward();
+            accumulate::<B>(&mut flat, collect_grads(&used, &mut grads));
+            if k == 0 && stage.0 == 0 {
+                break;
+            }
+            let mut g = input_grad::<B>(&seg.leaf, &mut grads, Tag::gradient(stage, mb))?
+                .ok_or(ExecError::Missing("no gradient reached a segment input"))?;
+            if seg.boundary != Boundary::Complete {
+                let sum = |data| self.comm.collective(CollectiveKind::AllReduce, &tp.members, data, reduce, None);
+                g.data = sum(std::mem::take(&mut g.data))?;
+                if seg.boundary == Boundary::SumResidual {
+                    // the residual's share was counted on every rank: keep it once
+                    for (x, r) in g.data.iter_mut().zip(&grad_out.data) {
+                        *x -= (size - 1.0) * r;
+                    }
+                }
+            }
+            if k == 0 {
+                self.input_grads.insert((stage, mb), g);
+            } else {
+                grad_out = g;
+            }
+        }
+        Ok(flat)
+    }
+
+    /// Adds one microbatch's weight gradients (and its forward's batch statistics) to the
+    /// stage's accumulator.
+    pub(crate) fn add_gradient(&mut self, stage: StageId, mb: MicrobatchId, grads: WeightGrads<B>) -> Result<()> {
+        let st = self.state(stage)?;
+        if let Some((keys, deferred)) = grads.deferred {
+            add_deferred_into_sums::<B>(&mut st.acc, &keys, deferred);
+        }
+        accumulate::<B>(&mut st.acc, grads.rest);
+        st.add_statistics(mb);
+        st.contributions += 1;
+        Ok(())
+    }
+}
+
+/// The mean loss of a microbatch (tracked).
+pub(crate) fn loss_of<B: ExecBackend>(loss: Loss, out: Act<B>, y: &Targets, dev: &B::Device) -> Result<Tensor<B, 1>> {
+    // a language model's [batch, seq, vocab] scores: the mean over every position of the
+    // cross-entropy with its next token
+    let out = match (loss, out) {
+        (Loss::CrossEntropy, Act::D3(t)) => {
+            let [n, s, v] = t.dims();
+            Act::D2(t.reshape([n * s, v]))
+        }
+        (_, out) => out,
+    };
+    let Act::D2(logits) = out else {
+        return Err(ExecError::Shape(format!("the loss needs a [batch, outputs] output, got {:?}", out.dims())));
+    };
+    let [n, c] = logits.dims();
+    match (loss, y) {
+        (Loss::CrossEntropy, Targets::Classes(classes)) => {
+            let labels = Tensor::<B, 2, Int>::from_data(TensorData::new(classes.clone(), [n, 1]), dev);
+            let logp = activation::log_softmax(logits, 1);
+            Ok(logp.gather(1, labels).mean().neg())
+        }
+        (Loss::Mse, Targets::Values(values)) => {
+            let target = Tensor::<B, 2>::from_data(TensorData::new(values.clone(), [n, c]), dev);
+            Ok((logits - target).powi_scalar(2).mean())
+        }
+        _ => Err(ExecError::Data(format!("the targets do not fit the `{loss}` loss"))),
+    }
+}

@@ -1,0 +1,460 @@
+//! A stage's trainable state on a device: its weights (a tensor-parallel shard, when the
+//! stage is split), the running gradient sums, batch normalisation's statistics, stashed
+//! weight versions, and its optimizer (with the checkpoint records it saves and loads).
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{decay::WeightDecayConfig, Adam, AdamConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
+use burn::prelude::*;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
+use pipec_plan::checkpoint::ShardKey;
+use pipec_plan::model::{crossing, Source};
+use pipec_plan::plan::OptimizerPlan;
+use pipec_plan::{DeviceId, MicrobatchId, Plan, StageId};
+
+use crate::dense::ExecBackend;
+use crate::error::{ExecError, Result};
+use crate::layers::{StageGraph, StageModel};
+use crate::params::{copy_weights, host_f32, layout, take_weight_copies, to_optimizer_grads, FlatGrads};
+
+/// A stage's trainable state on a device.
+pub(crate) struct StageState<B: ExecBackend> {
+    pub model: Option<StageModel<B>>,
+    /// Tensor parallelism: this device's rank, the group, and the parameters whose
+    /// gradients are partial per rank.
+    pub tp: Option<TpInfo>,
+    pub optim: StageOptim<B>,
+    /// Accumulated gradients, one flattened tensor per parameter in visiting order.
+    pub(crate) acc: FlatGrads<B>,
+    /// Microbatches that contributed to `acc` since the last step.
+    pub(crate) contributions: usize,
+    /// Batch normalisation: each microbatch forward's batch statistics (laid out as
+    /// `StageModel::running_statistics`) until its gradient joins `acc`.
+    pub(crate) forward_stats: HashMap<MicrobatchId, Tensor<B::InnerBackend, 1>>,
+    /// The statistics of the microbatches whose gradients are in `acc`, summed, and how
+    /// many microbatches they cover. They travel with the gradients (all-reduce, parameter
+    /// server), so an update folds in the statistics of exactly the microbatches whose
+    /// gradients it applies.
+    pub(crate) stats: Option<Tensor<B::InnerBackend, 1>>,
+    pub(crate) stats_count: f32,
+    pub(crate) stash: HashMap<MicrobatchId, StageModel<B>>,
+    /// This step's weight versions (index k: after k updates), for vertical sync.
+    pub(crate) versions: Vec<StageModel<B>>,
+}
+
+/// A device's place in a tensor-parallel group.
+#[derive(Debug, Clone)]
+pub(crate) struct TpInfo {
+    pub rank: usize,
+    pub members: Vec<DeviceId>,
+    pub partial_ids: Vec<u64>,
+}
+
+impl<B: ExecBackend> StageState<B> {
+    /// This device's (rank, group size) in the stage's tensor-parallel group; (0, 1) without.
+    pub fn tp_shard(&self) -> (u32, u32) {
+        self.tp.as_ref().map_or((0, 1), |t| (t.rank as u32, t.members.len() as u32))
+    }
+
+    /// The stage's current weights.
+    pub fn model(&self) -> Result<&StageModel<B>> {
+        self.model.as_ref().ok_or(ExecError::Missing("the stage's model is in use"))
+    }
+
+    pub(crate) fn clear_gradients(&mut self) {
+        self.acc.iter_mut().for_each(|g| *g = None);
+        self.contributions = 0;
+        self.stats = None;
+        self.stats_count = 0.0;
+    }
+
+    /// Keeps one microbatch forward's batch statistics (none on a stage without batch
+    /// normalisation) until its gradient is added.
+    pub(crate) fn record_statistics(&mut self, mb: MicrobatchId, stats: Vec<Tensor<B, 1>>) {
+        if !stats.is_empty() {
+            self.forward_stats.insert(mb, Tensor::cat(stats, 0).inner());
+        }
+    }
+
+    /// Adds microbatch `mb`'s statistics to those of the gradients in `acc`.
+    pub(crate) fn add_statistics(&mut self, mb: MicrobatchId) {
+        if let Some(t) = self.forward_stats.remove(&mb) {
+            self.stats = Some(match self.stats.take() {
+                Some(s) => s + t,
+                None => t,
+            });
+            self.stats_count += 1.0;
+        }
+    }
+
+    /// The recorded statistics' sums and then their count, as they travel with the
+    /// gradients; empty on a stage without batch normalisation.
+    pub(crate) fn statistics_message(&self) -> Result<Vec<f32>> {
+        let n = self.model()?.statistics_len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut v = match &self.stats {
+            Some(t) => host_f32(t.clone().into_data())?,
+            None => vec![0.0; n],
+        };
+        v.push(self.stats_count);
+        Ok(v)
+    }
+
+    /// How many values `statistics_message` takes.
+    pub(crate) fn statistics_message_len(&self) -> Result<usize> {
+        let n = self.model()?.statistics_len();
+        Ok(if n == 0 { 0 } else { n + 1 })
+    }
+
+    /// Takes statistics sums and count in `statistics_message`'s layout (summed over a group).
+    pub(crate) fn set_statistics(&mut self, message: &[f32], dev: &B::Device) -> Result<()> {
+        let Some((count, sums)) = message.split_last() else { return Ok(()) };
+        self.stats = Some(Tensor::from_data(TensorData::new(sums.to_vec(), [sums.len()]), dev));
+        self.stats_count = *count;
+        Ok(())
+    }
+
+    /// Folds the recorded statistics into the running statistics: one update of their
+    /// moving average with the mean over the microbatches recorded.
+    pub(crate) fn fold_statistics(&mut self) -> Result<()> {
+        let (Some(sums), count) = (self.stats.take(), self.stats_count) else { return Ok(()) };
+        if count > 0.0 {
+            let mean: Vec<f32> = host_f32(sums.into_data())?.into_iter().map(|x| x / count).collect();
+            self.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.fold_statistics(&mean)?;
+        }
+        self.stats_count = 0.0;
+        Ok(())
+    }
+
+    /// One optimizer update from flat gradients, each scaled by `scale`.
+    pub(crate) fn update(&mut self, lr: f64, flat: &[Option<Tensor<B::InnerBackend, 1>>], scale: f64) -> Result<()> {
+        let model = self.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+        self.model = Some(self.optim.update(lr, model, flat, scale));
+        Ok(())
+    }
+}
+
+/// The optimizer of a stage.
+pub(crate) enum StageOptim<B: ExecBackend> {
+    Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, StageModel<B>, B>),
+    Adam(OptimizerAdaptor<Adam, StageModel<B>, B>),
+}
+
+impl<B: ExecBackend> StageOptim<B> {
+    pub fn new(plan: &OptimizerPlan) -> Self {
+        match *plan {
+            OptimizerPlan::Sgd { momentum, weight_decay, .. } => {
+                let mut c = SgdConfig::new();
+                if momentum > 0.0 {
+                    c = c.with_momentum(Some(MomentumConfig { momentum, dampening: 0.0, nesterov: false }));
+                }
+                if weight_decay > 0.0 {
+                    c = c.with_weight_decay(Some(WeightDecayConfig { penalty: weight_decay as f32 }));
+                }
+                StageOptim::Sgd(c.init())
+            }
+            OptimizerPlan::Adam { beta1, beta2, eps, weight_decay, .. } => {
+                let mut c =
+                    AdamConfig::new().with_beta_1(beta1 as f32).with_beta_2(beta2 as f32).with_epsilon(eps as f32);
+                if weight_decay > 0.0 {
+                    c = c.with_weight_decay(Some(WeightDecayConfig { penalty: weight_decay as f32 }));
+                }
+                StageOptim::Adam(c.init())
+            }
+        }
+    }
+
+    pub(crate) fn step(&mut self, lr: f64, model: StageModel<B>, grads: GradientsParams) -> StageModel<B> {
+        match self {
+            StageOptim::Sgd(o) => o.step(lr, model, grads),
+            StageOptim::Adam(o) => o.step(lr, model, grads),
+        }
+    }
+
+    /// One update of `model` from flat gradients (in visiting order), each scaled by
+    /// `scale`. The weights' transposed copies (`crate::flex_weights`) belong to the version
+    /// being replaced: they are dropped first, so that nothing extra holds the weights while
+    /// they are updated, and the new version's are made at once, so that its forwards all
+    /// run from them and the transposition runs here, where a stage that waits for its
+    /// first input after the update has the time (`pipec profile` times it as part of the
+    /// update).
+    pub(crate) fn update(
+        &mut self,
+        lr: f64,
+        model: StageModel<B>,
+        flat: &[Option<Tensor<B::InnerBackend, 1>>],
+        scale: f64,
+    ) -> StageModel<B> {
+        let copied = take_weight_copies(&model);
+        let grads = to_optimizer_grads(&model, flat, scale);
+        let model = self.step(lr, model, grads);
+        copy_weights(&model, &copied);
+        model
+    }
+
+    /// The optimizer's state (momentum, Adam moments) in Burn's binary record format.
+    pub fn save(&self) -> std::result::Result<Vec<u8>, String> {
+        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+        match self {
+            StageOptim::Sgd(o) => recorder.record(o.to_record(), ()),
+            StageOptim::Adam(o) => recorder.record(o.to_record(), ()),
+        }
+        .map_err(|e| format!("cannot record the optimizer state: {e:?}"))
+    }
+
+    /// Restores this stage's optimizer state from the records `save` wrote — of any stages
+    /// and tensor-parallel ranks. The state is kept per parameter (Burn's record maps each
+    /// parameter id to its momentum or moments, and pipec's parameter ids name the layer and
+    /// slot), so each wanted parameter's entry is taken from the saved stage that held it;
+    /// saved under another tensor-parallel split, the entries of every saved rank are
+    /// joined and re-split like the weights (`reshard::map_tensors`). Burn panics on some
+    /// malformed records; that is caught and reported as a corrupt state.
+    ///
+    /// With `complete` (the checkpoint says its optimizer keeps state: momentum or Adam's
+    /// moments), every wanted parameter must have its entry: a missing file or entry is an
+    /// error, never a silent reset of that parameter's state (which a checkpoint whose
+    /// optimizer files were exchanged between stages, or whose `state.json` lost a stage,
+    /// used to give, with losses 1e-3 off).
+    pub fn load(
+        &mut self,
+        files: &HashMap<ShardKey, Vec<u8>>,
+        wants: &[Want],
+        complete: bool,
+        dev: &B::Device,
+    ) -> std::result::Result<(), String> {
+        // R: Burn's optimizer record, a map from parameter id to that parameter's state V
+        fn merged<R, V, B2: Backend>(
+            files: &HashMap<ShardKey, Vec<u8>>,
+            wants: &[Want],
+            complete: bool,
+            dev: &B2::Device,
+        ) -> std::result::Result<R, String>
+        where
+            R: Record<B2> + IntoIterator<Item = (ParamId, V)> + FromIterator<(ParamId, V)>,
+            V: Record<B2>,
+            V::Item<FullPrecisionSettings>: serde::Serialize + serde::de::DeserializeOwned,
+        {
+            let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+            let mut decoded: HashMap<ShardKey, HashMap<ParamId, V>> = HashMap::new();
+            let mut out = Vec::new();
+            for want in wants {
+                let mut parts: Vec<V> = Vec::with_capacity(want.saved.files.len());
+                for candidates in &want.saved.files {
+                    let mut found = None;
+                    for key in candidates {
+                        if !decoded.contains_key(key) {
+                            let Some(bytes) = files.get(key) else { continue };
+                            let shown = format!("the optimizer state of stage {} (rank {})", key.stage, key.tp_rank);
+                            let rec: R = crate::error::catch_quietly(|| recorder.load(bytes.clone(), dev))
+                                .map_err(|_| format!("{shown} is corrupt"))?
+                                .map_err(|e| format!("{shown} is corrupt: {e:?}"))?;
+                            decoded.insert(*key, rec.into_iter().collect());
+                        }
+                        if let Some(v) = decoded.get_mut(key).and_then(|m| m.remove(&want.id)) {
+                            found = Some(v);
+                            break;
+                        }
+                    }
+                    match found {
+                        Some(v) => parts.push(v),
+                        None if complete => {
+                            let name = pipec_plan::checkpoint::param_name(want.id.val());
+                            let held = candidates.iter().filter(|k| files.contains_key(k)).count();
+                            let place = match candidates.as_slice() {
+                                [k] if held == 0 => {
+                                    format!(
+                                        "state.json lists no optimizer state of stage {} (rank {})",
+                                        k.stage, k.tp_rank
+                                    )
+                                }
+                                [k] => format!(
+                                    "the optimizer state of stage {} (rank {}) has no entry for it",
+                                    k.stage, k.tp_rank
+                                ),
+                                _ => "no saved optimizer file has an entry for it".to_string(),
+                            };
+                            return Err(format!(
+                                "no optimizer state for `{name}`: {place} (the checkpoint is incomplete, or its optimizer files were exchanged)"
+                            ));
+                        }
+                        None => break, // no state saved (plain SGD keeps none)
+                    }
+                }
+                if parts.len() != want.saved.files.len() {
+                    continue;
+                }
+                let direct = parts.len() == want.tp as usize && want.saved.from == want.to;
+                let state = if direct {
+                    parts.swap_remove(want.rank as usize)
+                } else {
+                    let items = parts
+                        .into_iter()
+                        .map(|v| serde_json::to_value(v.into_item::<FullPrecisionSettings>()))
+                        .collect::<std::result::Result<Vec<_>, _>>()
+                        .map_err(|e| format!("the optimizer state cannot be resharded: {e}"))?;
+                    let (from, to, tp, rank) = (want.saved.from, want.to, want.tp as usize, want.rank as usize);
+                    let joined = crate::reshard::map_tensors(&items, &want.shape, &|parts| {
+                        Ok(crate::tensor_parallel::shard(&crate::tensor_parallel::unshard(&parts, from)?, to, tp, rank))
+                    })
+                    .map_err(|e| e.to_string())?;
+                    let item: V::Item<FullPrecisionSettings> = serde_json::from_value(joined)
+                        .map_err(|e| format!("the resharded optimizer state does not read back: {e}"))?;
+                    V::from_item(item, dev)
+                };
+                out.push((want.id, state));
+            }
+            Ok(out.into_iter().collect())
+        }
+        let placeholder = StageOptim::Sgd(SgdConfig::new().init());
+        *self = match std::mem::replace(self, placeholder) {
+            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(merged(files, wants, complete, dev)?)),
+            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(merged(files, wants, complete, dev)?)),
+        };
+        Ok(())
+    }
+}
+
+/// A parameter whose optimizer state a resume wants: where it was saved, and how this
+/// device's stage splits it.
+pub(crate) struct Want {
+    pub id: ParamId,
+    /// The parameter's shape on this rank.
+    pub shape: Vec<usize>,
+    pub saved: crate::reshard::Saved,
+    pub to: crate::tensor_parallel::Sharding,
+    pub tp: u32,
+    pub rank: u32,
+}
+
+/// The weight of a tied layer (an embedding table, or the projection tied to one) and its
+/// table's [vocab, d] shape.
+pub(crate) fn tied_weight(plan: &Plan, layer: usize) -> Result<(u64, usize, usize)> {
+    let table = plan.layers.get(layer).and_then(|l| l.tied).unwrap_or(layer);
+    match plan.layers.get(table).map(|l| &l.op) {
+        Some(pipec_plan::model::Op::Embedding { vocab, dim }) => Ok((crate::layers::pid(layer, 0), *vocab, *dim)),
+        _ => Err(ExecError::Plan(format!("layer {layer} is not tied to an embedding"))),
+    }
+}
+
+/// The accumulated gradient of a tied weight in the table's [vocab, d] orientation (zeros
+/// when none has accumulated).
+pub(crate) fn tied_gradient<B: ExecBackend>(st: &StageState<B>, plan: &Plan, layer: usize) -> Result<Vec<f32>> {
+    let (id, vocab, dim) = tied_weight(plan, layer)?;
+    let k = layout::<B, _>(st.model()?)
+        .iter()
+        .position(|(p, _)| *p == id)
+        .ok_or_else(|| ExecError::Plan(format!("layer {layer}'s weight is not on this stage")))?;
+    let g = match st.acc.get(k) {
+        Some(Some(t)) => host_f32(t.clone().into_data())?,
+        _ => return Ok(vec![0.0; vocab * dim]),
+    };
+    Ok(if plan.layers[layer].tied.is_some() { crate::layers::transpose(&g, dim, vocab) } else { g })
+}
+
+/// Replaces a tied weight's accumulated gradient with `g` (in the table's orientation).
+pub(crate) fn set_tied_gradient<B: ExecBackend>(
+    st: &mut StageState<B>,
+    plan: &Plan,
+    layer: usize,
+    g: &[f32],
+) -> Result<()> {
+    let (id, vocab, dim) = tied_weight(plan, layer)?;
+    let k = layout::<B, _>(st.model()?)
+        .iter()
+        .position(|(p, _)| *p == id)
+        .ok_or_else(|| ExecError::Plan(format!("layer {layer}'s weight is not on this stage")))?;
+    let values = if plan.layers[layer].tied.is_some() { crate::layers::transpose(g, vocab, dim) } else { g.to_vec() };
+    if st.acc.len() <= k {
+        st.acc.resize(k + 1, None);
+    }
+    let dev = st.model()?.devices().into_iter().next().ok_or(ExecError::Missing("the stage has no device"))?;
+    st.acc[k] = Some(Tensor::from_data(TensorData::new(values, [vocab * dim]), &dev));
+    Ok(())
+}
+
+/// Builds the state of the stages a device holds.
+/// The wiring of layers `a..b` of a graph model (None for a chain: each layer reads the one
+/// before, one tensor crosses each boundary).
+pub(crate) fn stage_graph(plan: &Plan, a: usize, b: usize) -> Option<StageGraph> {
+    if plan.layers.iter().all(|l| l.inputs.is_none()) {
+        return None;
+    }
+    let operands: Vec<Vec<Source>> = plan.layers.iter().map(|l| l.operands()).collect();
+    let slices = || operands.iter().map(Vec::as_slice);
+    let n = plan.layers.len();
+    Some(StageGraph {
+        operands: operands[a..b].to_vec(),
+        first: a,
+        inputs: if a == 0 { vec![Source::Input] } else { crossing(slices(), a) },
+        outputs: if b == n { vec![Source::Layer(n - 1)] } else { crossing(slices(), b) },
+    })
+}
+
+pub(crate) fn build_stages<B: ExecBackend>(
+    plan: &Plan,
+    device: DeviceId,
+    dev: &B::Device,
+) -> Result<HashMap<StageId, StageState<B>>> {
+    let mut out = HashMap::new();
+    for s in &plan.stages {
+        if !s.replicas.contains(&device) && !s.tensor_parallel.iter().any(|g| g.contains(&device)) {
+            continue;
+        }
+        let ops: Vec<_> = plan.layers[s.layers[0]..s.layers[1]].iter().map(|l| l.op.clone()).collect();
+        let (model, tp) = match s.tensor_parallel.iter().find(|g| g.contains(&device)) {
+            Some(group) if group.len() > 1 => {
+                let rank = group.iter().position(|d| *d == device).unwrap_or(0);
+                let model = crate::tensor_parallel::build_stage::<B>(
+                    &ops,
+                    s.layers[0],
+                    plan.training.seed,
+                    dev,
+                    rank,
+                    group.len(),
+                )?;
+                let partial_ids = crate::tensor_parallel::partial_parameter_ids(&ops, s.layers[0], group.len())?;
+                (model, Some(TpInfo { rank, members: group.clone(), partial_ids }))
+            }
+            _ => {
+                let mut model = StageModel::<B>::new(&ops, s.layers[0], plan.training.seed, dev);
+                model.graph = stage_graph(plan, s.layers[0], s.layers[1]);
+                (model, None)
+            }
+        };
+        // a projection tied to an embedding starts as the transpose of its table
+        let mut model = model;
+        for l in &plan.layers[s.layers[0]..s.layers[1]] {
+            let (Some(a), pipec_plan::model::Op::Linear { in_features: dim, out_features: vocab, .. }) =
+                (l.tied, &l.op)
+            else {
+                continue;
+            };
+            let table = crate::layers::embedding_values(a, plan.training.seed, *vocab, *dim);
+            let weight = crate::layers::transpose(&table, *vocab, *dim);
+            let id = crate::layers::pid(l.index, 0);
+            let mut weight = Some(weight);
+            model = crate::params::set_params(model, |p, _| if p == id { weight.take() } else { None }).0;
+        }
+        out.insert(
+            s.id,
+            StageState {
+                model: Some(model),
+                tp,
+                optim: StageOptim::new(&plan.training.optimizer),
+                acc: Vec::new(),
+                contributions: 0,
+                forward_stats: HashMap::new(),
+                stats: None,
+                stats_count: 0.0,
+                stash: HashMap::new(),
+                versions: Vec::new(),
+            },
+        );
+    }
+    Ok(out)
+}
