@@ -42,15 +42,24 @@ pub struct LowerInput<'a> {
     pub overlap: bool,
 }
 
-/// Builds every device's stream.
+/// Builds every device's stream: per device its receives, loads, compute and updates
+/// ([`device_stream`]), then the sends, each in its link's receive order ([`place_sends`]).
 pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
-    let p = input.placement;
-    let last = p.stages() - 1;
-    let st = |s: usize| StageId(s as u32);
-    let mbid = |m: usize| MicrobatchId(m as u32);
+    let version_of = first_stage_versions(input);
+    let mut link_order: HashMap<(DeviceId, DeviceId), VecDeque<MessageId>> = HashMap::default();
+    let streams: Vec<Vec<Instr>> = input
+        .order
+        .iter()
+        .enumerate()
+        .map(|(d, tasks)| device_stream(input, DeviceId(d as u32), tasks, &version_of, &mut link_order))
+        .collect();
+    place_sends(input, streams, &link_order)
+}
 
-    // Vertical sync: the version stage 0 used for each microbatch = the updates (one per
-    // backward) it had applied when the microbatch's forward started.
+/// Vertical sync: the version stage 0 used for each microbatch = the updates (one per
+/// backward) it had applied when the microbatch's forward started.
+fn first_stage_versions(input: &LowerInput<'_>) -> HashMap<usize, u32> {
+    let p = input.placement;
     let mut version_of: HashMap<usize, u32> = HashMap::default();
     if input.vertical_sync {
         let first = p.device_of(0, 0).0 as usize;
@@ -66,142 +75,152 @@ pub fn lower(input: &LowerInput<'_>) -> BTreeMap<DeviceId, Vec<Instr>> {
         }
     }
 
-    // Pass 1: receives, loads and compute, per device; and the receive order of every link.
-    let mut streams: Vec<Vec<Instr>> = vec![Vec::new(); p.devices];
-    let mut link_order: HashMap<(DeviceId, DeviceId), VecDeque<MessageId>> = HashMap::default();
-    for (d, tasks) in input.order.iter().enumerate() {
-        let dev = DeviceId(d as u32);
-        let stream = &mut streams[d];
-        let mut local_backwards: HashMap<usize, usize> = HashMap::default();
-        // per stage: the stream position right after its latest gradient contribution
-        let mut last_contribution: BTreeMap<usize, usize> = BTreeMap::new();
-        // per stage: an update whose all-reduce is in flight (overlap with per-microbatch updates)
-        let mut deferred: BTreeMap<usize, GroupId> = BTreeMap::new();
-        let defer = input.overlap && !input.vertical_sync;
-        for t in tasks {
-            let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
-            if matches!(t.kind, TaskKind::Backward | TaskKind::BackwardInput) {
-                if let Some(group) = deferred.remove(&s) {
-                    update_after_reduce(stream, st(s), group);
-                }
+    version_of
+}
+
+/// One device's receives, loads, compute, stashes, frees and updates, in its order; the
+/// messages it receives are appended to their link's receive order.
+fn device_stream(
+    input: &LowerInput<'_>,
+    dev: DeviceId,
+    tasks: &[Task],
+    version_of: &HashMap<usize, u32>,
+    link_order: &mut HashMap<(DeviceId, DeviceId), VecDeque<MessageId>>,
+) -> Vec<Instr> {
+    let p = input.placement;
+    let last = p.stages() - 1;
+    let st = |s: usize| StageId(s as u32);
+    let mbid = |m: usize| MicrobatchId(m as u32);
+    let mut owned: Vec<Instr> = Vec::new();
+    let stream = &mut owned;
+    let mut local_backwards: HashMap<usize, usize> = HashMap::default();
+    // per stage: the stream position right after its latest gradient contribution
+    let mut last_contribution: BTreeMap<usize, usize> = BTreeMap::new();
+    // per stage: an update whose all-reduce is in flight (overlap with per-microbatch updates)
+    let mut deferred: BTreeMap<usize, GroupId> = BTreeMap::new();
+    let defer = input.overlap && !input.vertical_sync;
+    for t in tasks {
+        let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
+        if matches!(t.kind, TaskKind::Backward | TaskKind::BackwardInput) {
+            if let Some(group) = deferred.remove(&s) {
+                update_after_reduce(stream, st(s), group);
             }
-            match t.kind {
-                TaskKind::Forward => {
-                    if s == 0 || s == last {
-                        stream.push(Instr::LoadMicrobatch {
-                            stage: st(s),
-                            mb: mbid(m),
-                            inputs: s == 0,
-                            labels: s == last,
-                        });
-                    }
-                    if s > 0 {
-                        let peer = p.device_of(s - 1, m);
-                        stream.push(Instr::RecvActivation {
-                            peer,
-                            stage: st(s),
-                            mb: mbid(m),
-                            bytes: input.output_bytes[s - 1],
-                        });
-                        link_order.entry((peer, dev)).or_default().push_back(MessageId::activation(st(s - 1), mbid(m)));
-                    }
+        }
+        match t.kind {
+            TaskKind::Forward => {
+                if s == 0 || s == last {
+                    stream.push(Instr::LoadMicrobatch { stage: st(s), mb: mbid(m), inputs: s == 0, labels: s == last });
+                }
+                if s > 0 {
+                    let peer = p.device_of(s - 1, m);
+                    stream.push(Instr::RecvActivation {
+                        peer,
+                        stage: st(s),
+                        mb: mbid(m),
+                        bytes: input.output_bytes[s - 1],
+                    });
+                    link_order.entry((peer, dev)).or_default().push_back(MessageId::activation(st(s - 1), mbid(m)));
+                }
+                if input.updates != Updates::PerStep {
+                    stream.push(Instr::StashWeights {
+                        stage: st(s),
+                        mb: mbid(m),
+                        version: version_of.get(&m).copied(),
+                    });
+                }
+                stream.push(Instr::Forward { stage: st(s), mb: mbid(m) });
+            }
+            TaskKind::Backward | TaskKind::BackwardInput => {
+                if s < last {
+                    let peer = p.device_of(s + 1, m);
+                    stream.push(Instr::RecvGradient { peer, stage: st(s), mb: mbid(m), bytes: input.output_bytes[s] });
+                    link_order.entry((peer, dev)).or_default().push_back(MessageId::gradient(st(s + 1), mbid(m)));
+                }
+                if input.recompute.get(s).copied().unwrap_or(false) {
+                    stream.push(Instr::Recompute { stage: st(s), mb: mbid(m) });
+                }
+                if t.kind == TaskKind::Backward {
                     if input.updates != Updates::PerStep {
-                        stream.push(Instr::StashWeights {
-                            stage: st(s),
-                            mb: mbid(m),
-                            version: version_of.get(&m).copied(),
-                        });
+                        stream.push(Instr::RestoreWeights { stage: st(s), mb: mbid(m) });
                     }
-                    stream.push(Instr::Forward { stage: st(s), mb: mbid(m) });
-                }
-                TaskKind::Backward | TaskKind::BackwardInput => {
-                    if s < last {
-                        let peer = p.device_of(s + 1, m);
-                        stream.push(Instr::RecvGradient {
-                            peer,
-                            stage: st(s),
-                            mb: mbid(m),
-                            bytes: input.output_bytes[s],
-                        });
-                        link_order.entry((peer, dev)).or_default().push_back(MessageId::gradient(st(s + 1), mbid(m)));
-                    }
-                    if input.recompute.get(s).copied().unwrap_or(false) {
-                        stream.push(Instr::Recompute { stage: st(s), mb: mbid(m) });
-                    }
-                    if t.kind == TaskKind::Backward {
-                        if input.updates != Updates::PerStep {
-                            stream.push(Instr::RestoreWeights { stage: st(s), mb: mbid(m) });
-                        }
-                        stream.push(Instr::Backward { stage: st(s), mb: mbid(m) });
-                        stream.push(Instr::Free { stage: st(s), mb: mbid(m) });
-                        last_contribution.insert(s, stream.len());
-                        let count = local_backwards.entry(s).or_insert(0);
-                        *count += 1;
-                        let update_now = match input.updates {
-                            Updates::PerStep => false,
-                            Updates::PerMicrobatch => true,
-                            Updates::Every(k) => {
-                                (*count).is_multiple_of(k.max(1)) || *count == p.local_microbatches(s, dev).len()
-                            }
-                        };
-                        if update_now {
-                            match input.groups[s] {
-                                Some(group) => {
-                                    stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
-                                    if defer {
-                                        deferred.insert(s, group);
-                                    } else {
-                                        update_after_reduce(stream, st(s), group);
-                                    }
-                                }
-                                None => stream.push(Instr::OptimizerStep { stage: st(s) }),
-                            }
-                        }
-                    } else {
-                        stream.push(Instr::BackwardInput { stage: st(s), mb: mbid(m) });
-                    }
-                }
-                TaskKind::BackwardWeight => {
-                    stream.push(Instr::BackwardWeight { stage: st(s), mb: mbid(m) });
+                    stream.push(Instr::Backward { stage: st(s), mb: mbid(m) });
                     stream.push(Instr::Free { stage: st(s), mb: mbid(m) });
                     last_contribution.insert(s, stream.len());
-                }
-            }
-        }
-        for (s, group) in deferred {
-            update_after_reduce(stream, st(s), group);
-        }
-        if input.updates == Updates::PerStep {
-            // With overlap, each replicated stage's all-reduce starts right after its last
-            // gradient contribution (later positions first, so earlier ones stay valid);
-            // the waits and optimizer steps follow at the end, in stage order on every device.
-            let held = p.stages_of(dev);
-            if input.overlap {
-                let mut starts: Vec<(usize, usize, GroupId)> = held
-                    .iter()
-                    .filter_map(|&s| {
-                        let at = last_contribution.get(&s).copied().unwrap_or(stream.len());
-                        input.groups[s].map(|group| (at, s, group))
-                    })
-                    .collect();
-                starts.sort_by(|a, b| b.cmp(a));
-                for (at, s, group) in starts {
-                    stream.insert(at, Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
-                }
-            }
-            for s in held {
-                if let Some(group) = input.groups[s] {
-                    if !input.overlap {
-                        stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
+                    let count = local_backwards.entry(s).or_insert(0);
+                    *count += 1;
+                    let update_now = match input.updates {
+                        Updates::PerStep => false,
+                        Updates::PerMicrobatch => true,
+                        Updates::Every(k) => {
+                            (*count).is_multiple_of(k.max(1)) || *count == p.local_microbatches(s, dev).len()
+                        }
+                    };
+                    if update_now {
+                        match input.groups[s] {
+                            Some(group) => {
+                                stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
+                                if defer {
+                                    deferred.insert(s, group);
+                                } else {
+                                    update_after_reduce(stream, st(s), group);
+                                }
+                            }
+                            None => stream.push(Instr::OptimizerStep { stage: st(s) }),
+                        }
                     }
-                    stream.push(Instr::wait(CollectivePayload::Gradients, st(s), group));
+                } else {
+                    stream.push(Instr::BackwardInput { stage: st(s), mb: mbid(m) });
                 }
-                stream.push(Instr::OptimizerStep { stage: st(s) });
+            }
+            TaskKind::BackwardWeight => {
+                stream.push(Instr::BackwardWeight { stage: st(s), mb: mbid(m) });
+                stream.push(Instr::Free { stage: st(s), mb: mbid(m) });
+                last_contribution.insert(s, stream.len());
             }
         }
     }
+    for (s, group) in deferred {
+        update_after_reduce(stream, st(s), group);
+    }
+    if input.updates == Updates::PerStep {
+        // With overlap, each replicated stage's all-reduce starts right after its last
+        // gradient contribution (later positions first, so earlier ones stay valid);
+        // the waits and optimizer steps follow at the end, in stage order on every device.
+        let held = p.stages_of(dev);
+        if input.overlap {
+            let mut starts: Vec<(usize, usize, GroupId)> = held
+                .iter()
+                .filter_map(|&s| {
+                    let at = last_contribution.get(&s).copied().unwrap_or(stream.len());
+                    input.groups[s].map(|group| (at, s, group))
+                })
+                .collect();
+            starts.sort_by(|a, b| b.cmp(a));
+            for (at, s, group) in starts {
+                stream.insert(at, Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
+            }
+        }
+        for s in held {
+            if let Some(group) = input.groups[s] {
+                if !input.overlap {
+                    stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
+                }
+                stream.push(Instr::wait(CollectivePayload::Gradients, st(s), group));
+            }
+            stream.push(Instr::OptimizerStep { stage: st(s) });
+        }
+    }
+    owned
+}
 
-    // Pass 2: sends, in each link's receive order.
+/// Inserts every send right after the compute that produces its message, each link's in
+/// the order its receiver takes them.
+fn place_sends(
+    input: &LowerInput<'_>,
+    streams: Vec<Vec<Instr>>,
+    link_order: &HashMap<(DeviceId, DeviceId), VecDeque<MessageId>>,
+) -> BTreeMap<DeviceId, Vec<Instr>> {
+    let last = input.placement.stages() - 1;
     let mut out: BTreeMap<DeviceId, Vec<Instr>> = BTreeMap::new();
     for (d, stream) in streams.into_iter().enumerate() {
         let dev = DeviceId(d as u32);

@@ -118,59 +118,75 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
             width - left - 16.0,
             row_h - 4.0
         );
+        let label_stages = plan.stages.len() > devices.len() || plan.devices.iter().any(|d| d.stages.len() > 1);
         for e in by_device.get(dev).into_iter().flatten() {
-            if e.end <= e.start || e.phase == Phase::Memory {
-                continue;
-            }
-            let ins = plan.instruction(*dev, e.index);
-            let (x0, x1) = (x(e.start), x(e.end));
-            let w = (x1 - x0).max(0.5);
-            let title =
-                ins.map(|i| format!("{i}: {} → {}", human_time(e.start), human_time(e.end))).unwrap_or_default();
-            if e.background {
-                // a collective in flight on the communication engine: a thin bar along the
-                // bottom of the row, under whatever the device computes meanwhile
-                let _ = writeln!(
-                    svg,
-                    r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="4" fill="{}" opacity="0.8"><title>in flight: {}</title></rect>"#,
-                    y + row_h - 6.0,
-                    colour(e.phase),
-                    escape(&title)
-                );
-                continue;
-            }
-            let _ = writeln!(
-                svg,
-                r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="{}" fill="{}" stroke="white" stroke-width="0.5"><title>{}</title></rect>"#,
-                y + 3.0,
-                row_h - 6.0,
-                colour(e.phase),
-                escape(&title)
-            );
-            if let Some(i) = ins {
-                if matches!(e.phase, Phase::Forward | Phase::Backward | Phase::BackwardInput | Phase::BackwardWeight)
-                    && w > 12.0
-                {
-                    let text = match (
-                        i.microbatch(),
-                        plan.stages.len() > devices.len() || plan.devices.iter().any(|d| d.stages.len() > 1),
-                    ) {
-                        (Some(m), true) => format!("{}s{}", m.0, i.stage().0),
-                        (Some(m), false) => format!("{}", m.0),
-                        _ => String::new(),
-                    };
-                    let _ = writeln!(
-                        svg,
-                        r#"<text x="{:.2}" y="{}" fill="white" text-anchor="middle" dominant-baseline="middle" font-size="10">{text}</text>"#,
-                        x0 + w / 2.0,
-                        y + row_h / 2.0
-                    );
-                }
-            }
+            draw_event(&mut svg, plan, *dev, e, (y, row_h), &x, label_stages);
         }
     }
-    // legend
-    let ly = top + row_h * devices.len() as f64 + 18.0;
+    legend(&mut svg, timeline, left, top + row_h * devices.len() as f64 + 18.0, width);
+    svg.push_str("</svg>\n");
+    svg
+}
+
+/// One event of a device's row (a row from `y`, `row_h` high): a box with its microbatch
+/// (and stage, when `label_stages`), or a thin bar for a collective in flight.
+fn draw_event(
+    svg: &mut String,
+    plan: &Plan,
+    dev: DeviceId,
+    e: &crate::simulate::Event,
+    (y, row_h): (f64, f64),
+    x: &dyn Fn(f64) -> f64,
+    label_stages: bool,
+) {
+    if e.end <= e.start || e.phase == Phase::Memory {
+        return;
+    }
+    let ins = plan.instruction(dev, e.index);
+    let (x0, x1) = (x(e.start), x(e.end));
+    let w = (x1 - x0).max(0.5);
+    let title = ins.map(|i| format!("{i}: {} → {}", human_time(e.start), human_time(e.end))).unwrap_or_default();
+    if e.background {
+        // a collective in flight on the communication engine: a thin bar along the
+        // bottom of the row, under whatever the device computes meanwhile
+        let _ = writeln!(
+            svg,
+            r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="4" fill="{}" opacity="0.8"><title>in flight: {}</title></rect>"#,
+            y + row_h - 6.0,
+            colour(e.phase),
+            escape(&title)
+        );
+        return;
+    }
+    let _ = writeln!(
+        svg,
+        r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="{}" fill="{}" stroke="white" stroke-width="0.5"><title>{}</title></rect>"#,
+        y + 3.0,
+        row_h - 6.0,
+        colour(e.phase),
+        escape(&title)
+    );
+    if let Some(i) = ins {
+        if matches!(e.phase, Phase::Forward | Phase::Backward | Phase::BackwardInput | Phase::BackwardWeight)
+            && w > 12.0
+        {
+            let text = match (i.microbatch(), label_stages) {
+                (Some(m), true) => format!("{}s{}", m.0, i.stage().0),
+                (Some(m), false) => format!("{}", m.0),
+                _ => String::new(),
+            };
+            let _ = writeln!(
+                svg,
+                r#"<text x="{:.2}" y="{}" fill="white" text-anchor="middle" dominant-baseline="middle" font-size="10">{text}</text>"#,
+                x0 + w / 2.0,
+                y + row_h / 2.0
+            );
+        }
+    }
+}
+
+/// The timeline's legend (the kinds of work it shows, idle) and its time axis, at `ly`.
+fn legend(svg: &mut String, timeline: &Timeline, left: f64, ly: f64, width: f64) {
     let used: Vec<Phase> = [
         Phase::Forward,
         Phase::Backward,
@@ -209,8 +225,6 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
         ly + 30.0,
         human_time(timeline.step_time)
     );
-    svg.push_str("</svg>\n");
-    svg
 }
 
 /// Stacked bars of each device's memory against its capacity.

@@ -322,16 +322,32 @@ pub fn with_strategy(source: &str, spec: &Spec, strategy: &str) -> String {
     format!("{}{strategy}{}", &source[..a], &source[b..])
 }
 
-/// Searches the strategies of `spec` (whose text is `source`).
+/// Searches the strategies of `spec` (whose text is `source`): every candidate of the
+/// space with its bound ([`candidates`]), then the branch and bound over them
+/// ([`branch_and_bound`]).
 pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, options: &SearchOptions) -> SearchReport {
     let started = Instant::now();
+    let mut memo = Memo::default();
+    let (mut candidates, valid) = candidates(spec, compile_options, options, &mut memo);
+    branch_and_bound(source, spec, compile_options, options, &mut memo, &mut candidates, valid);
+    SearchReport { candidates, seconds: started.elapsed().as_secs_f64() }
+}
+
+/// Every candidate of the space the options leave: tensor-parallel degree × layout ×
+/// schedule × microbatches × recompute, each checked against its schedule's layout rules
+/// and bounded; returns them with the valid ones' bounds (by index).
+fn candidates(
+    spec: &Spec,
+    compile_options: &CompileOptions,
+    options: &SearchOptions,
+    memo: &mut Memo,
+) -> (Vec<Candidate>, Vec<(usize, f64)>) {
     let devices = spec.cluster.device_count();
     let per_node = spec.cluster.devices_per_node.max(1);
     let layers = spec.model.layers.len();
     let batch = spec.training.batch_size;
     let mut candidates = Vec::new();
     let mut valid: Vec<(usize, f64)> = Vec::new();
-    let mut memo = Memo::default();
     let tps: Vec<usize> = match options.tp {
         Some(t) => vec![t],
         None => divisors(per_node).filter(|t| *t == 1 || spec.model.is_chain()).collect(),
@@ -389,14 +405,14 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
                             Some(v) => Outcome::Invalid(v.message),
                             // PipeDream's planner runs when the search reaches the candidate:
                             // until then its bound is the work spread evenly
-                            None if c.planner => match work_bound(&c.spec(spec), compile_options, &mut memo) {
+                            None if c.planner => match work_bound(&c.spec(spec), compile_options, memo) {
                                 Ok(b) => {
                                     valid.push((candidates.len(), b));
                                     Outcome::Pruned { bound_s: b }
                                 }
                                 Err(d) => Outcome::Invalid(first_error(&d)),
                             },
-                            None => bounded(lower_bound(&c.spec(spec), compile_options, &mut memo), |b| {
+                            None => bounded(lower_bound(&c.spec(spec), compile_options, memo), |b| {
                                 valid.push((candidates.len(), b))
                             }),
                         };
@@ -406,6 +422,22 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
             }
         }
     }
+    (candidates, valid)
+}
+
+/// Branch and bound: compiles and simulates the candidates in order of their bound until no
+/// bound can beat the best plan that fits; a candidate laid out by PipeDream's planner is
+/// planned and bounded again when reached, and a plan short of memory without recompute
+/// adds the candidate that recomputes only its short stages.
+fn branch_and_bound(
+    source: &str,
+    spec: &Spec,
+    compile_options: &CompileOptions,
+    options: &SearchOptions,
+    memo: &mut Memo,
+    candidates: &mut Vec<Candidate>,
+    valid: Vec<(usize, f64)>,
+) {
     // branch and bound: compile in order of the bound until no bound can beat the best;
     // a candidate laid out by PipeDream's planner is planned and bounded again when reached
     let mut queue: BinaryHeap<Reverse<Queued>> =
@@ -418,7 +450,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         }
         let c = &mut candidates[i];
         if c.planner && !refined {
-            match lower_bound(&c.spec(spec), compile_options, &mut memo) {
+            match lower_bound(&c.spec(spec), compile_options, memo) {
                 Ok(b) => {
                     c.replicas = b.replicas;
                     if let Some(m) = options.max_pipeline_depth.filter(|m| c.pp() > *m) {
@@ -449,7 +481,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         };
         // the compiler's figures, from one pipeline replica when the plan is symmetric;
         // candidates are not verified: the winner is, when it is compiled for the plan
-        let f = match predict(&s, compile_options, &mut memo) {
+        let f = match predict(&s, compile_options, memo) {
             Ok(f) => f,
             Err(d) => {
                 candidates[i].outcome = Outcome::Invalid(first_error(&d));
@@ -481,13 +513,12 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
             let mut derived = Candidate { recompute: Recompute::Stages(short), ..candidates[i].clone() };
             derived.strategy = derived.text(spec.strategy.overlap);
             let index = candidates.len();
-            derived.outcome = bounded(lower_bound(&derived.spec(spec), compile_options, &mut memo), |bound_s| {
+            derived.outcome = bounded(lower_bound(&derived.spec(spec), compile_options, memo), |bound_s| {
                 queue.push(Reverse(Queued { bound_s, index, refined: true }))
             });
             candidates.push(derived);
         }
     }
-    SearchReport { candidates, seconds: started.elapsed().as_secs_f64() }
 }
 
 fn describe(c: &Candidate) -> String {

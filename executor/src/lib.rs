@@ -3,6 +3,7 @@
 //! same [`transport::Endpoint`] trait). The only crate of pipec that links Burn.
 
 pub use pipec_plan::checkpoint;
+mod checkpointing;
 mod collectives;
 pub mod comm;
 mod compute;
@@ -23,31 +24,26 @@ mod params;
 pub mod profile;
 mod reshard;
 pub mod rng;
+mod run;
 mod stage;
 pub mod tensor_parallel;
 pub mod transport;
 mod values;
 mod worker;
 
-use std::collections::{BTreeMap, HashMap};
-use std::panic::AssertUnwindSafe;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::channel;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::dense::ExecBackend;
-use burn::module::ParamId;
 use pipec_plan::model::Op;
 use pipec_plan::{DeviceId, Plan, StageId};
 
-use crate::data::Dataset;
 use crate::error::ExecError;
-use crate::stage::{build_stages, StageState};
-use crate::transport::Endpoint;
-use crate::worker::{StepReport, Worker};
 
+pub use run::{run_workers, CheckpointSink, TIMELINE_LIMIT};
 pub use worker::StepReport as WorkerStep;
 
 /// Which Burn backend runs the plan.
@@ -172,61 +168,6 @@ pub struct RunReport {
     pub placement: Vec<(DeviceId, String)>,
     /// The run was stopped (`RunOptions::stop`) before its last step.
     pub interrupted: bool,
-}
-
-/// Where the workers of a run stop when asked to: a step boundary that no worker has
-/// passed. Workers ask before each step, under one lock, so all of them run the same
-/// steps: every step some worker has begun is finished by all, and none begins a later one.
-/// A flush-free pipeline (PipeDream, 2BW) must end on a step that drains it, and a worker
-/// that has already begun a step began it without draining; there the run stops one step
-/// later, and that last step drains (its epilogue), so nothing is left in flight.
-struct StopGate {
-    flag: Option<Arc<AtomicBool>>,
-    /// Whether the plan's steps leave microbatches in flight (a flush-free pipeline).
-    flush_free: bool,
-    /// (the highest step any worker has begun, the step no worker may begin)
-    state: std::sync::Mutex<(Option<usize>, Option<usize>)>,
-}
-
-/// What a worker about to begin a step is told.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Begin {
-    /// Run the step as planned.
-    Run,
-    /// Run it and drain the pipeline: it is the last step before a stop.
-    RunLast,
-    /// Stop before it.
-    Stop,
-}
-
-impl StopGate {
-    fn new(flag: Option<Arc<AtomicBool>>, flush_free: bool) -> Self {
-        StopGate { flag, flush_free, state: std::sync::Mutex::new((None, None)) }
-    }
-
-    /// Whether a worker may begin `step`, and whether it is the last.
-    fn begin(&self, step: usize) -> Begin {
-        let mut s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let asked = self.flag.as_ref().is_some_and(|f| f.load(Ordering::Relaxed));
-        if asked && s.1.is_none() {
-            let extra = usize::from(self.flush_free);
-            s.1 = Some(s.0.map_or(step, |begun| begun + 1 + extra));
-        }
-        match s.1 {
-            Some(stop) if step >= stop => return Begin::Stop,
-            _ => {}
-        }
-        s.0 = Some(s.0.map_or(step, |begun| begun.max(step)));
-        if s.1 == Some(step + 1) {
-            Begin::RunLast
-        } else {
-            Begin::Run
-        }
-    }
-
-    fn stopped(&self) -> bool {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).1.is_some()
-    }
 }
 
 /// Why a run failed: where, and what happened.
@@ -407,367 +348,6 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     }
 }
 
-enum Event {
-    Step(Box<StepReport>, Option<checkpoint::Shards>),
-    Failed(RunError),
-}
-
-/// Restores every stage of this device from a checkpoint, whatever layout wrote it: each
-/// parameter (and its optimizer state) from the saved stage and tensor-parallel ranks that
-/// held it, joined and re-split for this stage's rank (`reshard`).
-fn load_checkpoint<B: ExecBackend>(
-    plan: &Plan,
-    stages: &mut HashMap<StageId, StageState<B>>,
-    loaded: &checkpoint::Loaded,
-    dev: &B::Device,
-) -> Result<(), ExecError> {
-    let saved = reshard::SavedLayout::new(loaded, plan)?;
-    for (id, st) in stages.iter_mut() {
-        let (tp_rank, tp_size) = st.tp_shard();
-        let stage = plan.stages.get(id.0 as usize).ok_or_else(|| ExecError::Plan(format!("the plan has no {id}")))?;
-        let ops: Vec<_> = plan.layers[stage.layers[0]..stage.layers[1]].iter().map(|l| l.op.clone()).collect();
-        let split = tensor_parallel::shardings(&ops, stage.layers[0], tp_size as usize)?;
-        let to = |pid: u64| split.get(&pid).copied().unwrap_or(tensor_parallel::Sharding::Whole);
-        let mut values: HashMap<u64, Vec<f32>> = HashMap::new();
-        for (pid, shape) in params::layout::<B, _>(st.model()?) {
-            if let Some(v) = saved.values(pid, to(pid), tp_size, tp_rank, &shape)? {
-                values.insert(pid, v);
-            }
-        }
-        let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
-        let (model, missing) = params::set_params(model, |pid, _| values.remove(&pid));
-        st.model = Some(model);
-        load_running_statistics(st, &saved, tp_size, tp_rank)?;
-        if let Some(first) = missing.first() {
-            return Err(ExecError::Checkpoint(format!(
-                "model.safetensors lacks {} parameter(s) of stage {id} (e.g. `{}`)",
-                missing.len(),
-                checkpoint::param_name(*first)
-            )));
-        }
-        // the optimizer state of this stage's parameters, from the saved stage and ranks
-        // that held them
-        let mut wants = Vec::new();
-        for (pid, shape) in params::layout::<B, _>(st.model()?) {
-            let from = saved.saved(pid, tp_size, to(pid))?;
-            wants.push(stage::Want {
-                id: ParamId::from(pid),
-                shape,
-                saved: from,
-                to: to(pid),
-                tp: tp_size,
-                rank: tp_rank,
-            });
-        }
-        // a checkpoint that says its optimizer keeps state must hold every parameter's
-        let complete = loaded.identity.as_ref().is_some_and(|i| i.stateful) && loaded.completed_steps > 0;
-        st.optim
-            .load(&loaded.optimizers, &wants, complete, dev)
-            .map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
-    }
-    Ok(())
-}
-
-/// Batch normalisation's running statistics from a checkpoint (keyed like parameters).
-fn load_running_statistics<B: ExecBackend>(
-    st: &mut StageState<B>,
-    saved: &reshard::SavedLayout<'_>,
-    tp_size: u32,
-    tp_rank: u32,
-) -> Result<(), ExecError> {
-    let mut values = Vec::new();
-    for bn in st.model()?.batch_norms() {
-        let c = bn.running_mean.len();
-        for slot in [layers::RUNNING_MEAN_SLOT, layers::RUNNING_VAR_SLOT] {
-            let id = layers::state_id(bn.index, slot);
-            match saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, &[c])? {
-                Some(v) => values.extend_from_slice(&v),
-                None => {
-                    return Err(ExecError::Checkpoint(format!(
-                        "model.safetensors lacks the running statistics of layer {} (`{}`)",
-                        bn.index,
-                        checkpoint::param_name(id)
-                    )))
-                }
-            }
-        }
-    }
-    st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.set_running_statistics(&values)
-}
-
-fn save_checkpoint<B: ExecBackend>(stages: &HashMap<StageId, StageState<B>>) -> Result<checkpoint::Shards, ExecError> {
-    let mut out = HashMap::new();
-    for (id, st) in stages {
-        let mut params: Vec<(u64, Vec<usize>, Vec<f32>)> = params::snapshot::<B, _>(st.model()?)?
-            .into_iter()
-            .map(|(pid, shape, v)| (ParamId::val(&pid), shape, v))
-            .collect();
-        // batch normalisation's running statistics, beside the layer's parameters
-        for bn in st.model()?.batch_norms() {
-            let c = bn.running_mean.len();
-            params.push((layers::state_id(bn.index, layers::RUNNING_MEAN_SLOT), vec![c], bn.running_mean.clone()));
-            params.push((layers::state_id(bn.index, layers::RUNNING_VAR_SLOT), vec![c], bn.running_var.clone()));
-        }
-        let optimizer = st.optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
-        let (tp_rank, tp_size) = st.tp_shard();
-        out.insert(
-            checkpoint::ShardKey { stage: id.0, tp_rank },
-            checkpoint::StageCheckpoint { params, optimizer, tp_size },
-        );
-    }
-    Ok(out)
-}
-
-/// The most timeline entries a run keeps (about 40 bytes each): a long run's trace keeps
-/// its first steps in full.
-pub const TIMELINE_LIMIT: usize = 2_000_000;
-
-/// Where a step's checkpoint goes: given the completed steps and the stages this process
-/// saved, it writes (or forwards) them and says where they landed.
-pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Option<PathBuf>, ExecError> + 'a;
-
-/// Runs the workers of `devices` on this process with the given endpoints; used by the
-/// in-process transport (all devices) and by MPI (one device per process).
-pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
-    plan: &Plan,
-    options: &RunOptions,
-    placement: &Placement<B>,
-    endpoints: Vec<E>,
-    abort: Arc<AtomicBool>,
-    on_step: &mut dyn FnMut(&StepMetrics),
-    sink: &mut CheckpointSink<'_>,
-) -> Result<RunReport, RunError> {
-    let data = Dataset::for_plan(plan).map_err(ExecError::Data)?;
-    let loaded = options.resume.as_ref().map(Resume::load).transpose().map_err(ExecError::Checkpoint)?;
-    if let Some(l) = &loaded {
-        l.check_fits(plan).map_err(ExecError::Checkpoint)?;
-    }
-    if let Some(dir) = &options.checkpoint_dir {
-        checkpoint::clean_abandoned(dir);
-    }
-    let first_step = loaded.as_ref().map(|l| l.completed_steps).unwrap_or(0);
-    let total_steps = options.steps.unwrap_or(plan.training.steps);
-    if total_steps == 0 {
-        return Err(RunError::setup("the run has 0 steps: nothing to train"));
-    }
-    if first_step >= total_steps {
-        return Err(ExecError::Checkpoint(format!(
-            "the checkpoint has completed {first_step} step(s) and this run is {total_steps} step(s) long: nothing is left to train (raise `--steps` or `training.steps`)"
-        ))
-        .into());
-    }
-    let every = plan.training.checkpoint_every.filter(|_| options.checkpoint_dir.is_some());
-    let reduce = plan.schedule.reduce;
-    let (tx, rx) = channel::<Event>();
-    let n_workers = endpoints.len();
-    let gate = StopGate::new(options.stop.clone(), plan.flush_free.is_some());
-    let gate = &gate;
-    // every worker's step times are measured from here
-    let epoch = Instant::now();
-    let mut report = RunReport {
-        placement: placement.iter().map(|(d, (_, name))| (*d, name.clone())).collect(),
-        ..RunReport::default()
-    };
-    std::thread::scope(|scope| -> Result<(), RunError> {
-        for ep in endpoints {
-            let tx = tx.clone();
-            let abort = abort.clone();
-            let dev = placement.get(&ep.device()).map(|p| p.0.clone());
-            let data = &data;
-            let loaded = loaded.as_ref();
-            scope.spawn(move || {
-                let device = ep.device();
-                let fail = |step: Option<usize>, index: Option<usize>, error: ExecError| {
-                    let ins = index.and_then(|i| plan.instruction(device, i));
-                    RunError {
-                        device: Some(device),
-                        stage: ins.map(pipec_plan::Instr::stage),
-                        step,
-                        instruction: ins.map(ToString::to_string),
-                        error,
-                    }
-                };
-                // the worker computes on this thread; its communication threads run beside
-                // it in this scope and end with it (on a failure, the abort flag stops any
-                // transfer they are blocked in)
-                let outcome = std::thread::scope(|comm_scope| {
-                    let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), RunError> {
-                        let dev = dev.ok_or_else(|| {
-                            fail(None, None, ExecError::Setup(format!("no compute device was assigned to {device}")))
-                        })?;
-                        let mut stages = build_stages::<B>(plan, device, &dev).map_err(|e| fail(None, None, e))?;
-                        if let Some(l) = loaded {
-                            load_checkpoint(plan, &mut stages, l, &dev).map_err(|e| fail(None, None, e))?;
-                        }
-                        let stream = &plan.streams[&device];
-                        let comm = comm::Comm::start(comm_scope, ep, epoch);
-                        let mut w = Worker::new(device, plan, stream, data, comm, dev.clone(), stages, reduce);
-                        w.epoch = epoch;
-                        // a flush-free pipeline starts empty, and is drained by the last step and
-                        // by every step a checkpoint follows (a checkpoint holds nothing in flight)
-                        let mut filled = false;
-                        for step in first_step..total_steps {
-                            let begin = gate.begin(step);
-                            if abort.load(Ordering::Relaxed) || begin == Begin::Stop {
-                                return Ok(());
-                            }
-                            let planned = step + 1 == total_steps || every.is_some_and(|k| (step + 1) % k == 0);
-                            let drain = planned || begin == Begin::RunLast;
-                            let segments = w.segments(filled, drain);
-                            let r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
-                            filled = !drain;
-                            // a checkpoint follows the steps that drain as planned, when
-                            // checkpoints are on
-                            let ckpt = if every.is_some() && planned {
-                                Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
-                            } else {
-                                None
-                            };
-                            if tx.send(Event::Step(Box::new(r), ckpt)).is_err() {
-                                return Ok(());
-                            }
-                        }
-                        Ok(())
-                    }));
-                    if !matches!(outcome, Ok(Ok(()))) {
-                        abort.store(true, Ordering::Relaxed);
-                    }
-                    outcome
-                });
-                let err = match outcome {
-                    Ok(Ok(())) => None,
-                    Ok(Err(e)) => Some(e),
-                    Err(panic) => {
-                        let msg = panic
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                            .unwrap_or_else(|| "panicked".into());
-                        Some(fail(None, None, ExecError::Panic(msg)))
-                    }
-                };
-                if let Some(e) = err {
-                    abort.store(true, Ordering::Relaxed);
-                    let _ = tx.send(Event::Failed(e));
-                }
-            });
-        }
-        drop(tx);
-        // The coordinator: gathers every worker's step, reports metrics, writes checkpoints.
-        let mut pending: BTreeMap<usize, Vec<(StepReport, Option<checkpoint::Shards>)>> = BTreeMap::new();
-        let mut carry: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
-        let mut first_error: Option<RunError> = None;
-        // Keep the root cause: a worker that was merely stopped reports less.
-        let record = |first_error: &mut Option<RunError>, e: RunError| {
-            abort.store(true, Ordering::Relaxed);
-            if first_error.is_none()
-                || (!e.error.is_secondary() && first_error.as_ref().is_some_and(|f| f.error.is_secondary()))
-            {
-                *first_error = Some(e);
-            }
-        };
-        let mut last_done = Instant::now();
-        for ev in rx {
-            match ev {
-                Event::Failed(e) => record(&mut first_error, e),
-                Event::Step(r, ck) => {
-                    let step = r.step;
-                    let entry = pending.entry(step).or_default();
-                    entry.push((*r, ck));
-                    if entry.len() == n_workers {
-                        let reports = pending.remove(&step).unwrap_or_default();
-                        // a loss belongs to its microbatch's step: a flush-free step also
-                        // computes the next step's first losses, kept for it
-                        let n = plan.training.microbatches.max(1);
-                        for (mb, l) in reports.iter().flat_map(|(r, _)| r.losses.iter()) {
-                            carry.entry(*mb as usize / n).or_default().push(*l);
-                        }
-                        let losses: Vec<f32> = carry.remove(&step).unwrap_or_default();
-                        carry.retain(|s, _| *s > step);
-                        let loss_sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
-                        let loss = if losses.is_empty() { f64::NAN } else { loss_sum / losses.len() as f64 };
-                        let now = Instant::now();
-                        let wall = now.duration_since(last_done).as_secs_f64();
-                        last_done = now;
-                        let step_seconds = reports
-                            .iter()
-                            .map(|(r, _)| r.step_seconds)
-                            .fold(0.0, f64::max)
-                            .min(wall.max(f64::MIN_POSITIVE));
-                        let m = StepMetrics {
-                            step,
-                            loss,
-                            loss_sum,
-                            loss_count: losses.len(),
-                            step_seconds,
-                            samples_per_s: plan.training.batch_size as f64 / step_seconds.max(1e-12),
-                            perplexity: is_language_model(plan).then(|| loss.exp()),
-                        };
-                        on_step(&m);
-                        report.steps.push(m);
-                        report.trace = reports
-                            .iter()
-                            .flat_map(|(r, _)| r.trace.iter().map(move |t| (r.device, t.0, t.1, t.2)))
-                            .collect();
-                        for (r, _) in &reports {
-                            let room = TIMELINE_LIMIT.saturating_sub(report.comm_timeline.len());
-                            report
-                                .comm_timeline
-                                .extend(r.comm.iter().take(room).map(|t| (r.device, r.step, t.0, t.1, t.2)));
-                        }
-                        for (r, _) in &reports {
-                            let room = TIMELINE_LIMIT.saturating_sub(report.timeline.len());
-                            report.timeline.extend(
-                                r.trace
-                                    .iter()
-                                    .take(room)
-                                    .map(|t| (r.device, r.step, t.0, r.started + t.1, r.started + t.2)),
-                            );
-                        }
-                        for (r, _) in &reports {
-                            let e = report.peak_in_flight.entry(r.device).or_default();
-                            for (s, n) in &r.peak_in_flight {
-                                let p = e.entry(*s).or_insert(0);
-                                *p = (*p).max(*n);
-                            }
-                            let v = report.peak_versions.entry(r.device).or_default();
-                            for (s, n) in &r.peak_versions {
-                                let p = v.entry(*s).or_insert(0);
-                                *p = (*p).max(*n);
-                            }
-                        }
-                        if reports.iter().any(|(_, c)| c.is_some()) {
-                            // a shard from the stage's first replica (the lowest device):
-                            // replicas of a synchronous stage hold the same state, and under
-                            // asynchronous data parallelism the first replica is the
-                            // parameter server, the only one whose optimizer state is live
-                            let mut reports = reports;
-                            reports.sort_by_key(|(r, _)| r.device);
-                            let mut stages = HashMap::new();
-                            for (_, c) in reports {
-                                for (s, st) in c.unwrap_or_default() {
-                                    stages.entry(s).or_insert(st);
-                                }
-                            }
-                            match sink(step + 1, stages) {
-                                Ok(Some(p)) => report.checkpoints.push(p),
-                                Ok(None) => {}
-                                Err(e) => record(&mut first_error, RunError { step: Some(step), ..e.into() }),
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    })?;
-    report.interrupted = gate.stopped() && report.steps.last().is_none_or(|s| s.step + 1 < total_steps);
-    Ok(report)
-}
-
 fn run_in_process<B: ExecBackend>(
     plan: &Plan,
     options: &RunOptions,
@@ -784,40 +364,4 @@ fn run_in_process<B: ExecBackend>(
         None => Ok(None),
     };
     run_workers::<B, _>(plan, options, &placement, endpoints, abort, on_step, &mut sink)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn asked() -> Arc<AtomicBool> {
-        Arc::new(AtomicBool::new(false))
-    }
-
-    #[test]
-    fn a_stop_ends_a_flushed_run_at_the_first_step_no_worker_began() {
-        let flag = asked();
-        let gate = StopGate::new(Some(flag.clone()), false);
-        assert_eq!(gate.begin(0), Begin::Run);
-        assert_eq!(gate.begin(1), Begin::Run);
-        flag.store(true, Ordering::Relaxed);
-        // a worker still at step 0 finishes the steps another has begun (the last), and no more
-        assert_eq!(gate.begin(1), Begin::RunLast);
-        assert_eq!(gate.begin(2), Begin::Stop);
-        assert!(gate.stopped());
-    }
-
-    #[test]
-    fn a_stop_drains_a_flush_free_pipeline_on_the_step_after_the_last_begun() {
-        let flag = asked();
-        let gate = StopGate::new(Some(flag.clone()), true);
-        assert_eq!(gate.begin(0), Begin::Run);
-        assert_eq!(gate.begin(1), Begin::Run);
-        flag.store(true, Ordering::Relaxed);
-        // step 1 was begun without draining: step 2 drains, every worker runs it as the last
-        assert_eq!(gate.begin(1), Begin::Run);
-        assert_eq!(gate.begin(2), Begin::RunLast);
-        assert_eq!(gate.begin(2), Begin::RunLast);
-        assert_eq!(gate.begin(3), Begin::Stop);
-    }
 }

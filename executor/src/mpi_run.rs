@@ -174,15 +174,6 @@ fn run_rank(
     }
     .map_err(|e| (Some(info), e))?;
     drop(ckpt_out);
-    // Rank 0 merges the last step's traces, every step's timeline and the communication
-    // threads' timeline: one message of [trace entries n, communication entries c,
-    // n × (device, index, start, end), c × (device, step, index, start, end),
-    // m × (device, step, index, start, end)].
-    let mut flat: Vec<f64> = vec![report.trace.len() as f64, report.comm_timeline.len() as f64];
-    flat.extend(report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]));
-    let five = |(d, k, i, s, e): &(DeviceId, usize, usize, f64, f64)| [f64::from(d.0), *k as f64, *i as f64, *s, *e];
-    flat.extend(report.comm_timeline.iter().flat_map(five));
-    flat.extend(report.timeline.iter().flat_map(five));
     // Everything queued must be sent before MPI is finalised: close the queue, join the
     // sender, then meet at a barrier.
     let finish = |outgoing: std::sync::mpsc::Sender<crate::mpi_transport::Outgoing>| {
@@ -194,33 +185,51 @@ fn run_rank(
         for r in 1..size {
             let b = receive_bytes(r, TAG_TRACE, &abort, timeout, devices[r as usize])
                 .map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
-            let v = from_f64s(&b);
-            let body = v.len().saturating_sub(2);
-            let n = v.first().map_or(0, |n| *n as usize).min(body / 4);
-            let c = v.get(1).map_or(0, |c| *c as usize).min((body - 4 * n) / 5);
-            let entry = |t: &[f64]| (DeviceId(t[0] as u32), t[1] as usize, t[2] as usize, t[3], t[4]);
-            for t in v[2..2 + 4 * n].chunks_exact(4) {
-                merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
-            }
-            for t in v[2 + 4 * n..2 + 4 * n + 5 * c].chunks_exact(5) {
-                if merged.comm_timeline.len() < crate::TIMELINE_LIMIT {
-                    merged.comm_timeline.push(entry(t));
-                }
-            }
-            for t in v[2 + 4 * n + 5 * c..].chunks_exact(5) {
-                if merged.timeline.len() < crate::TIMELINE_LIMIT {
-                    merged.timeline.push(entry(t));
-                }
-            }
+            merge_traces(&mut merged, &from_f64s(&b));
         }
         finish(outgoing);
         world.barrier();
         Ok((info, Some(merged)))
     } else {
-        let _ = outgoing.send((0, TAG_TRACE, f64s(&flat), None));
+        let _ = outgoing.send((0, TAG_TRACE, f64s(&flat_traces(&report)), None));
         finish(outgoing);
         world.barrier();
         Ok((info, None))
+    }
+}
+
+/// A rank's traces as one message for rank 0: [trace entries n, communication entries c,
+/// n × (device, index, start, end), c × (device, step, index, start, end), m × (device,
+/// step, index, start, end)] — the last step's trace, the communication threads' timeline,
+/// every step's timeline.
+fn flat_traces(report: &RunReport) -> Vec<f64> {
+    let mut flat: Vec<f64> = vec![report.trace.len() as f64, report.comm_timeline.len() as f64];
+    flat.extend(report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]));
+    let five = |(d, k, i, s, e): &(DeviceId, usize, usize, f64, f64)| [f64::from(d.0), *k as f64, *i as f64, *s, *e];
+    flat.extend(report.comm_timeline.iter().flat_map(five));
+    flat.extend(report.timeline.iter().flat_map(five));
+    flat
+}
+
+/// Rank 0 adds another rank's traces ([`flat_traces`]) to the run's (timelines up to
+/// `TIMELINE_LIMIT`).
+fn merge_traces(merged: &mut RunReport, v: &[f64]) {
+    let body = v.len().saturating_sub(2);
+    let n = v.first().map_or(0, |n| *n as usize).min(body / 4);
+    let c = v.get(1).map_or(0, |c| *c as usize).min((body - 4 * n) / 5);
+    let entry = |t: &[f64]| (DeviceId(t[0] as u32), t[1] as usize, t[2] as usize, t[3], t[4]);
+    for t in v[2..2 + 4 * n].chunks_exact(4) {
+        merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
+    }
+    for t in v[2 + 4 * n..2 + 4 * n + 5 * c].chunks_exact(5) {
+        if merged.comm_timeline.len() < crate::TIMELINE_LIMIT {
+            merged.comm_timeline.push(entry(t));
+        }
+    }
+    for t in v[2 + 4 * n + 5 * c..].chunks_exact(5) {
+        if merged.timeline.len() < crate::TIMELINE_LIMIT {
+            merged.timeline.push(entry(t));
+        }
     }
 }
 

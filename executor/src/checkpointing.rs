@@ -1,0 +1,123 @@
+//! The executor's side of checkpoints (the format is `pipec_plan::checkpoint`): a device's
+//! stages saved as shards, and restored from any layout's checkpoint — each parameter and
+//! its optimizer state from the saved stage and tensor-parallel ranks that held it, joined
+//! and re-split for this stage's rank (`reshard`).
+
+use std::collections::HashMap;
+
+use burn::module::ParamId;
+use pipec_plan::checkpoint;
+use pipec_plan::{Plan, StageId};
+
+use crate::dense::ExecBackend;
+use crate::error::ExecError;
+use crate::stage::{self, StageState};
+use crate::{layers, params, reshard, tensor_parallel};
+
+/// Restores every stage of this device from a checkpoint, whatever layout wrote it: each
+/// parameter (and its optimizer state) from the saved stage and tensor-parallel ranks that
+/// held it, joined and re-split for this stage's rank (`reshard`).
+pub(crate) fn load_checkpoint<B: ExecBackend>(
+    plan: &Plan,
+    stages: &mut HashMap<StageId, StageState<B>>,
+    loaded: &checkpoint::Loaded,
+    dev: &B::Device,
+) -> Result<(), ExecError> {
+    let saved = reshard::SavedLayout::new(loaded, plan)?;
+    for (id, st) in stages.iter_mut() {
+        let (tp_rank, tp_size) = st.tp_shard();
+        let stage = plan.stages.get(id.0 as usize).ok_or_else(|| ExecError::Plan(format!("the plan has no {id}")))?;
+        let ops: Vec<_> = plan.layers[stage.layers[0]..stage.layers[1]].iter().map(|l| l.op.clone()).collect();
+        let split = tensor_parallel::shardings(&ops, stage.layers[0], tp_size as usize)?;
+        let to = |pid: u64| split.get(&pid).copied().unwrap_or(tensor_parallel::Sharding::Whole);
+        let mut values: HashMap<u64, Vec<f32>> = HashMap::new();
+        for (pid, shape) in params::layout::<B, _>(st.model()?) {
+            if let Some(v) = saved.values(pid, to(pid), tp_size, tp_rank, &shape)? {
+                values.insert(pid, v);
+            }
+        }
+        let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+        let (model, missing) = params::set_params(model, |pid, _| values.remove(&pid));
+        st.model = Some(model);
+        load_running_statistics(st, &saved, tp_size, tp_rank)?;
+        if let Some(first) = missing.first() {
+            return Err(ExecError::Checkpoint(format!(
+                "model.safetensors lacks {} parameter(s) of stage {id} (e.g. `{}`)",
+                missing.len(),
+                checkpoint::param_name(*first)
+            )));
+        }
+        // the optimizer state of this stage's parameters, from the saved stage and ranks
+        // that held them
+        let mut wants = Vec::new();
+        for (pid, shape) in params::layout::<B, _>(st.model()?) {
+            let from = saved.saved(pid, tp_size, to(pid))?;
+            wants.push(stage::Want {
+                id: ParamId::from(pid),
+                shape,
+                saved: from,
+                to: to(pid),
+                tp: tp_size,
+                rank: tp_rank,
+            });
+        }
+        // a checkpoint that says its optimizer keeps state must hold every parameter's
+        let complete = loaded.identity.as_ref().is_some_and(|i| i.stateful) && loaded.completed_steps > 0;
+        st.optim
+            .load(&loaded.optimizers, &wants, complete, dev)
+            .map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Batch normalisation's running statistics from a checkpoint (keyed like parameters).
+fn load_running_statistics<B: ExecBackend>(
+    st: &mut StageState<B>,
+    saved: &reshard::SavedLayout<'_>,
+    tp_size: u32,
+    tp_rank: u32,
+) -> Result<(), ExecError> {
+    let mut values = Vec::new();
+    for bn in st.model()?.batch_norms() {
+        let c = bn.running_mean.len();
+        for slot in [layers::RUNNING_MEAN_SLOT, layers::RUNNING_VAR_SLOT] {
+            let id = layers::state_id(bn.index, slot);
+            match saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, &[c])? {
+                Some(v) => values.extend_from_slice(&v),
+                None => {
+                    return Err(ExecError::Checkpoint(format!(
+                        "model.safetensors lacks the running statistics of layer {} (`{}`)",
+                        bn.index,
+                        checkpoint::param_name(id)
+                    )))
+                }
+            }
+        }
+    }
+    st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.set_running_statistics(&values)
+}
+
+pub(crate) fn save_checkpoint<B: ExecBackend>(
+    stages: &HashMap<StageId, StageState<B>>,
+) -> Result<checkpoint::Shards, ExecError> {
+    let mut out = HashMap::new();
+    for (id, st) in stages {
+        let mut params: Vec<(u64, Vec<usize>, Vec<f32>)> = params::snapshot::<B, _>(st.model()?)?
+            .into_iter()
+            .map(|(pid, shape, v)| (ParamId::val(&pid), shape, v))
+            .collect();
+        // batch normalisation's running statistics, beside the layer's parameters
+        for bn in st.model()?.batch_norms() {
+            let c = bn.running_mean.len();
+            params.push((layers::state_id(bn.index, layers::RUNNING_MEAN_SLOT), vec![c], bn.running_mean.clone()));
+            params.push((layers::state_id(bn.index, layers::RUNNING_VAR_SLOT), vec![c], bn.running_var.clone()));
+        }
+        let optimizer = st.optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+        let (tp_rank, tp_size) = st.tp_shard();
+        out.insert(
+            checkpoint::ShardKey { stage: id.0, tp_rank },
+            checkpoint::StageCheckpoint { params, optimizer, tp_size },
+        );
+    }
+    Ok(out)
+}

@@ -1,0 +1,435 @@
+//! The step loop of a run: one worker thread per device of this process, each running its
+//! stream step after step (saving its stages when a checkpoint follows), and the calling
+//! thread as the coordinator, which gathers each step's reports into metrics and the trace,
+//! writes checkpoints, and on the first failure raises the abort flag every blocked
+//! transfer polls.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+use std::time::Instant;
+
+use pipec_plan::{checkpoint, Plan};
+
+use crate::checkpointing::{load_checkpoint, save_checkpoint};
+use crate::data::Dataset;
+use crate::dense::ExecBackend;
+use crate::error::ExecError;
+use crate::stage::build_stages;
+use crate::transport::Endpoint;
+use crate::worker::{StepReport, Worker};
+use crate::{comm, is_language_model, Placement, Resume, RunError, RunOptions, RunReport, StepMetrics};
+
+/// The most timeline entries a run keeps (about 40 bytes each): a long run's trace keeps
+/// its first steps in full.
+pub const TIMELINE_LIMIT: usize = 2_000_000;
+
+/// Where a step's checkpoint goes: given the completed steps and the stages this process
+/// saved, it writes (or forwards) them and says where they landed.
+pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Option<PathBuf>, ExecError> + 'a;
+
+/// Where the workers of a run stop when asked to: a step boundary that no worker has
+/// passed. Workers ask before each step, under one lock, so all of them run the same
+/// steps: every step some worker has begun is finished by all, and none begins a later one.
+/// A flush-free pipeline (PipeDream, 2BW) must end on a step that drains it, and a worker
+/// that has already begun a step began it without draining; there the run stops one step
+/// later, and that last step drains (its epilogue), so nothing is left in flight.
+struct StopGate {
+    flag: Option<Arc<AtomicBool>>,
+    /// Whether the plan's steps leave microbatches in flight (a flush-free pipeline).
+    flush_free: bool,
+    /// (the highest step any worker has begun, the step no worker may begin)
+    state: std::sync::Mutex<(Option<usize>, Option<usize>)>,
+}
+
+/// What a worker about to begin a step is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Begin {
+    /// Run the step as planned.
+    Run,
+    /// Run it and drain the pipeline: it is the last step before a stop.
+    RunLast,
+    /// Stop before it.
+    Stop,
+}
+
+impl StopGate {
+    fn new(flag: Option<Arc<AtomicBool>>, flush_free: bool) -> Self {
+        StopGate { flag, flush_free, state: std::sync::Mutex::new((None, None)) }
+    }
+
+    /// Whether a worker may begin `step`, and whether it is the last.
+    fn begin(&self, step: usize) -> Begin {
+        let mut s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let asked = self.flag.as_ref().is_some_and(|f| f.load(Ordering::Relaxed));
+        if asked && s.1.is_none() {
+            let extra = usize::from(self.flush_free);
+            s.1 = Some(s.0.map_or(step, |begun| begun + 1 + extra));
+        }
+        match s.1 {
+            Some(stop) if step >= stop => return Begin::Stop,
+            _ => {}
+        }
+        s.0 = Some(s.0.map_or(step, |begun| begun.max(step)));
+        if s.1 == Some(step + 1) {
+            Begin::RunLast
+        } else {
+            Begin::Run
+        }
+    }
+
+    fn stopped(&self) -> bool {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).1.is_some()
+    }
+}
+
+/// What a worker thread tells the coordinator.
+enum Event {
+    Step(Box<StepReport>, Option<checkpoint::Shards>),
+    Failed(RunError),
+}
+
+/// What every worker of a run shares.
+struct Shared<'r> {
+    plan: &'r Plan,
+    data: &'r Dataset,
+    loaded: Option<&'r checkpoint::Loaded>,
+    gate: &'r StopGate,
+    abort: &'r AtomicBool,
+    /// Every worker's step times are measured from here.
+    epoch: Instant,
+    /// The steps this run trains (from a resumed checkpoint's on).
+    steps: Range<usize>,
+    /// Steps between checkpoints, when checkpoints are written.
+    every: Option<usize>,
+}
+
+/// Runs the workers of `devices` on this process with the given endpoints; used by the
+/// in-process transport (all devices) and by MPI (one device per process).
+pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
+    plan: &Plan,
+    options: &RunOptions,
+    placement: &Placement<B>,
+    endpoints: Vec<E>,
+    abort: Arc<AtomicBool>,
+    on_step: &mut dyn FnMut(&StepMetrics),
+    sink: &mut CheckpointSink<'_>,
+) -> Result<RunReport, RunError> {
+    let data = Dataset::for_plan(plan).map_err(ExecError::Data)?;
+    let loaded = options.resume.as_ref().map(Resume::load).transpose().map_err(ExecError::Checkpoint)?;
+    if let Some(l) = &loaded {
+        l.check_fits(plan).map_err(ExecError::Checkpoint)?;
+    }
+    if let Some(dir) = &options.checkpoint_dir {
+        checkpoint::clean_abandoned(dir);
+    }
+    let first_step = loaded.as_ref().map(|l| l.completed_steps).unwrap_or(0);
+    let total_steps = options.steps.unwrap_or(plan.training.steps);
+    if total_steps == 0 {
+        return Err(RunError::setup("the run has 0 steps: nothing to train"));
+    }
+    if first_step >= total_steps {
+        return Err(ExecError::Checkpoint(format!(
+            "the checkpoint has completed {first_step} step(s) and this run is {total_steps} step(s) long: nothing is left to train (raise `--steps` or `training.steps`)"
+        ))
+        .into());
+    }
+    let gate = StopGate::new(options.stop.clone(), plan.flush_free.is_some());
+    let shared = Shared {
+        plan,
+        data: &data,
+        loaded: loaded.as_deref(),
+        gate: &gate,
+        abort: &abort,
+        epoch: Instant::now(),
+        steps: first_step..total_steps,
+        every: plan.training.checkpoint_every.filter(|_| options.checkpoint_dir.is_some()),
+    };
+    let mut coordinator = Coordinator {
+        plan,
+        workers: endpoints.len(),
+        pending: BTreeMap::new(),
+        carry: BTreeMap::new(),
+        first_error: None,
+        last_done: Instant::now(),
+        report: RunReport {
+            placement: placement.iter().map(|(d, (_, name))| (*d, name.clone())).collect(),
+            ..RunReport::default()
+        },
+    };
+    let (tx, rx) = channel::<Event>();
+    std::thread::scope(|scope| {
+        for ep in endpoints {
+            let (tx, shared) = (tx.clone(), &shared);
+            let dev = placement.get(&ep.device()).map(|p| p.0.clone());
+            scope.spawn(move || work::<B, E>(shared, ep, dev, &tx));
+        }
+        drop(tx);
+        for ev in rx {
+            match ev {
+                Event::Failed(e) => coordinator.failed(e, &abort),
+                Event::Step(r, ck) => coordinator.step_done(*r, ck, on_step, sink, &abort),
+            }
+        }
+    });
+    if let Some(e) = coordinator.first_error {
+        return Err(e);
+    }
+    let mut report = coordinator.report;
+    report.interrupted = gate.stopped() && report.steps.last().is_none_or(|s| s.step + 1 < total_steps);
+    Ok(report)
+}
+
+/// One device's worker thread: builds its stages (from the checkpoint, when resuming),
+/// starts its communication threads and runs its steps; a failure (or a panic) raises the
+/// abort flag and goes to the coordinator.
+fn work<B: ExecBackend, E: Endpoint + 'static>(shared: &Shared<'_>, ep: E, dev: Option<B::Device>, tx: &Sender<Event>) {
+    let (plan, device) = (shared.plan, ep.device());
+    let fail = |step: Option<usize>, index: Option<usize>, error: ExecError| {
+        let ins = index.and_then(|i| plan.instruction(device, i));
+        RunError {
+            device: Some(device),
+            stage: ins.map(pipec_plan::Instr::stage),
+            step,
+            instruction: ins.map(ToString::to_string),
+            error,
+        }
+    };
+    // the worker computes on this thread; its communication threads run beside it in this
+    // scope and end with it (on a failure, the abort flag stops any transfer they are
+    // blocked in)
+    let outcome = std::thread::scope(|comm_scope| {
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<(), RunError> {
+            let dev = dev.ok_or_else(|| {
+                fail(None, None, ExecError::Setup(format!("no compute device was assigned to {device}")))
+            })?;
+            let mut stages = build_stages::<B>(plan, device, &dev).map_err(|e| fail(None, None, e))?;
+            if let Some(l) = shared.loaded {
+                load_checkpoint(plan, &mut stages, l, &dev).map_err(|e| fail(None, None, e))?;
+            }
+            let comm = comm::Comm::start(comm_scope, ep, shared.epoch);
+            let stream = &plan.streams[&device];
+            let mut w = Worker::new(device, plan, stream, shared.data, comm, dev, stages, plan.schedule.reduce);
+            w.epoch = shared.epoch;
+            run_steps(shared, &mut w, tx, &fail)
+        }));
+        if !matches!(outcome, Ok(Ok(()))) {
+            shared.abort.store(true, Ordering::Relaxed);
+        }
+        outcome
+    });
+    let err = match outcome {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panicked".into());
+            Some(fail(None, None, ExecError::Panic(msg)))
+        }
+    };
+    if let Some(e) = err {
+        shared.abort.store(true, Ordering::Relaxed);
+        let _ = tx.send(Event::Failed(e));
+    }
+}
+
+/// A worker's steps, each reported to the coordinator (with the stages' checkpoint shards
+/// when one follows), until the last step, a stop, or another worker's failure.
+fn run_steps<B: ExecBackend>(
+    shared: &Shared<'_>,
+    w: &mut Worker<'_, B>,
+    tx: &Sender<Event>,
+    fail: &dyn Fn(Option<usize>, Option<usize>, ExecError) -> RunError,
+) -> Result<(), RunError> {
+    // a flush-free pipeline starts empty, and is drained by the last step and by every step
+    // a checkpoint follows (a checkpoint holds nothing in flight)
+    let mut filled = false;
+    for step in shared.steps.clone() {
+        let begin = shared.gate.begin(step);
+        if shared.abort.load(Ordering::Relaxed) || begin == Begin::Stop {
+            return Ok(());
+        }
+        let planned = step + 1 == shared.steps.end || shared.every.is_some_and(|k| (step + 1) % k == 0);
+        let drain = planned || begin == Begin::RunLast;
+        let segments = w.segments(filled, drain);
+        let r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
+        filled = !drain;
+        // a checkpoint follows the steps that drain as planned, when checkpoints are on
+        let ckpt = if shared.every.is_some() && planned {
+            Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
+        } else {
+            None
+        };
+        if tx.send(Event::Step(Box::new(r), ckpt)).is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// The coordinator's state: each step's reports until every worker has sent its own, then
+/// the step's metrics, trace and checkpoint.
+struct Coordinator<'r> {
+    plan: &'r Plan,
+    workers: usize,
+    pending: BTreeMap<usize, Vec<(StepReport, Option<checkpoint::Shards>)>>,
+    /// Losses computed ahead of their step (a flush-free step computes the next step's
+    /// first losses), by step.
+    carry: BTreeMap<usize, Vec<f32>>,
+    first_error: Option<RunError>,
+    last_done: Instant,
+    report: RunReport,
+}
+
+impl Coordinator<'_> {
+    /// A worker failed: stop everyone, and keep the root cause (a worker that was merely
+    /// stopped reports less).
+    fn failed(&mut self, e: RunError, abort: &AtomicBool) {
+        abort.store(true, Ordering::Relaxed);
+        if self.first_error.is_none()
+            || (!e.error.is_secondary() && self.first_error.as_ref().is_some_and(|f| f.error.is_secondary()))
+        {
+            self.first_error = Some(e);
+        }
+    }
+
+    /// A worker finished a step; once every worker has, the step is reported.
+    fn step_done(
+        &mut self,
+        r: StepReport,
+        ck: Option<checkpoint::Shards>,
+        on_step: &mut dyn FnMut(&StepMetrics),
+        sink: &mut CheckpointSink<'_>,
+        abort: &AtomicBool,
+    ) {
+        let step = r.step;
+        let entry = self.pending.entry(step).or_default();
+        entry.push((r, ck));
+        if entry.len() < self.workers {
+            return;
+        }
+        let reports = self.pending.remove(&step).unwrap_or_default();
+        let m = self.metrics(step, &reports);
+        on_step(&m);
+        self.report.steps.push(m);
+        self.merge_traces(&reports);
+        if reports.iter().any(|(_, c)| c.is_some()) {
+            match sink(step + 1, first_replicas_shards(reports)) {
+                Ok(Some(p)) => self.report.checkpoints.push(p),
+                Ok(None) => {}
+                Err(e) => self.failed(RunError { step: Some(step), ..e.into() }, abort),
+            }
+        }
+    }
+
+    /// A step's metrics: its loss (a loss belongs to its microbatch's step), and its time,
+    /// the slowest worker's.
+    fn metrics(&mut self, step: usize, reports: &[(StepReport, Option<checkpoint::Shards>)]) -> StepMetrics {
+        let plan = self.plan;
+        let n = plan.training.microbatches.max(1);
+        for (mb, l) in reports.iter().flat_map(|(r, _)| r.losses.iter()) {
+            self.carry.entry(*mb as usize / n).or_default().push(*l);
+        }
+        let losses: Vec<f32> = self.carry.remove(&step).unwrap_or_default();
+        self.carry.retain(|s, _| *s > step);
+        let loss_sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
+        let loss = if losses.is_empty() { f64::NAN } else { loss_sum / losses.len() as f64 };
+        let now = Instant::now();
+        let wall = now.duration_since(self.last_done).as_secs_f64();
+        self.last_done = now;
+        let step_seconds =
+            reports.iter().map(|(r, _)| r.step_seconds).fold(0.0, f64::max).min(wall.max(f64::MIN_POSITIVE));
+        StepMetrics {
+            step,
+            loss,
+            loss_sum,
+            loss_count: losses.len(),
+            step_seconds,
+            samples_per_s: plan.training.batch_size as f64 / step_seconds.max(1e-12),
+            perplexity: is_language_model(plan).then(|| loss.exp()),
+        }
+    }
+
+    /// The step's traces into the run's (the last step's in full, every step's timeline up
+    /// to `TIMELINE_LIMIT`), and the peaks of microbatches in flight and weight versions.
+    fn merge_traces(&mut self, reports: &[(StepReport, Option<checkpoint::Shards>)]) {
+        let report = &mut self.report;
+        report.trace =
+            reports.iter().flat_map(|(r, _)| r.trace.iter().map(move |t| (r.device, t.0, t.1, t.2))).collect();
+        for (r, _) in reports {
+            let room = TIMELINE_LIMIT.saturating_sub(report.comm_timeline.len());
+            report.comm_timeline.extend(r.comm.iter().take(room).map(|t| (r.device, r.step, t.0, t.1, t.2)));
+            let room = TIMELINE_LIMIT.saturating_sub(report.timeline.len());
+            report
+                .timeline
+                .extend(r.trace.iter().take(room).map(|t| (r.device, r.step, t.0, r.started + t.1, r.started + t.2)));
+            for (peaks, of) in
+                [(&mut report.peak_in_flight, &r.peak_in_flight), (&mut report.peak_versions, &r.peak_versions)]
+            {
+                let e = peaks.entry(r.device).or_default();
+                for (s, n) in of {
+                    let p = e.entry(*s).or_insert(0);
+                    *p = (*p).max(*n);
+                }
+            }
+        }
+    }
+}
+
+/// The step's checkpoint: each stage's shard from its first replica (the lowest device):
+/// replicas of a synchronous stage hold the same state, and under asynchronous data
+/// parallelism the first replica is the parameter server, the only one whose optimizer
+/// state is live.
+fn first_replicas_shards(mut reports: Vec<(StepReport, Option<checkpoint::Shards>)>) -> checkpoint::Shards {
+    reports.sort_by_key(|(r, _)| r.device);
+    let mut stages = HashMap::new();
+    for (_, c) in reports {
+        for (s, st) in c.unwrap_or_default() {
+            stages.entry(s).or_insert(st);
+        }
+    }
+    stages
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn asked() -> Arc<AtomicBool> {
+        Arc::new(AtomicBool::new(false))
+    }
+
+    #[test]
+    fn a_stop_ends_a_flushed_run_at_the_first_step_no_worker_began() {
+        let flag = asked();
+        let gate = StopGate::new(Some(flag.clone()), false);
+        assert_eq!(gate.begin(0), Begin::Run);
+        assert_eq!(gate.begin(1), Begin::Run);
+        flag.store(true, Ordering::Relaxed);
+        // a worker still at step 0 finishes the steps another has begun (the last), and no more
+        assert_eq!(gate.begin(1), Begin::RunLast);
+        assert_eq!(gate.begin(2), Begin::Stop);
+        assert!(gate.stopped());
+    }
+
+    #[test]
+    fn a_stop_drains_a_flush_free_pipeline_on_the_step_after_the_last_begun() {
+        let flag = asked();
+        let gate = StopGate::new(Some(flag.clone()), true);
+        assert_eq!(gate.begin(0), Begin::Run);
+        assert_eq!(gate.begin(1), Begin::Run);
+        flag.store(true, Ordering::Relaxed);
+        // step 1 was begun without draining: step 2 drains, every worker runs it as the last
+        assert_eq!(gate.begin(1), Begin::Run);
+        assert_eq!(gate.begin(2), Begin::RunLast);
+        assert_eq!(gate.begin(2), Begin::RunLast);
+        assert_eq!(gate.begin(3), Begin::Stop);
+    }
+}
