@@ -45,7 +45,7 @@ OUT="$GPU_CHECK_DIR/gpu-check" bash scripts/gpu-check.sh run --dry --bin "$CARGO
 rm -rf "$GPU_CHECK_DIR"
 
 echo "== example specs check clean"
-"$CARGO_TARGET_DIR/debug/pipec" check specs/*.yaml bench/specs/*.yaml bench/specs/megatron/*.yaml
+"$CARGO_TARGET_DIR/debug/pipec" check specs/*.yaml bench/specs/*.yaml bench/specs/megatron/*.yaml bench/specs/published/*.yaml
 
 echo "== language server driven by an independent client (pytest-lsp, PyPI)"
 VENV="${PIPEC_VENV:-$HOME/.cache/pipec-venv}"
@@ -57,7 +57,7 @@ echo "== the committed JSON Schema against the specs (ajv-cli, npm)"
 NODE_DIR="${PIPEC_NODE_DIR:-$HOME/.cache/pipec-node}"
 [ -x "$NODE_DIR/node_modules/.bin/ajv" ] || { mkdir -p "$NODE_DIR" && npm install --prefix "$NODE_DIR" --silent --no-audit --no-fund ajv-cli@5; }
 AJV="$NODE_DIR/node_modules/.bin/ajv"
-"$AJV" validate --spec=draft2020 --strict=false --all-errors -s schema/pipec.schema.json -d "specs/*.yaml"
+"$AJV" validate --spec=draft2020 --strict=false --all-errors -s schema/pipec.schema.json -d "specs/*.yaml" -d "bench/specs/published/*.yaml"
 if "$AJV" validate --spec=draft2020 --strict=false -s schema/pipec.schema.json -d specs/invalid/unknown-key-strategy.yaml >/dev/null 2>&1; then
   echo "ajv accepted a spec with an unknown key" >&2
   exit 1

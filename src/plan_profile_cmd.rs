@@ -114,8 +114,8 @@ pub fn run(file: &Path, a: &PlanProfileArgs) -> u8 {
         nodes: a.nodes,
         per_node: a.devices_per_node,
         memory_capacity: memory,
-        intra: Link { bandwidth: intra, latency: 0.0 },
-        inter: Link { bandwidth: inter, latency: 0.0 },
+        intra: Link::new(intra, 0.0),
+        inter: Link::new(inter, 0.0),
     };
     let input = chain.input(&machines, sync);
     let start = Instant::now();

@@ -51,8 +51,8 @@ fn planner() {
         machines_per_node: 8,
         memory_capacity: 80e9,
         sync: WeightSync::PerStep { microbatches: 64 },
-        intra: Link { bandwidth: 300e9, latency: 5e-6 },
-        inter: Link { bandwidth: 25e9, latency: 10e-6 },
+        intra: Link::new(300e9, 5e-6),
+        inter: Link::new(25e9, 10e-6),
     };
     let (t, plan) = time(5, || auto(&input).expect("plans"));
     println!(
@@ -535,12 +535,14 @@ fn megatron() {
                         Recompute::Off => String::new(),
                         Recompute::All => ", recompute".into(),
                         Recompute::Stages(v) => format!(", recompute {} of {} stages", v.len(), c.pp() * c.chunks),
+                        Recompute::Selective => ", selective recompute".into(),
                     }
                 );
                 let share = match &c.recompute {
                     Recompute::Off => 0.0,
                     Recompute::All => 1.0,
                     Recompute::Stages(v) => v.len() as f64 / (c.pp() * c.chunks).max(1) as f64,
+                    Recompute::Selective => 0.0,
                 };
                 (what, p.step_s, share)
             });
@@ -577,6 +579,67 @@ fn megatron() {
     }
 }
 
+/// The cost and memory model against published runs (bench/specs/published; the bounds are
+/// tests/fidelity.rs's): per row, the published figure, the prediction and the error.
+fn fidelity() {
+    use pipec_compiler::fidelity::{predict_source, read_published, relative_error};
+    println!("## fidelity");
+    let folder = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/published");
+    let table = std::fs::read_to_string(folder.join("published.csv")).expect("bench/specs/published/published.csv");
+    let rows = read_published(&table).expect("the published table");
+    println!("| spec | published step (s) | pipec (s) | error | published state / activations (GiB) | pipec (GiB) | errors | predict time |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let (mut steps, mut memory) = (Vec::new(), Vec::new());
+    for row in &rows {
+        let source = std::fs::read_to_string(folder.join(&row.spec)).expect("the row's spec");
+        let started = Instant::now();
+        let p = match predict_source(&source, Some(&folder)) {
+            Ok(p) => p,
+            Err(e) => {
+                println!("| {} | did not compile: {e} |", row.spec);
+                continue;
+            }
+        };
+        let seconds = started.elapsed().as_secs_f64();
+        let opt = |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |v| format!("{v:.digits$}"));
+        let step = row.step_s.map(|s| relative_error(p.step_s, s));
+        steps.extend(step);
+        let state = row.model_state_gib.map(|s| relative_error(p.model_state_gib, s));
+        let act = row.activations_gib.map(|s| relative_error(p.activations_gib, s));
+        memory.extend(state.iter().chain(act.iter()).copied());
+        let pct = |e: Option<f64>| e.map_or("-".to_string(), |e| format!("{:+.1}%", e * 100.0));
+        println!(
+            "| {} | {} | {:.3} | {} | {} / {} | {:.2} / {:.2} | {} / {} | {:.0} ms |",
+            row.spec.trim_end_matches(".yaml"),
+            opt(row.step_s, 3),
+            p.step_s,
+            pct(step),
+            opt(row.model_state_gib, 2),
+            opt(row.activations_gib, 2),
+            p.model_state_gib,
+            p.activations_gib,
+            pct(state),
+            pct(act),
+            seconds * 1e3,
+        );
+    }
+    let summary = |v: &[f64]| {
+        let mean = v.iter().map(|e| e.abs()).sum::<f64>() / v.len().max(1) as f64;
+        let worst = v.iter().map(|e| e.abs()).fold(0.0, f64::max);
+        let bias = v.iter().sum::<f64>() / v.len().max(1) as f64;
+        format!(
+            "{} rows: mean |error| {:.2}%, worst {:.2}%, mean {:+.2}%",
+            v.len(),
+            mean * 100.0,
+            worst * 100.0,
+            bias * 100.0
+        )
+    };
+    println!();
+    println!("iteration times: {}", summary(&steps));
+    println!("memory figures: {}", summary(&memory));
+}
+
 /// The allocator the `pipec` binary uses, so the executor numbers are the binary's.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -609,5 +672,8 @@ fn main() {
     }
     if what == "executor" || what == "all" {
         executor();
+    }
+    if what == "fidelity" || what == "all" {
+        fidelity();
     }
 }

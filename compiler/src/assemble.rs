@@ -72,8 +72,9 @@ pub(crate) fn assemble(
             backward_s: stages.times[s].1,
             update_s: stages.update[s],
             recompute: layout.recompute[s],
+            selective_recompute: spec.strategy.recompute.selective(),
             activation_bytes_per_microbatch: if layout.recompute[s] {
-                stages.bytes[s].input_per_microbatch
+                stages.bytes[s].checkpoint_per_microbatch
             } else {
                 stages.bytes[s].activations_per_microbatch
             },
@@ -130,6 +131,7 @@ pub(crate) fn assemble(
             input: spec.model.input.clone(),
             loss: spec.model.loss,
             token_vocab: spec.model.token_vocab(),
+            attention: spec.model.attention,
         },
         training: training_plan(spec, model.microbatch_size, options),
         schedule: ScheduleInfo {
@@ -139,6 +141,7 @@ pub(crate) fn assemble(
             weight_versions,
             reduce: strategy.schedule.reduce,
             staleness: lowered.asp.then_some(strategy.schedule.staleness),
+            sequence_parallel: strategy.sequence_parallel,
         },
         partition: layout.notation,
         stages: stage_plans,
@@ -172,6 +175,7 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
             }
         },
         precision: t.precision,
+        grad_precision: t.grad_precision,
         seed: t.seed,
         data: match &t.data {
             Data::Synthetic { task, samples } => DataPlan::Synthetic { task: *task, samples: *samples },

@@ -47,7 +47,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let model = &*model;
     let placement = place(spec, &layout, &model.cluster)?;
     let stages = stage_figures(spec, model, &layout);
-    let cost = PlanCost::new(spec, model, &layout, &stages, HashMap::new());
+    let cost = PlanCost::new(spec, model, &stages, HashMap::new());
     let kind = spec.strategy.schedule.kind;
     let split = kind.splits_backward();
     // a later stage sends its gradient after its input-gradient pass
@@ -88,7 +88,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let all_reduce: Vec<Option<f64>> = (0..n_stages)
         .map(|s| {
             let members = &placement.replicas[s];
-            (members.len() > 1).then(|| cost.reduce_time(members, stages.bytes[s].weights))
+            (members.len() > 1).then(|| cost.reduce_time(members, stages.bytes[s].gradients))
         })
         .collect();
     let flush = !(matches!(kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)
@@ -133,7 +133,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             let recompute = if layout.recompute[s] { forward[s] } else { 0.0 };
             load += n * (forward[s] + backward + recompute);
             let b = &stages.bytes[s];
-            state += (2 * b.weights + b.optimizer) as f64;
+            state += (b.weights + b.gradients + b.optimizer) as f64;
         }
         let (head, tail) = if flush {
             let upstream = |v: &[f64]| held.iter().map(|&c| v[..c].iter().sum::<f64>()).fold(f64::INFINITY, f64::min);

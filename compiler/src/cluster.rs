@@ -1,8 +1,13 @@
-//! The cluster as the compiler sees it: devices grouped into nodes, and the α-β cost of
-//! moving bytes between two devices or reducing them over a group.
+//! The cluster as the compiler sees it: devices grouped into nodes, what one device can do
+//! (`pipec_plan::device::DeviceModel`), and the cost of moving bytes between two devices or
+//! running a collective over a group, as NCCL runs them: a ring inside a level, α per step
+//! and the bytes at the link's bus bandwidth (`Link::efficiency` of its line rate); across
+//! nodes, hierarchically — within each node, then across nodes on every device's own
+//! network interface at once (a ring per rail), then within each node again.
 
 use pipec_grammar::spec::{Cluster, Link};
-use pipec_plan::DeviceId;
+use pipec_plan::device::DeviceModel;
+use pipec_plan::{CollectiveKind, DeviceId};
 
 /// The link level between two devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -18,7 +23,7 @@ pub struct ClusterGraph {
     pub nodes: usize,
     pub devices_per_node: usize,
     pub memory: f64,
-    pub throughput: f64,
+    pub device: DeviceModel,
     pub intra: Link,
     pub inter: Link,
 }
@@ -29,7 +34,7 @@ impl ClusterGraph {
             nodes: c.nodes,
             devices_per_node: c.devices_per_node,
             memory: c.memory,
-            throughput: c.throughput,
+            device: c.device.clone(),
             intra: c.intra_node,
             inter: c.inter_node.unwrap_or(c.intra_node),
         }
@@ -80,13 +85,68 @@ impl ClusterGraph {
     }
 }
 
-/// Ring all-reduce of `bytes` over `p` members on `link`: 2(p−1)α + 2(p−1)/p · n · β.
-pub fn ring_allreduce_time(link: Link, p: usize, bytes: u64) -> f64 {
+impl ClusterGraph {
+    /// Seconds of a collective of `kind` over `members`, `bytes` per member (an all-reduce's
+    /// or a reduce-scatter's input, an all-gather's output): a ring when the group is inside
+    /// one level; across nodes with several members per node, hierarchical — a reduce-scatter
+    /// inside each node, the collective of each member's 1/k share across nodes on every
+    /// member's own interface at once (k members per node), an all-gather inside each node.
+    pub fn collective_time(&self, kind: CollectiveKind, members: &[DeviceId], bytes: u64) -> f64 {
+        let p = members.len();
+        if p <= 1 {
+            return 0.0;
+        }
+        let mut per_node: std::collections::BTreeMap<u32, usize> = std::collections::BTreeMap::new();
+        for &d in members {
+            *per_node.entry(self.node_of(d)).or_insert(0) += 1;
+        }
+        let (q, k) = (per_node.len(), per_node.values().copied().max().unwrap_or(1));
+        let n = bytes as f64;
+        if q == 1 {
+            return ring_time(kind, self.intra, p, n);
+        }
+        if k == 1 {
+            return ring_time(kind, self.inter, p, n);
+        }
+        let share = n / k as f64;
+        match kind {
+            CollectiveKind::AllReduce => {
+                ring_time(CollectiveKind::ReduceScatter, self.intra, k, n)
+                    + ring_time(CollectiveKind::AllReduce, self.inter, q, share)
+                    + ring_time(CollectiveKind::AllGather, self.intra, k, n)
+            }
+            CollectiveKind::ReduceScatter => {
+                ring_time(CollectiveKind::ReduceScatter, self.intra, k, n)
+                    + ring_time(CollectiveKind::ReduceScatter, self.inter, q, share)
+            }
+            CollectiveKind::AllGather => {
+                ring_time(CollectiveKind::AllGather, self.inter, q, share)
+                    + ring_time(CollectiveKind::AllGather, self.intra, k, n)
+            }
+        }
+    }
+}
+
+/// A ring collective of `bytes` per member over `p` members on `link`: an all-reduce is
+/// 2(p−1) steps moving 2(p−1)/p of the bytes, a reduce-scatter or all-gather (p−1) steps
+/// moving (p−1)/p of them; α per step, the bytes at the link's bus bandwidth.
+pub fn ring_time(kind: CollectiveKind, link: Link, p: usize, bytes: f64) -> f64 {
     if p <= 1 {
         return 0.0;
     }
-    let p = p as f64;
-    2.0 * (p - 1.0) * link.latency + 2.0 * (p - 1.0) / p * bytes as f64 / link.bandwidth
+    let steps = (p - 1) as f64;
+    let share = steps / p as f64;
+    let rate = link.bandwidth * link.efficiency;
+    match kind {
+        CollectiveKind::AllReduce => 2.0 * steps * link.latency + 2.0 * share * bytes / rate,
+        CollectiveKind::ReduceScatter | CollectiveKind::AllGather => steps * link.latency + share * bytes / rate,
+    }
+}
+
+/// Ring all-reduce of `bytes` over `p` members on `link`: 2(p−1)α + 2(p−1)/p · n · β (at the
+/// link's bus bandwidth).
+pub fn ring_allreduce_time(link: Link, p: usize, bytes: u64) -> f64 {
+    ring_time(CollectiveKind::AllReduce, link, p, bytes as f64)
 }
 
 /// A central parameter server: every worker pushes its gradient and pulls the result, and
@@ -102,9 +162,43 @@ pub fn parameter_server_time(link: Link, p: usize, bytes: u64) -> f64 {
 mod tests {
     use super::*;
 
+    fn cluster(nodes: usize, per_node: usize) -> ClusterGraph {
+        ClusterGraph {
+            nodes,
+            devices_per_node: per_node,
+            memory: 1e9,
+            device: DeviceModel::uniform("x", 1e9, 1e12),
+            intra: Link { bandwidth: 300e9, latency: 3e-6, efficiency: 0.75 },
+            inter: Link { bandwidth: 25e9, latency: 6e-6, efficiency: 0.9 },
+        }
+    }
+
+    #[test]
+    fn collectives_inside_a_node_are_rings_and_across_nodes_hierarchical() {
+        let c = cluster(2, 8);
+        let n = 1e9;
+        let ids = |r: std::ops::Range<u32>| r.map(DeviceId).collect::<Vec<_>>();
+        // 8 members in one node: the intra ring, at 0.75 of 300 GB/s
+        let one = c.collective_time(CollectiveKind::AllReduce, &ids(0..8), n as u64);
+        assert!((one - (14.0 * 3e-6 + 2.0 * 7.0 / 8.0 * n / 225e9)).abs() < 1e-12, "{one}");
+        // one member per node: the inter ring
+        let two = c.collective_time(CollectiveKind::AllReduce, &[DeviceId(0), DeviceId(8)], n as u64);
+        assert!((two - (2.0 * 6e-6 + n / 22.5e9)).abs() < 1e-12, "{two}");
+        // 16 members over 2 nodes: reduce-scatter in the node, all-reduce of an eighth on
+        // each rail, all-gather in the node — far below a flat ring on the slower link
+        let all = c.collective_time(CollectiveKind::AllReduce, &ids(0..16), n as u64);
+        let rs = 7.0 * 3e-6 + 7.0 / 8.0 * n / 225e9;
+        assert!((all - (2.0 * rs + 2.0 * 6e-6 + (n / 8.0) / 22.5e9)).abs() < 1e-12, "{all}");
+        assert!(all < ring_allreduce_time(c.inter, 16, n as u64) / 4.0);
+        // reduce-scatter then all-gather costs the all-reduce
+        let rs = c.collective_time(CollectiveKind::ReduceScatter, &ids(0..16), n as u64);
+        let ag = c.collective_time(CollectiveKind::AllGather, &ids(0..16), n as u64);
+        assert!((rs + ag - all).abs() < 1e-9, "{rs} + {ag} vs {all}");
+    }
+
     #[test]
     fn ring_allreduce_closed_form() {
-        let l = Link { bandwidth: 1e9, latency: 1e-5 };
+        let l = Link::new(1e9, 1e-5);
         // 4 members, 1 GB: 6α + 1.5 s
         let t = ring_allreduce_time(l, 4, 1_000_000_000);
         assert!((t - (6.0 * 1e-5 + 1.5)).abs() < 1e-12);

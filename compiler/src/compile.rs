@@ -74,7 +74,7 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         tensor_parallel_copies(&mut lowered, spec.strategy.tp.max(1));
         verify_lowered(spec, &placement, &lowered)?;
         let devices = model.cluster.devices();
-        let simulated = simulate_plan(spec, &model, &layout, &stages, &lowered, &devices)?;
+        let simulated = simulate_plan(spec, &model, &stages, &lowered, &devices)?;
         let (devices, diagnostics) =
             check_memory(spec, &model, &placement, &stages, &lowered, simulated.bubble, &devices);
         let plan = assemble(spec, options, &model, layout, &placement, &stages, lowered, &simulated, devices);

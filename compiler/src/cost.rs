@@ -1,39 +1,96 @@
-//! The cost model: per operator parameters, FLOPs, bytes kept for the backward and output
-//! bytes; time = FLOPs / device throughput unless a measured profile replaces it.
+//! The cost model: what each layer costs on one device, per microbatch.
+//!
+//! Every layer's forward and backward are decomposed into kernels — matrix products, and
+//! memory-bound element-wise work (norms, softmax, activations, dropout, adds, embedding
+//! gathers) — each priced on the resource it is bound by (`DeviceModel::matrix_time`,
+//! `DeviceModel::vector_time`: the slower of its FLOPs at the device's rate for its
+//! precision and kind, and its bytes at the memory bandwidth, each at the efficiency of a
+//! kernel that size, plus a launch). A transformer block is Megatron-LM's: QKV projection,
+//! attention (scores, softmax, dropout, weighted sum; or one fused FlashAttention kernel),
+//! output projection, two layer norms, the MLP with its GeLU, two dropout-residual adds.
+//!
+//! Tensor parallelism divides only what it splits (`pipec_plan::model::tp_splits`, the rule
+//! the executor builds by): a transformer block's products and attention, a column/row
+//! pair of linear layers; every other layer runs whole on each rank. A split layer's
+//! collectives (Megatron's all-reduces, or with sequence parallelism reduce-scatters and
+//! all-gathers) are listed per pass for the plan's cost model to price on the group's link.
 //!
 //! Activation accounting follows what autograd keeps: the input of every operator with
 //! weights or a non-linearity, a one-byte mask for dropout, nothing for `flatten`; for a
-//! transformer block the per-layer accounting of Korthikanti et al. 2022,
-//! 34·s·h + 5·a·s² bytes per sample at 16-bit, scaled to the spec's precision.
+//! transformer block Korthikanti et al. 2022 (34·s·h + 5·a·s² bytes per sample at 16-bit,
+//! (10 + 24/t)·s·h + 5·a·s²/t with tensor parallelism t, (34·s·h + 5·a·s²)/t with sequence
+//! parallelism), the 5·a·s² attention core dropped by flash attention or selective
+//! recompute. The optimizer step is priced as the memory traffic it is.
 
-use pipec_plan::model::Op;
+use pipec_plan::device::DeviceModel;
+use pipec_plan::model::{Op, TpSplit};
+use pipec_plan::vocab::{Attention, Loss, OptimizerKind, Precision};
+use pipec_plan::CollectiveKind;
 
 use crate::ir::{Graph, OpNode};
 
-/// What one layer costs, per microbatch of `microbatch_size` samples.
+/// What one layer costs, per microbatch of `microbatch_size` samples, on one
+/// tensor-parallel rank.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerCost {
+    /// The whole layer's FLOPs per sample (all ranks together), for reports.
     pub forward_flops_per_sample: f64,
     pub backward_flops_per_sample: f64,
+    /// The forward's kernels (and the spec's per-pass `overhead`).
     pub forward_s: f64,
+    /// The backward's kernels (input and weight gradients).
     pub backward_s: f64,
-    /// One optimizer update of the layer's parameters. The analytic model leaves it at 0
-    /// (memory-bound work the spec's FLOP rate says nothing about, and the closed forms of
-    /// the schedules have no term for it); a profile measures it.
+    /// What selective recompute adds to the backward: the attention core's forward again.
+    pub selective_s: f64,
+    /// The tensor-parallel collectives a forward and a backward wait for: (kind, bytes
+    /// per member) over the layer's group.
+    pub tp_forward: Vec<(CollectiveKind, u64)>,
+    pub tp_backward: Vec<(CollectiveKind, u64)>,
+    /// One optimizer update of the layer's parameters on one rank (its memory traffic).
     pub update_s: f64,
+    /// The layer's parameters, whole.
     pub parameters: u64,
+    /// The parameters one tensor-parallel rank holds.
+    pub shard_parameters: u64,
+    /// Bytes of the parameters one rank holds, at the training precision.
     pub parameter_bytes: u64,
-    /// Bytes kept for the backward, per sample.
+    /// Bytes kept for the backward, per sample, on one rank.
     pub activation_bytes_per_sample: u64,
-    /// Bytes of the output, per sample.
+    /// The part of those that selective recompute drops (a block's attention core).
+    pub attention_core_bytes_per_sample: u64,
+    /// Bytes of the output, per sample (whole).
     pub output_bytes_per_sample: u64,
+    /// The last layer only: bytes the loss keeps for its backward, per sample, on one rank
+    /// (the log-probabilities; with the vocabulary split, this rank's part, in fp32 as
+    /// Megatron-LM's vocabulary-parallel cross-entropy keeps them).
+    pub loss_input_bytes_per_sample: u64,
+}
+
+/// What pricing a layer needs besides the layer.
+#[derive(Debug, Clone)]
+pub struct CostContext<'a> {
+    pub device: &'a DeviceModel,
+    pub precision: Precision,
+    /// The precision gradients are accumulated in (the optimizer reads them).
+    pub grad_precision: Precision,
+    pub optimizer: OptimizerKind,
+    pub loss: Loss,
+    /// Samples per microbatch.
+    pub microbatch: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    pub sequence_parallel: bool,
+    pub attention: Attention,
+    /// Seconds a layer's forward costs beyond its kernels (its backward twice that): the
+    /// spec's `overhead`, framework work per pass.
+    pub overhead: f64,
 }
 
 fn numel(shape: &[usize]) -> f64 {
     shape.iter().product::<usize>() as f64
 }
 
-/// Forward FLOPs per sample.
+/// Forward FLOPs per sample of the whole layer.
 pub fn forward_flops(node: &OpNode) -> f64 {
     let out = numel(&node.output_shape);
     let inp = numel(&node.input_shape);
@@ -83,9 +140,16 @@ pub fn backward_flops(node: &OpNode) -> f64 {
     }
 }
 
-/// Bytes kept for the backward, per sample.
+/// Bytes kept for the backward, per sample, of the whole layer (one rank of no
+/// tensor parallelism, standard attention).
 pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
-    let p = precision_bytes as f64;
+    let (kept, _) = kept_bytes(node, precision_bytes as f64, 1, false, Attention::Standard);
+    kept as u64
+}
+
+/// Bytes one rank keeps for the backward per sample, and the part of them that is a
+/// transformer block's attention core (what selective recompute drops).
+fn kept_bytes(node: &OpNode, p: f64, tp: usize, sp: bool, attention: Attention) -> (f64, f64) {
     let inp = numel(&node.input_shape);
     let bytes = match node.op {
         // the gradient passes through unchanged (add) or is sliced (concat, flatten)
@@ -101,35 +165,333 @@ pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
         Op::Embedding { .. } => inp * 8.0, // token ids
         Op::TransformerBlock { d_model, heads, .. } => {
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
-            (34.0 * s * d_model as f64 + 5.0 * heads as f64 * s * s) * p / 2.0
+            let (h, a, t) = (d_model as f64, heads as f64, tp.max(1) as f64);
+            let sh = s * h;
+            // values (p bytes) and one-byte dropout masks outside the split products: the
+            // QKV and MLP inputs, the two layer norms' inputs (4·s·h) and two masks (2·s·h)
+            // — split along the sequence with sequence parallelism
+            let whole = 4.0 * sh * p + 2.0 * sh;
+            let whole = if sp { whole / t } else { whole };
+            // inside the split products: Q, K, V, the projection's input, the GeLU's and the
+            // second linear's inputs (12·s·h values)
+            let split = 12.0 * sh * p / t;
+            // the attention core: softmax and dropout outputs (2·a·s² values), its mask
+            let core = match attention {
+                Attention::Standard => (2.0 * a * s * s * p + a * s * s) / t,
+                Attention::Flash => 0.0,
+            };
+            return (whole + split + core, core);
         }
         _ => inp * p,
     };
-    bytes as u64
+    (bytes, 0.0)
 }
 
-/// Costs every layer of the graph analytically.
-pub fn analytic_costs(graph: &Graph, throughput: f64, overhead: f64, microbatch_size: usize) -> Vec<LayerCost> {
+/// The kernels of one pass, priced on the device: seconds so far.
+struct Kernels<'a> {
+    device: &'a DeviceModel,
+    precision: Precision,
+    p: f64,
+    seconds: f64,
+}
+
+impl Kernels<'_> {
+    /// A matrix product of `flops` moving `values` values.
+    fn matrix(&mut self, flops: f64, values: f64) {
+        self.seconds += self.device.matrix_time(flops, values * self.p, self.precision);
+    }
+    /// An element-wise kernel of `flops` moving `values` values and `mask` one-byte values.
+    fn vector(&mut self, flops: f64, values: f64, mask: f64) {
+        self.seconds += self.device.vector_time(flops, values * self.p + mask);
+    }
+}
+
+/// A layer's forward and backward kernels, and the selective-recompute addition.
+struct Priced {
+    forward: f64,
+    backward: f64,
+    selective: f64,
+}
+
+/// Prices one layer's passes on one rank.
+fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Priced {
+    let b = cx.microbatch.max(1) as f64;
+    let p = cx.precision.bytes() as f64;
+    let new = || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0 };
+    let (mut fwd, mut bwd, mut sel) = (new(), new(), new());
+    let inp = numel(&node.input_shape) * b;
+    let out = numel(&node.output_shape) * b;
+    let t = t_of(split, cx.tp);
+    match node.op {
+        Op::Linear { in_features, out_features, .. } => {
+            let rows = inp / in_features as f64;
+            let (i, o) = (in_features as f64, out_features as f64);
+            let flops = 2.0 * rows * i * o / t;
+            let values = rows * i / if split == TpSplit::Row { t } else { 1.0 }
+                + i * o / t
+                + rows * o / if matches!(split, TpSplit::Column | TpSplit::Vocab) { t } else { 1.0 };
+            fwd.matrix(flops, values);
+            // the input gradient and the weight gradient
+            bwd.matrix(flops, values);
+            bwd.matrix(flops, values);
+        }
+        Op::Conv2d { in_channels, out_channels, kernel, .. } => {
+            let flops = forward_flops(node) * b;
+            let weights = (in_channels * out_channels * kernel * kernel) as f64;
+            fwd.matrix(flops, inp + weights + out);
+            bwd.matrix(flops, inp + weights + out);
+            bwd.matrix(flops, inp + weights + out);
+        }
+        Op::Lstm { input, hidden } => {
+            let steps = node.input_shape.first().copied().unwrap_or(1).max(1);
+            let (i, h) = (input as f64, hidden as f64);
+            for _ in 0..steps {
+                fwd.matrix(2.0 * b * 4.0 * h * (i + h), b * (i + h) + 4.0 * h * (i + h) + 4.0 * h * b);
+                fwd.vector(30.0 * h * b, 8.0 * h * b, 0.0);
+                bwd.matrix(2.0 * b * 4.0 * h * (i + h), b * (i + h) + 4.0 * h * (i + h) + 4.0 * h * b);
+                bwd.matrix(2.0 * b * 4.0 * h * (i + h), b * (i + h) + 4.0 * h * (i + h) + 4.0 * h * b);
+                bwd.vector(30.0 * h * b, 12.0 * h * b, 0.0);
+            }
+        }
+        Op::TransformerBlock { d_model, heads, d_ff, causal } => {
+            let s = node.input_shape.first().copied().unwrap_or(1) as f64;
+            let (h, a, f) = (d_model as f64, heads as f64, d_ff as f64);
+            let e = b * s * h;
+            let el = if cx.sequence_parallel { e / t } else { e };
+            let ef = b * s * f / t;
+            let eatt = b * (a / t) * s * s;
+            let core_flops = 2.0 * b * s * s * h / t;
+            // the attention core's forward (standard attention): scores, softmax (with the
+            // causal mask), dropout, weighted sum
+            let core = |k: &mut Kernels<'_>| {
+                k.matrix(core_flops, 2.0 * e / t + eatt);
+                k.vector(5.0 * eatt, 2.0 * eatt, 0.0);
+                k.vector(2.0 * eatt, 2.0 * eatt, eatt);
+                k.matrix(core_flops, eatt + 2.0 * e / t);
+            };
+            let projections = [
+                (2.0 * b * s * h * 3.0 * h / t, e + 3.0 * h * h / t + 3.0 * e / t),
+                (2.0 * b * s * h * h / t, e / t + h * h / t + e),
+                (2.0 * b * s * h * f / t, e + h * f / t + ef),
+                (2.0 * b * s * f * h / t, ef + f * h / t + e),
+            ];
+            // forward: LN, QKV, attention, projection, bias-dropout-add, LN, MLP, add
+            fwd.vector(5.0 * el, 2.0 * el, 0.0);
+            fwd.matrix(projections[0].0, projections[0].1);
+            // FlashAttention skips the masked half of a causal product (Dao 2023)
+            let flash_flops = 2.0 * core_flops * if causal { 0.5 } else { 1.0 };
+            match cx.attention {
+                Attention::Standard => core(&mut fwd),
+                Attention::Flash => fwd.matrix(flash_flops, 4.0 * e / t),
+            }
+            fwd.matrix(projections[1].0, projections[1].1);
+            fwd.vector(3.0 * el, 3.0 * el, el);
+            fwd.vector(5.0 * el, 2.0 * el, 0.0);
+            fwd.matrix(projections[2].0, projections[2].1);
+            fwd.vector(10.0 * ef, 2.0 * ef, 0.0);
+            fwd.matrix(projections[3].0, projections[3].1);
+            fwd.vector(3.0 * el, 3.0 * el, el);
+            // backward: every product twice (input and weight gradients), the element-wise
+            // kernels reading their input and the incoming gradient
+            for (flops, values) in projections {
+                bwd.matrix(flops, values);
+                bwd.matrix(flops, values);
+            }
+            match cx.attention {
+                Attention::Standard => {
+                    for _ in 0..4 {
+                        bwd.matrix(core_flops, eatt + 2.0 * e / t);
+                    }
+                    bwd.vector(4.0 * eatt, 3.0 * eatt, 0.0);
+                    bwd.vector(eatt, 2.0 * eatt, eatt);
+                    core(&mut sel);
+                }
+                // the fused backward recomputes the scores: 2.5× the forward's products
+                // (Dao et al. 2022)
+                Attention::Flash => bwd.matrix(2.5 * flash_flops, 8.0 * e / t),
+            }
+            bwd.vector(8.0 * el, 3.0 * el, 0.0);
+            bwd.vector(8.0 * el, 3.0 * el, 0.0);
+            bwd.vector(10.0 * ef, 3.0 * ef, 0.0);
+            bwd.vector(2.0 * el, 2.0 * el, el);
+            bwd.vector(2.0 * el, 2.0 * el, el);
+        }
+        _ => {
+            // element-wise, normalisation, pooling, joins, embeddings: memory-bound
+            let flops = forward_flops(node) * b;
+            let bwd_flops = backward_flops(node) * b;
+            let reads = match node.op {
+                Op::Add { inputs } | Op::Concat { inputs } => inputs as f64 * out,
+                Op::Embedding { .. } | Op::PosEmbedding { .. } => out,
+                Op::BatchNorm2d { .. } => 2.0 * inp,
+                _ => inp,
+            };
+            let mask = if matches!(node.op, Op::Dropout { .. }) { inp } else { 0.0 };
+            if !matches!(node.op, Op::Flatten) {
+                fwd.vector(flops, reads + out, mask);
+                bwd.vector(bwd_flops, reads + 2.0 * out, mask);
+            }
+        }
+    }
+    if last && cx.loss == Loss::CrossEntropy {
+        // the cross-entropy over this rank's logits, in fp32: forward the cast, maximum,
+        // exponentials, their sum and the target's log-probability (about six passes);
+        // backward softmax minus the one-hot target, scaled (three)
+        let n = out / t_of(split, cx.tp);
+        let fp32 = 4.0 / p;
+        fwd.vector(8.0 * n, 6.0 * n * fp32, 0.0);
+        bwd.vector(3.0 * n, 3.0 * n * fp32, 0.0);
+    }
+    Priced { forward: fwd.seconds + cx.overhead, backward: bwd.seconds + 2.0 * cx.overhead, selective: sel.seconds }
+}
+
+/// The degree a split layer divides by (1 for a replicated one).
+fn t_of(split: TpSplit, tp: usize) -> f64 {
+    match split {
+        TpSplit::Replicated => 1.0,
+        _ => tp.max(1) as f64,
+    }
+}
+
+/// The collectives a split layer's forward and backward wait for on one rank: Megatron's
+/// all-reduces (a block: two each way; a pair: the row half's output forward, the column
+/// half's input gradient backward), or with sequence parallelism a block's all-gathers and
+/// reduce-scatters (two each forward; backward the gradients' two and two, and the two
+/// inputs gathered again for the weight gradients, as Megatron-LM does rather than keep them).
+type Collectives = Vec<(CollectiveKind, u64)>;
+
+fn tp_collectives(node: &OpNode, split: TpSplit, cx: &CostContext<'_>) -> (Collectives, Collectives) {
+    // a rank's looked-up rows summed (forward); the output layer's three per-token sums
+    // for the cross-entropy (maximum, sum of exponentials, target logit; fp32) forward, its
+    // input gradient summed backward
+    let vocab = |cx: &CostContext<'_>| {
+        let b = cx.microbatch.max(1) as f64;
+        let p = cx.precision.bytes() as f64;
+        let bytes = |values: f64| (values * b * p) as u64;
+        match node.op {
+            Op::Embedding { .. } => (vec![(CollectiveKind::AllReduce, bytes(numel(&node.output_shape)))], Vec::new()),
+            _ => {
+                let rows = numel(&node.input_shape) / node.input_shape.last().copied().unwrap_or(1).max(1) as f64;
+                let scalars = (rows * b * 4.0) as u64;
+                (
+                    vec![(CollectiveKind::AllReduce, scalars); 3],
+                    vec![(CollectiveKind::AllReduce, bytes(numel(&node.input_shape)))],
+                )
+            }
+        }
+    };
+    use CollectiveKind::{AllGather, AllReduce, ReduceScatter};
+    if cx.tp <= 1 {
+        return (Vec::new(), Vec::new());
+    }
+    let p = cx.precision.bytes() as f64;
+    let b = cx.microbatch.max(1) as f64;
+    let bytes = |values: f64| (values * b * p) as u64;
+    match split {
+        TpSplit::Block => {
+            let x = bytes(numel(&node.input_shape));
+            if cx.sequence_parallel {
+                (
+                    vec![(AllGather, x), (ReduceScatter, x), (AllGather, x), (ReduceScatter, x)],
+                    vec![
+                        (AllGather, x),
+                        (ReduceScatter, x),
+                        (AllGather, x),
+                        (ReduceScatter, x),
+                        (AllGather, x),
+                        (AllGather, x),
+                    ],
+                )
+            } else {
+                (vec![(AllReduce, x), (AllReduce, x)], vec![(AllReduce, x), (AllReduce, x)])
+            }
+        }
+        TpSplit::Column => (Vec::new(), vec![(AllReduce, bytes(numel(&node.input_shape)))]),
+        TpSplit::Vocab => vocab(cx),
+        TpSplit::Row => (vec![(AllReduce, bytes(numel(&node.output_shape)))], Vec::new()),
+        TpSplit::Replicated => (Vec::new(), Vec::new()),
+    }
+}
+
+/// The parameters one rank of a `tp`-way split holds.
+fn shard_parameters(op: &Op, split: TpSplit, tp: usize) -> u64 {
+    let whole = op.parameter_count();
+    let t = tp.max(1) as u64;
+    match (split, op) {
+        (TpSplit::Replicated, _) => whole,
+        (TpSplit::Block, Op::TransformerBlock { d_model, .. }) => {
+            // two layer norms (4·d) and the two row-parallel biases (2·d) are whole
+            let whole_part = 6 * *d_model as u64;
+            whole_part + (whole - whole_part.min(whole)) / t
+        }
+        (TpSplit::Column | TpSplit::Vocab, Op::Linear { .. }) => whole / t,
+        (TpSplit::Vocab, Op::Embedding { .. }) => whole / t,
+        // a row-parallel layer's bias is whole on every rank
+        (TpSplit::Row, Op::Linear { in_features, out_features, .. }) => {
+            let w = (in_features * out_features) as u64;
+            w / t + whole.saturating_sub(w)
+        }
+        _ => whole / t,
+    }
+}
+
+/// Bytes one optimizer update moves per parameter: the weights (an fp32 master copy read
+/// and written; under mixed precision the low-precision copy written too), the gradient
+/// read, and the state read and written (Adam: two moments, momentum: one).
+pub fn update_bytes_per_parameter(optimizer: OptimizerKind, precision: Precision, grad: Precision) -> f64 {
+    let states = match optimizer {
+        OptimizerKind::Adam => 2.0,
+        OptimizerKind::Momentum => 1.0,
+        OptimizerKind::Sgd => 0.0,
+    };
+    let low = if precision == Precision::Fp32 { 0.0 } else { precision.bytes() as f64 };
+    8.0 + low + grad.bytes() as f64 + states * 8.0
+}
+
+/// Costs every layer of the graph analytically, on one rank of a `cx.tp`-way split.
+pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCost>, String> {
     let p = graph.precision_bytes;
-    graph
+    let ops: Vec<Op> = graph.ops().map(|(_, node)| node.op.clone()).collect();
+    let splits = pipec_plan::model::stage_tp_splits(&ops, 0..ops.len(), cx.loss, cx.tp)?;
+    let count = ops.len();
+    let update_bytes = update_bytes_per_parameter(cx.optimizer, cx.precision, cx.grad_precision);
+    Ok(graph
         .ops()
-        .map(|(_, node)| {
-            let ff = forward_flops(node);
-            let bf = backward_flops(node);
+        .zip(splits)
+        .enumerate()
+        .map(|(i, ((_, node), split))| {
+            let last = i + 1 == count;
+            let priced = price(node, split, last, cx);
+            let (tp_forward, tp_backward) = tp_collectives(node, split, cx);
             let params = node.op.parameter_count();
+            let shard = shard_parameters(&node.op, split, cx.tp);
+            let t = if split == TpSplit::Replicated { 1 } else { cx.tp };
+            let sp = cx.sequence_parallel && split == TpSplit::Block;
+            let (kept, core) = kept_bytes(node, p as f64, t, sp, cx.attention);
+            let update_s = if shard > 0 { cx.device.memory_time(shard as f64 * update_bytes) } else { 0.0 };
             LayerCost {
-                forward_flops_per_sample: ff,
-                backward_flops_per_sample: bf,
-                forward_s: ff * microbatch_size as f64 / throughput + overhead,
-                backward_s: bf * microbatch_size as f64 / throughput + 2.0 * overhead,
-                update_s: 0.0,
+                forward_flops_per_sample: forward_flops(node),
+                backward_flops_per_sample: backward_flops(node),
+                forward_s: priced.forward,
+                backward_s: priced.backward,
+                selective_s: priced.selective,
+                tp_forward,
+                tp_backward,
+                update_s,
                 parameters: params,
-                parameter_bytes: params * p as u64,
-                activation_bytes_per_sample: activation_bytes(node, p),
+                shard_parameters: shard,
+                parameter_bytes: shard * p as u64,
+                activation_bytes_per_sample: kept as u64,
+                attention_core_bytes_per_sample: core as u64,
                 output_bytes_per_sample: (numel(&node.output_shape) * p as f64) as u64,
+                loss_input_bytes_per_sample: match (last, split) {
+                    (false, _) => 0,
+                    (true, TpSplit::Vocab) => (numel(&node.output_shape) / cx.tp.max(1) as f64 * 4.0) as u64,
+                    (true, _) => (numel(&node.output_shape) * p as f64) as u64,
+                },
             }
         })
-        .collect()
+        .collect())
 }
 
 pub use pipec_plan::profile::{Profile, ProfiledLayer};
@@ -154,7 +516,13 @@ impl ApplyProfile for Profile {
             // an update's work depends on the parameters, not on the microbatch
             c.update_s = l.update_ms / 1e3;
             c.activation_bytes_per_sample = l.activation_bytes / self.batch_size as u64;
-            c.output_bytes_per_sample = l.output_bytes / self.batch_size as u64;
+            let output = l.output_bytes / self.batch_size as u64;
+            if c.output_bytes_per_sample > 0 {
+                // the loss keeps what the analytic model says, scaled as the output measured
+                c.loss_input_bytes_per_sample =
+                    (c.loss_input_bytes_per_sample as f64 * output as f64 / c.output_bytes_per_sample as f64) as u64;
+            }
+            c.output_bytes_per_sample = output;
             c.parameter_bytes = l.parameter_bytes;
         }
         Ok(())
@@ -225,7 +593,19 @@ mod tests {
     fn transformer_activations_follow_korthikanti() {
         // s = 512, h = 1024, a = 16 at 16-bit: 34·s·h + 5·a·s² bytes per sample
         let n = node(Op::TransformerBlock { d_model: 1024, heads: 16, d_ff: 4096, causal: false }, vec![512, 1024]);
-        assert_eq!(activation_bytes(&n, 2), 34 * 512 * 1024 + 5 * 16 * 512 * 512);
-        assert_eq!(activation_bytes(&n, 4), 2 * (34 * 512 * 1024 + 5 * 16 * 512 * 512));
+        let (sh, as2): (u64, u64) = (512 * 1024, 16 * 512 * 512);
+        assert_eq!(activation_bytes(&n, 2), 34 * sh + 5 * as2);
+        // at 32-bit the values double and the one-byte dropout masks do not
+        assert_eq!(activation_bytes(&n, 4), 2 * (32 * sh + 4 * as2) + 2 * sh + as2);
+        // tensor parallelism t: (10 + 24/t)·s·h + 5·a·s²/t; with sequence parallelism all
+        // of it over t; flash attention or selective recompute drops the 5·a·s² core
+        let t: u64 = 8;
+        let kept = |sp, attention| kept_bytes(&n, 2.0, t as usize, sp, attention);
+        assert_eq!(
+            kept(false, Attention::Standard),
+            ((10 * sh + 24 * sh / t + 5 * as2 / t) as f64, (5 * as2 / t) as f64)
+        );
+        assert_eq!(kept(true, Attention::Standard).0, ((34 * sh + 5 * as2) / t) as f64);
+        assert_eq!(kept(true, Attention::Flash), ((34 * sh / t) as f64, 0.0));
     }
 }

@@ -1,16 +1,22 @@
 //! Per-stage figures: compute times, messages and bytes held: `Layout` → `StageFigures`.
 
 use pipec_grammar::spec::Spec;
-use pipec_plan::model::Source;
+use pipec_plan::model::{Op, Source};
+use pipec_plan::CollectiveKind;
 
+use crate::cluster::ring_time;
 use crate::memory::StageBytes;
 use crate::model::ModelCosts;
 use crate::partition::Layout;
 
 /// Per-stage figures: compute times, messages, bytes held.
 pub(crate) struct StageFigures {
-    /// (forward, backward) seconds per microbatch.
+    /// (forward, backward) seconds per microbatch of the stage's kernels on one rank
+    /// (selective recompute's attention cores in the backward).
     pub(crate) times: Vec<(f64, f64)>,
+    /// (forward, backward) seconds per microbatch of the tensor-parallel collectives the
+    /// stage's passes wait for (0 without tensor parallelism).
+    pub(crate) tp_times: Vec<(f64, f64)>,
     /// Seconds of one optimizer update of the stage's parameters (on one tensor-parallel rank).
     pub(crate) update: Vec<f64>,
     /// Output bytes per microbatch (what goes to the next stage).
@@ -21,17 +27,30 @@ pub(crate) struct StageFigures {
 /// Stage figures: `Layout` → `StageFigures`.
 pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> StageFigures {
     let (costs, graph, mb) = (&model.costs, &model.graph, model.microbatch_size as u64);
-    let tp = spec.strategy.tp.max(1) as u64;
+    let selective = spec.strategy.recompute.selective();
     let times = layout
         .ranges
         .iter()
         .map(|r| {
             let c = &costs[r.clone()];
-            (c.iter().map(|c| c.forward_s).sum::<f64>(), c.iter().map(|c| c.backward_s).sum::<f64>())
+            let backward: f64 = c.iter().map(|c| c.backward_s + if selective { c.selective_s } else { 0.0 }).sum();
+            (c.iter().map(|c| c.forward_s).sum::<f64>(), backward)
         })
         .collect();
-    let update =
-        layout.ranges.iter().map(|r| costs[r.clone()].iter().map(|c| c.update_s).sum::<f64>() / tp as f64).collect();
+    // a tensor-parallel group is `tp` consecutive devices inside one node
+    let tp = spec.strategy.tp.max(1);
+    let tp_link = if tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
+    let tp_time =
+        |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| ring_time(k, tp_link, tp, b as f64)).sum::<f64>();
+    let tp_times = layout
+        .ranges
+        .iter()
+        .map(|r| {
+            let c = &costs[r.clone()];
+            (c.iter().map(|c| tp_time(&c.tp_forward)).sum(), c.iter().map(|c| tp_time(&c.tp_backward)).sum())
+        })
+        .collect();
+    let update = layout.ranges.iter().map(|r| costs[r.clone()].iter().map(|c| c.update_s).sum::<f64>()).collect();
     // byte counts saturate: a spec past pipec's limits is refused by the front end, and a
     // figure that saturates reads as "does not fit" rather than wrapping to a small one
     let output_bytes: Vec<u64> =
@@ -43,30 +62,68 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .map(|(r, &output)| {
             let c = &costs[r.clone()];
             let parameters: u64 = c.iter().map(|c| c.parameters).sum();
+            let shard: u64 = c.iter().map(|c| c.shard_parameters).sum();
             let input_bytes =
                 if r.start == 0 { graph.source_bytes(Source::Input) } else { graph.cut_bytes_per_sample(r.start) }
                     .saturating_mul(mb);
-            // the last stage also keeps the loss's input for its backward: the model's
-            // output (a language model's [sequence, vocab] logits), not split by tp
+            // the last stage also keeps what the loss needs for its backward (a language
+            // model's [sequence, vocab] log-probabilities; split by tp over the vocabulary)
             let loss_input = if r.end == costs.len() {
-                costs.last().map_or(0, |c| c.output_bytes_per_sample).saturating_mul(mb)
+                costs.last().map_or(0, |c| c.loss_input_bytes_per_sample).saturating_mul(mb)
             } else {
                 0
             };
+            let kept = |c: &crate::cost::LayerCost| {
+                c.activation_bytes_per_sample - if selective { c.attention_core_bytes_per_sample } else { 0 }
+            };
+            // activation recompute checkpoints the input of every recompute unit — the stage
+            // input, and each transformer block's or LSTM's input (Megatron-LM's full
+            // recompute, one block at a time) — and rebuilds one unit's activations at a time
+            let starts: Vec<usize> = r
+                .clone()
+                .filter(|&i| {
+                    i == r.start
+                        || matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. } | Op::Lstm { .. })
+                })
+                .collect();
+            let checkpoint: u64 = starts
+                .iter()
+                .map(|&i| {
+                    if i == r.start {
+                        input_bytes
+                    } else {
+                        // with sequence parallelism a block's input is kept split along the sequence
+                        let split = spec.strategy.sequence_parallel
+                            && matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. });
+                        (graph.cut_bytes_per_sample(i) / if split { tp as u64 } else { 1 }).saturating_mul(mb)
+                    }
+                })
+                .fold(0u64, u64::saturating_add);
+            let unit_peak = starts
+                .iter()
+                .enumerate()
+                .map(|(k, &i)| {
+                    let end = starts.get(k + 1).copied().unwrap_or(r.end);
+                    costs[i..end].iter().fold(0u64, |a, c| a.saturating_add(kept(c))).saturating_mul(mb)
+                })
+                .max()
+                .unwrap_or(0)
+                .saturating_add(loss_input);
             StageBytes {
                 parameters,
-                weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>() / tp,
-                optimizer: (parameters as f64 / tp as f64 * model.optimizer_bytes_per_parameter) as u64,
-                activations_per_microbatch: (c
+                weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>(),
+                gradients: shard.saturating_mul(model.grad_bytes as u64),
+                optimizer: (shard as f64 * model.optimizer_bytes_per_parameter) as u64,
+                activations_per_microbatch: c
                     .iter()
-                    .fold(0u64, |a, c| a.saturating_add(c.activation_bytes_per_sample))
+                    .fold(0u64, |a, c| a.saturating_add(kept(c)))
                     .saturating_mul(mb)
-                    / tp)
                     .saturating_add(loss_input),
-                input_per_microbatch: input_bytes,
+                checkpoint_per_microbatch: checkpoint.saturating_add(loss_input),
+                recompute_unit_peak: unit_peak,
                 largest_message: input_bytes.max(output),
             }
         })
         .collect();
-    StageFigures { times, update, output_bytes, bytes }
+    StageFigures { times, tp_times, update, output_bytes, bytes }
 }

@@ -102,7 +102,7 @@ pub(crate) fn memory_diagnostics(
                 .stages
                 .iter()
                 .map(|s| {
-                    stage_bytes[s.0 as usize].input_per_microbatch
+                    stage_bytes[s.0 as usize].checkpoint_per_microbatch
                         * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))
                 })
                 .sum::<u64>()

@@ -6,6 +6,7 @@ pub mod bound;
 pub mod cluster;
 pub mod compile;
 pub mod cost;
+pub mod fidelity;
 pub mod figures;
 pub mod fit;
 pub mod ir;

@@ -11,15 +11,21 @@ use pipec_plan::{DeviceId, Instr, StageId};
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct StageBytes {
     pub parameters: u64,
-    /// Parameter bytes at the training precision.
+    /// Parameter bytes at the training precision (one tensor-parallel rank's shard).
     pub weights: u64,
+    /// Gradient bytes (at the precision gradients are accumulated in).
+    pub gradients: u64,
     /// Optimizer state (and the fp32 master copy under mixed precision).
     pub optimizer: u64,
     /// Bytes kept per microbatch for the backward.
     pub activations_per_microbatch: u64,
-    /// With recompute: the stage input per microbatch (what is kept), and the full
-    /// activations of one microbatch (live during its recompute + backward).
-    pub input_per_microbatch: u64,
+    /// With recompute: what each microbatch in flight keeps (the input of every recompute
+    /// unit: the stage input, each transformer block's or LSTM's input; and the loss's
+    /// input on the last stage).
+    pub checkpoint_per_microbatch: u64,
+    /// With recompute: the largest unit's activations for one microbatch, live while it is
+    /// recomputed and its backward runs.
+    pub recompute_unit_peak: u64,
     /// Largest message (activation or gradient) the stage sends or receives.
     pub largest_message: u64,
 }
@@ -92,7 +98,7 @@ pub fn device_memory(
             None => 1,
         };
         m.weights = m.weights.saturating_add(b.weights.saturating_mul(u64::from(versions)));
-        m.gradients = m.gradients.saturating_add(b.weights);
+        m.gradients = m.gradients.saturating_add(b.gradients);
         m.optimizer = m.optimizer.saturating_add(b.optimizer);
         m.buffers = m.buffers.max(b.largest_message.saturating_mul(4));
     }
@@ -100,18 +106,14 @@ pub fn device_memory(
     let mut now: HashMap<StageId, u64> = HashMap::new();
     let mut peak_total = 0u64;
     let recomputed = |s: &StageId| recompute.get(s.0 as usize).copied().unwrap_or(false);
-    // a recomputed stage rebuilds one microbatch's activations at a time
-    let recompute_extra = held
-        .iter()
-        .filter(|s| recomputed(s))
-        .map(|s| stages[s.0 as usize].activations_per_microbatch)
-        .max()
-        .unwrap_or(0);
+    // a recomputed stage rebuilds one unit of one microbatch at a time
+    let recompute_extra =
+        held.iter().filter(|s| recomputed(s)).map(|s| stages[s.0 as usize].recompute_unit_peak).max().unwrap_or(0);
     for ins in stream {
         let per = |s: &StageId| {
             let b = stages[s.0 as usize];
             if recomputed(s) {
-                b.input_per_microbatch
+                b.checkpoint_per_microbatch
             } else {
                 b.activations_per_microbatch
             }

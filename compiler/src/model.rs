@@ -5,7 +5,7 @@ use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::{Optimizer, Spec};
 
 use crate::cluster::ClusterGraph;
-use crate::cost::{analytic_costs, ApplyProfile, LayerCost};
+use crate::cost::{analytic_costs, ApplyProfile, CostContext, LayerCost};
 use crate::ir::{self, Graph};
 use crate::options::CompileOptions;
 
@@ -16,6 +16,8 @@ pub(crate) struct ModelCosts {
     pub(crate) cluster: ClusterGraph,
     /// Bytes per value at the training precision.
     pub(crate) precision: usize,
+    /// Bytes per gradient value (the precision gradients are accumulated and reduced in).
+    pub(crate) grad_bytes: usize,
     pub(crate) microbatch_size: usize,
     /// Optimizer-state bytes per parameter.
     pub(crate) optimizer_bytes_per_parameter: f64,
@@ -27,8 +29,22 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
     let graph = ir::lower(&spec.model, precision);
     let cluster = ClusterGraph::new(&spec.cluster);
     let microbatch_size = spec.training.batch_size / spec.strategy.microbatches.max(1);
-    let tp = spec.strategy.tp.max(1);
-    let mut costs = analytic_costs(&graph, cluster.throughput * tp as f64, spec.cluster.overhead, microbatch_size);
+    let cx = CostContext {
+        device: &cluster.device,
+        precision: spec.training.precision,
+        grad_precision: spec.training.grad_precision,
+        optimizer: spec.training.optimizer.kind(),
+        loss: spec.model.loss,
+        microbatch: microbatch_size,
+        tp: spec.strategy.tp.max(1),
+        sequence_parallel: spec.strategy.sequence_parallel,
+        attention: spec.model.attention,
+        overhead: spec.cluster.overhead,
+    };
+    let mut costs = analytic_costs(&graph, &cx).map_err(|e| {
+        vec![Diagnostic::error("E0405", e, spec.strategy.span, "tensor parallelism")
+            .with_help("choose a `tp` that divides every transformer block's heads, width and MLP width")]
+    })?;
     if let Some(profile) = &options.profile {
         profile.apply(&mut costs, microbatch_size).map_err(|e| {
             vec![Diagnostic::error(
@@ -41,7 +57,8 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         })?;
     }
     let optimizer_bytes_per_parameter = optimizer_bytes_per_parameter(&spec.training.optimizer, precision);
-    Ok(ModelCosts { graph, costs, cluster, precision, microbatch_size, optimizer_bytes_per_parameter })
+    let grad_bytes = spec.training.grad_precision.bytes();
+    Ok(ModelCosts { graph, costs, cluster, precision, grad_bytes, microbatch_size, optimizer_bytes_per_parameter })
 }
 
 pub(crate) fn optimizer_bytes_per_parameter(opt: &Optimizer, precision: usize) -> f64 {

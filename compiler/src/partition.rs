@@ -504,10 +504,11 @@ pub(crate) fn partition_layers(
             let tp = strategy.tp.max(1);
             let machines = cluster.device_count() / tp;
             let mb = spec.training.batch_size / strategy.microbatches.max(1);
-            // a tensor-parallel member holds 1/tp of each layer's weights, optimizer state
-            // and activations, and reduces 1/tp of its gradient
-            let tp = tp as f64;
-            let parameter_bytes: Vec<f64> = costs.iter().map(|c| c.parameter_bytes as f64 / tp).collect();
+            // a tensor-parallel member holds its shard of each layer's weights, optimizer
+            // state and activations (the cost model's per-rank figures), and reduces its
+            // shard's gradient
+            let grad = model.grad_bytes as f64;
+            let parameter_bytes: Vec<f64> = costs.iter().map(|c| c.shard_parameters as f64 * grad).collect();
             let cut_bytes: Vec<f64> =
                 (1..=costs.len()).map(|j| (graph.cut_bytes_per_sample(j) * mb as u64) as f64).collect();
             let in_flight = strategy.microbatches.min(machines).max(1) as f64;
@@ -520,8 +521,9 @@ pub(crate) fn partition_layers(
             let memory: Vec<f64> = costs
                 .iter()
                 .map(|c| {
-                    (c.parameter_bytes as f64 * 2.0 + c.parameters as f64 * opt_bytes) / tp
-                        + c.activation_bytes_per_sample as f64 * mb as f64 / tp * kept
+                    c.parameter_bytes as f64
+                        + c.shard_parameters as f64 * (grad + opt_bytes)
+                        + c.activation_bytes_per_sample as f64 * mb as f64 * kept
                 })
                 .collect();
             let inputs =
@@ -639,7 +641,7 @@ mod tests {
             let input = AutoInput {
                 layer_times: &times, parameter_bytes: &zeros, cut_bytes: &zeros, memory_bytes: &zeros,
                 machines, machines_per_node: 4, memory_capacity: 1.0, sync: WeightSync::PerStep { microbatches: 8 },
-                intra: Link { bandwidth: 1e12, latency: 0.0 }, inter: Link { bandwidth: 1e12, latency: 0.0 },
+                intra: Link::new(1e12, 0.0), inter: Link::new(1e12, 0.0),
             };
             let plan = auto(&input).expect("free communication always plans");
             prop_assert!(plan.replicas.iter().sum::<usize>() <= machines);
@@ -697,7 +699,7 @@ mod tests {
             let input = AutoInput {
                 layer_times: &times, parameter_bytes: &params[..n], cut_bytes: &cuts[..n], memory_bytes: &zeros,
                 machines, machines_per_node: per_node, memory_capacity: 1.0, sync,
-                intra: Link { bandwidth: 1e9, latency: 0.0 }, inter: Link { bandwidth: 2.5e8, latency: 0.0 },
+                intra: Link::new(1e9, 0.0), inter: Link::new(2.5e8, 0.0),
             };
             let plan = auto(&input).expect("plans");
             let best = brute_force_auto(&input);
@@ -727,8 +729,8 @@ mod tests {
             machines_per_node: 4,
             memory_capacity: 1.0,
             sync: WeightSync::PerStep { microbatches: 8 },
-            intra: Link { bandwidth: 1e9, latency: 0.0 },
-            inter: Link { bandwidth: 1e9, latency: 0.0 },
+            intra: Link::new(1e9, 0.0),
+            inter: Link::new(1e9, 0.0),
         };
         // "3-1" gives max(8/3, 3) = 3; "2-2", "2-1-1" or four single stages are slower
         let plan = auto(&input).expect("plans");
@@ -750,8 +752,8 @@ mod tests {
             machines_per_node: 2,
             memory_capacity: 1.0,
             sync: WeightSync::PerStep { microbatches: 4 },
-            intra: Link { bandwidth: 1e12, latency: 0.0 },
-            inter: Link { bandwidth: 1e12, latency: 0.0 },
+            intra: Link::new(1e12, 0.0),
+            inter: Link::new(1e12, 0.0),
         };
         // both layers on one stage would need 1.2 > 1.0: two stages
         let plan = auto(&input).expect("plans");

@@ -218,8 +218,8 @@ pub fn plan_like_pipedream(
         nodes: servers,
         per_node: devices_per_server,
         memory_capacity: f64::INFINITY,
-        intra: Link { bandwidth: bandwidths.0, latency: 0.0 },
-        inter: Link { bandwidth: bandwidths.1, latency: 0.0 },
+        intra: Link::new(bandwidths.0, 0.0),
+        inter: Link::new(bandwidths.1, 0.0),
     };
     auto(&chain.input(&machines, WeightSync::PipeDream))
 }

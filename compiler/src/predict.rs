@@ -33,6 +33,8 @@ pub struct Figures {
     /// Per stage: the tightest memory headroom of the devices holding it (what the search
     /// recomputes when a plan does not fit).
     pub stage_headroom: Vec<f64>,
+    /// The memory of every device simulated (one replica's for a symmetric plan).
+    pub memory: Vec<(DeviceId, pipec_plan::plan::MemoryBreakdown)>,
 }
 
 /// The figures `compile` would report for a checked spec, without the verifier and without
@@ -57,7 +59,7 @@ pub fn predict(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result
         d.dedup();
         d
     };
-    let simulated = simulate_plan(spec, model, &layout, &stages, &lowered, &devices)?;
+    let simulated = simulate_plan(spec, model, &stages, &lowered, &devices)?;
     let bubble = if lowered.periodic.is_some() || stands_for == 1 {
         // a steady state's bubble is over the devices that run, alike in every replica
         simulated.bubble
@@ -87,6 +89,7 @@ pub fn predict(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result
         headroom: plans.iter().filter_map(|d| d.memory.headroom()).fold(f64::INFINITY, f64::min),
         exposed_all_reduce_s: simulated.collectives.values().map(|c| c.1).fold(0.0, f64::max),
         fits: !diagnostics.iter().any(Diagnostic::is_error),
+        memory: plans.iter().map(|d| (d.id, d.memory.clone())).collect(),
     })
 }
 

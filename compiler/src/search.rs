@@ -291,6 +291,7 @@ fn recompute_json(r: &Recompute) -> serde_json::Value {
         Recompute::Off => false.into(),
         Recompute::All => true.into(),
         Recompute::Stages(v) => v.clone().into(),
+        Recompute::Selective => "selective".into(),
     }
 }
 
@@ -537,6 +538,7 @@ fn describe(c: &Candidate) -> String {
             Recompute::Off => String::new(),
             Recompute::All => ", recompute".into(),
             Recompute::Stages(v) => format!(", recompute stages {}", notation_list(v)),
+            Recompute::Selective => ", selective recompute".into(),
         }
     )
 }
@@ -557,12 +559,14 @@ fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> Str
     }
     let recomputed = |c: &Candidate| match &c.recompute {
         Recompute::Off => 0,
+        Recompute::Selective => 1,
         Recompute::All => usize::MAX,
-        Recompute::Stages(v) => v.len(),
+        Recompute::Stages(v) => 1 + v.len(),
     };
     if recomputed(o) > recomputed(b) {
         reasons.push(match o.recompute {
             Recompute::All => "recomputes every forward".into(),
+            Recompute::Selective => "recomputes every attention core".into(),
             _ => "recomputes more stages' forwards".to_string(),
         });
     }

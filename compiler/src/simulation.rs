@@ -8,7 +8,6 @@ use pipec_plan::DeviceId;
 
 use crate::figures::StageFigures;
 use crate::model::ModelCosts;
-use crate::partition::Layout;
 use crate::plan_cost::PlanCost;
 use crate::simulate::{simulate, utilisation, Timeline};
 use crate::streams::Lowered;
@@ -34,12 +33,11 @@ pub(crate) struct Simulated {
 pub(crate) fn simulate_plan(
     spec: &Spec,
     model: &ModelCosts,
-    layout: &Layout,
     stages: &StageFigures,
     lowered: &Lowered,
     device_ids: &[DeviceId],
 ) -> Result<Simulated, Vec<Diagnostic>> {
-    let sim_cost = PlanCost::new(spec, model, layout, stages, lowered.summed_over.clone());
+    let sim_cost = PlanCost::new(spec, model, stages, lowered.summed_over.clone());
     if let Some(p) = &lowered.periodic {
         let steady = crate::periodic::steady_state(p, &lowered.members(), &sim_cost).map_err(|e| {
             vec![Diagnostic::error(

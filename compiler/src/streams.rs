@@ -86,7 +86,7 @@ pub(crate) fn lower_streams(
             }
         }
     }
-    let gradient_bytes: Vec<u64> = stages.bytes.iter().map(|b| b.weights).collect();
+    let gradient_bytes: Vec<u64> = stages.bytes.iter().map(|b| b.gradients).collect();
     let streams = if asp {
         crate::lower::lower_asp(placement, gradient_bytes[0], strategy.schedule.staleness)
     } else {
@@ -222,7 +222,13 @@ pub(crate) fn tied_all_reduces(
         }
         lowered.groups.insert(group, (StageId(sb as u32), members.clone()));
         lowered.ties.insert(group, [a, b]);
-        let bytes = (l.op.parameter_count() as usize * precision) as u64;
+        // with the vocabulary split over tensor parallelism, each rank's shard
+        let tp = spec.strategy.tp.max(1);
+        let ops: Vec<_> = spec.model.layers.iter().map(|l| l.op.clone()).collect();
+        let vocab_split = pipec_plan::model::stage_tp_splits(&ops, 0..ops.len(), spec.model.loss, tp)
+            .is_ok_and(|s| s.get(a) == Some(&pipec_plan::model::TpSplit::Vocab));
+        let shard = if vocab_split { tp } else { 1 };
+        let bytes = (l.op.parameter_count() as usize * precision / shard) as u64;
         let tied = [StageId(sa as u32), StageId(sb as u32)];
         for d in members {
             let Some(stream) = lowered.streams.get_mut(&d) else { continue };

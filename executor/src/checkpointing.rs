@@ -27,8 +27,10 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
     for (id, st) in stages.iter_mut() {
         let (tp_rank, tp_size) = st.tp_shard();
         let stage = plan.stages.get(id.0 as usize).ok_or_else(|| ExecError::Plan(format!("the plan has no {id}")))?;
-        let ops: Vec<_> = plan.layers[stage.layers[0]..stage.layers[1]].iter().map(|l| l.op.clone()).collect();
-        let split = tensor_parallel::shardings(&ops, stage.layers[0], tp_size as usize)?;
+        let all = tensor_parallel::model_ops(plan);
+        let layers =
+            tensor_parallel::StageLayers { all: &all, range: stage.layers[0]..stage.layers[1], loss: plan.model.loss };
+        let split = tensor_parallel::shardings(&layers, tp_size as usize)?;
         let to = |pid: u64| split.get(&pid).copied().unwrap_or(tensor_parallel::Sharding::Whole);
         let mut values: HashMap<u64, Vec<f32>> = HashMap::new();
         for (pid, shape) in params::layout::<B, _>(st.model()?) {

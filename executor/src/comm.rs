@@ -205,8 +205,8 @@ fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, epoch: Instant) {
     let mut log = Log::new(epoch);
     for cmd in rx {
         match cmd {
-            Coll::Run { kind, members, mut data, mode, code, reply } => {
-                let _ = reply.send(log.run(code, || ep.collective(kind, &members, &mut data, mode).map(|()| data)));
+            Coll::Run { kind, members, data, mode, code, reply } => {
+                let _ = reply.send(log.run(code, || ep.collective(kind, &members, data, mode)));
             }
             Coll::Fence(reply) => {
                 let _ = reply.send(log.fence());

@@ -95,7 +95,24 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 return Ok(Forwarded { saved: Saved::Tp(segments, None), output: Some(out), loss: None, stats });
             }
             let leaf = crate::tensor_parallel::fresh(&out);
-            let loss = self.loss(mb, leaf.clone())?;
+            let loss = match model.layers.last() {
+                // the scores are split over the vocabulary: Megatron's vocabulary-parallel loss
+                Some(crate::layers::Layer::VocabLinear(_)) => {
+                    let part = leaf.dims().last().copied().unwrap_or(0);
+                    let Some(Targets::Classes(classes)) = self.labels.get(&mb) else {
+                        return Err(ExecError::Missing("the class labels of this microbatch were not loaded"));
+                    };
+                    crate::tensor_parallel::vocab_parallel_loss(
+                        leaf.clone(),
+                        classes,
+                        tp.rank * part,
+                        tp.rank,
+                        tp.members.len(),
+                        &mut sum,
+                    )?
+                }
+                _ => self.loss(mb, leaf.clone())?,
+            };
             let reported = (tp.rank == 0).then(|| loss.clone());
             return Ok(Forwarded {
                 saved: Saved::Tp(segments, Some((leaf, loss))),

@@ -379,6 +379,31 @@ pub struct Embed<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
 }
 
+/// Rows `first..first + rows` of an embedding table: a tensor-parallel rank's part of the
+/// vocabulary.
+#[derive(Module, Debug)]
+pub struct VocabEmbed<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+    pub first: usize,
+}
+
+impl<B: Backend> VocabEmbed<B> {
+    pub(crate) fn new(index: usize, table: Vec<f32>, shape: [usize; 2], first: usize, device: &B::Device) -> Self {
+        VocabEmbed { weight: param(pid(index, 0), table, shape, device), first }
+    }
+
+    /// The looked-up vectors of the ids this rank holds, zeros for the others (summed over
+    /// the group, every id's vector).
+    pub(crate) fn partial(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let rows = self.weight.dims()[0];
+        let local = ids - self.first as i64;
+        let held = local.clone().greater_equal_elem(0).bool_and(local.clone().lower_elem(rows as i64));
+        let index = local.clamp(0, rows as i64 - 1);
+        let mask = held.float().unsqueeze_dim::<3>(2);
+        embedding(self.weight.val(), index) * mask
+    }
+}
+
 /// One LSTM layer (PyTorch's gate order i, f, g, o and its two biases), weights stored as
 /// [in, 4·hidden] and [hidden, 4·hidden] (the transpose of PyTorch's) like `Dense`.
 #[derive(Module, Debug)]
@@ -453,6 +478,11 @@ pub enum Layer<B: Backend> {
     RowLinear(Dense<B>),
     /// Tensor parallelism: a transformer block with this rank's heads and MLP columns.
     ParallelBlock(Block<B>),
+    /// Tensor parallelism: this rank's rows of a language model's embedding table.
+    VocabEmbedding(VocabEmbed<B>),
+    /// Tensor parallelism: this rank's output columns of the model's output layer (its
+    /// scores for its part of the vocabulary).
+    VocabLinear(Dense<B>),
 }
 
 impl<B: Kernels> Layer<B> {
@@ -558,6 +588,8 @@ fn layer_name<B: Backend>(l: &Layer<B>) -> &'static str {
         Layer::Stateless(st) => st.op.name(),
         Layer::ColumnLinear(_) | Layer::RowLinear(_) => "tensor-parallel linear",
         Layer::ParallelBlock(_) => "tensor-parallel transformer_block",
+        Layer::VocabEmbedding(_) => "vocabulary-parallel embedding",
+        Layer::VocabLinear(_) => "vocabulary-parallel linear",
     }
 }
 

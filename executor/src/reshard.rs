@@ -37,10 +37,11 @@ impl<'a> SavedLayout<'a> {
     pub fn new(loaded: &'a Loaded, plan: &Plan) -> Result<Self> {
         let Some(identity) = &loaded.identity else { return Ok(SavedLayout { loaded, stages: None }) };
         let mut stages = Vec::with_capacity(identity.stage_layers.len());
+        let all = crate::tensor_parallel::model_ops(plan);
         for (s, [a, b]) in identity.stage_layers.iter().enumerate() {
             let degree = loaded.tp_size(s as u32);
-            let ops: Vec<_> = plan.layers.get(*a..*b).unwrap_or_default().iter().map(|l| l.op.clone()).collect();
-            let split = shardings(&ops, *a, degree as usize).map_err(|e| {
+            let layers = crate::tensor_parallel::StageLayers { all: &all, range: *a..*b, loss: plan.model.loss };
+            let split = shardings(&layers, degree as usize).map_err(|e| {
                 ExecError::Checkpoint(format!(
                     "the checkpoint's stage {s} (layers {a}..{b}) cannot be split {degree} ways: {e}"
                 ))

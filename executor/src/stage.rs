@@ -331,24 +331,36 @@ pub(crate) struct Want {
     pub rank: u32,
 }
 
-/// The weight of a tied layer (an embedding table, or the projection tied to one) and its
-/// table's [vocab, d] shape.
-pub(crate) fn tied_weight(plan: &Plan, layer: usize) -> Result<(u64, usize, usize)> {
+/// The parameter id of a tied layer's weight (an embedding table, or the projection tied
+/// to one).
+pub(crate) fn tied_weight(plan: &Plan, layer: usize) -> Result<u64> {
     let table = plan.layers.get(layer).and_then(|l| l.tied).unwrap_or(layer);
     match plan.layers.get(table).map(|l| &l.op) {
-        Some(pipec_plan::model::Op::Embedding { vocab, dim }) => Ok((crate::layers::pid(layer, 0), *vocab, *dim)),
+        Some(pipec_plan::model::Op::Embedding { .. }) => Ok(crate::layers::pid(layer, 0)),
         _ => Err(ExecError::Plan(format!("layer {layer} is not tied to an embedding"))),
     }
+}
+
+/// Where a tied layer's weight sits among the stage's parameters, and the [vocabulary, d]
+/// shape of the table rows it holds (a vocabulary-parallel rank holds its part).
+fn tied_param<B: ExecBackend>(st: &StageState<B>, plan: &Plan, layer: usize) -> Result<(usize, usize, usize)> {
+    let id = tied_weight(plan, layer)?;
+    let params = layout::<B, _>(st.model()?);
+    let k = params
+        .iter()
+        .position(|(p, _)| *p == id)
+        .ok_or_else(|| ExecError::Plan(format!("layer {layer}'s weight is not on this stage")))?;
+    let &[rows, cols] = params[k].1.as_slice() else {
+        return Err(ExecError::Plan(format!("layer {layer}'s tied weight is not a matrix")));
+    };
+    // a projection holds the table transposed: [d, vocabulary]
+    Ok(if plan.layers[layer].tied.is_some() { (k, cols, rows) } else { (k, rows, cols) })
 }
 
 /// The accumulated gradient of a tied weight in the table's [vocab, d] orientation (zeros
 /// when none has accumulated).
 pub(crate) fn tied_gradient<B: ExecBackend>(st: &StageState<B>, plan: &Plan, layer: usize) -> Result<Vec<f32>> {
-    let (id, vocab, dim) = tied_weight(plan, layer)?;
-    let k = layout::<B, _>(st.model()?)
-        .iter()
-        .position(|(p, _)| *p == id)
-        .ok_or_else(|| ExecError::Plan(format!("layer {layer}'s weight is not on this stage")))?;
+    let (k, vocab, dim) = tied_param(st, plan, layer)?;
     let g = match st.acc.get(k) {
         Some(Some(t)) => host_f32(t.clone().into_data())?,
         _ => return Ok(vec![0.0; vocab * dim]),
@@ -363,11 +375,14 @@ pub(crate) fn set_tied_gradient<B: ExecBackend>(
     layer: usize,
     g: &[f32],
 ) -> Result<()> {
-    let (id, vocab, dim) = tied_weight(plan, layer)?;
-    let k = layout::<B, _>(st.model()?)
-        .iter()
-        .position(|(p, _)| *p == id)
-        .ok_or_else(|| ExecError::Plan(format!("layer {layer}'s weight is not on this stage")))?;
+    let (k, vocab, dim) = tied_param(st, plan, layer)?;
+    if g.len() != vocab * dim {
+        return Err(ExecError::Plan(format!(
+            "layer {layer}'s tied gradient has {} values, not {}",
+            g.len(),
+            vocab * dim
+        )));
+    }
     let values = if plan.layers[layer].tied.is_some() { crate::layers::transpose(g, vocab, dim) } else { g.to_vec() };
     if st.acc.len() <= k {
         st.acc.resize(k + 1, None);
@@ -405,23 +420,20 @@ pub(crate) fn build_stages<B: ExecBackend>(
         if !s.replicas.contains(&device) && !s.tensor_parallel.iter().any(|g| g.contains(&device)) {
             continue;
         }
-        let ops: Vec<_> = plan.layers[s.layers[0]..s.layers[1]].iter().map(|l| l.op.clone()).collect();
+        let all = crate::tensor_parallel::model_ops(plan);
+        let layers =
+            crate::tensor_parallel::StageLayers { all: &all, range: s.layers[0]..s.layers[1], loss: plan.model.loss };
+        let ops = layers.ops();
         let (model, tp) = match s.tensor_parallel.iter().find(|g| g.contains(&device)) {
             Some(group) if group.len() > 1 => {
                 let rank = group.iter().position(|d| *d == device).unwrap_or(0);
-                let model = crate::tensor_parallel::build_stage::<B>(
-                    &ops,
-                    s.layers[0],
-                    plan.training.seed,
-                    dev,
-                    rank,
-                    group.len(),
-                )?;
-                let partial_ids = crate::tensor_parallel::partial_parameter_ids(&ops, s.layers[0], group.len())?;
+                let model =
+                    crate::tensor_parallel::build_stage::<B>(&layers, plan.training.seed, dev, rank, group.len())?;
+                let partial_ids = crate::tensor_parallel::partial_parameter_ids(&layers, group.len())?;
                 (model, Some(TpInfo { rank, members: group.clone(), partial_ids }))
             }
             _ => {
-                let mut model = StageModel::<B>::new(&ops, s.layers[0], plan.training.seed, dev);
+                let mut model = StageModel::<B>::new(ops, s.layers[0], plan.training.seed, dev);
                 model.graph = stage_graph(plan, s.layers[0], s.layers[1]);
                 (model, None)
             }
@@ -435,7 +447,14 @@ pub(crate) fn build_stages<B: ExecBackend>(
                 continue;
             };
             let table = crate::layers::embedding_values(a, plan.training.seed, *vocab, *dim);
-            let weight = crate::layers::transpose(&table, *vocab, *dim);
+            let mut weight = crate::layers::transpose(&table, *vocab, *dim);
+            // a vocabulary-parallel rank's columns: the transpose of its rows of the table
+            if let Some(t) = &tp {
+                let split = crate::tensor_parallel::shardings(&layers, t.members.len())?;
+                if let Some(s) = split.get(&crate::layers::pid(l.index, 0)) {
+                    weight = crate::tensor_parallel::shard(&weight, *s, t.members.len(), t.rank);
+                }
+            }
             let id = crate::layers::pid(l.index, 0);
             let mut weight = Some(weight);
             model = crate::params::set_params(model, |p, _| if p == id { weight.take() } else { None }).0;

@@ -22,55 +22,39 @@ use burn::tensor::activation;
 use pipec_plan::model::Op;
 
 use crate::error::{ExecError, Result};
-use crate::layers::{dense_values, stateless, Act, Block, Dense, Layer, Norm, StageModel};
+use crate::layers::{
+    dense_values, embedding_values, stateless, Act, Block, Dense, Layer, Norm, StageModel, VocabEmbed,
+};
 use crate::params::host_f32;
+use pipec_plan::model::Loss;
 
-/// How a stage's layer is split.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Split {
-    Replicated,
-    Column,
-    Row,
-    Block,
+pub use pipec_plan::model::TpSplit as Split;
+
+/// One stage's layers within the whole model, and the model's loss: what a stage's split
+/// depends on (the vocabulary-parallel layers are the model's first and last).
+#[derive(Debug, Clone)]
+pub struct StageLayers<'a> {
+    pub all: &'a [Op],
+    pub range: std::ops::Range<usize>,
+    pub loss: Loss,
 }
 
-fn elementwise(op: &Op) -> bool {
-    matches!(op, Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid)
-}
-
-/// Decides each layer's split: a linear layer followed (through element-wise layers only)
-/// by a linear layer whose input it feeds becomes a column/row pair; transformer blocks
-/// split their heads. Errors when a block cannot be split `tp` ways.
-pub fn plan_splits(ops: &[Op], tp: usize) -> Result<Vec<Split>> {
-    let mut out = vec![Split::Replicated; ops.len()];
-    let mut i = 0;
-    while i < ops.len() {
-        match ops[i] {
-            Op::Linear { out_features, .. } if out_features % tp == 0 => {
-                let mut j = i + 1;
-                while j < ops.len() && elementwise(&ops[j]) {
-                    j += 1;
-                }
-                if let Some(Op::Linear { in_features, .. }) = ops.get(j) {
-                    if *in_features == out_features {
-                        out[i] = Split::Column;
-                        out[j] = Split::Row;
-                        i = j + 1;
-                        continue;
-                    }
-                }
-            }
-            Op::TransformerBlock { d_model, heads, d_ff, .. } => {
-                if heads % tp != 0 || d_model % tp != 0 || d_ff % tp != 0 {
-                    return Err(ExecError::Plan(format!("transformer_block(d={d_model}, heads={heads}, ff={d_ff}) cannot be split {tp} ways (heads and ff must be multiples of tp)")));
-                }
-                out[i] = Split::Block;
-            }
-            _ => {}
-        }
-        i += 1;
+impl<'a> StageLayers<'a> {
+    /// The stage's operators.
+    pub fn ops(&self) -> &'a [Op] {
+        self.all.get(self.range.clone()).unwrap_or_default()
     }
-    Ok(out)
+
+    /// Each layer's split (`pipec_plan::model::stage_tp_splits`, the rule the compiler's
+    /// cost model reads too); errors when a block cannot be split `tp` ways.
+    pub fn splits(&self, tp: usize) -> Result<Vec<Split>> {
+        pipec_plan::model::stage_tp_splits(self.all, self.range.clone(), self.loss, tp).map_err(ExecError::Plan)
+    }
+}
+
+/// The whole model's operators, in order.
+pub fn model_ops(plan: &pipec_plan::Plan) -> Vec<Op> {
+    plan.layers.iter().map(|l| l.op.clone()).collect()
 }
 
 /// How one parameter is laid out over a tensor-parallel group of `tp` ranks: the single
@@ -184,17 +168,22 @@ pub fn unshard(parts: &[Vec<f32>], s: Sharding) -> Result<Vec<f32>> {
     Ok(full)
 }
 
-/// How every split parameter of layers `ops` (the first is layer `first`) is laid out over
-/// `tp` ranks, by parameter id; a parameter not listed is whole on every rank.
-pub fn shardings(ops: &[Op], first: usize, tp: usize) -> Result<std::collections::HashMap<u64, Sharding>> {
+/// How every split parameter of a stage's layers is laid out over `tp` ranks, by parameter
+/// id; a parameter not listed is whole on every rank.
+pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections::HashMap<u64, Sharding>> {
     let mut out = std::collections::HashMap::new();
     if tp <= 1 {
         return Ok(out);
     }
+    let first = layers.range.start;
     let id = |k: usize, slot: u64| crate::layers::pid(first + k, slot);
-    for (k, (op, split)) in ops.iter().zip(plan_splits(ops, tp)?).enumerate() {
+    for (k, (op, split)) in layers.ops().iter().zip(layers.splits(tp)?).enumerate() {
         match (split, op) {
-            (Split::Column, Op::Linear { in_features, out_features, .. }) => {
+            // an embedding table's rows: contiguous chunks of the vocabulary
+            (Split::Vocab, Op::Embedding { .. }) => {
+                out.insert(id(k, 0), Sharding::Rows);
+            }
+            (Split::Column | Split::Vocab, Op::Linear { in_features, out_features, .. }) => {
                 out.insert(id(k, 0), Sharding::Columns { rows: *in_features, cols: *out_features });
                 out.insert(id(k, 1), Sharding::Columns { rows: 1, cols: *out_features });
             }
@@ -215,33 +204,43 @@ pub fn shardings(ops: &[Op], first: usize, tp: usize) -> Result<std::collections
     Ok(out)
 }
 
-/// Builds this rank's shard of layers `ops` (global index of the first: `first`).
+/// Builds this rank's shard of a stage's layers.
 pub fn build_stage<B: Kernels>(
-    ops: &[Op],
-    first: usize,
+    layers: &StageLayers<'_>,
     seed: u64,
     device: &B::Device,
     rank: usize,
     tp: usize,
 ) -> Result<StageModel<B>> {
-    let splits = plan_splits(ops, tp)?;
-    let layout = shardings(ops, first, tp)?;
+    let (ops, first) = (layers.ops(), layers.range.start);
+    let splits = layers.splits(tp)?;
+    let layout = shardings(layers, tp)?;
     let at = |index: usize, slot: u64| layout.get(&crate::layers::pid(index, slot)).copied().unwrap_or(Sharding::Whole);
     let mut layers = Vec::with_capacity(ops.len());
     for (k, (op, split)) in ops.iter().zip(&splits).enumerate() {
         let index = first + k;
         let layer = match (split, op) {
-            (Split::Column, Op::Linear { in_features, out_features, bias }) => {
+            (Split::Column | Split::Vocab, Op::Linear { in_features, out_features, bias }) => {
                 let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
                 let part = out_features / tp;
-                Layer::ColumnLinear(Dense::from_values(
+                let dense = Dense::from_values(
                     index,
                     0,
                     shard(&w, at(index, 0), tp, rank),
                     [*in_features, part],
                     bias.then(|| vec![0.0; part]),
                     device,
-                ))
+                );
+                if *split == Split::Vocab {
+                    Layer::VocabLinear(dense)
+                } else {
+                    Layer::ColumnLinear(dense)
+                }
+            }
+            (Split::Vocab, Op::Embedding { vocab, dim }) => {
+                let part = vocab / tp;
+                let table = shard(&embedding_values(index, seed, *vocab, *dim), at(index, 0), tp, rank);
+                Layer::VocabEmbedding(VocabEmbed::new(index, table, [part, *dim], rank * part, device))
             }
             (Split::Row, Op::Linear { in_features, out_features, bias }) => {
                 let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
@@ -302,8 +301,9 @@ pub fn build_stage<B: Kernels>(
 
 /// Parameter ids (layer << 8 | slot) whose gradients are partial on each rank and must be
 /// summed over the group: the layer norms feeding a block's column-parallel projections.
-pub fn partial_parameter_ids(ops: &[Op], first: usize, tp: usize) -> Result<Vec<u64>> {
-    let splits = plan_splits(ops, tp)?;
+pub fn partial_parameter_ids(layers: &StageLayers<'_>, tp: usize) -> Result<Vec<u64>> {
+    let first = layers.range.start;
+    let splits = layers.splits(tp)?;
     Ok(splits
         .iter()
         .enumerate()
@@ -452,6 +452,18 @@ pub fn forward<B: ExecBackend>(
             Layer::RowLinear(d) => {
                 cur = d.add_bias(g(d.matmul_only(cur)?, reduce)?);
             }
+            // this rank's rows of the table looked up, the others' summed in
+            Layer::VocabEmbedding(e) => {
+                let Act::Tokens(ids) = cur else {
+                    return Err(ExecError::Shape("a vocabulary-parallel embedding needs token ids".into()));
+                };
+                cur = g(Act::D3(e.partial(ids)), reduce)?;
+            }
+            // this rank's logits: the loss is computed over the split (`vocab_parallel_loss`)
+            Layer::VocabLinear(d) => {
+                cut(&mut segments, &mut leaf, &mut cur, &mut applied, &mut boundary, Boundary::Sum);
+                cur = d.forward_act(cur)?;
+            }
             Layer::ParallelBlock(b) => {
                 cut(&mut segments, &mut leaf, &mut cur, &mut applied, &mut boundary, Boundary::SumResidual);
                 let Act::D3(t) = cur.clone() else {
@@ -485,6 +497,65 @@ pub fn forward<B: ExecBackend>(
     Ok(segments)
 }
 
+/// Megatron-LM's vocabulary-parallel cross-entropy: the mean over every row of `logits`
+/// (this rank's columns `first..` of the scores; [batch, seq, part] or [batch, part]) of
+/// the cross-entropy with `classes`, computed without gathering the scores. Each rank
+/// exchanges three per-row figures (its maximum, its sum of exponentials, the target's
+/// score where it holds the target); every rank gets the whole loss, and the gradient of
+/// its own scores: softmax minus the one-hot target, over the row count.
+pub fn vocab_parallel_loss<B: ExecBackend>(
+    logits: Act<B>,
+    classes: &[i64],
+    first: usize,
+    rank: usize,
+    tp: usize,
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+) -> Result<Tensor<B, 1>> {
+    let logits: Tensor<B, 2> = match logits {
+        Act::D3(t) => {
+            let [n, s, v] = t.dims();
+            t.reshape([n * s, v])
+        }
+        Act::D2(t) => t,
+        other => {
+            return Err(ExecError::Shape(format!("the loss needs [batch, outputs] scores, got {:?}", other.dims())))
+        }
+    };
+    let [rows, part] = logits.dims();
+    if classes.len() != rows {
+        return Err(ExecError::Data(format!("{} targets for {rows} rows of scores", classes.len())));
+    }
+    let device = logits.device();
+    let column = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [rows, 1]), &device);
+    // the row's maximum over every rank: each in its own slot, summed, then the largest
+    let local_max = host_f32(logits.clone().detach().max_dim(1).into_data())?;
+    let mut slots = vec![0.0f32; rows * tp];
+    for (i, m) in local_max.iter().enumerate() {
+        slots[i * tp + rank] = *m;
+    }
+    let slots = reduce(slots)?;
+    let max: Vec<f32> = slots.chunks(tp.max(1)).map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
+    let shifted = logits - column(max);
+    // the sum of exponentials over the whole row: the value summed over the ranks, the
+    // gradient of this rank's own terms
+    let local_sum = shifted.clone().exp().sum_dim(1);
+    let total = column(reduce(host_f32(local_sum.clone().detach().into_data())?)?);
+    let sum = local_sum.clone() + (total - local_sum.detach());
+    // the target's shifted score, on the rank whose columns hold it
+    let (mut index, mut held) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+    for &c in classes {
+        let local = c - first as i64;
+        let inside = local >= 0 && (local as usize) < part;
+        index.push(if inside { local } else { 0 });
+        held.push(if inside { 1.0f32 } else { 0.0 });
+    }
+    let index = Tensor::<B, 2, Int>::from_data(TensorData::new(index, [rows, 1]), &device);
+    let local_target = shifted.gather(1, index) * column(held);
+    let target_total = column(reduce(host_f32(local_target.clone().detach().into_data())?)?);
+    let target = local_target.clone() + (target_total - local_target.detach());
+    Ok((sum.log() - target).mean())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -514,5 +585,76 @@ mod tests {
         let qkv = [1.0, 2.0, 10.0, 20.0, 100.0, 200.0];
         assert_eq!(shard(&qkv, Sharding::Qkv { rows: 1, d: 2 }, 2, 1), vec![2.0, 20.0, 200.0]);
         assert!(unshard(&[vec![1.0], vec![1.0, 2.0]], Sharding::Rows).is_err());
+    }
+
+    /// The vocabulary-parallel loss over 2 and 4 ranks equals the one-device cross-entropy,
+    /// and each rank's score gradient is its columns of the one-device gradient.
+    #[test]
+    fn the_vocabulary_parallel_loss_is_the_cross_entropy_and_its_gradient() {
+        use crate::CpuBackend as B;
+        use std::sync::{Arc, Barrier, Mutex};
+        let (rows, vocab) = (6usize, 8usize);
+        let scores: Vec<f32> = (0..rows * vocab).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.7).collect();
+        // targets in every rank's part, the first and the last column included
+        let classes: Vec<i64> = vec![0, 7, 3, 4, 5, 2];
+        let dev = Default::default();
+        let whole = Tensor::<B, 2>::from_data(TensorData::new(scores.clone(), [rows, vocab]), &dev).require_grad();
+        let labels = Tensor::<B, 2, Int>::from_data(TensorData::new(classes.clone(), [rows, 1]), &dev);
+        let reference = activation::log_softmax(whole.clone(), 1).gather(1, labels).mean().neg();
+        let grads = reference.backward();
+        let expected_grad = host_f32(whole.grad(&grads).expect("gradient").into_data()).expect("host");
+        let expected = host_f32(reference.into_data()).expect("host")[0];
+        for tp in [2usize, 4] {
+            let part = vocab / tp;
+            let barrier = Arc::new(Barrier::new(tp));
+            let inbox: Arc<Mutex<Vec<Vec<f32>>>> = Arc::new(Mutex::new(Vec::new()));
+            let outbox: Arc<Mutex<Vec<f32>>> = Arc::new(Mutex::new(Vec::new()));
+            let handles: Vec<_> = (0..tp)
+                .map(|rank| {
+                    let (barrier, inbox, outbox) = (barrier.clone(), inbox.clone(), outbox.clone());
+                    let (scores, classes) = (scores.clone(), classes.clone());
+                    std::thread::spawn(move || {
+                        // an all-reduce by hand: every rank posts, one sums, all read
+                        let mut reduce = |v: Vec<f32>| -> Result<Vec<f32>> {
+                            inbox.lock().expect("lock").push(v);
+                            if barrier.wait().is_leader() {
+                                let posted = std::mem::take(&mut *inbox.lock().expect("lock"));
+                                let sum = posted.iter().fold(vec![0.0; posted[0].len()], |mut a, p| {
+                                    a.iter_mut().zip(p).for_each(|(x, y)| *x += y);
+                                    a
+                                });
+                                *outbox.lock().expect("lock") = sum;
+                            }
+                            barrier.wait();
+                            let sum = outbox.lock().expect("lock").clone();
+                            barrier.wait();
+                            Ok(sum)
+                        };
+                        let dev = Default::default();
+                        let mine = shard(&scores, Sharding::Columns { rows, cols: vocab }, tp, rank);
+                        let local = Tensor::<B, 2>::from_data(TensorData::new(mine, [rows, part]), &dev).require_grad();
+                        let loss =
+                            vocab_parallel_loss(Act::D2(local.clone()), &classes, rank * part, rank, tp, &mut reduce)
+                                .expect("loss");
+                        let value = host_f32(loss.clone().into_data()).expect("host")[0];
+                        let g = loss.backward();
+                        (rank, value, host_f32(local.grad(&g).expect("gradient").into_data()).expect("host"))
+                    })
+                })
+                .collect();
+            let mut parts = vec![Vec::new(); tp];
+            for h in handles {
+                let (rank, value, grad) = h.join().expect("rank");
+                assert!(
+                    (value - expected).abs() <= 1e-6 * expected.abs(),
+                    "tp {tp} rank {rank}: {value} vs {expected}"
+                );
+                parts[rank] = grad;
+            }
+            let joined = unshard(&parts, Sharding::Columns { rows, cols: vocab }).expect("joins");
+            for (a, b) in joined.iter().zip(&expected_grad) {
+                assert!((a - b).abs() <= 1e-6, "tp {tp}: gradient {a} vs {b}");
+            }
+        }
     }
 }

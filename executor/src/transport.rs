@@ -79,20 +79,26 @@ pub trait Endpoint: Send {
     fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError>;
     fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError>;
 
-    /// Runs a collective of `kind` over `group` on `data`, in place: the one place a
-    /// transport handles each kind, on top of its collective traffic (`coll_send`,
-    /// `coll_recv`), so every transport computes the same values in the same order.
-    /// `AllReduce`: every member ends with the sum, by a ring or a parameter server.
+    /// Runs a collective of `kind` over `group` on this member's `data` and returns its
+    /// result: the one place a transport handles each kind, on top of its collective
+    /// traffic (`coll_send`, `coll_recv`), so every transport computes the same values in
+    /// the same order. `AllReduce`: the sum, by a ring or a parameter server (`algorithm`);
+    /// `ReduceScatter`: this member's chunk of the sum (ring); `AllGather`: every member's
+    /// chunk, in member order (ring).
     fn collective(
         &mut self,
         kind: CollectiveKind,
         group: &[DeviceId],
-        data: &mut [f32],
+        mut data: Vec<f32>,
         algorithm: ReduceMode,
-    ) -> Result<(), TransportError> {
+    ) -> Result<Vec<f32>, TransportError> {
         match (kind, algorithm) {
-            (CollectiveKind::AllReduce, ReduceMode::Ring) => ring_all_reduce(self, group, data),
-            (CollectiveKind::AllReduce, ReduceMode::ParameterServer) => ps_all_reduce(self, group, data),
+            (CollectiveKind::AllReduce, ReduceMode::Ring) => ring_all_reduce(self, group, &mut data).map(|()| data),
+            (CollectiveKind::AllReduce, ReduceMode::ParameterServer) => {
+                ps_all_reduce(self, group, &mut data).map(|()| data)
+            }
+            (CollectiveKind::ReduceScatter, _) => ring_reduce_scatter(self, group, data),
+            (CollectiveKind::AllGather, _) => ring_all_gather(self, group, data),
         }
     }
 }
@@ -109,6 +115,45 @@ fn chunk(len: usize, p: usize, i: usize) -> std::ops::Range<usize> {
     start..start + base + usize::from(i < extra)
 }
 
+/// This member's position in `group`, and its ring neighbours (next, previous).
+fn ring_position<E: Endpoint + ?Sized>(
+    ep: &E,
+    group: &[DeviceId],
+) -> Result<(usize, DeviceId, DeviceId), TransportError> {
+    let p = group.len();
+    let me = group
+        .iter()
+        .position(|d| *d == ep.device())
+        .ok_or_else(|| TransportError::Other(format!("{} is not in its collective's group", ep.device())))?;
+    Ok((me, group[(me + 1) % p], group[(me + p - 1) % p]))
+}
+
+/// The reduce-scatter half of a ring: p−1 steps of n/p values each, after which member
+/// `me` holds the complete sum of chunk `(me + 1) mod p` in place.
+fn ring_reduce_half<E: Endpoint + ?Sized>(
+    ep: &mut E,
+    group: &[DeviceId],
+    data: &mut [f32],
+) -> Result<(), TransportError> {
+    let p = group.len();
+    let (me, next, prev) = ring_position(ep, group)?;
+    let n = data.len();
+    for step in 0..p - 1 {
+        let send_i = (me + p - step) % p;
+        let recv_i = (me + p - step - 1) % p;
+        ep.coll_send(next, data[chunk(n, p, send_i)].to_vec())?;
+        let incoming = ep.coll_recv(prev)?;
+        let range = chunk(n, p, recv_i);
+        if incoming.len() != range.len() {
+            return Err(TransportError::Other("members of a collective sent different sizes".into()));
+        }
+        for (d, x) in data[range].iter_mut().zip(incoming) {
+            *d += x;
+        }
+    }
+    Ok(())
+}
+
 /// Ring all-reduce: reduce-scatter then all-gather, 2(p−1) steps of n/p values each.
 pub fn ring_all_reduce<E: Endpoint + ?Sized>(
     ep: &mut E,
@@ -119,22 +164,9 @@ pub fn ring_all_reduce<E: Endpoint + ?Sized>(
     if p <= 1 {
         return Ok(());
     }
-    let me = group
-        .iter()
-        .position(|d| *d == ep.device())
-        .ok_or_else(|| TransportError::Other(format!("{} is not in its all-reduce group", ep.device())))?;
-    let next = group[(me + 1) % p];
-    let prev = group[(me + p - 1) % p];
+    ring_reduce_half(ep, group, data)?;
+    let (me, next, prev) = ring_position(ep, group)?;
     let n = data.len();
-    for step in 0..p - 1 {
-        let send_i = (me + p - step) % p;
-        let recv_i = (me + p - step - 1) % p;
-        ep.coll_send(next, data[chunk(n, p, send_i)].to_vec())?;
-        let incoming = ep.coll_recv(prev)?;
-        for (d, x) in data[chunk(n, p, recv_i)].iter_mut().zip(incoming) {
-            *d += x;
-        }
-    }
     for step in 0..p - 1 {
         let send_i = (me + 1 + p - step) % p;
         let recv_i = (me + p - step) % p;
@@ -143,6 +175,53 @@ pub fn ring_all_reduce<E: Endpoint + ?Sized>(
         data[chunk(n, p, recv_i)].copy_from_slice(&incoming);
     }
     Ok(())
+}
+
+/// Ring reduce-scatter: the ring's first half, then member i's chunk (the i-th of p, the
+/// first `n mod p` one value longer) handed to it by its neighbour: p steps in all, the
+/// same sums in the same order as the all-reduce's.
+pub fn ring_reduce_scatter<E: Endpoint + ?Sized>(
+    ep: &mut E,
+    group: &[DeviceId],
+    mut data: Vec<f32>,
+) -> Result<Vec<f32>, TransportError> {
+    let p = group.len();
+    if p <= 1 {
+        return Ok(data);
+    }
+    ring_reduce_half(ep, group, &mut data)?;
+    // member me holds chunk (me + 1) mod p complete: it belongs to its next neighbour
+    let (me, next, prev) = ring_position(ep, group)?;
+    let n = data.len();
+    ep.coll_send(next, data[chunk(n, p, (me + 1) % p)].to_vec())?;
+    let mine = ep.coll_recv(prev)?;
+    if mine.len() != chunk(n, p, me).len() {
+        return Err(TransportError::Other("members of a reduce-scatter sent different sizes".into()));
+    }
+    Ok(mine)
+}
+
+/// Ring all-gather: p−1 steps, each member forwarding the chunk it last received; the
+/// result is every member's chunk in member order.
+pub fn ring_all_gather<E: Endpoint + ?Sized>(
+    ep: &mut E,
+    group: &[DeviceId],
+    data: Vec<f32>,
+) -> Result<Vec<f32>, TransportError> {
+    let p = group.len();
+    if p <= 1 {
+        return Ok(data);
+    }
+    let (me, next, prev) = ring_position(ep, group)?;
+    let mut chunks: Vec<Option<Vec<f32>>> = vec![None; p];
+    chunks[me] = Some(data);
+    for step in 0..p - 1 {
+        let send_i = (me + p - step) % p;
+        let recv_i = (me + p - step - 1) % p;
+        ep.coll_send(next, chunks[send_i].clone().unwrap_or_default())?;
+        chunks[recv_i] = Some(ep.coll_recv(prev)?);
+    }
+    Ok(chunks.into_iter().flatten().flatten().collect())
 }
 
 /// A central parameter server (the group's first member): everyone sends, it sums in
@@ -323,24 +402,51 @@ mod tests {
     fn ring_and_ps_all_reduce_sum_identically_on_every_member() {
         for algorithm in [ReduceMode::Ring, ReduceMode::ParameterServer] {
             for p in 1..=5usize {
-                let devices: Vec<DeviceId> = (0..p as u32).map(DeviceId).collect();
-                let eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_secs(10));
-                let handles: Vec<_> = eps
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, mut ep)| {
-                        let group = devices.clone();
-                        std::thread::spawn(move || {
-                            let mut data: Vec<f32> = (0..7).map(|k| (i * 10 + k) as f32).collect();
-                            ep.collective(CollectiveKind::AllReduce, &group, &mut data, algorithm).map(|_| data)
-                        })
-                    })
-                    .collect();
-                let results: Vec<Vec<f32>> =
-                    handles.into_iter().map(|h| h.join().expect("thread").expect("all-reduce")).collect();
+                let results = run_collective(CollectiveKind::AllReduce, p, algorithm, |i| {
+                    (0..7).map(|k| (i * 10 + k) as f32).collect()
+                });
                 let expected: Vec<f32> = (0..7).map(|k| (0..p).map(|i| (i * 10 + k) as f32).sum()).collect();
                 for r in &results {
                     assert_eq!(r, &expected, "{algorithm:?} p={p}");
+                }
+            }
+        }
+    }
+
+    /// Runs `kind` on `p` in-process members, member i contributing `input(i)`.
+    fn run_collective(
+        kind: CollectiveKind,
+        p: usize,
+        algorithm: ReduceMode,
+        input: impl Fn(usize) -> Vec<f32>,
+    ) -> Vec<Vec<f32>> {
+        let devices: Vec<DeviceId> = (0..p as u32).map(DeviceId).collect();
+        let eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_secs(10));
+        let handles: Vec<_> = eps
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut ep)| {
+                let (group, data) = (devices.clone(), input(i));
+                std::thread::spawn(move || ep.collective(kind, &group, data, algorithm))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("thread").expect("collective")).collect()
+    }
+
+    #[test]
+    fn reduce_scatter_then_all_gather_is_the_all_reduce_bit_for_bit() {
+        for p in 1..=5usize {
+            for n in [1usize, 7, 10, 64] {
+                // values whose sums depend on their order, so the order is checked too
+                let input = |i: usize| (0..n).map(|k| 1.0 / ((i * 31 + k * 7 + 3) as f32)).collect::<Vec<f32>>();
+                let all = run_collective(CollectiveKind::AllReduce, p, ReduceMode::Ring, input);
+                let scattered = run_collective(CollectiveKind::ReduceScatter, p, ReduceMode::Ring, input);
+                for (i, part) in scattered.iter().enumerate() {
+                    assert_eq!(part.as_slice(), &all[i][chunk(n, p, i)], "p={p} n={n} member {i}");
+                }
+                let gathered = run_collective(CollectiveKind::AllGather, p, ReduceMode::Ring, |i| scattered[i].clone());
+                for g in &gathered {
+                    assert_eq!(g, &all[0], "p={p} n={n}");
                 }
             }
         }

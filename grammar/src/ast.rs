@@ -26,6 +26,8 @@ pub struct Model {
     pub layers_span: Span,
     pub loss: Loss,
     pub loss_span: Span,
+    /// How transformer blocks compute attention (`model.attention`, default standard).
+    pub attention: Attention,
     /// Labelled block calls: the layers each expanded into.
     pub groups: Vec<LayerGroup>,
     /// The blocks and named tensors the model defines (for the editor).
@@ -106,10 +108,19 @@ impl Model {
 /// One link level of the cluster.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Link {
-    /// Bytes per second.
+    /// Bytes per second, per device and direction.
     pub bandwidth: f64,
     /// Seconds per message.
     pub latency: f64,
+    /// The share of `bandwidth` a collective's bus bandwidth reaches, in (0, 1].
+    pub efficiency: f64,
+}
+
+impl Link {
+    /// A link of `bandwidth` bytes/s and `latency` s that collectives use in full.
+    pub fn new(bandwidth: f64, latency: f64) -> Link {
+        Link { bandwidth, latency, efficiency: 1.0 }
+    }
 }
 
 /// The cluster.
@@ -117,14 +128,14 @@ pub struct Link {
 pub struct Cluster {
     pub nodes: usize,
     pub devices_per_node: usize,
-    pub device_kind: String,
-    /// Bytes of memory per device.
+    /// What one device can do (a preset's datasheet figures, a calibrated file's, or one
+    /// throughput), as the cost model prices work.
+    pub device: pipec_plan::device::DeviceModel,
+    /// Bytes of memory per device (`device.memory`).
     pub memory: f64,
     pub memory_span: Span,
-    /// FLOP/s per device.
-    pub throughput: f64,
-    /// Seconds every layer's forward (and, twice, its backward) costs beyond its FLOPs:
-    /// kernel launches and framework work per pass (0 unless given).
+    /// Seconds every layer's forward (and, twice, its backward) costs beyond its kernels:
+    /// framework work per pass (0 unless given).
     pub overhead: f64,
     /// The span of `devices_per_node`, for "the cluster has N devices" labels.
     pub devices_span: Span,
@@ -146,7 +157,7 @@ impl Cluster {
     }
 }
 
-pub use pipec_plan::vocab::{Choice, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task};
+pub use pipec_plan::vocab::{Attention, Choice, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task};
 
 /// The schedule with its options.
 #[derive(Debug, Clone, PartialEq)]
@@ -197,6 +208,10 @@ pub enum Recompute {
     All,
     /// These stages, ascending, without repeats.
     Stages(Vec<usize>),
+    /// Selective (Korthikanti et al. 2022): every transformer block keeps all but its
+    /// attention core (scores, softmax, dropout, weighted sum), which its backward
+    /// recomputes; no stage recomputes its whole forward.
+    Selective,
 }
 
 impl Recompute {
@@ -206,7 +221,12 @@ impl Recompute {
             Recompute::Off => false,
             Recompute::All => true,
             Recompute::Stages(v) => v.binary_search(&s).is_ok(),
+            Recompute::Selective => false,
         }
+    }
+    /// Whether transformer blocks recompute their attention core (selective recompute).
+    pub fn selective(&self) -> bool {
+        *self == Recompute::Selective
     }
     /// Per stage, for a plan of `stages` stages.
     pub fn per_stage(&self, stages: usize) -> Vec<bool> {
@@ -224,6 +244,7 @@ impl Recompute {
         match self {
             Recompute::Off => "false".into(),
             Recompute::All => "true".into(),
+            Recompute::Selective => "selective".into(),
             Recompute::Stages(v) => {
                 format!("[{}]", v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))
             }
@@ -266,6 +287,10 @@ pub struct Strategy {
     /// Overlap communication with compute (default true): all-reduces in flight while the
     /// device computes, and input gradients sent before the weight gradients are computed.
     pub overlap: bool,
+    /// Megatron's sequence parallelism (with `tp` > 1): the parts of a transformer block
+    /// outside its tensor-parallel products (layer norms, dropout, residual adds) split along
+    /// the sequence; each all-reduce becomes a reduce-scatter and an all-gather.
+    pub sequence_parallel: bool,
     /// `strategy: auto`, or `auto` fields: what the compiler's strategy search chooses (the
     /// other fields then hold placeholders where they are free).
     pub auto: Option<AutoStrategy>,
@@ -312,6 +337,14 @@ impl Optimizer {
             Optimizer::Sgd { momentum: 0.0, .. } => 0,
             Optimizer::Sgd { .. } => 1,
             Optimizer::Adam { .. } => 2,
+        }
+    }
+    /// The optimizer's kind (SGD with momentum is `momentum`).
+    pub fn kind(&self) -> OptimizerKind {
+        match *self {
+            Optimizer::Sgd { momentum: 0.0, .. } => OptimizerKind::Sgd,
+            Optimizer::Sgd { .. } => OptimizerKind::Momentum,
+            Optimizer::Adam { .. } => OptimizerKind::Adam,
         }
     }
 }
@@ -361,6 +394,9 @@ pub struct Training {
     pub steps: usize,
     pub optimizer: Optimizer,
     pub precision: Precision,
+    /// The precision gradients are accumulated and reduced in: fp32 under bf16/fp16 unless
+    /// the spec says otherwise (Megatron-LM's default), the training precision otherwise.
+    pub grad_precision: Precision,
     pub seed: u64,
     pub data: Data,
     pub checkpoint: Option<Checkpoint>,

@@ -272,6 +272,17 @@ from 0 — one per virtual stage for interleaved schedules, so `[0, 1]` with 4 s
 recomputes the first two. An index must be below the number of stages the strategy has
 (for a layout PipeDream's planner picks, the number it picked).";
 
+"E0413", "sequence parallelism without tensor parallelism",
+"`sequence_parallel: true` splits a transformer block's layer norms, dropout and residual
+adds along the sequence over the tensor-parallel group, turning each of its all-reduces
+into a reduce-scatter and an all-gather (Korthikanti et al. 2022). It needs a tensor-parallel
+group to split over: set `tp` above 1, or remove it.
+
+    strategy:
+      stages: straight
+      tp: 1
+      sequence_parallel: true   # error: nothing to split over";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";

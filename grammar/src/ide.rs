@@ -460,7 +460,7 @@ mod tests {
         let keys: Vec<String> = completions(SPEC, at, &schema).into_iter().map(|c| c.label).collect();
         assert!(keys.contains(&"microbatches".to_string()) && !keys.contains(&"schedule".to_string()), "{keys:?}");
         let c: Vec<String> = completions(SPEC, SPEC.len(), &schema).into_iter().map(|c| c.label).collect();
-        assert_eq!(c, vec!["memory".to_string()]);
+        assert_eq!(c, vec!["memory".to_string(), "memory_bandwidth".to_string()]);
         let src = "strategy:\n  schedule: zb";
         let v: Vec<String> = completions(src, src.len(), &schema).into_iter().map(|c| c.label).collect();
         assert!(v.contains(&"zb-h1".to_string()) && v.contains(&"zbv".to_string()), "{v:?}");

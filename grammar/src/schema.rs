@@ -49,6 +49,10 @@ struct Model {
     /// block's output), e.g. `conv_bn(cin, cout, k=3): ["conv2d(cin, cout, k=k, pad=1) ->
     /// batchnorm2d -> relu"]`.
     blocks: Option<std::collections::BTreeMap<String, Vec<LayerItem>>>,
+    /// How transformer blocks compute attention: `standard` (the scores materialised and
+    /// kept for the backward) or `flash` (a fused kernel: nothing of size seq² kept, the
+    /// backward recomputes the scores).
+    attention: Option<pipec_plan::vocab::Attention>,
     /// The loss at the end of the model: `cross_entropy` (classification; the last layer's
     /// output size is the number of classes) or `mse` (regression).
     loss: Loss,
@@ -72,24 +76,55 @@ struct Cluster {
     /// Devices (GPUs or CPU workers) in each node.
     devices_per_node: u64,
     device: Device,
-    links: Links,
+    links: LinksSpec,
 }
 
-/// One device. All devices of the cluster are alike.
+/// One device. All devices of the cluster are alike: a preset's name (`a100-80gb`,
+/// `h100-sxm`, `h200`, `b200`, `mi300x`, `v100-32gb`, ...), or a mapping.
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum Device {
+    /// A device preset with its datasheet figures (docs/spec.md lists them).
+    Preset(String),
+    Described(DeviceFields),
+}
+
+/// A device described by its figures: a preset's with some overridden (`preset:`), a
+/// calibrated device file's (`file:`), or only a memory and one throughput.
 #[derive(JsonSchema)]
 #[serde(deny_unknown_fields)]
-struct Device {
-    /// A free-form name for the device kind (`a100`, `v100`, `cpu`), shown in reports.
+struct DeviceFields {
+    /// A device preset to start from; the keys below override its figures.
+    preset: Option<String>,
+    /// A device file written by `pipec calibrate` (relative to the spec), to start from.
+    file: Option<String>,
+    /// A free-form name for the device kind (`a100`, `cpu`), shown in reports.
     kind: Option<String>,
-    /// Memory per device, with a unit: `16GiB`, `80GB`.
-    memory: String,
-    /// Peak compute throughput used by the cost model, with a unit: `312TFLOP/s`,
-    /// `50GFLOP/s`.
-    throughput: String,
-    /// Time every layer's forward pass costs beyond its FLOPs (its backward: twice that),
-    /// with a unit: `20us`. Kernel launches and framework work per pass, which do not shrink
-    /// with the microbatch; default 0.
+    /// Memory per device, with a unit: `16GiB`, `80GB`. Required without a preset or file.
+    memory: Option<String>,
+    /// Matrix-product throughput at every precision, with a unit: `312TFLOP/s`. Without a
+    /// preset or file, the device's only figure: every FLOP runs at it, element-wise ones
+    /// too, with no memory bound and no size effect.
+    throughput: Option<String>,
+    /// Element-wise (vector) throughput, with a unit: `19.5TFLOP/s`.
+    vector: Option<String>,
+    /// Device-memory bandwidth, with a unit: `2TB/s`. Element-wise work is bound by it.
+    memory_bandwidth: Option<String>,
+    /// What every kernel costs before any work (launch and dispatch), with a unit: `4us`.
+    launch: Option<String>,
+    /// Time every layer's forward pass costs beyond its kernels (its backward: twice that),
+    /// with a unit: `20us`; default 0.
     overhead: Option<String>,
+}
+
+/// The interconnect: a preset's name (`dgx-a100`, `dgx-h100`, `dgx-b200`, `dgx-v100`), or
+/// bandwidth and latency per level of the cluster's hierarchy.
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum LinksSpec {
+    /// An interconnect preset: the node's NVLink/NVSwitch and its InfiniBand NICs.
+    Preset(String),
+    Described(Links),
 }
 
 /// Bandwidth and latency per level of the cluster's hierarchy.
@@ -106,10 +141,13 @@ struct Links {
 #[derive(JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Link {
-    /// Bandwidth (β⁻¹), with a unit: `900GB/s`, `10Gbps`.
+    /// Bandwidth (β⁻¹) per device and direction, with a unit: `300GB/s`, `200Gbps`.
     bandwidth: String,
     /// Latency per message (α), with a unit: `5us`, `1ms`.
     latency: String,
+    /// The share of `bandwidth` a collective's bus bandwidth reaches (NCCL's busbw over
+    /// the line rate), in (0, 1]; default 1.
+    efficiency: Option<f64>,
 }
 
 /// The strategy as written, or `auto`: the compiler searches every strategy (tensor
@@ -143,7 +181,19 @@ enum CountOrAuto {
 enum RecomputeSpec {
     Flag(bool),
     Stages(Vec<u32>),
+    Mode(RecomputeMode),
     Auto(AutoWord),
+}
+
+/// A recompute policy by name.
+#[derive(JsonSchema)]
+#[serde(rename_all = "snake_case")]
+enum RecomputeMode {
+    /// Every transformer block recomputes only its attention core (scores, softmax,
+    /// dropout, weighted sum) in the backward and keeps the rest (Korthikanti et al. 2022).
+    Selective,
+    /// Every stage recomputes its whole forward (the same as `true`).
+    Full,
 }
 
 /// Constraints on the strategy search (with `auto` fields).
@@ -188,10 +238,14 @@ struct Strategy {
     /// list with one entry per stage of layer ranges: `"0..4"` (end excluded), `"4..=7"`
     /// (end included), `"stem..head"` (labels), `"8.."` (to the end).
     partition: Option<PartitionSpec>,
-    /// Recompute activations in the backward pass (keep only each stage's inputs): `true`
-    /// for every stage, `false`, or a list of stage indices (e.g. `[0, 1]`); `auto`:
-    /// searched.
+    /// Recompute activations in the backward pass: `true` (or `full`: every stage keeps
+    /// only its inputs), `false`, a list of stage indices (e.g. `[0, 1]`), or `selective`
+    /// (every transformer block recomputes only its attention core); `auto`: searched.
     recompute: Option<RecomputeSpec>,
+    /// Megatron's sequence parallelism (needs `tp` > 1): a transformer block's layer norms,
+    /// dropout and residual adds split along the sequence over the tensor-parallel group,
+    /// each all-reduce a reduce-scatter and an all-gather. Default false.
+    sequence_parallel: Option<bool>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
     /// Overlap communication with compute (default true): a replicated stage's all-reduce
@@ -265,6 +319,9 @@ struct Training {
     optimizer: Optimizer,
     /// Numeric precision of weights and activations: `fp32`, `bf16` or `fp16`.
     precision: Option<Precision>,
+    /// The precision gradients are accumulated and reduced in: `fp32` (the default:
+    /// Megatron-LM's, under `bf16`/`fp16`) or the training precision.
+    grad_precision: Option<Precision>,
     /// Seed of the parameter initialisation and the synthetic data.
     seed: Option<u64>,
     data: Option<DataSpec>,

@@ -178,6 +178,10 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
     let blocks_node = f.get("blocks");
     let loss_node = cx.required(&f, "loss", "model");
     let loss = loss_node.and_then(|n| cx.choose::<Loss>(n, &["model", "loss"]));
+    let attention = match f.get("attention") {
+        None => Some(Attention::Standard),
+        Some(n) => cx.choose::<Attention>(n, &["model", "attention"]),
+    };
 
     let input = input_node.and_then(|n| {
         let Value::Seq(items) = &n.value else {
@@ -208,7 +212,7 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
         Some(crate::graph::expand(cx, n, blocks_node, input.as_deref()))
     });
     let expanded = expanded.filter(|e| e.ok);
-    let (input, expanded, loss) = (input?, expanded?, loss?);
+    let (input, expanded, loss, attention) = (input?, expanded?, loss?, attention?);
     let crate::graph::Expanded { layers, groups, names, .. } = expanded;
     let loss_node = loss_node?;
     let model = Model {
@@ -218,6 +222,7 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
         input,
         layers,
         loss,
+        attention,
         groups,
         names,
     };
@@ -285,7 +290,169 @@ fn lower_link(cx: &mut Lower<'_>, node: &Node, owner: Span, level: &str) -> Opti
     let section = format!("cluster.links.{level}");
     let bw = cx.required(&f, "bandwidth", &section).and_then(|n| cx.quantity(n, Dimension::Bandwidth, false));
     let lat = cx.required(&f, "latency", &section).and_then(|n| cx.quantity(n, Dimension::Time, true));
-    Some(Link { bandwidth: bw?, latency: lat? })
+    let efficiency = match f.get("efficiency") {
+        None => Some(1.0),
+        Some(value) => cx.number(value, rules::Bound::Positive).and_then(|e| {
+            if e <= 1.0 {
+                Some(e)
+            } else {
+                cx.push(Diagnostic::error("E0105", format!("efficiency {e} is above 1"), value.span, "at most 1"));
+                None
+            }
+        }),
+    };
+    Some(Link { bandwidth: bw?, latency: lat?, efficiency: efficiency? })
+}
+
+/// `name` is not a preset of `kind`: E0105 with the nearest name and the list.
+fn unknown_preset(cx: &mut Lower<'_>, node: &Node, kind: &str, name: &str, names: &[&str]) {
+    let mut d = Diagnostic::error("E0105", format!("unknown {kind} preset `{name}`"), node.span, "not a preset");
+    d = match crate::diagnostic::did_you_mean(name, names.iter().copied()) {
+        Some(s) => d.with_help(format!("did you mean `{s}`? presets: {}", names.join(", "))),
+        None => d.with_help(format!("presets: {}", names.join(", "))),
+    };
+    cx.push(d);
+}
+
+/// `cluster.device`: a preset's name, or a mapping (a preset or a device file with
+/// overrides, or a memory and one throughput). The device model and its memory's span.
+fn lower_device(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(pipec_plan::device::DeviceModel, Span, f64)> {
+    use pipec_plan::device::{preset, DeviceModel, MatrixRates, PRESETS};
+    let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
+    if let Some(name) = n.as_str() {
+        return match preset(name) {
+            Some(p) => Some((p.model(), n.span, 0.0)),
+            None => {
+                unknown_preset(cx, n, "device", name, &names);
+                None
+            }
+        };
+    }
+    let df = cx.fields(n, &["cluster", "device"], owner)?;
+    let base: Option<DeviceModel> = match (df.get("preset"), df.get("file")) {
+        (Some(p), _) => {
+            let name = cx.string(p)?;
+            match preset(name) {
+                Some(p) => Some(p.model()),
+                None => {
+                    unknown_preset(cx, p, "device", name, &names);
+                    return None;
+                }
+            }
+        }
+        (None, Some(f)) => Some(read_device_file(cx, f)?),
+        (None, None) => None,
+    };
+    let mut ok = true;
+    let mut quantity = |cx: &mut Lower<'_>, key: &str, dim: Dimension, zero: bool| -> Option<f64> {
+        let v = df.get(key).map(|q| cx.quantity(q, dim, zero));
+        if matches!(v, Some(None)) {
+            ok = false;
+        }
+        v.flatten()
+    };
+    let memory = quantity(cx, "memory", Dimension::Bytes, false);
+    let throughput = quantity(cx, "throughput", Dimension::FlopRate, false);
+    let vector = quantity(cx, "vector", Dimension::FlopRate, false);
+    let bandwidth = quantity(cx, "memory_bandwidth", Dimension::Bandwidth, false);
+    let launch = quantity(cx, "launch", Dimension::Time, true);
+    let overhead = quantity(cx, "overhead", Dimension::Time, true).unwrap_or(0.0);
+    let mut device = match base {
+        Some(d) => d,
+        None => {
+            // the one-throughput device: memory and throughput are what it is
+            if memory.is_none() && df.get("memory").is_none() {
+                cx.required(&df, "memory", "cluster.device");
+            }
+            if throughput.is_none() && df.get("throughput").is_none() {
+                cx.required(&df, "throughput", "cluster.device");
+            }
+            DeviceModel::uniform("device", memory?, throughput?)
+        }
+    };
+    if !ok {
+        return None;
+    }
+    if let Some(k) = df.get("kind").and_then(|k| cx.string(k)) {
+        device.name = k.to_string();
+    }
+    if let Some(m) = memory {
+        device.memory = m;
+    }
+    if let Some(t) = throughput {
+        device.matrix = MatrixRates::uniform(t);
+        if vector.is_none() && !device.memory_bandwidth.is_finite() {
+            device.vector = t;
+        }
+    }
+    if let Some(v) = vector {
+        device.vector = v;
+    }
+    if let Some(b) = bandwidth {
+        device.memory_bandwidth = b;
+    }
+    if let Some(l) = launch {
+        device.launch = l;
+    }
+    let span = df.get("memory").or(df.get("preset")).or(df.get("file")).map_or(n.span, |m| m.span);
+    Some((device, span, overhead))
+}
+
+/// The largest device file read.
+const MAX_DEVICE_FILE: u64 = 1 << 20;
+
+/// A device file (`pipec calibrate`'s JSON), relative to the spec's directory.
+fn read_device_file(cx: &mut Lower<'_>, f: &Node) -> Option<pipec_plan::device::DeviceModel> {
+    let path = cx.string(f)?;
+    let full = match cx.base_dir {
+        Some(base) => base.join(path),
+        None => std::path::PathBuf::from(path),
+    };
+    let read = std::fs::metadata(&full)
+        .map_err(|e| e.to_string())
+        .and_then(|m| {
+            if m.len() > MAX_DEVICE_FILE {
+                Err(format!("it has {} bytes; a device file is far smaller", m.len()))
+            } else {
+                std::fs::read_to_string(&full).map_err(|e| e.to_string())
+            }
+        })
+        .and_then(|t| pipec_plan::device::DeviceModel::from_json(&t));
+    match read {
+        Ok(d) => Some(d),
+        Err(e) => {
+            cx.push(
+                Diagnostic::error("E0105", format!("cannot use the device file `{path}`: {e}"), f.span, "this file")
+                    .with_help("write one with `pipec calibrate -o FILE`"),
+            );
+            None
+        }
+    }
+}
+
+/// `cluster.links`: an interconnect preset's name, or the links per level.
+fn lower_links(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(Link, Option<Link>, bool, Span)> {
+    if let Some(name) = n.as_str() {
+        let names: Vec<&str> = pipec_plan::device::LINK_PRESETS.iter().map(|p| p.name).collect();
+        return match pipec_plan::device::link_preset(name) {
+            Some(p) => {
+                let link =
+                    |(gbps, latency, efficiency): (f64, f64, f64)| Link { bandwidth: gbps * 1e9, latency, efficiency };
+                Some((link(p.intra), Some(link(p.inter)), true, owner))
+            }
+            None => {
+                unknown_preset(cx, n, "interconnect", name, &names);
+                None
+            }
+        };
+    }
+    let lf = cx.fields(n, &["cluster", "links"], owner)?;
+    let intra = cx
+        .required(&lf, "intra_node", "cluster.links")
+        .and_then(|l| lower_link(cx, l, lf.key_span("intra_node").unwrap_or(owner), "intra_node"));
+    let inter_node = lf.get("inter_node");
+    let inter = inter_node.and_then(|l| lower_link(cx, l, lf.key_span("inter_node").unwrap_or(owner), "inter_node"));
+    Some((intra?, inter, inter_node.is_some(), owner))
 }
 
 fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster> {
@@ -293,30 +460,11 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
     let nodes = cx.required(&f, "nodes", "cluster").and_then(|n| cx.uint(n, 1));
     let dpn_node = cx.required(&f, "devices_per_node", "cluster");
     let dpn = dpn_node.and_then(|n| cx.uint(n, 1));
-    let device = cx.required(&f, "device", "cluster").and_then(|n| {
-        let df = cx.fields(n, &["cluster", "device"], f.key_span("device").unwrap_or(owner))?;
-        let kind = df.get("kind").and_then(|k| cx.string(k)).unwrap_or("device").to_string();
-        let mem_node = cx.required(&df, "memory", "cluster.device");
-        let mem = mem_node.and_then(|m| cx.quantity(m, Dimension::Bytes, false));
-        let tp =
-            cx.required(&df, "throughput", "cluster.device").and_then(|t| cx.quantity(t, Dimension::FlopRate, false));
-        let overhead = match df.get("overhead") {
-            None => Some(0.0),
-            Some(o) => cx.quantity(o, Dimension::Time, true),
-        };
-        Some((kind, mem?, mem_node.map(|m| m.span).unwrap_or(owner), tp?, overhead?))
-    });
-    let links = cx.required(&f, "links", "cluster").and_then(|n| {
-        let lf = cx.fields(n, &["cluster", "links"], f.key_span("links").unwrap_or(owner))?;
-        let intra = cx
-            .required(&lf, "intra_node", "cluster.links")
-            .and_then(|l| lower_link(cx, l, lf.key_span("intra_node").unwrap_or(owner), "intra_node"));
-        let inter_node = lf.get("inter_node");
-        let inter =
-            inter_node.and_then(|l| lower_link(cx, l, lf.key_span("inter_node").unwrap_or(owner), "inter_node"));
-        Some((intra?, inter, inter_node.is_some(), f.key_span("links").unwrap_or(n.span)))
-    });
-    let (nodes, dpn, (kind, memory, memory_span, throughput, overhead), (intra, inter, inter_given, links_key)) =
+    let device =
+        cx.required(&f, "device", "cluster").and_then(|n| lower_device(cx, n, f.key_span("device").unwrap_or(owner)));
+    let links =
+        cx.required(&f, "links", "cluster").and_then(|n| lower_links(cx, n, f.key_span("links").unwrap_or(n.span)));
+    let (nodes, dpn, (device, memory_span, overhead), (intra, inter, inter_given, links_key)) =
         (nodes?, dpn?, device?, links?);
     if nodes.checked_mul(dpn).is_none_or(|n| n > MAX_DEVICES) {
         cx.push(
@@ -349,10 +497,9 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
     Some(Cluster {
         nodes,
         devices_per_node: dpn,
-        device_kind: kind,
-        memory,
+        memory: device.memory,
+        device,
         memory_span,
-        throughput,
         overhead,
         devices_span: dpn_node.map(|n| n.span).unwrap_or(node.span),
         intra_node: intra,
@@ -372,6 +519,10 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
     let precision = match f.get("precision") {
         None => Some(Precision::Fp32),
         Some(n) => cx.choose::<Precision>(n, &["training", "precision"]),
+    };
+    let grad_precision = match f.get("grad_precision") {
+        None => precision.map(|_| Precision::Fp32),
+        Some(n) => cx.choose::<Precision>(n, &["training", "grad_precision"]),
     };
     let seed = match f.get("seed") {
         None => Some(0),
@@ -402,6 +553,7 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
         steps: steps?,
         optimizer: optimizer?,
         precision: precision?,
+        grad_precision: grad_precision?,
         seed: seed?,
         data: data?,
         checkpoint: checkpoint?,

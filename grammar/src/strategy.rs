@@ -124,10 +124,11 @@ pub(crate) fn lower_strategy(
         None => Some(true),
         Some(n) => cx.boolean(n),
     };
+    let sequence_parallel = lower_sequence_parallel(cx, &f, tp);
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
-    let overlap = overlap?;
+    let (overlap, sequence_parallel) = (overlap?, sequence_parallel?);
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
     let partition_node = f.get("partition");
     // `partition: auto` with no layout written: PipeDream's planner picks the stages and
@@ -167,6 +168,7 @@ pub(crate) fn lower_strategy(
         partition,
         recompute,
         overlap,
+        sequence_parallel,
         auto: None,
         layout_span: layout.span,
         layout_fixed: layout.fixed,
@@ -191,11 +193,35 @@ pub fn recompute_beyond(stage: usize, stages: usize, at: Span, layout: Span) -> 
     .with_help("name stages from 0 (one per virtual stage for interleaved schedules), or `recompute: true` for all")
 }
 
-/// `recompute`: `true`, `false`, or a list of stage indices (sorted, without repeats).
+/// `sequence_parallel`: a boolean, and only with tensor parallelism (E0413).
+fn lower_sequence_parallel(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>) -> Option<bool> {
+    let Some(n) = f.get("sequence_parallel") else { return Some(false) };
+    let on = cx.boolean(n)?;
+    if on && tp == Some(1) {
+        cx.push(
+            Diagnostic::error(
+                "E0413",
+                "sequence parallelism splits what tensor parallelism leaves whole, and `tp` is 1",
+                n.span,
+                "needs `tp` > 1",
+            )
+            .with_help(
+                "set `tp` to the tensor-parallel degree (2 to the devices of a node), or remove `sequence_parallel`",
+            ),
+        );
+        return None;
+    }
+    Some(on)
+}
+
+/// `recompute`: `true`, `false`, `selective`, or a list of stage indices (sorted, without
+/// repeats).
 fn lower_recompute(cx: &mut Lower<'_>, node: &Node) -> Option<Recompute> {
     match &node.value {
         Value::Bool(true) => Some(Recompute::All),
         Value::Bool(false) => Some(Recompute::Off),
+        Value::Str(s) if s == "selective" => Some(Recompute::Selective),
+        Value::Str(s) if s == "full" => Some(Recompute::All),
         Value::Seq(items) => {
             let mut stages = Vec::with_capacity(items.len());
             for item in items {
@@ -206,7 +232,7 @@ fn lower_recompute(cx: &mut Lower<'_>, node: &Node) -> Option<Recompute> {
             Some(if stages.is_empty() { Recompute::Off } else { Recompute::Stages(stages) })
         }
         _ => {
-            cx.wrong_type(node, "`true`, `false` or a list of stage indices such as `[0, 1]`");
+            cx.wrong_type(node, "`true`, `false`, `selective` or a list of stage indices such as `[0, 1]`");
             None
         }
     }
@@ -230,6 +256,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         partition: Partition::Balanced,
         recompute: Recompute::Off,
         overlap: true,
+        sequence_parallel: false,
         auto: Some(auto),
         layout_span: node.span,
         layout_fixed: false,
@@ -321,6 +348,7 @@ fn lower_auto_strategy(
     if let Some(n) = f.get("overlap") {
         strategy.overlap = cx.boolean(n)?;
     }
+    strategy.sequence_parallel = lower_sequence_parallel(cx, f, (!auto.tp).then_some(strategy.tp))?;
     if !auto.layout {
         let kind = (!auto.schedule).then_some(strategy.schedule.kind);
         let written = lower_layout(cx, f, owner, kind)?;

@@ -322,6 +322,13 @@ macro_rules! on_device {
 }
 
 impl CollectivePayload {
+    /// Whether a collective of `kind` can carry this payload (what the executor runs).
+    pub fn takes(self, kind: CollectiveKind) -> bool {
+        match self {
+            CollectivePayload::Gradients | CollectivePayload::TiedGradient => kind == CollectiveKind::AllReduce,
+        }
+    }
+
     /// The buffer of `stage` a collective with this payload reads at its start and writes
     /// at its wait.
     pub fn buffer(self, stage: StageId) -> Buffer {

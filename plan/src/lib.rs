@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod datafile;
+pub mod device;
 pub mod instr;
 pub mod model;
 pub mod plan;
@@ -15,6 +16,6 @@ pub mod vocab;
 pub use instr::{Buffer, DeviceId, End, GroupId, Instr, MessageId, MicrobatchId, Payload, Phase, StageId, Transfer};
 pub use plan::Plan;
 pub use vocab::{
-    Choice, CollectiveKind, CollectivePayload, Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode,
-    Task, TokenDtype,
+    Attention, Choice, CollectiveKind, CollectivePayload, Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind,
+    SyncMode, Task, TokenDtype,
 };

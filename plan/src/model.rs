@@ -519,12 +519,141 @@ impl Op {
     }
 }
 
+/// How Megatron-style tensor parallelism splits a layer over the ranks of a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpSplit {
+    /// The whole layer on every rank (same time and memory as without tensor parallelism).
+    Replicated,
+    /// A linear layer split by its output columns (the first of a pair).
+    Column,
+    /// A linear layer split by its input rows (the second of a pair; its output summed).
+    Row,
+    /// A transformer block: heads and MLP columns split.
+    Block,
+    /// Megatron's vocabulary-parallel layers: a language model's embedding table split by
+    /// rows (each rank looks up its part of the vocabulary; the outputs summed) and the
+    /// output layer split by its output columns, its logits never gathered (the
+    /// cross-entropy is computed over the split, per-token sums exchanged).
+    Vocab,
+}
+
+fn elementwise(op: &Op) -> bool {
+    matches!(op, Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid)
+}
+
+/// Each layer's split over `tp` ranks, the one rule the executor builds by and the cost
+/// model prices by: a linear layer followed (through element-wise layers only) by a linear
+/// layer whose input it feeds becomes a column/row pair; transformer blocks split their
+/// heads; every other layer is replicated. Errors when a block cannot be split `tp` ways.
+pub fn tp_splits(ops: &[Op], tp: usize) -> Result<Vec<TpSplit>, String> {
+    let mut out = vec![TpSplit::Replicated; ops.len()];
+    if tp <= 1 {
+        return Ok(out);
+    }
+    let mut i = 0;
+    while i < ops.len() {
+        match ops[i] {
+            Op::Linear { out_features, .. } if out_features % tp == 0 => {
+                let mut j = i + 1;
+                while j < ops.len() && elementwise(&ops[j]) {
+                    j += 1;
+                }
+                if let Some(Op::Linear { in_features, .. }) = ops.get(j) {
+                    if *in_features == out_features {
+                        out[i] = TpSplit::Column;
+                        out[j] = TpSplit::Row;
+                        i = j + 1;
+                        continue;
+                    }
+                }
+            }
+            Op::TransformerBlock { d_model, heads, d_ff, .. } => {
+                if heads % tp != 0 || d_model % tp != 0 || d_ff % tp != 0 {
+                    return Err(format!("transformer_block(d={d_model}, heads={heads}, ff={d_ff}) cannot be split {tp} ways (heads and ff must be multiples of tp)"));
+                }
+                out[i] = TpSplit::Block;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    Ok(out)
+}
+
+/// Each layer's split in the stage of layers `range` of the whole model `ops` trained with
+/// `loss`: [`tp_splits`] within the stage, and Megatron's vocabulary-parallel layers — the
+/// model's first layer when it is an embedding, and its last when it is a linear layer
+/// not paired with another — under a cross-entropy loss, when `tp` divides the
+/// vocabulary (the classes).
+pub fn stage_tp_splits(
+    ops: &[Op],
+    range: std::ops::Range<usize>,
+    loss: Loss,
+    tp: usize,
+) -> Result<Vec<TpSplit>, String> {
+    let stage = ops.get(range.clone()).ok_or_else(|| format!("layers {range:?} are not in the model"))?;
+    let mut out = tp_splits(stage, tp)?;
+    if tp <= 1 || loss != Loss::CrossEntropy {
+        return Ok(out);
+    }
+    if let (0, Some(Op::Embedding { vocab, .. })) = (range.start, stage.first()) {
+        if vocab % tp == 0 {
+            out[0] = TpSplit::Vocab;
+        }
+    }
+    let whole_last = tp_splits(ops, tp)?.last().copied();
+    if let (true, Some(Op::Linear { out_features, .. }), Some(TpSplit::Replicated)) =
+        (range.end == ops.len(), stage.last(), whole_last)
+    {
+        if out_features % tp == 0 && out.last() == Some(&TpSplit::Replicated) {
+            let last = out.len() - 1;
+            out[last] = TpSplit::Vocab;
+        }
+    }
+    Ok(out)
+}
+
 /// The loss function at the end of the model (defined with the other named choices).
 pub use crate::vocab::Loss;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_language_models_embedding_and_output_layer_split_over_the_vocabulary() {
+        use TpSplit::{Block, Replicated, Vocab};
+        let gpt = [
+            Op::Embedding { vocab: 128, dim: 64 },
+            Op::PosEmbedding { max_len: 64, dim: 64 },
+            Op::TransformerBlock { d_model: 64, heads: 4, d_ff: 256, causal: true },
+            Op::LayerNorm { dim: 64 },
+            Op::Linear { in_features: 64, out_features: 128, bias: false },
+        ];
+        let splits = |range, loss, tp| stage_tp_splits(&gpt, range, loss, tp).expect("splits");
+        assert_eq!(splits(0..5, Loss::CrossEntropy, 2), [Vocab, Replicated, Block, Replicated, Vocab]);
+        // a stage sees the model's first and last layers only where it holds them
+        assert_eq!(splits(0..2, Loss::CrossEntropy, 4), [Vocab, Replicated]);
+        assert_eq!(splits(2..5, Loss::CrossEntropy, 4), [Block, Replicated, Vocab]);
+        assert_eq!(splits(1..4, Loss::CrossEntropy, 4), [Replicated, Block, Replicated]);
+        // not under another loss, not without tensor parallelism, not when tp does not divide
+        assert_eq!(splits(0..5, Loss::Mse, 2), [Replicated, Replicated, Block, Replicated, Replicated]);
+        assert_eq!(splits(0..5, Loss::CrossEntropy, 1), [Replicated; 5]);
+        let odd =
+            [Op::Embedding { vocab: 130, dim: 64 }, Op::Linear { in_features: 64, out_features: 130, bias: false }];
+        assert_eq!(stage_tp_splits(&odd, 0..2, Loss::CrossEntropy, 4).expect("splits"), [Replicated; 2]);
+        // the second of a column/row pair stays a row-parallel layer
+        let mlp = [
+            Op::Linear { in_features: 8, out_features: 16, bias: true },
+            Op::Relu,
+            Op::Linear { in_features: 16, out_features: 4, bias: true },
+        ];
+        assert_eq!(
+            stage_tp_splits(&mlp, 0..3, Loss::CrossEntropy, 2).expect("splits"),
+            [TpSplit::Column, Replicated, TpSplit::Row]
+        );
+        assert!(stage_tp_splits(&mlp, 2..4, Loss::CrossEntropy, 2).is_err());
+    }
 
     #[test]
     fn conv_and_pool_shapes() {

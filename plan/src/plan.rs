@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::instr::{DeviceId, GroupId, Instr, StageId};
 use crate::model::{Loss, Op, Source};
-use crate::vocab::{Precision, ReduceMode, ScheduleKind, Task};
+use crate::vocab::{Attention, Precision, ReduceMode, ScheduleKind, Task};
 
 /// Bumped on every incompatible change of the format.
 pub const PLAN_VERSION: u32 = 4;
@@ -105,6 +105,30 @@ pub struct ModelPlan {
     pub loss: Loss,
     /// The vocabulary when the input is token ids (first layer an embedding).
     pub token_vocab: Option<usize>,
+    /// The attention kernel the cost model priced (the executor's CPU kernels compute the
+    /// same values either way).
+    #[serde(default = "standard_attention", skip_serializing_if = "is_standard")]
+    pub attention: Attention,
+}
+
+fn standard_attention() -> Attention {
+    Attention::Standard
+}
+
+fn is_standard(a: &Attention) -> bool {
+    *a == Attention::Standard
+}
+
+fn fp32() -> Precision {
+    Precision::Fp32
+}
+
+fn is_fp32(p: &Precision) -> bool {
+    *p == Precision::Fp32
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Optimizer settings.
@@ -171,6 +195,9 @@ pub struct TrainingPlan {
     pub steps: usize,
     pub optimizer: OptimizerPlan,
     pub precision: Precision,
+    /// The precision gradients are accumulated and reduced in.
+    #[serde(default = "fp32", skip_serializing_if = "is_fp32")]
+    pub grad_precision: Precision,
     pub seed: u64,
     pub data: DataPlan,
     pub checkpoint_every: Option<usize>,
@@ -191,6 +218,10 @@ pub struct ScheduleInfo {
     /// Asynchronous data parallelism (parameter server): the staleness bound; None otherwise.
     #[serde(default)]
     pub staleness: Option<usize>,
+    /// Megatron-LM's sequence parallelism beside tensor parallelism (the cost and memory
+    /// model's accounting; the executor computes tensor parallelism's values).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub sequence_parallel: bool,
 }
 
 /// One pipeline stage (a virtual stage for interleaved schedules).
@@ -215,7 +246,11 @@ pub struct StagePlan {
     /// Activation recompute: the forward keeps only the stage's input, and a `recompute`
     /// instruction rebuilds the rest before the backward.
     pub recompute: bool,
-    /// Bytes kept for the backward per microbatch (with recompute: the stage input only).
+    /// Selective recompute: each transformer block's attention core is recomputed in its
+    /// backward instead of kept (the cost and memory model's accounting).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub selective_recompute: bool,
+    /// Bytes kept for the backward per microbatch (with recompute: the checkpointed inputs).
     pub activation_bytes_per_microbatch: u64,
     /// Bytes of the stage's output per microbatch (what is sent to the next stage).
     pub output_bytes_per_microbatch: u64,
@@ -508,6 +543,14 @@ impl Plan {
         }
         if self.layers.is_empty() {
             out.push("the plan has no layers".into());
+        }
+        // every collective carries what its kind can
+        for (d, stream) in &self.streams {
+            if let Some(ins) =
+                stream.iter().find(|i| matches!(i, Instr::Collective { kind, payload, .. } if !payload.takes(*kind)))
+            {
+                out.push(format!("{d}: `{ins}`: a collective of that kind cannot carry that payload"));
+            }
         }
         // the token vocabulary is the first layer's, when that is an embedding
         let vocab = match self.layers.first().map(|l| &l.op) {

@@ -60,6 +60,11 @@ choice! {
     pub enum CollectiveKind {
         /// Every member ends with the sum of every member's values.
         AllReduce = "all_reduce",
+        /// Every member ends with its own chunk of the sum (member i the i-th of the group's
+        /// equal chunks; the first `len mod p` one value longer).
+        ReduceScatter = "reduce_scatter",
+        /// Every member ends with every member's chunk, in member order.
+        AllGather = "all_gather",
     }
 }
 
@@ -140,6 +145,18 @@ impl Precision {
             Precision::Fp32 => 4,
             Precision::Bf16 | Precision::Fp16 => 2,
         }
+    }
+}
+
+choice! {
+    /// How a transformer block computes attention.
+    pub enum Attention {
+        /// Scores materialised: softmax and dropout on the `[heads, seq, seq]` matrix, which
+        /// the backward keeps (the 5·a·s² term of Korthikanti et al. 2022's accounting).
+        Standard = "standard",
+        /// A fused kernel (FlashAttention): the scores never leave on-chip memory, nothing of
+        /// size `seq²` is kept, and the backward recomputes them.
+        Flash = "flash",
     }
 }
 

@@ -1,0 +1,375 @@
+//! What one device can do, as the cost model prices work: its matrix throughput per
+//! precision, its vector (element-wise) throughput, its memory and memory bandwidth, the
+//! fixed cost of a kernel launch, and how close to its peaks a kernel of a given size gets
+//! (an efficiency curve per resource). Named presets carry datasheet figures; a spec may
+//! override any of them, and `pipec calibrate` measures them on the user's own machine
+//! (a device file, JSON of [`DeviceModel`]).
+//!
+//! Every figure below names its source. Peaks are dense (no structured sparsity), per GPU.
+//! The efficiency curves and the launch cost are not datasheet figures: they are the few
+//! constants the fidelity benchmark (`pipec-bench fidelity`, docs/benchmarks.md) fits once,
+//! the same for every GPU preset and every row.
+
+use serde::{Deserialize, Serialize};
+
+use crate::vocab::Precision;
+
+/// How close to its peak a kernel gets, by its size: `peak · x / (x + half)` for a kernel of
+/// `x` FLOPs (matrix) or bytes (memory). Small kernels cannot fill the device; large ones
+/// approach `peak`. A saturating curve of two constants, measurable by a sweep of sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Curve {
+    /// The efficiency of a kernel far larger than `half`, in (0, 1].
+    pub peak: f64,
+    /// The size at which a kernel reaches half of `peak`.
+    pub half: f64,
+}
+
+impl Curve {
+    /// No size effect: every kernel at `peak`.
+    pub const FLAT: Curve = Curve { peak: 1.0, half: 0.0 };
+
+    /// The efficiency of a kernel of size `x`.
+    pub fn at(self, x: f64) -> f64 {
+        if self.half <= 0.0 {
+            return self.peak;
+        }
+        (self.peak * x / (x + self.half)).max(1e-6)
+    }
+}
+
+/// Dense matrix-multiply throughput (FLOP/s) per input precision; 0 where the device has no
+/// fast path for it (the next wider precision's rate applies).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MatrixRates {
+    pub fp32: f64,
+    pub tf32: f64,
+    pub bf16: f64,
+    pub fp16: f64,
+    pub fp8: f64,
+}
+
+impl MatrixRates {
+    /// The same rate for every precision (a device described by one throughput).
+    pub fn uniform(rate: f64) -> Self {
+        MatrixRates { fp32: rate, tf32: rate, bf16: rate, fp16: rate, fp8: rate }
+    }
+
+    /// The rate of a product in `precision` (fp32 products run in fp32, not TF32: PyTorch's
+    /// default since 1.12).
+    pub fn of(self, precision: Precision) -> f64 {
+        let rate = match precision {
+            Precision::Fp32 => self.fp32,
+            Precision::Bf16 => self.bf16,
+            Precision::Fp16 => self.fp16,
+        };
+        if rate > 0.0 {
+            rate
+        } else {
+            self.fp32
+        }
+    }
+}
+
+/// One device as the cost model sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceModel {
+    /// The preset's name, or a user's label.
+    pub name: String,
+    /// Bytes of device memory.
+    pub memory: f64,
+    pub matrix: MatrixRates,
+    /// Element-wise throughput (FLOP/s) of the general-purpose cores, in fp32.
+    pub vector: f64,
+    /// Device-memory bandwidth (bytes/s); infinite where the spec gives none (element-wise
+    /// work is then priced by its FLOPs alone).
+    pub memory_bandwidth: f64,
+    /// Seconds every kernel costs before any work (launch and framework dispatch).
+    pub launch: f64,
+    /// Matrix products' efficiency by their FLOPs.
+    pub matrix_efficiency: Curve,
+    /// Memory-bound kernels' efficiency by the bytes they move.
+    pub memory_efficiency: Curve,
+}
+
+impl DeviceModel {
+    /// A device known only by one throughput: every kernel's FLOPs at that rate, no memory
+    /// bound, no size effect, no launch cost (what a spec's `throughput` alone says).
+    pub fn uniform(name: &str, memory: f64, throughput: f64) -> Self {
+        DeviceModel {
+            name: name.to_string(),
+            memory,
+            matrix: MatrixRates::uniform(throughput),
+            vector: throughput,
+            memory_bandwidth: f64::INFINITY,
+            launch: 0.0,
+            matrix_efficiency: Curve::FLAT,
+            memory_efficiency: Curve::FLAT,
+        }
+    }
+
+    /// Reads a device file (JSON of this type), checking every figure.
+    pub fn from_json(text: &str) -> Result<DeviceModel, String> {
+        let d: DeviceModel = serde_json::from_str(text).map_err(|e| format!("not a device file: {e}"))?;
+        let m = &d.matrix;
+        let positive = [d.memory, m.fp32, d.vector, d.memory_bandwidth];
+        let non_negative =
+            [m.tf32, m.bf16, m.fp16, m.fp8, d.launch, d.matrix_efficiency.half, d.memory_efficiency.half];
+        if positive.iter().any(|v| v.is_nan() || *v <= 0.0) || non_negative.iter().any(|v| !v.is_finite() || *v < 0.0) {
+            return Err(
+                "every figure must be positive (memory, fp32 and vector rates, bandwidth) or not negative".into()
+            );
+        }
+        for c in [d.matrix_efficiency, d.memory_efficiency] {
+            if !(c.peak > 0.0 && c.peak <= 1.0) {
+                return Err(format!("an efficiency's peak must be in (0, 1], found {}", c.peak));
+            }
+        }
+        Ok(d)
+    }
+
+    /// Seconds of a matrix product of `flops` reading and writing `bytes`, in `precision`:
+    /// the slower of its compute and its memory traffic, plus a launch.
+    pub fn matrix_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
+        if flops <= 0.0 && bytes <= 0.0 {
+            return 0.0;
+        }
+        let compute = flops / (self.matrix.of(precision) * self.matrix_efficiency.at(flops));
+        self.launch + compute.max(self.memory_time(bytes))
+    }
+
+    /// Seconds of an element-wise kernel of `flops` moving `bytes`: the slower of its vector
+    /// work and its memory traffic, plus a launch.
+    pub fn vector_time(&self, flops: f64, bytes: f64) -> f64 {
+        if flops <= 0.0 && bytes <= 0.0 {
+            return 0.0;
+        }
+        self.launch + (flops / self.vector).max(self.memory_time(bytes))
+    }
+
+    /// Seconds to move `bytes` through device memory at the efficiency of a kernel that
+    /// size.
+    pub fn memory_time(&self, bytes: f64) -> f64 {
+        if bytes <= 0.0 || !self.memory_bandwidth.is_finite() {
+            return 0.0;
+        }
+        bytes / (self.memory_bandwidth * self.memory_efficiency.at(bytes))
+    }
+}
+
+/// The kernel-size efficiency and launch cost every GPU preset shares: the constants the
+/// fidelity benchmark fits once against published A100 runs (docs/benchmarks.md, "Fidelity");
+/// not datasheet figures.
+pub const GPU_MATRIX_EFFICIENCY: Curve = Curve { peak: 0.75, half: 1.0e10 };
+pub const GPU_MEMORY_EFFICIENCY: Curve = Curve { peak: 0.70, half: 2.0e6 };
+pub const GPU_LAUNCH: f64 = 4.0e-6;
+
+const GB: f64 = 1e9;
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+const T: f64 = 1e12;
+
+/// A named device preset: its figures and where they come from.
+#[derive(Debug, Clone, Copy)]
+pub struct Preset {
+    pub name: &'static str,
+    /// The datasheet the figures come from.
+    pub source: &'static str,
+    /// GiB of memory.
+    pub memory_gib: f64,
+    /// Dense matrix TFLOP/s: fp32, tf32, bf16, fp16, fp8 (0: no fast path).
+    pub matrix_tflops: [f64; 5],
+    /// Element-wise fp32 TFLOP/s.
+    pub vector_tflops: f64,
+    /// Memory bandwidth, GB/s.
+    pub memory_gbps: f64,
+}
+
+/// The device presets a spec can name (`cluster.device: a100-80gb`).
+pub const PRESETS: &[Preset] = &[
+    Preset {
+        name: "v100-16gb",
+        source: "NVIDIA Tesla V100 datasheet (SXM2): 15.7 TFLOP/s fp32, 125 TFLOP/s fp16 tensor, 900 GB/s HBM2",
+        memory_gib: 16.0,
+        matrix_tflops: [15.7, 0.0, 0.0, 125.0, 0.0],
+        vector_tflops: 15.7,
+        memory_gbps: 900.0,
+    },
+    Preset {
+        name: "v100-32gb",
+        source: "NVIDIA Tesla V100 datasheet (SXM2): 15.7 TFLOP/s fp32, 125 TFLOP/s fp16 tensor, 900 GB/s HBM2",
+        memory_gib: 32.0,
+        matrix_tflops: [15.7, 0.0, 0.0, 125.0, 0.0],
+        vector_tflops: 15.7,
+        memory_gbps: 900.0,
+    },
+    Preset {
+        name: "a100-40gb",
+        source: "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 19.5 fp32, 156 tf32, 312 bf16/fp16 TFLOP/s, 1,555 GB/s HBM2",
+        memory_gib: 40.0,
+        matrix_tflops: [19.5, 156.0, 312.0, 312.0, 0.0],
+        vector_tflops: 19.5,
+        memory_gbps: 1555.0,
+    },
+    Preset {
+        name: "a100-80gb",
+        source: "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 19.5 fp32, 156 tf32, 312 bf16/fp16 TFLOP/s, 2,039 GB/s HBM2e",
+        memory_gib: 80.0,
+        matrix_tflops: [19.5, 156.0, 312.0, 312.0, 0.0],
+        vector_tflops: 19.5,
+        memory_gbps: 2039.0,
+    },
+    Preset {
+        name: "h100-sxm",
+        source: "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 67 fp32, 494.7 tf32, 989.4 bf16/fp16, 1,978.9 fp8 TFLOP/s dense, 3.35 TB/s HBM3, 80 GB",
+        memory_gib: 80.0,
+        matrix_tflops: [67.0, 494.7, 989.4, 989.4, 1978.9],
+        vector_tflops: 67.0,
+        memory_gbps: 3350.0,
+    },
+    Preset {
+        name: "h100-pcie",
+        source: "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 51 fp32, 378 tf32, 756 bf16/fp16, 1,513 fp8 TFLOP/s dense, 2 TB/s HBM2e, 80 GB",
+        memory_gib: 80.0,
+        matrix_tflops: [51.0, 378.0, 756.0, 756.0, 1513.0],
+        vector_tflops: 51.0,
+        memory_gbps: 2000.0,
+    },
+    Preset {
+        name: "h200",
+        source: "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM's compute, 141 GB HBM3e at 4.8 TB/s",
+        memory_gib: 141.0,
+        matrix_tflops: [67.0, 494.7, 989.4, 989.4, 1978.9],
+        vector_tflops: 67.0,
+        memory_gbps: 4800.0,
+    },
+    Preset {
+        name: "b200",
+        source: "NVIDIA DGX B200 datasheet, per GPU (72 PFLOP/s fp8 training for 8 GPUs, sparse): 2,250 bf16/fp16, 4,500 fp8, 1,100 tf32 TFLOP/s dense; 180 GB HBM3e at 8 TB/s; fp32 from the HGX B200 listing (75 TFLOP/s)",
+        memory_gib: 180.0,
+        matrix_tflops: [75.0, 1100.0, 2250.0, 2250.0, 4500.0],
+        vector_tflops: 75.0,
+        memory_gbps: 8000.0,
+    },
+    Preset {
+        name: "mi300x",
+        source: "AMD Instinct MI300X datasheet: 163.4 fp32 matrix, 653.7 tf32, 1,307.4 bf16/fp16, 2,614.9 fp8 TFLOP/s dense, 81.7 fp32 vector; 192 GB HBM3 at 5.3 TB/s",
+        memory_gib: 192.0,
+        matrix_tflops: [163.4, 653.7, 1307.4, 1307.4, 2614.9],
+        vector_tflops: 81.7,
+        memory_gbps: 5300.0,
+    },
+];
+
+impl Preset {
+    /// The preset as a device model, with the shared efficiency curves and launch cost.
+    pub fn model(&self) -> DeviceModel {
+        let [fp32, tf32, bf16, fp16, fp8] = self.matrix_tflops.map(|t| t * T);
+        DeviceModel {
+            name: self.name.to_string(),
+            memory: self.memory_gib * GIB,
+            matrix: MatrixRates { fp32, tf32, bf16, fp16, fp8 },
+            vector: self.vector_tflops * T,
+            memory_bandwidth: self.memory_gbps * GB,
+            launch: GPU_LAUNCH,
+            matrix_efficiency: GPU_MATRIX_EFFICIENCY,
+            memory_efficiency: GPU_MEMORY_EFFICIENCY,
+        }
+    }
+}
+
+/// The preset named `name`.
+pub fn preset(name: &str) -> Option<&'static Preset> {
+    PRESETS.iter().find(|p| p.name.eq_ignore_ascii_case(name))
+}
+
+/// A node's interconnect: the link between its devices and, per device, its share of the
+/// node's network interfaces. `efficiency` is the share of the link a collective's bus
+/// bandwidth reaches (NCCL's busbw over the line rate).
+#[derive(Debug, Clone, Copy)]
+pub struct LinkPreset {
+    pub name: &'static str,
+    pub source: &'static str,
+    /// Within a node, per device and direction: (GB/s, latency s, bus-bandwidth efficiency).
+    pub intra: (f64, f64, f64),
+    /// Between nodes, per device and direction (the node's NICs over its devices).
+    pub inter: (f64, f64, f64),
+}
+
+/// The interconnect presets a spec can name (`cluster.links: dgx-a100`). Line rates are the
+/// datasheets' (each preset's `source`); the efficiencies are measured shares: within a node
+/// 0.75, NCCL's all-reduce bus bandwidth on NVSwitch (nccl-tests on DGX A100 reach about
+/// 230 GB/s of the 300 GB/s line rate at large messages; the fidelity benchmark's fit agrees);
+/// between nodes 0.9, InfiniBand's payload share after encoding and headers (HDR's 200 Gb/s
+/// carries about 23 GB/s of data in perftest's ib_write_bw).
+pub const LINK_PRESETS: &[LinkPreset] = &[
+    LinkPreset {
+        name: "dgx-v100",
+        source: "NVIDIA DGX-2: NVSwitch, 300 GB/s NVLink per V100 (150 GB/s each way); 8 × 100 Gb/s EDR InfiniBand for 16 GPUs",
+        intra: (150.0, 3e-6, 0.75),
+        inter: (6.25, 6e-6, 0.9),
+    },
+    LinkPreset {
+        name: "dgx-a100",
+        source: "NVIDIA DGX A100 (and Selene): NVSwitch, 600 GB/s NVLink per A100 (300 GB/s each way); 8 × 200 Gb/s HDR InfiniBand compute NICs, one per GPU",
+        intra: (300.0, 3e-6, 0.75),
+        inter: (25.0, 6e-6, 0.9),
+    },
+    LinkPreset {
+        name: "dgx-h100",
+        source: "NVIDIA DGX H100: NVSwitch, 900 GB/s NVLink per H100 (450 GB/s each way); 8 × 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU",
+        intra: (450.0, 3e-6, 0.75),
+        inter: (50.0, 6e-6, 0.9),
+    },
+    LinkPreset {
+        name: "dgx-b200",
+        source: "NVIDIA DGX B200: NVLink 5, 1.8 TB/s per B200 (900 GB/s each way); 8 × 400 Gb/s ConnectX-7 NICs, one per GPU",
+        intra: (900.0, 3e-6, 0.75),
+        inter: (50.0, 6e-6, 0.9),
+    },
+];
+
+/// The interconnect preset named `name`.
+pub fn link_preset(name: &str) -> Option<&'static LinkPreset> {
+    LINK_PRESETS.iter().find(|p| p.name.eq_ignore_ascii_case(name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn curves_saturate_and_flat_is_flat() {
+        let c = Curve { peak: 0.8, half: 1e9 };
+        assert!((c.at(1e9) - 0.4).abs() < 1e-12);
+        assert!(c.at(1e15) > 0.7999 && c.at(1e15) <= 0.8);
+        assert!(c.at(1e6) < 0.001);
+        assert_eq!(Curve::FLAT.at(1.0), 1.0);
+    }
+
+    #[test]
+    fn a_uniform_device_prices_flops_alone() {
+        let d = DeviceModel::uniform("x", 1e9, 1e12);
+        assert_eq!(d.matrix_time(2e12, 1e15, Precision::Bf16), 2.0);
+        assert_eq!(d.vector_time(1e12, 1e15), 1.0);
+    }
+
+    #[test]
+    fn presets_are_named_once_and_read_their_datasheets() {
+        for (i, p) in PRESETS.iter().enumerate() {
+            assert!(PRESETS[i + 1..].iter().all(|q| q.name != p.name), "{} twice", p.name);
+            assert!(!p.source.is_empty());
+        }
+        let a100 = preset("A100-80GB").expect("a100").model();
+        assert_eq!(a100.matrix.of(Precision::Bf16), 312e12);
+        assert_eq!(a100.matrix.of(Precision::Fp32), 19.5e12);
+        // V100 has no bf16 path: fp32's rate
+        assert_eq!(preset("v100-32gb").expect("v100").model().matrix.of(Precision::Bf16), 15.7e12);
+        assert_eq!(a100.memory, 80.0 * GIB);
+        // a large product runs near the curve's peak, memory-bound when it moves more than
+        // it computes
+        let t = a100.matrix_time(1e13, 1e6, Precision::Bf16);
+        let ideal = 1e13 / (312e12 * GPU_MATRIX_EFFICIENCY.peak);
+        assert!(t > ideal && t < ideal * 1.01 + GPU_LAUNCH, "{t} vs {ideal}");
+        assert!(a100.matrix_time(1e6, 1e9, Precision::Bf16) > 1e9 / 2039e9);
+    }
+}
