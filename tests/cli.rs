@@ -95,6 +95,36 @@ fn run_warns_that_a_bf16_spec_trains_in_fp32() {
 }
 
 #[test]
+fn a_zero_plan_trains_to_the_same_losses_and_says_the_replicas_stay_whole() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data-parallel.yaml"))
+        .expect("data-parallel spec");
+    let losses = |zero: &str| {
+        let spec = dir.path().join(format!("zero{zero}.yaml"));
+        let text = text.replace("  microbatches: 4\n", &format!("  microbatches: 4\n  zero: {zero}\n"));
+        std::fs::write(&spec, text).expect("write spec");
+        let out_dir = dir.path().join(format!("out{zero}"));
+        let out =
+            pipec(&["run", spec.to_str().expect("utf-8"), "--steps", "3", "--out", out_dir.to_str().expect("utf-8")]);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
+        let losses: Vec<f64> = metrics
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"].as_f64().expect("loss"))
+            .collect();
+        (losses, stderr)
+    };
+    let (whole, quiet) = losses("0");
+    assert!(!quiet.contains("shards"), "{quiet}");
+    for zero in ["1", "2", "3"] {
+        let (sharded, stderr) = losses(zero);
+        assert_eq!(sharded, whole, "zero {zero}");
+        assert!(stderr.contains("warning: the plan shards") && stderr.contains(&format!("`zero: {zero}`")), "{stderr}");
+    }
+}
+
+#[test]
 fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
     let dir = tempfile::tempdir().expect("temp dir");
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml");

@@ -142,6 +142,7 @@ pub(crate) fn assemble(
             reduce: strategy.schedule.reduce,
             staleness: lowered.asp.then_some(strategy.schedule.staleness),
             sequence_parallel: strategy.sequence_parallel,
+            sharding: strategy.sharding,
         },
         partition: layout.notation,
         stages: stage_plans,

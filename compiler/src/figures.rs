@@ -28,7 +28,7 @@ pub(crate) struct StageFigures {
 pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> StageFigures {
     let (costs, graph, mb) = (&model.costs, &model.graph, model.microbatch_size as u64);
     let selective = spec.strategy.recompute.selective();
-    let times = layout
+    let times: Vec<(f64, f64)> = layout
         .ranges
         .iter()
         .map(|r| {
@@ -42,7 +42,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     let tp_link = if tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
     let tp_time =
         |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| ring_time(k, tp_link, tp, b as f64)).sum::<f64>();
-    let tp_times = layout
+    let tp_times: Vec<(f64, f64)> = layout
         .ranges
         .iter()
         .map(|r| {
@@ -50,7 +50,50 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             (c.iter().map(|c| tp_time(&c.tp_forward)).sum(), c.iter().map(|c| tp_time(&c.tp_backward)).sum())
         })
         .collect();
-    let update = layout.ranges.iter().map(|r| costs[r.clone()].iter().map(|c| c.update_s).sum::<f64>()).collect();
+    // ZeRO: each replica of a stage keeps (and updates) its 1/d share of what is sharded
+    let chunks = spec.strategy.schedule.kind.chunk_placement();
+    let stage_replicas: Vec<u64> = (0..layout.ranges.len())
+        .map(|s| {
+            layout.replicas.get(chunks.rank_of_chunk(s, layout.replicas.len().max(1))).copied().unwrap_or(1).max(1)
+                as u64
+        })
+        .collect();
+    let (shard_optimizer, shard_gradients, shard_weights) = spec.strategy.sharding.shards();
+    let share = |bytes: u64, sharded: bool, d: u64| if sharded { bytes.div_ceil(d) } else { bytes };
+    let update = layout
+        .ranges
+        .iter()
+        .zip(&stage_replicas)
+        .map(|(r, &d)| {
+            let t = costs[r.clone()].iter().map(|c| c.update_s).sum::<f64>();
+            if shard_optimizer {
+                t / d as f64
+            } else {
+                t
+            }
+        })
+        .collect();
+    // ZeRO-3 gathers a stage's weights before each microbatch's forward and again before
+    // its backward, prefetching the next layer's while one computes: a pass waits for what
+    // the gather takes beyond the pass's own compute
+    let dp_link =
+        |d: usize| if d * tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
+    let gather_waits: Vec<(f64, f64)> = layout
+        .ranges
+        .iter()
+        .zip(&stage_replicas)
+        .zip(&times)
+        .map(|((r, &d), &(forward, backward))| {
+            if !shard_weights || d < 2 {
+                return (0.0, 0.0);
+            }
+            let bytes: u64 = costs[r.clone()].iter().map(|c| c.parameter_bytes).sum();
+            let gather = ring_time(CollectiveKind::AllGather, dp_link(d as usize), d as usize, bytes as f64);
+            ((gather - forward).max(0.0), (gather - backward).max(0.0))
+        })
+        .collect();
+    let tp_times: Vec<(f64, f64)> =
+        tp_times.iter().zip(&gather_waits).map(|(&(f, b), &(gf, gb))| (f + gf, b + gb)).collect();
     // byte counts saturate: a spec past pipec's limits is refused by the front end, and a
     // figure that saturates reads as "does not fit" rather than wrapping to a small one
     let output_bytes: Vec<u64> =
@@ -59,7 +102,8 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .ranges
         .iter()
         .zip(&output_bytes)
-        .map(|(r, &output)| {
+        .zip(&stage_replicas)
+        .map(|((r, &output), &d)| {
             let c = &costs[r.clone()];
             let parameters: u64 = c.iter().map(|c| c.parameters).sum();
             let shard: u64 = c.iter().map(|c| c.shard_parameters).sum();
@@ -111,14 +155,28 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                 .saturating_add(loss_input);
             StageBytes {
                 parameters,
-                weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>(),
-                gradients: shard.saturating_mul(model.grad_bytes as u64),
-                optimizer: (shard as f64 * model.optimizer_bytes_per_parameter) as u64,
+                weights: share(c.iter().map(|c| c.parameter_bytes).sum::<u64>(), shard_weights, d),
+                gradients: share(shard.saturating_mul(model.grad_bytes as u64), shard_gradients, d),
+                optimizer: share((shard as f64 * model.optimizer_bytes_per_parameter) as u64, shard_optimizer, d),
+                // ZeRO-3: the layer computing and the next one prefetched, whole
+                gathered_weights: if shard_weights && d > 1 {
+                    let largest = c.iter().map(|c| c.parameter_bytes).max().unwrap_or(0);
+                    largest.saturating_mul(2)
+                } else {
+                    0
+                },
                 activations_per_microbatch: c
                     .iter()
                     .fold(0u64, |a, c| a.saturating_add(kept(c)))
                     .saturating_mul(mb)
                     .saturating_add(loss_input),
+                reduced_gradients: shard.saturating_mul(model.grad_bytes as u64),
+                replicas: d,
+                attention_core_per_microbatch: if selective {
+                    0
+                } else {
+                    c.iter().fold(0u64, |a, c| a.saturating_add(c.attention_core_bytes_per_sample)).saturating_mul(mb)
+                },
                 checkpoint_per_microbatch: checkpoint.saturating_add(loss_input),
                 recompute_unit_peak: unit_peak,
                 largest_message: input_bytes.max(output),

@@ -4,7 +4,7 @@
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
 use pipec_plan::plan::DevicePlan;
-use pipec_plan::vocab::ScheduleKind;
+use pipec_plan::vocab::{Attention, Choice, ScheduleKind, Sharding};
 use pipec_plan::{DeviceId, StageId};
 
 use crate::figures::StageFigures;
@@ -108,8 +108,11 @@ pub(crate) fn memory_diagnostics(
                 .sum::<u64>()
                 + worst.stages.iter().map(|s| stage_bytes[s.0 as usize].activations_per_microbatch).max().unwrap_or(0);
             let with = m.total - held_acts + saved;
-            ideas.push(format!("`recompute: true` ({} on {})", human_bytes(with), worst.id));
+            if with <= m.capacity {
+                ideas.push(format!("`recompute: true` ({} on {})", human_bytes(with), worst.id));
+            }
         }
+        ideas.extend(sharding_and_attention_ideas(spec, worst, stage_bytes, recompute));
         if strategy.schedule.kind == ScheduleKind::Gpipe {
             ideas.push(
                 "`schedule: 1f1b` (keeps at most one microbatch per later stage in flight instead of all)".to_string(),
@@ -153,6 +156,83 @@ pub(crate) fn memory_diagnostics(
             .with_help(breakdown),
         );
     }
+}
+
+/// E0601's ideas from the memory strategies, each offered only when it makes `worst` fit:
+/// a higher ZeRO level (the lowest that fits), flash attention or selective recompute (the
+/// attention cores' `[heads, seq, seq]` tensors no longer kept), or the first pair of them
+/// that fits when neither alone does.
+fn sharding_and_attention_ideas(
+    spec: &Spec,
+    worst: &DevicePlan,
+    stage_bytes: &[StageBytes],
+    recompute: &[bool],
+) -> Vec<String> {
+    let m = &worst.memory;
+    let held: Vec<&StageBytes> = worst.stages.iter().filter_map(|s| stage_bytes.get(s.0 as usize)).collect();
+    let current = spec.strategy.sharding;
+    // model state per ZeRO level: the unsharded bytes, then each held stage's share
+    let state_at = |level: Sharding| -> u64 {
+        let (now_o, now_g, now_w) = current.shards();
+        let (o, g, w) = level.shards();
+        let at = |bytes: u64, sharded_now: bool, sharded: bool, d: u64| {
+            let full = if sharded_now { bytes.saturating_mul(d) } else { bytes };
+            if sharded {
+                full.div_ceil(d)
+            } else {
+                full
+            }
+        };
+        held.iter()
+            .map(|b| {
+                let d = b.replicas.max(1);
+                at(b.weights, now_w, w, d) + at(b.gradients, now_g, g, d) + at(b.optimizer, now_o, o, d)
+            })
+            .sum()
+    };
+    let state_now = m.weights + m.gradients + m.optimizer;
+    // flash attention: the non-recomputed stages' attention cores, times their microbatches in flight
+    let cores: u64 = worst
+        .stages
+        .iter()
+        .filter(|s| !recompute.get(s.0 as usize).copied().unwrap_or(false))
+        .map(|s| {
+            stage_bytes.get(s.0 as usize).map_or(0, |b| b.attention_core_per_microbatch)
+                * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))
+        })
+        .sum();
+    let total_with = |level: Sharding, flash: bool| {
+        (m.total - state_now + state_at(level)).saturating_sub(if flash { cores } else { 0 })
+    };
+    let replicated = held.iter().any(|b| b.replicas > 1);
+    let levels: Vec<Sharding> = if replicated {
+        Sharding::ALL.iter().copied().filter(|l| l.level() > current.level()).collect()
+    } else {
+        vec![]
+    };
+    let flash_word = if spec.model.attention == Attention::Standard {
+        "`attention: flash` (or `recompute: selective`)"
+    } else {
+        "`recompute: selective`"
+    };
+    let mut ideas = Vec::new();
+    if let Some(&level) = levels.iter().find(|&&l| total_with(l, false) <= m.capacity) {
+        ideas.push(format!("`zero: {}` ({} on {})", level.level(), human_bytes(total_with(level, false)), worst.id));
+    }
+    if cores > 0 && total_with(current, true) <= m.capacity {
+        ideas.push(format!("{flash_word} ({} on {})", human_bytes(total_with(current, true)), worst.id));
+    }
+    if ideas.is_empty() && cores > 0 {
+        if let Some(&level) = levels.iter().find(|&&l| total_with(l, true) <= m.capacity) {
+            ideas.push(format!(
+                "`zero: {}` with {flash_word} ({} on {})",
+                level.level(),
+                human_bytes(total_with(level, true)),
+                worst.id
+            ));
+        }
+    }
+    ideas
 }
 
 /// The devices most over capacity, with how much over, and how many more there are: a

@@ -28,6 +28,17 @@ pub struct StageBytes {
     pub recompute_unit_peak: u64,
     /// Largest message (activation or gradient) the stage sends or receives.
     pub largest_message: u64,
+    /// ZeRO-3: the whole weights gathered at once (the layer computing and the next,
+    /// prefetched); 0 otherwise.
+    pub gathered_weights: u64,
+    /// The gradient bytes the stage's replicas reduce each step (the whole gradient: an
+    /// all-reduce, or under ZeRO a reduce-scatter of as many bytes).
+    pub reduced_gradients: u64,
+    /// Replicas of the stage (what `zero` shards over).
+    pub replicas: u64,
+    /// Of `activations_per_microbatch`, the attention cores' `[heads, seq, seq]` tensors
+    /// (what flash attention or selective recompute does not keep).
+    pub attention_core_per_microbatch: u64,
 }
 
 /// The documented workspace reserve: 5% of the device memory, at most 1 GiB (allocator
@@ -100,7 +111,7 @@ pub fn device_memory(
         m.weights = m.weights.saturating_add(b.weights.saturating_mul(u64::from(versions)));
         m.gradients = m.gradients.saturating_add(b.gradients);
         m.optimizer = m.optimizer.saturating_add(b.optimizer);
-        m.buffers = m.buffers.max(b.largest_message.saturating_mul(4));
+        m.buffers = m.buffers.max(b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights));
     }
     // Activations: the peak over the stream of what all held stages keep at once.
     let mut now: HashMap<StageId, u64> = HashMap::new();

@@ -280,6 +280,17 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
             plan.training.precision, plan.training.precision
         ));
     }
+    if plan.schedule.sharding != pipec_plan::vocab::Sharding::None {
+        out.push(format!(
+            "the plan shards {} across data-parallel replicas (`zero: {}`), but the executor keeps every replica whole: the same numbers (a reduce-scatter and all-gather sum as the all-reduce does, bit for bit), not the memory the plan counts",
+            match plan.schedule.sharding.level() {
+                1 => "the optimizer state",
+                2 => "the optimizer state and gradients",
+                _ => "the optimizer state, gradients and weights",
+            },
+            plan.schedule.sharding.level()
+        ));
+    }
     out
 }
 

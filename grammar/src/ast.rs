@@ -291,6 +291,8 @@ pub struct Strategy {
     /// outside its tensor-parallel products (layer norms, dropout, residual adds) split along
     /// the sequence; each all-reduce becomes a reduce-scatter and an all-gather.
     pub sequence_parallel: bool,
+    /// `zero`: what data-parallel replicas shard among themselves.
+    pub sharding: pipec_plan::vocab::Sharding,
     /// `strategy: auto`, or `auto` fields: what the compiler's strategy search chooses (the
     /// other fields then hold placeholders where they are free).
     pub auto: Option<AutoStrategy>,

@@ -283,6 +283,18 @@ group to split over: set `tp` above 1, or remove it.
       tp: 1
       sequence_parallel: true   # error: nothing to split over";
 
+"E0414", "ZeRO sharding without data parallelism",
+"`zero` shards state across the data-parallel replicas of a stage: 1 the optimizer state
+and master weights (12 bytes per parameter under Adam with mixed precision become 12/d),
+2 also the gradients, 3 also the weights, gathered a layer at a time for its forward and its
+backward. With no replicated stage there is nothing to shard over: replicate stages
+(`dp` > 1, or PipeDream notation such as `stages: \"2-2\"`), or remove `zero`.
+
+    strategy:
+      dp: 1
+      pp: 4
+      zero: 1   # error: every stage has one replica";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";

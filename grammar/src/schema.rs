@@ -246,6 +246,11 @@ struct Strategy {
     /// dropout and residual adds split along the sequence over the tensor-parallel group,
     /// each all-reduce a reduce-scatter and an all-gather. Default false.
     sequence_parallel: Option<bool>,
+    /// ZeRO's sharding across data-parallel replicas (needs a replicated stage): 0 nothing
+    /// (default); 1 the optimizer state and master weights (Megatron-LM's distributed
+    /// optimizer); 2 also the gradients; 3 also the weights (FSDP's full sharding).
+    #[schemars(range(min = 0, max = 3))]
+    zero: Option<u8>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
     /// Overlap communication with compute (default true): a replicated stage's all-reduce

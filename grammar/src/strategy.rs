@@ -4,6 +4,7 @@
 //! cluster size, stages vs layers, microbatches vs batch size, partition ranges vs layers.
 
 use pipec_plan::schedule::LayoutFacts;
+use pipec_plan::vocab::Sharding;
 
 use crate::ast::{
     AutoStrategy, Choice, Cluster, Model, Partition, Recompute, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode,
@@ -125,11 +126,13 @@ pub(crate) fn lower_strategy(
         Some(n) => cx.boolean(n),
     };
     let sequence_parallel = lower_sequence_parallel(cx, &f, tp);
+    let sharding = lower_sharding(cx, &f);
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
-    let (overlap, sequence_parallel) = (overlap?, sequence_parallel?);
+    let (overlap, sequence_parallel, sharding) = (overlap?, sequence_parallel?, sharding?);
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
+    let mut ok = check_sharding(cx, &f, sharding, &layout.replicas);
     let partition_node = f.get("partition");
     // `partition: auto` with no layout written: PipeDream's planner picks the stages and
     // their replication when compiling (at most one per layer); until then the layout is
@@ -139,7 +142,7 @@ pub(crate) fn lower_strategy(
         && schedule.kind.auto_replicates()
         && partition_node.is_some_and(is_auto))
     .then(|| model.map_or(layout.replicas.len(), |m| m.layers.len().clamp(1, layout.replicas.len())));
-    let mut ok = check_device_count(cx, &layout, tp, cluster);
+    ok &= check_device_count(cx, &layout, tp, cluster);
     let stages = planned.unwrap_or(layout.replicas.len());
     check_size(cx, stages, &schedule, microbatches, microbatches_node.map_or(owner, |n| n.span))?;
     let written_mb = MicrobatchesWritten { count: microbatches, span: microbatches_node.map(|n| n.span), owner };
@@ -169,6 +172,7 @@ pub(crate) fn lower_strategy(
         recompute,
         overlap,
         sequence_parallel,
+        sharding,
         auto: None,
         layout_span: layout.span,
         layout_fixed: layout.fixed,
@@ -214,6 +218,40 @@ fn lower_sequence_parallel(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>
     Some(on)
 }
 
+/// `zero`: ZeRO's stage, 0 to 3.
+fn lower_sharding(cx: &mut Lower<'_>, f: &Fields<'_>) -> Option<Sharding> {
+    let Some(n) = f.get("zero") else { return Some(Sharding::None) };
+    let level = cx.uint(n, 0)?;
+    match Sharding::of_level(level as u64) {
+        Some(s) => Some(s),
+        None => {
+            cx.push(
+                Diagnostic::error("E0105", format!("ZeRO has stages 0 to 3, found {level}"), n.span, "0, 1, 2 or 3")
+                    .with_help("1 shards the optimizer state, 2 also the gradients, 3 also the weights"),
+            );
+            None
+        }
+    }
+}
+
+/// E0414: sharding across data-parallel replicas needs a stage with more than one.
+fn check_sharding(cx: &mut Lower<'_>, f: &Fields<'_>, sharding: Sharding, replicas: &[usize]) -> bool {
+    let Some(at) = f.get("zero").map(|n| n.span) else { return true };
+    if sharding == Sharding::None || replicas.iter().any(|&r| r > 1) {
+        return true;
+    }
+    cx.push(
+        Diagnostic::error(
+            "E0414",
+            format!("`zero: {}` shards across data-parallel replicas, and no stage is replicated", sharding.level()),
+            at,
+            "nothing to shard over",
+        )
+        .with_help("replicate stages (`dp` > 1, or PipeDream's `stages: \"2-2\"`), or remove `zero`"),
+    );
+    false
+}
+
 /// `recompute`: `true`, `false`, `selective`, or a list of stage indices (sorted, without
 /// repeats).
 fn lower_recompute(cx: &mut Lower<'_>, node: &Node) -> Option<Recompute> {
@@ -257,6 +295,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         recompute: Recompute::Off,
         overlap: true,
         sequence_parallel: false,
+        sharding: Sharding::None,
         auto: Some(auto),
         layout_span: node.span,
         layout_fixed: false,
@@ -349,11 +388,13 @@ fn lower_auto_strategy(
         strategy.overlap = cx.boolean(n)?;
     }
     strategy.sequence_parallel = lower_sequence_parallel(cx, f, (!auto.tp).then_some(strategy.tp))?;
+    strategy.sharding = lower_sharding(cx, f)?;
     if !auto.layout {
         let kind = (!auto.schedule).then_some(strategy.schedule.kind);
         let written = lower_layout(cx, f, owner, kind)?;
         let layout = resolve_layout(cx, f, owner, written, cluster, strategy.tp)?;
         ok &= check_device_count(cx, &layout, strategy.tp, cluster);
+        ok &= check_sharding(cx, f, strategy.sharding, &layout.replicas);
         strategy.replicas = layout.replicas;
         strategy.layout_span = layout.span;
         strategy.layout_fixed = true;

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::instr::{DeviceId, GroupId, Instr, StageId};
 use crate::model::{Loss, Op, Source};
-use crate::vocab::{Attention, Precision, ReduceMode, ScheduleKind, Task};
+use crate::vocab::{Attention, Precision, ReduceMode, ScheduleKind, Sharding, Task};
 
 /// Bumped on every incompatible change of the format.
 pub const PLAN_VERSION: u32 = 4;
@@ -222,6 +222,18 @@ pub struct ScheduleInfo {
     /// model's accounting; the executor computes tensor parallelism's values).
     #[serde(default, skip_serializing_if = "is_false")]
     pub sequence_parallel: bool,
+    /// ZeRO's sharding across each stage's data-parallel replicas (the cost and memory
+    /// model's accounting; `pipec run` refuses a sharded plan until the executor shards).
+    #[serde(default = "no_sharding", skip_serializing_if = "is_unsharded")]
+    pub sharding: Sharding,
+}
+
+fn no_sharding() -> Sharding {
+    Sharding::None
+}
+
+fn is_unsharded(s: &Sharding) -> bool {
+    *s == Sharding::None
 }
 
 /// One pipeline stage (a virtual stage for interleaved schedules).

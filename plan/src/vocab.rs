@@ -161,6 +161,49 @@ choice! {
 }
 
 choice! {
+    /// What data-parallel replicas shard among themselves (ZeRO's stages; FSDP's
+    /// `SHARD_GRAD_OP` is `gradients`, `FULL_SHARD` is `parameters`). Each level keeps the
+    /// levels before it: with `d` replicas, `optimizer` keeps 1/d of the optimizer state and
+    /// master weights (Megatron-LM's distributed optimizer: gradients reduce-scattered, the
+    /// shard updated, the weights all-gathered; the same bytes on the wire as an
+    /// all-reduce); `gradients` also keeps only the gradient shard; `parameters` also keeps
+    /// only a weight shard, gathering a layer's weights before its forward and again before
+    /// its backward.
+    pub enum Sharding {
+        /// Every replica holds everything (ZeRO stage 0).
+        None = "none",
+        /// ZeRO stage 1: optimizer state and master weights.
+        Optimizer = "optimizer",
+        /// ZeRO stage 2: also gradients.
+        Gradients = "gradients",
+        /// ZeRO stage 3 (FSDP): also parameters.
+        Parameters = "parameters",
+    }
+}
+
+impl Sharding {
+    /// ZeRO's stage number (0 to 3).
+    pub fn level(self) -> u8 {
+        match self {
+            Sharding::None => 0,
+            Sharding::Optimizer => 1,
+            Sharding::Gradients => 2,
+            Sharding::Parameters => 3,
+        }
+    }
+
+    /// The level of ZeRO stage `n`.
+    pub fn of_level(n: u64) -> Option<Sharding> {
+        Sharding::ALL.iter().copied().find(|s| u64::from(s.level()) == n)
+    }
+
+    /// Whether the optimizer state, gradients and weights are sharded.
+    pub fn shards(self) -> (bool, bool, bool) {
+        (self.level() >= 1, self.level() >= 2, self.level() >= 3)
+    }
+}
+
+choice! {
     /// The task of synthetic data.
     pub enum Task {
         /// Labels from a fixed random teacher (class indices).

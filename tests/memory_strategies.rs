@@ -1,0 +1,127 @@
+//! The memory strategies of the strategy section: ZeRO's sharding across data-parallel
+//! replicas (its paper's per-device model-state formulas, exactly), and E0601's hints naming
+//! a sharding level or flash attention only when it makes the plan fit.
+
+use std::path::Path;
+
+use pipec_compiler::{compile, CompileOptions, CompileResult};
+
+fn compile_text(text: &str) -> CompileResult {
+    let checked = pipec_grammar::check_source(text);
+    let errors: Vec<String> = checked.diagnostics.iter().filter(|d| d.is_error()).map(|d| d.message.clone()).collect();
+    let spec = checked.spec.unwrap_or_else(|| panic!("the spec is valid: {errors:?}"));
+    compile(&spec, &CompileOptions::default())
+}
+
+/// Ψ parameters in four bias-free 1024 × 1024 products and a 1024 × 16 head, on `d`
+/// data-parallel replicas, bf16 weights and gradients, Adam (K = 12: fp32 master weights and
+/// two fp32 moments).
+fn mlp(d: usize, zero: Option<u8>) -> String {
+    let zero = zero.map_or(String::new(), |z| format!("\n  zero: {z}"));
+    format!(
+        "name: zero
+model:
+  input: [1024]
+  layers:
+    - repeat 4: linear(1024, 1024, bias=false)
+    - linear(1024, 16, bias=false)
+  loss: cross_entropy
+cluster:
+  nodes: 1
+  devices_per_node: {d}
+  device: a100-80gb
+  links: dgx-a100
+strategy:
+  stages: \"{d}\"
+  schedule: dp-only
+  microbatches: {d}{zero}
+training:
+  batch_size: {d}
+  steps: 1
+  optimizer: {{ kind: adam, lr: 0.001 }}
+  precision: bf16
+  grad_precision: bf16
+"
+    )
+}
+
+const PSI: u64 = 4 * 1024 * 1024 + 1024 * 16;
+
+#[test]
+fn zero_stages_hold_the_zero_papers_model_state_per_device() {
+    for d in [2u64, 4, 8] {
+        for zero in [None, Some(0), Some(1), Some(2), Some(3)] {
+            let plan = compile_text(&mlp(d as usize, zero)).into_compiled().expect("compiles").plan;
+            let level = zero.unwrap_or(0);
+            for device in &plan.devices {
+                let m = &device.memory;
+                let shard = |bytes: u64, sharded: bool| if sharded { bytes.div_ceil(d) } else { bytes };
+                // stage 0: 2Ψ + 2Ψ + KΨ; 1: 2Ψ + 2Ψ + KΨ/d; 2: 2Ψ + (2 + K)Ψ/d; 3: (4 + K)Ψ/d
+                assert_eq!(m.weights, shard(2 * PSI, level >= 3), "weights, d {d} zero {level}");
+                assert_eq!(m.gradients, shard(2 * PSI, level >= 2), "gradients, d {d} zero {level}");
+                assert_eq!(m.optimizer, shard(12 * PSI, level >= 1), "optimizer, d {d} zero {level}");
+            }
+            assert_eq!(plan.schedule.sharding.level(), level);
+        }
+    }
+}
+
+#[test]
+fn sharding_the_weights_costs_gathers_sharding_the_optimizer_does_not() {
+    // one device per node: the replicas gather over InfiniBand, slower than the compute
+    let step = |zero: u8| {
+        let text = mlp(8, Some(zero)).replace("nodes: 1\n  devices_per_node: 8", "nodes: 8\n  devices_per_node: 1");
+        let compiled = compile_text(&text).into_compiled().expect("compiles");
+        compiled.plan.simulation.step_time_s
+    };
+    let (z0, z1, z3) = (step(0), step(1), step(3));
+    // ZeRO-1 reduce-scatters and all-gathers the bytes an all-reduce moves, and each replica
+    // updates an eighth of the weights
+    assert!(z1 < z0, "zero 1 {z1} against {z0}");
+    // ZeRO-3 gathers the weights before each forward and backward
+    assert!(z3 > z1, "zero 3 {z3} against zero 1 {z1}");
+}
+
+#[test]
+fn zero_without_a_replicated_stage_is_e0414() {
+    let text = mlp(2, Some(1)).replace("stages: \"2\"", "stages: \"1-1\"").replace("dp-only", "1f1b");
+    let checked = pipec_grammar::check_source(&text);
+    let codes: Vec<&str> = checked.diagnostics.iter().map(|d| d.code).collect();
+    assert!(codes.contains(&"E0414"), "{codes:?}");
+    let text = mlp(2, Some(4));
+    let checked = pipec_grammar::check_source(&text);
+    assert!(checked.diagnostics.iter().any(|d| d.code == "E0105" && d.message.contains("0 to 3")));
+}
+
+fn gpt3(extra_strategy: &str, attention: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/specs/gpt3-175b-128.yaml");
+    std::fs::read_to_string(path)
+        .expect("the GPT-3 spec")
+        .replace("  recompute: false\n", &format!("  recompute: false\n{extra_strategy}"))
+        .replace("  loss: cross_entropy\n", &format!("  loss: cross_entropy\n{attention}"))
+}
+
+/// GPT-3 175B on 128 A100 80 GB with Megatron-LM's published layout (t 4, p 8, interleaved,
+/// d 4, bf16, no recompute): rejected without a memory strategy, with E0601 naming what
+/// fits; accepted with the distributed optimizer and flash attention.
+#[test]
+fn the_published_gpt3_layout_fits_with_the_distributed_optimizer_and_flash_attention() {
+    let rejected = compile_text(&gpt3("", ""));
+    let e0601 = rejected.diagnostics.iter().find(|d| d.code == "E0601").expect("E0601 without a memory strategy");
+    let help = e0601.help.clone().unwrap_or_default();
+    assert!(help.contains("`zero: 1` with `attention: flash`"), "{help}");
+    // full recompute alone leaves it at about 100 GiB: not offered
+    assert!(!help.contains("`recompute: true`"), "{help}");
+
+    let accepted = compile_text(&gpt3("  zero: 1\n", "  attention: flash\n"));
+    assert!(!accepted.has_errors(), "{:?}", accepted.diagnostics);
+    let plan = accepted.into_compiled().expect("compiles").plan;
+    for d in &plan.devices {
+        assert!(d.memory.total <= d.memory.capacity, "{}: {:?}", d.id, d.memory);
+    }
+    // each alone does not fit
+    for (zero, attention) in [("  zero: 1\n", ""), ("", "  attention: flash\n")] {
+        let r = compile_text(&gpt3(zero, attention));
+        assert!(r.diagnostics.iter().any(|d| d.code == "E0601"), "{zero}{attention}");
+    }
+}
