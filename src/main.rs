@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod calibrate_cmd;
 mod check_cmd;
 mod compare_cmd;
 mod compile_cmd;
@@ -90,6 +91,21 @@ enum Command {
     /// Run the language server on standard input/output (diagnostics, hover, completion,
     /// quick fixes for spec files).
     Lsp,
+    /// Measure this machine's device (matrix products, element-wise kernels, launch) and
+    /// write the device file a spec names with `cluster.device: { file: FILE }`.
+    Calibrate {
+        /// Output file.
+        #[arg(short, long, default_value = "device.json")]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value_t = run_cmd::Backend::Cpu)]
+        backend: run_cmd::Backend,
+        /// The device's memory, written into the file (e.g. `16GiB`).
+        #[arg(long, default_value = "16GiB")]
+        memory: String,
+        /// Timed repetitions per measured kernel (the median is kept).
+        #[arg(long, default_value_t = 15)]
+        reps: usize,
+    },
     /// Measure every layer's forward and backward on a backend; writes the profile
     /// `pipec compile --profile` accepts.
     Profile {
@@ -285,6 +301,7 @@ fn main() -> ExitCode {
             timeout,
             std::time::Duration::from_secs(start_timeout.max(1)),
         ),
+        Command::Calibrate { out, backend, memory, reps } => calibrate_cmd::run(out, backend, &memory, reps),
         Command::Profile { file, out, backend, reps, concurrent } => {
             profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal())
         }

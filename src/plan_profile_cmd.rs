@@ -38,7 +38,7 @@ pub enum SyncArg {
     AllReduce,
 }
 
-fn quantity(text: &str, dim: Dimension, what: &str) -> Result<f64, String> {
+pub(crate) fn quantity(text: &str, dim: Dimension, what: &str) -> Result<f64, String> {
     let q = parse_quantity(text).map_err(|e| format!("--{what} `{text}`: expected {}", e.expected))?;
     match lookup_unit(&q.unit) {
         Some((d, f)) if d == dim => Ok(q.number * f),

@@ -125,6 +125,41 @@ fn a_zero_plan_trains_to_the_same_losses_and_says_the_replicas_stay_whole() {
 }
 
 #[test]
+fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("cpu.json");
+    let out = pipec(&["calibrate", "-o", file.to_str().expect("utf-8"), "--reps", "3", "--memory", "4GiB"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("fp32 products") && stderr.contains("wrote"), "{stderr}");
+    let device: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("the device file")).expect("json");
+    assert_eq!(device["memory"].as_f64(), Some(4.0 * 1024.0 * 1024.0 * 1024.0));
+    assert!(device["matrix"]["fp32"].as_f64().is_some_and(|r| r > 0.0), "{device}");
+    // a spec naming it checks clean and compiles
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml"))
+        .expect("default spec");
+    let line = text.lines().find(|l| l.trim_start().starts_with("device:")).expect("a device line").to_string();
+    let spec = dir.path().join("calibrated.yaml");
+    std::fs::write(&spec, text.replace(&line, "  device: { file: cpu.json }")).expect("write spec");
+    let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("out").to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // bad flags: a usage error, nothing written
+    let bad = dir.path().join("bad.json");
+    for memory in ["lots", "0GiB", "8GB/s"] {
+        let out = pipec(&["calibrate", "-o", bad.to_str().expect("utf-8"), "--reps", "3", "--memory", memory]);
+        assert_eq!(out.status.code(), Some(2), "{memory}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("error:"), "{memory}");
+    }
+    assert!(!bad.exists());
+    // an output path under a file: refused, nothing left behind
+    let under = file.join("x.json");
+    let out = pipec(&["calibrate", "-o", under.to_str().expect("utf-8"), "--reps", "3"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read_to_string(&file).expect("still there").contains("fp32"));
+}
+
+#[test]
 fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
     let dir = tempfile::tempdir().expect("temp dir");
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml");

@@ -125,3 +125,33 @@ fn the_published_gpt3_layout_fits_with_the_distributed_optimizer_and_flash_atten
         assert!(r.diagnostics.iter().any(|d| d.code == "E0601"), "{zero}{attention}");
     }
 }
+
+/// The same model and cluster with the layout left to the search (sequence parallelism and
+/// flash attention as written): it shards the optimizer state itself, and its plan is at
+/// least as fast as the published layout under pipec's model.
+#[test]
+fn the_search_on_the_gpt3_cluster_finds_a_plan_at_least_as_fast_as_the_published_one() {
+    use pipec_compiler::search::{search, SearchOptions};
+    let published = gpt3("  zero: 1\n", "  attention: flash\n");
+    let published_step = compile_text(&published).into_compiled().expect("compiles").plan.simulation.step_time_s;
+    let strategy_start = published.find("strategy:").expect("strategy");
+    let strategy_end = published.find("training:").expect("training");
+    let auto = format!(
+        "{}strategy: {{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto, sequence_parallel: true }}\n{}",
+        &published[..strategy_start],
+        &published[strategy_end..]
+    );
+    let spec = pipec_grammar::check_source(&auto).spec.expect("the auto spec is valid");
+    let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+    let report = search(&auto, &spec, &CompileOptions::default(), &options);
+    let ranked = report.ranked(options.headroom);
+    let &(best, prediction) = ranked.first().expect("a plan that fits");
+    let chosen = &report.candidates[best];
+    assert!(
+        prediction.step_s <= published_step,
+        "{} s against the published layout's {published_step} s",
+        prediction.step_s
+    );
+    assert_eq!(chosen.sharding, pipec_plan::vocab::Sharding::Optimizer, "{}", chosen.strategy);
+    assert!(chosen.strategy.contains("sequence_parallel: true"), "{}", chosen.strategy);
+}

@@ -23,7 +23,7 @@ use pipec_grammar::check_source_in;
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::{AutoStrategy, Partition, Recompute, Schedule, Spec};
 use pipec_plan::schedule::LayoutFacts;
-use pipec_plan::vocab::ScheduleKind;
+use pipec_plan::vocab::{ScheduleKind, Sharding};
 
 use crate::bound::{lower_bound, work_bound, Bound, Memo};
 use crate::compile::{compile, CompileResult};
@@ -49,6 +49,12 @@ pub struct SearchOptions {
     pub layout: Option<Vec<usize>>,
     pub microbatches: Option<usize>,
     pub recompute: Option<Recompute>,
+    /// `zero` written: every replicated candidate shards so (otherwise the search shards
+    /// the optimizer state of replicated stages, never slower in the model, and the weights
+    /// too where that alone makes a plan fit).
+    pub sharding: Option<Sharding>,
+    /// `sequence_parallel: true` written: kept on every candidate with tensor parallelism.
+    pub sequence_parallel: bool,
 }
 
 impl Default for SearchOptions {
@@ -63,6 +69,8 @@ impl Default for SearchOptions {
             layout: None,
             microbatches: None,
             recompute: None,
+            sharding: None,
+            sequence_parallel: false,
         }
     }
 }
@@ -81,6 +89,8 @@ impl SearchOptions {
             layout: (!auto.layout).then(|| st.replicas.clone()),
             microbatches: (!auto.microbatches).then_some(st.microbatches),
             recompute: (!auto.recompute).then(|| st.recompute.clone()),
+            sharding: (st.sharding != Sharding::None).then_some(st.sharding),
+            sequence_parallel: st.sequence_parallel,
         }
     }
 }
@@ -99,6 +109,10 @@ pub struct Candidate {
     pub chunks: usize,
     pub microbatches: usize,
     pub recompute: Recompute,
+    /// ZeRO's sharding across the replicas of each stage.
+    pub sharding: Sharding,
+    /// Megatron's sequence parallelism (with `tp` > 1).
+    pub sequence_parallel: bool,
     /// The `strategy` mapping, as YAML flow text.
     pub strategy: String,
     pub outcome: Outcome,
@@ -124,8 +138,13 @@ impl Candidate {
             Some(l) => (format!("stages: \"{}\", ", notation(l)), "balanced"),
             None => (String::new(), "auto"),
         };
+        let zero = match self.sharding {
+            Sharding::None => String::new(),
+            s => format!(", zero: {}", s.level()),
+        };
+        let sp = if self.sequence_parallel { ", sequence_parallel: true" } else { "" };
         format!(
-            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{overlap} }}",
+            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{overlap} }}",
             self.tp,
             self.microbatches,
             self.recompute.text()
@@ -148,6 +167,8 @@ impl Candidate {
         st.microbatches = self.microbatches;
         st.partition = if layout.is_some() { Partition::Balanced } else { Partition::Auto };
         st.recompute = self.recompute.clone();
+        st.sharding = self.sharding;
+        st.sequence_parallel = self.sequence_parallel;
         st.auto = None;
         st.layout_fixed = layout.is_some();
         s
@@ -392,6 +413,15 @@ fn candidates(
                             chunks,
                             microbatches,
                             recompute: recompute.clone(),
+                            // the distributed optimizer where a stage is replicated (the
+                            // same bytes on the wire, an update of 1/d of the weights)
+                            sharding: match (&layout, options.sharding) {
+                                (Some(l), written) if l.iter().any(|&r| r > 1) => {
+                                    written.unwrap_or(Sharding::Optimizer)
+                                }
+                                _ => Sharding::None,
+                            },
+                            sequence_parallel: options.sequence_parallel && tp > 1,
                             strategy: String::new(),
                             outcome: Outcome::TooBig,
                         };
@@ -502,6 +532,16 @@ fn branch_and_bound(
             best = Some(prediction.step_s);
         }
         candidates[i].outcome = Outcome::Planned(prediction);
+        // short of memory with the optimizer state sharded: also try sharding the weights
+        if !fits && candidates[i].sharding == Sharding::Optimizer && options.sharding.is_none() {
+            let mut derived = Candidate { sharding: Sharding::Parameters, ..candidates[i].clone() };
+            derived.strategy = derived.text(spec.strategy.overlap);
+            let index = candidates.len();
+            derived.outcome = bounded(lower_bound(&derived.spec(spec), compile_options, memo), |bound_s| {
+                queue.push(Reverse(Queued { bound_s, index, refined: true }))
+            });
+            candidates.push(derived);
+        }
         // short of memory without recompute: also try recomputing only the stages of the
         // devices short of it (every stage is its own candidate already)
         let short: Vec<usize> =

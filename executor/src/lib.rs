@@ -3,6 +3,7 @@
 //! same [`transport::Endpoint`] trait). The only crate of pipec that links Burn.
 
 pub use pipec_plan::checkpoint;
+pub mod calibrate;
 mod checkpointing;
 mod collectives;
 pub mod comm;

@@ -1,0 +1,241 @@
+//! `pipec calibrate`: measures the device the executor runs on and fits the cost model's
+//! device figures to it (`pipec_plan::device::DeviceModel`, the JSON a spec names with
+//! `device: { file: ... }`).
+//!
+//! Three sweeps, each timed as the median of repeated runs after a warm-up, on the backend's
+//! own kernels (the executor's dense product, Burn's element-wise add):
+//! - the launch: the smallest element-wise kernel (one value);
+//! - matrix products of growing size: their times fit `launch + (flops + half) / rate`, a
+//!   line in the FLOPs (least squares), whose slope gives the fp32 `rate` and whose
+//!   intercept beyond the launch gives the efficiency curve's `half` (the curve's peak is 1:
+//!   the rate is what large products reach);
+//! - element-wise adds of growing size: the same line in the bytes moved gives the memory
+//!   bandwidth and its curve's `half`; the fastest add's elements per second are the
+//!   vector rate.
+
+use std::time::Instant;
+
+use burn::tensor::{Distribution, Tensor};
+use pipec_plan::device::{Curve, DeviceModel, MatrixRates};
+
+use crate::dense::Kernels;
+
+/// One measured point: a kernel's size (FLOPs or bytes) and its median seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Point {
+    pub size: f64,
+    pub seconds: f64,
+}
+
+/// What a calibration measured and the device it fitted.
+#[derive(Debug, Clone)]
+pub struct Calibration {
+    pub device: DeviceModel,
+    /// Matrix products: (m, k, n), FLOPs and seconds.
+    pub products: Vec<((usize, usize, usize), Point)>,
+    /// Element-wise adds: elements, bytes and seconds.
+    pub adds: Vec<(usize, Point)>,
+}
+
+/// The median of `reps` timings of `f` after `warmup` untimed runs.
+fn median_seconds(warmup: usize, reps: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..warmup {
+        f();
+    }
+    let mut t: Vec<f64> = (0..reps.max(1))
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+/// The line `seconds = slope · size + intercept` closest to the points in relative error
+/// (least squares weighted by 1/seconds²: a 3 µs kernel counts as much as a 3 ms one).
+pub fn fit_line(points: &[Point]) -> Option<(f64, f64)> {
+    if points.len() < 2 || points.iter().any(|p| p.seconds.is_nan() || p.seconds <= 0.0 || !p.size.is_finite()) {
+        return None;
+    }
+    let w = |p: &Point| 1.0 / (p.seconds * p.seconds);
+    let sw: f64 = points.iter().map(w).sum();
+    let mx = points.iter().map(|p| w(p) * p.size).sum::<f64>() / sw;
+    let my = points.iter().map(|p| w(p) * p.seconds).sum::<f64>() / sw;
+    let sxx: f64 = points.iter().map(|p| w(p) * (p.size - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|p| w(p) * (p.size - mx) * (p.seconds - my)).sum();
+    if sxx <= 0.0 {
+        return None;
+    }
+    let slope = sxy / sxx;
+    Some((slope, my - slope * mx))
+}
+
+/// The products' shapes (m, k, n): rows of a microbatch against square weights, up to the
+/// sizes where the rate levels off.
+const PRODUCTS: [(usize, usize, usize); 7] =
+    [(8, 64, 64), (16, 128, 128), (32, 256, 256), (32, 512, 512), (64, 512, 512), (64, 1024, 1024), (128, 1024, 1024)];
+
+/// The adds' element counts.
+const ADDS: [usize; 6] = [1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22];
+
+/// Measures the backend `B` on `device` and fits a device model holding `memory` bytes.
+/// `reps` timed runs per point (the median kept).
+pub fn calibrate<B: Kernels>(device: &B::Device, memory: f64, reps: usize, name: &str) -> Calibration {
+    let reps = reps.max(3);
+    let sync = || B::sync(device);
+    // the launch: an add of one value
+    let one = Tensor::<B, 1>::ones([1], device);
+    let launch = median_seconds(reps, reps * 4, || {
+        let r = one.clone() + one.clone();
+        let _ = r.into_data();
+        let _ = sync();
+    });
+    calibrate_with_launch::<B>(device, memory, reps, name, launch)
+}
+
+/// [`calibrate`] with the launch cost given (measured another way: through autodiff).
+pub fn calibrate_with_launch<B: Kernels>(
+    device: &B::Device,
+    memory: f64,
+    reps: usize,
+    name: &str,
+    launch: f64,
+) -> Calibration {
+    let reps = reps.max(3);
+    let sync = || B::sync(device);
+    let products: Vec<((usize, usize, usize), Point)> = PRODUCTS
+        .iter()
+        .map(|&(m, k, n)| {
+            let a = Tensor::<B, 2>::random([m, k], Distribution::Uniform(-1.0, 1.0), device);
+            let b = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-1.0, 1.0), device);
+            let seconds = median_seconds(2, reps, || {
+                let c = Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(B::product(
+                    a.clone().into_primitive().tensor(),
+                    b.clone().into_primitive().tensor(),
+                )));
+                let _ = sync();
+                drop(c);
+            });
+            ((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds })
+        })
+        .collect();
+    let adds: Vec<(usize, Point)> = ADDS
+        .iter()
+        .map(|&n| {
+            let a = Tensor::<B, 1>::random([n], Distribution::Uniform(-1.0, 1.0), device);
+            let b = Tensor::<B, 1>::random([n], Distribution::Uniform(-1.0, 1.0), device);
+            let seconds = median_seconds(2, reps, || {
+                let c = a.clone() + b.clone();
+                let _ = sync();
+                drop(c);
+            });
+            // two fp32 reads and one write per element
+            (n, Point { size: 12.0 * n as f64, seconds })
+        })
+        .collect();
+    let device = fit(name, memory, launch, &products.iter().map(|p| p.1).collect::<Vec<_>>(), &adds);
+    Calibration { device, products, adds }
+}
+
+/// The device model the measurements give: the launch as measured; each line's slope its
+/// rate, its intercept beyond the launch its curve's `half` (none when the line's intercept
+/// is below the launch).
+pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(usize, Point)]) -> DeviceModel {
+    let add_points: Vec<Point> = adds.iter().map(|a| a.1).collect();
+    let (rate, matrix_half) = match fit_line(products) {
+        Some((slope, intercept)) if slope > 0.0 => (1.0 / slope, ((intercept - launch) / slope).max(0.0)),
+        // too few or flat points: the largest product's own rate
+        _ => products.last().map_or((1e9, 0.0), |p| (p.size / p.seconds.max(1e-12), 0.0)),
+    };
+    let (bandwidth, memory_half) = match fit_line(&add_points) {
+        Some((slope, intercept)) if slope > 0.0 => (1.0 / slope, ((intercept - launch) / slope).max(0.0)),
+        _ => add_points.last().map_or((1e9, 0.0), |p| (p.size / p.seconds.max(1e-12), 0.0)),
+    };
+    // the fastest add's elements per second: element-wise work at its best, memory aside
+    let vector = adds.iter().map(|(n, p)| *n as f64 / p.seconds.max(1e-12)).fold(0.0, f64::max);
+    let vector = if vector > 0.0 { vector } else { rate };
+    DeviceModel {
+        name: name.to_string(),
+        memory,
+        // one fp32 path: bf16 and fp16 products fall back to its rate
+        matrix: MatrixRates { fp32: rate, tf32: 0.0, bf16: 0.0, fp16: 0.0, fp8: 0.0 },
+        vector,
+        memory_bandwidth: bandwidth,
+        launch,
+        matrix_efficiency: Curve { peak: 1.0, half: matrix_half },
+        memory_efficiency: Curve { peak: 1.0, half: memory_half },
+    }
+}
+
+/// The cost of one kernel as training runs it, through autodiff: a chain of `CHAIN`
+/// one-value operations, forward and backward, over its `2 · CHAIN` kernels (the graph's
+/// bookkeeping, the dispatch and the gradient's own kernels included).
+pub fn autodiff_launch<B: burn::tensor::backend::AutodiffBackend>(device: &B::Device, reps: usize) -> f64 {
+    const CHAIN: usize = 64;
+    let x = Tensor::<B, 1>::ones([1], device).require_grad();
+    let t = median_seconds(reps, reps.max(3), || {
+        let mut y = x.clone();
+        for _ in 0..CHAIN {
+            y = y.clone() * 1.0001 + 0.5;
+        }
+        let grads = y.sum().backward();
+        let _ = x.grad(&grads);
+    });
+    // each step of the chain is two operations (a scale and an add), each with a backward
+    t / (4 * CHAIN) as f64
+}
+
+/// Calibrates the CPU backend (`flex`, as the executor's workers run it: one thread each),
+/// the launch measured through autodiff as the executor trains.
+pub fn calibrate_cpu(memory: f64, reps: usize) -> Calibration {
+    let launch = autodiff_launch::<crate::CpuBackend>(&Default::default(), reps.max(3));
+    calibrate_with_launch::<burn::backend::Flex>(&Default::default(), memory, reps, "cpu (pipec calibrate)", launch)
+}
+
+/// Calibrates the first CUDA device.
+#[cfg(feature = "cuda")]
+pub fn calibrate_cuda(memory: f64, reps: usize) -> Calibration {
+    calibrate::<burn::backend::Cuda>(&burn::backend::cuda::CudaDevice::new(0), memory, reps, "cuda:0 (pipec calibrate)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_through_exact_points_is_found_and_gives_the_device_back() {
+        // a device of 1e11 FLOP/s with half = 2e6 FLOPs, 10 GB/s with half = 1e5 bytes,
+        // launching in 5 µs: its own times give it back
+        let launch = 5e-6;
+        let products: Vec<Point> =
+            [1e5, 1e6, 1e7, 1e8].iter().map(|&f| Point { size: f, seconds: launch + (f + 2e6) / 1e11 }).collect();
+        let adds: Vec<(usize, Point)> = [1000usize, 100_000, 1_000_000]
+            .iter()
+            .map(|&n| (n, Point { size: 12.0 * n as f64, seconds: launch + (12.0 * n as f64 + 1e5) / 1e10 }))
+            .collect();
+        let d = fit("test", 1e9, launch, &products, &adds);
+        assert!((d.matrix.fp32 / 1e11 - 1.0).abs() < 1e-9, "{}", d.matrix.fp32);
+        assert!((d.matrix_efficiency.half / 2e6 - 1.0).abs() < 1e-6, "{}", d.matrix_efficiency.half);
+        assert!((d.memory_bandwidth / 1e10 - 1.0).abs() < 1e-9, "{}", d.memory_bandwidth);
+        assert!((d.memory_efficiency.half / 1e5 - 1.0).abs() < 1e-6, "{}", d.memory_efficiency.half);
+        // the fitted model prices the points as measured
+        for p in &products {
+            let t = d.matrix_time(p.size, 0.0, pipec_plan::Precision::Fp32);
+            assert!((t / p.seconds - 1.0).abs() < 1e-6, "{t} vs {}", p.seconds);
+        }
+        assert!(DeviceModel::from_json(&serde_json::to_string(&d).expect("json")).is_ok());
+        assert_eq!(fit_line(&products[..1]), None);
+    }
+
+    #[test]
+    fn the_cpu_calibration_gives_a_device_file_the_front_end_reads() {
+        let c = calibrate_cpu(4e9, 3);
+        let d = &c.device;
+        assert!(d.matrix.fp32 > 0.0 && d.memory_bandwidth > 0.0 && d.vector > 0.0 && d.launch > 0.0, "{d:?}");
+        assert_eq!(c.products.len(), PRODUCTS.len());
+        assert_eq!(c.adds.len(), ADDS.len());
+        DeviceModel::from_json(&serde_json::to_string(d).expect("json")).expect("a valid device file");
+    }
+}

@@ -1,0 +1,75 @@
+//! `pipec calibrate`: measure the device the executor runs on and write the device file a
+//! spec names with `cluster.device: { file: FILE }`.
+
+use std::path::PathBuf;
+
+use pipec_grammar::dsl::Dimension;
+
+use crate::output::write_atomic;
+use crate::plan_profile_cmd::quantity;
+use crate::run_cmd::Backend;
+use crate::{EXIT_OK, EXIT_USAGE};
+
+pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize) -> u8 {
+    let memory = match quantity(memory, Dimension::Bytes, "memory") {
+        Ok(m) if m > 0.0 => m,
+        Ok(_) => {
+            eprintln!("error: --memory must be above 0");
+            return EXIT_USAGE;
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let measured = match backend {
+        Backend::Cpu => pipec_executor::calibrate::calibrate_cpu(memory, reps),
+        Backend::Cuda => {
+            if let Err(e) = pipec_executor::cuda_available() {
+                eprintln!("error: {e}");
+                return EXIT_USAGE;
+            }
+            #[cfg(feature = "cuda")]
+            {
+                pipec_executor::calibrate::calibrate_cuda(memory, reps)
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                eprintln!("error: CUDA support is not built in");
+                return EXIT_USAGE;
+            }
+        }
+    };
+    let d = &measured.device;
+    eprintln!("{:>22} {:>14} {:>12} {:>12}", "matrix product (m·k·n)", "FLOPs", "measured", "fitted");
+    for ((m, k, n), p) in &measured.products {
+        let fitted = d.matrix_time(p.size, 0.0, pipec_plan::Precision::Fp32);
+        eprintln!(
+            "{:>22} {:>14.3e} {:>9.1} µs {:>9.1} µs",
+            format!("{m}·{k}·{n}"),
+            p.size,
+            p.seconds * 1e6,
+            fitted * 1e6
+        );
+    }
+    eprintln!("{:>22} {:>14} {:>12} {:>12}", "element-wise add", "bytes", "measured", "fitted");
+    for (n, p) in &measured.adds {
+        let fitted = d.vector_time(*n as f64, p.size);
+        eprintln!("{:>22} {:>14.3e} {:>9.1} µs {:>9.1} µs", n, p.size, p.seconds * 1e6, fitted * 1e6);
+    }
+    eprintln!(
+        "fp32 products {:.2} GFLOP/s (half of it at {:.3e} FLOPs), memory {:.2} GB/s (half at {:.3e} bytes), launch {:.2} µs",
+        d.matrix.fp32 / 1e9,
+        d.matrix_efficiency.half,
+        d.memory_bandwidth / 1e9,
+        d.memory_efficiency.half,
+        d.launch * 1e6
+    );
+    let text = serde_json::to_string_pretty(d).unwrap_or_default() + "\n";
+    if let Err(e) = write_atomic(&out, text.as_bytes()) {
+        eprintln!("error: {e}");
+        return EXIT_USAGE;
+    }
+    eprintln!("wrote {} (use it in a spec: `device: {{ file: {} }}`)", out.display(), out.display());
+    EXIT_OK
+}
