@@ -457,6 +457,14 @@ fn resume_gives_the_same_losses_as_an_uninterrupted_run() {
     for j in [
         Job { devices: 2, stages: "straight", schedule: "1f1b", optimizer: ADAM, steps: 6, ..Job::default() },
         Job {
+            devices: 2,
+            stages: "straight",
+            schedule: "1f1b",
+            optimizer: "{ kind: adamw, lr: 0.005, weight_decay: 0.1 }",
+            steps: 6,
+            ..Job::default()
+        },
+        Job {
             devices: 8,
             stages: "\"2-2\"\n  tp: 2",
             schedule: "1f1b",
@@ -1517,4 +1525,62 @@ fn the_measured_trace_shows_communication_beside_compute() {
     for (a, e) in got.iter().zip(&one) {
         assert!((a - e).abs() <= 1e-5 * e.abs(), "{a} vs one device {e}");
     }
+}
+
+/// The weights after one step of `optimizer` (from the step's checkpoint), by tensor name.
+fn weights_after_one_step(optimizer: &str) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let j = Job { steps: 1, optimizer, ..Job::default() };
+    let text = spec(&j).replace("  seed: 5\n", "  seed: 5\n  checkpoint: { every: 1 }\n");
+    let s = pipec_grammar::check_source(&text).spec.expect("valid");
+    let p = compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ckpt = dir.path().join("checkpoints");
+    pipec_executor::run(&p, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {})
+        .expect("runs");
+    let bytes = std::fs::read(ckpt.join("step-000001/model.safetensors")).expect("the checkpoint's weights");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            (name, values)
+        })
+        .collect()
+}
+
+/// AdamW's decay is decoupled (`torch.optim.AdamW`): on the first step, from the same
+/// initial weights W₀ and so the same gradient, W₁(λ) = W₀·(1 − lr·λ) − lr·u with u the Adam
+/// direction, which λ does not change. So W₁(0) − W₁(λ) = lr·λ·W₀: linear in λ, and W₀
+/// recovered from it must lie a step of exactly lr from W₁(0) wherever the gradient is not
+/// zero (Adam's first step is m̂/√v̂ = ±1 per weight). Adam's coupled decay fails both.
+#[test]
+fn adamw_decays_the_weights_apart_from_the_adam_step() {
+    // (lr·λ large enough that W₀, recovered from differences of f32 weights, keeps its
+    // digits; ε far below every gradient, so that the first step is ±lr to the last digit)
+    let lr = 0.05;
+    let w0 = weights_after_one_step("{ kind: adamw, lr: 0.05, eps: 1.0e-12, weight_decay: 0.0 }");
+    let w1 = weights_after_one_step("{ kind: adamw, lr: 0.05, eps: 1.0e-12, weight_decay: 0.5 }");
+    let w3 = weights_after_one_step("{ kind: adamw, lr: 0.05, eps: 1.0e-12, weight_decay: 1.5 }");
+    let adam = weights_after_one_step("{ kind: adam, lr: 0.05, eps: 1.0e-12 }");
+    let coupled = weights_after_one_step("{ kind: adam, lr: 0.05, eps: 1.0e-12, weight_decay: 0.5 }");
+    let mut moved = 0;
+    for (name, a) in &w0 {
+        let (b, c) = (&w1[name], &w3[name]);
+        for i in 0..a.len() {
+            // without decay AdamW is Adam
+            assert!((a[i] - adam[name][i]).abs() <= 1e-7, "{name}[{i}]: adamw {} vs adam {}", a[i], adam[name][i]);
+            let (d1, d3) = (f64::from(a[i] - b[i]), f64::from(a[i] - c[i]));
+            assert!((d3 - 3.0 * d1).abs() <= 1e-6, "{name}[{i}]: not linear in λ: {d1} and {d3}");
+            let initial = d3 / (lr * 1.5);
+            let step = (initial - f64::from(a[i])).abs();
+            if step > 1e-6 {
+                moved += 1;
+                assert!((step - lr).abs() <= 1e-3 * lr + 1e-6, "{name}[{i}]: the first Adam step moved {step}");
+            }
+        }
+    }
+    assert!(moved > 100, "only {moved} weights moved");
+    // Adam's coupled decay is not that
+    let differs = w1.iter().any(|(name, b)| b.iter().zip(&coupled[name]).any(|(x, y)| (x - y).abs() > 1e-5));
+    assert!(differs, "adam's coupled decay gave AdamW's weights");
 }

@@ -171,8 +171,8 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
         steps: t.steps,
         optimizer: match t.optimizer {
             Optimizer::Sgd { lr, momentum, weight_decay } => OptimizerPlan::Sgd { lr, momentum, weight_decay },
-            Optimizer::Adam { lr, beta1, beta2, eps, weight_decay } => {
-                OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay }
+            Optimizer::Adam { lr, beta1, beta2, eps, weight_decay, decoupled } => {
+                OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay, decoupled }
             }
         },
         precision: t.precision,

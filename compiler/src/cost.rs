@@ -440,7 +440,7 @@ fn shard_parameters(op: &Op, split: TpSplit, tp: usize) -> u64 {
 /// read, and the state read and written (Adam: two moments, momentum: one).
 pub fn update_bytes_per_parameter(optimizer: OptimizerKind, precision: Precision, grad: Precision) -> f64 {
     let states = match optimizer {
-        OptimizerKind::Adam => 2.0,
+        OptimizerKind::Adam | OptimizerKind::AdamW => 2.0,
         OptimizerKind::Momentum => 1.0,
         OptimizerKind::Sgd => 0.0,
     };

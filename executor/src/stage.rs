@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use burn::module::{Module, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{decay::WeightDecayConfig, Adam, AdamConfig, GradientsParams, Optimizer, Sgd, SgdConfig};
+use burn::optim::{
+    decay::WeightDecayConfig, Adam, AdamConfig, AdamW, AdamWConfig, GradientsParams, Optimizer, Sgd, SgdConfig,
+};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use pipec_plan::checkpoint::ShardKey;
@@ -143,6 +145,7 @@ impl<B: ExecBackend> StageState<B> {
 pub(crate) enum StageOptim<B: ExecBackend> {
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, StageModel<B>, B>),
     Adam(OptimizerAdaptor<Adam, StageModel<B>, B>),
+    AdamW(OptimizerAdaptor<AdamW, StageModel<B>, B>),
 }
 
 impl<B: ExecBackend> StageOptim<B> {
@@ -158,7 +161,17 @@ impl<B: ExecBackend> StageOptim<B> {
                 }
                 StageOptim::Sgd(c.init())
             }
-            OptimizerPlan::Adam { beta1, beta2, eps, weight_decay, .. } => {
+            OptimizerPlan::Adam { beta1, beta2, eps, weight_decay, decoupled: true, .. } => {
+                // Burn's AdamW decays by lr · weight_decay before the step, as torch's does;
+                // its default decay is 1e-4, so it is always set
+                let c = AdamWConfig::new()
+                    .with_beta_1(beta1 as f32)
+                    .with_beta_2(beta2 as f32)
+                    .with_epsilon(eps as f32)
+                    .with_weight_decay(weight_decay as f32);
+                StageOptim::AdamW(c.init())
+            }
+            OptimizerPlan::Adam { beta1, beta2, eps, weight_decay, decoupled: false, .. } => {
                 let mut c =
                     AdamConfig::new().with_beta_1(beta1 as f32).with_beta_2(beta2 as f32).with_epsilon(eps as f32);
                 if weight_decay > 0.0 {
@@ -173,6 +186,7 @@ impl<B: ExecBackend> StageOptim<B> {
         match self {
             StageOptim::Sgd(o) => o.step(lr, model, grads),
             StageOptim::Adam(o) => o.step(lr, model, grads),
+            StageOptim::AdamW(o) => o.step(lr, model, grads),
         }
     }
 
@@ -203,6 +217,7 @@ impl<B: ExecBackend> StageOptim<B> {
         match self {
             StageOptim::Sgd(o) => recorder.record(o.to_record(), ()),
             StageOptim::Adam(o) => recorder.record(o.to_record(), ()),
+            StageOptim::AdamW(o) => recorder.record(o.to_record(), ()),
         }
         .map_err(|e| format!("cannot record the optimizer state: {e:?}"))
     }
@@ -314,6 +329,7 @@ impl<B: ExecBackend> StageOptim<B> {
         *self = match std::mem::replace(self, placeholder) {
             StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(merged(files, wants, complete, dev)?)),
             StageOptim::Adam(o) => StageOptim::Adam(o.load_record(merged(files, wants, complete, dev)?)),
+            StageOptim::AdamW(o) => StageOptim::AdamW(o.load_record(merged(files, wants, complete, dev)?)),
         };
         Ok(())
     }

@@ -323,8 +323,21 @@ impl Strategy {
 /// The optimizer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Optimizer {
-    Sgd { lr: f64, momentum: f64, weight_decay: f64 },
-    Adam { lr: f64, beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    },
+    /// `decoupled`: AdamW's weight decay (the weights shrink before the step) instead of
+    /// Adam's (added to the gradient).
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        decoupled: bool,
+    },
 }
 
 impl Optimizer {
@@ -346,7 +359,8 @@ impl Optimizer {
         match *self {
             Optimizer::Sgd { momentum: 0.0, .. } => OptimizerKind::Sgd,
             Optimizer::Sgd { .. } => OptimizerKind::Momentum,
-            Optimizer::Adam { .. } => OptimizerKind::Adam,
+            Optimizer::Adam { decoupled: false, .. } => OptimizerKind::Adam,
+            Optimizer::Adam { decoupled: true, .. } => OptimizerKind::AdamW,
         }
     }
 }

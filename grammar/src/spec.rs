@@ -588,12 +588,13 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
     };
     let wd = opt_f(cx, "weight_decay", 0.0);
     match kind {
-        OptimizerKind::Adam => {
-            not_for(cx, &["momentum"], "adam");
+        OptimizerKind::Adam | OptimizerKind::AdamW => {
+            not_for(cx, &["momentum"], kind.name());
             let b1 = opt_f(cx, "beta1", 0.9);
             let b2 = opt_f(cx, "beta2", 0.999);
             let eps = opt_f(cx, "eps", 1e-8);
-            Some(Optimizer::Adam { lr: lr?, beta1: b1?, beta2: b2?, eps: eps?, weight_decay: wd? })
+            let decoupled = kind == OptimizerKind::AdamW;
+            Some(Optimizer::Adam { lr: lr?, beta1: b1?, beta2: b2?, eps: eps?, weight_decay: wd?, decoupled })
         }
         OptimizerKind::Sgd | OptimizerKind::Momentum => {
             not_for(cx, &["beta1", "beta2", "eps"], kind.name());

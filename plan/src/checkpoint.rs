@@ -390,7 +390,8 @@ impl Identity {
         let definition = serde_json::json!({ "model": plan.model, "layers": ops }).to_string();
         let (optimizer, stateful) = match plan.training.optimizer {
             crate::plan::OptimizerPlan::Sgd { momentum, .. } => ("sgd", momentum > 0.0),
-            crate::plan::OptimizerPlan::Adam { .. } => ("adam", true),
+            crate::plan::OptimizerPlan::Adam { decoupled: false, .. } => ("adam", true),
+            crate::plan::OptimizerPlan::Adam { decoupled: true, .. } => ("adamw", true),
         };
         Identity {
             plan: plan.name.clone(),

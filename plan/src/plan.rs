@@ -135,8 +135,21 @@ fn is_false(b: &bool) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum OptimizerPlan {
-    Sgd { lr: f64, momentum: f64, weight_decay: f64 },
-    Adam { lr: f64, beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    },
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        /// AdamW: decoupled weight decay (absent in plans written before it: Adam's).
+        #[serde(default, skip_serializing_if = "is_false")]
+        decoupled: bool,
+    },
 }
 
 impl OptimizerPlan {
@@ -146,7 +159,7 @@ impl OptimizerPlan {
             OptimizerPlan::Sgd { lr, momentum, weight_decay } => {
                 vec![("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)]
             }
-            OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay } => {
+            OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay, .. } => {
                 vec![("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)]
             }
         }

@@ -242,8 +242,11 @@ choice! {
         Sgd = "sgd",
         /// SGD with momentum (0.9 unless given).
         Momentum = "momentum",
-        /// Adam.
+        /// Adam, weight decay added to the gradient (`torch.optim.Adam`).
         Adam = "adam",
+        /// Adam with decoupled weight decay: the weights shrink by `lr · weight_decay` before
+        /// the Adam step (`torch.optim.AdamW`, Loshchilov and Hutter 2019).
+        AdamW = "adamw",
     }
 }
 
