@@ -1,10 +1,10 @@
 //! Assembly: everything the passes built → the `Plan` the executor runs.
 
-use pipec_grammar::spec::{Data, Optimizer, Spec};
+use pipec_grammar::spec::{Data, Spec};
 use pipec_plan::model::Source;
 use pipec_plan::plan::{
-    DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, OptimizerPlan, ScheduleInfo, Simulation,
-    StagePlan, TrainingPlan, PLAN_VERSION,
+    DataPlan, DevicePlan, DeviceSimulation, GroupPlan, LayerPlan, ModelPlan, ScheduleInfo, Simulation, StagePlan,
+    TrainingPlan, PLAN_VERSION,
 };
 use pipec_plan::schedule::WeightVersions;
 use pipec_plan::{DeviceId, Plan, StageId};
@@ -169,12 +169,7 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
         microbatches: spec.strategy.microbatches,
         microbatch_size,
         steps: t.steps,
-        optimizer: match t.optimizer {
-            Optimizer::Sgd { lr, momentum, weight_decay } => OptimizerPlan::Sgd { lr, momentum, weight_decay },
-            Optimizer::Adam { lr, beta1, beta2, eps, weight_decay, decoupled } => {
-                OptimizerPlan::Adam { lr, beta1, beta2, eps, weight_decay, decoupled }
-            }
-        },
+        optimizer: t.optimizer,
         precision: t.precision,
         grad_precision: t.grad_precision,
         seed: t.seed,

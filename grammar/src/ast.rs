@@ -320,50 +320,8 @@ impl Strategy {
     }
 }
 
-/// The optimizer.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Optimizer {
-    Sgd {
-        lr: f64,
-        momentum: f64,
-        weight_decay: f64,
-    },
-    /// `decoupled`: AdamW's weight decay (the weights shrink before the step) instead of
-    /// Adam's (added to the gradient).
-    Adam {
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        decoupled: bool,
-    },
-}
-
-impl Optimizer {
-    pub fn lr(&self) -> f64 {
-        match *self {
-            Optimizer::Sgd { lr, .. } | Optimizer::Adam { lr, .. } => lr,
-        }
-    }
-    /// Optimizer-state floats per parameter (momentum buffer, Adam moments).
-    pub fn state_per_parameter(&self) -> usize {
-        match *self {
-            Optimizer::Sgd { momentum: 0.0, .. } => 0,
-            Optimizer::Sgd { .. } => 1,
-            Optimizer::Adam { .. } => 2,
-        }
-    }
-    /// The optimizer's kind (SGD with momentum is `momentum`).
-    pub fn kind(&self) -> OptimizerKind {
-        match *self {
-            Optimizer::Sgd { momentum: 0.0, .. } => OptimizerKind::Sgd,
-            Optimizer::Sgd { .. } => OptimizerKind::Momentum,
-            Optimizer::Adam { decoupled: false, .. } => OptimizerKind::Adam,
-            Optimizer::Adam { decoupled: true, .. } => OptimizerKind::AdamW,
-        }
-    }
-}
+/// The optimizer: the plan's settings, as the spec gives them.
+pub use pipec_plan::plan::OptimizerPlan as Optimizer;
 
 /// Training data.
 #[derive(Debug, Clone, PartialEq)]

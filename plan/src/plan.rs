@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::instr::{DeviceId, GroupId, Instr, StageId};
 use crate::model::{Loss, Op, Source};
-use crate::vocab::{Attention, Precision, ReduceMode, ScheduleKind, Sharding, Task};
+use crate::vocab::{Attention, OptimizerKind, Precision, ReduceMode, ScheduleKind, Sharding, Task};
 
 /// Bumped on every incompatible change of the format.
 pub const PLAN_VERSION: u32 = 4;
@@ -168,6 +168,25 @@ impl OptimizerPlan {
     pub fn lr(&self) -> f64 {
         match *self {
             OptimizerPlan::Sgd { lr, .. } | OptimizerPlan::Adam { lr, .. } => lr,
+        }
+    }
+
+    /// Optimizer-state floats per parameter (momentum buffer, Adam moments).
+    pub fn state_per_parameter(&self) -> usize {
+        match *self {
+            OptimizerPlan::Sgd { momentum: 0.0, .. } => 0,
+            OptimizerPlan::Sgd { .. } => 1,
+            OptimizerPlan::Adam { .. } => 2,
+        }
+    }
+
+    /// The optimizer's kind as a spec names it (SGD with momentum is `momentum`).
+    pub fn kind(&self) -> OptimizerKind {
+        match *self {
+            OptimizerPlan::Sgd { momentum: 0.0, .. } => OptimizerKind::Sgd,
+            OptimizerPlan::Sgd { .. } => OptimizerKind::Momentum,
+            OptimizerPlan::Adam { decoupled: false, .. } => OptimizerKind::Adam,
+            OptimizerPlan::Adam { decoupled: true, .. } => OptimizerKind::AdamW,
         }
     }
 }
