@@ -189,6 +189,18 @@ pub fn run(args: RunArgs) -> u8 {
         measured_bubble * 100.0,
         plan.simulation.bubble_fraction * 100.0
     );
+    let kinds = time_by_kind(&plan, &report);
+    if !kinds.is_empty() {
+        eprintln!("time per step by instruction kind, all devices (measured: the median step after the first; a receive counts its wait):");
+        for (kind, predicted, measured) in &kinds {
+            let ratio = if *predicted > 0.0 { format!("{:.2}×", measured / predicted) } else { "-".into() };
+            eprintln!(
+                "  {kind:<20} predicted {:>11}  measured {:>11}  {ratio}",
+                human_time(*predicted),
+                human_time(*measured)
+            );
+        }
+    }
     for c in &report.checkpoints {
         eprintln!("checkpoint {}", c.display());
     }
@@ -448,4 +460,31 @@ fn print_step(m: &StepMetrics, steps: usize) {
             m.samples_per_s
         );
     }
+}
+
+/// Per instruction kind: the plan's predicted seconds per step and the run's measured ones,
+/// each summed over the devices (measured: the median over the steps after the first that
+/// the timeline holds, or the first when it is the only one).
+pub fn time_by_kind(plan: &Plan, report: &pipec_executor::RunReport) -> Vec<(&'static str, f64, f64)> {
+    use std::collections::BTreeMap;
+    let mut per_step: BTreeMap<usize, BTreeMap<&'static str, f64>> = BTreeMap::new();
+    for &(device, step, code, start, end) in &report.timeline {
+        if let Some(i) = plan.instruction(device, code) {
+            *per_step.entry(step).or_default().entry(i.phase().name()).or_insert(0.0) += (end - start).max(0.0);
+        }
+    }
+    let first = per_step.keys().next().copied();
+    let later: Vec<&BTreeMap<&str, f64>> =
+        per_step.iter().filter(|(s, _)| Some(**s) != first || per_step.len() == 1).map(|(_, m)| m).collect();
+    Phase::ALL
+        .iter()
+        .map(|p| p.name())
+        .filter_map(|kind| {
+            // (+ 0.0: an empty sum is −0.0)
+            let predicted: f64 = plan.simulation.devices.iter().filter_map(|d| d.by_phase.get(kind)).sum::<f64>() + 0.0;
+            let measured = median(&later.iter().map(|m| m.get(kind).copied().unwrap_or(0.0)).collect::<Vec<_>>());
+            let measured = measured.unwrap_or(0.0);
+            (predicted > 0.0 || measured > 0.0).then_some((kind, predicted, measured))
+        })
+        .collect()
 }

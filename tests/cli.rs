@@ -160,6 +160,29 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
 }
 
 #[test]
+fn run_prints_predicted_and_measured_time_by_instruction_kind() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml");
+    let out_dir = dir.path().join("out");
+    let out = pipec(&["run", spec.to_str().expect("utf-8"), "--steps", "3", "--out", out_dir.to_str().expect("utf-8")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("time per step by instruction kind"), "{stderr}");
+    // the plan's prediction per kind is what the table shows, and the run measured each
+    let plan: pipec_plan::Plan =
+        pipec_plan::Plan::from_json(&std::fs::read_to_string(out_dir.join("plan.json")).expect("plan")).expect("plan");
+    for kind in ["forward", "backward", "send/receive", "optimizer"] {
+        let row =
+            stderr.lines().find(|l| l.trim_start().starts_with(kind)).unwrap_or_else(|| panic!("{kind}: {stderr}"));
+        assert!(row.contains("predicted") && row.contains("measured"), "{row}");
+        let predicted: f64 = plan.simulation.devices.iter().filter_map(|d| d.by_phase.get(kind)).sum();
+        if kind == "forward" {
+            assert!(predicted > 0.0, "the plan prices its forwards");
+        }
+    }
+}
+
+#[test]
 fn run_verifies_a_plan_file_and_refuses_an_edited_one() {
     let dir = tempfile::tempdir().expect("temp dir");
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml");

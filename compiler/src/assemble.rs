@@ -110,6 +110,7 @@ pub(crate) fn assemble(
                     peak_memory_bytes: devices[d.0 as usize].memory.total,
                     collective_s: in_flight,
                     exposed_collective_s: exposed,
+                    by_phase: simulated.by_phase.get(d).cloned().unwrap_or_default(),
                 }
             })
             .collect(),

@@ -27,6 +27,17 @@ pub(crate) struct Simulated {
     pub(crate) bubble: f64,
     /// Per device: its all-reduces' seconds in flight and exposed, per step.
     pub(crate) collectives: BTreeMap<DeviceId, (f64, f64)>,
+    /// Per device: seconds per step of its own instructions, by kind.
+    pub(crate) by_phase: BTreeMap<DeviceId, BTreeMap<String, f64>>,
+}
+
+/// Seconds of each device's own instructions by kind in `timeline`, over `steps` steps.
+fn time_by_phase(timeline: &Timeline, steps: f64) -> BTreeMap<DeviceId, BTreeMap<String, f64>> {
+    let mut out: BTreeMap<DeviceId, BTreeMap<String, f64>> = BTreeMap::new();
+    for e in timeline.events.iter().filter(|e| !e.background && e.end > e.start) {
+        *out.entry(e.device).or_default().entry(e.phase.name().to_string()).or_insert(0.0) += (e.end - e.start) / steps;
+    }
+    out
 }
 
 /// Simulation: streams + cost model → `Simulated`, with figures for `device_ids`.
@@ -77,7 +88,10 @@ pub(crate) fn simulate_plan(
                 e.index = *c;
             }
         }
+        // the timeline runs two steps, fill to drain
+        let by_phase = time_by_phase(&timeline, 2.0);
         return Ok(Simulated {
+            by_phase,
             timeline,
             step_time: steady.step_time,
             first_step: Some(steady.first_step_time),
@@ -96,5 +110,14 @@ pub(crate) fn simulate_plan(
     })?;
     let (per_device, bubble) = utilisation(&timeline, device_ids);
     let collectives = crate::simulate::collective_times(&timeline);
-    Ok(Simulated { step_time: timeline.step_time, first_step: None, timeline, per_device, bubble, collectives })
+    let by_phase = time_by_phase(&timeline, 1.0);
+    Ok(Simulated {
+        step_time: timeline.step_time,
+        first_step: None,
+        timeline,
+        per_device,
+        bubble,
+        collectives,
+        by_phase,
+    })
 }

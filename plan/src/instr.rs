@@ -255,6 +255,36 @@ pub enum Phase {
     Memory,
 }
 
+impl Phase {
+    /// Every phase, in a step's order.
+    pub const ALL: [Phase; 9] = [
+        Phase::Forward,
+        Phase::Recompute,
+        Phase::Backward,
+        Phase::BackwardInput,
+        Phase::BackwardWeight,
+        Phase::Communication,
+        Phase::Collective,
+        Phase::Optimizer,
+        Phase::Memory,
+    ];
+
+    /// The phase as timelines and reports name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::BackwardInput => "backward (input)",
+            Phase::BackwardWeight => "backward (weights)",
+            Phase::Recompute => "recompute",
+            Phase::Communication => "send/receive",
+            Phase::Collective => "collective",
+            Phase::Optimizer => "optimizer",
+            Phase::Memory => "memory",
+        }
+    }
+}
+
 /// The pattern of every point-to-point instruction, binding its peer: one list for the
 /// exhaustive matches below.
 macro_rules! point_to_point {

@@ -419,6 +419,10 @@ pub struct DeviceSimulation {
     /// The part of `collective_s` the device waits for (not hidden behind its compute).
     #[serde(default)]
     pub exposed_collective_s: f64,
+    /// Predicted seconds per step of the device's own instructions, by kind
+    /// (`Phase::name`; a collective's time on the communication engine is not counted).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub by_phase: BTreeMap<String, f64>,
 }
 
 impl Plan {
