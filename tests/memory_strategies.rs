@@ -155,3 +155,44 @@ fn the_search_on_the_gpt3_cluster_finds_a_plan_at_least_as_fast_as_the_published
     assert_eq!(chosen.sharding, pipec_plan::vocab::Sharding::Optimizer, "{}", chosen.strategy);
     assert!(chosen.strategy.contains("sequence_parallel: true"), "{}", chosen.strategy);
 }
+
+/// Tensor parallelism divides only what it splits: the small CNN's convolutions (which it
+/// replicates) keep their time and weights at tp 2, while the linear pair (column- then
+/// row-parallel) halves its products' weights and time.
+#[test]
+fn tensor_parallelism_divides_only_what_it_splits() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/cnn.yaml");
+    let text = std::fs::read_to_string(path).expect("the CNN spec");
+    let layers = |tp: usize| {
+        // one stage, so that the linear pair is in it (without the dropout between them,
+        // which the pairing rule does not cross)
+        let text = text
+            .replace("linear(4096, 128) -> relu -> dropout(0.1)", "linear(4096, 128) -> relu")
+            .replace("devices_per_node: 2", &format!("devices_per_node: {tp}"))
+            .replace("  stages: \"1-1\"\n", &format!("  stages: \"1\"\n  tp: {tp}\n"));
+        compile_text(&text).into_compiled().expect("compiles").plan.layers
+    };
+    let (one, two) = (layers(1), layers(2));
+    let (mut convs, mut splits) = (0, 0);
+    for (a, b) in one.iter().zip(&two) {
+        match a.op {
+            pipec_plan::model::Op::Conv2d { .. } => {
+                convs += 1;
+                assert_eq!(a.forward_s, b.forward_s, "layer {}: a replicated conv's forward", a.index);
+                assert_eq!(a.backward_s, b.backward_s, "layer {}: its backward", a.index);
+                assert_eq!(a.parameter_bytes, b.parameter_bytes, "layer {}: its weights", a.index);
+            }
+            pipec_plan::model::Op::Linear { .. } => {
+                splits += 1;
+                assert!(
+                    b.parameter_bytes * 2 <= a.parameter_bytes + 1024,
+                    "layer {}: a split linear's weights",
+                    a.index
+                );
+                assert!(b.forward_s < a.forward_s, "layer {}: a split linear's forward", a.index);
+            }
+            _ => {}
+        }
+    }
+    assert_eq!((convs, splits), (3, 2));
+}
