@@ -88,7 +88,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let all_reduce: Vec<Option<f64>> = (0..n_stages)
         .map(|s| {
             let members = &placement.replicas[s];
-            (members.len() > 1).then(|| cost.reduce_time(members, stages.bytes[s].reduced_gradients))
+            (members.len() > 1).then(|| cost.reduce_time(members, stages.bytes[s].whole.gradients))
         })
         .collect();
     let flush = !(matches!(kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)

@@ -5,9 +5,9 @@ use pipec_plan::model::{Op, Source};
 use pipec_plan::CollectiveKind;
 
 use crate::cluster::ring_time;
-use crate::memory::StageBytes;
+use crate::memory::{ModelState, StageBytes};
 use crate::model::ModelCosts;
-use crate::partition::Layout;
+use crate::partition::{chunk_replicas, Layout};
 
 /// Per-stage figures: compute times, messages, bytes held.
 pub(crate) struct StageFigures {
@@ -51,15 +51,12 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         })
         .collect();
     // ZeRO: each replica of a stage keeps (and updates) its 1/d share of what is sharded
-    let chunks = spec.strategy.schedule.kind.chunk_placement();
-    let stage_replicas: Vec<u64> = (0..layout.ranges.len())
-        .map(|s| {
-            layout.replicas.get(chunks.rank_of_chunk(s, layout.replicas.len().max(1))).copied().unwrap_or(1).max(1)
-                as u64
-        })
+    let stage_replicas: Vec<u64> = chunk_replicas(&layout.replicas, spec.strategy.schedule.kind, layout.ranges.len())
+        .into_iter()
+        .map(|d| d.max(1) as u64)
         .collect();
-    let (shard_optimizer, shard_gradients, shard_weights) = spec.strategy.sharding.shards();
-    let share = |bytes: u64, sharded: bool, d: u64| if sharded { bytes.div_ceil(d) } else { bytes };
+    let sharding = spec.strategy.sharding;
+    let (shard_optimizer, _, shard_weights) = sharding.shards();
     let update = layout
         .ranges
         .iter()
@@ -153,11 +150,17 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                 .max()
                 .unwrap_or(0)
                 .saturating_add(loss_input);
+            let whole = ModelState {
+                weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>(),
+                gradients: shard.saturating_mul(model.grad_bytes as u64),
+                optimizer: (shard as f64 * model.optimizer_bytes_per_parameter) as u64,
+            };
+            let held = whole.sharded(sharding, d);
             StageBytes {
                 parameters,
-                weights: share(c.iter().map(|c| c.parameter_bytes).sum::<u64>(), shard_weights, d),
-                gradients: share(shard.saturating_mul(model.grad_bytes as u64), shard_gradients, d),
-                optimizer: share((shard as f64 * model.optimizer_bytes_per_parameter) as u64, shard_optimizer, d),
+                weights: held.weights,
+                gradients: held.gradients,
+                optimizer: held.optimizer,
                 // ZeRO-3: the layer computing and the next one prefetched, whole
                 gathered_weights: if shard_weights && d > 1 {
                     let largest = c.iter().map(|c| c.parameter_bytes).max().unwrap_or(0);
@@ -170,7 +173,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                     .fold(0u64, |a, c| a.saturating_add(kept(c)))
                     .saturating_mul(mb)
                     .saturating_add(loss_input),
-                reduced_gradients: shard.saturating_mul(model.grad_bytes as u64),
+                whole,
                 replicas: d,
                 attention_core_per_microbatch: if selective {
                     0

@@ -171,26 +171,9 @@ fn sharding_and_attention_ideas(
     let m = &worst.memory;
     let held: Vec<&StageBytes> = worst.stages.iter().filter_map(|s| stage_bytes.get(s.0 as usize)).collect();
     let current = spec.strategy.sharding;
-    // model state per ZeRO level: the unsharded bytes, then each held stage's share
-    let state_at = |level: Sharding| -> u64 {
-        let (now_o, now_g, now_w) = current.shards();
-        let (o, g, w) = level.shards();
-        let at = |bytes: u64, sharded_now: bool, sharded: bool, d: u64| {
-            let full = if sharded_now { bytes.saturating_mul(d) } else { bytes };
-            if sharded {
-                full.div_ceil(d)
-            } else {
-                full
-            }
-        };
-        held.iter()
-            .map(|b| {
-                let d = b.replicas.max(1);
-                at(b.weights, now_w, w, d) + at(b.gradients, now_g, g, d) + at(b.optimizer, now_o, o, d)
-            })
-            .sum()
-    };
-    let state_now = m.weights + m.gradients + m.optimizer;
+    // the held stages' model state at a ZeRO level: each stage's share of its whole state
+    let state_at = |level: Sharding| -> u64 { held.iter().map(|b| b.whole.sharded(level, b.replicas).total()).sum() };
+    let state_now = state_at(current);
     // flash attention: the non-recomputed stages' attention cores, times their microbatches in flight
     let cores: u64 = worst
         .stages

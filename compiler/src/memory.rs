@@ -5,7 +5,34 @@
 use std::collections::{BTreeMap, HashMap};
 
 use pipec_plan::plan::MemoryBreakdown;
+use pipec_plan::vocab::Sharding;
 use pipec_plan::{DeviceId, Instr, StageId};
+
+/// A stage's weights, gradients and optimizer state on one replica.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ModelState {
+    pub weights: u64,
+    pub gradients: u64,
+    pub optimizer: u64,
+}
+
+impl ModelState {
+    /// What one of `d` replicas keeps of this (whole) state under `sharding`: ZeRO's 1/d of
+    /// each part it shards.
+    pub fn sharded(self, sharding: Sharding, d: u64) -> ModelState {
+        let (optimizer, gradients, weights) = sharding.shards();
+        let share = |bytes: u64, sharded: bool| if sharded { bytes.div_ceil(d.max(1)) } else { bytes };
+        ModelState {
+            weights: share(self.weights, weights),
+            gradients: share(self.gradients, gradients),
+            optimizer: share(self.optimizer, optimizer),
+        }
+    }
+
+    pub fn total(self) -> u64 {
+        self.weights.saturating_add(self.gradients).saturating_add(self.optimizer)
+    }
+}
 
 /// Bytes a stage needs, independent of the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -31,9 +58,10 @@ pub struct StageBytes {
     /// ZeRO-3: the whole weights gathered at once (the layer computing and the next,
     /// prefetched); 0 otherwise.
     pub gathered_weights: u64,
-    /// The gradient bytes the stage's replicas reduce each step (the whole gradient: an
-    /// all-reduce, or under ZeRO a reduce-scatter of as many bytes).
-    pub reduced_gradients: u64,
+    /// The stage's model state before ZeRO shards it (`weights`, `gradients` and
+    /// `optimizer` are one replica's share of it); its gradients are what the replicas
+    /// reduce each step (an all-reduce, or under ZeRO a reduce-scatter of as many bytes).
+    pub whole: ModelState,
     /// Replicas of the stage (what `zero` shards over).
     pub replicas: u64,
     /// Of `activations_per_microbatch`, the attention cores' `[heads, seq, seq]` tensors

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use pipec_grammar::diagnostic::Diagnostic;
-use pipec_grammar::spec::{Link, Partition, Recompute, Spec};
+use pipec_grammar::spec::{Link, Partition, Recompute, ScheduleKind, Spec};
 
 use crate::cluster::ring_allreduce_time;
 use crate::memory::human_bytes;
@@ -476,6 +476,13 @@ pub(crate) struct Layout {
     pub(crate) recompute: Vec<bool>,
 }
 
+/// The replicas of each of `n` chunks (stages), from the replicas of each pipeline rank
+/// and where `kind` places its chunks.
+pub(crate) fn chunk_replicas(replicas: &[usize], kind: ScheduleKind, n: usize) -> Vec<usize> {
+    let (chunks, ranks) = (kind.chunk_placement(), replicas.len());
+    (0..n).map(|c| if ranks == 0 { 1 } else { replicas[chunks.rank_of_chunk(c, ranks)] }).collect()
+}
+
 /// Partitioning: `ModelCosts` → `Layout` (explicit ranges, `balanced`, or PipeDream's
 /// `auto`, which may also choose the replication). Partitions are looked up in and added
 /// to `memo` when given (the strategy search's candidates of one cost model share them).
@@ -492,8 +499,7 @@ pub(crate) fn partition_layers(
     let times: Vec<f64> = costs.iter().map(|c| c.forward_s + c.backward_s).collect();
     let replicas = strategy.replicas.clone();
     let ranks = replicas.len();
-    let chunks = kind.chunk_placement();
-    let chunk_replicas: Vec<usize> = (0..ranks * v).map(|c| replicas[chunks.rank_of_chunk(c, ranks)]).collect();
+    let chunk_replicas: Vec<usize> = chunk_replicas(&replicas, kind, ranks * v);
     let fail = |msg: String| {
         vec![Diagnostic::error("E0403", msg, strategy.partition_span, "partition")
             .with_help("use fewer stages or a deeper model")]

@@ -532,15 +532,19 @@ fn branch_and_bound(
             best = Some(prediction.step_s);
         }
         candidates[i].outcome = Outcome::Planned(prediction);
-        // short of memory with the optimizer state sharded: also try sharding the weights
-        if !fits && candidates[i].sharding == Sharding::Optimizer && options.sharding.is_none() {
-            let mut derived = Candidate { sharding: Sharding::Parameters, ..candidates[i].clone() };
+        // a candidate derived from this one: bounded, and queued when its bound allows
+        let mut derive = |candidates: &mut Vec<Candidate>, mut derived: Candidate| {
             derived.strategy = derived.text(spec.strategy.overlap);
             let index = candidates.len();
             derived.outcome = bounded(lower_bound(&derived.spec(spec), compile_options, memo), |bound_s| {
                 queue.push(Reverse(Queued { bound_s, index, refined: true }))
             });
             candidates.push(derived);
+        };
+        // short of memory with the optimizer state sharded: also try sharding the weights
+        if !fits && candidates[i].sharding == Sharding::Optimizer && options.sharding.is_none() {
+            let derived = Candidate { sharding: Sharding::Parameters, ..candidates[i].clone() };
+            derive(candidates, derived);
         }
         // short of memory without recompute: also try recomputing only the stages of the
         // devices short of it (every stage is its own candidate already)
@@ -551,13 +555,8 @@ fn branch_and_bound(
             && !short.is_empty()
             && short.len() < f.stage_headroom.len()
         {
-            let mut derived = Candidate { recompute: Recompute::Stages(short), ..candidates[i].clone() };
-            derived.strategy = derived.text(spec.strategy.overlap);
-            let index = candidates.len();
-            derived.outcome = bounded(lower_bound(&derived.spec(spec), compile_options, memo), |bound_s| {
-                queue.push(Reverse(Queued { bound_s, index, refined: true }))
-            });
-            candidates.push(derived);
+            let derived = Candidate { recompute: Recompute::Stages(short), ..candidates[i].clone() };
+            derive(candidates, derived);
         }
     }
 }

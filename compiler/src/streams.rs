@@ -86,7 +86,7 @@ pub(crate) fn lower_streams(
             }
         }
     }
-    let gradient_bytes: Vec<u64> = stages.bytes.iter().map(|b| b.reduced_gradients).collect();
+    let gradient_bytes: Vec<u64> = stages.bytes.iter().map(|b| b.whole.gradients).collect();
     let streams = if asp {
         crate::lower::lower_asp(placement, gradient_bytes[0], strategy.schedule.staleness)
     } else {

@@ -72,6 +72,16 @@ pub fn fit_line(points: &[Point]) -> Option<(f64, f64)> {
     Some((slope, my - slope * mx))
 }
 
+/// A resource's rate (size per second) and its efficiency curve's `half` from its points:
+/// the fitted line's slope and its intercept beyond the launch; with too few or flat points,
+/// the largest point's own rate and no size effect.
+fn rate_and_half(points: &[Point], launch: f64) -> (f64, f64) {
+    match fit_line(points) {
+        Some((slope, intercept)) if slope > 0.0 => (1.0 / slope, ((intercept - launch) / slope).max(0.0)),
+        _ => points.last().map_or((1e9, 0.0), |p| (p.size / p.seconds.max(1e-12), 0.0)),
+    }
+}
+
 /// The products' shapes (m, k, n): rows of a microbatch against square weights, up to the
 /// sizes where the rate levels off.
 const PRODUCTS: [(usize, usize, usize); 7] =
@@ -144,15 +154,8 @@ pub fn calibrate_with_launch<B: Kernels>(
 /// is below the launch).
 pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(usize, Point)]) -> DeviceModel {
     let add_points: Vec<Point> = adds.iter().map(|a| a.1).collect();
-    let (rate, matrix_half) = match fit_line(products) {
-        Some((slope, intercept)) if slope > 0.0 => (1.0 / slope, ((intercept - launch) / slope).max(0.0)),
-        // too few or flat points: the largest product's own rate
-        _ => products.last().map_or((1e9, 0.0), |p| (p.size / p.seconds.max(1e-12), 0.0)),
-    };
-    let (bandwidth, memory_half) = match fit_line(&add_points) {
-        Some((slope, intercept)) if slope > 0.0 => (1.0 / slope, ((intercept - launch) / slope).max(0.0)),
-        _ => add_points.last().map_or((1e9, 0.0), |p| (p.size / p.seconds.max(1e-12), 0.0)),
-    };
+    let (rate, matrix_half) = rate_and_half(products, launch);
+    let (bandwidth, memory_half) = rate_and_half(&add_points, launch);
     // the fastest add's elements per second: element-wise work at its best, memory aside
     let vector = adds.iter().map(|(n, p)| *n as f64 / p.seconds.max(1e-12)).fold(0.0, f64::max);
     let vector = if vector > 0.0 { vector } else { rate };
