@@ -201,6 +201,25 @@ pub fn run(args: RunArgs) -> u8 {
             );
         }
     }
+    if !report.held.is_empty() {
+        eprintln!(
+            "model state held per device at the end (measured, f32 values × 4 B; the plan's figure in brackets):"
+        );
+        for (d, held) in &report.held {
+            let Some(m) = plan.devices.get(d.0 as usize).map(|x| &x.memory) else { continue };
+            let b = |values: u64| pipec_compiler::memory::human_bytes(values.saturating_mul(4));
+            let p = pipec_compiler::memory::human_bytes;
+            eprintln!(
+                "  {d:<4} weights {} ({})  gradients {} ({})  optimizer {} ({})",
+                b(held.weights),
+                p(m.weights),
+                b(held.gradients),
+                p(m.gradients),
+                b(held.optimizer),
+                p(m.optimizer)
+            );
+        }
+    }
     for c in &report.checkpoints {
         eprintln!("checkpoint {}", c.display());
     }

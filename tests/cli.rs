@@ -95,7 +95,7 @@ fn run_warns_that_a_bf16_spec_trains_in_fp32() {
 }
 
 #[test]
-fn a_zero_plan_trains_to_the_same_losses_and_says_the_replicas_stay_whole() {
+fn a_zero_plan_trains_to_the_same_losses_and_shows_the_state_each_replica_holds() {
     let dir = tempfile::tempdir().expect("temp dir");
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data-parallel.yaml"))
         .expect("data-parallel spec");
@@ -115,12 +115,36 @@ fn a_zero_plan_trains_to_the_same_losses_and_says_the_replicas_stay_whole() {
             .collect();
         (losses, stderr)
     };
-    let (whole, quiet) = losses("0");
-    assert!(!quiet.contains("shards"), "{quiet}");
+    let (whole, stderr) = losses("0");
+    let held = |stderr: &str| -> Vec<String> {
+        stderr
+            .lines()
+            .skip_while(|l| !l.starts_with("model state held"))
+            .skip(1)
+            .take_while(|l| l.starts_with("  d"))
+            .map(str::to_string)
+            .collect()
+    };
+    let unsharded = held(&stderr);
+    assert_eq!(unsharded.len(), 4, "{stderr}");
     for zero in ["1", "2", "3"] {
         let (sharded, stderr) = losses(zero);
-        assert_eq!(sharded, whole, "zero {zero}");
-        assert!(stderr.contains("warning: the plan shards") && stderr.contains(&format!("`zero: {zero}`")), "{stderr}");
+        for (a, b) in whole.iter().zip(&sharded) {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "zero {zero}: {whole:?} vs {sharded:?}");
+        }
+        // each replica's optimizer state (Adam's moments and the master weights' shard) is
+        // a quarter of the whole and the plan's figure, printed in brackets beside it
+        let lines = held(&stderr);
+        assert_eq!(lines.len(), 4, "{stderr}");
+        for line in &lines {
+            let optimizer = line.split("optimizer ").nth(1).expect("an optimizer column");
+            let (measured, predicted) = optimizer.split_once(" (").expect("measured (predicted)");
+            if zero == "1" {
+                assert_eq!(format!("{measured})"), predicted, "{line}");
+            }
+            assert!(!unsharded[0].contains(&format!("optimizer {measured} ")), "{line} against {}", unsharded[0]);
+        }
+        assert_eq!(stderr.contains("under `zero: 3` the executor gathers"), zero == "3", "{stderr}");
     }
 }
 

@@ -129,6 +129,21 @@ fn flush_free_pipedream_over_mpi_equals_in_process_exactly() {
 }
 
 #[test]
+fn every_zero_level_over_mpi_equals_in_process_exactly() {
+    // the reduce-scatters, the shards' updates and the weights' all-gathers on the MPI
+    // transport, and the checkpoint joined from the shards over it
+    for zero in 1..=3 {
+        equal_to_in_process(&format!("\"2-2\"\n  zero: {zero}"), 4);
+    }
+}
+
+#[test]
+fn zero_with_tied_weights_and_batch_statistics_over_mpi_equals_in_process_exactly() {
+    equal_to_in_process_for(TIED_LM, "\"2-2\"\n  zero: 2", 4);
+    equal_to_in_process_for(BATCH_NORM, "\"2-1\"\n  zero: 3", 3);
+}
+
+#[test]
 fn pipedream_2_1_1_with_replica_all_reduce_equals_in_process_exactly() {
     equal_to_in_process("\"2-1-1\"", 4);
 }

@@ -84,11 +84,19 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         .collect();
     let forward_hop: Vec<f64> = forward.iter().zip(&hop).map(|(f, h)| f + h).collect();
     let backward_hop: Vec<f64> = upstream_backward.iter().zip(&hop).map(|(b, h)| b + h).collect();
-    // a replicated stage's gradient all-reduce
+    // what a replicated stage's gradient reduction leaves after its last backward at
+    // least: a reduce-scatter, whatever the ZeRO level (the all-reduce of stage 0 is one
+    // and an all-gather; the gradient shards of stages 1 to 3 are one), so that the bound of
+    // a sharded strategy is never below its unsharded one's and the search may derive the
+    // sharded ones from it
     let all_reduce: Vec<Option<f64>> = (0..n_stages)
         .map(|s| {
             let members = &placement.replicas[s];
-            (members.len() > 1).then(|| cost.reduce_time(members, stages.bytes[s].whole.gradients))
+            (members.len() > 1).then(|| {
+                let bytes = stages.bytes[s].whole.gradients;
+                let scatter = model.cluster.collective_time(pipec_plan::CollectiveKind::ReduceScatter, members, bytes);
+                scatter.min(cost.reduce_time(members, bytes))
+            })
         })
         .collect();
     let flush = !(matches!(kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)

@@ -70,9 +70,11 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             }
         })
         .collect();
-    // ZeRO-3 gathers a stage's weights before each microbatch's forward and again before
-    // its backward, prefetching the next layer's while one computes: a pass waits for what
-    // the gather takes beyond the pass's own compute
+    // ZeRO-3 gathers each layer's weights before its forward and again before its backward,
+    // the next layer's while one computes (FSDP's prefetch): a pass waits for its first
+    // layer's gather, which nothing hides, and for whatever of the others its compute
+    // cannot hide — at least max(g₁, G − C + c_last) for gathers g (G in all) and computes c
+    // (C in all) in the pass's order, the bound a one-ahead prefetch meets
     let dp_link =
         |d: usize| if d * tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
     let gather_waits: Vec<(f64, f64)> = layout
@@ -84,9 +86,26 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             if !shard_weights || d < 2 {
                 return (0.0, 0.0);
             }
-            let bytes: u64 = costs[r.clone()].iter().map(|c| c.parameter_bytes).sum();
-            let gather = ring_time(CollectiveKind::AllGather, dp_link(d as usize), d as usize, bytes as f64);
-            ((gather - forward).max(0.0), (gather - backward).max(0.0))
+            let layers = &costs[r.clone()];
+            let gather = |c: &crate::cost::LayerCost| {
+                if c.parameter_bytes == 0 {
+                    0.0
+                } else {
+                    ring_time(CollectiveKind::AllGather, dp_link(d as usize), d as usize, c.parameter_bytes as f64)
+                }
+            };
+            let total: f64 = layers.iter().map(gather).sum();
+            let exposed =
+                |mut order: Box<dyn Iterator<Item = &crate::cost::LayerCost> + '_>, compute: f64, last: f64| {
+                    let first = order.find_map(|c| Some(gather(c)).filter(|g| *g > 0.0)).unwrap_or(0.0);
+                    first.max(total - compute + last)
+                };
+            let last_forward = layers.last().map_or(0.0, |c| c.forward_s);
+            let last_backward = layers.first().map_or(0.0, |c| c.backward_s);
+            (
+                exposed(Box::new(layers.iter()), forward, last_forward),
+                exposed(Box::new(layers.iter().rev()), backward, last_backward),
+            )
         })
         .collect();
     let tp_times: Vec<(f64, f64)> =
@@ -154,6 +173,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                 weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>(),
                 gradients: shard.saturating_mul(model.grad_bytes as u64),
                 optimizer: (shard as f64 * model.optimizer_bytes_per_parameter) as u64,
+                master: if model.precision >= 4 { shard.saturating_mul(4) } else { 0 },
             };
             let held = whole.sharded(sharding, d);
             StageBytes {

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
+use pipec_plan::vocab::Sharding;
 use pipec_plan::{CollectivePayload, DeviceId, GroupId, Instr, MessageId, MicrobatchId, Payload, StageId};
 
 use crate::schedule::{Order, Placement, Task, TaskKind};
@@ -26,6 +27,11 @@ pub struct LowerInput<'a> {
     pub output_bytes: &'a [u64],
     /// Parameter-gradient bytes of each stage (what its all-reduce moves).
     pub gradient_bytes: &'a [u64],
+    /// Weight bytes of each stage (what ZeRO's weight all-gather moves).
+    pub weight_bytes: &'a [u64],
+    /// ZeRO: what each replicated stage's replicas shard (a schedule with one update per
+    /// step; the front end refuses it elsewhere).
+    pub sharding: Sharding,
     /// group[stage] = the stage's replica group, when it has more than one replica.
     pub groups: &'a [Option<GroupId>],
     pub updates: Updates,
@@ -99,6 +105,8 @@ fn device_stream(
     // per stage: an update whose all-reduce is in flight (overlap with per-microbatch updates)
     let mut deferred: BTreeMap<usize, GroupId> = BTreeMap::new();
     let defer = input.overlap && !input.vertical_sync;
+    // ZeRO stages 2 and 3: per stage, a reduce-scatter of a contribution still in flight
+    let mut scattering: BTreeMap<usize, GroupId> = BTreeMap::new();
     for t in tasks {
         let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
         if matches!(t.kind, TaskKind::Backward | TaskKind::BackwardInput) {
@@ -145,6 +153,7 @@ fn device_stream(
                     }
                     stream.push(Instr::Backward { stage: st(s), mb: mbid(m) });
                     stream.push(Instr::Free { stage: st(s), mb: mbid(m) });
+                    scatter_contribution(input, stream, s, &mut scattering);
                     last_contribution.insert(s, stream.len());
                     let count = local_backwards.entry(s).or_insert(0);
                     *count += 1;
@@ -175,6 +184,7 @@ fn device_stream(
             TaskKind::BackwardWeight => {
                 stream.push(Instr::BackwardWeight { stage: st(s), mb: mbid(m) });
                 stream.push(Instr::Free { stage: st(s), mb: mbid(m) });
+                scatter_contribution(input, stream, s, &mut scattering);
                 last_contribution.insert(s, stream.len());
             }
         }
@@ -183,11 +193,18 @@ fn device_stream(
         update_after_reduce(stream, st(s), group);
     }
     if input.updates == Updates::PerStep {
-        // With overlap, each replicated stage's all-reduce starts right after its last
-        // gradient contribution (later positions first, so earlier ones stay valid);
-        // the waits and optimizer steps follow at the end, in stage order on every device.
+        // With overlap, each replicated stage's all-reduce (ZeRO-1: reduce-scatter) starts
+        // right after its last gradient contribution (later positions first, so earlier
+        // ones stay valid); the waits and optimizer steps follow at the end, in stage order
+        // on every device. ZeRO-2 and 3 reduce-scattered every contribution already.
         let held = p.stages_of(dev);
-        if input.overlap {
+        let whole = input.sharding.level() < 2;
+        let reduce = if input.sharding == Sharding::None {
+            CollectivePayload::Gradients
+        } else {
+            CollectivePayload::GradientShard
+        };
+        if input.overlap && whole {
             let mut starts: Vec<(usize, usize, GroupId)> = held
                 .iter()
                 .filter_map(|&s| {
@@ -197,20 +214,68 @@ fn device_stream(
                 .collect();
             starts.sort_by(|a, b| b.cmp(a));
             for (at, s, group) in starts {
-                stream.insert(at, Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
+                stream.insert(at, Instr::collective(reduce, st(s), group, input.gradient_bytes[s]));
             }
         }
+        let mut gathers = Vec::new();
         for s in held {
-            if let Some(group) = input.groups[s] {
-                if !input.overlap {
-                    stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
+            match input.groups[s] {
+                Some(group) if input.sharding != Sharding::None => {
+                    if whole && !input.overlap {
+                        stream.push(Instr::collective(reduce, st(s), group, input.gradient_bytes[s]));
+                    }
+                    if whole || scattering.remove(&s).is_some() {
+                        stream.push(Instr::wait(reduce, st(s), group));
+                    }
+                    stream.push(Instr::ShardStep { stage: st(s) });
+                    // stages 1 and 2 gather the updated weights; their waits come last, so
+                    // each gather overlaps the device's other updates
+                    if input.sharding.level() < 3 {
+                        stream.push(Instr::collective(CollectivePayload::Weights, st(s), group, input.weight_bytes[s]));
+                        gathers.push((s, group));
+                    }
                 }
-                stream.push(Instr::wait(CollectivePayload::Gradients, st(s), group));
+                Some(group) => {
+                    if !input.overlap {
+                        stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
+                    }
+                    stream.push(Instr::wait(CollectivePayload::Gradients, st(s), group));
+                    stream.push(Instr::OptimizerStep { stage: st(s) });
+                }
+                None => stream.push(Instr::OptimizerStep { stage: st(s) }),
             }
-            stream.push(Instr::OptimizerStep { stage: st(s) });
+        }
+        for (s, group) in gathers {
+            stream.push(Instr::wait(CollectivePayload::Weights, st(s), group));
         }
     }
     owned
+}
+
+/// ZeRO stages 2 and 3 keep only a gradient shard: every gradient contribution of a
+/// replicated stage is reduce-scattered at once (the previous one's wait first, so one is
+/// in flight per stage; with `overlap` the wait is put off until then, otherwise it follows
+/// the start).
+fn scatter_contribution(
+    input: &LowerInput<'_>,
+    stream: &mut Vec<Instr>,
+    s: usize,
+    in_flight: &mut BTreeMap<usize, GroupId>,
+) {
+    let Some(group) = input.groups[s] else { return };
+    if input.sharding.level() < 2 || input.updates != Updates::PerStep {
+        return;
+    }
+    let stage = StageId(s as u32);
+    if let Some(g) = in_flight.remove(&s) {
+        stream.push(Instr::wait(CollectivePayload::GradientShard, stage, g));
+    }
+    stream.push(Instr::collective(CollectivePayload::GradientShard, stage, group, input.gradient_bytes[s]));
+    if input.overlap {
+        in_flight.insert(s, group);
+    } else {
+        stream.push(Instr::wait(CollectivePayload::GradientShard, stage, group));
+    }
 }
 
 /// Inserts every send right after the compute that produces its message, each link's in

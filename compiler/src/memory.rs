@@ -14,6 +14,11 @@ pub struct ModelState {
     pub weights: u64,
     pub gradients: u64,
     pub optimizer: u64,
+    /// Training in fp32, the weights are their own master copy; a ZeRO-1 or 2 replica keeps
+    /// its shard's master copy beside the whole weights the all-gather overwrites: these
+    /// bytes (of the whole model), sharded like the optimizer state. 0 under mixed
+    /// precision, whose optimizer state holds the master copy already.
+    pub master: u64,
 }
 
 impl ModelState {
@@ -22,10 +27,12 @@ impl ModelState {
     pub fn sharded(self, sharding: Sharding, d: u64) -> ModelState {
         let (optimizer, gradients, weights) = sharding.shards();
         let share = |bytes: u64, sharded: bool| if sharded { bytes.div_ceil(d.max(1)) } else { bytes };
+        let master = if optimizer && !weights { share(self.master, true) } else { 0 };
         ModelState {
             weights: share(self.weights, weights),
             gradients: share(self.gradients, gradients),
-            optimizer: share(self.optimizer, optimizer),
+            optimizer: share(self.optimizer, optimizer).saturating_add(master),
+            master: 0,
         }
     }
 

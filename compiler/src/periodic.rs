@@ -86,6 +86,9 @@ pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
         order: &order,
         output_bytes: input.output_bytes,
         gradient_bytes: input.gradient_bytes,
+        // asynchronous schedules do not shard (the front end refuses `zero` with them)
+        weight_bytes: input.gradient_bytes,
+        sharding: pipec_plan::vocab::Sharding::None,
         groups: input.groups,
         updates: input.updates,
         recompute: input.recompute,
@@ -172,6 +175,8 @@ pub fn verify_periodic(
             update_every,
             asp_staleness: None,
             tp: 1,
+            // asynchronous schedules do not shard
+            sharding: pipec_plan::vocab::Sharding::None,
         });
         out.extend(violations.into_iter().map(|v| format!("unrolled over {k} step(s): {}", v.message)));
     }

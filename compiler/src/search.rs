@@ -329,6 +329,26 @@ fn bounded(bound: Result<Bound, Vec<Diagnostic>>, queue: impl FnOnce(f64)) -> Ou
     }
 }
 
+/// Whether a candidate's ZeRO levels are yet to be tried: an unsharded layout with a
+/// replicated stage under a schedule that updates once per step, and no level written.
+fn shardable(c: &Candidate, options: &SearchOptions) -> bool {
+    let replicated = c.layout().is_some_and(|l| {
+        l.iter().any(|&r| r > 1) && c.schedule.updates(l.len()) == pipec_plan::schedule::Updates::PerStep
+    });
+    replicated && c.sharding == Sharding::None && options.sharding.is_none()
+}
+
+/// A candidate at each ZeRO level (the distributed optimizer updates 1/d of the weights;
+/// sharding gradients and weights saves memory and changes how the reduction overlaps the
+/// backward): their bounds are never below the unsharded one's. Their strategy text is
+/// written when they are bounded.
+fn sharded_variants(c: &Candidate) -> Vec<Candidate> {
+    [Sharding::Optimizer, Sharding::Gradients, Sharding::Parameters]
+        .into_iter()
+        .map(|sharding| Candidate { sharding, ..c.clone() })
+        .collect()
+}
+
 /// The first error's message among `diagnostics` (what an invalid candidate reports).
 fn first_error(diagnostics: &[Diagnostic]) -> String {
     diagnostics
@@ -413,12 +433,11 @@ fn candidates(
                             chunks,
                             microbatches,
                             recompute: recompute.clone(),
-                            // the distributed optimizer where a stage is replicated (the
-                            // same bytes on the wire, an update of 1/d of the weights)
+                            // a written ZeRO level where a stage is replicated; the
+                            // others are derived from the unsharded candidate when it is
+                            // planned (their bounds are never below its)
                             sharding: match (&layout, options.sharding) {
-                                (Some(l), written) if l.iter().any(|&r| r > 1) => {
-                                    written.unwrap_or(Sharding::Optimizer)
-                                }
+                                (Some(l), Some(written)) if l.iter().any(|&r| r > 1) => written,
                                 _ => Sharding::None,
                             },
                             sequence_parallel: options.sequence_parallel && tp > 1,
@@ -447,7 +466,21 @@ fn candidates(
                                 valid.push((candidates.len(), b))
                             }),
                         };
+                        // too big unsharded: the ZeRO levels now (a planned candidate
+                        // derives them when the branch and bound reaches it)
+                        let sharded = if c.outcome == Outcome::TooBig && shardable(&c, options) {
+                            sharded_variants(&c)
+                        } else {
+                            Vec::new()
+                        };
                         candidates.push(c);
+                        for mut v in sharded {
+                            v.strategy = v.text(spec.strategy.overlap);
+                            v.outcome = bounded(lower_bound(&v.spec(spec), compile_options, memo), |b| {
+                                valid.push((candidates.len(), b))
+                            });
+                            candidates.push(v);
+                        }
                     }
                 }
             }
@@ -541,10 +574,10 @@ fn branch_and_bound(
             });
             candidates.push(derived);
         };
-        // short of memory with the optimizer state sharded: also try sharding the weights
-        if !fits && candidates[i].sharding == Sharding::Optimizer && options.sharding.is_none() {
-            let derived = Candidate { sharding: Sharding::Parameters, ..candidates[i].clone() };
-            derive(candidates, derived);
+        if shardable(&candidates[i], options) {
+            for derived in sharded_variants(&candidates[i]) {
+                derive(candidates, derived);
+            }
         }
         // short of memory without recompute: also try recomputing only the stages of the
         // devices short of it (every stage is its own candidate already)

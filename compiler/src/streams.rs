@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, HashMap};
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
 use pipec_plan::schedule::Updates;
-use pipec_plan::vocab::{ScheduleKind, SyncMode};
-use pipec_plan::{CollectiveKind, CollectivePayload, DeviceId, GroupId, Instr, StageId};
+use pipec_plan::vocab::{ScheduleKind, Sharding, SyncMode};
+use pipec_plan::{CollectivePayload, DeviceId, GroupId, Instr, StageId};
 
 use crate::figures::StageFigures;
 use crate::lower::{lower, LowerInput};
@@ -87,6 +87,7 @@ pub(crate) fn lower_streams(
         }
     }
     let gradient_bytes: Vec<u64> = stages.bytes.iter().map(|b| b.whole.gradients).collect();
+    let weight_bytes: Vec<u64> = stages.bytes.iter().map(|b| b.whole.weights).collect();
     let streams = if asp {
         crate::lower::lower_asp(placement, gradient_bytes[0], strategy.schedule.staleness)
     } else {
@@ -99,6 +100,8 @@ pub(crate) fn lower_streams(
             order: &order,
             output_bytes: &stages.output_bytes,
             gradient_bytes: &gradient_bytes,
+            weight_bytes: &weight_bytes,
+            sharding: strategy.sharding,
             groups: &group_of,
             updates,
             recompute: &layout.recompute,
@@ -193,7 +196,8 @@ pub(crate) fn check_ties(spec: &Spec, layout: &Layout) -> Result<(), Vec<Diagnos
 /// Weight tying across stages: a group of every device holding the embedding's or the tied
 /// projection's stage, and on each of them, after the step's replica all-reduces, an
 /// all-reduce of the tied gradient and its wait, followed by the optimizer steps of the
-/// tied stages (moved behind them).
+/// tied stages (moved behind them, with ZeRO's weight gathers that follow them). Under ZeRO
+/// the tied gradient is summed shard by shard (`TiedGradientShard`).
 /// Ties within one stage need no communication: the executor sums the two gradients.
 pub(crate) fn tied_all_reduces(
     spec: &Spec,
@@ -230,23 +234,30 @@ pub(crate) fn tied_all_reduces(
         let shard = if vocab_split { tp } else { 1 };
         let bytes = (l.op.parameter_count() as usize * precision / shard) as u64;
         let tied = [StageId(sa as u32), StageId(sb as u32)];
+        let sharded = |s: usize| spec.strategy.sharding != Sharding::None && lowered.group_of[s].is_some();
+        let payload = if sharded(sa) || sharded(sb) {
+            CollectivePayload::TiedGradientShard
+        } else {
+            CollectivePayload::TiedGradient
+        };
         for d in members {
             let Some(stream) = lowered.streams.get_mut(&d) else { continue };
             let held: Vec<StageId> = tied.iter().copied().filter(|s| stream.iter().any(|i| i.stage() == *s)).collect();
-            let steps: Vec<Instr> = stream
-                .iter()
-                .filter(|i| matches!(i, Instr::OptimizerStep { stage } if held.contains(stage)))
-                .cloned()
-                .collect();
-            stream.retain(|i| !matches!(i, Instr::OptimizerStep { stage } if held.contains(stage)));
-            stream.push(Instr::Collective {
-                kind: CollectiveKind::AllReduce,
-                payload: CollectivePayload::TiedGradient,
-                stage: held[0],
-                group,
-                bytes,
-            });
-            stream.push(Instr::wait(CollectivePayload::TiedGradient, held[0], group));
+            // the updates of the tied stages, and the gathers of the weights they update
+            let update = |i: &Instr| {
+                held.contains(&i.stage())
+                    && matches!(
+                        i,
+                        Instr::OptimizerStep { .. }
+                            | Instr::ShardStep { .. }
+                            | Instr::Collective { payload: CollectivePayload::Weights, .. }
+                            | Instr::WaitCollective { payload: CollectivePayload::Weights, .. }
+                    )
+            };
+            let steps: Vec<Instr> = stream.iter().filter(|i| update(i)).cloned().collect();
+            stream.retain(|i| !update(i));
+            stream.push(Instr::collective(payload, held[0], group, bytes));
+            stream.push(Instr::wait(payload, held[0], group));
             stream.extend(steps);
         }
     }

@@ -32,6 +32,7 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
             update_every: lowered.updates.every(lowered.asp),
             asp_staleness: lowered.asp.then_some(strategy.schedule.staleness),
             tp: strategy.tp.max(1),
+            sharding: strategy.sharding,
         })
         .into_iter()
         .map(|v| v.message)
@@ -118,6 +119,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         update_every: kind.updates(ranks).every(plan.schedule.staleness.is_some()),
         asp_staleness: plan.schedule.staleness,
         tp: plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len),
+        sharding: plan.schedule.sharding,
     };
     verify(&input).into_iter().map(|v| v.message).collect()
 }

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use pipec_plan::vocab::Sharding;
 use pipec_plan::{Buffer, CollectiveKind, CollectivePayload, DeviceId, End, GroupId, Instr, MessageId, StageId};
 
 use crate::schedule::Placement;
@@ -40,6 +41,15 @@ pub struct VerifyInput<'a> {
     /// Tensor-parallel degree: member t of every group runs the leader's program with
     /// devices shifted by t; each of these `tp` programs is verified on its own.
     pub tp: usize,
+    /// ZeRO: what the replicas of each replicated stage shard.
+    pub sharding: Sharding,
+}
+
+impl VerifyInput<'_> {
+    /// Whether stage `s`'s replicas shard it (ZeRO on a replicated stage).
+    fn sharded(&self, s: StageId) -> bool {
+        self.sharding != Sharding::None && self.placement.replicas.get(s.0 as usize).is_some_and(|r| r.len() > 1)
+    }
 }
 
 /// Checks every property; returns all violations found (empty = the plan is sound).
@@ -122,7 +132,13 @@ fn check_unique(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     for (dev, stream) in input.streams {
         let mut seen: FxHashSet<&Instr> = FxHashSet::default();
         for (i, ins) in stream.iter().enumerate() {
-            if matches!(ins, Instr::Collective { .. } | Instr::WaitCollective { .. } | Instr::OptimizerStep { .. }) {
+            if matches!(
+                ins,
+                Instr::Collective { .. }
+                    | Instr::WaitCollective { .. }
+                    | Instr::OptimizerStep { .. }
+                    | Instr::ShardStep { .. }
+            ) {
                 continue;
             }
             if !seen.insert(ins) {
@@ -279,19 +295,44 @@ fn check_stream_dataflow(
         let mut stashed: FxHashSet<(StageId, pipec_plan::MicrobatchId)> = FxHashSet::default();
         let mut restored: FxHashSet<(StageId, pipec_plan::MicrobatchId)> = FxHashSet::default();
         let mut forwarded: FxHashSet<(StageId, pipec_plan::MicrobatchId)> = FxHashSet::default();
-        for s in input.placement.stages_of(*dev) {
-            live.insert(Buffer::Weights { stage: StageId(s as u32) });
+        let held: FxHashSet<StageId> = input.placement.stages_of(*dev).into_iter().map(|s| StageId(s as u32)).collect();
+        // ZeRO: a replica holds its weight shard throughout; the whole weights are stale from
+        // its shard's update until the gather lands (stages 1 and 2; at stage 3 every pass
+        // gathers what it computes with)
+        let gathers_after_update = input.sharding.level() < 3;
+        for &stage in &held {
+            live.insert(Buffer::Weights { stage });
+            if input.sharded(stage) {
+                live.insert(Buffer::WeightShard { stage });
+            }
         }
         for (i, ins) in stream.iter().enumerate() {
             for b in ins.reads() {
                 let ok = match b {
-                    // the gradient buffer exists (zero) from the start; reading it before any
-                    // contribution is caught by check_updates
-                    Buffer::WeightGrad { stage } => live.contains(&Buffer::Weights { stage }),
+                    // the gradient buffers exist (zero) from the start; reading one before
+                    // any contribution is caught by check_updates
+                    Buffer::WeightGrad { stage } => held.contains(&stage),
+                    // a tie of a sharded stage to an unsharded one sums shards with the
+                    // unsharded stage's whole gradient
+                    Buffer::GradShard { stage } => {
+                        held.contains(&stage)
+                            && (input.sharded(stage)
+                                || matches!(ins, Instr::Collective { payload, .. } if payload.ties()))
+                    }
                     _ => live.contains(&b),
                 };
                 if !ok {
                     out.push(v(*dev, i, format!("`{ins}` reads {b:?}, which is not available on {dev} at this point")));
+                }
+            }
+            if let Instr::WaitCollective { payload: CollectivePayload::Weights, stage, .. } = ins {
+                if live.contains(&Buffer::Weights { stage: *stage }) {
+                    out.push(v(*dev, i, format!("`{ins}` gathers weights {stage} already holds whole")));
+                }
+            }
+            if let Instr::ShardStep { stage } = ins {
+                if gathers_after_update {
+                    live.remove(&Buffer::Weights { stage: *stage });
                 }
             }
             if let Instr::Free { stage, mb } = ins {
@@ -366,6 +407,16 @@ fn check_stream_dataflow(
                 }
             }
         }
+        // The next step computes with whole weights: every update's gather has landed.
+        for stage in &held {
+            if input.sharded(*stage) && !live.contains(&Buffer::Weights { stage: *stage }) {
+                out.push(Violation {
+                    device: Some(*dev),
+                    index: None,
+                    message: format!("{dev}: the weights of {stage} are not gathered after its shard's update"),
+                });
+            }
+        }
         // Nothing the forwards kept may outlive the step.
         for b in &live {
             match b {
@@ -386,29 +437,40 @@ fn check_stream_dataflow(
 }
 
 /// Optimizer steps come after the last gradient contribution of their stage, and after the
-/// stage's all-reduce when it is replicated; no gradient is left unapplied.
+/// stage's all-reduce (ZeRO: the reduce-scatters of every contribution) when it is
+/// replicated; no gradient is left unapplied; a sharded stage updates its shard, an
+/// unsharded one its whole weights.
 fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     let replicated: FxHashSet<u32> =
         (0..input.placement.stages()).filter(|&s| input.placement.replicas[s].len() > 1).map(|s| s as u32).collect();
+    /// A stage's gradient contributions since its last update, and how many of them a
+    /// finished replica reduction covers.
+    #[derive(Default, Clone, Copy)]
+    struct Pending {
+        contributions: usize,
+        reduced: usize,
+    }
     for (dev, stream) in input.streams {
-        // per stage: gradient contributions pending since the last step, and whether they
-        // were all-reduced
-        let mut pending: FxHashMap<StageId, (usize, bool)> = FxHashMap::default();
+        let mut pending: FxHashMap<StageId, Pending> = FxHashMap::default();
         let mut steps: FxHashMap<StageId, usize> = FxHashMap::default();
-        // per stage: the group and payload of its collective in flight (started, not yet
-        // waited for)
-        let mut reducing: FxHashMap<StageId, (GroupId, CollectivePayload)> = FxHashMap::default();
+        // per stage: its collective in flight (started, not yet waited for): group, payload
+        // and the contributions it covers
+        let mut reducing: FxHashMap<StageId, (GroupId, CollectivePayload, usize)> = FxHashMap::default();
         for (i, ins) in stream.iter().enumerate() {
-            // nothing touches a stage's gradient while a collective on it is in flight
-            let touches = matches!(
-                ins,
-                Instr::Backward { .. }
-                    | Instr::BackwardWeight { .. }
-                    | Instr::OptimizerStep { .. }
-                    | Instr::PushGradient { .. }
-                    | Instr::Collective { .. }
-            );
-            if touches && reducing.contains_key(&ins.stage()) {
+            // nothing touches what a stage's collective carries while it is in flight: a
+            // backward may run while its gradients are reduce-scattered (the start took
+            // them) or its weights gathered (after the update, which the backward precedes)
+            let touches = match ins {
+                Instr::Backward { .. } | Instr::BackwardWeight { .. } => reducing
+                    .get(&ins.stage())
+                    .is_some_and(|r| !matches!(r.1, CollectivePayload::GradientShard | CollectivePayload::Weights)),
+                Instr::OptimizerStep { .. }
+                | Instr::ShardStep { .. }
+                | Instr::PushGradient { .. }
+                | Instr::Collective { .. } => reducing.contains_key(&ins.stage()),
+                _ => false,
+            };
+            if touches {
                 out.push(v(
                     *dev,
                     i,
@@ -417,73 +479,101 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
             }
             match ins {
                 Instr::Backward { stage, .. } | Instr::BackwardWeight { stage, .. } => {
-                    let e = pending.entry(*stage).or_insert((0, false));
-                    e.0 += 1;
-                    e.1 = false;
+                    pending.entry(*stage).or_default().contributions += 1;
                 }
                 Instr::PushGradient { stage, .. } => {
-                    let e = pending.entry(*stage).or_insert((0, false));
-                    if e.0 != 1 {
+                    let e = pending.entry(*stage).or_default();
+                    if e.contributions != 1 {
                         out.push(v(
                             *dev,
                             i,
                             format!(
                                 "`{ins}` pushes {} microbatches' gradients; the parameter server takes one at a time",
-                                e.0
+                                e.contributions
                             ),
                         ));
                     }
-                    *e = (0, false);
+                    *e = Pending::default();
                 }
                 Instr::ApplyGradient { stage, .. } | Instr::PullWeights { stage, .. } => {
                     *steps.entry(*stage).or_insert(0) += 1;
                 }
                 Instr::Collective { payload, stage, group, .. } => {
-                    let e = pending.entry(*stage).or_insert((0, false));
-                    if e.0 == 0 {
-                        out.push(v(*dev, i, format!("`{ins}` reduces gradients before any were computed")));
-                    }
-                    reducing.insert(*stage, (*group, *payload));
-                }
-                Instr::WaitCollective { payload, stage, group } => {
-                    if reducing.remove(stage) != Some((*group, *payload)) {
+                    let e = pending.entry(*stage).or_default();
+                    let sharded_payload = matches!(
+                        payload,
+                        CollectivePayload::GradientShard
+                            | CollectivePayload::TiedGradientShard
+                            | CollectivePayload::Weights
+                    );
+                    if sharded_payload != input.sharded(*stage) && !payload.ties() {
                         out.push(v(
                             *dev,
                             i,
-                            format!("`{ins}` waits for a collective of {stage} on {group} that is not in flight"),
+                            format!(
+                                "`{ins}`: {stage} is {}sharded across its replicas",
+                                if input.sharded(*stage) { "" } else { "not " }
+                            ),
                         ));
-                    } else if *payload == CollectivePayload::Gradients {
-                        pending.entry(*stage).or_insert((0, false)).1 = true;
                     }
+                    if *payload == CollectivePayload::Weights {
+                        // gathers the updated shards: nothing is reduced
+                    } else if e.contributions == 0 || (payload.reduces_replicas() && e.reduced >= e.contributions) {
+                        out.push(v(*dev, i, format!("`{ins}` reduces gradients before any were computed")));
+                    }
+                    reducing.insert(*stage, (*group, *payload, e.contributions));
                 }
-                Instr::OptimizerStep { stage } => {
-                    let e = pending.entry(*stage).or_insert((0, false));
-                    if e.0 == 0 {
+                Instr::WaitCollective { payload, stage, group } => match reducing.remove(stage) {
+                    Some((g, p, covers)) if g == *group && p == *payload => {
+                        if payload.reduces_replicas() {
+                            pending.entry(*stage).or_default().reduced = covers;
+                        }
+                    }
+                    _ => out.push(v(
+                        *dev,
+                        i,
+                        format!("`{ins}` waits for a collective of {stage} on {group} that is not in flight"),
+                    )),
+                },
+                Instr::OptimizerStep { stage } | Instr::ShardStep { stage } => {
+                    let shard = matches!(ins, Instr::ShardStep { .. });
+                    if shard != input.sharded(*stage) {
+                        out.push(v(
+                            *dev,
+                            i,
+                            format!(
+                                "`{ins}`: {stage} is {}sharded across its replicas",
+                                if input.sharded(*stage) { "" } else { "not " }
+                            ),
+                        ));
+                    }
+                    let e = pending.entry(*stage).or_default();
+                    if e.contributions == 0 {
                         out.push(v(*dev, i, format!("`{ins}` applies no gradient")));
                     }
                     if let Some(k) = input.update_every {
                         let later = stream[i + 1..].iter().any(|x| matches!(x, Instr::Backward { stage: s, .. } | Instr::BackwardWeight { stage: s, .. } if s == stage));
-                        if e.0 > k || (e.0 < k && later) {
+                        if e.contributions > k || (e.contributions < k && later) {
                             out.push(v(
                                 *dev,
                                 i,
                                 format!(
                                     "`{ins}` applies {} microbatches' gradients; this schedule updates every {k}",
-                                    e.0
+                                    e.contributions
                                 ),
                             ));
                         }
                     }
-                    if replicated.contains(&stage.0) && !e.1 {
+                    if replicated.contains(&stage.0) && e.reduced < e.contributions {
                         out.push(v(*dev, i, format!("`{ins}` runs before the replicas' gradients are all-reduced")));
                     }
-                    *e = (0, false);
+                    *e = Pending::default();
                     *steps.entry(*stage).or_insert(0) += 1;
                 }
                 _ => {}
             }
         }
-        for (stage, (group, payload)) in &reducing {
+        for (stage, (group, payload, _)) in &reducing {
             out.push(Violation {
                 device: Some(*dev),
                 index: None,
@@ -492,7 +582,7 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         }
         for s in input.placement.stages_of(*dev) {
             let stage = StageId(s as u32);
-            if pending.get(&stage).is_some_and(|e| e.0 > 0) {
+            if pending.get(&stage).is_some_and(|e| e.contributions > 0) {
                 out.push(Violation {
                     device: Some(*dev),
                     index: None,
@@ -674,7 +764,7 @@ fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         for (i, ins) in stream.iter().enumerate() {
             if let Instr::Collective { kind, payload, stage, group, bytes } = ins {
                 // a tied gradient's members hold different stages: only sizes must agree
-                let stage = if *payload == CollectivePayload::TiedGradient { StageId(u32::MAX) } else { *stage };
+                let stage = if payload.ties() { StageId(u32::MAX) } else { *stage };
                 let what = (*kind, *payload);
                 match input.groups.get(group) {
                     Some(members) if members.contains(dev) => {

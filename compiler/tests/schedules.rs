@@ -350,6 +350,11 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("dp-only-asp", build(&spec(3, 12, "{ kind: dp-only, sync: asp, staleness: 1 }", 4, "\"3\""))),
         ("hybrid-1f1b", build(&spec(4, 4, "1f1b", 4, "\"2-2\""))),
         ("tensor-parallel-1f1b", build(&spec(4, 4, "1f1b", 4, "\"1-1\"\n  tp: 2"))),
+        ("zero-1-hybrid-1f1b", build(&spec(4, 4, "1f1b", 4, "\"2-2\"\n  zero: 1"))),
+        ("zero-2-interleaved", build(&spec(4, 4, "{ kind: interleaved, virtual_stages: 2 }", 8, "\"2-2\"\n  zero: 2"))),
+        ("zero-3-hybrid-1f1b", build(&spec(4, 4, "1f1b", 4, "\"2-2\"\n  zero: 3"))),
+        ("zero-3-dp-only", build(&spec(2, 4, "dp-only", 4, "\"2\"\n  zero: 3"))),
+        ("zero-2-tensor-parallel", build(&spec(8, 4, "zb-h1", 4, "\"2-2\"\n  tp: 2\n  zero: 2"))),
     ]
 }
 
@@ -672,6 +677,8 @@ fn synchronous_all_reduces_start_after_their_stages_last_backward_and_overlap_th
             order: &order,
             output_bytes: &[0; 4],
             gradient_bytes: &[0; 4],
+            weight_bytes: &[0; 4],
+            sharding: pipec_plan::vocab::Sharding::None,
             groups: &groups,
             updates: Updates::PerStep,
             recompute: &[],

@@ -58,13 +58,13 @@ fn the_search_finds_the_brute_forces_best_and_no_simulation_beats_its_bound() {
         let options = CompileOptions::default();
         let pruned = search(&text, &spec, &options, &SearchOptions::default());
         let all = search(&text, &spec, &options, &SearchOptions { exhaustive: true, ..SearchOptions::default() });
-        // the same space (candidates recomputing some stages, or sharding the weights, are
-        // derived from the plans that were simulated: the brute force has all of them)
+        // the same space (candidates recomputing some stages, or sharding across replicas,
+        // are derived from the plans that were simulated: the brute force has all of them)
         let base = |r: &pipec_compiler::search::SearchReport| {
             r.candidates
                 .iter()
                 .filter(|c| !matches!(c.recompute, pipec_grammar::spec::Recompute::Stages(_)))
-                .filter(|c| c.sharding != pipec_plan::vocab::Sharding::Parameters)
+                .filter(|c| c.sharding == pipec_plan::vocab::Sharding::None)
                 .count()
         };
         assert_eq!(base(&pruned), base(&all), "{what}: the same space");

@@ -12,6 +12,7 @@ use pipec_plan::{Plan, StageId};
 use crate::dense::ExecBackend;
 use crate::error::ExecError;
 use crate::stage::{self, StageState};
+use crate::worker::Worker;
 use crate::{layers, params, reshard, tensor_parallel};
 
 /// Restores every stage of this device from a checkpoint, whatever layout wrote it: each
@@ -68,6 +69,10 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
         st.optim
             .load(&loaded.optimizers, &wants, complete, dev)
             .map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+        // ZeRO: the checkpoint holds the state whole; this replica keeps its shard of it
+        if st.shard.is_some() {
+            crate::zero::shard_loaded(st, plan, dev)?;
+        }
     }
     Ok(())
 }
@@ -99,22 +104,53 @@ fn load_running_statistics<B: ExecBackend>(
     st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.set_running_statistics(&values)
 }
 
-pub(crate) fn save_checkpoint<B: ExecBackend>(
-    stages: &HashMap<StageId, StageState<B>>,
-) -> Result<checkpoint::Shards, ExecError> {
+/// A device's stages as checkpoint shards. A ZeRO-sharded stage's replicas join their
+/// shards first (collectives over its replica group, stage by stage in id order on every
+/// device), so a checkpoint holds every state whole whatever the sharding.
+pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<checkpoint::Shards, ExecError> {
     let mut out = HashMap::new();
-    for (id, st) in stages {
-        let mut params: Vec<(u64, Vec<usize>, Vec<f32>)> = params::snapshot::<B, _>(st.model()?)?
-            .into_iter()
-            .map(|(pid, shape, v)| (ParamId::val(&pid), shape, v))
-            .collect();
+    let mut ids: Vec<StageId> = w.stages.keys().copied().collect();
+    ids.sort();
+    for id in ids {
+        let joined = match w.stages.get(&id).and_then(|st| st.shard.as_ref().map(|s| s.group)) {
+            Some(group) => {
+                let members = crate::collectives::members(w.plan, group)?;
+                let (comm, reduce) = (&w.comm, w.reduce);
+                let mut gather = |data: Vec<f32>| -> Result<Vec<f32>, ExecError> {
+                    Ok(comm.collective(pipec_plan::CollectiveKind::AllGather, &members, data, reduce, None)?)
+                };
+                let st = w.stages.get(&id).ok_or(ExecError::Missing("the stage"))?;
+                Some(crate::zero::joined_state(st, &members, &mut gather)?)
+            }
+            None => None,
+        };
+        let st = w.stages.get_mut(&id).ok_or(ExecError::Missing("the stage"))?;
+        let (weights, optimizer) = match joined {
+            Some((weights, items)) => {
+                // the model's optimizer (unused on a sharded stage) serialises the joined state
+                st.optim.load_items(items, &w.dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+                let bytes = st.optim.save();
+                st.optim.load_items(Vec::new(), &w.dev).map_err(ExecError::Checkpoint)?;
+                (weights, bytes)
+            }
+            None => (None, st.optim.save()),
+        };
+        let optimizer = optimizer.map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+        let mut params: Vec<(u64, Vec<usize>, Vec<f32>)> = match (weights, &st.shard) {
+            (Some(whole), Some(shard)) => {
+                shard.layout.params.iter().zip(whole).map(|(p, v)| (p.id, p.shape.clone(), v)).collect()
+            }
+            _ => params::snapshot::<B, _>(st.model()?)?
+                .into_iter()
+                .map(|(pid, shape, v)| (ParamId::val(&pid), shape, v))
+                .collect(),
+        };
         // batch normalisation's running statistics, beside the layer's parameters
         for bn in st.model()?.batch_norms() {
             let c = bn.running_mean.len();
             params.push((layers::state_id(bn.index, layers::RUNNING_MEAN_SLOT), vec![c], bn.running_mean.clone()));
             params.push((layers::state_id(bn.index, layers::RUNNING_VAR_SLOT), vec![c], bn.running_var.clone()));
         }
-        let optimizer = st.optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
         let (tp_rank, tp_size) = st.tp_shard();
         out.insert(
             checkpoint::ShardKey { stage: id.0, tp_rank },

@@ -12,7 +12,7 @@ use crate::comm::Ticket;
 use crate::dense::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::params::{flatten_grads, host_f32, layout, unflatten};
-use crate::stage::{set_tied_gradient, tied_gradient};
+use crate::stage::{set_tied_gradient, set_tied_gradient_shard, tied_gradient, tied_gradient_shard};
 use crate::worker::Worker;
 
 /// A collective in flight: its result to come, and where it goes.
@@ -20,6 +20,24 @@ pub(crate) struct InFlight {
     payload: CollectivePayload,
     result: Ticket<Vec<f32>>,
     into: Landing,
+}
+
+/// Whether device `d` holds stage `s` (a replica, or a tensor-parallel member of one).
+fn holds(s: &pipec_plan::plan::StagePlan, d: DeviceId) -> bool {
+    s.replicas.contains(&d) || s.tensor_parallel.iter().any(|t| t.contains(&d))
+}
+
+/// The devices of the plan's collective group `group`, in member order.
+pub(crate) fn members(plan: &pipec_plan::Plan, group: GroupId) -> Result<Vec<DeviceId>> {
+    plan.groups
+        .iter()
+        .find(|g| g.id == group)
+        .map(|g| g.devices.clone())
+        .ok_or_else(|| ExecError::Plan(format!("the plan has no {group}")))
+}
+
+fn not_sharded(stage: StageId) -> ExecError {
+    ExecError::Plan(format!("{stage} is not sharded on this device"))
 }
 
 /// Where a collective's result goes, by payload.
@@ -30,6 +48,14 @@ enum Landing {
     /// The tied weights of these (stage, layer)s this device holds, in the table's
     /// orientation.
     TiedGradient { held: Vec<(StageId, usize)> },
+    /// ZeRO: this replica's segment of the reduce-scatter, added to its gradient shard;
+    /// each of the `members` replicas had reduced `covered` microbatches.
+    GradientShard { covered: usize, members: usize },
+    /// ZeRO: the tied weights' sums, in the table's orientation, for these (stage, layer)s:
+    /// a sharded stage takes its chunk into its gradient shard, another the whole.
+    TiedGradientShard { held: Vec<(StageId, usize)> },
+    /// ZeRO stages 1 and 2: every replica's updated chunks, into the whole weights.
+    Weights,
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -42,19 +68,16 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         group: GroupId,
         code: usize,
     ) -> Result<()> {
-        let members = self
-            .plan
-            .groups
-            .iter()
-            .find(|g| g.id == group)
-            .map(|g| g.devices.clone())
-            .ok_or_else(|| ExecError::Plan(format!("the plan has no {group}")))?;
+        let members = members(self.plan, group)?;
         if self.collectives.contains_key(&(stage, group)) {
             return Err(ExecError::Plan(format!("{stage} starts a collective on {group} while its last is in flight")));
         }
         let (data, into) = match payload {
             CollectivePayload::Gradients => self.gradients_out(stage, members.len())?,
             CollectivePayload::TiedGradient => self.tied_gradient_out(group, &members)?,
+            CollectivePayload::GradientShard => self.gradient_shard_out(stage)?,
+            CollectivePayload::TiedGradientShard => self.tied_shard_out(group, &members)?,
+            CollectivePayload::Weights => (self.shard(stage)?.master_segment()?, Landing::Weights),
         };
         let result = self.comm.start_collective(kind, members, data, self.reduce, Some(code))?;
         self.collectives.insert((stage, group), InFlight { payload, result, into });
@@ -77,7 +100,104 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 }
                 Ok(())
             }
+            Landing::GradientShard { covered, members } => {
+                let dev = self.dev.clone();
+                let st = self.state(stage)?;
+                let shard = st.shard.as_mut().ok_or_else(|| not_sharded(stage))?;
+                shard.add_gradients(&data, &dev)?;
+                shard.contributions += covered * members;
+                Ok(())
+            }
+            Landing::TiedGradientShard { held } => {
+                let (plan, dev) = (self.plan, self.dev.clone());
+                for (s, layer) in held {
+                    let st = self.state(s)?;
+                    match &st.shard {
+                        Some(_) => set_tied_gradient_shard(st, plan, layer, &data, &dev)?,
+                        None => set_tied_gradient(st, plan, layer, &data)?,
+                    }
+                }
+                Ok(())
+            }
+            Landing::Weights => {
+                let st = self.state(stage)?;
+                let whole = st.shard.as_ref().ok_or_else(|| not_sharded(stage))?.layout.whole(&data)?;
+                crate::zero::restore_weights(st, whole)
+            }
         }
+    }
+
+    /// This device's shard of `stage`.
+    fn shard(&mut self, stage: StageId) -> Result<&mut crate::zero::ShardState<B>> {
+        self.state(stage)?.shard.as_mut().ok_or_else(|| not_sharded(stage))
+    }
+
+    /// ZeRO: the stage's accumulated gradients (and batch statistics), laid out for the
+    /// replicas' reduce-scatter; taken, so the next backward accumulates afresh. Ties within
+    /// the stage and tensor-parallel partial sums are settled first (the shard keeps no
+    /// whole gradient to settle them on later).
+    fn gradient_shard_out(&mut self, stage: StageId) -> Result<(Vec<f32>, Landing)> {
+        self.sum_partial_gradients(stage)?;
+        self.sum_local_ties(stage)?;
+        let st = self.state(stage)?;
+        let stats = st.statistics_message()?;
+        let shard = st.shard.as_ref().ok_or_else(|| not_sharded(stage))?;
+        let whole = (0..shard.layout.params.len())
+            .map(|k| match st.acc.get(k) {
+                Some(Some(t)) => host_f32(t.clone().into_data()).map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let data = shard.layout.scatter_input(&whole, &stats);
+        let landing = Landing::GradientShard { covered: st.contributions, members: shard.layout.d };
+        st.clear_gradients();
+        Ok((data, landing))
+    }
+
+    /// ZeRO: this device's part of a tied weight's sum over `group` (in the embedding's
+    /// [vocab, d] orientation): a sharded stage's replicas each contribute their chunk in
+    /// place (zeros elsewhere), so their chunks tile its reduced gradient once; an
+    /// unsharded stage's first holder contributes its whole gradient.
+    fn tied_shard_out(&mut self, group: GroupId, members: &[DeviceId]) -> Result<(Vec<f32>, Landing)> {
+        let plan = self.plan;
+        let (mut sum, mut held) = (None::<Vec<f32>>, Vec::new());
+        for (s, layer) in self.tied_layers(group)? {
+            held.push((s.id, layer));
+            let first = members.iter().copied().find(|d| holds(s, *d)) == Some(self.device);
+            let st = self.state(s.id)?;
+            let g = match &st.shard {
+                Some(_) => tied_gradient_shard(st, plan, layer)?,
+                None if first => tied_gradient(st, plan, layer)?,
+                None => {
+                    let n = tied_gradient(st, plan, layer)?.len();
+                    vec![0.0; n]
+                }
+            };
+            let sum = sum.get_or_insert_with(|| vec![0.0; g.len()]);
+            sum.iter_mut().zip(&g).for_each(|(x, y)| *x += y);
+        }
+        let sum = sum.ok_or(ExecError::Plan(format!("{} holds no layer tied by {group}", self.device)))?;
+        Ok((sum, Landing::TiedGradientShard { held }))
+    }
+
+    /// The (stage, layer)s of a weight-tying group's two layers that this device holds.
+    fn tied_layers(&self, group: GroupId) -> Result<Vec<(&'a pipec_plan::plan::StagePlan, usize)>> {
+        let plan = self.plan;
+        let g = plan
+            .groups
+            .iter()
+            .find(|g| g.id == group)
+            .ok_or_else(|| ExecError::Plan(format!("the plan has no {group}")))?;
+        let [a, b] = g.tie.ok_or_else(|| ExecError::Plan(format!("{group} is not a weight-tying group")))?;
+        let stage_of = |layer: usize| plan.stages.iter().find(|s| (s.layers[0]..s.layers[1]).contains(&layer));
+        let mut out = Vec::new();
+        for layer in [a, b] {
+            let s = stage_of(layer).ok_or_else(|| ExecError::Plan(format!("no stage holds layer {layer}")))?;
+            if self.stages.contains_key(&s.id) {
+                out.push((s, layer));
+            }
+        }
+        Ok(out)
     }
 
     /// The stage's accumulated gradients (and batch statistics), flat, for its replicas'
@@ -121,23 +241,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// contributes it, every member holding one takes the sum.
     fn tied_gradient_out(&mut self, group: GroupId, members: &[DeviceId]) -> Result<(Vec<f32>, Landing)> {
         let plan = self.plan;
-        let g = plan
-            .groups
-            .iter()
-            .find(|g| g.id == group)
-            .ok_or_else(|| ExecError::Plan(format!("the plan has no {group}")))?;
-        let [a, b] = g.tie.ok_or_else(|| ExecError::Plan(format!("{group} is not a weight-tying group")))?;
-        let holds = |s: &pipec_plan::plan::StagePlan, d: DeviceId| {
-            s.replicas.contains(&d) || s.tensor_parallel.iter().any(|t| t.contains(&d))
-        };
-        let stage_of = |layer: usize| plan.stages.iter().find(|s| (s.layers[0]..s.layers[1]).contains(&layer));
         let mut sum: Option<Vec<f32>> = None;
         let mut held = Vec::new();
-        for layer in [a, b] {
-            let s = stage_of(layer).ok_or_else(|| ExecError::Plan(format!("no stage holds layer {layer}")))?;
-            if !self.stages.contains_key(&s.id) {
-                continue;
-            }
+        for (s, layer) in self.tied_layers(group)? {
             held.push((s.id, layer));
             let first = members.iter().copied().find(|d| holds(s, *d));
             let g = tied_gradient(self.state(s.id)?, plan, layer)?;

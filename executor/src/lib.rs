@@ -31,6 +31,7 @@ pub mod tensor_parallel;
 pub mod transport;
 mod values;
 mod worker;
+mod zero;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -45,6 +46,7 @@ use pipec_plan::{DeviceId, Plan, StageId};
 use crate::error::ExecError;
 
 pub use run::{run_workers, CheckpointSink, TIMELINE_LIMIT};
+pub use worker::HeldState;
 pub use worker::StepReport as WorkerStep;
 
 /// Which Burn backend runs the plan.
@@ -169,6 +171,8 @@ pub struct RunReport {
     pub placement: Vec<(DeviceId, String)>,
     /// The run was stopped (`RunOptions::stop`) before its last step.
     pub interrupted: bool,
+    /// The model state each device held at the end of the run (measured).
+    pub held: BTreeMap<DeviceId, HeldState>,
 }
 
 /// Why a run failed: where, and what happened.
@@ -281,16 +285,11 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
             plan.training.precision, plan.training.precision
         ));
     }
-    if plan.schedule.sharding != pipec_plan::vocab::Sharding::None {
-        out.push(format!(
-            "the plan shards {} across data-parallel replicas (`zero: {}`), but the executor keeps every replica whole: the same numbers (a reduce-scatter and all-gather sum as the all-reduce does, bit for bit), not the memory the plan counts",
-            match plan.schedule.sharding.level() {
-                1 => "the optimizer state",
-                2 => "the optimizer state and gradients",
-                _ => "the optimizer state, gradients and weights",
-            },
-            plan.schedule.sharding.level()
-        ));
+    if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters {
+        out.push(
+            "under `zero: 3` the executor gathers a stage's whole weights once a step, for its first pass, and drops them at the update (the plan's cost and memory figures gather each layer for each pass, as FSDP does): its peak holds a stage's whole weights"
+                .to_string(),
+        );
     }
     out
 }

@@ -295,6 +295,39 @@ pub(crate) fn set_params<B: Backend, M: Module<B>>(
     (model, set.missing)
 }
 
+/// Replaces every parameter of `model` with the (shape, values) `source` gives for its id —
+/// or, where it gives none, with a one-value stand-in (ZeRO-3 drops a stage's weights
+/// between steps this way); returns the model and the ids given none.
+pub(crate) fn replace_params<B: Backend, M: Module<B>>(
+    model: M,
+    source: impl FnMut(u64) -> Option<(Vec<usize>, Vec<f32>)>,
+) -> (M, Vec<u64>) {
+    struct Replace<F> {
+        source: F,
+        missing: Vec<u64>,
+    }
+    impl<B: Backend, F: FnMut(u64) -> Option<(Vec<usize>, Vec<f32>)>> ModuleMapper<B> for Replace<F> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, _) = param.consume();
+            let device = tensor.device();
+            drop(tensor);
+            let t = match (self.source)(id.val()) {
+                Some((shape, v)) if shape.len() == D && v.len() == shape.iter().product::<usize>() => {
+                    Tensor::<B, D>::from_data(TensorData::new(v, shape), &device)
+                }
+                _ => {
+                    self.missing.push(id.val());
+                    Tensor::<B, D>::zeros([1; D], &device)
+                }
+            };
+            Param::initialized(id, t.require_grad())
+        }
+    }
+    let mut replace = Replace { source, missing: Vec::new() };
+    let model = model.map(&mut replace);
+    (model, replace.missing)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

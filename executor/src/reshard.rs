@@ -178,3 +178,47 @@ pub(crate) fn map_tensors(
     }
     walk(&refs, shape, f)
 }
+
+/// The f32 tensors inside a serialised record item, in the order [`map_tensors`] visits them.
+pub(crate) fn tensor_values(item: &serde_json::Value) -> Result<Vec<Vec<f32>>> {
+    let found = std::cell::RefCell::new(Vec::new());
+    map_tensors(std::slice::from_ref(item), &[], &|mut parts| {
+        let values = parts.pop().unwrap_or_default();
+        found.borrow_mut().push(values.clone());
+        Ok(values)
+    })?;
+    Ok(found.into_inner())
+}
+
+/// `item` with its f32 tensors replaced by `values` (in [`tensor_values`]' order), each
+/// shaped `shape`.
+pub(crate) fn with_tensors(
+    item: &serde_json::Value,
+    values: Vec<Vec<f32>>,
+    shape: &[usize],
+) -> Result<serde_json::Value> {
+    let next = std::cell::RefCell::new(values.into_iter());
+    map_tensors(std::slice::from_ref(item), shape, &|_| {
+        next.borrow_mut().next().ok_or_else(|| ExecError::Checkpoint("an optimizer state has too few tensors".into()))
+    })
+}
+
+/// `item` (an optimizer's per-parameter record: Burn tags the state with its tensors' rank,
+/// `{"V1": {"Rank2": …}}`) retagged for tensors of rank `rank` (a ZeRO chunk is flat: rank
+/// 1; its whole parameter's rank is its shape's length).
+pub(crate) fn with_rank(item: serde_json::Value, rank: usize) -> Result<serde_json::Value> {
+    let serde_json::Value::Object(mut outer) = item else {
+        return Err(ExecError::Checkpoint("an optimizer state is not a record".into()));
+    };
+    for version in outer.values_mut() {
+        if let serde_json::Value::Object(inner) = version {
+            let tags: Vec<String> = inner.keys().filter(|k| k.starts_with("Rank")).cloned().collect();
+            for tag in tags {
+                if let Some(v) = inner.remove(&tag) {
+                    inner.insert(format!("Rank{rank}"), v);
+                }
+            }
+        }
+    }
+    Ok(serde_json::Value::Object(outer))
+}

@@ -259,11 +259,14 @@ fn run_steps<B: ExecBackend>(
         let planned = step + 1 == shared.steps.end || shared.every.is_some_and(|k| (step + 1) % k == 0);
         let drain = planned || begin == Begin::RunLast;
         let segments = w.segments(filled, drain);
-        let r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
+        let mut r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
+        if step + 1 == shared.steps.end {
+            r.held = Some(w.held_state().map_err(|e| fail(Some(step), None, e))?);
+        }
         filled = !drain;
         // a checkpoint follows the steps that drain as planned, when checkpoints are on
         let ckpt = if shared.every.is_some() && planned {
-            Some(save_checkpoint(&w.stages).map_err(|e| fail(Some(step), None, e))?)
+            Some(save_checkpoint(w).map_err(|e| fail(Some(step), None, e))?)
         } else {
             None
         };
@@ -370,6 +373,9 @@ impl Coordinator<'_> {
             report
                 .timeline
                 .extend(r.trace.iter().take(room).map(|t| (r.device, r.step, t.0, r.started + t.1, r.started + t.2)));
+            if let Some(held) = r.held {
+                report.held.insert(r.device, held);
+            }
             for (peaks, of) in
                 [(&mut report.peak_in_flight, &r.peak_in_flight), (&mut report.peak_versions, &r.peak_versions)]
             {

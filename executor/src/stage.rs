@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use burn::module::{Module, ParamId};
+use burn::module::{AutodiffModule, Module, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
@@ -45,6 +45,8 @@ pub(crate) struct StageState<B: ExecBackend> {
     pub(crate) stash: HashMap<MicrobatchId, StageModel<B>>,
     /// This step's weight versions (index k: after k updates), for vertical sync.
     pub(crate) versions: Vec<StageModel<B>>,
+    /// ZeRO: this replica's shard of the stage (None: the stage is not sharded).
+    pub(crate) shard: Option<crate::zero::ShardState<B>>,
 }
 
 /// A device's place in a tensor-parallel group.
@@ -141,14 +143,14 @@ impl<B: ExecBackend> StageState<B> {
     }
 }
 
-/// The optimizer of a stage.
-pub(crate) enum StageOptim<B: ExecBackend> {
-    Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, StageModel<B>, B>),
-    Adam(OptimizerAdaptor<Adam, StageModel<B>, B>),
-    AdamW(OptimizerAdaptor<AdamW, StageModel<B>, B>),
+/// The optimizer of a stage (of its model, or of a ZeRO replica's shard of it).
+pub(crate) enum StageOptim<B: ExecBackend, M: AutodiffModule<B> = StageModel<B>> {
+    Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
+    Adam(OptimizerAdaptor<Adam, M, B>),
+    AdamW(OptimizerAdaptor<AdamW, M, B>),
 }
 
-impl<B: ExecBackend> StageOptim<B> {
+impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
     pub fn new(plan: &OptimizerPlan) -> Self {
         match *plan {
             OptimizerPlan::Sgd { momentum, weight_decay, .. } => {
@@ -182,7 +184,7 @@ impl<B: ExecBackend> StageOptim<B> {
         }
     }
 
-    pub(crate) fn step(&mut self, lr: f64, model: StageModel<B>, grads: GradientsParams) -> StageModel<B> {
+    pub(crate) fn step(&mut self, lr: f64, model: M, grads: GradientsParams) -> M {
         match self {
             StageOptim::Sgd(o) => o.step(lr, model, grads),
             StageOptim::Adam(o) => o.step(lr, model, grads),
@@ -197,13 +199,7 @@ impl<B: ExecBackend> StageOptim<B> {
     /// run from them and the transposition runs here, where a stage that waits for its
     /// first input after the update has the time (`pipec profile` times it as part of the
     /// update).
-    pub(crate) fn update(
-        &mut self,
-        lr: f64,
-        model: StageModel<B>,
-        flat: &[Option<Tensor<B::InnerBackend, 1>>],
-        scale: f64,
-    ) -> StageModel<B> {
+    pub(crate) fn update(&mut self, lr: f64, model: M, flat: &[Option<Tensor<B::InnerBackend, 1>>], scale: f64) -> M {
         let copied = take_weight_copies(&model);
         let grads = to_optimizer_grads(&model, flat, scale);
         let model = self.step(lr, model, grads);
@@ -220,6 +216,66 @@ impl<B: ExecBackend> StageOptim<B> {
             StageOptim::AdamW(o) => recorder.record(o.to_record(), ()),
         }
         .map_err(|e| format!("cannot record the optimizer state: {e:?}"))
+    }
+
+    /// The optimizer's state, each parameter's as a serialised record item (for ZeRO: the
+    /// shards' states are joined, and a whole state cut, item by item).
+    pub fn items(&self) -> std::result::Result<Vec<(ParamId, serde_json::Value)>, String> {
+        fn items_of<R, V, B2: Backend>(record: R) -> std::result::Result<Vec<(ParamId, serde_json::Value)>, String>
+        where
+            R: IntoIterator<Item = (ParamId, V)>,
+            V: Record<B2>,
+            V::Item<FullPrecisionSettings>: serde::Serialize,
+        {
+            let mut out = record
+                .into_iter()
+                .map(|(id, v)| {
+                    serde_json::to_value(v.into_item::<FullPrecisionSettings>())
+                        .map(|item| (id, item))
+                        .map_err(|e| format!("cannot record the optimizer state: {e}"))
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            out.sort_by_key(|(id, _)| id.val());
+            Ok(out)
+        }
+        match self {
+            StageOptim::Sgd(o) => items_of::<_, _, B>(o.to_record()),
+            StageOptim::Adam(o) => items_of::<_, _, B>(o.to_record()),
+            StageOptim::AdamW(o) => items_of::<_, _, B>(o.to_record()),
+        }
+    }
+
+    /// Replaces the optimizer's state with `items` (as `items` gives them).
+    pub fn load_items(
+        &mut self,
+        items: Vec<(ParamId, serde_json::Value)>,
+        dev: &B::Device,
+    ) -> std::result::Result<(), String> {
+        fn record_of<R, V, B2: Backend>(
+            items: Vec<(ParamId, serde_json::Value)>,
+            dev: &B2::Device,
+        ) -> std::result::Result<R, String>
+        where
+            R: FromIterator<(ParamId, V)>,
+            V: Record<B2>,
+            V::Item<FullPrecisionSettings>: serde::de::DeserializeOwned,
+        {
+            items
+                .into_iter()
+                .map(|(id, item)| {
+                    let item: V::Item<FullPrecisionSettings> = serde_json::from_value(item)
+                        .map_err(|e| format!("an optimizer state does not read back: {e}"))?;
+                    Ok((id, V::from_item(item, dev)))
+                })
+                .collect()
+        }
+        let placeholder = StageOptim::Sgd(SgdConfig::new().init());
+        *self = match std::mem::replace(self, placeholder) {
+            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(record_of(items, dev)?)),
+            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(record_of(items, dev)?)),
+            StageOptim::AdamW(o) => StageOptim::AdamW(o.load_record(record_of(items, dev)?)),
+        };
+        Ok(())
     }
 
     /// Restores this stage's optimizer state from the records `save` wrote — of any stages
@@ -361,7 +417,11 @@ pub(crate) fn tied_weight(plan: &Plan, layer: usize) -> Result<u64> {
 /// shape of the table rows it holds (a vocabulary-parallel rank holds its part).
 fn tied_param<B: ExecBackend>(st: &StageState<B>, plan: &Plan, layer: usize) -> Result<(usize, usize, usize)> {
     let id = tied_weight(plan, layer)?;
-    let params = layout::<B, _>(st.model()?);
+    // a sharded stage's layout (under ZeRO-3 the model holds no whole weights between steps)
+    let params = match &st.shard {
+        Some(shard) => shard.layout.params.iter().map(|p| (p.id, p.shape.clone())).collect(),
+        None => layout::<B, _>(st.model()?),
+    };
     let k = params
         .iter()
         .position(|(p, _)| *p == id)
@@ -384,13 +444,50 @@ pub(crate) fn tied_gradient<B: ExecBackend>(st: &StageState<B>, plan: &Plan, lay
     Ok(if plan.layers[layer].tied.is_some() { crate::layers::transpose(&g, dim, vocab) } else { g })
 }
 
-/// Replaces a tied weight's accumulated gradient with `g` (in the table's orientation).
-pub(crate) fn set_tied_gradient<B: ExecBackend>(
+/// ZeRO: this replica's chunk of a tied weight's reduced gradient in place in the whole
+/// weight's values (zeros elsewhere), in the table's [vocab, d] orientation.
+pub(crate) fn tied_gradient_shard<B: ExecBackend>(st: &StageState<B>, plan: &Plan, layer: usize) -> Result<Vec<f32>> {
+    let (k, vocab, dim) = tied_param(st, plan, layer)?;
+    let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    let p = &shard.layout.params[k];
+    let mut whole = vec![0.0; p.len];
+    if let Some(g) = shard.grad.as_ref().and_then(|g| g.get(k)) {
+        let start = shard.layout.rank * p.chunk;
+        for (x, v) in whole.iter_mut().skip(start).zip(host_f32(g.clone().into_data())?) {
+            *x = v;
+        }
+    }
+    Ok(if plan.layers[layer].tied.is_some() { crate::layers::transpose(&whole, dim, vocab) } else { whole })
+}
+
+/// ZeRO: replaces this replica's chunk of a tied weight's gradient shard with its chunk of
+/// `g` (the whole sum, in the table's orientation).
+pub(crate) fn set_tied_gradient_shard<B: ExecBackend>(
     st: &mut StageState<B>,
     plan: &Plan,
     layer: usize,
     g: &[f32],
+    dev: &B::Device,
 ) -> Result<()> {
+    let (k, whole) = tied_values(st, plan, layer, g)?;
+    let shard = st.shard.as_mut().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    let chunk = shard.layout.chunk(k, &whole, shard.layout.rank);
+    let layout = &shard.layout;
+    let grad = shard.grad.get_or_insert_with(|| {
+        layout
+            .params
+            .iter()
+            .map(|p| Tensor::from_data(TensorData::new(vec![0.0f32; p.chunk], [p.chunk]), dev))
+            .collect()
+    });
+    let n = chunk.len();
+    grad[k] = Tensor::from_data(TensorData::new(chunk, [n]), dev);
+    Ok(())
+}
+
+/// Where a tied layer's weight sits among the stage's parameters, and `g` (a whole tied
+/// gradient in the table's orientation) in that weight's orientation.
+fn tied_values<B: ExecBackend>(st: &StageState<B>, plan: &Plan, layer: usize, g: &[f32]) -> Result<(usize, Vec<f32>)> {
     let (k, vocab, dim) = tied_param(st, plan, layer)?;
     if g.len() != vocab * dim {
         return Err(ExecError::Plan(format!(
@@ -399,12 +496,23 @@ pub(crate) fn set_tied_gradient<B: ExecBackend>(
             vocab * dim
         )));
     }
-    let values = if plan.layers[layer].tied.is_some() { crate::layers::transpose(g, vocab, dim) } else { g.to_vec() };
+    Ok((k, if plan.layers[layer].tied.is_some() { crate::layers::transpose(g, vocab, dim) } else { g.to_vec() }))
+}
+
+/// Replaces a tied weight's accumulated gradient with `g` (in the table's orientation).
+pub(crate) fn set_tied_gradient<B: ExecBackend>(
+    st: &mut StageState<B>,
+    plan: &Plan,
+    layer: usize,
+    g: &[f32],
+) -> Result<()> {
+    let (k, values) = tied_values(st, plan, layer, g)?;
     if st.acc.len() <= k {
         st.acc.resize(k + 1, None);
     }
     let dev = st.model()?.devices().into_iter().next().ok_or(ExecError::Missing("the stage has no device"))?;
-    st.acc[k] = Some(Tensor::from_data(TensorData::new(values, [vocab * dim]), &dev));
+    let n = values.len();
+    st.acc[k] = Some(Tensor::from_data(TensorData::new(values, [n]), &dev));
     Ok(())
 }
 
@@ -488,8 +596,13 @@ pub(crate) fn build_stages<B: ExecBackend>(
                 stats_count: 0.0,
                 stash: HashMap::new(),
                 versions: Vec::new(),
+                shard: None,
             },
         );
+        if let Some((group, rank, d)) = crate::zero::shard_group(plan, s.id, device) {
+            let st = out.get_mut(&s.id).ok_or(ExecError::Missing("the stage just built"))?;
+            st.shard = Some(crate::zero::ShardState::new(plan, st.model()?, group, rank, d, dev)?);
+        }
     }
     Ok(out)
 }

@@ -42,6 +42,19 @@ pub struct StepReport {
     pub peak_in_flight: HashMap<StageId, u32>,
     /// Peak weight versions alive at once (live + stashed), per stage.
     pub peak_versions: HashMap<StageId, u32>,
+    /// The model state this device holds (the run's last step only).
+    pub held: Option<HeldState>,
+}
+
+/// The model state a device holds, in f32 values: its weights, the most gradient values it
+/// held at once (whole sums and ZeRO shards), and its optimizer's state (momentum or Adam's
+/// moments; under ZeRO also the master weights' shard) — what the plan's memory figures
+/// predict, measured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldState {
+    pub weights: u64,
+    pub gradients: u64,
+    pub optimizer: u64,
 }
 
 /// A worker: one device, its stages, its stream.
@@ -70,6 +83,8 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     pub(crate) posted: HashMap<usize, Ticket<Message>>,
     /// All-reduces in flight, per stage.
     pub(crate) collectives: HashMap<(StageId, GroupId), crate::collectives::InFlight>,
+    /// The most gradient values held at once since the run started.
+    pub(crate) peak_gradients: u64,
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -105,6 +120,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             in_flight: HashMap::new(),
             posted: HashMap::new(),
             collectives: HashMap::new(),
+            peak_gradients: 0,
         }
     }
 
@@ -173,6 +189,20 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             self.exec(ins, *code, at, &mut report).map_err(|e| (*code, e))?;
             let t1 = start.elapsed().as_secs_f64();
             report.trace.push((*code, t0, t1));
+            let gradients: usize = self
+                .stages
+                .values()
+                .map(|st| {
+                    let whole: usize = st.acc.iter().flatten().map(|t| t.dims()[0]).sum();
+                    let shard: usize = st
+                        .shard
+                        .as_ref()
+                        .and_then(|s| s.grad.as_ref())
+                        .map_or(0, |g| g.iter().map(|t| t.dims()[0]).sum());
+                    whole + shard
+                })
+                .sum();
+            self.peak_gradients = self.peak_gradients.max(gradients as u64);
             for (s, n) in &self.in_flight {
                 let p = report.peak_in_flight.entry(*s).or_insert(0);
                 *p = (*p).max(*n);
@@ -216,9 +246,16 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 self.inputs.insert((stage, mb), act);
                 Ok(())
             }
-            Instr::Forward { stage, mb } => self.forward(stage, mb, report),
-            Instr::Recompute { stage, mb } => self.recompute(stage, mb),
+            Instr::Forward { stage, mb } => {
+                self.gather_weights(stage)?;
+                self.forward(stage, mb, report)
+            }
+            Instr::Recompute { stage, mb } => {
+                self.gather_weights(stage)?;
+                self.recompute(stage, mb)
+            }
             Instr::Backward { stage, mb } => {
+                self.gather_weights(stage)?;
                 let grads = self.run_backward(stage, mb, false)?;
                 self.add_gradient(stage, mb, grads)?;
                 // the stashed version has served its backward
@@ -226,6 +263,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 Ok(())
             }
             Instr::BackwardInput { stage, mb } => {
+                self.gather_weights(stage)?;
                 // the input gradients, and every gradient but the dense weights' products,
                 // which wait for the plan's BackwardWeight
                 let grads = self.run_backward(stage, mb, true)?;
@@ -314,6 +352,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 self.pull_weights(stage, &msg.data)
             }
             Instr::OptimizerStep { stage } => self.optimizer_step(stage),
+            Instr::ShardStep { stage } => self.shard_step(stage),
         }
     }
 
@@ -462,6 +501,72 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             st.versions.push(m);
         }
         Ok(())
+    }
+}
+
+impl<B: ExecBackend> Worker<'_, B> {
+    /// The model state this device holds now (see [`HeldState`]).
+    pub(crate) fn held_state(&self) -> Result<HeldState> {
+        let values = |items: Vec<(burn::module::ParamId, serde_json::Value)>| -> Result<u64> {
+            let mut n = 0;
+            for (_, item) in &items {
+                n += crate::reshard::tensor_values(item)?.iter().map(|t| t.len() as u64).sum::<u64>();
+            }
+            Ok(n)
+        };
+        let mut held = HeldState { gradients: self.peak_gradients, ..HeldState::default() };
+        for st in self.stages.values() {
+            held.weights +=
+                layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum::<u64>();
+            held.optimizer += values(st.optim.items().map_err(ExecError::Checkpoint)?)?;
+            if let Some(shard) = &st.shard {
+                held.optimizer += shard.layout.segment as u64;
+                held.optimizer += values(shard.optim.items().map_err(ExecError::Checkpoint)?)?;
+            }
+        }
+        Ok(held)
+    }
+
+    /// `ShardStep` (ZeRO): the update of this replica's shard from its reduced gradient
+    /// shard (the sum over the replicas of every microbatch's mean scaled by 1/N, as the
+    /// all-reduce gives the whole); batch normalisation's statistics, which every replica
+    /// received summed, are folded in; at stage 3 the whole weights are dropped until the
+    /// next step's first pass gathers them.
+    pub(crate) fn shard_step(&mut self, stage: StageId) -> Result<()> {
+        let lr = self.learning_rate();
+        let n_mb = self.plan.training.microbatches as f64;
+        let st = self.state(stage)?;
+        let shard = st.shard.as_mut().ok_or_else(|| ExecError::Plan(format!("{stage} is not sharded here")))?;
+        let scale = if shard.contributions > 0 { n_mb / shard.contributions as f64 } else { 1.0 };
+        shard.update(lr, scale)?;
+        let release = shard.level == pipec_plan::vocab::Sharding::Parameters;
+        let stats = std::mem::take(&mut shard.stats);
+        let dev = self.dev.clone();
+        let st = self.state(stage)?;
+        st.set_statistics(&stats, &dev)?;
+        st.fold_statistics()?;
+        st.clear_gradients();
+        if release {
+            crate::zero::release_weights(st)?;
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3: gathers the stage's whole weights from the replicas' shards for the step's
+    /// first pass (they stay until the update; nothing when the stage is not at stage 3).
+    pub(crate) fn gather_weights(&mut self, stage: StageId) -> Result<()> {
+        let Some(shard) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()) else { return Ok(()) };
+        if shard.gathered {
+            return Ok(());
+        }
+        let group = shard.group;
+        let data = shard.master_segment()?;
+        let members = crate::collectives::members(self.plan, group)?;
+        let gathered =
+            self.comm.collective(pipec_plan::CollectiveKind::AllGather, &members, data, self.reduce, None)?;
+        let st = self.state(stage)?;
+        let whole = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?.layout.whole(&gathered)?;
+        crate::zero::restore_weights(st, whole)
     }
 }
 

@@ -295,6 +295,20 @@ backward. With no replicated stage there is nothing to shard over: replicate sta
       pp: 4
       zero: 1   # error: every stage has one replica";
 
+"E0415", "ZeRO sharding with an asynchronous schedule",
+"`zero` shards a stage's optimizer state (and gradients, and weights) across its replicas:
+every step they reduce-scatter the gradients, each updates its shard, and (stages 1 and 2)
+they all-gather the weights. That needs the replicas to update together, once per step.
+PipeDream and PipeDream-2BW update each stage on its own clock (after every microbatch, or
+every few), and asynchronous data parallelism (`sync: asp`) applies each replica's gradient
+on a parameter server, so there is no step at which the shards meet. Use a synchronous
+schedule, or remove `zero`.
+
+    strategy:
+      stages: \"2-2\"
+      schedule: pipedream   # error with zero
+      zero: 1";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";

@@ -132,7 +132,7 @@ pub(crate) fn lower_strategy(
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
     let (overlap, sequence_parallel, sharding) = (overlap?, sequence_parallel?, sharding?);
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
-    let mut ok = check_sharding(cx, &f, sharding, &layout.replicas);
+    let mut ok = check_sharding(cx, &f, sharding, &layout.replicas, Some(&schedule));
     let partition_node = f.get("partition");
     // `partition: auto` with no layout written: PipeDream's planner picks the stages and
     // their replication when compiling (at most one per layer); until then the layout is
@@ -234,10 +234,42 @@ fn lower_sharding(cx: &mut Lower<'_>, f: &Fields<'_>) -> Option<Sharding> {
     }
 }
 
-/// E0414: sharding across data-parallel replicas needs a stage with more than one.
-fn check_sharding(cx: &mut Lower<'_>, f: &Fields<'_>, sharding: Sharding, replicas: &[usize]) -> bool {
+/// E0414: sharding across data-parallel replicas needs a stage with more than one; E0415:
+/// and a schedule that updates every stage once per step (the replicas' shards are
+/// reduced, updated and gathered together).
+fn check_sharding(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    sharding: Sharding,
+    replicas: &[usize],
+    schedule: Option<&crate::ast::Schedule>,
+) -> bool {
     let Some(at) = f.get("zero").map(|n| n.span) else { return true };
-    if sharding == Sharding::None || replicas.iter().any(|&r| r > 1) {
+    if sharding == Sharding::None {
+        return true;
+    }
+    if let Some(schedule) = schedule {
+        let asp = schedule.sync == pipec_plan::vocab::SyncMode::Asp;
+        if asp || schedule.kind.updates(replicas.len()) != pipec_plan::schedule::Updates::PerStep {
+            let why = if asp {
+                "asynchronous data parallelism applies each replica's gradients on a parameter server".to_string()
+            } else {
+                format!("`{}` updates each stage on its own clock, not once per step", schedule.kind.name())
+            };
+            cx.push(
+                Diagnostic::error(
+                    "E0415",
+                    format!("`zero: {}` needs every replica to update together once per step, and {why}", sharding.level()),
+                    at,
+                    "sharded across replicas",
+                )
+                .with_label(schedule.span, "this schedule")
+                .with_help("use a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1, ...; dp-only with `sync: bsp`), or remove `zero`"),
+            );
+            return false;
+        }
+    }
+    if replicas.iter().any(|&r| r > 1) {
         return true;
     }
     cx.push(
@@ -394,7 +426,8 @@ fn lower_auto_strategy(
         let written = lower_layout(cx, f, owner, kind)?;
         let layout = resolve_layout(cx, f, owner, written, cluster, strategy.tp)?;
         ok &= check_device_count(cx, &layout, strategy.tp, cluster);
-        ok &= check_sharding(cx, f, strategy.sharding, &layout.replicas);
+        let schedule = (!auto.schedule).then_some(&strategy.schedule);
+        ok &= check_sharding(cx, f, strategy.sharding, &layout.replicas, schedule);
         strategy.replicas = layout.replicas;
         strategy.layout_span = layout.span;
         strategy.layout_fixed = true;

@@ -67,8 +67,13 @@ pub enum Buffer {
     InputGrad { stage: StageId, mb: MicrobatchId },
     /// The accumulated weight gradients of `stage`.
     WeightGrad { stage: StageId },
-    /// The weights of `stage`.
+    /// The weights of `stage` (whole: what a forward and a backward compute with).
     Weights { stage: StageId },
+    /// ZeRO: the replica's shard of `stage`'s master weights (and their optimizer state).
+    WeightShard { stage: StageId },
+    /// ZeRO: the replica's shard of `stage`'s reduced weight gradients, summed over the
+    /// replicas and the microbatches reduced so far.
+    GradShard { stage: StageId },
     /// A stashed weight version of `stage` for `mb` (PipeDream weight stashing).
     Stash { stage: StageId, mb: MicrobatchId },
     /// What a collective of `stage` over `group` holds while it is in flight (between its
@@ -114,6 +119,14 @@ pub enum Instr {
     ///   transpose) summed with the other copies' over every device holding one, after the
     ///   replica all-reduces, so every copy applies the same sum. In the group the first
     ///   device holding each tied stage contributes its gradient, the others zero.
+    /// - `GradientShard` (ZeRO): the weight gradients of `stage` reduce-scattered over its
+    ///   replica group; the start takes them (the next backward accumulates afresh), the
+    ///   wait adds this replica's chunk of the sum to its gradient shard.
+    /// - `TiedGradientShard` (ZeRO): `TiedGradient` on shards: every device contributes its
+    ///   shard of the tied weight's gradient in place (zeros elsewhere) and takes its own
+    ///   shard of the sum back.
+    /// - `Weights` (ZeRO stages 1 and 2): the updated weight shards of `stage` all-gathered
+    ///   over its replica group into the whole weights.
     Collective { kind: CollectiveKind, payload: CollectivePayload, stage: StageId, group: GroupId, bytes: u64 },
     /// Wait until the last collective `stage` started over `group` has finished: its
     /// result is in place afterwards (the summed gradient, for an optimizer step).
@@ -132,6 +145,10 @@ pub enum Instr {
     RestoreWeights { stage: StageId, mb: MicrobatchId },
     /// Apply the accumulated gradients of `stage` and clear them.
     OptimizerStep { stage: StageId },
+    /// ZeRO: apply the replica's reduced gradient shard to its shard of the master weights
+    /// and optimizer state, and clear it. The whole weights are stale afterwards until a
+    /// `weights` all-gather lands (stages 1 and 2; under stage 3 every pass gathers them).
+    ShardStep { stage: StageId },
     /// Drop what `stage` kept for `mb`.
     Free { stage: StageId, mb: MicrobatchId },
     /// Asynchronous data parallelism: send this microbatch's weight gradient to the
@@ -329,6 +346,7 @@ macro_rules! about_no_microbatch {
         Instr::Collective { .. }
             | Instr::WaitCollective { .. }
             | Instr::OptimizerStep { .. }
+            | Instr::ShardStep { .. }
             | Instr::PushWeights { .. }
             | Instr::PullWeights { .. }
     };
@@ -347,38 +365,71 @@ macro_rules! on_device {
             | Instr::StashWeights { .. }
             | Instr::RestoreWeights { .. }
             | Instr::OptimizerStep { .. }
+            | Instr::ShardStep { .. }
             | Instr::Free { .. }
     };
 }
 
 impl CollectivePayload {
-    /// Whether a collective of `kind` can carry this payload (what the executor runs).
-    pub fn takes(self, kind: CollectiveKind) -> bool {
+    /// The one collective kind that carries this payload (what the executor runs).
+    pub fn kind(self) -> CollectiveKind {
         match self {
-            CollectivePayload::Gradients | CollectivePayload::TiedGradient => kind == CollectiveKind::AllReduce,
+            CollectivePayload::Gradients | CollectivePayload::TiedGradient | CollectivePayload::TiedGradientShard => {
+                CollectiveKind::AllReduce
+            }
+            CollectivePayload::GradientShard => CollectiveKind::ReduceScatter,
+            CollectivePayload::Weights => CollectiveKind::AllGather,
         }
     }
 
-    /// The buffer of `stage` a collective with this payload reads at its start and writes
-    /// at its wait.
-    pub fn buffer(self, stage: StageId) -> Buffer {
+    /// Whether a collective of `kind` can carry this payload.
+    pub fn takes(self, kind: CollectiveKind) -> bool {
+        self.kind() == kind
+    }
+
+    /// The buffer of `stage` a collective with this payload reads at its start.
+    pub fn source(self, stage: StageId) -> Buffer {
         match self {
             // the tied weight's gradient is part of the stage's weight gradients
-            CollectivePayload::Gradients | CollectivePayload::TiedGradient => Buffer::WeightGrad { stage },
+            CollectivePayload::Gradients | CollectivePayload::TiedGradient | CollectivePayload::GradientShard => {
+                Buffer::WeightGrad { stage }
+            }
+            CollectivePayload::TiedGradientShard => Buffer::GradShard { stage },
+            CollectivePayload::Weights => Buffer::WeightShard { stage },
         }
+    }
+
+    /// The buffer of `stage` its wait writes.
+    pub fn target(self, stage: StageId) -> Buffer {
+        match self {
+            CollectivePayload::Gradients | CollectivePayload::TiedGradient => Buffer::WeightGrad { stage },
+            CollectivePayload::GradientShard | CollectivePayload::TiedGradientShard => Buffer::GradShard { stage },
+            CollectivePayload::Weights => Buffer::Weights { stage },
+        }
+    }
+
+    /// Whether it sums a tied weight over the devices holding either tied stage (so its
+    /// members name different stages, and only sizes must agree).
+    pub fn ties(self) -> bool {
+        matches!(self, CollectivePayload::TiedGradient | CollectivePayload::TiedGradientShard)
+    }
+
+    /// Whether it carries a stage's gradients over its replicas (what an update needs
+    /// first when the stage is replicated).
+    pub fn reduces_replicas(self) -> bool {
+        matches!(self, CollectivePayload::Gradients | CollectivePayload::GradientShard)
     }
 }
 
 impl Instr {
     /// Starts summing `stage`'s weight gradients over its replica group `group`.
     pub fn all_reduce_gradients(stage: StageId, group: GroupId, bytes: u64) -> Instr {
-        Instr::Collective {
-            kind: CollectiveKind::AllReduce,
-            payload: CollectivePayload::Gradients,
-            stage,
-            group,
-            bytes,
-        }
+        Instr::collective(CollectivePayload::Gradients, stage, group, bytes)
+    }
+
+    /// Starts the collective that carries `payload` of `stage` over `group` (its one kind).
+    pub fn collective(payload: CollectivePayload, stage: StageId, group: GroupId, bytes: u64) -> Instr {
+        Instr::Collective { kind: payload.kind(), payload, stage, group, bytes }
     }
 
     /// Waits for `stage`'s collective over `group` carrying `payload`.
@@ -404,6 +455,7 @@ impl Instr {
             | Instr::StashWeights { stage, .. }
             | Instr::RestoreWeights { stage, .. }
             | Instr::OptimizerStep { stage }
+            | Instr::ShardStep { stage }
             | Instr::Free { stage, .. }
             | Instr::PushGradient { stage, .. }
             | Instr::ApplyGradient { stage, .. }
@@ -449,7 +501,7 @@ impl Instr {
             | Instr::PullWeights { .. } => Phase::Communication,
             Instr::ApplyGradient { .. } => Phase::Optimizer,
             Instr::Collective { .. } | Instr::WaitCollective { .. } => Phase::Collective,
-            Instr::OptimizerStep { .. } => Phase::Optimizer,
+            Instr::OptimizerStep { .. } | Instr::ShardStep { .. } => Phase::Optimizer,
             Instr::LoadMicrobatch { .. }
             | Instr::StashWeights { .. }
             | Instr::RestoreWeights { .. }
@@ -539,8 +591,9 @@ impl Instr {
             Instr::SendActivation { stage, mb, .. } => vec![B::Output { stage, mb }],
             Instr::SendGradient { stage, mb, .. } => vec![B::InputGrad { stage, mb }],
             Instr::RecvActivation { .. } | Instr::RecvGradient { .. } => vec![],
-            Instr::Collective { payload, stage, .. } => vec![payload.buffer(stage)],
+            Instr::Collective { payload, stage, .. } => vec![payload.source(stage)],
             Instr::OptimizerStep { stage } => vec![B::WeightGrad { stage }],
+            Instr::ShardStep { stage } => vec![B::GradShard { stage }, B::WeightShard { stage }],
             Instr::WaitCollective { stage, group, .. } => vec![B::InFlight { stage, group }],
             Instr::StashWeights { stage, .. } => vec![B::Weights { stage }],
             Instr::RestoreWeights { stage, mb } => vec![B::Stash { stage, mb }],
@@ -575,8 +628,9 @@ impl Instr {
             Instr::RecvGradient { stage, mb, .. } => vec![B::OutputGrad { stage, mb }],
             Instr::SendActivation { .. } | Instr::SendGradient { .. } | Instr::Free { .. } => vec![],
             Instr::Collective { stage, group, .. } => vec![B::InFlight { stage, group }],
-            Instr::WaitCollective { payload, stage, .. } => vec![payload.buffer(stage)],
+            Instr::WaitCollective { payload, stage, .. } => vec![payload.target(stage)],
             Instr::OptimizerStep { stage } => vec![B::Weights { stage }, B::WeightGrad { stage }],
+            Instr::ShardStep { stage } => vec![B::WeightShard { stage }, B::GradShard { stage }],
             Instr::StashWeights { stage, mb, .. } => vec![B::Stash { stage, mb }],
             Instr::RestoreWeights { stage, .. } => vec![B::Weights { stage }],
             Instr::PushGradient { stage, .. } => vec![B::WeightGrad { stage }],
@@ -616,6 +670,7 @@ impl fmt::Display for Instr {
             Instr::StashWeights { stage, mb, version: Some(v) } => write!(f, "stash {stage} {mb} v{v}"),
             Instr::RestoreWeights { stage, mb } => write!(f, "restore {stage} {mb}"),
             Instr::OptimizerStep { stage } => write!(f, "step {stage}"),
+            Instr::ShardStep { stage } => write!(f, "step_shard {stage}"),
             Instr::Free { stage, mb } => write!(f, "free {stage} {mb}"),
             Instr::PushGradient { peer, stage, mb, bytes } => write!(f, "push_grad {stage} {mb} -> {peer} {bytes}B"),
             Instr::ApplyGradient { peer, stage, mb, bytes } => write!(f, "apply_grad {stage} {mb} <- {peer} {bytes}B"),

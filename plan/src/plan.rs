@@ -11,7 +11,7 @@ use crate::model::{Loss, Op, Source};
 use crate::vocab::{Attention, OptimizerKind, Precision, ReduceMode, ScheduleKind, Sharding, Task};
 
 /// Bumped on every incompatible change of the format.
-pub const PLAN_VERSION: u32 = 4;
+pub const PLAN_VERSION: u32 = 5;
 
 /// A compiled training plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -254,8 +254,10 @@ pub struct ScheduleInfo {
     /// model's accounting; the executor computes tensor parallelism's values).
     #[serde(default, skip_serializing_if = "is_false")]
     pub sequence_parallel: bool,
-    /// ZeRO's sharding across each stage's data-parallel replicas (the cost and memory
-    /// model's accounting; `pipec run` refuses a sharded plan until the executor shards).
+    /// ZeRO's sharding across each replicated stage's data-parallel replicas: the streams
+    /// reduce-scatter its gradients (`gradient_shard`), update the shard (`step_shard`)
+    /// and, at stages 1 and 2, all-gather the weights (`weights`); at stage 3 each pass
+    /// gathers the weights it computes with.
     #[serde(default = "no_sharding", skip_serializing_if = "is_unsharded")]
     pub sharding: Sharding,
 }

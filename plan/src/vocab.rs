@@ -77,6 +77,15 @@ choice! {
         /// A tied weight's gradient (an embedding and the projection tied to it), over every
         /// device holding a copy.
         TiedGradient = "tied_gradient",
+        /// ZeRO: a stage's weight gradients reduce-scattered over its replicas, each
+        /// replica adding its chunk of the sum to the gradient shard it keeps.
+        GradientShard = "gradient_shard",
+        /// ZeRO: a tied weight's gradient shards summed over every device holding a copy
+        /// (each contributes its shard in place, each takes its own shard back).
+        TiedGradientShard = "tied_gradient_shard",
+        /// ZeRO stages 1 and 2: a stage's updated weight shards all-gathered over its
+        /// replicas into the whole weights every replica computes with.
+        Weights = "weights",
     }
 }
 

@@ -1,0 +1,441 @@
+//! ZeRO in the executor: the replicas of a replicated stage shard its optimizer state and
+//! master weights (stage 1), also its gradients (stage 2), and also its weights between
+//! steps (stage 3).
+//!
+//! How a stage is cut ([`ShardLayout`]): each parameter's flattened values are cut into `d`
+//! equal chunks, the last one padded with zeros, and replica `r` holds the `r`-th chunk of
+//! every parameter, in visiting order — its segment. The `d` segments laid end to end are
+//! what a reduce-scatter of the gradients takes (each replica ends with the sum of its own
+//! segment) and what an all-gather of the weights gives back, so both collectives run on
+//! equal chunks. The padding (at most `d − 1` values per parameter) is zero in the weights,
+//! the gradients and every optimizer's state, so it stays zero. A stage with batch
+//! normalisation appends its statistics to every segment: each replica gets their sum.
+//!
+//! The optimizer runs on the shard as on a module of its own ([`ShardParams`]: one flat
+//! parameter per parameter of the stage, under the same id), so Burn's optimizers apply
+//! the same element-wise update to the chunk that they apply to the whole tensor, and the
+//! checkpoint records keep the ids the unsharded ones have.
+
+use burn::module::{Module, Param, ParamId};
+use burn::prelude::*;
+use pipec_plan::vocab::Sharding;
+use pipec_plan::{GroupId, Plan, StageId};
+
+use crate::dense::ExecBackend;
+use crate::error::{ExecError, Result};
+use crate::layers::StageModel;
+use crate::stage::{StageOptim, StageState};
+use crate::{params, reshard};
+use std::collections::HashMap;
+
+/// One parameter of a sharded stage: its id, shape, value count and chunk length.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ShardParam {
+    pub id: u64,
+    pub shape: Vec<usize>,
+    pub len: usize,
+    pub chunk: usize,
+}
+
+/// How a stage's parameters are cut among `d` replicas (see the module's documentation).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ShardLayout {
+    pub d: usize,
+    pub rank: usize,
+    pub params: Vec<ShardParam>,
+    /// Values of one replica's chunks (the sum of the chunk lengths).
+    pub segment: usize,
+}
+
+impl ShardLayout {
+    /// The layout of parameters (id, shape) in visiting order among `d` replicas, for
+    /// replica `rank`.
+    pub fn new(params: &[(u64, Vec<usize>)], d: usize, rank: usize) -> Self {
+        let d = d.max(1);
+        let params: Vec<ShardParam> = params
+            .iter()
+            .map(|(id, shape)| {
+                let len: usize = shape.iter().product();
+                ShardParam { id: *id, shape: shape.clone(), len, chunk: len.div_ceil(d) }
+            })
+            .collect();
+        let segment = params.iter().map(|p| p.chunk).sum();
+        ShardLayout { d, rank, params, segment }
+    }
+
+    /// Chunk `r` of parameter `k`'s whole values, padded with zeros to the chunk length.
+    pub fn chunk(&self, k: usize, whole: &[f32], r: usize) -> Vec<f32> {
+        let p = &self.params[k];
+        let start = (r * p.chunk).min(whole.len());
+        let end = ((r + 1) * p.chunk).min(whole.len());
+        let mut out = whole[start..end].to_vec();
+        out.resize(p.chunk, 0.0);
+        out
+    }
+
+    /// A reduce-scatter's input: for each replica in turn, its chunk of every parameter's
+    /// values (None: zeros), then `stats`.
+    pub fn scatter_input(&self, whole: &[Option<Vec<f32>>], stats: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.d * (self.segment + stats.len()));
+        for r in 0..self.d {
+            for (k, p) in self.params.iter().enumerate() {
+                match whole.get(k).and_then(Option::as_ref) {
+                    Some(v) => out.extend(self.chunk(k, v, r)),
+                    None => out.extend(std::iter::repeat_n(0.0, p.chunk)),
+                }
+            }
+            out.extend_from_slice(stats);
+        }
+        out
+    }
+
+    /// This replica's segment cut into its chunks, one per parameter, and what follows them
+    /// (the statistics).
+    pub fn split_segment<'a>(&self, segment: &'a [f32]) -> Result<(Vec<&'a [f32]>, &'a [f32])> {
+        if segment.len() < self.segment {
+            return Err(ExecError::Plan(format!(
+                "a gradient shard of {} values for a segment of {}",
+                segment.len(),
+                self.segment
+            )));
+        }
+        let mut chunks = Vec::with_capacity(self.params.len());
+        let mut at = 0;
+        for p in &self.params {
+            chunks.push(&segment[at..at + p.chunk]);
+            at += p.chunk;
+        }
+        Ok((chunks, &segment[at..]))
+    }
+
+    /// Every parameter's whole values from an all-gather of the replicas' segments.
+    pub fn whole(&self, gathered: &[f32]) -> Result<Vec<Vec<f32>>> {
+        if gathered.len() != self.d * self.segment {
+            return Err(ExecError::Plan(format!(
+                "{} gathered weight values for {} replicas' segments of {}",
+                gathered.len(),
+                self.d,
+                self.segment
+            )));
+        }
+        let mut out: Vec<Vec<f32>> = self.params.iter().map(|p| Vec::with_capacity(p.chunk * self.d)).collect();
+        for r in 0..self.d {
+            let (chunks, _) = self.split_segment(&gathered[r * self.segment..(r + 1) * self.segment])?;
+            for (o, c) in out.iter_mut().zip(chunks) {
+                o.extend_from_slice(c);
+            }
+        }
+        for (o, p) in out.iter_mut().zip(&self.params) {
+            o.truncate(p.len);
+        }
+        Ok(out)
+    }
+}
+
+/// A replica's shard of a stage as a module: one flat parameter per parameter of the stage
+/// (its chunk), under the stage parameter's id.
+#[derive(Module, Debug)]
+pub(crate) struct ShardParams<B: Backend> {
+    pub chunks: Vec<Param<Tensor<B, 1>>>,
+}
+
+impl<B: Backend> ShardParams<B> {
+    /// The shard of chunks `values` (in the layout's order).
+    pub fn new(layout: &ShardLayout, values: Vec<Vec<f32>>, dev: &B::Device) -> Self
+    where
+        B: burn::tensor::backend::AutodiffBackend,
+    {
+        let chunks = layout
+            .params
+            .iter()
+            .zip(values)
+            .map(|(p, v)| {
+                let t = Tensor::<B, 1>::from_data(TensorData::new(v, [p.chunk]), dev).require_grad();
+                Param::initialized(ParamId::from(p.id), t)
+            })
+            .collect();
+        ShardParams { chunks }
+    }
+}
+
+/// What a replica of a sharded stage keeps besides the stage's model.
+pub(crate) struct ShardState<B: ExecBackend> {
+    pub level: Sharding,
+    pub group: GroupId,
+    pub layout: ShardLayout,
+    /// The master weights' chunks, and their optimizer.
+    pub master: Option<ShardParams<B>>,
+    pub optim: StageOptim<B, ShardParams<B>>,
+    /// The reduced gradients' chunks summed since the last update (None: none yet).
+    pub grad: Option<Vec<Tensor<B::InnerBackend, 1>>>,
+    /// Microbatches whose gradients `grad` sums, over every replica.
+    pub contributions: usize,
+    /// Batch normalisation's statistics of those microbatches, summed, then their count
+    /// (`StageState::statistics_message`'s layout); empty without batch normalisation.
+    pub stats: Vec<f32>,
+    /// Stage 3: whether the model holds the whole weights (gathered for this step's first
+    /// pass, dropped at the update).
+    pub gathered: bool,
+}
+
+impl<B: ExecBackend> ShardState<B> {
+    /// Replica `rank` of `d`'s shard of a stage whose model holds the whole weights (as
+    /// built, or as loaded from a checkpoint): its chunks of them, and a fresh optimizer.
+    pub fn new(
+        plan: &Plan,
+        model: &StageModel<B>,
+        group: GroupId,
+        rank: usize,
+        d: usize,
+        dev: &B::Device,
+    ) -> Result<Self> {
+        let layout = ShardLayout::new(&params::layout::<B, _>(model), d, rank);
+        let master = master_chunks(&layout, model, dev)?;
+        Ok(ShardState {
+            level: plan.schedule.sharding,
+            group,
+            layout,
+            master: Some(master),
+            optim: StageOptim::new(&plan.training.optimizer),
+            grad: None,
+            contributions: 0,
+            stats: Vec::new(),
+            gathered: true,
+        })
+    }
+
+    /// Adds a reduce-scatter's result (this replica's segment: its chunks of the sum, then
+    /// the replicas' batch statistics summed) to the gradient shard and its statistics.
+    pub fn add_gradients(&mut self, segment: &[f32], dev: &B::Device) -> Result<()> {
+        let (chunks, stats) = self.layout.split_segment(segment)?;
+        let landed: Vec<Tensor<B::InnerBackend, 1>> =
+            chunks.iter().map(|c| Tensor::from_data(TensorData::new(c.to_vec(), [c.len()]), dev)).collect();
+        self.grad = Some(match self.grad.take() {
+            Some(sum) => sum.into_iter().zip(landed).map(|(a, b)| a + b).collect(),
+            None => landed,
+        });
+        if self.stats.is_empty() {
+            self.stats = stats.to_vec();
+        } else if self.stats.len() == stats.len() {
+            self.stats.iter_mut().zip(stats).for_each(|(a, b)| *a += b);
+        } else {
+            return Err(ExecError::Plan("batch statistics of another size came with a gradient shard".into()));
+        }
+        Ok(())
+    }
+
+    /// The master chunks on the host, in the layout's order (the all-gather's input).
+    pub fn master_segment(&self) -> Result<Vec<f32>> {
+        let master = self.master.as_ref().ok_or(ExecError::Missing("the stage's shard is in use"))?;
+        let mut out = Vec::with_capacity(self.layout.segment);
+        for p in &master.chunks {
+            out.extend(crate::params::host_f32(p.val().into_data())?);
+        }
+        Ok(out)
+    }
+
+    /// One update of the master chunks from the gradient shard, scaled by `scale`; clears
+    /// the gradient shard.
+    pub fn update(&mut self, lr: f64, scale: f64) -> Result<()> {
+        let master = self.master.take().ok_or(ExecError::Missing("the stage's shard is in use"))?;
+        let flat: Vec<Option<Tensor<B::InnerBackend, 1>>> = match self.grad.take() {
+            Some(g) => g.into_iter().map(Some).collect(),
+            None => Vec::new(),
+        };
+        self.master = Some(self.optim.update(lr, master, &flat, scale));
+        self.contributions = 0;
+        Ok(())
+    }
+}
+
+/// This replica's chunks of a model's whole weights.
+pub(crate) fn master_chunks<B: ExecBackend>(
+    layout: &ShardLayout,
+    model: &StageModel<B>,
+    dev: &B::Device,
+) -> Result<ShardParams<B>> {
+    let values = params::snapshot::<B, _>(model)?;
+    if values.len() != layout.params.len() {
+        return Err(ExecError::Plan(format!(
+            "the stage has {} parameters and its shard layout {}",
+            values.len(),
+            layout.params.len()
+        )));
+    }
+    let chunks = values.iter().enumerate().map(|(k, (_, _, v))| layout.chunk(k, v, layout.rank)).collect();
+    Ok(ShardParams::new(layout, chunks, dev))
+}
+
+/// Puts whole weights (one vector per parameter, in the layout's order) into the stage's
+/// model, under each parameter's shape; the transposed copies of the weights they replace
+/// are dropped and made again for the new ones (as an update does).
+pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec<Vec<f32>>) -> Result<()> {
+    let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    let mut by_id: HashMap<u64, (Vec<usize>, Vec<f32>)> =
+        shard.layout.params.iter().zip(whole).map(|(p, v)| (p.id, (p.shape.clone(), v))).collect();
+    let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    let copied = params::take_weight_copies(&model);
+    let (model, missing) = params::replace_params(model, |id| by_id.remove(&id));
+    params::copy_weights(&model, &copied);
+    st.model = Some(model);
+    if let Some(id) = missing.first() {
+        return Err(ExecError::Plan(format!("no gathered values for parameter {id}")));
+    }
+    if let Some(shard) = st.shard.as_mut() {
+        shard.gathered = true;
+    }
+    Ok(())
+}
+
+/// ZeRO-3: drops the stage's whole weights after its update (one value each stands in until
+/// the next gather); only the shard remains.
+pub(crate) fn release_weights<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
+    let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    params::take_weight_copies(&model);
+    let (model, _) = params::replace_params(model, |_| None::<(Vec<usize>, Vec<f32>)>);
+    st.model = Some(model);
+    if let Some(shard) = st.shard.as_mut() {
+        shard.gathered = false;
+    }
+    Ok(())
+}
+
+/// A sharded stage's state made whole: its weights when the model does not hold them (stage
+/// 3), and its optimizer state's items.
+pub(crate) type Joined = (Option<Vec<Vec<f32>>>, Vec<(ParamId, serde_json::Value)>);
+
+/// ZeRO: a stage's state joined from its replicas' shards, for a checkpoint (which holds
+/// every parameter's state whole, as an unsharded run writes it, so that it resumes on any
+/// sharding level and data-parallel degree): its optimizer state's items, and at stage 3
+/// its whole weights (the model holds them at stages 1 and 2). A collective over the
+/// stage's replica group: every replica calls it at the same point of the same step.
+pub(crate) fn joined_state<B: ExecBackend>(
+    st: &StageState<B>,
+    members: &[pipec_plan::DeviceId],
+    gather: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+) -> Result<Joined> {
+    let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    let layout = &shard.layout;
+    if members.len() != layout.d {
+        return Err(ExecError::Plan(format!("a group of {} for a stage sharded {} ways", members.len(), layout.d)));
+    }
+    let weights = if shard.gathered { None } else { Some(layout.whole(&gather(shard.master_segment()?)?)?) };
+    let items = shard.optim.items().map_err(ExecError::Checkpoint)?;
+    // every replica's state has the same structure: the same tensors, each a chunk long
+    let mine: Vec<Vec<Vec<f32>>> = items.iter().map(|(_, item)| reshard::tensor_values(item)).collect::<Result<_>>()?;
+    let flat: Vec<f32> = mine.iter().flatten().flatten().copied().collect();
+    let n = flat.len();
+    let all = gather(flat)?;
+    if all.len() != n * layout.d {
+        return Err(ExecError::Checkpoint(format!(
+            "the replicas' optimizer shards differ in size ({} values gathered, {n} here)",
+            all.len()
+        )));
+    }
+    let index: HashMap<u64, usize> = layout.params.iter().enumerate().map(|(k, p)| (p.id, k)).collect();
+    let mut joined = Vec::with_capacity(items.len());
+    let mut offset = 0;
+    for ((id, item), tensors) in items.iter().zip(&mine) {
+        let k =
+            *index.get(&id.val()).ok_or_else(|| ExecError::Checkpoint(format!("the shard has no parameter {id}")))?;
+        let p = &layout.params[k];
+        let size: usize = tensors.iter().map(Vec::len).sum();
+        let parts = (0..layout.d)
+            .map(|r| {
+                let mut at = r * n + offset;
+                let values = tensors
+                    .iter()
+                    .map(|t| {
+                        let v = all[at..at + t.len()].to_vec();
+                        at += t.len();
+                        v
+                    })
+                    .collect();
+                reshard::with_tensors(item, values, &[p.chunk])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        offset += size;
+        let whole = reshard::map_tensors(&parts, &p.shape, &|parts| {
+            let mut v: Vec<f32> = parts.into_iter().flatten().collect();
+            v.truncate(p.len);
+            Ok(v)
+        })?;
+        joined.push((*id, reshard::with_rank(whole, p.shape.len())?));
+    }
+    Ok((weights, joined))
+}
+
+/// ZeRO: after a checkpoint is loaded into a sharded stage (whole weights in its model,
+/// whole optimizer state in its model's optimizer), this replica's shard of both: the
+/// master chunks, and each parameter's state cut to its chunk.
+pub(crate) fn shard_loaded<B: ExecBackend>(st: &mut StageState<B>, plan: &Plan, dev: &B::Device) -> Result<()> {
+    let model = st.model.as_ref().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    let shard = st.shard.as_mut().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    shard.master = Some(master_chunks(&shard.layout, model, dev)?);
+    let index: HashMap<u64, usize> = shard.layout.params.iter().enumerate().map(|(k, p)| (p.id, k)).collect();
+    let mut cut = Vec::new();
+    for (id, item) in st.optim.items().map_err(ExecError::Checkpoint)? {
+        let k = *index.get(&id.val()).ok_or_else(|| ExecError::Checkpoint(format!("no parameter {id} here")))?;
+        let layout = &shard.layout;
+        let chunk = reshard::map_tensors(std::slice::from_ref(&item), &[layout.params[k].chunk], &|mut parts| {
+            Ok(layout.chunk(k, &parts.pop().unwrap_or_default(), layout.rank))
+        })?;
+        cut.push((id, reshard::with_rank(chunk, 1)?));
+    }
+    shard.optim.load_items(cut, dev).map_err(ExecError::Checkpoint)?;
+    // the whole state lives on only in the shards
+    st.optim = StageOptim::new(&plan.training.optimizer);
+    Ok(())
+}
+
+/// The replica group of stage `s` that `device` belongs to under the plan's sharding, with
+/// its position in it; None when the stage is not sharded on that device.
+pub(crate) fn shard_group(plan: &Plan, s: StageId, device: pipec_plan::DeviceId) -> Option<(GroupId, usize, usize)> {
+    if plan.schedule.sharding == Sharding::None {
+        return None;
+    }
+    plan.groups
+        .iter()
+        .filter(|g| g.tie.is_none() && g.stage == s && g.devices.len() > 1)
+        .find_map(|g| g.devices.iter().position(|d| *d == device).map(|r| (g.id, r, g.devices.len())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The layout round-trips: the chunks of every replica, gathered, are the whole values;
+    /// a reduce-scatter's input puts each replica's chunks (and the statistics) in its
+    /// segment; uneven lengths are padded with zeros.
+    #[test]
+    fn segments_cut_and_join_every_parameter() {
+        let params = vec![(1, vec![2, 3]), (2, vec![5]), (3, vec![1])];
+        let whole: Vec<Vec<f32>> =
+            vec![(0..6).map(|x| x as f32).collect(), (10..15).map(|x| x as f32).collect(), vec![20.0]];
+        for d in 1..=4 {
+            let layouts: Vec<ShardLayout> = (0..d).map(|r| ShardLayout::new(&params, d, r)).collect();
+            let l = &layouts[0];
+            assert_eq!(l.segment, 6usize.div_ceil(d) + 5usize.div_ceil(d) + 1);
+            let mut gathered = Vec::new();
+            for r in 0..d {
+                for (k, w) in whole.iter().enumerate() {
+                    gathered.extend(l.chunk(k, w, r));
+                }
+            }
+            assert_eq!(l.whole(&gathered).expect("whole"), whole, "d = {d}");
+            let input = l.scatter_input(&whole.iter().cloned().map(Some).collect::<Vec<_>>(), &[7.0, 8.0]);
+            assert_eq!(input.len(), d * (l.segment + 2));
+            for (r, layout) in layouts.iter().enumerate() {
+                let seg = &input[r * (l.segment + 2)..(r + 1) * (l.segment + 2)];
+                let (chunks, stats) = layout.split_segment(seg).expect("split");
+                assert_eq!(stats, &[7.0, 8.0]);
+                for (k, (c, w)) in chunks.iter().zip(&whole).enumerate() {
+                    assert_eq!(*c, l.chunk(k, w, r).as_slice(), "d = {d}, replica {r}, parameter {k}");
+                }
+            }
+        }
+        // a missing gradient is zeros
+        let l = ShardLayout::new(&params, 2, 0);
+        assert!(l.scatter_input(&[None, None, None], &[]).iter().all(|x| *x == 0.0));
+    }
+}
