@@ -201,25 +201,7 @@ pub fn run(args: RunArgs) -> u8 {
             );
         }
     }
-    if !report.held.is_empty() {
-        eprintln!(
-            "model state held per device at the end (measured, f32 values × 4 B; the plan's figure in brackets):"
-        );
-        for (d, held) in &report.held {
-            let Some(m) = plan.devices.get(d.0 as usize).map(|x| &x.memory) else { continue };
-            let b = |values: u64| pipec_compiler::memory::human_bytes(values.saturating_mul(4));
-            let p = pipec_compiler::memory::human_bytes;
-            eprintln!(
-                "  {d:<4} weights {} ({})  gradients {} ({})  optimizer {} ({})",
-                b(held.weights),
-                p(m.weights),
-                b(held.gradients),
-                p(m.gradients),
-                b(held.optimizer),
-                p(m.optimizer)
-            );
-        }
-    }
+    print_memory(&plan, &report);
     for c in &report.checkpoints {
         eprintln!("checkpoint {}", c.display());
     }
@@ -239,6 +221,46 @@ pub fn run(args: RunArgs) -> u8 {
     EXIT_OK
 }
 
+/// The model state each device held and, for a process that ran one device, its resident
+/// memory, each beside the plan's figures.
+fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
+    if !report.held.is_empty() {
+        eprintln!(
+            "model state held per device at the end (measured, f32 values × 4 B; the plan's figure in brackets):"
+        );
+        for (d, held) in &report.held {
+            let Some(m) = plan.devices.get(d.0 as usize).map(|x| &x.memory) else { continue };
+            let b = |values: u64| pipec_compiler::memory::human_bytes(values.saturating_mul(4));
+            let p = pipec_compiler::memory::human_bytes;
+            eprintln!(
+                "  {d:<4} weights {} ({})  gradients {} ({})  optimizer {} ({})",
+                b(held.weights),
+                p(m.weights),
+                b(held.gradients),
+                p(m.gradients),
+                b(held.optimizer),
+                p(m.optimizer)
+            );
+        }
+    }
+    if !report.resident.is_empty() {
+        eprintln!("resident memory per process running one device (measured: from before its stages were built to the run's peak; predicted: the plan's total without its workspace reserve):");
+        for (d, r) in &report.resident {
+            let Some(m) = plan.devices.get(d.0 as usize).map(|x| &x.memory) else { continue };
+            let predicted = m.total.saturating_sub(m.workspace);
+            let p = pipec_compiler::memory::human_bytes;
+            eprintln!(
+                "  {d:<4} measured {} (peak {} from {})  predicted {}  measured/predicted {:.2}",
+                p(r.growth()),
+                p(r.peak),
+                p(r.baseline),
+                p(predicted),
+                r.growth() as f64 / predicted.max(1) as f64
+            );
+        }
+    }
+}
+
 #[cfg(feature = "mpi")]
 fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, first_step: usize) -> u8 {
     let steps = args.steps.unwrap_or(plan.training.steps);
@@ -253,6 +275,7 @@ fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, firs
     };
     match pipec_executor::mpi_run::run(plan, &options, &mut on_step) {
         Ok((_, Some(report))) => {
+            print_memory(plan, &report);
             for c in &report.checkpoints {
                 eprintln!("checkpoint {}", c.display());
             }

@@ -137,6 +137,40 @@ fn every_zero_level_over_mpi_equals_in_process_exactly() {
     }
 }
 
+/// Each rank of a ZeRO-3 run reports the model state its device held and its resident
+/// memory (from before its stages were built to the run's peak) beside the plan's figures.
+#[test]
+fn each_rank_of_a_zero_3_run_reports_its_memory_beside_the_prediction() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("\"4\"\n  zero: 3", 4, 2).replace("schedule: 1f1b", "schedule: dp-only"))
+        .expect("write");
+    let out_dir = dir.path().join("out");
+    let out =
+        mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", out_dir.to_str().expect("p")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let section = |title: &str| -> Vec<String> {
+        stderr
+            .lines()
+            .skip_while(|l| !l.starts_with(title))
+            .skip(1)
+            .take_while(|l| l.starts_with("  d"))
+            .map(str::to_string)
+            .collect()
+    };
+    let resident = section("resident memory per process running one device");
+    assert_eq!(resident.len(), 4, "one line per rank: {stderr}");
+    for (d, line) in resident.iter().enumerate() {
+        assert!(
+            line.starts_with(&format!("  d{d} ")) && line.contains("predicted") && line.contains("measured/predicted"),
+            "{line}"
+        );
+    }
+    let held = section("model state held per device");
+    assert_eq!(held.len(), 4, "{stderr}");
+}
+
 #[test]
 fn zero_with_tied_weights_and_batch_statistics_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(TIED_LM, "\"2-2\"\n  zero: 2", 4);

@@ -15,6 +15,7 @@ use crate::options::CompileOptions;
 use crate::partition::{partition_layers, Layout, Partitions};
 use crate::place::place;
 use crate::plan_cost::PlanCost;
+use crate::schedule::Placement;
 use crate::simulate::CostModel;
 use crate::streams::sends_gradients_first;
 
@@ -45,7 +46,7 @@ pub struct Bound {
 pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result<Bound, Vec<Diagnostic>> {
     let (model, layout) = memo.model_and_layout(spec, options)?;
     let model = &*model;
-    let placement = place(spec, &layout, &model.cluster)?;
+    let placed = memo.placed(spec, &layout, &model.cluster)?;
     let stages = stage_figures(spec, model, &layout);
     let cost = PlanCost::new(spec, model, &stages, HashMap::new());
     let kind = spec.strategy.schedule.kind;
@@ -55,7 +56,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let split_at = |s: usize| split || (early_send && s > 0);
     let mb = pipec_plan::MicrobatchId(0);
     let of = |ins: Instr| cost.compute(DeviceId(0), &ins);
-    let n_stages = placement.stages();
+    let n_stages = placed.replicas.len();
     let forward: Vec<f64> = (0..n_stages).map(|s| of(Instr::Forward { stage: StageId(s as u32), mb })).collect();
     // what follows a stage's last backward upstream: the input-gradient pass
     let upstream_backward: Vec<f64> = (0..n_stages)
@@ -76,8 +77,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     // gradient coming back is the same size)
     let hop: Vec<f64> = (0..n_stages)
         .map(|s| {
-            let (Some(from), Some(to)) = (placement.replicas.get(s), placement.replicas.get(s + 1)) else { return 0.0 };
-            let (a, b) = closest_pair(&model.cluster, from, to);
+            let Some(&(a, b)) = placed.pairs.get(s) else { return 0.0 };
             cost.transfer(a, b, stages.output_bytes[s]).min(cost.transfer(b, a, stages.output_bytes[s]))
         })
         .map(|t| if t.is_finite() { t } else { 0.0 })
@@ -91,10 +91,11 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     // sharded ones from it
     let all_reduce: Vec<Option<f64>> = (0..n_stages)
         .map(|s| {
-            let members = &placement.replicas[s];
+            let members = &placed.replicas[s];
             (members.len() > 1).then(|| {
                 let bytes = stages.bytes[s].whole.gradients;
-                let scatter = model.cluster.collective_time(pipec_plan::CollectiveKind::ReduceScatter, members, bytes);
+                let kind = pipec_plan::CollectiveKind::ReduceScatter;
+                let scatter = model.cluster.shaped_collective_time(kind, placed.shapes[s], bytes);
                 scatter.min(cost.reduce_time(members, bytes))
             })
         })
@@ -104,26 +105,9 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         && spec.strategy.tp.max(1) == 1);
     let capacity = model.cluster.memory;
     let reserve = crate::memory::workspace_reserve(capacity) as f64;
-    // per device, the stages it holds (ascending) and its microbatches of each: one pass
-    // over the routes, not one per device
-    let mut holds: Vec<Vec<(usize, usize)>> = vec![Vec::new(); placement.devices];
-    for (s, (replicas, route)) in placement.replicas.iter().zip(&placement.route).enumerate() {
-        let mut per_replica = vec![0usize; replicas.len()];
-        for &k in route {
-            per_replica[k as usize] += 1;
-        }
-        for (d, n) in replicas.iter().zip(per_replica) {
-            let held = &mut holds[d.0 as usize];
-            match held.last_mut() {
-                // a Chimera stage whose down and up copies share the device
-                Some((last, count)) if *last == s => *count += n,
-                _ => held.push((s, n)),
-            }
-        }
-    }
     let mut step_s: f64 = 0.0;
     let mut overflows = false;
-    for stage_counts in &holds {
+    for stage_counts in &placed.holds {
         if stage_counts.is_empty() {
             continue;
         }
@@ -184,13 +168,81 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 
 /// Work the candidates of one spec's strategy search share: the model's costs per
 /// (tensor-parallel degree, microbatch size) — all a candidate's strategy changes in them —
-/// and the balanced partitions of each. Only for specs that differ in their strategy.
+/// and the balanced partitions of each; the placements (with what the bound reads of them)
+/// per chunk placement, layout, degree and microbatch count. Only for specs that differ in
+/// their strategy.
 #[derive(Default)]
 pub struct Memo {
     pub(crate) models: HashMap<(usize, usize), (std::rc::Rc<ModelCosts>, Partitions)>,
+    placements: HashMap<PlaceKey, std::rc::Rc<Placed>>,
+}
+
+/// What a placement depends on: the schedule's chunk placement, the replicas per chunk,
+/// the chunks, the tensor-parallel degree and the microbatches.
+type PlaceKey = (pipec_plan::schedule::ChunkPlacement, Vec<usize>, usize, usize, usize);
+
+/// What the bound reads of a placement, computed once per [`PlaceKey`] (not its routes,
+/// which a large search's placements would fill memory with).
+pub(crate) struct Placed {
+    /// Per stage, the devices holding a replica.
+    replicas: Vec<Vec<DeviceId>>,
+    /// Per device, the stages it holds (ascending) and its microbatches of each.
+    holds: Vec<Vec<(usize, usize)>>,
+    /// Per stage boundary, the pair of devices on the fastest link between the two stages'
+    /// replicas.
+    pairs: Vec<(DeviceId, DeviceId)>,
+    /// Per stage, its replica group's shape on the cluster.
+    shapes: Vec<crate::cluster::GroupShape>,
+}
+
+impl Placed {
+    fn new(placement: Placement, cluster: &ClusterGraph) -> Self {
+        // one pass over the routes, not one per device
+        let mut holds: Vec<Vec<(usize, usize)>> = vec![Vec::new(); placement.devices];
+        for (s, (replicas, route)) in placement.replicas.iter().zip(&placement.route).enumerate() {
+            let mut per_replica = vec![0usize; replicas.len()];
+            for &k in route {
+                per_replica[k as usize] += 1;
+            }
+            for (d, n) in replicas.iter().zip(per_replica) {
+                let held = &mut holds[d.0 as usize];
+                match held.last_mut() {
+                    // a Chimera stage whose down and up copies share the device
+                    Some((last, count)) if *last == s => *count += n,
+                    _ => held.push((s, n)),
+                }
+            }
+        }
+        let pairs = placement.replicas.windows(2).map(|w| closest_pair(cluster, &w[0], &w[1])).collect();
+        let shapes = placement.replicas.iter().map(|r| cluster.group_shape(r)).collect();
+        Placed { replicas: placement.replicas, holds, pairs, shapes }
+    }
 }
 
 impl Memo {
+    /// A candidate's placement (`place::place`), with what the bound reads of it.
+    pub(crate) fn placed(
+        &mut self,
+        spec: &Spec,
+        layout: &Layout,
+        cluster: &ClusterGraph,
+    ) -> Result<std::rc::Rc<Placed>, Vec<Diagnostic>> {
+        let s = &spec.strategy;
+        let key = (
+            s.schedule.kind.chunk_placement(),
+            layout.replicas.clone(),
+            layout.ranges.len(),
+            s.tp.max(1),
+            s.microbatches,
+        );
+        if let Some(p) = self.placements.get(&key) {
+            return Ok(p.clone());
+        }
+        let placed = std::rc::Rc::new(Placed::new(place(spec, layout, cluster)?, cluster));
+        self.placements.insert(key, placed.clone());
+        Ok(placed)
+    }
+
     /// The cost model and the layout of a candidate.
     pub(crate) fn model_and_layout(
         &mut self,

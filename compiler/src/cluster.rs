@@ -85,6 +85,16 @@ impl ClusterGraph {
     }
 }
 
+/// How a group of devices lies on the cluster ([`ClusterGraph::group_shape`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GroupShape {
+    pub members: usize,
+    /// Nodes the members span.
+    pub nodes: usize,
+    /// The most members on one node.
+    pub per_node: usize,
+}
+
 impl ClusterGraph {
     /// Seconds of a collective of `kind` over `members`, `bytes` per member (an all-reduce's
     /// or a reduce-scatter's input, an all-gather's output): a ring when the group is inside
@@ -92,15 +102,32 @@ impl ClusterGraph {
     /// inside each node, the collective of each member's 1/k share across nodes on every
     /// member's own interface at once (k members per node), an all-gather inside each node.
     pub fn collective_time(&self, kind: CollectiveKind, members: &[DeviceId], bytes: u64) -> f64 {
-        let p = members.len();
+        self.shaped_collective_time(kind, self.group_shape(members), bytes)
+    }
+
+    /// How a group of devices lies on the cluster (what a collective's time depends on):
+    /// its members, the nodes they span, and the most members on one node.
+    pub fn group_shape(&self, members: &[DeviceId]) -> GroupShape {
+        let mut nodes: Vec<u32> = members.iter().map(|d| self.node_of(*d)).collect();
+        nodes.sort_unstable();
+        let (mut spanned, mut most, mut run) = (0usize, 0usize, 0usize);
+        for (i, n) in nodes.iter().enumerate() {
+            if i == 0 || nodes[i - 1] != *n {
+                spanned += 1;
+                run = 0;
+            }
+            run += 1;
+            most = most.max(run);
+        }
+        GroupShape { members: members.len(), nodes: spanned, per_node: most.max(1) }
+    }
+
+    /// [`ClusterGraph::collective_time`] over a group of this shape.
+    pub fn shaped_collective_time(&self, kind: CollectiveKind, shape: GroupShape, bytes: u64) -> f64 {
+        let (p, q, k) = (shape.members, shape.nodes, shape.per_node);
         if p <= 1 {
             return 0.0;
         }
-        let mut per_node: std::collections::BTreeMap<u32, usize> = std::collections::BTreeMap::new();
-        for &d in members {
-            *per_node.entry(self.node_of(d)).or_insert(0) += 1;
-        }
-        let (q, k) = (per_node.len(), per_node.values().copied().max().unwrap_or(1));
         let n = bytes as f64;
         if q == 1 {
             return ring_time(kind, self.intra, p, n);

@@ -8,7 +8,7 @@ use pipec_grammar::spec::Spec;
 use pipec_plan::vocab::ReduceMode;
 use pipec_plan::{CollectiveKind, DeviceId, GroupId, Instr, Phase};
 
-use crate::cluster::{parameter_server_time, ClusterGraph};
+use crate::cluster::{parameter_server_time, ClusterGraph, GroupShape};
 use crate::figures::StageFigures;
 use crate::model::ModelCosts;
 use crate::simulate::CostModel;
@@ -24,6 +24,9 @@ pub(crate) struct PlanCost<'a> {
     pub(crate) tp: usize,
     /// `Lowered::summed_over`.
     pub(crate) summed_over: HashMap<GroupId, Vec<DeviceId>>,
+    /// Each group's shape on the cluster, found at its first collective (a simulation
+    /// prices a group's collectives many times).
+    shapes: std::cell::RefCell<HashMap<GroupId, GroupShape>>,
 }
 
 impl<'a> PlanCost<'a> {
@@ -43,14 +46,19 @@ impl<'a> PlanCost<'a> {
             reduce: spec.strategy.schedule.reduce,
             tp: spec.strategy.tp.max(1),
             summed_over,
+            shapes: Default::default(),
         }
     }
 
     /// An all-reduce of `bytes` over `members`: NCCL's ring, hierarchical across nodes
     /// (`ClusterGraph::collective_time`), or a parameter server on the slowest link.
     pub(crate) fn reduce_time(&self, members: &[DeviceId], bytes: u64) -> f64 {
+        self.shaped_reduce_time(members, self.cluster.group_shape(members), bytes)
+    }
+
+    fn shaped_reduce_time(&self, members: &[DeviceId], shape: GroupShape, bytes: u64) -> f64 {
         match self.reduce {
-            ReduceMode::Ring => self.cluster.collective_time(CollectiveKind::AllReduce, members, bytes),
+            ReduceMode::Ring => self.cluster.shaped_collective_time(CollectiveKind::AllReduce, shape, bytes),
             ReduceMode::ParameterServer => {
                 let link = self.cluster.link(self.cluster.group_level(members)).unwrap_or(self.cluster.intra);
                 parameter_server_time(link, members.len(), bytes)
@@ -80,10 +88,11 @@ impl CostModel for PlanCost<'_> {
     }
     fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64 {
         let members = self.summed_over.get(&group).map_or(members, Vec::as_slice);
+        let shape = *self.shapes.borrow_mut().entry(group).or_insert_with(|| self.cluster.group_shape(members));
         match kind {
-            CollectiveKind::AllReduce => self.reduce_time(members, bytes),
+            CollectiveKind::AllReduce => self.shaped_reduce_time(members, shape, bytes),
             CollectiveKind::ReduceScatter | CollectiveKind::AllGather => {
-                self.cluster.collective_time(kind, members, bytes)
+                self.cluster.shaped_collective_time(kind, shape, bytes)
             }
         }
     }

@@ -42,6 +42,26 @@ pub struct Figures {
 /// exactly the whole plan's figures (tested against `compile`), at a fraction of the cost:
 /// the GPT-3 search's candidates have up to 1,024 devices and 1,536 microbatches.
 pub fn predict(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result<Figures, Vec<Diagnostic>> {
+    predict_with(spec, options, memo, true)
+}
+
+/// [`predict`] for the strategy search: a plan that does not fit is not simulated (its
+/// memory figures come from its streams alone; its step is infinite), since no plan that
+/// does not fit is chosen — most of a large search's plans past the bound are too big.
+pub(crate) fn predict_if_fits(
+    spec: &Spec,
+    options: &CompileOptions,
+    memo: &mut Memo,
+) -> Result<Figures, Vec<Diagnostic>> {
+    predict_with(spec, options, memo, false)
+}
+
+fn predict_with(
+    spec: &Spec,
+    options: &CompileOptions,
+    memo: &mut Memo,
+    simulate_unfit: bool,
+) -> Result<Figures, Vec<Diagnostic>> {
     let (model, layout) = memo.model_and_layout(spec, options)?;
     let model = &*model;
     let placement = place(spec, &layout, &model.cluster)?;
@@ -59,8 +79,32 @@ pub fn predict(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result
         d.dedup();
         d
     };
+    // the memory first (the bubble only words a warning, which the search does not read)
+    let (plans, diagnostics) = check_memory(spec, model, &simulated_placement, &stages, &lowered, 0.0, &devices);
+    let fits = !diagnostics.iter().any(Diagnostic::is_error);
+    let mut stage_headroom = vec![f64::INFINITY; layout.ranges.len()];
+    for d in &plans {
+        let Some(h) = d.memory.headroom() else { continue };
+        for s in &d.stages {
+            if let Some(x) = stage_headroom.get_mut(s.0 as usize) {
+                *x = x.min(h);
+            }
+        }
+    }
+    let mut figures = Figures {
+        stage_headroom,
+        step_s: f64::INFINITY,
+        bubble: 0.0,
+        headroom: plans.iter().filter_map(|d| d.memory.headroom()).fold(f64::INFINITY, f64::min),
+        exposed_all_reduce_s: 0.0,
+        fits,
+        memory: plans.into_iter().map(|d| (d.id, d.memory)).collect(),
+    };
+    if !fits && !simulate_unfit {
+        return Ok(figures);
+    }
     let simulated = simulate_plan(spec, model, &stages, &lowered, &devices)?;
-    let bubble = if lowered.periodic.is_some() || stands_for == 1 {
+    figures.bubble = if lowered.periodic.is_some() || stands_for == 1 {
         // a steady state's bubble is over the devices that run, alike in every replica
         simulated.bubble
     } else {
@@ -72,25 +116,9 @@ pub fn predict(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result
             0.0
         }
     };
-    let (plans, diagnostics) = check_memory(spec, model, &simulated_placement, &stages, &lowered, bubble, &devices);
-    let mut stage_headroom = vec![f64::INFINITY; layout.ranges.len()];
-    for d in &plans {
-        let Some(h) = d.memory.headroom() else { continue };
-        for s in &d.stages {
-            if let Some(x) = stage_headroom.get_mut(s.0 as usize) {
-                *x = x.min(h);
-            }
-        }
-    }
-    Ok(Figures {
-        stage_headroom,
-        step_s: simulated.step_time,
-        bubble,
-        headroom: plans.iter().filter_map(|d| d.memory.headroom()).fold(f64::INFINITY, f64::min),
-        exposed_all_reduce_s: simulated.collectives.values().map(|c| c.1).fold(0.0, f64::max),
-        fits: !diagnostics.iter().any(Diagnostic::is_error),
-        memory: plans.iter().map(|d| (d.id, d.memory.clone())).collect(),
-    })
+    figures.step_s = simulated.step_time;
+    figures.exposed_all_reduce_s = simulated.collectives.values().map(|c| c.1).fold(0.0, f64::max);
+    Ok(figures)
 }
 
 /// One pipeline replica of a symmetric plan: replica 0 of every pipeline rank (its

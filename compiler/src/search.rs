@@ -28,7 +28,7 @@ use pipec_plan::vocab::{ScheduleKind, Sharding};
 use crate::bound::{lower_bound, work_bound, Bound, Memo};
 use crate::compile::{compile, CompileResult};
 use crate::options::CompileOptions;
-use crate::predict::predict;
+use crate::predict::predict_if_fits;
 
 /// What the user pins.
 #[derive(Debug, Clone)]
@@ -113,6 +113,9 @@ pub struct Candidate {
     pub sharding: Sharding,
     /// Megatron's sequence parallelism (with `tp` > 1).
     pub sequence_parallel: bool,
+    /// Queued under its unsharded parent's bound (a sharded variant of a layout whose
+    /// model state overflows unsharded), bounded itself when the search reaches it.
+    pub provisional: bool,
     /// The `strategy` mapping, as YAML flow text.
     pub strategy: String,
     pub outcome: Outcome,
@@ -193,8 +196,25 @@ pub enum Outcome {
     TooBig,
     /// Its bound is no better than a plan already found.
     Pruned { bound_s: f64 },
-    /// Compiled and simulated.
+    /// Compiled: simulated when it fits (its step is infinite when it does not).
     Planned(Prediction),
+}
+
+impl Outcome {
+    /// Too big for memory: by its model state alone (the bound), or lowered and found so
+    /// (then not simulated).
+    pub fn too_big(&self) -> bool {
+        match self {
+            Outcome::TooBig => true,
+            Outcome::Planned(p) => !p.fits && !p.step_s.is_finite(),
+            _ => false,
+        }
+    }
+
+    /// Compiled and simulated.
+    pub fn simulated(&self) -> bool {
+        matches!(self, Outcome::Planned(p) if p.step_s.is_finite())
+    }
 }
 
 /// A compiled candidate's prediction.
@@ -425,6 +445,7 @@ fn candidates(
             for (schedule, chunks) in schedules {
                 for &microbatches in &counts {
                     for recompute in &recomputes {
+                        let mut variants = Vec::new();
                         let mut c = Candidate {
                             tp,
                             replicas: layout.clone().unwrap_or_default(),
@@ -441,6 +462,7 @@ fn candidates(
                                 _ => Sharding::None,
                             },
                             sequence_parallel: options.sequence_parallel && tp > 1,
+                            provisional: false,
                             strategy: String::new(),
                             outcome: Outcome::TooBig,
                         };
@@ -462,25 +484,25 @@ fn candidates(
                                 }
                                 Err(d) => Outcome::Invalid(first_error(&d)),
                             },
-                            None => bounded(lower_bound(&c.spec(spec), compile_options, memo), |b| {
-                                valid.push((candidates.len(), b))
-                            }),
-                        };
-                        // too big unsharded: the ZeRO levels now (a planned candidate
-                        // derives them when the branch and bound reaches it)
-                        let sharded = if c.outcome == Outcome::TooBig && shardable(&c, options) {
-                            sharded_variants(&c)
-                        } else {
-                            Vec::new()
+                            None => {
+                                let bound = lower_bound(&c.spec(spec), compile_options, memo);
+                                // too big unsharded: the ZeRO levels, queued under this bound
+                                // (never above theirs) and bounded when reached (a planned
+                                // candidate derives them when the branch and bound reaches it)
+                                if let Some(b) = bound.as_ref().ok().filter(|b| b.overflows && shardable(&c, options)) {
+                                    for mut v in sharded_variants(&c) {
+                                        v.strategy = v.text(spec.strategy.overlap);
+                                        v.provisional = true;
+                                        v.outcome = Outcome::Pruned { bound_s: b.step_s };
+                                        valid.push((candidates.len() + 1 + variants.len(), b.step_s));
+                                        variants.push(v);
+                                    }
+                                }
+                                bounded(bound, |b| valid.push((candidates.len(), b)))
+                            }
                         };
                         candidates.push(c);
-                        for mut v in sharded {
-                            v.strategy = v.text(spec.strategy.overlap);
-                            v.outcome = bounded(lower_bound(&v.spec(spec), compile_options, memo), |b| {
-                                valid.push((candidates.len(), b))
-                            });
-                            candidates.push(v);
-                        }
+                        candidates.append(&mut variants);
                     }
                 }
             }
@@ -513,6 +535,18 @@ fn branch_and_bound(
             break;
         }
         let c = &mut candidates[i];
+        if c.provisional && !refined {
+            match lower_bound(&c.spec(spec), compile_options, memo) {
+                Ok(b) if b.overflows => c.outcome = Outcome::TooBig,
+                Ok(b) => {
+                    let bound_s = b.step_s.max(bound_s);
+                    c.outcome = Outcome::Pruned { bound_s };
+                    queue.push(Reverse(Queued { bound_s, index: i, refined: true }));
+                }
+                Err(d) => c.outcome = Outcome::Invalid(first_error(&d)),
+            }
+            continue;
+        }
         if c.planner && !refined {
             match lower_bound(&c.spec(spec), compile_options, memo) {
                 Ok(b) => {
@@ -543,9 +577,10 @@ fn branch_and_bound(
                 continue;
             }
         };
-        // the compiler's figures, from one pipeline replica when the plan is symmetric;
-        // candidates are not verified: the winner is, when it is compiled for the plan
-        let f = match predict(&s, compile_options, memo) {
+        // the compiler's figures, from one pipeline replica when the plan is symmetric (not
+        // simulated when its streams do not fit); candidates are not verified: the winner
+        // is, when it is compiled for the plan
+        let f = match predict_if_fits(&s, compile_options, memo) {
             Ok(f) => f,
             Err(d) => {
                 candidates[i].outcome = Outcome::Invalid(first_error(&d));
@@ -719,16 +754,17 @@ impl SearchReport {
     pub fn explain(&self, options: &SearchOptions, top: usize) -> String {
         let mut s = String::new();
         let ranked = self.ranked(options.headroom);
-        let planned = self.count(|o| matches!(o, Outcome::Planned(_)));
         let _ = writeln!(
             s,
-            "searched {} strategies in {:.3} s: {} invalid, {} too big for memory, {} pruned by their bound, {} compiled and simulated",
+            "searched {} strategies in {:.3} s: {} invalid, {} too big for memory ({} by their model state, {} by their streams' activations), {} pruned by their bound, {} compiled and simulated",
             self.candidates.len(),
             self.seconds,
             self.count(|o| matches!(o, Outcome::Invalid(_))),
+            self.count(Outcome::too_big),
             self.count(|o| matches!(o, Outcome::TooBig)),
+            self.count(|o| o.too_big() && matches!(o, Outcome::Planned(_))),
             self.count(|o| matches!(o, Outcome::Pruned { .. })),
-            planned
+            self.count(Outcome::simulated)
         );
         let Some(&(bi, bp)) = ranked.first() else {
             let _ = writeln!(s, "{}", self.nothing_chosen(options));
@@ -782,9 +818,9 @@ impl SearchReport {
             "runner_ups": ranked.iter().skip(1).take(top.saturating_sub(1)).map(|(i, p)| entry(*i, p)).collect::<Vec<_>>(),
             "considered": self.candidates.len(),
             "invalid": self.count(|o| matches!(o, Outcome::Invalid(_))),
-            "too_big": self.count(|o| matches!(o, Outcome::TooBig)),
+            "too_big": self.count(Outcome::too_big),
             "pruned": self.count(|o| matches!(o, Outcome::Pruned { .. })),
-            "simulated": self.count(|o| matches!(o, Outcome::Planned(_))),
+            "simulated": self.count(Outcome::simulated),
             "seconds": self.seconds,
         })
     }

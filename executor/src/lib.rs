@@ -24,6 +24,7 @@ pub mod mpi_transport;
 mod params;
 pub mod profile;
 mod reshard;
+pub mod resident;
 pub mod rng;
 mod run;
 mod stage;
@@ -173,6 +174,9 @@ pub struct RunReport {
     pub interrupted: bool,
     /// The model state each device held at the end of the run (measured).
     pub held: BTreeMap<DeviceId, HeldState>,
+    /// The resident memory of each process that ran one device (Linux; one MPI rank, or a
+    /// one-device plan): before its stages were built and at its peak.
+    pub resident: BTreeMap<DeviceId, resident::Resident>,
 }
 
 /// Why a run failed: where, and what happened.

@@ -198,37 +198,74 @@ fn run_rank(
     }
 }
 
-/// A rank's traces as one message for rank 0: [trace entries n, communication entries c,
-/// n × (device, index, start, end), c × (device, step, index, start, end), m × (device,
-/// step, index, start, end)] — the last step's trace, the communication threads' timeline,
-/// every step's timeline.
+/// A rank's traces, and what it measured of its device's memory, as numbers for rank 0:
+/// the counts of the last step's trace, the communication timeline, the step timeline and
+/// the device facts, then each (device facts: device, whether the model state was
+/// measured, weights, gradients, optimizer, whether resident memory was, baseline, peak).
 fn flat_traces(report: &RunReport) -> Vec<f64> {
-    let mut flat: Vec<f64> = vec![report.trace.len() as f64, report.comm_timeline.len() as f64];
+    let devices: std::collections::BTreeSet<DeviceId> =
+        report.held.keys().chain(report.resident.keys()).copied().collect();
+    let mut flat: Vec<f64> = vec![
+        report.trace.len() as f64,
+        report.comm_timeline.len() as f64,
+        report.timeline.len() as f64,
+        devices.len() as f64,
+    ];
     flat.extend(report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]));
     let five = |(d, k, i, s, e): &(DeviceId, usize, usize, f64, f64)| [f64::from(d.0), *k as f64, *i as f64, *s, *e];
     flat.extend(report.comm_timeline.iter().flat_map(five));
     flat.extend(report.timeline.iter().flat_map(five));
+    for d in devices {
+        let h = report.held.get(&d);
+        let r = report.resident.get(&d);
+        flat.extend([
+            f64::from(d.0),
+            f64::from(u8::from(h.is_some())),
+            h.map_or(0.0, |h| h.weights as f64),
+            h.map_or(0.0, |h| h.gradients as f64),
+            h.map_or(0.0, |h| h.optimizer as f64),
+            f64::from(u8::from(r.is_some())),
+            r.map_or(0.0, |r| r.baseline as f64),
+            r.map_or(0.0, |r| r.peak as f64),
+        ]);
+    }
     flat
 }
 
-/// Rank 0 adds another rank's traces ([`flat_traces`]) to the run's (timelines up to
-/// `TIMELINE_LIMIT`).
+/// Rank 0 adds another rank's traces and device facts ([`flat_traces`]) to the run's
+/// (timelines up to `TIMELINE_LIMIT`).
 fn merge_traces(merged: &mut RunReport, v: &[f64]) {
-    let body = v.len().saturating_sub(2);
-    let n = v.first().map_or(0, |n| *n as usize).min(body / 4);
-    let c = v.get(1).map_or(0, |c| *c as usize).min((body - 4 * n) / 5);
+    let count = |i: usize| v.get(i).map_or(0, |n| *n as usize);
+    let body = &v[v.len().min(4)..];
+    let n = count(0).min(body.len() / 4);
+    let c = count(1).min((body.len() - 4 * n) / 5);
+    let t = count(2).min((body.len() - 4 * n - 5 * c) / 5);
+    let f = count(3).min((body.len() - 4 * n - 5 * c - 5 * t) / 8);
     let entry = |t: &[f64]| (DeviceId(t[0] as u32), t[1] as usize, t[2] as usize, t[3], t[4]);
-    for t in v[2..2 + 4 * n].chunks_exact(4) {
+    let (trace, rest) = body.split_at(4 * n);
+    let (comm, rest) = rest.split_at(5 * c);
+    let (timeline, rest) = rest.split_at(5 * t);
+    for t in trace.chunks_exact(4) {
         merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
     }
-    for t in v[2 + 4 * n..2 + 4 * n + 5 * c].chunks_exact(5) {
+    for t in comm.chunks_exact(5) {
         if merged.comm_timeline.len() < crate::TIMELINE_LIMIT {
             merged.comm_timeline.push(entry(t));
         }
     }
-    for t in v[2 + 4 * n + 5 * c..].chunks_exact(5) {
+    for t in timeline.chunks_exact(5) {
         if merged.timeline.len() < crate::TIMELINE_LIMIT {
             merged.timeline.push(entry(t));
+        }
+    }
+    for x in rest[..8 * f].chunks_exact(8) {
+        let d = DeviceId(x[0] as u32);
+        if x[1] != 0.0 {
+            let held = crate::HeldState { weights: x[2] as u64, gradients: x[3] as u64, optimizer: x[4] as u64 };
+            merged.held.insert(d, held);
+        }
+        if x[5] != 0.0 {
+            merged.resident.insert(d, crate::resident::Resident { baseline: x[6] as u64, peak: x[7] as u64 });
         }
     }
 }

@@ -106,6 +106,8 @@ struct Shared<'r> {
     steps: Range<usize>,
     /// Steps between checkpoints, when checkpoints are written.
     every: Option<usize>,
+    /// This process runs one device: its resident memory is the device's.
+    alone: bool,
 }
 
 /// Runs the workers of `devices` on this process with the given endpoints; used by the
@@ -148,6 +150,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         epoch: Instant::now(),
         steps: first_step..total_steps,
         every: plan.training.checkpoint_every.filter(|_| options.checkpoint_dir.is_some()),
+        alone: endpoints.len() == 1,
     };
     let mut coordinator = Coordinator {
         plan,
@@ -207,6 +210,8 @@ fn work<B: ExecBackend, E: Endpoint + 'static>(shared: &Shared<'_>, ep: E, dev: 
             let dev = dev.ok_or_else(|| {
                 fail(None, None, ExecError::Setup(format!("no compute device was assigned to {device}")))
             })?;
+            // the process's memory before the device's stages exist
+            let baseline = if shared.alone { crate::resident::start() } else { None };
             let mut stages = build_stages::<B>(plan, device, &dev).map_err(|e| fail(None, None, e))?;
             if let Some(l) = shared.loaded {
                 load_checkpoint(plan, &mut stages, l, &dev).map_err(|e| fail(None, None, e))?;
@@ -215,7 +220,7 @@ fn work<B: ExecBackend, E: Endpoint + 'static>(shared: &Shared<'_>, ep: E, dev: 
             let stream = &plan.streams[&device];
             let mut w = Worker::new(device, plan, stream, shared.data, comm, dev, stages, plan.schedule.reduce);
             w.epoch = shared.epoch;
-            run_steps(shared, &mut w, tx, &fail)
+            run_steps(shared, &mut w, tx, &fail, baseline)
         }));
         if !matches!(outcome, Ok(Ok(()))) {
             shared.abort.store(true, Ordering::Relaxed);
@@ -247,6 +252,7 @@ fn run_steps<B: ExecBackend>(
     w: &mut Worker<'_, B>,
     tx: &Sender<Event>,
     fail: &dyn Fn(Option<usize>, Option<usize>, ExecError) -> RunError,
+    baseline: Option<u64>,
 ) -> Result<(), RunError> {
     // a flush-free pipeline starts empty, and is drained by the last step and by every step
     // a checkpoint follows (a checkpoint holds nothing in flight)
@@ -261,6 +267,10 @@ fn run_steps<B: ExecBackend>(
         let segments = w.segments(filled, drain);
         let mut r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
         if step + 1 == shared.steps.end {
+            // the peak before counting the model state (which serialises the optimizer's)
+            r.resident = baseline
+                .zip(crate::resident::peak())
+                .map(|(baseline, peak)| crate::resident::Resident { baseline, peak });
             r.held = Some(w.held_state().map_err(|e| fail(Some(step), None, e))?);
         }
         filled = !drain;
@@ -375,6 +385,9 @@ impl Coordinator<'_> {
                 .extend(r.trace.iter().take(room).map(|t| (r.device, r.step, t.0, r.started + t.1, r.started + t.2)));
             if let Some(held) = r.held {
                 report.held.insert(r.device, held);
+            }
+            if let Some(resident) = r.resident {
+                report.resident.insert(r.device, resident);
             }
             for (peaks, of) in
                 [(&mut report.peak_in_flight, &r.peak_in_flight), (&mut report.peak_versions, &r.peak_versions)]

@@ -44,6 +44,8 @@ pub struct StepReport {
     pub peak_versions: HashMap<StageId, u32>,
     /// The model state this device holds (the run's last step only).
     pub held: Option<HeldState>,
+    /// The process's resident memory, when it runs this device alone (the last step only).
+    pub resident: Option<crate::resident::Resident>,
 }
 
 /// The model state a device holds, in f32 values: its weights, the most gradient values it

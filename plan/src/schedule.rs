@@ -54,7 +54,7 @@ impl WeightVersions {
 }
 
 /// Where the `ranks × v` model chunks of a layout go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ChunkPlacement {
     /// Chunk c on rank c mod D (one chunk per rank, or Megatron's interleaving).
     RoundRobin,

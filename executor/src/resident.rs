@@ -1,0 +1,58 @@
+//! The process's resident memory, from Linux's `/proc/self/status`: what `pipec run`
+//! measures beside a plan's memory prediction when a process runs one device (one MPI rank,
+//! or a one-device plan). Elsewhere (no `/proc`) nothing is measured.
+
+/// Resident memory of one process running one device: at the start (before its stages are
+/// built, after the data set is read and the transport is up) and at its peak during the
+/// run, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Resident {
+    pub baseline: u64,
+    pub peak: u64,
+}
+
+impl Resident {
+    /// What the run added at its peak to what the process held before it.
+    pub fn growth(&self) -> u64 {
+        self.peak.saturating_sub(self.baseline)
+    }
+}
+
+/// A `/proc/self/status` field in bytes (`VmRSS`, `VmHWM`: given in kB).
+fn status_bytes(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))?;
+    let kb: u64 = line[field.len() + 1..].split_whitespace().next()?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Resident memory now, with the peak counter restarted from it (writing 5 to
+/// `/proc/self/clear_refs` resets `VmHWM`); None where that cannot be done.
+pub fn start() -> Option<u64> {
+    std::fs::write("/proc/self/clear_refs", "5").ok()?;
+    status_bytes("VmRSS")
+}
+
+/// The peak resident memory since [`start`].
+pub fn peak() -> Option<u64> {
+    status_bytes("VmHWM")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On Linux: the peak counter restarts at the resident size and sees a large
+    /// allocation that is touched and freed.
+    #[test]
+    fn the_peak_sees_an_allocation_after_a_restart() {
+        let Some(baseline) = start() else { return };
+        let before = peak().expect("VmHWM");
+        assert!(before >= baseline / 2, "the peak restarts near the resident size: {before} vs {baseline}");
+        let block = vec![1u8; 64 << 20];
+        std::hint::black_box(&block);
+        drop(block);
+        let after = peak().expect("VmHWM");
+        assert!(after >= before + (48 << 20), "a 64 MiB block touched: peak {before} -> {after}");
+    }
+}
