@@ -524,8 +524,12 @@ fn megatron() {
             let described = ranked.first().map(|&(i, p)| {
                 let c = &report.candidates[i];
                 let chunks = if c.chunks > 1 { format!(" ×{}", c.chunks) } else { String::new() };
+                let zero = match c.sharding.level() {
+                    0 => String::new(),
+                    z => format!(", zero {z}"),
+                };
                 let what = format!(
-                    "({}, {}, {}) {}{chunks}, {} mb{}",
+                    "({}, {}, {}) {}{chunks}, {} mb{}{zero}",
                     c.tp,
                     c.pp(),
                     c.dp(),

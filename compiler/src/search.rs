@@ -636,9 +636,18 @@ fn describe(c: &Candidate) -> String {
     } else {
         format!("pp {} × dp {}", c.pp(), c.dp())
     };
+    // a single replica of a single stage is no data parallelism, whatever the schedule's name
+    let schedule = if c.schedule == ScheduleKind::DpOnly && c.dp() == 1 && !c.planner {
+        "one device".to_string()
+    } else {
+        c.schedule.name().to_string()
+    };
+    let zero = match c.sharding.level() {
+        0 => String::new(),
+        z => format!(", zero {z}"),
+    };
     format!(
-        "{}{chunks} · tp {} × {layout}, {} microbatches{}",
-        c.schedule.name(),
+        "{schedule}{chunks} · tp {} × {layout}, {} microbatches{}{zero}",
         c.tp,
         c.microbatches,
         match &c.recompute {
@@ -653,11 +662,16 @@ fn describe(c: &Candidate) -> String {
 /// Why the winner beat a runner-up, in the terms that differ.
 fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> String {
     let ((b, bp), (o, op)) = (best, other);
+    // the same predicted step: nothing lost, the order between them is arbitrary
+    if (op.step_s - bp.step_s).abs() <= 1e-9 * bp.step_s {
+        return "ties with the best (the same predicted step)".into();
+    }
+    // only what the runner-up does worse explains its loss
     let mut reasons = Vec::new();
-    if (op.bubble - bp.bubble).abs() >= 0.01 {
+    if op.bubble - bp.bubble >= 0.01 {
         reasons.push(format!("bubble {:.0}% vs {:.0}%", op.bubble * 100.0, bp.bubble * 100.0));
     }
-    if (op.exposed_all_reduce_s - bp.exposed_all_reduce_s).abs() > 0.01 * bp.step_s {
+    if op.exposed_all_reduce_s - bp.exposed_all_reduce_s > 0.01 * bp.step_s {
         reasons.push(format!(
             "exposed all-reduce {} vs {}",
             crate::render::human_time(op.exposed_all_reduce_s),
@@ -677,11 +691,19 @@ fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> Str
             _ => "recomputes more stages' forwards".to_string(),
         });
     }
-    if o.tp != b.tp {
+    if o.tp > b.tp {
         reasons.push(format!("tp {} (tensor-parallel all-reduces inside every pass)", o.tp));
     }
+    if o.sharding != b.sharding {
+        reasons.push(match o.sharding {
+            Sharding::None => "no ZeRO sharding (each replica updates every weight)".to_string(),
+            Sharding::Optimizer => "zero 1 (the weights' all-gather waits for the update)".to_string(),
+            Sharding::Gradients => "zero 2 (a reduce-scatter after every microbatch)".to_string(),
+            Sharding::Parameters => "zero 3 (every pass gathers its layers' weights)".to_string(),
+        });
+    }
     if reasons.is_empty() {
-        reasons.push("same shape of timeline, slower stages".into());
+        reasons.push("slower stages: the same shape of timeline, more time per stage".into());
     }
     reasons.join("; ")
 }

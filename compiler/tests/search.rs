@@ -231,3 +231,34 @@ fn one_pipeline_replica_predicts_the_whole_plan() {
     }
     assert!(chimera_partial >= 1, "no Chimera candidate with replicated pairs and a partial last unit");
 }
+
+/// The search's report in words (golden): a runner-up whose step equals the best's is said
+/// to tie, not to lose on "slower stages"; a runner-up is said to lose on its bubble or its
+/// exposed reduction only when its own is the larger; the ZeRO level is named; one stage on
+/// one device is not called data parallelism.
+#[test]
+fn the_report_says_why_each_runner_up_lost_in_true_words() {
+    let explained = |text: &str| {
+        let spec = pipec_grammar::check_source(text).spec.expect("valid");
+        let report = search(text, &spec, &CompileOptions::default(), &SearchOptions::default());
+        // (the first line counts candidates and seconds)
+        report.explain(&SearchOptions::default(), 6).lines().skip(1).collect::<Vec<_>>().join("\n")
+    };
+    let gpt2 = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/specs/gpt2-medium-h100.yaml"))
+        .expect("the GPT-2 medium spec");
+    let words = explained(&gpt2);
+    assert!(words.contains("ties with the best (the same predicted step)"), "{words}");
+    for line in words.lines().filter(|l| l.contains(" vs ")) {
+        for (mine, best) in line.split("bubble ").skip(2).filter_map(|r| r.split_once("% vs ")) {
+            let best: f64 = best.split('%').next().and_then(|b| b.parse().ok()).expect("a percentage");
+            assert!(mine.parse::<f64>().expect("a percentage") > best, "{line}");
+        }
+    }
+    insta::assert_snapshot!("gpt2_medium_search_report", words);
+    let one = spec_text(1, 1, "    - linear(64, 256) -> relu\n    - linear(256, 10)", 16, "8GiB").replace(
+        "stages: straight\n  schedule: 1f1b\n  microbatches: 4",
+        "stages: auto\n  schedule: auto\n  microbatches: auto",
+    );
+    let words = explained(&one);
+    assert!(words.starts_with("best: one device · tp 1 × pp 1 × dp 1"), "{words}");
+}
