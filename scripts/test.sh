@@ -44,8 +44,13 @@ GPU_CHECK_DIR="$(mktemp -d)"
 OUT="$GPU_CHECK_DIR/gpu-check" bash scripts/gpu-check.sh run --dry --bin "$CARGO_TARGET_DIR/debug/pipec"
 rm -rf "$GPU_CHECK_DIR"
 
-echo "== example specs check clean"
-"$CARGO_TARGET_DIR/debug/pipec" check specs/*.yaml bench/specs/*.yaml bench/specs/megatron/*.yaml bench/specs/published/*.yaml
+echo "== example specs check clean, plan-level rules included (the published configurations that do not fit an 80 GB GPU, *-none, say so with E0601)"
+PIPEC="$CARGO_TARGET_DIR/debug/pipec"
+"$PIPEC" check specs/*.yaml bench/specs/*.yaml bench/specs/megatron/*.yaml $(ls bench/specs/published/*.yaml | grep -v -- '-none\.yaml$')
+for f in bench/specs/published/*-none.yaml; do
+  out="$("$PIPEC" check "$f" --format json || true)"
+  grep -q '"code":"E0601"' <<<"$out" || { echo "$f: expected E0601 (it does not fit)" >&2; exit 1; }
+done
 
 echo "== language server driven by an independent client (pytest-lsp, PyPI)"
 VENV="${PIPEC_VENV:-$HOME/.cache/pipec-venv}"

@@ -53,6 +53,31 @@ pub fn read_spec(path: &Path) -> Result<String, String> {
     read_text(path, MAX_SPEC_BYTES, false)
 }
 
+/// A clean spec whose strategy is written (no `auto` field, so no search runs) is planned
+/// too (`pipec_compiler::check_plan`, one pipeline replica), and the plan-level diagnostics
+/// are added to the front end's — a weight tied across stages under an asynchronous
+/// schedule (E0411), a plan that does not fit in memory (E0601), the warnings about memory
+/// and the bubble — so that `check` is clean exactly when `compile` has nothing to say that
+/// needs no search.
+pub fn with_plan_diagnostics(
+    mut result: pipec_grammar::CheckResult,
+    source: &str,
+    base: &Path,
+) -> pipec_grammar::CheckResult {
+    let Some(spec) = result.spec.as_ref() else { return result };
+    let options = pipec_compiler::CompileOptions {
+        source: Some(source.into()),
+        base_dir: Some(base.to_path_buf()),
+        ..Default::default()
+    };
+    result.diagnostics.extend(pipec_compiler::check_plan(spec, &options));
+    pipec_grammar::diagnostic::sort_and_dedup(&mut result.diagnostics);
+    if result.has_errors() {
+        result.spec = None;
+    }
+    result
+}
+
 pub fn run(files: &[PathBuf], format: Format, color: bool) -> u8 {
     let mut worst = EXIT_OK;
     for path in files {
@@ -65,10 +90,8 @@ pub fn run(files: &[PathBuf], format: Format, color: bool) -> u8 {
             }
         };
         let name = path.display().to_string();
-        let result = pipec_grammar::check_source_in(
-            &source,
-            Some(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))),
-        );
+        let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let result = with_plan_diagnostics(pipec_grammar::check_source_in(&source, Some(base)), &source, base);
         match format {
             Format::Human => {
                 if !result.diagnostics.is_empty() {

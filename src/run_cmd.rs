@@ -375,6 +375,13 @@ fn metrics_line(m: &StepMetrics) -> serde_json::Value {
     if let Some(p) = m.perplexity {
         line["perplexity"] = p.into();
     }
+    line["lr"] = m.lr.into();
+    if let Some(g) = m.grad_norm {
+        line["grad_norm"] = g.into();
+    }
+    if let Some(e) = m.epoch {
+        line["epoch"] = e.into();
+    }
     line
 }
 

@@ -856,3 +856,53 @@ fn compare_shows_the_flush_free_schedules_steady_state_without_a_bubble() {
         assert!(f.get("steady_state").is_none());
     }
 }
+
+/// `pipec check` means it will compile: every example spec that checks clean compiles
+/// without an error that needs no search (a search that finds nothing, E0607, is the only
+/// error left to `compile`); and a plan-level rule (E0411, a weight tied across stages
+/// under an asynchronous schedule) comes from `check` too, with the front end's errors.
+#[test]
+fn check_is_clean_only_when_compile_finds_nothing_without_a_search() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let codes = |out: &Output| -> Vec<String> {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|d| d["severity"] == "error")
+            .filter_map(|d| d["code"].as_str().map(str::to_string))
+            .collect()
+    };
+    let mut specs: Vec<std::path::PathBuf> = std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs"))
+        .expect("specs")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    specs.sort();
+    assert!(specs.len() >= 15);
+    for spec in &specs {
+        let path = spec.to_str().expect("utf-8");
+        let checked = pipec(&["check", path, "--format", "json"]);
+        if checked.status.code() != Some(0) {
+            continue;
+        }
+        let out = dir.path().join(spec.file_stem().expect("name"));
+        let compiled = pipec(&["compile", path, "-o", out.to_str().expect("utf-8"), "--format", "json"]);
+        if compiled.status.code() != Some(0) {
+            let errors = codes(&compiled);
+            assert!(
+                errors.iter().all(|c| c == "E0607"),
+                "{path}: check was clean and compile says {errors:?}\n{}",
+                String::from_utf8_lossy(&compiled.stderr)
+            );
+        }
+    }
+    // a tied language model on two PipeDream stages: the plan-level error from `check`
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/gpt-tiny.yaml")).expect("gpt-tiny");
+    let bad = dir.path().join("tied-pipedream.yaml");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data/");
+    let text = text.replace("path: data/", &format!("path: {}", data.display()));
+    std::fs::write(&bad, text.replace("schedule: 1f1b", "schedule: pipedream")).expect("write");
+    let checked = pipec(&["check", bad.to_str().expect("utf-8"), "--format", "json"]);
+    assert_eq!(codes(&checked), vec!["E0411".to_string()], "{}", String::from_utf8_lossy(&checked.stdout));
+}

@@ -185,5 +185,6 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
         },
         checkpoint_every: t.checkpoint.as_ref().map(|c| c.every),
         checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),
+        recipe: t.recipe,
     }
 }

@@ -28,7 +28,7 @@ use crate::partition::partition_layers;
 use crate::place::place;
 use crate::simulate::Timeline;
 use crate::simulation::simulate_plan;
-use crate::streams::{check_ties, lower_streams, tensor_parallel_copies};
+use crate::streams::{check_ties, clip_norm_all_reduces, lower_streams, tensor_parallel_copies};
 use crate::verification::verify_lowered;
 
 pub use crate::options::CompileOptions;
@@ -72,6 +72,9 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         let stages = stage_figures(spec, &model, &layout);
         let mut lowered = lower_streams(spec, &layout, &placement, &placement.replicas, &stages, model.precision);
         tensor_parallel_copies(&mut lowered, spec.strategy.tp.max(1));
+        let whole: Vec<pipec_plan::DeviceId> =
+            lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
+        clip_norm_all_reduces(spec, &mut lowered, &whole);
         verify_lowered(spec, &placement, &lowered)?;
         let devices = model.cluster.devices();
         let simulated = simulate_plan(spec, &model, &stages, &lowered, &devices)?;

@@ -37,6 +37,22 @@ use pipec_grammar::spec::Spec;
 /// Compiles a checked spec: a strategy with `auto` fields is searched first and the winner
 /// compiled (`search::compile_auto`); a concrete one goes straight through the passes
 /// (`compile::compile`). The one entry point, above both.
+/// What compiling a checked spec would report without running the strategy search or
+/// building the whole plan (`pipec check` and the editor add it to the front end's): the
+/// partition's, placement's and weight ties' errors (E0411), and the memory check's E0601
+/// and W0602 and the bubble's W0605, from one pipeline replica of a symmetric plan
+/// (`predict::predict`). Empty for a strategy with `auto` fields (only a search decides
+/// those).
+pub fn check_plan(spec: &Spec, options: &CompileOptions) -> Vec<pipec_grammar::diagnostic::Diagnostic> {
+    if spec.strategy.auto.is_some() {
+        return Vec::new();
+    }
+    match predict::predict(spec, options, &mut bound::Memo::default()) {
+        Ok(f) => f.diagnostics,
+        Err(d) => d,
+    }
+}
+
 pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
     match &spec.strategy.auto {
         Some(auto) => search::compile_auto(spec, options, auto),

@@ -175,8 +175,9 @@ pub fn verify_periodic(
             update_every,
             asp_staleness: None,
             tp: 1,
-            // asynchronous schedules do not shard
+            // asynchronous schedules do not shard, and clip each stage's update by its own norm
             sharding: pipec_plan::vocab::Sharding::None,
+            clipping: false,
         });
         out.extend(violations.into_iter().map(|v| format!("unrolled over {k} step(s): {}", v.message)));
     }

@@ -15,7 +15,7 @@ use crate::partition::Layout;
 use crate::place::{place, place_chunks, rank_devices};
 use crate::schedule::Placement;
 use crate::simulation::simulate_plan;
-use crate::streams::{check_ties, lower_streams, tensor_parallel_copies};
+use crate::streams::{check_ties, clip_norm_all_reduces, lower_streams, tensor_parallel_copies};
 
 /// What the strategy search needs of a candidate: the figures of its compiled plan.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +35,8 @@ pub struct Figures {
     pub stage_headroom: Vec<f64>,
     /// The memory of every device simulated (one replica's for a symmetric plan).
     pub memory: Vec<(DeviceId, pipec_plan::plan::MemoryBreakdown)>,
+    /// What the memory check says (E0601, W0602; W0605 when it was simulated).
+    pub diagnostics: Vec<Diagnostic>,
 }
 
 /// The figures `compile` would report for a checked spec, without the verifier and without
@@ -79,8 +81,15 @@ fn predict_with(
         d.dedup();
         d
     };
+    // the whole plan's devices with a stream: every replica's tensor-parallel group
+    let tp = spec.strategy.tp.max(1) as u32;
+    let mut whole: Vec<DeviceId> =
+        placement.replicas.iter().flatten().flat_map(|d| (0..tp).map(move |t| DeviceId(d.0 + t))).collect();
+    whole.sort();
+    whole.dedup();
+    clip_norm_all_reduces(spec, &mut lowered, &whole);
     // the memory first (the bubble only words a warning, which the search does not read)
-    let (plans, diagnostics) = check_memory(spec, model, &simulated_placement, &stages, &lowered, 0.0, &devices);
+    let (plans, mut diagnostics) = check_memory(spec, model, &simulated_placement, &stages, &lowered, 0.0, &devices);
     let fits = !diagnostics.iter().any(Diagnostic::is_error);
     let mut stage_headroom = vec![f64::INFINITY; layout.ranges.len()];
     for d in &plans {
@@ -99,8 +108,10 @@ fn predict_with(
         exposed_all_reduce_s: 0.0,
         fits,
         memory: plans.into_iter().map(|d| (d.id, d.memory)).collect(),
+        diagnostics: Vec::new(),
     };
     if !fits && !simulate_unfit {
+        figures.diagnostics = diagnostics;
         return Ok(figures);
     }
     let simulated = simulate_plan(spec, model, &stages, &lowered, &devices)?;
@@ -118,6 +129,11 @@ fn predict_with(
     };
     figures.step_s = simulated.step_time;
     figures.exposed_all_reduce_s = simulated.collectives.values().map(|c| c.1).fold(0.0, f64::max);
+    // the bubble's warning, now that it is known
+    if simulate_unfit {
+        diagnostics = check_memory(spec, model, &simulated_placement, &stages, &lowered, figures.bubble, &devices).1;
+    }
+    figures.diagnostics = diagnostics;
     Ok(figures)
 }
 

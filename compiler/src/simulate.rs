@@ -267,7 +267,7 @@ pub fn simulate(
                         break;
                     }
                     // a tied gradient's members hold different stages
-                    let stage = if payload.ties() { u32::MAX } else { stage.0 };
+                    let stage = if payload.crosses_stages() { u32::MAX } else { stage.0 };
                     let started = Started { device: dev, index: i, at: now, bytes: *bytes, kind: *kind, stage };
                     engines.start(*group, started);
                     match engines.run(vec![dev], groups, cost, &mut events) {

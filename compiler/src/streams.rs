@@ -263,6 +263,43 @@ pub(crate) fn tied_all_reduces(
     }
 }
 
+/// Gradient clipping by the global norm (a schedule that updates every stage once per
+/// step): one group of every device with a stream, and on each, after its last gradient
+/// reduction (and tie), the all-reduce of its share of the squared norm and its wait, before
+/// its updates (which move behind them, with ZeRO's weight gathers). `whole` is every device
+/// of the whole plan, whose sum the norm is when `lowered` is one replica of it. After the
+/// tensor-parallel copies: every member of every group takes part in the one sum.
+pub(crate) fn clip_norm_all_reduces(spec: &Spec, lowered: &mut Lowered, whole: &[DeviceId]) {
+    let members: Vec<DeviceId> = lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
+    let per_step = lowered.updates == Updates::PerStep && !lowered.asp;
+    if !spec.training.recipe.sums_norm(per_step, members.len()) {
+        return;
+    }
+    let group = GroupId(lowered.groups.len() as u32);
+    lowered.groups.insert(group, (StageId(0), members.clone()));
+    if whole != members.as_slice() {
+        lowered.summed_over.insert(group, whole.to_vec());
+    }
+    let update = |i: &Instr| {
+        matches!(
+            i,
+            Instr::OptimizerStep { .. }
+                | Instr::ShardStep { .. }
+                | Instr::Collective { payload: CollectivePayload::Weights, .. }
+                | Instr::WaitCollective { payload: CollectivePayload::Weights, .. }
+        )
+    };
+    for d in &members {
+        let Some(stream) = lowered.streams.get_mut(d) else { continue };
+        let stage = stream.iter().map(Instr::stage).min().unwrap_or_default();
+        let tail: Vec<Instr> = stream.iter().filter(|i| update(i)).cloned().collect();
+        stream.retain(|i| !update(i));
+        stream.push(Instr::collective(CollectivePayload::GradNorm, stage, group, 4));
+        stream.push(Instr::wait(CollectivePayload::GradNorm, stage, group));
+        stream.extend(tail);
+    }
+}
+
 /// Tensor parallelism: every member t of a TP group runs its leader's stream with peers and
 /// replica groups shifted by t (rank t of a stage talks to rank t of its neighbours).
 pub(crate) fn tensor_parallel_copies(lowered: &mut Lowered, tp: usize) {

@@ -33,6 +33,10 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
             asp_staleness: lowered.asp.then_some(strategy.schedule.staleness),
             tp: strategy.tp.max(1),
             sharding: strategy.sharding,
+            clipping: spec.training.recipe.sums_norm(
+                lowered.updates == pipec_plan::schedule::Updates::PerStep && !lowered.asp,
+                lowered.streams.values().filter(|s| !s.is_empty()).count(),
+            ),
         })
         .into_iter()
         .map(|v| v.message)
@@ -120,6 +124,10 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         asp_staleness: plan.schedule.staleness,
         tp: plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len),
         sharding: plan.schedule.sharding,
+        clipping: plan.training.recipe.sums_norm(
+            kind.updates(ranks) == pipec_plan::schedule::Updates::PerStep && plan.schedule.staleness.is_none(),
+            streams.values().filter(|s| !s.is_empty()).count(),
+        ),
     };
     verify(&input).into_iter().map(|v| v.message).collect()
 }

@@ -43,6 +43,9 @@ pub struct VerifyInput<'a> {
     pub tp: usize,
     /// ZeRO: what the replicas of each replicated stage shard.
     pub sharding: Sharding,
+    /// Gradient clipping by the global norm: every update waits for the norm (`grad_norm`),
+    /// taken after every gradient of the device's stages is reduced.
+    pub clipping: bool,
 }
 
 impl VerifyInput<'_> {
@@ -65,11 +68,13 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
             let members: HashSet<DeviceId> = placement.replicas.iter().flatten().copied().collect();
             let streams: BTreeMap<DeviceId, Vec<Instr>> =
                 input.streams.iter().filter(|(d, _)| members.contains(d)).map(|(d, s)| (*d, s.clone())).collect();
+            // each rank's groups, and its part of a group over every device (the gradient
+            // norm's): the ranks run the same programs shifted, so each part is checked alone
             let groups: HashMap<GroupId, Vec<DeviceId>> = input
                 .groups
                 .iter()
-                .filter(|(_, m)| m.iter().all(|d| members.contains(d)))
-                .map(|(g, m)| (*g, m.clone()))
+                .map(|(g, m)| (*g, m.iter().copied().filter(|d| members.contains(d)).collect::<Vec<_>>()))
+                .filter(|(_, m)| !m.is_empty())
                 .collect();
             out.extend(verify(&VerifyInput {
                 streams: &streams,
@@ -317,7 +322,7 @@ fn check_stream_dataflow(
                     Buffer::GradShard { stage } => {
                         held.contains(&stage)
                             && (input.sharded(stage)
-                                || matches!(ins, Instr::Collective { payload, .. } if payload.ties()))
+                                || matches!(ins, Instr::Collective { payload, .. } if payload.crosses_stages()))
                     }
                     _ => live.contains(&b),
                 };
@@ -456,7 +461,23 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         // per stage: its collective in flight (started, not yet waited for): group, payload
         // and the contributions it covers
         let mut reducing: FxHashMap<StageId, (GroupId, CollectivePayload, usize)> = FxHashMap::default();
+        // gradient clipping: the norm of the gradients as they now are was summed
+        let mut norm_taken = false;
+        let held: Vec<StageId> = input.placement.stages_of(*dev).into_iter().map(|s| StageId(s as u32)).collect();
         for (i, ins) in stream.iter().enumerate() {
+            // the norm reads every held stage's gradient: nothing runs beside it
+            let beside_norm = reducing.values().any(|r| r.1 == CollectivePayload::GradNorm)
+                && matches!(
+                    ins,
+                    Instr::Backward { .. }
+                        | Instr::BackwardWeight { .. }
+                        | Instr::OptimizerStep { .. }
+                        | Instr::ShardStep { .. }
+                        | Instr::Collective { .. }
+                );
+            if beside_norm {
+                out.push(v(*dev, i, format!("`{ins}` runs while the gradient norm is being summed")));
+            }
             // nothing touches what a stage's collective carries while it is in flight: a
             // backward may run while its gradients are reduce-scattered (the start took
             // them) or its weights gathered (after the update, which the backward precedes)
@@ -480,6 +501,27 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
             match ins {
                 Instr::Backward { stage, .. } | Instr::BackwardWeight { stage, .. } => {
                     pending.entry(*stage).or_default().contributions += 1;
+                    norm_taken = false;
+                }
+                Instr::Collective { payload: CollectivePayload::GradNorm, stage, group, .. } => {
+                    if !reducing.is_empty() {
+                        out.push(v(
+                            *dev,
+                            i,
+                            format!("`{ins}` takes the gradient norm while a collective is in flight"),
+                        ));
+                    }
+                    for s in &held {
+                        let e = pending.get(s).copied().unwrap_or_default();
+                        if e.contributions == 0 || (replicated.contains(&s.0) && e.reduced < e.contributions) {
+                            out.push(v(
+                                *dev,
+                                i,
+                                format!("`{ins}` takes the gradient norm before the gradients of {s} are complete and reduced"),
+                            ));
+                        }
+                    }
+                    reducing.insert(*stage, (*group, CollectivePayload::GradNorm, 0));
                 }
                 Instr::PushGradient { stage, .. } => {
                     let e = pending.entry(*stage).or_default();
@@ -499,6 +541,9 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     *steps.entry(*stage).or_insert(0) += 1;
                 }
                 Instr::Collective { payload, stage, group, .. } => {
+                    if norm_taken && *payload != CollectivePayload::Weights {
+                        out.push(v(*dev, i, format!("`{ins}` changes a gradient after its norm was taken")));
+                    }
                     let e = pending.entry(*stage).or_default();
                     let sharded_payload = matches!(
                         payload,
@@ -506,7 +551,7 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                             | CollectivePayload::TiedGradientShard
                             | CollectivePayload::Weights
                     );
-                    if sharded_payload != input.sharded(*stage) && !payload.ties() {
+                    if sharded_payload != input.sharded(*stage) && !payload.crosses_stages() {
                         out.push(v(
                             *dev,
                             i,
@@ -528,6 +573,9 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                         if payload.reduces_replicas() {
                             pending.entry(*stage).or_default().reduced = covers;
                         }
+                        if *payload == CollectivePayload::GradNorm {
+                            norm_taken = true;
+                        }
                     }
                     _ => out.push(v(
                         *dev,
@@ -546,6 +594,9 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                                 if input.sharded(*stage) { "" } else { "not " }
                             ),
                         ));
+                    }
+                    if input.clipping && !norm_taken {
+                        out.push(v(*dev, i, format!("`{ins}` updates before the gradient's norm is taken")));
                     }
                     let e = pending.entry(*stage).or_default();
                     if e.contributions == 0 {
@@ -764,7 +815,7 @@ fn check_collectives(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
         for (i, ins) in stream.iter().enumerate() {
             if let Instr::Collective { kind, payload, stage, group, bytes } = ins {
                 // a tied gradient's members hold different stages: only sizes must agree
-                let stage = if payload.ties() { StageId(u32::MAX) } else { *stage };
+                let stage = if payload.crosses_stages() { StageId(u32::MAX) } else { *stage };
                 let what = (*kind, *payload);
                 match input.groups.get(group) {
                     Some(members) if members.contains(dev) => {

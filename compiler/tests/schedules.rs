@@ -41,6 +41,11 @@ fn as_the_paper_gives_it(text: &str) -> String {
     text.replace("\ntraining:\n", "\n  overlap: false\ntraining:\n")
 }
 
+/// `text` clipping the gradient's global norm (a `grad_norm` all-reduce before the updates).
+fn clipped(text: &str) -> String {
+    text.replace("  steps: 1\n", "  steps: 1\n  clip_grad_norm: 1.0\n")
+}
+
 fn build(text: &str) -> Compiled {
     let checked = pipec_grammar::check_source(text);
     let spec = checked.spec.unwrap_or_else(|| panic!("spec has errors: {:?}\n{text}", checked.diagnostics));
@@ -355,6 +360,11 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("zero-3-hybrid-1f1b", build(&spec(4, 4, "1f1b", 4, "\"2-2\"\n  zero: 3"))),
         ("zero-3-dp-only", build(&spec(2, 4, "dp-only", 4, "\"2\"\n  zero: 3"))),
         ("zero-2-tensor-parallel", build(&spec(8, 4, "zb-h1", 4, "\"2-2\"\n  tp: 2\n  zero: 2"))),
+        ("clipped-zero-1-tensor-parallel", build(&clipped(&spec(8, 4, "1f1b", 4, "\"2-2\"\n  tp: 2\n  zero: 1")))),
+        (
+            "clipped-interleaved",
+            build(&clipped(&spec(2, 4, "{ kind: interleaved, virtual_stages: 2 }", 8, "straight"))),
+        ),
     ]
 }
 

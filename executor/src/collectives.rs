@@ -56,6 +56,8 @@ enum Landing {
     TiedGradientShard { held: Vec<(StageId, usize)> },
     /// ZeRO stages 1 and 2: every replica's updated chunks, into the whole weights.
     Weights,
+    /// Gradient clipping: the squared norm summed over every device.
+    GradNorm,
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -78,6 +80,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             CollectivePayload::GradientShard => self.gradient_shard_out(stage)?,
             CollectivePayload::TiedGradientShard => self.tied_shard_out(group, &members)?,
             CollectivePayload::Weights => (self.shard(stage)?.master_segment()?, Landing::Weights),
+            CollectivePayload::GradNorm => (vec![self.norm_share()? as f32], Landing::GradNorm),
         };
         let result = self.comm.start_collective(kind, members, data, self.reduce, Some(code))?;
         self.collectives.insert((stage, group), InFlight { payload, result, into });
@@ -124,6 +127,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 let whole = st.shard.as_ref().ok_or_else(|| not_sharded(stage))?.layout.whole(&data)?;
                 crate::zero::restore_weights(st, whole)
             }
+            Landing::GradNorm => {
+                let sum = data.first().copied().ok_or(ExecError::Missing("the gradient norm's sum came back empty"))?;
+                self.grad_norm = Some(f64::from(sum).max(0.0).sqrt());
+                Ok(())
+            }
         }
     }
 
@@ -137,8 +145,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// the stage and tensor-parallel partial sums are settled first (the shard keeps no
     /// whole gradient to settle them on later).
     fn gradient_shard_out(&mut self, stage: StageId) -> Result<(Vec<f32>, Landing)> {
-        self.sum_partial_gradients(stage)?;
-        self.sum_local_ties(stage)?;
+        self.settle(stage)?;
         let st = self.state(stage)?;
         let stats = st.statistics_message()?;
         let shard = st.shard.as_ref().ok_or_else(|| not_sharded(stage))?;

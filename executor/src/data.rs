@@ -59,6 +59,8 @@ pub struct Dataset {
     vocab: Option<usize>,
     /// Class labels per sample (a language model's sequence length; 1 otherwise).
     positions: usize,
+    /// Draw each epoch's samples in an order of its own (`training.shuffle`).
+    shuffle: bool,
     source: Source,
 }
 
@@ -111,7 +113,8 @@ impl Dataset {
                 loaded(datafile::load_npy(Path::new(path), labels, &expect, datafile::Extent::All)?, &expect)
             }
         };
-        let mut data = Dataset { seed, numel, outputs, vocab, positions: expect.positions, source };
+        let shuffle = plan.training.recipe.shuffle;
+        let mut data = Dataset { seed, numel, outputs, vocab, positions: expect.positions, shuffle, source };
         // A finite synthetic data set of moderate size is generated once, not every step.
         if let Source::Synthetic { samples, .. } = data.source {
             if samples > 0 && samples * (numel + outputs) <= 64 << 20 {
@@ -125,11 +128,28 @@ impl Dataset {
         Ok(data)
     }
 
-    /// The samples of microbatch `mb` of step `step`.
+    /// The samples of microbatch `mb` of step `step`: the run draws positions one after
+    /// the other from an endless sequence of epochs (each the data set in order, or in an
+    /// order of its own from the seed when shuffling), so a resumed run draws the same ones.
     pub fn microbatch(&self, step: usize, mb: usize, microbatch_size: usize, batch_size: usize) -> (Inputs, Targets) {
         let first = step * batch_size + mb * microbatch_size;
-        let indices: Vec<usize> = (first..first + microbatch_size).collect();
+        let indices: Vec<usize> = match self.size() {
+            Some(n) => (first..first + microbatch_size)
+                .map(|at| pipec_plan::recipe::sample_at(at, n, self.seed, self.shuffle))
+                .collect(),
+            None => (first..first + microbatch_size).collect(),
+        };
         self.samples(&indices)
+    }
+
+    /// The number of distinct samples (None: an endless synthetic stream).
+    pub fn size(&self) -> Option<usize> {
+        match &self.source {
+            Source::Synthetic { samples, .. } | Source::SyntheticText { samples, .. } => {
+                (*samples > 0).then_some(*samples)
+            }
+            Source::Loaded { samples, .. } => Some(*samples),
+        }
     }
 
     fn samples(&self, indices: &[usize]) -> (Inputs, Targets) {

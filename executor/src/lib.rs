@@ -5,6 +5,7 @@
 pub use pipec_plan::checkpoint;
 pub mod calibrate;
 mod checkpointing;
+mod clip;
 mod collectives;
 pub mod comm;
 mod compute;
@@ -139,6 +140,12 @@ pub struct StepMetrics {
     /// A language model's perplexity, exp(loss) (the loss is the mean next-token
     /// cross-entropy in nats).
     pub perplexity: Option<f64>,
+    /// The step's learning rate (the plan's schedule).
+    pub lr: f64,
+    /// Gradient clipping by the global norm: the gradient's norm before clipping.
+    pub grad_norm: Option<f64>,
+    /// Epochs of a finite data set drawn by the end of the step.
+    pub epoch: Option<f64>,
 }
 
 /// Whether the plan trains a language model (token ids in, [sequence, vocab] scores out,

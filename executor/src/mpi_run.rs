@@ -120,6 +120,10 @@ fn run_rank(
                 step_seconds: secs,
                 samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12),
                 perplexity: crate::is_language_model(plan).then(|| loss.exp()),
+                // the same on every rank: a function of the step, and the norm's sum
+                lr: m.lr,
+                grad_norm: m.grad_norm,
+                epoch: m.epoch,
             });
         } else {
             let _ = outgoing.send((

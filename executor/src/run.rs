@@ -159,6 +159,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         carry: BTreeMap::new(),
         first_error: None,
         last_done: Instant::now(),
+        samples: data.size(),
         report: RunReport {
             placement: placement.iter().map(|(d, (_, name))| (*d, name.clone())).collect(),
             ..RunReport::default()
@@ -299,6 +300,8 @@ struct Coordinator<'r> {
     first_error: Option<RunError>,
     last_done: Instant,
     report: RunReport,
+    /// The data set's distinct samples (None: endless), for the epoch count.
+    samples: Option<usize>,
 }
 
 impl Coordinator<'_> {
@@ -367,6 +370,9 @@ impl Coordinator<'_> {
             step_seconds,
             samples_per_s: plan.training.batch_size as f64 / step_seconds.max(1e-12),
             perplexity: is_language_model(plan).then(|| loss.exp()),
+            lr: plan.training.lr_at(step),
+            grad_norm: reports.iter().find_map(|(r, _)| r.grad_norm),
+            epoch: self.samples.map(|n| ((step + 1) * plan.training.batch_size) as f64 / n as f64),
         }
     }
 

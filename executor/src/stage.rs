@@ -47,6 +47,9 @@ pub(crate) struct StageState<B: ExecBackend> {
     pub(crate) versions: Vec<StageModel<B>>,
     /// ZeRO: this replica's shard of the stage (None: the stage is not sharded).
     pub(crate) shard: Option<crate::zero::ShardState<B>>,
+    /// The accumulated gradients' tensor-parallel partial sums and local ties are settled
+    /// (`Worker::settle`), until they are cleared.
+    pub(crate) settled: bool,
 }
 
 /// A device's place in a tensor-parallel group.
@@ -73,6 +76,7 @@ impl<B: ExecBackend> StageState<B> {
         self.contributions = 0;
         self.stats = None;
         self.stats_count = 0.0;
+        self.settled = false;
     }
 
     /// Keeps one microbatch forward's batch statistics (none on a stage without batch
@@ -597,6 +601,7 @@ pub(crate) fn build_stages<B: ExecBackend>(
                 stash: HashMap::new(),
                 versions: Vec::new(),
                 shard: None,
+                settled: false,
             },
         );
         if let Some((group, rank, d)) = crate::zero::shard_group(plan, s.id, device) {

@@ -9,7 +9,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use burn::prelude::*;
-use pipec_plan::plan::OptimizerPlan;
 use pipec_plan::plan::{instruction_code, Segment as StreamSegment};
 use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, Plan, ReduceMode, StageId};
 
@@ -46,6 +45,8 @@ pub struct StepReport {
     pub held: Option<HeldState>,
     /// The process's resident memory, when it runs this device alone (the last step only).
     pub resident: Option<crate::resident::Resident>,
+    /// Gradient clipping by the global norm: the step's norm, before clipping.
+    pub grad_norm: Option<f64>,
 }
 
 /// The model state a device holds, in f32 values: its weights, the most gradient values it
@@ -87,6 +88,12 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     pub(crate) collectives: HashMap<(StageId, GroupId), crate::collectives::InFlight>,
     /// The most gradient values held at once since the run started.
     pub(crate) peak_gradients: u64,
+    /// The step being run (the learning-rate schedule's).
+    pub(crate) current_step: usize,
+    /// Gradient clipping by the global norm: this step's norm (once summed).
+    pub(crate) grad_norm: Option<f64>,
+    /// The stream sums the gradient norm over every device (`grad_norm`).
+    pub(crate) global_clip: bool,
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -123,6 +130,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             posted: HashMap::new(),
             collectives: HashMap::new(),
             peak_gradients: 0,
+            current_step: 0,
+            grad_norm: None,
+            global_clip: stream
+                .iter()
+                .any(|i| matches!(i, Instr::Collective { payload: pipec_plan::CollectivePayload::GradNorm, .. })),
         }
     }
 
@@ -152,6 +164,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let start = Instant::now();
         let started = start.duration_since(self.epoch).as_secs_f64();
         let mut report = StepReport { device: self.device, step, started, ..Default::default() };
+        self.current_step = step;
+        self.grad_norm = None;
         for st in self.stages.values_mut() {
             st.versions = st.model.iter().cloned().collect();
         }
@@ -230,6 +244,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             return Err((last, ExecError::Missing("buffers are left over at the end of the step")));
         }
         report.peak_versions = versions;
+        report.grad_norm = self.grad_norm;
         report.step_seconds = start.elapsed().as_secs_f64();
         Ok(report)
     }
@@ -384,10 +399,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         (self.plan.training.seed, u64::from(mb.0) / n, u64::from(mb.0) % n)
     }
 
+    /// The learning rate of the step being run (the plan's schedule).
     pub(crate) fn learning_rate(&self) -> f64 {
-        match self.plan.training.optimizer {
-            OptimizerPlan::Sgd { lr, .. } | OptimizerPlan::Adam { lr, .. } => lr,
-        }
+        self.plan.training.lr_at(self.current_step)
     }
 
     pub(crate) fn load_microbatch(
@@ -419,6 +433,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// `ApplyGradient` (parameter server): one microbatch's gradient for the whole stage;
     /// its loss was scaled by 1/N, so the update uses its mean.
     pub(crate) fn apply_gradient(&mut self, stage: StageId, values: &[f32]) -> Result<()> {
+        let plan = self.plan;
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
         let dev = self.dev.clone();
@@ -434,7 +449,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .into_iter()
             .map(Some)
             .collect();
-        st.update(lr, &flat, n_mb)?;
+        let clip = crate::clip::factor_of(plan, st, stage, &flat, n_mb)?;
+        st.update(lr, &flat, n_mb * clip)?;
         st.set_statistics(stats, &dev)?;
         st.fold_statistics()
     }
@@ -491,10 +507,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     pub(crate) fn optimizer_step(&mut self, stage: StageId) -> Result<()> {
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
-        self.sum_partial_gradients(stage)?;
-        self.sum_local_ties(stage)?;
+        self.settle(stage)?;
+        let clip = self.clip_factor(stage)?;
         let st = self.state(stage)?;
-        let scale = if st.contributions > 0 { n_mb / st.contributions as f64 } else { 1.0 };
+        let scale = clip * if st.contributions > 0 { n_mb / st.contributions as f64 } else { 1.0 };
         let acc = std::mem::take(&mut st.acc);
         st.update(lr, &acc, scale)?;
         st.fold_statistics()?;
@@ -537,9 +553,10 @@ impl<B: ExecBackend> Worker<'_, B> {
     pub(crate) fn shard_step(&mut self, stage: StageId) -> Result<()> {
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
+        let clip = self.clip_factor(stage)?;
         let st = self.state(stage)?;
         let shard = st.shard.as_mut().ok_or_else(|| ExecError::Plan(format!("{stage} is not sharded here")))?;
-        let scale = if shard.contributions > 0 { n_mb / shard.contributions as f64 } else { 1.0 };
+        let scale = clip * if shard.contributions > 0 { n_mb / shard.contributions as f64 } else { 1.0 };
         shard.update(lr, scale)?;
         let release = shard.level == pipec_plan::vocab::Sharding::Parameters;
         let stats = std::mem::take(&mut shard.stats);

@@ -374,4 +374,6 @@ pub struct Training {
     pub seed: u64,
     pub data: Data,
     pub checkpoint: Option<Checkpoint>,
+    /// The learning-rate schedule, gradient clipping and sample order.
+    pub recipe: pipec_plan::recipe::Recipe,
 }

@@ -325,6 +325,21 @@ infinite cell. `pipec check` reads the first 4 MiB of the file with the executor
 "The checkpoint settings are unusable: `checkpoint.every` must be at least 1 step, and
 `checkpoint.dir` must be a relative directory name inside the run's output directory.";
 
+"E0504", "bad training-recipe settings",
+"The training recipe beside the optimizer: `lr_schedule` (a linear warm-up from 0 to the
+optimizer's `lr` over `warmup` steps, then a `constant`, `linear` or `cosine` decay to
+`min_lr` by `decay_steps`, default the run's `steps`), `clip_grad_norm` (the largest norm
+the whole model's gradient may have: every update scales its gradients by min(1, max /
+norm)) and `shuffle` (a new order of a finite data set's samples every epoch). `min_lr`
+must not exceed `lr`, a decay must end after the warm-up, the clipping norm must be
+positive, and shuffling needs a data set of a finite size.
+
+    training:
+      optimizer: { kind: adamw, lr: 0.0003 }
+      lr_schedule: { warmup: 100, decay: cosine, min_lr: 0.001 }   # error: above lr
+      clip_grad_norm: 1.0
+      shuffle: true";
+
 "E0601", "device out of memory",
 "The plan needs more memory on a device than it has. The label gives the breakdown
 (weights × versions kept by the schedule, gradients, optimizer state, stashed

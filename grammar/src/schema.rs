@@ -8,7 +8,7 @@
 //! completions from it.
 #![allow(dead_code)]
 
-use pipec_plan::vocab::{Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task};
+use pipec_plan::vocab::{Decay, Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task};
 use schemars::JsonSchema;
 use serde_json::Value as Json;
 
@@ -331,6 +331,28 @@ struct Training {
     seed: Option<u64>,
     data: Option<DataSpec>,
     checkpoint: Option<Checkpoint>,
+    lr_schedule: Option<LrSchedule>,
+    /// Clip the gradient's global norm (over every stage, tensor-parallel shard and
+    /// replica) to this value before each update, as PyTorch's `clip_grad_norm_`.
+    clip_grad_norm: Option<f64>,
+    /// Draw a finite data set's samples in a new order every epoch (from the seed), rather
+    /// than in file order.
+    shuffle: Option<bool>,
+}
+
+/// The learning rate over the steps: a linear warm-up from 0 to the optimizer's `lr`, then
+/// a decay to `min_lr` at `decay_steps` (Hugging Face's schedules with warm-up).
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct LrSchedule {
+    /// Steps of linear warm-up (step t of it uses lr·t/warmup). Default 0.
+    warmup: Option<u64>,
+    /// `constant` (the default), `linear` or `cosine`.
+    decay: Option<Decay>,
+    /// The step at which the decay reaches `min_lr`. Default: `steps`.
+    decay_steps: Option<u64>,
+    /// The floor of the decay. Default 0.
+    min_lr: Option<f64>,
 }
 
 /// The optimizer and its hyper-parameters.

@@ -7,6 +7,7 @@
 use pipec_plan::model::{fmt_shape, Loss};
 use pipec_plan::rules;
 
+use crate::cx::Fields;
 use crate::diagnostic::Diagnostic;
 use crate::dsl::Dimension;
 use crate::schema::SchemaIndex;
@@ -547,6 +548,7 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
             })
         }
     };
+    let recipe = lower_recipe(cx, &f, steps, optimizer.as_ref(), data.as_ref());
     Some(Training {
         batch_size: batch?,
         batch_span: batch_node.map(|n| n.span).unwrap_or(owner),
@@ -557,7 +559,73 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
         seed: seed?,
         data: data?,
         checkpoint: checkpoint?,
+        recipe: recipe?,
     })
+}
+
+/// `lr_schedule`, `clip_grad_norm` and `shuffle` (E0504 where the recipe's rules are broken,
+/// at the key at fault).
+fn lower_recipe(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    steps: Option<usize>,
+    optimizer: Option<&Optimizer>,
+    data: Option<&Data>,
+) -> Option<pipec_plan::recipe::Recipe> {
+    use pipec_plan::recipe::{LrSchedule, Recipe};
+    let lr_schedule = match f.get("lr_schedule") {
+        None => Some(None),
+        Some(n) => {
+            cx.fields(n, &["training", "lr_schedule"], f.key_span("lr_schedule").unwrap_or(n.span)).and_then(|sf| {
+                let warmup = match sf.get("warmup") {
+                    None => Some(0),
+                    Some(w) => cx.uint(w, 0),
+                };
+                let decay = match sf.get("decay") {
+                    None => Some(pipec_plan::vocab::Decay::Constant),
+                    Some(d) => cx.choose::<pipec_plan::vocab::Decay>(d, &["training", "lr_schedule", "decay"]),
+                };
+                let decay_steps = match sf.get("decay_steps") {
+                    None => Some(steps.unwrap_or(1)),
+                    Some(d) => cx.uint(d, 1),
+                };
+                let min_lr = match sf.get("min_lr") {
+                    None => Some(0.0),
+                    Some(m) => cx.number(m, pipec_plan::rules::Bound::NonNegative),
+                };
+                Some(Some(LrSchedule { warmup: warmup?, decay: decay?, decay_steps: decay_steps?, min_lr: min_lr? }))
+            })
+        }
+    };
+    let clip_grad_norm = match f.get("clip_grad_norm") {
+        None => Some(None),
+        Some(n) => cx.number(n, pipec_plan::rules::Bound::Positive).map(Some),
+    };
+    let shuffle = match f.get("shuffle") {
+        None => Some(false),
+        Some(n) => cx.boolean(n),
+    };
+    let recipe = Recipe { lr_schedule: lr_schedule?, clip_grad_norm: clip_grad_norm?, shuffle: shuffle? };
+    let (Some(optimizer), Some(data)) = (optimizer, data) else { return Some(recipe) };
+    let finite = !matches!(data, Data::Synthetic { samples: None, .. });
+    let mut ok = true;
+    for (key, problem) in recipe.problems(optimizer.lr(), finite) {
+        let span = f.get(key).map_or(f.owner, |n| n.span);
+        let label = match key {
+            "lr_schedule" => "this schedule",
+            "shuffle" => "the data set has no end",
+            _ => "not a norm a gradient can be clipped to",
+        };
+        cx.push(
+            Diagnostic::error("E0504", problem, span, label).with_help(match key {
+                "lr_schedule" => "the learning rate warms up from 0 to the optimizer's `lr` over `warmup` steps, then decays to `min_lr` (at most `lr`) by `decay_steps` (past the warm-up)",
+                "shuffle" => "give the synthetic data a size (`samples: N`), or remove `shuffle`",
+                _ => "clip_grad_norm is the largest norm the whole gradient may have",
+            }),
+        );
+        ok = false;
+    }
+    ok.then_some(recipe)
 }
 
 fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optimizer> {

@@ -129,6 +129,13 @@ pub(crate) fn lower_strategy(
     let sharding = lower_sharding(cx, &f);
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
+    // the batch's split into microbatches does not depend on the schedule: with a broken
+    // schedule it is still checked, so both are reported at once
+    if let (None, Some(n), Some(t), Some(node)) = (&schedule, microbatches, training, microbatches_node) {
+        if t.batch_size % n != 0 {
+            cx.push(batch_indivisible(t, n, node.span));
+        }
+    }
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
     let (overlap, sequence_parallel, sharding) = (overlap?, sequence_parallel?, sharding?);
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
@@ -738,20 +745,7 @@ fn check_schedule_and_microbatches(
     let Some(t) = training else { return ok };
     let mb_span = mb.span.unwrap_or(mb.owner);
     if t.batch_size % microbatches != 0 {
-        cx.push(with_mb_fix(
-            Diagnostic::error(
-                "E0404",
-                format!("batch size {} is not divisible into {microbatches} microbatches", t.batch_size),
-                mb_span,
-                format!("{microbatches} microbatches"),
-            )
-            .with_label(t.batch_span, format!("batch size {}", t.batch_size))
-            .with_help(format!(
-                "choose microbatches among the divisors of {}: {}",
-                t.batch_size,
-                divisors_hint(t.batch_size)
-            )),
-        ));
+        cx.push(with_mb_fix(batch_indivisible(t, microbatches, mb_span)));
         ok = false;
     }
     if let Some((s, &r)) = replicas.iter().enumerate().find(|(_, &r)| r > 1 && !microbatches.is_multiple_of(r)) {
@@ -769,6 +763,22 @@ fn check_schedule_and_microbatches(
         ok = false;
     }
     ok
+}
+
+/// E0404: the batch does not split into `microbatches`.
+fn batch_indivisible(t: &Training, microbatches: usize, mb_span: Span) -> Diagnostic {
+    Diagnostic::error(
+        "E0404",
+        format!("batch size {} is not divisible into {microbatches} microbatches", t.batch_size),
+        mb_span,
+        format!("{microbatches} microbatches"),
+    )
+    .with_label(t.batch_span, format!("batch size {}", t.batch_size))
+    .with_help(format!(
+        "choose microbatches among the divisors of {}: {}",
+        t.batch_size,
+        divisors_hint(t.batch_size)
+    ))
 }
 
 /// `partition: auto | balanced | [ranges per stage chunk]`.

@@ -79,6 +79,8 @@ pub enum Buffer {
     /// What a collective of `stage` over `group` holds while it is in flight (between its
     /// `Collective` and its `WaitCollective`).
     InFlight { stage: StageId, group: GroupId },
+    /// Gradient clipping: the whole model's gradient norm, summed over every device.
+    GradNorm,
 }
 
 /// One instruction of a device's stream.
@@ -127,6 +129,9 @@ pub enum Instr {
     ///   shard of the sum back.
     /// - `Weights` (ZeRO stages 1 and 2): the updated weight shards of `stage` all-gathered
     ///   over its replica group into the whole weights.
+    /// - `GradNorm` (gradient clipping): the device's share of the squared norm of the whole
+    ///   model's gradient, after every reduction of its stages' gradients, summed over every
+    ///   device; each update scales its gradients by the clipping factor of the sum.
     Collective { kind: CollectiveKind, payload: CollectivePayload, stage: StageId, group: GroupId, bytes: u64 },
     /// Wait until the last collective `stage` started over `group` has finished: its
     /// result is in place afterwards (the summed gradient, for an optimizer step).
@@ -374,9 +379,10 @@ impl CollectivePayload {
     /// The one collective kind that carries this payload (what the executor runs).
     pub fn kind(self) -> CollectiveKind {
         match self {
-            CollectivePayload::Gradients | CollectivePayload::TiedGradient | CollectivePayload::TiedGradientShard => {
-                CollectiveKind::AllReduce
-            }
+            CollectivePayload::Gradients
+            | CollectivePayload::TiedGradient
+            | CollectivePayload::TiedGradientShard
+            | CollectivePayload::GradNorm => CollectiveKind::AllReduce,
             CollectivePayload::GradientShard => CollectiveKind::ReduceScatter,
             CollectivePayload::Weights => CollectiveKind::AllGather,
         }
@@ -390,10 +396,12 @@ impl CollectivePayload {
     /// The buffer of `stage` a collective with this payload reads at its start.
     pub fn source(self, stage: StageId) -> Buffer {
         match self {
-            // the tied weight's gradient is part of the stage's weight gradients
-            CollectivePayload::Gradients | CollectivePayload::TiedGradient | CollectivePayload::GradientShard => {
-                Buffer::WeightGrad { stage }
-            }
+            // the tied weight's gradient is part of the stage's weight gradients; the norm
+            // reads every held stage's (the verifier checks they are all reduced)
+            CollectivePayload::Gradients
+            | CollectivePayload::TiedGradient
+            | CollectivePayload::GradientShard
+            | CollectivePayload::GradNorm => Buffer::WeightGrad { stage },
             CollectivePayload::TiedGradientShard => Buffer::GradShard { stage },
             CollectivePayload::Weights => Buffer::WeightShard { stage },
         }
@@ -405,13 +413,19 @@ impl CollectivePayload {
             CollectivePayload::Gradients | CollectivePayload::TiedGradient => Buffer::WeightGrad { stage },
             CollectivePayload::GradientShard | CollectivePayload::TiedGradientShard => Buffer::GradShard { stage },
             CollectivePayload::Weights => Buffer::Weights { stage },
+            CollectivePayload::GradNorm => Buffer::GradNorm,
         }
     }
 
-    /// Whether it sums a tied weight over the devices holding either tied stage (so its
-    /// members name different stages, and only sizes must agree).
+    /// Whether it sums a tied weight over the devices holding either tied stage.
     pub fn ties(self) -> bool {
         matches!(self, CollectivePayload::TiedGradient | CollectivePayload::TiedGradientShard)
+    }
+
+    /// Whether its members name different stages (a tie's, or the gradient norm over every
+    /// device), so that only kinds and sizes must agree among them.
+    pub fn crosses_stages(self) -> bool {
+        self.ties() || self == CollectivePayload::GradNorm
     }
 
     /// Whether it carries a stage's gradients over its replicas (what an update needs

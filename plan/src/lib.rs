@@ -9,6 +9,7 @@ pub mod instr;
 pub mod model;
 pub mod plan;
 pub mod profile;
+pub mod recipe;
 pub mod rules;
 pub mod schedule;
 pub mod vocab;

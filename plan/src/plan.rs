@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::instr::{DeviceId, GroupId, Instr, StageId};
 use crate::model::{Loss, Op, Source};
+use crate::recipe::Recipe;
 use crate::vocab::{Attention, OptimizerKind, Precision, ReduceMode, ScheduleKind, Sharding, Task};
 
 /// Bumped on every incompatible change of the format.
@@ -234,6 +235,17 @@ pub struct TrainingPlan {
     pub data: DataPlan,
     pub checkpoint_every: Option<usize>,
     pub checkpoint_dir: Option<String>,
+    /// The learning-rate schedule, gradient clipping and sample order.
+    #[serde(default, skip_serializing_if = "Recipe::is_default")]
+    pub recipe: Recipe,
+}
+
+impl TrainingPlan {
+    /// The learning rate of step `step` (from 0): the optimizer's, along the schedule.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        let lr = self.optimizer.lr();
+        self.recipe.lr_schedule.map_or(lr, |s| s.lr(lr, step))
+    }
 }
 
 /// The schedule that produced the streams.
@@ -533,6 +545,10 @@ impl Plan {
             if !bound.admits(v) {
                 out.push(format!("training.optimizer.{key} must be {}, found {v}", bound.describe()));
             }
+        }
+        let finite = !matches!(t.data, DataPlan::Synthetic { samples: None, .. });
+        for (key, problem) in t.recipe.problems(t.optimizer.lr(), finite) {
+            out.push(format!("training.{key}: {problem}"));
         }
         out
     }

@@ -86,6 +86,9 @@ choice! {
         /// ZeRO stages 1 and 2: a stage's updated weight shards all-gathered over its
         /// replicas into the whole weights every replica computes with.
         Weights = "weights",
+        /// Gradient clipping: each device's share of the squared norm of the whole model's
+        /// gradient, summed over every device, before any update.
+        GradNorm = "grad_norm",
     }
 }
 
@@ -209,6 +212,18 @@ impl Sharding {
     /// Whether the optimizer state, gradients and weights are sharded.
     pub fn shards(self) -> (bool, bool, bool) {
         (self.level() >= 1, self.level() >= 2, self.level() >= 3)
+    }
+}
+
+choice! {
+    /// How the learning rate falls after the warm-up (`training.lr_schedule.decay`).
+    pub enum Decay {
+        /// Stays at the optimizer's `lr`.
+        Constant = "constant",
+        /// Falls linearly to `min_lr` at `decay_steps`.
+        Linear = "linear",
+        /// Falls along half a cosine to `min_lr` at `decay_steps`.
+        Cosine = "cosine",
     }
 }
 
