@@ -142,7 +142,15 @@ if [ "$dry" = 0 ] && command -v mpirun >/dev/null 2>&1 && ldd "$bin" 2>/dev/null
     && echo "ok   mpi: 2 ranks on CUDA" | tee -a "$out/equality.txt" \
     || { echo "FAIL mpi: see $out/mpi.log" | tee -a "$out/equality.txt"; status=1; }
 else
-  echo "skip mpi: no mpirun here, or this pipec was built without MPI" | tee -a "$out/equality.txt"
+  # say which of the three reasons it is
+  if [ "$dry" = 1 ]; then
+    why="a dry run on the CPU runs no CUDA ranks"
+  elif ! command -v mpirun >/dev/null 2>&1; then
+    why="no mpirun on this machine"
+  else
+    why="this pipec was built without MPI (build with --features cuda,mpi)"
+  fi
+  echo "skip mpi: $why" | tee -a "$out/equality.txt"
 fi
 
 # --- 3. the benchmark: pipec against PyTorch on the same device ----------------------------

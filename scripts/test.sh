@@ -42,6 +42,8 @@ cargo check -p pipec --features cuda,mpi
 echo "== the GPU check, dry (CPU only): proves scripts/gpu-check.sh end to end"
 GPU_CHECK_DIR="$(mktemp -d)"
 OUT="$GPU_CHECK_DIR/gpu-check" bash scripts/gpu-check.sh run --dry --bin "$CARGO_TARGET_DIR/debug/pipec"
+# it says why it skipped the MPI ranks: the dry run, not a missing mpirun or MPI build
+grep -q "skip mpi: a dry run on the CPU runs no CUDA ranks" "$GPU_CHECK_DIR"/gpu-check/*equality.txt
 rm -rf "$GPU_CHECK_DIR"
 
 echo "== example specs check clean, plan-level rules included (the published configurations that do not fit an 80 GB GPU, *-none, say so with E0601)"

@@ -896,6 +896,13 @@ fn check_is_clean_only_when_compile_finds_nothing_without_a_search() {
             );
         }
     }
+    // the model's size where a user looks: GPT-2 small's published count, its tied output
+    // layer counted once, in `check` and in `compile`
+    let checked = pipec(&["check", "specs/gpt2.yaml"]);
+    assert!(String::from_utf8_lossy(&checked.stderr).contains("ok, 124,439,808 parameters"));
+    let out = dir.path().join("gpt2");
+    let compiled = pipec(&["compile", "specs/gpt2.yaml", "-o", out.to_str().expect("utf-8")]);
+    assert!(String::from_utf8_lossy(&compiled.stderr).contains("model: 124,439,808 parameters"));
     // a tied language model on two PipeDream stages: the plan-level error from `check`
     let text =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/gpt-tiny.yaml")).expect("gpt-tiny");

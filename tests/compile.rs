@@ -130,6 +130,11 @@ fn compile_writes_plan_pictures_and_trace() {
     assert!(trace["traceEvents"].as_array().is_some_and(|e| e.len() > 10));
     let svg = std::fs::read_to_string(dir.path().join("timeline.svg")).expect("svg");
     assert!(svg.contains("bubble") && svg.starts_with("<svg"));
+    // the memory chart's axes: titled, with byte values up the side (2 GiB devices)
+    let memory = std::fs::read_to_string(dir.path().join("memory.svg")).expect("memory svg");
+    assert!(memory.contains(">bytes per device<") && memory.contains(">device<"), "{memory}");
+    let ticks = memory.matches(" GiB</text>").count() + memory.matches(" MiB</text>").count();
+    assert!(ticks >= 2 && memory.contains(">0</text>"), "axis values: {memory}");
     // a plan that is not a plan is a clear error, not a panic
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, "{\"version\": 99}").expect("write");

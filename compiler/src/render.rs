@@ -228,6 +228,37 @@ fn legend(svg: &mut String, timeline: &Timeline, left: f64, ly: f64, width: f64)
 }
 
 /// Stacked bars of each device's memory against its capacity.
+/// Round values up to `max` bytes for an axis, with their labels: multiples of 1, 2 or 5
+/// times a power of ten of the unit `max` is written in (B, KiB, MiB, GiB, TiB), 3 to 10 of
+/// them, 0 first.
+pub fn byte_ticks(max: f64) -> Vec<(f64, String)> {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut u = 0;
+    while u + 1 < units.len() && max >= 1024f64.powi(u as i32 + 1) {
+        u += 1;
+    }
+    let unit = 1024f64.powi(u as i32);
+    let span = (max / unit).max(1e-9);
+    let raw = span / 5.0;
+    let pow = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 5.0, 10.0].into_iter().map(|m| m * pow).find(|s| *s >= raw).unwrap_or(10.0 * pow);
+    let mut out = Vec::new();
+    let mut k = 0.0;
+    while k * step <= span * (1.0 + 1e-9) && out.len() < 12 {
+        let v = k * step;
+        let label = if v == 0.0 { "0".to_string() } else { format!("{} {}", trim_number(v), units[u]) };
+        out.push((v * unit, label));
+        k += 1.0;
+    }
+    out
+}
+
+/// A number without a trailing `.0`, at most 2 decimals.
+fn trim_number(v: f64) -> String {
+    let s = format!("{v:.2}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
 pub fn memory_svg(plan: &Plan) -> String {
     let parts: [(&str, &str); 6] = [
         ("weights", "#4e79a7"),
@@ -303,16 +334,34 @@ pub fn memory_svg(plan: &Plan) -> String {
             );
         }
     }
+    // the axes: bytes up the side at round values, with light grid lines across, and titles
+    let right = left + n as f64 * (bar_w + 6.0);
+    for (tick, label) in byte_ticks(max) {
+        let ty = y(tick);
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{:.1}" x2="{right:.1}" y1="{ty:.1}" y2="{ty:.1}" stroke="#e4e4e4"/><line x1="{:.1}" x2="{left}" y1="{ty:.1}" y2="{ty:.1}" stroke="#555"/><text x="{:.1}" y="{:.1}" text-anchor="end" fill="#555">{label}</text>"##,
+            left,
+            left - 4.0,
+            left - 6.0,
+            ty + 4.0
+        );
+    }
     let _ = writeln!(
         svg,
-        r##"<text x="{}" y="{}" text-anchor="end" fill="#555">{}</text><text x="{}" y="{}" text-anchor="end" fill="#555">0</text>"##,
-        left - 6.0,
-        top + 4.0,
-        human_bytes(max as u64),
-        left - 6.0,
+        r##"<line x1="{left}" x2="{left}" y1="{top}" y2="{}" stroke="#555"/><line x1="{left}" x2="{right:.1}" y1="{}" y2="{}" stroke="#555"/>"##,
+        top + h,
+        top + h,
         top + h
     );
-    let lx = left + n as f64 * (bar_w + 6.0) + 20.0;
+    let _ = writeln!(
+        svg,
+        r##"<text transform="translate(16 {:.1}) rotate(-90)" text-anchor="middle" fill="#555">bytes per device</text><text x="{:.1}" y="{}" text-anchor="middle" fill="#555">device</text>"##,
+        top + h / 2.0,
+        (left + right) / 2.0,
+        top + h + 32.0
+    );
+    let lx = right + 20.0;
     for (i, (name, c)) in parts.iter().enumerate() {
         let ly = top + i as f64 * 18.0;
         let _ = writeln!(
@@ -397,4 +446,25 @@ pub fn trace_json(plan: &Plan, timeline: &Timeline) -> String {
         serde_json::Value::String(plan.name.clone())
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An axis runs from 0 past every round value up to the largest, in the unit the
+    /// largest is written in: 3 to 12 ticks at 1, 2 or 5 times a power of ten.
+    #[test]
+    fn byte_ticks_are_round_values_in_the_largest_unit() {
+        let gib = 1024f64.powi(3);
+        let ticks = byte_ticks(80.0 * gib);
+        let labels: Vec<&str> = ticks.iter().map(|(_, l)| l.as_str()).collect();
+        assert_eq!(labels, ["0", "20 GiB", "40 GiB", "60 GiB", "80 GiB"]);
+        for max in [1.0, 700.0, 3000.0, 5e6, 1.3e9, 2.5e11, 7e13] {
+            let t = byte_ticks(max);
+            assert!((3..=12).contains(&t.len()), "{max}: {t:?}");
+            assert_eq!(t[0].0, 0.0);
+            assert!(t.last().is_some_and(|(v, _)| *v <= max * (1.0 + 1e-9)), "{max}: {t:?}");
+        }
+    }
 }

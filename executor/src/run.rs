@@ -158,7 +158,6 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         pending: BTreeMap::new(),
         carry: BTreeMap::new(),
         first_error: None,
-        last_done: Instant::now(),
         samples: data.size(),
         report: RunReport {
             placement: placement.iter().map(|(d, (_, name))| (*d, name.clone())).collect(),
@@ -298,7 +297,6 @@ struct Coordinator<'r> {
     /// first losses), by step.
     carry: BTreeMap<usize, Vec<f32>>,
     first_error: Option<RunError>,
-    last_done: Instant,
     report: RunReport,
     /// The data set's distinct samples (None: endless), for the epoch count.
     samples: Option<usize>,
@@ -357,11 +355,11 @@ impl Coordinator<'_> {
         self.carry.retain(|s, _| *s > step);
         let loss_sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
         let loss = if losses.is_empty() { f64::NAN } else { loss_sum / losses.len() as f64 };
-        let now = Instant::now();
-        let wall = now.duration_since(self.last_done).as_secs_f64();
-        self.last_done = now;
-        let step_seconds =
-            reports.iter().map(|(r, _)| r.step_seconds).fold(0.0, f64::max).min(wall.max(f64::MIN_POSITIVE));
+        // from the step's first start to its last end over the devices (one clock: the
+        // run's), not when the reports reached this thread, which can be long after
+        let start = reports.iter().map(|(r, _)| r.started).fold(f64::INFINITY, f64::min);
+        let end = reports.iter().map(|(r, _)| r.started + r.step_seconds).fold(0.0, f64::max);
+        let step_seconds = (end - start).max(f64::MIN_POSITIVE);
         StepMetrics {
             step,
             loss,

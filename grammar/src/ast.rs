@@ -34,6 +34,27 @@ pub struct Model {
     pub names: Vec<NameDef>,
 }
 
+impl Model {
+    /// The model's parameters, a weight tied to an embedding counted once (at the
+    /// embedding): what `pipec check`, `pipec compile` and the editor's hover say.
+    pub fn parameters(&self) -> u64 {
+        pipec_plan::model::model_parameters(self.layers.iter().map(|l| (&l.op, l.tied)))
+    }
+}
+
+/// `n` with thousands separators: `124,439,808`.
+pub fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// The layers a labelled block call expanded into: `first..=last`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerGroup {

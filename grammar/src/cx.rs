@@ -330,6 +330,20 @@ impl<'a> Lower<'a> {
             None => {
                 let units = dsl::UNITS.iter().filter(|u| u.1 == dim).map(|u| u.0);
                 let mut d = Diagnostic::error("E0201", format!("unknown unit `{}`", q.unit), unit_span, "unknown unit");
+                // `gb/s`: bytes (`GB/s`) or bits (`Gb/s`), 8 times apart: name both, fix neither
+                let cased: Vec<&str> = dsl::UNITS
+                    .iter()
+                    .filter(|u| u.1 == dim && u.0.eq_ignore_ascii_case(&q.unit))
+                    .map(|u| u.0)
+                    .collect();
+                if cased.len() > 1 {
+                    let named: Vec<String> = cased
+                        .iter()
+                        .map(|u| format!("`{u}` ({})", if u.contains('B') { "bytes" } else { "bits, 8 to a byte" }))
+                        .collect();
+                    self.push(d.with_help(format!("units are case-sensitive: did you mean {}?", named.join(" or "))));
+                    return None;
+                }
                 match did_you_mean(&q.unit, units) {
                     Some(s) => {
                         d = d.with_help(format!("did you mean `{s}`?")).with_fix(

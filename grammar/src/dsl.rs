@@ -371,6 +371,12 @@ pub const UNITS: &[(&str, Dimension, f64)] = &[
     ("Mbps", Dimension::Bandwidth, 125e3),
     ("Gbps", Dimension::Bandwidth, 125e6),
     ("Tbps", Dimension::Bandwidth, 125e9),
+    // bits per second as network cards are quoted (`200Gb/s` HDR InfiniBand): b is a bit
+    ("Kb/s", Dimension::Bandwidth, 125.0),
+    ("Mb/s", Dimension::Bandwidth, 125e3),
+    ("Gb/s", Dimension::Bandwidth, 125e6),
+    ("Tb/s", Dimension::Bandwidth, 125e9),
+    ("Gbit/s", Dimension::Bandwidth, 125e6),
     ("ns", Dimension::Time, 1e-9),
     ("us", Dimension::Time, 1e-6),
     ("µs", Dimension::Time, 1e-6),

@@ -416,7 +416,17 @@ pub fn hover(src: &str, offset: usize, schema: &SchemaIndex, extra: Option<&str>
         }
     }
     let doc = schema.doc_at(&p)?;
-    Some((span, format!("**{}**\n\n{doc}", p.join("."))))
+    let mut text = format!("**{}**\n\n{doc}", p.join("."));
+    // the model's size, when it checks
+    if p == ["model"] || p == ["model", "layers"] {
+        if let Some(m) = crate::check_source(src).spec.map(|s| s.model) {
+            text.push_str(&format!(
+                "\n\n{} parameters (a weight tied to an embedding counted once)",
+                crate::ast::thousands(m.parameters())
+            ));
+        }
+    }
+    Some((span, text))
 }
 
 #[cfg(test)]
@@ -467,6 +477,15 @@ mod tests {
         let src = "model:\n  layers:\n    - lin";
         let l: Vec<String> = completions(src, src.len(), &schema).into_iter().map(|c| c.label).collect();
         assert_eq!(l, vec!["linear".to_string()]);
+    }
+
+    #[test]
+    fn hovering_the_model_says_its_parameters() {
+        let src = "model:\n  input: [16]\n  layers:\n    - embedding(100, 8) as t\n    - linear(8, 100, bias=false, tie=t)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 1us }\nstrategy:\n  stages: \"1\"\n  schedule: gpipe\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
+        let schema = SchemaIndex::default();
+        let (_, text) = hover(src, 2, &schema, None).expect("a hover on `model`");
+        // the table once: 800, not 1,600
+        assert!(text.contains("800 parameters (a weight tied to an embedding counted once)"), "{text}");
     }
 
     #[test]

@@ -248,7 +248,9 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
                     format!("needs [sequence, {vocab}]"),
                 )
                 .with_label(last_span, format!("the last layer outputs {}", fmt_shape(out)))
-                .with_help(format!("end the model with `linear(d, {vocab})` to score every token at every position")),
+                .with_help(format!(
+                    "a language model ends with `linear(d, {vocab})`, scoring every token of the vocabulary at every position (its labels are the next tokens); a classifier of the whole sequence pools the positions first (`flatten` then `linear(features, classes)`); labels per position other than the next token are not supported"
+                )),
             );
             None
         }

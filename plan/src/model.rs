@@ -194,6 +194,12 @@ pub fn check_shape(shape: &[usize]) -> Result<(), String> {
 }
 
 /// Renders a per-sample shape as `[3, 32, 32]`.
+/// A model's parameters from its layers' (operator, tied-to) pairs: a layer tied to an
+/// embedding holds a copy of the embedding's table, counted once, at the embedding.
+pub fn model_parameters<'a>(layers: impl Iterator<Item = (&'a Op, Option<usize>)>) -> u64 {
+    layers.filter(|(_, tied)| tied.is_none()).map(|(op, _)| op.parameter_count()).fold(0, u64::saturating_add)
+}
+
 pub fn fmt_shape(shape: &[usize]) -> String {
     let parts: Vec<String> = shape.iter().map(ToString::to_string).collect();
     format!("[{}]", parts.join(", "))
