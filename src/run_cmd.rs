@@ -382,6 +382,15 @@ fn metrics_line(m: &StepMetrics) -> serde_json::Value {
     if let Some(e) = m.epoch {
         line["epoch"] = e.into();
     }
+    if let Some(v) = &m.validation {
+        line["val_loss"] = v.loss.into();
+        if let Some(a) = v.accuracy {
+            line["val_accuracy"] = a.into();
+        }
+        if let Some(p) = v.perplexity {
+            line["val_perplexity"] = p.into();
+        }
+    }
     line
 }
 
@@ -499,10 +508,20 @@ fn backend_kind(b: Backend) -> BackendKind {
 
 /// Prints a step's loss and speed: the first three steps, every tenth and the last of `steps`.
 fn print_step(m: &StepMetrics, steps: usize) {
-    if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps {
+    if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps || m.validation.is_some() {
         let perplexity = m.perplexity.map(|p| format!("  perplexity {p:.2}")).unwrap_or_default();
+        let validation = m
+            .validation
+            .map(|v| {
+                let mut s = format!("  validation loss {:.6}", v.loss);
+                if let Some(a) = v.accuracy {
+                    s.push_str(&format!(" accuracy {:.1}%", a * 100.0));
+                }
+                s
+            })
+            .unwrap_or_default();
         eprintln!(
-            "step {:>5}  loss {:.6}{perplexity}  {:.1} ms  {:.0} samples/s",
+            "step {:>5}  loss {:.6}{perplexity}  {:.1} ms  {:.0} samples/s{validation}",
             m.step,
             m.loss,
             m.step_seconds * 1e3,

@@ -173,7 +173,7 @@ fn each_rank_of_a_zero_3_run_reports_its_memory_beside_the_prediction() {
 
 /// The training recipe over MPI: the global gradient norm summed over the ranks (with ZeRO's
 /// shards and tensor-parallel shards), warm-up and cosine decay, shuffled epochs — the same
-/// losses, norms and weights as the in-process run, bit for bit.
+/// losses, norms, validation losses and weights as the in-process run, bit for bit.
 #[test]
 fn the_training_recipe_over_mpi_equals_in_process_exactly() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -181,7 +181,7 @@ fn the_training_recipe_over_mpi_equals_in_process_exactly() {
         let spec_path = dir.path().join(format!("spec{i}.yaml"));
         let text = spec(stages, devices, 6).replace(
             "  seed: 3\n",
-            "  seed: 3\n  lr_schedule: { warmup: 2, decay: cosine, min_lr: 0.0005 }\n  clip_grad_norm: 0.5\n  shuffle: true\n  checkpoint: { every: 6 }\n",
+            "  seed: 3\n  lr_schedule: { warmup: 2, decay: cosine, min_lr: 0.0005 }\n  clip_grad_norm: 0.5\n  shuffle: true\n  validation: { every: 3, split: 0.34 }\n  checkpoint: { every: 6 }\n",
         );
         std::fs::write(&spec_path, text).expect("write");
         let (threads, mpi) = (dir.path().join(format!("threads{i}")), dir.path().join(format!("mpi{i}")));
@@ -195,7 +195,7 @@ fn the_training_recipe_over_mpi_equals_in_process_exactly() {
             &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", mpi.to_str().expect("p")],
         );
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-        let lines = |run: &Path| -> Vec<(f64, f64, f64)> {
+        let lines = |run: &Path| -> Vec<(f64, f64, f64, Option<f64>)> {
             std::fs::read_to_string(run.join("metrics.jsonl"))
                 .expect("metrics")
                 .lines()
@@ -205,11 +205,14 @@ fn the_training_recipe_over_mpi_equals_in_process_exactly() {
                         v["loss"].as_f64().expect("loss"),
                         v["grad_norm"].as_f64().expect("norm"),
                         v["lr"].as_f64().expect("lr"),
+                        v["val_loss"].as_f64(),
                     )
                 })
                 .collect()
         };
-        assert_eq!(lines(&threads), lines(&mpi), "{stages}");
+        let (threads_lines, mpi_lines) = (lines(&threads), lines(&mpi));
+        assert_eq!(threads_lines.iter().filter(|l| l.3.is_some()).count(), 2, "validation on steps 3 and 6");
+        assert_eq!(threads_lines, mpi_lines, "{stages}");
         let weights =
             |run: &Path| std::fs::read(run.join("checkpoints/step-000006/model.safetensors")).expect("checkpoint");
         assert!(weights(&threads) == weights(&mpi), "{stages}: MPI weights differ from the in-process run");

@@ -1,8 +1,9 @@
 //! The training recipe beside the optimizer — a learning-rate schedule (linear warm-up,
-//! cosine decay to a floor), clipping of the global gradient norm, shuffled epochs — on
-//! every schedule family and layout: each trains to one device's losses and norms with
-//! clipping that really clips, a resume mid-schedule continues it exactly, and the metrics
-//! say the learning rate, the norm and the epoch.
+//! cosine decay to a floor), clipping of the global gradient norm, shuffled epochs and
+//! validation on held-out data — on every schedule family and layout: each trains to one
+//! device's losses, norms and validation figures with clipping that really clips, a resume
+//! mid-schedule continues it exactly, and the metrics say the learning rate, the norm, the
+//! epoch and the held-out loss and accuracy.
 
 use std::path::Path;
 use std::time::Duration;
@@ -13,8 +14,7 @@ use pipec_plan::Plan;
 
 const MLP: &str =
     "  input: [16]\n  layers:\n    - linear(16, 32) -> relu\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)\n";
-const RECIPE: &str =
-    "  lr_schedule: { warmup: 2, decay: cosine, min_lr: 0.0005 }\n  clip_grad_norm: 0.5\n  shuffle: true\n";
+const RECIPE: &str = "  lr_schedule: { warmup: 2, decay: cosine, min_lr: 0.0005 }\n  clip_grad_norm: 0.5\n  shuffle: true\n  validation: { every: 4, split: 0.34 }\n";
 const ADAM: &str = "{ kind: adamw, lr: 0.005, weight_decay: 0.01 }";
 const MOMENTUM: &str = "{ kind: momentum, lr: 0.05, momentum: 0.9 }";
 
@@ -77,7 +77,10 @@ fn every_layout_trains_like_one_device_with_the_recipe() {
                 0.0005 + (peak - 0.0005) * 0.5 * (1.0 + (std::f64::consts::PI * (s - 2.0) / 6.0).cos())
             };
             assert!((m.lr - want).abs() < 1e-12, "step {step}: lr {} against {want}", m.lr);
-            assert!((m.epoch.expect("an epoch") - (step + 1) as f64 / 3.0).abs() < 1e-12);
+            // 96 samples, 32 held out: 64 to train on, 2 steps an epoch
+            assert!((m.epoch.expect("an epoch") - (step + 1) as f64 / 2.0).abs() < 1e-12);
+            // validation after steps 3 and 7 (every 4, and the last)
+            assert_eq!(m.validation.is_some(), step == 3 || step == 7, "step {step}");
         }
         for (i, (devices, strategy)) in layouts.iter().enumerate() {
             let got = train(&plan(&spec(MLP, *devices, strategy, optimizer, 8)), &dir.path().join(i.to_string()), None);
@@ -85,6 +88,15 @@ fn every_layout_trains_like_one_device_with_the_recipe() {
                 assert!(close(a.loss, b.loss), "{strategy}: step {}: {} vs {}", a.step, a.loss, b.loss);
                 let (x, y) = (a.grad_norm.expect("a norm"), b.grad_norm.expect("a norm"));
                 assert!(close(x, y), "{strategy}: step {}: norm {x} vs {y}", a.step);
+                match (a.validation, b.validation) {
+                    (None, None) => {}
+                    (Some(u), Some(v)) => assert!(
+                        close(u.loss, v.loss) && u.accuracy == v.accuracy,
+                        "{strategy}: step {}: validation {u:?} vs {v:?}",
+                        a.step
+                    ),
+                    other => panic!("{strategy}: step {}: validation {other:?}", a.step),
+                }
             }
             let last = got.steps.last().expect("steps");
             assert!(last.loss < got.steps[0].loss, "{strategy}: the loss did not fall");
@@ -103,7 +115,12 @@ fn a_resume_mid_schedule_continues_it_exactly() {
         let resumed = train(&p, &dir.path().join("resumed"), Some(&dir.path().join("full/step-000004")));
         assert_eq!(resumed.steps.first().map(|s| s.step), Some(4));
         for (a, b) in full.steps[4..].iter().zip(&resumed.steps) {
-            assert_eq!((a.loss, a.grad_norm, a.lr), (b.loss, b.grad_norm, b.lr), "{strategy}: step {}", a.step);
+            assert_eq!(
+                (a.loss, a.grad_norm, a.lr, a.validation.map(|v| v.loss)),
+                (b.loss, b.grad_norm, b.lr, b.validation.map(|v| v.loss)),
+                "{strategy}: step {}",
+                a.step
+            );
         }
     }
 }
@@ -116,7 +133,8 @@ fn shuffled_epochs_differ_from_file_order() {
     let text = spec(MLP, 1, ONE_DEVICE.1, ADAM, 6);
     let shuffled = train(&plan(&text), &dir.path().join("a"), None);
     let ordered = train(&plan(&text.replace("  shuffle: true\n", "")), &dir.path().join("b"), None);
-    assert_eq!(shuffled.steps.last().and_then(|s| s.epoch), Some(2.0));
+    // 96 samples, 32 held out for validation: 64 to train on, 2 steps an epoch
+    assert_eq!(shuffled.steps.last().and_then(|s| s.epoch), Some(3.0));
     assert_ne!(
         shuffled.steps.iter().map(|s| s.loss).collect::<Vec<_>>(),
         ordered.steps.iter().map(|s| s.loss).collect::<Vec<_>>()
@@ -137,4 +155,31 @@ fn pipedream_clips_each_stage_by_its_own_norm() {
     let r = train(&p, dir.path(), None);
     assert!(r.steps.iter().all(|s| s.grad_norm.is_none()));
     assert!(r.steps.last().expect("steps").loss < r.steps[0].loss);
+}
+
+/// Validation runs forwards only, with dropout off and batch normalisation on its running
+/// statistics: a model with both gives one device's held-out loss on a pipeline with a
+/// replicated stage (the statistics folded from the replicas); evaluating after the same
+/// training gives the same loss whatever comes later (no dropout mask is drawn, nothing is
+/// trained).
+#[test]
+fn validation_evaluates_with_running_statistics_and_no_dropout() {
+    let model = "  input: [2, 6, 6]\n  layers:\n    - conv2d(2, 4, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - dropout(0.3)\n    - conv2d(4, 4, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - adaptive_avgpool2d -> flatten -> linear(4, 4)\n";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let one = train(&plan(&spec(model, 1, ONE_DEVICE.1, ADAM, 8)), &dir.path().join("one"), None);
+    let piped = train(
+        &plan(&spec(model, 3, "  stages: \"2-1\"\n  schedule: 1f1b\n  microbatches: 4", ADAM, 8)),
+        &dir.path().join("piped"),
+        None,
+    );
+    let held = |r: &RunReport| -> Vec<f64> { r.steps.iter().filter_map(|s| s.validation.map(|v| v.loss)).collect() };
+    let (a, b) = (held(&one), held(&piped));
+    assert_eq!(a.len(), 2);
+    assert!(a.iter().zip(&b).all(|(x, y)| close(*x, *y)), "{a:?} vs {b:?}");
+    // the first 4 of the 8 steps (the same schedule: it decays over 8 steps), evaluated
+    let text = spec(model, 1, ONE_DEVICE.1, ADAM, 8)
+        .replace("  steps: 8\n", "  steps: 4\n")
+        .replace("min_lr: 0.0005 }", "min_lr: 0.0005, decay_steps: 8 }");
+    let four = train(&plan(&text), &dir.path().join("four"), None);
+    assert_eq!(held(&four), vec![a[0]]);
 }

@@ -152,6 +152,7 @@ pub(crate) fn assemble(
         layers,
         streams: lowered.streams,
         flush_free: lowered.periodic.map(|p| p.segments),
+        eval: lowered.eval,
         simulation,
     }
 }

@@ -28,7 +28,7 @@ use crate::partition::partition_layers;
 use crate::place::place;
 use crate::simulate::Timeline;
 use crate::simulation::simulate_plan;
-use crate::streams::{check_ties, clip_norm_all_reduces, lower_streams, tensor_parallel_copies};
+use crate::streams::{check_ties, clip_norm_all_reduces, eval_streams, lower_streams, tensor_parallel_copies};
 use crate::verification::verify_lowered;
 
 pub use crate::options::CompileOptions;
@@ -75,6 +75,9 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         let whole: Vec<pipec_plan::DeviceId> =
             lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
         clip_norm_all_reduces(spec, &mut lowered, &whole);
+        if spec.training.recipe.validation.is_some() {
+            lowered.eval = Some(eval_streams(spec, &placement, &stages));
+        }
         verify_lowered(spec, &placement, &lowered)?;
         let devices = model.cluster.devices();
         let simulated = simulate_plan(spec, &model, &stages, &lowered, &devices)?;

@@ -178,6 +178,7 @@ pub fn verify_periodic(
             // asynchronous schedules do not shard, and clip each stage's update by its own norm
             sharding: pipec_plan::vocab::Sharding::None,
             clipping: false,
+            forward_only: false,
         });
         out.extend(violations.into_iter().map(|v| format!("unrolled over {k} step(s): {}", v.message)));
     }

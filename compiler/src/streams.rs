@@ -36,6 +36,8 @@ pub(crate) struct Lowered {
     pub(crate) summed_over: HashMap<GroupId, Vec<DeviceId>>,
     /// Per stage: activation recompute (the layout's).
     pub(crate) recompute: Vec<bool>,
+    /// Validation's forward-only streams for one held-out batch (`eval_streams`).
+    pub(crate) eval: Option<BTreeMap<DeviceId, Vec<Instr>>>,
 }
 
 impl Lowered {
@@ -145,6 +147,7 @@ pub(crate) fn lower_streams(
         asp,
         summed_over,
         recompute: layout.recompute.clone(),
+        eval: None,
     };
     tied_all_reduces(spec, layout, placement, summed, &mut lowered, precision);
     lowered
@@ -261,6 +264,66 @@ pub(crate) fn tied_all_reduces(
             stream.extend(steps);
         }
     }
+}
+
+/// Validation's streams for one held-out batch (`training.validation`): per device its
+/// forwards in (microbatch, stage) order — each waits only for pairs earlier in that order,
+/// so none waits in a cycle — each followed by a free, lowered as a step's are (loads,
+/// receives right before, sends after), without updates; tensor-parallel members run their
+/// leader's, shifted.
+pub(crate) fn eval_streams(
+    spec: &Spec,
+    placement: &Placement,
+    stages: &StageFigures,
+) -> BTreeMap<DeviceId, Vec<Instr>> {
+    let n = placement.stages();
+    let mut order: crate::schedule::Order = vec![Vec::new(); placement.devices];
+    for m in 0..placement.microbatches {
+        for s in 0..n {
+            let d = placement.device_of(s, m).0 as usize;
+            order[d].push(crate::schedule::Task {
+                kind: crate::schedule::TaskKind::Forward,
+                stage: StageId(s as u32),
+                mb: pipec_plan::MicrobatchId(m as u32),
+            });
+        }
+    }
+    let zeros = vec![0; n];
+    let streams = lower(&LowerInput {
+        placement,
+        order: &order,
+        output_bytes: &stages.output_bytes,
+        gradient_bytes: &zeros,
+        weight_bytes: &zeros,
+        sharding: Sharding::None,
+        groups: &vec![None; n],
+        updates: Updates::PerStep,
+        recompute: &vec![false; n],
+        vertical_sync: false,
+        overlap: false,
+    });
+    let tp = spec.strategy.tp.max(1) as u32;
+    let mut out = BTreeMap::new();
+    // the leaders' streams (the others are empty until their leader's is copied to them)
+    for (d, stream) in streams.into_iter().filter(|(_, s)| !s.is_empty()) {
+        let mut eval = Vec::with_capacity(stream.len() * 2);
+        for ins in stream {
+            match ins {
+                // a step's updates: nothing to update
+                Instr::OptimizerStep { .. } => {}
+                Instr::Forward { stage, mb } => {
+                    eval.push(ins);
+                    eval.push(Instr::Free { stage, mb });
+                }
+                other => eval.push(other),
+            }
+        }
+        for t in 0..tp {
+            let shifted = eval.iter().map(|i| i.map_devices(|x| DeviceId(x.0 + t), |g| g)).collect();
+            out.insert(DeviceId(d.0 + t), shifted);
+        }
+    }
+    out
 }
 
 /// Gradient clipping by the global norm (a schedule that updates every stage once per

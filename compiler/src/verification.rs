@@ -37,11 +37,22 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
                 lowered.updates == pipec_plan::schedule::Updates::PerStep && !lowered.asp,
                 lowered.streams.values().filter(|s| !s.is_empty()).count(),
             ),
+            forward_only: false,
         })
         .into_iter()
         .map(|v| v.message)
         .collect(),
     };
+    let violations: Vec<String> = violations
+        .into_iter()
+        .chain(
+            lowered
+                .eval
+                .iter()
+                .flat_map(|eval| verify_eval(eval, placement, strategy.tp.max(1)))
+                .map(|v| format!("validation: {v}")),
+        )
+        .collect();
     if violations.is_empty() {
         return Ok(());
     }
@@ -60,6 +71,27 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
         "while compiling this schedule",
     )
     .with_help("this is a bug in pipec, not in the spec; please report it with the spec")])
+}
+
+/// Validation's forward-only streams through the verifier: each forward once on its routed
+/// device, data flow, messages, and no deadlock.
+fn verify_eval(streams: &BTreeMap<DeviceId, Vec<Instr>>, placement: &Placement, tp: usize) -> Vec<String> {
+    let none = vec![false; placement.stages()];
+    verify(&VerifyInput {
+        streams,
+        placement,
+        groups: &HashMap::new(),
+        recompute: &none,
+        update_every: None,
+        asp_staleness: None,
+        tp,
+        sharding: pipec_plan::vocab::Sharding::None,
+        clipping: false,
+        forward_only: true,
+    })
+    .into_iter()
+    .map(|v| v.message)
+    .collect()
 }
 
 /// Checks a plan read from a file: its structure ([`pipec_plan::Plan::check`]), then its
@@ -92,6 +124,12 @@ pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
         }
         None => verify_streams(plan, &plan.streams),
     }
+    .into_iter()
+    .chain(plan.eval.iter().flat_map(|eval| {
+        let tp = plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len);
+        verify_eval(eval, &placement_of(plan), tp).into_iter().map(|v| format!("validation: {v}"))
+    }))
+    .collect()
 }
 
 /// Per stage of a plan: whether it recomputes its activations.
@@ -128,6 +166,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
             kind.updates(ranks) == pipec_plan::schedule::Updates::PerStep && plan.schedule.staleness.is_none(),
             streams.values().filter(|s| !s.is_empty()).count(),
         ),
+        forward_only: false,
     };
     verify(&input).into_iter().map(|v| v.message).collect()
 }

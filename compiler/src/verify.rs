@@ -46,6 +46,9 @@ pub struct VerifyInput<'a> {
     /// Gradient clipping by the global norm: every update waits for the norm (`grad_norm`),
     /// taken after every gradient of the device's stages is reduced.
     pub clipping: bool,
+    /// Validation's streams: forwards only, each (stage, microbatch) once, no backward and
+    /// no update.
+    pub forward_only: bool,
 }
 
 impl VerifyInput<'_> {
@@ -103,7 +106,20 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
     check_unique(input, &mut out);
     check_compute(input, &mut out);
     check_dataflow(input, &mut out);
-    check_updates(input, &mut out);
+    if input.forward_only {
+        // nothing is trained: no backward, collective or update at all
+        for (dev, stream) in input.streams {
+            for (i, ins) in stream.iter().enumerate() {
+                let trains = ins.phase() != pipec_plan::Phase::Forward
+                    && !matches!(ins.phase(), pipec_plan::Phase::Communication | pipec_plan::Phase::Memory);
+                if trains {
+                    out.push(v(*dev, i, format!("`{ins}` in a validation stream, which only runs forwards")));
+                }
+            }
+        }
+    } else {
+        check_updates(input, &mut out);
+    }
     check_p2p(input, &mut out);
     check_collectives(input, &mut out);
     if let Some(s) = input.asp_staleness {
@@ -232,6 +248,9 @@ fn check_compute(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
             let (fdev, fi) = e.fwd[0];
             if fdev != owner {
                 out.push(v(fdev, fi, format!("{what}: forward on {fdev}, but the placement routes it to {owner}")));
+            }
+            if input.forward_only {
+                continue;
             }
             // one backward, or one input-gradient pass and then one weight-gradient pass (a
             // zero-bubble schedule, or a later stage sending its input gradient first)

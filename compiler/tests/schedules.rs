@@ -46,6 +46,14 @@ fn clipped(text: &str) -> String {
     text.replace("  steps: 1\n", "  steps: 1\n  clip_grad_norm: 1.0\n")
 }
 
+/// With validation: a finite data set whose last quarter is held out, evaluated every step.
+fn validated(text: &str) -> String {
+    text.replace(
+        "  steps: 1\n",
+        "  steps: 1\n  data: { kind: synthetic, task: regression, samples: 1024 }\n  validation: { every: 1, split: 0.25 }\n",
+    )
+}
+
 fn build(text: &str) -> Compiled {
     let checked = pipec_grammar::check_source(text);
     let spec = checked.spec.unwrap_or_else(|| panic!("spec has errors: {:?}\n{text}", checked.diagnostics));
@@ -410,6 +418,58 @@ fn every_single_instruction_mutation_is_caught() {
             }
         }
         assert!(mutations > 0);
+    }
+}
+
+/// Validation's forward-only streams: golden, clean, and every dropped, duplicated or
+/// reordered instruction caught, over pipelines, replicas, tensor parallelism, virtual
+/// stages and a flush-free schedule.
+#[test]
+fn evaluation_streams_are_golden_and_every_mutation_is_caught() {
+    let layouts = [
+        ("1f1b", spec(3, 4, "1f1b", 6, "straight")),
+        ("hybrid-zero-1", spec(4, 4, "1f1b", 4, "\"2-2\"\n  zero: 1")),
+        ("tensor-parallel", spec(4, 4, "1f1b", 4, "\"1-1\"\n  tp: 2")),
+        ("interleaved", spec(2, 4, "{ kind: interleaved, virtual_stages: 2 }", 8, "straight")),
+        ("pipedream", spec(4, 4, "pipedream", 6, "\"2-1-1\"")),
+    ];
+    for (name, text) in layouts {
+        let c = build(&validated(&text));
+        let eval = c.plan.eval.clone().unwrap_or_else(|| panic!("{name}: no evaluation streams"));
+        assert!(pipec_compiler::verification::verify_plan(&c.plan).is_empty(), "{name}");
+        let text: String = eval
+            .iter()
+            .map(|(dev, stream)| {
+                let lines: String = stream.iter().enumerate().map(|(i, ins)| format!("  {i:4}  {ins}\n")).collect();
+                format!("device {dev}:\n{lines}")
+            })
+            .collect();
+        insta::assert_snapshot!(format!("eval_streams__{name}"), text);
+        let caught = |m: std::collections::BTreeMap<DeviceId, Vec<Instr>>| {
+            let mut plan = c.plan.clone();
+            plan.eval = Some(m);
+            !pipec_compiler::verification::verify_plan(&plan).is_empty()
+        };
+        for (dev, stream) in &eval {
+            for i in 0..stream.len() {
+                let mut m = eval.clone();
+                m.get_mut(dev).expect("device").remove(i);
+                assert!(caught(m), "{name}: dropping eval {dev}[{i}] `{}` was not caught", stream[i]);
+                let mut m = eval.clone();
+                m.get_mut(dev).expect("device").insert(i, stream[i].clone());
+                assert!(caught(m), "{name}: duplicating eval {dev}[{i}] `{}` was not caught", stream[i]);
+                if i + 1 < stream.len() && stream[i] != stream[i + 1] && !commutes(&stream[i], &stream[i + 1]) {
+                    let mut m = eval.clone();
+                    m.get_mut(dev).expect("device").swap(i, i + 1);
+                    assert!(
+                        caught(m),
+                        "{name}: swapping eval {dev}[{i}] `{}` and `{}` was not caught",
+                        stream[i],
+                        stream[i + 1]
+                    );
+                }
+            }
+        }
     }
 }
 

@@ -34,14 +34,22 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             None => st.model()?,
         });
         let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(mb))?;
-        // the forward (not a recompute) records batch normalisation's statistics
-        self.state(stage)?.record_statistics(mb, f.stats);
+        // the forward (not a recompute) records batch normalisation's statistics; validation
+        // trains nothing
+        if self.evaluating.is_none() {
+            self.state(stage)?.record_statistics(mb, f.stats);
+        }
         if let Some(loss) = f.loss {
             let value = loss.into_scalar().elem::<f32>();
             if !value.is_finite() {
                 return Err(ExecError::NonFinite(format!("the loss of microbatch {} is {value}", mb.0)));
             }
             report.losses.push((mb.0, value));
+            if let (Some(_), Some(scores)) = (self.evaluating, &f.scores) {
+                if let Some(c) = self.correct(mb, scores)? {
+                    report.correct.push(c);
+                }
+            }
         }
         if let Some(out) = &f.output {
             self.outputs.insert((stage, mb), act_to_message(out, Tag::activation(stage, mb))?);
@@ -82,6 +90,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         key: (u64, u64, u64),
     ) -> Result<Forwarded<B>> {
         let is_last = stage == self.last_stage();
+        // validation: dropout off, batch normalisation on its running statistics
+        let training = self.evaluating.is_none();
         if let Some(tp) = self.state(stage)?.tp.clone() {
             let reduce = self.reduce;
             let comm = &self.comm;
@@ -89,10 +99,16 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 Ok(comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?)
             };
             let mut stats = Vec::new();
-            let segments = crate::tensor_parallel::forward(model, x, true, key, &mut sum, &mut stats)?;
+            let segments = crate::tensor_parallel::forward(model, x, training, key, &mut sum, &mut stats)?;
             let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
             if !is_last {
-                return Ok(Forwarded { saved: Saved::Tp(segments, None), output: Some(out), loss: None, stats });
+                return Ok(Forwarded {
+                    saved: Saved::Tp(segments, None),
+                    output: Some(out),
+                    loss: None,
+                    stats,
+                    scores: None,
+                });
             }
             let leaf = crate::tensor_parallel::fresh(&out);
             let loss = match model.layers.last() {
@@ -114,21 +130,52 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 _ => self.loss(mb, leaf.clone())?,
             };
             let reported = (tp.rank == 0).then(|| loss.clone());
+            // a vocabulary-parallel layer's scores are split over the ranks: no accuracy
+            let scores = match model.layers.last() {
+                Some(crate::layers::Layer::VocabLinear(_)) => None,
+                _ => reported.as_ref().map(|_| leaf.clone()),
+            };
             return Ok(Forwarded {
                 saved: Saved::Tp(segments, Some((leaf, loss))),
                 output: None,
                 loss: reported,
                 stats,
+                scores,
             });
         }
         let mut stats = Vec::new();
-        let out = model.forward(x, true, key, &mut stats)?;
+        let out = model.forward(x, training, key, &mut stats)?;
         if is_last {
-            let loss = self.loss(mb, out)?;
-            Ok(Forwarded { saved: Saved::Loss(loss.clone()), output: None, loss: Some(loss), stats })
+            let loss = self.loss(mb, out.clone())?;
+            Ok(Forwarded { saved: Saved::Loss(loss.clone()), output: None, loss: Some(loss), stats, scores: Some(out) })
         } else {
-            Ok(Forwarded { saved: Saved::Output(out.clone()), output: Some(out), loss: None, stats })
+            Ok(Forwarded { saved: Saved::Output(out.clone()), output: Some(out), loss: None, stats, scores: None })
         }
+    }
+
+    /// A classifier's correct predictions among a microbatch's (the class of the highest
+    /// score against the label; a language model's at every position), and their number;
+    /// None for a regression.
+    pub(crate) fn correct(&self, mb: MicrobatchId, scores: &Act<B>) -> Result<Option<(f64, f64)>> {
+        let Some(Targets::Classes(labels)) = self.labels.get(&mb) else { return Ok(None) };
+        let values = crate::params::host_f32(match scores {
+            Act::D2(t) => t.clone().inner().into_data(),
+            Act::D3(t) => t.clone().inner().into_data(),
+            _ => return Ok(None),
+        })?;
+        let classes = scores.dims().last().copied().unwrap_or(1).max(1);
+        if values.len() != labels.len() * classes {
+            return Ok(None);
+        }
+        let correct = values
+            .chunks_exact(classes)
+            .zip(labels)
+            .filter(|(row, &label)| {
+                let best = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(c, _)| c);
+                best as i64 == label
+            })
+            .count();
+        Ok(Some((correct as f64, labels.len() as f64)))
     }
 
     /// The mean loss of a microbatch's output (tracked).

@@ -61,6 +61,8 @@ pub struct Dataset {
     positions: usize,
     /// Draw each epoch's samples in an order of its own (`training.shuffle`).
     shuffle: bool,
+    /// Samples held out for validation: the data set's last ones.
+    held_out: usize,
     source: Source,
 }
 
@@ -114,7 +116,16 @@ impl Dataset {
             }
         };
         let shuffle = plan.training.recipe.shuffle;
-        let mut data = Dataset { seed, numel, outputs, vocab, positions: expect.positions, shuffle, source };
+        let mut data =
+            Dataset { seed, numel, outputs, vocab, positions: expect.positions, shuffle, held_out: 0, source };
+        // validation holds out the data set's last samples
+        if let Some(v) = plan.training.recipe.validation {
+            let n = data.size().ok_or("validation needs a data set of a finite size")?;
+            if let Some(problem) = plan.training.recipe.held_out_problem(n, plan.training.batch_size) {
+                return Err(problem);
+            }
+            data.held_out = v.held_out(n, plan.training.batch_size).0;
+        }
         // A finite synthetic data set of moderate size is generated once, not every step.
         if let Source::Synthetic { samples, .. } = data.source {
             if samples > 0 && samples * (numel + outputs) <= 64 << 20 {
@@ -142,14 +153,35 @@ impl Dataset {
         self.samples(&indices)
     }
 
-    /// The number of distinct samples (None: an endless synthetic stream).
+    /// The number of distinct samples training draws from (None: an endless synthetic
+    /// stream): the data set less what validation holds out.
     pub fn size(&self) -> Option<usize> {
-        match &self.source {
+        let all = match &self.source {
             Source::Synthetic { samples, .. } | Source::SyntheticText { samples, .. } => {
                 (*samples > 0).then_some(*samples)
             }
             Source::Loaded { samples, .. } => Some(*samples),
-        }
+        };
+        all.map(|n| n - self.held_out)
+    }
+
+    /// Whole batches of `batch_size` in what validation holds out.
+    pub fn held_out_batches(&self, batch_size: usize) -> usize {
+        self.held_out / batch_size.max(1)
+    }
+
+    /// The samples of microbatch `mb` of held-out batch `batch` (validation: the data
+    /// set's last samples, in order).
+    pub fn validation_microbatch(
+        &self,
+        batch: usize,
+        mb: usize,
+        microbatch_size: usize,
+        batch_size: usize,
+    ) -> (Inputs, Targets) {
+        let first = self.size().unwrap_or(0) + batch * batch_size + mb * microbatch_size;
+        let indices: Vec<usize> = (first..first + microbatch_size).collect();
+        self.samples(&indices)
     }
 
     fn samples(&self, indices: &[usize]) -> (Inputs, Targets) {

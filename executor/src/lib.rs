@@ -146,6 +146,32 @@ pub struct StepMetrics {
     pub grad_norm: Option<f64>,
     /// Epochs of a finite data set drawn by the end of the step.
     pub epoch: Option<f64>,
+    /// Validation after this step (`training.validation`).
+    pub validation: Option<ValidationMetrics>,
+}
+
+/// The held-out data's figures after a step: its mean loss, and a classifier's accuracy
+/// (a language model's over its tokens) and a language model's perplexity.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ValidationMetrics {
+    pub loss: f64,
+    pub accuracy: Option<f64>,
+    pub perplexity: Option<f64>,
+    /// The raw sums (loss, microbatches, correct, predictions), which ranks add up.
+    pub sums: [f64; 4],
+}
+
+impl ValidationMetrics {
+    /// From summed loss, microbatches, correct predictions and predictions.
+    pub fn of(sums: [f64; 4], language_model: bool) -> Self {
+        let loss = if sums[1] > 0.0 { sums[0] / sums[1] } else { f64::NAN };
+        ValidationMetrics {
+            loss,
+            accuracy: (sums[3] > 0.0).then(|| sums[2] / sums[3]),
+            perplexity: language_model.then(|| loss.exp()),
+            sums,
+        }
+    }
 }
 
 /// Whether the plan trains a language model (token ids in, [sequence, vocab] scores out,

@@ -101,17 +101,24 @@ fn run_rank(
     let mut gather = |m: &StepMetrics| {
         if rank == 0 {
             let (mut sum, mut count, mut secs) = (m.loss_sum, m.loss_count as f64, m.step_seconds);
+            // validation's sums, when this step was followed by one
+            let mut validation = m.validation.map(|v| v.sums);
             for r in 1..size {
                 if let Ok(b) = receive_bytes(r, TAG_METRIC, &abort, timeout, devices[r as usize]) {
                     let v = from_f64s(&b);
-                    if v.len() == 4 {
+                    if v.len() == 9 {
                         sum += v[1];
                         count += v[2];
                         secs = secs.max(v[3]);
+                        if v[4] != 0.0 {
+                            let total = validation.get_or_insert([0.0; 4]);
+                            total.iter_mut().zip(&v[5..9]).for_each(|(a, b)| *a += b);
+                        }
                     }
                 }
             }
             let loss = if count > 0.0 { sum / count } else { f64::NAN };
+            let language_model = crate::is_language_model(plan);
             on_step(&StepMetrics {
                 step: m.step,
                 loss,
@@ -119,17 +126,20 @@ fn run_rank(
                 loss_count: count as usize,
                 step_seconds: secs,
                 samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12),
-                perplexity: crate::is_language_model(plan).then(|| loss.exp()),
+                perplexity: language_model.then(|| loss.exp()),
                 // the same on every rank: a function of the step, and the norm's sum
                 lr: m.lr,
                 grad_norm: m.grad_norm,
                 epoch: m.epoch,
+                validation: validation.map(|v| crate::ValidationMetrics::of(v, language_model)),
             });
         } else {
+            let v = m.validation.map_or([0.0; 4], |v| v.sums);
+            let has = f64::from(u8::from(m.validation.is_some()));
             let _ = outgoing.send((
                 0,
                 TAG_METRIC,
-                f64s(&[m.step as f64, m.loss_sum, m.loss_count as f64, m.step_seconds]),
+                f64s(&[m.step as f64, m.loss_sum, m.loss_count as f64, m.step_seconds, has, v[0], v[1], v[2], v[3]]),
                 None,
             ));
         }

@@ -263,9 +263,22 @@ fn run_steps<B: ExecBackend>(
             return Ok(());
         }
         let planned = step + 1 == shared.steps.end || shared.every.is_some_and(|k| (step + 1) % k == 0);
-        let drain = planned || begin == Begin::RunLast;
+        // validation after every `every` steps and the last, on a drained pipeline
+        let evaluate = shared.plan.eval.is_some()
+            && shared.plan.training.recipe.validation.is_some_and(|v| {
+                (step + 1).is_multiple_of(v.every) || step + 1 == shared.steps.end || begin == Begin::RunLast
+            });
+        let drain = planned || begin == Begin::RunLast || evaluate;
         let segments = w.segments(filled, drain);
         let mut r = w.step(step, &segments, drain).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
+        if evaluate {
+            let mut sum = [0.0f64; 4];
+            for batch in 0..shared.data.held_out_batches(shared.plan.training.batch_size) {
+                let v = w.evaluate(step, batch).map_err(|(i, e)| fail(Some(step), Some(i), e))?;
+                sum.iter_mut().zip(v).for_each(|(a, b)| *a += b);
+            }
+            r.validation = Some(sum);
+        }
         if step + 1 == shared.steps.end {
             // the peak before counting the model state (which serialises the optimizer's)
             r.resident = baseline
@@ -370,6 +383,13 @@ impl Coordinator<'_> {
             perplexity: is_language_model(plan).then(|| loss.exp()),
             lr: plan.training.lr_at(step),
             grad_norm: reports.iter().find_map(|(r, _)| r.grad_norm),
+            validation: reports.iter().any(|(r, _)| r.validation.is_some()).then(|| {
+                let mut sum = [0.0f64; 4];
+                for v in reports.iter().filter_map(|(r, _)| r.validation) {
+                    sum.iter_mut().zip(v).for_each(|(a, b)| *a += b);
+                }
+                crate::ValidationMetrics::of(sum, is_language_model(plan))
+            }),
             epoch: self.samples.map(|n| ((step + 1) * plan.training.batch_size) as f64 / n as f64),
         }
     }

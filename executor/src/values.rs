@@ -63,6 +63,9 @@ pub(crate) struct Forwarded<B: ExecBackend> {
     pub(crate) loss: Option<Tensor<B, 1>>,
     /// Batch normalisation's statistics of this microbatch, in layer order.
     pub(crate) stats: Vec<Tensor<B, 1>>,
+    /// The last stage's scores (the loss's input), whole on this device: what validation's
+    /// accuracy reads.
+    pub(crate) scores: Option<Act<B>>,
 }
 
 /// A copy of a stage's weights that is a fresh autodiff leaf: every microbatch's forward

@@ -41,6 +41,13 @@ pub struct StepReport {
     pub peak_in_flight: HashMap<StageId, u32>,
     /// Peak weight versions alive at once (live + stashed), per stage.
     pub peak_versions: HashMap<StageId, u32>,
+    /// Validation (a forward-only run of a held-out batch): per microbatch whose loss this
+    /// device computed, its correct predictions and predictions (a classifier's samples, a
+    /// language model's tokens; none for a regression).
+    pub correct: Vec<(f64, f64)>,
+    /// Validation after this step: the summed loss, microbatches, correct predictions and
+    /// predictions of every held-out batch on this device.
+    pub validation: Option<[f64; 4]>,
     /// The model state this device holds (the run's last step only).
     pub held: Option<HeldState>,
     /// The process's resident memory, when it runs this device alone (the last step only).
@@ -94,6 +101,9 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     pub(crate) grad_norm: Option<f64>,
     /// The stream sums the gradient norm over every device (`grad_norm`).
     pub(crate) global_clip: bool,
+    /// Validation: the held-out batch being evaluated (forwards only, dropout off, batch
+    /// normalisation on its running statistics); None while training.
+    pub(crate) evaluating: Option<usize>,
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -135,6 +145,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             global_clip: stream
                 .iter()
                 .any(|i| matches!(i, Instr::Collective { payload: pipec_plan::CollectivePayload::GradNorm, .. })),
+            evaluating: None,
         }
     }
 
@@ -414,7 +425,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let t = &self.plan.training;
         // `mb` is the microbatch's number in the run: step·N + its number in the step
         let n = t.microbatches.max(1);
-        let (x, y) = self.data.microbatch(mb.0 as usize / n, mb.0 as usize % n, t.microbatch_size, t.batch_size);
+        let (x, y) = match self.evaluating {
+            Some(batch) => self.data.validation_microbatch(batch, mb.0 as usize % n, t.microbatch_size, t.batch_size),
+            None => self.data.microbatch(mb.0 as usize / n, mb.0 as usize % n, t.microbatch_size, t.batch_size),
+        };
         if inputs {
             let mut shape = vec![t.microbatch_size];
             shape.extend(&self.plan.model.input);
@@ -523,6 +537,21 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
 }
 
 impl<B: ExecBackend> Worker<'_, B> {
+    /// Validation: runs the plan's forward-only stream over held-out batch `batch` after
+    /// step `step`; this device's summed loss, microbatches, correct predictions and
+    /// predictions (zeros where it computes no loss).
+    pub(crate) fn evaluate(&mut self, step: usize, batch: usize) -> std::result::Result<[f64; 4], (usize, ExecError)> {
+        let plan = self.plan;
+        let Some(stream) = plan.eval.as_ref().and_then(|e| e.get(&self.device)) else { return Ok([0.0; 4]) };
+        self.evaluating = Some(batch);
+        let r = self.step(step, &[(StreamSegment::Body, stream.as_slice())], true);
+        self.evaluating = None;
+        let r = r?;
+        let loss: f64 = r.losses.iter().map(|(_, l)| f64::from(*l)).sum();
+        let (correct, total) = r.correct.iter().fold((0.0, 0.0), |(c, t), (a, b)| (c + a, t + b));
+        Ok([loss, r.losses.len() as f64, correct, total])
+    }
+
     /// The model state this device holds now (see [`HeldState`]).
     pub(crate) fn held_state(&self) -> Result<HeldState> {
         let values = |items: Vec<(burn::module::ParamId, serde_json::Value)>| -> Result<u64> {

@@ -330,9 +330,11 @@ infinite cell. `pipec check` reads the first 4 MiB of the file with the executor
 optimizer's `lr` over `warmup` steps, then a `constant`, `linear` or `cosine` decay to
 `min_lr` by `decay_steps`, default the run's `steps`), `clip_grad_norm` (the largest norm
 the whole model's gradient may have: every update scales its gradients by min(1, max /
-norm)) and `shuffle` (a new order of a finite data set's samples every epoch). `min_lr`
-must not exceed `lr`, a decay must end after the warm-up, the clipping norm must be
-positive, and shuffling needs a data set of a finite size.
+norm)), `shuffle` (a new order of a finite data set's samples every epoch) and
+`validation` (`every` steps, evaluate on the last `split` of the data set, held out of
+training). `min_lr` must not exceed `lr`, a decay must end after the warm-up, the
+clipping norm must be positive, shuffling and validation need a data set of a finite
+size, and the held-out share must be in (0, 1) and hold at least one whole batch.
 
     training:
       optimizer: { kind: adamw, lr: 0.0003 }

@@ -338,6 +338,19 @@ struct Training {
     /// Draw a finite data set's samples in a new order every epoch (from the seed), rather
     /// than in file order.
     shuffle: Option<bool>,
+    validation: Option<ValidationSpec>,
+}
+
+/// Evaluation on held-out data: the last `split` of a finite data set is never trained on,
+/// and every `every` steps (and after the last) the model's loss (and accuracy or
+/// perplexity) over its whole batches goes to `metrics.jsonl`.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ValidationSpec {
+    /// Evaluate after every this many steps (and after the last).
+    every: u64,
+    /// The share of the data set held out, in (0, 1): its last samples.
+    split: f64,
 }
 
 /// The learning rate over the steps: a linear warm-up from 0 to the optimizer's `lr`, then

@@ -550,7 +550,7 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
             })
         }
     };
-    let recipe = lower_recipe(cx, &f, steps, optimizer.as_ref(), data.as_ref());
+    let recipe = lower_recipe(cx, &f, steps, batch, optimizer.as_ref(), data.as_ref());
     Some(Training {
         batch_size: batch?,
         batch_span: batch_node.map(|n| n.span).unwrap_or(owner),
@@ -571,6 +571,7 @@ fn lower_recipe(
     cx: &mut Lower<'_>,
     f: &Fields<'_>,
     steps: Option<usize>,
+    batch: Option<usize>,
     optimizer: Option<&Optimizer>,
     data: Option<&Data>,
 ) -> Option<pipec_plan::recipe::Recipe> {
@@ -607,21 +608,45 @@ fn lower_recipe(
         None => Some(false),
         Some(n) => cx.boolean(n),
     };
-    let recipe = Recipe { lr_schedule: lr_schedule?, clip_grad_norm: clip_grad_norm?, shuffle: shuffle? };
+    let validation = match f.get("validation") {
+        None => Some(None),
+        Some(n) => {
+            cx.fields(n, &["training", "validation"], f.key_span("validation").unwrap_or(n.span)).and_then(|vf| {
+                let every = cx.required(&vf, "every", "training.validation").and_then(|e| cx.uint(e, 1));
+                let split = cx
+                    .required(&vf, "split", "training.validation")
+                    .and_then(|s| cx.number(s, pipec_plan::rules::Bound::Fraction));
+                Some(Some(pipec_plan::recipe::Validation { every: every?, split: split? }))
+            })
+        }
+    };
+    let recipe = Recipe {
+        lr_schedule: lr_schedule?,
+        clip_grad_norm: clip_grad_norm?,
+        shuffle: shuffle?,
+        validation: validation?,
+    };
     let (Some(optimizer), Some(data)) = (optimizer, data) else { return Some(recipe) };
     let finite = !matches!(data, Data::Synthetic { samples: None, .. });
     let mut ok = true;
-    for (key, problem) in recipe.problems(optimizer.lr(), finite) {
+    let mut problems = recipe.problems(optimizer.lr(), finite);
+    // synthetic data's size is known now (a file's when it is read: `pipec check` reads it)
+    if let (Data::Synthetic { samples: Some(n), .. }, Some(batch)) = (data, batch) {
+        problems.extend(recipe.held_out_problem(*n, batch).map(|p| ("validation", p)));
+    }
+    for (key, problem) in problems {
         let span = f.get(key).map_or(f.owner, |n| n.span);
         let label = match key {
             "lr_schedule" => "this schedule",
-            "shuffle" => "the data set has no end",
+            "shuffle" | "validation" if !finite => "the data set has no end",
+            "validation" => "this validation",
             _ => "not a norm a gradient can be clipped to",
         };
         cx.push(
             Diagnostic::error("E0504", problem, span, label).with_help(match key {
                 "lr_schedule" => "the learning rate warms up from 0 to the optimizer's `lr` over `warmup` steps, then decays to `min_lr` (at most `lr`) by `decay_steps` (past the warm-up)",
                 "shuffle" => "give the synthetic data a size (`samples: N`), or remove `shuffle`",
+                "validation" => "validation evaluates every `every` (≥ 1) steps on the last `split` of a data set of a finite size: at least one whole batch, with samples left to train on, e.g. `validation: { every: 50, split: 0.1 }`",
                 _ => "clip_grad_norm is the largest norm the whole gradient may have",
             }),
         );

@@ -40,6 +40,11 @@ pub struct Plan {
     /// the run, so a body's numbers `N..` are the next step's first microbatches.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flush_free: Option<FlushFree>,
+    /// Validation (`training.recipe.validation`): each device's stream for one held-out
+    /// batch, forward passes only (loads, receives, forwards, sends and frees), run after
+    /// the steps the validation follows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<BTreeMap<DeviceId, Vec<Instr>>>,
     pub simulation: Simulation,
 }
 
@@ -743,7 +748,7 @@ impl Plan {
         // streams: every index in range (a flush-free body's next-step microbatches too)
         let mb_limit = if self.flush_free.is_some() { 2 * t.microbatches } else { t.microbatches };
         let segments = self.flush_free.iter().flat_map(|f| f.prologue.iter().chain(&f.epilogue));
-        for (dev, stream) in self.streams.iter().chain(segments) {
+        for (dev, stream) in self.streams.iter().chain(segments).chain(self.eval.iter().flatten()) {
             if dev.0 as usize >= n_dev {
                 out.push(format!("a stream for {dev}, which the plan does not have"));
                 continue;

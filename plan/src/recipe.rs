@@ -21,6 +21,26 @@ pub struct Recipe {
     /// epoch), rather than in file order.
     #[serde(default, skip_serializing_if = "is_false")]
     pub shuffle: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation: Option<Validation>,
+}
+
+/// Evaluation on held-out data: the last `split` of a finite data set is never trained on;
+/// every `every` steps (and after the last) the model's loss (and accuracy, or a language
+/// model's perplexity) over its whole batches is measured, forward passes only, dropout
+/// off and batch normalisation on its running statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Validation {
+    pub every: usize,
+    pub split: f64,
+}
+
+impl Validation {
+    /// The samples held out of `samples`, and the batches of `batch` they make.
+    pub fn held_out(&self, samples: usize, batch: usize) -> (usize, usize) {
+        let held = ((samples as f64) * self.split).floor() as usize;
+        (held, held / batch.max(1))
+    }
 }
 
 fn is_false(b: &bool) -> bool {
@@ -64,7 +84,38 @@ impl Recipe {
                 "shuffle needs a data set of a finite size: synthetic data without `samples` is a fresh batch every step".into(),
             ));
         }
+        if let Some(v) = self.validation {
+            if !(v.split > 0.0 && v.split < 1.0) {
+                out.push((
+                    "validation",
+                    format!("validation.split is the share held out, in (0, 1); found {}", v.split),
+                ));
+            } else if v.every == 0 {
+                out.push(("validation", "validation.every must be at least 1".into()));
+            } else if !finite {
+                out.push((
+                    "validation",
+                    "validation holds out part of a data set of a finite size: synthetic data without `samples` has none".into(),
+                ));
+            }
+        }
         out
+    }
+
+    /// What is wrong with holding out validation data from `samples` samples in batches of
+    /// `batch` (None: nothing, or no validation): at least one whole batch must be held out,
+    /// and at least one left to train on.
+    pub fn held_out_problem(&self, samples: usize, batch: usize) -> Option<String> {
+        let v = self.validation?;
+        let (held, batches) = v.held_out(samples, batch);
+        if batches == 0 {
+            return Some(format!(
+                "validation.split {} of {samples} samples holds out {held}, less than one batch of {batch}",
+                v.split
+            ));
+        }
+        (held >= samples)
+            .then(|| format!("validation.split {} leaves none of the {samples} samples to train on", v.split))
     }
 }
 
