@@ -11,6 +11,8 @@ mod calibrate_cmd;
 mod check_cmd;
 mod compare_cmd;
 mod compile_cmd;
+mod export_cmd;
+mod import_cmd;
 mod launch_cmd;
 mod lsp;
 mod lsp_io;
@@ -50,6 +52,34 @@ enum Command {
         files: Vec<PathBuf>,
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
+    },
+    /// Write a spec for a Hugging Face model's `config.json` (GPT-2, Llama, Mistral, Qwen2):
+    /// its `model` section as pipec layers, with a cluster, an `auto` strategy and a training
+    /// section to edit. A config field pipec cannot honour is an error naming it.
+    Import {
+        config: PathBuf,
+        /// Where to write the spec (default: standard output).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// The training window in tokens (default: the model's context, at most 4096).
+        #[arg(long)]
+        seq: Option<usize>,
+        /// The spec's `name` (default: the config's folder).
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Write a checkpoint as a Hugging Face checkpoint folder (`model.safetensors` under
+    /// `transformers`' names and `config.json`) for a GPT-2 or Llama-family model, whatever
+    /// layout trained it.
+    Export {
+        /// A checkpoint: a step directory, a checkpoints directory or a run directory.
+        checkpoint: PathBuf,
+        /// The folder to write (must not exist).
+        #[arg(short, long)]
+        out: PathBuf,
+        /// The run's plan.json (default: the nearest one above the checkpoint).
+        #[arg(long)]
+        plan: Option<PathBuf>,
     },
     /// Print the long explanation of a diagnostic code, e.g. `pipec explain E0102`.
     Explain {
@@ -140,6 +170,11 @@ enum Command {
         /// Resume from a checkpoint (a run directory, a checkpoints directory or a step-N directory).
         #[arg(long)]
         resume: Option<PathBuf>,
+        /// Start from a Hugging Face checkpoint's weights (a folder with `model.safetensors`
+        /// or a sharded `model.safetensors.index.json`; GPT-2 and Llama-family names), on
+        /// any layout, with a fresh optimizer.
+        #[arg(long, conflicts_with = "resume")]
+        init: Option<PathBuf>,
         /// Seconds a worker may wait for a message before the run is declared stuck.
         #[arg(long, default_value_t = 120)]
         timeout: u64,
@@ -255,6 +290,10 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
+        Command::Export { checkpoint, out, plan } => export_cmd::run(&checkpoint, &out, plan.as_deref()),
+        Command::Import { config, out, seq, name } => {
+            import_cmd::run(import_cmd::ImportArgs { config: &config, out: out.as_deref(), seq, name: name.as_deref() })
+        }
         Command::Search { file, profile, allow_async, max_depth, headroom, schedules, top, format } => {
             search_cmd::run(search_cmd::SearchArgs {
                 path: &file,
@@ -279,7 +318,7 @@ fn main() -> ExitCode {
             profile.as_deref(),
             resume.as_deref(),
         ),
-        Command::Run { file, out, steps, backend, resume, timeout, transport, no_verify, share_gpus } => {
+        Command::Run { file, out, steps, backend, resume, init, timeout, transport, no_verify, share_gpus } => {
             run_cmd::run(run_cmd::RunArgs {
                 transport,
                 file,
@@ -287,6 +326,7 @@ fn main() -> ExitCode {
                 steps,
                 backend,
                 resume,
+                init,
                 timeout_s: timeout,
                 verify: !no_verify,
                 share_gpus,

@@ -37,6 +37,8 @@ pub struct RunArgs {
     pub steps: Option<usize>,
     pub backend: Backend,
     pub resume: Option<PathBuf>,
+    /// A Hugging Face checkpoint folder whose weights the run starts from.
+    pub init: Option<PathBuf>,
     pub timeout_s: u64,
     /// Verify a plan.json's streams before running it.
     pub verify: bool,
@@ -411,6 +413,13 @@ fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
 /// (checksums, shapes against the plan's model), and the step it resumes at; an error
 /// before anything is written when there is none or it does not load.
 fn resolve_resume(args: &RunArgs, plan: &Plan) -> Result<(Option<Resume>, usize), String> {
+    if let Some(dir) = &args.init {
+        // the weights alone, as a step-0 checkpoint of one whole stage: every layout takes
+        // its part of each weight the way a resume does, and the optimizer starts fresh
+        let loaded =
+            pipec_plan::hf::initial_weights(plan, dir).map_err(|e| format!("--init `{}`: {e}", dir.display()))?;
+        return Ok((Some(Resume::Loaded(std::sync::Arc::new(loaded))), 0));
+    }
     let Some(p) = &args.resume else { return Ok((None, 0)) };
     let found = pipec_executor::checkpoint::locate_in(p, plan.training.checkpoint_dir.as_deref())?;
     let loaded =

@@ -913,3 +913,176 @@ fn check_is_clean_only_when_compile_finds_nothing_without_a_search() {
     let checked = pipec(&["check", bad.to_str().expect("utf-8"), "--format", "json"]);
     assert_eq!(codes(&checked), vec!["E0411".to_string()], "{}", String::from_utf8_lossy(&checked.stdout));
 }
+
+#[test]
+fn import_writes_specs_that_check_clean_with_the_published_parameter_counts() {
+    // the config.json files of the published checkpoints (tests/import/), and their
+    // parameter counts as the model cards and `transformers` give them
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (config, parameters) in [
+        ("llama-2-7b", "6,738,415,616"),
+        ("mistral-7b", "7,241,732,096"),
+        ("llama-3-8b", "8,030,261,248"),
+        ("gpt2-medium", "354,823,168"),
+        ("qwen2-0.5b", "494,032,768"),
+    ] {
+        let spec = dir.path().join(format!("{config}.yaml"));
+        let out = pipec(&[
+            "import",
+            &format!("tests/import/{config}.json"),
+            "-o",
+            spec.to_str().expect("utf-8 path"),
+            "--name",
+            config,
+        ]);
+        assert!(out.status.success(), "{config}: {}", String::from_utf8_lossy(&out.stderr));
+        let out = pipec(&["check", spec.to_str().expect("utf-8 path")]);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{config}: {said}");
+        assert!(said.contains(&format!("ok, {parameters} parameters")), "{config}: {said}");
+    }
+    // a field that would change the model is refused by name, and nothing is written
+    let bad = dir.path().join("scaled.json");
+    let text = std::fs::read_to_string("tests/import/llama-3-8b.json").expect("config");
+    std::fs::write(&bad, text.replace("\"rope_scaling\": null", "\"rope_scaling\": {\"rope_type\": \"llama3\"}"))
+        .expect("write");
+    let target = dir.path().join("scaled.yaml");
+    let out = pipec(&["import", bad.to_str().expect("utf-8"), "-o", target.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`rope_scaling"));
+    assert!(!target.exists());
+}
+
+#[test]
+fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_on_any_layout() {
+    // tests/reference/hf/llama-gqa: a tiny random Llama (grouped-query attention, rotary
+    // embeddings, SwiGLU) and the logits transformers computed for two rows of token ids.
+    // The token file holds both rows and one more token, so pipec's two windows are those
+    // rows; their loss at step 0 is the cross-entropy of transformers' logits.
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf/llama-gqa");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).expect("fixture")).expect("json");
+    let ids: Vec<Vec<u16>> = serde_json::from_value(reference["input_ids"].clone()).expect("ids");
+    let logits: Vec<f64> = serde_json::from_value(reference["logits"].clone()).expect("logits");
+    let (vocab, seq) = (50, ids[0].len());
+    let mut tokens: Vec<u16> = ids.concat();
+    tokens.push(7);
+    let mut expected = 0.0;
+    for (p, row) in logits.chunks(vocab).enumerate() {
+        let target = f64::from(tokens[p + 1]) as usize;
+        let max = row.iter().fold(f64::MIN, |m, v| m.max(*v));
+        let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+        expected += lse - row[target];
+    }
+    expected /= (2 * seq) as f64;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("tokens.bin"), bytes).expect("tokens");
+    for (devices, layout) in [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")] {
+        let spec = format!(
+            "name: init\nmodel:\n  input: [{seq}]\n  layers:\n    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head\n  loss: cross_entropy\n\
+             cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
+             strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
+             training:\n  batch_size: 2\n  steps: 2\n  optimizer: {{ kind: adamw, lr: 0.001, weight_decay: 0.1 }}\n  data: {{ kind: tokens, path: tokens.bin, dtype: uint16 }}\n"
+        );
+        let path = dir.path().join(format!("init-{devices}.yaml"));
+        std::fs::write(&path, spec).expect("spec");
+        let out_dir = dir.path().join(format!("out-{devices}"));
+        let out = pipec(&[
+            "run",
+            path.to_str().expect("utf-8"),
+            "--init",
+            fixture.to_str().expect("utf-8"),
+            "--out",
+            out_dir.to_str().expect("utf-8"),
+        ]);
+        assert!(out.status.success(), "{layout}: {}", String::from_utf8_lossy(&out.stderr));
+        let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
+        let first: serde_json::Value = serde_json::from_str(metrics.lines().next().expect("a step")).expect("json");
+        let loss = first["loss"].as_f64().expect("loss");
+        assert!(
+            (loss - expected).abs() <= 1e-5 * expected,
+            "{layout}: pipec's first loss {loss}, transformers' {expected}"
+        );
+    }
+    // export: trained 2 steps on the tensor-parallel pipeline, the checkpoint exported, a
+    // run initialised from the export on one device starts at the loss the pipeline's third
+    // step had (every step trains on the same two windows)
+    let spec = std::fs::read_to_string(dir.path().join("init-4.yaml"))
+        .expect("spec")
+        .replace("steps: 2", "steps: 3\n  checkpoint: { every: 2, dir: checkpoints }");
+    std::fs::write(dir.path().join("train.yaml"), spec).expect("spec");
+    let run = dir.path().join("trained");
+    let out = pipec(&[
+        "run",
+        dir.path().join("train.yaml").to_str().expect("utf-8"),
+        "--init",
+        fixture.to_str().expect("utf-8"),
+        "--out",
+        run.to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let losses: Vec<f64> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"].as_f64().expect("loss"))
+        .collect();
+    let exported = dir.path().join("exported");
+    let out = pipec(&[
+        "export",
+        run.join("checkpoints/step-000002").to_str().expect("utf-8"),
+        "-o",
+        exported.to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // its config imports back into the same model
+    let out = pipec(&["import", exported.join("config.json").to_str().expect("utf-8"), "--seq", "12"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(
+        "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)"
+    ));
+    let again = dir.path().join("again");
+    let out = pipec(&[
+        "run",
+        dir.path().join("init-1.yaml").to_str().expect("utf-8"),
+        "--init",
+        exported.to_str().expect("utf-8"),
+        "--out",
+        again.to_str().expect("utf-8"),
+        "--steps",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let metrics = std::fs::read_to_string(again.join("metrics.jsonl")).expect("metrics");
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().expect("a step")).expect("json");
+    let loss = first["loss"].as_f64().expect("loss");
+    assert!(
+        (loss - losses[2]).abs() <= 1e-5 * losses[2],
+        "from the export {loss}, the pipeline's step 2 {}",
+        losses[2]
+    );
+    assert!((losses[2] - expected).abs() > 1e-3, "training changed the weights");
+    // exporting over an existing folder is refused and leaves it as it was
+    let out = pipec(&[
+        "export",
+        run.join("checkpoints/step-000002").to_str().expect("utf-8"),
+        "-o",
+        exported.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    // a checkpoint whose shapes are not the model's is refused, naming the tensor
+    let spec = std::fs::read_to_string(dir.path().join("init-1.yaml")).expect("spec").replace("ff=24", "ff=32");
+    std::fs::write(dir.path().join("wrong.yaml"), spec).expect("spec");
+    let out = pipec(&[
+        "run",
+        dir.path().join("wrong.yaml").to_str().expect("utf-8"),
+        "--init",
+        fixture.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("model.layers.0.mlp.gate_proj.weight") && said.contains("[24, 16]") && said.contains("[32, 16]"),
+        "{said}"
+    );
+}

@@ -855,6 +855,28 @@ fn tensor_parallel_attention_equals_one_device() {
 }
 
 #[test]
+fn llama_blocks_split_over_tensor_parallel_ranks_equal_one_device() {
+    // grouped-query attention (4 query heads share 2 key/value heads, one per rank), rotary
+    // embeddings, RMSNorm, a SwiGLU MLP whose gate and up columns split together, no biases;
+    // and Qwen2's query/key/value biases alone
+    for block in [
+        "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)",
+        "transformer_block(d=16, heads=4, ff=24, kv_heads=2, norm=rmsnorm, mlp=geglu, rope=500, bias=false, qkv_bias=true, eps=1e-6)",
+        "transformer_block(d=16, heads=4, ff=32, mlp=gelu_tanh)",
+    ] {
+        let layers = format!("- embedding(50, 16)\n    - repeat 2: {block}\n    - rmsnorm\n    - flatten\n    - linear(256, 4)");
+        assert_same_as_one_device(Job {
+            devices: 4,
+            stages: "\"1-1\"\n  tp: 2",
+            schedule: "1f1b",
+            optimizer: ADAM,
+            layers: &layers,
+            ..Job::default()
+        });
+    }
+}
+
+#[test]
 fn pipedream_vertical_sync_uses_the_first_stages_version_everywhere() {
     let p = plan(&Job {
         devices: 3,

@@ -108,8 +108,10 @@ pub fn forward_flops(node: &OpNode) -> f64 {
         Op::Add { inputs } => (inputs.saturating_sub(1)) as f64 * out,
         Op::Flatten | Op::Concat { .. } => 0.0,
         Op::Relu | Op::Dropout { .. } => inp,
-        Op::Gelu | Op::Tanh | Op::Sigmoid => 8.0 * inp,
+        Op::Gelu | Op::GeluTanh | Op::Tanh | Op::Sigmoid => 8.0 * inp,
         Op::LayerNorm { .. } => 5.0 * inp,
+        // square, mean, reciprocal root, scale
+        Op::RmsNorm { .. } => 4.0 * inp,
         Op::Embedding { .. } => out,
         Op::PosEmbedding { .. } => inp,
         Op::Lstm { input, hidden } => {
@@ -119,12 +121,14 @@ pub fn forward_flops(node: &OpNode) -> f64 {
             // gates' non-linearities and the cell and hidden updates (~30 per hidden unit)
             s * (2.0 * 4.0 * h * (i + h) + 2.0 * 4.0 * h + 30.0 * h)
         }
-        Op::TransformerBlock { d_model, d_ff, .. } => {
+        Op::TransformerBlock { .. } => {
+            let Some(blk) = node.op.block_dims() else { return 0.0 };
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
-            let d = d_model as f64;
-            let f = d_ff as f64;
-            // QKV and output projections 8·s·d², scores and weighted sum 4·s²·d, MLP 4·s·d·f
-            8.0 * s * d * d + 4.0 * s * s * d + 4.0 * s * d * f
+            let (d, f) = (blk.d as f64, blk.ff as f64);
+            let (qkv, up) = (blk.qkv_width as f64, blk.up_width as f64);
+            // QKV 2·s·d·(d + 2·kv_width) and output projection 2·s·d², scores and weighted
+            // sum 4·s²·d, MLP 2·s·d·up + 2·s·f·d (GPT's block: 8·s·d² + 4·s²·d + 4·s·d·f)
+            2.0 * s * d * qkv + 2.0 * s * d * d + 4.0 * s * s * d + 2.0 * s * d * up + 2.0 * s * f * d
         }
     }
 }
@@ -167,14 +171,20 @@ fn kept_bytes(node: &OpNode, p: f64, tp: usize, sp: bool, attention: Attention) 
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
             let (h, a, t) = (d_model as f64, heads as f64, tp.max(1) as f64);
             let sh = s * h;
+            let blk = node.op.block_dims();
+            let (qkv, f, up) =
+                blk.map_or((3.0 * h, 4.0 * h, 4.0 * h), |b| (b.qkv_width as f64, b.ff as f64, b.up_width as f64));
+            // the MLP's activation input and the down projection's input; a gated unit
+            // keeps its gate and up outputs, the activation's output and their product
+            let mlp = if blk.is_some_and(|b| b.gated) { up + 2.0 * f } else { 2.0 * f };
             // values (p bytes) and one-byte dropout masks outside the split products: the
             // QKV and MLP inputs, the two layer norms' inputs (4·s·h) and two masks (2·s·h)
             // — split along the sequence with sequence parallelism
             let whole = 4.0 * sh * p + 2.0 * sh;
             let whole = if sp { whole / t } else { whole };
-            // inside the split products: Q, K, V, the projection's input, the GeLU's and the
-            // second linear's inputs (12·s·h values)
-            let split = 12.0 * sh * p / t;
+            // inside the split products: Q, K, V, the projection's input, the MLP's (GPT's
+            // block: 12·s·h values)
+            let split = s * (qkv + h + mlp) * p / t;
             // the attention core: softmax and dropout outputs (2·a·s² values), its mask
             let core = match attention {
                 Attention::Standard => (2.0 * a * s * s * p + a * s * s) / t,
@@ -253,9 +263,12 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 bwd.vector(30.0 * h * b, 12.0 * h * b, 0.0);
             }
         }
-        Op::TransformerBlock { d_model, heads, d_ff, causal } => {
+        Op::TransformerBlock { d_model, heads, d_ff, causal, .. } => {
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
             let (h, a, f) = (d_model as f64, heads as f64, d_ff as f64);
+            let blk = node.op.block_dims();
+            let (qkv, up) = blk.map_or((3.0 * h, f), |b| (b.qkv_width as f64, b.up_width as f64));
+            let gated = blk.is_some_and(|b| b.gated);
             let e = b * s * h;
             let el = if cx.sequence_parallel { e / t } else { e };
             let ef = b * s * f / t;
@@ -270,9 +283,9 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 k.matrix(core_flops, eatt + 2.0 * e / t);
             };
             let projections = [
-                (2.0 * b * s * h * 3.0 * h / t, e + 3.0 * h * h / t + 3.0 * e / t),
+                (2.0 * b * s * h * qkv / t, e + h * qkv / t + b * s * qkv / t),
                 (2.0 * b * s * h * h / t, e / t + h * h / t + e),
-                (2.0 * b * s * h * f / t, e + h * f / t + ef),
+                (2.0 * b * s * h * up / t, e + h * up / t + b * s * up / t),
                 (2.0 * b * s * f * h / t, ef + f * h / t + e),
             ];
             // forward: LN, QKV, attention, projection, bias-dropout-add, LN, MLP, add
@@ -288,7 +301,9 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             fwd.vector(3.0 * el, 3.0 * el, el);
             fwd.vector(5.0 * el, 2.0 * el, 0.0);
             fwd.matrix(projections[2].0, projections[2].1);
-            fwd.vector(10.0 * ef, 2.0 * ef, 0.0);
+            // the activation (a gated unit: the gate's activation times the up projection)
+            let (act_flops, act_values) = if gated { (12.0 * ef, 3.0 * ef) } else { (10.0 * ef, 2.0 * ef) };
+            fwd.vector(act_flops, act_values, 0.0);
             fwd.matrix(projections[3].0, projections[3].1);
             fwd.vector(3.0 * el, 3.0 * el, el);
             // backward: every product twice (input and weight gradients), the element-wise
@@ -312,7 +327,7 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             }
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
-            bwd.vector(10.0 * ef, 3.0 * ef, 0.0);
+            bwd.vector(act_flops, act_values + ef, 0.0);
             bwd.vector(2.0 * el, 2.0 * el, el);
             bwd.vector(2.0 * el, 2.0 * el, el);
         }
@@ -419,9 +434,10 @@ fn shard_parameters(op: &Op, split: TpSplit, tp: usize) -> u64 {
     let t = tp.max(1) as u64;
     match (split, op) {
         (TpSplit::Replicated, _) => whole,
-        (TpSplit::Block, Op::TransformerBlock { d_model, .. }) => {
-            // two layer norms (4·d) and the two row-parallel biases (2·d) are whole
-            let whole_part = 6 * *d_model as u64;
+        (TpSplit::Block, Op::TransformerBlock { .. }) => {
+            // the two norms and the two row-parallel biases are whole
+            let whole_part = op.block_dims().map_or(0, |b| 2 * b.norm_parameters() + if b.bias { 2 * b.d } else { 0 });
+            let whole_part = whole_part as u64;
             whole_part + (whole - whole_part.min(whole)) / t
         }
         (TpSplit::Column | TpSplit::Vocab, Op::Linear { .. }) => whole / t,
@@ -590,9 +606,33 @@ mod tests {
     }
 
     #[test]
+    fn a_llama_blocks_flops_count_its_narrower_keys_and_its_third_mlp_matrix() {
+        let block = Op::TransformerBlock {
+            d_model: 4096,
+            heads: 32,
+            d_ff: 14336,
+            causal: true,
+            kv_heads: 8,
+            norm: pipec_plan::model::NormKind::RmsNorm,
+            mlp: pipec_plan::model::MlpKind::Swiglu,
+            rope: 500000.0,
+            bias: false,
+            qkv_bias: false,
+            eps: 1e-5,
+        };
+        let (s, d, f, kv) = (8192.0, 4096.0, 14336.0, 1024.0);
+        // Q and O 2·s·d² each, K and V 2·s·d·kv each, scores and weighted sum 4·s²·d, the
+        // gate, up and down products 2·s·d·f each: the model card's 2 × parameters per
+        // token for the products, plus attention
+        let expected = 2.0 * s * d * (d + 2.0 * kv) + 2.0 * s * d * d + 4.0 * s * s * d + 3.0 * 2.0 * s * d * f;
+        assert_eq!(forward_flops(&node(block.clone(), vec![8192, 4096])), expected);
+        assert_eq!(expected - 4.0 * s * s * d, 2.0 * s * (block.parameter_count() - 2 * 4096) as f64);
+    }
+
+    #[test]
     fn transformer_activations_follow_korthikanti() {
         // s = 512, h = 1024, a = 16 at 16-bit: 34·s·h + 5·a·s² bytes per sample
-        let n = node(Op::TransformerBlock { d_model: 1024, heads: 16, d_ff: 4096, causal: false }, vec![512, 1024]);
+        let n = node(Op::block(1024, 16, 4096, false), vec![512, 1024]);
         let (sh, as2): (u64, u64) = (512 * 1024, 16 * 512 * 512);
         assert_eq!(activation_bytes(&n, 2), 34 * sh + 5 * as2);
         // at 32-bit the values double and the one-byte dropout masks do not

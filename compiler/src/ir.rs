@@ -192,13 +192,39 @@ fn op_args(op: &Op) -> String {
         Op::BatchNorm2d { channels } => format!("[{channels}]"),
         Op::Add { .. } | Op::Concat { .. } => String::new(),
         Op::LayerNorm { dim } => format!("[{dim}]"),
+        Op::RmsNorm { dim, eps } => {
+            if *eps == pipec_plan::model::DEFAULT_EPS {
+                format!("[{dim}]")
+            } else {
+                format!("[{dim}, eps={eps}]")
+            }
+        }
         Op::Dropout { p } => format!("[p={p}]"),
         Op::Embedding { vocab, dim } => format!("[{vocab}x{dim}]"),
-        Op::TransformerBlock { d_model, heads, d_ff, causal } => {
-            format!("[d={d_model}, heads={heads}, ff={d_ff}{}]", if *causal { ", causal" } else { "" })
+        Op::TransformerBlock { d_model, heads, d_ff, causal, .. } => {
+            // the GPT block's arguments, then only what differs from it
+            let mut extra = String::new();
+            if let Some(b) = op.block_dims() {
+                if b.kv_heads != b.heads {
+                    extra += &format!(", kv_heads={}", b.kv_heads);
+                }
+                if b.norm != pipec_plan::model::NormKind::LayerNorm {
+                    extra += &format!(", {}", b.norm);
+                }
+                if b.mlp != pipec_plan::model::MlpKind::Gelu {
+                    extra += &format!(", {}", b.mlp);
+                }
+                if b.rope != 0.0 {
+                    extra += &format!(", rope={}", b.rope);
+                }
+                if !b.bias {
+                    extra += if b.qkv_bias { ", qkv bias only" } else { ", no bias" };
+                }
+            }
+            format!("[d={d_model}, heads={heads}, ff={d_ff}{}{extra}]", if *causal { ", causal" } else { "" })
         }
         Op::PosEmbedding { max_len, dim } => format!("[{max_len}x{dim}]"),
         Op::Lstm { input, hidden } => format!("[{input}->{hidden}]"),
-        Op::Flatten | Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid => String::new(),
+        Op::Flatten | Op::Relu | Op::Gelu | Op::GeluTanh | Op::Tanh | Op::Sigmoid => String::new(),
     }
 }

@@ -7,7 +7,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use burn::tensor::module::{adaptive_avg_pool2d, avg_pool2d, conv2d, embedding, max_pool2d};
 use burn::tensor::ops::ConvOptions;
-use pipec_plan::model::{Op, Source};
+use pipec_plan::model::{MlpKind, NormKind, Op, Source};
 
 use crate::dense::Kernels;
 use crate::error::{ExecError, Result};
@@ -208,29 +208,48 @@ impl<B: Kernels> Dense<B> {
     }
 }
 
-/// Layer normalisation over the last dimension.
+/// Normalisation over the last dimension: layer normalisation (a gain and a bias) or, with
+/// no bias, RMSNorm (scaled only: x / √(mean(x²) + ε) · gain).
 #[derive(Module, Debug)]
 pub struct Norm<B: Backend> {
     pub gamma: Param<Tensor<B, 1>>,
-    pub beta: Param<Tensor<B, 1>>,
+    /// The layer norm's bias; None for RMSNorm.
+    pub beta: Option<Param<Tensor<B, 1>>>,
+    #[module(skip)]
+    pub eps: f64,
 }
 
 impl<B: Backend> Norm<B> {
+    /// A layer norm (ε 1e-5): gain in `slot`, bias in `slot + 1`.
     pub(crate) fn new(layer: usize, slot: u64, dim: usize, device: &B::Device) -> Self {
+        Self::of(NormKind::LayerNorm, layer, slot, dim, pipec_plan::model::DEFAULT_EPS, device)
+    }
+
+    /// A norm of `kind`: its gain in `slot`, a layer norm's bias in `slot + 1`.
+    pub(crate) fn of(kind: NormKind, layer: usize, slot: u64, dim: usize, eps: f64, device: &B::Device) -> Self {
         Norm {
             gamma: param(pid(layer, slot), vec![1.0; dim], [dim], device),
-            beta: param(pid(layer, slot + 1), vec![0.0; dim], [dim], device),
+            beta: (kind == NormKind::LayerNorm).then(|| param(pid(layer, slot + 1), vec![0.0; dim], [dim], device)),
+            eps,
         }
     }
 
     pub(crate) fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let mean = x.clone().mean_dim(D - 1);
-        let centered = x - mean;
-        let var = centered.clone().powi_scalar(2).mean_dim(D - 1);
-        let normed = centered / (var + 1e-5).sqrt();
         let mut shape = [1usize; D];
         shape[D - 1] = self.gamma.dims()[0];
-        normed * self.gamma.val().reshape(shape) + self.beta.val().reshape(shape)
+        match &self.beta {
+            Some(beta) => {
+                let mean = x.clone().mean_dim(D - 1);
+                let centered = x - mean;
+                let var = centered.clone().powi_scalar(2).mean_dim(D - 1);
+                let normed = centered / (var + self.eps).sqrt();
+                normed * self.gamma.val().reshape(shape) + beta.val().reshape(shape)
+            }
+            None => {
+                let ms = x.clone().powi_scalar(2).mean_dim(D - 1);
+                x / (ms + self.eps).sqrt() * self.gamma.val().reshape(shape)
+            }
+        }
     }
 }
 
@@ -238,15 +257,27 @@ impl<B: Backend> Norm<B> {
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
     pub norm1: Norm<B>,
+    /// Queries, keys and values fused: [d, (heads + 2·kv_heads)·head_dim] (this rank's heads
+    /// under tensor parallelism).
     pub qkv: Dense<B>,
     pub proj: Dense<B>,
     pub norm2: Norm<B>,
+    /// The MLP's up projection; gated: [d, 2·ff], the gate's columns then the up's.
     pub fc1: Dense<B>,
     pub fc2: Dense<B>,
+    /// Query heads (this rank's).
     pub heads: usize,
+    /// Key/value heads (this rank's).
+    #[module(skip)]
+    pub kv_heads: usize,
     /// Each position attends only to itself and earlier positions.
     #[module(skip)]
     pub causal: bool,
+    #[module(skip)]
+    pub mlp: MlpKind,
+    /// Rotary embeddings' base θ (0: none).
+    #[module(skip)]
+    pub rope: f64,
 }
 
 /// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
@@ -265,19 +296,126 @@ pub(crate) fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, dh: usize,
     activation::softmax(scores, 3)
 }
 
+/// GELU's tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+pub(crate) fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let inner = (x.clone() + x.clone().powi_scalar(3) * 0.044715) * c;
+    x * (inner.tanh() + 1.0) * 0.5
+}
+
+/// Rotary position embeddings (RoFormer; Hugging Face's `rotate_half` layout) on
+/// [batch, heads, seq, dh] queries or keys: features i and i + dh/2 of position p rotate by
+/// p·θ^(−2i/dh).
+pub(crate) fn rotary<B: Backend>(x: Tensor<B, 4>, theta: f64) -> Tensor<B, 4> {
+    let [_, _, s, dh] = x.dims();
+    let half = dh / 2;
+    let (mut cos, mut sin) = (Vec::with_capacity(s * dh), Vec::with_capacity(s * dh));
+    for p in 0..s {
+        for j in 0..dh {
+            let i = j % half;
+            // in f64, rounded once, as the reference computes its angles in f32 from
+            // inv_freq = 1/θ^(2i/dh)
+            let inv_freq = (1.0 / theta.powf((2 * i) as f64 / dh as f64)) as f32;
+            let angle = (p as f32 * inv_freq) as f64;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    let dev = x.device();
+    let cos = Tensor::<B, 2>::from_data(TensorData::new(cos, [s, dh]), &dev).unsqueeze::<4>();
+    let sin = Tensor::<B, 2>::from_data(TensorData::new(sin, [s, dh]), &dev).unsqueeze::<4>();
+    let first = x.clone().narrow(3, 0, half);
+    let second = x.clone().narrow(3, half, half);
+    let rotated = Tensor::cat(vec![second.neg(), first], 3);
+    x * cos + rotated * sin
+}
+
 impl<B: Kernels> Block<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, s, d] = x.dims();
-        let h = self.heads;
-        let dh = d / h;
-        let qkv = self.qkv.forward3(self.norm1.forward(x.clone()));
-        let split = |i: usize| qkv.clone().narrow(2, i * d, d).reshape([b, s, h, dh]).swap_dims(1, 2);
-        let (q, k, v) = (split(0), split(1), split(2));
+    /// The attention's context [batch, seq, heads·dh] from the fused QKV projection's output
+    /// [batch, seq, (heads + 2·kv_heads)·dh]: rotary embeddings on queries and keys, each
+    /// key/value head shared by `heads / kv_heads` query heads.
+    pub(crate) fn attend(&self, qkv: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, s, width] = qkv.dims();
+        let (h, kv) = (self.heads.max(1), self.kv_heads.max(1));
+        let dh = width / (h + 2 * kv);
+        let part = |start: usize, heads: usize| {
+            qkv.clone().narrow(2, start * dh, heads * dh).reshape([b, s, heads, dh]).swap_dims(1, 2)
+        };
+        let (mut q, mut k, mut v) = (part(0, h), part(h, kv), part(h + kv, kv));
+        if self.rope != 0.0 {
+            q = rotary(q, self.rope);
+            k = rotary(k, self.rope);
+        }
+        if kv != h {
+            // key/value head j serves query heads j·g .. (j+1)·g
+            let g = h / kv;
+            let repeat = |t: Tensor<B, 4>| t.unsqueeze_dim::<5>(2).repeat_dim(2, g).reshape([b, h, s, dh]);
+            k = repeat(k);
+            v = repeat(v);
+        }
         let attn = attention(q, k, dh, self.causal);
-        let ctx = attn.matmul(v).swap_dims(1, 2).reshape([b, s, d]);
+        attn.matmul(v).swap_dims(1, 2).reshape([b, s, h * dh])
+    }
+
+    /// The MLP's activation on the up projection's output (gated: act(gate) ⊙ up).
+    pub(crate) fn activate(&self, up: Tensor<B, 3>) -> Tensor<B, 3> {
+        let gate_and_up = |up: Tensor<B, 3>| {
+            let f = up.dims()[2] / 2;
+            (up.clone().narrow(2, 0, f), up.narrow(2, f, f))
+        };
+        match self.mlp {
+            MlpKind::Gelu => activation::gelu(up),
+            MlpKind::GeluTanh => gelu_tanh(up),
+            MlpKind::Swiglu => {
+                let (gate, up) = gate_and_up(up);
+                activation::silu(gate) * up
+            }
+            MlpKind::Geglu => {
+                let (gate, up) = gate_and_up(up);
+                activation::gelu(gate) * up
+            }
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let ctx = self.attend(self.qkv.forward3(self.norm1.forward(x.clone())));
         let x = x + self.proj.forward3(ctx);
-        let m = self.fc2.forward3(activation::gelu(self.fc1.forward3(self.norm2.forward(x.clone()))));
+        let m = self.fc2.forward3(self.activate(self.fc1.forward3(self.norm2.forward(x.clone()))));
         x + m
+    }
+
+    /// Layer `index`'s block `op` — whole, or with `tp` > 1 one rank's shard of it: each
+    /// weight is `slice(slot, the whole deterministic initial values)`, the rank's part.
+    pub(crate) fn build(
+        index: usize,
+        op: &Op,
+        seed: u64,
+        device: &B::Device,
+        slice: impl Fn(u64, Vec<f32>) -> Vec<f32>,
+        tp: usize,
+    ) -> Option<Self> {
+        let k = op.block_dims()?;
+        let tp = tp.max(1);
+        let he = 2.0;
+        let (d, f) = (k.d, k.ff);
+        let (qkv_w, up_w) = (k.qkv_width / tp, k.up_width / tp);
+        let dense = |slot: u64, fan_in: usize, fan_out: usize, shape: [usize; 2], bias: Option<usize>, gain: f64| {
+            let w = slice(slot, dense_values(index, slot, seed, fan_in, fan_out, gain));
+            Dense::from_values(index, slot, w, shape, bias.map(|n| vec![0.0; n]), device)
+        };
+        Some(Block {
+            norm1: Norm::of(k.norm, index, 0, d, k.eps, device),
+            qkv: dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0),
+            proj: dense(4, d, d, [d / tp, d], k.bias.then_some(d), 1.0),
+            norm2: Norm::of(k.norm, index, 6, d, k.eps, device),
+            fc1: dense(8, d, k.up_width, [d, up_w], k.bias.then_some(up_w), he),
+            fc2: dense(10, f, d, [f / tp, d], k.bias.then_some(d), 1.0),
+            heads: k.heads / tp,
+            kv_heads: k.kv_heads / tp,
+            causal: k.causal,
+            mlp: k.mlp,
+            rope: k.rope,
+        })
     }
 }
 
@@ -510,6 +648,7 @@ impl<B: Kernels> Layer<B> {
                 })
             }
             Op::LayerNorm { dim } => Layer::Norm(Norm::new(index, 0, dim, device)),
+            Op::RmsNorm { dim, eps } => Layer::Norm(Norm::of(NormKind::RmsNorm, index, 0, dim, eps, device)),
             Op::BatchNorm2d { channels } => Layer::BatchNorm(BatchNorm::new(index, channels, device)),
             Op::Embedding { vocab, dim } => Layer::Embedding(Embed {
                 weight: param(pid(index, 0), embedding_values(index, seed, vocab, dim), [vocab, dim], device),
@@ -520,16 +659,10 @@ impl<B: Kernels> Layer<B> {
                 Layer::PosEmbedding(Embed { weight: param(pid(index, 0), table, [max_len, dim], device) })
             }
             Op::Lstm { input, hidden } => Layer::Lstm(Lstm::new(index, seed, input, hidden, device)),
-            Op::TransformerBlock { d_model: d, heads, d_ff: f, causal } => Layer::Block(Block {
-                norm1: Norm::new(index, 0, d, device),
-                qkv: Dense::new(index, 2, seed, d, 3 * d, true, 1.0, device),
-                proj: Dense::new(index, 4, seed, d, d, true, 1.0, device),
-                norm2: Norm::new(index, 6, d, device),
-                fc1: Dense::new(index, 8, seed, d, f, true, he, device),
-                fc2: Dense::new(index, 10, seed, f, d, true, 1.0, device),
-                heads,
-                causal,
-            }),
+            Op::TransformerBlock { .. } => match Block::build(index, op, seed, device, |_, w| w, 1) {
+                Some(b) => Layer::Block(b),
+                None => Layer::Stateless(Stateless { op: op.clone(), index }),
+            },
             _ => Layer::Stateless(Stateless { op: op.clone(), index }),
         }
     }
@@ -624,6 +757,7 @@ pub(crate) fn stateless<B: Backend>(
     match *op {
         Op::Relu => elementwise(x, activation::relu),
         Op::Gelu => elementwise(x, activation::gelu),
+        Op::GeluTanh => elementwise(x, gelu_tanh),
         Op::Tanh => elementwise(x, activation::tanh),
         Op::Sigmoid => elementwise(x, activation::sigmoid),
         Op::Dropout { p } => {

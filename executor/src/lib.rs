@@ -15,6 +15,8 @@ pub mod error;
 mod flex_gemm;
 mod flex_weights;
 pub mod gpus;
+#[cfg(test)]
+mod hf_reference;
 pub mod layers;
 #[cfg(feature = "mpi")]
 pub mod mpi_run;
@@ -25,6 +27,7 @@ pub mod mpi_transport;
 mod params;
 pub mod profile;
 mod reshard;
+pub use reshard::whole_weights;
 pub mod resident;
 pub mod rng;
 mod run;

@@ -115,6 +115,29 @@ impl<'a> SavedLayout<'a> {
     }
 }
 
+/// Every parameter of a checkpoint of `plan`'s model whole — its tensor-parallel shards
+/// joined — by id, with its shape: what `pipec export` writes.
+pub fn whole_weights(loaded: &Loaded, plan: &Plan) -> Result<pipec_plan::hf::Weights> {
+    let saved = SavedLayout::new(loaded, plan)?;
+    let ids: std::collections::BTreeSet<u64> = loaded.params.keys().map(|(id, _)| *id).collect();
+    let mut out = std::collections::BTreeMap::new();
+    for id in ids {
+        let from = saved.saved(id, 1, Sharding::Whole)?;
+        let Some((stored, _)) = loaded.params.get(&(id, 0)) else {
+            return Err(ExecError::Checkpoint(format!(
+                "model.safetensors has `{}` without its first tensor-parallel shard",
+                checkpoint::param_name(id)
+            )));
+        };
+        let whole = whole_shape(stored, from.from, from.files.len());
+        let values = saved.values(id, Sharding::Whole, 1, 0, &whole)?.ok_or_else(|| {
+            ExecError::Checkpoint(format!("model.safetensors lacks a shard of `{}`", checkpoint::param_name(id)))
+        })?;
+        out.insert(id, (whole, values));
+    }
+    Ok(out)
+}
+
 /// Applies `f` to every f32 tensor inside a serialised record item, in the same order in
 /// each of `items` (the saved ranks' states of one parameter); `f` gets each rank's values
 /// and returns this rank's. The state of an optimizer is a record of tensors shaped like

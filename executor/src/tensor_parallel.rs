@@ -18,13 +18,10 @@
 
 use crate::dense::{ExecBackend, Kernels};
 use burn::prelude::*;
-use burn::tensor::activation;
 use pipec_plan::model::Op;
 
 use crate::error::{ExecError, Result};
-use crate::layers::{
-    dense_values, embedding_values, stateless, Act, Block, Dense, Layer, Norm, StageModel, VocabEmbed,
-};
+use crate::layers::{dense_values, embedding_values, stateless, Act, Block, Dense, Layer, StageModel, VocabEmbed};
 use crate::params::host_f32;
 use pipec_plan::model::Loss;
 
@@ -70,9 +67,10 @@ pub enum Sharding {
     Columns { rows: usize, cols: usize },
     /// `tp` contiguous chunks of the row-major values (a row-parallel weight: its rows).
     Rows,
-    /// A [rows, 3·d] QKV projection (its bias with `rows` 1): rank r holds, of each of the
-    /// query, key and value parts, columns `r·d/tp .. (r+1)·d/tp`.
-    Qkv { rows: usize, d: usize },
+    /// A [rows, w₀ + w₁ + w₂] tensor of three column parts side by side — a QKV projection
+    /// (widths d, kv, kv), a gated MLP's gate and up projections (f, f, 0); its bias with
+    /// `rows` 1: rank r holds, of each part, its columns `r·w/tp .. (r+1)·w/tp`.
+    Parts { rows: usize, widths: [usize; 3] },
 }
 
 /// The shape of one rank's shard of a tensor of shape `whole` split as `s` over `tp` ranks.
@@ -86,7 +84,7 @@ pub fn shard_shape(whole: &[usize], s: Sharding, tp: usize) -> Vec<usize> {
                 *d /= tp;
             }
         }
-        Sharding::Columns { .. } | Sharding::Qkv { .. } => {
+        Sharding::Columns { .. } | Sharding::Parts { .. } => {
             if let Some(d) = out.last_mut() {
                 *d /= tp;
             }
@@ -106,7 +104,7 @@ pub fn whole_shape(shard: &[usize], s: Sharding, tp: usize) -> Vec<usize> {
                 *d *= tp;
             }
         }
-        Sharding::Columns { .. } | Sharding::Qkv { .. } => {
+        Sharding::Columns { .. } | Sharding::Parts { .. } => {
             if let Some(d) = out.last_mut() {
                 *d *= tp;
             }
@@ -128,13 +126,16 @@ pub fn shard(full: &[f32], s: Sharding, tp: usize, rank: usize) -> Vec<f32> {
             let part = full.len() / tp;
             full[rank * part..(rank + 1) * part].to_vec()
         }
-        Sharding::Qkv { rows, d } => {
-            let part = d / tp;
-            let mut out = Vec::with_capacity(rows * 3 * part);
+        Sharding::Parts { rows, widths } => {
+            let width: usize = widths.iter().sum();
+            let mut out = Vec::with_capacity(rows * width / tp);
             for r in 0..rows {
-                for p in 0..3 {
-                    let start = r * 3 * d + p * d + rank * part;
+                let mut offset = r * width;
+                for w in widths {
+                    let part = w / tp;
+                    let start = offset + rank * part;
                     out.extend_from_slice(&full[start..start + part]);
+                    offset += w;
                 }
             }
             out
@@ -190,12 +191,22 @@ pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections
             (Split::Row, Op::Linear { .. }) => {
                 out.insert(id(k, 0), Sharding::Rows);
             }
-            (Split::Block, Op::TransformerBlock { d_model: d, d_ff: f, .. }) => {
-                out.insert(id(k, 2), Sharding::Qkv { rows: *d, d: *d });
-                out.insert(id(k, 3), Sharding::Qkv { rows: 1, d: *d });
+            (Split::Block, Op::TransformerBlock { .. }) => {
+                let Some(b) = op.block_dims() else { continue };
+                let qkv = [b.d, b.kv_width, b.kv_width];
+                out.insert(id(k, 2), Sharding::Parts { rows: b.d, widths: qkv });
+                out.insert(id(k, 3), Sharding::Parts { rows: 1, widths: qkv });
                 out.insert(id(k, 4), Sharding::Rows);
-                out.insert(id(k, 8), Sharding::Columns { rows: *d, cols: *f });
-                out.insert(id(k, 9), Sharding::Columns { rows: 1, cols: *f });
+                let (up, up_bias) = if b.gated {
+                    (
+                        Sharding::Parts { rows: b.d, widths: [b.ff, b.ff, 0] },
+                        Sharding::Parts { rows: 1, widths: [b.ff, b.ff, 0] },
+                    )
+                } else {
+                    (Sharding::Columns { rows: b.d, cols: b.ff }, Sharding::Columns { rows: 1, cols: b.ff })
+                };
+                out.insert(id(k, 8), up);
+                out.insert(id(k, 9), up_bias);
                 out.insert(id(k, 10), Sharding::Rows);
             }
             _ => {}
@@ -254,43 +265,12 @@ pub fn build_stage<B: Kernels>(
                     device,
                 ))
             }
-            (Split::Block, Op::TransformerBlock { d_model: d, heads, d_ff: f, causal }) => {
-                let (dl, fl) = (d / tp, f / tp);
-                let qkv = shard(&dense_values(index, 2, seed, *d, 3 * d, 1.0), at(index, 2), tp, rank);
-                let proj = dense_values(index, 4, seed, *d, *d, 1.0);
-                let fc1 = dense_values(index, 8, seed, *d, *f, 2.0);
-                let fc2 = dense_values(index, 10, seed, *f, *d, 1.0);
-                Layer::ParallelBlock(Block {
-                    norm1: Norm::new(index, 0, *d, device),
-                    qkv: Dense::from_values(index, 2, qkv, [*d, 3 * dl], Some(vec![0.0; 3 * dl]), device),
-                    proj: Dense::from_values(
-                        index,
-                        4,
-                        shard(&proj, at(index, 4), tp, rank),
-                        [dl, *d],
-                        Some(vec![0.0; *d]),
-                        device,
-                    ),
-                    norm2: Norm::new(index, 6, *d, device),
-                    fc1: Dense::from_values(
-                        index,
-                        8,
-                        shard(&fc1, at(index, 8), tp, rank),
-                        [*d, fl],
-                        Some(vec![0.0; fl]),
-                        device,
-                    ),
-                    fc2: Dense::from_values(
-                        index,
-                        10,
-                        shard(&fc2, at(index, 10), tp, rank),
-                        [fl, *d],
-                        Some(vec![0.0; *d]),
-                        device,
-                    ),
-                    heads: heads / tp,
-                    causal: *causal,
-                })
+            (Split::Block, Op::TransformerBlock { .. }) => {
+                let slice = |slot: u64, w: Vec<f32>| shard(&w, at(index, slot), tp, rank);
+                match Block::build(index, op, seed, device, slice, tp) {
+                    Some(b) => Layer::ParallelBlock(b),
+                    None => Layer::new(index, op, seed, device),
+                }
             }
             _ => Layer::new(index, op, seed, device),
         };
@@ -369,10 +349,6 @@ fn attention_half<B: ExecBackend>(
     x: Tensor<B, 3>,
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
 ) -> Result<Tensor<B, 3>> {
-    let [n, s, d] = x.dims();
-    let h = b.heads;
-    let dl = b.qkv.weight.dims()[1] / 3;
-    let dh = dl / h.max(1);
     let qkv = match b.qkv.forward_act(Act::D3(b.norm1.forward(x.clone())))? {
         Act::D3(t) => t,
         _ => {
@@ -381,12 +357,8 @@ fn attention_half<B: ExecBackend>(
             ))
         }
     };
-    let split = |i: usize| qkv.clone().narrow(2, i * dl, dl).reshape([n, s, h, dh]).swap_dims(1, 2);
-    let (q, k, v) = (split(0), split(1), split(2));
-    let attn = crate::layers::attention(q, k, dh, b.causal);
-    let ctx = attn.matmul(v).swap_dims(1, 2).reshape([n, s, dl]);
+    let ctx = b.attend(qkv);
     let a = b.proj.add_bias(g(b.proj.matmul_only(Act::D3(ctx))?, reduce)?);
-    let _ = d;
     match a {
         Act::D3(a) => Ok(x + a),
         _ => Err(ExecError::Shape(
@@ -401,7 +373,7 @@ fn mlp_half<B: ExecBackend>(
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
 ) -> Result<Tensor<B, 3>> {
     let up = match b.fc1.forward_act(Act::D3(b.norm2.forward(h.clone())))? {
-        Act::D3(t) => activation::gelu(t),
+        Act::D3(t) => b.activate(t),
         _ => {
             return Err(ExecError::Shape(
                 "the first MLP layer of a tensor-parallel block must give [batch, seq, features]".into(),
@@ -568,8 +540,10 @@ mod tests {
                 (Sharding::Columns { rows: 3, cols: 8 }, 24),
                 (Sharding::Columns { rows: 1, cols: 8 }, 8),
                 (Sharding::Rows, 24),
-                (Sharding::Qkv { rows: 2, d: 4 }, 24),
-                (Sharding::Qkv { rows: 1, d: 4 }, 12),
+                (Sharding::Parts { rows: 2, widths: [4, 4, 4] }, 24),
+                (Sharding::Parts { rows: 1, widths: [4, 4, 4] }, 12),
+                (Sharding::Parts { rows: 2, widths: [8, 4, 4] }, 32),
+                (Sharding::Parts { rows: 1, widths: [4, 4, 0] }, 8),
             ];
             for (s, n) in cases {
                 let full: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
@@ -583,7 +557,7 @@ mod tests {
         // a QKV projection keeps each rank's query, key and value columns together:
         // [q0 q1 | k0 k1 | v0 v1] over 2 ranks is [q0 k0 v0] and [q1 k1 v1]
         let qkv = [1.0, 2.0, 10.0, 20.0, 100.0, 200.0];
-        assert_eq!(shard(&qkv, Sharding::Qkv { rows: 1, d: 2 }, 2, 1), vec![2.0, 20.0, 200.0]);
+        assert_eq!(shard(&qkv, Sharding::Parts { rows: 1, widths: [2, 2, 2] }, 2, 1), vec![2.0, 20.0, 200.0]);
         assert!(unshard(&[vec![1.0], vec![1.0, 2.0]], Sharding::Rows).is_err());
     }
 
@@ -600,7 +574,7 @@ mod tests {
         let dev = Default::default();
         let whole = Tensor::<B, 2>::from_data(TensorData::new(scores.clone(), [rows, vocab]), &dev).require_grad();
         let labels = Tensor::<B, 2, Int>::from_data(TensorData::new(classes.clone(), [rows, 1]), &dev);
-        let reference = activation::log_softmax(whole.clone(), 1).gather(1, labels).mean().neg();
+        let reference = burn::tensor::activation::log_softmax(whole.clone(), 1).gather(1, labels).mean().neg();
         let grads = reference.backward();
         let expected_grad = host_f32(whole.grad(&grads).expect("gradient").into_data()).expect("host");
         let expected = host_f32(reference.into_data()).expect("host")[0];

@@ -696,7 +696,7 @@ impl<'n> Expander<'_, '_, 'n> {
             Err(e) => {
                 let span = e
                     .argument
-                    .and_then(|a| call.args.get(a))
+                    .and_then(|a| crate::layers::argument_of(call, a))
                     .map(|a| self.cx.dsl_span(node, a.value_span))
                     .unwrap_or(call_span);
                 let index = self.layers.len();
@@ -716,10 +716,14 @@ impl<'n> Expander<'_, '_, 'n> {
                     "E0304",
                     format!("shape mismatch at layer {index} (`{}`): {}", call.name, e.message),
                     span,
-                    format!("input here is {}", fmt_shape(&in_shape)),
+                    if span == call_span {
+                        format!("input here is {}", fmt_shape(&in_shape))
+                    } else {
+                        "this argument".to_string()
+                    },
                 );
                 if span != call_span {
-                    d = d.with_label(call_span, "in this layer");
+                    d = d.with_label(call_span, format!("in this layer, whose input is {}", fmt_shape(&in_shape)));
                 }
                 d = d.with_help(shape_help(&op, &in_shape));
                 self.error(d);
@@ -1042,6 +1046,24 @@ fn shape_help(op: &Op, input: &[usize]) -> String {
             format!("the input has {} channels: write `conv2d({}, {out_channels}, ...)`", input[0], input[0])
         }
         Op::LayerNorm { .. } => "omit the argument: `layernorm` infers its size".into(),
+        Op::TransformerBlock { d_model, heads, .. } if input.last() == Some(d_model) => {
+            let kv = op.block_dims().map_or(*heads, |b| b.kv_heads);
+            if kv == 0 || heads % kv != 0 {
+                let divisors: Vec<String> = (1..=*heads).filter(|k| heads % k == 0).map(|k| k.to_string()).collect();
+                format!("kv_heads must divide heads={heads}: one of {}", divisors.join(", "))
+            } else if d_model % heads.max(&1) != 0 {
+                format!("heads must divide d={d_model}")
+            } else {
+                // the most heads up to these whose size is whole and even
+                match (1..*heads).rev().find(|h| d_model % h == 0 && (d_model / h) % 2 == 0) {
+                    Some(h) => format!(
+                        "rotary embeddings need an even head size d/heads: heads={h} gives {}",
+                        d_model / h
+                    ),
+                    None => format!("rotary embeddings need an even head size d/heads, and no head count below {heads} gives one for d={d_model}"),
+                }
+            }
+        }
         _ => format!("the shape arriving here is {}", fmt_shape(input)),
     }
 }

@@ -1,7 +1,8 @@
 //! The layer catalogue: each DSL layer's signature and documentation, and the resolution of a
 //! parsed call (`conv2d(3, 64, k=3, pad=1)`) into an [`Op`] with every argument checked.
 
-use pipec_plan::model::Op;
+use pipec_plan::model::{MlpKind, NormKind, Op};
+use pipec_plan::vocab::Choice;
 
 use crate::dsl::{ArgValue, LayerCall, Rel};
 
@@ -16,6 +17,14 @@ pub enum ArgKind {
     Prob,
     /// `true` or `false`.
     Bool,
+    /// A non-negative number (0 often meaning "none").
+    NonNegative,
+    /// A positive number.
+    Positive,
+    /// A block's norm: `layernorm` or `rmsnorm` (the index into `NormKind::ALL`).
+    Norm,
+    /// A block's MLP: `gelu`, `gelu_tanh`, `swiglu` or `geglu` (the index into `MlpKind::ALL`).
+    Mlp,
 }
 
 /// One parameter of a layer: its name, aliases, kind and default (None = required).
@@ -99,7 +108,13 @@ pub const LAYERS: &[LayerDoc] = &[
     },
     LayerDoc { name: "flatten", signature: "flatten", doc: "Flattens the per-sample shape to one dimension.", params: &[] },
     LayerDoc { name: "relu", signature: "relu", doc: "Rectified linear unit, max(x, 0).", params: &[] },
-    LayerDoc { name: "gelu", signature: "gelu", doc: "Gaussian error linear unit.", params: &[] },
+    LayerDoc { name: "gelu", signature: "gelu", doc: "Gaussian error linear unit, exact (erf) form, as `torch.nn.GELU()`.", params: &[] },
+    LayerDoc {
+        name: "gelu_tanh",
+        signature: "gelu_tanh",
+        doc: "GELU's tanh approximation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))): GPT-2's `gelu_new`.",
+        params: &[],
+    },
     LayerDoc { name: "tanh", signature: "tanh", doc: "Hyperbolic tangent.", params: &[] },
     LayerDoc { name: "sigmoid", signature: "sigmoid", doc: "Logistic sigmoid.", params: &[] },
     LayerDoc {
@@ -107,6 +122,12 @@ pub const LAYERS: &[LayerDoc] = &[
         signature: "layernorm [(d)]",
         doc: "Layer normalisation over the last dimension (d is inferred when omitted).",
         params: &[p("d", ArgKind::Count, Some(0.0))],
+    },
+    LayerDoc {
+        name: "rmsnorm",
+        signature: "rmsnorm [(d, eps=1e-5)]",
+        doc: "Root-mean-square normalisation over the last dimension, x / √(mean(x²) + eps) · gain (Llama's final norm; d is inferred when omitted).",
+        params: &[p("d", ArgKind::Count, Some(0.0)), p("eps", ArgKind::Positive, Some(pipec_plan::model::DEFAULT_EPS))],
     },
     LayerDoc {
         name: "dropout",
@@ -128,13 +149,21 @@ pub const LAYERS: &[LayerDoc] = &[
     },
     LayerDoc {
         name: "transformer_block",
-        signature: "transformer_block(d, heads, ff, causal=false)",
-        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block).",
+        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5)",
+        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε.",
         params: &[
             pa("d", &["d_model"], ArgKind::Count, None),
             p("heads", ArgKind::Count, None),
             pa("ff", &["d_ff"], ArgKind::Count, None),
             p("causal", ArgKind::Bool, Some(0.0)),
+            p("kv_heads", ArgKind::Size, Some(0.0)),
+            p("norm", ArgKind::Norm, Some(0.0)),
+            p("mlp", ArgKind::Mlp, Some(0.0)),
+            pa("rope", &["rope_theta"], ArgKind::NonNegative, Some(0.0)),
+            p("bias", ArgKind::Bool, Some(1.0)),
+            // -1: as `bias`
+            p("qkv_bias", ArgKind::Bool, Some(-1.0)),
+            p("eps", ArgKind::Positive, Some(pipec_plan::model::DEFAULT_EPS)),
         ],
     },
     LayerDoc {
@@ -164,6 +193,16 @@ pub const JOINS: &[LayerDoc] = &[
 /// Looks a layer up by name.
 pub fn layer_doc(name: &str) -> Option<&'static LayerDoc> {
     LAYERS.iter().find(|l| l.name == name)
+}
+
+/// The argument of `call` that gave its layer's parameter `param` (by position or by name),
+/// if the call gave it.
+pub fn argument_of(call: &LayerCall, param: usize) -> Option<&crate::dsl::Arg> {
+    let doc = layer_doc(&call.name)?;
+    let p = doc.params.get(param)?;
+    call.args.iter().filter(|a| a.key.is_none()).nth(param).or_else(|| {
+        call.args.iter().find(|a| a.key.as_ref().is_some_and(|(k, _)| k == p.name || p.aliases.contains(&k.as_str())))
+    })
 }
 
 /// A problem with a call's arguments: diagnostic code, message and relative span.
@@ -293,15 +332,32 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
         "flatten" => Op::Flatten,
         "relu" => Op::Relu,
         "gelu" => Op::Gelu,
+        "gelu_tanh" => Op::GeluTanh,
         "tanh" => Op::Tanh,
         "sigmoid" => Op::Sigmoid,
         "layernorm" => {
             let dim = if n(0) == 0 { input.and_then(|s| s.last().copied()).unwrap_or(0) } else { n(0) };
             Op::LayerNorm { dim }
         }
+        "rmsnorm" => {
+            let dim = if n(0) == 0 { input.and_then(|s| s.last().copied()).unwrap_or(0) } else { n(0) };
+            Op::RmsNorm { dim, eps: get(1) }
+        }
         "dropout" => Op::Dropout { p: get(0) },
         "embedding" => Op::Embedding { vocab: n(0), dim: n(1) },
-        "transformer_block" => Op::TransformerBlock { d_model: n(0), heads: n(1), d_ff: n(2), causal: b(3) },
+        "transformer_block" => Op::TransformerBlock {
+            d_model: n(0),
+            heads: n(1),
+            d_ff: n(2),
+            causal: b(3),
+            kv_heads: n(4),
+            norm: NormKind::ALL[n(5)],
+            mlp: MlpKind::ALL[n(6)],
+            rope: get(7),
+            bias: b(8),
+            qkv_bias: if get(9) < 0.0 { b(8) } else { b(9) },
+            eps: get(10),
+        },
         "pos_embedding" => {
             let (seq, dim) = match input {
                 Some([seq, dim]) => (*seq, *dim),
@@ -339,6 +395,29 @@ fn check_value(param: Param, v: &ArgValue) -> Result<f64, String> {
         (ArgKind::Bool, ArgValue::Ident(s)) if s == "true" => Ok(1.0),
         (ArgKind::Bool, ArgValue::Ident(s)) if s == "false" => Ok(0.0),
         (ArgKind::Bool, _) => Err("must be `true` or `false`".into()),
+        (ArgKind::NonNegative, ArgValue::Int(i)) if *i >= 0 => Ok(*i as f64),
+        (ArgKind::NonNegative, ArgValue::Float(f)) if f.is_finite() && *f >= 0.0 => Ok(*f),
+        (ArgKind::NonNegative, _) => Err("must be a non-negative number".into()),
+        (ArgKind::Positive, ArgValue::Int(i)) if *i > 0 => Ok(*i as f64),
+        (ArgKind::Positive, ArgValue::Float(f)) if f.is_finite() && *f > 0.0 => Ok(*f),
+        (ArgKind::Positive, _) => Err("must be a positive number".into()),
+        (ArgKind::Norm, ArgValue::Ident(s)) if NormKind::from_name(s).is_some() => {
+            Ok(NormKind::ALL.iter().position(|k| k.name() == s).unwrap_or(0) as f64)
+        }
+        (ArgKind::Norm, _) => Err(format!("must be one of {}", names(NormKind::ALL))),
+        (ArgKind::Mlp, ArgValue::Ident(s)) if MlpKind::from_name(s).is_some() => {
+            Ok(MlpKind::ALL.iter().position(|k| k.name() == s).unwrap_or(0) as f64)
+        }
+        (ArgKind::Mlp, _) => Err(format!("must be one of {}", names(MlpKind::ALL))),
+    }
+}
+
+/// `a`, `b` or `c`: a choice's spellings for a message.
+fn names<C: Choice>(all: &[C]) -> String {
+    let v: Vec<String> = all.iter().map(|c| format!("`{}`", c.name())).collect();
+    match v.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => v.join(""),
     }
 }
 

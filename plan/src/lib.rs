@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod datafile;
 pub mod device;
+pub mod hf;
 pub mod instr;
 pub mod model;
 pub mod plan;

@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::vocab::{MlpKind, NormKind};
+
 /// One operator of the model, with all its hyper-parameters resolved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -70,15 +72,46 @@ pub enum Op {
         vocab: usize,
         dim: usize,
     },
-    /// Pre-norm transformer block: LN → multi-head self-attention → residual → LN → MLP → residual.
-    /// With `causal`, position i attends to positions ≤ i only (a GPT-style decoder block).
+    /// Pre-norm transformer block: norm → multi-head self-attention → residual → norm → MLP →
+    /// residual. With `causal`, position i attends to positions ≤ i only (a GPT-style
+    /// decoder block). The fields after `causal` choose a Llama-style block: grouped-query
+    /// attention, RMSNorm, a gated MLP, rotary position embeddings, no biases
+    /// ([`Op::block_dims`] derives the sizes every phase uses).
     TransformerBlock {
         d_model: usize,
         heads: usize,
         d_ff: usize,
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         causal: bool,
+        /// Key and value heads (grouped-query attention: `heads` a multiple of it; 1 is
+        /// multi-query attention); 0 means `heads`.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        kv_heads: usize,
+        #[serde(default = "layer_norm", skip_serializing_if = "is_layer_norm")]
+        norm: NormKind,
+        #[serde(default = "gelu", skip_serializing_if = "is_gelu")]
+        mlp: MlpKind,
+        /// Rotary position embeddings' base θ on queries and keys (0: none).
+        #[serde(default, skip_serializing_if = "is_zero_f64")]
+        rope: f64,
+        /// Biases on the output projection and the MLP's linear layers.
+        #[serde(default = "yes", skip_serializing_if = "is_true")]
+        bias: bool,
+        /// Biases on the query, key and value projections.
+        #[serde(default = "yes", skip_serializing_if = "is_true")]
+        qkv_bias: bool,
+        /// The norms' ε.
+        #[serde(default = "default_eps", skip_serializing_if = "is_default_eps")]
+        eps: f64,
     },
+    /// Root-mean-square normalisation over the last dimension: x / √(mean(x²) + ε) · gain.
+    RmsNorm {
+        dim: usize,
+        #[serde(default = "default_eps", skip_serializing_if = "is_default_eps")]
+        eps: f64,
+    },
+    /// GELU's tanh approximation (GPT-2's `gelu_new`).
+    GeluTanh,
     /// Learned positional embedding: adds row p of a [max_len, dim] table to position p of a
     /// [sequence, dim] input (sequence ≤ max_len).
     PosEmbedding {
@@ -91,6 +124,74 @@ pub enum Op {
         input: usize,
         hidden: usize,
     },
+}
+
+fn is_zero(v: &usize) -> bool {
+    *v == 0
+}
+fn is_zero_f64(v: &f64) -> bool {
+    *v == 0.0
+}
+fn layer_norm() -> NormKind {
+    NormKind::LayerNorm
+}
+fn is_layer_norm(n: &NormKind) -> bool {
+    *n == NormKind::LayerNorm
+}
+fn gelu() -> MlpKind {
+    MlpKind::Gelu
+}
+fn is_gelu(m: &MlpKind) -> bool {
+    *m == MlpKind::Gelu
+}
+fn yes() -> bool {
+    true
+}
+fn is_true(b: &bool) -> bool {
+    *b
+}
+/// The norms' ε unless a spec says otherwise (PyTorch's `LayerNorm` default).
+pub const DEFAULT_EPS: f64 = 1e-5;
+fn default_eps() -> f64 {
+    DEFAULT_EPS
+}
+fn is_default_eps(e: &f64) -> bool {
+    *e == DEFAULT_EPS
+}
+
+/// A transformer block's sizes, derived once from its arguments ([`Op::block_dims`]):
+/// what the parameter count, the cost model, tensor parallelism and the executor read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockDims {
+    pub d: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// The key (and the value) projection's width: `kv_heads · head_dim`.
+    pub kv_width: usize,
+    /// The fused query-key-value projection's width: `d + 2 · kv_width`.
+    pub qkv_width: usize,
+    pub ff: usize,
+    pub gated: bool,
+    /// The first MLP projection's width: `2 · ff` when gated (gate ‖ up), else `ff`.
+    pub up_width: usize,
+    pub norm: NormKind,
+    pub mlp: MlpKind,
+    pub rope: f64,
+    pub bias: bool,
+    pub qkv_bias: bool,
+    pub eps: f64,
+    pub causal: bool,
+}
+
+impl BlockDims {
+    /// Parameters of one of its norms.
+    pub fn norm_parameters(&self) -> usize {
+        match self.norm {
+            NormKind::LayerNorm => 2 * self.d,
+            NormKind::RmsNorm => self.d,
+        }
+    }
 }
 
 /// Where one of a layer's inputs comes from.
@@ -223,6 +324,8 @@ impl Op {
             Op::Tanh => "tanh",
             Op::Sigmoid => "sigmoid",
             Op::LayerNorm { .. } => "layernorm",
+            Op::RmsNorm { .. } => "rmsnorm",
+            Op::GeluTanh => "gelu_tanh",
             Op::Dropout { .. } => "dropout",
             Op::Embedding { .. } => "embedding",
             Op::TransformerBlock { .. } => "transformer_block",
@@ -244,12 +347,14 @@ impl Op {
             Op::AdaptiveAvgPool2d { size } => vec![size],
             Op::BatchNorm2d { channels } => vec![channels],
             Op::Add { inputs } | Op::Concat { inputs } => vec![inputs],
-            Op::LayerNorm { dim } => vec![dim],
+            Op::LayerNorm { dim } | Op::RmsNorm { dim, .. } => vec![dim],
             Op::Embedding { vocab, dim } => vec![vocab, dim],
             Op::PosEmbedding { max_len, dim } => vec![max_len, dim],
             Op::Lstm { input, hidden } => vec![input, hidden],
-            Op::TransformerBlock { d_model, heads, d_ff, .. } => vec![d_model, heads, d_ff],
-            Op::Flatten | Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid | Op::Dropout { .. } => Vec::new(),
+            Op::TransformerBlock { d_model, heads, d_ff, kv_heads, .. } => vec![d_model, heads, d_ff, kv_heads],
+            Op::Flatten | Op::Relu | Op::Gelu | Op::GeluTanh | Op::Tanh | Op::Sigmoid | Op::Dropout { .. } => {
+                Vec::new()
+            }
         }
     }
 
@@ -375,8 +480,8 @@ impl Op {
             // a join's shape comes from all its inputs: see `join_shape`
             Op::Add { .. } | Op::Concat { .. } => Ok(input.to_vec()),
             Op::Flatten => Ok(vec![input.iter().product()]),
-            Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid | Op::Dropout { .. } => Ok(input.to_vec()),
-            Op::LayerNorm { dim } => match input.last() {
+            Op::Relu | Op::Gelu | Op::GeluTanh | Op::Tanh | Op::Sigmoid | Op::Dropout { .. } => Ok(input.to_vec()),
+            Op::LayerNorm { dim } | Op::RmsNorm { dim, .. } => match input.last() {
                 Some(&d) if d == dim => Ok(input.to_vec()),
                 Some(&d) => Err(shape_err(
                     format!("layernorm normalises {dim} features but its input {} has {d}", fmt_shape(input)),
@@ -411,8 +516,20 @@ impl Op {
             },
             Op::TransformerBlock { d_model, heads, .. } => match input {
                 [_, d] if *d == d_model => {
+                    let (kv_heads, rope, head_dim) =
+                        self.block_dims().map_or((heads, 0.0, 0), |b| (b.kv_heads, b.rope, b.head_dim));
                     if heads == 0 || d_model % heads != 0 {
                         Err(shape_err(format!("d={d_model} is not divisible by heads={heads}"), Some(1)))
+                    } else if kv_heads == 0 || heads % kv_heads != 0 {
+                        Err(shape_err(
+                            format!("heads={heads} is not a multiple of kv_heads={kv_heads} (each key/value head serves a whole group of query heads)"),
+                            Some(4),
+                        ))
+                    } else if rope != 0.0 && head_dim % 2 != 0 {
+                        Err(shape_err(
+                            format!("rotary position embeddings rotate pairs of features, but the head size d/heads = {head_dim} is odd"),
+                            Some(7),
+                        ))
                     } else {
                         Ok(input.to_vec())
                     }
@@ -448,6 +565,7 @@ impl Op {
                 &[u(out_channels), u128::from(bias)],
             ]),
             Op::LayerNorm { dim } => 2 * u(dim),
+            Op::RmsNorm { dim, .. } => u(dim),
             Op::BatchNorm2d { channels } => 2 * u(channels),
             Op::Embedding { vocab, dim } => sum_of(&[&[u(vocab), u(dim)]]),
             Op::PosEmbedding { max_len, dim } => sum_of(&[&[u(max_len), u(dim)]]),
@@ -455,11 +573,26 @@ impl Op {
             Op::Lstm { input, hidden } => {
                 sum_of(&[&[4, u(hidden), u(input)], &[4, u(hidden), u(hidden)], &[8, u(hidden)]])
             }
-            Op::TransformerBlock { d_model, d_ff, .. } => {
-                let (d, f) = (u(d_model), u(d_ff));
-                // two layer norms, QKV + output projection, two MLP linears (all with bias)
-                sum_of(&[&[4, d], &[3, d, d], &[3, d], &[d, d], &[d], &[d, f], &[f], &[f, d], &[d]])
-            }
+            Op::TransformerBlock { .. } => match self.block_dims() {
+                Some(b) => {
+                    let (d, f, q, up) = (u(b.d), u(b.ff), u(b.qkv_width), u(b.up_width));
+                    let (bias, qkv_bias) = (u128::from(b.bias), u128::from(b.qkv_bias));
+                    // two norms, the QKV projection, the output projection, the MLP's up (and
+                    // gate) and down projections
+                    sum_of(&[
+                        &[2, u(b.norm_parameters())],
+                        &[d, q],
+                        &[q, qkv_bias],
+                        &[d, d],
+                        &[d, bias],
+                        &[d, up],
+                        &[up, bias],
+                        &[f, d],
+                        &[d, bias],
+                    ])
+                }
+                None => 0,
+            },
             Op::MaxPool2d { .. }
             | Op::AvgPool2d { .. }
             | Op::AdaptiveAvgPool2d { .. }
@@ -468,10 +601,60 @@ impl Op {
             | Op::Flatten
             | Op::Relu
             | Op::Gelu
+            | Op::GeluTanh
             | Op::Tanh
             | Op::Sigmoid
             | Op::Dropout { .. } => 0,
         }
+    }
+
+    /// A GPT-style transformer block (layer norms, GELU, biases, as many key/value heads as
+    /// query heads, no rotary embeddings).
+    pub fn block(d_model: usize, heads: usize, d_ff: usize, causal: bool) -> Op {
+        Op::TransformerBlock {
+            d_model,
+            heads,
+            d_ff,
+            causal,
+            kv_heads: 0,
+            norm: NormKind::LayerNorm,
+            mlp: MlpKind::Gelu,
+            rope: 0.0,
+            bias: true,
+            qkv_bias: true,
+            eps: DEFAULT_EPS,
+        }
+    }
+
+    /// A transformer block's derived sizes; None for any other operator.
+    pub fn block_dims(&self) -> Option<BlockDims> {
+        let Op::TransformerBlock { d_model, heads, d_ff, causal, kv_heads, norm, mlp, rope, bias, qkv_bias, eps } =
+            *self
+        else {
+            return None;
+        };
+        let kv_heads = if kv_heads == 0 { heads } else { kv_heads };
+        let head_dim = d_model / heads.max(1);
+        let kv_width = kv_heads.saturating_mul(head_dim);
+        let gated = mlp.gated();
+        Some(BlockDims {
+            d: d_model,
+            heads,
+            kv_heads,
+            head_dim,
+            kv_width,
+            qkv_width: d_model.saturating_add(kv_width.saturating_mul(2)),
+            ff: d_ff,
+            gated,
+            up_width: if gated { d_ff.saturating_mul(2) } else { d_ff },
+            norm,
+            mlp,
+            rope,
+            bias,
+            qkv_bias,
+            eps,
+            causal,
+        })
     }
 
     /// How many tensors the operator takes (joins take several).
@@ -544,7 +727,7 @@ pub enum TpSplit {
 }
 
 fn elementwise(op: &Op) -> bool {
-    matches!(op, Op::Relu | Op::Gelu | Op::Tanh | Op::Sigmoid)
+    matches!(op, Op::Relu | Op::Gelu | Op::GeluTanh | Op::Tanh | Op::Sigmoid)
 }
 
 /// Each layer's split over `tp` ranks, the one rule the executor builds by and the cost
@@ -574,8 +757,11 @@ pub fn tp_splits(ops: &[Op], tp: usize) -> Result<Vec<TpSplit>, String> {
                 }
             }
             Op::TransformerBlock { d_model, heads, d_ff, .. } => {
-                if heads % tp != 0 || d_model % tp != 0 || d_ff % tp != 0 {
-                    return Err(format!("transformer_block(d={d_model}, heads={heads}, ff={d_ff}) cannot be split {tp} ways (heads and ff must be multiples of tp)"));
+                let kv = ops[i].block_dims().map_or(heads, |b| b.kv_heads);
+                if [heads, d_model, d_ff, kv].iter().any(|n| !n.is_multiple_of(tp)) {
+                    let kv_text = if kv == heads { String::new() } else { format!(", kv_heads={kv}") };
+                    let kv_rule = if kv == heads { "" } else { ", kv_heads" };
+                    return Err(format!("transformer_block(d={d_model}, heads={heads}{kv_text}, ff={d_ff}) cannot be split {tp} ways (heads{kv_rule} and ff must be multiples of tp)"));
                 }
                 out[i] = TpSplit::Block;
             }
@@ -632,7 +818,7 @@ mod tests {
         let gpt = [
             Op::Embedding { vocab: 128, dim: 64 },
             Op::PosEmbedding { max_len: 64, dim: 64 },
-            Op::TransformerBlock { d_model: 64, heads: 4, d_ff: 256, causal: true },
+            Op::block(64, 4, 256, true),
             Op::LayerNorm { dim: 64 },
             Op::Linear { in_features: 64, out_features: 128, bias: false },
         ];
@@ -735,9 +921,47 @@ mod tests {
 
     #[test]
     fn transformer_block_parameters() {
-        let t = Op::TransformerBlock { d_model: 512, heads: 8, d_ff: 2048, causal: false };
+        let t = Op::block(512, 8, 2048, false);
         // 12·d² + 13·d (the usual count with biases and two layer norms), d_ff = 4d
         assert_eq!(t.parameter_count(), 12 * 512 * 512 + 13 * 512);
+    }
+
+    /// A Llama-family block as Meta's and Mistral's model cards count it: two RMSNorm gains,
+    /// q and o d×d, k and v d×(kv·head) each, three d×ff MLP matrices, no biases.
+    fn llama_block(d: usize, heads: usize, kv_heads: usize, ff: usize, qkv_bias: bool) -> Op {
+        Op::TransformerBlock {
+            d_model: d,
+            heads,
+            d_ff: ff,
+            causal: true,
+            kv_heads,
+            norm: NormKind::RmsNorm,
+            mlp: MlpKind::Swiglu,
+            rope: 10000.0,
+            bias: false,
+            qkv_bias,
+            eps: 1e-5,
+        }
+    }
+
+    #[test]
+    fn llama_family_block_parameters() {
+        // Llama-2-7B: 32 of these make 6,476,267,520 of its 6,738,415,616
+        assert_eq!(llama_block(4096, 32, 32, 11008, false).parameter_count(), 202_383_360);
+        // Mistral-7B and Llama-3-8B: 8 key/value heads of 128
+        assert_eq!(llama_block(4096, 32, 8, 14336, false).parameter_count(), 218_112_000);
+        // Qwen2-0.5B: the query, key and value biases (896 + 2·128)
+        assert_eq!(llama_block(896, 14, 2, 4864, true).parameter_count(), 14_912_384);
+        let b = llama_block(4096, 32, 8, 14336, false).block_dims().expect("a block");
+        assert_eq!((b.head_dim, b.kv_width, b.qkv_width, b.up_width), (128, 1024, 6144, 28672));
+        // the shape rules: a key/value head per whole group of query heads, an even head size
+        assert_eq!(llama_block(64, 4, 2, 128, false).output_shape(&[16, 64]), Ok(vec![16, 64]));
+        assert_eq!(llama_block(64, 4, 3, 128, false).output_shape(&[16, 64]).expect_err("4 % 3").argument, Some(4));
+        assert_eq!(llama_block(20, 4, 4, 40, false).output_shape(&[16, 20]).expect_err("odd").argument, Some(7));
+        // tensor parallelism needs the key/value heads divisible too
+        let two = [llama_block(64, 4, 2, 128, false)];
+        assert!(tp_splits(&two, 2).is_ok());
+        assert!(tp_splits(&two, 4).expect_err("2 kv heads over 4").contains("kv_heads=2"));
     }
 
     #[test]

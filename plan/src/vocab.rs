@@ -119,6 +119,38 @@ choice! {
 }
 
 choice! {
+    /// A transformer block's normalisation (`norm=`).
+    pub enum NormKind {
+        /// Layer normalisation: centred and scaled, a gain and a bias per feature (GPT-2, BERT).
+        LayerNorm = "layernorm",
+        /// Root-mean-square normalisation: scaled only, a gain per feature (Llama, Mistral, Qwen).
+        RmsNorm = "rmsnorm",
+    }
+}
+
+choice! {
+    /// A transformer block's MLP (`mlp=`): two linear layers around an activation, or a
+    /// gated unit (three: act(x·W_gate) ⊙ (x·W_up), then W_down).
+    pub enum MlpKind {
+        /// GELU, exact (erf) form, as `torch.nn.GELU()`.
+        Gelu = "gelu",
+        /// GELU, tanh approximation (GPT-2's `gelu_new`, `GELU(approximate="tanh")`).
+        GeluTanh = "gelu_tanh",
+        /// SwiGLU: SiLU-gated (Llama, Mistral, Qwen).
+        Swiglu = "swiglu",
+        /// GeGLU: GELU-gated (exact form).
+        Geglu = "geglu",
+    }
+}
+
+impl MlpKind {
+    /// Whether the MLP is gated (three weight matrices, the first one twice as wide).
+    pub fn gated(self) -> bool {
+        matches!(self, MlpKind::Swiglu | MlpKind::Geglu)
+    }
+}
+
+choice! {
     /// Synchronous or asynchronous data parallelism (`dp-only`).
     pub enum SyncMode {
         /// Bulk-synchronous: gradients all-reduced every step.

@@ -1,0 +1,468 @@
+//! Hugging Face weights in pipec's parameter layout: a `model.safetensors` of a Llama-family
+//! (Llama, Mistral, Qwen2) or GPT-2 causal language model read into the values of each
+//! pipec parameter id (layer << 8 | slot) of the model's layers. pipec fuses what
+//! `transformers` keeps apart — the query, key and value projections into one [d, q + 2·kv]
+//! weight, a gated MLP's gate and up projections into one [d, 2·ff] — and stores every
+//! dense weight as [in, out] where `nn.Linear` stores [out, in]; GPT-2's `Conv1D` weights are
+//! already [in, out].
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use safetensors::Dtype;
+
+use crate::checkpoint::{Identity, Loaded};
+use crate::model::Op;
+use crate::plan::Plan;
+
+/// A named tensor: its shape and its values in f32.
+pub type Tensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// pipec's parameters by id (layer << 8 | slot): shape and values.
+pub type Weights = BTreeMap<u64, (Vec<usize>, Vec<f32>)>;
+
+/// Every tensor of a safetensors file, in f32 (f32, bf16 and f16 files).
+pub fn read_safetensors(bytes: &[u8]) -> Result<Tensors, String> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| format!("not a safetensors file: {e}"))?;
+    let mut out = Tensors::new();
+    for (name, view) in st.tensors() {
+        let data = view.data();
+        let values: Vec<f32> = match view.dtype() {
+            Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => data
+                .chunks_exact(2)
+                .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+                .collect(),
+            Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            other => return Err(format!("`{name}` is {other:?}; pipec reads f32, bf16 and f16 weights")),
+        };
+        out.insert(name, (view.shape().to_vec(), values));
+    }
+    Ok(out)
+}
+
+/// The tensors of a Hugging Face checkpoint folder: `model.safetensors`, or the shards a
+/// `model.safetensors.index.json` lists.
+pub fn read_dir(dir: &Path) -> Result<Tensors, String> {
+    let read = |name: &str| -> Result<Tensors, String> {
+        let path = dir.join(name);
+        let bytes = std::fs::read(&path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+        read_safetensors(&bytes).map_err(|e| format!("`{}`: {e}", path.display()))
+    };
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        return read("model.safetensors");
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| format!("cannot read `{}`: {e}", index.display()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("`{}` is not JSON: {e}", index.display()))?;
+    let map = json
+        .get("weight_map")
+        .and_then(serde_json::Value::as_object)
+        .ok_or_else(|| format!("`{}` has no `weight_map`", index.display()))?;
+    let mut files: Vec<&str> = map.values().filter_map(serde_json::Value::as_str).collect();
+    files.sort_unstable();
+    files.dedup();
+    let mut out = Tensors::new();
+    for f in files {
+        if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+            return Err(format!("`{}` names a shard outside its folder: `{f}`", index.display()));
+        }
+        out.extend(read(f)?);
+    }
+    Ok(out)
+}
+
+/// A checkpoint of only the weights of a Hugging Face checkpoint folder, for `plan`'s
+/// model: what `pipec run --init` starts from (step 0, no optimizer state), through the
+/// resume path, so every layout — pipeline stages, tensor-parallel ranks, replicas — takes
+/// its part of each weight.
+pub fn initial_weights(plan: &Plan, dir: &Path) -> Result<Loaded, String> {
+    let ops: Vec<Op> = plan.layers.iter().map(|l| l.op.clone()).collect();
+    let values = to_pipec(&ops, &read_dir(dir)?)?;
+    let mut identity = Identity::of(plan);
+    // saved as one whole stage: every weight whole, on rank 0
+    identity.stage_layers = vec![[0, ops.len()]];
+    identity.stage_devices = Vec::new();
+    identity.stateful = false;
+    identity.plan = format!("the Hugging Face checkpoint `{}`", dir.display());
+    Ok(Loaded {
+        completed_steps: 0,
+        params: values.into_iter().map(|(id, v)| ((id, 0), v)).collect(),
+        optimizers: Default::default(),
+        tensor_parallel: Default::default(),
+        identity: Some(identity),
+    })
+}
+
+/// IEEE half precision to single.
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let frac = u32::from(h & 0x3ff);
+    let bits = match (exp, frac) {
+        (0, 0) => sign,
+        // subnormal: renormalise
+        (0, f) => {
+            let shift = f.leading_zeros() - 21;
+            sign | ((127 - 15 + 1 - shift) << 23) | (((f << shift) & 0x3ff) << 13)
+        }
+        (0x1f, f) => sign | 0x7f80_0000 | (f << 13),
+        (e, f) => sign | ((e + 127 - 15) << 23) | (f << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// pipec's parameter id of layer `layer`'s slot `slot`.
+fn pid(layer: usize, slot: u64) -> u64 {
+    ((layer as u64) << 8) | slot
+}
+
+/// The values of every parameter of `layers` (a causal language model: an embedding, its
+/// transformer blocks, a final norm and an output layer, in that order) from a Hugging Face
+/// checkpoint's `tensors`, by pipec parameter id. A missing tensor or a shape that differs
+/// is an error naming the tensor and both shapes; an output layer with no tensor of its
+/// own (tied embeddings) takes the embedding's table.
+pub fn to_pipec(layers: &[Op], tensors: &Tensors) -> Result<Weights, String> {
+    let gpt2 = tensors.contains_key("wte.weight") || tensors.contains_key("transformer.wte.weight");
+    let prefix = if tensors.contains_key("transformer.wte.weight") { "transformer." } else { "" };
+    let get = |name: &str, shape: &[usize]| -> Result<&Vec<f32>, String> {
+        match tensors.get(name) {
+            None => Err(format!("the checkpoint has no tensor `{name}` (expected shape {shape:?})")),
+            Some((s, _)) if s != shape => {
+                Err(format!("`{name}` has shape {s:?} in the checkpoint, the model's layer needs {shape:?}"))
+            }
+            Some((_, v)) => Ok(v),
+        }
+    };
+    let same = |name: &str, shape: &[usize]| get(name, shape).map(|v| (shape.to_vec(), v.clone()));
+    // an [out, in] weight as pipec's [in, out]
+    let transposed = |values: &[f32], rows: usize, cols: usize| (vec![cols, rows], transpose(values, rows, cols));
+    let mut out = BTreeMap::new();
+    let mut block = 0usize;
+    let mut embedding: Option<(usize, usize, Vec<f32>)> = None;
+    let blocks = layers.iter().filter(|op| matches!(op, Op::TransformerBlock { .. })).count();
+    for (i, op) in layers.iter().enumerate() {
+        match op {
+            Op::Embedding { vocab, dim } => {
+                let name = if gpt2 { format!("{prefix}wte.weight") } else { "model.embed_tokens.weight".into() };
+                let v = get(&name, &[*vocab, *dim])?.clone();
+                embedding = Some((*vocab, *dim, v.clone()));
+                out.insert(pid(i, 0), (vec![*vocab, *dim], v));
+            }
+            Op::PosEmbedding { max_len, dim } if gpt2 => {
+                out.insert(pid(i, 0), same(&format!("{prefix}wpe.weight"), &[*max_len, *dim])?);
+            }
+            Op::TransformerBlock { .. } => {
+                let b = op.block_dims().ok_or("not a block")?;
+                let (d, f) = (b.d, b.ff);
+                if gpt2 {
+                    let h = format!("{prefix}h.{block}.");
+                    out.insert(pid(i, 0), same(&format!("{h}ln_1.weight"), &[d])?);
+                    out.insert(pid(i, 1), same(&format!("{h}ln_1.bias"), &[d])?);
+                    out.insert(pid(i, 2), same(&format!("{h}attn.c_attn.weight"), &[d, 3 * d])?);
+                    out.insert(pid(i, 3), same(&format!("{h}attn.c_attn.bias"), &[3 * d])?);
+                    out.insert(pid(i, 4), same(&format!("{h}attn.c_proj.weight"), &[d, d])?);
+                    out.insert(pid(i, 5), same(&format!("{h}attn.c_proj.bias"), &[d])?);
+                    out.insert(pid(i, 6), same(&format!("{h}ln_2.weight"), &[d])?);
+                    out.insert(pid(i, 7), same(&format!("{h}ln_2.bias"), &[d])?);
+                    out.insert(pid(i, 8), same(&format!("{h}mlp.c_fc.weight"), &[d, f])?);
+                    out.insert(pid(i, 9), same(&format!("{h}mlp.c_fc.bias"), &[f])?);
+                    out.insert(pid(i, 10), same(&format!("{h}mlp.c_proj.weight"), &[f, d])?);
+                    out.insert(pid(i, 11), same(&format!("{h}mlp.c_proj.bias"), &[d])?);
+                } else {
+                    let h = format!("model.layers.{block}.");
+                    let kv = b.kv_width;
+                    out.insert(pid(i, 0), same(&format!("{h}input_layernorm.weight"), &[d])?);
+                    // [out, in] projections side by side along `out`, then [in, out]
+                    let q = get(&format!("{h}self_attn.q_proj.weight"), &[d, d])?;
+                    let k = get(&format!("{h}self_attn.k_proj.weight"), &[kv, d])?;
+                    let v = get(&format!("{h}self_attn.v_proj.weight"), &[kv, d])?;
+                    out.insert(pid(i, 2), transposed(&[q.as_slice(), k, v].concat(), d + 2 * kv, d));
+                    if b.qkv_bias {
+                        let q = get(&format!("{h}self_attn.q_proj.bias"), &[d])?;
+                        let k = get(&format!("{h}self_attn.k_proj.bias"), &[kv])?;
+                        let v = get(&format!("{h}self_attn.v_proj.bias"), &[kv])?;
+                        out.insert(pid(i, 3), (vec![d + 2 * kv], [q.as_slice(), k, v].concat()));
+                    }
+                    out.insert(pid(i, 4), transposed(get(&format!("{h}self_attn.o_proj.weight"), &[d, d])?, d, d));
+                    out.insert(pid(i, 6), same(&format!("{h}post_attention_layernorm.weight"), &[d])?);
+                    if !b.gated {
+                        return Err("a Llama-family checkpoint's MLP is gated: the block needs mlp=swiglu".into());
+                    }
+                    let gate = get(&format!("{h}mlp.gate_proj.weight"), &[f, d])?;
+                    let up = get(&format!("{h}mlp.up_proj.weight"), &[f, d])?;
+                    out.insert(pid(i, 8), transposed(&[gate.as_slice(), up].concat(), 2 * f, d));
+                    out.insert(pid(i, 10), transposed(get(&format!("{h}mlp.down_proj.weight"), &[d, f])?, d, f));
+                }
+                block += 1;
+            }
+            Op::LayerNorm { dim } if gpt2 && block == blocks => {
+                out.insert(pid(i, 0), same(&format!("{prefix}ln_f.weight"), &[*dim])?);
+                out.insert(pid(i, 1), same(&format!("{prefix}ln_f.bias"), &[*dim])?);
+            }
+            Op::RmsNorm { dim, .. } if !gpt2 && block == blocks => {
+                out.insert(pid(i, 0), same("model.norm.weight", &[*dim])?);
+            }
+            Op::Linear { in_features, out_features, bias: false } if i + 1 == layers.len() => {
+                let w = match tensors.get("lm_head.weight") {
+                    Some(_) => get("lm_head.weight", &[*out_features, *in_features])?.clone(),
+                    None => match &embedding {
+                        Some((vocab, dim, table)) if vocab == out_features && dim == in_features => table.clone(),
+                        _ => return Err("the checkpoint has no `lm_head.weight` and no embedding to tie it to".into()),
+                    },
+                };
+                out.insert(pid(i, 0), transposed(&w, *out_features, *in_features));
+            }
+            other => {
+                return Err(format!(
+                    "layer {i} (`{}`) has no counterpart in a Hugging Face {} checkpoint",
+                    other.name(),
+                    if gpt2 { "GPT-2" } else { "Llama-family" }
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The family a model exports as: its `config.json` and its tensors' names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Gpt2,
+    Llama,
+}
+
+/// A causal language model of `layers` as a Hugging Face checkpoint: its `config.json`
+/// and its tensors under `transformers`' names (the inverse of [`to_pipec`]); `tied` says
+/// whether the output layer is tied to the embedding, `context` the model's window (a
+/// Llama config's `max_position_embeddings`). A model that is not one of the two families'
+/// shapes is an error naming the layer that is not.
+pub fn from_pipec(
+    layers: &[Op],
+    tied: bool,
+    context: usize,
+    weights: &Weights,
+) -> Result<(serde_json::Value, Tensors), String> {
+    use serde_json::json;
+    let blocks: Vec<crate::model::BlockDims> = layers.iter().filter_map(Op::block_dims).collect();
+    let first =
+        *blocks.first().ok_or("the model has no transformer block: only GPT-2 and Llama-family models export")?;
+    if blocks.iter().any(|b| *b != first) {
+        return Err("the model's blocks differ: a Hugging Face config describes one block repeated".into());
+    }
+    let b = first;
+    let family = match (b.norm, b.mlp, b.rope != 0.0) {
+        (crate::model::NormKind::LayerNorm, crate::model::MlpKind::GeluTanh | crate::model::MlpKind::Gelu, false)
+            if b.bias && b.qkv_bias && b.kv_heads == b.heads =>
+        {
+            Family::Gpt2
+        }
+        (crate::model::NormKind::RmsNorm, crate::model::MlpKind::Swiglu, true) if !b.bias => Family::Llama,
+        _ => {
+            return Err(
+                "the blocks are neither GPT-2's (layernorm, gelu/gelu_tanh, biases) nor Llama's (rmsnorm, swiglu, rope, no MLP biases)"
+                    .into(),
+            )
+        }
+    };
+    let Some(Op::Embedding { vocab, dim }) = layers.first().cloned() else {
+        return Err("the model does not start with an embedding".into());
+    };
+    let weight = |id: u64, shape: &[usize]| -> Result<&Vec<f32>, String> {
+        match weights.get(&id) {
+            Some((s, v)) if s == shape => Ok(v),
+            Some((s, _)) => {
+                Err(format!("`{}` has shape {s:?}, the layer needs {shape:?}", crate::checkpoint::param_name(id)))
+            }
+            None => Err(format!("the checkpoint has no `{}`", crate::checkpoint::param_name(id))),
+        }
+    };
+    let mut out = Tensors::new();
+    let mut put = |name: String, shape: Vec<usize>, values: Vec<f32>| {
+        out.insert(name, (shape, values));
+    };
+    let (d, f) = (b.d, b.ff);
+    let mut block = 0usize;
+    let mut positions = None;
+    for (i, op) in layers.iter().enumerate() {
+        let id = |slot: u64| pid(i, slot);
+        match (family, op) {
+            (Family::Gpt2, Op::Embedding { .. }) => {
+                put("transformer.wte.weight".into(), vec![vocab, dim], weight(id(0), &[vocab, dim])?.clone())
+            }
+            (Family::Llama, Op::Embedding { .. }) => {
+                put("model.embed_tokens.weight".into(), vec![vocab, dim], weight(id(0), &[vocab, dim])?.clone())
+            }
+            (Family::Gpt2, Op::PosEmbedding { max_len, dim }) => {
+                positions = Some(*max_len);
+                put("transformer.wpe.weight".into(), vec![*max_len, *dim], weight(id(0), &[*max_len, *dim])?.clone());
+            }
+            (Family::Gpt2, Op::TransformerBlock { .. }) => {
+                let h = format!("transformer.h.{block}.");
+                for (slot, name, shape) in [
+                    (0, "ln_1.weight", vec![d]),
+                    (1, "ln_1.bias", vec![d]),
+                    (2, "attn.c_attn.weight", vec![d, 3 * d]),
+                    (3, "attn.c_attn.bias", vec![3 * d]),
+                    (4, "attn.c_proj.weight", vec![d, d]),
+                    (5, "attn.c_proj.bias", vec![d]),
+                    (6, "ln_2.weight", vec![d]),
+                    (7, "ln_2.bias", vec![d]),
+                    (8, "mlp.c_fc.weight", vec![d, f]),
+                    (9, "mlp.c_fc.bias", vec![f]),
+                    (10, "mlp.c_proj.weight", vec![f, d]),
+                    (11, "mlp.c_proj.bias", vec![d]),
+                ] {
+                    put(format!("{h}{name}"), shape.clone(), weight(id(slot), &shape)?.clone());
+                }
+                block += 1;
+            }
+            (Family::Llama, Op::TransformerBlock { .. }) => {
+                let h = format!("model.layers.{block}.");
+                let kv = b.kv_width;
+                put(format!("{h}input_layernorm.weight"), vec![d], weight(id(0), &[d])?.clone());
+                put(format!("{h}post_attention_layernorm.weight"), vec![d], weight(id(6), &[d])?.clone());
+                // pipec's [in, out] as [out, in], then cut along `out`
+                let qkv = transpose(weight(id(2), &[d, d + 2 * kv])?, d, d + 2 * kv);
+                put(format!("{h}self_attn.q_proj.weight"), vec![d, d], qkv[..d * d].to_vec());
+                put(format!("{h}self_attn.k_proj.weight"), vec![kv, d], qkv[d * d..(d + kv) * d].to_vec());
+                put(format!("{h}self_attn.v_proj.weight"), vec![kv, d], qkv[(d + kv) * d..].to_vec());
+                if b.qkv_bias {
+                    let bias = weight(id(3), &[d + 2 * kv])?;
+                    put(format!("{h}self_attn.q_proj.bias"), vec![d], bias[..d].to_vec());
+                    put(format!("{h}self_attn.k_proj.bias"), vec![kv], bias[d..d + kv].to_vec());
+                    put(format!("{h}self_attn.v_proj.bias"), vec![kv], bias[d + kv..].to_vec());
+                }
+                put(format!("{h}self_attn.o_proj.weight"), vec![d, d], transpose(weight(id(4), &[d, d])?, d, d));
+                let up = transpose(weight(id(8), &[d, 2 * f])?, d, 2 * f);
+                put(format!("{h}mlp.gate_proj.weight"), vec![f, d], up[..f * d].to_vec());
+                put(format!("{h}mlp.up_proj.weight"), vec![f, d], up[f * d..].to_vec());
+                put(format!("{h}mlp.down_proj.weight"), vec![d, f], transpose(weight(id(10), &[f, d])?, f, d));
+                block += 1;
+            }
+            (Family::Gpt2, Op::LayerNorm { dim }) if block == blocks.len() => {
+                put("transformer.ln_f.weight".into(), vec![*dim], weight(id(0), &[*dim])?.clone());
+                put("transformer.ln_f.bias".into(), vec![*dim], weight(id(1), &[*dim])?.clone());
+            }
+            (Family::Llama, Op::RmsNorm { dim, .. }) if block == blocks.len() => {
+                put("model.norm.weight".into(), vec![*dim], weight(id(0), &[*dim])?.clone());
+            }
+            (_, Op::Linear { in_features, out_features, bias: false }) if i + 1 == layers.len() => {
+                if !tied {
+                    let w = transpose(weight(id(0), &[*in_features, *out_features])?, *in_features, *out_features);
+                    put("lm_head.weight".into(), vec![*out_features, *in_features], w);
+                } else if family == Family::Gpt2 {
+                    // transformers ties GPT-2's output layer to `wte` and saves it once
+                } else {
+                    // a tied Llama-family checkpoint saves the table once too
+                }
+            }
+            (_, other) => {
+                return Err(format!("layer {i} (`{}`) has no place in a Hugging Face {family:?} model", other.name()))
+            }
+        }
+    }
+    let Some(Op::Linear { .. }) = layers.last() else {
+        return Err("the model does not end with its output layer `linear(d, vocab, bias=false)`".into());
+    };
+    let config = match family {
+        Family::Gpt2 => json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": vocab,
+            "n_embd": d,
+            "n_layer": blocks.len(),
+            "n_head": b.heads,
+            "n_inner": f,
+            "n_positions": positions.ok_or("a GPT-2 model has a `pos_embedding`")?,
+            "activation_function": if b.mlp == crate::model::MlpKind::GeluTanh { "gelu_new" } else { "gelu" },
+            "layer_norm_epsilon": b.eps,
+            "attn_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "resid_pdrop": 0.0,
+            "tie_word_embeddings": true,
+            "torch_dtype": "float32",
+        }),
+        Family::Llama => {
+            let mut c = json!({
+                "architectures": [if b.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
+                "model_type": if b.qkv_bias { "qwen2" } else { "llama" },
+                "vocab_size": vocab,
+                "hidden_size": d,
+                "intermediate_size": f,
+                "num_hidden_layers": blocks.len(),
+                "num_attention_heads": b.heads,
+                "num_key_value_heads": b.kv_heads,
+                "max_position_embeddings": context,
+                "hidden_act": "silu",
+                "rope_theta": b.rope,
+                "rms_norm_eps": b.eps,
+                "tie_word_embeddings": tied,
+                "torch_dtype": "float32",
+            });
+            if !b.qkv_bias {
+                c["attention_bias"] = json!(false);
+                c["mlp_bias"] = json!(false);
+            }
+            c
+        }
+    };
+    Ok((config, out))
+}
+
+/// `tensors` as a safetensors file (f32).
+pub fn write_safetensors(tensors: &Tensors) -> Result<Vec<u8>, String> {
+    let bytes: Vec<(&String, &Vec<usize>, Vec<u8>)> =
+        tensors.iter().map(|(n, (s, v))| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
+    let views = bytes
+        .iter()
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(Dtype::F32, s.to_vec(), b)
+                .map(|v| (n.to_string(), v))
+                .map_err(|e| format!("`{n}`: {e}"))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize(views, Some(metadata)).map_err(|e| format!("cannot encode model.safetensors: {e}"))
+}
+
+/// `values` ([rows, cols], row-major) transposed to [cols, rows].
+fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = values[r * cols + c];
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_precision_values_convert_exactly() {
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0xc000), -2.0);
+        assert_eq!(f16_to_f32(0x3555), 0.333_251_95);
+        assert_eq!(f16_to_f32(0x0001), 5.960_464_5e-8);
+        assert_eq!(f16_to_f32(0x7bff), 65504.0);
+    }
+
+    #[test]
+    fn a_missing_tensor_or_a_wrong_shape_is_named() {
+        let layers = [Op::Embedding { vocab: 4, dim: 2 }, Op::Linear { in_features: 2, out_features: 4, bias: false }];
+        let mut t = Tensors::new();
+        let e = to_pipec(&layers, &t).expect_err("missing");
+        assert!(e.contains("`model.embed_tokens.weight`"), "{e}");
+        t.insert("model.embed_tokens.weight".into(), (vec![4, 3], vec![0.0; 12]));
+        let e = to_pipec(&layers, &t).expect_err("shape");
+        assert!(e.contains("[4, 3]") && e.contains("[4, 2]"), "{e}");
+        // tied: the output layer takes the table, transposed
+        t.insert("model.embed_tokens.weight".into(), (vec![4, 2], (0..8).map(|v| v as f32).collect()));
+        let p = to_pipec(&layers, &t).expect("tied");
+        assert_eq!(p[&pid(1, 0)], (vec![2, 4], vec![0.0, 2.0, 4.0, 6.0, 1.0, 3.0, 5.0, 7.0]));
+    }
+}

@@ -1,0 +1,381 @@
+//! `pipec import`: a Hugging Face `config.json` becomes a spec — its `model` section written
+//! as pipec layers (GPT-2, Llama, Mistral and Qwen2 families), with a cluster, an `auto`
+//! strategy and a training section to edit. Every field of the config that changes what
+//! the model computes is either translated or refused by name; fields that do not (token
+//! ids, dtype, versions, initialisation) are ignored.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::{EXIT_OK, EXIT_USAGE};
+
+/// Options of the written spec that the config does not say.
+pub struct ImportArgs<'a> {
+    pub config: &'a Path,
+    pub out: Option<&'a Path>,
+    /// The training sequence length (default: the config's context length, at most 4,096).
+    pub seq: Option<usize>,
+    pub name: Option<&'a str>,
+}
+
+pub fn run(args: ImportArgs<'_>) -> u8 {
+    let text = match std::fs::read_to_string(args.config) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read `{}`: {e}", args.config.display());
+            return EXIT_USAGE;
+        }
+    };
+    let name = args.name.map(str::to_string).unwrap_or_else(|| default_name(args.config));
+    let spec = match import(&text, &name, args.seq) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {}: {e}", args.config.display());
+            return EXIT_USAGE;
+        }
+    };
+    match args.out {
+        Some(path) => match crate::output::write_atomic(path, spec.as_bytes()) {
+            Ok(()) => {
+                eprintln!("wrote {} (check it with `pipec check {}`)", path.display(), path.display());
+                EXIT_OK
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                EXIT_USAGE
+            }
+        },
+        None => {
+            print!("{spec}");
+            EXIT_OK
+        }
+    }
+}
+
+/// The spec's name: the config's folder (a checkpoint's name), else `imported`.
+fn default_name(config: &Path) -> String {
+    let folder = config.parent().and_then(Path::file_name).and_then(|n| n.to_str()).unwrap_or("");
+    let name: String =
+        folder.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '-' }).collect();
+    if name.is_empty() {
+        "imported".into()
+    } else {
+        name.to_lowercase()
+    }
+}
+
+/// Fields no family's computation depends on.
+const IGNORED: &[&str] = &[
+    "_name_or_path",
+    "architectures",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "torch_dtype",
+    "transformers_version",
+    "use_cache",
+    "initializer_range",
+    "pretraining_tp",
+    "max_window_layers",
+    "task_specific_params",
+    "n_special",
+    "predict_special_tokens",
+    "summary_activation",
+    "summary_first_dropout",
+    "summary_proj_to_labels",
+    "summary_type",
+    "summary_use_proj",
+    "reorder_and_upcast_attn",
+    "tokenizer_class",
+    "bos_token",
+    "eos_token",
+];
+
+/// A config read field by field: every field used or checked is marked, and what is left
+/// is refused by name.
+struct Config {
+    fields: Map<String, Value>,
+    used: std::collections::BTreeSet<String>,
+}
+
+impl Config {
+    fn take(&mut self, key: &str) -> Option<&Value> {
+        self.used.insert(key.to_string());
+        self.fields.get(key).filter(|v| !v.is_null())
+    }
+
+    fn count(&mut self, key: &str) -> Result<usize, String> {
+        self.count_or(key, None)
+    }
+
+    fn count_or(&mut self, key: &str, default: Option<usize>) -> Result<usize, String> {
+        match self.take(key) {
+            Some(v) => v
+                .as_u64()
+                .filter(|&n| n > 0)
+                .map(|n| n as usize)
+                .ok_or_else(|| format!("`{key}` must be a positive integer, found {v}")),
+            None => default.ok_or_else(|| format!("`{key}` is missing")),
+        }
+    }
+
+    fn number_or(&mut self, key: &str, default: f64) -> Result<f64, String> {
+        match self.take(key) {
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| format!("`{key}` must be a positive number, found {v}")),
+            None => Ok(default),
+        }
+    }
+
+    fn flag_or(&mut self, key: &str, default: bool) -> Result<bool, String> {
+        match self.take(key) {
+            Some(v) => v.as_bool().ok_or_else(|| format!("`{key}` must be true or false, found {v}")),
+            None => Ok(default),
+        }
+    }
+
+    fn text(&mut self, key: &str) -> Option<String> {
+        self.take(key).and_then(|v| v.as_str().map(str::to_string))
+    }
+
+    /// A field that must have one value (or be absent) for pipec to compute the same model.
+    fn require(&mut self, key: &str, ok: impl Fn(&Value) -> bool, why: &str) -> Result<(), String> {
+        match self.take(key) {
+            Some(v) if !ok(v) => Err(format!("`{key}: {v}` is not supported: {why}")),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every field neither used nor ignorable: refused, all named at once.
+    fn leftover(&self) -> Result<(), String> {
+        let left: Vec<&str> = self
+            .fields
+            .keys()
+            .map(String::as_str)
+            .filter(|k| !self.used.contains(*k) && !IGNORED.contains(k))
+            .collect();
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "field(s) pipec does not know, so cannot promise the same model: {}",
+                left.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+            ))
+        }
+    }
+}
+
+/// The spec for a config's text.
+pub fn import(text: &str, name: &str, seq: Option<usize>) -> Result<String, String> {
+    let fields = match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(m)) => m,
+        Ok(_) => return Err("not a JSON object".into()),
+        Err(e) => return Err(format!("not JSON: {e}")),
+    };
+    let mut c = Config { fields, used: Default::default() };
+    let family = c.text("model_type").ok_or("`model_type` is missing: which architecture is this?")?;
+    let model = match family.as_str() {
+        "gpt2" => gpt2(&mut c, seq)?,
+        "llama" | "mistral" | "qwen2" => llama(&mut c, &family, seq)?,
+        other => {
+            return Err(format!(
+                "`model_type: {other}` is not an architecture pipec imports (it imports gpt2, llama, mistral and qwen2)"
+            ))
+        }
+    };
+    c.leftover()?;
+    Ok(format!(
+        "# Imported by `pipec import` from a Hugging Face `{family}` config. The model computes what\n\
+         # `transformers` computes for it; the cluster, the strategy and the training are a\n\
+         # starting point to edit.\n\
+         name: {name}\n\
+         {model}\
+         cluster:\n  nodes: 1\n  devices_per_node: 8\n  device: h100-sxm\n  links: dgx-h100\n\
+         strategy: auto\n\
+         training:\n  batch_size: 64\n  steps: 1000\n  optimizer: {{ kind: adamw, lr: 0.0003, weight_decay: 0.1 }}\n  precision: bf16\n  data: {{ kind: synthetic }}\n"
+    ))
+}
+
+/// The training window: `--seq`, else the context length up to 4,096.
+fn window(context: usize, seq: Option<usize>) -> Result<usize, String> {
+    match seq {
+        Some(s) if s > context => Err(format!("--seq {s} is longer than the model's context of {context} positions")),
+        Some(0) => Err("--seq must be at least 1".into()),
+        Some(s) => Ok(s),
+        None => Ok(context.min(4096)),
+    }
+}
+
+fn gpt2(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
+    let vocab = c.count("vocab_size")?;
+    let d = c.count("n_embd")?;
+    let layers = c.count("n_layer")?;
+    let heads = c.count("n_head")?;
+    let ff = c.count_or("n_inner", Some(4 * d))?;
+    let positions = c.count("n_positions")?;
+    c.count_or("n_ctx", Some(positions))?;
+    let eps = c.number_or("layer_norm_epsilon", 1e-5)?;
+    let act = c.text("activation_function").unwrap_or_else(|| "gelu_new".into());
+    let mlp = match act.as_str() {
+        "gelu_new" | "gelu_pytorch_tanh" => "gelu_tanh",
+        "gelu" => "gelu",
+        other => return Err(format!("`activation_function: {other}` is not supported (gelu_new or gelu)")),
+    };
+    if eps != 1e-5 {
+        return Err(format!("`layer_norm_epsilon: {eps}` is not supported: pipec's layernorm uses 1e-5"));
+    }
+    for k in ["attn_pdrop", "resid_pdrop", "embd_pdrop"] {
+        c.require(k, |_| true, "")?;
+    }
+    c.require("tie_word_embeddings", |v| v.as_bool() != Some(false), "GPT-2's output layer is the embedding")?;
+    c.require("scale_attn_weights", |v| v.as_bool() == Some(true), "pipec scales attention scores by 1/√head size")?;
+    c.require(
+        "scale_attn_by_inverse_layer_idx",
+        |v| v.as_bool() == Some(false),
+        "pipec's blocks scale no layer's scores by its depth",
+    )?;
+    c.require("add_cross_attention", |v| v.as_bool() == Some(false), "cross-attention is an encoder-decoder's")?;
+    let seq = window(positions, seq)?;
+    Ok(format!(
+        "# GPT-2: {layers} blocks of d = {d} with {heads} heads, a tied {vocab}-token vocabulary. Dropout\n\
+         # (attn/resid/embd_pdrop) is not applied inside pipec's blocks.\n\
+         model:\n  input: [{seq}]\n  layers:\n\
+         \x20   - embedding({vocab}, {d}) as wte\n\
+         \x20   - pos_embedding({positions}) as wpe\n\
+         \x20   - repeat {layers}: transformer_block(d={d}, heads={heads}, ff={ff}, causal=true, mlp={mlp})\n\
+         \x20   - layernorm\n\
+         \x20   - linear({d}, {vocab}, bias=false, tie=wte)\n\
+         \x20 loss: cross_entropy\n"
+    ))
+}
+
+fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, String> {
+    let vocab = c.count("vocab_size")?;
+    let d = c.count("hidden_size")?;
+    let ff = c.count("intermediate_size")?;
+    let layers = c.count("num_hidden_layers")?;
+    let heads = c.count("num_attention_heads")?;
+    let kv = c.count_or("num_key_value_heads", Some(heads))?;
+    let positions = c.count("max_position_embeddings")?;
+    let theta = c.number_or("rope_theta", 10000.0)?;
+    let eps = c.number_or("rms_norm_eps", 1e-6)?;
+    let tied = c.flag_or("tie_word_embeddings", false)?;
+    let act = c.text("hidden_act").unwrap_or_else(|| "silu".into());
+    if act != "silu" {
+        return Err(format!("`hidden_act: {act}` is not supported: pipec's gated MLPs are SwiGLU (silu) and GeGLU"));
+    }
+    if d % heads != 0 {
+        return Err(format!("`hidden_size` {d} is not a multiple of `num_attention_heads` {heads}"));
+    }
+    c.require(
+        "head_dim",
+        |v| v.as_u64() == Some((d / heads) as u64),
+        "pipec's heads are hidden_size / num_attention_heads wide",
+    )?;
+    c.require("rope_scaling", |_| false, "scaled rotary embeddings (Llama 3.1's, YaRN) are not a pipec layer yet")?;
+    c.require("attention_dropout", |v| v.as_f64() == Some(0.0), "pipec's blocks apply no attention dropout")?;
+    c.require("mlp_bias", |v| v.as_bool() == Some(false), "pipec's gated MLPs have no biases")?;
+    // Qwen2 always has query/key/value biases; Llama's `attention_bias` puts them on the
+    // output projection too
+    let (bias, qkv_bias) = if family == "qwen2" {
+        (false, true)
+    } else {
+        let b = c.flag_or("attention_bias", false)?;
+        if b {
+            return Err(
+                "`attention_bias: true` is not supported: biases on every attention projection but not the MLP's"
+                    .into(),
+            );
+        }
+        (false, false)
+    };
+    // a sliding window at least the training window long attends to every earlier position
+    let seq = window(positions, seq)?;
+    let use_window = c.flag_or("use_sliding_window", family == "mistral")?;
+    if let Some(w) = c.take("sliding_window").and_then(Value::as_u64) {
+        if use_window && (w as usize) < seq {
+            return Err(format!(
+                "`sliding_window: {w}` is shorter than the training window of {seq}: pipec's attention is full (use --seq {w} or less)"
+            ));
+        }
+    }
+    let label = match family {
+        "llama" => "Llama",
+        "mistral" => "Mistral",
+        _ => "Qwen2",
+    };
+    let mut args = format!("d={d}, heads={heads}, ff={ff}, causal=true");
+    if kv != heads {
+        args += &format!(", kv_heads={kv}");
+    }
+    args += &format!(", norm=rmsnorm, mlp=swiglu, rope={}, bias={bias}", number(theta));
+    if qkv_bias {
+        args += ", qkv_bias=true";
+    }
+    if eps != pipec_plan::model::DEFAULT_EPS {
+        args += &format!(", eps={}", number(eps));
+    }
+    let final_norm =
+        if eps != pipec_plan::model::DEFAULT_EPS { format!("rmsnorm(eps={})", number(eps)) } else { "rmsnorm".into() };
+    let (table, head) = if tied {
+        ("embedding({vocab}, {d}) as tokens", format!("linear({d}, {vocab}, bias=false, tie=tokens)"))
+    } else {
+        ("embedding({vocab}, {d})", format!("linear({d}, {vocab}, bias=false) as lm_head"))
+    };
+    let table = table.replace("{vocab}", &vocab.to_string()).replace("{d}", &d.to_string());
+    let gqa = if kv == heads { String::new() } else { format!(", {kv} key/value heads") };
+    Ok(format!(
+        "# {label}: {layers} blocks of d = {d} with {heads} heads{gqa}, a {vocab}-token vocabulary{}.\n\
+         model:\n  input: [{seq}]\n  layers:\n\
+         \x20   - {table}\n\
+         \x20   - repeat {layers}: transformer_block({args})\n\
+         \x20   - {final_norm}\n\
+         \x20   - {head}\n\
+         \x20 loss: cross_entropy\n",
+        if tied { " (tied)" } else { "" }
+    ))
+}
+
+/// A number as a spec writes it: integers without a fraction, others in Rust's shortest form.
+fn number(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 {
+        format!("{}", x as i64)
+    } else {
+        format!("{x:e}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_written_as_a_spec_reads_them() {
+        assert_eq!(number(10000.0), "10000");
+        assert_eq!(number(500000.0), "500000");
+        assert_eq!(number(1e-6), "1e-6");
+        assert_eq!(number(1e-5), "1e-5");
+    }
+
+    #[test]
+    fn an_unknown_field_or_architecture_is_named() {
+        let e = import(r#"{"model_type": "bert"}"#, "x", None).expect_err("bert");
+        assert!(e.contains("`model_type: bert`"), "{e}");
+        let cfg = r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64, "frobnicate": 1}"#;
+        let e = import(cfg, "x", None).expect_err("unknown field");
+        assert!(e.contains("`frobnicate`"), "{e}");
+        let e = import(
+            &cfg.replace(r#""frobnicate": 1"#, r#""rope_scaling": {"type": "linear", "factor": 2.0}"#),
+            "x",
+            None,
+        )
+        .expect_err("rope scaling");
+        assert!(e.contains("`rope_scaling"), "{e}");
+        let e = import(&cfg.replace(r#", "frobnicate": 1"#, ""), "x", Some(128)).expect_err("window");
+        assert!(e.contains("--seq 128"), "{e}");
+    }
+}
