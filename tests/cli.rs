@@ -953,6 +953,30 @@ fn import_writes_specs_that_check_clean_with_the_published_parameter_counts() {
     assert!(!target.exists());
 }
 
+/// `pipec run SPEC --init INIT --out OUT` (and `extra` flags), asserting it succeeds.
+fn run_from_hugging_face(spec: &Path, init: &Path, out: &Path, extra: &[&str]) {
+    let mut args = vec![
+        "run",
+        spec.to_str().expect("utf-8"),
+        "--init",
+        init.to_str().expect("utf-8"),
+        "--out",
+        out.to_str().expect("utf-8"),
+    ];
+    args.extend_from_slice(extra);
+    let o = pipec(&args);
+    assert!(o.status.success(), "{}: {}", spec.display(), String::from_utf8_lossy(&o.stderr));
+}
+
+/// Each step's loss in a run folder's `metrics.jsonl`.
+fn run_losses(run: &Path) -> Vec<f64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"].as_f64().expect("loss"))
+        .collect()
+}
+
 #[test]
 fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_on_any_layout() {
     // tests/reference/hf/llama-gqa: a tiny random Llama (grouped-query attention, rotary
@@ -988,18 +1012,8 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
         let path = dir.path().join(format!("init-{devices}.yaml"));
         std::fs::write(&path, spec).expect("spec");
         let out_dir = dir.path().join(format!("out-{devices}"));
-        let out = pipec(&[
-            "run",
-            path.to_str().expect("utf-8"),
-            "--init",
-            fixture.to_str().expect("utf-8"),
-            "--out",
-            out_dir.to_str().expect("utf-8"),
-        ]);
-        assert!(out.status.success(), "{layout}: {}", String::from_utf8_lossy(&out.stderr));
-        let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
-        let first: serde_json::Value = serde_json::from_str(metrics.lines().next().expect("a step")).expect("json");
-        let loss = first["loss"].as_f64().expect("loss");
+        run_from_hugging_face(&path, &fixture, &out_dir, &[]);
+        let loss = run_losses(&out_dir)[0];
         assert!(
             (loss - expected).abs() <= 1e-5 * expected,
             "{layout}: pipec's first loss {loss}, transformers' {expected}"
@@ -1013,20 +1027,8 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
         .replace("steps: 2", "steps: 3\n  checkpoint: { every: 2, dir: checkpoints }");
     std::fs::write(dir.path().join("train.yaml"), spec).expect("spec");
     let run = dir.path().join("trained");
-    let out = pipec(&[
-        "run",
-        dir.path().join("train.yaml").to_str().expect("utf-8"),
-        "--init",
-        fixture.to_str().expect("utf-8"),
-        "--out",
-        run.to_str().expect("utf-8"),
-    ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let losses: Vec<f64> = std::fs::read_to_string(run.join("metrics.jsonl"))
-        .expect("metrics")
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"].as_f64().expect("loss"))
-        .collect();
+    run_from_hugging_face(&dir.path().join("train.yaml"), &fixture, &run, &[]);
+    let losses = run_losses(&run);
     let exported = dir.path().join("exported");
     let out = pipec(&[
         "export",
@@ -1042,20 +1044,8 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
         "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)"
     ));
     let again = dir.path().join("again");
-    let out = pipec(&[
-        "run",
-        dir.path().join("init-1.yaml").to_str().expect("utf-8"),
-        "--init",
-        exported.to_str().expect("utf-8"),
-        "--out",
-        again.to_str().expect("utf-8"),
-        "--steps",
-        "1",
-    ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let metrics = std::fs::read_to_string(again.join("metrics.jsonl")).expect("metrics");
-    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().expect("a step")).expect("json");
-    let loss = first["loss"].as_f64().expect("loss");
+    run_from_hugging_face(&dir.path().join("init-1.yaml"), &exported, &again, &["--steps", "1"]);
+    let loss = run_losses(&again)[0];
     assert!(
         (loss - losses[2]).abs() <= 1e-5 * losses[2],
         "from the export {loss}, the pipeline's step 2 {}",
@@ -1085,4 +1075,85 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
         said.contains("model.layers.0.mlp.gate_proj.weight") && said.contains("[24, 16]") && said.contains("[32, 16]"),
         "{said}"
     );
+}
+
+#[test]
+fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
+    // tests/reference/hf/{llama-gqa,gpt2}/after-{adamw,sgd}.safetensors: the weights after
+    // one step of torch.optim.AdamW (no decay on biases and norms) and of SGD with momentum
+    // and weight decay, on the fixture's two rows as one batch; pipec trains the same step
+    // from the same weights, on one device and on a 2-stage pipeline with tensor
+    // parallelism 2, and exports what it trained
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let llama = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
+    let gpt2 = "    - embedding(50, 16) as wte\n    - pos_embedding(32)\n    - repeat 2: transformer_block(d=16, heads=4, ff=64, causal=true, mlp=gelu_tanh)\n    - layernorm\n    - linear(16, 50, bias=false, tie=wte)";
+    let optimizers = [
+        ("after-adamw", "{ kind: adamw, lr: 0.01, eps: 0.0001, weight_decay: 0.1, decay_biases_and_norms: false }"),
+        ("after-sgd", "{ kind: momentum, lr: 0.05, momentum: 0.9, weight_decay: 0.1 }"),
+    ];
+    for (model, layers) in [("llama-gqa", llama), ("gpt2", gpt2)] {
+        let fixture = root.join(model);
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).expect("fixture"))
+                .expect("json");
+        let ids: Vec<Vec<u16>> = serde_json::from_value(reference["input_ids"].clone()).expect("ids");
+        let mut tokens: Vec<u16> = ids.concat();
+        tokens.push(7);
+        let data = dir.path().join(format!("{model}.bin"));
+        std::fs::write(&data, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).expect("tokens");
+        for (after, optimizer) in optimizers {
+            let expected = pipec_plan::hf::read_safetensors(
+                &std::fs::read(fixture.join(format!("{after}.safetensors"))).expect("fixture"),
+            )
+            .expect("safetensors");
+            for (devices, layout) in [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")] {
+                let name = format!("{model}-{after}-{devices}");
+                let spec = format!(
+                    "name: {name}\nmodel:\n  input: [12]\n  layers:\n{layers}\n  loss: cross_entropy\n\
+                     cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
+                     strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
+                     training:\n  batch_size: 2\n  steps: 1\n  checkpoint: {{ every: 1, dir: checkpoints }}\n  optimizer: {optimizer}\n  data: {{ kind: tokens, path: {}, dtype: uint16 }}\n",
+                    data.display()
+                );
+                let path = dir.path().join(format!("{name}.yaml"));
+                std::fs::write(&path, spec).expect("spec");
+                let run = dir.path().join(&name);
+                run_from_hugging_face(&path, &fixture, &run, &[]);
+                let exported = dir.path().join(format!("{name}-hf"));
+                let out = pipec(&[
+                    "export",
+                    run.join("checkpoints").to_str().expect("utf-8"),
+                    "-o",
+                    exported.to_str().expect("utf-8"),
+                ]);
+                assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+                let got = pipec_plan::hf::read_dir(&exported).expect("exported");
+                assert_eq!(got.keys().collect::<Vec<_>>(), expected.keys().collect::<Vec<_>>(), "{name}");
+                for (tensor, (shape, want)) in &expected {
+                    let (got_shape, values) = &got[tensor];
+                    assert_eq!(got_shape, shape, "{name}: {tensor}");
+                    let scale = want.iter().fold(0.0_f32, |m, v| m.max(v.abs()));
+                    let worst = values.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0_f32, f32::max);
+                    assert!(
+                        worst <= 1e-5 * scale,
+                        "{name}: {tensor} differs from torch's by {worst:e} (largest value {scale})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_tiny_llama_trains_through_its_bpe_tokenizer_on_a_pipeline() {
+    // specs/llama-tiny.yaml: grouped-query attention, rotary embeddings, RMSNorm, SwiGLU, a
+    // byte-level BPE tokenizer (specs/data/bpe-512.json), 2 stages under 1F1B
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = pipec(&["run", "specs/llama-tiny.yaml", "--steps", "15", "--out", dir.path().to_str().expect("utf-8")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let losses = run_losses(dir.path());
+    assert_eq!(losses.len(), 15);
+    // ln 512 ≈ 6.24 is a uniform guess over the tokenizer's vocabulary; it learns well below
+    assert!(losses[14] < 0.85 * losses[0], "{losses:?}");
 }

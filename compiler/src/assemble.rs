@@ -181,7 +181,9 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
             Data::Npy { path, labels, .. } => {
                 DataPlan::Npy { path: resolve(path), labels: labels.as_deref().map(resolve) }
             }
-            Data::Text { path, .. } => DataPlan::Text { path: resolve(path) },
+            Data::Text { path, tokenizer, .. } => {
+                DataPlan::Text { path: resolve(path), tokenizer: tokenizer.as_deref().map(resolve) }
+            }
             Data::Tokens { path, dtype, .. } => DataPlan::Tokens { path: resolve(path), dtype: *dtype },
         },
         checkpoint_every: t.checkpoint.as_ref().map(|c| c.every),

@@ -86,7 +86,12 @@ impl Dataset {
                     successor: (0..v).map(|_| rng.below(v as u64) as u32).collect(),
                 }
             }
-            DataPlan::Text { path } => token_source(path, datafile::TokenFile::Text, lm, vocab, &expect)?,
+            DataPlan::Text { path, tokenizer: None } => {
+                token_source(path, datafile::TokenFile::Text, lm, vocab, &expect)?
+            }
+            DataPlan::Text { path, tokenizer: Some(t) } => {
+                token_source(path, datafile::TokenFile::Tokenized(t.into()), lm, vocab, &expect)?
+            }
             DataPlan::Tokens { path, dtype: Some(d) } => {
                 token_source(path, datafile::TokenFile::Raw(*d), lm, vocab, &expect)?
             }

@@ -70,7 +70,7 @@ fn time_passes<B: ExecBackend>(
     mut input: impl FnMut() -> Act<B>,
 ) -> Result<Passes, ExecError> {
     let (mut fwd, mut bwd, mut upd) = (Vec::new(), Vec::new(), Vec::new());
-    let mut optim = StageOptim::<B>::new(&plan.training.optimizer);
+    let mut optim = StageOptim::<B>::new(&plan.training.optimizer, &crate::params::layout::<B, _>(&model));
     let mut acc = FlatGrads::<B>::new();
     let keys = sum_keys(&model);
     let per_version = per_version.max(1);

@@ -151,11 +151,51 @@ impl<B: ExecBackend> StageState<B> {
 pub(crate) enum StageOptim<B: ExecBackend, M: AutodiffModule<B> = StageModel<B>> {
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
     Adam(OptimizerAdaptor<Adam, M, B>),
-    AdamW(OptimizerAdaptor<AdamW, M, B>),
+    /// With a rule when the weight decay skips some parameters (`decay_biases_and_norms:
+    /// false`): the adaptor then decays nothing and the rule shrinks the others first.
+    AdamW(OptimizerAdaptor<AdamW, M, B>, Option<DecayRule>),
+}
+
+/// AdamW's decoupled weight decay on some parameters only: each parameter in `decayed`
+/// (the ones with two or more dimensions) shrinks by `1 − lr · weight_decay` before the Adam
+/// step — the multiplication Burn's AdamW makes, so a rule that decays everything gives the
+/// same values as Burn's own decay.
+#[derive(Debug, Clone)]
+pub(crate) struct DecayRule {
+    weight_decay: f64,
+    decayed: std::collections::HashSet<u64>,
+}
+
+impl DecayRule {
+    fn apply<B: ExecBackend, M: AutodiffModule<B>>(&self, lr: f64, model: M, grads: &GradientsParams) -> M {
+        struct Shrink<'a> {
+            rule: &'a DecayRule,
+            factor: f64,
+            grads: &'a GradientsParams,
+        }
+        impl<B: ExecBackend> burn::module::ModuleMapper<B> for Shrink<'_> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: burn::module::Param<Tensor<B, D>>,
+            ) -> burn::module::Param<Tensor<B, D>> {
+                let (id, tensor, _) = param.consume();
+                // only a parameter the step updates: one with a gradient
+                let updated = self.grads.get::<B::InnerBackend, D>(id).is_some();
+                let tensor = if updated && self.rule.decayed.contains(&id.val()) {
+                    Tensor::from_inner(tensor.inner().mul_scalar(self.factor)).require_grad()
+                } else {
+                    tensor
+                };
+                burn::module::Param::initialized(id, tensor)
+            }
+        }
+        model.map(&mut Shrink { rule: self, factor: 1.0 - lr * self.weight_decay, grads })
+    }
 }
 
 impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
-    pub fn new(plan: &OptimizerPlan) -> Self {
+    /// The optimizer of the parameters `params` (id and whole shape: a ZeRO shard's too).
+    pub fn new(plan: &OptimizerPlan, params: &[(u64, Vec<usize>)]) -> Self {
         match *plan {
             OptimizerPlan::Sgd { momentum, weight_decay, .. } => {
                 let mut c = SgdConfig::new();
@@ -167,15 +207,21 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
                 }
                 StageOptim::Sgd(c.init())
             }
-            OptimizerPlan::Adam { beta1, beta2, eps, weight_decay, decoupled: true, .. } => {
+            OptimizerPlan::Adam {
+                beta1, beta2, eps, weight_decay, decoupled: true, decay_biases_and_norms, ..
+            } => {
                 // Burn's AdamW decays by lr · weight_decay before the step, as torch's does;
                 // its default decay is 1e-4, so it is always set
+                let rule = (!decay_biases_and_norms && weight_decay > 0.0).then(|| DecayRule {
+                    weight_decay,
+                    decayed: params.iter().filter(|(_, shape)| shape.len() >= 2).map(|(id, _)| *id).collect(),
+                });
                 let c = AdamWConfig::new()
                     .with_beta_1(beta1 as f32)
                     .with_beta_2(beta2 as f32)
                     .with_epsilon(eps as f32)
-                    .with_weight_decay(weight_decay as f32);
-                StageOptim::AdamW(c.init())
+                    .with_weight_decay(if rule.is_some() { 0.0 } else { weight_decay as f32 });
+                StageOptim::AdamW(c.init(), rule)
             }
             OptimizerPlan::Adam { beta1, beta2, eps, weight_decay, decoupled: false, .. } => {
                 let mut c =
@@ -192,7 +238,11 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
         match self {
             StageOptim::Sgd(o) => o.step(lr, model, grads),
             StageOptim::Adam(o) => o.step(lr, model, grads),
-            StageOptim::AdamW(o) => o.step(lr, model, grads),
+            StageOptim::AdamW(o, None) => o.step(lr, model, grads),
+            StageOptim::AdamW(o, Some(rule)) => {
+                let model = rule.apply(lr, model, &grads);
+                o.step(lr, model, grads)
+            }
         }
     }
 
@@ -217,7 +267,7 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
         match self {
             StageOptim::Sgd(o) => recorder.record(o.to_record(), ()),
             StageOptim::Adam(o) => recorder.record(o.to_record(), ()),
-            StageOptim::AdamW(o) => recorder.record(o.to_record(), ()),
+            StageOptim::AdamW(o, _) => recorder.record(o.to_record(), ()),
         }
         .map_err(|e| format!("cannot record the optimizer state: {e:?}"))
     }
@@ -245,7 +295,7 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
         match self {
             StageOptim::Sgd(o) => items_of::<_, _, B>(o.to_record()),
             StageOptim::Adam(o) => items_of::<_, _, B>(o.to_record()),
-            StageOptim::AdamW(o) => items_of::<_, _, B>(o.to_record()),
+            StageOptim::AdamW(o, _) => items_of::<_, _, B>(o.to_record()),
         }
     }
 
@@ -277,7 +327,7 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
         *self = match std::mem::replace(self, placeholder) {
             StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(record_of(items, dev)?)),
             StageOptim::Adam(o) => StageOptim::Adam(o.load_record(record_of(items, dev)?)),
-            StageOptim::AdamW(o) => StageOptim::AdamW(o.load_record(record_of(items, dev)?)),
+            StageOptim::AdamW(o, rule) => StageOptim::AdamW(o.load_record(record_of(items, dev)?), rule),
         };
         Ok(())
     }
@@ -389,7 +439,7 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
         *self = match std::mem::replace(self, placeholder) {
             StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(merged(files, wants, complete, dev)?)),
             StageOptim::Adam(o) => StageOptim::Adam(o.load_record(merged(files, wants, complete, dev)?)),
-            StageOptim::AdamW(o) => StageOptim::AdamW(o.load_record(merged(files, wants, complete, dev)?)),
+            StageOptim::AdamW(o, rule) => StageOptim::AdamW(o.load_record(merged(files, wants, complete, dev)?), rule),
         };
         Ok(())
     }
@@ -587,12 +637,13 @@ pub(crate) fn build_stages<B: ExecBackend>(
             let mut weight = Some(weight);
             model = crate::params::set_params(model, |p, _| if p == id { weight.take() } else { None }).0;
         }
+        let optim = StageOptim::new(&plan.training.optimizer, &layout::<B, _>(&model));
         out.insert(
             s.id,
             StageState {
                 model: Some(model),
                 tp,
-                optim: StageOptim::new(&plan.training.optimizer),
+                optim,
                 acc: Vec::new(),
                 contributions: 0,
                 forward_stats: HashMap::new(),

@@ -48,6 +48,11 @@ pub(crate) struct ShardLayout {
 }
 
 impl ShardLayout {
+    /// Every parameter's id and whole shape.
+    pub fn whole_shapes(&self) -> Vec<(u64, Vec<usize>)> {
+        self.params.iter().map(|p| (p.id, p.shape.clone())).collect()
+    }
+
     /// The layout of parameters (id, shape) in visiting order among `d` replicas, for
     /// replica `rank`.
     pub fn new(params: &[(u64, Vec<usize>)], d: usize, rank: usize) -> Self {
@@ -191,12 +196,13 @@ impl<B: ExecBackend> ShardState<B> {
     ) -> Result<Self> {
         let layout = ShardLayout::new(&params::layout::<B, _>(model), d, rank);
         let master = master_chunks(&layout, model, dev)?;
+        let optim = StageOptim::new(&plan.training.optimizer, &layout.whole_shapes());
         Ok(ShardState {
             level: plan.schedule.sharding,
             group,
             layout,
             master: Some(master),
-            optim: StageOptim::new(&plan.training.optimizer),
+            optim,
             grad: None,
             contributions: 0,
             stats: Vec::new(),
@@ -384,7 +390,7 @@ pub(crate) fn shard_loaded<B: ExecBackend>(st: &mut StageState<B>, plan: &Plan, 
     }
     shard.optim.load_items(cut, dev).map_err(ExecError::Checkpoint)?;
     // the whole state lives on only in the shards
-    st.optim = StageOptim::new(&plan.training.optimizer);
+    st.optim = StageOptim::new(&plan.training.optimizer, &[]);
     Ok(())
 }
 

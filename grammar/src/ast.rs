@@ -361,9 +361,11 @@ pub enum Data {
         labels: Option<String>,
         span: Span,
     },
-    /// A language model's characters.
+    /// A language model's text: its characters, or the tokens of a Hugging Face
+    /// `tokenizer.json` (relative to the spec).
     Text {
         path: String,
+        tokenizer: Option<String>,
         span: Span,
     },
     /// A language model's token ids (`dtype` for a raw file, None for `.npy`).

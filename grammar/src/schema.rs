@@ -386,6 +386,10 @@ struct Optimizer {
     beta2: Option<f64>,
     /// adam: ε.
     eps: Option<f64>,
+    /// adamw: whether `weight_decay` also shrinks the one-dimensional parameters — biases
+    /// and the norms' gains and shifts. Default true (one parameter group, as
+    /// `torch.optim.AdamW(model.parameters())`); false is the usual rule for language models.
+    decay_biases_and_norms: Option<bool>,
 }
 
 #[derive(JsonSchema)]
@@ -421,6 +425,9 @@ struct Data {
     /// tokens: the integer type of a raw token file (`uint16` or `uint32`); a `.npy` file
     /// says its own.
     dtype: Option<pipec_plan::TokenDtype>,
+    /// text: a Hugging Face `tokenizer.json` (BPE, Unigram or WordPiece), relative to the
+    /// spec, that cuts the text into tokens; without it, one token per character.
+    tokenizer: Option<String>,
 }
 
 #[derive(JsonSchema)]

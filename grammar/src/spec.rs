@@ -120,7 +120,10 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
     let extent = pipec_plan::datafile::Extent::Prefix(DATA_CHECK_BYTES);
     let lm = pipec_plan::model::language_model_positions(&model.input, model.output_shape(), model.token_vocab());
     let token_file = match &training.data {
-        Data::Text { path, span } => Some((path, pipec_plan::datafile::TokenFile::Text, *span)),
+        Data::Text { path, tokenizer: None, span } => Some((path, pipec_plan::datafile::TokenFile::Text, *span)),
+        Data::Text { path, tokenizer: Some(t), span } => {
+            Some((path, pipec_plan::datafile::TokenFile::Tokenized(base.join(t)), *span))
+        }
         Data::Tokens { path, dtype: Some(d), span } => Some((path, pipec_plan::datafile::TokenFile::Raw(*d), *span)),
         Data::Tokens { path, dtype: None, span } => Some((path, pipec_plan::datafile::TokenFile::Npy, *span)),
         _ => None,
@@ -689,10 +692,25 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
             let b2 = opt_f(cx, "beta2", 0.999);
             let eps = opt_f(cx, "eps", 1e-8);
             let decoupled = kind == OptimizerKind::AdamW;
-            Some(Optimizer::Adam { lr: lr?, beta1: b1?, beta2: b2?, eps: eps?, weight_decay: wd?, decoupled })
+            if !decoupled {
+                not_for(cx, &["decay_biases_and_norms"], kind.name());
+            }
+            let decay_biases_and_norms = match f.get("decay_biases_and_norms") {
+                Some(n) if decoupled => cx.boolean(n),
+                _ => Some(true),
+            };
+            Some(Optimizer::Adam {
+                lr: lr?,
+                beta1: b1?,
+                beta2: b2?,
+                eps: eps?,
+                weight_decay: wd?,
+                decoupled,
+                decay_biases_and_norms: decay_biases_and_norms?,
+            })
         }
         OptimizerKind::Sgd | OptimizerKind::Momentum => {
-            not_for(cx, &["beta1", "beta2", "eps"], kind.name());
+            not_for(cx, &["beta1", "beta2", "eps", "decay_biases_and_norms"], kind.name());
             let default_m = if kind == OptimizerKind::Momentum { 0.9 } else { 0.0 };
             let m = opt_f(cx, "momentum", default_m);
             Some(Optimizer::Sgd { lr: lr?, momentum: m?, weight_decay: wd? })
@@ -720,6 +738,19 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
             Some(Data::Synthetic { task: task?, samples: samples? })
         }
         file_kind => {
+            if let (true, Some(span)) = (file_kind != "text", f.key_span("tokenizer")) {
+                cx.push(
+                    Diagnostic::error(
+                        "E0502",
+                        format!("`tokenizer` does not apply to `{file_kind}` data"),
+                        span,
+                        "only for `kind: text`",
+                    )
+                    .with_help(
+                        "a tokenizer cuts a text file into a language model's tokens: use `kind: text`, or remove it",
+                    ),
+                );
+            }
             let Some(p) = f.get("path") else {
                 cx.push(
                     Diagnostic::error(
@@ -734,7 +765,8 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
             };
             let path = cx.string(p)?.to_string();
             if let Some(base) = cx.base_dir {
-                for (what, node) in [("data", Some(p)), ("labels", f.get("labels"))] {
+                for (what, node) in [("data", Some(p)), ("labels", f.get("labels")), ("tokenizer", f.get("tokenizer"))]
+                {
                     let Some(node) = node else { continue };
                     let Some(rel) = node.as_str() else { continue };
                     let full = base.join(rel);
@@ -755,7 +787,11 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
             if file_kind == "csv" {
                 Some(Data::Csv { path, span: p.span })
             } else if file_kind == "text" {
-                Some(Data::Text { path, span: p.span })
+                let tokenizer = match f.get("tokenizer") {
+                    Some(t) => Some(cx.string(t)?.to_string()),
+                    None => None,
+                };
+                Some(Data::Text { path, tokenizer, span: p.span })
             } else if file_kind == "tokens" {
                 let npy = path.ends_with(".npy");
                 let dtype = match f.get("dtype") {

@@ -358,10 +358,13 @@ pub fn load_npy(path: &Path, labels: Option<&Path>, expect: &Expect, extent: Ext
 }
 
 /// Where a language model's token stream comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TokenFile {
     /// UTF-8 text, one token per character.
     Text,
+    /// UTF-8 text cut into tokens by a Hugging Face `tokenizer.json` (BPE, Unigram,
+    /// WordPiece; no special tokens added).
+    Tokenized(std::path::PathBuf),
     /// Raw little-endian integers.
     Raw(crate::vocab::TokenDtype),
     /// A one-dimensional `.npy` array of integers.
@@ -385,18 +388,31 @@ pub fn parse_tokens(
     vocab: usize,
     shown: &str,
 ) -> Result<Vec<u32>, String> {
+    let utf8 = || match std::str::from_utf8(bytes) {
+        Ok(t) => Ok(t),
+        // a prefix may end inside a character
+        Err(e) if !complete && e.error_len().is_none() => {
+            Ok(std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or_default())
+        }
+        Err(e) => Err(format!("`{shown}` is not UTF-8 text (byte {} is not valid UTF-8)", e.valid_up_to())),
+    };
     let ids: Vec<u64> = match kind {
+        TokenFile::Tokenized(tokenizer) => {
+            let text = utf8()?;
+            let t = tokenizers::Tokenizer::from_file(&tokenizer)
+                .map_err(|e| format!("the tokenizer `{}` does not load: {e}", tokenizer.display()))?;
+            let size = t.get_vocab_size(true);
+            if size > vocab {
+                return Err(format!(
+                    "the tokenizer `{}` has {size} tokens, more than the model's vocabulary of {vocab}: make the embedding's vocabulary (and the output layer) at least {size}",
+                    tokenizer.display()
+                ));
+            }
+            let encoding = t.encode(text, false).map_err(|e| format!("`{shown}` does not tokenize: {e}"))?;
+            encoding.get_ids().iter().map(|&i| u64::from(i)).collect()
+        }
         TokenFile::Text => {
-            let text = match std::str::from_utf8(bytes) {
-                Ok(t) => t,
-                // a prefix may end inside a character
-                Err(e) if !complete && e.error_len().is_none() => {
-                    std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or_default()
-                }
-                Err(e) => {
-                    return Err(format!("`{shown}` is not UTF-8 text (byte {} is not valid UTF-8)", e.valid_up_to()))
-                }
-            };
+            let text = utf8()?;
             let mut chars: Vec<char> = text.chars().collect::<std::collections::BTreeSet<_>>().into_iter().collect();
             chars.sort_unstable();
             if chars.len() > vocab {
@@ -575,6 +591,29 @@ mod tests {
         assert!(e.contains("class labels are integers"), "{e}");
         let e = load_npy(&xp, Some(&yip), &CLS, Extent::All).expect_err("nan input");
         assert!(e.contains("sample 1: input value 2 is NaN"), "{e}");
+    }
+
+    #[test]
+    fn a_tokenizer_json_cuts_text_as_hugging_faces_tokenizers_does() {
+        // tests/reference/hf/tokenizer-sample.json: a sample of specs/data/architecture.txt
+        // and its ids under specs/data/bpe-512.json, from Python's `tokenizers` 0.20.3
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let sample: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(root.join("tests/reference/hf/tokenizer-sample.json")).expect("fixture"),
+        )
+        .expect("json");
+        let text = sample["text"].as_str().expect("text");
+        let want: Vec<u32> = serde_json::from_value(sample["ids"].clone()).expect("ids");
+        let tokenizer = TokenFile::Tokenized(root.join("specs/data/bpe-512.json"));
+        let got = parse_tokens(text.as_bytes(), true, tokenizer.clone(), 512, "sample").expect("tokenizes");
+        assert_eq!(got, want);
+        assert!(got.len() < text.len() / 2, "BPE merges: {} tokens for {} bytes", got.len(), text.len());
+        // a tokenizer larger than the model's vocabulary says how large it must be
+        let e = parse_tokens(text.as_bytes(), true, tokenizer, 300, "sample").expect_err("overflow");
+        assert!(e.contains("has 512 tokens") && e.contains("at least 512"), "{e}");
+        let e = parse_tokens(b"x", true, TokenFile::Tokenized(root.join("specs/data/quadrants.csv")), 512, "x")
+            .expect_err("not a tokenizer");
+        assert!(e.contains("does not load"), "{e}");
     }
 
     #[test]

@@ -137,6 +137,14 @@ fn is_false(b: &bool) -> bool {
     !*b
 }
 
+fn decay_all() -> bool {
+    true
+}
+
+fn is_decay_all(b: &bool) -> bool {
+    *b
+}
+
 /// Optimizer settings.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -155,6 +163,10 @@ pub enum OptimizerPlan {
         /// AdamW: decoupled weight decay (absent in plans written before it: Adam's).
         #[serde(default, skip_serializing_if = "is_false")]
         decoupled: bool,
+        /// AdamW: whether the decay applies to one-dimensional parameters too (biases, norm
+        /// gains and shifts); false is the usual rule for language models.
+        #[serde(default = "decay_all", skip_serializing_if = "is_decay_all")]
+        decay_biases_and_norms: bool,
     },
 }
 
@@ -213,8 +225,13 @@ pub enum DataPlan {
     /// NPY features and labels (absolute paths).
     Npy { path: String, labels: Option<String> },
     /// A language model's tokens: a UTF-8 text file read character by character (the
-    /// vocabulary is its distinct characters in code-point order), cut into windows.
-    Text { path: String },
+    /// vocabulary is its distinct characters in code-point order), or cut into tokens by a
+    /// Hugging Face `tokenizer.json` (absolute path), then into windows.
+    Text {
+        path: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tokenizer: Option<String>,
+    },
     /// A language model's tokens: a `.npy` array of integer ids, or a raw file of `dtype`
     /// little-endian integers, cut into windows.
     Tokens {

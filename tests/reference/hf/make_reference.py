@@ -6,13 +6,22 @@ Run once, in a throwaway venv outside the repository (torch 2.5.1, transformers 
     python tests/reference/hf/make_reference.py
 
 It writes, per model, `<name>/model.safetensors` (the weights under transformers' names),
-`<name>/config.json` and `<name>/reference.json` (the input ids and the float32 logits).
+`<name>/config.json`, `<name>/reference.json` (the input ids and the float32 logits) and
+the weights after one optimizer step on those rows as a language model's batch — the
+targets are the rows shifted by one, the last row's last target the token 7, the loss the
+mean next-token cross-entropy over every position — with `torch.optim.AdamW` (lr 0.01, eps 1e-4,
+weight decay 0.1, none on one-dimensional parameters: biases and norms) in
+`<name>/after-adamw.safetensors` and with SGD (lr 0.05, momentum 0.9, weight decay 0.1) in
+`<name>/after-sgd.safetensors`.
 """
+
+import copy
 
 import json
 import pathlib
 
 import torch
+from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 HERE = pathlib.Path(__file__).parent
@@ -49,6 +58,37 @@ def write(name, model, vocab, seq):
         + "\n"
     )
     (out / "generation_config.json").unlink(missing_ok=True)
+    step(model, ids, out)
+
+
+def step(model, ids, out):
+    flat = ids.flatten()
+    targets = torch.cat([flat[1:], torch.tensor([7])]).view_as(ids)
+    for name, make in [
+        (
+            "after-adamw",
+            lambda m: torch.optim.AdamW(
+                [
+                    {"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                    {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
+                ],
+                lr=0.01,
+                # GPT-2's key bias has a gradient of zero but for rounding (softmax does not
+                # see it): with eps 1e-8 Adam would amplify that noise into a whole step
+                eps=1e-4,
+            ),
+        ),
+        ("after-sgd", lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)),
+    ]:
+        m = copy.deepcopy(model).train()
+        opt = make(m)
+        logits = m(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        # the weights under their checkpoint names (a tied output layer saved once)
+        state = {k: v.detach().contiguous() for k, v in m.state_dict().items() if not (k == "lm_head.weight" and m.config.tie_word_embeddings)}
+        save_file(state, out / f"{name}.safetensors", metadata={"loss": f"{loss.item():.9f}"})
 
 
 llama = LlamaConfig(
