@@ -185,6 +185,9 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
                 DataPlan::Text { path: resolve(path), tokenizer: tokenizer.as_deref().map(resolve) }
             }
             Data::Tokens { path, dtype, .. } => DataPlan::Tokens { path: resolve(path), dtype: *dtype },
+            Data::Images { path, resize, mean, std, .. } => {
+                DataPlan::Images { path: resolve(path), resize: *resize, mean: mean.clone(), std: std.clone() }
+            }
         },
         checkpoint_every: t.checkpoint.as_ref().map(|c| c.every),
         checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),

@@ -96,6 +96,17 @@ impl Dataset {
                 token_source(path, datafile::TokenFile::Raw(*d), lm, vocab, &expect)?
             }
             DataPlan::Tokens { path, dtype: None } => token_source(path, datafile::TokenFile::Npy, lm, vocab, &expect)?,
+            DataPlan::Images { path, resize, mean, std } => {
+                let t = pipec_plan::images::Transform { resize: *resize, mean: mean.clone(), std: std.clone() };
+                let s = pipec_plan::images::load_folder(
+                    Path::new(path),
+                    &plan.model.input,
+                    &expect,
+                    &t,
+                    datafile::Extent::All,
+                )?;
+                loaded(s, &expect)
+            }
             DataPlan::Synthetic { task, samples } => {
                 if classification != (*task == pipec_plan::Task::Classification) {
                     return Err(format!(

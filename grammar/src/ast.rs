@@ -368,6 +368,14 @@ pub enum Data {
         tokenizer: Option<String>,
         span: Span,
     },
+    /// A classifier's image folder (one folder per class), with its transform.
+    Images {
+        path: String,
+        resize: Option<usize>,
+        mean: Vec<f64>,
+        std: Vec<f64>,
+        span: Span,
+    },
     /// A language model's token ids (`dtype` for a raw file, None for `.npy`).
     Tokens {
         path: String,

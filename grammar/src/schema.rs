@@ -409,9 +409,9 @@ enum DataKind {
 #[derive(JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Data {
-    /// `synthetic` (deterministic from the seed), `csv`, `npy`, or a language model's
-    /// `text` (UTF-8, one token per character) or `tokens` (token ids: `.npy`, or raw with
-    /// `dtype`).
+    /// `synthetic` (deterministic from the seed), `csv`, `npy`, `images` (a folder of one
+    /// folder per class, PNG or JPEG), or a language model's `text` (UTF-8, one token per
+    /// character or a tokenizer's) or `tokens` (token ids: `.npy`, or raw with `dtype`).
     kind: DataFileKind,
     /// synthetic: `classification` (labels from a fixed random teacher) or `regression`.
     task: Option<Task>,
@@ -428,6 +428,13 @@ struct Data {
     /// text: a Hugging Face `tokenizer.json` (BPE, Unigram or WordPiece), relative to the
     /// spec, that cuts the text into tokens; without it, one token per character.
     tokenizer: Option<String>,
+    /// images: the shorter side after resizing, before the centre crop to the model's input
+    /// (default: the input's longer side).
+    resize: Option<u64>,
+    /// images: per-channel mean subtracted from values in [0, 1] (default 0).
+    mean: Option<Vec<f64>>,
+    /// images: per-channel standard deviation divided by (default 1).
+    std: Option<Vec<f64>>,
 }
 
 #[derive(JsonSchema)]
@@ -438,6 +445,7 @@ enum DataFileKind {
     Npy,
     Text,
     Tokens,
+    Images,
 }
 
 /// Checkpointing during `pipec run`.

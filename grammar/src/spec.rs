@@ -151,6 +151,10 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
     } else {
         match &training.data {
             Data::Synthetic { .. } | Data::Text { .. } | Data::Tokens { .. } => return,
+            Data::Images { path, resize, mean, std, span } => {
+                let t = pipec_plan::images::Transform { resize: *resize, mean: mean.clone(), std: std.clone() };
+                (pipec_plan::images::load_folder(&base.join(path), &model.input, &expect, &t, extent), *span)
+            }
             Data::Csv { path, span } => (pipec_plan::datafile::load_csv(&base.join(path), &expect, extent), *span),
             Data::Npy { path, labels, span } => {
                 let labels = labels.as_ref().map(|l| base.join(l));
@@ -160,17 +164,25 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
     };
     if let Err(e) = result {
         let base_shown = format!("`{}/", base.display());
+        let mib = DATA_CHECK_BYTES >> 20;
+        let (label, help) = match &training.data {
+            Data::Images { .. } => (
+                "this image folder",
+                format!("`pipec check` lists every class and decodes images from each in turn, up to {mib} MiB of files; `pipec run` decodes and checks all of them"),
+            ),
+            _ => (
+                "this data file",
+                format!("`pipec check` reads the first {mib} MiB of a data file; `pipec run` reads and checks all of it"),
+            ),
+        };
         cx.push(
             Diagnostic::error(
                 "E0502",
                 format!("the data does not fit the model: {}", e.replace(&base_shown, "`")),
                 span,
-                "this data file",
+                label,
             )
-            .with_help(format!(
-                "`pipec check` reads the first {} MiB of a data file; `pipec run` reads and checks all of it",
-                DATA_CHECK_BYTES >> 20
-            )),
+            .with_help(help),
         );
     }
 }
@@ -738,6 +750,21 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
             Some(Data::Synthetic { task: task?, samples: samples? })
         }
         file_kind => {
+            for key in ["resize", "mean", "std"] {
+                if let (true, Some(span)) = (file_kind != "images", f.key_span(key)) {
+                    cx.push(
+                        Diagnostic::error(
+                            "E0502",
+                            format!("`{key}` does not apply to `{file_kind}` data"),
+                            span,
+                            "only for `kind: images`",
+                        )
+                        .with_help(
+                            "resize, mean and std transform an image folder's images: use `kind: images`, or remove it",
+                        ),
+                    );
+                }
+            }
             if let (true, Some(span)) = (file_kind != "text", f.key_span("tokenizer")) {
                 cx.push(
                     Diagnostic::error(
@@ -770,7 +797,20 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                     let Some(node) = node else { continue };
                     let Some(rel) = node.as_str() else { continue };
                     let full = base.join(rel);
-                    if !full.is_file() {
+                    if file_kind == "images" && what == "data" {
+                        if !full.is_dir() {
+                            cx.push(
+                                Diagnostic::error(
+                                    "E0502",
+                                    format!("the image folder `{rel}` does not exist"),
+                                    node.span,
+                                    "no such folder",
+                                )
+                                .with_help("an image folder holds one folder per class (`images/cat/1.png`); paths are relative to the spec file's directory"),
+                            );
+                            return None;
+                        }
+                    } else if !full.is_file() {
                         cx.push(
                             Diagnostic::error(
                                 "E0502",
@@ -792,6 +832,23 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                     None => None,
                 };
                 Some(Data::Text { path, tokenizer, span: p.span })
+            } else if file_kind == "images" {
+                let resize = match f.get("resize") {
+                    None => Some(None),
+                    Some(n) => cx.uint(n, 1).map(Some),
+                };
+                // per-channel values: any mean, a positive standard deviation
+                let list = |cx: &mut Lower<'_>, key: &str, bound: rules::Bound| -> Option<Vec<f64>> {
+                    let Some(n) = f.get(key) else { return Some(Vec::new()) };
+                    let Value::Seq(items) = &n.value else {
+                        cx.wrong_type(n, "a list of numbers, one per channel, like `[0.485, 0.456, 0.406]`");
+                        return None;
+                    };
+                    items.iter().map(|i| cx.number(i, bound)).collect()
+                };
+                let (mean, std) =
+                    (list(cx, "mean", rules::Bound::NonNegative), list(cx, "std", rules::Bound::Positive));
+                Some(Data::Images { path, resize: resize?, mean: mean?, std: std?, span: p.span })
             } else if file_kind == "tokens" {
                 let npy = path.ends_with(".npy");
                 let dtype = match f.get("dtype") {

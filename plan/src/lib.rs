@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod datafile;
 pub mod device;
 pub mod hf;
+pub mod images;
 pub mod instr;
 pub mod model;
 pub mod plan;

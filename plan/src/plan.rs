@@ -232,6 +232,17 @@ pub enum DataPlan {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tokenizer: Option<String>,
     },
+    /// A classifier's images: a folder (absolute path) of one folder per class, PNG or
+    /// JPEG, resized, centre-cropped and normalised (`crate::images`).
+    Images {
+        path: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resize: Option<usize>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        mean: Vec<f64>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        std: Vec<f64>,
+    },
     /// A language model's tokens: a `.npy` array of integer ids, or a raw file of `dtype`
     /// little-endian integers, cut into windows.
     Tokens {

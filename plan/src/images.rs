@@ -1,0 +1,265 @@
+//! Image folders: one subfolder per class, as torchvision's `ImageFolder` lays them out
+//! (classes numbered in the order of their folder names, images in the order of theirs),
+//! PNG or JPEG files decoded, resized so the shorter side is `resize`, centre-cropped to the
+//! model's [channels, height, width] input and normalised per channel,
+//! `(value / 255 − mean) / std`. The executor loads them for training and `pipec check`
+//! reads the first ones with the same code.
+
+use std::path::{Path, PathBuf};
+
+use crate::datafile::{Expect, Extent, Samples};
+
+/// What a spec says about its images.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transform {
+    /// The shorter side after resizing, before the centre crop (None: the crop's longer side,
+    /// so the whole shorter side is kept).
+    pub resize: Option<usize>,
+    /// Per channel; empty: 0.
+    pub mean: Vec<f64>,
+    /// Per channel; empty: 1.
+    pub std: Vec<f64>,
+}
+
+/// A folder's classes by name, in label order, each with its image files in order.
+pub fn scan(dir: &Path) -> Result<Vec<(String, Vec<PathBuf>)>, String> {
+    let shown = dir.display();
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("cannot read the image folder `{shown}`: {e}"))?;
+    let mut classes: Vec<(String, PathBuf)> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.path().is_dir())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+        .filter(|(name, _)| !name.starts_with('.'))
+        .collect();
+    classes.sort();
+    if classes.is_empty() {
+        return Err(format!(
+            "the image folder `{shown}` has no class folders: put each class's images in a folder of its own (`{shown}/cat/1.png`)"
+        ));
+    }
+    let mut out = Vec::with_capacity(classes.len());
+    let mut empty = Vec::new();
+    for (name, path) in classes {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&path)
+            .map_err(|e| format!("cannot read `{}`: {e}", path.display()))?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.is_file() && is_image(p))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            empty.push(name.clone());
+        }
+        out.push((name, files));
+    }
+    if !empty.is_empty() {
+        return Err(format!(
+            "class folder(s) with no PNG or JPEG image in `{shown}`: {} (a class the data never shows cannot be learned)",
+            empty.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    Ok(out)
+}
+
+fn is_image(p: &Path) -> bool {
+    p.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| matches!(e.to_ascii_lowercase().as_str(), "png" | "jpg" | "jpeg"))
+}
+
+/// One image as a model's [channels, height, width] input, row-major.
+pub fn decode(path: &Path, shape: [usize; 3], t: &Transform) -> Result<Vec<f32>, String> {
+    let shown = path.display();
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read `{shown}`: {e}"))?;
+    let img = image::load_from_memory(&bytes).map_err(|e| format!("`{shown}` is not a readable image: {e}"))?;
+    let [c, h, w] = shape;
+    let have = img.color().channel_count();
+    // colour needs three channels (an alpha channel is dropped), grey one
+    let fits = match c {
+        3 => have >= 3,
+        1 => have <= 2,
+        _ => false,
+    };
+    if !fits {
+        let kind = if have <= 2 { "greyscale" } else { "colour" };
+        return Err(format!("`{shown}` is a {kind} image ({have} channel(s)) and the model takes {c} channel(s)"));
+    }
+    let (iw, ih) = (img.width() as usize, img.height() as usize);
+    if iw == 0 || ih == 0 {
+        return Err(format!("`{shown}` is empty"));
+    }
+    let short = t.resize.unwrap_or(h.max(w)).max(1);
+    // the shorter side to `short`, the other in proportion (at least the crop)
+    let scale = short as f64 / iw.min(ih) as f64;
+    let (rw, rh) = (((iw as f64 * scale).round() as usize).max(w), ((ih as f64 * scale).round() as usize).max(h));
+    let filter = image::imageops::FilterType::Triangle;
+    let resized = img.resize_exact(rw as u32, rh as u32, filter);
+    let (x0, y0) = ((rw - w) / 2, (rh - h) / 2);
+    let mut out = vec![0.0f32; c * h * w];
+    let channel = |k: usize, v: f64| {
+        let m = t.mean.get(k).copied().unwrap_or(0.0);
+        let s = t.std.get(k).copied().unwrap_or(1.0);
+        ((v / 255.0 - m) / s) as f32
+    };
+    if c == 3 {
+        let rgb = resized.to_rgb8();
+        for y in 0..h {
+            for x in 0..w {
+                let p = rgb.get_pixel((x0 + x) as u32, (y0 + y) as u32);
+                for k in 0..3 {
+                    out[k * h * w + y * w + x] = channel(k, f64::from(p[k]));
+                }
+            }
+        }
+    } else {
+        let grey = resized.to_luma8();
+        for y in 0..h {
+            for x in 0..w {
+                out[y * w + x] = channel(0, f64::from(grey.get_pixel((x0 + x) as u32, (y0 + y) as u32)[0]));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A folder's images as a classifier's samples: inputs of the model's shape, targets the
+/// class index. With `Extent::Prefix(n)` (`pipec check`), the images up to `n` bytes of
+/// files, taken from every class in turn.
+pub fn load_folder(
+    dir: &Path,
+    input: &[usize],
+    expect: &Expect,
+    t: &Transform,
+    extent: Extent,
+) -> Result<Samples, String> {
+    let &[c, h, w] = input else {
+        return Err(format!("image data needs a [channels, height, width] input, and the model takes {input:?}"));
+    };
+    let Some(classes) = expect.classes else {
+        return Err(
+            "image folders are a classifier's data (their labels are class indices): use `loss: cross_entropy`".into(),
+        );
+    };
+    if expect.positions != 1 {
+        return Err("image folders give one class per image, and the model predicts one per position".into());
+    }
+    for (what, v) in [("mean", &t.mean), ("std", &t.std)] {
+        if !v.is_empty() && v.len() != c {
+            return Err(format!("`{what}` has {} value(s) and the images {c} channel(s)", v.len()));
+        }
+    }
+    if t.std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+        return Err("every `std` must be positive".into());
+    }
+    let found = scan(dir)?;
+    if found.len() != classes {
+        let names: Vec<&str> = found.iter().map(|(n, _)| n.as_str()).take(8).collect();
+        return Err(format!(
+            "`{}` has {} class folder(s) ({}{}) and the model scores {classes} classes",
+            dir.display(),
+            found.len(),
+            names.join(", "),
+            if found.len() > names.len() { ", ..." } else { "" }
+        ));
+    }
+    // in label order, or (a check) round robin over the classes up to the byte budget
+    let mut order: Vec<(usize, &PathBuf)> = Vec::new();
+    match extent {
+        Extent::All => {
+            for (label, (_, files)) in found.iter().enumerate() {
+                order.extend(files.iter().map(|f| (label, f)));
+            }
+        }
+        Extent::Prefix(budget) => {
+            let mut spent = 0u64;
+            let longest = found.iter().map(|(_, f)| f.len()).max().unwrap_or(0);
+            'all: for i in 0..longest {
+                for (label, (_, files)) in found.iter().enumerate() {
+                    if let Some(f) = files.get(i) {
+                        if spent >= budget {
+                            break 'all;
+                        }
+                        spent += std::fs::metadata(f).map(|m| m.len()).unwrap_or(0);
+                        order.push((label, f));
+                    }
+                }
+            }
+        }
+    }
+    let mut inputs = Vec::with_capacity(order.len() * c * h * w);
+    let mut targets = Vec::with_capacity(order.len());
+    for (label, f) in &order {
+        inputs.extend(decode(f, [c, h, w], t)?.into_iter().map(f64::from));
+        targets.push(*label as f64);
+    }
+    Ok(Samples { inputs, targets, samples: order.len() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn png(path: &Path, w: u32, h: u32, grey: bool, f: impl Fn(u32, u32) -> [u8; 3]) {
+        if grey {
+            image::GrayImage::from_fn(w, h, |x, y| image::Luma([f(x, y)[0]])).save(path).expect("png");
+        } else {
+            image::RgbImage::from_fn(w, h, |x, y| image::Rgb(f(x, y))).save(path).expect("png");
+        }
+    }
+
+    #[test]
+    fn a_folder_is_classes_in_name_order_cropped_and_normalised() {
+        let dir = tempfile::tempdir().expect("tmp");
+        for (class, colour) in [("b-green", [0u8, 255, 0]), ("a-red", [255, 0, 0])] {
+            std::fs::create_dir(dir.path().join(class)).expect("dir");
+            for i in 0..3 {
+                png(&dir.path().join(class).join(format!("{i}.png")), 12, 8, false, |_, _| colour);
+            }
+        }
+        let expect = Expect { numel: 3 * 4 * 4, classes: Some(2), outputs: 2, vocab: None, positions: 1 };
+        let t = Transform { resize: None, mean: vec![0.5; 3], std: vec![0.5; 3] };
+        let s = load_folder(dir.path(), &[3, 4, 4], &expect, &t, Extent::All).expect("loads");
+        assert_eq!(s.samples, 6);
+        // `a-red` is class 0: its images first, red channel (1 − 0.5)/0.5 = 1, others −1
+        assert_eq!(s.targets, vec![0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
+        assert_eq!(&s.inputs[..16], &[1.0; 16]);
+        assert_eq!(&s.inputs[16..32], &[-1.0; 16]);
+        // the centre crop of a left-half-black image resized to 4 rows: the crop's columns
+        // come from the middle
+        let grad = dir.path().join("x.png");
+        png(&grad, 16, 8, false, |x, _| if x < 8 { [0, 0, 0] } else { [255, 255, 255] });
+        let v = decode(&grad, [3, 4, 4], &Transform { resize: Some(4), mean: vec![], std: vec![] }).expect("decodes");
+        assert!(v[0] < 0.5 && v[3] > 0.5, "{:?}", &v[..4]);
+        // JPEG too (lossy: near the colour written), and greyscale into a 1-channel input
+        let jpg = dir.path().join("x.jpg");
+        image::RgbImage::from_fn(8, 8, |_, _| image::Rgb([200, 40, 40])).save(&jpg).expect("jpeg");
+        let v = decode(&jpg, [3, 4, 4], &Transform { resize: None, mean: vec![], std: vec![] }).expect("decodes");
+        assert!((v[0] - 200.0 / 255.0).abs() < 0.05 && (v[16] - 40.0 / 255.0).abs() < 0.05, "{:?}", (v[0], v[16]));
+        let grey = dir.path().join("g.png");
+        png(&grey, 4, 4, true, |_, _| [51, 0, 0]);
+        assert_eq!(decode(&grey, [1, 4, 4], &Transform { resize: None, mean: vec![], std: vec![] }), Ok(vec![0.2; 16]));
+    }
+
+    #[test]
+    fn bad_folders_say_what_is_wrong() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let expect = Expect { numel: 3 * 4 * 4, classes: Some(2), outputs: 2, vocab: None, positions: 1 };
+        let t = Transform { resize: None, mean: vec![], std: vec![] };
+        let e = load_folder(dir.path(), &[3, 4, 4], &expect, &t, Extent::All).expect_err("no classes");
+        assert!(e.contains("no class folders"), "{e}");
+        std::fs::create_dir(dir.path().join("cat")).expect("dir");
+        std::fs::create_dir(dir.path().join("dog")).expect("dir");
+        png(&dir.path().join("cat/1.png"), 4, 4, false, |_, _| [1, 2, 3]);
+        let e = load_folder(dir.path(), &[3, 4, 4], &expect, &t, Extent::All).expect_err("empty class");
+        assert!(e.contains("`dog`"), "{e}");
+        png(&dir.path().join("dog/1.png"), 4, 4, true, |_, _| [9, 9, 9]);
+        let e = load_folder(dir.path(), &[3, 4, 4], &expect, &t, Extent::All).expect_err("grey");
+        assert!(e.contains("greyscale") && e.contains("dog/1.png"), "{e}");
+        std::fs::write(dir.path().join("dog/1.png"), b"not a png").expect("w");
+        let e = load_folder(dir.path(), &[3, 4, 4], &expect, &t, Extent::All).expect_err("unreadable");
+        assert!(e.contains("not a readable image"), "{e}");
+        let three = Expect { classes: Some(3), ..expect };
+        let e = load_folder(dir.path(), &[3, 4, 4], &three, &t, Extent::All).expect_err("classes");
+        assert!(e.contains("2 class folder(s) (cat, dog)") && e.contains("scores 3"), "{e}");
+    }
+}
