@@ -451,6 +451,122 @@ mod tests {
         assert_eq!(f16_to_f32(0x7bff), 65504.0);
     }
 
+    /// Every family's export reads back into the same weights, names and shapes included:
+    /// GPT-2 (tied), Llama with grouped-query attention, Qwen2 with query/key/value biases.
+    #[test]
+    fn export_and_import_are_inverses() {
+        use crate::model::{MlpKind, NormKind};
+        let llama = |qkv_bias: bool| Op::TransformerBlock {
+            d_model: 8,
+            heads: 4,
+            d_ff: 12,
+            causal: true,
+            kv_heads: 2,
+            norm: NormKind::RmsNorm,
+            mlp: MlpKind::Swiglu,
+            rope: 10000.0,
+            bias: false,
+            qkv_bias,
+            eps: 1e-6,
+        };
+        let models: [(Vec<Op>, bool, &str, usize); 3] = [
+            (
+                vec![
+                    Op::Embedding { vocab: 11, dim: 8 },
+                    Op::PosEmbedding { max_len: 6, dim: 8 },
+                    Op::block(8, 2, 16, true),
+                    Op::block(8, 2, 16, true),
+                    Op::LayerNorm { dim: 8 },
+                    Op::Linear { in_features: 8, out_features: 11, bias: false },
+                ],
+                true,
+                "gpt2",
+                28,
+            ),
+            (
+                vec![
+                    Op::Embedding { vocab: 11, dim: 8 },
+                    llama(false),
+                    Op::RmsNorm { dim: 8, eps: 1e-6 },
+                    Op::Linear { in_features: 8, out_features: 11, bias: false },
+                ],
+                false,
+                "llama",
+                12,
+            ),
+            (
+                vec![
+                    Op::Embedding { vocab: 11, dim: 8 },
+                    llama(true),
+                    Op::RmsNorm { dim: 8, eps: 1e-6 },
+                    Op::Linear { in_features: 8, out_features: 11, bias: false },
+                ],
+                true,
+                "qwen2",
+                14,
+            ),
+        ];
+        for (layers, tied, family, tensors) in models {
+            // distinct values everywhere, so a swapped or transposed tensor shows
+            let mut weights = Weights::new();
+            let mut next = 0.0f32;
+            let mut fill = |shape: Vec<usize>| {
+                let n: usize = shape.iter().product();
+                let v: Vec<f32> = (0..n).map(|i| next + i as f32 * 0.001).collect();
+                next += 1.0;
+                (shape, v)
+            };
+            for (i, op) in layers.iter().enumerate() {
+                let mut put = |slot: u64, shape: Vec<usize>| {
+                    weights.insert(pid(i, slot), fill(shape));
+                };
+                match op {
+                    Op::Embedding { vocab, dim } => put(0, vec![*vocab, *dim]),
+                    Op::PosEmbedding { max_len, dim } => put(0, vec![*max_len, *dim]),
+                    Op::LayerNorm { dim } => {
+                        put(0, vec![*dim]);
+                        put(1, vec![*dim]);
+                    }
+                    Op::RmsNorm { dim, .. } => put(0, vec![*dim]),
+                    Op::Linear { in_features, out_features, .. } => put(0, vec![*in_features, *out_features]),
+                    Op::TransformerBlock { .. } => {
+                        let b = op.block_dims().expect("a block");
+                        put(0, vec![b.d]);
+                        put(6, vec![b.d]);
+                        if b.norm == NormKind::LayerNorm {
+                            put(1, vec![b.d]);
+                            put(7, vec![b.d]);
+                        }
+                        put(2, vec![b.d, b.qkv_width]);
+                        put(4, vec![b.d, b.d]);
+                        put(8, vec![b.d, b.up_width]);
+                        put(10, vec![b.ff, b.d]);
+                        if b.qkv_bias {
+                            put(3, vec![b.qkv_width]);
+                        }
+                        if b.bias {
+                            put(5, vec![b.d]);
+                            put(9, vec![b.up_width]);
+                            put(11, vec![b.d]);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if tied {
+                // the output layer's copy of the table, as a pipec checkpoint holds it
+                let table = weights[&pid(0, 0)].clone();
+                let last = layers.len() - 1;
+                weights.insert(pid(last, 0), (vec![8, 11], transpose(&table.1, 11, 8)));
+            }
+            let (config, hf) = from_pipec(&layers, tied, 6, &weights).expect("exports");
+            assert_eq!(config["model_type"], family, "{config}");
+            assert_eq!(hf.len(), tensors, "{family}: {:?}", hf.keys().collect::<Vec<_>>());
+            let back = to_pipec(&layers, &hf).expect("imports");
+            assert_eq!(back, weights, "{family}");
+        }
+    }
+
     #[test]
     fn a_missing_tensor_or_a_wrong_shape_is_named() {
         let layers = [Op::Embedding { vocab: 4, dim: 2 }, Op::Linear { in_features: 2, out_features: 4, bias: false }];
