@@ -410,7 +410,7 @@ enum DataKind {
 #[serde(deny_unknown_fields)]
 struct Data {
     /// `synthetic` (deterministic from the seed), `csv`, `npy`, `images` (a folder of one
-    /// folder per class, PNG or JPEG), or a language model's `text` (UTF-8, one token per
+    /// folder per class, PNG or JPEG, or a CIFAR-10 batch file), or a language model's `text` (UTF-8, one token per
     /// character or a tokenizer's) or `tokens` (token ids: `.npy`, or raw with `dtype`).
     kind: DataFileKind,
     /// synthetic: `classification` (labels from a fixed random teacher) or `regression`.

@@ -798,11 +798,11 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                     let Some(rel) = node.as_str() else { continue };
                     let full = base.join(rel);
                     if file_kind == "images" && what == "data" {
-                        if !full.is_dir() {
+                        if !full.exists() {
                             cx.push(
                                 Diagnostic::error(
                                     "E0502",
-                                    format!("the image folder `{rel}` does not exist"),
+                                    format!("the image folder (or CIFAR-10 batch file) `{rel}` does not exist"),
                                     node.span,
                                     "no such folder",
                                 )

@@ -67,11 +67,16 @@ fn is_image(p: &Path) -> bool {
         .is_some_and(|e| matches!(e.to_ascii_lowercase().as_str(), "png" | "jpg" | "jpeg"))
 }
 
-/// One image as a model's [channels, height, width] input, row-major.
+/// One image file as a model's [channels, height, width] input, row-major.
 pub fn decode(path: &Path, shape: [usize; 3], t: &Transform) -> Result<Vec<f32>, String> {
     let shown = path.display();
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read `{shown}`: {e}"))?;
     let img = image::load_from_memory(&bytes).map_err(|e| format!("`{shown}` is not a readable image: {e}"))?;
+    transform(&img, &shown.to_string(), shape, t)
+}
+
+/// A decoded image through the spec's transform: resized, centre-cropped, normalised.
+fn transform(img: &image::DynamicImage, shown: &str, shape: [usize; 3], t: &Transform) -> Result<Vec<f32>, String> {
     let [c, h, w] = shape;
     let have = img.color().channel_count();
     // colour needs three channels (an alpha channel is dropped), grey one
@@ -122,9 +127,55 @@ pub fn decode(path: &Path, shape: [usize; 3], t: &Transform) -> Result<Vec<f32>,
     Ok(out)
 }
 
-/// A folder's images as a classifier's samples: inputs of the model's shape, targets the
-/// class index. With `Extent::Prefix(n)` (`pipec check`), the images up to `n` bytes of
-/// files, taken from every class in turn.
+/// CIFAR-10's binary format: records of one label byte and a 32×32 RGB image, its red,
+/// green and blue planes one after the other.
+const CIFAR_RECORD: usize = 1 + 3 * 32 * 32;
+
+/// A CIFAR-10 batch file (`data_batch_1.bin`) as samples, each image through the transform.
+fn load_cifar(
+    path: &Path,
+    shape: [usize; 3],
+    classes: usize,
+    t: &Transform,
+    extent: Extent,
+) -> Result<Samples, String> {
+    let shown = path.display();
+    let mut bytes = std::fs::read(path).map_err(|e| format!("cannot read `{shown}`: {e}"))?;
+    if bytes.is_empty() || bytes.len() % CIFAR_RECORD != 0 {
+        return Err(format!(
+            "`{shown}` is not a CIFAR-10 batch file: {} bytes is not a whole number of {CIFAR_RECORD}-byte records (a label byte and a 32×32 RGB image)",
+            bytes.len()
+        ));
+    }
+    if let Extent::Prefix(n) = extent {
+        bytes.truncate((n as usize / CIFAR_RECORD).max(1) * CIFAR_RECORD);
+    }
+    if shape[0] != 3 {
+        return Err(format!("CIFAR-10's images have 3 channels and the model takes {}", shape[0]));
+    }
+    let mut inputs = Vec::new();
+    let mut targets = Vec::new();
+    for (k, r) in bytes.chunks_exact(CIFAR_RECORD).enumerate() {
+        let label = usize::from(r[0]);
+        if label >= classes {
+            return Err(format!("`{shown}`: record {k} has label {label}, and the model scores {classes} classes"));
+        }
+        let pixels = &r[1..];
+        let img = image::RgbImage::from_fn(32, 32, |x, y| {
+            let i = (y * 32 + x) as usize;
+            image::Rgb([pixels[i], pixels[1024 + i], pixels[2048 + i]])
+        });
+        let one = transform(&image::DynamicImage::ImageRgb8(img), &format!("{shown} (record {k})"), shape, t)?;
+        inputs.extend(one.into_iter().map(f64::from));
+        targets.push(label as f64);
+    }
+    let samples = targets.len();
+    Ok(Samples { inputs, targets, samples })
+}
+
+/// A folder's images (or a CIFAR-10 batch file's) as a classifier's samples: inputs of the
+/// model's shape, targets the class index. With `Extent::Prefix(n)` (`pipec check`), the
+/// images up to `n` bytes of files, taken from every class in turn.
 pub fn load_folder(
     dir: &Path,
     input: &[usize],
@@ -150,6 +201,9 @@ pub fn load_folder(
     }
     if t.std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
         return Err("every `std` must be positive".into());
+    }
+    if dir.is_file() {
+        return load_cifar(dir, [c, h, w], classes, t, extent);
     }
     let found = scan(dir)?;
     if found.len() != classes {
@@ -238,6 +292,35 @@ mod tests {
         let grey = dir.path().join("g.png");
         png(&grey, 4, 4, true, |_, _| [51, 0, 0]);
         assert_eq!(decode(&grey, [1, 4, 4], &Transform { resize: None, mean: vec![], std: vec![] }), Ok(vec![0.2; 16]));
+    }
+
+    #[test]
+    fn a_cifar10_batch_file_is_labels_and_rgb_planes() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let mut bytes = Vec::new();
+        for (label, rgb) in [(2u8, [255u8, 0, 0]), (0, [0, 0, 255]), (9, [0, 255, 0])] {
+            bytes.push(label);
+            for v in rgb {
+                bytes.extend(std::iter::repeat_n(v, 1024));
+            }
+        }
+        let path = dir.path().join("data_batch_1.bin");
+        std::fs::write(&path, &bytes).expect("w");
+        let expect = Expect { numel: 3 * 32 * 32, classes: Some(10), outputs: 10, vocab: None, positions: 1 };
+        let t = Transform { resize: None, mean: vec![], std: vec![] };
+        let s = load_folder(&path, &[3, 32, 32], &expect, &t, Extent::All).expect("loads");
+        assert_eq!((s.samples, s.targets.clone()), (3, vec![2.0, 0.0, 9.0]));
+        let plane = 32 * 32;
+        // the first image is red: its red plane 1, its green and blue planes 0
+        assert_eq!((s.inputs[0], s.inputs[plane], s.inputs[2 * plane]), (1.0, 0.0, 0.0));
+        // the second is blue
+        assert_eq!(s.inputs[3 * plane + 2 * plane], 1.0);
+        let e = load_folder(&path, &[3, 32, 32], &Expect { classes: Some(5), ..expect }, &t, Extent::All)
+            .expect_err("label 9");
+        assert!(e.contains("record 2 has label 9"), "{e}");
+        std::fs::write(&path, &bytes[..100]).expect("w");
+        let e = load_folder(&path, &[3, 32, 32], &expect, &t, Extent::All).expect_err("size");
+        assert!(e.contains("not a CIFAR-10 batch file"), "{e}");
     }
 
     #[test]
