@@ -43,7 +43,7 @@ fn export(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> Result<usize, S
     let loaded = pipec_plan::checkpoint::read(&found).map_err(|e| format!("checkpoint `{}`: {e}", found.display()))?;
     loaded.check_fits(&plan).map_err(|e| format!("checkpoint `{}`: {e}", found.display()))?;
     let weights = pipec_executor::whole_weights(&loaded, &plan).map_err(|e| e.to_string())?;
-    let ops: Vec<_> = plan.layers.iter().map(|l| l.op.clone()).collect();
+    let ops = plan.model_ops();
     let tied = plan.layers.last().is_some_and(|l| l.tied.is_some());
     let context = plan.model.input.first().copied().unwrap_or(1);
     let (config, tensors) = pipec_plan::hf::from_pipec(&ops, tied, context, &weights)?;

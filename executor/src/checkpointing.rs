@@ -28,7 +28,7 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
     for (id, st) in stages.iter_mut() {
         let (tp_rank, tp_size) = st.tp_shard();
         let stage = plan.stages.get(id.0 as usize).ok_or_else(|| ExecError::Plan(format!("the plan has no {id}")))?;
-        let all = tensor_parallel::model_ops(plan);
+        let all = plan.model_ops();
         let layers =
             tensor_parallel::StageLayers { all: &all, range: stage.layers[0]..stage.layers[1], loss: plan.model.loss };
         let split = tensor_parallel::shardings(&layers, tp_size as usize)?;

@@ -51,7 +51,7 @@ fn squared_norm<B: ExecBackend>(
         .collect();
     let (rank, tp) = st.tp_shard();
     let split = if tp > 1 {
-        let all = crate::tensor_parallel::model_ops(plan);
+        let all = plan.model_ops();
         let layers = crate::tensor_parallel::StageLayers { all: &all, range, loss: plan.model.loss };
         crate::tensor_parallel::shardings(&layers, tp as usize)?
     } else {

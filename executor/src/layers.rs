@@ -80,9 +80,7 @@ fn param<B: Backend, const D: usize>(
 
 /// Deterministic parameter ids: layer index and slot, so checkpoints and optimizer state are
 /// portable between layouts.
-pub(crate) fn pid(layer: usize, slot: u64) -> u64 {
-    ((layer as u64) << 8) | slot
-}
+pub(crate) use pipec_plan::checkpoint::param_id as pid;
 
 /// The deterministic initial table of embedding layer `index` ([vocab, dim], row-major):
 /// normal with standard deviation 1/√dim — the scale of the dense layers' weights, so a
@@ -94,16 +92,7 @@ pub(crate) fn embedding_values(index: usize, seed: u64, vocab: usize, dim: usize
     Rng::keyed(&[seed, 10, index as u64, 0]).normal_vec(vocab * dim).into_iter().map(|v| std * v).collect()
 }
 
-/// `values` ([rows, cols], row-major) transposed to [cols, rows].
-pub(crate) fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0; values.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = values[r * cols + c];
-        }
-    }
-    out
-}
+pub(crate) use pipec_plan::hf::transpose;
 
 /// A dense projection (weight [in, out], optional bias).
 #[derive(Module, Debug)]

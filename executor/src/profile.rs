@@ -198,7 +198,7 @@ pub fn profile_layers<B: ExecBackend>(
     // Calibrate against the whole model run as one graph: a layer measured alone misses what
     // a long autodiff graph costs (bookkeeping, memory traffic between layers). Scale the
     // layers' times so they add up to the whole model's.
-    let all_ops: Vec<_> = plan.layers.iter().map(|l| l.op.clone()).collect();
+    let all_ops = plan.model_ops();
     let mut whole = StageModel::<B>::new(&all_ops, 0, plan.training.seed, dev);
     whole.graph = crate::stage::stage_graph(plan, 0, plan.layers.len());
     let mut shape = vec![mb];

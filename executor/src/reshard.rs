@@ -37,7 +37,7 @@ impl<'a> SavedLayout<'a> {
     pub fn new(loaded: &'a Loaded, plan: &Plan) -> Result<Self> {
         let Some(identity) = &loaded.identity else { return Ok(SavedLayout { loaded, stages: None }) };
         let mut stages = Vec::with_capacity(identity.stage_layers.len());
-        let all = crate::tensor_parallel::model_ops(plan);
+        let all = plan.model_ops();
         for (s, [a, b]) in identity.stage_layers.iter().enumerate() {
             let degree = loaded.tp_size(s as u32);
             let layers = crate::tensor_parallel::StageLayers { all: &all, range: *a..*b, loss: plan.model.loss };

@@ -598,7 +598,7 @@ pub(crate) fn build_stages<B: ExecBackend>(
         if !s.replicas.contains(&device) && !s.tensor_parallel.iter().any(|g| g.contains(&device)) {
             continue;
         }
-        let all = crate::tensor_parallel::model_ops(plan);
+        let all = plan.model_ops();
         let layers =
             crate::tensor_parallel::StageLayers { all: &all, range: s.layers[0]..s.layers[1], loss: plan.model.loss };
         let ops = layers.ops();

@@ -49,11 +49,6 @@ impl<'a> StageLayers<'a> {
     }
 }
 
-/// The whole model's operators, in order.
-pub fn model_ops(plan: &pipec_plan::Plan) -> Vec<Op> {
-    plan.layers.iter().map(|l| l.op.clone()).collect()
-}
-
 /// How one parameter is laid out over a tensor-parallel group of `tp` ranks: the single
 /// definition that building a stage, resharding a checkpoint and resharding the optimizer
 /// state share.

@@ -293,6 +293,12 @@ mod tests {
     }
 }
 
+/// The deterministic id of layer `layer`'s parameter slot `slot` (layer << 8 | slot): what
+/// checkpoints, optimizer state and Hugging Face weights are keyed by, on every layout.
+pub fn param_id(layer: usize, slot: u64) -> u64 {
+    ((layer as u64) << 8) | slot
+}
+
 /// The parameter name of a deterministic parameter id (layer << 8 | slot).
 pub fn param_name(id: u64) -> String {
     format!("layer{}.p{}", id >> 8, id & 0xff)

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use safetensors::Dtype;
 
-use crate::checkpoint::{Identity, Loaded};
+use crate::checkpoint::{param_id as pid, Identity, Loaded};
 use crate::model::Op;
 use crate::plan::Plan;
 
@@ -29,11 +29,8 @@ pub fn read_safetensors(bytes: &[u8]) -> Result<Tensors, String> {
         let data = view.data();
         let values: Vec<f32> = match view.dtype() {
             Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
-                .collect(),
-            Dtype::F16 => data.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Dtype::BF16 => data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            Dtype::F16 => data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             other => return Err(format!("`{name}` is {other:?}; pipec reads f32, bf16 and f16 weights")),
         };
         out.insert(name, (view.shape().to_vec(), values));
@@ -78,7 +75,7 @@ pub fn read_dir(dir: &Path) -> Result<Tensors, String> {
 /// resume path, so every layout — pipeline stages, tensor-parallel ranks, replicas — takes
 /// its part of each weight.
 pub fn initial_weights(plan: &Plan, dir: &Path) -> Result<Loaded, String> {
-    let ops: Vec<Op> = plan.layers.iter().map(|l| l.op.clone()).collect();
+    let ops = plan.model_ops();
     let values = to_pipec(&ops, &read_dir(dir)?)?;
     let mut identity = Identity::of(plan);
     // saved as one whole stage: every weight whole, on rank 0
@@ -93,29 +90,6 @@ pub fn initial_weights(plan: &Plan, dir: &Path) -> Result<Loaded, String> {
         tensor_parallel: Default::default(),
         identity: Some(identity),
     })
-}
-
-/// IEEE half precision to single.
-fn f16_to_f32(h: u16) -> f32 {
-    let sign = u32::from(h >> 15) << 31;
-    let exp = u32::from((h >> 10) & 0x1f);
-    let frac = u32::from(h & 0x3ff);
-    let bits = match (exp, frac) {
-        (0, 0) => sign,
-        // subnormal: renormalise
-        (0, f) => {
-            let shift = f.leading_zeros() - 21;
-            sign | ((127 - 15 + 1 - shift) << 23) | (((f << shift) & 0x3ff) << 13)
-        }
-        (0x1f, f) => sign | 0x7f80_0000 | (f << 13),
-        (e, f) => sign | ((e + 127 - 15) << 23) | (f << 13),
-    };
-    f32::from_bits(bits)
-}
-
-/// pipec's parameter id of layer `layer`'s slot `slot`.
-fn pid(layer: usize, slot: u64) -> u64 {
-    ((layer as u64) << 8) | slot
 }
 
 /// The values of every parameter of `layers` (a causal language model: an embedding, its
@@ -428,7 +402,7 @@ pub fn write_safetensors(tensors: &Tensors) -> Result<Vec<u8>, String> {
 }
 
 /// `values` ([rows, cols], row-major) transposed to [cols, rows].
-fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0; values.len()];
     for r in 0..rows {
         for c in 0..cols {
@@ -442,13 +416,20 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 mod tests {
     use super::*;
 
+    /// A checkpoint's half-precision tensors read exactly: f16 (normal, subnormal, the largest)
+    /// and bf16.
     #[test]
     fn half_precision_values_convert_exactly() {
-        assert_eq!(f16_to_f32(0x3c00), 1.0);
-        assert_eq!(f16_to_f32(0xc000), -2.0);
-        assert_eq!(f16_to_f32(0x3555), 0.333_251_95);
-        assert_eq!(f16_to_f32(0x0001), 5.960_464_5e-8);
-        assert_eq!(f16_to_f32(0x7bff), 65504.0);
+        let bytes = |bits: &[u16]| bits.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>();
+        let (f16, bf16) = (bytes(&[0x3c00, 0xc000, 0x3555, 0x0001, 0x7bff]), bytes(&[0x3f80, 0xc040]));
+        let views = vec![
+            ("a".to_string(), safetensors::tensor::TensorView::new(Dtype::F16, vec![5], &f16).expect("view")),
+            ("b".to_string(), safetensors::tensor::TensorView::new(Dtype::BF16, vec![2], &bf16).expect("view")),
+        ];
+        let file = safetensors::serialize(views, None).expect("serialises");
+        let t = read_safetensors(&file).expect("reads");
+        assert_eq!(t["a"], (vec![5], vec![1.0, -2.0, 0.333_251_95, 5.960_464_5e-8, 65504.0]));
+        assert_eq!(t["b"], (vec![2], vec![1.0, -3.0]));
     }
 
     /// Every family's export reads back into the same weights, names and shapes included:

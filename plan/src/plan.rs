@@ -473,6 +473,11 @@ pub struct DeviceSimulation {
 }
 
 impl Plan {
+    /// The model's operators, in layer order.
+    pub fn model_ops(&self) -> Vec<crate::model::Op> {
+        self.layers.iter().map(|l| l.op.clone()).collect()
+    }
+
     /// The instruction a step's `instruction_code` names on `device`.
     pub fn instruction(&self, device: DeviceId, code: usize) -> Option<&Instr> {
         let (segment, index) = (code >> 40, code & ((1 << 40) - 1));
