@@ -279,19 +279,13 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     c.require("attention_dropout", |v| v.as_f64() == Some(0.0), "pipec's blocks apply no attention dropout")?;
     c.require("mlp_bias", |v| v.as_bool() == Some(false), "pipec's gated MLPs have no biases")?;
     // Qwen2 always has query/key/value biases; Llama's `attention_bias` puts them on the
-    // output projection too
-    let (bias, qkv_bias) = if family == "qwen2" {
-        (false, true)
-    } else {
-        let b = c.flag_or("attention_bias", false)?;
-        if b {
-            return Err(
-                "`attention_bias: true` is not supported: biases on every attention projection but not the MLP's"
-                    .into(),
-            );
-        }
-        (false, false)
-    };
+    // output projection too, which no pipec block has without the MLP's
+    let qkv_bias = family == "qwen2";
+    if !qkv_bias && c.flag_or("attention_bias", false)? {
+        return Err(
+            "`attention_bias: true` is not supported: biases on every attention projection but not the MLP's".into()
+        );
+    }
     // a sliding window at least the training window long attends to every earlier position
     let seq = window(positions, seq)?;
     let use_window = c.flag_or("use_sliding_window", family == "mistral")?;
@@ -311,21 +305,21 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     if kv != heads {
         args += &format!(", kv_heads={kv}");
     }
-    args += &format!(", norm=rmsnorm, mlp=swiglu, rope={}, bias={bias}", number(theta));
+    args += &format!(", norm=rmsnorm, mlp=swiglu, rope={}, bias=false", number(theta));
     if qkv_bias {
         args += ", qkv_bias=true";
     }
-    if eps != pipec_plan::model::DEFAULT_EPS {
-        args += &format!(", eps={}", number(eps));
+    // the norms' ε, written only when not pipec's default
+    let eps = (eps != pipec_plan::model::DEFAULT_EPS).then(|| format!("eps={}", number(eps)));
+    if let Some(e) = &eps {
+        args += &format!(", {e}");
     }
-    let final_norm =
-        if eps != pipec_plan::model::DEFAULT_EPS { format!("rmsnorm(eps={})", number(eps)) } else { "rmsnorm".into() };
+    let final_norm = eps.map_or_else(|| "rmsnorm".to_string(), |e| format!("rmsnorm({e})"));
     let (table, head) = if tied {
-        ("embedding({vocab}, {d}) as tokens", format!("linear({d}, {vocab}, bias=false, tie=tokens)"))
+        (format!("embedding({vocab}, {d}) as tokens"), format!("linear({d}, {vocab}, bias=false, tie=tokens)"))
     } else {
-        ("embedding({vocab}, {d})", format!("linear({d}, {vocab}, bias=false) as lm_head"))
+        (format!("embedding({vocab}, {d})"), format!("linear({d}, {vocab}, bias=false) as lm_head"))
     };
-    let table = table.replace("{vocab}", &vocab.to_string()).replace("{d}", &d.to_string());
     let gqa = if kv == heads { String::new() } else { format!(", {kv} key/value heads") };
     Ok(format!(
         "# {label}: {layers} blocks of d = {d} with {heads} heads{gqa}, a {vocab}-token vocabulary{}.\n\

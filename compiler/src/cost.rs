@@ -171,12 +171,11 @@ fn kept_bytes(node: &OpNode, p: f64, tp: usize, sp: bool, attention: Attention) 
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
             let (h, a, t) = (d_model as f64, heads as f64, tp.max(1) as f64);
             let sh = s * h;
-            let blk = node.op.block_dims();
-            let (qkv, f, up) =
-                blk.map_or((3.0 * h, 4.0 * h, 4.0 * h), |b| (b.qkv_width as f64, b.ff as f64, b.up_width as f64));
+            let Some(blk) = node.op.block_dims() else { return (0.0, 0.0) };
+            let (qkv, f, up) = (blk.qkv_width as f64, blk.ff as f64, blk.up_width as f64);
             // the MLP's activation input and the down projection's input; a gated unit
             // keeps its gate and up outputs, the activation's output and their product
-            let mlp = if blk.is_some_and(|b| b.gated) { up + 2.0 * f } else { 2.0 * f };
+            let mlp = if blk.gated { up + 2.0 * f } else { 2.0 * f };
             // values (p bytes) and one-byte dropout masks outside the split products: the
             // QKV and MLP inputs, the two layer norms' inputs (4·s·h) and two masks (2·s·h)
             // — split along the sequence with sequence parallelism
@@ -266,9 +265,10 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
         Op::TransformerBlock { d_model, heads, d_ff, causal, .. } => {
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
             let (h, a, f) = (d_model as f64, heads as f64, d_ff as f64);
-            let blk = node.op.block_dims();
-            let (qkv, up) = blk.map_or((3.0 * h, f), |b| (b.qkv_width as f64, b.up_width as f64));
-            let gated = blk.is_some_and(|b| b.gated);
+            let Some(blk) = node.op.block_dims() else {
+                return Priced { forward: 0.0, backward: 0.0, selective: 0.0 };
+            };
+            let (qkv, up, gated) = (blk.qkv_width as f64, blk.up_width as f64, blk.gated);
             let e = b * s * h;
             let el = if cx.sequence_parallel { e / t } else { e };
             let ef = b * s * f / t;
