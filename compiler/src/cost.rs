@@ -607,19 +607,7 @@ mod tests {
 
     #[test]
     fn a_llama_blocks_flops_count_its_narrower_keys_and_its_third_mlp_matrix() {
-        let block = Op::TransformerBlock {
-            d_model: 4096,
-            heads: 32,
-            d_ff: 14336,
-            causal: true,
-            kv_heads: 8,
-            norm: pipec_plan::model::NormKind::RmsNorm,
-            mlp: pipec_plan::model::MlpKind::Swiglu,
-            rope: 500000.0,
-            bias: false,
-            qkv_bias: false,
-            eps: 1e-5,
-        };
+        let block = Op::llama_block(4096, 32, 8, 14336);
         let (s, d, f, kv) = (8192.0, 4096.0, 14336.0, 1024.0);
         // Q and O 2·s·d² each, K and V 2·s·d·kv each, scores and weighted sum 4·s²·d, the
         // gate, up and down products 2·s·d·f each: the model card's 2 × parameters per

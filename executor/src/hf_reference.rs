@@ -4,7 +4,7 @@
 //! `pipec_plan::hf::to_pipec`, their logits compared with the ones PyTorch computed.
 
 use burn::prelude::*;
-use pipec_plan::model::{MlpKind, NormKind, Op};
+use pipec_plan::model::{MlpKind, Op};
 
 use crate::layers::{Act, StageModel};
 
@@ -45,19 +45,7 @@ fn logits_difference(name: &str, layers: &[Op]) -> f64 {
 
 #[test]
 fn a_llama_block_with_grouped_query_attention_and_rotary_embeddings_computes_what_transformers_does() {
-    let block = Op::TransformerBlock {
-        d_model: 16,
-        heads: 4,
-        d_ff: 24,
-        causal: true,
-        kv_heads: 2,
-        norm: NormKind::RmsNorm,
-        mlp: MlpKind::Swiglu,
-        rope: 10000.0,
-        bias: false,
-        qkv_bias: false,
-        eps: 1e-5,
-    };
+    let block = Op::llama_block(16, 4, 2, 24);
     let layers = [
         Op::Embedding { vocab: 50, dim: 16 },
         block.clone(),

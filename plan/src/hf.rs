@@ -436,19 +436,13 @@ mod tests {
     /// GPT-2 (tied), Llama with grouped-query attention, Qwen2 with query/key/value biases.
     #[test]
     fn export_and_import_are_inverses() {
-        use crate::model::{MlpKind, NormKind};
-        let llama = |qkv_bias: bool| Op::TransformerBlock {
-            d_model: 8,
-            heads: 4,
-            d_ff: 12,
-            causal: true,
-            kv_heads: 2,
-            norm: NormKind::RmsNorm,
-            mlp: MlpKind::Swiglu,
-            rope: 10000.0,
-            bias: false,
-            qkv_bias,
-            eps: 1e-6,
+        use crate::model::NormKind;
+        let llama = |with_qkv_bias: bool| {
+            let mut b = Op::llama_block(8, 4, 2, 12);
+            if let Op::TransformerBlock { qkv_bias, eps, .. } = &mut b {
+                (*qkv_bias, *eps) = (with_qkv_bias, 1e-6);
+            }
+            b
         };
         let models: [(Vec<Op>, bool, &str, usize); 3] = [
             (

@@ -626,6 +626,24 @@ impl Op {
         }
     }
 
+    /// A Llama-style decoder block: RMSNorm, grouped-query attention with `kv_heads`
+    /// key/value heads, rotary embeddings of base 10,000, a SwiGLU MLP, no biases, ε 1e-5.
+    pub fn llama_block(d_model: usize, heads: usize, kv_heads: usize, d_ff: usize) -> Op {
+        Op::TransformerBlock {
+            d_model,
+            heads,
+            d_ff,
+            causal: true,
+            kv_heads,
+            norm: NormKind::RmsNorm,
+            mlp: MlpKind::Swiglu,
+            rope: 10000.0,
+            bias: false,
+            qkv_bias: false,
+            eps: DEFAULT_EPS,
+        }
+    }
+
     /// A transformer block's derived sizes; None for any other operator.
     pub fn block_dims(&self) -> Option<BlockDims> {
         let Op::TransformerBlock { d_model, heads, d_ff, causal, kv_heads, norm, mlp, rope, bias, qkv_bias, eps } =
@@ -929,19 +947,11 @@ mod tests {
     /// A Llama-family block as Meta's and Mistral's model cards count it: two RMSNorm gains,
     /// q and o d×d, k and v d×(kv·head) each, three d×ff MLP matrices, no biases.
     fn llama_block(d: usize, heads: usize, kv_heads: usize, ff: usize, qkv_bias: bool) -> Op {
-        Op::TransformerBlock {
-            d_model: d,
-            heads,
-            d_ff: ff,
-            causal: true,
-            kv_heads,
-            norm: NormKind::RmsNorm,
-            mlp: MlpKind::Swiglu,
-            rope: 10000.0,
-            bias: false,
-            qkv_bias,
-            eps: 1e-5,
+        let mut b = Op::llama_block(d, heads, kv_heads, ff);
+        if let Op::TransformerBlock { qkv_bias: q, .. } = &mut b {
+            *q = qkv_bias;
         }
+        b
     }
 
     #[test]
