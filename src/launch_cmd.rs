@@ -2,6 +2,12 @@
 
 use std::path::Path;
 
+use std::path::PathBuf;
+
+use pipec_plan::Plan;
+
+use crate::elastic::{self, Losses, Shape};
+use crate::output::write_atomic;
 use crate::run_cmd::load_plan;
 use crate::{EXIT_DIAGNOSTICS, EXIT_USAGE};
 
@@ -34,50 +40,110 @@ fn quote(s: &str) -> String {
     }
 }
 
-pub fn run(
-    file: &Path,
-    hostfile: Option<&Path>,
-    out: Option<&Path>,
-    exec: bool,
+/// `pipec launch`'s arguments.
+pub struct LaunchArgs<'a> {
+    pub file: &'a Path,
+    pub hostfile: Option<&'a Path>,
+    pub out: Option<&'a Path>,
+    pub exec: bool,
+    pub timeout: Option<u64>,
+    pub start_timeout: std::time::Duration,
+    /// `--elastic`: re-plan and resume when an attempt fails.
+    pub elastic: Option<Elastic>,
+}
+
+/// `--elastic`'s bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct Elastic {
+    /// Fewer devices left than this ends the job.
+    pub min_devices: usize,
+    /// Restarts allowed; one more failure ends the job.
+    pub max_restarts: usize,
+}
+
+/// One attempt's job: the plan, the file its ranks run (the spec, or a re-plan's
+/// plan.json), the hosts of a multi-host cluster, and the checkpoint it resumes from.
+#[derive(Clone)]
+struct Attempt {
+    plan: Plan,
+    file: PathBuf,
+    hosts: Option<(PathBuf, Vec<(String, usize)>)>,
+    resume: Option<PathBuf>,
+    out: Option<PathBuf>,
     timeout: Option<u64>,
-    start_timeout: std::time::Duration,
-) -> u8 {
-    let plan = match load_plan(file, false) {
+}
+
+pub fn run(args: LaunchArgs<'_>) -> u8 {
+    let plan = match load_plan(args.file, false) {
         Ok(p) => p,
         Err(code) => return code,
     };
-    let ranks = pipec_executor::working_devices(&plan).len();
+    let hosts = match args.hostfile.map(read_hostfile).transpose() {
+        Ok(h) => h,
+        Err(code) => return code,
+    };
+    let attempt = Attempt {
+        plan,
+        file: args.file.to_path_buf(),
+        hosts: args.hostfile.map(Path::to_path_buf).zip(hosts),
+        resume: None,
+        out: args.out.map(Path::to_path_buf),
+        timeout: args.timeout,
+    };
+    let (cmd, host_devices) = match command(&attempt) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if let Some(e) = args.elastic {
+        return run_elastic(&args, e, attempt);
+    }
+    println!("{}", cmd.iter().map(|c| quote(c)).collect::<Vec<_>>().join(" "));
+    if !args.exec {
+        return 0;
+    }
+    supervise(&cmd, &host_devices, args.start_timeout, &agent()).0
+}
+
+/// Open MPI's launch agent (`OMPI_MCA_plm_rsh_agent`, by default ssh).
+fn agent() -> String {
+    std::env::var("OMPI_MCA_plm_rsh_agent").unwrap_or_else(|_| "ssh".into())
+}
+
+fn read_hostfile(h: &Path) -> Result<Vec<(String, usize)>, u8> {
+    let text = crate::check_cmd::read_text(h, crate::check_cmd::MAX_SPEC_BYTES, false).map_err(|e| {
+        eprintln!("error: hostfile: {e}");
+        EXIT_USAGE
+    })?;
+    parse_hostfile(&text).map_err(|e| {
+        eprintln!("error: `{}`: {e}", h.display());
+        EXIT_USAGE
+    })
+}
+
+/// Each host of a multi-host job, with the devices it runs in words (`node 1: d2, d3`).
+type HostDevices = Vec<(String, String)>;
+
+/// The mpirun command of an attempt, and which devices each host runs (to name them when
+/// Open MPI loses a host).
+fn command(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
+    let plan = &a.plan;
+    let ranks = pipec_executor::working_devices(plan).len();
     let per_node = plan.devices.iter().filter(|d| d.node == 0).count().max(1);
     let mut cmd: Vec<String> = vec!["mpirun".into()];
-    // which devices each host runs, to name them when Open MPI loses a host
     let mut host_devices: Vec<(String, String)> = Vec::new();
     if std::env::var("USER").map(|u| u == "root").unwrap_or(false)
         || std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0).unwrap_or(false)
     {
         cmd.push("--allow-run-as-root".into());
     }
-    if let Some(h) = hostfile {
-        let text = match crate::check_cmd::read_text(h, crate::check_cmd::MAX_SPEC_BYTES, false) {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("error: hostfile: {e}");
-                return EXIT_USAGE;
-            }
-        };
-        let hosts = match parse_hostfile(&text) {
-            Ok(h) => h,
-            Err(e) => {
-                eprintln!("error: `{}`: {e}", h.display());
-                return EXIT_USAGE;
-            }
-        };
+    if let Some((h, hosts)) = &a.hosts {
         let nodes = plan.devices.iter().map(|d| d.node).max().map(|n| n as usize + 1).unwrap_or(1);
         if hosts.len() < nodes || hosts.iter().take(nodes).any(|(_, s)| *s != per_node) {
             eprintln!(
                 "error: the plan's cluster has {nodes} node(s) of {per_node} device(s); the hostfile lists {}; give each of {nodes} host(s) `slots={per_node}` so rank i runs device i on node i / {per_node}",
                 hosts.iter().map(|(h, s)| format!("{h} (slots={s})")).collect::<Vec<_>>().join(", ")
             );
-            return EXIT_DIAGNOSTICS;
+            return Err(EXIT_DIAGNOSTICS);
         }
         for (k, (host, _)) in hosts.iter().take(nodes).enumerate() {
             let devices: Vec<String> =
@@ -101,21 +167,230 @@ pub fn run(
     cmd.push("-np".into());
     cmd.push(ranks.to_string());
     let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_else(|_| "pipec".into());
-    cmd.extend([exe, "run".into(), file.display().to_string(), "--transport".into(), "mpi".into()]);
-    if let Some(o) = out {
+    cmd.extend([exe, "run".into(), a.file.display().to_string(), "--transport".into(), "mpi".into()]);
+    if let Some(o) = &a.out {
         cmd.push("-o".into());
         cmd.push(o.display().to_string());
     }
-    if let Some(t) = timeout {
+    if let Some(t) = a.timeout {
         cmd.push("--timeout".into());
         cmd.push(t.to_string());
     }
-    println!("{}", cmd.iter().map(|c| quote(c)).collect::<Vec<_>>().join(" "));
-    if !exec {
-        return 0;
+    if let Some(r) = &a.resume {
+        cmd.push("--resume".into());
+        cmd.push(r.display().to_string());
     }
-    let agent = std::env::var("OMPI_MCA_plm_rsh_agent").unwrap_or_else(|_| "ssh".into());
-    supervise(&cmd, &host_devices, start_timeout, &agent)
+    Ok((cmd, host_devices))
+}
+
+/// `--elastic`: runs attempts until one succeeds. After a failure the devices it lost (a
+/// rank ended by a signal; a host Open MPI lost or that no longer answers the launch agent)
+/// leave the cluster, the spec is planned again for what is left ([`elastic::replan`]), and
+/// the next attempt resumes from the newest complete checkpoint with the same global
+/// batch. A failure that lost no device restarts the same plan. Each re-plan is printed
+/// and recorded in `metrics.jsonl`; the job stops when fewer than `min_devices` are left,
+/// when `max_restarts` restarts have been spent, or when the launcher is interrupted.
+fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
+    if !args.exec {
+        eprintln!("error: --elastic supervises the job: add --exec");
+        return EXIT_USAGE;
+    }
+    if args.file.extension().is_some_and(|x| x == "json") {
+        eprintln!(
+            "error: --elastic plans again from the spec when devices are lost: give the spec (.yaml), not a plan.json"
+        );
+        return EXIT_USAGE;
+    }
+    let Some(checkpoints) = attempt.plan.training.checkpoint_dir.clone() else {
+        eprintln!(
+            "error: --elastic resumes from the newest checkpoint: give the spec `training.checkpoint: {{ every: N }}`"
+        );
+        return EXIT_USAGE;
+    };
+    let source = match crate::check_cmd::read_spec(args.file) {
+        Ok(s) => s,
+        Err(err) => {
+            eprintln!("error: {err}");
+            return EXIT_USAGE;
+        }
+    };
+    let base_dir = args.file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
+    let dir = args.out.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("out").join(&attempt.plan.name));
+    attempt.out = Some(dir.clone());
+    let mut shape = Shape {
+        nodes: attempt.plan.devices.iter().map(|d| d.node as usize + 1).max().unwrap_or(1),
+        per_node: attempt.plan.devices.iter().filter(|d| d.node == 0).count().max(1),
+    };
+    // an interrupt (Ctrl-C reaches mpirun and the launcher alike) ends the job, not an attempt
+    let interrupted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let _ = signal_hook::flag::register(sig, interrupted.clone());
+    }
+    let agent = agent();
+    let mut restarts = 0;
+    loop {
+        let (cmd, host_devices) = match command(&attempt) {
+            Ok(c) => c,
+            Err(code) => return code,
+        };
+        println!("{}", cmd.iter().map(|c| quote(c)).collect::<Vec<_>>().join(" "));
+        let (code, losses) = supervise(&cmd, &host_devices, args.start_timeout, &agent);
+        if code == 0 {
+            return 0;
+        }
+        // a usage error (mpirun missing, a flag or file refused) fails every attempt alike
+        if code == EXIT_USAGE {
+            return code;
+        }
+        if interrupted.load(std::sync::atomic::Ordering::Relaxed) {
+            eprintln!("error: interrupted: the job was stopped and is not restarted");
+            return code;
+        }
+        if restarts >= e.max_restarts {
+            eprintln!(
+                "error: --elastic: the job failed again and its {} restart(s) are spent (--max-restarts): stopping",
+                e.max_restarts
+            );
+            return code;
+        }
+        // what the attempt lost: ranks a signal ended, and hosts that are gone
+        let working = pipec_executor::working_devices(&attempt.plan);
+        let mut lost: Vec<String> = Vec::new();
+        let mut device_nodes = Vec::new();
+        for r in &losses.ranks {
+            if let Some(d) = working.get(*r) {
+                device_nodes.push(attempt.plan.devices.get(d.0 as usize).map_or(0, |x| x.node as usize));
+                lost.push(format!("{d} (rank {r})"));
+            }
+        }
+        let mut lost_hosts = Vec::new();
+        if let Some((_, hosts)) = &attempt.hosts {
+            let silent = silent_hosts(&host_devices, &agent);
+            for (k, (host, devices)) in host_devices.iter().enumerate() {
+                let gone = silent.iter().any(|s| s.starts_with(&format!("host {host} ")));
+                if gone || losses.host.as_deref() == Some(host.as_str()) {
+                    lost_hosts.push(k);
+                    lost.push(format!("host {host} ({devices})"));
+                }
+            }
+            let _ = hosts;
+        }
+        let left = elastic::shrink(shape, &device_nodes, &lost_hosts);
+        if left.devices() < e.min_devices.max(1) {
+            eprintln!(
+                "error: --elastic: {} device(s) are left after losing {}, fewer than the minimum of {} (--min-devices): stopping",
+                left.devices(),
+                lost.join(", "),
+                e.min_devices.max(1)
+            );
+            return code;
+        }
+        let replanned = if left == shape {
+            None
+        } else {
+            match elastic::replan(&source, &base_dir, left) {
+                Ok(r) => Some(r),
+                Err(err) => {
+                    eprintln!("error: --elastic: {err}: stopping");
+                    return EXIT_DIAGNOSTICS;
+                }
+            }
+        };
+        let checkpoint = pipec_plan::checkpoint::locate_in(&dir, Some(&checkpoints)).ok();
+        let resumed_at =
+            checkpoint.as_deref().and_then(|c| pipec_plan::checkpoint::completed_steps(c).ok()).unwrap_or(0);
+        restarts += 1;
+        let n = restarts;
+        let mut next = Attempt { resume: checkpoint.clone(), ..attempt.clone() };
+        if let Some(r) = &replanned {
+            let elastic_dir = dir.join("elastic");
+            let plan_path = elastic_dir.join(format!("plan-{n}.json"));
+            let plan_text = serde_json::to_string_pretty(&r.plan).unwrap_or_default() + "\n";
+            let written = write_atomic(&elastic_dir.join(format!("spec-{n}.yaml")), r.text.as_bytes())
+                .and_then(|()| write_atomic(&plan_path, plan_text.as_bytes()));
+            if let Err(err) = written {
+                eprintln!("error: --elastic: {err}");
+                return EXIT_USAGE;
+            }
+            next.plan = r.plan.clone();
+            next.file = plan_path;
+            if let Some((_, hosts)) = &attempt.hosts {
+                let kept: Vec<(String, usize)> = hosts
+                    .iter()
+                    .take(shape.nodes)
+                    .enumerate()
+                    .filter(|(k, _)| !lost_hosts.contains(k) && !device_nodes.contains(k))
+                    .map(|(_, (h, _))| (h.clone(), left.per_node))
+                    .collect();
+                let hostfile = elastic_dir.join(format!("hostfile-{n}"));
+                let text: String = kept.iter().map(|(h, s)| format!("{h} slots={s}\n")).collect();
+                if let Err(err) = write_atomic(&hostfile, text.as_bytes()) {
+                    eprintln!("error: --elastic: {err}");
+                    return EXIT_USAGE;
+                }
+                next.hosts = Some((hostfile, kept));
+            }
+        }
+        let steps_done = completed_steps_in_metrics(&dir);
+        let record = elastic::replan_record(
+            n,
+            &lost,
+            &attempt.plan,
+            &next.plan,
+            resumed_at,
+            steps_done,
+            replanned.as_ref().and_then(|r| r.searched_because.as_deref()),
+        );
+        if let Err(err) = append_line(&dir.join("metrics.jsonl"), &record.to_string()) {
+            eprintln!("warning: --elastic: the re-plan is not recorded: {err}");
+        }
+        let what = if lost.is_empty() {
+            "no device identified as lost".to_string()
+        } else {
+            format!("lost {}", lost.join(", "))
+        };
+        eprintln!(
+            "elastic: restart {n} of {}: {what}; {} → {} (predicted step {}); resuming from step {resumed_at} ({} step(s) lost)",
+            e.max_restarts,
+            elastic::layout(&attempt.plan),
+            elastic::layout(&next.plan),
+            pipec_compiler::render::human_time(next.plan.simulation.step_time_s),
+            steps_done.saturating_sub(resumed_at)
+        );
+        if let Some(why) = replanned.as_ref().and_then(|r| r.searched_because.as_deref()) {
+            eprintln!(
+                "elastic: the spec's strategy does not apply on {} device(s) ({why}): the search chose the new layout",
+                left.devices()
+            );
+        }
+        shape = left;
+        attempt = next;
+    }
+}
+
+/// The steps `metrics.jsonl` in `dir` records as completed (its last step + 1).
+fn completed_steps_in_metrics(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+        .map(|s| s as usize + 1)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Appends one line to a file (made if absent).
+fn append_line(path: &Path, line: &str) -> Result<(), String> {
+    use std::io::Write;
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| format!("cannot create `{}`: {e}", parent.display()))?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
+    writeln!(f, "{line}").map_err(|e| format!("cannot write `{}`: {e}", path.display()))
 }
 
 /// How long mpirun may take to end the job once a rank has aborted it (or Open MPI has
@@ -136,7 +411,14 @@ const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 /// rank's receive timeout runs, and mpirun waits as long as it takes to reach a host (ssh's
 /// own connect timeout, minutes). Past `start_timeout` mpirun is stopped, and each host is
 /// asked through Open MPI's own launch agent whether it answers; those that do not are named.
-fn supervise(cmd: &[String], host_devices: &[(String, String)], start_timeout: std::time::Duration, agent: &str) -> u8 {
+/// Returns mpirun's exit code (or the launcher's own for a job it stopped) and what the
+/// job lost, as Open MPI reported it.
+fn supervise(
+    cmd: &[String],
+    host_devices: &[(String, String)],
+    start_timeout: std::time::Duration,
+    agent: &str,
+) -> (u8, Losses) {
     use std::io::BufRead;
     use std::sync::atomic::{AtomicBool, Ordering};
     let mut child =
@@ -144,17 +426,17 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)], start_timeout: s
             Ok(c) => c,
             Err(e) => {
                 eprintln!("error: cannot start mpirun: {e} (install Open MPI: apt-get install openmpi-bin)");
-                return EXIT_USAGE;
+                return (EXIT_USAGE, Losses::default());
             }
         };
     let launched_at = std::time::Instant::now();
     let aborted = std::sync::Arc::new(AtomicBool::new(false));
     let started = std::sync::Arc::new(AtomicBool::new(false));
-    let lost_host = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+    let losses = std::sync::Arc::new(std::sync::Mutex::new(Losses::default()));
     let reader = child.stderr.take().map(|stderr| {
         let aborted = aborted.clone();
         let started = started.clone();
-        let lost_host = lost_host.clone();
+        let losses = losses.clone();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
                 if line.starts_with(pipec_executor::MPI_STARTED) {
@@ -162,13 +444,11 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)], start_timeout: s
                     continue;
                 }
                 eprintln!("{line}");
-                // Open MPI: "Remote daemon: [[30846,0],1] on node 10.78.0.2"
-                if let Some(host) = line.trim().strip_prefix("Remote daemon:").and_then(|r| r.split(" on node ").nth(1))
-                {
-                    if let Ok(mut slot) = lost_host.lock() {
-                        slot.get_or_insert_with(|| host.trim().to_string());
+                if let Ok(mut l) = losses.lock() {
+                    l.read(&line);
+                    if l.host.is_some() {
+                        aborted.store(true, Ordering::Relaxed);
                     }
-                    aborted.store(true, Ordering::Relaxed);
                 }
                 // a rank's own failure line (`mpi_run::report_failure`), or Open MPI's banner
                 if line.starts_with("error: rank ") || line.contains("MPI_ABORT was invoked") {
@@ -178,7 +458,7 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)], start_timeout: s
         })
     });
     let name_lost_host = || {
-        let host = lost_host.lock().ok().and_then(|h| h.clone());
+        let host = losses.lock().ok().and_then(|l| l.host.clone());
         if let Some(host) = host {
             let devices =
                 host_devices.iter().find(|(h, _)| *h == host).map(|(_, d)| format!(" ({d})")).unwrap_or_default();
@@ -187,6 +467,7 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)], start_timeout: s
         }
         false
     };
+    let lost = || losses.lock().map(|l| l.clone()).unwrap_or_default();
     let mut since: Option<std::time::Instant> = None;
     loop {
         match child.try_wait() {
@@ -195,17 +476,18 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)], start_timeout: s
                 if let Some(r) = reader {
                     let _ = r.join();
                 }
-                let lost = name_lost_host();
-                return match status.code() {
-                    Some(0) if lost => EXIT_DIAGNOSTICS,
+                let host_lost = name_lost_host();
+                let code = match status.code() {
+                    Some(0) if host_lost => EXIT_DIAGNOSTICS,
                     Some(c) => c.clamp(0, 255) as u8,
                     None => EXIT_DIAGNOSTICS,
                 };
+                return (code, lost());
             }
             Ok(None) => {}
             Err(e) => {
                 eprintln!("error: cannot wait for mpirun: {e}");
-                return EXIT_USAGE;
+                return (EXIT_USAGE, lost());
             }
         }
         if aborted.load(Ordering::Relaxed) {
@@ -218,7 +500,7 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)], start_timeout: s
                     "error: the job was aborted (a rank failed, or Open MPI lost a host) and mpirun had not ended it {} s later (a host it cannot reach?): stopped mpirun",
                     ABORT_GRACE.as_secs()
                 );
-                return EXIT_DIAGNOSTICS;
+                return (EXIT_DIAGNOSTICS, lost());
             }
         } else if !started.load(Ordering::Relaxed) && launched_at.elapsed() > start_timeout {
             let _ = child.kill();
@@ -234,7 +516,7 @@ fn supervise(cmd: &[String], host_devices: &[(String, String)], start_timeout: s
                 "error: the job had not started {} s after launch (not every rank was up): {named}; stopped mpirun (raise --start-timeout for a slow start)",
                 start_timeout.as_secs()
             );
-            return EXIT_DIAGNOSTICS;
+            return (EXIT_DIAGNOSTICS, lost());
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
@@ -313,7 +595,7 @@ mod tests {
         let cmd: Vec<String> = ["sh", "-c", fake].map(String::from).to_vec();
         let started = std::time::Instant::now();
         let hosts = [("10.0.0.2".to_string(), "node 1: d1".to_string())];
-        let code = supervise(&cmd, &hosts, std::time::Duration::from_secs(60), "ssh");
+        let (code, _) = supervise(&cmd, &hosts, std::time::Duration::from_secs(60), "ssh");
         assert_eq!(code, EXIT_DIAGNOSTICS);
         let waited = started.elapsed();
         assert!(waited >= ABORT_GRACE && waited < ABORT_GRACE * 6, "stopped after {waited:?}");
@@ -337,7 +619,7 @@ mod tests {
         let cmd: Vec<String> = ["sh", "-c", "exec sleep 120"].map(String::from).to_vec();
         let started = std::time::Instant::now();
         let start_timeout = std::time::Duration::from_secs(1);
-        assert_eq!(supervise(&cmd, &hosts, start_timeout, agent), EXIT_DIAGNOSTICS);
+        assert_eq!(supervise(&cmd, &hosts, start_timeout, agent).0, EXIT_DIAGNOSTICS);
         let waited = started.elapsed();
         assert!(waited >= start_timeout && waited < start_timeout + PROBE_TIMEOUT * 3, "stopped after {waited:?}");
     }

@@ -11,6 +11,7 @@ mod calibrate_cmd;
 mod check_cmd;
 mod compare_cmd;
 mod compile_cmd;
+mod elastic;
 mod export_cmd;
 mod import_cmd;
 mod launch_cmd;
@@ -214,6 +215,17 @@ enum Command {
         /// answer are named.
         #[arg(long, default_value_t = 120)]
         start_timeout: u64,
+        /// With --exec: when a rank or a host is lost, plan again for the devices left (the
+        /// spec's strategy if it still applies, else the search), resume from the newest
+        /// checkpoint and go on (needs `training.checkpoint`).
+        #[arg(long, requires = "exec")]
+        elastic: bool,
+        /// With --elastic: stop when fewer devices than this are left.
+        #[arg(long, default_value_t = 1, requires = "elastic")]
+        min_devices: usize,
+        /// With --elastic: restarts allowed before a failure ends the job.
+        #[arg(long, default_value_t = 3, requires = "elastic")]
+        max_restarts: usize,
     },
     /// Compile a spec into a verified, simulated plan: DIR/plan.json, timeline.svg,
     /// memory.svg and trace.json.
@@ -333,14 +345,17 @@ fn main() -> ExitCode {
                 color: std::io::stderr().is_terminal(),
             })
         }
-        Command::Launch { file, hostfile, out, exec, timeout, start_timeout } => launch_cmd::run(
-            &file,
-            hostfile.as_deref(),
-            out.as_deref(),
-            exec,
-            timeout,
-            std::time::Duration::from_secs(start_timeout.max(1)),
-        ),
+        Command::Launch { file, hostfile, out, exec, timeout, start_timeout, elastic, min_devices, max_restarts } => {
+            launch_cmd::run(launch_cmd::LaunchArgs {
+                file: &file,
+                hostfile: hostfile.as_deref(),
+                out: out.as_deref(),
+                exec,
+                timeout,
+                start_timeout: std::time::Duration::from_secs(start_timeout.max(1)),
+                elastic: elastic.then_some(launch_cmd::Elastic { min_devices, max_restarts }),
+            })
+        }
         Command::Calibrate { out, backend, memory, reps } => calibrate_cmd::run(out, backend, &memory, reps),
         Command::Profile { file, out, backend, reps, concurrent } => {
             profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal())

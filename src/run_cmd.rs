@@ -437,7 +437,8 @@ fn resolve_resume(args: &RunArgs, plan: &Plan) -> Result<(Option<Resume>, usize)
 
 /// `metrics.jsonl`, one line per step, appended and flushed as each step completes, so a
 /// killed or failed run keeps every completed step's line. A fresh run starts it empty; a
-/// resumed run keeps the lines of the steps before the checkpoint and drops the rest.
+/// resumed run keeps the lines of the steps before the checkpoint and the events (an
+/// elastic launcher's re-plans), and drops the rest.
 /// Nothing is written before the first step is done: then the output folder is made, the
 /// plan written (`plan.json`) and the log opened, so a run that fails before training
 /// anything leaves an existing run's files as they were. Under MPI only rank 0 writes.
@@ -463,10 +464,9 @@ impl MetricsLog {
             Ok(text) => text
                 .lines()
                 .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l)
-                        .ok()
-                        .and_then(|v| v["step"].as_u64())
-                        .is_some_and(|s| (s as usize) < self.first_step)
+                    serde_json::from_str::<serde_json::Value>(l).ok().is_some_and(|v| {
+                        v["event"].is_string() || v["step"].as_u64().is_some_and(|s| (s as usize) < self.first_step)
+                    })
                 })
                 .map(|l| format!("{l}\n"))
                 .collect(),

@@ -1,0 +1,150 @@
+//! `pipec launch --exec --elastic` over MPI on this machine: a rank killed mid-run is left
+//! out, the spec is planned again for the devices left, and training resumes from the
+//! newest checkpoint exactly as a fresh `--resume` of it on that plan would.
+
+#![cfg(feature = "mpi")]
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn pipec() -> &'static str {
+    env!("CARGO_BIN_EXE_pipec")
+}
+
+/// A 256-wide chain of 8 layers on one node of `devices` devices, checkpointed every 5
+/// steps (wide enough that a step takes milliseconds, so a kill lands mid-run).
+fn spec(stages: &str, devices: usize, steps: usize) -> String {
+    format!(
+        "name: elastic\nmodel:\n  input: [256]\n  layers:\n    - repeat 7: linear(256, 256) -> relu\n    - linear(256, 10)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: {stages}\n  schedule: 1f1b\n  microbatches: 4\ntraining:\n  batch_size: 64\n  steps: {steps}\n  optimizer: {{ kind: adam, lr: 0.001 }}\n  seed: 5\n  checkpoint: {{ every: 5 }}\n  data: {{ kind: synthetic, samples: 256 }}\n"
+    )
+}
+
+/// The lines of `metrics.jsonl` in `dir`.
+fn lines(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// (step, loss) of every step line.
+fn steps(dir: &Path) -> Vec<(u64, f64)> {
+    lines(dir).iter().filter_map(|l| Some((l["step"].as_u64()?, l["loss"].as_f64()?))).collect()
+}
+
+/// `pipec launch SPEC --exec --elastic EXTRA…` into `out`, started.
+fn launch(spec: &Path, out: &Path, extra: &[&str]) -> Child {
+    Command::new(pipec())
+        .arg("launch")
+        .arg(spec)
+        .arg("-o")
+        .arg(out)
+        .args(["--exec", "--elastic", "--timeout", "20"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("launch starts")
+}
+
+/// Kills (-9) the newest rank writing into `out` once `after` steps are in its metrics,
+/// then waits for the launcher (at most 120 s): its output.
+fn kill_a_rank_after(mut child: Child, out: &Path, after: usize) -> Output {
+    let start = Instant::now();
+    while steps(out).len() < after {
+        if start.elapsed() > Duration::from_secs(120) || child.try_wait().expect("wait").is_some() {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("ended");
+            panic!("no step {after} to kill at: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pattern = format!("run .* -o {}", out.display());
+    assert!(Command::new("pkill").args(["-9", "-n", "-f", &pattern]).status().expect("pkill").success(), "no rank");
+    let waiter = std::thread::spawn(move || child.wait_with_output().expect("ended"));
+    let start = Instant::now();
+    while !waiter.is_finished() {
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = Command::new("pkill").args(["-9", "-f", &pattern]).status();
+            panic!("the elastic job had not ended 120 s after the kill");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    waiter.join().expect("joined")
+}
+
+#[test]
+fn a_killed_rank_is_left_out_and_training_resumes_on_the_devices_left_exactly() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("\"2-1-1\"", 4, 40)).expect("write");
+    let out = dir.path().join("out");
+    let run = kill_a_rank_after(launch(&spec_path, &out, &[]), &out, 7);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(0), "{stderr}");
+    // the re-plan: one device lost, the spec's 2-1-1 cannot run on 3, the search plans
+    let events: Vec<serde_json::Value> = lines(&out).into_iter().filter(|l| l["event"] == "replan").collect();
+    assert_eq!(events.len(), 1, "{stderr}");
+    let e = &events[0];
+    assert_eq!(e["old_devices"], 4);
+    assert!(e["new_devices"].as_u64().is_some_and(|n| (1..=3).contains(&n)), "{e}");
+    assert_eq!(e["lost"].as_array().map(Vec::len), Some(1), "{e}");
+    assert!(e["searched_because"].as_str().is_some_and(|w| w.contains("E0402")), "{e}");
+    assert!(e["predicted_step_s"].as_f64().is_some_and(|s| s > 0.0), "{e}");
+    let resumed = e["resume_step"].as_u64().expect("resume step");
+    assert!(resumed >= 5 && resumed.is_multiple_of(5) && resumed < 40, "{e}");
+    assert!(stderr.contains("elastic: restart 1 of 3: lost d"), "{stderr}");
+    // every step once, in order, the steps before the checkpoint from the first attempt
+    let trained = steps(&out);
+    assert_eq!(trained.iter().map(|s| s.0).collect::<Vec<_>>(), (0..40).collect::<Vec<_>>());
+    // the steps from the checkpoint equal a fresh resume of it on the chosen plan
+    let plan = out.join("elastic/plan-1.json");
+    let ckpt = out.join(format!("checkpoints/step-{resumed:06}"));
+    let fresh = dir.path().join("fresh");
+    let np = e["new_devices"].as_u64().expect("devices").to_string();
+    let again = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &np, pipec(), "run"])
+        .arg(&plan)
+        .args(["--transport", "mpi", "--resume"])
+        .arg(&ckpt)
+        .arg("-o")
+        .arg(&fresh)
+        .output()
+        .expect("mpirun");
+    assert_eq!(again.status.code(), Some(0), "{}", String::from_utf8_lossy(&again.stderr));
+    assert_eq!(trained[resumed as usize..].to_vec(), steps(&fresh));
+    assert!(out.join("elastic/spec-1.yaml").is_file());
+}
+
+#[test]
+fn an_elastic_job_stops_below_its_minimum_and_when_its_restarts_are_spent() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("straight", 2, 200)).expect("write");
+    let out = dir.path().join("minimum");
+    let run = kill_a_rank_after(launch(&spec_path, &out, &["--min-devices", "2"]), &out, 3);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{stderr}");
+    assert!(stderr.contains("1 device(s) are left after losing d"), "{stderr}");
+    assert!(stderr.contains("fewer than the minimum of 2 (--min-devices)"), "{stderr}");
+    let out = dir.path().join("budget");
+    let run = kill_a_rank_after(launch(&spec_path, &out, &["--max-restarts", "0"]), &out, 3);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{stderr}");
+    assert!(stderr.contains("its 0 restart(s) are spent (--max-restarts)"), "{stderr}");
+    assert!(!lines(&out).iter().any(|l| l["event"] == "replan"), "nothing was re-planned");
+}
+
+#[test]
+fn an_elastic_launch_needs_checkpoints_and_a_spec() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("straight", 2, 4).replace("  checkpoint: { every: 5 }\n", "")).expect("write");
+    let run = launch(&spec_path, &dir.path().join("out"), &[]).wait_with_output().expect("ends");
+    assert_eq!(run.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("training.checkpoint: { every: N }"));
+    let run = Command::new(pipec()).args(["launch", "x.yaml", "--elastic"]).output().expect("runs");
+    assert_eq!(run.status.code(), Some(2), "--elastic without --exec is a usage error");
+}
