@@ -168,21 +168,20 @@ pub fn shrink(shape: Shape, device_nodes: &[usize], hosts: &[usize]) -> Shape {
 }
 
 /// The `metrics.jsonl` line of a re-plan (the run that resumes keeps it beside the steps
-/// before its checkpoint).
-#[allow(clippy::too_many_arguments)]
+/// before its checkpoint): why (`lost` devices, hosts that `returned`, or an attempt that
+/// `failed` without losing any), which devices or hosts, the layouts before and after, the
+/// new plan's predicted step, the step it resumes at and the steps trained since then.
 pub fn replan_record(
-    restart: usize,
-    lost: &[String],
-    old: &Plan,
-    new: &Plan,
-    resumed_at: usize,
-    steps_done: usize,
+    reason: &str,
+    which: &[String],
+    (old, new): (&Plan, &Plan),
+    (resumed_at, steps_done): (usize, usize),
     searched_because: Option<&str>,
 ) -> serde_json::Value {
     let mut line = serde_json::json!({
         "event": "replan",
-        "restart": restart,
-        "lost": lost,
+        "reason": reason,
+        "devices": which,
         "old_layout": layout(old),
         "new_layout": layout(new),
         "old_devices": pipec_executor::working_devices(old).len(),

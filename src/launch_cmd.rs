@@ -101,7 +101,7 @@ pub fn run(args: LaunchArgs<'_>) -> u8 {
     if !args.exec {
         return 0;
     }
-    supervise(&cmd, &host_devices, args.start_timeout, &agent()).0
+    supervise(&cmd, &host_devices, args.start_timeout, &agent(), &mut || false).code
 }
 
 /// Open MPI's launch agent (`OMPI_MCA_plm_rsh_agent`, by default ssh).
@@ -187,9 +187,12 @@ fn command(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
 /// rank ended by a signal; a host Open MPI lost or that no longer answers the launch agent)
 /// leave the cluster, the spec is planned again for what is left ([`elastic::replan`]), and
 /// the next attempt resumes from the newest complete checkpoint with the same global
-/// batch. A failure that lost no device restarts the same plan. Each re-plan is printed
-/// and recorded in `metrics.jsonl`; the job stops when fewer than `min_devices` are left,
-/// when `max_restarts` restarts have been spent, or when the launcher is interrupted.
+/// batch. A failure that lost no device restarts the same plan. While hosts are missing,
+/// each new checkpoint has them asked again; when one answers, the job is stopped and
+/// planned again with it, from that checkpoint. Each re-plan is printed and recorded in
+/// `metrics.jsonl`; the job stops when fewer than `min_devices` are left, when
+/// `max_restarts` restarts after failures have been spent, or when the launcher is
+/// interrupted.
 fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
     if !args.exec {
         eprintln!("error: --elastic supervises the job: add --exec");
@@ -217,147 +220,175 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
     let base_dir = args.file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
     let dir = args.out.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("out").join(&attempt.plan.name));
     attempt.out = Some(dir.clone());
-    let mut shape = Shape {
+    let full = Shape {
         nodes: attempt.plan.devices.iter().map(|d| d.node as usize + 1).max().unwrap_or(1),
         per_node: attempt.plan.devices.iter().filter(|d| d.node == 0).count().max(1),
     };
+    let mut shape = full;
+    // the spec's hosts, and which of them the job runs on now
+    let hosts: Vec<String> = attempt
+        .hosts
+        .as_ref()
+        .map(|(_, h)| h.iter().take(full.nodes).map(|x| x.0.clone()).collect())
+        .unwrap_or_default();
+    let mut present = vec![true; hosts.len()];
+    let first = attempt.clone();
     // an interrupt (Ctrl-C reaches mpirun and the launcher alike) ends the job, not an attempt
     let interrupted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         let _ = signal_hook::flag::register(sig, interrupted.clone());
     }
     let agent = agent();
-    let mut restarts = 0;
+    let latest = dir.join(&checkpoints).join("latest");
+    let (mut restarts, mut replans) = (0, 0);
     loop {
         let (cmd, host_devices) = match command(&attempt) {
             Ok(c) => c,
             Err(code) => return code,
         };
         println!("{}", cmd.iter().map(|c| quote(c)).collect::<Vec<_>>().join(" "));
-        let (code, losses) = supervise(&cmd, &host_devices, args.start_timeout, &agent);
-        if code == 0 {
-            return 0;
-        }
-        // a usage error (mpirun missing, a flag or file refused) fails every attempt alike
-        if code == EXIT_USAGE {
-            return code;
-        }
-        if interrupted.load(std::sync::atomic::Ordering::Relaxed) {
-            eprintln!("error: interrupted: the job was stopped and is not restarted");
-            return code;
-        }
-        if restarts >= e.max_restarts {
-            eprintln!(
-                "error: --elastic: the job failed again and its {} restart(s) are spent (--max-restarts): stopping",
-                e.max_restarts
-            );
-            return code;
-        }
-        // what the attempt lost: ranks a signal ended, and hosts that are gone
-        let working = pipec_executor::working_devices(&attempt.plan);
-        let mut lost: Vec<String> = Vec::new();
-        let mut device_nodes = Vec::new();
-        for r in &losses.ranks {
-            if let Some(d) = working.get(*r) {
-                device_nodes.push(attempt.plan.devices.get(d.0 as usize).map_or(0, |x| x.node as usize));
-                lost.push(format!("{d} (rank {r})"));
-            }
-        }
-        let mut lost_hosts = Vec::new();
-        if let Some((_, hosts)) = &attempt.hosts {
-            let silent = silent_hosts(&host_devices, &agent);
-            for (k, (host, devices)) in host_devices.iter().enumerate() {
-                let gone = silent.iter().any(|s| s.starts_with(&format!("host {host} ")));
-                if gone || losses.host.as_deref() == Some(host.as_str()) {
-                    lost_hosts.push(k);
-                    lost.push(format!("host {host} ({devices})"));
+        let missing: HostDevices = hosts
+            .iter()
+            .zip(&present)
+            .enumerate()
+            .filter(|(_, (_, p))| !**p)
+            .map(|(k, (h, _))| (h.clone(), format!("node {k} of the spec")))
+            .collect();
+        let mut comeback = Comeback::new(&latest, missing, &agent);
+        let ended = supervise(&cmd, &host_devices, args.start_timeout, &agent, &mut || comeback.poll());
+        let mut change: Vec<String> = Vec::new();
+        let left = if let Some(back) = ended.stopped.then(|| comeback.back.clone()) {
+            // hosts came back: plan again with them, from the checkpoint just published
+            for (h, p) in hosts.iter().zip(present.iter_mut()) {
+                if back.contains(h) {
+                    *p = true;
+                    change.push(format!("host {h}"));
                 }
             }
-            let _ = hosts;
-        }
-        let left = elastic::shrink(shape, &device_nodes, &lost_hosts);
-        if left.devices() < e.min_devices.max(1) {
-            eprintln!(
-                "error: --elastic: {} device(s) are left after losing {}, fewer than the minimum of {} (--min-devices): stopping",
-                left.devices(),
-                lost.join(", "),
-                e.min_devices.max(1)
-            );
-            return code;
-        }
-        let replanned = if left == shape {
-            None
+            Shape { nodes: present.iter().filter(|p| **p).count(), per_node: full.per_node }
         } else {
-            match elastic::replan(&source, &base_dir, left) {
-                Ok(r) => Some(r),
-                Err(err) => {
-                    eprintln!("error: --elastic: {err}: stopping");
-                    return EXIT_DIAGNOSTICS;
+            if ended.code == 0 {
+                return 0;
+            }
+            // a usage error (mpirun missing, a flag or file refused) fails every attempt alike
+            if ended.code == EXIT_USAGE {
+                return ended.code;
+            }
+            if interrupted.load(std::sync::atomic::Ordering::Relaxed) {
+                eprintln!("error: interrupted: the job was stopped and is not restarted");
+                return ended.code;
+            }
+            if restarts >= e.max_restarts {
+                eprintln!(
+                    "error: --elastic: the job failed again and its {} restart(s) are spent (--max-restarts): stopping",
+                    e.max_restarts
+                );
+                return ended.code;
+            }
+            restarts += 1;
+            // what the attempt lost: ranks a signal ended, and hosts that are gone
+            let working = pipec_executor::working_devices(&attempt.plan);
+            let mut device_nodes = Vec::new();
+            for r in &ended.losses.ranks {
+                if let Some(d) = working.get(*r) {
+                    device_nodes.push(attempt.plan.devices.get(d.0 as usize).map_or(0, |x| x.node as usize));
+                    change.push(format!("{d} (rank {r})"));
                 }
             }
+            let mut lost_nodes = Vec::new();
+            if !host_devices.is_empty() {
+                let silent = silent_hosts(&host_devices, &agent);
+                for (k, (host, devices)) in host_devices.iter().enumerate() {
+                    let gone = silent.iter().any(|s| s.starts_with(&format!("host {host} ")));
+                    if gone || ended.losses.host.as_deref() == Some(host.as_str()) {
+                        lost_nodes.push(k);
+                        change.push(format!("host {host} ({devices})"));
+                    }
+                }
+                // nodes are whole: a node with a lost device leaves with its host
+                let current: Vec<usize> = (0..hosts.len()).filter(|k| present[*k]).collect();
+                for k in device_nodes.iter().chain(&lost_nodes) {
+                    if let Some(&original) = current.get(*k) {
+                        present[original] = false;
+                    }
+                }
+            }
+            let left = elastic::shrink(shape, &device_nodes, &lost_nodes);
+            if left.devices() < e.min_devices.max(1) {
+                eprintln!(
+                    "error: --elastic: {} device(s) are left after losing {}, fewer than the minimum of {} (--min-devices): stopping",
+                    left.devices(),
+                    change.join(", "),
+                    e.min_devices.max(1)
+                );
+                return ended.code;
+            }
+            left
         };
         let checkpoint = pipec_plan::checkpoint::locate_in(&dir, Some(&checkpoints)).ok();
         let resumed_at =
             checkpoint.as_deref().and_then(|c| pipec_plan::checkpoint::completed_steps(c).ok()).unwrap_or(0);
-        restarts += 1;
-        let n = restarts;
-        let mut next = Attempt { resume: checkpoint.clone(), ..attempt.clone() };
-        if let Some(r) = &replanned {
+        let mut next = Attempt { resume: checkpoint, ..attempt.clone() };
+        let mut searched_because = None;
+        if left == full {
+            next = Attempt { resume: next.resume, ..first.clone() };
+        } else if left != shape {
+            let r = match elastic::replan(&source, &base_dir, left) {
+                Ok(r) => r,
+                Err(err) => {
+                    eprintln!("error: --elastic: {err}: stopping");
+                    return EXIT_DIAGNOSTICS;
+                }
+            };
+            replans += 1;
             let elastic_dir = dir.join("elastic");
-            let plan_path = elastic_dir.join(format!("plan-{n}.json"));
+            let plan_path = elastic_dir.join(format!("plan-{replans}.json"));
             let plan_text = serde_json::to_string_pretty(&r.plan).unwrap_or_default() + "\n";
-            let written = write_atomic(&elastic_dir.join(format!("spec-{n}.yaml")), r.text.as_bytes())
+            let mut written = write_atomic(&elastic_dir.join(format!("spec-{replans}.yaml")), r.text.as_bytes())
                 .and_then(|()| write_atomic(&plan_path, plan_text.as_bytes()));
+            if !hosts.is_empty() {
+                let kept: Vec<(String, usize)> =
+                    hosts.iter().zip(&present).filter(|(_, p)| **p).map(|(h, _)| (h.clone(), left.per_node)).collect();
+                let hostfile = elastic_dir.join(format!("hostfile-{replans}"));
+                let text: String = kept.iter().map(|(h, s)| format!("{h} slots={s}\n")).collect();
+                written = written.and_then(|()| write_atomic(&hostfile, text.as_bytes()));
+                next.hosts = Some((hostfile, kept));
+            }
             if let Err(err) = written {
                 eprintln!("error: --elastic: {err}");
                 return EXIT_USAGE;
             }
-            next.plan = r.plan.clone();
+            next.plan = r.plan;
             next.file = plan_path;
-            if let Some((_, hosts)) = &attempt.hosts {
-                let kept: Vec<(String, usize)> = hosts
-                    .iter()
-                    .take(shape.nodes)
-                    .enumerate()
-                    .filter(|(k, _)| !lost_hosts.contains(k) && !device_nodes.contains(k))
-                    .map(|(_, (h, _))| (h.clone(), left.per_node))
-                    .collect();
-                let hostfile = elastic_dir.join(format!("hostfile-{n}"));
-                let text: String = kept.iter().map(|(h, s)| format!("{h} slots={s}\n")).collect();
-                if let Err(err) = write_atomic(&hostfile, text.as_bytes()) {
-                    eprintln!("error: --elastic: {err}");
-                    return EXIT_USAGE;
-                }
-                next.hosts = Some((hostfile, kept));
-            }
+            searched_because = r.searched_because;
         }
         let steps_done = completed_steps_in_metrics(&dir);
+        let (reason, what) = if ended.stopped {
+            ("returned", format!("{} answered again", change.join(", ")))
+        } else if change.is_empty() {
+            ("failed", "no device identified as lost: the same plan again".to_string())
+        } else {
+            ("lost", format!("lost {}", change.join(", ")))
+        };
         let record = elastic::replan_record(
-            n,
-            &lost,
-            &attempt.plan,
-            &next.plan,
-            resumed_at,
-            steps_done,
-            replanned.as_ref().and_then(|r| r.searched_because.as_deref()),
+            reason,
+            &change,
+            (&attempt.plan, &next.plan),
+            (resumed_at, steps_done),
+            searched_because.as_deref(),
         );
         if let Err(err) = append_line(&dir.join("metrics.jsonl"), &record.to_string()) {
             eprintln!("warning: --elastic: the re-plan is not recorded: {err}");
         }
-        let what = if lost.is_empty() {
-            "no device identified as lost".to_string()
-        } else {
-            format!("lost {}", lost.join(", "))
-        };
+        let count = if ended.stopped { String::new() } else { format!("restart {restarts} of {}: ", e.max_restarts) };
         eprintln!(
-            "elastic: restart {n} of {}: {what}; {} → {} (predicted step {}); resuming from step {resumed_at} ({} step(s) lost)",
-            e.max_restarts,
+            "elastic: {count}{what}; {} → {} (predicted step {}); resuming from step {resumed_at} ({} step(s) lost)",
             elastic::layout(&attempt.plan),
             elastic::layout(&next.plan),
             pipec_compiler::render::human_time(next.plan.simulation.step_time_s),
             steps_done.saturating_sub(resumed_at)
         );
-        if let Some(why) = replanned.as_ref().and_then(|r| r.searched_because.as_deref()) {
+        if let Some(why) = &searched_because {
             eprintln!(
                 "elastic: the spec's strategy does not apply on {} device(s) ({why}): the search chose the new layout",
                 left.devices()
@@ -365,6 +396,67 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
         }
         shape = left;
         attempt = next;
+    }
+}
+
+/// How a supervised job ended.
+struct Ended {
+    /// mpirun's exit code, or the launcher's own for a job it stopped.
+    code: u8,
+    /// What the job lost, as Open MPI reported it.
+    losses: Losses,
+    /// Stopped because `stop` asked.
+    stopped: bool,
+}
+
+/// Watches for hosts that left the job coming back: each time a new checkpoint is
+/// published, the missing hosts are asked (through the launch agent, in the background)
+/// whether they answer.
+struct Comeback {
+    latest: PathBuf,
+    seen: Option<String>,
+    missing: HostDevices,
+    agent: String,
+    probe: Option<std::thread::JoinHandle<Vec<String>>>,
+    /// The hosts that answered.
+    back: Vec<String>,
+}
+
+impl Comeback {
+    fn new(latest: &Path, missing: HostDevices, agent: &str) -> Self {
+        let seen = std::fs::read_to_string(latest).ok();
+        Comeback {
+            latest: latest.to_path_buf(),
+            seen,
+            missing,
+            agent: agent.to_string(),
+            probe: None,
+            back: Vec::new(),
+        }
+    }
+
+    /// True when a missing host answered after a checkpoint: the job should stop to grow.
+    fn poll(&mut self) -> bool {
+        if self.missing.is_empty() {
+            return false;
+        }
+        if self.probe.as_ref().is_some_and(|p| p.is_finished()) {
+            let silent = self.probe.take().and_then(|p| p.join().ok()).unwrap_or_default();
+            self.back = self
+                .missing
+                .iter()
+                .filter(|(h, _)| !silent.iter().any(|s| s.starts_with(&format!("host {h} "))))
+                .map(|(h, _)| h.clone())
+                .collect();
+            return !self.back.is_empty();
+        }
+        let now = std::fs::read_to_string(&self.latest).ok();
+        if self.probe.is_none() && now.is_some() && now != self.seen {
+            self.seen = now;
+            let (missing, agent) = (self.missing.clone(), self.agent.clone());
+            self.probe = Some(std::thread::spawn(move || silent_hosts(&missing, &agent)));
+        }
+        false
     }
 }
 
@@ -411,14 +503,14 @@ const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 /// rank's receive timeout runs, and mpirun waits as long as it takes to reach a host (ssh's
 /// own connect timeout, minutes). Past `start_timeout` mpirun is stopped, and each host is
 /// asked through Open MPI's own launch agent whether it answers; those that do not are named.
-/// Returns mpirun's exit code (or the launcher's own for a job it stopped) and what the
-/// job lost, as Open MPI reported it.
+/// `stop` is asked every 100 ms once the job runs; when it says so, mpirun is stopped.
 fn supervise(
     cmd: &[String],
     host_devices: &[(String, String)],
     start_timeout: std::time::Duration,
     agent: &str,
-) -> (u8, Losses) {
+    stop: &mut dyn FnMut() -> bool,
+) -> Ended {
     use std::io::BufRead;
     use std::sync::atomic::{AtomicBool, Ordering};
     let mut child =
@@ -426,7 +518,7 @@ fn supervise(
             Ok(c) => c,
             Err(e) => {
                 eprintln!("error: cannot start mpirun: {e} (install Open MPI: apt-get install openmpi-bin)");
-                return (EXIT_USAGE, Losses::default());
+                return Ended { code: EXIT_USAGE, losses: Losses::default(), stopped: false };
             }
         };
     let launched_at = std::time::Instant::now();
@@ -482,12 +574,12 @@ fn supervise(
                     Some(c) => c.clamp(0, 255) as u8,
                     None => EXIT_DIAGNOSTICS,
                 };
-                return (code, lost());
+                return Ended { code, losses: lost(), stopped: false };
             }
             Ok(None) => {}
             Err(e) => {
                 eprintln!("error: cannot wait for mpirun: {e}");
-                return (EXIT_USAGE, lost());
+                return Ended { code: EXIT_USAGE, losses: lost(), stopped: false };
             }
         }
         if aborted.load(Ordering::Relaxed) {
@@ -500,7 +592,7 @@ fn supervise(
                     "error: the job was aborted (a rank failed, or Open MPI lost a host) and mpirun had not ended it {} s later (a host it cannot reach?): stopped mpirun",
                     ABORT_GRACE.as_secs()
                 );
-                return (EXIT_DIAGNOSTICS, lost());
+                return Ended { code: EXIT_DIAGNOSTICS, losses: lost(), stopped: false };
             }
         } else if !started.load(Ordering::Relaxed) && launched_at.elapsed() > start_timeout {
             let _ = child.kill();
@@ -516,7 +608,11 @@ fn supervise(
                 "error: the job had not started {} s after launch (not every rank was up): {named}; stopped mpirun (raise --start-timeout for a slow start)",
                 start_timeout.as_secs()
             );
-            return (EXIT_DIAGNOSTICS, lost());
+            return Ended { code: EXIT_DIAGNOSTICS, losses: lost(), stopped: false };
+        } else if started.load(Ordering::Relaxed) && stop() {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ended { code: EXIT_DIAGNOSTICS, losses: lost(), stopped: true };
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
@@ -595,7 +691,7 @@ mod tests {
         let cmd: Vec<String> = ["sh", "-c", fake].map(String::from).to_vec();
         let started = std::time::Instant::now();
         let hosts = [("10.0.0.2".to_string(), "node 1: d1".to_string())];
-        let (code, _) = supervise(&cmd, &hosts, std::time::Duration::from_secs(60), "ssh");
+        let code = supervise(&cmd, &hosts, std::time::Duration::from_secs(60), "ssh", &mut || false).code;
         assert_eq!(code, EXIT_DIAGNOSTICS);
         let waited = started.elapsed();
         assert!(waited >= ABORT_GRACE && waited < ABORT_GRACE * 6, "stopped after {waited:?}");
@@ -619,7 +715,7 @@ mod tests {
         let cmd: Vec<String> = ["sh", "-c", "exec sleep 120"].map(String::from).to_vec();
         let started = std::time::Instant::now();
         let start_timeout = std::time::Duration::from_secs(1);
-        assert_eq!(supervise(&cmd, &hosts, start_timeout, agent).0, EXIT_DIAGNOSTICS);
+        assert_eq!(supervise(&cmd, &hosts, start_timeout, agent, &mut || false).code, EXIT_DIAGNOSTICS);
         let waited = started.elapsed();
         assert!(waited >= start_timeout && waited < start_timeout + PROBE_TIMEOUT * 3, "stopped after {waited:?}");
     }

@@ -90,7 +90,8 @@ fn a_killed_rank_is_left_out_and_training_resumes_on_the_devices_left_exactly() 
     let e = &events[0];
     assert_eq!(e["old_devices"], 4);
     assert!(e["new_devices"].as_u64().is_some_and(|n| (1..=3).contains(&n)), "{e}");
-    assert_eq!(e["lost"].as_array().map(Vec::len), Some(1), "{e}");
+    assert_eq!(e["reason"], "lost");
+    assert_eq!(e["devices"].as_array().map(Vec::len), Some(1), "{e}");
     assert!(e["searched_because"].as_str().is_some_and(|w| w.contains("E0402")), "{e}");
     assert!(e["predicted_step_s"].as_f64().is_some_and(|s| s > 0.0), "{e}");
     let resumed = e["resume_step"].as_u64().expect("resume step");

@@ -56,6 +56,10 @@ impl TwoHosts {
         assert!(sh(&["ip", "netns", "exec", &self.a, "ip", "link", "set", &self.veth_a, "down"]), "link down");
     }
 
+    fn link_up(&self) {
+        assert!(sh(&["ip", "netns", "exec", &self.a, "ip", "link", "set", &self.veth_a, "up"]), "link up");
+    }
+
     /// The rsh agent Open MPI starts its remote daemon with: it enters the host's namespace,
     /// after making sure, as ssh would by connecting, that host a's link to it is up (ssh
     /// waits minutes on a host it cannot reach; so does this).
@@ -77,6 +81,13 @@ impl TwoHosts {
 
     /// [`TwoHosts::launch`] with a start-up bound of `start` seconds.
     fn launch_within(&self, dir: &Path, spec: &Path, out: &Path, timeout: u64, start: u64) -> Command {
+        let mut c = self.launch_bare(dir, spec, out);
+        c.args(["--exec", "--timeout", &timeout.to_string(), "--start-timeout", &start.to_string()]);
+        c
+    }
+
+    /// `pipec launch SPEC --hostfile … -o OUT` from host a, before its flags.
+    fn launch_bare(&self, dir: &Path, spec: &Path, out: &Path) -> Command {
         let hostfile = dir.join("hosts");
         std::fs::write(&hostfile, "10.78.0.1 slots=1\n10.78.0.2 slots=1\n").expect("hostfile");
         let mut c = Command::new("ip");
@@ -86,7 +97,6 @@ impl TwoHosts {
             .arg(&hostfile)
             .arg("-o")
             .arg(out)
-            .args(["--exec", "--timeout", &timeout.to_string(), "--start-timeout", &start.to_string()])
             .env("OMPI_MCA_plm_rsh_agent", self.agent(dir))
             .env("OMPI_MCA_btl", "tcp,self")
             .env("OMPI_MCA_btl_tcp_if_include", "10.78.0.0/24")
@@ -230,4 +240,140 @@ fn a_host_unreachable_at_start_up_stops_the_launch_naming_it() {
     assert!(stderr.contains("host 10.78.0.2 (node 1: d1) did not answer"), "{stderr}");
     assert!(!stderr.contains("host 10.78.0.1 (node 0"), "the reachable host is not named: {stderr}");
     eprintln!("the launch ended {:.1} s after it began (start-up bound 8 s)", start.elapsed().as_secs_f64());
+}
+
+/// `--elastic` across the two hosts: host b is cut off mid-run, the launcher finds it no
+/// longer answers, plans again for host a alone (the spec's `straight` still applies) and
+/// resumes from the newest checkpoint; the steps from it equal a fresh resume of it on
+/// that plan. Then the link comes back: at the next checkpoint the launcher finds host b
+/// answering, stops the job and resumes it on both hosts, as a fresh resume of that
+/// checkpoint on the spec's own plan would.
+#[test]
+fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_returns() {
+    let Some(hosts) = TwoHosts::new() else {
+        eprintln!("SKIP: network namespaces cannot be made here (needs root and CAP_NET_ADMIN)");
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tmp");
+    let steps = 400;
+    let text = std::fs::read_to_string(spec(dir.path(), steps))
+        .expect("spec")
+        .replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 5 }\n");
+    let spec_path = dir.path().join("elastic.yaml");
+    std::fs::write(&spec_path, text).expect("spec");
+    let out = dir.path().join("out");
+    let log = dir.path().join("elastic.log");
+    let mut child = hosts
+        .launch_bare(dir.path(), &spec_path, &out)
+        .args(["--exec", "--elastic", "--timeout", "4"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("starts");
+    let step_lines = || {
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
+            .collect::<Vec<_>>()
+    };
+    let start = Instant::now();
+    while step_lines().len() < 7 {
+        if start.elapsed() > Duration::from_secs(60) || child.try_wait().expect("wait").is_some() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("no step 7 to cut the link at:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    hosts.link_down();
+    let down = Instant::now();
+    let events = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["event"] == "replan")
+            .collect()
+    };
+    let mut up = false;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if !up && !events().is_empty() {
+            hosts.link_up();
+            up = true;
+        }
+        if down.elapsed() > Duration::from_secs(180) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the elastic job had not ended 180 s after the link went down:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.success(), "{stderr}");
+    assert!(stderr.contains("lost host 10.78.0.2 (node 1: d1)"), "{stderr}");
+    let events = events();
+    assert_eq!(events.len(), 2, "{stderr}");
+    let e = &events[0];
+    assert_eq!(e["reason"], "lost", "{e}");
+    assert_eq!((e["old_devices"].as_u64(), e["new_devices"].as_u64()), (Some(2), Some(1)), "{e}");
+    assert!(e.get("searched_because").is_none(), "straight applies on one device: {e}");
+    assert_eq!(std::fs::read_to_string(out.join("elastic/hostfile-1")).expect("hostfile"), "10.78.0.1 slots=1\n");
+    let trained = step_lines();
+    assert_eq!(trained.iter().map(|s| s.0).collect::<Vec<_>>(), (0..steps as u64).collect::<Vec<_>>());
+    // a fresh resume of the same checkpoint on the re-planned (one-device) plan
+    let resumed = e["resume_step"].as_u64().expect("resume step") as usize;
+    assert!(resumed >= 5, "{e}");
+    let fresh = dir.path().join("fresh");
+    let run = Command::new(pipec())
+        .arg("run")
+        .arg(out.join("elastic/plan-1.json"))
+        .arg("--resume")
+        .arg(out.join(format!("checkpoints/step-{resumed:06}")))
+        .arg("-o")
+        .arg(&fresh)
+        .output()
+        .expect("runs");
+    assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+    let again: Vec<(u64, f64)> = std::fs::read_to_string(fresh.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
+        .collect();
+    let grown = &events[1];
+    assert_eq!(grown["reason"], "returned", "{grown}");
+    assert_eq!((grown["old_devices"].as_u64(), grown["new_devices"].as_u64()), (Some(1), Some(2)), "{grown}");
+    assert!(stderr.contains("host 10.78.0.2 answered again"), "{stderr}");
+    let regrown = grown["resume_step"].as_u64().expect("resume step") as usize;
+    assert!(regrown > resumed, "{grown}");
+    assert_eq!(trained[resumed..regrown].to_vec(), again[..regrown - resumed].to_vec());
+    // from the second checkpoint on, the spec's own two-device plan (in one process: the
+    // threaded run equals MPI's)
+    let fresh = dir.path().join("fresh-grown");
+    let run = Command::new(pipec())
+        .arg("run")
+        .arg(&spec_path)
+        .arg("--resume")
+        .arg(out.join(format!("checkpoints/step-{regrown:06}")))
+        .arg("-o")
+        .arg(&fresh)
+        .output()
+        .expect("runs");
+    assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+    let again: Vec<(u64, f64)> = std::fs::read_to_string(fresh.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
+        .collect();
+    assert_eq!(trained[regrown..].to_vec(), again);
+    eprintln!("re-planned twice and finished {:.1} s after the link went down", down.elapsed().as_secs_f64());
 }
