@@ -384,6 +384,9 @@ fn metrics_line(m: &StepMetrics) -> serde_json::Value {
     if let Some(e) = m.epoch {
         line["epoch"] = e.into();
     }
+    if let Some(w) = m.checkpoint_wait_s {
+        line["checkpoint_wait_s"] = w.into();
+    }
     if let Some(v) = &m.validation {
         line["val_loss"] = v.loss.into();
         if let Some(a) = v.accuracy {

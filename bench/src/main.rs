@@ -303,6 +303,56 @@ fn executor() {
     println!("overhead: 2 workers x {} instructions per step on a 4 x Linear(8) model (1 sample per microbatch): {:.4} s/step = {:.1} µs per instruction, compute included", per_device, t, t / per_device as f64 * 1e6);
 }
 
+/// What checkpoints cost a step: the executor benchmark's model on two workers (1F1B) with
+/// Adam (each checkpoint 8.4 M parameters, their two moments: 101 MB), 23 steps, without
+/// checkpoints, then with one every 5 steps or every step, written while training goes on
+/// (`async`, the default) or with each checkpointing step waiting for its write.
+fn checkpoints() {
+    println!("## checkpoints (CPU, flex backend): 8 x Linear(1024) + ReLU, Adam, 2 workers 1f1b, 23 steps");
+    let text = mlp_spec(2, "\"1-1\"", "1f1b", "50GFLOP/s")
+        .replace("{ kind: sgd, lr: 0.005 }", "{ kind: adam, lr: 0.001 }");
+    let mut baseline = None;
+    for (label, checkpoint) in [
+        ("no checkpoints", ""),
+        ("every 5 steps, async", "  checkpoint: { every: 5 }\n"),
+        ("every 5 steps, sync", "  checkpoint: { every: 5, async: false }\n"),
+        ("every step, async", "  checkpoint: { every: 1 }\n"),
+        ("every step, sync", "  checkpoint: { every: 1, async: false }\n"),
+    ] {
+        let plan = plan_of(&text.replace("  seed: 1234\n", &format!("  seed: 1234\n{checkpoint}")));
+        let dir = std::env::temp_dir().join(format!("pipec-bench-checkpoints-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = RunOptions {
+            timeout: Duration::from_secs(300),
+            checkpoint_dir: (!checkpoint.is_empty()).then(|| dir.clone()),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        let report = pipec_executor::run(&plan, &options, &mut |_| {}).expect("runs");
+        let wall = start.elapsed().as_secs_f64();
+        let written = report.checkpoints.len();
+        let bytes: u64 = report
+            .checkpoints
+            .last()
+            .and_then(|c| std::fs::read_dir(c).ok())
+            .map(|d| d.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+            .unwrap_or(0);
+        let waited: f64 = report.steps.iter().filter_map(|s| s.checkpoint_wait_s).sum::<f64>() + 0.0;
+        let _ = std::fs::remove_dir_all(&dir);
+        let steps = report.steps.len() as f64;
+        let base = *baseline.get_or_insert(wall);
+        let per_checkpoint =
+            if written > 0 { format!("; {:+.3} s per checkpoint", (wall - base) / written as f64) } else { String::new() };
+        println!(
+            "{label}: {:.3} s/step ({:+.1}% against none), {written} checkpoints of {:.0} MB, steps waited {:.2} s for writes{per_checkpoint}",
+            wall / steps,
+            (wall / base - 1.0) * 100.0,
+            bytes as f64 / 1e6,
+            waited
+        );
+    }
+}
+
 /// The products of a dense layer on the CPU backend, at the executor benchmark's shapes
 /// (1024 × 1024 weight, a 32-row microbatch and the 256-row batch): the forward `x · W` (flex
 /// under `gemm`'s default packing, and under pipec's, which a pipec product sets; the
@@ -676,6 +726,9 @@ fn main() {
     }
     if what == "executor" || what == "all" {
         executor();
+    }
+    if what == "checkpoints" || what == "all" {
+        checkpoints();
     }
     if what == "fidelity" || what == "all" {
         fidelity();

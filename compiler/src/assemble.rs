@@ -190,6 +190,7 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
             }
         },
         checkpoint_every: t.checkpoint.as_ref().map(|c| c.every),
+        checkpoint_sync: t.checkpoint.as_ref().is_some_and(|c| !c.asynchronous),
         checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),
         recipe: t.recipe,
     }

@@ -151,6 +151,10 @@ pub struct StepMetrics {
     pub epoch: Option<f64>,
     /// Validation after this step (`training.validation`).
     pub validation: Option<ValidationMetrics>,
+    /// With checkpoints on: the longest any device waited for checkpoint writes before
+    /// reporting this step (asynchronous: for the previous write, before handing over this
+    /// step's copy; `async: false`: for the previous step's own write).
+    pub checkpoint_wait_s: Option<f64>,
 }
 
 /// The held-out data's figures after a step: its mean loss, and a classifier's accuracy

@@ -101,15 +101,17 @@ fn run_rank(
     let mut gather = |m: &StepMetrics| {
         if rank == 0 {
             let (mut sum, mut count, mut secs) = (m.loss_sum, m.loss_count as f64, m.step_seconds);
+            let mut wait = m.checkpoint_wait_s;
             // validation's sums, when this step was followed by one
             let mut validation = m.validation.map(|v| v.sums);
             for r in 1..size {
                 if let Ok(b) = receive_bytes(r, TAG_METRIC, &abort, timeout, devices[r as usize]) {
                     let v = from_f64s(&b);
-                    if v.len() == 9 {
+                    if v.len() == 10 {
                         sum += v[1];
                         count += v[2];
                         secs = secs.max(v[3]);
+                        wait = wait.map(|w| w.max(v[9]));
                         if v[4] != 0.0 {
                             let total = validation.get_or_insert([0.0; 4]);
                             total.iter_mut().zip(&v[5..9]).for_each(|(a, b)| *a += b);
@@ -132,6 +134,7 @@ fn run_rank(
                 grad_norm: m.grad_norm,
                 epoch: m.epoch,
                 validation: validation.map(|v| crate::ValidationMetrics::of(v, language_model)),
+                checkpoint_wait_s: wait,
             });
         } else {
             let v = m.validation.map_or([0.0; 4], |v| v.sums);
@@ -139,7 +142,18 @@ fn run_rank(
             let _ = outgoing.send((
                 0,
                 TAG_METRIC,
-                f64s(&[m.step as f64, m.loss_sum, m.loss_count as f64, m.step_seconds, has, v[0], v[1], v[2], v[3]]),
+                f64s(&[
+                    m.step as f64,
+                    m.loss_sum,
+                    m.loss_count as f64,
+                    m.step_seconds,
+                    has,
+                    v[0],
+                    v[1],
+                    v[2],
+                    v[3],
+                    m.checkpoint_wait_s.unwrap_or(0.0),
+                ]),
                 None,
             ));
         }

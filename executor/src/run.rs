@@ -87,6 +87,40 @@ impl StopGate {
     }
 }
 
+/// How many checkpoints the coordinator has written (or failed to write) in this run: a
+/// worker about to hand over the copy of its n-th waits until n − 1 are (so at most one
+/// copy of the state is in memory beside the model), and with `async: false` it waits after
+/// handing it over until n are.
+#[derive(Default)]
+struct Written {
+    count: std::sync::Mutex<usize>,
+    done: std::sync::Condvar,
+}
+
+impl Written {
+    fn finished(&self) {
+        *self.count.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += 1;
+        self.done.notify_all();
+    }
+
+    /// Waits until `n` checkpoints are written or the run is aborted: the seconds waited.
+    fn wait_for(&self, n: usize, abort: &AtomicBool) -> f64 {
+        let started = Instant::now();
+        let mut count = self.count.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *count >= n {
+            return 0.0;
+        }
+        while *count < n && !abort.load(Ordering::Relaxed) {
+            count = self
+                .done
+                .wait_timeout(count, std::time::Duration::from_millis(50))
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+        started.elapsed().as_secs_f64()
+    }
+}
+
 /// What a worker thread tells the coordinator.
 enum Event {
     Step(Box<StepReport>, Option<checkpoint::Shards>),
@@ -106,6 +140,10 @@ struct Shared<'r> {
     steps: Range<usize>,
     /// Steps between checkpoints, when checkpoints are written.
     every: Option<usize>,
+    /// The checkpoints written so far, and whether a step waits for its own (`sync`) or
+    /// only for the previous one.
+    written: &'r Written,
+    sync: bool,
     /// This process runs one device: its resident memory is the device's.
     alone: bool,
 }
@@ -141,6 +179,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         .into());
     }
     let gate = StopGate::new(options.stop.clone(), plan.flush_free.is_some());
+    let written = Written::default();
     let shared = Shared {
         plan,
         data: &data,
@@ -150,6 +189,8 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         epoch: Instant::now(),
         steps: first_step..total_steps,
         every: plan.training.checkpoint_every.filter(|_| options.checkpoint_dir.is_some()),
+        written: &written,
+        sync: plan.training.checkpoint_sync,
         alone: endpoints.len() == 1,
     };
     let mut coordinator = Coordinator {
@@ -159,6 +200,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         carry: BTreeMap::new(),
         first_error: None,
         samples: data.size(),
+        checkpoints: shared.every.is_some(),
         report: RunReport {
             placement: placement.iter().map(|(d, (_, name))| (*d, name.clone())).collect(),
             ..RunReport::default()
@@ -175,7 +217,11 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         for ev in rx {
             match ev {
                 Event::Failed(e) => coordinator.failed(e, &abort),
-                Event::Step(r, ck) => coordinator.step_done(*r, ck, on_step, sink, &abort),
+                Event::Step(r, ck) => {
+                    if coordinator.step_done(*r, ck, on_step, sink, &abort) {
+                        written.finished();
+                    }
+                }
             }
         }
     });
@@ -257,6 +303,9 @@ fn run_steps<B: ExecBackend>(
     // a flush-free pipeline starts empty, and is drained by the last step and by every step
     // a checkpoint follows (a checkpoint holds nothing in flight)
     let mut filled = false;
+    // the checkpoints this worker has handed over, and its wait for writes not yet reported
+    let mut handed = 0;
+    let mut waited = 0.0;
     for step in shared.steps.clone() {
         let begin = shared.gate.begin(step);
         if shared.abort.load(Ordering::Relaxed) || begin == Begin::Stop {
@@ -289,12 +338,19 @@ fn run_steps<B: ExecBackend>(
         filled = !drain;
         // a checkpoint follows the steps that drain as planned, when checkpoints are on
         let ckpt = if shared.every.is_some() && planned {
+            waited += shared.written.wait_for(handed, shared.abort);
+            handed += 1;
             Some(save_checkpoint(w).map_err(|e| fail(Some(step), None, e))?)
         } else {
             None
         };
+        let wait = ckpt.is_some() && shared.sync;
+        r.checkpoint_wait_s = std::mem::take(&mut waited);
         if tx.send(Event::Step(Box::new(r), ckpt)).is_err() {
             return Ok(());
+        }
+        if wait {
+            waited += shared.written.wait_for(handed, shared.abort);
         }
     }
     Ok(())
@@ -313,6 +369,8 @@ struct Coordinator<'r> {
     report: RunReport,
     /// The data set's distinct samples (None: endless), for the epoch count.
     samples: Option<usize>,
+    /// Checkpoints are written in this run.
+    checkpoints: bool,
 }
 
 impl Coordinator<'_> {
@@ -335,25 +393,27 @@ impl Coordinator<'_> {
         on_step: &mut dyn FnMut(&StepMetrics),
         sink: &mut CheckpointSink<'_>,
         abort: &AtomicBool,
-    ) {
+    ) -> bool {
         let step = r.step;
         let entry = self.pending.entry(step).or_default();
         entry.push((r, ck));
         if entry.len() < self.workers {
-            return;
+            return false;
         }
         let reports = self.pending.remove(&step).unwrap_or_default();
         let m = self.metrics(step, &reports);
         on_step(&m);
         self.report.steps.push(m);
         self.merge_traces(&reports);
-        if reports.iter().any(|(_, c)| c.is_some()) {
-            match sink(step + 1, first_replicas_shards(reports)) {
-                Ok(Some(p)) => self.report.checkpoints.push(p),
-                Ok(None) => {}
-                Err(e) => self.failed(RunError { step: Some(step), ..e.into() }, abort),
-            }
+        if !reports.iter().any(|(_, c)| c.is_some()) {
+            return false;
         }
+        match sink(step + 1, first_replicas_shards(reports)) {
+            Ok(Some(p)) => self.report.checkpoints.push(p),
+            Ok(None) => {}
+            Err(e) => self.failed(RunError { step: Some(step), ..e.into() }, abort),
+        }
+        true
     }
 
     /// A step's metrics: its loss (a loss belongs to its microbatch's step), and its time,
@@ -391,6 +451,9 @@ impl Coordinator<'_> {
                 crate::ValidationMetrics::of(sum, is_language_model(plan))
             }),
             epoch: self.samples.map(|n| ((step + 1) * plan.training.batch_size) as f64 / n as f64),
+            checkpoint_wait_s: self
+                .checkpoints
+                .then(|| reports.iter().map(|(r, _)| r.checkpoint_wait_s).fold(0.0, f64::max)),
         }
     }
 

@@ -54,6 +54,8 @@ pub struct StepReport {
     pub resident: Option<crate::resident::Resident>,
     /// Gradient clipping by the global norm: the step's norm, before clipping.
     pub grad_norm: Option<f64>,
+    /// Seconds this worker waited for checkpoint writes since its previous report.
+    pub checkpoint_wait_s: f64,
 }
 
 /// The model state a device holds, in f32 values: its weights, the most gradient values it

@@ -389,6 +389,8 @@ pub enum Data {
 pub struct Checkpoint {
     pub every: usize,
     pub dir: String,
+    /// `async` (default true): training goes on while a checkpoint is written.
+    pub asynchronous: bool,
 }
 
 /// The training set-up.

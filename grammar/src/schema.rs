@@ -456,6 +456,11 @@ struct Checkpoint {
     every: u64,
     /// Directory for checkpoints, relative to the run's output directory.
     dir: Option<String>,
+    /// Write each checkpoint while training goes on (the default): the step hands a copy
+    /// of the state to the writer and continues; a step that must checkpoint while the
+    /// previous write is unfinished waits for it. `false`: the step waits for its own write.
+    #[serde(rename = "async")]
+    asynchronous: Option<bool>,
 }
 
 /// The JSON Schema of the spec (draft 2020-12).

@@ -561,7 +561,8 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
                     None => Some("checkpoints".to_string()),
                     Some(d) => cx.output_path(d, "E0503", "checkpoints"),
                 };
-                Some(Some(Checkpoint { every: every?, dir: dir? }))
+                let asynchronous = cf.get("async").map_or(Some(true), |n| cx.boolean(n));
+                Some(Some(Checkpoint { every: every?, dir: dir?, asynchronous: asynchronous? }))
             })
         }
     };

@@ -241,6 +241,27 @@ mod tests {
     }
 
     #[test]
+    fn rewriting_a_step_keeps_it_whole_and_a_dangling_latest_falls_back_to_the_newest() {
+        let (dir, at) = two_stage_checkpoint("rewrite");
+        let m = HashMap::from([(
+            ShardKey { stage: 0, tp_rank: 0 },
+            StageCheckpoint { params: vec![(0, vec![1], vec![7.0])], optimizer: vec![], tp_size: 1 },
+        )]);
+        // step 3 again (a resumed run re-training it): replaced whole, nothing left aside
+        write(&dir, 3, &test_identity(), &m).expect("rewritten");
+        assert_eq!(read(&at).expect("reads").params.len(), 1);
+        write(&dir, 2, &test_identity(), &m).expect("written");
+        let left: Vec<String> =
+            std::fs::read_dir(&dir).expect("dir").flatten().map(|e| e.file_name().to_string_lossy().into()).collect();
+        assert!(left.iter().all(|n| !n.contains(".tmp")), "{left:?}");
+        // `latest` names a step that is not there (killed between moving it aside and
+        // moving its replacement in): the newest whole one is found
+        std::fs::write(dir.join("latest"), "step-000009").expect("w");
+        assert_eq!(locate_in(&dir, None).expect("found"), at);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn stage_checkpoints_round_trip_and_truncation_is_an_error() {
         let mut m = HashMap::new();
         let k = |stage, tp_rank| ShardKey { stage, tp_rank };
@@ -474,7 +495,7 @@ pub fn write(dir: &Path, completed_steps: usize, identity: &Identity, stages: &S
     }
     let mut sums = serde_json::Map::new();
     for (file, contents) in &files {
-        std::fs::write(tmp.join(file), contents).map_err(|e| format!("cannot write {file}: {e}"))?;
+        write_synced(&tmp.join(file), contents).map_err(|e| format!("cannot write {file}: {e}"))?;
         sums.insert(file.clone(), serde_json::json!({ "sha256": sha256_hex(contents), "bytes": contents.len() }));
     }
     let mut stage_ids: Vec<u32> = order.iter().map(|(k, _)| k.stage).collect();
@@ -498,15 +519,39 @@ pub fn write(dir: &Path, completed_steps: usize, identity: &Identity, stages: &S
         "tensor_parallel": tensor_parallel,
         "files": sums,
     });
-    std::fs::write(tmp.join("state.json"), serde_json::to_string_pretty(&state).unwrap_or_default())
+    write_synced(&tmp.join("state.json"), serde_json::to_string_pretty(&state).unwrap_or_default().as_bytes())
         .map_err(|e| format!("cannot write state.json: {e}"))?;
+    sync_dir(&tmp);
+    // a checkpoint of the same step from an earlier run is moved aside, not removed first:
+    // until the new one is in place the old one stays whole under a name `locate_in` skips
     let final_dir = dir.join(&name);
-    let _ = std::fs::remove_dir_all(&final_dir);
+    let aside = dir.join(format!(".{name}.old.tmp{}", std::process::id()));
+    let replaced = final_dir.exists() && std::fs::rename(&final_dir, &aside).is_ok();
     std::fs::rename(&tmp, &final_dir).map_err(|e| format!("cannot move the checkpoint into place: {e}"))?;
     let latest_tmp = dir.join(format!(".latest.tmp{}", std::process::id()));
-    std::fs::write(&latest_tmp, &name).map_err(|e| format!("cannot write `latest`: {e}"))?;
+    write_synced(&latest_tmp, name.as_bytes()).map_err(|e| format!("cannot write `latest`: {e}"))?;
     std::fs::rename(&latest_tmp, dir.join("latest")).map_err(|e| format!("cannot write `latest`: {e}"))?;
+    sync_dir(dir);
+    if replaced {
+        let _ = std::fs::remove_dir_all(&aside);
+    }
     Ok(final_dir)
+}
+
+/// Writes a file and flushes it to the disk (a checkpoint is published only once its files
+/// would survive a machine's crash, not only a process's).
+fn write_synced(path: &Path, contents: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path)?;
+    f.write_all(contents)?;
+    f.sync_all()
+}
+
+/// Flushes a directory's entries (the renames into it) to the disk, where the platform can.
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
 }
 
 /// A loaded checkpoint.
@@ -585,9 +630,28 @@ pub fn locate_in(path: &Path, checkpoint_dir: Option<&str>) -> Result<PathBuf, S
             if dir.join("state.json").is_file() {
                 return Ok(dir);
             }
+            // `latest` names a step being replaced (a process killed between two renames):
+            // the newest whole checkpoint beside it
+            if let Some(newest) = newest_step(&base) {
+                return Ok(newest);
+            }
         }
     }
     Err(format!("no checkpoint found at `{}` (expected state.json, or a `latest` file)", path.display()))
+}
+
+/// The newest `step-N` directory in `base` that holds a `state.json`.
+fn newest_step(base: &Path) -> Option<PathBuf> {
+    std::fs::read_dir(base)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let n: usize = name.strip_prefix("step-")?.parse().ok()?;
+            e.path().join("state.json").is_file().then(|| (n, e.path()))
+        })
+        .max_by_key(|(n, _)| *n)
+        .map(|(_, p)| p)
 }
 
 /// The steps a checkpoint has completed, from its `state.json` alone.

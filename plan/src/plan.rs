@@ -268,6 +268,10 @@ pub struct TrainingPlan {
     pub data: DataPlan,
     pub checkpoint_every: Option<usize>,
     pub checkpoint_dir: Option<String>,
+    /// Each step that checkpoints waits for its own write (`checkpoint.async: false`);
+    /// otherwise only for the previous one's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub checkpoint_sync: bool,
     /// The learning-rate schedule, gradient clipping and sample order.
     #[serde(default, skip_serializing_if = "Recipe::is_default")]
     pub recipe: Recipe,

@@ -1,0 +1,125 @@
+//! Asynchronous checkpoints under `kill -9`: whenever a run dies — mid-step, while its
+//! writer is writing, between a checkpoint's renames — the last published checkpoint
+//! loads and resumes exactly.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn pipec() -> &'static str {
+    env!("CARGO_BIN_EXE_pipec")
+}
+
+/// Two pipeline stages of a 128-wide chain with Adam; `checkpoint` is the training
+/// section's checkpoint line (or nothing).
+fn spec(checkpoint: &str) -> String {
+    format!(
+        "name: kills\nmodel:\n  input: [128]\n  layers:\n    - repeat 3: linear(128, 128) -> relu\n    - linear(128, 10)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: 4\ntraining:\n  batch_size: 32\n  steps: 100000\n  optimizer: {{ kind: adam, lr: 0.001 }}\n  seed: 5\n{checkpoint}  data: {{ kind: synthetic, samples: 256 }}\n"
+    )
+}
+
+/// (step, loss) of every step line of `dir`'s metrics.
+fn steps(dir: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
+        .collect()
+}
+
+#[test]
+fn twenty_kills_at_random_moments_leave_a_checkpoint_that_resumes_exactly() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let reference_spec = dir.path().join("reference.yaml");
+    std::fs::write(&reference_spec, spec("")).expect("write");
+    let reference = dir.path().join("reference");
+    let out = Command::new(pipec())
+        .arg("run")
+        .arg(&reference_spec)
+        .args(["--steps", "1500", "-o"])
+        .arg(&reference)
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let expected = steps(&reference);
+    let spec_path = dir.path().join("kills.yaml");
+    std::fs::write(&spec_path, spec("  checkpoint: { every: 1 }\n")).expect("write");
+    let run = dir.path().join("run");
+    let checkpoints = run.join("checkpoints");
+    // a fixed sequence of moments: 30 ms to half a second after the start
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut published = Vec::new();
+    for kill in 0..20 {
+        let mut cmd = Command::new(pipec());
+        cmd.arg("run").arg(&spec_path).arg("-o").arg(&run);
+        if checkpoints.join("latest").exists() {
+            cmd.arg("--resume").arg(&run);
+        }
+        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("starts");
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        std::thread::sleep(Duration::from_millis(30 + (seed >> 33) % 470));
+        child.kill().expect("kill -9");
+        let _ = child.wait();
+        // the last published checkpoint, whole (every file against its checksum)
+        let Ok(latest) = pipec_plan::checkpoint::locate_in(&run, None) else {
+            assert!(published.is_empty(), "kill {kill}: the checkpoints published before are gone");
+            continue;
+        };
+        let loaded = pipec_plan::checkpoint::read(&latest).unwrap_or_else(|e| panic!("kill {kill}: {e}"));
+        let n = loaded.completed_steps;
+        assert!(published.last().is_none_or(|p| n >= *p), "kill {kill}: went back from step {published:?} to {n}");
+        assert!(n < expected.len(), "the reference run is too short for step {n}");
+        published.push(n);
+        // one step from it equals the uninterrupted run's step n
+        let check = dir.path().join(format!("check-{kill}"));
+        let out = Command::new(pipec())
+            .arg("run")
+            .arg(&reference_spec)
+            .arg("--resume")
+            .arg(&latest)
+            .args(["--steps", &(n + 1).to_string(), "-o"])
+            .arg(&check)
+            .output()
+            .expect("runs");
+        assert_eq!(out.status.code(), Some(0), "kill {kill}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(steps(&check), vec![expected[n]], "kill {kill}: resumed from step {n}");
+    }
+    // the kills landed at different steps, and training made progress through them
+    published.dedup();
+    assert!(published.len() >= 5, "{published:?}");
+    eprintln!("checkpoints resumed after the kills: {published:?}");
+}
+
+/// Trains `text` in this process with checkpoints into a temporary folder: the steps'
+/// metrics.
+fn train(text: &str) -> Vec<pipec_executor::StepMetrics> {
+    let s = pipec_grammar::check_source(text).spec.expect("valid");
+    let p = pipec_compiler::compile(&s, &pipec_compiler::CompileOptions::default())
+        .into_compiled()
+        .expect("compiles")
+        .plan;
+    let dir = tempfile::tempdir().expect("tmp");
+    let options =
+        pipec_executor::RunOptions { checkpoint_dir: Some(dir.path().join("checkpoints")), ..Default::default() };
+    pipec_executor::run(&p, &options, &mut |_| {}).expect("trains").steps
+}
+
+#[test]
+fn a_synchronous_checkpoint_holds_the_next_step_and_neither_kind_changes_the_numbers() {
+    let base = spec("").replace("steps: 100000", "steps: 6");
+    let none = train(&base);
+    assert!(none.iter().all(|m| m.checkpoint_wait_s.is_none()), "no checkpoints, no figure");
+    let with = |c: &str| train(&base.replace("  seed: 5\n", &format!("  seed: 5\n{c}")));
+    let sync = with("  checkpoint: { every: 2, async: false }\n");
+    let waits: Vec<f64> = sync.iter().map(|m| m.checkpoint_wait_s.expect("figure")).collect();
+    // after steps 1 and 3 (two and four completed) each worker waited for the write of
+    // its copy before it began the next step; before each copy there was nothing to wait for
+    for (k, w) in waits.iter().enumerate() {
+        assert_eq!(*w > 0.0, k == 2 || k == 4, "step {k}: {waits:?}");
+    }
+    let asynchronous = with("  checkpoint: { every: 1 }\n");
+    let loss = |v: &[pipec_executor::StepMetrics]| v.iter().map(|m| m.loss).collect::<Vec<_>>();
+    assert_eq!(loss(&sync), loss(&none));
+    assert_eq!(loss(&asynchronous), loss(&none));
+}
