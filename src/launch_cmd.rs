@@ -50,6 +50,8 @@ pub struct LaunchArgs<'a> {
     pub start_timeout: std::time::Duration,
     /// `--elastic`: re-plan and resume when an attempt fails.
     pub elastic: Option<Elastic>,
+    /// Start the ranks with Slurm's `srun` instead of `mpirun`.
+    pub slurm: bool,
 }
 
 /// `--elastic`'s bounds.
@@ -71,6 +73,7 @@ struct Attempt {
     resume: Option<PathBuf>,
     out: Option<PathBuf>,
     timeout: Option<u64>,
+    slurm: bool,
 }
 
 pub fn run(args: LaunchArgs<'_>) -> u8 {
@@ -89,6 +92,7 @@ pub fn run(args: LaunchArgs<'_>) -> u8 {
         resume: None,
         out: args.out.map(Path::to_path_buf),
         timeout: args.timeout,
+        slurm: args.slurm,
     };
     let (cmd, host_devices) = match command(&attempt) {
         Ok(c) => c,
@@ -126,6 +130,27 @@ type HostDevices = Vec<(String, String)>;
 /// The mpirun command of an attempt, and which devices each host runs (to name them when
 /// Open MPI loses a host).
 fn command(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
+    let plan = &a.plan;
+    let (mut cmd, host_devices) = if a.slurm { srun(plan)? } else { mpirun(a)? };
+    let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_else(|_| "pipec".into());
+    cmd.extend([exe, "run".into(), a.file.display().to_string(), "--transport".into(), "mpi".into()]);
+    if let Some(o) = &a.out {
+        cmd.push("-o".into());
+        cmd.push(o.display().to_string());
+    }
+    if let Some(t) = a.timeout {
+        cmd.push("--timeout".into());
+        cmd.push(t.to_string());
+    }
+    if let Some(r) = &a.resume {
+        cmd.push("--resume".into());
+        cmd.push(r.display().to_string());
+    }
+    Ok((cmd, host_devices))
+}
+
+/// Open MPI's `mpirun` for an attempt, up to the command it starts.
+fn mpirun(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
     let plan = &a.plan;
     let ranks = pipec_executor::working_devices(plan).len();
     let per_node = plan.devices.iter().filter(|d| d.node == 0).count().max(1);
@@ -166,21 +191,34 @@ fn command(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
     }
     cmd.push("-np".into());
     cmd.push(ranks.to_string());
-    let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_else(|_| "pipec".into());
-    cmd.extend([exe, "run".into(), a.file.display().to_string(), "--transport".into(), "mpi".into()]);
-    if let Some(o) = &a.out {
-        cmd.push("-o".into());
-        cmd.push(o.display().to_string());
-    }
-    if let Some(t) = a.timeout {
-        cmd.push("--timeout".into());
-        cmd.push(t.to_string());
-    }
-    if let Some(r) = &a.resume {
-        cmd.push("--resume".into());
-        cmd.push(r.display().to_string());
-    }
     Ok((cmd, host_devices))
+}
+
+/// Slurm's `srun` for a plan, up to the command it starts: one task per device with work,
+/// node by node (task i runs device i on node i / devices per node), wired to MPI through
+/// PMIx, the step ended when any task fails. Inside an allocation its node count is checked
+/// against the plan's (`SLURM_JOB_NUM_NODES`).
+fn srun(plan: &Plan) -> Result<(Vec<String>, HostDevices), u8> {
+    let ranks = pipec_executor::working_devices(plan).len();
+    let per_node = plan.devices.iter().filter(|d| d.node == 0).count().max(1);
+    let nodes = plan.devices.iter().map(|d| d.node as usize + 1).max().unwrap_or(1);
+    let allocated = std::env::var("SLURM_JOB_NUM_NODES").ok().and_then(|n| n.trim().parse::<usize>().ok());
+    if let Some(have) = allocated.filter(|have| *have < nodes) {
+        eprintln!(
+            "error: the plan's cluster has {nodes} node(s) but this Slurm allocation has {have} (SLURM_JOB_NUM_NODES): allocate {nodes} (`salloc --nodes={nodes} --ntasks-per-node={per_node}`)"
+        );
+        return Err(EXIT_DIAGNOSTICS);
+    }
+    let cmd = vec![
+        "srun".to_string(),
+        format!("--nodes={nodes}"),
+        format!("--ntasks={ranks}"),
+        format!("--ntasks-per-node={per_node}"),
+        "--distribution=block".into(),
+        "--mpi=pmix".into(),
+        "--kill-on-bad-exit=1".into(),
+    ];
+    Ok((cmd, HostDevices::new()))
 }
 
 /// `--elastic`: runs attempts until one succeeds. After a failure the devices it lost (a
@@ -517,7 +555,12 @@ fn supervise(
         match std::process::Command::new(&cmd[0]).args(&cmd[1..]).stderr(std::process::Stdio::piped()).spawn() {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("error: cannot start mpirun: {e} (install Open MPI: apt-get install openmpi-bin)");
+                let hint = if cmd[0] == "srun" {
+                    "Slurm's srun runs on a Slurm cluster"
+                } else {
+                    "install Open MPI: apt-get install openmpi-bin"
+                };
+                eprintln!("error: cannot start {}: {e} ({hint})", cmd[0]);
                 return Ended { code: EXIT_USAGE, losses: Losses::default(), stopped: false };
             }
         };

@@ -226,6 +226,10 @@ enum Command {
         /// With --elastic: restarts allowed before a failure ends the job.
         #[arg(long, default_value_t = 3, requires = "elastic")]
         max_restarts: usize,
+        /// Start the ranks with Slurm's `srun` (PMIx) instead of `mpirun`: the hosts are
+        /// the allocation's.
+        #[arg(long, conflicts_with_all = ["hostfile", "elastic"])]
+        slurm: bool,
     },
     /// Compile a spec into a verified, simulated plan: DIR/plan.json, timeline.svg,
     /// memory.svg and trace.json.
@@ -345,17 +349,27 @@ fn main() -> ExitCode {
                 color: std::io::stderr().is_terminal(),
             })
         }
-        Command::Launch { file, hostfile, out, exec, timeout, start_timeout, elastic, min_devices, max_restarts } => {
-            launch_cmd::run(launch_cmd::LaunchArgs {
-                file: &file,
-                hostfile: hostfile.as_deref(),
-                out: out.as_deref(),
-                exec,
-                timeout,
-                start_timeout: std::time::Duration::from_secs(start_timeout.max(1)),
-                elastic: elastic.then_some(launch_cmd::Elastic { min_devices, max_restarts }),
-            })
-        }
+        Command::Launch {
+            file,
+            hostfile,
+            out,
+            exec,
+            timeout,
+            start_timeout,
+            elastic,
+            min_devices,
+            max_restarts,
+            slurm,
+        } => launch_cmd::run(launch_cmd::LaunchArgs {
+            file: &file,
+            hostfile: hostfile.as_deref(),
+            out: out.as_deref(),
+            exec,
+            timeout,
+            start_timeout: std::time::Duration::from_secs(start_timeout.max(1)),
+            elastic: elastic.then_some(launch_cmd::Elastic { min_devices, max_restarts }),
+            slurm,
+        }),
         Command::Calibrate { out, backend, memory, reps } => calibrate_cmd::run(out, backend, &memory, reps),
         Command::Profile { file, out, backend, reps, concurrent } => {
             profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal())

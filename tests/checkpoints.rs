@@ -95,10 +95,8 @@ fn twenty_kills_at_random_moments_leave_a_checkpoint_that_resumes_exactly() {
 /// metrics.
 fn train(text: &str) -> Vec<pipec_executor::StepMetrics> {
     let s = pipec_grammar::check_source(text).spec.expect("valid");
-    let p = pipec_compiler::compile(&s, &pipec_compiler::CompileOptions::default())
-        .into_compiled()
-        .expect("compiles")
-        .plan;
+    let p =
+        pipec_compiler::compile(&s, &pipec_compiler::CompileOptions::default()).into_compiled().expect("compiles").plan;
     let dir = tempfile::tempdir().expect("tmp");
     let options =
         pipec_executor::RunOptions { checkpoint_dir: Some(dir.path().join("checkpoints")), ..Default::default() };

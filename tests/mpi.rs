@@ -532,3 +532,78 @@ fn an_eight_stage_pipeline_checkpointing_every_step_does_not_stall() {
         pipeline_with_checkpoints_every_step(WIDE_CHAIN, 8, 6);
     }
 }
+
+/// A stand-in for Slurm's `srun` (none is installed here): it logs its arguments, then starts
+/// the command on `--ntasks` Open MPI ranks, each with the variables `srun` gives a task
+/// (`SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS`) and without `mpirun`'s own
+/// `OMPI_COMM_WORLD_RANK`, as a PMIx-launched task has; `swap` numbers the tasks backwards,
+/// as a step whose tasks were not wired to MPI's ranks would.
+fn fake_srun(dir: &Path, swap: bool) -> PathBuf {
+    let bin = dir.join(if swap { "swapped" } else { "bin" });
+    std::fs::create_dir_all(&bin).expect("mkdir");
+    let procid = if swap { "$((OMPI_COMM_WORLD_SIZE - 1 - OMPI_COMM_WORLD_RANK))" } else { "$OMPI_COMM_WORLD_RANK" };
+    let script = format!(
+        "#!/bin/sh\necho \"$@\" > \"{log}\"\nn=1\nwhile [ $# -gt 0 ]; do case \"$1\" in --ntasks=*) n=${{1#--ntasks=}}; shift ;; --*) shift ;; *) break ;; esac; done\nexec mpirun --allow-run-as-root --oversubscribe -np \"$n\" sh -c 'export SLURM_PROCID={procid} SLURM_LOCALID=$OMPI_COMM_WORLD_LOCAL_RANK SLURM_NTASKS=$OMPI_COMM_WORLD_SIZE; unset OMPI_COMM_WORLD_RANK; exec \"$@\"' task \"$@\"\n",
+        log = bin.join("srun.log").display()
+    );
+    let path = bin.join("srun");
+    std::fs::write(&path, script).expect("write");
+    assert!(Command::new("chmod").arg("+x").arg(&path).status().expect("chmod").success());
+    bin
+}
+
+#[test]
+fn launch_slurm_starts_the_ranks_through_srun_and_a_miswired_step_is_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("\"2-1\"", 3, 4)).expect("write");
+    let path = |bin: &Path| format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    // printed without --exec
+    let printed = Command::new(pipec()).arg("launch").arg(&spec_path).arg("--slurm").output().expect("runs");
+    let line = String::from_utf8_lossy(&printed.stdout);
+    assert!(
+        line.starts_with("srun --nodes=1 --ntasks=3 --ntasks-per-node=3 --distribution=block --mpi=pmix --kill-on-bad-exit=1 "),
+        "{line}"
+    );
+    assert!(line.contains(" run ") && line.contains("--transport mpi"), "{line}");
+    // an allocation with fewer nodes than the plan's cluster
+    let short = Command::new(pipec())
+        .arg("launch")
+        .arg(&spec_path)
+        .arg("--slurm")
+        .env("SLURM_JOB_NUM_NODES", "0")
+        .output()
+        .expect("runs");
+    assert_eq!(short.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&short.stderr).contains("this Slurm allocation has 0 (SLURM_JOB_NUM_NODES)"));
+    // run through the stand-in: the same losses as the threaded run
+    let bin = fake_srun(dir.path(), false);
+    let out = dir.path().join("slurm");
+    let run = Command::new(pipec())
+        .arg("launch")
+        .arg(&spec_path)
+        .args(["--slurm", "--exec", "-o"])
+        .arg(&out)
+        .env("PATH", path(&bin))
+        .output()
+        .expect("runs");
+    assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(std::fs::read_to_string(bin.join("srun.log")).expect("log").starts_with("--nodes=1 --ntasks=3 "));
+    let threads = dir.path().join("threads");
+    let t = Command::new(pipec()).arg("run").arg(&spec_path).arg("-o").arg(&threads).output().expect("runs");
+    assert_eq!(t.status.code(), Some(0), "{}", String::from_utf8_lossy(&t.stderr));
+    assert_eq!(losses(&out), losses(&threads));
+    // tasks numbered otherwise than MPI's ranks: refused, naming both
+    let swapped = fake_srun(dir.path(), true);
+    let run = Command::new(pipec())
+        .arg("launch")
+        .arg(&spec_path)
+        .args(["--slurm", "--exec", "-o"])
+        .arg(dir.path().join("swapped-out"))
+        .env("PATH", path(&swapped))
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{stderr}");
+    assert!(stderr.contains("(SLURM_PROCID) but MPI made it rank"), "{stderr}");
+}

@@ -309,8 +309,8 @@ fn executor() {
 /// (`async`, the default) or with each checkpointing step waiting for its write.
 fn checkpoints() {
     println!("## checkpoints (CPU, flex backend): 8 x Linear(1024) + ReLU, Adam, 2 workers 1f1b, 23 steps");
-    let text = mlp_spec(2, "\"1-1\"", "1f1b", "50GFLOP/s")
-        .replace("{ kind: sgd, lr: 0.005 }", "{ kind: adam, lr: 0.001 }");
+    let text =
+        mlp_spec(2, "\"1-1\"", "1f1b", "50GFLOP/s").replace("{ kind: sgd, lr: 0.005 }", "{ kind: adam, lr: 0.001 }");
     let mut baseline = None;
     for (label, checkpoint) in [
         ("no checkpoints", ""),
@@ -341,8 +341,11 @@ fn checkpoints() {
         let _ = std::fs::remove_dir_all(&dir);
         let steps = report.steps.len() as f64;
         let base = *baseline.get_or_insert(wall);
-        let per_checkpoint =
-            if written > 0 { format!("; {:+.3} s per checkpoint", (wall - base) / written as f64) } else { String::new() };
+        let per_checkpoint = if written > 0 {
+            format!("; {:+.3} s per checkpoint", (wall - base) / written as f64)
+        } else {
+            String::new()
+        };
         println!(
             "{label}: {:.3} s/step ({:+.1}% against none), {written} checkpoints of {:.0} MB, steps waited {:.2} s for writes{per_checkpoint}",
             wall / steps,

@@ -85,6 +85,7 @@ fn run_rank(
     if size as usize != devices.len() {
         return Err((None, RunError::setup(format!("rank {rank}: the plan has {} devices with work but mpirun started {size} processes; run `mpirun -np {}` (see `pipec launch`)", devices.len(), devices.len()))));
     }
+    slurm_agrees(rank, size).map_err(|e| (None, RunError::setup(e)))?;
     let device = devices[rank as usize];
     let info = RankInfo { rank, size, device };
     // every rank is up once all reach this barrier; `pipec launch --exec` waits for this
@@ -350,6 +351,23 @@ fn abort_world(world: &SimpleCommunicator, code: i32) -> ! {
         std::process::exit(code)
     });
     world.abort(code)
+}
+
+/// Under Slurm's `srun` (a task of a job step, not a process `mpirun` started), Slurm's
+/// task number and count must be MPI's rank and size: otherwise the ranks were not wired
+/// to Slurm's tasks (`srun` without `--mpi=pmix`, each task a world of its own).
+fn slurm_agrees(rank: i32, size: i32) -> Result<(), String> {
+    if std::env::var_os("OMPI_COMM_WORLD_RANK").is_some() {
+        return Ok(());
+    }
+    let var = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse::<i64>().ok());
+    if let Some(task) = var("SLURM_PROCID").filter(|t| *t != i64::from(rank)) {
+        return Err(format!("Slurm started this process as task {task} (SLURM_PROCID) but MPI made it rank {rank} of {size}: start the ranks with `srun --mpi=pmix` (see `pipec launch --slurm`)"));
+    }
+    if let Some(tasks) = var("SLURM_NTASKS").filter(|t| *t != i64::from(size)) {
+        return Err(format!("Slurm's job step has {tasks} tasks (SLURM_NTASKS) but MPI's world has {size} ranks: start the ranks with `srun --mpi=pmix` (see `pipec launch --slurm`)"));
+    }
+    Ok(())
 }
 
 /// Whether this process was started by an MPI launcher (Open MPI's `mpirun`, or a PMI/PMIx
