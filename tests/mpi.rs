@@ -562,7 +562,9 @@ fn launch_slurm_starts_the_ranks_through_srun_and_a_miswired_step_is_refused() {
     let printed = Command::new(pipec()).arg("launch").arg(&spec_path).arg("--slurm").output().expect("runs");
     let line = String::from_utf8_lossy(&printed.stdout);
     assert!(
-        line.starts_with("srun --nodes=1 --ntasks=3 --ntasks-per-node=3 --distribution=block --mpi=pmix --kill-on-bad-exit=1 "),
+        line.starts_with(
+            "srun --nodes=1 --ntasks=3 --ntasks-per-node=3 --distribution=block --mpi=pmix --kill-on-bad-exit=1 "
+        ),
         "{line}"
     );
     assert!(line.contains(" run ") && line.contains("--transport mpi"), "{line}");
