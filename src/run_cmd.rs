@@ -26,6 +26,9 @@ pub enum Transport {
     Threads,
     /// One process per device, started by mpirun (cargo feature `mpi`).
     Mpi,
+    /// One process per device, each started with torchrun's variables (`RANK`,
+    /// `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), over pipec's own TCP connections.
+    Tcp,
 }
 
 /// `pipec run`'s options.
@@ -129,6 +132,9 @@ pub fn run(args: RunArgs) -> u8 {
     }
     if args.transport == Transport::Mpi {
         return run_mpi(&plan, &args, resume, &dir, first_step);
+    }
+    if args.transport == Transport::Tcp {
+        return run_as_rank(&plan, &args, resume, &dir, first_step, pipec_executor::tcp::run);
     }
     let steps = args.steps.unwrap_or(plan.training.steps);
     let options = RunOptions { stop: Some(stop_on_signals()), resume, ..run_options(&plan, &args, &dir) };
@@ -263,11 +269,14 @@ fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
     }
 }
 
-#[cfg(feature = "mpi")]
-fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, first_step: usize) -> u8 {
+/// The job of the current process when each device is a process (`--transport mpi` or
+/// `tcp`): runs this rank's device with `run`; rank 0 appends each step's metrics and
+/// writes the trace. A failure after the ranks met has already ended the job (`run` aborts
+/// it); one before is reported here.
+fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, first_step: usize, run: RankRun) -> u8 {
     let steps = args.steps.unwrap_or(plan.training.steps);
-    // no stop flag: ranks would have to agree on the step; under MPI a signal ends the job
-    // (mpirun forwards it), and the metrics of the completed steps are already on disk
+    // no stop flag: ranks would have to agree on the step; a signal ends the job (mpirun
+    // forwards it), and the metrics of the completed steps are already on disk
     let options = RunOptions { resume, ..run_options(plan, args, dir) };
     // rank 0 alone gets each step's metrics, and appends them as they come
     let mut metrics = MetricsLog::new(dir, first_step, plan);
@@ -275,13 +284,15 @@ fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, firs
         metrics.append(m);
         print_step(m, steps);
     };
-    match pipec_executor::mpi_run::run(plan, &options, &mut on_step) {
+    let transport = if args.transport == Transport::Tcp { "tcp" } else { "mpi" };
+    match run(plan, &options, &mut on_step) {
         Ok((_, Some(report))) => {
             print_memory(plan, &report);
             for c in &report.checkpoints {
                 eprintln!("checkpoint {}", c.display());
             }
-            let trace = measured_trace(plan, &report, "pipec run --transport mpi (measured, every step)");
+            let trace =
+                measured_trace(plan, &report, &format!("pipec run --transport {transport} (measured, every step)"));
             if let Err(e) = write_atomic(&dir.join("trace.json"), trace.as_bytes()) {
                 eprintln!("error: {e}");
                 return EXIT_USAGE;
@@ -291,16 +302,30 @@ fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, firs
         }
         Ok((_, None)) => EXIT_OK,
         Err((info, e)) => {
-            pipec_executor::mpi_run::report_failure(info, &e);
-            // Ends every rank of the job: none may wait for this one forever.
-            pipec_executor::mpi_run::abort(1)
+            pipec_executor::process_run::report_failure(info, &e);
+            EXIT_DIAGNOSTICS
         }
     }
 }
 
+/// How a rank runs its device: `pipec_executor::mpi_run::run` or `tcp::run`.
+type RankRun = fn(
+    &Plan,
+    &RunOptions,
+    &mut dyn FnMut(&StepMetrics),
+) -> Result<
+    (pipec_executor::process_run::RankInfo, Option<pipec_executor::RunReport>),
+    (Option<pipec_executor::process_run::RankInfo>, pipec_executor::RunError),
+>;
+
+#[cfg(feature = "mpi")]
+fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, first_step: usize) -> u8 {
+    run_as_rank(plan, args, resume, dir, first_step, pipec_executor::mpi_run::run)
+}
+
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_plan: &Plan, _args: &RunArgs, _resume: Option<Resume>, _dir: &Path, _first_step: usize) -> u8 {
-    eprintln!("error: this pipec was built without MPI support: rebuild with `cargo build --release --features mpi` (needs Open MPI and clang)");
+    eprintln!("error: this pipec was built without MPI support: rebuild with `cargo build --release --features mpi` (needs Open MPI and clang), or use `--transport tcp` with torchrun's variables");
     EXIT_USAGE
 }
 

@@ -447,7 +447,8 @@ fn kernels() {
 #[cfg(feature = "mpi")]
 fn mpi_pingpong() {
     use mpi::traits::*;
-    use pipec_executor::mpi_transport::{start_sender, MpiEndpoint};
+    use pipec_executor::fabric::ProcessEndpoint;
+    use pipec_executor::mpi_transport::MpiFabric;
     use pipec_executor::transport::{Endpoint, Message};
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;
@@ -467,8 +468,7 @@ fn mpi_pingpong() {
     let me = devices[rank as usize];
     let other = devices[1 - rank as usize];
     let abort = Arc::new(AtomicBool::new(false));
-    let (outgoing, _sender) = start_sender(abort.clone());
-    let mut ep = MpiEndpoint::new(me, &devices, outgoing, abort, Duration::from_secs(60));
+    let mut ep = ProcessEndpoint::new(me, &devices, Arc::new(MpiFabric::start(&world)), abort, Duration::from_secs(60));
     let mut size = 64 * 1024;
     while size <= 64 * 1024 * 1024 {
         let iters = (256 * 1024 * 1024 / size).clamp(4, 200);

@@ -36,9 +36,10 @@ pub fn for_local_rank(local_rank: usize, gpus: usize, share: bool) -> Result<usi
     Ok(local_rank % gpus)
 }
 
-/// This process's rank among the ranks on its host, as the MPI launcher says.
+/// This process's rank among the ranks on its host, as its launcher says (Open MPI, PMIx,
+/// Slurm, or torchrun's `LOCAL_RANK`).
 pub fn local_rank_from_env() -> Option<usize> {
-    ["OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"]
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"]
         .iter()
         .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
 }

@@ -1,6 +1,7 @@
 //! pipec's executor: trains a compiled plan for real on Burn by interpreting every device's
-//! instruction stream, one worker thread per device (or one MPI rank per device, through the
-//! same [`transport::Endpoint`] trait). The only crate of pipec that links Burn.
+//! instruction stream, one worker thread per device (or one process per device over MPI or
+//! TCP, through the same [`transport::Endpoint`] trait). The only crate of pipec that links
+//! Burn.
 
 pub use pipec_plan::checkpoint;
 pub mod calibrate;
@@ -12,6 +13,7 @@ mod compute;
 pub mod data;
 pub mod dense;
 pub mod error;
+pub mod fabric;
 mod flex_gemm;
 mod flex_weights;
 pub mod gpus;
@@ -25,6 +27,7 @@ mod mpi_send;
 #[cfg(feature = "mpi")]
 pub mod mpi_transport;
 mod params;
+pub mod process_run;
 pub mod profile;
 mod reshard;
 pub use reshard::whole_weights;
@@ -32,6 +35,7 @@ pub mod resident;
 pub mod rng;
 mod run;
 mod stage;
+pub mod tcp;
 pub mod tensor_parallel;
 pub mod transport;
 mod values;

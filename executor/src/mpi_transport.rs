@@ -1,108 +1,24 @@
-//! The MPI back end: one process per device, started by `mpirun`, talking over Open MPI
-//! through the `mpi` crate (rsmpi). It implements the same [`Endpoint`] as the in-process
-//! channels, so the interpreter is unchanged.
+//! The MPI fabric: one process per device, started by `mpirun` (or a PMIx launcher such as
+//! Slurm's `srun`), talking over Open MPI through the `mpi` crate (rsmpi).
 //!
-//! - Rank `i` runs the `i`-th device (by id) of the plan that has a stream. Device ids are
-//!   node-major, so with a hostfile whose hosts have `devices_per_node` slots each, the
-//!   ranks of one host are the devices of one node.
-//! - Point-to-point: one MPI message per tensor (a small header and the f32 values),
-//!   all on one tag per class, so MPI's non-overtaking rule gives in-order links. Sends go
-//!   through a sender thread that starts each one nonblocking (`mpi_send`), so they are
-//!   asynchronous for the interpreter and for each other, as the plan assumes; receives
-//!   poll (`MPI_Iprobe`) so they can time out and notice an abort.
-//! - All-reduce: the same ring (or parameter-server) algorithm as in-process, over MPI
-//!   point-to-point on its own tag: the same arithmetic in the same order, so an MPI run
-//!   gives bit-identical losses.
-//! - Tensors on a GPU are copied to host memory before sending (the executor's messages
-//!   are host `f32` vectors); a CUDA-aware MPI or NCCL would send device buffers directly.
+//! - A message is one MPI message of header bytes and, for a tensor, a second of its f32
+//!   values, on the message's tag: MPI's non-overtaking rule keeps each (rank, tag) link in
+//!   order and the values right behind their header. Sends go through a sender thread that
+//!   starts each one nonblocking (`mpi_send`), so posting never waits for the receiver;
+//!   receives poll (`MPI_Iprobe`) so they can time out and notice an abort.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
-use pipec_plan::{DeviceId, Payload, StageId};
+use pipec_plan::DeviceId;
 
+use crate::fabric::Fabric;
 pub use crate::mpi_send::{start_sender, Outgoing};
-use crate::transport::{Endpoint, Message, SendHalf, Tag, TransportError};
-
-pub const TAG_P2P: i32 = 10;
-pub const TAG_COLL: i32 = 11;
-pub const TAG_METRIC: i32 = 12;
-pub const TAG_TRACE: i32 = 13;
-pub const TAG_CKPT: i32 = 14;
-
-/// The header code of collective traffic (point-to-point messages carry their payload's
-/// code, `Payload::code`).
-const COLLECTIVE_CODE: u8 = 2;
-
-/// A header or a whole message as it travels: its tag (None for collective traffic),
-/// shape and values.
-#[derive(Debug, Clone, PartialEq)]
-struct Wire {
-    tag: Option<Tag>,
-    shape: Vec<usize>,
-    data: Vec<f32>,
-}
-
-fn header(tag: Option<Tag>, shape: &[usize]) -> Vec<u8> {
-    encode(tag, shape, &[])
-}
-
-fn encode(tag: Option<Tag>, shape: &[usize], data: &[f32]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(16 + 8 * shape.len() + 4 * data.len());
-    b.push(tag.map_or(COLLECTIVE_CODE, |t| t.payload.code()));
-    b.extend_from_slice(&tag.map_or(0, |t| t.stage.0).to_le_bytes());
-    b.extend_from_slice(&tag.map_or(0, |t| t.index).to_le_bytes());
-    b.extend_from_slice(&(shape.len() as u32).to_le_bytes());
-    for d in shape {
-        b.extend_from_slice(&(*d as u64).to_le_bytes());
-    }
-    for v in data {
-        b.extend_from_slice(&v.to_le_bytes());
-    }
-    b
-}
-
-fn decode(b: &[u8]) -> Result<Wire, TransportError> {
-    let bad = || TransportError::Other("malformed MPI message".into());
-    let u32_at = |i: usize| b.get(i..i + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]])).ok_or_else(bad);
-    let code = *b.first().ok_or_else(bad)?;
-    let payload = match code {
-        COLLECTIVE_CODE => None,
-        c => Some(Payload::from_code(c).ok_or_else(bad)?),
-    };
-    let stage = u32_at(1)?;
-    let mb = u32_at(5)?;
-    let ndim = u32_at(9)? as usize;
-    let mut off = 13;
-    let mut shape = Vec::with_capacity(ndim);
-    for _ in 0..ndim {
-        let s = b.get(off..off + 8).ok_or_else(bad)?;
-        shape.push(u64::from_le_bytes(s.try_into().map_err(|_| bad())?) as usize);
-        off += 8;
-    }
-    let data = b[off..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    Ok(Wire { tag: payload.map(|payload| Tag { payload, stage: StageId(stage), index: mb }), shape, data })
-}
-
-/// Receives a header and its tensor values (see [`Outgoing`]).
-fn receive_tensor(
-    rank: i32,
-    tag: i32,
-    abort: &AtomicBool,
-    timeout: Duration,
-    from: DeviceId,
-) -> Result<Wire, TransportError> {
-    let mut m = decode(&receive_bytes(rank, tag, abort, timeout, from)?)?;
-    let world = SimpleCommunicator::world();
-    let (values, _) = world.process_at_rank(rank).receive_vec_with_tag::<f32>(tag);
-    m.data = values;
-    Ok(m)
-}
+use crate::transport::TransportError;
 
 /// Receives the next message with `tag` from `rank`, polling so that an abort or a
 /// timeout ends the wait.
@@ -137,118 +53,73 @@ pub fn receive_bytes(
     }
 }
 
-/// A device's connection to the others over MPI.
-pub struct MpiEndpoint {
-    device: DeviceId,
-    rank_of: HashMap<DeviceId, i32>,
-    outgoing: Sender<Outgoing>,
-    abort: Arc<AtomicBool>,
-    timeout: Duration,
+/// This process's place in the MPI world (initialised with `MPI_THREAD_MULTIPLE`) and its
+/// sender thread.
+pub struct MpiFabric {
+    rank: i32,
+    size: i32,
+    outgoing: Mutex<Option<Sender<Outgoing>>>,
+    sender: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
-impl std::fmt::Debug for MpiEndpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "MpiEndpoint({})", self.device)
+impl MpiFabric {
+    /// Starts the sender thread on the world `MPI_Init` made.
+    pub fn start(world: &SimpleCommunicator) -> Self {
+        let (outgoing, sender) = start_sender(Arc::new(AtomicBool::new(false)));
+        MpiFabric {
+            rank: world.rank(),
+            size: world.size(),
+            outgoing: Mutex::new(Some(outgoing)),
+            sender: Mutex::new(Some(sender)),
+        }
     }
 }
 
-impl MpiEndpoint {
-    pub fn new(
-        device: DeviceId,
-        devices: &[DeviceId],
-        outgoing: Sender<Outgoing>,
-        abort: Arc<AtomicBool>,
+impl Fabric for MpiFabric {
+    fn rank(&self) -> i32 {
+        self.rank
+    }
+    fn size(&self) -> i32 {
+        self.size
+    }
+    fn post(&self, dest: i32, tag: i32, bytes: Vec<u8>, values: Option<Vec<f32>>) -> Result<(), TransportError> {
+        let gone = || TransportError::Other("the MPI sender has stopped".into());
+        let queue = self.outgoing.lock().map_err(|_| gone())?;
+        queue.as_ref().ok_or_else(gone)?.send((dest, tag, bytes, values)).map_err(|_| gone())
+    }
+    fn receive(
+        &self,
+        rank: i32,
+        tag: i32,
+        values: bool,
+        abort: &AtomicBool,
         timeout: Duration,
-    ) -> Self {
-        MpiEndpoint {
-            device,
-            rank_of: devices.iter().enumerate().map(|(r, d)| (*d, r as i32)).collect(),
-            outgoing,
-            abort,
-            timeout,
-        }
-    }
-
-    fn rank(&self, d: DeviceId) -> Result<i32, TransportError> {
-        self.rank_of.get(&d).copied().ok_or(TransportError::Disconnected(d))
-    }
-}
-
-/// A rank's point-to-point sends, for the computing thread: the sender thread's queue.
-struct MpiSender {
-    rank_of: HashMap<DeviceId, i32>,
-    outgoing: Sender<Outgoing>,
-}
-
-impl SendHalf for MpiSender {
-    fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
-        let r = self.rank_of.get(&to).copied().ok_or(TransportError::Disconnected(to))?;
-        self.outgoing
-            .send((r, TAG_P2P, header(Some(msg.tag), &msg.shape), Some(msg.data)))
-            .map_err(|_| TransportError::Disconnected(to))
-    }
-}
-
-impl Endpoint for MpiEndpoint {
-    fn device(&self) -> DeviceId {
-        self.device
-    }
-    fn send_half(&self) -> Box<dyn SendHalf> {
-        Box::new(MpiSender { rank_of: self.rank_of.clone(), outgoing: self.outgoing.clone() })
-    }
-    /// Both halves talk to the same MPI world (initialised with `MPI_THREAD_MULTIPLE`);
-    /// messages and collectives travel on different tags.
-    fn split(self) -> (Self, Self) {
-        let other = MpiEndpoint {
-            device: self.device,
-            rank_of: self.rank_of.clone(),
-            outgoing: self.outgoing.clone(),
-            abort: self.abort.clone(),
-            timeout: self.timeout,
+        from: DeviceId,
+    ) -> Result<(Vec<u8>, Vec<f32>), TransportError> {
+        let bytes = receive_bytes(rank, tag, abort, timeout, from)?;
+        let data = if values {
+            SimpleCommunicator::world().process_at_rank(rank).receive_vec_with_tag::<f32>(tag).0
+        } else {
+            Vec::new()
         };
-        (self, other)
+        Ok((bytes, data))
     }
-    fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
-        let r = self.rank(to)?;
-        self.outgoing
-            .send((r, TAG_P2P, header(Some(msg.tag), &msg.shape), Some(msg.data)))
-            .map_err(|_| TransportError::Disconnected(to))
+    fn barrier(&self) -> Result<(), TransportError> {
+        SimpleCommunicator::world().barrier();
+        Ok(())
     }
-    fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
-        let r = self.rank(from)?;
-        let m = receive_tensor(r, TAG_P2P, &self.abort, self.timeout, from)?;
-        let got =
-            m.tag.ok_or_else(|| TransportError::Other("a collective message on the point-to-point tag".into()))?;
-        if got != tag {
-            return Err(TransportError::Mismatch { from, expected: tag, got });
+    /// Closes the sender's queue and waits until it has sent everything (before MPI is
+    /// finalised).
+    fn flush(&self) {
+        if let Ok(mut q) = self.outgoing.lock() {
+            q.take();
         }
-        Ok(Message { tag: got, shape: m.shape, data: m.data })
+        let handle = self.sender.lock().ok().and_then(|mut h| h.take());
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
     }
-    fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError> {
-        let r = self.rank(to)?;
-        self.outgoing
-            .send((r, TAG_COLL, header(None, &[data.len()]), Some(data)))
-            .map_err(|_| TransportError::Disconnected(to))
-    }
-    fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError> {
-        let r = self.rank(from)?;
-        Ok(receive_tensor(r, TAG_COLL, &self.abort, self.timeout, from)?.data)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use pipec_plan::MicrobatchId;
-
-    #[test]
-    fn messages_round_trip() {
-        let tag = Tag::gradient(StageId(7), MicrobatchId(3));
-        let b = encode(Some(tag), &[2, 3], &[1.0, -2.5, 3.0, 0.0, 5.5, 6.25]);
-        let m = decode(&b).expect("decodes");
-        assert_eq!(m.tag, Some(tag));
-        assert_eq!(m.shape, vec![2, 3]);
-        assert_eq!(m.data, vec![1.0, -2.5, 3.0, 0.0, 5.5, 6.25]);
-        assert!(decode(&b[..5]).is_err());
+    fn abort(&self, code: i32) -> ! {
+        crate::mpi_run::abort(code)
     }
 }

@@ -1,0 +1,165 @@
+//! `pipec run --transport tcp`: processes started by hand with torchrun's variables
+//! (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), as a container scheduler or a
+//! Kubernetes training operator starts them; no MPI.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn pipec() -> &'static str {
+    env!("CARGO_BIN_EXE_pipec")
+}
+
+/// A 3-device `2-1` pipeline of a small chain, `steps` steps.
+fn spec(dir: &Path, steps: usize, extra: &str) -> PathBuf {
+    let text = format!(
+        "name: tcp\nmodel:\n  input: [16]\n  layers:\n    - linear(16, 32) -> relu\n    - repeat 2: linear(32, 32) -> relu\n    - linear(32, 4)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 3\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: \"2-1\"\n  schedule: 1f1b\n  microbatches: 4\ntraining:\n  batch_size: 32\n  steps: {steps}\n  optimizer: {{ kind: adam, lr: 0.005 }}\n  seed: 3\n{extra}  data: {{ kind: synthetic, samples: 96 }}\n"
+    );
+    let path = dir.join(format!("tcp-{steps}.yaml"));
+    std::fs::write(&path, text).expect("spec");
+    path
+}
+
+/// A port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0)).expect("bind").local_addr().expect("addr").port()
+}
+
+/// Starts rank `rank` of `size` with `args` after `pipec run SPEC --transport tcp`.
+fn rank(spec: &Path, rank: usize, size: usize, port: u16, args: &[&str]) -> Child {
+    Command::new(pipec())
+        .arg("run")
+        .arg(spec)
+        .args(["--transport", "tcp"])
+        .args(args)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", size.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts")
+}
+
+/// Waits for every process (reading their output as it comes), at most `limit`: their
+/// outputs, in order.
+fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
+    let waiters: Vec<_> =
+        children.into_iter().map(|c| std::thread::spawn(move || c.wait_with_output().expect("output"))).collect();
+    let start = Instant::now();
+    while !waiters.iter().all(|w| w.is_finished()) {
+        if start.elapsed() > limit {
+            for pid in &pids {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+            panic!("the ranks had not ended after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    waiters.into_iter().map(|w| w.join().expect("joined")).collect()
+}
+
+fn losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
+        .collect()
+}
+
+#[test]
+fn ranks_started_with_torchruns_variables_train_like_threads_and_resume_exactly() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = spec(dir.path(), 6, "  checkpoint: { every: 3 }\n");
+    let threads = dir.path().join("threads");
+    let t = Command::new(pipec()).arg("run").arg(&spec).arg("-o").arg(&threads).output().expect("runs");
+    assert_eq!(t.status.code(), Some(0), "{}", String::from_utf8_lossy(&t.stderr));
+    // started in reverse order: the rendezvous waits for rank 0
+    let out = dir.path().join("tcp");
+    let o = out.to_str().expect("p");
+    let port = free_port();
+    let ranks: Vec<Child> = (0..3).rev().map(|r| rank(&spec, r, 3, port, &["-o", o])).collect();
+    for (k, run) in wait_all(ranks, Duration::from_secs(120)).iter().enumerate() {
+        assert_eq!(run.status.code(), Some(0), "rank {}: {}", 2 - k, String::from_utf8_lossy(&run.stderr));
+    }
+    assert_eq!(losses(&out), losses(&threads), "bit for bit the threaded run's losses");
+    assert!(out.join("checkpoints/step-000003/state.json").is_file());
+    // resumed over TCP from step 3: the last three steps again, exactly
+    let resumed = dir.path().join("resumed");
+    let (r, c) = (resumed.to_str().expect("p"), out.join("checkpoints/step-000003"));
+    let port = free_port();
+    let ranks: Vec<Child> =
+        (0..3).map(|k| rank(&spec, k, 3, port, &["-o", r, "--resume", c.to_str().expect("p")])).collect();
+    for run in wait_all(ranks, Duration::from_secs(120)) {
+        assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+    }
+    assert_eq!(losses(&resumed), losses(&threads)[3..].to_vec());
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_at_once_naming_it() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = spec(dir.path(), 1_000_000, "");
+    let out = dir.path().join("long");
+    let o = out.to_str().expect("p");
+    let port = free_port();
+    // a receive timeout far longer than the test: the others must notice the closed
+    // connection, not wait for the timeout
+    let mut ranks: Vec<Child> = (0..3).map(|r| rank(&spec, r, 3, port, &["-o", o, "--timeout", "600"])).collect();
+    let start = Instant::now();
+    while losses(&out).len() < 3 {
+        assert!(start.elapsed() < Duration::from_secs(60), "no steps after 60 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut victim = ranks.pop().expect("rank 2");
+    victim.kill().expect("kill -9");
+    let killed = Instant::now();
+    let _ = victim.wait();
+    let outputs = wait_all(ranks, Duration::from_secs(60));
+    let took = killed.elapsed();
+    for run in &outputs {
+        assert_eq!(run.status.code(), Some(1));
+    }
+    let stderr: String = outputs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect();
+    assert!(stderr.contains("rank 2 closed its connection"), "{stderr}");
+    assert!(took < Duration::from_secs(30), "the job took {took:?} to end (receive timeout 600 s)");
+}
+
+#[test]
+fn bad_variables_and_a_missing_rank_are_errors_that_say_what_to_set() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = spec(dir.path(), 2, "");
+    let run = |vars: &[(&str, &str)]| {
+        let mut c = Command::new(pipec());
+        c.arg("run").arg(&spec).args(["--transport", "tcp", "-o"]).arg(dir.path().join("x"));
+        for v in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+            c.env_remove(v);
+        }
+        c.envs(vars.iter().copied()).output().expect("runs")
+    };
+    let err = |o: &Output| {
+        assert_eq!(o.status.code(), Some(1));
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    assert!(err(&run(&[("RANK", "0")])).contains("WORLD_SIZE is not set"));
+    assert!(err(&run(&[("RANK", "0"), ("WORLD_SIZE", "2")])).contains("WORLD_SIZE is 2 but the plan has 3 devices"));
+    // rank 1 alone: rank 0 never comes, and the rendezvous gives up at the start-up bound
+    let port = free_port().to_string();
+    let mut c = Command::new(pipec());
+    c.arg("run").arg(&spec).args(["--transport", "tcp", "--timeout", "2", "-o"]).arg(dir.path().join("y"));
+    let o = c
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "3")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", &port)
+        .output()
+        .expect("runs");
+    let e = err(&o);
+    assert!(
+        e.contains(&format!("cannot reach rank 0 at 127.0.0.1:{port} (MASTER_ADDR, MASTER_PORT) within 2 s")),
+        "{e}"
+    );
+    assert!(!dir.path().join("y").exists(), "nothing is written before the first step");
+}
