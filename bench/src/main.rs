@@ -514,6 +514,54 @@ fn mpi_pingpong() {
     world.barrier();
 }
 
+/// Point-to-point latency and bandwidth of pipec's TCP fabric between two processes started
+/// with torchrun's variables (`RANK=0|1 WORLD_SIZE=2 pipec-bench tcp-pingpong`): tensors
+/// through the executor's endpoint, as `mpi-pingpong` measures MPI's.
+fn tcp_pingpong() {
+    use pipec_executor::fabric::ProcessEndpoint;
+    use pipec_executor::tcp::{Rendezvous, TcpFabric};
+    use pipec_executor::transport::{Endpoint, Message};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    let rv = Rendezvous::from_env().expect("RANK, WORLD_SIZE (2), MASTER_ADDR, MASTER_PORT");
+    assert_eq!(rv.size, 2, "start two processes");
+    let rank = rv.rank as usize;
+    let fabric = Arc::new(TcpFabric::connect(&rv, Duration::from_secs(60)).expect("rendezvous"));
+    let end = fabric.clone();
+    let devices = [pipec_plan::DeviceId(0), pipec_plan::DeviceId(1)];
+    let (me, other) = (devices[rank], devices[1 - rank]);
+    let abort = Arc::new(AtomicBool::new(false));
+    let mut ep = ProcessEndpoint::new(me, &devices, fabric, abort, Duration::from_secs(60));
+    if rank == 0 {
+        println!("## pipec's TCP fabric, 2 processes on this machine (one-way time = round trip / 2)");
+        println!("| size | latency | bandwidth |");
+        println!("|---|---|---|");
+    }
+    let mut size = 64 * 1024;
+    while size <= 64 * 1024 * 1024 {
+        let iters = (256 * 1024 * 1024 / size).clamp(4, 200);
+        let floats = vec![1f32; size / 4];
+        let t = Instant::now();
+        for i in 0..iters {
+            let tag = pipec_plan::MessageId::activation(pipec_plan::StageId(0), pipec_plan::MicrobatchId(i as u32));
+            if rank == 0 {
+                ep.send(other, Message { tag, shape: vec![floats.len()], data: floats.clone() }).expect("send");
+                let _ = ep.recv(other, tag).expect("recv");
+            } else {
+                let m = ep.recv(other, tag).expect("recv");
+                ep.send(other, m).expect("send");
+            }
+        }
+        let one_way = t.elapsed().as_secs_f64() / iters as f64 / 2.0;
+        if rank == 0 {
+            println!("| {} KiB | {:.1} µs | {:.2} GB/s |", size / 1024, one_way * 1e6, size as f64 / one_way / 1e9);
+        }
+        size *= 4;
+    }
+    // the last reply leaves before either process ends
+    pipec_executor::fabric::Fabric::barrier(&*end).expect("barrier");
+}
+
 /// One row of Table 1 of "Efficient Large-Scale Language Model Training on GPU Clusters
 /// Using Megatron-LM" (Narayanan et al., 2021): the spec's name, hidden size, layers, the
 /// paper's tensor- and pipeline-parallel degrees, GPUs, batch and measured teraFLOP/s per GPU.
@@ -702,6 +750,10 @@ fn fidelity() {
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("tcp-pingpong") {
+        tcp_pingpong();
+        return;
+    }
     #[cfg(feature = "mpi")]
     if std::env::args().nth(1).as_deref() == Some("mpi-pingpong") {
         mpi_pingpong();

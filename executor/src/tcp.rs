@@ -150,18 +150,17 @@ fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
+// Values travel little-endian; on a little-endian machine that is their memory, written
+// and read in place.
+#[cfg(not(target_endian = "little"))]
+compile_error!("the TCP fabric sends f32 values as their in-memory bytes, which assumes little-endian");
+
 fn write_frame(w: &mut impl Write, tag: i32, bytes: &[u8], values: Option<&[f32]>) -> std::io::Result<()> {
     w.write_all(&tag.to_le_bytes())?;
     w.write_all(&(bytes.len() as u64).to_le_bytes())?;
     w.write_all(&(values.map_or(0, <[f32]>::len) as u64).to_le_bytes())?;
     w.write_all(bytes)?;
-    let mut chunk = Vec::with_capacity(4 * 16_384);
-    for part in values.unwrap_or_default().chunks(16_384) {
-        chunk.clear();
-        chunk.extend(part.iter().flat_map(|v| v.to_le_bytes()));
-        w.write_all(&chunk)?;
-    }
-    Ok(())
+    w.write_all(bytemuck::cast_slice(values.unwrap_or_default()))
 }
 
 fn read_frame(r: &mut impl Read) -> std::io::Result<(i32, Vec<u8>, Vec<f32>)> {
@@ -174,9 +173,8 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<(i32, Vec<u8>, Vec<f32>)> {
     }
     let mut bytes = vec![0u8; nbytes as usize];
     r.read_exact(&mut bytes)?;
-    let mut raw = vec![0u8; 4 * nvalues as usize];
-    r.read_exact(&mut raw)?;
-    let values = raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let mut values = vec![0f32; nvalues as usize];
+    r.read_exact(bytemuck::cast_slice_mut(&mut values))?;
     Ok((tag, bytes, values))
 }
 
