@@ -242,6 +242,16 @@ fn a_host_unreachable_at_start_up_stops_the_launch_naming_it() {
     eprintln!("the launch ended {:.1} s after it began (start-up bound 8 s)", start.elapsed().as_secs_f64());
 }
 
+/// (step, loss) of every step line in `dir`'s metrics.
+fn steps_of(dir: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
+        .collect()
+}
+
 /// `--elastic` across the two hosts: host b is cut off mid-run, the launcher finds it no
 /// longer answers, plans again for host a alone (the spec's `straight` still applies) and
 /// resumes from the newest checkpoint; the steps from it equal a fresh resume of it on
@@ -270,14 +280,7 @@ fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_retu
         .stderr(std::fs::File::create(&log).expect("log"))
         .spawn()
         .expect("starts");
-    let step_lines = || {
-        std::fs::read_to_string(out.join("metrics.jsonl"))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
-            .collect::<Vec<_>>()
-    };
+    let step_lines = || steps_of(&out);
     let start = Instant::now();
     while step_lines().len() < 7 {
         if start.elapsed() > Duration::from_secs(60) || child.try_wait().expect("wait").is_some() {
@@ -331,23 +334,22 @@ fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_retu
     // a fresh resume of the same checkpoint on the re-planned (one-device) plan
     let resumed = e["resume_step"].as_u64().expect("resume step") as usize;
     assert!(resumed >= 5, "{e}");
-    let fresh = dir.path().join("fresh");
-    let run = Command::new(pipec())
-        .arg("run")
-        .arg(out.join("elastic/plan-1.json"))
-        .arg("--resume")
-        .arg(out.join(format!("checkpoints/step-{resumed:06}")))
-        .arg("-o")
-        .arg(&fresh)
-        .output()
-        .expect("runs");
-    assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
-    let again: Vec<(u64, f64)> = std::fs::read_to_string(fresh.join("metrics.jsonl"))
-        .expect("metrics")
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
-        .collect();
+    // (step, loss) of a fresh `pipec run FILE --resume` of the checkpoint after `step` steps
+    let resume_afresh = |file: &Path, step: usize, name: &str| {
+        let fresh = dir.path().join(name);
+        let run = Command::new(pipec())
+            .arg("run")
+            .arg(file)
+            .arg("--resume")
+            .arg(out.join(format!("checkpoints/step-{step:06}")))
+            .arg("-o")
+            .arg(&fresh)
+            .output()
+            .expect("runs");
+        assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+        steps_of(&fresh)
+    };
+    let again = resume_afresh(&out.join("elastic/plan-1.json"), resumed, "fresh");
     let grown = &events[1];
     assert_eq!(grown["reason"], "returned", "{grown}");
     assert_eq!((grown["old_devices"].as_u64(), grown["new_devices"].as_u64()), (Some(1), Some(2)), "{grown}");
@@ -357,23 +359,6 @@ fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_retu
     assert_eq!(trained[resumed..regrown].to_vec(), again[..regrown - resumed].to_vec());
     // from the second checkpoint on, the spec's own two-device plan (in one process: the
     // threaded run equals MPI's)
-    let fresh = dir.path().join("fresh-grown");
-    let run = Command::new(pipec())
-        .arg("run")
-        .arg(&spec_path)
-        .arg("--resume")
-        .arg(out.join(format!("checkpoints/step-{regrown:06}")))
-        .arg("-o")
-        .arg(&fresh)
-        .output()
-        .expect("runs");
-    assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
-    let again: Vec<(u64, f64)> = std::fs::read_to_string(fresh.join("metrics.jsonl"))
-        .expect("metrics")
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
-        .collect();
-    assert_eq!(trained[regrown..].to_vec(), again);
+    assert_eq!(trained[regrown..].to_vec(), resume_afresh(&spec_path, regrown, "fresh-grown"));
     eprintln!("re-planned twice and finished {:.1} s after the link went down", down.elapsed().as_secs_f64());
 }
