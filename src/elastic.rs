@@ -152,7 +152,71 @@ impl Losses {
         if let Some(host) = line.trim().strip_prefix("Remote daemon:").and_then(|r| r.split(" on node ").nth(1)) {
             self.host.get_or_insert_with(|| host.trim().to_string());
         }
+        // Slurm: "srun: error: node03: task 5: Killed", "srun: error: node03: tasks 4-7: Killed"
+        // (a task ended by a signal), "srun: error: Node failure on node03"
+        if let Some(rest) = line.trim().strip_prefix("srun: error: ") {
+            if let Some(host) = rest.strip_prefix("Node failure on ") {
+                self.host.get_or_insert_with(|| host.trim().to_string());
+            } else if rest.ends_with("Killed") || rest.contains("signal") {
+                let tasks = rest.split(": ").find_map(|p| p.strip_prefix("tasks ").or_else(|| p.strip_prefix("task ")));
+                for part in tasks.unwrap_or_default().split(',') {
+                    let (a, b) = part.split_once('-').unwrap_or((part, part));
+                    if let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) {
+                        for rank in a..=b.min(a + 65_536) {
+                            if !self.ranks.contains(&rank) {
+                                self.ranks.push(rank);
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
+}
+
+/// The host names of a Slurm node list (`SLURM_JOB_NODELIST`): `node[01-03,07],gpu5` is
+/// node01, node02, node03, node07 and gpu5 (zero padding kept). A name with more than one
+/// bracket group is taken as written.
+pub fn expand_nodelist(list: &str) -> Vec<String> {
+    // split at the commas outside brackets
+    let mut names = Vec::new();
+    let (mut depth, mut start) = (0, 0);
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                names.push(&list[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    names.push(&list[start..]);
+    let mut hosts = Vec::new();
+    for name in names.into_iter().map(str::trim).filter(|n| !n.is_empty()) {
+        let (Some(open), Some(close)) = (name.find('['), name.rfind(']')) else {
+            hosts.push(name.to_string());
+            continue;
+        };
+        let (prefix, ranges, suffix) = (&name[..open], &name[open + 1..close], &name[close + 1..]);
+        if ranges.contains('[') || suffix.contains('[') {
+            hosts.push(name.to_string());
+            continue;
+        }
+        for r in ranges.split(',') {
+            let (a, b) = r.split_once('-').unwrap_or((r, r));
+            match (a.parse::<u64>(), b.parse::<u64>()) {
+                (Ok(x), Ok(y)) if x <= y && y - x < 65_536 => {
+                    for n in x..=y {
+                        hosts.push(format!("{prefix}{n:0width$}{suffix}", width = a.len()));
+                    }
+                }
+                _ => hosts.push(format!("{prefix}{r}{suffix}")),
+            }
+        }
+    }
+    hosts
 }
 
 /// The cluster left when devices on the nodes `device_nodes` (one entry per lost device)
@@ -242,6 +306,19 @@ mod tests {
         l.read("error: rank 1 of 4 (device d1): nothing arrived from d3 within 10 s");
         l.read("  Remote daemon: [[30846,0],1] on node 10.78.0.2");
         assert_eq!(l, Losses { ranks: vec![3], host: Some("10.78.0.2".into()) });
+    }
+
+    #[test]
+    fn slurms_words_and_node_lists_are_read() {
+        let mut l = Losses::default();
+        l.read("srun: error: node03: task 5: Killed");
+        l.read("srun: error: node04: tasks 8-9,11: Killed");
+        l.read("srun: error: Node failure on node07");
+        l.read("srun: error: node03: task 6: Exited with exit code 1");
+        assert_eq!(l, Losses { ranks: vec![5, 8, 9, 11], host: Some("node07".into()) });
+        assert_eq!(expand_nodelist("node[01-03,07],gpu5"), ["node01", "node02", "node03", "node07", "gpu5"]);
+        assert_eq!(expand_nodelist("a,b"), ["a", "b"]);
+        assert_eq!(expand_nodelist("r[1-2]-n[1-2]"), ["r[1-2]-n[1-2]"]);
     }
 
     #[test]

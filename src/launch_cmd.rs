@@ -74,6 +74,8 @@ struct Attempt {
     out: Option<PathBuf>,
     timeout: Option<u64>,
     slurm: bool,
+    /// Slurm nodes this attempt must not use (lost in an earlier one).
+    exclude: Vec<String>,
 }
 
 pub fn run(args: LaunchArgs<'_>) -> u8 {
@@ -93,6 +95,7 @@ pub fn run(args: LaunchArgs<'_>) -> u8 {
         out: args.out.map(Path::to_path_buf),
         timeout: args.timeout,
         slurm: args.slurm,
+        exclude: Vec::new(),
     };
     let (cmd, host_devices) = match command(&attempt) {
         Ok(c) => c,
@@ -131,7 +134,7 @@ type HostDevices = Vec<(String, String)>;
 /// Open MPI loses a host).
 fn command(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
     let plan = &a.plan;
-    let (mut cmd, host_devices) = if a.slurm { srun(plan)? } else { mpirun(a)? };
+    let (mut cmd, host_devices) = if a.slurm { srun(plan, &a.exclude)? } else { mpirun(a)? };
     let exe = std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_else(|_| "pipec".into());
     cmd.extend([exe, "run".into(), a.file.display().to_string(), "--transport".into(), "mpi".into()]);
     if let Some(o) = &a.out {
@@ -197,19 +200,20 @@ fn mpirun(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
 /// Slurm's `srun` for a plan, up to the command it starts: one task per device with work,
 /// node by node (task i runs device i on node i / devices per node), wired to MPI through
 /// PMIx, the step ended when any task fails. Inside an allocation its node count is checked
-/// against the plan's (`SLURM_JOB_NUM_NODES`).
-fn srun(plan: &Plan) -> Result<(Vec<String>, HostDevices), u8> {
+/// against the plan's (`SLURM_JOB_NUM_NODES`); `exclude` names nodes it must not use.
+fn srun(plan: &Plan, exclude: &[String]) -> Result<(Vec<String>, HostDevices), u8> {
     let ranks = pipec_executor::working_devices(plan).len();
     let per_node = plan.devices.iter().filter(|d| d.node == 0).count().max(1);
     let nodes = plan.devices.iter().map(|d| d.node as usize + 1).max().unwrap_or(1);
     let allocated = std::env::var("SLURM_JOB_NUM_NODES").ok().and_then(|n| n.trim().parse::<usize>().ok());
-    if let Some(have) = allocated.filter(|have| *have < nodes) {
+    if let Some(have) = allocated.filter(|have| *have < nodes + exclude.len()) {
         eprintln!(
-            "error: the plan's cluster has {nodes} node(s) but this Slurm allocation has {have} (SLURM_JOB_NUM_NODES): allocate {nodes} (`salloc --nodes={nodes} --ntasks-per-node={per_node}`)"
+            "error: the plan's cluster has {nodes} node(s) but this Slurm allocation has {have} (SLURM_JOB_NUM_NODES){}: allocate {nodes} (`salloc --nodes={nodes} --ntasks-per-node={per_node}`)",
+            if exclude.is_empty() { String::new() } else { format!(", {} of them lost", exclude.len()) }
         );
         return Err(EXIT_DIAGNOSTICS);
     }
-    let cmd = vec![
+    let mut cmd = vec![
         "srun".to_string(),
         format!("--nodes={nodes}"),
         format!("--ntasks={ranks}"),
@@ -218,6 +222,9 @@ fn srun(plan: &Plan) -> Result<(Vec<String>, HostDevices), u8> {
         "--mpi=pmix".into(),
         "--kill-on-bad-exit=1".into(),
     ];
+    if !exclude.is_empty() {
+        cmd.push(format!("--exclude={}", exclude.join(",")));
+    }
     Ok((cmd, HostDevices::new()))
 }
 
@@ -263,12 +270,18 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
         per_node: attempt.plan.devices.iter().filter(|d| d.node == 0).count().max(1),
     };
     let mut shape = full;
-    // the spec's hosts, and which of them the job runs on now
-    let hosts: Vec<String> = attempt
-        .hosts
-        .as_ref()
-        .map(|(_, h)| h.iter().take(full.nodes).map(|x| x.0.clone()).collect())
-        .unwrap_or_default();
+    // the spec's hosts (the hostfile's, or the Slurm allocation's nodes in its order), and
+    // which of them the job runs on now
+    let hosts: Vec<String> = if attempt.slurm {
+        let list = std::env::var("SLURM_JOB_NODELIST").unwrap_or_default();
+        elastic::expand_nodelist(&list).into_iter().take(full.nodes).collect()
+    } else {
+        attempt
+            .hosts
+            .as_ref()
+            .map(|(_, h)| h.iter().take(full.nodes).map(|x| x.0.clone()).collect())
+            .unwrap_or_default()
+    };
     let mut present = vec![true; hosts.len()];
     let first = attempt.clone();
     // an interrupt (Ctrl-C reaches mpirun and the launcher alike) ends the job, not an attempt
@@ -285,11 +298,12 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
             Err(code) => return code,
         };
         println!("{}", cmd.iter().map(|c| quote(c)).collect::<Vec<_>>().join(" "));
+        // (a Slurm allocation does not grow: its lost nodes are not asked again)
         let missing: HostDevices = hosts
             .iter()
             .zip(&present)
             .enumerate()
-            .filter(|(_, (_, p))| !**p)
+            .filter(|(_, (_, p))| !**p && !attempt.slurm)
             .map(|(k, (h, _))| (h.clone(), format!("node {k} of the spec")))
             .collect();
         let mut comeback = Comeback::new(&latest, missing, &agent);
@@ -334,22 +348,31 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
                 }
             }
             let mut lost_nodes = Vec::new();
-            if !host_devices.is_empty() {
-                let silent = silent_hosts(&host_devices, &agent);
-                for (k, (host, devices)) in host_devices.iter().enumerate() {
-                    let gone = silent.iter().any(|s| s.starts_with(&format!("host {host} ")));
-                    if gone || ended.losses.host.as_deref() == Some(host.as_str()) {
-                        lost_nodes.push(k);
-                        change.push(format!("host {host} ({devices})"));
-                    }
+            // the hosts this attempt ran on, each asked through the launch agent (under
+            // Slurm, only what srun reported counts)
+            let current: Vec<usize> = (0..hosts.len()).filter(|k| present[*k]).collect();
+            let silent = if attempt.slurm { Vec::new() } else { silent_hosts(&host_devices, &agent) };
+            for (k, original) in current.iter().enumerate() {
+                let host = &hosts[*original];
+                let gone = silent.iter().any(|s| s.starts_with(&format!("host {host} ")));
+                if gone || ended.losses.host.as_deref() == Some(host.as_str()) {
+                    lost_nodes.push(k);
+                    let devices = host_devices.get(k).map_or_else(|| format!("node {k}"), |(_, d)| d.clone());
+                    change.push(format!("host {host} ({devices})"));
                 }
-                // nodes are whole: a node with a lost device leaves with its host
-                let current: Vec<usize> = (0..hosts.len()).filter(|k| present[*k]).collect();
+            }
+            // nodes are whole: on several, a node with a lost device leaves with its host
+            if shape.nodes > 1 {
                 for k in device_nodes.iter().chain(&lost_nodes) {
                     if let Some(&original) = current.get(*k) {
+                        if present[original] && !lost_nodes.contains(k) {
+                            change.push(format!("and with it host {}", hosts[original]));
+                        }
                         present[original] = false;
                     }
                 }
+            } else if !lost_nodes.is_empty() {
+                present.iter_mut().for_each(|p| *p = false);
             }
             let left = elastic::shrink(shape, &device_nodes, &lost_nodes);
             if left.devices() < e.min_devices.max(1) {
@@ -384,7 +407,9 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
             let plan_text = serde_json::to_string_pretty(&r.plan).unwrap_or_default() + "\n";
             let mut written = write_atomic(&elastic_dir.join(format!("spec-{replans}.yaml")), r.text.as_bytes())
                 .and_then(|()| write_atomic(&plan_path, plan_text.as_bytes()));
-            if !hosts.is_empty() {
+            if attempt.slurm {
+                next.exclude = hosts.iter().zip(&present).filter(|(_, p)| !**p).map(|(h, _)| h.clone()).collect();
+            } else if !hosts.is_empty() {
                 let kept: Vec<(String, usize)> =
                     hosts.iter().zip(&present).filter(|(_, p)| **p).map(|(h, _)| (h.clone(), left.per_node)).collect();
                 let hostfile = elastic_dir.join(format!("hostfile-{replans}"));

@@ -228,7 +228,7 @@ enum Command {
         max_restarts: usize,
         /// Start the ranks with Slurm's `srun` (PMIx) instead of `mpirun`: the hosts are
         /// the allocation's.
-        #[arg(long, conflicts_with_all = ["hostfile", "elastic"])]
+        #[arg(long, conflicts_with = "hostfile")]
         slurm: bool,
     },
     /// Compile a spec into a verified, simulated plan: DIR/plan.json, timeline.svg,

@@ -149,3 +149,71 @@ fn an_elastic_launch_needs_checkpoints_and_a_spec() {
     let run = Command::new(pipec()).args(["launch", "x.yaml", "--elastic"]).output().expect("runs");
     assert_eq!(run.status.code(), Some(2), "--elastic without --exec is a usage error");
 }
+
+/// A stand-in for Slurm's `srun` on a two-node allocation `n[1-2]` (none is installed
+/// here): it logs its arguments and starts the tasks on Open MPI with the variables srun
+/// gives them, and reports a task that a signal ended as srun does (`srun: error: n2: task
+/// 3: Killed`, the node from `--ntasks-per-node`).
+fn fake_srun(dir: &Path) -> std::path::PathBuf {
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).expect("mkdir");
+    let log = bin.join("srun.log");
+    let script = format!(
+        r#"#!/bin/sh
+echo "$@" >> "{log}"
+n=1; ppn=1
+while [ $# -gt 0 ]; do case "$1" in --ntasks=*) n=${{1#--ntasks=}}; shift ;; --ntasks-per-node=*) ppn=${{1#--ntasks-per-node=}}; shift ;; --*) shift ;; *) break ;; esac; done
+{{ mpirun --allow-run-as-root --oversubscribe -np "$n" sh -c 'export SLURM_PROCID=$OMPI_COMM_WORLD_RANK SLURM_LOCALID=$OMPI_COMM_WORLD_LOCAL_RANK SLURM_NTASKS=$OMPI_COMM_WORLD_SIZE; unset OMPI_COMM_WORLD_RANK; exec "$@"' task "$@"; echo $? > "{log}.status"; }} 2>&1 | while IFS= read -r line; do
+  case "$line" in
+    *"process rank "*"exited on signal"*) r=$(echo "$line" | sed -E 's/.*process rank ([0-9]+) .*/\1/'); echo "srun: error: n$((r / ppn + 1)): task $r: Killed" >&2 ;;
+    *) printf '%s\n' "$line" >&2 ;;
+  esac
+done
+exit $(cat "{log}.status")
+"#,
+        log = log.display()
+    );
+    let path = bin.join("srun");
+    std::fs::write(&path, script).expect("write");
+    assert!(Command::new("chmod").arg("+x").arg(&path).status().expect("chmod").success());
+    bin
+}
+
+#[test]
+fn under_slurm_a_node_with_a_killed_task_is_excluded_and_the_job_goes_on() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    let text = spec("\"2-1-1\"", 2, 40).replace("  nodes: 1\n", "  nodes: 2\n").replace(
+        "    intra_node: { bandwidth: 10GB/s, latency: 5us }\n",
+        "    intra_node: { bandwidth: 10GB/s, latency: 5us }\n    inter_node: { bandwidth: 1GB/s, latency: 20us }\n",
+    );
+    std::fs::write(&spec_path, text).expect("write");
+    let bin = fake_srun(dir.path());
+    let out = dir.path().join("out");
+    let child = Command::new(pipec())
+        .arg("launch")
+        .arg(&spec_path)
+        .arg("-o")
+        .arg(&out)
+        .args(["--slurm", "--exec", "--elastic", "--timeout", "20"])
+        .env("PATH", format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default()))
+        .env("SLURM_JOB_NODELIST", "n[1-2]")
+        .env("SLURM_JOB_NUM_NODES", "2")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("launch starts");
+    let run = kill_a_rank_after(child, &out, 7);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(0), "{stderr}");
+    // the newest rank is task 3, on n2: n2 leaves whole, and the second step excludes it
+    let calls = std::fs::read_to_string(bin.join("srun.log")).expect("log");
+    let calls: Vec<&str> = calls.lines().collect();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(calls[0].starts_with("--nodes=2 --ntasks=4 --ntasks-per-node=2 "), "{}", calls[0]);
+    assert!(calls[1].starts_with("--nodes=1 ") && calls[1].contains("--exclude=n2"), "{}", calls[1]);
+    assert!(stderr.contains("lost d3 (rank 3), and with it host n2;"), "{stderr}");
+    let e = lines(&out).into_iter().find(|l| l["event"] == "replan").expect("re-planned");
+    assert_eq!((e["old_devices"].as_u64(), e["new_devices"].as_u64().map(|n| n <= 2)), (Some(4), Some(true)), "{e}");
+    assert_eq!(steps(&out).iter().map(|s| s.0).collect::<Vec<_>>(), (0..40).collect::<Vec<_>>());
+}
