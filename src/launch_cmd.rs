@@ -272,7 +272,7 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
     let mut shape = full;
     // the spec's hosts (the hostfile's, or the Slurm allocation's nodes in its order), and
     // which of them the job runs on now
-    let hosts: Vec<String> = if attempt.slurm {
+    let mut hosts: Vec<String> = if attempt.slurm {
         let list = std::env::var("SLURM_JOB_NODELIST").unwrap_or_default();
         elastic::expand_nodelist(&list).into_iter().take(full.nodes).collect()
     } else {
@@ -284,6 +284,7 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
     };
     let mut present = vec![true; hosts.len()];
     let first = attempt.clone();
+    let spec_hosts = hosts.clone();
     // an interrupt (Ctrl-C reaches mpirun and the launcher alike) ends the job, not an attempt
     let interrupted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -306,15 +307,23 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
             .filter(|(_, (_, p))| !**p && !attempt.slurm)
             .map(|(k, (h, _))| (h.clone(), format!("node {k} of the spec")))
             .collect();
-        let mut comeback = Comeback::new(&latest, missing, &agent);
+        let running: Vec<String> = hosts.iter().zip(&present).filter(|(_, p)| **p).map(|(h, _)| h.clone()).collect();
+        let mut comeback = Comeback::new(&latest, missing, args.hostfile, running, &agent);
         let ended = supervise(&cmd, &host_devices, args.start_timeout, &agent, &mut || comeback.poll());
         let mut change: Vec<String> = Vec::new();
         let left = if let Some(back) = ended.stopped.then(|| comeback.back.clone()) {
-            // hosts came back: plan again with them, from the checkpoint just published
-            for (h, p) in hosts.iter().zip(present.iter_mut()) {
-                if back.contains(h) {
-                    *p = true;
-                    change.push(format!("host {h}"));
+            // hosts answered: plan again with them, from the checkpoint just published; one
+            // that was not in the job takes the place of the first missing host
+            for h in &back {
+                let slot = hosts.iter().position(|x| x == h).or_else(|| present.iter().position(|p| !p));
+                if let Some(k) = slot {
+                    if hosts[k] != *h {
+                        change.push(format!("host {h} (in place of {})", hosts[k]));
+                        hosts[k] = h.clone();
+                    } else {
+                        change.push(format!("host {h}"));
+                    }
+                    present[k] = true;
                 }
             }
             Shape { nodes: present.iter().filter(|p| **p).count(), per_node: full.per_node }
@@ -391,9 +400,9 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
             checkpoint.as_deref().and_then(|c| pipec_plan::checkpoint::completed_steps(c).ok()).unwrap_or(0);
         let mut next = Attempt { resume: checkpoint, ..attempt.clone() };
         let mut searched_because = None;
-        if left == full {
+        if left == full && hosts == spec_hosts {
             next = Attempt { resume: next.resume, ..first.clone() };
-        } else if left != shape {
+        } else if left != shape || hosts != spec_hosts {
             let r = match elastic::replan(&source, &base_dir, left) {
                 Ok(r) => r,
                 Err(err) => {
@@ -472,52 +481,78 @@ struct Ended {
     stopped: bool,
 }
 
-/// Watches for hosts that left the job coming back: each time a new checkpoint is
-/// published, the missing hosts are asked (through the launch agent, in the background)
-/// whether they answer.
+/// Watches for hosts to take the place of those that left the job: each time a new
+/// checkpoint is published, the missing hosts and any host the hostfile lists now that the
+/// job does not run on (a replacement added to it) are asked, through the launch agent and
+/// in the background, whether they answer.
 struct Comeback {
     latest: PathBuf,
     seen: Option<String>,
     missing: HostDevices,
+    /// The hostfile, read again at each checkpoint, and the hosts the job runs on now.
+    hostfile: Option<PathBuf>,
+    present: Vec<String>,
     agent: String,
-    probe: Option<std::thread::JoinHandle<Vec<String>>>,
-    /// The hosts that answered.
+    probe: Option<std::thread::JoinHandle<(Vec<String>, Vec<String>)>>,
+    /// The hosts that answered, at most as many as are missing (missing ones first).
     back: Vec<String>,
 }
 
 impl Comeback {
-    fn new(latest: &Path, missing: HostDevices, agent: &str) -> Self {
+    fn new(latest: &Path, missing: HostDevices, hostfile: Option<&Path>, present: Vec<String>, agent: &str) -> Self {
         let seen = std::fs::read_to_string(latest).ok();
         Comeback {
             latest: latest.to_path_buf(),
             seen,
             missing,
+            hostfile: hostfile.map(Path::to_path_buf),
+            present,
             agent: agent.to_string(),
             probe: None,
             back: Vec::new(),
         }
     }
 
-    /// True when a missing host answered after a checkpoint: the job should stop to grow.
+    /// The hosts to ask: the missing ones, then those the hostfile lists that the job does
+    /// not run on.
+    fn candidates(&self) -> HostDevices {
+        let mut c = self.missing.clone();
+        let listed = self
+            .hostfile
+            .as_ref()
+            .and_then(|h| std::fs::read_to_string(h).ok())
+            .and_then(|t| parse_hostfile(&t).ok())
+            .unwrap_or_default();
+        for (h, _) in listed {
+            if !self.present.contains(&h) && !c.iter().any(|(x, _)| *x == h) {
+                c.push((h, "listed in the hostfile".into()));
+            }
+        }
+        c
+    }
+
+    /// True when a host answered after a checkpoint: the job should stop to grow.
     fn poll(&mut self) -> bool {
         if self.missing.is_empty() {
             return false;
         }
         if self.probe.as_ref().is_some_and(|p| p.is_finished()) {
-            let silent = self.probe.take().and_then(|p| p.join().ok()).unwrap_or_default();
-            self.back = self
-                .missing
-                .iter()
-                .filter(|(h, _)| !silent.iter().any(|s| s.starts_with(&format!("host {h} "))))
-                .map(|(h, _)| h.clone())
+            let (asked, silent) = self.probe.take().and_then(|p| p.join().ok()).unwrap_or_default();
+            self.back = asked
+                .into_iter()
+                .filter(|h| !silent.iter().any(|s| s.starts_with(&format!("host {h} "))))
+                .take(self.missing.len())
                 .collect();
             return !self.back.is_empty();
         }
         let now = std::fs::read_to_string(&self.latest).ok();
         if self.probe.is_none() && now.is_some() && now != self.seen {
             self.seen = now;
-            let (missing, agent) = (self.missing.clone(), self.agent.clone());
-            self.probe = Some(std::thread::spawn(move || silent_hosts(&missing, &agent)));
+            let (candidates, agent) = (self.candidates(), self.agent.clone());
+            self.probe = Some(std::thread::spawn(move || {
+                let silent = silent_hosts(&candidates, &agent);
+                (candidates.into_iter().map(|(h, _)| h).collect(), silent)
+            }));
         }
         false
     }
@@ -742,6 +777,31 @@ fn silent_hosts(host_devices: &[(String, String)], agent: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replacement_listed_in_the_hostfile_is_asked_after_the_next_checkpoint() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let latest = dir.path().join("latest");
+        std::fs::write(&latest, "step-000005").expect("w");
+        let hostfile = dir.path().join("hosts");
+        std::fs::write(&hostfile, "a slots=1\nb slots=1\n").expect("w");
+        // the launch agent: only `spare` answers
+        let agent = dir.path().join("agent.sh");
+        std::fs::write(&agent, "#!/bin/sh\n[ \"$1\" = spare ]\n").expect("w");
+        assert!(std::process::Command::new("chmod").arg("+x").arg(&agent).status().expect("chmod").success());
+        let missing = vec![("b".to_string(), "node 1 of the spec".to_string())];
+        let mut c = Comeback::new(&latest, missing, Some(&hostfile), vec!["a".into()], &agent.display().to_string());
+        assert!(!c.poll(), "nothing is asked before a new checkpoint");
+        // b is listed but silent; the hostfile then gains `spare`, and a checkpoint comes
+        std::fs::write(&hostfile, "a slots=1\nb slots=1\nspare slots=1\n").expect("w");
+        std::fs::write(&latest, "step-000010").expect("w");
+        let start = std::time::Instant::now();
+        while !c.poll() {
+            assert!(start.elapsed() < std::time::Duration::from_secs(30), "no answer");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(c.back, vec!["spare".to_string()]);
+    }
 
     #[test]
     fn hostfiles() {
