@@ -270,9 +270,8 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
         per_node: attempt.plan.devices.iter().filter(|d| d.node == 0).count().max(1),
     };
     let mut shape = full;
-    // the spec's hosts (the hostfile's, or the Slurm allocation's nodes in its order), and
-    // which of them the job runs on now
-    let mut hosts: Vec<String> = if attempt.slurm {
+    // the spec's hosts (the hostfile's, or the Slurm allocation's nodes in its order)
+    let names: Vec<String> = if attempt.slurm {
         let list = std::env::var("SLURM_JOB_NODELIST").unwrap_or_default();
         elastic::expand_nodelist(&list).into_iter().take(full.nodes).collect()
     } else {
@@ -282,9 +281,8 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
             .map(|(_, h)| h.iter().take(full.nodes).map(|x| x.0.clone()).collect())
             .unwrap_or_default()
     };
-    let mut present = vec![true; hosts.len()];
-    let first = attempt.clone();
-    let spec_hosts = hosts.clone();
+    let mut hosts = Hosts { present: vec![true; names.len()], spec: names.clone(), names };
+    let mut plans = Replanner { source, base_dir, dir: dir.clone(), made: 0, first: attempt.clone(), full };
     // an interrupt (Ctrl-C reaches mpirun and the launcher alike) ends the job, not an attempt
     let interrupted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -292,7 +290,7 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
     }
     let agent = agent();
     let latest = dir.join(&checkpoints).join("latest");
-    let (mut restarts, mut replans) = (0, 0);
+    let mut restarts = 0;
     loop {
         let (cmd, host_devices) = match command(&attempt) {
             Ok(c) => c,
@@ -300,33 +298,14 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
         };
         println!("{}", cmd.iter().map(|c| quote(c)).collect::<Vec<_>>().join(" "));
         // (a Slurm allocation does not grow: its lost nodes are not asked again)
-        let missing: HostDevices = hosts
-            .iter()
-            .zip(&present)
-            .enumerate()
-            .filter(|(_, (_, p))| !**p && !attempt.slurm)
-            .map(|(k, (h, _))| (h.clone(), format!("node {k} of the spec")))
-            .collect();
-        let running: Vec<String> = hosts.iter().zip(&present).filter(|(_, p)| **p).map(|(h, _)| h.clone()).collect();
-        let mut comeback = Comeback::new(&latest, missing, args.hostfile, running, &agent);
+        let missing = if attempt.slurm { HostDevices::new() } else { hosts.missing() };
+        let mut comeback = Comeback::new(&latest, missing, args.hostfile, hosts.running(), &agent);
         let ended = supervise(&cmd, &host_devices, args.start_timeout, &agent, &mut || comeback.poll());
         let mut change: Vec<String> = Vec::new();
-        let left = if let Some(back) = ended.stopped.then(|| comeback.back.clone()) {
-            // hosts answered: plan again with them, from the checkpoint just published; one
-            // that was not in the job takes the place of the first missing host
-            for h in &back {
-                let slot = hosts.iter().position(|x| x == h).or_else(|| present.iter().position(|p| !p));
-                if let Some(k) = slot {
-                    if hosts[k] != *h {
-                        change.push(format!("host {h} (in place of {})", hosts[k]));
-                        hosts[k] = h.clone();
-                    } else {
-                        change.push(format!("host {h}"));
-                    }
-                    present[k] = true;
-                }
-            }
-            Shape { nodes: present.iter().filter(|p| **p).count(), per_node: full.per_node }
+        let left = if ended.stopped {
+            // hosts answered: plan again with them, from the checkpoint just published
+            hosts.take_back(&comeback.back, &mut change);
+            Shape { nodes: hosts.running().len(), per_node: full.per_node }
         } else {
             if ended.code == 0 {
                 return 0;
@@ -347,43 +326,8 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
                 return ended.code;
             }
             restarts += 1;
-            // what the attempt lost: ranks a signal ended, and hosts that are gone
-            let working = pipec_executor::working_devices(&attempt.plan);
-            let mut device_nodes = Vec::new();
-            for r in &ended.losses.ranks {
-                if let Some(d) = working.get(*r) {
-                    device_nodes.push(attempt.plan.devices.get(d.0 as usize).map_or(0, |x| x.node as usize));
-                    change.push(format!("{d} (rank {r})"));
-                }
-            }
-            let mut lost_nodes = Vec::new();
-            // the hosts this attempt ran on, each asked through the launch agent (under
-            // Slurm, only what srun reported counts)
-            let current: Vec<usize> = (0..hosts.len()).filter(|k| present[*k]).collect();
             let silent = if attempt.slurm { Vec::new() } else { silent_hosts(&host_devices, &agent) };
-            for (k, original) in current.iter().enumerate() {
-                let host = &hosts[*original];
-                let gone = silent.iter().any(|s| s.starts_with(&format!("host {host} ")));
-                if gone || ended.losses.host.as_deref() == Some(host.as_str()) {
-                    lost_nodes.push(k);
-                    let devices = host_devices.get(k).map_or_else(|| format!("node {k}"), |(_, d)| d.clone());
-                    change.push(format!("host {host} ({devices})"));
-                }
-            }
-            // nodes are whole: on several, a node with a lost device leaves with its host
-            if shape.nodes > 1 {
-                for k in device_nodes.iter().chain(&lost_nodes) {
-                    if let Some(&original) = current.get(*k) {
-                        if present[original] && !lost_nodes.contains(k) {
-                            change.push(format!("and with it host {}", hosts[original]));
-                        }
-                        present[original] = false;
-                    }
-                }
-            } else if !lost_nodes.is_empty() {
-                present.iter_mut().for_each(|p| *p = false);
-            }
-            let left = elastic::shrink(shape, &device_nodes, &lost_nodes);
+            let left = hosts.lose(&attempt.plan, &ended.losses, &silent, (shape, &host_devices), &mut change);
             if left.devices() < e.min_devices.max(1) {
                 eprintln!(
                     "error: --elastic: {} device(s) are left after losing {}, fewer than the minimum of {} (--min-devices): stopping",
@@ -398,42 +342,10 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
         let checkpoint = pipec_plan::checkpoint::locate_in(&dir, Some(&checkpoints)).ok();
         let resumed_at =
             checkpoint.as_deref().and_then(|c| pipec_plan::checkpoint::completed_steps(c).ok()).unwrap_or(0);
-        let mut next = Attempt { resume: checkpoint, ..attempt.clone() };
-        let mut searched_because = None;
-        if left == full && hosts == spec_hosts {
-            next = Attempt { resume: next.resume, ..first.clone() };
-        } else if left != shape || hosts != spec_hosts {
-            let r = match elastic::replan(&source, &base_dir, left) {
-                Ok(r) => r,
-                Err(err) => {
-                    eprintln!("error: --elastic: {err}: stopping");
-                    return EXIT_DIAGNOSTICS;
-                }
-            };
-            replans += 1;
-            let elastic_dir = dir.join("elastic");
-            let plan_path = elastic_dir.join(format!("plan-{replans}.json"));
-            let plan_text = serde_json::to_string_pretty(&r.plan).unwrap_or_default() + "\n";
-            let mut written = write_atomic(&elastic_dir.join(format!("spec-{replans}.yaml")), r.text.as_bytes())
-                .and_then(|()| write_atomic(&plan_path, plan_text.as_bytes()));
-            if attempt.slurm {
-                next.exclude = hosts.iter().zip(&present).filter(|(_, p)| !**p).map(|(h, _)| h.clone()).collect();
-            } else if !hosts.is_empty() {
-                let kept: Vec<(String, usize)> =
-                    hosts.iter().zip(&present).filter(|(_, p)| **p).map(|(h, _)| (h.clone(), left.per_node)).collect();
-                let hostfile = elastic_dir.join(format!("hostfile-{replans}"));
-                let text: String = kept.iter().map(|(h, s)| format!("{h} slots={s}\n")).collect();
-                written = written.and_then(|()| write_atomic(&hostfile, text.as_bytes()));
-                next.hosts = Some((hostfile, kept));
-            }
-            if let Err(err) = written {
-                eprintln!("error: --elastic: {err}");
-                return EXIT_USAGE;
-            }
-            next.plan = r.plan;
-            next.file = plan_path;
-            searched_because = r.searched_because;
-        }
+        let (next, searched_because) = match plans.next(&attempt, checkpoint, (shape, left), &hosts) {
+            Ok(n) => n,
+            Err(code) => return code,
+        };
         let steps_done = completed_steps_in_metrics(&dir);
         let (reason, what) = if ended.stopped {
             ("returned", format!("{} answered again", change.join(", ")))
@@ -468,6 +380,150 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
         }
         shape = left;
         attempt = next;
+    }
+}
+
+/// An elastic job's hosts: the spec's, by node (a replacement takes a missing one's
+/// place), and which of them the job runs on now.
+struct Hosts {
+    names: Vec<String>,
+    present: Vec<bool>,
+    /// The hosts the job started with.
+    spec: Vec<String>,
+}
+
+impl Hosts {
+    fn running(&self) -> Vec<String> {
+        self.names.iter().zip(&self.present).filter(|(_, p)| **p).map(|(h, _)| h.clone()).collect()
+    }
+
+    fn missing(&self) -> HostDevices {
+        let gone = self.names.iter().zip(&self.present).enumerate().filter(|(_, (_, p))| !**p);
+        gone.map(|(k, (h, _))| (h.clone(), format!("node {k} of the spec"))).collect()
+    }
+
+    /// Hosts that answered rejoin; one that was not in the job takes the place of the
+    /// first missing host. Each is named in `change`.
+    fn take_back(&mut self, back: &[String], change: &mut Vec<String>) {
+        for h in back {
+            let slot = self.names.iter().position(|x| x == h).or_else(|| self.present.iter().position(|p| !p));
+            if let Some(k) = slot {
+                if self.names[k] != *h {
+                    change.push(format!("host {h} (in place of {})", self.names[k]));
+                    self.names[k] = h.clone();
+                } else {
+                    change.push(format!("host {h}"));
+                }
+                self.present[k] = true;
+            }
+        }
+    }
+
+    /// What a failed attempt of `plan` on a cluster of `shape` (its hosts `host_devices`)
+    /// lost — the devices of the ranks a signal ended, and the hosts Open MPI or srun
+    /// reported lost or that are `silent` — named in `change`; the cluster left.
+    fn lose(
+        &mut self,
+        plan: &Plan,
+        losses: &Losses,
+        silent: &[String],
+        (shape, host_devices): (Shape, &HostDevices),
+        change: &mut Vec<String>,
+    ) -> Shape {
+        let working = pipec_executor::working_devices(plan);
+        let mut device_nodes = Vec::new();
+        for r in &losses.ranks {
+            if let Some(d) = working.get(*r) {
+                device_nodes.push(plan.devices.get(d.0 as usize).map_or(0, |x| x.node as usize));
+                change.push(format!("{d} (rank {r})"));
+            }
+        }
+        let mut lost_nodes = Vec::new();
+        let current: Vec<usize> = (0..self.names.len()).filter(|k| self.present[*k]).collect();
+        for (k, original) in current.iter().enumerate() {
+            let host = &self.names[*original];
+            let gone = silent.iter().any(|s| s.starts_with(&format!("host {host} ")));
+            if gone || losses.host.as_deref() == Some(host.as_str()) {
+                lost_nodes.push(k);
+                let devices = host_devices.get(k).map_or_else(|| format!("node {k}"), |(_, d)| d.clone());
+                change.push(format!("host {host} ({devices})"));
+            }
+        }
+        // nodes are whole: on several, a node with a lost device leaves with its host
+        if shape.nodes > 1 {
+            for k in device_nodes.iter().chain(&lost_nodes) {
+                if let Some(&original) = current.get(*k) {
+                    if self.present[original] && !lost_nodes.contains(k) {
+                        change.push(format!("and with it host {}", self.names[original]));
+                    }
+                    self.present[original] = false;
+                }
+            }
+        } else if !lost_nodes.is_empty() {
+            self.present.iter_mut().for_each(|p| *p = false);
+        }
+        elastic::shrink(shape, &device_nodes, &lost_nodes)
+    }
+}
+
+/// Makes an elastic job's next attempt: the first one's again once the spec's cluster is
+/// whole, the same plan when nothing changed, otherwise a re-plan of the spec's text whose
+/// spec, plan and hostfile are written to `OUT/elastic/` (numbered by `made`).
+struct Replanner {
+    source: String,
+    base_dir: PathBuf,
+    dir: PathBuf,
+    made: usize,
+    first: Attempt,
+    full: Shape,
+}
+
+impl Replanner {
+    /// The attempt after `attempt` on `left` (after `shape`), resuming from `checkpoint`,
+    /// and why the search chose its plan, if it did.
+    fn next(
+        &mut self,
+        attempt: &Attempt,
+        checkpoint: Option<PathBuf>,
+        (shape, left): (Shape, Shape),
+        hosts: &Hosts,
+    ) -> Result<(Attempt, Option<String>), u8> {
+        let moved = hosts.names != hosts.spec;
+        if left == self.full && !moved {
+            return Ok((Attempt { resume: checkpoint, ..self.first.clone() }, None));
+        }
+        let mut next = Attempt { resume: checkpoint, ..attempt.clone() };
+        if left == shape && !moved {
+            return Ok((next, None));
+        }
+        let r = elastic::replan(&self.source, &self.base_dir, left).map_err(|err| {
+            eprintln!("error: --elastic: {err}: stopping");
+            EXIT_DIAGNOSTICS
+        })?;
+        self.made += 1;
+        let n = self.made;
+        let elastic_dir = self.dir.join("elastic");
+        let plan_path = elastic_dir.join(format!("plan-{n}.json"));
+        let plan_text = serde_json::to_string_pretty(&r.plan).unwrap_or_default() + "\n";
+        let mut written = write_atomic(&elastic_dir.join(format!("spec-{n}.yaml")), r.text.as_bytes())
+            .and_then(|()| write_atomic(&plan_path, plan_text.as_bytes()));
+        if attempt.slurm {
+            next.exclude =
+                hosts.names.iter().zip(&hosts.present).filter(|(_, p)| !**p).map(|(h, _)| h.clone()).collect();
+        } else if !hosts.names.is_empty() {
+            let kept: Vec<(String, usize)> = hosts.running().into_iter().map(|h| (h, left.per_node)).collect();
+            let hostfile = elastic_dir.join(format!("hostfile-{n}"));
+            let text: String = kept.iter().map(|(h, s)| format!("{h} slots={s}\n")).collect();
+            written = written.and_then(|()| write_atomic(&hostfile, text.as_bytes()));
+            next.hosts = Some((hostfile, kept));
+        }
+        written.map_err(|err| {
+            eprintln!("error: --elastic: {err}");
+            EXIT_USAGE
+        })?;
+        next.plan = r.plan;
+        next.file = plan_path;
+        Ok((next, r.searched_because))
     }
 }
 
