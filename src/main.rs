@@ -179,7 +179,9 @@ enum Command {
         /// Seconds a worker may wait for a message before the run is declared stuck.
         #[arg(long, default_value_t = 120)]
         timeout: u64,
-        /// Threads in this process, or one MPI process per device (under mpirun).
+        /// Threads in this process, one MPI process per device (under mpirun or srun), or one
+        /// process per device over TCP (each started with torchrun's RANK, WORLD_SIZE,
+        /// MASTER_ADDR, MASTER_PORT).
         #[arg(long, value_enum, default_value_t = run_cmd::Transport::Threads)]
         transport: run_cmd::Transport,
         /// Run a plan.json without verifying its streams first (its structure is still
