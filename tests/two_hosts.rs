@@ -265,7 +265,7 @@ fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_retu
         return;
     };
     let dir = tempfile::tempdir().expect("tmp");
-    let steps = 400;
+    let steps = 800;
     let text = std::fs::read_to_string(spec(dir.path(), steps))
         .expect("spec")
         .replace("  seed: 3\n", "  seed: 3\n  checkpoint: { every: 5 }\n");
