@@ -25,6 +25,15 @@ pub struct Shape {
 }
 
 impl Shape {
+    /// The cluster a plan was compiled for: its nodes, and the devices on each (devices are
+    /// numbered node by node, every node alike).
+    pub fn of(plan: &Plan) -> Shape {
+        Shape {
+            nodes: plan.devices.iter().map(|d| d.node as usize + 1).max().unwrap_or(1),
+            per_node: plan.devices.iter().filter(|d| d.node == 0).count().max(1),
+        }
+    }
+
     pub fn devices(&self) -> usize {
         self.nodes * self.per_node
     }

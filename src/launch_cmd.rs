@@ -1,8 +1,6 @@
 //! `pipec launch`: the exact mpirun command that runs a plan with one process per device.
 
-use std::path::Path;
-
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use pipec_plan::Plan;
 
@@ -156,7 +154,7 @@ fn command(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
 fn mpirun(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
     let plan = &a.plan;
     let ranks = pipec_executor::working_devices(plan).len();
-    let per_node = plan.devices.iter().filter(|d| d.node == 0).count().max(1);
+    let Shape { nodes, per_node } = Shape::of(plan);
     let mut cmd: Vec<String> = vec!["mpirun".into()];
     let mut host_devices: Vec<(String, String)> = Vec::new();
     if std::env::var("USER").map(|u| u == "root").unwrap_or(false)
@@ -165,7 +163,6 @@ fn mpirun(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
         cmd.push("--allow-run-as-root".into());
     }
     if let Some((h, hosts)) = &a.hosts {
-        let nodes = plan.devices.iter().map(|d| d.node).max().map(|n| n as usize + 1).unwrap_or(1);
         if hosts.len() < nodes || hosts.iter().take(nodes).any(|(_, s)| *s != per_node) {
             eprintln!(
                 "error: the plan's cluster has {nodes} node(s) of {per_node} device(s); the hostfile lists {}; give each of {nodes} host(s) `slots={per_node}` so rank i runs device i on node i / {per_node}",
@@ -203,8 +200,7 @@ fn mpirun(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
 /// against the plan's (`SLURM_JOB_NUM_NODES`); `exclude` names nodes it must not use.
 fn srun(plan: &Plan, exclude: &[String]) -> Result<(Vec<String>, HostDevices), u8> {
     let ranks = pipec_executor::working_devices(plan).len();
-    let per_node = plan.devices.iter().filter(|d| d.node == 0).count().max(1);
-    let nodes = plan.devices.iter().map(|d| d.node as usize + 1).max().unwrap_or(1);
+    let Shape { nodes, per_node } = Shape::of(plan);
     let allocated = std::env::var("SLURM_JOB_NUM_NODES").ok().and_then(|n| n.trim().parse::<usize>().ok());
     if let Some(have) = allocated.filter(|have| *have < nodes + exclude.len()) {
         eprintln!(
@@ -265,10 +261,7 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
     let base_dir = args.file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
     let dir = args.out.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("out").join(&attempt.plan.name));
     attempt.out = Some(dir.clone());
-    let full = Shape {
-        nodes: attempt.plan.devices.iter().map(|d| d.node as usize + 1).max().unwrap_or(1),
-        per_node: attempt.plan.devices.iter().filter(|d| d.node == 0).count().max(1),
-    };
+    let full = Shape::of(&attempt.plan);
     let mut shape = full;
     // the spec's hosts (the hostfile's, or the Slurm allocation's nodes in its order)
     let names: Vec<String> = if attempt.slurm {

@@ -2,7 +2,9 @@
 //! writer is writing, between a checkpoint's renames — the last published checkpoint
 //! loads and resumes exactly.
 
-use std::path::Path;
+mod common;
+use common::steps;
+
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -16,16 +18,6 @@ fn spec(checkpoint: &str) -> String {
     format!(
         "name: kills\nmodel:\n  input: [128]\n  layers:\n    - repeat 3: linear(128, 128) -> relu\n    - linear(128, 10)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: 4\ntraining:\n  batch_size: 32\n  steps: 100000\n  optimizer: {{ kind: adam, lr: 0.001 }}\n  seed: 5\n{checkpoint}  data: {{ kind: synthetic, samples: 256 }}\n"
     )
-}
-
-/// (step, loss) of every step line of `dir`'s metrics.
-fn steps(dir: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
-        .collect()
 }
 
 #[test]

@@ -4,6 +4,9 @@
 
 #![cfg(feature = "mpi")]
 
+mod common;
+use common::{replans, steps};
+
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -18,20 +21,6 @@ fn spec(stages: &str, devices: usize, steps: usize) -> String {
     format!(
         "name: elastic\nmodel:\n  input: [256]\n  layers:\n    - repeat 7: linear(256, 256) -> relu\n    - linear(256, 10)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ memory: 1GiB, throughput: 10GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: {stages}\n  schedule: 1f1b\n  microbatches: 4\ntraining:\n  batch_size: 64\n  steps: {steps}\n  optimizer: {{ kind: adam, lr: 0.001 }}\n  seed: 5\n  checkpoint: {{ every: 5 }}\n  data: {{ kind: synthetic, samples: 256 }}\n"
     )
-}
-
-/// The lines of `metrics.jsonl` in `dir`.
-fn lines(dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-/// (step, loss) of every step line.
-fn steps(dir: &Path) -> Vec<(u64, f64)> {
-    lines(dir).iter().filter_map(|l| Some((l["step"].as_u64()?, l["loss"].as_f64()?))).collect()
 }
 
 /// `pipec launch SPEC --exec --elastic EXTRA…` into `out`, started.
@@ -85,7 +74,7 @@ fn a_killed_rank_is_left_out_and_training_resumes_on_the_devices_left_exactly() 
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(0), "{stderr}");
     // the re-plan: one device lost, the spec's 2-1-1 cannot run on 3, the search plans
-    let events: Vec<serde_json::Value> = lines(&out).into_iter().filter(|l| l["event"] == "replan").collect();
+    let events = replans(&out);
     assert_eq!(events.len(), 1, "{stderr}");
     let e = &events[0];
     assert_eq!(e["old_devices"], 4);
@@ -135,7 +124,7 @@ fn an_elastic_job_stops_below_its_minimum_and_when_its_restarts_are_spent() {
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success(), "{stderr}");
     assert!(stderr.contains("its 0 restart(s) are spent (--max-restarts)"), "{stderr}");
-    assert!(!lines(&out).iter().any(|l| l["event"] == "replan"), "nothing was re-planned");
+    assert!(replans(&out).is_empty(), "nothing was re-planned");
 }
 
 #[test]
@@ -213,7 +202,7 @@ fn under_slurm_a_node_with_a_killed_task_is_excluded_and_the_job_goes_on() {
     assert!(calls[0].starts_with("--nodes=2 --ntasks=4 --ntasks-per-node=2 "), "{}", calls[0]);
     assert!(calls[1].starts_with("--nodes=1 ") && calls[1].contains("--exclude=n2"), "{}", calls[1]);
     assert!(stderr.contains("lost d3 (rank 3), and with it host n2;"), "{stderr}");
-    let e = lines(&out).into_iter().find(|l| l["event"] == "replan").expect("re-planned");
+    let e = replans(&out).into_iter().next().expect("re-planned");
     assert_eq!((e["old_devices"].as_u64(), e["new_devices"].as_u64().map(|n| n <= 2)), (Some(4), Some(true)), "{e}");
     assert_eq!(steps(&out).iter().map(|s| s.0).collect::<Vec<_>>(), (0..40).collect::<Vec<_>>());
 }

@@ -5,6 +5,9 @@
 
 #![cfg(feature = "mpi")]
 
+mod common;
+use common::replans;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -242,16 +245,6 @@ fn a_host_unreachable_at_start_up_stops_the_launch_naming_it() {
     eprintln!("the launch ended {:.1} s after it began (start-up bound 8 s)", start.elapsed().as_secs_f64());
 }
 
-/// (step, loss) of every step line in `dir`'s metrics.
-fn steps_of(dir: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
-        .collect()
-}
-
 /// `--elastic` across the two hosts: host b is cut off mid-run, the launcher finds it no
 /// longer answers, plans again for host a alone (the spec's `straight` still applies) and
 /// resumes from the newest checkpoint; the steps from it equal a fresh resume of it on
@@ -280,7 +273,7 @@ fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_retu
         .stderr(std::fs::File::create(&log).expect("log"))
         .spawn()
         .expect("starts");
-    let step_lines = || steps_of(&out);
+    let step_lines = || common::steps(&out);
     let start = Instant::now();
     while step_lines().len() < 7 {
         if start.elapsed() > Duration::from_secs(60) || child.try_wait().expect("wait").is_some() {
@@ -292,14 +285,7 @@ fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_retu
     }
     hosts.link_down();
     let down = Instant::now();
-    let events = || -> Vec<serde_json::Value> {
-        std::fs::read_to_string(out.join("metrics.jsonl"))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|v| v["event"] == "replan")
-            .collect()
-    };
+    let events = || replans(&out);
     let mut up = false;
     let status = loop {
         if let Some(s) = child.try_wait().expect("wait") {
@@ -347,7 +333,7 @@ fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_retu
             .output()
             .expect("runs");
         assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
-        steps_of(&fresh)
+        common::steps(&fresh)
     };
     let again = resume_afresh(&out.join("elastic/plan-1.json"), resumed, "fresh");
     let grown = &events[1];

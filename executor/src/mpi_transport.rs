@@ -17,12 +17,12 @@ use mpi::traits::*;
 use pipec_plan::DeviceId;
 
 use crate::fabric::Fabric;
-pub use crate::mpi_send::{start_sender, Outgoing};
+use crate::mpi_send::{start_sender, Outgoing};
 use crate::transport::TransportError;
 
 /// Receives the next message with `tag` from `rank`, polling so that an abort or a
 /// timeout ends the wait.
-pub fn receive_bytes(
+fn receive_bytes(
     rank: i32,
     tag: i32,
     abort: &AtomicBool,

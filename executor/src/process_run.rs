@@ -175,19 +175,18 @@ pub fn run_rank<F: Fabric + 'static>(
     }
     .map_err(|e| (Some(info), e))?;
     // everything posted is sent before the ranks part: flush, then meet at a barrier
-    let done = |fabric: &F| fabric.flush();
     if rank == 0 {
         let mut merged = report.clone();
         for r in 1..size {
             let b = receive_bytes(r, TAG_TRACE, &abort).map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
             merge_traces(&mut merged, &from_f64s(&b));
         }
-        done(&fabric);
+        fabric.flush();
         fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
         Ok((info, Some(merged)))
     } else {
         let _ = fabric.post(0, TAG_TRACE, f64s(&flat_traces(&report)), None);
-        done(&fabric);
+        fabric.flush();
         fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
         Ok((info, None))
     }
