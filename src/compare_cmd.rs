@@ -117,11 +117,7 @@ pub fn compare(
             if let Some(m) = mb_span {
                 edits.push((m, count.to_string()));
             }
-            edits.sort_by_key(|(s, _)| std::cmp::Reverse(s.start));
-            let mut text = source.to_string();
-            for (s, with) in edits {
-                text.replace_range(s.start..s.end, &with);
-            }
+            let text = pipec_grammar::splice(source, edits);
             let checked = pipec_grammar::check_source_in(&text, base_dir);
             let outcome = match checked.spec {
                 None => {

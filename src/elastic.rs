@@ -14,7 +14,7 @@ use std::path::Path;
 
 use pipec_compiler::{compile, CompileOptions};
 use pipec_grammar::yaml::{self, Node};
-use pipec_grammar::Span;
+use pipec_grammar::{splice, Span};
 use pipec_plan::Plan;
 
 /// A cluster's shape as a spec writes it: nodes × devices per node.
@@ -42,17 +42,6 @@ impl Shape {
 /// The value of `key` in a mapping node.
 fn get<'a>(map: &'a Node, key: &str) -> Option<&'a Node> {
     map.as_map()?.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
-}
-
-/// `source` with each span replaced by its text (spans must not overlap).
-fn splice(source: &str, mut edits: Vec<(Span, String)>) -> String {
-    edits.sort_by_key(|(s, _)| std::cmp::Reverse(s.start));
-    let mut text = source.to_string();
-    for (span, with) in edits {
-        let (a, b) = (span.start.min(text.len()), span.end.min(text.len()));
-        text.replace_range(a..b, &with);
-    }
-    text
 }
 
 /// `source` with its cluster resized to `shape`: the values of `cluster.nodes` and

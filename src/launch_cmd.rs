@@ -95,13 +95,13 @@ pub fn run(args: LaunchArgs<'_>) -> u8 {
         slurm: args.slurm,
         exclude: Vec::new(),
     };
+    if let Some(e) = args.elastic {
+        return run_elastic(&args, e, attempt);
+    }
     let (cmd, host_devices) = match command(&attempt) {
         Ok(c) => c,
         Err(code) => return code,
     };
-    if let Some(e) = args.elastic {
-        return run_elastic(&args, e, attempt);
-    }
     println!("{}", cmd.iter().map(|c| quote(c)).collect::<Vec<_>>().join(" "));
     if !args.exec {
         return 0;

@@ -379,9 +379,7 @@ fn first_error(diagnostics: &[Diagnostic]) -> String {
 
 /// `source` with its `strategy` value replaced by `strategy`.
 pub fn with_strategy(source: &str, spec: &Spec, strategy: &str) -> String {
-    let span = spec.strategy.span;
-    let (a, b) = (span.start.min(source.len()), span.end.min(source.len()));
-    format!("{}{strategy}{}", &source[..a], &source[b..])
+    pipec_grammar::splice(source, vec![(spec.strategy.span, strategy.to_string())])
 }
 
 /// Searches the strategies of `spec` (whose text is `source`): every candidate of the

@@ -23,6 +23,6 @@ pub mod yaml;
 
 pub use check::{check_source, check_source_in, CheckResult};
 pub use diagnostic::{Diagnostic, Severity};
-pub use span::{LineIndex, Span};
+pub use span::{splice, LineIndex, Span};
 pub use spec::Spec;
 pub use strategy::recompute_beyond;

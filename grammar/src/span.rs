@@ -125,9 +125,31 @@ fn clamp_to_char_boundary(source: &str, offset: usize) -> usize {
     o
 }
 
+/// `source` with each span replaced by its text: the edits are made from the last span to
+/// the first, so each span still means what it meant in `source` (spans must not overlap;
+/// one past the end is clamped to it).
+pub fn splice(source: &str, mut edits: Vec<(Span, String)>) -> String {
+    edits.sort_by_key(|(s, _)| std::cmp::Reverse(s.start));
+    let mut text = source.to_string();
+    for (span, with) in edits {
+        let (a, b) = (span.start.min(text.len()), span.end.min(text.len()));
+        text.replace_range(a..b, &with);
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spliced_spans_keep_their_meaning_in_any_order() {
+        let src = "a: 1\nb: 22\n";
+        let edits = vec![(Span::new(3, 4), "333".to_string()), (Span::new(8, 10), "4".to_string())];
+        assert_eq!(splice(src, edits.clone()), "a: 333\nb: 4\n");
+        assert_eq!(splice(src, edits.into_iter().rev().collect()), "a: 333\nb: 4\n");
+        assert_eq!(splice(src, vec![(Span::new(8, 99), "x".to_string())]), "a: 1\nb: x");
+    }
 
     #[test]
     fn line_columns_are_one_based_and_count_characters() {
