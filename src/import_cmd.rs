@@ -1,5 +1,6 @@
 //! `pipec import`: a Hugging Face `config.json` becomes a spec — its `model` section written
-//! as pipec layers (GPT-2, Llama, Mistral and Qwen2 families), with a cluster, an `auto`
+//! as pipec layers (GPT-2, Llama, Mistral and Qwen2 families; BERT as a sequence
+//! classifier), with a cluster, an `auto`
 //! strategy and a training section to edit. Every field of the config that changes what
 //! the model computes is either translated or refused by name; fields that do not (token
 //! ids, dtype, versions, initialisation) are ignored.
@@ -90,6 +91,9 @@ const IGNORED: &[&str] = &[
     "tokenizer_class",
     "bos_token",
     "eos_token",
+    "gradient_checkpointing",
+    "label2id",
+    "cls_token_id",
 ];
 
 /// A config read field by field: every field used or checked is marked, and what is left
@@ -180,9 +184,10 @@ pub fn import(text: &str, name: &str, seq: Option<usize>) -> Result<String, Stri
     let model = match family.as_str() {
         "gpt2" => gpt2(&mut c, seq)?,
         "llama" | "mistral" | "qwen2" => llama(&mut c, &family, seq)?,
+        "bert" => bert(&mut c, seq)?,
         other => {
             return Err(format!(
-                "`model_type: {other}` is not an architecture pipec imports (it imports gpt2, llama, mistral and qwen2)"
+                "`model_type: {other}` is not an architecture pipec imports (it imports gpt2, llama, mistral, qwen2 and bert)"
             ))
         }
     };
@@ -224,9 +229,11 @@ fn gpt2(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
         "gelu" => "gelu",
         other => return Err(format!("`activation_function: {other}` is not supported (gelu_new or gelu)")),
     };
-    if eps != 1e-5 {
-        return Err(format!("`layer_norm_epsilon: {eps}` is not supported: pipec's layernorm uses 1e-5"));
-    }
+    let (block_eps, final_norm) = if eps == pipec_plan::model::DEFAULT_EPS {
+        (String::new(), "layernorm".to_string())
+    } else {
+        (format!(", eps={}", number(eps)), format!("layernorm(eps={})", number(eps)))
+    };
     for k in ["attn_pdrop", "resid_pdrop", "embd_pdrop"] {
         c.require(k, |_| true, "")?;
     }
@@ -245,8 +252,8 @@ fn gpt2(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
          model:\n  input: [{seq}]\n  layers:\n\
          \x20   - embedding({vocab}, {d}) as wte\n\
          \x20   - pos_embedding({positions}) as wpe\n\
-         \x20   - repeat {layers}: transformer_block(d={d}, heads={heads}, ff={ff}, causal=true, mlp={mlp})\n\
-         \x20   - layernorm\n\
+         \x20   - repeat {layers}: transformer_block(d={d}, heads={heads}, ff={ff}, causal=true, mlp={mlp}{block_eps})\n\
+         \x20   - {final_norm}\n\
          \x20   - linear({d}, {vocab}, bias=false, tie=wte)\n\
          \x20 loss: cross_entropy\n"
     ))
@@ -333,6 +340,101 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     ))
 }
 
+/// A BERT encoder (`BertModel`, `BertForMaskedLM`, `BertForSequenceClassification`, ...) as
+/// a sequence classifier: token, token-type and position embeddings with their layer norm,
+/// post-norm blocks, the first position ([CLS]) pooled through the pooler (`linear` +
+/// `tanh`), then the classifier over `num_labels` (or `id2label`'s) classes — what
+/// `BertForSequenceClassification` computes. A pre-training checkpoint's heads are not
+/// imported; `pipec run --init` leaves a classifier it lacks to pipec's initialisation.
+fn bert(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
+    let vocab = c.count("vocab_size")?;
+    let d = c.count("hidden_size")?;
+    let layers = c.count("num_hidden_layers")?;
+    let heads = c.count("num_attention_heads")?;
+    let ff = c.count("intermediate_size")?;
+    let positions = c.count("max_position_embeddings")?;
+    let types = c.count_or("type_vocab_size", Some(2))?;
+    let eps = c.number_or("layer_norm_eps", 1e-12)?;
+    let act = c.text("hidden_act").unwrap_or_else(|| "gelu".into());
+    let mlp = match act.as_str() {
+        "gelu" => "",
+        "gelu_new" | "gelu_pytorch_tanh" => ", mlp=gelu_tanh",
+        other => return Err(format!("`hidden_act: {other}` is not supported (gelu or gelu_new)")),
+    };
+    if d % heads != 0 {
+        return Err(format!("`hidden_size` {d} is not a multiple of `num_attention_heads` {heads}"));
+    }
+    let labels = match c.take("id2label").and_then(Value::as_object).map(Map::len) {
+        Some(n) if n > 0 => n,
+        _ => c.count_or("num_labels", Some(2))?,
+    };
+    c.used.insert("num_labels".into());
+    let probability = |c: &mut Config, key: &str| -> Result<f64, String> {
+        match c.take(key) {
+            None => Ok(0.0),
+            Some(v) => v
+                .as_f64()
+                .filter(|p| (0.0..1.0).contains(p))
+                .ok_or_else(|| format!("`{key}` must be a probability in [0, 1), found {v}")),
+        }
+    };
+    let hidden_dropout = probability(c, "hidden_dropout_prob")?;
+    let classifier_dropout = match c.fields.get("classifier_dropout").filter(|v| !v.is_null()) {
+        Some(_) => probability(c, "classifier_dropout")?,
+        None => {
+            c.used.insert("classifier_dropout".into());
+            hidden_dropout
+        }
+    };
+    c.require("attention_probs_dropout_prob", |_| true, "")?;
+    c.require(
+        "position_embedding_type",
+        |v| v.as_str() == Some("absolute"),
+        "pipec's positions are learned absolute embeddings",
+    )?;
+    c.require("is_decoder", |v| v.as_bool() == Some(false), "a BERT decoder attends causally with cross-attention")?;
+    c.require("add_cross_attention", |v| v.as_bool() == Some(false), "cross-attention is an encoder-decoder's")?;
+    c.require("chunk_size_feed_forward", |v| v.as_u64() == Some(0), "pipec does not chunk the feed-forward")?;
+    c.require(
+        "problem_type",
+        |v| v.as_str() == Some("single_label_classification"),
+        "pipec's classifier trains with cross-entropy over single labels",
+    )?;
+    let sep = match c.take("sep_token_id").and_then(Value::as_u64) {
+        Some(s) if (s as usize) < vocab => format!(", sep={s}"),
+        Some(s) => return Err(format!("`sep_token_id` {s} is not in the vocabulary of {vocab}")),
+        None => String::new(),
+    };
+    let seq = window(positions, seq)?;
+    let e = number(eps);
+    let dropout = |p: f64| if p > 0.0 { format!("    - dropout({p})\n") } else { String::new() };
+    let sep_note = if sep.is_empty() {
+        "\n# For sentence pairs give the embedding `sep=` the [SEP] token's id (102 in bert-base-uncased's\n\
+         # vocabulary): positions after the first [SEP] then have token type 1, as the tokenizer gives them."
+    } else {
+        ""
+    };
+    Ok(format!(
+        "# BERT: {layers} post-norm blocks of d = {d} with {heads} heads, a {vocab}-token vocabulary, as a\n\
+         # sequence classifier over {labels} classes (the [CLS] position through the pooler). Dropout\n\
+         # inside the blocks (hidden and attention) is not applied.{sep_note}\n\
+         model:\n  input: [{seq}]\n  layers:\n\
+         \x20   - embedding({vocab}, {d}, types={types}{sep})\n\
+         \x20   - pos_embedding({positions})\n\
+         \x20   - layernorm(eps={e})\n\
+         {}\
+         \x20   - repeat {layers}: transformer_block(d={d}, heads={heads}, ff={ff}{mlp}, post_norm=true, eps={e})\n\
+         \x20   - seq_pool(first)\n\
+         \x20   - linear({d}, {d}) as pooler\n\
+         \x20   - tanh\n\
+         {}\
+         \x20   - linear({d}, {labels}) as classifier\n\
+         \x20 loss: cross_entropy\n",
+        dropout(hidden_dropout),
+        dropout(classifier_dropout),
+    ))
+}
+
 /// A number as a spec writes it: integers without a fraction, others in Rust's shortest form.
 fn number(x: f64) -> String {
     if x.fract() == 0.0 && x.abs() < 1e15 {
@@ -356,8 +458,8 @@ mod tests {
 
     #[test]
     fn an_unknown_field_or_architecture_is_named() {
-        let e = import(r#"{"model_type": "bert"}"#, "x", None).expect_err("bert");
-        assert!(e.contains("`model_type: bert`"), "{e}");
+        let e = import(r#"{"model_type": "t5"}"#, "x", None).expect_err("t5");
+        assert!(e.contains("`model_type: t5`"), "{e}");
         let cfg = r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64, "frobnicate": 1}"#;
         let e = import(cfg, "x", None).expect_err("unknown field");

@@ -446,6 +446,14 @@ fn resolve_resume(args: &RunArgs, plan: &Plan) -> Result<(Option<Resume>, usize)
         // its part of each weight the way a resume does, and the optimizer starts fresh
         let loaded =
             pipec_plan::hf::initial_weights(plan, dir).map_err(|e| format!("--init `{}`: {e}", dir.display()))?;
+        if !loaded.initial.is_empty() {
+            let names: Vec<String> = loaded.initial.values().map(|n| format!("`{n}`")).collect();
+            eprintln!(
+                "note: `{}` has no {}: the classifier starts from pipec's initial values (fine-tuning a base checkpoint)",
+                dir.display(),
+                names.join(", ")
+            );
+        }
         return Ok((Some(Resume::Loaded(std::sync::Arc::new(loaded))), 0));
     }
     let Some(p) = &args.resume else { return Ok((None, 0)) };

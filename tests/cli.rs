@@ -925,6 +925,8 @@ fn import_writes_specs_that_check_clean_with_the_published_parameter_counts() {
         ("llama-3-8b", "8,030,261,248"),
         ("gpt2-medium", "354,823,168"),
         ("qwen2-0.5b", "494,032,768"),
+        // BertModel's 109,482,240 and a two-class classifier, 768·2 + 2
+        ("bert-base-uncased", "109,483,778"),
     ] {
         let spec = dir.path().join(format!("{config}.yaml"));
         let out = pipec(&[
@@ -1170,4 +1172,140 @@ fn a_residual_network_trains_from_an_image_folder() {
     // ln 4 ≈ 1.39 is a guess; the four patterns are told apart
     let last: f64 = losses[35..].iter().sum::<f64>() / 5.0;
     assert!(last < 0.5 * losses[0], "{losses:?}");
+}
+
+#[test]
+fn a_bert_classifier_trains_one_step_as_torch_does_and_exports_to_transformers_names() {
+    // tests/reference/hf/bert: a tiny random BertForSequenceClassification (post-norm
+    // blocks, token types from the [SEP] token 2, the pooler, 3 classes), two rows with their
+    // labels, the logits, and the weights after one step of AdamW and of SGD with momentum.
+    // pipec's spec is what `pipec import` writes for its config (with `sep=2`); it starts at
+    // torch's loss and takes the same step, on one device and on a 2-stage pipeline with
+    // tensor parallelism 2, and exports under transformers' names.
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf/bert");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).expect("fixture")).expect("json");
+    let ids: Vec<Vec<u32>> = serde_json::from_value(reference["input_ids"].clone()).expect("ids");
+    let labels: Vec<usize> = serde_json::from_value(reference["labels"].clone()).expect("labels");
+    let logits: Vec<f64> = serde_json::from_value(reference["logits"].clone()).expect("logits");
+    let mut expected_loss = 0.0;
+    for (row, label) in logits.chunks(3).zip(&labels) {
+        let max = row.iter().fold(f64::MIN, |m, v| m.max(*v));
+        expected_loss += max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln() - row[*label];
+    }
+    expected_loss /= 2.0;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut csv = (0..12).map(|k| format!("t{k},")).collect::<String>() + "label\n";
+    for (row, label) in ids.iter().zip(&labels) {
+        csv += &format!("{},{label}\n", row.iter().map(ToString::to_string).collect::<Vec<_>>().join(","));
+    }
+    std::fs::write(dir.path().join("pairs.csv"), csv).expect("csv");
+    let imported = pipec(&["import", fixture.join("config.json").to_str().expect("utf-8"), "--seq", "12"]);
+    assert!(imported.status.success(), "{}", String::from_utf8_lossy(&imported.stderr));
+    let text = String::from_utf8_lossy(&imported.stdout).into_owned();
+    let model = &text[text.find("model:").expect("model")..text.find("cluster:").expect("cluster")];
+    assert!(model.contains("embedding(50, 16, types=2)") && model.contains("post_norm=true, eps=1e-12"), "{model}");
+    let model = model.replace("types=2)", "types=2, sep=2)");
+    let optimizers = [
+        ("after-adamw", "{ kind: adamw, lr: 0.01, eps: 0.0001, weight_decay: 0.1, decay_biases_and_norms: false }"),
+        ("after-sgd", "{ kind: momentum, lr: 0.05, momentum: 0.9, weight_decay: 0.1 }"),
+    ];
+    for (after, optimizer) in optimizers {
+        let expected = pipec_plan::hf::read_safetensors(
+            &std::fs::read(fixture.join(format!("{after}.safetensors"))).expect("fixture"),
+        )
+        .expect("safetensors");
+        for (devices, layout) in [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")] {
+            let name = format!("bert-{after}-{devices}");
+            let spec = format!(
+                "name: {name}\n{model}\
+                 cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
+                 strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
+                 training:\n  batch_size: 2\n  steps: 1\n  checkpoint: {{ every: 1, dir: checkpoints }}\n  optimizer: {optimizer}\n  data: {{ kind: csv, path: pairs.csv }}\n"
+            );
+            let path = dir.path().join(format!("{name}.yaml"));
+            std::fs::write(&path, spec).expect("spec");
+            let run = dir.path().join(&name);
+            run_from_hugging_face(&path, &fixture, &run, &[]);
+            let loss = run_losses(&run)[0];
+            eprintln!("{name}: pipec {loss}, torch {expected_loss}");
+            assert!(
+                (loss - expected_loss).abs() <= 1e-5 * expected_loss,
+                "{name}: pipec's loss {loss}, torch's {expected_loss}"
+            );
+            let exported = dir.path().join(format!("{name}-hf"));
+            let out = pipec(&[
+                "export",
+                run.join("checkpoints").to_str().expect("utf-8"),
+                "-o",
+                exported.to_str().expect("utf-8"),
+            ]);
+            assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+            let got = pipec_plan::hf::read_dir(&exported).expect("exported");
+            assert_eq!(got.keys().collect::<Vec<_>>(), expected.keys().collect::<Vec<_>>(), "{name}");
+            for (tensor, (shape, want)) in &expected {
+                let (got_shape, values) = &got[tensor];
+                assert_eq!(got_shape, shape, "{name}: {tensor}");
+                let scale = want.iter().fold(0.0_f32, |m, v| m.max(v.abs()));
+                let worst = values.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0_f32, f32::max);
+                assert!(worst <= 1e-5 * scale, "{name}: {tensor} differs from torch's by {worst:e} (largest {scale})");
+            }
+            // the exported config imports back into the same model
+            let again = pipec(&["import", exported.join("config.json").to_str().expect("utf-8"), "--seq", "12"]);
+            assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+            let again = String::from_utf8_lossy(&again.stdout).into_owned();
+            assert!(again.contains(model.as_str()), "{again}");
+        }
+    }
+}
+
+#[test]
+fn a_bert_classifier_fine_tunes_from_a_checkpoint_without_its_head() {
+    // a base checkpoint (BertModel's tensors, no `classifier.*`): the encoder and pooler
+    // come from it, the classifier from pipec's initialisation, and the run says so; a
+    // checkpoint that lacks an encoder tensor is still refused, naming it
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf/bert");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut tensors = pipec_plan::hf::read_dir(&fixture).expect("fixture");
+    tensors.retain(|name, _| !name.starts_with("classifier."));
+    let base = dir.path().join("base");
+    std::fs::create_dir(&base).expect("dir");
+    std::fs::write(base.join("model.safetensors"), pipec_plan::hf::write_safetensors(&tensors).expect("write"))
+        .expect("write");
+    let imported = pipec(&["import", fixture.join("config.json").to_str().expect("utf-8"), "--seq", "12"]);
+    let text = String::from_utf8_lossy(&imported.stdout).replace("types=2)", "types=2, sep=2)");
+    let model = &text[text.find("model:").expect("model")..text.find("cluster:").expect("cluster")];
+    let spec = format!(
+        "name: tune\n{model}cluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
+         strategy:\n  stages: \"1-1\"\n  schedule: 1f1b\n  microbatches: 2\n\
+         training:\n  batch_size: 4\n  steps: 30\n  optimizer: {{ kind: adamw, lr: 0.01 }}\n  data: {{ kind: synthetic, samples: 16 }}\n"
+    );
+    let path = dir.path().join("tune.yaml");
+    std::fs::write(&path, spec).expect("spec");
+    let run = dir.path().join("run");
+    let out = pipec(&[
+        "run",
+        path.to_str().expect("utf-8"),
+        "--init",
+        base.to_str().expect("utf-8"),
+        "--out",
+        run.to_str().expect("utf-8"),
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains(
+            "has no `classifier.weight`, `classifier.bias`: the classifier starts from pipec's initial values"
+        ),
+        "{said}"
+    );
+    let losses = run_losses(&run);
+    assert!(losses[29] < 0.5 * losses[0], "{losses:?}");
+    // without the pooler the checkpoint is not this model's
+    tensors.retain(|name, _| !name.starts_with("bert.pooler."));
+    std::fs::write(base.join("model.safetensors"), pipec_plan::hf::write_safetensors(&tensors).expect("write"))
+        .expect("write");
+    let out = pipec(&["run", path.to_str().expect("utf-8"), "--init", base.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bert.pooler.dense.weight"));
 }

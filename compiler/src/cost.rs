@@ -112,8 +112,14 @@ pub fn forward_flops(node: &OpNode) -> f64 {
         Op::LayerNorm { .. } => 5.0 * inp,
         // square, mean, reciprocal root, scale
         Op::RmsNorm { .. } => 4.0 * inp,
-        Op::Embedding { .. } => out,
+        // the row look-up, and the token-type row added to it
+        Op::Embedding { types, .. } => out * if types > 0 { 2.0 } else { 1.0 },
         Op::PosEmbedding { .. } => inp,
+        // the first position is a copy; the mean sums every element once
+        Op::SeqPool { how } => match how {
+            pipec_plan::model::Pooling::First => 0.0,
+            pipec_plan::model::Pooling::Mean => inp,
+        },
         Op::Lstm { input, hidden } => {
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
             let (i, h) = (input as f64, hidden as f64);
@@ -157,7 +163,7 @@ fn kept_bytes(node: &OpNode, p: f64, tp: usize, sp: bool, attention: Attention) 
     let inp = numel(&node.input_shape);
     let bytes = match node.op {
         // the gradient passes through unchanged (add) or is sliced (concat, flatten)
-        Op::Flatten | Op::Add { .. } | Op::Concat { .. } | Op::AdaptiveAvgPool2d { .. } => 0.0,
+        Op::Flatten | Op::Add { .. } | Op::Concat { .. } | Op::AdaptiveAvgPool2d { .. } | Op::SeqPool { .. } => 0.0,
         // the table's gradient is the output gradient itself
         Op::PosEmbedding { .. } => 0.0,
         // per step: the input, the four gates, the cell state and its tanh, the hidden state

@@ -191,7 +191,14 @@ fn op_args(op: &Op) -> String {
         Op::AdaptiveAvgPool2d { size } => format!("[{size}x{size}]"),
         Op::BatchNorm2d { channels } => format!("[{channels}]"),
         Op::Add { .. } | Op::Concat { .. } => String::new(),
-        Op::LayerNorm { dim } => format!("[{dim}]"),
+        Op::LayerNorm { dim, eps } => {
+            if *eps == pipec_plan::model::DEFAULT_EPS {
+                format!("[{dim}]")
+            } else {
+                format!("[{dim}, eps={eps}]")
+            }
+        }
+        Op::SeqPool { how } => format!("[{how}]"),
         Op::RmsNorm { dim, eps } => {
             if *eps == pipec_plan::model::DEFAULT_EPS {
                 format!("[{dim}]")
@@ -200,7 +207,11 @@ fn op_args(op: &Op) -> String {
             }
         }
         Op::Dropout { p } => format!("[p={p}]"),
-        Op::Embedding { vocab, dim } => format!("[{vocab}x{dim}]"),
+        Op::Embedding { vocab, dim, types, sep } => {
+            let types = if *types > 0 { format!(", types={types}") } else { String::new() };
+            let sep = sep.map(|s| format!(", sep={s}")).unwrap_or_default();
+            format!("[{vocab}x{dim}{types}{sep}]")
+        }
         Op::TransformerBlock { d_model, heads, d_ff, causal, .. } => {
             // the GPT block's arguments, then only what differs from it
             let mut extra = String::new();
@@ -219,6 +230,9 @@ fn op_args(op: &Op) -> String {
                 }
                 if !b.bias {
                     extra += if b.qkv_bias { ", qkv bias only" } else { ", no bias" };
+                }
+                if b.post_norm {
+                    extra += ", post-norm";
                 }
             }
             format!("[d={d_model}, heads={heads}, ff={d_ff}{}{extra}]", if *causal { ", causal" } else { "" })

@@ -40,7 +40,8 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
             }
         }
         let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
-        let (model, missing) = params::set_params(model, |pid, _| values.remove(&pid));
+        let (model, mut missing) = params::set_params(model, |pid, _| values.remove(&pid));
+        missing.retain(|pid| !loaded.initial.contains_key(pid));
         st.model = Some(model);
         load_running_statistics(st, &saved, tp_size, tp_rank)?;
         if let Some(first) = missing.first() {

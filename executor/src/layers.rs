@@ -7,7 +7,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use burn::tensor::module::{adaptive_avg_pool2d, avg_pool2d, conv2d, embedding, max_pool2d};
 use burn::tensor::ops::ConvOptions;
-use pipec_plan::model::{MlpKind, NormKind, Op, Source};
+use pipec_plan::model::{MlpKind, NormKind, Op, Pooling, Source};
 
 use crate::dense::Kernels;
 use crate::error::{ExecError, Result};
@@ -209,11 +209,6 @@ pub struct Norm<B: Backend> {
 }
 
 impl<B: Backend> Norm<B> {
-    /// A layer norm (ε 1e-5): gain in `slot`, bias in `slot + 1`.
-    pub(crate) fn new(layer: usize, slot: u64, dim: usize, device: &B::Device) -> Self {
-        Self::of(NormKind::LayerNorm, layer, slot, dim, pipec_plan::model::DEFAULT_EPS, device)
-    }
-
     /// A norm of `kind`: its gain in `slot`, a layer norm's bias in `slot + 1`.
     pub(crate) fn of(kind: NormKind, layer: usize, slot: u64, dim: usize, eps: f64, device: &B::Device) -> Self {
         Norm {
@@ -267,6 +262,9 @@ pub struct Block<B: Backend> {
     /// Rotary embeddings' base θ (0: none).
     #[module(skip)]
     pub rope: f64,
+    /// Each norm after its residual sum (BERT) instead of before its branch.
+    #[module(skip)]
+    pub post_norm: bool,
 }
 
 /// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
@@ -367,6 +365,12 @@ impl<B: Kernels> Block<B> {
     }
 
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        if self.post_norm {
+            let ctx = self.attend(self.qkv.forward3(x.clone()));
+            let h = self.norm1.forward(x + self.proj.forward3(ctx));
+            let m = self.fc2.forward3(self.activate(self.fc1.forward3(h.clone())));
+            return self.norm2.forward(h + m);
+        }
         let ctx = self.attend(self.qkv.forward3(self.norm1.forward(x.clone())));
         let x = x + self.proj.forward3(ctx);
         let m = self.fc2.forward3(self.activate(self.fc1.forward3(self.norm2.forward(x.clone()))));
@@ -404,6 +408,7 @@ impl<B: Kernels> Block<B> {
             causal: k.causal,
             mlp: k.mlp,
             rope: k.rope,
+            post_norm: k.post_norm,
         })
     }
 }
@@ -500,23 +505,89 @@ pub struct Stateless {
     pub index: usize,
 }
 
-/// An embedding table [vocab, d].
+/// An embedding table [vocab, d] (or a positional table [max_len, d]), with a token
+/// embedding's optional token-type table.
 #[derive(Module, Debug)]
 pub struct Embed<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
+    pub types: Option<TokenTypes<B>>,
+}
+
+/// A token embedding's token-type (segment) table [types, d], BERT's: position p of a row
+/// has the type "number of `sep` tokens before p", at most types − 1 (type 0 everywhere
+/// without `sep`).
+#[derive(Module, Debug)]
+pub struct TokenTypes<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+    #[module(skip)]
+    pub sep: Option<usize>,
+}
+
+impl<B: Backend> TokenTypes<B> {
+    /// Layer `index`'s table (slot 1), deterministic: 0.02·N(0, 1) as GPT-2's positions.
+    pub(crate) fn new(
+        index: usize,
+        seed: u64,
+        types: usize,
+        dim: usize,
+        sep: Option<usize>,
+        device: &B::Device,
+    ) -> Self {
+        let mut rng = Rng::keyed(&[seed, 10, index as u64, 1]);
+        let table = rng.normal_vec(types * dim).into_iter().map(|v| 0.02 * v).collect();
+        TokenTypes { weight: param(pid(index, 1), table, [types, dim], device), sep }
+    }
+
+    /// Each position's type id for token ids [batch, seq].
+    pub(crate) fn type_ids(&self, ids: &Tensor<B, 2, Int>) -> Result<Tensor<B, 2, Int>> {
+        let [rows, seq] = ids.dims();
+        let last = self.weight.dims()[0].saturating_sub(1) as i64;
+        let mut types = vec![0i64; rows * seq];
+        if let Some(sep) = self.sep {
+            let host: Vec<i64> = ids
+                .clone()
+                .into_data()
+                .convert::<i64>()
+                .into_vec()
+                .map_err(|e| ExecError::Shape(format!("token ids: {e:?}")))?;
+            for (row, out) in host.chunks(seq).zip(types.chunks_mut(seq)) {
+                let mut seen = 0i64;
+                for (id, t) in row.iter().zip(out) {
+                    *t = seen.min(last);
+                    if *id == sep as i64 {
+                        seen += 1;
+                    }
+                }
+            }
+        }
+        Ok(Tensor::from_data(TensorData::new(types, [rows, seq]), &ids.device()))
+    }
+
+    /// `x` [batch, seq, d] plus each position's token-type row.
+    pub(crate) fn add(&self, x: Tensor<B, 3>, ids: &Tensor<B, 2, Int>) -> Result<Tensor<B, 3>> {
+        Ok(x + embedding(self.weight.val(), self.type_ids(ids)?))
+    }
 }
 
 /// Rows `first..first + rows` of an embedding table: a tensor-parallel rank's part of the
-/// vocabulary.
+/// vocabulary (a token-type table is whole on every rank).
 #[derive(Module, Debug)]
 pub struct VocabEmbed<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     pub first: usize,
+    pub types: Option<TokenTypes<B>>,
 }
 
 impl<B: Backend> VocabEmbed<B> {
-    pub(crate) fn new(index: usize, table: Vec<f32>, shape: [usize; 2], first: usize, device: &B::Device) -> Self {
-        VocabEmbed { weight: param(pid(index, 0), table, shape, device), first }
+    pub(crate) fn new(
+        index: usize,
+        table: Vec<f32>,
+        shape: [usize; 2],
+        first: usize,
+        types: Option<TokenTypes<B>>,
+        device: &B::Device,
+    ) -> Self {
+        VocabEmbed { weight: param(pid(index, 0), table, shape, device), first, types }
     }
 
     /// The looked-up vectors of the ids this rank holds, zeros for the others (summed over
@@ -636,16 +707,17 @@ impl<B: Kernels> Layer<B> {
                     padding,
                 })
             }
-            Op::LayerNorm { dim } => Layer::Norm(Norm::new(index, 0, dim, device)),
+            Op::LayerNorm { dim, eps } => Layer::Norm(Norm::of(NormKind::LayerNorm, index, 0, dim, eps, device)),
             Op::RmsNorm { dim, eps } => Layer::Norm(Norm::of(NormKind::RmsNorm, index, 0, dim, eps, device)),
             Op::BatchNorm2d { channels } => Layer::BatchNorm(BatchNorm::new(index, channels, device)),
-            Op::Embedding { vocab, dim } => Layer::Embedding(Embed {
+            Op::Embedding { vocab, dim, types, sep } => Layer::Embedding(Embed {
                 weight: param(pid(index, 0), embedding_values(index, seed, vocab, dim), [vocab, dim], device),
+                types: (types > 0).then(|| TokenTypes::new(index, seed, types, dim, sep, device)),
             }),
             Op::PosEmbedding { max_len, dim } => {
                 let mut rng = Rng::keyed(&[seed, 10, index as u64, 0]);
                 let table = rng.normal_vec(max_len * dim).into_iter().map(|v| 0.02 * v).collect();
-                Layer::PosEmbedding(Embed { weight: param(pid(index, 0), table, [max_len, dim], device) })
+                Layer::PosEmbedding(Embed { weight: param(pid(index, 0), table, [max_len, dim], device), types: None })
             }
             Op::Lstm { input, hidden } => Layer::Lstm(Lstm::new(index, seed, input, hidden, device)),
             Op::TransformerBlock { .. } => match Block::build(index, op, seed, device, |_, w| w, 1) {
@@ -677,7 +749,10 @@ impl<B: Kernels> Layer<B> {
             )),
             (Layer::Norm(n), Act::D2(t)) => Act::D2(n.forward(t)),
             (Layer::Norm(n), Act::D3(t)) => Act::D3(n.forward(t)),
-            (Layer::Embedding(e), Act::Tokens(t)) => Act::D3(embedding(e.weight.val(), t)),
+            (Layer::Embedding(e), Act::Tokens(t)) => match &e.types {
+                None => Act::D3(embedding(e.weight.val(), t)),
+                Some(types) => Act::D3(types.add(embedding(e.weight.val(), t.clone()), &t)?),
+            },
             (Layer::PosEmbedding(e), Act::D3(t)) => {
                 let [_, s, d] = t.dims();
                 Act::D3(t + e.weight.val().narrow(0, 0, s).reshape([1, s, d]))
@@ -790,6 +865,16 @@ pub(crate) fn stateless<B: Backend>(
             other => {
                 Err(ExecError::Shape(format!("adaptive_avgpool2d needs [batch, C, H, W], got {:?}", other.dims())))
             }
+        },
+        Op::SeqPool { how } => match x {
+            Act::D3(t) => {
+                let [b, _, d] = t.dims();
+                Ok(Act::D2(match how {
+                    Pooling::First => t.narrow(1, 0, 1).reshape([b, d]),
+                    Pooling::Mean => t.mean_dim(1).reshape([b, d]),
+                }))
+            }
+            other => Err(ExecError::Shape(format!("seq_pool needs [batch, seq, d], got {:?}", other.dims()))),
         },
         _ => Err(ExecError::Shape(format!("{} is not a stateless layer", op.name()))),
     }

@@ -21,7 +21,9 @@ use burn::prelude::*;
 use pipec_plan::model::Op;
 
 use crate::error::{ExecError, Result};
-use crate::layers::{dense_values, embedding_values, stateless, Act, Block, Dense, Layer, StageModel, VocabEmbed};
+use crate::layers::{
+    dense_values, embedding_values, stateless, Act, Block, Dense, Layer, StageModel, TokenTypes, VocabEmbed,
+};
 use crate::params::host_f32;
 use pipec_plan::model::Loss;
 
@@ -243,10 +245,11 @@ pub fn build_stage<B: Kernels>(
                     Layer::ColumnLinear(dense)
                 }
             }
-            (Split::Vocab, Op::Embedding { vocab, dim }) => {
+            (Split::Vocab, Op::Embedding { vocab, dim, types, sep }) => {
                 let part = vocab / tp;
                 let table = shard(&embedding_values(index, seed, *vocab, *dim), at(index, 0), tp, rank);
-                Layer::VocabEmbedding(VocabEmbed::new(index, table, [part, *dim], rank * part, device))
+                let types = (*types > 0).then(|| TokenTypes::new(index, seed, *types, *dim, *sep, device));
+                Layer::VocabEmbedding(VocabEmbed::new(index, table, [part, *dim], rank * part, types, device))
             }
             (Split::Row, Op::Linear { in_features, out_features, bias }) => {
                 let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
@@ -275,14 +278,16 @@ pub fn build_stage<B: Kernels>(
 }
 
 /// Parameter ids (layer << 8 | slot) whose gradients are partial on each rank and must be
-/// summed over the group: the layer norms feeding a block's column-parallel projections.
+/// summed over the group: the layer norms feeding a block's column-parallel projections (a
+/// post-norm block's norms follow its all-reduces instead: their gradients are whole).
 pub fn partial_parameter_ids(layers: &StageLayers<'_>, tp: usize) -> Result<Vec<u64>> {
     let first = layers.range.start;
     let splits = layers.splits(tp)?;
+    let ops = layers.ops();
     Ok(splits
         .iter()
         .enumerate()
-        .filter(|(_, s)| **s == Split::Block)
+        .filter(|(k, s)| **s == Split::Block && !ops.get(*k).and_then(Op::block_dims).is_some_and(|b| b.post_norm))
         .flat_map(|(k, _)| {
             let l = ((first + k) as u64) << 8;
             [l, l | 1, l | 6, l | 7]
@@ -344,7 +349,9 @@ fn attention_half<B: ExecBackend>(
     x: Tensor<B, 3>,
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
 ) -> Result<Tensor<B, 3>> {
-    let qkv = match b.qkv.forward_act(Act::D3(b.norm1.forward(x.clone())))? {
+    // pre-norm: x + attention(norm(x)); post-norm: x + attention(x), normed by the caller
+    let input = if b.post_norm { x.clone() } else { b.norm1.forward(x.clone()) };
+    let qkv = match b.qkv.forward_act(Act::D3(input))? {
         Act::D3(t) => t,
         _ => {
             return Err(ExecError::Shape(
@@ -367,7 +374,8 @@ fn mlp_half<B: ExecBackend>(
     h: Tensor<B, 3>,
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
 ) -> Result<Tensor<B, 3>> {
-    let up = match b.fc1.forward_act(Act::D3(b.norm2.forward(h.clone())))? {
+    let input = if b.post_norm { h.clone() } else { b.norm2.forward(h.clone()) };
+    let up = match b.fc1.forward_act(Act::D3(input))? {
         Act::D3(t) => b.activate(t),
         _ => {
             return Err(ExecError::Shape(
@@ -380,6 +388,21 @@ fn mlp_half<B: ExecBackend>(
         Act::D3(m) => Ok(h + m),
         _ => Err(ExecError::Shape("the MLP of a tensor-parallel block must give [batch, seq, d]".into())),
     }
+}
+
+/// A post-norm block's norm on a residual sum `leaf` (replicated on every rank) as a segment
+/// of its own, whose input gradient is complete; the next segment's leaf.
+fn post_norm_segment<B: ExecBackend>(
+    segments: &mut Vec<Segment<B>>,
+    norm: &crate::layers::Norm<B>,
+    leaf: Act<B>,
+) -> Result<Act<B>> {
+    let Act::D3(t) = leaf.clone() else {
+        return Err(ExecError::Shape("a transformer block's residual sum must be [batch, seq, d]".into()));
+    };
+    let out = Act::D3(norm.forward(t));
+    segments.push(Segment { leaf, out: out.clone(), boundary: Boundary::Complete });
+    Ok(fresh(&out))
 }
 
 /// The forward of a tensor-parallel stage, cut into segments at every `f` point.
@@ -424,7 +447,12 @@ pub fn forward<B: ExecBackend>(
                 let Act::Tokens(ids) = cur else {
                     return Err(ExecError::Shape("a vocabulary-parallel embedding needs token ids".into()));
                 };
-                cur = g(Act::D3(e.partial(ids)), reduce)?;
+                cur = g(Act::D3(e.partial(ids.clone())), reduce)?;
+                // the token types after the sum: the table is whole on every rank, and so
+                // is its gradient
+                if let (Some(types), Act::D3(t)) = (&e.types, &cur) {
+                    cur = Act::D3(types.add(t.clone(), &ids)?);
+                }
             }
             // this rank's logits: the loss is computed over the split (`vocab_parallel_loss`)
             Layer::VocabLinear(d) => {
@@ -439,6 +467,11 @@ pub fn forward<B: ExecBackend>(
                 let h = Act::D3(attention_half(b, t, reduce)?);
                 segments.push(Segment { leaf: leaf.clone(), out: h.clone(), boundary });
                 leaf = fresh(&h);
+                // post-norm: the norm of the residual sum is its own segment, replicated,
+                // so the residual correction above sees the gradient at the sum itself
+                if b.post_norm {
+                    leaf = post_norm_segment(&mut segments, &b.norm1, leaf)?;
+                }
                 let Act::D3(t) = leaf.clone() else {
                     return Err(ExecError::Shape(
                         "a transformer block's attention half must give [batch, seq, d]".into(),
@@ -450,6 +483,9 @@ pub fn forward<B: ExecBackend>(
                 // already complete (the block output is replicated).
                 segments.push(Segment { leaf: leaf.clone(), out: y.clone(), boundary: Boundary::SumResidual });
                 leaf = fresh(&y);
+                if b.post_norm {
+                    leaf = post_norm_segment(&mut segments, &b.norm2, leaf)?;
+                }
                 cur = leaf.clone();
                 boundary = Boundary::Complete;
                 applied = 0;

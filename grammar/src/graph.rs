@@ -621,7 +621,7 @@ impl<'n> Expander<'_, '_, 'n> {
     fn tie(&mut self, i: usize, to: &Tensor, aspan: Span) {
         let embedding = match to.source {
             Source::Layer(a) => match self.layers[a].op {
-                Op::Embedding { vocab, dim } => Some((a, vocab, dim)),
+                Op::Embedding { vocab, dim, .. } => Some((a, vocab, dim)),
                 _ => None,
             },
             Source::Input => None,

@@ -1,7 +1,7 @@
 //! The layer catalogue: each DSL layer's signature and documentation, and the resolution of a
 //! parsed call (`conv2d(3, 64, k=3, pad=1)`) into an [`Op`] with every argument checked.
 
-use pipec_plan::model::{MlpKind, NormKind, Op};
+use pipec_plan::model::{MlpKind, NormKind, Op, Pooling};
 use pipec_plan::vocab::Choice;
 
 use crate::dsl::{ArgValue, LayerCall, Rel};
@@ -25,6 +25,8 @@ pub enum ArgKind {
     Norm,
     /// A block's MLP: `gelu`, `gelu_tanh`, `swiglu` or `geglu` (the index into `MlpKind::ALL`).
     Mlp,
+    /// A pooling over positions: `first` or `mean` (the index into `Pooling::ALL`).
+    Pooling,
 }
 
 /// One parameter of a layer: its name, aliases, kind and default (None = required).
@@ -119,9 +121,9 @@ pub const LAYERS: &[LayerDoc] = &[
     LayerDoc { name: "sigmoid", signature: "sigmoid", doc: "Logistic sigmoid.", params: &[] },
     LayerDoc {
         name: "layernorm",
-        signature: "layernorm [(d)]",
-        doc: "Layer normalisation over the last dimension (d is inferred when omitted).",
-        params: &[p("d", ArgKind::Count, Some(0.0))],
+        signature: "layernorm [(d, eps=1e-5)]",
+        doc: "Layer normalisation over the last dimension (d is inferred when omitted; BERT's ε is 1e-12).",
+        params: &[p("d", ArgKind::Count, Some(0.0)), p("eps", ArgKind::Positive, Some(pipec_plan::model::DEFAULT_EPS))],
     },
     LayerDoc {
         name: "rmsnorm",
@@ -137,9 +139,21 @@ pub const LAYERS: &[LayerDoc] = &[
     },
     LayerDoc {
         name: "embedding",
-        signature: "embedding(vocab, d)",
-        doc: "Token embedding: a [sequence] of token ids in 0..vocab becomes [sequence, d].",
-        params: &[p("vocab", ArgKind::Count, None), p("d", ArgKind::Count, None)],
+        signature: "embedding(vocab, d, types=0, sep=NONE)",
+        doc: "Token embedding: a [sequence] of token ids in 0..vocab becomes [sequence, d]. `types=2` adds a token-type (segment) embedding as BERT's: position p's type is the number of `sep` tokens before p (at most types − 1), the type ids a Hugging Face tokenizer gives a pair `[CLS] A [SEP] B [SEP]`; without `sep`, type 0 everywhere.",
+        params: &[
+            p("vocab", ArgKind::Count, None),
+            p("d", ArgKind::Count, None),
+            pa("types", &["type_vocab_size"], ArgKind::Size, Some(0.0)),
+            // -1: no separator
+            p("sep", ArgKind::Size, Some(-1.0)),
+        ],
+    },
+    LayerDoc {
+        name: "seq_pool",
+        signature: "seq_pool(first|mean)",
+        doc: "Reduces a [sequence, d] input to [d] over its positions: `first` keeps the first position (BERT's [CLS] token; its pooler is `linear(d, d)` then `tanh`), `mean` averages them.",
+        params: &[p("how", ArgKind::Pooling, None)],
     },
     LayerDoc {
         name: "pos_embedding",
@@ -149,8 +163,8 @@ pub const LAYERS: &[LayerDoc] = &[
     },
     LayerDoc {
         name: "transformer_block",
-        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5)",
-        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε.",
+        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5, post_norm=false)",
+        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε. `post_norm=true` puts each norm after its residual sum (BERT): norm(x + attention(x)), then norm(h + mlp(h)).",
         params: &[
             pa("d", &["d_model"], ArgKind::Count, None),
             p("heads", ArgKind::Count, None),
@@ -164,6 +178,7 @@ pub const LAYERS: &[LayerDoc] = &[
             // -1: as `bias`
             p("qkv_bias", ArgKind::Bool, Some(-1.0)),
             p("eps", ArgKind::Positive, Some(pipec_plan::model::DEFAULT_EPS)),
+            p("post_norm", ArgKind::Bool, Some(0.0)),
         ],
     },
     LayerDoc {
@@ -337,14 +352,15 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
         "sigmoid" => Op::Sigmoid,
         "layernorm" => {
             let dim = if n(0) == 0 { input.and_then(|s| s.last().copied()).unwrap_or(0) } else { n(0) };
-            Op::LayerNorm { dim }
+            Op::LayerNorm { dim, eps: get(1) }
         }
         "rmsnorm" => {
             let dim = if n(0) == 0 { input.and_then(|s| s.last().copied()).unwrap_or(0) } else { n(0) };
             Op::RmsNorm { dim, eps: get(1) }
         }
         "dropout" => Op::Dropout { p: get(0) },
-        "embedding" => Op::Embedding { vocab: n(0), dim: n(1) },
+        "embedding" => Op::Embedding { vocab: n(0), dim: n(1), types: n(2), sep: (get(3) >= 0.0).then(|| n(3)) },
+        "seq_pool" => Op::SeqPool { how: Pooling::ALL[n(0)] },
         "transformer_block" => Op::TransformerBlock {
             d_model: n(0),
             heads: n(1),
@@ -357,6 +373,7 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
             bias: b(8),
             qkv_bias: if get(9) < 0.0 { b(8) } else { b(9) },
             eps: get(10),
+            post_norm: b(11),
         },
         "pos_embedding" => {
             let (seq, dim) = match input {
@@ -409,6 +426,10 @@ fn check_value(param: Param, v: &ArgValue) -> Result<f64, String> {
             Ok(MlpKind::ALL.iter().position(|k| k.name() == s).unwrap_or(0) as f64)
         }
         (ArgKind::Mlp, _) => Err(format!("must be one of {}", names(MlpKind::ALL))),
+        (ArgKind::Pooling, ArgValue::Ident(s)) if Pooling::from_name(s).is_some() => {
+            Ok(Pooling::ALL.iter().position(|k| k.name() == s).unwrap_or(0) as f64)
+        }
+        (ArgKind::Pooling, _) => Err(format!("must be one of {}", names(Pooling::ALL))),
     }
 }
 
@@ -440,7 +461,7 @@ mod tests {
         assert_eq!(op("maxpool2d(2)"), Ok(Op::MaxPool2d { kernel: 2, stride: 2, padding: 0 }));
         assert_eq!(op("maxpool2d(3, stride=2, pad=1)"), Ok(Op::MaxPool2d { kernel: 3, stride: 2, padding: 1 }));
         assert_eq!(op("batchnorm2d"), Ok(Op::BatchNorm2d { channels: 3 }));
-        assert_eq!(op("layernorm"), Ok(Op::LayerNorm { dim: 32 }));
+        assert_eq!(op("layernorm"), Ok(Op::layer_norm(32)));
     }
 
     #[test]

@@ -565,6 +565,10 @@ pub struct Loaded {
     pub tensor_parallel: HashMap<u32, u32>,
     /// What it holds (None for a format-2 checkpoint, which does not say).
     pub identity: Option<Identity>,
+    /// Parameters it leaves at pipec's initial values (a fine-tuning head that a Hugging
+    /// Face base checkpoint lacks), with the name of the tensor each lacked; every other
+    /// parameter must be in it.
+    pub initial: std::collections::BTreeMap<u64, String>,
 }
 
 impl Loaded {
@@ -818,5 +822,5 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
             optimizers.insert(ShardKey { stage: s, tp_rank: r }, b);
         }
     }
-    Ok(Loaded { completed_steps, params, optimizers, tensor_parallel, identity })
+    Ok(Loaded { completed_steps, params, optimizers, tensor_parallel, identity, initial: Default::default() })
 }

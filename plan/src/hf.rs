@@ -76,7 +76,7 @@ pub fn read_dir(dir: &Path) -> Result<Tensors, String> {
 /// its part of each weight.
 pub fn initial_weights(plan: &Plan, dir: &Path) -> Result<Loaded, String> {
     let ops = plan.model_ops();
-    let values = to_pipec(&ops, &read_dir(dir)?)?;
+    let (values, initial) = convert(&ops, &read_dir(dir)?)?;
     let mut identity = Identity::of(plan);
     // saved as one whole stage: every weight whole, on rank 0
     identity.stage_layers = vec![[0, ops.len()]];
@@ -89,6 +89,7 @@ pub fn initial_weights(plan: &Plan, dir: &Path) -> Result<Loaded, String> {
         optimizers: Default::default(),
         tensor_parallel: Default::default(),
         identity: Some(identity),
+        initial: initial.into_iter().collect(),
     })
 }
 
@@ -98,6 +99,22 @@ pub fn initial_weights(plan: &Plan, dir: &Path) -> Result<Loaded, String> {
 /// is an error naming the tensor and both shapes; an output layer with no tensor of its
 /// own (tied embeddings) takes the embedding's table.
 pub fn to_pipec(layers: &[Op], tensors: &Tensors) -> Result<Weights, String> {
+    let (weights, initial) = convert(layers, tensors)?;
+    match initial.first() {
+        Some((_, name)) => Err(format!("the checkpoint has no tensor `{name}`")),
+        None => Ok(weights),
+    }
+}
+
+/// [`to_pipec`], but a sequence classifier's head that the checkpoint lacks (a base or
+/// pre-training checkpoint: no `classifier.*`) is left to pipec's initial values: the ids
+/// of those parameters with the tensor each lacked.
+pub fn convert(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Vec<(u64, String)>), String> {
+    if let Some(prefix) =
+        ["bert.", ""].into_iter().find(|p| tensors.contains_key(&format!("{p}embeddings.word_embeddings.weight")))
+    {
+        return bert_to_pipec(layers, tensors, prefix);
+    }
     let gpt2 = tensors.contains_key("wte.weight") || tensors.contains_key("transformer.wte.weight");
     let prefix = if tensors.contains_key("transformer.wte.weight") { "transformer." } else { "" };
     let get = |name: &str, shape: &[usize]| -> Result<&Vec<f32>, String> {
@@ -118,7 +135,7 @@ pub fn to_pipec(layers: &[Op], tensors: &Tensors) -> Result<Weights, String> {
     let blocks = layers.iter().filter(|op| matches!(op, Op::TransformerBlock { .. })).count();
     for (i, op) in layers.iter().enumerate() {
         match op {
-            Op::Embedding { vocab, dim } => {
+            Op::Embedding { vocab, dim, .. } => {
                 let name = if gpt2 { format!("{prefix}wte.weight") } else { "model.embed_tokens.weight".into() };
                 let v = get(&name, &[*vocab, *dim])?.clone();
                 embedding = Some((*vocab, *dim, v.clone()));
@@ -171,7 +188,7 @@ pub fn to_pipec(layers: &[Op], tensors: &Tensors) -> Result<Weights, String> {
                 }
                 block += 1;
             }
-            Op::LayerNorm { dim } if gpt2 && block == blocks => {
+            Op::LayerNorm { dim, .. } if gpt2 && block == blocks => {
                 out.insert(pid(i, 0), same(&format!("{prefix}ln_f.weight"), &[*dim])?);
                 out.insert(pid(i, 1), same(&format!("{prefix}ln_f.bias"), &[*dim])?);
             }
@@ -197,7 +214,119 @@ pub fn to_pipec(layers: &[Op], tensors: &Tensors) -> Result<Weights, String> {
             }
         }
     }
-    Ok(out)
+    Ok((out, Vec::new()))
+}
+
+/// A tensor of `tensors` by name, its shape checked: the error names the tensor and both
+/// shapes.
+fn lookup<'a>(tensors: &'a Tensors, name: &str, shape: &[usize]) -> Result<&'a Vec<f32>, String> {
+    match tensors.get(name) {
+        None => Err(format!("the checkpoint has no tensor `{name}` (expected shape {shape:?})")),
+        Some((s, _)) if s != shape => {
+            Err(format!("`{name}` has shape {s:?} in the checkpoint, the model's layer needs {shape:?}"))
+        }
+        Some((_, v)) => Ok(v),
+    }
+}
+
+/// A BERT encoder's weights (`BertModel`, `BertForSequenceClassification` or a pre-training
+/// checkpoint's `bert.*`): the embedding with its token types, positions and layer norm,
+/// post-norm blocks, then the pooler and the classifier (the first and second `linear`
+/// after the blocks); a classifier the checkpoint lacks is left to pipec's initial values.
+/// Layer norms read `weight`/`bias` or the older `gamma`/`beta`.
+fn bert_to_pipec(layers: &[Op], tensors: &Tensors, prefix: &str) -> Result<(Weights, Vec<(u64, String)>), String> {
+    let get = |name: &str, shape: &[usize]| lookup(tensors, name, shape);
+    let same = |name: &str, shape: &[usize]| get(name, shape).map(|v| (shape.to_vec(), v.clone()));
+    let transposed = |values: &[f32], rows: usize, cols: usize| (vec![cols, rows], transpose(values, rows, cols));
+    let norm = |out: &mut Weights, i: usize, first: u64, name: &str, d: usize| -> Result<(), String> {
+        let old = !tensors.contains_key(&format!("{name}.weight")) && tensors.contains_key(&format!("{name}.gamma"));
+        let (w, b) = if old { ("gamma", "beta") } else { ("weight", "bias") };
+        out.insert(pid(i, first), same(&format!("{name}.{w}"), &[d])?);
+        out.insert(pid(i, first + 1), same(&format!("{name}.{b}"), &[d])?);
+        Ok(())
+    };
+    let e = format!("{prefix}embeddings.");
+    let mut out = Weights::new();
+    let mut initial = Vec::new();
+    let (mut block, mut linears) = (0usize, 0usize);
+    for (i, op) in layers.iter().enumerate() {
+        match op {
+            Op::Embedding { vocab, dim, types, .. } => {
+                out.insert(pid(i, 0), same(&format!("{e}word_embeddings.weight"), &[*vocab, *dim])?);
+                let name = format!("{e}token_type_embeddings.weight");
+                match (types, tensors.get(&name)) {
+                    (0, Some((shape, _))) => {
+                        return Err(format!(
+                            "the checkpoint has token-type embeddings `{name}` {shape:?}: the embedding needs `types={}` (and `sep=` the [SEP] token's id)",
+                            shape.first().copied().unwrap_or(2)
+                        ))
+                    }
+                    (0, None) => {}
+                    (t, _) => {
+                        out.insert(pid(i, 1), same(&name, &[*t, *dim])?);
+                    }
+                }
+            }
+            Op::PosEmbedding { max_len, dim } => {
+                out.insert(pid(i, 0), same(&format!("{e}position_embeddings.weight"), &[*max_len, *dim])?);
+            }
+            Op::LayerNorm { dim, .. } if block == 0 => norm(&mut out, i, 0, &format!("{e}LayerNorm"), *dim)?,
+            Op::TransformerBlock { .. } => {
+                let b = op.block_dims().ok_or("not a block")?;
+                if !b.post_norm || b.norm != crate::model::NormKind::LayerNorm || !b.bias || b.kv_heads != b.heads {
+                    return Err(format!(
+                        "layer {i}: a BERT block is `transformer_block(d, heads, ff, post_norm=true, eps=1e-12)` (layer norms after the residual sums, biases, as many key/value heads as heads)"
+                    ));
+                }
+                let (d, f) = (b.d, b.ff);
+                let h = format!("{prefix}encoder.layer.{block}.");
+                let q = get(&format!("{h}attention.self.query.weight"), &[d, d])?;
+                let k = get(&format!("{h}attention.self.key.weight"), &[d, d])?;
+                let v = get(&format!("{h}attention.self.value.weight"), &[d, d])?;
+                out.insert(pid(i, 2), transposed(&[q.as_slice(), k, v].concat(), 3 * d, d));
+                let q = get(&format!("{h}attention.self.query.bias"), &[d])?;
+                let k = get(&format!("{h}attention.self.key.bias"), &[d])?;
+                let v = get(&format!("{h}attention.self.value.bias"), &[d])?;
+                out.insert(pid(i, 3), (vec![3 * d], [q.as_slice(), k, v].concat()));
+                out.insert(pid(i, 4), transposed(get(&format!("{h}attention.output.dense.weight"), &[d, d])?, d, d));
+                out.insert(pid(i, 5), same(&format!("{h}attention.output.dense.bias"), &[d])?);
+                norm(&mut out, i, 0, &format!("{h}attention.output.LayerNorm"), d)?;
+                out.insert(pid(i, 8), transposed(get(&format!("{h}intermediate.dense.weight"), &[f, d])?, f, d));
+                out.insert(pid(i, 9), same(&format!("{h}intermediate.dense.bias"), &[f])?);
+                out.insert(pid(i, 10), transposed(get(&format!("{h}output.dense.weight"), &[d, f])?, d, f));
+                out.insert(pid(i, 11), same(&format!("{h}output.dense.bias"), &[d])?);
+                norm(&mut out, i, 6, &format!("{h}output.LayerNorm"), d)?;
+                block += 1;
+            }
+            Op::Linear { in_features, out_features, bias: true } if block > 0 && linears < 2 => {
+                let (name, head) = if linears == 0 {
+                    (format!("{prefix}pooler.dense"), false)
+                } else {
+                    ("classifier".to_string(), true)
+                };
+                linears += 1;
+                let (w, b) = (format!("{name}.weight"), format!("{name}.bias"));
+                if head && !tensors.contains_key(&w) && !tensors.contains_key(&b) {
+                    initial.push((pid(i, 0), w));
+                    initial.push((pid(i, 1), b));
+                    continue;
+                }
+                out.insert(
+                    pid(i, 0),
+                    transposed(get(&w, &[*out_features, *in_features])?, *out_features, *in_features),
+                );
+                out.insert(pid(i, 1), same(&b, &[*out_features])?);
+            }
+            Op::Dropout { .. } | Op::SeqPool { .. } | Op::Tanh => {}
+            other => {
+                return Err(format!(
+                    "layer {i} (`{}`) has no counterpart in a Hugging Face BERT checkpoint",
+                    other.name()
+                ))
+            }
+        }
+    }
+    Ok((out, initial))
 }
 
 /// The family a model exports as: its `config.json` and its tensors' names.
@@ -221,11 +350,14 @@ pub fn from_pipec(
     use serde_json::json;
     let blocks: Vec<crate::model::BlockDims> = layers.iter().filter_map(Op::block_dims).collect();
     let first =
-        *blocks.first().ok_or("the model has no transformer block: only GPT-2 and Llama-family models export")?;
+        *blocks.first().ok_or("the model has no transformer block: only GPT-2, Llama-family and BERT models export")?;
     if blocks.iter().any(|b| *b != first) {
         return Err("the model's blocks differ: a Hugging Face config describes one block repeated".into());
     }
     let b = first;
+    if b.post_norm {
+        return bert_from_pipec(layers, weights);
+    }
     let family = match (b.norm, b.mlp, b.rope != 0.0) {
         (crate::model::NormKind::LayerNorm, crate::model::MlpKind::GeluTanh | crate::model::MlpKind::Gelu, false)
             if b.bias && b.qkv_bias && b.kv_heads == b.heads =>
@@ -240,7 +372,7 @@ pub fn from_pipec(
             )
         }
     };
-    let Some(Op::Embedding { vocab, dim }) = layers.first().cloned() else {
+    let Some(Op::Embedding { vocab, dim, .. }) = layers.first().cloned() else {
         return Err("the model does not start with an embedding".into());
     };
     let weight = |id: u64, shape: &[usize]| -> Result<&Vec<f32>, String> {
@@ -315,7 +447,7 @@ pub fn from_pipec(
                 put(format!("{h}mlp.down_proj.weight"), vec![d, f], transpose(weight(id(10), &[f, d])?, f, d));
                 block += 1;
             }
-            (Family::Gpt2, Op::LayerNorm { dim }) if block == blocks.len() => {
+            (Family::Gpt2, Op::LayerNorm { dim, .. }) if block == blocks.len() => {
                 put("transformer.ln_f.weight".into(), vec![*dim], weight(id(0), &[*dim])?.clone());
                 put("transformer.ln_f.bias".into(), vec![*dim], weight(id(1), &[*dim])?.clone());
             }
@@ -385,6 +517,116 @@ pub fn from_pipec(
     Ok((config, out))
 }
 
+/// A BERT sequence classifier of `layers` (as `pipec import` writes it) under
+/// `BertForSequenceClassification`'s names, with its `config.json`: the inverse of the BERT
+/// part of [`to_pipec`].
+fn bert_from_pipec(layers: &[Op], weights: &Weights) -> Result<(serde_json::Value, Tensors), String> {
+    use serde_json::json;
+    let blocks: Vec<crate::model::BlockDims> = layers.iter().filter_map(Op::block_dims).collect();
+    let b = *blocks.first().ok_or("the model has no transformer block")?;
+    let Some(Op::Embedding { vocab, dim, types, sep }) = layers.first().cloned() else {
+        return Err("a BERT model starts with its embedding".into());
+    };
+    let weight = |id: u64, shape: &[usize]| -> Result<Vec<f32>, String> {
+        match weights.get(&id) {
+            Some((s, v)) if s == shape => Ok(v.clone()),
+            Some((s, _)) => {
+                Err(format!("`{}` has shape {s:?}, the layer needs {shape:?}", crate::checkpoint::param_name(id)))
+            }
+            None => Err(format!("the checkpoint has no `{}`", crate::checkpoint::param_name(id))),
+        }
+    };
+    let mut out = Tensors::new();
+    let (d, f) = (b.d, b.ff);
+    let (mut block, mut linears, mut positions, mut labels) = (0usize, 0usize, None, None);
+    for (i, op) in layers.iter().enumerate() {
+        let id = |slot: u64| pid(i, slot);
+        match op {
+            Op::Embedding { .. } => {
+                let e = "bert.embeddings.";
+                out.insert(format!("{e}word_embeddings.weight"), (vec![vocab, dim], weight(id(0), &[vocab, dim])?));
+                if types > 0 {
+                    let t = weight(id(1), &[types, dim])?;
+                    out.insert(format!("{e}token_type_embeddings.weight"), (vec![types, dim], t));
+                }
+            }
+            Op::PosEmbedding { max_len, dim } => {
+                positions = Some(*max_len);
+                let table = weight(id(0), &[*max_len, *dim])?;
+                out.insert("bert.embeddings.position_embeddings.weight".into(), (vec![*max_len, *dim], table));
+            }
+            Op::LayerNorm { dim, .. } if block == 0 => {
+                out.insert("bert.embeddings.LayerNorm.weight".into(), (vec![*dim], weight(id(0), &[*dim])?));
+                out.insert("bert.embeddings.LayerNorm.bias".into(), (vec![*dim], weight(id(1), &[*dim])?));
+            }
+            Op::TransformerBlock { .. } => {
+                if op.block_dims() != Some(b) {
+                    return Err("the model's blocks differ: a Hugging Face config describes one block repeated".into());
+                }
+                let h = format!("bert.encoder.layer.{block}.");
+                let mut put = |name: &str, shape: Vec<usize>, values: Vec<f32>| {
+                    out.insert(format!("{h}{name}"), (shape, values));
+                };
+                // pipec's fused [in, out] as [out, in], then cut along `out`
+                let qkv = transpose(&weight(id(2), &[d, 3 * d])?, d, 3 * d);
+                let bias = weight(id(3), &[3 * d])?;
+                for (k, name) in ["query", "key", "value"].iter().enumerate() {
+                    put(&format!("attention.self.{name}.weight"), vec![d, d], qkv[k * d * d..(k + 1) * d * d].to_vec());
+                    put(&format!("attention.self.{name}.bias"), vec![d], bias[k * d..(k + 1) * d].to_vec());
+                }
+                put("attention.output.dense.weight", vec![d, d], transpose(&weight(id(4), &[d, d])?, d, d));
+                put("attention.output.dense.bias", vec![d], weight(id(5), &[d])?);
+                put("attention.output.LayerNorm.weight", vec![d], weight(id(0), &[d])?);
+                put("attention.output.LayerNorm.bias", vec![d], weight(id(1), &[d])?);
+                put("intermediate.dense.weight", vec![f, d], transpose(&weight(id(8), &[d, f])?, d, f));
+                put("intermediate.dense.bias", vec![f], weight(id(9), &[f])?);
+                put("output.dense.weight", vec![d, f], transpose(&weight(id(10), &[f, d])?, f, d));
+                put("output.dense.bias", vec![d], weight(id(11), &[d])?);
+                put("output.LayerNorm.weight", vec![d], weight(id(6), &[d])?);
+                put("output.LayerNorm.bias", vec![d], weight(id(7), &[d])?);
+                block += 1;
+            }
+            Op::Linear { in_features, out_features, bias: true } if block > 0 && linears < 2 => {
+                let name = if linears == 0 { "bert.pooler.dense" } else { "classifier" };
+                if linears == 1 {
+                    labels = Some(*out_features);
+                }
+                linears += 1;
+                let w = transpose(&weight(id(0), &[*in_features, *out_features])?, *in_features, *out_features);
+                out.insert(format!("{name}.weight"), (vec![*out_features, *in_features], w));
+                out.insert(format!("{name}.bias"), (vec![*out_features], weight(id(1), &[*out_features])?));
+            }
+            Op::Dropout { .. } | Op::SeqPool { .. } | Op::Tanh => {}
+            other => return Err(format!("layer {i} (`{}`) has no place in a Hugging Face BERT model", other.name())),
+        }
+    }
+    let labels = labels.ok_or("a BERT classifier ends with its pooler and its classifier, two `linear` layers")?;
+    let mut config = json!({
+        "architectures": ["BertForSequenceClassification"],
+        "model_type": "bert",
+        "vocab_size": vocab,
+        "hidden_size": d,
+        "num_hidden_layers": blocks.len(),
+        "num_attention_heads": b.heads,
+        "intermediate_size": f,
+        "hidden_act": if b.mlp == crate::model::MlpKind::GeluTanh { "gelu_new" } else { "gelu" },
+        "max_position_embeddings": positions.ok_or("a BERT model has a `pos_embedding`")?,
+        "type_vocab_size": types,
+        "layer_norm_eps": b.eps,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "position_embedding_type": "absolute",
+        "num_labels": labels,
+        "id2label": (0..labels).map(|k| (k.to_string(), json!(format!("LABEL_{k}")))).collect::<serde_json::Map<_, _>>(),
+        "label2id": (0..labels).map(|k| (format!("LABEL_{k}"), json!(k))).collect::<serde_json::Map<_, _>>(),
+        "torch_dtype": "float32",
+    });
+    if let Some(s) = sep {
+        config["sep_token_id"] = json!(s);
+    }
+    Ok((config, out))
+}
+
 /// `tensors` as a safetensors file (f32).
 pub fn write_safetensors(tensors: &Tensors) -> Result<Vec<u8>, String> {
     let bytes: Vec<(&String, &Vec<usize>, Vec<u8>)> =
@@ -447,11 +689,11 @@ mod tests {
         let models: [(Vec<Op>, bool, &str, usize); 3] = [
             (
                 vec![
-                    Op::Embedding { vocab: 11, dim: 8 },
+                    Op::embedding(11, 8),
                     Op::PosEmbedding { max_len: 6, dim: 8 },
                     Op::block(8, 2, 16, true),
                     Op::block(8, 2, 16, true),
-                    Op::LayerNorm { dim: 8 },
+                    Op::layer_norm(8),
                     Op::Linear { in_features: 8, out_features: 11, bias: false },
                 ],
                 true,
@@ -460,7 +702,7 @@ mod tests {
             ),
             (
                 vec![
-                    Op::Embedding { vocab: 11, dim: 8 },
+                    Op::embedding(11, 8),
                     llama(false),
                     Op::RmsNorm { dim: 8, eps: 1e-6 },
                     Op::Linear { in_features: 8, out_features: 11, bias: false },
@@ -471,7 +713,7 @@ mod tests {
             ),
             (
                 vec![
-                    Op::Embedding { vocab: 11, dim: 8 },
+                    Op::embedding(11, 8),
                     llama(true),
                     Op::RmsNorm { dim: 8, eps: 1e-6 },
                     Op::Linear { in_features: 8, out_features: 11, bias: false },
@@ -496,9 +738,9 @@ mod tests {
                     weights.insert(pid(i, slot), fill(shape));
                 };
                 match op {
-                    Op::Embedding { vocab, dim } => put(0, vec![*vocab, *dim]),
+                    Op::Embedding { vocab, dim, .. } => put(0, vec![*vocab, *dim]),
                     Op::PosEmbedding { max_len, dim } => put(0, vec![*max_len, *dim]),
-                    Op::LayerNorm { dim } => {
+                    Op::LayerNorm { dim, .. } => {
                         put(0, vec![*dim]);
                         put(1, vec![*dim]);
                     }
@@ -544,7 +786,7 @@ mod tests {
 
     #[test]
     fn a_missing_tensor_or_a_wrong_shape_is_named() {
-        let layers = [Op::Embedding { vocab: 4, dim: 2 }, Op::Linear { in_features: 2, out_features: 4, bias: false }];
+        let layers = [Op::embedding(4, 2), Op::Linear { in_features: 2, out_features: 4, bias: false }];
         let mut t = Tensors::new();
         let e = to_pipec(&layers, &t).expect_err("missing");
         assert!(e.contains("`model.embed_tokens.weight`"), "{e}");

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::vocab::{MlpKind, NormKind};
+pub use crate::vocab::{MlpKind, NormKind, Pooling};
 
 /// One operator of the model, with all its hyper-parameters resolved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -64,13 +64,28 @@ pub enum Op {
     /// Layer normalisation over the last dimension (`dim` features).
     LayerNorm {
         dim: usize,
+        #[serde(default = "default_eps", skip_serializing_if = "is_default_eps")]
+        eps: f64,
     },
     Dropout {
         p: f64,
     },
+    /// Token embedding: row `id` of a [vocab, dim] table per position. With `types` > 0 a
+    /// second [types, dim] table of token types (BERT's segments) is added: position p's type
+    /// is the number of `sep` tokens before p, at most `types − 1` (the type ids a Hugging
+    /// Face tokenizer gives a pair `[CLS] A [SEP] B [SEP]`); without `sep`, type 0 everywhere.
     Embedding {
         vocab: usize,
         dim: usize,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        types: usize,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sep: Option<usize>,
+    },
+    /// A [sequence, d] input reduced over its positions to [d]: the first position (BERT's
+    /// `[CLS]`) or the mean.
+    SeqPool {
+        how: Pooling,
     },
     /// Pre-norm transformer block: norm → multi-head self-attention → residual → norm → MLP →
     /// residual. With `causal`, position i attends to positions ≤ i only (a GPT-style
@@ -103,6 +118,10 @@ pub enum Op {
         /// The norms' ε.
         #[serde(default = "default_eps", skip_serializing_if = "is_default_eps")]
         eps: f64,
+        /// Post-norm (BERT, the original transformer): norm(x + attention(x)), then
+        /// norm(h + mlp(h)), instead of x + attention(norm(x)) and h + mlp(norm(h)).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        post_norm: bool,
     },
     /// Root-mean-square normalisation over the last dimension: x / √(mean(x²) + ε) · gain.
     RmsNorm {
@@ -182,6 +201,7 @@ pub struct BlockDims {
     pub qkv_bias: bool,
     pub eps: f64,
     pub causal: bool,
+    pub post_norm: bool,
 }
 
 impl BlockDims {
@@ -328,6 +348,7 @@ impl Op {
             Op::GeluTanh => "gelu_tanh",
             Op::Dropout { .. } => "dropout",
             Op::Embedding { .. } => "embedding",
+            Op::SeqPool { .. } => "seq_pool",
             Op::TransformerBlock { .. } => "transformer_block",
             Op::PosEmbedding { .. } => "pos_embedding",
             Op::Lstm { .. } => "lstm",
@@ -347,14 +368,19 @@ impl Op {
             Op::AdaptiveAvgPool2d { size } => vec![size],
             Op::BatchNorm2d { channels } => vec![channels],
             Op::Add { inputs } | Op::Concat { inputs } => vec![inputs],
-            Op::LayerNorm { dim } | Op::RmsNorm { dim, .. } => vec![dim],
-            Op::Embedding { vocab, dim } => vec![vocab, dim],
+            Op::LayerNorm { dim, .. } | Op::RmsNorm { dim, .. } => vec![dim],
+            Op::Embedding { vocab, dim, types, sep } => vec![vocab, dim, types, sep.unwrap_or(0)],
             Op::PosEmbedding { max_len, dim } => vec![max_len, dim],
             Op::Lstm { input, hidden } => vec![input, hidden],
             Op::TransformerBlock { d_model, heads, d_ff, kv_heads, .. } => vec![d_model, heads, d_ff, kv_heads],
-            Op::Flatten | Op::Relu | Op::Gelu | Op::GeluTanh | Op::Tanh | Op::Sigmoid | Op::Dropout { .. } => {
-                Vec::new()
-            }
+            Op::Flatten
+            | Op::Relu
+            | Op::Gelu
+            | Op::GeluTanh
+            | Op::Tanh
+            | Op::Sigmoid
+            | Op::Dropout { .. }
+            | Op::SeqPool { .. } => Vec::new(),
         }
     }
 
@@ -481,7 +507,7 @@ impl Op {
             Op::Add { .. } | Op::Concat { .. } => Ok(input.to_vec()),
             Op::Flatten => Ok(vec![input.iter().product()]),
             Op::Relu | Op::Gelu | Op::GeluTanh | Op::Tanh | Op::Sigmoid | Op::Dropout { .. } => Ok(input.to_vec()),
-            Op::LayerNorm { dim } | Op::RmsNorm { dim, .. } => match input.last() {
+            Op::LayerNorm { dim, .. } | Op::RmsNorm { dim, .. } => match input.last() {
                 Some(&d) if d == dim => Ok(input.to_vec()),
                 Some(&d) => Err(shape_err(
                     format!("layernorm normalises {dim} features but its input {} has {d}", fmt_shape(input)),
@@ -489,10 +515,25 @@ impl Op {
                 )),
                 None => Err(shape_err("layernorm needs an input with at least one dimension".into(), None)),
             },
-            Op::Embedding { dim, .. } => match input {
+            Op::Embedding { vocab, dim, types, sep } => match input {
+                _ if sep.is_some() && types < 2 => Err(shape_err(
+                    "a separator token (`sep`) only counts segments with `types` of 2 or more".into(),
+                    Some(3),
+                )),
+                _ if sep.is_some_and(|s| s >= vocab) => Err(shape_err(
+                    format!("the separator token {} is not in the vocabulary of {vocab}", sep.unwrap_or(0)),
+                    Some(3),
+                )),
                 [seq] => Ok(vec![*seq, dim]),
                 _ => Err(shape_err(
                     format!("embedding expects a [sequence] of token ids, got {}", fmt_shape(input)),
+                    None,
+                )),
+            },
+            Op::SeqPool { how } => match input {
+                [_, d] => Ok(vec![*d]),
+                _ => Err(shape_err(
+                    format!("seq_pool({how}) expects a [sequence, features] input, got {}", fmt_shape(input)),
                     None,
                 )),
             },
@@ -564,10 +605,10 @@ impl Op {
                 &[u(in_channels), u(out_channels), u(kernel), u(kernel)],
                 &[u(out_channels), u128::from(bias)],
             ]),
-            Op::LayerNorm { dim } => 2 * u(dim),
+            Op::LayerNorm { dim, .. } => 2 * u(dim),
             Op::RmsNorm { dim, .. } => u(dim),
             Op::BatchNorm2d { channels } => 2 * u(channels),
-            Op::Embedding { vocab, dim } => sum_of(&[&[u(vocab), u(dim)]]),
+            Op::Embedding { vocab, dim, types, .. } => sum_of(&[&[u(vocab), u(dim)], &[u(types), u(dim)]]),
             Op::PosEmbedding { max_len, dim } => sum_of(&[&[u(max_len), u(dim)]]),
             // W_ih [4h, in], W_hh [4h, h], b_ih and b_hh [4h] (PyTorch's layout)
             Op::Lstm { input, hidden } => {
@@ -604,8 +645,19 @@ impl Op {
             | Op::GeluTanh
             | Op::Tanh
             | Op::Sigmoid
-            | Op::Dropout { .. } => 0,
+            | Op::Dropout { .. }
+            | Op::SeqPool { .. } => 0,
         }
+    }
+
+    /// A token embedding [vocab, dim] without token types.
+    pub fn embedding(vocab: usize, dim: usize) -> Op {
+        Op::Embedding { vocab, dim, types: 0, sep: None }
+    }
+
+    /// A layer norm over `dim` features with PyTorch's ε (1e-5).
+    pub fn layer_norm(dim: usize) -> Op {
+        Op::LayerNorm { dim, eps: DEFAULT_EPS }
     }
 
     /// A GPT-style transformer block (layer norms, GELU, biases, as many key/value heads as
@@ -623,6 +675,7 @@ impl Op {
             bias: true,
             qkv_bias: true,
             eps: DEFAULT_EPS,
+            post_norm: false,
         }
     }
 
@@ -641,13 +694,26 @@ impl Op {
             bias: false,
             qkv_bias: false,
             eps: DEFAULT_EPS,
+            post_norm: false,
         }
     }
 
     /// A transformer block's derived sizes; None for any other operator.
     pub fn block_dims(&self) -> Option<BlockDims> {
-        let Op::TransformerBlock { d_model, heads, d_ff, causal, kv_heads, norm, mlp, rope, bias, qkv_bias, eps } =
-            *self
+        let Op::TransformerBlock {
+            d_model,
+            heads,
+            d_ff,
+            causal,
+            kv_heads,
+            norm,
+            mlp,
+            rope,
+            bias,
+            qkv_bias,
+            eps,
+            post_norm,
+        } = *self
         else {
             return None;
         };
@@ -672,6 +738,7 @@ impl Op {
             qkv_bias,
             eps,
             causal,
+            post_norm,
         })
     }
 
@@ -834,10 +901,10 @@ mod tests {
     fn a_language_models_embedding_and_output_layer_split_over_the_vocabulary() {
         use TpSplit::{Block, Replicated, Vocab};
         let gpt = [
-            Op::Embedding { vocab: 128, dim: 64 },
+            Op::embedding(128, 64),
             Op::PosEmbedding { max_len: 64, dim: 64 },
             Op::block(64, 4, 256, true),
-            Op::LayerNorm { dim: 64 },
+            Op::layer_norm(64),
             Op::Linear { in_features: 64, out_features: 128, bias: false },
         ];
         let splits = |range, loss, tp| stage_tp_splits(&gpt, range, loss, tp).expect("splits");
@@ -849,8 +916,7 @@ mod tests {
         // not under another loss, not without tensor parallelism, not when tp does not divide
         assert_eq!(splits(0..5, Loss::Mse, 2), [Replicated, Replicated, Block, Replicated, Replicated]);
         assert_eq!(splits(0..5, Loss::CrossEntropy, 1), [Replicated; 5]);
-        let odd =
-            [Op::Embedding { vocab: 130, dim: 64 }, Op::Linear { in_features: 64, out_features: 130, bias: false }];
+        let odd = [Op::embedding(130, 64), Op::Linear { in_features: 64, out_features: 130, bias: false }];
         assert_eq!(stage_tp_splits(&odd, 0..2, Loss::CrossEntropy, 4).expect("splits"), [Replicated; 2]);
         // the second of a column/row pair stays a row-parallel layer
         let mlp = [
@@ -952,6 +1018,31 @@ mod tests {
             *q = qkv_bias;
         }
         b
+    }
+
+    #[test]
+    fn encoder_pieces_count_and_shape_as_bert() {
+        // bert-base's embeddings: words, two token types, 512 positions, the layer norm
+        let emb = Op::Embedding { vocab: 30522, dim: 768, types: 2, sep: Some(102) };
+        assert_eq!(emb.parameter_count(), 30522 * 768 + 2 * 768);
+        assert_eq!(emb.output_shape(&[128]).expect("ids"), vec![128, 768]);
+        // a separator needs at least two types, and must be a token of the vocabulary
+        let e = Op::Embedding { vocab: 100, dim: 8, types: 0, sep: Some(3) }.output_shape(&[4]).expect_err("no types");
+        assert!(e.message.contains("`types` of 2 or more"), "{}", e.message);
+        let e = Op::Embedding { vocab: 100, dim: 8, types: 2, sep: Some(100) }.output_shape(&[4]).expect_err("range");
+        assert!(e.message.contains("not in the vocabulary of 100"), "{}", e.message);
+        // a post-norm block has the parameters of a pre-norm one
+        let mut block = Op::block(768, 12, 3072, false);
+        let pre = block.parameter_count();
+        if let Op::TransformerBlock { post_norm, .. } = &mut block {
+            *post_norm = true;
+        }
+        assert_eq!(block.parameter_count(), pre);
+        assert_eq!(pre, 7_087_872);
+        for how in [Pooling::First, Pooling::Mean] {
+            assert_eq!(Op::SeqPool { how }.output_shape(&[128, 768]).expect("pooled"), vec![768]);
+            assert!(Op::SeqPool { how }.output_shape(&[768]).is_err());
+        }
     }
 
     #[test]

@@ -676,7 +676,7 @@ impl Plan {
         for l in &self.layers {
             if let Some(a) = l.tied {
                 let fits = match (self.layers.get(a).map(|e| &e.op), &l.op) {
-                    (Some(Op::Embedding { vocab, dim }), Op::Linear { in_features, out_features, bias: false }) => {
+                    (Some(Op::Embedding { vocab, dim, .. }), Op::Linear { in_features, out_features, bias: false }) => {
                         a < l.index && vocab == out_features && dim == in_features
                     }
                     _ => false,

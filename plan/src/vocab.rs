@@ -129,6 +129,16 @@ choice! {
 }
 
 choice! {
+    /// How `pool` reduces a [sequence, d] input to [d] (a sequence classifier's summary).
+    pub enum Pooling {
+        /// The first position's vector (BERT's `[CLS]` token).
+        First = "first",
+        /// The mean over positions.
+        Mean = "mean",
+    }
+}
+
+choice! {
     /// A transformer block's MLP (`mlp=`): two linear layers around an activation, or a
     /// gated unit (three: act(x·W_gate) ⊙ (x·W_up), then W_down).
     pub enum MlpKind {

@@ -16,13 +16,20 @@ weight decay 0.1, none on one-dimensional parameters: biases and norms) in
 """
 
 import copy
-
 import json
 import pathlib
+import sys
 
 import torch
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 HERE = pathlib.Path(__file__).parent
 torch.manual_seed(0)
@@ -32,7 +39,7 @@ def randomise(model):
     # weights large enough that every part of the block changes the logits visibly
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or ".ln_" in name or name.startswith("ln_f") or "layernorm" in name:
+            if name.endswith("norm.weight") or ".ln_" in name or name.startswith("ln_f") or "layernorm" in name or "LayerNorm.weight" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(0.3 * torch.randn_like(p))
@@ -61,25 +68,28 @@ def write(name, model, vocab, seq):
     step(model, ids, out)
 
 
+OPTIMIZERS = [
+    (
+        "after-adamw",
+        lambda m: torch.optim.AdamW(
+            [
+                {"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=0.01,
+            # GPT-2's key bias has a gradient of zero but for rounding (softmax does not
+            # see it): with eps 1e-8 Adam would amplify that noise into a whole step
+            eps=1e-4,
+        ),
+    ),
+    ("after-sgd", lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)),
+]
+
+
 def step(model, ids, out):
     flat = ids.flatten()
     targets = torch.cat([flat[1:], torch.tensor([7])]).view_as(ids)
-    for name, make in [
-        (
-            "after-adamw",
-            lambda m: torch.optim.AdamW(
-                [
-                    {"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                    {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
-                ],
-                lr=0.01,
-                # GPT-2's key bias has a gradient of zero but for rounding (softmax does not
-                # see it): with eps 1e-8 Adam would amplify that noise into a whole step
-                eps=1e-4,
-            ),
-        ),
-        ("after-sgd", lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)),
-    ]:
+    for name, make in OPTIMIZERS:
         m = copy.deepcopy(model).train()
         opt = make(m)
         logits = m(input_ids=ids).logits
@@ -89,6 +99,46 @@ def step(model, ids, out):
         # the weights under their checkpoint names (a tied output layer saved once)
         state = {k: v.detach().contiguous() for k, v in m.state_dict().items() if not (k == "lm_head.weight" and m.config.tie_word_embeddings)}
         save_file(state, out / f"{name}.safetensors", metadata={"loss": f"{loss.item():.9f}"})
+
+
+ONLY = set(sys.argv[1:])  # names to (re)make; all when none are given
+
+
+def wanted(name):
+    return not ONLY or name in ONLY
+
+
+def write_classifier(name, model, ids, types, labels):
+    """A sequence classifier's fixture: its logits for `ids` (token types `types`), the loss
+    (mean cross-entropy with `labels`) and one AdamW and one SGD step, as `write` does."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, token_type_ids=types).logits.float()
+    out = HERE / name
+    out.mkdir(exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "reference.json").write_text(
+        json.dumps(
+            {
+                "made_with": f"torch {torch.__version__}, transformers {__import__('transformers').__version__}",
+                "input_ids": ids.tolist(),
+                "token_type_ids": types.tolist(),
+                "labels": labels.tolist(),
+                "logits_shape": list(logits.shape),
+                "logits": [round(float(v), 7) for v in logits.flatten()],
+            }
+        )
+        + "\n"
+    )
+    (out / "generation_config.json").unlink(missing_ok=True)
+    for after, make in OPTIMIZERS:
+        m = copy.deepcopy(model).train()
+        opt = make(m)
+        loss = torch.nn.functional.cross_entropy(m(input_ids=ids, token_type_ids=types).logits, labels)
+        loss.backward()
+        opt.step()
+        state = {k: v.detach().contiguous() for k, v in m.state_dict().items()}
+        save_file(state, out / f"{after}.safetensors", metadata={"loss": f"{loss.item():.9f}"})
 
 
 llama = LlamaConfig(
@@ -104,9 +154,10 @@ llama = LlamaConfig(
     tie_word_embeddings=False,
     attention_bias=False,
 )
-m = LlamaForCausalLM(llama).float()
-randomise(m)
-write("llama-gqa", m, 50, 12)
+if wanted("llama-gqa"):
+    m = LlamaForCausalLM(llama).float()
+    randomise(m)
+    write("llama-gqa", m, 50, 12)
 
 gpt2 = GPT2Config(
     vocab_size=50,
@@ -119,6 +170,38 @@ gpt2 = GPT2Config(
     embd_pdrop=0.0,
     attn_pdrop=0.0,
 )
-m = GPT2LMHeadModel(gpt2).float()
-randomise(m)
-write("gpt2", m, 50, 12)
+if wanted("gpt2"):
+    m = GPT2LMHeadModel(gpt2).float()
+    randomise(m)
+    write("gpt2", m, 50, 12)
+
+# A BERT sequence classifier (post-norm blocks, exact GELU, token types, the pooler): rows
+# `[CLS] A [SEP] B [SEP]` with [CLS] = 1 and [SEP] = 2, their token types as a Hugging Face
+# tokenizer gives a pair (0 up to and with the first [SEP], 1 after) — pipec's
+# `embedding(..., types=2, sep=2)` derives the same from the ids.
+bert = BertConfig(
+    vocab_size=50,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=24,
+    max_position_embeddings=32,
+    type_vocab_size=2,
+    hidden_act="gelu",
+    layer_norm_eps=1e-12,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    num_labels=3,
+)
+if wanted("bert"):
+    torch.manual_seed(1)
+    m = BertForSequenceClassification(bert).float()
+    randomise(m)
+    ids = torch.randint(3, 50, (2, 12))
+    ids[:, 0] = 1
+    ids[0, 6] = 2
+    ids[1, 4] = 2
+    ids[:, 11] = 2
+    seps = (ids == 2).long()
+    types = (torch.cumsum(seps, 1) - seps).clamp(max=1)
+    write_classifier("bert", m, ids, types, torch.tensor([0, 2]))
