@@ -1309,3 +1309,98 @@ fn a_bert_classifier_fine_tunes_from_a_checkpoint_without_its_head() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("bert.pooler.dense.weight"));
 }
+
+#[test]
+fn a_torchvision_resnet_trains_one_step_as_torch_does_with_its_running_statistics() {
+    // tests/reference/hf/resnet: a torchvision ResNet (BasicBlock, narrowed by torchvision's
+    // own `_make_layer`) with random batch-norm weights and running statistics, four 40×40
+    // images, and the state after one step of SGD with momentum and weight decay over two
+    // microbatches of two (gradient accumulation: nn.BatchNorm2d moves its running
+    // statistics at each forward). pipec loads it under torchvision's names and takes the
+    // same step with `running_stats: per_forward` on one device, on a 2-stage pipeline and
+    // on two replicas: every weight and running statistic equal to torch's.
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf/resnet");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).expect("fixture")).expect("json");
+    let torch_loss = reference["train_loss"].as_f64().expect("loss");
+    let inputs = pipec_plan::hf::read_safetensors(&std::fs::read(fixture.join("inputs.safetensors")).expect("inputs"))
+        .expect("safetensors");
+    let (images, labels) = (&inputs["images"].1, &inputs["labels"].1);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut csv = String::new();
+    for (row, label) in images.chunks(3 * 40 * 40).zip(labels) {
+        let cells: Vec<String> = row.iter().map(|v| format!("{v:?}")).collect();
+        csv += &format!("{},{}\n", cells.join(","), *label as usize);
+    }
+    std::fs::write(dir.path().join("images.csv"), csv).expect("csv");
+    let after = pipec_plan::hf::read_safetensors(&std::fs::read(fixture.join("after-sgd.safetensors")).expect("after"))
+        .expect("safetensors");
+    let model = "model:\n  input: [3, 40, 40]\n  blocks:\n\
+                 \x20   basic(c):\n\
+                 \x20     - conv2d(c, c, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n\
+                 \x20     - conv2d(c, c, k=3, pad=1, bias=false) -> batchnorm2d as branch\n\
+                 \x20     - add(branch, in) -> relu\n\
+                 \x20   down(cin, cout):\n\
+                 \x20     - conv2d(cin, cout, k=3, stride=2, pad=1, bias=false) -> batchnorm2d -> relu\n\
+                 \x20     - conv2d(cout, cout, k=3, pad=1, bias=false) -> batchnorm2d as branch\n\
+                 \x20     - in -> conv2d(cin, cout, k=1, stride=2, bias=false) -> batchnorm2d as shortcut\n\
+                 \x20     - add(branch, shortcut) -> relu\n\
+                 \x20 layers:\n\
+                 \x20   - conv2d(3, 8, k=7, stride=2, pad=3, bias=false) -> batchnorm2d -> relu -> maxpool2d(3, stride=2, pad=1)\n\
+                 \x20   - basic(8)\n\
+                 \x20   - down(8, 16)\n\
+                 \x20   - down(16, 16)\n\
+                 \x20   - down(16, 16)\n\
+                 \x20   - adaptive_avgpool2d -> flatten -> linear(16, 5)\n\
+                 \x20 loss: cross_entropy\n";
+    let layouts = [
+        ("one-device", 1, "stages: \"1\"", "per_forward"),
+        ("pipeline", 2, "stages: \"1-1\"", "per_forward"),
+        ("replicas", 2, "stages: \"2\"", "per_forward"),
+        ("one-device", 1, "stages: \"1\"", "per_update"),
+    ];
+    for (label, devices, layout, rule) in layouts {
+        let name = format!("resnet-{label}-{rule}");
+        let spec = format!(
+            "name: {name}\n{model}\
+             cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
+             strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
+             training:\n  batch_size: 4\n  steps: 1\n  running_stats: {rule}\n  checkpoint: {{ every: 1, dir: checkpoints }}\n  optimizer: {{ kind: momentum, lr: 0.05, momentum: 0.9, weight_decay: 0.1 }}\n  data: {{ kind: csv, path: images.csv }}\n"
+        );
+        let path = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&path, spec).expect("spec");
+        let run = dir.path().join(&name);
+        run_from_hugging_face(&path, &fixture, &run, &[]);
+        let loss = run_losses(&run)[0];
+        assert!((loss - torch_loss).abs() <= 1e-5 * torch_loss, "{name}: pipec's loss {loss}, torch's {torch_loss}");
+        let plan = pipec_plan::plan::Plan::from_json(&std::fs::read_to_string(run.join("plan.json")).expect("plan"))
+            .expect("plan");
+        let want = pipec_plan::hf::to_pipec(&plan.model_ops(), &after).expect("torchvision names");
+        let saved = pipec_plan::checkpoint::read(
+            &pipec_plan::checkpoint::locate_in(&run.join("checkpoints"), None).expect("a checkpoint"),
+        )
+        .expect("reads");
+        let mut running_off = 0.0_f32;
+        for (id, (shape, values)) in &want {
+            let (got_shape, got) = &saved.params[&(*id, 0)];
+            assert_eq!(got_shape, shape, "{name}: {}", pipec_plan::checkpoint::param_name(*id));
+            let scale = values.iter().fold(0.0_f32, |m, v| m.max(v.abs()));
+            let worst = got.iter().zip(values).map(|(a, b)| (a - b).abs()).fold(0.0_f32, f32::max);
+            if id & 0xff >= 2 && rule == "per_update" {
+                // batch normalisation's running statistics, slots 2 and 3
+                running_off = running_off.max(worst / scale);
+                continue;
+            }
+            assert!(
+                worst <= 1e-5 * scale,
+                "{name}: {} differs from torch's by {worst:e} (largest {scale})",
+                pipec_plan::checkpoint::param_name(*id)
+            );
+        }
+        eprintln!("{name}: loss {loss} (torch {torch_loss}), {} tensors compared, running statistics per_update off by {running_off:e}", want.len());
+        if rule == "per_update" {
+            // one fold toward the mean of the two microbatches' statistics is not torch's two
+            assert!(running_off > 1e-4, "{name}: the running statistics agree with torch's to {running_off:e}");
+        }
+    }
+}

@@ -80,7 +80,9 @@ impl SearchOptions {
     pub fn from_spec(spec: &Spec, auto: &AutoStrategy) -> SearchOptions {
         let st = &spec.strategy;
         SearchOptions {
-            synchronous_only: !auto.asynchronous,
+            // PyTorch's per-forward running statistics fold a whole step in order
+            synchronous_only: !auto.asynchronous
+                || spec.training.recipe.running_stats == pipec_plan::recipe::RunningStats::PerForward,
             max_pipeline_depth: auto.max_depth,
             headroom: auto.headroom,
             schedules: if auto.schedule { auto.schedules.clone() } else { Some(vec![st.schedule.kind]) },

@@ -281,7 +281,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             add_deferred_into_sums::<B>(&mut st.acc, &keys, deferred);
         }
         accumulate::<B>(&mut st.acc, grads.rest);
-        st.add_statistics(mb);
+        let weight = match self.plan.training.recipe.running_stats {
+            pipec_plan::recipe::RunningStats::PerUpdate => 1.0,
+            pipec_plan::recipe::RunningStats::PerForward => {
+                crate::stage::per_forward_weight(mb, self.plan.training.microbatches)
+            }
+        };
+        let st = self.state(stage)?;
+        st.add_statistics(mb, weight);
         st.contributions += 1;
         Ok(())
     }

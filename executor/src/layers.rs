@@ -929,6 +929,11 @@ impl<B: Kernels> StageModel<B> {
         self.update_running(mean_stats, |old, new| (1.0 - BN_MOMENTUM) * old + BN_MOMENTUM * new)
     }
 
+    /// running ← decay·running + `weighted` (statistics already weighted and summed).
+    pub fn fold_weighted(&mut self, decay: f32, weighted: &[f32]) -> Result<()> {
+        self.update_running(weighted, |old, new| decay * old + new)
+    }
+
     fn update_running(&mut self, values: &[f32], f: impl Fn(f32, f32) -> f32) -> Result<()> {
         if values.len() != self.statistics_len() {
             return Err(ExecError::Shape(format!(

@@ -52,6 +52,18 @@ pub(crate) struct StageState<B: ExecBackend> {
     pub(crate) settled: bool,
 }
 
+/// The weight of microbatch `mb`'s statistics under `running_stats: per_forward`, with `n`
+/// microbatches per step: PyTorch folds microbatch k of the step (k = mb mod n) at its
+/// forward, r ← (1 − m)·r + m·s_k, so after the step
+/// r = (1 − m)ⁿ·r₀ + Σ_k m·(1 − m)^(n−1−k)·s_k: a weighted sum that travels with the
+/// gradients (summed over replicas) like the plain one.
+pub(crate) fn per_forward_weight(mb: MicrobatchId, n: usize) -> f32 {
+    let n = n.max(1);
+    let k = mb.0 as usize % n;
+    let m = crate::layers::BN_MOMENTUM;
+    m * (1.0 - m).powi((n - 1 - k) as i32)
+}
+
 /// A device's place in a tensor-parallel group.
 #[derive(Debug, Clone)]
 pub(crate) struct TpInfo {
@@ -87,9 +99,10 @@ impl<B: ExecBackend> StageState<B> {
         }
     }
 
-    /// Adds microbatch `mb`'s statistics to those of the gradients in `acc`.
-    pub(crate) fn add_statistics(&mut self, mb: MicrobatchId) {
+    /// Adds microbatch `mb`'s statistics, times `weight`, to those of the gradients in `acc`.
+    pub(crate) fn add_statistics(&mut self, mb: MicrobatchId, weight: f32) {
         if let Some(t) = self.forward_stats.remove(&mb) {
+            let t = if weight == 1.0 { t } else { t * weight };
             self.stats = Some(match self.stats.take() {
                 Some(s) => s + t,
                 None => t,
@@ -127,13 +140,25 @@ impl<B: ExecBackend> StageState<B> {
         Ok(())
     }
 
-    /// Folds the recorded statistics into the running statistics: one update of their
-    /// moving average with the mean over the microbatches recorded.
-    pub(crate) fn fold_statistics(&mut self) -> Result<()> {
+    /// Folds the recorded statistics into the running statistics. `per_update`: one update
+    /// of their moving average with the mean over the microbatches recorded. `per_forward`:
+    /// the statistics were added weighted by [`per_forward_weight`], and the running
+    /// statistics decay once per microbatch — PyTorch's fold at every forward, in closed form.
+    pub(crate) fn fold_statistics(&mut self, rule: pipec_plan::recipe::RunningStats) -> Result<()> {
         let (Some(sums), count) = (self.stats.take(), self.stats_count) else { return Ok(()) };
         if count > 0.0 {
-            let mean: Vec<f32> = host_f32(sums.into_data())?.into_iter().map(|x| x / count).collect();
-            self.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.fold_statistics(&mean)?;
+            let model = self.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?;
+            let sums = host_f32(sums.into_data())?;
+            match rule {
+                pipec_plan::recipe::RunningStats::PerUpdate => {
+                    let mean: Vec<f32> = sums.into_iter().map(|x| x / count).collect();
+                    model.fold_statistics(&mean)?;
+                }
+                pipec_plan::recipe::RunningStats::PerForward => {
+                    let decay = (1.0 - crate::layers::BN_MOMENTUM).powi(count as i32);
+                    model.fold_weighted(decay, &sums)?;
+                }
+            }
         }
         self.stats_count = 0.0;
         Ok(())

@@ -468,7 +468,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let clip = crate::clip::factor_of(plan, st, stage, &flat, n_mb)?;
         st.update(lr, &flat, n_mb * clip)?;
         st.set_statistics(stats, &dev)?;
-        st.fold_statistics()
+        st.fold_statistics(plan.training.recipe.running_stats)
     }
 
     /// `PullWeights`: replaces the stage's weights with the parameter server's, in visiting order.
@@ -525,11 +525,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let n_mb = self.plan.training.microbatches as f64;
         self.settle(stage)?;
         let clip = self.clip_factor(stage)?;
+        let rule = self.plan.training.recipe.running_stats;
         let st = self.state(stage)?;
         let scale = clip * if st.contributions > 0 { n_mb / st.contributions as f64 } else { 1.0 };
         let acc = std::mem::take(&mut st.acc);
         st.update(lr, &acc, scale)?;
-        st.fold_statistics()?;
+        st.fold_statistics(rule)?;
         st.clear_gradients();
         if let Some(m) = st.model.clone() {
             st.versions.push(m);
@@ -592,9 +593,10 @@ impl<B: ExecBackend> Worker<'_, B> {
         let release = shard.level == pipec_plan::vocab::Sharding::Parameters;
         let stats = std::mem::take(&mut shard.stats);
         let dev = self.dev.clone();
+        let rule = self.plan.training.recipe.running_stats;
         let st = self.state(stage)?;
         st.set_statistics(&stats, &dev)?;
-        st.fold_statistics()?;
+        st.fold_statistics(rule)?;
         st.clear_gradients();
         if release {
             crate::zero::release_weights(st)?;

@@ -335,6 +335,9 @@ norm)), `shuffle` (a new order of a finite data set's samples every epoch) and
 training). `min_lr` must not exceed `lr`, a decay must end after the warm-up, the
 clipping norm must be positive, shuffling and validation need a data set of a finite
 size, and the held-out share must be in (0, 1) and hold at least one whole batch.
+`running_stats: per_forward` (batch normalisation's running statistics moved at every
+forward, as PyTorch does under gradient accumulation) needs a schedule that updates every
+stage once per step; `per_update`, the default, works with any.
 
     training:
       optimizer: { kind: adamw, lr: 0.0003 }

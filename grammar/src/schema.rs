@@ -8,7 +8,9 @@
 //! completions from it.
 #![allow(dead_code)]
 
-use pipec_plan::vocab::{Decay, Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task};
+use pipec_plan::vocab::{
+    Decay, Loss, OptimizerKind, Precision, ReduceMode, RunningStats, ScheduleKind, SyncMode, Task,
+};
 use schemars::JsonSchema;
 use serde_json::Value as Json;
 
@@ -339,6 +341,11 @@ struct Training {
     /// than in file order.
     shuffle: Option<bool>,
     validation: Option<ValidationSpec>,
+    /// When batch normalisation's running statistics move: `per_update` (the default: once
+    /// per optimizer update, toward the mean of its microbatches' statistics, the same on
+    /// every layout) or `per_forward` (at every forward in the step's microbatch order, as
+    /// `nn.BatchNorm2d` under gradient accumulation; synchronous schedules).
+    running_stats: Option<RunningStats>,
 }
 
 /// Evaluation on held-out data: the last `split` of a finite data set is never trained on,

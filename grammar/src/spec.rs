@@ -636,11 +636,16 @@ fn lower_recipe(
             })
         }
     };
+    let running_stats = match f.get("running_stats") {
+        None => Some(pipec_plan::recipe::RunningStats::PerUpdate),
+        Some(n) => cx.choose::<pipec_plan::recipe::RunningStats>(n, &["training", "running_stats"]),
+    };
     let recipe = Recipe {
         lr_schedule: lr_schedule?,
         clip_grad_norm: clip_grad_norm?,
         shuffle: shuffle?,
         validation: validation?,
+        running_stats: running_stats?,
     };
     let (Some(optimizer), Some(data)) = (optimizer, data) else { return Some(recipe) };
     let finite = !matches!(data, Data::Synthetic { samples: None, .. });

@@ -112,6 +112,23 @@ pub(crate) fn lower_strategy(
     let schedule = cx
         .required(&f, "schedule", "strategy")
         .and_then(|n| lower_schedule(cx, n, f.key_span("schedule").unwrap_or(owner)));
+    if let (Some(s), Some(t)) = (&schedule, training) {
+        let per_step = s.kind.updates(2) == pipec_plan::schedule::Updates::PerStep && s.staleness == 0;
+        if t.recipe.running_stats == pipec_plan::recipe::RunningStats::PerForward && !per_step {
+            cx.push(
+                Diagnostic::error(
+                    "E0504",
+                    format!(
+                        "`running_stats: per_forward` folds a step's microbatches in order, and `{}` does not update once per step",
+                        s.kind
+                    ),
+                    s.span,
+                    "updates on its own clock",
+                )
+                .with_help("use `running_stats: per_update` (each update folds the mean of its microbatches' statistics), or a synchronous schedule"),
+            );
+        }
+    }
     let microbatches_node = f.get("microbatches");
     let microbatches = match microbatches_node {
         None => Some(1),

@@ -26,6 +26,11 @@ pub fn read_safetensors(bytes: &[u8]) -> Result<Tensors, String> {
     let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| format!("not a safetensors file: {e}"))?;
     let mut out = Tensors::new();
     for (name, view) in st.tensors() {
+        // batch normalisation's counter (int64 in torchvision's state_dict): pipec's
+        // momentum is fixed, so nothing reads it
+        if name.ends_with(".num_batches_tracked") {
+            continue;
+        }
         let data = view.data();
         let values: Vec<f32> = match view.dtype() {
             Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
@@ -114,6 +119,9 @@ pub fn convert(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Vec<(u64, S
         ["bert.", ""].into_iter().find(|p| tensors.contains_key(&format!("{p}embeddings.word_embeddings.weight")))
     {
         return bert_to_pipec(layers, tensors, prefix);
+    }
+    if tensors.contains_key("fc.weight") && tensors.contains_key("bn1.running_mean") {
+        return torchvision_to_pipec(layers, tensors);
     }
     let gpt2 = tensors.contains_key("wte.weight") || tensors.contains_key("transformer.wte.weight");
     let prefix = if tensors.contains_key("transformer.wte.weight") { "transformer." } else { "" };
@@ -210,6 +218,90 @@ pub fn convert(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Vec<(u64, S
                     "layer {i} (`{}`) has no counterpart in a Hugging Face {} checkpoint",
                     other.name(),
                     if gpt2 { "GPT-2" } else { "Llama-family" }
+                ))
+            }
+        }
+    }
+    Ok((out, Vec::new()))
+}
+
+/// Where a torchvision ResNet module comes in `state_dict` order: the stem (`conv1`, `bn1`),
+/// then `layer1`..`layer4`, block by block (`conv1`, `bn1`, `conv2`, `bn2`, `conv3`, `bn3`,
+/// then the shortcut's `downsample.0` and `downsample.1`), then `fc`. None for any other name.
+fn torchvision_rank(module: &str) -> Option<(usize, usize, usize)> {
+    let within = |part: &str| match part {
+        "conv1" => Some(0),
+        "bn1" => Some(1),
+        "conv2" => Some(2),
+        "bn2" => Some(3),
+        "conv3" => Some(4),
+        "bn3" => Some(5),
+        "downsample.0" => Some(6),
+        "downsample.1" => Some(7),
+        _ => None,
+    };
+    match module {
+        "fc" => Some((9, 0, 0)),
+        m if !m.starts_with("layer") => within(m).filter(|&w| w < 2).map(|w| (0, 0, w)),
+        m => {
+            let rest = m.strip_prefix("layer")?;
+            let (stage, rest) = rest.split_once('.')?;
+            let (block, part) = rest.split_once('.')?;
+            Some((stage.parse().ok()?, block.parse().ok()?, within(part)?))
+        }
+    }
+}
+
+/// A torchvision ResNet checkpoint's weights (`torchvision.models.resnet*`'s `state_dict`
+/// names) for a pipec model that writes the same network in the same order: its
+/// convolutions, batch norms and final `linear` matched one to one with the checkpoint's in
+/// `state_dict` order (a block's shortcut after its second or third convolution), shapes
+/// checked; batch normalisation's running statistics included.
+fn torchvision_to_pipec(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Vec<(u64, String)>), String> {
+    let mut modules: Vec<(usize, usize, usize, String)> = Vec::new();
+    for name in tensors.keys() {
+        let Some(module) = name.strip_suffix(".weight") else { continue };
+        let (a, b, c) = torchvision_rank(module)
+            .ok_or_else(|| format!("`{name}` is not a torchvision ResNet weight (conv1, bn1, layerN.M.…, fc)"))?;
+        modules.push((a, b, c, module.to_string()));
+    }
+    modules.sort();
+    let with_weights: Vec<(usize, &Op)> =
+        layers.iter().enumerate().filter(|(_, op)| op.parameter_count() > 0).collect();
+    if with_weights.len() != modules.len() {
+        return Err(format!(
+            "the model has {} layers with weights, the torchvision checkpoint {} modules (conv1, bn1, layerN.M.conv/bn/downsample, fc)",
+            with_weights.len(),
+            modules.len()
+        ));
+    }
+    let get = |name: &str, shape: &[usize]| lookup(tensors, name, shape);
+    let same = |name: &str, shape: &[usize]| get(name, shape).map(|v| (shape.to_vec(), v.clone()));
+    let mut out = Weights::new();
+    for ((i, op), (_, _, _, m)) in with_weights.into_iter().zip(&modules) {
+        match *op {
+            Op::Conv2d { in_channels, out_channels, kernel, bias, .. } if !m.starts_with("fc") && !m.contains("bn") && !m.ends_with(".1") => {
+                out.insert(pid(i, 0), same(&format!("{m}.weight"), &[out_channels, in_channels, kernel, kernel])?);
+                if bias {
+                    out.insert(pid(i, 1), same(&format!("{m}.bias"), &[out_channels])?);
+                }
+            }
+            Op::BatchNorm2d { channels } if m.contains("bn") || m.ends_with("downsample.1") => {
+                for (slot, part) in [(0, "weight"), (1, "bias"), (2, "running_mean"), (3, "running_var")] {
+                    out.insert(pid(i, slot), same(&format!("{m}.{part}"), &[channels])?);
+                }
+            }
+            Op::Linear { in_features, out_features, bias } if m == "fc" => {
+                let w = get("fc.weight", &[out_features, in_features])?;
+                out.insert(pid(i, 0), (vec![in_features, out_features], transpose(w, out_features, in_features)));
+                if bias {
+                    out.insert(pid(i, 1), same("fc.bias", &[out_features])?);
+                }
+            }
+            _ => {
+                return Err(format!(
+                    "layer {i} (`{}`) meets the torchvision module `{m}`: the model's layers with weights must come in torchvision's order",
+                    op.name()
                 ))
             }
         }

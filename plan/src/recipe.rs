@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::vocab::Decay;
+pub use crate::vocab::{Decay, RunningStats};
 
 /// What the training loop does beside the optimizer's update rule.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -23,6 +23,13 @@ pub struct Recipe {
     pub shuffle: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub validation: Option<Validation>,
+    /// When batch normalisation's running statistics move.
+    #[serde(default, skip_serializing_if = "is_per_update")]
+    pub running_stats: RunningStats,
+}
+
+fn is_per_update(r: &RunningStats) -> bool {
+    *r == RunningStats::PerUpdate
 }
 
 /// Evaluation on held-out data: the last `split` of a finite data set is never trained on;

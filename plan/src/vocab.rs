@@ -258,6 +258,25 @@ impl Sharding {
 }
 
 choice! {
+    /// When batch normalisation's running statistics move (`training.running_stats`).
+    pub enum RunningStats {
+        /// Once per optimizer update, toward the mean of the statistics of the microbatches
+        /// it covers: the same on every layout.
+        PerUpdate = "per_update",
+        /// At every forward, in the step's microbatch order, as `nn.BatchNorm2d` does
+        /// under gradient accumulation on one device (synchronous schedules).
+        PerForward = "per_forward",
+    }
+}
+
+#[allow(clippy::derivable_impls)] // the `choice!` macro writes the enum
+impl Default for RunningStats {
+    fn default() -> Self {
+        RunningStats::PerUpdate
+    }
+}
+
+choice! {
     /// How the learning rate falls after the warm-up (`training.lr_schedule.decay`).
     pub enum Decay {
         /// Stays at the optimizer's `lr`.

@@ -205,3 +205,61 @@ if wanted("bert"):
     seps = (ids == 2).long()
     types = (torch.cumsum(seps, 1) - seps).clamp(max=1)
     write_classifier("bert", m, ids, types, torch.tensor([0, 2]))
+
+# A torchvision ResNet (BasicBlock, one block per stage, narrowed to 8/8/16/16 channels by
+# torchvision's own `_make_layer`, so every name is torchvision's) with randomised batch
+# normalisation, four 40×40 images and their labels, and one step of SGD with momentum and
+# weight decay with gradient accumulation over two microbatches of two — `nn.BatchNorm2d`
+# moves its running statistics at each of the two forwards (pipec's
+# `running_stats: per_forward`).
+if wanted("resnet"):
+    from torch import nn
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(2)
+    m = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=5)
+    m.inplanes = 8
+    m.conv1 = nn.Conv2d(3, 8, kernel_size=7, stride=2, padding=3, bias=False)
+    m.bn1 = nn.BatchNorm2d(8)
+    m.layer1 = m._make_layer(BasicBlock, 8, 1)
+    m.layer2 = m._make_layer(BasicBlock, 16, 1, stride=2)
+    m.layer3 = m._make_layer(BasicBlock, 16, 1, stride=2)
+    m.layer4 = m._make_layer(BasicBlock, 16, 1, stride=2)
+    m.fc = nn.Linear(16, 5)
+    with torch.no_grad():
+        for name, mod in m.named_modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.weight.copy_(1.0 + 0.2 * torch.randn_like(mod.weight))
+                mod.bias.copy_(0.1 * torch.randn_like(mod.bias))
+                mod.running_mean.copy_(0.1 * torch.randn_like(mod.running_mean))
+                mod.running_var.copy_(1.0 + 0.2 * torch.rand_like(mod.running_var))
+    images = torch.randn(4, 3, 40, 40)
+    labels = torch.tensor([0, 3, 1, 4])
+    out = HERE / "resnet"
+    out.mkdir(exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in m.state_dict().items()}
+    save_file(state, out / "model.safetensors")
+    save_file({"images": images.contiguous(), "labels": labels.float()}, out / "inputs.safetensors")
+    m.eval()
+    with torch.no_grad():
+        logits = m(images)
+    t = copy.deepcopy(m).train()
+    opt = torch.optim.SGD(t.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    losses = []
+    for k in range(2):
+        loss = torch.nn.functional.cross_entropy(t(images[2 * k : 2 * k + 2]), labels[2 * k : 2 * k + 2]) / 2
+        loss.backward()
+        losses.append(loss.item() * 2)
+    opt.step()
+    after = {k: v.detach().contiguous() for k, v in t.state_dict().items()}
+    save_file(after, out / "after-sgd.safetensors", metadata={"loss": f"{sum(losses) / 2:.9f}"})
+    (out / "reference.json").write_text(
+        json.dumps(
+            {
+                "made_with": f"torch {torch.__version__}, torchvision {__import__('torchvision').__version__}",
+                "eval_logits": [round(float(v), 7) for v in logits.flatten()],
+                "train_loss": sum(losses) / 2,
+            }
+        )
+        + "\n"
+    )
