@@ -1,6 +1,7 @@
 //! `pipec export`: a checkpoint as a Hugging Face checkpoint folder — `model.safetensors`
-//! under `transformers`' names and its `config.json` — for a GPT-2 or Llama-family model,
-//! whatever layout trained it (tensor-parallel shards are joined).
+//! under `transformers`' names and its `config.json` — for a GPT-2, Llama-family or BERT
+//! model, or a ResNet's `model.safetensors` under torchvision's names, whatever layout
+//! trained it (tensor-parallel shards are joined).
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +12,7 @@ use crate::{EXIT_OK, EXIT_USAGE};
 pub fn run(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> u8 {
     match export(checkpoint, out, plan) {
         Ok(n) => {
-            eprintln!("wrote {} ({n} tensors and config.json)", out.display());
+            eprintln!("wrote {} ({n})", out.display());
             EXIT_OK
         }
         Err(e) => {
@@ -35,7 +36,7 @@ fn find_plan(checkpoint: &Path, given: Option<&Path>) -> Result<PathBuf, String>
     })
 }
 
-fn export(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> Result<usize, String> {
+fn export(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> Result<String, String> {
     let found = pipec_plan::checkpoint::locate(checkpoint)?;
     let plan_path = find_plan(&found, plan)?;
     let text = crate::check_cmd::read_text(&plan_path, crate::check_cmd::MAX_PLAN_BYTES, true)?;
@@ -44,11 +45,26 @@ fn export(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> Result<usize, S
     loaded.check_fits(&plan).map_err(|e| format!("checkpoint `{}`: {e}", found.display()))?;
     let weights = pipec_executor::whole_weights(&loaded, &plan).map_err(|e| e.to_string())?;
     let ops = plan.model_ops();
-    let tied = plan.layers.last().is_some_and(|l| l.tied.is_some());
-    let context = plan.model.input.first().copied().unwrap_or(1);
-    let (config, tensors) = pipec_plan::hf::from_pipec(&ops, tied, context, &weights)?;
+    let convolutional = ops.iter().any(|op| matches!(op, pipec_plan::model::Op::Conv2d { .. }))
+        && !ops.iter().any(|op| matches!(op, pipec_plan::model::Op::TransformerBlock { .. }));
+    let (config, tensors) = if convolutional {
+        // a ResNet: torchvision's state_dict names, no config (torchvision builds the model)
+        let inputs: Vec<_> = plan.layers.iter().map(|l| l.inputs.clone()).collect();
+        let t = &plan.training;
+        let per_forward = t.recipe.running_stats == pipec_plan::recipe::RunningStats::PerForward;
+        let forwards = loaded.completed_steps as u64 * if per_forward { t.microbatches as u64 } else { 1 };
+        (None, pipec_plan::hf::torchvision_from_pipec(&ops, &inputs, &weights, forwards)?)
+    } else {
+        let tied = plan.layers.last().is_some_and(|l| l.tied.is_some());
+        let context = plan.model.input.first().copied().unwrap_or(1);
+        let (config, tensors) = pipec_plan::hf::from_pipec(&ops, tied, context, &weights)?;
+        (Some(config), tensors)
+    };
     let model = pipec_plan::hf::write_safetensors(&tensors)?;
-    let config = serde_json::to_string_pretty(&config).map_err(|e| e.to_string())? + "\n";
+    let config = match config {
+        Some(c) => Some(serde_json::to_string_pretty(&c).map_err(|e| e.to_string())? + "\n"),
+        None => None,
+    };
     // both files into a fresh folder beside the target, renamed into place at once: a
     // failed export leaves nothing half-written
     if out.exists() {
@@ -61,11 +77,13 @@ fn export(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> Result<usize, S
     let write = || -> Result<(), String> {
         std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create `{}`: {e}", tmp.display()))?;
         std::fs::write(tmp.join("model.safetensors"), &model).map_err(|e| format!("cannot write: {e}"))?;
-        std::fs::write(tmp.join("config.json"), config.as_bytes()).map_err(|e| format!("cannot write: {e}"))?;
+        if let Some(config) = &config {
+            std::fs::write(tmp.join("config.json"), config.as_bytes()).map_err(|e| format!("cannot write: {e}"))?;
+        }
         std::fs::rename(&tmp, out).map_err(|e| format!("cannot write `{}`: {e}", out.display()))
     };
     write().inspect_err(|_| {
         let _ = std::fs::remove_dir_all(&tmp);
     })?;
-    Ok(tensors.len())
+    Ok(format!("{} tensors{}", tensors.len(), if convolutional { ", torchvision's names" } else { " and config.json" }))
 }

@@ -54,8 +54,8 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
     },
-    /// Write a spec for a Hugging Face model's `config.json` (GPT-2, Llama, Mistral, Qwen2):
-    /// its `model` section as pipec layers, with a cluster, an `auto` strategy and a training
+    /// Write a spec for a Hugging Face model's `config.json` (GPT-2, Llama, Mistral, Qwen2;
+    /// BERT as a sequence classifier): its `model` section as pipec layers, with a cluster, an `auto` strategy and a training
     /// section to edit. A config field pipec cannot honour is an error naming it.
     Import {
         config: PathBuf,
@@ -70,8 +70,8 @@ enum Command {
         name: Option<String>,
     },
     /// Write a checkpoint as a Hugging Face checkpoint folder (`model.safetensors` under
-    /// `transformers`' names and `config.json`) for a GPT-2 or Llama-family model, whatever
-    /// layout trained it.
+    /// `transformers`' names and `config.json`) for a GPT-2, Llama-family or BERT model, or a
+    /// ResNet's `model.safetensors` under torchvision's names, whatever layout trained it.
     Export {
         /// A checkpoint: a step directory, a checkpoints directory or a run directory.
         checkpoint: PathBuf,

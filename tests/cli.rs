@@ -1401,6 +1401,25 @@ fn a_torchvision_resnet_trains_one_step_as_torch_does_with_its_running_statistic
         if rule == "per_update" {
             // one fold toward the mean of the two microbatches' statistics is not torch's two
             assert!(running_off > 1e-4, "{name}: the running statistics agree with torch's to {running_off:e}");
+            continue;
+        }
+        // and back under torchvision's names: every tensor of torch's state after the step
+        let exported = dir.path().join(format!("{name}-torchvision"));
+        let out = pipec(&[
+            "export",
+            run.join("checkpoints").to_str().expect("utf-8"),
+            "-o",
+            exported.to_str().expect("utf-8"),
+        ]);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let got = pipec_plan::hf::read_dir(&exported).expect("exported");
+        assert_eq!(got.keys().collect::<Vec<_>>(), after.keys().collect::<Vec<_>>(), "{name}");
+        for (tensor, (shape, want)) in &after {
+            let (got_shape, values) = &got[tensor];
+            assert_eq!(got_shape, shape, "{name}: {tensor}");
+            let scale = want.iter().fold(0.0_f32, |m, v| m.max(v.abs()));
+            let worst = values.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0_f32, f32::max);
+            assert!(worst <= 1e-5 * scale, "{name}: exported {tensor} is {worst:e} off torch's");
         }
     }
 }

@@ -719,14 +719,128 @@ fn bert_from_pipec(layers: &[Op], weights: &Weights) -> Result<(serde_json::Valu
     Ok((config, out))
 }
 
-/// `tensors` as a safetensors file (f32).
+/// A ResNet of `layers` under torchvision's `state_dict` names (the inverse of the
+/// torchvision part of [`to_pipec`]): the first convolution and batch norm are the stem's
+/// `conv1`/`bn1`; each `add` closes a block, whose convolutions are `conv1`, `conv2`, ...
+/// and whose shortcut — a convolution reading an earlier tensor than the layer before it
+/// (`inputs` per layer, the plan's) — is `downsample.0`, its batch norm `downsample.1`; a
+/// block with a shortcut (and the first) starts the next `layerN`; the last `linear` is
+/// `fc`. `forwards` is written as each batch norm's `num_batches_tracked`.
+pub fn torchvision_from_pipec(
+    layers: &[Op],
+    inputs: &[Option<Vec<crate::model::Source>>],
+    weights: &Weights,
+    forwards: u64,
+) -> Result<Tensors, String> {
+    let weight = |id: u64, shape: &[usize]| -> Result<Vec<f32>, String> {
+        match weights.get(&id) {
+            Some((s, v)) if s == shape => Ok(v.clone()),
+            Some((s, _)) => {
+                Err(format!("`{}` has shape {s:?}, the layer needs {shape:?}", crate::checkpoint::param_name(id)))
+            }
+            None => Err(format!("the checkpoint has no `{}`", crate::checkpoint::param_name(id))),
+        }
+    };
+    // each block's layers with weights, between the `add`s; the stem is the first two
+    let mut blocks: Vec<Vec<usize>> = vec![Vec::new()];
+    for (i, op) in layers.iter().enumerate() {
+        match op {
+            Op::Add { .. } => blocks.push(Vec::new()),
+            Op::Conv2d { .. } | Op::BatchNorm2d { .. } => blocks.last_mut().map_or((), |b| b.push(i)),
+            Op::Linear { .. } if i + 1 == layers.len() || layers[i + 1..].iter().all(|o| o.parameter_count() == 0) => {}
+            op if op.parameter_count() > 0 => {
+                return Err(format!("layer {i} (`{}`) has no place in a torchvision ResNet", op.name()))
+            }
+            _ => {}
+        }
+    }
+    let first = blocks.first_mut().ok_or("no layers")?;
+    if first.len() < 2
+        || !matches!(layers[first[0]], Op::Conv2d { .. })
+        || !matches!(layers[first[1]], Op::BatchNorm2d { .. })
+    {
+        return Err("a torchvision ResNet starts with its stem: conv2d, then batchnorm2d".into());
+    }
+    let stem: Vec<usize> = first.drain(..2).collect();
+    let mut names: Vec<(usize, String)> = vec![(stem[0], "conv1".into()), (stem[1], "bn1".into())];
+    let (mut stage, mut block) = (0usize, 0usize);
+    for (b, members) in blocks.iter().enumerate().filter(|(_, m)| !m.is_empty()) {
+        let shortcut = |i: usize| {
+            matches!(layers[i], Op::Conv2d { .. })
+                && inputs.get(i).and_then(Option::as_ref).is_some_and(|s| s != &[crate::model::Source::before(i)])
+        };
+        if b == 0 || stage == 0 || members.iter().any(|&i| shortcut(i)) {
+            stage += 1;
+            block = 0;
+        }
+        let (mut conv, mut last) = (0usize, String::new());
+        for &i in members {
+            let name = match layers[i] {
+                Op::Conv2d { .. } if shortcut(i) => "downsample.0".to_string(),
+                Op::Conv2d { .. } => {
+                    conv += 1;
+                    format!("conv{conv}")
+                }
+                _ if last == "downsample.0" => "downsample.1".to_string(),
+                _ => format!("bn{conv}"),
+            };
+            last.clone_from(&name);
+            names.push((i, format!("layer{stage}.{block}.{name}")));
+        }
+        block += 1;
+    }
+    let fc =
+        layers.iter().rposition(|op| matches!(op, Op::Linear { .. })).ok_or("a ResNet ends with its `linear` (fc)")?;
+    names.push((fc, "fc".into()));
+    let mut out = Tensors::new();
+    for (i, name) in names {
+        match layers[i] {
+            Op::Conv2d { in_channels, out_channels, kernel, bias, .. } => {
+                let shape = [out_channels, in_channels, kernel, kernel];
+                out.insert(format!("{name}.weight"), (shape.to_vec(), weight(pid(i, 0), &shape)?));
+                if bias {
+                    out.insert(format!("{name}.bias"), (vec![out_channels], weight(pid(i, 1), &[out_channels])?));
+                }
+            }
+            Op::BatchNorm2d { channels } => {
+                for (slot, part) in [(0, "weight"), (1, "bias"), (2, "running_mean"), (3, "running_var")] {
+                    out.insert(format!("{name}.{part}"), (vec![channels], weight(pid(i, slot), &[channels])?));
+                }
+                out.insert(format!("{name}.num_batches_tracked"), (Vec::new(), vec![forwards as f32]));
+            }
+            Op::Linear { in_features, out_features, bias } => {
+                let w = transpose(&weight(pid(i, 0), &[in_features, out_features])?, in_features, out_features);
+                out.insert(format!("{name}.weight"), (vec![out_features, in_features], w));
+                if bias {
+                    out.insert(format!("{name}.bias"), (vec![out_features], weight(pid(i, 1), &[out_features])?));
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// `tensors` as a safetensors file (f32; a batch norm's `num_batches_tracked`, a scalar,
+/// as torchvision's int64).
 pub fn write_safetensors(tensors: &Tensors) -> Result<Vec<u8>, String> {
-    let bytes: Vec<(&String, &Vec<usize>, Vec<u8>)> =
-        tensors.iter().map(|(n, (s, v))| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect())).collect();
+    let counter = |n: &str| n.ends_with(".num_batches_tracked");
+    let bytes: Vec<(&String, &Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, (s, v))| {
+            let b = if counter(n) {
+                v.iter().flat_map(|x| (*x as i64).to_le_bytes()).collect()
+            } else {
+                v.iter().flat_map(|x| x.to_le_bytes()).collect()
+            };
+            (n, s, b)
+        })
+        .collect();
     let views = bytes
         .iter()
         .map(|(n, s, b)| {
-            safetensors::tensor::TensorView::new(Dtype::F32, s.to_vec(), b)
+            let dtype = if counter(n) { Dtype::I64 } else { Dtype::F32 };
+            safetensors::tensor::TensorView::new(dtype, s.to_vec(), b)
                 .map(|v| (n.to_string(), v))
                 .map_err(|e| format!("`{n}`: {e}"))
         })
