@@ -970,6 +970,23 @@ fn run_from_hugging_face(spec: &Path, init: &Path, out: &Path, extra: &[&str]) {
     assert!(o.status.success(), "{}: {}", spec.display(), String::from_utf8_lossy(&o.stderr));
 }
 
+/// `pipec export` of the run's checkpoint into `exported`: the same tensor names as
+/// `expected` (torch's state after the step), each within 1e-5 of its largest value.
+fn export_equals(name: &str, run: &Path, exported: &Path, expected: &pipec_plan::hf::Tensors) {
+    let out =
+        pipec(&["export", run.join("checkpoints").to_str().expect("utf-8"), "-o", exported.to_str().expect("utf-8")]);
+    assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    let got = pipec_plan::hf::read_dir(exported).expect("exported");
+    assert_eq!(got.keys().collect::<Vec<_>>(), expected.keys().collect::<Vec<_>>(), "{name}");
+    for (tensor, (shape, want)) in expected {
+        let (got_shape, values) = &got[tensor];
+        assert_eq!(got_shape, shape, "{name}: {tensor}");
+        let scale = want.iter().fold(0.0_f32, |m, v| m.max(v.abs()));
+        let worst = values.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0_f32, f32::max);
+        assert!(worst <= 1e-5 * scale, "{name}: {tensor} differs from torch's by {worst:e} (largest value {scale})");
+    }
+}
+
 /// Each step's loss in a run folder's `metrics.jsonl`.
 fn run_losses(run: &Path) -> Vec<f64> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -1122,26 +1139,7 @@ fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
                 std::fs::write(&path, spec).expect("spec");
                 let run = dir.path().join(&name);
                 run_from_hugging_face(&path, &fixture, &run, &[]);
-                let exported = dir.path().join(format!("{name}-hf"));
-                let out = pipec(&[
-                    "export",
-                    run.join("checkpoints").to_str().expect("utf-8"),
-                    "-o",
-                    exported.to_str().expect("utf-8"),
-                ]);
-                assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
-                let got = pipec_plan::hf::read_dir(&exported).expect("exported");
-                assert_eq!(got.keys().collect::<Vec<_>>(), expected.keys().collect::<Vec<_>>(), "{name}");
-                for (tensor, (shape, want)) in &expected {
-                    let (got_shape, values) = &got[tensor];
-                    assert_eq!(got_shape, shape, "{name}: {tensor}");
-                    let scale = want.iter().fold(0.0_f32, |m, v| m.max(v.abs()));
-                    let worst = values.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0_f32, f32::max);
-                    assert!(
-                        worst <= 1e-5 * scale,
-                        "{name}: {tensor} differs from torch's by {worst:e} (largest value {scale})"
-                    );
-                }
+                export_equals(&name, &run, &dir.path().join(format!("{name}-hf")), &expected);
             }
         }
     }
@@ -1234,22 +1232,7 @@ fn a_bert_classifier_trains_one_step_as_torch_does_and_exports_to_transformers_n
                 "{name}: pipec's loss {loss}, torch's {expected_loss}"
             );
             let exported = dir.path().join(format!("{name}-hf"));
-            let out = pipec(&[
-                "export",
-                run.join("checkpoints").to_str().expect("utf-8"),
-                "-o",
-                exported.to_str().expect("utf-8"),
-            ]);
-            assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
-            let got = pipec_plan::hf::read_dir(&exported).expect("exported");
-            assert_eq!(got.keys().collect::<Vec<_>>(), expected.keys().collect::<Vec<_>>(), "{name}");
-            for (tensor, (shape, want)) in &expected {
-                let (got_shape, values) = &got[tensor];
-                assert_eq!(got_shape, shape, "{name}: {tensor}");
-                let scale = want.iter().fold(0.0_f32, |m, v| m.max(v.abs()));
-                let worst = values.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0_f32, f32::max);
-                assert!(worst <= 1e-5 * scale, "{name}: {tensor} differs from torch's by {worst:e} (largest {scale})");
-            }
+            export_equals(&name, &run, &exported, &expected);
             // the exported config imports back into the same model
             let again = pipec(&["import", exported.join("config.json").to_str().expect("utf-8"), "--seq", "12"]);
             assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
@@ -1314,8 +1297,9 @@ fn a_bert_classifier_fine_tunes_from_a_checkpoint_without_its_head() {
 fn a_torchvision_resnet_trains_one_step_as_torch_does_with_its_running_statistics() {
     // tests/reference/hf/resnet: a torchvision ResNet (BasicBlock, narrowed by torchvision's
     // own `_make_layer`) with random batch-norm weights and running statistics, four 40×40
-    // images, and the state after one step of SGD with momentum and weight decay over two
-    // microbatches of two (gradient accumulation: nn.BatchNorm2d moves its running
+    // images, and the state after one step of AdamW (no decay on biases and norms) and one of
+    // SGD with momentum and weight decay, each over two microbatches of two (gradient
+    // accumulation: nn.BatchNorm2d moves its running
     // statistics at each forward). pipec loads it under torchvision's names and takes the
     // same step with `running_stats: per_forward` on one device, on a 2-stage pipeline and
     // on two replicas: every weight and running statistic equal to torch's.
@@ -1333,8 +1317,6 @@ fn a_torchvision_resnet_trains_one_step_as_torch_does_with_its_running_statistic
         csv += &format!("{},{}\n", cells.join(","), *label as usize);
     }
     std::fs::write(dir.path().join("images.csv"), csv).expect("csv");
-    let after = pipec_plan::hf::read_safetensors(&std::fs::read(fixture.join("after-sgd.safetensors")).expect("after"))
-        .expect("safetensors");
     let model = "model:\n  input: [3, 40, 40]\n  blocks:\n\
                  \x20   basic(c):\n\
                  \x20     - conv2d(c, c, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n\
@@ -1353,19 +1335,30 @@ fn a_torchvision_resnet_trains_one_step_as_torch_does_with_its_running_statistic
                  \x20   - down(16, 16)\n\
                  \x20   - adaptive_avgpool2d -> flatten -> linear(16, 5)\n\
                  \x20 loss: cross_entropy\n";
+    // (AdamW's eps is 1e-2 here: make_reference.py says why)
+    let optimizers = [
+        ("after-adamw", "{ kind: adamw, lr: 0.01, eps: 0.01, weight_decay: 0.1, decay_biases_and_norms: false }"),
+        ("after-sgd", "{ kind: momentum, lr: 0.05, momentum: 0.9, weight_decay: 0.1 }"),
+    ];
     let layouts = [
         ("one-device", 1, "stages: \"1\"", "per_forward"),
         ("pipeline", 2, "stages: \"1-1\"", "per_forward"),
         ("replicas", 2, "stages: \"2\"", "per_forward"),
         ("one-device", 1, "stages: \"1\"", "per_update"),
     ];
-    for (label, devices, layout, rule) in layouts {
-        let name = format!("resnet-{label}-{rule}");
+    for ((label, devices, layout, rule), (step, optimizer)) in
+        layouts.iter().flat_map(|l| optimizers.iter().map(move |o| (*l, *o)))
+    {
+        let after = pipec_plan::hf::read_safetensors(
+            &std::fs::read(fixture.join(format!("{step}.safetensors"))).expect("after"),
+        )
+        .expect("safetensors");
+        let name = format!("resnet-{label}-{rule}-{step}");
         let spec = format!(
             "name: {name}\n{model}\
              cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
              strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
-             training:\n  batch_size: 4\n  steps: 1\n  running_stats: {rule}\n  checkpoint: {{ every: 1, dir: checkpoints }}\n  optimizer: {{ kind: momentum, lr: 0.05, momentum: 0.9, weight_decay: 0.1 }}\n  data: {{ kind: csv, path: images.csv }}\n"
+             training:\n  batch_size: 4\n  steps: 1\n  running_stats: {rule}\n  checkpoint: {{ every: 1, dir: checkpoints }}\n  optimizer: {optimizer}\n  data: {{ kind: csv, path: images.csv }}\n"
         );
         let path = dir.path().join(format!("{name}.yaml"));
         std::fs::write(&path, spec).expect("spec");
@@ -1404,22 +1397,6 @@ fn a_torchvision_resnet_trains_one_step_as_torch_does_with_its_running_statistic
             continue;
         }
         // and back under torchvision's names: every tensor of torch's state after the step
-        let exported = dir.path().join(format!("{name}-torchvision"));
-        let out = pipec(&[
-            "export",
-            run.join("checkpoints").to_str().expect("utf-8"),
-            "-o",
-            exported.to_str().expect("utf-8"),
-        ]);
-        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
-        let got = pipec_plan::hf::read_dir(&exported).expect("exported");
-        assert_eq!(got.keys().collect::<Vec<_>>(), after.keys().collect::<Vec<_>>(), "{name}");
-        for (tensor, (shape, want)) in &after {
-            let (got_shape, values) = &got[tensor];
-            assert_eq!(got_shape, shape, "{name}: {tensor}");
-            let scale = want.iter().fold(0.0_f32, |m, v| m.max(v.abs()));
-            let worst = values.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0_f32, f32::max);
-            assert!(worst <= 1e-5 * scale, "{name}: exported {tensor} is {worst:e} off torch's");
-        }
+        export_equals(&name, &run, &dir.path().join(format!("{name}-torchvision")), &after);
     }
 }

@@ -189,8 +189,15 @@ fn read_loop(mut stream: TcpStream, rank: i32, inbox: &Inbox) {
             }
             Ok((tag, bytes, values)) => inbox.deliver(rank, tag, (bytes, values)),
             Err(e) => {
+                // a process that ends with bytes unread in its socket resets the connection
+                // (RST) instead of closing it (FIN): both mean the peer is gone
                 let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
                     format!("rank {rank} closed its connection (its process ended)")
+                } else if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted
+                ) {
+                    format!("rank {rank} closed its connection (reset: its process ended)")
                 } else {
                     format!("the connection to rank {rank} failed: {e}")
                 };

@@ -208,8 +208,9 @@ if wanted("bert"):
 
 # A torchvision ResNet (BasicBlock, one block per stage, narrowed to 8/8/16/16 channels by
 # torchvision's own `_make_layer`, so every name is torchvision's) with randomised batch
-# normalisation, four 40×40 images and their labels, and one step of SGD with momentum and
-# weight decay with gradient accumulation over two microbatches of two — `nn.BatchNorm2d`
+# normalisation, four 40×40 images and their labels, and one step of AdamW and one of SGD
+# with momentum and weight decay (as above), each with gradient accumulation over two
+# microbatches of two — `nn.BatchNorm2d`
 # moves its running statistics at each of the two forwards (pipec's
 # `running_stats: per_forward`).
 if wanted("resnet"):
@@ -240,24 +241,40 @@ if wanted("resnet"):
     state = {k: v.detach().contiguous() for k, v in m.state_dict().items()}
     save_file(state, out / "model.safetensors")
     save_file({"images": images.contiguous(), "labels": labels.float()}, out / "inputs.safetensors")
-    m.eval()
-    with torch.no_grad():
-        logits = m(images)
-    t = copy.deepcopy(m).train()
-    opt = torch.optim.SGD(t.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
-    losses = []
-    for k in range(2):
-        loss = torch.nn.functional.cross_entropy(t(images[2 * k : 2 * k + 2]), labels[2 * k : 2 * k + 2]) / 2
-        loss.backward()
-        losses.append(loss.item() * 2)
-    opt.step()
-    after = {k: v.detach().contiguous() for k, v in t.state_dict().items()}
-    save_file(after, out / "after-sgd.safetensors", metadata={"loss": f"{sum(losses) / 2:.9f}"})
+    # AdamW's eps 1e-2 here: a convolution's weight gradient sums hundreds of products
+    # through four batch norms, and pipec's and torch's differ by ~1e-7 (float rounding in
+    # another order); Adam's first step lr·g/(|g| + eps) passes that on times up to lr/eps,
+    # which with eps 1e-4 is ~1e-6 on weights of ~0.1, above the 1e-5 relative the test
+    # asks (SGD passes it on times lr: ~1e-9)
+    resnet_optimizers = [
+        (
+            "after-adamw",
+            lambda m: torch.optim.AdamW(
+                [
+                    {"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                    {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
+                ],
+                lr=0.01,
+                eps=1e-2,
+            ),
+        ),
+        OPTIMIZERS[1],
+    ]
+    for after, make in resnet_optimizers:
+        t = copy.deepcopy(m).train()
+        opt = make(t)
+        losses = []
+        for k in range(2):
+            loss = torch.nn.functional.cross_entropy(t(images[2 * k : 2 * k + 2]), labels[2 * k : 2 * k + 2]) / 2
+            loss.backward()
+            losses.append(loss.item() * 2)
+        opt.step()
+        state = {k: v.detach().contiguous() for k, v in t.state_dict().items()}
+        save_file(state, out / f"{after}.safetensors", metadata={"loss": f"{sum(losses) / 2:.9f}"})
     (out / "reference.json").write_text(
         json.dumps(
             {
                 "made_with": f"torch {torch.__version__}, torchvision {__import__('torchvision').__version__}",
-                "eval_logits": [round(float(v), 7) for v in logits.flatten()],
                 "train_loss": sum(losses) / 2,
             }
         )
