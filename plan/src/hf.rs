@@ -125,15 +125,7 @@ pub fn convert(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Vec<(u64, S
     }
     let gpt2 = tensors.contains_key("wte.weight") || tensors.contains_key("transformer.wte.weight");
     let prefix = if tensors.contains_key("transformer.wte.weight") { "transformer." } else { "" };
-    let get = |name: &str, shape: &[usize]| -> Result<&Vec<f32>, String> {
-        match tensors.get(name) {
-            None => Err(format!("the checkpoint has no tensor `{name}` (expected shape {shape:?})")),
-            Some((s, _)) if s != shape => {
-                Err(format!("`{name}` has shape {s:?} in the checkpoint, the model's layer needs {shape:?}"))
-            }
-            Some((_, v)) => Ok(v),
-        }
-    };
+    let get = |name: &str, shape: &[usize]| lookup(tensors, name, shape);
     let same = |name: &str, shape: &[usize]| get(name, shape).map(|v| (shape.to_vec(), v.clone()));
     // an [out, in] weight as pipec's [in, out]
     let transposed = |values: &[f32], rows: usize, cols: usize| (vec![cols, rows], transpose(values, rows, cols));
@@ -421,6 +413,18 @@ fn bert_to_pipec(layers: &[Op], tensors: &Tensors, prefix: &str) -> Result<(Weig
     Ok((out, initial))
 }
 
+/// Parameter `id` of a checkpoint's `weights`, its shape checked: the error names the
+/// parameter and both shapes.
+fn saved<'a>(weights: &'a Weights, id: u64, shape: &[usize]) -> Result<&'a Vec<f32>, String> {
+    match weights.get(&id) {
+        Some((s, v)) if s == shape => Ok(v),
+        Some((s, _)) => {
+            Err(format!("`{}` has shape {s:?}, the layer needs {shape:?}", crate::checkpoint::param_name(id)))
+        }
+        None => Err(format!("the checkpoint has no `{}`", crate::checkpoint::param_name(id))),
+    }
+}
+
 /// The family a model exports as: its `config.json` and its tensors' names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
@@ -467,15 +471,7 @@ pub fn from_pipec(
     let Some(Op::Embedding { vocab, dim, .. }) = layers.first().cloned() else {
         return Err("the model does not start with an embedding".into());
     };
-    let weight = |id: u64, shape: &[usize]| -> Result<&Vec<f32>, String> {
-        match weights.get(&id) {
-            Some((s, v)) if s == shape => Ok(v),
-            Some((s, _)) => {
-                Err(format!("`{}` has shape {s:?}, the layer needs {shape:?}", crate::checkpoint::param_name(id)))
-            }
-            None => Err(format!("the checkpoint has no `{}`", crate::checkpoint::param_name(id))),
-        }
-    };
+    let weight = |id: u64, shape: &[usize]| saved(weights, id, shape);
     let mut out = Tensors::new();
     let mut put = |name: String, shape: Vec<usize>, values: Vec<f32>| {
         out.insert(name, (shape, values));
@@ -619,15 +615,7 @@ fn bert_from_pipec(layers: &[Op], weights: &Weights) -> Result<(serde_json::Valu
     let Some(Op::Embedding { vocab, dim, types, sep }) = layers.first().cloned() else {
         return Err("a BERT model starts with its embedding".into());
     };
-    let weight = |id: u64, shape: &[usize]| -> Result<Vec<f32>, String> {
-        match weights.get(&id) {
-            Some((s, v)) if s == shape => Ok(v.clone()),
-            Some((s, _)) => {
-                Err(format!("`{}` has shape {s:?}, the layer needs {shape:?}", crate::checkpoint::param_name(id)))
-            }
-            None => Err(format!("the checkpoint has no `{}`", crate::checkpoint::param_name(id))),
-        }
-    };
+    let weight = |id: u64, shape: &[usize]| saved(weights, id, shape).cloned();
     let mut out = Tensors::new();
     let (d, f) = (b.d, b.ff);
     let (mut block, mut linears, mut positions, mut labels) = (0usize, 0usize, None, None);
@@ -732,15 +720,7 @@ pub fn torchvision_from_pipec(
     weights: &Weights,
     forwards: u64,
 ) -> Result<Tensors, String> {
-    let weight = |id: u64, shape: &[usize]| -> Result<Vec<f32>, String> {
-        match weights.get(&id) {
-            Some((s, v)) if s == shape => Ok(v.clone()),
-            Some((s, _)) => {
-                Err(format!("`{}` has shape {s:?}, the layer needs {shape:?}", crate::checkpoint::param_name(id)))
-            }
-            None => Err(format!("the checkpoint has no `{}`", crate::checkpoint::param_name(id))),
-        }
-    };
+    let weight = |id: u64, shape: &[usize]| saved(weights, id, shape).cloned();
     // each block's layers with weights, between the `add`s; the stem is the first two
     let mut blocks: Vec<Vec<usize>> = vec![Vec::new()];
     for (i, op) in layers.iter().enumerate() {
