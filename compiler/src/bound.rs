@@ -26,9 +26,13 @@ pub struct Bound {
     /// No simulation of the strategy predicts a shorter step (a flush-free schedule's
     /// steady state included).
     pub step_s: f64,
-    /// Whether the weights, gradients and optimizer state alone (and the workspace
-    /// reserve) overflow some device: then no plan of the strategy fits.
+    /// Whether the weights, gradients and optimizer state with one microbatch's activations
+    /// of one stage, the buffers and the workspace reserve — the least any schedule keeps —
+    /// overflow some device: then no plan of the strategy fits.
     pub overflows: bool,
+    /// Whether what a device keeps beside its model state (one microbatch's activations,
+    /// the buffers, the reserve) overflows it alone: then no ZeRO level fits either.
+    pub overflows_any_sharding: bool,
     /// The layout bounded: replicas per pipeline rank (PipeDream's planner's choice when
     /// the strategy leaves it to `partition: auto`).
     pub replicas: Vec<usize>,
@@ -107,6 +111,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let reserve = crate::memory::workspace_reserve(capacity) as f64;
     let mut step_s: f64 = 0.0;
     let mut overflows = false;
+    let mut overflows_any_sharding = false;
     for stage_counts in &placed.holds {
         if stage_counts.is_empty() {
             continue;
@@ -114,6 +119,11 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         let held: Vec<usize> = stage_counts.iter().map(|&(s, _)| s).collect();
         let mut load = 0.0;
         let mut state = 0.0;
+        // the least the memory pass can find on the device beside its model state (the same
+        // terms as `memory::device_memory`): one microbatch of one held stage kept for its
+        // backward (every forward adds that much before anything is freed), the largest
+        // recompute unit, the buffers
+        let (mut one_microbatch, mut recompute_unit, mut buffers) = (0.0_f64, 0.0_f64, 0.0_f64);
         for &(s, n) in stage_counts {
             let stage = StageId(s as u32);
             let n = n as f64;
@@ -126,6 +136,12 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             load += n * (forward[s] + backward + recompute);
             let b = &stages.bytes[s];
             state += (b.weights + b.gradients + b.optimizer) as f64;
+            let kept = if layout.recompute[s] { b.checkpoint_per_microbatch } else { b.activations_per_microbatch };
+            one_microbatch = one_microbatch.max(kept as f64);
+            if layout.recompute[s] {
+                recompute_unit = recompute_unit.max(b.recompute_unit_peak as f64);
+            }
+            buffers = buffers.max(b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights) as f64);
         }
         let (head, tail) = if flush {
             let upstream = |v: &[f64]| held.iter().map(|&c| v[..c].iter().sum::<f64>()).fold(f64::INFINITY, f64::min);
@@ -148,9 +164,11 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             (0.0, 0.0)
         };
         step_s = step_s.max(head + load + tail);
-        overflows |= state + reserve > capacity;
+        let beside_state = one_microbatch + recompute_unit + buffers + reserve;
+        overflows |= state + beside_state > capacity;
+        overflows_any_sharding |= beside_state > capacity;
     }
-    Ok(Bound { step_s, overflows, replicas: layout.replicas })
+    Ok(Bound { step_s, overflows, overflows_any_sharding, replicas: layout.replicas })
 }
 
 /// A pair of devices, one from each list, on the fastest link any such pair has (the same

@@ -194,7 +194,8 @@ impl Candidate {
 pub enum Outcome {
     /// The front end refused it (the first error's message).
     Invalid(String),
-    /// Its weights and optimizer state alone overflow a device.
+    /// Its model state with one microbatch's activations (the least any schedule keeps)
+    /// overflows a device: found by the bound, without lowering it.
     TooBig,
     /// Its bound is no better than a plan already found.
     Pruned { bound_s: f64 },
@@ -203,7 +204,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// Too big for memory: by its model state alone (the bound), or lowered and found so
+    /// Too big for memory: by its bound (model state and one microbatch), or lowered and found so
     /// (then not simulated).
     pub fn too_big(&self) -> bool {
         match self {
@@ -489,7 +490,11 @@ fn candidates(
                                 // too big unsharded: the ZeRO levels, queued under this bound
                                 // (never above theirs) and bounded when reached (a planned
                                 // candidate derives them when the branch and bound reaches it)
-                                if let Some(b) = bound.as_ref().ok().filter(|b| b.overflows && shardable(&c, options)) {
+                                if let Some(b) = bound
+                                    .as_ref()
+                                    .ok()
+                                    .filter(|b| b.overflows && !b.overflows_any_sharding && shardable(&c, options))
+                                {
                                     for mut v in sharded_variants(&c) {
                                         v.strategy = v.text(spec.strategy.overlap);
                                         v.provisional = true;
@@ -778,7 +783,7 @@ impl SearchReport {
         let ranked = self.ranked(options.headroom);
         let _ = writeln!(
             s,
-            "searched {} strategies in {:.3} s: {} invalid, {} too big for memory ({} by their model state, {} by their streams' activations), {} pruned by their bound, {} compiled and simulated",
+            "searched {} strategies in {:.3} s: {} invalid, {} too big for memory ({} by their bound, {} by their streams' activations), {} pruned by their bound, {} compiled and simulated",
             self.candidates.len(),
             self.seconds,
             self.count(|o| matches!(o, Outcome::Invalid(_))),
