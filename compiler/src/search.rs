@@ -355,9 +355,7 @@ fn bounded(bound: Result<Bound, Vec<Diagnostic>>, queue: impl FnOnce(f64)) -> Ou
 /// Whether a candidate's ZeRO levels are yet to be tried: an unsharded layout with a
 /// replicated stage under a schedule that updates once per step, and no level written.
 fn shardable(c: &Candidate, options: &SearchOptions) -> bool {
-    let replicated = c.layout().is_some_and(|l| {
-        l.iter().any(|&r| r > 1) && c.schedule.updates(l.len()) == pipec_plan::schedule::Updates::PerStep
-    });
+    let replicated = c.layout().is_some_and(|l| l.iter().any(|&r| r > 1) && c.schedule.updates_per_step());
     replicated && c.sharding == Sharding::None && options.sharding.is_none()
 }
 

@@ -174,7 +174,7 @@ pub(crate) fn stage_of(layout: &Layout, i: usize) -> usize {
 /// Weight tying across stages needs every copy to update together: a synchronous schedule.
 pub(crate) fn check_ties(spec: &Spec, layout: &Layout) -> Result<(), Vec<Diagnostic>> {
     let kind = spec.strategy.schedule.kind;
-    if kind.updates(layout.replicas.len()) == Updates::PerStep {
+    if kind.updates_per_step() {
         return Ok(());
     }
     for (b, l) in spec.model.layers.iter().enumerate() {

@@ -163,7 +163,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         tp: plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len),
         sharding: plan.schedule.sharding,
         clipping: plan.training.recipe.sums_norm(
-            kind.updates(ranks) == pipec_plan::schedule::Updates::PerStep && plan.schedule.staleness.is_none(),
+            kind.updates_per_step() && plan.schedule.staleness.is_none(),
             streams.values().filter(|s| !s.is_empty()).count(),
         ),
         forward_only: false,

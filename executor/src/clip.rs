@@ -154,9 +154,7 @@ impl<B: ExecBackend> Worker<'_, B> {
     pub(crate) fn clip_factor(&mut self, stage: StageId) -> Result<f64> {
         let Some(max) = self.plan.training.recipe.clip_grad_norm else { return Ok(1.0) };
         let plan = self.plan;
-        let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
-        let per_step = plan.schedule.kind.updates(ranks) == pipec_plan::schedule::Updates::PerStep
-            && plan.schedule.staleness.is_none();
+        let per_step = plan.schedule.kind.updates_per_step() && plan.schedule.staleness.is_none();
         if plan.training.recipe.clips_globally(per_step) {
             // summed over the devices by the plan's `grad_norm`; alone, this device's stages
             // are the whole model

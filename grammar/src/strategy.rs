@@ -113,7 +113,7 @@ pub(crate) fn lower_strategy(
         .required(&f, "schedule", "strategy")
         .and_then(|n| lower_schedule(cx, n, f.key_span("schedule").unwrap_or(owner)));
     if let (Some(s), Some(t)) = (&schedule, training) {
-        let per_step = s.kind.updates(2) == pipec_plan::schedule::Updates::PerStep && s.staleness == 0;
+        let per_step = s.kind.updates_per_step() && s.staleness == 0;
         if t.recipe.running_stats == pipec_plan::recipe::RunningStats::PerForward && !per_step {
             cx.push(
                 Diagnostic::error(

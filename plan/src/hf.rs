@@ -219,7 +219,9 @@ pub fn convert(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Vec<(u64, S
 
 /// Where a torchvision ResNet module comes in `state_dict` order: the stem (`conv1`, `bn1`),
 /// then `layer1`..`layer4`, block by block (`conv1`, `bn1`, `conv2`, `bn2`, `conv3`, `bn3`,
-/// then the shortcut's `downsample.0` and `downsample.1`), then `fc`. None for any other name.
+/// then the shortcut's `downsample.0` and `downsample.1`), then `fc`: (stage, block,
+/// position), where an even position in a stage is a convolution, an odd one its batch norm,
+/// and stage 9 is `fc`. None for any other name.
 fn torchvision_rank(module: &str) -> Option<(usize, usize, usize)> {
     let within = |part: &str| match part {
         "conv1" => Some(0),
@@ -270,20 +272,21 @@ fn torchvision_to_pipec(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Ve
     let get = |name: &str, shape: &[usize]| lookup(tensors, name, shape);
     let same = |name: &str, shape: &[usize]| get(name, shape).map(|v| (shape.to_vec(), v.clone()));
     let mut out = Weights::new();
-    for ((i, op), (_, _, _, m)) in with_weights.into_iter().zip(&modules) {
+    for ((i, op), (stage, _, position, m)) in with_weights.into_iter().zip(&modules) {
+        let (fc, norm) = (*stage == 9, position % 2 == 1);
         match *op {
-            Op::Conv2d { in_channels, out_channels, kernel, bias, .. } if !m.starts_with("fc") && !m.contains("bn") && !m.ends_with(".1") => {
+            Op::Conv2d { in_channels, out_channels, kernel, bias, .. } if !fc && !norm => {
                 out.insert(pid(i, 0), same(&format!("{m}.weight"), &[out_channels, in_channels, kernel, kernel])?);
                 if bias {
                     out.insert(pid(i, 1), same(&format!("{m}.bias"), &[out_channels])?);
                 }
             }
-            Op::BatchNorm2d { channels } if m.contains("bn") || m.ends_with("downsample.1") => {
+            Op::BatchNorm2d { channels } if !fc && norm => {
                 for (slot, part) in [(0, "weight"), (1, "bias"), (2, "running_mean"), (3, "running_var")] {
                     out.insert(pid(i, slot), same(&format!("{m}.{part}"), &[channels])?);
                 }
             }
-            Op::Linear { in_features, out_features, bias } if m == "fc" => {
+            Op::Linear { in_features, out_features, bias } if fc => {
                 let w = get("fc.weight", &[out_features, in_features])?;
                 out.insert(pid(i, 0), (vec![in_features, out_features], transpose(w, out_features, in_features)));
                 if bias {
@@ -452,7 +455,7 @@ pub fn from_pipec(
     }
     let b = first;
     if b.post_norm {
-        return bert_from_pipec(layers, weights);
+        return bert_from_pipec(layers, &blocks, weights);
     }
     let family = match (b.norm, b.mlp, b.rope != 0.0) {
         (crate::model::NormKind::LayerNorm, crate::model::MlpKind::GeluTanh | crate::model::MlpKind::Gelu, false)
@@ -607,10 +610,13 @@ pub fn from_pipec(
 
 /// A BERT sequence classifier of `layers` (as `pipec import` writes it) under
 /// `BertForSequenceClassification`'s names, with its `config.json`: the inverse of the BERT
-/// part of [`to_pipec`].
-fn bert_from_pipec(layers: &[Op], weights: &Weights) -> Result<(serde_json::Value, Tensors), String> {
+/// part of [`to_pipec`]. `blocks` are its blocks' sizes, all alike ([`from_pipec`] checked).
+fn bert_from_pipec(
+    layers: &[Op],
+    blocks: &[crate::model::BlockDims],
+    weights: &Weights,
+) -> Result<(serde_json::Value, Tensors), String> {
     use serde_json::json;
-    let blocks: Vec<crate::model::BlockDims> = layers.iter().filter_map(Op::block_dims).collect();
     let b = *blocks.first().ok_or("the model has no transformer block")?;
     let Some(Op::Embedding { vocab, dim, types, sep }) = layers.first().cloned() else {
         return Err("a BERT model starts with its embedding".into());
@@ -640,9 +646,6 @@ fn bert_from_pipec(layers: &[Op], weights: &Weights) -> Result<(serde_json::Valu
                 out.insert("bert.embeddings.LayerNorm.bias".into(), (vec![*dim], weight(id(1), &[*dim])?));
             }
             Op::TransformerBlock { .. } => {
-                if op.block_dims() != Some(b) {
-                    return Err("the model's blocks differ: a Hugging Face config describes one block repeated".into());
-                }
                 let h = format!("bert.encoder.layer.{block}.");
                 let mut put = |name: &str, shape: Vec<usize>, values: Vec<f32>| {
                     out.insert(format!("{h}{name}"), (shape, values));

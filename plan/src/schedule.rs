@@ -193,6 +193,13 @@ impl ScheduleKind {
         }
     }
 
+    /// Whether every stage updates once per step (whatever the pipeline's depth): what the
+    /// rules that need a whole step's microbatches before an update ask (global gradient
+    /// clipping, PyTorch's per-forward batch-norm statistics).
+    pub fn updates_per_step(self) -> bool {
+        matches!(self.traits().cadence, Cadence::PerStep)
+    }
+
     /// The update cadence over `ranks` pipeline ranks.
     pub fn updates(self, ranks: usize) -> Updates {
         match self.traits().cadence {
