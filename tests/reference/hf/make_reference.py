@@ -1,18 +1,22 @@
-"""Tiny random Hugging Face models and their logits: the reference pipec's Llama-family and
-GPT-2 layers are tested against (executor/src/hf_reference.rs).
+"""Tiny random models and what PyTorch computes with them: the reference pipec's Llama-family,
+GPT-2 and BERT layers (executor/src/hf_reference.rs, tests/cli.rs) and its torchvision
+ResNet weights and batch normalisation (tests/cli.rs) are tested against.
 
-Run once, in a throwaway venv outside the repository (torch 2.5.1, transformers 4.46.3):
+Run once, in a throwaway venv outside the repository (torch 2.5.1, transformers 4.46.3,
+torchvision 0.20.1); name models to make only those (llama-gqa, gpt2, bert, resnet):
 
-    python tests/reference/hf/make_reference.py
+    python tests/reference/hf/make_reference.py [NAME ...]
 
-It writes, per model, `<name>/model.safetensors` (the weights under transformers' names),
-`<name>/config.json`, `<name>/reference.json` (the input ids and the float32 logits) and
-the weights after one optimizer step on those rows as a language model's batch — the
-targets are the rows shifted by one, the last row's last target the token 7, the loss the
-mean next-token cross-entropy over every position — with `torch.optim.AdamW` (lr 0.01, eps 1e-4,
-weight decay 0.1, none on one-dimensional parameters: biases and norms) in
-`<name>/after-adamw.safetensors` and with SGD (lr 0.05, momentum 0.9, weight decay 0.1) in
-`<name>/after-sgd.safetensors`.
+It writes, per model, `<name>/model.safetensors` (the weights under transformers' or
+torchvision's names), `<name>/config.json` (transformers' models), `<name>/reference.json`
+(the inputs, and the float32 logits or the loss) and the weights after one optimizer step
+on those inputs as one batch — a language model's targets are its rows shifted by one, the
+last row's last target the token 7, the loss the mean next-token cross-entropy over every
+position; BERT's the mean cross-entropy with its labels; the ResNet's the same over two
+microbatches of two (gradient accumulation) — with `torch.optim.AdamW` (lr 0.01, eps 1e-4
+(the ResNet's 1e-2: see there), weight decay 0.1, none on one-dimensional parameters:
+biases and norms) in `<name>/after-adamw.safetensors` and with SGD (lr 0.05, momentum 0.9,
+weight decay 0.1) in `<name>/after-sgd.safetensors`.
 """
 
 import copy
@@ -45,27 +49,47 @@ def randomise(model):
                 p.copy_(0.3 * torch.randn_like(p))
 
 
-def write(name, model, vocab, seq):
+def write(name, model, inputs, loss_of, extra=None):
+    """A model's fixture: `model.safetensors` and `config.json`, `reference.json` (the
+    keyword `inputs`, `extra` and the float32 logits), and the weights after one step of
+    each of `OPTIMIZERS` with the loss `loss_of(logits)`, named `<optimizer>.safetensors`."""
     model.eval()
-    ids = torch.randint(0, vocab, (2, seq))
     with torch.no_grad():
-        logits = model(input_ids=ids).logits.float()
+        logits = model(**inputs).logits.float()
     out = HERE / name
     out.mkdir(exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    (out / "reference.json").write_text(
-        json.dumps(
-            {
-                "made_with": f"torch {torch.__version__}, transformers {__import__('transformers').__version__}",
-                "input_ids": ids.tolist(),
-                "logits_shape": list(logits.shape),
-                "logits": [round(float(v), 7) for v in logits.flatten()],
-            }
-        )
-        + "\n"
-    )
+    reference = {"made_with": f"torch {torch.__version__}, transformers {__import__('transformers').__version__}"}
+    reference.update({k: v.tolist() for k, v in inputs.items()})
+    reference.update(extra or {})
+    reference["logits_shape"] = list(logits.shape)
+    reference["logits"] = [round(float(v), 7) for v in logits.flatten()]
+    (out / "reference.json").write_text(json.dumps(reference) + "\n")
     (out / "generation_config.json").unlink(missing_ok=True)
-    step(model, ids, out)
+    for after, make in OPTIMIZERS:
+        m = copy.deepcopy(model).train()
+        opt = make(m)
+        loss = loss_of(m(**inputs).logits)
+        loss.backward()
+        opt.step()
+        # the weights under their checkpoint names (a tied output layer saved once)
+        tied = getattr(m.config, "tie_word_embeddings", False)
+        state = {k: v.detach().contiguous() for k, v in m.state_dict().items() if not (k == "lm_head.weight" and tied)}
+        save_file(state, out / f"{after}.safetensors", metadata={"loss": f"{loss.item():.9f}"})
+
+
+def write_language_model(name, model, vocab, seq):
+    """A causal language model's fixture: two rows of `seq` random token ids as one batch —
+    the targets are the rows shifted by one, the last row's last target the token 7, the
+    loss the mean next-token cross-entropy over every position."""
+    ids = torch.randint(0, vocab, (2, seq))
+    flat = ids.flatten()
+    targets = torch.cat([flat[1:], torch.tensor([7])])
+
+    def loss_of(logits):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+
+    write(name, model, {"input_ids": ids}, loss_of)
 
 
 OPTIMIZERS = [
@@ -86,59 +110,11 @@ OPTIMIZERS = [
 ]
 
 
-def step(model, ids, out):
-    flat = ids.flatten()
-    targets = torch.cat([flat[1:], torch.tensor([7])]).view_as(ids)
-    for name, make in OPTIMIZERS:
-        m = copy.deepcopy(model).train()
-        opt = make(m)
-        logits = m(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        opt.step()
-        # the weights under their checkpoint names (a tied output layer saved once)
-        state = {k: v.detach().contiguous() for k, v in m.state_dict().items() if not (k == "lm_head.weight" and m.config.tie_word_embeddings)}
-        save_file(state, out / f"{name}.safetensors", metadata={"loss": f"{loss.item():.9f}"})
-
-
 ONLY = set(sys.argv[1:])  # names to (re)make; all when none are given
 
 
 def wanted(name):
     return not ONLY or name in ONLY
-
-
-def write_classifier(name, model, ids, types, labels):
-    """A sequence classifier's fixture: its logits for `ids` (token types `types`), the loss
-    (mean cross-entropy with `labels`) and one AdamW and one SGD step, as `write` does."""
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=ids, token_type_ids=types).logits.float()
-    out = HERE / name
-    out.mkdir(exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "reference.json").write_text(
-        json.dumps(
-            {
-                "made_with": f"torch {torch.__version__}, transformers {__import__('transformers').__version__}",
-                "input_ids": ids.tolist(),
-                "token_type_ids": types.tolist(),
-                "labels": labels.tolist(),
-                "logits_shape": list(logits.shape),
-                "logits": [round(float(v), 7) for v in logits.flatten()],
-            }
-        )
-        + "\n"
-    )
-    (out / "generation_config.json").unlink(missing_ok=True)
-    for after, make in OPTIMIZERS:
-        m = copy.deepcopy(model).train()
-        opt = make(m)
-        loss = torch.nn.functional.cross_entropy(m(input_ids=ids, token_type_ids=types).logits, labels)
-        loss.backward()
-        opt.step()
-        state = {k: v.detach().contiguous() for k, v in m.state_dict().items()}
-        save_file(state, out / f"{after}.safetensors", metadata={"loss": f"{loss.item():.9f}"})
 
 
 llama = LlamaConfig(
@@ -157,7 +133,7 @@ llama = LlamaConfig(
 if wanted("llama-gqa"):
     m = LlamaForCausalLM(llama).float()
     randomise(m)
-    write("llama-gqa", m, 50, 12)
+    write_language_model("llama-gqa", m, 50, 12)
 
 gpt2 = GPT2Config(
     vocab_size=50,
@@ -173,7 +149,7 @@ gpt2 = GPT2Config(
 if wanted("gpt2"):
     m = GPT2LMHeadModel(gpt2).float()
     randomise(m)
-    write("gpt2", m, 50, 12)
+    write_language_model("gpt2", m, 50, 12)
 
 # A BERT sequence classifier (post-norm blocks, exact GELU, token types, the pooler): rows
 # `[CLS] A [SEP] B [SEP]` with [CLS] = 1 and [SEP] = 2, their token types as a Hugging Face
@@ -204,7 +180,14 @@ if wanted("bert"):
     ids[:, 11] = 2
     seps = (ids == 2).long()
     types = (torch.cumsum(seps, 1) - seps).clamp(max=1)
-    write_classifier("bert", m, ids, types, torch.tensor([0, 2]))
+    labels = torch.tensor([0, 2])
+    write(
+        "bert",
+        m,
+        {"input_ids": ids, "token_type_ids": types},
+        lambda logits: torch.nn.functional.cross_entropy(logits, labels),
+        {"labels": labels.tolist()},
+    )
 
 # A torchvision ResNet (BasicBlock, one block per stage, narrowed to 8/8/16/16 channels by
 # torchvision's own `_make_layer`, so every name is torchvision's) with randomised batch
