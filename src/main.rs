@@ -275,9 +275,14 @@ enum Command {
         /// Only these schedules, e.g. `--schedules 1f1b,interleaved`.
         #[arg(long, value_delimiter = ',')]
         schedules: Vec<String>,
-        /// How many plans to list (the best and the runner-ups).
+        /// How many plans to list: the best, and runner-ups among the plans simulated on
+        /// the way to it.
         #[arg(long, default_value_t = 5)]
         top: usize,
+        /// Find the --top plans exactly (the runner-ups are then the next best of the whole
+        /// space, at the cost of simulating more candidates).
+        #[arg(long)]
+        exact_top: bool,
         /// `human`: the report; `json`: one JSON object.
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
@@ -312,7 +317,7 @@ fn main() -> ExitCode {
         Command::Import { config, out, seq, name } => {
             import_cmd::run(import_cmd::ImportArgs { config: &config, out: out.as_deref(), seq, name: name.as_deref() })
         }
-        Command::Search { file, profile, allow_async, max_depth, headroom, schedules, top, format } => {
+        Command::Search { file, profile, allow_async, max_depth, headroom, schedules, top, exact_top, format } => {
             search_cmd::run(search_cmd::SearchArgs {
                 path: &file,
                 profile: profile.as_deref(),
@@ -321,6 +326,7 @@ fn main() -> ExitCode {
                 headroom_percent: headroom,
                 schedules: &schedules,
                 top,
+                exact_top,
                 format,
             })
         }

@@ -21,6 +21,7 @@ pub struct SearchArgs<'a> {
     pub headroom_percent: Option<f64>,
     pub schedules: &'a [String],
     pub top: usize,
+    pub exact_top: bool,
     pub format: Format,
 }
 
@@ -77,6 +78,9 @@ pub fn run(a: SearchArgs<'_>) -> u8 {
     }
     if !schedules.is_empty() {
         options.schedules = Some(schedules);
+    }
+    if a.exact_top {
+        options.ranked = a.top.max(1);
     }
     let compile_options = CompileOptions { profile, base_dir: Some(base.to_path_buf()), ..CompileOptions::default() };
     let report = search(&source, &spec, &compile_options, &options);

@@ -5,37 +5,46 @@ use std::collections::HashMap;
 
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::{Recompute, Spec};
-use pipec_plan::vocab::ScheduleKind;
-use pipec_plan::{DeviceId, Instr, StageId};
+use pipec_plan::vocab::{ScheduleKind, Sharding};
+use pipec_plan::{DeviceId, Instr, MicrobatchId, StageId};
 
 use crate::cluster::ClusterGraph;
-use crate::figures::stage_figures;
+use crate::figures::{stage_figures, StageFigures};
 use crate::model::{cost_model, ModelCosts};
 use crate::options::CompileOptions;
 use crate::partition::{partition_layers, Layout, Partitions};
 use crate::place::place;
 use crate::plan_cost::PlanCost;
-use crate::schedule::Placement;
+use crate::schedule::{generate, Order, Placement, TaskKind};
 use crate::simulate::CostModel;
-use crate::streams::sends_gradients_first;
+use crate::streams::{backward_slots, sends_gradients_first};
 
 /// What a strategy costs at least, found without lowering, verifying or simulating it:
 /// the bound the strategy search prunes with (`search`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Bound {
     /// No simulation of the strategy predicts a shorter step (a flush-free schedule's
-    /// steady state included).
+    /// steady state included); 0 when one of its stages alone overflows a device (found
+    /// before it is placed).
     pub step_s: f64,
     /// Whether the weights, gradients and optimizer state with one microbatch's activations
     /// of one stage, the buffers and the workspace reserve — the least any schedule keeps —
     /// overflow some device: then no plan of the strategy fits.
     pub overflows: bool,
-    /// Whether what a device keeps beside its model state (one microbatch's activations,
-    /// the buffers, the reserve) overflows it alone: then no ZeRO level fits either.
+    /// Whether what a device keeps beside its model state (its activations as above, the
+    /// buffers, the reserve) with the least model state any ZeRO level leaves it (ZeRO-3's
+    /// share) overflows it: then no ZeRO level fits either.
     pub overflows_any_sharding: bool,
     /// The layout bounded: replicas per pipeline rank (PipeDream's planner's choice when
     /// the strategy leaves it to `partition: auto`).
     pub replicas: Vec<usize>,
+    /// Per stage, the memory headroom of the fullest device holding it by this bound's
+    /// memory (never below the compiled plan's): the stages short of memory, which a
+    /// candidate that does not fit without recompute may recompute alone.
+    pub stage_headroom: Vec<f64>,
+    /// Whether the activations were counted from the schedule's order (one pipeline
+    /// replica of a symmetric plan, the memory pass's own count), not as one microbatch.
+    pub walked: bool,
 }
 
 /// The lower bound of a checked spec's strategy: per device, the compute of every
@@ -50,41 +59,62 @@ pub struct Bound {
 pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result<Bound, Vec<Diagnostic>> {
     let (model, layout) = memo.model_and_layout(spec, options)?;
     let model = &*model;
-    let placed = memo.placed(spec, &layout, &model.cluster)?;
     let stages = stage_figures(spec, model, &layout);
+    let capacity = model.cluster.memory;
+    let reserve = crate::memory::workspace_reserve(capacity) as f64;
+    let kept = |s: usize| {
+        let b = &stages.bytes[s];
+        (if layout.recompute[s] { b.checkpoint_per_microbatch } else { b.activations_per_microbatch }) as f64
+    };
+    // what a device needs beside its model state for one of its stages at least: one
+    // microbatch kept, the stage's recompute unit, its buffers, the reserve
+    let beside = |s: usize| {
+        let b = &stages.bytes[s];
+        let unit = if layout.recompute[s] { b.recompute_unit_peak as f64 } else { 0.0 };
+        kept(s) + unit + b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights) as f64 + reserve
+    };
+    let state = |s: usize| {
+        let b = &stages.bytes[s];
+        (b.weights + b.gradients + b.optimizer) as f64
+    };
+    // the least model state any ZeRO level leaves a replica of the stage (ZeRO-3's share)
+    let least_state = |s: usize| {
+        let b = &stages.bytes[s];
+        b.whole.sharded(Sharding::Parameters, b.replicas).total() as f64
+    };
+    // every stage is on some device: one stage too big for a device needs no placement to
+    // tell (the bound's memory below, stage by stage) when no ZeRO level is to be derived
+    // from it (whose bounds want this one's step)
+    let n_stages = layout.ranges.len();
+    let overflows_sharded = (0..n_stages).any(|s| least_state(s) + beside(s) > capacity);
+    if (spec.strategy.sharding != Sharding::None || overflows_sharded)
+        && (0..n_stages).any(|s| state(s) + beside(s) > capacity)
+    {
+        return Ok(Bound {
+            step_s: 0.0,
+            overflows: true,
+            overflows_any_sharding: overflows_sharded,
+            replicas: layout.replicas,
+            stage_headroom: (0..n_stages).map(|s| 1.0 - (state(s) + beside(s)) / capacity).collect(),
+            walked: false,
+        });
+    }
+    let placed = memo.placed(spec, &layout, &model.cluster)?;
     let cost = PlanCost::new(spec, model, &stages, HashMap::new());
     let kind = spec.strategy.schedule.kind;
     let split = kind.splits_backward();
-    // a later stage sends its gradient after its input-gradient pass
     let early_send = sends_gradients_first(spec, layout.replicas.len());
-    let split_at = |s: usize| split || (early_send && s > 0);
-    let mb = pipec_plan::MicrobatchId(0);
-    let of = |ins: Instr| cost.compute(DeviceId(0), &ins);
-    let n_stages = placed.replicas.len();
-    let forward: Vec<f64> = (0..n_stages).map(|s| of(Instr::Forward { stage: StageId(s as u32), mb })).collect();
-    // what follows a stage's last backward upstream: the input-gradient pass
-    let upstream_backward: Vec<f64> = (0..n_stages)
-        .map(|s| {
-            let stage = StageId(s as u32);
-            if split_at(s) {
-                of(Instr::BackwardInput { stage, mb })
-            } else {
-                of(Instr::Backward { stage, mb })
-            }
-        })
-        .collect();
+    let Passes { forward, upstream_backward, backward, recompute, hop, .. } =
+        Passes::new(spec, &layout, &stages, &placed, &cost);
     // what a stage's last instruction may overlap of the upstream backwards: its weight pass
     let last_weight_pass: Vec<f64> = (0..n_stages)
-        .map(|s| if early_send && s > 0 { of(Instr::BackwardWeight { stage: StageId(s as u32), mb }) } else { 0.0 })
-        .collect();
-    // the cheapest transfer of stage s's output to stage s + 1 (either direction: the
-    // gradient coming back is the same size)
-    let hop: Vec<f64> = (0..n_stages)
         .map(|s| {
-            let Some(&(a, b)) = placed.pairs.get(s) else { return 0.0 };
-            cost.transfer(a, b, stages.output_bytes[s]).min(cost.transfer(b, a, stages.output_bytes[s]))
+            if early_send && s > 0 {
+                cost.compute(DeviceId(0), &Instr::BackwardWeight { stage: StageId(s as u32), mb: MicrobatchId(0) })
+            } else {
+                0.0
+            }
         })
-        .map(|t| if t.is_finite() { t } else { 0.0 })
         .collect();
     let forward_hop: Vec<f64> = forward.iter().zip(&hop).map(|(f, h)| f + h).collect();
     let backward_hop: Vec<f64> = upstream_backward.iter().zip(&hop).map(|(b, h)| b + h).collect();
@@ -104,40 +134,31 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             })
         })
         .collect();
-    let flush = !(matches!(kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)
-        && !spec.strategy.schedule.vertical_sync
-        && spec.strategy.tp.max(1) == 1);
-    let capacity = model.cluster.memory;
-    let reserve = crate::memory::workspace_reserve(capacity) as f64;
+    let scatters_each_microbatch = spec.strategy.sharding.level() >= 2
+        && kind.updates(layout.replicas.len()) == pipec_plan::schedule::Updates::PerStep;
+    let flush = flushes(spec);
     let mut step_s: f64 = 0.0;
-    let mut overflows = false;
-    let mut overflows_any_sharding = false;
-    for stage_counts in &placed.holds {
+    // per device: what it holds, its model state, and the least beside it
+    let mut devices: Vec<(usize, Vec<usize>, f64, f64, f64)> = Vec::new();
+    let mut all_kept: f64 = 0.0;
+    for &device in &placed.bounded {
+        let stage_counts = &placed.holds[device];
         if stage_counts.is_empty() {
             continue;
         }
         let held: Vec<usize> = stage_counts.iter().map(|&(s, _)| s).collect();
         let mut load = 0.0;
-        let mut state = 0.0;
+        let mut held_state = 0.0;
         // the least the memory pass can find on the device beside its model state (the same
         // terms as `memory::device_memory`): one microbatch of one held stage kept for its
         // backward (every forward adds that much before anything is freed), the largest
         // recompute unit, the buffers
         let (mut one_microbatch, mut recompute_unit, mut buffers) = (0.0_f64, 0.0_f64, 0.0_f64);
         for &(s, n) in stage_counts {
-            let stage = StageId(s as u32);
-            let n = n as f64;
-            let backward = if split_at(s) {
-                of(Instr::BackwardInput { stage, mb }) + of(Instr::BackwardWeight { stage, mb })
-            } else {
-                of(Instr::Backward { stage, mb })
-            };
-            let recompute = if layout.recompute[s] { forward[s] } else { 0.0 };
-            load += n * (forward[s] + backward + recompute);
+            load += n as f64 * (forward[s] + backward[s] + recompute[s]);
             let b = &stages.bytes[s];
-            state += (b.weights + b.gradients + b.optimizer) as f64;
-            let kept = if layout.recompute[s] { b.checkpoint_per_microbatch } else { b.activations_per_microbatch };
-            one_microbatch = one_microbatch.max(kept as f64);
+            held_state += state(s);
+            one_microbatch = one_microbatch.max(kept(s));
             if layout.recompute[s] {
                 recompute_unit = recompute_unit.max(b.recompute_unit_peak as f64);
             }
@@ -163,12 +184,258 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         } else {
             (0.0, 0.0)
         };
-        step_s = step_s.max(head + load + tail);
-        let beside_state = one_microbatch + recompute_unit + buffers + reserve;
-        overflows |= state + beside_state > capacity;
-        overflows_any_sharding |= beside_state > capacity;
+        // the communication engine runs a device's collectives one at a time: under ZeRO-2
+        // and 3 a replicated stage reduce-scatters every microbatch's gradients
+        // (`lower::scatter_contribution`), each at least its bound's reduce-scatter
+        let engine: f64 = if scatters_each_microbatch {
+            stage_counts.iter().map(|&(s, n)| n as f64 * all_reduce[s].unwrap_or(0.0)).sum()
+        } else {
+            0.0
+        };
+        step_s = step_s.max(head + load + tail).max(engine);
+        let least: f64 = held.iter().map(|&s| least_state(s)).sum();
+        devices.push((device, held, held_state, least, one_microbatch + recompute_unit + buffers + reserve));
+        // every microbatch it runs kept at once: the most any order keeps
+        all_kept = all_kept.max(
+            held_state
+                + recompute_unit
+                + buffers
+                + reserve
+                + stage_counts.iter().map(|&(s, n)| n as f64 * kept(s)).sum::<f64>(),
+        );
     }
-    Ok(Bound { step_s, overflows, overflows_any_sharding, replicas: layout.replicas })
+    let fits_one_microbatch = devices.iter().all(|&(_, _, state, _, beside)| state + beside <= capacity);
+    // then, if one microbatch fits and all of them might not, the activations' peak as the
+    // memory pass finds it in the streams, from the schedule's order (for the devices of the
+    // pipeline replica whose order was walked; not for a flush-free pipeline, whose streams
+    // are a steady state's)
+    let in_flight = (flush && fits_one_microbatch && all_kept > capacity)
+        .then(|| memo.in_flight(&placed, kind, layout.replicas.len(), backward_slots(&stages.times)))
+        .flatten();
+    let mut overflows = false;
+    let mut overflows_any_sharding = false;
+    let mut stage_headroom = vec![f64::INFINITY; n_stages];
+    for (device, held, state, least, mut beside_state) in devices {
+        let walked = placed.ids.binary_search(&(device as u32)).ok();
+        if let Some((stages_held, frontier)) = in_flight.as_ref().zip(walked).and_then(|(f, i)| f.get(i)) {
+            let one = held.iter().map(|&s| kept(s)).fold(0.0, f64::max);
+            let peak = frontier
+                .iter()
+                .map(|counts| stages_held.iter().zip(counts).map(|(&s, &c)| c as f64 * kept(s)).sum::<f64>())
+                .fold(0.0, f64::max);
+            beside_state += (peak - one).max(0.0);
+        }
+        overflows |= state + beside_state > capacity;
+        overflows_any_sharding |= least + beside_state > capacity;
+        let headroom = 1.0 - (state + beside_state) / capacity;
+        for &s in &held {
+            stage_headroom[s] = stage_headroom[s].min(headroom);
+        }
+    }
+    let walked = in_flight.is_some();
+    Ok(Bound { step_s, overflows, overflows_any_sharding, replicas: layout.replicas, stage_headroom, walked })
+}
+
+/// Per device of one pipeline replica, the stages it holds (ascending) and the maximal
+/// counts of their microbatches kept at once — a microbatch is kept from its forward to the
+/// pass that frees it (its whole backward, or its weight pass when the backward is split),
+/// as lowering frees it — over the order: the peak of any weighting of the counts (each
+/// stage's bytes per microbatch) is the largest over these.
+type InFlight = Vec<(Vec<usize>, Vec<Vec<u32>>)>;
+
+fn in_flight(order: &Order) -> InFlight {
+    let mut out = InFlight::with_capacity(order.len());
+    for tasks in order {
+        let mut held: Vec<usize> = tasks.iter().map(|t| t.stage.0 as usize).collect();
+        held.sort_unstable();
+        held.dedup();
+        let mut now = vec![0u32; held.len()];
+        // the counts at each local peak: after a run of forwards, before the next free
+        let mut seen: Vec<Vec<u32>> = Vec::new();
+        let mut rising = false;
+        for t in tasks {
+            let Ok(i) = held.binary_search(&(t.stage.0 as usize)) else { continue };
+            match t.kind {
+                TaskKind::Forward => {
+                    now[i] += 1;
+                    rising = true;
+                }
+                TaskKind::Backward | TaskKind::BackwardWeight => {
+                    if std::mem::take(&mut rising) {
+                        seen.push(now.clone());
+                    }
+                    now[i] = now[i].saturating_sub(1);
+                }
+                TaskKind::BackwardInput => {}
+            }
+        }
+        if rising {
+            seen.push(now);
+        }
+        // the Pareto frontier: a count dominated by another never gives the peak
+        seen.sort_unstable_by(|a, b| b.iter().sum::<u32>().cmp(&a.iter().sum::<u32>()).then_with(|| b.cmp(a)));
+        seen.dedup();
+        let mut frontier: Vec<Vec<u32>> = Vec::new();
+        for v in seen {
+            if !frontier.iter().any(|f| f.iter().zip(&v).all(|(a, b)| a >= b)) {
+                frontier.push(v);
+            }
+        }
+        out.push((held, frontier));
+    }
+    out
+}
+
+/// Whether the strategy's streams flush every step (not a flush-free PipeDream or 2BW
+/// pipeline, which runs as a steady state: vertical sync and tensor parallelism keep a
+/// flush, as `streams::lower_streams` decides).
+fn flushes(spec: &Spec) -> bool {
+    !(matches!(spec.strategy.schedule.kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)
+        && !spec.strategy.schedule.vertical_sync
+        && spec.strategy.tp.max(1) == 1)
+}
+
+/// Per stage, one microbatch's passes as the simulator prices them (`PlanCost`), and the
+/// cheapest hop to the next stage.
+struct Passes {
+    forward: Vec<f64>,
+    /// The backward up to the stage's gradient for the stage before: its input-gradient
+    /// pass where the backward is split (by the schedule, or by sending gradients first),
+    /// else the whole backward.
+    upstream_backward: Vec<f64>,
+    /// What follows it: the weight pass of a split backward, else 0.
+    weight: Vec<f64>,
+    /// The whole backward (`upstream_backward` + `weight`).
+    backward: Vec<f64>,
+    /// The forward recomputed before the backward of a recomputed stage, else 0.
+    recompute: Vec<f64>,
+    /// The cheapest transfer of stage s's output to stage s + 1 (either direction: the
+    /// gradient coming back is the same size).
+    hop: Vec<f64>,
+}
+
+impl Passes {
+    fn new(spec: &Spec, layout: &Layout, stages: &StageFigures, placed: &Placed, cost: &PlanCost) -> Passes {
+        let split = spec.strategy.schedule.kind.splits_backward();
+        // a later stage sends its gradient after its input-gradient pass
+        let early_send = sends_gradients_first(spec, layout.replicas.len());
+        let n = layout.ranges.len();
+        let mb = MicrobatchId(0);
+        let of = |ins: Instr| cost.compute(DeviceId(0), &ins);
+        let stage = |s: usize| StageId(s as u32);
+        let forward: Vec<f64> = (0..n).map(|s| of(Instr::Forward { stage: stage(s), mb })).collect();
+        let (upstream_backward, weight): (Vec<f64>, Vec<f64>) = (0..n)
+            .map(|s| {
+                if split || (early_send && s > 0) {
+                    (
+                        of(Instr::BackwardInput { stage: stage(s), mb }),
+                        of(Instr::BackwardWeight { stage: stage(s), mb }),
+                    )
+                } else {
+                    (of(Instr::Backward { stage: stage(s), mb }), 0.0)
+                }
+            })
+            .unzip();
+        let backward = upstream_backward.iter().zip(&weight).map(|(b, w)| b + w).collect();
+        let recompute = (0..n).map(|s| if layout.recompute[s] { forward[s] } else { 0.0 }).collect();
+        let hop = (0..n)
+            .map(|s| {
+                let Some(&(a, b)) = placed.pairs.get(s) else { return 0.0 };
+                cost.transfer(a, b, stages.output_bytes[s]).min(cost.transfer(b, a, stages.output_bytes[s]))
+            })
+            .map(|t| if t.is_finite() { t } else { 0.0 })
+            .collect();
+        Passes { forward, upstream_backward, weight, backward, recompute, hop }
+    }
+}
+
+/// A tighter bound for a strategy [`lower_bound`] found to fit, before the search lowers and
+/// simulates it: the schedule's own order run on one pipeline replica with the simulator's
+/// pass costs and the cheapest hops, each pass starting when its device is free and its
+/// input (the previous stage's activation, the next stage's gradient) has arrived — the
+/// simulator's rules without its collectives, sends' link queues, loads and updates, which
+/// only add time. Its bubble is the schedule's (zero-bubble V's unit-time order, ZeRO-2's
+/// waits aside). A plan that is not symmetric runs whole; 0 for a flush-free steady state.
+pub fn timeline_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result<f64, Vec<Diagnostic>> {
+    let (model, layout) = memo.model_and_layout(spec, options)?;
+    let model = &*model;
+    if !flushes(spec) {
+        return Ok(0.0);
+    }
+    let placed = memo.placed(spec, &layout, &model.cluster)?;
+    // one pipeline replica when the plan is symmetric, else the whole placement
+    let whole;
+    let view = match placed.view.as_ref() {
+        Some(v) => v,
+        None => {
+            whole = place(spec, &layout, &model.cluster)?;
+            &whole
+        }
+    };
+    let stages = stage_figures(spec, model, &layout);
+    let cost = PlanCost::new(spec, model, &stages, HashMap::new());
+    let passes = Passes::new(spec, &layout, &stages, &placed, &cost);
+    let order = generate(spec.strategy.schedule.kind, view, layout.replicas.len(), backward_slots(&stages.times));
+    Ok(run_order(&order, view, &passes))
+}
+
+/// The step of `order` under [`timeline_bound`]'s rules: each device runs its tasks in order.
+fn run_order(order: &Order, view: &Placement, p: &Passes) -> f64 {
+    let (n, m) = (view.stages(), view.microbatches);
+    let at = |s: usize, mb: usize| s * m + mb;
+    // when a forward's output, and a backward's gradient for the stage before, is computed
+    let mut output = vec![f64::NAN; n * m];
+    let mut gradient = vec![f64::NAN; n * m];
+    let mut free = vec![0.0_f64; order.len()];
+    let mut next = vec![0usize; order.len()];
+    loop {
+        let (mut progress, mut pending) = (false, false);
+        for (d, tasks) in order.iter().enumerate() {
+            while let Some(t) = tasks.get(next[d]) {
+                let (s, mb) = (t.stage.0 as usize, t.mb.0 as usize);
+                if s >= n || mb >= m {
+                    return 0.0;
+                }
+                let input = match t.kind {
+                    TaskKind::Forward if s == 0 => 0.0,
+                    TaskKind::Forward => output[at(s - 1, mb)] + p.hop[s - 1],
+                    TaskKind::Backward | TaskKind::BackwardInput if s + 1 == n => output[at(s, mb)],
+                    TaskKind::Backward | TaskKind::BackwardInput => gradient[at(s + 1, mb)] + p.hop[s],
+                    TaskKind::BackwardWeight => 0.0,
+                };
+                if input.is_nan() {
+                    break;
+                }
+                let start = free[d].max(input);
+                free[d] = match t.kind {
+                    TaskKind::Forward => {
+                        output[at(s, mb)] = start + p.forward[s];
+                        output[at(s, mb)]
+                    }
+                    TaskKind::BackwardInput => {
+                        gradient[at(s, mb)] = start + p.recompute[s] + p.upstream_backward[s];
+                        gradient[at(s, mb)]
+                    }
+                    // a whole backward, or one split by sending its gradient first
+                    TaskKind::Backward => {
+                        gradient[at(s, mb)] = start + p.recompute[s] + p.upstream_backward[s];
+                        gradient[at(s, mb)] + p.weight[s]
+                    }
+                    TaskKind::BackwardWeight => start + p.weight[s],
+                };
+                next[d] += 1;
+                progress = true;
+            }
+            pending |= next[d] < tasks.len();
+        }
+        if !pending {
+            return free.iter().copied().fold(0.0, f64::max);
+        }
+        if !progress {
+            // inputs that never come under these rules: no bound from them
+            return 0.0;
+        }
+    }
 }
 
 /// A pair of devices, one from each list, on the fastest link any such pair has (the same
@@ -193,7 +460,16 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 pub struct Memo {
     pub(crate) models: HashMap<(usize, usize), (std::rc::Rc<ModelCosts>, Partitions)>,
     placements: HashMap<PlaceKey, std::rc::Rc<Placed>>,
+    /// What a schedule's order keeps in flight on a view's devices, per view shape: the
+    /// views of candidates that differ in data-parallel or tensor-parallel degree but give
+    /// each replica as many microbatches are alike once their devices are numbered densely.
+    in_flight: rustc_hash::FxHashMap<InFlightKey, std::rc::Rc<InFlight>>,
 }
+
+/// The schedule, the backward's length in forwards (Chimera's packing reads it), the
+/// view's microbatches, its devices per stage and, unless each stage has one device (every
+/// microbatch then takes it), its routes.
+type InFlightKey = (ScheduleKind, usize, usize, Vec<Vec<DeviceId>>, Option<Vec<Vec<u32>>>);
 
 /// What a placement depends on: the schedule's chunk placement, the replicas per chunk,
 /// the chunks, the tensor-parallel degree and the microbatches.
@@ -204,8 +480,17 @@ type PlaceKey = (pipec_plan::schedule::ChunkPlacement, Vec<usize>, usize, usize,
 pub(crate) struct Placed {
     /// Per stage, the devices holding a replica.
     replicas: Vec<Vec<DeviceId>>,
+    /// One pipeline replica of the placement (`one_replica`; the placement itself when it
+    /// has no replicas), its devices numbered densely in the order of their ids, or None
+    /// when the plan is not symmetric: where the bound walks the schedule's order.
+    view: Option<Placement>,
+    /// The plan's device id of each of the view's devices (ascending).
+    ids: Vec<u32>,
     /// Per device, the stages it holds (ascending) and its microbatches of each.
     holds: Vec<Vec<(usize, usize)>>,
+    /// The devices whose figures the bound takes the largest of: the view's when there is
+    /// one (every replica of a symmetric plan runs alike: `one_replica`), else every device.
+    bounded: Vec<usize>,
     /// Per stage boundary, the pair of devices on the fastest link between the two stages'
     /// replicas.
     pairs: Vec<(DeviceId, DeviceId)>,
@@ -214,10 +499,12 @@ pub(crate) struct Placed {
 }
 
 impl Placed {
-    fn new(placement: Placement, cluster: &ClusterGraph) -> Self {
-        // one pass over the routes, not one per device
+    fn new(placement: Placement, view: Option<Placement>, cluster: &ClusterGraph) -> Self {
+        // one pass over the routes, not one per device: the view's, whose devices are the
+        // ones bounded
         let mut holds: Vec<Vec<(usize, usize)>> = vec![Vec::new(); placement.devices];
-        for (s, (replicas, route)) in placement.replicas.iter().zip(&placement.route).enumerate() {
+        let source = view.as_ref().unwrap_or(&placement);
+        for (s, (replicas, route)) in source.replicas.iter().zip(&source.route).enumerate() {
             let mut per_replica = vec![0usize; replicas.len()];
             for &k in route {
                 per_replica[k as usize] += 1;
@@ -233,11 +520,43 @@ impl Placed {
         }
         let pairs = placement.replicas.windows(2).map(|w| closest_pair(cluster, &w[0], &w[1])).collect();
         let shapes = placement.replicas.iter().map(|r| cluster.group_shape(r)).collect();
-        Placed { replicas: placement.replicas, holds, pairs, shapes }
+        let (bounded, ids, view) = match view {
+            Some(mut v) => {
+                let mut ids: Vec<u32> = v.replicas.iter().flatten().map(|d| d.0).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                for d in v.replicas.iter_mut().flatten() {
+                    d.0 = ids.binary_search(&d.0).unwrap_or(0) as u32;
+                }
+                v.devices = ids.len();
+                (ids.iter().map(|&d| d as usize).collect(), ids, Some(v))
+            }
+            None => ((0..holds.len()).collect(), Vec::new(), None),
+        };
+        Placed { replicas: placement.replicas, view, ids, holds, bounded, pairs, shapes }
     }
 }
 
 impl Memo {
+    /// What `kind`'s order keeps in flight on each device of a placement's view.
+    fn in_flight(
+        &mut self,
+        placed: &Placed,
+        kind: ScheduleKind,
+        ranks: usize,
+        slots: usize,
+    ) -> Option<std::rc::Rc<InFlight>> {
+        let view = placed.view.as_ref()?;
+        let routes = view.replicas.iter().any(|r| r.len() != 1).then(|| view.route.clone());
+        let key = (kind, slots, view.microbatches, view.replicas.clone(), routes);
+        Some(
+            self.in_flight
+                .entry(key)
+                .or_insert_with(|| std::rc::Rc::new(in_flight(&generate(kind, view, ranks, slots))))
+                .clone(),
+        )
+    }
+
     /// A candidate's placement (`place::place`), with what the bound reads of it.
     pub(crate) fn placed(
         &mut self,
@@ -256,7 +575,13 @@ impl Memo {
         if let Some(p) = self.placements.get(&key) {
             return Ok(p.clone());
         }
-        let placed = std::rc::Rc::new(Placed::new(place(spec, layout, cluster)?, cluster));
+        let placement = place(spec, layout, cluster)?;
+        let view = match crate::place::one_replica(spec, layout, &placement, cluster) {
+            Some((view, _)) => Some(view),
+            None if layout.replicas.iter().all(|&r| r == 1) && spec.strategy.tp.max(1) == 1 => Some(placement.clone()),
+            None => None,
+        };
+        let placed = std::rc::Rc::new(Placed::new(placement, view, cluster));
         self.placements.insert(key, placed.clone());
         Ok(placed)
     }

@@ -54,6 +54,9 @@ pub struct Graph {
     spans: Vec<Span>,
     pub input_shape: Vec<usize>,
     pub precision_bytes: usize,
+    /// Per cut (0 to the operator count), the bytes per sample crossing it: what every
+    /// candidate of a strategy search reads for its stage boundaries, computed once.
+    cuts: Vec<u64>,
 }
 
 impl Graph {
@@ -81,6 +84,9 @@ impl Graph {
     /// topological order: every tensor made before the cut (the model's input included)
     /// that an operator after it reads, each counted once however many read it.
     pub fn cut_bytes_per_sample(&self, cut: usize) -> u64 {
+        self.cuts.get(cut).copied().unwrap_or_else(|| self.crossing_bytes(cut))
+    }
+    fn crossing_bytes(&self, cut: usize) -> u64 {
         self.crossing(cut).iter().map(|&s| self.source_bytes(s)).sum()
     }
     /// The tensors crossing a cut after the first `cut` operators, in order (the model's
@@ -135,7 +141,47 @@ pub fn lower(model: &Model, precision_bytes: usize) -> Graph {
     }
     // The graph is built in topological order; check it stays a DAG as the DSL grows.
     debug_assert!(petgraph::algo::toposort(&graph, None).is_ok());
-    Graph { graph, order, spans, input_shape: model.input.clone(), precision_bytes }
+    let mut g = Graph { graph, order, spans, input_shape: model.input.clone(), precision_bytes, cuts: Vec::new() };
+    g.cuts = cut_bytes(&g);
+    g
+}
+
+/// The bytes per sample crossing every cut, in one pass: a tensor made by operator p (the
+/// input: before operator 0) and last read by operator l crosses the cuts p + 1 ..= l
+/// (`Graph::crossing`'s rule), so each adds its bytes there through a difference array.
+fn cut_bytes(g: &Graph) -> Vec<u64> {
+    let n = g.len();
+    // per source (the input at 0, operator p at p + 1), the last operator reading it
+    let mut last: Vec<Option<usize>> = vec![None; n + 1];
+    for (i, (_, node)) in g.ops().enumerate() {
+        for s in &node.inputs {
+            let at = match *s {
+                Source::Input => 0,
+                Source::Layer(p) if p < i => p + 1,
+                Source::Layer(_) => continue,
+            };
+            last[at] = Some(last[at].map_or(i, |l: usize| l.max(i)));
+        }
+    }
+    let mut delta = vec![0i128; n + 2];
+    for (at, l) in last.iter().enumerate() {
+        let Some(l) = *l else { continue };
+        let source = if at == 0 { Source::Input } else { Source::Layer(at - 1) };
+        // the input crosses cuts 1 ..= l, operator p's output cuts p + 1 ..= l
+        let first = at.max(1);
+        if first <= l {
+            let b = i128::from(g.source_bytes(source));
+            delta[first] += b;
+            delta[l + 1] -= b;
+        }
+    }
+    let mut sum = 0i128;
+    (0..=n)
+        .map(|cut| {
+            sum += delta[cut];
+            u64::try_from(sum).unwrap_or(u64::MAX)
+        })
+        .collect()
 }
 
 impl fmt::Display for Graph {

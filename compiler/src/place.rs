@@ -3,6 +3,7 @@
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
 use pipec_plan::schedule::ChunkPlacement;
+use pipec_plan::vocab::{ScheduleKind, SyncMode};
 use pipec_plan::DeviceId;
 
 use crate::cluster::ClusterGraph;
@@ -79,4 +80,62 @@ pub(crate) fn rank_devices(replicas: &[usize], tp: usize) -> Vec<Vec<DeviceId>> 
         base += r * tp;
     }
     out
+}
+
+/// One pipeline replica of a symmetric plan: replica 0 of every pipeline rank (its
+/// tensor-parallel leader), running its share of the microbatches (renumbered), with the
+/// plan's device ids. What it simulates is exactly what every replica and every
+/// tensor-parallel member of the whole plan does when the plan is symmetric: every rank on
+/// the same number `r` of replicas, the microbatches a multiple of `r` (each replica, or
+/// each of Chimera's pipeline pairs, then gets the same pattern: Chimera's last, partial
+/// unit too), tensor-parallel groups inside a node, and
+/// between any two ranks the same link for every replica. The simulator's costs are the
+/// same on every device and collectives are costed over the whole group (`summed_over`),
+/// so each replica's timeline is replica 0's. Returns the view and how many devices of the
+/// plan each of its devices stands for, or None for a plan that is not symmetric (or is
+/// its own one replica).
+pub(crate) fn one_replica(
+    spec: &Spec,
+    layout: &Layout,
+    placement: &Placement,
+    cluster: &ClusterGraph,
+) -> Option<(Placement, usize)> {
+    let strategy = &spec.strategy;
+    let kind = strategy.schedule.kind;
+    let tp = strategy.tp.max(1);
+    let r = *layout.replicas.first()?;
+    let ranks = layout.replicas.len();
+    let chunks = kind.chunk_placement();
+    let symmetric = r > 0
+        && layout.replicas.iter().all(|&x| x == r)
+        && cluster.devices_per_node.is_multiple_of(tp)
+        && placement.microbatches.is_multiple_of(r)
+        && !(kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp);
+    if !symmetric || r * tp == 1 {
+        return None;
+    }
+    let rd = rank_devices(&layout.replicas, tp);
+    for a in 0..ranks {
+        for b in a + 1..ranks {
+            let level = cluster.level(rd[a][0], rd[b][0]);
+            if (1..r).any(|q| cluster.level(rd[a][q], rd[b][q]) != level) {
+                return None;
+            }
+        }
+    }
+    let one = Layout {
+        recompute: layout.recompute.clone(),
+        replicas: vec![1; ranks],
+        virtual_stages: layout.virtual_stages,
+        ranges: layout.ranges.clone(),
+        notation: String::new(),
+    };
+    let mut view = place_chunks(chunks, &one, tp, placement.microbatches / r, cluster).ok()?;
+    // rank i's one device is i·tp there: replica 0 of rank i here
+    for replicas in &mut view.replicas {
+        for d in replicas.iter_mut() {
+            *d = rd[d.0 as usize / tp][0];
+        }
+    }
+    Some((view, r * tp))
 }

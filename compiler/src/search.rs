@@ -5,14 +5,19 @@
 //!
 //! Each candidate is written as the spec's own text with its `strategy` replaced, so it goes
 //! through the same front end as a user's spec (every constraint `pipec check` knows) and
-//! the winner is text the user can paste. The search is branch and bound: every valid
-//! candidate gets a lower bound ([`crate::compile::lower_bound`]: per device, its compute
-//! plus the pipeline's unavoidable fill and drain, with the simulator's costs; and whether
-//! its weights and optimizer state alone overflow a device); candidates are then compiled
-//! and simulated in order of their bound, and the search stops when the next bound is no
-//! better than the best plan that fits. Since no simulation beats its bound, the winner is
-//! the best of the whole space under the compiler's model (a brute force over the same
-//! space checks it in the tests).
+//! the winner is text the user can paste. The search is branch and bound over bounds that
+//! tighten as a candidate is reached ([`Known`]): first its work spread evenly over the
+//! devices ([`crate::bound::work_bound`]); then its own lower bound
+//! ([`crate::bound::lower_bound`]: per device, its compute plus the pipeline's unavoidable
+//! fill and drain and its communication engine's reduce-scatters, with the simulator's
+//! costs; and whether its memory — model state, and the activations its schedule's order
+//! keeps at once — overflows a device, which it does exactly as the memory pass would for a
+//! symmetric synchronous plan); then its schedule's order run on one pipeline replica
+//! ([`crate::bound::timeline_bound`]); then it is compiled and simulated. The search stops
+//! when the next bound is no better than the last of the best plans it ranks
+//! ([`SearchOptions::ranked`]). Since no simulation beats its bound, the winner and the
+//! runner-ups are the best of the whole space under the compiler's model (a brute force
+//! over the same space checks it in the tests).
 
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -25,7 +30,7 @@ use pipec_grammar::spec::{AutoStrategy, Partition, Recompute, Schedule, Spec};
 use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::{ScheduleKind, Sharding};
 
-use crate::bound::{lower_bound, work_bound, Bound, Memo};
+use crate::bound::{lower_bound, timeline_bound, work_bound, Memo};
 use crate::compile::{compile, CompileResult};
 use crate::options::CompileOptions;
 use crate::predict::predict_if_fits;
@@ -55,6 +60,11 @@ pub struct SearchOptions {
     pub sharding: Option<Sharding>,
     /// `sequence_parallel: true` written: kept on every candidate with tensor parallelism.
     pub sequence_parallel: bool,
+    /// How many of the best plans that fit the search finds exactly: the winner (1, the
+    /// default) and as many runner-ups (`pipec search --exact-top`); the branch and bound
+    /// stops when no bound can beat the last of them. Other runner-ups in the report are
+    /// plans simulated on the way.
+    pub ranked: usize,
 }
 
 impl Default for SearchOptions {
@@ -71,6 +81,7 @@ impl Default for SearchOptions {
             recompute: None,
             sharding: None,
             sequence_parallel: false,
+            ranked: 1,
         }
     }
 }
@@ -93,6 +104,7 @@ impl SearchOptions {
             recompute: (!auto.recompute).then(|| st.recompute.clone()),
             sharding: (st.sharding != Sharding::None).then_some(st.sharding),
             sequence_parallel: st.sequence_parallel,
+            ranked: 1,
         }
     }
 }
@@ -115,8 +127,8 @@ pub struct Candidate {
     pub sharding: Sharding,
     /// Megatron's sequence parallelism (with `tp` > 1).
     pub sequence_parallel: bool,
-    /// Queued under its unsharded parent's bound (a sharded variant of a layout whose
-    /// model state overflows unsharded), bounded itself when the search reaches it.
+    /// Queued under a bound of less than its own — its work spread evenly, or the bound of
+    /// the candidate it was derived from — and bounded itself when the search reaches it.
     pub provisional: bool,
     /// The `strategy` mapping, as YAML flow text.
     pub strategy: String,
@@ -194,8 +206,9 @@ impl Candidate {
 pub enum Outcome {
     /// The front end refused it (the first error's message).
     Invalid(String),
-    /// Its model state with one microbatch's activations (the least any schedule keeps)
-    /// overflows a device: found by the bound, without lowering it.
+    /// Its model state with the activations its schedule keeps at once overflows a device:
+    /// found by the bound, without lowering it (or, for a plan the bound cannot walk, by its
+    /// streams).
     TooBig,
     /// Its bound is no better than a plan already found.
     Pruned { bound_s: f64 },
@@ -267,8 +280,23 @@ impl SearchReport {
 struct Queued {
     bound_s: f64,
     index: usize,
-    /// A planner candidate's bound is its planned layout's (not the work spread evenly).
-    refined: bool,
+    /// How its bound was found.
+    known: Known,
+}
+
+/// The bounds a candidate goes through in the branch and bound, each no less than the one
+/// before and each found only when the candidate is reached under the one before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Known {
+    /// Its work spread evenly over the devices (`work_bound`), or the bound of the
+    /// candidate it was derived from.
+    Work,
+    /// Its own `lower_bound` (which also tells it fits, and lays out a PipeDream-planner
+    /// layout).
+    Bound,
+    /// Its schedule's order run on one pipeline replica (`timeline_bound`): next, it is
+    /// lowered and simulated.
+    Timeline,
 }
 
 impl PartialEq for Queued {
@@ -336,19 +364,6 @@ fn recompute_json(r: &Recompute) -> serde_json::Value {
         Recompute::All => true.into(),
         Recompute::Stages(v) => v.clone().into(),
         Recompute::Selective => "selective".into(),
-    }
-}
-
-/// A candidate's outcome from its bound: too big, invalid, or waiting (`queue` takes its
-/// bound) until the branch and bound reaches it.
-fn bounded(bound: Result<Bound, Vec<Diagnostic>>, queue: impl FnOnce(f64)) -> Outcome {
-    match bound {
-        Ok(b) if b.overflows => Outcome::TooBig,
-        Ok(b) => {
-            queue(b.step_s);
-            Outcome::Pruned { bound_s: b.step_s }
-        }
-        Err(d) => Outcome::Invalid(first_error(&d)),
     }
 }
 
@@ -444,7 +459,6 @@ fn candidates(
             for (schedule, chunks) in schedules {
                 for &microbatches in &counts {
                     for recompute in &recomputes {
-                        let mut variants = Vec::new();
                         let mut c = Candidate {
                             tp,
                             replicas: layout.clone().unwrap_or_default(),
@@ -461,51 +475,30 @@ fn candidates(
                                 _ => Sharding::None,
                             },
                             sequence_parallel: options.sequence_parallel && tp > 1,
-                            provisional: false,
+                            provisional: true,
                             strategy: String::new(),
                             outcome: Outcome::TooBig,
                         };
                         c.strategy = c.text(spec.strategy.overlap);
-                        // the schedule's layout rules (the front end's), then the bound on the
-                        // spec the text would give; the text itself is checked before compiling
+                        // the schedule's layout rules (the front end's), then the work spread
+                        // evenly: the candidate is bounded (and PipeDream's planner lays it
+                        // out) only when the branch and bound reaches it; the text itself is
+                        // checked before compiling
                         let broken = c.layout().and_then(|l| {
                             let facts = LayoutFacts { replicas: l, microbatches, vertical_sync: false };
                             schedule.check_layout(&facts).into_iter().next()
                         });
                         c.outcome = match broken {
                             Some(v) => Outcome::Invalid(v.message),
-                            // PipeDream's planner runs when the search reaches the candidate:
-                            // until then its bound is the work spread evenly
-                            None if c.planner => match work_bound(&c.spec(spec), compile_options, memo) {
+                            None => match work_bound(&c.spec(spec), compile_options, memo) {
                                 Ok(b) => {
                                     valid.push((candidates.len(), b));
                                     Outcome::Pruned { bound_s: b }
                                 }
                                 Err(d) => Outcome::Invalid(first_error(&d)),
                             },
-                            None => {
-                                let bound = lower_bound(&c.spec(spec), compile_options, memo);
-                                // too big unsharded: the ZeRO levels, queued under this bound
-                                // (never above theirs) and bounded when reached (a planned
-                                // candidate derives them when the branch and bound reaches it)
-                                if let Some(b) = bound
-                                    .as_ref()
-                                    .ok()
-                                    .filter(|b| b.overflows && !b.overflows_any_sharding && shardable(&c, options))
-                                {
-                                    for mut v in sharded_variants(&c) {
-                                        v.strategy = v.text(spec.strategy.overlap);
-                                        v.provisional = true;
-                                        v.outcome = Outcome::Pruned { bound_s: b.step_s };
-                                        valid.push((candidates.len() + 1 + variants.len(), b.step_s));
-                                        variants.push(v);
-                                    }
-                                }
-                                bounded(bound, |b| valid.push((candidates.len(), b)))
-                            }
                         };
                         candidates.push(c);
-                        candidates.append(&mut variants);
                     }
                 }
             }
@@ -530,46 +523,70 @@ fn branch_and_bound(
     // branch and bound: compile in order of the bound until no bound can beat the best;
     // a candidate laid out by PipeDream's planner is planned and bounded again when reached
     let mut queue: BinaryHeap<Reverse<Queued>> =
-        valid.into_iter().map(|(i, b)| Reverse(Queued { bound_s: b, index: i, refined: false })).collect();
-    // the best step found so far among plans that fit with the headroom
-    let mut best: Option<f64> = None;
-    while let Some(Reverse(Queued { bound_s, index: i, refined })) = queue.pop() {
-        if !options.exhaustive && best.is_some_and(|t| bound_s >= t) {
+        valid.into_iter().map(|(i, b)| Reverse(Queued { bound_s: b, index: i, known: Known::Work })).collect();
+    // the best steps found so far among plans that fit with the headroom (ascending, as
+    // many as are ranked)
+    let ranked = options.ranked.max(1);
+    let mut best: Vec<f64> = Vec::with_capacity(ranked + 1);
+    while let Some(Reverse(Queued { bound_s, index: i, known })) = queue.pop() {
+        if !options.exhaustive && best.len() == ranked && bound_s >= best[ranked - 1] {
             break;
         }
         let c = &mut candidates[i];
-        if c.provisional && !refined {
-            match lower_bound(&c.spec(spec), compile_options, memo) {
-                Ok(b) if b.overflows => c.outcome = Outcome::TooBig,
-                Ok(b) => {
-                    let bound_s = b.step_s.max(bound_s);
-                    c.outcome = Outcome::Pruned { bound_s };
-                    queue.push(Reverse(Queued { bound_s, index: i, refined: true }));
+        // reached under a bound of less (its work spread evenly, or the bound of the
+        // candidate it was derived from): bounded now (and laid out by PipeDream's planner),
+        // and queued again under its own bound
+        if c.provisional && known == Known::Work {
+            let b = match lower_bound(&c.spec(spec), compile_options, memo) {
+                Ok(b) => b,
+                Err(d) => {
+                    c.outcome = Outcome::Invalid(first_error(&d));
+                    continue;
                 }
-                Err(d) => c.outcome = Outcome::Invalid(first_error(&d)),
+            };
+            if c.planner {
+                c.replicas.clone_from(&b.replicas);
+                if let Some(m) = options.max_pipeline_depth.filter(|m| c.pp() > *m) {
+                    c.outcome = Outcome::Invalid(format!(
+                        "PipeDream's planner chose {} stages, more than the {m} allowed",
+                        c.pp()
+                    ));
+                    continue;
+                }
+            }
+            let bound_s = b.step_s.max(bound_s);
+            if !b.overflows {
+                c.outcome = Outcome::Pruned { bound_s };
+                queue.push(Reverse(Queued { bound_s, index: i, known: Known::Bound }));
+                continue;
+            }
+            c.outcome = Outcome::TooBig;
+            // what may fit instead: the ZeRO levels when the model state is what overflows,
+            // and recomputing only the stages short of memory; each bounded when reached,
+            // queued under this bound (never above theirs)
+            let mut derived = Vec::new();
+            if !b.overflows_any_sharding && shardable(c, options) {
+                derived.extend(sharded_variants(c));
+            }
+            derived.extend(recompute_short_stages(c, &b.stage_headroom, options));
+            for mut d in derived {
+                d.strategy = d.text(spec.strategy.overlap);
+                d.provisional = true;
+                d.outcome = Outcome::Pruned { bound_s };
+                queue.push(Reverse(Queued { bound_s, index: candidates.len(), known: Known::Work }));
+                candidates.push(d);
             }
             continue;
         }
-        if c.planner && !refined {
-            match lower_bound(&c.spec(spec), compile_options, memo) {
-                Ok(b) => {
-                    c.replicas = b.replicas;
-                    if let Some(m) = options.max_pipeline_depth.filter(|m| c.pp() > *m) {
-                        c.outcome = Outcome::Invalid(format!(
-                            "PipeDream's planner chose {} stages, more than the {m} allowed",
-                            c.pp()
-                        ));
-                    } else if b.overflows {
-                        c.outcome = Outcome::TooBig;
-                    } else {
-                        let bound_s = b.step_s.max(bound_s);
-                        c.outcome = Outcome::Pruned { bound_s };
-                        queue.push(Reverse(Queued { bound_s, index: i, refined: true }));
-                    }
-                }
-                Err(d) => c.outcome = Outcome::Invalid(first_error(&d)),
+        // its schedule's own bubble before it is lowered: queued again when that bounds it
+        // above where it stood
+        if known == Known::Bound {
+            let timed = timeline_bound(&candidates[i].spec(spec), compile_options, memo).unwrap_or(0.0);
+            if timed > bound_s {
+                candidates[i].outcome = Outcome::Pruned { bound_s: timed };
+                queue.push(Reverse(Queued { bound_s: timed, index: i, known: Known::Timeline }));
+                continue;
             }
-            continue;
         }
         let text = with_strategy(source, spec, &candidates[i].strategy);
         let checked = check_source_in(&text, compile_options.base_dir.as_deref());
@@ -599,17 +616,19 @@ fn branch_and_bound(
             fits: f.fits,
         };
         let fits = f.fits;
-        if fits && prediction.headroom >= options.headroom && best.is_none_or(|t| prediction.step_s < t) {
-            best = Some(prediction.step_s);
+        if fits && prediction.headroom >= options.headroom {
+            let at = best.partition_point(|&t| t <= prediction.step_s);
+            best.insert(at, prediction.step_s);
+            best.truncate(ranked);
         }
         candidates[i].outcome = Outcome::Planned(prediction);
-        // a candidate derived from this one: bounded, and queued when its bound allows
+        // a candidate derived from this one: queued under this one's bound (never above its
+        // own), bounded when reached
         let mut derive = |candidates: &mut Vec<Candidate>, mut derived: Candidate| {
             derived.strategy = derived.text(spec.strategy.overlap);
-            let index = candidates.len();
-            derived.outcome = bounded(lower_bound(&derived.spec(spec), compile_options, memo), |bound_s| {
-                queue.push(Reverse(Queued { bound_s, index, refined: true }))
-            });
+            derived.provisional = true;
+            derived.outcome = Outcome::Pruned { bound_s };
+            queue.push(Reverse(Queued { bound_s, index: candidates.len(), known: Known::Work }));
             candidates.push(derived);
         };
         if shardable(&candidates[i], options) {
@@ -617,19 +636,22 @@ fn branch_and_bound(
                 derive(candidates, derived);
             }
         }
-        // short of memory without recompute: also try recomputing only the stages of the
-        // devices short of it (every stage is its own candidate already)
-        let short: Vec<usize> =
-            (0..f.stage_headroom.len()).filter(|&s| f.stage_headroom[s] < options.headroom).collect();
-        if candidates[i].recompute == Recompute::Off
-            && options.recompute.is_none()
-            && !short.is_empty()
-            && short.len() < f.stage_headroom.len()
-        {
-            let derived = Candidate { recompute: Recompute::Stages(short), ..candidates[i].clone() };
+        if let Some(derived) = recompute_short_stages(&candidates[i], &f.stage_headroom, options) {
             derive(candidates, derived);
         }
     }
+}
+
+/// Short of memory without recompute (by its plan's figures, or by its bound when that
+/// overflows): the candidate recomputing only the stages of the devices short of it (every
+/// stage recomputed is its own candidate already).
+fn recompute_short_stages(c: &Candidate, stage_headroom: &[f64], options: &SearchOptions) -> Option<Candidate> {
+    let short: Vec<usize> = (0..stage_headroom.len()).filter(|&s| stage_headroom[s] < options.headroom).collect();
+    (c.recompute == Recompute::Off
+        && options.recompute.is_none()
+        && !short.is_empty()
+        && short.len() < stage_headroom.len())
+    .then(|| Candidate { recompute: Recompute::Stages(short), provisional: false, ..c.clone() })
 }
 
 fn describe(c: &Candidate) -> String {

@@ -76,3 +76,26 @@ fn a_boundary_inside_a_residual_block_carries_both_tensors() {
     bad.layers[3].inputs = Some(vec![Source::Layer(2), Source::Layer(5)]);
     assert!(bad.check().iter().any(|p| p.contains("does not come before")), "{:?}", bad.check());
 }
+
+/// The bytes crossing every cut, computed once per graph in one pass, are the bytes of the
+/// tensors `crossing` lists there, on every example model (chains, residual blocks,
+/// inception's branches, tied language models, the LSTM).
+#[test]
+fn every_cuts_bytes_are_those_of_the_tensors_crossing_it() {
+    let mut graphs = 0;
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../specs")).expect("specs") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "yaml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("read");
+        let Some(spec) = pipec_grammar::check_source_in(&text, path.parent()).spec else { continue };
+        let graph = ir::lower(&spec.model, 4);
+        for cut in 0..=graph.len() {
+            let listed: u64 = graph.crossing(cut).iter().map(|&s| graph.source_bytes(s)).sum();
+            assert_eq!(graph.cut_bytes_per_sample(cut), listed, "{}: cut {cut}", path.display());
+        }
+        graphs += 1;
+    }
+    assert!(graphs >= 15, "only {graphs} example specs checked");
+}

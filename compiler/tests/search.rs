@@ -97,6 +97,18 @@ fn the_search_finds_the_brute_forces_best_and_no_simulation_beats_its_bound() {
         let (got, brute) = (best(&pruned).expect("a plan"), best(&all).expect("a plan"));
         // (two candidates may give the same plan, their sums rounded in another order)
         assert!((got - brute).abs() <= 1e-12 * brute, "{what}: the search's best {got} vs the brute force's {brute}");
+        // ranking five exactly: the brute force's five best steps
+        let five = search(&text, &spec, &options, &SearchOptions { ranked: 5, ..SearchOptions::default() });
+        let steps = |r: &pipec_compiler::search::SearchReport| -> Vec<f64> {
+            r.ranked(0.0).iter().take(5).map(|(_, p)| p.step_s).collect()
+        };
+        let (top, brute_top) = (steps(&five), steps(&all));
+        assert_eq!(top.len(), 5, "{what}");
+        assert!(
+            top.iter().zip(&brute_top).all(|(a, b)| (a - b).abs() <= 1e-12 * b),
+            "{what}: the search's five best {top:?} vs the brute force's {brute_top:?}"
+        );
+        assert!(five.count(|o| matches!(o, Outcome::Planned(_))) < planned, "{what}: ranking five pruned nothing");
         let partial = all
             .candidates
             .iter()
@@ -173,6 +185,22 @@ training:
     .into()
 }
 
+/// Every case (and a tied language model on 2 × 4) with its search compiling every valid
+/// candidate, asynchronous schedules included.
+fn searched_exhaustively() -> Vec<(String, String, pipec_grammar::spec::Spec, pipec_compiler::search::SearchReport)> {
+    let mut texts: Vec<(String, String)> = cases();
+    texts.push(("a tied language model on 2 x 4".into(), language_model()));
+    texts
+        .into_iter()
+        .map(|(what, text)| {
+            let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+            let options = SearchOptions { exhaustive: true, synchronous_only: false, ..SearchOptions::default() };
+            let all = search(&text, &spec, &CompileOptions::default(), &options);
+            (what, text, spec, all)
+        })
+        .collect()
+}
+
 /// The search's figures for a candidate come from one pipeline replica when the plan is
 /// symmetric: for every candidate of the small cases (asynchronous schedules included),
 /// they are the whole compiled plan's — step, bubble, memory headroom, exposed all-reduce,
@@ -180,18 +208,9 @@ training:
 #[test]
 fn one_pipeline_replica_predicts_the_whole_plan() {
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()) + 1e-12;
-    let mut texts: Vec<(String, String)> = cases();
-    texts.push(("a tied language model on 2 x 4".into(), language_model()));
     let mut chimera_partial = 0;
-    for (what, text) in texts {
-        let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+    for (what, text, spec, all) in searched_exhaustively() {
         let options = CompileOptions::default();
-        let all = search(
-            &text,
-            &spec,
-            &options,
-            &SearchOptions { exhaustive: true, synchronous_only: false, ..SearchOptions::default() },
-        );
         let (mut compared, mut replicated) = (0, 0);
         for c in &all.candidates {
             let Outcome::Planned(p) = &c.outcome else { continue };
@@ -261,4 +280,57 @@ fn the_report_says_why_each_runner_up_lost_in_true_words() {
     );
     let words = explained(&one);
     assert!(words.starts_with("best: one device · tp 1 × pp 1 × dp 1"), "{words}");
+}
+
+/// What the bounds the search prunes with know before lowering: the memory headroom each
+/// stage's fullest device keeps by the bound — activations counted from the schedule's
+/// order, as many microbatches as it keeps at once — is the compiled plan's own for every
+/// candidate of a flushing synchronous schedule (the memory pass walks the lowered
+/// streams; the bound never lowers), and never below it for the others; the schedule's
+/// order run with the pass costs alone (`timeline_bound`) lies between the lower bound and
+/// the simulated step, and is above the lower bound where a schedule's order leaves idle
+/// time the lower bound does not see.
+#[test]
+fn the_bounds_memory_is_the_plans_and_the_timeline_bound_lies_below_the_step() {
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()) + 1e-12;
+    let (mut exact, mut tighter) = (0, 0);
+    for (what, text, spec, all) in searched_exhaustively() {
+        let options = CompileOptions::default();
+        let mut memo = pipec_compiler::bound::Memo::default();
+        for c in &all.candidates {
+            let Outcome::Planned(p) = &c.outcome else { continue };
+            let s = pipec_grammar::check_source(&with_strategy(&text, &spec, &c.strategy)).spec.expect("valid");
+            let bound = pipec_compiler::bound::lower_bound(&s, &options, &mut memo).expect("bounded");
+            let figures = pipec_compiler::predict::predict(&s, &options, &mut memo).expect("predicted");
+            let flushing = c.schedule.updates_per_step();
+            for (st, (&b, &f)) in bound.stage_headroom.iter().zip(&figures.stage_headroom).enumerate() {
+                assert!(
+                    b >= f - 1e-12,
+                    "{what}: {}: stage {st}: bound's headroom {b} below the plan's {f}",
+                    c.strategy
+                );
+                if flushing && bound.walked {
+                    assert!(close(b, f), "{what}: {}: stage {st}: bound's headroom {b}, the plan's {f}", c.strategy);
+                    exact += 1;
+                }
+            }
+            if flushing && bound.walked {
+                assert_eq!(bound.overflows, !figures.fits, "{what}: {}", c.strategy);
+            }
+            let timed = pipec_compiler::bound::timeline_bound(&s, &options, &mut memo).expect("timed");
+            if figures.step_s.is_finite() {
+                assert!(
+                    timed <= figures.step_s * (1.0 + 1e-9),
+                    "{what}: {}: timeline bound {timed} above the step {}",
+                    c.strategy,
+                    figures.step_s
+                );
+                tighter += usize::from(timed > bound.step_s * 1.01);
+            }
+            assert!(p.bound_s <= p.step_s * (1.0 + 1e-9), "{what}: {}", c.strategy);
+        }
+    }
+    assert!(exact >= 100, "only {exact} stages compared exactly");
+    assert!(tighter >= 50, "the timeline bound is above the lower bound on only {tighter} candidates");
+    eprintln!("{exact} stages' headroom equal to the plan's; the timeline bound tighter on {tighter} candidates");
 }
