@@ -240,6 +240,47 @@ fn zero_bubble_h1_beats_1f1b_with_the_same_memory() {
     }
 }
 
+#[test]
+fn zero_bubble_v_idles_less_as_microbatches_grow_at_1f1bs_peak_memory() {
+    // ZB-V (Qi et al. 2024): two chunks per device in a V, with F = B_input = B_weight
+    // (linear stages) its bubble tends to zero as microbatches grow, every device holding at
+    // most 2D chunk-microbatches' activations — 1F1B's peak, D whole-stage microbatches on
+    // its first device. A bound of 1F1B's per-device count (2D − d on device d) starves the
+    // later devices: a fifth of the step idle, not shrinking with N.
+    for d in [2usize, 4] {
+        let mut last = f64::INFINITY;
+        for n in [2 * d, 4 * d, 8 * d, 16 * d] {
+            let zbv = build(&spec(d, n, "{ kind: zbv, virtual_stages: 2 }", 2 * d, "straight")).plan;
+            let onefb = build(&spec(d, n, "1f1b", 2 * d, "straight")).plan;
+            let (b, b1) = (zbv.simulation.bubble_fraction, onefb.simulation.bubble_fraction);
+            assert!(b < last, "D={d} N={n}: ZB-V's bubble {b} does not shrink (was {last})");
+            assert!(b < b1, "D={d} N={n}: ZB-V's bubble {b} not below 1F1B's {b1}");
+            last = b;
+            // the most chunk-microbatches a device keeps at once, from its stream
+            let most = zbv
+                .streams
+                .values()
+                .map(|s| {
+                    s.iter()
+                        .scan(0i64, |now, i| {
+                            *now += match i {
+                                pipec_plan::Instr::Forward { .. } => 1,
+                                pipec_plan::Instr::Free { .. } => -1,
+                                _ => 0,
+                            };
+                            Some(*now)
+                        })
+                        .max()
+                        .unwrap_or(0)
+                })
+                .max()
+                .unwrap_or(0);
+            assert!(most <= 2 * d as i64, "D={d} N={n}: a device keeps {most} chunk-microbatches, above 2D");
+        }
+        assert!(last < 0.05, "D={d}: ZB-V idles {last} of the step at N = 16D");
+    }
+}
+
 /// Stages whose backward takes as long as their forward (element-wise layers), the
 /// assumption of Chimera's bubble formula.
 fn equal_pass_spec(devices: usize, microbatches: usize, schedule: &str) -> String {
