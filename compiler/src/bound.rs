@@ -125,11 +125,11 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     // sharded ones from it
     let all_reduce: Vec<Option<f64>> = (0..n_stages)
         .map(|s| {
-            let members = &placed.replicas[s];
+            let members = &placed.skeleton.replicas[s];
             (members.len() > 1).then(|| {
                 let bytes = stages.bytes[s].whole.gradients;
                 let kind = pipec_plan::CollectiveKind::ReduceScatter;
-                let scatter = model.cluster.shaped_collective_time(kind, placed.shapes[s], bytes);
+                let scatter = model.cluster.shaped_collective_time(kind, placed.skeleton.shapes[s], bytes);
                 scatter.min(cost.reduce_time(members, bytes))
             })
         })
@@ -141,8 +141,9 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     // per device: what it holds, its model state, and the least beside it
     let mut devices: Vec<(usize, Vec<usize>, f64, f64, f64)> = Vec::new();
     let mut all_kept: f64 = 0.0;
-    for &device in &placed.bounded {
-        let stage_counts = &placed.holds[device];
+    let cap = placed.view.as_ref().filter(|_| flush).and_then(|v| crate::schedule::in_flight_cap(kind, v));
+    for (device, stage_counts) in &placed.bounded {
+        let device = *device;
         if stage_counts.is_empty() {
             continue;
         }
@@ -195,14 +196,11 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         step_s = step_s.max(head + load + tail).max(engine);
         let least: f64 = held.iter().map(|&s| least_state(s)).sum();
         devices.push((device, held, held_state, least, one_microbatch + recompute_unit + buffers + reserve));
-        // every microbatch it runs kept at once: the most any order keeps
-        all_kept = all_kept.max(
-            held_state
-                + recompute_unit
-                + buffers
-                + reserve
-                + stage_counts.iter().map(|&(s, n)| n as f64 * kept(s)).sum::<f64>(),
-        );
+        // every microbatch it runs kept at once, or as many as the schedule's generator
+        // lets a device hold: the most its order keeps
+        let every: f64 = stage_counts.iter().map(|&(s, n)| n as f64 * kept(s)).sum();
+        let most = cap.map_or(every, |c| every.min(c as f64 * one_microbatch));
+        all_kept = all_kept.max(held_state + recompute_unit + buffers + reserve + most);
     }
     let fits_one_microbatch = devices.iter().all(|&(_, _, state, _, beside)| state + beside <= capacity);
     // then, if one microbatch fits and all of them might not, the activations' peak as the
@@ -340,7 +338,7 @@ impl Passes {
         let recompute = (0..n).map(|s| if layout.recompute[s] { forward[s] } else { 0.0 }).collect();
         let hop = (0..n)
             .map(|s| {
-                let Some(&(a, b)) = placed.pairs.get(s) else { return 0.0 };
+                let Some(&(a, b)) = placed.skeleton.pairs.get(s) else { return 0.0 };
                 cost.transfer(a, b, stages.output_bytes[s]).min(cost.transfer(b, a, stages.output_bytes[s]))
             })
             .map(|t| if t.is_finite() { t } else { 0.0 })
@@ -460,6 +458,7 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 pub struct Memo {
     pub(crate) models: HashMap<(usize, usize), (std::rc::Rc<ModelCosts>, Partitions)>,
     placements: HashMap<PlaceKey, std::rc::Rc<Placed>>,
+    skeletons: HashMap<SkeletonKey, std::rc::Rc<Skeleton>>,
     /// What a schedule's order keeps in flight on a view's devices, per view shape: the
     /// views of candidates that differ in data-parallel or tensor-parallel degree but give
     /// each replica as many microbatches are alike once their devices are numbered densely.
@@ -475,22 +474,15 @@ type InFlightKey = (ScheduleKind, usize, usize, Vec<Vec<DeviceId>>, Option<Vec<V
 /// the chunks, the tensor-parallel degree and the microbatches.
 type PlaceKey = (pipec_plan::schedule::ChunkPlacement, Vec<usize>, usize, usize, usize);
 
-/// What the bound reads of a placement, computed once per [`PlaceKey`] (not its routes,
-/// which a large search's placements would fill memory with).
-pub(crate) struct Placed {
+/// What a placement's devices depend on: [`PlaceKey`] without the microbatches.
+type SkeletonKey = (pipec_plan::schedule::ChunkPlacement, Vec<usize>, usize, usize);
+
+/// What the bound reads of a placement that does not depend on the microbatches, computed
+/// once per [`SkeletonKey`] (not its routes, which a large search's placements would fill
+/// memory with).
+pub(crate) struct Skeleton {
     /// Per stage, the devices holding a replica.
     replicas: Vec<Vec<DeviceId>>,
-    /// One pipeline replica of the placement (`one_replica`; the placement itself when it
-    /// has no replicas), its devices numbered densely in the order of their ids, or None
-    /// when the plan is not symmetric: where the bound walks the schedule's order.
-    view: Option<Placement>,
-    /// The plan's device id of each of the view's devices (ascending).
-    ids: Vec<u32>,
-    /// Per device, the stages it holds (ascending) and its microbatches of each.
-    holds: Vec<Vec<(usize, usize)>>,
-    /// The devices whose figures the bound takes the largest of: the view's when there is
-    /// one (every replica of a symmetric plan runs alike: `one_replica`), else every device.
-    bounded: Vec<usize>,
     /// Per stage boundary, the pair of devices on the fastest link between the two stages'
     /// replicas.
     pairs: Vec<(DeviceId, DeviceId)>,
@@ -498,29 +490,52 @@ pub(crate) struct Placed {
     shapes: Vec<crate::cluster::GroupShape>,
 }
 
+impl Skeleton {
+    fn new(placement: &Placement, cluster: &ClusterGraph) -> Self {
+        let pairs = placement.replicas.windows(2).map(|w| closest_pair(cluster, &w[0], &w[1])).collect();
+        let shapes = placement.replicas.iter().map(|r| cluster.group_shape(r)).collect();
+        Skeleton { replicas: placement.replicas.clone(), pairs, shapes }
+    }
+}
+
+/// What the bound reads of a placement, computed once per [`PlaceKey`].
+pub(crate) struct Placed {
+    skeleton: std::rc::Rc<Skeleton>,
+    /// One pipeline replica of the placement (`one_replica`; the placement itself when it
+    /// has no replicas), its devices numbered densely in the order of their ids, or None
+    /// when the plan is not symmetric: where the bound walks the schedule's order.
+    view: Option<Placement>,
+    /// The plan's device id of each of the view's devices (ascending).
+    ids: Vec<u32>,
+    /// The devices whose figures the bound takes the largest of — the view's when there is
+    /// one (every replica of a symmetric plan runs alike: `one_replica`), else every device
+    /// that holds a stage — by id, each with the stages it holds (ascending) and its
+    /// microbatches of each.
+    bounded: Vec<(usize, Vec<(usize, usize)>)>,
+}
+
 impl Placed {
-    fn new(placement: Placement, view: Option<Placement>, cluster: &ClusterGraph) -> Self {
-        // one pass over the routes, not one per device: the view's, whose devices are the
-        // ones bounded
-        let mut holds: Vec<Vec<(usize, usize)>> = vec![Vec::new(); placement.devices];
-        let source = view.as_ref().unwrap_or(&placement);
-        for (s, (replicas, route)) in source.replicas.iter().zip(&source.route).enumerate() {
-            let mut per_replica = vec![0usize; replicas.len()];
-            for &k in route {
-                per_replica[k as usize] += 1;
-            }
-            for (d, n) in replicas.iter().zip(per_replica) {
-                let held = &mut holds[d.0 as usize];
-                match held.last_mut() {
-                    // a Chimera stage whose down and up copies share the device
-                    Some((last, count)) if *last == s => *count += n,
-                    _ => held.push((s, n)),
+    /// From the view, or from the whole placement when there is none.
+    fn new(skeleton: std::rc::Rc<Skeleton>, view: Option<Placement>, whole: Option<&Placement>) -> Self {
+        // one pass over the routes, not one per device
+        let mut holds: rustc_hash::FxHashMap<usize, Vec<(usize, usize)>> = Default::default();
+        if let Some(source) = view.as_ref().or(whole) {
+            for (s, (replicas, route)) in source.replicas.iter().zip(&source.route).enumerate() {
+                let mut per_replica = vec![0usize; replicas.len()];
+                for &k in route {
+                    per_replica[k as usize] += 1;
+                }
+                for (d, n) in replicas.iter().zip(per_replica) {
+                    let held = holds.entry(d.0 as usize).or_default();
+                    match held.last_mut() {
+                        // a Chimera stage whose down and up copies share the device
+                        Some((last, count)) if *last == s => *count += n,
+                        _ => held.push((s, n)),
+                    }
                 }
             }
         }
-        let pairs = placement.replicas.windows(2).map(|w| closest_pair(cluster, &w[0], &w[1])).collect();
-        let shapes = placement.replicas.iter().map(|r| cluster.group_shape(r)).collect();
-        let (bounded, ids, view) = match view {
+        let (ids, view) = match view {
             Some(mut v) => {
                 let mut ids: Vec<u32> = v.replicas.iter().flatten().map(|d| d.0).collect();
                 ids.sort_unstable();
@@ -529,11 +544,13 @@ impl Placed {
                     d.0 = ids.binary_search(&d.0).unwrap_or(0) as u32;
                 }
                 v.devices = ids.len();
-                (ids.iter().map(|&d| d as usize).collect(), ids, Some(v))
+                (ids, Some(v))
             }
-            None => ((0..holds.len()).collect(), Vec::new(), None),
+            None => (Vec::new(), None),
         };
-        Placed { replicas: placement.replicas, view, ids, holds, bounded, pairs, shapes }
+        let mut bounded: Vec<(usize, Vec<(usize, usize)>)> = holds.into_iter().collect();
+        bounded.sort_unstable_by_key(|(d, _)| *d);
+        Placed { skeleton, view, ids, bounded }
     }
 }
 
@@ -575,13 +592,31 @@ impl Memo {
         if let Some(p) = self.placements.get(&key) {
             return Ok(p.clone());
         }
-        let placement = place(spec, layout, cluster)?;
-        let view = match crate::place::one_replica(spec, layout, &placement, cluster) {
-            Some((view, _)) => Some(view),
-            None if layout.replicas.iter().all(|&r| r == 1) && spec.strategy.tp.max(1) == 1 => Some(placement.clone()),
-            None => None,
+        // the devices (and whether the layout can be placed at all) do not depend on the
+        // microbatches; the routes are built only where no pipeline replica stands for all
+        let skeleton_key = (key.0, key.1.clone(), key.2, key.3);
+        let mut whole = None;
+        let skeleton = match self.skeletons.get(&skeleton_key) {
+            Some(k) => k.clone(),
+            None => {
+                let placement = place(spec, layout, cluster)?;
+                let k = std::rc::Rc::new(Skeleton::new(&placement, cluster));
+                self.skeletons.insert(skeleton_key, k.clone());
+                whole = Some(placement);
+                k
+            }
         };
-        let placed = std::rc::Rc::new(Placed::new(placement, view, cluster));
+        let view = crate::place::one_replica(spec, layout, s.microbatches, cluster).map(|(view, _)| view);
+        let unreplicated = layout.replicas.iter().all(|&r| r == 1) && s.tp.max(1) == 1;
+        if view.is_none() && whole.is_none() {
+            whole = Some(place(spec, layout, cluster)?);
+        }
+        let placed = std::rc::Rc::new(if view.is_none() && unreplicated {
+            // the placement is its own pipeline replica
+            Placed::new(skeleton, whole, None)
+        } else {
+            Placed::new(skeleton, view, whole.as_ref())
+        });
         self.placements.insert(key, placed.clone());
         Ok(placed)
     }

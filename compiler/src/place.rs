@@ -97,7 +97,7 @@ pub(crate) fn rank_devices(replicas: &[usize], tp: usize) -> Vec<Vec<DeviceId>> 
 pub(crate) fn one_replica(
     spec: &Spec,
     layout: &Layout,
-    placement: &Placement,
+    microbatches: usize,
     cluster: &ClusterGraph,
 ) -> Option<(Placement, usize)> {
     let strategy = &spec.strategy;
@@ -109,7 +109,7 @@ pub(crate) fn one_replica(
     let symmetric = r > 0
         && layout.replicas.iter().all(|&x| x == r)
         && cluster.devices_per_node.is_multiple_of(tp)
-        && placement.microbatches.is_multiple_of(r)
+        && microbatches.is_multiple_of(r)
         && !(kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp);
     if !symmetric || r * tp == 1 {
         return None;
@@ -130,7 +130,7 @@ pub(crate) fn one_replica(
         ranges: layout.ranges.clone(),
         notation: String::new(),
     };
-    let mut view = place_chunks(chunks, &one, tp, placement.microbatches / r, cluster).ok()?;
+    let mut view = place_chunks(chunks, &one, tp, microbatches / r, cluster).ok()?;
     // rank i's one device is i·tp there: replica 0 of rank i here
     for replicas in &mut view.replicas {
         for d in replicas.iter_mut() {

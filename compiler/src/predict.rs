@@ -66,7 +66,7 @@ fn predict_with(
     check_ties(spec, &layout)?;
     let stages = stage_figures(spec, model, &layout);
     let (simulated_placement, stands_for) =
-        one_replica(spec, &layout, &placement, &model.cluster).unwrap_or_else(|| (placement.clone(), 1));
+        one_replica(spec, &layout, placement.microbatches, &model.cluster).unwrap_or_else(|| (placement.clone(), 1));
     let mut lowered = lower_streams(spec, &layout, &simulated_placement, &placement.replicas, &stages, model.precision);
     let devices: Vec<DeviceId> = if stands_for == 1 {
         tensor_parallel_copies(&mut lowered, spec.strategy.tp.max(1));

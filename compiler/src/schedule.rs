@@ -263,12 +263,22 @@ fn zb_h1(p: &Placement) -> Order {
 /// scheduler with the paper's priorities — input-gradient backward first (it unblocks the
 /// previous stage), then a forward while the device's in-flight activations stay within
 /// 1F1B's peak, then a deferred weight-gradient pass to fill what would be a bubble.
+/// The most microbatches' activations (of any of its stages) `kind`'s order keeps on one
+/// device at once, where its generator holds forwards back at a count: zero-bubble V's.
+pub fn in_flight_cap(kind: ScheduleKind, p: &Placement) -> Option<usize> {
+    (kind == ScheduleKind::Zbv).then(|| zbv_limit(p))
+}
+
+/// ZBV's bound on every device: 1F1B's peak — its first device's D whole-stage
+/// microbatches, 2D of ZBV's half-size chunks (the paper's "1x" activation memory) — the
+/// most any stage's 1F1B target asks (S − s chunks for stage s; a per-device S − s starves
+/// the later devices: a fifth of the step idle, tested).
+fn zbv_limit(p: &Placement) -> usize {
+    (0..p.stages()).map(|s| in_flight_target(p, s)).max().unwrap_or(1)
+}
+
 fn zero_bubble(p: &Placement) -> Order {
-    // ZBV's bound on every device: 1F1B's peak — its first device's D whole-stage
-    // microbatches, 2D of ZBV's half-size chunks (the paper's "1x" activation memory) —
-    // the most any stage's 1F1B target asks (S − s chunks for stage s; a per-device
-    // S − s starves the later devices: a fifth of the step idle, tested)
-    let most = (0..p.stages()).map(|s| in_flight_target(p, s)).max().unwrap_or(1);
+    let most = zbv_limit(p);
     list_schedule(p, true, |_, _| most, Priority::ZeroBubble)
 }
 
@@ -361,16 +371,17 @@ fn concatenate(p: &Placement, units: &[Order], backward_slots: usize, max_in_fli
 }
 
 /// When each started task finishes, by (kind, stage, microbatch): a dense table (the list
-/// schedulers look tasks up for every free device at every slot).
+/// schedulers look tasks up for every free device at every slot), in 32-bit slots (a
+/// schedule's slots number its tasks times a pass's few slots at most).
 struct Finish {
     stages: usize,
     microbatches: usize,
-    at: Vec<usize>,
+    at: Vec<u32>,
 }
 
 impl Finish {
     fn new(stages: usize, microbatches: usize) -> Self {
-        Finish { stages, microbatches, at: vec![usize::MAX; 4 * stages * microbatches] }
+        Finish { stages, microbatches, at: vec![u32::MAX; 4 * stages * microbatches] }
     }
     fn slot(&self, (k, s, m): (TaskKind, usize, usize)) -> usize {
         let kind = match k {
@@ -384,11 +395,11 @@ impl Finish {
     fn insert(&mut self, task: (TaskKind, usize, usize), finish: usize) {
         let i = self.slot(task);
         if let Some(x) = self.at.get_mut(i) {
-            *x = finish;
+            *x = u32::try_from(finish).unwrap_or(u32::MAX - 1);
         }
     }
-    fn get(&self, task: &(TaskKind, usize, usize)) -> Option<&usize> {
-        self.at.get(self.slot(*task)).filter(|f| **f != usize::MAX)
+    fn get(&self, task: &(TaskKind, usize, usize)) -> Option<usize> {
+        self.at.get(self.slot(*task)).filter(|f| **f != u32::MAX).map(|&f| f as usize)
     }
     #[cfg(test)]
     fn started(&self, task: (TaskKind, usize, usize)) -> bool {
@@ -400,7 +411,7 @@ impl Finish {
 /// forward and the next stage's gradient (the input-gradient pass when `split`) are done.
 fn is_ready(done: &Finish, t: &Task, now: usize, stages: usize, split: bool) -> bool {
     let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
-    let fin = |k: TaskKind, s: usize| done.get(&(k, s, m)).is_some_and(|&f| f <= now);
+    let fin = |k: TaskKind, s: usize| done.get(&(k, s, m)).is_some_and(|f| f <= now);
     match t.kind {
         TaskKind::Forward => s == 0 || fin(TaskKind::Forward, s - 1),
         TaskKind::Backward | TaskKind::BackwardInput => {
@@ -537,7 +548,7 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
                 let release = prerequisites(dk, ds, dm)
                     .into_iter()
                     .flatten()
-                    .try_fold(0usize, |r, t| done.get(&t).map(|&f| r.max(f)));
+                    .try_fold(0usize, |r, t| done.get(&t).map(|f| r.max(f)));
                 if let Some(release) = release {
                     pending[p.device_of(ds, dm).0 as usize].push(Reverse((release, key(dk, ds, dm))));
                 }
