@@ -153,7 +153,8 @@ fn the_search_on_the_gpt3_cluster_finds_a_plan_at_least_as_fast_as_the_published
         "{} s against the published layout's {published_step} s",
         prediction.step_s
     );
-    assert_eq!(chosen.sharding, pipec_plan::vocab::Sharding::Optimizer, "{}", chosen.strategy);
+    // the optimizer state sharded (ZeRO 1 or above), by the search itself
+    assert!(chosen.sharding.shards().0, "{}", chosen.strategy);
     assert!(chosen.strategy.contains("sequence_parallel: true"), "{}", chosen.strategy);
 }
 

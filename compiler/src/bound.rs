@@ -31,9 +31,9 @@ pub struct Bound {
     /// of one stage, the buffers and the workspace reserve — the least any schedule keeps —
     /// overflow some device: then no plan of the strategy fits.
     pub overflows: bool,
-    /// Whether what a device keeps beside its model state (its activations as above, the
-    /// buffers, the reserve) with the least model state any ZeRO level leaves it (ZeRO-3's
-    /// share) overflows it: then no ZeRO level fits either.
+    /// Whether the least model state any ZeRO level leaves a device (ZeRO-3's share) with
+    /// the least one microbatch keeps under any recompute choice, the buffers and the
+    /// reserve overflows it: then no ZeRO level fits either, whatever its stages recompute.
     pub overflows_any_sharding: bool,
     /// The layout bounded: replicas per pipeline rank (PipeDream's planner's choice when
     /// the strategy leaves it to `partition: auto`).
@@ -77,16 +77,24 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         let b = &stages.bytes[s];
         (b.weights + b.gradients + b.optimizer) as f64
     };
-    // the least model state any ZeRO level leaves a replica of the stage (ZeRO-3's share)
+    // the least model state any ZeRO level leaves a replica of the stage (ZeRO-3's share),
+    // with the least one microbatch of it keeps under any recompute choice (the sharded
+    // candidates derive their own partial recompute), its messages' buffers and the reserve
     let least_state = |s: usize| {
         let b = &stages.bytes[s];
         b.whole.sharded(Sharding::Parameters, b.replicas).total() as f64
     };
+    let least_kept = |s: usize| {
+        let b = &stages.bytes[s];
+        (b.activations_per_microbatch as f64)
+            .min(b.checkpoint_per_microbatch.saturating_add(b.recompute_unit_peak) as f64)
+    };
+    let least_beside = |s: usize| least_kept(s) + stages.bytes[s].largest_message.saturating_mul(4) as f64 + reserve;
     // every stage is on some device: one stage too big for a device needs no placement to
     // tell (the bound's memory below, stage by stage) when no ZeRO level is to be derived
     // from it (whose bounds want this one's step)
     let n_stages = layout.ranges.len();
-    let overflows_sharded = (0..n_stages).any(|s| least_state(s) + beside(s) > capacity);
+    let overflows_sharded = (0..n_stages).any(|s| least_state(s) + least_beside(s) > capacity);
     if (spec.strategy.sharding != Sharding::None || overflows_sharded)
         && (0..n_stages).any(|s| state(s) + beside(s) > capacity)
     {
@@ -194,7 +202,8 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             0.0
         };
         step_s = step_s.max(head + load + tail).max(engine);
-        let least: f64 = held.iter().map(|&s| least_state(s)).sum();
+        let least: f64 = held.iter().map(|&s| least_state(s)).sum::<f64>()
+            + held.iter().map(|&s| least_beside(s)).fold(0.0, f64::max);
         devices.push((device, held, held_state, least, one_microbatch + recompute_unit + buffers + reserve));
         // every microbatch it runs kept at once, or as many as the schedule's generator
         // lets a device hold: the most its order keeps
@@ -224,7 +233,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             beside_state += (peak - one).max(0.0);
         }
         overflows |= state + beside_state > capacity;
-        overflows_any_sharding |= least + beside_state > capacity;
+        overflows_any_sharding |= least > capacity;
         let headroom = 1.0 - (state + beside_state) / capacity;
         for &s in &held {
             stage_headroom[s] = stage_headroom[s].min(headroom);
