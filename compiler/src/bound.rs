@@ -27,8 +27,10 @@ pub struct Bound {
     /// steady state included); 0 when one of its stages alone overflows a device (found
     /// before it is placed).
     pub step_s: f64,
-    /// Whether the weights, gradients and optimizer state with one microbatch's activations
-    /// of one stage, the buffers and the workspace reserve — the least any schedule keeps —
+    /// Whether the weights, gradients and optimizer state with the activations the
+    /// schedule keeps at once (counted from its order on one pipeline replica where the
+    /// plan is symmetric and flushes, else one microbatch of one stage: the least any
+    /// schedule keeps), the largest recompute unit, the buffers and the workspace reserve
     /// overflow some device: then no plan of the strategy fits.
     pub overflows: bool,
     /// Whether the least model state any ZeRO level leaves a device (ZeRO-3's share) with
@@ -55,7 +57,8 @@ pub struct Bound {
 /// instruction, for its last microbatch; not with a split backward, whose last instruction
 /// may be a weight pass; less that weight pass where later stages send their gradients
 /// first) and, when every stage it holds is replicated, the all-reduce of the stage its
-/// last instruction belongs to.
+/// last instruction belongs to; and no less than its communication engine's ZeRO-2/3
+/// reduce-scatters. Its memory as [`Bound::overflows`] says.
 pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result<Bound, Vec<Diagnostic>> {
     let (model, layout) = memo.model_and_layout(spec, options)?;
     let model = &*model;
