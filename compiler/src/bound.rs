@@ -17,7 +17,7 @@ use crate::place::place;
 use crate::plan_cost::PlanCost;
 use crate::schedule::{generate, Order, Placement, TaskKind};
 use crate::simulate::CostModel;
-use crate::streams::{backward_slots, sends_gradients_first};
+use crate::streams::{backward_slots, runs_flush_free, sends_gradients_first};
 
 /// What a strategy costs at least, found without lowering, verifying or simulating it:
 /// the bound the strategy search prunes with (`search`).
@@ -69,13 +69,16 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         let b = &stages.bytes[s];
         (if layout.recompute[s] { b.checkpoint_per_microbatch } else { b.activations_per_microbatch }) as f64
     };
+    // a recomputed stage's largest unit, rebuilt for its backward
+    let unit = |s: usize| if layout.recompute[s] { stages.bytes[s].recompute_unit_peak as f64 } else { 0.0 };
+    // the messages in flight and ZeRO-3's gathered layers
+    let buffer = |s: usize| {
+        let b = &stages.bytes[s];
+        b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights) as f64
+    };
     // what a device needs beside its model state for one of its stages at least: one
     // microbatch kept, the stage's recompute unit, its buffers, the reserve
-    let beside = |s: usize| {
-        let b = &stages.bytes[s];
-        let unit = if layout.recompute[s] { b.recompute_unit_peak as f64 } else { 0.0 };
-        kept(s) + unit + b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights) as f64 + reserve
-    };
+    let beside = |s: usize| kept(s) + unit(s) + buffer(s) + reserve;
     let state = |s: usize| {
         let b = &stages.bytes[s];
         (b.weights + b.gradients + b.optimizer) as f64
@@ -114,19 +117,8 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let cost = PlanCost::new(spec, model, &stages, HashMap::new());
     let kind = spec.strategy.schedule.kind;
     let split = kind.splits_backward();
-    let early_send = sends_gradients_first(spec, layout.replicas.len());
-    let Passes { forward, upstream_backward, backward, recompute, hop, .. } =
+    let Passes { forward, upstream_backward, weight, backward, recompute, hop } =
         Passes::new(spec, &layout, &stages, &placed, &cost);
-    // what a stage's last instruction may overlap of the upstream backwards: its weight pass
-    let last_weight_pass: Vec<f64> = (0..n_stages)
-        .map(|s| {
-            if early_send && s > 0 {
-                cost.compute(DeviceId(0), &Instr::BackwardWeight { stage: StageId(s as u32), mb: MicrobatchId(0) })
-            } else {
-                0.0
-            }
-        })
-        .collect();
     let forward_hop: Vec<f64> = forward.iter().zip(&hop).map(|(f, h)| f + h).collect();
     let backward_hop: Vec<f64> = upstream_backward.iter().zip(&hop).map(|(b, h)| b + h).collect();
     // what a replicated stage's gradient reduction leaves after its last backward at
@@ -147,17 +139,12 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         .collect();
     let scatters_each_microbatch = spec.strategy.sharding.level() >= 2
         && kind.updates(layout.replicas.len()) == pipec_plan::schedule::Updates::PerStep;
-    let flush = flushes(spec);
+    let flush = !runs_flush_free(spec);
     let mut step_s: f64 = 0.0;
-    // per device: what it holds, its model state, and the least beside it
-    let mut devices: Vec<(usize, Vec<usize>, f64, f64, f64)> = Vec::new();
+    let mut devices: Vec<DeviceMemory> = Vec::with_capacity(placed.bounded.len());
     let mut all_kept: f64 = 0.0;
     let cap = placed.view.as_ref().filter(|_| flush).and_then(|v| crate::schedule::in_flight_cap(kind, v));
     for (device, stage_counts) in &placed.bounded {
-        let device = *device;
-        if stage_counts.is_empty() {
-            continue;
-        }
         let held: Vec<usize> = stage_counts.iter().map(|&(s, _)| s).collect();
         let mut load = 0.0;
         let mut held_state = 0.0;
@@ -168,13 +155,10 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         let (mut one_microbatch, mut recompute_unit, mut buffers) = (0.0_f64, 0.0_f64, 0.0_f64);
         for &(s, n) in stage_counts {
             load += n as f64 * (forward[s] + backward[s] + recompute[s]);
-            let b = &stages.bytes[s];
             held_state += state(s);
             one_microbatch = one_microbatch.max(kept(s));
-            if layout.recompute[s] {
-                recompute_unit = recompute_unit.max(b.recompute_unit_peak as f64);
-            }
-            buffers = buffers.max(b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights) as f64);
+            recompute_unit = recompute_unit.max(unit(s));
+            buffers = buffers.max(buffer(s));
         }
         let (head, tail) = if flush {
             let upstream = |v: &[f64]| held.iter().map(|&c| v[..c].iter().sum::<f64>()).fold(f64::INFINITY, f64::min);
@@ -184,12 +168,13 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
                 held.iter().map(|&c| all_reduce[c]).try_fold(f64::INFINITY, |m, a| a.map(|a| m.min(a))).unwrap_or(0.0);
             // with a split backward the last instruction may be a weight pass, after which
             // nothing upstream need wait; a stage that sends its gradient first runs its
-            // last weight pass beside the upstream backwards
+            // last weight pass (`weight`, 0 for a whole backward) beside the upstream
+            // backwards
             let drain = if split {
                 0.0
             } else {
                 held.iter()
-                    .map(|&c| (backward_hop[..c].iter().sum::<f64>() - last_weight_pass[c]).max(0.0))
+                    .map(|&c| (backward_hop[..c].iter().sum::<f64>() - weight[c]).max(0.0))
                     .fold(f64::INFINITY, f64::min)
             };
             (upstream(&forward_hop), drain.max(reduce))
@@ -205,16 +190,23 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             0.0
         };
         step_s = step_s.max(head + load + tail).max(engine);
-        let least: f64 = held.iter().map(|&s| least_state(s)).sum::<f64>()
-            + held.iter().map(|&s| least_beside(s)).fold(0.0, f64::max);
-        devices.push((device, held, held_state, least, one_microbatch + recompute_unit + buffers + reserve));
         // every microbatch it runs kept at once, or as many as the schedule's generator
         // lets a device hold: the most its order keeps
         let every: f64 = stage_counts.iter().map(|&(s, n)| n as f64 * kept(s)).sum();
         let most = cap.map_or(every, |c| every.min(c as f64 * one_microbatch));
         all_kept = all_kept.max(held_state + recompute_unit + buffers + reserve + most);
+        let least = held.iter().map(|&s| least_state(s)).sum::<f64>()
+            + held.iter().map(|&s| least_beside(s)).fold(0.0, f64::max);
+        devices.push(DeviceMemory {
+            device: *device,
+            held,
+            state: held_state,
+            least,
+            one_microbatch,
+            beside: one_microbatch + recompute_unit + buffers + reserve,
+        });
     }
-    let fits_one_microbatch = devices.iter().all(|&(_, _, state, _, beside)| state + beside <= capacity);
+    let fits_one_microbatch = devices.iter().all(|d| d.state + d.beside <= capacity);
     // then, if one microbatch fits and all of them might not, the activations' peak as the
     // memory pass finds it in the streams, from the schedule's order (for the devices of the
     // pipeline replica whose order was walked; not for a flush-free pipeline, whose streams
@@ -225,20 +217,20 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let mut overflows = false;
     let mut overflows_any_sharding = false;
     let mut stage_headroom = vec![f64::INFINITY; n_stages];
-    for (device, held, state, least, mut beside_state) in devices {
-        let walked = placed.ids.binary_search(&(device as u32)).ok();
-        if let Some((stages_held, frontier)) = in_flight.as_ref().zip(walked).and_then(|(f, i)| f.get(i)) {
-            let one = held.iter().map(|&s| kept(s)).fold(0.0, f64::max);
+    for d in devices {
+        let mut beside = d.beside;
+        let in_view = placed.ids.binary_search(&(d.device as u32)).ok();
+        if let Some((stages_held, frontier)) = in_flight.as_ref().zip(in_view).and_then(|(f, i)| f.get(i)) {
             let peak = frontier
                 .iter()
                 .map(|counts| stages_held.iter().zip(counts).map(|(&s, &c)| c as f64 * kept(s)).sum::<f64>())
                 .fold(0.0, f64::max);
-            beside_state += (peak - one).max(0.0);
+            beside += (peak - d.one_microbatch).max(0.0);
         }
-        overflows |= state + beside_state > capacity;
-        overflows_any_sharding |= least > capacity;
-        let headroom = 1.0 - (state + beside_state) / capacity;
-        for &s in &held {
+        overflows |= d.state + beside > capacity;
+        overflows_any_sharding |= d.least > capacity;
+        let headroom = 1.0 - (d.state + beside) / capacity;
+        for &s in &d.held {
             stage_headroom[s] = stage_headroom[s].min(headroom);
         }
     }
@@ -296,13 +288,17 @@ fn in_flight(order: &Order) -> InFlight {
     out
 }
 
-/// Whether the strategy's streams flush every step (not a flush-free PipeDream or 2BW
-/// pipeline, which runs as a steady state: vertical sync and tensor parallelism keep a
-/// flush, as `streams::lower_streams` decides).
-fn flushes(spec: &Spec) -> bool {
-    !(matches!(spec.strategy.schedule.kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)
-        && !spec.strategy.schedule.vertical_sync
-        && spec.strategy.tp.max(1) == 1)
+/// One bounded device's memory by the bound: the stages it holds, its model state, the
+/// least any ZeRO level and any recompute leave it (state and beside), one microbatch of
+/// its held stages kept, and beside its state that microbatch, the largest recompute
+/// unit, the buffers and the reserve.
+struct DeviceMemory {
+    device: usize,
+    held: Vec<usize>,
+    state: f64,
+    least: f64,
+    one_microbatch: f64,
+    beside: f64,
 }
 
 /// Per stage, one microbatch's passes as the simulator prices them (`PlanCost`), and the
@@ -369,7 +365,7 @@ impl Passes {
 pub fn timeline_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Result<f64, Vec<Diagnostic>> {
     let (model, layout) = memo.model_and_layout(spec, options)?;
     let model = &*model;
-    if !flushes(spec) {
+    if runs_flush_free(spec) {
         return Ok(0.0);
     }
     let placed = memo.placed(spec, &layout, &model.cluster)?;

@@ -127,9 +127,6 @@ pub struct Candidate {
     pub sharding: Sharding,
     /// Megatron's sequence parallelism (with `tp` > 1).
     pub sequence_parallel: bool,
-    /// Queued under a bound of less than its own — its work spread evenly, or the bound of
-    /// the candidate it was derived from — and bounded itself when the search reaches it.
-    pub provisional: bool,
     /// The `strategy` mapping, as YAML flow text.
     pub strategy: String,
     pub outcome: Outcome,
@@ -475,7 +472,6 @@ fn candidates(
                                 _ => Sharding::None,
                             },
                             sequence_parallel: options.sequence_parallel && tp > 1,
-                            provisional: true,
                             strategy: String::new(),
                             outcome: Outcome::TooBig,
                         };
@@ -536,7 +532,7 @@ fn branch_and_bound(
         // reached under a bound of less (its work spread evenly, or the bound of the
         // candidate it was derived from): bounded now (and laid out by PipeDream's planner),
         // and queued again under its own bound
-        if c.provisional && known == Known::Work {
+        if known == Known::Work {
             let b = match lower_bound(&c.spec(spec), compile_options, memo) {
                 Ok(b) => b,
                 Err(d) => {
@@ -569,12 +565,8 @@ fn branch_and_bound(
                 derived.extend(sharded_variants(c));
             }
             derived.extend(recompute_short_stages(c, &b.stage_headroom, options));
-            for mut d in derived {
-                d.strategy = d.text(spec.strategy.overlap);
-                d.provisional = true;
-                d.outcome = Outcome::Pruned { bound_s };
-                queue.push(Reverse(Queued { bound_s, index: candidates.len(), known: Known::Work }));
-                candidates.push(d);
+            for d in derived {
+                queue_derived(candidates, &mut queue, d, bound_s, spec.strategy.overlap);
             }
             continue;
         }
@@ -622,22 +614,13 @@ fn branch_and_bound(
             best.truncate(ranked);
         }
         candidates[i].outcome = Outcome::Planned(prediction);
-        // a candidate derived from this one: queued under this one's bound (never above its
-        // own), bounded when reached
-        let mut derive = |candidates: &mut Vec<Candidate>, mut derived: Candidate| {
-            derived.strategy = derived.text(spec.strategy.overlap);
-            derived.provisional = true;
-            derived.outcome = Outcome::Pruned { bound_s };
-            queue.push(Reverse(Queued { bound_s, index: candidates.len(), known: Known::Work }));
-            candidates.push(derived);
-        };
         if shardable(&candidates[i], options) {
             for derived in sharded_variants(&candidates[i]) {
-                derive(candidates, derived);
+                queue_derived(candidates, &mut queue, derived, bound_s, spec.strategy.overlap);
             }
         }
         if let Some(derived) = recompute_short_stages(&candidates[i], &f.stage_headroom, options) {
-            derive(candidates, derived);
+            queue_derived(candidates, &mut queue, derived, bound_s, spec.strategy.overlap);
         }
     }
 }
@@ -651,7 +634,22 @@ fn recompute_short_stages(c: &Candidate, stage_headroom: &[f64], options: &Searc
         && options.recompute.is_none()
         && !short.is_empty()
         && short.len() < stage_headroom.len())
-    .then(|| Candidate { recompute: Recompute::Stages(short), provisional: false, ..c.clone() })
+    .then(|| Candidate { recompute: Recompute::Stages(short), ..c.clone() })
+}
+
+/// A candidate derived from another (a ZeRO level, recomputing the short stages): queued
+/// under that one's bound (never above its own), bounded when the search reaches it.
+fn queue_derived(
+    candidates: &mut Vec<Candidate>,
+    queue: &mut BinaryHeap<Reverse<Queued>>,
+    mut derived: Candidate,
+    bound_s: f64,
+    overlap: bool,
+) {
+    derived.strategy = derived.text(overlap);
+    derived.outcome = Outcome::Pruned { bound_s };
+    queue.push(Reverse(Queued { bound_s, index: candidates.len(), known: Known::Work }));
+    candidates.push(derived);
 }
 
 fn describe(c: &Candidate) -> String {

@@ -111,13 +111,7 @@ pub(crate) fn lower_streams(
             overlap: strategy.overlap,
         })
     };
-    // PipeDream and 2BW run as one continuous pipeline when they can (vertical sync and
-    // tensor parallelism keep a flush per step)
-    let flush_free = !asp
-        && matches!(kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)
-        && !strategy.schedule.vertical_sync
-        && strategy.tp.max(1) == 1;
-    let periodic = flush_free
+    let periodic = runs_flush_free(spec)
         .then(|| {
             crate::periodic::build(&crate::periodic::PeriodicInput {
                 kind,
@@ -151,6 +145,15 @@ pub(crate) fn lower_streams(
     };
     tied_all_reduces(spec, layout, placement, summed, &mut lowered, precision);
     lowered
+}
+
+/// Whether PipeDream or 2BW runs as one continuous pipeline, its streams a steady state's,
+/// rather than flushing every step (vertical sync and tensor parallelism keep a flush).
+pub(crate) fn runs_flush_free(spec: &Spec) -> bool {
+    let strategy = &spec.strategy;
+    matches!(strategy.schedule.kind, ScheduleKind::PipeDream | ScheduleKind::TwoBw)
+        && !strategy.schedule.vertical_sync
+        && strategy.tp.max(1) == 1
 }
 
 /// Whether a later stage sends its input gradient before it computes its weight gradients
