@@ -100,11 +100,8 @@ pub fn run(files: &[PathBuf], format: Format, color: bool) -> u8 {
                 let errors = result.diagnostics.iter().filter(|d| d.is_error()).count();
                 let warnings = result.diagnostics.len() - errors;
                 if errors == 0 {
-                    let size = result
-                        .spec
-                        .as_ref()
-                        .map(|s| format!(", {} parameters", pipec_grammar::ast::thousands(s.model.parameters())))
-                        .unwrap_or_default();
+                    let size =
+                        result.spec.as_ref().map(|s| format!(", {}", s.model.parameters_text())).unwrap_or_default();
                     eprintln!(
                         "{name}: ok{size}{}",
                         if warnings > 0 { format!(" ({warnings} warning(s))") } else { String::new() }

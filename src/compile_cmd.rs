@@ -211,10 +211,9 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         plan.training.microbatches,
         plan.training.microbatch_size
     ));
-    let total = pipec_plan::model::model_parameters(plan.layers.iter().map(|l| (&l.op, l.tied)));
     s.push_str(&format!(
-        "  model: {} parameters (a weight tied to an embedding counted once; a stage's figure counts the copy it holds)\n",
-        pipec_grammar::ast::thousands(total)
+        "  model: {} (a weight tied to an embedding counted once; a stage's figure counts the copy it holds)\n",
+        pipec_plan::model::parameters_text(plan.layers.iter().map(|l| (&l.op, l.tied)))
     ));
     for st in &plan.stages {
         s.push_str(&format!(

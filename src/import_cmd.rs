@@ -1,5 +1,5 @@
 //! `pipec import`: a Hugging Face `config.json` becomes a spec — its `model` section written
-//! as pipec layers (GPT-2, Llama, Mistral and Qwen2 families; BERT as a sequence
+//! as pipec layers (GPT-2, Llama, Mistral, Mixtral and Qwen2 families; BERT as a sequence
 //! classifier), with a cluster, an `auto`
 //! strategy and a training section to edit. Every field of the config that changes what
 //! the model computes is either translated or refused by name; fields that do not (token
@@ -183,11 +183,11 @@ pub fn import(text: &str, name: &str, seq: Option<usize>) -> Result<String, Stri
     let family = c.text("model_type").ok_or("`model_type` is missing: which architecture is this?")?;
     let model = match family.as_str() {
         "gpt2" => gpt2(&mut c, seq)?,
-        "llama" | "mistral" | "qwen2" => llama(&mut c, &family, seq)?,
+        "llama" | "mistral" | "mixtral" | "qwen2" => llama(&mut c, &family, seq)?,
         "bert" => bert(&mut c, seq)?,
         other => {
             return Err(format!(
-                "`model_type: {other}` is not an architecture pipec imports (it imports gpt2, llama, mistral, qwen2 and bert)"
+                "`model_type: {other}` is not an architecture pipec imports (it imports gpt2, llama, mistral, mixtral, qwen2 and bert)"
             ))
         }
     };
@@ -295,7 +295,7 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     }
     // a sliding window at least the training window long attends to every earlier position
     let seq = window(positions, seq)?;
-    let use_window = c.flag_or("use_sliding_window", family == "mistral")?;
+    let use_window = c.flag_or("use_sliding_window", matches!(family, "mistral" | "mixtral"))?;
     if let Some(w) = c.take("sliding_window").and_then(Value::as_u64) {
         if use_window && (w as usize) < seq {
             return Err(format!(
@@ -306,7 +306,24 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     let label = match family {
         "llama" => "Llama",
         "mistral" => "Mistral",
+        "mixtral" => "Mixtral",
         _ => "Qwen2",
+    };
+    // Mixtral: a softmax router over `num_local_experts` SwiGLU experts, the top
+    // `num_experts_per_tok` per token with their weights renormalised, no token dropped
+    let experts = if family == "mixtral" {
+        let experts = c.count("num_local_experts")?;
+        let top_k = c.count("num_experts_per_tok")?;
+        if top_k > experts {
+            return Err(format!("`num_experts_per_tok` {top_k} is more than `num_local_experts` {experts}"));
+        }
+        // `transformers` adds the load-balancing loss only with `output_router_logits`
+        let coefficient = c.number_or("router_aux_loss_coef", 0.001)?;
+        let aux = if c.flag_or("output_router_logits", false)? { coefficient } else { 0.0 };
+        c.require("router_jitter_noise", |v| v.as_f64() == Some(0.0), "pipec's routers add no noise to the logits")?;
+        Some((experts, top_k, aux))
+    } else {
+        None
     };
     let mut args = format!("d={d}, heads={heads}, ff={ff}, causal=true");
     if kv != heads {
@@ -315,6 +332,9 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     args += &format!(", norm=rmsnorm, mlp=swiglu, rope={}, bias=false", number(theta));
     if qkv_bias {
         args += ", qkv_bias=true";
+    }
+    if let Some((experts, top_k, aux)) = experts {
+        args += &format!(", experts={experts}, top_k={top_k}, aux_loss={}", number(aux));
     }
     // the norms' ε, written only when not pipec's default
     let eps = (eps != pipec_plan::model::DEFAULT_EPS).then(|| format!("eps={}", number(eps)));
@@ -328,6 +348,10 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
         (format!("embedding({vocab}, {d})"), format!("linear({d}, {vocab}, bias=false) as lm_head"))
     };
     let gqa = if kv == heads { String::new() } else { format!(", {kv} key/value heads") };
+    let gqa = match experts {
+        Some((e, k, _)) => format!("{gqa}, {e} experts ({k} per token)"),
+        None => gqa,
+    };
     Ok(format!(
         "# {label}: {layers} blocks of d = {d} with {heads} heads{gqa}, a {vocab}-token vocabulary{}.\n\
          model:\n  input: [{seq}]\n  layers:\n\
@@ -454,6 +478,28 @@ mod tests {
         assert_eq!(number(500000.0), "500000");
         assert_eq!(number(1e-6), "1e-6");
         assert_eq!(number(1e-5), "1e-5");
+    }
+
+    #[test]
+    fn a_mixtral_config_gives_expert_blocks_with_the_loss_transformers_adds() {
+        let cfg = r#"{"model_type": "mixtral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "output_router_logits": false}"#;
+        let spec = import(cfg, "x", None).expect("mixtral");
+        assert!(spec.contains("experts=4, top_k=2, aux_loss=0,"), "{spec}");
+        // the loss only where `transformers` adds it
+        let spec =
+            import(&cfg.replace(r#""output_router_logits": false"#, r#""output_router_logits": true"#), "x", None)
+                .expect("with the loss");
+        assert!(spec.contains("experts=4, top_k=2, aux_loss=2e-2,"), "{spec}");
+        let checked = pipec_grammar::check_source(&spec);
+        assert!(!checked.has_errors(), "{:?}", checked.diagnostics);
+        // noise on the router's logits, or more experts per token than there are, is refused
+        let noisy = cfg.replace(r#""output_router_logits": false"#, r#""router_jitter_noise": 0.1"#);
+        assert!(import(&noisy, "x", None).expect_err("jitter").contains("`router_jitter_noise: 0.1` is not supported"));
+        let e = import(&cfg.replace(r#""num_experts_per_tok": 2"#, r#""num_experts_per_tok": 5"#), "x", None)
+            .expect_err("top-k");
+        assert!(e.contains("num_local_experts"), "{e}");
     }
 
     #[test]

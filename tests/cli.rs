@@ -184,6 +184,33 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
 }
 
 #[test]
+fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_it_writing_nothing() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = "bench/specs/mixtral-8x7b.yaml";
+    let checked = pipec(&["check", spec]);
+    assert_eq!(checked.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&checked.stderr)
+        .contains("ok, 46,702,792,704 parameters (12,879,925,248 active per token)"));
+    // Mixtral 8x7B on 8 DGX H100: t 8, 4 interleaved stages, 2 replicas sharing the
+    // optimizer state — it fits, and the report counts every expert's weights: a device
+    // holds 2 of 8 chunks of 32 blocks (≈ 11.7B parameters) over 8 tensor-parallel ranks
+    // in bf16, 2.73 GiB
+    let plan = dir.path().join("plan");
+    let compiled = pipec(&["compile", spec, "-o", plan.to_str().expect("utf-8")]);
+    let report = String::from_utf8_lossy(&compiled.stderr);
+    assert_eq!(compiled.status.code(), Some(0), "{report}");
+    assert!(report.contains("model: 46,702,792,704 parameters (12,879,925,248 active per token)"), "{report}");
+    let d0 = report.lines().find(|l| l.starts_with("d0 ")).expect("d0's memory");
+    assert!(d0.contains("2.73 GiB"), "{d0}");
+    // the executor does not train expert layers yet: refused before anything is written
+    let out = dir.path().join("run");
+    let run = pipec(&["run", spec, "-o", out.to_str().expect("utf-8")]);
+    assert_eq!(run.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&run.stderr).contains("mixture-of-experts block"));
+    assert!(!out.exists());
+}
+
+#[test]
 fn run_prints_predicted_and_measured_time_by_instruction_kind() {
     let dir = tempfile::tempdir().expect("temp dir");
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml");
@@ -922,6 +949,8 @@ fn import_writes_specs_that_check_clean_with_the_published_parameter_counts() {
     for (config, parameters) in [
         ("llama-2-7b", "6,738,415,616"),
         ("mistral-7b", "7,241,732,096"),
+        // and 12,879,925,248 active per token (two of eight experts)
+        ("mixtral-8x7b", "46,702,792,704"),
         ("llama-3-8b", "8,030,261,248"),
         ("gpt2-medium", "354,823,168"),
         ("qwen2-0.5b", "494,032,768"),

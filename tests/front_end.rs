@@ -229,6 +229,26 @@ fn gpt2_small_has_hugging_faces_parameter_count() {
 }
 
 #[test]
+fn mixtral_8x7b_has_its_published_parameter_count_and_active_parameters() {
+    // Hugging Face's Mixtral-8x7B-v0.1 (MixtralForCausalLM(config).num_parameters()):
+    // per block attention 4096·(4096 + 2·1024) + 4096², the router 4096·8, eight SwiGLU
+    // experts of 3·4096·14336, two RMSNorms; 32 blocks, untied embedding and output layer
+    // of 32000·4096, the final norm
+    let model = model_of("bench/specs/mixtral-8x7b.yaml");
+    assert_eq!(model.parameters(), 46_702_792_704);
+    let block: u64 = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 4096 * 8 + 2 * 4096;
+    let expert: u64 = 3 * 4096 * 14336;
+    assert_eq!(model.parameters(), 32 * (block + 8 * expert) + 2 * 32000 * 4096 + 4096);
+    // two experts per token: the 12.9B Mistral AI's announcement gives
+    let active = pipec_plan::model::active_parameters(model.layers.iter().map(|l| (&l.op, l.tied)));
+    assert_eq!(active, Some(32 * (block + 2 * expert) + 2 * 32000 * 4096 + 4096));
+    assert_eq!(active, Some(12_879_925_248));
+    assert_eq!(model.parameters_text(), "46,702,792,704 parameters (12,879,925,248 active per token)");
+    // a dense model says nothing of active parameters
+    assert_eq!(model_of("specs/gpt2.yaml").parameters_text(), "124,439,808 parameters");
+}
+
+#[test]
 fn inception_modules_concatenate_their_branches() {
     // GoogLeNet's stem, 3a, 3b and 4a: torchvision's counts for these layers (convolutions
     // with bias, no batch norm) plus a 512 -> 1000 classifier

@@ -133,8 +133,11 @@ pub fn forward_flops(node: &OpNode) -> f64 {
             let (d, f) = (blk.d as f64, blk.ff as f64);
             let (qkv, up) = (blk.qkv_width as f64, blk.up_width as f64);
             // QKV 2·s·d·(d + 2·kv_width) and output projection 2·s·d², scores and weighted
-            // sum 4·s²·d, MLP 2·s·d·up + 2·s·f·d (GPT's block: 8·s·d² + 4·s²·d + 4·s·d·f)
-            2.0 * s * d * qkv + 2.0 * s * d * d + 4.0 * s * s * d + 2.0 * s * d * up + 2.0 * s * f * d
+            // sum 4·s²·d, MLP 2·s·d·up + 2·s·f·d (GPT's block: 8·s·d² + 4·s²·d + 4·s·d·f);
+            // a mixture of experts: the router 2·s·d·E and each token's active experts' MLPs
+            let (mlps, router) =
+                blk.moe.map_or((1.0, 0.0), |m| (m.active_experts() as f64, 2.0 * s * d * m.experts as f64));
+            2.0 * s * d * qkv + 2.0 * s * d * d + 4.0 * s * s * d + router + mlps * (2.0 * s * d * up + 2.0 * s * f * d)
         }
     }
 }
@@ -187,9 +190,21 @@ fn kept_bytes(node: &OpNode, p: f64, tp: usize, sp: bool, attention: Attention) 
             // — split along the sequence with sequence parallelism
             let whole = 4.0 * sh * p + 2.0 * sh;
             let whole = if sp { whole / t } else { whole };
+            // a mixture of experts keeps per token its router's logits and probabilities
+            // (fp32) and chosen experts (64-bit indices), and per expert-token pair the
+            // expert's MLP values and (for the routed pairs) the dispatched input, whole on
+            // every rank as the dense MLP's input is
+            let (mlp, routing) = match blk.moe {
+                Some(m) => {
+                    let pairs = m.expert_tokens(s) / s.max(1.0);
+                    let routed = pairs - m.shared as f64;
+                    (pairs * mlp, s * (8.0 * m.experts as f64 + 8.0 * m.top_k as f64 + routed * h * p))
+                }
+                None => (mlp, 0.0),
+            };
             // inside the split products: Q, K, V, the projection's input, the MLP's (GPT's
             // block: 12·s·h values)
-            let split = s * (qkv + h + mlp) * p / t;
+            let split = s * (qkv + h + mlp) * p / t + routing;
             // the attention core: softmax and dropout outputs (2·a·s² values), its mask
             let core = match attention {
                 Attention::Standard => (2.0 * a * s * s * p + a * s * s) / t,
@@ -277,7 +292,6 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             let (qkv, up, gated) = (blk.qkv_width as f64, blk.up_width as f64, blk.gated);
             let e = b * s * h;
             let el = if cx.sequence_parallel { e / t } else { e };
-            let ef = b * s * f / t;
             let eatt = b * (a / t) * s * s;
             let core_flops = 2.0 * b * s * s * h / t;
             // the attention core's forward (standard attention): scores, softmax (with the
@@ -291,9 +305,49 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             let projections = [
                 (2.0 * b * s * h * qkv / t, e + h * qkv / t + b * s * qkv / t),
                 (2.0 * b * s * h * h / t, e / t + h * h / t + e),
-                (2.0 * b * s * h * up / t, e + h * up / t + b * s * up / t),
-                (2.0 * b * s * f * h / t, ef + f * h / t + e),
             ];
+            // the MLP's products: (FLOPs, values) of its up and down projections, one kernel
+            // each per MLP (a mixture of experts: per expert, its share of the routed
+            // expert-token pairs, uniform routing assumed; then the shared experts)
+            let tokens = b * s;
+            let mlp_products: Vec<[(f64, f64); 2]> = {
+                let mlp = |rows: f64| {
+                    [
+                        (2.0 * rows * h * up / t, rows * h + h * up / t + rows * up / t),
+                        (2.0 * rows * f * h / t, rows * f / t + f * h / t + rows * h),
+                    ]
+                };
+                match blk.moe {
+                    Some(m) => {
+                        let routed = m.expert_tokens(tokens) - tokens * m.shared as f64;
+                        let per_expert = routed / m.experts.max(1) as f64;
+                        std::iter::repeat_n(mlp(per_expert), m.experts)
+                            .chain(std::iter::repeat_n(mlp(tokens), m.shared))
+                            .collect()
+                    }
+                    None => vec![mlp(tokens)],
+                }
+            };
+            // the expert-token pairs the activation runs over (the tokens, for a dense MLP)
+            let pairs = blk.moe.map_or(tokens, |m| m.expert_tokens(tokens));
+            let ef = pairs * f / t;
+            // a mixture of experts' routing: the router's product, its scores (softmax or
+            // sigmoid) and top-k choice over fp32 logits, the dispatch (a gather of each routed
+            // pair's input) and the combine (the weighted sum back to each token)
+            let routing = |k: &mut Kernels<'_>, backward: bool| {
+                if let Some(m) = blk.moe {
+                    let ex = m.experts as f64;
+                    let routed = m.expert_tokens(tokens) - tokens * m.shared as f64;
+                    let fp32 = 4.0 / p;
+                    let passes = if backward { 2 } else { 1 };
+                    for _ in 0..passes {
+                        k.matrix(2.0 * tokens * h * ex, e + h * ex + tokens * ex * fp32);
+                    }
+                    k.vector(6.0 * tokens * ex, 3.0 * tokens * ex * fp32, 0.0);
+                    k.vector(0.0, 2.0 * routed * h, 0.0);
+                    k.vector(2.0 * routed * h, 2.0 * routed * h + e, 0.0);
+                }
+            };
             // forward: LN, QKV, attention, projection, bias-dropout-add, LN, MLP, add
             fwd.vector(5.0 * el, 2.0 * el, 0.0);
             fwd.matrix(projections[0].0, projections[0].1);
@@ -306,18 +360,24 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             fwd.matrix(projections[1].0, projections[1].1);
             fwd.vector(3.0 * el, 3.0 * el, el);
             fwd.vector(5.0 * el, 2.0 * el, 0.0);
-            fwd.matrix(projections[2].0, projections[2].1);
+            routing(&mut fwd, false);
+            for [up, _] in &mlp_products {
+                fwd.matrix(up.0, up.1);
+            }
             // the activation (a gated unit: the gate's activation times the up projection)
             let (act_flops, act_values) = if gated { (12.0 * ef, 3.0 * ef) } else { (10.0 * ef, 2.0 * ef) };
             fwd.vector(act_flops, act_values, 0.0);
-            fwd.matrix(projections[3].0, projections[3].1);
+            for [_, down] in &mlp_products {
+                fwd.matrix(down.0, down.1);
+            }
             fwd.vector(3.0 * el, 3.0 * el, el);
             // backward: every product twice (input and weight gradients), the element-wise
             // kernels reading their input and the incoming gradient
-            for (flops, values) in projections {
+            for (flops, values) in projections.into_iter().chain(mlp_products.iter().flatten().copied()) {
                 bwd.matrix(flops, values);
                 bwd.matrix(flops, values);
             }
+            routing(&mut bwd, true);
             match cx.attention {
                 Attention::Standard => {
                     for _ in 0..4 {
@@ -621,6 +681,52 @@ mod tests {
         let expected = 2.0 * s * d * (d + 2.0 * kv) + 2.0 * s * d * d + 4.0 * s * s * d + 3.0 * 2.0 * s * d * f;
         assert_eq!(forward_flops(&node(block.clone(), vec![8192, 4096])), expected);
         assert_eq!(expected - 4.0 * s * s * d, 2.0 * s * (block.parameter_count() - 2 * 4096) as f64);
+    }
+
+    #[test]
+    fn a_mixture_of_experts_block_counts_its_active_experts_and_what_routing_keeps() {
+        // Mixtral 8x7B's block: 8 SwiGLU experts of width 14,336, 2 per token
+        let Op::TransformerBlock { moe, .. } = &mut Op::llama_block(4096, 32, 8, 14336) else { unreachable!() };
+        assert!(moe.is_none());
+        let moe_block = |experts: usize, top_k: usize, capacity: f64| {
+            let mut b = Op::llama_block(4096, 32, 8, 14336);
+            if let Op::TransformerBlock { moe, .. } = &mut b {
+                *moe = Some(pipec_plan::model::Moe {
+                    experts,
+                    top_k,
+                    shared: 0,
+                    capacity,
+                    router: pipec_plan::model::Router::Softmax,
+                    norm_topk: true,
+                    aux_loss: 0.01,
+                });
+            }
+            b
+        };
+        let mixtral = moe_block(8, 2, 0.0);
+        let (s, d, f) = (4096.0, 4096.0, 14336.0);
+        let dense = forward_flops(&node(Op::llama_block(4096, 32, 8, 14336), vec![4096, 4096]));
+        let moe = forward_flops(&node(mixtral.clone(), vec![4096, 4096]));
+        // one more SwiGLU MLP per token (three products of 2·s·d·f) and the router's 2·s·d·E
+        assert_eq!(moe - dense, 3.0 * 2.0 * s * d * f + 2.0 * s * d * 8.0);
+        // the products are twice the parameters a token uses, as for a dense block
+        assert_eq!(moe - 4.0 * s * s * d, 2.0 * s * (mixtral.active_parameter_count() - 2 * 4096) as f64);
+        assert_eq!(mixtral.parameter_count() - mixtral.active_parameter_count(), 6 * 3 * 4096 * 14336);
+        // kept per token beyond the dense block: the second expert's MLP values (gate ‖ up,
+        // the activation and the product: 4·f), both dispatched inputs, the router's fp32
+        // logits and probabilities and the two chosen indices
+        let p = 2.0;
+        let kept = |op: &Op| kept_bytes(&node(op.clone(), vec![4096, 4096]), p, 1, false, Attention::Flash).0;
+        let extra = s * (4.0 * f * p + 2.0 * d * p + 8.0 * 8.0 + 8.0 * 2.0);
+        assert_eq!(kept(&mixtral) - kept(&Op::llama_block(4096, 32, 8, 14336)), extra);
+        // a capacity factor of 0.5 bounds every expert at half its uniform share: half the
+        // routed pairs computed and kept
+        let m = mixtral.block_dims().and_then(|b| b.moe).expect("moe");
+        assert_eq!(m.expert_tokens(4096.0), 8192.0);
+        let half = moe_block(8, 2, 0.5).block_dims().and_then(|b| b.moe).expect("moe");
+        assert_eq!(half.expert_capacity(4096), Some(512));
+        assert_eq!(half.expert_tokens(4096.0), 4096.0);
+        assert!(kept(&moe_block(8, 2, 0.5)) < kept(&mixtral));
     }
 
     #[test]

@@ -350,6 +350,12 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if let Some(problem) = plan.check().into_iter().next() {
         return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
     }
+    if let Some(l) = plan.layers.iter().find(|l| l.op.block_dims().is_some_and(|b| b.moe.is_some())) {
+        return Err(RunError::setup(format!(
+            "layer {} is a mixture-of-experts block: pipec checks, plans and simulates these, but its executor does not train them yet",
+            l.index
+        )));
+    }
     // batch normalisation needs a variance per channel in every microbatch
     for l in &plan.layers {
         if let (Op::BatchNorm2d { .. }, [_, h, w]) = (&l.op, l.input_shape.as_slice()) {

@@ -40,20 +40,14 @@ impl Model {
     pub fn parameters(&self) -> u64 {
         pipec_plan::model::model_parameters(self.layers.iter().map(|l| (&l.op, l.tied)))
     }
+
+    /// "N parameters", with the active ones per token for a mixture of experts.
+    pub fn parameters_text(&self) -> String {
+        pipec_plan::model::parameters_text(self.layers.iter().map(|l| (&l.op, l.tied)))
+    }
 }
 
-/// `n` with thousands separators: `124,439,808`.
-pub fn thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
+pub use pipec_plan::model::thousands;
 
 /// The layers a labelled block call expanded into: `first..=last`.
 #[derive(Debug, Clone, PartialEq)]

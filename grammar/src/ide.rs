@@ -420,10 +420,7 @@ pub fn hover(src: &str, offset: usize, schema: &SchemaIndex, extra: Option<&str>
     // the model's size, when it checks
     if p == ["model"] || p == ["model", "layers"] {
         if let Some(m) = crate::check_source(src).spec.map(|s| s.model) {
-            text.push_str(&format!(
-                "\n\n{} parameters (a weight tied to an embedding counted once)",
-                crate::ast::thousands(m.parameters())
-            ));
+            text.push_str(&format!("\n\n{} (a weight tied to an embedding counted once)", m.parameters_text()));
         }
     }
     Some((span, text))

@@ -1,7 +1,7 @@
 //! The layer catalogue: each DSL layer's signature and documentation, and the resolution of a
 //! parsed call (`conv2d(3, 64, k=3, pad=1)`) into an [`Op`] with every argument checked.
 
-use pipec_plan::model::{MlpKind, NormKind, Op, Pooling};
+use pipec_plan::model::{MlpKind, Moe, NormKind, Op, Pooling, Router};
 use pipec_plan::vocab::Choice;
 
 use crate::dsl::{ArgValue, LayerCall, Rel};
@@ -27,6 +27,8 @@ pub enum ArgKind {
     Mlp,
     /// A pooling over positions: `first` or `mean` (the index into `Pooling::ALL`).
     Pooling,
+    /// A mixture-of-experts router: `softmax` or `sigmoid` (the index into `Router::ALL`).
+    Router,
 }
 
 /// One parameter of a layer: its name, aliases, kind and default (None = required).
@@ -163,8 +165,8 @@ pub const LAYERS: &[LayerDoc] = &[
     },
     LayerDoc {
         name: "transformer_block",
-        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5, post_norm=false)",
-        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε. `post_norm=true` puts each norm after its residual sum (BERT): norm(x + attention(x)), then norm(h + mlp(h)).",
+        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5, post_norm=false, experts=0, top_k=2, shared_experts=0, capacity=0, router=softmax, norm_topk=true, aux_loss=0.01)",
+        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε. `post_norm=true` puts each norm after its residual sum (BERT): norm(x + attention(x)), then norm(h + mlp(h)). `experts=E` makes the MLP a mixture of experts (Mixtral, DeepSeek): a router (a linear gate without bias, d → E; `router=softmax` or `sigmoid`) sends each token to its `top_k` best-scored experts, each an MLP like the dense one, and sums their outputs weighted by the scores (divided by their sum with `norm_topk=true`); `shared_experts` more experts take every token; `capacity=c` lets an expert take at most ⌈c · tokens · top_k / E⌉ of a microbatch's tokens, dropping the later tokens beyond it (0: none dropped); `aux_loss` is the load-balancing loss's weight (Switch Transformer's α).",
         params: &[
             pa("d", &["d_model"], ArgKind::Count, None),
             p("heads", ArgKind::Count, None),
@@ -179,6 +181,13 @@ pub const LAYERS: &[LayerDoc] = &[
             p("qkv_bias", ArgKind::Bool, Some(-1.0)),
             p("eps", ArgKind::Positive, Some(pipec_plan::model::DEFAULT_EPS)),
             p("post_norm", ArgKind::Bool, Some(0.0)),
+            p("experts", ArgKind::Size, Some(0.0)),
+            p("top_k", ArgKind::Size, Some(2.0)),
+            p("shared_experts", ArgKind::Size, Some(0.0)),
+            p("capacity", ArgKind::NonNegative, Some(0.0)),
+            p("router", ArgKind::Router, Some(0.0)),
+            p("norm_topk", ArgKind::Bool, Some(1.0)),
+            p("aux_loss", ArgKind::NonNegative, Some(0.01)),
         ],
     },
     LayerDoc {
@@ -374,6 +383,15 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
             qkv_bias: if get(9) < 0.0 { b(8) } else { b(9) },
             eps: get(10),
             post_norm: b(11),
+            moe: (n(12) > 0).then(|| Moe {
+                experts: n(12),
+                top_k: n(pipec_plan::model::MOE_TOP_K_ARG),
+                shared: n(14),
+                capacity: get(15),
+                router: Router::ALL[n(16)],
+                norm_topk: b(17),
+                aux_loss: get(18),
+            }),
         },
         "pos_embedding" => {
             let (seq, dim) = match input {
@@ -430,6 +448,10 @@ fn check_value(param: Param, v: &ArgValue) -> Result<f64, String> {
             Ok(Pooling::ALL.iter().position(|k| k.name() == s).unwrap_or(0) as f64)
         }
         (ArgKind::Pooling, _) => Err(format!("must be one of {}", names(Pooling::ALL))),
+        (ArgKind::Router, ArgValue::Ident(s)) if Router::from_name(s).is_some() => {
+            Ok(Router::ALL.iter().position(|k| k.name() == s).unwrap_or(0) as f64)
+        }
+        (ArgKind::Router, _) => Err(format!("must be one of {}", names(Router::ALL))),
     }
 }
 

@@ -454,6 +454,9 @@ pub fn from_pipec(
         return Err("the model's blocks differ: a Hugging Face config describes one block repeated".into());
     }
     let b = first;
+    if b.moe.is_some() {
+        return Err("the blocks are mixtures of experts, which `pipec export` does not write yet".into());
+    }
     if b.post_norm {
         return bert_from_pipec(layers, &blocks, weights);
     }
@@ -861,6 +864,32 @@ mod tests {
         let t = read_safetensors(&file).expect("reads");
         assert_eq!(t["a"], (vec![5], vec![1.0, -2.0, 0.333_251_95, 5.960_464_5e-8, 65504.0]));
         assert_eq!(t["b"], (vec![2], vec![1.0, -3.0]));
+    }
+
+    /// A mixture-of-experts model is refused by name, not written as the dense family its
+    /// attention and norms look like (its experts would be lost).
+    #[test]
+    fn a_mixture_of_experts_is_not_exported_as_a_dense_family() {
+        let mut block = Op::llama_block(8, 2, 1, 16);
+        if let Op::TransformerBlock { moe, .. } = &mut block {
+            *moe = Some(crate::model::Moe {
+                experts: 4,
+                top_k: 2,
+                shared: 0,
+                capacity: 0.0,
+                router: crate::model::Router::Softmax,
+                norm_topk: true,
+                aux_loss: 0.0,
+            });
+        }
+        let layers = [
+            Op::embedding(11, 8),
+            block,
+            Op::RmsNorm { dim: 8, eps: crate::model::DEFAULT_EPS },
+            Op::Linear { in_features: 8, out_features: 11, bias: false },
+        ];
+        let e = from_pipec(&layers, false, 6, &Weights::new()).expect_err("a mixture of experts");
+        assert!(e.contains("mixtures of experts"), "{e}");
     }
 
     /// Every family's export reads back into the same weights, names and shapes included:

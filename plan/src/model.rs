@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::vocab::{MlpKind, NormKind, Pooling};
+pub use crate::vocab::{MlpKind, NormKind, Pooling, Router};
 
 /// One operator of the model, with all its hyper-parameters resolved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -122,6 +122,9 @@ pub enum Op {
         /// norm(h + mlp(h)), instead of x + attention(norm(x)) and h + mlp(norm(h)).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         post_norm: bool,
+        /// A mixture of experts in place of the dense MLP.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        moe: Option<Moe>,
     },
     /// Root-mean-square normalisation over the last dimension: x / √(mean(x²) + ε) · gain.
     RmsNorm {
@@ -178,6 +181,64 @@ fn is_default_eps(e: &f64) -> bool {
     *e == DEFAULT_EPS
 }
 
+/// The position of `top_k` among `transformer_block`'s arguments (a shape error's label).
+pub const MOE_TOP_K_ARG: usize = 13;
+
+/// A transformer block's mixture-of-experts MLP (`experts=` on `transformer_block`): a
+/// router (a linear gate without bias, `d → experts`) scores every token; the token goes
+/// to its `top_k` best-scored experts — each an MLP of the block's kind and width `ff` —
+/// and their outputs are summed weighted by the scores (renormalised over the chosen ones
+/// with `norm_topk`); `shared` experts take every token, unweighted (DeepSeek-V3).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Moe {
+    /// Routed experts.
+    pub experts: usize,
+    /// Experts each token goes to.
+    pub top_k: usize,
+    /// Experts every token goes through as well.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared: usize,
+    /// Capacity factor: an expert takes at most ⌈capacity · tokens · top_k / experts⌉ of a
+    /// microbatch's tokens, the later tokens (by position in the microbatch) beyond that
+    /// dropped from it (they keep their other experts and the residual); 0: no limit.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub capacity: f64,
+    pub router: Router,
+    /// The chosen experts' weights divided by their sum (Mixtral, DeepSeek-V3).
+    pub norm_topk: bool,
+    /// The load-balancing loss's weight (Switch Transformer's α: α · E · Σᵢ fᵢ · Pᵢ, fᵢ the
+    /// fraction of tokens routed to expert i, Pᵢ its mean router probability).
+    pub aux_loss: f64,
+}
+
+impl Moe {
+    /// The experts one token's MLP runs through: its routed ones and the shared ones.
+    pub fn active_experts(&self) -> usize {
+        self.top_k + self.shared
+    }
+
+    /// The most tokens one expert takes from a microbatch of `tokens` (all of them routed
+    /// `top_k` ways) under the capacity factor, or None without a limit.
+    pub fn expert_capacity(&self, tokens: usize) -> Option<usize> {
+        (self.capacity > 0.0).then(|| {
+            let c = (self.capacity * tokens as f64 * self.top_k as f64 / self.experts.max(1) as f64).ceil();
+            (c as usize).clamp(1, tokens.max(1))
+        })
+    }
+
+    /// Expert-token pairs one microbatch of `tokens` computes: the routed pairs (bounded by
+    /// the capacity of every expert) and the shared experts' tokens.
+    pub fn expert_tokens(&self, tokens: f64) -> f64 {
+        let routed = tokens * self.top_k as f64;
+        let routed = match self.expert_capacity(tokens.round() as usize) {
+            Some(c) => routed.min(c as f64 * self.experts as f64),
+            None => routed,
+        };
+        routed + tokens * self.shared as f64
+    }
+}
+
 /// A transformer block's sizes, derived once from its arguments ([`Op::block_dims`]):
 /// what the parameter count, the cost model, tensor parallelism and the executor read.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -202,6 +263,7 @@ pub struct BlockDims {
     pub eps: f64,
     pub causal: bool,
     pub post_norm: bool,
+    pub moe: Option<Moe>,
 }
 
 impl BlockDims {
@@ -319,6 +381,39 @@ pub fn check_shape(shape: &[usize]) -> Result<(), String> {
 /// embedding holds a copy of the embedding's table, counted once, at the embedding.
 pub fn model_parameters<'a>(layers: impl Iterator<Item = (&'a Op, Option<usize>)>) -> u64 {
     layers.filter(|(_, tied)| tied.is_none()).map(|(op, _)| op.parameter_count()).fold(0, u64::saturating_add)
+}
+
+/// The parameters one token's computation uses ([`Op::active_parameter_count`]), a tied
+/// weight counted once; None for a model without a mixture of experts (all are active).
+pub fn active_parameters<'a>(layers: impl Iterator<Item = (&'a Op, Option<usize>)> + Clone) -> Option<u64> {
+    layers.clone().any(|(op, _)| op.block_dims().is_some_and(|b| b.moe.is_some())).then(|| {
+        layers
+            .filter(|(_, tied)| tied.is_none())
+            .map(|(op, _)| op.active_parameter_count())
+            .fold(0, u64::saturating_add)
+    })
+}
+
+/// "N parameters", with the active ones per token beside for a mixture of experts.
+pub fn parameters_text<'a>(layers: impl Iterator<Item = (&'a Op, Option<usize>)> + Clone) -> String {
+    let total = thousands(model_parameters(layers.clone()));
+    match active_parameters(layers) {
+        Some(active) => format!("{total} parameters ({} active per token)", thousands(active)),
+        None => format!("{total} parameters"),
+    }
+}
+
+/// `n` with thousands separators: `124,439,808`.
+pub fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 pub fn fmt_shape(shape: &[usize]) -> String {
@@ -571,6 +666,16 @@ impl Op {
                             format!("rotary position embeddings rotate pairs of features, but the head size d/heads = {head_dim} is odd"),
                             Some(7),
                         ))
+                    } else if let Some(m) =
+                        self.block_dims().and_then(|b| b.moe).filter(|m| m.top_k == 0 || m.top_k > m.experts)
+                    {
+                        Err(shape_err(
+                            format!(
+                                "top_k={} must be between 1 and experts={} (each token goes to top_k of the experts)",
+                                m.top_k, m.experts
+                            ),
+                            Some(MOE_TOP_K_ARG),
+                        ))
                     } else {
                         Ok(input.to_vec())
                     }
@@ -587,6 +692,16 @@ impl Op {
     /// [`Op::output_shape`] has at most [`MAX_LAYER_PARAMETERS`]).
     pub fn parameter_count(&self) -> u64 {
         u64::try_from(self.parameter_count_wide()).unwrap_or(u64::MAX)
+    }
+
+    /// The parameters one token's computation uses: a mixture-of-experts block counts its
+    /// router and only `top_k` routed experts besides the shared ones; any other operator
+    /// all of its parameters.
+    pub fn active_parameter_count(&self) -> u64 {
+        match self.block_dims().and_then(|b| b.moe.map(|m| (b, m))) {
+            Some((b, m)) => u64::try_from(block_parameters(&b, m.active_experts(), m.experts)).unwrap_or(u64::MAX),
+            None => self.parameter_count(),
+        }
     }
 
     /// The parameter count in 128 bits, saturating: exact for any arguments up to
@@ -615,23 +730,10 @@ impl Op {
                 sum_of(&[&[4, u(hidden), u(input)], &[4, u(hidden), u(hidden)], &[8, u(hidden)]])
             }
             Op::TransformerBlock { .. } => match self.block_dims() {
-                Some(b) => {
-                    let (d, f, q, up) = (u(b.d), u(b.ff), u(b.qkv_width), u(b.up_width));
-                    let (bias, qkv_bias) = (u128::from(b.bias), u128::from(b.qkv_bias));
-                    // two norms, the QKV projection, the output projection, the MLP's up (and
-                    // gate) and down projections
-                    sum_of(&[
-                        &[2, u(b.norm_parameters())],
-                        &[d, q],
-                        &[q, qkv_bias],
-                        &[d, d],
-                        &[d, bias],
-                        &[d, up],
-                        &[up, bias],
-                        &[f, d],
-                        &[d, bias],
-                    ])
-                }
+                Some(b) => match b.moe {
+                    Some(m) => block_parameters(&b, m.experts.saturating_add(m.shared), m.experts),
+                    None => block_parameters(&b, 1, 0),
+                },
                 None => 0,
             },
             Op::MaxPool2d { .. }
@@ -676,6 +778,7 @@ impl Op {
             qkv_bias: true,
             eps: DEFAULT_EPS,
             post_norm: false,
+            moe: None,
         }
     }
 
@@ -695,6 +798,7 @@ impl Op {
             qkv_bias: false,
             eps: DEFAULT_EPS,
             post_norm: false,
+            moe: None,
         }
     }
 
@@ -713,6 +817,7 @@ impl Op {
             qkv_bias,
             eps,
             post_norm,
+            moe,
         } = *self
         else {
             return None;
@@ -739,6 +844,7 @@ impl Op {
             eps,
             causal,
             post_norm,
+            moe,
         })
     }
 
@@ -791,6 +897,31 @@ impl Op {
     pub fn takes_token_ids(&self) -> bool {
         matches!(self, Op::Embedding { .. })
     }
+}
+
+/// A transformer block's parameters with `mlps` copies of its MLP and a router to `routed`
+/// experts (none for 0), in 128 bits, saturating.
+fn block_parameters(b: &BlockDims, mlps: usize, routed: usize) -> u128 {
+    let u = |x: usize| x as u128;
+    let sum_of = |terms: &[&[u128]]| {
+        terms.iter().fold(0u128, |acc, t| acc.saturating_add(t.iter().fold(1u128, |p, &f| p.saturating_mul(f))))
+    };
+    let (d, f, q, up) = (u(b.d), u(b.ff), u(b.qkv_width), u(b.up_width));
+    let (bias, qkv_bias) = (u128::from(b.bias), u128::from(b.qkv_bias));
+    // two norms, the QKV projection, the output projection, the router, and per MLP its up
+    // (and gate) and down projections
+    sum_of(&[
+        &[2, u(b.norm_parameters())],
+        &[d, q],
+        &[q, qkv_bias],
+        &[d, d],
+        &[d, bias],
+        &[d, u(routed)],
+        &[u(mlps), d, up],
+        &[u(mlps), up, bias],
+        &[u(mlps), f, d],
+        &[u(mlps), d, bias],
+    ])
 }
 
 /// How Megatron-style tensor parallelism splits a layer over the ranks of a group.

@@ -161,6 +161,16 @@ impl MlpKind {
 }
 
 choice! {
+    /// How a mixture-of-experts router scores the experts (`router=`).
+    pub enum Router {
+        /// A softmax over the experts' logits (Switch, GShard, Mixtral).
+        Softmax = "softmax",
+        /// Each logit's sigmoid (DeepSeek-V3).
+        Sigmoid = "sigmoid",
+    }
+}
+
+choice! {
     /// Synchronous or asynchronous data parallelism (`dp-only`).
     pub enum SyncMode {
         /// Bulk-synchronous: gradients all-reduced every step.
