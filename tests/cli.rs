@@ -184,7 +184,7 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
 }
 
 #[test]
-fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_it_writing_nothing() {
+fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_train_writing_nothing() {
     let dir = tempfile::tempdir().expect("tmp");
     let spec = "bench/specs/mixtral-8x7b.yaml";
     let checked = pipec(&["check", spec]);
@@ -202,11 +202,27 @@ fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_it_writing_noth
     assert!(report.contains("model: 46,702,792,704 parameters (12,879,925,248 active per token)"), "{report}");
     let d0 = report.lines().find(|l| l.starts_with("d0 ")).expect("d0's memory");
     assert!(d0.contains("2.73 GiB"), "{d0}");
-    // the executor does not train expert layers yet: refused before anything is written
+    // the executor does not split experts over tensor-parallel ranks, nor add the
+    // load-balancing loss, yet: refused before anything is written
     let out = dir.path().join("run");
     let run = pipec(&["run", spec, "-o", out.to_str().expect("utf-8")]);
     assert_eq!(run.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&run.stderr).contains("mixture-of-experts block"));
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        said.contains("(a mixture of experts): the executor does not split experts with tensor parallelism"),
+        "{said}"
+    );
+    assert!(!out.exists());
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/llama-tiny.yaml"))
+        .expect("llama-tiny")
+        .replace("rope=10000, bias=false)", "rope=10000, bias=false, experts=4, top_k=2, aux_loss=0.01)")
+        .replace(": data/", &format!(": {}/", Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data").display()));
+    let aux = dir.path().join("aux.yaml");
+    std::fs::write(&aux, text).expect("spec");
+    let run = pipec(&["run", aux.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
+    assert_eq!(run.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert!(said.contains("does not add the load-balancing loss yet (aux_loss=0.01)"), "{said}");
     assert!(!out.exists());
 }
 
@@ -1127,20 +1143,28 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
 
 #[test]
 fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
-    // tests/reference/hf/{llama-gqa,gpt2}/after-{adamw,sgd}.safetensors: the weights after
-    // one step of torch.optim.AdamW (no decay on biases and norms) and of SGD with momentum
-    // and weight decay, on the fixture's two rows as one batch; pipec trains the same step
-    // from the same weights, on one device and on a 2-stage pipeline with tensor
-    // parallelism 2, and exports what it trained
+    // tests/reference/hf/{llama-gqa,gpt2,mixtral}/after-{adamw,sgd}.safetensors: the weights
+    // after one step of torch.optim.AdamW (no decay on biases and norms) and of SGD with
+    // momentum and weight decay, on the fixture's two rows as one batch; pipec trains the
+    // same step from the same weights, on one device and on a 2-stage pipeline with tensor
+    // parallelism 2 (the mixture of experts: a 2-stage pipeline, and 2 data-parallel
+    // replicas), and exports what it trained
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf");
     let dir = tempfile::tempdir().expect("temp dir");
     let llama = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
     let gpt2 = "    - embedding(50, 16) as wte\n    - pos_embedding(32)\n    - repeat 2: transformer_block(d=16, heads=4, ff=64, causal=true, mlp=gelu_tanh)\n    - layernorm\n    - linear(16, 50, bias=false, tie=wte)";
+    let mixtral = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=4, top_k=2)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
+    let dense_layouts = [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")];
+    let expert_layouts = [(1, "stages: \"1\""), (2, "stages: \"1-1\""), (2, "stages: \"2\"")];
     let optimizers = [
         ("after-adamw", "{ kind: adamw, lr: 0.01, eps: 0.0001, weight_decay: 0.1, decay_biases_and_norms: false }"),
         ("after-sgd", "{ kind: momentum, lr: 0.05, momentum: 0.9, weight_decay: 0.1 }"),
     ];
-    for (model, layers) in [("llama-gqa", llama), ("gpt2", gpt2)] {
+    for (model, layers, layouts) in [
+        ("llama-gqa", llama, &dense_layouts[..]),
+        ("gpt2", gpt2, &dense_layouts),
+        ("mixtral", mixtral, &expert_layouts),
+    ] {
         let fixture = root.join(model);
         let reference: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).expect("fixture"))
@@ -1155,8 +1179,8 @@ fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
                 &std::fs::read(fixture.join(format!("{after}.safetensors"))).expect("fixture"),
             )
             .expect("safetensors");
-            for (devices, layout) in [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")] {
-                let name = format!("{model}-{after}-{devices}");
+            for &(devices, layout) in layouts {
+                let name = format!("{model}-{after}-{devices}-{}", layout.len());
                 let spec = format!(
                     "name: {name}\nmodel:\n  input: [12]\n  layers:\n{layers}\n  loss: cross_entropy\n\
                      cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\

@@ -877,6 +877,38 @@ fn llama_blocks_split_over_tensor_parallel_ranks_equal_one_device() {
 }
 
 #[test]
+fn mixture_of_experts_blocks_equal_one_device_on_pipelines_and_replicas() {
+    // a softmax router whose experts' capacity drops tokens, with a shared expert; a sigmoid
+    // router without renormalisation, one expert per token
+    let capped = "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=4, top_k=2, shared_experts=1, capacity=0.5)";
+    let sigmoid = "transformer_block(d=16, heads=4, ff=32, experts=3, top_k=1, router=sigmoid, norm_topk=false)";
+    let layers = |block: &str| {
+        format!("- embedding(50, 16)\n    - repeat 2: {block}\n    - rmsnorm\n    - flatten\n    - linear(256, 4)")
+    };
+    for block in [capped, sigmoid] {
+        let layers = layers(block);
+        for (devices, stages, schedule) in [(2, "\"1-1\"", "1f1b"), (2, "\"2\"", "gpipe"), (4, "\"2-2\"", "1f1b")] {
+            assert_same_as_one_device(Job {
+                devices,
+                stages,
+                schedule,
+                optimizer: ADAM,
+                layers: &layers,
+                ..Job::default()
+            });
+        }
+    }
+    // the capacity drops tokens: 8 samples of 16 tokens choose 256 expert slots, each expert
+    // takes 32 — the losses differ from the same experts without a capacity
+    let one_device = |block: &str| {
+        let layers = layers(block);
+        losses(&train(&plan(&Job { optimizer: ADAM, layers: &layers, ..Job::default() })))
+    };
+    let (with, without) = (one_device(capped), one_device(&capped.replace(", capacity=0.5", "")));
+    assert!(with.iter().zip(&without).all(|(a, b)| (a - b).abs() > 1e-6), "{with:?} vs {without:?}");
+}
+
+#[test]
 fn pipedream_vertical_sync_uses_the_first_stages_version_everywhere() {
     let p = plan(&Job {
         devices: 3,

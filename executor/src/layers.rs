@@ -7,7 +7,9 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use burn::tensor::module::{adaptive_avg_pool2d, avg_pool2d, conv2d, embedding, max_pool2d};
 use burn::tensor::ops::ConvOptions;
-use pipec_plan::model::{MlpKind, NormKind, Op, Pooling, Source};
+use burn::tensor::IndexingUpdateOp;
+use pipec_plan::checkpoint::{expert_slot, ROUTER_SLOT};
+use pipec_plan::model::{MlpKind, Moe, NormKind, Op, Pooling, Router, Source};
 
 use crate::dense::Kernels;
 use crate::error::{ExecError, Result};
@@ -246,9 +248,14 @@ pub struct Block<B: Backend> {
     pub qkv: Dense<B>,
     pub proj: Dense<B>,
     pub norm2: Norm<B>,
-    /// The MLP's up projection; gated: [d, 2·ff], the gate's columns then the up's.
-    pub fc1: Dense<B>,
-    pub fc2: Dense<B>,
+    /// The MLPs: a dense block's one; a mixture of experts' routed experts, then its shared
+    /// ones.
+    pub mlps: Vec<Mlp<B>>,
+    /// A mixture of experts' router: d → experts, no bias.
+    pub router: Option<Dense<B>>,
+    /// A mixture of experts' routing rule.
+    #[module(skip)]
+    pub moe: Option<Moe>,
     /// Query heads (this rank's).
     pub heads: usize,
     /// Key/value heads (this rank's).
@@ -265,6 +272,14 @@ pub struct Block<B: Backend> {
     /// Each norm after its residual sum (BERT) instead of before its branch.
     #[module(skip)]
     pub post_norm: bool,
+}
+
+/// One MLP of a block: the up projection (gated: [d, 2·ff], the gate's columns then the
+/// up's) and the down projection.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    pub fc1: Dense<B>,
+    pub fc2: Dense<B>,
 }
 
 /// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
@@ -364,17 +379,99 @@ impl<B: Kernels> Block<B> {
         }
     }
 
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    fn forward(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
         if self.post_norm {
             let ctx = self.attend(self.qkv.forward3(x.clone()));
             let h = self.norm1.forward(x + self.proj.forward3(ctx));
-            let m = self.fc2.forward3(self.activate(self.fc1.forward3(h.clone())));
-            return self.norm2.forward(h + m);
+            let m = self.feed_forward(h.clone())?;
+            return Ok(self.norm2.forward(h + m));
         }
         let ctx = self.attend(self.qkv.forward3(self.norm1.forward(x.clone())));
         let x = x + self.proj.forward3(ctx);
-        let m = self.fc2.forward3(self.activate(self.fc1.forward3(self.norm2.forward(x.clone()))));
-        x + m
+        let m = self.feed_forward(self.norm2.forward(x.clone()))?;
+        Ok(x + m)
+    }
+
+    /// One MLP on [rows, d].
+    fn mlp(&self, m: &Mlp<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [rows, d] = x.dims();
+        m.fc2.forward3(self.activate(m.fc1.forward3(x.reshape([1, rows, d])))).reshape([rows, d])
+    }
+
+    /// The block's MLP part on the normalised [batch, seq, d]: its one MLP, or a mixture of
+    /// experts — the router's scores (softmax or sigmoid), each token's `top_k` best-scored
+    /// experts (the lower index first on a tie), their weights (divided by their sum with
+    /// `norm_topk`), each expert on the tokens that chose it — at most its capacity, the
+    /// earlier tokens of the microbatch first — summed back weighted, and the shared
+    /// experts on every token.
+    fn feed_forward(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
+        let [b, s, d] = x.dims();
+        let (Some(router), Some(moe)) = (&self.router, self.moe) else {
+            let m = self.mlps.first().ok_or_else(|| ExecError::Shape("a transformer block without an MLP".into()))?;
+            return Ok(self.mlp(m, x.reshape([b * s, d])).reshape([b, s, d]));
+        };
+        let (t, experts, k) = (b * s, moe.experts, moe.top_k);
+        if self.mlps.len() != experts + moe.shared || k == 0 || k > experts {
+            return Err(ExecError::Shape(format!(
+                "a mixture of {experts} experts (top {k}) and {} shared has {} MLPs",
+                moe.shared,
+                self.mlps.len()
+            )));
+        }
+        let x = x.reshape([t, d]);
+        let dev = x.device();
+        let logits = router.forward2(x.clone());
+        let scores = match moe.router {
+            Router::Softmax => activation::softmax(logits, 1),
+            Router::Sigmoid => activation::sigmoid(logits),
+        };
+        let host = scores
+            .clone()
+            .into_data()
+            .to_vec::<f32>()
+            .map_err(|e| ExecError::Backend(format!("the router's scores: {e:?}")))?;
+        let mut chosen = vec![0usize; t * k];
+        let mut order: Vec<usize> = Vec::with_capacity(experts);
+        for (token, row) in host.chunks_exact(experts).enumerate() {
+            order.clear();
+            order.extend(0..experts);
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            chosen[token * k..(token + 1) * k].copy_from_slice(&order[..k]);
+        }
+        let ints = |v: Vec<i64>| {
+            let n = v.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &dev)
+        };
+        let picked = ints(chosen.iter().map(|&c| c as i64).collect()).reshape([t, k]);
+        let mut weights = scores.gather(1, picked);
+        if moe.norm_topk {
+            weights = weights.clone() / weights.sum_dim(1);
+        }
+        let weights = weights.reshape([t * k]);
+        let capacity = moe.expert_capacity(t);
+        let mut out = Tensor::<B, 2>::zeros([t, d], &dev);
+        for (e, m) in self.mlps.iter().enumerate().take(experts) {
+            // the (token, choice) pairs that chose expert e, in token order, to its capacity
+            let mut pairs: Vec<(usize, usize)> = (0..t)
+                .filter_map(|token| chosen[token * k..(token + 1) * k].iter().position(|&c| c == e).map(|j| (token, j)))
+                .collect();
+            if let Some(c) = capacity {
+                pairs.truncate(c);
+            }
+            if pairs.is_empty() {
+                continue;
+            }
+            let n = pairs.len();
+            let tokens = ints(pairs.iter().map(|&(token, _)| token as i64).collect());
+            let slots = ints(pairs.iter().map(|&(token, j)| (token * k + j) as i64).collect());
+            let y = self.mlp(m, x.clone().select(0, tokens.clone()));
+            let w = weights.clone().select(0, slots).reshape([n, 1]);
+            out = out.select_assign(0, tokens, y * w, IndexingUpdateOp::Add);
+        }
+        for m in &self.mlps[experts..] {
+            out = out + self.mlp(m, x.clone());
+        }
+        Ok(out.reshape([b, s, d]))
     }
 
     /// Layer `index`'s block `op` — whole, or with `tp` > 1 one rank's shard of it: each
@@ -401,8 +498,20 @@ impl<B: Kernels> Block<B> {
             qkv: dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0),
             proj: dense(4, d, d, [d / tp, d], k.bias.then_some(d), 1.0),
             norm2: Norm::of(k.norm, index, 6, d, k.eps, device),
-            fc1: dense(8, d, k.up_width, [d, up_w], k.bias.then_some(up_w), he),
-            fc2: dense(10, f, d, [f / tp, d], k.bias.then_some(d), 1.0),
+            mlps: match k.moe {
+                None => vec![Mlp {
+                    fc1: dense(8, d, k.up_width, [d, up_w], k.bias.then_some(up_w), he),
+                    fc2: dense(10, f, d, [f / tp, d], k.bias.then_some(d), 1.0),
+                }],
+                Some(m) => (0..m.experts + m.shared)
+                    .map(|e| Mlp {
+                        fc1: dense(expert_slot(e), d, k.up_width, [d, up_w], k.bias.then_some(up_w), he),
+                        fc2: dense(expert_slot(e) + 2, f, d, [f / tp, d], k.bias.then_some(d), 1.0),
+                    })
+                    .collect(),
+            },
+            router: k.moe.map(|m| dense(ROUTER_SLOT, d, m.experts, [d, m.experts], None, 1.0)),
+            moe: k.moe,
             heads: k.heads / tp,
             kv_heads: k.kv_heads / tp,
             causal: k.causal,
@@ -758,7 +867,7 @@ impl<B: Kernels> Layer<B> {
                 Act::D3(t + e.weight.val().narrow(0, 0, s).reshape([1, s, d]))
             }
             (Layer::Lstm(l), Act::D3(t)) => Act::D3(l.forward(t)),
-            (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t)),
+            (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t)?),
             (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key)?,
             (Layer::ColumnLinear(d), x) => d.forward_act(x)?,
             (layer, x) => {

@@ -350,11 +350,26 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if let Some(problem) = plan.check().into_iter().next() {
         return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
     }
-    if let Some(l) = plan.layers.iter().find(|l| l.op.block_dims().is_some_and(|b| b.moe.is_some())) {
-        return Err(RunError::setup(format!(
-            "layer {} is a mixture-of-experts block: pipec checks, plans and simulates these, but its executor does not train them yet",
-            l.index
-        )));
+    let tensor_parallel = plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1));
+    for l in &plan.layers {
+        let Some(m) = l.op.block_dims().and_then(|b| b.moe) else { continue };
+        let refuse = |why: String| Err(RunError::setup(format!("layer {} (a mixture of experts): {why}", l.index)));
+        if m.aux_loss != 0.0 {
+            return refuse(format!(
+                "the executor does not add the load-balancing loss yet (aux_loss={}); train with aux_loss=0",
+                m.aux_loss
+            ));
+        }
+        if tensor_parallel {
+            return refuse("the executor does not split experts with tensor parallelism yet".into());
+        }
+        if m.experts + m.shared > pipec_plan::checkpoint::MAX_EXPERTS {
+            return refuse(format!(
+                "the executor holds at most {} experts per block (routed and shared), this one has {}",
+                pipec_plan::checkpoint::MAX_EXPERTS,
+                m.experts + m.shared
+            ));
+        }
     }
     // batch normalisation needs a variance per channel in every microbatch
     for l in &plan.layers {

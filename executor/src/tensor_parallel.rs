@@ -375,7 +375,11 @@ fn mlp_half<B: ExecBackend>(
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
 ) -> Result<Tensor<B, 3>> {
     let input = if b.post_norm { h.clone() } else { b.norm2.forward(h.clone()) };
-    let up = match b.fc1.forward_act(Act::D3(input))? {
+    let mlp = match (&b.moe, b.mlps.as_slice()) {
+        (None, [mlp]) => mlp,
+        _ => return Err(ExecError::Plan("tensor parallelism does not split a mixture of experts yet".into())),
+    };
+    let up = match mlp.fc1.forward_act(Act::D3(input))? {
         Act::D3(t) => b.activate(t),
         _ => {
             return Err(ExecError::Shape(
@@ -383,7 +387,7 @@ fn mlp_half<B: ExecBackend>(
             ))
         }
     };
-    let m = b.fc2.add_bias(g(b.fc2.matmul_only(Act::D3(up))?, reduce)?);
+    let m = mlp.fc2.add_bias(g(mlp.fc2.matmul_only(Act::D3(up))?, reduce)?);
     match m {
         Act::D3(m) => Ok(h + m),
         _ => Err(ExecError::Shape("the MLP of a tensor-parallel block must give [batch, seq, d]".into())),

@@ -320,6 +320,18 @@ pub fn param_id(layer: usize, slot: u64) -> u64 {
     ((layer as u64) << 8) | slot
 }
 
+/// A mixture-of-experts block's router's parameter slot (after the dense block's 0..12).
+pub const ROUTER_SLOT: u64 = 12;
+
+/// The first parameter slot of a mixture-of-experts block's MLP `e` (its routed experts,
+/// then its shared ones; four slots each: up weight and bias, down weight and bias).
+pub fn expert_slot(e: usize) -> u64 {
+    16 + 4 * e as u64
+}
+
+/// The most experts (routed and shared) a block's 256 parameter slots hold.
+pub const MAX_EXPERTS: usize = 60;
+
 /// The parameter name of a deterministic parameter id (layer << 8 | slot).
 pub fn param_name(id: u64) -> String {
     format!("layer{}.p{}", id >> 8, id & 0xff)

@@ -181,10 +181,31 @@ pub fn convert(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Vec<(u64, S
                     if !b.gated {
                         return Err("a Llama-family checkpoint's MLP is gated: the block needs mlp=swiglu".into());
                     }
-                    let gate = get(&format!("{h}mlp.gate_proj.weight"), &[f, d])?;
-                    let up = get(&format!("{h}mlp.up_proj.weight"), &[f, d])?;
-                    out.insert(pid(i, 8), transposed(&[gate.as_slice(), up].concat(), 2 * f, d));
-                    out.insert(pid(i, 10), transposed(get(&format!("{h}mlp.down_proj.weight"), &[d, f])?, d, f));
+                    match b.moe {
+                        None => {
+                            let gate = get(&format!("{h}mlp.gate_proj.weight"), &[f, d])?;
+                            let up = get(&format!("{h}mlp.up_proj.weight"), &[f, d])?;
+                            out.insert(pid(i, 8), transposed(&[gate.as_slice(), up].concat(), 2 * f, d));
+                            out.insert(
+                                pid(i, 10),
+                                transposed(get(&format!("{h}mlp.down_proj.weight"), &[d, f])?, d, f),
+                            );
+                        }
+                        // Mixtral: the router `gate`, and per expert w1 (gate), w3 (up), w2 (down)
+                        Some(m) => {
+                            let moe = format!("{h}block_sparse_moe.");
+                            let router = get(&format!("{moe}gate.weight"), &[m.experts, d])?;
+                            out.insert(pid(i, crate::checkpoint::ROUTER_SLOT), transposed(router, m.experts, d));
+                            for e in 0..m.experts {
+                                let x = format!("{moe}experts.{e}.");
+                                let gate = get(&format!("{x}w1.weight"), &[f, d])?;
+                                let up = get(&format!("{x}w3.weight"), &[f, d])?;
+                                let slot = crate::checkpoint::expert_slot(e);
+                                out.insert(pid(i, slot), transposed(&[gate.as_slice(), up].concat(), 2 * f, d));
+                                out.insert(pid(i, slot + 2), transposed(get(&format!("{x}w2.weight"), &[d, f])?, d, f));
+                            }
+                        }
+                    }
                 }
                 block += 1;
             }
@@ -454,8 +475,13 @@ pub fn from_pipec(
         return Err("the model's blocks differ: a Hugging Face config describes one block repeated".into());
     }
     let b = first;
-    if b.moe.is_some() {
-        return Err("the blocks are mixtures of experts, which `pipec export` does not write yet".into());
+    if let Some(m) = b.moe {
+        // Mixtral's routing: a softmax over every expert, the top k renormalised, no
+        // shared expert, no token dropped
+        let mixtral = m.router == crate::model::Router::Softmax && m.norm_topk && m.shared == 0 && m.capacity == 0.0;
+        if !mixtral {
+            return Err("the blocks are mixtures of experts that are not Mixtral's (a softmax router, norm_topk=true, no shared experts, no capacity): no Hugging Face family to write them as".into());
+        }
     }
     if b.post_norm {
         return bert_from_pipec(layers, &blocks, weights);
@@ -535,10 +561,27 @@ pub fn from_pipec(
                     put(format!("{h}self_attn.v_proj.bias"), vec![kv], bias[d + kv..].to_vec());
                 }
                 put(format!("{h}self_attn.o_proj.weight"), vec![d, d], transpose(weight(id(4), &[d, d])?, d, d));
-                let up = transpose(weight(id(8), &[d, 2 * f])?, d, 2 * f);
-                put(format!("{h}mlp.gate_proj.weight"), vec![f, d], up[..f * d].to_vec());
-                put(format!("{h}mlp.up_proj.weight"), vec![f, d], up[f * d..].to_vec());
-                put(format!("{h}mlp.down_proj.weight"), vec![d, f], transpose(weight(id(10), &[f, d])?, f, d));
+                match b.moe {
+                    None => {
+                        let up = transpose(weight(id(8), &[d, 2 * f])?, d, 2 * f);
+                        put(format!("{h}mlp.gate_proj.weight"), vec![f, d], up[..f * d].to_vec());
+                        put(format!("{h}mlp.up_proj.weight"), vec![f, d], up[f * d..].to_vec());
+                        put(format!("{h}mlp.down_proj.weight"), vec![d, f], transpose(weight(id(10), &[f, d])?, f, d));
+                    }
+                    Some(m) => {
+                        let moe = format!("{h}block_sparse_moe.");
+                        let router =
+                            transpose(weight(id(crate::checkpoint::ROUTER_SLOT), &[d, m.experts])?, d, m.experts);
+                        put(format!("{moe}gate.weight"), vec![m.experts, d], router);
+                        for e in 0..m.experts {
+                            let (x, slot) = (format!("{moe}experts.{e}."), crate::checkpoint::expert_slot(e));
+                            let up = transpose(weight(id(slot), &[d, 2 * f])?, d, 2 * f);
+                            put(format!("{x}w1.weight"), vec![f, d], up[..f * d].to_vec());
+                            put(format!("{x}w3.weight"), vec![f, d], up[f * d..].to_vec());
+                            put(format!("{x}w2.weight"), vec![d, f], transpose(weight(id(slot + 2), &[f, d])?, f, d));
+                        }
+                    }
+                }
                 block += 1;
             }
             (Family::Gpt2, Op::LayerNorm { dim, .. }) if block == blocks.len() => {
@@ -601,7 +644,15 @@ pub fn from_pipec(
                 "tie_word_embeddings": tied,
                 "torch_dtype": "float32",
             });
-            if !b.qkv_bias {
+            if let Some(m) = b.moe {
+                c["architectures"] = json!(["MixtralForCausalLM"]);
+                c["model_type"] = json!("mixtral");
+                c["num_local_experts"] = json!(m.experts);
+                c["num_experts_per_tok"] = json!(m.top_k);
+                c["output_router_logits"] = json!(m.aux_loss != 0.0);
+                c["router_aux_loss_coef"] = json!(m.aux_loss);
+                c["router_jitter_noise"] = json!(0.0);
+            } else if !b.qkv_bias {
                 c["attention_bias"] = json!(false);
                 c["mlp_bias"] = json!(false);
             }
@@ -866,8 +917,8 @@ mod tests {
         assert_eq!(t["b"], (vec![2], vec![1.0, -3.0]));
     }
 
-    /// A mixture-of-experts model is refused by name, not written as the dense family its
-    /// attention and norms look like (its experts would be lost).
+    /// A mixture of experts that is not Mixtral's is refused by name, not written as the
+    /// dense family its attention and norms look like (its experts would be lost).
     #[test]
     fn a_mixture_of_experts_is_not_exported_as_a_dense_family() {
         let mut block = Op::llama_block(8, 2, 1, 16);
@@ -877,7 +928,7 @@ mod tests {
                 top_k: 2,
                 shared: 0,
                 capacity: 0.0,
-                router: crate::model::Router::Softmax,
+                router: crate::model::Router::Sigmoid,
                 norm_topk: true,
                 aux_loss: 0.0,
             });
@@ -889,7 +940,7 @@ mod tests {
             Op::Linear { in_features: 8, out_features: 11, bias: false },
         ];
         let e = from_pipec(&layers, false, 6, &Weights::new()).expect_err("a mixture of experts");
-        assert!(e.contains("mixtures of experts"), "{e}");
+        assert!(e.contains("not Mixtral's"), "{e}");
     }
 
     /// Every family's export reads back into the same weights, names and shapes included:
@@ -904,7 +955,22 @@ mod tests {
             }
             b
         };
-        let models: [(Vec<Op>, bool, &str, usize); 3] = [
+        let mixtral = {
+            let mut b = llama(false);
+            if let Op::TransformerBlock { moe, .. } = &mut b {
+                *moe = Some(crate::model::Moe {
+                    experts: 3,
+                    top_k: 2,
+                    shared: 0,
+                    capacity: 0.0,
+                    router: crate::model::Router::Softmax,
+                    norm_topk: true,
+                    aux_loss: 0.0,
+                });
+            }
+            b
+        };
+        let models: [(Vec<Op>, bool, &str, usize); 4] = [
             (
                 vec![
                     Op::embedding(11, 8),
@@ -940,6 +1006,19 @@ mod tests {
                 "qwen2",
                 14,
             ),
+            (
+                vec![
+                    Op::embedding(11, 8),
+                    mixtral,
+                    Op::RmsNorm { dim: 8, eps: 1e-6 },
+                    Op::Linear { in_features: 8, out_features: 11, bias: false },
+                ],
+                false,
+                "mixtral",
+                // embedding, two norms, q, k, v, o, the router, 3 × 3 experts' matrices, the
+                // final norm, the output layer
+                19,
+            ),
         ];
         for (layers, tied, family, tensors) in models {
             // distinct values everywhere, so a swapped or transposed tensor shows
@@ -974,8 +1053,19 @@ mod tests {
                         }
                         put(2, vec![b.d, b.qkv_width]);
                         put(4, vec![b.d, b.d]);
-                        put(8, vec![b.d, b.up_width]);
-                        put(10, vec![b.ff, b.d]);
+                        match b.moe {
+                            None => {
+                                put(8, vec![b.d, b.up_width]);
+                                put(10, vec![b.ff, b.d]);
+                            }
+                            Some(m) => {
+                                put(crate::checkpoint::ROUTER_SLOT, vec![b.d, m.experts]);
+                                for e in 0..m.experts {
+                                    put(crate::checkpoint::expert_slot(e), vec![b.d, b.up_width]);
+                                    put(crate::checkpoint::expert_slot(e) + 2, vec![b.ff, b.d]);
+                                }
+                            }
+                        }
                         if b.qkv_bias {
                             put(3, vec![b.qkv_width]);
                         }

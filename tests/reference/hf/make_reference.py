@@ -1,9 +1,9 @@
 """Tiny random models and what PyTorch computes with them: the reference pipec's Llama-family,
-GPT-2 and BERT layers (executor/src/hf_reference.rs, tests/cli.rs) and its torchvision
+Mixtral, GPT-2 and BERT layers (executor/src/hf_reference.rs, tests/cli.rs) and its torchvision
 ResNet weights and batch normalisation (tests/cli.rs) are tested against.
 
 Run once, in a throwaway venv outside the repository (torch 2.5.1, transformers 4.46.3,
-torchvision 0.20.1); name models to make only those (llama-gqa, gpt2, bert, resnet):
+torchvision 0.20.1); name models to make only those (llama-gqa, gpt2, bert, resnet, mixtral):
 
     python tests/reference/hf/make_reference.py [NAME ...]
 
@@ -33,6 +33,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
 )
 
 HERE = pathlib.Path(__file__).parent
@@ -253,3 +255,30 @@ if wanted("resnet"):
         )
         + "\n"
     )
+
+# A Mixtral (a mixture of experts in place of each block's MLP: a softmax router over 4
+# SwiGLU experts, the top 2 per token renormalised, no load-balancing loss — transformers
+# adds it only with output_router_logits). Its own seed, so the fixtures above stay as they
+# were.
+mixtral = MixtralConfig(
+    vocab_size=50,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    output_router_logits=False,
+    router_jitter_noise=0.0,
+    sliding_window=None,
+)
+if wanted("mixtral"):
+    torch.manual_seed(3)
+    m = MixtralForCausalLM(mixtral).float()
+    randomise(m)
+    write_language_model("mixtral", m, 50, 12)
