@@ -172,7 +172,7 @@ enum Command {
         #[arg(long)]
         resume: Option<PathBuf>,
         /// Start from a Hugging Face checkpoint's weights (a folder with `model.safetensors`
-        /// or a sharded `model.safetensors.index.json`; GPT-2, Llama-family and BERT names,
+        /// or a sharded `model.safetensors.index.json`; GPT-2, Llama-family, Mixtral and BERT names,
         /// or a torchvision ResNet's), on any layout, with a fresh optimizer.
         #[arg(long, conflicts_with = "resume")]
         init: Option<PathBuf>,

@@ -412,6 +412,18 @@ fn metrics_line(m: &StepMetrics) -> serde_json::Value {
     if let Some(w) = m.checkpoint_wait_s {
         line["checkpoint_wait_s"] = w.into();
     }
+    if let Some(a) = m.aux_loss {
+        line["aux_loss"] = a.into();
+    }
+    if !m.expert_tokens.is_empty() {
+        // per mixture-of-experts block (its layer), the tokens each expert took
+        line["expert_tokens"] = m
+            .expert_tokens
+            .iter()
+            .map(|(layer, took)| (layer.to_string(), took.clone().into()))
+            .collect::<serde_json::Map<String, serde_json::Value>>()
+            .into();
+    }
     if let Some(v) = &m.validation {
         line["val_loss"] = v.loss.into();
         if let Some(a) = v.accuracy {
@@ -555,6 +567,10 @@ fn backend_kind(b: Backend) -> BackendKind {
 fn print_step(m: &StepMetrics, steps: usize) {
     if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps || m.validation.is_some() {
         let perplexity = m.perplexity.map(|p| format!("  perplexity {p:.2}")).unwrap_or_default();
+        let perplexity = match m.aux_loss {
+            Some(a) => format!("{perplexity}  load-balancing loss {a:.6}"),
+            None => perplexity,
+        };
         let validation = m
             .validation
             .map(|v| {

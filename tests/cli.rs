@@ -202,14 +202,25 @@ fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_
     assert!(report.contains("model: 46,702,792,704 parameters (12,879,925,248 active per token)"), "{report}");
     let d0 = report.lines().find(|l| l.starts_with("d0 ")).expect("d0's memory");
     assert!(d0.contains("2.73 GiB"), "{d0}");
-    // the executor does not split experts over tensor-parallel ranks, nor add the
-    // load-balancing loss, yet: refused before anything is written
+    // on this machine's CPU the 64 devices' model state (about a terabyte) is refused before
+    // anything is allocated or written, not left to the kernel's out-of-memory killer
     let out = dir.path().join("run");
     let run = pipec(&["run", spec, "-o", out.to_str().expect("utf-8")]);
     assert_eq!(run.status.code(), Some(1));
     let said = String::from_utf8_lossy(&run.stderr);
+    assert!(said.contains("of model state (weights, gradients, optimizer) by the plan"), "{said}");
+    assert!(said.contains("the run would be killed for memory"), "{said}");
+    assert!(!out.exists());
+    // the executor does not split experts with the load-balancing loss over tensor-parallel
+    // ranks yet: refused before anything is written
+    let balanced = dir.path().join("balanced.yaml");
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(spec)).expect("mixtral");
+    std::fs::write(&balanced, text.replace("top_k=2)", "top_k=2, aux_loss=0.01)")).expect("spec");
+    let run = pipec(&["run", balanced.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
+    assert_eq!(run.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&run.stderr);
     assert!(
-        said.contains("(a mixture of experts): the executor does not split experts with tensor parallelism"),
+        said.contains("(a mixture of experts): the executor splits experts over tensor-parallel ranks only"),
         "{said}"
     );
     assert!(!out.exists());
@@ -217,13 +228,26 @@ fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_
         .expect("llama-tiny")
         .replace("rope=10000, bias=false)", "rope=10000, bias=false, experts=4, top_k=2, aux_loss=0.01)")
         .replace(": data/", &format!(": {}/", Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data").display()));
+    // a tiny Llama with expert blocks trains: each step's load-balancing loss and the tokens
+    // each block's experts took are in metrics.jsonl and on the console
     let aux = dir.path().join("aux.yaml");
     std::fs::write(&aux, text).expect("spec");
-    let run = pipec(&["run", aux.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
-    assert_eq!(run.status.code(), Some(1));
+    let run = pipec(&["run", aux.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8"), "--steps", "2"]);
     let said = String::from_utf8_lossy(&run.stderr);
-    assert!(said.contains("does not add the load-balancing loss yet (aux_loss=0.01)"), "{said}");
-    assert!(!out.exists());
+    assert_eq!(run.status.code(), Some(0), "{said}");
+    assert!(said.contains("load-balancing loss"), "{said}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
+    for line in metrics.lines() {
+        let m: serde_json::Value = serde_json::from_str(line).expect("json");
+        assert!(m["aux_loss"].as_f64().is_some_and(|a| a > 0.0), "{line}");
+        // blocks 1 and 2 (layers), four experts each, two choices of 16·64 tokens
+        let tokens = m["expert_tokens"].as_object().expect("expert_tokens");
+        assert_eq!(tokens.keys().collect::<Vec<_>>(), ["1", "2"], "{line}");
+        for took in tokens.values() {
+            let took: Vec<u64> = serde_json::from_value(took.clone()).expect("counts");
+            assert_eq!((took.len(), took.iter().sum::<u64>()), (4, 2 * 16 * 64), "{line}");
+        }
+    }
 }
 
 #[test]
@@ -1155,7 +1179,8 @@ fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
     let gpt2 = "    - embedding(50, 16) as wte\n    - pos_embedding(32)\n    - repeat 2: transformer_block(d=16, heads=4, ff=64, causal=true, mlp=gelu_tanh)\n    - layernorm\n    - linear(16, 50, bias=false, tie=wte)";
     let mixtral = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=4, top_k=2)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
     let dense_layouts = [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")];
-    let expert_layouts = [(1, "stages: \"1\""), (2, "stages: \"1-1\""), (2, "stages: \"2\"")];
+    let expert_layouts =
+        [(1, "stages: \"1\""), (2, "stages: \"1-1\""), (2, "stages: \"2\""), (4, "stages: \"1-1\"\n  tp: 2")];
     let optimizers = [
         ("after-adamw", "{ kind: adamw, lr: 0.01, eps: 0.0001, weight_decay: 0.1, decay_biases_and_norms: false }"),
         ("after-sgd", "{ kind: momentum, lr: 0.05, momentum: 0.9, weight_decay: 0.1 }"),

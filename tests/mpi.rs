@@ -29,6 +29,10 @@ const BATCH_NORM: &str = "  input: [2, 6, 6]\n  blocks:\n    res(c):\n      - co
 /// tied gradient is summed across the ranks (`tiedallreduce`).
 const TIED_LM: &str = "  input: [12]\n  layers:\n    - embedding(20, 16) as tokens\n    - transformer_block(d=16, heads=2, ff=32, causal=true)\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)\n";
 
+/// A language model of mixture-of-experts blocks (a shared expert, a capacity, the
+/// load-balancing loss): its aux loss and token counts gathered from every rank.
+const MOE_LM: &str = "  input: [12]\n  layers:\n    - embedding(20, 16)\n    - repeat 2: transformer_block(d=16, heads=2, ff=32, causal=true, experts=4, top_k=2, shared_experts=1, capacity=1.0, aux_loss=0.01)\n    - layernorm\n    - linear(16, 20, bias=false)\n";
+
 /// A spec training `model` (its `input` line, or `[16]`).
 fn spec_of(model: &str, stages: &str, devices: usize, steps: usize) -> String {
     let input = if model.starts_with("  input:") { "" } else { "  input: [16]\n" };
@@ -82,6 +86,17 @@ fn equal_to_in_process_with(model: &str, stages: &str, devices: usize, schedule:
     let (a, b) = (losses(&threads), losses(&mpi));
     assert_eq!(a.len(), 4);
     assert_eq!(a, b, "MPI losses differ from the in-process run");
+    // and a mixture of experts' load-balancing loss and token counts
+    let column = |run: &Path, key: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .expect("metrics")
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")[key].clone())
+            .collect()
+    };
+    for key in ["aux_loss", "expert_tokens"] {
+        assert_eq!(column(&threads, key), column(&mpi, key), "MPI's {key} differs from the in-process run");
+    }
     // the measured trace covers every rank's every step
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(mpi.join("trace.json")).expect("trace")).expect("json");
@@ -114,6 +129,11 @@ fn a_graph_model_over_mpi_equals_in_process_exactly() {
 #[test]
 fn batch_norm_with_a_replicated_stage_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(BATCH_NORM, "\"2-1\"", 3);
+}
+
+#[test]
+fn a_mixture_of_experts_over_mpi_equals_in_process_exactly() {
+    equal_to_in_process_for(MOE_LM, "\"2-2\"", 4);
 }
 
 #[test]

@@ -898,6 +898,54 @@ fn mixture_of_experts_blocks_equal_one_device_on_pipelines_and_replicas() {
             });
         }
     }
+    // each expert split over tensor-parallel ranks (its gate and up columns, its down rows;
+    // the router whole, its gradient summed over the group)
+    let layers_capped = layers(capped);
+    for (devices, stages) in [(2, "\"1\"\n  tp: 2"), (4, "\"1-1\"\n  tp: 2")] {
+        assert_same_as_one_device(Job {
+            devices,
+            stages,
+            schedule: "1f1b",
+            optimizer: ADAM,
+            layers: &layers_capped,
+            ..Job::default()
+        });
+    }
+    // with the load-balancing loss: the same losses, load-balancing losses and tokens per
+    // expert as one device, every step; the balancing loss is reported and falls
+    let balanced = layers(&capped.replace("capacity=0.5", "capacity=1.0, aux_loss=0.05"));
+    let reference = train(&plan(&Job { optimizer: ADAM, layers: &balanced, steps: 12, ..Job::default() }));
+    for (devices, stages, schedule) in [(2, "\"1-1\"", "1f1b"), (4, "\"2-2\"", "1f1b"), (2, "straight", "zbv")] {
+        let got = train(&plan(&Job {
+            devices,
+            stages,
+            schedule,
+            optimizer: ADAM,
+            layers: &balanced,
+            steps: 12,
+            ..Job::default()
+        }));
+        for (a, b) in reference.steps.iter().zip(&got.steps) {
+            let close = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-6);
+            let (x, y) = (a.aux_loss.expect("aux"), b.aux_loss.expect("aux"));
+            assert!(
+                close(a.loss, b.loss) && close(x, y),
+                "{schedule} {stages} step {}: {} {x} vs {} {y}",
+                a.step,
+                a.loss,
+                b.loss
+            );
+            assert_eq!(a.expert_tokens, b.expert_tokens, "{schedule} {stages} step {}", a.step);
+        }
+    }
+    let aux: Vec<f64> = reference.steps.iter().filter_map(|s| s.aux_loss).collect();
+    assert_eq!(aux.len(), 12);
+    assert!(aux[11] < aux[0], "the load-balancing loss did not fall: {aux:?}");
+    // every token goes to two experts: 8 microbatches of 4 samples of 16 tokens, per block
+    for s in &reference.steps {
+        assert_eq!(s.expert_tokens.len(), 2);
+        assert!(s.expert_tokens.values().all(|took| took.len() == 4 && took.iter().sum::<u64>() <= 2 * 32 * 16));
+    }
     // the capacity drops tokens: 8 samples of 16 tokens choose 256 expert slots, each expert
     // takes 32 — the losses differ from the same experts without a capacity
     let one_device = |block: &str| {

@@ -54,14 +54,26 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         if let Some(out) = &f.output {
             self.outputs.insert((stage, mb), act_to_message(out, Tag::activation(stage, mb))?);
         }
+        // the mixtures of experts' load-balancing losses and token counts (training only)
+        if self.evaluating.is_none() {
+            if let Some(aux) = &f.aux {
+                report.aux_losses.push((mb.0, aux.clone().into_scalar().elem::<f32>()));
+            }
+            for (layer, took) in &f.expert_tokens {
+                let sum = report.expert_tokens.entry(*layer).or_insert_with(|| vec![0; took.len()]);
+                sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
+            }
+        }
         // with recompute only the input is kept (the last stage keeps its loss); the
         // `Recompute` instruction re-runs the forward, a tensor-parallel group's
         // all-reduces included
         let recompute = self.plan.stage(stage).is_some_and(|s| s.recompute);
+        let keep_all = !recompute || stage == self.last_stage();
         let kept = Kept {
             input: if recompute { detach(&x) } else { x },
-            saved: if recompute && stage != self.last_stage() { Saved::Nothing } else { f.saved },
+            saved: if keep_all { f.saved } else { Saved::Nothing },
             model,
+            aux: if keep_all { f.aux } else { None },
         };
         self.saved.insert((stage, mb), kept);
         *self.in_flight.entry(stage).or_insert(0) += 1;
@@ -76,7 +88,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let x = if stage.0 == 0 { input } else { require_grad(input) };
         let model = microbatch_copy(&model);
         let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(mb))?;
-        self.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model });
+        self.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model, aux: f.aux });
         Ok(())
     }
 
@@ -98,8 +110,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> {
                 Ok(comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?)
             };
-            let mut stats = Vec::new();
-            let segments = crate::tensor_parallel::forward(model, x, training, key, &mut sum, &mut stats)?;
+            let mut side = crate::layers::Collected::default();
+            let segments = crate::tensor_parallel::forward(model, x, training, key, &mut sum, &mut side)?;
+            if side.aux.is_some() {
+                return Err(ExecError::Plan("a tensor-parallel stage cannot train a load-balancing loss".into()));
+            }
+            let stats = side.stats;
             let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
             if !is_last {
                 return Ok(Forwarded {
@@ -108,6 +124,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     loss: None,
                     stats,
                     scores: None,
+                    aux: None,
+                    // every rank routes alike: one reports
+                    expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
                 });
             }
             let leaf = crate::tensor_parallel::fresh(&out);
@@ -141,15 +160,34 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 loss: reported,
                 stats,
                 scores,
+                aux: None,
+                expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
             });
         }
-        let mut stats = Vec::new();
-        let out = model.forward(x, training, key, &mut stats)?;
+        let mut side = crate::layers::Collected::default();
+        let out = model.forward(x, training, key, &mut side)?;
+        let crate::layers::Collected { stats, aux, expert_tokens } = side;
         if is_last {
             let loss = self.loss(mb, out.clone())?;
-            Ok(Forwarded { saved: Saved::Loss(loss.clone()), output: None, loss: Some(loss), stats, scores: Some(out) })
+            Ok(Forwarded {
+                saved: Saved::Loss(loss.clone()),
+                output: None,
+                loss: Some(loss),
+                stats,
+                scores: Some(out),
+                aux,
+                expert_tokens,
+            })
         } else {
-            Ok(Forwarded { saved: Saved::Output(out.clone()), output: Some(out), loss: None, stats, scores: None })
+            Ok(Forwarded {
+                saved: Saved::Output(out.clone()),
+                output: Some(out),
+                loss: None,
+                stats,
+                scores: None,
+                aux,
+                expert_tokens,
+            })
         }
     }
 
@@ -203,6 +241,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 dot_with::<B>(out, &g, &self.dev)?
             }
             Saved::Nothing => return Err(ExecError::Missing("recompute was not run before the backward")),
+        };
+        // the stage's load-balancing losses, weighted as the microbatch's loss is
+        let target = match &kept.aux {
+            Some(aux) => target + aux.clone() / n_mb,
+            None => target,
         };
         let keys = sum_keys(&kept.model);
         let (mut grads, deferred) = if split {

@@ -37,7 +37,10 @@ fn logits_difference_as(name: &str, read_as: &[Op], layers: &[Op]) -> f64 {
     let (rows, seq) = (ids.len(), ids[0].len());
     let flat: Vec<i64> = ids.into_iter().flatten().collect();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [rows, seq]), &device);
-    let got = match model.forward(Act::Tokens(tokens), false, (0, 0, 0), &mut Vec::new()).expect("forward") {
+    let got = match model
+        .forward(Act::Tokens(tokens), false, (0, 0, 0), &mut crate::layers::Collected::default())
+        .expect("forward")
+    {
         // a language model's [batch, seq, vocab], a classifier's [batch, classes]
         Act::D3(out) => crate::params::host_f32(out.into_data()).expect("values"),
         Act::D2(out) => crate::params::host_f32(out.into_data()).expect("values"),

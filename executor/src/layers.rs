@@ -256,6 +256,9 @@ pub struct Block<B: Backend> {
     /// A mixture of experts' routing rule.
     #[module(skip)]
     pub moe: Option<Moe>,
+    /// The block's layer (what its experts' token counts are reported under).
+    #[module(skip)]
+    pub index: usize,
     /// Query heads (this rank's).
     pub heads: usize,
     /// Key/value heads (this rank's).
@@ -272,6 +275,24 @@ pub struct Block<B: Backend> {
     /// Each norm after its residual sum (BERT) instead of before its branch.
     #[module(skip)]
     pub post_norm: bool,
+}
+
+/// What a stage's forward collects beside its output.
+#[derive(Debug)]
+pub struct Collected<B: Backend> {
+    /// Batch normalisation's batch statistics, in layer order (training only).
+    pub stats: Vec<Tensor<B, 1>>,
+    /// The mixture-of-experts blocks' load-balancing losses, weighted and summed (training,
+    /// blocks with `aux_loss` > 0 only).
+    pub aux: Option<Tensor<B, 1>>,
+    /// Per mixture-of-experts block, its layer and the tokens each of its experts took.
+    pub expert_tokens: Vec<(usize, Vec<u64>)>,
+}
+
+impl<B: Backend> Default for Collected<B> {
+    fn default() -> Self {
+        Collected { stats: Vec::new(), aux: None, expert_tokens: Vec::new() }
+    }
 }
 
 /// One MLP of a block: the up projection (gated: [d, 2·ff], the gate's columns then the
@@ -379,16 +400,16 @@ impl<B: Kernels> Block<B> {
         }
     }
 
-    fn forward(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
+    fn forward(&self, x: Tensor<B, 3>, training: bool, side: &mut Collected<B>) -> Result<Tensor<B, 3>> {
         if self.post_norm {
             let ctx = self.attend(self.qkv.forward3(x.clone()));
             let h = self.norm1.forward(x + self.proj.forward3(ctx));
-            let m = self.feed_forward(h.clone())?;
+            let m = self.feed_forward(h.clone(), training, side)?;
             return Ok(self.norm2.forward(h + m));
         }
         let ctx = self.attend(self.qkv.forward3(self.norm1.forward(x.clone())));
         let x = x + self.proj.forward3(ctx);
-        let m = self.feed_forward(self.norm2.forward(x.clone()))?;
+        let m = self.feed_forward(self.norm2.forward(x.clone()), training, side)?;
         Ok(x + m)
     }
 
@@ -403,8 +424,16 @@ impl<B: Kernels> Block<B> {
     /// experts (the lower index first on a tie), their weights (divided by their sum with
     /// `norm_topk`), each expert on the tokens that chose it — at most its capacity, the
     /// earlier tokens of the microbatch first — summed back weighted, and the shared
-    /// experts on every token.
-    fn feed_forward(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
+    /// experts on every token. In training, a block with `aux_loss` > 0 adds its
+    /// load-balancing loss α · E · Σᵢ fᵢ · Pᵢ to `side.aux` (fᵢ the fraction of the tokens
+    /// that chose expert i, before any capacity drops them; Pᵢ the mean score of expert i);
+    /// every mixture of experts records the tokens each expert took.
+    pub(crate) fn feed_forward(
+        &self,
+        x: Tensor<B, 3>,
+        training: bool,
+        side: &mut Collected<B>,
+    ) -> Result<Tensor<B, 3>> {
         let [b, s, d] = x.dims();
         let (Some(router), Some(moe)) = (&self.router, self.moe) else {
             let m = self.mlps.first().ok_or_else(|| ExecError::Shape("a transformer block without an MLP".into()))?;
@@ -442,6 +471,18 @@ impl<B: Kernels> Block<B> {
             let n = v.len();
             Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &dev)
         };
+        if training && moe.aux_loss > 0.0 {
+            let mut chose = vec![0.0f32; experts];
+            for &c in &chosen {
+                chose[c] += 1.0 / t as f32;
+            }
+            let f = Tensor::<B, 2>::from_data(TensorData::new(chose, [1, experts]), &dev);
+            let aux = (scores.clone().mean_dim(0) * f).sum() * (moe.aux_loss * experts as f64);
+            side.aux = Some(match side.aux.take() {
+                Some(a) => a + aux,
+                None => aux,
+            });
+        }
         let picked = ints(chosen.iter().map(|&c| c as i64).collect()).reshape([t, k]);
         let mut weights = scores.gather(1, picked);
         if moe.norm_topk {
@@ -449,6 +490,7 @@ impl<B: Kernels> Block<B> {
         }
         let weights = weights.reshape([t * k]);
         let capacity = moe.expert_capacity(t);
+        let mut took = vec![0u64; experts];
         let mut out = Tensor::<B, 2>::zeros([t, d], &dev);
         for (e, m) in self.mlps.iter().enumerate().take(experts) {
             // the (token, choice) pairs that chose expert e, in token order, to its capacity
@@ -458,6 +500,7 @@ impl<B: Kernels> Block<B> {
             if let Some(c) = capacity {
                 pairs.truncate(c);
             }
+            took[e] = pairs.len() as u64;
             if pairs.is_empty() {
                 continue;
             }
@@ -471,6 +514,7 @@ impl<B: Kernels> Block<B> {
         for m in &self.mlps[experts..] {
             out = out + self.mlp(m, x.clone());
         }
+        side.expert_tokens.push((self.index, took));
         Ok(out.reshape([b, s, d]))
     }
 
@@ -512,6 +556,7 @@ impl<B: Kernels> Block<B> {
             },
             router: k.moe.map(|m| dense(ROUTER_SLOT, d, m.experts, [d, m.experts], None, 1.0)),
             moe: k.moe,
+            index,
             heads: k.heads / tp,
             kv_heads: k.kv_heads / tp,
             causal: k.causal,
@@ -838,16 +883,17 @@ impl<B: Kernels> Layer<B> {
     }
 
     /// The forward pass. `mask_key` makes dropout masks depend on (step, microbatch) only;
-    /// batch normalisation in training appends its batch statistics to `stats`.
+    /// batch normalisation in training appends its batch statistics to `side.stats`, a
+    /// mixture of experts its load-balancing loss and token counts (`Collected`).
     pub fn forward(
         &self,
         x: Act<B>,
         training: bool,
         mask_key: (u64, u64, u64),
-        stats: &mut Vec<Tensor<B, 1>>,
+        side: &mut Collected<B>,
     ) -> Result<Act<B>> {
         Ok(match (self, x) {
-            (Layer::BatchNorm(bn), Act::D4(t)) => Act::D4(bn.forward(t, training, stats)?),
+            (Layer::BatchNorm(bn), Act::D4(t)) => Act::D4(bn.forward(t, training, &mut side.stats)?),
             (Layer::Dense(d), Act::D2(t)) => Act::D2(d.forward2(t)),
             (Layer::Dense(d), Act::D3(t)) => Act::D3(d.forward3(t)),
             (Layer::Conv(c), Act::D4(t)) => Act::D4(conv2d(
@@ -867,7 +913,7 @@ impl<B: Kernels> Layer<B> {
                 Act::D3(t + e.weight.val().narrow(0, 0, s).reshape([1, s, d]))
             }
             (Layer::Lstm(l), Act::D3(t)) => Act::D3(l.forward(t)),
-            (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t)?),
+            (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t, training, side)?),
             (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key)?,
             (Layer::ColumnLinear(d), x) => d.forward_act(x)?,
             (layer, x) => {
@@ -1070,17 +1116,18 @@ impl<B: Kernels> StageModel<B> {
     }
 
     /// The stage's forward; batch normalisation layers in training append their batch
-    /// statistics to `stats`, in layer order.
+    /// statistics to `side.stats`, in layer order (and mixtures of experts their losses and
+    /// counts, `Collected`).
     pub fn forward(
         &self,
         mut x: Act<B>,
         training: bool,
         mask_key: (u64, u64, u64),
-        stats: &mut Vec<Tensor<B, 1>>,
+        side: &mut Collected<B>,
     ) -> Result<Act<B>> {
         let Some(g) = &self.graph else {
             for layer in &self.layers {
-                x = layer.forward(x, training, mask_key, stats)?;
+                x = layer.forward(x, training, mask_key, side)?;
             }
             return Ok(x);
         };
@@ -1103,7 +1150,7 @@ impl<B: Kernels> StageModel<B> {
                 Layer::Stateless(st) if matches!(st.op, Op::Add { .. } | Op::Concat { .. }) => join(&st.op, args)?,
                 _ => {
                     let x = args.into_iter().next().ok_or(ExecError::Missing("a layer has no operand"))?;
-                    layer.forward(x, training, mask_key, stats)?
+                    layer.forward(x, training, mask_key, side)?
                 }
             };
             env.insert(Source::Layer(g.first + k), out);

@@ -159,6 +159,13 @@ pub struct StepMetrics {
     /// reporting this step (asynchronous: for the previous write, before handing over this
     /// step's copy; `async: false`: for the previous step's own write).
     pub checkpoint_wait_s: Option<f64>,
+    /// The mixtures of experts' load-balancing loss (weighted by their `aux_loss`, summed
+    /// over the blocks, averaged over the step's microbatches), where a block weighs it;
+    /// `aux_sum` is its sum over the microbatches this process saw (for combining ranks).
+    pub aux_loss: Option<f64>,
+    pub aux_sum: f64,
+    /// Per mixture-of-experts block (by layer), the tokens each expert took in the step.
+    pub expert_tokens: BTreeMap<usize, Vec<u64>>,
 }
 
 /// The held-out data's figures after a step: its mean loss, and a classifier's accuracy
@@ -354,14 +361,11 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     for l in &plan.layers {
         let Some(m) = l.op.block_dims().and_then(|b| b.moe) else { continue };
         let refuse = |why: String| Err(RunError::setup(format!("layer {} (a mixture of experts): {why}", l.index)));
-        if m.aux_loss != 0.0 {
-            return refuse(format!(
-                "the executor does not add the load-balancing loss yet (aux_loss={}); train with aux_loss=0",
-                m.aux_loss
-            ));
-        }
-        if tensor_parallel {
-            return refuse("the executor does not split experts with tensor parallelism yet".into());
+        if tensor_parallel && (m.aux_loss != 0.0 || l.op.block_dims().is_some_and(|b| b.bias)) {
+            return refuse(
+                "the executor splits experts over tensor-parallel ranks only without biases (bias=false) and without the load-balancing loss (aux_loss=0) yet"
+                    .into(),
+            );
         }
         if m.experts + m.shared > pipec_plan::checkpoint::MAX_EXPERTS {
             return refuse(format!(
@@ -405,6 +409,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     validate(plan)?;
     match options.backend {
         BackendKind::Cpu => {
+            resident::check_host_memory(plan, &working_devices(plan)).map_err(RunError::setup)?;
             let devices = working_devices(plan).into_iter().map(|d| (d, (Default::default(), "cpu".to_string())));
             run_in_process::<CpuBackend>(plan, options, devices.collect(), on_step)
         }

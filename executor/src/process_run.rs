@@ -60,6 +60,9 @@ pub fn run_rank<F: Fabric + 'static>(
     }
     let device = devices[rank as usize];
     let info = RankInfo { rank, size, device };
+    if options.backend == crate::BackendKind::Cpu {
+        crate::resident::check_host_memory(plan, &[device]).map_err(|e| (Some(info), RunError::setup(e)))?;
+    }
     // every rank is up once all reach this barrier; `pipec launch --exec` waits for this
     // line to know the job started (its start-up bound)
     fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
@@ -78,10 +81,12 @@ pub fn run_rank<F: Fabric + 'static>(
             let mut wait = m.checkpoint_wait_s;
             // validation's sums, when this step was followed by one
             let mut validation = m.validation.map(|v| v.sums);
+            let (mut aux, mut has_aux) = (m.aux_sum, m.aux_loss.is_some());
+            let mut expert_tokens = m.expert_tokens.clone();
             for r in 1..size {
                 if let Ok(b) = receive_bytes(r, TAG_METRIC, &abort) {
                     let v = from_f64s(&b);
-                    if v.len() == 10 {
+                    if v.len() >= 12 {
                         sum += v[1];
                         count += v[2];
                         secs = secs.max(v[3]);
@@ -90,9 +95,13 @@ pub fn run_rank<F: Fabric + 'static>(
                             let total = validation.get_or_insert([0.0; 4]);
                             total.iter_mut().zip(&v[5..9]).for_each(|(a, b)| *a += b);
                         }
+                        aux += v[10];
+                        has_aux |= v[11] != 0.0;
+                        merge_expert_tokens(&mut expert_tokens, &v[12..]);
                     }
                 }
             }
+            let microbatches = plan.training.microbatches.max(1) as f64;
             let loss = if count > 0.0 { sum / count } else { f64::NAN };
             let language_model = crate::is_language_model(plan);
             on_step(&StepMetrics {
@@ -109,6 +118,9 @@ pub fn run_rank<F: Fabric + 'static>(
                 epoch: m.epoch,
                 validation: validation.map(|v| crate::ValidationMetrics::of(v, language_model)),
                 checkpoint_wait_s: wait,
+                aux_sum: aux,
+                aux_loss: has_aux.then(|| aux / microbatches),
+                expert_tokens,
             });
         } else {
             let v = m.validation.map_or([0.0; 4], |v| v.sums);
@@ -116,18 +128,27 @@ pub fn run_rank<F: Fabric + 'static>(
             let _ = fabric.post(
                 0,
                 TAG_METRIC,
-                f64s(&[
-                    m.step as f64,
-                    m.loss_sum,
-                    m.loss_count as f64,
-                    m.step_seconds,
-                    has,
-                    v[0],
-                    v[1],
-                    v[2],
-                    v[3],
-                    m.checkpoint_wait_s.unwrap_or(0.0),
-                ]),
+                f64s(
+                    &[
+                        m.step as f64,
+                        m.loss_sum,
+                        m.loss_count as f64,
+                        m.step_seconds,
+                        has,
+                        v[0],
+                        v[1],
+                        v[2],
+                        v[3],
+                        m.checkpoint_wait_s.unwrap_or(0.0),
+                        m.aux_sum,
+                        f64::from(u8::from(m.aux_loss.is_some())),
+                    ]
+                    .into_iter()
+                    .chain(m.expert_tokens.iter().flat_map(|(layer, took)| {
+                        [*layer as f64, took.len() as f64].into_iter().chain(took.iter().map(|&t| t as f64))
+                    }))
+                    .collect::<Vec<f64>>(),
+                ),
                 None,
             );
         }
@@ -292,5 +313,15 @@ fn run_cuda<F: Fabric + 'static>(
     {
         let _ = (plan, options, device, endpoint, abort, on_step, sink);
         Err(RunError::setup("CUDA support is not built in"))
+    }
+}
+
+/// Adds a rank's expert token counts, sent as (layer, experts, counts...) runs, to `into`.
+fn merge_expert_tokens(into: &mut std::collections::BTreeMap<usize, Vec<u64>>, mut runs: &[f64]) {
+    while let [layer, n, rest @ ..] = runs {
+        let n = (*n as usize).min(rest.len());
+        let sum = into.entry(*layer as usize).or_insert_with(|| vec![0; n]);
+        sum.iter_mut().zip(&rest[..n]).for_each(|(a, b)| *a += *b as u64);
+        runs = &rest[n..];
     }
 }

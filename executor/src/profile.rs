@@ -79,7 +79,7 @@ fn time_passes<B: ExecBackend>(
     for r in 0..warmup + reps {
         let x = input();
         let t0 = Instant::now();
-        let y = model.forward(x, true, (0, 0, r as u64), &mut Vec::new())?;
+        let y = model.forward(x, true, (0, 0, r as u64), &mut crate::layers::Collected::default())?;
         let s = sum(&y).ok_or_else(|| ExecError::Shape(format!("{what} produced token ids")))?;
         // make the forward really run before the clock stops (lazy backends)
         let _ = s.clone().into_scalar();

@@ -26,6 +26,36 @@ fn status_bytes(field: &str) -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// The memory the kernel says new allocations can still get without swapping
+/// (`MemAvailable` in `/proc/meminfo`, given in kB); None where that cannot be read.
+pub fn available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line["MemAvailable:".len()..].split_whitespace().next()?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Refuses a CPU run whose devices' model state (weights, gradients and optimizer state,
+/// as the plan counts them: less than the executor's fp32 copies hold) is more than this
+/// machine has available — a run that would be killed for memory, not a diagnostic.
+pub fn check_host_memory(plan: &pipec_plan::Plan, devices: &[pipec_plan::DeviceId]) -> Result<(), String> {
+    let state: u64 = plan
+        .devices
+        .iter()
+        .filter(|d| devices.contains(&d.id))
+        .map(|d| d.memory.weights + d.memory.gradients + d.memory.optimizer)
+        .fold(0, u64::saturating_add);
+    match available() {
+        Some(free) if state > free => Err(format!(
+            "the {} device(s) this process runs hold {:.1} GiB of model state (weights, gradients, optimizer) by the plan, and this machine has {:.1} GiB available: the run would be killed for memory",
+            devices.len(),
+            state as f64 / (1u64 << 30) as f64,
+            free as f64 / (1u64 << 30) as f64
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Resident memory now, with the peak counter restarted from it (writing 5 to
 /// `/proc/self/clear_refs` resets `VmHWM`); None where that cannot be done.
 pub fn start() -> Option<u64> {

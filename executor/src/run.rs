@@ -198,6 +198,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         workers: endpoints.len(),
         pending: BTreeMap::new(),
         carry: BTreeMap::new(),
+        aux_carry: BTreeMap::new(),
         first_error: None,
         samples: data.size(),
         checkpoints: shared.every.is_some(),
@@ -365,6 +366,8 @@ struct Coordinator<'r> {
     /// Losses computed ahead of their step (a flush-free step computes the next step's
     /// first losses), by step.
     carry: BTreeMap<usize, Vec<f32>>,
+    /// The same for the mixtures of experts' load-balancing losses.
+    aux_carry: BTreeMap<usize, Vec<f32>>,
     first_error: Option<RunError>,
     report: RunReport,
     /// The data set's distinct samples (None: endless), for the epoch count.
@@ -426,6 +429,16 @@ impl Coordinator<'_> {
         }
         let losses: Vec<f32> = self.carry.remove(&step).unwrap_or_default();
         self.carry.retain(|s, _| *s > step);
+        for (mb, l) in reports.iter().flat_map(|(r, _)| r.aux_losses.iter()) {
+            self.aux_carry.entry(*mb as usize / n).or_default().push(*l);
+        }
+        let aux: Vec<f32> = self.aux_carry.remove(&step).unwrap_or_default();
+        self.aux_carry.retain(|s, _| *s > step);
+        let mut expert_tokens: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        for (layer, took) in reports.iter().flat_map(|(r, _)| r.expert_tokens.iter()) {
+            let sum = expert_tokens.entry(*layer).or_insert_with(|| vec![0; took.len()]);
+            sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
+        }
         let loss_sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
         let loss = if losses.is_empty() { f64::NAN } else { loss_sum / losses.len() as f64 };
         // from the step's first start to its last end over the devices (one clock: the
@@ -454,6 +467,9 @@ impl Coordinator<'_> {
             checkpoint_wait_s: self
                 .checkpoints
                 .then(|| reports.iter().map(|(r, _)| r.checkpoint_wait_s).fold(0.0, f64::max)),
+            aux_sum: aux.iter().map(|&a| f64::from(a)).sum(),
+            aux_loss: (!aux.is_empty()).then(|| aux.iter().map(|&a| f64::from(a)).sum::<f64>() / n as f64),
+            expert_tokens,
         }
     }
 

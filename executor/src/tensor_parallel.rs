@@ -202,9 +202,21 @@ pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections
                 } else {
                     (Sharding::Columns { rows: b.d, cols: b.ff }, Sharding::Columns { rows: 1, cols: b.ff })
                 };
-                out.insert(id(k, 8), up);
-                out.insert(id(k, 9), up_bias);
-                out.insert(id(k, 10), Sharding::Rows);
+                // a dense block's one MLP, or each expert's (no biases: `lib::validate`)
+                match b.moe {
+                    None => {
+                        out.insert(id(k, 8), up);
+                        out.insert(id(k, 9), up_bias);
+                        out.insert(id(k, 10), Sharding::Rows);
+                    }
+                    Some(m) => {
+                        for e in 0..m.experts + m.shared {
+                            let slot = pipec_plan::checkpoint::expert_slot(e);
+                            out.insert(id(k, slot), up);
+                            out.insert(id(k, slot + 2), Sharding::Rows);
+                        }
+                    }
+                }
             }
             _ => {}
         }
@@ -290,7 +302,10 @@ pub fn partial_parameter_ids(layers: &StageLayers<'_>, tp: usize) -> Result<Vec<
         .filter(|(k, s)| **s == Split::Block && !ops.get(*k).and_then(Op::block_dims).is_some_and(|b| b.post_norm))
         .flat_map(|(k, _)| {
             let l = ((first + k) as u64) << 8;
-            [l, l | 1, l | 6, l | 7]
+            // a mixture of experts' router weighs this rank's partial expert outputs: its
+            // gradient is partial too
+            let moe = ops.get(k).and_then(Op::block_dims).is_some_and(|b| b.moe.is_some());
+            [l, l | 1, l | 6, l | 7].into_iter().chain(moe.then_some(l | pipec_plan::checkpoint::ROUTER_SLOT))
         })
         .collect())
 }
@@ -373,11 +388,22 @@ fn mlp_half<B: ExecBackend>(
     b: &Block<B>,
     h: Tensor<B, 3>,
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+    training: bool,
+    side: &mut crate::layers::Collected<B>,
 ) -> Result<Tensor<B, 3>> {
     let input = if b.post_norm { h.clone() } else { b.norm2.forward(h.clone()) };
-    let mlp = match (&b.moe, b.mlps.as_slice()) {
-        (None, [mlp]) => mlp,
-        _ => return Err(ExecError::Plan("tensor parallelism does not split a mixture of experts yet".into())),
+    if b.moe.is_some() {
+        // every rank routes alike (the router is whole); each expert's columns then rows on
+        // this rank give a partial output, weighted and summed, then summed over the group
+        // (experts without biases, no load-balancing loss: `lib::validate`)
+        return match g(Act::D3(b.feed_forward(input, training, side)?), reduce)? {
+            Act::D3(m) => Ok(h + m),
+            _ => Err(ExecError::Shape("the experts of a tensor-parallel block must give [batch, seq, d]".into())),
+        };
+    }
+    let mlp = match b.mlps.as_slice() {
+        [mlp] => mlp,
+        _ => return Err(ExecError::Plan("a dense transformer block has one MLP".into())),
     };
     let up = match mlp.fc1.forward_act(Act::D3(input))? {
         Act::D3(t) => b.activate(t),
@@ -416,7 +442,7 @@ pub fn forward<B: ExecBackend>(
     training: bool,
     key: (u64, u64, u64),
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
-    stats: &mut Vec<Tensor<B, 1>>,
+    side: &mut crate::layers::Collected<B>,
 ) -> Result<Vec<Segment<B>>> {
     let mut segments = Vec::new();
     let mut leaf = x.clone();
@@ -481,7 +507,7 @@ pub fn forward<B: ExecBackend>(
                         "a transformer block's attention half must give [batch, seq, d]".into(),
                     ));
                 };
-                let y = Act::D3(mlp_half(b, t, reduce)?);
+                let y = Act::D3(mlp_half(b, t, reduce, training, side)?);
                 // The residual correction needs the gradient at the block's own output, so
                 // the segment ends there; what follows starts from a leaf whose gradient is
                 // already complete (the block output is replicated).
@@ -496,7 +522,7 @@ pub fn forward<B: ExecBackend>(
                 continue;
             }
             Layer::Stateless(st) => cur = stateless(&st.op, st.index, cur, training, key)?,
-            other => cur = other.forward(cur, training, key, stats)?,
+            other => cur = other.forward(cur, training, key, side)?,
         }
         applied += 1;
     }

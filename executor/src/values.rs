@@ -38,6 +38,8 @@ pub(crate) struct Kept<B: ExecBackend> {
     pub(crate) input: Act<B>,
     pub(crate) saved: Saved<B>,
     pub(crate) model: StageModel<B>,
+    /// The stage's load-balancing losses (tracked; mixtures of experts with `aux_loss`).
+    pub(crate) aux: Option<Tensor<B, 1>>,
 }
 
 /// What a forward kept for its backward.
@@ -66,6 +68,10 @@ pub(crate) struct Forwarded<B: ExecBackend> {
     /// The last stage's scores (the loss's input), whole on this device: what validation's
     /// accuracy reads.
     pub(crate) scores: Option<Act<B>>,
+    /// The stage's load-balancing losses (tracked), and per mixture-of-experts block its
+    /// layer and the tokens each expert took.
+    pub(crate) aux: Option<Tensor<B, 1>>,
+    pub(crate) expert_tokens: Vec<(usize, Vec<u64>)>,
 }
 
 /// A copy of a stage's weights that is a fresh autodiff leaf: every microbatch's forward

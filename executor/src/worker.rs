@@ -29,6 +29,13 @@ pub struct StepReport {
     pub step: usize,
     /// (microbatch, loss) for every microbatch whose loss this device computed.
     pub losses: Vec<(u32, f32)>,
+    /// (microbatch, load-balancing loss) for every microbatch whose forward ran a stage of
+    /// this device with a mixture of experts weighing that loss (per stage: its blocks'
+    /// losses, summed).
+    pub aux_losses: Vec<(u32, f32)>,
+    /// Per mixture-of-experts block on this device (by layer): the tokens each expert took
+    /// over the step's forwards.
+    pub expert_tokens: std::collections::BTreeMap<usize, Vec<u64>>,
     /// (instruction index, start s, end s) from the step's start.
     pub trace: Vec<(usize, f64, f64)>,
     /// What the communication threads ran during the step: (instruction index, start s,
