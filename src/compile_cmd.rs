@@ -215,6 +215,18 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         "  model: {} (a weight tied to an embedding counted once; a stage's figure counts the copy it holds)\n",
         pipec_plan::model::parameters_text(plan.layers.iter().map(|l| (&l.op, l.tied)))
     ));
+    // what the prediction assumes of a mixture of experts' routing
+    if let Some(m) = plan.layers.iter().find_map(|l| l.op.block_dims().and_then(|b| b.moe)) {
+        let capacity = if m.capacity > 0.0 {
+            format!(", at most {}× its share under the capacity", m.capacity)
+        } else {
+            String::new()
+        };
+        s.push_str(&format!(
+            "  mixture of experts: routing assumed uniform — each of the {} experts takes 1/{} of the tokens' {} choices{capacity}\n",
+            m.experts, m.experts, m.top_k
+        ));
+    }
     for st in &plan.stages {
         s.push_str(&format!(
             "  {}: layers {}..{} on {} ({} params), fwd {} bwd {} per microbatch{}\n",

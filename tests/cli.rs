@@ -200,6 +200,12 @@ fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_
     let report = String::from_utf8_lossy(&compiled.stderr);
     assert_eq!(compiled.status.code(), Some(0), "{report}");
     assert!(report.contains("model: 46,702,792,704 parameters (12,879,925,248 active per token)"), "{report}");
+    assert!(
+        report.contains(
+            "mixture of experts: routing assumed uniform — each of the 8 experts takes 1/8 of the tokens' 2 choices"
+        ),
+        "{report}"
+    );
     let d0 = report.lines().find(|l| l.starts_with("d0 ")).expect("d0's memory");
     assert!(d0.contains("2.73 GiB"), "{d0}");
     // on this machine's CPU the 64 devices' model state (about a terabyte) is refused before
