@@ -83,8 +83,11 @@ def write(name, model, inputs, loss_of, extra=None):
 def write_language_model(name, model, vocab, seq):
     """A causal language model's fixture: two rows of `seq` random token ids as one batch —
     the targets are the rows shifted by one, the last row's last target the token 7, the
-    loss the mean next-token cross-entropy over every position."""
+    loss the mean next-token cross-entropy over every position. The ids are drawn even when
+    `name` is not to be made, so that the models after it draw what a whole run draws."""
     ids = torch.randint(0, vocab, (2, seq))
+    if not wanted(name):
+        return
     flat = ids.flatten()
     targets = torch.cat([flat[1:], torch.tensor([7])])
 
@@ -135,10 +138,11 @@ llama = LlamaConfig(
     tie_word_embeddings=False,
     attention_bias=False,
 )
-if wanted("llama-gqa"):
-    m = LlamaForCausalLM(llama).float()
-    randomise(m)
-    write_language_model("llama-gqa", m, 50, 12)
+# llama-gqa and gpt2 share the random stream seeded above: each is built and its ids drawn
+# whether or not it is made, so a partial run makes the same bytes as a whole one
+m = LlamaForCausalLM(llama).float()
+randomise(m)
+write_language_model("llama-gqa", m, 50, 12)
 
 gpt2 = GPT2Config(
     vocab_size=50,
@@ -151,10 +155,9 @@ gpt2 = GPT2Config(
     embd_pdrop=0.0,
     attn_pdrop=0.0,
 )
-if wanted("gpt2"):
-    m = GPT2LMHeadModel(gpt2).float()
-    randomise(m)
-    write_language_model("gpt2", m, 50, 12)
+m = GPT2LMHeadModel(gpt2).float()
+randomise(m)
+write_language_model("gpt2", m, 50, 12)
 
 # A BERT sequence classifier (post-norm blocks, exact GELU, token types, the pooler): rows
 # `[CLS] A [SEP] B [SEP]` with [CLS] = 1 and [SEP] = 2, their token types as a Hugging Face
