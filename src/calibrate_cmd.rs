@@ -57,6 +57,10 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize) -> u8 {
         let fitted = d.vector_time(*n as f64, p.size);
         eprintln!("{:>22} {:>14.3e} {:>9.1} µs {:>9.1} µs", n, p.size, p.seconds * 1e6, fitted * 1e6);
     }
+    eprintln!("{:>22} {:>14} {:>12} {:>12}", "element-wise function", "elements", "measured", "per element");
+    for (name, p) in &measured.functions {
+        eprintln!("{:>22} {:>14} {:>9.1} µs {:>9.2} ns", name, p.size, p.seconds * 1e6, p.seconds / p.size * 1e9);
+    }
     eprintln!(
         "fp32 products {:.2} GFLOP/s (half of it at {:.3e} FLOPs), memory {:.2} GB/s (half at {:.3e} bytes), launch {:.2} µs",
         d.matrix.fp32 / 1e9,

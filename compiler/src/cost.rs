@@ -22,7 +22,7 @@
 //! parallelism), the 5·a·s² attention core dropped by flash attention or selective
 //! recompute. The optimizer step is priced as the memory traffic it is.
 
-use pipec_plan::device::DeviceModel;
+use pipec_plan::device::{DeviceModel, Function};
 use pipec_plan::model::{Op, TpSplit};
 use pipec_plan::vocab::{Attention, Loss, OptimizerKind, Precision};
 use pipec_plan::CollectiveKind;
@@ -234,6 +234,10 @@ impl Kernels<'_> {
     fn vector(&mut self, flops: f64, values: f64, mask: f64) {
         self.seconds += self.device.vector_time(flops, values * self.p + mask);
     }
+    /// An element-wise kernel applying `f` to `elements` values ([`DeviceModel::function_time`]).
+    fn function(&mut self, f: Function, elements: f64, flops: f64, values: f64) {
+        self.seconds += self.device.function_time(f, elements, flops, values * self.p);
+    }
 }
 
 /// A layer's forward and backward kernels, and the selective-recompute addition.
@@ -298,7 +302,7 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             // causal mask), dropout, weighted sum
             let core = |k: &mut Kernels<'_>| {
                 k.matrix(core_flops, 2.0 * e / t + eatt);
-                k.vector(5.0 * eatt, 2.0 * eatt, 0.0);
+                k.function(Function::Exp, eatt, 5.0 * eatt, 2.0 * eatt);
                 k.vector(2.0 * eatt, 2.0 * eatt, eatt);
                 k.matrix(core_flops, eatt + 2.0 * e / t);
             };
@@ -343,7 +347,11 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                     for _ in 0..passes {
                         k.matrix(2.0 * tokens * h * ex, e + h * ex + tokens * ex * fp32);
                     }
-                    k.vector(6.0 * tokens * ex, 3.0 * tokens * ex * fp32, 0.0);
+                    let scores = match m.router {
+                        pipec_plan::model::Router::Softmax => Function::Exp,
+                        pipec_plan::model::Router::Sigmoid => Function::Silu,
+                    };
+                    k.function(scores, tokens * ex, 6.0 * tokens * ex, 3.0 * tokens * ex * fp32);
                     k.vector(0.0, 2.0 * routed * h, 0.0);
                     k.vector(2.0 * routed * h, 2.0 * routed * h + e, 0.0);
                 }
@@ -366,7 +374,12 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             }
             // the activation (a gated unit: the gate's activation times the up projection)
             let (act_flops, act_values) = if gated { (12.0 * ef, 3.0 * ef) } else { (10.0 * ef, 2.0 * ef) };
-            fwd.vector(act_flops, act_values, 0.0);
+            let act = match blk.mlp {
+                pipec_plan::model::MlpKind::Gelu | pipec_plan::model::MlpKind::Geglu => Function::Gelu,
+                pipec_plan::model::MlpKind::GeluTanh => Function::GeluTanh,
+                pipec_plan::model::MlpKind::Swiglu => Function::Silu,
+            };
+            fwd.function(act, ef, act_flops, act_values);
             for [_, down] in &mlp_products {
                 fwd.matrix(down.0, down.1);
             }
@@ -393,7 +406,7 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             }
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
-            bwd.vector(act_flops, act_values + ef, 0.0);
+            bwd.function(act, ef, act_flops, act_values + ef);
             bwd.vector(2.0 * el, 2.0 * el, el);
             bwd.vector(2.0 * el, 2.0 * el, el);
         }
@@ -408,9 +421,30 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 _ => inp,
             };
             let mask = if matches!(node.op, Op::Dropout { .. }) { inp } else { 0.0 };
-            if !matches!(node.op, Op::Flatten) {
-                fwd.vector(flops, reads + out, mask);
-                bwd.vector(bwd_flops, reads + 2.0 * out, mask);
+            let function = match node.op {
+                Op::Gelu => Some(Function::Gelu),
+                Op::GeluTanh => Some(Function::GeluTanh),
+                Op::Sigmoid => Some(Function::Silu),
+                Op::Tanh => Some(Function::Tanh),
+                _ => None,
+            };
+            match function {
+                // one function value per element (masks: dropout only, not here)
+                // GELU's gradient evaluates its function again; tanh's and the logistic's
+                // read their output
+                Some(f) => {
+                    fwd.function(f, inp, flops, reads + out);
+                    if matches!(f, Function::Gelu | Function::GeluTanh) {
+                        bwd.function(f, inp, bwd_flops, reads + 2.0 * out);
+                    } else {
+                        bwd.vector(bwd_flops, reads + 2.0 * out, 0.0);
+                    }
+                }
+                None if !matches!(node.op, Op::Flatten) => {
+                    fwd.vector(flops, reads + out, mask);
+                    bwd.vector(bwd_flops, reads + 2.0 * out, mask);
+                }
+                None => {}
             }
         }
     }
@@ -420,7 +454,7 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
         // backward softmax minus the one-hot target, scaled (three)
         let n = out / t_of(split, cx.tp);
         let fp32 = 4.0 / p;
-        fwd.vector(8.0 * n, 6.0 * n * fp32, 0.0);
+        fwd.function(Function::Exp, n, 8.0 * n, 6.0 * n * fp32);
         bwd.vector(3.0 * n, 3.0 * n * fp32, 0.0);
     }
     Priced { forward: fwd.seconds + cx.overhead, backward: bwd.seconds + 2.0 * cx.overhead, selective: sel.seconds }
@@ -681,6 +715,50 @@ mod tests {
         let expected = 2.0 * s * d * (d + 2.0 * kv) + 2.0 * s * d * d + 4.0 * s * s * d + 3.0 * 2.0 * s * d * f;
         assert_eq!(forward_flops(&node(block.clone(), vec![8192, 4096])), expected);
         assert_eq!(expected - 4.0 * s * s * d, 2.0 * s * (block.parameter_count() - 2 * 4096) as f64);
+    }
+
+    #[test]
+    fn a_measured_function_rate_prices_its_elements_and_an_unmeasured_one_its_flops() {
+        // a CPU-like device: 1e10 FLOP/s element-wise, 1e10 B/s, 1 µs launch
+        let mut device = DeviceModel::uniform("cpu", 1e9, 1e10);
+        (device.memory_bandwidth, device.launch) = (1e10, 1e-6);
+        fn cx(device: &DeviceModel) -> CostContext<'_> {
+            CostContext {
+                device,
+                precision: Precision::Fp32,
+                grad_precision: Precision::Fp32,
+                optimizer: OptimizerKind::Sgd,
+                loss: Loss::CrossEntropy,
+                microbatch: 4,
+                tp: 1,
+                sequence_parallel: false,
+                attention: Attention::Standard,
+                overhead: 0.0,
+            }
+        }
+        let gelu = node(Op::Gelu, vec![1000]);
+        let elements = 4.0 * 1000.0;
+        // unmeasured: 8 FLOPs per element at the vector rate, beside 8 bytes per element
+        let flops = price(&gelu, TpSplit::Replicated, false, &cx(&device));
+        assert!((flops.forward - (1e-6 + 8.0 * elements / 1e10)).abs() < 1e-15, "{}", flops.forward);
+        // measured at 3.8e7 elements/s (this machine's erf-based GELU): its elements at that
+        // rate, forward and backward (GELU's gradient evaluates it again)
+        device.functions.gelu = 3.8e7;
+        let measured = price(&gelu, TpSplit::Replicated, false, &cx(&device));
+        assert!((measured.forward - (1e-6 + elements / 3.8e7)).abs() < 1e-15, "{}", measured.forward);
+        assert!((measured.backward - (1e-6 + elements / 3.8e7)).abs() < 1e-15, "{}", measured.backward);
+        // tanh's gradient reads its output: only its forward takes the measured rate
+        device.functions.tanh = 5e7;
+        let tanh = price(&node(Op::Tanh, vec![1000]), TpSplit::Replicated, false, &cx(&device));
+        assert!((tanh.forward - (1e-6 + elements / 5e7)).abs() < 1e-15, "{}", tanh.forward);
+        assert!(tanh.backward < 1e-5, "{}", tanh.backward);
+        // a block's softmax and GELU take the measured rates: slower than by their FLOPs
+        let block = node(Op::block(64, 4, 256, true), vec![64, 64]);
+        device.functions.exp = 2.7e8;
+        let slow = price(&block, TpSplit::Replicated, false, &cx(&device));
+        device.functions = Default::default();
+        let fast = price(&block, TpSplit::Replicated, false, &cx(&device));
+        assert!(slow.forward > fast.forward && slow.backward > fast.backward);
     }
 
     #[test]

@@ -16,7 +16,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
-use pipec_plan::device::{Curve, DeviceModel, MatrixRates};
+use pipec_plan::device::{Curve, DeviceModel, Functions, MatrixRates};
 
 use crate::dense::Kernels;
 
@@ -35,7 +35,13 @@ pub struct Calibration {
     pub products: Vec<((usize, usize, usize), Point)>,
     /// Element-wise adds: elements, bytes and seconds.
     pub adds: Vec<(usize, Point)>,
+    /// Element-wise functions: name, elements and seconds.
+    pub functions: Vec<(&'static str, Point)>,
 }
+
+/// The elements each element-wise function is timed on: in cache, as a microbatch's
+/// activations mostly are, and far above the launch.
+const FUNCTION_ELEMENTS: usize = 1 << 16;
 
 /// The median of `reps` timings of `f` after `warmup` untimed runs.
 fn median_seconds(warmup: usize, reps: usize, mut f: impl FnMut()) -> f64 {
@@ -145,8 +151,47 @@ pub fn calibrate_with_launch<B: Kernels>(
             (n, Point { size: 12.0 * n as f64, seconds })
         })
         .collect();
-    let device = fit(name, memory, launch, &products.iter().map(|p| p.1).collect::<Vec<_>>(), &adds);
-    Calibration { device, products, adds }
+    // the functions the cost model prices by their own rate (`Functions`), as the backend
+    // evaluates them (Burn's activations)
+    let x = Tensor::<B, 1>::random([FUNCTION_ELEMENTS], Distribution::Uniform(-3.0, 3.0), device);
+    let time = |f: &dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>| {
+        median_seconds(2, reps, || {
+            let y = f(x.clone());
+            let _ = sync();
+            drop(y);
+        })
+    };
+    use burn::tensor::activation;
+    let functions: Vec<(&'static str, Point)> = [
+        ("exp", time(&|t| t.exp())),
+        ("gelu", time(&|t| activation::gelu(t))),
+        ("gelu_tanh", time(&|t| crate::layers::gelu_tanh(t))),
+        ("silu", time(&|t| activation::silu(t))),
+        ("tanh", time(&|t| t.tanh())),
+    ]
+    .into_iter()
+    .map(|(name, seconds)| (name, Point { size: FUNCTION_ELEMENTS as f64, seconds }))
+    .collect();
+    let mut device = fit(name, memory, launch, &products.iter().map(|p| p.1).collect::<Vec<_>>(), &adds);
+    device.functions = function_rates(&functions, launch);
+    Calibration { device, products, adds, functions }
+}
+
+/// Each function's elements per second beyond the launch (0 for a name not measured).
+pub fn function_rates(measured: &[(&str, Point)], launch: f64) -> Functions {
+    let rate = |name: &str| {
+        measured
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(0.0, |(_, p)| p.size / (p.seconds - launch).max(p.seconds * 1e-3).max(1e-12))
+    };
+    Functions {
+        exp: rate("exp"),
+        gelu: rate("gelu"),
+        gelu_tanh: rate("gelu_tanh"),
+        silu: rate("silu"),
+        tanh: rate("tanh"),
+    }
 }
 
 /// The device model the measurements give: the launch as measured; each line's slope its
@@ -169,6 +214,7 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
         launch,
         matrix_efficiency: Curve { peak: 1.0, half: matrix_half },
         memory_efficiency: Curve { peak: 1.0, half: memory_half },
+        functions: Functions::default(),
     }
 }
 
@@ -239,6 +285,25 @@ mod tests {
         assert!(d.matrix.fp32 > 0.0 && d.memory_bandwidth > 0.0 && d.vector > 0.0 && d.launch > 0.0, "{d:?}");
         assert_eq!(c.products.len(), PRODUCTS.len());
         assert_eq!(c.adds.len(), ADDS.len());
-        DeviceModel::from_json(&serde_json::to_string(d).expect("json")).expect("a valid device file");
+        // every element-wise function the cost model prices by its own rate was measured
+        let f = d.functions;
+        assert_eq!(c.functions.len(), 5);
+        assert!([f.exp, f.gelu, f.gelu_tanh, f.silu, f.tanh].iter().all(|r| r.is_finite() && *r > 0.0), "{f:?}");
+        let back = DeviceModel::from_json(&serde_json::to_string(d).expect("json")).expect("a valid device file");
+        assert!((back.functions.gelu / f.gelu - 1.0).abs() < 1e-12, "{:?}", back.functions);
+        // a negative rate in a device file is refused
+        let mut bad = d.clone();
+        bad.functions.exp = -1.0;
+        assert!(DeviceModel::from_json(&serde_json::to_string(&bad).expect("json")).is_err());
+    }
+
+    #[test]
+    fn a_functions_rate_is_its_elements_over_its_time_beyond_the_launch() {
+        let launch = 1e-6;
+        let measured = [("exp", Point { size: 65536.0, seconds: launch + 65536.0 / 2.5e8 })];
+        let f = function_rates(&measured, launch);
+        assert!((f.exp / 2.5e8 - 1.0).abs() < 1e-9, "{}", f.exp);
+        // what was not measured stays 0: priced by its FLOPs
+        assert_eq!((f.gelu, f.gelu_tanh, f.silu, f.tanh), (0.0, 0.0, 0.0, 0.0));
     }
 }

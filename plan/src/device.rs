@@ -71,6 +71,48 @@ impl MatrixRates {
     }
 }
 
+/// Measured element-wise rates (elements per second, at in-cache sizes) of the functions
+/// whose cost is far from their FLOP count on some backends: a CPU evaluates `erf`, `exp`
+/// and `tanh` one value at a time in a math library (`pipec calibrate` measured GELU 7×
+/// slower than `exp` there). 0: not measured — the function is priced by its FLOPs at
+/// the vector rate, as on the presets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Functions {
+    /// `exp` (softmax, the cross-entropy's log-sum-exp).
+    #[serde(default)]
+    pub exp: f64,
+    /// GELU, exact (erf) form.
+    #[serde(default)]
+    pub gelu: f64,
+    /// GELU's tanh approximation.
+    #[serde(default)]
+    pub gelu_tanh: f64,
+    /// SiLU x·σ(x) (SwiGLU's gate), and the logistic σ.
+    #[serde(default)]
+    pub silu: f64,
+    /// tanh.
+    #[serde(default)]
+    pub tanh: f64,
+}
+
+impl Functions {
+    /// Whether nothing was measured.
+    pub fn is_empty(&self) -> bool {
+        *self == Functions::default()
+    }
+}
+
+/// A function [`Functions`] can price.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Function {
+    Exp,
+    Gelu,
+    GeluTanh,
+    Silu,
+    Tanh,
+}
+
 /// One device as the cost model sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeviceModel {
@@ -90,6 +132,9 @@ pub struct DeviceModel {
     pub matrix_efficiency: Curve,
     /// Memory-bound kernels' efficiency by the bytes they move.
     pub memory_efficiency: Curve,
+    /// Measured rates of element-wise functions (`pipec calibrate`); empty on the presets.
+    #[serde(default, skip_serializing_if = "Functions::is_empty")]
+    pub functions: Functions,
 }
 
 impl DeviceModel {
@@ -105,6 +150,7 @@ impl DeviceModel {
             launch: 0.0,
             matrix_efficiency: Curve::FLAT,
             memory_efficiency: Curve::FLAT,
+            functions: Functions::default(),
         }
     }
 
@@ -113,8 +159,21 @@ impl DeviceModel {
         let d: DeviceModel = serde_json::from_str(text).map_err(|e| format!("not a device file: {e}"))?;
         let m = &d.matrix;
         let positive = [d.memory, m.fp32, d.vector, d.memory_bandwidth];
-        let non_negative =
-            [m.tf32, m.bf16, m.fp16, m.fp8, d.launch, d.matrix_efficiency.half, d.memory_efficiency.half];
+        let f = &d.functions;
+        let non_negative = [
+            m.tf32,
+            m.bf16,
+            m.fp16,
+            m.fp8,
+            d.launch,
+            d.matrix_efficiency.half,
+            d.memory_efficiency.half,
+            f.exp,
+            f.gelu,
+            f.gelu_tanh,
+            f.silu,
+            f.tanh,
+        ];
         if positive.iter().any(|v| v.is_nan() || *v <= 0.0) || non_negative.iter().any(|v| !v.is_finite() || *v < 0.0) {
             return Err(
                 "every figure must be positive (memory, fp32 and vector rates, bandwidth) or not negative".into()
@@ -145,6 +204,25 @@ impl DeviceModel {
             return 0.0;
         }
         self.launch + (flops / self.vector).max(self.memory_time(bytes))
+    }
+
+    /// Seconds of an element-wise kernel applying `function` to `elements` values (`flops`
+    /// in all), moving `bytes`: with a measured rate for the function, its elements at that
+    /// rate (the measured kernel's whole work) or its memory traffic, the slower; without,
+    /// as [`vector_time`](Self::vector_time) prices its FLOPs.
+    pub fn function_time(&self, function: Function, elements: f64, flops: f64, bytes: f64) -> f64 {
+        let f = &self.functions;
+        let rate = match function {
+            Function::Exp => f.exp,
+            Function::Gelu => f.gelu,
+            Function::GeluTanh => f.gelu_tanh,
+            Function::Silu => f.silu,
+            Function::Tanh => f.tanh,
+        };
+        if rate <= 0.0 || elements <= 0.0 {
+            return self.vector_time(flops, bytes);
+        }
+        self.launch + (elements / rate).max(self.memory_time(bytes))
     }
 
     /// Seconds to move `bytes` through device memory at the efficiency of a kernel that
@@ -273,6 +351,7 @@ impl Preset {
             launch: GPU_LAUNCH,
             matrix_efficiency: GPU_MATRIX_EFFICIENCY,
             memory_efficiency: GPU_MEMORY_EFFICIENCY,
+            functions: Functions::default(),
         }
     }
 }
