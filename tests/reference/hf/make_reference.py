@@ -125,7 +125,8 @@ def wanted(name):
     return not ONLY or name in ONLY
 
 
-llama = LlamaConfig(
+# the tiny Llama-family sizes the Llama and the Mixtral fixtures share
+TINY_LLAMA = dict(
     vocab_size=50,
     hidden_size=16,
     intermediate_size=24,
@@ -136,8 +137,8 @@ llama = LlamaConfig(
     rope_theta=10000.0,
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
-    attention_bias=False,
 )
+llama = LlamaConfig(**TINY_LLAMA, attention_bias=False)
 # llama-gqa and gpt2 share the random stream seeded above: each is built and its ids drawn
 # whether or not it is made, so a partial run makes the same bytes as a whole one
 m = LlamaForCausalLM(llama).float()
@@ -264,16 +265,7 @@ if wanted("resnet"):
 # adds it only with output_router_logits). Its own seed, so the fixtures above stay as they
 # were.
 mixtral = MixtralConfig(
-    vocab_size=50,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
+    **TINY_LLAMA,
     num_local_experts=4,
     num_experts_per_tok=2,
     output_router_logits=False,
