@@ -957,6 +957,26 @@ fn mixture_of_experts_blocks_equal_one_device_on_pipelines_and_replicas() {
 }
 
 #[test]
+fn expert_blocks_the_executor_cannot_train_are_refused_by_name() {
+    let refused = |devices, stages, block: &str| {
+        let layers =
+            format!("- embedding(50, 16)\n    - repeat 2: {block}\n    - rmsnorm\n    - flatten\n    - linear(256, 4)");
+        let p = plan(&Job { devices, stages, schedule: "1f1b", layers: &layers, ..Job::default() });
+        match pipec_executor::run(&p, &RunOptions::default(), &mut |_| {}) {
+            Ok(_) => panic!("{block} on {stages} trained"),
+            Err(e) => e.to_string(),
+        }
+    };
+    // experts with biases split by tensor parallelism (their weighted biases would be
+    // counted once per rank)
+    let e = refused(2, "\"1\"\n  tp: 2", "transformer_block(d=16, heads=4, ff=32, experts=4, top_k=2)");
+    assert!(e.contains("only without biases (bias=false)"), "{e}");
+    // more experts than a block's parameter slots hold
+    let e = refused(1, "\"1\"", "transformer_block(d=16, heads=4, ff=8, experts=61, top_k=1, bias=false)");
+    assert!(e.contains("at most 60 experts per block"), "{e}");
+}
+
+#[test]
 fn pipedream_vertical_sync_uses_the_first_stages_version_everywhere() {
     let p = plan(&Job {
         devices: 3,
