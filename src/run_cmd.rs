@@ -190,6 +190,7 @@ pub fn run(args: RunArgs) -> u8 {
     if let (Some(first), Some(last)) = (report.steps.first(), report.steps.last()) {
         eprintln!("loss {:.6} (step {}) -> {:.6} (step {})", first.loss, first.step, last.loss, last.step);
     }
+    print_expert_tokens(&report.steps);
     eprintln!(
         "step time: measured {} (median after the first step), predicted {}; bubble: measured {:.1}%, predicted {:.1}%",
         human_time(median),
@@ -560,6 +561,27 @@ fn backend_kind(b: Backend) -> BackendKind {
     match b {
         Backend::Cpu => BackendKind::Cpu,
         Backend::Cuda => BackendKind::Cuda,
+    }
+}
+
+/// A mixture of experts' routing as it happened: per block, each expert's share of the
+/// tokens it took over the run, and the busiest expert against the mean (the skew the
+/// prediction's uniform routing does not see).
+fn print_expert_tokens(steps: &[StepMetrics]) {
+    let mut total: std::collections::BTreeMap<usize, Vec<u64>> = std::collections::BTreeMap::new();
+    for (layer, took) in steps.iter().flat_map(|s| s.expert_tokens.iter()) {
+        let sum = total.entry(*layer).or_insert_with(|| vec![0; took.len()]);
+        sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
+    }
+    if total.is_empty() {
+        return;
+    }
+    eprintln!("tokens each expert took over the run, per mixture-of-experts block (the busiest against the mean):");
+    for (layer, took) in &total {
+        let all = took.iter().sum::<u64>().max(1) as f64;
+        let shares: Vec<String> = took.iter().map(|&t| format!("{:.1}%", 100.0 * t as f64 / all)).collect();
+        let busiest = took.iter().copied().max().unwrap_or(0) as f64 / (all / took.len().max(1) as f64);
+        eprintln!("  layer {layer}: {} ({busiest:.2}×)", shares.join(" "));
     }
 }
 

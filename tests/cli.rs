@@ -242,6 +242,11 @@ fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_
     let said = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(0), "{said}");
     assert!(said.contains("load-balancing loss"), "{said}");
+    // and the routing as it happened: each expert's share of the run's tokens, per block
+    assert!(said.contains("tokens each expert took over the run"), "{said}");
+    let shares: Vec<&str> = said.lines().filter(|l| l.starts_with("  layer ")).collect();
+    assert_eq!(shares.len(), 2, "{said}");
+    assert!(shares.iter().all(|l| l.matches('%').count() == 4 && l.ends_with("×)")), "{said}");
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
     for line in metrics.lines() {
         let m: serde_json::Value = serde_json::from_str(line).expect("json");
