@@ -568,10 +568,9 @@ fn backend_kind(b: Backend) -> BackendKind {
 /// tokens it took over the run, and the busiest expert against the mean (the skew the
 /// prediction's uniform routing does not see).
 fn print_expert_tokens(steps: &[StepMetrics]) {
-    let mut total: std::collections::BTreeMap<usize, Vec<u64>> = std::collections::BTreeMap::new();
+    let mut total = pipec_executor::ExpertTokens::new();
     for (layer, took) in steps.iter().flat_map(|s| s.expert_tokens.iter()) {
-        let sum = total.entry(*layer).or_insert_with(|| vec![0; took.len()]);
-        sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
+        pipec_executor::add_expert_tokens(&mut total, *layer, took);
     }
     if total.is_empty() {
         return;

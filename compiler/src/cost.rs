@@ -314,6 +314,8 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             // each per MLP (a mixture of experts: per expert, its share of the routed
             // expert-token pairs, uniform routing assumed; then the shared experts)
             let tokens = b * s;
+            // the routed expert-token pairs (a mixture of experts' MLPs run over)
+            let routed = blk.moe.map_or(0.0, |m| m.expert_tokens(tokens) - tokens * m.shared as f64);
             let mlp_products: Vec<[(f64, f64); 2]> = {
                 let mlp = |rows: f64| {
                     [
@@ -323,7 +325,6 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 };
                 match blk.moe {
                     Some(m) => {
-                        let routed = m.expert_tokens(tokens) - tokens * m.shared as f64;
                         let per_expert = routed / m.experts.max(1) as f64;
                         std::iter::repeat_n(mlp(per_expert), m.experts)
                             .chain(std::iter::repeat_n(mlp(tokens), m.shared))
@@ -341,7 +342,6 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             let routing = |k: &mut Kernels<'_>, backward: bool| {
                 if let Some(m) = blk.moe {
                     let ex = m.experts as f64;
-                    let routed = m.expert_tokens(tokens) - tokens * m.shared as f64;
                     let fp32 = 4.0 / p;
                     let passes = if backward { 2 } else { 1 };
                     for _ in 0..passes {

@@ -60,8 +60,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 report.aux_losses.push((mb.0, aux.clone().into_scalar().elem::<f32>()));
             }
             for (layer, took) in &f.expert_tokens {
-                let sum = report.expert_tokens.entry(*layer).or_insert_with(|| vec![0; took.len()]);
-                sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
+                crate::add_expert_tokens(&mut report.expert_tokens, *layer, took);
             }
         }
         // with recompute only the input is kept (the last stage keeps its loss); the

@@ -471,11 +471,13 @@ impl<B: Kernels> Block<B> {
             let n = v.len();
             Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &dev)
         };
+        // per expert, the (token, choice) pairs that chose it, in token order
+        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); experts];
+        for (i, &c) in chosen.iter().enumerate() {
+            by_expert[c].push((i / k, i % k));
+        }
         if training && moe.aux_loss > 0.0 {
-            let mut chose = vec![0.0f32; experts];
-            for &c in &chosen {
-                chose[c] += 1.0 / t as f32;
-            }
+            let chose: Vec<f32> = by_expert.iter().map(|p| p.len() as f32 / t as f32).collect();
             let f = Tensor::<B, 2>::from_data(TensorData::new(chose, [1, experts]), &dev);
             let aux = (scores.clone().mean_dim(0) * f).sum() * (moe.aux_loss * experts as f64);
             side.aux = Some(match side.aux.take() {
@@ -492,11 +494,8 @@ impl<B: Kernels> Block<B> {
         let capacity = moe.expert_capacity(t);
         let mut took = vec![0u64; experts];
         let mut out = Tensor::<B, 2>::zeros([t, d], &dev);
-        for (e, m) in self.mlps.iter().enumerate().take(experts) {
-            // the (token, choice) pairs that chose expert e, in token order, to its capacity
-            let mut pairs: Vec<(usize, usize)> = (0..t)
-                .filter_map(|token| chosen[token * k..(token + 1) * k].iter().position(|&c| c == e).map(|j| (token, j)))
-                .collect();
+        for (e, (m, mut pairs)) in self.mlps.iter().zip(by_expert).enumerate() {
+            // expert e's pairs, to its capacity
             if let Some(c) = capacity {
                 pairs.truncate(c);
             }

@@ -165,7 +165,16 @@ pub struct StepMetrics {
     pub aux_loss: Option<f64>,
     pub aux_sum: f64,
     /// Per mixture-of-experts block (by layer), the tokens each expert took in the step.
-    pub expert_tokens: BTreeMap<usize, Vec<u64>>,
+    pub expert_tokens: ExpertTokens,
+}
+
+/// Per mixture-of-experts block (by its layer index), the tokens each of its experts took.
+pub type ExpertTokens = BTreeMap<usize, Vec<u64>>;
+
+/// Adds one block's per-expert token counts (`layer`, `took`) to `into`.
+pub fn add_expert_tokens(into: &mut ExpertTokens, layer: usize, took: &[u64]) {
+    let sum = into.entry(layer).or_insert_with(|| vec![0; took.len()]);
+    sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
 }
 
 /// The held-out data's figures after a step: its mean loss, and a classifier's accuracy
@@ -359,9 +368,9 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     }
     let tensor_parallel = plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1));
     for l in &plan.layers {
-        let Some(m) = l.op.block_dims().and_then(|b| b.moe) else { continue };
+        let Some((b, m)) = l.op.block_dims().and_then(|b| b.moe.map(|m| (b, m))) else { continue };
         let refuse = |why: String| Err(RunError::setup(format!("layer {} (a mixture of experts): {why}", l.index)));
-        if tensor_parallel && (m.aux_loss != 0.0 || l.op.block_dims().is_some_and(|b| b.bias)) {
+        if tensor_parallel && (m.aux_loss != 0.0 || b.bias) {
             return refuse(
                 "the executor splits experts over tensor-parallel ranks only without biases (bias=false) and without the load-balancing loss (aux_loss=0) yet"
                     .into(),

@@ -317,11 +317,11 @@ fn run_cuda<F: Fabric + 'static>(
 }
 
 /// Adds a rank's expert token counts, sent as (layer, experts, counts...) runs, to `into`.
-fn merge_expert_tokens(into: &mut std::collections::BTreeMap<usize, Vec<u64>>, mut runs: &[f64]) {
+fn merge_expert_tokens(into: &mut crate::ExpertTokens, mut runs: &[f64]) {
     while let [layer, n, rest @ ..] = runs {
         let n = (*n as usize).min(rest.len());
-        let sum = into.entry(*layer as usize).or_insert_with(|| vec![0; n]);
-        sum.iter_mut().zip(&rest[..n]).for_each(|(a, b)| *a += *b as u64);
+        let took: Vec<u64> = rest[..n].iter().map(|&t| t as u64).collect();
+        crate::add_expert_tokens(into, *layer as usize, &took);
         runs = &rest[n..];
     }
 }

@@ -434,11 +434,11 @@ impl Coordinator<'_> {
         }
         let aux: Vec<f32> = self.aux_carry.remove(&step).unwrap_or_default();
         self.aux_carry.retain(|s, _| *s > step);
-        let mut expert_tokens: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        let mut expert_tokens = crate::ExpertTokens::new();
         for (layer, took) in reports.iter().flat_map(|(r, _)| r.expert_tokens.iter()) {
-            let sum = expert_tokens.entry(*layer).or_insert_with(|| vec![0; took.len()]);
-            sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
+            crate::add_expert_tokens(&mut expert_tokens, *layer, took);
         }
+        let aux_sum: f64 = aux.iter().map(|&a| f64::from(a)).sum();
         let loss_sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
         let loss = if losses.is_empty() { f64::NAN } else { loss_sum / losses.len() as f64 };
         // from the step's first start to its last end over the devices (one clock: the
@@ -467,8 +467,8 @@ impl Coordinator<'_> {
             checkpoint_wait_s: self
                 .checkpoints
                 .then(|| reports.iter().map(|(r, _)| r.checkpoint_wait_s).fold(0.0, f64::max)),
-            aux_sum: aux.iter().map(|&a| f64::from(a)).sum(),
-            aux_loss: (!aux.is_empty()).then(|| aux.iter().map(|&a| f64::from(a)).sum::<f64>() / n as f64),
+            aux_sum,
+            aux_loss: (!aux.is_empty()).then(|| aux_sum / n as f64),
             expert_tokens,
         }
     }

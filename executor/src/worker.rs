@@ -35,7 +35,7 @@ pub struct StepReport {
     pub aux_losses: Vec<(u32, f32)>,
     /// Per mixture-of-experts block on this device (by layer): the tokens each expert took
     /// over the step's forwards.
-    pub expert_tokens: std::collections::BTreeMap<usize, Vec<u64>>,
+    pub expert_tokens: crate::ExpertTokens,
     /// (instruction index, start s, end s) from the step's start.
     pub trace: Vec<(usize, f64, f64)>,
     /// What the communication threads ran during the step: (instruction index, start s,
