@@ -222,10 +222,27 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         } else {
             String::new()
         };
-        s.push_str(&format!(
-            "  mixture of experts: routing assumed uniform — each of the {} experts takes 1/{} of the tokens' {} choices{capacity}\n",
-            m.experts, m.experts, m.top_k
-        ));
+        let routing = if m.skew > 1.0 {
+            format!(
+                "skewed — the busiest of the {} experts takes {}× the mean share of the tokens' {} choices, the others the rest equally",
+                m.experts, m.skew, m.top_k
+            )
+        } else {
+            format!(
+                "uniform — each of the {} experts takes 1/{} of the tokens' {} choices",
+                m.experts, m.experts, m.top_k
+            )
+        };
+        s.push_str(&format!("  mixture of experts: routing assumed {routing}{capacity}\n"));
+        if let Some(st) = plan.stages.iter().find(|st| st.expert_parallel > 1) {
+            let ep = st.expert_parallel as usize;
+            s.push_str(&format!(
+                "  expert parallelism: ep {ep} — each device holds {} of every block's {} experts, tokens reach them in all-to-alls inside every pass; an expert's gradient is summed over the {} replica(s) holding it\n",
+                m.experts / ep,
+                m.experts,
+                st.replicas.len() / ep
+            ));
+        }
     }
     for st in &plan.stages {
         s.push_str(&format!(
@@ -268,9 +285,40 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
             if sim.step_time_s > 0.0 { d.exposed_collective_s / sim.step_time_s * 100.0 } else { 0.0 }
         ));
     }
+    if let Some((d, a2a)) = all_to_all_per_step(plan).into_iter().max_by(|a, b| a.1.total_cmp(&b.1)) {
+        s.push_str(&format!(
+            "all-to-all on {d}: {} per step inside its passes ({:.1}% of the step)\n",
+            human_time(a2a),
+            if sim.step_time_s > 0.0 { a2a / sim.step_time_s * 100.0 } else { 0.0 }
+        ));
+    }
     s.push_str(&memory_table(plan));
     s.push_str(&format!("wrote {}/{{plan.json, timeline.svg, memory.svg, trace.json}}\n", dir.display()));
     s
+}
+
+/// Expert parallelism: each device's seconds per step of the all-to-alls inside its passes
+/// (the plan's per-stage figures over its stream's forwards, recomputes and backwards).
+fn all_to_all_per_step(plan: &pipec_plan::Plan) -> Vec<(pipec_plan::DeviceId, f64)> {
+    use pipec_plan::{Instr, Phase};
+    plan.streams
+        .iter()
+        .map(|(d, stream)| {
+            let t: f64 = stream
+                .iter()
+                .filter_map(|i: &Instr| {
+                    let [f, b] = plan.stage(i.stage())?.all_to_all_s;
+                    match i.phase() {
+                        Phase::Forward | Phase::Recompute => Some(f),
+                        Phase::Backward | Phase::BackwardInput => Some(b),
+                        _ => None,
+                    }
+                })
+                .sum();
+            (*d, t)
+        })
+        .filter(|(_, t)| *t > 0.0)
+        .collect()
 }
 
 /// The compute order per rank in torch.distributed.pipelining's CSV form (`0F0,0F1,...`,

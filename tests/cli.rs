@@ -184,6 +184,46 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
 }
 
 #[test]
+fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_run_refuses_ep_writing_nothing() {
+    let dir = tempfile::tempdir().expect("tmp");
+    // Mixtral 8x7B on 8 DGX H100 with ep 8 (t 2, 4 interleaved stages, 8 replicas): one
+    // expert per block on each device, 1/8 of the routed experts' weights
+    let plan = dir.path().join("plan");
+    let compiled = pipec(&["compile", "bench/specs/mixtral-8x7b-ep8.yaml", "-o", plan.to_str().expect("utf-8")]);
+    let report = String::from_utf8_lossy(&compiled.stderr);
+    assert_eq!(compiled.status.code(), Some(0), "{report}");
+    assert!(
+        report.contains("expert parallelism: ep 8 — each device holds 1 of every block's 8 experts, tokens reach them in all-to-alls inside every pass; an expert's gradient is summed over the 1 replica(s) holding it"),
+        "{report}"
+    );
+    assert!(
+        report.lines().any(|l| l.starts_with("all-to-all on d") && l.contains("per step inside its passes")),
+        "{report}"
+    );
+    assert!(report.lines().any(|l| l.starts_with("d0 ") && l.contains("1.75 GiB")), "{report}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(plan.join("plan.json")).expect("plan")).expect("json");
+    assert_eq!(json["stages"][1]["expert_parallel"], 8);
+    assert!(json["stages"][1]["all_to_all_s"][0].as_f64().is_some_and(|t| t > 0.0));
+    // the executor does not run expert parallelism yet: refused by name, nothing written
+    let tiny = dir.path().join("tiny.yaml");
+    std::fs::write(
+        &tiny,
+        "model:\n  input: [8]\n  layers:\n    - embedding(50, 16)\n    - transformer_block(16, 2, 32, experts=4)\n    - linear(16, 50, bias=false)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: { memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 5us }\nstrategy:\n  dp: 2\n  schedule: dp-only\n  microbatches: 2\n  ep: 2\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n  data: synthetic\n",
+    )
+    .expect("spec");
+    let out = dir.path().join("run");
+    let run = pipec(&["run", tiny.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
+    assert_eq!(run.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        said.contains("expert parallelism is planned and simulated, and this executor does not run it yet"),
+        "{said}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
 fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_train_writing_nothing() {
     let dir = tempfile::tempdir().expect("tmp");
     let spec = "bench/specs/mixtral-8x7b.yaml";

@@ -585,3 +585,72 @@ fn the_simulated_step_includes_the_profiled_updates() {
     let (without, _) = step(&spec("1-1", 2), [0.0; 4]);
     assert!((with - without - 0.75e-3).abs() < 1e-12, "{with} against {without}");
 }
+
+/// A small mixture-of-experts language model (2 blocks of 4 experts, top 2) on one node of
+/// 4 devices with 10 GB/s, 5 µs links: data parallelism over 4, expert-parallel degree `ep`.
+fn experts_on_four(ep: usize) -> String {
+    format!(
+        "model:
+  input: [8]
+  layers:
+    - embedding(50, 16)
+    - repeat 2: transformer_block(16, 2, 32, experts=4, top_k=2)
+    - linear(16, 50, bias=false)
+  loss: cross_entropy
+cluster:
+  nodes: 1
+  devices_per_node: 4
+  device: {{ memory: 8GiB, throughput: 1TFLOP/s }}
+  links:
+    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}
+strategy:
+  dp: 4
+  schedule: dp-only
+  microbatches: 4
+  ep: {ep}
+training:
+  batch_size: 8
+  steps: 1
+  optimizer: {{ kind: sgd, lr: 0.1 }}
+  data: synthetic
+"
+    )
+}
+
+#[test]
+fn expert_parallelism_holds_a_share_of_the_experts_and_sums_their_gradients_over_the_replicas_holding_them() {
+    let plan = |ep: usize| compile_text(&experts_on_four(ep)).into_compiled().expect("compiles").plan;
+    let (one, two, four) = (plan(1), plan(2), plan(4));
+    // the model's routed experts and the rest, in fp32 gradient bytes
+    let experts: u64 = one.layers.iter().map(|l| l.op.routed_expert_parameter_count()).sum();
+    let dense: u64 = one.layers.iter().map(|l| l.op.parameter_count()).sum::<u64>() - experts;
+    assert!(experts > 0 && dense > 0);
+    let (x, d) = (4.0 * experts as f64, 4.0 * dense as f64);
+    // each device holds its share of the experts' weights (fp32)
+    for (p, ep) in [(&one, 1u64), (&two, 2), (&four, 4)] {
+        assert_eq!(p.devices[0].memory.weights, 4 * (dense + experts / ep), "ep {ep}");
+        let s = &p.stages[0];
+        assert_eq!(s.expert_parallel as u64, ep);
+        assert_eq!(s.all_to_all_s[0] > 0.0, ep > 1, "ep {ep}: {:?}", s.all_to_all_s);
+    }
+    // the gradient all-reduce: the dense part over the 4 replicas, the experts' over the
+    // replicas holding the same ones — 4, 2, or none
+    let ring =
+        |p: f64, bytes: f64| if p < 2.0 { 0.0 } else { 2.0 * (p - 1.0) * 5e-6 + 2.0 * (p - 1.0) / p * bytes / 10e9 };
+    for (p, expected) in [(&one, ring(4.0, d + x)), (&two, ring(4.0, d) + ring(2.0, x / 2.0)), (&four, ring(4.0, d))] {
+        let got = p.simulation.devices[0].collective_s;
+        assert!((got - expected).abs() < 1e-12, "{got} vs {expected}");
+    }
+    // the all-to-alls: 4 per block per microbatch (dispatch and combine, each way), of each
+    // member's microbatch of 2 samples of 8 tokens, 2 choices each (fp32 rows of 16), p − 1
+    // sends of a 1/p chunk each
+    let bytes = 2.0 * 8.0 * 2.0 * 16.0 * 4.0;
+    let a2a = |p: f64| (p - 1.0) * (5e-6 + bytes / p / 10e9);
+    for (p, members) in [(&two, 2.0), (&four, 4.0)] {
+        let s = &p.stages[0];
+        assert!((s.all_to_all_s[0] - 2.0 * 2.0 * a2a(members)).abs() < 1e-15, "{:?}", s.all_to_all_s);
+        assert_eq!(s.all_to_all_s[0], s.all_to_all_s[1]);
+    }
+    // what expert parallelism saves in the all-reduce it pays in all-to-alls
+    assert!(four.simulation.devices[0].collective_s < one.simulation.devices[0].collective_s);
+}

@@ -84,6 +84,8 @@ pub(crate) fn assemble(
             } else {
                 Vec::new()
             },
+            expert_parallel: stages.expert_parallel[s] as u32,
+            all_to_all_s: [stages.ep_times[s].0, stages.ep_times[s].1],
         })
         .collect();
     let ties = lowered.ties;

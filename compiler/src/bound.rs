@@ -130,7 +130,9 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         .map(|s| {
             let members = &placed.skeleton.replicas[s];
             (members.len() > 1).then(|| {
-                let bytes = stages.bytes[s].whole.gradients;
+                // expert parallelism sums the routed experts' part over fewer members (or
+                // none): the dense part's reduce-scatter is what is certain
+                let bytes = stages.bytes[s].whole.gradients.saturating_sub(stages.expert_gradients[s]);
                 let kind = pipec_plan::CollectiveKind::ReduceScatter;
                 let scatter = model.cluster.shaped_collective_time(kind, placed.skeleton.shapes[s], bytes);
                 scatter.min(cost.reduce_time(members, bytes))
@@ -464,7 +466,7 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 /// their strategy.
 #[derive(Default)]
 pub struct Memo {
-    pub(crate) models: HashMap<(usize, usize), (std::rc::Rc<ModelCosts>, Partitions)>,
+    pub(crate) models: HashMap<(usize, usize, usize), (std::rc::Rc<ModelCosts>, Partitions)>,
     placements: HashMap<PlaceKey, std::rc::Rc<Placed>>,
     skeletons: HashMap<SkeletonKey, std::rc::Rc<Skeleton>>,
     /// What a schedule's order keeps in flight on a view's devices, per view shape: the
@@ -640,14 +642,18 @@ impl Memo {
         Ok((model.clone(), layout))
     }
 
-    /// A candidate's cost model (computed once per tensor-parallel degree and microbatch
-    /// size) and its partitions.
+    /// A candidate's cost model (computed once per tensor-parallel degree, microbatch size
+    /// and expert-parallel degree) and its partitions.
     pub(crate) fn entry(
         &mut self,
         spec: &Spec,
         options: &CompileOptions,
     ) -> Result<&mut (std::rc::Rc<ModelCosts>, Partitions), Vec<Diagnostic>> {
-        let key = (spec.strategy.tp.max(1), spec.training.batch_size / spec.strategy.microbatches.max(1));
+        let key = (
+            spec.strategy.tp.max(1),
+            spec.training.batch_size / spec.strategy.microbatches.max(1),
+            spec.strategy.ep.max(1),
+        );
         Ok(match self.models.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {

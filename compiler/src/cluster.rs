@@ -150,13 +150,25 @@ impl ClusterGraph {
                 ring_time(CollectiveKind::AllGather, self.inter, q, share)
                     + ring_time(CollectiveKind::AllGather, self.intra, k, n)
             }
+            // point to point, not hierarchical: each member's chunks for its node's other
+            // members go over the node's links while those for the other nodes' members go
+            // over its own interface, at once; the slower part sets the time
+            CollectiveKind::AllToAll => {
+                let chunk = n / p as f64;
+                let part = |link: Link, peers: usize| {
+                    peers as f64 * (link.latency + chunk / (link.bandwidth * link.efficiency))
+                };
+                part(self.intra, k - 1).max(part(self.inter, p - k))
+            }
         }
     }
 }
 
 /// A ring collective of `bytes` per member over `p` members on `link`: an all-reduce is
 /// 2(p−1) steps moving 2(p−1)/p of the bytes, a reduce-scatter or all-gather (p−1) steps
-/// moving (p−1)/p of them; α per step, the bytes at the link's bus bandwidth.
+/// moving (p−1)/p of them; α per step, the bytes at the link's bus bandwidth. An all-to-all
+/// is p−1 point-to-point sends of a 1/p chunk each, (p−1)/p of the bytes at the bus bandwidth
+/// too (nccl-tests' PERFORMANCE.md defines alltoall's bus bandwidth as algbw · (p−1)/p).
 pub fn ring_time(kind: CollectiveKind, link: Link, p: usize, bytes: f64) -> f64 {
     if p <= 1 {
         return 0.0;
@@ -166,7 +178,9 @@ pub fn ring_time(kind: CollectiveKind, link: Link, p: usize, bytes: f64) -> f64 
     let rate = link.bandwidth * link.efficiency;
     match kind {
         CollectiveKind::AllReduce => 2.0 * steps * link.latency + 2.0 * share * bytes / rate,
-        CollectiveKind::ReduceScatter | CollectiveKind::AllGather => steps * link.latency + share * bytes / rate,
+        CollectiveKind::ReduceScatter | CollectiveKind::AllGather | CollectiveKind::AllToAll => {
+            steps * link.latency + share * bytes / rate
+        }
     }
 }
 
@@ -221,6 +235,24 @@ mod tests {
         let rs = c.collective_time(CollectiveKind::ReduceScatter, &ids(0..16), n as u64);
         let ag = c.collective_time(CollectiveKind::AllGather, &ids(0..16), n as u64);
         assert!((rs + ag - all).abs() < 1e-9, "{rs} + {ag} vs {all}");
+    }
+
+    #[test]
+    fn an_all_to_all_sends_a_chunk_to_every_other_member() {
+        let c = cluster(2, 8);
+        let n = 8.0e8;
+        let ids = |r: std::ops::Range<u32>| r.map(DeviceId).collect::<Vec<_>>();
+        // inside a node: 7 sends of an eighth at the bus bandwidth (300 GB/s × 0.75)
+        let one = c.collective_time(CollectiveKind::AllToAll, &ids(0..8), n as u64);
+        assert!((one - 7.0 * (3e-6 + n / 8.0 / 225e9)).abs() < 1e-12, "{one}");
+        // 8 members on 2 nodes (4 each): 3 chunks over the node's links while 4 leave on the
+        // member's own interface (25 GB/s × 0.9), which sets the time
+        let members = [0, 1, 2, 3, 8, 9, 10, 11].map(DeviceId);
+        let two = c.collective_time(CollectiveKind::AllToAll, &members, n as u64);
+        assert!((two - 4.0 * (6e-6 + n / 8.0 / 22.5e9)).abs() < 1e-12, "{two}");
+        // one member per node: a flat exchange on the interfaces
+        let flat = c.collective_time(CollectiveKind::AllToAll, &[DeviceId(0), DeviceId(8)], n as u64);
+        assert!((flat - (6e-6 + n / 2.0 / 22.5e9)).abs() < 1e-12, "{flat}");
     }
 
     #[test]

@@ -46,12 +46,21 @@ pub struct LayerCost {
     /// per member) over the layer's group.
     pub tp_forward: Vec<(CollectiveKind, u64)>,
     pub tp_backward: Vec<(CollectiveKind, u64)>,
+    /// Expert parallelism: the all-to-alls a forward and a backward wait for (the dispatch
+    /// and the combine; backward their gradients'), bytes per member over the layer's
+    /// expert-parallel group.
+    pub ep_forward: Vec<(CollectiveKind, u64)>,
+    pub ep_backward: Vec<(CollectiveKind, u64)>,
     /// One optimizer update of the layer's parameters on one rank (its memory traffic).
     pub update_s: f64,
     /// The layer's parameters, whole.
     pub parameters: u64,
-    /// The parameters one tensor-parallel rank holds.
+    /// The parameters one tensor-parallel rank holds (of a mixture of experts, its
+    /// expert-parallel share of the routed experts).
     pub shard_parameters: u64,
+    /// The part of `shard_parameters` that is routed experts: their gradients are summed
+    /// only over the replicas holding the same experts.
+    pub expert_parameters: u64,
     /// Bytes of the parameters one rank holds, at the training precision.
     pub parameter_bytes: u64,
     /// Bytes kept for the backward, per sample, on one rank.
@@ -79,6 +88,8 @@ pub struct CostContext<'a> {
     pub microbatch: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
+    /// Expert-parallel degree: each device holds 1/ep of every expert block's experts.
+    pub ep: usize,
     pub sequence_parallel: bool,
     pub attention: Attention,
     /// Seconds a layer's forward costs beyond its kernels (its backward twice that): the
@@ -156,13 +167,13 @@ pub fn backward_flops(node: &OpNode) -> f64 {
 /// Bytes kept for the backward, per sample, of the whole layer (one rank of no
 /// tensor parallelism, standard attention).
 pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
-    let (kept, _) = kept_bytes(node, precision_bytes as f64, 1, false, Attention::Standard);
+    let (kept, _) = kept_bytes(node, precision_bytes as f64, 1, false, Attention::Standard, 1);
     kept as u64
 }
 
 /// Bytes one rank keeps for the backward per sample, and the part of them that is a
 /// transformer block's attention core (what selective recompute drops).
-fn kept_bytes(node: &OpNode, p: f64, tp: usize, sp: bool, attention: Attention) -> (f64, f64) {
+fn kept_bytes(node: &OpNode, p: f64, tp: usize, sp: bool, attention: Attention, ep: usize) -> (f64, f64) {
     let inp = numel(&node.input_shape);
     let bytes = match node.op {
         // the gradient passes through unchanged (add) or is sliced (concat, flatten)
@@ -191,14 +202,19 @@ fn kept_bytes(node: &OpNode, p: f64, tp: usize, sp: bool, attention: Attention) 
             let whole = 4.0 * sh * p + 2.0 * sh;
             let whole = if sp { whole / t } else { whole };
             // a mixture of experts keeps per token its router's logits and probabilities
-            // (fp32) and chosen experts (64-bit indices), and per expert-token pair the
-            // expert's MLP values and (for the routed pairs) the dispatched input, whole on
-            // every rank as the dense MLP's input is
+            // (fp32) and chosen experts (64-bit indices), and per expert-token pair its
+            // experts compute the expert's MLP values and (for the routed pairs) the
+            // dispatched input, whole on every rank as the dense MLP's input is: the pairs
+            // of the busiest device under the routing assumption (`Moe::skew`) — with expert
+            // parallelism the pairs its experts take from the whole group — and there also
+            // the experts' outputs sent back, which the combine's weights' gradient reads
             let (mlp, routing) = match blk.moe {
                 Some(m) => {
-                    let pairs = m.expert_tokens(s) / s.max(1.0);
-                    let routed = pairs - m.shared as f64;
-                    (pairs * mlp, s * (8.0 * m.experts as f64 + 8.0 * m.top_k as f64 + routed * h * p))
+                    let ep = ep.max(1) as f64;
+                    let computed = m.busiest_device_pairs(s, ep as usize) * ep / s.max(1.0);
+                    let returned = if ep > 1.0 { m.routed_pairs(s) / s.max(1.0) } else { 0.0 };
+                    let pairs = computed + m.shared as f64;
+                    (pairs * mlp, s * (8.0 * m.experts as f64 + 8.0 * m.top_k as f64 + (computed + returned) * h * p))
                 }
                 None => (mlp, 0.0),
             };
@@ -311,11 +327,13 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 (2.0 * b * s * h * h / t, e / t + h * h / t + e),
             ];
             // the MLP's products: (FLOPs, values) of its up and down projections, one kernel
-            // each per MLP (a mixture of experts: per expert, its share of the routed
-            // expert-token pairs, uniform routing assumed; then the shared experts)
+            // each per MLP (a mixture of experts: per expert this device holds, the routed
+            // pairs it takes — from every member of its expert-parallel group — under the
+            // routing assumption, the busiest expert among them; then the shared experts)
             let tokens = b * s;
-            // the routed expert-token pairs (a mixture of experts' MLPs run over)
-            let routed = blk.moe.map_or(0.0, |m| m.expert_tokens(tokens) - tokens * m.shared as f64);
+            let ep = cx.ep.max(1);
+            // the routed expert-token pairs this device's tokens make (dispatched, combined)
+            let routed = blk.moe.map_or(0.0, |m| m.routed_pairs(tokens));
             let mlp_products: Vec<[(f64, f64); 2]> = {
                 let mlp = |rows: f64| {
                     [
@@ -325,8 +343,10 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 };
                 match blk.moe {
                     Some(m) => {
-                        let per_expert = routed / m.experts.max(1) as f64;
-                        std::iter::repeat_n(mlp(per_expert), m.experts)
+                        let (busiest, other) = m.expert_loads(tokens);
+                        let local = (m.experts / ep).max(1);
+                        std::iter::once(mlp(busiest * ep as f64))
+                            .chain(std::iter::repeat_n(mlp(other * ep as f64), local - 1))
                             .chain(std::iter::repeat_n(mlp(tokens), m.shared))
                             .collect()
                     }
@@ -334,7 +354,8 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 }
             };
             // the expert-token pairs the activation runs over (the tokens, for a dense MLP)
-            let pairs = blk.moe.map_or(tokens, |m| m.expert_tokens(tokens));
+            let pairs =
+                blk.moe.map_or(tokens, |m| m.busiest_device_pairs(tokens, ep) * ep as f64 + tokens * m.shared as f64);
             let ef = pairs * f / t;
             // a mixture of experts' routing: the router's product, its scores (softmax or
             // sigmoid) and top-k choice over fp32 logits, the dispatch (a gather of each routed
@@ -528,6 +549,37 @@ fn tp_collectives(node: &OpNode, split: TpSplit, cx: &CostContext<'_>) -> (Colle
     }
 }
 
+/// Expert parallelism's all-to-alls inside a mixture-of-experts block's passes, over its
+/// `ep` members: forward the dispatch (each routed pair's input to its expert's member) and
+/// the combine (the expert's output back); backward the gradients of both, the other way.
+/// Bytes per member: what the busiest member receives under the routing assumption (each
+/// sends its routed pairs' rows; uniform routing receives as many) — per tensor-parallel
+/// rank its sequence share with sequence parallelism, all of its tokens without.
+fn ep_collectives(node: &OpNode, sp: bool, t: usize, cx: &CostContext<'_>) -> (Collectives, Collectives) {
+    let ep = cx.ep.max(1);
+    let Some(m) = node.op.block_dims().and_then(|b| b.moe).filter(|_| ep > 1) else {
+        return (Vec::new(), Vec::new());
+    };
+    let s = node.input_shape.first().copied().unwrap_or(1) as f64;
+    let h = node.input_shape.last().copied().unwrap_or(1) as f64;
+    let tokens = cx.microbatch.max(1) as f64 * s;
+    let rows = m.routed_pairs(tokens).max(m.busiest_device_pairs(tokens, ep) * ep as f64);
+    let share = if sp { t.max(1) as f64 } else { 1.0 };
+    let bytes = (rows * h * cx.precision.bytes() as f64 / share) as u64;
+    let both = vec![(CollectiveKind::AllToAll, bytes); 2];
+    (both.clone(), both)
+}
+
+/// The parameters one rank holds, and the part of them that is routed experts: its
+/// tensor-parallel shard of the layer, of a mixture of experts' routed experts only its
+/// expert-parallel share (1/ep of them).
+fn rank_parameters(op: &Op, split: TpSplit, tp: usize, ep: usize) -> (u64, u64) {
+    let t = if split == TpSplit::Replicated { 1 } else { tp.max(1) } as u64;
+    let experts_whole = op.routed_expert_parameter_count() / t;
+    let experts = experts_whole / ep.max(1) as u64;
+    (shard_parameters(op, split, tp).saturating_sub(experts_whole) + experts, experts)
+}
+
 /// The parameters one rank of a `tp`-way split holds.
 fn shard_parameters(op: &Op, split: TpSplit, tp: usize) -> u64 {
     let whole = op.parameter_count();
@@ -579,11 +631,12 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
             let last = i + 1 == count;
             let priced = price(node, split, last, cx);
             let (tp_forward, tp_backward) = tp_collectives(node, split, cx);
-            let params = node.op.parameter_count();
-            let shard = shard_parameters(&node.op, split, cx.tp);
             let t = if split == TpSplit::Replicated { 1 } else { cx.tp };
             let sp = cx.sequence_parallel && split == TpSplit::Block;
-            let (kept, core) = kept_bytes(node, p as f64, t, sp, cx.attention);
+            let (ep_forward, ep_backward) = ep_collectives(node, sp, t, cx);
+            let params = node.op.parameter_count();
+            let (shard, experts) = rank_parameters(&node.op, split, cx.tp, cx.ep);
+            let (kept, core) = kept_bytes(node, p as f64, t, sp, cx.attention, cx.ep);
             let update_s = if shard > 0 { cx.device.memory_time(shard as f64 * update_bytes) } else { 0.0 };
             LayerCost {
                 forward_flops_per_sample: forward_flops(node),
@@ -593,9 +646,12 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 selective_s: priced.selective,
                 tp_forward,
                 tp_backward,
+                ep_forward,
+                ep_backward,
                 update_s,
                 parameters: params,
                 shard_parameters: shard,
+                expert_parameters: experts,
                 parameter_bytes: shard * p as u64,
                 activation_bytes_per_sample: kept as u64,
                 attention_core_bytes_per_sample: core as u64,
@@ -731,6 +787,7 @@ mod tests {
                 loss: Loss::CrossEntropy,
                 microbatch: 4,
                 tp: 1,
+                ep: 1,
                 sequence_parallel: false,
                 attention: Attention::Standard,
                 overhead: 0.0,
@@ -762,6 +819,85 @@ mod tests {
     }
 
     #[test]
+    fn expert_parallelism_divides_the_experts_and_prices_their_all_to_alls() {
+        // Mixtral's block: 8 SwiGLU experts of 3 · 4096 · 14336 parameters each
+        let mut op = Op::llama_block(4096, 32, 8, 14336);
+        let moe = |skew: f64| pipec_plan::model::Moe {
+            experts: 8,
+            top_k: 2,
+            shared: 0,
+            capacity: 0.0,
+            router: pipec_plan::model::Router::Softmax,
+            norm_topk: true,
+            aux_loss: 0.0,
+            skew,
+        };
+        if let Op::TransformerBlock { moe: m, .. } = &mut op {
+            *m = Some(moe(1.0));
+        }
+        let expert = 3 * 4096 * 14336u64;
+        assert_eq!(op.routed_expert_parameter_count(), 8 * expert);
+        let whole = op.parameter_count();
+        assert_eq!(rank_parameters(&op, TpSplit::Replicated, 1, 1), (whole, 8 * expert));
+        // ep 8: one expert per member; with tp 2 half of it
+        assert_eq!(rank_parameters(&op, TpSplit::Replicated, 1, 8), (whole - 7 * expert, expert));
+        let (tp2, experts) = rank_parameters(&op, TpSplit::Block, 2, 8);
+        assert_eq!(experts, expert / 2);
+        assert_eq!(tp2, shard_parameters(&op, TpSplit::Block, 2) - 8 * expert / 2 + expert / 2);
+
+        // a uniform device (every FLOP at one rate, no size effect, no memory bound)
+        let device = DeviceModel::uniform("x", 1e12, 1e12);
+        let cx = |ep: usize| CostContext {
+            device: &device,
+            precision: Precision::Bf16,
+            grad_precision: Precision::Fp32,
+            optimizer: OptimizerKind::Adam,
+            loss: Loss::CrossEntropy,
+            microbatch: 1,
+            tp: 1,
+            ep,
+            sequence_parallel: false,
+            attention: Attention::Flash,
+            overhead: 0.0,
+        };
+        let n = node(op.clone(), vec![4096, 4096]);
+        // dispatch and combine, forward and backward: each member's 4096 tokens' 2 choices,
+        // a bf16 row of 4096 each
+        let rows = 4096.0 * 2.0;
+        let a2a = (rows * 4096.0 * 2.0) as u64;
+        let (f, b) = ep_collectives(&n, false, 1, &cx(8));
+        assert_eq!(f, vec![(CollectiveKind::AllToAll, a2a); 2]);
+        assert_eq!(b, f);
+        assert_eq!(ep_collectives(&n, false, 1, &cx(1)), (Vec::new(), Vec::new()));
+        // uniform routing: each member computes its expert on the group's tokens for it —
+        // as many expert-token pairs as without expert parallelism, the same time here
+        let (one, eight) =
+            (price(&n, TpSplit::Replicated, false, &cx(1)), price(&n, TpSplit::Replicated, false, &cx(8)));
+        assert!((one.forward - eight.forward).abs() < 1e-12 * one.forward, "{} vs {}", one.forward, eight.forward);
+        assert!((one.backward - eight.backward).abs() < 1e-12 * one.backward);
+        // the busiest expert at twice the mean share: under ep 8 its member computes twice
+        // the pairs (its expert's products doubled, and its activation's elements: the
+        // 0.1%), without expert parallelism the same total
+        if let Op::TransformerBlock { moe: m, .. } = &mut op {
+            *m = Some(moe(2.0));
+        }
+        let skewed = node(op.clone(), vec![4096, 4096]);
+        let mlp_forward = 2.0 * rows * 3.0 * 4096.0 * 14336.0 / 1e12;
+        let ep_skewed = price(&skewed, TpSplit::Replicated, false, &cx(8));
+        let added = ep_skewed.forward - eight.forward;
+        assert!(added > mlp_forward && added < 1.001 * mlp_forward, "{added} vs {mlp_forward}");
+        let local_skewed = price(&skewed, TpSplit::Replicated, false, &cx(1));
+        assert!((local_skewed.forward - one.forward).abs() < 1e-9 * one.forward);
+        // and receives twice the rows: the all-to-all's bytes follow the busiest member
+        let (f, _) = ep_collectives(&skewed, false, 1, &cx(8));
+        assert_eq!(f[0].1, 2 * a2a);
+        // it also keeps twice the expert values and dispatched rows, plus the outputs that came back
+        let kept = |n: &OpNode, ep| kept_bytes(n, 2.0, 1, false, Attention::Flash, ep).0;
+        assert!(kept(&skewed, 8) > kept(&n, 8) && kept(&n, 8) > kept(&n, 1));
+        assert_eq!(kept(&n, 8) - kept(&n, 1), 4096.0 * 2.0 * 4096.0 * 2.0);
+    }
+
+    #[test]
     fn a_mixture_of_experts_block_counts_its_active_experts_and_what_routing_keeps() {
         // Mixtral 8x7B's block: 8 SwiGLU experts of width 14,336, 2 per token
         let Op::TransformerBlock { moe, .. } = &mut Op::llama_block(4096, 32, 8, 14336) else { unreachable!() };
@@ -777,6 +913,7 @@ mod tests {
                     router: pipec_plan::model::Router::Softmax,
                     norm_topk: true,
                     aux_loss: 0.01,
+                    skew: 1.0,
                 });
             }
             b
@@ -794,7 +931,7 @@ mod tests {
         // the activation and the product: 4·f), both dispatched inputs, the router's fp32
         // logits and probabilities and the two chosen indices
         let p = 2.0;
-        let kept = |op: &Op| kept_bytes(&node(op.clone(), vec![4096, 4096]), p, 1, false, Attention::Flash).0;
+        let kept = |op: &Op| kept_bytes(&node(op.clone(), vec![4096, 4096]), p, 1, false, Attention::Flash, 1).0;
         let extra = s * (4.0 * f * p + 2.0 * d * p + 8.0 * 8.0 + 8.0 * 2.0);
         assert_eq!(kept(&mixtral) - kept(&Op::llama_block(4096, 32, 8, 14336)), extra);
         // a capacity factor of 0.5 bounds every expert at half its uniform share: half the
@@ -818,7 +955,7 @@ mod tests {
         // tensor parallelism t: (10 + 24/t)·s·h + 5·a·s²/t; with sequence parallelism all
         // of it over t; flash attention or selective recompute drops the 5·a·s² core
         let t: u64 = 8;
-        let kept = |sp, attention| kept_bytes(&n, 2.0, t as usize, sp, attention);
+        let kept = |sp, attention| kept_bytes(&n, 2.0, t as usize, sp, attention, 1);
         assert_eq!(
             kept(false, Attention::Standard),
             ((10 * sh + 24 * sh / t + 5 * as2 / t) as f64, (5 * as2 / t) as f64)

@@ -17,6 +17,15 @@ pub(crate) struct StageFigures {
     /// (forward, backward) seconds per microbatch of the tensor-parallel collectives the
     /// stage's passes wait for (0 without tensor parallelism).
     pub(crate) tp_times: Vec<(f64, f64)>,
+    /// (forward, backward) seconds per microbatch of the expert-parallel all-to-alls the
+    /// stage's passes wait for (0 without expert parallelism).
+    pub(crate) ep_times: Vec<(f64, f64)>,
+    /// Bytes of the stage's routed experts' gradients one rank holds: summed over the
+    /// replicas holding the same experts (`ep` apart), the rest over all of them.
+    pub(crate) expert_gradients: Vec<u64>,
+    /// Per stage, its expert-parallel degree: the strategy's `ep` for a stage with expert
+    /// blocks, 1 for the others.
+    pub(crate) expert_parallel: Vec<usize>,
     /// Seconds of one optimizer update of the stage's parameters (on one tensor-parallel rank).
     pub(crate) update: Vec<f64>,
     /// Output bytes per microbatch (what goes to the next stage).
@@ -48,6 +57,43 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .map(|r| {
             let c = &costs[r.clone()];
             (c.iter().map(|c| tp_time(&c.tp_forward)).sum(), c.iter().map(|c| tp_time(&c.tp_backward)).sum())
+        })
+        .collect();
+    // expert parallelism: the all-to-alls over `ep` consecutive replicas of the stage's
+    // pipeline rank (consecutive tensor-parallel groups, so inside a node when they fit)
+    let ep = spec.strategy.ep.max(1);
+    let chunks = spec.strategy.schedule.kind.chunk_placement();
+    let ranks = crate::place::rank_devices(&layout.replicas, tp);
+    let ep_times: Vec<(f64, f64)> = layout
+        .ranges
+        .iter()
+        .enumerate()
+        .map(|(c, r)| {
+            let members = ranks.get(chunks.rank_of_chunk(c, ranks.len())).map_or(&[][..], |m| &m[..ep.min(m.len())]);
+            let time = |list: &[(CollectiveKind, u64)]| {
+                list.iter().map(|&(k, b)| model.cluster.collective_time(k, members, b)).sum::<f64>()
+            };
+            let c = &costs[r.clone()];
+            (c.iter().map(|c| time(&c.ep_forward)).sum(), c.iter().map(|c| time(&c.ep_backward)).sum())
+        })
+        .collect();
+    let expert_parallel: Vec<usize> = layout
+        .ranges
+        .iter()
+        .map(|r| {
+            let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.block_dims().is_some_and(|b| b.moe.is_some()));
+            if moe {
+                ep
+            } else {
+                1
+            }
+        })
+        .collect();
+    let expert_gradients: Vec<u64> = layout
+        .ranges
+        .iter()
+        .map(|r| {
+            costs[r.clone()].iter().map(|c| c.expert_parameters).sum::<u64>().saturating_mul(model.grad_bytes as u64)
         })
         .collect();
     // ZeRO: each replica of a stage keeps (and updates) its 1/d share of what is sharded
@@ -206,5 +252,5 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             }
         })
         .collect();
-    StageFigures { times, tp_times, update, output_bytes, bytes }
+    StageFigures { times, tp_times, ep_times, expert_gradients, expert_parallel, update, output_bytes, bytes }
 }

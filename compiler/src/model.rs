@@ -37,6 +37,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         loss: spec.model.loss,
         microbatch: microbatch_size,
         tp: spec.strategy.tp.max(1),
+        ep: spec.strategy.ep.max(1),
         sequence_parallel: spec.strategy.sequence_parallel,
         attention: spec.model.attention,
         overhead: spec.cluster.overhead,

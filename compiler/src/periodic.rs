@@ -179,6 +179,8 @@ pub fn verify_periodic(
             sharding: pipec_plan::vocab::Sharding::None,
             clipping: false,
             forward_only: false,
+            // asynchronous schedules are not expert-parallel (the front end's E0419)
+            expert_parallel: &[],
         });
         out.extend(violations.into_iter().map(|v| format!("unrolled over {k} step(s): {}", v.message)));
     }

@@ -18,6 +18,12 @@ pub(crate) struct PlanCost<'a> {
     pub(crate) stage_fb: &'a [(f64, f64)],
     /// Per stage, the tensor-parallel collectives' seconds in a forward and a backward.
     pub(crate) stage_tp: &'a [(f64, f64)],
+    /// Per stage, the expert-parallel all-to-alls' seconds in a forward and a backward.
+    pub(crate) stage_ep: &'a [(f64, f64)],
+    /// Expert parallelism: the replica groups whose gradient all-reduce sums the stage's
+    /// routed experts' part (these bytes) only over members `ep` apart.
+    expert_groups: HashMap<GroupId, u64>,
+    ep: usize,
     pub(crate) stage_update: &'a [f64],
     pub(crate) cluster: &'a ClusterGraph,
     pub(crate) reduce: ReduceMode,
@@ -41,6 +47,9 @@ impl<'a> PlanCost<'a> {
         PlanCost {
             stage_fb: &stages.times,
             stage_tp: &stages.tp_times,
+            stage_ep: &stages.ep_times,
+            expert_groups: HashMap::new(),
+            ep: spec.strategy.ep.max(1),
             stage_update: &stages.update,
             cluster: &model.cluster,
             reduce: spec.strategy.schedule.reduce,
@@ -48,6 +57,26 @@ impl<'a> PlanCost<'a> {
             summed_over,
             shapes: Default::default(),
         }
+    }
+
+    /// Prices each replica group's gradient all-reduce as expert parallelism runs it: the
+    /// routed experts' gradients summed only over the members holding the same experts.
+    pub(crate) fn with_expert_groups(
+        mut self,
+        groups: &std::collections::BTreeMap<GroupId, (pipec_plan::StageId, Vec<DeviceId>)>,
+        ties: &std::collections::BTreeMap<GroupId, [usize; 2]>,
+        expert_gradients: &[u64],
+    ) -> Self {
+        if self.ep > 1 {
+            self.expert_groups = groups
+                .iter()
+                .filter(|(g, _)| !ties.contains_key(g))
+                .filter_map(|(g, (s, _))| {
+                    expert_gradients.get(s.0 as usize).copied().filter(|&b| b > 0).map(|b| (*g, b))
+                })
+                .collect();
+        }
+        self
     }
 
     /// An all-reduce of `bytes` over `members`: NCCL's ring, hierarchical across nodes
@@ -72,6 +101,8 @@ impl CostModel for PlanCost<'_> {
         let s = instr.stage().0 as usize;
         let (f, b) = self.stage_fb.get(s).copied().unwrap_or((0.0, 0.0));
         let (tp_f, tp_b) = self.stage_tp.get(s).copied().unwrap_or((0.0, 0.0));
+        let (ep_f, ep_b) = self.stage_ep.get(s).copied().unwrap_or((0.0, 0.0));
+        let (tp_f, tp_b) = (tp_f + ep_f, tp_b + ep_b);
         match instr.phase() {
             Phase::Forward | Phase::Recompute => f + tp_f,
             Phase::Backward => b + tp_b,
@@ -90,8 +121,17 @@ impl CostModel for PlanCost<'_> {
         let members = self.summed_over.get(&group).map_or(members, Vec::as_slice);
         let shape = *self.shapes.borrow_mut().entry(group).or_insert_with(|| self.cluster.group_shape(members));
         match kind {
-            CollectiveKind::AllReduce => self.shaped_reduce_time(members, shape, bytes),
-            CollectiveKind::ReduceScatter | CollectiveKind::AllGather => {
+            CollectiveKind::AllReduce => match self.expert_groups.get(&group) {
+                // the dense part over the group, then the experts' over the members holding
+                // the same ones (`ep` apart)
+                Some(&experts) => {
+                    let same: Vec<DeviceId> = members.iter().step_by(self.ep).copied().collect();
+                    self.shaped_reduce_time(members, shape, bytes.saturating_sub(experts))
+                        + self.reduce_time(&same, experts.min(bytes))
+                }
+                None => self.shaped_reduce_time(members, shape, bytes),
+            },
+            CollectiveKind::ReduceScatter | CollectiveKind::AllGather | CollectiveKind::AllToAll => {
                 self.cluster.shaped_collective_time(kind, shape, bytes)
             }
         }

@@ -60,6 +60,9 @@ pub struct SearchOptions {
     pub sharding: Option<Sharding>,
     /// `sequence_parallel: true` written: kept on every candidate with tensor parallelism.
     pub sequence_parallel: bool,
+    /// `ep` written: every candidate divides the experts so (otherwise, for a model with
+    /// expert blocks, every degree that divides the replicas and the experts is tried).
+    pub ep: Option<usize>,
     /// How many of the best plans that fit the search finds exactly: the winner (1, the
     /// default) and as many runner-ups (`pipec search --exact-top`); the branch and bound
     /// stops when no bound can beat the last of them. Other runner-ups in the report are
@@ -81,6 +84,7 @@ impl Default for SearchOptions {
             recompute: None,
             sharding: None,
             sequence_parallel: false,
+            ep: None,
             ranked: 1,
         }
     }
@@ -104,6 +108,7 @@ impl SearchOptions {
             recompute: (!auto.recompute).then(|| st.recompute.clone()),
             sharding: (st.sharding != Sharding::None).then_some(st.sharding),
             sequence_parallel: st.sequence_parallel,
+            ep: (!auto.ep).then_some(st.ep),
             ranked: 1,
         }
     }
@@ -127,6 +132,8 @@ pub struct Candidate {
     pub sharding: Sharding,
     /// Megatron's sequence parallelism (with `tp` > 1).
     pub sequence_parallel: bool,
+    /// Expert parallelism's degree (1: every replica holds every expert).
+    pub ep: usize,
     /// The `strategy` mapping, as YAML flow text.
     pub strategy: String,
     pub outcome: Outcome,
@@ -157,8 +164,9 @@ impl Candidate {
             s => format!(", zero: {}", s.level()),
         };
         let sp = if self.sequence_parallel { ", sequence_parallel: true" } else { "" };
+        let ep = if self.ep > 1 { format!(", ep: {}", self.ep) } else { String::new() };
         format!(
-            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{overlap} }}",
+            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{ep}{overlap} }}",
             self.tp,
             self.microbatches,
             self.recompute.text()
@@ -183,6 +191,7 @@ impl Candidate {
         st.recompute = self.recompute.clone();
         st.sharding = self.sharding;
         st.sequence_parallel = self.sequence_parallel;
+        st.ep = self.ep;
         st.auto = None;
         st.layout_fixed = layout.is_some();
         s
@@ -368,7 +377,34 @@ fn recompute_json(r: &Recompute) -> serde_json::Value {
 /// replicated stage under a schedule that updates once per step, and no level written.
 fn shardable(c: &Candidate, options: &SearchOptions) -> bool {
     let replicated = c.layout().is_some_and(|l| l.iter().any(|&r| r > 1) && c.schedule.updates_per_step());
-    replicated && c.sharding == Sharding::None && options.sharding.is_none()
+    // expert-parallel stages are not sharded (the front end's E0419)
+    replicated && c.sharding == Sharding::None && options.sharding.is_none() && c.ep == 1
+}
+
+/// The expert-parallel degrees to try on `layout`: the written one, or for a model with
+/// expert blocks every degree dividing every stage's replicas and every block's experts,
+/// under a schedule whose replicas run their passes together (one update per step, one
+/// pipeline direction) and without a written ZeRO level (the front end's E0417–E0419).
+fn expert_degrees(
+    spec: &Spec,
+    options: &SearchOptions,
+    layout: Option<&[usize]>,
+    schedule: ScheduleKind,
+) -> Vec<usize> {
+    let experts: Vec<usize> =
+        spec.model.layers.iter().filter_map(|l| l.op.block_dims().and_then(|b| b.moe)).map(|m| m.experts).collect();
+    let Some(l) = layout else { return vec![options.ep.unwrap_or(1)] };
+    let together = schedule.updates_per_step()
+        && schedule.chunk_placement() != pipec_plan::schedule::ChunkPlacement::Bidirectional
+        && options.sharding.is_none_or(|s| s == Sharding::None);
+    let fits = |e: usize| {
+        e == 1 || (together && l.iter().all(|r| r.is_multiple_of(e)) && experts.iter().all(|x| x.is_multiple_of(e)))
+    };
+    match options.ep {
+        Some(e) => vec![e],
+        None if experts.is_empty() => vec![1],
+        None => divisors(l.iter().copied().max().unwrap_or(1)).filter(|&e| fits(e)).collect(),
+    }
 }
 
 /// A candidate at each ZeRO level (the distributed optimizer updates 1/d of the weights;
@@ -454,47 +490,50 @@ fn candidates(
                 None => divisors(batch).filter(|n| n.is_multiple_of(dp)).collect(),
             };
             for (schedule, chunks) in schedules {
-                for &microbatches in &counts {
-                    for recompute in &recomputes {
-                        let mut c = Candidate {
-                            tp,
-                            replicas: layout.clone().unwrap_or_default(),
-                            planner: layout.is_none(),
-                            schedule,
-                            chunks,
-                            microbatches,
-                            recompute: recompute.clone(),
-                            // a written ZeRO level where a stage is replicated; the
-                            // others are derived from the unsharded candidate when it is
-                            // planned (their bounds are never below its)
-                            sharding: match (&layout, options.sharding) {
-                                (Some(l), Some(written)) if l.iter().any(|&r| r > 1) => written,
-                                _ => Sharding::None,
-                            },
-                            sequence_parallel: options.sequence_parallel && tp > 1,
-                            strategy: String::new(),
-                            outcome: Outcome::TooBig,
-                        };
-                        c.strategy = c.text(spec.strategy.overlap);
-                        // the schedule's layout rules (the front end's), then the work spread
-                        // evenly: the candidate is bounded (and PipeDream's planner lays it
-                        // out) only when the branch and bound reaches it; the text itself is
-                        // checked before compiling
-                        let broken = c.layout().and_then(|l| {
-                            let facts = LayoutFacts { replicas: l, microbatches, vertical_sync: false };
-                            schedule.check_layout(&facts).into_iter().next()
-                        });
-                        c.outcome = match broken {
-                            Some(v) => Outcome::Invalid(v.message),
-                            None => match work_bound(&c.spec(spec), compile_options, memo) {
-                                Ok(b) => {
-                                    valid.push((candidates.len(), b));
-                                    Outcome::Pruned { bound_s: b }
-                                }
-                                Err(d) => Outcome::Invalid(first_error(&d)),
-                            },
-                        };
-                        candidates.push(c);
+                for ep in expert_degrees(spec, options, layout.as_deref(), schedule) {
+                    for &microbatches in &counts {
+                        for recompute in &recomputes {
+                            let mut c = Candidate {
+                                tp,
+                                replicas: layout.clone().unwrap_or_default(),
+                                planner: layout.is_none(),
+                                schedule,
+                                chunks,
+                                microbatches,
+                                recompute: recompute.clone(),
+                                // a written ZeRO level where a stage is replicated; the
+                                // others are derived from the unsharded candidate when it is
+                                // planned (their bounds are never below its)
+                                sharding: match (&layout, options.sharding) {
+                                    (Some(l), Some(written)) if l.iter().any(|&r| r > 1) => written,
+                                    _ => Sharding::None,
+                                },
+                                sequence_parallel: options.sequence_parallel && tp > 1,
+                                ep,
+                                strategy: String::new(),
+                                outcome: Outcome::TooBig,
+                            };
+                            c.strategy = c.text(spec.strategy.overlap);
+                            // the schedule's layout rules (the front end's), then the work spread
+                            // evenly: the candidate is bounded (and PipeDream's planner lays it
+                            // out) only when the branch and bound reaches it; the text itself is
+                            // checked before compiling
+                            let broken = c.layout().and_then(|l| {
+                                let facts = LayoutFacts { replicas: l, microbatches, vertical_sync: false };
+                                schedule.check_layout(&facts).into_iter().next()
+                            });
+                            c.outcome = match broken {
+                                Some(v) => Outcome::Invalid(v.message),
+                                None => match work_bound(&c.spec(spec), compile_options, memo) {
+                                    Ok(b) => {
+                                        valid.push((candidates.len(), b));
+                                        Outcome::Pruned { bound_s: b }
+                                    }
+                                    Err(d) => Outcome::Invalid(first_error(&d)),
+                                },
+                            };
+                            candidates.push(c);
+                        }
                     }
                 }
             }
@@ -669,6 +708,7 @@ fn describe(c: &Candidate) -> String {
         0 => String::new(),
         z => format!(", zero {z}"),
     };
+    let zero = if c.ep > 1 { format!("{zero}, ep {}", c.ep) } else { zero };
     format!(
         "{schedule}{chunks} · tp {} × {layout}, {} microbatches{}{zero}",
         c.tp,
@@ -716,6 +756,12 @@ fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> Str
     }
     if o.tp > b.tp {
         reasons.push(format!("tp {} (tensor-parallel all-reduces inside every pass)", o.tp));
+    }
+    if o.ep != b.ep {
+        reasons.push(match o.ep {
+            1 => "no expert parallelism (every replica computes every expert on its own tokens, and sums every expert's gradient over all replicas)".to_string(),
+            e => format!("ep {e} (all-to-alls inside every pass of the expert stages)"),
+        });
     }
     if o.sharding != b.sharding {
         reasons.push(match o.sharding {

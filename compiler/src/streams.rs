@@ -38,6 +38,8 @@ pub(crate) struct Lowered {
     pub(crate) recompute: Vec<bool>,
     /// Validation's forward-only streams for one held-out batch (`eval_streams`).
     pub(crate) eval: Option<BTreeMap<DeviceId, Vec<Instr>>>,
+    /// Per stage: its expert-parallel degree (`StageFigures::expert_parallel`).
+    pub(crate) expert_parallel: Vec<usize>,
 }
 
 impl Lowered {
@@ -142,6 +144,7 @@ pub(crate) fn lower_streams(
         summed_over,
         recompute: layout.recompute.clone(),
         eval: None,
+        expert_parallel: stages.expert_parallel.clone(),
     };
     tied_all_reduces(spec, layout, placement, summed, &mut lowered, precision);
     lowered

@@ -38,6 +38,7 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
                 lowered.streams.values().filter(|s| !s.is_empty()).count(),
             ),
             forward_only: false,
+            expert_parallel: &lowered.expert_parallel,
         })
         .into_iter()
         .map(|v| v.message)
@@ -88,6 +89,7 @@ fn verify_eval(streams: &BTreeMap<DeviceId, Vec<Instr>>, placement: &Placement, 
         sharding: pipec_plan::vocab::Sharding::None,
         clipping: false,
         forward_only: true,
+        expert_parallel: &[],
     })
     .into_iter()
     .map(|v| v.message)
@@ -150,6 +152,7 @@ fn placement_of(plan: &pipec_plan::Plan) -> Placement {
 /// Verifies `streams` as the streams of `plan` (whose other fields are assumed sound).
 pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<Instr>>) -> Vec<String> {
     let placement = placement_of(plan);
+    let expert_parallel: Vec<usize> = plan.stages.iter().map(|s| s.expert_parallel as usize).collect();
     let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
     let kind = plan.schedule.kind;
     let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
@@ -167,6 +170,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
             streams.values().filter(|s| !s.is_empty()).count(),
         ),
         forward_only: false,
+        expert_parallel: &expert_parallel,
     };
     verify(&input).into_iter().map(|v| v.message).collect()
 }

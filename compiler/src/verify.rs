@@ -49,6 +49,9 @@ pub struct VerifyInput<'a> {
     /// Validation's streams: forwards only, each (stage, microbatch) once, no backward and
     /// no update.
     pub forward_only: bool,
+    /// Per stage, its expert-parallel degree (1, or absent: none): groups of this many
+    /// consecutive replicas exchange tokens in all-to-alls inside every pass.
+    pub expert_parallel: &'a [usize],
 }
 
 impl VerifyInput<'_> {
@@ -122,6 +125,7 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
     }
     check_p2p(input, &mut out);
     check_collectives(input, &mut out);
+    check_expert_groups(input, &mut out);
     if let Some(s) = input.asp_staleness {
         check_parameter_server(input, s, &mut out);
     }
@@ -667,6 +671,79 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     index: None,
                     message: format!("{dev}: {stage} is never updated"),
                 });
+            }
+        }
+    }
+}
+
+/// Expert parallelism: the members of an expert-parallel group exchange tokens in
+/// all-to-alls inside every forward, recompute and input-gradient backward of their expert
+/// stages, matched by order on each member's communication engine. So every member of a
+/// group runs those passes in the same order: the same stage and kind of pass at each
+/// position, on its k-th microbatch of the stage when the others run theirs.
+fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
+    let p = input.placement;
+    let ep_of = |s: usize| input.expert_parallel.get(s).copied().unwrap_or(1).max(1);
+    // (stage, microbatch) → its position among the microbatches its replica runs
+    let local: FxHashMap<(usize, usize), usize> = (0..p.stages())
+        .filter(|&s| ep_of(s) > 1)
+        .flat_map(|s| {
+            let mut seen: FxHashMap<DeviceId, usize> = FxHashMap::default();
+            (0..p.microbatches)
+                .map(|m| {
+                    let k = seen.entry(p.device_of(s, m)).or_insert(0);
+                    *k += 1;
+                    ((s, m), *k - 1)
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let exchanges = |d: DeviceId| -> Vec<(usize, (StageId, u8, usize))> {
+        let Some(stream) = input.streams.get(&d) else { return Vec::new() };
+        stream
+            .iter()
+            .enumerate()
+            .filter_map(|(i, ins)| {
+                let (stage, mb, kind) = match *ins {
+                    Instr::Forward { stage, mb } => (stage, mb, 0),
+                    Instr::Recompute { stage, mb } => (stage, mb, 1),
+                    Instr::Backward { stage, mb } | Instr::BackwardInput { stage, mb } => (stage, mb, 2),
+                    _ => return None,
+                };
+                let s = stage.0 as usize;
+                (ep_of(s) > 1)
+                    .then(|| (i, (stage, kind, local.get(&(s, mb.0 as usize)).copied().unwrap_or(usize::MAX))))
+            })
+            .collect()
+    };
+    let mut checked: FxHashSet<Vec<DeviceId>> = FxHashSet::default();
+    for s in (0..p.stages()).filter(|&s| ep_of(s) > 1) {
+        for group in p.replicas[s].chunks(ep_of(s)) {
+            if !checked.insert(group.to_vec()) {
+                continue;
+            }
+            let Some((&first, rest)) = group.split_first() else { continue };
+            let reference = exchanges(first);
+            for &d in rest {
+                let mine = exchanges(d);
+                let at = (0..reference.len().max(mine.len()))
+                    .find(|&k| reference.get(k).map(|r| r.1) != mine.get(k).map(|m| m.1));
+                if let Some(k) = at {
+                    let index = mine.get(k).map_or(input.streams.get(&d).map_or(0, Vec::len), |m| m.0);
+                    let what = |x: Option<&(usize, (StageId, u8, usize))>, dev: DeviceId| {
+                        x.and_then(|x| input.streams.get(&dev).and_then(|st| st.get(x.0)))
+                            .map_or("nothing".to_string(), |ins| format!("`{ins}`"))
+                    };
+                    out.push(v(
+                        d,
+                        index,
+                        format!(
+                            "expert-parallel all-to-all {k} of {d} comes from {}, where {first} (its group's first member) runs {}: the group's members must run their expert stages' passes in the same order",
+                            what(mine.get(k), d),
+                            what(reference.get(k), first)
+                        ),
+                    ));
+                }
             }
         }
     }

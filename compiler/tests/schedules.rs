@@ -33,6 +33,37 @@ training:
     )
 }
 
+/// A small mixture-of-experts language model (4 blocks of 4 experts, top 2) on `devices`
+/// devices, layout `stages`, expert-parallel degree `ep`.
+fn moe_spec(devices: usize, microbatches: usize, schedule: &str, stages: &str, ep: usize) -> String {
+    format!(
+        "model:
+  input: [8]
+  layers:
+    - embedding(50, 16)
+    - repeat 4: transformer_block(16, 2, 32, experts=4, top_k=2)
+    - linear(16, 50, bias=false)
+  loss: cross_entropy
+cluster:
+  nodes: 1
+  devices_per_node: {devices}
+  device: {{ memory: 64GiB, throughput: 1GFLOP/s }}
+  links:
+    intra_node: {{ bandwidth: 100GB/s, latency: 1us }}
+strategy:
+  stages: {stages}
+  schedule: {schedule}
+  microbatches: {microbatches}
+  ep: {ep}
+training:
+  batch_size: {}
+  steps: 1
+  optimizer: {{ kind: sgd, lr: 0.1 }}
+",
+        microbatches * 2
+    )
+}
+
 /// `text` with its schedule as the paper gives it: `overlap: false`, so a later stage runs
 /// each backward as one pass and sends its input gradient after it (by default it sends it
 /// before its weight-gradient pass, `gradients_sent_first_*` below).
@@ -414,7 +445,69 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
             "clipped-interleaved",
             build(&clipped(&spec(2, 4, "{ kind: interleaved, virtual_stages: 2 }", 8, "straight"))),
         ),
+        ("expert-parallel-dp-only", build(&moe_spec(4, 8, "dp-only", "\"4\"", 4))),
+        ("expert-parallel-1f1b", build(&moe_spec(4, 4, "1f1b", "\"2-2\"", 2))),
+        ("expert-parallel-zbv", build(&moe_spec(4, 4, "zbv", "\"2-2\"", 2))),
+        ("expert-parallel-tensor-parallel", build(&moe_spec(8, 4, "1f1b", "\"2-2\"\n  tp: 2", 2))),
     ]
+}
+
+/// Expert parallelism: the members of a group exchange tokens inside every pass of their
+/// expert stages, so any reordering of those passes on one member — not only the swaps of
+/// neighbours that touch a common buffer — is caught, as are a dropped or repeated pass.
+#[test]
+fn every_reordering_of_an_expert_parallel_members_passes_is_caught() {
+    for (name, c) in every_schedule().into_iter().filter(|(n, _)| n.starts_with("expert-parallel")) {
+        let streams = &c.plan.streams;
+        assert!(verify_plan(&c, streams).is_empty(), "{name}");
+        let expert_stage = |s: pipec_plan::StageId| c.plan.stage(s).is_some_and(|st| st.expert_parallel > 1);
+        let mut tried = 0;
+        for (dev, stream) in streams {
+            let passes: Vec<usize> = (0..stream.len())
+                .filter(|&i| {
+                    matches!(
+                        stream[i],
+                        Instr::Forward { .. }
+                            | Instr::Backward { .. }
+                            | Instr::BackwardInput { .. }
+                            | Instr::Recompute { .. }
+                    ) && expert_stage(stream[i].stage())
+                })
+                .collect();
+            for (a, &i) in passes.iter().enumerate() {
+                for &j in &passes[a + 1..] {
+                    if stream[i].phase() == stream[j].phase() && stream[i].stage() == stream[j].stage() {
+                        // two passes of one kind and stage: swapping them swaps microbatches
+                        let mut m = streams.clone();
+                        m.get_mut(dev).expect("device").swap(i, j);
+                        let found = verify_plan(&c, &m);
+                        assert!(
+                            !found.is_empty(),
+                            "{name}: swapping {dev}[{i}] `{}` and [{j}] `{}` was not caught",
+                            stream[i],
+                            stream[j]
+                        );
+                        tried += 1;
+                    }
+                }
+            }
+        }
+        assert!(tried > 0, "{name}");
+    }
+}
+
+/// The expert-parallel check itself: a member that runs its two forwards of an expert
+/// stage in the other order — data flow and messages still sound — is named by it.
+#[test]
+fn a_member_out_of_step_with_its_expert_group_is_named() {
+    let c = build(&moe_spec(2, 4, "gpipe", "\"2\"", 2));
+    let mut streams = c.plan.streams.clone();
+    let s = streams.get_mut(&DeviceId(1)).expect("d1");
+    let forwards: Vec<usize> = (0..s.len()).filter(|&i| matches!(s[i], Instr::Forward { .. })).collect();
+    assert_eq!(forwards.len(), 2, "two microbatches on each of the two replicas");
+    s.swap(forwards[0], forwards[1]);
+    let found = verify_plan(&c, &streams);
+    assert!(found.iter().any(|v| v.contains("expert-parallel all-to-all 0 of d1")), "{found:#?}");
 }
 
 #[test]

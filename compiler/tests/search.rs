@@ -48,7 +48,36 @@ fn cases() -> Vec<(String, String)> {
         ("4 devices".into(), spec_text(4, 1, mlp, 32, "8GiB")),
         ("2 x 2 devices, 300 MiB".into(), spec_text(2, 2, mlp, 16, "300MiB")),
         ("a language model on 2 x 2 devices, 70 MiB".into(), lm),
+        ("a mixture of experts on 2 x 4 devices".into(), mixture_of_experts()),
     ]
+}
+
+/// The language model with 4 experts (top 2) per block: the search also tries expert
+/// parallelism.
+fn mixture_of_experts() -> String {
+    language_model()
+        .replace("d=32, heads=2, ff=64, causal=true)", "d=32, heads=2, ff=64, causal=true, experts=4, top_k=2)")
+}
+
+#[test]
+fn the_search_tries_expert_parallelism_where_it_divides_replicas_and_experts() {
+    let text = mixture_of_experts();
+    let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+    let all = search(
+        &text,
+        &spec,
+        &CompileOptions::default(),
+        &SearchOptions { exhaustive: true, ..SearchOptions::default() },
+    );
+    let degrees: std::collections::BTreeSet<usize> = all.candidates.iter().map(|c| c.ep).collect();
+    assert_eq!(degrees, [1, 2, 4].into(), "8 devices, 4 experts");
+    for c in all.candidates.iter().filter(|c| c.ep > 1) {
+        assert!(c.replicas.iter().all(|r| r % c.ep == 0), "{}", c.strategy);
+        assert_eq!(c.sharding, pipec_plan::vocab::Sharding::None, "{}", c.strategy);
+        assert!(c.strategy.contains(&format!("ep: {}", c.ep)), "{}", c.strategy);
+    }
+    // some expert-parallel plan compiles and is simulated
+    assert!(all.candidates.iter().any(|c| c.ep > 1 && matches!(c.outcome, Outcome::Planned(_))));
 }
 
 #[test]

@@ -99,6 +99,7 @@ pub trait Endpoint: Send {
             }
             (CollectiveKind::ReduceScatter, _) => ring_reduce_scatter(self, group, data),
             (CollectiveKind::AllGather, _) => ring_all_gather(self, group, data),
+            (CollectiveKind::AllToAll, _) => pairwise_all_to_all(self, group, data),
         }
     }
 }
@@ -222,6 +223,33 @@ pub fn ring_all_gather<E: Endpoint + ?Sized>(
         chunks[recv_i] = Some(ep.coll_recv(prev)?);
     }
     Ok(chunks.into_iter().flatten().flatten().collect())
+}
+
+/// Pairwise all-to-all: member `me`'s data is p chunks (`chunk(n, p, j)`), the j-th for
+/// member j; in step k = 1..p it sends the chunk of member me + k and receives from member
+/// me − k (mod p). The result is the chunks addressed to `me`, in member order.
+pub fn pairwise_all_to_all<E: Endpoint + ?Sized>(
+    ep: &mut E,
+    group: &[DeviceId],
+    data: Vec<f32>,
+) -> Result<Vec<f32>, TransportError> {
+    let p = group.len();
+    if p <= 1 {
+        return Ok(data);
+    }
+    let (me, _, _) = ring_position(ep, group)?;
+    let n = data.len();
+    let mut received: Vec<Vec<f32>> = vec![Vec::new(); p];
+    received[me] = data[chunk(n, p, me)].to_vec();
+    for k in 1..p {
+        let (to, from) = ((me + k) % p, (me + p - k) % p);
+        ep.coll_send(group[to], data[chunk(n, p, to)].to_vec())?;
+        received[from] = ep.coll_recv(group[from])?;
+        if received[from].len() != received[me].len() {
+            return Err(TransportError::Other("members of an all-to-all sent different sizes".into()));
+        }
+    }
+    Ok(received.into_iter().flatten().collect())
 }
 
 /// A central parameter server (the group's first member): everyone sends, it sums in
@@ -448,6 +476,26 @@ mod tests {
                 for g in &gathered {
                     assert_eq!(g, &all[0], "p={p} n={n}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn all_to_all_hands_every_member_the_chunks_addressed_to_it() {
+        for p in 1..=5usize {
+            // member i's chunk for member j holds 100·i + 10·j + k
+            let n = 3 * p;
+            let input = |i: usize| (0..n).map(|x| (100 * i + 10 * (x / 3) + x % 3) as f32).collect::<Vec<f32>>();
+            let out = run_collective(CollectiveKind::AllToAll, p, ReduceMode::Ring, input);
+            for (j, got) in out.iter().enumerate() {
+                let expected: Vec<f32> =
+                    (0..p).flat_map(|i| (0..3).map(move |k| (100 * i + 10 * j + k) as f32)).collect();
+                assert_eq!(got, &expected, "p={p} member {j}");
+            }
+            // twice is the identity: what came back is every member's own input
+            let back = run_collective(CollectiveKind::AllToAll, p, ReduceMode::Ring, |j| out[j].clone());
+            for (i, b) in back.iter().enumerate() {
+                assert_eq!(b, &input(i), "p={p} member {i}");
             }
         }
     }

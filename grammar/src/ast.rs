@@ -277,6 +277,8 @@ pub struct AutoStrategy {
     pub schedule: bool,
     pub microbatches: bool,
     pub recompute: bool,
+    /// The expert-parallel degree (`ep`; searched only for a model with expert blocks).
+    pub ep: bool,
     /// `search.async`: the asynchronous schedules (stale weights) may be chosen.
     pub asynchronous: bool,
     /// `search.max_depth`: the most pipeline stages.
@@ -308,6 +310,10 @@ pub struct Strategy {
     pub sequence_parallel: bool,
     /// `zero`: what data-parallel replicas shard among themselves.
     pub sharding: pipec_plan::vocab::Sharding,
+    /// `ep`: expert parallelism — every replicated stage's replicas in groups of `ep`
+    /// consecutive ones, each holding `experts / ep` of every expert block's experts and
+    /// exchanging tokens with the group's other members (1: every replica holds them all).
+    pub ep: usize,
     /// `strategy: auto`, or `auto` fields: what the compiler's strategy search chooses (the
     /// other fields then hold placeholders where they are free).
     pub auto: Option<AutoStrategy>,

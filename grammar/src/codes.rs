@@ -309,6 +309,53 @@ schedule, or remove `zero`.
       schedule: pipedream   # error with zero
       zero: 1";
 
+"E0416", "expert parallelism without experts",
+"`ep` divides every expert block's experts over the members of an expert-parallel group:
+each holds `experts / ep` of them, and tokens travel to their experts' member and back in
+all-to-all exchanges. A model without `experts=` blocks has nothing to divide. Give the
+transformer blocks experts, or remove `ep`.
+
+    model:
+      layers:
+        - repeat 4: transformer_block(d=64, heads=4, ff=256)   # dense MLPs
+    strategy:
+      dp: 4
+      ep: 2   # error: no expert blocks";
+
+"E0417", "expert parallelism that does not divide the replicas",
+"An expert-parallel group is `ep` consecutive replicas of a stage (Megatron-LM's layout:
+expert parallelism inside data parallelism). Every stage's replica count must be a
+multiple of `ep`, so that every replica belongs to one group and every group holds every
+expert once. Replicate the stages more (`dp` a multiple of `ep`), or lower `ep`.
+
+    strategy:
+      dp: 2
+      ep: 4   # error: 2 replicas cannot form groups of 4";
+
+"E0418", "expert parallelism that does not divide the experts",
+"Each member of an expert-parallel group holds an equal share of every expert block's
+experts, so `ep` must divide each block's `experts`. Choose `ep` among the divisors the
+help lists, or change the number of experts.
+
+    layers:
+      - repeat 4: transformer_block(d=64, heads=4, ff=256, experts=6)
+    strategy:
+      dp: 4
+      ep: 4   # error: 6 experts do not split 4 ways";
+
+"E0419", "expert parallelism with sharding or an asynchronous schedule",
+"An expert-parallel group's members exchange tokens inside every forward and backward, so
+they must run those passes together: a schedule whose replicas update on their own clock
+(PipeDream, 2BW) or asynchronous data parallelism (`sync: asp`) cannot be expert-parallel.
+ZeRO (`zero` ≥ 1) shards every parameter over all of a stage's replicas, while an expert's
+parameters live only on the replicas holding it; pipec does not shard expert-parallel
+stages yet. Use a synchronous schedule without `zero`, or remove `ep`.
+
+    strategy:
+      dp: 4
+      ep: 2
+      zero: 1   # error with ep";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";

@@ -253,6 +253,12 @@ struct Strategy {
     /// optimizer); 2 also the gradients; 3 also the weights (FSDP's full sharding).
     #[schemars(range(min = 0, max = 3))]
     zero: Option<u8>,
+    /// Expert parallelism (a model with `experts=` blocks): each stage's replicas in groups
+    /// of `ep` consecutive ones, each member holding `experts / ep` of every block's experts;
+    /// tokens travel to their experts' member and back in all-to-alls inside every pass, and
+    /// an expert's gradient is summed over the replicas holding it. Divides every stage's
+    /// replicas and every block's experts. Default 1; `auto`: searched.
+    ep: Option<CountOrAuto>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
     /// Overlap communication with compute (default true): a replicated stage's all-reduce

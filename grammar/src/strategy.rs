@@ -68,6 +68,7 @@ pub(crate) fn lower_strategy(
             schedule: true,
             microbatches: true,
             recompute: true,
+            ep: true,
             asynchronous: false,
             max_depth: None,
             headroom: 0.0,
@@ -83,9 +84,10 @@ pub(crate) fn lower_strategy(
         || free("schedule")
         || free("microbatches")
         || free("recompute")
+        || free("ep")
         || f.get("search").is_some()
     {
-        return lower_auto_strategy(cx, node, &f, owner, cluster, layout_free);
+        return lower_auto_strategy(cx, node, &f, owner, model, cluster, layout_free);
     }
     let tp = match f.get("tp") {
         None => Some(1),
@@ -144,6 +146,10 @@ pub(crate) fn lower_strategy(
     };
     let sequence_parallel = lower_sequence_parallel(cx, &f, tp);
     let sharding = lower_sharding(cx, &f);
+    let ep = match f.get("ep") {
+        None => Some(1),
+        Some(n) => cx.uint(n, 1),
+    };
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
     // the batch's split into microbatches does not depend on the schedule: with a broken
@@ -154,9 +160,10 @@ pub(crate) fn lower_strategy(
         }
     }
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
-    let (overlap, sequence_parallel, sharding) = (overlap?, sequence_parallel?, sharding?);
+    let (overlap, sequence_parallel, sharding, ep) = (overlap?, sequence_parallel?, sharding?, ep?);
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
     let mut ok = check_sharding(cx, &f, sharding, &layout.replicas, Some(&schedule));
+    ok &= check_expert_parallelism(cx, &f, ep, model, Some(&layout.replicas), sharding, Some(&schedule));
     let partition_node = f.get("partition");
     // `partition: auto` with no layout written: PipeDream's planner picks the stages and
     // their replication when compiling (at most one per layer); until then the layout is
@@ -197,6 +204,7 @@ pub(crate) fn lower_strategy(
         overlap,
         sequence_parallel,
         sharding,
+        ep,
         auto: None,
         layout_span: layout.span,
         layout_fixed: layout.fixed,
@@ -352,6 +360,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         overlap: true,
         sequence_parallel: false,
         sharding: Sharding::None,
+        ep: 1,
         auto: Some(auto),
         layout_span: node.span,
         layout_fixed: false,
@@ -368,6 +377,7 @@ fn lower_auto_strategy(
     node: &Node,
     f: &Fields<'_>,
     owner: Span,
+    model: Option<&Model>,
     cluster: Option<&Cluster>,
     layout_free: bool,
 ) -> Option<Strategy> {
@@ -378,6 +388,7 @@ fn lower_auto_strategy(
         schedule: free("schedule") || f.get("schedule").is_none(),
         microbatches: free("microbatches") || f.get("microbatches").is_none(),
         recompute: free("recompute") || f.get("recompute").is_none(),
+        ep: free("ep") || f.get("ep").is_none(),
         asynchronous: false,
         max_depth: None,
         headroom: 0.0,
@@ -445,6 +456,9 @@ fn lower_auto_strategy(
     }
     strategy.sequence_parallel = lower_sequence_parallel(cx, f, (!auto.tp).then_some(strategy.tp))?;
     strategy.sharding = lower_sharding(cx, f)?;
+    if !auto.ep {
+        strategy.ep = f.get("ep").and_then(|n| cx.uint(n, 1))?;
+    }
     if !auto.layout {
         let kind = (!auto.schedule).then_some(strategy.schedule.kind);
         let written = lower_layout(cx, f, owner, kind)?;
@@ -452,11 +466,109 @@ fn lower_auto_strategy(
         ok &= check_device_count(cx, &layout, strategy.tp, cluster);
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
         ok &= check_sharding(cx, f, strategy.sharding, &layout.replicas, schedule);
+        ok &= check_expert_parallelism(cx, f, strategy.ep, model, Some(&layout.replicas), strategy.sharding, schedule);
         strategy.replicas = layout.replicas;
         strategy.layout_span = layout.span;
         strategy.layout_fixed = true;
     }
+    if auto.layout {
+        let schedule = (!auto.schedule).then_some(&strategy.schedule);
+        ok &= check_expert_parallelism(cx, f, strategy.ep, model, None, strategy.sharding, schedule);
+    }
     ok.then_some(strategy)
+}
+
+/// `ep`: expert parallelism needs expert blocks whose experts it divides (E0416, E0418),
+/// replicated stages whose replicas it divides (E0417), and replicas that run every pass in
+/// step without sharding (E0419: ZeRO's shards are not split by expert yet; an asynchronous
+/// schedule's replicas run their passes at different times).
+fn check_expert_parallelism(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    ep: usize,
+    model: Option<&Model>,
+    replicas: Option<&[usize]>,
+    sharding: Sharding,
+    schedule: Option<&crate::ast::Schedule>,
+) -> bool {
+    let Some(at) = f.get("ep").map(|n| n.span) else { return true };
+    if ep <= 1 {
+        return true;
+    }
+    let mut ok = true;
+    if let Some(m) = model {
+        let experts: Vec<(&crate::ast::Layer, usize)> =
+            m.layers.iter().filter_map(|l| l.op.block_dims().and_then(|b| b.moe).map(|moe| (l, moe.experts))).collect();
+        if experts.is_empty() {
+            cx.push(
+                Diagnostic::error(
+                    "E0416",
+                    format!("`ep: {ep}` divides a mixture of experts over devices, and the model has no expert blocks"),
+                    at,
+                    "nothing to divide",
+                )
+                .with_label(m.layers_span, "no `experts=` block")
+                .with_help("remove `ep`, or give the transformer blocks `experts=E` (a multiple of ep)"),
+            );
+            ok = false;
+        } else if let Some((layer, e)) = experts.iter().find(|(_, e)| e % ep != 0) {
+            let fits: Vec<String> = (2..=*e).filter(|k| e % k == 0).map(|k| k.to_string()).collect();
+            cx.push(
+                Diagnostic::error(
+                    "E0418",
+                    format!("`ep: {ep}` does not divide this block's {e} experts: every member holds an equal share"),
+                    at,
+                    format!("{ep} members"),
+                )
+                .with_label(layer.span, format!("{e} experts"))
+                .with_help(if fits.is_empty() {
+                    "remove `ep`: a block with one expert has nothing to divide".to_string()
+                } else {
+                    format!("choose ep from {}", fits.join(", "))
+                }),
+            );
+            ok = false;
+        }
+    }
+    if let Some(r) = replicas.filter(|r| r.iter().any(|&n| n % ep != 0)) {
+        let stage = r.iter().position(|&n| n % ep != 0).unwrap_or(0);
+        cx.push(
+            Diagnostic::error(
+                "E0417",
+                format!(
+                    "`ep: {ep}` groups each stage's replicas {ep} at a time, and stage {stage} has {} replica(s)",
+                    r[stage]
+                ),
+                at,
+                "expert-parallel groups",
+            )
+            .with_label(f.key_span("stages").or(f.key_span("dp")).unwrap_or(at), "this layout")
+            .with_help(format!("make every stage's replicas a multiple of {ep} (`dp: {ep}` or more), or lower `ep`")),
+        );
+        ok = false;
+    }
+    let asynchronous = schedule.is_some_and(|s| {
+        s.sync == pipec_plan::vocab::SyncMode::Asp
+            || s.kind.updates(replicas.map_or(1, <[usize]>::len)) != pipec_plan::schedule::Updates::PerStep
+    });
+    if sharding != Sharding::None || asynchronous {
+        let why = if sharding != Sharding::None {
+            format!("`zero: {}` shards every parameter over all of a stage's replicas, and an expert's lives on only some of them (not supported yet)", sharding.level())
+        } else {
+            "this schedule's replicas run their passes at different times, and an expert group's members exchange tokens inside every pass".to_string()
+        };
+        cx.push(
+            Diagnostic::error(
+                "E0419",
+                format!("`ep: {ep}` cannot be combined with this strategy: {why}"),
+                at,
+                "expert parallelism",
+            )
+            .with_help("use a synchronous schedule without `zero`, or remove `ep`"),
+        );
+        ok = false;
+    }
+    ok
 }
 
 /// A schedule's name in `search.schedules`.

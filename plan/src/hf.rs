@@ -931,6 +931,7 @@ mod tests {
                 router: crate::model::Router::Sigmoid,
                 norm_topk: true,
                 aux_loss: 0.0,
+                skew: 1.0,
             });
         }
         let layers = [
@@ -966,6 +967,7 @@ mod tests {
                     router: crate::model::Router::Softmax,
                     norm_topk: true,
                     aux_loss: 0.0,
+                    skew: 1.0,
                 });
             }
             b

@@ -210,7 +210,22 @@ pub struct Moe {
     /// The load-balancing loss's weight (Switch Transformer's α: α · E · Σᵢ fᵢ · Pᵢ, fᵢ the
     /// fraction of tokens routed to expert i, Pᵢ its mean router probability).
     pub aux_loss: f64,
+    /// What the prediction assumes of the routing: the busiest expert takes `skew` times the
+    /// mean share of the token choices, the others the rest equally (1: uniform). The
+    /// executor routes by the scores whatever this says; it reports the counts it saw.
+    #[serde(default = "one_f64", skip_serializing_if = "is_one_f64")]
+    pub skew: f64,
 }
+
+fn one_f64() -> f64 {
+    1.0
+}
+fn is_one_f64(v: &f64) -> bool {
+    *v == 1.0
+}
+
+/// The position of `skew` among `transformer_block`'s arguments (a shape error's label).
+pub const MOE_SKEW_ARG: usize = 19;
 
 impl Moe {
     /// The experts one token's MLP runs through: its routed ones and the shared ones.
@@ -230,12 +245,52 @@ impl Moe {
     /// Expert-token pairs one microbatch of `tokens` computes: the routed pairs (bounded by
     /// the capacity of every expert) and the shared experts' tokens.
     pub fn expert_tokens(&self, tokens: f64) -> f64 {
+        self.routed_pairs(tokens) + tokens * self.shared as f64
+    }
+
+    /// The routed expert-token pairs of a microbatch of `tokens`, uniform routing: every
+    /// token's `top_k` choices, bounded by every expert's capacity.
+    pub fn routed_pairs(&self, tokens: f64) -> f64 {
         let routed = tokens * self.top_k as f64;
-        let routed = match self.expert_capacity(tokens.round() as usize) {
+        match self.expert_capacity(tokens.round() as usize) {
             Some(c) => routed.min(c as f64 * self.experts as f64),
             None => routed,
-        };
-        routed + tokens * self.shared as f64
+        }
+    }
+
+    /// The largest `skew` routing allows: one expert chosen by every token, E / top_k times
+    /// the mean share.
+    pub fn max_skew(&self) -> f64 {
+        self.experts.max(1) as f64 / self.top_k.max(1) as f64
+    }
+
+    /// Under the routing assumption (`skew`), the routed pairs of a microbatch of `tokens`
+    /// that the busiest expert takes and that each other expert takes: the busiest
+    /// `skew` times the mean share of the choices (at most its capacity), the others the
+    /// rest of the pairs equally.
+    pub fn expert_loads(&self, tokens: f64) -> (f64, f64) {
+        let e = self.experts.max(1) as f64;
+        let pairs = self.routed_pairs(tokens);
+        let mean = pairs / e;
+        if self.experts <= 1 || self.skew <= 1.0 {
+            return (mean, mean);
+        }
+        let wanted = self.skew * tokens * self.top_k as f64 / e;
+        let busiest = match self.expert_capacity(tokens.round() as usize) {
+            Some(c) => wanted.min(c as f64),
+            None => wanted,
+        }
+        .clamp(mean, pairs);
+        (busiest, (pairs - busiest).max(0.0) / (e - 1.0))
+    }
+
+    /// Under the routing assumption, the routed pairs of a microbatch of `tokens` that the
+    /// busiest of `ep` devices computes, each holding `experts / ep` of the experts
+    /// (one of them the busiest expert): the whole `routed_pairs` when `ep` is 1.
+    pub fn busiest_device_pairs(&self, tokens: f64, ep: usize) -> f64 {
+        let local = (self.experts / ep.max(1)).max(1) as f64;
+        let (busiest, other) = self.expert_loads(tokens);
+        busiest + (local - 1.0) * other
     }
 }
 
@@ -676,6 +731,17 @@ impl Op {
                             ),
                             Some(MOE_TOP_K_ARG),
                         ))
+                    } else if let Some(m) =
+                        self.block_dims().and_then(|b| b.moe).filter(|m| !(1.0..=m.max_skew()).contains(&m.skew))
+                    {
+                        Err(shape_err(
+                            format!(
+                                "skew={} must be between 1 (uniform routing) and experts/top_k = {} (every token choosing the busiest expert)",
+                                m.skew,
+                                m.max_skew()
+                            ),
+                            Some(MOE_SKEW_ARG),
+                        ))
                     } else {
                         Ok(input.to_vec())
                     }
@@ -701,6 +767,20 @@ impl Op {
         match self.block_dims().and_then(|b| b.moe.map(|m| (b, m))) {
             Some((b, m)) => u64::try_from(block_parameters(&b, m.active_experts(), m.experts)).unwrap_or(u64::MAX),
             None => self.parameter_count(),
+        }
+    }
+
+    /// The parameters of a mixture-of-experts block's routed experts (what expert
+    /// parallelism divides; the router and the shared experts are not among them); 0 for
+    /// any other operator.
+    pub fn routed_expert_parameter_count(&self) -> u64 {
+        match self.block_dims().and_then(|b| b.moe.map(|m| (b, m))) {
+            Some((b, m)) => {
+                let whole = block_parameters(&b, m.experts + m.shared, m.experts);
+                let rest = block_parameters(&b, m.shared, m.experts);
+                u64::try_from(whole.saturating_sub(rest)).unwrap_or(u64::MAX)
+            }
+            None => 0,
         }
     }
 

@@ -355,10 +355,32 @@ pub struct StagePlan {
     /// forward and backward include the group's all-reduces.
     #[serde(default)]
     pub tensor_parallel: Vec<Vec<DeviceId>>,
+    /// Expert parallelism: the stage's replicas form groups of this many consecutive ones
+    /// (replica i in group i / ep at position i mod ep); the member at position j holds the
+    /// j-th 1/ep of every expert block's routed experts, the group's members exchange the
+    /// routed tokens in all-to-alls inside every forward, recompute and backward, and the
+    /// stage's gradient all-reduce over `group` sums the routed experts' part only over the
+    /// replicas at the same position. 1 (the default): every replica holds every expert.
+    #[serde(default = "one_u32", skip_serializing_if = "is_one_u32")]
+    pub expert_parallel: u32,
+    /// Expert parallelism: seconds per microbatch of the all-to-alls inside a forward and a
+    /// backward (part of what those passes wait for; `forward_s` and `backward_s` are the
+    /// kernels).
+    #[serde(default, skip_serializing_if = "is_zero_pair")]
+    pub all_to_all_s: [f64; 2],
 }
 
 fn is_zero(x: &f64) -> bool {
     *x == 0.0
+}
+fn one_u32() -> u32 {
+    1
+}
+fn is_one_u32(x: &u32) -> bool {
+    *x == 1
+}
+fn is_zero_pair(x: &[f64; 2]) -> bool {
+    x[0] == 0.0 && x[1] == 0.0
 }
 
 /// Per-device memory, in bytes.
@@ -757,6 +779,23 @@ impl Plan {
                     });
                 if !ok {
                     out.push(format!("stage {i}: each replica needs a tensor-parallel group of one size, led by the replica's device"));
+                }
+            }
+            let ep = s.expert_parallel as usize;
+            if ep == 0 || !s.replicas.len().is_multiple_of(ep) {
+                out.push(format!(
+                    "stage {i}: expert_parallel = {ep} must be at least 1 and divide its {} replicas",
+                    s.replicas.len()
+                ));
+            } else if ep > 1 {
+                let range = s.layers[0].min(s.layers[1])..s.layers[1].min(self.layers.len());
+                let experts: Vec<usize> = self.layers[range]
+                    .iter()
+                    .filter_map(|l| l.op.block_dims().and_then(|b| b.moe))
+                    .map(|m| m.experts)
+                    .collect();
+                if experts.is_empty() || experts.iter().any(|e| e % ep != 0) {
+                    out.push(format!("stage {i}: expert_parallel = {ep} must divide the experts of its expert blocks (it has {experts:?})"));
                 }
             }
         }

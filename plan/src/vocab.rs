@@ -65,6 +65,10 @@ choice! {
         ReduceScatter = "reduce_scatter",
         /// Every member ends with every member's chunk, in member order.
         AllGather = "all_gather",
+        /// Member i's input is p equal chunks, the j-th for member j; every member ends with
+        /// the chunks addressed to it, in member order (expert parallelism's dispatch and
+        /// combine).
+        AllToAll = "all_to_all",
     }
 }
 
