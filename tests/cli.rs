@@ -184,7 +184,7 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
 }
 
 #[test]
-fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_run_refuses_ep_writing_nothing() {
+fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_a_small_one_trains() {
     let dir = tempfile::tempdir().expect("tmp");
     // Mixtral 8x7B on 8 DGX H100 with ep 8 (t 2, 4 interleaved stages, 8 replicas): one
     // expert per block on each device, 1/8 of the routed experts' weights
@@ -205,7 +205,8 @@ fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_run_refuses_ep_wr
         serde_json::from_str(&std::fs::read_to_string(plan.join("plan.json")).expect("plan")).expect("json");
     assert_eq!(json["stages"][1]["expert_parallel"], 8);
     assert!(json["stages"][1]["all_to_all_s"][0].as_f64().is_some_and(|t| t > 0.0));
-    // the executor does not run expert parallelism yet: refused by name, nothing written
+    // a small one trains, saying what the executor holds beside the plan's figures; with
+    // tensor parallelism it is refused by name before anything is written
     let tiny = dir.path().join("tiny.yaml");
     std::fs::write(
         &tiny,
@@ -214,12 +215,21 @@ fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_run_refuses_ep_wr
     .expect("spec");
     let out = dir.path().join("run");
     let run = pipec(&["run", tiny.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
-    assert_eq!(run.status.code(), Some(1));
     let said = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        said.contains("expert parallelism is planned and simulated, and this executor does not run it yet"),
-        "{said}"
-    );
+    assert_eq!(run.status.code(), Some(0), "{said}");
+    assert!(said.contains("under `ep: 2` each replica computes only its share of the experts"), "{said}");
+    assert!(out.join("metrics.jsonl").exists());
+    let text = std::fs::read_to_string(&tiny).expect("spec");
+    let with_tp = text
+        .replace("devices_per_node: 2", "devices_per_node: 4")
+        .replace("  ep: 2\n", "  ep: 2\n  tp: 2\n")
+        .replace("experts=4)", "experts=4, bias=false)");
+    std::fs::write(&tiny, with_tp).expect("spec");
+    let out = dir.path().join("run-tp");
+    let run = pipec(&["run", tiny.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{said}");
+    assert!(said.contains("the executor does not run expert parallelism with tensor parallelism yet"), "{said}");
     assert!(!out.exists());
 }
 

@@ -137,6 +137,14 @@ fn a_mixture_of_experts_over_mpi_equals_in_process_exactly() {
 }
 
 #[test]
+fn expert_parallelism_over_mpi_equals_in_process_exactly() {
+    // tokens exchanged between processes inside every pass: a pipeline of two stages, each
+    // with an expert group of its two replicas; one stage over an expert group of four
+    equal_to_in_process_for(MOE_LM, "\"2-2\"\n  ep: 2", 4);
+    equal_to_in_process_with(MOE_LM, "\"4\"\n  ep: 4", 4, "gpipe");
+}
+
+#[test]
 fn a_tied_language_model_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(TIED_LM, "straight", 2);
 }

@@ -876,6 +876,18 @@ fn llama_blocks_split_over_tensor_parallel_ranks_equal_one_device() {
     }
 }
 
+/// Every step of `got` has `reference`'s loss and load-balancing loss (within 1e-5) and its
+/// per-expert token counts (exactly).
+fn assert_same_experts(reference: &pipec_executor::RunReport, got: &pipec_executor::RunReport, what: &str) {
+    assert_eq!(reference.steps.len(), got.steps.len(), "{what}");
+    for (a, b) in reference.steps.iter().zip(&got.steps) {
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-6);
+        let (x, y) = (a.aux_loss.expect("aux"), b.aux_loss.expect("aux"));
+        assert!(close(a.loss, b.loss) && close(x, y), "{what} step {}: {} {x} vs {} {y}", a.step, a.loss, b.loss);
+        assert_eq!(a.expert_tokens, b.expert_tokens, "{what} step {}", a.step);
+    }
+}
+
 #[test]
 fn mixture_of_experts_blocks_equal_one_device_on_pipelines_and_replicas() {
     // a softmax router whose experts' capacity drops tokens, with a shared expert; a sigmoid
@@ -925,18 +937,7 @@ fn mixture_of_experts_blocks_equal_one_device_on_pipelines_and_replicas() {
             steps: 12,
             ..Job::default()
         }));
-        for (a, b) in reference.steps.iter().zip(&got.steps) {
-            let close = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-6);
-            let (x, y) = (a.aux_loss.expect("aux"), b.aux_loss.expect("aux"));
-            assert!(
-                close(a.loss, b.loss) && close(x, y),
-                "{schedule} {stages} step {}: {} {x} vs {} {y}",
-                a.step,
-                a.loss,
-                b.loss
-            );
-            assert_eq!(a.expert_tokens, b.expert_tokens, "{schedule} {stages} step {}", a.step);
-        }
+        assert_same_experts(&reference, &got, &format!("{schedule} {stages}"));
     }
     let aux: Vec<f64> = reference.steps.iter().filter_map(|s| s.aux_loss).collect();
     assert_eq!(aux.len(), 12);
@@ -957,6 +958,60 @@ fn mixture_of_experts_blocks_equal_one_device_on_pipelines_and_replicas() {
 }
 
 #[test]
+fn expert_parallel_groups_train_equal_to_one_device() {
+    // 8 experts, top 2, a shared expert and the load-balancing loss; then a capacity that
+    // drops tokens and a sigmoid router
+    let balanced = "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=8, top_k=2, shared_experts=1, aux_loss=0.5)";
+    let layers = |block: &str| {
+        format!("- embedding(50, 16)\n    - repeat 2: {block}\n    - rmsnorm\n    - flatten\n    - linear(256, 4)")
+    };
+    let layouts: [(usize, &str, &str); 5] = [
+        (2, "\"2\"\n  ep: 2", "gpipe"),
+        (4, "\"4\"\n  ep: 4", "gpipe"),
+        (4, "\"4\"\n  ep: 2", "1f1b"),
+        (4, "\"2-2\"\n  ep: 2", "1f1b"),
+        (4, "\"2-2\"\n  ep: 2", "gpipe"),
+    ];
+    let balanced_layers = layers(balanced);
+    let job = |devices, stages, schedule| Job {
+        devices,
+        stages,
+        schedule,
+        microbatches: 8,
+        optimizer: ADAM,
+        layers: &balanced_layers,
+        steps: 10,
+        ..Job::default()
+    };
+    let reference = train(&plan(&job(1, "\"1\"", "gpipe")));
+    for (devices, stages, schedule) in layouts {
+        let p = plan(&job(devices, stages, schedule));
+        assert!(p.stages.iter().all(|s| s.expert_parallel > 1), "{stages}");
+        let got = train(&p);
+        assert_same_experts(&reference, &got, &format!("{schedule} {stages}"));
+    }
+    // the balancing loss falls on the expert-parallel layout as on one device
+    let aux: Vec<f64> = reference.steps.iter().filter_map(|s| s.aux_loss).collect();
+    assert!(aux[9] < aux[0], "{aux:?}");
+    for block in [
+        "transformer_block(d=16, heads=4, ff=24, bias=false, experts=4, top_k=2, capacity=0.5)",
+        "transformer_block(d=16, heads=4, ff=32, experts=4, top_k=1, router=sigmoid, norm_topk=false)",
+    ] {
+        let layers = layers(block);
+        for (devices, stages, schedule) in [(2, "\"2\"\n  ep: 2", "gpipe"), (4, "\"2-2\"\n  ep: 2", "1f1b")] {
+            assert_same_as_one_device(Job {
+                devices,
+                stages,
+                schedule,
+                optimizer: ADAM,
+                layers: &layers,
+                ..Job::default()
+            });
+        }
+    }
+}
+
+#[test]
 fn expert_blocks_the_executor_cannot_train_are_refused_by_name() {
     let refused = |devices, stages, block: &str| {
         let layers =
@@ -974,6 +1029,13 @@ fn expert_blocks_the_executor_cannot_train_are_refused_by_name() {
     // more experts than a block's parameter slots hold
     let e = refused(1, "\"1\"", "transformer_block(d=16, heads=4, ff=8, experts=61, top_k=1, bias=false)");
     assert!(e.contains("at most 60 experts per block"), "{e}");
+    // expert parallelism beside tensor parallelism
+    let e = refused(
+        4,
+        "\"2\"\n  tp: 2\n  ep: 2",
+        "transformer_block(d=16, heads=4, ff=32, experts=4, top_k=2, bias=false)",
+    );
+    assert!(e.contains("the executor does not run expert parallelism with tensor parallelism yet"), "{e}");
 }
 
 #[test]

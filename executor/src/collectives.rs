@@ -211,8 +211,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// sum.
     fn gradients_out(&mut self, stage: StageId, members: usize) -> Result<(Vec<f32>, Landing)> {
         let st = self.state(stage)?;
-        let sizes: Vec<usize> = st.acc.iter().flatten().map(|t| t.dims()[0]).collect();
-        let mut flat = flatten_grads::<B>(&st.acc)?;
+        let sizes: Vec<usize> = layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product()).collect();
+        let mut flat = flatten_grads::<B>(&st.acc, &sizes)?;
+        // which parameters have a gradient here: one that none of the replicas reached (an
+        // expert no token chose) stays without one, so the optimizer skips it as on one
+        // device, while the zeros above keep the members' values lined up
+        flat.extend((0..sizes.len()).map(|k| if matches!(st.acc.get(k), Some(Some(_))) { 1.0 } else { 0.0 }));
         let stats = st.statistics_message()?;
         let n_stats = stats.len();
         flat.extend(stats);
@@ -235,10 +239,15 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         }
         let stats = flat.split_off(flat.len() - n_stats);
         st.set_statistics(&stats, &dev)?;
-        let mut summed = unflatten::<B::InnerBackend>(&flat, sizes, &dev)?.into_iter();
-        for g in st.acc.iter_mut().flatten() {
-            *g = summed.next().ok_or(ExecError::Missing("fewer gradients came back than were sent"))?;
-        }
+        let Some(at) = flat.len().checked_sub(sizes.len()) else {
+            return Err(ExecError::Missing("fewer gradients came back than were sent"));
+        };
+        let present = flat.split_off(at);
+        st.acc = unflatten::<B::InnerBackend>(&flat, sizes, &dev)?
+            .into_iter()
+            .zip(present)
+            .map(|(g, p)| (p > 0.0).then_some(g))
+            .collect();
         st.contributions *= members;
         Ok(())
     }

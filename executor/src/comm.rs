@@ -38,7 +38,34 @@ enum Coll {
         code: Option<usize>,
         reply: Sender<Result<Vec<f32>, TransportError>>,
     },
+    /// An all-to-all of chunks of any size (expert parallelism's token exchange).
+    Exchange {
+        members: Vec<DeviceId>,
+        chunks: Vec<Vec<f32>>,
+        reply: Sender<Result<Vec<Vec<f32>>, TransportError>>,
+    },
     Fence(Sender<(CommTrace, Option<TransportError>)>),
+}
+
+/// A handle that runs all-to-all exchanges on a device's collective thread, in order with
+/// its other collectives: what an autodiff node's backward holds (expert parallelism).
+#[derive(Clone)]
+pub struct Exchanger(Sender<Coll>);
+
+impl std::fmt::Debug for Exchanger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Exchanger")
+    }
+}
+
+impl Exchanger {
+    /// Sends `chunks[j]` to member j of `members` and returns what each member sent this
+    /// one, in member order.
+    pub fn exchange(&self, members: &[DeviceId], chunks: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, TransportError> {
+        let (reply, rx) = channel();
+        self.0.send(Coll::Exchange { members: members.to_vec(), chunks, reply }).map_err(|_| gone())?;
+        Ticket(rx).wait()
+    }
 }
 
 /// A result the worker waits for.
@@ -126,6 +153,11 @@ impl Comm {
         self.start_collective(kind, members.to_vec(), data, mode, code)?.wait()
     }
 
+    /// A handle on this device's collective thread for all-to-all exchanges.
+    pub fn exchanger(&self) -> Exchanger {
+        Exchanger(self.coll.clone())
+    }
+
     /// Waits until everything issued so far is done; returns what both threads ran since
     /// the last fence, or the first transfer that failed.
     pub fn fence(&mut self) -> Result<CommTrace, TransportError> {
@@ -207,6 +239,9 @@ fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, epoch: Instant) {
         match cmd {
             Coll::Run { kind, members, data, mode, code, reply } => {
                 let _ = reply.send(log.run(code, || ep.collective(kind, &members, data, mode)));
+            }
+            Coll::Exchange { members, chunks, reply } => {
+                let _ = reply.send(log.run(None, || ep.all_to_all_v(&members, chunks)));
             }
             Coll::Fence(reply) => {
                 let _ = reply.send(log.fence());

@@ -163,9 +163,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
             });
         }
-        let mut side = crate::layers::Collected::default();
+        let mut side = crate::layers::Collected { experts: self.experts.get(&stage).cloned(), ..Default::default() };
         let out = model.forward(x, training, key, &mut side)?;
-        let crate::layers::Collected { stats, aux, expert_tokens } = side;
+        let crate::layers::Collected { stats, aux, expert_tokens, .. } = side;
         if is_last {
             let loss = self.loss(mb, out.clone())?;
             Ok(Forwarded {
@@ -253,6 +253,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         } else {
             (backward_into_sums::<B>(&mut self.state(stage)?.acc, &keys, || target.backward()), None)
         };
+        // an expert exchange inside the backward records its failure instead of returning it
+        if let Some(e) = self.experts.get(&stage).and_then(crate::experts::ExpertGroup::take_failure) {
+            return Err(ExecError::Transport(crate::transport::TransportError::Other(format!(
+                "an expert exchange in the backward of {stage} failed: {e}"
+            ))));
+        }
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         if stage.0 > 0 {
             let g = input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb))?

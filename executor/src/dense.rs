@@ -83,6 +83,12 @@ pub trait Kernels: Backend {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         Tensor::from_primitive(TensorPrimitive::Float(Self::weight_product(x, w)))
     }
+
+    /// Expert parallelism's exchange of rows with the group ([`crate::experts::move_rows`]);
+    /// on an autodiff backend its gradient is the reverse exchange, run in the backward.
+    fn exchange(x: Tensor<Self, 2>, ex: &crate::experts::Exchange) -> Result<Tensor<Self, 2>, String> {
+        crate::experts::move_rows(x, ex)
+    }
 }
 
 impl Kernels for burn::backend::Flex {
@@ -143,6 +149,18 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         I::copy_weight(&w.primitive)
     }
 
+    fn exchange(x: Tensor<Self, 2>, ex: &crate::experts::Exchange) -> Result<Tensor<Self, 2>, String> {
+        let x = x.into_primitive().tensor();
+        let moved = crate::experts::move_rows(Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(x.primitive)), ex)?
+            .into_primitive()
+            .tensor();
+        let y = match ExchangeBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(ex.reversed(), moved),
+            OpsKind::UnTracked(prep) => prep.finish(moved),
+        };
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+    }
+
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
@@ -181,6 +199,33 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
                 grads.register::<I>(node.id, dw);
             }
         }
+    }
+}
+
+/// The backward of an expert exchange: the gradient's rows back to the members they came
+/// from (the state is the reversed exchange). A backward cannot fail: a failed exchange
+/// records its error in the group (the worker reports it after the backward) and passes
+/// zeros on.
+#[derive(Debug)]
+struct ExchangeBackward;
+
+impl<I: Kernels> Backward<I, 1> for ExchangeBackward {
+    type State = crate::experts::Exchange;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let ex = ops.state;
+        burn::backend::autodiff::ops::unary::<I, _>(ops.parents, ops.node, grads, |dy| {
+            let dy = Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(dy));
+            let (device, d) = (dy.device(), dy.dims()[1]);
+            let rows: usize = ex.recv.iter().sum();
+            let moved = crate::experts::move_rows(dy, &ex).unwrap_or_else(|e| {
+                if let Ok(mut failed) = ex.group.failed.lock() {
+                    failed.get_or_insert(e);
+                }
+                Tensor::zeros([rows, d], &device)
+            });
+            moved.into_primitive().tensor()
+        });
     }
 }
 

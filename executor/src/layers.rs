@@ -287,11 +287,13 @@ pub struct Collected<B: Backend> {
     pub aux: Option<Tensor<B, 1>>,
     /// Per mixture-of-experts block, its layer and the tokens each of its experts took.
     pub expert_tokens: Vec<(usize, Vec<u64>)>,
+    /// Expert parallelism: the stage's group, with which the blocks exchange tokens.
+    pub experts: Option<crate::experts::ExpertGroup>,
 }
 
 impl<B: Backend> Default for Collected<B> {
     fn default() -> Self {
-        Collected { stats: Vec::new(), aux: None, expert_tokens: Vec::new() }
+        Collected { stats: Vec::new(), aux: None, expert_tokens: Vec::new(), experts: None }
     }
 }
 
@@ -491,15 +493,16 @@ impl<B: Kernels> Block<B> {
             weights = weights.clone() / weights.sum_dim(1);
         }
         let weights = weights.reshape([t * k]);
-        let capacity = moe.expert_capacity(t);
-        let mut took = vec![0u64; experts];
-        let mut out = Tensor::<B, 2>::zeros([t, d], &dev);
-        for (e, (m, mut pairs)) in self.mlps.iter().zip(by_expert).enumerate() {
-            // expert e's pairs, to its capacity
-            if let Some(c) = capacity {
-                pairs.truncate(c);
-            }
-            took[e] = pairs.len() as u64;
+        // each expert's pairs, to its capacity
+        if let Some(c) = moe.expert_capacity(t) {
+            by_expert.iter_mut().for_each(|pairs| pairs.truncate(c));
+        }
+        let took: Vec<u64> = by_expert.iter().map(|pairs| pairs.len() as u64).collect();
+        let mut out = match side.experts.clone() {
+            Some(group) => self.routed_over_group(&x, &weights, &by_expert, k, &group)?,
+            None => Tensor::<B, 2>::zeros([t, d], &dev),
+        };
+        for (m, pairs) in self.mlps.iter().zip(&by_expert).filter(|_| side.experts.is_none()) {
             if pairs.is_empty() {
                 continue;
             }
@@ -515,6 +518,83 @@ impl<B: Kernels> Block<B> {
         }
         side.expert_tokens.push((self.index, took));
         Ok(out.reshape([b, s, d]))
+    }
+
+    /// Expert parallelism: the routed experts' outputs, weighted, at their tokens — each
+    /// pair's input sent to the member of `group` computing its expert (this member's
+    /// experts computed on the rows every member sent), and the outputs sent back. The
+    /// members first tell each other how many rows of each expert they send.
+    fn routed_over_group(
+        &self,
+        x: &Tensor<B, 2>,
+        weights: &Tensor<B, 1>,
+        by_expert: &[Vec<(usize, usize)>],
+        k: usize,
+        group: &crate::experts::ExpertGroup,
+    ) -> Result<Tensor<B, 2>> {
+        let [t, d] = x.dims();
+        let dev = x.device();
+        let (ep, experts) = (group.members.len(), by_expert.len());
+        let local = experts / ep.max(1);
+        if local == 0 || local * ep != experts {
+            return Err(ExecError::Plan(format!("{experts} experts do not divide over {ep} expert-parallel members")));
+        }
+        let ints = |v: Vec<usize>| {
+            let n = v.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v.into_iter().map(|i| i as i64).collect(), [n]), &dev)
+        };
+        let rows_of = |e: usize| by_expert[e].len();
+        let send: Vec<usize> = (0..ep).map(|j| (j * local..(j + 1) * local).map(rows_of).sum()).collect();
+        let counts: Vec<Vec<f32>> =
+            (0..ep).map(|j| (j * local..(j + 1) * local).map(|e| rows_of(e) as f32).collect()).collect();
+        let exchange_error = |e: String| ExecError::Transport(crate::transport::TransportError::Other(e));
+        let got = group.exchanger.exchange(&group.members, counts).map_err(ExecError::Transport)?;
+        // from each member, the rows it sends each of this member's experts
+        let from: Vec<Vec<usize>> = got.iter().map(|c| c.iter().map(|&v| v as usize).collect()).collect();
+        if from.iter().any(|c| c.len() != local) {
+            return Err(exchange_error("the expert group's members disagree on the experts each holds".into()));
+        }
+        let recv: Vec<usize> = from.iter().map(|c| c.iter().sum()).collect();
+        // this member's pairs in expert order: member-major, as `send` counts them
+        let pairs: Vec<(usize, usize)> = by_expert.iter().flatten().copied().collect();
+        if pairs.is_empty() {
+            return Err(ExecError::Shape("a microbatch routed no token to any expert".into()));
+        }
+        let tokens = ints(pairs.iter().map(|&(token, _)| token).collect());
+        let ex = crate::experts::Exchange { group: group.clone(), send, recv: recv.clone() };
+        let arrived = B::exchange(x.clone().select(0, tokens.clone()), &ex).map_err(exchange_error)?;
+        // this member's experts, each on its rows from every member (member-major there)
+        let n_recv: usize = recv.iter().sum();
+        let computed = if n_recv == 0 {
+            arrived
+        } else {
+            let starts: Vec<usize> = recv.iter().scan(0, |s, &n| Some(std::mem::replace(s, *s + n))).collect();
+            let (mut outputs, mut order) = (Vec::new(), Vec::with_capacity(n_recv));
+            for l in 0..local {
+                let rows: Vec<usize> = (0..ep)
+                    .flat_map(|i| {
+                        let start = starts[i] + from[i][..l].iter().sum::<usize>();
+                        start..start + from[i][l]
+                    })
+                    .collect();
+                if rows.is_empty() {
+                    continue;
+                }
+                order.extend_from_slice(&rows);
+                let m = &self.mlps[group.position * local + l];
+                outputs.push(self.mlp(m, arrived.clone().select(0, ints(rows))));
+            }
+            // back into the order the rows arrived in
+            let mut inverse = vec![0usize; n_recv];
+            for (at, &row) in order.iter().enumerate() {
+                inverse[row] = at;
+            }
+            Tensor::cat(outputs, 0).select(0, ints(inverse))
+        };
+        let returned = B::exchange(computed, &ex.reversed()).map_err(exchange_error)?;
+        let slots = ints(pairs.iter().map(|&(token, j)| token * k + j).collect());
+        let w = weights.clone().select(0, slots).reshape([pairs.len(), 1]);
+        Ok(Tensor::<B, 2>::zeros([t, d], &dev).select_assign(0, tokens, returned * w, IndexingUpdateOp::Add))
     }
 
     /// Layer `index`'s block `op` — whole, or with `tp` > 1 one rank's shard of it: each

@@ -13,6 +13,7 @@ mod compute;
 pub mod data;
 pub mod dense;
 pub mod error;
+pub mod experts;
 pub mod fabric;
 mod flex_gemm;
 mod flex_weights;
@@ -349,6 +350,12 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
             plan.training.precision, plan.training.precision
         ));
     }
+    if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1) {
+        out.push(format!(
+            "under `ep: {}` each replica computes only its share of the experts, on the tokens its group sends it, but keeps every expert's weights and optimizer state, and the gradient all-reduce sums every expert over all of a stage's replicas (zeros from those that did not compute it): the plan's memory and all-reduce figures hold and sum 1/{} of the experts",
+            s.expert_parallel, s.expert_parallel
+        ));
+    }
     if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters {
         out.push(
             "under `zero: 3` the executor gathers a stage's whole weights once a step, for its first pass, and drops them at the update (the plan's cost and memory figures gather each layer for each pass, as FSDP does): its peak holds a stage's whole weights"
@@ -367,10 +374,19 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
         return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
     }
     if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1) {
-        return Err(RunError::setup(format!(
-            "{} divides its experts over {} replicas (`ep: {}`): expert parallelism is planned and simulated, and this executor does not run it yet (train with `ep: 1`: every replica holds every expert)",
-            s.id, s.expert_parallel, s.expert_parallel
-        )));
+        let why = if s.tensor_parallel.iter().any(|g| g.len() > 1) {
+            Some("with tensor parallelism")
+        } else if plan.eval.is_some() {
+            Some("with validation (its held-out forwards)")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(RunError::setup(format!(
+                "{} divides its experts over {} replicas (`ep: {}`): the executor does not run expert parallelism {why} yet (train with `ep: 1`, or without it)",
+                s.id, s.expert_parallel, s.expert_parallel
+            )));
+        }
     }
     let tensor_parallel = plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1));
     for l in &plan.layers {

@@ -194,12 +194,32 @@ pub(crate) fn accumulate<B: AutodiffBackend>(acc: &mut FlatGrads<B>, flat: FlatG
     }
 }
 
-/// The present gradients of `acc`, concatenated in parameter order (what an all-reduce or a
-/// push to the parameter server moves).
-pub(crate) fn flatten_grads<B: AutodiffBackend>(acc: &[Option<Tensor<B::InnerBackend, 1>>]) -> Result<Vec<f32>> {
-    let mut flat = Vec::new();
-    for t in acc.iter().flatten() {
-        flat.extend(host_f32(t.clone().into_data())?);
+/// The gradients of `acc`, concatenated over every parameter in visiting order (`sizes`:
+/// each one's values) — what an all-reduce or a push to the parameter server moves.
+pub(crate) fn flatten_grads<B: AutodiffBackend>(
+    acc: &[Option<Tensor<B::InnerBackend, 1>>],
+    sizes: &[usize],
+) -> Result<Vec<f32>> {
+    if acc.len() > sizes.len() {
+        return Err(ExecError::Plan(format!("{} gradients for {} parameters", acc.len(), sizes.len())));
+    }
+    let mut flat = Vec::with_capacity(sizes.iter().sum());
+    for (k, &n) in sizes.iter().enumerate() {
+        match acc.get(k) {
+            Some(Some(t)) => {
+                let values = host_f32(t.clone().into_data())?;
+                if values.len() != n {
+                    return Err(ExecError::Plan(format!(
+                        "a gradient of {} values for a parameter of {n}",
+                        values.len()
+                    )));
+                }
+                flat.extend(values);
+            }
+            // no microbatch reached it (an expert no token chose, or one another member of
+            // an expert-parallel group computes): zeros, so that what members sum lines up
+            _ => flat.resize(flat.len() + n, 0.0),
+        }
     }
     Ok(flat)
 }

@@ -102,6 +102,12 @@ pub trait Endpoint: Send {
             (CollectiveKind::AllToAll, _) => pairwise_all_to_all(self, group, data),
         }
     }
+
+    /// An all-to-all of chunks of any size: `chunks[j]` goes to member j of `group`; the
+    /// result's i-th chunk is what member i sent this one ([`pairwise_exchange`]).
+    fn all_to_all_v(&mut self, group: &[DeviceId], chunks: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, TransportError> {
+        pairwise_exchange(self, group, chunks)
+    }
 }
 
 /// The sending side of a device's point-to-point messages.
@@ -225,29 +231,47 @@ pub fn ring_all_gather<E: Endpoint + ?Sized>(
     Ok(chunks.into_iter().flatten().flatten().collect())
 }
 
-/// Pairwise all-to-all: member `me`'s data is p chunks (`chunk(n, p, j)`), the j-th for
-/// member j; in step k = 1..p it sends the chunk of member me + k and receives from member
-/// me − k (mod p). The result is the chunks addressed to `me`, in member order.
+/// Pairwise exchange: `chunks[j]` is for member j of `group`; in step k = 1..p member `me`
+/// sends the chunk of member me + k and receives from member me − k (mod p), so every pair
+/// meets once and no member waits on a send. The result is the chunks addressed to `me`,
+/// in member order (its own unmoved).
+pub fn pairwise_exchange<E: Endpoint + ?Sized>(
+    ep: &mut E,
+    group: &[DeviceId],
+    mut chunks: Vec<Vec<f32>>,
+) -> Result<Vec<Vec<f32>>, TransportError> {
+    let p = group.len();
+    if chunks.len() != p {
+        return Err(TransportError::Other(format!("an all-to-all over {p} members was given {} chunks", chunks.len())));
+    }
+    if p <= 1 {
+        return Ok(chunks);
+    }
+    let (me, _, _) = ring_position(ep, group)?;
+    let mut received: Vec<Vec<f32>> = vec![Vec::new(); p];
+    received[me] = std::mem::take(&mut chunks[me]);
+    for k in 1..p {
+        let (to, from) = ((me + k) % p, (me + p - k) % p);
+        ep.coll_send(group[to], std::mem::take(&mut chunks[to]))?;
+        received[from] = ep.coll_recv(group[from])?;
+    }
+    Ok(received)
+}
+
+/// An all-to-all of equal chunks: member `me`'s data is p chunks (`chunk(n, p, j)`), the
+/// j-th for member j; the result is the chunks addressed to `me`, in member order.
 pub fn pairwise_all_to_all<E: Endpoint + ?Sized>(
     ep: &mut E,
     group: &[DeviceId],
     data: Vec<f32>,
 ) -> Result<Vec<f32>, TransportError> {
-    let p = group.len();
-    if p <= 1 {
-        return Ok(data);
-    }
-    let (me, _, _) = ring_position(ep, group)?;
+    let p = group.len().max(1);
     let n = data.len();
-    let mut received: Vec<Vec<f32>> = vec![Vec::new(); p];
-    received[me] = data[chunk(n, p, me)].to_vec();
-    for k in 1..p {
-        let (to, from) = ((me + k) % p, (me + p - k) % p);
-        ep.coll_send(group[to], data[chunk(n, p, to)].to_vec())?;
-        received[from] = ep.coll_recv(group[from])?;
-        if received[from].len() != received[me].len() {
-            return Err(TransportError::Other("members of an all-to-all sent different sizes".into()));
-        }
+    let chunks: Vec<Vec<f32>> = (0..p).map(|j| data[chunk(n, p, j)].to_vec()).collect();
+    let mine = chunk(n, p, ring_position(ep, group).map_or(0, |(me, _, _)| me)).len();
+    let received = pairwise_exchange(ep, group, chunks)?;
+    if received.iter().any(|c| c.len() != mine) {
+        return Err(TransportError::Other("members of an all-to-all sent different sizes".into()));
     }
     Ok(received.into_iter().flatten().collect())
 }
@@ -497,6 +521,28 @@ mod tests {
             for (i, b) in back.iter().enumerate() {
                 assert_eq!(b, &input(i), "p={p} member {i}");
             }
+        }
+    }
+
+    #[test]
+    fn an_exchange_moves_chunks_of_any_size_including_none() {
+        let p = 3usize;
+        let devices: Vec<DeviceId> = (0..p as u32).map(DeviceId).collect();
+        let eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_secs(10));
+        // member i sends member j a chunk of (i + 2j) mod 3 values, each 10·i + j
+        let chunk_of = |i: usize, j: usize| vec![(10 * i + j) as f32; (i + 2 * j) % 3];
+        let handles: Vec<_> = eps
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut ep)| {
+                let group = devices.clone();
+                let chunks: Vec<Vec<f32>> = (0..p).map(|j| chunk_of(i, j)).collect();
+                std::thread::spawn(move || ep.all_to_all_v(&group, chunks))
+            })
+            .collect();
+        for (j, h) in handles.into_iter().enumerate() {
+            let got = h.join().expect("thread").expect("exchange");
+            assert_eq!(got, (0..p).map(|i| chunk_of(i, j)).collect::<Vec<_>>(), "member {j}");
         }
     }
 

@@ -113,6 +113,8 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     /// Validation: the held-out batch being evaluated (forwards only, dropout off, batch
     /// normalisation on its running statistics); None while training.
     pub(crate) evaluating: Option<usize>,
+    /// Expert parallelism: this device's group for each expert-parallel stage it holds.
+    pub(crate) experts: HashMap<StageId, crate::experts::ExpertGroup>,
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -128,7 +130,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         stages: HashMap<StageId, StageState<B>>,
         reduce: ReduceMode,
     ) -> Self {
+        let exchanger = comm.exchanger();
+        let experts = stages
+            .keys()
+            .filter_map(|s| crate::experts::ExpertGroup::of(plan, *s, device, &exchanger).map(|g| (*s, g)))
+            .collect();
         Worker {
+            experts,
             device,
             plan,
             stream,
@@ -367,7 +375,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                         st.contributions
                     )));
                 }
-                let mut flat = flatten_grads::<B>(&st.acc)?;
+                let sizes: Vec<usize> = layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product()).collect();
+                let mut flat = flatten_grads::<B>(&st.acc, &sizes)?;
                 flat.extend(st.statistics_message()?);
                 st.clear_gradients();
                 let n = flat.len();

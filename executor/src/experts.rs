@@ -1,0 +1,108 @@
+//! Expert parallelism: a stage's replicas in groups of `ep` (`StagePlan::expert_parallel`),
+//! the member at position j computing the j-th 1/ep of every block's routed experts on the
+//! tokens the whole group routes to them. Tokens travel in two all-to-all exchanges inside
+//! the block's forward — to their experts' members (dispatch) and back (combine) — and
+//! their gradients the other way inside the backward: [`Kernels::exchange`] is an autodiff
+//! node whose backward runs the reverse exchange on the device's collective thread.
+//!
+//! Every member keeps every expert's weights and optimizer state (the plan's memory
+//! figures hold 1/ep of them: `pipec_executor::caveats` says so); a member's gradient of
+//! an expert it does not compute is zero, so the stage's all-reduce over all replicas sums
+//! each expert's gradient over the members that computed it, as the plan's reduction over
+//! the replicas holding it does, and every member applies the same update.
+
+use std::sync::{Arc, Mutex};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use pipec_plan::{DeviceId, Plan, StageId};
+
+use crate::comm::Exchanger;
+
+/// A device's expert-parallel group for a stage, and how to reach it.
+#[derive(Clone, Debug)]
+pub struct ExpertGroup {
+    pub members: Vec<DeviceId>,
+    /// This device's position: it computes experts `position · E/ep ..` of each block.
+    pub position: usize,
+    pub exchanger: Exchanger,
+    /// The first exchange that failed inside a backward (which cannot return an error);
+    /// the worker reports it after the backward.
+    pub failed: Arc<Mutex<Option<String>>>,
+}
+
+impl ExpertGroup {
+    /// The group of `device` for `stage` of `plan`, if the stage is expert-parallel: the
+    /// `ep` consecutive replicas (their tensor-parallel ranks of the same rank) it is among.
+    pub fn of(plan: &Plan, stage: StageId, device: DeviceId, exchanger: &Exchanger) -> Option<ExpertGroup> {
+        let s = plan.stage(stage)?;
+        let ep = s.expert_parallel as usize;
+        if ep <= 1 {
+            return None;
+        }
+        let (i, rank) = match s.replicas.iter().position(|d| *d == device) {
+            Some(i) => (i, 0),
+            None => s
+                .tensor_parallel
+                .iter()
+                .enumerate()
+                .find_map(|(i, g)| g.iter().position(|d| *d == device).map(|r| (i, r)))?,
+        };
+        let first = i - i % ep;
+        let members: Vec<DeviceId> = (first..first + ep)
+            .map(|j| s.tensor_parallel.get(j).and_then(|g| g.get(rank)).copied().unwrap_or(s.replicas[j]))
+            .collect();
+        Some(ExpertGroup { members, position: i % ep, exchanger: exchanger.clone(), failed: Default::default() })
+    }
+
+    /// Takes the failure an exchange inside a backward recorded, if any.
+    pub fn take_failure(&self) -> Option<String> {
+        self.failed.lock().ok().and_then(|mut f| f.take())
+    }
+}
+
+/// One exchange of rows: this member sends `send[j]` rows to member j and receives
+/// `recv[i]` rows from member i (its gradient travels the other way).
+#[derive(Clone, Debug)]
+pub struct Exchange {
+    pub group: ExpertGroup,
+    pub send: Vec<usize>,
+    pub recv: Vec<usize>,
+}
+
+impl Exchange {
+    /// The same exchange the other way (its gradient's).
+    pub fn reversed(&self) -> Exchange {
+        Exchange { group: self.group.clone(), send: self.recv.clone(), recv: self.send.clone() }
+    }
+}
+
+/// Moves the rows of `x` ([rows, d], member-major as `ex.send` counts them) to their
+/// members, returning the rows received, member-major as `ex.recv` counts them.
+pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B, 2>, String> {
+    let [rows, d] = x.dims();
+    if rows != ex.send.iter().sum::<usize>() {
+        return Err(format!("an expert exchange of {rows} rows was told to send {:?}", ex.send));
+    }
+    let device = x.device();
+    let values = x.into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+    let mut chunks = Vec::with_capacity(ex.send.len());
+    let mut at = 0;
+    for &n in &ex.send {
+        chunks.push(values[at * d..(at + n) * d].to_vec());
+        at += n;
+    }
+    let got = ex.group.exchanger.exchange(&ex.group.members, chunks).map_err(|e| e.to_string())?;
+    for (i, (chunk, &n)) in got.iter().zip(&ex.recv).enumerate() {
+        if chunk.len() != n * d {
+            return Err(format!(
+                "member {} of the expert group sent {} values, {} rows of {d} were expected",
+                ex.group.members[i],
+                chunk.len(),
+                n
+            ));
+        }
+    }
+    let n: usize = ex.recv.iter().sum();
+    Ok(Tensor::from_data(TensorData::new(got.concat(), [n, d]), &device))
+}
