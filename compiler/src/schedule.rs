@@ -91,6 +91,7 @@ pub fn generate(kind: ScheduleKind, placement: &Placement, pipeline_ranks: usize
         ScheduleKind::Interleaved => interleaved(placement, pipeline_ranks),
         ScheduleKind::ZbH1 => zb_h1(placement),
         ScheduleKind::Zbv => zero_bubble(placement),
+        ScheduleKind::DualPipeV => dualpipe_v(placement),
         ScheduleKind::Chimera => chimera(placement, backward_slots),
     }
 }
@@ -280,6 +281,111 @@ fn zbv_limit(p: &Placement) -> usize {
 fn zero_bubble(p: &Placement) -> Order {
     let most = zbv_limit(p);
     list_schedule(p, true, |_, _| most, Priority::ZeroBubble)
+}
+
+/// DualPipeV, as DeepSeek's reference implementation runs it (`dualpipe/dualpipev.py`,
+/// `DualPipeV.step`): on R devices in a V, device r holds stage r (chunk 0, going down) and
+/// stage 2R − 1 − r (chunk 1, coming back up; device 0's is the last stage). With n
+/// microbatches per pipeline (at least 2R), in eight steps:
+/// 1. 2(R − 1 − r) forwards of chunk 0;
+/// 2. r + 1 times a forward of chunk 0 then of chunk 1;
+/// 3. R − 1 − r times an input-gradient backward of chunk 1, its weight gradient, a forward
+///    of chunk 1;
+/// 4. n − 2R + r + 1 times a forward of chunk 0 with a backward of chunk 1, then a forward
+///    of chunk 1 with a backward of chunk 0 (the pairs DualPipe overlaps);
+/// 5. R − 1 − r times a backward of chunk 1, then a forward of chunk 1 with a backward of
+///    chunk 0;
+/// 6. r + 1 times a backward of chunk 1 then of chunk 0, the second half of them split
+///    (input gradient now, weight gradient later; from the odd devices' chunk 1 and the
+///    even devices' chunk 0 of the middle pair on);
+/// 7. R − 1 − r times a deferred weight gradient, then a split backward of chunk 0;
+/// 8. the r + 1 weight gradients left.
+///
+/// Each chunk's forwards and backwards take its microbatches in order; the deferred weight
+/// gradients run first in, first out.
+fn dualpipe_v(p: &Placement) -> Order {
+    let stages = p.stages();
+    let ranks = stages / 2;
+    let mut order = vec![Vec::new(); p.devices];
+    for (d, tasks) in order.iter_mut().enumerate() {
+        let dev = DeviceId(d as u32);
+        let Some(r) = p.stages_of(dev).first().copied().filter(|&s| s < ranks) else { continue };
+        let chunk = [r, stages - 1 - r];
+        let mbs = [p.local_microbatches(chunk[0], dev), p.local_microbatches(chunk[1], dev)];
+        let n = mbs[0].len();
+        let (mut f, mut b) = ([0usize; 2], [0usize; 2]);
+        let mut deferred: std::collections::VecDeque<Task> = std::collections::VecDeque::new();
+        let forward = |tasks: &mut Vec<Task>, f: &mut [usize; 2], c: usize| {
+            if let Some(&m) = mbs[c].get(f[c]) {
+                tasks.push(Task::new(TaskKind::Forward, chunk[c], m));
+            }
+            f[c] += 1;
+        };
+        let backward = |tasks: &mut Vec<Task>,
+                        b: &mut [usize; 2],
+                        deferred: &mut std::collections::VecDeque<Task>,
+                        c: usize,
+                        split: bool| {
+            if let Some(&m) = mbs[c].get(b[c]) {
+                if split {
+                    tasks.push(Task::new(TaskKind::BackwardInput, chunk[c], m));
+                    deferred.push_back(Task::new(TaskKind::BackwardWeight, chunk[c], m));
+                } else {
+                    tasks.push(Task::new(TaskKind::Backward, chunk[c], m));
+                }
+            }
+            b[c] += 1;
+        };
+        let weight = |tasks: &mut Vec<Task>, deferred: &mut std::collections::VecDeque<Task>| {
+            if let Some(t) = deferred.pop_front() {
+                tasks.push(t);
+            }
+        };
+        let rest = ranks - 1 - r;
+        for _ in 0..2 * rest {
+            forward(tasks, &mut f, 0);
+        }
+        for _ in 0..=r {
+            forward(tasks, &mut f, 0);
+            forward(tasks, &mut f, 1);
+        }
+        for _ in 0..rest {
+            backward(tasks, &mut b, &mut deferred, 1, true);
+            weight(tasks, &mut deferred);
+            forward(tasks, &mut f, 1);
+        }
+        for _ in 0..(n + r + 1).saturating_sub(2 * ranks) {
+            forward(tasks, &mut f, 0);
+            backward(tasks, &mut b, &mut deferred, 1, false);
+            forward(tasks, &mut f, 1);
+            backward(tasks, &mut b, &mut deferred, 0, false);
+        }
+        for _ in 0..rest {
+            backward(tasks, &mut b, &mut deferred, 1, false);
+            forward(tasks, &mut f, 1);
+            backward(tasks, &mut b, &mut deferred, 0, false);
+        }
+        let (mut split, pairs) = (false, r + 1);
+        let middle = pairs / 2;
+        for i in 0..pairs {
+            if i == middle && r % 2 == 1 {
+                split = true;
+            }
+            backward(tasks, &mut b, &mut deferred, 1, split);
+            if i == middle && r % 2 == 0 {
+                split = true;
+            }
+            backward(tasks, &mut b, &mut deferred, 0, split);
+        }
+        for _ in 0..rest {
+            weight(tasks, &mut deferred);
+            backward(tasks, &mut b, &mut deferred, 0, true);
+        }
+        while !deferred.is_empty() {
+            weight(tasks, &mut deferred);
+        }
+    }
+    order
 }
 
 /// Chimera: two pipelines in opposite directions over the same devices (stage s of the

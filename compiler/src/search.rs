@@ -148,7 +148,7 @@ impl Candidate {
     /// The `strategy` mapping as YAML flow text.
     fn text(&self, overlap: bool) -> String {
         let schedule = match self.schedule {
-            ScheduleKind::Interleaved | ScheduleKind::Zbv => {
+            ScheduleKind::Interleaved | ScheduleKind::Zbv | ScheduleKind::DualPipeV => {
                 format!("{{ kind: {}, virtual_stages: {} }}", self.schedule.name(), self.chunks)
             }
             other => other.name().to_string(),
@@ -183,7 +183,7 @@ impl Candidate {
         st.replicas = layout.map_or_else(|| vec![1; base.cluster.device_count() / self.tp.max(1)], <[usize]>::to_vec);
         st.tp = self.tp;
         st.schedule = Schedule::new(self.schedule, st.schedule.span);
-        if matches!(self.schedule, ScheduleKind::Interleaved | ScheduleKind::Zbv) {
+        if matches!(self.schedule, ScheduleKind::Interleaved | ScheduleKind::Zbv | ScheduleKind::DualPipeV) {
             st.schedule.virtual_stages = self.chunks;
         }
         st.microbatches = self.microbatches;
@@ -327,8 +327,9 @@ fn divisors(n: usize) -> impl Iterator<Item = usize> {
 }
 
 /// The schedules the search tries for a pipeline of `pp` ranks, each with its model chunks
-/// per device: interleaved with 2 and 4, ZBV with its 2, the others 1.
-fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<(ScheduleKind, usize)> {
+/// per device: interleaved with 2 and 4, ZBV (and DualPipeV, for a model with expert blocks:
+/// the schedule made for them) with their 2, the others 1.
+fn schedules_for(pp: usize, options: &SearchOptions, experts: bool) -> Vec<(ScheduleKind, usize)> {
     let all: Vec<ScheduleKind> = if pp == 1 {
         vec![ScheduleKind::DpOnly]
     } else {
@@ -340,6 +341,9 @@ fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<(ScheduleKind, usize
             ScheduleKind::Zbv,
             ScheduleKind::Chimera,
         ];
+        if experts {
+            v.push(ScheduleKind::DualPipeV);
+        }
         if !options.synchronous_only {
             v.extend([ScheduleKind::PipeDream, ScheduleKind::TwoBw]);
         }
@@ -349,7 +353,7 @@ fn schedules_for(pp: usize, options: &SearchOptions) -> Vec<(ScheduleKind, usize
         .filter(|k| options.schedules.as_ref().is_none_or(|only| only.contains(k)))
         .flat_map(|k| match k {
             ScheduleKind::Interleaved => vec![(k, 2), (k, 4)],
-            ScheduleKind::Zbv => vec![(k, 2)],
+            ScheduleKind::Zbv | ScheduleKind::DualPipeV => vec![(k, 2)],
             other => vec![(other, 1)],
         })
         .collect()
@@ -465,6 +469,7 @@ fn candidates(
     // with only the stages of its devices short of memory recomputed (in the branch and bound)
     let recomputes: Vec<Recompute> =
         options.recompute.clone().map_or_else(|| vec![Recompute::Off, Recompute::All], |r| vec![r]);
+    let experts = spec.model.layers.iter().any(|l| l.op.block_dims().is_some_and(|b| b.moe.is_some()));
     for tp in tps {
         let machines = devices / tp;
         // the layouts: the user's, or every pipeline depth with equal replication, and the
@@ -479,9 +484,12 @@ fn candidates(
         let too_deep = |pp: usize| options.max_pipeline_depth.is_some_and(|m| pp > m);
         for layout in layouts.into_iter().filter(|l| l.as_ref().is_none_or(|l| !too_deep(l.len()))) {
             let schedules: Vec<(ScheduleKind, usize)> = match &layout {
-                Some(l) => schedules_for(l.len(), options).into_iter().filter(|(_, c)| l.len() * c <= layers).collect(),
+                Some(l) => schedules_for(l.len(), options, experts)
+                    .into_iter()
+                    .filter(|(_, c)| l.len() * c <= layers)
+                    .collect(),
                 // the planner lays out one chunk per rank, for the schedules it can replicate
-                None => schedules_for(2, options).into_iter().filter(|(k, _)| k.auto_replicates()).collect(),
+                None => schedules_for(2, options, experts).into_iter().filter(|(k, _)| k.auto_replicates()).collect(),
             };
             // microbatch counts dividing the batch, an equal share per replica
             let dp = layout.as_ref().map_or(1, |l| l[0]);

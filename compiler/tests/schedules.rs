@@ -445,6 +445,10 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
             "clipped-interleaved",
             build(&clipped(&spec(2, 4, "{ kind: interleaved, virtual_stages: 2 }", 8, "straight"))),
         ),
+        ("dualpipev", build(&spec(2, 4, "dualpipev", 8, "straight"))),
+        ("dualpipev-3-ranks", build(&spec(3, 7, "dualpipev", 12, "straight"))),
+        ("dualpipev-dp2", build(&spec(4, 8, "dualpipev", 8, "\"2-2\""))),
+        ("expert-parallel-dualpipev", build(&moe_spec(4, 8, "dualpipev", "\"2-2\"", 2))),
         ("expert-parallel-dp-only", build(&moe_spec(4, 8, "dp-only", "\"4\"", 4))),
         ("expert-parallel-1f1b", build(&moe_spec(4, 4, "1f1b", "\"2-2\"", 2))),
         ("expert-parallel-zbv", build(&moe_spec(4, 4, "zbv", "\"2-2\"", 2))),
@@ -515,6 +519,40 @@ fn golden_streams_for_every_schedule() {
     for (name, c) in every_schedule() {
         assert!(verify_plan(&c, &c.plan.streams).is_empty());
         insta::assert_snapshot!(format!("streams__{name}"), c.plan.streams_text());
+    }
+}
+
+/// DualPipeV's bubble on uniform stages, against the published formula (DeepSeek's DualPipe
+/// README: (PP/2 − 1)(F&B + B − 3W) per device for PP stages). With R = PP/2 devices, F a
+/// chunk's forward, B its whole backward (2F here: two products per layer), W its weight
+/// half (F) and F&B — a forward and a backward overlapped — at F + B (pipec runs one pass at
+/// a time), that is (R − 1)(F + 2B − 3W) = 2(R − 1)F. The reference starts a pair only once
+/// both its inputs are in (it overlaps them); pipec starts each pass when its own input is,
+/// so a pair's forward runs while its backward's gradient is on its way, which saves one W
+/// per step of the drain: (R − 1)(F + B − 2W) = (R − 1)F, for every microbatch count from
+/// the 2R the schedule needs. The step is each device's 2N(F + B) of compute plus that.
+#[test]
+fn dualpipev_bubbles_match_the_published_formula_less_the_pairs_waits() {
+    for ranks in 2..=4usize {
+        for n in [2 * ranks, 2 * ranks + 1, 3 * ranks, 4 * ranks + 2] {
+            let plan = build(&as_the_paper_gives_it(&spec(ranks, n, "dualpipev", 2 * ranks * 2, "straight"))).plan;
+            let f = plan.stages[0].forward_s;
+            let b = plan.stages[0].backward_s;
+            assert!(close(b, 2.0 * f), "linear layers: B = 2F ({b} vs {f})");
+            let (r, w) = (ranks as f64, b / 2.0);
+            let compute = 2.0 * n as f64 * (f + b);
+            let published = (r - 1.0) * ((f + b) + b - 3.0 * w);
+            let sequential = (r - 1.0) * (f + b - 2.0 * w);
+            let got = plan.simulation.step_time_s - compute;
+            assert!(
+                (got - sequential).abs() < 1e-6 * compute,
+                "R={ranks} N={n}: bubble {got}, (R−1)(F+B−2W) {sequential}"
+            );
+            assert!(
+                (published - sequential - (r - 1.0) * w).abs() < 1e-12,
+                "the published bubble is one W more per drain step"
+            );
+        }
     }
 }
 

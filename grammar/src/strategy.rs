@@ -993,11 +993,11 @@ fn lower_schedule(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Schedu
                 Some(v) => sched.virtual_stages = v,
                 None => ok = false,
             },
-            ScheduleKind::Zbv => {
+            ScheduleKind::Zbv | ScheduleKind::DualPipeV => {
                 if cx.uint(n, 2) != Some(2) {
                     cx.push(Diagnostic::error(
                         "E0405",
-                        "`zbv` always has 2 virtual stages per device",
+                        format!("`{kind}` always has 2 virtual stages per device"),
                         n.span,
                         "must be 2",
                     ));

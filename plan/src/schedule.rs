@@ -170,6 +170,7 @@ impl ScheduleKind {
             ScheduleKind::Chimera => row(1, false, always, step, One, Bidirectional, false, true, true),
             ScheduleKind::ZbH1 => row(1, true, always, step, One, RoundRobin, true, false, true),
             ScheduleKind::Zbv => row(2, true, always, step, One, V, false, true, true),
+            ScheduleKind::DualPipeV => row(2, true, always, step, One, V, false, true, true),
             ScheduleKind::DpOnly => row(1, false, Synchrony::WhenBsp, step, One, RoundRobin, false, false, false),
         }
     }
@@ -325,6 +326,28 @@ impl ScheduleKind {
                         "zbv",
                         "use `zb-h1` or `1f1b`",
                         false,
+                    ));
+                }
+            }
+            ScheduleKind::DualPipeV => {
+                if stages < 2 {
+                    out.push(violation(
+                        "`dualpipev` needs at least 2 pipeline stages",
+                        "dualpipev",
+                        "use `zb-h1` or `1f1b`",
+                        false,
+                    ));
+                }
+                let per_replica = microbatches / first_replicas;
+                if per_replica < 2 * stages {
+                    out.push(violation(
+                        format!(
+                            "`dualpipev` needs at least {} microbatches per pipeline (2 × {stages} devices), found {per_replica}",
+                            2 * stages
+                        ),
+                        "dualpipev",
+                        "DualPipeV fills both chunks of every device before its steady state: use more microbatches",
+                        true,
                     ));
                 }
             }

@@ -117,6 +117,10 @@ choice! {
         ZbH1 = "zb-h1",
         /// Zero-bubble V schedule: two chunks per device in a V shape.
         Zbv = "zbv",
+        /// DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab): two chunks per device in a
+        /// V shape, a forward of one chunk paired with a backward of the other in the steady
+        /// state, zero-bubble split backwards at the edges.
+        DualPipeV = "dualpipev",
         /// Data parallelism only: one stage, every device a replica.
         DpOnly = "dp-only",
     }
