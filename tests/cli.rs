@@ -233,6 +233,55 @@ fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_a_small_one_train
     assert!(!out.exists());
 }
 
+/// specs/moe-tiny.yaml — a character-level language model of 8 experts (top 2) and a shared
+/// expert per block on a text file, 2 stages × 2 replicas with `ep: 2` — trains as one
+/// device does: every step's loss and load-balancing loss within 1e-5, the tokens each
+/// expert took exactly; and both fall.
+#[test]
+fn the_tiny_mixture_of_experts_trains_with_expert_parallelism_as_one_device_does() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("specs/moe-tiny.yaml"))
+        .expect("spec")
+        .replace(
+            "path: data/architecture.txt",
+            &format!("path: {}", root.join("specs/data/architecture.txt").display()),
+        )
+        .replace("steps: 30", "steps: 20");
+    let one = text
+        .replace("stages: \"2-2\"", "stages: \"1\"")
+        .replace("  ep: 2\n", "")
+        .replace("devices_per_node: 4", "devices_per_node: 1");
+    let metrics = |name: &str, spec: &str| -> Vec<serde_json::Value> {
+        let path = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&path, spec).expect("spec");
+        let out = dir.path().join(name);
+        let run = pipec(&["run", path.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
+        assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .expect("metrics")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("json"))
+            .collect()
+    };
+    let (ep, reference) = (metrics("ep", &text), metrics("one", &one));
+    assert_eq!(ep.len(), 20);
+    let number = |v: &serde_json::Value, key: &str| v[key].as_f64().expect(key);
+    for (a, b) in reference.iter().zip(&ep) {
+        for key in ["loss", "aux_loss"] {
+            let (x, y) = (number(a, key), number(b, key));
+            assert!((x - y).abs() <= 1e-5 * x.abs(), "step {}: {key} {x} on one device, {y} with ep", a["step"]);
+        }
+        assert_eq!(a["expert_tokens"], b["expert_tokens"], "step {}", a["step"]);
+    }
+    // the first four steps' mean against the last four's (one step's is noisy)
+    let mean = |steps: &[serde_json::Value], key: &str| steps.iter().map(|s| number(s, key)).sum::<f64>() / 4.0;
+    for key in ["loss", "aux_loss"] {
+        let (first, last) = (mean(&ep[..4], key), mean(&ep[16..], key));
+        assert!(last < first, "{key}: {first} in the first four steps, {last} in the last four");
+    }
+}
+
 #[test]
 fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_train_writing_nothing() {
     let dir = tempfile::tempdir().expect("tmp");
