@@ -489,8 +489,20 @@ fn compare_lists_every_schedule_fastest_first_and_says_why_one_does_not_apply() 
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     let rows: Vec<&str> = text.lines().skip(1).collect();
-    assert_eq!(rows.len(), 10, "{text}");
-    for s in ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev", "chimera", "pipedream", "2bw", "dp-only"] {
+    assert_eq!(rows.len(), 11, "{text}");
+    for s in [
+        "gpipe",
+        "1f1b",
+        "interleaved",
+        "zb-h1",
+        "zbv",
+        "dualpipev",
+        "dualpipe",
+        "chimera",
+        "pipedream",
+        "2bw",
+        "dp-only",
+    ] {
         assert!(rows.iter().any(|r| r.starts_with(s) || r.contains(&format!("kind: {s}"))), "{s} missing:\n{text}");
     }
     // planned rows come first, in order of step time; then the ones that do not apply
@@ -517,7 +529,7 @@ fn compare_lists_every_schedule_fastest_first_and_says_why_one_does_not_apply() 
     let out = pipec(&["compare", spec.to_str().expect("utf-8 path"), "--format", "json"]);
     let lines: Vec<serde_json::Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
-    assert_eq!(lines.len(), 10);
+    assert_eq!(lines.len(), 11);
     let ob = lines.iter().find(|l| l["schedule"] == "1f1b").expect("1f1b");
     assert!(
         (ob["step_time_s"].as_f64().expect("step") - 501.8e-6).abs() < 1e-7
@@ -531,7 +543,7 @@ fn compare_lists_every_schedule_fastest_first_and_says_why_one_does_not_apply() 
     let out = pipec(&["compare", spec.to_str().expect("utf-8 path"), "--microbatches", "8,5", "--format", "json"]);
     let lines: Vec<serde_json::Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
-    assert_eq!(lines.len(), 20);
+    assert_eq!(lines.len(), 22);
     let gpipe5 = lines.iter().find(|l| l["schedule"] == "gpipe" && l["microbatches"] == 5).expect("gpipe at 5");
     assert!(
         gpipe5["not_applicable"].as_str().is_some_and(|w| w.contains("not divisible into 5 microbatches")),

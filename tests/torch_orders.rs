@@ -62,6 +62,33 @@ fn compute_orders_match_pytorch() {
     assert!(checked >= 12, "only {checked} reference files");
 }
 
+/// pipec's DualPipe orders equal DeepSeek's reference implementation's (`DualPipe.step`,
+/// recorded into tests/reference/dualpipev/dualpipe-orders.json) on 2, 4 and 6 devices.
+#[test]
+fn dualpipe_orders_match_deepseeks_reference() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/dualpipev/dualpipe-orders.json");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    let cases = r["cases"].as_array().expect("cases");
+    assert!(cases.len() >= 9, "{} cases", cases.len());
+    for case in cases {
+        let ranks = case["ranks"].as_u64().expect("ranks") as usize;
+        let mbs = case["microbatches"].as_u64().expect("microbatches") as usize;
+        let text = spec(ranks, mbs, "dualpipe", 2 * ranks, false);
+        let s = pipec_grammar::check_source(&text).spec.expect("valid spec");
+        let plan = compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan;
+        for (rank, stream) in plan.streams.values().enumerate() {
+            let ours: Vec<String> = compute_order(stream).iter().map(ToString::to_string).collect();
+            let theirs: Vec<String> = case["orders"][rank]
+                .as_array()
+                .expect("rank order")
+                .iter()
+                .map(|a| a.as_str().expect("action").to_string())
+                .collect();
+            assert_eq!(ours, theirs, "D={ranks} N={mbs}: rank {rank}");
+        }
+    }
+}
+
 /// pipec's DualPipeV orders equal DeepSeek's reference implementation's
 /// (`DualPipeV.step` in deepseek-ai/DualPipe, recorded by
 /// tests/reference/dualpipev/make_orders.py into orders.json), on 2 to 4 devices from the

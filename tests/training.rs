@@ -258,7 +258,7 @@ fn chimera_equals_one_device() {
 
 #[test]
 fn zero_bubble_equals_one_device() {
-    for sched in ["zb-h1", "zbv", "dualpipev"] {
+    for sched in ["zb-h1", "zbv", "dualpipev", "dualpipe"] {
         assert_same_as_one_device(Job {
             devices: 2,
             stages: "straight",

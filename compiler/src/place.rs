@@ -37,7 +37,7 @@ pub(crate) fn place_chunks(
     let stages = layout.ranges.len();
     let mut replicas = Vec::with_capacity(stages);
     let mut route = Vec::with_capacity(stages);
-    if chunks == ChunkPlacement::Bidirectional {
+    if matches!(chunks, ChunkPlacement::Bidirectional | ChunkPlacement::Halves) {
         // R = the stages' (equal) replication: R pipeline pairs, pair q made of the q-th
         // replica device of every rank. In pair q, stage s's down copy runs on rank s's
         // device and its up copy on rank D−1−s's. Microbatches come in units of R·D (the last
@@ -49,6 +49,10 @@ pub(crate) fn place_chunks(
         }
         let unit = pairs * ranks;
         let copy = |m: usize| -> u32 {
+            // DualPipe: the first half of the microbatches down, the second up (one pair)
+            if chunks == ChunkPlacement::Halves {
+                return u32::from(2 * m >= microbatches);
+            }
             let unit_start = m - m % unit;
             let unit_len = unit.min(microbatches - unit_start);
             let (o, q) = (m - unit_start, (m - unit_start) % pairs);

@@ -92,6 +92,7 @@ pub fn generate(kind: ScheduleKind, placement: &Placement, pipeline_ranks: usize
         ScheduleKind::ZbH1 => zb_h1(placement),
         ScheduleKind::Zbv => zero_bubble(placement),
         ScheduleKind::DualPipeV => dualpipe_v(placement),
+        ScheduleKind::DualPipe => dualpipe(placement),
         ScheduleKind::Chimera => chimera(placement, backward_slots),
     }
 }
@@ -310,82 +311,116 @@ fn dualpipe_v(p: &Placement) -> Order {
     for (d, tasks) in order.iter_mut().enumerate() {
         let dev = DeviceId(d as u32);
         let Some(r) = p.stages_of(dev).first().copied().filter(|&s| s < ranks) else { continue };
-        let chunk = [r, stages - 1 - r];
-        let mbs = [p.local_microbatches(chunk[0], dev), p.local_microbatches(chunk[1], dev)];
-        let n = mbs[0].len();
-        let (mut f, mut b) = ([0usize; 2], [0usize; 2]);
-        let mut deferred: std::collections::VecDeque<Task> = std::collections::VecDeque::new();
-        let forward = |tasks: &mut Vec<Task>, f: &mut [usize; 2], c: usize| {
-            if let Some(&m) = mbs[c].get(f[c]) {
-                tasks.push(Task::new(TaskKind::Forward, chunk[c], m));
-            }
-            f[c] += 1;
-        };
-        let backward = |tasks: &mut Vec<Task>,
-                        b: &mut [usize; 2],
-                        deferred: &mut std::collections::VecDeque<Task>,
-                        c: usize,
-                        split: bool| {
-            if let Some(&m) = mbs[c].get(b[c]) {
-                if split {
-                    tasks.push(Task::new(TaskKind::BackwardInput, chunk[c], m));
-                    deferred.push_back(Task::new(TaskKind::BackwardWeight, chunk[c], m));
-                } else {
-                    tasks.push(Task::new(TaskKind::Backward, chunk[c], m));
-                }
-            }
-            b[c] += 1;
-        };
-        let weight = |tasks: &mut Vec<Task>, deferred: &mut std::collections::VecDeque<Task>| {
-            if let Some(t) = deferred.pop_front() {
-                tasks.push(t);
-            }
-        };
-        let rest = ranks - 1 - r;
-        for _ in 0..2 * rest {
-            forward(tasks, &mut f, 0);
-        }
-        for _ in 0..=r {
-            forward(tasks, &mut f, 0);
-            forward(tasks, &mut f, 1);
-        }
-        for _ in 0..rest {
-            backward(tasks, &mut b, &mut deferred, 1, true);
-            weight(tasks, &mut deferred);
-            forward(tasks, &mut f, 1);
-        }
-        for _ in 0..(n + r + 1).saturating_sub(2 * ranks) {
-            forward(tasks, &mut f, 0);
-            backward(tasks, &mut b, &mut deferred, 1, false);
-            forward(tasks, &mut f, 1);
-            backward(tasks, &mut b, &mut deferred, 0, false);
-        }
-        for _ in 0..rest {
-            backward(tasks, &mut b, &mut deferred, 1, false);
-            forward(tasks, &mut f, 1);
-            backward(tasks, &mut b, &mut deferred, 0, false);
-        }
-        let (mut split, pairs) = (false, r + 1);
-        let middle = pairs / 2;
-        for i in 0..pairs {
-            if i == middle && r % 2 == 1 {
-                split = true;
-            }
-            backward(tasks, &mut b, &mut deferred, 1, split);
-            if i == middle && r % 2 == 0 {
-                split = true;
-            }
-            backward(tasks, &mut b, &mut deferred, 0, split);
-        }
-        for _ in 0..rest {
-            weight(tasks, &mut deferred);
-            backward(tasks, &mut b, &mut deferred, 0, true);
-        }
-        while !deferred.is_empty() {
-            weight(tasks, &mut deferred);
-        }
+        *tasks = dualpipe_steps(p, dev, [r, stages - 1 - r], ranks, r);
     }
     order
+}
+
+/// DualPipe, as DeepSeek's reference implementation runs it (`dualpipe/dualpipe.py`,
+/// `DualPipe.step`): two pipelines of the D stages in opposite directions (stage s going
+/// down on device s, coming up on device D − 1 − s; `ChunkPlacement::Halves`: the first
+/// half of the microbatches down, the second up). A device's phase 0 is the direction in
+/// which it is in the first half of the pipeline, and it runs DualPipeV's eight steps
+/// ([`dualpipe_v`]) over its two directions with R = D/2 and its distance from the nearer
+/// end as r, each direction's n = N/2 microbatches.
+fn dualpipe(p: &Placement) -> Order {
+    let d_stages = p.stages();
+    let half = d_stages / 2;
+    let mut order = vec![Vec::new(); p.devices];
+    for (d, tasks) in order.iter_mut().enumerate() {
+        let dev = DeviceId(d as u32);
+        let held = p.stages_of(dev);
+        if held.len() != 2 {
+            continue;
+        }
+        // the device's down stage is the one whose down copy it holds (the first replica)
+        let Some(&down) = held.iter().find(|&&s| p.replicas[s].first() == Some(&dev)) else { continue };
+        let up = d_stages - 1 - down;
+        let (r, chunk) = if down < half { (down, [down, up]) } else { (up, [up, down]) };
+        *tasks = dualpipe_steps(p, dev, chunk, half, r);
+    }
+    order
+}
+
+/// The eight steps DualPipe and DualPipeV run on a device whose two chunks are `chunk`
+/// (phase 0 first), `r` of R from the pipeline's end (see [`dualpipe_v`]).
+fn dualpipe_steps(p: &Placement, dev: DeviceId, chunk: [usize; 2], ranks: usize, r: usize) -> Vec<Task> {
+    let mbs = [p.local_microbatches(chunk[0], dev), p.local_microbatches(chunk[1], dev)];
+    let n = mbs[0].len();
+    let mut tasks = Vec::new();
+    let (mut f, mut b) = ([0usize; 2], [0usize; 2]);
+    let mut deferred: std::collections::VecDeque<Task> = std::collections::VecDeque::new();
+    let forward = |tasks: &mut Vec<Task>, f: &mut [usize; 2], c: usize| {
+        if let Some(&m) = mbs[c].get(f[c]) {
+            tasks.push(Task::new(TaskKind::Forward, chunk[c], m));
+        }
+        f[c] += 1;
+    };
+    let backward = |tasks: &mut Vec<Task>,
+                    b: &mut [usize; 2],
+                    deferred: &mut std::collections::VecDeque<Task>,
+                    c: usize,
+                    split: bool| {
+        if let Some(&m) = mbs[c].get(b[c]) {
+            if split {
+                tasks.push(Task::new(TaskKind::BackwardInput, chunk[c], m));
+                deferred.push_back(Task::new(TaskKind::BackwardWeight, chunk[c], m));
+            } else {
+                tasks.push(Task::new(TaskKind::Backward, chunk[c], m));
+            }
+        }
+        b[c] += 1;
+    };
+    let weight = |tasks: &mut Vec<Task>, deferred: &mut std::collections::VecDeque<Task>| {
+        if let Some(t) = deferred.pop_front() {
+            tasks.push(t);
+        }
+    };
+    let tasks_ref = &mut tasks;
+    let rest = ranks - 1 - r;
+    for _ in 0..2 * rest {
+        forward(tasks_ref, &mut f, 0);
+    }
+    for _ in 0..=r {
+        forward(tasks_ref, &mut f, 0);
+        forward(tasks_ref, &mut f, 1);
+    }
+    for _ in 0..rest {
+        backward(tasks_ref, &mut b, &mut deferred, 1, true);
+        weight(tasks_ref, &mut deferred);
+        forward(tasks_ref, &mut f, 1);
+    }
+    for _ in 0..(n + r + 1).saturating_sub(2 * ranks) {
+        forward(tasks_ref, &mut f, 0);
+        backward(tasks_ref, &mut b, &mut deferred, 1, false);
+        forward(tasks_ref, &mut f, 1);
+        backward(tasks_ref, &mut b, &mut deferred, 0, false);
+    }
+    for _ in 0..rest {
+        backward(tasks_ref, &mut b, &mut deferred, 1, false);
+        forward(tasks_ref, &mut f, 1);
+        backward(tasks_ref, &mut b, &mut deferred, 0, false);
+    }
+    let (mut split, pairs) = (false, r + 1);
+    let middle = pairs / 2;
+    for i in 0..pairs {
+        if i == middle && !r.is_multiple_of(2) {
+            split = true;
+        }
+        backward(tasks_ref, &mut b, &mut deferred, 1, split);
+        if i == middle && r.is_multiple_of(2) {
+            split = true;
+        }
+        backward(tasks_ref, &mut b, &mut deferred, 0, split);
+    }
+    for _ in 0..rest {
+        weight(tasks_ref, &mut deferred);
+        backward(tasks_ref, &mut b, &mut deferred, 0, true);
+    }
+    while !deferred.is_empty() {
+        weight(tasks_ref, &mut deferred);
+    }
+    tasks
 }
 
 /// Chimera: two pipelines in opposite directions over the same devices (stage s of the

@@ -446,6 +446,8 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
             build(&clipped(&spec(2, 4, "{ kind: interleaved, virtual_stages: 2 }", 8, "straight"))),
         ),
         ("dualpipev", build(&spec(2, 4, "dualpipev", 8, "straight"))),
+        ("dualpipe", build(&spec(2, 4, "dualpipe", 4, "straight"))),
+        ("dualpipe-4-ranks", build(&spec(4, 10, "dualpipe", 8, "straight"))),
         ("dualpipev-3-ranks", build(&spec(3, 7, "dualpipev", 12, "straight"))),
         ("dualpipev-dp2", build(&spec(4, 8, "dualpipev", 8, "\"2-2\""))),
         ("expert-parallel-dualpipev", build(&moe_spec(4, 8, "dualpipev", "\"2-2\"", 2))),
@@ -551,6 +553,32 @@ fn dualpipev_bubbles_match_the_published_formula_less_the_pairs_waits() {
             assert!(
                 (published - sequential - (r - 1.0) * w).abs() < 1e-12,
                 "the published bubble is one W more per drain step"
+            );
+        }
+    }
+}
+
+/// DualPipe's bubble on uniform stages: D devices, two pipelines of D stages in opposite
+/// directions, N microbatches (N/2 each way). The published formula (DeepSeek's DualPipe
+/// README) is (D/2 − 1)(F&B + B − 3W) per device; run one pass at a time, each when its own
+/// input is in, it is one W per drain step less, (D/2 − 1)(F + B − 2W) = (D/2 − 1)F here
+/// (B = 2F, W = F), as DualPipeV's with R = D/2 (`dualpipev_bubbles_...` above). Each
+/// device computes both directions' N/2 microbatches of its two stages: N(F + B).
+#[test]
+fn dualpipe_bubbles_match_the_published_formula_less_the_pairs_waits() {
+    for ranks in [2usize, 4, 6] {
+        for n in [2 * ranks, 2 * ranks + 2, 4 * ranks] {
+            let plan = build(&as_the_paper_gives_it(&spec(ranks, n, "dualpipe", 2 * ranks, "straight"))).plan;
+            let f = plan.stages[0].forward_s;
+            let b = plan.stages[0].backward_s;
+            assert!(close(b, 2.0 * f), "linear layers: B = 2F ({b} vs {f})");
+            let (h, w) = (ranks as f64 / 2.0, b / 2.0);
+            let compute = n as f64 * (f + b);
+            let sequential = (h - 1.0) * (f + b - 2.0 * w);
+            let got = plan.simulation.step_time_s - compute;
+            assert!(
+                (got - sequential).abs() < 1e-6 * compute,
+                "D={ranks} N={n}: bubble {got}, (D/2−1)(F+B−2W) {sequential}"
             );
         }
     }

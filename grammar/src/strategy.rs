@@ -547,9 +547,15 @@ fn check_expert_parallelism(
         );
         ok = false;
     }
+    // a schedule whose replicas run different passes at once: asynchronous ones, and the
+    // two directions of Chimera and DualPipe (a stage's two copies)
     let asynchronous = schedule.is_some_and(|s| {
         s.sync == pipec_plan::vocab::SyncMode::Asp
             || s.kind.updates(replicas.map_or(1, <[usize]>::len)) != pipec_plan::schedule::Updates::PerStep
+            || matches!(
+                s.kind.chunk_placement(),
+                pipec_plan::schedule::ChunkPlacement::Bidirectional | pipec_plan::schedule::ChunkPlacement::Halves
+            )
     });
     if sharding != Sharding::None || asynchronous {
         let why = if sharding != Sharding::None {

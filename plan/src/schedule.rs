@@ -62,6 +62,9 @@ pub enum ChunkPlacement {
     V,
     /// Chimera: every stage on two ranks, a down and an up pipeline (pairs of replicas).
     Bidirectional,
+    /// DualPipe: every stage on two ranks as Chimera's, the down pipeline taking the first
+    /// half of the microbatches and the up pipeline the second.
+    Halves,
 }
 
 impl ChunkPlacement {
@@ -69,7 +72,9 @@ impl ChunkPlacement {
     pub fn rank_of_chunk(self, c: usize, ranks: usize) -> usize {
         match self {
             ChunkPlacement::V if c >= ranks => (2 * ranks).saturating_sub(1 + c),
-            ChunkPlacement::V | ChunkPlacement::RoundRobin | ChunkPlacement::Bidirectional => c % ranks.max(1),
+            ChunkPlacement::V | ChunkPlacement::RoundRobin | ChunkPlacement::Bidirectional | ChunkPlacement::Halves => {
+                c % ranks.max(1)
+            }
         }
     }
 }
@@ -141,7 +146,7 @@ pub struct Traits {
 impl ScheduleKind {
     /// What the schedule is, in one row.
     pub fn traits(self) -> Traits {
-        use ChunkPlacement::{Bidirectional, RoundRobin, V};
+        use ChunkPlacement::{Bidirectional, Halves, RoundRobin, V};
         use WeightVersions::{One, Stashed, Two};
         let row = |v, split, synchrony, cadence, weights, chunks, auto, even, pipeline| Traits {
             default_virtual_stages: v,
@@ -171,6 +176,7 @@ impl ScheduleKind {
             ScheduleKind::ZbH1 => row(1, true, always, step, One, RoundRobin, true, false, true),
             ScheduleKind::Zbv => row(2, true, always, step, One, V, false, true, true),
             ScheduleKind::DualPipeV => row(2, true, always, step, One, V, false, true, true),
+            ScheduleKind::DualPipe => row(1, true, always, step, One, Halves, false, true, true),
             ScheduleKind::DpOnly => row(1, false, Synchrony::WhenBsp, step, One, RoundRobin, false, false, false),
         }
     }
@@ -347,6 +353,35 @@ impl ScheduleKind {
                         ),
                         "dualpipev",
                         "DualPipeV fills both chunks of every device before its steady state: use more microbatches",
+                        true,
+                    ));
+                }
+            }
+            ScheduleKind::DualPipe => {
+                if !stages.is_multiple_of(2) || stages < 2 {
+                    out.push(violation(
+                        format!("`dualpipe` needs an even number of stages, found {stages}"),
+                        "dualpipe",
+                        "DualPipe runs two pipelines in opposite directions, each half the stages in each half of the devices: use 2, 4, 6, ... stages",
+                        false,
+                    ));
+                }
+                if first_replicas > 1 {
+                    out.push(violation(
+                        "`dualpipe` runs on unreplicated stages (each stage already has its two copies, one per direction)",
+                        "dualpipe",
+                        "use `stages: straight`, or `chimera` for pipeline pairs with data parallelism",
+                        false,
+                    ));
+                }
+                if !microbatches.is_multiple_of(2) || microbatches < 2 * stages {
+                    out.push(violation(
+                        format!(
+                            "`dualpipe` needs an even number of microbatches, at least {} (2 × {stages} devices), found {microbatches}",
+                            2 * stages
+                        ),
+                        "dualpipe",
+                        "half of the microbatches go down and half up, and each direction fills its pipeline before its steady state",
                         true,
                     ));
                 }

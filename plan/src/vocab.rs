@@ -121,6 +121,10 @@ choice! {
         /// V shape, a forward of one chunk paired with a backward of the other in the steady
         /// state, zero-bubble split backwards at the edges.
         DualPipeV = "dualpipev",
+        /// DualPipe (DeepSeek-V3): two pipelines in opposite directions over the same devices,
+        /// each taking half of the microbatches, a forward of one direction paired with a
+        /// backward of the other in the steady state (even number of stages).
+        DualPipe = "dualpipe",
         /// Data parallelism only: one stage, every device a replica.
         DpOnly = "dp-only",
     }
