@@ -62,49 +62,19 @@ fn compute_orders_match_pytorch() {
     assert!(checked >= 12, "only {checked} reference files");
 }
 
-/// pipec's DualPipe orders equal DeepSeek's reference implementation's (`DualPipe.step`,
-/// recorded into tests/reference/dualpipev/dualpipe-orders.json) on 2, 4 and 6 devices.
-#[test]
-fn dualpipe_orders_match_deepseeks_reference() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/dualpipev/dualpipe-orders.json");
+/// Every case of a reference file of DeepSeek's orders (tests/reference/dualpipev/, written
+/// by make_orders.py from the reference implementation's `step`) against pipec's plan of
+/// `schedule` on as many devices, `layers(ranks)` linear layers, each `overlap` given.
+fn assert_deepseeks_orders(file: &str, schedule: &str, layers: fn(usize) -> usize, overlaps: &[bool], at_least: usize) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/dualpipev").join(file);
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
     let cases = r["cases"].as_array().expect("cases");
-    assert!(cases.len() >= 9, "{} cases", cases.len());
+    assert!(cases.len() >= at_least, "{file}: {} cases", cases.len());
     for case in cases {
         let ranks = case["ranks"].as_u64().expect("ranks") as usize;
         let mbs = case["microbatches"].as_u64().expect("microbatches") as usize;
-        let text = spec(ranks, mbs, "dualpipe", 2 * ranks, false);
-        let s = pipec_grammar::check_source(&text).spec.expect("valid spec");
-        let plan = compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan;
-        for (rank, stream) in plan.streams.values().enumerate() {
-            let ours: Vec<String> = compute_order(stream).iter().map(ToString::to_string).collect();
-            let theirs: Vec<String> = case["orders"][rank]
-                .as_array()
-                .expect("rank order")
-                .iter()
-                .map(|a| a.as_str().expect("action").to_string())
-                .collect();
-            assert_eq!(ours, theirs, "D={ranks} N={mbs}: rank {rank}");
-        }
-    }
-}
-
-/// pipec's DualPipeV orders equal DeepSeek's reference implementation's
-/// (`DualPipeV.step` in deepseek-ai/DualPipe, recorded by
-/// tests/reference/dualpipev/make_orders.py into orders.json), on 2 to 4 devices from the
-/// fewest microbatches the schedule takes (2 per device) up; with and without `overlap`
-/// (DualPipeV splits its backwards itself, so `overlap` changes nothing).
-#[test]
-fn dualpipev_orders_match_deepseeks_reference() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/dualpipev/orders.json");
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
-    let cases = r["cases"].as_array().expect("cases");
-    assert!(cases.len() >= 12, "{} cases", cases.len());
-    for case in cases {
-        let ranks = case["ranks"].as_u64().expect("ranks") as usize;
-        let mbs = case["microbatches"].as_u64().expect("microbatches") as usize;
-        for overlap in [false, true] {
-            let text = spec(ranks, mbs, "dualpipev", 4 * ranks, overlap);
+        for &overlap in overlaps {
+            let text = spec(ranks, mbs, schedule, layers(ranks), overlap);
             let s = pipec_grammar::check_source(&text).spec.expect("valid spec");
             let plan = compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan;
             assert_eq!(plan.streams.len(), ranks);
@@ -116,8 +86,24 @@ fn dualpipev_orders_match_deepseeks_reference() {
                     .iter()
                     .map(|a| a.as_str().expect("action").to_string())
                     .collect();
-                assert_eq!(ours, theirs, "R={ranks} N={mbs} (overlap: {overlap}): rank {rank}");
+                assert_eq!(ours, theirs, "{schedule} R={ranks} N={mbs} (overlap: {overlap}): rank {rank}");
             }
         }
     }
+}
+
+/// pipec's DualPipe orders equal DeepSeek's reference implementation's (`DualPipe.step`)
+/// on 2, 4 and 6 devices.
+#[test]
+fn dualpipe_orders_match_deepseeks_reference() {
+    assert_deepseeks_orders("dualpipe-orders.json", "dualpipe", |ranks| 2 * ranks, &[false], 9);
+}
+
+/// pipec's DualPipeV orders equal DeepSeek's reference implementation's (`DualPipeV.step`),
+/// on 2 to 4 devices from the fewest microbatches the schedule takes (2 per device) up; with
+/// and without `overlap` (DualPipeV splits its backwards itself, so `overlap` changes
+/// nothing).
+#[test]
+fn dualpipev_orders_match_deepseeks_reference() {
+    assert_deepseeks_orders("orders.json", "dualpipev", |ranks| 4 * ranks, &[false, true], 12);
 }
