@@ -500,19 +500,20 @@ impl<B: Kernels> Block<B> {
         let took: Vec<u64> = by_expert.iter().map(|pairs| pairs.len() as u64).collect();
         let mut out = match side.experts.clone() {
             Some(group) => self.routed_over_group(&x, &weights, &by_expert, k, &group)?,
-            None => Tensor::<B, 2>::zeros([t, d], &dev),
-        };
-        for (m, pairs) in self.mlps.iter().zip(&by_expert).filter(|_| side.experts.is_none()) {
-            if pairs.is_empty() {
-                continue;
+            None => {
+                // every expert here, on its pairs
+                let mut out = Tensor::<B, 2>::zeros([t, d], &dev);
+                for (m, pairs) in self.mlps.iter().zip(&by_expert).filter(|(_, pairs)| !pairs.is_empty()) {
+                    let n = pairs.len();
+                    let tokens = ints(pairs.iter().map(|&(token, _)| token as i64).collect());
+                    let slots = ints(pairs.iter().map(|&(token, j)| (token * k + j) as i64).collect());
+                    let y = self.mlp(m, x.clone().select(0, tokens.clone()));
+                    let w = weights.clone().select(0, slots).reshape([n, 1]);
+                    out = out.select_assign(0, tokens, y * w, IndexingUpdateOp::Add);
+                }
+                out
             }
-            let n = pairs.len();
-            let tokens = ints(pairs.iter().map(|&(token, _)| token as i64).collect());
-            let slots = ints(pairs.iter().map(|&(token, j)| (token * k + j) as i64).collect());
-            let y = self.mlp(m, x.clone().select(0, tokens.clone()));
-            let w = weights.clone().select(0, slots).reshape([n, 1]);
-            out = out.select_assign(0, tokens, y * w, IndexingUpdateOp::Add);
-        }
+        };
         for m in &self.mlps[experts..] {
             out = out + self.mlp(m, x.clone());
         }
