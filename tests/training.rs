@@ -267,6 +267,16 @@ fn zero_bubble_equals_one_device() {
             ..Job::default()
         });
     }
+    // DualPipe with two pipeline pairs side by side: every stage's four copies sum their
+    // gradients
+    assert_same_as_one_device(Job {
+        devices: 4,
+        stages: "\"2-2\"",
+        schedule: "dualpipe",
+        microbatches: 8,
+        optimizer: ADAM,
+        ..Job::default()
+    });
 }
 
 #[test]

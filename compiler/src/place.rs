@@ -42,16 +42,19 @@ pub(crate) fn place_chunks(
         // replica device of every rank. In pair q, stage s's down copy runs on rank s's
         // device and its up copy on rank D−1−s's. Microbatches come in units of R·D (the last
         // may be smaller), dealt round-robin to the pairs; of each pair's share of a unit,
-        // the first half goes down and the second half up.
+        // the first half goes down and the second half up. DualPipe (`Halves`): the
+        // microbatches dealt round-robin to the pairs, the first half of each pair's share
+        // down and the second half up.
         let pairs = layout.replicas[0].max(1);
         if layout.replicas.iter().any(|&r| r != pairs) {
             return Err("Chimera needs every stage replicated equally".into());
         }
         let unit = pairs * ranks;
         let copy = |m: usize| -> u32 {
-            // DualPipe: the first half of the microbatches down, the second up (one pair)
             if chunks == ChunkPlacement::Halves {
-                return u32::from(2 * m >= microbatches);
+                let (q, k) = (m % pairs, m / pairs);
+                let share = (microbatches - q).div_ceil(pairs);
+                return (2 * q + usize::from(2 * k >= share)) as u32;
             }
             let unit_start = m - m % unit;
             let unit_len = unit.min(microbatches - unit_start);

@@ -318,8 +318,9 @@ fn dualpipe_v(p: &Placement) -> Order {
 
 /// DualPipe, as DeepSeek's reference implementation runs it (`dualpipe/dualpipe.py`,
 /// `DualPipe.step`): two pipelines of the D stages in opposite directions (stage s going
-/// down on device s, coming up on device D − 1 − s; `ChunkPlacement::Halves`: the first
-/// half of the microbatches down, the second up). A device's phase 0 is the direction in
+/// down on device s, coming up on device D − 1 − s; `ChunkPlacement::Halves`: with R
+/// pipeline pairs side by side the microbatches dealt to the pairs in turn, the first half
+/// of each pair's share down, the second up). A device's phase 0 is the direction in
 /// which it is in the first half of the pipeline, and it runs DualPipeV's eight steps
 /// ([`dualpipe_v`]) over its two directions with R = D/2 and its distance from the nearer
 /// end as r, each direction's n = N/2 microbatches.
@@ -333,8 +334,10 @@ fn dualpipe(p: &Placement) -> Order {
         if held.len() != 2 {
             continue;
         }
-        // the device's down stage is the one whose down copy it holds (the first replica)
-        let Some(&down) = held.iter().find(|&&s| p.replicas[s].first() == Some(&dev)) else { continue };
+        // the device's down stage is the one whose down copy it holds (an even replica: a
+        // pair's down copy, then its up copy)
+        let down_copy = |s: usize| p.replicas[s].iter().position(|r| *r == dev).is_some_and(|i| i % 2 == 0);
+        let Some(&down) = held.iter().find(|&&s| down_copy(s)) else { continue };
         let up = d_stages - 1 - down;
         let (r, chunk) = if down < half { (down, [down, up]) } else { (up, [up, down]) };
         *tasks = dualpipe_steps(p, dev, chunk, half, r);

@@ -448,6 +448,7 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("dualpipev", build(&spec(2, 4, "dualpipev", 8, "straight"))),
         ("dualpipe", build(&spec(2, 4, "dualpipe", 4, "straight"))),
         ("dualpipe-4-ranks", build(&spec(4, 10, "dualpipe", 8, "straight"))),
+        ("dualpipe-dp2", build(&spec(4, 8, "dualpipe", 4, "\"2-2\""))),
         ("dualpipev-3-ranks", build(&spec(3, 7, "dualpipev", 12, "straight"))),
         ("dualpipev-dp2", build(&spec(4, 8, "dualpipev", 8, "\"2-2\""))),
         ("expert-parallel-dualpipev", build(&moe_spec(4, 8, "dualpipev", "\"2-2\"", 2))),

@@ -366,22 +366,19 @@ impl ScheduleKind {
                         false,
                     ));
                 }
-                if first_replicas > 1 {
-                    out.push(violation(
-                        "`dualpipe` runs on unreplicated stages (each stage already has its two copies, one per direction)",
-                        "dualpipe",
-                        "use `stages: straight`, or `chimera` for pipeline pairs with data parallelism",
-                        false,
-                    ));
-                }
-                if !microbatches.is_multiple_of(2) || microbatches < 2 * stages {
+                // R pipeline pairs side by side (`dp: R`): each pair's share of the microbatches
+                // even (half down, half up) and at least 2D
+                let r = first_replicas;
+                if !microbatches.is_multiple_of(2 * r) || microbatches / r < 2 * stages {
+                    let per = if r > 1 { format!(" per pipeline pair ({r} pairs)") } else { String::new() };
                     out.push(violation(
                         format!(
-                            "`dualpipe` needs an even number of microbatches, at least {} (2 × {stages} devices), found {microbatches}",
-                            2 * stages
+                            "`dualpipe` needs an even number of microbatches{per}, at least {} (2 × {stages} devices), found {}",
+                            2 * stages,
+                            microbatches / r
                         ),
                         "dualpipe",
-                        "half of the microbatches go down and half up, and each direction fills its pipeline before its steady state",
+                        format!("half of each pair's microbatches go down and half up, and each direction fills its pipeline before its steady state: use a multiple of {} of at least {}", 2 * r, 2 * stages * r),
                         true,
                     ));
                 }
