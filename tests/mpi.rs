@@ -143,6 +143,7 @@ fn expert_parallelism_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(MOE_LM, "\"2-2\"\n  ep: 2", 4);
     equal_to_in_process_with(MOE_LM, "\"4\"\n  ep: 4", 4, "gpipe");
     equal_to_in_process_with(MOE_LM, "\"2-2\"\n  ep: 2", 4, "dualpipev");
+    equal_to_in_process_with(MOE_LM, "\"2-2\"\n  ep: 2", 4, "dualpipe");
 }
 
 #[test]

@@ -975,13 +975,15 @@ fn expert_parallel_groups_train_equal_to_one_device() {
     let layers = |block: &str| {
         format!("- embedding(50, 16)\n    - repeat 2: {block}\n    - rmsnorm\n    - flatten\n    - linear(256, 4)")
     };
-    let layouts: [(usize, &str, &str); 6] = [
+    let layouts: [(usize, &str, &str); 8] = [
         (2, "\"2\"\n  ep: 2", "gpipe"),
         (4, "\"4\"\n  ep: 4", "gpipe"),
         (4, "\"4\"\n  ep: 2", "1f1b"),
         (4, "\"2-2\"\n  ep: 2", "1f1b"),
         (4, "\"2-2\"\n  ep: 2", "gpipe"),
         (4, "\"2-2\"\n  ep: 2", "dualpipev"),
+        (4, "\"2-2\"\n  ep: 2", "dualpipe"),
+        (4, "\"2-2\"\n  ep: 2", "chimera"),
     ];
     let balanced_layers = layers(balanced);
     let job = |devices, stages, schedule| Job {

@@ -181,6 +181,7 @@ pub fn verify_periodic(
             forward_only: false,
             // asynchronous schedules are not expert-parallel (the front end's E0419)
             expert_parallel: &[],
+            chunks: pipec_plan::schedule::ChunkPlacement::RoundRobin,
         });
         out.extend(violations.into_iter().map(|v| format!("unrolled over {k} step(s): {}", v.message)));
     }

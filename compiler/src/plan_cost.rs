@@ -24,6 +24,7 @@ pub(crate) struct PlanCost<'a> {
     /// routed experts' part (these bytes) only over members `ep` apart.
     expert_groups: HashMap<GroupId, u64>,
     ep: usize,
+    chunks: pipec_plan::schedule::ChunkPlacement,
     pub(crate) stage_update: &'a [f64],
     pub(crate) cluster: &'a ClusterGraph,
     pub(crate) reduce: ReduceMode,
@@ -50,6 +51,7 @@ impl<'a> PlanCost<'a> {
             stage_ep: &stages.ep_times,
             expert_groups: HashMap::new(),
             ep: spec.strategy.ep.max(1),
+            chunks: spec.strategy.schedule.kind.chunk_placement(),
             stage_update: &stages.update,
             cluster: &model.cluster,
             reduce: spec.strategy.schedule.reduce,
@@ -125,7 +127,12 @@ impl CostModel for PlanCost<'_> {
                 // the dense part over the group, then the experts' over the members holding
                 // the same ones (`ep` apart)
                 Some(&experts) => {
-                    let same: Vec<DeviceId> = members.iter().step_by(self.ep).copied().collect();
+                    let same: Vec<DeviceId> = self
+                        .chunks
+                        .same_experts(0, members.len(), self.ep)
+                        .into_iter()
+                        .filter_map(|i| members.get(i).copied())
+                        .collect();
                     self.shaped_reduce_time(members, shape, bytes.saturating_sub(experts))
                         + self.reduce_time(&same, experts.min(bytes))
                 }

@@ -398,12 +398,7 @@ fn expert_degrees(
     let experts: Vec<usize> =
         spec.model.layers.iter().filter_map(|l| l.op.block_dims().and_then(|b| b.moe)).map(|m| m.experts).collect();
     let Some(l) = layout else { return vec![options.ep.unwrap_or(1)] };
-    let together = schedule.updates_per_step()
-        && !matches!(
-            schedule.chunk_placement(),
-            pipec_plan::schedule::ChunkPlacement::Bidirectional | pipec_plan::schedule::ChunkPlacement::Halves
-        )
-        && options.sharding.is_none_or(|s| s == Sharding::None);
+    let together = schedule.updates_per_step() && options.sharding.is_none_or(|s| s == Sharding::None);
     let fits = |e: usize| {
         e == 1 || (together && l.iter().all(|r| r.is_multiple_of(e)) && experts.iter().all(|x| x.is_multiple_of(e)))
     };

@@ -39,6 +39,7 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
             ),
             forward_only: false,
             expert_parallel: &lowered.expert_parallel,
+            chunks: kind.chunk_placement(),
         })
         .into_iter()
         .map(|v| v.message)
@@ -90,6 +91,7 @@ fn verify_eval(streams: &BTreeMap<DeviceId, Vec<Instr>>, placement: &Placement, 
         clipping: false,
         forward_only: true,
         expert_parallel: &[],
+        chunks: pipec_plan::schedule::ChunkPlacement::RoundRobin,
     })
     .into_iter()
     .map(|v| v.message)
@@ -171,6 +173,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         ),
         forward_only: false,
         expert_parallel: &expert_parallel,
+        chunks: kind.chunk_placement(),
     };
     verify(&input).into_iter().map(|v| v.message).collect()
 }

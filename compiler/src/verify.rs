@@ -50,8 +50,11 @@ pub struct VerifyInput<'a> {
     /// no update.
     pub forward_only: bool,
     /// Per stage, its expert-parallel degree (1, or absent: none): groups of this many
-    /// consecutive replicas exchange tokens in all-to-alls inside every pass.
+    /// replicas (`ChunkPlacement::expert_group` of `chunks`) exchange tokens in all-to-alls
+    /// inside every pass.
     pub expert_parallel: &'a [usize],
+    /// How the schedule places its chunks (which replicas form an expert group).
+    pub chunks: pipec_plan::schedule::ChunkPlacement,
 }
 
 impl VerifyInput<'_> {
@@ -718,8 +721,18 @@ fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     };
     let mut checked: FxHashSet<Vec<DeviceId>> = FxHashSet::default();
     for s in (0..p.stages()).filter(|&s| ep_of(s) > 1) {
-        for group in p.replicas[s].chunks(ep_of(s)) {
-            if !checked.insert(group.to_vec()) {
+        for i in 0..p.replicas[s].len() {
+            let (indices, _) = input.chunks.expert_group(i, ep_of(s));
+            let Some(group) = indices.iter().map(|&j| p.replicas[s].get(j).copied()).collect::<Option<Vec<DeviceId>>>()
+            else {
+                out.push(Violation {
+                    device: None,
+                    index: None,
+                    message: format!("{}: its replicas do not form expert groups of {}", StageId(s as u32), ep_of(s)),
+                });
+                continue;
+            };
+            if !checked.insert(group.clone()) {
                 continue;
             }
             let Some((&first, rest)) = group.split_first() else { continue };

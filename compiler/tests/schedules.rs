@@ -452,6 +452,7 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("dualpipev-3-ranks", build(&spec(3, 7, "dualpipev", 12, "straight"))),
         ("dualpipev-dp2", build(&spec(4, 8, "dualpipev", 8, "\"2-2\""))),
         ("expert-parallel-dualpipev", build(&moe_spec(4, 8, "dualpipev", "\"2-2\"", 2))),
+        ("expert-parallel-dualpipe", build(&moe_spec(4, 8, "dualpipe", "\"2-2\"", 2))),
         ("expert-parallel-dp-only", build(&moe_spec(4, 8, "dp-only", "\"4\"", 4))),
         ("expert-parallel-1f1b", build(&moe_spec(4, 4, "1f1b", "\"2-2\"", 2))),
         ("expert-parallel-zbv", build(&moe_spec(4, 4, "zbv", "\"2-2\"", 2))),

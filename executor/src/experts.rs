@@ -33,7 +33,8 @@ pub struct ExpertGroup {
 
 impl ExpertGroup {
     /// The group of `device` for `stage` of `plan`, if the stage is expert-parallel: the
-    /// `ep` consecutive replicas (their tensor-parallel ranks of the same rank) it is among.
+    /// replicas `ChunkPlacement::expert_group` puts it with (their tensor-parallel ranks of
+    /// the same rank).
     pub fn of(plan: &Plan, stage: StageId, device: DeviceId, exchanger: &Exchanger) -> Option<ExpertGroup> {
         let s = plan.stage(stage)?;
         let ep = s.expert_parallel as usize;
@@ -48,11 +49,12 @@ impl ExpertGroup {
                 .enumerate()
                 .find_map(|(i, g)| g.iter().position(|d| *d == device).map(|r| (i, r)))?,
         };
-        let first = i - i % ep;
-        let members: Vec<DeviceId> = (first..first + ep)
-            .map(|j| s.tensor_parallel.get(j).and_then(|g| g.get(rank)).copied().unwrap_or(s.replicas[j]))
-            .collect();
-        Some(ExpertGroup { members, position: i % ep, exchanger: exchanger.clone(), failed: Default::default() })
+        let (group, position) = plan.schedule.kind.chunk_placement().expert_group(i, ep);
+        let members: Vec<DeviceId> = group
+            .into_iter()
+            .map(|j| s.tensor_parallel.get(j).and_then(|g| g.get(rank)).copied().or(s.replicas.get(j).copied()))
+            .collect::<Option<_>>()?;
+        Some(ExpertGroup { members, position, exchanger: exchanger.clone(), failed: Default::default() })
     }
 
     /// Takes the failure an exchange inside a backward recorded, if any.

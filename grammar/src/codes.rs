@@ -346,8 +346,9 @@ help lists, or change the number of experts.
 "E0419", "expert parallelism with sharding or an asynchronous schedule",
 "An expert-parallel group's members exchange tokens inside every forward and backward, so
 they must run those passes together: a schedule whose replicas update on their own clock
-(PipeDream, 2BW), asynchronous data parallelism (`sync: asp`) and the schedules whose two
-copies of a stage run in opposite directions (Chimera, DualPipe) cannot be expert-parallel.
+(PipeDream, 2BW) or asynchronous data parallelism (`sync: asp`) cannot be expert-parallel.
+(Under Chimera and DualPipe a group is made of one direction's copies of a stage across
+pipeline pairs, which do run together.)
 ZeRO (`zero` ≥ 1) shards every parameter over all of a stage's replicas, while an expert's
 parameters live only on the replicas holding it; pipec does not shard expert-parallel
 stages yet. Use a synchronous schedule without `zero`, or remove `ep`.

@@ -479,9 +479,10 @@ fn lower_auto_strategy(
 }
 
 /// `ep`: expert parallelism needs expert blocks whose experts it divides (E0416, E0418),
-/// replicated stages whose replicas it divides (E0417), and replicas that run every pass in
-/// step without sharding (E0419: ZeRO's shards are not split by expert yet; an asynchronous
-/// schedule's replicas run their passes at different times).
+/// replicated stages whose replicas (pipeline pairs, under Chimera and DualPipe) it divides
+/// (E0417), and replicas that run every pass in step without sharding (E0419: ZeRO's
+/// shards are not split by expert yet; an asynchronous schedule's replicas run their
+/// passes at different times).
 fn check_expert_parallelism(
     cx: &mut Lower<'_>,
     f: &Fields<'_>,
@@ -547,15 +548,11 @@ fn check_expert_parallelism(
         );
         ok = false;
     }
-    // a schedule whose replicas run different passes at once: asynchronous ones, and the
-    // two directions of Chimera and DualPipe (a stage's two copies)
+    // a schedule whose replicas run their passes at different times (Chimera's and
+    // DualPipe's two copies of a stage group by direction: `ChunkPlacement::expert_group`)
     let asynchronous = schedule.is_some_and(|s| {
         s.sync == pipec_plan::vocab::SyncMode::Asp
             || s.kind.updates(replicas.map_or(1, <[usize]>::len)) != pipec_plan::schedule::Updates::PerStep
-            || matches!(
-                s.kind.chunk_placement(),
-                pipec_plan::schedule::ChunkPlacement::Bidirectional | pipec_plan::schedule::ChunkPlacement::Halves
-            )
     });
     if sharding != Sharding::None || asynchronous {
         let why = if sharding != Sharding::None {

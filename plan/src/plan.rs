@@ -782,7 +782,10 @@ impl Plan {
                 }
             }
             let ep = s.expert_parallel as usize;
-            if ep == 0 || !s.replicas.len().is_multiple_of(ep) {
+            // groups of consecutive replicas, or of one direction's copies across pipeline pairs
+            let groupable =
+                if self.schedule.kind.chunk_placement().paired() { s.replicas.len() / 2 } else { s.replicas.len() };
+            if ep == 0 || !groupable.is_multiple_of(ep) {
                 out.push(format!(
                     "stage {i}: expert_parallel = {ep} must be at least 1 and divide its {} replicas",
                     s.replicas.len()

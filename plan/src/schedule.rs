@@ -77,6 +77,35 @@ impl ChunkPlacement {
             }
         }
     }
+
+    /// Whether a stage's replicas come in pairs of copies running in opposite directions
+    /// (down, up, down, up, ...: Chimera, DualPipe).
+    pub fn paired(self) -> bool {
+        matches!(self, ChunkPlacement::Bidirectional | ChunkPlacement::Halves)
+    }
+
+    /// Expert parallelism: the expert group of a stage's replica `replica` (indices into
+    /// the stage's replicas) and its position in it, `ep` members to a group. Consecutive
+    /// replicas group together; with paired copies, the same direction's copies of
+    /// consecutive pipeline pairs (they run their passes at the same time).
+    pub fn expert_group(self, replica: usize, ep: usize) -> (Vec<usize>, usize) {
+        let ep = ep.max(1);
+        if self.paired() {
+            let (pair, direction) = (replica / 2, replica % 2);
+            let first = pair - pair % ep;
+            ((first..first + ep).map(|p| 2 * p + direction).collect(), pair % ep)
+        } else {
+            let first = replica - replica % ep;
+            ((first..first + ep).collect(), replica % ep)
+        }
+    }
+
+    /// Expert parallelism: the replicas (indices) holding the same experts as `replica`
+    /// among a stage's `n`: those at its position in every expert group.
+    pub fn same_experts(self, replica: usize, n: usize, ep: usize) -> Vec<usize> {
+        let position = self.expert_group(replica, ep).1;
+        (0..n).filter(|&i| self.expert_group(i, ep).1 == position).collect()
+    }
 }
 
 /// The facts about a layout that a schedule's constraints read.
