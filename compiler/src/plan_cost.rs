@@ -21,8 +21,9 @@ pub(crate) struct PlanCost<'a> {
     /// Per stage, the expert-parallel all-to-alls' seconds in a forward and a backward.
     pub(crate) stage_ep: &'a [(f64, f64)],
     /// Expert parallelism: the replica groups whose gradient all-reduce sums the stage's
-    /// routed experts' part (these bytes) only over members `ep` apart.
-    expert_groups: HashMap<GroupId, u64>,
+    /// routed experts' part (these bytes) only over the members holding the same experts
+    /// (those, and their shape on the cluster).
+    expert_groups: HashMap<GroupId, (u64, Vec<DeviceId>, GroupShape)>,
     ep: usize,
     chunks: pipec_plan::schedule::ChunkPlacement,
     pub(crate) stage_update: &'a [f64],
@@ -73,8 +74,18 @@ impl<'a> PlanCost<'a> {
             self.expert_groups = groups
                 .iter()
                 .filter(|(g, _)| !ties.contains_key(g))
-                .filter_map(|(g, (s, _))| {
-                    expert_gradients.get(s.0 as usize).copied().filter(|&b| b > 0).map(|b| (*g, b))
+                .filter_map(|(g, (s, members))| {
+                    let bytes = expert_gradients.get(s.0 as usize).copied().filter(|&b| b > 0)?;
+                    // the members the group sums over (all replicas, for a one-replica view)
+                    let members = self.summed_over.get(g).unwrap_or(members);
+                    let same: Vec<DeviceId> = self
+                        .chunks
+                        .same_experts(0, members.len(), self.ep)
+                        .into_iter()
+                        .filter_map(|i| members.get(i).copied())
+                        .collect();
+                    let shape = self.cluster.group_shape(&same);
+                    Some((*g, (bytes, same, shape)))
                 })
                 .collect();
         }
@@ -126,15 +137,9 @@ impl CostModel for PlanCost<'_> {
             CollectiveKind::AllReduce => match self.expert_groups.get(&group) {
                 // the dense part over the group, then the experts' over the members holding
                 // the same ones (`ep` apart)
-                Some(&experts) => {
-                    let same: Vec<DeviceId> = self
-                        .chunks
-                        .same_experts(0, members.len(), self.ep)
-                        .into_iter()
-                        .filter_map(|i| members.get(i).copied())
-                        .collect();
-                    self.shaped_reduce_time(members, shape, bytes.saturating_sub(experts))
-                        + self.reduce_time(&same, experts.min(bytes))
+                Some((experts, same, same_shape)) => {
+                    self.shaped_reduce_time(members, shape, bytes.saturating_sub(*experts))
+                        + self.shaped_reduce_time(same, *same_shape, (*experts).min(bytes))
                 }
                 None => self.shaped_reduce_time(members, shape, bytes),
             },

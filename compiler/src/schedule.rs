@@ -345,64 +345,74 @@ fn dualpipe(p: &Placement) -> Order {
     order
 }
 
+/// One device's order as DualPipe's steps build it: each chunk's microbatches taken in
+/// order by its forwards and its backwards, the deferred weight gradients first in, first out.
+struct DualPipeOrder {
+    chunk: [usize; 2],
+    mbs: [Vec<usize>; 2],
+    /// The next forward and backward of each chunk.
+    next: [[usize; 2]; 2],
+    deferred: std::collections::VecDeque<Task>,
+    tasks: Vec<Task>,
+}
+
+impl DualPipeOrder {
+    fn forward(&mut self, c: usize) {
+        if let Some(&m) = self.mbs[c].get(self.next[0][c]) {
+            self.tasks.push(Task::new(TaskKind::Forward, self.chunk[c], m));
+        }
+        self.next[0][c] += 1;
+    }
+    /// A backward of chunk `c`: whole, or (`split`) its input gradient now and its weight
+    /// gradient deferred.
+    fn backward(&mut self, c: usize, split: bool) {
+        if let Some(&m) = self.mbs[c].get(self.next[1][c]) {
+            if split {
+                self.tasks.push(Task::new(TaskKind::BackwardInput, self.chunk[c], m));
+                self.deferred.push_back(Task::new(TaskKind::BackwardWeight, self.chunk[c], m));
+            } else {
+                self.tasks.push(Task::new(TaskKind::Backward, self.chunk[c], m));
+            }
+        }
+        self.next[1][c] += 1;
+    }
+    /// The oldest deferred weight gradient.
+    fn weight(&mut self) {
+        if let Some(t) = self.deferred.pop_front() {
+            self.tasks.push(t);
+        }
+    }
+}
+
 /// The eight steps DualPipe and DualPipeV run on a device whose two chunks are `chunk`
 /// (phase 0 first), `r` of R from the pipeline's end (see [`dualpipe_v`]).
 fn dualpipe_steps(p: &Placement, dev: DeviceId, chunk: [usize; 2], ranks: usize, r: usize) -> Vec<Task> {
     let mbs = [p.local_microbatches(chunk[0], dev), p.local_microbatches(chunk[1], dev)];
     let n = mbs[0].len();
-    let mut tasks = Vec::new();
-    let (mut f, mut b) = ([0usize; 2], [0usize; 2]);
-    let mut deferred: std::collections::VecDeque<Task> = std::collections::VecDeque::new();
-    let forward = |tasks: &mut Vec<Task>, f: &mut [usize; 2], c: usize| {
-        if let Some(&m) = mbs[c].get(f[c]) {
-            tasks.push(Task::new(TaskKind::Forward, chunk[c], m));
-        }
-        f[c] += 1;
-    };
-    let backward = |tasks: &mut Vec<Task>,
-                    b: &mut [usize; 2],
-                    deferred: &mut std::collections::VecDeque<Task>,
-                    c: usize,
-                    split: bool| {
-        if let Some(&m) = mbs[c].get(b[c]) {
-            if split {
-                tasks.push(Task::new(TaskKind::BackwardInput, chunk[c], m));
-                deferred.push_back(Task::new(TaskKind::BackwardWeight, chunk[c], m));
-            } else {
-                tasks.push(Task::new(TaskKind::Backward, chunk[c], m));
-            }
-        }
-        b[c] += 1;
-    };
-    let weight = |tasks: &mut Vec<Task>, deferred: &mut std::collections::VecDeque<Task>| {
-        if let Some(t) = deferred.pop_front() {
-            tasks.push(t);
-        }
-    };
-    let tasks_ref = &mut tasks;
+    let mut o = DualPipeOrder { chunk, mbs, next: [[0; 2]; 2], deferred: Default::default(), tasks: Vec::new() };
     let rest = ranks - 1 - r;
     for _ in 0..2 * rest {
-        forward(tasks_ref, &mut f, 0);
+        o.forward(0);
     }
     for _ in 0..=r {
-        forward(tasks_ref, &mut f, 0);
-        forward(tasks_ref, &mut f, 1);
+        o.forward(0);
+        o.forward(1);
     }
     for _ in 0..rest {
-        backward(tasks_ref, &mut b, &mut deferred, 1, true);
-        weight(tasks_ref, &mut deferred);
-        forward(tasks_ref, &mut f, 1);
+        o.backward(1, true);
+        o.weight();
+        o.forward(1);
     }
     for _ in 0..(n + r + 1).saturating_sub(2 * ranks) {
-        forward(tasks_ref, &mut f, 0);
-        backward(tasks_ref, &mut b, &mut deferred, 1, false);
-        forward(tasks_ref, &mut f, 1);
-        backward(tasks_ref, &mut b, &mut deferred, 0, false);
+        o.forward(0);
+        o.backward(1, false);
+        o.forward(1);
+        o.backward(0, false);
     }
     for _ in 0..rest {
-        backward(tasks_ref, &mut b, &mut deferred, 1, false);
-        forward(tasks_ref, &mut f, 1);
-        backward(tasks_ref, &mut b, &mut deferred, 0, false);
+        o.backward(1, false);
+        o.forward(1);
+        o.backward(0, false);
     }
     let (mut split, pairs) = (false, r + 1);
     let middle = pairs / 2;
@@ -410,20 +420,20 @@ fn dualpipe_steps(p: &Placement, dev: DeviceId, chunk: [usize; 2], ranks: usize,
         if i == middle && !r.is_multiple_of(2) {
             split = true;
         }
-        backward(tasks_ref, &mut b, &mut deferred, 1, split);
+        o.backward(1, split);
         if i == middle && r.is_multiple_of(2) {
             split = true;
         }
-        backward(tasks_ref, &mut b, &mut deferred, 0, split);
+        o.backward(0, split);
     }
     for _ in 0..rest {
-        weight(tasks_ref, &mut deferred);
-        backward(tasks_ref, &mut b, &mut deferred, 0, true);
+        o.weight();
+        o.backward(0, true);
     }
-    while !deferred.is_empty() {
-        weight(tasks_ref, &mut deferred);
+    while !o.deferred.is_empty() {
+        o.weight();
     }
-    tasks
+    o.tasks
 }
 
 /// Chimera: two pipelines in opposite directions over the same devices (stage s of the

@@ -147,11 +147,11 @@ impl Candidate {
 
     /// The `strategy` mapping as YAML flow text.
     fn text(&self, overlap: bool) -> String {
-        let schedule = match self.schedule {
-            ScheduleKind::Interleaved | ScheduleKind::Zbv | ScheduleKind::DualPipeV => {
-                format!("{{ kind: {}, virtual_stages: {} }}", self.schedule.name(), self.chunks)
-            }
-            other => other.name().to_string(),
+        // the schedules with several chunks per device write how many
+        let schedule = if self.schedule.default_virtual_stages() > 1 {
+            format!("{{ kind: {}, virtual_stages: {} }}", self.schedule.name(), self.chunks)
+        } else {
+            self.schedule.name().to_string()
         };
         let overlap = if overlap { "" } else { ", overlap: false" };
         // PipeDream's planner lays out what has no stages written
@@ -183,7 +183,7 @@ impl Candidate {
         st.replicas = layout.map_or_else(|| vec![1; base.cluster.device_count() / self.tp.max(1)], <[usize]>::to_vec);
         st.tp = self.tp;
         st.schedule = Schedule::new(self.schedule, st.schedule.span);
-        if matches!(self.schedule, ScheduleKind::Interleaved | ScheduleKind::Zbv | ScheduleKind::DualPipeV) {
+        if self.schedule.default_virtual_stages() > 1 {
             st.schedule.virtual_stages = self.chunks;
         }
         st.microbatches = self.microbatches;
@@ -386,17 +386,16 @@ fn shardable(c: &Candidate, options: &SearchOptions) -> bool {
 }
 
 /// The expert-parallel degrees to try on `layout`: the written one, or for a model with
-/// expert blocks every degree dividing every stage's replicas and every block's experts,
-/// under a schedule whose replicas run their passes together (one update per step, one
-/// pipeline direction) and without a written ZeRO level (the front end's E0417–E0419).
+/// expert blocks (`experts`: each block's count) every degree dividing every stage's
+/// replicas and every block's experts, under a schedule whose replicas run their passes
+/// together (one update per step) and without a written ZeRO level (the front end's
+/// E0417–E0419).
 fn expert_degrees(
-    spec: &Spec,
+    experts: &[usize],
     options: &SearchOptions,
     layout: Option<&[usize]>,
     schedule: ScheduleKind,
 ) -> Vec<usize> {
-    let experts: Vec<usize> =
-        spec.model.layers.iter().filter_map(|l| l.op.block_dims().and_then(|b| b.moe)).map(|m| m.experts).collect();
     let Some(l) = layout else { return vec![options.ep.unwrap_or(1)] };
     let together = schedule.updates_per_step() && options.sharding.is_none_or(|s| s == Sharding::None);
     let fits = |e: usize| {
@@ -467,7 +466,10 @@ fn candidates(
     // with only the stages of its devices short of memory recomputed (in the branch and bound)
     let recomputes: Vec<Recompute> =
         options.recompute.clone().map_or_else(|| vec![Recompute::Off, Recompute::All], |r| vec![r]);
-    let experts = spec.model.layers.iter().any(|l| l.op.block_dims().is_some_and(|b| b.moe.is_some()));
+    // each expert block's experts
+    let expert_counts: Vec<usize> =
+        spec.model.layers.iter().filter_map(|l| l.op.block_dims().and_then(|b| b.moe)).map(|m| m.experts).collect();
+    let experts = !expert_counts.is_empty();
     for tp in tps {
         let machines = devices / tp;
         // the layouts: the user's, or every pipeline depth with equal replication, and the
@@ -496,7 +498,7 @@ fn candidates(
                 None => divisors(batch).filter(|n| n.is_multiple_of(dp)).collect(),
             };
             for (schedule, chunks) in schedules {
-                for ep in expert_degrees(spec, options, layout.as_deref(), schedule) {
+                for ep in expert_degrees(&expert_counts, options, layout.as_deref(), schedule) {
                     for &microbatches in &counts {
                         for recompute in &recomputes {
                             let mut c = Candidate {

@@ -211,7 +211,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// sum.
     fn gradients_out(&mut self, stage: StageId, members: usize) -> Result<(Vec<f32>, Landing)> {
         let st = self.state(stage)?;
-        let sizes: Vec<usize> = layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product()).collect();
+        let sizes = st.parameter_sizes()?;
         let mut flat = flatten_grads::<B>(&st.acc, &sizes)?;
         // which parameters have a gradient here: one that none of the replicas reached (an
         // expert no token chose) stays without one, so the optimizer skips it as on one

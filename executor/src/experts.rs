@@ -87,7 +87,7 @@ pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B,
         return Err(format!("an expert exchange of {rows} rows was told to send {:?}", ex.send));
     }
     let device = x.device();
-    let values = x.into_data().convert::<f32>().into_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+    let values = crate::params::host_f32(x.into_data()).map_err(|e| e.to_string())?;
     let mut chunks = Vec::with_capacity(ex.send.len());
     let mut at = 0;
     for &n in &ex.send {

@@ -83,6 +83,12 @@ impl<B: ExecBackend> StageState<B> {
         self.model.as_ref().ok_or(ExecError::Missing("the stage's model is in use"))
     }
 
+    /// Each parameter's number of values, in visiting order (how the stage's gradients lie
+    /// in a flat vector: `params::flatten_grads`, `unflatten`).
+    pub(crate) fn parameter_sizes(&self) -> Result<Vec<usize>> {
+        Ok(layout::<B, _>(self.model()?).iter().map(|(_, s)| s.iter().product()).collect())
+    }
+
     pub(crate) fn clear_gradients(&mut self) {
         self.acc.iter_mut().for_each(|g| *g = None);
         self.contributions = 0;

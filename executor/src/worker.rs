@@ -375,7 +375,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                         st.contributions
                     )));
                 }
-                let sizes: Vec<usize> = layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product()).collect();
+                let sizes = st.parameter_sizes()?;
                 let mut flat = flatten_grads::<B>(&st.acc, &sizes)?;
                 flat.extend(st.statistics_message()?);
                 st.clear_gradients();
@@ -470,7 +470,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let n_mb = self.plan.training.microbatches as f64;
         let dev = self.dev.clone();
         let st = self.state(stage)?;
-        let sizes: Vec<usize> = layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product()).collect();
+        let sizes = st.parameter_sizes()?;
         let n_stats = st.statistics_message_len()?;
         let Some(split) = values.len().checked_sub(n_stats) else {
             return Err(ExecError::Plan("the parameter server sent a gradient that does not fit".into()));

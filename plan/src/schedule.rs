@@ -90,21 +90,29 @@ impl ChunkPlacement {
     /// consecutive pipeline pairs (they run their passes at the same time).
     pub fn expert_group(self, replica: usize, ep: usize) -> (Vec<usize>, usize) {
         let ep = ep.max(1);
+        let position = self.expert_position(replica, ep);
         if self.paired() {
             let (pair, direction) = (replica / 2, replica % 2);
-            let first = pair - pair % ep;
-            ((first..first + ep).map(|p| 2 * p + direction).collect(), pair % ep)
+            let first = pair - position;
+            ((first..first + ep).map(|p| 2 * p + direction).collect(), position)
         } else {
-            let first = replica - replica % ep;
-            ((first..first + ep).collect(), replica % ep)
+            let first = replica - position;
+            ((first..first + ep).collect(), position)
         }
+    }
+
+    /// Expert parallelism: `replica`'s position in its expert group (which 1/ep of the
+    /// experts it holds).
+    pub fn expert_position(self, replica: usize, ep: usize) -> usize {
+        let unit = if self.paired() { replica / 2 } else { replica };
+        unit % ep.max(1)
     }
 
     /// Expert parallelism: the replicas (indices) holding the same experts as `replica`
     /// among a stage's `n`: those at its position in every expert group.
     pub fn same_experts(self, replica: usize, n: usize, ep: usize) -> Vec<usize> {
-        let position = self.expert_group(replica, ep).1;
-        (0..n).filter(|&i| self.expert_group(i, ep).1 == position).collect()
+        let position = self.expert_position(replica, ep);
+        (0..n).filter(|&i| self.expert_position(i, ep) == position).collect()
     }
 }
 
