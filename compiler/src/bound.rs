@@ -15,7 +15,7 @@ use crate::options::CompileOptions;
 use crate::partition::{partition_layers, Layout, Partitions};
 use crate::place::place;
 use crate::plan_cost::PlanCost;
-use crate::schedule::{generate, Order, Placement, TaskKind};
+use crate::schedule::{generate, reads_backward_slots, Order, Placement, TaskKind};
 use crate::simulate::CostModel;
 use crate::streams::{backward_slots, runs_flush_free, sends_gradients_first};
 
@@ -246,6 +246,70 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
 /// as lowering frees it — over the order: the peak of any weighting of the counts (each
 /// stage's bytes per microbatch) is the largest over these.
 type InFlight = Vec<(Vec<usize>, Vec<Vec<u32>>)>;
+
+/// The microbatches past which a schedule's counts in flight no longer change: a pipeline
+/// that keeps one device per stage reaches its steady state within about two rounds of its
+/// devices, whatever its chunks per device (measured on 2 to 9 devices: 1F1B and ZB-H1 at
+/// one round, interleaved with 2 to 4 chunks and DualPipeV at two, ZB-V by 2.11 rounds),
+/// after which each further microbatch repeats the steady state's peaks. Twice the
+/// measured rounds (three for ZB-V) leave room to spare; the test below holds the frontier
+/// equal to the whole order's on 2 to 16 devices.
+fn saturation(kind: ScheduleKind, ranks: usize) -> usize {
+    let rounds = match kind {
+        ScheduleKind::OneFOneB
+        | ScheduleKind::PipeDream
+        | ScheduleKind::TwoBw
+        | ScheduleKind::DpOnly
+        | ScheduleKind::ZbH1 => 2,
+        _ => 3,
+    };
+    rounds * ranks.max(1)
+}
+
+/// GPipe's counts in flight without its order: every device runs all its forwards before
+/// any backward, so its one peak keeps every microbatch of every stage it holds (what
+/// `in_flight` finds walking `schedule::gpipe`'s order; tested against it).
+fn gpipe_in_flight(view: &Placement) -> InFlight {
+    let mut counts: Vec<Vec<(usize, u32)>> = vec![Vec::new(); view.devices];
+    for (s, (replicas, route)) in view.replicas.iter().zip(&view.route).enumerate() {
+        let mut per_replica = vec![0u32; replicas.len()];
+        for &k in route {
+            per_replica[k as usize] += 1;
+        }
+        for (d, n) in replicas.iter().zip(per_replica) {
+            if n > 0 {
+                counts[d.0 as usize].push((s, n));
+            }
+        }
+    }
+    counts
+        .into_iter()
+        .map(|mut held| {
+            held.sort_unstable();
+            let (stages, counts): (Vec<usize>, Vec<u32>) = held.into_iter().unzip();
+            let frontier = if counts.is_empty() { Vec::new() } else { vec![counts] };
+            (stages, frontier)
+        })
+        .collect()
+}
+
+/// `view` with its microbatches cut to `saturation`'s (keeping interleaved's multiple of the
+/// ranks), where every stage has one device and the schedule keeps a bounded number of
+/// microbatches in flight (not GPipe's all of them): the in-flight frontier of the cut
+/// order is the whole order's, at a fraction of the work (the 530B search's 2,520
+/// microbatches per pipeline).
+fn saturated(kind: ScheduleKind, view: &Placement, ranks: usize) -> Option<Placement> {
+    let cap = saturation(kind, ranks);
+    if kind == ScheduleKind::Gpipe || view.microbatches <= cap || view.replicas.iter().any(|r| r.len() != 1) {
+        return None;
+    }
+    Some(Placement {
+        replicas: view.replicas.clone(),
+        route: vec![vec![0; cap]; view.stages()],
+        devices: view.devices,
+        microbatches: cap,
+    })
+}
 
 fn in_flight(order: &Order) -> InFlight {
     let mut out = InFlight::with_capacity(order.len());
@@ -498,13 +562,17 @@ pub(crate) struct Skeleton {
     pairs: Vec<(DeviceId, DeviceId)>,
     /// Per stage, its replica group's shape on the cluster.
     shapes: Vec<crate::cluster::GroupShape>,
+    /// Each rank's replica-0 device where the layout is symmetric
+    /// (`place::symmetric_leaders`): where a pipeline replica stands for all.
+    leaders: Option<Vec<DeviceId>>,
 }
 
 impl Skeleton {
-    fn new(placement: &Placement, cluster: &ClusterGraph) -> Self {
+    fn new(placement: &Placement, spec: &Spec, layout: &Layout, cluster: &ClusterGraph) -> Self {
         let pairs = placement.replicas.windows(2).map(|w| closest_pair(cluster, &w[0], &w[1])).collect();
         let shapes = placement.replicas.iter().map(|r| cluster.group_shape(r)).collect();
-        Skeleton { replicas: placement.replicas.clone(), pairs, shapes }
+        let leaders = crate::place::symmetric_leaders(spec, layout, cluster);
+        Skeleton { replicas: placement.replicas.clone(), pairs, shapes, leaders }
     }
 }
 
@@ -575,11 +643,21 @@ impl Memo {
     ) -> Option<std::rc::Rc<InFlight>> {
         let view = placed.view.as_ref()?;
         let routes = view.replicas.iter().any(|r| r.len() != 1).then(|| view.route.clone());
-        let key = (kind, slots, view.microbatches, view.replicas.clone(), routes);
+        let saturated = if routes.is_none() { saturated(kind, view, ranks) } else { None };
+        let view = saturated.as_ref().unwrap_or(view);
+        // an order that does not read the backward's length is the same for every length
+        let key =
+            (kind, slots * usize::from(reads_backward_slots(kind)), view.microbatches, view.replicas.clone(), routes);
         Some(
             self.in_flight
                 .entry(key)
-                .or_insert_with(|| std::rc::Rc::new(in_flight(&generate(kind, view, ranks, slots))))
+                .or_insert_with(|| {
+                    std::rc::Rc::new(if kind == ScheduleKind::Gpipe {
+                        gpipe_in_flight(view)
+                    } else {
+                        in_flight(&generate(kind, view, ranks, slots))
+                    })
+                })
                 .clone(),
         )
     }
@@ -610,13 +688,17 @@ impl Memo {
             Some(k) => k.clone(),
             None => {
                 let placement = place(spec, layout, cluster)?;
-                let k = std::rc::Rc::new(Skeleton::new(&placement, cluster));
+                let k = std::rc::Rc::new(Skeleton::new(&placement, spec, layout, cluster));
                 self.skeletons.insert(skeleton_key, k.clone());
                 whole = Some(placement);
                 k
             }
         };
-        let view = crate::place::one_replica(spec, layout, s.microbatches, cluster).map(|(view, _)| view);
+        let view = skeleton
+            .leaders
+            .as_ref()
+            .and_then(|leaders| crate::place::one_replica_of(spec, layout, s.microbatches, cluster, leaders))
+            .map(|(view, _)| view);
         let unreplicated = layout.replicas.iter().all(|&r| r == 1) && s.tp.max(1) == 1;
         if view.is_none() && whole.is_none() {
             whole = Some(place(spec, layout, cluster)?);
@@ -674,4 +756,65 @@ pub fn work_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Res
     let per_microbatch: f64 = model.costs.iter().map(|c| c.forward_s * (1.0 + recompute) + c.backward_s).sum();
     let machines = (model.cluster.device_count() / spec.strategy.tp.max(1)).max(1);
     Ok(per_microbatch * spec.strategy.microbatches as f64 / machines as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(kind: ScheduleKind, ranks: usize, v: usize, m: usize) -> Placement {
+        let chunks = kind.chunk_placement();
+        let stages = ranks * v;
+        let replicas = (0..stages).map(|c| vec![DeviceId(chunks.rank_of_chunk(c, ranks) as u32)]).collect();
+        Placement { replicas, route: vec![vec![0; m]; stages], devices: ranks, microbatches: m }
+    }
+
+    /// The cut order's frontier is the whole order's, for every schedule the cut applies
+    /// to, beyond the cut by a little and up to three times it.
+    #[test]
+    fn the_cut_order_keeps_the_whole_orders_counts_in_flight() {
+        let kinds = [
+            (ScheduleKind::OneFOneB, 1),
+            (ScheduleKind::PipeDream, 1),
+            (ScheduleKind::ZbH1, 1),
+            (ScheduleKind::Interleaved, 2),
+            (ScheduleKind::Interleaved, 3),
+            (ScheduleKind::Interleaved, 4),
+            (ScheduleKind::Zbv, 2),
+            (ScheduleKind::DualPipeV, 2),
+        ];
+        let mut checked = 0;
+        for (kind, v) in kinds {
+            for ranks in 2..=16 {
+                let cap = saturation(kind, ranks);
+                // interleaved's microbatches are a multiple of the ranks; the others' any
+                let odd = if kind == ScheduleKind::Interleaved { cap + ranks } else { cap + ranks / 2 + 1 };
+                for m in [odd, cap + ranks, 2 * cap + 3 * ranks, 4 * cap] {
+                    let whole = view(kind, ranks, v, m);
+                    let cut = saturated(kind, &whole, ranks).expect("cut past the saturation");
+                    assert_eq!(cut.microbatches, cap);
+                    for slots in [1, 2, 3] {
+                        assert_eq!(
+                            in_flight(&generate(kind, &cut, ranks, slots)),
+                            in_flight(&generate(kind, &whole, ranks, slots)),
+                            "{kind:?} on {ranks} ranks, {v} chunks each, {m} microbatches, backward {slots} forwards"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 8 * 15 * 4 * 3);
+        // GPipe keeps every microbatch, and a view with several devices per stage is routed:
+        // neither is cut
+        assert!(saturated(ScheduleKind::Gpipe, &view(ScheduleKind::Gpipe, 4, 1, 100), 4).is_none());
+        // GPipe's frontier without its order is the order's
+        for (ranks, m) in [(1, 1), (2, 3), (4, 8), (7, 20)] {
+            let v = view(ScheduleKind::Gpipe, ranks, 1, m);
+            assert_eq!(gpipe_in_flight(&v), in_flight(&generate(ScheduleKind::Gpipe, &v, ranks, 2)));
+        }
+        let mut routed = view(ScheduleKind::OneFOneB, 4, 1, 100);
+        routed.replicas[0].push(DeviceId(4));
+        assert!(saturated(ScheduleKind::OneFOneB, &routed, 4).is_none());
+    }
 }

@@ -63,12 +63,17 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // pipeline rank (consecutive tensor-parallel groups, so inside a node when they fit)
     let ep = spec.strategy.ep.max(1);
     let chunks = spec.strategy.schedule.kind.chunk_placement();
-    let ranks = crate::place::rank_devices(&layout.replicas, tp);
+    // (the devices of every replica only where there are exchanges to price)
+    let exchanges = ep > 1 && costs.iter().any(|c| !c.ep_forward.is_empty() || !c.ep_backward.is_empty());
+    let ranks = if exchanges { crate::place::rank_devices(&layout.replicas, tp) } else { Vec::new() };
     let ep_times: Vec<(f64, f64)> = layout
         .ranges
         .iter()
         .enumerate()
         .map(|(c, r)| {
+            if !exchanges {
+                return (0.0, 0.0);
+            }
             let members = ranks.get(chunks.rank_of_chunk(c, ranks.len())).map_or(&[][..], |m| &m[..ep.min(m.len())]);
             let time = |list: &[(CollectiveKind, u64)]| {
                 list.iter().map(|&(k, b)| model.cluster.collective_time(k, members, b)).sum::<f64>()

@@ -42,56 +42,63 @@ pub fn min_max_contiguous(
     if k == 0 || k > n {
         return None;
     }
-    // best[j][i]: optimum for the first i items in j+1 stages; choice[j][i]: start of stage j.
-    let mut best = vec![vec![f64::INFINITY; n + 1]; k];
-    let mut choice = vec![vec![0usize; n + 1]; k];
-    for (i, b) in best[0].iter_mut().enumerate().skip(1) {
+    // best[i] of stage j: optimum for the first i items in j+1 stages (two rows kept: stage
+    // j reads only stage j−1's); choice[j·(n+1) + i]: start of stage j. Stage j ends at
+    // most k−1−j items before the end (each later stage takes one), so no cell past that
+    // is needed.
+    let w = n + 1;
+    let mut prev = vec![f64::INFINITY; w];
+    let mut cur = vec![f64::INFINITY; w];
+    let mut choice = vec![0u32; k * w];
+    for (i, b) in prev.iter_mut().enumerate().take(n - (k - 1) + 1).skip(1) {
         *b = cost(0, 0, i);
     }
     for j in 1..k {
-        for i in (j + 1)..=n {
+        cur.fill(f64::INFINITY);
+        for i in (j + 1)..=(n - (k - 1 - j)) {
+            let (mut best_v, mut best_p) = (f64::INFINITY, 0);
             if !uniform {
-                for p in j..i {
-                    let v = best[j - 1][p].max(cost(j, p, i));
-                    if v < best[j][i] {
-                        best[j][i] = v;
-                        choice[j][i] = p;
+                for (p, &before) in prev.iter().enumerate().take(i).skip(j) {
+                    let v = before.max(cost(j, p, i));
+                    if v < best_v {
+                        best_v = v;
+                        best_p = p;
                     }
                 }
-                continue;
-            }
-            // candidates p in [j, i-1]: max(best[j-1][p], cost(j, p, i)); the first term
-            // grows with p, the second shrinks: the optimum sits at their crossing.
-            let (mut lo, mut hi) = (j, i - 1);
-            while lo < hi {
-                let mid = (lo + hi) / 2;
-                if best[j - 1][mid] >= cost(j, mid, i) {
-                    hi = mid;
-                } else {
-                    lo = mid + 1;
+            } else {
+                // candidates p in [j, i-1]: max(best[j-1][p], cost(j, p, i)); the first term
+                // grows with p, the second shrinks: the optimum sits at their crossing.
+                let (mut lo, mut hi) = (j, i - 1);
+                while lo < hi {
+                    let mid = (lo + hi) / 2;
+                    if prev[mid] >= cost(j, mid, i) {
+                        hi = mid;
+                    } else {
+                        lo = mid + 1;
+                    }
+                }
+                best_p = lo;
+                for p in [lo.saturating_sub(1).max(j), lo] {
+                    let v = prev[p].max(cost(j, p, i));
+                    if v < best_v {
+                        best_v = v;
+                        best_p = p;
+                    }
                 }
             }
-            let mut best_v = f64::INFINITY;
-            let mut best_p = lo;
-            for p in [lo.saturating_sub(1).max(j), lo] {
-                let v = best[j - 1][p].max(cost(j, p, i));
-                if v < best_v {
-                    best_v = v;
-                    best_p = p;
-                }
-            }
-            best[j][i] = best_v;
-            choice[j][i] = best_p;
+            cur[i] = best_v;
+            choice[j * w + i] = best_p as u32;
         }
+        std::mem::swap(&mut prev, &mut cur);
     }
     let mut ranges = vec![0..0; k];
     let mut end = n;
     for j in (0..k).rev() {
-        let start = if j == 0 { 0 } else { choice[j][end] };
+        let start = if j == 0 { 0 } else { choice[j * w + end] as usize };
         ranges[j] = start..end;
         end = start;
     }
-    Some((ranges, best[k - 1][n]))
+    Some((ranges, prev[n]))
 }
 
 /// The stage time of `balanced`: compute per microbatch divided by the stage's replicas.

@@ -49,19 +49,7 @@ pub(crate) fn place_chunks(
         if layout.replicas.iter().any(|&r| r != pairs) {
             return Err("Chimera needs every stage replicated equally".into());
         }
-        let unit = pairs * ranks;
-        let copy = |m: usize| -> u32 {
-            if chunks == ChunkPlacement::Halves {
-                let (q, k) = (m % pairs, m / pairs);
-                let share = (microbatches - q).div_ceil(pairs);
-                return (2 * q + usize::from(2 * k >= share)) as u32;
-            }
-            let unit_start = m - m % unit;
-            let unit_len = unit.min(microbatches - unit_start);
-            let (o, q) = (m - unit_start, (m - unit_start) % pairs);
-            let share = (unit_len - q).div_ceil(pairs);
-            (2 * q + usize::from(o / pairs >= share / 2)) as u32
-        };
+        let copy = |m: usize| paired_copy(chunks, pairs, ranks, microbatches, m);
         for s in 0..stages {
             replicas.push((0..pairs).flat_map(|q| [rank_devices[s][q], rank_devices[ranks - 1 - s][q]]).collect());
             route.push((0..microbatches).map(copy).collect());
@@ -75,6 +63,24 @@ pub(crate) fn place_chunks(
         }
     }
     Ok(Placement { replicas, route, devices: cluster.device_count(), microbatches })
+}
+
+/// Under Chimera (`Bidirectional`) and DualPipe (`Halves`), the copy of a stage that
+/// microbatch `m` of `microbatches` takes: `2q` (pair q's down copy) or `2q + 1` (its up
+/// copy), for `pairs` pipeline pairs of `ranks` ranks (`place_chunks` says how they are
+/// dealt).
+pub(crate) fn paired_copy(chunks: ChunkPlacement, pairs: usize, ranks: usize, microbatches: usize, m: usize) -> u32 {
+    if chunks == ChunkPlacement::Halves {
+        let (q, k) = (m % pairs, m / pairs);
+        let share = (microbatches - q).div_ceil(pairs);
+        return (2 * q + usize::from(2 * k >= share)) as u32;
+    }
+    let unit = pairs * ranks;
+    let unit_start = m - m % unit;
+    let unit_len = unit.min(microbatches - unit_start);
+    let (o, q) = (m - unit_start, (m - unit_start) % pairs);
+    let share = (unit_len - q).div_ceil(pairs);
+    (2 * q + usize::from(o / pairs >= share / 2)) as u32
 }
 
 /// The devices of each pipeline rank's replicas (the tensor-parallel leaders): consecutive,
@@ -107,17 +113,28 @@ pub(crate) fn one_replica(
     microbatches: usize,
     cluster: &ClusterGraph,
 ) -> Option<(Placement, usize)> {
-    let strategy = &spec.strategy;
-    let kind = strategy.schedule.kind;
-    let tp = strategy.tp.max(1);
+    let leaders = symmetric_leaders(spec, layout, cluster)?;
+    one_replica_of(spec, layout, microbatches, cluster, &leaders)
+}
+
+/// Whether the schedule's replicas run alike (not asynchronous data parallelism, whose
+/// workers each run at their own pace against the parameter server).
+pub(crate) fn replicas_run_alike(spec: &Spec) -> bool {
+    let schedule = &spec.strategy.schedule;
+    !(schedule.kind == ScheduleKind::DpOnly && schedule.sync == SyncMode::Asp)
+}
+
+/// The part of [`one_replica`]'s symmetry that depends only on the layout's shape (not on
+/// the microbatches or the schedule): every rank on the same number of replicas,
+/// tensor-parallel groups inside a node, the same link between any two ranks for every
+/// replica. Returns each rank's replica-0 device (its
+/// tensor-parallel leader), or None for a layout that is not symmetric or is its own one
+/// replica. The search computes it once per layout shape (`bound::Skeleton`).
+pub(crate) fn symmetric_leaders(spec: &Spec, layout: &Layout, cluster: &ClusterGraph) -> Option<Vec<DeviceId>> {
+    let tp = spec.strategy.tp.max(1);
     let r = *layout.replicas.first()?;
     let ranks = layout.replicas.len();
-    let chunks = kind.chunk_placement();
-    let symmetric = r > 0
-        && layout.replicas.iter().all(|&x| x == r)
-        && cluster.devices_per_node.is_multiple_of(tp)
-        && microbatches.is_multiple_of(r)
-        && !(kind == ScheduleKind::DpOnly && strategy.schedule.sync == SyncMode::Asp);
+    let symmetric = r > 0 && layout.replicas.iter().all(|&x| x == r) && cluster.devices_per_node.is_multiple_of(tp);
     if !symmetric || r * tp == 1 {
         return None;
     }
@@ -130,18 +147,35 @@ pub(crate) fn one_replica(
             }
         }
     }
+    Some(rd.iter().map(|d| d[0]).collect())
+}
+
+/// [`one_replica`] given the layout's [`symmetric_leaders`].
+pub(crate) fn one_replica_of(
+    spec: &Spec,
+    layout: &Layout,
+    microbatches: usize,
+    cluster: &ClusterGraph,
+    leaders: &[DeviceId],
+) -> Option<(Placement, usize)> {
+    let tp = spec.strategy.tp.max(1);
+    let r = *layout.replicas.first()?;
+    if !microbatches.is_multiple_of(r) || !replicas_run_alike(spec) {
+        return None;
+    }
     let one = Layout {
         recompute: layout.recompute.clone(),
-        replicas: vec![1; ranks],
+        replicas: vec![1; layout.replicas.len()],
         virtual_stages: layout.virtual_stages,
         ranges: layout.ranges.clone(),
         notation: String::new(),
     };
-    let mut view = place_chunks(chunks, &one, tp, microbatches / r, cluster).ok()?;
+    let mut view =
+        place_chunks(spec.strategy.schedule.kind.chunk_placement(), &one, tp, microbatches / r, cluster).ok()?;
     // rank i's one device is i·tp there: replica 0 of rank i here
     for replicas in &mut view.replicas {
         for d in replicas.iter_mut() {
-            *d = rd[d.0 as usize / tp][0];
+            *d = leaders[d.0 as usize / tp];
         }
     }
     Some((view, r * tp))

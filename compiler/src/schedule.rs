@@ -5,6 +5,8 @@
 //! Stages here are the plan's stages (model chunks): `S = pipeline ranks × virtual stages`.
 //! A [`Placement`] says which device runs each stage for each microbatch.
 
+use std::collections::HashMap;
+
 use pipec_plan::ScheduleKind;
 use pipec_plan::{DeviceId, MicrobatchId, StageId};
 
@@ -95,6 +97,12 @@ pub fn generate(kind: ScheduleKind, placement: &Placement, pipeline_ranks: usize
         ScheduleKind::DualPipe => dualpipe(placement),
         ScheduleKind::Chimera => chimera(placement, backward_slots),
     }
+}
+
+/// Whether `generate` reads its `backward_slots` for `kind` (only Chimera's concatenation
+/// packs passes by their length; the others are unit-time orders).
+pub fn reads_backward_slots(kind: ScheduleKind) -> bool {
+    kind == ScheduleKind::Chimera
 }
 
 /// Sends input gradients before weight gradients: every backward of a stage after the
@@ -453,16 +461,25 @@ fn chimera(p: &Placement, backward_slots: usize) -> Order {
     let pairs = (p.replicas.first().map_or(2, Vec::len) / 2).max(1);
     let mut units: Vec<Order> = Vec::new();
     let mut first = 0usize;
+    // units with the same routes have the same order but for their microbatches' numbers:
+    // scheduled once (a large search bounds Chimera on thousands of microbatches)
+    let mut scheduled: HashMap<Vec<Vec<u32>>, Order> = HashMap::new();
     while first < p.microbatches {
         let mbs: Vec<usize> = (first..(first + pairs * d).min(p.microbatches)).collect();
         first += mbs.len();
-        let sub = Placement {
-            replicas: p.replicas.clone(),
-            route: p.route.iter().map(|r| mbs.iter().map(|&m| r[m]).collect()).collect(),
-            devices: p.devices,
-            microbatches: mbs.len(),
-        };
-        let mut unit = list_schedule(&sub, false, |_, s| in_flight_target(&sub, s), Priority::BackwardFirst);
+        let route: Vec<Vec<u32>> = p.route.iter().map(|r| mbs.iter().map(|&m| r[m]).collect()).collect();
+        let mut unit = scheduled
+            .entry(route)
+            .or_insert_with_key(|route| {
+                let sub = Placement {
+                    replicas: p.replicas.clone(),
+                    route: route.clone(),
+                    devices: p.devices,
+                    microbatches: mbs.len(),
+                };
+                list_schedule(&sub, false, |_, s| in_flight_target(&sub, s), Priority::BackwardFirst)
+            })
+            .clone();
         for t in unit.iter_mut().flatten() {
             t.mb = MicrobatchId(mbs[t.mb.0 as usize] as u32);
         }

@@ -175,10 +175,16 @@ impl Candidate {
 
     /// The spec the strategy text gives, without reading the text (for the bound): `base`
     /// with the strategy's fields set as the front end sets them (a layout left to
-    /// PipeDream's planner: one stage per device until it plans).
-    fn spec(&self, base: &Spec) -> Spec {
+    /// PipeDream's planner: one stage per device until it plans), written into `scratch`, a spec cloned from `base` once (every field set here is
+    /// overwritten, the rest are `base`'s): the bound reads thousands of candidates, and
+    /// cloning the model for each was a tenth of a large search.
+    fn spec_in<'a>(&self, base: &Spec, scratch: &'a mut Spec) -> &'a Spec {
+        self.set_strategy(base, scratch);
+        scratch
+    }
+
+    fn set_strategy(&self, base: &Spec, s: &mut Spec) {
         let layout = self.layout();
-        let mut s = base.clone();
         let st = &mut s.strategy;
         st.replicas = layout.map_or_else(|| vec![1; base.cluster.device_count() / self.tp.max(1)], <[usize]>::to_vec);
         st.tp = self.tp;
@@ -194,7 +200,6 @@ impl Candidate {
         st.ep = self.ep;
         st.auto = None;
         st.layout_fixed = layout.is_some();
-        s
     }
 
     /// Pipeline ranks.
@@ -458,6 +463,7 @@ fn candidates(
     let batch = spec.training.batch_size;
     let mut candidates = Vec::new();
     let mut valid: Vec<(usize, f64)> = Vec::new();
+    let mut scratch = spec.clone();
     let tps: Vec<usize> = match options.tp {
         Some(t) => vec![t],
         None => divisors(per_node).filter(|t| *t == 1 || spec.model.is_chain()).collect(),
@@ -532,7 +538,7 @@ fn candidates(
                             });
                             c.outcome = match broken {
                                 Some(v) => Outcome::Invalid(v.message),
-                                None => match work_bound(&c.spec(spec), compile_options, memo) {
+                                None => match work_bound(c.spec_in(spec, &mut scratch), compile_options, memo) {
                                     Ok(b) => {
                                         valid.push((candidates.len(), b));
                                         Outcome::Pruned { bound_s: b }
@@ -571,6 +577,7 @@ fn branch_and_bound(
     // many as are ranked)
     let ranked = options.ranked.max(1);
     let mut best: Vec<f64> = Vec::with_capacity(ranked + 1);
+    let mut scratch = spec.clone();
     while let Some(Reverse(Queued { bound_s, index: i, known })) = queue.pop() {
         if !options.exhaustive && best.len() == ranked && bound_s >= best[ranked - 1] {
             break;
@@ -580,7 +587,7 @@ fn branch_and_bound(
         // candidate it was derived from): bounded now (and laid out by PipeDream's planner),
         // and queued again under its own bound
         if known == Known::Work {
-            let b = match lower_bound(&c.spec(spec), compile_options, memo) {
+            let b = match lower_bound(c.spec_in(spec, &mut scratch), compile_options, memo) {
                 Ok(b) => b,
                 Err(d) => {
                     c.outcome = Outcome::Invalid(first_error(&d));
@@ -620,7 +627,7 @@ fn branch_and_bound(
         // its schedule's own bubble before it is lowered: queued again when that bounds it
         // above where it stood
         if known == Known::Bound {
-            let timed = timeline_bound(&candidates[i].spec(spec), compile_options, memo).unwrap_or(0.0);
+            let timed = timeline_bound(candidates[i].spec_in(spec, &mut scratch), compile_options, memo).unwrap_or(0.0);
             if timed > bound_s {
                 candidates[i].outcome = Outcome::Pruned { bound_s: timed };
                 queue.push(Reverse(Queued { bound_s: timed, index: i, known: Known::Timeline }));
