@@ -362,7 +362,7 @@ fn strategy_auto_compiles_the_searchs_best_and_offers_it_as_a_fix() {
     );
     let (i, best) = report.ranked(0.0)[0];
     assert_eq!(plan.simulation.step_time_s, best.step_s);
-    assert_eq!(fix.replacement, report.candidates[i].strategy);
+    assert_eq!(fix.replacement, report.candidates[i].strategy());
     // the fix applied: a written strategy that compiles to the same plan without searching
     let fixed = format!("{}{}{}", &text[..fix.span.start], fix.replacement, &text[fix.span.end..]);
     let again = compile_text(&fixed);

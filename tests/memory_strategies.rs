@@ -154,8 +154,8 @@ fn the_search_on_the_gpt3_cluster_finds_a_plan_at_least_as_fast_as_the_published
         prediction.step_s
     );
     // the optimizer state sharded (ZeRO 1 or above), by the search itself
-    assert!(chosen.sharding.shards().0, "{}", chosen.strategy);
-    assert!(chosen.strategy.contains("sequence_parallel: true"), "{}", chosen.strategy);
+    assert!(chosen.sharding.shards().0, "{}", chosen.strategy());
+    assert!(chosen.strategy().contains("sequence_parallel: true"), "{}", chosen.strategy());
 }
 
 /// Tensor parallelism divides only what it splits: the small CNN's convolutions (which it

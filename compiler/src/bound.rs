@@ -135,7 +135,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
                 let bytes = stages.bytes[s].whole.gradients.saturating_sub(stages.expert_gradients[s]);
                 let kind = pipec_plan::CollectiveKind::ReduceScatter;
                 let scatter = model.cluster.shaped_collective_time(kind, placed.skeleton.shapes[s], bytes);
-                scatter.min(cost.reduce_time(members, bytes))
+                scatter.min(cost.shaped_reduce_time(members, placed.skeleton.shapes[s], bytes))
             })
         })
         .collect();
@@ -530,9 +530,9 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 /// their strategy.
 #[derive(Default)]
 pub struct Memo {
-    pub(crate) models: HashMap<(usize, usize, usize), (std::rc::Rc<ModelCosts>, Partitions)>,
-    placements: HashMap<PlaceKey, std::rc::Rc<Placed>>,
-    skeletons: HashMap<SkeletonKey, std::rc::Rc<Skeleton>>,
+    pub(crate) models: rustc_hash::FxHashMap<(usize, usize, usize), (std::rc::Rc<ModelCosts>, Partitions)>,
+    placements: rustc_hash::FxHashMap<PlaceKey, std::rc::Rc<Placed>>,
+    skeletons: rustc_hash::FxHashMap<SkeletonKey, std::rc::Rc<Skeleton>>,
     /// What a schedule's order keeps in flight on a view's devices, per view shape: the
     /// views of candidates that differ in data-parallel or tensor-parallel degree but give
     /// each replica as many microbatches are alike once their devices are numbered densely.
@@ -571,7 +571,7 @@ impl Skeleton {
     fn new(placement: &Placement, spec: &Spec, layout: &Layout, cluster: &ClusterGraph) -> Self {
         let pairs = placement.replicas.windows(2).map(|w| closest_pair(cluster, &w[0], &w[1])).collect();
         let shapes = placement.replicas.iter().map(|r| cluster.group_shape(r)).collect();
-        let leaders = crate::place::symmetric_leaders(spec, layout, cluster);
+        let leaders = crate::place::symmetric_leaders(&layout.replicas, spec.strategy.tp, cluster);
         Skeleton { replicas: placement.replicas.clone(), pairs, shapes, leaders }
     }
 }

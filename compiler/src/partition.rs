@@ -17,7 +17,6 @@
 //!   levels, the position inside a node), so 1,000 layers × 1,024 workers plan in under a
 //!   second (docs/benchmarks.md).
 
-use std::collections::HashMap;
 use std::ops::Range;
 
 use pipec_grammar::diagnostic::Diagnostic;
@@ -346,13 +345,14 @@ impl AutoInput<'_> {
     fn cover(&self, p: &Prefixes, t: f64, phases: usize) -> Option<(usize, Vec<(usize, usize)>)> {
         let n = self.layer_times.len();
         const NONE: usize = usize::MAX;
-        // fewest[j][r]: fewest machines covering the first j layers with used % phases == r
-        let mut fewest = vec![vec![NONE; phases]; n + 1];
-        let mut from = vec![vec![(0usize, 0usize, 0usize); phases]; n + 1];
-        fewest[0][0] = 0;
+        // fewest[j·phases + r]: fewest machines covering the first j layers with used %
+        // phases == r (flat: `auto` calls this some 60 times per plan)
+        let mut fewest = vec![NONE; (n + 1) * phases];
+        let mut from = vec![(0usize, 0usize, 0usize); (n + 1) * phases];
+        fewest[0] = 0;
         for i in 0..n {
             for r in 0..phases {
-                let used = fewest[i][r];
+                let used = fewest[i * phases + r];
                 if used >= self.machines {
                     continue;
                 }
@@ -370,7 +370,8 @@ impl AutoInput<'_> {
                     if room < 1.0 - 1e-9 {
                         continue;
                     }
-                    let (row, from_row) = (&mut fewest[j], &mut from[j]);
+                    let (row, from_row) =
+                        (&mut fewest[j * phases..(j + 1) * phases], &mut from[j * phases..(j + 1) * phases]);
                     self.replica_counts(p, (i, j), used, room.floor().max(1.0) as usize, t, phases, |m| {
                         let total = used + m;
                         let r2 = total % phases;
@@ -382,14 +383,14 @@ impl AutoInput<'_> {
                 }
             }
         }
-        let (best_r, &best) = fewest[n].iter().enumerate().min_by_key(|(_, &v)| v)?;
+        let (best_r, &best) = fewest[n * phases..].iter().enumerate().min_by_key(|(_, &v)| v)?;
         if best > self.machines {
             return None;
         }
         let mut stages = Vec::new();
         let (mut j, mut r) = (n, best_r);
         while j > 0 {
-            let (i, r_prev, m) = from[j][r];
+            let (i, r_prev, m) = from[j * phases + r];
             stages.push((i, m));
             j = i;
             r = r_prev;
@@ -468,8 +469,8 @@ pub(crate) type PlannedLayout = (Vec<usize>, Vec<Range<usize>>);
 /// PipeDream's planner's (replicas and ranges) by whether activations are recomputed.
 #[derive(Default)]
 pub(crate) struct Partitions {
-    pub(crate) balanced: HashMap<Vec<usize>, Option<Vec<Range<usize>>>>,
-    pub(crate) planned: HashMap<bool, Option<PlannedLayout>>,
+    pub(crate) balanced: rustc_hash::FxHashMap<Vec<usize>, Option<Vec<Range<usize>>>>,
+    pub(crate) planned: rustc_hash::FxHashMap<bool, Option<PlannedLayout>>,
 }
 
 /// The layout as the compiler resolves it: ranks of the pipeline, chunks per rank.

@@ -113,7 +113,7 @@ pub(crate) fn one_replica(
     microbatches: usize,
     cluster: &ClusterGraph,
 ) -> Option<(Placement, usize)> {
-    let leaders = symmetric_leaders(spec, layout, cluster)?;
+    let leaders = symmetric_leaders(&layout.replicas, spec.strategy.tp, cluster)?;
     one_replica_of(spec, layout, microbatches, cluster, &leaders)
 }
 
@@ -130,19 +130,26 @@ pub(crate) fn replicas_run_alike(spec: &Spec) -> bool {
 /// replica. Returns each rank's replica-0 device (its
 /// tensor-parallel leader), or None for a layout that is not symmetric or is its own one
 /// replica. The search computes it once per layout shape (`bound::Skeleton`).
-pub(crate) fn symmetric_leaders(spec: &Spec, layout: &Layout, cluster: &ClusterGraph) -> Option<Vec<DeviceId>> {
-    let tp = spec.strategy.tp.max(1);
-    let r = *layout.replicas.first()?;
-    let ranks = layout.replicas.len();
-    let symmetric = r > 0 && layout.replicas.iter().all(|&x| x == r) && cluster.devices_per_node.is_multiple_of(tp);
+pub(crate) fn symmetric_leaders(replicas: &[usize], tp: usize, cluster: &ClusterGraph) -> Option<Vec<DeviceId>> {
+    let tp = tp.max(1);
+    let r = *replicas.first()?;
+    let symmetric = r > 0 && replicas.iter().all(|&x| x == r) && cluster.devices_per_node.is_multiple_of(tp);
     if !symmetric || r * tp == 1 {
         return None;
     }
-    let rd = rank_devices(&layout.replicas, tp);
-    for a in 0..ranks {
-        for b in a + 1..ranks {
-            let level = cluster.level(rd[a][0], rd[b][0]);
-            if (1..r).any(|q| cluster.level(rd[a][q], rd[b][q]) != level) {
+    let rd = rank_devices(replicas, tp);
+    // the ranks' devices are distinct, so two ranks' link is intra-node exactly when their
+    // devices share a node: every replica q has the same links as replica 0 when the nodes
+    // of replica q's devices are those of replica 0's renamed one to one (checked both
+    // ways, in one pass per replica rather than one per pair of ranks)
+    let mut forward: rustc_hash::FxHashMap<u32, u32> = Default::default();
+    let mut backward: rustc_hash::FxHashMap<u32, u32> = Default::default();
+    for q in 1..r {
+        forward.clear();
+        backward.clear();
+        for devices in &rd {
+            let (first, here) = (cluster.node_of(devices[0]), cluster.node_of(devices[q]));
+            if *forward.entry(first).or_insert(here) != here || *backward.entry(here).or_insert(first) != first {
                 return None;
             }
         }
@@ -179,4 +186,66 @@ pub(crate) fn one_replica_of(
         }
     }
     Some((view, r * tp))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipec_grammar::spec::Link;
+    use pipec_plan::device::DeviceModel;
+
+    /// The one-pass check of `symmetric_leaders` against its definition: between any two
+    /// ranks, every replica's devices on the same link level as replica 0's.
+    #[test]
+    fn symmetric_leaders_is_the_pairwise_definition() {
+        let link = Link { bandwidth: 1e9, latency: 1e-6, efficiency: 1.0 };
+        let mut checked = (0, 0);
+        for per_node in [1, 2, 3, 4, 8] {
+            for nodes in [1, 2, 3, 4, 6] {
+                let cluster = ClusterGraph {
+                    nodes,
+                    devices_per_node: per_node,
+                    memory: 1e9,
+                    device: DeviceModel::uniform("x", 1e9, 1e12),
+                    intra: link,
+                    inter: link,
+                };
+                for tp in [1, 2, 4] {
+                    for ranks in 1..=6 {
+                        for r in 1..=6 {
+                            if ranks * r * tp > cluster.device_count() {
+                                continue;
+                            }
+                            let replicas = vec![r; ranks];
+                            let fast = symmetric_leaders(&replicas, tp, &cluster);
+                            let rd = rank_devices(&replicas, tp);
+                            let pairwise = per_node % tp == 0
+                                && r * tp > 1
+                                && (0..ranks).all(|a| {
+                                    (a + 1..ranks).all(|b| {
+                                        let level = cluster.level(rd[a][0], rd[b][0]);
+                                        (1..r).all(|q| cluster.level(rd[a][q], rd[b][q]) == level)
+                                    })
+                                });
+                            assert_eq!(
+                                fast.is_some(),
+                                pairwise,
+                                "{ranks} ranks × {r} replicas, tp {tp}, {nodes} × {per_node}"
+                            );
+                            if let Some(leaders) = fast {
+                                assert_eq!(leaders, rd.iter().map(|d| d[0]).collect::<Vec<_>>());
+                            }
+                            if pairwise {
+                                checked.0 += 1
+                            } else {
+                                checked.1 += 1
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // both answers occur often
+        assert!(checked.0 > 50 && checked.1 > 50, "{checked:?}");
+    }
 }

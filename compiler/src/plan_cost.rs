@@ -92,13 +92,10 @@ impl<'a> PlanCost<'a> {
         self
     }
 
-    /// An all-reduce of `bytes` over `members`: NCCL's ring, hierarchical across nodes
-    /// (`ClusterGraph::collective_time`), or a parameter server on the slowest link.
-    pub(crate) fn reduce_time(&self, members: &[DeviceId], bytes: u64) -> f64 {
-        self.shaped_reduce_time(members, self.cluster.group_shape(members), bytes)
-    }
-
-    fn shaped_reduce_time(&self, members: &[DeviceId], shape: GroupShape, bytes: u64) -> f64 {
+    /// An all-reduce of `bytes` over `members`, whose shape on the cluster is `shape`:
+    /// NCCL's ring, hierarchical across nodes (`ClusterGraph::collective_time`), or a
+    /// parameter server on the slowest link.
+    pub(crate) fn shaped_reduce_time(&self, members: &[DeviceId], shape: GroupShape, bytes: u64) -> f64 {
         match self.reduce {
             ReduceMode::Ring => self.cluster.shaped_collective_time(CollectiveKind::AllReduce, shape, bytes),
             ReduceMode::ParameterServer => {

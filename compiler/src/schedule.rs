@@ -5,8 +5,6 @@
 //! Stages here are the plan's stages (model chunks): `S = pipeline ranks × virtual stages`.
 //! A [`Placement`] says which device runs each stage for each microbatch.
 
-use std::collections::HashMap;
-
 use pipec_plan::ScheduleKind;
 use pipec_plan::{DeviceId, MicrobatchId, StageId};
 
@@ -463,7 +461,7 @@ fn chimera(p: &Placement, backward_slots: usize) -> Order {
     let mut first = 0usize;
     // units with the same routes have the same order but for their microbatches' numbers:
     // scheduled once (a large search bounds Chimera on thousands of microbatches)
-    let mut scheduled: HashMap<Vec<Vec<u32>>, Order> = HashMap::new();
+    let mut scheduled: rustc_hash::FxHashMap<Vec<Vec<u32>>, Order> = Default::default();
     while first < p.microbatches {
         let mbs: Vec<usize> = (first..(first + pairs * d).min(p.microbatches)).collect();
         first += mbs.len();
@@ -612,7 +610,7 @@ enum Priority {
 /// linear in the tasks instead of quadratic.
 fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> usize, priority: Priority) -> Order {
     use std::cmp::Reverse;
-    use std::collections::{BTreeSet, BinaryHeap, HashMap};
+    use std::collections::{BTreeSet, BinaryHeap};
     let stages = p.stages();
     let n = p.microbatches;
     // finish time of each task, when started
@@ -675,7 +673,7 @@ fn list_schedule(p: &Placement, split: bool, limit: impl Fn(DeviceId, usize) -> 
     let active: Vec<usize> = (0..p.devices).filter(|&d| !p.stages_of(DeviceId(d as u32)).is_empty()).collect();
     let mut order = vec![Vec::new(); p.devices];
     let mut busy_until = vec![0usize; p.devices];
-    let mut in_flight: HashMap<(usize, usize), usize> = HashMap::new(); // (device, stage or MAX) -> count
+    let mut in_flight: rustc_hash::FxHashMap<(usize, usize), usize> = Default::default(); // (device, stage or MAX) -> count
     let total_tasks = stages * n * if split { 3 } else { 2 };
     let mut scheduled = 0usize;
     let mut time = 0usize;

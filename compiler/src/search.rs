@@ -134,8 +134,8 @@ pub struct Candidate {
     pub sequence_parallel: bool,
     /// Expert parallelism's degree (1: every replica holds every expert).
     pub ep: usize,
-    /// The `strategy` mapping, as YAML flow text.
-    pub strategy: String,
+    /// Whether the spec overlaps communication (written into the strategy only when not).
+    pub overlap: bool,
     pub outcome: Outcome,
 }
 
@@ -145,8 +145,10 @@ impl Candidate {
         (!self.planner).then_some(self.replicas.as_slice())
     }
 
-    /// The `strategy` mapping as YAML flow text.
-    fn text(&self, overlap: bool) -> String {
+    /// The `strategy` mapping as YAML flow text (written when asked: a large search
+    /// enumerates tens of thousands of candidates and shows a few).
+    pub fn strategy(&self) -> String {
+        let overlap = self.overlap;
         // the schedules with several chunks per device write how many
         let schedule = if self.schedule.default_virtual_stages() > 1 {
             format!("{{ kind: {}, virtual_stages: {} }}", self.schedule.name(), self.chunks)
@@ -524,10 +526,9 @@ fn candidates(
                                 },
                                 sequence_parallel: options.sequence_parallel && tp > 1,
                                 ep,
-                                strategy: String::new(),
+                                overlap: spec.strategy.overlap,
                                 outcome: Outcome::TooBig,
                             };
-                            c.strategy = c.text(spec.strategy.overlap);
                             // the schedule's layout rules (the front end's), then the work spread
                             // evenly: the candidate is bounded (and PipeDream's planner lays it
                             // out) only when the branch and bound reaches it; the text itself is
@@ -620,7 +621,7 @@ fn branch_and_bound(
             }
             derived.extend(recompute_short_stages(c, &b.stage_headroom, options));
             for d in derived {
-                queue_derived(candidates, &mut queue, d, bound_s, spec.strategy.overlap);
+                queue_derived(candidates, &mut queue, d, bound_s);
             }
             continue;
         }
@@ -634,7 +635,7 @@ fn branch_and_bound(
                 continue;
             }
         }
-        let text = with_strategy(source, spec, &candidates[i].strategy);
+        let text = with_strategy(source, spec, &candidates[i].strategy());
         let checked = check_source_in(&text, compile_options.base_dir.as_deref());
         let s = match checked.spec {
             Some(s) if !checked.diagnostics.iter().any(Diagnostic::is_error) => s,
@@ -670,11 +671,11 @@ fn branch_and_bound(
         candidates[i].outcome = Outcome::Planned(prediction);
         if shardable(&candidates[i], options) {
             for derived in sharded_variants(&candidates[i]) {
-                queue_derived(candidates, &mut queue, derived, bound_s, spec.strategy.overlap);
+                queue_derived(candidates, &mut queue, derived, bound_s);
             }
         }
         if let Some(derived) = recompute_short_stages(&candidates[i], &f.stage_headroom, options) {
-            queue_derived(candidates, &mut queue, derived, bound_s, spec.strategy.overlap);
+            queue_derived(candidates, &mut queue, derived, bound_s);
         }
     }
 }
@@ -698,9 +699,7 @@ fn queue_derived(
     queue: &mut BinaryHeap<Reverse<Queued>>,
     mut derived: Candidate,
     bound_s: f64,
-    overlap: bool,
 ) {
-    derived.strategy = derived.text(overlap);
     derived.outcome = Outcome::Pruned { bound_s };
     queue.push(Reverse(Queued { bound_s, index: candidates.len(), known: Known::Work }));
     candidates.push(derived);
@@ -885,7 +884,7 @@ impl SearchReport {
             bp.bubble * 100.0,
             bp.headroom * 100.0
         );
-        let _ = writeln!(s, "strategy: {}", b.strategy);
+        let _ = writeln!(s, "strategy: {}", b.strategy());
         if ranked.len() > 1 {
             s.push_str("runner-ups:\n");
         }
@@ -911,7 +910,7 @@ impl SearchReport {
         let entry = |i: usize, p: &Prediction| {
             let c = &self.candidates[i];
             serde_json::json!({
-                "strategy": c.strategy, "tp": c.tp, "pp": c.pp(), "dp": c.dp(), "stages": notation(&c.replicas),
+                "strategy": c.strategy(), "tp": c.tp, "pp": c.pp(), "dp": c.dp(), "stages": notation(&c.replicas),
                 "planner": c.planner, "schedule": c.schedule.name(), "chunks": c.chunks,
                 "microbatches": c.microbatches, "recompute": recompute_json(&c.recompute), "step_time_s": p.step_s,
                 "bound_s": p.bound_s, "bubble_fraction": p.bubble, "memory_headroom": p.headroom,
@@ -956,7 +955,7 @@ pub fn compile_auto(spec: &Spec, options: &CompileOptions, auto: &AutoStrategy) 
         return CompileResult { compiled: None, diagnostics: vec![d] };
     };
     let chosen = &report.candidates[i];
-    let text = with_strategy(source, spec, &chosen.strategy);
+    let text = with_strategy(source, spec, &chosen.strategy());
     let Some(concrete) = check_source_in(&text, options.base_dir.as_deref()).spec else {
         let d =
             Diagnostic::error("E0607", "the chosen strategy does not check (a pipec bug)", span, "searched strategy");
@@ -982,7 +981,7 @@ pub fn compile_auto(spec: &Spec, options: &CompileOptions, auto: &AutoStrategy) 
         "chosen by the strategy search",
     )
     .with_help(report.explain(&search_options, 3))
-    .with_fix("write the chosen strategy into the spec", span, chosen.strategy.clone());
+    .with_fix("write the chosen strategy into the spec", span, chosen.strategy());
     result.diagnostics.insert(0, note);
     result
 }
