@@ -216,7 +216,7 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         pipec_plan::model::parameters_text(plan.layers.iter().map(|l| (&l.op, l.tied)))
     ));
     // what the prediction assumes of a mixture of experts' routing
-    if let Some(m) = plan.layers.iter().find_map(|l| l.op.block_dims().and_then(|b| b.moe)) {
+    if let Some(m) = plan.layers.iter().find_map(|l| l.op.moe()) {
         let capacity = if m.capacity > 0.0 {
             format!(", at most {}× its share under the capacity", m.capacity)
         } else {

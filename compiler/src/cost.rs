@@ -557,7 +557,7 @@ fn tp_collectives(node: &OpNode, split: TpSplit, cx: &CostContext<'_>) -> (Colle
 /// rank its sequence share with sequence parallelism, all of its tokens without.
 fn ep_collectives(node: &OpNode, sp: bool, t: usize, cx: &CostContext<'_>) -> (Collectives, Collectives) {
     let ep = cx.ep.max(1);
-    let Some(m) = node.op.block_dims().and_then(|b| b.moe).filter(|_| ep > 1) else {
+    let Some(m) = node.op.moe().filter(|_| ep > 1) else {
         return (Vec::new(), Vec::new());
     };
     let s = node.input_shape.first().copied().unwrap_or(1) as f64;
@@ -936,9 +936,9 @@ mod tests {
         assert_eq!(kept(&mixtral) - kept(&Op::llama_block(4096, 32, 8, 14336)), extra);
         // a capacity factor of 0.5 bounds every expert at half its uniform share: half the
         // routed pairs computed and kept
-        let m = mixtral.block_dims().and_then(|b| b.moe).expect("moe");
+        let m = mixtral.moe().expect("moe");
         assert_eq!(m.expert_tokens(4096.0), 8192.0);
-        let half = moe_block(8, 2, 0.5).block_dims().and_then(|b| b.moe).expect("moe");
+        let half = moe_block(8, 2, 0.5).moe().expect("moe");
         assert_eq!(half.expert_capacity(4096), Some(512));
         assert_eq!(half.expert_tokens(4096.0), 4096.0);
         assert!(kept(&moe_block(8, 2, 0.5)) < kept(&mixtral));

@@ -86,7 +86,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .ranges
         .iter()
         .map(|r| {
-            let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.block_dims().is_some_and(|b| b.moe.is_some()));
+            let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some());
             if moe {
                 ep
             } else {

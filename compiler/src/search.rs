@@ -475,8 +475,7 @@ fn candidates(
     let recomputes: Vec<Recompute> =
         options.recompute.clone().map_or_else(|| vec![Recompute::Off, Recompute::All], |r| vec![r]);
     // each expert block's experts
-    let expert_counts: Vec<usize> =
-        spec.model.layers.iter().filter_map(|l| l.op.block_dims().and_then(|b| b.moe)).map(|m| m.experts).collect();
+    let expert_counts: Vec<usize> = spec.model.layers.iter().filter_map(|l| l.op.moe()).map(|m| m.experts).collect();
     let experts = !expert_counts.is_empty();
     for tp in tps {
         let machines = devices / tp;

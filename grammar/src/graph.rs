@@ -1053,12 +1053,9 @@ fn shape_help(op: &Op, input: &[usize]) -> String {
                 format!("kv_heads must divide heads={heads}: one of {}", divisors.join(", "))
             } else if d_model % heads.max(&1) != 0 {
                 format!("heads must divide d={d_model}")
-            } else if let Some(m) = op.block_dims().and_then(|b| b.moe).filter(|m| m.top_k == 0 || m.top_k > m.experts)
-            {
+            } else if let Some(m) = op.moe().filter(|m| m.top_k == 0 || m.top_k > m.experts) {
                 format!("choose top_k from 1 to {}, or more experts", m.experts)
-            } else if let Some(m) =
-                op.block_dims().and_then(|b| b.moe).filter(|m| !(1.0..=m.max_skew()).contains(&m.skew))
-            {
+            } else if let Some(m) = op.moe().filter(|m| !(1.0..=m.max_skew()).contains(&m.skew)) {
                 format!("skew is the busiest expert's share of the choices over the mean: from 1 to {}", m.max_skew())
             } else {
                 // the most heads up to these whose size is whole and even

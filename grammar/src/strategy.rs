@@ -499,7 +499,7 @@ fn check_expert_parallelism(
     let mut ok = true;
     if let Some(m) = model {
         let experts: Vec<(&crate::ast::Layer, usize)> =
-            m.layers.iter().filter_map(|l| l.op.block_dims().and_then(|b| b.moe).map(|moe| (l, moe.experts))).collect();
+            m.layers.iter().filter_map(|l| l.op.moe().map(|moe| (l, moe.experts))).collect();
         if experts.is_empty() {
             cx.push(
                 Diagnostic::error(

@@ -441,7 +441,7 @@ pub fn model_parameters<'a>(layers: impl Iterator<Item = (&'a Op, Option<usize>)
 /// The parameters one token's computation uses ([`Op::active_parameter_count`]), a tied
 /// weight counted once; None for a model without a mixture of experts (all are active).
 pub fn active_parameters<'a>(layers: impl Iterator<Item = (&'a Op, Option<usize>)> + Clone) -> Option<u64> {
-    layers.clone().any(|(op, _)| op.block_dims().is_some_and(|b| b.moe.is_some())).then(|| {
+    layers.clone().any(|(op, _)| op.moe().is_some()).then(|| {
         layers
             .filter(|(_, tied)| tied.is_none())
             .map(|(op, _)| op.active_parameter_count())
@@ -721,9 +721,7 @@ impl Op {
                             format!("rotary position embeddings rotate pairs of features, but the head size d/heads = {head_dim} is odd"),
                             Some(7),
                         ))
-                    } else if let Some(m) =
-                        self.block_dims().and_then(|b| b.moe).filter(|m| m.top_k == 0 || m.top_k > m.experts)
-                    {
+                    } else if let Some(m) = self.moe().filter(|m| m.top_k == 0 || m.top_k > m.experts) {
                         Err(shape_err(
                             format!(
                                 "top_k={} must be between 1 and experts={} (each token goes to top_k of the experts)",
@@ -731,9 +729,7 @@ impl Op {
                             ),
                             Some(MOE_TOP_K_ARG),
                         ))
-                    } else if let Some(m) =
-                        self.block_dims().and_then(|b| b.moe).filter(|m| !(1.0..=m.max_skew()).contains(&m.skew))
-                    {
+                    } else if let Some(m) = self.moe().filter(|m| !(1.0..=m.max_skew()).contains(&m.skew)) {
                         Err(shape_err(
                             format!(
                                 "skew={} must be between 1 (uniform routing) and experts/top_k = {} (every token choosing the busiest expert)",
@@ -879,6 +875,15 @@ impl Op {
             eps: DEFAULT_EPS,
             post_norm: false,
             moe: None,
+        }
+    }
+
+    /// A transformer block's mixture of experts; None for a dense block or any other
+    /// operator.
+    pub fn moe(&self) -> Option<Moe> {
+        match self {
+            Op::TransformerBlock { moe, .. } => *moe,
+            _ => None,
         }
     }
 

@@ -792,11 +792,8 @@ impl Plan {
                 ));
             } else if ep > 1 {
                 let range = s.layers[0].min(s.layers[1])..s.layers[1].min(self.layers.len());
-                let experts: Vec<usize> = self.layers[range]
-                    .iter()
-                    .filter_map(|l| l.op.block_dims().and_then(|b| b.moe))
-                    .map(|m| m.experts)
-                    .collect();
+                let experts: Vec<usize> =
+                    self.layers[range].iter().filter_map(|l| l.op.moe()).map(|m| m.experts).collect();
                 if experts.is_empty() || experts.iter().any(|e| e % ep != 0) {
                     out.push(format!("stage {i}: expert_parallel = {ep} must divide the experts of its expert blocks (it has {experts:?})"));
                 }
