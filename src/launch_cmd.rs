@@ -74,6 +74,9 @@ struct Attempt {
     slurm: bool,
     /// Slurm nodes this attempt must not use (lost in an earlier one).
     exclude: Vec<String>,
+    /// Where this attempt's ranks record their failures (`pipec run --record-failures`),
+    /// when the launcher runs the job and watches it.
+    failures: Option<PathBuf>,
 }
 
 pub fn run(args: LaunchArgs<'_>) -> u8 {
@@ -94,9 +97,14 @@ pub fn run(args: LaunchArgs<'_>) -> u8 {
         timeout: args.timeout,
         slurm: args.slurm,
         exclude: Vec::new(),
+        failures: None,
     };
     if let Some(e) = args.elastic {
         return run_elastic(&args, e, attempt);
+    }
+    let mut attempt = attempt;
+    if args.exec {
+        attempt.failures = Some(failures_dir(&attempt, 1));
     }
     let (cmd, host_devices) = match command(&attempt) {
         Ok(c) => c,
@@ -106,7 +114,18 @@ pub fn run(args: LaunchArgs<'_>) -> u8 {
     if !args.exec {
         return 0;
     }
-    supervise(&cmd, &host_devices, args.start_timeout, &agent(), &mut || false).code
+    supervise(&cmd, &host_devices, args.start_timeout, &agent(), attempt.failures.as_deref(), &mut || false).code
+}
+
+/// Where the ranks of attempt `n` record their failures: under its output directory (the
+/// one `pipec run` writes to: `-o`, or `out/<plan name>`), one folder per attempt, so a
+/// rank of an earlier attempt still ending cannot fail a later one.
+fn failures_dir(a: &Attempt, n: usize) -> PathBuf {
+    a.out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("out").join(&a.plan.name))
+        .join(pipec_executor::process_run::FAILURES_DIR)
+        .join(format!("attempt-{n}"))
 }
 
 /// Open MPI's launch agent (`OMPI_MCA_plm_rsh_agent`, by default ssh).
@@ -142,6 +161,10 @@ fn command(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
     if let Some(t) = a.timeout {
         cmd.push("--timeout".into());
         cmd.push(t.to_string());
+    }
+    if let Some(f) = &a.failures {
+        cmd.push("--record-failures".into());
+        cmd.push(f.display().to_string());
     }
     if let Some(r) = &a.resume {
         cmd.push("--resume".into());
@@ -284,7 +307,10 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
     let agent = agent();
     let latest = dir.join(&checkpoints).join("latest");
     let mut restarts = 0;
+    let mut n = 0;
     loop {
+        n += 1;
+        attempt.failures = Some(failures_dir(&attempt, n));
         let (cmd, host_devices) = match command(&attempt) {
             Ok(c) => c,
             Err(code) => return code,
@@ -293,7 +319,9 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
         // (a Slurm allocation does not grow: its lost nodes are not asked again)
         let missing = if attempt.slurm { HostDevices::new() } else { hosts.missing() };
         let mut comeback = Comeback::new(&latest, missing, args.hostfile, hosts.running(), &agent);
-        let ended = supervise(&cmd, &host_devices, args.start_timeout, &agent, &mut || comeback.poll());
+        let failures = attempt.failures.clone();
+        let ended =
+            supervise(&cmd, &host_devices, args.start_timeout, &agent, failures.as_deref(), &mut || comeback.poll());
         let mut change: Vec<String> = Vec::new();
         let left = if ended.stopped {
             // hosts answered: plan again with them, from the checkpoint just published
@@ -656,8 +684,13 @@ fn supervise(
     host_devices: &[(String, String)],
     start_timeout: std::time::Duration,
     agent: &str,
+    failures: Option<&Path>,
     stop: &mut dyn FnMut() -> bool,
 ) -> Ended {
+    // the ranks' failure records of an earlier attempt are not this one's
+    if let Some(f) = failures {
+        let _ = std::fs::remove_dir_all(f);
+    }
     use std::io::BufRead;
     use std::sync::atomic::{AtomicBool, Ordering};
     let mut child =
@@ -713,6 +746,22 @@ fn supervise(
     };
     let lost = || losses.lock().map(|l| l.clone()).unwrap_or_default();
     let mut since: Option<std::time::Instant> = None;
+    // a failure a rank on this host recorded (`process_run::record_failures_in`), which
+    // mpirun, blocked on a host it cannot reach, may not have forwarded: it starts the
+    // same grace period as the rank's own line would
+    let recorded = |aborted: &AtomicBool| {
+        let Some(entries) = failures.and_then(|f| std::fs::read_dir(f).ok()) else { return };
+        for path in entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "txt")) {
+            let Ok(text) = std::fs::read_to_string(&path) else { continue };
+            for line in text.lines() {
+                eprintln!("{line} (recorded in {})", path.display());
+                if let Ok(mut l) = losses.lock() {
+                    l.read(line);
+                }
+            }
+            aborted.store(true, Ordering::Relaxed);
+        }
+    };
     loop {
         match child.try_wait() {
             Ok(Some(status)) => {
@@ -733,6 +782,9 @@ fn supervise(
                 eprintln!("error: cannot wait for mpirun: {e}");
                 return Ended { code: EXIT_USAGE, losses: lost(), stopped: false };
             }
+        }
+        if !aborted.load(Ordering::Relaxed) {
+            recorded(&aborted);
         }
         if aborted.load(Ordering::Relaxed) {
             let t = *since.get_or_insert_with(std::time::Instant::now);
@@ -868,10 +920,44 @@ mod tests {
         let cmd: Vec<String> = ["sh", "-c", fake].map(String::from).to_vec();
         let started = std::time::Instant::now();
         let hosts = [("10.0.0.2".to_string(), "node 1: d1".to_string())];
-        let code = supervise(&cmd, &hosts, std::time::Duration::from_secs(60), "ssh", &mut || false).code;
+        let code = supervise(&cmd, &hosts, std::time::Duration::from_secs(60), "ssh", None, &mut || false).code;
         assert_eq!(code, EXIT_DIAGNOSTICS);
         let waited = started.elapsed();
         assert!(waited >= ABORT_GRACE && waited < ABORT_GRACE * 6, "stopped after {waited:?}");
+    }
+
+    /// An mpirun that forwards nothing (its event loop blocked on a host it cannot reach)
+    /// while a rank on this host records its failure in the output directory is stopped
+    /// after the grace period; the recorded line is printed and read for what was lost, and
+    /// a record of an earlier attempt does not count.
+    #[test]
+    fn a_failure_recorded_by_a_rank_stops_a_silent_mpirun() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let failures = dir.path().join(pipec_executor::process_run::FAILURES_DIR);
+        std::fs::create_dir_all(&failures).expect("dir");
+        std::fs::write(failures.join("rank-1.txt"), "error: rank 1 of 2: an earlier attempt's\n").expect("stale");
+        // the rank's record appears a second after start; mpirun says nothing and hangs
+        let fake = format!(
+            "sleep 1; mkdir -p '{f}'; echo 'error: rank 0 of 2 (device d0): nothing arrived from d1 within 4 s' > '{f}/rank-0.txt'; exec sleep 120",
+            f = failures.display()
+        );
+        let cmd: Vec<String> = vec!["sh".into(), "-c".into(), fake];
+        let started = std::time::Instant::now();
+        let hosts = [("10.0.0.2".to_string(), "node 1: d1".to_string())];
+        let ended = supervise(&cmd, &hosts, std::time::Duration::from_secs(60), "ssh", Some(&failures), &mut || false);
+        assert_eq!(ended.code, EXIT_DIAGNOSTICS);
+        let waited = started.elapsed();
+        assert!(waited >= ABORT_GRACE && waited < ABORT_GRACE * 6, "stopped after {waited:?}");
+        assert!(!failures.join("rank-1.txt").exists(), "the earlier attempt's record was cleared");
+        // without the record the same mpirun is waited for (stopped here by `stop`)
+        let started_line = format!("echo '{} 2 ranks' >&2; exec sleep 120", pipec_executor::MPI_STARTED);
+        let cmd: Vec<String> = vec!["sh".into(), "-c".into(), started_line];
+        let mut polls = 0;
+        let ended = supervise(&cmd, &hosts, std::time::Duration::from_secs(60), "ssh", Some(&failures), &mut || {
+            polls += 1;
+            polls > 30
+        });
+        assert!(ended.stopped, "nothing recorded: not aborted");
     }
 
     /// An mpirun that never starts the ranks (a host it cannot reach: ssh waits minutes) is
@@ -892,7 +978,7 @@ mod tests {
         let cmd: Vec<String> = ["sh", "-c", "exec sleep 120"].map(String::from).to_vec();
         let started = std::time::Instant::now();
         let start_timeout = std::time::Duration::from_secs(1);
-        assert_eq!(supervise(&cmd, &hosts, start_timeout, agent, &mut || false).code, EXIT_DIAGNOSTICS);
+        assert_eq!(supervise(&cmd, &hosts, start_timeout, agent, None, &mut || false).code, EXIT_DIAGNOSTICS);
         let waited = started.elapsed();
         assert!(waited >= start_timeout && waited < start_timeout + PROBE_TIMEOUT * 3, "stopped after {waited:?}");
     }

@@ -193,6 +193,12 @@ enum Command {
         /// than devices (each device otherwise gets its own GPU, and too few is an error).
         #[arg(long)]
         share_gpus: bool,
+        /// With one process per device: a folder where a failing rank also writes its
+        /// failure line (one file per rank). `pipec launch --exec` sets it for each attempt
+        /// and watches it, since mpirun may not forward a rank's output while it waits on a
+        /// host it cannot reach.
+        #[arg(long)]
+        record_failures: Option<PathBuf>,
     },
     /// Print (and with --exec run) the mpirun command that trains the plan with one
     /// process per device.
@@ -342,21 +348,32 @@ fn main() -> ExitCode {
             profile.as_deref(),
             resume.as_deref(),
         ),
-        Command::Run { file, out, steps, backend, resume, init, timeout, transport, no_verify, share_gpus } => {
-            run_cmd::run(run_cmd::RunArgs {
-                transport,
-                file,
-                out,
-                steps,
-                backend,
-                resume,
-                init,
-                timeout_s: timeout,
-                verify: !no_verify,
-                share_gpus,
-                color: std::io::stderr().is_terminal(),
-            })
-        }
+        Command::Run {
+            file,
+            out,
+            steps,
+            backend,
+            resume,
+            init,
+            timeout,
+            transport,
+            no_verify,
+            share_gpus,
+            record_failures,
+        } => run_cmd::run(run_cmd::RunArgs {
+            transport,
+            file,
+            out,
+            steps,
+            backend,
+            resume,
+            init,
+            timeout_s: timeout,
+            verify: !no_verify,
+            share_gpus,
+            record_failures,
+            color: std::io::stderr().is_terminal(),
+        }),
         Command::Launch {
             file,
             hostfile,

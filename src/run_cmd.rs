@@ -47,6 +47,8 @@ pub struct RunArgs {
     pub verify: bool,
     /// Let several devices share a GPU.
     pub share_gpus: bool,
+    /// A folder where a failing rank also records its failure line (`pipec launch --exec`).
+    pub record_failures: Option<PathBuf>,
     pub color: bool,
 }
 
@@ -275,6 +277,11 @@ fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
 /// writes the trace. A failure after the ranks met has already ended the job (`run` aborts
 /// it); one before is reported here.
 fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, first_step: usize, run: RankRun) -> u8 {
+    // a failing rank also writes its line where `pipec launch` looks (mpirun may be too
+    // blocked to forward it)
+    if let Some(record) = &args.record_failures {
+        pipec_executor::process_run::record_failures_in(record);
+    }
     let steps = args.steps.unwrap_or(plan.training.steps);
     // no stop flag: ranks would have to agree on the step; a signal ends the job (mpirun
     // forwards it), and the metrics of the completed steps are already on disk

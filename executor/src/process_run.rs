@@ -26,12 +26,39 @@ fn from_f64s(b: &[u8]) -> Vec<f64> {
     b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect()
 }
 
+/// The folder of a job's output directory under which `pipec launch --exec` has each
+/// attempt's ranks record their failures (`pipec run --record-failures`).
+pub const FAILURES_DIR: &str = "failures";
+
+static FAILURES: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Has `report_failure` also record each failure line in the folder `dir`. mpirun forwards
+/// a rank's output through its own event loop, which a write to a host it can no longer
+/// reach can block for minutes (a link down); the launcher reads this folder too, so it
+/// learns of the failure from the ranks on its own host whatever mpirun does.
+pub fn record_failures_in(dir: &std::path::Path) {
+    let _ = FAILURES.set(dir.to_path_buf());
+}
+
 /// Prints a rank's failure the one way every rank does (`pipec run` prints the failures
-/// that come before the fabric is up the same way).
+/// that come before the fabric is up the same way), and records it where
+/// [`record_failures_in`] says (one file per rank, written whole: a temporary file renamed).
 pub fn report_failure(info: Option<RankInfo>, e: &RunError) {
-    match info {
-        Some(i) => eprintln!("error: rank {} of {} (device {}): {e}", i.rank, i.size, i.device),
-        None => eprintln!("error: {e}"),
+    let line = match info {
+        Some(i) => format!("error: rank {} of {} (device {}): {e}", i.rank, i.size, i.device),
+        None => format!("error: {e}"),
+    };
+    eprintln!("{line}");
+    if let Some(dir) = FAILURES.get() {
+        let name = match info {
+            Some(i) => format!("rank-{}", i.rank),
+            None => format!("process-{}", std::process::id()),
+        };
+        let (tmp, done) = (dir.join(format!(".{name}.tmp")), dir.join(format!("{name}.txt")));
+        // best effort: the line is on stderr whatever happens here
+        let _ = std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&tmp, format!("{line}\n")))
+            .and_then(|()| std::fs::rename(&tmp, &done));
     }
 }
 
