@@ -319,9 +319,8 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
         // (a Slurm allocation does not grow: its lost nodes are not asked again)
         let missing = if attempt.slurm { HostDevices::new() } else { hosts.missing() };
         let mut comeback = Comeback::new(&latest, missing, args.hostfile, hosts.running(), &agent);
-        let failures = attempt.failures.clone();
-        let ended =
-            supervise(&cmd, &host_devices, args.start_timeout, &agent, failures.as_deref(), &mut || comeback.poll());
+        let failures = attempt.failures.as_deref();
+        let ended = supervise(&cmd, &host_devices, args.start_timeout, &agent, failures, &mut || comeback.poll());
         let mut change: Vec<String> = Vec::new();
         let left = if ended.stopped {
             // hosts answered: plan again with them, from the checkpoint just published

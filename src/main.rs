@@ -17,7 +17,8 @@ mod import_cmd;
 mod launch_cmd;
 mod lsp;
 mod lsp_io;
-mod output;
+/// Atomic file writing, shared with the executor (`pipec_plan::output`).
+use pipec_plan::output;
 mod plan_profile_cmd;
 mod profile_cmd;
 mod run_cmd;

@@ -251,9 +251,9 @@ type InFlight = Vec<(Vec<usize>, Vec<Vec<u32>>)>;
 /// that keeps one device per stage reaches its steady state within about two rounds of its
 /// devices, whatever its chunks per device (measured on 2 to 9 devices: 1F1B and ZB-H1 at
 /// one round, interleaved with 2 to 4 chunks and DualPipeV at two, ZB-V by 2.11 rounds),
-/// after which each further microbatch repeats the steady state's peaks. Twice the
-/// measured rounds (three for ZB-V) leave room to spare; the test below holds the frontier
-/// equal to the whole order's on 2 to 16 devices.
+/// after which each further microbatch repeats the steady state's peaks. Two rounds for
+/// the schedules that settle in one and three for the others leave room to spare; the test
+/// below holds the frontier equal to the whole order's on 2 to 16 devices.
 fn saturation(kind: ScheduleKind, ranks: usize) -> usize {
     let rounds = match kind {
         ScheduleKind::OneFOneB
@@ -272,13 +272,9 @@ fn saturation(kind: ScheduleKind, ranks: usize) -> usize {
 fn gpipe_in_flight(view: &Placement) -> InFlight {
     let mut counts: Vec<Vec<(usize, u32)>> = vec![Vec::new(); view.devices];
     for (s, (replicas, route)) in view.replicas.iter().zip(&view.route).enumerate() {
-        let mut per_replica = vec![0u32; replicas.len()];
-        for &k in route {
-            per_replica[k as usize] += 1;
-        }
-        for (d, n) in replicas.iter().zip(per_replica) {
+        for (d, n) in replicas.iter().zip(per_replica(replicas, route)) {
             if n > 0 {
-                counts[d.0 as usize].push((s, n));
+                counts[d.0 as usize].push((s, n as u32));
             }
         }
     }
@@ -291,6 +287,15 @@ fn gpipe_in_flight(view: &Placement) -> InFlight {
             (stages, frontier)
         })
         .collect()
+}
+
+/// How many of a stage's microbatches each of its `replicas` runs, from its `route`.
+fn per_replica(replicas: &[DeviceId], route: &[u32]) -> Vec<usize> {
+    let mut counts = vec![0usize; replicas.len()];
+    for &k in route {
+        counts[k as usize] += 1;
+    }
+    counts
 }
 
 /// `view` with its microbatches cut to `saturation`'s (keeping interleaved's multiple of the
@@ -568,10 +573,10 @@ pub(crate) struct Skeleton {
 }
 
 impl Skeleton {
-    fn new(placement: &Placement, spec: &Spec, layout: &Layout, cluster: &ClusterGraph) -> Self {
+    fn new(placement: &Placement, rank_replicas: &[usize], tp: usize, cluster: &ClusterGraph) -> Self {
         let pairs = placement.replicas.windows(2).map(|w| closest_pair(cluster, &w[0], &w[1])).collect();
         let shapes = placement.replicas.iter().map(|r| cluster.group_shape(r)).collect();
-        let leaders = crate::place::symmetric_leaders(&layout.replicas, spec.strategy.tp, cluster);
+        let leaders = crate::place::symmetric_leaders(rank_replicas, tp, cluster);
         Skeleton { replicas: placement.replicas.clone(), pairs, shapes, leaders }
     }
 }
@@ -599,11 +604,7 @@ impl Placed {
         let mut holds: rustc_hash::FxHashMap<usize, Vec<(usize, usize)>> = Default::default();
         if let Some(source) = view.as_ref().or(whole) {
             for (s, (replicas, route)) in source.replicas.iter().zip(&source.route).enumerate() {
-                let mut per_replica = vec![0usize; replicas.len()];
-                for &k in route {
-                    per_replica[k as usize] += 1;
-                }
-                for (d, n) in replicas.iter().zip(per_replica) {
+                for (d, n) in replicas.iter().zip(per_replica(replicas, route)) {
                     let held = holds.entry(d.0 as usize).or_default();
                     match held.last_mut() {
                         // a Chimera stage whose down and up copies share the device
@@ -688,7 +689,7 @@ impl Memo {
             Some(k) => k.clone(),
             None => {
                 let placement = place(spec, layout, cluster)?;
-                let k = std::rc::Rc::new(Skeleton::new(&placement, spec, layout, cluster));
+                let k = std::rc::Rc::new(Skeleton::new(&placement, &layout.replicas, s.tp, cluster));
                 self.skeletons.insert(skeleton_key, k.clone());
                 whole = Some(placement);
                 k

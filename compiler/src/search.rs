@@ -177,15 +177,11 @@ impl Candidate {
 
     /// The spec the strategy text gives, without reading the text (for the bound): `base`
     /// with the strategy's fields set as the front end sets them (a layout left to
-    /// PipeDream's planner: one stage per device until it plans), written into `scratch`, a spec cloned from `base` once (every field set here is
-    /// overwritten, the rest are `base`'s): the bound reads thousands of candidates, and
-    /// cloning the model for each was a tenth of a large search.
-    fn spec_in<'a>(&self, base: &Spec, scratch: &'a mut Spec) -> &'a Spec {
-        self.set_strategy(base, scratch);
-        scratch
-    }
-
-    fn set_strategy(&self, base: &Spec, s: &mut Spec) {
+    /// PipeDream's planner: one stage per device until it plans). Written into `s`, a spec
+    /// cloned from `base` once: every field set here is overwritten, the rest are `base`'s
+    /// (the bound reads thousands of candidates, and cloning the model for each was a tenth
+    /// of a large search).
+    fn spec_in<'a>(&self, base: &Spec, s: &'a mut Spec) -> &'a Spec {
         let layout = self.layout();
         let st = &mut s.strategy;
         st.replicas = layout.map_or_else(|| vec![1; base.cluster.device_count() / self.tp.max(1)], <[usize]>::to_vec);
@@ -202,6 +198,7 @@ impl Candidate {
         st.ep = self.ep;
         st.auto = None;
         st.layout_fixed = layout.is_some();
+        s
     }
 
     /// Pipeline ranks.

@@ -42,7 +42,7 @@ pub fn record_failures_in(dir: &std::path::Path) {
 
 /// Prints a rank's failure the one way every rank does (`pipec run` prints the failures
 /// that come before the fabric is up the same way), and records it where
-/// [`record_failures_in`] says (one file per rank, written whole: a temporary file renamed).
+/// [`record_failures_in`] says (one file per rank, written whole).
 pub fn report_failure(info: Option<RankInfo>, e: &RunError) {
     let line = match info {
         Some(i) => format!("error: rank {} of {} (device {}): {e}", i.rank, i.size, i.device),
@@ -54,11 +54,8 @@ pub fn report_failure(info: Option<RankInfo>, e: &RunError) {
             Some(i) => format!("rank-{}", i.rank),
             None => format!("process-{}", std::process::id()),
         };
-        let (tmp, done) = (dir.join(format!(".{name}.tmp")), dir.join(format!("{name}.txt")));
         // best effort: the line is on stderr whatever happens here
-        let _ = std::fs::create_dir_all(dir)
-            .and_then(|()| std::fs::write(&tmp, format!("{line}\n")))
-            .and_then(|()| std::fs::rename(&tmp, &done));
+        let _ = pipec_plan::output::write_atomic(&dir.join(format!("{name}.txt")), format!("{line}\n").as_bytes());
     }
 }
 

@@ -9,6 +9,7 @@ pub mod hf;
 pub mod images;
 pub mod instr;
 pub mod model;
+pub mod output;
 pub mod plan;
 pub mod profile;
 pub mod recipe;
