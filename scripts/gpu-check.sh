@@ -1,34 +1,45 @@
 #!/usr/bin/env bash
 # The GPU check, in two steps.
 #
-#   bash scripts/gpu-check.sh build            on the development machine: the `cuda` binary,
+#   bash scripts/gpu-check.sh build [--mpi]    on the development machine: the `cuda` binary,
 #                                              release and stripped, into gpu-check/ (cudarc
 #                                              loads the driver and NVRTC at run time: nothing
-#                                              CUDA is linked, no GPU is needed to build)
+#                                              CUDA is linked, no GPU is needed to build);
+#                                              with --mpi, built with MPI too, beside this
+#                                              machine's Open MPI (Debian's) as openmpi.txz
 #   bash scripts/gpu-check.sh run [--dry]      on the GPU machine (no network, no Rust; the
 #                                              CUDA driver, and PyTorch for the benchmark):
 #                                              results under gpu-check/results/ (or $OUT)
 #
 # `run` trains a matrix of small specs on the CPU and on CUDA with the same binary and
 # compares every step's loss (every synchronous schedule on 2 devices sharing the GPU,
-# tensor parallelism, recompute); runs a 2-rank MPI CUDA job when `mpirun` is there and the
-# binary was built with MPI; and benchmarks pipec against PyTorch on the same GPU (step
-# time, per-layer forward/backward, achieved TFLOP/s). `--dry` runs everything on the CPU
-# and skips what needs a GPU: CI runs it so the script cannot rot.
+# tensor parallelism, recompute, a ResNet with batch norm, a GPT with tied embeddings);
+# trains two ranks as two processes on CUDA, over MPI (when the binary has it and an
+# `mpirun` is there or bundled) and over TCP; calibrates the device; and benchmarks pipec
+# against PyTorch eager on the same GPU (bench/specs/gpu/: an MLP, a GPT-2 block stack, a
+# ResNet-50 stage; per-microbatch forward and backward, whole steps, the step predicted
+# from `pipec profile` and from `pipec calibrate` against the measured one), with
+# scripts/gpu_bench.py. `--dry` checks the specs and runs the paths on the CPU, skipping
+# what needs a GPU: CI runs it so the script cannot rot.
 #
 # Options: --bin PATH (the pipec to use; default gpu-check/pipec, or target/debug/pipec in
-# --dry mode), --tol REL (largest relative loss difference CPU vs CUDA, default 1e-3).
+# --dry mode), --tol REL (largest relative loss difference CPU vs CUDA, default 1e-3),
+# --bench-only (the benchmark alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mode="${1:-}"
 shift || true
 dry=0
+mpi=0
+bench_only=0
 bin=""
 tol="1e-3"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry) dry=1 ;;
+    --mpi) mpi=1 ;;
+    --bench-only) bench_only=1 ;;
     --bin) bin="$2"; shift ;;
     --tol) tol="$2"; shift ;;
     *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
@@ -39,38 +50,92 @@ done
 case "$mode" in
   build)
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/pipec-target}"
-    cargo build --release --features cuda
+    features=cuda
+    [ "$mpi" = 1 ] && features=cuda,mpi
+    cargo build --release --features "$features"
     mkdir -p gpu-check
     cp "$CARGO_TARGET_DIR/release/pipec" gpu-check/pipec
     strip gpu-check/pipec
-    size=$(stat -c %s gpu-check/pipec)
-    echo "gpu-check/pipec: $((size / 1048576)) MiB (carry gpu-check/ to the GPU machine; at most 64 MiB)"
-    [ "$size" -le $((64 * 1048576)) ] || { echo "gpu-check: the binary is over 64 MiB" >&2; exit 1; }
+    rm -f gpu-check/openmpi.txz
+    if [ "$mpi" = 1 ]; then
+      # this machine's Open MPI, its plugins and the libraries they load, relocatable
+      # (OPAL_PREFIX): the GPU machine has no MPI and no network to install one
+      bundle="$(mktemp -d)"
+      for p in openmpi-bin libopenmpi3 openmpi-common libpmix2 libhwloc15 libevent-core-2.1-7 \
+          libevent-pthreads-2.1-7 libevent-2.1-7 libfabric1 libucx0 libibverbs1 librdmacm1 \
+          libpsm2-2 libpsm-infinipath1 libnl-3-200 libnl-route-3-200 libmunge2 ibverbs-providers; do
+        dpkg -L "$p" 2>/dev/null || { echo "gpu-check: the Debian package $p is not installed" >&2; exit 1; }
+      done | sort -u | while read -r f; do
+        [ -f "$f" ] || continue
+        case "$f" in /usr/share/doc/*|/usr/share/man/*|/usr/share/lintian/*|*.a|*/include/*) continue ;; esac
+        g="$f"
+        case "$g" in /lib/*) g="/usr$g" ;; esac # merged /usr: one tree
+        mkdir -p "$bundle/root$(dirname "$g")"
+        cp -a "$f" "$bundle/root$g"
+      done
+      ln -sf orterun "$bundle/root/usr/bin/mpirun" # Debian's points through /etc/alternatives
+      tar cJf gpu-check/openmpi.txz -C "$bundle" root
+      rm -rf "$bundle"
+    fi
+    size=$(du -cb gpu-check/pipec gpu-check/openmpi.txz 2>/dev/null | tail -1 | cut -f1)
+    echo "gpu-check/: $((size / 1048576)) MiB (carry gpu-check/ to the GPU machine; at most 64 MiB)"
+    [ "$size" -le $((64 * 1048576)) ] || { echo "gpu-check: gpu-check/ is over 64 MiB" >&2; exit 1; }
     exit 0
     ;;
   run) ;;
-  *) echo "usage: scripts/gpu-check.sh build | run [--dry] [--bin PATH] [--tol REL]" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu-check.sh build [--mpi] | run [--dry] [--bench-only] [--bin PATH] [--tol REL]" >&2; exit 2 ;;
 esac
 
 if [ -z "$bin" ]; then
   if [ "$dry" = 1 ]; then bin="${CARGO_TARGET_DIR:-$HOME/.cache/pipec-target}/debug/pipec"; else bin="gpu-check/pipec"; fi
 fi
 [ -x "$bin" ] || { echo "gpu-check: no pipec binary at $bin (run \`scripts/gpu-check.sh build\` first)" >&2; exit 2; }
+bin="$(realpath "$bin")"
+root="$(pwd)"
 out="${OUT:-gpu-check/results}"
 rm -rf "$out"
 mkdir -p "$out/specs"
+out="$(realpath "$out")"
 # reproducible kernels: CubeCL picks its kernels without timing them
 export CUBECL_AUTOTUNE_LEVEL=minimal
+# CUDA runs start in $work, whose cubecl.toml keeps CubeCL's compiled kernels between
+# processes (every run otherwise compiles the same kernels again through NVRTC)
+work="$out/work"
+mkdir -p "$work"
+printf '[compilation]\ncache = { file = "%s" }\n' "$work/kernels" > "$work/cubecl.toml"
 device_backend=cuda
 device_flags=(--share-gpus)
+steps_flag=()
 if [ "$dry" = 1 ]; then
   device_backend=cpu
   device_flags=()
+  steps_flag=(--steps 2)
   echo "gpu-check: dry run (CPU only; the GPU parts are skipped)"
 else
   command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+  # cudarc loads NVRTC at run time: put the toolkit's (or PyTorch's wheel's) on the path
+  LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+  # (after what is there, and never a `stubs` folder: its libcuda.so is no driver)
+  for d in $( (find /usr/local /usr/lib /opt -name 'libnvrtc.so*' 2>/dev/null || true) | grep -v /stubs/ | xargs -r -n1 dirname | sort -u); do
+    LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+  done
+  if ! command -v mpirun >/dev/null 2>&1 && [ -f gpu-check/openmpi.txz ]; then
+    # the Open MPI that `build --mpi` bundled, relocated under /tmp
+    ompi=/tmp/pipec-openmpi
+    rm -rf "$ompi" && mkdir -p "$ompi" && tar xJf gpu-check/openmpi.txz -C "$ompi"
+    export OPAL_PREFIX="$ompi/root/usr" PATH="$ompi/root/usr/bin:$PATH"
+    LD_LIBRARY_PATH="$ompi/root/usr/lib/x86_64-linux-gnu:$ompi/root/usr/lib/x86_64-linux-gnu/openmpi/lib:$LD_LIBRARY_PATH"
+    export PMIX_MCA_mca_base_component_path="$ompi/root/usr/lib/x86_64-linux-gnu/pmix2/lib/pmix"
+    # shared memory and TCP between the ranks of one machine
+    export OMPI_MCA_btl=self,vader,tcp OMPI_MCA_pml=ob1 OMPI_MCA_plm_rsh_agent=false
+  fi
+  export LD_LIBRARY_PATH
 fi
+# (a bound on every device command: a hung kernel must not eat the machine's time)
+dev() { (cd "$work" && timeout 240 "$bin" "$@"); }
 
+status=0
+if [ "$bench_only" = 0 ]; then
 # --- 1. equality: the same losses on the CPU and on the device ---------------------------
 spec() { # name devices stages schedule extra-strategy-lines layers
   cat > "$out/specs/$1.yaml" <<EOF
@@ -111,19 +176,45 @@ spec gpipe 2 straight gpipe "" "$mlp"
 spec 1f1b 2 straight 1f1b "" "$mlp"
 spec interleaved 2 straight "{ kind: interleaved, virtual_stages: 2 }" "" "$mlp"
 spec zb-h1 2 straight zb-h1 "" "$mlp"
+spec zbv 2 straight zbv "" "$mlp"
+spec dualpipev 2 straight dualpipev "" "$mlp"
+spec dualpipe 2 straight dualpipe "" "$mlp"
 spec chimera 2 straight chimera "" "$mlp"
 spec dp-only 2 straight dp-only "" "$mlp"
 sed -i '/^  stages: /d' "$out/specs/dp-only.yaml"
 spec recompute 2 straight 1f1b "  recompute: true" "$mlp"
 spec tensor-parallel 4 '"1-1"' 1f1b "  tp: 2" "$blocks"
 # (the transformer takes 32 token ids: 32 × 16 = 512 features reach the head)
+# the graph and language models, as the repository has them: a ResNet with batch norm, and
+# a GPT whose output layer is its embedding transposed (both two 1F1B stages)
+cp specs/resnet-small.yaml "$out/specs/resnet-small.yaml"
+sed "s|path: data/|path: $root/specs/data/|" specs/gpt-tiny.yaml > "$out/specs/gpt-tiny.yaml"
 
-status=0
+# the CPU runs first, all at once (they are the reference); then the device runs, three at a
+# time (they share the GPU; nothing here is timed)
+if [ "$dry" = 0 ]; then
+  for f in "$out"/specs/*.yaml; do
+    name=$(basename "$f" .yaml)
+    "$bin" run "$f" --backend cpu --steps 5 -o "$out/cpu/$name" > "$out/$name.cpu.log" 2>&1 &
+  done
+  wait
+else
+  # the dry run checks every spec and trains one: it proves the path, on 2 cores
+  "$bin" check "$out"/specs/*.yaml > "$out/check.log" 2>&1 || { echo "FAIL: the specs do not check (see check.log)"; status=1; }
+  "$bin" run "$out/specs/1f1b.yaml" --backend cpu --steps 5 -o "$out/cpu/1f1b" > "$out/1f1b.cpu.log" 2>&1 || true
+fi
+if [ "$dry" = 0 ]; then
+  ls "$out"/specs/*.yaml | xargs -P 3 -I{} sh -c 'n=$(basename {} .yaml); cd "$0" && timeout 120 "$1" run {} --backend cuda --share-gpus --steps 5 -o "$2/dev/$n" > "$2/$n.dev.log" 2>&1' "$work" "$bin" "$out" || true
+else
+  # the dry run's "device" is the CPU again: one run proves the path
+  "$bin" run "$out/specs/1f1b.yaml" --backend cpu --steps 5 -o "$out/dev/1f1b" > "$out/1f1b.dev.log" 2>&1 || true
+fi
 for f in "$out"/specs/*.yaml; do
   name=$(basename "$f" .yaml)
-  "$bin" run "$f" --backend cpu -o "$out/cpu/$name" > "$out/$name.cpu.log" 2>&1 || { echo "FAIL $name: the CPU run failed (see $out/$name.cpu.log)"; status=1; continue; }
-  "$bin" run "$f" --backend "$device_backend" "${device_flags[@]}" -o "$out/dev/$name" > "$out/$name.dev.log" 2>&1 || { echo "FAIL $name: the $device_backend run failed (see $out/$name.dev.log)"; status=1; continue; }
-  python3 - "$out/cpu/$name/metrics.jsonl" "$out/dev/$name/metrics.jsonl" "$tol" "$name" <<'EOF' || status=1
+  [ "$dry" = 1 ] && [ "$name" != 1f1b ] && continue
+  [ -f "$out/cpu/$name/metrics.jsonl" ] || { echo "FAIL $name: the CPU run failed (see $name.cpu.log)"; continue; }
+  [ -f "$out/dev/$name/metrics.jsonl" ] || { echo "FAIL $name: the $device_backend run failed (see $name.dev.log)"; continue; }
+  python3 - "$out/cpu/$name/metrics.jsonl" "$out/dev/$name/metrics.jsonl" "$tol" "$name" <<'EOF'
 import json, sys
 a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
 b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
@@ -131,16 +222,26 @@ tol, name = float(sys.argv[3]), sys.argv[4]
 worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
 ok = worst <= tol
 print(f"{'ok  ' if ok else 'FAIL'} {name}: {len(a)} steps, largest relative loss difference {worst:.2e} (tolerance {tol:.0e})")
-sys.exit(0 if ok else 1)
 EOF
 done | tee "$out/equality.txt"
-grep -q FAIL "$out/equality.txt" && status=1
 
-# --- 2. MPI with CUDA: two ranks, each on its own GPU (or sharing one) --------------------
+# --- 2. more than one process: two ranks on CUDA, over MPI and over TCP -------------------
+compare() { # name reference-metrics metrics
+  python3 - "$2" "$3" "$tol" "$1" <<'EOF'
+import json, sys
+a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+tol, name = float(sys.argv[3]), sys.argv[4]
+worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
+print(f"{'ok  ' if worst <= tol else 'FAIL'} {name}: {len(a)} steps, largest relative loss difference from the CPU run {worst:.2e}")
+EOF
+}
 if [ "$dry" = 0 ] && command -v mpirun >/dev/null 2>&1 && ldd "$bin" 2>/dev/null | grep -q libmpi; then
-  mpirun --allow-run-as-root --oversubscribe -np 2 "$bin" run "$out/specs/1f1b.yaml" --transport mpi --backend cuda --share-gpus -o "$out/mpi" > "$out/mpi.log" 2>&1 \
-    && echo "ok   mpi: 2 ranks on CUDA" | tee -a "$out/equality.txt" \
-    || { echo "FAIL mpi: see $out/mpi.log" | tee -a "$out/equality.txt"; status=1; }
+  if (cd "$work" && timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 "$bin" run "$out/specs/1f1b.yaml" --transport mpi --backend cuda --share-gpus --steps 5 -o "$out/mpi") > "$out/mpi.log" 2>&1; then
+    compare "mpi: 2 ranks on CUDA" "$out/cpu/1f1b/metrics.jsonl" "$out/mpi/metrics.jsonl" | tee -a "$out/equality.txt"
+  else
+    echo "FAIL mpi: see mpi.log" | tee -a "$out/equality.txt"
+  fi
 else
   # say which of the three reasons it is
   if [ "$dry" = 1 ]; then
@@ -152,95 +253,50 @@ else
   fi
   echo "skip mpi: $why" | tee -a "$out/equality.txt"
 fi
+if [ "$dry" = 0 ]; then
+  pids=()
+  for r in 0 1; do
+    (cd "$work" && RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 timeout 120 "$bin" run "$out/specs/1f1b.yaml" --transport tcp --backend cuda --share-gpus --steps 5 -o "$out/tcp") > "$out/tcp.$r.log" 2>&1 &
+    pids+=($!)
+  done
+  if wait "${pids[0]}" && wait "${pids[1]}"; then
+    compare "tcp: 2 processes on CUDA" "$out/cpu/1f1b/metrics.jsonl" "$out/tcp/metrics.jsonl" | tee -a "$out/equality.txt"
+  else
+    echo "FAIL tcp: see tcp.0.log, tcp.1.log" | tee -a "$out/equality.txt"
+  fi
+fi
+grep -q FAIL "$out/equality.txt" && status=1
+[ -s "$out/equality.txt" ] || status=1
+
+fi
 
 # --- 3. the benchmark: pipec against PyTorch on the same device ----------------------------
-bench="$out/specs/bench.yaml"
-cat > "$bench" <<'EOF'
-name: gpu-check-bench
-model:
-  input: [1024]
-  layers:
-    - repeat 8: linear(1024, 1024) -> relu
-    - linear(1024, 10)
-  loss: cross_entropy
-cluster:
-  nodes: 1
-  devices_per_node: 1
-  device: { memory: 16GiB, throughput: 10TFLOP/s }
-  links:
-    intra_node: { bandwidth: 100GB/s, latency: 5us }
-strategy:
-  stages: straight
-  schedule: gpipe
-  microbatches: 8
-training:
-  batch_size: 256
-  steps: 25
-  optimizer: { kind: sgd, lr: 0.01 }
-  seed: 1
-EOF
-bench_steps=25
-[ "$dry" = 1 ] && bench_steps=6 # the dry run only proves the path works
-"$bin" run "$bench" --backend "$device_backend" --steps "$bench_steps" -o "$out/bench" > "$out/bench.log" 2>&1 || { echo "FAIL bench: see $out/bench.log"; status=1; }
-"$bin" profile "$bench" --backend "$device_backend" --reps 3 -o "$out/profile.json" > "$out/profile.log" 2>&1 || { echo "FAIL profile: see $out/profile.log"; status=1; }
-python3 - "$out" "$dry" <<'EOF' | tee "$out/bench.txt"
-import json, os, statistics, subprocess, sys, time
-out, dry = sys.argv[1], sys.argv[2] == "1"
-steps = [json.loads(l) for l in open(os.path.join(out, "bench", "metrics.jsonl"))] if os.path.exists(os.path.join(out, "bench", "metrics.jsonl")) else []
-timed = [s["step_time_s"] for s in steps[5:]]
-flops = 3 * 2 * 256 * (8 * 1024 * 1024 + 1024 * 10)  # forward + backward (2x) multiply-adds, per step
-if timed:
-    t = statistics.median(timed)
-    print(f"pipec: median step {t * 1e3:.2f} ms over {len(timed)} steps, {flops / t / 1e12:.2f} TFLOP/s achieved")
-if os.path.exists(os.path.join(out, "profile.json")):
-    p = json.load(open(os.path.join(out, "profile.json")))
-    mb = p.get("batch_size", 32)
-    for l in p.get("layers", []):
-        line = f"  layer {l['index']} {l['name']}: forward {l['forward_ms']:.3f} ms, backward {l['backward_ms']:.3f} ms"
-        if l.get("parameter_bytes", 0) > 0 and l["forward_ms"] > 0:
-            fwd = 2 * mb * l["parameter_bytes"] / 4  # one multiply-add per weight per sample
-            line += f", forward {fwd / (l['forward_ms'] / 1e3) / 1e12:.2f} TFLOP/s"
-        print(line)
-if dry:
-    print("skip torch: dry run")
-    sys.exit(0)
-try:
-    import torch
-except ImportError:
-    print("skip torch: PyTorch is not installed here")
-    sys.exit(0)
-dev = torch.device("cuda")
-torch.manual_seed(1)
-layers = []
-for _ in range(8):
-    layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
-model = torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10)).to(dev)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-x = torch.randn(256, 1024, device=dev)
-y = torch.randint(0, 10, (256,), device=dev)
-times = []
-for step in range(25):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    opt.zero_grad()
-    for mb in range(8):  # the same 8 microbatches of 32, accumulated
-        loss = torch.nn.functional.cross_entropy(model(x[mb * 32:(mb + 1) * 32]), y[mb * 32:(mb + 1) * 32]) / 8
-        loss.backward()
-    opt.step()
-    torch.cuda.synchronize()
-    times.append(time.perf_counter() - t0)
-tt = statistics.median(times[5:])
-name = torch.cuda.get_device_name(0)
-# dense fp32 (not tensor-core) peaks from NVIDIA's data sheets, TFLOP/s
-peaks = {"H100 80GB HBM3": 67.0, "H100 PCIe": 51.0, "H200": 67.0, "A100": 19.5}
-peak = next((v for k, v in peaks.items() if k in name), None)
-print(f"torch {torch.__version__} on {name}: median step {tt * 1e3:.2f} ms, {flops / tt / 1e12:.2f} TFLOP/s achieved")
-if timed:
-    print(f"pipec / torch step time: {statistics.median(timed) / tt:.2f}x")
-if peak:
-    for who, t in [("pipec", statistics.median(timed) if timed else None), ("torch", tt)]:
-        if t:
-            print(f"{who}: {100 * flops / t / 1e12 / peak:.1f}% of the {name}'s {peak} TFLOP/s fp32 peak")
-EOF
+# per model: pipec's per-layer profile on the device, a plan compiled from it, that plan
+# trained (its log says measured against predicted step); the device calibrated once and each
+# model's step predicted from the calibration; then PyTorch eager on the same models
+models=(mlp gpt2-blocks resnet50-res3)
+[ "$dry" = 1 ] && models=(mlp) # the dry run only proves the path works
+calibration="$out/calibrated-device.json"
+dev calibrate --backend "$device_backend" --memory 80GiB --reps 7 -o "$calibration" > "$out/calibrate.log" 2>&1 || { echo "FAIL calibrate: see calibrate.log"; status=1; }
+for m in "${models[@]}"; do
+  d="$out/$m"
+  mkdir -p "$d"
+  s="$root/bench/specs/gpu/$m.yaml"
+  { dev profile "$s" --backend "$device_backend" --reps 5 -o "$d/profile.json" \
+    && "$bin" compile "$s" --profile "$d/profile.json" -o "$d/plan" \
+    && dev run "$d/plan/plan.json" --backend "$device_backend" "${steps_flag[@]}" -o "$d/run"; } > "$d/plan-profile.log" 2>&1 \
+    || { echo "FAIL bench $m: see $m/plan-profile.log"; status=1; }
+  if [ -f "$calibration" ]; then
+    sed "s|^  device: .*|  device: { file: $calibration }|" "$s" > "$d/calibrated.yaml"
+    "$bin" compile "$d/calibrated.yaml" -o "$d/plan-calibrated" > "$d/plan-calibrated.log" 2>&1 || { echo "FAIL bench $m: see $m/plan-calibrated.log"; status=1; }
+  fi
+done
+if [ "$dry" = 0 ] && python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  python3 scripts/gpu_bench.py torch "$out/torch.json" > "$out/torch.log" 2>&1 || { echo "FAIL torch: see torch.log"; status=1; }
+  python3 scripts/gpu_bench.py staging "$out/staging.json" > "$out/staging.log" 2>&1 || true
+else
+  echo "skip torch: a dry run, or no PyTorch with CUDA here" | tee "$out/torch.log"
+fi
+python3 scripts/gpu_bench.py report "$out" | tee "$out/bench.md"
 echo "gpu-check: results in $out"
 exit $status

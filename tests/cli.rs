@@ -148,6 +148,40 @@ fn a_zero_plan_trains_to_the_same_losses_and_shows_the_state_each_replica_holds(
     }
 }
 
+/// The H100 calibration recorded in bench/specs/gpu/ (docs/benchmarks.md, "On an NVIDIA
+/// H100"): a device file the front end reads, whose model prices the large products and adds
+/// `pipec calibrate --backend cuda` measured there (its log, quoted here) within 5%, and which
+/// the GPU benchmark's specs compile against.
+#[test]
+fn the_recorded_h100_calibration_prices_what_was_measured_and_compiles_the_gpu_specs() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let file = root.join("bench/specs/gpu/h100-burn-cuda.json");
+    let d = pipec_plan::device::DeviceModel::from_json(&std::fs::read_to_string(&file).expect("the device file"))
+        .expect("a valid device file");
+    // (m·k·n, measured µs) and (elements, measured µs) from the calibration's log
+    for (flops, measured) in
+        [(2.0 * 2048f64.powi(3), 422.7), (2.0 * 4096f64.powi(3), 2838.5), (2.0 * 8192.0 * 4096.0 * 4096.0, 5527.5)]
+    {
+        let t = d.matrix_time(flops, 0.0, pipec_plan::Precision::Fp32) * 1e6;
+        assert!((t / measured - 1.0).abs() < 0.05, "{flops:e} FLOPs: priced {t:.1} µs, measured {measured} µs");
+    }
+    for (elements, measured) in [(1u64 << 24, 84.4), (1u64 << 26, 293.8)] {
+        let t = (d.launch + d.memory_time(12.0 * elements as f64)) * 1e6;
+        assert!((t / measured - 1.0).abs() < 0.05, "{elements} adds: priced {t:.1} µs, measured {measured} µs");
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    for name in ["mlp", "gpt2-blocks", "resnet50-res3"] {
+        let text = std::fs::read_to_string(root.join(format!("bench/specs/gpu/{name}.yaml"))).expect("spec");
+        let line = text.lines().find(|l| l.trim_start().starts_with("device:")).expect("a device line").to_string();
+        let spec = dir.path().join(format!("{name}.yaml"));
+        let named = format!("  device: {{ file: {} }}", file.display());
+        std::fs::write(&spec, text.replace(&line, &named)).expect("write spec");
+        let out =
+            pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join(name).to_str().expect("utf-8")]);
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 #[test]
 fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
     let dir = tempfile::tempdir().expect("temp dir");

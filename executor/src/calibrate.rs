@@ -3,7 +3,11 @@
 //! `device: { file: ... }`).
 //!
 //! Three sweeps, each timed as the median of repeated runs after a warm-up, on the backend's
-//! own kernels (the executor's dense product, Burn's element-wise add):
+//! own kernels (the executor's dense product, Burn's element-wise add). A CPU runs each
+//! kernel before returning; a GPU queues them, so there each timing is a burst of kernels
+//! and one wait, divided by the burst (the wait for the device costs tens of µs, more than
+//! a kernel). The sizes are each backend's own ([`Sweep::CPU`], [`Sweep::GPU`]): up to
+//! where the rate levels off.
 //! - the launch: the smallest element-wise kernel (one value);
 //! - matrix products of growing size: their times fit `launch + (flops + half) / rate`, a
 //!   line in the FLOPs (least squares), whose slope gives the fp32 `rate` and whose
@@ -38,10 +42,6 @@ pub struct Calibration {
     /// Element-wise functions: name, elements and seconds.
     pub functions: Vec<(&'static str, Point)>,
 }
-
-/// The elements each element-wise function is timed on: in cache, as a microbatch's
-/// activations mostly are, and far above the launch.
-const FUNCTION_ELEMENTS: usize = 1 << 16;
 
 /// The median of `reps` timings of `f` after `warmup` untimed runs.
 fn median_seconds(warmup: usize, reps: usize, mut f: impl FnMut()) -> f64 {
@@ -88,79 +88,107 @@ fn rate_and_half(points: &[Point], launch: f64) -> (f64, f64) {
     }
 }
 
-/// The products' shapes (m, k, n): rows of a microbatch against square weights, up to the
-/// sizes where the rate levels off.
-const PRODUCTS: [(usize, usize, usize); 7] =
-    [(8, 64, 64), (16, 128, 128), (32, 256, 256), (32, 512, 512), (64, 512, 512), (64, 1024, 1024), (128, 1024, 1024)];
-
-/// The adds' element counts.
-const ADDS: [usize; 6] = [1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22];
-
-/// Measures the backend `B` on `device` and fits a device model holding `memory` bytes.
-/// `reps` timed runs per point (the median kept).
-pub fn calibrate<B: Kernels>(device: &B::Device, memory: f64, reps: usize, name: &str) -> Calibration {
-    let reps = reps.max(3);
-    let sync = || B::sync(device);
-    // the launch: an add of one value
-    let one = Tensor::<B, 1>::ones([1], device);
-    let launch = median_seconds(reps, reps * 4, || {
-        let r = one.clone() + one.clone();
-        let _ = r.into_data();
-        let _ = sync();
-    });
-    calibrate_with_launch::<B>(device, memory, reps, name, launch)
+/// The sizes one calibration sweeps, and how many kernels each timing queues.
+#[derive(Debug, Clone, Copy)]
+pub struct Sweep {
+    /// Matrix products (m, k, n): rows of a microbatch against square weights.
+    pub products: &'static [(usize, usize, usize)],
+    /// Element-wise adds: element counts.
+    pub adds: &'static [usize],
+    /// The elements each element-wise function is timed on.
+    pub function_elements: usize,
+    /// Kernels queued per timing (1 on a backend that runs each before returning).
+    pub burst: usize,
 }
 
-/// [`calibrate`] with the launch cost given (measured another way: through autodiff).
-pub fn calibrate_with_launch<B: Kernels>(
+impl Sweep {
+    /// A CPU: products up to 128·1024·1024, adds up to 4 Mi elements, functions on 64 Ki
+    /// elements (in cache, as a microbatch's activations mostly are), one kernel per timing.
+    pub const CPU: Sweep = Sweep {
+        products: &[
+            (8, 64, 64),
+            (16, 128, 128),
+            (32, 256, 256),
+            (32, 512, 512),
+            (64, 512, 512),
+            (64, 1024, 1024),
+            (128, 1024, 1024),
+        ],
+        adds: &[1 << 10, 1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22],
+        function_elements: 1 << 16,
+        burst: 1,
+    };
+    /// A GPU: products up to 8192·4096·4096 and adds up to 64 Mi elements (an H100's rates
+    /// level off there), functions on 16 Mi elements, 10 kernels per timing.
+    pub const GPU: Sweep = Sweep {
+        products: &[
+            (64, 1024, 1024),
+            (256, 1024, 1024),
+            (1024, 1024, 1024),
+            (2048, 2048, 2048),
+            (4096, 4096, 4096),
+            (8192, 4096, 4096),
+        ],
+        adds: &[1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24, 1 << 26],
+        function_elements: 1 << 24,
+        burst: 10,
+    };
+}
+
+/// Measures the backend `B` on `device` over `sweep` and fits a device model holding
+/// `memory` bytes, with `launch` the cost of one kernel (measured through autodiff, as the
+/// executor runs its layers: [`autodiff_launch`]). `reps` timed runs per point (the median
+/// kept).
+pub fn calibrate<B: Kernels>(
     device: &B::Device,
     memory: f64,
     reps: usize,
     name: &str,
     launch: f64,
+    sweep: Sweep,
 ) -> Calibration {
     let reps = reps.max(3);
     let sync = || B::sync(device);
-    let products: Vec<((usize, usize, usize), Point)> = PRODUCTS
+    let burst = sweep.burst.max(1);
+    // the median seconds of one kernel: `burst` of them queued, then one wait (their
+    // results kept until then: a lazy backend may skip what nothing holds)
+    let per_kernel = |f: &dyn Fn() -> Box<dyn std::any::Any>| {
+        median_seconds(2, reps, || {
+            let kept: Vec<_> = (0..burst).map(|_| f()).collect();
+            let _ = sync();
+            drop(kept);
+        }) / burst as f64
+    };
+    let products: Vec<((usize, usize, usize), Point)> = sweep
+        .products
         .iter()
         .map(|&(m, k, n)| {
             let a = Tensor::<B, 2>::random([m, k], Distribution::Uniform(-1.0, 1.0), device);
             let b = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-1.0, 1.0), device);
-            let seconds = median_seconds(2, reps, || {
-                let c = Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(B::product(
+            let seconds = per_kernel(&|| {
+                Box::new(Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(B::product(
                     a.clone().into_primitive().tensor(),
                     b.clone().into_primitive().tensor(),
-                )));
-                let _ = sync();
-                drop(c);
+                ))))
             });
             ((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds })
         })
         .collect();
-    let adds: Vec<(usize, Point)> = ADDS
+    let adds: Vec<(usize, Point)> = sweep
+        .adds
         .iter()
         .map(|&n| {
             let a = Tensor::<B, 1>::random([n], Distribution::Uniform(-1.0, 1.0), device);
             let b = Tensor::<B, 1>::random([n], Distribution::Uniform(-1.0, 1.0), device);
-            let seconds = median_seconds(2, reps, || {
-                let c = a.clone() + b.clone();
-                let _ = sync();
-                drop(c);
-            });
+            let seconds = per_kernel(&|| Box::new(a.clone() + b.clone()));
             // two fp32 reads and one write per element
             (n, Point { size: 12.0 * n as f64, seconds })
         })
         .collect();
     // the functions the cost model prices by their own rate (`Functions`), as the backend
     // evaluates them (Burn's activations)
-    let x = Tensor::<B, 1>::random([FUNCTION_ELEMENTS], Distribution::Uniform(-3.0, 3.0), device);
-    let time = |f: &dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>| {
-        median_seconds(2, reps, || {
-            let y = f(x.clone());
-            let _ = sync();
-            drop(y);
-        })
-    };
+    let x = Tensor::<B, 1>::random([sweep.function_elements], Distribution::Uniform(-3.0, 3.0), device);
+    let time = |f: &dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>| per_kernel(&|| Box::new(f(x.clone())));
     use burn::tensor::activation;
     let functions: Vec<(&'static str, Point)> = [
         ("exp", time(&|t| t.exp())),
@@ -170,7 +198,7 @@ pub fn calibrate_with_launch<B: Kernels>(
         ("tanh", time(&|t| t.tanh())),
     ]
     .into_iter()
-    .map(|(name, seconds)| (name, Point { size: FUNCTION_ELEMENTS as f64, seconds }))
+    .map(|(name, seconds)| (name, Point { size: sweep.function_elements as f64, seconds }))
     .collect();
     let mut device = fit(name, memory, launch, &products.iter().map(|p| p.1).collect::<Vec<_>>(), &adds);
     device.functions = function_rates(&functions, launch);
@@ -231,6 +259,8 @@ pub fn autodiff_launch<B: burn::tensor::backend::AutodiffBackend>(device: &B::De
         }
         let grads = y.sum().backward();
         let _ = x.grad(&grads);
+        // a queueing backend (a GPU) has run them too: one wait over the 4 · CHAIN kernels
+        let _ = B::sync(device);
     });
     // each step of the chain is two operations (a scale and an add), each with a backward
     t / (4 * CHAIN) as f64
@@ -240,13 +270,15 @@ pub fn autodiff_launch<B: burn::tensor::backend::AutodiffBackend>(device: &B::De
 /// the launch measured through autodiff as the executor trains.
 pub fn calibrate_cpu(memory: f64, reps: usize) -> Calibration {
     let launch = autodiff_launch::<crate::CpuBackend>(&Default::default(), reps.max(3));
-    calibrate_with_launch::<burn::backend::Flex>(&Default::default(), memory, reps, "cpu (pipec calibrate)", launch)
+    calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, "cpu (pipec calibrate)", launch, Sweep::CPU)
 }
 
 /// Calibrates the first CUDA device.
 #[cfg(feature = "cuda")]
 pub fn calibrate_cuda(memory: f64, reps: usize) -> Calibration {
-    calibrate::<burn::backend::Cuda>(&burn::backend::cuda::CudaDevice::new(0), memory, reps, "cuda:0 (pipec calibrate)")
+    let device = burn::backend::cuda::CudaDevice::new(0);
+    let launch = autodiff_launch::<burn::backend::Autodiff<burn::backend::Cuda>>(&device, reps.max(3));
+    calibrate::<burn::backend::Cuda>(&device, memory, reps, "cuda:0 (pipec calibrate)", launch, Sweep::GPU)
 }
 
 #[cfg(test)]
@@ -283,8 +315,8 @@ mod tests {
         let c = calibrate_cpu(4e9, 3);
         let d = &c.device;
         assert!(d.matrix.fp32 > 0.0 && d.memory_bandwidth > 0.0 && d.vector > 0.0 && d.launch > 0.0, "{d:?}");
-        assert_eq!(c.products.len(), PRODUCTS.len());
-        assert_eq!(c.adds.len(), ADDS.len());
+        assert_eq!(c.products.len(), Sweep::CPU.products.len());
+        assert_eq!(c.adds.len(), Sweep::CPU.adds.len());
         // every element-wise function the cost model prices by its own rate was measured
         let f = d.functions;
         assert_eq!(c.functions.len(), 5);

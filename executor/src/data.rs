@@ -274,11 +274,14 @@ impl Dataset {
     /// The samples at `indices` (modulo the data set's `samples`) of a data set held in
     /// memory: inputs of `numel` values each, one class or `outputs` values of target each.
     fn gather(&self, inputs: &Inputs, targets: &Targets, samples: usize, indices: &[usize]) -> (Inputs, Targets) {
+        // one copy per row into a vector made at its size (an image-sized microbatch is
+        // ~100 MB)
         fn rows<T: Copy>(all: &[T], width: usize, indices: &[usize], samples: usize) -> Vec<T> {
-            indices
-                .iter()
-                .flat_map(|&g| all[(g % samples) * width..(g % samples + 1) * width].iter().copied())
-                .collect()
+            let mut out = Vec::with_capacity(indices.len() * width);
+            for &g in indices {
+                out.extend_from_slice(&all[(g % samples) * width..(g % samples + 1) * width]);
+            }
+            out
         }
         let inputs = match inputs {
             Inputs::Features(all) => Inputs::Features(rows(all, self.numel, indices, samples)),

@@ -64,6 +64,7 @@ struct Passes {
 /// the weights at their values. Both counts are rounded up to whole groups.
 fn time_passes<B: ExecBackend>(
     mut model: StageModel<B>,
+    dev: &B::Device,
     plan: &Plan,
     (warmup, reps, per_version): (usize, usize, usize),
     what: &str,
@@ -78,6 +79,8 @@ fn time_passes<B: ExecBackend>(
     B::release_weight_copies();
     for r in 0..warmup + reps {
         let x = input();
+        // the input made before the clock starts (a GPU queues its kernels)
+        let _ = B::sync(dev);
         let t0 = Instant::now();
         let y = model.forward(x, true, (0, 0, r as u64), &mut crate::layers::Collected::default())?;
         let s = sum(&y).ok_or_else(|| ExecError::Shape(format!("{what} produced token ids")))?;
@@ -88,6 +91,9 @@ fn time_passes<B: ExecBackend>(
         // backward, the rest collected and added after
         let mut grads = backward_into_sums::<B>(&mut acc, &keys, || s.backward());
         accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
+        // the backward's kernels run before the clock stops (else the next forward's wait
+        // would count them)
+        let _ = B::sync(dev);
         let t2 = Instant::now();
         if r >= warmup {
             fwd.push((t1 - t0).as_secs_f64() * 1e3);
@@ -175,7 +181,7 @@ pub fn profile_layers<B: ExecBackend>(
         let tokens = if layer.op.takes_token_ids() { plan.model.token_vocab } else { None };
         let params: usize = model.num_params();
         let per_version = forwards_per_version(plan, i);
-        let passes = time_passes(model, plan, (warmup, reps, per_version), "a layer", || {
+        let passes = time_passes(model, dev, plan, (warmup, reps, per_version), "a layer", || {
             let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
             let x = Act::from_parts(parts);
             if i == 0 {
@@ -205,8 +211,9 @@ pub fn profile_layers<B: ExecBackend>(
     shape.extend(&plan.model.input);
     let tokens = plan.model.token_vocab;
     let per_version = forwards_per_version(plan, 0);
-    let whole =
-        time_passes(whole, plan, (warmup, reps, per_version), "the model", || random_input::<B>(&shape, tokens, dev))?;
+    let whole = time_passes(whole, dev, plan, (warmup, reps, per_version), "the model", || {
+        random_input::<B>(&shape, tokens, dev)
+    })?;
     let sums = |f: fn(&ProfiledLayer) -> f64| out.iter().map(f).sum::<f64>();
     let scale = |whole: f64, sum: f64| if whole > 0.0 && sum > 0.0 { whole / sum } else { 1.0 };
     let (sf, sb, su) = (
