@@ -10,7 +10,7 @@ use crate::plan_profile_cmd::quantity;
 use crate::run_cmd::Backend;
 use crate::{EXIT_OK, EXIT_USAGE};
 
-pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize) -> u8 {
+pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent: usize) -> u8 {
     let memory = match quantity(memory, Dimension::Bytes, "memory") {
         Ok(m) if m > 0.0 => m,
         Ok(_) => {
@@ -23,7 +23,11 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize) -> u8 {
         }
     };
     let measured = match backend {
-        Backend::Cpu => pipec_executor::calibrate::calibrate_cpu(memory, reps),
+        Backend::Cpu => pipec_executor::calibrate::calibrate_cpu_concurrent(memory, reps, concurrent),
+        Backend::Cuda if concurrent > 1 => {
+            eprintln!("error: --concurrent is for the CPU backend (a GPU is one device)");
+            return EXIT_USAGE;
+        }
         Backend::Cuda => {
             if let Err(e) = pipec_executor::cuda_available() {
                 eprintln!("error: {e}");

@@ -137,6 +137,10 @@ enum Command {
         /// Timed repetitions per measured kernel (the median is kept).
         #[arg(long, default_value_t = 15)]
         reps: usize,
+        /// CPU: measure with this many copies running at once, as a plan's devices share the
+        /// machine (its worker threads); name the file in specs of that many devices
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
+        concurrent: u64,
     },
     /// Measure every layer's forward and backward on a backend; writes the profile
     /// `pipec compile --profile` accepts.
@@ -396,7 +400,9 @@ fn main() -> ExitCode {
             elastic: elastic.then_some(launch_cmd::Elastic { min_devices, max_restarts }),
             slurm,
         }),
-        Command::Calibrate { out, backend, memory, reps } => calibrate_cmd::run(out, backend, &memory, reps),
+        Command::Calibrate { out, backend, memory, reps, concurrent } => {
+            calibrate_cmd::run(out, backend, &memory, reps, concurrent as usize)
+        }
         Command::Profile { file, out, backend, reps, concurrent } => {
             profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal())
         }

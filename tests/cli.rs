@@ -202,8 +202,23 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
     std::fs::write(&spec, text.replace(&line, "  device: { file: cpu.json }")).expect("write spec");
     let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("out").to_str().expect("utf-8")]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // measured two at a time, as a plan of two devices shares this machine: named so
+    let two = dir.path().join("two.json");
+    let out = pipec(&["calibrate", "-o", two.to_str().expect("utf-8"), "--reps", "3", "--concurrent", "2"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let device: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&two).expect("the device file")).expect("json");
+    assert_eq!(device["name"].as_str(), Some("cpu (pipec calibrate, 2 at once)"), "{device}");
+    assert!(device["matrix"]["fp32"].as_f64().is_some_and(|r| r > 0.0), "{device}");
     // bad flags: a usage error, nothing written
     let bad = dir.path().join("bad.json");
+    for args in [&["--concurrent", "0"][..], &["--concurrent", "lots"], &["--backend", "cuda", "--concurrent", "2"]] {
+        let mut all = vec!["calibrate", "-o", bad.to_str().expect("utf-8"), "--reps", "3"];
+        all.extend_from_slice(args);
+        let out = pipec(&all);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(!bad.exists(), "{args:?}");
+    }
     for memory in ["lots", "0GiB", "8GB/s"] {
         let out = pipec(&["calibrate", "-o", bad.to_str().expect("utf-8"), "--reps", "3", "--memory", memory]);
         assert_eq!(out.status.code(), Some(2), "{memory}: {}", String::from_utf8_lossy(&out.stderr));

@@ -138,14 +138,14 @@ impl Sweep {
 /// Measures the backend `B` on `device` over `sweep` and fits a device model holding
 /// `memory` bytes, with `launch` the cost of one kernel (measured through autodiff, as the
 /// executor runs its layers: [`autodiff_launch`]). `reps` timed runs per point (the median
-/// kept).
+/// kept). `at_point` runs before each point is timed (copies measuring at once meet there).
 pub fn calibrate<B: Kernels>(
     device: &B::Device,
     memory: f64,
     reps: usize,
-    name: &str,
-    launch: f64,
+    (name, launch): (&str, f64),
     sweep: Sweep,
+    at_point: &(dyn Fn() + Sync),
 ) -> Calibration {
     let reps = reps.max(3);
     let sync = || B::sync(device);
@@ -153,6 +153,7 @@ pub fn calibrate<B: Kernels>(
     // the median seconds of one kernel: `burst` of them queued, then one wait (their
     // results kept until then: a lazy backend may skip what nothing holds)
     let per_kernel = |f: &dyn Fn() -> Box<dyn std::any::Any>| {
+        at_point();
         median_seconds(2, reps, || {
             let kept: Vec<_> = (0..burst).map(|_| f()).collect();
             let _ = sync();
@@ -200,6 +201,18 @@ pub fn calibrate<B: Kernels>(
     .into_iter()
     .map(|(name, seconds)| (name, Point { size: sweep.function_elements as f64, seconds }))
     .collect();
+    fitted(name, memory, launch, products, adds, functions)
+}
+
+/// The device model the points give, with the points.
+fn fitted(
+    name: &str,
+    memory: f64,
+    launch: f64,
+    products: Vec<((usize, usize, usize), Point)>,
+    adds: Vec<(usize, Point)>,
+    functions: Vec<(&'static str, Point)>,
+) -> Calibration {
     let mut device = fit(name, memory, launch, &products.iter().map(|p| p.1).collect::<Vec<_>>(), &adds);
     device.functions = function_rates(&functions, launch);
     Calibration { device, products, adds, functions }
@@ -269,8 +282,62 @@ pub fn autodiff_launch<B: burn::tensor::backend::AutodiffBackend>(device: &B::De
 /// Calibrates the CPU backend (`flex`, as the executor's workers run it: one thread each),
 /// the launch measured through autodiff as the executor trains.
 pub fn calibrate_cpu(memory: f64, reps: usize) -> Calibration {
-    let launch = autodiff_launch::<crate::CpuBackend>(&Default::default(), reps.max(3));
-    calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, "cpu (pipec calibrate)", launch, Sweep::CPU)
+    calibrate_cpu_concurrent(memory, reps, 1)
+}
+
+/// [`calibrate_cpu`] with `threads` copies measuring at once, each point started together:
+/// on the CPU a plan's devices are worker threads of one process sharing its cores, caches
+/// and memory bus, so a device file for a plan of N devices on this machine is measured N
+/// at a time. Each point's time is the mean of the copies' medians.
+pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Calibration {
+    let threads = threads.max(1);
+    let barrier = std::sync::Barrier::new(threads);
+    let meet = || {
+        barrier.wait();
+    };
+    let one = || {
+        meet();
+        let launch = autodiff_launch::<crate::CpuBackend>(&Default::default(), reps.max(3));
+        calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), Sweep::CPU, &meet)
+    };
+    let runs: Vec<Calibration> = if threads == 1 {
+        vec![one()]
+    } else {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads).map(|_| s.spawn(one)).collect();
+            handles.into_iter().filter_map(|h| h.join().ok()).collect()
+        })
+    };
+    let name = match threads {
+        1 => "cpu (pipec calibrate)".to_string(),
+        n => format!("cpu (pipec calibrate, {n} at once)"),
+    };
+    mean_calibration(&runs, memory, &name)
+}
+
+/// The calibration whose every point is the mean of `runs`' (same sweep), fitted again.
+fn mean_calibration(runs: &[Calibration], memory: f64, name: &str) -> Calibration {
+    let n = runs.len().max(1) as f64;
+    let mean = |f: &dyn Fn(&Calibration) -> f64| runs.iter().map(f).sum::<f64>() / n;
+    let Some(first) = runs.first() else {
+        return fitted(name, memory, 0.0, vec![], vec![], vec![]);
+    };
+    let launch = mean(&|c| c.device.launch);
+    let products: Vec<((usize, usize, usize), Point)> = (0..first.products.len())
+        .map(|i| {
+            (first.products[i].0, Point { size: first.products[i].1.size, seconds: mean(&|c| c.products[i].1.seconds) })
+        })
+        .collect();
+    let adds: Vec<(usize, Point)> = (0..first.adds.len())
+        .map(|i| (first.adds[i].0, Point { size: first.adds[i].1.size, seconds: mean(&|c| c.adds[i].1.seconds) }))
+        .collect();
+    let functions: Vec<(&'static str, Point)> = (0..first.functions.len())
+        .map(|i| {
+            let (f, p) = first.functions[i];
+            (f, Point { size: p.size, seconds: mean(&|c| c.functions[i].1.seconds) })
+        })
+        .collect();
+    fitted(name, memory, launch, products, adds, functions)
 }
 
 /// Calibrates the first CUDA device.
@@ -278,7 +345,7 @@ pub fn calibrate_cpu(memory: f64, reps: usize) -> Calibration {
 pub fn calibrate_cuda(memory: f64, reps: usize) -> Calibration {
     let device = burn::backend::cuda::CudaDevice::new(0);
     let launch = autodiff_launch::<burn::backend::Autodiff<burn::backend::Cuda>>(&device, reps.max(3));
-    calibrate::<burn::backend::Cuda>(&device, memory, reps, "cuda:0 (pipec calibrate)", launch, Sweep::GPU)
+    calibrate::<burn::backend::Cuda>(&device, memory, reps, ("cuda:0 (pipec calibrate)", launch), Sweep::GPU, &|| {})
 }
 
 #[cfg(test)]
@@ -327,6 +394,33 @@ mod tests {
         let mut bad = d.clone();
         bad.functions.exp = -1.0;
         assert!(DeviceModel::from_json(&serde_json::to_string(&bad).expect("json")).is_err());
+    }
+
+    #[test]
+    fn copies_measured_at_once_average_point_by_point_before_the_fit() {
+        // two copies of a device, one twice as slow on every point: the mean device's
+        // points are 1.5× the fast one's, and so is its fit (rates 1/1.5, launch 1.5×)
+        let device = |k: f64| {
+            let launch = k * 2e-6;
+            let products = [1e6, 1e7, 1e8]
+                .iter()
+                .map(|&f| ((1, 1, 1), Point { size: f, seconds: k * (2e-6 + f / 1e11) }))
+                .collect::<Vec<_>>();
+            let adds =
+                [1e4, 1e6].iter().map(|&b| (1usize, Point { size: b, seconds: k * (2e-6 + b / 1e10) })).collect();
+            let functions = vec![("exp", Point { size: 65536.0, seconds: k * (2e-6 + 65536.0 / 1e9) })];
+            fitted("x", 1e9, launch, products, adds, functions)
+        };
+        let (fast, slow) = (device(1.0), device(2.0));
+        let mean = mean_calibration(&[fast.clone(), slow], 1e9, "two at once");
+        assert_eq!(mean.device.name, "two at once");
+        for (m, f) in mean.products.iter().zip(&fast.products) {
+            assert!((m.1.seconds / f.1.seconds - 1.5).abs() < 1e-12, "{m:?} {f:?}");
+        }
+        assert!((fast.device.matrix.fp32 / mean.device.matrix.fp32 - 1.5).abs() < 1e-9);
+        assert!((fast.device.memory_bandwidth / mean.device.memory_bandwidth - 1.5).abs() < 1e-9);
+        assert!((mean.device.launch / fast.device.launch - 1.5).abs() < 1e-12);
+        assert!((fast.device.functions.exp / mean.device.functions.exp - 1.5).abs() < 1e-9);
     }
 
     #[test]
