@@ -289,6 +289,29 @@ fn gpipe_in_flight(view: &Placement) -> InFlight {
         .collect()
 }
 
+/// 1F1B's counts in flight without its order, where each stage has a device of its own:
+/// stage s of p keeps min(p − s, m) microbatches at its peak — its warm-up's p − s − 1
+/// forwards and the first of its steady state's pairs (tested against the order's for
+/// 1F1B, PipeDream and 2BW; not ZB-H1, whose deferred weight halves keep a later stage's
+/// activations longer). None for any other view or schedule.
+fn one_f_one_b_in_flight(kind: ScheduleKind, view: &Placement) -> Option<InFlight> {
+    let alike = matches!(kind, ScheduleKind::OneFOneB | ScheduleKind::PipeDream | ScheduleKind::TwoBw);
+    let p = view.stages();
+    if !alike || view.replicas.iter().any(|r| r.len() != 1) || view.devices != p {
+        return None;
+    }
+    let mut out: InFlight = vec![(Vec::new(), Vec::new()); p];
+    for (s, replicas) in view.replicas.iter().enumerate() {
+        let d = replicas[0].0 as usize;
+        if d >= p || !out[d].0.is_empty() {
+            return None;
+        }
+        let peak = (p - s).min(view.microbatches) as u32;
+        out[d] = (vec![s], if peak > 0 { vec![vec![peak]] } else { Vec::new() });
+    }
+    Some(out)
+}
+
 /// How many of a stage's microbatches each of its `replicas` runs, from its `route`.
 fn per_replica(replicas: &[DeviceId], route: &[u32]) -> Vec<usize> {
     let mut counts = vec![0usize; replicas.len()];
@@ -655,6 +678,8 @@ impl Memo {
                 .or_insert_with(|| {
                     std::rc::Rc::new(if kind == ScheduleKind::Gpipe {
                         gpipe_in_flight(view)
+                    } else if let Some(counts) = one_f_one_b_in_flight(kind, view) {
+                        counts
                     } else {
                         in_flight(&generate(kind, view, ranks, slots))
                     })
@@ -817,5 +842,33 @@ mod tests {
         let mut routed = view(ScheduleKind::OneFOneB, 4, 1, 100);
         routed.replicas[0].push(DeviceId(4));
         assert!(saturated(ScheduleKind::OneFOneB, &routed, 4).is_none());
+    }
+
+    #[test]
+    fn one_f_one_b_s_counts_in_flight_without_its_order_are_the_orders() {
+        let mut checked = 0;
+        for kind in [ScheduleKind::OneFOneB, ScheduleKind::PipeDream, ScheduleKind::TwoBw] {
+            for ranks in 1..=16usize {
+                for m in [1, 2, ranks.saturating_sub(1).max(1), ranks, ranks + 1, 2 * ranks + 3] {
+                    let v = view(kind, ranks, 1, m);
+                    for slots in [1, 2, 3] {
+                        assert_eq!(
+                            one_f_one_b_in_flight(kind, &v),
+                            Some(in_flight(&generate(kind, &v, ranks, slots))),
+                            "{kind:?} on {ranks} ranks, {m} microbatches, backward {slots} forwards"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 3 * 16 * 6 * 3);
+        // not for another schedule (ZB-H1's last stage keeps two of two here), nor a stage
+        // with several devices
+        assert_eq!(one_f_one_b_in_flight(ScheduleKind::ZbH1, &view(ScheduleKind::ZbH1, 2, 1, 2)), None);
+        assert_eq!(one_f_one_b_in_flight(ScheduleKind::Interleaved, &view(ScheduleKind::Interleaved, 4, 2, 8)), None);
+        let mut routed = view(ScheduleKind::OneFOneB, 4, 1, 8);
+        routed.replicas[0].push(DeviceId(4));
+        assert_eq!(one_f_one_b_in_flight(ScheduleKind::OneFOneB, &routed), None);
     }
 }
