@@ -210,6 +210,29 @@ fn recompute_on_some_stages_equals_one_device() {
     }
 }
 
+/// Selective recompute (each block's attention core recomputed in its backward, its
+/// scores and probabilities not kept) trains the same numbers as one device keeping them,
+/// in whole blocks and in tensor-parallel ones.
+#[test]
+fn selective_recompute_trains_like_keeping_the_attention_core() {
+    let layers = "- embedding(20, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, causal=true)\n    - layernorm\n    - flatten\n    - linear(128, 4)";
+    for (devices, stages) in [(2, "straight"), (4, "\"1-1\"\n  tp: 2")] {
+        let job = Job {
+            devices,
+            input: "[8]",
+            stages,
+            schedule: "1f1b",
+            recompute: "selective",
+            optimizer: ADAM,
+            layers,
+            ..Job::default()
+        };
+        let p = plan(&job);
+        assert!(p.stages.iter().all(|s| s.selective_recompute && !s.recompute), "{stages}");
+        assert_same_as_one_device(job);
+    }
+}
+
 #[test]
 fn interleaved_equals_one_device() {
     for opt in [SGD, ADAM] {

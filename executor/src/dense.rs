@@ -89,6 +89,21 @@ pub trait Kernels: Backend {
     fn exchange(x: Tensor<Self, 2>, ex: &crate::experts::Exchange) -> Result<Tensor<Self, 2>, String> {
         crate::experts::move_rows(x, ex)
     }
+
+    /// Attention's core, softmax(q·kᵀ/√dh + the causal mask)·v on [batch, heads, seq, dh],
+    /// without keeping its scores and probabilities for the backward: an autodiff backend
+    /// keeps q, k and v (which the graph holds anyway) and recomputes the probabilities in
+    /// the backward — selective recompute (Korthikanti et al. 2022). Without autodiff there
+    /// is nothing to keep: the plain computation.
+    fn attention_recomputed(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        dh: usize,
+        causal: bool,
+    ) -> Tensor<Self, 4> {
+        crate::layers::attention(q, k, dh, causal).matmul(v)
+    }
 }
 
 impl Kernels for burn::backend::Flex {
@@ -161,6 +176,24 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
     }
 
+    fn attention_recomputed(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        dh: usize,
+        causal: bool,
+    ) -> Tensor<Self, 4> {
+        let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
+        let inner = |t: &FloatTensor<Self>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(t.primitive.clone()));
+        let out = I::attention_recomputed(inner(&q), inner(&k), inner(&v), dh, causal).into_primitive().tensor();
+        let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
+        let y = match (AttentionBackward { dh, causal }).prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((q.primitive, k.primitive, v.primitive), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
@@ -198,6 +231,43 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
             if let Some(dw) = add_to_sum::<I>(node.id, xt, dy) {
                 grads.register::<I>(node.id, dw);
             }
+        }
+    }
+}
+
+/// The backward of [`Kernels::attention_recomputed`]: the probabilities P recomputed from
+/// q and k, then dV = Pᵀ·dO, dS = P ⊙ (dO·vᵀ − rowsum(dO·vᵀ ⊙ P)) (the softmax's
+/// backward; a masked position's P is 0, so is its dS), dQ = dS·k/√dh, dK = dSᵀ·q/√dh.
+#[derive(Debug)]
+struct AttentionBackward {
+    dh: usize,
+    causal: bool,
+}
+
+impl<I: Kernels> Backward<I, 3> for AttentionBackward {
+    type State = (FloatTensor<I>, FloatTensor<I>, FloatTensor<I>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
+        let (q, k, v) = ops.state;
+        let (q, k, v) = (t(q), t(k), t(v));
+        let d_out = t(grads.consume::<I>(&ops.node));
+        let p = crate::layers::attention(q.clone(), k.clone(), self.dh, self.causal);
+        let [to_q, to_k, to_v] = ops.parents;
+        if let Some(node) = to_v {
+            grads.register::<I>(node.id, p.clone().swap_dims(2, 3).matmul(d_out.clone()).into_primitive().tensor());
+        }
+        if to_q.is_none() && to_k.is_none() {
+            return;
+        }
+        let scale = 1.0 / (self.dh as f64).sqrt();
+        let dp = d_out.matmul(v.swap_dims(2, 3));
+        let ds = p.clone() * (dp.clone() - (dp * p).sum_dim(3));
+        if let Some(node) = to_q {
+            grads.register::<I>(node.id, (ds.clone().matmul(k) * scale).into_primitive().tensor());
+        }
+        if let Some(node) = to_k {
+            grads.register::<I>(node.id, (ds.swap_dims(2, 3).matmul(q) * scale).into_primitive().tensor());
         }
     }
 }
@@ -382,6 +452,48 @@ mod tests {
     use burn::tensor::{Distribution, TensorData};
 
     type B = crate::CpuBackend;
+
+    /// Attention's core recomputed in the backward gives the values and the q, k, v
+    /// gradients of the core kept (Burn's own autodiff through the same forward), causal or
+    /// not, to 1e-5 of the largest value, and passes a gradient to what is tracked.
+    #[test]
+    fn the_attention_core_recomputed_in_the_backward_has_the_kept_cores_gradients() {
+        let dev = Default::default();
+        let rand = |seed: u64| {
+            <B as Backend>::seed(&dev, seed);
+            Tensor::<B, 4>::random([2, 3, 5, 4], Distribution::Normal(0.0, 1.0), &dev)
+        };
+        let close = |a: TensorData, b: TensorData, what: &str| {
+            let (a, b) = (a.to_vec::<f32>().expect("f32"), b.to_vec::<f32>().expect("f32"));
+            let scale = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+            let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(worst <= 1e-5 * scale, "{what}: differs by {worst} (largest value {scale})");
+        };
+        for causal in [false, true] {
+            let weights = rand(9);
+            let run = |recomputed: bool| {
+                let (q, k, v) = (rand(1).require_grad(), rand(2).require_grad(), rand(3).require_grad());
+                let out = if recomputed {
+                    B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal)
+                } else {
+                    crate::layers::attention(q.clone(), k.clone(), 4, causal).matmul(v.clone())
+                };
+                let grads = (out.clone() * weights.clone()).sum().backward();
+                let g = |t: &Tensor<B, 4>| t.grad(&grads).expect("a gradient").into_data();
+                (out.into_data(), g(&q), g(&k), g(&v))
+            };
+            let (kept, recomputed) = (run(false), run(true));
+            close(kept.0, recomputed.0, "the forward");
+            close(kept.1, recomputed.1, "dq");
+            close(kept.2, recomputed.2, "dk");
+            close(kept.3, recomputed.3, "dv");
+        }
+        // only v tracked: v gets its gradient, and nothing is asked of q and k
+        let v = rand(3).require_grad();
+        let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, true);
+        let grads = out.sum().backward();
+        assert!(v.grad(&grads).is_some());
+    }
 
     fn random(shape: [usize; 2], seed: u64) -> Tensor<B, 2> {
         <B as Backend>::seed(&Default::default(), seed);

@@ -275,6 +275,10 @@ pub struct Block<B: Backend> {
     /// Each norm after its residual sum (BERT) instead of before its branch.
     #[module(skip)]
     pub post_norm: bool,
+    /// Selective recompute: the attention core's scores and probabilities are not kept
+    /// for the backward, which recomputes them ([`Kernels::attention_recomputed`]).
+    #[module(skip)]
+    pub recompute_core: bool,
 }
 
 /// What a stage's forward collects beside its output.
@@ -378,8 +382,12 @@ impl<B: Kernels> Block<B> {
             k = repeat(k);
             v = repeat(v);
         }
-        let attn = attention(q, k, dh, self.causal);
-        attn.matmul(v).swap_dims(1, 2).reshape([b, s, h * dh])
+        let context = if self.recompute_core {
+            B::attention_recomputed(q, k, v, dh, self.causal)
+        } else {
+            attention(q, k, dh, self.causal).matmul(v)
+        };
+        context.swap_dims(1, 2).reshape([b, s, h * dh])
     }
 
     /// The MLP's activation on the up projection's output (gated: act(gate) ⊙ up).
@@ -643,6 +651,7 @@ impl<B: Kernels> Block<B> {
             mlp: k.mlp,
             rope: k.rope,
             post_norm: k.post_norm,
+            recompute_core: false,
         })
     }
 }
@@ -1130,6 +1139,16 @@ impl<B: Kernels> StageModel<B> {
         StageModel {
             layers: ops.iter().enumerate().map(|(i, op)| Layer::new(first_index + i, op, seed, device)).collect(),
             graph: None,
+        }
+    }
+
+    /// Selective recompute: every transformer block of the stage recomputes its attention
+    /// core in the backward instead of keeping it.
+    pub fn recompute_attention_cores(&mut self) {
+        for layer in &mut self.layers {
+            if let Layer::Block(b) | Layer::ParallelBlock(b) = layer {
+                b.recompute_core = true;
+            }
         }
     }
 

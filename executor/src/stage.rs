@@ -649,6 +649,9 @@ pub(crate) fn build_stages<B: ExecBackend>(
         };
         // a projection tied to an embedding starts as the transpose of its table
         let mut model = model;
+        if s.selective_recompute {
+            model.recompute_attention_cores();
+        }
         for l in &plan.layers[s.layers[0]..s.layers[1]] {
             let (Some(a), pipec_plan::model::Op::Linear { in_features: dim, out_features: vocab, .. }) =
                 (l.tied, &l.op)
