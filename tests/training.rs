@@ -212,7 +212,8 @@ fn recompute_on_some_stages_equals_one_device() {
 
 /// Selective recompute (each block's attention core recomputed in its backward, its
 /// scores and probabilities not kept) trains the same numbers as one device keeping them,
-/// in whole blocks and in tensor-parallel ones.
+/// in whole blocks and in tensor-parallel ones; so does flash attention, which keeps the
+/// same.
 #[test]
 fn selective_recompute_trains_like_keeping_the_attention_core() {
     let layers = "- embedding(20, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, causal=true)\n    - layernorm\n    - flatten\n    - linear(128, 4)";
@@ -230,6 +231,28 @@ fn selective_recompute_trains_like_keeping_the_attention_core() {
         let p = plan(&job);
         assert!(p.stages.iter().all(|s| s.selective_recompute && !s.recompute), "{stages}");
         assert_same_as_one_device(job);
+    }
+    // flash attention keeps what selective recompute keeps (nothing of size seq²): the same
+    // losses as standard attention
+    let job = Job {
+        devices: 2,
+        input: "[8]",
+        stages: "straight",
+        schedule: "1f1b",
+        optimizer: ADAM,
+        layers,
+        ..Job::default()
+    };
+    let text = spec(&job).replace("  loss: cross_entropy", "  attention: flash\n  loss: cross_entropy");
+    let checked = pipec_grammar::check_source(&text);
+    let flash = compile(&checked.spec.expect("a flash-attention spec"), &CompileOptions::default())
+        .into_compiled()
+        .unwrap_or_else(|d| panic!("{d:?}"))
+        .plan;
+    assert_eq!(flash.model.attention, pipec_plan::Attention::Flash);
+    let (a, b) = (losses(&train(&plan(&job))), losses(&train(&flash)));
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "standard {a:?}\n vs flash {b:?}");
     }
 }
 

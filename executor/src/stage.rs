@@ -649,7 +649,9 @@ pub(crate) fn build_stages<B: ExecBackend>(
         };
         // a projection tied to an embedding starts as the transpose of its table
         let mut model = model;
-        if s.selective_recompute {
+        // selective recompute, and flash attention's memory (nothing of size seq² kept; the
+        // backward recomputes it), computed unfused
+        if s.selective_recompute || plan.model.attention == pipec_plan::Attention::Flash {
             model.recompute_attention_cores();
         }
         for l in &plan.layers[s.layers[0]..s.layers[1]] {
