@@ -1142,12 +1142,13 @@ impl<B: Kernels> StageModel<B> {
         }
     }
 
-    /// Selective recompute: every transformer block of the stage recomputes its attention
-    /// core in the backward instead of keeping it.
-    pub fn recompute_attention_cores(&mut self) {
+    /// Selective recompute (or flash attention's memory): the transformer blocks of the
+    /// layers the plan says so of ([`crate::stage::recomputes_attention_core`]) recompute
+    /// their attention core in the backward instead of keeping it.
+    pub fn recompute_attention_cores(&mut self, plan: &pipec_plan::Plan) {
         for layer in &mut self.layers {
             if let Layer::Block(b) | Layer::ParallelBlock(b) = layer {
-                b.recompute_core = true;
+                b.recompute_core = crate::stage::recomputes_attention_core(plan, b.index);
             }
         }
     }

@@ -153,6 +153,7 @@ pub fn profile_layers<B: ExecBackend>(
     let mut out = Vec::new();
     for (i, layer) in plan.layers.iter().enumerate() {
         let mut model = StageModel::<B>::new(std::slice::from_ref(&layer.op), i, plan.training.seed, dev);
+        model.recompute_attention_cores(plan);
         // in a graph model a layer may read several tensors: each gets an input of its shape
         let sources: Vec<Source> = {
             let mut v = layer.operands();
@@ -206,6 +207,7 @@ pub fn profile_layers<B: ExecBackend>(
     // layers' times so they add up to the whole model's.
     let all_ops = plan.model_ops();
     let mut whole = StageModel::<B>::new(&all_ops, 0, plan.training.seed, dev);
+    whole.recompute_attention_cores(plan);
     whole.graph = crate::stage::stage_graph(plan, 0, plan.layers.len());
     let mut shape = vec![mb];
     shape.extend(&plan.model.input);

@@ -619,6 +619,14 @@ pub(crate) fn stage_graph(plan: &Plan, a: usize, b: usize) -> Option<StageGraph>
     })
 }
 
+/// Whether layer `layer`'s attention core is recomputed in its backward rather than kept:
+/// its stage's selective recompute, or flash attention's memory (nothing of size seq² kept;
+/// computed unfused).
+pub(crate) fn recomputes_attention_core(plan: &Plan, layer: usize) -> bool {
+    plan.model.attention == pipec_plan::Attention::Flash
+        || plan.stages.iter().any(|s| s.selective_recompute && (s.layers[0]..s.layers[1]).contains(&layer))
+}
+
 pub(crate) fn build_stages<B: ExecBackend>(
     plan: &Plan,
     device: DeviceId,
@@ -649,11 +657,7 @@ pub(crate) fn build_stages<B: ExecBackend>(
         };
         // a projection tied to an embedding starts as the transpose of its table
         let mut model = model;
-        // selective recompute, and flash attention's memory (nothing of size seq² kept; the
-        // backward recomputes it), computed unfused
-        if s.selective_recompute || plan.model.attention == pipec_plan::Attention::Flash {
-            model.recompute_attention_cores();
-        }
+        model.recompute_attention_cores(plan);
         for l in &plan.layers[s.layers[0]..s.layers[1]] {
             let (Some(a), pipec_plan::model::Op::Linear { in_features: dim, out_features: vocab, .. }) =
                 (l.tied, &l.op)
