@@ -98,8 +98,9 @@ mkdir -p "$out/specs"
 out="$(realpath "$out")"
 # reproducible kernels: CubeCL picks its kernels without timing them
 export CUBECL_AUTOTUNE_LEVEL=minimal
-# CUDA runs start in $work, whose cubecl.toml keeps CubeCL's compiled kernels between
-# processes (every run otherwise compiles the same kernels again through NVRTC)
+# CUDA runs start in $work, whose cubecl.toml asks CubeCL to keep its compiled kernels
+# between processes (each run otherwise compiles the same kernels again through NVRTC; on
+# the H100 the check ran with it, and how much it saved was not measured)
 work="$out/work"
 mkdir -p "$work"
 printf '[compilation]\ncache = { file = "%s" }\n' "$work/kernels" > "$work/cubecl.toml"
