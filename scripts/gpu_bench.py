@@ -118,7 +118,9 @@ def time_torch(out_path):
     import torch
 
     dev = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False  # pipec computes in plain fp32
+    # strict fp32 products (PyTorch's default for matmul; cuDNN's convolutions default to
+    # TF32, turned off here too)
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "models": {}}
     for name, variants in torch_models(torch).items():
