@@ -158,8 +158,8 @@ enum Command {
         reps: usize,
         /// CPU: measure with this many copies running at once, as the plan's worker threads
         /// will share the machine (default: the plan's devices, at most the cores).
-        #[arg(long)]
-        concurrent: Option<usize>,
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=256))]
+        concurrent: Option<u64>,
     },
     /// Compile (or load a plan.json) and train: DIR/metrics.jsonl, trace.json, checkpoints.
     Run {
@@ -404,7 +404,7 @@ fn main() -> ExitCode {
             calibrate_cmd::run(out, backend, &memory, reps, concurrent as usize)
         }
         Command::Profile { file, out, backend, reps, concurrent } => {
-            profile_cmd::run(&file, out, backend, reps, concurrent, std::io::stderr().is_terminal())
+            profile_cmd::run(&file, out, backend, reps, concurrent.map(|n| n as usize), std::io::stderr().is_terminal())
         }
         Command::Lsp => lsp::run(),
         Command::PlanProfile { file, nodes, devices_per_node, intra, inter, memory, batch, microbatches, sync } => {

@@ -277,6 +277,13 @@ fn profile_then_compile_with_the_measured_costs() {
         "1",
     ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("with 1 concurrent worker(s)") && solo.is_file());
+    // no copies, or more than a machine could start: a usage error, nothing written
+    let bad = dir.path().join("bad.json");
+    for n in ["0", "100000", "-1"] {
+        let out = pipec(&["profile", "specs/mlp-1f1b.yaml", "-o", bad.to_str().expect("path"), "--concurrent", n]);
+        assert_eq!(out.status.code(), Some(2), "--concurrent {n}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(!bad.exists(), "--concurrent {n}");
+    }
     let p: pipec_plan::profile::Profile =
         serde_json::from_str(&std::fs::read_to_string(&prof).expect("profile")).expect("a profile");
     assert_eq!(p.layers.len(), 7);
