@@ -291,13 +291,18 @@ fn gpipe_in_flight(view: &Placement) -> InFlight {
 
 /// 1F1B's counts in flight without its order, where each stage has a device of its own:
 /// stage s of p keeps min(p − s, m) microbatches at its peak — its warm-up's p − s − 1
-/// forwards and the first of its steady state's pairs (tested against the order's for
-/// 1F1B, PipeDream and 2BW; not ZB-H1, whose deferred weight halves keep a later stage's
-/// activations longer). None for any other view or schedule.
+/// forwards and the first of its steady state's pairs (1F1B, PipeDream, 2BW). ZB-H1's
+/// deferred weight halves hold each activation until its weight half runs, so every stage
+/// keeps min(p, m), the first stage's. Tested against the walked orders; None for any other
+/// view or schedule.
 fn one_f_one_b_in_flight(kind: ScheduleKind, view: &Placement) -> Option<InFlight> {
-    let alike = matches!(kind, ScheduleKind::OneFOneB | ScheduleKind::PipeDream | ScheduleKind::TwoBw);
     let p = view.stages();
-    if !alike || view.replicas.iter().any(|r| r.len() != 1) || view.devices != p {
+    let peak: fn(usize, usize, usize) -> usize = match kind {
+        ScheduleKind::OneFOneB | ScheduleKind::PipeDream | ScheduleKind::TwoBw => |p, s, m| (p - s).min(m),
+        ScheduleKind::ZbH1 => |p, _, m| p.min(m),
+        _ => return None,
+    };
+    if view.replicas.iter().any(|r| r.len() != 1) || view.devices != p {
         return None;
     }
     let mut out: InFlight = vec![(Vec::new(), Vec::new()); p];
@@ -306,7 +311,7 @@ fn one_f_one_b_in_flight(kind: ScheduleKind, view: &Placement) -> Option<InFligh
         if d >= p || !out[d].0.is_empty() {
             return None;
         }
-        let peak = (p - s).min(view.microbatches) as u32;
+        let peak = peak(p, s, view.microbatches) as u32;
         out[d] = (vec![s], if peak > 0 { vec![vec![peak]] } else { Vec::new() });
     }
     Some(out)
@@ -847,7 +852,7 @@ mod tests {
     #[test]
     fn one_f_one_b_s_counts_in_flight_without_its_order_are_the_orders() {
         let mut checked = 0;
-        for kind in [ScheduleKind::OneFOneB, ScheduleKind::PipeDream, ScheduleKind::TwoBw] {
+        for kind in [ScheduleKind::OneFOneB, ScheduleKind::PipeDream, ScheduleKind::TwoBw, ScheduleKind::ZbH1] {
             for ranks in 1..=16usize {
                 for m in [1, 2, ranks.saturating_sub(1).max(1), ranks, ranks + 1, 2 * ranks + 3] {
                     let v = view(kind, ranks, 1, m);
@@ -862,10 +867,12 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 3 * 16 * 6 * 3);
-        // not for another schedule (ZB-H1's last stage keeps two of two here), nor a stage
-        // with several devices
-        assert_eq!(one_f_one_b_in_flight(ScheduleKind::ZbH1, &view(ScheduleKind::ZbH1, 2, 1, 2)), None);
+        assert_eq!(checked, 4 * 16 * 6 * 3);
+        // ZB-H1's last stage keeps as many as its first, unlike 1F1B's
+        let zb = one_f_one_b_in_flight(ScheduleKind::ZbH1, &view(ScheduleKind::ZbH1, 4, 1, 8)).expect("ZB-H1");
+        let one = one_f_one_b_in_flight(ScheduleKind::OneFOneB, &view(ScheduleKind::OneFOneB, 4, 1, 8)).expect("1F1B");
+        assert_eq!((zb[3].1.clone(), one[3].1.clone()), (vec![vec![4]], vec![vec![1]]));
+        // not for another schedule, nor a stage with several devices
         assert_eq!(one_f_one_b_in_flight(ScheduleKind::Interleaved, &view(ScheduleKind::Interleaved, 4, 2, 8)), None);
         let mut routed = view(ScheduleKind::OneFOneB, 4, 1, 8);
         routed.replicas[0].push(DeviceId(4));
