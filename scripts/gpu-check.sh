@@ -135,6 +135,19 @@ fi
 # (a bound on every device command: a hung kernel must not eat the machine's time)
 dev() { (cd "$work" && timeout 240 "$bin" "$@"); }
 
+# every step's loss of a run against the CPU run's: the largest relative difference, within
+# the tolerance or FAIL
+compare() { # name reference-metrics metrics
+  python3 - "$2" "$3" "$tol" "$1" <<'EOF'
+import json, sys
+a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+tol, name = float(sys.argv[3]), sys.argv[4]
+worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
+print(f"{'ok  ' if worst <= tol else 'FAIL'} {name}: {len(a)} steps, largest relative loss difference {worst:.2e} (tolerance {tol:.0e})")
+EOF
+}
+
 status=0
 if [ "$bench_only" = 0 ]; then
 # --- 1. equality: the same losses on the CPU and on the device ---------------------------
@@ -215,28 +228,10 @@ for f in "$out"/specs/*.yaml; do
   [ "$dry" = 1 ] && [ "$name" != 1f1b ] && continue
   [ -f "$out/cpu/$name/metrics.jsonl" ] || { echo "FAIL $name: the CPU run failed (see $name.cpu.log)"; continue; }
   [ -f "$out/dev/$name/metrics.jsonl" ] || { echo "FAIL $name: the $device_backend run failed (see $name.dev.log)"; continue; }
-  python3 - "$out/cpu/$name/metrics.jsonl" "$out/dev/$name/metrics.jsonl" "$tol" "$name" <<'EOF'
-import json, sys
-a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
-b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
-tol, name = float(sys.argv[3]), sys.argv[4]
-worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
-ok = worst <= tol
-print(f"{'ok  ' if ok else 'FAIL'} {name}: {len(a)} steps, largest relative loss difference {worst:.2e} (tolerance {tol:.0e})")
-EOF
+  compare "$name" "$out/cpu/$name/metrics.jsonl" "$out/dev/$name/metrics.jsonl"
 done | tee "$out/equality.txt"
 
 # --- 2. more than one process: two ranks on CUDA, over MPI and over TCP -------------------
-compare() { # name reference-metrics metrics
-  python3 - "$2" "$3" "$tol" "$1" <<'EOF'
-import json, sys
-a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
-b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
-tol, name = float(sys.argv[3]), sys.argv[4]
-worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
-print(f"{'ok  ' if worst <= tol else 'FAIL'} {name}: {len(a)} steps, largest relative loss difference from the CPU run {worst:.2e}")
-EOF
-}
 if [ "$dry" = 0 ] && command -v mpirun >/dev/null 2>&1 && ldd "$bin" 2>/dev/null | grep -q libmpi; then
   if (cd "$work" && timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 "$bin" run "$out/specs/1f1b.yaml" --transport mpi --backend cuda --share-gpus --steps 5 -o "$out/mpi") > "$out/mpi.log" 2>&1; then
     compare "mpi: 2 ranks on CUDA" "$out/cpu/1f1b/metrics.jsonl" "$out/mpi/metrics.jsonl" | tee -a "$out/equality.txt"
