@@ -256,6 +256,15 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
             human_time(st.backward_s),
             if st.recompute { ", forward recomputed before the backward" } else { "" }
         ));
+        if !st.gradient_buckets.is_empty() {
+            let sizes: Vec<String> =
+                st.gradient_buckets.iter().map(|b| pipec_compiler::memory::human_bytes(b.bytes)).collect();
+            s.push_str(&format!(
+                "    gradients reduced in {} buckets during the last backward ({}, the last layers' first)\n",
+                sizes.len(),
+                sizes.join(", ")
+            ));
+        }
     }
     let kind = match sim.first_step_time_s {
         Some(first) => format!(

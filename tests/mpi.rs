@@ -639,3 +639,16 @@ fn launch_slurm_starts_the_ranks_through_srun_and_a_miswired_step_is_refused() {
     assert!(!run.status.success(), "{stderr}");
     assert!(stderr.contains("(SLURM_PROCID) but MPI made it rank"), "{stderr}");
 }
+
+#[test]
+fn gradient_buckets_over_mpi_equal_in_process_exactly() {
+    // each bucket's all-reduce started from inside the first stage's backward, on the MPI
+    // transport; batch statistics after the last bucket
+    equal_to_in_process("\"2-2\"\n  bucket: 1KiB", 4);
+    equal_to_in_process_with(
+        "  input: [2, 6, 6]\n  layers:\n    - conv2d(2, 8, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - conv2d(8, 8, k=3, pad=1) -> relu\n    - adaptive_avgpool2d -> flatten -> linear(8, 4)\n",
+        "\"2\"\n  bucket: 1KiB",
+        2,
+        "dp-only",
+    );
+}

@@ -1270,6 +1270,19 @@ fn batch_norm_running_statistics_fold_once_per_update_from_the_updates_microbatc
     assert_close("asp variance", &st[&(mean_id + 1)], &v);
 }
 
+/// Asserts a run's losses (relative 1e-5) and batch normalisation statistics equal one
+/// device's (`reference`, `want`).
+fn assert_same_statistics(what: &str, reference: &[f64], want: &Statistics, got: &[f64], stats: &Statistics) {
+    for (step, (x, y)) in reference.iter().zip(got).enumerate() {
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{what}: step {step}: one device {x}, plan {y}");
+    }
+    assert_eq!(stats.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{what}");
+    for (id, w) in want {
+        let w: Vec<f64> = w.iter().map(|x| f64::from(*x)).collect();
+        assert_close(&format!("{what}: {}", pipec_plan::checkpoint::param_name(*id)), &stats[id], &w);
+    }
+}
+
 #[test]
 fn batch_norm_trains_like_one_device_on_every_synchronous_layout() {
     let (_, reference, want) = train_keeping_statistics(bn(Job { optimizer: ADAM, ..Job::default() }));
@@ -1291,14 +1304,7 @@ fn batch_norm_trains_like_one_device_on_every_synchronous_layout() {
     for j in layouts {
         let what = format!("{} {}", j.schedule, j.stages);
         let (_, got, stats) = train_keeping_statistics(bn(Job { optimizer: ADAM, ..j }));
-        for (step, (x, y)) in reference.iter().zip(&got).enumerate() {
-            assert!((x - y).abs() <= 1e-5 * x.abs(), "{what}: step {step}: one device {x}, plan {y}");
-        }
-        assert_eq!(stats.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{what}");
-        for (id, w) in &want {
-            let w: Vec<f64> = w.iter().map(|x| f64::from(*x)).collect();
-            assert_close(&format!("{what}: {}", pipec_plan::checkpoint::param_name(*id)), &stats[id], &w);
-        }
+        assert_same_statistics(&what, &reference, &want, &got, &stats);
     }
 }
 
@@ -1874,4 +1880,48 @@ fn a_steps_time_spans_its_devices_first_start_to_last_end() {
     // (a pipeline's steps overlap a little: a device starts its next step while the last
     // finishes its update, so their sum may pass the run's time; each is within it)
     assert!(r.steps.iter().all(|m| m.step_seconds <= wall), "a step longer than the run of {wall} s");
+}
+
+/// A chain of convolutions with batch normalisation (no residual: gradient buckets cut
+/// chains only).
+const BN_CHAIN: &str = "- conv2d(2, 8, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - conv2d(8, 8, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - conv2d(8, 8, k=3, pad=1) -> relu\n    - adaptive_avgpool2d -> flatten -> linear(8, 4)";
+
+#[test]
+fn gradient_buckets_train_equal_to_one_device() {
+    // 1 KiB buckets: every linear layer of the default model (2,176 bytes of gradients or
+    // more) closes a bucket of its own
+    let bucket = "  bucket: 1KiB";
+    let jobs = [
+        Job { devices: 4, stages: "\"4\"", schedule: "dp-only", optimizer: SGD, strategy: bucket, ..Job::default() },
+        Job { devices: 4, stages: "\"4\"", schedule: "dp-only", optimizer: ADAM, strategy: bucket, ..Job::default() },
+        Job { devices: 3, stages: "\"2-1\"", schedule: "1f1b", optimizer: ADAM, strategy: bucket, ..Job::default() },
+        Job {
+            devices: 4,
+            stages: "\"2-2\"",
+            schedule: "gpipe",
+            optimizer: SGD,
+            recompute: "true",
+            strategy: bucket,
+            ..Job::default()
+        },
+    ];
+    for j in jobs {
+        let p = plan(&j);
+        let buckets = &p.stages[0].gradient_buckets;
+        assert!(buckets.len() >= 3, "{} {}: buckets {buckets:?}", j.schedule, j.stages);
+        assert!(p.stages[1..].iter().all(|s| s.gradient_buckets.is_empty()));
+        assert_same_as_one_device(j);
+    }
+    // batch statistics travel after the last bucket
+    let chain = |j: Job<'static>| Job { input: BN_INPUT, layers: BN_CHAIN, optimizer: ADAM, ..j };
+    let (_, reference, want) = train_keeping_statistics(chain(Job::default()));
+    for j in [
+        Job { devices: 2, stages: "\"2\"", schedule: "dp-only", strategy: bucket, ..Job::default() },
+        Job { devices: 3, stages: "\"2-1\"", schedule: "1f1b", strategy: bucket, ..Job::default() },
+    ] {
+        let what = format!("{} {}", j.schedule, j.stages);
+        let (p, got, stats) = train_keeping_statistics(chain(j));
+        assert!(p.stages[0].gradient_buckets.len() >= 2, "{what}: {:?}", p.stages[0].gradient_buckets);
+        assert_same_statistics(&what, &reference, &want, &got, &stats);
+    }
 }

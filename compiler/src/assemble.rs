@@ -86,6 +86,7 @@ pub(crate) fn assemble(
             },
             expert_parallel: stages.expert_parallel[s] as u32,
             all_to_all_s: [stages.ep_times[s].0, stages.ep_times[s].1],
+            gradient_buckets: stages.buckets[s].clone(),
         })
         .collect();
     let ties = lowered.ties;

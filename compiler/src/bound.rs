@@ -131,8 +131,13 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             let members = &placed.skeleton.replicas[s];
             (members.len() > 1).then(|| {
                 // expert parallelism sums the routed experts' part over fewer members (or
-                // none): the dense part's reduce-scatter is what is certain
-                let bytes = stages.bytes[s].whole.gradients.saturating_sub(stages.expert_gradients[s]);
+                // none): the dense part's reduce-scatter is what is certain; with gradient
+                // buckets only the last bucket's (the stage's first layers) starts after
+                // the backward
+                let bytes = match stages.buckets[s].last() {
+                    Some(b) => b.bytes,
+                    None => stages.bytes[s].whole.gradients.saturating_sub(stages.expert_gradients[s]),
+                };
                 let kind = pipec_plan::CollectiveKind::ReduceScatter;
                 let scatter = model.cluster.shaped_collective_time(kind, placed.skeleton.shapes[s], bytes);
                 scatter.min(cost.shaped_reduce_time(members, placed.skeleton.shapes[s], bytes))

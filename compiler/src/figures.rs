@@ -2,6 +2,7 @@
 
 use pipec_grammar::spec::Spec;
 use pipec_plan::model::{Op, Source};
+use pipec_plan::plan::GradientBucket;
 use pipec_plan::CollectiveKind;
 
 use crate::cluster::ring_time;
@@ -31,6 +32,81 @@ pub(crate) struct StageFigures {
     /// Output bytes per microbatch (what goes to the next stage).
     pub(crate) output_bytes: Vec<u64>,
     pub(crate) bytes: Vec<StageBytes>,
+    /// Per stage, its gradient buckets (`bucket` in the strategy; empty where the stage
+    /// reduces in one all-reduce): [`gradient_buckets`].
+    pub(crate) buckets: Vec<Vec<GradientBucket>>,
+}
+
+/// PyTorch DDP's buckets over a replicated stage's gradients: the layers from the stage's
+/// end down, a bucket closed once it holds `cap` bytes, a last one with the rest (merged
+/// into the one before when it has no gradients); each ready when the backward has passed
+/// its first layer (the layers' backward times, `backward`, from the end). Only where the
+/// executor runs them (the first stage, a chain of layers without tensor or expert
+/// parallelism, every stage updated once per step from whole gradients by whole backwards,
+/// the reduction overlapped), and only when there are two buckets or more.
+fn gradient_buckets(
+    spec: &Spec,
+    model: &ModelCosts,
+    layout: &Layout,
+    replicas: &[u64],
+    backward: impl Fn(&crate::cost::LayerCost) -> f64,
+) -> Vec<Vec<GradientBucket>> {
+    let st = &spec.strategy;
+    let none = || vec![Vec::new(); layout.ranges.len()];
+    let Some(cap) = st.bucket else { return none() };
+    let kind = st.schedule.kind;
+    if st.sharding != pipec_plan::vocab::Sharding::None
+        || !st.overlap
+        || st.tp.max(1) > 1
+        || !kind.updates_per_step()
+        || !kind.is_synchronous(st.schedule.sync)
+    {
+        return none();
+    }
+    let (costs, graph) = (&model.costs, &model.graph);
+    let grad_bytes = model.grad_bytes as u64;
+    layout
+        .ranges
+        .iter()
+        .zip(replicas)
+        .enumerate()
+        .map(|(s, (r, &d))| {
+            // with `overlap` every later stage sends its input gradient before computing
+            // its weight gradients (`streams::sends_gradients_first`), so its last gradient
+            // comes from a weight pass, which runs as one: only the first stage's
+            // backward makes its gradients layer by layer
+            if s > 0 || kind.splits_backward() {
+                return Vec::new();
+            }
+            let chain = r.clone().all(|i| graph.node(graph.op_at(i)).inputs == [Source::before(i)]);
+            let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some());
+            if d < 2 || !chain || moe {
+                return Vec::new();
+            }
+            let layers = &costs[r.clone()];
+            let total_time: f64 = layers.iter().map(&backward).sum();
+            let mut out: Vec<GradientBucket> = Vec::new();
+            let (mut end, mut bytes, mut done) = (r.end, 0u64, 0.0);
+            for i in r.clone().rev() {
+                let c = &costs[i];
+                bytes = bytes.saturating_add(c.shard_parameters.saturating_mul(grad_bytes));
+                done += backward(c);
+                if bytes >= cap && i > r.start {
+                    let ready = if total_time > 0.0 { (done / total_time).clamp(f64::MIN_POSITIVE, 1.0) } else { 1.0 };
+                    out.push(GradientBucket { layers: [i, end], bytes, ready });
+                    (end, bytes) = (i, 0);
+                }
+            }
+            match out.last_mut() {
+                Some(last) if bytes == 0 => last.layers[0] = r.start,
+                _ => out.push(GradientBucket { layers: [r.start, end], bytes, ready: 1.0 }),
+            }
+            if out.len() < 2 {
+                return Vec::new();
+            }
+            out
+        })
+        .collect()
 }
 
 /// Stage figures: `Layout` → `StageFigures`.
@@ -257,5 +333,8 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             }
         })
         .collect();
-    StageFigures { times, tp_times, ep_times, expert_gradients, expert_parallel, update, output_bytes, bytes }
+    let buckets = gradient_buckets(spec, model, layout, &stage_replicas, |c| {
+        c.backward_s + if selective { c.selective_s } else { 0.0 }
+    });
+    StageFigures { times, tp_times, ep_times, expert_gradients, expert_parallel, update, output_bytes, bytes, buckets }
 }

@@ -27,6 +27,8 @@ pub(crate) struct PlanCost<'a> {
     ep: usize,
     chunks: pipec_plan::schedule::ChunkPlacement,
     pub(crate) stage_update: &'a [f64],
+    /// Per stage, its gradient buckets (`StageFigures::buckets`).
+    buckets: &'a [Vec<pipec_plan::plan::GradientBucket>],
     pub(crate) cluster: &'a ClusterGraph,
     pub(crate) reduce: ReduceMode,
     pub(crate) tp: usize,
@@ -54,6 +56,7 @@ impl<'a> PlanCost<'a> {
             ep: spec.strategy.ep.max(1),
             chunks: spec.strategy.schedule.kind.chunk_placement(),
             stage_update: &stages.update,
+            buckets: &stages.buckets,
             cluster: &model.cluster,
             reduce: spec.strategy.schedule.reduce,
             tp: spec.strategy.tp.max(1),
@@ -144,5 +147,8 @@ impl CostModel for PlanCost<'_> {
                 self.cluster.shaped_collective_time(kind, shape, bytes)
             }
         }
+    }
+    fn gradient_buckets(&self, stage: pipec_plan::StageId) -> &[pipec_plan::plan::GradientBucket] {
+        self.buckets.get(stage.0 as usize).map_or(&[], Vec::as_slice)
     }
 }

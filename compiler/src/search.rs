@@ -136,6 +136,8 @@ pub struct Candidate {
     pub ep: usize,
     /// Whether the spec overlaps communication (written into the strategy only when not).
     pub overlap: bool,
+    /// The spec's gradient buckets (`bucket`, in bytes; written when set).
+    pub bucket: Option<u64>,
     pub outcome: Outcome,
 }
 
@@ -156,6 +158,12 @@ impl Candidate {
             self.schedule.name().to_string()
         };
         let overlap = if overlap { "" } else { ", overlap: false" };
+        let bucket = match self.bucket {
+            None => String::new(),
+            Some(b) if b % (1 << 20) == 0 => format!(", bucket: {}MiB", b >> 20),
+            Some(b) if b % (1 << 10) == 0 => format!(", bucket: {}KiB", b >> 10),
+            Some(b) => format!(", bucket: {b}B"),
+        };
         // PipeDream's planner lays out what has no stages written
         let (stages, partition) = match self.layout() {
             Some(l) => (format!("stages: \"{}\", ", notation(l)), "balanced"),
@@ -168,7 +176,7 @@ impl Candidate {
         let sp = if self.sequence_parallel { ", sequence_parallel: true" } else { "" };
         let ep = if self.ep > 1 { format!(", ep: {}", self.ep) } else { String::new() };
         format!(
-            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{ep}{overlap} }}",
+            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{ep}{overlap}{bucket} }}",
             self.tp,
             self.microbatches,
             self.recompute.text()
@@ -523,6 +531,7 @@ fn candidates(
                                 sequence_parallel: options.sequence_parallel && tp > 1,
                                 ep,
                                 overlap: spec.strategy.overlap,
+                                bucket: spec.strategy.bucket,
                                 outcome: Outcome::TooBig,
                             };
                             // the schedule's layout rules (the front end's), then the work spread

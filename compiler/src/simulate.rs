@@ -19,7 +19,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use rustc_hash::FxHashMap;
 
-use pipec_plan::{CollectiveKind, DeviceId, GroupId, Instr, MessageId, Phase};
+use pipec_plan::plan::{reduced_in_buckets, GradientBucket};
+use pipec_plan::{CollectiveKind, DeviceId, GroupId, Instr, MessageId, Phase, StageId};
 
 /// How long things take.
 pub trait CostModel {
@@ -31,6 +32,12 @@ pub trait CostModel {
     /// members are `members` (a cost model may know the group as larger: the strategy
     /// search simulates one pipeline replica of symmetric plans).
     fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64;
+    /// The gradient buckets of `stage` ([`pipec_plan::plan::StagePlan::gradient_buckets`]):
+    /// its replica all-reduce right after its backward runs as one collective per bucket,
+    /// each started when the backward reaches its `ready` fraction.
+    fn gradient_buckets(&self, _stage: StageId) -> &[GradientBucket] {
+        &[]
+    }
 }
 
 /// One executed instruction.
@@ -72,7 +79,7 @@ type InFlight = ((MessageId, u64), f64, f64);
 type CallKey = (GroupId, usize);
 
 /// A member's start of a collective.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Started {
     device: DeviceId,
     index: usize,
@@ -82,6 +89,9 @@ struct Started {
     /// The stage a replica all-reduce sums (u32::MAX for a tied one: its members hold
     /// different stages).
     stage: u32,
+    /// A bucketed gradient all-reduce: when each bucket's gradients are ready on this
+    /// member, and its bytes (empty: the whole collective at `at`).
+    buckets: Vec<(f64, u64)>,
 }
 
 /// The communication engines: who started what, in which order, and what has finished.
@@ -104,9 +114,10 @@ impl Engines {
         let k = self.calls.entry((group, s.device)).or_insert(0);
         let key = (group, *k);
         *k += 1;
+        let device = s.device;
         self.started.entry(key).or_default().push(s);
-        self.queue.entry(s.device).or_default().push_back(key);
-        self.outstanding.insert((s.device, group), key);
+        self.queue.entry(device).or_default().push_back(key);
+        self.outstanding.insert((device, group), key);
         key
     }
 
@@ -143,11 +154,30 @@ impl Engines {
                     key.0, key.1
                 ));
             }
-            let begin = started
-                .iter()
-                .map(|a| a.at.max(self.free_at.get(&a.device).copied().unwrap_or(0.0)))
-                .fold(0.0, f64::max);
-            let end = begin + cost.collective(started[0].kind, key.0, members, started[0].bytes);
+            let free = started.iter().map(|a| self.free_at.get(&a.device).copied().unwrap_or(0.0)).fold(0.0, f64::max);
+            let (begin, end) = match started[0].buckets.len() {
+                0 => {
+                    let begin = started.iter().map(|a| a.at).fold(free, f64::max);
+                    (begin, begin + cost.collective(started[0].kind, key.0, members, started[0].bytes))
+                }
+                // one collective per bucket, in order on the engine, each once every
+                // member's backward has made it
+                n => {
+                    if started.iter().any(|a| a.buckets.len() != n) {
+                        return Err(format!(
+                            "group {}: the members' collective call #{} disagree (buckets)",
+                            key.0, key.1
+                        ));
+                    }
+                    let (mut begin, mut end) = (f64::INFINITY, free);
+                    for k in 0..n {
+                        let ready = started.iter().map(|a| a.buckets[k].0).fold(end, f64::max);
+                        begin = begin.min(ready);
+                        end = ready + cost.collective(started[0].kind, key.0, members, started[0].buckets[k].1);
+                    }
+                    (begin, end)
+                }
+            };
             for a in started {
                 events.push(Event {
                     device: a.device,
@@ -191,6 +221,8 @@ pub fn simulate(
     let mut links: FxHashMap<(DeviceId, DeviceId), VecDeque<InFlight>> = FxHashMap::default();
     let mut link_free: FxHashMap<(DeviceId, DeviceId), f64> = FxHashMap::default();
     let mut engines = Engines::default();
+    // per device, its last backward: (position, start, end)
+    let mut last_backward: FxHashMap<DeviceId, (usize, f64, f64)> = FxHashMap::default();
     let mut events = Vec::new();
     let mut queue: VecDeque<DeviceId> = devices.iter().copied().collect();
     let mut queued: FxHashMap<DeviceId, bool> = devices.iter().map(|d| (*d, true)).collect();
@@ -268,7 +300,19 @@ pub fn simulate(
                     }
                     // a tied gradient's members hold different stages
                     let stage = if payload.crosses_stages() { u32::MAX } else { stage.0 };
-                    let started = Started { device: dev, index: i, at: now, bytes: *bytes, kind: *kind, stage };
+                    let buckets = match reduced_in_buckets(stream, i) {
+                        Some(b) => match last_backward.get(&dev) {
+                            Some(&(at, start, end)) if at == b => cost
+                                .gradient_buckets(ins.stage())
+                                .iter()
+                                .map(|x| (start + x.ready * (end - start), x.bytes))
+                                .collect(),
+                            _ => Vec::new(),
+                        },
+                        None => Vec::new(),
+                    };
+                    let started =
+                        Started { device: dev, index: i, at: now, bytes: *bytes, kind: *kind, stage, buckets };
                     engines.start(*group, started);
                     match engines.run(vec![dev], groups, cost, &mut events) {
                         Ok(woken) => {
@@ -295,6 +339,9 @@ pub fn simulate(
                 }
                 _ => {
                     let d = cost.compute(dev, ins);
+                    if let Instr::Backward { .. } = ins {
+                        last_backward.insert(dev, (i, now, now + d));
+                    }
                     events.push(Event {
                         device: dev,
                         index: i,
@@ -383,4 +430,65 @@ pub fn utilisation(t: &Timeline, devices: &[DeviceId]) -> (Vec<(DeviceId, f64, f
         0.0
     };
     (per, overall)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipec_plan::{CollectivePayload, MicrobatchId};
+
+    /// Forward 4 s, backward 10 s, a collective one second per byte; stage 0's gradients
+    /// in buckets of 3 bytes (ready at 40% of the backward) and 5 bytes (ready at its end).
+    struct Buckets(Vec<GradientBucket>);
+    impl CostModel for Buckets {
+        fn compute(&self, _: DeviceId, instr: &Instr) -> f64 {
+            match instr.phase() {
+                Phase::Forward => 4.0,
+                Phase::Backward => 10.0,
+                _ => 0.0,
+            }
+        }
+        fn transfer(&self, _: DeviceId, _: DeviceId, _: u64) -> f64 {
+            0.0
+        }
+        fn collective(&self, _: CollectiveKind, _: GroupId, _: &[DeviceId], bytes: u64) -> f64 {
+            bytes as f64
+        }
+        fn gradient_buckets(&self, _: StageId) -> &[GradientBucket] {
+            &self.0
+        }
+    }
+
+    fn replica_streams(between: Option<Instr>) -> BTreeMap<DeviceId, Vec<Instr>> {
+        let (stage, mb, group) = (StageId(0), MicrobatchId(0), GroupId(0));
+        let mut s = vec![Instr::Forward { stage, mb }, Instr::Backward { stage, mb }, Instr::Free { stage, mb }];
+        s.extend(between);
+        s.extend([
+            Instr::collective(CollectivePayload::Gradients, stage, group, 8),
+            Instr::wait(CollectivePayload::Gradients, stage, group),
+            Instr::OptimizerStep { stage },
+        ]);
+        (0..2).map(|d| (DeviceId(d), s.clone())).collect()
+    }
+
+    #[test]
+    fn bucketed_reduction_overlaps_the_backward_in_closed_form() {
+        let groups: HashMap<GroupId, Vec<DeviceId>> = [(GroupId(0), vec![DeviceId(0), DeviceId(1)])].into();
+        let buckets = vec![
+            GradientBucket { layers: [1, 2], bytes: 3, ready: 0.4 },
+            GradientBucket { layers: [0, 1], bytes: 5, ready: 1.0 },
+        ];
+        let run = |cost: &Buckets, between| simulate(&replica_streams(between), &groups, cost).expect("runs").step_time;
+        // one all-reduce after the backward: 4 + 10 + 8
+        assert_eq!(run(&Buckets(Vec::new()), None), 22.0);
+        // the first bucket runs over [8, 11] inside the backward, the second from its end
+        // at 14 to 19
+        assert_eq!(run(&Buckets(buckets.clone()), None), 19.0);
+        // a first bucket longer than the rest of the backward delays the second: 8 + 7, + 5
+        let slow = vec![GradientBucket { bytes: 7, ..buckets[0] }, GradientBucket { bytes: 1, ..buckets[1] }];
+        assert_eq!(run(&Buckets(slow), None), 16.0);
+        // not right after the backward (a forward between): one all-reduce, 4 + 10 + 4 + 8
+        let forward = Instr::Forward { stage: StageId(0), mb: MicrobatchId(1) };
+        assert_eq!(run(&Buckets(buckets), Some(forward)), 26.0);
+    }
 }

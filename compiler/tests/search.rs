@@ -46,6 +46,10 @@ fn cases() -> Vec<(String, String)> {
         .replace("linear(32, 64,", "linear(64, 64,");
     vec![
         ("4 devices".into(), spec_text(4, 1, mlp, 32, "8GiB")),
+        (
+            "4 devices, 4 MiB gradient buckets".into(),
+            spec_text(4, 1, mlp, 32, "8GiB").replace("  microbatches: 4\n", "  microbatches: 4\n  bucket: 4MiB\n"),
+        ),
         ("2 x 2 devices, 300 MiB".into(), spec_text(2, 2, mlp, 16, "300MiB")),
         ("a language model on 2 x 2 devices, 70 MiB".into(), lm),
         ("a mixture of experts on 2 x 4 devices".into(), mixture_of_experts()),

@@ -58,6 +58,8 @@ enum Landing {
     Weights,
     /// Gradient clipping: the squared norm summed over every device.
     GradNorm,
+    /// The stage's gradient buckets, started in its backward; `members` replicas.
+    Buckets { buckets: crate::buckets::BucketsInFlight, members: usize },
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -73,6 +75,15 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let members = members(self.plan, group)?;
         if self.collectives.contains_key(&(stage, group)) {
             return Err(ExecError::Plan(format!("{stage} starts a collective on {group} while its last is in flight")));
+        }
+        // a bucketed stage's backward started its buckets already
+        if payload == CollectivePayload::Gradients {
+            if let Some(b) = self.take_buckets(stage) {
+                let result = Ticket::ready(Vec::new());
+                let into = Landing::Buckets { buckets: b, members: members.len() };
+                self.collectives.insert((stage, group), InFlight { payload, result, into });
+                return Ok(());
+            }
         }
         let (data, into) = match payload {
             CollectivePayload::Gradients => self.gradients_out(stage, members.len())?,
@@ -127,6 +138,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 let whole = st.shard.as_ref().ok_or_else(|| not_sharded(stage))?.layout.whole(&data)?;
                 crate::zero::restore_weights(st, whole)
             }
+            Landing::Buckets { buckets, members } => self.buckets_in(stage, buckets, members),
             Landing::GradNorm => {
                 let sum = data.first().copied().ok_or(ExecError::Missing("the gradient norm's sum came back empty"))?;
                 self.grad_norm = Some(f64::from(sum).max(0.0).sqrt());

@@ -76,6 +76,14 @@ impl<T> Ticket<T> {
     pub fn wait(self) -> Result<T, TransportError> {
         self.0.recv().unwrap_or_else(|_| Err(TransportError::Other("the communication thread stopped".into())))
     }
+
+    /// A ticket whose result is already here.
+    pub fn ready(value: T) -> Self {
+        let (tx, rx) = channel();
+        // the receiver is alive: the send cannot fail
+        let _ = tx.send(Ok(value));
+        Ticket(rx)
+    }
 }
 
 /// The worker's handle on its communication threads (and its sends, which it makes itself:

@@ -163,6 +163,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
             });
         }
+        if let Some(cuts) = self.bucket_cuts(stage) {
+            return self.forward_segmented(stage, mb, model, x, key, &cuts);
+        }
         let mut side = crate::layers::Collected { experts: self.experts.get(&stage).cloned(), ..Default::default() };
         let out = model.forward(x, training, key, &mut side)?;
         let crate::layers::Collected { stats, aux, expert_tokens, .. } = side;
@@ -231,6 +234,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         let target = match &kept.saved {
             Saved::Tp(..) => return self.backward_tp(stage, mb, n_mb).map(WeightGrads::all),
+            Saved::Segmented(..) if split => {
+                return Err(ExecError::Plan(format!("{stage} has gradient buckets and a split backward")))
+            }
+            Saved::Segmented(..) => return self.backward_segments(stage, mb, None),
             Saved::Loss(l) => l.clone() / n_mb,
             Saved::Output(out) => {
                 let g = self
@@ -329,6 +336,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             add_deferred_into_sums::<B>(&mut st.acc, &keys, deferred);
         }
         accumulate::<B>(&mut st.acc, grads.rest);
+        self.count_contribution(stage, mb)
+    }
+
+    /// Adds microbatch `mb`'s batch statistics to the stage's and counts its gradient in.
+    pub(crate) fn count_contribution(&mut self, stage: StageId, mb: MicrobatchId) -> Result<()> {
         let weight = match self.plan.training.recipe.running_stats {
             pipec_plan::recipe::RunningStats::PerUpdate => 1.0,
             pipec_plan::recipe::RunningStats::PerForward => {

@@ -1153,6 +1153,39 @@ impl<B: Kernels> StageModel<B> {
         }
     }
 
+    /// The forward of a chain of layers cut before each layer in `cuts` (positions in
+    /// `layers`, rising, none 0): each segment after the first starts from a fresh leaf
+    /// copy of the one before's output, so each segment's backward runs on its own (a
+    /// stage's gradient buckets, `compute::backward_segments`).
+    pub fn forward_segments(
+        &self,
+        x: Act<B>,
+        cuts: &[usize],
+        training: bool,
+        mask_key: (u64, u64, u64),
+        side: &mut Collected<B>,
+    ) -> Result<Vec<crate::tensor_parallel::Segment<B>>>
+    where
+        B: crate::dense::ExecBackend,
+    {
+        use crate::tensor_parallel::{fresh, Boundary, Segment};
+        if self.graph.is_some() {
+            return Err(ExecError::Plan("gradient buckets need a chain of layers, not a graph".into()));
+        }
+        let mut segments = Vec::with_capacity(cuts.len() + 1);
+        let (mut leaf, mut cur) = (x.clone(), x);
+        for (k, layer) in self.layers.iter().enumerate() {
+            if cuts.contains(&k) {
+                segments.push(Segment { leaf, out: cur.clone(), boundary: Boundary::Complete });
+                leaf = fresh(&cur);
+                cur = leaf.clone();
+            }
+            cur = layer.forward(cur, training, mask_key, side)?;
+        }
+        segments.push(Segment { leaf, out: cur, boundary: Boundary::Complete });
+        Ok(segments)
+    }
+
     /// The stage's batch normalisation layers, in order.
     pub fn batch_norms(&self) -> impl Iterator<Item = &BatchNorm<B>> {
         self.layers.iter().filter_map(|l| match l {

@@ -4,6 +4,7 @@
 //! Burn.
 
 pub use pipec_plan::checkpoint;
+mod buckets;
 pub mod calibrate;
 mod checkpointing;
 mod clip;

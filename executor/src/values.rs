@@ -53,6 +53,10 @@ pub(crate) enum Saved<B: ExecBackend> {
     /// A tensor-parallel stage: its forward segments, and (last stage) the loss computed
     /// on a leaf copy of the output.
     Tp(Vec<Segment<B>>, Option<(Act<B>, Tensor<B, 1>)>),
+    /// A stage with gradient buckets: its forward cut at the buckets' bounds (one segment
+    /// per bucket, the first layers' first), and (last stage) the loss on the last
+    /// segment's output.
+    Segmented(Vec<Segment<B>>, Option<Tensor<B, 1>>),
 }
 
 /// What a stage's forward produced.

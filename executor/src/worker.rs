@@ -115,6 +115,10 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     pub(crate) evaluating: Option<usize>,
     /// Expert parallelism: this device's group for each expert-parallel stage it holds.
     pub(crate) experts: HashMap<StageId, crate::experts::ExpertGroup>,
+    /// Gradient buckets: the step's backwards (positions) whose stage's all-reduce over
+    /// the group runs in buckets (`buckets`), and the buckets started, per stage.
+    pub(crate) bucketed: HashMap<usize, GroupId>,
+    pub(crate) buckets: HashMap<StageId, crate::buckets::BucketsInFlight>,
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -163,6 +167,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 .iter()
                 .any(|i| matches!(i, Instr::Collective { payload: pipec_plan::CollectivePayload::GradNorm, .. })),
             evaluating: None,
+            bucketed: HashMap::new(),
+            buckets: HashMap::new(),
         }
     }
 
@@ -207,6 +213,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 })
             })
             .collect();
+        let instrs: Vec<Instr> = all.iter().map(|(_, i)| i.clone()).collect();
+        self.bucketed = crate::buckets::bucketed_backwards(self.plan, &instrs);
         // the next message instruction not yet handed to the communication thread
         let mut issued = 0;
         let mut last = 0;
@@ -257,7 +265,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
         }
         report.comm = self.comm.fence().map_err(|e| (last, e.into()))?;
-        if !self.collectives.is_empty() || !self.posted.is_empty() {
+        if !self.collectives.is_empty() || !self.posted.is_empty() || !self.buckets.is_empty() {
             return Err((
                 last,
                 ExecError::Missing("an all-reduce or a receive is left in flight at the end of the step"),
@@ -301,8 +309,16 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
             Instr::Backward { stage, mb } => {
                 self.gather_weights(stage)?;
-                let grads = self.run_backward(stage, mb, false)?;
-                self.add_gradient(stage, mb, grads)?;
+                match self.bucketed.get(&at).copied() {
+                    // the stage's last gradient of the step: its buckets start in the pass
+                    Some(group) => {
+                        self.backward_segments(stage, mb, Some((group, code)))?;
+                    }
+                    None => {
+                        let grads = self.run_backward(stage, mb, false)?;
+                        self.add_gradient(stage, mb, grads)?;
+                    }
+                }
                 // the stashed version has served its backward
                 self.state(stage)?.stash.remove(&mb);
                 Ok(())

@@ -304,6 +304,10 @@ pub struct Strategy {
     /// Overlap communication with compute (default true): all-reduces in flight while the
     /// device computes, and input gradients sent before the weight gradients are computed.
     pub overlap: bool,
+    /// `bucket`: PyTorch DDP's gradient buckets — a replicated stage's all-reduce split into
+    /// buckets of about this many bytes, each started during the step's last backward as
+    /// its layers' gradients complete (None: one all-reduce after the backward).
+    pub bucket: Option<u64>,
     /// Megatron's sequence parallelism (with `tp` > 1): the parts of a transformer block
     /// outside its tensor-parallel products (layer norms, dropout, residual adds) split along
     /// the sequence; each all-reduce becomes a reduce-scatter and an all-gather.

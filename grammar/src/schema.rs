@@ -269,6 +269,14 @@ struct Strategy {
     /// gradients. `false` waits for every all-reduce at once and runs every backward as one
     /// pass, as the schedules' papers do.
     overlap: Option<bool>,
+    /// PyTorch DDP's gradient buckets: `25MiB` (DDP's default), any size of at least
+    /// 1KiB, or `none` (the default). A replicated stage's gradient all-reduce after its
+    /// last backward of the step is split into buckets of about that size, the last layers'
+    /// first, each started during that backward as soon as its layers' gradients are
+    /// complete, so the reduction overlaps the backward. Applies to stages of a chain of
+    /// layers without tensor or expert parallelism, with `zero: 0` and `overlap: true`;
+    /// `pipec compile` lists the bucketed stages.
+    bucket: Option<String>,
 }
 
 #[derive(JsonSchema)]

@@ -146,6 +146,7 @@ pub(crate) fn lower_strategy(
     };
     let sequence_parallel = lower_sequence_parallel(cx, &f, tp);
     let sharding = lower_sharding(cx, &f);
+    let bucket = lower_bucket(cx, &f);
     let ep = match f.get("ep") {
         None => Some(1),
         Some(n) => cx.uint(n, 1),
@@ -160,7 +161,7 @@ pub(crate) fn lower_strategy(
         }
     }
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
-    let (overlap, sequence_parallel, sharding, ep) = (overlap?, sequence_parallel?, sharding?, ep?);
+    let (overlap, sequence_parallel, sharding, ep, bucket) = (overlap?, sequence_parallel?, sharding?, ep?, bucket?);
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
     let mut ok = check_sharding(cx, &f, sharding, &layout.replicas, Some(&schedule));
     ok &= check_expert_parallelism(cx, &f, ep, model, Some(&layout.replicas), sharding, Some(&schedule));
@@ -202,6 +203,7 @@ pub(crate) fn lower_strategy(
         partition,
         recompute,
         overlap,
+        bucket,
         sequence_parallel,
         sharding,
         ep,
@@ -264,6 +266,28 @@ fn lower_sharding(cx: &mut Lower<'_>, f: &Fields<'_>) -> Option<Sharding> {
             None
         }
     }
+}
+
+/// `bucket`: a size in bytes (at least 1 KiB), or `none` (the default).
+fn lower_bucket(cx: &mut Lower<'_>, f: &Fields<'_>) -> Option<Option<u64>> {
+    let Some(n) = f.get("bucket") else { return Some(None) };
+    if matches!(&n.value, Value::Str(s) if s == "none") {
+        return Some(None);
+    }
+    let bytes = cx.quantity(n, crate::dsl::Dimension::Bytes, false)?;
+    if bytes < 1024.0 {
+        cx.push(
+            Diagnostic::error(
+                "E0105",
+                format!("a gradient bucket of {bytes} bytes is too small"),
+                n.span,
+                "at least 1KiB",
+            )
+            .with_help("PyTorch DDP's default is `25MiB`; `none` reduces each stage's gradients in one all-reduce"),
+        );
+        return None;
+    }
+    Some(Some(bytes as u64))
 }
 
 /// E0414: sharding across data-parallel replicas needs a stage with more than one; E0415:
@@ -358,6 +382,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         partition: Partition::Balanced,
         recompute: Recompute::Off,
         overlap: true,
+        bucket: None,
         sequence_parallel: false,
         sharding: Sharding::None,
         ep: 1,
@@ -456,6 +481,7 @@ fn lower_auto_strategy(
     }
     strategy.sequence_parallel = lower_sequence_parallel(cx, f, (!auto.tp).then_some(strategy.tp))?;
     strategy.sharding = lower_sharding(cx, f)?;
+    strategy.bucket = lower_bucket(cx, f)?;
     if !auto.ep {
         strategy.ep = f.get("ep").and_then(|n| cx.uint(n, 1))?;
     }

@@ -368,6 +368,71 @@ pub struct StagePlan {
     /// kernels).
     #[serde(default, skip_serializing_if = "is_zero_pair")]
     pub all_to_all_s: [f64; 2],
+    /// Data-parallel gradient buckets (PyTorch DDP's, `bucket` in the strategy), the last
+    /// layers' first: the replica all-reduce that directly follows the stage's last
+    /// backward of a step ([`reduced_in_buckets`]) runs as one all-reduce per bucket,
+    /// each started during that backward as soon as its layers' gradients are complete.
+    /// Empty: one all-reduce after the backward.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gradient_buckets: Vec<GradientBucket>,
+}
+
+/// One bucket of a stage's gradients ([`StagePlan::gradient_buckets`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GradientBucket {
+    /// Half-open layer range `[start, end)` whose weight gradients it carries.
+    pub layers: [usize; 2],
+    /// Bytes it carries per member (its layers' share of the stage's gradient bytes).
+    pub bytes: u64,
+    /// The fraction of the stage's backward done when its gradients are complete (the
+    /// cost model's backward time of the layers from the stage's end down to `layers[0]`).
+    pub ready: f64,
+}
+
+/// What is wrong with a stage's gradient buckets (None: nothing): they must tile its layers
+/// from the last down, each non-empty, with `ready` rising in (0, 1] to 1 at the last,
+/// and only on a replicated stage without tensor or expert parallelism.
+fn bucket_error(s: &StagePlan) -> Option<String> {
+    let b = &s.gradient_buckets;
+    if b.is_empty() {
+        return None;
+    }
+    if s.replicas.len() < 2 || !s.tensor_parallel.is_empty() || s.expert_parallel > 1 {
+        return Some("need a replicated stage without tensor or expert parallelism".into());
+    }
+    let mut end = s.layers[1];
+    let mut ready = 0.0;
+    for (k, x) in b.iter().enumerate() {
+        if x.layers[1] != end || x.layers[0] >= x.layers[1] || !(x.ready > 0.0 && x.ready <= 1.0) || x.ready < ready {
+            return Some(format!(
+                "#{k} ({:?}, ready {}) does not continue the buckets down from layer {end}",
+                x.layers, x.ready
+            ));
+        }
+        (end, ready) = (x.layers[0], x.ready);
+    }
+    (end != s.layers[0] || ready != 1.0).then(|| {
+        format!("stop at layer {end} (ready {ready}), not at the stage's first layer {} (ready 1)", s.layers[0])
+    })
+}
+
+/// Whether the collective at `at` of `stream` is a replica gradient all-reduce that the
+/// stage's backward just before it feeds (only sends and `Free`s of the stage between):
+/// with [`StagePlan::gradient_buckets`] it runs in buckets inside that backward. Returns
+/// the backward's position. The one rule the verifier, the simulator and the executor read.
+pub fn reduced_in_buckets(stream: &[Instr], at: usize) -> Option<usize> {
+    let Some(Instr::Collective { payload: crate::CollectivePayload::Gradients, stage, .. }) = stream.get(at) else {
+        return None;
+    };
+    for k in (0..at).rev() {
+        match stream[k] {
+            Instr::Backward { stage: s, .. } if s == *stage => return Some(k),
+            Instr::Free { stage: s, .. } if s == *stage => {}
+            Instr::SendGradient { .. } | Instr::SendActivation { .. } => {}
+            _ => return None,
+        }
+    }
+    None
 }
 
 fn is_zero(x: &f64) -> bool {
@@ -797,6 +862,9 @@ impl Plan {
                 if experts.is_empty() || experts.iter().any(|e| e % ep != 0) {
                     out.push(format!("stage {i}: expert_parallel = {ep} must divide the experts of its expert blocks (it has {experts:?})"));
                 }
+            }
+            if let Some(why) = bucket_error(s) {
+                out.push(format!("stage {i}: gradient_buckets {why}"));
             }
         }
         if next_layer != self.layers.len() && !self.stages.is_empty() {

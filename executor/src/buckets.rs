@@ -1,0 +1,254 @@
+//! Data-parallel gradient buckets (PyTorch DDP's, `bucket` in the strategy). A stage whose
+//! plan lists `gradient_buckets` runs its forward cut at the buckets' bounds (each segment
+//! after the first from a fresh leaf) and its backward segment by segment, from the last.
+//! Where the plan's replica all-reduce directly follows the backward
+//! (`pipec_plan::plan::reduced_in_buckets`: the step's last gradient of the stage), each
+//! bucket's gradients are complete once its segment's backward is done, and go to the
+//! communication thread at once: the last layers' sums run while the first layers'
+//! backward computes. The `Collective` instruction that follows takes the buckets in
+//! flight; its wait puts every bucket's sums back, as one all-reduce would.
+//!
+//! Burn's autodiff has no per-parameter hook to start a reduction from inside one backward
+//! pass, which is why the pass is cut; the cut changes no value (the gradient at a cut is
+//! handed on whole, as a pipeline stage's is).
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::prelude::*;
+use pipec_plan::{CollectiveKind, GroupId, Instr, MicrobatchId, StageId};
+
+use crate::comm::Ticket;
+use crate::dense::ExecBackend;
+use crate::error::{ExecError, Result};
+use crate::layers::{Act, Collected, StageModel};
+use crate::params::{accumulate, backward_into_sums, collect_grads, flatten_grads, layout, sum_keys, unflatten};
+use crate::transport::Tag;
+use crate::values::{dot, dot_with, grad_of, input_grad, Forwarded, Saved, WeightGrads};
+use crate::worker::Worker;
+
+/// A bucketed stage's reduction in flight: per bucket, in start order, its result and the
+/// parameters it carries (positions in the stage's visiting order); the last bucket's
+/// values are followed by the stage's batch statistics (`n_stats` of them).
+pub(crate) struct BucketsInFlight {
+    parts: Vec<(Ticket<Vec<f32>>, Range<usize>)>,
+    n_stats: usize,
+}
+
+/// The positions in `all` of the backwards whose stage's replica all-reduce runs in
+/// buckets (`reduced_in_buckets`, on a stage with buckets), with the all-reduce's group.
+pub(crate) fn bucketed_backwards(plan: &pipec_plan::Plan, all: &[Instr]) -> HashMap<usize, GroupId> {
+    (0..all.len())
+        .filter_map(|j| {
+            let b = pipec_plan::plan::reduced_in_buckets(all, j)?;
+            let Instr::Collective { stage, group, .. } = &all[j] else { return None };
+            plan.stage(*stage).filter(|s| !s.gradient_buckets.is_empty()).map(|_| (b, *group))
+        })
+        .collect()
+}
+
+/// An activation's gradient back on the autodiff backend (untracked).
+fn tracked<B: ExecBackend>(g: Act<B::InnerBackend>) -> Result<Act<B>> {
+    Ok(match g {
+        Act::D2(t) => Act::D2(Tensor::from_inner(t)),
+        Act::D3(t) => Act::D3(Tensor::from_inner(t)),
+        Act::D4(t) => Act::D4(Tensor::from_inner(t)),
+        other => {
+            return Err(ExecError::Shape(format!("no gradient of shape {:?} crosses a bucket's bound", other.dims())))
+        }
+    })
+}
+
+impl<'a, B: ExecBackend> Worker<'a, B> {
+    /// Where `stage`'s forward is cut (positions in its layers, rising): before each
+    /// bucket's first layer but the stage's own. None without buckets, or while evaluating.
+    pub(crate) fn bucket_cuts(&self, stage: StageId) -> Option<Vec<usize>> {
+        let s = self.plan.stage(stage).filter(|s| !s.gradient_buckets.is_empty() && self.evaluating.is_none())?;
+        let mut cuts: Vec<usize> =
+            s.gradient_buckets.iter().map(|b| b.layers[0].saturating_sub(s.layers[0])).filter(|&c| c > 0).collect();
+        cuts.sort_unstable();
+        Some(cuts)
+    }
+
+    /// The forward of a bucketed stage, cut at `cuts` (`StageModel::forward_segments`).
+    pub(crate) fn forward_segmented(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        model: &StageModel<B>,
+        x: Act<B>,
+        key: (u64, u64, u64),
+        cuts: &[usize],
+    ) -> Result<Forwarded<B>> {
+        let mut side = Collected { experts: self.experts.get(&stage).cloned(), ..Default::default() };
+        let segments = model.forward_segments(x, cuts, true, key, &mut side)?;
+        let Collected { stats, aux, expert_tokens, .. } = side;
+        if aux.is_some() {
+            return Err(ExecError::Plan(format!("{stage} has gradient buckets and a load-balancing loss")));
+        }
+        let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
+        if stage == self.last_stage() {
+            let loss = self.loss(mb, out.clone())?;
+            Ok(Forwarded {
+                saved: Saved::Segmented(segments, Some(loss.clone())),
+                output: None,
+                loss: Some(loss),
+                stats,
+                scores: Some(out),
+                aux: None,
+                expert_tokens,
+            })
+        } else {
+            Ok(Forwarded {
+                saved: Saved::Segmented(segments, None),
+                output: Some(out),
+                loss: None,
+                stats,
+                scores: None,
+                aux: None,
+                expert_tokens,
+            })
+        }
+    }
+
+    /// The backward of a segmented stage, segment by segment from the last, each
+    /// segment's weight gradients added into the stage's sums as it finishes; leaves the
+    /// input gradient to send. With `reduce` (the step's last gradient of the stage, its
+    /// all-reduce over that group to follow), the microbatch's batch statistics are added
+    /// too and each bucket's sums start their all-reduce as soon as its segment is done.
+    pub(crate) fn backward_segments(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        reduce: Option<(GroupId, usize)>,
+    ) -> Result<WeightGrads<B>> {
+        let n_mb = self.plan.training.microbatches as f64;
+        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let Saved::Segmented(segments, loss) = &kept.saved else {
+            return Err(ExecError::Plan(format!("{stage}'s forward did not run in buckets")));
+        };
+        let (segments, loss, used) = (segments.clone(), loss.clone(), kept.model.clone());
+        let keys = sum_keys(&used);
+        // each segment's parameters, in the stage's visiting order
+        let per_layer: Vec<usize> = used.layers.iter().map(|l| layout::<B, _>(l).len()).collect();
+        let cuts = self.bucket_cuts(stage).unwrap_or_default();
+        let mut bounds = vec![0];
+        bounds.extend(cuts.iter().copied());
+        bounds.push(per_layer.len());
+        if bounds.len() != segments.len() + 1 {
+            return Err(ExecError::Plan(format!(
+                "{stage}: {} segments for {} buckets",
+                segments.len(),
+                bounds.len() - 1
+            )));
+        }
+        let params = |k: usize| -> Range<usize> {
+            let before = |l: usize| per_layer[..l.min(per_layer.len())].iter().sum::<usize>();
+            before(bounds[k])..before(bounds[k + 1])
+        };
+        let mut grad_out: Option<Act<B>> = None;
+        for k in (0..segments.len()).rev() {
+            let seg = &segments[k];
+            let target = match (grad_out.take(), &loss) {
+                (Some(g), _) => dot(&seg.out, g)?,
+                (None, Some(l)) => l.clone() / n_mb,
+                (None, None) => {
+                    let g = self
+                        .grads_in
+                        .remove(&(stage, mb))
+                        .ok_or(ExecError::Missing("the gradient of its output was not received"))?;
+                    dot_with::<B>(&seg.out, &g, &self.dev)?
+                }
+            };
+            let st = self.state(stage)?;
+            let mut grads = backward_into_sums::<B>(&mut st.acc, &keys, || target.backward());
+            accumulate::<B>(&mut st.acc, collect_grads(&used, &mut grads));
+            if k > 0 {
+                let g =
+                    grad_of(&seg.leaf, &mut grads).ok_or(ExecError::Missing("no gradient reached a bucket's bound"))?;
+                grad_out = Some(tracked::<B>(g)?);
+            } else if stage.0 > 0 {
+                let g = input_grad::<B>(&seg.leaf, &mut grads, Tag::gradient(stage, mb))?
+                    .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
+                self.input_grads.insert((stage, mb), g);
+            }
+            if let Some((group, code)) = reduce {
+                if k == 0 {
+                    self.count_contribution(stage, mb)?;
+                }
+                self.start_bucket(stage, group, params(k), k == 0, code)?;
+            }
+        }
+        Ok(WeightGrads::all(Vec::new()))
+    }
+
+    /// Starts one bucket's all-reduce: its parameters' sums (zeros where a parameter has
+    /// none, with a presence flag each, as `gradients_out` sends them), and after the last
+    /// bucket's the stage's batch statistics.
+    fn start_bucket(
+        &mut self,
+        stage: StageId,
+        group: GroupId,
+        range: Range<usize>,
+        last: bool,
+        code: usize,
+    ) -> Result<()> {
+        let members = crate::collectives::members(self.plan, group)?;
+        let st = self.state(stage)?;
+        let sizes = st.parameter_sizes()?;
+        let sizes =
+            sizes.get(range.clone()).ok_or(ExecError::Plan(format!("{stage}: a bucket past its parameters")))?;
+        let held: Vec<Option<Tensor<B::InnerBackend, 1>>> =
+            range.clone().map(|k| st.acc.get(k).cloned().flatten()).collect();
+        let mut flat = flatten_grads::<B>(&held, sizes)?;
+        flat.extend(held.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }));
+        let mut n_stats = 0;
+        if last {
+            let stats = st.statistics_message()?;
+            n_stats = stats.len();
+            flat.extend(stats);
+        }
+        let ticket = self.comm.start_collective(CollectiveKind::AllReduce, members, flat, self.reduce, Some(code))?;
+        let b = self.buckets.entry(stage).or_insert_with(|| BucketsInFlight { parts: Vec::new(), n_stats: 0 });
+        b.parts.push((ticket, range));
+        b.n_stats += n_stats;
+        Ok(())
+    }
+
+    /// The buckets `stage`'s backward started, for its `Collective` instruction.
+    pub(crate) fn take_buckets(&mut self, stage: StageId) -> Option<BucketsInFlight> {
+        self.buckets.remove(&stage)
+    }
+
+    /// Every bucket's sums back into the stage's accumulator (`members` replicas
+    /// contributed), the batch statistics after the last.
+    pub(crate) fn buckets_in(&mut self, stage: StageId, b: BucketsInFlight, members: usize) -> Result<()> {
+        let dev = self.dev.clone();
+        let st = self.state(stage)?;
+        let sizes = st.parameter_sizes()?;
+        if st.acc.len() < sizes.len() {
+            st.acc.resize(sizes.len(), None);
+        }
+        let n = b.parts.len();
+        for (i, (ticket, range)) in b.parts.into_iter().enumerate() {
+            let mut data = ticket.wait()?;
+            if i + 1 == n {
+                let Some(at) = data.len().checked_sub(b.n_stats) else {
+                    return Err(ExecError::Missing("fewer gradients came back than were sent"));
+                };
+                let stats = data.split_off(at);
+                st.set_statistics(&stats, &dev)?;
+            }
+            let sizes = &sizes[range.clone()];
+            let Some(at) = data.len().checked_sub(sizes.len()) else {
+                return Err(ExecError::Missing("fewer gradients came back than were sent"));
+            };
+            let present = data.split_off(at);
+            for ((k, g), p) in range.zip(unflatten::<B::InnerBackend>(&data, sizes, &dev)?).zip(present) {
+                st.acc[k] = (p > 0.0).then_some(g);
+            }
+        }
+        st.contributions *= members;
+        Ok(())
+    }
+}
