@@ -41,9 +41,9 @@ pub(crate) struct StageFigures {
 /// end down, a bucket closed once it holds `cap` bytes, a last one with the rest (merged
 /// into the one before when it has no gradients); each ready when the backward has passed
 /// its first layer (the layers' backward times, `backward`, from the end). Only where the
-/// executor runs them (the first stage, a chain of layers without tensor or expert
-/// parallelism, every stage updated once per step from whole gradients by whole backwards,
-/// the reduction overlapped), and only when there are two buckets or more.
+/// executor runs them (no tensor or expert parallelism, every stage updated once per step
+/// from whole gradients, the reduction overlapped; a stage that runs whole backwards a
+/// chain of layers), and only when there are two buckets or more.
 fn gradient_buckets(
     spec: &Spec,
     model: &ModelCosts,
@@ -71,16 +71,14 @@ fn gradient_buckets(
         .zip(replicas)
         .enumerate()
         .map(|(s, (r, &d))| {
-            // with `overlap` every later stage sends its input gradient before computing
-            // its weight gradients (`streams::sends_gradients_first`), so its last gradient
-            // comes from a weight pass, which runs as one: only the first stage's
-            // backward makes its gradients layer by layer
-            if s > 0 || kind.splits_backward() {
-                return Vec::new();
-            }
+            // with `overlap` every later stage sends its input gradient before its
+            // weight-gradient pass (`streams::sends_gradients_first`), which the executor
+            // runs bucket by bucket; the first stage runs whole backwards (unless the
+            // schedule splits them), which it cuts into segments: a chain of layers only
+            let whole = s == 0 && !kind.splits_backward();
             let chain = r.clone().all(|i| graph.node(graph.op_at(i)).inputs == [Source::before(i)]);
             let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some());
-            if d < 2 || !chain || moe {
+            if d < 2 || (whole && !chain) || moe {
                 return Vec::new();
             }
             let layers = &costs[r.clone()];
@@ -98,7 +96,12 @@ fn gradient_buckets(
                 }
             }
             match out.last_mut() {
-                Some(last) if bytes == 0 => last.layers[0] = r.start,
+                // nothing left but layers without weights: the bucket before takes them,
+                // and is ready with the whole pass
+                Some(last) if bytes == 0 => {
+                    last.layers[0] = r.start;
+                    last.ready = 1.0;
+                }
                 _ => out.push(GradientBucket { layers: [r.start, end], bytes, ready: 1.0 }),
             }
             if out.len() < 2 {

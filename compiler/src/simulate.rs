@@ -221,7 +221,7 @@ pub fn simulate(
     let mut links: FxHashMap<(DeviceId, DeviceId), VecDeque<InFlight>> = FxHashMap::default();
     let mut link_free: FxHashMap<(DeviceId, DeviceId), f64> = FxHashMap::default();
     let mut engines = Engines::default();
-    // per device, its last backward: (position, start, end)
+    // per device, its last backward or weight pass: (position, start, end)
     let mut last_backward: FxHashMap<DeviceId, (usize, f64, f64)> = FxHashMap::default();
     let mut events = Vec::new();
     let mut queue: VecDeque<DeviceId> = devices.iter().copied().collect();
@@ -339,7 +339,7 @@ pub fn simulate(
                 }
                 _ => {
                     let d = cost.compute(dev, ins);
-                    if let Instr::Backward { .. } = ins {
+                    if let Instr::Backward { .. } | Instr::BackwardWeight { .. } = ins {
                         last_backward.insert(dev, (i, now, now + d));
                     }
                     events.push(Event {
@@ -489,6 +489,10 @@ mod tests {
         assert_eq!(run(&Buckets(slow), None), 16.0);
         // not right after the backward (a forward between): one all-reduce, 4 + 10 + 4 + 8
         let forward = Instr::Forward { stage: StageId(0), mb: MicrobatchId(1) };
-        assert_eq!(run(&Buckets(buckets), Some(forward)), 26.0);
+        assert_eq!(run(&Buckets(buckets.clone()), Some(forward)), 26.0);
+        // after a weight pass (free here) that follows the backward: the buckets are ready
+        // at once, 14 + 3 + 5
+        let weight = Instr::BackwardWeight { stage: StageId(0), mb: MicrobatchId(0) };
+        assert_eq!(run(&Buckets(buckets), Some(weight)), 22.0);
     }
 }

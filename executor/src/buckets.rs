@@ -1,18 +1,22 @@
-//! Data-parallel gradient buckets (PyTorch DDP's, `bucket` in the strategy). A stage whose
-//! plan lists `gradient_buckets` runs its forward cut at the buckets' bounds (each segment
-//! after the first from a fresh leaf) and its backward segment by segment, from the last.
-//! Where the plan's replica all-reduce directly follows the backward
-//! (`pipec_plan::plan::reduced_in_buckets`: the step's last gradient of the stage), each
-//! bucket's gradients are complete once its segment's backward is done, and go to the
-//! communication thread at once: the last layers' sums run while the first layers'
-//! backward computes. The `Collective` instruction that follows takes the buckets in
-//! flight; its wait puts every bucket's sums back, as one all-reduce would.
+//! Data-parallel gradient buckets (PyTorch DDP's, `bucket` in the strategy). Where the
+//! plan's replica all-reduce of a stage with `gradient_buckets` directly follows the
+//! stage's backward (`pipec_plan::plan::reduced_in_buckets`: the step's last gradient of
+//! the stage), each bucket's gradients go to the communication thread as soon as they are
+//! complete, so the last layers' sums run while the first layers' gradients compute:
+//! - a whole backward: the stage runs its forward cut at the buckets' bounds (each segment
+//!   after the first from a fresh leaf) and its backward segment by segment, from the last;
+//! - a weight-gradient pass (a split backward): the put-off products bucket by bucket.
+//!
+//! The `Collective` instruction that follows takes the buckets in flight; its wait puts
+//! every bucket's sums back, as one all-reduce would.
 //!
 //! Burn's autodiff has no per-parameter hook to start a reduction from inside one backward
 //! pass, which is why the pass is cut; the cut changes no value (the gradient at a cut is
 //! handed on whole, as a pipeline stage's is).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+
+use burn::backend::autodiff::NodeId;
 use std::ops::Range;
 
 use burn::prelude::*;
@@ -22,7 +26,9 @@ use crate::comm::Ticket;
 use crate::dense::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::layers::{Act, Collected, StageModel};
-use crate::params::{accumulate, backward_into_sums, collect_grads, flatten_grads, layout, sum_keys, unflatten};
+use crate::params::{
+    accumulate, add_deferred_into_sums, backward_into_sums, collect_grads, flatten_grads, layout, sum_keys, unflatten,
+};
 use crate::transport::Tag;
 use crate::values::{dot, dot_with, grad_of, input_grad, Forwarded, Saved, WeightGrads};
 use crate::worker::Worker;
@@ -61,9 +67,13 @@ fn tracked<B: ExecBackend>(g: Act<B::InnerBackend>) -> Result<Act<B>> {
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
     /// Where `stage`'s forward is cut (positions in its layers, rising): before each
-    /// bucket's first layer but the stage's own. None without buckets, or while evaluating.
+    /// bucket's first layer but the stage's own. None without buckets, where its buckets
+    /// are fed by a weight-gradient pass (which needs no cut), or while evaluating.
     pub(crate) fn bucket_cuts(&self, stage: StageId) -> Option<Vec<usize>> {
-        let s = self.plan.stage(stage).filter(|s| !s.gradient_buckets.is_empty() && self.evaluating.is_none())?;
+        if !self.segmented.contains(&stage) || self.evaluating.is_some() {
+            return None;
+        }
+        let s = self.plan.stage(stage).filter(|s| !s.gradient_buckets.is_empty())?;
         let mut cuts: Vec<usize> =
             s.gradient_buckets.iter().map(|b| b.layers[0].saturating_sub(s.layers[0])).filter(|&c| c > 0).collect();
         cuts.sort_unstable();
@@ -180,6 +190,45 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
         }
         Ok(WeightGrads::all(Vec::new()))
+    }
+
+    /// The weight-gradient pass of a split backward (zero bubble, or a later stage that sends
+    /// its input gradient first) when it is the stage's last gradient of the step: the put-off
+    /// products bucket by bucket, the last layers' first, each bucket's all-reduce over
+    /// `group` started as soon as its products are summed.
+    pub(crate) fn weight_pass_in_buckets(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        grads: WeightGrads<B>,
+        group: GroupId,
+        code: usize,
+    ) -> Result<()> {
+        let plan = self.plan;
+        let s = plan.stage(stage).ok_or(ExecError::Plan(format!("the plan has no {stage}")))?;
+        let st = self.state(stage)?;
+        accumulate::<B>(&mut st.acc, grads.rest);
+        let per_layer: Vec<usize> = st.model()?.layers.iter().map(|l| layout::<B, _>(l).len()).collect();
+        let before = |l: usize| per_layer[..l.saturating_sub(s.layers[0]).min(per_layer.len())].iter().sum::<usize>();
+        let (keys, mut deferred) = grads.deferred.unwrap_or_default();
+        let n = s.gradient_buckets.len();
+        for (i, b) in s.gradient_buckets.iter().enumerate() {
+            let range = before(b.layers[0])..before(b.layers[1]);
+            let last = i + 1 == n;
+            let part = if last {
+                std::mem::take(&mut deferred)
+            } else {
+                let held: HashSet<NodeId> =
+                    keys.get(range.clone()).unwrap_or_default().iter().flatten().copied().collect();
+                deferred.take(&held)
+            };
+            add_deferred_into_sums::<B>(&mut self.state(stage)?.acc, &keys, part);
+            if last {
+                self.count_contribution(stage, mb)?;
+            }
+            self.start_bucket(stage, group, range, last, code)?;
+        }
+        Ok(())
     }
 
     /// Starts one bucket's all-reduce: its parameters' sums (zeros where a parameter has

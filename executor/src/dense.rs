@@ -320,6 +320,14 @@ impl<I: Backend> std::fmt::Debug for Deferred<I> {
 }
 
 impl<I: Backend> Deferred<I> {
+    /// Takes out the products of the weights in `keys` (each weight's in their order),
+    /// leaving the others' (a weight pass run bucket by bucket).
+    pub(crate) fn take(&mut self, keys: &HashSet<NodeId>) -> Deferred<I> {
+        let (taken, kept) = std::mem::take(&mut self.0).into_iter().partition(|(n, _, _)| keys.contains(n));
+        self.0 = kept;
+        Deferred(taken)
+    }
+
     /// How many weight gradients wait here.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {

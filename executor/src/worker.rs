@@ -118,6 +118,7 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     /// Gradient buckets: the step's backwards (positions) whose stage's all-reduce over
     /// the group runs in buckets (`buckets`), and the buckets started, per stage.
     pub(crate) bucketed: HashMap<usize, GroupId>,
+    pub(crate) segmented: std::collections::HashSet<StageId>,
     pub(crate) buckets: HashMap<StageId, crate::buckets::BucketsInFlight>,
 }
 
@@ -168,6 +169,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 .any(|i| matches!(i, Instr::Collective { payload: pipec_plan::CollectivePayload::GradNorm, .. })),
             evaluating: None,
             bucketed: HashMap::new(),
+            segmented: Default::default(),
             buckets: HashMap::new(),
         }
     }
@@ -215,6 +217,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .collect();
         let instrs: Vec<Instr> = all.iter().map(|(_, i)| i.clone()).collect();
         self.bucketed = crate::buckets::bucketed_backwards(self.plan, &instrs);
+        // the stages whose whole backward feeds its buckets run their forwards in segments
+        self.segmented = self
+            .bucketed
+            .keys()
+            .filter(|&&b| matches!(instrs[b], Instr::Backward { .. }))
+            .map(|&b| instrs[b].stage())
+            .collect();
         // the next message instruction not yet handed to the communication thread
         let mut issued = 0;
         let mut last = 0;
@@ -336,7 +345,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     .pending_weight_grads
                     .remove(&(stage, mb))
                     .ok_or(ExecError::Missing("the input-gradient pass of this microbatch did not run"))?;
-                self.add_gradient(stage, mb, grads)
+                match self.bucketed.get(&at).copied() {
+                    // the stage's last gradient of the step: its buckets start in the pass
+                    Some(group) => self.weight_pass_in_buckets(stage, mb, grads, group, code),
+                    None => self.add_gradient(stage, mb, grads),
+                }
             }
             Instr::Free { stage, mb } => {
                 self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;

@@ -370,8 +370,9 @@ pub struct StagePlan {
     pub all_to_all_s: [f64; 2],
     /// Data-parallel gradient buckets (PyTorch DDP's, `bucket` in the strategy), the last
     /// layers' first: the replica all-reduce that directly follows the stage's last
-    /// backward of a step ([`reduced_in_buckets`]) runs as one all-reduce per bucket,
-    /// each started during that backward as soon as its layers' gradients are complete.
+    /// backward (or weight-gradient pass) of a step ([`reduced_in_buckets`]) runs as one
+    /// all-reduce per bucket, each started during that pass as soon as its layers'
+    /// gradients are complete.
     /// Empty: one all-reduce after the backward.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gradient_buckets: Vec<GradientBucket>,
@@ -417,16 +418,17 @@ fn bucket_error(s: &StagePlan) -> Option<String> {
 }
 
 /// Whether the collective at `at` of `stream` is a replica gradient all-reduce that the
-/// stage's backward just before it feeds (only sends and `Free`s of the stage between):
-/// with [`StagePlan::gradient_buckets`] it runs in buckets inside that backward. Returns
-/// the backward's position. The one rule the verifier, the simulator and the executor read.
+/// stage's backward (or weight-gradient pass) just before it feeds (only sends and `Free`s
+/// of the stage between): with [`StagePlan::gradient_buckets`] it runs in buckets inside
+/// that pass. Returns the pass's position. The one rule the simulator and the executor
+/// read.
 pub fn reduced_in_buckets(stream: &[Instr], at: usize) -> Option<usize> {
     let Some(Instr::Collective { payload: crate::CollectivePayload::Gradients, stage, .. }) = stream.get(at) else {
         return None;
     };
     for k in (0..at).rev() {
         match stream[k] {
-            Instr::Backward { stage: s, .. } if s == *stage => return Some(k),
+            Instr::Backward { stage: s, .. } | Instr::BackwardWeight { stage: s, .. } if s == *stage => return Some(k),
             Instr::Free { stage: s, .. } if s == *stage => {}
             Instr::SendGradient { .. } | Instr::SendActivation { .. } => {}
             _ => return None,
