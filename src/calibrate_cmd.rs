@@ -22,7 +22,7 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
             return EXIT_USAGE;
         }
     };
-    let measured = match backend {
+    let mut measured = match backend {
         Backend::Cpu => pipec_executor::calibrate::calibrate_cpu_concurrent(memory, reps, concurrent),
         Backend::Cuda if concurrent > 1 => {
             eprintln!("error: --concurrent is for the CPU backend (a GPU is one device)");
@@ -73,11 +73,38 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         d.memory_efficiency.half,
         d.launch * 1e6
     );
+    // the transport between the workers, where there are two or more (CPU: the in-process
+    // channels `pipec run` uses)
+    let links = (backend == Backend::Cpu && concurrent > 1)
+        .then(|| pipec_executor::calibrate::calibrate_links(concurrent, reps));
+    if let Some(c) = &links {
+        eprintln!("{:>22} {:>14} {:>12}", "message (one way)", "bytes", "measured");
+        for p in &c.p2p {
+            eprintln!("{:>22} {:>14.3e} {:>9.1} µs", "", p.size, p.seconds * 1e6);
+        }
+        eprintln!("{:>22} {:>14} {:>12}", format!("all-reduce over {}", c.devices), "bytes", "measured");
+        for p in &c.all_reduce {
+            eprintln!("{:>22} {:>14.3e} {:>9.1} µs", "", p.size, p.seconds * 1e6);
+        }
+        let l = c.link;
+        eprintln!(
+            "link {:.2} GB/s, {:.2} µs per message, all-reduce bus bandwidth {:.2} GB/s (efficiency {:.3})",
+            l.bandwidth / 1e9,
+            l.latency * 1e6,
+            l.bandwidth * l.efficiency / 1e9,
+            l.efficiency
+        );
+        measured.device.link = Some(l);
+    }
+    let d = &measured.device;
     let text = serde_json::to_string_pretty(d).unwrap_or_default() + "\n";
     if let Err(e) = write_atomic(&out, text.as_bytes()) {
         eprintln!("error: {e}");
         return EXIT_USAGE;
     }
     eprintln!("wrote {} (use it in a spec: `device: {{ file: {} }}`)", out.display(), out.display());
+    if links.is_some() {
+        eprintln!("and for the links between its workers: `intra_node: {{ file: {} }}`", out.display());
+    }
     EXIT_OK
 }

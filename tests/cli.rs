@@ -210,6 +210,23 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
         serde_json::from_str(&std::fs::read_to_string(&two).expect("the device file")).expect("json");
     assert_eq!(device["name"].as_str(), Some("cpu (pipec calibrate, 2 at once)"), "{device}");
     assert!(device["matrix"]["fp32"].as_f64().is_some_and(|r| r > 0.0), "{device}");
+    // with the link between its two workers, which a spec's link level names
+    let link = &device["link"];
+    assert!(link["bandwidth"].as_f64().is_some_and(|b| b > 0.0), "{device}");
+    assert!(link["efficiency"].as_f64().is_some_and(|e| e > 0.0 && e <= 1.0), "{device}");
+    let intra = text.lines().find(|l| l.trim_start().starts_with("intra_node:")).expect("a link line").to_string();
+    let linked =
+        text.replace(&line, "  device: { file: two.json }").replace(&intra, "    intra_node: { file: two.json }");
+    std::fs::write(&spec, &linked).expect("write spec");
+    let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("out").to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // a device file without a link measurement: a located error naming the command that
+    // makes one
+    std::fs::write(&spec, text.replace(&intra, "    intra_node: { file: cpu.json }")).expect("write spec");
+    let out = pipec(&["check", spec.to_str().expect("utf-8")]);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("has no link measurement") && stderr.contains("--concurrent 2"), "{stderr}");
     // bad flags: a usage error, nothing written
     let bad = dir.path().join("bad.json");
     for args in [&["--concurrent", "0"][..], &["--concurrent", "lots"], &["--backend", "cuda", "--concurrent", "2"]] {

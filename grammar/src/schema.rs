@@ -144,9 +144,14 @@ struct Links {
 #[serde(deny_unknown_fields)]
 struct Link {
     /// Bandwidth (β⁻¹) per device and direction, with a unit: `300GB/s`, `200Gbps`.
-    bandwidth: String,
-    /// Latency per message (α), with a unit: `5us`, `1ms`.
-    latency: String,
+    /// Required without `file`.
+    bandwidth: Option<String>,
+    /// Latency per message (α), with a unit: `5us`, `1ms`. Required without `file`.
+    latency: Option<String>,
+    /// A device file from `pipec calibrate --concurrent N` (N ≥ 2), relative to the spec:
+    /// the link between the executor's workers as measured (messages, and ring all-reduces
+    /// over N); `bandwidth`, `latency` and `efficiency` written beside it override its figures.
+    file: Option<String>,
     /// The share of `bandwidth` a collective's bus bandwidth reaches (NCCL's busbw over
     /// the line rate), in (0, 1]; default 1.
     efficiency: Option<f64>,

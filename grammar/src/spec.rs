@@ -306,10 +306,38 @@ fn lower_link(cx: &mut Lower<'_>, node: &Node, owner: Span, level: &str) -> Opti
     let path = ["cluster", "links", level];
     let f = cx.fields(node, &path, owner)?;
     let section = format!("cluster.links.{level}");
-    let bw = cx.required(&f, "bandwidth", &section).and_then(|n| cx.quantity(n, Dimension::Bandwidth, false));
-    let lat = cx.required(&f, "latency", &section).and_then(|n| cx.quantity(n, Dimension::Time, true));
+    // a link `pipec calibrate --concurrent N` measured, each figure overridable
+    let measured = match f.get("file") {
+        None => None,
+        Some(n) => {
+            let d = read_device_file(cx, n)?;
+            match d.link {
+                Some(l) => Some(l),
+                None => {
+                    cx.push(
+                        Diagnostic::error(
+                            "E0105",
+                            format!("the device file `{}` has no link measurement", n.as_str().unwrap_or_default()),
+                            n.span,
+                            "no `link` in it",
+                        )
+                        .with_help("measure the link between workers with `pipec calibrate --concurrent 2 -o FILE`"),
+                    );
+                    return None;
+                }
+            }
+        }
+    };
+    let figure = |cx: &mut Lower<'_>, key: &str, dim: Dimension, zero: bool, from: Option<f64>| match (f.get(key), from)
+    {
+        (Some(n), _) => cx.quantity(n, dim, zero),
+        (None, Some(v)) => Some(v),
+        (None, None) => cx.required(&f, key, &section).and_then(|n| cx.quantity(n, dim, zero)),
+    };
+    let bw = figure(cx, "bandwidth", Dimension::Bandwidth, false, measured.map(|l| l.bandwidth));
+    let lat = figure(cx, "latency", Dimension::Time, true, measured.map(|l| l.latency));
     let efficiency = match f.get("efficiency") {
-        None => Some(1.0),
+        None => Some(measured.map_or(1.0, |l| l.efficiency)),
         Some(value) => cx.number(value, rules::Bound::Positive).and_then(|e| {
             if e <= 1.0 {
                 Some(e)

@@ -135,6 +135,23 @@ pub struct DeviceModel {
     /// Measured rates of element-wise functions (`pipec calibrate`); empty on the presets.
     #[serde(default, skip_serializing_if = "Functions::is_empty")]
     pub functions: Functions,
+    /// The transport between the executor's workers as `pipec calibrate --concurrent N`
+    /// measured it (N ≥ 2); a spec's link level reads it with `{ file: FILE }`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<MeasuredLink>,
+}
+
+/// A link as measured between workers: point-to-point messages fitted as
+/// `latency + bytes / bandwidth`, ring all-reduces as the cost model's
+/// `2(p−1)·latency + 2(p−1)/p · bytes / (bandwidth · efficiency)`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredLink {
+    /// Bytes per second of a point-to-point message.
+    pub bandwidth: f64,
+    /// Seconds per message.
+    pub latency: f64,
+    /// The all-reduce's bus bandwidth over `bandwidth`, in (0, 1].
+    pub efficiency: f64,
 }
 
 impl DeviceModel {
@@ -151,6 +168,7 @@ impl DeviceModel {
             matrix_efficiency: Curve::FLAT,
             memory_efficiency: Curve::FLAT,
             functions: Functions::default(),
+            link: None,
         }
     }
 
@@ -182,6 +200,18 @@ impl DeviceModel {
         for c in [d.matrix_efficiency, d.memory_efficiency] {
             if !(c.peak > 0.0 && c.peak <= 1.0) {
                 return Err(format!("an efficiency's peak must be in (0, 1], found {}", c.peak));
+            }
+        }
+        if let Some(l) = d.link {
+            if !(l.bandwidth > 0.0
+                && l.latency >= 0.0
+                && l.latency.is_finite()
+                && l.efficiency > 0.0
+                && l.efficiency <= 1.0)
+            {
+                return Err(format!(
+                    "the link needs a positive bandwidth, a latency of 0 or more and an efficiency in (0, 1], found {l:?}"
+                ));
             }
         }
         Ok(d)
@@ -352,6 +382,7 @@ impl Preset {
             matrix_efficiency: GPU_MATRIX_EFFICIENCY,
             memory_efficiency: GPU_MEMORY_EFFICIENCY,
             functions: Functions::default(),
+            link: None,
         }
     }
 }
