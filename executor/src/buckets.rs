@@ -22,13 +22,12 @@ use std::ops::Range;
 use burn::prelude::*;
 use pipec_plan::{CollectiveKind, GroupId, Instr, MicrobatchId, StageId};
 
+use crate::collectives::{gradient_message, land_gradient_message};
 use crate::comm::Ticket;
 use crate::dense::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::layers::{Act, Collected, StageModel};
-use crate::params::{
-    accumulate, add_deferred_into_sums, backward_into_sums, collect_grads, flatten_grads, layout, sum_keys, unflatten,
-};
+use crate::params::{accumulate, add_deferred_into_sums, backward_into_sums, collect_grads, layout, sum_keys};
 use crate::transport::Tag;
 use crate::values::{dot, dot_with, grad_of, input_grad, Forwarded, Saved, WeightGrads};
 use crate::worker::Worker;
@@ -78,6 +77,15 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             s.gradient_buckets.iter().map(|b| b.layers[0].saturating_sub(s.layers[0])).filter(|&c| c > 0).collect();
         cuts.sort_unstable();
         Some(cuts)
+    }
+
+    /// Each of `stage`'s buckets' parameters (positions in the stage's visiting order), in
+    /// the plan's order (the last layers' first), from the layers of `model`.
+    fn bucket_params(&self, stage: StageId, model: &StageModel<B>) -> Result<Vec<Range<usize>>> {
+        let s = self.plan.stage(stage).ok_or(ExecError::Plan(format!("the plan has no {stage}")))?;
+        let per_layer: Vec<usize> = model.layers.iter().map(|l| layout::<B, _>(l).len()).collect();
+        let before = |l: usize| per_layer[..l.saturating_sub(s.layers[0]).min(per_layer.len())].iter().sum::<usize>();
+        Ok(s.gradient_buckets.iter().map(|b| before(b.layers[0])..before(b.layers[1])).collect())
     }
 
     /// The forward of a bucketed stage, cut at `cuts` (`StageModel::forward_segments`).
@@ -139,23 +147,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         };
         let (segments, loss, used) = (segments.clone(), loss.clone(), kept.model.clone());
         let keys = sum_keys(&used);
-        // each segment's parameters, in the stage's visiting order
-        let per_layer: Vec<usize> = used.layers.iter().map(|l| layout::<B, _>(l).len()).collect();
-        let cuts = self.bucket_cuts(stage).unwrap_or_default();
-        let mut bounds = vec![0];
-        bounds.extend(cuts.iter().copied());
-        bounds.push(per_layer.len());
-        if bounds.len() != segments.len() + 1 {
-            return Err(ExecError::Plan(format!(
-                "{stage}: {} segments for {} buckets",
-                segments.len(),
-                bounds.len() - 1
-            )));
+        // segment k (forward order) is the plan's bucket n − 1 − k (the last layers' first)
+        let buckets = self.bucket_params(stage, &used)?;
+        if buckets.len() != segments.len() {
+            return Err(ExecError::Plan(format!("{stage}: {} segments for {} buckets", segments.len(), buckets.len())));
         }
-        let params = |k: usize| -> Range<usize> {
-            let before = |l: usize| per_layer[..l.min(per_layer.len())].iter().sum::<usize>();
-            before(bounds[k])..before(bounds[k + 1])
-        };
+        let params = |k: usize| buckets[buckets.len() - 1 - k].clone();
         let mut grad_out: Option<Act<B>> = None;
         for k in (0..segments.len()).rev() {
             let seg = &segments[k];
@@ -204,16 +201,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         group: GroupId,
         code: usize,
     ) -> Result<()> {
-        let plan = self.plan;
-        let s = plan.stage(stage).ok_or(ExecError::Plan(format!("the plan has no {stage}")))?;
         let st = self.state(stage)?;
         accumulate::<B>(&mut st.acc, grads.rest);
-        let per_layer: Vec<usize> = st.model()?.layers.iter().map(|l| layout::<B, _>(l).len()).collect();
-        let before = |l: usize| per_layer[..l.saturating_sub(s.layers[0]).min(per_layer.len())].iter().sum::<usize>();
+        let model = st.model()?.clone();
+        let buckets = self.bucket_params(stage, &model)?;
         let (keys, mut deferred) = grads.deferred.unwrap_or_default();
-        let n = s.gradient_buckets.len();
-        for (i, b) in s.gradient_buckets.iter().enumerate() {
-            let range = before(b.layers[0])..before(b.layers[1]);
+        let n = buckets.len();
+        for (i, range) in buckets.into_iter().enumerate() {
             let last = i + 1 == n;
             let part = if last {
                 std::mem::take(&mut deferred)
@@ -244,19 +238,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     ) -> Result<()> {
         let members = crate::collectives::members(self.plan, group)?;
         let st = self.state(stage)?;
-        let sizes = st.parameter_sizes()?;
-        let sizes =
-            sizes.get(range.clone()).ok_or(ExecError::Plan(format!("{stage}: a bucket past its parameters")))?;
-        let held: Vec<Option<Tensor<B::InnerBackend, 1>>> =
-            range.clone().map(|k| st.acc.get(k).cloned().flatten()).collect();
-        let mut flat = flatten_grads::<B>(&held, sizes)?;
-        flat.extend(held.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }));
-        let mut n_stats = 0;
-        if last {
-            let stats = st.statistics_message()?;
-            n_stats = stats.len();
-            flat.extend(stats);
-        }
+        let (flat, n_stats) = gradient_message(st, &st.parameter_sizes()?, range.clone(), last)?;
         let ticket = self.comm.start_collective(CollectiveKind::AllReduce, members, flat, self.reduce, Some(code))?;
         let b = self.buckets.entry(stage).or_insert_with(|| BucketsInFlight { parts: Vec::new(), n_stats: 0 });
         b.parts.push((ticket, range));
@@ -275,27 +257,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let dev = self.dev.clone();
         let st = self.state(stage)?;
         let sizes = st.parameter_sizes()?;
-        if st.acc.len() < sizes.len() {
-            st.acc.resize(sizes.len(), None);
-        }
         let n = b.parts.len();
         for (i, (ticket, range)) in b.parts.into_iter().enumerate() {
-            let mut data = ticket.wait()?;
-            if i + 1 == n {
-                let Some(at) = data.len().checked_sub(b.n_stats) else {
-                    return Err(ExecError::Missing("fewer gradients came back than were sent"));
-                };
-                let stats = data.split_off(at);
-                st.set_statistics(&stats, &dev)?;
-            }
-            let sizes = &sizes[range.clone()];
-            let Some(at) = data.len().checked_sub(sizes.len()) else {
-                return Err(ExecError::Missing("fewer gradients came back than were sent"));
-            };
-            let present = data.split_off(at);
-            for ((k, g), p) in range.zip(unflatten::<B::InnerBackend>(&data, sizes, &dev)?).zip(present) {
-                st.acc[k] = (p > 0.0).then_some(g);
-            }
+            let n_stats = if i + 1 == n { b.n_stats } else { 0 };
+            land_gradient_message(st, &sizes, range, ticket.wait()?, n_stats, &dev)?;
         }
         st.contributions *= members;
         Ok(())

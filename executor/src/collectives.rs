@@ -12,7 +12,7 @@ use crate::comm::Ticket;
 use crate::dense::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::params::{flatten_grads, host_f32, layout, unflatten};
-use crate::stage::{set_tied_gradient, set_tied_gradient_shard, tied_gradient, tied_gradient_shard};
+use crate::stage::{set_tied_gradient, set_tied_gradient_shard, tied_gradient, tied_gradient_shard, StageState};
 use crate::worker::Worker;
 
 /// A collective in flight: its result to come, and where it goes.
@@ -224,14 +224,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     fn gradients_out(&mut self, stage: StageId, members: usize) -> Result<(Vec<f32>, Landing)> {
         let st = self.state(stage)?;
         let sizes = st.parameter_sizes()?;
-        let mut flat = flatten_grads::<B>(&st.acc, &sizes)?;
-        // which parameters have a gradient here: one that none of the replicas reached (an
-        // expert no token chose) stays without one, so the optimizer skips it as on one
-        // device, while the zeros above keep the members' values lined up
-        flat.extend((0..sizes.len()).map(|k| if matches!(st.acc.get(k), Some(Some(_))) { 1.0 } else { 0.0 }));
-        let stats = st.statistics_message()?;
-        let n_stats = stats.len();
-        flat.extend(stats);
+        let (flat, n_stats) = gradient_message(st, &sizes, 0..sizes.len(), true)?;
         Ok((flat, Landing::Gradients { sizes, n_stats, members }))
     }
 
@@ -239,27 +232,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     fn gradients_in(
         &mut self,
         stage: StageId,
-        mut flat: Vec<f32>,
+        flat: Vec<f32>,
         sizes: &[usize],
         n_stats: usize,
         members: usize,
     ) -> Result<()> {
         let dev = self.dev.clone();
         let st = self.state(stage)?;
-        if flat.len() < n_stats {
-            return Err(ExecError::Missing("fewer gradients came back than were sent"));
-        }
-        let stats = flat.split_off(flat.len() - n_stats);
-        st.set_statistics(&stats, &dev)?;
-        let Some(at) = flat.len().checked_sub(sizes.len()) else {
-            return Err(ExecError::Missing("fewer gradients came back than were sent"));
-        };
-        let present = flat.split_off(at);
-        st.acc = unflatten::<B::InnerBackend>(&flat, sizes, &dev)?
-            .into_iter()
-            .zip(present)
-            .map(|(g, p)| (p > 0.0).then_some(g))
-            .collect();
+        land_gradient_message(st, sizes, 0..sizes.len(), flat, n_stats, &dev)?;
         st.contributions *= members;
         Ok(())
     }
@@ -306,4 +286,53 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         }
         Ok(())
     }
+}
+
+/// What a replica all-reduce of the parameters `range` of a stage carries (the whole
+/// stage's, or one gradient bucket's): their sums, zeros where a parameter has none; a
+/// presence flag each, so that a parameter none of the replicas reached (an expert no
+/// token chose) stays without a gradient and the optimizer skips it as on one device,
+/// while the zeros keep the members' values lined up; then, with `stats`, the stage's
+/// batch statistics. Returns the message and the statistics' count.
+pub(crate) fn gradient_message<B: ExecBackend>(
+    st: &StageState<B>,
+    sizes: &[usize],
+    range: std::ops::Range<usize>,
+    stats: bool,
+) -> Result<(Vec<f32>, usize)> {
+    let part = sizes.get(range.clone()).ok_or(ExecError::Plan("gradients past the stage's parameters".into()))?;
+    let held: Vec<_> = range.map(|k| st.acc.get(k).cloned().flatten()).collect();
+    let mut flat = flatten_grads::<B>(&held, part)?;
+    flat.extend(held.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }));
+    let mut n_stats = 0;
+    if stats {
+        let s = st.statistics_message()?;
+        n_stats = s.len();
+        flat.extend(s);
+    }
+    Ok((flat, n_stats))
+}
+
+/// A [`gradient_message`]'s sum back: the sums into the accumulator's `range` (none where
+/// no member had one), the `n_stats` batch statistics after them into the stage's.
+pub(crate) fn land_gradient_message<B: ExecBackend>(
+    st: &mut StageState<B>,
+    sizes: &[usize],
+    range: std::ops::Range<usize>,
+    mut data: Vec<f32>,
+    n_stats: usize,
+    dev: &B::Device,
+) -> Result<()> {
+    let short = || ExecError::Missing("fewer gradients came back than were sent");
+    let stats = data.split_off(data.len().checked_sub(n_stats).ok_or_else(short)?);
+    st.set_statistics(&stats, dev)?;
+    let part = sizes.get(range.clone()).ok_or(ExecError::Plan("gradients past the stage's parameters".into()))?;
+    let present = data.split_off(data.len().checked_sub(part.len()).ok_or_else(short)?);
+    if st.acc.len() < sizes.len() {
+        st.acc.resize(sizes.len(), None);
+    }
+    for ((k, g), p) in range.zip(unflatten::<B::InnerBackend>(&data, part, dev)?).zip(present) {
+        st.acc[k] = (p > 0.0).then_some(g);
+    }
+    Ok(())
 }
