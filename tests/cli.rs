@@ -1666,3 +1666,15 @@ fn a_torchvision_resnet_trains_one_step_as_torch_does_with_its_running_statistic
         export_equals(&name, &run, &dir.path().join(format!("{name}-torchvision")), &after);
     }
 }
+
+#[test]
+fn compile_lists_a_stages_gradient_buckets() {
+    // the executor benchmark's MLP on two replicas with 4 MiB buckets: a bucket per layer,
+    // the last layers' first (the output layer rides with the last hidden one)
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/specs/ddp-buckets.yaml");
+    let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(said.contains("gradients reduced in 8 buckets during the last backward (4.04 MiB, 4.00 MiB,"), "{said}");
+}
