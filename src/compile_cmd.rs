@@ -197,6 +197,16 @@ fn memory_table(plan: &pipec_plan::Plan) -> String {
     table(&with_memory)
 }
 
+/// Member 0's and member 1's positions, as ranges (`0..4 and 28..32 (member 0), …`).
+fn context_chunks(seq: usize, cp: usize) -> String {
+    let chunk = seq / (2 * cp).max(1);
+    let member = |c: usize| {
+        let late = 2 * cp - 1 - c;
+        format!("{}..{} and {}..{}", c * chunk, (c + 1) * chunk, late * chunk, (late + 1) * chunk)
+    };
+    format!("{} (c = 0), {} (c = 1), …", member(0), member(1))
+}
+
 fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
     let sim = &plan.simulation;
     let headroom = plan.memory_headroom();
@@ -215,6 +225,18 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         "  model: {} (a weight tied to an embedding counted once; a stage's figure counts the copy it holds)\n",
         pipec_plan::model::parameters_text(plan.layers.iter().map(|l| (&l.op, l.tied)))
     ));
+    let cp = plan.training.context_parallel;
+    if cp > 1 {
+        let seq = plan.model.input.first().copied().unwrap_or(0);
+        let (f, b) = plan.stages.iter().fold((0.0, 0.0), |(f, b), st| (f + st.context_s[0], b + st.context_s[1]));
+        s.push_str(&format!(
+            "  context parallelism: cp {cp} — each of the {} microbatches is {cp} chunk-microbatches, member c of each group of {cp} replicas computing positions {} of every sequence of {seq}; keys and values gathered in every forward ({:.1} µs per microbatch over the stages), their gradients sent back in every backward ({:.1} µs)\n",
+            plan.training.microbatches / cp,
+            context_chunks(seq, cp),
+            f * 1e6,
+            b * 1e6
+        ));
+    }
     // what the prediction assumes of a mixture of experts' routing
     if let Some(m) = plan.layers.iter().find_map(|l| l.op.moe()) {
         let capacity = if m.capacity > 0.0 {

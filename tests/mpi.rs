@@ -147,6 +147,17 @@ fn expert_parallelism_over_mpi_equals_in_process_exactly() {
 }
 
 #[test]
+fn context_parallelism_over_mpi_equals_in_process_exactly() {
+    // keys and values gathered between processes inside every attention (and their
+    // gradients sent back): a pipeline of two stages, each split over two members
+    // ("1-1" with cp 2: 4 devices), one stage over a group of three, and two data-parallel
+    // replicas of a group of two
+    equal_to_in_process_for(TIED_LM, "\"1-1\"\n  cp: 2", 4);
+    equal_to_in_process_with(TIED_LM, "\"1\"\n  cp: 3", 3, "gpipe");
+    equal_to_in_process_with(TIED_LM, "\"2\"\n  cp: 2", 4, "gpipe");
+}
+
+#[test]
 fn a_tied_language_model_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(TIED_LM, "straight", 2);
 }

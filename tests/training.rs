@@ -911,6 +911,57 @@ fn tensor_parallel_attention_equals_one_device() {
 }
 
 #[test]
+fn context_parallelism_equals_one_device_on_a_language_model() {
+    // each sequence cut into 2·cp chunks, member c holding chunks c and 2·cp − 1 − c: the
+    // learned positions, the rotary angles and the causal mask follow each position's
+    // place in the whole sequence, and attention gathers the group's keys and values
+    let lm = |block: &str| {
+        format!(
+            "- embedding(20, 16) as tokens\n    - pos_embedding\n    - repeat 2: {block}\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)"
+        )
+    };
+    for block in [
+        "transformer_block(d=16, heads=2, ff=32, causal=true)",
+        "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)",
+        "transformer_block(d=16, heads=2, ff=32)",
+    ] {
+        let layers = lm(block);
+        for (devices, stages, schedule) in [
+            (2, "\"1\"\n  cp: 2", "gpipe"),
+            (4, "\"1\"\n  cp: 4", "gpipe"),
+            (4, "\"2\"\n  cp: 2", "gpipe"),
+            (4, "\"1-1\"\n  cp: 2", "1f1b"),
+        ] {
+            assert_same_as_one_device(Job {
+                devices,
+                stages,
+                schedule,
+                optimizer: ADAM,
+                layers: &layers,
+                ..Job::default()
+            });
+        }
+    }
+    // with momentum, full recompute, an interleaved pipeline and tensor parallelism
+    let layers = lm("transformer_block(d=16, heads=2, ff=32, causal=true)");
+    for (devices, stages, schedule, recompute) in [
+        (4, "\"1-1\"\n  cp: 2", "gpipe", "true"),
+        (4, "\"1-1\"\n  cp: 2", "{ kind: interleaved, virtual_stages: 2 }", "false"),
+        (4, "\"1\"\n  cp: 2\n  tp: 2", "gpipe", "false"),
+    ] {
+        assert_same_as_one_device(Job {
+            devices,
+            stages,
+            schedule,
+            recompute,
+            optimizer: SGD,
+            layers: &layers,
+            ..Job::default()
+        });
+    }
+}
+
+#[test]
 fn llama_blocks_split_over_tensor_parallel_ranks_equal_one_device() {
     // grouped-query attention (4 query heads share 2 key/value heads, one per rank), rotary
     // embeddings, RMSNorm, a SwiGLU MLP whose gate and up columns split together, no biases;

@@ -86,6 +86,7 @@ pub(crate) fn assemble(
             },
             expert_parallel: stages.expert_parallel[s] as u32,
             all_to_all_s: [stages.ep_times[s].0, stages.ep_times[s].1],
+            context_s: [stages.cp_times[s].0, stages.cp_times[s].1],
             gradient_buckets: stages.buckets[s].clone(),
         })
         .collect();
@@ -173,6 +174,7 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
         batch_size: t.batch_size,
         microbatches: spec.strategy.microbatches,
         microbatch_size,
+        context_parallel: spec.strategy.cp.max(1),
         steps: t.steps,
         optimizer: t.optimizer,
         precision: t.precision,

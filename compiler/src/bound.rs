@@ -561,6 +561,9 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
     to.iter().find_map(|&d| nodes.get(&cluster.node_of(d)).map(|&f| (f, d))).unwrap_or((a, b))
 }
 
+/// What a model's costs depend on: (tp, samples per microbatch, ep, cp).
+type CostKey = (usize, usize, usize, usize);
+
 /// Work the candidates of one spec's strategy search share: the model's costs per
 /// (tensor-parallel degree, microbatch size) — all a candidate's strategy changes in them —
 /// and the balanced partitions of each; the placements (with what the bound reads of them)
@@ -568,7 +571,7 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 /// their strategy.
 #[derive(Default)]
 pub struct Memo {
-    pub(crate) models: rustc_hash::FxHashMap<(usize, usize, usize), (std::rc::Rc<ModelCosts>, Partitions)>,
+    pub(crate) models: rustc_hash::FxHashMap<CostKey, (std::rc::Rc<ModelCosts>, Partitions)>,
     placements: rustc_hash::FxHashMap<PlaceKey, std::rc::Rc<Placed>>,
     skeletons: rustc_hash::FxHashMap<SkeletonKey, std::rc::Rc<Skeleton>>,
     /// What a schedule's order keeps in flight on a view's devices, per view shape: the
@@ -769,8 +772,9 @@ impl Memo {
     ) -> Result<&mut (std::rc::Rc<ModelCosts>, Partitions), Vec<Diagnostic>> {
         let key = (
             spec.strategy.tp.max(1),
-            spec.training.batch_size / spec.strategy.microbatches.max(1),
+            spec.strategy.microbatch_size(spec.training.batch_size),
             spec.strategy.ep.max(1),
+            spec.strategy.cp.max(1),
         );
         Ok(match self.models.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),

@@ -51,6 +51,11 @@ pub struct LayerCost {
     /// expert-parallel group.
     pub ep_forward: Vec<(CollectiveKind, u64)>,
     pub ep_backward: Vec<(CollectiveKind, u64)>,
+    /// Context parallelism: a block's keys and values all-gathered over the group in a
+    /// forward, their gradients reduce-scattered back in a backward (bytes per member: the
+    /// gathered size).
+    pub cp_forward: Vec<(CollectiveKind, u64)>,
+    pub cp_backward: Vec<(CollectiveKind, u64)>,
     /// One optimizer update of the layer's parameters on one rank (its memory traffic).
     pub update_s: f64,
     /// The layer's parameters, whole.
@@ -90,6 +95,9 @@ pub struct CostContext<'a> {
     pub tp: usize,
     /// Expert-parallel degree: each device holds 1/ep of every expert block's experts.
     pub ep: usize,
+    /// Context-parallel degree: each device computes 1/cp of every sequence's positions
+    /// (the load-balanced split: an equal share of the causal attention work too).
+    pub cp: usize,
     pub sequence_parallel: bool,
     pub attention: Attention,
     /// Seconds a layer's forward costs beyond its kernels (its backward twice that): the
@@ -99,6 +107,14 @@ pub struct CostContext<'a> {
 
 fn numel(shape: &[usize]) -> f64 {
     shape.iter().product::<usize>() as f64
+}
+
+/// A device's share of a microbatch, in samples: with context parallelism 1/cp of every
+/// sample's positions (queries; attention reads every key), which costs what 1/cp of the
+/// samples would — each layer's work and what it keeps are per position, and a position's
+/// attention over the whole sequence is the same on any member.
+fn device_samples(cx: &CostContext<'_>) -> f64 {
+    cx.microbatch.max(1) as f64 / cx.cp.max(1) as f64
 }
 
 /// Forward FLOPs per sample of the whole layer.
@@ -265,7 +281,7 @@ struct Priced {
 
 /// Prices one layer's passes on one rank.
 fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Priced {
-    let b = cx.microbatch.max(1) as f64;
+    let b = device_samples(cx);
     let p = cx.precision.bytes() as f64;
     let new = || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0 };
     let (mut fwd, mut bwd, mut sel) = (new(), new(), new());
@@ -501,7 +517,7 @@ fn tp_collectives(node: &OpNode, split: TpSplit, cx: &CostContext<'_>) -> (Colle
     // for the cross-entropy (maximum, sum of exponentials, target logit; fp32) forward, its
     // input gradient summed backward
     let vocab = |cx: &CostContext<'_>| {
-        let b = cx.microbatch.max(1) as f64;
+        let b = device_samples(cx);
         let p = cx.precision.bytes() as f64;
         let bytes = |values: f64| (values * b * p) as u64;
         match node.op {
@@ -521,7 +537,7 @@ fn tp_collectives(node: &OpNode, split: TpSplit, cx: &CostContext<'_>) -> (Colle
         return (Vec::new(), Vec::new());
     }
     let p = cx.precision.bytes() as f64;
-    let b = cx.microbatch.max(1) as f64;
+    let b = device_samples(cx);
     let bytes = |values: f64| (values * b * p) as u64;
     match split {
         TpSplit::Block => {
@@ -568,6 +584,32 @@ fn ep_collectives(node: &OpNode, sp: bool, t: usize, cx: &CostContext<'_>) -> (C
     let bytes = (rows * h * cx.precision.bytes() as f64 / share) as u64;
     let both = vec![(CollectiveKind::AllToAll, bytes); 2];
     (both.clone(), both)
+}
+
+/// Context parallelism's exchanges inside a transformer block's passes, over its `cp`
+/// members: forward the keys and values of the whole sequence all-gathered (each member
+/// contributes its positions'), backward their gradients reduce-scattered back to the
+/// members that computed them. Bytes per member: the gathered keys and values of the
+/// microbatch on one tensor-parallel rank.
+fn cp_collectives(node: &OpNode, t: usize, cx: &CostContext<'_>) -> (Collectives, Collectives) {
+    let Some(blk) = node.op.block_dims().filter(|_| cx.cp > 1) else {
+        return (Vec::new(), Vec::new());
+    };
+    let s = node.input_shape.first().copied().unwrap_or(1) as f64;
+    let kv = blk.qkv_width.saturating_sub(blk.d) as f64;
+    let bytes = (cx.microbatch.max(1) as f64 * s * kv * cx.precision.bytes() as f64 / t.max(1) as f64) as u64;
+    (vec![(CollectiveKind::AllGather, bytes)], vec![(CollectiveKind::ReduceScatter, bytes)])
+}
+
+/// Bytes a context-parallel member keeps per sample of what one device keeps (`kept`):
+/// 1/cp of it (its positions), and a block's keys and values gathered from the others.
+fn context_kept(kept: f64, node: &OpNode, p: f64, t: usize, cp: usize) -> f64 {
+    let cp = cp.max(1) as f64;
+    let gathered = node.op.block_dims().map_or(0.0, |blk| {
+        let s = node.input_shape.first().copied().unwrap_or(1) as f64;
+        blk.qkv_width.saturating_sub(blk.d) as f64 * s * p / t.max(1) as f64 * (1.0 - 1.0 / cp)
+    });
+    kept / cp + gathered
 }
 
 /// The parameters one rank holds, and the part of them that is routed experts: its
@@ -637,6 +679,9 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
             let params = node.op.parameter_count();
             let (shard, experts) = rank_parameters(&node.op, split, cx.tp, cx.ep);
             let (kept, core) = kept_bytes(node, p as f64, t, sp, cx.attention, cx.ep);
+            let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
+            let cp = cx.cp.max(1) as f64;
+            let (kept, core) = (context_kept(kept, node, p as f64, t, cx.cp), core / cp);
             let update_s = if shard > 0 { cx.device.memory_time(shard as f64 * update_bytes) } else { 0.0 };
             LayerCost {
                 forward_flops_per_sample: forward_flops(node),
@@ -648,6 +693,8 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 tp_backward,
                 ep_forward,
                 ep_backward,
+                cp_forward,
+                cp_backward,
                 update_s,
                 parameters: params,
                 shard_parameters: shard,
@@ -655,11 +702,11 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 parameter_bytes: shard * p as u64,
                 activation_bytes_per_sample: kept as u64,
                 attention_core_bytes_per_sample: core as u64,
-                output_bytes_per_sample: (numel(&node.output_shape) * p as f64) as u64,
+                output_bytes_per_sample: (numel(&node.output_shape) * p as f64 / cp) as u64,
                 loss_input_bytes_per_sample: match (last, split) {
                     (false, _) => 0,
-                    (true, TpSplit::Vocab) => (numel(&node.output_shape) / cx.tp.max(1) as f64 * 4.0) as u64,
-                    (true, _) => (numel(&node.output_shape) * p as f64) as u64,
+                    (true, TpSplit::Vocab) => (numel(&node.output_shape) / cx.tp.max(1) as f64 * 4.0 / cp) as u64,
+                    (true, _) => (numel(&node.output_shape) * p as f64 / cp) as u64,
                 },
             }
         })
@@ -788,6 +835,7 @@ mod tests {
                 microbatch: 4,
                 tp: 1,
                 ep: 1,
+                cp: 1,
                 sequence_parallel: false,
                 attention: Attention::Standard,
                 overhead: 0.0,
@@ -816,6 +864,49 @@ mod tests {
         device.functions = Default::default();
         let fast = price(&block, TpSplit::Replicated, false, &cx(&device));
         assert!(slow.forward > fast.forward && slow.backward > fast.backward);
+    }
+
+    #[test]
+    fn context_parallelism_prices_a_members_positions_and_gathers_keys_and_values() {
+        // Llama's block (grouped keys and values: 8 of 32 heads), 8192 positions, bf16, on
+        // a uniform device (one rate, no size effect): a member of cp 4 computes its 2048
+        // queries against all 8192 keys — exactly what a quarter of the samples would cost
+        let device = DeviceModel::uniform("x", 1e12, 1e12);
+        let cx = |microbatch: usize, cp: usize, attention: Attention| CostContext {
+            device: &device,
+            precision: Precision::Bf16,
+            grad_precision: Precision::Fp32,
+            optimizer: OptimizerKind::Adam,
+            loss: Loss::CrossEntropy,
+            microbatch,
+            tp: 1,
+            ep: 1,
+            cp,
+            sequence_parallel: false,
+            attention,
+            overhead: 0.0,
+        };
+        let n = node(Op::llama_block(4096, 32, 8, 14336), vec![8192, 4096]);
+        for attention in [Attention::Standard, Attention::Flash] {
+            let whole = price(&n, TpSplit::Replicated, false, &cx(4, 1, attention));
+            let member = price(&n, TpSplit::Replicated, false, &cx(4, 4, attention));
+            let one_sample = price(&n, TpSplit::Replicated, false, &cx(1, 1, attention));
+            assert!((member.forward - one_sample.forward).abs() <= 1e-12 * whole.forward);
+            assert!((member.backward - whole.backward / 4.0).abs() <= 1e-9 * whole.backward);
+        }
+        // forward: the keys and values of the whole sequence gathered (8 heads of 128, both,
+        // bf16, 4 samples); backward their gradients reduce-scattered back
+        let kv = (4 * 8192 * 2 * 8 * 128 * 2) as u64;
+        assert_eq!(
+            cp_collectives(&n, 1, &cx(4, 4, Attention::Flash)),
+            (vec![(CollectiveKind::AllGather, kv)], vec![(CollectiveKind::ReduceScatter, kv)])
+        );
+        assert_eq!(cp_collectives(&n, 1, &cx(4, 1, Attention::Flash)), (Vec::new(), Vec::new()));
+        // memory per sample: a quarter of one device's, and the other members' keys and values
+        let (kept, _) = kept_bytes(&n, 2.0, 1, false, Attention::Flash, 1);
+        let gathered = (8192 * 2 * 8 * 128 * 2) as f64 * 0.75;
+        assert_eq!(context_kept(kept, &n, 2.0, 1, 4), kept / 4.0 + gathered);
+        assert_eq!(context_kept(kept, &n, 2.0, 1, 1), kept);
     }
 
     #[test]
@@ -856,6 +947,7 @@ mod tests {
             microbatch: 1,
             tp: 1,
             ep,
+            cp: 1,
             sequence_parallel: false,
             attention: Attention::Flash,
             overhead: 0.0,

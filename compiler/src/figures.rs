@@ -21,6 +21,9 @@ pub(crate) struct StageFigures {
     /// (forward, backward) seconds per microbatch of the expert-parallel all-to-alls the
     /// stage's passes wait for (0 without expert parallelism).
     pub(crate) ep_times: Vec<(f64, f64)>,
+    /// (forward, backward) seconds per microbatch of the context-parallel exchanges of keys
+    /// and values the stage's passes wait for (0 without context parallelism).
+    pub(crate) cp_times: Vec<(f64, f64)>,
     /// Bytes of the stage's routed experts' gradients one rank holds: summed over the
     /// replicas holding the same experts (`ep` apart), the rest over all of them.
     pub(crate) expert_gradients: Vec<u64>,
@@ -159,6 +162,24 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             };
             let c = &costs[r.clone()];
             (c.iter().map(|c| time(&c.ep_forward)).sum(), c.iter().map(|c| time(&c.ep_backward)).sum())
+        })
+        .collect();
+    // context parallelism: each microbatch's group is `cp` consecutive replicas of the
+    // stage's pipeline rank (one chunk of the microbatch each)
+    let cp = spec.strategy.cp.max(1);
+    let cp_ranks = if cp > 1 { crate::place::rank_devices(&layout.replicas, tp) } else { Vec::new() };
+    let cp_times: Vec<(f64, f64)> = layout
+        .ranges
+        .iter()
+        .enumerate()
+        .map(|(c, r)| {
+            let Some(m) = cp_ranks.get(chunks.rank_of_chunk(c, cp_ranks.len())) else { return (0.0, 0.0) };
+            let members = &m[..cp.min(m.len())];
+            let time = |list: &[(CollectiveKind, u64)]| {
+                list.iter().map(|&(k, b)| model.cluster.collective_time(k, members, b)).sum::<f64>()
+            };
+            let c = &costs[r.clone()];
+            (c.iter().map(|c| time(&c.cp_forward)).sum(), c.iter().map(|c| time(&c.cp_backward)).sum())
         })
         .collect();
     let expert_parallel: Vec<usize> = layout
@@ -339,5 +360,16 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     let buckets = gradient_buckets(spec, model, layout, &stage_replicas, |c| {
         c.backward_s + if selective { c.selective_s } else { 0.0 }
     });
-    StageFigures { times, tp_times, ep_times, expert_gradients, expert_parallel, update, output_bytes, bytes, buckets }
+    StageFigures {
+        times,
+        tp_times,
+        ep_times,
+        cp_times,
+        expert_gradients,
+        expert_parallel,
+        update,
+        output_bytes,
+        bytes,
+        buckets,
+    }
 }

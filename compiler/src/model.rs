@@ -28,7 +28,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
     let precision = spec.training.precision.bytes();
     let graph = ir::lower(&spec.model, precision);
     let cluster = ClusterGraph::new(&spec.cluster);
-    let microbatch_size = spec.training.batch_size / spec.strategy.microbatches.max(1);
+    let microbatch_size = spec.strategy.microbatch_size(spec.training.batch_size);
     let cx = CostContext {
         device: &cluster.device,
         precision: spec.training.precision,
@@ -38,6 +38,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         microbatch: microbatch_size,
         tp: spec.strategy.tp.max(1),
         ep: spec.strategy.ep.max(1),
+        cp: spec.strategy.cp.max(1),
         sequence_parallel: spec.strategy.sequence_parallel,
         attention: spec.model.attention,
         overhead: spec.cluster.overhead,

@@ -517,7 +517,7 @@ pub(crate) fn partition_layers(
         Partition::Auto if !strategy.layout_fixed && v == 1 && kind.auto_replicates() => {
             let tp = strategy.tp.max(1);
             let machines = cluster.device_count() / tp;
-            let mb = spec.training.batch_size / strategy.microbatches.max(1);
+            let mb = strategy.microbatch_size(spec.training.batch_size);
             // a tensor-parallel member holds its shard of each layer's weights, optimizer
             // state and activations (the cost model's per-rank figures), and reduces its
             // shard's gradient

@@ -182,6 +182,7 @@ pub fn verify_periodic(
             // asynchronous schedules are not expert-parallel (the front end's E0419)
             expert_parallel: &[],
             chunks: pipec_plan::schedule::ChunkPlacement::RoundRobin,
+            context_parallel: 1,
         });
         out.extend(violations.into_iter().map(|v| format!("unrolled over {k} step(s): {}", v.message)));
     }

@@ -20,6 +20,8 @@ pub(crate) struct PlanCost<'a> {
     pub(crate) stage_tp: &'a [(f64, f64)],
     /// Per stage, the expert-parallel all-to-alls' seconds in a forward and a backward.
     pub(crate) stage_ep: &'a [(f64, f64)],
+    /// Per stage, the context-parallel exchanges' seconds in a forward and a backward.
+    pub(crate) stage_cp: &'a [(f64, f64)],
     /// Expert parallelism: the replica groups whose gradient all-reduce sums the stage's
     /// routed experts' part (these bytes) only over the members holding the same experts
     /// (those, and their shape on the cluster).
@@ -52,6 +54,7 @@ impl<'a> PlanCost<'a> {
             stage_fb: &stages.times,
             stage_tp: &stages.tp_times,
             stage_ep: &stages.ep_times,
+            stage_cp: &stages.cp_times,
             expert_groups: HashMap::new(),
             ep: spec.strategy.ep.max(1),
             chunks: spec.strategy.schedule.kind.chunk_placement(),
@@ -115,7 +118,8 @@ impl CostModel for PlanCost<'_> {
         let (f, b) = self.stage_fb.get(s).copied().unwrap_or((0.0, 0.0));
         let (tp_f, tp_b) = self.stage_tp.get(s).copied().unwrap_or((0.0, 0.0));
         let (ep_f, ep_b) = self.stage_ep.get(s).copied().unwrap_or((0.0, 0.0));
-        let (tp_f, tp_b) = (tp_f + ep_f, tp_b + ep_b);
+        let (cp_f, cp_b) = self.stage_cp.get(s).copied().unwrap_or((0.0, 0.0));
+        let (tp_f, tp_b) = (tp_f + ep_f + cp_f, tp_b + ep_b + cp_b);
         match instr.phase() {
             Phase::Forward | Phase::Recompute => f + tp_f,
             Phase::Backward => b + tp_b,

@@ -40,6 +40,7 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
             forward_only: false,
             expert_parallel: &lowered.expert_parallel,
             chunks: kind.chunk_placement(),
+            context_parallel: strategy.cp.max(1),
         })
         .into_iter()
         .map(|v| v.message)
@@ -51,7 +52,7 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
             lowered
                 .eval
                 .iter()
-                .flat_map(|eval| verify_eval(eval, placement, strategy.tp.max(1)))
+                .flat_map(|eval| verify_eval(eval, placement, strategy.tp.max(1), strategy.cp.max(1)))
                 .map(|v| format!("validation: {v}")),
         )
         .collect();
@@ -77,7 +78,7 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
 
 /// Validation's forward-only streams through the verifier: each forward once on its routed
 /// device, data flow, messages, and no deadlock.
-fn verify_eval(streams: &BTreeMap<DeviceId, Vec<Instr>>, placement: &Placement, tp: usize) -> Vec<String> {
+fn verify_eval(streams: &BTreeMap<DeviceId, Vec<Instr>>, placement: &Placement, tp: usize, cp: usize) -> Vec<String> {
     let none = vec![false; placement.stages()];
     verify(&VerifyInput {
         streams,
@@ -92,6 +93,7 @@ fn verify_eval(streams: &BTreeMap<DeviceId, Vec<Instr>>, placement: &Placement, 
         forward_only: true,
         expert_parallel: &[],
         chunks: pipec_plan::schedule::ChunkPlacement::RoundRobin,
+        context_parallel: cp,
     })
     .into_iter()
     .map(|v| v.message)
@@ -131,7 +133,9 @@ pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
     .into_iter()
     .chain(plan.eval.iter().flat_map(|eval| {
         let tp = plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len);
-        verify_eval(eval, &placement_of(plan), tp).into_iter().map(|v| format!("validation: {v}"))
+        verify_eval(eval, &placement_of(plan), tp, plan.training.context_parallel.max(1))
+            .into_iter()
+            .map(|v| format!("validation: {v}"))
     }))
     .collect()
 }
@@ -174,6 +178,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         forward_only: false,
         expert_parallel: &expert_parallel,
         chunks: kind.chunk_placement(),
+        context_parallel: plan.training.context_parallel.max(1),
     };
     verify(&input).into_iter().map(|v| v.message).collect()
 }

@@ -55,6 +55,10 @@ pub struct VerifyInput<'a> {
     pub expert_parallel: &'a [usize],
     /// How the schedule places its chunks (which replicas form an expert group).
     pub chunks: pipec_plan::schedule::ChunkPlacement,
+    /// Context parallelism (1: none): every stage's replicas in groups of this many
+    /// consecutive ones, member c running chunk-microbatch m·cp + c of each microbatch m
+    /// its group runs, the members gathering keys and values inside every pass.
+    pub context_parallel: usize,
 }
 
 impl VerifyInput<'_> {
@@ -679,15 +683,20 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     }
 }
 
-/// Expert parallelism: the members of an expert-parallel group exchange tokens in
-/// all-to-alls inside every forward, recompute and input-gradient backward of their expert
-/// stages, matched by order on each member's communication engine. So every member of a
-/// group runs those passes in the same order: the same stage and kind of pass at each
-/// position, on its k-th microbatch of the stage when the others run theirs.
+/// Expert and context parallelism: the members of an expert-parallel group exchange tokens
+/// in all-to-alls inside every forward, recompute and input-gradient backward of their
+/// expert stages, and a context-parallel group's members gather keys and values inside
+/// every pass of every stage, matched by order on each member's communication engine. So
+/// every member of a group runs those passes in the same order: the same stage and kind of
+/// pass at each position, on its k-th microbatch of the stage when the others run theirs
+/// (context parallelism: on its own chunk of the same microbatch, member c on chunk c).
 fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     let p = input.placement;
-    let ep_of = |s: usize| input.expert_parallel.get(s).copied().unwrap_or(1).max(1);
-    // (stage, microbatch) → its position among the microbatches its replica runs
+    let cp = input.context_parallel.max(1);
+    let ep_of = |s: usize| if cp > 1 { cp } else { input.expert_parallel.get(s).copied().unwrap_or(1).max(1) };
+    let exchange = if cp > 1 { "context-parallel exchange" } else { "expert-parallel all-to-all" };
+    // (stage, microbatch) → its position among the microbatches its replica runs (context
+    // parallelism: the microbatch whose chunk it is)
     let local: FxHashMap<(usize, usize), usize> = (0..p.stages())
         .filter(|&s| ep_of(s) > 1)
         .flat_map(|s| {
@@ -696,11 +705,33 @@ fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 .map(|m| {
                     let k = seen.entry(p.device_of(s, m)).or_insert(0);
                     *k += 1;
-                    ((s, m), *k - 1)
+                    ((s, m), if cp > 1 { m / cp } else { *k - 1 })
                 })
                 .collect::<Vec<_>>()
         })
         .collect();
+    if cp > 1 {
+        // chunk c of every microbatch on the member at position c of its group
+        for s in 0..p.stages() {
+            for m in 0..p.microbatches {
+                let d = p.device_of(s, m);
+                let at = p.replicas[s].iter().position(|r| *r == d);
+                if at.is_none_or(|i| i % cp != m % cp) {
+                    out.push(Violation {
+                        device: Some(d),
+                        index: None,
+                        message: format!(
+                            "{}: chunk-microbatch {m} (chunk {} of microbatch {}) runs on {d}, which is not at position {} of a context-parallel group of {cp}",
+                            StageId(s as u32),
+                            m % cp,
+                            m / cp,
+                            m % cp
+                        ),
+                    });
+                }
+            }
+        }
+    }
     let exchanges = |d: DeviceId| -> Vec<(usize, (StageId, u8, usize))> {
         let Some(stream) = input.streams.get(&d) else { return Vec::new() };
         stream
@@ -728,7 +759,7 @@ fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 out.push(Violation {
                     device: None,
                     index: None,
-                    message: format!("{}: its replicas do not form expert groups of {}", StageId(s as u32), ep_of(s)),
+                    message: format!("{}: its replicas do not form groups of {}", StageId(s as u32), ep_of(s)),
                 });
                 continue;
             };
@@ -751,7 +782,7 @@ fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                         d,
                         index,
                         format!(
-                            "expert-parallel all-to-all {k} of {d} comes from {}, where {first} (its group's first member) runs {}: the group's members must run their expert stages' passes in the same order",
+                            "{exchange} {k} of {d} comes from {}, where {first} (its group's first member) runs {}: the group's members must run their passes in the same order",
                             what(mine.get(k), d),
                             what(reference.get(k), first)
                         ),

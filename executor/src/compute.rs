@@ -109,7 +109,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> {
                 Ok(comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?)
             };
-            let mut side = crate::layers::Collected::default();
+            let mut side =
+                crate::layers::Collected { context: self.contexts.get(&stage).cloned(), ..Default::default() };
             let segments = crate::tensor_parallel::forward(model, x, training, key, &mut sum, &mut side)?;
             if side.aux.is_some() {
                 return Err(ExecError::Plan("a tensor-parallel stage cannot train a load-balancing loss".into()));
@@ -166,7 +167,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         if let Some(cuts) = self.bucket_cuts(stage) {
             return self.forward_segmented(stage, mb, model, x, key, &cuts);
         }
-        let mut side = crate::layers::Collected { experts: self.experts.get(&stage).cloned(), ..Default::default() };
+        let mut side = crate::layers::Collected {
+            experts: self.experts.get(&stage).cloned(),
+            context: self.contexts.get(&stage).cloned(),
+            ..Default::default()
+        };
         let out = model.forward(x, training, key, &mut side)?;
         let crate::layers::Collected { stats, aux, expert_tokens, .. } = side;
         if is_last {
@@ -218,6 +223,22 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok(Some((correct as f64, labels.len() as f64)))
     }
 
+    /// The first failure of an expert or context-parallel exchange inside a backward of
+    /// `stage` (a backward cannot return one; the exchange records it).
+    pub(crate) fn exchange_failure(&self, stage: StageId) -> Result<()> {
+        let failure = self
+            .experts
+            .get(&stage)
+            .and_then(crate::experts::ExpertGroup::take_failure)
+            .or_else(|| self.contexts.get(&stage).and_then(crate::context::Context::take_failure));
+        match failure {
+            Some(e) => Err(ExecError::Transport(crate::transport::TransportError::Other(format!(
+                "an exchange with the group in the backward of {stage} failed: {e}"
+            )))),
+            None => Ok(()),
+        }
+    }
+
     /// The mean loss of a microbatch's output (tracked).
     pub(crate) fn loss(&self, mb: MicrobatchId, out: Act<B>) -> Result<Tensor<B, 1>> {
         let y = self.labels.get(&mb).ok_or(ExecError::Missing("the labels of this microbatch were not loaded"))?;
@@ -261,11 +282,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             (backward_into_sums::<B>(&mut self.state(stage)?.acc, &keys, || target.backward()), None)
         };
         // an expert exchange inside the backward records its failure instead of returning it
-        if let Some(e) = self.experts.get(&stage).and_then(crate::experts::ExpertGroup::take_failure) {
-            return Err(ExecError::Transport(crate::transport::TransportError::Other(format!(
-                "an expert exchange in the backward of {stage} failed: {e}"
-            ))));
-        }
+        self.exchange_failure(stage)?;
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         if stage.0 > 0 {
             let g = input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb))?

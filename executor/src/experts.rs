@@ -36,9 +36,22 @@ impl ExpertGroup {
     /// replicas `ChunkPlacement::expert_group` puts it with (their tensor-parallel ranks of
     /// the same rank).
     pub fn of(plan: &Plan, stage: StageId, device: DeviceId, exchanger: &Exchanger) -> Option<ExpertGroup> {
+        let ep = plan.stage(stage)?.expert_parallel as usize;
+        ExpertGroup::sized(plan, stage, device, exchanger, ep)
+    }
+
+    /// The group of `size` replicas of `stage` that `device` is one of (None for a size of
+    /// 1): the replicas `ChunkPlacement::expert_group` puts it with, their tensor-parallel
+    /// ranks of the same rank (context parallelism's groups too, `crate::context`).
+    pub fn sized(
+        plan: &Plan,
+        stage: StageId,
+        device: DeviceId,
+        exchanger: &Exchanger,
+        size: usize,
+    ) -> Option<ExpertGroup> {
         let s = plan.stage(stage)?;
-        let ep = s.expert_parallel as usize;
-        if ep <= 1 {
+        if size <= 1 {
             return None;
         }
         let (i, rank) = match s.replicas.iter().position(|d| *d == device) {
@@ -49,7 +62,7 @@ impl ExpertGroup {
                 .enumerate()
                 .find_map(|(i, g)| g.iter().position(|d| *d == device).map(|r| (i, r)))?,
         };
-        let (group, position) = plan.schedule.kind.chunk_placement().expert_group(i, ep);
+        let (group, position) = plan.schedule.kind.chunk_placement().expert_group(i, size);
         let members: Vec<DeviceId> = group
             .into_iter()
             .map(|j| s.tensor_parallel.get(j).and_then(|g| g.get(rank)).copied().or(s.replicas.get(j).copied()))

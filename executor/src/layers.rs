@@ -293,11 +293,14 @@ pub struct Collected<B: Backend> {
     pub expert_tokens: Vec<(usize, Vec<u64>)>,
     /// Expert parallelism: the stage's group, with which the blocks exchange tokens.
     pub experts: Option<crate::experts::ExpertGroup>,
+    /// Context parallelism: the stage's group, whose keys and values attention gathers,
+    /// and this member's positions.
+    pub context: Option<crate::context::Context>,
 }
 
 impl<B: Backend> Default for Collected<B> {
     fn default() -> Self {
-        Collected { stats: Vec::new(), aux: None, expert_tokens: Vec::new(), experts: None }
+        Collected { stats: Vec::new(), aux: None, expert_tokens: Vec::new(), experts: None, context: None }
     }
 }
 
@@ -313,14 +316,30 @@ pub struct Mlp<B: Backend> {
 /// `causal`, a key after its query gets weight 0 (its score is pushed to -1e9 first, which
 /// leaves the same softmax and gradient as removing it, without -∞ arithmetic).
 pub(crate) fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, dh: usize, causal: bool) -> Tensor<B, 4> {
+    let s = q.dims()[2];
+    let positions: Vec<usize> = (0..s).collect();
+    attention_at(q, k, dh, causal.then_some((&positions, &positions)))
+}
+
+/// [`attention`] with the causal mask given by each query's and each key's position in the
+/// sequence (context parallelism: a member's queries against the gathered keys, in
+/// member order); None: no mask.
+pub(crate) fn attention_at<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    dh: usize,
+    causal: Option<(&[usize], &[usize])>,
+) -> Tensor<B, 4> {
     let scores = q.matmul(k.swap_dims(2, 3)) / (dh as f64).sqrt();
-    let scores = if causal {
-        let [_, _, s, _] = scores.dims();
-        let dev = scores.device();
-        let mask: Vec<f32> = (0..s * s).map(|i| if i % s > i / s { -1e9 } else { 0.0 }).collect();
-        scores + Tensor::<B, 2>::from_data(TensorData::new(mask, [s, s]), &dev).unsqueeze::<4>()
-    } else {
-        scores
+    let scores = match causal {
+        Some((queries, keys)) => {
+            let dev = scores.device();
+            let mask: Vec<f32> =
+                queries.iter().flat_map(|&qp| keys.iter().map(move |&kp| if kp > qp { -1e9 } else { 0.0 })).collect();
+            scores
+                + Tensor::<B, 2>::from_data(TensorData::new(mask, [queries.len(), keys.len()]), &dev).unsqueeze::<4>()
+        }
+        None => scores,
     };
     activation::softmax(scores, 3)
 }
@@ -336,10 +355,16 @@ pub(crate) fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B
 /// [batch, heads, seq, dh] queries or keys: features i and i + dh/2 of position p rotate by
 /// p·θ^(−2i/dh).
 pub(crate) fn rotary<B: Backend>(x: Tensor<B, 4>, theta: f64) -> Tensor<B, 4> {
+    let s = x.dims()[2];
+    rotary_at(x, theta, &(0..s).collect::<Vec<_>>())
+}
+
+/// [`rotary`] for rows at the given positions of the sequence (context parallelism).
+pub(crate) fn rotary_at<B: Backend>(x: Tensor<B, 4>, theta: f64, positions: &[usize]) -> Tensor<B, 4> {
     let [_, _, s, dh] = x.dims();
     let half = dh / 2;
     let (mut cos, mut sin) = (Vec::with_capacity(s * dh), Vec::with_capacity(s * dh));
-    for p in 0..s {
+    for &p in positions {
         for j in 0..dh {
             let i = j % half;
             // in f64, rounded once, as the reference computes its angles in f32 from
@@ -363,7 +388,7 @@ impl<B: Kernels> Block<B> {
     /// The attention's context [batch, seq, heads·dh] from the fused QKV projection's output
     /// [batch, seq, (heads + 2·kv_heads)·dh]: rotary embeddings on queries and keys, each
     /// key/value head shared by `heads / kv_heads` query heads.
-    pub(crate) fn attend(&self, qkv: Tensor<B, 3>) -> Tensor<B, 3> {
+    pub(crate) fn attend(&self, qkv: Tensor<B, 3>, context: Option<&crate::context::Context>) -> Result<Tensor<B, 3>> {
         let [b, s, width] = qkv.dims();
         let (h, kv) = (self.heads.max(1), self.kv_heads.max(1));
         let dh = width / (h + 2 * kv);
@@ -371,23 +396,49 @@ impl<B: Kernels> Block<B> {
             qkv.clone().narrow(2, start * dh, heads * dh).reshape([b, s, heads, dh]).swap_dims(1, 2)
         };
         let (mut q, mut k, mut v) = (part(0, h), part(h, kv), part(h + kv, kv));
+        // context parallelism: this member's positions, and every member's keys and values
+        let positions = context.map(|c| c.positions(s));
         if self.rope != 0.0 {
-            q = rotary(q, self.rope);
-            k = rotary(k, self.rope);
+            match &positions {
+                Some(p) => {
+                    q = rotary_at(q, self.rope, p);
+                    k = rotary_at(k, self.rope, p);
+                }
+                None => {
+                    q = rotary(q, self.rope);
+                    k = rotary(k, self.rope);
+                }
+            }
         }
+        let keys = match context {
+            Some(c) => {
+                k = c.gather(k)?;
+                v = c.gather(v)?;
+                Some(c.key_positions(s))
+            }
+            None => None,
+        };
+        let sk = k.dims()[2];
         if kv != h {
             // key/value head j serves query heads j·g .. (j+1)·g
             let g = h / kv;
-            let repeat = |t: Tensor<B, 4>| t.unsqueeze_dim::<5>(2).repeat_dim(2, g).reshape([b, h, s, dh]);
+            let repeat = |t: Tensor<B, 4>| t.unsqueeze_dim::<5>(2).repeat_dim(2, g).reshape([b, h, sk, dh]);
             k = repeat(k);
             v = repeat(v);
         }
-        let context = if self.recompute_core {
-            B::attention_recomputed(q, k, v, dh, self.causal)
-        } else {
-            attention(q, k, dh, self.causal).matmul(v)
+        let context = match (positions, keys) {
+            (Some(qp), Some(kp)) => {
+                if self.recompute_core {
+                    return Err(ExecError::Plan(
+                        "selective recompute and flash attention are not built with context parallelism yet".into(),
+                    ));
+                }
+                attention_at(q, k, dh, self.causal.then_some((&qp[..], &kp[..]))).matmul(v)
+            }
+            _ if self.recompute_core => B::attention_recomputed(q, k, v, dh, self.causal),
+            _ => attention(q, k, dh, self.causal).matmul(v),
         };
-        context.swap_dims(1, 2).reshape([b, s, h * dh])
+        Ok(context.swap_dims(1, 2).reshape([b, s, h * dh]))
     }
 
     /// The MLP's activation on the up projection's output (gated: act(gate) ⊙ up).
@@ -412,12 +463,12 @@ impl<B: Kernels> Block<B> {
 
     fn forward(&self, x: Tensor<B, 3>, training: bool, side: &mut Collected<B>) -> Result<Tensor<B, 3>> {
         if self.post_norm {
-            let ctx = self.attend(self.qkv.forward3(x.clone()));
+            let ctx = self.attend(self.qkv.forward3(x.clone()), side.context.as_ref())?;
             let h = self.norm1.forward(x + self.proj.forward3(ctx));
             let m = self.feed_forward(h.clone(), training, side)?;
             return Ok(self.norm2.forward(h + m));
         }
-        let ctx = self.attend(self.qkv.forward3(self.norm1.forward(x.clone())));
+        let ctx = self.attend(self.qkv.forward3(self.norm1.forward(x.clone())), side.context.as_ref())?;
         let x = x + self.proj.forward3(ctx);
         let m = self.feed_forward(self.norm2.forward(x.clone()), training, side)?;
         Ok(x + m)
@@ -999,7 +1050,16 @@ impl<B: Kernels> Layer<B> {
             },
             (Layer::PosEmbedding(e), Act::D3(t)) => {
                 let [_, s, d] = t.dims();
-                Act::D3(t + e.weight.val().narrow(0, 0, s).reshape([1, s, d]))
+                let rows = match &side.context {
+                    // context parallelism: the rows of this member's positions
+                    Some(c) => {
+                        let at: Vec<i64> = c.positions(s).into_iter().map(|p| p as i64).collect();
+                        let dev = t.device();
+                        e.weight.val().select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(at, [s]), &dev))
+                    }
+                    None => e.weight.val().narrow(0, 0, s),
+                };
+                Act::D3(t + rows.reshape([1, s, d]))
             }
             (Layer::Lstm(l), Act::D3(t)) => Act::D3(l.forward(t)),
             (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t, training, side)?),

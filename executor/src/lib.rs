@@ -11,6 +11,7 @@ mod clip;
 mod collectives;
 pub mod comm;
 mod compute;
+pub mod context;
 pub mod data;
 pub mod dense;
 pub mod error;

@@ -363,6 +363,7 @@ fn attention_half<B: ExecBackend>(
     b: &Block<B>,
     x: Tensor<B, 3>,
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+    context: Option<&crate::context::Context>,
 ) -> Result<Tensor<B, 3>> {
     // pre-norm: x + attention(norm(x)); post-norm: x + attention(x), normed by the caller
     let input = if b.post_norm { x.clone() } else { b.norm1.forward(x.clone()) };
@@ -374,7 +375,7 @@ fn attention_half<B: ExecBackend>(
             ))
         }
     };
-    let ctx = b.attend(qkv);
+    let ctx = b.attend(qkv, context)?;
     let a = b.proj.add_bias(g(b.proj.matmul_only(Act::D3(ctx))?, reduce)?);
     match a {
         Act::D3(a) => Ok(x + a),
@@ -494,7 +495,7 @@ pub fn forward<B: ExecBackend>(
                 let Act::D3(t) = cur.clone() else {
                     return Err(ExecError::Shape("a transformer block needs [batch, seq, d]".into()));
                 };
-                let h = Act::D3(attention_half(b, t, reduce)?);
+                let h = Act::D3(attention_half(b, t, reduce, side.context.as_ref())?);
                 segments.push(Segment { leaf: leaf.clone(), out: h.clone(), boundary });
                 leaf = fresh(&h);
                 // post-norm: the norm of the residual sum is its own segment, replicated,

@@ -115,6 +115,8 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     pub(crate) evaluating: Option<usize>,
     /// Expert parallelism: this device's group for each expert-parallel stage it holds.
     pub(crate) experts: HashMap<StageId, crate::experts::ExpertGroup>,
+    /// Context parallelism: per stage, this device's group and positions.
+    pub(crate) contexts: HashMap<StageId, crate::context::Context>,
     /// Gradient buckets: the step's backwards (positions) whose stage's all-reduce over
     /// the group runs in buckets (`buckets`), and the buckets started, per stage.
     pub(crate) bucketed: HashMap<usize, GroupId>,
@@ -140,8 +142,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .keys()
             .filter_map(|s| crate::experts::ExpertGroup::of(plan, *s, device, &exchanger).map(|g| (*s, g)))
             .collect();
+        let contexts = stages
+            .keys()
+            .filter_map(|s| crate::context::Context::of(plan, *s, device, &exchanger).map(|g| (*s, g)))
+            .collect();
         Worker {
             experts,
+            contexts,
             device,
             plan,
             stream,
@@ -470,15 +477,46 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         labels: bool,
     ) -> Result<()> {
         let t = &self.plan.training;
-        // `mb` is the microbatch's number in the run: step·N + its number in the step
+        // `mb` is the microbatch's number in the run: step·N + its number in the step; with
+        // context parallelism, chunk c of the step's microbatch m is number m·cp + c
         let n = t.microbatches.max(1);
+        let cp = t.context_parallel.max(1);
+        let (step, k) = (mb.0 as usize / n, mb.0 as usize % n);
         let (x, y) = match self.evaluating {
-            Some(batch) => self.data.validation_microbatch(batch, mb.0 as usize % n, t.microbatch_size, t.batch_size),
-            None => self.data.microbatch(mb.0 as usize / n, mb.0 as usize % n, t.microbatch_size, t.batch_size),
+            Some(batch) => self.data.validation_microbatch(batch, k / cp, t.microbatch_size, t.batch_size),
+            None => self.data.microbatch(step, k / cp, t.microbatch_size, t.batch_size),
+        };
+        let seq = self.plan.model.input.first().copied().unwrap_or(1);
+        let (x, y, seq) = match self.contexts.get(&stage) {
+            Some(c) if cp > 1 => {
+                if c.group.position != k % cp {
+                    return Err(ExecError::Plan(format!(
+                        "chunk {} of a microbatch was routed to context-parallel position {}",
+                        k % cp,
+                        c.group.position
+                    )));
+                }
+                let at = pipec_plan::plan::context_positions(seq, cp, c.group.position);
+                let b = t.microbatch_size;
+                let x = match x {
+                    Inputs::Tokens(v) => Inputs::Tokens(crate::context::take_positions(&v, b, &at)?),
+                    Inputs::Features(_) => {
+                        return Err(ExecError::Data("context parallelism splits token sequences only".into()))
+                    }
+                };
+                let y = match y {
+                    Targets::Classes(v) => Targets::Classes(crate::context::take_positions(&v, b, &at)?),
+                    Targets::Values(_) => {
+                        return Err(ExecError::Data("context parallelism splits next-token targets only".into()))
+                    }
+                };
+                (x, y, at.len())
+            }
+            _ => (x, y, seq),
         };
         if inputs {
-            let mut shape = vec![t.microbatch_size];
-            shape.extend(&self.plan.model.input);
+            let mut shape = vec![t.microbatch_size, seq];
+            shape.extend(self.plan.model.input.iter().skip(1));
             let act = match x {
                 Inputs::Features(v) => host_to_act::<B>(&shape, v, &self.dev)?,
                 Inputs::Tokens(v) => Act::Tokens(Tensor::from_data(TensorData::new(v, shape), &self.dev)),

@@ -318,6 +318,14 @@ pub struct Strategy {
     /// consecutive ones, each holding `experts / ep` of every expert block's experts and
     /// exchanging tokens with the group's other members (1: every replica holds them all).
     pub ep: usize,
+    /// `cp`: context parallelism — each microbatch's sequence split over `cp` devices
+    /// (DeepSpeed-Ulysses'/Megatron-LM's load-balanced split: 2·cp chunks, member c holding
+    /// chunks c and 2·cp − 1 − c), attention gathering the group's keys and values. Once
+    /// lowered, `replicas` and `microbatches` count the group's members and the sequence
+    /// chunks: a stage written with r replicas has r·cp, and m microbatches become m·cp
+    /// chunk-microbatches, member c of a group running chunk c of each of its microbatches
+    /// ([`Strategy::written_microbatches`]). 1: off.
+    pub cp: usize,
     /// `strategy: auto`, or `auto` fields: what the compiler's strategy search chooses (the
     /// other fields then hold placeholders where they are free).
     pub auto: Option<AutoStrategy>,
@@ -338,6 +346,16 @@ impl Strategy {
     }
     pub fn devices_needed(&self) -> usize {
         self.replicas.iter().sum::<usize>() * self.tp
+    }
+    /// The microbatches the batch is split into, as written (`microbatches` counts each
+    /// one's `cp` sequence chunks).
+    pub fn written_microbatches(&self) -> usize {
+        self.microbatches / self.cp.max(1)
+    }
+    /// Samples per microbatch of a batch of `batch` samples (each a whole sequence; with
+    /// context parallelism a device computes its 1/cp of their tokens).
+    pub fn microbatch_size(&self, batch: usize) -> usize {
+        batch / self.written_microbatches().max(1)
     }
     /// The PipeDream notation of the layout (`2-1-1`).
     pub fn notation(&self) -> String {

@@ -358,6 +358,51 @@ stages yet. Use a synchronous schedule without `zero`, or remove `ep`.
       ep: 2
       zero: 1   # error with ep";
 
+"E0420", "context parallelism on a model that is not split along its sequence",
+"`cp` splits every microbatch's sequence over a group of devices: each computes the
+embedding, the per-token layers and its queries for its own positions, and attention
+gathers the group's keys and values. That is exact only where attention is the one layer
+that mixes positions: a chain from a token embedding (without token types) through
+transformer blocks (without experts, whose routing works on whole microbatches) and
+per-token layers (linear, norms, dropout, activations, a learned position table), ending
+in a cross-entropy over every position. Recurrent layers, pooling over the sequence,
+convolutions and graphs are not split. Use `cp` with such a language model, or remove it.
+
+    model:
+      input: [64]
+      layers:
+        - embedding(vocab=256, dim=64)
+        - lstm(input=64, hidden=64)   # error with cp: mixes positions step by step
+        - linear(64, 256)
+      loss: cross_entropy
+    strategy:
+      cp: 2";
+
+"E0421", "a context-parallel degree that does not divide the sequence",
+"Context parallelism cuts each sequence into 2·cp equal chunks and gives member c chunks
+c and 2·cp − 1 − c, so that under a causal mask every member has the same attention work
+(the early chunks attend to little, the late ones to much). 2·cp must divide the
+sequence length. Choose cp from the help's list, or change the sequence length.
+
+    model:
+      input: [100]   # 100 positions
+    strategy:
+      cp: 4          # error: 8 chunks of 100 positions";
+
+"E0422", "context parallelism with a schedule it cannot run under",
+"A context-parallel group's members exchange keys and values inside every attention, so
+they must run every forward and backward together, and they sum their gradients with the
+data-parallel replicas' once per step. Schedules whose replicas update on their own clock
+(PipeDream, 2BW, asynchronous data parallelism) cannot be context-parallel; nor yet can
+schedules that place two copies of a stage per pipeline (Chimera, DualPipe, DualPipeV,
+ZB-V), expert parallelism, or the strategy search (write the strategy in full). Use
+`gpipe`, `1f1b`, `interleaved`, `zb-h1` or `dp-only`, or remove `cp`.
+
+    strategy:
+      stages: \"1-1\"
+      schedule: pipedream   # error with cp
+      cp: 2";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";

@@ -264,6 +264,14 @@ struct Strategy {
     /// an expert's gradient is summed over the replicas holding it. Divides every stage's
     /// replicas and every block's experts. Default 1; `auto`: searched.
     ep: Option<CountOrAuto>,
+    /// Context parallelism (a language model of transformer blocks): each microbatch's
+    /// sequence split over `cp` devices, 2·cp chunks with member c holding chunks c and
+    /// 2·cp − 1 − c (balanced causal work); each attention gathers the group's keys and
+    /// values, and the members' gradients are summed with the data-parallel replicas'. The
+    /// layout uses `cp` times the devices. Divides the sequence into 2·cp equal chunks.
+    /// Default 1.
+    #[schemars(range(min = 1))]
+    cp: Option<u32>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
     /// Overlap communication with compute (default true): a replicated stage's all-reduce

@@ -151,6 +151,10 @@ pub(crate) fn lower_strategy(
         None => Some(1),
         Some(n) => cx.uint(n, 1),
     };
+    let cp = match f.get("cp") {
+        None => Some(1),
+        Some(n) => cx.uint(n, 1),
+    };
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
     // the batch's split into microbatches does not depend on the schedule: with a broken
@@ -162,9 +166,12 @@ pub(crate) fn lower_strategy(
     }
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
     let (overlap, sequence_parallel, sharding, ep, bucket) = (overlap?, sequence_parallel?, sharding?, ep?, bucket?);
-    let layout = resolve_layout(cx, &f, owner, written, cluster, tp)?;
+    let cp = cp?;
+    // a stage replica is `tp` × `cp` devices
+    let layout = resolve_layout(cx, &f, owner, written, cluster, tp * cp)?;
     let mut ok = check_sharding(cx, &f, sharding, &layout.replicas, Some(&schedule));
     ok &= check_expert_parallelism(cx, &f, ep, model, Some(&layout.replicas), sharding, Some(&schedule));
+    ok &= check_context_parallelism(cx, &f, cp, model, Some(&schedule), ep);
     let partition_node = f.get("partition");
     // `partition: auto` with no layout written: PipeDream's planner picks the stages and
     // their replication when compiling (at most one per layer); until then the layout is
@@ -174,7 +181,7 @@ pub(crate) fn lower_strategy(
         && schedule.kind.auto_replicates()
         && partition_node.is_some_and(is_auto))
     .then(|| model.map_or(layout.replicas.len(), |m| m.layers.len().clamp(1, layout.replicas.len())));
-    ok &= check_device_count(cx, &layout, tp, cluster);
+    ok &= check_device_count(cx, &layout, tp, cp, cluster);
     let stages = planned.unwrap_or(layout.replicas.len());
     check_size(cx, stages, &schedule, microbatches, microbatches_node.map_or(owner, |n| n.span))?;
     let written_mb = MicrobatchesWritten { count: microbatches, span: microbatches_node.map(|n| n.span), owner };
@@ -195,11 +202,13 @@ pub(crate) fn lower_strategy(
     if !ok {
         return None;
     }
+    // context parallelism: each group's members are replicas of the stage, and each
+    // microbatch's sequence chunks are microbatches of their own (`Strategy::cp`)
     Some(Strategy {
-        replicas: layout.replicas,
+        replicas: layout.replicas.iter().map(|r| r * cp).collect(),
         tp,
         schedule,
-        microbatches,
+        microbatches: microbatches * cp,
         partition,
         recompute,
         overlap,
@@ -207,6 +216,7 @@ pub(crate) fn lower_strategy(
         sequence_parallel,
         sharding,
         ep,
+        cp,
         auto: None,
         layout_span: layout.span,
         layout_fixed: layout.fixed,
@@ -386,6 +396,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         sequence_parallel: false,
         sharding: Sharding::None,
         ep: 1,
+        cp: 1,
         auto: Some(auto),
         layout_span: node.span,
         layout_fixed: false,
@@ -489,7 +500,7 @@ fn lower_auto_strategy(
         let kind = (!auto.schedule).then_some(strategy.schedule.kind);
         let written = lower_layout(cx, f, owner, kind)?;
         let layout = resolve_layout(cx, f, owner, written, cluster, strategy.tp)?;
-        ok &= check_device_count(cx, &layout, strategy.tp, cluster);
+        ok &= check_device_count(cx, &layout, strategy.tp, 1, cluster);
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
         ok &= check_sharding(cx, f, strategy.sharding, &layout.replicas, schedule);
         ok &= check_expert_parallelism(cx, f, strategy.ep, model, Some(&layout.replicas), strategy.sharding, schedule);
@@ -501,7 +512,144 @@ fn lower_auto_strategy(
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
         ok &= check_expert_parallelism(cx, f, strategy.ep, model, None, strategy.sharding, schedule);
     }
+    if let Some(n) = f.get("cp") {
+        // the search does not choose context parallelism (nor keep it) yet
+        if cx.uint(n, 1)? > 1 {
+            cx.push(
+                Diagnostic::error(
+                    "E0422",
+                    "`cp` cannot be combined with this strategy: the strategy search does not plan context parallelism yet",
+                    n.span,
+                    "context parallelism",
+                )
+                .with_help("write the whole strategy (no `auto` fields or `search`) to use `cp`, or remove `cp`"),
+            );
+            ok = false;
+        }
+    }
     ok.then_some(strategy)
+}
+
+/// Context parallelism (`cp` > 1): a language model whose layers mix positions only in
+/// attention (E0420: a chain from a token embedding without token types through
+/// transformer blocks without experts and per-token layers, to a cross-entropy over every
+/// position), a sequence of 2·cp equal chunks (E0421), and groups whose members run every
+/// pass together: a synchronous schedule that updates once per step with one copy of each
+/// stage per replica, no expert parallelism (E0422).
+fn check_context_parallelism(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    cp: usize,
+    model: Option<&Model>,
+    schedule: Option<&crate::ast::Schedule>,
+    ep: usize,
+) -> bool {
+    let Some(at) = f.get("cp").map(|n| n.span) else { return true };
+    if cp <= 1 {
+        return true;
+    }
+    let mut ok = true;
+    if let Some(m) = model {
+        if let Some((span, why)) = context_parallel_obstacle(m) {
+            cx.push(
+                Diagnostic::error(
+                    "E0420",
+                    format!("`cp: {cp}` splits every sequence over devices, and {why}"),
+                    at,
+                    "context parallelism",
+                )
+                .with_label(span, "here")
+                .with_help("use `cp` with a language model of transformer blocks (token embedding, blocks, per-token layers, cross-entropy), or remove `cp`"),
+            );
+            ok = false;
+        } else if let Some(&seq) = m.input.first() {
+            if !seq.is_multiple_of(2 * cp) {
+                let fits: Vec<String> =
+                    (2..=seq / 2).filter(|k| seq.is_multiple_of(2 * k)).take(6).map(|k| k.to_string()).collect();
+                cx.push(
+                    Diagnostic::error(
+                        "E0421",
+                        format!(
+                            "`cp: {cp}` splits each sequence into {} equal chunks, and {seq} positions do not divide",
+                            2 * cp
+                        ),
+                        at,
+                        format!("{} chunks", 2 * cp),
+                    )
+                    .with_label(m.input_span, format!("{seq} positions"))
+                    .with_help(if fits.is_empty() {
+                        "remove `cp`: the sequence is too short to split".to_string()
+                    } else {
+                        format!("choose cp from {} (2·cp must divide the sequence)", fits.join(", "))
+                    }),
+                );
+                ok = false;
+            }
+        }
+    }
+    let why = if ep > 1 {
+        Some("expert parallelism with context parallelism is not built yet".to_string())
+    } else {
+        schedule.and_then(|s| {
+            let per_step = s.sync != pipec_plan::vocab::SyncMode::Asp
+                && s.kind.updates(2) == pipec_plan::schedule::Updates::PerStep
+                && s.kind.is_synchronous(s.sync);
+            if !per_step {
+                Some(format!("`{}` runs a group's members' passes at different times, and they exchange keys and values inside every attention", s.kind))
+            } else if s.kind.chunk_placement() != pipec_plan::schedule::ChunkPlacement::RoundRobin {
+                Some(format!("`{}` places two copies of a stage per pipeline, which context-parallel groups do not span yet", s.kind))
+            } else {
+                None
+            }
+        })
+    };
+    if let Some(why) = why {
+        cx.push(
+            Diagnostic::error("E0422", format!("`cp: {cp}` cannot be combined with this strategy: {why}"), at, "context parallelism")
+                .with_help("use a synchronous schedule with one copy of each stage (gpipe, 1f1b, interleaved, zb-h1, dp-only) without `ep`, or remove `cp`"),
+        );
+        ok = false;
+    }
+    ok
+}
+
+/// Why a model cannot be split along its sequence (None: it can), and where.
+fn context_parallel_obstacle(m: &Model) -> Option<(Span, String)> {
+    use pipec_plan::model::Op;
+    if !m.is_chain() {
+        return Some((m.layers_span, "this model has branches or joins (a chain of layers is split)".into()));
+    }
+    if m.loss != pipec_plan::vocab::Loss::CrossEntropy {
+        return Some((m.loss_span, "only a cross-entropy over every position is split".into()));
+    }
+    let first = m.layers.first()?;
+    if !matches!(first.op, Op::Embedding { types: 0, sep: None, .. }) {
+        return Some((first.span, "its first layer is not a token embedding without token types".into()));
+    }
+    let last = m.layers.last()?;
+    if last.output_shape.len() != 2 {
+        return Some((last.span, "its output is not one row per position".into()));
+    }
+    m.layers.iter().find_map(|l| {
+        let why = match &l.op {
+            Op::TransformerBlock { .. } if l.op.moe().is_some() => "a mixture of experts' routing is not split yet",
+            Op::Embedding { .. } if !std::ptr::eq(l, first) => "a second embedding",
+            Op::Embedding { .. }
+            | Op::PosEmbedding { .. }
+            | Op::TransformerBlock { .. }
+            | Op::Linear { .. }
+            | Op::LayerNorm { .. }
+            | Op::RmsNorm { .. }
+            | Op::Dropout { .. }
+            | Op::Relu
+            | Op::Gelu
+            | Op::GeluTanh
+            | Op::Tanh
+            | Op::Sigmoid => return None,
+            _ => "this layer mixes positions, or is not per token",
+        };
+        Some((l.span, format!("{} ({why})", l.op.name())))
+    })
 }
 
 /// `ep`: expert parallelism needs expert blocks whose experts it divides (E0416, E0418),
@@ -778,17 +926,19 @@ fn resolve_layout(
 }
 
 /// Strategy vs cluster: the layout uses every device (E0402); false when it does not.
-fn check_device_count(cx: &mut Lower<'_>, layout: &Layout, tp: usize, cluster: Option<&Cluster>) -> bool {
+fn check_device_count(cx: &mut Lower<'_>, layout: &Layout, tp: usize, cp: usize, cluster: Option<&Cluster>) -> bool {
     let Some(c) = cluster else { return true };
     let devices = c.device_count();
     let replicas = &layout.replicas;
-    let needed = replicas.iter().sum::<usize>() * tp;
-    if needed == devices || !(layout.fixed || tp > 1) {
+    let needed = replicas.iter().sum::<usize>() * tp * cp;
+    if needed == devices || !(layout.fixed || tp * cp > 1) {
         return true;
     }
     let notation = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-");
     let sum = replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("+");
-    let needs = if tp > 1 { format!("({sum}) × tp {tp} = {needed}") } else { format!("{sum} = {needed}") };
+    let factors: String =
+        [("tp", tp), ("cp", cp)].iter().filter(|(_, n)| *n > 1).map(|(k, n)| format!(" × {k} {n}")).collect();
+    let needs = if factors.is_empty() { format!("{sum} = {needed}") } else { format!("({sum}){factors} = {needed}") };
     let mut d = Diagnostic::error(
         "E0402",
         format!("the strategy `{notation}` needs {needed} devices, but the cluster has {devices}"),

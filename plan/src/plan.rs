@@ -256,8 +256,19 @@ pub enum DataPlan {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainingPlan {
     pub batch_size: usize,
+    /// Microbatches per step; with context parallelism each one's `context_parallel`
+    /// sequence chunks are counted as microbatches of their own.
     pub microbatches: usize,
+    /// Samples per microbatch (whole sequences).
     pub microbatch_size: usize,
+    /// Context parallelism: each sample's sequence is cut into 2·cp equal chunks, and
+    /// microbatch m·cp + c of a step holds chunks c and 2·cp − 1 − c of every sequence of
+    /// the step's m-th batch slice of `microbatch_size` samples ([`context_positions`]).
+    /// A stage's replicas then come in groups of cp consecutive ones (replica i at position
+    /// i mod cp, running the chunk-microbatches c = i mod cp), whose attention layers
+    /// gather the group's keys and values. 1: off.
+    #[serde(default = "one_usize", skip_serializing_if = "is_one_usize")]
+    pub context_parallel: usize,
     pub steps: usize,
     pub optimizer: OptimizerPlan,
     pub precision: Precision,
@@ -368,6 +379,10 @@ pub struct StagePlan {
     /// kernels).
     #[serde(default, skip_serializing_if = "is_zero_pair")]
     pub all_to_all_s: [f64; 2],
+    /// Context parallelism: seconds per microbatch of the exchanges of keys and values
+    /// inside a forward and a backward (part of what those passes wait for).
+    #[serde(default, skip_serializing_if = "is_zero_pair")]
+    pub context_s: [f64; 2],
     /// Data-parallel gradient buckets (PyTorch DDP's, `bucket` in the strategy), the last
     /// layers' first: the replica all-reduce that directly follows the stage's last
     /// backward (or weight-gradient pass) of a step ([`reduced_in_buckets`]) runs as one
@@ -440,6 +455,27 @@ pub fn reduced_in_buckets(stream: &[Instr], at: usize) -> Option<usize> {
 fn is_zero(x: &f64) -> bool {
     *x == 0.0
 }
+fn one_usize() -> usize {
+    1
+}
+
+fn is_one_usize(x: &usize) -> bool {
+    *x == 1
+}
+
+/// The positions of a sequence of `seq` that context-parallel member `position` of `cp`
+/// computes, in order: chunks `position` and 2·cp − 1 − `position` of 2·cp equal chunks
+/// (Megatron-LM's load-balanced split: under a causal mask every member's attention
+/// covers the same number of query–key pairs). All positions for cp = 1.
+pub fn context_positions(seq: usize, cp: usize, position: usize) -> Vec<usize> {
+    if cp <= 1 {
+        return (0..seq).collect();
+    }
+    let chunk = seq / (2 * cp);
+    let late = 2 * cp - 1 - position;
+    (position * chunk..(position + 1) * chunk).chain(late * chunk..(late + 1) * chunk).collect()
+}
+
 fn one_u32() -> u32 {
     1
 }
@@ -781,12 +817,14 @@ impl Plan {
         // training
         if t.batch_size == 0
             || t.microbatches == 0
-            || !t.batch_size.is_multiple_of(t.microbatches.max(1))
-            || t.microbatch_size.checked_mul(t.microbatches) != Some(t.batch_size)
+            || !t.batch_size.is_multiple_of((t.microbatches / t.context_parallel.max(1)).max(1))
+            || t.context_parallel == 0
+            || !t.microbatches.is_multiple_of(t.context_parallel.max(1))
+            || t.microbatch_size.checked_mul(t.microbatches / t.context_parallel.max(1)) != Some(t.batch_size)
         {
             out.push(format!(
-                "training: batch_size {} must split into {} microbatches of {}",
-                t.batch_size, t.microbatches, t.microbatch_size
+                "training: batch_size {} must split into {} microbatches of {} (context parallelism {})",
+                t.batch_size, t.microbatches, t.microbatch_size, t.context_parallel
             ));
         }
         out.extend(self.check_settings());

@@ -1,0 +1,115 @@
+//! Context parallelism: each microbatch's sequence split over a group of a stage's
+//! replicas (`TrainingPlan::context_parallel`; groups of cp consecutive replicas, the
+//! member at position c computing positions `context_positions(seq, cp, c)` of every
+//! sequence). Every layer but attention works on the member's own positions; a transformer
+//! block's attention gathers the group's keys and values ([`Context::gather`]: every member
+//! sends its keys and values to every other in one exchange) and masks by the positions'
+//! true order. The gather is an autodiff node ([`Kernels::exchange`]) whose backward sends
+//! each member the gradients of its keys and values, summed there: a reduce-scatter.
+
+use burn::tensor::Tensor;
+use pipec_plan::{DeviceId, Plan, StageId};
+
+use crate::comm::Exchanger;
+use crate::dense::Kernels;
+use crate::error::{ExecError, Result};
+use crate::experts::{Exchange, ExpertGroup};
+
+/// A device's context-parallel group for a stage, and its positions.
+#[derive(Clone, Debug)]
+pub struct Context {
+    /// The members, in position order, and how to reach them.
+    pub group: ExpertGroup,
+    pub cp: usize,
+}
+
+impl Context {
+    /// The group of `device` for `stage` of `plan`, if the plan is context-parallel: the
+    /// `cp` consecutive replicas it is one of (their tensor-parallel ranks of the same rank).
+    pub fn of(plan: &Plan, stage: StageId, device: DeviceId, exchanger: &Exchanger) -> Option<Context> {
+        let cp = plan.training.context_parallel;
+        if cp <= 1 {
+            return None;
+        }
+        let group = ExpertGroup::sized(plan, stage, device, exchanger, cp)?;
+        Some(Context { group, cp })
+    }
+
+    /// This member's positions of a sequence whose local part has `local` positions.
+    pub fn positions(&self, local: usize) -> Vec<usize> {
+        pipec_plan::plan::context_positions(local * self.cp, self.cp, self.group.position)
+    }
+
+    /// The positions of the gathered keys, member after member.
+    pub fn key_positions(&self, local: usize) -> Vec<usize> {
+        (0..self.cp).flat_map(|c| pipec_plan::plan::context_positions(local * self.cp, self.cp, c)).collect()
+    }
+
+    /// Every member's keys (or values) [batch, heads, local, dh] gathered into
+    /// [batch, heads, cp · local, dh], member after member; the gradient of the result
+    /// goes back to the members and is summed there.
+    pub fn gather<B: Kernels>(&self, x: Tensor<B, 4>) -> Result<Tensor<B, 4>> {
+        let [b, h, s, dh] = x.dims();
+        let n = b * h * s * dh;
+        let row = x.reshape([1, n]);
+        let copies = Tensor::cat(vec![row; self.cp], 0);
+        let ex = Exchange { group: self.group.clone(), send: vec![1; self.cp], recv: vec![1; self.cp] };
+        let got =
+            B::exchange(copies, &ex).map_err(|e| ExecError::Transport(crate::transport::TransportError::Other(e)))?;
+        Ok(got.reshape([self.cp, b, h, s, dh]).permute([1, 2, 0, 3, 4]).reshape([b, h, self.cp * s, dh]))
+    }
+
+    /// Takes the failure an exchange inside a backward recorded, if any.
+    pub fn take_failure(&self) -> Option<String> {
+        self.group.take_failure()
+    }
+}
+
+/// Rows `positions` of every sequence of `values` ([batch · seq · width], row-major),
+/// batch after batch: a member's share of a microbatch's tokens or targets.
+pub fn take_positions<T: Copy>(values: &[T], batch: usize, positions: &[usize]) -> Result<Vec<T>> {
+    let per_sample = values.len() / batch.max(1);
+    let seq = per_sample;
+    if batch == 0 || !values.len().is_multiple_of(batch) || positions.iter().any(|&p| p >= seq) {
+        return Err(ExecError::Data(format!(
+            "cannot take positions of {} values in {batch} sequences for context parallelism",
+            values.len()
+        )));
+    }
+    Ok((0..batch).flat_map(|i| positions.iter().map(move |&p| values[i * seq + p])).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_member_takes_its_two_chunks_of_every_sequence() {
+        // 2 sequences of 8, cp 2: chunks of 2; member 0 has chunks 0 and 3, member 1 chunks 1 and 2
+        let v: Vec<i64> = (0..16).collect();
+        assert_eq!(
+            take_positions(&v, 2, &pipec_plan::plan::context_positions(8, 2, 0)).expect("positions"),
+            vec![0, 1, 6, 7, 8, 9, 14, 15]
+        );
+        assert_eq!(
+            take_positions(&v, 2, &pipec_plan::plan::context_positions(8, 2, 1)).expect("positions"),
+            vec![2, 3, 4, 5, 10, 11, 12, 13]
+        );
+        assert!(take_positions(&v, 3, &[0]).is_err());
+        assert!(take_positions(&v, 2, &[8]).is_err());
+    }
+
+    #[test]
+    fn the_members_positions_tile_the_sequence_with_equal_causal_work() {
+        for cp in 1..=4 {
+            let seq = 8 * cp;
+            let mut all: Vec<usize> = (0..cp).flat_map(|c| pipec_plan::plan::context_positions(seq, cp, c)).collect();
+            // every member attends to as many (query, earlier key) pairs as the others
+            let work: Vec<usize> =
+                (0..cp).map(|c| pipec_plan::plan::context_positions(seq, cp, c).iter().map(|p| p + 1).sum()).collect();
+            assert!(work.windows(2).all(|w| w[0] == w[1]), "cp {cp}: {work:?}");
+            all.sort_unstable();
+            assert_eq!(all, (0..seq).collect::<Vec<_>>());
+        }
+    }
+}
