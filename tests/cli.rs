@@ -1678,3 +1678,23 @@ fn compile_lists_a_stages_gradient_buckets() {
     assert_eq!(out.status.code(), Some(0), "{said}");
     assert!(said.contains("gradients reduced in 8 buckets during the last backward (4.04 MiB, 4.00 MiB,"), "{said}");
 }
+
+#[test]
+fn compile_states_each_context_parallel_members_positions() {
+    // 512-token windows over 2 members: chunks of 128, member 0 holding the first and the
+    // last, member 1 the two in the middle; the plan counts each chunk as a microbatch
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/specs/context-parallel.yaml");
+    let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(said.contains("context parallelism: cp 2 — each of the 1 microbatches is 2 chunk-microbatches"), "{said}");
+    assert!(said.contains("positions 0..128 and 384..512 (c = 0), 128..256 and 256..384 (c = 1)"), "{said}");
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("plan.json")).expect("plan")).expect("json");
+    assert_eq!(plan["training"]["context_parallel"], 2);
+    assert_eq!(plan["training"]["microbatches"], 2);
+    // the keys and values gathered in every forward, their gradients sent back
+    let context = &plan["stages"][0]["context_s"];
+    assert!(context[0].as_f64().is_some_and(|f| f > 0.0) && context[1] == context[0], "{context}");
+}

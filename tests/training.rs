@@ -942,10 +942,12 @@ fn context_parallelism_equals_one_device_on_a_language_model() {
             });
         }
     }
-    // with momentum, full recompute, an interleaved pipeline and tensor parallelism
+    // with momentum, full and selective recompute (the attention core recomputed in the
+    // backward under the member's mask), an interleaved pipeline and tensor parallelism
     let layers = lm("transformer_block(d=16, heads=2, ff=32, causal=true)");
     for (devices, stages, schedule, recompute) in [
         (4, "\"1-1\"\n  cp: 2", "gpipe", "true"),
+        (4, "\"1-1\"\n  cp: 2", "1f1b", "selective"),
         (4, "\"1-1\"\n  cp: 2", "{ kind: interleaved, virtual_stages: 2 }", "false"),
         (4, "\"1\"\n  cp: 2\n  tp: 2", "gpipe", "false"),
     ] {

@@ -263,8 +263,9 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         tp_times.iter().zip(&gather_waits).map(|(&(f, b), &(gf, gb))| (f + gf, b + gb)).collect();
     // byte counts saturate: a spec past pipec's limits is refused by the front end, and a
     // figure that saturates reads as "does not fit" rather than wrapping to a small one
-    let output_bytes: Vec<u64> =
-        layout.ranges.iter().map(|r| graph.cut_bytes_per_sample(r.end).saturating_mul(mb)).collect();
+    // (a context-parallel member's tensors hold its 1/cp of every sample's positions)
+    let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / cp as u64;
+    let output_bytes: Vec<u64> = layout.ranges.iter().map(|r| cut_bytes(r.end).saturating_mul(mb)).collect();
     let bytes = layout
         .ranges
         .iter()
@@ -275,7 +276,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             let parameters: u64 = c.iter().map(|c| c.parameters).sum();
             let shard: u64 = c.iter().map(|c| c.shard_parameters).sum();
             let input_bytes =
-                if r.start == 0 { graph.source_bytes(Source::Input) } else { graph.cut_bytes_per_sample(r.start) }
+                if r.start == 0 { graph.source_bytes(Source::Input) / cp as u64 } else { cut_bytes(r.start) }
                     .saturating_mul(mb);
             // the last stage also keeps what the loss needs for its backward (a language
             // model's [sequence, vocab] log-probabilities; split by tp over the vocabulary)
@@ -306,7 +307,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                         // with sequence parallelism a block's input is kept split along the sequence
                         let split = spec.strategy.sequence_parallel
                             && matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. });
-                        (graph.cut_bytes_per_sample(i) / if split { tp as u64 } else { 1 }).saturating_mul(mb)
+                        (cut_bytes(i) / if split { tp as u64 } else { 1 }).saturating_mul(mb)
                     }
                 })
                 .fold(0u64, u64::saturating_add);

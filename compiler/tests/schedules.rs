@@ -35,6 +35,13 @@ training:
 
 /// A small mixture-of-experts language model (4 blocks of 4 experts, top 2) on `devices`
 /// devices, layout `stages`, expert-parallel degree `ep`.
+/// A causal language model under context parallelism `cp` (its sequence of 8 in 2·cp chunks).
+fn cp_spec(devices: usize, microbatches: usize, schedule: &str, stages: &str, cp: usize) -> String {
+    moe_spec(devices, microbatches, schedule, stages, 1)
+        .replace("transformer_block(16, 2, 32, experts=4, top_k=2)", "transformer_block(16, 2, 32, causal=true)")
+        .replace("  ep: 1\n", &format!("  cp: {cp}\n"))
+}
+
 fn moe_spec(devices: usize, microbatches: usize, schedule: &str, stages: &str, ep: usize) -> String {
     format!(
         "model:
@@ -457,6 +464,13 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("expert-parallel-1f1b", build(&moe_spec(4, 4, "1f1b", "\"2-2\"", 2))),
         ("expert-parallel-zbv", build(&moe_spec(4, 4, "zbv", "\"2-2\"", 2))),
         ("expert-parallel-tensor-parallel", build(&moe_spec(8, 4, "1f1b", "\"2-2\"\n  tp: 2", 2))),
+        ("context-parallel-1f1b", build(&cp_spec(4, 2, "1f1b", "\"1-1\"", 2))),
+        ("context-parallel-dp-only", build(&cp_spec(4, 4, "dp-only", "\"2\"", 2))),
+        (
+            "context-parallel-interleaved",
+            build(&cp_spec(4, 2, "{ kind: interleaved, virtual_stages: 2 }", "\"1-1\"", 2)),
+        ),
+        ("context-parallel-zero-1", build(&cp_spec(4, 2, "gpipe", "\"1-1\"\n  zero: 1", 2))),
     ]
 }
 
@@ -465,10 +479,14 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
 /// neighbours that touch a common buffer — is caught, as are a dropped or repeated pass.
 #[test]
 fn every_reordering_of_an_expert_parallel_members_passes_is_caught() {
-    for (name, c) in every_schedule().into_iter().filter(|(n, _)| n.starts_with("expert-parallel")) {
+    for (name, c) in every_schedule()
+        .into_iter()
+        .filter(|(n, _)| n.starts_with("expert-parallel") || n.starts_with("context-parallel"))
+    {
         let streams = &c.plan.streams;
         assert!(verify_plan(&c, streams).is_empty(), "{name}");
-        let expert_stage = |s: pipec_plan::StageId| c.plan.stage(s).is_some_and(|st| st.expert_parallel > 1);
+        let cp = c.plan.training.context_parallel > 1;
+        let expert_stage = |s: pipec_plan::StageId| cp || c.plan.stage(s).is_some_and(|st| st.expert_parallel > 1);
         let mut tried = 0;
         for (dev, stream) in streams {
             let passes: Vec<usize> = (0..stream.len())
@@ -502,6 +520,28 @@ fn every_reordering_of_an_expert_parallel_members_passes_is_caught() {
         }
         assert!(tried > 0, "{name}");
     }
+}
+
+/// The context-parallel checks: a member that runs its chunks of two microbatches in the
+/// other order, or a chunk routed to the wrong member of its group, is named.
+#[test]
+fn a_context_parallel_member_out_of_step_or_on_the_wrong_chunk_is_named() {
+    let c = build(&cp_spec(2, 2, "gpipe", "\"1\"", 2));
+    assert_eq!(c.plan.training.context_parallel, 2);
+    assert_eq!(c.plan.training.microbatches, 4, "2 microbatches of 2 chunks");
+    assert!(verify_plan(&c, &c.plan.streams).is_empty());
+    let mut streams = c.plan.streams.clone();
+    let s = streams.get_mut(&DeviceId(1)).expect("d1");
+    let forwards: Vec<usize> = (0..s.len()).filter(|&i| matches!(s[i], Instr::Forward { .. })).collect();
+    assert_eq!(forwards.len(), 2, "chunk 1 of each of the two microbatches");
+    s.swap(forwards[0], forwards[1]);
+    let found = verify_plan(&c, &streams);
+    assert!(found.iter().any(|v| v.contains("context-parallel exchange 0 of d1")), "{found:#?}");
+    // chunk 0 of microbatch 0 routed to member 1 (and chunk 1 to member 0)
+    let mut plan = c.plan.clone();
+    plan.stages[0].route.swap(0, 1);
+    let found = pipec_compiler::verification::verify_streams(&plan, &plan.streams);
+    assert!(found.iter().any(|v| v.contains("is not at position 0 of a context-parallel group of 2")), "{found:#?}");
 }
 
 /// The expert-parallel check itself: a member that runs its two forwards of an expert

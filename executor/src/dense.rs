@@ -100,9 +100,9 @@ pub trait Kernels: Backend {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         dh: usize,
-        causal: bool,
+        causal: crate::layers::Causal,
     ) -> Tensor<Self, 4> {
-        crate::layers::attention(q, k, dh, causal).matmul(v)
+        crate::layers::attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))).matmul(v)
     }
 }
 
@@ -181,11 +181,12 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         dh: usize,
-        causal: bool,
+        causal: crate::layers::Causal,
     ) -> Tensor<Self, 4> {
         let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
         let inner = |t: &FloatTensor<Self>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(t.primitive.clone()));
-        let out = I::attention_recomputed(inner(&q), inner(&k), inner(&v), dh, causal).into_primitive().tensor();
+        let out =
+            I::attention_recomputed(inner(&q), inner(&k), inner(&v), dh, causal.clone()).into_primitive().tensor();
         let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
         let y = match (AttentionBackward { dh, causal }).prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish((q.primitive, k.primitive, v.primitive), out),
@@ -241,7 +242,7 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
 #[derive(Debug)]
 struct AttentionBackward {
     dh: usize,
-    causal: bool,
+    causal: crate::layers::Causal,
 }
 
 impl<I: Kernels> Backward<I, 3> for AttentionBackward {
@@ -252,7 +253,8 @@ impl<I: Kernels> Backward<I, 3> for AttentionBackward {
         let (q, k, v) = ops.state;
         let (q, k, v) = (t(q), t(k), t(v));
         let d_out = t(grads.consume::<I>(&ops.node));
-        let p = crate::layers::attention(q.clone(), k.clone(), self.dh, self.causal);
+        let mask = self.causal.as_ref().map(|m| (&m.0[..], &m.1[..]));
+        let p = crate::layers::attention_at(q.clone(), k.clone(), self.dh, mask);
         let [to_q, to_k, to_v] = ops.parents;
         if let Some(node) = to_v {
             grads.register::<I>(node.id, p.clone().swap_dims(2, 3).matmul(d_out.clone()).into_primitive().tensor());
@@ -477,14 +479,18 @@ mod tests {
             let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
             assert!(worst <= 1e-5 * scale, "{what}: differs by {worst} (largest value {scale})");
         };
-        for causal in [false, true] {
+        // no mask, the causal one, and a context-parallel member's: queries at positions
+        // 1, 2, 7, 8, 9 of a sequence against keys in another order
+        let member: crate::layers::Causal = Some(std::sync::Arc::new((vec![1, 2, 7, 8, 9], vec![5, 0, 9, 3, 1])));
+        for causal in [None, crate::layers::causal_mask(5), member] {
             let weights = rand(9);
             let run = |recomputed: bool| {
                 let (q, k, v) = (rand(1).require_grad(), rand(2).require_grad(), rand(3).require_grad());
                 let out = if recomputed {
-                    B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal)
+                    B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal.clone())
                 } else {
-                    crate::layers::attention(q.clone(), k.clone(), 4, causal).matmul(v.clone())
+                    let mask = causal.as_ref().map(|m| (&m.0[..], &m.1[..]));
+                    crate::layers::attention_at(q.clone(), k.clone(), 4, mask).matmul(v.clone())
                 };
                 let grads = (out.clone() * weights.clone()).sum().backward();
                 let g = |t: &Tensor<B, 4>| t.grad(&grads).expect("a gradient").into_data();
@@ -498,7 +504,7 @@ mod tests {
         }
         // only v tracked: v gets its gradient, and nothing is asked of q and k
         let v = rand(3).require_grad();
-        let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, true);
+        let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, crate::layers::causal_mask(5));
         let grads = out.sum().backward();
         assert!(v.grad(&grads).is_some());
     }

@@ -312,18 +312,20 @@ pub struct Mlp<B: Backend> {
     pub fc2: Dense<B>,
 }
 
-/// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
-/// `causal`, a key after its query gets weight 0 (its score is pushed to -1e9 first, which
-/// leaves the same softmax and gradient as removing it, without -∞ arithmetic).
-pub(crate) fn attention<B: Backend>(q: Tensor<B, 4>, k: Tensor<B, 4>, dh: usize, causal: bool) -> Tensor<B, 4> {
-    let s = q.dims()[2];
-    let positions: Vec<usize> = (0..s).collect();
-    attention_at(q, k, dh, causal.then_some((&positions, &positions)))
+/// A causal mask as each query's and each key's position in the sequence (None: no mask).
+pub type Causal = Option<std::sync::Arc<(Vec<usize>, Vec<usize>)>>;
+
+/// The causal mask of `s` queries over the same `s` keys.
+pub(crate) fn causal_mask(s: usize) -> Causal {
+    let p: Vec<usize> = (0..s).collect();
+    Some(std::sync::Arc::new((p.clone(), p)))
 }
 
-/// [`attention`] with the causal mask given by each query's and each key's position in the
-/// sequence (context parallelism: a member's queries against the gathered keys, in
-/// member order); None: no mask.
+/// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
+/// `causal` (each query's and each key's position in the sequence — context parallelism: a
+/// member's queries against the gathered keys, in member order), a key after its query gets
+/// weight 0 (its score is pushed to -1e9 first, which leaves the same softmax and gradient
+/// as removing it, without -∞ arithmetic).
 pub(crate) fn attention_at<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -426,17 +428,17 @@ impl<B: Kernels> Block<B> {
             k = repeat(k);
             v = repeat(v);
         }
-        let context = match (positions, keys) {
-            (Some(qp), Some(kp)) => {
-                if self.recompute_core {
-                    return Err(ExecError::Plan(
-                        "selective recompute and flash attention are not built with context parallelism yet".into(),
-                    ));
-                }
-                attention_at(q, k, dh, self.causal.then_some((&qp[..], &kp[..]))).matmul(v)
-            }
-            _ if self.recompute_core => B::attention_recomputed(q, k, v, dh, self.causal),
-            _ => attention(q, k, dh, self.causal).matmul(v),
+        // the causal mask at the true positions (context parallelism: this member's
+        // queries against every member's keys)
+        let causal: Causal = match (self.causal, positions, keys) {
+            (false, ..) => None,
+            (true, Some(qp), Some(kp)) => Some(std::sync::Arc::new((qp, kp))),
+            (true, ..) => causal_mask(s),
+        };
+        let context = if self.recompute_core {
+            B::attention_recomputed(q, k, v, dh, causal)
+        } else {
+            attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))).matmul(v)
         };
         Ok(context.swap_dims(1, 2).reshape([b, s, h * dh]))
     }

@@ -169,7 +169,9 @@ pub(crate) fn lower_strategy(
     let cp = cp?;
     // a stage replica is `tp` × `cp` devices
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp * cp)?;
-    let mut ok = check_sharding(cx, &f, sharding, &layout.replicas, Some(&schedule));
+    // ZeRO shards over a stage's data- and context-parallel members together
+    let members: Vec<usize> = layout.replicas.iter().map(|r| r * cp).collect();
+    let mut ok = check_sharding(cx, &f, sharding, &members, Some(&schedule));
     ok &= check_expert_parallelism(cx, &f, ep, model, Some(&layout.replicas), sharding, Some(&schedule));
     ok &= check_context_parallelism(cx, &f, cp, model, Some(&schedule), ep);
     let partition_node = f.get("partition");
