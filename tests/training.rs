@@ -948,6 +948,9 @@ fn context_parallelism_equals_one_device_on_a_language_model() {
     for (devices, stages, schedule, recompute) in [
         (4, "\"1-1\"\n  cp: 2", "gpipe", "true"),
         (4, "\"1-1\"\n  cp: 2", "1f1b", "selective"),
+        // ZeRO shards over the two members of each stage
+        (4, "\"1-1\"\n  cp: 2\n  zero: 1", "1f1b", "false"),
+        (4, "\"1-1\"\n  cp: 2\n  zero: 3", "gpipe", "false"),
         (4, "\"1-1\"\n  cp: 2", "{ kind: interleaved, virtual_stages: 2 }", "false"),
         (4, "\"1\"\n  cp: 2\n  tp: 2", "gpipe", "false"),
     ] {
