@@ -63,6 +63,9 @@ pub struct SearchOptions {
     /// `ep` written: every candidate divides the experts so (otherwise, for a model with
     /// expert blocks, every degree that divides the replicas and the experts is tried).
     pub ep: Option<usize>,
+    /// `cp` written: every candidate splits the sequence so; None (`cp: auto`): every degree
+    /// the model, the sequence and the devices allow is tried.
+    pub cp: Option<usize>,
     /// How many of the best plans that fit the search finds exactly: the winner (1, the
     /// default) and as many runner-ups (`pipec search --exact-top`); the branch and bound
     /// stops when no bound can beat the last of them. Other runner-ups in the report are
@@ -85,6 +88,7 @@ impl Default for SearchOptions {
             sharding: None,
             sequence_parallel: false,
             ep: None,
+            cp: Some(1),
             ranked: 1,
         }
     }
@@ -109,6 +113,7 @@ impl SearchOptions {
             sharding: (st.sharding != Sharding::None).then_some(st.sharding),
             sequence_parallel: st.sequence_parallel,
             ep: (!auto.ep).then_some(st.ep),
+            cp: (!auto.cp).then_some(st.cp.max(1)),
             ranked: 1,
         }
     }
@@ -134,6 +139,9 @@ pub struct Candidate {
     pub sequence_parallel: bool,
     /// Expert parallelism's degree (1: every replica holds every expert).
     pub ep: usize,
+    /// Context parallelism's degree (1: none); `replicas` and `microbatches` are as written
+    /// (each replica of cp members, each microbatch of cp chunks).
+    pub cp: usize,
     /// Whether the spec overlaps communication (written into the strategy only when not).
     pub overlap: bool,
     /// The spec's gradient buckets (`bucket`, in bytes; written when set).
@@ -175,8 +183,9 @@ impl Candidate {
         };
         let sp = if self.sequence_parallel { ", sequence_parallel: true" } else { "" };
         let ep = if self.ep > 1 { format!(", ep: {}", self.ep) } else { String::new() };
+        let cp = if self.cp > 1 { format!(", cp: {}", self.cp) } else { String::new() };
         format!(
-            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{ep}{overlap}{bucket} }}",
+            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{ep}{cp}{overlap}{bucket} }}",
             self.tp,
             self.microbatches,
             self.recompute.text()
@@ -192,13 +201,20 @@ impl Candidate {
     fn spec_in<'a>(&self, base: &Spec, s: &'a mut Spec) -> &'a Spec {
         let layout = self.layout();
         let st = &mut s.strategy;
-        st.replicas = layout.map_or_else(|| vec![1; base.cluster.device_count() / self.tp.max(1)], <[usize]>::to_vec);
+        // as the front end lowers context parallelism: cp members per written replica, cp
+        // chunk-microbatches per microbatch
+        let cp = self.cp.max(1);
+        st.replicas = layout.map_or_else(
+            || vec![1; base.cluster.device_count() / self.tp.max(1)],
+            |l| l.iter().map(|r| r * cp).collect(),
+        );
+        st.cp = cp;
         st.tp = self.tp;
         st.schedule = Schedule::new(self.schedule, st.schedule.span);
         if self.schedule.default_virtual_stages() > 1 {
             st.schedule.virtual_stages = self.chunks;
         }
-        st.microbatches = self.microbatches;
+        st.microbatches = self.microbatches * cp;
         st.partition = if layout.is_some() { Partition::Balanced } else { Partition::Auto };
         st.recompute = self.recompute.clone();
         st.sharding = self.sharding;
@@ -392,7 +408,7 @@ fn recompute_json(r: &Recompute) -> serde_json::Value {
 /// Whether a candidate's ZeRO levels are yet to be tried: an unsharded layout with a
 /// replicated stage under a schedule that updates once per step, and no level written.
 fn shardable(c: &Candidate, options: &SearchOptions) -> bool {
-    let replicated = c.layout().is_some_and(|l| l.iter().any(|&r| r > 1) && c.schedule.updates_per_step());
+    let replicated = c.layout().is_some_and(|l| l.iter().any(|&r| r * c.cp > 1) && c.schedule.updates_per_step());
     // expert-parallel stages are not sharded (the front end's E0419)
     replicated && c.sharding == Sharding::None && options.sharding.is_none() && c.ep == 1
 }
@@ -418,6 +434,18 @@ fn expert_degrees(
         None if experts.is_empty() => vec![1],
         None => divisors(l.iter().copied().max().unwrap_or(1)).filter(|&e| fits(e)).collect(),
     }
+}
+
+/// The context-parallel degrees to try on `machines` devices per tensor-parallel rank: the
+/// written one, or with `cp: auto` every divisor of them that cuts the sequence into 2·cp
+/// equal chunks, for a model that splits along its sequence (the front end's E0420, E0421).
+fn context_degrees(spec: &Spec, options: &SearchOptions, machines: usize) -> Vec<usize> {
+    if let Some(cp) = options.cp {
+        return if machines.is_multiple_of(cp.max(1)) { vec![cp.max(1)] } else { Vec::new() };
+    }
+    let seq = spec.model.input.first().copied().unwrap_or(1);
+    let splits = pipec_grammar::context_parallel_obstacle(&spec.model).is_none();
+    divisors(machines).filter(|&cp| cp == 1 || (splits && seq.is_multiple_of(2 * cp))).collect()
 }
 
 /// A candidate at each ZeRO level (the distributed optimizer updates 1/d of the weights;
@@ -482,15 +510,18 @@ fn candidates(
     // each expert block's experts
     let expert_counts: Vec<usize> = spec.model.layers.iter().filter_map(|l| l.op.moe()).map(|m| m.experts).collect();
     let experts = !expert_counts.is_empty();
-    for tp in tps {
-        let machines = devices / tp;
+    for (tp, cp) in
+        tps.into_iter().flat_map(|tp| context_degrees(spec, options, devices / tp).into_iter().map(move |cp| (tp, cp)))
+    {
+        let machines = devices / (tp * cp);
         // the layouts: the user's, or every pipeline depth with equal replication, and the
         // one PipeDream's planner picks (stage boundaries and replication per stage)
         let mut layouts: Vec<Option<Vec<usize>>> = match &options.layout {
             Some(l) => vec![Some(l.clone())],
             None => divisors(machines).filter(|p| *p <= layers).map(|pp| Some(vec![machines / pp; pp])).collect(),
         };
-        if options.layout.is_none() && machines > 1 {
+        // (PipeDream's planner lays out replicas, not context-parallel groups)
+        if options.layout.is_none() && machines > 1 && cp == 1 {
             layouts.push(None);
         }
         let too_deep = |pp: usize| options.max_pipeline_depth.is_some_and(|m| pp > m);
@@ -509,6 +540,13 @@ fn candidates(
                 Some(n) => vec![n],
                 None => divisors(batch).filter(|n| n.is_multiple_of(dp)).collect(),
             };
+            // context parallelism's groups run every pass together (the front end's E0422)
+            let schedules = schedules.into_iter().filter(|(k, _)| {
+                cp == 1
+                    || (k.updates_per_step()
+                        && k.is_synchronous(pipec_plan::vocab::SyncMode::Bsp)
+                        && k.chunk_placement() == pipec_plan::schedule::ChunkPlacement::RoundRobin)
+            });
             for (schedule, chunks) in schedules {
                 for ep in expert_degrees(&expert_counts, options, layout.as_deref(), schedule) {
                     for &microbatches in &counts {
@@ -530,6 +568,7 @@ fn candidates(
                                 },
                                 sequence_parallel: options.sequence_parallel && tp > 1,
                                 ep,
+                                cp,
                                 overlap: spec.strategy.overlap,
                                 bucket: spec.strategy.bucket,
                                 outcome: Outcome::TooBig,
@@ -728,6 +767,7 @@ fn describe(c: &Candidate) -> String {
         z => format!(", zero {z}"),
     };
     let zero = if c.ep > 1 { format!("{zero}, ep {}", c.ep) } else { zero };
+    let zero = if c.cp > 1 { format!("{zero}, cp {}", c.cp) } else { zero };
     format!(
         "{schedule}{chunks} · tp {} × {layout}, {} microbatches{}{zero}",
         c.tp,
@@ -780,6 +820,12 @@ fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> Str
         reasons.push(match o.ep {
             1 => "no expert parallelism (every replica computes every expert on its own tokens, and sums every expert's gradient over all replicas)".to_string(),
             e => format!("ep {e} (all-to-alls inside every pass of the expert stages)"),
+        });
+    }
+    if o.cp != b.cp {
+        reasons.push(match o.cp {
+            1 => "no context parallelism (each device computes whole sequences)".to_string(),
+            c => format!("cp {c} (keys and values gathered inside every attention)"),
         });
     }
     if o.sharding != b.sharding {

@@ -84,6 +84,56 @@ fn the_search_tries_expert_parallelism_where_it_divides_replicas_and_experts() {
     assert!(all.candidates.iter().any(|c| c.ep > 1 && matches!(c.outcome, Outcome::Planned(_))));
 }
 
+/// `cp: auto`: the search tries every context-parallel degree that divides the devices and
+/// cuts the sequence into 2·cp chunks, agrees with the brute force over that space, and
+/// bounds every compiled candidate from below. On one sequence of 4096 and a single-head
+/// model (no tensor parallelism), two devices can share the work only by splitting the
+/// sequence: the winner does.
+#[test]
+fn the_search_tries_context_parallelism_when_asked() {
+    let text = language_model()
+        .replace("input: [16]", "input: [4096]")
+        .replace("embedding(64, 32)", "embedding(64, 64)")
+        .replace("d=32, heads=2, ff=64", "d=64, heads=1, ff=256")
+        .replace("linear(32, 64,", "linear(64, 64,")
+        .replace("nodes: 2\n", "nodes: 1\n")
+        .replace("devices_per_node: 4", "devices_per_node: 2")
+        .replace("batch_size: 16", "batch_size: 1")
+        .replace("  stages: straight\n  schedule: 1f1b\n  microbatches: 4\n", "  cp: auto\n");
+    let spec = pipec_grammar::check_source(&text).spec.unwrap_or_else(|| panic!("valid:\n{text}"));
+    let options = CompileOptions::default();
+    let auto = spec.strategy.auto.clone().expect("a search");
+    let search_options = SearchOptions::from_spec(&spec, &auto);
+    assert_eq!(search_options.cp, None, "cp: auto leaves the degree free");
+    let pruned = search(&text, &spec, &options, &search_options);
+    let all = search(&text, &spec, &options, &SearchOptions { exhaustive: true, ..search_options.clone() });
+    let degrees: std::collections::BTreeSet<usize> = all.candidates.iter().map(|c| c.cp).collect();
+    assert_eq!(degrees, [1, 2].into(), "2 devices");
+    for c in &all.candidates {
+        if let Outcome::Planned(p) = &c.outcome {
+            assert!(p.bound_s <= p.step_s * (1.0 + 1e-9), "{} bound {} > step {}", c.strategy(), p.bound_s, p.step_s);
+        }
+    }
+    let best = |r: &pipec_compiler::search::SearchReport| {
+        r.ranked(0.0).first().map(|&(i, p)| (r.candidates[i].strategy(), p.step_s))
+    };
+    let (got, brute) = (best(&pruned).expect("a plan"), best(&all).expect("a plan"));
+    assert!((got.1 - brute.1).abs() <= 1e-9 * brute.1, "search {got:?} vs brute force {brute:?}");
+    let cps: Vec<String> =
+        all.candidates.iter().filter(|c| c.cp > 1).map(|c| format!("{} {:?}", c.strategy(), c.outcome)).collect();
+    assert!(got.0.contains("cp: 2"), "{got:?}\n{cps:#?}");
+    // the chosen strategy's text compiles to the plan the search predicted
+    let chosen = pipec_grammar::check_source(&with_strategy(&text, &spec, &got.0)).spec.expect("valid");
+    let plan = compile(&chosen, &options).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan;
+    assert_eq!(plan.training.context_parallel, 2);
+    assert!(
+        (plan.simulation.step_time_s - got.1).abs() <= 1e-6 * got.1,
+        "{} vs {}",
+        plan.simulation.step_time_s,
+        got.1
+    );
+}
+
 #[test]
 fn the_search_finds_the_brute_forces_best_and_no_simulation_beats_its_bound() {
     for (what, text) in cases() {

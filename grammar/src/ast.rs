@@ -279,6 +279,9 @@ pub struct AutoStrategy {
     pub recompute: bool,
     /// The expert-parallel degree (`ep`; searched only for a model with expert blocks).
     pub ep: bool,
+    /// The context-parallel degree: searched only when written `cp: auto` (for a model
+    /// that splits along its sequence, E0420), 1 when absent.
+    pub cp: bool,
     /// `search.async`: the asynchronous schedules (stale weights) may be chosen.
     pub asynchronous: bool,
     /// `search.max_depth`: the most pipeline stages.
@@ -319,7 +322,7 @@ pub struct Strategy {
     /// exchanging tokens with the group's other members (1: every replica holds them all).
     pub ep: usize,
     /// `cp`: context parallelism — each microbatch's sequence split over `cp` devices
-    /// (DeepSpeed-Ulysses'/Megatron-LM's load-balanced split: 2·cp chunks, member c holding
+    /// (Megatron-LM's load-balanced split: 2·cp chunks, member c holding
     /// chunks c and 2·cp − 1 − c), attention gathering the group's keys and values. Once
     /// lowered, `replicas` and `microbatches` count the group's members and the sequence
     /// chunks: a stage written with r replicas has r·cp, and m microbatches become m·cp

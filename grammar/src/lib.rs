@@ -25,4 +25,4 @@ pub use check::{check_source, check_source_in, CheckResult};
 pub use diagnostic::{Diagnostic, Severity};
 pub use span::{splice, LineIndex, Span};
 pub use spec::Spec;
-pub use strategy::recompute_beyond;
+pub use strategy::{context_parallel_obstacle, recompute_beyond};

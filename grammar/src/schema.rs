@@ -269,9 +269,8 @@ struct Strategy {
     /// 2·cp − 1 − c (balanced causal work); each attention gathers the group's keys and
     /// values, and the members' gradients are summed with the data-parallel replicas'. The
     /// layout uses `cp` times the devices. Divides the sequence into 2·cp equal chunks.
-    /// Default 1.
-    #[schemars(range(min = 1))]
-    cp: Option<u32>,
+    /// Default 1; `auto`: searched.
+    cp: Option<CountOrAuto>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
     /// Overlap communication with compute (default true): a replicated stage's all-reduce

@@ -69,6 +69,7 @@ pub(crate) fn lower_strategy(
             microbatches: true,
             recompute: true,
             ep: true,
+            cp: false,
             asynchronous: false,
             max_depth: None,
             headroom: 0.0,
@@ -85,6 +86,7 @@ pub(crate) fn lower_strategy(
         || free("microbatches")
         || free("recompute")
         || free("ep")
+        || free("cp")
         || f.get("search").is_some()
     {
         return lower_auto_strategy(cx, node, &f, owner, model, cluster, layout_free);
@@ -427,6 +429,7 @@ fn lower_auto_strategy(
         microbatches: free("microbatches") || f.get("microbatches").is_none(),
         recompute: free("recompute") || f.get("recompute").is_none(),
         ep: free("ep") || f.get("ep").is_none(),
+        cp: free("cp"),
         asynchronous: false,
         max_depth: None,
         headroom: 0.0,
@@ -498,13 +501,40 @@ fn lower_auto_strategy(
     if !auto.ep {
         strategy.ep = f.get("ep").and_then(|n| cx.uint(n, 1))?;
     }
+    match f.get("cp") {
+        Some(n) if !is_auto(n) => {
+            // a written degree the search keeps: checked against the model, and the schedule
+            // when it is written too
+            strategy.cp = cx.uint(n, 1)?;
+            let schedule = (!auto.schedule).then_some(&strategy.schedule);
+            ok &= check_context_parallelism(cx, f, strategy.cp, model, schedule, if auto.ep { 1 } else { strategy.ep });
+        }
+        // `cp: auto`: the search tries the degrees the model allows
+        Some(n) => {
+            if let Some((span, why)) = model.and_then(context_parallel_obstacle) {
+                cx.push(
+                    Diagnostic::error(
+                        "E0420",
+                        format!("`cp: auto` searches context parallelism, and {why}"),
+                        n.span,
+                        "context parallelism",
+                    )
+                    .with_label(span, "here")
+                    .with_help("remove `cp`: this model is not split along its sequence"),
+                );
+                ok = false;
+            }
+        }
+        None => {}
+    }
     if !auto.layout {
         let kind = (!auto.schedule).then_some(strategy.schedule.kind);
         let written = lower_layout(cx, f, owner, kind)?;
-        let layout = resolve_layout(cx, f, owner, written, cluster, strategy.tp)?;
-        ok &= check_device_count(cx, &layout, strategy.tp, 1, cluster);
+        let layout = resolve_layout(cx, f, owner, written, cluster, strategy.tp * strategy.cp)?;
+        ok &= check_device_count(cx, &layout, strategy.tp, strategy.cp, cluster);
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
-        ok &= check_sharding(cx, f, strategy.sharding, &layout.replicas, schedule);
+        let members: Vec<usize> = layout.replicas.iter().map(|r| r * strategy.cp).collect();
+        ok &= check_sharding(cx, f, strategy.sharding, &members, schedule);
         ok &= check_expert_parallelism(cx, f, strategy.ep, model, Some(&layout.replicas), strategy.sharding, schedule);
         strategy.replicas = layout.replicas;
         strategy.layout_span = layout.span;
@@ -513,21 +543,6 @@ fn lower_auto_strategy(
     if auto.layout {
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
         ok &= check_expert_parallelism(cx, f, strategy.ep, model, None, strategy.sharding, schedule);
-    }
-    if let Some(n) = f.get("cp") {
-        // the search does not choose context parallelism (nor keep it) yet
-        if cx.uint(n, 1)? > 1 {
-            cx.push(
-                Diagnostic::error(
-                    "E0422",
-                    "`cp` cannot be combined with this strategy: the strategy search does not plan context parallelism yet",
-                    n.span,
-                    "context parallelism",
-                )
-                .with_help("write the whole strategy (no `auto` fields or `search`) to use `cp`, or remove `cp`"),
-            );
-            ok = false;
-        }
     }
     ok.then_some(strategy)
 }
@@ -616,7 +631,7 @@ fn check_context_parallelism(
 }
 
 /// Why a model cannot be split along its sequence (None: it can), and where.
-fn context_parallel_obstacle(m: &Model) -> Option<(Span, String)> {
+pub fn context_parallel_obstacle(m: &Model) -> Option<(Span, String)> {
     use pipec_plan::model::Op;
     if !m.is_chain() {
         return Some((m.layers_span, "this model has branches or joins (a chain of layers is split)".into()));
