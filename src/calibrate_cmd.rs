@@ -73,6 +73,12 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         d.memory_efficiency.half,
         d.launch * 1e6
     );
+    if let Some(o) = d.optimizer {
+        eprintln!("{:>22} {:>14} {:>14}", "optimizer update", "per tensor", "per parameter");
+        for (name, r) in [("sgd", o.sgd), ("momentum", o.momentum), ("adam", o.adam)] {
+            eprintln!("{:>22} {:>11.1} µs {:>11.3} ns", name, r.per_tensor * 1e6, r.per_parameter * 1e9);
+        }
+    }
     // the transport between the workers, where there are two or more (CPU: the in-process
     // channels `pipec run` uses)
     let links = (backend == Backend::Cpu && concurrent > 1)

@@ -682,7 +682,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
             let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
             let cp = cx.cp.max(1) as f64;
             let (kept, core) = (context_kept(kept, node, p as f64, t, cx.cp), core / cp);
-            let update_s = if shard > 0 { cx.device.memory_time(shard as f64 * update_bytes) } else { 0.0 };
+            let update_s = cx.device.update_time(cx.optimizer, node.op.parameter_tensors(), shard as f64, update_bytes);
             LayerCost {
                 forward_flops_per_sample: forward_flops(node),
                 backward_flops_per_sample: backward_flops(node),

@@ -20,7 +20,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
-use pipec_plan::device::{Curve, DeviceModel, Functions, MatrixRates};
+use pipec_plan::device::{Curve, DeviceModel, Functions, MatrixRates, OptimizerRates, UpdateRate};
 
 use crate::dense::Kernels;
 
@@ -257,6 +257,88 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
         memory_efficiency: Curve { peak: 1.0, half: memory_half },
         functions: Functions::default(),
         link: None,
+        optimizer: None,
+    }
+}
+
+/// The executor's optimizer updates timed on `B`: for each optimizer, one update of a few
+/// large tensors (4 × linear(1024, 1024): 4.2 M parameters in 8 tensors) and of many small
+/// ones (64 × linear(16, 16): 17,408 in 128), each the median of `reps`, solved for the
+/// seconds per tensor and per parameter ([`update_rate`]). An update is what a step's runs:
+/// the gradients handed to Burn's optimizer, its step, and on the CPU the new weights'
+/// transposed copies for the forwards (made after two forwards, as in training).
+pub fn optimizer_rates<B: crate::dense::ExecBackend>(device: &B::Device, reps: usize) -> OptimizerRates {
+    use pipec_plan::model::Op;
+    use pipec_plan::plan::OptimizerPlan;
+    let chain = |n: usize, width: usize| vec![Op::Linear { in_features: width, out_features: width, bias: true }; n];
+    let time = |plan: &OptimizerPlan, ops: &[Op]| -> Point {
+        let mut model = Some(crate::layers::StageModel::<B>::new(ops, 0, 1, device));
+        let layout = crate::params::layout::<B, _>(model.as_ref().expect("built"));
+        let mut optim = crate::stage::StageOptim::<B, crate::layers::StageModel<B>>::new(plan, &layout);
+        let flat: Vec<Option<Tensor<B::InnerBackend, 1>>> = layout
+            .iter()
+            .map(|(_, shape)| {
+                let n = shape.iter().product::<usize>();
+                Some(Tensor::random([n], Distribution::Uniform(-1e-3, 1e-3), device))
+            })
+            .collect();
+        let params: usize = layout.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        // two forwards first, as a step runs them: on the CPU the weights then have their
+        // transposed copies (`crate::flex_weights`), which every update makes again
+        let width = match ops.first() {
+            Some(Op::Linear { in_features, .. }) => *in_features,
+            _ => 1,
+        };
+        let x = Tensor::<B, 2>::random([8, width], Distribution::Uniform(-1.0, 1.0), device);
+        for _ in 0..2 {
+            if let Some(m) = &model {
+                let _ = m.forward(crate::layers::Act::D2(x.clone()), false, (0, 0, 0), &mut Default::default());
+            }
+        }
+        let seconds = median_seconds(1, reps.max(3), || {
+            if let Some(m) = model.take() {
+                model = Some(optim.update(1e-3, m, &flat, 1.0));
+            }
+            let _ = B::sync(device);
+        });
+        B::release_weight_copies();
+        Point { size: params as f64, seconds }
+    };
+    let rate = |plan: OptimizerPlan| {
+        let few = time(&plan, &chain(4, 1024));
+        let many = time(&plan, &chain(64, 16));
+        update_rate((8, few), (128, many))
+    };
+    OptimizerRates {
+        sgd: rate(OptimizerPlan::Sgd { lr: 1e-3, momentum: 0.0, weight_decay: 0.0 }),
+        momentum: rate(OptimizerPlan::Sgd { lr: 1e-3, momentum: 0.9, weight_decay: 0.0 }),
+        adam: rate(OptimizerPlan::Adam {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled: false,
+            decay_biases_and_norms: true,
+        }),
+    }
+}
+
+/// The seconds per tensor `a` and per parameter `r` of an update from two timings, each
+/// of (tensors, parameters in `size`): t = a · tensors + r · parameters, both at least 0.
+pub fn update_rate((t1, p1): (usize, Point), (t2, p2): (usize, Point)) -> UpdateRate {
+    let (t1, t2) = (t1 as f64, t2 as f64);
+    let det = t1 * p2.size - t2 * p1.size;
+    let (a, r) = if det.abs() > 0.0 {
+        ((p1.seconds * p2.size - p2.seconds * p1.size) / det, (t1 * p2.seconds - t2 * p1.seconds) / det)
+    } else {
+        (0.0, p1.seconds / p1.size.max(1.0))
+    };
+    // a negative part is measurement noise: the other figure alone then explains both
+    match (a >= 0.0, r >= 0.0) {
+        (true, true) => UpdateRate { per_tensor: a, per_parameter: r },
+        (false, _) => UpdateRate { per_tensor: 0.0, per_parameter: (p1.seconds + p2.seconds) / (p1.size + p2.size) },
+        (true, false) => UpdateRate { per_tensor: (p1.seconds + p2.seconds) / (t1 + t2), per_parameter: 0.0 },
     }
 }
 
@@ -299,7 +381,11 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Cal
     let one = || {
         meet();
         let launch = autodiff_launch::<crate::CpuBackend>(&Default::default(), reps.max(3));
-        calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), Sweep::CPU, &meet)
+        let mut c =
+            calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), Sweep::CPU, &meet);
+        meet();
+        c.device.optimizer = Some(optimizer_rates::<crate::CpuBackend>(&Default::default(), reps));
+        c
     };
     let runs: Vec<Calibration> = if threads == 1 {
         vec![one()]
@@ -338,7 +424,19 @@ fn mean_calibration(runs: &[Calibration], memory: f64, name: &str) -> Calibratio
             (f, Point { size: p.size, seconds: mean(&|c| c.functions[i].1.seconds) })
         })
         .collect();
-    fitted(name, memory, launch, products, adds, functions)
+    let mut c = fitted(name, memory, launch, products, adds, functions);
+    // the optimizer's figures, averaged over the copies that measured them
+    let rates: Vec<OptimizerRates> = runs.iter().filter_map(|c| c.device.optimizer).collect();
+    if !rates.is_empty() {
+        let k = rates.len() as f64;
+        let avg = |f: &dyn Fn(&OptimizerRates) -> UpdateRate| UpdateRate {
+            per_tensor: rates.iter().map(|r| f(r).per_tensor).sum::<f64>() / k,
+            per_parameter: rates.iter().map(|r| f(r).per_parameter).sum::<f64>() / k,
+        };
+        c.device.optimizer =
+            Some(OptimizerRates { sgd: avg(&|r| r.sgd), momentum: avg(&|r| r.momentum), adam: avg(&|r| r.adam) });
+    }
+    c
 }
 
 /// Calibrates the first CUDA device.
@@ -346,12 +444,58 @@ fn mean_calibration(runs: &[Calibration], memory: f64, name: &str) -> Calibratio
 pub fn calibrate_cuda(memory: f64, reps: usize) -> Calibration {
     let device = burn::backend::cuda::CudaDevice::new(0);
     let launch = autodiff_launch::<burn::backend::Autodiff<burn::backend::Cuda>>(&device, reps.max(3));
-    calibrate::<burn::backend::Cuda>(&device, memory, reps, ("cuda:0 (pipec calibrate)", launch), Sweep::GPU, &|| {})
+    let mut c = calibrate::<burn::backend::Cuda>(
+        &device,
+        memory,
+        reps,
+        ("cuda:0 (pipec calibrate)", launch),
+        Sweep::GPU,
+        &|| {},
+    );
+    c.device.optimizer = Some(optimizer_rates::<burn::backend::Autodiff<burn::backend::Cuda>>(&device, reps));
+    c
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_updates_rates_are_solved_from_two_timings() {
+        // 50 µs per tensor and 2 ns per parameter: 8 tensors of 4.2 M, 128 of 17,408
+        let t = |tensors: usize, params: f64| {
+            (tensors, Point { size: params, seconds: tensors as f64 * 50e-6 + params * 2e-9 })
+        };
+        let r = update_rate(t(8, 4.2e6), t(128, 17_408.0));
+        assert!((r.per_tensor - 50e-6).abs() < 1e-12 && (r.per_parameter - 2e-9).abs() < 1e-18, "{r:?}");
+        // noise that makes one part negative: the other explains both timings on average
+        let r = update_rate((8, Point { size: 4.2e6, seconds: 1e-3 }), (128, Point { size: 17_408.0, seconds: 1e-6 }));
+        assert!(r.per_tensor == 0.0 && r.per_parameter > 0.0, "{r:?}");
+    }
+
+    #[test]
+    fn the_plans_parameter_tensors_are_the_executors() {
+        use pipec_plan::model::Op;
+        let ops = [
+            Op::Linear { in_features: 4, out_features: 3, bias: true },
+            Op::Linear { in_features: 3, out_features: 4, bias: false },
+            Op::LayerNorm { dim: 4, eps: 1e-5 },
+            Op::RmsNorm { dim: 4, eps: 1e-5 },
+            Op::Lstm { input: 4, hidden: 4 },
+            Op::block(16, 2, 32, true),
+            Op::llama_block(16, 4, 2, 24),
+        ];
+        for op in &ops {
+            let model = crate::layers::StageModel::<crate::CpuBackend>::new(
+                std::slice::from_ref(op),
+                0,
+                1,
+                &Default::default(),
+            );
+            let layout = crate::params::layout::<crate::CpuBackend, _>(&model);
+            assert_eq!(op.parameter_tensors(), layout.len(), "{op:?}");
+        }
+    }
 
     #[test]
     fn a_line_through_exact_points_is_found_and_gives_the_device_back() {

@@ -12,7 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::vocab::Precision;
+use crate::vocab::{OptimizerKind, Precision};
 
 /// How close to its peak a kernel gets, by its size: `peak · x / (x + half)` for a kernel of
 /// `x` FLOPs (matrix) or bytes (memory). Small kernels cannot fill the device; large ones
@@ -139,6 +139,37 @@ pub struct DeviceModel {
     /// measured it (N ≥ 2); a spec's link level reads it with `{ file: FILE }`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link: Option<MeasuredLink>,
+    /// The executor's optimizer updates as `pipec calibrate` measured them (None on the
+    /// presets: an update is priced as the memory traffic it is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<OptimizerRates>,
+}
+
+/// Measured optimizer updates, per optimizer (AdamW priced as Adam).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerRates {
+    pub sgd: UpdateRate,
+    pub momentum: UpdateRate,
+    pub adam: UpdateRate,
+}
+
+/// One optimizer's update: seconds per parameter tensor (its kernels' launches and the
+/// framework's work per tensor) and per parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct UpdateRate {
+    pub per_tensor: f64,
+    pub per_parameter: f64,
+}
+
+impl OptimizerRates {
+    /// The rate of `kind`'s update.
+    pub fn of(&self, kind: OptimizerKind) -> UpdateRate {
+        match kind {
+            OptimizerKind::Sgd => self.sgd,
+            OptimizerKind::Momentum => self.momentum,
+            OptimizerKind::Adam | OptimizerKind::AdamW => self.adam,
+        }
+    }
 }
 
 /// A link as measured between workers: point-to-point messages fitted as
@@ -169,6 +200,7 @@ impl DeviceModel {
             memory_efficiency: Curve::FLAT,
             functions: Functions::default(),
             link: None,
+            optimizer: None,
         }
     }
 
@@ -214,7 +246,30 @@ impl DeviceModel {
                 ));
             }
         }
+        if let Some(o) = d.optimizer {
+            if [o.sgd, o.momentum, o.adam].iter().any(|r| {
+                !(r.per_tensor.is_finite()
+                    && r.per_tensor >= 0.0
+                    && r.per_parameter.is_finite()
+                    && r.per_parameter >= 0.0)
+            }) {
+                return Err(format!("the optimizer's rates must be finite and not negative, found {o:?}"));
+            }
+        }
         Ok(d)
+    }
+
+    /// Seconds of one `kind` update of `parameters` in `tensors` tensors, each parameter
+    /// moving `bytes_per_parameter` through memory: at the measured rate where the device
+    /// file has one, else that memory traffic.
+    pub fn update_time(&self, kind: OptimizerKind, tensors: usize, parameters: f64, bytes_per_parameter: f64) -> f64 {
+        if parameters <= 0.0 {
+            return 0.0;
+        }
+        match self.optimizer.map(|o| o.of(kind)) {
+            Some(r) => tensors as f64 * r.per_tensor + parameters * r.per_parameter,
+            None => self.memory_time(parameters * bytes_per_parameter),
+        }
     }
 
     /// Seconds of a matrix product of `flops` reading and writing `bytes`, in `precision`:
@@ -383,6 +438,7 @@ impl Preset {
             memory_efficiency: GPU_MEMORY_EFFICIENCY,
             functions: Functions::default(),
             link: None,
+            optimizer: None,
         }
     }
 }
@@ -445,6 +501,30 @@ pub fn link_preset(name: &str) -> Option<&'static LinkPreset> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_update_is_priced_at_the_measured_rate_where_there_is_one() {
+        // 10 GB/s: 4 M Adam parameters of 28 bytes each take 11.2 ms as memory traffic
+        let mut d = DeviceModel::uniform("x", 1e9, 1e12);
+        d.memory_bandwidth = 1e10;
+        let traffic = d.update_time(OptimizerKind::Adam, 8, 4e6, 28.0);
+        assert!((traffic - 4e6 * 28.0 / 1e10).abs() < 1e-12, "{traffic}");
+        // measured: 2 µs per tensor and 3 ns per parameter for Adam (AdamW the same), SGD
+        // its own
+        let rate = |t: f64, p: f64| UpdateRate { per_tensor: t, per_parameter: p };
+        d.optimizer =
+            Some(OptimizerRates { sgd: rate(1e-6, 1e-9), momentum: rate(1e-6, 2e-9), adam: rate(2e-6, 3e-9) });
+        for kind in [OptimizerKind::Adam, OptimizerKind::AdamW] {
+            assert!((d.update_time(kind, 8, 4e6, 28.0) - (8.0 * 2e-6 + 4e6 * 3e-9)).abs() < 1e-15);
+        }
+        assert!((d.update_time(OptimizerKind::Sgd, 8, 4e6, 12.0) - (8.0 * 1e-6 + 4e6 * 1e-9)).abs() < 1e-15);
+        assert_eq!(d.update_time(OptimizerKind::Adam, 0, 0.0, 28.0), 0.0);
+        // a device file with a negative rate is refused
+        let mut bad = d.clone();
+        bad.optimizer = Some(OptimizerRates { sgd: rate(-1.0, 0.0), momentum: rate(0.0, 0.0), adam: rate(0.0, 0.0) });
+        let text = serde_json::to_string(&bad).expect("json");
+        assert!(DeviceModel::from_json(&text).is_err_and(|e| e.contains("optimizer")));
+    }
+
     use super::*;
 
     #[test]

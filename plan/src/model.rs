@@ -750,6 +750,33 @@ impl Op {
         }
     }
 
+    /// The parameter tensors the executor holds for this operator (what an optimizer
+    /// update walks one by one).
+    pub fn parameter_tensors(&self) -> usize {
+        let norm = |kind: NormKind| if kind == NormKind::RmsNorm { 1 } else { 2 };
+        match *self {
+            Op::Linear { bias, .. } | Op::Conv2d { bias, .. } => 1 + usize::from(bias),
+            Op::LayerNorm { .. } | Op::BatchNorm2d { .. } => 2,
+            Op::RmsNorm { .. } | Op::PosEmbedding { .. } => 1,
+            Op::Embedding { types, .. } => 1 + usize::from(types > 0),
+            Op::Lstm { .. } => 4,
+            Op::TransformerBlock { .. } => self.block_dims().map_or(0, |b| {
+                // two norms; QKV and output projections; per MLP (the experts' and the
+                // shared ones) its up and down projections; a router
+                let biases = |on: bool| usize::from(on);
+                let mlps = b.moe.map_or(1, |m| m.experts + m.shared);
+                2 * norm(b.norm)
+                    + 1
+                    + biases(b.qkv_bias)
+                    + 1
+                    + biases(b.bias)
+                    + mlps * (2 + 2 * biases(b.bias))
+                    + usize::from(b.moe.is_some())
+            }),
+            _ => 0,
+        }
+    }
+
     /// Number of trainable parameters (saturating; an operator that passes
     /// [`Op::output_shape`] has at most [`MAX_LAYER_PARAMETERS`]).
     pub fn parameter_count(&self) -> u64 {
