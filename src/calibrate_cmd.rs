@@ -45,7 +45,10 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         }
     };
     let d = &measured.device;
-    eprintln!("{:>22} {:>14} {:>12} {:>12}", "matrix product (m·k·n)", "FLOPs", "measured", "fitted");
+    // the CPU's points are linear layers' products as training runs them (forward and
+    // backward through autodiff, a third of the pass each); a GPU's the bare products
+    let what = if backend == Backend::Cpu { "layer product (m·k·n)" } else { "matrix product (m·k·n)" };
+    eprintln!("{:>22} {:>14} {:>12} {:>12}", what, "FLOPs", "measured", "fitted");
     for ((m, k, n), p) in &measured.products {
         let fitted = d.matrix_time(p.size, 0.0, pipec_plan::Precision::Fp32);
         eprintln!(

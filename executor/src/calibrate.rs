@@ -261,6 +261,45 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
     }
 }
 
+/// Each product of `shapes` as a linear layer runs in training on `B`: the forward
+/// x·W + b through autodiff ([`Kernels::dense`], the bias added) and its backward (the input
+/// and the weight gradients), after two forwards (on the CPU the weight then has its
+/// transposed copy, as in training). A point is one product's FLOPs and a third of the
+/// pass's time. The CPU's
+/// device file fits its matrix rate to these: a layer's products cost what the executor's
+/// layer costs, its autodiff, bias and allocations included, not what the bare kernel does.
+pub fn layer_products<B: crate::dense::ExecBackend>(
+    device: &B::Device,
+    reps: usize,
+    shapes: &[(usize, usize, usize)],
+    at_point: &(dyn Fn() + Sync),
+) -> Vec<((usize, usize, usize), Point)> {
+    let points = shapes
+        .iter()
+        .map(|&(m, k, n)| {
+            let x = Tensor::<B, 2>::random([m, k], Distribution::Uniform(-1.0, 1.0), device).require_grad();
+            let w = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-0.1, 0.1), device).require_grad();
+            let b = Tensor::<B, 1>::zeros([n], device).require_grad();
+            let pass = || {
+                let y = B::dense(x.clone(), w.clone()) + b.clone().unsqueeze::<2>();
+                let grads = y.sum().backward();
+                let kept = (x.grad(&grads), w.grad(&grads), b.grad(&grads));
+                let _ = B::sync(device);
+                drop(kept);
+            };
+            for _ in 0..2 {
+                pass();
+            }
+            at_point();
+            let seconds = median_seconds(1, reps.max(3), pass);
+            // one of the three products, on average (the cost model prices each of them)
+            ((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds: seconds / 3.0 })
+        })
+        .collect();
+    B::release_weight_copies();
+    points
+}
+
 /// The executor's optimizer updates timed on `B`: for each optimizer, one update of a few
 /// large tensors (4 × linear(1024, 1024): 4.2 M parameters in 8 tensors) and of many small
 /// ones (64 × linear(16, 16): 17,408 in 128), each the median of `reps`, solved for the
@@ -381,10 +420,13 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Cal
     let one = || {
         meet();
         let launch = autodiff_launch::<crate::CpuBackend>(&Default::default(), reps.max(3));
-        let mut c =
-            calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), Sweep::CPU, &meet);
+        let c = calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), Sweep::CPU, &meet);
+        // the products as the executor's layers run them, forward and backward
+        let products = layer_products::<crate::CpuBackend>(&Default::default(), reps, Sweep::CPU.products, &meet);
         meet();
-        c.device.optimizer = Some(optimizer_rates::<crate::CpuBackend>(&Default::default(), reps));
+        let optimizer = optimizer_rates::<crate::CpuBackend>(&Default::default(), reps);
+        let mut c = fitted("", memory, launch, products, c.adds, c.functions);
+        c.device.optimizer = Some(optimizer);
         c
     };
     let runs: Vec<Calibration> = if threads == 1 {
@@ -459,6 +501,16 @@ pub fn calibrate_cuda(memory: f64, reps: usize) -> Calibration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_layers_products_are_timed_through_autodiff_one_product_a_point() {
+        let points = layer_products::<crate::CpuBackend>(&Default::default(), 3, &[(8, 16, 32), (16, 64, 64)], &|| {});
+        assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), vec![(8, 16, 32), (16, 64, 64)]);
+        for ((m, k, n), p) in points {
+            assert_eq!(p.size, 2.0 * (m * k * n) as f64);
+            assert!(p.seconds > 0.0 && p.seconds.is_finite(), "{p:?}");
+        }
+    }
 
     #[test]
     fn an_updates_rates_are_solved_from_two_timings() {
