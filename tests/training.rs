@@ -942,6 +942,20 @@ fn context_parallelism_equals_one_device_on_a_language_model() {
             });
         }
     }
+    // dropout: each member draws the whole sequence's mask, as one device does, and keeps
+    // its positions' (with full recompute the recomputed masks equal the first ones)
+    let dropout = "- embedding(20, 16) as tokens\n    - pos_embedding\n    - dropout(0.2)\n    - repeat 2: transformer_block(d=16, heads=2, ff=32, causal=true)\n    - dropout(0.1)\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)";
+    for (devices, stages, recompute) in [(2, "\"1\"\n  cp: 2", "false"), (4, "\"1-1\"\n  cp: 2", "true")] {
+        assert_same_as_one_device(Job {
+            devices,
+            stages,
+            schedule: "1f1b",
+            recompute,
+            optimizer: ADAM,
+            layers: dropout,
+            ..Job::default()
+        });
+    }
     // with momentum, full and selective recompute (the attention core recomputed in the
     // backward under the member's mask), an interleaved pipeline and tensor parallelism
     let layers = lm("transformer_block(d=16, heads=2, ff=32, causal=true)");

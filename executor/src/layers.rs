@@ -1065,7 +1065,7 @@ impl<B: Kernels> Layer<B> {
             }
             (Layer::Lstm(l), Act::D3(t)) => Act::D3(l.forward(t)),
             (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t, training, side)?),
-            (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key)?,
+            (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key, side.context.as_ref())?,
             (Layer::ColumnLinear(d), x) => d.forward_act(x)?,
             (layer, x) => {
                 return Err(ExecError::Shape(format!(
@@ -1123,6 +1123,7 @@ pub(crate) fn stateless<B: Backend>(
     x: Act<B>,
     training: bool,
     key: (u64, u64, u64),
+    context: Option<&crate::context::Context>,
 ) -> Result<Act<B>> {
     match *op {
         Op::Relu => elementwise(x, activation::relu),
@@ -1134,11 +1135,28 @@ pub(crate) fn stateless<B: Backend>(
             if !training || p == 0.0 {
                 return Ok(x);
             }
+            // context parallelism: the mask of the whole sequence, as one device draws it,
+            // at this member's positions
+            let positions = match (&x, context) {
+                (Act::D3(t), Some(c)) => {
+                    let [_, s, d] = t.dims();
+                    Some((c.positions(s), s * c.cp, d))
+                }
+                _ => None,
+            };
             elementwise(x, |t| {
                 let [rows, cols] = t.dims();
                 let mut rng = Rng::keyed(&[key.0, 20, key.1, key.2, index as u64]);
-                let keep: Vec<f32> =
-                    (0..rows * cols).map(|_| if rng.uniform() < p { 0.0 } else { (1.0 / (1.0 - p)) as f32 }).collect();
+                let mut draw = || if rng.uniform() < p { 0.0 } else { (1.0 / (1.0 - p)) as f32 };
+                let keep: Vec<f32> = match &positions {
+                    Some((at, seq, d)) => (0..rows)
+                        .flat_map(|_| {
+                            let row: Vec<f32> = (0..seq * d).map(|_| draw()).collect();
+                            at.iter().flat_map(move |&q| row[q * d..(q + 1) * d].to_vec()).collect::<Vec<_>>()
+                        })
+                        .collect(),
+                    None => (0..rows * cols).map(|_| draw()).collect(),
+                };
                 let mask = Tensor::<B, 2>::from_data(TensorData::new(keep, [rows, cols]), &t.device());
                 t * mask
             })

@@ -522,7 +522,7 @@ pub fn forward<B: ExecBackend>(
                 applied = 0;
                 continue;
             }
-            Layer::Stateless(st) => cur = stateless(&st.op, st.index, cur, training, key)?,
+            Layer::Stateless(st) => cur = stateless(&st.op, st.index, cur, training, key, side.context.as_ref())?,
             other => cur = other.forward(cur, training, key, side)?,
         }
         applied += 1;

@@ -460,8 +460,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// The dropout key of a microbatch's forward (the same at its recompute): its step and
     /// number in the step, from its number in the run.
     pub(crate) fn mask_key(&self, mb: MicrobatchId) -> (u64, u64, u64) {
-        let n = self.plan.training.microbatches.max(1) as u64;
-        (self.plan.training.seed, u64::from(mb.0) / n, u64::from(mb.0) % n)
+        // context parallelism: every chunk of a microbatch draws from the microbatch's key
+        let t = &self.plan.training;
+        let n = t.microbatches.max(1) as u64;
+        let cp = t.context_parallel.max(1) as u64;
+        (t.seed, u64::from(mb.0) / n, u64::from(mb.0) % n / cp)
     }
 
     /// The learning rate of the step being run (the plan's schedule).
