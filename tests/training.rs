@@ -956,6 +956,21 @@ fn context_parallelism_equals_one_device_on_a_language_model() {
             ..Job::default()
         });
     }
+    // validation's held-out forwards are refused by name, before anything runs
+    let lm_layers = lm("transformer_block(d=16, heads=2, ff=32, causal=true)");
+    let text = spec(&Job { devices: 2, stages: "\"1\"\n  cp: 2", layers: &lm_layers, ..Job::default() })
+        .replace("  seed: 5\n", "  seed: 5\n  validation: { every: 2, split: 0.5 }\n");
+    let s = pipec_grammar::check_source(&text).spec.unwrap_or_else(|| panic!("valid:\n{text}"));
+    let p = compile(&s, &CompileOptions::default()).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan;
+    let e = match pipec_executor::run(
+        &p,
+        &RunOptions { timeout: Duration::from_secs(30), ..Default::default() },
+        &mut |_| {},
+    ) {
+        Ok(_) => panic!("cp with validation trained"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("does not run context parallelism with validation"), "{e}");
     // with momentum, full and selective recompute (the attention core recomputed in the
     // backward under the member's mask), an interleaved pipeline and tensor parallelism
     let layers = lm("transformer_block(d=16, heads=2, ff=32, causal=true)");

@@ -390,6 +390,14 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
             )));
         }
     }
+    // a context-parallel group's members exchange keys and values inside every forward; the
+    // held-out forwards' exchanges are not served in step yet
+    let cp = plan.training.context_parallel;
+    if cp > 1 && plan.eval.is_some() {
+        return Err(RunError::setup(format!(
+            "the plan splits every sequence over {cp} devices (`cp: {cp}`): the executor does not run context parallelism with validation (its held-out forwards) yet (train with `cp: 1`, or without `validation`)"
+        )));
+    }
     let tensor_parallel = plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1));
     for l in &plan.layers {
         let Some((b, m)) = l.op.block_dims().and_then(|b| b.moe.map(|m| (b, m))) else { continue };
