@@ -1546,6 +1546,35 @@ fn an_lstm_language_model_equals_one_device() {
 }
 
 #[test]
+fn a_context_parallel_checkpoint_resumes_on_one_device_and_back() {
+    // written by a 1F1B pipeline whose stages are each split over two members (the members
+    // hold whole weights, as replicas do), resumed on one device, and the other way
+    let lm = |j: Job<'static>| {
+        Job {
+        input: "[16]",
+        layers: "- embedding(20, 16) as tokens\n    - pos_embedding\n    - repeat 2: transformer_block(d=16, heads=2, ff=32, causal=true)\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)",
+        optimizer: ADAM,
+        ..j
+    }
+    };
+    let split = lm(Job { devices: 4, stages: "\"1-1\"\n  cp: 2", schedule: "1f1b", ..Job::default() });
+    let one = lm(Job::default());
+    for (from, to) in [(split, one), (one, split)] {
+        let source = tempfile::tempdir().expect("tempdir");
+        train_keeping_statistics_in(Job { steps: 3, ..from }, source.path(), None);
+        let (_, full, _) = train_keeping_statistics(Job { steps: 6, ..to });
+        let resumed_dir = tempfile::tempdir().expect("tempdir");
+        let (_, resumed, _) = train_keeping_statistics_in(
+            Job { steps: 6, ..to },
+            resumed_dir.path(),
+            Some(source.path().join("step-000003")),
+        );
+        assert_same_losses(&format!("{} → {}", from.stages, to.stages), &full[3..], &resumed);
+        assert!(full.last() < full.first(), "{full:?}");
+    }
+}
+
+#[test]
 fn a_tied_language_model_resumes_across_a_tie_that_moves_between_stages() {
     // saved with the embedding and the tied output layer on different stages (two copies,
     // summed by tiedallreduce), resumed on one device (one stage: summed locally) and back
