@@ -98,11 +98,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         key: (u64, u64, u64),
         cuts: &[usize],
     ) -> Result<Forwarded<B>> {
-        let mut side = Collected {
-            experts: self.experts.get(&stage).cloned(),
-            context: self.contexts.get(&stage).cloned(),
-            ..Default::default()
-        };
+        let mut side =
+            Collected { experts: self.experts_for(stage), context: self.context_for(stage), ..Default::default() };
         let segments = model.forward_segments(x, cuts, true, key, &mut side)?;
         let Collected { stats, aux, expert_tokens, .. } = side;
         if aux.is_some() {

@@ -109,8 +109,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> {
                 Ok(comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?)
             };
-            let mut side =
-                crate::layers::Collected { context: self.contexts.get(&stage).cloned(), ..Default::default() };
+            let mut side = crate::layers::Collected { context: self.context_for(stage), ..Default::default() };
             let segments = crate::tensor_parallel::forward(model, x, training, key, &mut sum, &mut side)?;
             if side.aux.is_some() {
                 return Err(ExecError::Plan("a tensor-parallel stage cannot train a load-balancing loss".into()));
@@ -168,8 +167,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             return self.forward_segmented(stage, mb, model, x, key, &cuts);
         }
         let mut side = crate::layers::Collected {
-            experts: self.experts.get(&stage).cloned(),
-            context: self.contexts.get(&stage).cloned(),
+            experts: self.experts_for(stage),
+            context: self.context_for(stage),
             ..Default::default()
         };
         let out = model.forward(x, training, key, &mut side)?;
@@ -221,6 +220,20 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             })
             .count();
         Ok(Some((correct as f64, labels.len() as f64)))
+    }
+
+    /// This device's expert-parallel group for `stage`, its exchanges recorded for a
+    /// backward only when training (not while evaluating).
+    pub(crate) fn experts_for(&self, stage: StageId) -> Option<crate::experts::ExpertGroup> {
+        self.experts
+            .get(&stage)
+            .map(|g| crate::experts::ExpertGroup { tracked: self.evaluating.is_none(), ..g.clone() })
+    }
+
+    /// This device's context-parallel group for `stage`, its gather recorded for a backward
+    /// only when training (not while evaluating).
+    pub(crate) fn context_for(&self, stage: StageId) -> Option<crate::context::Context> {
+        self.contexts.get(&stage).map(|c| crate::context::Context { tracked: self.evaluating.is_none(), ..c.clone() })
     }
 
     /// The first failure of an expert or context-parallel exchange inside a backward of

@@ -21,6 +21,11 @@ pub struct Context {
     /// The members, in position order, and how to reach them.
     pub group: ExpertGroup,
     pub cp: usize,
+    /// Whether the gather is recorded for a backward (training). Validation's forwards
+    /// gather detached keys and values: a recorded gather would keep its reverse exchange
+    /// (and with it the way to the group's collective thread) in a graph no backward ever
+    /// consumes, and the run could not close its communication.
+    pub tracked: bool,
 }
 
 impl Context {
@@ -32,7 +37,7 @@ impl Context {
             return None;
         }
         let group = ExpertGroup::sized(plan, stage, device, exchanger, cp)?;
-        Some(Context { group, cp })
+        Some(Context { group, cp, tracked: true })
     }
 
     /// This member's positions of a sequence whose local part has `local` positions.
@@ -50,6 +55,7 @@ impl Context {
     /// goes back to the members and is summed there.
     pub fn gather<B: Kernels>(&self, x: Tensor<B, 4>) -> Result<Tensor<B, 4>> {
         let [b, h, s, dh] = x.dims();
+        let x = if self.tracked { x } else { x.detach() };
         let n = b * h * s * dh;
         let row = x.reshape([1, n]);
         let copies = Tensor::cat(vec![row; self.cp], 0);

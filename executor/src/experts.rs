@@ -29,6 +29,10 @@ pub struct ExpertGroup {
     /// The first exchange that failed inside a backward (which cannot return an error);
     /// the worker reports it after the backward.
     pub failed: Arc<Mutex<Option<String>>>,
+    /// Whether the exchanges are recorded for a backward (training). Validation's forwards
+    /// exchange detached rows: a recorded exchange keeps its reverse (and the way to the
+    /// group's collective thread) in a graph no backward consumes.
+    pub tracked: bool,
 }
 
 impl ExpertGroup {
@@ -67,7 +71,7 @@ impl ExpertGroup {
             .into_iter()
             .map(|j| s.tensor_parallel.get(j).and_then(|g| g.get(rank)).copied().or(s.replicas.get(j).copied()))
             .collect::<Option<_>>()?;
-        Some(ExpertGroup { members, position, exchanger: exchanger.clone(), failed: Default::default() })
+        Some(ExpertGroup { members, position, exchanger: exchanger.clone(), failed: Default::default(), tracked: true })
     }
 
     /// Takes the failure an exchange inside a backward recorded, if any.

@@ -624,7 +624,8 @@ impl<B: Kernels> Block<B> {
         }
         let tokens = ints(pairs.iter().map(|&(token, _)| token).collect());
         let ex = crate::experts::Exchange { group: group.clone(), send, recv: recv.clone() };
-        let arrived = B::exchange(x.clone().select(0, tokens.clone()), &ex).map_err(exchange_error)?;
+        let x = if group.tracked { x.clone() } else { x.clone().detach() };
+        let arrived = B::exchange(x.select(0, tokens.clone()), &ex).map_err(exchange_error)?;
         // this member's experts, each on its rows from every member (member-major there)
         let n_recv: usize = recv.iter().sum();
         let computed = if n_recv == 0 {
@@ -653,6 +654,7 @@ impl<B: Kernels> Block<B> {
             }
             Tensor::cat(outputs, 0).select(0, ints(inverse))
         };
+        let computed = if group.tracked { computed } else { computed.detach() };
         let returned = B::exchange(computed, &ex.reversed()).map_err(exchange_error)?;
         let slots = ints(pairs.iter().map(|&(token, j)| token * k + j).collect());
         let w = weights.clone().select(0, slots).reshape([pairs.len(), 1]);

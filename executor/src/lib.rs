@@ -376,27 +376,13 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
         return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
     }
     if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1) {
-        let why = if s.tensor_parallel.iter().any(|g| g.len() > 1) {
-            Some("with tensor parallelism")
-        } else if plan.eval.is_some() {
-            Some("with validation (its held-out forwards)")
-        } else {
-            None
-        };
+        let why = s.tensor_parallel.iter().any(|g| g.len() > 1).then_some("with tensor parallelism");
         if let Some(why) = why {
             return Err(RunError::setup(format!(
                 "{} divides its experts over {} replicas (`ep: {}`): the executor does not run expert parallelism {why} yet (train with `ep: 1`, or without it)",
                 s.id, s.expert_parallel, s.expert_parallel
             )));
         }
-    }
-    // a context-parallel group's members exchange keys and values inside every forward; the
-    // held-out forwards' exchanges are not served in step yet
-    let cp = plan.training.context_parallel;
-    if cp > 1 && plan.eval.is_some() {
-        return Err(RunError::setup(format!(
-            "the plan splits every sequence over {cp} devices (`cp: {cp}`): the executor does not run context parallelism with validation (its held-out forwards) yet (train with `cp: 1`, or without `validation`)"
-        )));
     }
     let tensor_parallel = plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1));
     for l in &plan.layers {
