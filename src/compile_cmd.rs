@@ -211,14 +211,18 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
     let sim = &plan.simulation;
     let headroom = plan.memory_headroom();
     let mut s = String::new();
+    // context parallelism counts each microbatch's chunks as microbatches of their own
+    let cp = plan.training.context_parallel.max(1);
+    let chunks =
+        if cp > 1 { format!(" ({} chunk-microbatches of cp {cp})", plan.training.microbatches) } else { String::new() };
     s.push_str(&format!(
-        "{}: {} schedule, layout {} ({} stage(s) on {} device(s)), {} microbatches of {}\n",
+        "{}: {} schedule, layout {} ({} stage(s) on {} device(s)), {} microbatches of {}{chunks}\n",
         plan.name,
         plan.schedule.kind,
         plan.partition,
         plan.stages.len(),
         plan.devices.len(),
-        plan.training.microbatches,
+        plan.training.microbatches / cp,
         plan.training.microbatch_size
     ));
     s.push_str(&format!(

@@ -1689,6 +1689,7 @@ fn compile_states_each_context_parallel_members_positions() {
     let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{said}");
     assert!(said.contains("context parallelism: cp 2 — each of the 1 microbatches is 2 chunk-microbatches"), "{said}");
+    assert!(said.contains("1 microbatches of 8 (2 chunk-microbatches of cp 2)"), "{said}");
     assert!(said.contains("positions 0..128 and 384..512 (c = 0), 128..256 and 256..384 (c = 1)"), "{said}");
     let plan: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("plan.json")).expect("plan")).expect("json");
