@@ -141,47 +141,35 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             (c.iter().map(|c| tp_time(&c.tp_forward)).sum(), c.iter().map(|c| tp_time(&c.tp_backward)).sum())
         })
         .collect();
-    // expert parallelism: the all-to-alls over `ep` consecutive replicas of the stage's
-    // pipeline rank (consecutive tensor-parallel groups, so inside a node when they fit)
+    // the collectives inside a stage's passes over `size` consecutive replicas of its
+    // pipeline rank (consecutive tensor-parallel groups, so inside a node when they fit):
+    // expert parallelism's all-to-alls, context parallelism's key/value exchanges
     let ep = spec.strategy.ep.max(1);
-    let chunks = spec.strategy.schedule.kind.chunk_placement();
-    // (the devices of every replica only where there are exchanges to price)
-    let exchanges = ep > 1 && costs.iter().any(|c| !c.ep_forward.is_empty() || !c.ep_backward.is_empty());
-    let ranks = if exchanges { crate::place::rank_devices(&layout.replicas, tp) } else { Vec::new() };
-    let ep_times: Vec<(f64, f64)> = layout
-        .ranges
-        .iter()
-        .enumerate()
-        .map(|(c, r)| {
-            if !exchanges {
-                return (0.0, 0.0);
-            }
-            let members = ranks.get(chunks.rank_of_chunk(c, ranks.len())).map_or(&[][..], |m| &m[..ep.min(m.len())]);
-            let time = |list: &[(CollectiveKind, u64)]| {
-                list.iter().map(|&(k, b)| model.cluster.collective_time(k, members, b)).sum::<f64>()
-            };
-            let c = &costs[r.clone()];
-            (c.iter().map(|c| time(&c.ep_forward)).sum(), c.iter().map(|c| time(&c.ep_backward)).sum())
-        })
-        .collect();
-    // context parallelism: each microbatch's group is `cp` consecutive replicas of the
-    // stage's pipeline rank (one chunk of the microbatch each)
     let cp = spec.strategy.cp.max(1);
-    let cp_ranks = if cp > 1 { crate::place::rank_devices(&layout.replicas, tp) } else { Vec::new() };
-    let cp_times: Vec<(f64, f64)> = layout
-        .ranges
-        .iter()
-        .enumerate()
-        .map(|(c, r)| {
-            let Some(m) = cp_ranks.get(chunks.rank_of_chunk(c, cp_ranks.len())) else { return (0.0, 0.0) };
-            let members = &m[..cp.min(m.len())];
-            let time = |list: &[(CollectiveKind, u64)]| {
-                list.iter().map(|&(k, b)| model.cluster.collective_time(k, members, b)).sum::<f64>()
-            };
-            let c = &costs[r.clone()];
-            (c.iter().map(|c| time(&c.cp_forward)).sum(), c.iter().map(|c| time(&c.cp_backward)).sum())
-        })
-        .collect();
+    let chunks = spec.strategy.schedule.kind.chunk_placement();
+    // (the devices of every replica only where there are groups to price)
+    let ranks = if ep > 1 || cp > 1 { crate::place::rank_devices(&layout.replicas, tp) } else { Vec::new() };
+    type Pick = fn(&crate::cost::LayerCost) -> [&[(CollectiveKind, u64)]; 2];
+    let group_times = |size: usize, pick: Pick| -> Vec<(f64, f64)> {
+        layout
+            .ranges
+            .iter()
+            .enumerate()
+            .map(|(c, r)| {
+                let Some(m) = ranks.get(chunks.rank_of_chunk(c, ranks.len())).filter(|_| size > 1) else {
+                    return (0.0, 0.0);
+                };
+                let members = &m[..size.min(m.len())];
+                let time = |list: &[(CollectiveKind, u64)]| {
+                    list.iter().map(|&(k, b)| model.cluster.collective_time(k, members, b)).sum::<f64>()
+                };
+                let c = &costs[r.clone()];
+                (c.iter().map(|c| time(pick(c)[0])).sum(), c.iter().map(|c| time(pick(c)[1])).sum())
+            })
+            .collect()
+    };
+    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward]);
+    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward]);
     let expert_parallel: Vec<usize> = layout
         .ranges
         .iter()

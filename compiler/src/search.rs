@@ -201,25 +201,20 @@ impl Candidate {
     fn spec_in<'a>(&self, base: &Spec, s: &'a mut Spec) -> &'a Spec {
         let layout = self.layout();
         let st = &mut s.strategy;
-        // as the front end lowers context parallelism: cp members per written replica, cp
-        // chunk-microbatches per microbatch
-        let cp = self.cp.max(1);
-        st.replicas = layout.map_or_else(
-            || vec![1; base.cluster.device_count() / self.tp.max(1)],
-            |l| l.iter().map(|r| r * cp).collect(),
-        );
-        st.cp = cp;
+        st.replicas = layout.map_or_else(|| vec![1; base.cluster.device_count() / self.tp.max(1)], <[usize]>::to_vec);
         st.tp = self.tp;
         st.schedule = Schedule::new(self.schedule, st.schedule.span);
         if self.schedule.default_virtual_stages() > 1 {
             st.schedule.virtual_stages = self.chunks;
         }
-        st.microbatches = self.microbatches * cp;
+        st.microbatches = self.microbatches;
         st.partition = if layout.is_some() { Partition::Balanced } else { Partition::Auto };
         st.recompute = self.recompute.clone();
         st.sharding = self.sharding;
         st.sequence_parallel = self.sequence_parallel;
         st.ep = self.ep;
+        // as the front end lowers context parallelism (the layout and microbatches as written)
+        st.split_sequences(self.cp);
         st.auto = None;
         st.layout_fixed = layout.is_some();
         s
@@ -541,12 +536,9 @@ fn candidates(
                 None => divisors(batch).filter(|n| n.is_multiple_of(dp)).collect(),
             };
             // context parallelism's groups run every pass together (the front end's E0422)
-            let schedules = schedules.into_iter().filter(|(k, _)| {
-                cp == 1
-                    || (k.updates_per_step()
-                        && k.is_synchronous(pipec_plan::vocab::SyncMode::Bsp)
-                        && k.chunk_placement() == pipec_plan::schedule::ChunkPlacement::RoundRobin)
-            });
+            let schedules = schedules
+                .into_iter()
+                .filter(|(k, _)| cp == 1 || k.context_parallel_obstacle(pipec_plan::vocab::SyncMode::Bsp).is_none());
             for (schedule, chunks) in schedules {
                 for ep in expert_degrees(&expert_counts, options, layout.as_deref(), schedule) {
                     for &microbatches in &counts {

@@ -420,8 +420,10 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Cal
     let one = || {
         meet();
         let launch = autodiff_launch::<crate::CpuBackend>(&Default::default(), reps.max(3));
-        let c = calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), Sweep::CPU, &meet);
-        // the products as the executor's layers run them, forward and backward
+        // the adds and functions as the kernels run them; the products as the executor's
+        // layers run them, forward and backward (the bare products are not timed)
+        let kernels = Sweep { products: &[], ..Sweep::CPU };
+        let c = calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), kernels, &meet);
         let products = layer_products::<crate::CpuBackend>(&Default::default(), reps, Sweep::CPU.products, &meet);
         meet();
         let optimizer = optimizer_rates::<crate::CpuBackend>(&Default::default(), reps);

@@ -225,15 +225,18 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// This device's expert-parallel group for `stage`, its exchanges recorded for a
     /// backward only when training (not while evaluating).
     pub(crate) fn experts_for(&self, stage: StageId) -> Option<crate::experts::ExpertGroup> {
-        self.experts
-            .get(&stage)
-            .map(|g| crate::experts::ExpertGroup { tracked: self.evaluating.is_none(), ..g.clone() })
+        self.experts.get(&stage).map(|g| self.tracked(g))
     }
 
     /// This device's context-parallel group for `stage`, its gather recorded for a backward
     /// only when training (not while evaluating).
     pub(crate) fn context_for(&self, stage: StageId) -> Option<crate::context::Context> {
-        self.contexts.get(&stage).map(|c| crate::context::Context { tracked: self.evaluating.is_none(), ..c.clone() })
+        self.contexts.get(&stage).map(|c| crate::context::Context { group: self.tracked(&c.group), ..c.clone() })
+    }
+
+    /// `group`, its exchanges recorded for a backward only when training.
+    fn tracked(&self, group: &crate::experts::ExpertGroup) -> crate::experts::ExpertGroup {
+        crate::experts::ExpertGroup { tracked: self.evaluating.is_none(), ..group.clone() }
     }
 
     /// The first failure of an expert or context-parallel exchange inside a backward of
@@ -267,11 +270,20 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let n_mb = self.plan.training.microbatches as f64;
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         let target = match &kept.saved {
-            Saved::Tp(..) => return self.backward_tp(stage, mb, n_mb).map(WeightGrads::all),
+            // (an exchange inside these backwards records its failure too: checked after them)
+            Saved::Tp(..) => {
+                let grads = self.backward_tp(stage, mb, n_mb)?;
+                self.exchange_failure(stage)?;
+                return Ok(WeightGrads::all(grads));
+            }
             Saved::Segmented(..) if split => {
                 return Err(ExecError::Plan(format!("{stage} has gradient buckets and a split backward")))
             }
-            Saved::Segmented(..) => return self.backward_segments(stage, mb, None),
+            Saved::Segmented(..) => {
+                let grads = self.backward_segments(stage, mb, None)?;
+                self.exchange_failure(stage)?;
+                return Ok(grads);
+            }
             Saved::Loss(l) => l.clone() / n_mb,
             Saved::Output(out) => {
                 let g = self
@@ -294,7 +306,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         } else {
             (backward_into_sums::<B>(&mut self.state(stage)?.acc, &keys, || target.backward()), None)
         };
-        // an expert exchange inside the backward records its failure instead of returning it
+        // an exchange inside the backward records its failure instead of returning it
         self.exchange_failure(stage)?;
         let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         if stage.0 > 0 {

@@ -21,11 +21,6 @@ pub struct Context {
     /// The members, in position order, and how to reach them.
     pub group: ExpertGroup,
     pub cp: usize,
-    /// Whether the gather is recorded for a backward (training). Validation's forwards
-    /// gather detached keys and values: a recorded gather would keep its reverse exchange
-    /// (and with it the way to the group's collective thread) in a graph no backward ever
-    /// consumes, and the run could not close its communication.
-    pub tracked: bool,
 }
 
 impl Context {
@@ -37,7 +32,7 @@ impl Context {
             return None;
         }
         let group = ExpertGroup::sized(plan, stage, device, exchanger, cp)?;
-        Some(Context { group, cp, tracked: true })
+        Some(Context { group, cp })
     }
 
     /// This member's positions of a sequence whose local part has `local` positions.
@@ -55,7 +50,8 @@ impl Context {
     /// goes back to the members and is summed there.
     pub fn gather<B: Kernels>(&self, x: Tensor<B, 4>) -> Result<Tensor<B, 4>> {
         let [b, h, s, dh] = x.dims();
-        let x = if self.tracked { x } else { x.detach() };
+        // validation's forwards gather detached keys and values (`ExpertGroup::tracked`)
+        let x = if self.group.tracked { x } else { x.detach() };
         let n = b * h * s * dh;
         let row = x.reshape([1, n]);
         let copies = Tensor::cat(vec![row; self.cp], 0);
@@ -74,8 +70,7 @@ impl Context {
 /// Rows `positions` of every sequence of `values` ([batch · seq · width], row-major),
 /// batch after batch: a member's share of a microbatch's tokens or targets.
 pub fn take_positions<T: Copy>(values: &[T], batch: usize, positions: &[usize]) -> Result<Vec<T>> {
-    let per_sample = values.len() / batch.max(1);
-    let seq = per_sample;
+    let seq = values.len() / batch.max(1);
     if batch == 0 || !values.len().is_multiple_of(batch) || positions.iter().any(|&p| p >= seq) {
         return Err(ExecError::Data(format!(
             "cannot take positions of {} values in {batch} sequences for context parallelism",

@@ -466,6 +466,12 @@ mod tests {
     /// Attention's core recomputed in the backward gives the values and the q, k, v
     /// gradients of the core kept (Burn's own autodiff through the same forward), causal or
     /// not, to 1e-5 of the largest value, and passes a gradient to what is tracked.
+    /// The causal mask of `s` queries over the same `s` keys.
+    fn causal_mask(s: usize) -> crate::layers::Causal {
+        let p: Vec<usize> = (0..s).collect();
+        Some(std::sync::Arc::new((p.clone(), p)))
+    }
+
     #[test]
     fn the_attention_core_recomputed_in_the_backward_has_the_kept_cores_gradients() {
         let dev = Default::default();
@@ -482,7 +488,7 @@ mod tests {
         // no mask, the causal one, and a context-parallel member's: queries at positions
         // 1, 2, 7, 8, 9 of a sequence against keys in another order
         let member: crate::layers::Causal = Some(std::sync::Arc::new((vec![1, 2, 7, 8, 9], vec![5, 0, 9, 3, 1])));
-        for causal in [None, crate::layers::causal_mask(5), member] {
+        for causal in [None, causal_mask(5), member] {
             let weights = rand(9);
             let run = |recomputed: bool| {
                 let (q, k, v) = (rand(1).require_grad(), rand(2).require_grad(), rand(3).require_grad());
@@ -504,7 +510,7 @@ mod tests {
         }
         // only v tracked: v gets its gradient, and nothing is asked of q and k
         let v = rand(3).require_grad();
-        let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, crate::layers::causal_mask(5));
+        let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, causal_mask(5));
         let grads = out.sum().backward();
         assert!(v.grad(&grads).is_some());
     }

@@ -315,12 +315,6 @@ pub struct Mlp<B: Backend> {
 /// A causal mask as each query's and each key's position in the sequence (None: no mask).
 pub type Causal = Option<std::sync::Arc<(Vec<usize>, Vec<usize>)>>;
 
-/// The causal mask of `s` queries over the same `s` keys.
-pub(crate) fn causal_mask(s: usize) -> Causal {
-    let p: Vec<usize> = (0..s).collect();
-    Some(std::sync::Arc::new((p.clone(), p)))
-}
-
 /// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
 /// `causal` (each query's and each key's position in the sequence — context parallelism: a
 /// member's queries against the gathered keys, in member order), a key after its query gets
@@ -354,14 +348,9 @@ pub(crate) fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B
 }
 
 /// Rotary position embeddings (RoFormer; Hugging Face's `rotate_half` layout) on
-/// [batch, heads, seq, dh] queries or keys: features i and i + dh/2 of position p rotate by
-/// p·θ^(−2i/dh).
-pub(crate) fn rotary<B: Backend>(x: Tensor<B, 4>, theta: f64) -> Tensor<B, 4> {
-    let s = x.dims()[2];
-    rotary_at(x, theta, &(0..s).collect::<Vec<_>>())
-}
-
-/// [`rotary`] for rows at the given positions of the sequence (context parallelism).
+/// [batch, heads, seq, dh] queries or keys whose rows are at `positions` of the sequence
+/// (0, 1, … but for a context-parallel member): features i and i + dh/2 of position p
+/// rotate by p·θ^(−2i/dh).
 pub(crate) fn rotary_at<B: Backend>(x: Tensor<B, 4>, theta: f64, positions: &[usize]) -> Tensor<B, 4> {
     let [_, _, s, dh] = x.dims();
     let half = dh / 2;
@@ -398,27 +387,20 @@ impl<B: Kernels> Block<B> {
             qkv.clone().narrow(2, start * dh, heads * dh).reshape([b, s, heads, dh]).swap_dims(1, 2)
         };
         let (mut q, mut k, mut v) = (part(0, h), part(h, kv), part(h + kv, kv));
-        // context parallelism: this member's positions, and every member's keys and values
-        let positions = context.map(|c| c.positions(s));
+        // this member's positions (all of them without context parallelism), and the keys':
+        // every member's, gathered, with context parallelism
+        let at: Vec<usize> = context.map_or_else(|| (0..s).collect(), |c| c.positions(s));
         if self.rope != 0.0 {
-            match &positions {
-                Some(p) => {
-                    q = rotary_at(q, self.rope, p);
-                    k = rotary_at(k, self.rope, p);
-                }
-                None => {
-                    q = rotary(q, self.rope);
-                    k = rotary(k, self.rope);
-                }
-            }
+            q = rotary_at(q, self.rope, &at);
+            k = rotary_at(k, self.rope, &at);
         }
         let keys = match context {
             Some(c) => {
                 k = c.gather(k)?;
                 v = c.gather(v)?;
-                Some(c.key_positions(s))
+                c.key_positions(s)
             }
-            None => None,
+            None => at.clone(),
         };
         let sk = k.dims()[2];
         if kv != h {
@@ -428,13 +410,8 @@ impl<B: Kernels> Block<B> {
             k = repeat(k);
             v = repeat(v);
         }
-        // the causal mask at the true positions (context parallelism: this member's
-        // queries against every member's keys)
-        let causal: Causal = match (self.causal, positions, keys) {
-            (false, ..) => None,
-            (true, Some(qp), Some(kp)) => Some(std::sync::Arc::new((qp, kp))),
-            (true, ..) => causal_mask(s),
-        };
+        // the causal mask at the true positions
+        let causal: Causal = self.causal.then(|| std::sync::Arc::new((at, keys)));
         let context = if self.recompute_core {
             B::attention_recomputed(q, k, v, dh, causal)
         } else {

@@ -350,6 +350,16 @@ impl Strategy {
     pub fn devices_needed(&self) -> usize {
         self.replicas.iter().sum::<usize>() * self.tp
     }
+    /// Context parallelism over `cp` devices, lowered as the plan runs it ([`Strategy::cp`]):
+    /// each written replica becomes `cp` members and each microbatch `cp` chunk-microbatches.
+    /// `replicas` and `microbatches` must be as written.
+    pub fn split_sequences(&mut self, cp: usize) {
+        let cp = cp.max(1);
+        self.cp = cp;
+        self.replicas.iter_mut().for_each(|r| *r *= cp);
+        self.microbatches *= cp;
+    }
+
     /// The microbatches the batch is split into, as written (`microbatches` counts each
     /// one's `cp` sequence chunks).
     pub fn written_microbatches(&self) -> usize {

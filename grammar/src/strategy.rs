@@ -206,13 +206,11 @@ pub(crate) fn lower_strategy(
     if !ok {
         return None;
     }
-    // context parallelism: each group's members are replicas of the stage, and each
-    // microbatch's sequence chunks are microbatches of their own (`Strategy::cp`)
-    Some(Strategy {
-        replicas: layout.replicas.iter().map(|r| r * cp).collect(),
+    let mut strategy = Strategy {
+        replicas: layout.replicas,
         tp,
         schedule,
-        microbatches: microbatches * cp,
+        microbatches,
         partition,
         recompute,
         overlap,
@@ -220,14 +218,16 @@ pub(crate) fn lower_strategy(
         sequence_parallel,
         sharding,
         ep,
-        cp,
+        cp: 1,
         auto: None,
         layout_span: layout.span,
         layout_fixed: layout.fixed,
         partition_span: partition_node.map_or(owner, |n| n.span),
         microbatches_span: microbatches_node.map(|n| n.span),
         span: node.span,
-    })
+    };
+    strategy.split_sequences(cp);
+    Some(strategy)
 }
 
 /// E0412: `recompute` names stage `stage` of a plan with `stages` stages.
@@ -511,17 +511,13 @@ fn lower_auto_strategy(
         }
         // `cp: auto`: the search tries the degrees the model allows
         Some(n) => {
-            if let Some((span, why)) = model.and_then(context_parallel_obstacle) {
-                cx.push(
-                    Diagnostic::error(
-                        "E0420",
-                        format!("`cp: auto` searches context parallelism, and {why}"),
-                        n.span,
-                        "context parallelism",
-                    )
-                    .with_label(span, "here")
-                    .with_help("remove `cp`: this model is not split along its sequence"),
-                );
+            if let Some(obstacle) = model.and_then(context_parallel_obstacle) {
+                cx.push(not_split_along_the_sequence(
+                    "`cp: auto` searches context parallelism".into(),
+                    n.span,
+                    obstacle,
+                    "remove `cp`: this model is not split along its sequence",
+                ));
                 ok = false;
             }
         }
@@ -567,17 +563,13 @@ fn check_context_parallelism(
     }
     let mut ok = true;
     if let Some(m) = model {
-        if let Some((span, why)) = context_parallel_obstacle(m) {
-            cx.push(
-                Diagnostic::error(
-                    "E0420",
-                    format!("`cp: {cp}` splits every sequence over devices, and {why}"),
-                    at,
-                    "context parallelism",
-                )
-                .with_label(span, "here")
-                .with_help("use `cp` with a language model of transformer blocks (token embedding, blocks, per-token layers, cross-entropy), or remove `cp`"),
-            );
+        if let Some(obstacle) = context_parallel_obstacle(m) {
+            cx.push(not_split_along_the_sequence(
+                format!("`cp: {cp}` splits every sequence over devices"),
+                at,
+                obstacle,
+                "use `cp` with a language model of transformer blocks (token embedding, blocks, per-token layers, cross-entropy), or remove `cp`",
+            ));
             ok = false;
         } else if let Some(&seq) = m.input.first() {
             if !seq.is_multiple_of(2 * cp) {
@@ -607,18 +599,7 @@ fn check_context_parallelism(
     let why = if ep > 1 {
         Some("expert parallelism with context parallelism is not built yet".to_string())
     } else {
-        schedule.and_then(|s| {
-            let per_step = s.sync != pipec_plan::vocab::SyncMode::Asp
-                && s.kind.updates(2) == pipec_plan::schedule::Updates::PerStep
-                && s.kind.is_synchronous(s.sync);
-            if !per_step {
-                Some(format!("`{}` runs a group's members' passes at different times, and they exchange keys and values inside every attention", s.kind))
-            } else if s.kind.chunk_placement() != pipec_plan::schedule::ChunkPlacement::RoundRobin {
-                Some(format!("`{}` places two copies of a stage per pipeline, which context-parallel groups do not span yet", s.kind))
-            } else {
-                None
-            }
-        })
+        schedule.and_then(|s| s.kind.context_parallel_obstacle(s.sync).map(|why| format!("`{}` {why}", s.kind)))
     };
     if let Some(why) = why {
         cx.push(
@@ -628,6 +609,14 @@ fn check_context_parallelism(
         ok = false;
     }
     ok
+}
+
+/// E0420: `what` (a `cp` at `at`) on a model that is not split along its sequence, for the
+/// reason and at the layer [`context_parallel_obstacle`] gives.
+fn not_split_along_the_sequence(what: String, at: Span, (span, why): (Span, String), help: &str) -> Diagnostic {
+    Diagnostic::error("E0420", format!("{what}, and {why}"), at, "context parallelism")
+        .with_label(span, "here")
+        .with_help(help)
 }
 
 /// Why a model cannot be split along its sequence (None: it can), and where.

@@ -237,6 +237,19 @@ impl ScheduleKind {
         }
     }
 
+    /// Why context-parallel groups cannot run under this schedule (None: they can): their
+    /// members exchange keys and values inside every pass, so they must run their passes
+    /// together and update once per step, with one copy of each stage per pipeline.
+    pub fn context_parallel_obstacle(self, sync: SyncMode) -> Option<&'static str> {
+        if sync == SyncMode::Asp || !self.updates_per_step() || !self.is_synchronous(sync) {
+            Some("runs a group's members' passes at different times, and they exchange keys and values inside every attention")
+        } else if self.chunk_placement() != ChunkPlacement::RoundRobin {
+            Some("places two copies of a stage per pipeline, which context-parallel groups do not span yet")
+        } else {
+            None
+        }
+    }
+
     /// Whether every stage updates once per step (whatever the pipeline's depth): what the
     /// rules that need a whole step's microbatches before an update ask (global gradient
     /// clipping, PyTorch's per-forward batch-norm statistics).
