@@ -67,6 +67,31 @@ fn zero_stages_hold_the_zero_papers_model_state_per_device() {
 }
 
 #[test]
+fn zero_2_and_3_count_the_whole_gradient_each_reduce_scatter_takes() {
+    // ZeRO-2/3 keep a shard of the summed gradient, but the backward computes whole
+    // gradients before each reduce-scatter takes them: the stage's whole gradient (2Ψ) in
+    // one, or the largest of its gradient buckets
+    let buffers = |zero: u8, bucket: &str| {
+        let text = mlp(4, Some(zero)).replace("microbatches: 4", &format!("microbatches: 4{bucket}"));
+        let plan = compile_text(&text).into_compiled().expect("compiles").plan;
+        let m = &plan.devices[0].memory;
+        let largest = plan.stages[0].gradient_buckets.iter().map(|b| b.bytes).max();
+        (m.buffers, m.total - m.buffers, largest)
+    };
+    let (one, _, _) = buffers(1, "");
+    let (two, _, _) = buffers(2, "");
+    assert_eq!(two - one, 2 * PSI, "ZeRO-2 without buckets holds the whole bf16 gradient");
+    let (one_b, _, none) = buffers(1, "\n  bucket: 4MiB");
+    assert_eq!(none, Some(4 * 1024 * 1024 + 2 * 1024 * 16), "two 2 MiB layers to a bucket, the head with the last two");
+    let (two_b, _, largest) = buffers(2, "\n  bucket: 4MiB");
+    assert_eq!(one_b, one, "ZeRO-1 keeps the whole gradient as its gradients already");
+    assert_eq!(two_b - one_b, largest.expect("buckets"), "ZeRO-2 with buckets holds the largest bucket");
+    // ZeRO-3 holds the same beside its two gathered layers
+    let (three_b, _, _) = buffers(3, "\n  bucket: 4MiB");
+    assert_eq!(three_b - two_b, 2 * (2 * 1024 * 1024), "the layer computing and the next, whole");
+}
+
+#[test]
 fn sharding_the_weights_costs_gathers_sharding_the_optimizer_does_not() {
     // one device per node: the replicas gather over InfiniBand, slower than the compute
     let step = |zero: u8| {
@@ -81,6 +106,25 @@ fn sharding_the_weights_costs_gathers_sharding_the_optimizer_does_not() {
     // ZeRO-3 gathers every layer's weights before each forward and backward, where ZeRO-2
     // gathers them once after the update
     assert!(z3 > z2, "zero 3 {z3} against zero 2 {z2}");
+}
+
+#[test]
+fn zero_2_gradient_buckets_hide_the_last_reduce_scatter_behind_the_backward() {
+    // one device per node: each reduce-scatter crosses InfiniBand. Without buckets the
+    // step's last one starts after the last backward; with them, all but the last bucket's
+    // run during it
+    let step = |bucket: &str| {
+        let text = mlp(8, Some(2))
+            .replace("nodes: 1\n  devices_per_node: 8", "nodes: 8\n  devices_per_node: 1")
+            .replace("microbatches: 8", &format!("microbatches: 8{bucket}"));
+        let compiled = compile_text(&text).into_compiled().expect("compiles");
+        let plan = compiled.plan;
+        (plan.simulation.step_time_s, plan.stages[0].gradient_buckets.len())
+    };
+    let (whole, none) = step("");
+    let (bucketed, n) = step("\n  bucket: 4MiB");
+    assert_eq!((none, n), (0, 2));
+    assert!(bucketed < whole, "bucketed {bucketed} s against {whole} s");
 }
 
 #[test]

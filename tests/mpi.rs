@@ -175,6 +175,8 @@ fn every_zero_level_over_mpi_equals_in_process_exactly() {
     // transport, and the checkpoint joined from the shards over it
     for zero in 1..=3 {
         equal_to_in_process(&format!("\"2-2\"\n  zero: {zero}"), 4);
+        // and each bucket's reduce-scatter started inside the backward
+        equal_to_in_process(&format!("\"2-2\"\n  zero: {zero}\n  bucket: 1KiB"), 4);
     }
 }
 

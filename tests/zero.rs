@@ -137,6 +137,45 @@ fn every_level_composes_with_tensor_parallelism() {
 }
 
 #[test]
+fn every_level_reduces_in_gradient_buckets_like_one_device() {
+    // 1 KiB buckets: each 32 × 32 layer (4,224 bytes of gradients) closes one. The buckets'
+    // reduce-scatters start inside the backward (a whole one on the first stage, a weight
+    // pass on later ones and under zero bubble), each replica keeping its chunks
+    for zero in 1..=3 {
+        for (devices, stages, schedule, optimizer) in [
+            (4, "\"4\"", "dp-only", SGD),
+            (4, "\"4\"", "dp-only", ADAM),
+            (4, "\"2-2\"", "1f1b", ADAM),
+            (4, "\"2-2\"", "zb-h1", SGD),
+        ] {
+            let strategy = format!(
+                "  stages: {stages}\n  schedule: {schedule}\n  microbatches: 4\n  zero: {zero}\n  bucket: 1KiB"
+            );
+            let p = assert_trains_like(MLP, optimizer, (devices, &strategy), ONE_DEVICE);
+            for s in &p.stages {
+                assert!(s.gradient_buckets.len() >= 2, "{strategy}: {} has {:?}", s.id, s.gradient_buckets);
+            }
+        }
+    }
+    // the batch statistics travel after the last bucket's chunks
+    let strategy = "  stages: \"2\"\n  schedule: dp-only\n  microbatches: 4\n  zero: 2\n  bucket: 1KiB";
+    let wide = "  input: [2, 6, 6]\n  layers:\n    - conv2d(2, 8, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - conv2d(8, 16, k=3, pad=1, bias=false) -> batchnorm2d -> relu\n    - adaptive_avgpool2d -> flatten -> linear(16, 4)\n";
+    let p = assert_trains_like(wide, ADAM, (2, strategy), ONE_DEVICE);
+    assert!(p.stages[0].gradient_buckets.len() >= 2, "{:?}", p.stages[0].gradient_buckets);
+}
+
+#[test]
+fn a_stage_holding_both_ends_of_a_tie_reduces_its_shards_whole() {
+    // the embedding's and the tied output layer's gradients are summed before either is
+    // scattered, so a sharded stage holding both has no buckets (and still trains)
+    let strategy = "  stages: \"2\"\n  schedule: dp-only\n  microbatches: 4\n  zero: 2\n  bucket: 1KiB";
+    let p = plan(&spec(TIED_LM, 2, strategy, ADAM, 2));
+    assert!(p.stages[0].gradient_buckets.is_empty(), "{:?}", p.stages[0].gradient_buckets);
+    let unsharded = plan(&spec(TIED_LM, 2, &strategy.replace("\n  zero: 2", ""), ADAM, 2));
+    assert!(unsharded.stages[0].gradient_buckets.len() >= 2, "{:?}", unsharded.stages[0].gradient_buckets);
+}
+
+#[test]
 fn batch_statistics_and_tied_weights_travel_with_the_shards() {
     for zero in 1..=3 {
         let strategy = format!("  stages: \"2-1\"\n  schedule: 1f1b\n  microbatches: 4\n  zero: {zero}");

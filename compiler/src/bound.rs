@@ -71,10 +71,12 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     };
     // a recomputed stage's largest unit, rebuilt for its backward
     let unit = |s: usize| if layout.recompute[s] { stages.bytes[s].recompute_unit_peak as f64 } else { 0.0 };
-    // the messages in flight and ZeRO-3's gathered layers
+    // the messages in flight, ZeRO-3's gathered layers and ZeRO-2/3's whole gradients a
+    // reduce-scatter takes
     let buffer = |s: usize| {
         let b = &stages.bytes[s];
-        b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights) as f64
+        b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights).saturating_add(b.scattered_gradients)
+            as f64
     };
     // what a device needs beside its model state for one of its stages at least: one
     // microbatch kept, the stage's recompute unit, its buffers, the reserve

@@ -44,9 +44,11 @@ pub(crate) struct StageFigures {
 /// end down, a bucket closed once it holds `cap` bytes, a last one with the rest (merged
 /// into the one before when it has no gradients); each ready when the backward has passed
 /// its first layer (the layers' backward times, `backward`, from the end). Only where the
-/// executor runs them (no tensor or expert parallelism, every stage updated once per step
-/// from whole gradients, the reduction overlapped; a stage that runs whole backwards a
-/// chain of layers), and only when there are two buckets or more.
+/// executor runs them (no tensor or expert parallelism, every stage updated once per step,
+/// the reduction overlapped; a stage that runs whole backwards a chain of layers; under
+/// ZeRO, whose buckets are reduce-scattered into the gradient shard, no stage holding both
+/// ends of a weight tie, whose two gradients are summed before any is scattered), and only
+/// when there are two buckets or more.
 fn gradient_buckets(
     spec: &Spec,
     model: &ModelCosts,
@@ -58,12 +60,7 @@ fn gradient_buckets(
     let none = || vec![Vec::new(); layout.ranges.len()];
     let Some(cap) = st.bucket else { return none() };
     let kind = st.schedule.kind;
-    if st.sharding != pipec_plan::vocab::Sharding::None
-        || !st.overlap
-        || st.tp.max(1) > 1
-        || !kind.updates_per_step()
-        || !kind.is_synchronous(st.schedule.sync)
-    {
+    if !st.overlap || st.tp.max(1) > 1 || !kind.updates_per_step() || !kind.is_synchronous(st.schedule.sync) {
         return none();
     }
     let (costs, graph) = (&model.costs, &model.graph);
@@ -81,7 +78,9 @@ fn gradient_buckets(
             let whole = s == 0 && !kind.splits_backward();
             let chain = r.clone().all(|i| graph.node(graph.op_at(i)).inputs == [Source::before(i)]);
             let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some());
-            if d < 2 || (whole && !chain) || moe {
+            let tied_within = st.sharding != pipec_plan::vocab::Sharding::None
+                && spec.model.layers[r.clone()].iter().any(|l| l.tied.is_some_and(|a| r.contains(&a)));
+            if d < 2 || (whole && !chain) || moe || tied_within {
                 return Vec::new();
             }
             let layers = &costs[r.clone()];
@@ -254,7 +253,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // (a context-parallel member's tensors hold its 1/cp of every sample's positions)
     let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / cp as u64;
     let output_bytes: Vec<u64> = layout.ranges.iter().map(|r| cut_bytes(r.end).saturating_mul(mb)).collect();
-    let bytes = layout
+    let bytes: Vec<StageBytes> = layout
         .ranges
         .iter()
         .zip(&output_bytes)
@@ -328,6 +327,8 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                 } else {
                     0
                 },
+                // set below, once the buckets are known
+                scattered_gradients: 0,
                 activations_per_microbatch: c
                     .iter()
                     .fold(0u64, |a, c| a.saturating_add(kept(c)))
@@ -349,6 +350,16 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     let buckets = gradient_buckets(spec, model, layout, &stage_replicas, |c| {
         c.backward_s + if selective { c.selective_s } else { 0.0 }
     });
+    // ZeRO-2 and 3 keep only the shard of the summed gradient, but each reduce-scatter takes
+    // the whole gradient of what it carries: one bucket, or the stage's whole gradient
+    let mut bytes = bytes;
+    if sharding.level() >= 2 {
+        for (b, stage_buckets) in bytes.iter_mut().zip(&buckets) {
+            if b.replicas > 1 {
+                b.scattered_gradients = stage_buckets.iter().map(|x| x.bytes).max().unwrap_or(b.whole.gradients);
+            }
+        }
+    }
     StageFigures {
         times,
         tp_times,

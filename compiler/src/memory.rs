@@ -65,6 +65,10 @@ pub struct StageBytes {
     /// ZeRO-3: the whole weights gathered at once (the layer computing and the next,
     /// prefetched); 0 otherwise.
     pub gathered_weights: u64,
+    /// ZeRO-2 and 3: the whole gradients one reduce-scatter takes at once (the stage's
+    /// largest gradient bucket, or its whole gradient when it reduces in one), held beside
+    /// the shard until the collective takes them; 0 otherwise.
+    pub scattered_gradients: u64,
     /// The stage's model state before ZeRO shards it (`weights`, `gradients` and
     /// `optimizer` are one replica's share of it); its gradients are what the replicas
     /// reduce each step (an all-reduce, or under ZeRO a reduce-scatter of as many bytes).
@@ -146,7 +150,12 @@ pub fn device_memory(
         m.weights = m.weights.saturating_add(b.weights.saturating_mul(u64::from(versions)));
         m.gradients = m.gradients.saturating_add(b.gradients);
         m.optimizer = m.optimizer.saturating_add(b.optimizer);
-        m.buffers = m.buffers.max(b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights));
+        m.buffers = m.buffers.max(
+            b.largest_message
+                .saturating_mul(4)
+                .saturating_add(b.gathered_weights)
+                .saturating_add(b.scattered_gradients),
+        );
     }
     // Activations: the peak over the stream of what all held stages keep at once.
     let mut now: HashMap<StageId, u64> = HashMap::new();

@@ -27,17 +27,23 @@ use crate::comm::Ticket;
 use crate::dense::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::layers::{Act, Collected, StageModel};
-use crate::params::{accumulate, add_deferred_into_sums, backward_into_sums, collect_grads, layout, sum_keys};
+use crate::params::{
+    accumulate, add_deferred_into_sums, backward_into_sums, collect_grads, host_f32, layout, sum_keys,
+};
 use crate::transport::Tag;
 use crate::values::{dot, dot_with, grad_of, input_grad, Forwarded, Saved, WeightGrads};
 use crate::worker::Worker;
 
 /// A bucketed stage's reduction in flight: per bucket, in start order, its result and the
 /// parameters it carries (positions in the stage's visiting order); the last bucket's
-/// values are followed by the stage's batch statistics (`n_stats` of them).
+/// values are followed by the stage's batch statistics (`n_stats` of them). Under ZeRO
+/// each bucket is a reduce-scatter whose result is this replica's chunks of its
+/// parameters; `covered` is then the microbatches its gradients summed (the stage's
+/// accumulator is cleared as each bucket is taken).
 pub(crate) struct BucketsInFlight {
     parts: Vec<(Ticket<Vec<f32>>, Range<usize>)>,
     n_stats: usize,
+    covered: usize,
 }
 
 /// The positions in `all` of the backwards whose stage's replica all-reduce runs in
@@ -226,9 +232,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok(())
     }
 
-    /// Starts one bucket's all-reduce: its parameters' sums (zeros where a parameter has
-    /// none, with a presence flag each, as `gradients_out` sends them), and after the last
-    /// bucket's the stage's batch statistics.
+    /// Starts one bucket's reduction: an all-reduce of its parameters' sums (zeros where a
+    /// parameter has none, with a presence flag each, as `gradients_out` sends them), or on
+    /// a sharded stage (ZeRO) a reduce-scatter of them into the replicas' chunks, which
+    /// takes them from the accumulator; after the last bucket's, the stage's batch
+    /// statistics.
     fn start_bucket(
         &mut self,
         stage: StageId,
@@ -239,11 +247,32 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     ) -> Result<()> {
         let members = crate::collectives::members(self.plan, group)?;
         let st = self.state(stage)?;
-        let (flat, n_stats) = gradient_message(st, &st.parameter_sizes()?, range.clone(), last)?;
-        let ticket = self.comm.start_collective(CollectiveKind::AllReduce, members, flat, self.reduce, Some(code))?;
-        let b = self.buckets.entry(stage).or_insert_with(|| BucketsInFlight { parts: Vec::new(), n_stats: 0 });
+        let (kind, flat, n_stats, covered) = if st.shard.is_some() {
+            let stats = if last { st.statistics_message()? } else { Vec::new() };
+            let whole = range
+                .clone()
+                .map(|k| match st.acc.get_mut(k).and_then(Option::take) {
+                    Some(t) => host_f32(t.into_data()).map(Some),
+                    None => Ok(None),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?;
+            let flat = shard.layout.scatter_input_range(range.clone(), &whole, &stats);
+            let covered = if last { st.contributions } else { 0 };
+            if last {
+                st.clear_gradients();
+            }
+            (CollectiveKind::ReduceScatter, flat, stats.len(), covered)
+        } else {
+            let (flat, n_stats) = gradient_message(st, &st.parameter_sizes()?, range.clone(), last)?;
+            (CollectiveKind::AllReduce, flat, n_stats, 0)
+        };
+        let ticket = self.comm.start_collective(kind, members, flat, self.reduce, Some(code))?;
+        let b =
+            self.buckets.entry(stage).or_insert_with(|| BucketsInFlight { parts: Vec::new(), n_stats: 0, covered: 0 });
         b.parts.push((ticket, range));
         b.n_stats += n_stats;
+        b.covered += covered;
         Ok(())
     }
 
@@ -257,6 +286,41 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     pub(crate) fn buckets_in(&mut self, stage: StageId, b: BucketsInFlight, members: usize) -> Result<()> {
         let dev = self.dev.clone();
         let st = self.state(stage)?;
+        if let Some(shard) = st.shard.as_mut() {
+            // this replica's chunks of every bucket, laid out as one reduce-scatter of the
+            // whole stage would have returned them: its segment, then the statistics
+            let n = b.parts.len();
+            let mut chunks: Vec<Option<Vec<f32>>> = vec![None; shard.layout.params.len()];
+            let mut stats = Vec::new();
+            for (i, (ticket, range)) in b.parts.into_iter().enumerate() {
+                let mut data = ticket.wait()?;
+                let values: usize =
+                    shard.layout.params.get(range.clone()).unwrap_or_default().iter().map(|p| p.chunk).sum();
+                if data.len() != values + if i + 1 == n { b.n_stats } else { 0 } {
+                    return Err(ExecError::Plan(format!(
+                        "a gradient bucket's reduce-scatter gave {} values for {values} of chunks",
+                        data.len()
+                    )));
+                }
+                if i + 1 == n {
+                    stats = data.split_off(values);
+                }
+                let mut at = 0;
+                for k in range {
+                    let len = shard.layout.params[k].chunk;
+                    chunks[k] = Some(data[at..at + len].to_vec());
+                    at += len;
+                }
+            }
+            let mut segment = Vec::with_capacity(shard.layout.segment + stats.len());
+            for c in chunks {
+                segment.extend(c.ok_or(ExecError::Plan(format!("{stage}'s buckets do not cover its parameters")))?);
+            }
+            segment.extend(stats);
+            shard.add_gradients(&segment, &dev)?;
+            shard.contributions += b.covered * members;
+            return Ok(());
+        }
         let sizes = st.parameter_sizes()?;
         let n = b.parts.len();
         for (i, (ticket, range)) in b.parts.into_iter().enumerate() {

@@ -77,7 +77,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             return Err(ExecError::Plan(format!("{stage} starts a collective on {group} while its last is in flight")));
         }
         // a bucketed stage's backward started its buckets already
-        if payload == CollectivePayload::Gradients {
+        if matches!(payload, CollectivePayload::Gradients | CollectivePayload::GradientShard) {
             if let Some(b) = self.take_buckets(stage) {
                 let result = Ticket::ready(Vec::new());
                 let into = Landing::Buckets { buckets: b, members: members.len() };

@@ -81,10 +81,23 @@ impl ShardLayout {
     /// A reduce-scatter's input: for each replica in turn, its chunk of every parameter's
     /// values (None: zeros), then `stats`.
     pub fn scatter_input(&self, whole: &[Option<Vec<f32>>], stats: &[f32]) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.d * (self.segment + stats.len()));
+        self.scatter_input_range(0..self.params.len(), whole, stats)
+    }
+
+    /// [`ShardLayout::scatter_input`] of the parameters in `range` only (a gradient
+    /// bucket's): `whole` holds their values, in order.
+    pub fn scatter_input_range(
+        &self,
+        range: std::ops::Range<usize>,
+        whole: &[Option<Vec<f32>>],
+        stats: &[f32],
+    ) -> Vec<f32> {
+        let part = self.params.get(range.clone()).unwrap_or_default();
+        let values: usize = part.iter().map(|p| p.chunk).sum();
+        let mut out = Vec::with_capacity(self.d * (values + stats.len()));
         for r in 0..self.d {
-            for (k, p) in self.params.iter().enumerate() {
-                match whole.get(k).and_then(Option::as_ref) {
+            for (i, (k, p)) in range.clone().zip(part).enumerate() {
+                match whole.get(i).and_then(Option::as_ref) {
                     Some(v) => out.extend(self.chunk(k, v, r)),
                     None => out.extend(std::iter::repeat_n(0.0, p.chunk)),
                 }

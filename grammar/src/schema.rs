@@ -285,9 +285,10 @@ struct Strategy {
     /// 1KiB, or `none` (the default). A replicated stage's gradient all-reduce after its
     /// last backward of the step is split into buckets of about that size, the last layers'
     /// first, each started during that backward as soon as its layers' gradients are
-    /// complete, so the reduction overlaps the backward. Applies to stages of a chain of
-    /// layers without tensor or expert parallelism, with `zero: 0` and `overlap: true`;
-    /// `pipec compile` lists the bucketed stages.
+    /// complete, so the reduction overlaps the backward; under `zero` each bucket is a
+    /// reduce-scatter into the gradient shards. Applies to stages of a chain of layers
+    /// without tensor or expert parallelism, with `overlap: true`; `pipec compile` lists
+    /// the bucketed stages.
     bucket: Option<String>,
 }
 

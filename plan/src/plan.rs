@@ -432,19 +432,22 @@ fn bucket_error(s: &StagePlan) -> Option<String> {
     })
 }
 
-/// Whether the collective at `at` of `stream` is a replica gradient all-reduce that the
-/// stage's backward (or weight-gradient pass) just before it feeds (only sends and `Free`s
-/// of the stage between): with [`StagePlan::gradient_buckets`] it runs in buckets inside
-/// that pass. Returns the pass's position. The one rule the simulator and the executor
-/// read.
+/// Whether the collective at `at` of `stream` is a replica gradient reduction (an
+/// all-reduce, or ZeRO's reduce-scatter into the gradient shard) that the stage's backward
+/// (or weight-gradient pass) just before it feeds (only sends, `Free`s of the stage and,
+/// under ZeRO, the wait for the stage's previous reduce-scatter between): with
+/// [`StagePlan::gradient_buckets`] it runs in buckets inside that pass. Returns the pass's
+/// position. The one rule the simulator and the executor read.
 pub fn reduced_in_buckets(stream: &[Instr], at: usize) -> Option<usize> {
-    let Some(Instr::Collective { payload: crate::CollectivePayload::Gradients, stage, .. }) = stream.get(at) else {
+    use crate::CollectivePayload::{GradientShard, Gradients};
+    let Some(Instr::Collective { payload: payload @ (Gradients | GradientShard), stage, .. }) = stream.get(at) else {
         return None;
     };
     for k in (0..at).rev() {
         match stream[k] {
             Instr::Backward { stage: s, .. } | Instr::BackwardWeight { stage: s, .. } if s == *stage => return Some(k),
             Instr::Free { stage: s, .. } if s == *stage => {}
+            Instr::WaitCollective { payload: p, stage: s, .. } if s == *stage && p == *payload => {}
             Instr::SendGradient { .. } | Instr::SendActivation { .. } => {}
             _ => return None,
         }
