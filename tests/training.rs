@@ -1141,6 +1141,40 @@ fn expert_parallel_groups_train_equal_to_one_device() {
 }
 
 #[test]
+fn expert_parallel_groups_with_tensor_parallel_experts_train_equal_to_one_device() {
+    // each tensor-parallel rank exchanges its tokens with the same rank of the other
+    // members, computes its columns and rows of its members' experts, and the block's one
+    // all-reduce sums the ranks' partial outputs: one device's losses and, every step, its
+    // tokens per expert
+    let layers = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, causal=true, experts=4, top_k=2, shared_experts=1, bias=false)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
+    let job = |devices, stages, schedule| Job { devices, stages, schedule, optimizer: ADAM, layers, ..Job::default() };
+    let reference = train(&plan(&job(1, "\"1\"", "gpipe")));
+    for (devices, stages, schedule) in [
+        (4, "\"2\"\n  tp: 2\n  ep: 2", "gpipe"),
+        (8, "\"4\"\n  tp: 2\n  ep: 4", "1f1b"),
+        (8, "\"2-2\"\n  tp: 2\n  ep: 2", "1f1b"),
+    ] {
+        let p = plan(&job(devices, stages, schedule));
+        assert!(
+            p.stages.iter().all(|s| s.expert_parallel > 1 && s.tensor_parallel.iter().all(|g| g.len() == 2)),
+            "{stages}"
+        );
+        let got = train(&p);
+        for (a, b) in reference.steps.iter().zip(&got.steps) {
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(),
+                "{stages} step {}: {} vs {}",
+                a.step,
+                a.loss,
+                b.loss
+            );
+            assert_eq!(a.expert_tokens, b.expert_tokens, "{stages} step {}", a.step);
+        }
+        assert_eq!(reference.steps.len(), got.steps.len());
+    }
+}
+
+#[test]
 fn expert_blocks_the_executor_cannot_train_are_refused_by_name() {
     let refused = |devices, stages, block: &str| {
         let layers =
@@ -1158,13 +1192,6 @@ fn expert_blocks_the_executor_cannot_train_are_refused_by_name() {
     // more experts than a block's parameter slots hold
     let e = refused(1, "\"1\"", "transformer_block(d=16, heads=4, ff=8, experts=61, top_k=1, bias=false)");
     assert!(e.contains("at most 60 experts per block"), "{e}");
-    // expert parallelism beside tensor parallelism
-    let e = refused(
-        4,
-        "\"2\"\n  tp: 2\n  ep: 2",
-        "transformer_block(d=16, heads=4, ff=32, experts=4, top_k=2, bias=false)",
-    );
-    assert!(e.contains("the executor does not run expert parallelism with tensor parallelism yet"), "{e}");
 }
 
 #[test]

@@ -375,15 +375,6 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if let Some(problem) = plan.check().into_iter().next() {
         return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
     }
-    if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1) {
-        let why = s.tensor_parallel.iter().any(|g| g.len() > 1).then_some("with tensor parallelism");
-        if let Some(why) = why {
-            return Err(RunError::setup(format!(
-                "{} divides its experts over {} replicas (`ep: {}`): the executor does not run expert parallelism {why} yet (train with `ep: 1`, or without it)",
-                s.id, s.expert_parallel, s.expert_parallel
-            )));
-        }
-    }
     let tensor_parallel = plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1));
     for l in &plan.layers {
         let Some((b, m)) = l.op.block_dims().and_then(|b| b.moe.map(|m| (b, m))) else { continue };
