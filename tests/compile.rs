@@ -661,3 +661,40 @@ fn expert_parallelism_holds_a_share_of_the_experts_and_sums_their_gradients_over
     // what expert parallelism saves in the all-reduce it pays in all-to-alls
     assert!(four.simulation.devices[0].collective_s < one.simulation.devices[0].collective_s);
 }
+
+#[test]
+fn zero_beside_expert_parallelism_shards_the_experts_over_the_replicas_holding_them() {
+    let plan = |zero: u8| {
+        let text = experts_on_four(2)
+            .replace("{ kind: sgd, lr: 0.1 }", "{ kind: momentum, lr: 0.1, momentum: 0.9 }")
+            .replace("  ep: 2\n", &format!("  ep: 2\n  zero: {zero}\n"));
+        compile_text(&text).into_compiled().expect("compiles").plan
+    };
+    let one = plan(0);
+    let experts: u64 = one.layers.iter().map(|l| l.op.routed_expert_parameter_count()).sum();
+    let dense: u64 = one.layers.iter().map(|l| l.op.parameter_count()).sum::<u64>() - experts;
+    // fp32 weights, gradients and momentum: a device holds every dense parameter and half
+    // of the experts; ZeRO cuts the dense part over the 4 replicas and the experts' over
+    // the 2 replicas holding the same ones
+    let (d, x) = (4 * dense, 4 * experts / 2);
+    let sharded = d.div_ceil(4) + x.div_ceil(2);
+    for zero in [1u8, 2] {
+        let p = plan(zero);
+        let m = &p.devices[0].memory;
+        assert_eq!(m.weights, d + x, "zero {zero}");
+        // the momentum's shard and, training in fp32, the master weights' shard
+        assert_eq!(m.optimizer, 2 * sharded, "zero {zero}");
+        assert_eq!(m.gradients, if zero == 2 { sharded } else { d + x }, "zero {zero}");
+        // each microbatch's reduce-scatter and the step's all-gather of the weights: the
+        // dense part over 4 replicas, the experts' over 2 (ring: p − 1 latencies, (p − 1)/p
+        // of the bytes)
+        let ring = |p: f64, bytes: f64| (p - 1.0) * 5e-6 + (p - 1.0) / p * bytes / 10e9;
+        let expected = 2.0 * (ring(4.0, d as f64) + ring(2.0, x as f64));
+        let got = p.simulation.devices[0].collective_s;
+        assert!((got - expected).abs() < 1e-12, "zero {zero}: {got} vs {expected}");
+    }
+    // ZeRO-3 beside `ep` is refused (E0419)
+    let text = experts_on_four(2).replace("  ep: 2\n", "  ep: 2\n  zero: 3\n");
+    let checked = pipec_grammar::check_source(&text);
+    assert!(checked.diagnostics.iter().any(|d| d.code == "E0419"), "{:?}", checked.diagnostics);
+}

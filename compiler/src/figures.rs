@@ -40,6 +40,18 @@ pub(crate) struct StageFigures {
     pub(crate) buckets: Vec<Vec<GradientBucket>>,
 }
 
+impl StageFigures {
+    /// Per stage, the share of its gradient bytes (and, parameter for parameter, of every
+    /// other per-parameter state) that is routed experts (0 without expert parallelism).
+    pub(crate) fn expert_share(&self) -> Vec<f64> {
+        self.expert_gradients
+            .iter()
+            .zip(&self.bytes)
+            .map(|(&e, b)| if b.whole.gradients > 0 { e as f64 / b.whole.gradients as f64 } else { 0.0 })
+            .collect()
+    }
+}
+
 /// PyTorch DDP's buckets over a replicated stage's gradients: the layers from the stage's
 /// end down, a bucket closed once it holds `cap` bytes, a last one with the rest (merged
 /// into the one before when it has no gradients); each ready when the backward has passed
@@ -314,7 +326,11 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                 optimizer: (shard as f64 * model.optimizer_bytes_per_parameter) as u64,
                 master: if model.precision >= 4 { shard.saturating_mul(4) } else { 0 },
             };
-            let held = whole.sharded(sharding, d);
+            // under expert parallelism the routed experts' state is sharded over the
+            // replicas holding the same experts only
+            let experts: u64 = c.iter().map(|c| c.expert_parameters).sum();
+            let stage_ep = if spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some()) { ep } else { 1 };
+            let held = whole.sharded_by_expert(sharding, d, experts, shard, stage_ep as u64);
             StageBytes {
                 parameters,
                 weights: held.weights,

@@ -36,6 +36,37 @@ impl ModelState {
         }
     }
 
+    /// [`ModelState::sharded`] of a stage whose parameters are `experts` of `parameters`
+    /// routed experts under expert parallelism `ep`: the dense part over all `d` replicas,
+    /// the experts' part over the `d / ep` replicas holding the same experts (Megatron's
+    /// expert-data-parallel group). Every part of the state is per parameter, so each
+    /// splits in the parameters' proportion.
+    pub fn sharded_by_expert(self, sharding: Sharding, d: u64, experts: u64, parameters: u64, ep: u64) -> ModelState {
+        if ep <= 1 || experts == 0 || parameters == 0 {
+            return self.sharded(sharding, d);
+        }
+        let share = |bytes: u64| ((bytes as u128 * experts.min(parameters) as u128) / parameters as u128) as u64;
+        let expert = ModelState {
+            weights: share(self.weights),
+            gradients: share(self.gradients),
+            optimizer: share(self.optimizer),
+            master: share(self.master),
+        };
+        let dense = ModelState {
+            weights: self.weights - expert.weights,
+            gradients: self.gradients - expert.gradients,
+            optimizer: self.optimizer - expert.optimizer,
+            master: self.master - expert.master,
+        };
+        let (a, b) = (dense.sharded(sharding, d), expert.sharded(sharding, (d / ep).max(1)));
+        ModelState {
+            weights: a.weights + b.weights,
+            gradients: a.gradients + b.gradients,
+            optimizer: a.optimizer + b.optimizer,
+            master: 0,
+        }
+    }
+
     pub fn total(self) -> u64 {
         self.weights.saturating_add(self.gradients).saturating_add(self.optimizer)
     }

@@ -22,10 +22,11 @@ pub(crate) struct PlanCost<'a> {
     pub(crate) stage_ep: &'a [(f64, f64)],
     /// Per stage, the context-parallel exchanges' seconds in a forward and a backward.
     pub(crate) stage_cp: &'a [(f64, f64)],
-    /// Expert parallelism: the replica groups whose gradient all-reduce sums the stage's
-    /// routed experts' part (these bytes) only over the members holding the same experts
-    /// (those, and their shape on the cluster).
-    expert_groups: HashMap<GroupId, (u64, Vec<DeviceId>, GroupShape)>,
+    /// Expert parallelism: the replica groups whose gradient reductions (an all-reduce;
+    /// under ZeRO a reduce-scatter, and the weights' all-gather) carry the stage's routed
+    /// experts' part (this share of their bytes) only over the members holding the same
+    /// experts (those, and their shape on the cluster).
+    expert_groups: HashMap<GroupId, (f64, Vec<DeviceId>, GroupShape)>,
     ep: usize,
     chunks: pipec_plan::schedule::ChunkPlacement,
     pub(crate) stage_update: &'a [f64],
@@ -68,20 +69,21 @@ impl<'a> PlanCost<'a> {
         }
     }
 
-    /// Prices each replica group's gradient all-reduce as expert parallelism runs it: the
-    /// routed experts' gradients summed only over the members holding the same experts.
+    /// Prices each replica group's gradient reductions as expert parallelism runs them:
+    /// the routed experts' part (`expert_share` of a stage's bytes: its routed experts'
+    /// parameters over all it holds) only over the members holding the same experts.
     pub(crate) fn with_expert_groups(
         mut self,
         groups: &std::collections::BTreeMap<GroupId, (pipec_plan::StageId, Vec<DeviceId>)>,
         ties: &std::collections::BTreeMap<GroupId, [usize; 2]>,
-        expert_gradients: &[u64],
+        expert_share: &[f64],
     ) -> Self {
         if self.ep > 1 {
             self.expert_groups = groups
                 .iter()
                 .filter(|(g, _)| !ties.contains_key(g))
                 .filter_map(|(g, (s, members))| {
-                    let bytes = expert_gradients.get(s.0 as usize).copied().filter(|&b| b > 0)?;
+                    let bytes = expert_share.get(s.0 as usize).copied().filter(|&b| b > 0.0)?;
                     // the members the group sums over (all replicas, for a one-replica view)
                     let members = self.summed_over.get(g).unwrap_or(members);
                     let same: Vec<DeviceId> = self
@@ -137,19 +139,18 @@ impl CostModel for PlanCost<'_> {
     fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64 {
         let members = self.summed_over.get(&group).map_or(members, Vec::as_slice);
         let shape = *self.shapes.borrow_mut().entry(group).or_insert_with(|| self.cluster.group_shape(members));
-        match kind {
-            CollectiveKind::AllReduce => match self.expert_groups.get(&group) {
-                // the dense part over the group, then the experts' over the members holding
-                // the same ones (`ep` apart)
-                Some((experts, same, same_shape)) => {
-                    self.shaped_reduce_time(members, shape, bytes.saturating_sub(*experts))
-                        + self.shaped_reduce_time(same, *same_shape, (*experts).min(bytes))
-                }
-                None => self.shaped_reduce_time(members, shape, bytes),
-            },
-            CollectiveKind::ReduceScatter | CollectiveKind::AllGather | CollectiveKind::AllToAll => {
-                self.cluster.shaped_collective_time(kind, shape, bytes)
+        let time = |members: &[DeviceId], shape: GroupShape, bytes: u64| match kind {
+            CollectiveKind::AllReduce => self.shaped_reduce_time(members, shape, bytes),
+            _ => self.cluster.shaped_collective_time(kind, shape, bytes),
+        };
+        match self.expert_groups.get(&group).filter(|_| kind != CollectiveKind::AllToAll) {
+            // the dense part over the group, then the experts' over the members holding the
+            // same ones (`ep` apart)
+            Some((share, same, same_shape)) => {
+                let experts = ((bytes as f64 * share).round() as u64).min(bytes);
+                time(members, shape, bytes - experts) + time(same, *same_shape, experts)
             }
+            None => time(members, shape, bytes),
         }
     }
     fn gradient_buckets(&self, stage: pipec_plan::StageId) -> &[pipec_plan::plan::GradientBucket] {

@@ -404,14 +404,13 @@ fn recompute_json(r: &Recompute) -> serde_json::Value {
 /// replicated stage under a schedule that updates once per step, and no level written.
 fn shardable(c: &Candidate, options: &SearchOptions) -> bool {
     let replicated = c.layout().is_some_and(|l| l.iter().any(|&r| r * c.cp > 1) && c.schedule.updates_per_step());
-    // expert-parallel stages are not sharded (the front end's E0419)
-    replicated && c.sharding == Sharding::None && options.sharding.is_none() && c.ep == 1
+    replicated && c.sharding == Sharding::None && options.sharding.is_none()
 }
 
 /// The expert-parallel degrees to try on `layout`: the written one, or for a model with
 /// expert blocks (`experts`: each block's count) every degree dividing every stage's
 /// replicas and every block's experts, under a schedule whose replicas run their passes
-/// together (one update per step) and without a written ZeRO level (the front end's
+/// together (one update per step) and without a written ZeRO-3 (the front end's
 /// E0417–E0419).
 fn expert_degrees(
     experts: &[usize],
@@ -420,7 +419,7 @@ fn expert_degrees(
     schedule: ScheduleKind,
 ) -> Vec<usize> {
     let Some(l) = layout else { return vec![options.ep.unwrap_or(1)] };
-    let together = schedule.updates_per_step() && options.sharding.is_none_or(|s| s == Sharding::None);
+    let together = schedule.updates_per_step() && options.sharding.is_none_or(|s| s.level() < 3);
     let fits = |e: usize| {
         e == 1 || (together && l.iter().all(|r| r.is_multiple_of(e)) && experts.iter().all(|x| x.is_multiple_of(e)))
     };
@@ -446,10 +445,12 @@ fn context_degrees(spec: &Spec, options: &SearchOptions, machines: usize) -> Vec
 /// A candidate at each ZeRO level (the distributed optimizer updates 1/d of the weights;
 /// sharding gradients and weights saves memory and changes how the reduction overlaps the
 /// backward): their bounds are never below the unsharded one's. Their strategy text is
-/// written when they are bounded.
+/// written when they are bounded. Not ZeRO-3 beside expert parallelism (the front end's
+/// E0419).
 fn sharded_variants(c: &Candidate) -> Vec<Candidate> {
     [Sharding::Optimizer, Sharding::Gradients, Sharding::Parameters]
         .into_iter()
+        .filter(|s| c.ep == 1 || s.level() < 3)
         .map(|sharding| Candidate { sharding, ..c.clone() })
         .collect()
 }

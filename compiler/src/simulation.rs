@@ -51,7 +51,7 @@ pub(crate) fn simulate_plan(
     let sim_cost = PlanCost::new(spec, model, stages, lowered.summed_over.clone()).with_expert_groups(
         &lowered.groups,
         &lowered.ties,
-        &stages.expert_gradients,
+        &stages.expert_share(),
     );
     if let Some(p) = &lowered.periodic {
         let steady = crate::periodic::steady_state(p, &lowered.members(), &sim_cost).map_err(|e| {

@@ -660,9 +660,9 @@ pub fn context_parallel_obstacle(m: &Model) -> Option<(Span, String)> {
 
 /// `ep`: expert parallelism needs expert blocks whose experts it divides (E0416, E0418),
 /// replicated stages whose replicas (pipeline pairs, under Chimera and DualPipe) it divides
-/// (E0417), and replicas that run every pass in step without sharding (E0419: ZeRO's
-/// shards are not split by expert yet; an asynchronous schedule's replicas run their
-/// passes at different times).
+/// (E0417), and replicas that run every pass in step without sharding the weights (E0419:
+/// ZeRO-3's per-layer gathers are not split by expert group yet; an asynchronous
+/// schedule's replicas run their passes at different times).
 fn check_expert_parallelism(
     cx: &mut Lower<'_>,
     f: &Fields<'_>,
@@ -734,11 +734,18 @@ fn check_expert_parallelism(
         s.sync == pipec_plan::vocab::SyncMode::Asp
             || s.kind.updates(replicas.map_or(1, <[usize]>::len)) != pipec_plan::schedule::Updates::PerStep
     });
-    if sharding != Sharding::None || asynchronous {
-        let why = if sharding != Sharding::None {
-            format!("`zero: {}` shards every parameter over all of a stage's replicas, and an expert's lives on only some of them (not supported yet)", sharding.level())
+    let gathers = sharding.level() >= 3;
+    if gathers || asynchronous {
+        let (why, help) = if gathers {
+            (
+                "`zero: 3` gathers every layer's weights over all of a stage's replicas before each pass, and an expert's live on only some of them (not supported yet)".to_string(),
+                "use `zero: 1` or `zero: 2` (each shards the experts' optimizer state over the replicas holding them), or remove `ep`",
+            )
         } else {
-            "this schedule's replicas run their passes at different times, and an expert group's members exchange tokens inside every pass".to_string()
+            (
+                "this schedule's replicas run their passes at different times, and an expert group's members exchange tokens inside every pass".to_string(),
+                "use a synchronous schedule, or remove `ep`",
+            )
         };
         cx.push(
             Diagnostic::error(
@@ -747,7 +754,7 @@ fn check_expert_parallelism(
                 at,
                 "expert parallelism",
             )
-            .with_help("use a synchronous schedule without `zero`, or remove `ep`"),
+            .with_help(help),
         );
         ok = false;
     }
