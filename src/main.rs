@@ -21,6 +21,7 @@ mod lsp_io;
 use pipec_plan::output;
 mod plan_profile_cmd;
 mod profile_cmd;
+mod progress;
 mod run_cmd;
 mod search_cmd;
 

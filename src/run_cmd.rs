@@ -288,12 +288,20 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
     let options = RunOptions { resume, ..run_options(plan, args, dir) };
     // rank 0 alone gets each step's metrics, and appends them as they come
     let mut metrics = MetricsLog::new(dir, first_step, plan);
+    // the step lines never wait for stderr's reader (`progress`)
+    let lines = crate::progress::Lines::stderr();
     let mut on_step = |m: &StepMetrics| {
         metrics.append(m);
-        print_step(m, steps);
+        if let Some(line) = step_line(m, steps) {
+            lines.line(line);
+        }
     };
     let transport = if args.transport == Transport::Tcp { "tcp" } else { "mpi" };
-    match run(plan, &options, &mut on_step) {
+    let result = run(plan, &options, &mut on_step);
+    if result.is_ok() {
+        lines.finish();
+    }
+    match result {
         Ok((_, Some(report))) => {
             print_memory(plan, &report);
             for c in &report.checkpoints {
@@ -593,6 +601,14 @@ fn print_expert_tokens(steps: &[StepMetrics]) {
 
 /// Prints a step's loss and speed: the first three steps, every tenth and the last of `steps`.
 fn print_step(m: &StepMetrics, steps: usize) {
+    if let Some(line) = step_line(m, steps) {
+        eprintln!("{line}");
+    }
+}
+
+/// The line a step prints, for the first three, every tenth, the last and those with a
+/// validation.
+fn step_line(m: &StepMetrics, steps: usize) -> Option<String> {
     if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps || m.validation.is_some() {
         let perplexity = m.perplexity.map(|p| format!("  perplexity {p:.2}")).unwrap_or_default();
         let perplexity = match m.aux_loss {
@@ -609,13 +625,15 @@ fn print_step(m: &StepMetrics, steps: usize) {
                 s
             })
             .unwrap_or_default();
-        eprintln!(
+        Some(format!(
             "step {:>5}  loss {:.6}{perplexity}  {:.1} ms  {:.0} samples/s{validation}",
             m.step,
             m.loss,
             m.step_seconds * 1e3,
             m.samples_per_s
-        );
+        ))
+    } else {
+        None
     }
 }
 

@@ -48,15 +48,17 @@ pub fn report_failure(info: Option<RankInfo>, e: &RunError) {
         Some(i) => format!("error: rank {} of {} (device {}): {e}", i.rank, i.size, i.device),
         None => format!("error: {e}"),
     };
-    eprintln!("{line}");
+    // the file first: stderr is a pipe whose reader (mpirun) may be blocked on a host it
+    // cannot reach, and a write to it would then never return
     if let Some(dir) = FAILURES.get() {
         let name = match info {
             Some(i) => format!("rank-{}", i.rank),
             None => format!("process-{}", std::process::id()),
         };
-        // best effort: the line is on stderr whatever happens here
+        // best effort: the line goes to stderr too
         let _ = pipec_plan::output::write_atomic(&dir.join(format!("{name}.txt")), format!("{line}\n").as_bytes());
     }
+    eprintln!("{line}");
 }
 
 /// This rank's part of the job, once its fabric is up (`launcher` names what starts the
