@@ -1891,60 +1891,54 @@ fn pipedream_with_overlapped_replica_all_reduces_equals_a_sequential_loop() {
     assert!(all_versions[0].iter().zip(&all_versions[1]).all(|(a, b)| a <= b), "overlap only makes forwards staler");
 }
 
-/// `pipec run`'s measured communication: receives are posted ahead and all-reduces run on
-/// the collective thread, so each device's communication timeline overlaps its compute.
+/// `pipec run`'s measured communication: collectives run on the collective thread, so each
+/// device's communication timeline overlaps its compute; the receives (in process, taken
+/// by the worker itself) are traced with their waits.
 #[test]
 fn the_measured_trace_shows_communication_beside_compute() {
     // wide enough that a pass takes about a millisecond
     let layers = "- linear(16, 256) -> relu\n    - repeat 4: linear(256, 256) -> relu\n    - linear(256, 4)";
     let one = losses(&train(&plan(&Job { microbatches: 8, steps: 4, layers, ..Job::default() })));
-    // Receives are posted up to the stream's next send, so on a two-stage 1F1B pipeline the
-    // first stage's cool-down (receive 6, backward 6, receive 7, backward 7) has receive 7
-    // posted before backward 6. The second stage sends gradient 7 only after it has sent
-    // gradient 6 and then computed forward 7 and backward 7, so receive 7 is still waiting
-    // when backward 6 starts, by causality rather than by timing. (On a "1-2" layout the
-    // replicas may send every gradient before the first stage posts its receives: that
-    // version of this test failed once in a loaded CI run.)
-    // Passes of a few milliseconds keep that margin above a loaded machine's scheduling
-    // delays (with 0.3 ms passes it failed 2 times in 30 beside six busy loops).
+    // ZeRO-2 reduce-scatters every microbatch's gradient and, with `overlap`, waits for it
+    // only before the next one starts: the reduce-scatter of microbatch m runs on the
+    // collective thread while the compute thread runs forward and backward m + 1. Passes of
+    // a few milliseconds keep that margin above a loaded machine's scheduling delays.
     let wide = "- linear(16, 1024) -> relu\n    - repeat 4: linear(1024, 1024) -> relu\n    - linear(1024, 4)";
     let alone = losses(&train(&plan(&Job { microbatches: 8, steps: 4, layers: wide, ..Job::default() })));
     let p = plan(&Job {
         devices: 2,
-        stages: "\"1-1\"",
-        schedule: "1f1b",
+        stages: "\"2\"",
+        schedule: "dp-only",
         microbatches: 8,
         steps: 4,
         layers: wide,
+        strategy: "  zero: 2",
         ..Job::default()
     });
     let is_compute = |d: pipec_plan::DeviceId, code: usize| {
         p.instruction(d, code)
             .is_some_and(|i| matches!(i.phase(), pipec_plan::Phase::Forward | pipec_plan::Phase::Backward))
     };
-    let receive_beside_compute = |r: &RunReport| {
+    let collective_beside_compute = |r: &RunReport| {
         r.comm_timeline.iter().any(|&(d, step, code, s, e)| {
-            p.instruction(d, code).is_some_and(|i| {
-                matches!(i, pipec_plan::Instr::RecvActivation { .. } | pipec_plan::Instr::RecvGradient { .. })
-            }) && r
-                .timeline
-                .iter()
-                .any(|&(d2, step2, c2, s2, e2)| d2 == d && step2 == step && is_compute(d2, c2) && s < e2 && s2 < e)
+            matches!(p.instruction(d, code), Some(pipec_plan::Instr::Collective { .. }))
+                && r.timeline
+                    .iter()
+                    .any(|&(d2, step2, c2, s2, e2)| d2 == d && step2 == step && is_compute(d2, c2) && s < e2 && s2 < e)
         })
     };
-    // The receive is posted ahead by construction; that it is still in flight when the
-    // backward starts needs the device's thread to start it within the other stage's
-    // forward and backward, which a machine busy with other processes can delay past
-    // (1 failure in a fresh-clone CI run): up to three runs, one of them must show it.
+    // that it is still running when the next pass starts needs the collective thread to be
+    // scheduled beside the compute, which a machine busy with other processes can delay:
+    // up to three runs, one of them must show it
     let mut r = train(&p);
     assert!(!r.comm_timeline.is_empty(), "no communication was traced");
     for _ in 0..2 {
-        if receive_beside_compute(&r) {
+        if collective_beside_compute(&r) {
             break;
         }
         r = train(&p);
     }
-    assert!(receive_beside_compute(&r), "no receive was in flight while its device computed, in three runs");
+    assert!(collective_beside_compute(&r), "no reduce-scatter ran while its device computed, in three runs");
     for (a, e) in losses(&r).iter().zip(&alone) {
         assert!((a - e).abs() <= 1e-5 * e.abs(), "{a} vs one device {e}");
     }
@@ -1958,11 +1952,19 @@ fn the_measured_trace_shows_communication_beside_compute() {
         ..Job::default()
     });
     let r = train(&p);
-    // the replicated last stage's all-reduce is traced, and the run equals one device
-    assert!(r
-        .comm_timeline
-        .iter()
-        .any(|&(d, _, code, _, _)| matches!(p.instruction(d, code), Some(pipec_plan::Instr::Collective { .. }))));
+    // the replicated last stage's all-reduce and every receive are traced, and the run
+    // equals one device
+    let traced = |wanted: &dyn Fn(&pipec_plan::Instr) -> bool| {
+        r.comm_timeline.iter().filter(|&&(d, _, code, _, _)| p.instruction(d, code).is_some_and(wanted)).count()
+    };
+    assert!(traced(&|i| matches!(i, pipec_plan::Instr::Collective { .. })) > 0);
+    let receives: usize =
+        p.streams.values().flatten().filter(|i| i.transfer().is_some_and(|t| t.end == pipec_plan::End::Recv)).count();
+    assert_eq!(
+        traced(&|i| i.transfer().is_some_and(|t| t.end == pipec_plan::End::Recv)),
+        receives * 4,
+        "every receive of the 4 steps"
+    );
     let got = losses(&r);
     for (a, e) in got.iter().zip(&one) {
         assert!((a - e).abs() <= 1e-5 * e.abs(), "{a} vs one device {e}");

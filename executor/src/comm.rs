@@ -3,9 +3,15 @@
 //! order the stream issues them (what the simulator models as the device's communication
 //! engine).
 //!
-//! - Sends are made by the worker itself (they only queue the message); receives are posted ahead of the compute that needs them (as
-//!   soon as every earlier message of the stream has been issued) and waited for when that
-//!   compute comes.
+//! - Sends are made by the worker itself (they only queue the message). Where the
+//!   transport must post receives ahead (MPI, TCP), they are posted to the point-to-point
+//!   thread ahead of the compute that needs them (as soon as every earlier message of the
+//!   stream has been issued) and waited for when that compute comes. Where it buffers every
+//!   message (the in-process channels), the worker takes each message itself when the
+//!   compute comes ([`Comm::receives_directly`]): a message sent while the receiver
+//!   computes then wakes no thread, and one that arrives while it waits wakes it directly,
+//!   not a thread that wakes it (on a machine whose cores the workers fill, each wake-up
+//!   could cost a preemption of the sender).
 //! - A collective instruction hands its data to the collective thread and the worker
 //!   computes on; its wait takes the result back. A tensor-parallel all-reduce inside a
 //!   forward or backward goes through the same thread and is waited for at once, so every
@@ -19,7 +25,7 @@ use std::time::Instant;
 
 use pipec_plan::{CollectiveKind, DeviceId, ReduceMode};
 
-use crate::transport::{Endpoint, Message, SendHalf, Tag, TransportError};
+use crate::transport::{Endpoint, Message, RecvHalf, SendHalf, Tag, TransportError};
 
 /// (instruction code, start, end): seconds from the run's start.
 pub type CommTrace = Vec<(usize, f64, f64)>;
@@ -92,8 +98,10 @@ pub struct Comm {
     p2p: Sender<P2p>,
     coll: Sender<Coll>,
     sender: Box<dyn SendHalf>,
+    /// The worker's own receiver, where the transport gives one.
+    receiver: Option<Box<dyn RecvHalf>>,
     epoch: Instant,
-    /// The sends made since the last fence.
+    /// The sends (and direct receives) made on the worker's thread since the last fence.
     sent: CommTrace,
 }
 
@@ -106,16 +114,35 @@ impl Comm {
     /// measured from `epoch`. The threads end when the `Comm` is dropped.
     pub fn start<'scope, E: Endpoint + 'scope>(
         scope: &'scope std::thread::Scope<'scope, '_>,
-        ep: E,
+        mut ep: E,
         epoch: Instant,
     ) -> Comm {
         let sender = ep.send_half();
+        let receiver = ep.recv_half();
         let (p2p_ep, coll_ep) = ep.split();
         let (p2p, p2p_rx) = channel();
         let (coll, coll_rx) = channel();
         scope.spawn(move || p2p_loop(p2p_ep, p2p_rx, epoch));
         scope.spawn(move || coll_loop(coll_ep, coll_rx, epoch));
-        Comm { p2p, coll, sender, epoch, sent: CommTrace::new() }
+        Comm { p2p, coll, sender, receiver, epoch, sent: CommTrace::new() }
+    }
+
+    /// Whether the worker takes its messages itself ([`Comm::recv_now`]) rather than
+    /// posting receives ahead ([`Comm::post_recv`]).
+    pub fn receives_directly(&self) -> bool {
+        self.receiver.is_some()
+    }
+
+    /// Receives the next message from `from`, which must carry `tag`, on the worker's
+    /// thread (where [`Comm::receives_directly`]); traced under `code` from the call to
+    /// the message's arrival, as a posted receive's wait is.
+    pub fn recv_now(&mut self, from: DeviceId, tag: Tag, code: usize) -> Result<Message, TransportError> {
+        let receiver =
+            self.receiver.as_mut().ok_or(TransportError::Other("this transport's receives are posted ahead".into()))?;
+        let t0 = since(self.epoch);
+        let got = receiver.recv(from, tag);
+        self.sent.push((code, t0, since(self.epoch)));
+        got
     }
 
     /// Sends a message (queued: returns at once).
@@ -267,18 +294,48 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
+    /// An in-process endpoint whose receives are posted ahead, as a process transport's
+    /// are (it gives no `recv_half`): the path MPI and TCP take, on channels.
+    struct Posted(crate::transport::in_process::InProcessEndpoint);
+
+    impl Endpoint for Posted {
+        fn device(&self) -> DeviceId {
+            self.0.device()
+        }
+        fn split(self) -> (Self, Self) {
+            let (a, b) = self.0.split();
+            (Posted(a), Posted(b))
+        }
+        fn send_half(&self) -> Box<dyn SendHalf> {
+            self.0.send_half()
+        }
+        fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError> {
+            self.0.send(to, msg)
+        }
+        fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
+            self.0.recv(from, tag)
+        }
+        fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError> {
+            self.0.coll_send(to, data)
+        }
+        fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError> {
+            self.0.coll_recv(from)
+        }
+    }
+
     /// A collective in flight does not hold up point-to-point messages, and receives posted
     /// early complete when their messages come.
     #[test]
     fn a_collective_in_flight_does_not_hold_up_messages() {
         let devices = [DeviceId(0), DeviceId(1)];
         let mut eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_secs(10)).into_iter();
-        let (e0, e1) = (eps.next().expect("d0"), eps.next().expect("d1"));
+        let (e0, e1) = (Posted(eps.next().expect("d0")), Posted(eps.next().expect("d1")));
         let epoch = Instant::now();
         let tag = Tag::activation(StageId(0), MicrobatchId(0));
         std::thread::scope(|s| {
             let mut c0 = Comm::start(s, e0, epoch);
             let c1 = Comm::start(s, e1, epoch);
+            assert!(!c1.receives_directly());
             // d0 starts an all-reduce that d1 joins only after the message has gone through
             let sum = c0
                 .start_collective(
@@ -306,12 +363,34 @@ mod tests {
     fn a_failed_receive_is_reported_by_the_wait_and_the_fence() {
         let devices = [DeviceId(0), DeviceId(1)];
         let mut eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_millis(100)).into_iter();
-        let e0 = eps.next().expect("d0");
+        let e0 = Posted(eps.next().expect("d0"));
         std::thread::scope(|s| {
             let mut c0 = Comm::start(s, e0, Instant::now());
             let t = c0.post_recv(DeviceId(1), Tag::activation(StageId(0), MicrobatchId(0)), 0).expect("post");
             assert!(matches!(t.wait(), Err(TransportError::Timeout { .. })));
             assert!(c0.fence().is_err());
+        });
+    }
+
+    /// In process the worker takes its messages itself: in order, traced, a message of
+    /// another tag is an error, and a silent peer times out.
+    #[test]
+    fn direct_receives_take_messages_in_order_and_time_out() {
+        let devices = [DeviceId(0), DeviceId(1)];
+        let mut eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_millis(100)).into_iter();
+        let (e0, e1) = (eps.next().expect("d0"), eps.next().expect("d1"));
+        let (a, b) = (Tag::activation(StageId(0), MicrobatchId(0)), Tag::activation(StageId(0), MicrobatchId(1)));
+        std::thread::scope(|s| {
+            let mut c0 = Comm::start(s, e0, Instant::now());
+            let mut c1 = Comm::start(s, e1, Instant::now());
+            assert!(c1.receives_directly());
+            c0.send(DeviceId(1), Message { tag: a, shape: vec![1], data: vec![1.0] }, 0).expect("send");
+            c0.send(DeviceId(1), Message { tag: b, shape: vec![1], data: vec![2.0] }, 1).expect("send");
+            assert_eq!(c1.recv_now(DeviceId(0), a, 5).expect("first").data, vec![1.0]);
+            assert!(matches!(c1.recv_now(DeviceId(0), a, 6), Err(TransportError::Mismatch { .. })));
+            assert!(matches!(c1.recv_now(DeviceId(0), b, 7), Err(TransportError::Timeout { .. })));
+            let trace = c1.fence().expect("fence");
+            assert_eq!(trace.iter().map(|t| t.0).collect::<Vec<_>>(), vec![5, 6, 7], "{trace:?}");
         });
     }
 }

@@ -71,6 +71,13 @@ pub trait Endpoint: Send {
     /// A handle that sends this device's point-to-point messages from the computing thread
     /// while another thread receives (one sender per link keeps each link's order).
     fn send_half(&self) -> Box<dyn SendHalf>;
+    /// A handle that receives this device's point-to-point messages on the computing
+    /// thread itself, taken from the endpoint (its own receives then fail), where the
+    /// transport buffers every message without a posted receive: the in-process channels.
+    /// None where receives must be posted ahead (MPI, TCP): a thread of `comm` posts them.
+    fn recv_half(&mut self) -> Option<Box<dyn RecvHalf>> {
+        None
+    }
     /// Sends a point-to-point message (asynchronous: returns without waiting for the peer).
     fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError>;
     /// Receives the next point-to-point message from `from`, which must carry `tag`.
@@ -113,6 +120,13 @@ pub trait Endpoint: Send {
 /// The sending side of a device's point-to-point messages.
 pub trait SendHalf: Send {
     fn send(&mut self, to: DeviceId, msg: Message) -> Result<(), TransportError>;
+}
+
+/// The receiving side of a device's point-to-point messages, where the computing thread
+/// receives them itself ([`Endpoint::recv_half`]).
+pub trait RecvHalf: Send {
+    /// The next point-to-point message from `from`, which must carry `tag`.
+    fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError>;
 }
 
 fn chunk(len: usize, p: usize, i: usize) -> std::ops::Range<usize> {
@@ -377,21 +391,81 @@ pub mod in_process {
             .map_err(|_| TransportError::Disconnected(to))
     }
 
-    impl InProcessEndpoint {
-        fn wait(&self, rx: &Receiver<Wire>, from: DeviceId) -> Result<Wire, TransportError> {
+    /// Waits for the next item on `rx` from `from`, until `abort` is set or `timeout` has
+    /// passed. A message already there is taken at once, without a system call.
+    fn wait(
+        rx: &Receiver<Wire>,
+        from: DeviceId,
+        abort: &AtomicBool,
+        timeout: Duration,
+    ) -> Result<Wire, TransportError> {
+        if let Ok(w) = rx.try_recv() {
+            return Ok(w);
+        }
+        let start = Instant::now();
+        loop {
+            if abort.load(Ordering::Relaxed) {
+                return Err(TransportError::Aborted);
+            }
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(w) => return Ok(w),
+                Err(RecvTimeoutError::Timeout) => {
+                    if start.elapsed() > timeout {
+                        return Err(TransportError::Timeout { from, waited: start.elapsed() });
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(TransportError::Disconnected(from)),
+            }
+        }
+    }
+
+    /// The next point-to-point message on `rx`, which must carry `tag`.
+    fn recv_p2p(
+        rx: &Receiver<Wire>,
+        from: DeviceId,
+        tag: Tag,
+        abort: &AtomicBool,
+        timeout: Duration,
+    ) -> Result<Message, TransportError> {
+        match wait(rx, from, abort, timeout)? {
+            Wire::P2p(m) if m.tag == tag => Ok(m),
+            Wire::P2p(m) => Err(TransportError::Mismatch { from, expected: tag, got: m.tag }),
+            Wire::Coll(_) => Err(TransportError::Other("a collective message on a point-to-point channel".into())),
+        }
+    }
+
+    /// A device's point-to-point receivers, for the computing thread: a message a peer
+    /// sends while this device computes waits in its channel, waking no thread.
+    struct InProcessReceiver {
+        from_p2p: HashMap<DeviceId, Receiver<Wire>>,
+        abort: Arc<AtomicBool>,
+        timeout: Duration,
+    }
+
+    /// How long a computing thread polls for a message before it sleeps on the channel.
+    /// A sleeping receiver must be woken by the sender, and Linux then runs it on the
+    /// sender's core (wake-affine), preempting the sender while another core may be idle:
+    /// on this 2-core machine a worker sending a gradient to the worker waiting for it lost
+    /// its core for 55–64 µs at a time (`specs/mlp-1f1b.yaml`'s trace). A receiver still
+    /// polling takes the message on its own core; MPI's shared-memory receives poll too.
+    const POLL: Duration = Duration::from_micros(200);
+
+    impl RecvHalf for InProcessReceiver {
+        fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
+            let rx = self.from_p2p.get(&from).ok_or(TransportError::Disconnected(from))?;
             let start = Instant::now();
             loop {
-                if self.abort.load(Ordering::Relaxed) {
-                    return Err(TransportError::Aborted);
-                }
-                match rx.recv_timeout(Duration::from_millis(50)) {
-                    Ok(w) => return Ok(w),
-                    Err(RecvTimeoutError::Timeout) => {
-                        if start.elapsed() > self.timeout {
-                            return Err(TransportError::Timeout { from, waited: start.elapsed() });
-                        }
+                match rx.try_recv() {
+                    Ok(Wire::P2p(m)) if m.tag == tag => return Ok(m),
+                    Ok(Wire::P2p(m)) => return Err(TransportError::Mismatch { from, expected: tag, got: m.tag }),
+                    Ok(Wire::Coll(_)) => {
+                        return Err(TransportError::Other("a collective message on a point-to-point channel".into()))
                     }
-                    Err(RecvTimeoutError::Disconnected) => return Err(TransportError::Disconnected(from)),
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(TransportError::Disconnected(from)),
+                    Err(std::sync::mpsc::TryRecvError::Empty) if start.elapsed() < POLL => std::thread::yield_now(),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => {
+                        return recv_p2p(rx, from, tag, &self.abort, self.timeout)
+                    }
                 }
             }
         }
@@ -403,6 +477,13 @@ pub mod in_process {
         }
         fn send_half(&self) -> Box<dyn SendHalf> {
             Box::new(InProcessSender { to_p2p: self.to_p2p.clone() })
+        }
+        fn recv_half(&mut self) -> Option<Box<dyn RecvHalf>> {
+            Some(Box::new(InProcessReceiver {
+                from_p2p: std::mem::take(&mut self.from_p2p),
+                abort: self.abort.clone(),
+                timeout: self.timeout,
+            }))
         }
         fn split(mut self) -> (Self, Self) {
             let coll = InProcessEndpoint {
@@ -421,11 +502,7 @@ pub mod in_process {
         }
         fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
             let rx = self.from_p2p.get(&from).ok_or(TransportError::Disconnected(from))?;
-            match self.wait(rx, from)? {
-                Wire::P2p(m) if m.tag == tag => Ok(m),
-                Wire::P2p(m) => Err(TransportError::Mismatch { from, expected: tag, got: m.tag }),
-                Wire::Coll(_) => Err(TransportError::Other("a collective message on a point-to-point channel".into())),
-            }
+            recv_p2p(rx, from, tag, &self.abort, self.timeout)
         }
         fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError> {
             self.to_coll
@@ -436,7 +513,7 @@ pub mod in_process {
         }
         fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError> {
             let rx = self.from_coll.get(&from).ok_or(TransportError::Disconnected(from))?;
-            match self.wait(rx, from)? {
+            match wait(rx, from, &self.abort, self.timeout)? {
                 Wire::Coll(d) => Ok(d),
                 Wire::P2p(_) => Err(TransportError::Other("a point-to-point message on a collective channel".into())),
             }

@@ -242,7 +242,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 if sends(next) {
                     break;
                 }
-                if receives(next) {
+                if receives(next) && !self.comm.receives_directly() {
                     let tag = expected_message(next).map_err(|e| (*c, e))?;
                     let peer = next.peer().unwrap_or(self.device);
                     let ticket = self.comm.post_recv(peer, tag, *c).map_err(|e| (*c, e.into()))?;
@@ -301,8 +301,15 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok(report)
     }
 
-    /// The message posted for the receive at position `at` of the step.
-    pub(crate) fn received(&mut self, at: usize) -> Result<Message> {
+    /// The message of the receive `ins` at position `at` of the step (traced as `code`):
+    /// taken now where the worker receives directly (`Comm::receives_directly`), otherwise
+    /// the one posted ahead.
+    pub(crate) fn received(&mut self, ins: &Instr, code: usize, at: usize) -> Result<Message> {
+        if self.comm.receives_directly() {
+            let tag = expected_message(ins)?;
+            let peer = ins.peer().unwrap_or(self.device);
+            return Ok(self.comm.recv_now(peer, tag, code)?);
+        }
         Ok(self.posted.remove(&at).ok_or(ExecError::Missing("the receive was not posted"))?.wait()?)
     }
 
@@ -310,7 +317,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         match *ins {
             Instr::LoadMicrobatch { stage, mb, inputs, labels } => self.load_microbatch(stage, mb, inputs, labels),
             Instr::RecvActivation { stage, mb, .. } => {
-                let msg = self.received(at)?;
+                let msg = self.received(ins, code, at)?;
                 let act = require_grad(host_to_act::<B>(&msg.shape, msg.data, &self.dev)?);
                 self.inputs.insert((stage, mb), act);
                 Ok(())
@@ -370,7 +377,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 self.send(peer, msg, code, "the activation to send was not computed")
             }
             Instr::RecvGradient { stage, mb, .. } => {
-                let msg = self.received(at)?;
+                let msg = self.received(ins, code, at)?;
                 self.grads_in.insert((stage, mb), msg);
                 Ok(())
             }
@@ -419,7 +426,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 Ok(self.comm.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: flat }, code)?)
             }
             Instr::ApplyGradient { stage, .. } => {
-                let msg = self.received(at)?;
+                let msg = self.received(ins, code, at)?;
                 self.apply_gradient(stage, &msg.data)
             }
             Instr::PushWeights { peer, stage, .. } => {
@@ -430,7 +437,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 Ok(self.comm.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: values }, code)?)
             }
             Instr::PullWeights { stage, .. } => {
-                let msg = self.received(at)?;
+                let msg = self.received(ins, code, at)?;
                 self.pull_weights(stage, &msg.data)
             }
             Instr::OptimizerStep { stage } => self.optimizer_step(stage),
