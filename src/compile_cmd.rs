@@ -285,8 +285,14 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         if !st.gradient_buckets.is_empty() {
             let sizes: Vec<String> =
                 st.gradient_buckets.iter().map(|b| pipec_compiler::memory::human_bytes(b.bytes)).collect();
+            // ZeRO-2 and 3 reduce-scatter every microbatch's gradients, ZeRO-1 the step's
+            let (how, when) = match plan.schedule.sharding.level() {
+                0 => ("reduced", "the last backward"),
+                1 => ("reduce-scattered", "the last backward"),
+                _ => ("reduce-scattered", "every backward"),
+            };
             s.push_str(&format!(
-                "    gradients reduced in {} buckets during the last backward ({}, the last layers' first)\n",
+                "    gradients {how} in {} buckets during {when} ({}, the last layers' first)\n",
                 sizes.len(),
                 sizes.join(", ")
             ));
@@ -311,8 +317,14 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         a.exposed_collective_s.total_cmp(&b.exposed_collective_s).then(a.collective_s.total_cmp(&b.collective_s))
     }) {
         let hidden = (d.collective_s - d.exposed_collective_s).max(0.0);
+        // ZeRO-3's weight gathers are inside the passes, not collectives of their own
+        let what = match plan.schedule.sharding {
+            pipec_plan::vocab::Sharding::None => "all-reduce",
+            pipec_plan::vocab::Sharding::Parameters => "gradient reduce-scatters",
+            _ => "gradient reduce-scatters and weight all-gathers",
+        };
         s.push_str(&format!(
-            "all-reduce on {}: {} in flight per step, {} hidden behind compute, {} exposed ({:.1}% of the step)\n",
+            "{what} on {}: {} in flight per step, {} hidden behind compute, {} exposed ({:.1}% of the step)\n",
             d.id,
             human_time(d.collective_s),
             human_time(hidden),

@@ -1680,6 +1680,16 @@ fn compile_lists_a_stages_gradient_buckets() {
     let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{said}");
     assert!(said.contains("gradients reduced in 8 buckets during the last backward (4.04 MiB, 4.00 MiB,"), "{said}");
+    // under ZeRO-2 every microbatch's gradients are reduce-scattered, bucket by bucket
+    let text = std::fs::read_to_string(&spec).expect("spec");
+    let sharded = dir.path().join("zero-2.yaml");
+    std::fs::write(&sharded, text.replacen("strategy:\n", "strategy:\n  zero: 2\n", 1)).expect("write");
+    let out =
+        pipec(&["compile", sharded.to_str().expect("utf-8"), "-o", dir.path().join("z").to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(said.contains("gradients reduce-scattered in 8 buckets during every backward (4.04 MiB,"), "{said}");
+    assert!(said.contains("gradient reduce-scatters and weight all-gathers on d"), "{said}");
 }
 
 #[test]
