@@ -45,33 +45,19 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         }
     };
     let d = &measured.device;
-    // the CPU's points are linear layers' products as training runs them (the forward's
-    // product, and each of the backward's two, through autodiff); a GPU's the bare products
-    type Points = [((usize, usize, usize), pipec_executor::calibrate::Point)];
-    let tables: [(&str, &Points, bool); 2] = if backend == Backend::Cpu {
-        [
-            ("forward product (m·k·n)", &measured.products, false),
-            ("backward product", &measured.backward_products, true),
-        ]
-    } else {
-        [("matrix product (m·k·n)", &measured.products, false), ("", &[], true)]
-    };
-    for (what, points, backward) in tables.into_iter().filter(|t| !t.1.is_empty()) {
-        eprintln!("{:>24} {:>12} {:>12} {:>12}", what, "FLOPs", "measured", "fitted");
-        for ((m, k, n), p) in points {
-            let fitted = if backward {
-                d.backward_matrix_time(p.size, 0.0, pipec_plan::Precision::Fp32)
-            } else {
-                d.matrix_time(p.size, 0.0, pipec_plan::Precision::Fp32)
-            };
-            eprintln!(
-                "{:>24} {:>12.3e} {:>9.1} µs {:>9.1} µs",
-                format!("{m}·{k}·{n}"),
-                p.size,
-                p.seconds * 1e6,
-                fitted * 1e6
-            );
-        }
+    // the CPU's points are linear layers' products as training runs them (forward and
+    // backward through autodiff, a third of the pass each); a GPU's the bare products
+    let what = if backend == Backend::Cpu { "layer product (m·k·n)" } else { "matrix product (m·k·n)" };
+    eprintln!("{:>22} {:>14} {:>12} {:>12}", what, "FLOPs", "measured", "fitted");
+    for ((m, k, n), p) in &measured.products {
+        let fitted = d.matrix_time(p.size, 0.0, pipec_plan::Precision::Fp32);
+        eprintln!(
+            "{:>22} {:>14.3e} {:>9.1} µs {:>9.1} µs",
+            format!("{m}·{k}·{n}"),
+            p.size,
+            p.seconds * 1e6,
+            fitted * 1e6
+        );
     }
     eprintln!("{:>22} {:>14} {:>12} {:>12}", "element-wise add", "bytes", "measured", "fitted");
     for (n, p) in &measured.adds {
@@ -90,9 +76,6 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         d.memory_efficiency.half,
         d.launch * 1e6
     );
-    if let Some(b) = d.backward_products {
-        eprintln!("fp32 backward products {:.2} GFLOP/s (half of it at {:.3e} FLOPs)", b.rate / 1e9, b.efficiency.half);
-    }
     if let Some(o) = d.optimizer {
         eprintln!("{:>22} {:>14} {:>14}", "optimizer update", "per tensor", "per parameter");
         for (name, r) in [("sgd", o.sgd), ("momentum", o.momentum), ("adam", o.adam)] {

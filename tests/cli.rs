@@ -194,9 +194,6 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
         serde_json::from_str(&std::fs::read_to_string(&file).expect("the device file")).expect("json");
     assert_eq!(device["memory"].as_f64(), Some(4.0 * 1024.0 * 1024.0 * 1024.0));
     assert!(device["matrix"]["fp32"].as_f64().is_some_and(|r| r > 0.0), "{device}");
-    // on the CPU the backward's products have a rate of their own
-    assert!(stderr.contains("backward product") && stderr.contains("fp32 backward products"), "{stderr}");
-    assert!(device["backward_products"]["rate"].as_f64().is_some_and(|r| r > 0.0), "{device}");
     // a spec naming it checks clean and compiles
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml"))
         .expect("default spec");

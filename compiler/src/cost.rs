@@ -255,20 +255,12 @@ struct Kernels<'a> {
     precision: Precision,
     p: f64,
     seconds: f64,
-    /// A backward's kernels: its products at the device's backward rate, where measured
-    /// (`DeviceModel::backward_products`).
-    backward: bool,
 }
 
 impl Kernels<'_> {
     /// A matrix product of `flops` moving `values` values.
     fn matrix(&mut self, flops: f64, values: f64) {
-        let bytes = values * self.p;
-        self.seconds += if self.backward {
-            self.device.backward_matrix_time(flops, bytes, self.precision)
-        } else {
-            self.device.matrix_time(flops, bytes, self.precision)
-        };
+        self.seconds += self.device.matrix_time(flops, values * self.p, self.precision);
     }
     /// An element-wise kernel of `flops` moving `values` values and `mask` one-byte values.
     fn vector(&mut self, flops: f64, values: f64, mask: f64) {
@@ -291,9 +283,8 @@ struct Priced {
 fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Priced {
     let b = device_samples(cx);
     let p = cx.precision.bytes() as f64;
-    let new = |backward: bool| Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0, backward };
-    // selective recompute re-runs forward kernels inside the backward
-    let (mut fwd, mut bwd, mut sel) = (new(false), new(true), new(false));
+    let new = || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0 };
+    let (mut fwd, mut bwd, mut sel) = (new(), new(), new());
     let inp = numel(&node.input_shape) * b;
     let out = numel(&node.output_shape) * b;
     let t = t_of(split, cx.tp);

@@ -20,7 +20,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
-use pipec_plan::device::{Curve, DeviceModel, Functions, MatrixRates, OptimizerRates, ProductRate, UpdateRate};
+use pipec_plan::device::{Curve, DeviceModel, Functions, MatrixRates, OptimizerRates, UpdateRate};
 
 use crate::dense::Kernels;
 
@@ -35,11 +35,8 @@ pub struct Point {
 #[derive(Debug, Clone)]
 pub struct Calibration {
     pub device: DeviceModel,
-    /// Matrix products: (m, k, n), FLOPs and seconds (on the CPU a layer's forward product).
+    /// Matrix products: (m, k, n), FLOPs and seconds.
     pub products: Vec<((usize, usize, usize), Point)>,
-    /// On the CPU, a layer's backward products: (m, k, n), one product's FLOPs and half the
-    /// backward's seconds (empty where not measured: a GPU's bare products).
-    pub backward_products: Vec<((usize, usize, usize), Point)>,
     /// Element-wise adds: elements, bytes and seconds.
     pub adds: Vec<(usize, Point)>,
     /// Element-wise functions: name, elements and seconds.
@@ -204,30 +201,22 @@ pub fn calibrate<B: Kernels>(
     .into_iter()
     .map(|(name, seconds)| (name, Point { size: sweep.function_elements as f64, seconds }))
     .collect();
-    fitted(name, memory, launch, (products, Vec::new()), adds, functions)
+    fitted(name, memory, launch, products, adds, functions)
 }
 
-/// The device model the points give, with the points: the matrix rate from `products`
-/// (forward products, or bare ones), the backward's from `backward` where measured.
+/// The device model the points give, with the points.
 fn fitted(
     name: &str,
     memory: f64,
     launch: f64,
-    (products, backward): LayerPoints,
+    products: Vec<((usize, usize, usize), Point)>,
     adds: Vec<(usize, Point)>,
     functions: Vec<(&'static str, Point)>,
 ) -> Calibration {
     let mut device = fit(name, memory, launch, &products.iter().map(|p| p.1).collect::<Vec<_>>(), &adds);
     device.functions = function_rates(&functions, launch);
-    if !backward.is_empty() {
-        let (rate, half) = rate_and_half(&backward.iter().map(|p| p.1).collect::<Vec<_>>(), launch);
-        device.backward_products = Some(ProductRate { rate, efficiency: Curve { peak: 1.0, half } });
-    }
-    Calibration { device, products, backward_products: backward, adds, functions }
+    Calibration { device, products, adds, functions }
 }
-
-/// Products timed as layers run them: the forward's points and the backward's, per shape.
-type LayerPoints = (Vec<((usize, usize, usize), Point)>, Vec<((usize, usize, usize), Point)>);
 
 /// Each function's elements per second beyond the launch (0 for a name not measured).
 pub fn function_rates(measured: &[(&str, Point)], launch: f64) -> Functions {
@@ -269,34 +258,31 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
         functions: Functions::default(),
         link: None,
         optimizer: None,
-        backward_products: None,
     }
 }
 
 /// Each product of `shapes` as a linear layer runs in training on `B`: the forward
 /// x·W + b through autodiff ([`Kernels::dense`], the bias added) and its backward (the input
 /// and the weight gradients), after two forwards (on the CPU the weight then has its
-/// transposed copy, as in training). The forward is timed alone, and the whole pass; the
-/// backward is their difference. Per shape, a forward point (one product's FLOPs, the
-/// forward's time) and a backward point (one product's FLOPs, half the backward's). The
-/// CPU's device file fits its matrix rates to these: a layer's products cost what the
-/// executor's layer costs, its autodiff, bias and allocations included, not what the bare
-/// kernel does, and its forward product and backward products each at their own rate.
+/// transposed copy, as in training). A point is one product's FLOPs and a third of the
+/// pass's time. The CPU's
+/// device file fits its matrix rate to these: a layer's products cost what the executor's
+/// layer costs, its autodiff, bias and allocations included, not what the bare kernel does.
 pub fn layer_products<B: crate::dense::ExecBackend>(
     device: &B::Device,
     reps: usize,
     shapes: &[(usize, usize, usize)],
     at_point: &(dyn Fn() + Sync),
-) -> LayerPoints {
-    let (forward, backward) = shapes
+) -> Vec<((usize, usize, usize), Point)> {
+    let points = shapes
         .iter()
         .map(|&(m, k, n)| {
             let x = Tensor::<B, 2>::random([m, k], Distribution::Uniform(-1.0, 1.0), device).require_grad();
             let w = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-0.1, 0.1), device).require_grad();
             let b = Tensor::<B, 1>::zeros([n], device).require_grad();
-            let forward = || B::dense(x.clone(), w.clone()) + b.clone().unsqueeze::<2>();
             let pass = || {
-                let grads = forward().sum().backward();
+                let y = B::dense(x.clone(), w.clone()) + b.clone().unsqueeze::<2>();
+                let grads = y.sum().backward();
                 let kept = (x.grad(&grads), w.grad(&grads), b.grad(&grads));
                 let _ = B::sync(device);
                 drop(kept);
@@ -305,22 +291,13 @@ pub fn layer_products<B: crate::dense::ExecBackend>(
                 pass();
             }
             at_point();
-            let whole = median_seconds(1, reps.max(3), pass);
-            at_point();
-            let alone = median_seconds(1, reps.max(3), || {
-                let y = forward();
-                let _ = B::sync(device);
-                drop(y);
-            });
-            // the backward: what the pass takes beyond its forward (at least a tenth of the
-            // pass, should the two medians cross)
-            let back = (whole - alone).max(whole * 0.1);
-            let size = 2.0 * (m * k * n) as f64;
-            (((m, k, n), Point { size, seconds: alone }), ((m, k, n), Point { size, seconds: back / 2.0 }))
+            let seconds = median_seconds(1, reps.max(3), pass);
+            // one of the three products, on average (the cost model prices each of them)
+            ((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds: seconds / 3.0 })
         })
-        .unzip();
+        .collect();
     B::release_weight_copies();
-    (forward, backward)
+    points
 }
 
 /// The executor's optimizer updates timed on `B`: for each optimizer, one update of a few
@@ -474,18 +451,12 @@ fn mean_calibration(runs: &[Calibration], memory: f64, name: &str) -> Calibratio
     let n = runs.len().max(1) as f64;
     let mean = |f: &dyn Fn(&Calibration) -> f64| runs.iter().map(f).sum::<f64>() / n;
     let Some(first) = runs.first() else {
-        return fitted(name, memory, 0.0, (vec![], vec![]), vec![], vec![]);
+        return fitted(name, memory, 0.0, vec![], vec![], vec![]);
     };
     let launch = mean(&|c| c.device.launch);
     let products: Vec<((usize, usize, usize), Point)> = (0..first.products.len())
         .map(|i| {
             (first.products[i].0, Point { size: first.products[i].1.size, seconds: mean(&|c| c.products[i].1.seconds) })
-        })
-        .collect();
-    let backward: Vec<((usize, usize, usize), Point)> = (0..first.backward_products.len())
-        .map(|i| {
-            let (shape, p) = first.backward_products[i];
-            (shape, Point { size: p.size, seconds: mean(&|c| c.backward_products[i].1.seconds) })
         })
         .collect();
     let adds: Vec<(usize, Point)> = (0..first.adds.len())
@@ -497,7 +468,7 @@ fn mean_calibration(runs: &[Calibration], memory: f64, name: &str) -> Calibratio
             (f, Point { size: p.size, seconds: mean(&|c| c.functions[i].1.seconds) })
         })
         .collect();
-    let mut c = fitted(name, memory, launch, (products, backward), adds, functions);
+    let mut c = fitted(name, memory, launch, products, adds, functions);
     // the optimizer's figures, averaged over the copies that measured them
     let rates: Vec<OptimizerRates> = runs.iter().filter_map(|c| c.device.optimizer).collect();
     if !rates.is_empty() {
@@ -535,43 +506,12 @@ mod tests {
 
     #[test]
     fn a_layers_products_are_timed_through_autodiff_one_product_a_point() {
-        let (forward, backward) =
-            layer_products::<crate::CpuBackend>(&Default::default(), 3, &[(8, 16, 32), (16, 64, 64)], &|| {});
-        for points in [&forward, &backward] {
-            assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), vec![(8, 16, 32), (16, 64, 64)]);
-            for ((m, k, n), p) in points {
-                assert_eq!(p.size, 2.0 * (m * k * n) as f64);
-                assert!(p.seconds > 0.0 && p.seconds.is_finite(), "{p:?}");
-            }
+        let points = layer_products::<crate::CpuBackend>(&Default::default(), 3, &[(8, 16, 32), (16, 64, 64)], &|| {});
+        assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), vec![(8, 16, 32), (16, 64, 64)]);
+        for ((m, k, n), p) in points {
+            assert_eq!(p.size, 2.0 * (m * k * n) as f64);
+            assert!(p.seconds > 0.0 && p.seconds.is_finite(), "{p:?}");
         }
-    }
-
-    #[test]
-    fn the_backward_products_get_their_own_rate() {
-        // forward products at 100 GFLOP/s, backward ones at 200 GFLOP/s, no size effect
-        let shapes = [(8, 64, 64), (64, 512, 512), (128, 1024, 1024)];
-        let point = |rate: f64| {
-            shapes
-                .iter()
-                .map(|&(m, k, n)| {
-                    let size = 2.0 * (m * k * n) as f64;
-                    ((m, k, n), Point { size, seconds: size / rate })
-                })
-                .collect::<Vec<_>>()
-        };
-        let c = fitted("t", 1e9, 0.0, (point(1e11), point(2e11)), vec![], vec![]);
-        assert!((c.device.matrix.fp32 / 1e11 - 1.0).abs() < 1e-9, "{}", c.device.matrix.fp32);
-        let b = c.device.backward_products.expect("measured");
-        assert!((b.rate / 2e11 - 1.0).abs() < 1e-9 && b.efficiency.half < 1.0, "{b:?}");
-        let flops = 2.0 * 64.0 * 512.0 * 512.0;
-        let (f, w) = (
-            c.device.matrix_time(flops, 0.0, pipec_plan::Precision::Fp32),
-            c.device.backward_matrix_time(flops, 0.0, pipec_plan::Precision::Fp32),
-        );
-        assert!((f / w - 2.0).abs() < 1e-6, "{f} {w}");
-        // without backward points (a GPU's bare products) a backward prices as a forward
-        let c = fitted("t", 1e9, 0.0, (point(1e11), vec![]), vec![], vec![]);
-        assert_eq!(c.device.backward_products, None);
     }
 
     #[test]
@@ -668,7 +608,7 @@ mod tests {
             let adds =
                 [1e4, 1e6].iter().map(|&b| (1usize, Point { size: b, seconds: k * (2e-6 + b / 1e10) })).collect();
             let functions = vec![("exp", Point { size: 65536.0, seconds: k * (2e-6 + 65536.0 / 1e9) })];
-            fitted("x", 1e9, launch, (products, vec![]), adds, functions)
+            fitted("x", 1e9, launch, products, adds, functions)
         };
         let (fast, slow) = (device(1.0), device(2.0));
         let mean = mean_calibration(&[fast.clone(), slow], 1e9, "two at once");

@@ -143,20 +143,6 @@ pub struct DeviceModel {
     /// presets: an update is priced as the memory traffic it is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer: Option<OptimizerRates>,
-    /// The backward's products (a layer's input and weight gradients) as `pipec calibrate`
-    /// measured the executor's layers run them, where they differ from the forward's (on
-    /// the CPU a forward product runs through the weight's transposed copy and builds the
-    /// autodiff graph, and runs at another rate than the backward's two); None: priced as
-    /// forward products (the presets).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub backward_products: Option<ProductRate>,
-}
-
-/// Matrix products at a measured rate (fp32 FLOP/s) and efficiency by their FLOPs.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct ProductRate {
-    pub rate: f64,
-    pub efficiency: Curve,
 }
 
 /// Measured optimizer updates, per optimizer (AdamW priced as Adam).
@@ -215,7 +201,6 @@ impl DeviceModel {
             functions: Functions::default(),
             link: None,
             optimizer: None,
-            backward_products: None,
         }
     }
 
@@ -261,19 +246,6 @@ impl DeviceModel {
                 ));
             }
         }
-        if let Some(b) = d.backward_products {
-            let ok = b.rate > 0.0
-                && b.rate.is_finite()
-                && b.efficiency.peak > 0.0
-                && b.efficiency.peak <= 1.0
-                && b.efficiency.half.is_finite()
-                && b.efficiency.half >= 0.0;
-            if !ok {
-                return Err(format!(
-                    "the backward products need a positive rate, an efficiency peak in (0, 1] and a half of 0 or more, found {b:?}"
-                ));
-            }
-        }
         if let Some(o) = d.optimizer {
             if [o.sgd, o.momentum, o.adam].iter().any(|r| {
                 !(r.per_tensor.is_finite()
@@ -308,19 +280,6 @@ impl DeviceModel {
         }
         let compute = flops / (self.matrix.of(precision) * self.matrix_efficiency.at(flops));
         self.launch + compute.max(self.memory_time(bytes))
-    }
-
-    /// [`matrix_time`](Self::matrix_time) of a backward's product: at the measured backward
-    /// rate where the device has one (fp32, as `pipec calibrate` measures it), otherwise as
-    /// a forward's.
-    pub fn backward_matrix_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
-        match self.backward_products {
-            Some(b) if precision == Precision::Fp32 && (flops > 0.0 || bytes > 0.0) => {
-                let compute = flops / (b.rate * b.efficiency.at(flops));
-                self.launch + compute.max(self.memory_time(bytes))
-            }
-            _ => self.matrix_time(flops, bytes, precision),
-        }
     }
 
     /// Seconds of an element-wise kernel of `flops` moving `bytes`: the slower of its vector
@@ -480,7 +439,6 @@ impl Preset {
             functions: Functions::default(),
             link: None,
             optimizer: None,
-            backward_products: None,
         }
     }
 }
@@ -568,27 +526,6 @@ mod tests {
     }
 
     use super::*;
-
-    #[test]
-    fn backward_products_run_at_their_measured_rate_in_fp32_only() {
-        let mut d = DeviceModel::uniform("x", 1e9, 1e12);
-        d.memory_bandwidth = 1e12;
-        let forward = d.matrix_time(1e9, 0.0, Precision::Fp32);
-        assert_eq!(d.backward_matrix_time(1e9, 0.0, Precision::Fp32), forward, "none measured: as a forward");
-        d.backward_products = Some(ProductRate { rate: 2e12, efficiency: Curve::FLAT });
-        let backward = d.backward_matrix_time(1e9, 0.0, Precision::Fp32);
-        assert!((backward - (d.launch + 1e9 / 2e12)).abs() < 1e-15, "{backward}");
-        // measured in fp32: another precision's products keep the forward's pricing
-        assert_eq!(d.backward_matrix_time(1e9, 0.0, Precision::Bf16), d.matrix_time(1e9, 0.0, Precision::Bf16));
-        // a device file with a rate of 0 is refused
-        let mut bad = d.clone();
-        bad.backward_products = Some(ProductRate { rate: 0.0, efficiency: Curve::FLAT });
-        let text = serde_json::to_string(&bad).expect("json");
-        let e = DeviceModel::from_json(&text).expect_err("refused");
-        assert!(e.contains("backward products"), "{e}");
-        let text = serde_json::to_string(&d).expect("json");
-        assert_eq!(DeviceModel::from_json(&text).expect("reads back"), d);
-    }
 
     #[test]
     fn curves_saturate_and_flat_is_flat() {
