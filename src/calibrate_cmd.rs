@@ -23,7 +23,13 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         }
     };
     let mut measured = match backend {
-        Backend::Cpu => pipec_executor::calibrate::calibrate_cpu_concurrent(memory, reps, concurrent),
+        Backend::Cpu => match pipec_executor::calibrate::calibrate_cpu_concurrent(memory, reps, concurrent) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e}; nothing written");
+                return crate::EXIT_DIAGNOSTICS;
+            }
+        },
         Backend::Cuda if concurrent > 1 => {
             eprintln!("error: --concurrent is for the CPU backend (a GPU is one device)");
             return EXIT_USAGE;

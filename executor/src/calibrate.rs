@@ -403,19 +403,73 @@ pub fn autodiff_launch<B: burn::tensor::backend::AutodiffBackend>(device: &B::De
 
 /// Calibrates the CPU backend (`flex`, as the executor's workers run it: one thread each),
 /// the launch measured through autodiff as the executor trains.
-pub fn calibrate_cpu(memory: f64, reps: usize) -> Calibration {
+pub fn calibrate_cpu(memory: f64, reps: usize) -> Result<Calibration, String> {
     calibrate_cpu_concurrent(memory, reps, 1)
+}
+
+/// Where copies measuring at once meet before each point: a barrier that a copy which
+/// failed breaks, so that the others stop instead of waiting for it forever (as they would
+/// at a `std::sync::Barrier`).
+pub(crate) struct Meeting {
+    /// (copies arrived at the current meeting, meetings held, broken)
+    state: std::sync::Mutex<(usize, u64, bool)>,
+    turned: std::sync::Condvar,
+    copies: usize,
+}
+
+impl Meeting {
+    pub(crate) fn new(copies: usize) -> Meeting {
+        Meeting {
+            state: std::sync::Mutex::new((0, 0, false)),
+            turned: std::sync::Condvar::new(),
+            copies: copies.max(1),
+        }
+    }
+
+    /// Waits until every copy has arrived; false when one has failed (then at once).
+    pub(crate) fn wait(&self) -> bool {
+        let Ok(mut st) = self.state.lock() else { return false };
+        if st.2 {
+            return false;
+        }
+        st.0 += 1;
+        if st.0 == self.copies {
+            st.0 = 0;
+            st.1 += 1;
+            self.turned.notify_all();
+            return true;
+        }
+        let held = st.1;
+        while st.1 == held && !st.2 {
+            st = match self.turned.wait(st) {
+                Ok(st) => st,
+                Err(_) => return false,
+            };
+        }
+        !st.2
+    }
+
+    /// A copy failed: every waiting and later meeting returns false.
+    pub(crate) fn break_off(&self) {
+        if let Ok(mut st) = self.state.lock() {
+            st.2 = true;
+        }
+        self.turned.notify_all();
+    }
 }
 
 /// [`calibrate_cpu`] with `threads` copies measuring at once, each point started together:
 /// on the CPU a plan's devices are worker threads of one process sharing its cores, caches
 /// and memory bus, so a device file for a plan of N devices on this machine is measured N
-/// at a time. Each point's time is the mean of the copies' medians.
-pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Calibration {
+/// at a time. Each point's time is the mean of the copies' medians. A copy that fails
+/// (panics) stops the others at their next meeting, and the calibration fails.
+pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Result<Calibration, String> {
     let threads = threads.max(1);
-    let barrier = std::sync::Barrier::new(threads);
+    let meeting = Meeting::new(threads);
     let meet = || {
-        barrier.wait();
+        if !meeting.wait() {
+            panic!("another copy of the calibration failed");
+        }
     };
     let one = || {
         meet();
@@ -431,19 +485,32 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Cal
         c.device.optimizer = Some(optimizer);
         c
     };
+    let guarded = || {
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(one));
+        if run.is_err() {
+            meeting.break_off();
+        }
+        run.ok()
+    };
     let runs: Vec<Calibration> = if threads == 1 {
-        vec![one()]
+        guarded().into_iter().collect()
     } else {
         std::thread::scope(|s| {
-            let handles: Vec<_> = (0..threads).map(|_| s.spawn(one)).collect();
-            handles.into_iter().filter_map(|h| h.join().ok()).collect()
+            let handles: Vec<_> = (0..threads).map(|_| s.spawn(guarded)).collect();
+            handles.into_iter().filter_map(|h| h.join().ok().flatten()).collect()
         })
     };
+    if runs.len() < threads {
+        return Err(format!(
+            "{} of the {threads} calibration copies failed (see the panic above)",
+            threads - runs.len()
+        ));
+    }
     let name = match threads {
         1 => "cpu (pipec calibrate)".to_string(),
         n => format!("cpu (pipec calibrate, {n} at once)"),
     };
-    mean_calibration(&runs, memory, &name)
+    Ok(mean_calibration(&runs, memory, &name))
 }
 
 /// The calibration whose every point is the mean of `runs`' (same sweep), fitted again.
@@ -515,6 +582,27 @@ mod tests {
     }
 
     #[test]
+    fn a_meeting_lets_copies_through_together_and_a_failed_copy_stops_the_others() {
+        // three copies meet twice
+        let meeting = Meeting::new(3);
+        let passed: Vec<bool> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..3).map(|_| s.spawn(|| meeting.wait() && meeting.wait())).collect();
+            handles.into_iter().map(|h| h.join().expect("joins")).collect()
+        });
+        assert_eq!(passed, vec![true; 3]);
+        // one of three fails before the meeting: the two waiting are let go, refused
+        let meeting = Meeting::new(3);
+        let waited: Vec<bool> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2).map(|_| s.spawn(|| meeting.wait())).collect();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            meeting.break_off();
+            handles.into_iter().map(|h| h.join().expect("joins")).collect()
+        });
+        assert_eq!(waited, vec![false, false]);
+        assert!(!meeting.wait(), "a broken meeting stays broken");
+    }
+
+    #[test]
     fn an_updates_rates_are_solved_from_two_timings() {
         // 50 µs per tensor and 2 ns per parameter: 8 tensors of 4.2 M, 128 of 17,408
         let t = |tensors: usize, params: f64| {
@@ -578,7 +666,7 @@ mod tests {
 
     #[test]
     fn the_cpu_calibration_gives_a_device_file_the_front_end_reads() {
-        let c = calibrate_cpu(4e9, 3);
+        let c = calibrate_cpu(4e9, 3).expect("calibrates");
         let d = &c.device;
         assert!(d.matrix.fp32 > 0.0 && d.memory_bandwidth > 0.0 && d.vector > 0.0 && d.launch > 0.0, "{d:?}");
         assert_eq!(c.products.len(), Sweep::CPU.products.len());
