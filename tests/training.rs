@@ -981,6 +981,47 @@ fn context_parallelism_equals_one_device_on_a_language_model() {
 }
 
 #[test]
+fn context_parallel_mixtures_of_experts_equal_one_device() {
+    // each token picks its experts on its own (no capacity, no balancing loss): a member's
+    // chunk routes as the whole sequence would, and the tokens each expert took, summed
+    // over the members, are one device's
+    let layers = "- embedding(20, 16) as tokens\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=4, top_k=2, shared_experts=1)\n    - rmsnorm\n    - linear(16, 20, bias=false, tie=tokens)";
+    let job = |devices, stages, schedule| Job { devices, stages, schedule, optimizer: ADAM, layers, ..Job::default() };
+    let reference = train(&plan(&job(1, "\"1\"", "gpipe")));
+    for (devices, stages, schedule) in
+        [(2, "\"1\"\n  cp: 2", "gpipe"), (4, "\"2\"\n  cp: 2", "gpipe"), (4, "\"1-1\"\n  cp: 2", "1f1b")]
+    {
+        let p = plan(&job(devices, stages, schedule));
+        assert_eq!(p.training.context_parallel, 2, "{stages}");
+        let got = train(&p);
+        assert_eq!(reference.steps.len(), got.steps.len());
+        for (a, b) in reference.steps.iter().zip(&got.steps) {
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(),
+                "{stages} step {}: {} vs {}",
+                a.step,
+                a.loss,
+                b.loss
+            );
+            assert_eq!(a.expert_tokens, b.expert_tokens, "{stages} step {}", a.step);
+        }
+        assert!(
+            got.steps.last().map(|s| s.loss) < got.steps.first().map(|s| s.loss),
+            "{stages}: the loss did not fall"
+        );
+    }
+    // a capacity counts the microbatch's tokens: refused by the front end (E0420)
+    let capped =
+        spec(&job(2, "\"1\"\n  cp: 2", "gpipe")).replace("shared_experts=1)", "shared_experts=1, capacity=1.0)");
+    let checked = pipec_grammar::check_source(&capped);
+    assert!(
+        checked.diagnostics.iter().any(|d| d.code == "E0420" && d.message.contains("capacity")),
+        "{:?}",
+        checked.diagnostics
+    );
+}
+
+#[test]
 fn llama_blocks_split_over_tensor_parallel_ranks_equal_one_device() {
     // grouped-query attention (4 query heads share 2 key/value heads, one per rank), rotary
     // embeddings, RMSNorm, a SwiGLU MLP whose gate and up columns split together, no biases;
