@@ -693,8 +693,13 @@ fn zero_beside_expert_parallelism_shards_the_experts_over_the_replicas_holding_t
         let got = p.simulation.devices[0].collective_s;
         assert!((got - expected).abs() < 1e-12, "zero {zero}: {got} vs {expected}");
     }
-    // ZeRO-3 beside `ep` is refused (E0419)
-    let text = experts_on_four(2).replace("  ep: 2\n", "  ep: 2\n  zero: 3\n");
-    let checked = pipec_grammar::check_source(&text);
-    assert!(checked.diagnostics.iter().any(|d| d.code == "E0419"), "{:?}", checked.diagnostics);
+    // ZeRO-3 shards the weights the same way: the dense part over 4, the experts' over 2
+    let p = plan(3);
+    let m = &p.devices[0].memory;
+    assert_eq!((m.weights, m.gradients, m.optimizer), (sharded, sharded, sharded), "zero 3");
+    // ... and gathers each layer's weights before its passes: the experts over the 2
+    // replicas holding them, the rest over 4 (the weights' all-gather after the update
+    // is gone, the step's gradients still reduce-scatter as at zero 2)
+    let forward = |p: &pipec_plan::Plan| p.simulation.devices[0].by_phase.get("forward").copied().unwrap_or(0.0);
+    assert!(forward(&p) > forward(&plan(2)), "zero 3 waits for gathers in its forwards");
 }

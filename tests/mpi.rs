@@ -146,6 +146,7 @@ fn expert_parallelism_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(&moe_tp, "\"2\"\n  tp: 2\n  ep: 2", 4);
     // and with ZeRO-2's shards beside the experts
     equal_to_in_process_for(MOE_LM, "\"2-2\"\n  ep: 2\n  zero: 2", 4);
+    equal_to_in_process_for(MOE_LM, "\"4\"\n  ep: 2\n  zero: 3", 4);
     // experts under context parallelism (routing per token: no capacity, no balancing loss)
     let per_token = MOE_LM.replace(", capacity=1.0, aux_loss=0.01)", ")");
     equal_to_in_process_for(&per_token, "\"1\"\n  cp: 2", 2);

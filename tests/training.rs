@@ -1132,12 +1132,14 @@ fn expert_parallel_groups_train_equal_to_one_device() {
     let layers = |block: &str| {
         format!("- embedding(50, 16)\n    - repeat 2: {block}\n    - rmsnorm\n    - flatten\n    - linear(256, 4)")
     };
-    let layouts: [(usize, &str, &str); 11] = [
+    let layouts: [(usize, &str, &str); 13] = [
         // ZeRO's reduce-scatter beside the experts: a member's gradient of an expert it
         // does not hold is zero, so every replica's chunk is the sum over its holders
         (4, "\"4\"\n  ep: 2\n  zero: 1", "1f1b"),
         (4, "\"4\"\n  ep: 4\n  zero: 2", "gpipe"),
         (4, "\"2-2\"\n  ep: 2\n  zero: 2", "1f1b"),
+        (4, "\"4\"\n  ep: 2\n  zero: 3", "gpipe"),
+        (4, "\"2-2\"\n  ep: 2\n  zero: 3", "1f1b"),
         (2, "\"2\"\n  ep: 2", "gpipe"),
         (4, "\"4\"\n  ep: 4", "gpipe"),
         (4, "\"4\"\n  ep: 2", "1f1b"),

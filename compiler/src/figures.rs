@@ -237,12 +237,26 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                 return (0.0, 0.0);
             }
             let layers = &costs[r.clone()];
+            // under expert parallelism a layer's routed experts are gathered from the d / ep
+            // replicas holding them (nothing to gather when each holds its own whole)
+            let holders = (d as usize / ep).max(1);
             let gather = |c: &crate::cost::LayerCost| {
                 if c.parameter_bytes == 0 {
-                    0.0
-                } else {
-                    ring_time(CollectiveKind::AllGather, dp_link(d as usize), d as usize, c.parameter_bytes as f64)
+                    return 0.0;
                 }
+                let link = dp_link(d as usize);
+                let share = if c.shard_parameters > 0 && ep > 1 {
+                    c.expert_parameters as f64 / c.shard_parameters as f64
+                } else {
+                    0.0
+                };
+                let bytes = c.parameter_bytes as f64;
+                let experts = if holders > 1 && share > 0.0 {
+                    ring_time(CollectiveKind::AllGather, link, holders, bytes * share)
+                } else {
+                    0.0
+                };
+                ring_time(CollectiveKind::AllGather, link, d as usize, bytes * (1.0 - share)) + experts
             };
             let total: f64 = layers.iter().map(gather).sum();
             let exposed =

@@ -410,8 +410,7 @@ fn shardable(c: &Candidate, options: &SearchOptions) -> bool {
 /// The expert-parallel degrees to try on `layout`: the written one, or for a model with
 /// expert blocks (`experts`: each block's count) every degree dividing every stage's
 /// replicas and every block's experts, under a schedule whose replicas run their passes
-/// together (one update per step) and without a written ZeRO-3 (the front end's
-/// E0417–E0419).
+/// together (one update per step: the front end's E0417–E0419).
 fn expert_degrees(
     experts: &[usize],
     options: &SearchOptions,
@@ -419,7 +418,7 @@ fn expert_degrees(
     schedule: ScheduleKind,
 ) -> Vec<usize> {
     let Some(l) = layout else { return vec![options.ep.unwrap_or(1)] };
-    let together = schedule.updates_per_step() && options.sharding.is_none_or(|s| s.level() < 3);
+    let together = schedule.updates_per_step();
     let fits = |e: usize| {
         e == 1 || (together && l.iter().all(|r| r.is_multiple_of(e)) && experts.iter().all(|x| x.is_multiple_of(e)))
     };
@@ -445,12 +444,10 @@ fn context_degrees(spec: &Spec, options: &SearchOptions, machines: usize) -> Vec
 /// A candidate at each ZeRO level (the distributed optimizer updates 1/d of the weights;
 /// sharding gradients and weights saves memory and changes how the reduction overlaps the
 /// backward): their bounds are never below the unsharded one's. Their strategy text is
-/// written when they are bounded. Not ZeRO-3 beside expert parallelism (the front end's
-/// E0419).
+/// written when they are bounded.
 fn sharded_variants(c: &Candidate) -> Vec<Candidate> {
     [Sharding::Optimizer, Sharding::Gradients, Sharding::Parameters]
         .into_iter()
-        .filter(|s| c.ep == 1 || s.level() < 3)
         .map(|sharding| Candidate { sharding, ..c.clone() })
         .collect()
 }

@@ -343,22 +343,19 @@ help lists, or change the number of experts.
       dp: 4
       ep: 4   # error: 6 experts do not split 4 ways";
 
-"E0419", "expert parallelism with ZeRO-3 or an asynchronous schedule",
+"E0419", "expert parallelism with an asynchronous schedule",
 "An expert-parallel group's members exchange tokens inside every forward and backward, so
 they must run those passes together: a schedule whose replicas update on their own clock
 (PipeDream, 2BW) or asynchronous data parallelism (`sync: asp`) cannot be expert-parallel.
 (Under Chimera and DualPipe a group is made of one direction's copies of a stage across
-pipeline pairs, which do run together.)
-ZeRO-3 (`zero: 3`) gathers every layer's weights over all of a stage's replicas before each
-pass, while an expert's weights live only on the replicas holding it; pipec does not gather
-them by expert group yet. ZeRO-1 and 2 do combine with `ep`: the dense parameters' shards
-are cut over all of a stage's replicas, the experts' over the replicas holding the same
-experts. Use a synchronous schedule and `zero` 0 to 2, or remove `ep`.
+pipeline pairs, which do run together.) Every ZeRO level combines with `ep`: the dense
+parameters are sharded over all of a stage's replicas, the experts' over the replicas
+holding the same experts. Use a synchronous schedule, or remove `ep`.
 
     strategy:
       dp: 4
       ep: 2
-      zero: 3   # error with ep (zero: 1 or 2 is fine)";
+      schedule: { kind: dp-only, sync: asp }   # error with ep";
 
 "E0420", "context parallelism on a model that is not split along its sequence",
 "`cp` splits every microbatch's sequence over a group of devices: each computes the

@@ -174,7 +174,7 @@ pub(crate) fn lower_strategy(
     // ZeRO shards over a stage's data- and context-parallel members together
     let members: Vec<usize> = layout.replicas.iter().map(|r| r * cp).collect();
     let mut ok = check_sharding(cx, &f, sharding, &members, Some(&schedule));
-    ok &= check_expert_parallelism(cx, &f, ep, model, Some(&layout.replicas), sharding, Some(&schedule));
+    ok &= check_expert_parallelism(cx, &f, ep, model, Some(&layout.replicas), Some(&schedule));
     ok &= check_context_parallelism(cx, &f, cp, model, Some(&schedule), ep);
     let partition_node = f.get("partition");
     // `partition: auto` with no layout written: PipeDream's planner picks the stages and
@@ -531,14 +531,14 @@ fn lower_auto_strategy(
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
         let members: Vec<usize> = layout.replicas.iter().map(|r| r * strategy.cp).collect();
         ok &= check_sharding(cx, f, strategy.sharding, &members, schedule);
-        ok &= check_expert_parallelism(cx, f, strategy.ep, model, Some(&layout.replicas), strategy.sharding, schedule);
+        ok &= check_expert_parallelism(cx, f, strategy.ep, model, Some(&layout.replicas), schedule);
         strategy.replicas = layout.replicas;
         strategy.layout_span = layout.span;
         strategy.layout_fixed = true;
     }
     if auto.layout {
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
-        ok &= check_expert_parallelism(cx, f, strategy.ep, model, None, strategy.sharding, schedule);
+        ok &= check_expert_parallelism(cx, f, strategy.ep, model, None, schedule);
     }
     ok.then_some(strategy)
 }
@@ -664,16 +664,14 @@ pub fn context_parallel_obstacle(m: &Model) -> Option<(Span, String)> {
 
 /// `ep`: expert parallelism needs expert blocks whose experts it divides (E0416, E0418),
 /// replicated stages whose replicas (pipeline pairs, under Chimera and DualPipe) it divides
-/// (E0417), and replicas that run every pass in step without sharding the weights (E0419:
-/// ZeRO-3's per-layer gathers are not split by expert group yet; an asynchronous
-/// schedule's replicas run their passes at different times).
+/// (E0417), and replicas that run every pass in step (E0419: an asynchronous schedule's
+/// replicas run their passes at different times). Every ZeRO level combines with it.
 fn check_expert_parallelism(
     cx: &mut Lower<'_>,
     f: &Fields<'_>,
     ep: usize,
     model: Option<&Model>,
     replicas: Option<&[usize]>,
-    sharding: Sharding,
     schedule: Option<&crate::ast::Schedule>,
 ) -> bool {
     let Some(at) = f.get("ep").map(|n| n.span) else { return true };
@@ -738,27 +736,15 @@ fn check_expert_parallelism(
         s.sync == pipec_plan::vocab::SyncMode::Asp
             || s.kind.updates(replicas.map_or(1, <[usize]>::len)) != pipec_plan::schedule::Updates::PerStep
     });
-    let gathers = sharding.level() >= 3;
-    if gathers || asynchronous {
-        let (why, help) = if gathers {
-            (
-                "`zero: 3` gathers every layer's weights over all of a stage's replicas before each pass, and an expert's live on only some of them (not supported yet)".to_string(),
-                "use `zero: 1` or `zero: 2` (each shards the experts' optimizer state over the replicas holding them), or remove `ep`",
-            )
-        } else {
-            (
-                "this schedule's replicas run their passes at different times, and an expert group's members exchange tokens inside every pass".to_string(),
-                "use a synchronous schedule, or remove `ep`",
-            )
-        };
+    if asynchronous {
         cx.push(
             Diagnostic::error(
                 "E0419",
-                format!("`ep: {ep}` cannot be combined with this strategy: {why}"),
+                format!("`ep: {ep}` cannot be combined with this schedule: its replicas run their passes at different times, and an expert group's members exchange tokens inside every pass"),
                 at,
                 "expert parallelism",
             )
-            .with_help(help),
+            .with_help("use a synchronous schedule, or remove `ep`"),
         );
         ok = false;
     }
