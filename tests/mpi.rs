@@ -147,9 +147,9 @@ fn expert_parallelism_over_mpi_equals_in_process_exactly() {
     // and with ZeRO-2's shards beside the experts
     equal_to_in_process_for(MOE_LM, "\"2-2\"\n  ep: 2\n  zero: 2", 4);
     equal_to_in_process_for(MOE_LM, "\"4\"\n  ep: 2\n  zero: 3", 4);
-    // experts under context parallelism (routing per token: no capacity, no balancing loss)
-    let per_token = MOE_LM.replace(", capacity=1.0, aux_loss=0.01)", ")");
-    equal_to_in_process_for(&per_token, "\"1\"\n  cp: 2", 2);
+    // experts under context parallelism: the capacity and the balancing loss count the
+    // whole microbatch's tokens, the members' routing counts exchanged
+    equal_to_in_process_for(MOE_LM, "\"1\"\n  cp: 2", 2);
     equal_to_in_process_with(MOE_LM, "\"4\"\n  ep: 4", 4, "gpipe");
     equal_to_in_process_with(MOE_LM, "\"2-2\"\n  ep: 2", 4, "dualpipev");
     equal_to_in_process_with(MOE_LM, "\"2-2\"\n  ep: 2", 4, "dualpipe");

@@ -61,6 +61,80 @@ impl Context {
         Ok(got.reshape([self.cp, b, h, s, dh]).permute([1, 2, 0, 3, 4]).reshape([b, h, self.cp * s, dh]))
     }
 
+    /// Every member's `values` (host values, outside autodiff: a mixture of experts'
+    /// routing counts), member after member.
+    pub fn all_gather_values(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>> {
+        let chunks = vec![values; self.cp];
+        self.group.exchanger.exchange(&self.group.members, chunks).map_err(ExecError::Transport)
+    }
+
+    /// A mixture of experts over the whole sequence from this member's chunks: every
+    /// member's routing counts gathered, per (sample, chunk of the sequence, expert) — each
+    /// member holds chunks `position` and 2·cp − 1 − `position`, the first half of its
+    /// positions and the second — the capacity's drops and the balancing loss's fractions
+    /// are those of the whole microbatch. `by_expert` holds this member's (token, choice)
+    /// pairs per expert in its token order (sample-major, its positions in order) of
+    /// `batch` sequences of `local` positions. Returns each expert's fraction of the whole
+    /// microbatch's choices (before any capacity), and with `capacity` (the whole
+    /// microbatch's, per expert) drops the pairs whose place among the expert's pairs of
+    /// the whole microbatch (sample by sample, position by position) is past it.
+    pub fn route_whole(
+        &self,
+        by_expert: &mut [Vec<(usize, usize)>],
+        batch: usize,
+        local: usize,
+        capacity: Option<usize>,
+    ) -> Result<Vec<f32>> {
+        let experts = by_expert.len();
+        let half = (local / 2).max(1);
+        let chunks = 2 * self.cp;
+        // this member's counts per (sample, its first or second chunk, expert)
+        let mut mine = vec![0f32; batch * 2 * experts];
+        for (e, pairs) in by_expert.iter().enumerate() {
+            for &(token, _) in pairs.iter() {
+                let (sample, at) = (token / local.max(1), token % local.max(1));
+                mine[(sample * 2 + usize::from(at >= half)) * experts + e] += 1.0;
+            }
+        }
+        let all = self.all_gather_values(mine)?;
+        // the whole microbatch's counts per (sample, chunk of the sequence, expert)
+        let mut whole = vec![0f32; batch * chunks * experts];
+        for (q, counts) in all.iter().enumerate() {
+            if counts.len() != batch * 2 * experts {
+                return Err(ExecError::Plan("a context-parallel member routed another microbatch's tokens".into()));
+            }
+            for sample in 0..batch {
+                for (j, chunk) in [q, chunks - 1 - q].into_iter().enumerate() {
+                    for e in 0..experts {
+                        whole[(sample * chunks + chunk) * experts + e] = counts[(sample * 2 + j) * experts + e];
+                    }
+                }
+            }
+        }
+        let tokens = (batch * local * self.cp).max(1) as f32;
+        let fractions: Vec<f32> =
+            (0..experts).map(|e| (0..batch * chunks).map(|i| whole[i * experts + e]).sum::<f32>() / tokens).collect();
+        if let Some(cap) = capacity {
+            let (first, late) = (self.group.position, chunks - 1 - self.group.position);
+            for (e, pairs) in by_expert.iter_mut().enumerate() {
+                // the expert's pairs of the whole microbatch before (sample, chunk)
+                let before = |sample: usize, chunk: usize| -> usize {
+                    (0..sample * chunks + chunk).map(|i| whole[i * experts + e] as usize).sum()
+                };
+                let mut seen: std::collections::HashMap<(usize, usize), usize> = std::collections::HashMap::new();
+                pairs.retain(|&(token, _)| {
+                    let (sample, at) = (token / local.max(1), token % local.max(1));
+                    let chunk = if at < half { first } else { late };
+                    let k = seen.entry((sample, chunk)).or_insert(0);
+                    let place = before(sample, chunk) + *k;
+                    *k += 1;
+                    place < cap
+                });
+            }
+        }
+        Ok(fractions)
+    }
+
     /// Takes the failure an exchange inside a backward recorded, if any.
     pub fn take_failure(&self) -> Option<String> {
         self.group.take_failure()

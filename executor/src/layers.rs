@@ -516,8 +516,22 @@ impl<B: Kernels> Block<B> {
         for (i, &c) in chosen.iter().enumerate() {
             by_expert[c].push((i / k, i % k));
         }
+        // context parallelism: the capacity and the balancing loss count the whole
+        // microbatch's tokens, every member's chunks (`Context::route_whole`), and the
+        // member's term is α · E · Σᵢ fᵢ · (its tokens' mean score of i), whose mean over the
+        // members is the whole microbatch's loss
+        let whole = match &side.context {
+            Some(c) if moe.capacity > 0.0 || (training && moe.aux_loss > 0.0) => {
+                let capacity = moe.expert_capacity(t * c.cp);
+                Some(c.route_whole(&mut by_expert, b, s, capacity)?)
+            }
+            _ => None,
+        };
         if training && moe.aux_loss > 0.0 {
-            let chose: Vec<f32> = by_expert.iter().map(|p| p.len() as f32 / t as f32).collect();
+            let chose: Vec<f32> = match &whole {
+                Some(f) => f.clone(),
+                None => by_expert.iter().map(|p| p.len() as f32 / t as f32).collect(),
+            };
             let f = Tensor::<B, 2>::from_data(TensorData::new(chose, [1, experts]), &dev);
             let aux = (scores.clone().mean_dim(0) * f).sum() * (moe.aux_loss * experts as f64);
             side.aux = Some(match side.aux.take() {
@@ -531,8 +545,8 @@ impl<B: Kernels> Block<B> {
             weights = weights.clone() / weights.sum_dim(1);
         }
         let weights = weights.reshape([t * k]);
-        // each expert's pairs, to its capacity
-        if let Some(c) = moe.expert_capacity(t) {
+        // each expert's pairs, to its capacity (with context parallelism, cut already)
+        if let (Some(c), None) = (moe.expert_capacity(t), &whole) {
             by_expert.iter_mut().for_each(|pairs| pairs.truncate(c));
         }
         let took: Vec<u64> = by_expert.iter().map(|pairs| pairs.len() as u64).collect();

@@ -362,8 +362,7 @@ holding the same experts. Use a synchronous schedule, or remove `ep`.
 embedding, the per-token layers and its queries for its own positions, and attention
 gathers the group's keys and values. That is exact only where attention is the one layer
 that mixes positions: a chain from a token embedding (without token types) through
-transformer blocks (with experts only where each token picks them on its own: no
-capacity and no load-balancing loss, which count a whole microbatch's tokens) and
+transformer blocks (with or without experts) and
 per-token layers (linear, norms, dropout, activations, a learned position table), ending
 in a cross-entropy over every position. Recurrent layers, pooling over the sequence,
 convolutions and graphs are not split. Use `cp` with such a language model, or remove it.

@@ -638,11 +638,6 @@ pub fn context_parallel_obstacle(m: &Model) -> Option<(Span, String)> {
     }
     m.layers.iter().find_map(|l| {
         let why = match &l.op {
-            // each token picks its experts on its own, except where a capacity or the
-            // balancing loss counts over the whole microbatch's tokens
-            Op::TransformerBlock { .. } if l.op.moe().is_some_and(|m| m.capacity > 0.0 || m.aux_loss != 0.0) => {
-                "a mixture of experts with a capacity or a load-balancing loss counts the whole microbatch's tokens, which is not split yet"
-            }
             Op::Embedding { .. } if !std::ptr::eq(l, first) => "a second embedding",
             Op::Embedding { .. }
             | Op::PosEmbedding { .. }
