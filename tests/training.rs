@@ -910,6 +910,15 @@ fn tensor_parallel_attention_equals_one_device() {
     });
 }
 
+/// Context-parallel layouts (devices, stages, schedule): cp 2 and 4 alone, cp 2 beside two
+/// replicas, and on a 1F1B pipeline.
+const CP_LAYOUTS: [(usize, &str, &str); 4] = [
+    (2, "\"1\"\n  cp: 2", "gpipe"),
+    (4, "\"1\"\n  cp: 4", "gpipe"),
+    (4, "\"2\"\n  cp: 2", "gpipe"),
+    (4, "\"1-1\"\n  cp: 2", "1f1b"),
+];
+
 #[test]
 fn context_parallelism_equals_one_device_on_a_language_model() {
     // each sequence cut into 2·cp chunks, member c holding chunks c and 2·cp − 1 − c: the
@@ -926,12 +935,7 @@ fn context_parallelism_equals_one_device_on_a_language_model() {
         "transformer_block(d=16, heads=2, ff=32)",
     ] {
         let layers = lm(block);
-        for (devices, stages, schedule) in [
-            (2, "\"1\"\n  cp: 2", "gpipe"),
-            (4, "\"1\"\n  cp: 4", "gpipe"),
-            (4, "\"2\"\n  cp: 2", "gpipe"),
-            (4, "\"1-1\"\n  cp: 2", "1f1b"),
-        ] {
+        for (devices, stages, schedule) in CP_LAYOUTS {
             assert_same_as_one_device(Job {
                 devices,
                 stages,
@@ -1000,12 +1004,7 @@ fn context_parallel_mixtures_of_experts_equal_one_device() {
             ..Job::default()
         };
         let reference = train(&plan(&job(1, "\"1\"", "gpipe")));
-        for (devices, stages, schedule) in [
-            (2, "\"1\"\n  cp: 2", "gpipe"),
-            (4, "\"1\"\n  cp: 4", "gpipe"),
-            (4, "\"2\"\n  cp: 2", "gpipe"),
-            (4, "\"1-1\"\n  cp: 2", "1f1b"),
-        ] {
+        for (devices, stages, schedule) in CP_LAYOUTS {
             let p = plan(&job(devices, stages, schedule));
             assert!(p.training.context_parallel > 1, "{stages}");
             let got = train(&p);
