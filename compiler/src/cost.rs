@@ -598,7 +598,14 @@ fn cp_collectives(node: &OpNode, t: usize, cx: &CostContext<'_>) -> (Collectives
     let s = node.input_shape.first().copied().unwrap_or(1) as f64;
     let kv = blk.qkv_width.saturating_sub(blk.d) as f64;
     let bytes = (cx.microbatch.max(1) as f64 * s * kv * cx.precision.bytes() as f64 / t.max(1) as f64) as u64;
-    (vec![(CollectiveKind::AllGather, bytes)], vec![(CollectiveKind::ReduceScatter, bytes)])
+    let mut forward = vec![(CollectiveKind::AllGather, bytes)];
+    // a mixture of experts whose capacity or balancing loss counts the whole microbatch:
+    // the members' routing counts (f32, per sample, chunk and expert) gathered as well
+    if let Some(m) = blk.moe.filter(|m| m.capacity > 0.0 || m.aux_loss != 0.0) {
+        let counts = cx.microbatch.max(1) * 2 * cx.cp * m.experts * 4;
+        forward.push((CollectiveKind::AllGather, counts as u64));
+    }
+    (forward, vec![(CollectiveKind::ReduceScatter, bytes)])
 }
 
 /// Bytes a context-parallel member keeps per sample of what one device keeps (`kept`):
@@ -902,6 +909,35 @@ mod tests {
             (vec![(CollectiveKind::AllGather, kv)], vec![(CollectiveKind::ReduceScatter, kv)])
         );
         assert_eq!(cp_collectives(&n, 1, &cx(4, 1, Attention::Flash)), (Vec::new(), Vec::new()));
+        // a mixture of experts whose capacity counts the whole microbatch also gathers the
+        // members' routing counts: f32 per sample, chunk (2·cp of them) and expert
+        let moe = |capacity: f64, aux_loss: f64| {
+            let mut op = Op::llama_block(4096, 32, 8, 14336);
+            if let Op::TransformerBlock { moe, .. } = &mut op {
+                *moe = Some(pipec_plan::model::Moe {
+                    experts: 8,
+                    top_k: 2,
+                    shared: 0,
+                    capacity,
+                    router: pipec_plan::model::Router::Softmax,
+                    norm_topk: true,
+                    aux_loss,
+                    skew: 1.0,
+                });
+            }
+            node(op, vec![8192, 4096])
+        };
+        let counts = (4 * 2 * 4 * 8 * 4) as u64;
+        for (capacity, aux) in [(1.25, 0.0), (0.0, 0.01)] {
+            assert_eq!(
+                cp_collectives(&moe(capacity, aux), 1, &cx(4, 4, Attention::Flash)).0,
+                vec![(CollectiveKind::AllGather, kv), (CollectiveKind::AllGather, counts)]
+            );
+        }
+        assert_eq!(
+            cp_collectives(&moe(0.0, 0.0), 1, &cx(4, 4, Attention::Flash)).0,
+            vec![(CollectiveKind::AllGather, kv)]
+        );
         // memory per sample: a quarter of one device's, and the other members' keys and values
         let (kept, _) = kept_bytes(&n, 2.0, 1, false, Attention::Flash, 1);
         let gathered = (8192 * 2 * 8 * 128 * 2) as f64 * 0.75;
