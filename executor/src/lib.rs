@@ -354,7 +354,7 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     }
     if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1) {
         out.push(format!(
-            "under `ep: {}` each replica computes only its share of the experts, on the tokens its group sends it, but keeps every expert's weights and optimizer state, and the gradient all-reduce sums every expert over all of a stage's replicas (zeros from those that did not compute it): the plan's memory and all-reduce figures hold and sum 1/{} of the experts",
+            "under `ep: {}` each replica computes only its share of the experts, on the tokens its group sends it, but keeps every expert's weights and optimizer state (under ZeRO, its shard of every expert's), and the gradient reduction sums every expert over all of a stage's replicas (zeros from those that did not compute it): the plan's memory and reduction figures hold and sum 1/{} of the experts",
             s.expert_parallel, s.expert_parallel
         ));
     }
