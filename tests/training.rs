@@ -1638,6 +1638,24 @@ fn validation_under_expert_and_context_parallelism_equals_one_device() {
     }
 }
 
+/// A checkpoint of step 3 written by `a` resumes on `b` to `b`'s own steps 3–5 (the losses of
+/// an uninterrupted 6-step run on `b`), and the other way round.
+fn resumes_both_ways(a: Job<'static>, b: Job<'static>) {
+    for (from, to) in [(a, b), (b, a)] {
+        let source = tempfile::tempdir().expect("tempdir");
+        train_keeping_statistics_in(Job { steps: 3, ..from }, source.path(), None);
+        let (_, full, _) = train_keeping_statistics(Job { steps: 6, ..to });
+        let resumed_dir = tempfile::tempdir().expect("tempdir");
+        let (_, resumed, _) = train_keeping_statistics_in(
+            Job { steps: 6, ..to },
+            resumed_dir.path(),
+            Some(source.path().join("step-000003")),
+        );
+        assert_same_losses(&format!("{} → {}", from.stages, to.stages), &full[3..], &resumed);
+        assert!(full.last() < full.first(), "{full:?}");
+    }
+}
+
 #[test]
 fn a_context_parallel_checkpoint_resumes_on_one_device_and_back() {
     // written by a 1F1B pipeline whose stages are each split over two members (the members
@@ -1652,19 +1670,7 @@ fn a_context_parallel_checkpoint_resumes_on_one_device_and_back() {
     };
     let split = lm(Job { devices: 4, stages: "\"1-1\"\n  cp: 2", schedule: "1f1b", ..Job::default() });
     let one = lm(Job::default());
-    for (from, to) in [(split, one), (one, split)] {
-        let source = tempfile::tempdir().expect("tempdir");
-        train_keeping_statistics_in(Job { steps: 3, ..from }, source.path(), None);
-        let (_, full, _) = train_keeping_statistics(Job { steps: 6, ..to });
-        let resumed_dir = tempfile::tempdir().expect("tempdir");
-        let (_, resumed, _) = train_keeping_statistics_in(
-            Job { steps: 6, ..to },
-            resumed_dir.path(),
-            Some(source.path().join("step-000003")),
-        );
-        assert_same_losses(&format!("{} → {}", from.stages, to.stages), &full[3..], &resumed);
-        assert!(full.last() < full.first(), "{full:?}");
-    }
+    resumes_both_ways(split, one);
 }
 
 #[test]
@@ -1681,19 +1687,7 @@ fn a_tied_language_model_resumes_across_a_tie_that_moves_between_stages() {
     };
     let split = tied(Job { devices: 2, stages: "straight", schedule: "1f1b", ..Job::default() });
     let one = tied(Job::default());
-    for (from, to) in [(split, one), (one, split)] {
-        let source = tempfile::tempdir().expect("tempdir");
-        train_keeping_statistics_in(Job { steps: 3, ..from }, source.path(), None);
-        let (_, full, _) = train_keeping_statistics(Job { steps: 6, ..to });
-        let resumed_dir = tempfile::tempdir().expect("tempdir");
-        let (_, resumed, _) = train_keeping_statistics_in(
-            Job { steps: 6, ..to },
-            resumed_dir.path(),
-            Some(source.path().join("step-000003")),
-        );
-        assert_same_losses(&format!("{} → {}", from.stages, to.stages), &full[3..], &resumed);
-        assert!(full.last() < full.first(), "{full:?}");
-    }
+    resumes_both_ways(split, one);
 }
 
 /// An asynchronous schedule resumes exactly on the layout that wrote the checkpoint, and
