@@ -392,17 +392,25 @@ pub mod in_process {
     }
 
     /// Waits for the next item on `rx` from `from`, until `abort` is set or `timeout` has
-    /// passed. A message already there is taken at once, without a system call.
+    /// passed. A message already there is taken at once, without a system call; for `poll`
+    /// the channel is polled (yielding the core between looks) before the thread sleeps on
+    /// it ([`POLL`]).
     fn wait(
         rx: &Receiver<Wire>,
         from: DeviceId,
         abort: &AtomicBool,
         timeout: Duration,
+        poll: Duration,
     ) -> Result<Wire, TransportError> {
-        if let Ok(w) = rx.try_recv() {
-            return Ok(w);
-        }
         let start = Instant::now();
+        loop {
+            match rx.try_recv() {
+                Ok(w) => return Ok(w),
+                Err(std::sync::mpsc::TryRecvError::Empty) if start.elapsed() < poll => std::thread::yield_now(),
+                // empty past the poll, or disconnected: the blocking wait says which
+                Err(_) => break,
+            }
+        }
         loop {
             if abort.load(Ordering::Relaxed) {
                 return Err(TransportError::Aborted);
@@ -419,15 +427,16 @@ pub mod in_process {
         }
     }
 
-    /// The next point-to-point message on `rx`, which must carry `tag`.
+    /// The next point-to-point message on `rx`, which must carry `tag` (`poll`: [`wait`]).
     fn recv_p2p(
         rx: &Receiver<Wire>,
         from: DeviceId,
         tag: Tag,
         abort: &AtomicBool,
         timeout: Duration,
+        poll: Duration,
     ) -> Result<Message, TransportError> {
-        match wait(rx, from, abort, timeout)? {
+        match wait(rx, from, abort, timeout, poll)? {
             Wire::P2p(m) if m.tag == tag => Ok(m),
             Wire::P2p(m) => Err(TransportError::Mismatch { from, expected: tag, got: m.tag }),
             Wire::Coll(_) => Err(TransportError::Other("a collective message on a point-to-point channel".into())),
@@ -453,21 +462,7 @@ pub mod in_process {
     impl RecvHalf for InProcessReceiver {
         fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
             let rx = self.from_p2p.get(&from).ok_or(TransportError::Disconnected(from))?;
-            let start = Instant::now();
-            loop {
-                match rx.try_recv() {
-                    Ok(Wire::P2p(m)) if m.tag == tag => return Ok(m),
-                    Ok(Wire::P2p(m)) => return Err(TransportError::Mismatch { from, expected: tag, got: m.tag }),
-                    Ok(Wire::Coll(_)) => {
-                        return Err(TransportError::Other("a collective message on a point-to-point channel".into()))
-                    }
-                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(TransportError::Disconnected(from)),
-                    Err(std::sync::mpsc::TryRecvError::Empty) if start.elapsed() < POLL => std::thread::yield_now(),
-                    Err(std::sync::mpsc::TryRecvError::Empty) => {
-                        return recv_p2p(rx, from, tag, &self.abort, self.timeout)
-                    }
-                }
-            }
+            recv_p2p(rx, from, tag, &self.abort, self.timeout, POLL)
         }
     }
 
@@ -502,7 +497,7 @@ pub mod in_process {
         }
         fn recv(&mut self, from: DeviceId, tag: Tag) -> Result<Message, TransportError> {
             let rx = self.from_p2p.get(&from).ok_or(TransportError::Disconnected(from))?;
-            recv_p2p(rx, from, tag, &self.abort, self.timeout)
+            recv_p2p(rx, from, tag, &self.abort, self.timeout, Duration::ZERO)
         }
         fn coll_send(&mut self, to: DeviceId, data: Vec<f32>) -> Result<(), TransportError> {
             self.to_coll
@@ -513,7 +508,7 @@ pub mod in_process {
         }
         fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError> {
             let rx = self.from_coll.get(&from).ok_or(TransportError::Disconnected(from))?;
-            match wait(rx, from, &self.abort, self.timeout)? {
+            match wait(rx, from, &self.abort, self.timeout, Duration::ZERO)? {
                 Wire::Coll(d) => Ok(d),
                 Wire::P2p(_) => Err(TransportError::Other("a point-to-point message on a collective channel".into())),
             }
