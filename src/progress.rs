@@ -10,13 +10,12 @@
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-use std::sync::Arc;
 use std::thread::JoinHandle;
 
 /// Lines queued for a writer thread (see the module's documentation).
 pub(crate) struct Lines {
     queue: Option<SyncSender<String>>,
-    dropped: Arc<AtomicUsize>,
+    dropped: AtomicUsize,
     writer: Option<JoinHandle<()>>,
 }
 
@@ -35,7 +34,7 @@ impl Lines {
                 let _ = sink.flush();
             })
             .ok();
-        Lines { queue: writer.as_ref().map(|_| queue), dropped: Arc::new(AtomicUsize::new(0)), writer }
+        Lines { queue: writer.as_ref().map(|_| queue), dropped: AtomicUsize::new(0), writer }
     }
 
     /// Lines for this process's stderr.
@@ -82,15 +81,15 @@ impl Lines {
 mod tests {
     use super::*;
     use std::sync::mpsc::{channel, Receiver};
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
 
     /// A sink whose every write waits until its gate closes, as a pipe nobody drains does.
-    struct Stalled(Mutex<Receiver<()>>, Arc<Mutex<Vec<u8>>>);
+    struct Stalled(Receiver<()>, Arc<Mutex<Vec<u8>>>);
 
     impl Write for Stalled {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
             // blocks until the test drops the gate's sender
-            let _ = self.0.lock().map(|r| r.recv());
+            let _ = self.0.recv();
             self.1.lock().map_err(|_| std::io::Error::other("poisoned"))?.extend_from_slice(buf);
             Ok(buf.len())
         }
@@ -103,7 +102,7 @@ mod tests {
     fn a_reader_that_stops_reading_never_blocks_the_caller_and_dropped_lines_are_counted() {
         let (gate, closed) = channel::<()>();
         let written = Arc::new(Mutex::new(Vec::new()));
-        let lines = Lines::new(Stalled(Mutex::new(closed), written.clone()), 4);
+        let lines = Lines::new(Stalled(closed, written.clone()), 4);
         // were `line` to wait for the sink, this loop would never end
         for i in 0..10_000 {
             lines.line(format!("step {i}"));

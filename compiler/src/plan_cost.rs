@@ -83,7 +83,7 @@ impl<'a> PlanCost<'a> {
                 .iter()
                 .filter(|(g, _)| !ties.contains_key(g))
                 .filter_map(|(g, (s, members))| {
-                    let bytes = expert_share.get(s.0 as usize).copied().filter(|&b| b > 0.0)?;
+                    let share = expert_share.get(s.0 as usize).copied().filter(|&b| b > 0.0)?;
                     // the members the group sums over (all replicas, for a one-replica view)
                     let members = self.summed_over.get(g).unwrap_or(members);
                     let same: Vec<DeviceId> = self
@@ -93,7 +93,7 @@ impl<'a> PlanCost<'a> {
                         .filter_map(|i| members.get(i).copied())
                         .collect();
                     let shape = self.cluster.group_shape(&same);
-                    Some((*g, (bytes, same, shape)))
+                    Some((*g, (share, same, shape)))
                 })
                 .collect();
         }
