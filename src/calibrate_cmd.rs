@@ -56,7 +56,8 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
     let what = if backend == Backend::Cpu { "layer product (m·k·n)" } else { "matrix product (m·k·n)" };
     eprintln!("{:>22} {:>14} {:>12} {:>12}", what, "FLOPs", "measured", "fitted");
     for ((m, k, n), p) in &measured.products {
-        let fitted = d.matrix_time(p.size, 0.0, pipec_plan::Precision::Fp32);
+        let bytes = pipec_executor::calibrate::product_bytes((*m, *k, *n));
+        let fitted = d.matrix_time(p.size, bytes, pipec_plan::Precision::Fp32);
         eprintln!(
             "{:>22} {:>14.3e} {:>9.1} µs {:>9.1} µs",
             format!("{m}·{k}·{n}"),
@@ -82,6 +83,13 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         d.memory_efficiency.half,
         d.launch * 1e6
     );
+    if let Some(t) = d.product_traffic {
+        eprintln!(
+            "products' operands beyond {:.0} KiB at {:.2} GB/s (a product: the 2-norm of its compute and that traffic)",
+            t.cached / 1024.0,
+            t.bandwidth / 1e9
+        );
+    }
     if let Some(o) = d.optimizer {
         eprintln!("{:>22} {:>14} {:>14}", "optimizer update", "per tensor", "per parameter");
         for (name, r) in [("sgd", o.sgd), ("momentum", o.momentum), ("adam", o.adam)] {

@@ -270,6 +270,10 @@ impl Kernels<'_> {
     fn function(&mut self, f: Function, elements: f64, flops: f64, values: f64) {
         self.seconds += self.device.function_time(f, elements, flops, values * self.p);
     }
+    /// `f`'s gradient over `elements` values ([`DeviceModel::function_grad_time`]).
+    fn function_grad(&mut self, f: Function, elements: f64, flops: f64, values: f64) {
+        self.seconds += self.device.function_grad_time(f, elements, flops, values * self.p);
+    }
 }
 
 /// A layer's forward and backward kernels, and the selective-recompute addition.
@@ -443,7 +447,7 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             }
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
-            bwd.function(act, ef, act_flops, act_values + ef);
+            bwd.function_grad(act, ef, act_flops, act_values + ef);
             bwd.vector(2.0 * el, 2.0 * el, el);
             bwd.vector(2.0 * el, 2.0 * el, el);
         }
@@ -466,16 +470,12 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 _ => None,
             };
             match function {
-                // one function value per element (masks: dropout only, not here)
-                // GELU's gradient evaluates its function again; tanh's and the logistic's
-                // read their output
+                // one function value per element (masks: dropout only, not here); the
+                // gradient at its measured rate, else GELU's evaluating its function again
+                // and tanh's and the logistic's reading their output
                 Some(f) => {
                     fwd.function(f, inp, flops, reads + out);
-                    if matches!(f, Function::Gelu | Function::GeluTanh) {
-                        bwd.function(f, inp, bwd_flops, reads + 2.0 * out);
-                    } else {
-                        bwd.vector(bwd_flops, reads + 2.0 * out, 0.0);
-                    }
+                    bwd.function_grad(f, inp, bwd_flops, reads + 2.0 * out);
                 }
                 None if !matches!(node.op, Op::Flatten) => {
                     fwd.vector(flops, reads + out, mask);
@@ -864,6 +864,28 @@ mod tests {
         let tanh = price(&node(Op::Tanh, vec![1000]), TpSplit::Replicated, false, &cx(&device));
         assert!((tanh.forward - (1e-6 + elements / 5e7)).abs() < 1e-15, "{}", tanh.forward);
         assert!(tanh.backward < 1e-5, "{}", tanh.backward);
+        // measured gradients (`pipec calibrate` times them through autodiff) price the
+        // backwards: GELU's at its own rate instead of its function's, tanh's too
+        (device.functions.gelu_grad, device.functions.tanh_grad) = (2.5e7, 8e7);
+        let measured = price(&gelu, TpSplit::Replicated, false, &cx(&device));
+        assert!((measured.backward - (1e-6 + elements / 2.5e7)).abs() < 1e-15, "{}", measured.backward);
+        let tanh = price(&node(Op::Tanh, vec![1000]), TpSplit::Replicated, false, &cx(&device));
+        assert!((tanh.backward - (1e-6 + elements / 8e7)).abs() < 1e-15, "{}", tanh.backward);
+        // and a block's MLP activation: its backward grows by the GELU gradient's time
+        // over its 4 × 64 × 256 values, beyond GELU's function time
+        let block = node(Op::block(64, 4, 256, true), vec![64, 64]);
+        let with_grad = price(&block, TpSplit::Replicated, false, &cx(&device));
+        device.functions.gelu_grad = 0.0;
+        let without = price(&block, TpSplit::Replicated, false, &cx(&device));
+        let ef = 4.0 * 64.0 * 256.0;
+        let expected = ef / 2.5e7 - ef / 3.8e7;
+        assert!(
+            ((with_grad.backward - without.backward) / expected - 1.0).abs() < 1e-9,
+            "{} {}",
+            with_grad.backward,
+            without.backward
+        );
+        assert_eq!(with_grad.forward, without.forward);
         // a block's softmax and GELU take the measured rates: slower than by their FLOPs
         let block = node(Op::block(64, 4, 256, true), vec![64, 64]);
         device.functions.exp = 2.7e8;

@@ -19,8 +19,9 @@
 
 use std::time::Instant;
 
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Tensor};
-use pipec_plan::device::{Curve, DeviceModel, Functions, MatrixRates, OptimizerRates, UpdateRate};
+use pipec_plan::device::{Curve, DeviceModel, Functions, MatrixRates, OptimizerRates, ProductTraffic, UpdateRate};
 
 use crate::dense::Kernels;
 
@@ -111,6 +112,10 @@ impl Sweep {
             (32, 256, 256),
             (32, 512, 512),
             (64, 512, 512),
+            (512, 256, 256),
+            (8, 1024, 1024),
+            (16, 1024, 1024),
+            (32, 1024, 1024),
             (64, 1024, 1024),
             (128, 1024, 1024),
         ],
@@ -232,7 +237,53 @@ pub fn function_rates(measured: &[(&str, Point)], launch: f64) -> Functions {
         gelu_tanh: rate("gelu_tanh"),
         silu: rate("silu"),
         tanh: rate("tanh"),
+        gelu_grad: rate("gelu_grad"),
+        gelu_tanh_grad: rate("gelu_tanh_grad"),
+        silu_grad: rate("silu_grad"),
+        tanh_grad: rate("tanh_grad"),
     }
+}
+
+/// The gradients of the functions [`Functions`] prices, as the executor's backward computes
+/// them (through autodiff, from their input and the incoming gradient), on `elements`
+/// values: each the median time of the function's forward and backward, less its forward
+/// alone and less the same backward of the identity (the graph's walk, the gradient's
+/// seed and its registration), so that what is left is the gradient's kernels.
+pub fn function_gradients<B: AutodiffBackend>(
+    device: &B::Device,
+    elements: usize,
+    reps: usize,
+) -> Vec<(&'static str, Point)> {
+    use burn::tensor::activation;
+    let x = Tensor::<B, 1>::random([elements], Distribution::Uniform(-3.0, 3.0), device);
+    let pass = |f: &dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>, backward: bool| {
+        median_seconds(2, reps.max(3), || {
+            let t = x.clone().require_grad();
+            let y = f(t.clone());
+            if backward {
+                let grads = y.sum().backward();
+                let _ = t.grad(&grads);
+            } else {
+                let _ = y.sum();
+            }
+            let _ = B::sync(device);
+        })
+    };
+    let identity = pass(&|t| t, true) - pass(&|t| t, false);
+    type Function<'a, B> = &'a dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>;
+    let functions: [(&'static str, Function<B>); 4] = [
+        ("gelu_grad", &|t| activation::gelu(t)),
+        ("gelu_tanh_grad", &|t| crate::layers::gelu_tanh(t)),
+        ("silu_grad", &|t| activation::silu(t)),
+        ("tanh_grad", &|t| t.tanh()),
+    ];
+    functions
+        .into_iter()
+        .map(|(name, f)| {
+            let seconds = (pass(f, true) - pass(f, false) - identity).max(1e-9);
+            (name, Point { size: elements as f64, seconds })
+        })
+        .collect()
 }
 
 /// The device model the measurements give: the launch as measured; each line's slope its
@@ -258,46 +309,148 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
         functions: Functions::default(),
         link: None,
         optimizer: None,
+        product_traffic: None,
     }
 }
 
-/// Each product of `shapes` as a linear layer runs in training on `B`: the forward
-/// x·W + b through autodiff ([`Kernels::dense`], the bias added) and its backward (the input
-/// and the weight gradients), after two forwards (on the CPU the weight then has its
-/// transposed copy, as in training). A point is one product's FLOPs and a third of the
-/// pass's time. The CPU's
-/// device file fits its matrix rate to these: a layer's products cost what the executor's
-/// layer costs, its autodiff, bias and allocations included, not what the bare kernel does.
+/// Linear layers in each calibration stack: a stage's worth, so that large layers' weights,
+/// their transposed copies and their gradients' sums do not all stay in cache, as in a step.
+const STACK: usize = 4;
+/// Microbatches a stack's weights serve between two updates in a calibration.
+const PER_VERSION: usize = 4;
+
+/// A product's (m, k, n): rows of a microbatch, inner and output features.
+pub type Shape = (usize, usize, usize);
+
+/// The bytes an fp32 product (m, k, n) reads and writes: its two operands and its output.
+pub fn product_bytes((m, k, n): (usize, usize, usize)) -> f64 {
+    4.0 * (m * k + k * n + m * n) as f64
+}
+
+/// Each product of `shapes` as linear layers run in a step on `B`: a stack of [`STACK`]
+/// layers of that product (k → n, then n → k, ...), x·W + b forward through autodiff and its
+/// backward with the weight gradients added into the step's sums, [`PER_VERSION`]
+/// microbatches per weight version (timed as `pipec profile` times a model; the updates
+/// between versions, which on the CPU remake the weights' transposed copies, untimed). A
+/// point is one product's FLOPs and a third of a layer's pass. The CPU's device file fits
+/// its matrix rate and the products' bandwidth to these: a layer's products cost what the
+/// executor's layer costs in a step — its autodiff, bias, allocations and the traffic of
+/// weights that do not stay in cache included — not what the bare kernel does.
 pub fn layer_products<B: crate::dense::ExecBackend>(
     device: &B::Device,
     reps: usize,
     shapes: &[(usize, usize, usize)],
     at_point: &(dyn Fn() + Sync),
-) -> Vec<((usize, usize, usize), Point)> {
+) -> Result<Vec<(Shape, Point)>, String> {
+    use pipec_plan::model::Op;
+    // a learning rate of zero: the updates do their work and keep the weights
+    let sgd = pipec_plan::plan::OptimizerPlan::Sgd { lr: 0.0, momentum: 0.0, weight_decay: 0.0 };
     let points = shapes
         .iter()
         .map(|&(m, k, n)| {
-            let x = Tensor::<B, 2>::random([m, k], Distribution::Uniform(-1.0, 1.0), device).require_grad();
-            let w = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-0.1, 0.1), device).require_grad();
-            let b = Tensor::<B, 1>::zeros([n], device).require_grad();
-            let pass = || {
-                let y = B::dense(x.clone(), w.clone()) + b.clone().unsqueeze::<2>();
-                let grads = y.sum().backward();
-                let kept = (x.grad(&grads), w.grad(&grads), b.grad(&grads));
-                let _ = B::sync(device);
-                drop(kept);
-            };
-            for _ in 0..2 {
-                pass();
-            }
+            let ops: Vec<Op> = (0..STACK)
+                .map(|i| {
+                    let (a, b) = if i % 2 == 0 { (k, n) } else { (n, k) };
+                    Op::Linear { in_features: a, out_features: b, bias: true }
+                })
+                .collect();
+            let stack = crate::layers::StageModel::<B>::new(&ops, 0, 1, device);
             at_point();
-            let seconds = median_seconds(1, reps.max(3), pass);
-            // one of the three products, on average (the cost model prices each of them)
-            ((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds: seconds / 3.0 })
+            let input = || {
+                let x = Tensor::<B, 2>::random([m, k], Distribution::Uniform(-1.0, 1.0), device);
+                crate::values::require_grad(crate::layers::Act::D2(x))
+            };
+            let passes = crate::profile::time_passes(
+                stack,
+                device,
+                &sgd,
+                (PER_VERSION, reps.max(PER_VERSION), PER_VERSION),
+                "a calibration stack",
+                input,
+            )
+            .map_err(|e| format!("timing {m}·{k}·{n} layers: {e}"))?;
+            let seconds = (passes.forward + passes.backward) / 1e3 / (3 * STACK) as f64;
+            Ok(((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds }))
         })
         .collect();
     B::release_weight_copies();
     points
+}
+
+/// The products' model (matrix rate, its curve's `half`, [`ProductTraffic`]) closest to
+/// `points` (FLOPs, operand bytes, seconds) in relative error, with its summed squared
+/// relative error: a grid over the cached bytes (none, or 32 KiB to 32 MiB in √2 steps),
+/// the halves (none, or 10²–10¹⁰ FLOPs in quarter decades) and the bandwidths (1 GB/s to
+/// 1 TB/s in 12% steps), the rate for each found by golden-section search (10⁸–10¹⁴ FLOP/s).
+pub fn fit_products_with_traffic(points: &[(f64, f64, f64)], launch: f64) -> Option<(f64, f64, ProductTraffic, f64)> {
+    if points.len() < 2 || points.iter().any(|&(f, b, t)| !(f > 0.0 && b >= 0.0 && t > 0.0 && t.is_finite())) {
+        return None;
+    }
+    let error = |rate: f64, half: f64, t: ProductTraffic| {
+        points
+            .iter()
+            .map(|&(flops, bytes, seconds)| {
+                let compute = (flops + half) / rate;
+                let traffic = (bytes - t.cached).max(0.0) / t.bandwidth;
+                ((launch + compute.hypot(traffic) - seconds) / seconds).powi(2)
+            })
+            .sum::<f64>()
+    };
+    let cached = std::iter::once(0.0).chain((0..=20).map(|i| 32768.0 * 2f64.powf(i as f64 / 2.0)));
+    let mut best: Option<(f64, f64, ProductTraffic, f64)> = None;
+    for cached in cached {
+        let halves = std::iter::once(0.0).chain((0..=32).map(|i| 1e2 * 10f64.powf(i as f64 / 4.0)));
+        for half in halves {
+            for b in 0..=60 {
+                let traffic = ProductTraffic { bandwidth: 1e9 * 10f64.powf(b as f64 / 20.0), cached };
+                // golden-section search of log10(rate)
+                let g = (5f64.sqrt() - 1.0) / 2.0;
+                let at = |x: f64| error(10f64.powf(x), half, traffic);
+                let (mut lo, mut hi) = (8.0, 14.0);
+                let (mut x1, mut x2) = (hi - g * (hi - lo), lo + g * (hi - lo));
+                let (mut e1, mut e2) = (at(x1), at(x2));
+                while hi - lo > 1e-4 {
+                    if e1 < e2 {
+                        (hi, x2, e2) = (x2, x1, e1);
+                        x1 = hi - g * (hi - lo);
+                        e1 = at(x1);
+                    } else {
+                        (lo, x1, e1) = (x1, x2, e2);
+                        x2 = lo + g * (hi - lo);
+                        e2 = at(x2);
+                    }
+                }
+                let (x, e) = if e1 < e2 { (x1, e1) } else { (x2, e2) };
+                if best.is_none_or(|b| e < b.3) {
+                    best = Some((10f64.powf(x), half, traffic, e));
+                }
+            }
+        }
+    }
+    best
+}
+
+/// Refits `c`'s products with their traffic beyond the cache
+/// ([`fit_products_with_traffic`]), kept where closer to the points than the roofline at
+/// the adds' bandwidth (the fit already made).
+pub fn fit_product_traffic(c: &mut Calibration) {
+    let points: Vec<(f64, f64, f64)> =
+        c.products.iter().map(|&(shape, p)| (p.size, product_bytes(shape), p.seconds)).collect();
+    let roofline = c
+        .products
+        .iter()
+        .map(|&(shape, p)| {
+            let t = c.device.matrix_time(p.size, product_bytes(shape), pipec_plan::Precision::Fp32);
+            ((t - p.seconds) / p.seconds.max(1e-12)).powi(2)
+        })
+        .sum::<f64>();
+    if let Some((rate, half, traffic, e)) = fit_products_with_traffic(&points, c.device.launch) {
+        if e < roofline {
+            c.device.matrix.fp32 = rate;
+            c.device.matrix_efficiency = Curve { peak: 1.0, half };
+            c.device.product_traffic = Some(traffic);
+        }
+    }
 }
 
 /// The executor's optimizer updates timed on `B`: for each optimizer, one update of a few
@@ -471,28 +624,34 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
             panic!("another copy of the calibration failed");
         }
     };
-    let one = || {
+    let one = || -> Result<Calibration, String> {
         meet();
         let launch = autodiff_launch::<crate::CpuBackend>(&Default::default(), reps.max(3));
         // the adds and functions as the kernels run them; the products as the executor's
-        // layers run them, forward and backward (the bare products are not timed)
+        // layers run them in a step (the bare products are not timed)
         let kernels = Sweep { products: &[], ..Sweep::CPU };
         let c = calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), kernels, &meet);
-        let products = layer_products::<crate::CpuBackend>(&Default::default(), reps, Sweep::CPU.products, &meet);
+        let products = layer_products::<crate::CpuBackend>(&Default::default(), reps, Sweep::CPU.products, &meet)?;
         meet();
+        let mut functions = c.functions;
+        functions.extend(function_gradients::<crate::CpuBackend>(
+            &Default::default(),
+            Sweep::CPU.function_elements,
+            reps,
+        ));
         let optimizer = optimizer_rates::<crate::CpuBackend>(&Default::default(), reps);
-        let mut c = fitted("", memory, launch, products, c.adds, c.functions);
+        let mut c = fitted("", memory, launch, products, c.adds, functions);
         c.device.optimizer = Some(optimizer);
-        c
+        Ok(c)
     };
     let guarded = || {
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(one));
-        if run.is_err() {
+        if !matches!(run, Ok(Ok(_))) {
             meeting.break_off();
         }
         run.ok()
     };
-    let runs: Vec<Calibration> = if threads == 1 {
+    let runs: Vec<Result<Calibration, String>> = if threads == 1 {
         guarded().into_iter().collect()
     } else {
         std::thread::scope(|s| {
@@ -500,6 +659,10 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
             handles.into_iter().filter_map(|h| h.join().ok().flatten()).collect()
         })
     };
+    if let Some(Err(e)) = runs.iter().find(|r| r.is_err()) {
+        return Err(format!("the calibration failed: {e}"));
+    }
+    let runs: Vec<Calibration> = runs.into_iter().filter_map(Result::ok).collect();
     if runs.len() < threads {
         return Err(format!(
             "{} of the {threads} calibration copies failed (see the panic above)",
@@ -510,7 +673,9 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
         1 => "cpu (pipec calibrate)".to_string(),
         n => format!("cpu (pipec calibrate, {n} at once)"),
     };
-    Ok(mean_calibration(&runs, memory, &name))
+    let mut c = mean_calibration(&runs, memory, &name);
+    fit_product_traffic(&mut c);
+    Ok(c)
 }
 
 /// The calibration whose every point is the mean of `runs`' (same sweep), fitted again.
@@ -572,8 +737,58 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_products_fit_finds_the_traffic_the_points_were_made_with() {
+        // points from 2e11 FLOP/s reaching half of it at 1e6 FLOPs, operands beyond 1 MiB at
+        // 1e10 B/s, a launch of 0.3 µs: the sweep's shapes
+        let (rate, half, traffic, launch) = (2e11, 1e6, ProductTraffic { bandwidth: 1e10, cached: 1048576.0 }, 3e-7);
+        let mut d = DeviceModel::uniform("truth", 1e9, rate);
+        (d.matrix_efficiency, d.product_traffic, d.launch) = (Curve { peak: 1.0, half }, Some(traffic), launch);
+        let points: Vec<(f64, f64, f64)> = Sweep::CPU
+            .products
+            .iter()
+            .map(|&s| {
+                let (f, b) = (2.0 * (s.0 * s.1 * s.2) as f64, product_bytes(s));
+                (f, b, d.matrix_time(f, b, pipec_plan::Precision::Fp32))
+            })
+            .collect();
+        let (r, h, t, e) = fit_products_with_traffic(&points, launch).expect("fits");
+        assert!((r / rate - 1.0).abs() < 1e-3 && h == half && t == traffic && e < 1e-6, "{r} {h} {t:?} {e}");
+        // points a product's compute alone explains: the roofline the first fit made fits
+        // them exactly, and the refit keeps a model as close
+        let compute = |s: (usize, usize, usize)| launch + (2.0 * (s.0 * s.1 * s.2) as f64 + half) / rate;
+        let mut c = fitted(
+            "compute",
+            1e9,
+            launch,
+            Sweep::CPU
+                .products
+                .iter()
+                .map(|&s| (s, Point { size: 2.0 * (s.0 * s.1 * s.2) as f64, seconds: compute(s) }))
+                .collect(),
+            vec![(1 << 10, Point { size: 12288.0, seconds: 1e-6 }), (1 << 20, Point { size: 1.2e7, seconds: 1e-4 })],
+            vec![],
+        );
+        fit_product_traffic(&mut c);
+        for &(s, p) in &c.products {
+            let t = c.device.matrix_time(p.size, product_bytes(s), pipec_plan::Precision::Fp32);
+            assert!((t / p.seconds - 1.0).abs() < 1e-3, "{s:?}: {t} against {}", p.seconds);
+        }
+    }
+
+    #[test]
+    fn a_functions_gradient_is_timed_beyond_its_forward() {
+        let g = function_gradients::<crate::CpuBackend>(&Default::default(), 4096, 3);
+        let names: Vec<&str> = g.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, ["gelu_grad", "gelu_tanh_grad", "silu_grad", "tanh_grad"]);
+        assert!(g.iter().all(|(_, p)| p.size == 4096.0 && p.seconds > 0.0 && p.seconds.is_finite()), "{g:?}");
+        let f = function_rates(&g, 0.0);
+        assert!(f.gelu_grad > 0.0 && f.tanh_grad > 0.0 && f.gelu == 0.0, "{f:?}");
+    }
+
+    #[test]
     fn a_layers_products_are_timed_through_autodiff_one_product_a_point() {
-        let points = layer_products::<crate::CpuBackend>(&Default::default(), 3, &[(8, 16, 32), (16, 64, 64)], &|| {});
+        let points = layer_products::<crate::CpuBackend>(&Default::default(), 3, &[(8, 16, 32), (16, 64, 64)], &|| {})
+            .expect("linear layers run");
         assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), vec![(8, 16, 32), (16, 64, 64)]);
         for ((m, k, n), p) in points {
             assert_eq!(p.size, 2.0 * (m * k * n) as f64);
@@ -673,8 +888,15 @@ mod tests {
         assert_eq!(c.adds.len(), Sweep::CPU.adds.len());
         // every element-wise function the cost model prices by its own rate was measured
         let f = d.functions;
-        assert_eq!(c.functions.len(), 5);
-        assert!([f.exp, f.gelu, f.gelu_tanh, f.silu, f.tanh].iter().all(|r| r.is_finite() && *r > 0.0), "{f:?}");
+        assert_eq!(c.functions.len(), 9);
+        let rates =
+            [f.exp, f.gelu, f.gelu_tanh, f.silu, f.tanh, f.gelu_grad, f.gelu_tanh_grad, f.silu_grad, f.tanh_grad];
+        assert!(rates.iter().all(|r| r.is_finite() && *r > 0.0), "{f:?}");
+        // the products were fitted with their traffic beyond the cache, or the roofline
+        // where that was closer: either way every figure is one a device file takes
+        if let Some(t) = d.product_traffic {
+            assert!(t.bandwidth > 0.0 && t.cached >= 0.0, "{t:?}");
+        }
         let back = DeviceModel::from_json(&serde_json::to_string(d).expect("json")).expect("a valid device file");
         assert!((back.functions.gelu / f.gelu - 1.0).abs() < 1e-12, "{:?}", back.functions);
         // a negative rate in a device file is refused

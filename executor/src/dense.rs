@@ -90,6 +90,19 @@ pub trait Kernels: Backend {
         crate::experts::move_rows(x, ex)
     }
 
+    /// softmax(scores/√dh + the causal mask) over the keys of [batch, heads, queries, keys]
+    /// attention scores (by default Burn's operations).
+    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+        crate::layers::scores_softmax(scores, dh, causal)
+    }
+
+    /// The scores' gradient from [`Kernels::attention_softmax`]'s output `p` and its
+    /// gradient `dp`: `p ⊙ (dp − rowsum(dp ⊙ p)) / √dh` (by default Burn's operations).
+    fn attention_softmax_grad(p: Tensor<Self, 4>, dp: Tensor<Self, 4>, dh: usize) -> Tensor<Self, 4> {
+        let ds = p.clone() * (dp.clone() - (dp * p).sum_dim(3));
+        ds / (dh as f64).sqrt()
+    }
+
     /// Attention's core, softmax(q·kᵀ/√dh + the causal mask)·v on [batch, heads, seq, dh],
     /// without keeping its scores and probabilities for the backward: an autodiff backend
     /// keeps q, k and v (which the graph holds anyway) and recomputes the probabilities in
@@ -128,6 +141,24 @@ impl Kernels for burn::backend::Flex {
 
     fn release_weight_copies() {
         crate::flex_weights::release()
+    }
+
+    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+        // one pass per row (crate::flex_softmax), Burn's operations for what it does not take
+        let divisor = (dh as f64).sqrt() as f32;
+        match crate::flex_softmax::forward(&scores.clone().into_primitive().tensor(), divisor, causal) {
+            Some(p) => Tensor::from_primitive(TensorPrimitive::Float(p)),
+            None => crate::layers::scores_softmax(scores, dh, causal),
+        }
+    }
+
+    fn attention_softmax_grad(p: Tensor<Self, 4>, dp: Tensor<Self, 4>, dh: usize) -> Tensor<Self, 4> {
+        let divisor = (dh as f64).sqrt() as f32;
+        let (pp, dpp) = (p.clone().into_primitive().tensor(), dp.clone().into_primitive().tensor());
+        match crate::flex_softmax::backward(&pp, &dpp, divisor) {
+            Some(ds) => Tensor::from_primitive(TensorPrimitive::Float(ds)),
+            None => (p.clone() * (dp.clone() - (dp * p).sum_dim(3))) / (dh as f64).sqrt(),
+        }
     }
 
     fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
@@ -174,6 +205,17 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
             OpsKind::UnTracked(prep) => prep.finish(moved),
         };
         Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+    }
+
+    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+        let s = scores.into_primitive().tensor();
+        let inner = Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(s.primitive.clone()));
+        let p = I::attention_softmax(inner, dh, causal).into_primitive().tensor();
+        let y = match (SoftmaxBackward { dh }).prepare::<C>([s.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(p.clone(), p),
+            OpsKind::UnTracked(prep) => prep.finish(p),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(y))
     }
 
     fn attention_recomputed(
@@ -238,7 +280,8 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
 
 /// The backward of [`Kernels::attention_recomputed`]: the probabilities P recomputed from
 /// q and k, then dV = Pᵀ·dO, dS = P ⊙ (dO·vᵀ − rowsum(dO·vᵀ ⊙ P)) (the softmax's
-/// backward; a masked position's P is 0, so is its dS), dQ = dS·k/√dh, dK = dSᵀ·q/√dh.
+/// backward over the scaled scores; a masked position's P is 0, so is its dS), dQ = dS·k,
+/// dK = dSᵀ·q ([`Kernels::attention_softmax_grad`] divides by √dh).
 #[derive(Debug)]
 struct AttentionBackward {
     dh: usize,
@@ -262,15 +305,34 @@ impl<I: Kernels> Backward<I, 3> for AttentionBackward {
         if to_q.is_none() && to_k.is_none() {
             return;
         }
-        let scale = 1.0 / (self.dh as f64).sqrt();
         let dp = d_out.matmul(v.swap_dims(2, 3));
-        let ds = p.clone() * (dp.clone() - (dp * p).sum_dim(3));
+        let ds = I::attention_softmax_grad(p, dp, self.dh);
         if let Some(node) = to_q {
-            grads.register::<I>(node.id, (ds.clone().matmul(k) * scale).into_primitive().tensor());
+            grads.register::<I>(node.id, ds.clone().matmul(k).into_primitive().tensor());
         }
         if let Some(node) = to_k {
-            grads.register::<I>(node.id, (ds.swap_dims(2, 3).matmul(q) * scale).into_primitive().tensor());
+            grads.register::<I>(node.id, ds.swap_dims(2, 3).matmul(q).into_primitive().tensor());
         }
+    }
+}
+
+/// The backward of [`Kernels::attention_softmax`]: the scores' gradient from the kept
+/// probabilities ([`Kernels::attention_softmax_grad`]).
+#[derive(Debug)]
+struct SoftmaxBackward {
+    dh: usize,
+}
+
+impl<I: Kernels> Backward<I, 1> for SoftmaxBackward {
+    type State = FloatTensor<I>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
+        let p = ops.state;
+        let dh = self.dh;
+        burn::backend::autodiff::ops::unary::<I, _>(ops.parents, ops.node, grads, |dp| {
+            I::attention_softmax_grad(t(p), t(dp), dh).into_primitive().tensor()
+        });
     }
 }
 

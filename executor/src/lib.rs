@@ -18,6 +18,7 @@ pub mod error;
 pub mod experts;
 pub mod fabric;
 mod flex_gemm;
+mod flex_softmax;
 mod flex_weights;
 pub mod gpus;
 #[cfg(test)]

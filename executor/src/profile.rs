@@ -48,10 +48,10 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
 }
 
 /// A layer's (or a model's) measured passes, in milliseconds.
-struct Passes {
-    forward: f64,
-    backward: f64,
-    update: f64,
+pub(crate) struct Passes {
+    pub(crate) forward: f64,
+    pub(crate) backward: f64,
+    pub(crate) update: f64,
 }
 
 /// Runs `model` forward and backward on `input()` `warmup` times unmeasured, then `reps`
@@ -62,16 +62,16 @@ struct Passes {
 /// step and what the backend does once per weight version (flex's transposed copies,
 /// `StageOptim::update`), with a learning rate of zero, which costs the same work and keeps
 /// the weights at their values. Both counts are rounded up to whole groups.
-fn time_passes<B: ExecBackend>(
+pub(crate) fn time_passes<B: ExecBackend>(
     mut model: StageModel<B>,
     dev: &B::Device,
-    plan: &Plan,
+    optimizer: &pipec_plan::plan::OptimizerPlan,
     (warmup, reps, per_version): (usize, usize, usize),
     what: &str,
     mut input: impl FnMut() -> Act<B>,
 ) -> Result<Passes, ExecError> {
     let (mut fwd, mut bwd, mut upd) = (Vec::new(), Vec::new(), Vec::new());
-    let mut optim = StageOptim::<B>::new(&plan.training.optimizer, &crate::params::layout::<B, _>(&model));
+    let mut optim = StageOptim::<B>::new(optimizer, &crate::params::layout::<B, _>(&model));
     let mut acc = FlatGrads::<B>::new();
     let keys = sum_keys(&model);
     let per_version = per_version.max(1);
@@ -182,7 +182,7 @@ pub fn profile_layers<B: ExecBackend>(
         let tokens = if layer.op.takes_token_ids() { plan.model.token_vocab } else { None };
         let params: usize = model.num_params();
         let per_version = forwards_per_version(plan, i);
-        let passes = time_passes(model, dev, plan, (warmup, reps, per_version), "a layer", || {
+        let passes = time_passes(model, dev, &plan.training.optimizer, (warmup, reps, per_version), "a layer", || {
             let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
             let x = Act::from_parts(parts);
             if i == 0 {
@@ -213,7 +213,7 @@ pub fn profile_layers<B: ExecBackend>(
     shape.extend(&plan.model.input);
     let tokens = plan.model.token_vocab;
     let per_version = forwards_per_version(plan, 0);
-    let whole = time_passes(whole, dev, plan, (warmup, reps, per_version), "the model", || {
+    let whole = time_passes(whole, dev, &plan.training.optimizer, (warmup, reps, per_version), "the model", || {
         random_input::<B>(&shape, tokens, dev)
     })?;
     let sums = |f: fn(&ProfiledLayer) -> f64| out.iter().map(f).sum::<f64>();

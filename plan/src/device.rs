@@ -94,6 +94,17 @@ pub struct Functions {
     /// tanh.
     #[serde(default)]
     pub tanh: f64,
+    /// The gradients of GELU, GELU-tanh, SiLU and tanh as the backend's backward computes
+    /// them (from their input and the incoming gradient), elements per second; 0: not
+    /// measured — GELU's priced as its function again, tanh's and the logistic's by FLOPs.
+    #[serde(default)]
+    pub gelu_grad: f64,
+    #[serde(default)]
+    pub gelu_tanh_grad: f64,
+    #[serde(default)]
+    pub silu_grad: f64,
+    #[serde(default)]
+    pub tanh_grad: f64,
 }
 
 impl Functions {
@@ -143,6 +154,23 @@ pub struct DeviceModel {
     /// presets: an update is priced as the memory traffic it is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer: Option<OptimizerRates>,
+    /// How a matrix product's operands move as training runs it, where `pipec calibrate`
+    /// measured it (the CPU); None on the presets, whose products cost the slower of their
+    /// compute and their memory traffic (the roofline).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub product_traffic: Option<ProductTraffic>,
+}
+
+/// A product's operand traffic beyond the cache, as `pipec calibrate` fits it on the CPU
+/// to stacks of layers run as a step runs them (weights, their transposed copies and their
+/// gradients' sums that do not all stay in cache). A product of `bytes` operands then costs
+/// the 2-norm of its compute and `(bytes − cached) / bandwidth`: the two overlap in part.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ProductTraffic {
+    /// Bytes per second of the operands beyond the cache.
+    pub bandwidth: f64,
+    /// Bytes of a product's operands that cost no traffic (held in cache).
+    pub cached: f64,
 }
 
 /// Measured optimizer updates, per optimizer (AdamW priced as Adam).
@@ -201,6 +229,7 @@ impl DeviceModel {
             functions: Functions::default(),
             link: None,
             optimizer: None,
+            product_traffic: None,
         }
     }
 
@@ -223,6 +252,10 @@ impl DeviceModel {
             f.gelu_tanh,
             f.silu,
             f.tanh,
+            f.gelu_grad,
+            f.gelu_tanh_grad,
+            f.silu_grad,
+            f.tanh_grad,
         ];
         if positive.iter().any(|v| v.is_nan() || *v <= 0.0) || non_negative.iter().any(|v| !v.is_finite() || *v < 0.0) {
             return Err(
@@ -243,6 +276,13 @@ impl DeviceModel {
             {
                 return Err(format!(
                     "the link needs a positive bandwidth, a latency of 0 or more and an efficiency in (0, 1], found {l:?}"
+                ));
+            }
+        }
+        if let Some(t) = d.product_traffic {
+            if !(t.bandwidth.is_finite() && t.bandwidth > 0.0 && t.cached.is_finite() && t.cached >= 0.0) {
+                return Err(format!(
+                    "the products' traffic needs a positive bandwidth and cached bytes of 0 or more, found {t:?}"
                 ));
             }
         }
@@ -272,14 +312,19 @@ impl DeviceModel {
         }
     }
 
-    /// Seconds of a matrix product of `flops` reading and writing `bytes`, in `precision`:
-    /// the slower of its compute and its memory traffic, plus a launch.
+    /// Seconds of a matrix product of `flops` reading and writing `bytes`, in `precision`,
+    /// plus a launch: the slower of its compute and its memory traffic, or, with a measured
+    /// [`product_traffic`](Self::product_traffic), the 2-norm of its compute and its
+    /// traffic beyond the cache.
     pub fn matrix_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
         if flops <= 0.0 && bytes <= 0.0 {
             return 0.0;
         }
         let compute = flops / (self.matrix.of(precision) * self.matrix_efficiency.at(flops));
-        self.launch + compute.max(self.memory_time(bytes))
+        match self.product_traffic {
+            Some(t) => self.launch + compute.hypot((bytes - t.cached).max(0.0) / t.bandwidth),
+            None => self.launch + compute.max(self.memory_time(bytes)),
+        }
     }
 
     /// Seconds of an element-wise kernel of `flops` moving `bytes`: the slower of its vector
@@ -304,6 +349,30 @@ impl DeviceModel {
             Function::Silu => f.silu,
             Function::Tanh => f.tanh,
         };
+        self.at_rate(rate, elements, flops, bytes)
+    }
+
+    /// Seconds of `function`'s gradient over `elements` values (`flops` in all), moving
+    /// `bytes`: at its measured gradient rate where there is one, else as GELU's function
+    /// again (its gradient evaluates it) and the others' FLOPs ([`vector_time`](Self::vector_time)).
+    pub fn function_grad_time(&self, function: Function, elements: f64, flops: f64, bytes: f64) -> f64 {
+        let f = &self.functions;
+        let rate = match function {
+            Function::Exp => 0.0,
+            Function::Gelu => f.gelu_grad,
+            Function::GeluTanh => f.gelu_tanh_grad,
+            Function::Silu => f.silu_grad,
+            Function::Tanh => f.tanh_grad,
+        };
+        match function {
+            Function::Gelu | Function::GeluTanh if rate <= 0.0 => self.function_time(function, elements, flops, bytes),
+            _ => self.at_rate(rate, elements, flops, bytes),
+        }
+    }
+
+    /// `elements` at `rate` or the memory traffic, the slower, plus a launch; without a
+    /// rate, the FLOPs at the vector rate.
+    fn at_rate(&self, rate: f64, elements: f64, flops: f64, bytes: f64) -> f64 {
         if rate <= 0.0 || elements <= 0.0 {
             return self.vector_time(flops, bytes);
         }
@@ -439,6 +508,7 @@ impl Preset {
             functions: Functions::default(),
             link: None,
             optimizer: None,
+            product_traffic: None,
         }
     }
 }
@@ -561,5 +631,23 @@ mod tests {
         let ideal = 1e13 / (312e12 * GPU_MATRIX_EFFICIENCY.peak);
         assert!(t > ideal && t < ideal * 1.01 + GPU_LAUNCH, "{t} vs {ideal}");
         assert!(a100.matrix_time(1e6, 1e9, Precision::Bf16) > 1e9 / 2039e9);
+    }
+
+    #[test]
+    fn a_measured_products_traffic_adds_to_its_compute_as_a_two_norm_beyond_the_cache() {
+        let mut d = DeviceModel::uniform("cpu", 1e9, 1e11);
+        d.memory_bandwidth = 1e11;
+        // the roofline: 1 ms of compute and 0.4 ms of traffic at 1e11 B/s take 1 ms
+        assert!((d.matrix_time(1e8, 4e7, Precision::Fp32) - 1e-3).abs() < 1e-15);
+        // with the products' traffic: (4e7 − 1e7 cached) bytes at 1e10 B/s take 3 ms,
+        // beside 1 ms of compute: √(1² + 3²) ms
+        d.product_traffic = Some(ProductTraffic { bandwidth: 1e10, cached: 1e7 });
+        let t = d.matrix_time(1e8, 4e7, Precision::Fp32);
+        assert!((t - 10f64.sqrt() * 1e-3).abs() < 1e-12, "{t}");
+        // operands the cache holds cost nothing beyond the compute
+        assert!((d.matrix_time(1e8, 5e6, Precision::Fp32) - 1e-3).abs() < 1e-15);
+        // a device file with a bandwidth of 0 is refused
+        d.product_traffic = Some(ProductTraffic { bandwidth: 0.0, cached: 0.0 });
+        assert!(DeviceModel::from_json(&serde_json::to_string(&d).expect("json")).is_err());
     }
 }
