@@ -83,6 +83,24 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         d.memory_efficiency.half,
         d.launch * 1e6
     );
+    if let Some(a) = d.attention {
+        eprintln!(
+            "{:>22} {:>14} {:>12} {:>12} {:>12} {:>12}",
+            "attention (b·s·heads·dh)", "", "forward", "fitted", "backward", "fitted"
+        );
+        for ((b, s, h, dh), f, w) in &measured.attention {
+            let (bh, s_, dh_) = ((b * h) as f64, *s as f64, *dh as f64);
+            eprintln!(
+                "{:>22} {:>14} {:>9.1} µs {:>9.1} µs {:>9.1} µs {:>9.1} µs",
+                format!("{b}·{s}·{h}·{dh}"),
+                "",
+                f * 1e6,
+                a.forward.seconds(bh, s_, dh_) * 1e6,
+                w * 1e6,
+                a.backward.seconds(bh, s_, dh_) * 1e6
+            );
+        }
+    }
     if let Some(t) = d.product_traffic {
         eprintln!(
             "products' operands beyond {:.0} KiB at {:.2} GB/s (a product: the 2-norm of its compute and that traffic)",

@@ -402,9 +402,14 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
             fwd.matrix(projections[0].0, projections[0].1);
             // FlashAttention skips the masked half of a causal product (Dao 2023)
             let flash_flops = 2.0 * core_flops * if causal { 0.5 } else { 1.0 };
-            match cx.attention {
-                Attention::Standard => core(&mut fwd),
-                Attention::Flash => fwd.matrix(flash_flops, 4.0 * e / t),
+            // where the device measured the executor's attention (`pipec calibrate` on the
+            // CPU), its fitted passes over this rank's heads replace the kernels
+            let measured = cx.device.attention;
+            let (bh, dh) = (b * a / t, h / a);
+            match (cx.attention, measured) {
+                (Attention::Standard, Some(m)) => fwd.seconds += m.forward.seconds(bh, s, dh),
+                (Attention::Standard, None) => core(&mut fwd),
+                (Attention::Flash, _) => fwd.matrix(flash_flops, 4.0 * e / t),
             }
             fwd.matrix(projections[1].0, projections[1].1);
             fwd.vector(3.0 * el, 3.0 * el, el);
@@ -432,8 +437,12 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 bwd.matrix(flops, values);
             }
             routing(&mut bwd, true);
-            match cx.attention {
-                Attention::Standard => {
+            match (cx.attention, measured) {
+                (Attention::Standard, Some(m)) => {
+                    bwd.seconds += m.backward.seconds(bh, s, dh);
+                    sel.seconds += m.forward.seconds(bh, s, dh);
+                }
+                (Attention::Standard, None) => {
                     for _ in 0..4 {
                         bwd.matrix(core_flops, eatt + 2.0 * e / t);
                     }
@@ -443,7 +452,7 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 }
                 // the fused backward recomputes the scores: 2.5× the forward's products
                 // (Dao et al. 2022)
-                Attention::Flash => bwd.matrix(2.5 * flash_flops, 8.0 * e / t),
+                (Attention::Flash, _) => bwd.matrix(2.5 * flash_flops, 8.0 * e / t),
             }
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
@@ -886,6 +895,29 @@ mod tests {
             without.backward
         );
         assert_eq!(with_grad.forward, without.forward);
+        // the executor's attention measured as a whole replaces its kernels: a fit of a
+        // fixed 0.5 s forward and 0.25 s backward adds exactly that to a block beside a fit
+        // of nothing, and leaves flash attention alone
+        let zero = pipec_plan::device::AttentionFit { per_call: 0.0, per_mac: 0.0, per_score: 0.0, per_value: 0.0 };
+        let fixed = |f: f64| pipec_plan::device::AttentionFit { per_call: f, ..zero };
+        let with = |device: &DeviceModel, fit: Option<(f64, f64)>, attention: Attention| {
+            let mut d = device.clone();
+            d.attention =
+                fit.map(|(f, b)| pipec_plan::device::AttentionRates { forward: fixed(f), backward: fixed(b) });
+            price(&block, TpSplit::Replicated, false, &CostContext { attention, ..cx(&d) })
+        };
+        let (none, some) = (
+            with(&device, Some((0.0, 0.0)), Attention::Standard),
+            with(&device, Some((0.5, 0.25)), Attention::Standard),
+        );
+        assert!(
+            (some.forward - none.forward - 0.5).abs() < 1e-12 && (some.backward - none.backward - 0.25).abs() < 1e-12
+        );
+        assert!((some.selective - none.selective - 0.5).abs() < 1e-12, "selective recompute runs the forward again");
+        let kernels = with(&device, None, Attention::Standard);
+        assert!(kernels.forward > none.forward, "without a fit the scores' kernels are priced");
+        let flash = |fit| with(&device, fit, Attention::Flash).forward;
+        assert_eq!(flash(Some((0.5, 0.25))), flash(None));
         // a block's softmax and GELU take the measured rates: slower than by their FLOPs
         let block = node(Op::block(64, 4, 256, true), vec![64, 64]);
         device.functions.exp = 2.7e8;

@@ -21,7 +21,10 @@ use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Tensor};
-use pipec_plan::device::{Curve, DeviceModel, Functions, MatrixRates, OptimizerRates, ProductTraffic, UpdateRate};
+use pipec_plan::device::{
+    AttentionFit, AttentionRates, Curve, DeviceModel, Functions, MatrixRates, OptimizerRates, ProductTraffic,
+    UpdateRate,
+};
 
 use crate::dense::Kernels;
 
@@ -42,6 +45,8 @@ pub struct Calibration {
     pub adds: Vec<(usize, Point)>,
     /// Element-wise functions: name, elements and seconds.
     pub functions: Vec<(&'static str, Point)>,
+    /// Attention as the executor runs it (the CPU): shape, forward and backward seconds.
+    pub attention: Vec<(AttentionShape, f64, f64)>,
 }
 
 /// The median of `reps` timings of `f` after `warmup` untimed runs.
@@ -220,7 +225,7 @@ fn fitted(
 ) -> Calibration {
     let mut device = fit(name, memory, launch, &products.iter().map(|p| p.1).collect::<Vec<_>>(), &adds);
     device.functions = function_rates(&functions, launch);
-    Calibration { device, products, adds, functions }
+    Calibration { device, products, adds, functions, attention: Vec::new() }
 }
 
 /// Each function's elements per second beyond the launch (0 for a name not measured).
@@ -310,6 +315,7 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
         link: None,
         optimizer: None,
         product_traffic: None,
+        attention: None,
     }
 }
 
@@ -451,6 +457,142 @@ pub fn fit_product_traffic(c: &mut Calibration) {
             c.device.product_traffic = Some(traffic);
         }
     }
+}
+
+/// An attention's (batch, positions, heads, head features) in a calibration.
+pub type AttentionShape = (usize, usize, usize, usize);
+
+/// The attention shapes the CPU calibration times: a few heads of short sequences up to
+/// a tensor-parallel benchmark's 16 × 8 heads of 64 positions and 256-position sequences.
+pub const ATTENTION_SHAPES: &[AttentionShape] = &[
+    (1, 32, 2, 16),
+    (4, 64, 4, 16),
+    (2, 128, 4, 32),
+    (4, 64, 8, 64),
+    (1, 256, 8, 32),
+    (4, 128, 2, 64),
+    (16, 64, 8, 64),
+    (2, 256, 4, 64),
+];
+
+/// Each shape's causal attention as the executor's transformer block runs it on `B`
+/// (`Block::attend`: the heads split from a fused QKV projection's output, the scores,
+/// the softmax, the weighted sum, the heads merged back), forward and backward through
+/// autodiff: the medians of `reps`, in seconds (forward, backward).
+pub fn attention_passes<B: crate::dense::ExecBackend>(
+    device: &B::Device,
+    reps: usize,
+    shapes: &[AttentionShape],
+    at_point: &(dyn Fn() + Sync),
+) -> Result<Vec<(AttentionShape, f64, f64)>, String> {
+    shapes
+        .iter()
+        .map(|&(b, s, heads, dh)| {
+            let op = pipec_plan::model::Op::block(heads * dh, heads, 4, true);
+            let mut stage = crate::layers::StageModel::<B>::new(std::slice::from_ref(&op), 0, 1, device);
+            let Some(crate::layers::Layer::Block(block)) = stage.layers.pop() else {
+                return Err("a transformer block builds as a block".to_string());
+            };
+            let qkv = Tensor::<B, 3>::random([b, s, 3 * heads * dh], Distribution::Uniform(-1.0, 1.0), device);
+            at_point();
+            let (mut forward, mut backward) = (Vec::new(), Vec::new());
+            for rep in 0..2 + reps.max(3) {
+                let x = qkv.clone().require_grad();
+                let t0 = Instant::now();
+                let y = block.attend(x.clone(), None).map_err(|e| format!("attention {b}·{s}·{heads}·{dh}: {e}"))?;
+                let total = y.sum();
+                let _ = B::sync(device);
+                let t1 = Instant::now();
+                let grads = total.backward();
+                let _ = x.grad(&grads);
+                let _ = B::sync(device);
+                if rep >= 2 {
+                    forward.push((t1 - t0).as_secs_f64());
+                    backward.push(t1.elapsed().as_secs_f64());
+                }
+            }
+            let median = |mut v: Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            Ok(((b, s, heads, dh), median(forward), median(backward)))
+        })
+        .collect()
+}
+
+/// The [`AttentionFit`] closest in relative error to `points` (shape, seconds) — least
+/// squares on the fit's four terms, a term whose coefficient comes out negative dropped
+/// and the rest solved again (so every coefficient is 0 or more); None without points.
+pub fn fit_attention(points: &[(AttentionShape, f64)]) -> Option<AttentionFit> {
+    let rows: Vec<([f64; 4], f64)> = points
+        .iter()
+        .filter(|(_, t)| *t > 0.0 && t.is_finite())
+        .map(|&((b, s, h, dh), t)| (AttentionFit::terms((b * h) as f64, s as f64, dh as f64), t))
+        .collect();
+    if rows.is_empty() {
+        return None;
+    }
+    let mut active = [true; 4];
+    loop {
+        let cols: Vec<usize> = (0..4).filter(|&j| active[j]).collect();
+        // each term scaled to its largest relative value, for the normal equations' sake
+        let scale: Vec<f64> =
+            cols.iter().map(|&j| rows.iter().map(|(x, t)| x[j] / t).fold(0.0, f64::max).max(1e-300)).collect();
+        let n = cols.len();
+        let mut a = vec![vec![0.0; n + 1]; n];
+        for (x, t) in &rows {
+            let r: Vec<f64> = cols.iter().zip(&scale).map(|(&j, sc)| x[j] / t / sc).collect();
+            for i in 0..n {
+                for k in 0..n {
+                    a[i][k] += r[i] * r[k];
+                }
+                a[i][n] += r[i];
+            }
+        }
+        let solved = solve(a)?;
+        let mut c = [0.0; 4];
+        for ((&j, v), sc) in cols.iter().zip(&solved).zip(&scale) {
+            c[j] = v / sc;
+        }
+        match (0..4).filter(|&j| active[j] && c[j] < 0.0).min_by(|&x, &y| c[x].total_cmp(&c[y])) {
+            Some(j) => {
+                active[j] = false;
+                if !active.iter().any(|a| *a) {
+                    return None;
+                }
+            }
+            None => return Some(AttentionFit { per_call: c[0], per_mac: c[1], per_score: c[2], per_value: c[3] }),
+        }
+    }
+}
+
+/// Gaussian elimination with partial pivoting on an n × (n + 1) augmented matrix.
+fn solve(mut a: Vec<Vec<f64>>) -> Option<Vec<f64>> {
+    let n = a.len();
+    for col in 0..n {
+        let pivot = (col..n).max_by(|&x, &y| a[x][col].abs().total_cmp(&a[y][col].abs()))?;
+        if a[pivot][col].abs() < 1e-12 {
+            return None;
+        }
+        a.swap(col, pivot);
+        let pivot_row = a[col].clone();
+        for (row, r) in a.iter_mut().enumerate() {
+            if row != col {
+                let f = r[col] / pivot_row[col];
+                for (x, p) in r.iter_mut().zip(&pivot_row).skip(col) {
+                    *x -= f * p;
+                }
+            }
+        }
+    }
+    Some((0..n).map(|i| a[i][n] / a[i][i]).collect())
+}
+
+/// The attention rates `points` (shape, forward, backward) give, both passes fitted.
+pub fn attention_rates(points: &[(AttentionShape, f64, f64)]) -> Option<AttentionRates> {
+    let forward = fit_attention(&points.iter().map(|&(s, f, _)| (s, f)).collect::<Vec<_>>())?;
+    let backward = fit_attention(&points.iter().map(|&(s, _, b)| (s, b)).collect::<Vec<_>>())?;
+    Some(AttentionRates { forward, backward })
 }
 
 /// The executor's optimizer updates timed on `B`: for each optimizer, one update of a few
@@ -639,9 +781,12 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
             Sweep::CPU.function_elements,
             reps,
         ));
+        let attention = attention_passes::<crate::CpuBackend>(&Default::default(), reps, ATTENTION_SHAPES, &meet)?;
+        meet();
         let optimizer = optimizer_rates::<crate::CpuBackend>(&Default::default(), reps);
         let mut c = fitted("", memory, launch, products, c.adds, functions);
         c.device.optimizer = Some(optimizer);
+        c.attention = attention;
         Ok(c)
     };
     let guarded = || {
@@ -675,6 +820,7 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
     };
     let mut c = mean_calibration(&runs, memory, &name);
     fit_product_traffic(&mut c);
+    c.device.attention = attention_rates(&c.attention);
     Ok(c)
 }
 
@@ -701,6 +847,9 @@ fn mean_calibration(runs: &[Calibration], memory: f64, name: &str) -> Calibratio
         })
         .collect();
     let mut c = fitted(name, memory, launch, products, adds, functions);
+    c.attention = (0..first.attention.len())
+        .map(|i| (first.attention[i].0, mean(&|c| c.attention[i].1), mean(&|c| c.attention[i].2)))
+        .collect();
     // the optimizer's figures, averaged over the copies that measured them
     let rates: Vec<OptimizerRates> = runs.iter().filter_map(|c| c.device.optimizer).collect();
     if !rates.is_empty() {
@@ -773,6 +922,39 @@ mod tests {
             let t = c.device.matrix_time(p.size, product_bytes(s), pipec_plan::Precision::Fp32);
             assert!((t / p.seconds - 1.0).abs() < 1e-3, "{s:?}: {t} against {}", p.seconds);
         }
+    }
+
+    #[test]
+    fn the_attention_fit_recovers_its_terms_and_never_goes_negative() {
+        let truth = AttentionFit { per_call: 2e-5, per_mac: 3e-11, per_score: 4e-9, per_value: 5e-9 };
+        let at = |f: &AttentionFit, (b, s, h, dh): AttentionShape| f.seconds((b * h) as f64, s as f64, dh as f64);
+        let points: Vec<(AttentionShape, f64)> = ATTENTION_SHAPES.iter().map(|&s| (s, at(&truth, s))).collect();
+        let fit = fit_attention(&points).expect("fits");
+        for (got, want) in [
+            (fit.per_call, truth.per_call),
+            (fit.per_mac, truth.per_mac),
+            (fit.per_score, truth.per_score),
+            (fit.per_value, truth.per_value),
+        ] {
+            assert!((got / want - 1.0).abs() < 1e-6, "{fit:?}");
+        }
+        // times that fall with the scores (a negative coefficient would fit them best): that
+        // term is dropped, and the rest are fitted without it
+        let falling: Vec<(AttentionShape, f64)> =
+            points.iter().map(|&((b, s, h, dh), t)| ((b, s, h, dh), t - 4.5e-9 * (b * h * s * s) as f64)).collect();
+        assert!(falling.iter().all(|p| p.1 > 0.0), "{falling:?}");
+        let fit = fit_attention(&falling).expect("fits");
+        assert!([fit.per_call, fit.per_mac, fit.per_value].iter().all(|c| *c > 0.0) && fit.per_score == 0.0, "{fit:?}");
+        assert!(fit_attention(&[]).is_none());
+    }
+
+    #[test]
+    fn the_executors_attention_is_timed_forward_and_backward() {
+        let points =
+            attention_passes::<crate::CpuBackend>(&Default::default(), 3, &[(1, 8, 2, 4), (2, 16, 2, 8)], &|| {})
+                .expect("runs");
+        assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), vec![(1, 8, 2, 4), (2, 16, 2, 8)]);
+        assert!(points.iter().all(|&(_, f, b)| f > 0.0 && b > 0.0 && f.is_finite() && b.is_finite()), "{points:?}");
     }
 
     #[test]
@@ -897,6 +1079,14 @@ mod tests {
         if let Some(t) = d.product_traffic {
             assert!(t.bandwidth > 0.0 && t.cached >= 0.0, "{t:?}");
         }
+        // the executor's attention was timed over the sweep and fitted
+        assert_eq!(c.attention.len(), ATTENTION_SHAPES.len());
+        assert!(d.attention.is_some(), "{d:?}");
+        let mut bad = d.clone();
+        if let Some(a) = bad.attention.as_mut() {
+            a.backward.per_score = -1.0;
+        }
+        assert!(DeviceModel::from_json(&serde_json::to_string(&bad).expect("json")).is_err());
         let back = DeviceModel::from_json(&serde_json::to_string(d).expect("json")).expect("a valid device file");
         assert!((back.functions.gelu / f.gelu - 1.0).abs() < 1e-12, "{:?}", back.functions);
         // a negative rate in a device file is refused

@@ -159,6 +159,47 @@ pub struct DeviceModel {
     /// compute and their memory traffic (the roofline).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub product_traffic: Option<ProductTraffic>,
+    /// Attention (its heads split from the projection, scores, softmax, weighted sum, the
+    /// heads merged back) as the executor runs it, where `pipec calibrate` measured it (the
+    /// CPU); None on the presets, whose attention is priced kernel by kernel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<AttentionRates>,
+}
+
+/// Attention's forward and backward as `pipec calibrate` fits them over a sweep of shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AttentionRates {
+    pub forward: AttentionFit,
+    pub backward: AttentionFit,
+}
+
+/// Seconds of one attention pass over `bh` heads (batch × heads) of `s` positions and `dh`
+/// features each: `per_call + per_mac·bh·s²·dh + per_score·bh·s² + per_value·bh·s·dh` — a
+/// fixed part, the products' multiply-adds, the scores' element-wise work and the head
+/// copies.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AttentionFit {
+    pub per_call: f64,
+    pub per_mac: f64,
+    pub per_score: f64,
+    pub per_value: f64,
+}
+
+impl AttentionFit {
+    /// The terms a pass of `bh` heads of `s` positions and `dh` features is linear in.
+    pub fn terms(bh: f64, s: f64, dh: f64) -> [f64; 4] {
+        [1.0, bh * s * s * dh, bh * s * s, bh * s * dh]
+    }
+
+    /// Seconds of that pass.
+    pub fn seconds(&self, bh: f64, s: f64, dh: f64) -> f64 {
+        let [one, macs, scores, values] = Self::terms(bh, s, dh);
+        self.per_call * one + self.per_mac * macs + self.per_score * scores + self.per_value * values
+    }
+
+    fn is_valid(&self) -> bool {
+        [self.per_call, self.per_mac, self.per_score, self.per_value].iter().all(|v| v.is_finite() && *v >= 0.0)
+    }
 }
 
 /// A product's operand traffic beyond the cache, as `pipec calibrate` fits it on the CPU
@@ -230,6 +271,7 @@ impl DeviceModel {
             link: None,
             optimizer: None,
             product_traffic: None,
+            attention: None,
         }
     }
 
@@ -284,6 +326,11 @@ impl DeviceModel {
                 return Err(format!(
                     "the products' traffic needs a positive bandwidth and cached bytes of 0 or more, found {t:?}"
                 ));
+            }
+        }
+        if let Some(a) = d.attention {
+            if !(a.forward.is_valid() && a.backward.is_valid()) {
+                return Err(format!("the attention's figures must be finite and not negative, found {a:?}"));
             }
         }
         if let Some(o) = d.optimizer {
@@ -509,6 +556,7 @@ impl Preset {
             link: None,
             optimizer: None,
             product_traffic: None,
+            attention: None,
         }
     }
 }
