@@ -200,6 +200,21 @@ fn the_search_on_the_gpt3_cluster_finds_a_plan_at_least_as_fast_as_the_published
     // the optimizer state sharded (ZeRO 1 or above), by the search itself
     assert!(chosen.sharding.shards().0, "{}", chosen.strategy());
     assert!(chosen.strategy().contains("sequence_parallel: true"), "{}", chosen.strategy());
+    // with `tp_overlap` written, every tensor-parallel candidate keeps it, and the best plan
+    // is at least as fast as without it
+    let overlapped = auto.replace("sequence_parallel: true }", "sequence_parallel: true, tp_overlap: true }");
+    let spec = pipec_grammar::check_source(&overlapped).spec.expect("the auto spec is valid");
+    let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+    let report = search(&overlapped, &spec, &CompileOptions::default(), &options);
+    let &(best, faster) = report.ranked(options.headroom).first().expect("a plan that fits");
+    let chosen = &report.candidates[best];
+    assert!(chosen.tp > 1 && chosen.strategy().contains("tp_overlap: true"), "{}", chosen.strategy());
+    assert!(
+        faster.step_s <= prediction.step_s,
+        "{} s against {} s without the overlap",
+        faster.step_s,
+        prediction.step_s
+    );
 }
 
 /// Tensor parallelism divides only what it splits: the small CNN's convolutions (which it
@@ -241,4 +256,44 @@ fn tensor_parallelism_divides_only_what_it_splits() {
         }
     }
     assert_eq!((convs, splits), (3, 2));
+}
+
+/// `tp_overlap` (Megatron-LM's --tp-comm-overlap): a layer's tensor-parallel collectives run
+/// under its own passes. On 100 MB/s the blocks' all-reduces are shorter than their passes
+/// and vanish from the step; what stays is the embedding's, whose gather is far shorter than
+/// its all-reduce: the step lies between a free link's and the in-line one, nearer the free.
+/// On 1 MB/s the blocks' outlast their passes too and only the passes' time is taken off.
+/// `tp: 1` with it is E0423.
+#[test]
+fn tp_overlap_hides_each_layers_collectives_under_its_passes() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/specs/tp-cpu.yaml");
+    let text = std::fs::read_to_string(path).expect("the tensor-parallel spec");
+    let link = "    intra_node: { bandwidth: 10GB/s, latency: 5us }";
+    assert!(text.contains(link) && text.contains("  tp: 2\n"));
+    let step = |overlap: bool, bandwidth: &str| {
+        let t = text
+            .replace("  tp: 2\n", if overlap { "  tp: 2\n  tp_overlap: true\n" } else { "  tp: 2\n" })
+            .replace(link, &format!("    intra_node: {{ bandwidth: {bandwidth}, latency: 0us }}"));
+        let plan = compile_text(&t).into_compiled().expect("compiles").plan;
+        assert_eq!(plan.schedule.tp_overlap, overlap);
+        plan.simulation.step_time_s
+    };
+    let free = step(false, "1000000TB/s");
+    let (inline, hidden) = (step(false, "100MB/s"), step(true, "100MB/s"));
+    assert!(inline > free * 1.2, "the collectives cost something in line: {inline} against {free}");
+    assert!(free < hidden && hidden < inline, "{free} < {hidden} < {inline}");
+    assert!(inline - hidden > 0.85 * (inline - free), "most of it hidden: {free} {hidden} {inline}");
+    // a link slow enough that the blocks' collectives outlast their passes: the overlap
+    // takes off at most the passes' time
+    let (inline, partly) = (step(false, "1MB/s"), step(true, "1MB/s"));
+    assert!(partly < inline && inline - partly <= free * 1.000001, "{free}: {partly} < {inline}");
+    // `pipec run` says that the executor runs them in line
+    let overlapped = compile_text(&text.replace("  tp: 2\n", "  tp: 2\n  tp_overlap: true\n"));
+    let plan = overlapped.into_compiled().expect("compiles").plan;
+    assert!(pipec_executor::caveats(&plan).iter().any(|c| c.contains("tp_overlap") && c.contains("in line")));
+    let plain = compile_text(&text).into_compiled().expect("compiles").plan;
+    assert!(!pipec_executor::caveats(&plain).iter().any(|c| c.contains("tp_overlap")));
+    // nothing to overlap without tensor parallelism
+    let checked = pipec_grammar::check_source(&text.replace("  tp: 2\n", "  tp: 1\n  tp_overlap: true\n"));
+    assert!(checked.diagnostics.iter().any(|d| d.code == "E0423"), "{:?}", checked.diagnostics);
 }

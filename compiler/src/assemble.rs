@@ -147,6 +147,7 @@ pub(crate) fn assemble(
             reduce: strategy.schedule.reduce,
             staleness: lowered.asp.then_some(strategy.schedule.staleness),
             sequence_parallel: strategy.sequence_parallel,
+            tp_overlap: strategy.tp_overlap && strategy.tp > 1,
             sharding: strategy.sharding,
         },
         partition: layout.notation,

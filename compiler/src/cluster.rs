@@ -133,13 +133,16 @@ impl ClusterGraph {
             return ring_time(kind, self.intra, p, n);
         }
         if k == 1 {
-            return ring_time(kind, self.inter, p, n);
+            return match kind {
+                CollectiveKind::AllReduce => across_nodes_allreduce_time(self.inter, p, n),
+                _ => ring_time(kind, self.inter, p, n),
+            };
         }
         let share = n / k as f64;
         match kind {
             CollectiveKind::AllReduce => {
                 ring_time(CollectiveKind::ReduceScatter, self.intra, k, n)
-                    + ring_time(CollectiveKind::AllReduce, self.inter, q, share)
+                    + across_nodes_allreduce_time(self.inter, q, share)
                     + ring_time(CollectiveKind::AllGather, self.intra, k, n)
             }
             CollectiveKind::ReduceScatter => {
@@ -184,6 +187,29 @@ pub fn ring_time(kind: CollectiveKind, link: Link, p: usize, bytes: f64) -> f64 
     }
 }
 
+/// NCCL's tree all-reduce's bandwidth as a share of the ring's: `busBw * .92` for
+/// `NCCL_ALGO_TREE` all-reduces in NCCL's tuning model (src/graph/tuning.cc).
+pub const TREE_BANDWIDTH_SHARE: f64 = 0.92;
+
+/// A (double binary) tree all-reduce of `bytes` over `p` members on `link`, as NCCL's tuning
+/// model prices it: the data reduced up the tree and broadcast down, pipelined, so 2⌈log₂ p⌉
+/// steps of latency, and the ring's bus bytes at [`TREE_BANDWIDTH_SHARE`] of its bandwidth.
+pub fn tree_allreduce_time(link: Link, p: usize, bytes: f64) -> f64 {
+    if p <= 1 {
+        return 0.0;
+    }
+    let depth = (p as f64).log2().ceil();
+    let share = (p - 1) as f64 / p as f64;
+    2.0 * depth * link.latency + 2.0 * share * bytes / (link.bandwidth * link.efficiency * TREE_BANDWIDTH_SHARE)
+}
+
+/// An all-reduce across nodes as NCCL runs it: the ring or the tree, whichever its tuning
+/// model finds faster (the tree for latency-bound sizes over many nodes, the ring for large
+/// ones).
+pub fn across_nodes_allreduce_time(link: Link, p: usize, bytes: f64) -> f64 {
+    ring_time(CollectiveKind::AllReduce, link, p, bytes).min(tree_allreduce_time(link, p, bytes))
+}
+
 /// Ring all-reduce of `bytes` over `p` members on `link`: 2(p−1)α + 2(p−1)/p · n · β (at the
 /// link's bus bandwidth).
 pub fn ring_allreduce_time(link: Link, p: usize, bytes: u64) -> f64 {
@@ -212,6 +238,41 @@ mod tests {
             intra: Link { bandwidth: 300e9, latency: 3e-6, efficiency: 0.75 },
             inter: Link { bandwidth: 25e9, latency: 6e-6, efficiency: 0.9 },
         }
+    }
+
+    #[test]
+    fn an_all_reduce_across_nodes_takes_the_tree_where_latency_bounds_it_and_the_ring_elsewhere() {
+        let c = cluster(64, 1);
+        let ids: Vec<DeviceId> = (0..64).map(DeviceId).collect();
+        let inter = c.inter;
+        // 4 KiB over 64 nodes: the ring's 126 latencies against the tree's 2·6
+        let small = c.collective_time(CollectiveKind::AllReduce, &ids, 4096);
+        let tree = 12.0 * 6e-6 + 2.0 * 63.0 / 64.0 * 4096.0 / (22.5e9 * 0.92);
+        assert!((small - tree).abs() < 1e-15, "{small} {tree}");
+        assert!(small < ring_time(CollectiveKind::AllReduce, inter, 64, 4096.0) / 5.0);
+        // 1 GB: bandwidth bound, where the ring's full bandwidth wins
+        let large = c.collective_time(CollectiveKind::AllReduce, &ids, 1_000_000_000);
+        assert_eq!(large, ring_time(CollectiveKind::AllReduce, inter, 64, 1e9));
+        assert!(tree_allreduce_time(inter, 64, 1e9) > large);
+        // the crossing is where 114 latencies (126 − 12) equal the tree's 8.7% of bandwidth
+        let crossing = 114.0 * 6e-6 / (2.0 * 63.0 / 64.0 / 22.5e9 * (1.0 / 0.92 - 1.0));
+        for bytes in [crossing * 0.9, crossing * 1.1] {
+            let ring = ring_time(CollectiveKind::AllReduce, inter, 64, bytes);
+            let t = tree_allreduce_time(inter, 64, bytes);
+            assert_eq!(across_nodes_allreduce_time(inter, 64, bytes), ring.min(t));
+            assert_eq!(t < ring, bytes < crossing, "{bytes}: tree {t}, ring {ring}");
+        }
+        // inside a node NCCL's ring (NVLink) stays; reduce-scatters and all-gathers are rings
+        let node = cluster(1, 8);
+        let eight: Vec<DeviceId> = (0..8).map(DeviceId).collect();
+        assert_eq!(
+            node.collective_time(CollectiveKind::AllReduce, &eight, 4096),
+            ring_time(CollectiveKind::AllReduce, node.intra, 8, 4096.0)
+        );
+        assert_eq!(
+            c.collective_time(CollectiveKind::ReduceScatter, &ids, 4096),
+            ring_time(CollectiveKind::ReduceScatter, inter, 64, 4096.0)
+        );
     }
 
     #[test]

@@ -144,12 +144,19 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     let tp_link = if tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
     let tp_time =
         |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| ring_time(k, tp_link, tp, b as f64)).sum::<f64>();
+    // with `tp_overlap` (Megatron-LM's --tp-comm-overlap) a layer's collectives run under its
+    // own pass, chunked against its products: only what the pass does not cover is exposed
+    let overlap = spec.strategy.tp_overlap && tp > 1;
+    let exposed = |comm: f64, pass: f64| if overlap { (comm - pass).max(0.0) } else { comm };
     let tp_times: Vec<(f64, f64)> = layout
         .ranges
         .iter()
         .map(|r| {
             let c = &costs[r.clone()];
-            (c.iter().map(|c| tp_time(&c.tp_forward)).sum(), c.iter().map(|c| tp_time(&c.tp_backward)).sum())
+            (
+                c.iter().map(|c| exposed(tp_time(&c.tp_forward), c.forward_s)).sum(),
+                c.iter().map(|c| exposed(tp_time(&c.tp_backward), c.backward_s)).sum(),
+            )
         })
         .collect();
     // the collectives inside a stage's passes over `size` consecutive replicas of its

@@ -60,6 +60,8 @@ pub struct SearchOptions {
     pub sharding: Option<Sharding>,
     /// `sequence_parallel: true` written: kept on every candidate with tensor parallelism.
     pub sequence_parallel: bool,
+    /// `tp_overlap: true` written: kept on every candidate with tensor parallelism.
+    pub tp_overlap: bool,
     /// `ep` written: every candidate divides the experts so (otherwise, for a model with
     /// expert blocks, every degree that divides the replicas and the experts is tried).
     pub ep: Option<usize>,
@@ -87,6 +89,7 @@ impl Default for SearchOptions {
             recompute: None,
             sharding: None,
             sequence_parallel: false,
+            tp_overlap: false,
             ep: None,
             cp: Some(1),
             ranked: 1,
@@ -112,6 +115,7 @@ impl SearchOptions {
             recompute: (!auto.recompute).then(|| st.recompute.clone()),
             sharding: (st.sharding != Sharding::None).then_some(st.sharding),
             sequence_parallel: st.sequence_parallel,
+            tp_overlap: st.tp_overlap,
             ep: (!auto.ep).then_some(st.ep),
             cp: (!auto.cp).then_some(st.cp.max(1)),
             ranked: 1,
@@ -137,6 +141,8 @@ pub struct Candidate {
     pub sharding: Sharding,
     /// Megatron's sequence parallelism (with `tp` > 1).
     pub sequence_parallel: bool,
+    /// Tensor parallelism's collectives overlapped with computation (with `tp` > 1).
+    pub tp_overlap: bool,
     /// Expert parallelism's degree (1: every replica holds every expert).
     pub ep: usize,
     /// Context parallelism's degree (1: none); `replicas` and `microbatches` are as written
@@ -181,7 +187,12 @@ impl Candidate {
             Sharding::None => String::new(),
             s => format!(", zero: {}", s.level()),
         };
-        let sp = if self.sequence_parallel { ", sequence_parallel: true" } else { "" };
+        let sp = match (self.sequence_parallel, self.tp_overlap) {
+            (false, false) => "",
+            (true, false) => ", sequence_parallel: true",
+            (false, true) => ", tp_overlap: true",
+            (true, true) => ", sequence_parallel: true, tp_overlap: true",
+        };
         let ep = if self.ep > 1 { format!(", ep: {}", self.ep) } else { String::new() };
         let cp = if self.cp > 1 { format!(", cp: {}", self.cp) } else { String::new() };
         format!(
@@ -212,6 +223,7 @@ impl Candidate {
         st.recompute = self.recompute.clone();
         st.sharding = self.sharding;
         st.sequence_parallel = self.sequence_parallel;
+        st.tp_overlap = self.tp_overlap;
         st.ep = self.ep;
         // as the front end lowers context parallelism (the layout and microbatches as written)
         st.split_sequences(self.cp);
@@ -557,6 +569,7 @@ fn candidates(
                                     _ => Sharding::None,
                                 },
                                 sequence_parallel: options.sequence_parallel && tp > 1,
+                                tp_overlap: options.tp_overlap && tp > 1,
                                 ep,
                                 cp,
                                 overlap: spec.strategy.overlap,

@@ -359,6 +359,12 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
             s.expert_parallel, s.expert_parallel
         ));
     }
+    if plan.schedule.tp_overlap {
+        out.push(
+            "under `tp_overlap` the plan hides each layer's tensor-parallel collectives under its passes (Megatron-LM's --tp-comm-overlap), but the executor runs them in line: its steps take their whole time"
+                .to_string(),
+        );
+    }
     if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters {
         out.push(
             "under `zero: 3` the executor gathers a stage's whole weights once a step, for its first pass, and drops them at the update (the plan's cost and memory figures gather each layer for each pass, as FSDP does): its peak holds a stage's whole weights"

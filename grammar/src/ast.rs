@@ -315,6 +315,10 @@ pub struct Strategy {
     /// outside its tensor-parallel products (layer norms, dropout, residual adds) split along
     /// the sequence; each all-reduce becomes a reduce-scatter and an all-gather.
     pub sequence_parallel: bool,
+    /// `tp_overlap` (with `tp` > 1): each layer's tensor-parallel collectives overlapped
+    /// with its passes' computation (Megatron-LM's `--tp-comm-overlap`), as the cost model
+    /// prices them.
+    pub tp_overlap: bool,
     /// `zero`: what data-parallel replicas shard among themselves.
     pub sharding: pipec_plan::vocab::Sharding,
     /// `ep`: expert parallelism — every replicated stage's replicas in groups of `ep`

@@ -403,6 +403,17 @@ allows).
       schedule: pipedream   # error with cp
       cp: 2";
 
+"E0423", "tensor-parallel overlap without tensor parallelism",
+"`tp_overlap: true` overlaps each layer's tensor-parallel collectives with its computation
+(Megatron-LM's `--tp-comm-overlap`), so the plan prices only the part of them that the
+layer's passes do not cover. Without a tensor-parallel group there is nothing to overlap:
+set `tp` above 1, or remove it.
+
+    strategy:
+      stages: straight
+      tp: 1
+      tp_overlap: true   # error: no tensor-parallel collectives";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";

@@ -253,6 +253,11 @@ struct Strategy {
     /// dropout and residual adds split along the sequence over the tensor-parallel group,
     /// each all-reduce a reduce-scatter and an all-gather. Default false.
     sequence_parallel: Option<bool>,
+    /// Overlap each tensor-parallel collective with its layer's computation (Megatron-LM's
+    /// `--tp-comm-overlap` through Transformer Engine; needs `tp` > 1): the plan prices only
+    /// the part of a layer's collectives its passes do not cover. A planning option: the
+    /// executor runs them in line (`pipec run` says so). Default false.
+    tp_overlap: Option<bool>,
     /// ZeRO's sharding across data-parallel replicas (needs a replicated stage): 0 nothing
     /// (default); 1 the optimizer state and master weights (Megatron-LM's distributed
     /// optimizer); 2 also the gradients; 3 also the weights (FSDP's full sharding).

@@ -147,6 +147,7 @@ pub(crate) fn lower_strategy(
         Some(n) => cx.boolean(n),
     };
     let sequence_parallel = lower_sequence_parallel(cx, &f, tp);
+    let tp_overlap = lower_tp_overlap(cx, &f, tp);
     let sharding = lower_sharding(cx, &f);
     let bucket = lower_bucket(cx, &f);
     let ep = match f.get("ep") {
@@ -168,7 +169,7 @@ pub(crate) fn lower_strategy(
     }
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
     let (overlap, sequence_parallel, sharding, ep, bucket) = (overlap?, sequence_parallel?, sharding?, ep?, bucket?);
-    let cp = cp?;
+    let (cp, tp_overlap) = (cp?, tp_overlap?);
     // a stage replica is `tp` × `cp` devices
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp * cp)?;
     // ZeRO shards over a stage's data- and context-parallel members together
@@ -216,6 +217,7 @@ pub(crate) fn lower_strategy(
         overlap,
         bucket,
         sequence_parallel,
+        tp_overlap,
         sharding,
         ep,
         cp: 1,
@@ -260,6 +262,25 @@ fn lower_sequence_parallel(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>
             .with_help(
                 "set `tp` to the tensor-parallel degree (2 to the devices of a node), or remove `sequence_parallel`",
             ),
+        );
+        return None;
+    }
+    Some(on)
+}
+
+/// `tp_overlap`: a boolean, and only with tensor parallelism (E0423).
+fn lower_tp_overlap(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>) -> Option<bool> {
+    let Some(n) = f.get("tp_overlap") else { return Some(false) };
+    let on = cx.boolean(n)?;
+    if on && tp == Some(1) {
+        cx.push(
+            Diagnostic::error(
+                "E0423",
+                "`tp_overlap` overlaps tensor parallelism's collectives, and `tp` is 1: there are none",
+                n.span,
+                "needs `tp` > 1",
+            )
+            .with_help("set `tp` to the tensor-parallel degree (2 to the devices of a node), or remove `tp_overlap`"),
         );
         return None;
     }
@@ -398,6 +419,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         overlap: true,
         bucket: None,
         sequence_parallel: false,
+        tp_overlap: false,
         sharding: Sharding::None,
         ep: 1,
         cp: 1,
@@ -496,6 +518,7 @@ fn lower_auto_strategy(
         strategy.overlap = cx.boolean(n)?;
     }
     strategy.sequence_parallel = lower_sequence_parallel(cx, f, (!auto.tp).then_some(strategy.tp))?;
+    strategy.tp_overlap = lower_tp_overlap(cx, f, (!auto.tp).then_some(strategy.tp))?;
     strategy.sharding = lower_sharding(cx, f)?;
     strategy.bucket = lower_bucket(cx, f)?;
     if !auto.ep {

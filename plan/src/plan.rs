@@ -314,6 +314,10 @@ pub struct ScheduleInfo {
     /// model's accounting; the executor computes tensor parallelism's values).
     #[serde(default, skip_serializing_if = "is_false")]
     pub sequence_parallel: bool,
+    /// Tensor parallelism's collectives overlapped with each layer's computation (the cost
+    /// model's accounting; the executor runs them in line).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub tp_overlap: bool,
     /// ZeRO's sharding across each replicated stage's data-parallel replicas: the streams
     /// reduce-scatter its gradients (`gradient_shard`), update the shard (`step_shard`)
     /// and, at stages 1 and 2, all-gather the weights (`weights`); at stage 3 each pass
