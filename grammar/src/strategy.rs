@@ -249,39 +249,30 @@ pub fn recompute_beyond(stage: usize, stages: usize, at: Span, layout: Span) -> 
 
 /// `sequence_parallel`: a boolean, and only with tensor parallelism (E0413).
 fn lower_sequence_parallel(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>) -> Option<bool> {
-    let Some(n) = f.get("sequence_parallel") else { return Some(false) };
-    let on = cx.boolean(n)?;
-    if on && tp == Some(1) {
-        cx.push(
-            Diagnostic::error(
-                "E0413",
-                "sequence parallelism splits what tensor parallelism leaves whole, and `tp` is 1",
-                n.span,
-                "needs `tp` > 1",
-            )
-            .with_help(
-                "set `tp` to the tensor-parallel degree (2 to the devices of a node), or remove `sequence_parallel`",
-            ),
-        );
-        return None;
-    }
-    Some(on)
+    let message = "sequence parallelism splits what tensor parallelism leaves whole, and `tp` is 1";
+    lower_tensor_parallel_flag(cx, f, tp, ("sequence_parallel", "E0413", message))
 }
 
 /// `tp_overlap`: a boolean, and only with tensor parallelism (E0423).
 fn lower_tp_overlap(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>) -> Option<bool> {
-    let Some(n) = f.get("tp_overlap") else { return Some(false) };
+    let message = "`tp_overlap` overlaps tensor parallelism's collectives, and `tp` is 1: there are none";
+    lower_tensor_parallel_flag(cx, f, tp, ("tp_overlap", "E0423", message))
+}
+
+/// A boolean `key` that means something only with tensor parallelism: `code` with `message`
+/// where it is true and `tp` is 1.
+fn lower_tensor_parallel_flag(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    tp: Option<usize>,
+    (key, code, message): (&str, &'static str, &str),
+) -> Option<bool> {
+    let Some(n) = f.get(key) else { return Some(false) };
     let on = cx.boolean(n)?;
     if on && tp == Some(1) {
-        cx.push(
-            Diagnostic::error(
-                "E0423",
-                "`tp_overlap` overlaps tensor parallelism's collectives, and `tp` is 1: there are none",
-                n.span,
-                "needs `tp` > 1",
-            )
-            .with_help("set `tp` to the tensor-parallel degree (2 to the devices of a node), or remove `tp_overlap`"),
-        );
+        cx.push(Diagnostic::error(code, message, n.span, "needs `tp` > 1").with_help(format!(
+            "set `tp` to the tensor-parallel degree (2 to the devices of a node), or remove `{key}`"
+        )));
         return None;
     }
     Some(on)
