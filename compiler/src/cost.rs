@@ -283,8 +283,10 @@ struct Priced {
     selective: f64,
 }
 
-/// Prices one layer's passes on one rank.
-fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Priced {
+/// Prices one layer's passes on one rank: `first` is the model's first layer, whose input
+/// is data — its backward computes no input gradient (autograd skips it; so does the
+/// executor); `last` adds the loss.
+fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostContext<'_>) -> Priced {
     let b = device_samples(cx);
     let p = cx.precision.bytes() as f64;
     let new = || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0 };
@@ -301,15 +303,19 @@ fn price(node: &OpNode, split: TpSplit, last: bool, cx: &CostContext<'_>) -> Pri
                 + i * o / t
                 + rows * o / if matches!(split, TpSplit::Column | TpSplit::Vocab) { t } else { 1.0 };
             fwd.matrix(flops, values);
-            // the input gradient and the weight gradient
-            bwd.matrix(flops, values);
+            // the input gradient (not for the model's input) and the weight gradient
+            if !first {
+                bwd.matrix(flops, values);
+            }
             bwd.matrix(flops, values);
         }
         Op::Conv2d { in_channels, out_channels, kernel, .. } => {
             let flops = forward_flops(node) * b;
             let weights = (in_channels * out_channels * kernel * kernel) as f64;
             fwd.matrix(flops, inp + weights + out);
-            bwd.matrix(flops, inp + weights + out);
+            if !first {
+                bwd.matrix(flops, inp + weights + out);
+            }
             bwd.matrix(flops, inp + weights + out);
         }
         Op::Lstm { input, hidden } => {
@@ -687,7 +693,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
         .enumerate()
         .map(|(i, ((_, node), split))| {
             let last = i + 1 == count;
-            let priced = price(node, split, last, cx);
+            let priced = price(node, split, (i == 0, last), cx);
             let (tp_forward, tp_backward) = tp_collectives(node, split, cx);
             let t = if split == TpSplit::Replicated { 1 } else { cx.tp };
             let sp = cx.sequence_parallel && split == TpSplit::Block;
@@ -837,6 +843,39 @@ mod tests {
     }
 
     #[test]
+    fn the_models_first_layer_computes_no_input_gradient() {
+        // a FLOP-rate device: a linear layer's backward is its two products, the first
+        // layer's (whose input is data) only the weight gradient's; a convolution's too
+        let device = DeviceModel::uniform("x", 1e9, 1e9);
+        let cx = CostContext {
+            device: &device,
+            precision: Precision::Fp32,
+            grad_precision: Precision::Fp32,
+            optimizer: OptimizerKind::Sgd,
+            loss: Loss::Mse,
+            microbatch: 4,
+            tp: 1,
+            ep: 1,
+            cp: 1,
+            sequence_parallel: false,
+            attention: Attention::Standard,
+            overhead: 0.0,
+        };
+        let linear = node(Op::Linear { in_features: 64, out_features: 32, bias: true }, vec![64]);
+        let conv = node(
+            Op::Conv2d { in_channels: 3, out_channels: 8, kernel: 3, stride: 1, padding: 1, bias: true },
+            vec![3, 16, 16],
+        );
+        for layer in [linear, conv] {
+            let later = price(&layer, TpSplit::Replicated, (false, false), &cx);
+            let first = price(&layer, TpSplit::Replicated, (true, false), &cx);
+            assert!((later.backward - 2.0 * later.forward).abs() < 1e-15, "{}", later.backward);
+            assert!((first.backward - later.forward).abs() < 1e-15, "{}", first.backward);
+            assert_eq!(first.forward, later.forward);
+        }
+    }
+
+    #[test]
     fn a_measured_function_rate_prices_its_elements_and_an_unmeasured_one_its_flops() {
         // a CPU-like device: 1e10 FLOP/s element-wise, 1e10 B/s, 1 µs launch
         let mut device = DeviceModel::uniform("cpu", 1e9, 1e10);
@@ -860,32 +899,32 @@ mod tests {
         let gelu = node(Op::Gelu, vec![1000]);
         let elements = 4.0 * 1000.0;
         // unmeasured: 8 FLOPs per element at the vector rate, beside 8 bytes per element
-        let flops = price(&gelu, TpSplit::Replicated, false, &cx(&device));
+        let flops = price(&gelu, TpSplit::Replicated, (false, false), &cx(&device));
         assert!((flops.forward - (1e-6 + 8.0 * elements / 1e10)).abs() < 1e-15, "{}", flops.forward);
         // measured at 3.8e7 elements/s (this machine's erf-based GELU): its elements at that
         // rate, forward and backward (GELU's gradient evaluates it again)
         device.functions.gelu = 3.8e7;
-        let measured = price(&gelu, TpSplit::Replicated, false, &cx(&device));
+        let measured = price(&gelu, TpSplit::Replicated, (false, false), &cx(&device));
         assert!((measured.forward - (1e-6 + elements / 3.8e7)).abs() < 1e-15, "{}", measured.forward);
         assert!((measured.backward - (1e-6 + elements / 3.8e7)).abs() < 1e-15, "{}", measured.backward);
         // tanh's gradient reads its output: only its forward takes the measured rate
         device.functions.tanh = 5e7;
-        let tanh = price(&node(Op::Tanh, vec![1000]), TpSplit::Replicated, false, &cx(&device));
+        let tanh = price(&node(Op::Tanh, vec![1000]), TpSplit::Replicated, (false, false), &cx(&device));
         assert!((tanh.forward - (1e-6 + elements / 5e7)).abs() < 1e-15, "{}", tanh.forward);
         assert!(tanh.backward < 1e-5, "{}", tanh.backward);
         // measured gradients (`pipec calibrate` times them through autodiff) price the
         // backwards: GELU's at its own rate instead of its function's, tanh's too
         (device.functions.gelu_grad, device.functions.tanh_grad) = (2.5e7, 8e7);
-        let measured = price(&gelu, TpSplit::Replicated, false, &cx(&device));
+        let measured = price(&gelu, TpSplit::Replicated, (false, false), &cx(&device));
         assert!((measured.backward - (1e-6 + elements / 2.5e7)).abs() < 1e-15, "{}", measured.backward);
-        let tanh = price(&node(Op::Tanh, vec![1000]), TpSplit::Replicated, false, &cx(&device));
+        let tanh = price(&node(Op::Tanh, vec![1000]), TpSplit::Replicated, (false, false), &cx(&device));
         assert!((tanh.backward - (1e-6 + elements / 8e7)).abs() < 1e-15, "{}", tanh.backward);
         // and a block's MLP activation: its backward grows by the GELU gradient's time
         // over its 4 × 64 × 256 values, beyond GELU's function time
         let block = node(Op::block(64, 4, 256, true), vec![64, 64]);
-        let with_grad = price(&block, TpSplit::Replicated, false, &cx(&device));
+        let with_grad = price(&block, TpSplit::Replicated, (false, false), &cx(&device));
         device.functions.gelu_grad = 0.0;
-        let without = price(&block, TpSplit::Replicated, false, &cx(&device));
+        let without = price(&block, TpSplit::Replicated, (false, false), &cx(&device));
         let ef = 4.0 * 64.0 * 256.0;
         let expected = ef / 2.5e7 - ef / 3.8e7;
         assert!(
@@ -904,7 +943,7 @@ mod tests {
             let mut d = device.clone();
             d.attention =
                 fit.map(|(f, b)| pipec_plan::device::AttentionRates { forward: fixed(f), backward: fixed(b) });
-            price(&block, TpSplit::Replicated, false, &CostContext { attention, ..cx(&d) })
+            price(&block, TpSplit::Replicated, (false, false), &CostContext { attention, ..cx(&d) })
         };
         let (none, some) = (
             with(&device, Some((0.0, 0.0)), Attention::Standard),
@@ -921,9 +960,9 @@ mod tests {
         // a block's softmax and GELU take the measured rates: slower than by their FLOPs
         let block = node(Op::block(64, 4, 256, true), vec![64, 64]);
         device.functions.exp = 2.7e8;
-        let slow = price(&block, TpSplit::Replicated, false, &cx(&device));
+        let slow = price(&block, TpSplit::Replicated, (false, false), &cx(&device));
         device.functions = Default::default();
-        let fast = price(&block, TpSplit::Replicated, false, &cx(&device));
+        let fast = price(&block, TpSplit::Replicated, (false, false), &cx(&device));
         assert!(slow.forward > fast.forward && slow.backward > fast.backward);
     }
 
@@ -949,9 +988,9 @@ mod tests {
         };
         let n = node(Op::llama_block(4096, 32, 8, 14336), vec![8192, 4096]);
         for attention in [Attention::Standard, Attention::Flash] {
-            let whole = price(&n, TpSplit::Replicated, false, &cx(4, 1, attention));
-            let member = price(&n, TpSplit::Replicated, false, &cx(4, 4, attention));
-            let one_sample = price(&n, TpSplit::Replicated, false, &cx(1, 1, attention));
+            let whole = price(&n, TpSplit::Replicated, (false, false), &cx(4, 1, attention));
+            let member = price(&n, TpSplit::Replicated, (false, false), &cx(4, 4, attention));
+            let one_sample = price(&n, TpSplit::Replicated, (false, false), &cx(1, 1, attention));
             assert!((member.forward - one_sample.forward).abs() <= 1e-12 * whole.forward);
             assert!((member.backward - whole.backward / 4.0).abs() <= 1e-9 * whole.backward);
         }
@@ -1053,8 +1092,10 @@ mod tests {
         assert_eq!(ep_collectives(&n, false, 1, &cx(1)), (Vec::new(), Vec::new()));
         // uniform routing: each member computes its expert on the group's tokens for it —
         // as many expert-token pairs as without expert parallelism, the same time here
-        let (one, eight) =
-            (price(&n, TpSplit::Replicated, false, &cx(1)), price(&n, TpSplit::Replicated, false, &cx(8)));
+        let (one, eight) = (
+            price(&n, TpSplit::Replicated, (false, false), &cx(1)),
+            price(&n, TpSplit::Replicated, (false, false), &cx(8)),
+        );
         assert!((one.forward - eight.forward).abs() < 1e-12 * one.forward, "{} vs {}", one.forward, eight.forward);
         assert!((one.backward - eight.backward).abs() < 1e-12 * one.backward);
         // the busiest expert at twice the mean share: under ep 8 its member computes twice
@@ -1065,10 +1106,10 @@ mod tests {
         }
         let skewed = node(op.clone(), vec![4096, 4096]);
         let mlp_forward = 2.0 * rows * 3.0 * 4096.0 * 14336.0 / 1e12;
-        let ep_skewed = price(&skewed, TpSplit::Replicated, false, &cx(8));
+        let ep_skewed = price(&skewed, TpSplit::Replicated, (false, false), &cx(8));
         let added = ep_skewed.forward - eight.forward;
         assert!(added > mlp_forward && added < 1.001 * mlp_forward, "{added} vs {mlp_forward}");
-        let local_skewed = price(&skewed, TpSplit::Replicated, false, &cx(1));
+        let local_skewed = price(&skewed, TpSplit::Replicated, (false, false), &cx(1));
         assert!((local_skewed.forward - one.forward).abs() < 1e-9 * one.forward);
         // and receives twice the rows: the all-to-all's bytes follow the busiest member
         let (f, _) = ep_collectives(&skewed, false, 1, &cx(8));

@@ -6,12 +6,15 @@ use pipec_plan::{DeviceId, Instr};
 use proptest::prelude::*;
 
 /// A spec of `layers` equal linear layers on `devices` devices with free communication, so
-/// the simulated bubble is the schedule's own.
+/// the simulated bubble is the schedule's own. A free `flatten` reads the input, so that the
+/// first linear layer computes its input gradient as every other one does (the model's first
+/// layer does not) and the stages are equal.
 fn spec(devices: usize, microbatches: usize, schedule: &str, layers: usize, stages: &str) -> String {
     format!(
         "model:
   input: [64]
   layers:
+    - flatten
     - repeat {layers}: linear(64, 64)
   loss: mse
 cluster:
@@ -758,7 +761,7 @@ proptest! {
         let c = build(&spec(d, n, &schedule, layers, "straight"));
         prop_assert!(verify_plan(&c, &c.plan.streams).is_empty());
         // every device finishes and every layer is in exactly one stage
-        let mut covered = vec![0; layers];
+        let mut covered = vec![0; layers + 1]; // the flatten, then the linear layers
         for s in &c.plan.stages {
             for c in &mut covered[s.layers[0]..s.layers[1]] {
                 *c += 1;
