@@ -775,6 +775,25 @@ mod tests {
     use super::*;
     use pipec_plan::model::Source;
 
+    /// An fp32 SGD context on `device`: microbatch 4, cross-entropy, nothing split or
+    /// overlapped, standard attention; tests override what they vary.
+    fn context(device: &DeviceModel) -> CostContext<'_> {
+        CostContext {
+            device,
+            precision: Precision::Fp32,
+            grad_precision: Precision::Fp32,
+            optimizer: OptimizerKind::Sgd,
+            loss: Loss::CrossEntropy,
+            microbatch: 4,
+            tp: 1,
+            ep: 1,
+            cp: 1,
+            sequence_parallel: false,
+            attention: Attention::Standard,
+            overhead: 0.0,
+        }
+    }
+
     fn node(op: Op, input: Vec<usize>) -> OpNode {
         let output = op.output_shape(&input).expect("valid shape");
         OpNode { op, label: None, inputs: vec![Source::Input], input_shape: input, output_shape: output, tied: None }
@@ -847,20 +866,7 @@ mod tests {
         // a FLOP-rate device: a linear layer's backward is its two products, the first
         // layer's (whose input is data) only the weight gradient's; a convolution's too
         let device = DeviceModel::uniform("x", 1e9, 1e9);
-        let cx = CostContext {
-            device: &device,
-            precision: Precision::Fp32,
-            grad_precision: Precision::Fp32,
-            optimizer: OptimizerKind::Sgd,
-            loss: Loss::Mse,
-            microbatch: 4,
-            tp: 1,
-            ep: 1,
-            cp: 1,
-            sequence_parallel: false,
-            attention: Attention::Standard,
-            overhead: 0.0,
-        };
+        let cx = context(&device);
         let linear = node(Op::Linear { in_features: 64, out_features: 32, bias: true }, vec![64]);
         let conv = node(
             Op::Conv2d { in_channels: 3, out_channels: 8, kernel: 3, stride: 1, padding: 1, bias: true },
@@ -880,22 +886,7 @@ mod tests {
         // a CPU-like device: 1e10 FLOP/s element-wise, 1e10 B/s, 1 µs launch
         let mut device = DeviceModel::uniform("cpu", 1e9, 1e10);
         (device.memory_bandwidth, device.launch) = (1e10, 1e-6);
-        fn cx(device: &DeviceModel) -> CostContext<'_> {
-            CostContext {
-                device,
-                precision: Precision::Fp32,
-                grad_precision: Precision::Fp32,
-                optimizer: OptimizerKind::Sgd,
-                loss: Loss::CrossEntropy,
-                microbatch: 4,
-                tp: 1,
-                ep: 1,
-                cp: 1,
-                sequence_parallel: false,
-                attention: Attention::Standard,
-                overhead: 0.0,
-            }
-        }
+        let cx = context;
         let gelu = node(Op::Gelu, vec![1000]);
         let elements = 4.0 * 1000.0;
         // unmeasured: 8 FLOPs per element at the vector rate, beside 8 bytes per element
@@ -973,18 +964,12 @@ mod tests {
         // queries against all 8192 keys — exactly what a quarter of the samples would cost
         let device = DeviceModel::uniform("x", 1e12, 1e12);
         let cx = |microbatch: usize, cp: usize, attention: Attention| CostContext {
-            device: &device,
             precision: Precision::Bf16,
-            grad_precision: Precision::Fp32,
             optimizer: OptimizerKind::Adam,
-            loss: Loss::CrossEntropy,
             microbatch,
-            tp: 1,
-            ep: 1,
             cp,
-            sequence_parallel: false,
             attention,
-            overhead: 0.0,
+            ..context(&device)
         };
         let n = node(Op::llama_block(4096, 32, 8, 14336), vec![8192, 4096]);
         for attention in [Attention::Standard, Attention::Flash] {
@@ -1068,18 +1053,12 @@ mod tests {
         // a uniform device (every FLOP at one rate, no size effect, no memory bound)
         let device = DeviceModel::uniform("x", 1e12, 1e12);
         let cx = |ep: usize| CostContext {
-            device: &device,
             precision: Precision::Bf16,
-            grad_precision: Precision::Fp32,
             optimizer: OptimizerKind::Adam,
-            loss: Loss::CrossEntropy,
             microbatch: 1,
-            tp: 1,
             ep,
-            cp: 1,
-            sequence_parallel: false,
             attention: Attention::Flash,
-            overhead: 0.0,
+            ..context(&device)
         };
         let n = node(op.clone(), vec![4096, 4096]);
         // dispatch and combine, forward and backward: each member's 4096 tokens' 2 choices,

@@ -187,16 +187,12 @@ impl Candidate {
             Sharding::None => String::new(),
             s => format!(", zero: {}", s.level()),
         };
-        let sp = match (self.sequence_parallel, self.tp_overlap) {
-            (false, false) => "",
-            (true, false) => ", sequence_parallel: true",
-            (false, true) => ", tp_overlap: true",
-            (true, true) => ", sequence_parallel: true, tp_overlap: true",
-        };
+        let sp = if self.sequence_parallel { ", sequence_parallel: true" } else { "" };
+        let overlap_tp = if self.tp_overlap { ", tp_overlap: true" } else { "" };
         let ep = if self.ep > 1 { format!(", ep: {}", self.ep) } else { String::new() };
         let cp = if self.cp > 1 { format!(", cp: {}", self.cp) } else { String::new() };
         format!(
-            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{ep}{cp}{overlap}{bucket} }}",
+            "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{overlap_tp}{ep}{cp}{overlap}{bucket} }}",
             self.tp,
             self.microbatches,
             self.recompute.text()

@@ -379,7 +379,7 @@ pub fn layer_products<B: crate::dense::ExecBackend>(
             Ok(((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds }))
         })
         .collect();
-    B::release_weight_copies();
+    // (time_passes drops the weights' transposed copies before and after each stack)
     points
 }
 
@@ -511,11 +511,7 @@ pub fn attention_passes<B: crate::dense::ExecBackend>(
                     backward.push(t1.elapsed().as_secs_f64());
                 }
             }
-            let median = |mut v: Vec<f64>| {
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            };
-            Ok(((b, s, heads, dh), median(forward), median(backward)))
+            Ok(((b, s, heads, dh), crate::profile::median(forward), crate::profile::median(backward)))
         })
         .collect()
 }

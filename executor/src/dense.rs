@@ -99,8 +99,7 @@ pub trait Kernels: Backend {
     /// The scores' gradient from [`Kernels::attention_softmax`]'s output `p` and its
     /// gradient `dp`: `p ⊙ (dp − rowsum(dp ⊙ p)) / √dh` (by default Burn's operations).
     fn attention_softmax_grad(p: Tensor<Self, 4>, dp: Tensor<Self, 4>, dh: usize) -> Tensor<Self, 4> {
-        let ds = p.clone() * (dp.clone() - (dp * p).sum_dim(3));
-        ds / (dh as f64).sqrt()
+        crate::layers::scores_softmax_grad(p, dp, dh)
     }
 
     /// Attention's core, softmax(q·kᵀ/√dh + the causal mask)·v on [batch, heads, seq, dh],
@@ -157,7 +156,7 @@ impl Kernels for burn::backend::Flex {
         let (pp, dpp) = (p.clone().into_primitive().tensor(), dp.clone().into_primitive().tensor());
         match crate::flex_softmax::backward(&pp, &dpp, divisor) {
             Some(ds) => Tensor::from_primitive(TensorPrimitive::Float(ds)),
-            None => (p.clone() * (dp.clone() - (dp * p).sum_dim(3))) / (dh as f64).sqrt(),
+            None => crate::layers::scores_softmax_grad(p, dp, dh),
         }
     }
 

@@ -351,6 +351,13 @@ pub(crate) fn scores_softmax<B: Backend>(
     activation::softmax(scores, 3)
 }
 
+/// The scores' gradient from [`scores_softmax`]'s output `p` and its gradient `dp`,
+/// `p ⊙ (dp − rowsum(dp ⊙ p)) / √dh`, in Burn's operations
+/// ([`crate::dense::Kernels::attention_softmax_grad`]'s default).
+pub(crate) fn scores_softmax_grad<B: Backend>(p: Tensor<B, 4>, dp: Tensor<B, 4>, dh: usize) -> Tensor<B, 4> {
+    (p.clone() * (dp.clone() - (dp * p).sum_dim(3))) / (dh as f64).sqrt()
+}
+
 /// GELU's tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
 pub(crate) fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     let c = (2.0 / std::f64::consts::PI).sqrt();

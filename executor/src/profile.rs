@@ -19,7 +19,8 @@ use crate::rng::Rng;
 use crate::stage::StageOptim;
 use crate::values::require_grad;
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `v` (the upper one of an even count; 0 for none).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
