@@ -150,6 +150,8 @@ fn expert_parallelism_over_mpi_equals_in_process_exactly() {
     // experts under context parallelism: the capacity and the balancing loss count the
     // whole microbatch's tokens, the members' routing counts exchanged
     equal_to_in_process_for(MOE_LM, "\"1\"\n  cp: 2", 2);
+    // and an expert group drawn from two context-parallel groups' members
+    equal_to_in_process_with(MOE_LM, "\"2\"\n  cp: 2\n  ep: 4", 4, "gpipe");
     equal_to_in_process_with(MOE_LM, "\"4\"\n  ep: 4", 4, "gpipe");
     equal_to_in_process_with(MOE_LM, "\"2-2\"\n  ep: 2", 4, "dualpipev");
     equal_to_in_process_with(MOE_LM, "\"2-2\"\n  ep: 2", 4, "dualpipe");

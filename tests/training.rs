@@ -1024,6 +1024,38 @@ fn context_parallel_mixtures_of_experts_equal_one_device() {
 }
 
 #[test]
+fn expert_groups_drawn_from_context_parallel_members_equal_one_device() {
+    // `ep` over a stage's data- and context-parallel members together: a context-parallel
+    // group that is also the expert group, an expert group spanning two context-parallel
+    // groups (members exchanging chunks of different microbatches), on a pipeline, beside
+    // ZeRO-3 and beside tensor parallelism — one device's losses, balancing losses and
+    // tokens per expert, every step, with a capacity counted over the whole sequence
+    let layers = "- embedding(20, 16) as tokens\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=4, top_k=2, shared_experts=1, capacity=0.8, aux_loss=0.05)\n    - rmsnorm\n    - linear(16, 20, bias=false, tie=tokens)";
+    let job = |devices, stages, schedule| Job { devices, stages, schedule, optimizer: ADAM, layers, ..Job::default() };
+    let reference = train(&plan(&job(1, "\"1\"", "gpipe")));
+    for (devices, stages, schedule) in [
+        (2, "\"1\"\n  cp: 2\n  ep: 2", "gpipe"),
+        (4, "\"2\"\n  cp: 2\n  ep: 4", "1f1b"),
+        (4, "\"1-1\"\n  cp: 2\n  ep: 2", "1f1b"),
+        (4, "\"2\"\n  cp: 2\n  ep: 4\n  zero: 3", "gpipe"),
+    ] {
+        let p = plan(&job(devices, stages, schedule));
+        assert!(p.training.context_parallel > 1 && p.stages.iter().all(|s| s.expert_parallel > 1), "{stages}");
+        assert_same_experts(&reference, &train(&p), &format!("{schedule} {stages}"));
+    }
+    // beside tensor parallelism too (whose experts take no balancing loss yet)
+    let layers = layers.replace(", aux_loss=0.05", "");
+    let job = |devices, stages| Job { devices, stages, optimizer: ADAM, layers: &layers, ..Job::default() };
+    let reference = train(&plan(&job(1, "\"1\"")));
+    let got = train(&plan(&job(4, "\"1\"\n  cp: 2\n  tp: 2\n  ep: 2")));
+    assert_eq!(reference.steps.len(), got.steps.len());
+    for (a, b) in reference.steps.iter().zip(&got.steps) {
+        assert!((a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(), "step {}: {} vs {}", a.step, a.loss, b.loss);
+        assert_eq!(a.expert_tokens, b.expert_tokens, "step {}", a.step);
+    }
+}
+
+#[test]
 fn llama_blocks_split_over_tensor_parallel_ranks_equal_one_device() {
     // grouped-query attention (4 query heads share 2 key/value heads, one per rank), rotary
     // embeddings, RMSNorm, a SwiGLU MLP whose gate and up columns split together, no biases;

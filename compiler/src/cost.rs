@@ -593,7 +593,8 @@ fn ep_collectives(node: &OpNode, sp: bool, t: usize, cx: &CostContext<'_>) -> (C
     };
     let s = node.input_shape.first().copied().unwrap_or(1) as f64;
     let h = node.input_shape.last().copied().unwrap_or(1) as f64;
-    let tokens = cx.microbatch.max(1) as f64 * s;
+    // a member's tokens (context parallelism: its positions of the microbatch)
+    let tokens = device_samples(cx) * s;
     let rows = m.routed_pairs(tokens).max(m.busiest_device_pairs(tokens, ep) * ep as f64);
     let share = if sp { t.max(1) as f64 } else { 1.0 };
     let bytes = (rows * h * cx.precision.bytes() as f64 / share) as u64;
@@ -1069,6 +1070,10 @@ mod tests {
         assert_eq!(f, vec![(CollectiveKind::AllToAll, a2a); 2]);
         assert_eq!(b, f);
         assert_eq!(ep_collectives(&n, false, 1, &cx(1)), (Vec::new(), Vec::new()));
+        // beside context parallelism 2 (microbatches of 2 samples): a member routes its
+        // half of the positions, the same 4096 tokens
+        let cp2 = CostContext { microbatch: 2, cp: 2, ..cx(8) };
+        assert_eq!(ep_collectives(&n, false, 1, &cp2), (f.clone(), f.clone()));
         // uniform routing: each member computes its expert on the group's tokens for it —
         // as many expert-token pairs as without expert parallelism, the same time here
         let (one, eight) = (

@@ -415,17 +415,18 @@ fn shardable(c: &Candidate, options: &SearchOptions) -> bool {
     replicated && c.sharding == Sharding::None && options.sharding.is_none()
 }
 
-/// The expert-parallel degrees to try on `layout`: the written one, or for a model with
-/// expert blocks (`experts`: each block's count) every degree dividing every stage's
-/// replicas and every block's experts, under a schedule whose replicas run their passes
+/// The expert-parallel degrees to try on a layout of `members` per stage (its replicas
+/// times the context-parallel degree): the written one, or for a model with expert blocks
+/// (`experts`: each block's count) every degree dividing every stage's members and every
+/// block's experts, under a schedule whose replicas run their passes
 /// together (one update per step: the front end's E0417–E0419).
 fn expert_degrees(
     experts: &[usize],
     options: &SearchOptions,
-    layout: Option<&[usize]>,
+    members: Option<&[usize]>,
     schedule: ScheduleKind,
 ) -> Vec<usize> {
-    let Some(l) = layout else { return vec![options.ep.unwrap_or(1)] };
+    let Some(l) = members else { return vec![options.ep.unwrap_or(1)] };
     let together = schedule.updates_per_step();
     let fits = |e: usize| {
         e == 1 || (together && l.iter().all(|r| r.is_multiple_of(e)) && experts.iter().all(|x| x.is_multiple_of(e)))
@@ -541,12 +542,14 @@ fn candidates(
                 Some(n) => vec![n],
                 None => divisors(batch).filter(|n| n.is_multiple_of(dp)).collect(),
             };
+            // a stage's expert groups are drawn from its data- and context-parallel members
+            let members: Option<Vec<usize>> = layout.as_ref().map(|l| l.iter().map(|r| r * cp).collect());
             // context parallelism's groups run every pass together (the front end's E0422)
             let schedules = schedules
                 .into_iter()
                 .filter(|(k, _)| cp == 1 || k.context_parallel_obstacle(pipec_plan::vocab::SyncMode::Bsp).is_none());
             for (schedule, chunks) in schedules {
-                for ep in expert_degrees(&expert_counts, options, layout.as_deref(), schedule) {
+                for ep in expert_degrees(&expert_counts, options, members.as_deref(), schedule) {
                     for &microbatches in &counts {
                         for recompute in &recomputes {
                             let mut c = Candidate {

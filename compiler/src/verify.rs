@@ -693,23 +693,6 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
 fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     let p = input.placement;
     let cp = input.context_parallel.max(1);
-    let ep_of = |s: usize| if cp > 1 { cp } else { input.expert_parallel.get(s).copied().unwrap_or(1).max(1) };
-    let exchange = if cp > 1 { "context-parallel exchange" } else { "expert-parallel all-to-all" };
-    // (stage, microbatch) → its position among the microbatches its replica runs (context
-    // parallelism: the microbatch whose chunk it is)
-    let local: FxHashMap<(usize, usize), usize> = (0..p.stages())
-        .filter(|&s| ep_of(s) > 1)
-        .flat_map(|s| {
-            let mut seen: FxHashMap<DeviceId, usize> = FxHashMap::default();
-            (0..p.microbatches)
-                .map(|m| {
-                    let k = seen.entry(p.device_of(s, m)).or_insert(0);
-                    *k += 1;
-                    ((s, m), if cp > 1 { m / cp } else { *k - 1 })
-                })
-                .collect::<Vec<_>>()
-        })
-        .collect();
     if cp > 1 {
         // chunk c of every microbatch on the member at position c of its group
         for s in 0..p.stages() {
@@ -731,7 +714,42 @@ fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                 }
             }
         }
+        check_groups_in_step(input, out, &|_| cp, true, "context-parallel exchange");
     }
+    // expert groups (beside context-parallel ones: their members may run chunks of
+    // different microbatches, matched by their place in each member's run)
+    let ep_of = |s: usize| input.expert_parallel.get(s).copied().unwrap_or(1).max(1);
+    check_groups_in_step(input, out, &ep_of, false, "expert-parallel all-to-all");
+}
+
+/// The groups of `size_of(stage)` replicas (`ChunkPlacement::expert_group`) run the passes
+/// of their stages whose groups have more than one member in the same order: the same
+/// stage and kind of pass at each position, on the same microbatch (`chunked`: context
+/// parallelism's chunks of one) or else on each member's k-th microbatch of the stage.
+fn check_groups_in_step(
+    input: &VerifyInput<'_>,
+    out: &mut Vec<Violation>,
+    size_of: &dyn Fn(usize) -> usize,
+    chunked: bool,
+    exchange: &str,
+) {
+    let p = input.placement;
+    let cp = input.context_parallel.max(1);
+    // (stage, microbatch) → its position among the microbatches its replica runs (context
+    // parallelism: the microbatch whose chunk it is)
+    let local: FxHashMap<(usize, usize), usize> = (0..p.stages())
+        .filter(|&s| size_of(s) > 1)
+        .flat_map(|s| {
+            let mut seen: FxHashMap<DeviceId, usize> = FxHashMap::default();
+            (0..p.microbatches)
+                .map(|m| {
+                    let k = seen.entry(p.device_of(s, m)).or_insert(0);
+                    *k += 1;
+                    ((s, m), if chunked { m / cp } else { *k - 1 })
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
     let exchanges = |d: DeviceId| -> Vec<(usize, (StageId, u8, usize))> {
         let Some(stream) = input.streams.get(&d) else { return Vec::new() };
         stream
@@ -745,21 +763,21 @@ fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     _ => return None,
                 };
                 let s = stage.0 as usize;
-                (ep_of(s) > 1)
+                (size_of(s) > 1)
                     .then(|| (i, (stage, kind, local.get(&(s, mb.0 as usize)).copied().unwrap_or(usize::MAX))))
             })
             .collect()
     };
     let mut checked: FxHashSet<Vec<DeviceId>> = FxHashSet::default();
-    for s in (0..p.stages()).filter(|&s| ep_of(s) > 1) {
+    for s in (0..p.stages()).filter(|&s| size_of(s) > 1) {
         for i in 0..p.replicas[s].len() {
-            let (indices, _) = input.chunks.expert_group(i, ep_of(s));
+            let (indices, _) = input.chunks.expert_group(i, size_of(s));
             let Some(group) = indices.iter().map(|&j| p.replicas[s].get(j).copied()).collect::<Option<Vec<DeviceId>>>()
             else {
                 out.push(Violation {
                     device: None,
                     index: None,
-                    message: format!("{}: its replicas do not form groups of {}", StageId(s as u32), ep_of(s)),
+                    message: format!("{}: its replicas do not form groups of {}", StageId(s as u32), size_of(s)),
                 });
                 continue;
             };

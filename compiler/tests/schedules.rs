@@ -547,6 +547,28 @@ fn a_context_parallel_member_out_of_step_or_on_the_wrong_chunk_is_named() {
     assert!(found.iter().any(|v| v.contains("is not at position 0 of a context-parallel group of 2")), "{found:#?}");
 }
 
+/// An expert group drawn from two context-parallel groups: its members run chunks of
+/// different microbatches, matched by their place in each member's run. A context-parallel
+/// group that runs its two microbatches in the other order — in step with itself, out of
+/// step with the expert group's other members — is named by the expert check.
+#[test]
+fn an_expert_group_across_context_parallel_groups_is_checked_in_step() {
+    let spec = moe_spec(4, 4, "gpipe", "\"2\"", 4).replace("  ep: 4\n", "  ep: 4\n  cp: 2\n");
+    let c = build(&spec);
+    assert_eq!((c.plan.training.context_parallel, c.plan.stages[0].expert_parallel), (2, 4));
+    assert!(verify_plan(&c, &c.plan.streams).is_empty());
+    let mut streams = c.plan.streams.clone();
+    for d in [2, 3] {
+        let s = streams.get_mut(&DeviceId(d)).expect("a member of the second context-parallel group");
+        let forwards: Vec<usize> = (0..s.len()).filter(|&i| matches!(s[i], Instr::Forward { .. })).collect();
+        assert_eq!(forwards.len(), 2, "its chunks of the replica's two microbatches");
+        s.swap(forwards[0], forwards[1]);
+    }
+    let found = verify_plan(&c, &streams);
+    assert!(found.iter().any(|v| v.contains("expert-parallel all-to-all 0 of d2")), "{found:#?}");
+    assert!(!found.iter().any(|v| v.contains("context-parallel exchange")), "{found:#?}");
+}
+
 /// The expert-parallel check itself: a member that runs its two forwards of an expert
 /// stage in the other order — data flow and messages still sound — is named by it.
 #[test]

@@ -146,6 +146,41 @@ fn the_search_tries_context_parallelism_when_asked() {
     );
 }
 
+/// Expert parallelism beside context parallelism: the expert groups are drawn from a
+/// stage's data- and context-parallel members, so on two devices split along the sequence
+/// the search also tries `ep: 2`, plans it, and its text compiles to that plan.
+#[test]
+fn the_search_draws_expert_groups_from_context_parallel_members() {
+    let text = language_model()
+        .replace("input: [16]", "input: [512]")
+        .replace("d=32, heads=2, ff=64, causal=true)", "d=32, heads=2, ff=64, causal=true, experts=4, top_k=2)")
+        .replace("nodes: 2\n", "nodes: 1\n")
+        .replace("devices_per_node: 4", "devices_per_node: 2")
+        .replace("batch_size: 16", "batch_size: 2")
+        .replace("  stages: straight\n  schedule: 1f1b\n  microbatches: 4\n", "  cp: auto\n");
+    let spec = pipec_grammar::check_source(&text).spec.unwrap_or_else(|| panic!("valid:\n{text}"));
+    let options = CompileOptions::default();
+    let auto = spec.strategy.auto.clone().expect("a search");
+    let search_options = SearchOptions { exhaustive: true, ..SearchOptions::from_spec(&spec, &auto) };
+    let all = search(&text, &spec, &options, &search_options);
+    let pairs: std::collections::BTreeSet<(usize, usize)> = all.candidates.iter().map(|c| (c.cp, c.ep)).collect();
+    assert!(pairs.contains(&(2, 2)) && pairs.contains(&(1, 2)), "{pairs:?}");
+    let both = all
+        .candidates
+        .iter()
+        .find(|c| c.cp == 2 && c.ep == 2 && matches!(c.outcome, Outcome::Planned(_)))
+        .unwrap_or_else(|| {
+            let tried: Vec<String> =
+                all.candidates.iter().map(|c| format!("{} {:?}", c.strategy(), c.outcome)).collect();
+            panic!("no planned candidate with cp 2 and ep 2: {tried:#?}")
+        });
+    let Outcome::Planned(p) = &both.outcome else { unreachable!() };
+    let chosen = pipec_grammar::check_source(&with_strategy(&text, &spec, &both.strategy())).spec.expect("valid");
+    let plan = compile(&chosen, &options).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan;
+    assert_eq!((plan.training.context_parallel, plan.stages[0].expert_parallel), (2, 2));
+    assert!((plan.simulation.step_time_s - p.step_s).abs() <= 1e-6 * p.step_s);
+}
+
 #[test]
 fn the_search_finds_the_brute_forces_best_and_no_simulation_beats_its_bound() {
     for (what, text) in cases() {

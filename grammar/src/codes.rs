@@ -394,7 +394,7 @@ they must run every forward and backward together, and they sum their gradients 
 data-parallel replicas' once per step. Schedules whose replicas update on their own clock
 (PipeDream, 2BW, asynchronous data parallelism) cannot be context-parallel; nor yet can
 schedules that place two copies of a stage per pipeline (Chimera, DualPipe, DualPipeV,
-ZB-V), nor expert parallelism. Use `gpipe`, `1f1b`, `interleaved`, `zb-h1` or `dp-only`,
+ZB-V). Use `gpipe`, `1f1b`, `interleaved`, `zb-h1` or `dp-only`,
 or remove `cp` (`cp: auto` lets the strategy search pick a degree under the schedules it
 allows).
 

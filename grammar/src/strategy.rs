@@ -175,8 +175,8 @@ pub(crate) fn lower_strategy(
     // ZeRO shards over a stage's data- and context-parallel members together
     let members: Vec<usize> = layout.replicas.iter().map(|r| r * cp).collect();
     let mut ok = check_sharding(cx, &f, sharding, &members, Some(&schedule));
-    ok &= check_expert_parallelism(cx, &f, ep, model, Some(&layout.replicas), Some(&schedule));
-    ok &= check_context_parallelism(cx, &f, cp, model, Some(&schedule), ep);
+    ok &= check_expert_parallelism(cx, &f, ep, model, Some(&members), cp, Some(&schedule));
+    ok &= check_context_parallelism(cx, &f, cp, model, Some(&schedule));
     let partition_node = f.get("partition");
     // `partition: auto` with no layout written: PipeDream's planner picks the stages and
     // their replication when compiling (at most one per layer); until then the layout is
@@ -521,7 +521,7 @@ fn lower_auto_strategy(
             // when it is written too
             strategy.cp = cx.uint(n, 1)?;
             let schedule = (!auto.schedule).then_some(&strategy.schedule);
-            ok &= check_context_parallelism(cx, f, strategy.cp, model, schedule, if auto.ep { 1 } else { strategy.ep });
+            ok &= check_context_parallelism(cx, f, strategy.cp, model, schedule);
         }
         // `cp: auto`: the search tries the degrees the model allows
         Some(n) => {
@@ -545,14 +545,14 @@ fn lower_auto_strategy(
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
         let members: Vec<usize> = layout.replicas.iter().map(|r| r * strategy.cp).collect();
         ok &= check_sharding(cx, f, strategy.sharding, &members, schedule);
-        ok &= check_expert_parallelism(cx, f, strategy.ep, model, Some(&layout.replicas), schedule);
+        ok &= check_expert_parallelism(cx, f, strategy.ep, model, Some(&members), strategy.cp, schedule);
         strategy.replicas = layout.replicas;
         strategy.layout_span = layout.span;
         strategy.layout_fixed = true;
     }
     if auto.layout {
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
-        ok &= check_expert_parallelism(cx, f, strategy.ep, model, None, schedule);
+        ok &= check_expert_parallelism(cx, f, strategy.ep, model, None, strategy.cp, schedule);
     }
     ok.then_some(strategy)
 }
@@ -562,14 +562,13 @@ fn lower_auto_strategy(
 /// transformer blocks without experts and per-token layers, to a cross-entropy over every
 /// position), a sequence of 2·cp equal chunks (E0421), and groups whose members run every
 /// pass together: a synchronous schedule that updates once per step with one copy of each
-/// stage per replica, no expert parallelism (E0422).
+/// stage per replica (E0422).
 fn check_context_parallelism(
     cx: &mut Lower<'_>,
     f: &Fields<'_>,
     cp: usize,
     model: Option<&Model>,
     schedule: Option<&crate::ast::Schedule>,
-    ep: usize,
 ) -> bool {
     let Some(at) = f.get("cp").map(|n| n.span) else { return true };
     if cp <= 1 {
@@ -610,15 +609,11 @@ fn check_context_parallelism(
             }
         }
     }
-    let why = if ep > 1 {
-        Some("expert parallelism with context parallelism is not built yet".to_string())
-    } else {
-        schedule.and_then(|s| s.kind.context_parallel_obstacle(s.sync).map(|why| format!("`{}` {why}", s.kind)))
-    };
+    let why = schedule.and_then(|s| s.kind.context_parallel_obstacle(s.sync).map(|why| format!("`{}` {why}", s.kind)));
     if let Some(why) = why {
         cx.push(
             Diagnostic::error("E0422", format!("`cp: {cp}` cannot be combined with this strategy: {why}"), at, "context parallelism")
-                .with_help("use a synchronous schedule with one copy of each stage (gpipe, 1f1b, interleaved, zb-h1, dp-only) without `ep`, or remove `cp`"),
+                .with_help("use a synchronous schedule with one copy of each stage (gpipe, 1f1b, interleaved, zb-h1, dp-only), or remove `cp`"),
         );
         ok = false;
     }
@@ -672,15 +667,17 @@ pub fn context_parallel_obstacle(m: &Model) -> Option<(Span, String)> {
 }
 
 /// `ep`: expert parallelism needs expert blocks whose experts it divides (E0416, E0418),
-/// replicated stages whose replicas (pipeline pairs, under Chimera and DualPipe) it divides
-/// (E0417), and replicas that run every pass in step (E0419: an asynchronous schedule's
+/// replicated stages whose `members` (replicas times `cp`: expert groups are drawn from a
+/// stage's data- and context-parallel members; pipeline pairs under Chimera and DualPipe)
+/// it divides (E0417), and replicas that run every pass in step (E0419: an asynchronous schedule's
 /// replicas run their passes at different times). Every ZeRO level combines with it.
 fn check_expert_parallelism(
     cx: &mut Lower<'_>,
     f: &Fields<'_>,
     ep: usize,
     model: Option<&Model>,
-    replicas: Option<&[usize]>,
+    members: Option<&[usize]>,
+    cp: usize,
     schedule: Option<&crate::ast::Schedule>,
 ) -> bool {
     let Some(at) = f.get("ep").map(|n| n.span) else { return true };
@@ -722,20 +719,28 @@ fn check_expert_parallelism(
             ok = false;
         }
     }
-    if let Some(r) = replicas.filter(|r| r.iter().any(|&n| n % ep != 0)) {
+    if let Some(r) = members.filter(|r| r.iter().any(|&n| n % ep != 0)) {
         let stage = r.iter().position(|&n| n % ep != 0).unwrap_or(0);
+        let has = if cp > 1 {
+            format!("{} member(s): its replicas times `cp: {cp}`", r[stage])
+        } else {
+            format!("{} replica(s)", r[stage])
+        };
         cx.push(
             Diagnostic::error(
                 "E0417",
-                format!(
-                    "`ep: {ep}` groups each stage's replicas {ep} at a time, and stage {stage} has {} replica(s)",
-                    r[stage]
-                ),
+                format!("`ep: {ep}` groups each stage's replicas {ep} at a time, and stage {stage} has {has}"),
                 at,
                 "expert-parallel groups",
             )
             .with_label(f.key_span("stages").or(f.key_span("dp")).unwrap_or(at), "this layout")
-            .with_help(format!("make every stage's replicas a multiple of {ep} (`dp: {ep}` or more), or lower `ep`")),
+            .with_help(if cp > 1 {
+                // the fewest replicas whose cp-fold members ep divides
+                let need = (1..=ep).find(|n| (n * cp).is_multiple_of(ep)).unwrap_or(ep);
+                format!("make every stage's replicas times {cp} a multiple of {ep} (`dp: {need}` or a multiple of it), or lower `ep`")
+            } else {
+                format!("make every stage's replicas a multiple of {ep} (`dp: {ep}` or more), or lower `ep`")
+            }),
         );
         ok = false;
     }
@@ -743,7 +748,7 @@ fn check_expert_parallelism(
     // DualPipe's two copies of a stage group by direction: `ChunkPlacement::expert_group`)
     let asynchronous = schedule.is_some_and(|s| {
         s.sync == pipec_plan::vocab::SyncMode::Asp
-            || s.kind.updates(replicas.map_or(1, <[usize]>::len)) != pipec_plan::schedule::Updates::PerStep
+            || s.kind.updates(members.map_or(1, <[usize]>::len)) != pipec_plan::schedule::Updates::PerStep
     });
     if asynchronous {
         cx.push(
