@@ -333,8 +333,14 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         ));
     }
     if let Some((d, a2a)) = all_to_all_per_step(plan).into_iter().max_by(|a, b| a.1.total_cmp(&b.1)) {
+        let hidden = sim.devices.iter().find(|x| x.id == d).map_or(0.0, |x| x.overlapped_s);
+        let hidden = if hidden > 0.0 {
+            format!(", {} of it hidden by its overlapped pairs", human_time(hidden))
+        } else {
+            String::new()
+        };
         s.push_str(&format!(
-            "all-to-all on {d}: {} per step inside its passes ({:.1}% of the step)\n",
+            "all-to-all on {d}: {} per step inside its passes ({:.1}% of the step){hidden}\n",
             human_time(a2a),
             if sim.step_time_s > 0.0 { a2a / sim.step_time_s * 100.0 } else { 0.0 }
         ));

@@ -703,3 +703,18 @@ fn zero_beside_expert_parallelism_shards_the_experts_over_the_replicas_holding_t
     let forward = |p: &pipec_plan::Plan| p.simulation.devices[0].by_phase.get("forward").copied().unwrap_or(0.0);
     assert!(forward(&p) > forward(&plan(2)), "zero 3 waits for gathers in its forwards");
 }
+
+#[test]
+fn pipec_run_says_that_dualpipes_overlap_of_all_to_alls_runs_in_line() {
+    // the plan hides each pair's all-to-alls (DualPipe's overlap); the executor does not
+    let text = std::fs::read_to_string(root().join("specs/moe-tiny.yaml")).expect("spec");
+    let plan = |schedule: &str| {
+        let t = text.replace("  schedule: 1f1b\n", &format!("  schedule: {schedule}\n"));
+        compile_text(&t).into_compiled().unwrap_or_else(|d| panic!("{schedule}: {d:?}")).plan
+    };
+    for schedule in ["dualpipev", "dualpipe"] {
+        let caveats = pipec_executor::caveats(&plan(schedule));
+        assert!(caveats.iter().any(|c| c.contains(schedule) && c.contains("all-to-alls in line")), "{caveats:?}");
+    }
+    assert!(!pipec_executor::caveats(&plan("1f1b")).iter().any(|c| c.contains("all-to-alls in line")));
+}

@@ -115,6 +115,7 @@ pub(crate) fn assemble(
                     collective_s: in_flight,
                     exposed_collective_s: exposed,
                     by_phase: simulated.by_phase.get(d).cloned().unwrap_or_default(),
+                    overlapped_s: simulated.overlapped(*d),
                 }
             })
             .collect(),

@@ -119,10 +119,10 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let cost = PlanCost::new(spec, model, &stages, HashMap::new());
     let kind = spec.strategy.schedule.kind;
     let split = kind.splits_backward();
-    let Passes { forward, upstream_backward, weight, backward, recompute, hop } =
-        Passes::new(spec, &layout, &stages, &placed, &cost);
-    let forward_hop: Vec<f64> = forward.iter().zip(&hop).map(|(f, h)| f + h).collect();
-    let backward_hop: Vec<f64> = upstream_backward.iter().zip(&hop).map(|(b, h)| b + h).collect();
+    let passes = Passes::new(spec, &layout, &stages, &placed, &cost);
+    let Passes { forward, upstream_backward, weight, backward, recompute, hop, .. } = &passes;
+    let forward_hop: Vec<f64> = forward.iter().zip(hop).map(|(f, h)| f + h).collect();
+    let backward_hop: Vec<f64> = upstream_backward.iter().zip(hop).map(|(b, h)| b + h).collect();
     // what a replicated stage's gradient reduction leaves after its last backward at
     // least: a reduce-scatter, whatever the ZeRO level (the all-reduce of stage 0 is one
     // and an all-gather; the gradient shards of stages 1 to 3 are one), so that the bound of
@@ -162,8 +162,11 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         // backward (every forward adds that much before anything is freed), the largest
         // recompute unit, the buffers
         let (mut one_microbatch, mut recompute_unit, mut buffers) = (0.0_f64, 0.0_f64, 0.0_f64);
+        // DualPipe's pairs save at most their best saving once per forward
+        let best_pair = held.iter().flat_map(|&f| held.iter().map(move |&b| (f, b)));
+        let best_pair = best_pair.map(|(f, b)| passes.pair_saving(f, b)).fold(0.0_f64, f64::max);
         for &(s, n) in stage_counts {
-            load += n as f64 * (forward[s] + backward[s] + recompute[s]);
+            load += n as f64 * (forward[s] + backward[s] + recompute[s] - best_pair);
             held_state += state(s);
             one_microbatch = one_microbatch.max(kept(s));
             recompute_unit = recompute_unit.max(unit(s));
@@ -424,6 +427,21 @@ struct Passes {
     /// The cheapest transfer of stage s's output to stage s + 1 (either direction: the
     /// gradient coming back is the same size).
     hop: Vec<f64>,
+    /// DualPipe's overlapped pairs (`ScheduleKind::overlaps_pairs`): `pair[f][b]`, what a
+    /// forward of stage f and a whole backward of stage b take as one unit (at least the
+    /// forward), for a stage b that is not recomputed. Empty under other schedules.
+    pair: Vec<Vec<Option<f64>>>,
+}
+
+impl Passes {
+    /// What pairing the forward of stage `f` with the whole backward of stage `b` saves
+    /// (0 where they do not pair).
+    fn pair_saving(&self, f: usize, b: usize) -> f64 {
+        match self.pair.get(f).and_then(|row| row.get(b)).copied().flatten() {
+            Some(both) => (self.forward[f] + self.recompute[b] + self.backward[b] - both).max(0.0),
+            None => 0.0,
+        }
+    }
 }
 
 impl Passes {
@@ -457,7 +475,23 @@ impl Passes {
             })
             .map(|t| if t.is_finite() { t } else { 0.0 })
             .collect();
-        Passes { forward, upstream_backward, weight, backward, recompute, hop }
+        let pair = if spec.strategy.schedule.kind.overlaps_pairs() {
+            (0..n)
+                .map(|f| {
+                    (0..n)
+                        .map(|b| {
+                            let (fw, bw) =
+                                (Instr::Forward { stage: stage(f), mb }, Instr::Backward { stage: stage(b), mb });
+                            let paired = f != b && !layout.recompute[b];
+                            paired.then(|| cost.overlapped(DeviceId(0), &fw, &bw)).flatten().map(|t| t.max(forward[f]))
+                        })
+                        .collect()
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Passes { forward, upstream_backward, weight, backward, recompute, hop, pair }
     }
 }
 
@@ -517,6 +551,32 @@ fn run_order(order: &Order, view: &Placement, p: &Passes) -> f64 {
                 };
                 if input.is_nan() {
                     break;
+                }
+                // DualPipe's overlapped pair: the forward and the whole backward after it
+                // start once both their inputs are in and take the pair's time
+                let paired = tasks
+                    .get(next[d] + 1)
+                    .filter(|b| t.kind == TaskKind::Forward && b.kind == TaskKind::Backward)
+                    .and_then(|b| {
+                        let both = p.pair.get(s)?.get(b.stage.0 as usize).copied().flatten()?;
+                        Some((b.stage.0 as usize, b.mb.0 as usize, both))
+                    });
+                if let Some((bs, bmb, both)) = paired {
+                    if bs >= n || bmb >= m {
+                        return 0.0;
+                    }
+                    let gradient_in =
+                        if bs + 1 == n { output[at(bs, bmb)] } else { gradient[at(bs + 1, bmb)] + p.hop[bs] };
+                    if gradient_in.is_nan() {
+                        break;
+                    }
+                    let start = free[d].max(input).max(gradient_in);
+                    output[at(s, mb)] = start + p.forward[s];
+                    free[d] = start + both;
+                    gradient[at(bs, bmb)] = free[d] - p.weight[bs];
+                    next[d] += 2;
+                    progress = true;
+                    continue;
                 }
                 let start = free[d].max(input);
                 free[d] = match t.kind {

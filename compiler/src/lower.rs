@@ -46,6 +46,10 @@ pub struct LowerInput<'a> {
     /// stage's next backward, so the forwards in between run while the replicas reduce (on
     /// the weights before that update). Without it, every all-reduce is waited for at once.
     pub overlap: bool,
+    /// DualPipe's overlapped pairs (`ScheduleKind::overlaps_pairs`): a forward followed by a
+    /// whole backward of another stage receives the backward's gradient first, so that the
+    /// pair starts with both its inputs in (`pipec_plan::schedule::overlapped_pair`).
+    pub overlapped_pairs: bool,
 }
 
 /// Builds every device's stream: per device its receives, loads, compute and updates
@@ -107,7 +111,17 @@ fn device_stream(
     let defer = input.overlap && !input.vertical_sync;
     // ZeRO stages 2 and 3: per stage, a reduce-scatter of a contribution still in flight
     let mut scattering: BTreeMap<usize, GroupId> = BTreeMap::new();
-    for t in tasks {
+    // the gradient a pair's backward receives before its forward (`overlapped_pairs`)
+    let mut received_early: Option<(usize, usize)> = None;
+    type Links = HashMap<(DeviceId, DeviceId), VecDeque<MessageId>>;
+    let recv_gradient = |stream: &mut Vec<Instr>, link_order: &mut Links, s: usize, m: usize| {
+        if s < last {
+            let peer = p.device_of(s + 1, m);
+            stream.push(Instr::RecvGradient { peer, stage: st(s), mb: mbid(m), bytes: input.output_bytes[s] });
+            link_order.entry((peer, dev)).or_default().push_back(MessageId::gradient(st(s + 1), mbid(m)));
+        }
+    };
+    for (i, t) in tasks.iter().enumerate() {
         let (s, m) = (t.stage.0 as usize, t.mb.0 as usize);
         if matches!(t.kind, TaskKind::Backward | TaskKind::BackwardInput) {
             if let Some(group) = deferred.remove(&s) {
@@ -129,6 +143,17 @@ fn device_stream(
                     });
                     link_order.entry((peer, dev)).or_default().push_back(MessageId::activation(st(s - 1), mbid(m)));
                 }
+                // an overlapped pair's backward: its gradient too, before the pair starts
+                // (one whose backward recomputes runs one pass after the other)
+                let paired = tasks.get(i + 1).filter(|b| {
+                    let recomputed = input.recompute.get(b.stage.0 as usize).copied().unwrap_or(false);
+                    b.kind == TaskKind::Backward && b.stage != t.stage && !recomputed
+                });
+                if let Some(b) = paired.filter(|_| input.overlapped_pairs) {
+                    let (bs, bm) = (b.stage.0 as usize, b.mb.0 as usize);
+                    recv_gradient(stream, link_order, bs, bm);
+                    received_early = Some((bs, bm));
+                }
                 if input.updates != Updates::PerStep {
                     stream.push(Instr::StashWeights {
                         stage: st(s),
@@ -139,10 +164,8 @@ fn device_stream(
                 stream.push(Instr::Forward { stage: st(s), mb: mbid(m) });
             }
             TaskKind::Backward | TaskKind::BackwardInput => {
-                if s < last {
-                    let peer = p.device_of(s + 1, m);
-                    stream.push(Instr::RecvGradient { peer, stage: st(s), mb: mbid(m), bytes: input.output_bytes[s] });
-                    link_order.entry((peer, dev)).or_default().push_back(MessageId::gradient(st(s + 1), mbid(m)));
+                if received_early.take() != Some((s, m)) {
+                    recv_gradient(stream, link_order, s, m);
                 }
                 if input.recompute.get(s).copied().unwrap_or(false) {
                     stream.push(Instr::Recompute { stage: st(s), mb: mbid(m) });

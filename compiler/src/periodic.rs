@@ -94,6 +94,7 @@ pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
         recompute: input.recompute,
         vertical_sync: false,
         overlap: input.overlap,
+        overlapped_pairs: false,
     });
     let mut out = Periodic { body: BTreeMap::new(), segments: FlushFree::default(), microbatches: n };
     for (dev, stream) in streams {

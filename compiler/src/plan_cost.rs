@@ -29,6 +29,8 @@ pub(crate) struct PlanCost<'a> {
     expert_groups: HashMap<GroupId, (f64, Vec<DeviceId>, GroupShape)>,
     ep: usize,
     chunks: pipec_plan::schedule::ChunkPlacement,
+    /// DualPipe's overlapped pairs (`ScheduleKind::overlaps_pairs`).
+    pairs: bool,
     pub(crate) stage_update: &'a [f64],
     /// Per stage, its gradient buckets (`StageFigures::buckets`).
     buckets: &'a [Vec<pipec_plan::plan::GradientBucket>],
@@ -59,6 +61,7 @@ impl<'a> PlanCost<'a> {
             expert_groups: HashMap::new(),
             ep: spec.strategy.ep.max(1),
             chunks: spec.strategy.schedule.kind.chunk_placement(),
+            pairs: spec.strategy.schedule.kind.overlaps_pairs(),
             stage_update: &stages.update,
             buckets: &stages.buckets,
             cluster: &model.cluster,
@@ -132,6 +135,20 @@ impl CostModel for PlanCost<'_> {
             Phase::Optimizer => self.stage_update.get(s).copied().unwrap_or(0.0),
             _ => 0.0,
         }
+    }
+    /// DualPipe's pair: the two passes' computations one after the other, and their
+    /// expert-parallel all-to-alls beside them on the other's computation (DeepSeek-V3
+    /// overlaps a chunk's dispatch and combine with the other chunk's attention and MLP):
+    /// the longer of the two.
+    fn overlapped(&self, device: DeviceId, forward: &Instr, backward: &Instr) -> Option<f64> {
+        if !self.pairs {
+            return None;
+        }
+        let a2a =
+            |i: &Instr, pick: fn((f64, f64)) -> f64| self.stage_ep.get(i.stage().0 as usize).copied().map_or(0.0, pick);
+        let exchanged = a2a(forward, |t| t.0) + a2a(backward, |t| t.1);
+        let whole = self.compute(device, forward) + self.compute(device, backward);
+        Some((whole - exchanged).max(exchanged))
     }
     fn transfer(&self, from: DeviceId, to: DeviceId, bytes: u64) -> f64 {
         self.cluster.p2p_time(from, to, bytes / self.tp as u64)

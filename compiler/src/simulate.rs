@@ -32,6 +32,12 @@ pub trait CostModel {
     /// members are `members` (a cost model may know the group as larger: the strategy
     /// search simulates one pipeline replica of symmetric plans).
     fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64;
+    /// DualPipe's overlapped pair ([`pipec_plan::schedule::overlapped_pair`]): the seconds
+    /// `forward` and `backward` on `device` take as one unit, or None where they run one
+    /// after the other (the default).
+    fn overlapped(&self, _device: DeviceId, _forward: &Instr, _backward: &Instr) -> Option<f64> {
+        None
+    }
     /// The gradient buckets of `stage` ([`pipec_plan::plan::StagePlan::gradient_buckets`]):
     /// its replica all-reduce right after its backward runs as one collective per bucket,
     /// each started when the backward reaches its `ready` fraction.
@@ -66,6 +72,9 @@ pub struct Stuck {
 pub struct Timeline {
     pub events: Vec<Event>,
     pub step_time: f64,
+    /// Per device, the seconds its overlapped pairs (DualPipe's) took less than their two
+    /// passes one after the other: the all-to-alls they hid.
+    pub overlapped: BTreeMap<DeviceId, f64>,
 }
 
 /// What a link carries, as both ends name it (None: a receive nothing can match).
@@ -223,6 +232,10 @@ pub fn simulate(
     let mut engines = Engines::default();
     // per device, its last backward or weight pass: (position, start, end)
     let mut last_backward: FxHashMap<DeviceId, (usize, f64, f64)> = FxHashMap::default();
+    // per device, the overlapped pair its last forward opened: the backward's position and
+    // what is left of the pair's time after the forward
+    let mut pair: FxHashMap<DeviceId, (usize, f64)> = FxHashMap::default();
+    let mut overlapped: BTreeMap<DeviceId, f64> = BTreeMap::new();
     let mut events = Vec::new();
     let mut queue: VecDeque<DeviceId> = devices.iter().copied().collect();
     let mut queued: FxHashMap<DeviceId, bool> = devices.iter().map(|d| (*d, true)).collect();
@@ -338,7 +351,21 @@ pub fn simulate(
                     events.push(e);
                 }
                 _ => {
-                    let d = cost.compute(dev, ins);
+                    let mut d = cost.compute(dev, ins);
+                    match pair.get(&dev) {
+                        // the rest of an overlapped pair's time
+                        Some(&(at, rest)) if at == i => {
+                            *overlapped.entry(dev).or_insert(0.0) += d - rest;
+                            d = rest;
+                        }
+                        _ => {
+                            let opened = pipec_plan::schedule::overlapped_pair(stream, i)
+                                .and_then(|j| Some((j, cost.overlapped(dev, ins, &stream[j])?)));
+                            if let Some((j, both)) = opened {
+                                pair.insert(dev, (j, (both - d).max(0.0)));
+                            }
+                        }
+                    }
                     if let Instr::Backward { .. } | Instr::BackwardWeight { .. } = ins {
                         last_backward.insert(dev, (i, now, now + d));
                     }
@@ -369,7 +396,7 @@ pub fn simulate(
     }
     let step_time = clock.values().chain(engines.free_at.values()).copied().fold(0.0, f64::max);
     events.sort_by(|a, b| a.device.cmp(&b.device).then(a.start.total_cmp(&b.start)).then(a.index.cmp(&b.index)));
-    Ok(Timeline { events, step_time })
+    Ok(Timeline { events, step_time, overlapped })
 }
 
 /// Every compute and collective takes one unit; transfers are free.

@@ -31,6 +31,13 @@ pub(crate) struct Simulated {
     pub(crate) by_phase: BTreeMap<DeviceId, BTreeMap<String, f64>>,
 }
 
+impl Simulated {
+    /// Seconds per step `device`'s overlapped pairs hid (`Timeline::overlapped`).
+    pub(crate) fn overlapped(&self, device: DeviceId) -> f64 {
+        self.timeline.overlapped.get(&device).copied().unwrap_or(0.0)
+    }
+}
+
 /// Seconds of each device's own instructions by kind in `timeline`, over `steps` steps.
 fn time_by_phase(timeline: &Timeline, steps: f64) -> BTreeMap<DeviceId, BTreeMap<String, f64>> {
     let mut out: BTreeMap<DeviceId, BTreeMap<String, f64>> = BTreeMap::new();

@@ -111,6 +111,7 @@ pub(crate) fn lower_streams(
             recompute: &layout.recompute,
             vertical_sync: strategy.schedule.vertical_sync,
             overlap: strategy.overlap,
+            overlapped_pairs: kind.overlaps_pairs(),
         })
     };
     let periodic = runs_flush_free(spec)
@@ -307,6 +308,7 @@ pub(crate) fn eval_streams(
         recompute: &vec![false; n],
         vertical_sync: false,
         overlap: false,
+        overlapped_pairs: false,
     });
     let tp = spec.strategy.tp.max(1) as u32;
     let mut out = BTreeMap::new();

@@ -594,14 +594,13 @@ fn golden_streams_for_every_schedule() {
 /// DualPipeV's bubble on uniform stages, against the published formula (DeepSeek's DualPipe
 /// README: (PP/2 − 1)(F&B + B − 3W) per device for PP stages). With R = PP/2 devices, F a
 /// chunk's forward, B its whole backward (2F here: two products per layer), W its weight
-/// half (F) and F&B — a forward and a backward overlapped — at F + B (pipec runs one pass at
-/// a time), that is (R − 1)(F + 2B − 3W) = 2(R − 1)F. The reference starts a pair only once
-/// both its inputs are in (it overlaps them); pipec starts each pass when its own input is,
-/// so a pair's forward runs while its backward's gradient is on its way, which saves one W
-/// per step of the drain: (R − 1)(F + B − 2W) = (R − 1)F, for every microbatch count from
-/// the 2R the schedule needs. The step is each device's 2N(F + B) of compute plus that.
+/// half (F) and F&B — a forward and a backward overlapped — at F + B (no all-to-all to hide
+/// here), that is (R − 1)(F + 2B − 3W) = 2(R − 1)F: a pair starts once both its inputs are
+/// in, as the reference runs it (the pair's gradient is received before its forward). The
+/// step is each device's 2N(F + B) of compute plus that, for every microbatch count from
+/// the 2R the schedule needs.
 #[test]
-fn dualpipev_bubbles_match_the_published_formula_less_the_pairs_waits() {
+fn dualpipev_bubbles_match_the_published_formula() {
     for ranks in 2..=4usize {
         for n in [2 * ranks, 2 * ranks + 1, 3 * ranks, 4 * ranks + 2] {
             let plan = build(&as_the_paper_gives_it(&spec(ranks, n, "dualpipev", 2 * ranks * 2, "straight"))).plan;
@@ -611,28 +610,22 @@ fn dualpipev_bubbles_match_the_published_formula_less_the_pairs_waits() {
             let (r, w) = (ranks as f64, b / 2.0);
             let compute = 2.0 * n as f64 * (f + b);
             let published = (r - 1.0) * ((f + b) + b - 3.0 * w);
-            let sequential = (r - 1.0) * (f + b - 2.0 * w);
             let got = plan.simulation.step_time_s - compute;
             assert!(
-                (got - sequential).abs() < 1e-6 * compute,
-                "R={ranks} N={n}: bubble {got}, (R−1)(F+B−2W) {sequential}"
-            );
-            assert!(
-                (published - sequential - (r - 1.0) * w).abs() < 1e-12,
-                "the published bubble is one W more per drain step"
+                (got - published).abs() < 1e-6 * compute,
+                "R={ranks} N={n}: bubble {got}, (R−1)(F&B+B−3W) {published}"
             );
         }
     }
 }
 
 /// DualPipe's bubble on uniform stages: D devices, two pipelines of D stages in opposite
-/// directions, N microbatches (N/2 each way). The published formula (DeepSeek's DualPipe
-/// README) is (D/2 − 1)(F&B + B − 3W) per device; run one pass at a time, each when its own
-/// input is in, it is one W per drain step less, (D/2 − 1)(F + B − 2W) = (D/2 − 1)F here
-/// (B = 2F, W = F), as DualPipeV's with R = D/2 (`dualpipev_bubbles_...` above). Each
+/// directions, N microbatches (N/2 each way): the published (D/2 − 1)(F&B + B − 3W) with
+/// F&B = F + B, i.e. (D/2 − 1)(F + 2B − 3W) = 2(D/2 − 1)F here (B = 2F, W = F), as
+/// DualPipeV's with R = D/2 (`dualpipev_bubbles_match_the_published_formula` above). Each
 /// device computes both directions' N/2 microbatches of its two stages: N(F + B).
 #[test]
-fn dualpipe_bubbles_match_the_published_formula_less_the_pairs_waits() {
+fn dualpipe_bubbles_match_the_published_formula() {
     for ranks in [2usize, 4, 6] {
         for n in [2 * ranks, 2 * ranks + 2, 4 * ranks] {
             let plan = build(&as_the_paper_gives_it(&spec(ranks, n, "dualpipe", 2 * ranks, "straight"))).plan;
@@ -641,13 +634,68 @@ fn dualpipe_bubbles_match_the_published_formula_less_the_pairs_waits() {
             assert!(close(b, 2.0 * f), "linear layers: B = 2F ({b} vs {f})");
             let (h, w) = (ranks as f64 / 2.0, b / 2.0);
             let compute = n as f64 * (f + b);
-            let sequential = (h - 1.0) * (f + b - 2.0 * w);
+            let published = (h - 1.0) * ((f + b) + b - 3.0 * w);
             let got = plan.simulation.step_time_s - compute;
             assert!(
-                (got - sequential).abs() < 1e-6 * compute,
-                "D={ranks} N={n}: bubble {got}, (D/2−1)(F+B−2W) {sequential}"
+                (got - published).abs() < 1e-6 * compute,
+                "D={ranks} N={n}: bubble {got}, (D/2−1)(F&B+B−3W) {published}"
             );
         }
+    }
+}
+
+/// DualPipe's overlap of one chunk's all-to-alls with the other's computation: on an
+/// expert-parallel DualPipeV or DualPipe plan, each pair — a forward right before a whole
+/// backward of the device's other stage (`overlapped_pair`) — takes the longer of the two
+/// passes' computations and their all-to-alls (the forward its own time, the backward the
+/// rest); every other pass its whole time. The devices' forward and backward seconds are
+/// that sum, the plan reports what the pairs hid, and they hide something.
+#[test]
+fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
+    for schedule in ["dualpipev", "dualpipe"] {
+        let c = build(&moe_spec(4, 8, schedule, "\"2-2\"", 2));
+        let stages = &c.plan.stages;
+        let pass = |i: &Instr| {
+            let s = &stages[i.stage().0 as usize];
+            match i {
+                Instr::Forward { .. } => (s.forward_s + s.all_to_all_s[0], s.all_to_all_s[0]),
+                _ => (s.backward_s + s.all_to_all_s[1], s.all_to_all_s[1]),
+            }
+        };
+        let mut saved = 0.0;
+        for d in &c.plan.simulation.devices {
+            let stream = &c.plan.streams[&d.id];
+            let (mut forward, mut backward, mut hidden) = (0.0, 0.0, 0.0);
+            let mut rest: Option<(usize, f64)> = None;
+            for (i, ins) in stream.iter().enumerate() {
+                match ins {
+                    Instr::Forward { .. } => {
+                        let (f, af) = pass(ins);
+                        forward += f;
+                        if let Some(j) = pipec_plan::schedule::overlapped_pair(stream, i) {
+                            let (b, ab) = pass(&stream[j]);
+                            let pair = (f + b - af - ab).max(af + ab);
+                            hidden += f + b - pair.max(f);
+                            rest = Some((j, (pair - f).max(0.0)));
+                        }
+                    }
+                    Instr::Backward { .. } => {
+                        backward += match rest {
+                            Some((j, r)) if j == i => r,
+                            _ => pass(ins).0,
+                        };
+                    }
+                    _ => {}
+                }
+            }
+            let got = |phase: &str| d.by_phase.get(phase).copied().unwrap_or(0.0);
+            assert!((got("forward") - forward).abs() <= 1e-9 * forward, "{schedule} {}: forward", d.id);
+            assert!((got("backward") - backward).abs() <= 1e-9 * backward.max(1e-12), "{schedule} {}: backward", d.id);
+            // what the plan reports hidden (`pipec compile` prints it)
+            assert!((d.overlapped_s - hidden).abs() <= 1e-9 * hidden.max(1e-12), "{schedule} {}: hidden", d.id);
+            saved += hidden;
+        }
+        assert!(saved > 0.0, "{schedule}: no pair hid an all-to-all");
     }
 }
 
@@ -1021,6 +1069,7 @@ fn synchronous_all_reduces_start_after_their_stages_last_backward_and_overlap_th
             recompute: &[],
             vertical_sync: false,
             overlap,
+            overlapped_pairs: false,
         })
     };
     let a = 0.5;

@@ -365,6 +365,12 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
                 .to_string(),
         );
     }
+    if plan.schedule.kind.overlaps_pairs() && plan.stages.iter().any(|s| s.expert_parallel > 1) {
+        out.push(format!(
+            "under `{}` the plan hides each forward-backward pair's all-to-alls under the other pass's computation (DeepSeek-V3's overlap), but the executor runs a pair's two passes one after the other with their all-to-alls in line: its steps take their whole time",
+            plan.schedule.kind
+        ));
+    }
     if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters {
         out.push(
             "under `zero: 3` the executor gathers a stage's whole weights once a step, for its first pass, and drops them at the update (the plan's cost and memory figures gather each layer for each pass, as FSDP does): its peak holds a stage's whole weights"

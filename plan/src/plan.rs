@@ -606,6 +606,10 @@ pub struct DeviceSimulation {
     /// (`Phase::name`; a collective's time on the communication engine is not counted).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub by_phase: BTreeMap<String, f64>,
+    /// Seconds per step the device's DualPipe pairs took less than their passes one after
+    /// the other: the all-to-alls they hid under the other pass's computation.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub overlapped_s: f64,
 }
 
 impl Plan {

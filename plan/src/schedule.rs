@@ -178,6 +178,10 @@ pub struct Traits {
     pub even_replication: bool,
     /// A pipeline (a bubble warning makes sense), not data parallelism alone.
     pub pipeline: bool,
+    /// DualPipe's overlapped pairs ([`overlapped_pair`]): a forward of one of a device's
+    /// stages right before a whole backward of another runs with it as one unit, once both
+    /// their inputs are in, each pass's all-to-alls hidden under the other's computation.
+    pub overlaps_pairs: bool,
 }
 
 impl ScheduleKind {
@@ -195,7 +199,9 @@ impl ScheduleKind {
             auto_replicates: auto,
             even_replication: even,
             pipeline,
+            overlaps_pairs: false,
         };
+        let paired = |t: Traits| Traits { overlaps_pairs: true, ..t };
         let (always, step) = (Synchrony::Always, Cadence::PerStep);
         // row(default virtual stages, splits backward, synchrony, cadence, weight versions,
         //     chunk placement, auto replicates, even replication, pipeline)
@@ -212,8 +218,8 @@ impl ScheduleKind {
             ScheduleKind::Chimera => row(1, false, always, step, One, Bidirectional, false, true, true),
             ScheduleKind::ZbH1 => row(1, true, always, step, One, RoundRobin, true, false, true),
             ScheduleKind::Zbv => row(2, true, always, step, One, V, false, true, true),
-            ScheduleKind::DualPipeV => row(2, true, always, step, One, V, false, true, true),
-            ScheduleKind::DualPipe => row(1, true, always, step, One, Halves, false, true, true),
+            ScheduleKind::DualPipeV => paired(row(2, true, always, step, One, V, false, true, true)),
+            ScheduleKind::DualPipe => paired(row(1, true, always, step, One, Halves, false, true, true)),
             ScheduleKind::DpOnly => row(1, false, Synchrony::WhenBsp, step, One, RoundRobin, false, false, false),
         }
     }
@@ -226,6 +232,12 @@ impl ScheduleKind {
     /// Whether the backward is split into input- and weight-gradient passes (zero bubble).
     pub fn splits_backward(self) -> bool {
         self.traits().splits_backward
+    }
+
+    /// Whether the schedule runs DualPipe's overlapped forward–backward pairs
+    /// ([`overlapped_pair`]).
+    pub fn overlaps_pairs(self) -> bool {
+        self.traits().overlaps_pairs
     }
 
     /// Whether the schedule computes exactly what one device would (no stale weights).
@@ -468,6 +480,32 @@ impl ScheduleKind {
     }
 }
 
+/// DualPipe's overlapped pair that the forward at `forward_at` of `stream` opens: the
+/// position of the whole backward of another stage that is the next pass the device runs
+/// (only transfers, loads, frees and the like between them), or None. Under a schedule that
+/// [overlaps pairs](ScheduleKind::overlaps_pairs) the two run as one unit: the backward's
+/// gradient is received before the forward starts (`pipec_compiler`'s lowering puts its
+/// receive there), and the pair takes the longer of their computations together and their
+/// all-to-alls together, as DeepSeek-V3's overlap of one chunk's computation with the
+/// other's communication does.
+pub fn overlapped_pair(stream: &[crate::Instr], forward_at: usize) -> Option<usize> {
+    use crate::{Instr, Phase};
+    let Instr::Forward { stage, .. } = stream.get(forward_at)? else { return None };
+    let (j, next) = stream.iter().enumerate().skip(forward_at + 1).find(|(_, i)| {
+        matches!(
+            i.phase(),
+            Phase::Forward
+                | Phase::Backward
+                | Phase::BackwardInput
+                | Phase::BackwardWeight
+                | Phase::Recompute
+                | Phase::Optimizer
+                | Phase::Collective
+        )
+    })?;
+    matches!(next, Instr::Backward { stage: b, .. } if b != stage).then_some(j)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,5 +541,28 @@ mod tests {
         let uneven = LayoutFacts { replicas: &[2, 1], microbatches: 4, vertical_sync: true };
         assert_eq!(ScheduleKind::Zbv.check_layout(&uneven)[0].label, "uneven replication");
         assert_eq!(ScheduleKind::PipeDream.check_layout(&uneven)[0].label, "vertical_sync");
+    }
+
+    #[test]
+    fn a_pair_is_a_forward_then_a_whole_backward_of_another_stage_with_no_pass_between() {
+        use crate::{DeviceId, Instr, MicrobatchId, StageId};
+        let (s, m) = (StageId, MicrobatchId);
+        let fwd = Instr::Forward { stage: s(0), mb: m(2) };
+        let send = Instr::SendActivation { peer: DeviceId(1), stage: s(0), mb: m(2), bytes: 8 };
+        let bwd = |stage| Instr::Backward { stage: s(stage), mb: m(0) };
+        assert_eq!(overlapped_pair(&[fwd.clone(), send.clone(), bwd(1)], 0), Some(2));
+        // the same stage's backward, a split backward, a recompute or a collective between
+        assert_eq!(overlapped_pair(&[fwd.clone(), bwd(0)], 0), None);
+        assert_eq!(overlapped_pair(&[fwd.clone(), Instr::BackwardInput { stage: s(1), mb: m(0) }], 0), None);
+        assert_eq!(overlapped_pair(&[fwd.clone(), Instr::Recompute { stage: s(1), mb: m(0) }, bwd(1)], 0), None);
+        let wait = Instr::WaitCollective {
+            payload: crate::CollectivePayload::Gradients,
+            stage: s(1),
+            group: crate::GroupId(0),
+        };
+        assert_eq!(overlapped_pair(&[fwd.clone(), wait, bwd(1)], 0), None);
+        // only a forward opens one
+        assert_eq!(overlapped_pair(&[send, bwd(1)], 0), None);
+        assert_eq!(overlapped_pair(&[fwd], 0), None);
     }
 }
