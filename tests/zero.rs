@@ -281,3 +281,32 @@ fn each_replica_holds_the_state_the_plan_counts() {
         }
     }
 }
+
+/// ZeRO-3 with the stage as FSDP's unit: a stage's whole weights are dropped once nothing
+/// kept for a backward holds them and gathered again for the next pass. A recomputed stage
+/// keeps only its forwards' inputs, so it gathers for every forward and every recompute —
+/// 2 gathers per microbatch; a stage whose forwards keep their graphs (here the last,
+/// which keeps its loss) gathers once a step, at its first pass. Both train like one device.
+#[test]
+fn zero_3_gathers_a_recomputed_stage_for_every_pass_and_drops_it_between() {
+    let strategy = "  stages: \"2-2\"\n  schedule: gpipe\n  microbatches: 4\n  recompute: true\n  zero: 3";
+    for optimizer in [SGD, ADAM] {
+        assert_trains_like(MLP, optimizer, (4, strategy), ONE_DEVICE);
+    }
+    let p = plan(&spec(MLP, 4, strategy, ADAM, 2));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let report = train(&p, dir.path());
+    // 4 microbatches over 2 replicas: 2 per replica (the first step's first pass finds
+    // the weights the stage was built with)
+    for s in &p.stages {
+        let per_step = if s.id.0 == 0 { 2 * 2 } else { 1 };
+        for d in &s.replicas {
+            assert_eq!(report.weight_gathers.get(d), Some(&vec![per_step - 1, per_step]), "{} on {d}", s.id);
+        }
+    }
+    // without recompute the first stage keeps its graphs too: one gather a step
+    let p = plan(&spec(MLP, 4, &strategy.replace("recompute: true", "recompute: false"), ADAM, 2));
+    let report = train(&p, tempfile::tempdir().expect("tempdir").path());
+    assert_eq!(report.weight_gathers.len(), 4);
+    assert!(report.weight_gathers.values().all(|g| g == &vec![0, 1]), "{:?}", report.weight_gathers);
+}

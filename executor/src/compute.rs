@@ -68,6 +68,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         // all-reduces included
         let recompute = self.plan.stage(stage).is_some_and(|s| s.recompute);
         let keep_all = !recompute || stage == self.last_stage();
+        // ZeRO-3: a recomputed forward keeps no weights either (the recompute gathers them
+        // again), so that the stage's whole weights can be dropped between its passes
+        let model = if keep_all || !self.sharded_at_3(stage) { model } else { crate::zero::released_copy(&model) };
         let kept = Kept {
             input: if recompute { detach(&x) } else { x },
             saved: if keep_all { f.saved } else { Saved::Nothing },
@@ -85,10 +88,22 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let Kept { input, model, .. } =
             self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
         let x = if stage.0 == 0 { input } else { require_grad(input) };
-        let model = microbatch_copy(&model);
+        // ZeRO-3: the weights gathered for this pass (one version a step: the forward's)
+        let model = if self.sharded_at_3(stage) {
+            microbatch_copy(self.state(stage)?.model()?)
+        } else {
+            microbatch_copy(&model)
+        };
         let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(mb))?;
         self.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model, aux: f.aux });
         Ok(())
+    }
+
+    /// Whether `stage` is sharded at ZeRO stage 3 on this device (its weights gathered for
+    /// passes).
+    pub(crate) fn sharded_at_3(&self, stage: StageId) -> bool {
+        let shard = self.stages.get(&stage).and_then(|s| s.shard.as_ref());
+        shard.is_some_and(|s| s.level == pipec_plan::vocab::Sharding::Parameters)
     }
 
     /// A stage's forward on `model`; the one place a tensor-parallel stage's forward differs.

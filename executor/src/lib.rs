@@ -230,6 +230,8 @@ pub struct RunReport {
     pub peak_in_flight: BTreeMap<DeviceId, BTreeMap<StageId, u32>>,
     /// Peak weight versions alive per stage (live + stashed), over the run.
     pub peak_versions: BTreeMap<DeviceId, BTreeMap<StageId, u32>>,
+    /// ZeRO-3: per device, the all-gathers of its stages' whole weights in each step.
+    pub weight_gathers: BTreeMap<DeviceId, Vec<u32>>,
     /// Checkpoints written.
     pub checkpoints: Vec<PathBuf>,
     /// Where each device of this process ran (`cpu`, `GPU 0`, ...).
@@ -373,7 +375,7 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     }
     if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters {
         out.push(
-            "under `zero: 3` the executor gathers a stage's whole weights once a step, for its first pass, and drops them at the update (the plan's cost and memory figures gather each layer for each pass, as FSDP does): its peak holds a stage's whole weights"
+            "under `zero: 3` the executor gathers a stage's whole weights, not each layer's, for a pass and drops them once no kept graph holds them (a recomputed stage after every pass; otherwise after its last backward of the step); the plan's cost and memory figures gather each layer for each pass, as FSDP does: the executor's peak holds a stage's whole weights"
                 .to_string(),
         );
     }

@@ -59,6 +59,14 @@ pub(crate) enum Saved<B: ExecBackend> {
     Segmented(Vec<Segment<B>>, Option<Tensor<B, 1>>),
 }
 
+impl<B: ExecBackend> Saved<B> {
+    /// Whether only the input was kept (activation recompute): no autodiff graph, so no
+    /// weight is held for the backward.
+    pub(crate) fn is_nothing(&self) -> bool {
+        matches!(self, Saved::Nothing)
+    }
+}
+
 /// What a stage's forward produced.
 pub(crate) struct Forwarded<B: ExecBackend> {
     /// What the backward starts from.

@@ -46,6 +46,9 @@ pub struct StepReport {
     pub step_seconds: f64,
     /// Peak microbatches kept for the backward at once, per stage.
     pub peak_in_flight: HashMap<StageId, u32>,
+    /// ZeRO-3 (a device holding a stage sharded so): the all-gathers of its stages' whole
+    /// weights this step ran.
+    pub weight_gathers: Option<u32>,
     /// Peak weight versions alive at once (live + stashed), per stage.
     pub peak_versions: HashMap<StageId, u32>,
     /// Validation (a forward-only run of a held-out batch): per microbatch whose loss this
@@ -98,6 +101,8 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     /// Split backwards' weight halves to come (`BackwardWeight`).
     pub(crate) pending_weight_grads: HashMap<(StageId, MicrobatchId), WeightGrads<B>>,
     pub(crate) in_flight: HashMap<StageId, u32>,
+    /// ZeRO-3: the all-gathers of whole weights since the step started.
+    pub(crate) weight_gathers: u32,
     /// Receives posted ahead, by position in the step.
     pub(crate) posted: HashMap<usize, Ticket<Message>>,
     /// All-reduces in flight, per stage.
@@ -166,6 +171,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             input_grads: HashMap::new(),
             pending_weight_grads: HashMap::new(),
             in_flight: HashMap::new(),
+            weight_gathers: 0,
             posted: HashMap::new(),
             collectives: HashMap::new(),
             peak_gradients: 0,
@@ -296,6 +302,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             return Err((last, ExecError::Missing("buffers are left over at the end of the step")));
         }
         report.peak_versions = versions;
+        let gathers = std::mem::take(&mut self.weight_gathers);
+        report.weight_gathers = self.stages.keys().any(|s| self.sharded_at_3(*s)).then_some(gathers);
         report.grad_norm = self.grad_norm;
         report.step_seconds = start.elapsed().as_secs_f64();
         Ok(report)
@@ -324,7 +332,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
             Instr::Forward { stage, mb } => {
                 self.gather_weights(stage)?;
-                self.forward(stage, mb, report)
+                self.forward(stage, mb, report)?;
+                self.release_unpinned(stage)
             }
             Instr::Recompute { stage, mb } => {
                 self.gather_weights(stage)?;
@@ -370,7 +379,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 if let Some(c) = self.in_flight.get_mut(&stage) {
                     *c = c.saturating_sub(1);
                 }
-                Ok(())
+                self.release_unpinned(stage)
             }
             Instr::SendActivation { peer, stage, mb, .. } => {
                 let msg = self.outputs.remove(&(stage, mb));
@@ -674,7 +683,7 @@ impl<B: ExecBackend> Worker<'_, B> {
     /// shard (the sum over the replicas of every microbatch's mean scaled by 1/N, as the
     /// all-reduce gives the whole); batch normalisation's statistics, which every replica
     /// received summed, are folded in; at stage 3 the whole weights are dropped until the
-    /// next step's first pass gathers them.
+    /// next pass gathers them.
     pub(crate) fn shard_step(&mut self, stage: StageId) -> Result<()> {
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
@@ -697,8 +706,31 @@ impl<B: ExecBackend> Worker<'_, B> {
         Ok(())
     }
 
-    /// ZeRO-3: gathers the stage's whole weights from the replicas' shards for the step's
-    /// first pass (they stay until the update; nothing when the stage is not at stage 3).
+    /// ZeRO-3: drops the stage's whole weights once nothing kept for a backward holds them —
+    /// after a recomputed stage's forward (which keeps only its input) and after the free
+    /// of a stage's last microbatch in flight — so that the next pass gathers them again
+    /// (FSDP's free after forward and after backward, a stage being the unit). While a
+    /// kept autodiff graph holds them they stay. Not while evaluating.
+    pub(crate) fn release_unpinned(&mut self, stage: StageId) -> Result<()> {
+        let gathered_at_3 = self
+            .stages
+            .get(&stage)
+            .and_then(|s| s.shard.as_ref())
+            .is_some_and(|shard| shard.gathered && shard.level == pipec_plan::vocab::Sharding::Parameters);
+        if !gathered_at_3 || self.evaluating.is_some() {
+            return Ok(());
+        }
+        let pinned = self.saved.iter().any(|((s, _), k)| *s == stage && !k.saved.is_nothing())
+            || self.pending_weight_grads.keys().any(|(s, _)| *s == stage);
+        if pinned {
+            return Ok(());
+        }
+        crate::zero::release_weights(self.state(stage)?)
+    }
+
+    /// ZeRO-3: gathers the stage's whole weights from the replicas' shards for a pass,
+    /// unless they are still here (`release_unpinned` and the update drop them; nothing
+    /// when the stage is not at stage 3).
     pub(crate) fn gather_weights(&mut self, stage: StageId) -> Result<()> {
         let Some(shard) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()) else { return Ok(()) };
         if shard.gathered {
@@ -709,6 +741,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         let members = crate::collectives::members(self.plan, group)?;
         let gathered =
             self.comm.collective(pipec_plan::CollectiveKind::AllGather, &members, data, self.reduce, None)?;
+        self.weight_gathers += 1;
         let st = self.state(stage)?;
         let whole = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?.layout.whole(&gathered)?;
         crate::zero::restore_weights(st, whole)

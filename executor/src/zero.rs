@@ -319,6 +319,12 @@ pub(crate) fn release_weights<B: ExecBackend>(st: &mut StageState<B>) -> Result<
     Ok(())
 }
 
+/// ZeRO-3: a copy of a stage's model without its weights (one value each stands in), for
+/// what a recomputed forward keeps beside its input.
+pub(crate) fn released_copy<B: ExecBackend>(model: &StageModel<B>) -> StageModel<B> {
+    params::replace_params(model.clone(), |_| None::<(Vec<usize>, Vec<f32>)>).0
+}
+
 /// A sharded stage's state made whole: its weights when the model does not hold them (stage
 /// 3), and its optimizer state's items.
 pub(crate) type Joined = (Option<Vec<Vec<f32>>>, Vec<(ParamId, serde_json::Value)>);
