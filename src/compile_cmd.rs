@@ -233,12 +233,22 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
     if cp > 1 {
         let seq = plan.model.input.first().copied().unwrap_or(0);
         let (f, b) = plan.stages.iter().fold((0.0, 0.0), |(f, b), st| (f + st.context_s[0], b + st.context_s[1]));
+        let exchange = match plan.schedule.cp_comm {
+            pipec_plan::vocab::CpComm::AllGather => format!(
+                "keys and values gathered in every forward ({:.1} µs per microbatch over the stages), their gradients sent back in every backward ({:.1} µs)",
+                f * 1e6,
+                b * 1e6
+            ),
+            pipec_plan::vocab::CpComm::Ring => format!(
+                "keys and values passed around the ring under the attention in every forward ({:.1} µs per microbatch over the stages not covered), around again with their gradients in every backward ({:.1} µs not covered)",
+                f * 1e6,
+                b * 1e6
+            ),
+        };
         s.push_str(&format!(
-            "  context parallelism: cp {cp} — each of the {} microbatches is {cp} chunk-microbatches, member c of each group of {cp} replicas computing positions {} of every sequence of {seq}; keys and values gathered in every forward ({:.1} µs per microbatch over the stages), their gradients sent back in every backward ({:.1} µs)\n",
+            "  context parallelism: cp {cp} — each of the {} microbatches is {cp} chunk-microbatches, member c of each group of {cp} replicas computing positions {} of every sequence of {seq}; {exchange}\n",
             plan.training.microbatches / cp,
             context_chunks(seq, cp),
-            f * 1e6,
-            b * 1e6
         ));
     }
     // what the prediction assumes of a mixture of experts' routing

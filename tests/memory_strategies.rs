@@ -297,3 +297,45 @@ fn tp_overlap_hides_each_layers_collectives_under_its_passes() {
     let checked = pipec_grammar::check_source(&text.replace("  tp: 2\n", "  tp: 1\n  tp_overlap: true\n"));
     assert!(checked.diagnostics.iter().any(|d| d.code == "E0423"), "{:?}", checked.diagnostics);
 }
+
+/// `cp_comm: ring` against the all-gather: the ring keeps only a member's own keys and
+/// values (less memory), hides its transfers under the attention core where the link is
+/// fast enough, and on a slow link waits for twice the backward's bytes (the keys and
+/// values around again beside their gradients).
+#[test]
+fn a_context_parallel_ring_keeps_less_and_hides_its_transfers_under_attention() {
+    let text = |comm: &str, bandwidth: &str| {
+        format!(
+            "name: ring\nmodel:\n  input: [4096]\n  layers:\n    - embedding(512, 256)\n    - repeat 2: transformer_block(d=256, heads=4, ff=1024, causal=true)\n    - layernorm\n    - linear(256, 512, bias=false)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ memory: 80GiB, throughput: 100TFLOP/s, memory_bandwidth: 2TB/s }}\n  links:\n    intra_node: {{ bandwidth: {bandwidth}, latency: 1us }}\nstrategy:\n  stages: \"1\"\n  schedule: gpipe\n  microbatches: 2\n  cp: 2\n{comm}training:\n  batch_size: 2\n  steps: 1\n  optimizer: {{ kind: adam, lr: 0.001 }}\n"
+        )
+    };
+    let plan = |comm: &str, bandwidth: &str| {
+        compile_text(&text(comm, bandwidth)).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan
+    };
+    let ring_comm = "  cp_comm: ring\n";
+    for bandwidth in ["1000GB/s", "1GB/s"] {
+        let (gather, ring) = (plan("", bandwidth), plan(ring_comm, bandwidth));
+        assert_eq!(ring.schedule.cp_comm, pipec_plan::vocab::CpComm::Ring);
+        assert_eq!(gather.schedule.cp_comm, pipec_plan::vocab::CpComm::AllGather);
+        let activations = |p: &pipec_plan::Plan| p.devices[0].memory.activations;
+        assert!(activations(&ring) < activations(&gather), "{bandwidth}: the ring keeps no gathered keys and values");
+        let [gf, gb] = gather.stages[0].context_s;
+        let [rf, rb] = ring.stages[0].context_s;
+        assert!(rf <= gf && gf > 0.0, "{bandwidth}: forward {rf} vs {gf}");
+        if bandwidth == "1000GB/s" {
+            // the transfers fit under the attention over the other block
+            assert_eq!((rf, rb), (0.0, 0.0), "{bandwidth}");
+            assert!(ring.simulation.step_time_s < gather.simulation.step_time_s);
+        } else {
+            // a slow link: the backward's twice the bytes outweigh the cover
+            assert!(rb > gb, "{bandwidth}: backward {rb} vs {gb}");
+        }
+    }
+    // `pipec run` says the executor all-gathers
+    let caveats = pipec_executor::caveats(&plan(ring_comm, "1000GB/s"));
+    assert!(caveats.iter().any(|c| c.contains("cp_comm: ring") && c.contains("all-gathers")), "{caveats:?}");
+    assert!(!pipec_executor::caveats(&plan("", "1000GB/s")).iter().any(|c| c.contains("cp_comm")));
+    // a ring needs a context-parallel group
+    let checked = pipec_grammar::check_source(&text(ring_comm, "1GB/s").replace("  cp: 2\n", ""));
+    assert!(checked.diagnostics.iter().any(|d| d.code == "E0424"), "{:?}", checked.diagnostics);
+}

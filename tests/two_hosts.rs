@@ -182,7 +182,7 @@ fn two_hosts_train_like_one_and_a_link_down_stops_the_job_naming_the_peer() {
             std::thread::sleep(Duration::from_millis(100));
         }
     };
-    wait_until(Instant::now() + Duration::from_secs(60), "no steps after 60 s", &|| losses(&run).len() >= 3);
+    wait_until(Instant::now() + Duration::from_secs(180), "no steps after 180 s", &|| losses(&run).len() >= 3);
     hosts.link_down();
     let down = Instant::now();
     let mut status = None;

@@ -149,6 +149,7 @@ pub(crate) fn assemble(
             staleness: lowered.asp.then_some(strategy.schedule.staleness),
             sequence_parallel: strategy.sequence_parallel,
             tp_overlap: strategy.tp_overlap && strategy.tp > 1,
+            cp_comm: if strategy.cp > 1 { strategy.cp_comm } else { Default::default() },
             sharding: strategy.sharding,
         },
         partition: layout.notation,

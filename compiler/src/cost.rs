@@ -24,7 +24,7 @@
 
 use pipec_plan::device::{DeviceModel, Function};
 use pipec_plan::model::{Op, TpSplit};
-use pipec_plan::vocab::{Attention, Loss, OptimizerKind, Precision};
+use pipec_plan::vocab::{Attention, CpComm, Loss, OptimizerKind, Precision};
 use pipec_plan::CollectiveKind;
 
 use crate::ir::{Graph, OpNode};
@@ -42,6 +42,10 @@ pub struct LayerCost {
     pub backward_s: f64,
     /// What selective recompute adds to the backward: the attention core's forward again.
     pub selective_s: f64,
+    /// A transformer block's attention core (scores, softmax, weighted sum; or the fused
+    /// kernel) in its forward and its backward: what a context-parallel ring's transfers
+    /// run under.
+    pub core_s: [f64; 2],
     /// The tensor-parallel collectives a forward and a backward wait for: (kind, bytes
     /// per member) over the layer's group.
     pub tp_forward: Vec<(CollectiveKind, u64)>,
@@ -53,7 +57,8 @@ pub struct LayerCost {
     pub ep_backward: Vec<(CollectiveKind, u64)>,
     /// Context parallelism: a block's keys and values all-gathered over the group in a
     /// forward, their gradients reduce-scattered back in a backward (bytes per member: the
-    /// gathered size).
+    /// gathered size); around the ring (`cp_comm: ring`) the backward passes the keys and
+    /// values around again beside their gradients.
     pub cp_forward: Vec<(CollectiveKind, u64)>,
     pub cp_backward: Vec<(CollectiveKind, u64)>,
     /// One optimizer update of the layer's parameters on one rank (its memory traffic).
@@ -100,6 +105,8 @@ pub struct CostContext<'a> {
     pub cp: usize,
     pub sequence_parallel: bool,
     pub attention: Attention,
+    /// How context parallelism exchanges keys and values (`cp_comm`).
+    pub cp_comm: CpComm,
     /// Seconds a layer's forward costs beyond its kernels (its backward twice that): the
     /// spec's `overhead`, framework work per pass.
     pub overhead: f64,
@@ -276,11 +283,13 @@ impl Kernels<'_> {
     }
 }
 
-/// A layer's forward and backward kernels, and the selective-recompute addition.
+/// A layer's forward and backward kernels, the selective-recompute addition, and the
+/// attention core's part of the forward and the backward.
 struct Priced {
     forward: f64,
     backward: f64,
     selective: f64,
+    core: [f64; 2],
 }
 
 /// Prices one layer's passes on one rank: `first` is the model's first layer, whose input
@@ -288,6 +297,7 @@ struct Priced {
 /// executor); `last` adds the loss.
 fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostContext<'_>) -> Priced {
     let b = device_samples(cx);
+    let mut core_s = [0.0; 2];
     let p = cx.precision.bytes() as f64;
     let new = || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0 };
     let (mut fwd, mut bwd, mut sel) = (new(), new(), new());
@@ -333,7 +343,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
             let (h, a, f) = (d_model as f64, heads as f64, d_ff as f64);
             let Some(blk) = node.op.block_dims() else {
-                return Priced { forward: 0.0, backward: 0.0, selective: 0.0 };
+                return Priced { forward: 0.0, backward: 0.0, selective: 0.0, core: [0.0; 2] };
             };
             let (qkv, up, gated) = (blk.qkv_width as f64, blk.up_width as f64, blk.gated);
             let e = b * s * h;
@@ -412,11 +422,13 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
             // CPU), its fitted passes over this rank's heads replace the kernels
             let measured = cx.device.attention;
             let (bh, dh) = (b * a / t, h / a);
+            let before = fwd.seconds;
             match (cx.attention, measured) {
                 (Attention::Standard, Some(m)) => fwd.seconds += m.forward.seconds(bh, s, dh),
                 (Attention::Standard, None) => core(&mut fwd),
                 (Attention::Flash, _) => fwd.matrix(flash_flops, 4.0 * e / t),
             }
+            core_s[0] = fwd.seconds - before;
             fwd.matrix(projections[1].0, projections[1].1);
             fwd.vector(3.0 * el, 3.0 * el, el);
             fwd.vector(5.0 * el, 2.0 * el, 0.0);
@@ -443,6 +455,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
                 bwd.matrix(flops, values);
             }
             routing(&mut bwd, true);
+            let before = bwd.seconds;
             match (cx.attention, measured) {
                 (Attention::Standard, Some(m)) => {
                     bwd.seconds += m.backward.seconds(bh, s, dh);
@@ -460,6 +473,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
                 // (Dao et al. 2022)
                 (Attention::Flash, _) => bwd.matrix(2.5 * flash_flops, 8.0 * e / t),
             }
+            core_s[1] = bwd.seconds - before;
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
             bwd.vector(8.0 * el, 3.0 * el, 0.0);
             bwd.function_grad(act, ef, act_flops, act_values + ef);
@@ -509,7 +523,12 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
         fwd.function(Function::Exp, n, 8.0 * n, 6.0 * n * fp32);
         bwd.vector(3.0 * n, 3.0 * n * fp32, 0.0);
     }
-    Priced { forward: fwd.seconds + cx.overhead, backward: bwd.seconds + 2.0 * cx.overhead, selective: sel.seconds }
+    Priced {
+        forward: fwd.seconds + cx.overhead,
+        backward: bwd.seconds + 2.0 * cx.overhead,
+        selective: sel.seconds,
+        core: core_s,
+    }
 }
 
 /// The degree a split layer divides by (1 for a replicated one).
@@ -621,13 +640,24 @@ fn cp_collectives(node: &OpNode, t: usize, cx: &CostContext<'_>) -> (Collectives
         let counts = cx.microbatch.max(1) * 2 * cx.cp * m.experts * 4;
         forward.push((CollectiveKind::AllGather, counts as u64));
     }
-    (forward, vec![(CollectiveKind::ReduceScatter, bytes)])
+    let backward = match cx.cp_comm {
+        CpComm::AllGather => vec![(CollectiveKind::ReduceScatter, bytes)],
+        // the ring again in the backward: the keys and values a block at a time beside
+        // their gradients going the other way (Transformer Engine's ring attention keeps
+        // only the member's own)
+        CpComm::Ring => vec![(CollectiveKind::AllGather, bytes), (CollectiveKind::ReduceScatter, bytes)],
+    };
+    (forward, backward)
 }
 
 /// Bytes a context-parallel member keeps per sample of what one device keeps (`kept`):
-/// 1/cp of it (its positions), and a block's keys and values gathered from the others.
-fn context_kept(kept: f64, node: &OpNode, p: f64, t: usize, cp: usize) -> f64 {
-    let cp = cp.max(1) as f64;
+/// 1/cp of it (its positions), and with the all-gather a block's keys and values gathered
+/// from the others (around the ring, only its own, which `kept` counts).
+fn context_kept(kept: f64, node: &OpNode, p: f64, t: usize, cx: &CostContext<'_>) -> f64 {
+    let cp = cx.cp.max(1) as f64;
+    if cx.cp_comm == CpComm::Ring {
+        return kept / cp;
+    }
     let gathered = node.op.block_dims().map_or(0.0, |blk| {
         let s = node.input_shape.first().copied().unwrap_or(1) as f64;
         blk.qkv_width.saturating_sub(blk.d) as f64 * s * p / t.max(1) as f64 * (1.0 - 1.0 / cp)
@@ -704,7 +734,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
             let (kept, core) = kept_bytes(node, p as f64, t, sp, cx.attention, cx.ep);
             let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
             let cp = cx.cp.max(1) as f64;
-            let (kept, core) = (context_kept(kept, node, p as f64, t, cx.cp), core / cp);
+            let (kept, core) = (context_kept(kept, node, p as f64, t, cx), core / cp);
             let update_s = cx.device.update_time(cx.optimizer, node.op.parameter_tensors(), shard as f64, update_bytes);
             LayerCost {
                 forward_flops_per_sample: forward_flops(node),
@@ -712,6 +742,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 forward_s: priced.forward,
                 backward_s: priced.backward,
                 selective_s: priced.selective,
+                core_s: priced.core,
                 tp_forward,
                 tp_backward,
                 ep_forward,
@@ -791,6 +822,7 @@ mod tests {
             cp: 1,
             sequence_parallel: false,
             attention: Attention::Standard,
+            cp_comm: CpComm::AllGather,
             overhead: 0.0,
         }
     }
@@ -1020,8 +1052,25 @@ mod tests {
         // memory per sample: a quarter of one device's, and the other members' keys and values
         let (kept, _) = kept_bytes(&n, 2.0, 1, false, Attention::Flash, 1);
         let gathered = (8192 * 2 * 8 * 128 * 2) as f64 * 0.75;
-        assert_eq!(context_kept(kept, &n, 2.0, 1, 4), kept / 4.0 + gathered);
-        assert_eq!(context_kept(kept, &n, 2.0, 1, 1), kept);
+        assert_eq!(context_kept(kept, &n, 2.0, 1, &cx(4, 4, Attention::Flash)), kept / 4.0 + gathered);
+        assert_eq!(context_kept(kept, &n, 2.0, 1, &cx(4, 1, Attention::Flash)), kept);
+        // around the ring: only the member's own keys and values kept, and the backward
+        // passes them around again beside their gradients
+        let ring = CostContext { cp_comm: CpComm::Ring, ..cx(4, 4, Attention::Flash) };
+        assert_eq!(context_kept(kept, &n, 2.0, 1, &ring), kept / 4.0);
+        assert_eq!(
+            cp_collectives(&n, 1, &ring),
+            (
+                vec![(CollectiveKind::AllGather, kv)],
+                vec![(CollectiveKind::AllGather, kv), (CollectiveKind::ReduceScatter, kv)]
+            )
+        );
+        // the attention core: part of each pass, what the ring's transfers run under
+        for attention in [Attention::Standard, Attention::Flash] {
+            let priced = price(&n, TpSplit::Replicated, (false, false), &cx(4, 4, attention));
+            assert!(priced.core[0] > 0.0 && priced.core[0] < priced.forward, "{attention:?}");
+            assert!(priced.core[1] > 0.0 && priced.core[1] < priced.backward, "{attention:?}");
+        }
     }
 
     #[test]

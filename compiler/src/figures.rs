@@ -168,7 +168,13 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // (the devices of every replica only where there are groups to price)
     let ranks = if ep > 1 || cp > 1 { crate::place::rank_devices(&layout.replicas, tp) } else { Vec::new() };
     type Pick = fn(&crate::cost::LayerCost) -> [&[(CollectiveKind, u64)]; 2];
-    let group_times = |size: usize, pick: Pick| -> Vec<(f64, f64)> {
+    let group_times = |size: usize, pick: Pick, ring: Option<usize>| -> Vec<(f64, f64)> {
+        // the part of a layer's exchange its attention core does not cover (a ring of
+        // `ring` members overlaps cp − 1 of its cp blocks), or all of it
+        let exposed = |comm: f64, core: f64| match ring {
+            Some(n) => (comm - core * (n - 1) as f64 / n as f64).max(0.0),
+            None => comm,
+        };
         layout
             .ranges
             .iter()
@@ -182,12 +188,19 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                     list.iter().map(|&(k, b)| model.cluster.collective_time(k, members, b)).sum::<f64>()
                 };
                 let c = &costs[r.clone()];
-                (c.iter().map(|c| time(pick(c)[0])).sum(), c.iter().map(|c| time(pick(c)[1])).sum())
+                (
+                    c.iter().map(|c| exposed(time(pick(c)[0]), c.core_s[0])).sum(),
+                    c.iter().map(|c| exposed(time(pick(c)[1]), c.core_s[1])).sum(),
+                )
             })
             .collect()
     };
-    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward]);
-    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward]);
+    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None);
+    // around the ring (`cp_comm: ring`) a block's cp − 1 transfers run under the attention
+    // over the cp − 1 blocks before each (Transformer Engine's ring attention): only what
+    // that does not cover is waited for
+    let ring = (spec.strategy.cp_comm == pipec_plan::vocab::CpComm::Ring).then_some(cp);
+    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring);
     let expert_parallel: Vec<usize> = layout
         .ranges
         .iter()

@@ -41,6 +41,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         cp: spec.strategy.cp.max(1),
         sequence_parallel: spec.strategy.sequence_parallel,
         attention: spec.model.attention,
+        cp_comm: spec.strategy.cp_comm,
         overhead: spec.cluster.overhead,
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {

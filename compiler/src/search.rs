@@ -62,6 +62,8 @@ pub struct SearchOptions {
     pub sequence_parallel: bool,
     /// `tp_overlap: true` written: kept on every candidate with tensor parallelism.
     pub tp_overlap: bool,
+    /// `cp_comm` written: kept on every candidate with context parallelism.
+    pub cp_comm: pipec_plan::vocab::CpComm,
     /// `ep` written: every candidate divides the experts so (otherwise, for a model with
     /// expert blocks, every degree that divides the replicas and the experts is tried).
     pub ep: Option<usize>,
@@ -90,6 +92,7 @@ impl Default for SearchOptions {
             sharding: None,
             sequence_parallel: false,
             tp_overlap: false,
+            cp_comm: Default::default(),
             ep: None,
             cp: Some(1),
             ranked: 1,
@@ -116,6 +119,7 @@ impl SearchOptions {
             sharding: (st.sharding != Sharding::None).then_some(st.sharding),
             sequence_parallel: st.sequence_parallel,
             tp_overlap: st.tp_overlap,
+            cp_comm: st.cp_comm,
             ep: (!auto.ep).then_some(st.ep),
             cp: (!auto.cp).then_some(st.cp.max(1)),
             ranked: 1,
@@ -143,6 +147,8 @@ pub struct Candidate {
     pub sequence_parallel: bool,
     /// Tensor parallelism's collectives overlapped with computation (with `tp` > 1).
     pub tp_overlap: bool,
+    /// How context parallelism exchanges keys and values (with `cp` > 1).
+    pub cp_comm: pipec_plan::vocab::CpComm,
     /// Expert parallelism's degree (1: every replica holds every expert).
     pub ep: usize,
     /// Context parallelism's degree (1: none); `replicas` and `microbatches` are as written
@@ -190,7 +196,11 @@ impl Candidate {
         let sp = if self.sequence_parallel { ", sequence_parallel: true" } else { "" };
         let overlap_tp = if self.tp_overlap { ", tp_overlap: true" } else { "" };
         let ep = if self.ep > 1 { format!(", ep: {}", self.ep) } else { String::new() };
-        let cp = if self.cp > 1 { format!(", cp: {}", self.cp) } else { String::new() };
+        let cp = match (self.cp, self.cp_comm) {
+            (1, _) => String::new(),
+            (n, pipec_plan::vocab::CpComm::AllGather) => format!(", cp: {n}"),
+            (n, comm) => format!(", cp: {n}, cp_comm: {comm}"),
+        };
         format!(
             "{{ {stages}tp: {}, schedule: {schedule}, microbatches: {}, partition: {partition}, recompute: {}{zero}{sp}{overlap_tp}{ep}{cp}{overlap}{bucket} }}",
             self.tp,
@@ -220,6 +230,7 @@ impl Candidate {
         st.sharding = self.sharding;
         st.sequence_parallel = self.sequence_parallel;
         st.tp_overlap = self.tp_overlap;
+        st.cp_comm = self.cp_comm;
         st.ep = self.ep;
         // as the front end lowers context parallelism (the layout and microbatches as written)
         st.split_sequences(self.cp);
@@ -569,6 +580,7 @@ fn candidates(
                                 },
                                 sequence_parallel: options.sequence_parallel && tp > 1,
                                 tp_overlap: options.tp_overlap && tp > 1,
+                                cp_comm: if cp > 1 { options.cp_comm } else { Default::default() },
                                 ep,
                                 cp,
                                 overlap: spec.strategy.overlap,

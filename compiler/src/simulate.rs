@@ -446,13 +446,14 @@ pub fn utilisation(t: &Timeline, devices: &[DeviceId]) -> (Vec<(DeviceId, f64, f
         .iter()
         .map(|d| {
             let b = busy.get(d).copied().unwrap_or(0.0);
-            let bubble = if t.step_time > 0.0 { 1.0 - b / t.step_time } else { 0.0 };
+            // (summed event lengths can pass the step by rounding: never below 0)
+            let bubble = if t.step_time > 0.0 { (1.0 - b / t.step_time).max(0.0) } else { 0.0 };
             (*d, b, bubble)
         })
         .collect();
     let total_busy: f64 = per.iter().map(|p| p.1).sum();
     let overall = if t.step_time > 0.0 && !devices.is_empty() {
-        1.0 - total_busy / (t.step_time * devices.len() as f64)
+        (1.0 - total_busy / (t.step_time * devices.len() as f64)).max(0.0)
     } else {
         0.0
     };

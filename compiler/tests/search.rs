@@ -144,6 +144,19 @@ fn the_search_tries_context_parallelism_when_asked() {
         plan.simulation.step_time_s,
         got.1
     );
+    // a written `cp_comm: ring` stays on every context-parallel candidate, and the chosen
+    // text compiles to the prediction with it
+    let ring_text = text.replace("  cp: auto\n", "  cp: auto\n  cp_comm: ring\n");
+    let ring_spec = pipec_grammar::check_source(&ring_text).spec.unwrap_or_else(|| panic!("valid:\n{ring_text}"));
+    let ring_options = SearchOptions::from_spec(&ring_spec, &ring_spec.strategy.auto.clone().expect("a search"));
+    let ring = search(&ring_text, &ring_spec, &options, &ring_options);
+    let (text_got, step) = best(&ring).expect("a plan");
+    assert!(text_got.contains("cp: 2, cp_comm: ring"), "{text_got}");
+    assert!(ring.candidates.iter().filter(|c| c.cp == 1).all(|c| !c.strategy().contains("cp_comm")));
+    let chosen = pipec_grammar::check_source(&with_strategy(&ring_text, &ring_spec, &text_got)).spec.expect("valid");
+    let plan = compile(&chosen, &options).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan;
+    assert_eq!(plan.schedule.cp_comm, pipec_plan::vocab::CpComm::Ring);
+    assert!((plan.simulation.step_time_s - step).abs() <= 1e-6 * step, "{} vs {step}", plan.simulation.step_time_s);
 }
 
 /// Expert parallelism beside context parallelism: the expert groups are drawn from a

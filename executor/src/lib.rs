@@ -367,6 +367,12 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
                 .to_string(),
         );
     }
+    if plan.schedule.cp_comm == pipec_plan::vocab::CpComm::Ring {
+        out.push(
+            "under `cp_comm: ring` the plan passes keys and values around each context-parallel group under the attention and keeps only a member's own, but the executor all-gathers them in line and keeps them for the backward"
+                .to_string(),
+        );
+    }
     if plan.schedule.kind.overlaps_pairs() && plan.stages.iter().any(|s| s.expert_parallel > 1) {
         out.push(format!(
             "under `{}` the plan hides each forward-backward pair's all-to-alls under the other pass's computation (DeepSeek-V3's overlap), but the executor runs a pair's two passes one after the other with their all-to-alls in line: its steps take their whole time",

@@ -319,6 +319,9 @@ pub struct Strategy {
     /// with its passes' computation (Megatron-LM's `--tp-comm-overlap`), as the cost model
     /// prices them.
     pub tp_overlap: bool,
+    /// `cp_comm` (with `cp` > 1 or `cp: auto`): how the context-parallel members exchange
+    /// keys and values, as the cost and memory model price it.
+    pub cp_comm: pipec_plan::vocab::CpComm,
     /// `zero`: what data-parallel replicas shard among themselves.
     pub sharding: pipec_plan::vocab::Sharding,
     /// `ep`: expert parallelism — every replicated stage's replicas in groups of `ep`

@@ -414,6 +414,17 @@ set `tp` above 1, or remove it.
       tp: 1
       tp_overlap: true   # error: no tensor-parallel collectives";
 
+"E0424", "a context-parallel ring without context parallelism",
+"`cp_comm: ring` passes each transformer block's keys and values around the
+context-parallel group a block at a time, under the attention over the block before, and
+keeps only the member's own (Megatron-LM's `--cp-comm-type p2p`). Without context
+parallelism there is no group to pass them around: set `cp` above 1 (or `cp: auto`), or
+remove `cp_comm`.
+
+    strategy:
+      stages: straight
+      cp_comm: ring   # error: `cp` is 1";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";

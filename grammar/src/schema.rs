@@ -276,6 +276,13 @@ struct Strategy {
     /// layout uses `cp` times the devices. Divides the sequence into 2·cp equal chunks.
     /// Default 1; `auto`: searched.
     cp: Option<CountOrAuto>,
+    /// How context parallelism exchanges keys and values (Megatron-LM's `--cp-comm-type`):
+    /// `all_gather` (the default: gathered at once, kept for the backward, their gradients
+    /// reduce-scattered) or `ring` (passed around the group a block at a time under the
+    /// attention over the block before, only the member's own kept; the backward passes
+    /// them around again with their gradients). Needs `cp` > 1 or `cp: auto`. A planning
+    /// choice: the executor all-gathers (`pipec run` says so).
+    cp_comm: Option<pipec_plan::vocab::CpComm>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
     /// Overlap communication with compute (default true): a replicated stage's all-reduce

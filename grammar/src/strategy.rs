@@ -4,7 +4,7 @@
 //! cluster size, stages vs layers, microbatches vs batch size, partition ranges vs layers.
 
 use pipec_plan::schedule::LayoutFacts;
-use pipec_plan::vocab::Sharding;
+use pipec_plan::vocab::{CpComm, Sharding};
 
 use crate::ast::{
     AutoStrategy, Choice, Cluster, Model, Partition, Recompute, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode,
@@ -158,6 +158,7 @@ pub(crate) fn lower_strategy(
         None => Some(1),
         Some(n) => cx.uint(n, 1),
     };
+    let cp_comm = lower_cp_comm(cx, &f, cp);
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
     // the batch's split into microbatches does not depend on the schedule: with a broken
@@ -169,7 +170,7 @@ pub(crate) fn lower_strategy(
     }
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
     let (overlap, sequence_parallel, sharding, ep, bucket) = (overlap?, sequence_parallel?, sharding?, ep?, bucket?);
-    let (cp, tp_overlap) = (cp?, tp_overlap?);
+    let (cp, tp_overlap, cp_comm) = (cp?, tp_overlap?, cp_comm?);
     // a stage replica is `tp` × `cp` devices
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp * cp)?;
     // ZeRO shards over a stage's data- and context-parallel members together
@@ -218,6 +219,7 @@ pub(crate) fn lower_strategy(
         bucket,
         sequence_parallel,
         tp_overlap,
+        cp_comm,
         sharding,
         ep,
         cp: 1,
@@ -257,6 +259,26 @@ fn lower_sequence_parallel(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>
 fn lower_tp_overlap(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>) -> Option<bool> {
     let message = "`tp_overlap` overlaps tensor parallelism's collectives, and `tp` is 1: there are none";
     lower_tensor_parallel_flag(cx, f, tp, ("tp_overlap", "E0423", message))
+}
+
+/// `cp_comm`: `all_gather` (the default) or `ring`, and a ring only where there is
+/// context parallelism: a `cp` above 1 or `auto` (`cp` None) (E0424).
+fn lower_cp_comm(cx: &mut Lower<'_>, f: &Fields<'_>, cp: Option<usize>) -> Option<CpComm> {
+    let Some(n) = f.get("cp_comm") else { return Some(CpComm::AllGather) };
+    let comm = cx.choose::<CpComm>(n, &["strategy", "cp_comm"])?;
+    if comm == CpComm::Ring && cp == Some(1) {
+        cx.push(
+            Diagnostic::error(
+                "E0424",
+                "`cp_comm: ring` passes keys and values around a context-parallel group, and `cp` is 1: there is none",
+                n.span,
+                "needs `cp` > 1",
+            )
+            .with_help("set `cp` to the context-parallel degree (or `cp: auto`), or remove `cp_comm`"),
+        );
+        return None;
+    }
+    Some(comm)
 }
 
 /// A boolean `key` that means something only with tensor parallelism: `code` with `message`
@@ -411,6 +433,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         bucket: None,
         sequence_parallel: false,
         tp_overlap: false,
+        cp_comm: CpComm::AllGather,
         sharding: Sharding::None,
         ep: 1,
         cp: 1,
@@ -515,6 +538,12 @@ fn lower_auto_strategy(
     if !auto.ep {
         strategy.ep = f.get("ep").and_then(|n| cx.uint(n, 1))?;
     }
+    let written_cp = match f.get("cp") {
+        Some(n) if !is_auto(n) => Some(cx.uint(n, 1)?),
+        Some(_) => None,
+        None => Some(1),
+    };
+    strategy.cp_comm = lower_cp_comm(cx, f, written_cp)?;
     match f.get("cp") {
         Some(n) if !is_auto(n) => {
             // a written degree the search keeps: checked against the model, and the schedule

@@ -318,6 +318,11 @@ pub struct ScheduleInfo {
     /// model's accounting; the executor runs them in line).
     #[serde(default, skip_serializing_if = "is_false")]
     pub tp_overlap: bool,
+    /// How context parallelism exchanges keys and values (the cost and memory model's
+    /// accounting; the executor all-gathers them). `all_gather` without context
+    /// parallelism.
+    #[serde(default, skip_serializing_if = "is_all_gather")]
+    pub cp_comm: crate::vocab::CpComm,
     /// ZeRO's sharding across each replicated stage's data-parallel replicas: the streams
     /// reduce-scatter its gradients (`gradient_shard`), update the shard (`step_shard`)
     /// and, at stages 1 and 2, all-gather the weights (`weights`); at stage 3 each pass
@@ -457,6 +462,10 @@ pub fn reduced_in_buckets(stream: &[Instr], at: usize) -> Option<usize> {
         }
     }
     None
+}
+
+fn is_all_gather(c: &crate::vocab::CpComm) -> bool {
+    *c == crate::vocab::CpComm::AllGather
 }
 
 fn is_zero(x: &f64) -> bool {

@@ -237,6 +237,29 @@ choice! {
 }
 
 choice! {
+    /// How context parallelism exchanges a transformer block's keys and values among a
+    /// group's members (`cp_comm`; Megatron-LM's `--cp-comm-type`).
+    pub enum CpComm {
+        /// Every member's keys and values gathered at once before attention and kept for
+        /// the backward, whose gradients a reduce-scatter returns (the Llama 3 paper's form).
+        AllGather = "all_gather",
+        /// Passed around the group's ring a block at a time, each transfer hidden under the
+        /// attention over the block before it; only the member's own keys and values are
+        /// kept, and the backward passes them around again with their gradients (Megatron-
+        /// LM's `p2p`, Transformer Engine's ring attention).
+        Ring = "ring",
+    }
+}
+
+// (`choice!` takes no attributes on its variants, so not `#[derive(Default)]`)
+#[allow(clippy::derivable_impls)]
+impl Default for CpComm {
+    fn default() -> Self {
+        CpComm::AllGather
+    }
+}
+
+choice! {
     /// What data-parallel replicas shard among themselves (ZeRO's stages; FSDP's
     /// `SHARD_GRAD_OP` is `gradients`, `FULL_SHARD` is `parameters`). Each level keeps the
     /// levels before it: with `d` replicas, `optimizer` keeps 1/d of the optimizer state and
