@@ -28,7 +28,7 @@ use pipec_grammar::check_source_in;
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::{AutoStrategy, Partition, Recompute, Schedule, Spec};
 use pipec_plan::schedule::LayoutFacts;
-use pipec_plan::vocab::{ScheduleKind, Sharding};
+use pipec_plan::vocab::{CpComm, ScheduleKind, Sharding};
 
 use crate::bound::{lower_bound, timeline_bound, work_bound, Memo};
 use crate::compile::{compile, CompileResult};
@@ -62,8 +62,9 @@ pub struct SearchOptions {
     pub sequence_parallel: bool,
     /// `tp_overlap: true` written: kept on every candidate with tensor parallelism.
     pub tp_overlap: bool,
-    /// `cp_comm` written: kept on every candidate with context parallelism.
-    pub cp_comm: pipec_plan::vocab::CpComm,
+    /// `cp_comm` written: kept on every candidate with context parallelism; None: both
+    /// tried.
+    pub cp_comm: Option<CpComm>,
     /// `ep` written: every candidate divides the experts so (otherwise, for a model with
     /// expert blocks, every degree that divides the replicas and the experts is tried).
     pub ep: Option<usize>,
@@ -92,7 +93,7 @@ impl Default for SearchOptions {
             sharding: None,
             sequence_parallel: false,
             tp_overlap: false,
-            cp_comm: Default::default(),
+            cp_comm: None,
             ep: None,
             cp: Some(1),
             ranked: 1,
@@ -119,7 +120,7 @@ impl SearchOptions {
             sharding: (st.sharding != Sharding::None).then_some(st.sharding),
             sequence_parallel: st.sequence_parallel,
             tp_overlap: st.tp_overlap,
-            cp_comm: st.cp_comm,
+            cp_comm: (!auto.cp_comm).then_some(st.cp_comm),
             ep: (!auto.ep).then_some(st.ep),
             cp: (!auto.cp).then_some(st.cp.max(1)),
             ranked: 1,
@@ -148,7 +149,7 @@ pub struct Candidate {
     /// Tensor parallelism's collectives overlapped with computation (with `tp` > 1).
     pub tp_overlap: bool,
     /// How context parallelism exchanges keys and values (with `cp` > 1).
-    pub cp_comm: pipec_plan::vocab::CpComm,
+    pub cp_comm: CpComm,
     /// Expert parallelism's degree (1: every replica holds every expert).
     pub ep: usize,
     /// Context parallelism's degree (1: none); `replicas` and `microbatches` are as written
@@ -198,7 +199,7 @@ impl Candidate {
         let ep = if self.ep > 1 { format!(", ep: {}", self.ep) } else { String::new() };
         let cp = match (self.cp, self.cp_comm) {
             (1, _) => String::new(),
-            (n, pipec_plan::vocab::CpComm::AllGather) => format!(", cp: {n}"),
+            (n, CpComm::AllGather) => format!(", cp: {n}"),
             (n, comm) => format!(", cp: {n}, cp_comm: {comm}"),
         };
         format!(
@@ -555,6 +556,12 @@ fn candidates(
             };
             // a stage's expert groups are drawn from its data- and context-parallel members
             let members: Option<Vec<usize>> = layout.as_ref().map(|l| l.iter().map(|r| r * cp).collect());
+            // how context parallelism exchanges keys and values: as written, or both
+            let comms: Vec<CpComm> = match (cp, options.cp_comm) {
+                (1, _) => vec![CpComm::AllGather],
+                (_, Some(written)) => vec![written],
+                (_, None) => vec![CpComm::AllGather, CpComm::Ring],
+            };
             // context parallelism's groups run every pass together (the front end's E0422)
             let schedules = schedules
                 .into_iter()
@@ -562,7 +569,7 @@ fn candidates(
             for (schedule, chunks) in schedules {
                 for ep in expert_degrees(&expert_counts, options, members.as_deref(), schedule) {
                     for &microbatches in &counts {
-                        for recompute in &recomputes {
+                        for (recompute, &cp_comm) in recomputes.iter().flat_map(|r| comms.iter().map(move |c| (r, c))) {
                             let mut c = Candidate {
                                 tp,
                                 replicas: layout.clone().unwrap_or_default(),
@@ -580,7 +587,7 @@ fn candidates(
                                 },
                                 sequence_parallel: options.sequence_parallel && tp > 1,
                                 tp_overlap: options.tp_overlap && tp > 1,
-                                cp_comm: if cp > 1 { options.cp_comm } else { Default::default() },
+                                cp_comm,
                                 ep,
                                 cp,
                                 overlap: spec.strategy.overlap,

@@ -121,6 +121,12 @@ fn the_search_tries_context_parallelism_when_asked() {
     let all = search(&text, &spec, &options, &SearchOptions { exhaustive: true, ..search_options.clone() });
     let degrees: std::collections::BTreeSet<usize> = all.candidates.iter().map(|c| c.cp).collect();
     assert_eq!(degrees, [1, 2].into(), "2 devices");
+    // `cp_comm` unwritten: both exchanges tried on every context-parallel candidate
+    use pipec_plan::vocab::CpComm;
+    let comms = |cp: usize| -> std::collections::BTreeSet<CpComm> {
+        all.candidates.iter().filter(|c| c.cp == cp).map(|c| c.cp_comm).collect()
+    };
+    assert_eq!((comms(1), comms(2)), ([CpComm::AllGather].into(), [CpComm::AllGather, CpComm::Ring].into()));
     for c in &all.candidates {
         if let Outcome::Planned(p) = &c.outcome {
             assert!(p.bound_s <= p.step_s * (1.0 + 1e-9), "{} bound {} > step {}", c.strategy(), p.bound_s, p.step_s);

@@ -282,6 +282,9 @@ pub struct AutoStrategy {
     /// The context-parallel degree: searched only when written `cp: auto` (for a model
     /// that splits along its sequence, E0420), 1 when absent.
     pub cp: bool,
+    /// How context parallelism exchanges keys and values: both tried on every
+    /// context-parallel candidate when `cp_comm` is not written.
+    pub cp_comm: bool,
     /// `search.async`: the asynchronous schedules (stale weights) may be chosen.
     pub asynchronous: bool,
     /// `search.max_depth`: the most pipeline stages.
