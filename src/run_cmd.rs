@@ -254,6 +254,14 @@ fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
             );
         }
     }
+    if !report.weight_gathers.is_empty() {
+        let last: Vec<String> =
+            report.weight_gathers.iter().filter_map(|(d, g)| g.last().map(|n| format!("{d} {n}"))).collect();
+        eprintln!(
+            "ZeRO-3 gathers of whole stage weights in the last step (one for each pass that found them dropped): {}",
+            last.join(", ")
+        );
+    }
     if !report.resident.is_empty() {
         eprintln!("resident memory per process running one device (measured: from before its stages were built to the run's peak; predicted: the plan's total without its workspace reserve):");
         for (d, r) in &report.resident {

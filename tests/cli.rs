@@ -145,6 +145,13 @@ fn a_zero_plan_trains_to_the_same_losses_and_shows_the_state_each_replica_holds(
             assert!(!unsharded[0].contains(&format!("optimizer {measured} ")), "{line} against {}", unsharded[0]);
         }
         assert_eq!(stderr.contains("under `zero: 3` the executor gathers"), zero == "3", "{stderr}");
+        // the whole weights gathered once a step (the data-parallel stage keeps its graphs
+        // from its first forward to its last backward), on each of the 4 devices
+        let gathers = stderr.lines().find(|l| l.starts_with("ZeRO-3 gathers"));
+        match zero {
+            "3" => assert!(gathers.is_some_and(|l| l.ends_with(": d0 1, d1 1, d2 1, d3 1")), "{stderr}"),
+            _ => assert!(gathers.is_none(), "{stderr}"),
+        }
     }
 }
 

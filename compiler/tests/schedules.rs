@@ -688,6 +688,18 @@ fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
                     _ => {}
                 }
             }
+            // each pair starts with both its inputs in: the backward's gradient is received
+            // before the forward (the lowering's side of the one pair rule)
+            for (i, ins) in stream.iter().enumerate() {
+                let Some(j) = pipec_plan::schedule::overlapped_pair(stream, i) else { continue };
+                let (Instr::Backward { stage, mb }, last) = (&stream[j], stages.len() - 1) else { continue };
+                if stage.0 as usize != last {
+                    let received = stream[..i]
+                        .iter()
+                        .any(|r| matches!(r, Instr::RecvGradient { stage: s, mb: m, .. } if s == stage && m == mb));
+                    assert!(received, "{schedule} {}: `{}` starts before `{}`'s gradient is in", d.id, ins, stream[j]);
+                }
+            }
             let got = |phase: &str| d.by_phase.get(phase).copied().unwrap_or(0.0);
             assert!((got("forward") - forward).abs() <= 1e-9 * forward, "{schedule} {}: forward", d.id);
             assert!((got("backward") - backward).abs() <= 1e-9 * backward.max(1e-12), "{schedule} {}: backward", d.id);
