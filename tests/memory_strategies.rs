@@ -1,6 +1,6 @@
 //! The memory strategies of the strategy section: ZeRO's sharding across data-parallel
 //! replicas (its paper's per-device model-state formulas, exactly), and E0601's hints naming
-//! a sharding level or flash attention only when it makes the plan fit.
+//! a sharding level, flash attention or a context-parallel ring only when it makes the plan fit.
 
 use std::path::Path;
 
@@ -338,4 +338,25 @@ fn a_context_parallel_ring_keeps_less_and_hides_its_transfers_under_attention() 
     // a ring needs a context-parallel group
     let checked = pipec_grammar::check_source(&text(ring_comm, "1GB/s").replace("  cp: 2\n", ""));
     assert!(checked.diagnostics.iter().any(|d| d.code == "E0424"), "{:?}", checked.diagnostics);
+    // E0601 offers the ring where it makes the plan fit, and only there: a device between
+    // the two plans' totals (their workspace reserve, 5% of it, aside)
+    let need = |p: &pipec_plan::Plan| p.devices.iter().map(|d| d.memory.total - d.memory.workspace).max().unwrap_or(0);
+    let (gather_need, ring_need) = (need(&plan("", "1GB/s")), need(&plan(ring_comm, "1GB/s")));
+    let mib = |bytes: u64| bytes as f64 / 1024.0 / 1024.0;
+    assert!(mib(gather_need) - mib(ring_need) > 8.0, "{gather_need} vs {ring_need}");
+    let at = |capacity_mib: u64| {
+        let t = text("", "1GB/s").replace("memory: 80GiB", &format!("memory: {capacity_mib}MiB"));
+        let result = compile_text(&t);
+        let help: Vec<String> =
+            result.diagnostics.iter().filter(|d| d.code == "E0601").filter_map(|d| d.help.clone()).collect();
+        (!result.has_errors(), help.join(" "))
+    };
+    let between = ((mib(gather_need) + mib(ring_need)) / 2.0 / 0.95) as u64;
+    let (fits, help) = at(between);
+    assert!(!fits && help.contains("`cp_comm: ring`"), "{between} MiB: {help}");
+    let ring_at = compile_text(&text(ring_comm, "1GB/s").replace("memory: 80GiB", &format!("memory: {between}MiB")));
+    assert!(!ring_at.has_errors(), "the offered ring fits in {between} MiB: {:?}", ring_at.diagnostics);
+    let below = (mib(ring_need) / 0.95) as u64 - 2;
+    let (fits, help) = at(below);
+    assert!(!fits && !help.contains("cp_comm"), "{below} MiB: never offered where it does not fit: {help}");
 }

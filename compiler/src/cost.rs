@@ -77,6 +77,9 @@ pub struct LayerCost {
     pub activation_bytes_per_sample: u64,
     /// The part of those that selective recompute drops (a block's attention core).
     pub attention_core_bytes_per_sample: u64,
+    /// The part of those that is context parallelism's gathered keys and values (the
+    /// all-gather keeps them; around the ring, 0).
+    pub gathered_bytes_per_sample: u64,
     /// Bytes of the output, per sample (whole).
     pub output_bytes_per_sample: u64,
     /// The last layer only: bytes the loss keeps for its backward, per sample, on one rank
@@ -652,17 +655,18 @@ fn cp_collectives(node: &OpNode, t: usize, cx: &CostContext<'_>) -> (Collectives
 
 /// Bytes a context-parallel member keeps per sample of what one device keeps (`kept`):
 /// 1/cp of it (its positions), and with the all-gather a block's keys and values gathered
-/// from the others (around the ring, only its own, which `kept` counts).
-fn context_kept(kept: f64, node: &OpNode, p: f64, t: usize, cx: &CostContext<'_>) -> f64 {
+/// from the others (around the ring, only its own, which `kept` counts); and that gathered
+/// part alone.
+fn context_kept(kept: f64, node: &OpNode, p: f64, t: usize, cx: &CostContext<'_>) -> (f64, f64) {
     let cp = cx.cp.max(1) as f64;
     if cx.cp_comm == CpComm::Ring {
-        return kept / cp;
+        return (kept / cp, 0.0);
     }
     let gathered = node.op.block_dims().map_or(0.0, |blk| {
         let s = node.input_shape.first().copied().unwrap_or(1) as f64;
         blk.qkv_width.saturating_sub(blk.d) as f64 * s * p / t.max(1) as f64 * (1.0 - 1.0 / cp)
     });
-    kept / cp + gathered
+    (kept / cp + gathered, gathered)
 }
 
 /// The parameters one rank holds, and the part of them that is routed experts: its
@@ -734,7 +738,8 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
             let (kept, core) = kept_bytes(node, p as f64, t, sp, cx.attention, cx.ep);
             let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
             let cp = cx.cp.max(1) as f64;
-            let (kept, core) = (context_kept(kept, node, p as f64, t, cx), core / cp);
+            let (kept, gathered) = context_kept(kept, node, p as f64, t, cx);
+            let core = core / cp;
             let update_s = cx.device.update_time(cx.optimizer, node.op.parameter_tensors(), shard as f64, update_bytes);
             LayerCost {
                 forward_flops_per_sample: forward_flops(node),
@@ -756,6 +761,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 parameter_bytes: shard * p as u64,
                 activation_bytes_per_sample: kept as u64,
                 attention_core_bytes_per_sample: core as u64,
+                gathered_bytes_per_sample: gathered as u64,
                 output_bytes_per_sample: (numel(&node.output_shape) * p as f64 / cp) as u64,
                 loss_input_bytes_per_sample: match (last, split) {
                     (false, _) => 0,
@@ -1052,12 +1058,12 @@ mod tests {
         // memory per sample: a quarter of one device's, and the other members' keys and values
         let (kept, _) = kept_bytes(&n, 2.0, 1, false, Attention::Flash, 1);
         let gathered = (8192 * 2 * 8 * 128 * 2) as f64 * 0.75;
-        assert_eq!(context_kept(kept, &n, 2.0, 1, &cx(4, 4, Attention::Flash)), kept / 4.0 + gathered);
-        assert_eq!(context_kept(kept, &n, 2.0, 1, &cx(4, 1, Attention::Flash)), kept);
+        assert_eq!(context_kept(kept, &n, 2.0, 1, &cx(4, 4, Attention::Flash)), (kept / 4.0 + gathered, gathered));
+        assert_eq!(context_kept(kept, &n, 2.0, 1, &cx(4, 1, Attention::Flash)), (kept, 0.0));
         // around the ring: only the member's own keys and values kept, and the backward
         // passes them around again beside their gradients
         let ring = CostContext { cp_comm: CpComm::Ring, ..cx(4, 4, Attention::Flash) };
-        assert_eq!(context_kept(kept, &n, 2.0, 1, &ring), kept / 4.0);
+        assert_eq!(context_kept(kept, &n, 2.0, 1, &ring), (kept / 4.0, 0.0));
         assert_eq!(
             cp_collectives(&n, 1, &ring),
             (

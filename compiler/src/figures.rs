@@ -391,6 +391,10 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                 } else {
                     c.iter().fold(0u64, |a, c| a.saturating_add(c.attention_core_bytes_per_sample)).saturating_mul(mb)
                 },
+                gathered_kv_per_microbatch: c
+                    .iter()
+                    .fold(0u64, |a, c| a.saturating_add(c.gathered_bytes_per_sample))
+                    .saturating_mul(mb),
                 checkpoint_per_microbatch: checkpoint.saturating_add(loss_input),
                 recompute_unit_peak: unit_peak,
                 largest_message: input_bytes.max(output),

@@ -160,8 +160,9 @@ pub(crate) fn memory_diagnostics(
 
 /// E0601's ideas from the memory strategies, each offered only when it makes `worst` fit:
 /// a higher ZeRO level (the lowest that fits), flash attention or selective recompute (the
-/// attention cores' `[heads, seq, seq]` tensors no longer kept), or the first pair of them
-/// that fits when neither alone does.
+/// attention cores' `[heads, seq, seq]` tensors no longer kept), context parallelism's
+/// ring (its gathered keys and values no longer kept), or the first pair of ZeRO and flash
+/// attention that fits when neither alone does.
 fn sharding_and_attention_ideas(
     spec: &Spec,
     worst: &DevicePlan,
@@ -204,6 +205,20 @@ fn sharding_and_attention_ideas(
     }
     if cores > 0 && total_with(current, true) <= m.capacity {
         ideas.push(format!("{flash_word} ({} on {})", human_bytes(total_with(current, true)), worst.id));
+    }
+    // context parallelism around the ring: the non-recomputed stages' gathered keys and
+    // values, times their microbatches in flight, no longer kept
+    let gathered: u64 = worst
+        .stages
+        .iter()
+        .filter(|s| !recompute.get(s.0 as usize).copied().unwrap_or(false))
+        .map(|s| {
+            stage_bytes.get(s.0 as usize).map_or(0, |b| b.gathered_kv_per_microbatch)
+                * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))
+        })
+        .sum();
+    if gathered > 0 && m.total.saturating_sub(gathered) <= m.capacity {
+        ideas.push(format!("`cp_comm: ring` ({} on {})", human_bytes(m.total - gathered), worst.id));
     }
     if ideas.is_empty() && cores > 0 {
         if let Some(&level) = levels.iter().find(|&&l| total_with(l, true) <= m.capacity) {

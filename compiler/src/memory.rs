@@ -109,6 +109,9 @@ pub struct StageBytes {
     /// Of `activations_per_microbatch`, the attention cores' `[heads, seq, seq]` tensors
     /// (what flash attention or selective recompute does not keep).
     pub attention_core_per_microbatch: u64,
+    /// Of `activations_per_microbatch`, context parallelism's gathered keys and values
+    /// (what `cp_comm: ring` does not keep).
+    pub gathered_kv_per_microbatch: u64,
 }
 
 /// The documented workspace reserve: 5% of the device memory, at most 1 GiB (allocator
