@@ -553,14 +553,12 @@ fn run_order(order: &Order, view: &Placement, p: &Passes) -> f64 {
                     break;
                 }
                 // DualPipe's overlapped pair: the forward and the whole backward after it
-                // start once both their inputs are in and take the pair's time
-                let paired = tasks
-                    .get(next[d] + 1)
-                    .filter(|b| t.kind == TaskKind::Forward && b.kind == TaskKind::Backward)
-                    .and_then(|b| {
-                        let both = p.pair.get(s)?.get(b.stage.0 as usize).copied().flatten()?;
-                        Some((b.stage.0 as usize, b.mb.0 as usize, both))
-                    });
+                // start once both their inputs are in and take the pair's time (`p.pair` has
+                // none for a recomputed backward, nor outside DualPipe)
+                let paired = crate::schedule::paired_backward(tasks, next[d], |_| false).and_then(|b| {
+                    let both = p.pair.get(s)?.get(b.stage.0 as usize).copied().flatten()?;
+                    Some((b.stage.0 as usize, b.mb.0 as usize, both))
+                });
                 if let Some((bs, bmb, both)) = paired {
                     if bs >= n || bmb >= m {
                         return 0.0;

@@ -175,16 +175,21 @@ fn sharding_and_attention_ideas(
     // the held stages' model state at a ZeRO level: each stage's share of its whole state
     let state_at = |level: Sharding| -> u64 { held.iter().map(|b| b.whole.sharded(level, b.replicas).total()).sum() };
     let state_now = state_at(current);
-    // flash attention: the non-recomputed stages' attention cores, times their microbatches in flight
-    let cores: u64 = worst
-        .stages
-        .iter()
-        .filter(|s| !recompute.get(s.0 as usize).copied().unwrap_or(false))
-        .map(|s| {
-            stage_bytes.get(s.0 as usize).map_or(0, |b| b.attention_core_per_microbatch)
-                * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))
-        })
-        .sum();
+    // a part of what the non-recomputed held stages keep per microbatch, times their
+    // microbatches in flight
+    let kept_in_flight = |part: fn(&StageBytes) -> u64| -> u64 {
+        worst
+            .stages
+            .iter()
+            .filter(|s| !recompute.get(s.0 as usize).copied().unwrap_or(false))
+            .map(|s| {
+                stage_bytes.get(s.0 as usize).map_or(0, part)
+                    * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))
+            })
+            .sum()
+    };
+    // flash attention: the attention cores
+    let cores = kept_in_flight(|b| b.attention_core_per_microbatch);
     let total_with = |level: Sharding, flash: bool| {
         (m.total - state_now + state_at(level)).saturating_sub(if flash { cores } else { 0 })
     };
@@ -206,17 +211,8 @@ fn sharding_and_attention_ideas(
     if cores > 0 && total_with(current, true) <= m.capacity {
         ideas.push(format!("{flash_word} ({} on {})", human_bytes(total_with(current, true)), worst.id));
     }
-    // context parallelism around the ring: the non-recomputed stages' gathered keys and
-    // values, times their microbatches in flight, no longer kept
-    let gathered: u64 = worst
-        .stages
-        .iter()
-        .filter(|s| !recompute.get(s.0 as usize).copied().unwrap_or(false))
-        .map(|s| {
-            stage_bytes.get(s.0 as usize).map_or(0, |b| b.gathered_kv_per_microbatch)
-                * u64::from(worst.peak_in_flight.get(s).copied().unwrap_or(1))
-        })
-        .sum();
+    // context parallelism around the ring: the gathered keys and values no longer kept
+    let gathered = kept_in_flight(|b| b.gathered_kv_per_microbatch);
     if gathered > 0 && m.total.saturating_sub(gathered) <= m.capacity {
         ideas.push(format!("`cp_comm: ring` ({} on {})", human_bytes(m.total - gathered), worst.id));
     }

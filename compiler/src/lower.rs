@@ -13,7 +13,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use pipec_plan::vocab::Sharding;
 use pipec_plan::{CollectivePayload, DeviceId, GroupId, Instr, MessageId, MicrobatchId, Payload, StageId};
 
-use crate::schedule::{Order, Placement, Task, TaskKind};
+use crate::schedule::{paired_backward, Order, Placement, Task, TaskKind};
 
 pub use pipec_plan::schedule::Updates;
 
@@ -144,12 +144,9 @@ fn device_stream(
                     link_order.entry((peer, dev)).or_default().push_back(MessageId::activation(st(s - 1), mbid(m)));
                 }
                 // an overlapped pair's backward: its gradient too, before the pair starts
-                // (one whose backward recomputes runs one pass after the other)
-                let paired = tasks.get(i + 1).filter(|b| {
-                    let recomputed = input.recompute.get(b.stage.0 as usize).copied().unwrap_or(false);
-                    b.kind == TaskKind::Backward && b.stage != t.stage && !recomputed
-                });
-                if let Some(b) = paired.filter(|_| input.overlapped_pairs) {
+                let recomputed = |s: usize| input.recompute.get(s).copied().unwrap_or(false);
+                let paired = paired_backward(tasks, i, recomputed).filter(|_| input.overlapped_pairs);
+                if let Some(b) = paired {
                     let (bs, bm) = (b.stage.0 as usize, b.mb.0 as usize);
                     recv_gradient(stream, link_order, bs, bm);
                     received_early = Some((bs, bm));

@@ -78,6 +78,16 @@ impl Placement {
 /// Per device, the ordered compute tasks.
 pub type Order = Vec<Vec<Task>>;
 
+/// The whole backward that the forward at `at` of a device's `tasks` opens a DualPipe pair
+/// with (`ScheduleKind::overlaps_pairs`): the next task, a whole backward of another stage
+/// that does not recompute (`recomputed`: a recompute would run between them). The order's
+/// side of `pipec_plan::schedule::overlapped_pair`, which finds the same pairs in the
+/// streams this order lowers to.
+pub(crate) fn paired_backward(tasks: &[Task], at: usize, recomputed: impl Fn(usize) -> bool) -> Option<&Task> {
+    let f = tasks.get(at).filter(|f| f.kind == TaskKind::Forward)?;
+    tasks.get(at + 1).filter(|b| b.kind == TaskKind::Backward && b.stage != f.stage && !recomputed(b.stage.0 as usize))
+}
+
 /// Generates the compute order of `kind` for a placement.
 ///
 /// `backward_slots` is the plan's backward time in forwards, rounded (1 when they are equal,

@@ -712,12 +712,8 @@ impl<B: ExecBackend> Worker<'_, B> {
     /// (FSDP's free after forward and after backward, a stage being the unit). While a
     /// kept autodiff graph holds them they stay. Not while evaluating.
     pub(crate) fn release_unpinned(&mut self, stage: StageId) -> Result<()> {
-        let gathered_at_3 = self
-            .stages
-            .get(&stage)
-            .and_then(|s| s.shard.as_ref())
-            .is_some_and(|shard| shard.gathered && shard.level == pipec_plan::vocab::Sharding::Parameters);
-        if !gathered_at_3 || self.evaluating.is_some() {
+        let gathered = self.stages.get(&stage).and_then(|s| s.shard.as_ref()).is_some_and(|shard| shard.gathered);
+        if !gathered || !self.sharded_at_3(stage) || self.evaluating.is_some() {
             return Ok(());
         }
         let pinned = self.saved.iter().any(|((s, _), k)| *s == stage && !k.saved.is_nothing())
