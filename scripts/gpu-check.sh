@@ -24,7 +24,9 @@
 #
 # Options: --bin PATH (the pipec to use; default gpu-check/pipec, or target/debug/pipec in
 # --dry mode), --tol REL (largest relative loss difference CPU vs CUDA, default 1e-3),
-# --bench-only (the benchmark alone).
+# --tol-16 REL (the same for the bf16 and fp16 specs, default 1e-2), --bench-only (the benchmark
+# alone), --no-bench (the equality and process checks alone), --models "A B" (which of
+# bench/specs/gpu/ the benchmark runs), --no-calibrate (the benchmark without calibrating).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,15 +35,23 @@ shift || true
 dry=0
 mpi=0
 bench_only=0
+no_bench=0
 bin=""
 tol="1e-3"
+tol_16="1e-2"
+models_opt=""
+no_calibrate=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry) dry=1 ;;
     --mpi) mpi=1 ;;
     --bench-only) bench_only=1 ;;
+    --no-bench) no_bench=1 ;;
     --bin) bin="$2"; shift ;;
     --tol) tol="$2"; shift ;;
+    --tol-16) tol_16="$2"; shift ;;
+    --models) models_opt="$2"; shift ;;
+    --no-calibrate) no_calibrate=1 ;;
     *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -83,7 +93,7 @@ case "$mode" in
     exit 0
     ;;
   run) ;;
-  *) echo "usage: scripts/gpu-check.sh build [--mpi] | run [--dry] [--bench-only] [--bin PATH] [--tol REL]" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu-check.sh build [--mpi] | run [--dry] [--bench-only] [--no-bench] [--models LIST] [--no-calibrate] [--bin PATH] [--tol REL] [--tol-16 REL]" >&2; exit 2 ;;
 esac
 
 if [ -z "$bin" ]; then
@@ -137,8 +147,8 @@ dev() { (cd "$work" && timeout 240 "$bin" "$@"); }
 
 # every step's loss of a run against the CPU run's: the largest relative difference, within
 # the tolerance or FAIL
-compare() { # name reference-metrics metrics
-  python3 - "$2" "$3" "$tol" "$1" <<'EOF'
+compare() { # name reference-metrics metrics [tolerance]
+  python3 - "$2" "$3" "${4:-$tol}" "$1" <<'EOF'
 import json, sys
 a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
 b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
@@ -203,8 +213,38 @@ spec tensor-parallel 4 '"1-1"' 1f1b "  tp: 2" "$blocks"
 # a GPT whose output layer is its embedding transposed (both two 1F1B stages)
 cp specs/resnet-small.yaml "$out/specs/resnet-small.yaml"
 sed "s|path: data/|path: $root/specs/data/|" specs/gpt-tiny.yaml > "$out/specs/gpt-tiny.yaml"
+# the memory strategies: ZeRO's three levels on 4 data-parallel replicas and ZeRO-3 on a
+# 2-2 pipeline; sequence parallelism beside tp 2; context parallelism 2 (both exchanges),
+# selective recompute and flash attention on the GPT
+for z in 1 2 3; do
+  spec "zero-$z" 4 straight dp-only "  zero: $z" "$mlp"
+  sed -i '/^  stages: /d' "$out/specs/zero-$z.yaml"
+done
+spec zero-3-pipeline 4 '"2-2"' 1f1b "  zero: 3" "$mlp"
+spec sequence-parallel 4 '"1-1"' 1f1b "  tp: 2
+  sequence_parallel: true" "$blocks"
+gpt() { # name devices extra-strategy-lines [model-line]
+  sed -e "s|path: data/|path: $root/specs/data/|" -e "s|^  devices_per_node: .*|  devices_per_node: $2|" \
+    -e "s|^  partition: balanced|  partition: balanced\n$3|" specs/gpt-tiny.yaml > "$out/specs/$1.yaml"
+  [ -n "${4:-}" ] && sed -i "s|^  loss: cross_entropy|  $4\n  loss: cross_entropy|" "$out/specs/$1.yaml"
+  return 0
+}
+gpt context-parallel 4 "  cp: 2"
+gpt context-parallel-ring 4 "  cp: 2\n  cp_comm: ring"
+gpt selective-recompute 2 "  recompute: selective"
+gpt flash-attention 2 "" "attention: flash"
+# mixture of experts: 8 experts, top-2, a shared expert, `ep: 2` per stage of a 2-2 1F1B
+# pipeline, and the same on DualPipeV (its pairs run in line on the executor)
+sed "s|path: data/|path: $root/specs/data/|" specs/moe-tiny.yaml > "$out/specs/moe-ep2.yaml"
+# mixed precision: the GPT with its products in bf16 and in fp16 with loss scaling
+# (executor/src/amp.rs), on the CPU's low-precision products and the GPU's; their roundings
+# differ, so their tolerance is a 16-bit one (--tol-16)
+for p in bf16 fp16; do
+  sed "s|^  seed: 11|  seed: 11\n  precision: $p|" "$out/specs/gpt-tiny.yaml" > "$out/specs/gpt-tiny-$p.yaml"
+done
+sed -e "s|path: data/|path: $root/specs/data/|" -e 's|^  schedule: 1f1b|  schedule: dualpipev|' specs/moe-tiny.yaml > "$out/specs/moe-dualpipev.yaml"
 
-# the CPU runs first, all at once (they are the reference); then the device runs, three at a
+# the CPU runs first, all at once (they are the reference); then the device runs, six at a
 # time (they share the GPU; nothing here is timed)
 if [ "$dry" = 0 ]; then
   for f in "$out"/specs/*.yaml; do
@@ -218,7 +258,7 @@ else
   "$bin" run "$out/specs/1f1b.yaml" --backend cpu --steps 5 -o "$out/cpu/1f1b" > "$out/1f1b.cpu.log" 2>&1 || true
 fi
 if [ "$dry" = 0 ]; then
-  ls "$out"/specs/*.yaml | xargs -P 3 -I{} sh -c 'n=$(basename {} .yaml); cd "$0" && timeout 120 "$1" run {} --backend cuda --share-gpus --steps 5 -o "$2/dev/$n" > "$2/$n.dev.log" 2>&1' "$work" "$bin" "$out" || true
+  ls "$out"/specs/*.yaml | xargs -P 6 -I{} sh -c 'n=$(basename {} .yaml); cd "$0" && timeout 120 "$1" run {} --backend cuda --share-gpus --steps 5 -o "$2/dev/$n" > "$2/$n.dev.log" 2>&1' "$work" "$bin" "$out" || true
 else
   # the dry run's "device" is the CPU again: one run proves the path
   "$bin" run "$out/specs/1f1b.yaml" --backend cpu --steps 5 -o "$out/dev/1f1b" > "$out/1f1b.dev.log" 2>&1 || true
@@ -228,16 +268,22 @@ for f in "$out"/specs/*.yaml; do
   [ "$dry" = 1 ] && [ "$name" != 1f1b ] && continue
   [ -f "$out/cpu/$name/metrics.jsonl" ] || { echo "FAIL $name: the CPU run failed (see $name.cpu.log)"; continue; }
   [ -f "$out/dev/$name/metrics.jsonl" ] || { echo "FAIL $name: the $device_backend run failed (see $name.dev.log)"; continue; }
-  compare "$name" "$out/cpu/$name/metrics.jsonl" "$out/dev/$name/metrics.jsonl"
+  case "$name" in *-bf16|*-fp16) t="$tol_16" ;; *) t="$tol" ;; esac
+  compare "$name" "$out/cpu/$name/metrics.jsonl" "$out/dev/$name/metrics.jsonl" "$t"
 done | tee "$out/equality.txt"
 
 # --- 2. more than one process: two ranks on CUDA, over MPI and over TCP -------------------
 if [ "$dry" = 0 ] && command -v mpirun >/dev/null 2>&1 && ldd "$bin" 2>/dev/null | grep -q libmpi; then
-  if (cd "$work" && timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 "$bin" run "$out/specs/1f1b.yaml" --transport mpi --backend cuda --share-gpus --steps 5 -o "$out/mpi") > "$out/mpi.log" 2>&1; then
-    compare "mpi: 2 ranks on CUDA" "$out/cpu/1f1b/metrics.jsonl" "$out/mpi/metrics.jsonl" | tee -a "$out/equality.txt"
-  else
-    echo "FAIL mpi: see mpi.log" | tee -a "$out/equality.txt"
-  fi
+  # (a ZeRO-3 pipeline and the expert-parallel MoE as 4 ranks: their gathers, reduce-scatters
+  # and all-to-alls between processes)
+  for run in 1f1b:2 zero-3-pipeline:4 moe-ep2:4; do
+    name=${run%:*} ranks=${run#*:}
+    if (cd "$work" && timeout 120 mpirun --allow-run-as-root --oversubscribe -np "$ranks" "$bin" run "$out/specs/$name.yaml" --transport mpi --backend cuda --share-gpus --steps 5 -o "$out/mpi-$name") > "$out/mpi-$name.log" 2>&1; then
+      compare "mpi: $name, $ranks ranks on CUDA" "$out/cpu/$name/metrics.jsonl" "$out/mpi-$name/metrics.jsonl" | tee -a "$out/equality.txt"
+    else
+      echo "FAIL mpi $name: see mpi-$name.log" | tee -a "$out/equality.txt"
+    fi
+  done
 else
   # say which of the three reasons it is
   if [ "$dry" = 1 ]; then
@@ -266,14 +312,19 @@ grep -q FAIL "$out/equality.txt" && status=1
 
 fi
 
+[ "$no_bench" = 1 ] && { echo "gpu-check: results in $out (no benchmark: --no-bench)"; exit $status; }
+
 # --- 3. the benchmark: pipec against PyTorch on the same device ----------------------------
 # per model: pipec's per-layer profile on the device, a plan compiled from it, that plan
 # trained (its log says measured against predicted step); the device calibrated once and each
 # model's step predicted from the calibration; then PyTorch eager on the same models
 models=(mlp gpt2-blocks resnet50-res3)
+[ -n "$models_opt" ] && read -r -a models <<< "$models_opt"
 [ "$dry" = 1 ] && models=(mlp) # the dry run only proves the path works
 calibration="$out/calibrated-device.json"
-dev calibrate --backend "$device_backend" --memory 80GiB --reps 7 -o "$calibration" > "$out/calibrate.log" 2>&1 || { echo "FAIL calibrate: see calibrate.log"; status=1; }
+if [ "$no_calibrate" = 0 ]; then
+  dev calibrate --backend "$device_backend" --memory 80GiB --reps 7 -o "$calibration" > "$out/calibrate.log" 2>&1 || { echo "FAIL calibrate: see calibrate.log"; status=1; }
+fi
 for m in "${models[@]}"; do
   d="$out/$m"
   mkdir -p "$d"
@@ -282,6 +333,12 @@ for m in "${models[@]}"; do
     && "$bin" compile "$s" --profile "$d/profile.json" -o "$d/plan" \
     && dev run "$d/plan/plan.json" --backend "$device_backend" "${steps_flag[@]}" -o "$d/run"; } > "$d/plan-profile.log" 2>&1 \
     || { echo "FAIL bench $m: see $m/plan-profile.log"; status=1; }
+  # the same model with its products in bf16, and in fp16 (the spec's own one-device layout)
+  for p in bf16 fp16; do
+    sed "s|^  seed: |  precision: $p\n  seed: |" "$s" > "$d/$p.yaml"
+    dev run "$d/$p.yaml" --backend "$device_backend" "${steps_flag[@]}" -o "$d/run-$p" > "$d/run-$p.log" 2>&1 \
+      || { echo "FAIL bench $m $p: see $m/run-$p.log"; status=1; }
+  done
   if [ -f "$calibration" ]; then
     sed "s|^  device: .*|  device: { file: $calibration }|" "$s" > "$d/calibrated.yaml"
     "$bin" compile "$d/calibrated.yaml" -o "$d/plan-calibrated" > "$d/plan-calibrated.log" 2>&1 || { echo "FAIL bench $m: see $m/plan-calibrated.log"; status=1; }

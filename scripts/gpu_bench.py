@@ -235,6 +235,14 @@ def compile_prediction(path):
     return float(m[1]) * UNIT[m[2]] if m else None
 
 
+def median_step(path):
+    """The median step (ms) of a `pipec run`'s metrics.jsonl after its first five, if any."""
+    if not os.path.exists(path):
+        return None
+    times = [json.loads(l)["step_time_s"] for l in open(path) if l.strip()]
+    return statistics.median(times[5:]) * 1e3 if len(times) > 5 else None
+
+
 def report(d):
     torch_path = os.path.join(d, "torch.json")
     tr = json.load(open(torch_path)) if os.path.exists(torch_path) else {"models": {}}
@@ -253,21 +261,22 @@ def report(d):
             p = json.load(open(prof_path))
             pf = sum(l["forward_ms"] for l in p["layers"])
             pb = sum(l["backward_ms"] for l in p["layers"])
-        mpath = os.path.join(d, name, "run", "metrics.jsonl")
-        if os.path.exists(mpath):
-            times = [json.loads(l)["step_time_s"] for l in open(mpath) if l.strip()]
-            if len(times) > 5:
-                ps = statistics.median(times[5:]) * 1e3
+        ps = median_step(os.path.join(d, name, "run", "metrics.jsonl"))
+        ps_bf16 = median_step(os.path.join(d, name, "run-bf16", "metrics.jsonl"))
+        ps_fp16 = median_step(os.path.join(d, name, "run-fp16", "metrics.jsonl"))
         for key, t in tr["models"].items():
             if not key.startswith(name + " "):
                 continue
             precision = key.split()[-1]
             fmt = lambda v: f"{v:.3f} ms" if v is not None else "-"
-            mine = precision == "fp32"  # pipec's executor trains in fp32 only
-            ratio = f"{t['step_ms'] / ps:.2f}" if (ps and mine) else "-"
+            mine = precision == "fp32"  # the profile is fp32's; bf16 has its whole step only
+            step = ps if mine else ps_bf16
+            ratio = f"{t['step_ms'] / step:.2f}" if step else "-"
             print(f"| {key[:-len(precision) - 1]} | {precision} | {fmt(pf if mine else None)} | {fmt(t['forward_ms'])} | "
-                  f"{fmt(pb if mine else None)} | {fmt(t['backward_ms'])} | {fmt(ps if mine else None)} | "
+                  f"{fmt(pb if mine else None)} | {fmt(t['backward_ms'])} | {fmt(step)} | "
                   f"{fmt(t['step_ms'])} | {ratio} |")
+        if ps_fp16:
+            print(f"| {name} | fp16 (pipec, loss scaling) | - | - | - | - | {ps_fp16:.3f} ms | - | - |")
     print("\n## pipec's predicted step against its measured step (one GPU)\n")
     print("| model | prediction from | predicted | measured | measured / predicted |")
     print("|---|---|---|---|---|")

@@ -430,6 +430,10 @@ fn metrics_line(m: &StepMetrics) -> serde_json::Value {
     if let Some(g) = m.grad_norm {
         line["grad_norm"] = g.into();
     }
+    if let Some(s) = m.loss_scale {
+        line["loss_scale"] = s.into();
+        line["skipped"] = m.skipped.into();
+    }
     if let Some(e) = m.epoch {
         line["epoch"] = e.into();
     }
@@ -614,10 +618,10 @@ fn print_step(m: &StepMetrics, steps: usize) {
     }
 }
 
-/// The line a step prints, for the first three, every tenth, the last and those with a
-/// validation.
+/// The line a step prints, for the first three, every tenth, the last, those with a
+/// validation and those fp16's loss scaling skipped.
 fn step_line(m: &StepMetrics, steps: usize) -> Option<String> {
-    if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps || m.validation.is_some() {
+    if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps || m.validation.is_some() || m.skipped {
         let perplexity = m.perplexity.map(|p| format!("  perplexity {p:.2}")).unwrap_or_default();
         let perplexity = match m.aux_loss {
             Some(a) => format!("{perplexity}  load-balancing loss {a:.6}"),
@@ -633,6 +637,15 @@ fn step_line(m: &StepMetrics, steps: usize) -> Option<String> {
                 s
             })
             .unwrap_or_default();
+        let validation = match (m.loss_scale, m.skipped) {
+            (Some(scale), true) => {
+                format!(
+                    "{validation}  skipped: a gradient overflowed at loss scale {scale} (now {})",
+                    scale * pipec_plan::recipe::LossScale::BACKOFF
+                )
+            }
+            _ => validation,
+        };
         Some(format!(
             "step {:>5}  loss {:.6}{perplexity}  {:.1} ms  {:.0} samples/s{validation}",
             m.step,

@@ -72,26 +72,38 @@ fn schema_command_matches_committed_file() {
 }
 
 #[test]
-fn run_warns_that_a_bf16_spec_trains_in_fp32() {
+fn run_says_what_bf16_and_fp16_compute_in() {
     let dir = tempfile::tempdir().expect("temp dir");
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml"))
         .expect("default spec");
-    let text = text.replace("  seed: 7\n", "  seed: 7\n  precision: bf16\n");
-    assert!(text.contains("precision: bf16"));
-    let spec = dir.path().join("bf16.yaml");
-    std::fs::write(&spec, text).expect("write spec");
-    let out_dir = dir.path().join("out");
-    let out = pipec(&[
-        "run",
-        spec.to_str().expect("utf-8 path"),
-        "--steps",
-        "2",
-        "--out",
-        out_dir.to_str().expect("utf-8 path"),
-    ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    assert!(stderr.contains("warning: the plan asks for bf16 but the executor trains in fp32"), "{stderr}");
+    for (precision, says) in [
+        ("bf16", "warning: under bf16 the executor computes every matrix product (dense layers, attention) in bf16 from fp32 master weights"),
+        ("fp16", "warning: under fp16 the executor computes every matrix product (dense layers, attention) in fp16 from fp32 master weights, with dynamic loss scaling"),
+        ("fp16-async", "warning: the plan asks for fp16 but the executor trains in fp32: fp16 needs dynamic loss scaling, and under an asynchronous schedule"),
+    ] {
+        let (precision, schedule) = match precision.split_once('-') {
+            Some((p, _)) => (p, "pipedream"),
+            None => (precision, "1f1b"),
+        };
+        let text = text
+            .replace("  seed: 7\n", &format!("  seed: 7\n  precision: {precision}\n"))
+            .replace("schedule: 1f1b", &format!("schedule: {schedule}"));
+        assert!(text.contains(&format!("precision: {precision}")));
+        let spec = dir.path().join(format!("{precision}-{schedule}.yaml"));
+        std::fs::write(&spec, text).expect("write spec");
+        let out_dir = dir.path().join(format!("{precision}-{schedule}"));
+        let out = pipec(&[
+            "run",
+            spec.to_str().expect("utf-8 path"),
+            "--steps",
+            "2",
+            "--out",
+            out_dir.to_str().expect("utf-8 path"),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+    }
 }
 
 #[test]

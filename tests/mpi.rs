@@ -57,6 +57,28 @@ fn losses(dir: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// A run's `metrics.jsonl`, a value per line.
+fn metric_lines(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect()
+}
+
+/// Runs the spec at `spec_path` in one process into `threads` and as `devices` MPI ranks
+/// into `mpi`; both must succeed.
+fn run_in_process_and_over_mpi(spec_path: &Path, devices: usize, threads: &Path, mpi: &Path) {
+    let out = Command::new(pipec())
+        .args(["run", spec_path.to_str().expect("p"), "-o", threads.to_str().expect("p")])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out =
+        mpirun(devices, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", mpi.to_str().expect("p")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 fn equal_to_in_process(stages: &str, devices: usize) {
     equal_to_in_process_for(CHAIN, stages, devices)
 }
@@ -239,28 +261,13 @@ fn the_training_recipe_over_mpi_equals_in_process_exactly() {
         );
         std::fs::write(&spec_path, text).expect("write");
         let (threads, mpi) = (dir.path().join(format!("threads{i}")), dir.path().join(format!("mpi{i}")));
-        let out = Command::new(pipec())
-            .args(["run", spec_path.to_str().expect("p"), "-o", threads.to_str().expect("p")])
-            .output()
-            .expect("runs");
-        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-        let out = mpirun(
-            devices,
-            &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", mpi.to_str().expect("p")],
-        );
-        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        run_in_process_and_over_mpi(&spec_path, devices, &threads, &mpi);
         let lines = |run: &Path| -> Vec<(f64, f64, f64, Option<f64>)> {
-            std::fs::read_to_string(run.join("metrics.jsonl"))
-                .expect("metrics")
-                .lines()
-                .map(|l| {
-                    let v: serde_json::Value = serde_json::from_str(l).expect("json");
-                    (
-                        v["loss"].as_f64().expect("loss"),
-                        v["grad_norm"].as_f64().expect("norm"),
-                        v["lr"].as_f64().expect("lr"),
-                        v["val_loss"].as_f64(),
-                    )
+            metric_lines(run)
+                .iter()
+                .map(|v| {
+                    let (loss, norm) = (v["loss"].as_f64().expect("loss"), v["grad_norm"].as_f64().expect("norm"));
+                    (loss, norm, v["lr"].as_f64().expect("lr"), v["val_loss"].as_f64())
                 })
                 .collect()
         };
@@ -270,6 +277,43 @@ fn the_training_recipe_over_mpi_equals_in_process_exactly() {
         let weights =
             |run: &Path| std::fs::read(run.join("checkpoints/step-000006/model.safetensors")).expect("checkpoint");
         assert!(weights(&threads) == weights(&mpi), "{stages}: MPI weights differ from the in-process run");
+    }
+}
+
+/// fp16 over MPI: the products in fp16, the loss scaled, the norm every update waits for
+/// summed over the ranks — every step's loss, norm and scale, the final weights and the
+/// scale a checkpoint keeps are the in-process run's, on a ZeRO-2 pipeline and on tensor
+/// parallelism.
+#[test]
+fn fp16_with_loss_scaling_over_mpi_equals_in_process_exactly() {
+    let dir = tempfile::tempdir().expect("tmp");
+    for (i, (stages, devices)) in [("\"2-2\"\n  zero: 2", 4), ("\"1-1\"\n  tp: 2", 4)].into_iter().enumerate() {
+        let spec_path = dir.path().join(format!("spec{i}.yaml"));
+        let text = spec(stages, devices, 4)
+            .replace("  seed: 3\n", "  seed: 3\n  precision: fp16\n  checkpoint: { every: 4 }\n");
+        std::fs::write(&spec_path, text).expect("write");
+        let (threads, mpi) = (dir.path().join(format!("threads{i}")), dir.path().join(format!("mpi{i}")));
+        run_in_process_and_over_mpi(&spec_path, devices, &threads, &mpi);
+        let lines = |run: &Path| -> Vec<(f64, f64, f64, bool)> {
+            metric_lines(run)
+                .iter()
+                .map(|v| {
+                    let (loss, norm) = (v["loss"].as_f64().expect("loss"), v["grad_norm"].as_f64().expect("norm"));
+                    (loss, norm, v["loss_scale"].as_f64().expect("scale"), v["skipped"].as_bool().expect("skipped"))
+                })
+                .collect()
+        };
+        let (threads_lines, mpi_lines) = (lines(&threads), lines(&mpi));
+        assert!(threads_lines.iter().all(|l| l.2 == 65536.0 && !l.3), "{threads_lines:?}");
+        assert_eq!(threads_lines, mpi_lines, "{stages}");
+        let file =
+            |run: &Path, f: &str| std::fs::read(run.join("checkpoints/step-000004").join(f)).expect("checkpoint");
+        assert!(file(&threads, "model.safetensors") == file(&mpi, "model.safetensors"), "{stages}: weights differ");
+        let scale = |run: &Path| -> serde_json::Value {
+            serde_json::from_slice::<serde_json::Value>(&file(run, "state.json")).expect("json")["loss_scale"].clone()
+        };
+        assert_eq!(scale(&threads), serde_json::json!({ "scale": 65536.0, "good_steps": 4 }));
+        assert_eq!(scale(&threads), scale(&mpi), "{stages}");
     }
 }
 

@@ -26,6 +26,8 @@ struct Job<'a> {
     /// `recompute`: `true`, `false` or a list of stages.
     recompute: &'a str,
     steps: usize,
+    /// `training.precision`.
+    precision: &'a str,
 }
 
 impl Default for Job<'_> {
@@ -42,6 +44,7 @@ impl Default for Job<'_> {
             strategy: "",
             recompute: "false",
             steps: 4,
+            precision: "fp32",
         }
     }
 }
@@ -69,6 +72,7 @@ strategy:
   batch_size: 32
   steps: {steps}
   optimizer: {opt}
+  precision: {precision}
   seed: 5
   data: {{ kind: synthetic, samples: 96 }}
 ",
@@ -81,6 +85,7 @@ strategy:
         recompute = j.recompute,
         steps = j.steps,
         opt = j.optimizer,
+        precision = j.precision,
         extra = if j.strategy.is_empty() { String::new() } else { format!("{}\n", j.strategy) },
     )
 }
@@ -112,6 +117,7 @@ fn assert_same_as_one_device(j: Job<'_>) {
         microbatches: reference.microbatches,
         optimizer: reference.optimizer,
         steps: reference.steps,
+        precision: reference.precision,
         ..Job::default()
     }));
     let p = plan(&j);
@@ -2189,4 +2195,142 @@ fn gradient_buckets_train_equal_to_one_device() {
         assert!(p.stages[0].gradient_buckets.len() >= 2, "{what}: {:?}", p.stages[0].gradient_buckets);
         assert_same_statistics(&what, &reference, &want, &got, &stats);
     }
+}
+
+/// `precision: bf16` computes every matrix product in bf16 (`pipec_executor::amp`): one
+/// device's losses move off fp32's by bf16's rounding and no further, and every layout
+/// whose devices compute the same products as one device (pipelines, replicas with
+/// ZeRO-3) trains to one device's bf16 numbers, as in fp32. Tensor, context and expert
+/// parallelism split or regroup a product's sum (a row-parallel product's inputs; a weight
+/// gradient's tokens, by member or by the group's routing) and round each part to bf16
+/// before the fp32 sum, so they stay within bf16's rounding of one device, not equal.
+#[test]
+fn bf16_products_train_equal_to_one_device_and_near_fp32() {
+    let layers = "- embedding(20, 16) as tokens\n    - pos_embedding\n    - repeat 2: transformer_block(d=16, heads=2, ff=32, causal=true)\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)";
+    let base = Job { optimizer: ADAM, layers, steps: 6, ..Job::default() };
+    let fp32 = losses(&train(&plan(&base)));
+    let bf16 = losses(&train(&plan(&Job { precision: "bf16", ..base })));
+    let apart = fp32.iter().zip(&bf16).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
+    assert!(apart > 1e-6 && apart < 1e-2, "bf16 against fp32: {apart:e}\n{fp32:?}\n{bf16:?}");
+    for (devices, stages, schedule) in [
+        (2, "\"1-1\"", "1f1b"),
+        (2, "\"1-1\"", "{ kind: interleaved, virtual_stages: 2 }"),
+        (4, "\"2-2\"\n  zero: 3", "gpipe"),
+    ] {
+        assert_same_as_one_device(Job { devices, stages, schedule, precision: "bf16", ..base });
+    }
+    let experts = "- embedding(20, 16) as tokens\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, norm=rmsnorm, mlp=swiglu, bias=false, experts=4, top_k=2, shared_experts=1)\n    - rmsnorm\n    - linear(16, 20, bias=false, tie=tokens)";
+    let one_moe = losses(&train(&plan(&Job { layers: experts, precision: "bf16", ..base })));
+    for (layers, stages, one) in
+        [(layers, "\"1\"\n  tp: 2", &bf16), (layers, "\"1\"\n  cp: 2", &bf16), (experts, "\"2\"\n  ep: 2", &one_moe)]
+    {
+        let got = losses(&train(&plan(&Job { devices: 2, stages, layers, precision: "bf16", ..base })));
+        let apart = one.iter().zip(&got).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
+        assert!(apart < 1e-2, "{stages} against one device, both bf16: {apart:e}\n{one:?}\n{got:?}");
+    }
+}
+
+/// A regression plan on `csv` (4 features, a target near 300) whose fp16 gradients overflow
+/// at the first loss scales: the output's gradient is about 2·300/8 per value, so at 65,536
+/// over 4 microbatches it is far past fp16's largest value (65,504).
+fn overflowing_fp16_plan(csv: &std::path::Path, j: Job<'_>, extra_training: &str) -> Plan {
+    let text =
+        spec(&Job { input: "[4]", layers: "- linear(4, 16) -> relu\n    - linear(16, 1)", precision: "fp16", ..j })
+            .replace("loss: cross_entropy", "loss: mse")
+            .replace(
+                "data: { kind: synthetic, samples: 96 }",
+                &format!("data: {{ kind: csv, path: {} }}", csv.display()),
+            )
+            .replace("  seed: 5\n", &format!("  seed: 5\n{extra_training}"));
+    let checked = pipec_grammar::check_source(&text);
+    let s = checked.spec.unwrap_or_else(|| panic!("bad spec {:?}\n{text}", checked.diagnostics));
+    compile(&s, &CompileOptions::default()).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan
+}
+
+/// `precision: fp16` computes the products in fp16 with dynamic loss scaling (PyTorch's
+/// GradScaler): a classifier trains near fp32 at the first scale, never skipping; a
+/// regression whose scaled gradients overflow skips its first steps — on every device of a
+/// pipeline and of ZeRO replicas alike, so they train to one device's numbers step for step
+/// — halving the scale each time, then trains; and a checkpoint keeps the scale, so a
+/// resumed run continues exactly.
+#[test]
+fn fp16_scales_the_loss_skips_overflowing_steps_on_every_device_and_resumes_exactly() {
+    // a classifier: near fp32, every step at 65,536
+    let base = Job { optimizer: ADAM, steps: 6, ..Job::default() };
+    let fp32 = train(&plan(&base));
+    let fp16 = train(&plan(&Job { precision: "fp16", ..base }));
+    let apart = losses(&fp32).iter().zip(&losses(&fp16)).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
+    assert!(apart > 1e-7 && apart < 1e-2, "fp16 against fp32: {apart:e}");
+    assert!(fp16.steps.iter().all(|s| s.loss_scale == Some(65536.0) && !s.skipped && s.grad_norm.is_some()));
+    assert!(fp32.steps.iter().all(|s| s.loss_scale.is_none() && !s.skipped));
+
+    // a regression that overflows
+    let dir = tempfile::tempdir().expect("tempdir");
+    let csv = dir.path().join("big.csv");
+    let rows: String = (0..96)
+        .map(|i| {
+            let x: Vec<f64> = (0..4).map(|k| (((i * 7 + k * 13) % 17) as f64 - 8.0) / 8.0).collect();
+            let y = 300.0 + 10.0 * x[0] - 5.0 * x[2];
+            format!("{},{},{},{},{y}\n", x[0], x[1], x[2], x[3])
+        })
+        .collect();
+    std::fs::write(&csv, rows).expect("csv");
+    let sgd = "{ kind: sgd, lr: 0.00001 }";
+    let one = train(&overflowing_fp16_plan(&csv, Job { optimizer: sgd, steps: 12, ..Job::default() }, ""));
+    let scales: Vec<f64> = one.steps.iter().map(|s| s.loss_scale.expect("scaled")).collect();
+    let skipped: Vec<bool> = one.steps.iter().map(|s| s.skipped).collect();
+    let first_kept = skipped.iter().position(|s| !s).expect("a step that fits");
+    // (a later step may overflow again, as under GradScaler; most do not)
+    assert!(first_kept >= 3 && skipped[first_kept..].iter().filter(|s| !**s).count() >= 3, "{skipped:?}");
+    for (t, w) in scales.windows(2).enumerate() {
+        // halved after each skipped step, kept after a finite one (2,000 are far off)
+        assert_eq!(w[1], if skipped[t] { w[0] / 2.0 } else { w[0] }, "{scales:?}");
+    }
+    // a skipped step changes nothing: the weights after it are those before, so on the
+    // same samples (every 3 steps here: 96 samples of 32) the loss repeats
+    assert_eq!(one.steps[0].loss, one.steps[3].loss, "{:?}", losses(&one));
+    let kept = losses(&one);
+    assert!(kept.last() < kept.get(first_kept), "the loss did not fall after the overflows: {kept:?}");
+    for (devices, stages, schedule) in [(2, "\"1-1\"", "1f1b"), (2, "\"2\"\n  zero: 2", "gpipe")] {
+        let got = train(&overflowing_fp16_plan(
+            &csv,
+            Job { devices, stages, schedule, optimizer: sgd, steps: 12, ..Job::default() },
+            "",
+        ));
+        assert_eq!(got.steps.iter().map(|s| s.skipped).collect::<Vec<_>>(), skipped, "{stages}");
+        assert_eq!(got.steps.iter().map(|s| s.loss_scale.expect("scaled")).collect::<Vec<_>>(), scales, "{stages}");
+        for (t, (a, b)) in kept.iter().zip(losses(&got)).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{stages}: step {t}: one device {a}, plan {b}");
+        }
+    }
+
+    // a checkpoint inside the overflows keeps the scale
+    let p = overflowing_fp16_plan(
+        &csv,
+        Job { devices: 2, stages: "\"1-1\"", schedule: "1f1b", optimizer: sgd, steps: 12, ..Job::default() },
+        "  checkpoint: { every: 3 }\n",
+    );
+    // the overflow check is the plan's: every device waits for the summed norm before its
+    // update, with no clipping asked for
+    assert!(p.training.recipe.clip_grad_norm.is_none());
+    assert!(p.streams.values().all(|s| s.iter().any(|i| matches!(
+        i,
+        pipec_plan::Instr::WaitCollective { payload: pipec_plan::CollectivePayload::GradNorm, .. }
+    ))));
+    let ckpt = dir.path().join("checkpoints");
+    let full =
+        pipec_executor::run(&p, &RunOptions { checkpoint_dir: Some(ckpt.clone()), ..Default::default() }, &mut |_| {})
+            .expect("runs");
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("step-000003/state.json")).expect("state"))
+            .expect("json");
+    assert_eq!(state["loss_scale"]["scale"].as_f64(), Some(full.steps[3].loss_scale.expect("scaled")), "{state}");
+    let resumed = pipec_executor::run(
+        &p,
+        &RunOptions { resume: Some(ckpt.join("step-000003").into()), ..Default::default() },
+        &mut |_| {},
+    )
+    .expect("resumes");
+    let tail = |r: &RunReport| r.steps.iter().map(|s| (s.loss, s.loss_scale, s.skipped)).collect::<Vec<_>>();
+    assert_eq!(tail(&resumed), tail(&full)[3..].to_vec());
 }

@@ -334,8 +334,8 @@ pub(crate) fn eval_streams(
     out
 }
 
-/// Gradient clipping by the global norm (a schedule that updates every stage once per
-/// step): one group of every device with a stream, and on each, after its last gradient
+/// Gradient clipping by the global norm, and fp16's overflow check (a schedule that updates
+/// every stage once per step; `Recipe::needs_global_norm`): one group of every device with a stream, and on each, after its last gradient
 /// reduction (and tie), the all-reduce of its share of the squared norm and its wait, before
 /// its updates (which move behind them, with ZeRO's weight gathers). `whole` is every device
 /// of the whole plan, whose sum the norm is when `lowered` is one replica of it. After the
@@ -343,7 +343,7 @@ pub(crate) fn eval_streams(
 pub(crate) fn clip_norm_all_reduces(spec: &Spec, lowered: &mut Lowered, whole: &[DeviceId]) {
     let members: Vec<DeviceId> = lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
     let per_step = lowered.updates == Updates::PerStep && !lowered.asp;
-    if !spec.training.recipe.sums_norm(per_step, members.len()) {
+    if !spec.training.recipe.sums_norm(spec.training.precision, per_step, members.len()) {
         return;
     }
     let group = GroupId(lowered.groups.len() as u32);

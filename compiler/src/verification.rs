@@ -34,6 +34,7 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
             tp: strategy.tp.max(1),
             sharding: strategy.sharding,
             clipping: spec.training.recipe.sums_norm(
+                spec.training.precision,
                 lowered.updates == pipec_plan::schedule::Updates::PerStep && !lowered.asp,
                 lowered.streams.values().filter(|s| !s.is_empty()).count(),
             ),
@@ -172,6 +173,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         tp: plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len),
         sharding: plan.schedule.sharding,
         clipping: plan.training.recipe.sums_norm(
+            plan.training.precision,
             kind.updates_per_step() && plan.schedule.staleness.is_none(),
             streams.values().filter(|s| !s.is_empty()).count(),
         ),

@@ -43,8 +43,9 @@ pub struct VerifyInput<'a> {
     pub tp: usize,
     /// ZeRO: what the replicas of each replicated stage shard.
     pub sharding: Sharding,
-    /// Gradient clipping by the global norm: every update waits for the norm (`grad_norm`),
-    /// taken after every gradient of the device's stages is reduced.
+    /// Gradient clipping by the global norm, or fp16's overflow check: every update waits
+    /// for the norm (`grad_norm`), taken after every gradient of the device's stages is
+    /// reduced.
     pub clipping: bool,
     /// Validation's streams: forwards only, each (stage, microbatch) once, no backward and
     /// no update.

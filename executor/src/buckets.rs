@@ -165,7 +165,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let seg = &segments[k];
             let target = match (grad_out.take(), &loss) {
                 (Some(g), _) => dot(&seg.out, g)?,
-                (None, Some(l)) => l.clone() / n_mb,
+                (None, Some(l)) => self.backward_seed(l.clone(), n_mb),
                 (None, None) => {
                     let g = self
                         .grads_in

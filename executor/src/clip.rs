@@ -148,6 +148,24 @@ impl<B: ExecBackend> Worker<'_, B> {
         Ok(sum)
     }
 
+    /// The whole model's gradient norm this step (as the gradients are: scaled under fp16's
+    /// loss scaling): summed over the devices by the plan's `grad_norm`; alone, this
+    /// device's stages are the whole model.
+    pub(crate) fn global_norm(&mut self) -> Result<f64> {
+        if self.grad_norm.is_none() && !self.global_clip {
+            self.grad_norm = Some(self.norm_share()?.sqrt());
+        }
+        self.grad_norm.ok_or(ExecError::Missing("the gradient norm was not summed before the update"))
+    }
+
+    /// fp16's dynamic loss scaling: the factor that unscales this step's gradients, or None
+    /// when one of them (anywhere in the model) is not finite and the step's updates are
+    /// skipped; 1 when the loss is not scaled.
+    pub(crate) fn unscale(&mut self) -> Result<Option<f64>> {
+        let Some(ls) = self.loss_scale else { return Ok(Some(1.0)) };
+        Ok(self.global_norm()?.is_finite().then(|| 1.0 / ls.scale))
+    }
+
     /// The factor an update of `stage` scales its gradients by: 1 without clipping; the
     /// step's global factor under a schedule that sums the norm (`grad_norm`); otherwise the
     /// stage's own norm's (summed over its tensor-parallel group).
@@ -158,11 +176,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         if plan.training.recipe.clips_globally(per_step) {
             // summed over the devices by the plan's `grad_norm`; alone, this device's stages
             // are the whole model
-            if self.grad_norm.is_none() && !self.global_clip {
-                self.grad_norm = Some(self.norm_share()?.sqrt());
-            }
-            let norm =
-                self.grad_norm.ok_or(ExecError::Missing("the gradient norm was not summed before the update"))?;
+            let norm = self.global_norm()? / self.loss_scale.map_or(1.0, |s| s.scale);
             return Ok(pipec_plan::recipe::clip_factor(max, norm));
         }
         let (plan, device) = (self.plan, self.device);

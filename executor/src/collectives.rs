@@ -141,7 +141,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Landing::Buckets { buckets, members } => self.buckets_in(stage, buckets, members),
             Landing::GradNorm => {
                 let sum = data.first().copied().ok_or(ExecError::Missing("the gradient norm's sum came back empty"))?;
-                self.grad_norm = Some(f64::from(sum).max(0.0).sqrt());
+                // (a NaN stays NaN: f64::max would make it 0, and fp16's overflow check
+                // must see it)
+                let sum = f64::from(sum);
+                self.grad_norm = Some(if sum.is_nan() { sum } else { sum.max(0.0).sqrt() });
                 Ok(())
             }
         }

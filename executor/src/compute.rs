@@ -270,6 +270,18 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         }
     }
 
+    /// What a microbatch's backward starts from for its loss `l`: `l / N` (the step's mean
+    /// over its N microbatches), times fp16's loss scale when the loss is scaled (a power of
+    /// two: every gradient is exactly the scale times its unscaled value until a product
+    /// rounds it).
+    pub(crate) fn backward_seed(&self, l: Tensor<B, 1>, n_mb: f64) -> Tensor<B, 1> {
+        let l = l / n_mb;
+        match self.loss_scale {
+            Some(s) => l * s.scale,
+            None => l,
+        }
+    }
+
     /// The mean loss of a microbatch's output (tracked).
     pub(crate) fn loss(&self, mb: MicrobatchId, out: Act<B>) -> Result<Tensor<B, 1>> {
         let y = self.labels.get(&mb).ok_or(ExecError::Missing("the labels of this microbatch were not loaded"))?;
@@ -299,7 +311,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 self.exchange_failure(stage)?;
                 return Ok(grads);
             }
-            Saved::Loss(l) => l.clone() / n_mb,
+            Saved::Loss(l) => self.backward_seed(l.clone(), n_mb),
             Saved::Output(out) => {
                 let g = self
                     .grads_in
@@ -311,7 +323,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         };
         // the stage's load-balancing losses, weighted as the microbatch's loss is
         let target = match &kept.aux {
-            Some(aux) => target + aux.clone() / n_mb,
+            Some(aux) => target + self.backward_seed(aux.clone(), n_mb),
             None => target,
         };
         let keys = sum_keys(&kept.model);
@@ -348,7 +360,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         // the gradient at the last segment's output
         let mut grad_out: Message = match loss {
             Some((leaf, l)) => {
-                let mut grads = (l / n_mb).backward();
+                let mut grads = self.backward_seed(l, n_mb).backward();
                 input_grad::<B>(&leaf, &mut grads, Tag::gradient(stage, mb))?
                     .ok_or(ExecError::Missing("no gradient reached the loss input"))?
             }

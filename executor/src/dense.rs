@@ -81,7 +81,7 @@ pub trait Kernels: Backend {
     /// `x · w` for a weight matrix `w` ([in, out]).
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
-        Tensor::from_primitive(TensorPrimitive::Float(Self::weight_product(x, w)))
+        Tensor::from_primitive(TensorPrimitive::Float(forward_product::<Self>(x, w)))
     }
 
     /// Expert parallelism's exchange of rows with the group ([`crate::experts::move_rows`]);
@@ -114,7 +114,7 @@ pub trait Kernels: Backend {
         dh: usize,
         causal: crate::layers::Causal,
     ) -> Tensor<Self, 4> {
-        crate::layers::attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))).matmul(v)
+        crate::amp::matmul(crate::layers::attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))), v)
     }
 }
 
@@ -244,9 +244,9 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
                 // x for the weight gradient, w for the input gradient, each only if needed
                 let x_state = w_tracked.then(|| prep.checkpoint(&x));
                 let w_state = x_tracked.then(|| w.primitive.clone());
-                prep.finish((x_state, w_state), I::weight_product(x.primitive, w.primitive))
+                prep.finish((x_state, w_state), forward_product::<I>(x.primitive, w.primitive))
             }
-            OpsKind::UnTracked(prep) => prep.finish(I::weight_product(x.primitive, w.primitive)),
+            OpsKind::UnTracked(prep) => prep.finish(forward_product::<I>(x.primitive, w.primitive)),
         };
         Tensor::from_primitive(TensorPrimitive::Float(y))
     }
@@ -266,7 +266,7 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
         let dy = grads.consume::<I>(&ops.node);
         if let Some(node) = to_x {
             let w = w.expect("the input is tracked, so its weight was kept");
-            grads.register::<I>(node.id, I::input_grad(dy.clone(), w));
+            grads.register::<I>(node.id, crate::amp::mixed::<I>(dy.clone(), w, I::input_grad));
         }
         if let Some(node) = to_w {
             let xt = I::float_transpose(x.expect("the weight is tracked, so its input was kept"));
@@ -299,18 +299,21 @@ impl<I: Kernels> Backward<I, 3> for AttentionBackward {
         let p = crate::layers::attention_at(q.clone(), k.clone(), self.dh, mask);
         let [to_q, to_k, to_v] = ops.parents;
         if let Some(node) = to_v {
-            grads.register::<I>(node.id, p.clone().swap_dims(2, 3).matmul(d_out.clone()).into_primitive().tensor());
+            grads.register::<I>(
+                node.id,
+                crate::amp::matmul(p.clone().swap_dims(2, 3), d_out.clone()).into_primitive().tensor(),
+            );
         }
         if to_q.is_none() && to_k.is_none() {
             return;
         }
-        let dp = d_out.matmul(v.swap_dims(2, 3));
+        let dp = crate::amp::matmul(d_out, v.swap_dims(2, 3));
         let ds = I::attention_softmax_grad(p, dp, self.dh);
         if let Some(node) = to_q {
-            grads.register::<I>(node.id, ds.clone().matmul(k).into_primitive().tensor());
+            grads.register::<I>(node.id, crate::amp::matmul(ds.clone(), k).into_primitive().tensor());
         }
         if let Some(node) = to_k {
-            grads.register::<I>(node.id, ds.swap_dims(2, 3).matmul(q).into_primitive().tensor());
+            grads.register::<I>(node.id, crate::amp::matmul(ds.swap_dims(2, 3), q).into_primitive().tensor());
         }
     }
 }
@@ -482,9 +485,24 @@ fn sum_product<I: Kernels>(sum: Option<FloatTensor<I>>, xt: FloatTensor<I>, dy: 
     match sum {
         Some(sum) => {
             let shape = Shape::new([xt.shape().dims::<2>()[0], dy.shape().dims::<2>()[1]]);
-            I::product_add(I::float_reshape(sum, shape), xt, dy)
+            let sum = I::float_reshape(sum, shape);
+            match crate::amp::dtype() {
+                None => I::product_add(sum, xt, dy),
+                // a low-precision product, summed in fp32
+                Some(_) => I::float_add(sum, crate::amp::mixed::<I>(xt, dy, I::product)),
+            }
         }
-        None => I::product(xt, dy),
+        None => crate::amp::mixed::<I>(xt, dy, I::product),
+    }
+}
+
+/// `x · w` in a forward pass: through [`Kernels::weight_product`] in fp32; in a low
+/// precision ([`crate::amp`]) the plain product of the rounded operands (a weight copy kept
+/// for `weight_product` would be the rounded weight's, made anew every pass).
+pub(crate) fn forward_product<I: Kernels>(x: FloatTensor<I>, w: FloatTensor<I>) -> FloatTensor<I> {
+    match crate::amp::dtype() {
+        None => I::weight_product(x, w),
+        Some(_) => crate::amp::mixed::<I>(x, w, I::product),
     }
 }
 
@@ -507,7 +525,7 @@ fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) 
         }
     });
     let (xt, dy) = operands?;
-    let Some(sum) = slot else { return Some(I::product(xt, dy)) };
+    let Some(sum) = slot else { return Some(crate::amp::mixed::<I>(xt, dy, I::product)) };
     let new = sum_product::<I>(sum, xt, dy);
     LENT.with(|s| {
         if let Some(Lent::Sums(sums)) = s.borrow_mut().as_mut().and_then(|b| b.downcast_mut::<Lent<I>>()) {

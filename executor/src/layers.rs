@@ -326,7 +326,7 @@ pub(crate) fn attention_at<B: crate::dense::Kernels>(
     dh: usize,
     causal: Option<(&[usize], &[usize])>,
 ) -> Tensor<B, 4> {
-    B::attention_softmax(q.matmul(k.swap_dims(2, 3)), dh, causal)
+    B::attention_softmax(crate::amp::matmul(q, k.swap_dims(2, 3)), dh, causal)
 }
 
 /// softmax(scores/√dh + the causal mask) over the keys of [batch, heads, queries, keys]
@@ -433,7 +433,7 @@ impl<B: Kernels> Block<B> {
         let context = if self.recompute_core {
             B::attention_recomputed(q, k, v, dh, causal)
         } else {
-            attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))).matmul(v)
+            crate::amp::matmul(attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))), v)
         };
         Ok(context.swap_dims(1, 2).reshape([b, s, h * dh]))
     }

@@ -4,6 +4,7 @@
 //! Burn.
 
 pub use pipec_plan::checkpoint;
+pub mod amp;
 mod buckets;
 pub mod calibrate;
 mod checkpointing;
@@ -153,8 +154,13 @@ pub struct StepMetrics {
     pub perplexity: Option<f64>,
     /// The step's learning rate (the plan's schedule).
     pub lr: f64,
-    /// Gradient clipping by the global norm: the gradient's norm before clipping.
+    /// Gradient clipping by the global norm (or fp16's overflow check): the gradient's norm
+    /// before clipping (unscaled; not finite on a step fp16's loss scaling skipped).
     pub grad_norm: Option<f64>,
+    /// fp16's dynamic loss scaling: the scale the step's loss was multiplied by, and whether
+    /// its updates were skipped (a gradient was not finite).
+    pub loss_scale: Option<f64>,
+    pub skipped: bool,
     /// Epochs of a finite data set drawn by the end of the step.
     pub epoch: Option<f64>,
     /// Validation after this step (`training.validation`).
@@ -349,10 +355,25 @@ pub fn working_devices(plan: &Plan) -> Vec<DeviceId> {
 /// What the executor will do differently from what the plan says, for the user to know.
 pub fn caveats(plan: &Plan) -> Vec<String> {
     let mut out = Vec::new();
-    if plan.training.precision != pipec_plan::Precision::Fp32 {
+    match plan.training.precision {
+        pipec_plan::Precision::Fp32 => {}
+        pipec_plan::Precision::Bf16 => out.push(
+            "under bf16 the executor computes every matrix product (dense layers, attention) in bf16 from fp32 master weights and sums gradients in fp32, as autocast does; the rest (norms, softmax, losses, convolutions) runs in fp32 and the activations kept for the backward are fp32, so its memory is above the plan's bf16 figures"
+                .to_string(),
+        ),
+        pipec_plan::Precision::Fp16 if amp::scales_loss(plan) => out.push(
+            "under fp16 the executor computes every matrix product (dense layers, attention) in fp16 from fp32 master weights, with dynamic loss scaling (PyTorch's GradScaler: from 65536, halved and the step skipped on every device when a gradient is not finite, doubled after 2000 finite steps; metrics.jsonl has each step's `loss_scale` and `skipped`), and sums gradients in fp32; the rest (norms, softmax, losses, convolutions) runs in fp32 and the activations kept for the backward are fp32, so its memory is above the plan's fp16 figures"
+                .to_string(),
+        ),
+        pipec_plan::Precision::Fp16 => out.push(
+            "the plan asks for fp16 but the executor trains in fp32: fp16 needs dynamic loss scaling, and under an asynchronous schedule the stages update on their own clocks, so they could not skip the same steps (its memory figures assume fp16)"
+                .to_string(),
+        ),
+    }
+    if amp::compute_dtype(plan).is_some() && plan.training.grad_precision != pipec_plan::Precision::Fp32 {
         out.push(format!(
-            "the plan asks for {} but the executor trains in fp32 (its memory figures assume {})",
-            plan.training.precision, plan.training.precision
+            "the plan reduces gradients in {} but the executor sums and reduces them in fp32",
+            plan.training.grad_precision
         ));
     }
     if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1) {
@@ -483,8 +504,8 @@ fn run_in_process<B: ExecBackend>(
     let endpoints = transport::in_process::connect(&devices, abort.clone(), options.timeout);
     let dir = options.checkpoint_dir.clone();
     let identity = checkpoint::Identity::of(plan);
-    let mut sink = |steps: usize, stages: checkpoint::Shards| match &dir {
-        Some(d) => checkpoint::write(d, steps, &identity, &stages).map(Some).map_err(ExecError::Checkpoint),
+    let mut sink = |steps: usize, stages: checkpoint::Shards, loss_scale| match &dir {
+        Some(d) => checkpoint::write(d, steps, &identity, &stages, loss_scale).map(Some).map_err(ExecError::Checkpoint),
         None => Ok(None),
     };
     run_workers::<B, _>(plan, options, &placement, endpoints, abort, on_step, &mut sink)

@@ -141,6 +141,8 @@ pub fn run_rank<F: Fabric + 'static>(
                 // the same on every rank: a function of the step, and the norm's sum
                 lr: m.lr,
                 grad_norm: m.grad_norm,
+                loss_scale: m.loss_scale,
+                skipped: m.skipped,
                 epoch: m.epoch,
                 validation: validation.map(|v| crate::ValidationMetrics::of(v, language_model)),
                 checkpoint_wait_s: wait,
@@ -183,7 +185,8 @@ pub fn run_rank<F: Fabric + 'static>(
     let ckpt_abort = abort.clone();
     let identity = crate::checkpoint::Identity::of(plan);
     let mut sink = |steps: usize,
-                    mut stages: crate::checkpoint::Shards|
+                    mut stages: crate::checkpoint::Shards,
+                    loss_scale: Option<pipec_plan::recipe::LossScale>|
      -> Result<Option<std::path::PathBuf>, crate::error::ExecError> {
         use crate::error::ExecError;
         if rank != 0 {
@@ -199,9 +202,9 @@ pub fn run_rank<F: Fabric + 'static>(
             }
         }
         match &options.checkpoint_dir {
-            Some(dir) => {
-                crate::checkpoint::write(dir, steps, &identity, &stages).map(Some).map_err(ExecError::Checkpoint)
-            }
+            Some(dir) => crate::checkpoint::write(dir, steps, &identity, &stages, loss_scale)
+                .map(Some)
+                .map_err(ExecError::Checkpoint),
             None => Ok(None),
         }
     };

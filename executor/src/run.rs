@@ -30,7 +30,10 @@ pub const TIMELINE_LIMIT: usize = 2_000_000;
 
 /// Where a step's checkpoint goes: given the completed steps and the stages this process
 /// saved, it writes (or forwards) them and says where they landed.
-pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards) -> Result<Option<PathBuf>, ExecError> + 'a;
+/// Writes a checkpoint after `steps` completed steps from the stages' shards and fp16's loss
+/// scale after the last of them (the same on every device), if the run scales its loss.
+pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards, Option<pipec_plan::recipe::LossScale>) -> Result<Option<PathBuf>, ExecError>
+    + 'a;
 
 /// Where the workers of a run stop when asked to: a step boundary that no worker has
 /// passed. Workers ask before each step, under one lock, so all of them run the same
@@ -257,6 +260,8 @@ fn work<B: ExecBackend, E: Endpoint + 'static>(shared: &Shared<'_>, ep: E, dev: 
             let dev = dev.ok_or_else(|| {
                 fail(None, None, ExecError::Setup(format!("no compute device was assigned to {device}")))
             })?;
+            // the plan's precision for every product this thread computes (crate::amp)
+            let _precision = crate::amp::Autocast::enter(crate::amp::compute_dtype(plan));
             // the process's memory before the device's stages exist
             let baseline = if shared.alone { crate::resident::start() } else { None };
             let mut stages = build_stages::<B>(plan, device, &dev).map_err(|e| fail(None, None, e))?;
@@ -266,6 +271,10 @@ fn work<B: ExecBackend, E: Endpoint + 'static>(shared: &Shared<'_>, ep: E, dev: 
             let comm = comm::Comm::start(comm_scope, ep, shared.epoch);
             let stream = &plan.streams[&device];
             let mut w = Worker::new(device, plan, stream, shared.data, comm, dev, stages, plan.schedule.reduce);
+            // fp16: the loss scale a resumed run left off at, or GradScaler's first
+            w.loss_scale = crate::amp::scales_loss(plan).then(|| {
+                shared.loaded.and_then(|l| l.loss_scale).unwrap_or_else(pipec_plan::recipe::LossScale::initial)
+            });
             w.epoch = shared.epoch;
             run_steps(shared, &mut w, tx, &fail, baseline)
         }));
@@ -411,7 +420,8 @@ impl Coordinator<'_> {
         if !reports.iter().any(|(_, c)| c.is_some()) {
             return false;
         }
-        match sink(step + 1, first_replicas_shards(reports)) {
+        let loss_scale = reports.iter().find_map(|(r, _)| r.next_loss_scale);
+        match sink(step + 1, first_replicas_shards(reports), loss_scale) {
             Ok(Some(p)) => self.report.checkpoints.push(p),
             Ok(None) => {}
             Err(e) => self.failed(RunError { step: Some(step), ..e.into() }, abort),
@@ -456,6 +466,8 @@ impl Coordinator<'_> {
             perplexity: is_language_model(plan).then(|| loss.exp()),
             lr: plan.training.lr_at(step),
             grad_norm: reports.iter().find_map(|(r, _)| r.grad_norm),
+            loss_scale: reports.iter().find_map(|(r, _)| r.loss_scale),
+            skipped: reports.iter().any(|(r, _)| r.skipped),
             validation: reports.iter().any(|(r, _)| r.validation.is_some()).then(|| {
                 let mut sum = [0.0f64; 4];
                 for v in reports.iter().filter_map(|(r, _)| r.validation) {

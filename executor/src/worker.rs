@@ -62,8 +62,15 @@ pub struct StepReport {
     pub held: Option<HeldState>,
     /// The process's resident memory, when it runs this device alone (the last step only).
     pub resident: Option<crate::resident::Resident>,
-    /// Gradient clipping by the global norm: the step's norm, before clipping.
+    /// Gradient clipping by the global norm (or fp16's overflow check): the step's norm,
+    /// before clipping (unscaled).
     pub grad_norm: Option<f64>,
+    /// fp16's dynamic loss scaling: the scale the step's loss was multiplied by, whether the
+    /// step's updates were skipped (a gradient was not finite), and the scale after the
+    /// step (what a checkpoint of it keeps).
+    pub loss_scale: Option<f64>,
+    pub skipped: bool,
+    pub next_loss_scale: Option<pipec_plan::recipe::LossScale>,
     /// Seconds this worker waited for checkpoint writes since its previous report.
     pub checkpoint_wait_s: f64,
 }
@@ -113,6 +120,9 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     pub(crate) current_step: usize,
     /// Gradient clipping by the global norm: this step's norm (once summed).
     pub(crate) grad_norm: Option<f64>,
+    /// fp16's dynamic loss scale at the start of the step (`crate::amp::scales_loss`);
+    /// None when the loss is not scaled.
+    pub(crate) loss_scale: Option<pipec_plan::recipe::LossScale>,
     /// The stream sums the gradient norm over every device (`grad_norm`).
     pub(crate) global_clip: bool,
     /// Validation: the held-out batch being evaluated (forwards only, dropout off, batch
@@ -177,6 +187,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             peak_gradients: 0,
             current_step: 0,
             grad_norm: None,
+            loss_scale: None,
             global_clip: stream
                 .iter()
                 .any(|i| matches!(i, Instr::Collective { payload: pipec_plan::CollectivePayload::GradNorm, .. })),
@@ -305,6 +316,15 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let gathers = std::mem::take(&mut self.weight_gathers);
         report.weight_gathers = self.stages.keys().any(|s| self.sharded_at_3(*s)).then_some(gathers);
         report.grad_norm = self.grad_norm;
+        if let (Some(ls), Some(norm)) = (self.loss_scale, self.grad_norm) {
+            // every device saw the same norm (the plan's `grad_norm`), so every device's
+            // scale moves alike
+            report.grad_norm = Some(norm / ls.scale);
+            report.loss_scale = Some(ls.scale);
+            report.skipped = !norm.is_finite();
+            self.loss_scale = Some(ls.next(norm.is_finite()));
+        }
+        report.next_loss_scale = self.loss_scale;
         report.step_seconds = start.elapsed().as_secs_f64();
         Ok(report)
     }
@@ -626,12 +646,16 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
         self.settle(stage)?;
-        let clip = self.clip_factor(stage)?;
+        // fp16: the factor that unscales the gradients, or None to skip the update
+        let unscale = self.unscale()?;
+        let clip = if unscale.is_some() { self.clip_factor(stage)? } else { 1.0 };
         let rule = self.plan.training.recipe.running_stats;
         let st = self.state(stage)?;
         let scale = clip * if st.contributions > 0 { n_mb / st.contributions as f64 } else { 1.0 };
         let acc = std::mem::take(&mut st.acc);
-        st.update(lr, &acc, scale)?;
+        if let Some(unscale) = unscale {
+            st.update(lr, &acc, scale * unscale)?;
+        }
         st.fold_statistics(rule)?;
         st.clear_gradients();
         if let Some(m) = st.model.clone() {
@@ -687,11 +711,15 @@ impl<B: ExecBackend> Worker<'_, B> {
     pub(crate) fn shard_step(&mut self, stage: StageId) -> Result<()> {
         let lr = self.learning_rate();
         let n_mb = self.plan.training.microbatches as f64;
-        let clip = self.clip_factor(stage)?;
+        let unscale = self.unscale()?;
+        let clip = if unscale.is_some() { self.clip_factor(stage)? } else { 1.0 };
         let st = self.state(stage)?;
         let shard = st.shard.as_mut().ok_or_else(|| ExecError::Plan(format!("{stage} is not sharded here")))?;
         let scale = clip * if shard.contributions > 0 { n_mb / shard.contributions as f64 } else { 1.0 };
-        shard.update(lr, scale)?;
+        match unscale {
+            Some(unscale) => shard.update(lr, scale * unscale)?,
+            None => shard.skip(),
+        }
         let release = shard.level == pipec_plan::vocab::Sharding::Parameters;
         let stats = std::mem::take(&mut shard.stats);
         let dev = self.dev.clone();

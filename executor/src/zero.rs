@@ -253,6 +253,12 @@ impl<B: ExecBackend> ShardState<B> {
         Ok(out)
     }
 
+    /// Drops the gradient shard without an update (a step fp16's loss scaling skips).
+    pub fn skip(&mut self) {
+        self.grad = None;
+        self.contributions = 0;
+    }
+
     /// One update of the master chunks from the gradient shard, scaled by `scale`; clears
     /// the gradient shard.
     pub fn update(&mut self, lr: f64, scale: f64) -> Result<()> {

@@ -166,7 +166,7 @@ mod tests {
                 StageCheckpoint { params, optimizer: vec![s as u8; 64], tp_size: 1 },
             );
         }
-        let at = write(&dir, 3, &test_identity(), &m).expect("written");
+        let at = write(&dir, 3, &test_identity(), &m, None).expect("written");
         (dir, at)
     }
 
@@ -212,6 +212,12 @@ mod tests {
             ("completed_steps", serde_json::json!("5"), "`completed_steps` must be a whole number"),
             ("format", serde_json::json!(9), "checkpoint format 9 is not one this pipec reads"),
             ("tensor_parallel", serde_json::json!({"0": 0}), "bad tensor-parallel degree 0 for stage 0"),
+            (
+                "loss_scale",
+                serde_json::json!({"scale": 0, "good_steps": 3}),
+                "`loss_scale` must hold a finite `scale` above 0",
+            ),
+            ("loss_scale", serde_json::json!({"scale": 1024}), "and a whole `good_steps`"),
         ] {
             let mut bad = good.clone();
             bad[key] = value;
@@ -248,9 +254,9 @@ mod tests {
             StageCheckpoint { params: vec![(0, vec![1], vec![7.0])], optimizer: vec![], tp_size: 1 },
         )]);
         // step 3 again (a resumed run re-training it): replaced whole, nothing left aside
-        write(&dir, 3, &test_identity(), &m).expect("rewritten");
+        write(&dir, 3, &test_identity(), &m, None).expect("rewritten");
         assert_eq!(read(&at).expect("reads").params.len(), 1);
-        write(&dir, 2, &test_identity(), &m).expect("written");
+        write(&dir, 2, &test_identity(), &m, None).expect("written");
         let left: Vec<String> =
             std::fs::read_dir(&dir).expect("dir").flatten().map(|e| e.file_name().to_string_lossy().into()).collect();
         assert!(left.iter().all(|n| !n.contains(".tmp")), "{left:?}");
@@ -300,7 +306,7 @@ mod tests {
         );
         m.insert(k(1, 0), StageCheckpoint { params: vec![(256, vec![1], vec![3.0])], optimizer: vec![2], tp_size: 2 });
         m.insert(k(1, 1), StageCheckpoint { params: vec![(256, vec![1], vec![4.0])], optimizer: vec![3], tp_size: 2 });
-        let at = write(&dir, 5, &test_identity(), &m).expect("written");
+        let at = write(&dir, 5, &test_identity(), &m, None).expect("written");
         assert!(at.join("optimizer-s1-tp1.bin").is_file() && at.join("optimizer-s0.bin").is_file());
         let l = read(&locate(&dir).expect("latest")).expect("read");
         assert_eq!(l.completed_steps, 5);
@@ -476,7 +482,13 @@ pub fn clean_abandoned(dir: &Path) {
 }
 
 /// Writes a checkpoint of `stages` (by shard) taken after `completed_steps` steps.
-pub fn write(dir: &Path, completed_steps: usize, identity: &Identity, stages: &Shards) -> Result<PathBuf, String> {
+pub fn write(
+    dir: &Path,
+    completed_steps: usize,
+    identity: &Identity,
+    stages: &Shards,
+    loss_scale: Option<crate::recipe::LossScale>,
+) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create `{}`: {e}", dir.display()))?;
     let name = format!("step-{completed_steps:06}");
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
@@ -517,7 +529,7 @@ pub fn write(dir: &Path, completed_steps: usize, identity: &Identity, stages: &S
         .filter(|(_, st)| st.tp_size > 1)
         .map(|(k, st)| (k.stage.to_string(), serde_json::Value::from(st.tp_size)))
         .collect();
-    let state = serde_json::json!({
+    let mut state = serde_json::json!({
         "format": FORMAT,
         "completed_steps": completed_steps,
         "plan": identity.plan,
@@ -531,6 +543,9 @@ pub fn write(dir: &Path, completed_steps: usize, identity: &Identity, stages: &S
         "tensor_parallel": tensor_parallel,
         "files": sums,
     });
+    if let Some(ls) = loss_scale {
+        state["loss_scale"] = serde_json::json!({ "scale": ls.scale, "good_steps": ls.good_steps });
+    }
     write_synced(&tmp.join("state.json"), serde_json::to_string_pretty(&state).unwrap_or_default().as_bytes())
         .map_err(|e| format!("cannot write state.json: {e}"))?;
     sync_dir(&tmp);
@@ -577,6 +592,8 @@ pub struct Loaded {
     pub tensor_parallel: HashMap<u32, u32>,
     /// What it holds (None for a format-2 checkpoint, which does not say).
     pub identity: Option<Identity>,
+    /// fp16's dynamic loss scale after its last step (a run that scaled its loss).
+    pub loss_scale: Option<crate::recipe::LossScale>,
     /// Parameters it leaves at pipec's initial values (a fine-tuning head that a Hugging
     /// Face base checkpoint lacks), with the name of the tensor each lacked; every other
     /// parameter must be in it.
@@ -834,5 +851,29 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
             optimizers.insert(ShardKey { stage: s, tp_rank: r }, b);
         }
     }
-    Ok(Loaded { completed_steps, params, optimizers, tensor_parallel, identity, initial: Default::default() })
+    let loss_scale = match state.get("loss_scale") {
+        None => None,
+        Some(v) => Some(loss_scale_in(v)?),
+    };
+    Ok(Loaded {
+        completed_steps,
+        params,
+        optimizers,
+        tensor_parallel,
+        identity,
+        loss_scale,
+        initial: Default::default(),
+    })
+}
+
+/// `state.json`'s `loss_scale`, checked: a finite scale above 0 and a whole count of steps.
+fn loss_scale_in(v: &serde_json::Value) -> Result<crate::recipe::LossScale, String> {
+    let scale = v.get("scale").and_then(serde_json::Value::as_f64).filter(|s| s.is_finite() && *s > 0.0);
+    let good = v.get("good_steps").and_then(serde_json::Value::as_u64).and_then(|n| u32::try_from(n).ok());
+    match (scale, good) {
+        (Some(scale), Some(good_steps)) => Ok(crate::recipe::LossScale { scale, good_steps }),
+        _ => Err(format!(
+            "state.json: `loss_scale` must hold a finite `scale` above 0 and a whole `good_steps`, found {v}"
+        )),
+    }
 }

@@ -94,6 +94,7 @@ pub fn initial_weights(plan: &Plan, dir: &Path) -> Result<Loaded, String> {
         optimizers: Default::default(),
         tensor_parallel: Default::default(),
         identity: Some(identity),
+        loss_scale: None,
         initial: initial.into_iter().collect(),
     })
 }

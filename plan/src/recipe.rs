@@ -67,11 +67,19 @@ impl Recipe {
         self.clip_grad_norm.is_some() && per_step
     }
 
-    /// Whether the plan sums the global norm with a `grad_norm` all-reduce: when it clips
-    /// globally on more than one device (`devices` with a stream); one device takes the
-    /// norm of its own stages.
-    pub fn sums_norm(&self, per_step: bool, devices: usize) -> bool {
-        self.clips_globally(per_step) && devices > 1
+    /// Whether every update needs the whole model's gradient norm: to clip by it, or under
+    /// fp16 to find an overflow anywhere (dynamic loss scaling skips the step on every device
+    /// when any gradient is not finite, as PyTorch's `GradScaler` does) — under a schedule
+    /// that updates every stage once per step (`per_step`).
+    pub fn needs_global_norm(&self, precision: crate::Precision, per_step: bool) -> bool {
+        (self.clip_grad_norm.is_some() || precision == crate::Precision::Fp16) && per_step
+    }
+
+    /// Whether the plan sums the global norm with a `grad_norm` all-reduce: when its
+    /// updates need it ([`Recipe::needs_global_norm`]) on more than one device (`devices`
+    /// with a stream); one device takes the norm of its own stages.
+    pub fn sums_norm(&self, precision: crate::Precision, per_step: bool, devices: usize) -> bool {
+        self.needs_global_norm(precision, per_step) && devices > 1
     }
 
     /// What is wrong with it, by the `training` key at fault, for an optimizer's peak `lr`
@@ -181,6 +189,42 @@ pub fn clip_factor(max_norm: f64, norm: f64) -> f64 {
     (max_norm / (norm + 1e-6)).min(1.0)
 }
 
+/// fp16's dynamic loss scale (PyTorch's `torch.amp.GradScaler`, with its defaults): the loss
+/// is multiplied by `scale` before the backward so that small gradients survive fp16, and
+/// the gradients are divided by it before the update. A step whose gradients are not all
+/// finite is skipped on every device and halves the scale; `GROWTH_INTERVAL` finite steps
+/// in a row double it. A checkpoint keeps it, so a resumed run scales as the uninterrupted
+/// one would.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossScale {
+    pub scale: f64,
+    /// Finite steps since the scale last changed.
+    pub good_steps: u32,
+}
+
+impl LossScale {
+    /// `GradScaler`'s `init_scale`, `growth_factor`, `backoff_factor` and `growth_interval`.
+    pub const INITIAL: f64 = 65536.0;
+    pub const GROWTH: f64 = 2.0;
+    pub const BACKOFF: f64 = 0.5;
+    pub const GROWTH_INTERVAL: u32 = 2000;
+
+    pub fn initial() -> Self {
+        LossScale { scale: Self::INITIAL, good_steps: 0 }
+    }
+
+    /// The scale after a step whose gradients were all finite (`finite`) or not.
+    pub fn next(self, finite: bool) -> Self {
+        if !finite {
+            return LossScale { scale: self.scale * Self::BACKOFF, good_steps: 0 };
+        }
+        if self.good_steps + 1 >= Self::GROWTH_INTERVAL {
+            return LossScale { scale: self.scale * Self::GROWTH, good_steps: 0 };
+        }
+        LossScale { scale: self.scale, good_steps: self.good_steps + 1 }
+    }
+}
+
 /// The index of the sample at position `at` of the endless sequence a training run draws
 /// from `samples` samples: epoch after epoch, each a permutation of them from `seed` and
 /// the epoch when `shuffle` is set, the samples in order otherwise.
@@ -250,6 +294,23 @@ mod tests {
         assert!(s.problem(1.0).is_none());
         assert!(LrSchedule { min_lr: 2.0, ..s }.problem(1.0).is_some());
         assert!(LrSchedule { decay_steps: 10, ..s }.problem(1.0).is_some());
+    }
+
+    /// GradScaler's rule, by hand: an overflow halves the scale and restarts the count;
+    /// 2000 finite steps in a row double it (and only then).
+    #[test]
+    fn the_loss_scale_backs_off_at_an_overflow_and_grows_after_2000_finite_steps() {
+        let s = LossScale::initial();
+        assert_eq!(s.scale, 65536.0);
+        let s = s.next(true).next(true).next(false);
+        assert_eq!(s, LossScale { scale: 32768.0, good_steps: 0 });
+        let mut t = s;
+        for _ in 0..1999 {
+            t = t.next(true);
+        }
+        assert_eq!(t, LossScale { scale: 32768.0, good_steps: 1999 });
+        assert_eq!(t.next(true), LossScale { scale: 65536.0, good_steps: 0 });
+        assert_eq!(t.next(false), LossScale { scale: 16384.0, good_steps: 0 });
     }
 
     /// Every epoch's order is a permutation, differs from the last and from the seed's
