@@ -331,9 +331,9 @@ fn a_context_parallel_ring_keeps_less_and_hides_its_transfers_under_attention() 
             assert!(rb > gb, "{bandwidth}: backward {rb} vs {gb}");
         }
     }
-    // `pipec run` says the executor all-gathers
+    // `pipec run` says the executor passes the blocks in line
     let caveats = pipec_executor::caveats(&plan(ring_comm, "1000GB/s"));
-    assert!(caveats.iter().any(|c| c.contains("cp_comm: ring") && c.contains("all-gathers")), "{caveats:?}");
+    assert!(caveats.iter().any(|c| c.contains("cp_comm: ring") && c.contains("in line")), "{caveats:?}");
     assert!(!pipec_executor::caveats(&plan("", "1000GB/s")).iter().any(|c| c.contains("cp_comm")));
     // a ring needs a context-parallel group
     let checked = pipec_grammar::check_source(&text(ring_comm, "1GB/s").replace("  cp: 2\n", ""));

@@ -188,6 +188,10 @@ fn context_parallelism_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(TIED_LM, "\"1-1\"\n  cp: 2", 4);
     equal_to_in_process_with(TIED_LM, "\"1\"\n  cp: 3", 3, "gpipe");
     equal_to_in_process_with(TIED_LM, "\"2\"\n  cp: 2", 4, "gpipe");
+    // and around the ring (`cp_comm: ring`): blocks passed to the next member in the
+    // forward, gathered and their gradients scattered back in the backward
+    equal_to_in_process_for(TIED_LM, "\"1-1\"\n  cp: 2\n  cp_comm: ring", 4);
+    equal_to_in_process_with(TIED_LM, "\"1\"\n  cp: 3\n  cp_comm: ring", 3, "gpipe");
 }
 
 #[test]

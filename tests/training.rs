@@ -925,22 +925,28 @@ const CP_LAYOUTS: [(usize, &str, &str); 4] = [
     (4, "\"1-1\"\n  cp: 2", "1f1b"),
 ];
 
+/// The blocks context parallelism is checked on: causal, grouped-query heads with rotary
+/// positions and a gated MLP, and not causal.
+const CP_BLOCKS: [&str; 3] = [
+    "transformer_block(d=16, heads=2, ff=32, causal=true)",
+    "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)",
+    "transformer_block(d=16, heads=2, ff=32)",
+];
+
+/// A tied language model of two `block`s.
+fn cp_lm(block: &str) -> String {
+    format!(
+        "- embedding(20, 16) as tokens\n    - pos_embedding\n    - repeat 2: {block}\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)"
+    )
+}
+
 #[test]
 fn context_parallelism_equals_one_device_on_a_language_model() {
     // each sequence cut into 2·cp chunks, member c holding chunks c and 2·cp − 1 − c: the
     // learned positions, the rotary angles and the causal mask follow each position's
     // place in the whole sequence, and attention gathers the group's keys and values
-    let lm = |block: &str| {
-        format!(
-            "- embedding(20, 16) as tokens\n    - pos_embedding\n    - repeat 2: {block}\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)"
-        )
-    };
-    for block in [
-        "transformer_block(d=16, heads=2, ff=32, causal=true)",
-        "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)",
-        "transformer_block(d=16, heads=2, ff=32)",
-    ] {
-        let layers = lm(block);
+    for block in CP_BLOCKS {
+        let layers = cp_lm(block);
         for (devices, stages, schedule) in CP_LAYOUTS {
             assert_same_as_one_device(Job {
                 devices,
@@ -968,7 +974,7 @@ fn context_parallelism_equals_one_device_on_a_language_model() {
     }
     // with momentum, full and selective recompute (the attention core recomputed in the
     // backward under the member's mask), an interleaved pipeline and tensor parallelism
-    let layers = lm("transformer_block(d=16, heads=2, ff=32, causal=true)");
+    let layers = cp_lm(CP_BLOCKS[0]);
     for (devices, stages, schedule, recompute) in [
         (4, "\"1-1\"\n  cp: 2", "gpipe", "true"),
         (4, "\"1-1\"\n  cp: 2", "1f1b", "selective"),
@@ -984,6 +990,41 @@ fn context_parallelism_equals_one_device_on_a_language_model() {
             schedule,
             recompute,
             optimizer: SGD,
+            layers: &layers,
+            ..Job::default()
+        });
+    }
+}
+
+/// `cp_comm: ring`: attention passes the keys and values around the group and merges the
+/// blocks by the online softmax (`pipec_executor::ring`) — one device's losses, causal or
+/// not, with grouped-query heads and rotary positions, alone, beside replicas, on a
+/// pipeline, under selective and full recompute, ZeRO-3 and tensor parallelism.
+#[test]
+fn ring_context_parallelism_equals_one_device() {
+    // (block, devices, stages, schedule, recompute, optimizer)
+    let mut jobs = Vec::new();
+    for block in CP_BLOCKS {
+        for (devices, stages, schedule) in CP_LAYOUTS {
+            jobs.push((block, devices, stages, schedule, "false", ADAM));
+        }
+    }
+    for (stages, schedule, recompute) in [
+        ("\"1-1\"\n  cp: 2", "gpipe", "selective"),
+        ("\"1-1\"\n  cp: 2", "gpipe", "true"),
+        ("\"1-1\"\n  cp: 2\n  zero: 3", "gpipe", "false"),
+        ("\"1\"\n  cp: 2\n  tp: 2", "gpipe", "false"),
+    ] {
+        jobs.push((CP_BLOCKS[0], 4, stages, schedule, recompute, SGD));
+    }
+    for (block, devices, stages, schedule, recompute, optimizer) in jobs {
+        let (layers, stages) = (cp_lm(block), format!("{stages}\n  cp_comm: ring"));
+        assert_same_as_one_device(Job {
+            devices,
+            stages: &stages,
+            schedule,
+            recompute,
+            optimizer,
             layers: &layers,
             ..Job::default()
         });

@@ -21,6 +21,9 @@ pub struct Context {
     /// The members, in position order, and how to reach them.
     pub group: ExpertGroup,
     pub cp: usize,
+    /// `cp_comm: ring`: attention passes keys and values around the group
+    /// ([`crate::ring`]) instead of gathering them.
+    pub ring: bool,
 }
 
 impl Context {
@@ -32,7 +35,7 @@ impl Context {
             return None;
         }
         let group = ExpertGroup::sized(plan, stage, device, exchanger, cp)?;
-        Some(Context { group, cp })
+        Some(Context { group, cp, ring: plan.schedule.cp_comm == pipec_plan::vocab::CpComm::Ring })
     }
 
     /// This member's positions of a sequence whose local part has `local` positions.
@@ -43,6 +46,14 @@ impl Context {
     /// The positions of the gathered keys, member after member.
     pub fn key_positions(&self, local: usize) -> Vec<usize> {
         (0..self.cp).flat_map(|c| pipec_plan::plan::context_positions(local * self.cp, self.cp, c)).collect()
+    }
+
+    /// The ring of a sequence whose local part has `local` positions (`causal`: masked by
+    /// true position; `group_size` query heads per key/value head).
+    pub fn ring(&self, local: usize, causal: bool, group_size: usize) -> crate::ring::Ring {
+        let positions =
+            (0..self.cp).map(|c| pipec_plan::plan::context_positions(local * self.cp, self.cp, c)).collect();
+        crate::ring::Ring { group: self.group.clone(), cp: self.cp, positions, causal, group_size }
     }
 
     /// Every member's keys (or values) [batch, heads, local, dh] gathered into

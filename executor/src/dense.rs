@@ -102,6 +102,19 @@ pub trait Kernels: Backend {
         crate::layers::scores_softmax_grad(p, dp, dh)
     }
 
+    /// Context parallelism's ring attention ([`crate::ring`]): this member's queries
+    /// [b, h, s, dh] over the group's keys and values, its own `k`, `v` [b, kv, s, dh]
+    /// passed around the ring; an autodiff backend keeps only q, its own k and v, the output
+    /// and the rows' log-sum-exp. Without autodiff, the forward alone.
+    fn ring_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        ring: &crate::ring::Ring,
+    ) -> Result<Tensor<Self, 4>, String> {
+        ring.forward(q, k, v).map(|(out, _)| out)
+    }
+
     /// Attention's core, softmax(q·kᵀ/√dh + the causal mask)·v on [batch, heads, seq, dh],
     /// without keeping its scores and probabilities for the backward: an autodiff backend
     /// keeps q, k and v (which the graph holds anyway) and recomputes the probabilities in
@@ -236,6 +249,36 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         Tensor::from_primitive(TensorPrimitive::Float(y))
     }
 
+    fn ring_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        ring: &crate::ring::Ring,
+    ) -> Result<Tensor<Self, 4>, String> {
+        // validation's forwards pass detached keys and values (as `Context::gather`)
+        let (q, k, v) = if ring.group.tracked { (q, k, v) } else { (q.detach(), k.detach(), v.detach()) };
+        let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
+        let inner = |t: &FloatTensor<Self>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(t.primitive.clone()));
+        let (out, lse) = ring.forward(inner(&q), inner(&k), inner(&v))?;
+        let (out, lse) = (out.into_primitive().tensor(), lse.into_primitive().tensor());
+        let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
+        let y = match RingBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let state = RingState {
+                    q: q.primitive,
+                    k: k.primitive,
+                    v: v.primitive,
+                    out: out.clone(),
+                    lse,
+                    ring: ring.clone(),
+                };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+    }
+
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
@@ -362,6 +405,48 @@ impl<I: Kernels> Backward<I, 1> for ExchangeBackward {
             });
             moved.into_primitive().tensor()
         });
+    }
+}
+
+/// What [`Kernels::ring_attention`]'s backward keeps: the queries, this member's keys and
+/// values, the output and its rows' log-sum-exp (never another member's keys or values).
+#[derive(Debug, Clone)]
+struct RingState<I: Backend> {
+    q: FloatTensor<I>,
+    k: FloatTensor<I>,
+    v: FloatTensor<I>,
+    out: FloatTensor<I>,
+    lse: FloatTensor<I>,
+    ring: crate::ring::Ring,
+}
+
+/// The backward of [`Kernels::ring_attention`] ([`crate::ring::Ring::backward`]); an
+/// exchange that fails is recorded for the worker (a backward cannot return an error) and
+/// the gradients are zeros.
+#[derive(Debug)]
+struct RingBackward;
+
+impl<I: Kernels> Backward<I, 3> for RingBackward {
+    type State = RingState<I>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
+        let RingState { q, k, v, out, lse, ring } = ops.state;
+        let d_out = t(grads.consume::<I>(&ops.node));
+        let (q, k, v) = (t(q), t(k), t(v));
+        let zeros = (q.zeros_like(), k.zeros_like(), v.zeros_like());
+        let (dq, dk, dv) = ring.backward(q, k, v, t(out), t(lse), d_out).unwrap_or_else(|e| {
+            if let Ok(mut failed) = ring.group.failed.lock() {
+                failed.get_or_insert(e);
+            }
+            zeros
+        });
+        let [to_q, to_k, to_v] = ops.parents;
+        for (node, g) in [(to_q, dq), (to_k, dk), (to_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<I>(node.id, g.into_primitive().tensor());
+            }
+        }
     }
 }
 

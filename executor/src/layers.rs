@@ -412,6 +412,13 @@ impl<B: Kernels> Block<B> {
             q = rotary_at(q, self.rope, &at);
             k = rotary_at(k, self.rope, &at);
         }
+        if let Some(c) = context.filter(|c| c.ring) {
+            // around the ring: only this member's keys and values are kept (crate::ring)
+            let ring = c.ring(s, self.causal, h / kv);
+            let out = B::ring_attention(q, k, v, &ring)
+                .map_err(|e| ExecError::Transport(crate::transport::TransportError::Other(e)))?;
+            return Ok(out.swap_dims(1, 2).reshape([b, s, h * dh]));
+        }
         let keys = match context {
             Some(c) => {
                 k = c.gather(k)?;

@@ -35,6 +35,7 @@ mod params;
 pub mod process_run;
 pub mod profile;
 mod reshard;
+pub mod ring;
 pub use reshard::whole_weights;
 pub mod resident;
 pub mod rng;
@@ -390,7 +391,7 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     }
     if plan.schedule.cp_comm == pipec_plan::vocab::CpComm::Ring {
         out.push(
-            "under `cp_comm: ring` the plan passes keys and values around each context-parallel group under the attention and keeps only a member's own, but the executor all-gathers them in line and keeps them for the backward"
+            "under `cp_comm: ring` the plan hides each pass of keys and values around the context-parallel group under the attention over the block before it, but the executor passes them in line: its attention waits for each block"
                 .to_string(),
         );
     }

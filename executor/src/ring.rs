@@ -1,0 +1,219 @@
+//! Context parallelism's ring (`cp_comm: ring`; Megatron-LM's `p2p`, ring attention): a
+//! member's attention passes the keys and values around its group instead of gathering
+//! them, and keeps only its own for the backward.
+//!
+//! Forward: the member's queries meet its own block of keys and values first, then the
+//! block each neighbour passes on (member `position − j` at step j), `cp − 1` passes in
+//! all; the blocks' results are merged by the online softmax (a running row maximum `m`,
+//! a running denominator `l` and a running output, rescaled as a larger maximum arrives:
+//! Milakov and Gimelshein 2018, as FlashAttention and ring attention merge their blocks).
+//! What the backward keeps: the queries, the member's own keys and values, the output and
+//! each row's log-sum-exp `m + ln l` — never another member's keys or values.
+//!
+//! Backward: the group's keys and values are gathered again for the pass (and dropped
+//! after it), each block's probabilities recomputed from the kept log-sum-exp, and each
+//! block's key and value gradients sent to their member and summed there — the all-gather
+//! and reduce-scatter the plan prices for the ring's backward (`LayerCost::core_s`).
+//!
+//! Every step of it computes what the all-gather's attention computes, block by block, so
+//! the two give the same numbers up to float rounding (tested against one device).
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+use crate::experts::ExpertGroup;
+
+/// The gradients of a member's queries, keys and values.
+pub type Grads<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
+
+/// What a member's ring attention needs beside its tensors.
+#[derive(Clone, Debug)]
+pub struct Ring {
+    pub group: ExpertGroup,
+    pub cp: usize,
+    /// Each member's positions of the sequence (member order): its queries' and keys'.
+    pub positions: Vec<Vec<usize>>,
+    /// A causal mask by true position (a key after its query weighs nothing).
+    pub causal: bool,
+    /// Query heads per key/value head (grouped-query attention: each key and value head
+    /// serves this many query heads).
+    pub group_size: usize,
+}
+
+/// The pushed-down score of a masked position (as `scores_softmax` masks).
+const MASKED: f32 = crate::flex_softmax::MASKED;
+
+impl Ring {
+    fn position(&self) -> usize {
+        self.group.position
+    }
+
+    /// The additive mask of this member's queries against member `m`'s keys, [1, 1, q, k]
+    /// (None without a causal mask).
+    fn mask<B: Backend>(&self, m: usize, dev: &B::Device) -> Option<Tensor<B, 4>> {
+        if !self.causal {
+            return None;
+        }
+        let (queries, keys) = (&self.positions[self.position()], &self.positions[m]);
+        let mask: Vec<f32> =
+            queries.iter().flat_map(|&qp| keys.iter().map(move |&kp| if kp > qp { MASKED } else { 0.0 })).collect();
+        Some(Tensor::<B, 2>::from_data(TensorData::new(mask, [queries.len(), keys.len()]), dev).unsqueeze::<4>())
+    }
+
+    /// Keys or values [b, kv, s, dh] repeated to the query heads [b, h, s, dh].
+    fn repeat<B: Backend>(&self, t: Tensor<B, 4>) -> Tensor<B, 4> {
+        if self.group_size == 1 {
+            return t;
+        }
+        let [b, kv, s, dh] = t.dims();
+        t.unsqueeze_dim::<5>(2).repeat_dim(2, self.group_size).reshape([b, kv * self.group_size, s, dh])
+    }
+
+    /// A gradient at the query heads [b, h, s, dh] summed onto the key/value heads.
+    fn fold<B: Backend>(&self, t: Tensor<B, 4>) -> Tensor<B, 4> {
+        if self.group_size == 1 {
+            return t;
+        }
+        let [b, h, s, dh] = t.dims();
+        let kv = h / self.group_size;
+        t.reshape([b, kv, self.group_size, s, dh]).sum_dim(2).reshape([b, kv, s, dh])
+    }
+
+    /// The scaled, masked scores of `q` against block `m`'s keys `k` (already repeated).
+    fn scores<B: Backend>(&self, q: &Tensor<B, 4>, k: Tensor<B, 4>, m: usize) -> Tensor<B, 4> {
+        let dh = q.dims()[3];
+        let s = crate::amp::matmul(q.clone(), k.swap_dims(2, 3)) / (dh as f64).sqrt();
+        match self.mask::<B>(m, &q.device()) {
+            Some(mask) => s + mask,
+            None => s,
+        }
+    }
+
+    /// Sends `values` to the next member and returns what the previous one sent.
+    fn pass(&self, values: Vec<f32>) -> Result<Vec<f32>, String> {
+        let cp = self.cp;
+        let (next, prev) = ((self.position() + 1) % cp, (self.position() + cp - 1) % cp);
+        let mut chunks = vec![Vec::new(); cp];
+        chunks[next] = values;
+        let mut got = self.group.exchanger.exchange(&self.group.members, chunks).map_err(|e| e.to_string())?;
+        Ok(std::mem::take(&mut got[prev]))
+    }
+
+    /// Every member's `values`, member after member.
+    fn all_gather(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, String> {
+        self.group.exchanger.exchange(&self.group.members, vec![values; self.cp]).map_err(|e| e.to_string())
+    }
+
+    /// Sends `chunks[m]` to member m and returns the sum of what every member sent this one.
+    fn reduce_scatter(&self, chunks: Vec<Vec<f32>>) -> Result<Vec<f32>, String> {
+        let got = self.group.exchanger.exchange(&self.group.members, chunks).map_err(|e| e.to_string())?;
+        let mut sum = vec![0f32; got.first().map_or(0, Vec::len)];
+        for part in &got {
+            if part.len() != sum.len() {
+                return Err("a context-parallel member sent key gradients of another size".into());
+            }
+            sum.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+        }
+        Ok(sum)
+    }
+
+    /// The forward: the attention output [b, h, s, dh] of queries `q` [b, h, s, dh] over
+    /// the group's keys and values, and each row's log-sum-exp [b, h, s, 1]; `k`, `v`
+    /// [b, kv, s, dh] are this member's.
+    pub fn forward<B: Backend>(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> Result<(Tensor<B, 4>, Tensor<B, 4>), String> {
+        let dev = q.device();
+        let shape = k.dims();
+        let (mut k_blk, mut v_blk) = (k, v);
+        let mut state: Option<(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>)> = None; // (m, l, o)
+        for j in 0..self.cp {
+            let m_id = (self.position() + self.cp - j) % self.cp;
+            let s = self.scores(&q, self.repeat(k_blk.clone()), m_id);
+            let m_j = s.clone().max_dim(3);
+            let p = (s - m_j.clone()).exp();
+            let l_j = p.clone().sum_dim(3);
+            let o_j = crate::amp::matmul(p, self.repeat(v_blk.clone()));
+            state = Some(match state {
+                None => (m_j, l_j, o_j),
+                Some((m, l, o)) => {
+                    let m_new = m.clone().max_pair(m_j.clone());
+                    let (a, b) = ((m - m_new.clone()).exp(), (m_j - m_new.clone()).exp());
+                    (m_new, l * a.clone() + l_j * b.clone(), o * a + o_j * b)
+                }
+            });
+            if j + 1 < self.cp {
+                let n = k_blk.dims().iter().product::<usize>();
+                let mut values = crate::params::host_f32(k_blk.into_data()).map_err(|e| e.to_string())?;
+                values.extend(crate::params::host_f32(v_blk.into_data()).map_err(|e| e.to_string())?);
+                let got = self.pass(values)?;
+                if got.len() != 2 * n {
+                    return Err(format!(
+                        "a context-parallel member passed {} key and value values, not {}",
+                        got.len(),
+                        2 * n
+                    ));
+                }
+                let (kv, vv) = got.split_at(n);
+                k_blk = Tensor::from_data(TensorData::new(kv.to_vec(), shape), &dev);
+                v_blk = Tensor::from_data(TensorData::new(vv.to_vec(), shape), &dev);
+            }
+        }
+        let (m, l, o) = state.ok_or("a context-parallel group of no members")?;
+        Ok((o / l.clone(), m + l.log()))
+    }
+
+    /// The backward: the gradients of `q`, `k` and `v` (this member's) from the output's
+    /// gradient `d_out`, given the forward's output `out` and log-sum-exp `lse`.
+    pub fn backward<B: Backend>(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        out: Tensor<B, 4>,
+        lse: Tensor<B, 4>,
+        d_out: Tensor<B, 4>,
+    ) -> Result<Grads<B>, String> {
+        let dev = q.device();
+        let shape = k.dims();
+        let n = shape.iter().product::<usize>();
+        let dh = q.dims()[3];
+        let mut values = crate::params::host_f32(k.into_data()).map_err(|e| e.to_string())?;
+        values.extend(crate::params::host_f32(v.into_data()).map_err(|e| e.to_string())?);
+        let all = self.all_gather(values)?;
+        // rowsum(dO ⊙ O): the softmax's backward term
+        let delta = (d_out.clone() * out).sum_dim(3);
+        let mut dq = q.zeros_like();
+        let mut sends = Vec::with_capacity(self.cp);
+        for (m_id, kv) in all.iter().enumerate() {
+            if kv.len() != 2 * n {
+                return Err(format!("a context-parallel member sent {} key and value values, not {}", kv.len(), 2 * n));
+            }
+            let (kv_k, kv_v) = kv.split_at(n);
+            let k_m = self.repeat(Tensor::<B, 4>::from_data(TensorData::new(kv_k.to_vec(), shape), &dev));
+            let v_m = self.repeat(Tensor::<B, 4>::from_data(TensorData::new(kv_v.to_vec(), shape), &dev));
+            let p = (self.scores(&q, k_m.clone(), m_id) - lse.clone()).exp();
+            let dv = crate::amp::matmul(p.clone().swap_dims(2, 3), d_out.clone());
+            let dp = crate::amp::matmul(d_out.clone(), v_m.swap_dims(2, 3));
+            let ds = p * (dp - delta.clone()) / (dh as f64).sqrt();
+            dq = dq + crate::amp::matmul(ds.clone(), k_m);
+            let dk = crate::amp::matmul(ds.swap_dims(2, 3), q.clone());
+            let mut part = crate::params::host_f32(self.fold(dk).into_data()).map_err(|e| e.to_string())?;
+            part.extend(crate::params::host_f32(self.fold(dv).into_data()).map_err(|e| e.to_string())?);
+            sends.push(part);
+        }
+        let mine = self.reduce_scatter(sends)?;
+        if mine.len() != 2 * n {
+            return Err("a context-parallel member's key gradients have the wrong size".into());
+        }
+        let (dk, dv) = mine.split_at(n);
+        Ok((
+            dq,
+            Tensor::from_data(TensorData::new(dk.to_vec(), shape), &dev),
+            Tensor::from_data(TensorData::new(dv.to_vec(), shape), &dev),
+        ))
+    }
+}
