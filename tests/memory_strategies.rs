@@ -331,7 +331,7 @@ fn a_context_parallel_ring_keeps_less_and_hides_its_transfers_under_attention() 
             assert!(rb > gb, "{bandwidth}: backward {rb} vs {gb}");
         }
     }
-    // `pipec run` says the executor passes the blocks in line
+    // `pipec run` says the executor's backward exchanges in line
     let caveats = pipec_executor::caveats(&plan(ring_comm, "1000GB/s"));
     assert!(caveats.iter().any(|c| c.contains("cp_comm: ring") && c.contains("in line")), "{caveats:?}");
     assert!(!pipec_executor::caveats(&plan("", "1000GB/s")).iter().any(|c| c.contains("cp_comm")));

@@ -68,9 +68,15 @@ impl Exchanger {
     /// Sends `chunks[j]` to member j of `members` and returns what each member sent this
     /// one, in member order.
     pub fn exchange(&self, members: &[DeviceId], chunks: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, TransportError> {
+        self.start(members, chunks)?.wait()
+    }
+
+    /// [`Exchanger::exchange`] started: the collective thread runs it while the caller
+    /// computes, and the ticket gives its result.
+    pub fn start(&self, members: &[DeviceId], chunks: Vec<Vec<f32>>) -> Result<Ticket<Vec<Vec<f32>>>, TransportError> {
         let (reply, rx) = channel();
         self.0.send(Coll::Exchange { members: members.to_vec(), chunks, reply }).map_err(|_| gone())?;
-        Ticket(rx).wait()
+        Ok(Ticket(rx))
     }
 }
 

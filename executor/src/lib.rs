@@ -391,7 +391,7 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     }
     if plan.schedule.cp_comm == pipec_plan::vocab::CpComm::Ring {
         out.push(
-            "under `cp_comm: ring` the plan hides each pass of keys and values around the context-parallel group under the attention over the block before it, but the executor passes them in line: its attention waits for each block"
+            "under `cp_comm: ring` the executor passes each block of keys and values on while it computes with it, as the plan prices, but its backward gathers the blocks and scatters their gradients in line, where the plan hides them under the attention's backward"
                 .to_string(),
         );
     }

@@ -4,7 +4,8 @@
 //!
 //! Forward: the member's queries meet its own block of keys and values first, then the
 //! block each neighbour passes on (member `position − j` at step j), `cp − 1` passes in
-//! all; the blocks' results are merged by the online softmax (a running row maximum `m`,
+//! all, each started on the collective thread before the attention over the block it
+//! carries and waited for after it (the transfer under the computation); the blocks' results are merged by the online softmax (a running row maximum `m`,
 //! a running denominator `l` and a running output, rescaled as a larger maximum arrives:
 //! Milakov and Gimelshein 2018, as FlashAttention and ring attention merge their blocks).
 //! What the backward keeps: the queries, the member's own keys and values, the output and
@@ -21,6 +22,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use crate::comm::Ticket;
 use crate::experts::ExpertGroup;
 
 /// The gradients of a member's queries, keys and values.
@@ -89,13 +91,19 @@ impl Ring {
         }
     }
 
-    /// Sends `values` to the next member and returns what the previous one sent.
-    fn pass(&self, values: Vec<f32>) -> Result<Vec<f32>, String> {
-        let cp = self.cp;
-        let (next, prev) = ((self.position() + 1) % cp, (self.position() + cp - 1) % cp);
-        let mut chunks = vec![Vec::new(); cp];
+    /// Starts sending `values` to the next member (and receiving what the previous one
+    /// sends) on the collective thread; [`Ring::passed`] waits for it.
+    fn pass(&self, values: Vec<f32>) -> Result<Ticket<Vec<Vec<f32>>>, String> {
+        let next = (self.position() + 1) % self.cp;
+        let mut chunks = vec![Vec::new(); self.cp];
         chunks[next] = values;
-        let mut got = self.group.exchanger.exchange(&self.group.members, chunks).map_err(|e| e.to_string())?;
+        self.group.exchanger.start(&self.group.members, chunks).map_err(|e| e.to_string())
+    }
+
+    /// What the previous member passed ([`Ring::pass`]).
+    fn passed(&self, ticket: Ticket<Vec<Vec<f32>>>) -> Result<Vec<f32>, String> {
+        let prev = (self.position() + self.cp - 1) % self.cp;
+        let mut got = ticket.wait().map_err(|e| e.to_string())?;
         Ok(std::mem::take(&mut got[prev]))
     }
 
@@ -132,6 +140,15 @@ impl Ring {
         let mut state: Option<(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>)> = None; // (m, l, o)
         for j in 0..self.cp {
             let m_id = (self.position() + self.cp - j) % self.cp;
+            // the block goes on to the next member while this one computes with it
+            let n = k_blk.dims().iter().product::<usize>();
+            let passing = if j + 1 < self.cp {
+                let mut values = crate::params::host_f32(k_blk.clone().into_data()).map_err(|e| e.to_string())?;
+                values.extend(crate::params::host_f32(v_blk.clone().into_data()).map_err(|e| e.to_string())?);
+                Some(self.pass(values)?)
+            } else {
+                None
+            };
             let s = self.scores(&q, self.repeat(k_blk.clone()), m_id);
             let m_j = s.clone().max_dim(3);
             let p = (s - m_j.clone()).exp();
@@ -145,11 +162,8 @@ impl Ring {
                     (m_new, l * a.clone() + l_j * b.clone(), o * a + o_j * b)
                 }
             });
-            if j + 1 < self.cp {
-                let n = k_blk.dims().iter().product::<usize>();
-                let mut values = crate::params::host_f32(k_blk.into_data()).map_err(|e| e.to_string())?;
-                values.extend(crate::params::host_f32(v_blk.into_data()).map_err(|e| e.to_string())?);
-                let got = self.pass(values)?;
+            if let Some(ticket) = passing {
+                let got = self.passed(ticket)?;
                 if got.len() != 2 * n {
                     return Err(format!(
                         "a context-parallel member passed {} key and value values, not {}",
