@@ -106,6 +106,43 @@ fn run_says_what_bf16_and_fp16_compute_in() {
     }
 }
 
+/// fp16's loss scaling at the command line: a regression whose scaled gradients overflow
+/// prints each skipped step with the scale it overflowed at and the next, and
+/// metrics.jsonl has every step's scale and whether it was skipped.
+#[test]
+fn run_prints_the_steps_fp16_loss_scaling_skips() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let rows: String = (0..96)
+        .map(|i| {
+            let x: Vec<f64> = (0..4).map(|k| (((i * 7 + k * 13) % 17) as f64 - 8.0) / 8.0).collect();
+            format!("{},{},{},{},{}\n", x[0], x[1], x[2], x[3], 300.0 + 10.0 * x[0] - 5.0 * x[2])
+        })
+        .collect();
+    std::fs::write(dir.path().join("big.csv"), rows).expect("csv");
+    let spec = dir.path().join("fp16.yaml");
+    std::fs::write(
+        &spec,
+        "model:\n  input: [4]\n  layers:\n    - linear(4, 16) -> relu\n    - linear(16, 1)\n  loss: mse\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: { memory: 1GiB, throughput: 10GFLOP/s }\n  links:\n    intra_node: { bandwidth: 10GB/s, latency: 5us }\nstrategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: 4\ntraining:\n  batch_size: 32\n  steps: 4\n  optimizer: { kind: sgd, lr: 0.00001 }\n  precision: fp16\n  seed: 5\n  data: { kind: csv, path: big.csv }\n",
+    )
+    .expect("spec");
+    let out_dir = dir.path().join("out");
+    let out = pipec(&["run", spec.to_str().expect("utf-8 path"), "--out", out_dir.to_str().expect("utf-8 path")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("skipped: a gradient overflowed at loss scale 65536 (now 32768)"), "{stderr}");
+    assert!(stderr.contains("skipped: a gradient overflowed at loss scale 32768 (now 16384)"), "{stderr}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(out_dir.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect();
+    let scales: Vec<(f64, bool)> = lines
+        .iter()
+        .map(|v| (v["loss_scale"].as_f64().expect("scale"), v["skipped"].as_bool().expect("skipped")))
+        .collect();
+    assert_eq!(scales, vec![(65536.0, true), (32768.0, true), (16384.0, true), (8192.0, true)]);
+}
+
 #[test]
 fn a_zero_plan_trains_to_the_same_losses_and_shows_the_state_each_replica_holds() {
     let dir = tempfile::tempdir().expect("temp dir");
