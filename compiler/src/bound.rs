@@ -622,10 +622,11 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 }
 
 /// What a model's costs depend on: (tp, samples per microbatch, ep, cp).
-type CostKey = (usize, usize, usize, usize);
+type CostKey = (usize, usize, usize, usize, pipec_plan::vocab::CpComm);
 
 /// Work the candidates of one spec's strategy search share: the model's costs per
-/// (tensor-parallel degree, microbatch size) — all a candidate's strategy changes in them —
+/// (tensor-parallel degree, microbatch size, expert- and context-parallel degree, context
+/// exchange) — all a candidate's strategy changes in them —
 /// and the balanced partitions of each; the placements (with what the bound reads of them)
 /// per chunk placement, layout, degree and microbatch count. Only for specs that differ in
 /// their strategy.
@@ -835,6 +836,8 @@ impl Memo {
             spec.strategy.microbatch_size(spec.training.batch_size),
             spec.strategy.ep.max(1),
             spec.strategy.cp.max(1),
+            // (a ring prices attention's core and keeps other bytes than the all-gather)
+            spec.strategy.cp_comm,
         );
         Ok(match self.models.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),

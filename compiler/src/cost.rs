@@ -115,6 +115,23 @@ pub struct CostContext<'a> {
     pub overhead: f64,
 }
 
+impl CostContext<'_> {
+    /// The attention kernel the layers are priced as running: the spec's, except that a
+    /// context-parallel ring (`cp_comm: ring`) computes each block's attention with the
+    /// online softmax and keeps each row's log-sum-exp, never the [heads, seq, seq]
+    /// probabilities — flash attention's memory, and its recompute in the backward. So does
+    /// ring attention (Liu et al. 2023, blockwise), Transformer Engine's ring context
+    /// parallelism (it runs on its flash and fused attention kernels), and pipec's executor
+    /// (`executor/src/ring.rs`).
+    pub fn attention_kernel(&self) -> Attention {
+        if self.cp > 1 && self.cp_comm == CpComm::Ring {
+            Attention::Flash
+        } else {
+            self.attention
+        }
+    }
+}
+
 fn numel(shape: &[usize]) -> f64 {
     shape.iter().product::<usize>() as f64
 }
@@ -426,7 +443,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
             let measured = cx.device.attention;
             let (bh, dh) = (b * a / t, h / a);
             let before = fwd.seconds;
-            match (cx.attention, measured) {
+            match (cx.attention_kernel(), measured) {
                 (Attention::Standard, Some(m)) => fwd.seconds += m.forward.seconds(bh, s, dh),
                 (Attention::Standard, None) => core(&mut fwd),
                 (Attention::Flash, _) => fwd.matrix(flash_flops, 4.0 * e / t),
@@ -459,7 +476,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
             }
             routing(&mut bwd, true);
             let before = bwd.seconds;
-            match (cx.attention, measured) {
+            match (cx.attention_kernel(), measured) {
                 (Attention::Standard, Some(m)) => {
                     bwd.seconds += m.backward.seconds(bh, s, dh);
                     sel.seconds += m.forward.seconds(bh, s, dh);
@@ -735,7 +752,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
             let (ep_forward, ep_backward) = ep_collectives(node, sp, t, cx);
             let params = node.op.parameter_count();
             let (shard, experts) = rank_parameters(&node.op, split, cx.tp, cx.ep);
-            let (kept, core) = kept_bytes(node, p as f64, t, sp, cx.attention, cx.ep);
+            let (kept, core) = kept_bytes(node, p as f64, t, sp, cx.attention_kernel(), cx.ep);
             let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
             let cp = cx.cp.max(1) as f64;
             let (kept, gathered) = context_kept(kept, node, p as f64, t, cx);
@@ -1071,6 +1088,16 @@ mod tests {
                 vec![(CollectiveKind::AllGather, kv), (CollectiveKind::ReduceScatter, kv)]
             )
         );
+        // the ring's blocks keep each row's log-sum-exp, not the probabilities: a ring over
+        // standard attention is priced and kept as flash attention (and the all-gather not)
+        let ring_of = |attention| CostContext { cp_comm: CpComm::Ring, ..cx(4, 4, attention) };
+        assert_eq!(ring_of(Attention::Standard).attention_kernel(), Attention::Flash);
+        assert_eq!(cx(4, 4, Attention::Standard).attention_kernel(), Attention::Standard);
+        assert_eq!(cx(4, 1, Attention::Standard).attention_kernel(), Attention::Standard);
+        let at = |c: &CostContext| price(&n, TpSplit::Replicated, (false, false), c);
+        let (standard_ring, flash_ring) = (at(&ring_of(Attention::Standard)), at(&ring_of(Attention::Flash)));
+        assert_eq!((standard_ring.forward, standard_ring.backward), (flash_ring.forward, flash_ring.backward));
+        assert!(at(&cx(4, 4, Attention::Standard)).forward != flash_ring.forward);
         // the attention core: part of each pass, what the ring's transfers run under
         for attention in [Attention::Standard, Attention::Flash] {
             let priced = price(&n, TpSplit::Replicated, (false, false), &cx(4, 4, attention));

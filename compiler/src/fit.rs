@@ -161,7 +161,7 @@ pub(crate) fn memory_diagnostics(
 /// E0601's ideas from the memory strategies, each offered only when it makes `worst` fit:
 /// a higher ZeRO level (the lowest that fits), flash attention or selective recompute (the
 /// attention cores' `[heads, seq, seq]` tensors no longer kept), context parallelism's
-/// ring (its gathered keys and values no longer kept), or the first pair of ZeRO and flash
+/// ring (its gathered keys and values and the attention cores no longer kept), or the first pair of ZeRO and flash
 /// attention that fits when neither alone does.
 fn sharding_and_attention_ideas(
     spec: &Spec,
@@ -211,10 +211,13 @@ fn sharding_and_attention_ideas(
     if cores > 0 && total_with(current, true) <= m.capacity {
         ideas.push(format!("{flash_word} ({} on {})", human_bytes(total_with(current, true)), worst.id));
     }
-    // context parallelism around the ring: the gathered keys and values no longer kept
+    // context parallelism around the ring: the gathered keys and values no longer kept,
+    // nor the attention cores (the ring's blocks keep each row's log-sum-exp instead:
+    // `CostContext::attention_kernel`)
     let gathered = kept_in_flight(|b| b.gathered_kv_per_microbatch);
-    if gathered > 0 && m.total.saturating_sub(gathered) <= m.capacity {
-        ideas.push(format!("`cp_comm: ring` ({} on {})", human_bytes(m.total - gathered), worst.id));
+    let ring_total = m.total.saturating_sub(gathered + cores);
+    if gathered > 0 && ring_total <= m.capacity {
+        ideas.push(format!("`cp_comm: ring` ({} on {})", human_bytes(ring_total), worst.id));
     }
     if ideas.is_empty() && cores > 0 {
         if let Some(&level) = levels.iter().find(|&&l| total_with(l, true) <= m.capacity) {
