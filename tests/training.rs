@@ -712,6 +712,36 @@ fn a_non_finite_loss_stops_the_run_at_its_step_device_and_instruction() {
     assert!(err.instruction.as_deref().is_some_and(|i| i.starts_with("fwd")), "{err:?}");
 }
 
+/// A step that fails inside a model whose passes exchange with a group (context
+/// parallelism's gathers and ring, expert parallelism's all-to-alls) stops the run with its
+/// reason: the autodiff graph the failed step leaves holds the exchanges' handles on the
+/// collective thread, which once kept the worker from ending (the run hung).
+#[test]
+fn a_failure_inside_group_exchanges_stops_the_run() {
+    let experts = "- embedding(20, 16) as tokens\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, norm=rmsnorm, mlp=swiglu, bias=false, experts=4, top_k=2)\n    - rmsnorm\n    - linear(16, 20, bias=false, tie=tokens)";
+    let lm = cp_lm(CP_BLOCKS[0]);
+    for (stages, layers) in
+        [("\"1\"\n  cp: 2", lm.as_str()), ("\"1\"\n  cp: 2\n  cp_comm: ring", lm.as_str()), ("\"2\"\n  ep: 2", experts)]
+    {
+        let p = plan(&Job {
+            devices: 2,
+            stages,
+            optimizer: "{ kind: sgd, lr: 1e30 }",
+            layers,
+            steps: 20,
+            ..Job::default()
+        });
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(pipec_executor::run(&p, &RunOptions::default(), &mut |_| {}).map(|_| ()));
+        });
+        // (a bound on liveness only: the run ends in well under a second)
+        let got = rx.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| panic!("{stages}: the run hung"));
+        let err = got.expect_err("diverges");
+        assert!(err.to_string().contains("training diverged"), "{stages}: {err}");
+    }
+}
+
 /// A checkpoint resumes under another tensor-parallel degree: column- and row-parallel
 /// weights, split QKV projections and MLPs, their Adam moments or momentum are joined from
 /// the saved shards and re-split for the new ranks.

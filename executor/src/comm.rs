@@ -51,6 +51,9 @@ enum Coll {
         reply: Sender<Result<Vec<Vec<f32>>, TransportError>>,
     },
     Fence(Sender<(CommTrace, Option<TransportError>)>),
+    /// The worker is done: the thread ends even while an [`Exchanger`] is still held (an
+    /// autodiff graph a failed step left unconsumed keeps its exchanges' handles).
+    Stop,
 }
 
 /// A handle that runs all-to-all exchanges on a device's collective thread, in order with
@@ -109,6 +112,13 @@ pub struct Comm {
     epoch: Instant,
     /// The sends (and direct receives) made on the worker's thread since the last fence.
     sent: CommTrace,
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // after whatever is queued: a finished worker's last collectives still run
+        let _ = self.coll.send(Coll::Stop);
+    }
 }
 
 fn gone() -> TransportError {
@@ -287,6 +297,7 @@ fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, epoch: Instant) {
             Coll::Fence(reply) => {
                 let _ = reply.send(log.fence());
             }
+            Coll::Stop => break,
         }
     }
 }
