@@ -174,7 +174,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         sharding: plan.schedule.sharding,
         clipping: plan.training.recipe.sums_norm(
             plan.training.precision,
-            kind.updates_per_step() && plan.schedule.staleness.is_none(),
+            plan.schedule.updates_every_step(),
             streams.values().filter(|s| !s.is_empty()).count(),
         ),
         forward_only: false,

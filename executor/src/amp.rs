@@ -54,9 +54,7 @@ pub fn compute_dtype(plan: &Plan) -> Option<FloatDType> {
 /// and skips the same steps. Under an asynchronous schedule the stages update on their own
 /// clocks and could not agree, so there an `fp16` plan trains in fp32 (`pipec run` says so).
 pub fn scales_loss(plan: &Plan) -> bool {
-    plan.training.precision == Precision::Fp16
-        && plan.schedule.kind.updates_per_step()
-        && plan.schedule.staleness.is_none()
+    plan.training.precision == Precision::Fp16 && plan.schedule.updates_every_step()
 }
 
 /// This thread computes its products in `dtype` (None: fp32) until the guard drops (then

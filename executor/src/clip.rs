@@ -184,8 +184,7 @@ impl<B: ExecBackend> Worker<'_, B> {
     pub(crate) fn clip_factor(&mut self, stage: StageId) -> Result<f64> {
         let Some(max) = self.plan.training.recipe.clip_grad_norm else { return Ok(1.0) };
         let plan = self.plan;
-        let per_step = plan.schedule.kind.updates_per_step() && plan.schedule.staleness.is_none();
-        if plan.training.recipe.clips_globally(per_step) {
+        if plan.training.recipe.clips_globally(plan.schedule.updates_every_step()) {
             // summed over the devices by the plan's `grad_norm`; alone, this device's stages
             // are the whole model
             let norm = self.global_norm()? / self.loss_scale.map_or(1.0, |s| s.scale);

@@ -43,17 +43,21 @@ impl Context {
         pipec_plan::plan::context_positions(local * self.cp, self.cp, self.group.position)
     }
 
+    /// Every member's positions, member after member.
+    fn members_positions(&self, local: usize) -> Vec<Vec<usize>> {
+        (0..self.cp).map(|c| pipec_plan::plan::context_positions(local * self.cp, self.cp, c)).collect()
+    }
+
     /// The positions of the gathered keys, member after member.
     pub fn key_positions(&self, local: usize) -> Vec<usize> {
-        (0..self.cp).flat_map(|c| pipec_plan::plan::context_positions(local * self.cp, self.cp, c)).collect()
+        self.members_positions(local).concat()
     }
 
     /// The ring of a sequence whose local part has `local` positions (`causal`: masked by
     /// true position; `group_size` query heads per key/value head).
     pub fn ring(&self, local: usize, causal: bool, group_size: usize) -> crate::ring::Ring {
-        let positions =
-            (0..self.cp).map(|c| pipec_plan::plan::context_positions(local * self.cp, self.cp, c)).collect();
-        crate::ring::Ring { group: self.group.clone(), cp: self.cp, positions, causal, group_size }
+        let positions = self.members_positions(local);
+        crate::ring::Ring { group: self.group.clone(), positions, causal, group_size }
     }
 
     /// Every member's keys (or values) [batch, heads, local, dh] gathered into
@@ -75,8 +79,7 @@ impl Context {
     /// Every member's `values` (host values, outside autodiff: a mixture of experts'
     /// routing counts), member after member.
     pub fn all_gather_values(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>> {
-        let chunks = vec![values; self.cp];
-        self.group.exchanger.exchange(&self.group.members, chunks).map_err(ExecError::Transport)
+        self.group.all_gather(values).map_err(ExecError::Transport)
     }
 
     /// A mixture of experts over the whole sequence from this member's chunks: every

@@ -74,6 +74,12 @@ impl ExpertGroup {
         Some(ExpertGroup { members, position, exchanger: exchanger.clone(), failed: Default::default(), tracked: true })
     }
 
+    /// Every member's `values`, member after member (host values: context parallelism's
+    /// routing counts, the ring's keys and values).
+    pub fn all_gather(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, crate::transport::TransportError> {
+        self.exchanger.exchange(&self.members, vec![values; self.members.len()])
+    }
+
     /// Takes the failure an exchange inside a backward recorded, if any.
     pub fn take_failure(&self) -> Option<String> {
         self.failed.lock().ok().and_then(|mut f| f.take())

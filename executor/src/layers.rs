@@ -340,15 +340,30 @@ pub(crate) fn scores_softmax<B: Backend>(
     let scores = match causal {
         Some((queries, keys)) => {
             let dev = scores.device();
-            let masked = crate::flex_softmax::MASKED;
-            let mask: Vec<f32> =
-                queries.iter().flat_map(|&qp| keys.iter().map(move |&kp| if kp > qp { masked } else { 0.0 })).collect();
-            scores
-                + Tensor::<B, 2>::from_data(TensorData::new(mask, [queries.len(), keys.len()]), &dev).unsqueeze::<4>()
+            scores + causal_mask::<B>(queries, keys, &dev)
         }
         None => scores,
     };
     activation::softmax(scores, 3)
+}
+
+/// The additive causal mask [1, 1, queries, keys] of queries and keys at these positions:
+/// a key after its query gets `flex_softmax::MASKED`, the rest 0.
+pub(crate) fn causal_mask<B: Backend>(queries: &[usize], keys: &[usize], dev: &B::Device) -> Tensor<B, 4> {
+    let masked = crate::flex_softmax::MASKED;
+    let mask: Vec<f32> =
+        queries.iter().flat_map(|&qp| keys.iter().map(move |&kp| if kp > qp { masked } else { 0.0 })).collect();
+    Tensor::<B, 2>::from_data(TensorData::new(mask, [queries.len(), keys.len()]), dev).unsqueeze::<4>()
+}
+
+/// Keys or values [b, kv, s, dh] repeated for grouped-query attention: key/value head j
+/// serves query heads j·g .. (j+1)·g, [b, kv·g, s, dh].
+pub(crate) fn repeat_heads<B: Backend>(t: Tensor<B, 4>, g: usize) -> Tensor<B, 4> {
+    if g == 1 {
+        return t;
+    }
+    let [b, kv, s, dh] = t.dims();
+    t.unsqueeze_dim::<5>(2).repeat_dim(2, g).reshape([b, kv * g, s, dh])
 }
 
 /// The scores' gradient from [`scores_softmax`]'s output `p` and its gradient `dp`,
@@ -427,13 +442,9 @@ impl<B: Kernels> Block<B> {
             }
             None => at.clone(),
         };
-        let sk = k.dims()[2];
         if kv != h {
-            // key/value head j serves query heads j·g .. (j+1)·g
-            let g = h / kv;
-            let repeat = |t: Tensor<B, 4>| t.unsqueeze_dim::<5>(2).repeat_dim(2, g).reshape([b, h, sk, dh]);
-            k = repeat(k);
-            v = repeat(v);
+            k = repeat_heads(k, h / kv);
+            v = repeat_heads(v, h / kv);
         }
         // the causal mask at the true positions
         let causal: Causal = self.causal.then(|| std::sync::Arc::new((at, keys)));

@@ -39,7 +39,6 @@ pub type Grads<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
 #[derive(Clone, Debug)]
 pub struct Ring {
     pub group: ExpertGroup,
-    pub cp: usize,
     /// Each member's positions of the sequence (member order): its queries' and keys'.
     pub positions: Vec<Vec<usize>>,
     /// A causal mask by true position (a key after its query weighs nothing).
@@ -49,12 +48,14 @@ pub struct Ring {
     pub group_size: usize,
 }
 
-/// The pushed-down score of a masked position (as `scores_softmax` masks).
-const MASKED: f32 = crate::flex_softmax::MASKED;
-
 impl Ring {
     fn position(&self) -> usize {
         self.group.position
+    }
+
+    /// The group's size.
+    fn cp(&self) -> usize {
+        self.positions.len()
     }
 
     /// How queries at positions `queries` meet keys at `keys`: None when every key is after
@@ -109,19 +110,16 @@ impl Ring {
         kr: &std::ops::Range<usize>,
         dev: &B::Device,
     ) -> Tensor<B, 4> {
-        let (queries, keys) = (&self.positions[self.position()][qr.clone()], &self.positions[m][kr.clone()]);
-        let mask: Vec<f32> =
-            queries.iter().flat_map(|&qp| keys.iter().map(move |&kp| if kp > qp { MASKED } else { 0.0 })).collect();
-        Tensor::<B, 2>::from_data(TensorData::new(mask, [queries.len(), keys.len()]), dev).unsqueeze::<4>()
+        crate::layers::causal_mask::<B>(
+            &self.positions[self.position()][qr.clone()],
+            &self.positions[m][kr.clone()],
+            dev,
+        )
     }
 
     /// Keys or values [b, kv, s, dh] repeated to the query heads [b, h, s, dh].
     fn repeat<B: Backend>(&self, t: Tensor<B, 4>) -> Tensor<B, 4> {
-        if self.group_size == 1 {
-            return t;
-        }
-        let [b, kv, s, dh] = t.dims();
-        t.unsqueeze_dim::<5>(2).repeat_dim(2, self.group_size).reshape([b, kv * self.group_size, s, dh])
+        crate::layers::repeat_heads(t, self.group_size)
     }
 
     /// A gradient at the query heads [b, h, s, dh] summed onto the key/value heads.
@@ -154,22 +152,22 @@ impl Ring {
     /// Starts sending `values` to the next member (and receiving what the previous one
     /// sends) on the collective thread; [`Ring::passed`] waits for it.
     fn pass(&self, values: Vec<f32>) -> Result<Ticket<Vec<Vec<f32>>>, String> {
-        let next = (self.position() + 1) % self.cp;
-        let mut chunks = vec![Vec::new(); self.cp];
+        let next = (self.position() + 1) % self.cp();
+        let mut chunks = vec![Vec::new(); self.cp()];
         chunks[next] = values;
         self.group.exchanger.start(&self.group.members, chunks).map_err(|e| e.to_string())
     }
 
     /// What the previous member passed ([`Ring::pass`]).
     fn passed(&self, ticket: Ticket<Vec<Vec<f32>>>) -> Result<Vec<f32>, String> {
-        let prev = (self.position() + self.cp - 1) % self.cp;
+        let prev = (self.position() + self.cp() - 1) % self.cp();
         let mut got = ticket.wait().map_err(|e| e.to_string())?;
         Ok(std::mem::take(&mut got[prev]))
     }
 
     /// Every member's `values`, member after member.
     fn all_gather(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, String> {
-        self.group.exchanger.exchange(&self.group.members, vec![values; self.cp]).map_err(|e| e.to_string())
+        self.group.all_gather(values).map_err(|e| e.to_string())
     }
 
     /// Sends `chunks[m]` to member m and returns the sum of what every member sent this one.
@@ -200,11 +198,11 @@ impl Ring {
         // per part of the queries, the running (m, l, o)
         let parts = self.halves(q.dims()[2]);
         let mut state: Vec<Option<Online<B>>> = vec![None; parts.len()];
-        for j in 0..self.cp {
-            let m_id = (self.position() + self.cp - j) % self.cp;
+        for j in 0..self.cp() {
+            let m_id = (self.position() + self.cp() - j) % self.cp();
             // the block goes on to the next member while this one computes with it
             let n = k_blk.dims().iter().product::<usize>();
-            let passing = if j + 1 < self.cp {
+            let passing = if j + 1 < self.cp() {
                 let mut values = crate::params::host_f32(k_blk.clone().into_data()).map_err(|e| e.to_string())?;
                 values.extend(crate::params::host_f32(v_blk.clone().into_data()).map_err(|e| e.to_string())?);
                 Some(self.pass(values)?)
@@ -276,7 +274,7 @@ impl Ring {
         let parts = self.halves(q.dims()[2]);
         let mut dq: Vec<Tensor<B, 4>> =
             parts.iter().map(|qr| q.clone().narrow(2, qr.start, qr.len()).zeros_like()).collect();
-        let mut sends = Vec::with_capacity(self.cp);
+        let mut sends = Vec::with_capacity(self.cp());
         for (m_id, kv) in all.iter().enumerate() {
             if kv.len() != 2 * n {
                 return Err(format!("a context-parallel member sent {} key and value values, not {}", kv.len(), 2 * n));

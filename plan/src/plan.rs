@@ -331,6 +331,14 @@ pub struct ScheduleInfo {
     pub sharding: Sharding,
 }
 
+impl ScheduleInfo {
+    /// Whether every stage updates once per step, all together (not PipeDream's, 2BW's or
+    /// asynchronous data parallelism's own clocks): what a global gradient norm needs.
+    pub fn updates_every_step(&self) -> bool {
+        self.kind.updates_per_step() && self.staleness.is_none()
+    }
+}
+
 fn no_sharding() -> Sharding {
     Sharding::None
 }
