@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use pipec_compiler::{compile, CompileOptions};
 use pipec_executor::{RunOptions, RunReport};
-use pipec_plan::Plan;
+use pipec_plan::{Instr, Plan};
 
 #[derive(Clone, Copy)]
 struct Job<'a> {
@@ -1351,6 +1351,44 @@ fn expert_blocks_the_executor_cannot_train_are_refused_by_name() {
     // more experts than a block's parameter slots hold
     let e = refused(1, "\"1\"", "transformer_block(d=16, heads=4, ff=8, experts=61, top_k=1, bias=false)");
     assert!(e.contains("at most 60 experts per block"), "{e}");
+}
+
+/// The executor checks the plan's all-to-alls against the exchanges its passes make: a plan
+/// edited past the verifier (`pipec_executor::run` reads only its structure) whose members
+/// all list a forward's dispatch and combine the other way round, or all leave out a
+/// backward's last exchange, stops with the exchange named.
+#[test]
+fn a_plan_whose_all_to_alls_differ_from_the_passes_stops_the_run() {
+    let layers = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, bias=false, experts=4, top_k=2)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
+    let p = plan(&Job { devices: 2, stages: "\"2\"\n  ep: 2", schedule: "gpipe", layers, ..Job::default() });
+    let first = |s: &[Instr], pick: &dyn Fn(&Instr) -> bool| (0..s.len()).find(|&i| pick(&s[i])).expect("found");
+    let run = |p: &pipec_plan::Plan| match pipec_executor::run(p, &RunOptions::default(), &mut |_| {}) {
+        Ok(_) => panic!("the edited plan trained"),
+        Err(e) => e.to_string(),
+    };
+    // the first forward's first two exchanges swapped on every member
+    let mut swapped = p.clone();
+    for s in swapped.streams.values_mut() {
+        let i = first(s, &|i| matches!(i, Instr::AllToAll { .. }));
+        s.swap(i, i + 1);
+    }
+    assert!(!pipec_compiler::verification::verify_plan(&swapped).is_empty(), "the verifier catches it too");
+    let e = run(&swapped);
+    assert!(e.contains("is not the all-to-all its pass made next (dispatch at layer 1)"), "{e}");
+    // the first backward's last exchange left out on every member
+    let mut dropped = p.clone();
+    for s in dropped.streams.values_mut() {
+        let b = first(s, &|i| matches!(i, Instr::Backward { .. }));
+        let last = (b + 1..s.len()).take_while(|&i| matches!(s[i], Instr::AllToAll { .. })).last().expect("exchanges");
+        s.remove(last);
+    }
+    let e = run(&dropped);
+    assert!(
+        e.contains("made 1 all-to-all(s) that the plan does not list after it, the first a dispatch_grad at layer 1"),
+        "{e}"
+    );
+    // the plan as compiled trains
+    train(&p);
 }
 
 #[test]

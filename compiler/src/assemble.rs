@@ -86,15 +86,22 @@ pub(crate) fn assemble(
             },
             expert_parallel: stages.expert_parallel[s] as u32,
             all_to_all_s: [stages.ep_times[s].0, stages.ep_times[s].1],
+            all_to_alls: stages.all_to_alls[s].clone(),
             context_s: [stages.cp_times[s].0, stages.cp_times[s].1],
             gradient_buckets: stages.buckets[s].clone(),
         })
         .collect();
-    let ties = lowered.ties;
+    let (ties, experts) = (lowered.ties, lowered.expert_groups);
     let groups: Vec<GroupPlan> = lowered
         .groups
         .into_iter()
-        .map(|(id, (stage, devices))| GroupPlan { id, stage, devices, tie: ties.get(&id).copied() })
+        .map(|(id, (stage, devices))| GroupPlan {
+            id,
+            stage,
+            devices,
+            tie: ties.get(&id).copied(),
+            experts: experts.contains(&id),
+        })
         .collect();
     let (step_time, bubble) = (simulated.step_time, simulated.bubble);
     let simulation = Simulation {

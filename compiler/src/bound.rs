@@ -451,7 +451,8 @@ impl Passes {
         let early_send = sends_gradients_first(spec, layout.replicas.len());
         let n = layout.ranges.len();
         let mb = MicrobatchId(0);
-        let of = |ins: Instr| cost.compute(DeviceId(0), &ins);
+        // each pass with the all-to-alls it posts
+        let of = |ins: Instr| cost.compute(DeviceId(0), &ins) + cost.exchanged(&ins);
         let stage = |s: usize| StageId(s as u32);
         let forward: Vec<f64> = (0..n).map(|s| of(Instr::Forward { stage: stage(s), mb })).collect();
         let (upstream_backward, weight): (Vec<f64>, Vec<f64>) = (0..n)
@@ -483,7 +484,11 @@ impl Passes {
                             let (fw, bw) =
                                 (Instr::Forward { stage: stage(f), mb }, Instr::Backward { stage: stage(b), mb });
                             let paired = f != b && !layout.recompute[b];
-                            paired.then(|| cost.overlapped(DeviceId(0), &fw, &bw)).flatten().map(|t| t.max(forward[f]))
+                            let exchanged = cost.exchanged(&fw) + cost.exchanged(&bw);
+                            paired
+                                .then(|| cost.overlapped(DeviceId(0), &fw, &bw, exchanged))
+                                .flatten()
+                                .map(|t| t.max(forward[f]))
                         })
                         .collect()
                 })

@@ -76,7 +76,7 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
             lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
         clip_norm_all_reduces(spec, &mut lowered, &whole);
         if spec.training.recipe.validation.is_some() {
-            lowered.eval = Some(eval_streams(spec, &placement, &stages));
+            lowered.eval = Some(eval_streams(spec, &placement, &stages, &lowered));
         }
         verify_lowered(spec, &placement, &lowered)?;
         let devices = model.cluster.devices();

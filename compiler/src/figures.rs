@@ -30,6 +30,10 @@ pub(crate) struct StageFigures {
     /// Per stage, its expert-parallel degree: the strategy's `ep` for a stage with expert
     /// blocks, 1 for the others.
     pub(crate) expert_parallel: Vec<usize>,
+    /// Per stage, its mixture-of-experts layers and the bytes per member of each
+    /// all-to-all its passes post at them (`Instr::all_to_alls_of`); empty on a stage that
+    /// is not expert-parallel.
+    pub(crate) all_to_alls: Vec<Vec<pipec_plan::ExpertExchange>>,
     /// Seconds of one optimizer update of the stage's parameters (on one tensor-parallel rank).
     pub(crate) update: Vec<f64>,
     /// Output bytes per microbatch (what goes to the next stage).
@@ -211,6 +215,21 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             } else {
                 1
             }
+        })
+        .collect();
+    let all_to_alls: Vec<Vec<pipec_plan::ExpertExchange>> = layout
+        .ranges
+        .iter()
+        .zip(&expert_parallel)
+        .map(|(r, &ep)| {
+            r.clone()
+                .filter(|_| ep > 1)
+                .filter_map(|l| {
+                    // the dispatch and the combine carry as many bytes, each way
+                    let &(_, bytes) = costs[l].ep_forward.first()?;
+                    Some(pipec_plan::ExpertExchange { layer: l as u32, bytes })
+                })
+                .collect()
         })
         .collect();
     let expert_gradients: Vec<u64> = layout
@@ -421,6 +440,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         cp_times,
         expert_gradients,
         expert_parallel,
+        all_to_alls,
         update,
         output_bytes,
         bytes,

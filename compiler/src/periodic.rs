@@ -182,6 +182,8 @@ pub fn verify_periodic(
             forward_only: false,
             // asynchronous schedules are not expert-parallel (the front end's E0419)
             expert_parallel: &[],
+            all_to_alls: &[],
+            expert_groups: &BTreeMap::new(),
             chunks: pipec_plan::schedule::ChunkPlacement::RoundRobin,
             context_parallel: 1,
         });

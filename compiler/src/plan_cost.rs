@@ -117,14 +117,27 @@ impl<'a> PlanCost<'a> {
     }
 }
 
+impl PlanCost<'_> {
+    /// Seconds of the all-to-alls a pass posts, from its stage's figures (what the
+    /// simulator prices from the plan's own `AllToAll` instructions; the bounds read this).
+    pub(crate) fn exchanged(&self, instr: &Instr) -> f64 {
+        let (f, b) = self.stage_ep.get(instr.stage().0 as usize).copied().unwrap_or((0.0, 0.0));
+        match instr.phase() {
+            Phase::Forward | Phase::Recompute => f,
+            Phase::Backward | Phase::BackwardInput => b,
+            _ => 0.0,
+        }
+    }
+}
+
 impl CostModel for PlanCost<'_> {
     fn compute(&self, _device: DeviceId, instr: &Instr) -> f64 {
         let s = instr.stage().0 as usize;
         let (f, b) = self.stage_fb.get(s).copied().unwrap_or((0.0, 0.0));
         let (tp_f, tp_b) = self.stage_tp.get(s).copied().unwrap_or((0.0, 0.0));
-        let (ep_f, ep_b) = self.stage_ep.get(s).copied().unwrap_or((0.0, 0.0));
         let (cp_f, cp_b) = self.stage_cp.get(s).copied().unwrap_or((0.0, 0.0));
-        let (tp_f, tp_b) = (tp_f + ep_f + cp_f, tp_b + ep_b + cp_b);
+        // (expert parallelism's all-to-alls are the plan's own instructions after the pass)
+        let (tp_f, tp_b) = (tp_f + cp_f, tp_b + cp_b);
         match instr.phase() {
             Phase::Forward | Phase::Recompute => f + tp_f,
             Phase::Backward => b + tp_b,
@@ -140,15 +153,12 @@ impl CostModel for PlanCost<'_> {
     /// expert-parallel all-to-alls beside them on the other's computation (DeepSeek-V3
     /// overlaps a chunk's dispatch and combine with the other chunk's attention and MLP):
     /// the longer of the two.
-    fn overlapped(&self, device: DeviceId, forward: &Instr, backward: &Instr) -> Option<f64> {
+    fn overlapped(&self, device: DeviceId, forward: &Instr, backward: &Instr, exchanged: f64) -> Option<f64> {
         if !self.pairs {
             return None;
         }
-        let a2a =
-            |i: &Instr, pick: fn((f64, f64)) -> f64| self.stage_ep.get(i.stage().0 as usize).copied().map_or(0.0, pick);
-        let exchanged = a2a(forward, |t| t.0) + a2a(backward, |t| t.1);
         let whole = self.compute(device, forward) + self.compute(device, backward);
-        Some((whole - exchanged).max(exchanged))
+        Some(whole.max(exchanged))
     }
     fn transfer(&self, from: DeviceId, to: DeviceId, bytes: u64) -> f64 {
         self.cluster.p2p_time(from, to, bytes / self.tp as u64)

@@ -33,9 +33,10 @@ pub trait CostModel {
     /// search simulates one pipeline replica of symmetric plans).
     fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64;
     /// DualPipe's overlapped pair ([`pipec_plan::schedule::overlapped_pair`]): the seconds
-    /// `forward` and `backward` on `device` take as one unit, or None where they run one
-    /// after the other (the default).
-    fn overlapped(&self, _device: DeviceId, _forward: &Instr, _backward: &Instr) -> Option<f64> {
+    /// `forward` and `backward` on `device` take as one unit with the all-to-alls the two
+    /// post (`exchanged` seconds of them), or None where they run one after the other (the
+    /// default).
+    fn overlapped(&self, _device: DeviceId, _forward: &Instr, _backward: &Instr, _exchanged: f64) -> Option<f64> {
         None
     }
     /// The gradient buckets of `stage` ([`pipec_plan::plan::StagePlan::gradient_buckets`]):
@@ -232,9 +233,22 @@ pub fn simulate(
     let mut engines = Engines::default();
     // per device, its last backward or weight pass: (position, start, end)
     let mut last_backward: FxHashMap<DeviceId, (usize, f64, f64)> = FxHashMap::default();
-    // per device, the overlapped pair its last forward opened: the backward's position and
-    // what is left of the pair's time after the forward
-    let mut pair: FxHashMap<DeviceId, (usize, f64)> = FxHashMap::default();
+    // per device, the overlapped pair its last forward opened: the forward's and the
+    // backward's positions, what is left of the pair's time after the forward, and the
+    // position of the pair's last all-to-all (those inside the pair are hidden in its time)
+    let mut pair: FxHashMap<DeviceId, Pair> = FxHashMap::default();
+    // the seconds of the all-to-alls right after position `at` of `stream`
+    let exchanged_after = |dev: DeviceId, stream: &[Instr], at: usize| -> (f64, usize) {
+        let mut last = at;
+        let mut t = 0.0;
+        while let Some(Instr::AllToAll { group, bytes, .. }) = stream.get(last + 1) {
+            let one = [dev];
+            let members = groups.get(group).map_or(&one[..], Vec::as_slice);
+            t += cost.collective(CollectiveKind::AllToAll, *group, members, *bytes);
+            last += 1;
+        }
+        (t, last)
+    };
     let mut overlapped: BTreeMap<DeviceId, f64> = BTreeMap::new();
     let mut events = Vec::new();
     let mut queue: VecDeque<DeviceId> = devices.iter().copied().collect();
@@ -339,6 +353,28 @@ pub fn simulate(
                         }
                     }
                 }
+                // inside its pass: the device waits for it (hidden inside an overlapped pair)
+                Instr::AllToAll { group, bytes, .. } => {
+                    let Some(members) = groups.get(group).filter(|m| m.contains(&dev)) else {
+                        error = Some(format!("{dev}: `{ins}` names a group it is not a member of"));
+                        break;
+                    };
+                    let t = cost.collective(CollectiveKind::AllToAll, *group, members, *bytes);
+                    match pair.get(&dev) {
+                        Some(p) if p.forward < i && i <= p.last => *overlapped.entry(dev).or_insert(0.0) += t,
+                        _ => {
+                            events.push(Event {
+                                device: dev,
+                                index: i,
+                                start: now,
+                                end: now + t,
+                                phase: Phase::Collective,
+                                background: false,
+                            });
+                            clock.insert(dev, now + t);
+                        }
+                    }
+                }
                 Instr::WaitCollective { group, .. } => {
                     let Some(key) = engines.outstanding.get(&(dev, *group)).copied() else {
                         error = Some(format!("{dev}: `{ins}` waits for a collective it never started"));
@@ -354,15 +390,22 @@ pub fn simulate(
                     let mut d = cost.compute(dev, ins);
                     match pair.get(&dev) {
                         // the rest of an overlapped pair's time
-                        Some(&(at, rest)) if at == i => {
-                            *overlapped.entry(dev).or_insert(0.0) += d - rest;
-                            d = rest;
+                        Some(p) if p.backward == i => {
+                            *overlapped.entry(dev).or_insert(0.0) += d - p.rest;
+                            d = p.rest;
                         }
                         _ => {
-                            let opened = pipec_plan::schedule::overlapped_pair(stream, i)
-                                .and_then(|j| Some((j, cost.overlapped(dev, ins, &stream[j])?)));
-                            if let Some((j, both)) = opened {
-                                pair.insert(dev, (j, (both - d).max(0.0)));
+                            let opened = pipec_plan::schedule::overlapped_pair(stream, i).and_then(|j| {
+                                let (forward_exchanges, _) = exchanged_after(dev, stream, i);
+                                let (backward_exchanges, last) = exchanged_after(dev, stream, j);
+                                let both =
+                                    cost.overlapped(dev, ins, &stream[j], forward_exchanges + backward_exchanges)?;
+                                // at least the forward with its own exchanges
+                                let rest = both.max(d + forward_exchanges) - d;
+                                Some(Pair { forward: i, backward: j, rest, last })
+                            });
+                            if let Some(p) = opened {
+                                pair.insert(dev, p);
                             }
                         }
                     }
@@ -397,6 +440,17 @@ pub fn simulate(
     let step_time = clock.values().chain(engines.free_at.values()).copied().fold(0.0, f64::max);
     events.sort_by(|a, b| a.device.cmp(&b.device).then(a.start.total_cmp(&b.start)).then(a.index.cmp(&b.index)));
     Ok(Timeline { events, step_time, overlapped })
+}
+
+/// DualPipe's overlapped pair a device's forward opened (`simulate`).
+#[derive(Debug, Clone, Copy)]
+struct Pair {
+    forward: usize,
+    backward: usize,
+    /// The pair's time left after its forward's computation.
+    rest: f64,
+    /// The position of the last all-to-all the backward posts.
+    last: usize,
 }
 
 /// Every compute and collective takes one unit; transfers are free.

@@ -2,7 +2,7 @@
 //! the compute order (`schedule::generate`), the instruction streams (`lower`), weight
 //! tying across stages, and the tensor-parallel members' copies of their leaders' streams.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
@@ -40,11 +40,28 @@ pub(crate) struct Lowered {
     pub(crate) eval: Option<BTreeMap<DeviceId, Vec<Instr>>>,
     /// Per stage: its expert-parallel degree (`StageFigures::expert_parallel`).
     pub(crate) expert_parallel: Vec<usize>,
+    /// Per stage: the all-to-alls its passes post (`StageFigures::all_to_alls`).
+    pub(crate) all_to_alls: Vec<Vec<pipec_plan::ExpertExchange>>,
+    /// The expert-parallel groups among `groups` (tensor-parallel shifted copies included).
+    pub(crate) expert_groups: BTreeSet<GroupId>,
 }
 
 impl Lowered {
     pub(crate) fn members(&self) -> HashMap<GroupId, Vec<DeviceId>> {
         self.groups.iter().map(|(g, (_, m))| (*g, m.clone())).collect()
+    }
+
+    /// The expert groups with their stages (what the verifier reads).
+    pub(crate) fn expert_group_stages(&self) -> BTreeMap<GroupId, StageId> {
+        self.expert_groups.iter().filter_map(|g| Some((*g, self.groups.get(g)?.0))).collect()
+    }
+
+    /// The expert group of `stage` that `device` is in.
+    fn expert_group_of(&self, stage: StageId, device: DeviceId) -> Option<GroupId> {
+        self.expert_groups
+            .iter()
+            .copied()
+            .find(|g| self.groups.get(g).is_some_and(|(s, m)| *s == stage && m.contains(&device)))
     }
 
     /// The streams whose counts the memory check reads: a flush-free pipeline's over three
@@ -146,9 +163,72 @@ pub(crate) fn lower_streams(
         recompute: layout.recompute.clone(),
         eval: None,
         expert_parallel: stages.expert_parallel.clone(),
+        all_to_alls: stages.all_to_alls.clone(),
+        expert_groups: BTreeSet::new(),
     };
     tied_all_reduces(spec, layout, placement, summed, &mut lowered, precision);
+    expert_all_to_alls(spec, placement, summed, &mut lowered);
     lowered
+}
+
+/// Expert parallelism: one group per expert group of each expert-parallel stage's replicas
+/// (`ChunkPlacement::expert_group`), and after every pass of such a stage the all-to-alls
+/// it posts over its device's group ([`Instr::all_to_alls_of`]). One replica of a plan
+/// (`summed` has more) stands for its first expert group: its group has the one member and
+/// is priced over the whole group's devices (`Lowered::summed_over`).
+fn expert_all_to_alls(spec: &Spec, placement: &Placement, summed: &[Vec<DeviceId>], lowered: &mut Lowered) {
+    let chunks = spec.strategy.schedule.kind.chunk_placement();
+    for (s, replicas) in placement.replicas.iter().enumerate() {
+        let ep = lowered.expert_parallel.get(s).copied().unwrap_or(1);
+        if ep <= 1 || lowered.all_to_alls.get(s).is_none_or(Vec::is_empty) {
+            continue;
+        }
+        let of = |devices: &[DeviceId], i: usize| -> Option<Vec<DeviceId>> {
+            chunks.expert_group(i, ep).0.into_iter().map(|j| devices.get(j).copied()).collect()
+        };
+        // each replica's group among the whole plan's replicas of the stage; a view of one
+        // replica (fewer than those) gives each simulated replica a group of its own priced
+        // over its whole group
+        let whole = summed.get(s).filter(|w| !w.is_empty()).unwrap_or(replicas);
+        let view = whole != replicas;
+        let mut made: Vec<(Vec<DeviceId>, Option<Vec<DeviceId>>)> = Vec::new();
+        for r in replicas {
+            let Some(group) = whole.iter().position(|d| d == r).and_then(|k| of(whole, k)) else { continue };
+            let members = if view { vec![*r] } else { group.clone() };
+            if !made.iter().any(|(m, _)| *m == members) {
+                made.push((members, view.then_some(group)));
+            }
+        }
+        for (members, sums) in made {
+            let g = GroupId(lowered.groups.len() as u32);
+            lowered.groups.insert(g, (StageId(s as u32), members));
+            lowered.expert_groups.insert(g);
+            if let Some(whole) = sums {
+                lowered.summed_over.insert(g, whole);
+            }
+        }
+    }
+    if lowered.expert_groups.is_empty() {
+        return;
+    }
+    let streams = std::mem::take(&mut lowered.streams);
+    lowered.streams = streams.into_iter().map(|(d, stream)| (d, with_all_to_alls(lowered, d, stream))).collect();
+}
+
+/// `stream` of `device` with the all-to-alls each pass of an expert-parallel stage posts
+/// right after it.
+fn with_all_to_alls(lowered: &Lowered, device: DeviceId, stream: Vec<Instr>) -> Vec<Instr> {
+    let mut out = Vec::with_capacity(stream.len());
+    for ins in stream {
+        let stage = ins.stage();
+        let posted = match (lowered.all_to_alls.get(stage.0 as usize), lowered.expert_group_of(stage, device)) {
+            (Some(layers), Some(group)) => Instr::all_to_alls_of(&ins, layers, group),
+            _ => Vec::new(),
+        };
+        out.push(ins);
+        out.extend(posted);
+    }
+    out
 }
 
 /// Whether PipeDream or 2BW runs as one continuous pipeline, its streams a steady state's,
@@ -282,6 +362,7 @@ pub(crate) fn eval_streams(
     spec: &Spec,
     placement: &Placement,
     stages: &StageFigures,
+    lowered: &Lowered,
 ) -> BTreeMap<DeviceId, Vec<Instr>> {
     let n = placement.stages();
     let mut order: crate::schedule::Order = vec![Vec::new(); placement.devices];
@@ -328,7 +409,9 @@ pub(crate) fn eval_streams(
         }
         for t in 0..tp {
             let shifted = eval.iter().map(|i| i.map_devices(|x| DeviceId(x.0 + t), |g| g)).collect();
-            out.insert(DeviceId(d.0 + t), shifted);
+            // each forward's all-to-alls over the member's expert group
+            let d = DeviceId(d.0 + t);
+            out.insert(d, with_all_to_alls(lowered, d, shifted));
         }
     }
     out
@@ -386,6 +469,13 @@ pub(crate) fn tensor_parallel_copies(lowered: &mut Lowered, tp: usize) {
             lowered.groups.insert(id, (*stage, members.iter().copied().map(shift).collect()));
             if let Some(tie) = lowered.ties.get(g).copied() {
                 lowered.ties.insert(id, tie);
+            }
+            if lowered.expert_groups.contains(g) {
+                lowered.expert_groups.insert(id);
+            }
+            if let Some(whole) = lowered.summed_over.get(g) {
+                let whole = whole.iter().copied().map(shift).collect();
+                lowered.summed_over.insert(id, whole);
             }
             shifted.insert(*g, id);
         }

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
-use pipec_plan::{DeviceId, GroupId, Instr};
+use pipec_plan::{DeviceId, GroupId, Instr, StageId};
 
 use crate::schedule::Placement;
 use crate::streams::Lowered;
@@ -16,6 +16,7 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
     let strategy = &spec.strategy;
     let kind = strategy.schedule.kind;
     let groups = lowered.members();
+    let expert_groups = lowered.expert_group_stages();
     let violations: Vec<String> = match &lowered.periodic {
         Some(p) => crate::periodic::verify_periodic(
             p,
@@ -40,6 +41,8 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
             ),
             forward_only: false,
             expert_parallel: &lowered.expert_parallel,
+            all_to_alls: &lowered.all_to_alls,
+            expert_groups: &expert_groups,
             chunks: kind.chunk_placement(),
             context_parallel: strategy.cp.max(1),
         })
@@ -53,7 +56,16 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
             lowered
                 .eval
                 .iter()
-                .flat_map(|eval| verify_eval(eval, placement, strategy.tp.max(1), strategy.cp.max(1)))
+                .flat_map(|eval| {
+                    let experts = Experts {
+                        groups: &groups,
+                        expert_parallel: &lowered.expert_parallel,
+                        all_to_alls: &lowered.all_to_alls,
+                        expert_groups: &expert_groups,
+                        chunks: kind.chunk_placement(),
+                    };
+                    verify_eval(eval, placement, strategy.tp.max(1), strategy.cp.max(1), &experts)
+                })
                 .map(|v| format!("validation: {v}")),
         )
         .collect();
@@ -77,14 +89,53 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
     .with_help("this is a bug in pipec, not in the spec; please report it with the spec")])
 }
 
+/// What validation's streams need of expert parallelism: its groups and all-to-alls.
+struct Experts<'a> {
+    groups: &'a HashMap<GroupId, Vec<DeviceId>>,
+    expert_parallel: &'a [usize],
+    all_to_alls: &'a [Vec<pipec_plan::ExpertExchange>],
+    expert_groups: &'a BTreeMap<GroupId, StageId>,
+    chunks: pipec_plan::schedule::ChunkPlacement,
+}
+
+impl<'a> Experts<'a> {
+    /// A plan's.
+    fn of(
+        plan: &pipec_plan::Plan,
+        groups: &'a HashMap<GroupId, Vec<DeviceId>>,
+        expert_parallel: &'a [usize],
+        all_to_alls: &'a [Vec<pipec_plan::ExpertExchange>],
+        expert_groups: &'a BTreeMap<GroupId, StageId>,
+    ) -> Self {
+        Experts { groups, expert_parallel, all_to_alls, expert_groups, chunks: plan.schedule.kind.chunk_placement() }
+    }
+}
+
+/// Per stage of a plan: its expert-parallel degree, its all-to-alls; and its expert groups.
+type PlanExperts = (Vec<usize>, Vec<Vec<pipec_plan::ExpertExchange>>, BTreeMap<GroupId, StageId>);
+
+fn plan_experts(plan: &pipec_plan::Plan) -> PlanExperts {
+    (
+        plan.stages.iter().map(|s| s.expert_parallel as usize).collect(),
+        plan.stages.iter().map(|s| s.all_to_alls.clone()).collect(),
+        plan.groups.iter().filter(|g| g.experts).map(|g| (g.id, g.stage)).collect(),
+    )
+}
+
 /// Validation's forward-only streams through the verifier: each forward once on its routed
-/// device, data flow, messages, and no deadlock.
-fn verify_eval(streams: &BTreeMap<DeviceId, Vec<Instr>>, placement: &Placement, tp: usize, cp: usize) -> Vec<String> {
+/// device (with the all-to-alls it posts), data flow, messages, and no deadlock.
+fn verify_eval(
+    streams: &BTreeMap<DeviceId, Vec<Instr>>,
+    placement: &Placement,
+    tp: usize,
+    cp: usize,
+    experts: &Experts<'_>,
+) -> Vec<String> {
     let none = vec![false; placement.stages()];
     verify(&VerifyInput {
         streams,
         placement,
-        groups: &HashMap::new(),
+        groups: experts.groups,
         recompute: &none,
         update_every: None,
         asp_staleness: None,
@@ -92,8 +143,10 @@ fn verify_eval(streams: &BTreeMap<DeviceId, Vec<Instr>>, placement: &Placement, 
         sharding: pipec_plan::vocab::Sharding::None,
         clipping: false,
         forward_only: true,
-        expert_parallel: &[],
-        chunks: pipec_plan::schedule::ChunkPlacement::RoundRobin,
+        expert_parallel: experts.expert_parallel,
+        all_to_alls: experts.all_to_alls,
+        expert_groups: experts.expert_groups,
+        chunks: experts.chunks,
         context_parallel: cp,
     })
     .into_iter()
@@ -134,7 +187,10 @@ pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
     .into_iter()
     .chain(plan.eval.iter().flat_map(|eval| {
         let tp = plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len);
-        verify_eval(eval, &placement_of(plan), tp, plan.training.context_parallel.max(1))
+        let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
+        let (expert_parallel, all_to_alls, expert_groups) = plan_experts(plan);
+        let experts = Experts::of(plan, &groups, &expert_parallel, &all_to_alls, &expert_groups);
+        verify_eval(eval, &placement_of(plan), tp, plan.training.context_parallel.max(1), &experts)
             .into_iter()
             .map(|v| format!("validation: {v}"))
     }))
@@ -159,7 +215,7 @@ fn placement_of(plan: &pipec_plan::Plan) -> Placement {
 /// Verifies `streams` as the streams of `plan` (whose other fields are assumed sound).
 pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<Instr>>) -> Vec<String> {
     let placement = placement_of(plan);
-    let expert_parallel: Vec<usize> = plan.stages.iter().map(|s| s.expert_parallel as usize).collect();
+    let (expert_parallel, all_to_alls, expert_groups) = plan_experts(plan);
     let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
     let kind = plan.schedule.kind;
     let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
@@ -179,6 +235,8 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         ),
         forward_only: false,
         expert_parallel: &expert_parallel,
+        all_to_alls: &all_to_alls,
+        expert_groups: &expert_groups,
         chunks: kind.chunk_placement(),
         context_parallel: plan.training.context_parallel.max(1),
     };

@@ -56,6 +56,10 @@ pub struct VerifyInput<'a> {
     pub expert_parallel: &'a [usize],
     /// How the schedule places its chunks (which replicas form an expert group).
     pub chunks: pipec_plan::schedule::ChunkPlacement,
+    /// Per stage, the all-to-alls each of its passes posts (`StagePlan::all_to_alls`).
+    pub all_to_alls: &'a [Vec<pipec_plan::ExpertExchange>],
+    /// The expert groups among `groups`, with their stages.
+    pub expert_groups: &'a BTreeMap<GroupId, StageId>,
     /// Context parallelism (1: none): every stage's replicas in groups of this many
     /// consecutive ones, member c running chunk-microbatch m·cp + c of each microbatch m
     /// its group runs, the members gathering keys and values inside every pass.
@@ -134,6 +138,7 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
     check_p2p(input, &mut out);
     check_collectives(input, &mut out);
     check_expert_groups(input, &mut out);
+    check_all_to_alls(input, &mut out);
     if let Some(s) = input.asp_staleness {
         check_parameter_server(input, s, &mut out);
     }
@@ -171,6 +176,8 @@ fn check_unique(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     | Instr::WaitCollective { .. }
                     | Instr::OptimizerStep { .. }
                     | Instr::ShardStep { .. }
+                    // a recompute posts its forward's again (`check_all_to_alls`)
+                    | Instr::AllToAll { .. }
             ) {
                 continue;
             }
@@ -721,6 +728,103 @@ fn check_expert_groups(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     // different microbatches, matched by their place in each member's run)
     let ep_of = |s: usize| input.expert_parallel.get(s).copied().unwrap_or(1).max(1);
     check_groups_in_step(input, out, &ep_of, false, "expert-parallel all-to-all");
+}
+
+/// Expert parallelism's all-to-alls: right after every pass of an expert-parallel stage
+/// stand exactly the all-to-alls it posts (`Instr::all_to_alls_of`) over its device's
+/// expert group, which is the group of the stage's replicas `ChunkPlacement::expert_group`
+/// puts the device in; no all-to-all stands anywhere else; and every member of a group
+/// posts the same all-to-alls (stage, layer, exchange, size) in the same order.
+fn check_all_to_alls(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
+    let p = input.placement;
+    let ep_of = |s: StageId| input.expert_parallel.get(s.0 as usize).copied().unwrap_or(1);
+    // (stage, device) → its expert group, whose members are checked against the placement
+    let mut group_of: FxHashMap<(StageId, DeviceId), GroupId> = FxHashMap::default();
+    for (g, stage) in input.expert_groups {
+        // (verifying one tensor-parallel rank: the other ranks' groups are not there)
+        let Some(members) = input.groups.get(g).filter(|m| !m.is_empty()) else { continue };
+        let replicas = p.replicas.get(stage.0 as usize).map_or(&[][..], Vec::as_slice);
+        let want: Option<Vec<DeviceId>> = replicas.iter().position(|d| *d == members[0]).and_then(|i| {
+            input.chunks.expert_group(i, ep_of(*stage)).0.into_iter().map(|j| replicas.get(j).copied()).collect()
+        });
+        if want.as_ref() != Some(members) {
+            out.push(Violation {
+                device: None,
+                index: None,
+                message: format!(
+                    "{g}: {stage}'s expert group {members:?} is not one the stage's replicas form ({want:?})"
+                ),
+            });
+            continue;
+        }
+        for d in members {
+            group_of.insert((*stage, *d), *g);
+        }
+    }
+    type Posted = (StageId, u32, pipec_plan::TokenExchange, u64);
+    let mut posted: BTreeMap<GroupId, BTreeMap<DeviceId, Vec<(Posted, usize)>>> = BTreeMap::new();
+    for (dev, stream) in input.streams {
+        let mut i = 0;
+        while i < stream.len() {
+            let ins = &stream[i];
+            i += 1;
+            if let Instr::AllToAll { .. } = ins {
+                out.push(v(*dev, i - 1, format!("`{ins}` is not posted by the pass before it")));
+                continue;
+            }
+            let stage = ins.stage();
+            let Some(layers) = input.all_to_alls.get(stage.0 as usize).filter(|l| ep_of(stage) > 1 && !l.is_empty())
+            else {
+                continue;
+            };
+            if pipec_plan::TokenExchange::of_pass(ins.phase()).is_empty() {
+                continue;
+            }
+            let Some(&group) = group_of.get(&(stage, *dev)) else {
+                out.push(v(
+                    *dev,
+                    i - 1,
+                    format!("`{ins}` exchanges tokens, but {dev} is in no expert group of {stage}"),
+                ));
+                continue;
+            };
+            for (k, want) in Instr::all_to_alls_of(ins, layers, group).iter().enumerate() {
+                match stream.get(i) {
+                    Some(got) if got == want => {
+                        if let Instr::AllToAll { stage, layer, exchange, bytes, .. } = *got {
+                            posted
+                                .entry(group)
+                                .or_default()
+                                .entry(*dev)
+                                .or_default()
+                                .push(((stage, layer, exchange, bytes), i));
+                        }
+                        i += 1;
+                    }
+                    got => {
+                        let found = got.map_or("nothing".to_string(), |g| format!("`{g}`"));
+                        out.push(v(*dev, i, format!("`{ins}` posts `{want}` (its all-to-all {k}) next, not {found}")));
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    for (group, members) in &posted {
+        let Some((first, reference)) = members.iter().next() else { continue };
+        for (d, mine) in members.iter().skip(1) {
+            let at = (0..reference.len().max(mine.len()))
+                .find(|&k| reference.get(k).map(|r| r.0) != mine.get(k).map(|m| m.0));
+            if let Some(k) = at {
+                let index = mine.get(k).map_or(input.streams.get(d).map_or(0, Vec::len), |m| m.1);
+                out.push(v(
+                    *d,
+                    index,
+                    format!("{group}: all-to-all {k} of {d} is {:?}, where {first} posts {:?}: the group's members must post the same ones in the same order", mine.get(k).map(|m| m.0), reference.get(k).map(|r| r.0)),
+                ));
+            }
+        }
+    }
 }
 
 /// The groups of `size_of(stage)` replicas (`ChunkPlacement::expert_group`) run the passes

@@ -2,7 +2,7 @@
 //! against single-instruction mutations, and golden instruction streams.
 
 use pipec_compiler::{compile, CompileOptions, Compiled};
-use pipec_plan::{DeviceId, Instr};
+use pipec_plan::{DeviceId, Instr, StageId};
 use proptest::prelude::*;
 
 /// A spec of `layers` equal linear layers on `devices` devices with free communication, so
@@ -583,6 +583,89 @@ fn a_member_out_of_step_with_its_expert_group_is_named() {
     assert!(found.iter().any(|v| v.contains("expert-parallel all-to-all 0 of d1")), "{found:#?}");
 }
 
+/// Expert parallelism's all-to-alls are the plan's own instructions: after every pass of an
+/// expert stage, at each of its expert layers, the two exchanges of the pass (a forward's
+/// dispatch and combine first layer to last, a backward's gradients last to first), over
+/// the device's expert group; a member that posts one of another size, over another group
+/// or out of its pass is named, and an all-to-all over a group that is not an expert group
+/// of its stage is refused with the plan's structure.
+#[test]
+fn all_to_alls_are_checked_one_by_one() {
+    let c = build(&moe_spec(4, 4, "1f1b", "\"2-2\"", 2));
+    let streams = &c.plan.streams;
+    for (d, stream) in streams {
+        for (i, ins) in stream.iter().enumerate() {
+            let layers = &c.plan.stages[ins.stage().0 as usize].all_to_alls;
+            let posted = match ins {
+                Instr::Forward { .. } => {
+                    layers.iter().flat_map(|l| [(l.layer, "dispatch"), (l.layer, "combine")]).collect()
+                }
+                Instr::Backward { .. } => {
+                    layers.iter().rev().flat_map(|l| [(l.layer, "combine_grad"), (l.layer, "dispatch_grad")]).collect()
+                }
+                _ => Vec::new(),
+            };
+            assert_eq!(posted.len(), if posted.is_empty() { 0 } else { 4 }, "two expert layers per stage");
+            for (k, (layer, exchange)) in posted.into_iter().enumerate() {
+                match &stream[i + 1 + k] {
+                    Instr::AllToAll { stage, mb, layer: l, exchange: e, bytes, group } => {
+                        assert_eq!((*stage, Some(*mb), *l, e.name()), (ins.stage(), ins.microbatch(), layer, exchange));
+                        assert!(*bytes > 0);
+                        let g = c.plan.groups.iter().find(|x| x.id == *group).expect("the group");
+                        assert!(g.experts && g.devices.contains(d) && g.devices.len() == 2, "{g:?}");
+                    }
+                    other => panic!("{d}: `{ins}` is followed by `{other}`"),
+                }
+            }
+        }
+    }
+    let at = |d: u32, k: usize| {
+        let s = &streams[&DeviceId(d)];
+        (0..s.len()).filter(|&i| matches!(s[i], Instr::AllToAll { .. })).nth(k).expect("an all-to-all")
+    };
+    let edit = |d: u32, k: usize, f: &dyn Fn(&mut Instr)| {
+        let mut m = streams.clone();
+        let i = at(d, k);
+        f(&mut m.get_mut(&DeviceId(d)).expect("device")[i]);
+        verify_plan(&c, &m)
+    };
+    // another size on one member
+    let found = edit(1, 0, &|i| {
+        if let Instr::AllToAll { bytes, .. } = i {
+            *bytes += 4;
+        }
+    });
+    assert!(
+        found.iter().any(|v| v.contains("(its all-to-all 0) next, not `all_to_all") && v.contains("2052B")),
+        "{found:#?}"
+    );
+    // the other stage's expert group
+    let other = c.plan.groups.iter().find(|g| g.experts && g.stage == StageId(1)).expect("stage 1's expert group").id;
+    let found = edit(0, 0, &|i| {
+        if let Instr::AllToAll { group, .. } = i {
+            *group = other;
+        }
+    });
+    assert!(found.iter().any(|v| v.contains("(its all-to-all 0) next, not `all_to_all")), "{found:#?}");
+    // out of its pass: the first all-to-all moved behind the forward's send
+    let mut m = streams.clone();
+    let s = m.get_mut(&DeviceId(0)).expect("d0");
+    let first = at(0, 0);
+    let moved = s.remove(first);
+    let send = (first..s.len()).find(|&i| matches!(s[i], Instr::SendActivation { .. })).expect("a send");
+    s.insert(send + 1, moved);
+    let found = verify_plan(&c, &m);
+    assert!(found.iter().any(|v| v.contains("is not posted by the pass before it")), "{found:#?}");
+    // over the stage's replica group: the plan's structure refuses it
+    let mut plan = c.plan.clone();
+    let replicas = plan.stages[0].group.expect("a replica group");
+    if let Instr::AllToAll { group, .. } = &mut plan.streams.get_mut(&DeviceId(0)).expect("d0")[first] {
+        *group = replicas;
+    }
+    let found = pipec_compiler::verification::verify_plan(&plan);
+    assert!(found.iter().any(|v| v.contains("not an expert group of that stage")), "{found:#?}");
+}
+
 #[test]
 fn golden_streams_for_every_schedule() {
     for (name, c) in every_schedule() {
@@ -646,45 +729,55 @@ fn dualpipe_bubbles_match_the_published_formula() {
 
 /// DualPipe's overlap of one chunk's all-to-alls with the other's computation: on an
 /// expert-parallel DualPipeV or DualPipe plan, each pair — a forward right before a whole
-/// backward of the device's other stage (`overlapped_pair`) — takes the longer of the two
-/// passes' computations and their all-to-alls (the forward its own time, the backward the
-/// rest); every other pass its whole time. The devices' forward and backward seconds are
-/// that sum, the plan reports what the pairs hid, and they hide something.
+/// backward of the device's other stage (`overlapped_pair`), with the all-to-alls each
+/// posts — takes the longer of the two passes' computations and their all-to-alls, and at
+/// least the forward with its own (the forward its computation, the backward the rest, its
+/// all-to-alls nothing); every other pass its computation, then its all-to-alls their
+/// whole time. The devices' forward, backward and all-to-all seconds are those, from the
+/// plan's stage figures; the plan reports what the pairs hid, and they hide something.
 #[test]
 fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
     for schedule in ["dualpipev", "dualpipe"] {
         let c = build(&moe_spec(4, 8, schedule, "\"2-2\"", 2));
         let stages = &c.plan.stages;
+        // a pass's computation and its all-to-alls
         let pass = |i: &Instr| {
             let s = &stages[i.stage().0 as usize];
             match i {
-                Instr::Forward { .. } => (s.forward_s + s.all_to_all_s[0], s.all_to_all_s[0]),
-                _ => (s.backward_s + s.all_to_all_s[1], s.all_to_all_s[1]),
+                Instr::Forward { .. } => (s.forward_s, s.all_to_all_s[0]),
+                _ => (s.backward_s, s.all_to_all_s[1]),
             }
         };
         let mut saved = 0.0;
         for d in &c.plan.simulation.devices {
             let stream = &c.plan.streams[&d.id];
-            let (mut forward, mut backward, mut hidden) = (0.0, 0.0, 0.0);
+            let (mut forward, mut backward, mut exchanged, mut hidden) = (0.0, 0.0, 0.0, 0.0);
             let mut rest: Option<(usize, f64)> = None;
             for (i, ins) in stream.iter().enumerate() {
                 match ins {
                     Instr::Forward { .. } => {
                         let (f, af) = pass(ins);
                         forward += f;
-                        if let Some(j) = pipec_plan::schedule::overlapped_pair(stream, i) {
-                            let (b, ab) = pass(&stream[j]);
-                            let pair = (f + b - af - ab).max(af + ab);
-                            hidden += f + b - pair.max(f);
-                            rest = Some((j, (pair - f).max(0.0)));
+                        match pipec_plan::schedule::overlapped_pair(stream, i) {
+                            Some(j) => {
+                                let (b, ab) = pass(&stream[j]);
+                                let pair = (f + b).max(af + ab).max(f + af);
+                                hidden += f + af + b + ab - pair;
+                                rest = Some((j, pair - f));
+                            }
+                            None => exchanged += af,
                         }
                     }
-                    Instr::Backward { .. } => {
-                        backward += match rest {
-                            Some((j, r)) if j == i => r,
-                            _ => pass(ins).0,
-                        };
-                    }
+                    // (zero-bubble's split: its input half posts the backward's all-to-alls)
+                    Instr::BackwardInput { .. } => exchanged += pass(ins).1,
+                    Instr::Backward { .. } => match rest {
+                        Some((j, r)) if j == i => backward += r,
+                        _ => {
+                            let (b, ab) = pass(ins);
+                            backward += b;
+                            exchanged += ab;
+                        }
+                    },
                     _ => {}
                 }
             }
@@ -703,6 +796,15 @@ fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
             let got = |phase: &str| d.by_phase.get(phase).copied().unwrap_or(0.0);
             assert!((got("forward") - forward).abs() <= 1e-9 * forward, "{schedule} {}: forward", d.id);
             assert!((got("backward") - backward).abs() <= 1e-9 * backward.max(1e-12), "{schedule} {}: backward", d.id);
+            // the all-to-alls the timeline shows: those outside pairs
+            let shown: f64 = c
+                .timeline
+                .events
+                .iter()
+                .filter(|e| e.device == d.id && matches!(stream[e.index], Instr::AllToAll { .. }))
+                .map(|e| e.end - e.start)
+                .sum();
+            assert!((shown - exchanged).abs() <= 1e-9 * exchanged.max(1e-12), "{schedule} {}: all-to-alls", d.id);
             // what the plan reports hidden (`pipec compile` prints it)
             assert!((d.overlapped_s - hidden).abs() <= 1e-9 * hidden.max(1e-12), "{schedule} {}: hidden", d.id);
             saved += hidden;

@@ -124,7 +124,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> {
                 Ok(comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?)
             };
-            let mut side = crate::layers::Collected { context: self.context_for(stage), ..Default::default() };
+            let mut side = crate::layers::Collected {
+                experts: self.experts_for(stage),
+                context: self.context_for(stage),
+                ..Default::default()
+            };
             let segments = crate::tensor_parallel::forward(model, x, training, key, &mut sum, &mut side)?;
             if side.aux.is_some() {
                 return Err(ExecError::Plan("a tensor-parallel stage cannot train a load-balancing loss".into()));

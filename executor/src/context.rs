@@ -70,7 +70,7 @@ impl Context {
         let n = b * h * s * dh;
         let row = x.reshape([1, n]);
         let copies = Tensor::cat(vec![row; self.cp], 0);
-        let ex = Exchange { group: self.group.clone(), send: vec![1; self.cp], recv: vec![1; self.cp] };
+        let ex = Exchange { group: self.group.clone(), send: vec![1; self.cp], recv: vec![1; self.cp], what: None };
         let got =
             B::exchange(copies, &ex).map_err(|e| ExecError::Transport(crate::transport::TransportError::Other(e)))?;
         Ok(got.reshape([self.cp, b, h, s, dh]).permute([1, 2, 0, 3, 4]).reshape([b, h, self.cp * s, dh]))

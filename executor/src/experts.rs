@@ -11,11 +11,12 @@
 //! each expert's gradient over the members that computed it, as the plan's reduction over
 //! the replicas holding it does, and every member applies the same update.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use pipec_plan::{DeviceId, Plan, StageId};
+use pipec_plan::{DeviceId, Plan, StageId, TokenExchange};
 
 use crate::comm::Exchanger;
 
@@ -33,6 +34,9 @@ pub struct ExpertGroup {
     /// exchange detached rows: a recorded exchange keeps its reverse (and the way to the
     /// group's collective thread) in a graph no backward consumes.
     pub tracked: bool,
+    /// The all-to-alls the passes made (layer, exchange), oldest first, until the plan's
+    /// `AllToAll` instructions after each pass account for them ([`ExpertGroup::account`]).
+    pub made: Arc<Mutex<VecDeque<(u32, TokenExchange)>>>,
 }
 
 impl ExpertGroup {
@@ -71,13 +75,38 @@ impl ExpertGroup {
             .into_iter()
             .map(|j| s.tensor_parallel.get(j).and_then(|g| g.get(rank)).copied().or(s.replicas.get(j).copied()))
             .collect::<Option<_>>()?;
-        Some(ExpertGroup { members, position, exchanger: exchanger.clone(), failed: Default::default(), tracked: true })
+        Some(ExpertGroup {
+            members,
+            position,
+            exchanger: exchanger.clone(),
+            failed: Default::default(),
+            tracked: true,
+            made: Default::default(),
+        })
     }
 
     /// Every member's `values`, member after member (host values: context parallelism's
     /// routing counts, the ring's keys and values).
     pub fn all_gather(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, crate::transport::TransportError> {
         self.exchanger.exchange(&self.members, vec![values; self.members.len()])
+    }
+
+    /// Checks the plan's all-to-all `ins` — `exchange` at `layer` — against the next one a
+    /// pass made: the plan lists, after each pass, the all-to-alls it posts, in order.
+    pub fn account(&self, ins: &pipec_plan::Instr, layer: u32, exchange: TokenExchange) -> Result<(), String> {
+        let made = self.made.lock().map_err(|_| "the expert group's record was poisoned".to_string())?.pop_front();
+        match made {
+            Some(m) if m == (layer, exchange) => Ok(()),
+            Some((l, e)) => {
+                Err(format!("the plan's `{ins}` is not the all-to-all its pass made next ({e} at layer {l})"))
+            }
+            None => Err(format!("the plan's `{ins}` is not an all-to-all its pass made (it made no more)")),
+        }
+    }
+
+    /// The all-to-alls passes made that no `AllToAll` of the plan accounted for.
+    pub fn unaccounted(&self) -> Vec<(u32, TokenExchange)> {
+        self.made.lock().map(|mut m| m.drain(..).collect()).unwrap_or_default()
     }
 
     /// Takes the failure an exchange inside a backward recorded, if any.
@@ -87,18 +116,26 @@ impl ExpertGroup {
 }
 
 /// One exchange of rows: this member sends `send[j]` rows to member j and receives
-/// `recv[i]` rows from member i (its gradient travels the other way).
+/// `recv[i]` rows from member i (its gradient travels the other way). `what`: the plan's
+/// name for it (an expert block's layer and exchange), recorded in the group when it is
+/// made; None for context parallelism's gathers, which are not the plan's all-to-alls.
 #[derive(Clone, Debug)]
 pub struct Exchange {
     pub group: ExpertGroup,
     pub send: Vec<usize>,
     pub recv: Vec<usize>,
+    pub what: Option<(u32, TokenExchange)>,
 }
 
 impl Exchange {
-    /// The same exchange the other way (its gradient's).
+    /// The same exchange the other way: its gradient's.
     pub fn reversed(&self) -> Exchange {
-        Exchange { group: self.group.clone(), send: self.recv.clone(), recv: self.send.clone() }
+        Exchange {
+            group: self.group.clone(),
+            send: self.recv.clone(),
+            recv: self.send.clone(),
+            what: self.what.map(|(layer, e)| (layer, e.reversed())),
+        }
     }
 }
 
@@ -127,6 +164,9 @@ pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B,
                 n
             ));
         }
+    }
+    if let (Some(what), Ok(mut made)) = (ex.what, ex.group.made.lock()) {
+        made.push_back(what);
     }
     let n: usize = ex.recv.iter().sum();
     Ok(Tensor::from_data(TensorData::new(got.concat(), [n, d]), &device))

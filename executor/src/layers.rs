@@ -650,7 +650,13 @@ impl<B: Kernels> Block<B> {
             return Err(ExecError::Shape("a microbatch routed no token to any expert".into()));
         }
         let tokens = ints(pairs.iter().map(|&(token, _)| token).collect());
-        let ex = crate::experts::Exchange { group: group.clone(), send, recv: recv.clone() };
+        let layer = self.index as u32;
+        let ex = crate::experts::Exchange {
+            group: group.clone(),
+            send,
+            recv: recv.clone(),
+            what: Some((layer, pipec_plan::TokenExchange::Dispatch)),
+        };
         let x = if group.tracked { x.clone() } else { x.clone().detach() };
         let arrived = B::exchange(x.select(0, tokens.clone()), &ex).map_err(exchange_error)?;
         // this member's experts, each on its rows from every member (member-major there)
@@ -682,7 +688,9 @@ impl<B: Kernels> Block<B> {
             Tensor::cat(outputs, 0).select(0, ints(inverse))
         };
         let computed = if group.tracked { computed } else { computed.detach() };
-        let returned = B::exchange(computed, &ex.reversed()).map_err(exchange_error)?;
+        let combine =
+            crate::experts::Exchange { what: Some((layer, pipec_plan::TokenExchange::Combine)), ..ex.reversed() };
+        let returned = B::exchange(computed, &combine).map_err(exchange_error)?;
         let slots = ints(pairs.iter().map(|&(token, j)| token * k + j).collect());
         let w = weights.clone().select(0, slots).reshape([pairs.len(), 1]);
         Ok(Tensor::<B, 2>::zeros([t, d], &dev).select_assign(0, tokens, returned * w, IndexingUpdateOp::Add))

@@ -297,6 +297,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 *v = (*v).max(1 + st.stash.len() as u32);
             }
         }
+        self.exchanges_accounted(None).map_err(|e| (last, e))?;
         report.comm = self.comm.fence().map_err(|e| (last, e.into()))?;
         if !self.collectives.is_empty() || !self.posted.is_empty() || !self.buckets.is_empty() {
             return Err((
@@ -342,6 +343,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     }
 
     pub(crate) fn exec(&mut self, ins: &Instr, code: usize, at: usize, report: &mut StepReport) -> Result<()> {
+        if !pipec_plan::TokenExchange::of_pass(ins.phase()).is_empty() {
+            self.exchanges_accounted(Some(ins.stage()))?;
+        }
         match *ins {
             Instr::LoadMicrobatch { stage, mb, inputs, labels } => self.load_microbatch(stage, mb, inputs, labels),
             Instr::RecvActivation { stage, mb, .. } => {
@@ -471,7 +475,29 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
             Instr::OptimizerStep { stage } => self.optimizer_step(stage),
             Instr::ShardStep { stage } => self.shard_step(stage),
+            // made inside the pass before it: the plan's record of it is checked
+            Instr::AllToAll { stage, layer, exchange, .. } => {
+                let group = self.experts.get(&stage).ok_or_else(|| {
+                    ExecError::Plan(format!("`{ins}`: this device is in no expert-parallel group of {stage}"))
+                })?;
+                group.account(ins, layer, exchange).map_err(ExecError::Plan)
+            }
         }
+    }
+
+    /// Whether every all-to-all the passes of `stage` (every stage: None) made is one the
+    /// plan lists after them (`Instr::AllToAll`).
+    fn exchanges_accounted(&self, stage: Option<StageId>) -> Result<()> {
+        for (s, group) in self.experts.iter().filter(|(s, _)| stage.is_none_or(|x| x == **s)) {
+            let left = group.unaccounted();
+            if let Some((layer, exchange)) = left.first() {
+                return Err(ExecError::Plan(format!(
+                    "a pass of {s} made {} all-to-all(s) that the plan does not list after it, the first a {exchange} at layer {layer}",
+                    left.len()
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Sends a computed message; `missing` says what was not computed.

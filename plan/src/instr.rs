@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-pub use crate::vocab::{CollectiveKind, CollectivePayload};
+pub use crate::vocab::{CollectiveKind, CollectivePayload, TokenExchange};
 
 /// Identifies a device of the cluster (0-based, node-major).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
@@ -83,6 +83,14 @@ pub enum Buffer {
     GradNorm,
 }
 
+/// Expert parallelism: one mixture-of-experts layer of a stage and the bytes per member of
+/// each all-to-all its passes post there ([`Instr::all_to_alls_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertExchange {
+    pub layer: u32,
+    pub bytes: u64,
+}
+
 /// One instruction of a device's stream.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -136,6 +144,14 @@ pub enum Instr {
     /// Wait until the last collective `stage` started over `group` has finished: its
     /// result is in place afterwards (the summed gradient, for an optimizer step).
     WaitCollective { payload: CollectivePayload, stage: StageId, group: GroupId },
+    /// Expert parallelism: an all-to-all that the pass just before it (a forward,
+    /// recompute or input-gradient backward of `stage` on `mb`) posts at its
+    /// mixture-of-experts layer `layer`, over the expert group `group`, `bytes` per member
+    /// (what the busiest member receives under the plan's routing assumption). The pass
+    /// starts it on the device's communication engine and waits for it before going on:
+    /// the pass ends when its last exchange does. A pass posts one list, in order
+    /// ([`Instr::all_to_alls_of`]), and every member of the group posts the same list.
+    AllToAll { stage: StageId, mb: MicrobatchId, layer: u32, exchange: TokenExchange, group: GroupId, bytes: u64 },
     /// Keep the weights `mb`'s forward uses, for its backward (PipeDream weight stashing):
     /// the current ones, or with `version` (vertical sync) the stage's weights after that
     /// many of this step's updates — the version the first stage used for `mb`.
@@ -341,6 +357,7 @@ macro_rules! about_microbatch {
             | Instr::Free { mb: $mb, .. }
             | Instr::PushGradient { mb: $mb, .. }
             | Instr::ApplyGradient { mb: $mb, .. }
+            | Instr::AllToAll { mb: $mb, .. }
     };
 }
 
@@ -451,6 +468,36 @@ impl Instr {
         Instr::WaitCollective { payload, stage, group }
     }
 
+    /// The all-to-alls `pass` posts, in order, on a stage whose mixture-of-experts layers
+    /// exchange `layers` (layer, bytes per member) over expert group `group`: at each layer
+    /// (a forward's and a recompute's first to last, a backward's last to first) the
+    /// exchanges of [`TokenExchange::of_pass`]. Empty for an instruction that is not such a
+    /// pass. The one rule the lowering, the verifier and the executor read.
+    pub fn all_to_alls_of(pass: &Instr, layers: &[ExpertExchange], group: GroupId) -> Vec<Instr> {
+        let Some(mb) = pass.microbatch() else { return Vec::new() };
+        let phase = pass.phase();
+        let exchanges = TokenExchange::of_pass(phase);
+        if exchanges.is_empty() {
+            return Vec::new();
+        }
+        let backward = matches!(phase, Phase::Backward | Phase::BackwardInput);
+        let ordered: Vec<&ExpertExchange> =
+            if backward { layers.iter().rev().collect() } else { layers.iter().collect() };
+        ordered
+            .into_iter()
+            .flat_map(|l| {
+                exchanges.iter().map(move |&exchange| Instr::AllToAll {
+                    stage: pass.stage(),
+                    mb,
+                    layer: l.layer,
+                    exchange,
+                    group,
+                    bytes: l.bytes,
+                })
+            })
+            .collect()
+    }
+
     /// The stage the instruction belongs to.
     pub fn stage(&self) -> StageId {
         match *self {
@@ -474,7 +521,8 @@ impl Instr {
             | Instr::PushGradient { stage, .. }
             | Instr::ApplyGradient { stage, .. }
             | Instr::PushWeights { stage, .. }
-            | Instr::PullWeights { stage, .. } => stage,
+            | Instr::PullWeights { stage, .. }
+            | Instr::AllToAll { stage, .. } => stage,
         }
     }
 
@@ -486,7 +534,9 @@ impl Instr {
     /// The collective group of a collective instruction.
     pub fn group(&self) -> Option<GroupId> {
         match *self {
-            Instr::Collective { group, .. } | Instr::WaitCollective { group, .. } => Some(group),
+            Instr::Collective { group, .. } | Instr::WaitCollective { group, .. } | Instr::AllToAll { group, .. } => {
+                Some(group)
+            }
             _ => None,
         }
     }
@@ -512,7 +562,8 @@ impl Instr {
             | Instr::RecvGradient { .. }
             | Instr::PushGradient { .. }
             | Instr::PushWeights { .. }
-            | Instr::PullWeights { .. } => Phase::Communication,
+            | Instr::PullWeights { .. }
+            | Instr::AllToAll { .. } => Phase::Communication,
             Instr::ApplyGradient { .. } => Phase::Optimizer,
             Instr::Collective { .. } | Instr::WaitCollective { .. } => Phase::Collective,
             Instr::OptimizerStep { .. } | Instr::ShardStep { .. } => Phase::Optimizer,
@@ -551,7 +602,9 @@ impl Instr {
             Instr::PullWeights { peer, stage, round, bytes } => {
                 (End::Recv, peer, Some(MessageId::weights(stage, round)), bytes)
             }
-            Instr::Collective { .. } | Instr::WaitCollective { .. } | on_device!() => return None,
+            Instr::Collective { .. } | Instr::WaitCollective { .. } | Instr::AllToAll { .. } | on_device!() => {
+                return None
+            }
         };
         Some(Transfer { end, peer, id, bytes })
     }
@@ -585,7 +638,9 @@ impl Instr {
         let mut out = self.clone();
         match &mut out {
             point_to_point!(peer) => *peer = device(*peer),
-            Instr::Collective { group: g, .. } | Instr::WaitCollective { group: g, .. } => *g = group(*g),
+            Instr::Collective { group: g, .. }
+            | Instr::WaitCollective { group: g, .. }
+            | Instr::AllToAll { group: g, .. } => *g = group(*g),
             on_device!() => {}
         }
         out
@@ -614,7 +669,8 @@ impl Instr {
             Instr::Free { stage, mb } => vec![B::Saved { stage, mb }],
             Instr::PushGradient { stage, .. } => vec![B::WeightGrad { stage }],
             Instr::ApplyGradient { stage, .. } | Instr::PushWeights { stage, .. } => vec![B::Weights { stage }],
-            Instr::PullWeights { .. } => vec![],
+            // rows inside its pass: no buffer of the plan's
+            Instr::PullWeights { .. } | Instr::AllToAll { .. } => vec![],
         }
     }
 
@@ -649,7 +705,7 @@ impl Instr {
             Instr::RestoreWeights { stage, .. } => vec![B::Weights { stage }],
             Instr::PushGradient { stage, .. } => vec![B::WeightGrad { stage }],
             Instr::ApplyGradient { stage, .. } | Instr::PullWeights { stage, .. } => vec![B::Weights { stage }],
-            Instr::PushWeights { .. } => vec![],
+            Instr::PushWeights { .. } | Instr::AllToAll { .. } => vec![],
         }
     }
 }
@@ -693,6 +749,9 @@ impl fmt::Display for Instr {
             }
             Instr::PullWeights { peer, stage, round, bytes } => {
                 write!(f, "pull_weights {stage} r{round} <- {peer} {bytes}B")
+            }
+            Instr::AllToAll { stage, mb, layer, exchange, group, bytes } => {
+                write!(f, "all_to_all {stage} {mb} {group} L{layer} {exchange} {bytes}B")
             }
         }
     }

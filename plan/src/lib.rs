@@ -17,9 +17,11 @@ pub mod rules;
 pub mod schedule;
 pub mod vocab;
 
-pub use instr::{Buffer, DeviceId, End, GroupId, Instr, MessageId, MicrobatchId, Payload, Phase, StageId, Transfer};
+pub use instr::{
+    Buffer, DeviceId, End, ExpertExchange, GroupId, Instr, MessageId, MicrobatchId, Payload, Phase, StageId, Transfer,
+};
 pub use plan::Plan;
 pub use vocab::{
     Attention, Choice, CollectiveKind, CollectivePayload, Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind,
-    SyncMode, Task, TokenDtype,
+    SyncMode, Task, TokenDtype, TokenExchange,
 };

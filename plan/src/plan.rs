@@ -12,7 +12,7 @@ use crate::recipe::Recipe;
 use crate::vocab::{Attention, OptimizerKind, Precision, ReduceMode, ScheduleKind, Sharding, Task};
 
 /// Bumped on every incompatible change of the format.
-pub const PLAN_VERSION: u32 = 5;
+pub const PLAN_VERSION: u32 = 6;
 
 /// A compiled training plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -396,6 +396,11 @@ pub struct StagePlan {
     /// kernels).
     #[serde(default, skip_serializing_if = "is_zero_pair")]
     pub all_to_all_s: [f64; 2],
+    /// Expert parallelism: the stage's mixture-of-experts layers, first to last, and the
+    /// bytes per member of each all-to-all its passes post at each
+    /// ([`Instr::all_to_alls_of`]). Empty without expert parallelism.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub all_to_alls: Vec<crate::instr::ExpertExchange>,
     /// Context parallelism: seconds per microbatch of the exchanges of keys and values
     /// inside a forward and a backward (part of what those passes wait for).
     #[serde(default, skip_serializing_if = "is_zero_pair")]
@@ -466,6 +471,8 @@ pub fn reduced_in_buckets(stream: &[Instr], at: usize) -> Option<usize> {
             Instr::Free { stage: s, .. } if s == *stage => {}
             Instr::WaitCollective { payload: p, stage: s, .. } if s == *stage && p == *payload => {}
             Instr::SendGradient { .. } | Instr::SendActivation { .. } => {}
+            // the backward's own exchanges
+            Instr::AllToAll { stage: s, .. } if s == *stage => {}
             _ => return None,
         }
     }
@@ -553,6 +560,10 @@ pub struct GroupPlan {
     /// weight its `tiedallreduce`s sum (its members hold either layer's stage).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tie: Option<[usize; 2]>,
+    /// An expert-parallel group: the replicas of `stage` that exchange tokens in its
+    /// passes' all-to-alls (`Instr::AllToAll`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub experts: bool,
 }
 
 /// Cost-model inputs of one layer.
@@ -811,6 +822,20 @@ impl Plan {
                 stream.iter().find(|i| matches!(i, Instr::Collective { kind, payload, .. } if !payload.takes(*kind)))
             {
                 out.push(format!("{d}: `{ins}`: a collective of that kind cannot carry that payload"));
+            }
+        }
+        // every all-to-all over an expert group of its stage that has the device
+        let expert_groups: BTreeMap<GroupId, &GroupPlan> =
+            self.groups.iter().filter(|g| g.experts).map(|g| (g.id, g)).collect();
+        for (d, stream) in &self.streams {
+            let stray = stream.iter().find(|i| match i {
+                Instr::AllToAll { stage, group, .. } => {
+                    expert_groups.get(group).is_none_or(|g| g.stage != *stage || !g.devices.contains(d))
+                }
+                _ => false,
+            });
+            if let Some(ins) = stray {
+                out.push(format!("{d}: `{ins}`: not an expert group of that stage with {d} in it"));
             }
         }
         // the token vocabulary is the first layer's, when that is an embedding

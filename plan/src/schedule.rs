@@ -482,7 +482,8 @@ impl ScheduleKind {
 
 /// DualPipe's overlapped pair that the forward at `forward_at` of `stream` opens: the
 /// position of the whole backward of another stage that is the next pass the device runs
-/// (only transfers, loads, frees and the like between them), or None. Under a schedule that
+/// (only transfers, loads, frees, the forward's all-to-alls and the like between them), or
+/// None. Under a schedule that
 /// [overlaps pairs](ScheduleKind::overlaps_pairs) the two run as one unit: the backward's
 /// gradient is received before the forward starts (`pipec_compiler`'s lowering puts its
 /// receive there), and the pair takes the longer of their computations together and their

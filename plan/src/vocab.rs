@@ -73,6 +73,47 @@ choice! {
 }
 
 choice! {
+    /// Expert parallelism's exchanges of tokens inside a mixture-of-experts block's passes
+    /// (`Instr::AllToAll`): a forward (or recompute) dispatches each routed token to the
+    /// member computing its expert and combines the outputs back; a backward sends the
+    /// combine's gradient back to the experts, then the dispatch's to the tokens' members.
+    pub enum TokenExchange {
+        /// The routed tokens' rows to their experts' members.
+        Dispatch = "dispatch",
+        /// The experts' outputs back to the tokens' members.
+        Combine = "combine",
+        /// The outputs' gradients to the experts' members (the combine, reversed).
+        CombineGrad = "combine_grad",
+        /// The rows' gradients back to the tokens' members (the dispatch, reversed).
+        DispatchGrad = "dispatch_grad",
+    }
+}
+
+impl TokenExchange {
+    /// What a pass posts at each mixture-of-experts layer, in order: a forward or a
+    /// recompute dispatches then combines; an (input-gradient) backward runs the two in
+    /// reverse. Empty for every other pass.
+    pub fn of_pass(phase: crate::Phase) -> &'static [TokenExchange] {
+        use crate::Phase;
+        match phase {
+            Phase::Forward | Phase::Recompute => &[TokenExchange::Dispatch, TokenExchange::Combine],
+            Phase::Backward | Phase::BackwardInput => &[TokenExchange::CombineGrad, TokenExchange::DispatchGrad],
+            _ => &[],
+        }
+    }
+
+    /// The exchange that carries this one's gradient.
+    pub fn reversed(self) -> TokenExchange {
+        match self {
+            TokenExchange::Dispatch => TokenExchange::DispatchGrad,
+            TokenExchange::Combine => TokenExchange::CombineGrad,
+            TokenExchange::CombineGrad => TokenExchange::Combine,
+            TokenExchange::DispatchGrad => TokenExchange::Dispatch,
+        }
+    }
+}
+
+choice! {
     /// What a collective carries: its use in the plan, which says which buffers it reads
     /// and writes.
     pub enum CollectivePayload {
