@@ -2339,6 +2339,25 @@ fn bf16_products_train_equal_to_one_device_and_near_fp32() {
     }
 }
 
+/// `grad_precision: bf16`: gradients accumulated over the microbatches and reduced over the
+/// replicas in bf16 (`params::round_grads`, `transport::Rounding`). On one device, on
+/// replicas (the all-reduce), under ZeRO-2 (the reduce-scatter and the shard's sums) and
+/// on a pipeline, the losses move off the fp32 sums' by bf16's rounding and no further.
+#[test]
+fn gradients_accumulated_and_reduced_in_bf16_stay_within_its_rounding_of_fp32() {
+    let layers = "- embedding(20, 16) as tokens\n    - pos_embedding\n    - repeat 2: transformer_block(d=16, heads=2, ff=32, causal=true)\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)";
+    let base = Job { optimizer: ADAM, layers, steps: 6, precision: "bf16", ..Job::default() };
+    for (devices, stages) in [(1, "\"1\""), (4, "\"4\""), (4, "\"4\"\n  zero: 2"), (2, "\"1-1\"")] {
+        let job = Job { devices, stages, ..base };
+        let fp32 = losses(&train(&plan(&job)));
+        let bf16 = losses(&train(&plan(&Job { precision: "bf16\n  grad_precision: bf16", ..job })));
+        // the first loss comes before any update
+        assert_eq!(fp32[0], bf16[0], "{stages}");
+        let apart = fp32.iter().zip(&bf16).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
+        assert!(apart > 1e-7 && apart < 1e-2, "{stages}: bf16 gradients against fp32: {apart:e}\n{fp32:?}\n{bf16:?}");
+    }
+}
+
 /// A regression plan on `csv` (4 features, a target near 300) whose fp16 gradients overflow
 /// at the first loss scales: the output's gradient is about 2·300/8 per value, so at 65,536
 /// over 4 microbatches it is far past fp16's largest value (65,504).

@@ -9,8 +9,10 @@
 //!
 //! - the weights stay fp32 (the master copy every update changes), rounded to bf16 for each
 //!   product, as Megatron's bf16 model copy of its fp32 main parameters;
-//! - each weight gradient is a bf16 product summed into an fp32 sum over the microbatches,
-//!   as Megatron's `main_grad` (`accumulate_allreduce_grads_in_fp32`), then reduced in fp32;
+//! - each weight gradient is a bf16 product summed over the microbatches and reduced in the
+//!   plan's `grad_precision` (fp32 by default, as Megatron's `main_grad` with
+//!   `accumulate_allreduce_grads_in_fp32`; bf16 rounds the sum after each microbatch and
+//!   each partial sum of the reduction: `params::round_grads`, `transport::Rounding`);
 //! - softmax, the norms, the losses, the element-wise operations, convolutions and the
 //!   optimizer stay fp32 (autocast's fp32 list: softmax, norms, losses).
 //!

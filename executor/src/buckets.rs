@@ -267,7 +267,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let (flat, n_stats) = gradient_message(st, &st.parameter_sizes()?, range.clone(), last)?;
             (CollectiveKind::AllReduce, flat, n_stats, 0)
         };
-        let ticket = self.comm.start_collective(kind, members, flat, self.reduce, Some(code))?;
+        // summed in the plan's `grad_precision` (the statistics after the gradients in fp32)
+        let n = flat.len();
+        let period = if kind == CollectiveKind::ReduceScatter { n / members.len().max(1) } else { n };
+        let round = crate::transport::Rounding::of(self.plan.training.grad_precision, period - n_stats, period);
+        let ticket = self.comm.start_reduction(kind, members, flat, self.reduce, round, Some(code))?;
         let b =
             self.buckets.entry(stage).or_insert_with(|| BucketsInFlight { parts: Vec::new(), n_stats: 0, covered: 0 });
         b.parts.push((ticket, range));
@@ -284,7 +288,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// Every bucket's sums back into the stage's accumulator (`members` replicas
     /// contributed), the batch statistics after the last.
     pub(crate) fn buckets_in(&mut self, stage: StageId, b: BucketsInFlight, members: usize) -> Result<()> {
-        let dev = self.dev.clone();
+        let (dev, precision) = (self.dev.clone(), self.plan.training.grad_precision);
         let st = self.state(stage)?;
         if let Some(shard) = st.shard.as_mut() {
             // this replica's chunks of every bucket, laid out as one reduce-scatter of the
@@ -317,7 +321,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 segment.extend(c.ok_or(ExecError::Plan(format!("{stage}'s buckets do not cover its parameters")))?);
             }
             segment.extend(stats);
-            shard.add_gradients(&segment, &dev)?;
+            shard.add_gradients(&segment, &dev, precision)?;
             shard.contributions += b.covered * members;
             return Ok(());
         }

@@ -1215,7 +1215,7 @@ pub fn calibrate_links(devices: usize, reps: usize) -> LinkCalibration {
                                     let start = Instant::now();
                                     let data = crate::params::host_f32(grad.clone().into_data()).unwrap_or_default();
                                     if let Ok(sum) =
-                                        ep.collective(CollectiveKind::AllReduce, ids, data, ReduceMode::Ring)
+                                        ep.collective(CollectiveKind::AllReduce, ids, data, ReduceMode::Ring, None)
                                     {
                                         let back = Tensor::<burn::backend::Flex, 1>::from_data(
                                             burn::tensor::TensorData::new(sum, [n]),

@@ -13,6 +13,7 @@ use crate::dense::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::params::{flatten_grads, host_f32, layout, unflatten};
 use crate::stage::{set_tied_gradient, set_tied_gradient_shard, tied_gradient, tied_gradient_shard, StageState};
+use crate::transport::Rounding;
 use crate::worker::Worker;
 
 /// A collective in flight: its result to come, and where it goes.
@@ -93,9 +94,29 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             CollectivePayload::Weights => (self.shard(stage)?.master_segment()?, Landing::Weights),
             CollectivePayload::GradNorm => (vec![self.norm_share()? as f32], Landing::GradNorm),
         };
-        let result = self.comm.start_collective(kind, members, data, self.reduce, Some(code))?;
+        let round = self.gradient_rounding(stage, &data, &into)?;
+        let result = self.comm.start_reduction(kind, members, data, self.reduce, round, Some(code))?;
         self.collectives.insert((stage, group), InFlight { payload, result, into });
         Ok(())
+    }
+
+    /// How a collective of gradients sums in the plan's `grad_precision`: its gradients
+    /// rounded, the batch statistics that travel with them (after each replica's segment of
+    /// a reduce-scatter, after everything in an all-reduce) not. None for fp32 and for what
+    /// is not gradients.
+    fn gradient_rounding(&mut self, stage: StageId, data: &[f32], into: &Landing) -> Result<Option<Rounding>> {
+        let precision = self.plan.training.grad_precision;
+        let n = data.len();
+        Ok(match into {
+            Landing::Gradients { n_stats, .. } => Rounding::of(precision, n - n_stats, n),
+            Landing::GradientShard { members, .. } => {
+                let period = n / (*members).max(1);
+                let stats = self.state(stage)?.statistics_message()?.len();
+                Rounding::of(precision, period.saturating_sub(stats), period)
+            }
+            Landing::TiedGradient { .. } | Landing::TiedGradientShard { .. } => Rounding::of(precision, n, n),
+            Landing::Weights | Landing::GradNorm | Landing::Buckets { .. } => None,
+        })
     }
 
     /// `WaitCollective`: waits for `stage`'s collective on `group` and puts its result back.
@@ -115,10 +136,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 Ok(())
             }
             Landing::GradientShard { covered, members } => {
-                let dev = self.dev.clone();
+                let (dev, precision) = (self.dev.clone(), self.plan.training.grad_precision);
                 let st = self.state(stage)?;
                 let shard = st.shard.as_mut().ok_or_else(|| not_sharded(stage))?;
-                shard.add_gradients(&data, &dev)?;
+                shard.add_gradients(&data, &dev, precision)?;
                 shard.contributions += covered * members;
                 Ok(())
             }

@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use pipec_plan::{CollectiveKind, DeviceId, ReduceMode};
 
-use crate::transport::{Endpoint, Message, RecvHalf, SendHalf, Tag, TransportError};
+use crate::transport::{Endpoint, Message, RecvHalf, Rounding, SendHalf, Tag, TransportError};
 
 /// (instruction code, start, end): seconds from the run's start.
 pub type CommTrace = Vec<(usize, f64, f64)>;
@@ -41,6 +41,8 @@ enum Coll {
         members: Vec<DeviceId>,
         data: Vec<f32>,
         mode: ReduceMode,
+        /// How its sums round (`transport::Rounding`; None: fp32).
+        sum: Option<Rounding>,
         code: Option<usize>,
         reply: Sender<Result<Vec<f32>, TransportError>>,
     },
@@ -187,8 +189,22 @@ impl Comm {
         mode: ReduceMode,
         code: Option<usize>,
     ) -> Result<Ticket<Vec<f32>>, TransportError> {
+        self.start_reduction(kind, members, data, mode, None, code)
+    }
+
+    /// [`Comm::start_collective`] rounding its sums by `sum` (gradients reduced in the
+    /// plan's `grad_precision`).
+    pub fn start_reduction(
+        &self,
+        kind: CollectiveKind,
+        members: Vec<DeviceId>,
+        data: Vec<f32>,
+        mode: ReduceMode,
+        sum: Option<Rounding>,
+        code: Option<usize>,
+    ) -> Result<Ticket<Vec<f32>>, TransportError> {
         let (reply, rx) = channel();
-        self.coll.send(Coll::Run { kind, members, data, mode, code, reply }).map_err(|_| gone())?;
+        self.coll.send(Coll::Run { kind, members, data, mode, sum, code, reply }).map_err(|_| gone())?;
         Ok(Ticket(rx))
     }
 
@@ -288,8 +304,8 @@ fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, epoch: Instant) {
     let mut log = Log::new(epoch);
     for cmd in rx {
         match cmd {
-            Coll::Run { kind, members, data, mode, code, reply } => {
-                let _ = reply.send(log.run(code, || ep.collective(kind, &members, data, mode)));
+            Coll::Run { kind, members, data, mode, sum, code, reply } => {
+                let _ = reply.send(log.run(code, || ep.collective(kind, &members, data, mode, sum)));
             }
             Coll::Exchange { members, chunks, reply } => {
                 let _ = reply.send(log.run(None, || ep.all_to_all_v(&members, chunks)));

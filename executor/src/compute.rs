@@ -404,11 +404,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// Adds one microbatch's weight gradients (and its forward's batch statistics) to the
     /// stage's accumulator.
     pub(crate) fn add_gradient(&mut self, stage: StageId, mb: MicrobatchId, grads: WeightGrads<B>) -> Result<()> {
+        let precision = self.plan.training.grad_precision;
         let st = self.state(stage)?;
         if let Some((keys, deferred)) = grads.deferred {
             add_deferred_into_sums::<B>(&mut st.acc, &keys, deferred);
         }
         accumulate::<B>(&mut st.acc, grads.rest);
+        crate::params::round_grads::<B>(&mut st.acc, precision);
         self.count_contribution(stage, mb)
     }
 

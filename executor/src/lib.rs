@@ -359,23 +359,17 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     match plan.training.precision {
         pipec_plan::Precision::Fp32 => {}
         pipec_plan::Precision::Bf16 => out.push(
-            "under bf16 the executor computes every matrix product (dense layers, attention) in bf16 from fp32 master weights and sums gradients in fp32, as autocast does; the rest (norms, softmax, losses, convolutions) runs in fp32 and the activations kept for the backward are fp32, so its memory is above the plan's bf16 figures"
+            "under bf16 the executor computes every matrix product (dense layers, attention) in bf16 from fp32 master weights, as autocast does, and sums gradients in the plan's `grad_precision`; the rest (norms, softmax, losses, convolutions) runs in fp32 and the activations kept for the backward are fp32, so its memory is above the plan's bf16 figures"
                 .to_string(),
         ),
         pipec_plan::Precision::Fp16 if amp::scales_loss(plan) => out.push(
-            "under fp16 the executor computes every matrix product (dense layers, attention) in fp16 from fp32 master weights, with dynamic loss scaling (PyTorch's GradScaler: from 65536, halved and the step skipped on every device when a gradient is not finite, doubled after 2000 finite steps; metrics.jsonl has each step's `loss_scale` and `skipped`), and sums gradients in fp32; the rest (norms, softmax, losses, convolutions) runs in fp32 and the activations kept for the backward are fp32, so its memory is above the plan's fp16 figures"
+            "under fp16 the executor computes every matrix product (dense layers, attention) in fp16 from fp32 master weights, with dynamic loss scaling (PyTorch's GradScaler: from 65536, halved and the step skipped on every device when a gradient is not finite, doubled after 2000 finite steps; metrics.jsonl has each step's `loss_scale` and `skipped`), and sums gradients in the plan's `grad_precision`; the rest (norms, softmax, losses, convolutions) runs in fp32 and the activations kept for the backward are fp32, so its memory is above the plan's fp16 figures"
                 .to_string(),
         ),
         pipec_plan::Precision::Fp16 => out.push(
             "the plan asks for fp16 but the executor trains in fp32: fp16 needs dynamic loss scaling, and under an asynchronous schedule the stages update on their own clocks, so they could not skip the same steps (its memory figures assume fp16)"
                 .to_string(),
         ),
-    }
-    if amp::compute_dtype(plan).is_some() && plan.training.grad_precision != pipec_plan::Precision::Fp32 {
-        out.push(format!(
-            "the plan reduces gradients in {} but the executor sums and reduces them in fp32",
-            plan.training.grad_precision
-        ));
     }
     if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1) {
         out.push(format!(

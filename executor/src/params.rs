@@ -194,6 +194,20 @@ pub(crate) fn accumulate<B: AutodiffBackend>(acc: &mut FlatGrads<B>, flat: FlatG
     }
 }
 
+/// Rounds every accumulated gradient of `acc` to `precision` (nothing for fp32): gradients
+/// accumulated in the plan's `grad_precision`, as Megatron-LM's bf16 main grads are without
+/// `accumulate_allreduce_grads_in_fp32`.
+pub(crate) fn round_grads<B: AutodiffBackend>(acc: &mut FlatGrads<B>, precision: pipec_plan::Precision) {
+    let dtype = match precision {
+        pipec_plan::Precision::Fp32 => return,
+        pipec_plan::Precision::Bf16 => burn::tensor::FloatDType::BF16,
+        pipec_plan::Precision::Fp16 => burn::tensor::FloatDType::F16,
+    };
+    for g in acc.iter_mut() {
+        *g = g.take().map(|t| t.cast(dtype).cast(burn::tensor::FloatDType::F32));
+    }
+}
+
 /// The gradients of `acc`, concatenated over every parameter in visiting order (`sizes`:
 /// each one's values) — what an all-reduce or a push to the parameter server moves.
 pub(crate) fn flatten_grads<B: AutodiffBackend>(

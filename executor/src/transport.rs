@@ -8,7 +8,7 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pipec_plan::{CollectiveKind, DeviceId, ReduceMode};
+use pipec_plan::{CollectiveKind, DeviceId, Precision, ReduceMode};
 
 /// Identifies a point-to-point message: the plan's message identity, which both ends
 /// compute from their instructions (`Instr::transfer`).
@@ -91,20 +91,24 @@ pub trait Endpoint: Send {
     /// traffic (`coll_send`, `coll_recv`), so every transport computes the same values in
     /// the same order. `AllReduce`: the sum, by a ring or a parameter server (`algorithm`);
     /// `ReduceScatter`: this member's chunk of the sum (ring); `AllGather`: every member's
-    /// chunk, in member order (ring).
+    /// chunk, in member order (ring). A sum in bf16 or fp16 (`round`, [`Rounding`]) rounds
+    /// the member's values and every partial sum to that type.
     fn collective(
         &mut self,
         kind: CollectiveKind,
         group: &[DeviceId],
         mut data: Vec<f32>,
         algorithm: ReduceMode,
+        round: Option<Rounding>,
     ) -> Result<Vec<f32>, TransportError> {
         match (kind, algorithm) {
-            (CollectiveKind::AllReduce, ReduceMode::Ring) => ring_all_reduce(self, group, &mut data).map(|()| data),
-            (CollectiveKind::AllReduce, ReduceMode::ParameterServer) => {
-                ps_all_reduce(self, group, &mut data).map(|()| data)
+            (CollectiveKind::AllReduce, ReduceMode::Ring) => {
+                ring_all_reduce_in(self, group, &mut data, round).map(|()| data)
             }
-            (CollectiveKind::ReduceScatter, _) => ring_reduce_scatter(self, group, data),
+            (CollectiveKind::AllReduce, ReduceMode::ParameterServer) => {
+                ps_all_reduce(self, group, &mut data, round).map(|()| data)
+            }
+            (CollectiveKind::ReduceScatter, _) => ring_reduce_scatter(self, group, data, round),
             (CollectiveKind::AllGather, _) => ring_all_gather(self, group, data),
             (CollectiveKind::AllToAll, _) => pairwise_all_to_all(self, group, data),
         }
@@ -149,16 +153,60 @@ fn ring_position<E: Endpoint + ?Sized>(
     Ok((me, group[(me + 1) % p], group[(me + p - 1) % p]))
 }
 
+/// A reduction in bf16 or fp16: the gradients in each member's data and every partial sum
+/// of them rounded by `to`, to nearest with ties to even, as NCCL's bf16 and fp16
+/// reductions store each hop's sum in the buffer's type. The data is segments of `period`
+/// values whose first `values` are gradients; the rest of each (batch statistics) adds in
+/// fp32.
+#[derive(Clone, Copy, Debug)]
+pub struct Rounding {
+    pub to: fn(f32) -> f32,
+    pub values: usize,
+    pub period: usize,
+}
+
+impl Rounding {
+    /// The rounding of a sum in `precision` of data in segments of `period` values whose
+    /// first `values` round; None for fp32 (exact f32 additions).
+    pub fn of(precision: Precision, values: usize, period: usize) -> Option<Rounding> {
+        let to: fn(f32) -> f32 = match precision {
+            Precision::Fp32 => return None,
+            Precision::Bf16 => |x| half::bf16::from_f32(x).to_f32(),
+            Precision::Fp16 => |x| half::f16::from_f32(x).to_f32(),
+        };
+        Some(Rounding { to, values, period: period.max(1) })
+    }
+
+    /// Value `at` of the data: rounded when it is a gradient.
+    fn at(self, at: usize, x: f32) -> f32 {
+        if at % self.period < self.values {
+            (self.to)(x)
+        } else {
+            x
+        }
+    }
+
+    /// Rounds `data`'s own values (before they are summed).
+    fn own(round: Option<Rounding>, data: &mut [f32]) {
+        if let Some(r) = round {
+            data.iter_mut().enumerate().for_each(|(i, x)| *x = r.at(i, *x));
+        }
+    }
+}
+
 /// The reduce-scatter half of a ring: p−1 steps of n/p values each, after which member
-/// `me` holds the complete sum of chunk `(me + 1) mod p` in place.
+/// `me` holds the complete sum of chunk `(me + 1) mod p` in place (each value and partial
+/// sum rounded by `round`).
 fn ring_reduce_half<E: Endpoint + ?Sized>(
     ep: &mut E,
     group: &[DeviceId],
     data: &mut [f32],
+    round: Option<Rounding>,
 ) -> Result<(), TransportError> {
     let p = group.len();
     let (me, next, prev) = ring_position(ep, group)?;
     let n = data.len();
+    Rounding::own(round, data);
     for step in 0..p - 1 {
         let send_i = (me + p - step) % p;
         let recv_i = (me + p - step - 1) % p;
@@ -168,8 +216,12 @@ fn ring_reduce_half<E: Endpoint + ?Sized>(
         if incoming.len() != range.len() {
             return Err(TransportError::Other("members of a collective sent different sizes".into()));
         }
-        for (d, x) in data[range].iter_mut().zip(incoming) {
-            *d += x;
+        let start = range.start;
+        match round {
+            None => data[range].iter_mut().zip(incoming).for_each(|(d, x)| *d += x),
+            Some(r) => {
+                data[range].iter_mut().zip(incoming).enumerate().for_each(|(k, (d, x))| *d = r.at(start + k, *d + x))
+            }
         }
     }
     Ok(())
@@ -181,11 +233,22 @@ pub fn ring_all_reduce<E: Endpoint + ?Sized>(
     group: &[DeviceId],
     data: &mut [f32],
 ) -> Result<(), TransportError> {
+    ring_all_reduce_in(ep, group, data, None)
+}
+
+/// [`ring_all_reduce`] with values and partial sums rounded by `round`.
+fn ring_all_reduce_in<E: Endpoint + ?Sized>(
+    ep: &mut E,
+    group: &[DeviceId],
+    data: &mut [f32],
+    round: Option<Rounding>,
+) -> Result<(), TransportError> {
     let p = group.len();
     if p <= 1 {
+        Rounding::own(round, data);
         return Ok(());
     }
-    ring_reduce_half(ep, group, data)?;
+    ring_reduce_half(ep, group, data, round)?;
     let (me, next, prev) = ring_position(ep, group)?;
     let n = data.len();
     for step in 0..p - 1 {
@@ -205,12 +268,14 @@ pub fn ring_reduce_scatter<E: Endpoint + ?Sized>(
     ep: &mut E,
     group: &[DeviceId],
     mut data: Vec<f32>,
+    round: Option<Rounding>,
 ) -> Result<Vec<f32>, TransportError> {
     let p = group.len();
     if p <= 1 {
+        Rounding::own(round, &mut data);
         return Ok(data);
     }
-    ring_reduce_half(ep, group, &mut data)?;
+    ring_reduce_half(ep, group, &mut data, round)?;
     // member me holds chunk (me + 1) mod p complete: it belongs to its next neighbour
     let (me, next, prev) = ring_position(ep, group)?;
     let n = data.len();
@@ -296,13 +361,16 @@ pub fn ps_all_reduce<E: Endpoint + ?Sized>(
     ep: &mut E,
     group: &[DeviceId],
     data: &mut [f32],
+    round: Option<Rounding>,
 ) -> Result<(), TransportError> {
     let server = group[0];
+    Rounding::own(round, data);
     if ep.device() == server {
         for &m in &group[1..] {
             let part = ep.coll_recv(m)?;
-            for (d, x) in data.iter_mut().zip(part) {
-                *d += x;
+            match round {
+                None => data.iter_mut().zip(part).for_each(|(d, x)| *d += x),
+                Some(r) => data.iter_mut().zip(part).enumerate().for_each(|(k, (d, x))| *d = r.at(k, *d + x)),
             }
         }
         for &m in &group[1..] {
@@ -544,6 +612,17 @@ mod tests {
         algorithm: ReduceMode,
         input: impl Fn(usize) -> Vec<f32>,
     ) -> Vec<Vec<f32>> {
+        run_summing(kind, p, algorithm, None, input)
+    }
+
+    /// [`run_collective`] rounding its sums by `sum`.
+    fn run_summing(
+        kind: CollectiveKind,
+        p: usize,
+        algorithm: ReduceMode,
+        sum: Option<Rounding>,
+        input: impl Fn(usize) -> Vec<f32>,
+    ) -> Vec<Vec<f32>> {
         let devices: Vec<DeviceId> = (0..p as u32).map(DeviceId).collect();
         let eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_secs(10));
         let handles: Vec<_> = eps
@@ -551,10 +630,53 @@ mod tests {
             .enumerate()
             .map(|(i, mut ep)| {
                 let (group, data) = (devices.clone(), input(i));
-                std::thread::spawn(move || ep.collective(kind, &group, data, algorithm))
+                std::thread::spawn(move || ep.collective(kind, &group, data, algorithm, sum))
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("thread").expect("collective")).collect()
+    }
+
+    /// A bf16 or fp16 sum rounds every member's values and every partial sum to that type,
+    /// in the ring's order: chunk c is x_c, then + x_{c+1}, … + x_{c−1}, each rounded; the
+    /// parameter server adds the members in order. Only the first `values` values round
+    /// (the batch statistics after a stage's gradients add in fp32). The result differs from
+    /// the fp32 sum rounded once, and the reduce-scatter is the all-reduce's chunk, bit for
+    /// bit.
+    #[test]
+    fn a_reduction_in_bf16_or_fp16_rounds_each_partial_sum_in_ring_order() {
+        let (p, n, values) = (3usize, 9usize, 7usize);
+        // values just above 1 whose partial sums fall between bf16's and fp16's steps
+        let input = |i: usize| (0..n).map(|k| 1.0 + (i * 7 + k * 3 + 1) as f32 * 1e-3).collect::<Vec<f32>>();
+        for precision in [Precision::Bf16, Precision::Fp16] {
+            let round = Rounding::of(precision, values, n).expect("a low precision rounds");
+            let r = |k: usize, x: f32| if k < values { (round.to)(x) } else { x };
+            let ring: Vec<f32> = (0..n)
+                .map(|k| {
+                    let c = (0..p).find(|&c| chunk(n, p, c).contains(&k)).expect("a chunk");
+                    (1..p).fold(r(k, input(c)[k]), |acc, j| r(k, r(k, input((c + j) % p)[k]) + acc))
+                })
+                .collect();
+            let all = run_summing(CollectiveKind::AllReduce, p, ReduceMode::Ring, Some(round), input);
+            assert!(all.iter().all(|a| a == &ring), "{precision}: {all:?} vs {ring:?}");
+            let once: Vec<f32> = (0..values).map(|k| (round.to)((0..p).map(|i| input(i)[k]).sum())).collect();
+            assert_ne!(ring[..values], once, "{precision}: the rounding of each partial sum shows");
+            let exact = run_collective(CollectiveKind::AllReduce, p, ReduceMode::Ring, input);
+            assert_eq!(ring[values..], exact[0][values..], "{precision}: the statistics add in fp32");
+            let scattered = run_summing(CollectiveKind::ReduceScatter, p, ReduceMode::Ring, Some(round), input);
+            for (i, part) in scattered.iter().enumerate() {
+                assert_eq!(part.as_slice(), &ring[chunk(n, p, i)], "{precision} member {i}");
+            }
+            let server: Vec<f32> =
+                (0..n).map(|k| (1..p).fold(r(k, input(0)[k]), |acc, i| r(k, acc + r(k, input(i)[k])))).collect();
+            let ps = run_summing(CollectiveKind::AllReduce, p, ReduceMode::ParameterServer, Some(round), input);
+            assert!(ps.iter().all(|a| a == &server), "{precision}: {ps:?} vs {server:?}");
+        }
+        assert!(Rounding::of(Precision::Fp32, n, n).is_none(), "fp32 adds exactly");
+        // segments: every third value is a statistic
+        let round = Rounding::of(Precision::Bf16, 2, 3).expect("bf16");
+        let x = 1.001f32;
+        let kept: Vec<bool> = (0..6).map(|i| round.at(i, x) == x).collect();
+        assert_eq!(kept, [false, false, true, false, false, true]);
     }
 
     #[test]

@@ -225,14 +225,17 @@ impl<B: ExecBackend> ShardState<B> {
 
     /// Adds a reduce-scatter's result (this replica's segment: its chunks of the sum, then
     /// the replicas' batch statistics summed) to the gradient shard and its statistics.
-    pub fn add_gradients(&mut self, segment: &[f32], dev: &B::Device) -> Result<()> {
+    pub fn add_gradients(&mut self, segment: &[f32], dev: &B::Device, precision: pipec_plan::Precision) -> Result<()> {
         let (chunks, stats) = self.layout.split_segment(segment)?;
         let landed: Vec<Tensor<B::InnerBackend, 1>> =
             chunks.iter().map(|c| Tensor::from_data(TensorData::new(c.to_vec(), [c.len()]), dev)).collect();
-        self.grad = Some(match self.grad.take() {
-            Some(sum) => sum.into_iter().zip(landed).map(|(a, b)| a + b).collect(),
-            None => landed,
-        });
+        // accumulated in the plan's `grad_precision`
+        let mut sum: crate::params::FlatGrads<B> = match self.grad.take() {
+            Some(sum) => sum.into_iter().zip(landed).map(|(a, b)| Some(a + b)).collect(),
+            None => landed.into_iter().map(Some).collect(),
+        };
+        crate::params::round_grads::<B>(&mut sum, precision);
+        self.grad = Some(sum.into_iter().flatten().collect());
         if self.stats.is_empty() {
             self.stats = stats.to_vec();
         } else if self.stats.len() == stats.len() {
