@@ -255,10 +255,19 @@ fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
         }
     }
     if !report.weight_gathers.is_empty() {
-        let last: Vec<String> =
-            report.weight_gathers.iter().filter_map(|(d, g)| g.last().map(|n| format!("{d} {n}"))).collect();
+        let prefetched = |d: &pipec_plan::DeviceId| report.prefetched_gathers.get(d).and_then(|p| p.last()).copied();
+        let last: Vec<String> = report
+            .weight_gathers
+            .iter()
+            .filter_map(|(d, g)| {
+                g.last().map(|n| match prefetched(d) {
+                    Some(p) if p > 0 => format!("{d} {n} ({p} prefetched)"),
+                    _ => format!("{d} {n}"),
+                })
+            })
+            .collect();
         eprintln!(
-            "ZeRO-3 gathers of whole stage weights in the last step (one for each pass that found them dropped): {}",
+            "ZeRO-3 gathers of whole stage weights in the last step (one for each pass that found them dropped; prefetched: started during the pass before, for another stage): {}",
             last.join(", ")
         );
     }

@@ -349,6 +349,14 @@ fn gradients_reduced_in_bf16_over_mpi_equal_in_process_exactly() {
 fn zero_with_tied_weights_and_batch_statistics_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_for(TIED_LM, "\"2-2\"\n  zero: 2", 4);
     equal_to_in_process_for(BATCH_NORM, "\"2-1\"\n  zero: 3", 3);
+    // ZeRO-3 on an interleaved pipeline that recomputes: each pass prefetches the other
+    // chunk's whole weights on the communication thread, in step on every replica
+    equal_to_in_process_with(
+        CHAIN,
+        "\"2-2\"\n  zero: 3\n  recompute: true",
+        4,
+        "{ kind: interleaved, virtual_stages: 2 }",
+    );
 }
 
 #[test]

@@ -309,4 +309,26 @@ fn zero_3_gathers_a_recomputed_stage_for_every_pass_and_drops_it_between() {
     let report = train(&p, tempfile::tempdir().expect("tempdir").path());
     assert_eq!(report.weight_gathers.len(), 4);
     assert!(report.weight_gathers.values().all(|g| g == &vec![0, 1]), "{:?}", report.weight_gathers);
+    // one stage per device: nothing to prefetch (the next pass is the same stage's)
+    assert!(report.prefetched_gathers.values().all(|g| g == &vec![0, 0]), "{:?}", report.prefetched_gathers);
+}
+
+/// ZeRO-3's prefetch, the stage as the unit: on an interleaved pipeline each device holds
+/// two chunks, and while one computes, the whole weights of the other, which the next pass
+/// needs, are gathered on the communication thread. Trains like one device; every device
+/// prefetched some of its gathers in the second step (the first step's first passes find
+/// the weights the stages were built with), and a prefetched gather is still one gather.
+#[test]
+fn zero_3_prefetches_the_next_stages_weights_during_a_pass() {
+    let strategy = "  stages: \"2-2\"\n  schedule: { kind: interleaved, virtual_stages: 2 }\n  microbatches: 4\n  recompute: true\n  zero: 3";
+    for optimizer in [SGD, ADAM] {
+        assert_trains_like(MLP, optimizer, (4, strategy), ONE_DEVICE);
+    }
+    let p = plan(&spec(MLP, 4, strategy, ADAM, 2));
+    let report = train(&p, tempfile::tempdir().expect("tempdir").path());
+    assert_eq!(report.prefetched_gathers.len(), 4, "{:?}", report.prefetched_gathers);
+    for (d, prefetched) in &report.prefetched_gathers {
+        let gathers = &report.weight_gathers[d];
+        assert!(prefetched[1] > 0 && prefetched[1] <= gathers[1], "{d}: {prefetched:?} of {gathers:?}");
+    }
 }

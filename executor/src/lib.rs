@@ -237,8 +237,10 @@ pub struct RunReport {
     pub peak_in_flight: BTreeMap<DeviceId, BTreeMap<StageId, u32>>,
     /// Peak weight versions alive per stage (live + stashed), over the run.
     pub peak_versions: BTreeMap<DeviceId, BTreeMap<StageId, u32>>,
-    /// ZeRO-3: per device, the all-gathers of its stages' whole weights in each step.
+    /// ZeRO-3: per device, the all-gathers of its stages' whole weights in each step, and
+    /// how many of them were prefetched during the pass before.
     pub weight_gathers: BTreeMap<DeviceId, Vec<u32>>,
+    pub prefetched_gathers: BTreeMap<DeviceId, Vec<u32>>,
     /// Checkpoints written.
     pub checkpoints: Vec<PathBuf>,
     /// Where each device of this process ran (`cpu`, `GPU 0`, ...).
@@ -397,7 +399,7 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     }
     if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters {
         out.push(
-            "under `zero: 3` the executor gathers a stage's whole weights, not each layer's, for a pass and drops them once no kept graph holds them (a recomputed stage after every pass; otherwise after its last backward of the step); the plan's cost and memory figures gather each layer for each pass, as FSDP does: the executor's peak holds a stage's whole weights"
+            "under `zero: 3` the executor gathers a stage's whole weights, not each layer's, for a pass and drops them once no kept graph holds them (a recomputed stage after every pass; otherwise after its last backward of the step), prefetching another stage's for the device's next pass while a pass computes; the plan's cost and memory figures gather each layer for each pass, as FSDP does: the executor's peak holds a stage's whole weights"
                 .to_string(),
         );
     }

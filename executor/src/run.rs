@@ -507,6 +507,9 @@ impl Coordinator<'_> {
             if let Some(n) = r.weight_gathers {
                 report.weight_gathers.entry(r.device).or_default().push(n);
             }
+            if let Some(n) = r.prefetched_gathers {
+                report.prefetched_gathers.entry(r.device).or_default().push(n);
+            }
             for (peaks, of) in
                 [(&mut report.peak_in_flight, &r.peak_in_flight), (&mut report.peak_versions, &r.peak_versions)]
             {

@@ -47,8 +47,9 @@ pub struct StepReport {
     /// Peak microbatches kept for the backward at once, per stage.
     pub peak_in_flight: HashMap<StageId, u32>,
     /// ZeRO-3 (a device holding a stage sharded so): the all-gathers of its stages' whole
-    /// weights this step ran.
+    /// weights this step ran, and how many of them were prefetched during the pass before.
     pub weight_gathers: Option<u32>,
+    pub prefetched_gathers: Option<u32>,
     /// Peak weight versions alive at once (live + stashed), per stage.
     pub peak_versions: HashMap<StageId, u32>,
     /// Validation (a forward-only run of a held-out batch): per microbatch whose loss this
@@ -108,8 +109,14 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     /// Split backwards' weight halves to come (`BackwardWeight`).
     pub(crate) pending_weight_grads: HashMap<(StageId, MicrobatchId), WeightGrads<B>>,
     pub(crate) in_flight: HashMap<StageId, u32>,
-    /// ZeRO-3: the all-gathers of whole weights since the step started.
+    /// ZeRO-3: the all-gathers of whole weights since the step started, and those of them
+    /// prefetched ([`Worker::prefetch_weights`]).
     pub(crate) weight_gathers: u32,
+    pub(crate) prefetched_gathers: u32,
+    /// ZeRO-3: whole weights being gathered ahead of the pass that needs them, per stage.
+    pub(crate) prefetched: HashMap<StageId, Ticket<Vec<f32>>>,
+    /// The step's instructions (what a prefetch looks ahead in).
+    pub(crate) step_instrs: Vec<Instr>,
     /// Receives posted ahead, by position in the step.
     pub(crate) posted: HashMap<usize, Ticket<Message>>,
     /// All-reduces in flight, per stage.
@@ -182,6 +189,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             pending_weight_grads: HashMap::new(),
             in_flight: HashMap::new(),
             weight_gathers: 0,
+            prefetched_gathers: 0,
+            prefetched: HashMap::new(),
+            step_instrs: Vec::new(),
             posted: HashMap::new(),
             collectives: HashMap::new(),
             peak_gradients: 0,
@@ -241,6 +251,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .collect();
         let instrs: Vec<Instr> = all.iter().map(|(_, i)| i.clone()).collect();
         self.bucketed = crate::buckets::bucketed_backwards(self.plan, &instrs);
+        self.prefetched.clear();
         // the stages whose whole backward feeds its buckets run their forwards in segments
         self.segmented = self
             .bucketed
@@ -248,6 +259,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .filter(|&&b| matches!(instrs[b], Instr::Backward { .. }))
             .map(|&b| instrs[b].stage())
             .collect();
+        self.step_instrs = instrs;
         // the next message instruction not yet handed to the communication thread
         let mut issued = 0;
         let mut last = 0;
@@ -315,7 +327,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         }
         report.peak_versions = versions;
         let gathers = std::mem::take(&mut self.weight_gathers);
-        report.weight_gathers = self.stages.keys().any(|s| self.sharded_at_3(*s)).then_some(gathers);
+        let prefetched = std::mem::take(&mut self.prefetched_gathers);
+        let sharded = self.stages.keys().any(|s| self.sharded_at_3(*s));
+        report.weight_gathers = sharded.then_some(gathers);
+        report.prefetched_gathers = sharded.then_some(prefetched);
         report.grad_norm = self.grad_norm;
         if let (Some(ls), Some(norm)) = (self.loss_scale, self.grad_norm) {
             // every device saw the same norm (the plan's `grad_norm`), so every device's
@@ -356,15 +371,18 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
             Instr::Forward { stage, mb } => {
                 self.gather_weights(stage)?;
+                self.prefetch_weights(at)?;
                 self.forward(stage, mb, report)?;
                 self.release_unpinned(stage)
             }
             Instr::Recompute { stage, mb } => {
                 self.gather_weights(stage)?;
+                self.prefetch_weights(at)?;
                 self.recompute(stage, mb)
             }
             Instr::Backward { stage, mb } => {
                 self.gather_weights(stage)?;
+                self.prefetch_weights(at)?;
                 match self.bucketed.get(&at).copied() {
                     // the stage's last gradient of the step: its buckets start in the pass
                     Some(group) => {
@@ -381,6 +399,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
             Instr::BackwardInput { stage, mb } => {
                 self.gather_weights(stage)?;
+                self.prefetch_weights(at)?;
                 // the input gradients, and every gradient but the dense weights' products,
                 // which wait for the plan's BackwardWeight
                 let grads = self.run_backward(stage, mb, true)?;
@@ -786,15 +805,69 @@ impl<B: ExecBackend> Worker<'_, B> {
         if shard.gathered {
             return Ok(());
         }
-        let group = shard.group;
-        let data = shard.master_segment()?;
-        let members = crate::collectives::members(self.plan, group)?;
-        let gathered =
-            self.comm.collective(pipec_plan::CollectiveKind::AllGather, &members, data, self.reduce, None)?;
+        let gathered = match self.prefetched.remove(&stage) {
+            Some(ticket) => {
+                self.prefetched_gathers += 1;
+                ticket.wait()?
+            }
+            None => self.start_gather(stage)?.wait()?,
+        };
         self.weight_gathers += 1;
         let st = self.state(stage)?;
         let whole = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?.layout.whole(&gathered)?;
         crate::zero::restore_weights(st, whole)
+    }
+}
+
+impl<B: ExecBackend> Worker<'_, B> {
+    /// ZeRO-3: starts the all-gather of `stage`'s whole weights from the replicas' shards.
+    fn start_gather(&self, stage: StageId) -> Result<Ticket<Vec<f32>>> {
+        let shard =
+            self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("the stage's shard"))?;
+        let members = crate::collectives::members(self.plan, shard.group)?;
+        let data = shard.master_segment()?;
+        Ok(self.comm.start_collective(pipec_plan::CollectiveKind::AllGather, members, data, self.reduce, None)?)
+    }
+
+    /// ZeRO-3's prefetch (FSDP's unit prefetch, with the stage as the unit): while the pass
+    /// at position `at` of the step computes, the whole weights of the stage the device's
+    /// next pass needs are gathered on its communication thread, when that is another stage
+    /// sharded at stage 3 whose weights are not here and nothing between the two passes
+    /// touches it (no update, no collective). Every replica of that stage runs the same
+    /// program, so each starts the gather at the same point of its communication order.
+    /// Not while evaluating.
+    pub(crate) fn prefetch_weights(&mut self, at: usize) -> Result<()> {
+        if self.evaluating.is_some() {
+            return Ok(());
+        }
+        let Some(current) = self.step_instrs.get(at).map(Instr::stage) else { return Ok(()) };
+        let needs_weights = |i: &Instr| {
+            matches!(
+                i,
+                Instr::Forward { .. } | Instr::Recompute { .. } | Instr::Backward { .. } | Instr::BackwardInput { .. }
+            )
+        };
+        let Some(j) = (at + 1..self.step_instrs.len()).find(|&j| needs_weights(&self.step_instrs[j])) else {
+            return Ok(());
+        };
+        let next = self.step_instrs[j].stage();
+        let gathered = self.stages.get(&next).and_then(|s| s.shard.as_ref()).is_none_or(|shard| shard.gathered);
+        if next == current || gathered || !self.sharded_at_3(next) || self.prefetched.contains_key(&next) {
+            return Ok(());
+        }
+        // the weights must be those the pass finds: nothing in between updates the stage
+        let quiet = self.step_instrs[at + 1..j].iter().all(|i| {
+            i.stage() != next
+                || matches!(
+                    i.phase(),
+                    pipec_plan::Phase::Communication | pipec_plan::Phase::Memory | pipec_plan::Phase::BackwardWeight
+                ) && !matches!(i, Instr::StashWeights { .. } | Instr::RestoreWeights { .. })
+        });
+        if quiet {
+            let ticket = self.start_gather(next)?;
+            self.prefetched.insert(next, ticket);
+        }
+        Ok(())
     }
 }
 
