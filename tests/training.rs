@@ -1387,8 +1387,24 @@ fn a_plan_whose_all_to_alls_differ_from_the_passes_stops_the_run() {
         e.contains("made 1 all-to-all(s) that the plan does not list after it, the first a dispatch_grad at layer 1"),
         "{e}"
     );
-    // the plan as compiled trains
-    train(&p);
+    // the plan as compiled trains, and its timeline shows each all-to-all where it ran:
+    // inside the pass before it, none of them instantaneous
+    let report = train(&p);
+    let mut seen = 0;
+    for &(d, step, code, start, end) in &report.timeline {
+        let stream = &p.streams[&d];
+        let Some(Instr::AllToAll { .. }) = stream.get(code) else { continue };
+        let pass = (0..code).rev().find(|&i| !matches!(stream[i], Instr::AllToAll { .. })).expect("a pass before it");
+        let &(_, _, _, p0, p1) =
+            report.timeline.iter().find(|t| (t.0, t.1, t.2) == (d, step, pass)).expect("the pass is in the timeline");
+        assert!(
+            p0 <= start && start < end && end <= p1,
+            "{d} step {step}: `{}` ran {start}..{end}, its pass {p0}..{p1}",
+            stream[code]
+        );
+        seen += 1;
+    }
+    assert!(seen > 0, "no all-to-all in the timeline");
 }
 
 #[test]

@@ -953,7 +953,56 @@ proptest! {
         }
         prop_assert!(covered.iter().all(|&c| c == 1));
     }
+
+    /// Generated expert-parallel plans: clean, every pass of an expert stage posts its
+    /// layers' two exchanges right after it, and every member of an expert group posts the
+    /// same all-to-alls (stage, layer, exchange, size) in the same order.
+    #[test]
+    fn verifier_accepts_every_generated_expert_parallel_plan(
+        sched in 0usize..7, two_stages in any::<bool>(), replicas in prop::sample::select(vec![2usize, 4]),
+        whole_group in any::<bool>(), n_mult in 2usize..4,
+    ) {
+        let schedule = ["gpipe", "1f1b", "zbv", "dualpipev", "dualpipe", "chimera", "{ kind: interleaved, virtual_stages: 2 }"][sched];
+        let ep = if whole_group { replicas } else { 2 };
+        // the V-shaped, bidirectional and interleaved schedules need a pipeline
+        let two_stages = two_stages || sched >= 2;
+        let stages = if two_stages { format!("\"{replicas}-{replicas}\"") } else { format!("\"{replicas}\"") };
+        let devices = replicas * if two_stages { 2 } else { 1 };
+        let text = moe_spec(devices, replicas * 2 * n_mult, schedule, &stages, ep);
+        let checked = pipec_grammar::check_source(&text);
+        let Some(spec) = checked.spec else { return Err(TestCaseError::reject("a layout the front end refuses")) };
+        let Ok(c) = compile(&spec, &CompileOptions::default()).into_compiled() else {
+            return Err(TestCaseError::reject("a layout the compiler refuses"));
+        };
+        prop_assert!(verify_plan(&c, &c.plan.streams).is_empty());
+        let mut lists: std::collections::BTreeMap<pipec_plan::GroupId, Vec<Vec<Posted>>> = Default::default();
+        for stream in c.plan.streams.values() {
+            let mut mine: std::collections::BTreeMap<pipec_plan::GroupId, Vec<Posted>> = Default::default();
+            for (i, ins) in stream.iter().enumerate() {
+                let exchanges = pipec_plan::TokenExchange::of_pass(ins.phase()).len();
+                let stage = &c.plan.stages[ins.stage().0 as usize];
+                let want = if stage.expert_parallel > 1 { exchanges * stage.all_to_alls.len() } else { 0 };
+                let after = stream[i + 1..].iter().take_while(|x| matches!(x, Instr::AllToAll { .. })).count();
+                if !matches!(ins, Instr::AllToAll { .. }) {
+                    prop_assert_eq!(after, want, "`{}`", ins);
+                }
+                if let Instr::AllToAll { stage, layer, exchange, group, bytes, .. } = ins {
+                    mine.entry(*group).or_default().push((*stage, *layer, exchange.name().to_string(), *bytes));
+                }
+            }
+            for (g, list) in mine {
+                lists.entry(g).or_default().push(list);
+            }
+        }
+        prop_assert!(!lists.is_empty(), "no all-to-all at all");
+        for (g, members) in &lists {
+            prop_assert!(members.iter().all(|m| m == &members[0]), "{}: the members post different lists", g);
+        }
+    }
 }
+
+/// An all-to-all as its group's members must agree on it: stage, layer, exchange, bytes.
+type Posted = (StageId, u32, String, u64);
 
 /// Forwards take one unit, backwards two; communication is free.
 struct TwoToOne;

@@ -13,6 +13,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
@@ -34,9 +35,19 @@ pub struct ExpertGroup {
     /// exchange detached rows: a recorded exchange keeps its reverse (and the way to the
     /// group's collective thread) in a graph no backward consumes.
     pub tracked: bool,
-    /// The all-to-alls the passes made (layer, exchange), oldest first, until the plan's
-    /// `AllToAll` instructions after each pass account for them ([`ExpertGroup::account`]).
-    pub made: Arc<Mutex<VecDeque<(u32, TokenExchange)>>>,
+    /// The all-to-alls the passes made, oldest first, until the plan's `AllToAll`
+    /// instructions after each pass account for them ([`ExpertGroup::account`]).
+    pub made: Arc<Mutex<VecDeque<Made>>>,
+}
+
+/// An all-to-all a pass made: at its expert block `layer`, `exchange`, from `started` to
+/// `ended` (what the run's trace shows for the plan's instruction).
+#[derive(Clone, Copy, Debug)]
+pub struct Made {
+    pub layer: u32,
+    pub exchange: TokenExchange,
+    pub started: Instant,
+    pub ended: Instant,
 }
 
 impl ExpertGroup {
@@ -92,20 +103,22 @@ impl ExpertGroup {
     }
 
     /// Checks the plan's all-to-all `ins` — `exchange` at `layer` — against the next one a
-    /// pass made: the plan lists, after each pass, the all-to-alls it posts, in order.
-    pub fn account(&self, ins: &pipec_plan::Instr, layer: u32, exchange: TokenExchange) -> Result<(), String> {
+    /// pass made (the plan lists, after each pass, the all-to-alls it posts, in order), and
+    /// returns that one.
+    pub fn account(&self, ins: &pipec_plan::Instr, layer: u32, exchange: TokenExchange) -> Result<Made, String> {
         let made = self.made.lock().map_err(|_| "the expert group's record was poisoned".to_string())?.pop_front();
         match made {
-            Some(m) if m == (layer, exchange) => Ok(()),
-            Some((l, e)) => {
-                Err(format!("the plan's `{ins}` is not the all-to-all its pass made next ({e} at layer {l})"))
-            }
+            Some(m) if (m.layer, m.exchange) == (layer, exchange) => Ok(m),
+            Some(m) => Err(format!(
+                "the plan's `{ins}` is not the all-to-all its pass made next ({} at layer {})",
+                m.exchange, m.layer
+            )),
             None => Err(format!("the plan's `{ins}` is not an all-to-all its pass made (it made no more)")),
         }
     }
 
     /// The all-to-alls passes made that no `AllToAll` of the plan accounted for.
-    pub fn unaccounted(&self) -> Vec<(u32, TokenExchange)> {
+    pub fn unaccounted(&self) -> Vec<Made> {
         self.made.lock().map(|mut m| m.drain(..).collect()).unwrap_or_default()
     }
 
@@ -154,7 +167,9 @@ pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B,
         chunks.push(values[at * d..(at + n) * d].to_vec());
         at += n;
     }
+    let started = Instant::now();
     let got = ex.group.exchanger.exchange(&ex.group.members, chunks).map_err(|e| e.to_string())?;
+    let ended = Instant::now();
     for (i, (chunk, &n)) in got.iter().zip(&ex.recv).enumerate() {
         if chunk.len() != n * d {
             return Err(format!(
@@ -165,8 +180,8 @@ pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B,
             ));
         }
     }
-    if let (Some(what), Ok(mut made)) = (ex.what, ex.group.made.lock()) {
-        made.push_back(what);
+    if let (Some((layer, exchange)), Ok(mut made)) = (ex.what, ex.group.made.lock()) {
+        made.push_back(Made { layer, exchange, started, ended });
     }
     let n: usize = ex.recv.iter().sum();
     Ok(Tensor::from_data(TensorData::new(got.concat(), [n, d]), &device))

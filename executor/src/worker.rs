@@ -117,6 +117,8 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     pub(crate) prefetched: HashMap<StageId, Ticket<Vec<f32>>>,
     /// The step's instructions (what a prefetch looks ahead in).
     pub(crate) step_instrs: Vec<Instr>,
+    /// When the all-to-all the last instruction accounted for ran (inside its pass).
+    pub(crate) exchanged: Option<(Instant, Instant)>,
     /// Receives posted ahead, by position in the step.
     pub(crate) posted: HashMap<usize, Ticket<Message>>,
     /// All-reduces in flight, per stage.
@@ -192,6 +194,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             prefetched_gathers: 0,
             prefetched: HashMap::new(),
             step_instrs: Vec::new(),
+            exchanged: None,
             posted: HashMap::new(),
             collectives: HashMap::new(),
             peak_gradients: 0,
@@ -285,6 +288,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let t0 = start.elapsed().as_secs_f64();
             self.exec(ins, *code, at, &mut report).map_err(|e| (*code, e))?;
             let t1 = start.elapsed().as_secs_f64();
+            // an all-to-all ran inside the pass before it: the trace shows it where it ran
+            let since = |i: Instant| i.saturating_duration_since(start).as_secs_f64();
+            let (t0, t1) = self.exchanged.take().map_or((t0, t1), |(a, b)| (since(a), since(b)));
             report.trace.push((*code, t0, t1));
             let gradients: usize = self
                 .stages
@@ -499,7 +505,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 let group = self.experts.get(&stage).ok_or_else(|| {
                     ExecError::Plan(format!("`{ins}`: this device is in no expert-parallel group of {stage}"))
                 })?;
-                group.account(ins, layer, exchange).map_err(ExecError::Plan)
+                let made = group.account(ins, layer, exchange).map_err(ExecError::Plan)?;
+                self.exchanged = Some((made.started, made.ended));
+                Ok(())
             }
         }
     }
@@ -509,7 +517,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     fn exchanges_accounted(&self, stage: Option<StageId>) -> Result<()> {
         for (s, group) in self.experts.iter().filter(|(s, _)| stage.is_none_or(|x| x == **s)) {
             let left = group.unaccounted();
-            if let Some((layer, exchange)) = left.first() {
+            if let Some(crate::experts::Made { layer, exchange, .. }) = left.first() {
                 return Err(ExecError::Plan(format!(
                     "a pass of {s} made {} all-to-all(s) that the plan does not list after it, the first a {exchange} at layer {layer}",
                     left.len()
