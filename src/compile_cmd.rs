@@ -119,8 +119,8 @@ pub fn run(
     };
     let dir =
         out.unwrap_or_else(|| PathBuf::from("out").join(path.file_stem().and_then(|s| s.to_str()).unwrap_or("plan")));
-    let plan_json = match serde_json::to_string_pretty(plan) {
-        Ok(s) => s + "\n",
+    let plan_json = match pipec_plan::output::json_text(plan) {
+        Ok(s) => s,
         Err(e) => {
             eprintln!("error: cannot serialise the plan: {e}");
             return EXIT_USAGE;

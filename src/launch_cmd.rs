@@ -524,7 +524,7 @@ impl Replanner {
         let n = self.made;
         let elastic_dir = self.dir.join("elastic");
         let plan_path = elastic_dir.join(format!("plan-{n}.json"));
-        let plan_text = serde_json::to_string_pretty(&r.plan).unwrap_or_default() + "\n";
+        let plan_text = pipec_plan::output::json_text(&r.plan).unwrap_or_default();
         let mut written = write_atomic(&elastic_dir.join(format!("spec-{n}.yaml")), r.text.as_bytes())
             .and_then(|()| write_atomic(&plan_path, plan_text.as_bytes()));
         if attempt.slurm {

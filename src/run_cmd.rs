@@ -537,7 +537,7 @@ struct MetricsLog {
 
 impl MetricsLog {
     fn new(dir: &Path, first_step: usize, plan: &Plan) -> MetricsLog {
-        let plan_text = serde_json::to_string_pretty(plan).unwrap_or_default() + "\n";
+        let plan_text = pipec_plan::output::json_text(plan).unwrap_or_default();
         MetricsLog { dir: dir.to_path_buf(), plan_text, first_step, file: None, failed: false }
     }
 

@@ -15,3 +15,121 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), String> {
         format!("cannot write `{}`: {e}", path.display())
     })
 }
+
+/// The JSON text of a plan file: one field per line down to the third level (a stage, a
+/// device's stream) and everything deeper on one line (each instruction, each stage's
+/// layer range and route), so that a plan of tens of thousands of instructions reads one
+/// instruction per line. Parses back to the same value as any JSON.
+pub fn json_text<T: serde::Serialize>(value: &T) -> Result<String, serde_json::Error> {
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, Layered::default());
+    value.serialize(&mut ser)?;
+    out.push(b'\n');
+    // serde_json writes valid UTF-8
+    Ok(String::from_utf8(out).unwrap_or_default())
+}
+
+/// The levels laid out one item per line; deeper containers are written on one line.
+const LINED_LEVELS: usize = 3;
+
+/// [`json_text`]'s layout: per open container, whether it is on one line and whether it
+/// has an item yet.
+#[derive(Default)]
+struct Layered {
+    open: Vec<(bool, bool)>,
+}
+
+impl Layered {
+    fn begin<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        let flat = self.open.len() >= LINED_LEVELS || self.open.last().is_some_and(|o| o.0);
+        self.open.push((flat, false));
+        w.write_all(bracket)
+    }
+
+    fn end<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        let (flat, had) = self.open.pop().unwrap_or((true, false));
+        if !flat && had {
+            w.write_all(b"\n")?;
+            indent(w, self.open.len())?;
+        }
+        w.write_all(bracket)
+    }
+
+    fn item<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if !first {
+            w.write_all(b",")?;
+        }
+        match self.open.last().copied() {
+            Some((true, _)) if !first => w.write_all(b" "),
+            Some((true, _)) => Ok(()),
+            _ => {
+                w.write_all(b"\n")?;
+                indent(w, self.open.len())
+            }
+        }
+    }
+
+    fn done(&mut self) {
+        if let Some(o) = self.open.last_mut() {
+            o.1 = true;
+        }
+    }
+}
+
+fn indent<W: ?Sized + std::io::Write>(w: &mut W, levels: usize) -> std::io::Result<()> {
+    for _ in 0..levels {
+        w.write_all(b"  ")?;
+    }
+    Ok(())
+}
+
+impl serde_json::ser::Formatter for Layered {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.begin(w, b"[")
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.end(w, b"]")
+    }
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        self.item(w, first)
+    }
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.done();
+        Ok(())
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.begin(w, b"{")
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.end(w, b"}")
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        self.item(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.done();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Three levels one item per line, deeper ones on one line, and the same value back.
+    #[test]
+    fn a_plan_file_lays_each_deep_value_on_one_line() {
+        let value = serde_json::json!({
+            "version": 6,
+            "streams": { "d0": [{ "op": "forward", "stage": 0, "mb": 1 }, { "op": "free", "stage": 0, "mb": 1 }] },
+            "stages": [{ "id": 0, "layers": [0, 3], "empty": [], "none": {} }],
+        });
+        let text = json_text(&value).expect("serialises");
+        let want = "{\n  \"stages\": [\n    {\n      \"empty\": [],\n      \"id\": 0,\n      \"layers\": [0, 3],\n      \"none\": {}\n    }\n  ],\n  \"streams\": {\n    \"d0\": [\n      {\"mb\": 1, \"op\": \"forward\", \"stage\": 0},\n      {\"mb\": 1, \"op\": \"free\", \"stage\": 0}\n    ]\n  },\n  \"version\": 6\n}\n";
+        assert_eq!(text, want);
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&text).expect("parses"), value);
+    }
+}
