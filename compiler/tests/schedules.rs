@@ -905,8 +905,12 @@ fn evaluation_streams_are_golden_and_every_mutation_is_caught() {
 /// Two adjacent instructions whose order does not matter, so swapping them yields another
 /// valid program rather than a bug: neither writes a buffer the other reads or writes
 /// (no read-after-write, write-after-read or write-after-write dependency), they use
-/// different links, and they are not both collectives.
+/// different links, they are not both collectives, and neither is an all-to-all.
 fn commutes(a: &Instr, b: &Instr) -> bool {
+    // an all-to-all belongs where it stands, right after its pass, in its pass's order
+    if matches!(a, Instr::AllToAll { .. }) || matches!(b, Instr::AllToAll { .. }) {
+        return false;
+    }
     let conflict = |x: &Instr, y: &Instr| x.writes().iter().any(|w| y.reads().contains(w) || y.writes().contains(w));
     // Free ends the life of Saved: it conflicts with anything that touches Saved.
     let frees = |x: &Instr, y: &Instr| matches!(x, Instr::Free { stage, mb } if y.reads().iter().chain(y.writes().iter()).any(|b| *b == pipec_plan::Buffer::Saved { stage: *stage, mb: *mb }));
