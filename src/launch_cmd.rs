@@ -381,7 +381,7 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
             (resumed_at, steps_done),
             searched_because.as_deref(),
         );
-        if let Err(err) = append_line(&dir.join("metrics.jsonl"), &record.to_string()) {
+        if let Err(err) = pipec_plan::output::append_line(&dir.join("metrics.jsonl"), &record.to_string()) {
             eprintln!("warning: --elastic: the re-plan is not recorded: {err}");
         }
         let count = if ended.stopped { String::new() } else { format!("restart {restarts} of {}: ", e.max_restarts) };
@@ -643,20 +643,6 @@ fn completed_steps_in_metrics(dir: &Path) -> usize {
         .map(|s| s as usize + 1)
         .max()
         .unwrap_or(0)
-}
-
-/// Appends one line to a file (made if absent).
-fn append_line(path: &Path, line: &str) -> Result<(), String> {
-    use std::io::Write;
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| format!("cannot create `{}`: {e}", parent.display()))?;
-    }
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
-    writeln!(f, "{line}").map_err(|e| format!("cannot write `{}`: {e}", path.display()))
 }
 
 /// How long mpirun may take to end the job once a rank has aborted it (or Open MPI has

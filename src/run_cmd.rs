@@ -574,7 +574,8 @@ impl MetricsLog {
             }
         }
         if let Some(f) = &mut self.file {
-            let _ = writeln!(f, "{}", metrics_line(m));
+            // one write a line: a launcher may append its record while this run ends
+            let _ = pipec_plan::output::write_line(f, &metrics_line(m).to_string());
             let _ = f.flush();
         }
     }

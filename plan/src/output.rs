@@ -16,6 +16,31 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), String> {
     })
 }
 
+/// Appends `line` and its newline to `file` (open for appending) in one write, so that
+/// lines appended by several processes at once — a launcher's re-plan record beside a
+/// rank of a job being stopped, still writing its steps — never interleave.
+pub fn write_line(file: &mut std::fs::File, line: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut text = String::with_capacity(line.len() + 1);
+    text.push_str(line);
+    text.push('\n');
+    file.write_all(text.as_bytes())
+}
+
+/// Appends one line to the file at `path` (made if absent, with its directory), in one
+/// write ([`write_line`]).
+pub fn append_line(path: &Path, line: &str) -> Result<(), String> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| format!("cannot create `{}`: {e}", parent.display()))?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| format!("cannot write `{}`: {e}", path.display()))?;
+    write_line(&mut f, line).map_err(|e| format!("cannot write `{}`: {e}", path.display()))
+}
+
 /// The JSON text of a plan file: one field per line down to the third level (a stage, a
 /// device's stream) and everything deeper on one line (each instruction, each stage's
 /// layer range and route), so that a plan of tens of thousands of instructions reads one
@@ -118,6 +143,46 @@ impl serde_json::ser::Formatter for Layered {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Lines appended at once by several writers — some keeping the file open, some opening
+    /// it for each line, as a run's metrics and a launcher's records are — each stay whole.
+    #[test]
+    fn lines_appended_by_several_writers_at_once_stay_whole() {
+        let dir = std::env::temp_dir().join(format!("pipec-lines-{}", std::process::id()));
+        let path = dir.join("metrics.jsonl");
+        let _ = std::fs::remove_dir_all(&dir);
+        let (writers, lines) = (4usize, 400usize);
+        let line =
+            |w: usize, k: usize| format!("{{\"writer\": {w}, \"k\": {k}, \"pad\": \"{}\"}}", "x".repeat(200 + 37 * w));
+        std::thread::scope(|s| {
+            for w in 0..writers {
+                let path = &path;
+                s.spawn(move || {
+                    if w % 2 == 0 {
+                        for k in 0..lines {
+                            append_line(path, &line(w, k)).expect("appends");
+                        }
+                    } else {
+                        append_line(path, &line(w, 0)).expect("appends");
+                        let mut f = std::fs::OpenOptions::new().append(true).open(path).expect("opens");
+                        for k in 1..lines {
+                            write_line(&mut f, &line(w, k)).expect("writes");
+                        }
+                    }
+                });
+            }
+        });
+        let text = std::fs::read_to_string(&path).expect("reads");
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut seen = vec![0usize; writers];
+        for l in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("a broken line ({e}): {l}"));
+            let (w, k) = (v["writer"].as_u64().expect("writer") as usize, v["k"].as_u64().expect("k") as usize);
+            assert_eq!(l, line(w, k));
+            seen[w] += 1;
+        }
+        assert_eq!(seen, vec![lines; writers]);
+    }
 
     /// Three levels one item per line, deeper ones on one line, and the same value back.
     #[test]
