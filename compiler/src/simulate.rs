@@ -237,14 +237,18 @@ pub fn simulate(
     // backward's positions, what is left of the pair's time after the forward, and the
     // position of the pair's last all-to-all (those inside the pair are hidden in its time)
     let mut pair: FxHashMap<DeviceId, Pair> = FxHashMap::default();
-    // the seconds of the all-to-alls right after position `at` of `stream`
+    // an all-to-all's seconds over its group, when `dev` is one of its members
+    let all_to_all = |dev: DeviceId, group: &GroupId, bytes: u64| -> Option<f64> {
+        let members = groups.get(group).filter(|m| m.contains(&dev))?;
+        Some(cost.collective(CollectiveKind::AllToAll, *group, members, bytes))
+    };
+    // the seconds of the all-to-alls right after position `at` of `stream` (one that names a
+    // group without `dev` stops the run where it stands)
     let exchanged_after = |dev: DeviceId, stream: &[Instr], at: usize| -> (f64, usize) {
         let mut last = at;
         let mut t = 0.0;
         while let Some(Instr::AllToAll { group, bytes, .. }) = stream.get(last + 1) {
-            let one = [dev];
-            let members = groups.get(group).map_or(&one[..], Vec::as_slice);
-            t += cost.collective(CollectiveKind::AllToAll, *group, members, *bytes);
+            t += all_to_all(dev, group, *bytes).unwrap_or(0.0);
             last += 1;
         }
         (t, last)
@@ -355,11 +359,10 @@ pub fn simulate(
                 }
                 // inside its pass: the device waits for it (hidden inside an overlapped pair)
                 Instr::AllToAll { group, bytes, .. } => {
-                    let Some(members) = groups.get(group).filter(|m| m.contains(&dev)) else {
+                    let Some(t) = all_to_all(dev, group, *bytes) else {
                         error = Some(format!("{dev}: `{ins}` names a group it is not a member of"));
                         break;
                     };
-                    let t = cost.collective(CollectiveKind::AllToAll, *group, members, *bytes);
                     match pair.get(&dev) {
                         Some(p) if p.forward < i && i <= p.last => *overlapped.entry(dev).or_insert(0.0) += t,
                         _ => {

@@ -98,19 +98,6 @@ struct Experts<'a> {
     chunks: pipec_plan::schedule::ChunkPlacement,
 }
 
-impl<'a> Experts<'a> {
-    /// A plan's.
-    fn of(
-        plan: &pipec_plan::Plan,
-        groups: &'a HashMap<GroupId, Vec<DeviceId>>,
-        expert_parallel: &'a [usize],
-        all_to_alls: &'a [Vec<pipec_plan::ExpertExchange>],
-        expert_groups: &'a BTreeMap<GroupId, StageId>,
-    ) -> Self {
-        Experts { groups, expert_parallel, all_to_alls, expert_groups, chunks: plan.schedule.kind.chunk_placement() }
-    }
-}
-
 /// Per stage of a plan: its expert-parallel degree, its all-to-alls; and its expert groups.
 type PlanExperts = (Vec<usize>, Vec<Vec<pipec_plan::ExpertExchange>>, BTreeMap<GroupId, StageId>);
 
@@ -120,6 +107,11 @@ fn plan_experts(plan: &pipec_plan::Plan) -> PlanExperts {
         plan.stages.iter().map(|s| s.all_to_alls.clone()).collect(),
         plan.groups.iter().filter(|g| g.experts).map(|g| (g.id, g.stage)).collect(),
     )
+}
+
+/// Every group of a plan with its members.
+fn group_members(plan: &pipec_plan::Plan) -> HashMap<GroupId, Vec<DeviceId>> {
+    plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect()
 }
 
 /// Validation's forward-only streams through the verifier: each forward once on its routed
@@ -166,8 +158,7 @@ pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
         // a flush-free pipeline: the streams of 1, 2 and 3 steps, unrolled
         Some(f) => {
             let placement = placement_of(plan);
-            let groups: HashMap<GroupId, Vec<DeviceId>> =
-                plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
+            let groups = group_members(plan);
             let p = crate::periodic::Periodic {
                 body: plan.streams.clone(),
                 segments: f.clone(),
@@ -187,9 +178,16 @@ pub fn verify_plan(plan: &pipec_plan::Plan) -> Vec<String> {
     .into_iter()
     .chain(plan.eval.iter().flat_map(|eval| {
         let tp = plan.stages.first().and_then(|s| s.tensor_parallel.first()).map_or(1, Vec::len);
-        let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
+        let groups = group_members(plan);
         let (expert_parallel, all_to_alls, expert_groups) = plan_experts(plan);
-        let experts = Experts::of(plan, &groups, &expert_parallel, &all_to_alls, &expert_groups);
+        let chunks = plan.schedule.kind.chunk_placement();
+        let experts = Experts {
+            groups: &groups,
+            expert_parallel: &expert_parallel,
+            all_to_alls: &all_to_alls,
+            expert_groups: &expert_groups,
+            chunks,
+        };
         verify_eval(eval, &placement_of(plan), tp, plan.training.context_parallel.max(1), &experts)
             .into_iter()
             .map(|v| format!("validation: {v}"))
@@ -216,7 +214,7 @@ fn placement_of(plan: &pipec_plan::Plan) -> Placement {
 pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<Instr>>) -> Vec<String> {
     let placement = placement_of(plan);
     let (expert_parallel, all_to_alls, expert_groups) = plan_experts(plan);
-    let groups: HashMap<GroupId, Vec<DeviceId>> = plan.groups.iter().map(|g| (g.id, g.devices.clone())).collect();
+    let groups = group_members(plan);
     let kind = plan.schedule.kind;
     let ranks = plan.stages.len() / plan.schedule.virtual_stages.max(1);
     let input = VerifyInput {

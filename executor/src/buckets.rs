@@ -268,9 +268,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             (CollectiveKind::AllReduce, flat, n_stats, 0)
         };
         // summed in the plan's `grad_precision` (the statistics after the gradients in fp32)
-        let n = flat.len();
-        let period = if kind == CollectiveKind::ReduceScatter { n / members.len().max(1) } else { n };
-        let round = crate::transport::Rounding::of(self.plan.training.grad_precision, period - n_stats, period);
+        let precision = self.plan.training.grad_precision;
+        let round = crate::transport::Rounding::of_gradients(precision, kind, flat.len(), members.len(), n_stats);
         let ticket = self.comm.start_reduction(kind, members, flat, self.reduce, round, Some(code))?;
         let b =
             self.buckets.entry(stage).or_insert_with(|| BucketsInFlight { parts: Vec::new(), n_stats: 0, covered: 0 });

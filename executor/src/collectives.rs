@@ -106,15 +106,18 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// is not gradients.
     fn gradient_rounding(&mut self, stage: StageId, data: &[f32], into: &Landing) -> Result<Option<Rounding>> {
         let precision = self.plan.training.grad_precision;
+        if precision == pipec_plan::Precision::Fp32 {
+            return Ok(None);
+        }
         let n = data.len();
+        let of = |kind, members, n_stats| Rounding::of_gradients(precision, kind, n, members, n_stats);
         Ok(match into {
-            Landing::Gradients { n_stats, .. } => Rounding::of(precision, n - n_stats, n),
+            Landing::Gradients { n_stats, .. } => of(CollectiveKind::AllReduce, 1, *n_stats),
             Landing::GradientShard { members, .. } => {
-                let period = n / (*members).max(1);
                 let stats = self.state(stage)?.statistics_message()?.len();
-                Rounding::of(precision, period.saturating_sub(stats), period)
+                of(CollectiveKind::ReduceScatter, *members, stats)
             }
-            Landing::TiedGradient { .. } | Landing::TiedGradientShard { .. } => Rounding::of(precision, n, n),
+            Landing::TiedGradient { .. } | Landing::TiedGradientShard { .. } => of(CollectiveKind::AllReduce, 1, 0),
             Landing::Weights | Landing::GradNorm | Landing::Buckets { .. } => None,
         })
     }

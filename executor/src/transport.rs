@@ -177,6 +177,20 @@ impl Rounding {
         Some(Rounding { to, values, period: period.max(1) })
     }
 
+    /// A reduction of gradients in `precision`: `len` values, `n_stats` batch statistics
+    /// after the gradients of each member's segment — the whole data for an all-reduce, each
+    /// of the `members` segments of a reduce-scatter's input.
+    pub fn of_gradients(
+        precision: Precision,
+        kind: CollectiveKind,
+        len: usize,
+        members: usize,
+        n_stats: usize,
+    ) -> Option<Rounding> {
+        let period = if kind == CollectiveKind::ReduceScatter { len / members.max(1) } else { len };
+        Rounding::of(precision, period.saturating_sub(n_stats), period)
+    }
+
     /// Value `at` of the data: rounded when it is a gradient.
     fn at(self, at: usize, x: f32) -> f32 {
         if at % self.period < self.values {

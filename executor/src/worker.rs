@@ -845,7 +845,8 @@ impl<B: ExecBackend> Worker<'_, B> {
     /// program, so each starts the gather at the same point of its communication order.
     /// Not while evaluating.
     pub(crate) fn prefetch_weights(&mut self, at: usize) -> Result<()> {
-        if self.evaluating.is_some() {
+        // (the look-ahead only where some stage here is sharded at level 3)
+        if self.evaluating.is_some() || !self.stages.keys().any(|s| self.sharded_at_3(*s)) {
             return Ok(());
         }
         let Some(current) = self.step_instrs.get(at).map(Instr::stage) else { return Ok(()) };
