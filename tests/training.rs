@@ -3,6 +3,7 @@
 //! schedules keep their stashed versions and converge; checkpoints resume exactly; a failing
 //! worker stops the run; the executor never holds more activations than the plan predicted.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use pipec_compiler::{compile, CompileOptions};
@@ -1261,16 +1262,7 @@ fn expert_parallel_groups_train_equal_to_one_device() {
         (4, "\"2-2\"\n  ep: 2", "chimera"),
     ];
     let balanced_layers = layers(balanced);
-    let job = |devices, stages, schedule| Job {
-        devices,
-        stages,
-        schedule,
-        microbatches: 8,
-        optimizer: ADAM,
-        layers: &balanced_layers,
-        steps: 10,
-        ..Job::default()
-    };
+    let job = |devices, stages, schedule| expert_job(devices, stages, schedule, &balanced_layers, 10);
     let reference = train(&plan(&job(1, "\"1\"", "gpipe")));
     for (devices, stages, schedule) in layouts {
         let p = plan(&job(devices, stages, schedule));
@@ -1297,6 +1289,95 @@ fn expert_parallel_groups_train_equal_to_one_device() {
             });
         }
     }
+}
+
+/// A mixture of experts whose 8 routed experts divide over expert groups.
+const EXPERT_LM: &str = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=8, top_k=2, shared_experts=1, aux_loss=0.5)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
+
+/// `steps` Adam steps of 8 microbatches of `layers` on `devices` devices.
+fn expert_job<'a>(devices: usize, stages: &'a str, schedule: &'a str, layers: &'a str, steps: usize) -> Job<'a> {
+    Job { devices, stages, schedule, microbatches: 8, optimizer: ADAM, layers, steps, ..Job::default() }
+}
+
+/// [`EXPERT_LM`] without the load-balancing loss.
+const EXPERT_TP_LM: &str = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=8, top_k=2, shared_experts=1)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
+
+/// The weights of the newest checkpoint under `dir`, by (parameter, tensor-parallel rank).
+fn checkpoint_weights(dir: &std::path::Path) -> BTreeMap<(u64, u32), Vec<f32>> {
+    let loaded =
+        pipec_plan::checkpoint::read(&pipec_plan::checkpoint::locate(dir).expect("a checkpoint")).expect("readable");
+    loaded.params.into_iter().map(|(k, (_, v))| (k, v)).collect()
+}
+
+/// Expert parallelism divides the routed experts' state, not only their work: each member
+/// keeps the weights, gradients and optimizer state of its own experts (the plan's figures
+/// for its device), their gradients are summed over the replicas holding them, and a
+/// checkpoint joins every expert from its holders — the final weights are one device's, and
+/// the checkpoint resumes on one device and back.
+#[test]
+fn expert_parallel_members_keep_only_their_experts_and_checkpoints_join_them() {
+    let job = |devices, stages, schedule| expert_job(devices, stages, schedule, EXPERT_LM, 4);
+    let run = |j: Job<'_>, dir: &std::path::Path| {
+        // clipped by the global norm, which counts each expert once
+        let text = spec(&j).replace("  seed: 5\n", "  seed: 5\n  clip_grad_norm: 1.0\n  checkpoint: { every: 4 }\n");
+        let s = pipec_grammar::check_source(&text).spec.unwrap_or_else(|| panic!("bad spec\n{text}"));
+        let p = compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan;
+        let options = RunOptions { checkpoint_dir: Some(dir.to_path_buf()), ..Default::default() };
+        let r = pipec_executor::run(&p, &options, &mut |_| {}).unwrap_or_else(|e| panic!("run failed: {e}"));
+        (p, r)
+    };
+    let one = tempfile::tempdir().expect("tempdir");
+    let (_, reference) = run(job(1, "\"1\"", "gpipe"), one.path());
+    let whole = checkpoint_weights(one.path());
+    let mut whole_optimizer = 0;
+    for (devices, stages, schedule) in
+        [(2, "\"2\"\n  ep: 2", "gpipe"), (4, "\"4\"\n  ep: 2", "1f1b"), (4, "\"4\"\n  ep: 4", "gpipe")]
+    {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (p, got) = run(job(devices, stages, schedule), dir.path());
+        assert_same_experts(&reference, &got, stages);
+        for (a, b) in reference.steps.iter().zip(&got.steps) {
+            let (x, y) = (a.grad_norm.expect("a norm"), b.grad_norm.expect("a norm"));
+            assert!(x > 1.0 && (x - y).abs() <= 1e-5 * x, "{stages} step {}: norm {x} vs {y}", a.step);
+        }
+        // the final weights are one device's, every expert's among them
+        let joined = checkpoint_weights(dir.path());
+        assert_eq!(joined.keys().collect::<Vec<_>>(), whole.keys().collect::<Vec<_>>(), "{stages}");
+        for (k, a) in &whole {
+            let b = &joined[k];
+            let scale = a.iter().fold(1e-6f32, |s, v| s.max(v.abs()));
+            assert!(
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * scale),
+                "{stages}: parameter {k:?} differs from one device's: {}",
+                a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max) / scale
+            );
+        }
+        // each device holds what the plan counts for it: its share of the routed experts
+        let ep = p.stages[0].expert_parallel as u64;
+        assert!(ep > 1, "{stages}");
+        let near = |measured: u64, predicted: u64| measured.abs_diff(predicted) <= 64 + predicted / 100;
+        assert_eq!(got.held.len(), devices);
+        for (d, held) in &got.held {
+            let m = &p.devices[d.0 as usize].memory;
+            let (w, g, o) = (held.weights * 4, held.gradients * 4, held.optimizer * 4);
+            assert!(
+                near(w, m.weights) && near(g, m.gradients) && near(o, m.optimizer),
+                "{stages} {d}: {held:?}, plan {m:?}"
+            );
+            if devices == 2 {
+                whole_optimizer = whole_optimizer.max(o);
+            }
+        }
+        if devices == 4 && ep == 4 {
+            // a quarter of the experts' Adam moments where two members held half
+            assert!(got.held.values().all(|h| h.optimizer * 4 < whole_optimizer), "{:?}", got.held);
+        }
+    }
+    resumes_both_ways(job(4, "\"4\"\n  ep: 2", "1f1b"), job(1, "\"1\"", "gpipe"));
+    // tensor-parallel experts (whose executor takes no load-balancing loss), each rank's
+    // share joined over its expert group
+    let tp = |devices, stages| Job { layers: EXPERT_TP_LM, ..job(devices, stages, "gpipe") };
+    resumes_both_ways(tp(4, "\"2\"\n  tp: 2\n  ep: 2"), tp(2, "\"2\"\n  ep: 2"));
 }
 
 #[test]

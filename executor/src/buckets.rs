@@ -22,7 +22,7 @@ use std::ops::Range;
 use burn::prelude::*;
 use pipec_plan::{CollectiveKind, GroupId, Instr, MicrobatchId, StageId};
 
-use crate::collectives::{gradient_message, land_gradient_message};
+use crate::collectives::{land_replica_sum, ReplicaSum};
 use crate::comm::Ticket;
 use crate::dense::ExecBackend;
 use crate::error::{ExecError, Result};
@@ -42,8 +42,16 @@ use crate::worker::Worker;
 /// accumulator is cleared as each bucket is taken).
 pub(crate) struct BucketsInFlight {
     parts: Vec<(Ticket<Vec<f32>>, Range<usize>)>,
+    /// Without ZeRO: each bucket's replica sums.
+    sums: Vec<ReplicaSum>,
     n_stats: usize,
     covered: usize,
+}
+
+impl BucketsInFlight {
+    fn new() -> Self {
+        BucketsInFlight { parts: Vec::new(), sums: Vec::new(), n_stats: 0, covered: 0 }
+    }
 }
 
 /// The positions in `all` of the backwards whose stage's replica all-reduce runs in
@@ -247,7 +255,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     ) -> Result<()> {
         let members = crate::collectives::members(self.plan, group)?;
         let st = self.state(stage)?;
-        let (kind, flat, n_stats, covered) = if st.shard.is_some() {
+        if st.shard.is_none() {
+            let sum = self.start_replica_sum(stage, members, range, last, code)?;
+            self.buckets.entry(stage).or_insert_with(BucketsInFlight::new).sums.push(sum);
+            return Ok(());
+        }
+        let (kind, flat, n_stats, covered) = {
             let stats = if last { st.statistics_message()? } else { Vec::new() };
             let whole = range
                 .clone()
@@ -263,16 +276,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 st.clear_gradients();
             }
             (CollectiveKind::ReduceScatter, flat, stats.len(), covered)
-        } else {
-            let (flat, n_stats) = gradient_message(st, &st.parameter_sizes()?, range.clone(), last)?;
-            (CollectiveKind::AllReduce, flat, n_stats, 0)
         };
         // summed in the plan's `grad_precision` (the statistics after the gradients in fp32)
         let precision = self.plan.training.grad_precision;
         let round = crate::transport::Rounding::of_gradients(precision, kind, flat.len(), members.len(), n_stats);
         let ticket = self.comm.start_reduction(kind, members, flat, self.reduce, round, Some(code))?;
-        let b =
-            self.buckets.entry(stage).or_insert_with(|| BucketsInFlight { parts: Vec::new(), n_stats: 0, covered: 0 });
+        let b = self.buckets.entry(stage).or_insert_with(BucketsInFlight::new);
         b.parts.push((ticket, range));
         b.n_stats += n_stats;
         b.covered += covered;
@@ -324,11 +333,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             shard.contributions += b.covered * members;
             return Ok(());
         }
-        let sizes = st.parameter_sizes()?;
-        let n = b.parts.len();
-        for (i, (ticket, range)) in b.parts.into_iter().enumerate() {
-            let n_stats = if i + 1 == n { b.n_stats } else { 0 };
-            land_gradient_message(st, &sizes, range, ticket.wait()?, n_stats, &dev)?;
+        for sum in b.sums {
+            land_replica_sum(st, sum, &dev)?;
         }
         st.contributions *= members;
         Ok(())

@@ -11,6 +11,7 @@ use pipec_plan::{Plan, StageId};
 
 use crate::dense::ExecBackend;
 use crate::error::ExecError;
+use crate::experts::Kept;
 use crate::stage::{self, StageState};
 use crate::worker::Worker;
 use crate::{layers, params, reshard, tensor_parallel};
@@ -34,14 +35,21 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
         let split = tensor_parallel::shardings(&layers, tp_size as usize)?;
         let to = |pid: u64| split.get(&pid).copied().unwrap_or(tensor_parallel::Sharding::Whole);
         let mut values: HashMap<u64, Vec<f32>> = HashMap::new();
-        for (pid, shape) in params::layout::<B, _>(st.model()?) {
+        // expert parallelism: the routed experts this member keeps only
+        let elsewhere = |k: usize| st.experts.as_ref().is_some_and(|h| h.kept.get(k) == Some(&Kept::Elsewhere));
+        let mut evicted = Vec::new();
+        for (k, (pid, shape)) in params::layout::<B, _>(st.model()?).into_iter().enumerate() {
+            if elsewhere(k) {
+                evicted.push(pid);
+                continue;
+            }
             if let Some(v) = saved.values(pid, to(pid), tp_size, tp_rank, &shape)? {
                 values.insert(pid, v);
             }
         }
         let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
         let (model, mut missing) = params::set_params(model, |pid, _| values.remove(&pid));
-        missing.retain(|pid| !loaded.initial.contains_key(pid));
+        missing.retain(|pid| !loaded.initial.contains_key(pid) && !evicted.contains(pid));
         st.model = Some(model);
         load_running_statistics(st, &saved, tp_size, tp_rank)?;
         if let Some(first) = missing.first() {
@@ -55,6 +63,9 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
         // that held them
         let mut wants = Vec::new();
         for (pid, shape) in params::layout::<B, _>(st.model()?) {
+            if evicted.contains(&pid) {
+                continue;
+            }
             let from = saved.saved(pid, tp_size, to(pid))?;
             wants.push(stage::Want {
                 id: ParamId::from(pid),
@@ -125,6 +136,7 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
             }
             None => None,
         };
+        let group = w.experts.get(&id).cloned();
         let st = w.stages.get_mut(&id).ok_or(ExecError::Missing("the stage"))?;
         let (weights, optimizer) = match joined {
             Some((weights, items)) => {
@@ -134,9 +146,10 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
                 st.optim.load_items(Vec::new(), &w.dev).map_err(ExecError::Checkpoint)?;
                 (weights, bytes)
             }
+            None if st.experts.is_some() => (None, Ok(Vec::new())),
             None => (None, st.optim.save()),
         };
-        let optimizer = optimizer.map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+        let mut optimizer = optimizer.map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
         let mut params: Vec<(u64, Vec<usize>, Vec<f32>)> = match (weights, &st.shard) {
             (Some(whole), Some(shard)) => {
                 shard.layout.params.iter().zip(whole).map(|(p, v)| (p.id, p.shape.clone(), v)).collect()
@@ -146,6 +159,16 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
                 .map(|(pid, shape, v)| (ParamId::val(&pid), shape, v))
                 .collect(),
         };
+        // expert parallelism: each routed expert's weights and state from its holders, the
+        // stage's optimizer state recorded whole by an optimizer of the whole stage's
+        if let (Some(holding), Some(group)) = (&st.experts, &group) {
+            let items = st.optim.items().map_err(ExecError::Checkpoint)?;
+            let items = crate::experts::join_experts(group, holding, &mut params, items)?;
+            let whole: Vec<(u64, Vec<usize>)> = params.iter().map(|(id, shape, _)| (*id, shape.clone())).collect();
+            let mut optim = stage::StageOptim::<B>::new(&w.plan.training.optimizer, &whole);
+            optim.load_items(items, &w.dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+            optimizer = optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+        }
         // batch normalisation's running statistics, beside the layer's parameters
         for bn in st.model()?.batch_norms() {
             let c = bn.running_mean.len();

@@ -6,7 +6,8 @@
 //!
 //! Each gradient value is counted once over the whole plan: a stage's replicas hold the
 //! same reduced gradient, so its first replica counts it (a ZeRO-sharded stage's replicas
-//! each count their own chunks, which tile it); a tensor-parallel stage's ranks each count
+//! each count their own chunks, which tile it; an expert-parallel stage's routed experts
+//! are counted by the first of the replicas holding each); a tensor-parallel stage's ranks each count
 //! the parameters they split, and rank 0 alone those every rank holds whole; a weight tied
 //! across layers is counted at its embedding, not again at the projection.
 
@@ -16,6 +17,7 @@ use pipec_plan::{CollectiveKind, DeviceId, Plan, StageId};
 
 use crate::dense::ExecBackend;
 use crate::error::{ExecError, Result};
+use crate::experts::Kept;
 use crate::params::{host_f32, layout};
 use crate::stage::StageState;
 use crate::worker::Worker;
@@ -38,7 +40,14 @@ fn squared_norm<B: ExecBackend>(
     device: DeviceId,
     every_replica: bool,
 ) -> Result<f64> {
-    if st.shard.is_none() && !every_replica && !first_replica(plan, stage, device) {
+    let first = every_replica || st.shard.is_some() || first_replica(plan, stage, device);
+    // expert parallelism: the first holder of each routed expert counts it
+    let experts: std::collections::HashMap<u64, Kept> = match &st.experts {
+        Some(h) => layout::<B, _>(st.model()?).into_iter().map(|(id, _)| id).zip(h.kept.iter().copied()).collect(),
+        None => Default::default(),
+    };
+    let counts_experts = every_replica || st.experts.as_ref().is_some_and(|h| h.counts_experts(device));
+    if !first && !counts_experts {
         return Ok(0.0);
     }
     let s = plan.stages.get(stage.0 as usize).ok_or_else(|| ExecError::Plan(format!("the plan has no {stage}")))?;
@@ -58,7 +67,13 @@ fn squared_norm<B: ExecBackend>(
         Default::default()
     };
     let counts = |id: u64| {
-        !tied.contains(&id)
+        let counted = match experts.get(&id) {
+            None | Some(Kept::Everywhere) => first,
+            Some(Kept::Here) => counts_experts,
+            Some(Kept::Elsewhere) => false,
+        };
+        counted
+            && !tied.contains(&id)
             && (rank == 0 || split.get(&id).is_some_and(|s| *s != crate::tensor_parallel::Sharding::Whole))
     };
     let n_mb = plan.training.microbatches as f64;

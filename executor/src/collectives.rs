@@ -11,6 +11,7 @@ use pipec_plan::{CollectiveKind, CollectivePayload, DeviceId, GroupId, StageId};
 use crate::comm::Ticket;
 use crate::dense::ExecBackend;
 use crate::error::{ExecError, Result};
+use crate::experts::Kept;
 use crate::params::{flatten_grads, host_f32, layout, unflatten};
 use crate::stage::{set_tied_gradient, set_tied_gradient_shard, tied_gradient, tied_gradient_shard, StageState};
 use crate::transport::Rounding;
@@ -43,9 +44,8 @@ fn not_sharded(stage: StageId) -> ExecError {
 
 /// Where a collective's result goes, by payload.
 enum Landing {
-    /// The stage's gradient sums (tensors of these sizes, in visiting order), then its batch
-    /// statistics; `members` replicas contributed.
-    Gradients { sizes: Vec<usize>, n_stats: usize, members: usize },
+    /// The stage's gradient sums and batch statistics; `members` replicas contributed.
+    Gradients { sum: ReplicaSum, members: usize },
     /// The tied weights of these (stage, layer)s this device holds, in the table's
     /// orientation.
     TiedGradient { held: Vec<(StageId, usize)> },
@@ -86,8 +86,15 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 return Ok(());
             }
         }
+        if payload == CollectivePayload::Gradients {
+            let (n, params) = (members.len(), self.state(stage)?.parameter_sizes()?.len());
+            let sum = self.start_replica_sum(stage, members, 0..params, true, code)?;
+            let (result, into) = (Ticket::ready(Vec::new()), Landing::Gradients { sum, members: n });
+            self.collectives.insert((stage, group), InFlight { payload, result, into });
+            return Ok(());
+        }
         let (data, into) = match payload {
-            CollectivePayload::Gradients => self.gradients_out(stage, members.len())?,
+            CollectivePayload::Gradients => return Err(ExecError::Plan("gradients are summed above".into())),
             CollectivePayload::TiedGradient => self.tied_gradient_out(group, &members)?,
             CollectivePayload::GradientShard => self.gradient_shard_out(stage)?,
             CollectivePayload::TiedGradientShard => self.tied_shard_out(group, &members)?,
@@ -112,13 +119,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let n = data.len();
         let of = |kind, members, n_stats| Rounding::of_gradients(precision, kind, n, members, n_stats);
         Ok(match into {
-            Landing::Gradients { n_stats, .. } => of(CollectiveKind::AllReduce, 1, *n_stats),
             Landing::GradientShard { members, .. } => {
                 let stats = self.state(stage)?.statistics_message()?.len();
                 of(CollectiveKind::ReduceScatter, *members, stats)
             }
             Landing::TiedGradient { .. } | Landing::TiedGradientShard { .. } => of(CollectiveKind::AllReduce, 1, 0),
-            Landing::Weights | Landing::GradNorm | Landing::Buckets { .. } => None,
+            Landing::Gradients { .. } | Landing::Weights | Landing::GradNorm | Landing::Buckets { .. } => None,
         })
     }
 
@@ -130,7 +136,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             })?;
         let data = c.result.wait()?;
         match c.into {
-            Landing::Gradients { sizes, n_stats, members } => self.gradients_in(stage, data, &sizes, n_stats, members),
+            Landing::Gradients { sum, members } => {
+                let dev = self.dev.clone();
+                let st = self.state(stage)?;
+                land_replica_sum(st, sum, &dev)?;
+                st.contributions *= members;
+                Ok(())
+            }
             Landing::TiedGradient { held } => {
                 let plan = self.plan;
                 for (s, layer) in held {
@@ -246,31 +258,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok(out)
     }
 
-    /// The stage's accumulated gradients (and batch statistics), flat, for its replicas'
-    /// sum.
-    fn gradients_out(&mut self, stage: StageId, members: usize) -> Result<(Vec<f32>, Landing)> {
-        let st = self.state(stage)?;
-        let sizes = st.parameter_sizes()?;
-        let (flat, n_stats) = gradient_message(st, &sizes, 0..sizes.len(), true)?;
-        Ok((flat, Landing::Gradients { sizes, n_stats, members }))
-    }
-
-    /// The replicas' sum back into the stage's accumulator.
-    fn gradients_in(
-        &mut self,
-        stage: StageId,
-        flat: Vec<f32>,
-        sizes: &[usize],
-        n_stats: usize,
-        members: usize,
-    ) -> Result<()> {
-        let dev = self.dev.clone();
-        let st = self.state(stage)?;
-        land_gradient_message(st, sizes, 0..sizes.len(), flat, n_stats, &dev)?;
-        st.contributions *= members;
-        Ok(())
-    }
-
     /// This device's share of a tied weight's sum over the copies in `group` (in the
     /// embedding's [vocab, d] orientation): the first member holding each tied stage
     /// contributes it, every member holding one takes the sum.
@@ -315,21 +302,102 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     }
 }
 
-/// What a replica all-reduce of the parameters `range` of a stage carries (the whole
-/// stage's, or one gradient bucket's): their sums, zeros where a parameter has none; a
-/// presence flag each, so that a parameter none of the replicas reached (an expert no
-/// token chose) stays without a gradient and the optimizer skips it as on one device,
-/// while the zeros keep the members' values lined up; then, with `stats`, the stage's
-/// batch statistics. Returns the message and the statistics' count.
-pub(crate) fn gradient_message<B: ExecBackend>(
+/// A replica all-reduce of a stage's gradients in flight (the whole stage's, or one
+/// gradient bucket's `range`): the parameters every replica keeps over the stage's replicas,
+/// the batch statistics after them (`n_stats`, with the stage's last bucket); under expert
+/// parallelism ([`crate::experts::Holding`]) this member's routed experts over the replicas
+/// holding them, whose sum is the same as over every replica (the others compute no
+/// gradient of them), while the experts it does not keep stay without one.
+pub(crate) struct ReplicaSum {
+    range: std::ops::Range<usize>,
+    everywhere: (Vec<usize>, Ticket<Vec<f32>>),
+    here: Option<(Vec<usize>, Ticket<Vec<f32>>)>,
+    n_stats: usize,
+}
+
+impl<B: ExecBackend> Worker<'_, B> {
+    /// Starts the replicas' sums of the gradients of `stage`'s parameters `range` over
+    /// `members` (the stage's replica group; its batch statistics too with `stats`), in the
+    /// plan's `grad_precision`; `code`: the instruction the trace shows them under.
+    pub(crate) fn start_replica_sum(
+        &mut self,
+        stage: StageId,
+        members: Vec<DeviceId>,
+        range: std::ops::Range<usize>,
+        stats: bool,
+        code: usize,
+    ) -> Result<ReplicaSum> {
+        let (precision, reduce) = (self.plan.training.grad_precision, self.reduce);
+        let st = self.state(stage)?;
+        let sizes = st.parameter_sizes()?;
+        let (everywhere, here) = match &st.experts {
+            Some(h) => (
+                h.positions(range.clone(), Kept::Everywhere),
+                Some((h.positions(range.clone(), Kept::Here), h.holders.clone())),
+            ),
+            None => (range.clone().collect(), None),
+        };
+        let (flat, n_stats) = gradient_message(st, &sizes, &everywhere, stats)?;
+        let here = match here {
+            // alone with its experts: nothing to sum them with
+            Some((positions, holders)) if holders.len() > 1 && !positions.is_empty() => {
+                Some((gradient_message(st, &sizes, &positions, false)?.0, positions, holders))
+            }
+            _ => None,
+        };
+        let n = members.len();
+        let round = Rounding::of_gradients(precision, CollectiveKind::AllReduce, flat.len(), n, n_stats);
+        let ticket = self.comm.start_reduction(CollectiveKind::AllReduce, members, flat, reduce, round, Some(code))?;
+        let here = match here {
+            Some((flat, positions, holders)) => {
+                let n = holders.len();
+                let round = Rounding::of_gradients(precision, CollectiveKind::AllReduce, flat.len(), n, 0);
+                let t =
+                    self.comm.start_reduction(CollectiveKind::AllReduce, holders, flat, reduce, round, Some(code))?;
+                Some((positions, t))
+            }
+            None => None,
+        };
+        Ok(ReplicaSum { range, everywhere: (everywhere, ticket), here, n_stats })
+    }
+}
+
+/// A [`ReplicaSum`]'s sums back into `st`'s accumulator, the batch statistics into the
+/// stage's; a routed expert this member does not keep has no gradient.
+pub(crate) fn land_replica_sum<B: ExecBackend>(st: &mut StageState<B>, sum: ReplicaSum, dev: &B::Device) -> Result<()> {
+    let sizes = st.parameter_sizes()?;
+    let (positions, ticket) = sum.everywhere;
+    land_gradient_message(st, &sizes, &positions, ticket.wait()?, sum.n_stats, dev)?;
+    if let Some((positions, ticket)) = sum.here {
+        land_gradient_message(st, &sizes, &positions, ticket.wait()?, 0, dev)?;
+    }
+    if let Some(h) = &st.experts {
+        for k in h.positions(sum.range, Kept::Elsewhere) {
+            if let Some(g) = st.acc.get_mut(k) {
+                *g = None;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What a replica all-reduce of a stage's parameters at `positions` (in its visiting order)
+/// carries: their sums, zeros where a parameter has none; a presence flag each, so that a
+/// parameter none of the replicas reached (an expert no token chose) stays without a
+/// gradient and the optimizer skips it as on one device, while the zeros keep the members'
+/// values lined up; then, with `stats`, the stage's batch statistics. Returns the message
+/// and the statistics' count.
+fn gradient_message<B: ExecBackend>(
     st: &StageState<B>,
     sizes: &[usize],
-    range: std::ops::Range<usize>,
+    positions: &[usize],
     stats: bool,
 ) -> Result<(Vec<f32>, usize)> {
-    let part = sizes.get(range.clone()).ok_or(ExecError::Plan("gradients past the stage's parameters".into()))?;
-    let held: Vec<_> = range.map(|k| st.acc.get(k).cloned().flatten()).collect();
-    let mut flat = flatten_grads::<B>(&held, part)?;
+    let beyond = || ExecError::Plan("gradients past the stage's parameters".into());
+    let part: Vec<usize> =
+        positions.iter().map(|&k| sizes.get(k).copied().ok_or_else(beyond)).collect::<Result<_>>()?;
+    let held: Vec<_> = positions.iter().map(|&k| st.acc.get(k).cloned().flatten()).collect();
+    let mut flat = flatten_grads::<B>(&held, &part)?;
     flat.extend(held.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }));
     let mut n_stats = 0;
     if stats {
@@ -340,12 +408,12 @@ pub(crate) fn gradient_message<B: ExecBackend>(
     Ok((flat, n_stats))
 }
 
-/// A [`gradient_message`]'s sum back: the sums into the accumulator's `range` (none where
-/// no member had one), the `n_stats` batch statistics after them into the stage's.
-pub(crate) fn land_gradient_message<B: ExecBackend>(
+/// A [`gradient_message`]'s sum back: the sums into the accumulator at `positions` (none
+/// where no member had one), the `n_stats` batch statistics after them into the stage's.
+fn land_gradient_message<B: ExecBackend>(
     st: &mut StageState<B>,
     sizes: &[usize],
-    range: std::ops::Range<usize>,
+    positions: &[usize],
     mut data: Vec<f32>,
     n_stats: usize,
     dev: &B::Device,
@@ -353,12 +421,14 @@ pub(crate) fn land_gradient_message<B: ExecBackend>(
     let short = || ExecError::Missing("fewer gradients came back than were sent");
     let stats = data.split_off(data.len().checked_sub(n_stats).ok_or_else(short)?);
     st.set_statistics(&stats, dev)?;
-    let part = sizes.get(range.clone()).ok_or(ExecError::Plan("gradients past the stage's parameters".into()))?;
+    let beyond = || ExecError::Plan("gradients past the stage's parameters".into());
+    let part: Vec<usize> =
+        positions.iter().map(|&k| sizes.get(k).copied().ok_or_else(beyond)).collect::<Result<_>>()?;
     let present = data.split_off(data.len().checked_sub(part.len()).ok_or_else(short)?);
     if st.acc.len() < sizes.len() {
         st.acc.resize(sizes.len(), None);
     }
-    for ((k, g), p) in range.zip(unflatten::<B::InnerBackend>(&data, part, dev)?).zip(present) {
+    for ((&k, g), p) in positions.iter().zip(unflatten::<B::InnerBackend>(&data, &part, dev)?).zip(present) {
         st.acc[k] = (p > 0.0).then_some(g);
     }
     Ok(())

@@ -5,11 +5,13 @@
 //! their gradients the other way inside the backward: [`Kernels::exchange`] is an autodiff
 //! node whose backward runs the reverse exchange on the device's collective thread.
 //!
-//! Every member keeps every expert's weights and optimizer state (the plan's memory
-//! figures hold 1/ep of them: `pipec_executor::caveats` says so); a member's gradient of
-//! an expert it does not compute is zero, so the stage's all-reduce over all replicas sums
-//! each expert's gradient over the members that computed it, as the plan's reduction over
-//! the replicas holding it does, and every member applies the same update.
+//! Without ZeRO a member keeps only its own experts' weights, gradients and optimizer
+//! state ([`Holding`]): their gradients are summed over the replicas holding them, the
+//! dense parameters' over all the stage's replicas, and a checkpoint joins every expert from
+//! its group ([`join_experts`]). Beside ZeRO every replica keeps its shard of every expert:
+//! a member's gradient of an expert it does not compute is zero, so the reduce-scatter over
+//! all replicas sums each expert's gradient over its holders (`pipec_executor::caveats`
+//! says so).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -17,6 +19,7 @@ use std::time::Instant;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use pipec_plan::plan::StagePlan;
 use pipec_plan::{DeviceId, Plan, StageId, TokenExchange};
 
 use crate::comm::Exchanger;
@@ -73,19 +76,9 @@ impl ExpertGroup {
         if size <= 1 {
             return None;
         }
-        let (i, rank) = match s.replicas.iter().position(|d| *d == device) {
-            Some(i) => (i, 0),
-            None => s
-                .tensor_parallel
-                .iter()
-                .enumerate()
-                .find_map(|(i, g)| g.iter().position(|d| *d == device).map(|r| (i, r)))?,
-        };
+        let (i, rank) = replica_of(s, device)?;
         let (group, position) = plan.schedule.kind.chunk_placement().expert_group(i, size);
-        let members: Vec<DeviceId> = group
-            .into_iter()
-            .map(|j| s.tensor_parallel.get(j).and_then(|g| g.get(rank)).copied().or(s.replicas.get(j).copied()))
-            .collect::<Option<_>>()?;
+        let members: Vec<DeviceId> = group.into_iter().map(|j| device_at(s, j, rank)).collect::<Option<_>>()?;
         Some(ExpertGroup {
             members,
             position,
@@ -126,6 +119,244 @@ impl ExpertGroup {
     pub fn take_failure(&self) -> Option<String> {
         self.failed.lock().ok().and_then(|mut f| f.take())
     }
+}
+
+/// `device`'s replica of stage `s` (its index among the replicas) and its tensor-parallel
+/// rank there (0 without tensor parallelism).
+fn replica_of(s: &StagePlan, device: DeviceId) -> Option<(usize, usize)> {
+    match s.replicas.iter().position(|d| *d == device) {
+        Some(i) => Some((i, 0)),
+        None => {
+            s.tensor_parallel.iter().enumerate().find_map(|(i, g)| g.iter().position(|d| *d == device).map(|r| (i, r)))
+        }
+    }
+}
+
+/// The device of stage `s`'s replica `j` at tensor-parallel rank `rank`.
+fn device_at(s: &StagePlan, j: usize, rank: usize) -> Option<DeviceId> {
+    s.tensor_parallel.get(j).and_then(|g| g.get(rank)).copied().or(s.replicas.get(j).copied())
+}
+
+/// Who keeps a parameter of an expert-parallel stage (see [`Holding`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kept {
+    /// Every replica: the stage's dense parameters, its routers and shared experts.
+    Everywhere,
+    /// This member and the replicas at its position in the other expert groups: one of
+    /// the routed experts it computes.
+    Here,
+    /// Another position's members: a routed expert this member never computes.
+    Elsewhere,
+}
+
+/// Expert parallelism's division of a stage's routed experts (a stage whose replicas are
+/// not ZeRO-sharded): the member at position p of each expert group computes, keeps and
+/// updates experts p·E/ep .. (p+1)·E/ep of every block, and their gradients are summed only
+/// over the replicas at that position — the plan's reduction of expert gradients over
+/// their holders, and its memory figures' 1/ep of the experts' gradients and optimizer
+/// state. The other experts' weights are never read here: [`Holding::evict`] drops them.
+/// A checkpoint joins each expert from its holders (`crate::checkpointing`).
+#[derive(Clone, Debug)]
+pub(crate) struct Holding {
+    /// Per parameter of the stage, in visiting order: who keeps it.
+    pub kept: Vec<Kept>,
+    /// The replicas holding this member's experts, this device among them, in replica
+    /// order (their tensor-parallel ranks of this device's rank).
+    pub holders: Vec<DeviceId>,
+    /// This member's position in its expert group.
+    pub position: usize,
+}
+
+/// The routed expert a parameter `id` of a stage belongs to, with its block's count of
+/// routed experts (None: a dense parameter, a router, a shared expert).
+pub(crate) fn routed_expert(plan: &Plan, id: u64) -> Option<(usize, usize)> {
+    let (layer, slot) = ((id >> 8) as usize, id & 0xff);
+    let moe = plan.layers.get(layer)?.op.block_dims()?.moe?;
+    let first = pipec_plan::checkpoint::expert_slot(0);
+    let e = usize::try_from(slot.checked_sub(first)? / 4).ok()?;
+    (e < moe.experts).then_some((e, moe.experts))
+}
+
+impl Holding {
+    /// The division of `stage`'s parameters `params` (id and shape, in visiting order) on
+    /// `device`: None where the stage is not expert-parallel, is ZeRO-sharded (its
+    /// replicas keep every expert, their shards summed over every replica), or `device`
+    /// does not hold it.
+    pub fn of(plan: &Plan, stage: StageId, device: DeviceId, params: &[(u64, Vec<usize>)]) -> Option<Holding> {
+        let s = plan.stage(stage)?;
+        let ep = s.expert_parallel as usize;
+        if ep <= 1 || crate::zero::shard_group(plan, stage, device).is_some() {
+            return None;
+        }
+        let (i, rank) = replica_of(s, device)?;
+        let placement = plan.schedule.kind.chunk_placement();
+        let position = placement.expert_position(i, ep);
+        let n = s.tensor_parallel.len().max(s.replicas.len());
+        let holders: Vec<DeviceId> =
+            placement.same_experts(i, n, ep).into_iter().map(|j| device_at(s, j, rank)).collect::<Option<_>>()?;
+        let kept = params
+            .iter()
+            .map(|(id, _)| match routed_expert(plan, *id) {
+                None => Kept::Everywhere,
+                Some((e, experts)) if e / (experts / ep).max(1) == position => Kept::Here,
+                Some(_) => Kept::Elsewhere,
+            })
+            .collect();
+        Some(Holding { kept, holders, position })
+    }
+
+    /// The positions among `range` of the parameters kept as `kept`.
+    pub fn positions(&self, range: std::ops::Range<usize>, kept: Kept) -> Vec<usize> {
+        range.filter(|&k| self.kept.get(k) == Some(&kept)).collect()
+    }
+
+    /// `model` without the weights of the routed experts this member does not keep (each
+    /// an empty tensor of no rows: nothing here reads them), so that its weights, like its
+    /// gradients and optimizer state, are the stage's dense ones and its own experts'.
+    pub fn evict<B: Backend, M: burn::module::Module<B>>(&self, model: M) -> M {
+        struct Evict<'a> {
+            kept: &'a [Kept],
+            at: usize,
+        }
+        impl<B: Backend> burn::module::ModuleMapper<B> for Evict<'_> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: burn::module::Param<Tensor<B, D>>,
+            ) -> burn::module::Param<Tensor<B, D>> {
+                let k = self.at;
+                self.at += 1;
+                if self.kept.get(k) != Some(&Kept::Elsewhere) {
+                    return param;
+                }
+                let (id, tensor, _) = param.consume();
+                let mut shape = tensor.dims().to_vec();
+                shape[0] = 0;
+                let empty = Tensor::<B, D>::from_data(TensorData::new(Vec::<f32>::new(), shape), &tensor.device());
+                burn::module::Param::initialized(id, empty.require_grad())
+            }
+        }
+        model.map(&mut Evict { kept: &self.kept, at: 0 })
+    }
+
+    /// Whether this device counts its experts' gradients in the global norm: the first of
+    /// their holders.
+    pub fn counts_experts(&self, device: DeviceId) -> bool {
+        self.holders.first() == Some(&device)
+    }
+}
+
+/// A parameter's values and optimizer state as a checkpoint keeps them.
+pub(crate) type SavedParam = (u64, Vec<usize>, Vec<f32>);
+type Items = Vec<(burn::module::ParamId, serde_json::Value)>;
+
+/// A checkpoint's view of an expert-parallel stage: every member's own routed experts —
+/// their weights in `params` (this member's snapshot, in visiting order) and their
+/// optimizer state beside `items` (this member's optimizer state) — gathered over its
+/// expert group, whose members together hold every expert once. Returns the optimizer
+/// state of the whole stage; `params` then holds every expert's weights.
+pub(crate) fn join_experts(
+    group: &ExpertGroup,
+    holding: &Holding,
+    params: &mut [SavedParam],
+    items: Items,
+) -> crate::error::Result<Items> {
+    use crate::error::ExecError;
+    let bad = |what: &str| ExecError::Checkpoint(format!("an expert group's checkpoint message {what}"));
+    let mine: std::collections::HashMap<u64, serde_json::Value> =
+        items.into_iter().map(|(id, item)| (id.val(), item)).collect();
+    // this member's experts: id, shape, values, then the optimizer's state if it has one
+    // (its record without its tensors, as bytes, then the tensors)
+    let mut out = Vec::new();
+    let here: Vec<&SavedParam> =
+        params.iter().zip(&holding.kept).filter(|(_, k)| **k == Kept::Here).map(|(p, _)| p).collect();
+    put(&mut out, here.len());
+    for (id, shape, values) in &here {
+        put(&mut out, *id as usize);
+        put(&mut out, shape.len());
+        shape.iter().for_each(|&n| put(&mut out, n));
+        put(&mut out, values.len());
+        out.extend_from_slice(values);
+        match mine.get(id) {
+            Some(item) => {
+                let tensors = crate::reshard::tensor_values(item)?;
+                let skeleton = crate::reshard::with_tensors(item, vec![Vec::new(); tensors.len()], &[0])?;
+                let text = serde_json::to_vec(&skeleton).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
+                put(&mut out, 1);
+                put(&mut out, text.len());
+                out.extend(text.iter().map(|&b| f32::from(b)));
+                put(&mut out, tensors.len());
+                for t in tensors {
+                    put(&mut out, t.len());
+                    out.extend(t);
+                }
+            }
+            None => put(&mut out, 0),
+        }
+    }
+    let gathered = group.all_gather(out).map_err(ExecError::Transport)?;
+    let index: std::collections::HashMap<u64, usize> =
+        params.iter().enumerate().map(|(k, (id, _, _))| (*id, k)).collect();
+    // the state this member keeps (none of another position's experts), then the others'
+    let mut joined: Items = mine
+        .into_iter()
+        .filter(|(id, _)| index.get(id).is_none_or(|&k| holding.kept.get(k) != Some(&Kept::Elsewhere)))
+        .map(|(id, item)| (burn::module::ParamId::from(id), item))
+        .collect();
+    for (j, message) in gathered.iter().enumerate() {
+        if j == holding.position {
+            continue;
+        }
+        let mut at = message.iter().copied();
+        let mut take = |n: usize| -> crate::error::Result<Vec<f32>> {
+            let v: Vec<f32> = at.by_ref().take(n).collect();
+            if v.len() == n {
+                Ok(v)
+            } else {
+                Err(bad("ends early"))
+            }
+        };
+        let count = get(&mut take)?;
+        for _ in 0..count {
+            let id = get(&mut take)? as u64;
+            let rank = get(&mut take)?;
+            let shape = (0..rank).map(|_| get(&mut take)).collect::<crate::error::Result<Vec<usize>>>()?;
+            let n = get(&mut take)?;
+            let values = take(n)?;
+            let k = *index.get(&id).ok_or_else(|| bad(&format!("names parameter {id}, which the stage lacks")))?;
+            if holding.kept.get(k) != Some(&Kept::Elsewhere) || shape.iter().product::<usize>() != n {
+                return Err(bad(&format!("does not fit parameter {id}")));
+            }
+            params[k] = (id, shape.clone(), values);
+            if get(&mut take)? == 1 {
+                let len = get(&mut take)?;
+                let text: Vec<u8> = take(len)?.into_iter().map(|b| b as u8).collect();
+                let skeleton: serde_json::Value =
+                    serde_json::from_slice(&text).map_err(|e| bad(&format!("is unreadable: {e}")))?;
+                let tensors = (0..get(&mut take)?)
+                    .map(|_| {
+                        let n = get(&mut take)?;
+                        take(n)
+                    })
+                    .collect::<crate::error::Result<Vec<_>>>()?;
+                let item = crate::reshard::with_tensors(&skeleton, tensors, &shape)?;
+                joined.push((burn::module::ParamId::from(id), item));
+            }
+        }
+    }
+    joined.sort_by_key(|(id, _)| id.val());
+    Ok(joined)
+}
+
+/// Appends `n` as four 16-bit values (each exact in an f32).
+fn put(out: &mut Vec<f32>, n: usize) {
+    let n = n as u64;
+    out.extend((0..4).map(|i| ((n >> (16 * i)) & 0xffff) as f32));
+}
+
+/// The number [`put`] wrote, from `take`.
+fn get(take: &mut dyn FnMut(usize) -> crate::error::Result<Vec<f32>>) -> crate::error::Result<usize> {
+    let parts = take(4)?;
+    Ok(parts.iter().enumerate().fold(0u64, |n, (i, &p)| n | ((p as u64) << (16 * i))) as usize)
 }
 
 /// One exchange of rows: this member sends `send[j]` rows to member j and receives

@@ -589,7 +589,14 @@ impl<B: Kernels> Block<B> {
         let mut out = match side.experts.clone() {
             Some(group) => self.routed_over_group(&x, &weights, &by_expert, k, &group)?,
             None => {
-                // every expert here, on its pairs
+                // every expert here, on its pairs (an expert-parallel member keeps only its
+                // own experts' weights: `crate::experts::Holding`)
+                if self.mlps[..experts].iter().any(|m| m.fc1.weight.dims().contains(&0)) {
+                    return Err(ExecError::Plan(format!(
+                        "layer {}: this device keeps only its expert group's share of the experts, and was asked to compute them all",
+                        self.index
+                    )));
+                }
                 let mut out = Tensor::<B, 2>::zeros([t, d], &dev);
                 for (m, pairs) in self.mlps.iter().zip(&by_expert).filter(|(_, pairs)| !pairs.is_empty()) {
                     let n = pairs.len();

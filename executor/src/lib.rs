@@ -373,10 +373,11 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
                 .to_string(),
         ),
     }
-    if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1) {
+    let sharded = plan.schedule.sharding != pipec_plan::vocab::Sharding::None;
+    if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1 && sharded) {
         out.push(format!(
-            "under `ep: {}` each replica computes only its share of the experts, on the tokens its group sends it, but keeps every expert's weights and optimizer state (under ZeRO, its shard of every expert's), and the gradient reduction sums every expert over all of a stage's replicas (zeros from those that did not compute it): the plan's memory and reduction figures hold and sum 1/{} of the experts",
-            s.expert_parallel, s.expert_parallel
+            "under `ep: {}` beside ZeRO each replica computes only its share of the experts but keeps its shard of every expert's state, the reduce-scatter summing every expert over all of a stage's replicas (zeros from those that did not compute it): the plan's memory and reduction figures shard the routed experts over the replicas holding them",
+            s.expert_parallel
         ));
     }
     if plan.schedule.tp_overlap {

@@ -47,6 +47,9 @@ pub(crate) struct StageState<B: ExecBackend> {
     pub(crate) versions: Vec<StageModel<B>>,
     /// ZeRO: this replica's shard of the stage (None: the stage is not sharded).
     pub(crate) shard: Option<crate::zero::ShardState<B>>,
+    /// Expert parallelism: which routed experts this member keeps (None: every parameter
+    /// is kept whole on every replica).
+    pub(crate) experts: Option<crate::experts::Holding>,
     /// The accumulated gradients' tensor-parallel partial sums and local ties are settled
     /// (`Worker::settle`), until they are cleared.
     pub(crate) settled: bool,
@@ -677,7 +680,13 @@ pub(crate) fn build_stages<B: ExecBackend>(
             let mut weight = Some(weight);
             model = crate::params::set_params(model, |p, _| if p == id { weight.take() } else { None }).0;
         }
-        let optim = StageOptim::new(&plan.training.optimizer, &layout::<B, _>(&model));
+        let params = layout::<B, _>(&model);
+        let optim = StageOptim::new(&plan.training.optimizer, &params);
+        let experts = crate::experts::Holding::of(plan, s.id, device, &params);
+        let model = match &experts {
+            Some(h) => h.evict(model),
+            None => model,
+        };
         out.insert(
             s.id,
             StageState {
@@ -692,6 +701,7 @@ pub(crate) fn build_stages<B: ExecBackend>(
                 stash: HashMap::new(),
                 versions: Vec::new(),
                 shard: None,
+                experts,
                 settled: false,
             },
         );
