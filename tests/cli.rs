@@ -357,8 +357,9 @@ fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_a_small_one_train
 
 /// specs/moe-tiny.yaml — a character-level language model of 8 experts (top 2) and a shared
 /// expert per block on a text file, 2 stages × 2 replicas with `ep: 2` — trains as one
-/// device does: every step's loss and load-balancing loss within 1e-5, the tokens each
-/// expert took exactly; and both fall.
+/// device does under 1F1B, DualPipeV and DualPipe: every step's loss and load-balancing
+/// loss within 1e-5, the tokens each expert took exactly, the final weights (every expert
+/// joined from the member keeping it) within 1e-5; and both fall.
 #[test]
 fn the_tiny_mixture_of_experts_trains_with_expert_parallelism_as_one_device_does() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -369,32 +370,58 @@ fn the_tiny_mixture_of_experts_trains_with_expert_parallelism_as_one_device_does
             "path: data/architecture.txt",
             &format!("path: {}", root.join("specs/data/architecture.txt").display()),
         )
-        .replace("steps: 30", "steps: 20");
+        .replace("steps: 30", "steps: 20")
+        .replace("  seed: 5\n", "  seed: 5\n  checkpoint: { every: 20 }\n");
     let one = text
         .replace("stages: \"2-2\"", "stages: \"1\"")
         .replace("  ep: 2\n", "")
         .replace("devices_per_node: 4", "devices_per_node: 1");
-    let metrics = |name: &str, spec: &str| -> Vec<serde_json::Value> {
+    type Weights = std::collections::BTreeMap<(u64, u32), Vec<f32>>;
+    let metrics = |name: &str, spec: &str| -> (Vec<serde_json::Value>, Weights) {
         let path = dir.path().join(format!("{name}.yaml"));
         std::fs::write(&path, spec).expect("spec");
         let out = dir.path().join(name);
         let run = pipec(&["run", path.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
         assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
-        std::fs::read_to_string(out.join("metrics.jsonl"))
+        let steps = std::fs::read_to_string(out.join("metrics.jsonl"))
             .expect("metrics")
             .lines()
             .map(|l| serde_json::from_str(l).expect("json"))
-            .collect()
+            .collect();
+        let saved = pipec_plan::checkpoint::read(&out.join("checkpoints/step-000020")).expect("a checkpoint");
+        (steps, saved.params.into_iter().map(|(k, (_, v))| (k, v)).collect())
     };
-    let (ep, reference) = (metrics("ep", &text), metrics("one", &one));
-    assert_eq!(ep.len(), 20);
+    let (reference, whole) = metrics("one", &one);
     let number = |v: &serde_json::Value, key: &str| v[key].as_f64().expect(key);
-    for (a, b) in reference.iter().zip(&ep) {
-        for key in ["loss", "aux_loss"] {
-            let (x, y) = (number(a, key), number(b, key));
-            assert!((x - y).abs() <= 1e-5 * x.abs(), "step {}: {key} {x} on one device, {y} with ep", a["step"]);
+    let mut ep = Vec::new();
+    for schedule in ["1f1b", "dualpipev", "dualpipe"] {
+        let (steps, weights) = metrics(schedule, &text.replace("schedule: 1f1b", &format!("schedule: {schedule}")));
+        assert_eq!(steps.len(), 20);
+        for (a, b) in reference.iter().zip(&steps) {
+            for key in ["loss", "aux_loss"] {
+                let (x, y) = (number(a, key), number(b, key));
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs(),
+                    "{schedule} step {}: {key} {x} on one device, {y} with ep",
+                    a["step"]
+                );
+            }
+            assert_eq!(a["expert_tokens"], b["expert_tokens"], "{schedule} step {}", a["step"]);
         }
-        assert_eq!(a["expert_tokens"], b["expert_tokens"], "step {}", a["step"]);
+        assert_eq!(weights.keys().collect::<Vec<_>>(), whole.keys().collect::<Vec<_>>(), "{schedule}");
+        for (k, a) in &whole {
+            let b = &weights[k];
+            // the difference's norm against the tensor's (Adam's steps on the few values whose
+            // gradients nearly cancel follow the float sums' order most)
+            assert_eq!(a.len(), b.len(), "{schedule}: parameter {k:?}");
+            let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+            let off = norm(&mut a.iter().zip(b).map(|(x, y)| f64::from(x - y)));
+            let relative = off / norm(&mut a.iter().map(|x| f64::from(*x))).max(1e-12);
+            assert!(relative <= 1e-5, "{schedule}: parameter {k:?} differs by {relative} of its norm");
+        }
+        if schedule == "1f1b" {
+            ep = steps;
+        }
     }
     // the first four steps' mean against the last four's (one step's is noisy)
     let mean = |steps: &[serde_json::Value], key: &str| steps.iter().map(|s| number(s, key)).sum::<f64>() / 4.0;
