@@ -11,7 +11,6 @@ use pipec_plan::{Plan, StageId};
 
 use crate::dense::ExecBackend;
 use crate::error::ExecError;
-use crate::experts::Kept;
 use crate::stage::{self, StageState};
 use crate::worker::Worker;
 use crate::{layers, params, reshard, tensor_parallel};
@@ -35,8 +34,12 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
         let split = tensor_parallel::shardings(&layers, tp_size as usize)?;
         let to = |pid: u64| split.get(&pid).copied().unwrap_or(tensor_parallel::Sharding::Whole);
         let mut values: HashMap<u64, Vec<f32>> = HashMap::new();
-        // expert parallelism: the routed experts this member keeps only
-        let elsewhere = |k: usize| st.experts.as_ref().is_some_and(|h| h.kept.get(k) == Some(&Kept::Elsewhere));
+        // expert parallelism: the routed experts this member keeps only; beside ZeRO every
+        // replica takes its shard of every expert, from whole weights put back for it
+        if st.shard.is_some() {
+            crate::zero::unevict(st)?;
+        }
+        let elsewhere = |k: usize| st.experts.as_ref().is_some_and(|h| h.updates_alone() && h.elsewhere(k));
         let mut evicted = Vec::new();
         for (k, (pid, shape)) in params::layout::<B, _>(st.model()?).into_iter().enumerate() {
             if elsewhere(k) {
@@ -84,6 +87,9 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
         // ZeRO: the checkpoint holds the state whole; this replica keeps its shard of it
         if st.shard.is_some() {
             crate::zero::shard_loaded(st, plan, dev)?;
+            if let Some(h) = &st.experts {
+                st.model = st.model.take().map(|m| h.evict(m));
+            }
         }
     }
     Ok(())
@@ -146,7 +152,7 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
                 st.optim.load_items(Vec::new(), &w.dev).map_err(ExecError::Checkpoint)?;
                 (weights, bytes)
             }
-            None if st.experts.is_some() => (None, Ok(Vec::new())),
+            None if st.experts.as_ref().is_some_and(|h| h.updates_alone()) => (None, Ok(Vec::new())),
             None => (None, st.optim.save()),
         };
         let mut optimizer = optimizer.map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
@@ -161,7 +167,7 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
         };
         // expert parallelism: each routed expert's weights and state from its holders, the
         // stage's optimizer state recorded whole by an optimizer of the whole stage's
-        if let (Some(holding), Some(group)) = (&st.experts, &group) {
+        if let (Some(holding), Some(group)) = (st.experts.as_ref().filter(|h| h.updates_alone()), &group) {
             let items = st.optim.items().map_err(ExecError::Checkpoint)?;
             let items = crate::experts::join_experts(group, holding, &mut params, items)?;
             let whole: Vec<(u64, Vec<usize>)> = params.iter().map(|(id, shape, _)| (*id, shape.clone())).collect();

@@ -42,11 +42,12 @@ fn squared_norm<B: ExecBackend>(
 ) -> Result<f64> {
     let first = every_replica || st.shard.is_some() || first_replica(plan, stage, device);
     // expert parallelism: the first holder of each routed expert counts it
-    let experts: std::collections::HashMap<u64, Kept> = match &st.experts {
+    let alone = st.experts.as_ref().filter(|h| h.updates_alone());
+    let experts: std::collections::HashMap<u64, Kept> = match alone {
         Some(h) => layout::<B, _>(st.model()?).into_iter().map(|(id, _)| id).zip(h.kept.iter().copied()).collect(),
         None => Default::default(),
     };
-    let counts_experts = every_replica || st.experts.as_ref().is_some_and(|h| h.counts_experts(device));
+    let counts_experts = every_replica || alone.is_some_and(|h| h.counts_experts(device));
     if !first && !counts_experts {
         return Ok(0.0);
     }

@@ -330,7 +330,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         let (precision, reduce) = (self.plan.training.grad_precision, self.reduce);
         let st = self.state(stage)?;
         let sizes = st.parameter_sizes()?;
-        let (everywhere, here) = match &st.experts {
+        let (everywhere, here) = match st.experts.as_ref().filter(|h| h.updates_alone()) {
             Some(h) => (
                 h.positions(range.clone(), Kept::Everywhere),
                 Some((h.positions(range.clone(), Kept::Here), h.holders.clone())),

@@ -8,10 +8,10 @@
 //! Without ZeRO a member keeps only its own experts' weights, gradients and optimizer
 //! state ([`Holding`]): their gradients are summed over the replicas holding them, the
 //! dense parameters' over all the stage's replicas, and a checkpoint joins every expert from
-//! its group ([`join_experts`]). Beside ZeRO every replica keeps its shard of every expert:
-//! a member's gradient of an expert it does not compute is zero, so the reduce-scatter over
-//! all replicas sums each expert's gradient over its holders (`pipec_executor::caveats`
-//! says so).
+//! its group ([`join_experts`]). Beside ZeRO a member keeps its own experts' weights
+//! only, but its shard of every expert's state: a member's gradient of an expert it does
+//! not compute is zero, so the reduce-scatter over all replicas sums each expert's gradient
+//! over its holders (`pipec_executor::caveats` says so).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -149,13 +149,15 @@ pub(crate) enum Kept {
     Elsewhere,
 }
 
-/// Expert parallelism's division of a stage's routed experts (a stage whose replicas are
-/// not ZeRO-sharded): the member at position p of each expert group computes, keeps and
-/// updates experts p·E/ep .. (p+1)·E/ep of every block, and their gradients are summed only
-/// over the replicas at that position — the plan's reduction of expert gradients over
-/// their holders, and its memory figures' 1/ep of the experts' gradients and optimizer
-/// state. The other experts' weights are never read here: [`Holding::evict`] drops them.
-/// A checkpoint joins each expert from its holders (`crate::checkpointing`).
+/// Expert parallelism's division of a stage's routed experts: the member at position p of
+/// each expert group computes and keeps experts p·E/ep .. (p+1)·E/ep of every block; the
+/// other experts' weights are never read here, and [`Holding::evict`] drops them. Without
+/// ZeRO it alone updates them, their gradients summed only over the replicas at that
+/// position — the plan's reduction of expert gradients over their holders, and its memory
+/// figures' 1/ep of the experts' gradients and optimizer state — and a checkpoint joins
+/// each expert from its holders (`crate::checkpointing`). Beside ZeRO (`sharded`) every
+/// replica keeps its shard of every expert's state and the gradient reduce-scatter runs
+/// over all of the stage's replicas; each gather puts back the member's own experts only.
 #[derive(Clone, Debug)]
 pub(crate) struct Holding {
     /// Per parameter of the stage, in visiting order: who keeps it.
@@ -165,6 +167,8 @@ pub(crate) struct Holding {
     pub holders: Vec<DeviceId>,
     /// This member's position in its expert group.
     pub position: usize,
+    /// Whether the stage is ZeRO-sharded on this device.
+    pub sharded: bool,
 }
 
 /// The routed expert a parameter `id` of a stage belongs to, with its block's count of
@@ -179,15 +183,14 @@ pub(crate) fn routed_expert(plan: &Plan, id: u64) -> Option<(usize, usize)> {
 
 impl Holding {
     /// The division of `stage`'s parameters `params` (id and shape, in visiting order) on
-    /// `device`: None where the stage is not expert-parallel, is ZeRO-sharded (its
-    /// replicas keep every expert, their shards summed over every replica), or `device`
-    /// does not hold it.
+    /// `device`: None where the stage is not expert-parallel or `device` does not hold it.
     pub fn of(plan: &Plan, stage: StageId, device: DeviceId, params: &[(u64, Vec<usize>)]) -> Option<Holding> {
         let s = plan.stage(stage)?;
         let ep = s.expert_parallel as usize;
-        if ep <= 1 || crate::zero::shard_group(plan, stage, device).is_some() {
+        if ep <= 1 {
             return None;
         }
+        let sharded = crate::zero::shard_group(plan, stage, device).is_some();
         let (i, rank) = replica_of(s, device)?;
         let placement = plan.schedule.kind.chunk_placement();
         let position = placement.expert_position(i, ep);
@@ -202,7 +205,7 @@ impl Holding {
                 Some(_) => Kept::Elsewhere,
             })
             .collect();
-        Some(Holding { kept, holders, position })
+        Some(Holding { kept, holders, position, sharded })
     }
 
     /// The positions among `range` of the parameters kept as `kept`.
@@ -239,9 +242,20 @@ impl Holding {
     }
 
     /// Whether this device counts its experts' gradients in the global norm: the first of
-    /// their holders.
+    /// their holders (beside ZeRO each replica counts its chunks of every parameter).
     pub fn counts_experts(&self, device: DeviceId) -> bool {
         self.holders.first() == Some(&device)
+    }
+
+    /// Whether this member alone (with the other holders) updates its experts: without ZeRO.
+    pub fn updates_alone(&self) -> bool {
+        !self.sharded
+    }
+
+    /// Whether parameter `k` (its position in the stage's visiting order) is another
+    /// position's routed expert, whose weights this member drops.
+    pub fn elsewhere(&self, k: usize) -> bool {
+        self.kept.get(k) == Some(&Kept::Elsewhere)
     }
 }
 

@@ -376,7 +376,7 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     let sharded = plan.schedule.sharding != pipec_plan::vocab::Sharding::None;
     if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1 && sharded) {
         out.push(format!(
-            "under `ep: {}` beside ZeRO each replica computes only its share of the experts but keeps its shard of every expert's state, the reduce-scatter summing every expert over all of a stage's replicas (zeros from those that did not compute it): the plan's memory and reduction figures shard the routed experts over the replicas holding them",
+            "under `ep: {}` beside ZeRO each replica keeps the weights of its own experts only and its shard of every expert's optimizer state (as much as the plan counts), but the gradients' reduce-scatter and the weights' all-gathers carry every expert over all of a stage's replicas (zeros from those that did not compute it), where the plan moves each expert over the replicas holding it only",
             s.expert_parallel
         ));
     }

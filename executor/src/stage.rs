@@ -683,9 +683,10 @@ pub(crate) fn build_stages<B: ExecBackend>(
         let params = layout::<B, _>(&model);
         let optim = StageOptim::new(&plan.training.optimizer, &params);
         let experts = crate::experts::Holding::of(plan, s.id, device, &params);
+        // (a ZeRO-sharded stage's shards are cut from the whole weights first)
         let model = match &experts {
-            Some(h) => h.evict(model),
-            None => model,
+            Some(h) if !h.sharded => h.evict(model),
+            _ => model,
         };
         out.insert(
             s.id,
@@ -708,6 +709,9 @@ pub(crate) fn build_stages<B: ExecBackend>(
         if let Some((group, rank, d)) = crate::zero::shard_group(plan, s.id, device) {
             let st = out.get_mut(&s.id).ok_or(ExecError::Missing("the stage just built"))?;
             st.shard = Some(crate::zero::ShardState::new(plan, st.model()?, group, rank, d, dev)?);
+            if let Some(h) = &st.experts {
+                st.model = st.model.take().map(|m| h.evict(m));
+            }
         }
     }
     Ok(out)

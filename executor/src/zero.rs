@@ -299,8 +299,24 @@ pub(crate) fn master_chunks<B: ExecBackend>(
 /// are dropped and made again for the new ones (as an update does).
 pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec<Vec<f32>>) -> Result<()> {
     let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
-    let mut by_id: HashMap<u64, (Vec<usize>, Vec<f32>)> =
-        shard.layout.params.iter().zip(whole).map(|(p, v)| (p.id, (p.shape.clone(), v))).collect();
+    // expert parallelism: another position's experts stay dropped (`experts::Holding`)
+    let dropped = |k: usize| st.experts.as_ref().is_some_and(|h| h.elsewhere(k));
+    let mut by_id: HashMap<u64, (Vec<usize>, Vec<f32>)> = shard
+        .layout
+        .params
+        .iter()
+        .zip(whole)
+        .enumerate()
+        .map(
+            |(k, (p, v))| {
+                if dropped(k) {
+                    (p.id, (empty_shape(&p.shape), Vec::new()))
+                } else {
+                    (p.id, (p.shape.clone(), v))
+                }
+            },
+        )
+        .collect();
     let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
     let copied = params::take_weight_copies(&model);
     let (model, missing) = params::replace_params(model, |id| by_id.remove(&id));
@@ -313,6 +329,33 @@ pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec
         shard.gathered = true;
     }
     Ok(())
+}
+
+/// The shape of no rows of a tensor shaped `shape` (an expert-parallel member's stand-in
+/// for another position's expert: `experts::Holding::evict`).
+fn empty_shape(shape: &[usize]) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    if let Some(first) = s.first_mut() {
+        *first = 0;
+    }
+    s
+}
+
+/// Expert parallelism beside ZeRO: puts every parameter's whole shape back into the stage's
+/// model (zeros for another position's experts), so that a checkpoint's whole weights load
+/// into it before this replica cuts its shard of them.
+pub(crate) fn unevict<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
+    let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    let model = st.model.as_ref().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    let whole = params::snapshot::<B, _>(model)?
+        .into_iter()
+        .zip(&shard.layout.params)
+        .map(|((_, _, v), p)| if v.len() == p.len { v } else { vec![0.0; p.len] })
+        .collect();
+    let experts = st.experts.take();
+    let restored = restore_weights(st, whole);
+    st.experts = experts;
+    restored
 }
 
 /// ZeRO-3: drops the stage's whole weights after its update (one value each stands in until
@@ -353,7 +396,9 @@ pub(crate) fn joined_state<B: ExecBackend>(
     if members.len() != layout.d {
         return Err(ExecError::Plan(format!("a group of {} for a stage sharded {} ways", members.len(), layout.d)));
     }
-    let weights = if shard.gathered { None } else { Some(layout.whole(&gather(shard.master_segment()?)?)?) };
+    // (an expert-parallel member's model lacks the other positions' experts)
+    let whole_here = shard.gathered && st.experts.is_none();
+    let weights = if whole_here { None } else { Some(layout.whole(&gather(shard.master_segment()?)?)?) };
     let items = shard.optim.items().map_err(ExecError::Checkpoint)?;
     // every replica's state has the same structure: the same tensors, each a chunk long
     let mine: Vec<Vec<Vec<f32>>> = items.iter().map(|(_, item)| reshard::tensor_values(item)).collect::<Result<_>>()?;
