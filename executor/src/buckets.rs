@@ -34,6 +34,9 @@ use crate::transport::Tag;
 use crate::values::{dot, dot_with, grad_of, input_grad, Forwarded, Saved, WeightGrads};
 use crate::worker::Worker;
 
+/// The results to come of one reduction per part of a shard's layout.
+type PartResults = Vec<Ticket<Vec<f32>>>;
+
 /// A bucketed stage's reduction in flight: per bucket, in start order, its result and the
 /// parameters it carries (positions in the stage's visiting order); the last bucket's
 /// values are followed by the stage's batch statistics (`n_stats` of them). Under ZeRO
@@ -41,7 +44,9 @@ use crate::worker::Worker;
 /// parameters; `covered` is then the microbatches its gradients summed (the stage's
 /// accumulator is cleared as each bucket is taken).
 pub(crate) struct BucketsInFlight {
-    parts: Vec<(Ticket<Vec<f32>>, Range<usize>)>,
+    /// Under ZeRO: each bucket's reduce-scatters (one per part of the shard's layout) and
+    /// its parameters.
+    parts: Vec<(PartResults, Range<usize>)>,
     /// Without ZeRO: each bucket's replica sums.
     sums: Vec<ReplicaSum>,
     n_stats: usize,
@@ -270,19 +275,23 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?;
-            let flat = shard.layout.scatter_input_range(range.clone(), &whole, &stats);
+            let mut flat = shard.layout.scatter_input_range(range.clone(), &whole, &stats);
             let covered = if last { st.contributions } else { 0 };
             if last {
                 st.clear_gradients();
             }
-            (CollectiveKind::ReduceScatter, flat, stats.len(), covered)
+            let rest = flat.split_off(1.min(flat.len()));
+            (CollectiveKind::ReduceScatter, (flat.pop().unwrap_or_default(), rest), stats.len(), covered)
         };
+        let (flat, rest) = flat;
         // summed in the plan's `grad_precision` (the statistics after the gradients in fp32)
         let precision = self.plan.training.grad_precision;
         let round = crate::transport::Rounding::of_gradients(precision, kind, flat.len(), members.len(), n_stats);
         let ticket = self.comm.start_reduction(kind, members, flat, self.reduce, round, Some(code))?;
+        let mut tickets = vec![ticket];
+        tickets.extend(self.start_expert_parts(stage, kind, rest, Some(code))?);
         let b = self.buckets.entry(stage).or_insert_with(BucketsInFlight::new);
-        b.parts.push((ticket, range));
+        b.parts.push((tickets, range));
         b.n_stats += n_stats;
         b.covered += covered;
         Ok(())
@@ -302,33 +311,43 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             // this replica's chunks of every bucket, laid out as one reduce-scatter of the
             // whole stage would have returned them: its segment, then the statistics
             let n = b.parts.len();
-            let mut chunks: Vec<Option<Vec<f32>>> = vec![None; shard.layout.params.len()];
+            let layout = &shard.layout;
+            let mut chunks: Vec<Option<Vec<f32>>> = vec![None; layout.params.len()];
             let mut stats = Vec::new();
-            for (i, (ticket, range)) in b.parts.into_iter().enumerate() {
-                let mut data = ticket.wait()?;
-                let values: usize =
-                    shard.layout.params.get(range.clone()).unwrap_or_default().iter().map(|p| p.chunk).sum();
-                if data.len() != values + if i + 1 == n { b.n_stats } else { 0 } {
-                    return Err(ExecError::Plan(format!(
-                        "a gradient bucket's reduce-scatter gave {} values for {values} of chunks",
-                        data.len()
-                    )));
+            for (i, (tickets, range)) in b.parts.into_iter().enumerate() {
+                // each part's result: its parameters' chunks in the bucket, in visiting
+                // order; the statistics after part 0's in the last bucket
+                for (part, ticket) in tickets.into_iter().enumerate() {
+                    let mut data = ticket.wait()?;
+                    let ks: Vec<usize> = range.clone().filter(|&k| layout.params[k].part == Some(part)).collect();
+                    let values: usize = ks.iter().map(|&k| layout.params[k].chunk).sum();
+                    let last = i + 1 == n && part == 0;
+                    if data.len() != values + if last { b.n_stats } else { 0 } {
+                        return Err(ExecError::Plan(format!(
+                            "a gradient bucket's reduce-scatter gave {} values for {values} of chunks",
+                            data.len()
+                        )));
+                    }
+                    if last {
+                        stats = data.split_off(values);
+                    }
+                    let mut at = 0;
+                    for k in ks {
+                        let len = layout.params[k].chunk;
+                        chunks[k] = Some(data[at..at + len].to_vec());
+                        at += len;
+                    }
                 }
-                if i + 1 == n {
-                    stats = data.split_off(values);
-                }
-                let mut at = 0;
-                for k in range {
-                    let len = shard.layout.params[k].chunk;
-                    chunks[k] = Some(data[at..at + len].to_vec());
-                    at += len;
+                // a parameter of no part (another position's expert) has no chunk
+                for k in range.filter(|&k| layout.params[k].part.is_none()) {
+                    chunks[k] = Some(Vec::new());
                 }
             }
-            let mut segment = Vec::with_capacity(shard.layout.segment + stats.len());
-            for c in chunks {
-                segment.extend(c.ok_or(ExecError::Plan(format!("{stage}'s buckets do not cover its parameters")))?);
-            }
-            segment.extend(stats);
+            let chunks = chunks
+                .into_iter()
+                .map(|c| c.ok_or(ExecError::Plan(format!("{stage}'s buckets do not cover its parameters"))))
+                .collect::<Result<Vec<_>>>()?;
+            let segment = layout.segment_of(&chunks, &stats);
             shard.add_gradients(&segment, &dev, precision)?;
             shard.contributions += b.covered * members;
             return Ok(());

@@ -134,8 +134,18 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
             Some(group) => {
                 let members = crate::collectives::members(w.plan, group)?;
                 let (comm, reduce) = (&w.comm, w.reduce);
-                let mut gather = |data: Vec<f32>| -> Result<Vec<f32>, ExecError> {
-                    Ok(comm.collective(pipec_plan::CollectiveKind::AllGather, &members, data, reduce, None)?)
+                // part 0 over the stage's replicas, an expert-parallel member's experts over
+                // the replicas holding them
+                let holders = w.stages.get(&id).and_then(|st| st.experts.as_ref()).map(|h| h.holders.clone());
+                let mut gather = |part: usize, data: Vec<f32>| -> Result<Vec<f32>, ExecError> {
+                    let over = match (part, &holders) {
+                        (0, _) | (_, None) => &members,
+                        (_, Some(h)) => h,
+                    };
+                    if over.len() <= 1 {
+                        return Ok(data);
+                    }
+                    Ok(comm.collective(pipec_plan::CollectiveKind::AllGather, over, data, reduce, None)?)
                 };
                 let st = w.stages.get(&id).ok_or(ExecError::Missing("the stage"))?;
                 Some(crate::zero::joined_state(st, &members, &mut gather)?)
@@ -144,7 +154,13 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
         };
         let group = w.experts.get(&id).cloned();
         let st = w.stages.get_mut(&id).ok_or(ExecError::Missing("the stage"))?;
+        // (an expert-parallel stage's state is joined over its expert group below)
+        let mut joined_items = None;
         let (weights, optimizer) = match joined {
+            Some((weights, items)) if st.experts.is_some() => {
+                joined_items = Some(items);
+                (weights, Ok(Vec::new()))
+            }
             Some((weights, items)) => {
                 // the model's optimizer (unused on a sharded stage) serialises the joined state
                 st.optim.load_items(items, &w.dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
@@ -167,8 +183,11 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
         };
         // expert parallelism: each routed expert's weights and state from its holders, the
         // stage's optimizer state recorded whole by an optimizer of the whole stage's
-        if let (Some(holding), Some(group)) = (st.experts.as_ref().filter(|h| h.updates_alone()), &group) {
-            let items = st.optim.items().map_err(ExecError::Checkpoint)?;
+        if let (Some(holding), Some(group)) = (&st.experts, &group) {
+            let items = match joined_items.take() {
+                Some(items) => items,
+                None => st.optim.items().map_err(ExecError::Checkpoint)?,
+            };
             let items = crate::experts::join_experts(group, holding, &mut params, items)?;
             let whole: Vec<(u64, Vec<usize>)> = params.iter().map(|(id, shape, _)| (*id, shape.clone())).collect();
             let mut optim = stage::StageOptim::<B>::new(&w.plan.training.optimizer, &whole);

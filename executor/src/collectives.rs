@@ -21,6 +21,9 @@ use crate::worker::Worker;
 pub(crate) struct InFlight {
     payload: CollectivePayload,
     result: Ticket<Vec<f32>>,
+    /// Under expert parallelism beside ZeRO, the same collective of the member's experts'
+    /// part of the shard, over the replicas holding them ([`crate::zero::ShardLayout`]).
+    more: Vec<Ticket<Vec<f32>>>,
     into: Landing,
 }
 
@@ -49,9 +52,10 @@ enum Landing {
     /// The tied weights of these (stage, layer)s this device holds, in the table's
     /// orientation.
     TiedGradient { held: Vec<(StageId, usize)> },
-    /// ZeRO: this replica's segment of the reduce-scatter, added to its gradient shard;
-    /// each of the `members` replicas had reduced `covered` microbatches.
-    GradientShard { covered: usize, members: usize },
+    /// ZeRO: this replica's segment of the reduce-scatter (its statistics, `n_stats`, after
+    /// part 0's chunks), added to its gradient shard; each of the `members` replicas had
+    /// reduced `covered` microbatches.
+    GradientShard { covered: usize, members: usize, n_stats: usize },
     /// ZeRO: the tied weights' sums, in the table's orientation, for these (stage, layer)s:
     /// a sharded stage takes its chunk into its gradient shard, another the whole.
     TiedGradientShard { held: Vec<(StageId, usize)> },
@@ -82,7 +86,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             if let Some(b) = self.take_buckets(stage) {
                 let result = Ticket::ready(Vec::new());
                 let into = Landing::Buckets { buckets: b, members: members.len() };
-                self.collectives.insert((stage, group), InFlight { payload, result, into });
+                self.collectives.insert((stage, group), InFlight { payload, result, more: Vec::new(), into });
                 return Ok(());
             }
         }
@@ -90,28 +94,73 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let (n, params) = (members.len(), self.state(stage)?.parameter_sizes()?.len());
             let sum = self.start_replica_sum(stage, members, 0..params, true, code)?;
             let (result, into) = (Ticket::ready(Vec::new()), Landing::Gradients { sum, members: n });
-            self.collectives.insert((stage, group), InFlight { payload, result, into });
+            self.collectives.insert((stage, group), InFlight { payload, result, more: Vec::new(), into });
             return Ok(());
         }
+        // a sharded stage's parts past the first (its experts, over their holders)
+        let mut rest = Vec::new();
         let (data, into) = match payload {
             CollectivePayload::Gradients => return Err(ExecError::Plan("gradients are summed above".into())),
             CollectivePayload::TiedGradient => self.tied_gradient_out(group, &members)?,
-            CollectivePayload::GradientShard => self.gradient_shard_out(stage)?,
+            CollectivePayload::GradientShard => {
+                let (mut parts, into) = self.gradient_shard_out(stage)?;
+                rest = parts.split_off(1.min(parts.len()));
+                (parts.pop().unwrap_or_default(), into)
+            }
             CollectivePayload::TiedGradientShard => self.tied_shard_out(group, &members)?,
-            CollectivePayload::Weights => (self.shard(stage)?.master_segment()?, Landing::Weights),
+            CollectivePayload::Weights => {
+                let shard = self.shard(stage)?;
+                let mut parts = shard.layout.part_inputs(&shard.master_segment()?);
+                rest = parts.split_off(1.min(parts.len()));
+                (parts.pop().unwrap_or_default(), Landing::Weights)
+            }
             CollectivePayload::GradNorm => (vec![self.norm_share()? as f32], Landing::GradNorm),
         };
-        let round = self.gradient_rounding(stage, &data, &into)?;
+        let round = self.gradient_rounding(&data, &into)?;
         let result = self.comm.start_reduction(kind, members, data, self.reduce, round, Some(code))?;
-        self.collectives.insert((stage, group), InFlight { payload, result, into });
+        let more = self.start_expert_parts(stage, kind, rest, Some(code))?;
+        self.collectives.insert((stage, group), InFlight { payload, result, more, into });
         Ok(())
+    }
+
+    /// Starts `kind` (a reduce-scatter of gradients, an all-gather of weights) on each of
+    /// `data`, the parts of `stage`'s shard past the first — its experts' — over the
+    /// replicas holding them (a part of one replica's: its data as it is).
+    pub(crate) fn start_expert_parts(
+        &self,
+        stage: StageId,
+        kind: CollectiveKind,
+        data: Vec<Vec<f32>>,
+        code: Option<usize>,
+    ) -> Result<Vec<Ticket<Vec<f32>>>> {
+        if data.is_empty() {
+            return Ok(Vec::new());
+        }
+        let holders = self
+            .stages
+            .get(&stage)
+            .and_then(|st| st.experts.as_ref())
+            .map(|h| h.holders.clone())
+            .ok_or_else(|| ExecError::Plan(format!("{stage}'s shard has an experts' part and no expert group")))?;
+        let precision = self.plan.training.grad_precision;
+        data.into_iter()
+            .map(|d| {
+                if holders.len() <= 1 {
+                    return Ok(Ticket::ready(d));
+                }
+                let round = (kind == CollectiveKind::ReduceScatter)
+                    .then(|| Rounding::of_gradients(precision, kind, d.len(), holders.len(), 0))
+                    .flatten();
+                Ok(self.comm.start_reduction(kind, holders.clone(), d, self.reduce, round, code)?)
+            })
+            .collect()
     }
 
     /// How a collective of gradients sums in the plan's `grad_precision`: its gradients
     /// rounded, the batch statistics that travel with them (after each replica's segment of
     /// a reduce-scatter, after everything in an all-reduce) not. None for fp32 and for what
     /// is not gradients.
-    fn gradient_rounding(&mut self, stage: StageId, data: &[f32], into: &Landing) -> Result<Option<Rounding>> {
+    fn gradient_rounding(&self, data: &[f32], into: &Landing) -> Result<Option<Rounding>> {
         let precision = self.plan.training.grad_precision;
         if precision == pipec_plan::Precision::Fp32 {
             return Ok(None);
@@ -119,10 +168,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let n = data.len();
         let of = |kind, members, n_stats| Rounding::of_gradients(precision, kind, n, members, n_stats);
         Ok(match into {
-            Landing::GradientShard { members, .. } => {
-                let stats = self.state(stage)?.statistics_message()?.len();
-                of(CollectiveKind::ReduceScatter, *members, stats)
-            }
+            Landing::GradientShard { members, n_stats, .. } => of(CollectiveKind::ReduceScatter, *members, *n_stats),
             Landing::TiedGradient { .. } | Landing::TiedGradientShard { .. } => of(CollectiveKind::AllReduce, 1, 0),
             Landing::Gradients { .. } | Landing::Weights | Landing::GradNorm | Landing::Buckets { .. } => None,
         })
@@ -135,6 +181,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 ExecError::Plan(format!("no {payload} collective of {stage} on {group} is in flight"))
             })?;
         let data = c.result.wait()?;
+        let more = c.more.into_iter().map(Ticket::wait).collect::<std::result::Result<Vec<_>, _>>()?;
         match c.into {
             Landing::Gradients { sum, members } => {
                 let dev = self.dev.clone();
@@ -150,11 +197,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 }
                 Ok(())
             }
-            Landing::GradientShard { covered, members } => {
+            Landing::GradientShard { covered, members, n_stats } => {
                 let (dev, precision) = (self.dev.clone(), self.plan.training.grad_precision);
                 let st = self.state(stage)?;
                 let shard = st.shard.as_mut().ok_or_else(|| not_sharded(stage))?;
-                shard.add_gradients(&data, &dev, precision)?;
+                let segment = shard.layout.joined_segment([vec![data], more].concat(), n_stats)?;
+                shard.add_gradients(&segment, &dev, precision)?;
                 shard.contributions += covered * members;
                 Ok(())
             }
@@ -171,7 +219,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
             Landing::Weights => {
                 let st = self.state(stage)?;
-                let whole = st.shard.as_ref().ok_or_else(|| not_sharded(stage))?.layout.whole(&data)?;
+                let whole =
+                    st.shard.as_ref().ok_or_else(|| not_sharded(stage))?.layout.whole(&[vec![data], more].concat())?;
                 crate::zero::restore_weights(st, whole)
             }
             Landing::Buckets { buckets, members } => self.buckets_in(stage, buckets, members),
@@ -195,7 +244,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// replicas' reduce-scatter; taken, so the next backward accumulates afresh. Ties within
     /// the stage and tensor-parallel partial sums are settled first (the shard keeps no
     /// whole gradient to settle them on later).
-    fn gradient_shard_out(&mut self, stage: StageId) -> Result<(Vec<f32>, Landing)> {
+    fn gradient_shard_out(&mut self, stage: StageId) -> Result<(Vec<Vec<f32>>, Landing)> {
         self.settle(stage)?;
         let st = self.state(stage)?;
         let stats = st.statistics_message()?;
@@ -207,7 +256,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             })
             .collect::<Result<Vec<_>>>()?;
         let data = shard.layout.scatter_input(&whole, &stats);
-        let landing = Landing::GradientShard { covered: st.contributions, members: shard.layout.d };
+        let landing =
+            Landing::GradientShard { covered: st.contributions, members: shard.layout.d, n_stats: stats.len() };
         st.clear_gradients();
         Ok((data, landing))
     }

@@ -8,10 +8,10 @@
 //! Without ZeRO a member keeps only its own experts' weights, gradients and optimizer
 //! state ([`Holding`]): their gradients are summed over the replicas holding them, the
 //! dense parameters' over all the stage's replicas, and a checkpoint joins every expert from
-//! its group ([`join_experts`]). Beside ZeRO a member keeps its own experts' weights
-//! only, but its shard of every expert's state: a member's gradient of an expert it does
-//! not compute is zero, so the reduce-scatter over all replicas sums each expert's gradient
-//! over its holders (`pipec_executor::caveats` says so).
+//! its group ([`join_experts`]). Beside ZeRO the same division holds: the dense
+//! parameters' state is sharded over the stage's replicas and a member's own experts' over
+//! the replicas holding them (`crate::zero::ShardLayout`'s two parts), each part reduced,
+//! updated and gathered over its own replicas.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -151,13 +151,13 @@ pub(crate) enum Kept {
 
 /// Expert parallelism's division of a stage's routed experts: the member at position p of
 /// each expert group computes and keeps experts p·E/ep .. (p+1)·E/ep of every block; the
-/// other experts' weights are never read here, and [`Holding::evict`] drops them. Without
-/// ZeRO it alone updates them, their gradients summed only over the replicas at that
-/// position — the plan's reduction of expert gradients over their holders, and its memory
-/// figures' 1/ep of the experts' gradients and optimizer state — and a checkpoint joins
-/// each expert from its holders (`crate::checkpointing`). Beside ZeRO (`sharded`) every
-/// replica keeps its shard of every expert's state and the gradient reduce-scatter runs
-/// over all of the stage's replicas; each gather puts back the member's own experts only.
+/// other experts' weights are never read here, and [`Holding::evict`] drops them. The
+/// member and the replicas at its position in the other groups (its holders) alone update
+/// them, their gradients summed only over those replicas — the plan's reduction of expert
+/// gradients over their holders, and its memory figures' 1/ep of the experts' gradients and
+/// optimizer state — and a checkpoint joins each expert from its holders
+/// (`crate::checkpointing`). Beside ZeRO (`sharded`) the holders shard their experts'
+/// state among themselves (`crate::zero::ShardLayout`'s part 1).
 #[derive(Clone, Debug)]
 pub(crate) struct Holding {
     /// Per parameter of the stage, in visiting order: who keeps it.
@@ -247,7 +247,8 @@ impl Holding {
         self.holders.first() == Some(&device)
     }
 
-    /// Whether this member alone (with the other holders) updates its experts: without ZeRO.
+    /// Whether this member's experts are reduced and updated whole (without ZeRO), not as
+    /// the shard's part 1.
     pub fn updates_alone(&self) -> bool {
         !self.sharded
     }

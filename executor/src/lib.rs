@@ -373,13 +373,6 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
                 .to_string(),
         ),
     }
-    let sharded = plan.schedule.sharding != pipec_plan::vocab::Sharding::None;
-    if let Some(s) = plan.stages.iter().find(|s| s.expert_parallel > 1 && sharded) {
-        out.push(format!(
-            "under `ep: {}` beside ZeRO each replica keeps the weights of its own experts only and its shard of every expert's optimizer state (as much as the plan counts), but the gradients' reduce-scatter and the weights' all-gathers carry every expert over all of a stage's replicas (zeros from those that did not compute it), where the plan moves each expert over the replicas holding it only",
-            s.expert_parallel
-        ));
-    }
     if plan.schedule.tp_overlap {
         out.push(
             "under `tp_overlap` the plan hides each layer's tensor-parallel collectives under its passes (Megatron-LM's --tp-comm-overlap), but the executor runs them in line: its steps take their whole time"

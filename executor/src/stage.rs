@@ -540,7 +540,7 @@ pub(crate) fn tied_gradient_shard<B: ExecBackend>(st: &StageState<B>, plan: &Pla
     let p = &shard.layout.params[k];
     let mut whole = vec![0.0; p.len];
     if let Some(g) = shard.grad.as_ref().and_then(|g| g.get(k)) {
-        let start = shard.layout.rank * p.chunk;
+        let start = shard.layout.rank_of(k) * p.chunk;
         for (x, v) in whole.iter_mut().skip(start).zip(host_f32(g.clone().into_data())?) {
             *x = v;
         }
@@ -559,7 +559,7 @@ pub(crate) fn set_tied_gradient_shard<B: ExecBackend>(
 ) -> Result<()> {
     let (k, whole) = tied_values(st, plan, layer, g)?;
     let shard = st.shard.as_mut().ok_or(ExecError::Missing("the stage is not sharded"))?;
-    let chunk = shard.layout.chunk(k, &whole, shard.layout.rank);
+    let chunk = shard.layout.chunk(k, &whole, shard.layout.rank_of(k));
     let layout = &shard.layout;
     let grad = shard.grad.get_or_insert_with(|| {
         layout
@@ -708,7 +708,9 @@ pub(crate) fn build_stages<B: ExecBackend>(
         );
         if let Some((group, rank, d)) = crate::zero::shard_group(plan, s.id, device) {
             let st = out.get_mut(&s.id).ok_or(ExecError::Missing("the stage just built"))?;
-            st.shard = Some(crate::zero::ShardState::new(plan, st.model()?, group, rank, d, dev)?);
+            let experts = st.experts.as_ref().map(|h| (h, device));
+            let shard = crate::zero::ShardState::new(plan, st.model()?, group, rank, d, experts, dev)?;
+            st.shard = Some(shard);
             if let Some(h) = &st.experts {
                 st.model = st.model.take().map(|m| h.evict(m));
             }

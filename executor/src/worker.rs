@@ -114,7 +114,7 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     pub(crate) weight_gathers: u32,
     pub(crate) prefetched_gathers: u32,
     /// ZeRO-3: whole weights being gathered ahead of the pass that needs them, per stage.
-    pub(crate) prefetched: HashMap<StageId, Ticket<Vec<f32>>>,
+    pub(crate) prefetched: HashMap<StageId, Vec<Ticket<Vec<f32>>>>,
     /// The step's instructions (what a prefetch looks ahead in).
     pub(crate) step_instrs: Vec<Instr>,
     /// When the all-to-all the last instruction accounted for ran (inside its pass).
@@ -813,13 +813,14 @@ impl<B: ExecBackend> Worker<'_, B> {
         if shard.gathered {
             return Ok(());
         }
-        let gathered = match self.prefetched.remove(&stage) {
-            Some(ticket) => {
+        let tickets = match self.prefetched.remove(&stage) {
+            Some(tickets) => {
                 self.prefetched_gathers += 1;
-                ticket.wait()?
+                tickets
             }
-            None => self.start_gather(stage)?.wait()?,
+            None => self.start_gather(stage)?,
         };
+        let gathered = tickets.into_iter().map(Ticket::wait).collect::<std::result::Result<Vec<_>, _>>()?;
         self.weight_gathers += 1;
         let st = self.state(stage)?;
         let whole = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?.layout.whole(&gathered)?;
@@ -829,12 +830,18 @@ impl<B: ExecBackend> Worker<'_, B> {
 
 impl<B: ExecBackend> Worker<'_, B> {
     /// ZeRO-3: starts the all-gather of `stage`'s whole weights from the replicas' shards.
-    fn start_gather(&self, stage: StageId) -> Result<Ticket<Vec<f32>>> {
+    /// (one all-gather per part of the shard's layout: its experts' over their holders)
+    fn start_gather(&self, stage: StageId) -> Result<Vec<Ticket<Vec<f32>>>> {
         let shard =
             self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("the stage's shard"))?;
         let members = crate::collectives::members(self.plan, shard.group)?;
-        let data = shard.master_segment()?;
-        Ok(self.comm.start_collective(pipec_plan::CollectiveKind::AllGather, members, data, self.reduce, None)?)
+        let mut parts = shard.layout.part_inputs(&shard.master_segment()?);
+        let rest = parts.split_off(1.min(parts.len()));
+        let kind = pipec_plan::CollectiveKind::AllGather;
+        let mut tickets =
+            vec![self.comm.start_collective(kind, members, parts.pop().unwrap_or_default(), self.reduce, None)?];
+        tickets.extend(self.start_expert_parts(stage, kind, rest, None)?);
+        Ok(tickets)
     }
 
     /// ZeRO-3's prefetch (FSDP's unit prefetch, with the stage as the unit): while the pass
@@ -873,8 +880,8 @@ impl<B: ExecBackend> Worker<'_, B> {
                 ) && !matches!(i, Instr::StashWeights { .. } | Instr::RestoreWeights { .. })
         });
         if quiet {
-            let ticket = self.start_gather(next)?;
-            self.prefetched.insert(next, ticket);
+            let tickets = self.start_gather(next)?;
+            self.prefetched.insert(next, tickets);
         }
         Ok(())
     }

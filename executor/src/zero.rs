@@ -11,6 +11,12 @@
 //! the gradients and every optimizer's state, so it stays zero. A stage with batch
 //! normalisation appends its statistics to every segment: each replica gets their sum.
 //!
+//! Under expert parallelism the layout has two parts: the dense parameters cut so among
+//! the stage's `d` replicas (part 0), and this member's own routed experts among the
+//! replicas holding them (part 1); another position's experts are in neither (no chunk).
+//! Each part has its own reduce-scatter and all-gather over its own replicas, and a
+//! replica's segment is its part 0 chunks, then its part 1 chunks, then the statistics.
+//!
 //! The optimizer runs on the shard as on a module of its own ([`ShardParams`]: one flat
 //! parameter per parameter of the stage, under the same id), so Burn's optimizers apply
 //! the same element-wise update to the chunk that they apply to the whole tensor, and the
@@ -28,20 +34,36 @@ use crate::stage::{StageOptim, StageState};
 use crate::{params, reshard};
 use std::collections::HashMap;
 
-/// One parameter of a sharded stage: its id, shape, value count and chunk length.
+/// One parameter of a sharded stage: its id, shape, value count, chunk length and the part
+/// of the layout it is sharded in (None: another expert-parallel position's expert, which
+/// this replica holds nothing of: chunk 0).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ShardParam {
     pub id: u64,
     pub shape: Vec<usize>,
     pub len: usize,
     pub chunk: usize,
+    pub part: Option<usize>,
 }
 
-/// How a stage's parameters are cut among `d` replicas (see the module's documentation).
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct ShardLayout {
+/// A group of replicas some of a stage's parameters are sharded over: its size and this
+/// replica's rank in it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ShardPart {
     pub d: usize,
     pub rank: usize,
+}
+
+/// How a stage's parameters are cut among replicas (see the module's documentation): in
+/// one part over the stage's `d` replicas, or, under expert parallelism, the dense
+/// parameters in part 0 over the stage's replicas and this replica's routed experts in
+/// part 1 over the replicas holding them.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ShardLayout {
+    /// Part 0's size and this replica's rank in it.
+    pub d: usize,
+    pub rank: usize,
+    pub parts: Vec<ShardPart>,
     pub params: Vec<ShardParam>,
     /// Values of one replica's chunks (the sum of the chunk lengths).
     pub segment: usize,
@@ -56,16 +78,41 @@ impl ShardLayout {
     /// The layout of parameters (id, shape) in visiting order among `d` replicas, for
     /// replica `rank`.
     pub fn new(params: &[(u64, Vec<usize>)], d: usize, rank: usize) -> Self {
-        let d = d.max(1);
+        ShardLayout::split(params, &[ShardPart { d, rank }], |_| Some(0))
+    }
+
+    /// The layout of parameters (id, shape) in visiting order, parameter k sharded in part
+    /// `part_of(k)` of `parts` (None: not held here).
+    pub fn split(params: &[(u64, Vec<usize>)], parts: &[ShardPart], part_of: impl Fn(usize) -> Option<usize>) -> Self {
+        let parts: Vec<ShardPart> = parts.iter().map(|p| ShardPart { d: p.d.max(1), rank: p.rank }).collect();
         let params: Vec<ShardParam> = params
             .iter()
-            .map(|(id, shape)| {
+            .enumerate()
+            .map(|(k, (id, shape))| {
                 let len: usize = shape.iter().product();
-                ShardParam { id: *id, shape: shape.clone(), len, chunk: len.div_ceil(d) }
+                let part = part_of(k).filter(|&i| i < parts.len());
+                let chunk = part.map_or(0, |i| len.div_ceil(parts[i].d));
+                ShardParam { id: *id, shape: shape.clone(), len, chunk, part }
             })
             .collect();
         let segment = params.iter().map(|p| p.chunk).sum();
-        ShardLayout { d, rank, params, segment }
+        let first = parts.first().copied().unwrap_or(ShardPart { d: 1, rank: 0 });
+        ShardLayout { d: first.d, rank: first.rank, parts, params, segment }
+    }
+
+    /// This replica's rank in the part parameter `k` is sharded in.
+    pub fn rank_of(&self, k: usize) -> usize {
+        self.params.get(k).and_then(|p| p.part).map_or(0, |i| self.parts[i].rank)
+    }
+
+    /// The positions of part `i`'s parameters, in visiting order.
+    fn of_part(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
+        self.params.iter().enumerate().filter(move |(_, p)| p.part == Some(i)).map(|(k, _)| k)
+    }
+
+    /// The values of one replica's chunks in part `i`.
+    pub fn part_segment(&self, i: usize) -> usize {
+        self.of_part(i).map(|k| self.params[k].chunk).sum()
     }
 
     /// Chunk `r` of parameter `k`'s whole values, padded with zeros to the chunk length.
@@ -78,9 +125,9 @@ impl ShardLayout {
         out
     }
 
-    /// A reduce-scatter's input: for each replica in turn, its chunk of every parameter's
-    /// values (None: zeros), then `stats`.
-    pub fn scatter_input(&self, whole: &[Option<Vec<f32>>], stats: &[f32]) -> Vec<f32> {
+    /// Each part's reduce-scatter input: for each replica of the part in turn, its chunk of
+    /// every parameter of the part (None: zeros), then (part 0 only) `stats`.
+    pub fn scatter_input(&self, whole: &[Option<Vec<f32>>], stats: &[f32]) -> Vec<Vec<f32>> {
         self.scatter_input_range(0..self.params.len(), whole, stats)
     }
 
@@ -91,24 +138,31 @@ impl ShardLayout {
         range: std::ops::Range<usize>,
         whole: &[Option<Vec<f32>>],
         stats: &[f32],
-    ) -> Vec<f32> {
-        let part = self.params.get(range.clone()).unwrap_or_default();
-        let values: usize = part.iter().map(|p| p.chunk).sum();
-        let mut out = Vec::with_capacity(self.d * (values + stats.len()));
-        for r in 0..self.d {
-            for (i, (k, p)) in range.clone().zip(part).enumerate() {
-                match whole.get(i).and_then(Option::as_ref) {
-                    Some(v) => out.extend(self.chunk(k, v, r)),
-                    None => out.extend(std::iter::repeat_n(0.0, p.chunk)),
+    ) -> Vec<Vec<f32>> {
+        let at = |k: usize| whole.get(k - range.start).and_then(Option::as_ref);
+        (0..self.parts.len())
+            .map(|i| {
+                let ks: Vec<usize> = self.of_part(i).filter(|k| range.contains(k)).collect();
+                let values: usize = ks.iter().map(|&k| self.params[k].chunk).sum();
+                let stats = if i == 0 { stats } else { &[] };
+                let mut out = Vec::with_capacity(self.parts[i].d * (values + stats.len()));
+                for r in 0..self.parts[i].d {
+                    for &k in &ks {
+                        match at(k) {
+                            Some(v) => out.extend(self.chunk(k, v, r)),
+                            None => out.extend(std::iter::repeat_n(0.0, self.params[k].chunk)),
+                        }
+                    }
+                    out.extend_from_slice(stats);
                 }
-            }
-            out.extend_from_slice(stats);
-        }
-        out
+                out
+            })
+            .collect()
     }
 
-    /// This replica's segment cut into its chunks, one per parameter, and what follows them
-    /// (the statistics).
+    /// This replica's segment — its chunks part by part (each part's in visiting order),
+    /// then what follows them (the statistics) — cut into its chunk of each parameter (in
+    /// visiting order; empty for one not held here) and the rest.
     pub fn split_segment<'a>(&self, segment: &'a [f32]) -> Result<(Vec<&'a [f32]>, &'a [f32])> {
         if segment.len() < self.segment {
             return Err(ExecError::Plan(format!(
@@ -117,30 +171,76 @@ impl ShardLayout {
                 self.segment
             )));
         }
-        let mut chunks = Vec::with_capacity(self.params.len());
+        let mut chunks: Vec<&[f32]> = vec![&[]; self.params.len()];
         let mut at = 0;
-        for p in &self.params {
-            chunks.push(&segment[at..at + p.chunk]);
-            at += p.chunk;
+        for i in 0..self.parts.len() {
+            for k in self.of_part(i) {
+                let n = self.params[k].chunk;
+                chunks[k] = &segment[at..at + n];
+                at += n;
+            }
         }
         Ok((chunks, &segment[at..]))
     }
 
-    /// Every parameter's whole values from an all-gather of the replicas' segments.
-    pub fn whole(&self, gathered: &[f32]) -> Result<Vec<Vec<f32>>> {
-        if gathered.len() != self.d * self.segment {
-            return Err(ExecError::Plan(format!(
-                "{} gathered weight values for {} replicas' segments of {}",
-                gathered.len(),
-                self.d,
-                self.segment
-            )));
+    /// A segment (see [`ShardLayout::split_segment`]) from this replica's chunk of each
+    /// parameter (in visiting order) and what follows them.
+    pub fn segment_of(&self, chunks: &[Vec<f32>], rest: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.segment + rest.len());
+        for i in 0..self.parts.len() {
+            for k in self.of_part(i) {
+                out.extend_from_slice(chunks.get(k).map_or(&[][..], Vec::as_slice));
+            }
         }
-        let mut out: Vec<Vec<f32>> = self.params.iter().map(|p| Vec::with_capacity(p.chunk * self.d)).collect();
-        for r in 0..self.d {
-            let (chunks, _) = self.split_segment(&gathered[r * self.segment..(r + 1) * self.segment])?;
-            for (o, c) in out.iter_mut().zip(chunks) {
-                o.extend_from_slice(c);
+        out.extend_from_slice(rest);
+        out
+    }
+
+    /// This replica's segment from its parts' reduce-scatter results (part 0's followed by
+    /// `n_stats` statistics): the parts' chunks, then the statistics.
+    pub fn joined_segment(&self, mut results: Vec<Vec<f32>>, n_stats: usize) -> Result<Vec<f32>> {
+        let short = || ExecError::Plan("a reduce-scatter gave fewer values than its part's segment".into());
+        let first = results.first_mut().ok_or_else(short)?;
+        let stats = first.split_off(first.len().checked_sub(n_stats).ok_or_else(short)?);
+        let mut out: Vec<f32> = results.concat();
+        out.extend(stats);
+        Ok(out)
+    }
+
+    /// This replica's segment cut into its parts' all-gather inputs.
+    pub fn part_inputs(&self, segment: &[f32]) -> Vec<Vec<f32>> {
+        let mut at = 0;
+        (0..self.parts.len())
+            .map(|i| {
+                let n = self.part_segment(i).min(segment.len().saturating_sub(at));
+                let v = segment[at..at + n].to_vec();
+                at += n;
+                v
+            })
+            .collect()
+    }
+
+    /// Every parameter's whole values from each part's all-gather of its replicas'
+    /// segments (empty for a parameter not held here).
+    pub fn whole(&self, gathered: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+        let mut out: Vec<Vec<f32>> = self.params.iter().map(|_| Vec::new()).collect();
+        for (i, part) in self.parts.iter().enumerate() {
+            let g = gathered.get(i).map_or(&[][..], Vec::as_slice);
+            let n = self.part_segment(i);
+            if g.len() != part.d * n {
+                return Err(ExecError::Plan(format!(
+                    "{} gathered weight values for {} replicas' segments of {n}",
+                    g.len(),
+                    part.d
+                )));
+            }
+            for r in 0..part.d {
+                let mut at = r * n;
+                for k in self.of_part(i) {
+                    let c = self.params[k].chunk;
+                    out[k].extend_from_slice(&g[at..at + c]);
+                    at += c;
+                }
             }
         }
         for (o, p) in out.iter_mut().zip(&self.params) {
@@ -199,15 +299,33 @@ pub(crate) struct ShardState<B: ExecBackend> {
 impl<B: ExecBackend> ShardState<B> {
     /// Replica `rank` of `d`'s shard of a stage whose model holds the whole weights (as
     /// built, or as loaded from a checkpoint): its chunks of them, and a fresh optimizer.
+    ///
+    /// Under expert parallelism (`experts`: the member's division of the stage, and this
+    /// device) the dense parameters are sharded over the stage's replicas and the member's
+    /// own experts over the replicas holding them; the other experts not at all here.
     pub fn new(
         plan: &Plan,
         model: &StageModel<B>,
         group: GroupId,
         rank: usize,
         d: usize,
+        experts: Option<(&crate::experts::Holding, pipec_plan::DeviceId)>,
         dev: &B::Device,
     ) -> Result<Self> {
-        let layout = ShardLayout::new(&params::layout::<B, _>(model), d, rank);
+        let params = params::layout::<B, _>(model);
+        let layout = match experts {
+            Some((h, device)) => {
+                let at =
+                    h.holders.iter().position(|d| *d == device).ok_or(ExecError::Missing("a holder of its experts"))?;
+                let parts = [ShardPart { d, rank }, ShardPart { d: h.holders.len(), rank: at }];
+                ShardLayout::split(&params, &parts, |k| match h.kept.get(k) {
+                    Some(crate::experts::Kept::Here) => Some(1),
+                    Some(crate::experts::Kept::Elsewhere) => None,
+                    _ => Some(0),
+                })
+            }
+            None => ShardLayout::new(&params, d, rank),
+        };
         let master = master_chunks(&layout, model, dev)?;
         let optim = StageOptim::new(&plan.training.optimizer, &layout.whole_shapes());
         Ok(ShardState {
@@ -246,14 +364,13 @@ impl<B: ExecBackend> ShardState<B> {
         Ok(())
     }
 
-    /// The master chunks on the host, in the layout's order (the all-gather's input).
+    /// The master chunks on the host, as a segment (the all-gathers' inputs, part by part:
+    /// [`ShardLayout::part_inputs`]).
     pub fn master_segment(&self) -> Result<Vec<f32>> {
         let master = self.master.as_ref().ok_or(ExecError::Missing("the stage's shard is in use"))?;
-        let mut out = Vec::with_capacity(self.layout.segment);
-        for p in &master.chunks {
-            out.extend(crate::params::host_f32(p.val().into_data())?);
-        }
-        Ok(out)
+        let chunks =
+            master.chunks.iter().map(|p| crate::params::host_f32(p.val().into_data())).collect::<Result<Vec<_>>>()?;
+        Ok(self.layout.segment_of(&chunks, &[]))
     }
 
     /// Drops the gradient shard without an update (a step fp16's loss scaling skips).
@@ -266,8 +383,9 @@ impl<B: ExecBackend> ShardState<B> {
     /// the gradient shard.
     pub fn update(&mut self, lr: f64, scale: f64) -> Result<()> {
         let master = self.master.take().ok_or(ExecError::Missing("the stage's shard is in use"))?;
+        // (a parameter this replica holds nothing of has no state to update)
         let flat: Vec<Option<Tensor<B::InnerBackend, 1>>> = match self.grad.take() {
-            Some(g) => g.into_iter().map(Some).collect(),
+            Some(g) => g.into_iter().zip(&self.layout.params).map(|(g, p)| (p.chunk > 0).then_some(g)).collect(),
             None => Vec::new(),
         };
         self.master = Some(self.optim.update(lr, master, &flat, scale));
@@ -290,7 +408,7 @@ pub(crate) fn master_chunks<B: ExecBackend>(
             layout.params.len()
         )));
     }
-    let chunks = values.iter().enumerate().map(|(k, (_, _, v))| layout.chunk(k, v, layout.rank)).collect();
+    let chunks = values.iter().enumerate().map(|(k, (_, _, v))| layout.chunk(k, v, layout.rank_of(k))).collect();
     Ok(ShardParams::new(layout, chunks, dev))
 }
 
@@ -389,7 +507,7 @@ pub(crate) type Joined = (Option<Vec<Vec<f32>>>, Vec<(ParamId, serde_json::Value
 pub(crate) fn joined_state<B: ExecBackend>(
     st: &StageState<B>,
     members: &[pipec_plan::DeviceId],
-    gather: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+    gather: &mut dyn FnMut(usize, Vec<f32>) -> Result<Vec<f32>>,
 ) -> Result<Joined> {
     let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
     let layout = &shard.layout;
@@ -398,49 +516,65 @@ pub(crate) fn joined_state<B: ExecBackend>(
     }
     // (an expert-parallel member's model lacks the other positions' experts)
     let whole_here = shard.gathered && st.experts.is_none();
-    let weights = if whole_here { None } else { Some(layout.whole(&gather(shard.master_segment()?)?)?) };
-    let items = shard.optim.items().map_err(ExecError::Checkpoint)?;
-    // every replica's state has the same structure: the same tensors, each a chunk long
-    let mine: Vec<Vec<Vec<f32>>> = items.iter().map(|(_, item)| reshard::tensor_values(item)).collect::<Result<_>>()?;
-    let flat: Vec<f32> = mine.iter().flatten().flatten().copied().collect();
-    let n = flat.len();
-    let all = gather(flat)?;
-    if all.len() != n * layout.d {
-        return Err(ExecError::Checkpoint(format!(
-            "the replicas' optimizer shards differ in size ({} values gathered, {n} here)",
-            all.len()
-        )));
-    }
+    let weights = if whole_here {
+        None
+    } else {
+        let inputs = layout.part_inputs(&shard.master_segment()?);
+        let gathered = inputs.into_iter().enumerate().map(|(i, v)| gather(i, v)).collect::<Result<Vec<_>>>()?;
+        Some(layout.whole(&gathered)?)
+    };
     let index: HashMap<u64, usize> = layout.params.iter().enumerate().map(|(k, p)| (p.id, k)).collect();
-    let mut joined = Vec::with_capacity(items.len());
-    let mut offset = 0;
-    for ((id, item), tensors) in items.iter().zip(&mine) {
-        let k =
-            *index.get(&id.val()).ok_or_else(|| ExecError::Checkpoint(format!("the shard has no parameter {id}")))?;
-        let p = &layout.params[k];
-        let size: usize = tensors.iter().map(Vec::len).sum();
-        let parts = (0..layout.d)
-            .map(|r| {
-                let mut at = r * n + offset;
-                let values = tensors
-                    .iter()
-                    .map(|t| {
-                        let v = all[at..at + t.len()].to_vec();
-                        at += t.len();
-                        v
-                    })
-                    .collect();
-                reshard::with_tensors(item, values, &[p.chunk])
-            })
-            .collect::<Result<Vec<_>>>()?;
-        offset += size;
-        let whole = reshard::map_tensors(&parts, &p.shape, &|parts| {
-            let mut v: Vec<f32> = parts.into_iter().flatten().collect();
-            v.truncate(p.len);
-            Ok(v)
-        })?;
-        joined.push((*id, reshard::with_rank(whole, p.shape.len())?));
+    let mut joined = Vec::new();
+    let items = shard.optim.items().map_err(ExecError::Checkpoint)?;
+    for (i, part) in layout.parts.iter().enumerate() {
+        // every replica of a part has the same state's structure: the same tensors, each a
+        // chunk long
+        let mut of_part = Vec::new();
+        for (id, item) in &items {
+            let k = *index
+                .get(&id.val())
+                .ok_or_else(|| ExecError::Checkpoint(format!("the shard has no parameter {id}")))?;
+            if layout.params[k].part == Some(i) {
+                of_part.push((k, *id, item, reshard::tensor_values(item)?));
+            }
+        }
+        let flat: Vec<f32> = of_part.iter().flat_map(|(_, _, _, t)| t.iter().flatten().copied()).collect();
+        let n = flat.len();
+        let all = gather(i, flat)?;
+        if all.len() != n * part.d {
+            return Err(ExecError::Checkpoint(format!(
+                "the replicas' optimizer shards differ in size ({} values gathered, {n} here)",
+                all.len()
+            )));
+        }
+        let mut offset = 0;
+        for (k, id, item, tensors) in &of_part {
+            let p = &layout.params[*k];
+            let size: usize = tensors.iter().map(Vec::len).sum();
+            let pieces = (0..part.d)
+                .map(|r| {
+                    let mut at = r * n + offset;
+                    let values = tensors
+                        .iter()
+                        .map(|t| {
+                            let v = all[at..at + t.len()].to_vec();
+                            at += t.len();
+                            v
+                        })
+                        .collect();
+                    reshard::with_tensors(item, values, &[p.chunk])
+                })
+                .collect::<Result<Vec<_>>>()?;
+            offset += size;
+            let whole = reshard::map_tensors(&pieces, &p.shape, &|pieces| {
+                let mut v: Vec<f32> = pieces.into_iter().flatten().collect();
+                v.truncate(p.len);
+                Ok(v)
+            })?;
+            joined.push((*id, reshard::with_rank(whole, p.shape.len())?));
+        }
     }
+    joined.sort_by_key(|(id, _)| id.val());
     Ok((weights, joined))
 }
 
@@ -456,8 +590,12 @@ pub(crate) fn shard_loaded<B: ExecBackend>(st: &mut StageState<B>, plan: &Plan, 
     for (id, item) in st.optim.items().map_err(ExecError::Checkpoint)? {
         let k = *index.get(&id.val()).ok_or_else(|| ExecError::Checkpoint(format!("no parameter {id} here")))?;
         let layout = &shard.layout;
+        // (another expert-parallel position's expert: no state here)
+        if layout.params[k].part.is_none() {
+            continue;
+        }
         let chunk = reshard::map_tensors(std::slice::from_ref(&item), &[layout.params[k].chunk], &|mut parts| {
-            Ok(layout.chunk(k, &parts.pop().unwrap_or_default(), layout.rank))
+            Ok(layout.chunk(k, &parts.pop().unwrap_or_default(), layout.rank_of(k)))
         })?;
         cut.push((id, reshard::with_rank(chunk, 1)?));
     }
@@ -512,8 +650,10 @@ mod tests {
                     gathered.extend(l.chunk(k, w, r));
                 }
             }
-            assert_eq!(l.whole(&gathered).expect("whole"), whole, "d = {d}");
-            let input = l.scatter_input(&whole.iter().cloned().map(Some).collect::<Vec<_>>(), &[7.0, 8.0]);
+            assert_eq!(l.whole(&[gathered]).expect("whole"), whole, "d = {d}");
+            let mut input = l.scatter_input(&whole.iter().cloned().map(Some).collect::<Vec<_>>(), &[7.0, 8.0]);
+            assert_eq!(input.len(), 1);
+            let input = input.remove(0);
             assert_eq!(input.len(), d * (l.segment + 2));
             for (r, layout) in layouts.iter().enumerate() {
                 let seg = &input[r * (l.segment + 2)..(r + 1) * (l.segment + 2)];
@@ -526,6 +666,55 @@ mod tests {
         }
         // a missing gradient is zeros
         let l = ShardLayout::new(&params, 2, 0);
-        assert!(l.scatter_input(&[None, None, None], &[]).iter().all(|x| *x == 0.0));
+        assert!(l.scatter_input(&[None, None, None], &[]).concat().iter().all(|x| *x == 0.0));
+    }
+
+    /// Under expert parallelism a layout has two parts — the dense parameters over the
+    /// stage's 4 replicas, this member's experts over its 2 holders — and a parameter of
+    /// neither (another position's expert) has no chunk: each part's reduce-scatter input
+    /// and all-gather round-trip on its own, and a segment is part 0's chunks, part 1's,
+    /// then the statistics.
+    #[test]
+    fn an_expert_parallel_layout_shards_each_part_over_its_own_replicas() {
+        let params: Vec<(u64, Vec<usize>)> = vec![(1, vec![2, 3]), (2, vec![5]), (3, vec![4]), (4, vec![3])];
+        let part_of = |k: usize| [Some(0), Some(1), None, Some(0)][k];
+        let whole: Vec<Vec<f32>> = params
+            .iter()
+            .map(|(id, shape)| (0..shape.iter().product::<usize>()).map(|x| (10 * *id as usize + x) as f32).collect())
+            .collect();
+        let layout = |r0: usize, r1: usize| {
+            ShardLayout::split(&params, &[ShardPart { d: 4, rank: r0 }, ShardPart { d: 2, rank: r1 }], part_of)
+        };
+        let l = layout(0, 0);
+        assert_eq!(l.params.iter().map(|p| p.chunk).collect::<Vec<_>>(), vec![2, 3, 0, 1]);
+        assert_eq!((l.part_segment(0), l.part_segment(1), l.segment), (3, 3, 6));
+        // each part's all-gather of its replicas' chunks gives its parameters whole
+        let gather = |i: usize, d: usize| -> Vec<f32> {
+            (0..d)
+                .flat_map(|r| {
+                    (0..4).filter(|&k| part_of(k) == Some(i)).flat_map(|k| l.chunk(k, &whole[k], r)).collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let got = l.whole(&[gather(0, 4), gather(1, 2)]).expect("whole");
+        assert_eq!(got, vec![whole[0].clone(), whole[1].clone(), Vec::new(), whole[3].clone()]);
+        // the reduce-scatter inputs: part 0 with the statistics, part 1 without
+        let inputs = l.scatter_input(&whole.iter().cloned().map(Some).collect::<Vec<_>>(), &[7.0]);
+        assert_eq!((inputs[0].len(), inputs[1].len()), (4 * (3 + 1), 2 * 3));
+        let (r0, r1) = (2, 1);
+        let mine = layout(r0, r1);
+        let results = vec![inputs[0][r0 * 4..r0 * 4 + 4].to_vec(), inputs[1][r1 * 3..r1 * 3 + 3].to_vec()];
+        let segment = mine.joined_segment(results, 1).expect("joined");
+        let (chunks, stats) = mine.split_segment(&segment).expect("split");
+        assert_eq!(stats, &[7.0]);
+        for k in 0..4 {
+            let expected = if part_of(k).is_none() { Vec::new() } else { mine.chunk(k, &whole[k], mine.rank_of(k)) };
+            assert_eq!(chunks[k], expected.as_slice(), "parameter {k}");
+        }
+        assert_eq!(mine.segment_of(&chunks.iter().map(|c| c.to_vec()).collect::<Vec<_>>(), &[7.0]), segment);
+        assert_eq!(
+            mine.part_inputs(&mine.segment_of(&chunks.iter().map(|c| c.to_vec()).collect::<Vec<_>>(), &[])).len(),
+            2
+        );
     }
 }
