@@ -1314,7 +1314,8 @@ fn checkpoint_weights(dir: &std::path::Path) -> BTreeMap<(u64, u32), Vec<f32>> {
 /// for its device), their gradients are summed over the replicas holding them, and a
 /// checkpoint joins every expert from its holders — the final weights are one device's, and
 /// the checkpoint resumes on one device and back. Beside ZeRO (levels 1–3) each member keeps
-/// its own experts' weights and its shard of every expert's state, the plan's figures too.
+/// its own experts' weights and its shard of them (sharded over their holders), the plan's
+/// figures too, and checkpoints resume both ways.
 #[test]
 fn expert_parallel_members_keep_only_their_experts_and_checkpoints_join_them() {
     let job = |devices, stages, schedule| expert_job(devices, stages, schedule, EXPERT_LM, 4);
@@ -1396,6 +1397,10 @@ fn expert_parallel_members_keep_only_their_experts_and_checkpoints_join_them() {
         }
     }
     resumes_both_ways(job(4, "\"4\"\n  ep: 2", "1f1b"), job(1, "\"1\"", "gpipe"));
+    // and beside ZeRO, each member's shard cut from the whole checkpoint after the whole
+    // shapes are put back
+    resumes_both_ways(job(4, "\"4\"\n  ep: 2\n  zero: 2", "1f1b"), job(1, "\"1\"", "gpipe"));
+    resumes_both_ways(job(4, "\"4\"\n  ep: 2\n  zero: 3", "gpipe"), job(2, "\"2\"\n  ep: 2", "gpipe"));
     // tensor-parallel experts (whose executor takes no load-balancing loss), each rank's
     // share joined over its expert group
     let tp = |devices, stages| Job { layers: EXPERT_TP_LM, ..job(devices, stages, "gpipe") };
