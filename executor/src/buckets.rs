@@ -275,21 +275,18 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?;
-            let mut flat = shard.layout.scatter_input_range(range.clone(), &whole, &stats);
+            let parts = shard.layout.scatter_input_range(range.clone(), &whole, &stats);
             let covered = if last { st.contributions } else { 0 };
             if last {
                 st.clear_gradients();
             }
-            let rest = flat.split_off(1.min(flat.len()));
-            (CollectiveKind::ReduceScatter, (flat.pop().unwrap_or_default(), rest), stats.len(), covered)
+            (CollectiveKind::ReduceScatter, parts, stats.len(), covered)
         };
-        let (flat, rest) = flat;
         // summed in the plan's `grad_precision` (the statistics after the gradients in fp32)
         let precision = self.plan.training.grad_precision;
-        let round = crate::transport::Rounding::of_gradients(precision, kind, flat.len(), members.len(), n_stats);
-        let ticket = self.comm.start_reduction(kind, members, flat, self.reduce, round, Some(code))?;
-        let mut tickets = vec![ticket];
-        tickets.extend(self.start_expert_parts(stage, kind, rest, Some(code))?);
+        let n = flat.first().map_or(0, Vec::len);
+        let round = crate::transport::Rounding::of_gradients(precision, kind, n, members.len(), n_stats);
+        let tickets = self.start_parts(stage, kind, members, flat, round, Some(code))?;
         let b = self.buckets.entry(stage).or_insert_with(BucketsInFlight::new);
         b.parts.push((tickets, range));
         b.n_stats += n_stats;

@@ -133,19 +133,11 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
         let joined = match w.stages.get(&id).and_then(|st| st.shard.as_ref().map(|s| s.group)) {
             Some(group) => {
                 let members = crate::collectives::members(w.plan, group)?;
-                let (comm, reduce) = (&w.comm, w.reduce);
-                // part 0 over the stage's replicas, an expert-parallel member's experts over
-                // the replicas holding them
-                let holders = w.stages.get(&id).and_then(|st| st.experts.as_ref()).map(|h| h.holders.clone());
-                let mut gather = |part: usize, data: Vec<f32>| -> Result<Vec<f32>, ExecError> {
-                    let over = match (part, &holders) {
-                        (0, _) | (_, None) => &members,
-                        (_, Some(h)) => h,
-                    };
-                    if over.len() <= 1 {
-                        return Ok(data);
-                    }
-                    Ok(comm.collective(pipec_plan::CollectiveKind::AllGather, over, data, reduce, None)?)
+                // each part of the shard over its own replicas (`Worker::start_parts`)
+                let kind = pipec_plan::CollectiveKind::AllGather;
+                let mut gather = |parts: Vec<Vec<f32>>| -> Result<Vec<Vec<f32>>, ExecError> {
+                    let tickets = w.start_parts(id, kind, members.clone(), parts, None, None)?;
+                    Ok(tickets.into_iter().map(crate::comm::Ticket::wait).collect::<Result<_, _>>()?)
                 };
                 let st = w.stages.get(&id).ok_or(ExecError::Missing("the stage"))?;
                 Some(crate::zero::joined_state(st, &members, &mut gather)?)

@@ -43,10 +43,6 @@ fn squared_norm<B: ExecBackend>(
     let first = every_replica || st.shard.is_some() || first_replica(plan, stage, device);
     // expert parallelism: the first holder of each routed expert counts it
     let alone = st.experts.as_ref().filter(|h| h.updates_alone());
-    let experts: std::collections::HashMap<u64, Kept> = match alone {
-        Some(h) => layout::<B, _>(st.model()?).into_iter().map(|(id, _)| id).zip(h.kept.iter().copied()).collect(),
-        None => Default::default(),
-    };
     let counts_experts = every_replica || alone.is_some_and(|h| h.counts_experts(device));
     if !first && !counts_experts {
         return Ok(0.0);
@@ -67,16 +63,6 @@ fn squared_norm<B: ExecBackend>(
     } else {
         Default::default()
     };
-    let counts = |id: u64| {
-        let counted = match experts.get(&id) {
-            None | Some(Kept::Everywhere) => first,
-            Some(Kept::Here) => counts_experts,
-            Some(Kept::Elsewhere) => false,
-        };
-        counted
-            && !tied.contains(&id)
-            && (rank == 0 || split.get(&id).is_some_and(|s| *s != crate::tensor_parallel::Sharding::Whole))
-    };
     let n_mb = plan.training.microbatches as f64;
     type Grad<'a, T> = Option<&'a burn::tensor::Tensor<T, 1>>;
     let (ids, grads, contributions): (Vec<u64>, Vec<Grad<'_, B::InnerBackend>>, usize) = match &st.shard {
@@ -90,6 +76,18 @@ fn squared_norm<B: ExecBackend>(
             st.acc.iter().map(Option::as_ref).collect(),
             st.contributions,
         ),
+    };
+    let experts: std::collections::HashMap<u64, Kept> =
+        alone.map(|h| ids.iter().copied().zip(h.kept.iter().copied()).collect()).unwrap_or_default();
+    let counts = |id: u64| {
+        let counted = match experts.get(&id) {
+            None | Some(Kept::Everywhere) => first,
+            Some(Kept::Here) => counts_experts,
+            Some(Kept::Elsewhere) => false,
+        };
+        counted
+            && !tied.contains(&id)
+            && (rank == 0 || split.get(&id).is_some_and(|s| *s != crate::tensor_parallel::Sharding::Whole))
     };
     // the accumulated sums are of per-microbatch means scaled by 1/N: an update made from
     // fewer microbatches scales up to their mean (as the update itself does)

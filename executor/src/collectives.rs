@@ -17,13 +17,11 @@ use crate::stage::{set_tied_gradient, set_tied_gradient_shard, tied_gradient, ti
 use crate::transport::Rounding;
 use crate::worker::Worker;
 
-/// A collective in flight: its result to come, and where it goes.
+/// A collective in flight: its results to come (one per part of a sharded stage's data:
+/// [`crate::zero::ShardLayout`]), and where they go.
 pub(crate) struct InFlight {
     payload: CollectivePayload,
-    result: Ticket<Vec<f32>>,
-    /// Under expert parallelism beside ZeRO, the same collective of the member's experts'
-    /// part of the shard, over the replicas holding them ([`crate::zero::ShardLayout`]).
-    more: Vec<Ticket<Vec<f32>>>,
+    results: Vec<Ticket<Vec<f32>>>,
     into: Landing,
 }
 
@@ -84,49 +82,59 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         // a bucketed stage's backward started its buckets already
         if matches!(payload, CollectivePayload::Gradients | CollectivePayload::GradientShard) {
             if let Some(b) = self.take_buckets(stage) {
-                let result = Ticket::ready(Vec::new());
                 let into = Landing::Buckets { buckets: b, members: members.len() };
-                self.collectives.insert((stage, group), InFlight { payload, result, more: Vec::new(), into });
+                self.collectives.insert((stage, group), InFlight { payload, results: Vec::new(), into });
                 return Ok(());
             }
         }
         if payload == CollectivePayload::Gradients {
             let (n, params) = (members.len(), self.state(stage)?.parameter_sizes()?.len());
             let sum = self.start_replica_sum(stage, members, 0..params, true, code)?;
-            let (result, into) = (Ticket::ready(Vec::new()), Landing::Gradients { sum, members: n });
-            self.collectives.insert((stage, group), InFlight { payload, result, more: Vec::new(), into });
+            let into = Landing::Gradients { sum, members: n };
+            self.collectives.insert((stage, group), InFlight { payload, results: Vec::new(), into });
             return Ok(());
         }
-        // a sharded stage's parts past the first (its experts, over their holders)
-        let mut rest = Vec::new();
-        let (data, into) = match payload {
+        // (a sharded stage's data comes in parts: `zero::ShardLayout`)
+        let (parts, into) = match payload {
             CollectivePayload::Gradients => return Err(ExecError::Plan("gradients are summed above".into())),
-            CollectivePayload::TiedGradient => self.tied_gradient_out(group, &members)?,
-            CollectivePayload::GradientShard => {
-                let (mut parts, into) = self.gradient_shard_out(stage)?;
-                rest = parts.split_off(1.min(parts.len()));
-                (parts.pop().unwrap_or_default(), into)
-            }
-            CollectivePayload::TiedGradientShard => self.tied_shard_out(group, &members)?,
+            CollectivePayload::TiedGradient => self.tied_gradient_out(group, &members).map(|(d, i)| (vec![d], i))?,
+            CollectivePayload::GradientShard => self.gradient_shard_out(stage)?,
+            CollectivePayload::TiedGradientShard => self.tied_shard_out(group, &members).map(|(d, i)| (vec![d], i))?,
             CollectivePayload::Weights => {
                 let shard = self.shard(stage)?;
-                let mut parts = shard.layout.part_inputs(&shard.master_segment()?);
-                rest = parts.split_off(1.min(parts.len()));
-                (parts.pop().unwrap_or_default(), Landing::Weights)
+                (shard.layout.part_inputs(&shard.master_segment()?), Landing::Weights)
             }
-            CollectivePayload::GradNorm => (vec![self.norm_share()? as f32], Landing::GradNorm),
+            CollectivePayload::GradNorm => (vec![vec![self.norm_share()? as f32]], Landing::GradNorm),
         };
-        let round = self.gradient_rounding(&data, &into)?;
-        let result = self.comm.start_reduction(kind, members, data, self.reduce, round, Some(code))?;
-        let more = self.start_expert_parts(stage, kind, rest, Some(code))?;
-        self.collectives.insert((stage, group), InFlight { payload, result, more, into });
+        let round = self.gradient_rounding(parts.first().map_or(0, Vec::len), &into);
+        let results = self.start_parts(stage, kind, members, parts, round, Some(code))?;
+        self.collectives.insert((stage, group), InFlight { payload, results, into });
         Ok(())
+    }
+
+    /// Starts `kind` on each of `parts`: the first over `members` (its sums rounded by
+    /// `round`), the others — a sharded stage's experts' ([`crate::zero::ShardLayout`]) —
+    /// over the replicas holding them. Returns their results, in order.
+    pub(crate) fn start_parts(
+        &self,
+        stage: StageId,
+        kind: CollectiveKind,
+        members: Vec<DeviceId>,
+        mut parts: Vec<Vec<f32>>,
+        round: Option<Rounding>,
+        code: Option<usize>,
+    ) -> Result<Vec<Ticket<Vec<f32>>>> {
+        let rest = parts.split_off(1.min(parts.len()));
+        let first = parts.pop().unwrap_or_default();
+        let mut results = vec![self.comm.start_reduction(kind, members, first, self.reduce, round, code)?];
+        results.extend(self.start_expert_parts(stage, kind, rest, code)?);
+        Ok(results)
     }
 
     /// Starts `kind` (a reduce-scatter of gradients, an all-gather of weights) on each of
     /// `data`, the parts of `stage`'s shard past the first — its experts' — over the
     /// replicas holding them (a part of one replica's: its data as it is).
-    pub(crate) fn start_expert_parts(
+    fn start_expert_parts(
         &self,
         stage: StageId,
         kind: CollectiveKind,
@@ -156,22 +164,21 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .collect()
     }
 
-    /// How a collective of gradients sums in the plan's `grad_precision`: its gradients
-    /// rounded, the batch statistics that travel with them (after each replica's segment of
+    /// How a collective of `n` values of gradients sums in the plan's `grad_precision`: its
+    /// gradients rounded, the batch statistics that travel with them (after each replica's segment of
     /// a reduce-scatter, after everything in an all-reduce) not. None for fp32 and for what
     /// is not gradients.
-    fn gradient_rounding(&self, data: &[f32], into: &Landing) -> Result<Option<Rounding>> {
+    fn gradient_rounding(&self, n: usize, into: &Landing) -> Option<Rounding> {
         let precision = self.plan.training.grad_precision;
         if precision == pipec_plan::Precision::Fp32 {
-            return Ok(None);
+            return None;
         }
-        let n = data.len();
         let of = |kind, members, n_stats| Rounding::of_gradients(precision, kind, n, members, n_stats);
-        Ok(match into {
+        match into {
             Landing::GradientShard { members, n_stats, .. } => of(CollectiveKind::ReduceScatter, *members, *n_stats),
             Landing::TiedGradient { .. } | Landing::TiedGradientShard { .. } => of(CollectiveKind::AllReduce, 1, 0),
             Landing::Gradients { .. } | Landing::Weights | Landing::GradNorm | Landing::Buckets { .. } => None,
-        })
+        }
     }
 
     /// `WaitCollective`: waits for `stage`'s collective on `group` and puts its result back.
@@ -180,8 +187,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             self.collectives.remove(&(stage, group)).filter(|c| c.payload == payload).ok_or_else(|| {
                 ExecError::Plan(format!("no {payload} collective of {stage} on {group} is in flight"))
             })?;
-        let data = c.result.wait()?;
-        let more = c.more.into_iter().map(Ticket::wait).collect::<std::result::Result<Vec<_>, _>>()?;
+        let results = c.results.into_iter().map(Ticket::wait).collect::<std::result::Result<Vec<_>, _>>()?;
+        // (a collective of one part: its one result)
+        let first = |results: Vec<Vec<f32>>| results.into_iter().next().unwrap_or_default();
         match c.into {
             Landing::Gradients { sum, members } => {
                 let dev = self.dev.clone();
@@ -191,7 +199,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 Ok(())
             }
             Landing::TiedGradient { held } => {
-                let plan = self.plan;
+                let (plan, data) = (self.plan, first(results));
                 for (s, layer) in held {
                     set_tied_gradient(self.state(s)?, plan, layer, &data)?;
                 }
@@ -201,13 +209,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 let (dev, precision) = (self.dev.clone(), self.plan.training.grad_precision);
                 let st = self.state(stage)?;
                 let shard = st.shard.as_mut().ok_or_else(|| not_sharded(stage))?;
-                let segment = shard.layout.joined_segment([vec![data], more].concat(), n_stats)?;
+                let segment = shard.layout.joined_segment(results, n_stats)?;
                 shard.add_gradients(&segment, &dev, precision)?;
                 shard.contributions += covered * members;
                 Ok(())
             }
             Landing::TiedGradientShard { held } => {
-                let (plan, dev) = (self.plan, self.dev.clone());
+                let (plan, dev, data) = (self.plan, self.dev.clone(), first(results));
                 for (s, layer) in held {
                     let st = self.state(s)?;
                     match &st.shard {
@@ -219,13 +227,15 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             }
             Landing::Weights => {
                 let st = self.state(stage)?;
-                let whole =
-                    st.shard.as_ref().ok_or_else(|| not_sharded(stage))?.layout.whole(&[vec![data], more].concat())?;
+                let whole = st.shard.as_ref().ok_or_else(|| not_sharded(stage))?.layout.whole(&results)?;
                 crate::zero::restore_weights(st, whole)
             }
             Landing::Buckets { buckets, members } => self.buckets_in(stage, buckets, members),
             Landing::GradNorm => {
-                let sum = data.first().copied().ok_or(ExecError::Missing("the gradient norm's sum came back empty"))?;
+                let sum = first(results)
+                    .first()
+                    .copied()
+                    .ok_or(ExecError::Missing("the gradient norm's sum came back empty"))?;
                 // (a NaN stays NaN: f64::max would make it 0, and fp16's overflow check
                 // must see it)
                 let sum = f64::from(sum);
@@ -359,7 +369,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
 /// holding them, whose sum is the same as over every replica (the others compute no
 /// gradient of them), while the experts it does not keep stay without one.
 pub(crate) struct ReplicaSum {
-    range: std::ops::Range<usize>,
     everywhere: (Vec<usize>, Ticket<Vec<f32>>),
     here: Option<(Vec<usize>, Ticket<Vec<f32>>)>,
     n_stats: usize,
@@ -408,12 +417,13 @@ impl<B: ExecBackend> Worker<'_, B> {
             }
             None => None,
         };
-        Ok(ReplicaSum { range, everywhere: (everywhere, ticket), here, n_stats })
+        Ok(ReplicaSum { everywhere: (everywhere, ticket), here, n_stats })
     }
 }
 
 /// A [`ReplicaSum`]'s sums back into `st`'s accumulator, the batch statistics into the
-/// stage's; a routed expert this member does not keep has no gradient.
+/// stage's (a routed expert this member does not keep never had a gradient: its weights
+/// are not in any pass here).
 pub(crate) fn land_replica_sum<B: ExecBackend>(st: &mut StageState<B>, sum: ReplicaSum, dev: &B::Device) -> Result<()> {
     let sizes = st.parameter_sizes()?;
     let (positions, ticket) = sum.everywhere;
@@ -421,14 +431,13 @@ pub(crate) fn land_replica_sum<B: ExecBackend>(st: &mut StageState<B>, sum: Repl
     if let Some((positions, ticket)) = sum.here {
         land_gradient_message(st, &sizes, &positions, ticket.wait()?, 0, dev)?;
     }
-    if let Some(h) = &st.experts {
-        for k in h.positions(sum.range, Kept::Elsewhere) {
-            if let Some(g) = st.acc.get_mut(k) {
-                *g = None;
-            }
-        }
-    }
     Ok(())
+}
+
+/// The value counts `sizes` gives for the parameters at `positions`.
+fn sizes_at(sizes: &[usize], positions: &[usize]) -> Result<Vec<usize>> {
+    let beyond = || ExecError::Plan("gradients past the stage's parameters".into());
+    positions.iter().map(|&k| sizes.get(k).copied().ok_or_else(beyond)).collect()
 }
 
 /// What a replica all-reduce of a stage's parameters at `positions` (in its visiting order)
@@ -443,9 +452,7 @@ fn gradient_message<B: ExecBackend>(
     positions: &[usize],
     stats: bool,
 ) -> Result<(Vec<f32>, usize)> {
-    let beyond = || ExecError::Plan("gradients past the stage's parameters".into());
-    let part: Vec<usize> =
-        positions.iter().map(|&k| sizes.get(k).copied().ok_or_else(beyond)).collect::<Result<_>>()?;
+    let part = sizes_at(sizes, positions)?;
     let held: Vec<_> = positions.iter().map(|&k| st.acc.get(k).cloned().flatten()).collect();
     let mut flat = flatten_grads::<B>(&held, &part)?;
     flat.extend(held.iter().map(|g| if g.is_some() { 1.0 } else { 0.0 }));
@@ -471,9 +478,7 @@ fn land_gradient_message<B: ExecBackend>(
     let short = || ExecError::Missing("fewer gradients came back than were sent");
     let stats = data.split_off(data.len().checked_sub(n_stats).ok_or_else(short)?);
     st.set_statistics(&stats, dev)?;
-    let beyond = || ExecError::Plan("gradients past the stage's parameters".into());
-    let part: Vec<usize> =
-        positions.iter().map(|&k| sizes.get(k).copied().ok_or_else(beyond)).collect::<Result<_>>()?;
+    let part = sizes_at(sizes, positions)?;
     let present = data.split_off(data.len().checked_sub(part.len()).ok_or_else(short)?);
     if st.acc.len() < sizes.len() {
         st.acc.resize(sizes.len(), None);

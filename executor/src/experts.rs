@@ -171,6 +171,15 @@ pub(crate) struct Holding {
     pub sharded: bool,
 }
 
+/// The shape a dropped expert's parameter shaped `shape` takes: no rows.
+pub(crate) fn dropped_shape(shape: &[usize]) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    if let Some(first) = s.first_mut() {
+        *first = 0;
+    }
+    s
+}
+
 /// The routed expert a parameter `id` of a stage belongs to, with its block's count of
 /// routed experts (None: a dense parameter, a router, a shared expert).
 pub(crate) fn routed_expert(plan: &Plan, id: u64) -> Option<(usize, usize)> {
@@ -232,8 +241,7 @@ impl Holding {
                     return param;
                 }
                 let (id, tensor, _) = param.consume();
-                let mut shape = tensor.dims().to_vec();
-                shape[0] = 0;
+                let shape = dropped_shape(&tensor.dims());
                 let empty = Tensor::<B, D>::from_data(TensorData::new(Vec::<f32>::new(), shape), &tensor.device());
                 burn::module::Param::initialized(id, empty.require_grad())
             }

@@ -835,13 +835,8 @@ impl<B: ExecBackend> Worker<'_, B> {
         let shard =
             self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("the stage's shard"))?;
         let members = crate::collectives::members(self.plan, shard.group)?;
-        let mut parts = shard.layout.part_inputs(&shard.master_segment()?);
-        let rest = parts.split_off(1.min(parts.len()));
-        let kind = pipec_plan::CollectiveKind::AllGather;
-        let mut tickets =
-            vec![self.comm.start_collective(kind, members, parts.pop().unwrap_or_default(), self.reduce, None)?];
-        tickets.extend(self.start_expert_parts(stage, kind, rest, None)?);
-        Ok(tickets)
+        let parts = shard.layout.part_inputs(&shard.master_segment()?);
+        self.start_parts(stage, pipec_plan::CollectiveKind::AllGather, members, parts, None, None)
     }
 
     /// ZeRO-3's prefetch (FSDP's unit prefetch, with the stage as the unit): while the pass

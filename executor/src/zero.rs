@@ -425,15 +425,13 @@ pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec
         .iter()
         .zip(whole)
         .enumerate()
-        .map(
-            |(k, (p, v))| {
-                if dropped(k) {
-                    (p.id, (empty_shape(&p.shape), Vec::new()))
-                } else {
-                    (p.id, (p.shape.clone(), v))
-                }
-            },
-        )
+        .map(|(k, (p, v))| {
+            if dropped(k) {
+                (p.id, (crate::experts::dropped_shape(&p.shape), Vec::new()))
+            } else {
+                (p.id, (p.shape.clone(), v))
+            }
+        })
         .collect();
     let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
     let copied = params::take_weight_copies(&model);
@@ -447,16 +445,6 @@ pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec
         shard.gathered = true;
     }
     Ok(())
-}
-
-/// The shape of no rows of a tensor shaped `shape` (an expert-parallel member's stand-in
-/// for another position's expert: `experts::Holding::evict`).
-fn empty_shape(shape: &[usize]) -> Vec<usize> {
-    let mut s = shape.to_vec();
-    if let Some(first) = s.first_mut() {
-        *first = 0;
-    }
-    s
 }
 
 /// Expert parallelism beside ZeRO: puts every parameter's whole shape back into the stage's
@@ -502,12 +490,13 @@ pub(crate) type Joined = (Option<Vec<Vec<f32>>>, Vec<(ParamId, serde_json::Value
 /// ZeRO: a stage's state joined from its replicas' shards, for a checkpoint (which holds
 /// every parameter's state whole, as an unsharded run writes it, so that it resumes on any
 /// sharding level and data-parallel degree): its optimizer state's items, and at stage 3
-/// its whole weights (the model holds them at stages 1 and 2). A collective over the
-/// stage's replica group: every replica calls it at the same point of the same step.
+/// its whole weights (the model holds them at stages 1 and 2; under expert parallelism it
+/// lacks the other positions' experts, so always). `gather` all-gathers each part of the
+/// layout over its replicas: every replica calls this at the same point of the same step.
 pub(crate) fn joined_state<B: ExecBackend>(
     st: &StageState<B>,
     members: &[pipec_plan::DeviceId],
-    gather: &mut dyn FnMut(usize, Vec<f32>) -> Result<Vec<f32>>,
+    gather: &mut dyn FnMut(Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>>,
 ) -> Result<Joined> {
     let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
     let layout = &shard.layout;
@@ -516,31 +505,26 @@ pub(crate) fn joined_state<B: ExecBackend>(
     }
     // (an expert-parallel member's model lacks the other positions' experts)
     let whole_here = shard.gathered && st.experts.is_none();
-    let weights = if whole_here {
-        None
-    } else {
-        let inputs = layout.part_inputs(&shard.master_segment()?);
-        let gathered = inputs.into_iter().enumerate().map(|(i, v)| gather(i, v)).collect::<Result<Vec<_>>>()?;
-        Some(layout.whole(&gathered)?)
-    };
+    let weights =
+        if whole_here { None } else { Some(layout.whole(&gather(layout.part_inputs(&shard.master_segment()?))?)?) };
     let index: HashMap<u64, usize> = layout.params.iter().enumerate().map(|(k, p)| (p.id, k)).collect();
-    let mut joined = Vec::new();
     let items = shard.optim.items().map_err(ExecError::Checkpoint)?;
-    for (i, part) in layout.parts.iter().enumerate() {
-        // every replica of a part has the same state's structure: the same tensors, each a
-        // chunk long
-        let mut of_part = Vec::new();
-        for (id, item) in &items {
-            let k = *index
-                .get(&id.val())
-                .ok_or_else(|| ExecError::Checkpoint(format!("the shard has no parameter {id}")))?;
-            if layout.params[k].part == Some(i) {
-                of_part.push((k, *id, item, reshard::tensor_values(item)?));
-            }
+    // each part's items and their tensors: every replica of a part has the same state's
+    // structure (the same tensors, each a chunk long)
+    let mut of_part: Vec<Vec<_>> = layout.parts.iter().map(|_| Vec::new()).collect();
+    for (id, item) in &items {
+        let k =
+            *index.get(&id.val()).ok_or_else(|| ExecError::Checkpoint(format!("the shard has no parameter {id}")))?;
+        if let Some(i) = layout.params[k].part {
+            of_part[i].push((k, *id, item, reshard::tensor_values(item)?));
         }
-        let flat: Vec<f32> = of_part.iter().flat_map(|(_, _, _, t)| t.iter().flatten().copied()).collect();
-        let n = flat.len();
-        let all = gather(i, flat)?;
+    }
+    let flats: Vec<Vec<f32>> =
+        of_part.iter().map(|p| p.iter().flat_map(|(_, _, _, t)| t.iter().flatten().copied()).collect()).collect();
+    let sizes: Vec<usize> = flats.iter().map(Vec::len).collect();
+    let gathered = gather(flats)?;
+    let mut joined = Vec::new();
+    for (((part, of_part), all), n) in layout.parts.iter().zip(&of_part).zip(&gathered).zip(sizes) {
         if all.len() != n * part.d {
             return Err(ExecError::Checkpoint(format!(
                 "the replicas' optimizer shards differ in size ({} values gathered, {n} here)",
@@ -548,7 +532,7 @@ pub(crate) fn joined_state<B: ExecBackend>(
             )));
         }
         let mut offset = 0;
-        for (k, id, item, tensors) in &of_part {
+        for (k, id, item, tensors) in of_part {
             let p = &layout.params[*k];
             let size: usize = tensors.iter().map(Vec::len).sum();
             let pieces = (0..part.d)
