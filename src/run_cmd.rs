@@ -270,6 +270,17 @@ fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
             "ZeRO-3 gathers of whole stage weights in the last step (one for each pass that found them dropped; prefetched: started during the pass before, for another stage): {}",
             last.join(", ")
         );
+        let by_product: Vec<String> = report
+            .product_gathers
+            .iter()
+            .filter_map(|(d, g)| g.last().filter(|n| **n > 0).map(|n| format!("{d} {n}")))
+            .collect();
+        if !by_product.is_empty() {
+            eprintln!(
+                "ZeRO-3 gathers of single weights by the products reading them in the last step (each linear weight before its product in the forward and again in the backward): {}",
+                by_product.join(", ")
+            );
+        }
     }
     if !report.resident.is_empty() {
         eprintln!("resident memory per process running one device (measured: from before its stages were built to the run's peak; predicted: the plan's total without its workspace reserve):");

@@ -267,15 +267,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         }
         let (kind, flat, n_stats, covered) = {
             let stats = if last { st.statistics_message()? } else { Vec::new() };
-            let whole = range
-                .clone()
-                .map(|k| match st.acc.get_mut(k).and_then(Option::take) {
-                    Some(t) => host_f32(t.into_data()).map(Some),
-                    None => Ok(None),
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let mut acc = std::mem::take(&mut st.acc);
             let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?;
-            let parts = shard.layout.scatter_input_range(range.clone(), &whole, &stats);
+            let parts = shard.layout.scatter_input_from(range.clone(), &stats, |k| {
+                acc.get_mut(k).and_then(Option::take).map(|t| host_f32(t.into_data())).transpose()
+            })?;
+            st.acc = acc;
             let covered = if last { st.contributions } else { 0 };
             if last {
                 st.clear_gradients();

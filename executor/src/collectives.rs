@@ -258,14 +258,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         self.settle(stage)?;
         let st = self.state(stage)?;
         let stats = st.statistics_message()?;
+        // each gradient taken out and dropped once its chunks are placed, so that no second
+        // copy of the stage's gradients is held beside the input
+        let mut acc = std::mem::take(&mut st.acc);
         let shard = st.shard.as_ref().ok_or_else(|| not_sharded(stage))?;
-        let whole = (0..shard.layout.params.len())
-            .map(|k| match st.acc.get(k) {
-                Some(Some(t)) => host_f32(t.clone().into_data()).map(Some),
-                _ => Ok(None),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let data = shard.layout.scatter_input(&whole, &stats);
+        let data = shard.layout.scatter_input_from(0..shard.layout.params.len(), &stats, |k| {
+            acc.get_mut(k).and_then(Option::take).map(|t| host_f32(t.into_data())).transpose()
+        })?;
+        st.acc = acc;
         let landing =
             Landing::GradientShard { covered: st.contributions, members: shard.layout.d, n_stats: stats.len() };
         st.clear_gradients();

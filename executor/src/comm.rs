@@ -83,6 +83,21 @@ impl Exchanger {
         self.0.send(Coll::Exchange { members: members.to_vec(), chunks, reply }).map_err(|_| gone())?;
         Ok(Ticket(rx))
     }
+
+    /// Starts an all-gather of `data` over `members` (its result: each member's data in
+    /// member order), queued behind what the worker started before it.
+    pub fn start_all_gather(
+        &self,
+        members: &[DeviceId],
+        data: Vec<f32>,
+        mode: ReduceMode,
+    ) -> Result<Ticket<Vec<f32>>, TransportError> {
+        let (reply, rx) = channel();
+        let kind = CollectiveKind::AllGather;
+        let run = Coll::Run { kind, members: members.to_vec(), data, mode, sum: None, code: None, reply };
+        self.0.send(run).map_err(|_| gone())?;
+        Ok(Ticket(rx))
+    }
 }
 
 /// A result the worker waits for.

@@ -33,7 +33,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Some(m) => m,
             None => st.model()?,
         });
-        let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(mb))?;
+        let gathered = self.gathered_weights(stage, &model)?;
+        let key = self.mask_key(mb);
+        let f = crate::dense::with_gathered_weights(gathered, || self.run_forward(stage, mb, &model, x.clone(), key))?;
         // the forward (not a recompute) records batch normalisation's statistics; validation
         // trains nothing
         if self.evaluating.is_none() {
@@ -94,7 +96,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         } else {
             microbatch_copy(&model)
         };
-        let f = self.run_forward(stage, mb, &model, x.clone(), self.mask_key(mb))?;
+        let gathered = self.gathered_weights(stage, &model)?;
+        let key = self.mask_key(mb);
+        let f = crate::dense::with_gathered_weights(gathered, || self.run_forward(stage, mb, &model, x.clone(), key))?;
         self.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model, aux: f.aux });
         Ok(())
     }

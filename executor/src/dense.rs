@@ -22,6 +22,11 @@
 //! zero-bubble schedule's, or a later stage's that sends its gradient first), kept as
 //! operands and multiplied in its weight half ([`with_deferred_weight_gradients`],
 //! [`add_deferred`]) — the same products into the same sums either way.
+//!
+//! Under ZeRO-3 a weight gathered per product ([`crate::zero::per_product`]) is a one-value
+//! stand-in in the model: while [`with_gathered_weights`] names it, the product asks its
+//! [`crate::zero::Gatherer`] for the whole weight, and its backward keeps the gatherer
+//! instead of the weight and asks again for the input gradient.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -282,17 +287,39 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
+        // ZeRO-3: a weight gathered for this product only (its gathered copy in no cache of
+        // the backend's: `I::product`, the same bits as `weight_product`)
+        let gathered = gathered_weight::<I>(w.node.id);
+        let (weight, product): (FloatTensor<I>, Product<I>) = match &gathered {
+            Some((g, id)) => (g.get(*id), |x, w| crate::amp::mixed::<I>(x, w, I::product)),
+            None => (w.primitive.clone(), forward_product::<I>),
+        };
         let y = match DenseBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
             OpsKind::Tracked(mut prep) => {
-                // x for the weight gradient, w for the input gradient, each only if needed
+                // x for the weight gradient, w (or its gatherer) for the input gradient, each
+                // only if needed
                 let x_state = w_tracked.then(|| prep.checkpoint(&x));
-                let w_state = x_tracked.then(|| w.primitive.clone());
-                prep.finish((x_state, w_state), forward_product::<I>(x.primitive, w.primitive))
+                let w_state = x_tracked.then(|| match gathered {
+                    Some((g, id)) => Weight::Gathered(g, id),
+                    None => Weight::Held(weight.clone()),
+                });
+                prep.finish((x_state, w_state), product(x.primitive, weight))
             }
-            OpsKind::UnTracked(prep) => prep.finish(forward_product::<I>(x.primitive, w.primitive)),
+            OpsKind::UnTracked(prep) => prep.finish(product(x.primitive, weight)),
         };
         Tensor::from_primitive(TensorPrimitive::Float(y))
     }
+}
+
+/// A forward product `x · w` on primitives.
+type Product<I> = fn(FloatTensor<I>, FloatTensor<I>) -> FloatTensor<I>;
+
+/// What a dense product's backward keeps for its input gradient: the weight, or under
+/// ZeRO-3 per product what gathers it again.
+#[derive(Clone, Debug)]
+enum Weight<I: Backend> {
+    Held(FloatTensor<I>),
+    Gathered(std::sync::Arc<crate::zero::Gatherer<I>>, u64),
 }
 
 /// The backward of `x · w`: `dy · wᵀ` (through [`Kernels::input_grad`]) and `xᵀ · dy`.
@@ -300,7 +327,7 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
 struct DenseBackward;
 
 impl<I: Kernels> Backward<I, 2> for DenseBackward {
-    type State = (Option<NodeId>, Option<FloatTensor<I>>);
+    type State = (Option<NodeId>, Option<Weight<I>>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
         let (x, w) = ops.state;
@@ -308,7 +335,10 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
         let [to_x, to_w] = ops.parents;
         let dy = grads.consume::<I>(&ops.node);
         if let Some(node) = to_x {
-            let w = w.expect("the input is tracked, so its weight was kept");
+            let w = match w.expect("the input is tracked, so its weight was kept") {
+                Weight::Held(w) => w,
+                Weight::Gathered(g, id) => g.get(id),
+            };
             grads.register::<I>(node.id, crate::amp::mixed::<I>(dy.clone(), w, I::input_grad));
         }
         if let Some(node) = to_w {
@@ -497,6 +527,36 @@ enum Lent<I: Backend> {
 thread_local! {
     /// This thread's [`Lent`] while a backward runs (type-erased: one per backend).
     static LENT: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+    /// The weights gathered per product while a pass runs ([`with_gathered_weights`]).
+    static GATHERED: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// ZeRO-3 per product: the stand-ins (by autodiff node) whose products gather their weight,
+/// and from what (by parameter id).
+pub(crate) type GatheredWeights<I> = HashMap<NodeId, (std::sync::Arc<crate::zero::Gatherer<I>>, u64)>;
+
+/// Runs `pass` (a forward or a recompute) with `weights` installed on this thread: a dense
+/// product of one of those stand-ins gathers the whole weight for itself (the backward
+/// needs nothing installed: each product's keeps its gatherer). Uninstalled after, also if
+/// the pass panics.
+pub(crate) fn with_gathered_weights<I: Backend, R>(weights: GatheredWeights<I>, pass: impl FnOnce() -> R) -> R {
+    struct Installed;
+    impl Drop for Installed {
+        fn drop(&mut self) {
+            GATHERED.with(|s| s.borrow_mut().take());
+        }
+    }
+    if weights.is_empty() {
+        return pass();
+    }
+    GATHERED.with(|s| *s.borrow_mut() = Some(Box::new(weights)));
+    let _installed = Installed;
+    pass()
+}
+
+/// The gatherer of the weight whose stand-in is `node`, while a pass names it.
+fn gathered_weight<I: Backend>(node: NodeId) -> Option<(std::sync::Arc<crate::zero::Gatherer<I>>, u64)> {
+    GATHERED.with(|s| s.borrow().as_ref()?.downcast_ref::<GatheredWeights<I>>()?.get(&node).cloned())
 }
 
 /// Runs `backward` with `lent` installed on this thread, and takes it back (also if the

@@ -16,8 +16,8 @@
 //! faster on an AVX2 machine and changes no result (packing moves values, not the order in
 //! which they are summed; tested).
 //!
-//! This is the one module of the workspace that uses `unsafe` (the `gemm` crate has no safe
-//! entry point); every access it lets the kernel make is bounds-checked below first.
+//! This module uses `unsafe` because the `gemm` crate has no safe entry point; every
+//! access it lets the kernel make is bounds-checked below first.
 #![allow(unsafe_code)]
 
 use burn::backend::flex::{FlexTensor, Layout};

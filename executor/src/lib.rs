@@ -241,6 +241,9 @@ pub struct RunReport {
     /// how many of them were prefetched during the pass before.
     pub weight_gathers: BTreeMap<DeviceId, Vec<u32>>,
     pub prefetched_gathers: BTreeMap<DeviceId, Vec<u32>>,
+    /// ZeRO-3: per device, the all-gathers of single weights by the products reading them
+    /// in each step.
+    pub product_gathers: BTreeMap<DeviceId, Vec<u32>>,
     /// Checkpoints written.
     pub checkpoints: Vec<PathBuf>,
     /// Where each device of this process ran (`cpu`, `GPU 0`, ...).
@@ -355,6 +358,30 @@ pub fn working_devices(plan: &Plan) -> Vec<DeviceId> {
     plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect()
 }
 
+/// Whether a `zero: 3` plan has weights the executor gathers with their stage, whole for its
+/// passes, rather than each for the product reading it (`zero::per_product`): every
+/// parameter of a stage with tensor or expert parallelism, and the weights of embeddings,
+/// convolutions, LSTMs, mixtures of experts and tied layers (norms and biases, gathered with
+/// the stage too, are small).
+fn whole_stage_gathers(plan: &Plan) -> bool {
+    use pipec_plan::model::Op;
+    plan.stages.iter().any(|s| {
+        s.tensor_parallel.iter().any(|g| g.len() > 1)
+            || s.expert_parallel > 1
+            || plan.layers.get(s.layers[0]..s.layers[1]).unwrap_or_default().iter().any(|l| {
+                l.tied.is_some()
+                    || matches!(
+                        &l.op,
+                        Op::Embedding { .. }
+                            | Op::PosEmbedding { .. }
+                            | Op::Conv2d { .. }
+                            | Op::Lstm { .. }
+                            | Op::TransformerBlock { moe: Some(_), .. }
+                    )
+            })
+    })
+}
+
 /// What the executor will do differently from what the plan says, for the user to know.
 pub fn caveats(plan: &Plan) -> Vec<String> {
     let mut out = Vec::new();
@@ -391,9 +418,9 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
             plan.schedule.kind
         ));
     }
-    if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters {
+    if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters && whole_stage_gathers(plan) {
         out.push(
-            "under `zero: 3` the executor gathers a stage's whole weights, not each layer's, for a pass and drops them once no kept graph holds them (a recomputed stage after every pass; otherwise after its last backward of the step), prefetching another stage's for the device's next pass while a pass computes; the plan's cost and memory figures gather each layer for each pass, as FSDP does: the executor's peak holds a stage's whole weights"
+            "under `zero: 3` the executor gathers each linear weight for the product reading it, as the plan gathers each layer, but the weights of embeddings, convolutions, LSTMs, mixtures of experts and tied layers, and every weight of a stage with tensor or expert parallelism, with their stage, whole for its passes, dropping them once no kept graph holds them (a recomputed stage after every pass; otherwise after its last backward of the step): its peak holds those whole where the plan counts one layer's"
                 .to_string(),
         );
     }

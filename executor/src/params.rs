@@ -362,6 +362,24 @@ pub(crate) fn replace_params<B: Backend, M: Module<B>>(
     (model, replace.missing)
 }
 
+/// `model` with one-value stand-ins (`[1; D]`, tracked) for the parameters `ids` names that
+/// hold more than one value; the others as they are.
+pub(crate) fn stand_ins<B: Backend, M: Module<B>>(model: M, ids: &std::collections::HashSet<u64>) -> M {
+    struct StandIn<'a>(&'a std::collections::HashSet<u64>);
+    impl<B: Backend> ModuleMapper<B> for StandIn<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            if !self.0.contains(&param.id.val()) || param.shape().num_elements() <= 1 {
+                return param;
+            }
+            let (id, tensor, _) = param.consume();
+            let device = tensor.device();
+            drop(tensor);
+            Param::initialized(id, Tensor::<B, D>::zeros([1; D], &device).require_grad())
+        }
+    }
+    model.map(&mut StandIn(ids))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

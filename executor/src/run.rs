@@ -510,6 +510,9 @@ impl Coordinator<'_> {
             if let Some(n) = r.prefetched_gathers {
                 report.prefetched_gathers.entry(r.device).or_default().push(n);
             }
+            if let Some(n) = r.product_gathers {
+                report.product_gathers.entry(r.device).or_default().push(n);
+            }
             for (peaks, of) in
                 [(&mut report.peak_in_flight, &r.peak_in_flight), (&mut report.peak_versions, &r.peak_versions)]
             {

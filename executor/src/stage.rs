@@ -709,7 +709,12 @@ pub(crate) fn build_stages<B: ExecBackend>(
         if let Some((group, rank, d)) = crate::zero::shard_group(plan, s.id, device) {
             let st = out.get_mut(&s.id).ok_or(ExecError::Missing("the stage just built"))?;
             let experts = st.experts.as_ref().map(|h| (h, device));
-            let shard = crate::zero::ShardState::new(plan, st.model()?, group, rank, d, experts, dev)?;
+            let mut shard = crate::zero::ShardState::new(plan, st.model()?, group, rank, d, experts, dev)?;
+            // ZeRO-3: the linear weights gathered by their products (not beside tensor or
+            // expert parallelism, whose stages are gathered whole)
+            if shard.level == pipec_plan::vocab::Sharding::Parameters && st.tp.is_none() && st.experts.is_none() {
+                shard.per_product = crate::zero::per_product(plan, st.model()?, &shard.layout);
+            }
             st.shard = Some(shard);
             if let Some(h) = &st.experts {
                 st.model = st.model.take().map(|m| h.evict(m));

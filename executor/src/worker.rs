@@ -19,7 +19,7 @@ use crate::error::{ExecError, Result};
 use crate::layers::Act;
 use crate::params::{flatten_grads, layout, set_params, snapshot, unflatten, FlatGrads};
 use crate::stage::{set_tied_gradient, tied_gradient, StageState};
-use crate::transport::{Message, Tag};
+use crate::transport::{Message, Tag, TransportError};
 use crate::values::{host_to_act, require_grad, Kept, WeightGrads};
 
 /// Everything a worker reports about one step.
@@ -50,6 +50,9 @@ pub struct StepReport {
     /// weights this step ran, and how many of them were prefetched during the pass before.
     pub weight_gathers: Option<u32>,
     pub prefetched_gathers: Option<u32>,
+    /// ZeRO-3: the all-gathers of single weights by the products reading them
+    /// (`zero::per_product`) this step.
+    pub product_gathers: Option<u32>,
     /// Peak weight versions alive at once (live + stashed), per stage.
     pub peak_versions: HashMap<StageId, u32>,
     /// Validation (a forward-only run of a held-out batch): per microbatch whose loss this
@@ -113,6 +116,8 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     /// prefetched ([`Worker::prefetch_weights`]).
     pub(crate) weight_gathers: u32,
     pub(crate) prefetched_gathers: u32,
+    /// ZeRO-3: the all-gathers of single weights by their products since the step started.
+    pub(crate) product_gathers: u32,
     /// ZeRO-3: whole weights being gathered ahead of the pass that needs them, per stage.
     pub(crate) prefetched: HashMap<StageId, Vec<Ticket<Vec<f32>>>>,
     /// The step's instructions (what a prefetch looks ahead in).
@@ -192,6 +197,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             in_flight: HashMap::new(),
             weight_gathers: 0,
             prefetched_gathers: 0,
+            product_gathers: 0,
             prefetched: HashMap::new(),
             step_instrs: Vec::new(),
             exchanged: None,
@@ -337,6 +343,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let sharded = self.stages.keys().any(|s| self.sharded_at_3(*s));
         report.weight_gathers = sharded.then_some(gathers);
         report.prefetched_gathers = sharded.then_some(prefetched);
+        report.product_gathers = sharded.then_some(std::mem::take(&mut self.product_gathers));
         report.grad_norm = self.grad_norm;
         if let (Some(ls), Some(norm)) = (self.loss_scale, self.grad_norm) {
             // every device saw the same norm (the plan's `grad_norm`), so every device's
@@ -378,27 +385,25 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Instr::Forward { stage, mb } => {
                 self.gather_weights(stage)?;
                 self.prefetch_weights(at)?;
-                self.forward(stage, mb, report)?;
+                let done = self.forward(stage, mb, report);
+                self.products_gathered(stage, done)?;
                 self.release_unpinned(stage)
             }
             Instr::Recompute { stage, mb } => {
                 self.gather_weights(stage)?;
                 self.prefetch_weights(at)?;
-                self.recompute(stage, mb)
+                let done = self.recompute(stage, mb);
+                self.products_gathered(stage, done)
             }
             Instr::Backward { stage, mb } => {
                 self.gather_weights(stage)?;
                 self.prefetch_weights(at)?;
-                match self.bucketed.get(&at).copied() {
+                let done = match self.bucketed.get(&at).copied() {
                     // the stage's last gradient of the step: its buckets start in the pass
-                    Some(group) => {
-                        self.backward_segments(stage, mb, Some((group, code)))?;
-                    }
-                    None => {
-                        let grads = self.run_backward(stage, mb, false)?;
-                        self.add_gradient(stage, mb, grads)?;
-                    }
-                }
+                    Some(group) => self.backward_segments(stage, mb, Some((group, code))).map(|_| ()),
+                    None => self.run_backward(stage, mb, false).and_then(|grads| self.add_gradient(stage, mb, grads)),
+                };
+                self.products_gathered(stage, done)?;
                 // the stashed version has served its backward
                 self.state(stage)?.stash.remove(&mb);
                 Ok(())
@@ -408,7 +413,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 self.prefetch_weights(at)?;
                 // the input gradients, and every gradient but the dense weights' products,
                 // which wait for the plan's BackwardWeight
-                let grads = self.run_backward(stage, mb, true)?;
+                let grads = self.run_backward(stage, mb, true);
+                let grads = self.products_gathered(stage, grads)?;
                 self.pending_weight_grads.insert((stage, mb), grads);
                 Ok(())
             }
@@ -787,7 +793,8 @@ impl<B: ExecBackend> Worker<'_, B> {
         Ok(())
     }
 
-    /// ZeRO-3: drops the stage's whole weights once nothing kept for a backward holds them —
+    /// ZeRO-3: drops the stage's whole weights (those its products do not gather themselves,
+    /// `zero::per_product`) once nothing kept for a backward holds them —
     /// after a recomputed stage's forward (which keeps only its input) and after the free
     /// of a stage's last microbatch in flight — so that the next pass gathers them again
     /// (FSDP's free after forward and after backward, a stage being the unit). While a
@@ -807,8 +814,13 @@ impl<B: ExecBackend> Worker<'_, B> {
 
     /// ZeRO-3: gathers the stage's whole weights from the replicas' shards for a pass,
     /// unless they are still here (`release_unpinned` and the update drop them; nothing
-    /// when the stage is not at stage 3).
+    /// when the stage is not at stage 3) — those its products do not gather themselves
+    /// (`zero::per_product`: the model holds stand-ins for them).
     pub(crate) fn gather_weights(&mut self, stage: StageId) -> Result<()> {
+        if !self.sharded_at_3(stage) {
+            return Ok(());
+        }
+        crate::zero::stand_in_per_product(self.state(stage)?)?;
         let Some(shard) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()) else { return Ok(()) };
         if shard.gathered {
             return Ok(());
@@ -823,8 +835,59 @@ impl<B: ExecBackend> Worker<'_, B> {
         let gathered = tickets.into_iter().map(Ticket::wait).collect::<std::result::Result<Vec<_>, _>>()?;
         self.weight_gathers += 1;
         let st = self.state(stage)?;
-        let whole = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?.layout.whole(&gathered)?;
+        let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?;
+        let whole = shard.layout.whole_of(&gathered, |k| !shard.per_product[k])?;
+        drop(gathered);
         crate::zero::restore_weights(st, whole)
+    }
+
+    /// ZeRO-3 per product: the weights `model`'s products gather themselves
+    /// (`zero::per_product`), by the autodiff node of their stand-ins in `model` (a pass's
+    /// copy of the stage's), with the gatherer of the stage's current weights (built when
+    /// the weights changed since the last). Empty for any other stage.
+    pub(crate) fn gathered_weights(
+        &mut self,
+        stage: StageId,
+        model: &crate::layers::StageModel<B>,
+    ) -> Result<crate::dense::GatheredWeights<B::InnerBackend>> {
+        let Some(shard) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()) else { return Ok(HashMap::new()) };
+        if !shard.per_product.contains(&true) {
+            return Ok(HashMap::new());
+        }
+        let gatherer = match &shard.gatherer {
+            Some(g) => g.clone(),
+            None => {
+                let members = crate::collectives::members(self.plan, shard.group)?;
+                let g = crate::zero::Gatherer::new(shard, self.comm.exchanger(), members, self.reduce)?;
+                let g = std::sync::Arc::new(g);
+                self.state(stage)?.shard.as_mut().ok_or(ExecError::Missing("the stage's shard"))?.gatherer =
+                    Some(g.clone());
+                g
+            }
+        };
+        let shard = self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("its shard"))?;
+        let keys = crate::params::sum_keys(model);
+        Ok(keys
+            .into_iter()
+            .zip(&shard.layout.params)
+            .zip(&shard.per_product)
+            .filter_map(|((key, p), g)| Some((key?, (gatherer.clone(), p.id))).filter(|_| *g))
+            .collect())
+    }
+
+    /// After a pass of `stage` (its result `done`): the weight its products kept gathered is
+    /// dropped and their gathers counted; a gather that failed in it fails the pass.
+    pub(crate) fn products_gathered<T>(&mut self, stage: StageId, done: Result<T>) -> Result<T> {
+        let Some(g) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()).and_then(|s| s.gatherer.clone()) else {
+            return done;
+        };
+        g.drop_kept();
+        self.product_gathers += g.take_gathers();
+        let done = done?;
+        match g.take_failure() {
+            Some(e) => Err(ExecError::Transport(TransportError::Other(format!("a weight's all-gather failed: {e}")))),
+            None => Ok(done),
+        }
     }
 }
 
@@ -835,11 +898,13 @@ impl<B: ExecBackend> Worker<'_, B> {
         let shard =
             self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("the stage's shard"))?;
         let members = crate::collectives::members(self.plan, shard.group)?;
-        let parts = shard.layout.part_inputs(&shard.master_segment()?);
+        let parts = shard.layout.part_inputs_of(&shard.master_segment()?, |k| !shard.per_product[k]);
         self.start_parts(stage, pipec_plan::CollectiveKind::AllGather, members, parts, None, None)
     }
 
-    /// ZeRO-3's prefetch (FSDP's unit prefetch, with the stage as the unit): while the pass
+    /// ZeRO-3's prefetch of what a stage gathers whole (FSDP's unit prefetch, with the stage
+    /// as the unit; the weights gathered per product are gathered ahead by their
+    /// `zero::Gatherer`): while the pass
     /// at position `at` of the step computes, the whole weights of the stage the device's
     /// next pass needs are gathered on its communication thread, when that is another stage
     /// sharded at stage 3 whose weights are not here and nothing between the two passes

@@ -111,6 +111,7 @@ impl ShardLayout {
     }
 
     /// The values of one replica's chunks in part `i`.
+    #[cfg(test)]
     pub fn part_segment(&self, i: usize) -> usize {
         self.of_part(i).map(|k| self.params[k].chunk).sum()
     }
@@ -127,37 +128,54 @@ impl ShardLayout {
 
     /// Each part's reduce-scatter input: for each replica of the part in turn, its chunk of
     /// every parameter of the part (None: zeros), then (part 0 only) `stats`.
+    #[cfg(test)]
     pub fn scatter_input(&self, whole: &[Option<Vec<f32>>], stats: &[f32]) -> Vec<Vec<f32>> {
-        self.scatter_input_range(0..self.params.len(), whole, stats)
+        let all = self.scatter_input_from(0..self.params.len(), stats, |k| Ok(whole[k].clone()));
+        all.expect("the values are given")
     }
 
-    /// [`ShardLayout::scatter_input`] of the parameters in `range` only (a gradient
-    /// bucket's): `whole` holds their values, in order.
-    pub fn scatter_input_range(
+    /// [`ShardLayout::scatter_input`] of the parameters in `range` (a gradient bucket's, or
+    /// all), each parameter's whole values asked of `values` in turn and placed before the
+    /// next is asked for (None: zeros), so that no more than one parameter's values are held
+    /// beside the inputs being built: the inputs are allocated once at their size and
+    /// written in place.
+    pub fn scatter_input_from(
         &self,
         range: std::ops::Range<usize>,
-        whole: &[Option<Vec<f32>>],
         stats: &[f32],
-    ) -> Vec<Vec<f32>> {
-        let at = |k: usize| whole.get(k - range.start).and_then(Option::as_ref);
-        (0..self.parts.len())
+        mut values: impl FnMut(usize) -> Result<Option<Vec<f32>>>,
+    ) -> Result<Vec<Vec<f32>>> {
+        // where each parameter's chunk starts within a replica's period of its part
+        let mut offset = vec![0; self.params.len()];
+        let mut period = vec![0; self.parts.len()];
+        for (i, p) in period.iter_mut().enumerate() {
+            for k in self.of_part(i).filter(|k| range.contains(k)) {
+                offset[k] = *p;
+                *p += self.params[k].chunk;
+            }
+        }
+        let mut out: Vec<Vec<f32>> = (0..self.parts.len())
             .map(|i| {
-                let ks: Vec<usize> = self.of_part(i).filter(|k| range.contains(k)).collect();
-                let values: usize = ks.iter().map(|&k| self.params[k].chunk).sum();
                 let stats = if i == 0 { stats } else { &[] };
-                let mut out = Vec::with_capacity(self.parts[i].d * (values + stats.len()));
+                let mut buf = vec![0.0; self.parts[i].d * (period[i] + stats.len())];
                 for r in 0..self.parts[i].d {
-                    for &k in &ks {
-                        match at(k) {
-                            Some(v) => out.extend(self.chunk(k, v, r)),
-                            None => out.extend(std::iter::repeat_n(0.0, self.params[k].chunk)),
-                        }
-                    }
-                    out.extend_from_slice(stats);
+                    let at = r * (period[i] + stats.len()) + period[i];
+                    buf[at..at + stats.len()].copy_from_slice(stats);
                 }
-                out
+                buf
             })
-            .collect()
+            .collect();
+        for k in range {
+            let (Some(i), Some(v)) = (self.params[k].part, values(k)?) else { continue };
+            let (chunk, n_stats) = (self.params[k].chunk, if i == 0 { stats.len() } else { 0 });
+            for r in 0..self.parts[i].d {
+                let start = (r * chunk).min(v.len());
+                let end = ((r + 1) * chunk).min(v.len());
+                let at = r * (period[i] + n_stats) + offset[k];
+                out[i][at..at + end - start].copy_from_slice(&v[start..end]);
+            }
+        }
+        Ok(out)
     }
 
     /// This replica's segment — its chunks part by part (each part's in visiting order),
@@ -209,12 +227,23 @@ impl ShardLayout {
 
     /// This replica's segment cut into its parts' all-gather inputs.
     pub fn part_inputs(&self, segment: &[f32]) -> Vec<Vec<f32>> {
+        self.part_inputs_of(segment, |_| true)
+    }
+
+    /// [`ShardLayout::part_inputs`] of the parameters `keep` names only (the others'
+    /// chunks left out).
+    pub fn part_inputs_of(&self, segment: &[f32], keep: impl Fn(usize) -> bool) -> Vec<Vec<f32>> {
         let mut at = 0;
         (0..self.parts.len())
             .map(|i| {
-                let n = self.part_segment(i).min(segment.len().saturating_sub(at));
-                let v = segment[at..at + n].to_vec();
-                at += n;
+                let mut v = Vec::new();
+                for k in self.of_part(i) {
+                    let c = self.params[k].chunk;
+                    if keep(k) {
+                        v.extend_from_slice(segment.get(at..at + c).unwrap_or_default());
+                    }
+                    at += c;
+                }
                 v
             })
             .collect()
@@ -223,10 +252,17 @@ impl ShardLayout {
     /// Every parameter's whole values from each part's all-gather of its replicas'
     /// segments (empty for a parameter not held here).
     pub fn whole(&self, gathered: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+        self.whole_of(gathered, |_| true)
+    }
+
+    /// [`ShardLayout::whole`] from all-gathers of [`ShardLayout::part_inputs_of`]'s inputs:
+    /// the whole values of the parameters `keep` names (empty for the others).
+    pub fn whole_of(&self, gathered: &[Vec<f32>], keep: impl Fn(usize) -> bool) -> Result<Vec<Vec<f32>>> {
         let mut out: Vec<Vec<f32>> = self.params.iter().map(|_| Vec::new()).collect();
         for (i, part) in self.parts.iter().enumerate() {
             let g = gathered.get(i).map_or(&[][..], Vec::as_slice);
-            let n = self.part_segment(i);
+            let kept: Vec<usize> = self.of_part(i).filter(|&k| keep(k)).collect();
+            let n: usize = kept.iter().map(|&k| self.params[k].chunk).sum();
             if g.len() != part.d * n {
                 return Err(ExecError::Plan(format!(
                     "{} gathered weight values for {} replicas' segments of {n}",
@@ -236,7 +272,7 @@ impl ShardLayout {
             }
             for r in 0..part.d {
                 let mut at = r * n;
-                for k in self.of_part(i) {
+                for &k in &kept {
                     let c = self.params[k].chunk;
                     out[k].extend_from_slice(&g[at..at + c]);
                     at += c;
@@ -292,8 +328,14 @@ pub(crate) struct ShardState<B: ExecBackend> {
     /// (`StageState::statistics_message`'s layout); empty without batch normalisation.
     pub stats: Vec<f32>,
     /// Stage 3: whether the model holds the whole weights (gathered for this step's first
-    /// pass, dropped at the update).
+    /// pass, dropped at the update) — those not gathered per product.
     pub gathered: bool,
+    /// Stage 3: the parameters (in the layout's order) gathered by each product that reads
+    /// them rather than with the stage ([`per_product`]); the model holds a stand-in.
+    pub per_product: Vec<bool>,
+    /// Stage 3: what gathers them, for the current weights (None: not built yet, or the
+    /// weights changed since).
+    pub gatherer: Option<std::sync::Arc<Gatherer<B::InnerBackend>>>,
 }
 
 impl<B: ExecBackend> ShardState<B> {
@@ -328,6 +370,7 @@ impl<B: ExecBackend> ShardState<B> {
         };
         let master = master_chunks(&layout, model, dev)?;
         let optim = StageOptim::new(&plan.training.optimizer, &layout.whole_shapes());
+        let per_product = vec![false; layout.params.len()];
         Ok(ShardState {
             level: plan.schedule.sharding,
             group,
@@ -338,6 +381,8 @@ impl<B: ExecBackend> ShardState<B> {
             contributions: 0,
             stats: Vec::new(),
             gathered: true,
+            per_product,
+            gatherer: None,
         })
     }
 
@@ -390,6 +435,8 @@ impl<B: ExecBackend> ShardState<B> {
         };
         self.master = Some(self.optim.update(lr, master, &flat, scale));
         self.contributions = 0;
+        // (a pass after the update gathers the new weights)
+        self.gatherer = None;
         Ok(())
     }
 }
@@ -428,6 +475,9 @@ pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec
         .map(|(k, (p, v))| {
             if dropped(k) {
                 (p.id, (crate::experts::dropped_shape(&p.shape), Vec::new()))
+            } else if shard.per_product.get(k).copied().unwrap_or(false) {
+                // gathered by its products: a one-value stand-in, as `release_weights` leaves
+                (p.id, (vec![1; p.shape.len()], vec![0.0]))
             } else {
                 (p.id, (p.shape.clone(), v))
             }
@@ -447,9 +497,10 @@ pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec
     Ok(())
 }
 
-/// Expert parallelism beside ZeRO: puts every parameter's whole shape back into the stage's
-/// model (zeros for another position's experts), so that a checkpoint's whole weights load
-/// into it before this replica cuts its shard of them.
+/// ZeRO: puts every parameter's whole shape back into the stage's model (zeros for another
+/// expert-parallel position's experts and for the stand-ins of weights gathered per
+/// product), so that a checkpoint's whole weights load into it before this replica cuts its
+/// shard of them.
 pub(crate) fn unevict<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
     let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
     let model = st.model.as_ref().ok_or(ExecError::Missing("the stage's model is in use"))?;
@@ -458,9 +509,15 @@ pub(crate) fn unevict<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
         .zip(&shard.layout.params)
         .map(|((_, _, v), p)| if v.len() == p.len { v } else { vec![0.0; p.len] })
         .collect();
+    // (every parameter whole: the experts of every position, the weights gathered per
+    // product too)
     let experts = st.experts.take();
+    let per_product = st.shard.as_mut().map(|s| std::mem::take(&mut s.per_product));
     let restored = restore_weights(st, whole);
     st.experts = experts;
+    if let (Some(shard), Some(per_product)) = (st.shard.as_mut(), per_product) {
+        shard.per_product = per_product;
+    }
     restored
 }
 
@@ -474,6 +531,21 @@ pub(crate) fn release_weights<B: ExecBackend>(st: &mut StageState<B>) -> Result<
     if let Some(shard) = st.shard.as_mut() {
         shard.gathered = false;
     }
+    Ok(())
+}
+
+/// ZeRO-3 per product: puts one-value stand-ins in the model for the weights its products
+/// gather ([`per_product`]) where it still holds them whole (as built, or as a checkpoint
+/// loaded them); the other parameters stay as they are.
+pub(crate) fn stand_in_per_product<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
+    let Some(shard) = st.shard.as_ref() else { return Ok(()) };
+    let ids: std::collections::HashSet<u64> =
+        shard.layout.params.iter().zip(&shard.per_product).filter(|(_, g)| **g).map(|(p, _)| p.id).collect();
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    st.model = Some(params::stand_ins(model, &ids));
     Ok(())
 }
 
@@ -504,7 +576,8 @@ pub(crate) fn joined_state<B: ExecBackend>(
         return Err(ExecError::Plan(format!("a group of {} for a stage sharded {} ways", members.len(), layout.d)));
     }
     // (an expert-parallel member's model lacks the other positions' experts)
-    let whole_here = shard.gathered && st.experts.is_none();
+    // (nor does a model whose weights are gathered per product)
+    let whole_here = shard.gathered && st.experts.is_none() && !shard.per_product.contains(&true);
     let weights =
         if whole_here { None } else { Some(layout.whole(&gather(layout.part_inputs(&shard.master_segment()?))?)?) };
     let index: HashMap<u64, usize> = layout.params.iter().enumerate().map(|(k, p)| (p.id, k)).collect();
@@ -610,6 +683,190 @@ pub(crate) fn shard_group(plan: &Plan, s: StageId, device: pipec_plan::DeviceId)
     }
     let group = plan.groups.iter().find(|g| g.tie.is_none() && g.stage == s && g.devices == members)?;
     Some((group.id, rank, members.len()))
+}
+
+/// ZeRO-3's parameters gathered per product rather than with their stage: the weights of
+/// the linear layers and of dense transformer blocks' projections (queries, keys and values,
+/// output, MLP), which nothing reads but [`crate::dense::Kernels::dense`]. Each product
+/// then gathers its weight before it runs, in the forward, the recompute and again in the
+/// backward, and drops it after (FSDP's unit is here one weight, the plan's one layer), so
+/// that the stage never holds more than a product's weight whole; the stage's other
+/// parameters (norms, biases, embeddings, convolutions, LSTMs, experts) are gathered with the
+/// stage for its passes. Not a tied layer's weight (its tie reads it whole), and not a
+/// mixture of experts' (a member's tokens decide which experts run, and the gathers of
+/// every replica must pair up).
+pub(crate) fn per_product<B: ExecBackend>(plan: &Plan, model: &StageModel<B>, layout: &ShardLayout) -> Vec<bool> {
+    use crate::layers::Layer;
+    let mut ids = std::collections::HashSet::new();
+    for layer in &model.layers {
+        match layer {
+            Layer::Dense(d) => {
+                ids.insert(d.weight.id);
+            }
+            Layer::Block(b) if b.moe.is_none() && b.router.is_none() => {
+                ids.extend([b.qkv.weight.id, b.proj.weight.id]);
+                ids.extend(b.mlps.iter().flat_map(|m| [m.fc1.weight.id, m.fc2.weight.id]));
+            }
+            _ => {}
+        }
+    }
+    let untied = |id: u64| plan.layers.get((id >> 8) as usize).is_none_or(|l| l.tied.is_none());
+    layout.params.iter().map(|p| ids.contains(&ParamId::from(p.id)) && untied(p.id) && p.shape.len() == 2).collect()
+}
+
+/// ZeRO-3 per product ([`per_product`]): a stage's weights each gathered whole from the
+/// replicas' chunks when a product needs it. Every replica runs the same products in the
+/// same order, so their all-gathers pair up. The gathered weight is kept until another is
+/// asked for (a product reusing it is then no second gather), and while it is used the
+/// next one is gathered ahead (FSDP's prefetch): the next weight in the stage's order in a
+/// forward, the one before in a backward (a pass that moves down the order). After each
+/// pass [`Gatherer::drop_kept`] drops both. Built for one version of the weights: the
+/// backward of a forward gathers the weights that forward used.
+pub(crate) struct Gatherer<I: burn::tensor::backend::Backend> {
+    exchanger: crate::comm::Exchanger,
+    members: Vec<pipec_plan::DeviceId>,
+    mode: pipec_plan::ReduceMode,
+    layout: ShardLayout,
+    /// This replica's chunk of each weight gathered per product, by parameter id, with the
+    /// weight's position in the layout.
+    chunks: HashMap<u64, (usize, Tensor<I, 1>)>,
+    /// The weights gathered per product, in the layout's (the forward's) order.
+    order: Vec<u64>,
+    kept: std::sync::Mutex<Kept<I>>,
+    /// The first gather that failed (a product cannot return it: the pass checks after).
+    failure: std::sync::Mutex<Option<String>>,
+    gathers: std::sync::atomic::AtomicU32,
+}
+
+/// What a [`Gatherer`] holds between products: the last weight gathered, where it is in
+/// the order, and the gather started ahead of the next product.
+struct Kept<I: burn::tensor::backend::Backend> {
+    weight: Option<(u64, burn::tensor::ops::FloatTensor<I>)>,
+    at: Option<usize>,
+    ahead: Option<(u64, crate::comm::Ticket<Vec<f32>>)>,
+}
+
+impl<I: burn::tensor::backend::Backend> std::fmt::Debug for Gatherer<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gatherer of {} weights", self.chunks.len())
+    }
+}
+
+impl<I: burn::tensor::backend::Backend> Gatherer<I> {
+    /// The gatherer of `shard`'s weights gathered per product, at their current values.
+    pub fn new<B: ExecBackend<InnerBackend = I>>(
+        shard: &ShardState<B>,
+        exchanger: crate::comm::Exchanger,
+        members: Vec<pipec_plan::DeviceId>,
+        mode: pipec_plan::ReduceMode,
+    ) -> Result<Self> {
+        let master = shard.master.as_ref().ok_or(ExecError::Missing("the stage's shard is in use"))?;
+        let chunks = (0..shard.layout.params.len())
+            .filter(|&k| shard.per_product.get(k).copied().unwrap_or(false))
+            .map(|k| {
+                let chunk = master.chunks.get(k).ok_or(ExecError::Missing("a chunk of the shard"))?;
+                Ok((shard.layout.params[k].id, (k, chunk.val().inner())))
+            })
+            .collect::<Result<_>>()?;
+        let order = (0..shard.layout.params.len())
+            .filter(|&k| shard.per_product.get(k).copied().unwrap_or(false))
+            .map(|k| shard.layout.params[k].id)
+            .collect();
+        Ok(Gatherer {
+            exchanger,
+            members,
+            mode,
+            layout: shard.layout.clone(),
+            chunks,
+            order,
+            kept: std::sync::Mutex::new(Kept { weight: None, at: None, ahead: None }),
+            failure: std::sync::Mutex::new(None),
+            gathers: std::sync::atomic::AtomicU32::new(0),
+        })
+    }
+
+    /// Weight `id` whole, in its shape: the one kept, or all-gathered now. A gather that
+    /// fails is recorded ([`Gatherer::take_failure`]) and gives zeros.
+    pub fn get(&self, id: u64) -> burn::tensor::ops::FloatTensor<I> {
+        let mut kept = self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((k, w)) = kept.weight.as_ref() {
+            if *k == id {
+                return w.clone();
+            }
+        }
+        // (the kept one goes first: no more than this one and the next are held whole)
+        kept.weight = None;
+        let ahead = kept.ahead.take().and_then(|(k, t)| (k == id).then_some(t));
+        let at = self.order.iter().position(|k| *k == id);
+        // the next weight of the pass: down the order after a later one (a backward) or
+        // from the end, up it otherwise
+        let down = match (kept.at, at) {
+            (Some(before), Some(at)) => before > at,
+            (None, Some(at)) => at + 1 == self.order.len() && at > 0,
+            _ => false,
+        };
+        kept.at = at;
+        let next = at.and_then(|at| if down { at.checked_sub(1) } else { Some(at + 1) });
+        let w = ahead.map_or_else(|| self.start(id), Ok).and_then(|t| {
+            // (started ahead before this one is waited for: the two overlap)
+            if let Some(&n) = next.and_then(|n| self.order.get(n)) {
+                kept.ahead = self.start(n).ok().map(|t| (n, t));
+            }
+            self.land(id, t)
+        });
+        let w = match w {
+            Ok(w) => w,
+            Err(e) => {
+                let mut failure = self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                failure.get_or_insert(e.to_string());
+                let shape = self.chunks.get(&id).map_or(vec![1, 1], |(k, _)| self.layout.params[*k].shape.clone());
+                let dev = self.chunks.values().next().map(|(_, c)| c.device()).unwrap_or_default();
+                return Tensor::<I, 2>::zeros([shape[0], shape[1]], &dev).into_primitive().tensor();
+            }
+        };
+        kept.weight = Some((id, w.clone()));
+        w
+    }
+
+    /// Starts the all-gather of weight `id`.
+    fn start(&self, id: u64) -> Result<crate::comm::Ticket<Vec<f32>>> {
+        let (_, chunk) =
+            self.chunks.get(&id).ok_or_else(|| ExecError::Plan(format!("{id} is not gathered per product")))?;
+        let values = params::host_f32(chunk.clone().into_data())?;
+        self.gathers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(self.exchanger.start_all_gather(&self.members, values, self.mode)?)
+    }
+
+    /// Weight `id` whole from its all-gather.
+    fn land(&self, id: u64, ticket: crate::comm::Ticket<Vec<f32>>) -> Result<burn::tensor::ops::FloatTensor<I>> {
+        let (k, chunk) =
+            self.chunks.get(&id).ok_or_else(|| ExecError::Plan(format!("{id} is not gathered per product")))?;
+        let gathered = ticket.wait()?;
+        let mut whole = self.layout.whole_of(&[gathered], |j| j == *k)?;
+        let p = &self.layout.params[*k];
+        let values = std::mem::take(&mut whole[*k]);
+        Ok(Tensor::<I, 2>::from_data(TensorData::new(values, [p.shape[0], p.shape[1]]), &chunk.device())
+            .into_primitive()
+            .tensor())
+    }
+
+    /// Drops the weight kept since the last gather and the one gathered ahead (after each
+    /// pass; a gather started ahead and not used still runs, on every replica alike).
+    pub fn drop_kept(&self) {
+        *self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Kept { weight: None, at: None, ahead: None };
+    }
+
+    /// The first gather that failed since the last call.
+    pub fn take_failure(&self) -> Option<String> {
+        self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
+    }
+
+    /// How many gathers were started since the last call (one ahead and then not used
+    /// included).
+    pub fn take_gathers(&self) -> u32 {
+        self.gathers.swap(0, std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 #[cfg(test)]
