@@ -642,6 +642,8 @@ pub(crate) fn shard_loaded<B: ExecBackend>(st: &mut StageState<B>, plan: &Plan, 
     let model = st.model.as_ref().ok_or(ExecError::Missing("the stage's model is in use"))?;
     let shard = st.shard.as_mut().ok_or(ExecError::Missing("the stage is not sharded"))?;
     shard.master = Some(master_chunks(&shard.layout, model, dev)?);
+    // (the weights gathered per product are gathered from the loaded chunks)
+    shard.gatherer = None;
     let index: HashMap<u64, usize> = shard.layout.params.iter().enumerate().map(|(k, p)| (p.id, k)).collect();
     let mut cut = Vec::new();
     for (id, item) in st.optim.items().map_err(ExecError::Checkpoint)? {
