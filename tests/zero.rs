@@ -334,57 +334,73 @@ fn zero_3_prefetches_the_next_stages_weights_during_a_pass() {
     }
 }
 
-/// ZeRO-3 gathers each linear weight for the product reading it (FSDP's unit, the plan's
-/// layer): in every forward, recompute and backward, a linear layer's weight is
+/// ZeRO-3 gathers each linear and LSTM weight and token embedding table for the product
+/// reading it (FSDP's unit, the plan's layer; an LSTM's recurrent weight stays gathered
+/// from one position's product to the next): in every forward, recompute and backward, a weight is
 /// all-gathered before its product, the next one's gathered ahead while it runs, and both
 /// dropped after the pass, so the stage's model holds one-value stand-ins for them and only
-/// its biases travel in the stage's gather. Each pass of a stage with n linear layers runs
-/// n gathers — a first stage's backward too, whose first layer needs no weight for an input
-/// gradient: the gather started ahead for it runs unused, on every replica alike (the later
-/// stage's backward is split, its input half being the pass that reads the weights; its
-/// weight half reads none). Trains like one device, with and without recompute.
+/// its biases and norms travel in the stage's gather. Each pass of a stage with n such
+/// weights (a transformer block has 4, an LSTM 2) runs n gathers — a backward too, although the first
+/// stage's lowest one needs none (a first layer's product needs no weight for an input
+/// gradient, a lookup none for its table's gradient): the gather started ahead for it runs
+/// unused, on every replica alike. (The later stage's backward is split; its input half is
+/// the pass that reads the weights, its weight half reads none.) Trains like one device,
+/// with and without recompute.
 #[test]
 fn zero_3_gathers_each_linear_weight_for_the_product_reading_it() {
     use pipec_plan::model::Op;
     use pipec_plan::Instr;
-    for recompute in [false, true] {
-        let strategy =
-            format!("  stages: \"2-2\"\n  schedule: gpipe\n  microbatches: 4\n  recompute: {recompute}\n  zero: 3");
-        for optimizer in [SGD, ADAM] {
-            assert_trains_like(MLP, optimizer, (4, &strategy), ONE_DEVICE);
-        }
-        let p = plan(&spec(MLP, 4, &strategy, ADAM, 2));
-        let report = train(&p, tempfile::tempdir().expect("tempdir").path());
-        for s in &p.stages {
-            let linear = (s.layers[0]..s.layers[1]).filter(|&l| matches!(p.layers[l].op, Op::Linear { .. })).count();
-            assert!(linear > 0, "{}", s.id);
-            for d in &s.replicas {
-                let passes = p.streams[d]
-                    .iter()
-                    .filter(|i| {
-                        i.stage() == s.id
-                            && matches!(
-                                i,
-                                Instr::Forward { .. }
-                                    | Instr::Recompute { .. }
-                                    | Instr::Backward { .. }
-                                    | Instr::BackwardInput { .. }
-                            )
+    let untied_lm = TIED_LM.replace(", tie=tokens", "");
+    let lstm_lm = "  input: [12]\n  layers:\n    - embedding(20, 16)\n    - lstm(16, 16)\n    - lstm(16, 16)\n    - linear(16, 20)\n";
+    for (model, optimizers) in [(MLP, [SGD, ADAM]), (untied_lm.as_str(), [SGD, SGD]), (lstm_lm, [SGD, ADAM])] {
+        for recompute in [false, true] {
+            let strategy =
+                format!("  stages: \"2-2\"\n  schedule: gpipe\n  microbatches: 4\n  recompute: {recompute}\n  zero: 3");
+            for optimizer in optimizers {
+                assert_trains_like(model, optimizer, (4, &strategy), ONE_DEVICE);
+            }
+            let p = plan(&spec(model, 4, &strategy, optimizers[1], 2));
+            let report = train(&p, tempfile::tempdir().expect("tempdir").path());
+            for s in &p.stages {
+                let weights: usize = (s.layers[0]..s.layers[1])
+                    .map(|l| match p.layers[l].op {
+                        Op::Linear { .. } | Op::Embedding { .. } => 1,
+                        Op::Lstm { .. } => 2,
+                        Op::TransformerBlock { .. } => 4,
+                        _ => 0,
                     })
-                    .count();
-                let per_step = (passes * linear) as u32;
-                assert_eq!(report.product_gathers.get(d), Some(&vec![per_step, per_step]), "{} on {d}", s.id);
+                    .sum();
+                assert!(weights > 0, "{}", s.id);
+                for d in &s.replicas {
+                    let passes = p.streams[d]
+                        .iter()
+                        .filter(|i| {
+                            i.stage() == s.id
+                                && matches!(
+                                    i,
+                                    Instr::Forward { .. }
+                                        | Instr::Recompute { .. }
+                                        | Instr::Backward { .. }
+                                        | Instr::BackwardInput { .. }
+                                )
+                        })
+                        .count();
+                    let per_step = (passes * weights) as u32;
+                    assert_eq!(report.product_gathers.get(d), Some(&vec![per_step, per_step]), "{} on {d}", s.id);
+                }
             }
         }
     }
-    // the run says where it still gathers a stage's weights whole: not for linear layers
-    // alone, but for an embedding and a tied layer (and beside tensor parallelism)
+    // the run says where it still gathers a stage's weights whole: not for linear layers,
+    // blocks and an untied embedding, but for both ends of a tie (and beside tensor
+    // parallelism)
     let says = |model: &str, strategy: &str| {
         let p = plan(&spec(model, 4, strategy, ADAM, 2));
         pipec_executor::caveats(&p).iter().any(|c| c.starts_with("under `zero: 3` the executor gathers"))
     };
     let dp = "  stages: \"4\"\n  schedule: dp-only\n  microbatches: 4\n  zero: 3";
     assert!(!says(MLP, dp));
+    assert!(!says(&untied_lm, dp));
     assert!(says(TIED_LM, dp));
     assert!(says(MLP, "  stages: \"2\"\n  schedule: dp-only\n  microbatches: 4\n  tp: 2\n  zero: 3"));
 }

@@ -89,6 +89,12 @@ pub trait Kernels: Backend {
         Tensor::from_primitive(TensorPrimitive::Float(forward_product::<Self>(x, w)))
     }
 
+    /// The rows of table `w` ([vocabulary, d]) that `ids` ([batch, seq]) name: [batch, seq,
+    /// d] (Burn's embedding).
+    fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
+        burn::tensor::module::embedding(w, ids)
+    }
+
     /// Expert parallelism's exchange of rows with the group ([`crate::experts::move_rows`]);
     /// on an autodiff backend its gradient is the reverse exchange, run in the backward.
     fn exchange(x: Tensor<Self, 2>, ex: &crate::experts::Exchange) -> Result<Tensor<Self, 2>, String> {
@@ -284,6 +290,24 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
     }
 
+    fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
+        let w = w.into_primitive().tensor();
+        // ZeRO-3: a table gathered for this lookup only; its backward needs none of it (the
+        // gradient adds the output's rows into zeros of the table's shape, as Burn's does)
+        let Some((g, id)) = gathered_weight::<I>(w.node.id) else {
+            let w = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(w));
+            return burn::tensor::module::embedding(w, ids);
+        };
+        let table = g.get(id);
+        let shape = table.shape().dims::<2>();
+        let ids = ids.into_primitive();
+        let y = match (EmbedBackward { shape }).prepare::<C>([w.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(ids.clone(), I::embedding(table, ids)),
+            OpsKind::UnTracked(prep) => prep.finish(I::embedding(table, ids)),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
@@ -308,6 +332,33 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
             OpsKind::UnTracked(prep) => prep.finish(product(x.primitive, weight)),
         };
         Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+}
+
+/// The backward of a table lookup whose table was gathered for it (ZeRO-3 per product): the
+/// table's gradient, zeros of its `shape` with each output row added into the row its id
+/// names (Burn's `embedding_backward`, which reads only the table's shape).
+#[derive(Debug)]
+struct EmbedBackward {
+    shape: [usize; 2],
+}
+
+impl<I: Kernels> Backward<I, 1> for EmbedBackward {
+    type State = burn::tensor::ops::IntTensor<I>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let ids = ops.state;
+        let [to_w] = ops.parents;
+        let dy = grads.consume::<I>(&ops.node);
+        if let Some(node) = to_w {
+            let [n, s] = ids.shape().dims::<2>();
+            let [rows, d] = self.shape;
+            let dtype = dy.dtype();
+            let dy = I::float_reshape(dy, Shape::new([n * s, d]));
+            let ids = I::int_reshape(ids, Shape::new([n * s]));
+            let zeros = I::float_zeros(Shape::new([rows, d]), &I::float_device(&dy), dtype.into());
+            grads.register::<I>(node.id, I::float_select_add(zeros, 0, ids, dy));
+        }
     }
 }
 

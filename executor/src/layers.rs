@@ -970,7 +970,9 @@ impl<B: Kernels> Lstm<B> {
     /// [batch, seq, in] → every step's hidden state [batch, seq, hidden], from zero state.
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [n, s, i] = x.dims();
-        let h4 = self.w_hh.dims()[1];
+        // (from the bias: under ZeRO-3 the weights may be one-value stand-ins, gathered by
+        // their products)
+        let h4 = self.b_ih.dims()[0];
         let hidden = h4 / 4;
         // the input's part of every step's gates at once
         let bias = (self.b_ih.val() + self.b_hh.val()).unsqueeze::<2>();
@@ -1091,8 +1093,8 @@ impl<B: Kernels> Layer<B> {
             (Layer::Norm(n), Act::D2(t)) => Act::D2(n.forward(t)),
             (Layer::Norm(n), Act::D3(t)) => Act::D3(n.forward(t)),
             (Layer::Embedding(e), Act::Tokens(t)) => match &e.types {
-                None => Act::D3(embedding(e.weight.val(), t)),
-                Some(types) => Act::D3(types.add(embedding(e.weight.val(), t.clone()), &t)?),
+                None => Act::D3(B::embed(e.weight.val(), t)),
+                Some(types) => Act::D3(types.add(B::embed(e.weight.val(), t.clone()), &t)?),
             },
             (Layer::PosEmbedding(e), Act::D3(t)) => {
                 let [_, s, d] = t.dims();

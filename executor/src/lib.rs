@@ -360,23 +360,20 @@ pub fn working_devices(plan: &Plan) -> Vec<DeviceId> {
 
 /// Whether a `zero: 3` plan has weights the executor gathers with their stage, whole for its
 /// passes, rather than each for the product reading it (`zero::per_product`): every
-/// parameter of a stage with tensor or expert parallelism, and the weights of embeddings,
-/// convolutions, LSTMs, mixtures of experts and tied layers (norms and biases, gathered with
-/// the stage too, are small).
+/// parameter of a stage with tensor or expert parallelism, and the weights of positional
+/// embeddings, convolutions, mixtures of experts and both ends of a tie (norms and biases,
+/// gathered with the stage too, are small).
 fn whole_stage_gathers(plan: &Plan) -> bool {
     use pipec_plan::model::Op;
     plan.stages.iter().any(|s| {
         s.tensor_parallel.iter().any(|g| g.len() > 1)
             || s.expert_parallel > 1
-            || plan.layers.get(s.layers[0]..s.layers[1]).unwrap_or_default().iter().any(|l| {
+            || plan.layers.get(s.layers[0]..s.layers[1]).unwrap_or_default().iter().enumerate().any(|(i, l)| {
                 l.tied.is_some()
+                    || plan.layers.iter().any(|t| t.tied == Some(s.layers[0] + i))
                     || matches!(
                         &l.op,
-                        Op::Embedding { .. }
-                            | Op::PosEmbedding { .. }
-                            | Op::Conv2d { .. }
-                            | Op::Lstm { .. }
-                            | Op::TransformerBlock { moe: Some(_), .. }
+                        Op::PosEmbedding { .. } | Op::Conv2d { .. } | Op::TransformerBlock { moe: Some(_), .. }
                     )
             })
     })
@@ -420,7 +417,7 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     }
     if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters && whole_stage_gathers(plan) {
         out.push(
-            "under `zero: 3` the executor gathers each linear weight for the product reading it, as the plan gathers each layer, but the weights of embeddings, convolutions, LSTMs, mixtures of experts and tied layers, and every weight of a stage with tensor or expert parallelism, with their stage, whole for its passes, dropping them once no kept graph holds them (a recomputed stage after every pass; otherwise after its last backward of the step): its peak holds those whole where the plan counts one layer's"
+            "under `zero: 3` the executor gathers each linear and LSTM weight and token embedding table for the product reading it, as the plan gathers each layer, but the weights of positional embeddings, convolutions, mixtures of experts and both ends of a tie, and every weight of a stage with tensor or expert parallelism, with their stage, whole for its passes, dropping them once no kept graph holds them (a recomputed stage after every pass; otherwise after its last backward of the step): its peak holds those whole where the plan counts one layer's"
                 .to_string(),
         );
     }

@@ -688,15 +688,19 @@ pub(crate) fn shard_group(plan: &Plan, s: StageId, device: pipec_plan::DeviceId)
 }
 
 /// ZeRO-3's parameters gathered per product rather than with their stage: the weights of
-/// the linear layers and of dense transformer blocks' projections (queries, keys and values,
-/// output, MLP), which nothing reads but [`crate::dense::Kernels::dense`]. Each product
-/// then gathers its weight before it runs, in the forward, the recompute and again in the
-/// backward, and drops it after (FSDP's unit is here one weight, the plan's one layer), so
-/// that the stage never holds more than a product's weight whole; the stage's other
-/// parameters (norms, biases, embeddings, convolutions, LSTMs, experts) are gathered with the
-/// stage for its passes. Not a tied layer's weight (its tie reads it whole), and not a
-/// mixture of experts' (a member's tokens decide which experts run, and the gathers of
-/// every replica must pair up).
+/// the linear layers, of dense transformer blocks' projections (queries, keys and values,
+/// output, MLP) and of LSTMs' gates, which nothing reads but
+/// [`crate::dense::Kernels::dense`] (an LSTM's recurrent weight, read at every position,
+/// stays gathered from one product to the next), and token embedding tables, which
+/// nothing reads but [`crate::dense::Kernels::embed`]. Each product
+/// then gathers its weight before it runs, in the forward, the recompute and (a product's,
+/// not a lookup's: its gradient needs no table) again in the backward, and drops it after
+/// (FSDP's unit is here one weight, the plan's one layer), so that the stage never holds
+/// more than a product's weight whole; the stage's other parameters (norms, biases,
+/// positional and token-type tables, convolutions, experts) are gathered with the stage
+/// for its passes. Not either end of a tie (the tie's gradients are settled on
+/// the tables' rows), and not a mixture of experts' (a member's tokens decide which
+/// experts run, and the gathers of every replica must pair up).
 pub(crate) fn per_product<B: ExecBackend>(plan: &Plan, model: &StageModel<B>, layout: &ShardLayout) -> Vec<bool> {
     use crate::layers::Layer;
     let mut ids = std::collections::HashSet::new();
@@ -705,6 +709,12 @@ pub(crate) fn per_product<B: ExecBackend>(plan: &Plan, model: &StageModel<B>, la
             Layer::Dense(d) => {
                 ids.insert(d.weight.id);
             }
+            Layer::Embedding(e) => {
+                ids.insert(e.weight.id);
+            }
+            Layer::Lstm(l) => {
+                ids.extend([l.w_ih.id, l.w_hh.id]);
+            }
             Layer::Block(b) if b.moe.is_none() && b.router.is_none() => {
                 ids.extend([b.qkv.weight.id, b.proj.weight.id]);
                 ids.extend(b.mlps.iter().flat_map(|m| [m.fc1.weight.id, m.fc2.weight.id]));
@@ -712,7 +722,11 @@ pub(crate) fn per_product<B: ExecBackend>(plan: &Plan, model: &StageModel<B>, la
             _ => {}
         }
     }
-    let untied = |id: u64| plan.layers.get((id >> 8) as usize).is_none_or(|l| l.tied.is_none());
+    // (neither end of a tie: a tied layer nor the table another is tied to)
+    let untied = |id: u64| {
+        let layer = (id >> 8) as usize;
+        plan.layers.get(layer).is_none_or(|l| l.tied.is_none()) && !plan.layers.iter().any(|l| l.tied == Some(layer))
+    };
     layout.params.iter().map(|p| ids.contains(&ParamId::from(p.id)) && untied(p.id) && p.shape.len() == 2).collect()
 }
 
