@@ -277,7 +277,7 @@ fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
             .collect();
         if !by_product.is_empty() {
             eprintln!(
-                "ZeRO-3 gathers of single weights by the products reading them in the last step (each linear weight before its product in the forward and again in the backward): {}",
+                "ZeRO-3 gathers of single weights by the products reading them in the last step (each linear or LSTM weight and token table before its product in a forward, a product's again in its backward): {}",
                 by_product.join(", ")
             );
         }
