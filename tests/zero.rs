@@ -404,3 +404,31 @@ fn zero_3_gathers_each_linear_weight_for_the_product_reading_it() {
     assert!(says(TIED_LM, dp));
     assert!(says(MLP, "  stages: \"2\"\n  schedule: dp-only\n  microbatches: 4\n  tp: 2\n  zero: 3"));
 }
+
+/// Validation under ZeRO-3: the held-out forwards gather their weights as training's do —
+/// per product for the linear weights and the untied token table, with the stage for the
+/// rest — on every replica alike, and give one device's validation losses and accuracies
+/// (a transformer LM on a `"2-2"` 1F1B pipeline).
+#[test]
+fn validation_under_zero_3_equals_one_device() {
+    let model = TIED_LM.replace(", tie=tokens", "");
+    let validated = |(devices, strategy): (usize, &str)| {
+        let text = spec(&model, devices, strategy, SGD, 4)
+            .replace("  seed: 5\n", "  seed: 5\n  validation: { every: 2, split: 0.5 }\n");
+        let r = train(&plan(&text), tempfile::tempdir().expect("tempdir").path());
+        let gathers = r.product_gathers.values().flatten().sum::<u32>();
+        (
+            r.steps.iter().filter_map(|s| s.validation.as_ref().map(|v| (v.loss, v.accuracy))).collect::<Vec<_>>(),
+            gathers,
+        )
+    };
+    let (one, _) = validated(ONE_DEVICE);
+    let (got, gathers) = validated((4, "  stages: \"2-2\"\n  schedule: 1f1b\n  microbatches: 4\n  zero: 3"));
+    assert!(gathers > 0);
+    assert_eq!(one.len(), 2, "validation after steps 2 and 4");
+    assert_eq!(one.len(), got.len());
+    for ((a, x), (b, y)) in one.iter().zip(&got) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "validation loss {a} on one device, {b} under ZeRO-3");
+        assert_eq!(x, y, "validation accuracy");
+    }
+}
