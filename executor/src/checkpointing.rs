@@ -87,6 +87,8 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
         // ZeRO: the checkpoint holds the state whole; this replica keeps its shard of it
         if st.shard.is_some() {
             crate::zero::shard_loaded(st, plan, dev)?;
+            // (the loaded weights gathered per product live on in the shard only)
+            crate::zero::stand_in_per_product(st)?;
             if let Some(h) = &st.experts {
                 st.model = st.model.take().map(|m| h.evict(m));
             }

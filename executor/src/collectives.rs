@@ -102,7 +102,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             CollectivePayload::TiedGradientShard => self.tied_shard_out(group, &members).map(|(d, i)| (vec![d], i))?,
             CollectivePayload::Weights => {
                 let shard = self.shard(stage)?;
-                (shard.layout.part_inputs(&shard.master_segment()?), Landing::Weights)
+                (shard.gather_inputs(|_| true)?, Landing::Weights)
             }
             CollectivePayload::GradNorm => (vec![vec![self.norm_share()? as f32]], Landing::GradNorm),
         };

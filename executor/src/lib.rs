@@ -358,23 +358,30 @@ pub fn working_devices(plan: &Plan) -> Vec<DeviceId> {
     plan.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect()
 }
 
-/// Whether a `zero: 3` plan has weights the executor gathers with their stage, whole for its
-/// passes, rather than each for the product reading it (`zero::per_product`): every
-/// parameter of a stage with tensor or expert parallelism, and the weights of positional
-/// embeddings, convolutions, mixtures of experts and both ends of a tie (norms and biases,
-/// gathered with the stage too, are small).
+/// Whether a `zero: 3` plan has large weights the executor gathers with their stage, whole
+/// for its passes, rather than each for the product reading it (`zero::gathers_per_product`):
+/// every parameter of a stage with tensor or expert parallelism, and the weights of any
+/// layer with weight matrices or tables that the rule leaves out (positional embeddings,
+/// convolutions, mixtures of experts, both ends of a tie). Norms and biases, gathered with
+/// the stage too, are small.
 fn whole_stage_gathers(plan: &Plan) -> bool {
     use pipec_plan::model::Op;
     plan.stages.iter().any(|s| {
         s.tensor_parallel.iter().any(|g| g.len() > 1)
             || s.expert_parallel > 1
-            || plan.layers.get(s.layers[0]..s.layers[1]).unwrap_or_default().iter().enumerate().any(|(i, l)| {
-                l.tied.is_some()
-                    || plan.layers.iter().any(|t| t.tied == Some(s.layers[0] + i))
-                    || matches!(
-                        &l.op,
-                        Op::PosEmbedding { .. } | Op::Conv2d { .. } | Op::TransformerBlock { moe: Some(_), .. }
+            || (s.layers[0]..s.layers[1]).any(|l| {
+                let large = plan.layers.get(l).is_some_and(|l| {
+                    matches!(
+                        l.op,
+                        Op::Linear { .. }
+                            | Op::Embedding { .. }
+                            | Op::PosEmbedding { .. }
+                            | Op::Conv2d { .. }
+                            | Op::Lstm { .. }
+                            | Op::TransformerBlock { .. }
                     )
+                });
+                large && !zero::gathers_per_product(plan, l)
             })
     })
 }

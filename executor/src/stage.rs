@@ -716,6 +716,7 @@ pub(crate) fn build_stages<B: ExecBackend>(
                 shard.per_product = crate::zero::per_product(plan, st.model()?, &shard.layout);
             }
             st.shard = Some(shard);
+            crate::zero::stand_in_per_product(st)?;
             if let Some(h) = &st.experts {
                 st.model = st.model.take().map(|m| h.evict(m));
             }

@@ -817,10 +817,6 @@ impl<B: ExecBackend> Worker<'_, B> {
     /// when the stage is not at stage 3) — those its products do not gather themselves
     /// (`zero::per_product`: the model holds stand-ins for them).
     pub(crate) fn gather_weights(&mut self, stage: StageId) -> Result<()> {
-        if !self.sharded_at_3(stage) {
-            return Ok(());
-        }
-        crate::zero::stand_in_per_product(self.state(stage)?)?;
         let Some(shard) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()) else { return Ok(()) };
         if shard.gathered {
             return Ok(());
@@ -898,7 +894,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         let shard =
             self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("the stage's shard"))?;
         let members = crate::collectives::members(self.plan, shard.group)?;
-        let parts = shard.layout.part_inputs_of(&shard.master_segment()?, |k| !shard.per_product[k]);
+        let parts = shard.gather_inputs(|k| !shard.per_product[k])?;
         self.start_parts(stage, pipec_plan::CollectiveKind::AllGather, members, parts, None, None)
     }
 

@@ -225,28 +225,22 @@ impl ShardLayout {
         Ok(out)
     }
 
-    /// This replica's segment cut into its parts' all-gather inputs.
-    pub fn part_inputs(&self, segment: &[f32]) -> Vec<Vec<f32>> {
-        self.part_inputs_of(segment, |_| true)
-    }
-
-    /// [`ShardLayout::part_inputs`] of the parameters `keep` names only (the others'
-    /// chunks left out).
-    pub fn part_inputs_of(&self, segment: &[f32], keep: impl Fn(usize) -> bool) -> Vec<Vec<f32>> {
-        let mut at = 0;
-        (0..self.parts.len())
-            .map(|i| {
-                let mut v = Vec::new();
-                for k in self.of_part(i) {
-                    let c = self.params[k].chunk;
-                    if keep(k) {
-                        v.extend_from_slice(segment.get(at..at + c).unwrap_or_default());
-                    }
-                    at += c;
-                }
-                v
-            })
-            .collect()
+    /// Each part's all-gather input: this replica's chunk of each parameter of the part that
+    /// `keep` names, asked of `chunk`, in visiting order (the others' chunks left out).
+    pub fn part_inputs(
+        &self,
+        mut chunk: impl FnMut(usize) -> Result<Vec<f32>>,
+        keep: impl Fn(usize) -> bool,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::with_capacity(self.parts.len());
+        for i in 0..self.parts.len() {
+            let mut v = Vec::new();
+            for k in self.of_part(i).filter(|&k| keep(k)) {
+                v.extend(chunk(k)?);
+            }
+            out.push(v);
+        }
+        Ok(out)
     }
 
     /// Every parameter's whole values from each part's all-gather of its replicas'
@@ -255,7 +249,7 @@ impl ShardLayout {
         self.whole_of(gathered, |_| true)
     }
 
-    /// [`ShardLayout::whole`] from all-gathers of [`ShardLayout::part_inputs_of`]'s inputs:
+    /// [`ShardLayout::whole`] from all-gathers of [`ShardLayout::part_inputs`]' inputs:
     /// the whole values of the parameters `keep` names (empty for the others).
     pub fn whole_of(&self, gathered: &[Vec<f32>], keep: impl Fn(usize) -> bool) -> Result<Vec<Vec<f32>>> {
         let mut out: Vec<Vec<f32>> = self.params.iter().map(|_| Vec::new()).collect();
@@ -409,13 +403,15 @@ impl<B: ExecBackend> ShardState<B> {
         Ok(())
     }
 
-    /// The master chunks on the host, as a segment (the all-gathers' inputs, part by part:
-    /// [`ShardLayout::part_inputs`]).
-    pub fn master_segment(&self) -> Result<Vec<f32>> {
+    /// The all-gathers' inputs, part by part ([`ShardLayout::part_inputs`]): the master
+    /// chunks, on the host, of the parameters `keep` names (only those are copied).
+    pub fn gather_inputs(&self, keep: impl Fn(usize) -> bool) -> Result<Vec<Vec<f32>>> {
         let master = self.master.as_ref().ok_or(ExecError::Missing("the stage's shard is in use"))?;
-        let chunks =
-            master.chunks.iter().map(|p| crate::params::host_f32(p.val().into_data())).collect::<Result<Vec<_>>>()?;
-        Ok(self.layout.segment_of(&chunks, &[]))
+        let chunk = |k: usize| {
+            let p = master.chunks.get(k).ok_or(ExecError::Missing("a chunk of the shard"))?;
+            crate::params::host_f32(p.val().into_data())
+        };
+        self.layout.part_inputs(chunk, keep)
     }
 
     /// Drops the gradient shard without an update (a step fp16's loss scaling skips).
@@ -535,8 +531,8 @@ pub(crate) fn release_weights<B: ExecBackend>(st: &mut StageState<B>) -> Result<
 }
 
 /// ZeRO-3 per product: puts one-value stand-ins in the model for the weights its products
-/// gather ([`per_product`]) where it still holds them whole (as built, or as a checkpoint
-/// loaded them); the other parameters stay as they are.
+/// gather ([`per_product`]), once the shard has cut its chunks from them (as built, and
+/// after a checkpoint's load); the other parameters stay as they are.
 pub(crate) fn stand_in_per_product<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
     let Some(shard) = st.shard.as_ref() else { return Ok(()) };
     let ids: std::collections::HashSet<u64> =
@@ -578,8 +574,7 @@ pub(crate) fn joined_state<B: ExecBackend>(
     // (an expert-parallel member's model lacks the other positions' experts)
     // (nor does a model whose weights are gathered per product)
     let whole_here = shard.gathered && st.experts.is_none() && !shard.per_product.contains(&true);
-    let weights =
-        if whole_here { None } else { Some(layout.whole(&gather(layout.part_inputs(&shard.master_segment()?))?)?) };
+    let weights = if whole_here { None } else { Some(layout.whole(&gather(shard.gather_inputs(|_| true)?)?)?) };
     let index: HashMap<u64, usize> = layout.params.iter().enumerate().map(|(k, p)| (p.id, k)).collect();
     let items = shard.optim.items().map_err(ExecError::Checkpoint)?;
     // each part's items and their tensors: every replica of a part has the same state's
@@ -715,19 +710,31 @@ pub(crate) fn per_product<B: ExecBackend>(plan: &Plan, model: &StageModel<B>, la
             Layer::Lstm(l) => {
                 ids.extend([l.w_ih.id, l.w_hh.id]);
             }
-            Layer::Block(b) if b.moe.is_none() && b.router.is_none() => {
+            Layer::Block(b) => {
                 ids.extend([b.qkv.weight.id, b.proj.weight.id]);
                 ids.extend(b.mlps.iter().flat_map(|m| [m.fc1.weight.id, m.fc2.weight.id]));
             }
             _ => {}
         }
     }
-    // (neither end of a tie: a tied layer nor the table another is tied to)
-    let untied = |id: u64| {
-        let layer = (id >> 8) as usize;
-        plan.layers.get(layer).is_none_or(|l| l.tied.is_none()) && !plan.layers.iter().any(|l| l.tied == Some(layer))
-    };
-    layout.params.iter().map(|p| ids.contains(&ParamId::from(p.id)) && untied(p.id) && p.shape.len() == 2).collect()
+    let of_layer = |id: u64| gathers_per_product(plan, (id >> 8) as usize);
+    layout.params.iter().map(|p| ids.contains(&ParamId::from(p.id)) && of_layer(p.id) && p.shape.len() == 2).collect()
+}
+
+/// Whether plan layer `layer`'s weights are of the kinds ZeRO-3 gathers per product
+/// ([`per_product`]): a linear layer, a token embedding, an LSTM or a transformer block
+/// without experts, and neither end of a tie (a tied layer nor the table another is tied
+/// to). The one statement of that rule: the executor's layout and `pipec run`'s caveat
+/// both read it.
+pub(crate) fn gathers_per_product(plan: &Plan, layer: usize) -> bool {
+    use pipec_plan::model::Op;
+    let Some(l) = plan.layers.get(layer) else { return false };
+    let tied = l.tied.is_some() || plan.layers.iter().any(|t| t.tied == Some(layer));
+    !tied
+        && matches!(
+            l.op,
+            Op::Linear { .. } | Op::Embedding { .. } | Op::Lstm { .. } | Op::TransformerBlock { moe: None, .. }
+        )
 }
 
 /// ZeRO-3 per product ([`per_product`]): a stage's weights each gathered whole from the
@@ -744,8 +751,8 @@ pub(crate) struct Gatherer<I: burn::tensor::backend::Backend> {
     mode: pipec_plan::ReduceMode,
     layout: ShardLayout,
     /// This replica's chunk of each weight gathered per product, by parameter id, with the
-    /// weight's position in the layout.
-    chunks: HashMap<u64, (usize, Tensor<I, 1>)>,
+    /// weight's position in the layout and in `order`.
+    chunks: HashMap<u64, (usize, usize, Tensor<I, 1>)>,
     /// The weights gathered per product, in the layout's (the forward's) order.
     order: Vec<u64>,
     kept: std::sync::Mutex<Kept<I>>,
@@ -777,17 +784,13 @@ impl<I: burn::tensor::backend::Backend> Gatherer<I> {
         mode: pipec_plan::ReduceMode,
     ) -> Result<Self> {
         let master = shard.master.as_ref().ok_or(ExecError::Missing("the stage's shard is in use"))?;
-        let chunks = (0..shard.layout.params.len())
-            .filter(|&k| shard.per_product.get(k).copied().unwrap_or(false))
-            .map(|k| {
-                let chunk = master.chunks.get(k).ok_or(ExecError::Missing("a chunk of the shard"))?;
-                Ok((shard.layout.params[k].id, (k, chunk.val().inner())))
-            })
-            .collect::<Result<_>>()?;
-        let order = (0..shard.layout.params.len())
-            .filter(|&k| shard.per_product.get(k).copied().unwrap_or(false))
-            .map(|k| shard.layout.params[k].id)
-            .collect();
+        let (mut chunks, mut order) = (HashMap::new(), Vec::new());
+        for (k, _) in shard.per_product.iter().enumerate().filter(|(_, g)| **g) {
+            let chunk = master.chunks.get(k).ok_or(ExecError::Missing("a chunk of the shard"))?;
+            let id = shard.layout.params[k].id;
+            chunks.insert(id, (k, order.len(), chunk.val().inner()));
+            order.push(id);
+        }
         Ok(Gatherer {
             exchanger,
             members,
@@ -813,7 +816,7 @@ impl<I: burn::tensor::backend::Backend> Gatherer<I> {
         // (the kept one goes first: no more than this one and the next are held whole)
         kept.weight = None;
         let ahead = kept.ahead.take().and_then(|(k, t)| (k == id).then_some(t));
-        let at = self.order.iter().position(|k| *k == id);
+        let at = self.chunks.get(&id).map(|(_, at, _)| *at);
         // the next weight of the pass: down the order after a later one (a backward) or
         // from the end, up it otherwise
         let down = match (kept.at, at) {
@@ -835,8 +838,8 @@ impl<I: burn::tensor::backend::Backend> Gatherer<I> {
             Err(e) => {
                 let mut failure = self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 failure.get_or_insert(e.to_string());
-                let shape = self.chunks.get(&id).map_or(vec![1, 1], |(k, _)| self.layout.params[*k].shape.clone());
-                let dev = self.chunks.values().next().map(|(_, c)| c.device()).unwrap_or_default();
+                let shape = self.chunks.get(&id).map_or(vec![1, 1], |(k, _, _)| self.layout.params[*k].shape.clone());
+                let dev = self.chunks.values().next().map(|(_, _, c)| c.device()).unwrap_or_default();
                 return Tensor::<I, 2>::zeros([shape[0], shape[1]], &dev).into_primitive().tensor();
             }
         };
@@ -846,7 +849,7 @@ impl<I: burn::tensor::backend::Backend> Gatherer<I> {
 
     /// Starts the all-gather of weight `id`.
     fn start(&self, id: u64) -> Result<crate::comm::Ticket<Vec<f32>>> {
-        let (_, chunk) =
+        let (_, _, chunk) =
             self.chunks.get(&id).ok_or_else(|| ExecError::Plan(format!("{id} is not gathered per product")))?;
         let values = params::host_f32(chunk.clone().into_data())?;
         self.gathers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -855,7 +858,7 @@ impl<I: burn::tensor::backend::Backend> Gatherer<I> {
 
     /// Weight `id` whole from its all-gather.
     fn land(&self, id: u64, ticket: crate::comm::Ticket<Vec<f32>>) -> Result<burn::tensor::ops::FloatTensor<I>> {
-        let (k, chunk) =
+        let (k, _, chunk) =
             self.chunks.get(&id).ok_or_else(|| ExecError::Plan(format!("{id} is not gathered per product")))?;
         let gathered = ticket.wait()?;
         let mut whole = self.layout.whole_of(&[gathered], |j| j == *k)?;
@@ -969,9 +972,6 @@ mod tests {
             assert_eq!(chunks[k], expected.as_slice(), "parameter {k}");
         }
         assert_eq!(mine.segment_of(&chunks.iter().map(|c| c.to_vec()).collect::<Vec<_>>(), &[7.0]), segment);
-        assert_eq!(
-            mine.part_inputs(&mine.segment_of(&chunks.iter().map(|c| c.to_vec()).collect::<Vec<_>>(), &[])).len(),
-            2
-        );
+        assert_eq!(mine.part_inputs(|k| Ok(chunks[k].to_vec()), |_| true).expect("inputs").len(), 2);
     }
 }
