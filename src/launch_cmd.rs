@@ -750,9 +750,17 @@ fn supervise(
     loop {
         match child.try_wait() {
             Ok(Some(status)) => {
-                // everything mpirun printed has been read before naming what was lost
+                // everything mpirun printed has been read before naming what was lost — but
+                // within the grace period: a child of mpirun (its ssh to a host it lost) can
+                // hold the pipe open after mpirun has ended, and the job must end anyway
                 if let Some(r) = reader {
-                    let _ = r.join();
+                    let until = std::time::Instant::now() + ABORT_GRACE;
+                    while !r.is_finished() && std::time::Instant::now() < until {
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                    if r.is_finished() {
+                        let _ = r.join();
+                    }
                 }
                 let host_lost = name_lost_host();
                 let code = match status.code() {
@@ -909,6 +917,20 @@ mod tests {
         assert_eq!(code, EXIT_DIAGNOSTICS);
         let waited = started.elapsed();
         assert!(waited >= ABORT_GRACE && waited < ABORT_GRACE * 6, "stopped after {waited:?}");
+    }
+
+    /// An mpirun that has ended while a child of it (its ssh to a lost host) still holds its
+    /// output open ends the job within the grace period, with mpirun's exit code and what
+    /// it printed read.
+    #[test]
+    fn an_ended_mpirun_whose_child_holds_its_output_is_not_waited_for() {
+        let fake = "echo 'error: rank 1 of 2 (device d1): nothing arrived from d0 within 4 s' >&2; sleep 30 >/dev/null & exit 3";
+        let cmd: Vec<String> = ["sh", "-c", fake].map(String::from).to_vec();
+        let started = std::time::Instant::now();
+        let ended = supervise(&cmd, &[], std::time::Duration::from_secs(60), "ssh", None, &mut || false);
+        assert_eq!(ended.code, 3);
+        let waited = started.elapsed();
+        assert!(waited < ABORT_GRACE * 3, "returned after {waited:?}");
     }
 
     /// An mpirun that forwards nothing (its event loop blocked on a host it cannot reach)
