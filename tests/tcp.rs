@@ -163,3 +163,56 @@ fn bad_variables_and_a_missing_rank_are_errors_that_say_what_to_set() {
     );
     assert!(!dir.path().join("y").exists(), "nothing is written before the first step");
 }
+
+#[test]
+fn ranks_that_run_different_things_all_stop_at_start_naming_the_difference() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = spec(dir.path(), 2, "");
+    let text = std::fs::read_to_string(&spec).expect("spec");
+    let other_lr = dir.path().join("other-lr.yaml");
+    std::fs::write(&other_lr, text.replace("lr: 0.005", "lr: 0.02")).expect("spec");
+    let started = |specs: [&Path; 3], extra: [&[&str]; 3], out: &str| {
+        let port = free_port();
+        let o = dir.path().join(out);
+        let o = o.to_str().expect("p").to_string();
+        let ranks: Vec<Child> = (0..3)
+            .map(|r| {
+                let mut args = vec!["-o", o.as_str()];
+                args.extend_from_slice(extra[r]);
+                rank(specs[r], r, 3, port, &args)
+            })
+            .collect();
+        let outputs = wait_all(ranks, Duration::from_secs(60));
+        for run in &outputs {
+            assert_eq!(run.status.code(), Some(1), "{}", String::from_utf8_lossy(&run.stderr));
+        }
+        assert!(losses(&dir.path().join(out)).is_empty(), "no step was trained");
+        outputs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect::<Vec<_>>()
+    };
+    // rank 2 with another learning rate: every rank says so, naming the value on each
+    let e = started([&spec, &spec, &other_lr], [&[], &[], &[]], "lr");
+    for text in &e {
+        assert!(text.contains("training.optimizer.lr: 0.005 on rank 0, 0.02 on rank 2"), "{text}");
+    }
+    // rank 1 with other --steps
+    let e = started([&spec, &spec, &spec], [&[], &["--steps", "5"], &[]], "steps");
+    assert!(e[0].contains("run.steps: 2 on rank 0, 5 on rank 1"), "{}", e[0]);
+    // only rank 0 resumes from a checkpoint
+    let first = dir.path().join("first");
+    let one_step = one_step_spec(dir.path());
+    let t = Command::new(pipec()).arg("run").arg(&one_step).arg("-o").arg(&first).output().expect("runs");
+    assert_eq!(t.status.code(), Some(0), "{}", String::from_utf8_lossy(&t.stderr));
+    let ckpt = first.join("checkpoints");
+    let c = ckpt.to_str().expect("p");
+    let e = started([&spec, &spec, &spec], [&["--resume", c], &[], &[]], "resume");
+    assert!(
+        e[1].contains("run.start: a checkpoint after step 1") && e[1].contains("pipec's initial values on rank 1"),
+        "{}",
+        e[1]
+    );
+}
+
+/// The same model trained one step with a checkpoint after it.
+fn one_step_spec(dir: &Path) -> PathBuf {
+    spec(dir, 1, "  checkpoint: { every: 1 }\n")
+}

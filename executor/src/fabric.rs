@@ -29,6 +29,8 @@ pub const TAG_COLL: i32 = 11;
 pub const TAG_METRIC: i32 = 12;
 pub const TAG_TRACE: i32 = 13;
 pub const TAG_CKPT: i32 = 14;
+/// Each rank's description of its run, and rank 0's verdict (`agreement`).
+pub const TAG_AGREE: i32 = 15;
 
 /// The processes of a job and the messages between them.
 pub trait Fabric: Send + Sync {

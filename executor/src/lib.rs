@@ -4,6 +4,7 @@
 //! Burn.
 
 pub use pipec_plan::checkpoint;
+pub mod agreement;
 pub mod amp;
 mod buckets;
 pub mod calibrate;

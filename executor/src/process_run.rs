@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use pipec_plan::{DeviceId, Plan};
 
-use crate::fabric::{Fabric, ProcessEndpoint, TAG_CKPT, TAG_METRIC, TAG_TRACE};
+use crate::agreement::{self, Fingerprint};
+use crate::fabric::{Fabric, ProcessEndpoint, TAG_AGREE, TAG_CKPT, TAG_METRIC, TAG_TRACE};
 use crate::{run_workers, RunError, RunOptions, RunReport, StepMetrics};
 
 /// What this rank is.
@@ -89,6 +90,13 @@ pub fn run_rank<F: Fabric + 'static>(
     if options.backend == crate::BackendKind::Cpu {
         crate::resident::check_host_memory(plan, &[device]).map_err(|e| (Some(info), RunError::setup(e)))?;
     }
+    // the checkpoint is read once, here: the ranks compare what they start from
+    let start =
+        options.resume.as_ref().map(crate::Resume::load).transpose().map_err(|e| (Some(info), RunError::setup(e)))?;
+    let steps = options.steps.unwrap_or(plan.training.steps);
+    let mine = Fingerprint::of(plan, steps, start.as_deref()).map_err(|e| (Some(info), RunError::setup(e)))?;
+    agree(fabric.as_ref(), &mine, &devices, options.timeout).map_err(|e| (Some(info), RunError::setup(e)))?;
+    let options = &RunOptions { resume: start.map(crate::Resume::Loaded), ..options.clone() };
     // every rank is up once all reach this barrier; `pipec launch --exec` waits for this
     // line to know the job started (its start-up bound)
     fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
@@ -239,6 +247,44 @@ pub fn run_rank<F: Fabric + 'static>(
         fabric.flush();
         fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
         Ok((info, None))
+    }
+}
+
+/// Every rank sends rank 0 its [`Fingerprint`]; rank 0 compares them with its own and
+/// sends each rank the verdict (empty: they agree), so that ranks started with different
+/// specs, steps or checkpoints all stop at start with the same message.
+fn agree<F: Fabric>(
+    fabric: &F,
+    mine: &Fingerprint,
+    devices: &[DeviceId],
+    timeout: std::time::Duration,
+) -> Result<(), String> {
+    let never = AtomicBool::new(false);
+    let (rank, size) = (fabric.rank(), fabric.size());
+    if rank != 0 {
+        fabric.post(0, TAG_AGREE, mine.encode(), None).map_err(|e| e.to_string())?;
+        let (verdict, _) =
+            fabric.receive(0, TAG_AGREE, false, &never, timeout, devices[0]).map_err(|e| e.to_string())?;
+        return if verdict.is_empty() { Ok(()) } else { Err(String::from_utf8_lossy(&verdict).into_owned()) };
+    }
+    let mut theirs = Vec::new();
+    for r in 1..size {
+        let (b, _) =
+            fabric.receive(r, TAG_AGREE, false, &never, timeout, devices[r as usize]).map_err(|e| e.to_string())?;
+        theirs.push((r, Fingerprint::decode(&b)?));
+    }
+    let verdict = agreement::verdict(mine, &theirs);
+    let text = verdict.clone().unwrap_or_default().into_bytes();
+    for r in 1..size {
+        fabric.post(r, TAG_AGREE, text.clone(), None).map_err(|e| e.to_string())?;
+    }
+    match verdict {
+        None => Ok(()),
+        Some(why) => {
+            // the verdicts leave before this rank's failure ends the job
+            fabric.flush();
+            Err(why)
+        }
     }
 }
 

@@ -13,6 +13,14 @@
 //!   header and the values (little-endian). Each connection has a writer thread fed by a
 //!   queue (posting returns at once, as the plan's verifier assumes) and a reader thread
 //!   that files every frame under its (rank, tag), where receives wait for it.
+//! - **Handshake.** Every connection opens with pipec's greeting (a magic number, the
+//!   protocol's version, the rank, a nonce), answered by a challenge. A connection that does
+//!   not greet (a port scan, a health check, an HTTP request) is closed with a note and the
+//!   listener keeps waiting within the start-up bound. When `PIPEC_JOB_SECRET` is set (the
+//!   same value in every process), both ends prove they know it — SHA-256 of the secret and
+//!   the other end's nonce, so the secret never travels — and a peer that cannot is turned
+//!   away: anyone who can reach `MASTER_PORT` could otherwise join the job and send it
+//!   gradients.
 //! - **Faults.** A connection that closes (its process ended or was killed) fails every
 //!   receive from that rank at once, naming it; a rank that fails tells every other rank
 //!   before it exits (an abort frame), and they stop too.
@@ -40,6 +48,14 @@ const TAG_BARRIER: i32 = -2;
 const MAX_FRAME_ITEMS: u64 = 1 << 32;
 /// PyTorch's default `MASTER_PORT`.
 pub const DEFAULT_PORT: u16 = 29500;
+/// The first bytes of every connection of pipec's fabric.
+const MAGIC: &[u8; 8] = b"pipecTCP";
+/// The rendezvous protocol's version: peers of another version are refused by name.
+const PROTOCOL: u32 = 2;
+/// How long a new connection may take to greet before it is closed as a stranger.
+const GREETING: Duration = Duration::from_secs(5);
+/// The variable that holds the job's shared secret.
+pub const SECRET_VAR: &str = "PIPEC_JOB_SECRET";
 
 /// Where a process is in its job, from torchrun's variables.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,6 +64,8 @@ pub struct Rendezvous {
     pub size: i32,
     pub master: String,
     pub port: u16,
+    /// `PIPEC_JOB_SECRET`, when the launcher sets one.
+    pub secret: Option<String>,
 }
 
 impl Rendezvous {
@@ -71,9 +89,23 @@ impl Rendezvous {
         let master = var("MASTER_ADDR").filter(|m| !m.trim().is_empty()).unwrap_or_else(|| "127.0.0.1".into());
         let port = match var("MASTER_PORT") {
             None => DEFAULT_PORT,
-            Some(p) => p.trim().parse().map_err(|_| format!("MASTER_PORT is `{p}`, not a port number"))?,
+            Some(p) => match p.trim().parse::<u16>() {
+                Ok(0) => {
+                    return Err(
+                        "MASTER_PORT is 0: give the port rank 0 listens on, 1 to 65535 (every rank the same)".into()
+                    )
+                }
+                Ok(port) => port,
+                Err(_) => return Err(format!("MASTER_PORT is `{p}`, not a port number (1 to 65535)")),
+            },
         };
-        Ok(Rendezvous { rank: rank as i32, size: size as i32, master: master.trim().to_string(), port })
+        let secret = match var(SECRET_VAR) {
+            Some(s) if s.is_empty() => {
+                return Err(format!("{SECRET_VAR} is set but empty: give every rank the same secret, or unset it"))
+            }
+            other => other,
+        };
+        Ok(Rendezvous { rank: rank as i32, size: size as i32, master: master.trim().to_string(), port, secret })
     }
 
     /// [`Rendezvous::from_vars`] from this process's environment.
@@ -237,6 +269,158 @@ fn write_loop(stream: TcpStream, rx: &Receiver<Frame>) {
     let _ = w.get_ref().shutdown(std::net::Shutdown::Write);
 }
 
+/// A new connection's rank and the port it listens on (0 between ranks other than 0).
+struct Greeting {
+    rank: i32,
+    port: u16,
+}
+
+/// Why a new connection was not admitted.
+enum Refused {
+    /// Not a rank of this job (a stray connection, or one without the secret): noted, and
+    /// the listener keeps waiting.
+    Stranger(String),
+    /// A pipec rank that can never join (another protocol version): the job cannot start.
+    Fatal(String),
+}
+
+type Nonce = [u8; 16];
+
+/// A fresh nonce from the operating system's generator (or, where that fails, the clock
+/// and the process id, which still differ between connections).
+fn nonce() -> Nonce {
+    let mut n = [0u8; 16];
+    if getrandom::getrandom(&mut n).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        n[..8].copy_from_slice(&(t as u64).to_le_bytes());
+        n[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    n
+}
+
+/// What proves knowledge of the secret to the end that sent `nonce`: SHA-256 of the
+/// secret, the prover's role and rank, and the nonce (zeros without a secret).
+fn proof(secret: Option<&str>, role: &[u8], rank: i32, nonce: &Nonce) -> [u8; 32] {
+    use sha2::Digest;
+    let Some(secret) = secret else { return [0; 32] };
+    let mut h = sha2::Sha256::new();
+    h.update(secret.as_bytes());
+    h.update([0]);
+    h.update(role);
+    h.update(rank.to_le_bytes());
+    h.update(nonce);
+    h.finalize().into()
+}
+
+fn read_array<const N: usize>(r: &mut impl Read) -> std::io::Result<[u8; N]> {
+    let mut b = [0u8; N];
+    r.read_exact(&mut b)?;
+    Ok(b)
+}
+
+/// The connecting end's side of the handshake with `peer` (see the module's notes).
+fn greet(s: &mut TcpStream, rank: i32, port: u16, secret: Option<&str>, peer: &str) -> Result<(), String> {
+    let io = |e: std::io::Error| format!("the handshake with {peer} failed: {e}");
+    s.set_read_timeout(Some(GREETING * 6)).map_err(io)?;
+    let mine = nonce();
+    let mut hello = MAGIC.to_vec();
+    hello.extend(PROTOCOL.to_le_bytes());
+    hello.extend((rank as u32).to_le_bytes());
+    hello.extend(u32::from(port).to_le_bytes());
+    hello.extend(mine);
+    s.write_all(&hello).map_err(io)?;
+    let magic: [u8; 8] = read_array(s).map_err(|e| format!("{peer} does not answer as a pipec rank: {e}"))?;
+    if &magic != MAGIC {
+        return Err(format!("{peer} does not speak pipec's rendezvous protocol (is something else listening there?)"));
+    }
+    let version = read_u32(s).map_err(io)?;
+    if version != PROTOCOL {
+        return Err(format!(
+            "{peer} runs pipec's rendezvous protocol {version}, this rank {PROTOCOL}: run the same pipec on every rank"
+        ));
+    }
+    let [needs] = read_array::<1>(s).map_err(io)?;
+    let theirs: Nonce = read_array(s).map_err(io)?;
+    let their_proof: [u8; 32] = read_array(s).map_err(io)?;
+    match (needs != 0, secret) {
+        (true, None) => {
+            return Err(format!("{peer} requires the job's secret: set {SECRET_VAR} to the same value on every rank"))
+        }
+        (false, Some(_)) => {
+            return Err(format!(
+                "this rank has {SECRET_VAR} but {peer} does not use one: set the same secret on every rank, or on none"
+            ))
+        }
+        (true, Some(_)) if their_proof != proof(secret, b"listener", rank, &mine) => {
+            return Err(format!("{peer} does not know this job's secret ({SECRET_VAR} differs between the ranks)"))
+        }
+        _ => {}
+    }
+    s.write_all(&proof(secret, b"rank", rank, &theirs)).map_err(io)?;
+    match read_array::<1>(s).map_err(io)? {
+        [1] => Ok(()),
+        _ => Err(format!("{peer} turned this rank away: the secret in {SECRET_VAR} is not the job's")),
+    }
+}
+
+/// The listening end's side of the handshake with a new connection from `from`.
+fn admit(s: &mut TcpStream, secret: Option<&str>, from: SocketAddr) -> Result<Greeting, Refused> {
+    let stranger = |what: &str| Refused::Stranger(format!("closed a connection from {from} that {what}"));
+    s.set_read_timeout(Some(GREETING)).map_err(|e| stranger(&format!("could not be read ({e})")))?;
+    let magic: [u8; 8] = read_array(s).map_err(|_| stranger("did not greet as a pipec rank"))?;
+    if &magic != MAGIC {
+        return Err(stranger("does not speak pipec's rendezvous protocol"));
+    }
+    let hello = (|| -> std::io::Result<(u32, u32, u32, Nonce)> {
+        Ok((read_u32(s)?, read_u32(s)?, read_u32(s)?, read_array(s)?))
+    })();
+    let (version, rank, port, theirs) = hello.map_err(|_| stranger("broke off its greeting"))?;
+    let rank = rank as i32;
+    let mine = nonce();
+    let mut challenge = MAGIC.to_vec();
+    challenge.extend(PROTOCOL.to_le_bytes());
+    challenge.push(u8::from(secret.is_some()));
+    challenge.extend(mine);
+    challenge.extend(proof(secret, b"listener", rank, &theirs));
+    s.write_all(&challenge).map_err(|_| stranger("left during the handshake"))?;
+    if version != PROTOCOL {
+        return Err(Refused::Fatal(format!(
+            "the rank at {from} runs pipec's rendezvous protocol {version}, this rank {PROTOCOL}: run the same pipec on every rank"
+        )));
+    }
+    let their_proof: [u8; 32] = read_array(s).map_err(|_| stranger("left during the handshake"))?;
+    if secret.is_some() && their_proof != proof(secret, b"rank", rank, &mine) {
+        let _ = s.write_all(&[0]);
+        return Err(stranger(&format!("does not know the job's secret ({SECRET_VAR})")));
+    }
+    s.write_all(&[1]).map_err(|_| stranger("left during the handshake"))?;
+    Ok(Greeting { rank, port: port as u16 })
+}
+
+/// Accepts connections on `listener` until one is admitted (a stranger is noted on stderr,
+/// up to a few times, and the wait goes on) or `deadline` passes.
+fn accept_rank(
+    listener: &TcpListener,
+    deadline: Instant,
+    secret: Option<&str>,
+    strangers: &mut usize,
+    me: i32,
+) -> Result<(TcpStream, SocketAddr, Greeting), String> {
+    loop {
+        let (mut s, from) = accept_until(listener, deadline)?;
+        match admit(&mut s, secret, from) {
+            Ok(g) => return Ok((s, from, g)),
+            Err(Refused::Fatal(why)) => return Err(why),
+            Err(Refused::Stranger(why)) => {
+                *strangers += 1;
+                if *strangers <= 5 {
+                    eprintln!("note: rank {me}: {why}; still waiting for the job's ranks");
+                }
+            }
+        }
+    }
+}
+
 /// Connects to `addr` until it answers or `deadline` passes.
 fn connect_until(addr: &str, port: u16, deadline: Instant) -> Result<TcpStream, String> {
     loop {
@@ -283,24 +467,25 @@ impl TcpFabric {
     pub fn connect(rv: &Rendezvous, start: Duration) -> Result<TcpFabric, String> {
         let deadline = Instant::now() + start;
         let (rank, size) = (rv.rank, rv.size);
+        let secret = rv.secret.as_deref();
         let mut streams: HashMap<i32, TcpStream> = HashMap::new();
         if rank == 0 {
             let listener = TcpListener::bind((Ipv4Addr::UNSPECIFIED, rv.port))
                 .map_err(|e| format!("rank 0 cannot listen on port {} (MASTER_PORT): {e}", rv.port))?;
             let mut table: Vec<(IpAddr, u16)> = vec![(IpAddr::V4(Ipv4Addr::LOCALHOST), rv.port); size as usize];
+            let mut strangers = 0;
             while streams.len() + 1 < size as usize {
-                let (mut s, from) = accept_until(&listener, deadline).map_err(|e| {
-                    format!(
-                        "rank 0: {e}: {} of {} ranks reached {}:{} within {} s",
-                        streams.len() + 1,
-                        size,
-                        rv.master,
-                        rv.port,
-                        start.as_secs()
-                    )
-                })?;
-                let r = read_u32(&mut s).map_err(|e| format!("{}: {e}", "rank 0: a rank's greeting"))? as i32;
-                let port = read_u32(&mut s).map_err(|e| format!("{}: {e}", "rank 0: a rank's greeting"))? as u16;
+                let (s, from, Greeting { rank: r, port }) = accept_rank(&listener, deadline, secret, &mut strangers, 0)
+                    .map_err(|e| {
+                        format!(
+                            "rank 0: {e}: {} of {} ranks reached {}:{} within {} s",
+                            streams.len() + 1,
+                            size,
+                            rv.master,
+                            rv.port,
+                            start.as_secs()
+                        )
+                    })?;
                 if r <= 0 || r >= size || streams.contains_key(&r) {
                     return Err(format!("rank 0: a process from {from} says it is rank {r}: each of ranks 1 to {} must connect once (check RANK and WORLD_SIZE)", size - 1));
                 }
@@ -328,8 +513,8 @@ impl TcpFabric {
                     start.as_secs()
                 )
             })?;
-            write_u32(&mut master, rank as u32).map_err(|e| format!("{}: {e}", "greeting rank 0"))?;
-            write_u32(&mut master, u32::from(port)).map_err(|e| format!("{}: {e}", "greeting rank 0"))?;
+            let peer = format!("rank 0 at {}:{}", rv.master, rv.port);
+            greet(&mut master, rank, port, secret, &peer).map_err(|e| format!("rank {rank}: {e}"))?;
             master.set_read_timeout(Some(start)).map_err(|e| format!("{}: {e}", "rank 0"))?;
             let n =
                 read_u32(&mut master).map_err(|e| format!("{}: {e}", "waiting for rank 0's list of ranks"))? as usize;
@@ -349,13 +534,14 @@ impl TcpFabric {
             for (j, (ip, port)) in table.iter().enumerate().take(rank as usize).skip(1) {
                 let mut s = connect_until(ip, *port, deadline)
                     .map_err(|e| format!("rank {rank}: cannot reach rank {j} at {ip}:{port}: {e}"))?;
-                write_u32(&mut s, rank as u32).map_err(|e| format!("{}: {e}", "greeting a rank"))?;
+                greet(&mut s, rank, 0, secret, &format!("rank {j} at {ip}:{port}"))
+                    .map_err(|e| format!("rank {rank}: {e}"))?;
                 streams.insert(j as i32, s);
             }
+            let mut strangers = 0;
             while streams.len() < size as usize - 1 {
-                let (mut s, _) =
-                    accept_until(&listener, deadline).map_err(|e| format!("rank {rank}: {e} (ranks above {rank})"))?;
-                let j = read_u32(&mut s).map_err(|e| format!("{}: {e}", "a rank's greeting"))? as i32;
+                let (s, _, Greeting { rank: j, .. }) = accept_rank(&listener, deadline, secret, &mut strangers, rank)
+                    .map_err(|e| format!("rank {rank}: {e} (ranks above {rank})"))?;
                 if j <= rank || j >= size || streams.contains_key(&j) {
                     return Err(format!("rank {rank}: a process says it is rank {j}, which should not connect here"));
                 }
@@ -520,12 +706,14 @@ mod tests {
     fn torchruns_variables_are_read_and_bad_ones_named() {
         let rv = Rendezvous::from_vars(&vars(&[("RANK", "2"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "10.0.0.1")]))
             .expect("reads");
-        assert_eq!(rv, Rendezvous { rank: 2, size: 4, master: "10.0.0.1".into(), port: DEFAULT_PORT });
+        assert_eq!(rv, Rendezvous { rank: 2, size: 4, master: "10.0.0.1".into(), port: DEFAULT_PORT, secret: None });
         let e = |p: &[(&str, &str)]| Rendezvous::from_vars(&vars(p)).expect_err("refused");
         assert!(e(&[("RANK", "0")]).contains("WORLD_SIZE is not set"));
         assert!(e(&[("RANK", "4"), ("WORLD_SIZE", "4")]).contains("RANK is 4 but WORLD_SIZE is 4"));
         assert!(e(&[("RANK", "x"), ("WORLD_SIZE", "4")]).contains("RANK is `x`"));
         assert!(e(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "99999")]).contains("MASTER_PORT"));
+        assert!(e(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "0")]).contains("MASTER_PORT is 0"));
+        assert!(e(&[("RANK", "0"), ("WORLD_SIZE", "2"), (SECRET_VAR, "")]).contains("empty"));
     }
 
     #[test]
@@ -550,7 +738,7 @@ mod tests {
             let handles: Vec<_> = (0..3)
                 .map(|rank| {
                     s.spawn(move || {
-                        let rv = Rendezvous { rank, size: 3, master: "127.0.0.1".into(), port };
+                        let rv = Rendezvous { rank, size: 3, master: "127.0.0.1".into(), port, secret: None };
                         TcpFabric::connect(&rv, Duration::from_secs(20)).expect("connects")
                     })
                 })
@@ -587,5 +775,110 @@ mod tests {
         let e = fabrics[0].receive(2, 11, true, &never, t, DeviceId(2)).expect_err("gone");
         assert!(e.to_string().contains("rank 2"), "{e}");
         assert!(start.elapsed() < t, "noticed at once, not at the timeout");
+    }
+
+    fn free_port() -> u16 {
+        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("port").local_addr().expect("addr").port()
+    }
+
+    /// Ranks 0..n meeting on `port` with each its secret (in threads).
+    fn meet(port: u16, secrets: &[Option<&str>], bound: u64) -> Vec<Result<TcpFabric, String>> {
+        let size = secrets.len() as i32;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = secrets
+                .iter()
+                .enumerate()
+                .map(|(rank, secret)| {
+                    s.spawn(move || {
+                        let rv = Rendezvous {
+                            rank: rank as i32,
+                            size,
+                            master: "127.0.0.1".into(),
+                            port,
+                            secret: secret.map(str::to_string),
+                        };
+                        TcpFabric::connect(&rv, Duration::from_secs(bound))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("joined")).collect()
+        })
+    }
+
+    #[test]
+    fn stray_connections_to_the_master_port_are_closed_and_the_job_still_meets() {
+        let port = free_port();
+        let strays = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            // connect-and-close, an HTTP request and a slow silent client, before rank 1 comes
+            let mut quiet = None;
+            while Instant::now() < deadline && quiet.is_none() {
+                if let Ok(s) = TcpStream::connect((Ipv4Addr::LOCALHOST, port)) {
+                    drop(s);
+                    let mut http = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).expect("http");
+                    let _ = http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+                    quiet = Some(TcpStream::connect((Ipv4Addr::LOCALHOST, port)).expect("quiet"));
+                } else {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            quiet
+        });
+        // rank 0 starts at once; ranks 1 and 2 a moment later, after the strays
+        let rank0 = std::thread::spawn(move || {
+            let rv = Rendezvous { rank: 0, size: 3, master: "127.0.0.1".into(), port, secret: None };
+            TcpFabric::connect(&rv, Duration::from_secs(20))
+        });
+        let _quiet = strays.join().expect("strays");
+        std::thread::sleep(Duration::from_millis(200));
+        let others: Vec<_> = (1..3)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let rv = Rendezvous { rank, size: 3, master: "127.0.0.1".into(), port, secret: None };
+                    TcpFabric::connect(&rv, Duration::from_secs(20))
+                })
+            })
+            .collect();
+        let mut all = vec![rank0.join().expect("rank 0").expect("rank 0 meets the others")];
+        all.extend(others.into_iter().map(|h| h.join().expect("joined").expect("meets")));
+        let never = AtomicBool::new(false);
+        all[2].post(0, 11, vec![7], Some(vec![1.5])).expect("posts");
+        let got = all[0].receive(2, 11, true, &never, Duration::from_secs(10), DeviceId(2)).expect("arrives");
+        assert_eq!(got, (vec![7], vec![1.5]));
+    }
+
+    #[test]
+    fn with_a_secret_only_ranks_that_know_it_join() {
+        let good = meet(free_port(), &[Some("s3cret"), Some("s3cret"), Some("s3cret")], 20);
+        assert!(
+            good.iter().all(Result::is_ok),
+            "{:?}",
+            good.iter().filter_map(|r| r.as_ref().err()).collect::<Vec<_>>()
+        );
+        // rank 1 without the secret: it is told what to set; rank 0 waits on and ends at its bound
+        let port = free_port();
+        let r = meet(port, &[Some("s3cret"), None], 2);
+        let e1 = r[1].as_ref().err().expect("rank 1 refused");
+        assert!(e1.contains("requires the job's secret") && e1.contains(SECRET_VAR), "{e1}");
+        assert!(r[0].is_err());
+        // a wrong secret: both ends see it
+        let r = meet(free_port(), &[Some("s3cret"), Some("guess")], 2);
+        let e1 = r[1].as_ref().err().expect("rank 1 refused");
+        assert!(e1.contains("does not know this job's secret"), "{e1}");
+        // a secret on a rank only
+        let r = meet(free_port(), &[None, Some("s3cret")], 2);
+        let e1 = r[1].as_ref().err().expect("rank 1 refused");
+        assert!(e1.contains("does not use one"), "{e1}");
+    }
+
+    #[test]
+    fn the_proof_depends_on_the_secret_the_role_the_rank_and_the_nonce() {
+        let n = nonce();
+        let p = proof(Some("a"), b"rank", 1, &n);
+        assert_ne!(p, proof(Some("b"), b"rank", 1, &n));
+        assert_ne!(p, proof(Some("a"), b"listener", 1, &n));
+        assert_ne!(p, proof(Some("a"), b"rank", 2, &n));
+        assert_ne!(p, proof(Some("a"), b"rank", 1, &nonce()));
+        assert_eq!(proof(None, b"rank", 1, &n), [0; 32]);
     }
 }
