@@ -182,6 +182,10 @@ enum Command {
         /// or a torchvision ResNet's), on any layout, with a fresh optimizer.
         #[arg(long, conflicts_with = "resume")]
         init: Option<PathBuf>,
+        /// With `--init`: load the tensors the model uses and skip (listing them) those it
+        /// does not, instead of refusing a checkpoint that holds more than the model.
+        #[arg(long, requires = "init")]
+        init_partial: bool,
         /// Seconds a worker may wait for a message before the run is declared stuck.
         #[arg(long, default_value_t = 120)]
         timeout: u64,
@@ -361,6 +365,7 @@ fn main() -> ExitCode {
             backend,
             resume,
             init,
+            init_partial,
             timeout,
             transport,
             no_verify,
@@ -374,6 +379,7 @@ fn main() -> ExitCode {
             backend,
             resume,
             init,
+            init_partial,
             timeout_s: timeout,
             verify: !no_verify,
             share_gpus,

@@ -42,6 +42,8 @@ pub struct RunArgs {
     pub resume: Option<PathBuf>,
     /// A Hugging Face checkpoint folder whose weights the run starts from.
     pub init: Option<PathBuf>,
+    /// Load what the model uses of `init` and list the rest, instead of refusing it.
+    pub init_partial: bool,
     pub timeout_s: u64,
     /// Verify a plan.json's streams before running it.
     pub verify: bool,
@@ -504,8 +506,31 @@ fn resolve_resume(args: &RunArgs, plan: &Plan) -> Result<(Option<Resume>, usize)
     if let Some(dir) = &args.init {
         // the weights alone, as a step-0 checkpoint of one whole stage: every layout takes
         // its part of each weight the way a resume does, and the optimizer starts fresh
-        let loaded =
-            pipec_plan::hf::initial_weights(plan, dir).map_err(|e| format!("--init `{}`: {e}", dir.display()))?;
+        let (loaded, c) = pipec_plan::hf::initial_weights(plan, dir, args.init_partial)
+            .map_err(|e| format!("--init `{}`: {e}", dir.display()))?;
+        eprintln!(
+            "init: {} tensors ({} values) from `{}` into the model's {} parameters",
+            c.tensors_used,
+            c.values_used,
+            dir.display(),
+            loaded.params.len()
+        );
+        if !c.unused.is_empty() {
+            eprintln!(
+                "note: --init-partial skipped {} tensor(s) the model does not use: {}",
+                c.unused.len(),
+                pipec_plan::hf::list_names(&c.unused, 12)
+            );
+        }
+        let mut kinds: Vec<&str> = c.ignored.iter().map(|(_, why)| *why).collect();
+        kinds.dedup();
+        for why in kinds {
+            let names: Vec<String> = c.ignored.iter().filter(|(_, w)| *w == why).map(|(n, _)| n.clone()).collect();
+            eprintln!(
+                "note: not loaded, as no model of pipec's reads them: {why}: {}",
+                pipec_plan::hf::list_names(&names, 3)
+            );
+        }
         if !loaded.initial.is_empty() {
             let names: Vec<String> = loaded.initial.values().map(|n| format!("`{n}`")).collect();
             eprintln!(

@@ -1601,6 +1601,45 @@ fn a_bert_classifier_trains_one_step_as_torch_does_and_exports_to_transformers_n
 }
 
 #[test]
+fn init_loads_all_or_nothing_unless_partial_which_lists_what_it_skipped() {
+    // the 2-block GPT-2 fixture into a 1-block spec: refused by default, naming the second
+    // block's tensors; with --init-partial it trains and says what it skipped
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf/gpt2");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let imported = pipec(&["import", fixture.join("config.json").to_str().expect("utf-8"), "--seq", "8"]);
+    assert!(imported.status.success(), "{}", String::from_utf8_lossy(&imported.stderr));
+    let text = String::from_utf8_lossy(&imported.stdout).replace("repeat 2:", "repeat 1:");
+    let model = &text[text.find("model:").expect("model")..text.find("cluster:").expect("cluster")];
+    let spec = format!(
+        "name: shorter\n{model}cluster:\n  nodes: 1\n  devices_per_node: 1\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
+         strategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\n\
+         training:\n  batch_size: 2\n  steps: 1\n  optimizer: {{ kind: adamw, lr: 0.01 }}\n  data: {{ kind: synthetic, samples: 4 }}\n"
+    );
+    let path = dir.path().join("shorter.yaml");
+    std::fs::write(&path, spec).expect("spec");
+    let (spec, init) = (path.to_str().expect("utf-8"), fixture.to_str().expect("utf-8"));
+    let run = dir.path().join("run");
+    let out = pipec(&["run", spec, "--init", init, "-o", run.to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("tensor(s) the model does not use: `transformer.h.1.") && said.contains("--init-partial"),
+        "{said}"
+    );
+    assert!(!run.exists(), "nothing written");
+    let out = pipec(&["run", spec, "--init", init, "--init-partial", "-o", run.to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains("note: --init-partial skipped 12 tensor(s) the model does not use: `transformer.h.1."),
+        "{said}"
+    );
+    assert!(said.contains("init: ") && said.contains("into the model's"), "{said}");
+    // --init-partial alone is a usage error
+    assert_eq!(pipec(&["run", spec, "--init-partial"]).status.code(), Some(2));
+}
+
+#[test]
 fn a_bert_classifier_fine_tunes_from_a_checkpoint_without_its_head() {
     // a base checkpoint (BertModel's tensors, no `classifier.*`): the encoder and pooler
     // come from it, the classifier from pipec's initialisation, and the run says so; a
@@ -1757,6 +1796,18 @@ fn a_torchvision_resnet_trains_one_step_as_torch_does_with_its_running_statistic
         // and back under torchvision's names: every tensor of torch's state after the step
         export_equals(&name, &run, &dir.path().join(format!("{name}-torchvision")), &after);
     }
+    // a negative running variance is a damaged checkpoint, refused by its name
+    let mut tensors = pipec_plan::hf::read_dir(&fixture).expect("fixture");
+    tensors.get_mut("bn1.running_var").expect("bn1").1[2] = -0.5;
+    let damaged = dir.path().join("damaged");
+    std::fs::create_dir(&damaged).expect("dir");
+    std::fs::write(damaged.join("model.safetensors"), pipec_plan::hf::write_safetensors(&tensors).expect("w"))
+        .expect("write");
+    let spec = dir.path().join("resnet-one-device-per_forward-after-sgd.yaml");
+    let out = pipec(&["run", spec.to_str().expect("utf-8"), "--init", damaged.to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("the running variance of layer 1") && said.contains("-0.5 at channel 2"), "{said}");
 }
 
 #[test]

@@ -110,7 +110,20 @@ fn load_running_statistics<B: ExecBackend>(
         for slot in [layers::RUNNING_MEAN_SLOT, layers::RUNNING_VAR_SLOT] {
             let id = layers::state_id(bn.index, slot);
             match saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, &[c])? {
-                Some(v) => values.extend_from_slice(&v),
+                Some(v) => {
+                    // a mean is any finite value, a variance a finite one of 0 or more
+                    let bad = |x: f32| !x.is_finite() || (slot == layers::RUNNING_VAR_SLOT && x < 0.0);
+                    if let Some(k) = v.iter().position(|x| bad(*x)) {
+                        let what = if slot == layers::RUNNING_VAR_SLOT { "running variance" } else { "running mean" };
+                        return Err(ExecError::Checkpoint(format!(
+                            "the {what} of layer {} (`{}`) is {} at channel {k}: a variance is finite and at least 0, a mean finite (the checkpoint is damaged)",
+                            bn.index,
+                            checkpoint::param_name(id),
+                            v[k]
+                        )));
+                    }
+                    values.extend_from_slice(&v)
+                }
                 None => {
                     return Err(ExecError::Checkpoint(format!(
                         "model.safetensors lacks the running statistics of layer {} (`{}`)",

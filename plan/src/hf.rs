@@ -44,7 +44,12 @@ pub fn read_safetensors(bytes: &[u8]) -> Result<Tensors, String> {
 }
 
 /// The tensors of a Hugging Face checkpoint folder: `model.safetensors`, or the shards a
-/// `model.safetensors.index.json` lists.
+/// `model.safetensors.index.json` lists. The index's `weight_map` is authoritative, as in
+/// `transformers`: each tensor is taken from the shard it names (a shard may hold copies of
+/// others' tensors, which are not read), and a tensor it names that its shard lacks is an
+/// error. Every value must be finite: a NaN or an infinity is refused by the tensor's name
+/// and position (it would otherwise surface steps later as a diverged loss, or never, in a
+/// row no batch reads).
 pub fn read_dir(dir: &Path) -> Result<Tensors, String> {
     let read = |name: &str| -> Result<Tensors, String> {
         let path = dir.join(name);
@@ -52,25 +57,50 @@ pub fn read_dir(dir: &Path) -> Result<Tensors, String> {
         read_safetensors(&bytes).map_err(|e| format!("`{}`: {e}", path.display()))
     };
     let index = dir.join("model.safetensors.index.json");
-    if !index.exists() {
-        return read("model.safetensors");
-    }
-    let text = std::fs::read_to_string(&index).map_err(|e| format!("cannot read `{}`: {e}", index.display()))?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("`{}` is not JSON: {e}", index.display()))?;
-    let map = json
-        .get("weight_map")
-        .and_then(serde_json::Value::as_object)
-        .ok_or_else(|| format!("`{}` has no `weight_map`", index.display()))?;
-    let mut files: Vec<&str> = map.values().filter_map(serde_json::Value::as_str).collect();
-    files.sort_unstable();
-    files.dedup();
-    let mut out = Tensors::new();
-    for f in files {
-        if f.contains('/') || f.contains('\\') || f.starts_with('.') {
-            return Err(format!("`{}` names a shard outside its folder: `{f}`", index.display()));
+    let out = if !index.exists() {
+        read("model.safetensors")?
+    } else {
+        let text = std::fs::read_to_string(&index).map_err(|e| format!("cannot read `{}`: {e}", index.display()))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("`{}` is not JSON: {e}", index.display()))?;
+        let map = json
+            .get("weight_map")
+            .and_then(serde_json::Value::as_object)
+            .ok_or_else(|| format!("`{}` has no `weight_map`", index.display()))?;
+        // each shard with the tensors the index assigns to it
+        let mut shards: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        for (name, file) in map {
+            let f = file
+                .as_str()
+                .ok_or_else(|| format!("`{}` maps `{name}` to {file}, not a file name", index.display()))?;
+            if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+                return Err(format!("`{}` names a shard outside its folder: `{f}`", index.display()));
+            }
+            shards.entry(f).or_default().push(name);
         }
-        out.extend(read(f)?);
+        let mut out = Tensors::new();
+        for (f, names) in shards {
+            let mut held = read(f)?;
+            for name in names {
+                let t = held
+                    .remove(name)
+                    .ok_or_else(|| format!("`{}` puts `{name}` in `{f}`, which has no such tensor", index.display()))?;
+                out.insert(name.to_string(), t);
+            }
+        }
+        out
+    };
+    for (name, (shape, values)) in &out {
+        if let Some(k) = values.iter().position(|v| !v.is_finite()) {
+            let what = if values[k].is_nan() { "NaN" } else { "an infinity" };
+            let row = match shape.as_slice() {
+                [_, cols, ..] if *cols > 0 => format!(" (row {} of {shape:?})", k / (values.len() / shape[0]).max(1)),
+                _ => String::new(),
+            };
+            return Err(format!(
+                "`{name}` holds {what} at value {k}{row}: the checkpoint is damaged (or was saved after its training diverged)"
+            ));
+        }
     }
     Ok(out)
 }
@@ -79,54 +109,139 @@ pub fn read_dir(dir: &Path) -> Result<Tensors, String> {
 /// model: what `pipec run --init` starts from (step 0, no optimizer state), through the
 /// resume path, so every layout — pipeline stages, tensor-parallel ranks, replicas — takes
 /// its part of each weight.
-pub fn initial_weights(plan: &Plan, dir: &Path) -> Result<Loaded, String> {
+///
+/// All or nothing: every tensor of the checkpoint must be one the model uses (a 4-layer
+/// checkpoint does not load into a 2-layer spec, nor q/k/v biases into blocks without
+/// them), unless `partial`, which loads what the model uses and lists the rest in the
+/// returned [`Conversion::unused`].
+pub fn initial_weights(plan: &Plan, dir: &Path, partial: bool) -> Result<(Loaded, Conversion), String> {
     let ops = plan.model_ops();
-    let (values, initial) = convert(&ops, &read_dir(dir)?)?;
+    let mut conversion = convert(&ops, &read_dir(dir)?)?;
+    if !partial && !conversion.unused.is_empty() {
+        return Err(format!(
+            "the checkpoint holds {} tensor(s) the model does not use: {}. A checkpoint of a larger model, or a layer option that differs from the checkpoint's config.json (biases, experts, a tied output layer)? Write the spec from its config.json (`pipec import`), or pass --init-partial to load the tensors the model uses and skip these",
+            conversion.unused.len(),
+            list_names(&conversion.unused, 6)
+        ));
+    }
+    let values = std::mem::take(&mut conversion.weights);
     let mut identity = Identity::of(plan);
     // saved as one whole stage: every weight whole, on rank 0
     identity.stage_layers = vec![[0, ops.len()]];
     identity.stage_devices = Vec::new();
     identity.stateful = false;
     identity.plan = format!("the Hugging Face checkpoint `{}`", dir.display());
-    Ok(Loaded {
+    let loaded = Loaded {
         completed_steps: 0,
         params: values.into_iter().map(|(id, v)| ((id, 0), v)).collect(),
         optimizers: Default::default(),
         tensor_parallel: Default::default(),
         identity: Some(identity),
         loss_scale: None,
-        initial: initial.into_iter().collect(),
-    })
+        initial: conversion.initial.iter().cloned().collect(),
+    };
+    Ok((loaded, conversion))
+}
+
+/// Up to `n` of `names`, quoted, and how many more.
+pub fn list_names(names: &[String], n: usize) -> String {
+    let mut text = names.iter().take(n).map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ");
+    if names.len() > n {
+        text.push_str(&format!(" and {} more", names.len() - n));
+    }
+    text
+}
+
+/// What a checkpoint's tensors became: pipec's parameters, the parameters left to pipec's
+/// initial values (a fine-tuning head the checkpoint lacks, with the tensor each lacked),
+/// and the checkpoint's tensors the model does not use, in name order.
+#[derive(Debug, Clone, Default)]
+pub struct Conversion {
+    pub weights: Weights,
+    pub initial: Vec<(u64, String)>,
+    pub unused: Vec<String>,
+    /// Tensors no model of pipec's reads, by name, with what they are (buffers and
+    /// pre-training heads that checkpoints carry; `transformers` skips them too).
+    pub ignored: Vec<(String, &'static str)>,
+    /// How many of the checkpoint's tensors (and their values) were used.
+    pub tensors_used: usize,
+    pub values_used: usize,
+}
+
+/// What a tensor is when it is one that checkpoints carry and no model of pipec's reads.
+fn never_used(name: &str) -> Option<&'static str> {
+    if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
+        Some("GPT-2's causal-mask buffers")
+    } else if name.ends_with("rotary_emb.inv_freq") {
+        Some("rotary embeddings' frequencies (computed, not learned)")
+    } else if name.starts_with("cls.") {
+        Some("BERT's pre-training heads (a fine-tuning model replaces them)")
+    } else {
+        None
+    }
+}
+
+/// A checkpoint's tensors and the names a conversion read, so a tensor the model does not
+/// use is known.
+struct Source<'a> {
+    tensors: &'a Tensors,
+    read: std::cell::RefCell<std::collections::BTreeSet<String>>,
 }
 
 /// The values of every parameter of `layers` (a causal language model: an embedding, its
 /// transformer blocks, a final norm and an output layer, in that order) from a Hugging Face
 /// checkpoint's `tensors`, by pipec parameter id. A missing tensor or a shape that differs
-/// is an error naming the tensor and both shapes; an output layer with no tensor of its
-/// own (tied embeddings) takes the embedding's table.
+/// is an error naming the tensor and both shapes, and so is a tensor the model does not use;
+/// an output layer with no tensor of its own (tied embeddings) takes the embedding's table.
 pub fn to_pipec(layers: &[Op], tensors: &Tensors) -> Result<Weights, String> {
-    let (weights, initial) = convert(layers, tensors)?;
-    match initial.first() {
-        Some((_, name)) => Err(format!("the checkpoint has no tensor `{name}`")),
-        None => Ok(weights),
+    let c = convert(layers, tensors)?;
+    if let Some((_, name)) = c.initial.first() {
+        return Err(format!("the checkpoint has no tensor `{name}`"));
     }
+    if !c.unused.is_empty() {
+        return Err(format!("the model does not use {}", list_names(&c.unused, 6)));
+    }
+    Ok(c.weights)
 }
 
 /// [`to_pipec`], but a sequence classifier's head that the checkpoint lacks (a base or
-/// pre-training checkpoint: no `classifier.*`) is left to pipec's initial values: the ids
-/// of those parameters with the tensor each lacked.
-pub fn convert(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Vec<(u64, String)>), String> {
+/// pre-training checkpoint: no `classifier.*`) is left to pipec's initial values, and the
+/// tensors the model does not use are listed rather than refused.
+pub fn convert(layers: &[Op], tensors: &Tensors) -> Result<Conversion, String> {
+    let src = Source { tensors, read: Default::default() };
+    let (weights, initial) = convert_from(layers, &src)?;
+    let read = src.read.into_inner();
+    let (mut unused, mut ignored) = (Vec::new(), Vec::new());
+    for name in tensors.keys().filter(|n| !read.contains(*n)) {
+        match never_used(name) {
+            Some(why) => ignored.push((name.clone(), why)),
+            None => unused.push(name.clone()),
+        }
+    }
+    let used: Vec<&(Vec<usize>, Vec<f32>)> = read.iter().filter_map(|n| tensors.get(n)).collect();
+    Ok(Conversion {
+        weights,
+        initial,
+        unused,
+        ignored,
+        tensors_used: used.len(),
+        values_used: used.iter().map(|(_, v)| v.len()).sum(),
+    })
+}
+
+fn convert_from(layers: &[Op], src: &Source<'_>) -> Result<(Weights, Vec<(u64, String)>), String> {
+    let tensors = src.tensors;
     if let Some(prefix) =
         ["bert.", ""].into_iter().find(|p| tensors.contains_key(&format!("{p}embeddings.word_embeddings.weight")))
     {
-        return bert_to_pipec(layers, tensors, prefix);
+        return bert_to_pipec(layers, src, prefix);
     }
     if tensors.contains_key("fc.weight") && tensors.contains_key("bn1.running_mean") {
-        return torchvision_to_pipec(layers, tensors);
+        return torchvision_to_pipec(layers, src);
     }
     let gpt2 = tensors.contains_key("wte.weight") || tensors.contains_key("transformer.wte.weight");
     let prefix = if tensors.contains_key("transformer.wte.weight") { "transformer." } else { "" };
-    let get = |name: &str, shape: &[usize]| lookup(tensors, name, shape);
+    let get = |name: &str, shape: &[usize]| lookup(src, name, shape);
     let same = |name: &str, shape: &[usize]| get(name, shape).map(|v| (shape.to_vec(), v.clone()));
     // an [out, in] weight as pipec's [in, out]
     let transposed = |values: &[f32], rows: usize, cols: usize| (vec![cols, rows], transpose(values, rows, cols));
@@ -273,7 +388,8 @@ fn torchvision_rank(module: &str) -> Option<(usize, usize, usize)> {
 /// convolutions, batch norms and final `linear` matched one to one with the checkpoint's in
 /// `state_dict` order (a block's shortcut after its second or third convolution), shapes
 /// checked; batch normalisation's running statistics included.
-fn torchvision_to_pipec(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Vec<(u64, String)>), String> {
+fn torchvision_to_pipec(layers: &[Op], src: &Source<'_>) -> Result<(Weights, Vec<(u64, String)>), String> {
+    let tensors = src.tensors;
     let mut modules: Vec<(usize, usize, usize, String)> = Vec::new();
     for name in tensors.keys() {
         let Some(module) = name.strip_suffix(".weight") else { continue };
@@ -291,7 +407,7 @@ fn torchvision_to_pipec(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Ve
             modules.len()
         ));
     }
-    let get = |name: &str, shape: &[usize]| lookup(tensors, name, shape);
+    let get = |name: &str, shape: &[usize]| lookup(src, name, shape);
     let same = |name: &str, shape: &[usize]| get(name, shape).map(|v| (shape.to_vec(), v.clone()));
     let mut out = Weights::new();
     for ((i, op), (stage, _, position, m)) in with_weights.into_iter().zip(&modules) {
@@ -326,10 +442,11 @@ fn torchvision_to_pipec(layers: &[Op], tensors: &Tensors) -> Result<(Weights, Ve
     Ok((out, Vec::new()))
 }
 
-/// A tensor of `tensors` by name, its shape checked: the error names the tensor and both
+/// A tensor of the checkpoint by name (marked as read), its shape checked: the error names the tensor and both
 /// shapes.
-fn lookup<'a>(tensors: &'a Tensors, name: &str, shape: &[usize]) -> Result<&'a Vec<f32>, String> {
-    match tensors.get(name) {
+fn lookup<'a>(src: &Source<'a>, name: &str, shape: &[usize]) -> Result<&'a Vec<f32>, String> {
+    src.read.borrow_mut().insert(name.to_string());
+    match src.tensors.get(name) {
         None => Err(format!("the checkpoint has no tensor `{name}` (expected shape {shape:?})")),
         Some((s, _)) if s != shape => {
             Err(format!("`{name}` has shape {s:?} in the checkpoint, the model's layer needs {shape:?}"))
@@ -343,8 +460,9 @@ fn lookup<'a>(tensors: &'a Tensors, name: &str, shape: &[usize]) -> Result<&'a V
 /// post-norm blocks, then the pooler and the classifier (the first and second `linear`
 /// after the blocks); a classifier the checkpoint lacks is left to pipec's initial values.
 /// Layer norms read `weight`/`bias` or the older `gamma`/`beta`.
-fn bert_to_pipec(layers: &[Op], tensors: &Tensors, prefix: &str) -> Result<(Weights, Vec<(u64, String)>), String> {
-    let get = |name: &str, shape: &[usize]| lookup(tensors, name, shape);
+fn bert_to_pipec(layers: &[Op], src: &Source<'_>, prefix: &str) -> Result<(Weights, Vec<(u64, String)>), String> {
+    let tensors = src.tensors;
+    let get = |name: &str, shape: &[usize]| lookup(src, name, shape);
     let same = |name: &str, shape: &[usize]| get(name, shape).map(|v| (shape.to_vec(), v.clone()));
     let transposed = |values: &[f32], rows: usize, cols: usize| (vec![cols, rows], transpose(values, rows, cols));
     let norm = |out: &mut Weights, i: usize, first: u64, name: &str, d: usize| -> Result<(), String> {
@@ -949,7 +1067,6 @@ mod tests {
     /// GPT-2 (tied), Llama with grouped-query attention, Qwen2 with query/key/value biases.
     #[test]
     fn export_and_import_are_inverses() {
-        use crate::model::NormKind;
         let llama = |with_qkv_bias: bool| {
             let mut b = Op::llama_block(8, 4, 2, 12);
             if let Op::TransformerBlock { qkv_bias, eps, .. } = &mut b {
@@ -1034,51 +1151,8 @@ mod tests {
                 (shape, v)
             };
             for (i, op) in layers.iter().enumerate() {
-                let mut put = |slot: u64, shape: Vec<usize>| {
+                for (slot, shape) in param_shapes(op) {
                     weights.insert(pid(i, slot), fill(shape));
-                };
-                match op {
-                    Op::Embedding { vocab, dim, .. } => put(0, vec![*vocab, *dim]),
-                    Op::PosEmbedding { max_len, dim } => put(0, vec![*max_len, *dim]),
-                    Op::LayerNorm { dim, .. } => {
-                        put(0, vec![*dim]);
-                        put(1, vec![*dim]);
-                    }
-                    Op::RmsNorm { dim, .. } => put(0, vec![*dim]),
-                    Op::Linear { in_features, out_features, .. } => put(0, vec![*in_features, *out_features]),
-                    Op::TransformerBlock { .. } => {
-                        let b = op.block_dims().expect("a block");
-                        put(0, vec![b.d]);
-                        put(6, vec![b.d]);
-                        if b.norm == NormKind::LayerNorm {
-                            put(1, vec![b.d]);
-                            put(7, vec![b.d]);
-                        }
-                        put(2, vec![b.d, b.qkv_width]);
-                        put(4, vec![b.d, b.d]);
-                        match b.moe {
-                            None => {
-                                put(8, vec![b.d, b.up_width]);
-                                put(10, vec![b.ff, b.d]);
-                            }
-                            Some(m) => {
-                                put(crate::checkpoint::ROUTER_SLOT, vec![b.d, m.experts]);
-                                for e in 0..m.experts {
-                                    put(crate::checkpoint::expert_slot(e), vec![b.d, b.up_width]);
-                                    put(crate::checkpoint::expert_slot(e) + 2, vec![b.ff, b.d]);
-                                }
-                            }
-                        }
-                        if b.qkv_bias {
-                            put(3, vec![b.qkv_width]);
-                        }
-                        if b.bias {
-                            put(5, vec![b.d]);
-                            put(9, vec![b.up_width]);
-                            put(11, vec![b.d]);
-                        }
-                    }
-                    _ => {}
                 }
             }
             if tied {
@@ -1093,6 +1167,141 @@ mod tests {
             let back = to_pipec(&layers, &hf).expect("imports");
             assert_eq!(back, weights, "{family}");
         }
+    }
+
+    /// The shape of each of `op`'s parameters, by slot (the layers a Hugging Face family has).
+    fn param_shapes(op: &Op) -> Vec<(u64, Vec<usize>)> {
+        use crate::model::NormKind;
+        let mut out = Vec::new();
+        let mut put = |slot: u64, shape: Vec<usize>| out.push((slot, shape));
+        match op {
+            Op::Embedding { vocab, dim, .. } => put(0, vec![*vocab, *dim]),
+            Op::PosEmbedding { max_len, dim } => put(0, vec![*max_len, *dim]),
+            Op::LayerNorm { dim, .. } => {
+                put(0, vec![*dim]);
+                put(1, vec![*dim]);
+            }
+            Op::RmsNorm { dim, .. } => put(0, vec![*dim]),
+            Op::Linear { in_features, out_features, .. } => put(0, vec![*in_features, *out_features]),
+            Op::TransformerBlock { .. } => {
+                let b = op.block_dims().expect("a block");
+                put(0, vec![b.d]);
+                put(6, vec![b.d]);
+                if b.norm == NormKind::LayerNorm {
+                    put(1, vec![b.d]);
+                    put(7, vec![b.d]);
+                }
+                put(2, vec![b.d, b.qkv_width]);
+                put(4, vec![b.d, b.d]);
+                match b.moe {
+                    None => {
+                        put(8, vec![b.d, b.up_width]);
+                        put(10, vec![b.ff, b.d]);
+                    }
+                    Some(m) => {
+                        put(crate::checkpoint::ROUTER_SLOT, vec![b.d, m.experts]);
+                        for e in 0..m.experts {
+                            put(crate::checkpoint::expert_slot(e), vec![b.d, b.up_width]);
+                            put(crate::checkpoint::expert_slot(e) + 2, vec![b.ff, b.d]);
+                        }
+                    }
+                }
+                if b.qkv_bias {
+                    put(3, vec![b.qkv_width]);
+                }
+                if b.bias {
+                    put(5, vec![b.d]);
+                    put(9, vec![b.up_width]);
+                    put(11, vec![b.d]);
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+
+    /// A Llama-family checkpoint's tensors (`blocks` blocks, q/k/v biases with `bias`), from
+    /// pipec weights of distinct values.
+    fn llama_tensors(blocks: usize, bias: bool) -> (Vec<Op>, Tensors) {
+        let mut block = Op::llama_block(8, 4, 2, 12);
+        if let Op::TransformerBlock { qkv_bias, .. } = &mut block {
+            *qkv_bias = bias;
+        }
+        let mut layers = vec![Op::embedding(11, 8)];
+        layers.extend(std::iter::repeat_n(block, blocks));
+        layers.push(Op::RmsNorm { dim: 8, eps: 1e-6 });
+        layers.push(Op::Linear { in_features: 8, out_features: 11, bias: false });
+        let mut weights = Weights::new();
+        for (i, op) in layers.iter().enumerate() {
+            for (slot, shape) in param_shapes(op) {
+                let n: usize = shape.iter().product();
+                weights.insert(pid(i, slot), (shape, (0..n).map(|k| (i * 1000 + k) as f32 * 1e-3).collect()));
+            }
+        }
+        let (_, tensors) = from_pipec(&layers, false, 16, &weights).expect("exports");
+        (layers, tensors)
+    }
+
+    #[test]
+    fn tensors_the_model_does_not_use_are_named_not_dropped() {
+        let (two, tensors) = llama_tensors(2, false);
+        let one: Vec<Op> = two.iter().enumerate().filter(|(i, _)| *i != 2).map(|(_, op)| op.clone()).collect();
+        // a 2-block checkpoint into a 1-block model: the second block's tensors are unused
+        let c = convert(&one, &tensors).expect("converts");
+        assert!(!c.unused.is_empty() && c.unused.iter().all(|n| n.starts_with("model.layers.1.")), "{:?}", c.unused);
+        assert!(to_pipec(&one, &tensors).expect_err("strict").contains("model.layers.1."));
+        assert!(convert(&two, &tensors).expect("converts").unused.is_empty());
+        // q/k/v biases for blocks without them
+        let (_, biased) = llama_tensors(1, true);
+        let c = convert(&one, &biased).expect("converts");
+        assert_eq!(
+            c.unused,
+            [
+                "model.layers.0.self_attn.k_proj.bias",
+                "model.layers.0.self_attn.q_proj.bias",
+                "model.layers.0.self_attn.v_proj.bias"
+            ]
+        );
+        // buffers no model reads are named apart, not refused
+        let mut buffered = tensors.clone();
+        buffered.insert("model.layers.0.self_attn.rotary_emb.inv_freq".into(), (vec![2], vec![1.0, 0.5]));
+        let c = convert(&two, &buffered).expect("converts");
+        assert!(c.unused.is_empty());
+        assert_eq!(c.ignored.len(), 1);
+    }
+
+    #[test]
+    fn the_index_decides_which_shard_a_tensor_comes_from_and_non_finite_values_are_refused() {
+        let (layers, tensors) = llama_tensors(1, false);
+        let dir = tempfile::tempdir().expect("tmp");
+        let name = "model.embed_tokens.weight";
+        // shard 1 holds the real table; shard 2 a stale copy, later in name order
+        let mut first = tensors.clone();
+        let second: Tensors = [(name.to_string(), (tensors[name].0.clone(), vec![9.0; tensors[name].1.len()]))].into();
+        let mut map = serde_json::Map::new();
+        for k in first.keys() {
+            map.insert(k.clone(), "model-00001-of-00002.safetensors".into());
+        }
+        std::fs::write(dir.path().join("model-00001-of-00002.safetensors"), write_safetensors(&first).expect("w"))
+            .expect("write");
+        std::fs::write(dir.path().join("model-00002-of-00002.safetensors"), write_safetensors(&second).expect("w"))
+            .expect("write");
+        let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+        std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).expect("write");
+        let read = read_dir(dir.path()).expect("reads");
+        assert_eq!(read[name], tensors[name], "taken from the shard the index names");
+        assert_eq!(to_pipec(&layers, &read).expect("converts").len(), to_pipec(&layers, &tensors).expect("c").len());
+        // a NaN in a row of the table that no batch might read
+        first.get_mut(name).expect("table").1[3 * 8 + 5] = f32::NAN;
+        std::fs::write(dir.path().join("model-00001-of-00002.safetensors"), write_safetensors(&first).expect("w"))
+            .expect("write");
+        let e = read_dir(dir.path()).expect_err("NaN");
+        assert!(e.contains(name) && e.contains("NaN at value 29 (row 3 of [11, 8])"), "{e}");
+        // the index names a tensor its shard lacks
+        let mut index = index;
+        index["weight_map"]["lm_head.extra"] = "model-00002-of-00002.safetensors".into();
+        std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).expect("write");
+        assert!(read_dir(dir.path()).expect_err("lacks").contains("`lm_head.extra`"));
     }
 
     #[test]

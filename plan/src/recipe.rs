@@ -119,7 +119,7 @@ impl Recipe {
 
     /// What is wrong with holding out validation data from `samples` samples in batches of
     /// `batch` (None: nothing, or no validation): at least one whole batch must be held out,
-    /// and at least one left to train on.
+    /// and at least one whole batch left to train on.
     pub fn held_out_problem(&self, samples: usize, batch: usize) -> Option<String> {
         let v = self.validation?;
         let (held, batches) = v.held_out(samples, batch);
@@ -129,8 +129,13 @@ impl Recipe {
                 v.split
             ));
         }
-        (held >= samples)
-            .then(|| format!("validation.split {} leaves none of the {samples} samples to train on", v.split))
+        let left = samples.saturating_sub(held);
+        (left < batch).then(|| {
+            format!(
+                "validation.split {} leaves {left} of the {samples} samples to train on, less than one batch of {batch}",
+                v.split
+            )
+        })
     }
 }
 
@@ -279,6 +284,20 @@ mod tests {
 
     /// Hugging Face's rules, by hand: warm-up from 0, the peak at the warm-up's end, the
     /// cosine's midpoint halfway between lr and min_lr, min_lr at decay_steps and after.
+    #[test]
+    fn validation_keeps_a_whole_batch_to_train_on_and_one_to_hold_out() {
+        let r = Recipe { validation: Some(Validation { every: 1, split: 0.5 }), ..Recipe::default() };
+        // 12 samples, batches of 8: 6 held out is less than a batch
+        assert!(r.held_out_problem(12, 8).expect("too few held out").contains("less than one batch of 8"));
+        // 20 samples, half held out: 10 held out (one batch), 10 left to train on (one batch)
+        assert_eq!(r.held_out_problem(20, 8), None);
+        // 90% of 20 held out: 18 held out, 2 left — fewer than a batch, which would train on
+        // the same 2 samples every step
+        let r = Recipe { validation: Some(Validation { every: 1, split: 0.9 }), ..Recipe::default() };
+        let e = r.held_out_problem(20, 8).expect("too few left");
+        assert!(e.contains("leaves 2 of the 20 samples to train on, less than one batch of 8"), "{e}");
+    }
+
     #[test]
     fn the_schedule_follows_its_closed_forms() {
         let s = LrSchedule { warmup: 10, decay: Decay::Cosine, decay_steps: 110, min_lr: 0.1 };
