@@ -267,6 +267,30 @@ fn inception_modules_concatenate_their_branches() {
 }
 
 #[test]
+fn a_mixture_of_experts_setting_on_a_block_without_experts_is_warned_once_at_its_argument() {
+    let src = "name: g\nmodel:\n  input: [16]\n  layers:\n    - embedding(50, 32)\n    - repeat 3: transformer_block(d=32, heads=4, ff=64, causal=true, top_k=2, capacity=1.25)\n    - linear(32, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { kind: cpu, memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 1us }\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
+    let result = check_source_in(src, None);
+    assert!(!result.has_errors(), "{:?}", result.diagnostics);
+    let warned: Vec<(&str, &str)> = result
+        .diagnostics
+        .iter()
+        .filter(|d| d.code == "W0314")
+        .map(|d| (d.message.as_str(), &src[d.span().start..d.span().end]))
+        .collect();
+    // once per argument, not once per repeated block
+    assert_eq!(
+        warned,
+        vec![
+            ("`top_k` applies only to a mixture of experts, and this block has none", "2"),
+            ("`capacity` applies only to a mixture of experts, and this block has none", "1.25"),
+        ]
+    );
+    // with experts, the same arguments are the mixture's and nothing is warned
+    let moe = src.replace("top_k=2", "experts=4, top_k=2");
+    assert!(check_source_in(&moe, None).diagnostics.iter().all(|d| d.code != "W0314"));
+}
+
+#[test]
 fn an_unused_branch_is_a_warning_and_blocks_are_scoped() {
     let src = "name: g\nmodel:\n  input: [8]\n  blocks:\n    res(n):\n      - linear(n, n) -> relu as h\n      - add(h, in)\n  layers:\n    - linear(8, 8) as x\n    - x -> linear(8, 4) as unused\n    - x -> res(8) -> res(8)\n    - linear(8, 3)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { kind: cpu, memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 1us }\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
     let result = check_source_in(src, None);

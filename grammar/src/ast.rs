@@ -417,6 +417,8 @@ pub enum Data {
     Images {
         path: String,
         resize: Option<usize>,
+        /// Where `resize` is written.
+        resize_span: Option<Span>,
         mean: Vec<f64>,
         std: Vec<f64>,
         span: Span,

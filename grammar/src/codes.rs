@@ -209,6 +209,16 @@ land on different pipeline stages each stage keeps a copy and their gradients ar
 (`tiedallreduce` in the streams) before every update, so the copies stay equal; that needs a
 synchronous schedule.";
 
+"W0314", "a layer argument that does not apply",
+"A layer is given an argument that changes nothing for it, so it is ignored: a mixture of
+experts' settings (`top_k`, `shared_experts`, `capacity`, `router`, `norm_topk`,
+`aux_loss`, `skew`) on a `transformer_block` without `experts=`. Usually the block was
+meant to be a mixture of experts; add `experts=E`, or remove the argument.
+
+Example:
+
+    - repeat 32: transformer_block(d=4096, heads=32, ff=14336, top_k=2)   # warning: no experts";
+
 "E0401", "strategy syntax error",
 "`strategy.stages` is PipeDream notation: replica counts per stage joined by `-`
 (`2-1-1`), or `straight`. A bare number must be quoted (`\"4\"` = one stage on four

@@ -23,7 +23,7 @@ use crate::ast::{Layer, LayerGroup, NameDef, NameKind, MAX_LAYERS};
 use crate::cx::Lower;
 use crate::diagnostic::{did_you_mean, Diagnostic};
 use crate::dsl::{self, ArgValue, LayerCall};
-use crate::layers::{layer_doc, resolve_call, JOINS, LAYERS};
+use crate::layers::{layer_doc, resolve_call_warning, JOINS, LAYERS};
 use crate::span::Span;
 use crate::yaml::{Node, Value};
 
@@ -659,8 +659,18 @@ impl<'n> Expander<'_, '_, 'n> {
     /// A layer reading `cur` (its call without `tie`).
     fn untied_layer(&mut self, node: &Node, call: &LayerCall, call_span: Span, cur: Tensor) -> Tensor {
         let shape = cur.shape.clone();
-        let op = match resolve_call(call, shape.as_deref()) {
-            Ok(op) => op,
+        let op = match resolve_call_warning(call, shape.as_deref()) {
+            Ok((op, warnings)) => {
+                for w in warnings {
+                    let span = self.cx.dsl_span(node, w.span);
+                    let mut d = Diagnostic::warning(w.code, w.message, span, w.label);
+                    if let Some(h) = w.help {
+                        d = d.with_help(h);
+                    }
+                    self.push(d);
+                }
+                op
+            }
             Err(errs) => {
                 for e in errs {
                     let span = self.cx.dsl_span(node, e.span);

@@ -243,6 +243,12 @@ pub struct CallError {
 /// Resolves a parsed call into an operator. `input` is the per-sample shape reaching the
 /// layer when known (used for `layernorm` without arguments).
 pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec<CallError>> {
+    resolve_call_warning(call, input).map(|(op, _)| op)
+}
+
+/// [`resolve_call`], with the warnings about arguments that do not apply (W0314): a
+/// mixture of experts' settings on a block without `experts=`.
+pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result<(Op, Vec<CallError>), Vec<CallError>> {
     let Some(doc) = layer_doc(&call.name) else {
         let names = LAYERS.iter().map(|l| l.name);
         let help = match crate::diagnostic::did_you_mean(&call.name, names) {
@@ -339,6 +345,24 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
     if !errors.is_empty() {
         return Err(errors);
     }
+    let mut warnings = Vec::new();
+    // a mixture of experts' settings without experts: they would be ignored
+    if doc.name == "transformer_block" && values[12].is_none_or(|(e, _)| e == 0.0) {
+        for (i, param) in doc.params.iter().enumerate().skip(13) {
+            if let Some((_, span)) = values[i] {
+                warnings.push(CallError {
+                    code: "W0314",
+                    message: format!("`{}` applies only to a mixture of experts, and this block has none", param.name),
+                    label: "ignored without `experts=`".into(),
+                    span,
+                    help: Some(
+                        "add `experts=E` (the number of experts) to make the MLP a mixture of experts, or remove it"
+                            .into(),
+                    ),
+                });
+            }
+        }
+    }
     let get = |i: usize| values[i].map(|v| v.0).or(doc.params[i].default).unwrap_or(0.0);
     let n = |i: usize| get(i) as usize;
     let b = |i: usize| get(i) != 0.0;
@@ -413,7 +437,7 @@ pub fn resolve_call(call: &LayerCall, input: Option<&[usize]>) -> Result<Op, Vec
             }])
         }
     };
-    Ok(op)
+    Ok((op, warnings))
 }
 
 fn check_value(param: Param, v: &ArgValue) -> Result<f64, String> {

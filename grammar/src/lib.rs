@@ -14,6 +14,7 @@ pub mod diagnostic;
 pub mod dsl;
 mod graph;
 pub mod ide;
+pub mod import;
 pub mod layers;
 pub mod schema;
 pub mod span;

@@ -65,6 +65,9 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     if let (Some(model), Some(training)) = (&out.model, &out.training) {
         check_batch_size(&mut cx, model, training);
     }
+    if let (Some(model), Some(training)) = (&out.model, &out.training) {
+        check_image_transform(&mut cx, model, training);
+    }
     if let (Some(model), Some(training), Some(base)) = (&out.model, &out.training, base_dir) {
         check_data_file(&mut cx, model, training, base);
     }
@@ -106,6 +109,22 @@ fn check_batch_size(cx: &mut Lower<'_>, model: &Model, training: &Training) {
         )
         .with_help("use a smaller batch_size (and more steps)"),
     );
+}
+
+/// An image folder's `resize` against the model's input: bounded before any image is
+/// decoded (`pipec check` and the editor decode images too, and an unbounded resize
+/// allocates what the machine does not have).
+fn check_image_transform(cx: &mut Lower<'_>, model: &Model, training: &Training) {
+    let Data::Images { resize: Some(resize), resize_span: Some(span), .. } = &training.data else { return };
+    let [c, h, w] = model.input[..] else { return };
+    if let Some(problem) = pipec_plan::images::resize_problem(*resize, [c, h, w]) {
+        cx.push(
+            Diagnostic::error("E0502", format!("`resize: {resize}` is too large: {problem}"), *span, "too large")
+                .with_help(format!(
+                    "resize sets the shorter side before the centre crop to the model's {h}×{w} input; torchvision's ImageNet recipe resizes to 256 for a 224 crop"
+                )),
+        );
+    }
 }
 
 /// How much of a data file `pipec check` (and the editor) reads: enough to catch a wrong
@@ -151,7 +170,7 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
     } else {
         match &training.data {
             Data::Synthetic { .. } | Data::Text { .. } | Data::Tokens { .. } => return,
-            Data::Images { path, resize, mean, std, span } => {
+            Data::Images { path, resize, mean, std, span, .. } => {
                 let t = pipec_plan::images::Transform { resize: *resize, mean: mean.clone(), std: std.clone() };
                 (pipec_plan::images::load_folder(&base.join(path), &model.input, &expect, &t, extent), *span)
             }
@@ -376,7 +395,19 @@ fn lower_device(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(pipec_plan
     }
     let df = cx.fields(n, &["cluster", "device"], owner)?;
     let base: Option<DeviceModel> = match (df.get("preset"), df.get("file")) {
-        (Some(p), _) => {
+        (Some(_), Some(f)) => {
+            cx.push(
+                Diagnostic::error(
+                    "E0105",
+                    "`preset` and `file` both describe the device: give one",
+                    f.span,
+                    "the preset would be taken and this file never read",
+                )
+                .with_help("a device file (`pipec calibrate -o FILE`) is a measured device; a preset is a published one; override single figures beside either (`memory: 80GiB`)"),
+            );
+            return None;
+        }
+        (Some(p), None) => {
             let name = cx.string(p)?;
             match preset(name) {
                 Some(p) => Some(p.model()),
@@ -764,6 +795,19 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
     }
 }
 
+/// The data keys that apply to some kinds of data only: the kinds, and what the key does.
+const DATA_KEYS: &[(&str, &[&str], &str)] = &[
+    ("task", &["synthetic"], "chooses what synthetic data is made for"),
+    ("samples", &["synthetic"], "sizes a synthetic data set"),
+    ("path", &["csv", "npy", "text", "tokens", "images"], "names a data file or folder"),
+    ("labels", &["npy"], "names an NPY file's labels"),
+    ("dtype", &["tokens"], "is a raw token file's integer type"),
+    ("tokenizer", &["text"], "cuts a text file into a language model's tokens"),
+    ("resize", &["images"], "transforms an image folder's images"),
+    ("mean", &["images"], "transforms an image folder's images"),
+    ("std", &["images"], "transforms an image folder's images"),
+];
+
 fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
     if let Value::Str(_) = node.value {
         cx.choice(node, &["training", "data"])?;
@@ -771,6 +815,21 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
     }
     let f = cx.fields(node, &["training", "data"], owner)?;
     let kind = cx.required(&f, "kind", "training.data").and_then(|n| cx.choice(n, &["training", "data", "kind"]))?;
+    // a key of another kind of data would be ignored: refused at its span
+    for (key, kinds, what) in DATA_KEYS {
+        if let (false, Some(span)) = (kinds.contains(&kind.as_str()), f.key_span(key)) {
+            let only = kinds.iter().map(|k| format!("`kind: {k}`")).collect::<Vec<_>>().join(" or ");
+            cx.push(
+                Diagnostic::error(
+                    "E0502",
+                    format!("`{key}` does not apply to `{kind}` data"),
+                    span,
+                    format!("only for {only}"),
+                )
+                .with_help(format!("`{key}` {what}: use {only}, or remove it")),
+            );
+        }
+    }
     match kind.as_str() {
         "synthetic" => {
             let task = match f.get("task") {
@@ -784,34 +843,6 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
             Some(Data::Synthetic { task: task?, samples: samples? })
         }
         file_kind => {
-            for key in ["resize", "mean", "std"] {
-                if let (true, Some(span)) = (file_kind != "images", f.key_span(key)) {
-                    cx.push(
-                        Diagnostic::error(
-                            "E0502",
-                            format!("`{key}` does not apply to `{file_kind}` data"),
-                            span,
-                            "only for `kind: images`",
-                        )
-                        .with_help(
-                            "resize, mean and std transform an image folder's images: use `kind: images`, or remove it",
-                        ),
-                    );
-                }
-            }
-            if let (true, Some(span)) = (file_kind != "text", f.key_span("tokenizer")) {
-                cx.push(
-                    Diagnostic::error(
-                        "E0502",
-                        format!("`tokenizer` does not apply to `{file_kind}` data"),
-                        span,
-                        "only for `kind: text`",
-                    )
-                    .with_help(
-                        "a tokenizer cuts a text file into a language model's tokens: use `kind: text`, or remove it",
-                    ),
-                );
-            }
             let Some(p) = f.get("path") else {
                 cx.push(
                     Diagnostic::error(
@@ -882,7 +913,8 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                 };
                 let (mean, std) =
                     (list(cx, "mean", rules::Bound::NonNegative), list(cx, "std", rules::Bound::Positive));
-                Some(Data::Images { path, resize: resize?, mean: mean?, std: std?, span: p.span })
+                let resize_span = f.get("resize").map(|n| n.span);
+                Some(Data::Images { path, resize: resize?, resize_span, mean: mean?, std: std?, span: p.span })
             } else if file_kind == "tokens" {
                 let npy = path.ends_with(".npy");
                 let dtype = match f.get("dtype") {

@@ -158,15 +158,42 @@ pub fn parse(source: &str) -> Result<Node, SyntaxError> {
             if let Some(i) = message.find(", set DuplicateKeyPolicy") {
                 message.truncate(i);
             }
+            let mut span = span;
+            if message.starts_with("multiple YAML documents") {
+                // at the `---` that starts the second document, not at its first key
+                message = "a spec is one YAML document, and this file starts a second one here".into();
+                if let Some(i) = source[..span.start.min(source.len())].rfind("---") {
+                    span = Span::new(i, i + 3);
+                }
+            } else if message.contains("tabs")
+                && span.start > 0
+                && source.as_bytes().get(span.start - 1) == Some(&b'\t')
+            {
+                // at the tab itself
+                span = Span::new(span.start - 1, span.start);
+                message.push_str(" (indent with spaces)");
+            }
             Err(SyntaxError { message, span })
         }
     }
 }
 
+/// Where an error's location is in `source`, in bytes. Events carry byte offsets; the
+/// scanner's errors carry only a character index (and a line and column), which is mapped
+/// to the byte it names. Without a location, None.
 fn span_of(loc: &serde_saphyr::Location, source: &str) -> Option<Span> {
     let sp = loc.span();
-    let start = usize::try_from(sp.byte_offset()?).ok()?;
-    let len = usize::try_from(sp.byte_len().unwrap_or(0)).ok()?;
+    let (start, len) = match (sp.byte_offset(), sp.byte_len()) {
+        (Some(b), len) => (usize::try_from(b).ok()?, usize::try_from(len.unwrap_or(0)).ok()?),
+        (None, _) if loc.line() > 0 => {
+            // the character index, counted in chars; the marker's line and column agree with it
+            let chars = usize::try_from(sp.offset()).ok()?;
+            let byte = source.char_indices().nth(chars).map_or(source.len(), |(b, _)| b);
+            let width = source[byte..].chars().next().map_or(0, char::len_utf8);
+            (byte, width)
+        }
+        (None, _) => return None,
+    };
     let start = start.min(source.len());
     let end = (start + len).min(source.len());
     Some(Span::new(start, end))
@@ -272,6 +299,33 @@ mod tests {
         assert_eq!(m[0].1.value, Value::Str("211".into()));
         assert_eq!(m[1].1.value, Value::Int(211));
         assert_eq!(m[2].1.value, Value::Str("2-1-1".into()));
+    }
+
+    #[test]
+    fn syntax_errors_point_at_the_offending_token_not_the_end() {
+        // (document, the 1-based line of the token at fault, its 1-based column)
+        let cases = [
+            ("a: [1, 2\nb: [3]\nc: 1\nd: 2\n", 2, 2),  // an unclosed flow list
+            ("a: {x: 1\nb: 2\nc: 1\nd: 2\n", 2, 2),    // an unclosed flow mapping
+            ("a:\n  b: 1\n c: 2\nd: 3\ne: 4\n", 3, 2), // a key indented less than its siblings
+            ("a:\n\tb: 1\nc: 2\nd: 3\n", 2, 1),        // a tab as indentation
+            ("a: \"x\nb: 2\nc: 3\nd: 4\n", 2, 1),      // an unterminated double-quoted string
+            ("a: 'x\nb: 2\nc: 3\nd: 4\n", 2, 1),       // an unterminated single-quoted string
+            ("a: x: y\nb: 1\nc: 2\n", 1, 5),           // a colon inside a plain value
+            ("a: x\n- b\nc: 2\nd: 3\n", 2, 3),         // a list item among keys
+            ("a: *nope\nb: 1\nc: 2\n", 1, 4),          // an alias to no anchor
+            ("a: x\nbogus\nc: 2\nd: 3\n", 2, 1),       // a line with no colon
+            ("a: x\nb: ]\nc: 2\nd: 3\n", 2, 4),        // a stray closing bracket
+            ("a: x\n---\nb: 1\nc: 2\n", 2, 1),         // a second document
+        ];
+        for (src, line, column) in cases {
+            let e = parse(src).expect_err(src);
+            let index = crate::LineIndex::new(src);
+            let crate::span::LineCol { line: l, column: c } = index.line_col(src, e.span.start);
+            let last = src.lines().count();
+            assert!(l < last, "{src:?}: {} located on the last line ({l}:{c})", e.message);
+            assert_eq!((l, c), (line, column), "{src:?}: {}", e.message);
+        }
     }
 
     #[test]

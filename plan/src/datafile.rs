@@ -379,6 +379,25 @@ pub fn load_tokens(path: &Path, kind: TokenFile, vocab: usize, extent: Extent) -
     parse_tokens(&bytes, complete, kind, vocab, &path.display().to_string())
 }
 
+/// The largest `tokenizer.json` read (the largest published ones are tens of MiB).
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+
+/// A Hugging Face `tokenizer.json` file, read whole (at most [`MAX_TOKENIZER_BYTES`]).
+pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, String> {
+    let shown = path.display();
+    let len = std::fs::metadata(path).map_err(|e| format!("cannot read the tokenizer `{shown}`: {e}"))?.len();
+    if len > MAX_TOKENIZER_BYTES {
+        return Err(format!("the tokenizer `{shown}` has {len} bytes, more than a tokenizer.json holds"));
+    }
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read the tokenizer `{shown}`: {e}"))?;
+    tokenizer_from_bytes(&bytes, &shown.to_string())
+}
+
+/// A `tokenizer.json`'s bytes as a tokenizer.
+pub fn tokenizer_from_bytes(bytes: &[u8], shown: &str) -> Result<tokenizers::Tokenizer, String> {
+    tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| format!("the tokenizer `{shown}` does not load: {e}"))
+}
+
 /// [`load_tokens`] on a file's bytes (`complete` false: a prefix, which may end inside a
 /// character or a token).
 pub fn parse_tokens(
@@ -399,8 +418,7 @@ pub fn parse_tokens(
     let ids: Vec<u64> = match kind {
         TokenFile::Tokenized(tokenizer) => {
             let text = utf8()?;
-            let t = tokenizers::Tokenizer::from_file(&tokenizer)
-                .map_err(|e| format!("the tokenizer `{}` does not load: {e}", tokenizer.display()))?;
+            let t = load_tokenizer(&tokenizer)?;
             let size = t.get_vocab_size(true);
             if size > vocab {
                 return Err(format!(

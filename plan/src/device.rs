@@ -18,6 +18,7 @@ use crate::vocab::{OptimizerKind, Precision};
 /// `x` FLOPs (matrix) or bytes (memory). Small kernels cannot fill the device; large ones
 /// approach `peak`. A saturating curve of two constants, measurable by a sweep of sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Curve {
     /// The efficiency of a kernel far larger than `half`, in (0, 1].
     pub peak: f64,
@@ -41,6 +42,7 @@ impl Curve {
 /// Dense matrix-multiply throughput (FLOP/s) per input precision; 0 where the device has no
 /// fast path for it (the next wider precision's rate applies).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MatrixRates {
     pub fp32: f64,
     pub tf32: f64,
@@ -126,6 +128,7 @@ pub enum Function {
 
 /// One device as the cost model sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DeviceModel {
     /// The preset's name, or a user's label.
     pub name: String,
@@ -168,6 +171,7 @@ pub struct DeviceModel {
 
 /// Attention's forward and backward as `pipec calibrate` fits them over a sweep of shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AttentionRates {
     pub forward: AttentionFit,
     pub backward: AttentionFit,
@@ -178,6 +182,7 @@ pub struct AttentionRates {
 /// fixed part, the products' multiply-adds, the scores' element-wise work and the head
 /// copies.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct AttentionFit {
     pub per_call: f64,
     pub per_mac: f64,
@@ -207,6 +212,7 @@ impl AttentionFit {
 /// gradients' sums that do not all stay in cache). A product of `bytes` operands then costs
 /// the 2-norm of its compute and `(bytes − cached) / bandwidth`: the two overlap in part.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ProductTraffic {
     /// Bytes per second of the operands beyond the cache.
     pub bandwidth: f64,
@@ -216,6 +222,7 @@ pub struct ProductTraffic {
 
 /// Measured optimizer updates, per optimizer (AdamW priced as Adam).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct OptimizerRates {
     pub sgd: UpdateRate,
     pub momentum: UpdateRate,
@@ -225,6 +232,7 @@ pub struct OptimizerRates {
 /// One optimizer's update: seconds per parameter tensor (its kernels' launches and the
 /// framework's work per tensor) and per parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct UpdateRate {
     pub per_tensor: f64,
     pub per_parameter: f64,
@@ -245,6 +253,7 @@ impl OptimizerRates {
 /// `latency + bytes / bandwidth`, ring all-reduces as the cost model's
 /// `2(p−1)·latency + 2(p−1)/p · bytes / (bandwidth · efficiency)`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MeasuredLink {
     /// Bytes per second of a point-to-point message.
     pub bandwidth: f64,

@@ -21,6 +21,48 @@ pub struct Transform {
     pub std: Vec<f64>,
 }
 
+/// How many times the crop's longer side a `resize` may be: a shorter side 8 times the
+/// crop's keeps under 1/64 of the image, which no recipe wants.
+pub const MAX_RESIZE_FACTOR: usize = 8;
+
+/// The most bytes one image may take while it is resized (before the centre crop): a
+/// gibibyte, or an eighth of the memory this machine has available if that is less —
+/// `pipec check`, the editor and every data loader of a run decode images at once.
+pub fn transform_budget() -> u64 {
+    let gib = 1u64 << 30;
+    available_memory().map_or(gib, |a| gib.min(a / 8))
+}
+
+/// The memory this machine has available (Linux's `MemAvailable`), when it says.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// What is wrong with resizing images' shorter side to `resize` for a model's [channels,
+/// height, width] input (None: nothing): at most [`MAX_RESIZE_FACTOR`] times the crop's
+/// longer side, and a square image so resized within [`transform_budget`].
+pub fn resize_problem(resize: usize, [c, h, w]: [usize; 3]) -> Option<String> {
+    let most = MAX_RESIZE_FACTOR * h.max(w);
+    if resize > most {
+        return Some(format!(
+            "more than {MAX_RESIZE_FACTOR} times the crop's longer side ({most} for a {h}×{w} input), so the crop would keep under 1/{} of each image",
+            MAX_RESIZE_FACTOR * MAX_RESIZE_FACTOR
+        ));
+    }
+    let bytes = (resize as u64).saturating_mul(resize as u64).saturating_mul(c.max(1) as u64);
+    let budget = transform_budget();
+    (bytes > budget).then(|| {
+        format!(
+            "a square image resized to it takes {} MiB, more than the {} MiB an image may take while it is decoded here",
+            bytes >> 20,
+            budget >> 20
+        )
+    })
+}
+
 /// A folder's classes by name, in label order, each with its image files in order.
 pub fn scan(dir: &Path) -> Result<Vec<(String, Vec<PathBuf>)>, String> {
     let shown = dir.display();
@@ -71,8 +113,14 @@ fn is_image(p: &Path) -> bool {
 pub fn decode(path: &Path, shape: [usize; 3], t: &Transform) -> Result<Vec<f32>, String> {
     let shown = path.display();
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read `{shown}`: {e}"))?;
-    let img = image::load_from_memory(&bytes).map_err(|e| format!("`{shown}` is not a readable image: {e}"))?;
-    transform(&img, &shown.to_string(), shape, t)
+    decode_bytes(&bytes, &shown.to_string(), shape, t)
+}
+
+/// [`decode`] on an image file's bytes (`shown` names it in errors). Decoding is bounded by
+/// the `image` crate's limits (512 MiB per image), the resize by [`transform_budget`].
+pub fn decode_bytes(bytes: &[u8], shown: &str, shape: [usize; 3], t: &Transform) -> Result<Vec<f32>, String> {
+    let img = image::load_from_memory(bytes).map_err(|e| format!("`{shown}` is not a readable image: {e}"))?;
+    transform(&img, shown, shape, t)
 }
 
 /// A decoded image through the spec's transform: resized, centre-cropped, normalised.
@@ -97,6 +145,15 @@ fn transform(img: &image::DynamicImage, shown: &str, shape: [usize; 3], t: &Tran
     // the shorter side to `short`, the other in proportion (at least the crop)
     let scale = short as f64 / iw.min(ih) as f64;
     let (rw, rh) = (((iw as f64 * scale).round() as usize).max(w), ((ih as f64 * scale).round() as usize).max(h));
+    // bounded before it is allocated: a long panorama resized by its shorter side grows too
+    let bytes = (rw as u64).saturating_mul(rh as u64).saturating_mul(c as u64);
+    if bytes > transform_budget() {
+        return Err(format!(
+            "`{shown}` ({iw}×{ih}) resized to {rw}×{rh} would take {} MiB, more than the {} MiB an image may take while it is transformed; lower `resize`",
+            bytes >> 20,
+            transform_budget() >> 20
+        ));
+    }
     let filter = image::imageops::FilterType::Triangle;
     let resized = img.resize_exact(rw as u32, rh as u32, filter);
     let (x0, y0) = ((rw - w) / 2, (rh - h) / 2);
