@@ -270,7 +270,7 @@ impl Holding {
 
 /// A parameter's values and optimizer state as a checkpoint keeps them.
 pub(crate) type SavedParam = (u64, Vec<usize>, Vec<f32>);
-type Items = Vec<(burn::module::ParamId, serde_json::Value)>;
+type Items = Vec<(burn::module::ParamId, crate::reshard::Item)>;
 
 /// A checkpoint's view of an expert-parallel stage: every member's own routed experts —
 /// their weights in `params` (this member's snapshot, in visiting order) and their
@@ -285,7 +285,7 @@ pub(crate) fn join_experts(
 ) -> crate::error::Result<Items> {
     use crate::error::ExecError;
     let bad = |what: &str| ExecError::Checkpoint(format!("an expert group's checkpoint message {what}"));
-    let mine: std::collections::HashMap<u64, serde_json::Value> =
+    let mine: std::collections::HashMap<u64, crate::reshard::Item> =
         items.into_iter().map(|(id, item)| (id.val(), item)).collect();
     // this member's experts: id, shape, values, then the optimizer's state if it has one
     // (its record without its tensors, as bytes, then the tensors)
@@ -303,7 +303,8 @@ pub(crate) fn join_experts(
             Some(item) => {
                 let tensors = crate::reshard::tensor_values(item)?;
                 let skeleton = crate::reshard::with_tensors(item, vec![Vec::new(); tensors.len()], &[0])?;
-                let text = serde_json::to_vec(&skeleton).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
+                let mut text = Vec::new();
+                ciborium::into_writer(&skeleton, &mut text).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
                 put(&mut out, 1);
                 put(&mut out, text.len());
                 out.extend(text.iter().map(|&b| f32::from(b)));
@@ -353,8 +354,8 @@ pub(crate) fn join_experts(
             if get(&mut take)? == 1 {
                 let len = get(&mut take)?;
                 let text: Vec<u8> = take(len)?.into_iter().map(|b| b as u8).collect();
-                let skeleton: serde_json::Value =
-                    serde_json::from_slice(&text).map_err(|e| bad(&format!("is unreadable: {e}")))?;
+                let skeleton: crate::reshard::Item =
+                    ciborium::from_reader(text.as_slice()).map_err(|e| bad(&format!("is unreadable: {e}")))?;
                 let tensors = (0..get(&mut take)?)
                     .map(|_| {
                         let n = get(&mut take)?;

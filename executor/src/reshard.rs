@@ -138,64 +138,78 @@ pub fn whole_weights(loaded: &Loaded, plan: &Plan) -> Result<pipec_plan::hf::Wei
     Ok(out)
 }
 
+/// One parameter's optimizer state, serialised: Burn's record item as a CBOR value tree,
+/// in which a tensor's values are one byte string (`TensorData::bytes`) — so taking a state
+/// apart and putting it back costs a copy of its bytes, not a value per byte.
+pub(crate) type Item = ciborium::Value;
+
+/// The entry `key` of a CBOR map.
+fn entry<'a>(v: &'a Item, key: &str) -> Option<&'a Item> {
+    v.as_map()?.iter().find(|(k, _)| k.as_text() == Some(key)).map(|(_, v)| v)
+}
+
 /// Applies `f` to every f32 tensor inside a serialised record item, in the same order in
 /// each of `items` (the saved ranks' states of one parameter); `f` gets each rank's values
 /// and returns this rank's. The state of an optimizer is a record of tensors shaped like
 /// its parameter (and counters, kept from the first rank).
 pub(crate) fn map_tensors(
-    items: &[serde_json::Value],
+    items: &[Item],
     shape: &[usize],
     f: &dyn Fn(Vec<Vec<f32>>) -> Result<Vec<f32>>,
-) -> Result<serde_json::Value> {
-    fn is_tensor(v: &serde_json::Value) -> bool {
-        v.get("bytes").is_some() && v.get("shape").is_some() && v.get("dtype").is_some()
+) -> Result<Item> {
+    fn is_tensor(v: &Item) -> bool {
+        matches!(entry(v, "bytes"), Some(Item::Bytes(_))) && entry(v, "shape").is_some() && entry(v, "dtype").is_some()
     }
-    fn floats(v: &serde_json::Value) -> Result<Vec<f32>> {
-        let bytes: Vec<u8> = serde_json::from_value(v["bytes"].clone())
-            .map_err(|e| ExecError::Checkpoint(format!("an optimizer tensor is unreadable: {e}")))?;
-        if v["dtype"] != serde_json::json!("F32") || !bytes.len().is_multiple_of(4) {
-            return Err(ExecError::Checkpoint(format!("an optimizer tensor is not f32 ({})", v["dtype"])));
+    fn floats(v: &Item) -> Result<Vec<f32>> {
+        let Some(Item::Bytes(bytes)) = entry(v, "bytes") else {
+            return Err(ExecError::Checkpoint("an optimizer tensor has no values".into()));
+        };
+        if entry(v, "dtype").and_then(Item::as_text) != Some("F32") || !bytes.len().is_multiple_of(4) {
+            return Err(ExecError::Checkpoint(format!("an optimizer tensor is not f32 ({:?})", entry(v, "dtype"))));
         }
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
-    fn walk(
-        items: &[&serde_json::Value],
-        shape: &[usize],
-        f: &dyn Fn(Vec<Vec<f32>>) -> Result<Vec<f32>>,
-    ) -> Result<serde_json::Value> {
+    fn walk(items: &[&Item], shape: &[usize], f: &dyn Fn(Vec<Vec<f32>>) -> Result<Vec<f32>>) -> Result<Item> {
         let first = items[0];
         if is_tensor(first) {
             let parts = items.iter().map(|v| floats(v)).collect::<Result<Vec<_>>>()?;
             let values = f(parts)?;
-            let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
-            let mut out = first.clone();
-            out["bytes"] = serde_json::to_value(bytes).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
-            out["shape"] = serde_json::to_value(shape).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
-            return Ok(out);
+            let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+            let dims = Item::Array(shape.iter().map(|&n| Item::Integer((n as u64).into())).collect());
+            let map = first.as_map().map(|m| {
+                m.iter()
+                    .map(|(k, v)| match k.as_text() {
+                        Some("bytes") => (k.clone(), Item::Bytes(bytes.clone())),
+                        Some("shape") => (k.clone(), dims.clone()),
+                        _ => (k.clone(), v.clone()),
+                    })
+                    .collect()
+            });
+            return Ok(Item::Map(map.unwrap_or_default()));
         }
         match first {
-            serde_json::Value::Object(map) => {
-                let mut out = serde_json::Map::new();
+            Item::Map(map) => {
+                let mut out = Vec::with_capacity(map.len());
                 for (k, v) in map {
-                    let children: Vec<&serde_json::Value> =
-                        items.iter().map(|i| i.get(k).unwrap_or(&serde_json::Value::Null)).collect();
-                    out.insert(k.clone(), if v.is_null() { v.clone() } else { walk(&children, shape, f)? });
+                    let key = k.as_text().unwrap_or_default();
+                    let children: Vec<&Item> = items.iter().map(|i| entry(i, key).unwrap_or(&Item::Null)).collect();
+                    out.push((k.clone(), if v.is_null() { v.clone() } else { walk(&children, shape, f)? }));
                 }
-                Ok(serde_json::Value::Object(out))
+                Ok(Item::Map(out))
             }
-            serde_json::Value::Array(list) => {
+            Item::Array(list) => {
                 let mut out = Vec::with_capacity(list.len());
                 for (j, v) in list.iter().enumerate() {
-                    let children: Vec<&serde_json::Value> =
-                        items.iter().map(|i| i.get(j).unwrap_or(&serde_json::Value::Null)).collect();
+                    let children: Vec<&Item> =
+                        items.iter().map(|i| i.as_array().and_then(|a| a.get(j)).unwrap_or(&Item::Null)).collect();
                     out.push(if v.is_null() { v.clone() } else { walk(&children, shape, f)? });
                 }
-                Ok(serde_json::Value::Array(out))
+                Ok(Item::Array(out))
             }
             other => Ok(other.clone()),
         }
     }
-    let refs: Vec<&serde_json::Value> = items.iter().collect();
+    let refs: Vec<&Item> = items.iter().collect();
     if refs.is_empty() {
         return Err(ExecError::Checkpoint("no saved optimizer state to reshard".into()));
     }
@@ -203,23 +217,19 @@ pub(crate) fn map_tensors(
 }
 
 /// The f32 tensors inside a serialised record item, in the order [`map_tensors`] visits them.
-pub(crate) fn tensor_values(item: &serde_json::Value) -> Result<Vec<Vec<f32>>> {
+pub(crate) fn tensor_values(item: &Item) -> Result<Vec<Vec<f32>>> {
     let found = std::cell::RefCell::new(Vec::new());
     map_tensors(std::slice::from_ref(item), &[], &|mut parts| {
         let values = parts.pop().unwrap_or_default();
-        found.borrow_mut().push(values.clone());
-        Ok(values)
+        found.borrow_mut().push(values);
+        Ok(Vec::new())
     })?;
     Ok(found.into_inner())
 }
 
 /// `item` with its f32 tensors replaced by `values` (in [`tensor_values`]' order), each
 /// shaped `shape`.
-pub(crate) fn with_tensors(
-    item: &serde_json::Value,
-    values: Vec<Vec<f32>>,
-    shape: &[usize],
-) -> Result<serde_json::Value> {
+pub(crate) fn with_tensors(item: &Item, values: Vec<Vec<f32>>, shape: &[usize]) -> Result<Item> {
     let next = std::cell::RefCell::new(values.into_iter());
     map_tensors(std::slice::from_ref(item), shape, &|_| {
         next.borrow_mut().next().ok_or_else(|| ExecError::Checkpoint("an optimizer state has too few tensors".into()))
@@ -229,19 +239,18 @@ pub(crate) fn with_tensors(
 /// `item` (an optimizer's per-parameter record: Burn tags the state with its tensors' rank,
 /// `{"V1": {"Rank2": …}}`) retagged for tensors of rank `rank` (a ZeRO chunk is flat: rank
 /// 1; its whole parameter's rank is its shape's length).
-pub(crate) fn with_rank(item: serde_json::Value, rank: usize) -> Result<serde_json::Value> {
-    let serde_json::Value::Object(mut outer) = item else {
+pub(crate) fn with_rank(item: Item, rank: usize) -> Result<Item> {
+    let Item::Map(mut outer) = item else {
         return Err(ExecError::Checkpoint("an optimizer state is not a record".into()));
     };
-    for version in outer.values_mut() {
-        if let serde_json::Value::Object(inner) = version {
-            let tags: Vec<String> = inner.keys().filter(|k| k.starts_with("Rank")).cloned().collect();
-            for tag in tags {
-                if let Some(v) = inner.remove(&tag) {
-                    inner.insert(format!("Rank{rank}"), v);
+    for (_, version) in outer.iter_mut() {
+        if let Item::Map(inner) = version {
+            for (k, _) in inner.iter_mut() {
+                if k.as_text().is_some_and(|t| t.starts_with("Rank")) {
+                    *k = Item::Text(format!("Rank{rank}"));
                 }
             }
         }
     }
-    Ok(serde_json::Value::Object(outer))
+    Ok(Item::Map(outer))
 }

@@ -308,8 +308,8 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
 
     /// The optimizer's state, each parameter's as a serialised record item (for ZeRO: the
     /// shards' states are joined, and a whole state cut, item by item).
-    pub fn items(&self) -> std::result::Result<Vec<(ParamId, serde_json::Value)>, String> {
-        fn items_of<R, V, B2: Backend>(record: R) -> std::result::Result<Vec<(ParamId, serde_json::Value)>, String>
+    pub fn items(&self) -> std::result::Result<Vec<(ParamId, crate::reshard::Item)>, String> {
+        fn items_of<R, V, B2: Backend>(record: R) -> std::result::Result<Vec<(ParamId, crate::reshard::Item)>, String>
         where
             R: IntoIterator<Item = (ParamId, V)>,
             V: Record<B2>,
@@ -318,7 +318,7 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
             let mut out = record
                 .into_iter()
                 .map(|(id, v)| {
-                    serde_json::to_value(v.into_item::<FullPrecisionSettings>())
+                    crate::reshard::Item::serialized(&v.into_item::<FullPrecisionSettings>())
                         .map(|item| (id, item))
                         .map_err(|e| format!("cannot record the optimizer state: {e}"))
                 })
@@ -336,11 +336,11 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
     /// Replaces the optimizer's state with `items` (as `items` gives them).
     pub fn load_items(
         &mut self,
-        items: Vec<(ParamId, serde_json::Value)>,
+        items: Vec<(ParamId, crate::reshard::Item)>,
         dev: &B::Device,
     ) -> std::result::Result<(), String> {
         fn record_of<R, V, B2: Backend>(
-            items: Vec<(ParamId, serde_json::Value)>,
+            items: Vec<(ParamId, crate::reshard::Item)>,
             dev: &B2::Device,
         ) -> std::result::Result<R, String>
         where
@@ -351,8 +351,8 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
             items
                 .into_iter()
                 .map(|(id, item)| {
-                    let item: V::Item<FullPrecisionSettings> = serde_json::from_value(item)
-                        .map_err(|e| format!("an optimizer state does not read back: {e}"))?;
+                    let item: V::Item<FullPrecisionSettings> =
+                        item.deserialized().map_err(|e| format!("an optimizer state does not read back: {e}"))?;
                     Ok((id, V::from_item(item, dev)))
                 })
                 .collect()
@@ -453,7 +453,7 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
                 } else {
                     let items = parts
                         .into_iter()
-                        .map(|v| serde_json::to_value(v.into_item::<FullPrecisionSettings>()))
+                        .map(|v| crate::reshard::Item::serialized(&v.into_item::<FullPrecisionSettings>()))
                         .collect::<std::result::Result<Vec<_>, _>>()
                         .map_err(|e| format!("the optimizer state cannot be resharded: {e}"))?;
                     let (from, to, tp, rank) = (want.saved.from, want.to, want.tp as usize, want.rank as usize);
@@ -461,7 +461,8 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
                         Ok(crate::tensor_parallel::shard(&crate::tensor_parallel::unshard(&parts, from)?, to, tp, rank))
                     })
                     .map_err(|e| e.to_string())?;
-                    let item: V::Item<FullPrecisionSettings> = serde_json::from_value(joined)
+                    let item: V::Item<FullPrecisionSettings> = joined
+                        .deserialized()
                         .map_err(|e| format!("the resharded optimizer state does not read back: {e}"))?;
                     V::from_item(item, dev)
                 };

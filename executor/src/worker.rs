@@ -742,7 +742,7 @@ impl<B: ExecBackend> Worker<'_, B> {
 
     /// The model state this device holds now (see [`HeldState`]).
     pub(crate) fn held_state(&self) -> Result<HeldState> {
-        let values = |items: Vec<(burn::module::ParamId, serde_json::Value)>| -> Result<u64> {
+        let values = |items: Vec<(burn::module::ParamId, crate::reshard::Item)>| -> Result<u64> {
             let mut n = 0;
             for (_, item) in &items {
                 n += crate::reshard::tensor_values(item)?.iter().map(|t| t.len() as u64).sum::<u64>();

@@ -553,7 +553,7 @@ pub(crate) fn released_copy<B: ExecBackend>(model: &StageModel<B>) -> StageModel
 
 /// A sharded stage's state made whole: its weights when the model does not hold them (stage
 /// 3), and its optimizer state's items.
-pub(crate) type Joined = (Option<Vec<Vec<f32>>>, Vec<(ParamId, serde_json::Value)>);
+pub(crate) type Joined = (Option<Vec<Vec<f32>>>, Vec<(ParamId, reshard::Item)>);
 
 /// ZeRO: a stage's state joined from its replicas' shards, for a checkpoint (which holds
 /// every parameter's state whole, as an unsharded run writes it, so that it resumes on any
