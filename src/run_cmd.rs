@@ -462,6 +462,12 @@ fn metrics_line(m: &StepMetrics) -> serde_json::Value {
     if let Some(w) = m.checkpoint_wait_s {
         line["checkpoint_wait_s"] = w.into();
     }
+    if let Some(c) = m.checkpoint_copy_s {
+        line["checkpoint_copy_s"] = c.into();
+    }
+    if let Some(w) = m.checkpoint_write_s {
+        line["checkpoint_write_s"] = w.into();
+    }
     if let Some(a) = m.aux_loss {
         line["aux_loss"] = a.into();
     }
@@ -543,8 +549,8 @@ fn resolve_resume(args: &RunArgs, plan: &Plan) -> Result<(Option<Resume>, usize)
     }
     let Some(p) = &args.resume else { return Ok((None, 0)) };
     let found = pipec_executor::checkpoint::locate_in(p, plan.training.checkpoint_dir.as_deref())?;
-    let loaded =
-        pipec_executor::checkpoint::read(&found).map_err(|e| format!("checkpoint `{}`: {e}", found.display()))?;
+    let loaded = pipec_executor::read_checkpoint(&found, &plan.training.optimizer)
+        .map_err(|e| format!("checkpoint `{}`: {e}", found.display()))?;
     loaded.check_fits(plan).map_err(|e| format!("checkpoint `{}`: {e}", found.display()))?;
     let first = loaded.completed_steps;
     let steps = args.steps.unwrap_or(plan.training.steps);

@@ -356,6 +356,60 @@ fn checkpoints() {
     }
 }
 
+/// What a checkpoint costs under each ZeRO level: `bench/specs/zero-mlp.yaml` (8 × linear(n, n),
+/// Adam, 4 data-parallel replicas in one process) at n = 1024 and 2048 (8.4 M and 33.6 M
+/// parameters), 8 steps with a checkpoint every 2 (4 checkpoints), `async: false`. Per
+/// checkpoint: the longest copy on any device (`checkpoint_copy_s`: a ZeRO replica copies its
+/// own shard) and the coordinator's write (`checkpoint_write_s`), medians; the first
+/// checkpoint of each run is left out (its buffers are allocated fresh).
+fn zero_checkpoints() {
+    println!("## ZeRO checkpoints (CPU, flex backend): bench/specs/zero-mlp.yaml, 4 replicas, Adam, 8 steps, a checkpoint every 2");
+    let base = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/specs/zero-mlp.yaml")).expect("spec");
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    for n in [1024, 2048] {
+        let mut zero0 = None;
+        for zero in 0..=3 {
+            let text = base
+                .replace("linear(1024, 1024)", &format!("linear({n}, {n})"))
+                .replace("linear(1024, 16)", &format!("linear({n}, 16)"))
+                .replace("input: [1024]", &format!("input: [{n}]"))
+                .replace("memory: 4GiB", "memory: 16GiB")
+                .replace("steps: 4", "steps: 8")
+                .replace("  zero: 3", &format!("  zero: {zero}"))
+                .replace("  seed: 5\n", "  seed: 5\n  checkpoint: { every: 2, async: false }\n");
+            let plan = plan_of(&text);
+            let dir = std::env::temp_dir().join(format!("pipec-bench-zero-checkpoints-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let options = RunOptions {
+                timeout: Duration::from_secs(600),
+                checkpoint_dir: Some(dir.clone()),
+                ..Default::default()
+            };
+            let report = pipec_executor::run(&plan, &options, &mut |_| {}).expect("runs");
+            let bytes: u64 = report
+                .checkpoints
+                .last()
+                .and_then(|c| std::fs::read_dir(c).ok())
+                .map(|d| d.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+                .unwrap_or(0);
+            let _ = std::fs::remove_dir_all(&dir);
+            let copies: Vec<f64> = report.steps.iter().filter_map(|s| s.checkpoint_copy_s).skip(1).collect();
+            let writes: Vec<f64> = report.steps.iter().filter_map(|s| s.checkpoint_write_s).skip(1).collect();
+            let (copy, write) = (median(copies), median(writes));
+            let total = copy + write;
+            let against = *zero0.get_or_insert(total);
+            println!(
+                "n = {n}, zero {zero}: copy {copy:.3} s, write {write:.3} s, together {total:.3} s per checkpoint ({:.2}x zero 0), {:.0} MB",
+                total / against,
+                bytes as f64 / 1e6
+            );
+        }
+    }
+}
+
 /// The products of a dense layer on the CPU backend, at the executor benchmark's shapes
 /// (1024 × 1024 weight, a 32-row microbatch and the 256-row batch): the forward `x · W` (flex
 /// under `gemm`'s default packing, and under pipec's, which a pipec product sets; the
@@ -784,6 +838,9 @@ fn main() {
     }
     if what == "checkpoints" || what == "all" {
         checkpoints();
+    }
+    if what == "zero-checkpoints" || what == "all" {
+        zero_checkpoints();
     }
     if what == "fidelity" || what == "all" {
         fidelity();

@@ -231,6 +231,7 @@ mod tests {
             identity: None,
             loss_scale: None,
             initial: Default::default(),
+            zero: Default::default(),
         };
         l.params.insert((1, 0), (vec![2], vec![1.0, 2.0]));
         let one = start_of(Some(&l));

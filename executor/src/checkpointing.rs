@@ -137,81 +137,79 @@ fn load_running_statistics<B: ExecBackend>(
     st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.set_running_statistics(&values)
 }
 
-/// A device's stages as checkpoint shards. A ZeRO-sharded stage's replicas join their
-/// shards first (collectives over its replica group, stage by stage in id order on every
-/// device), so a checkpoint holds every state whole whatever the sharding.
+/// A device's stages as checkpoint shards. A ZeRO-sharded stage's replica saves its own
+/// shard as it holds it — its master chunks and its optimizer state over them — with no
+/// collective and no per-parameter work; the reader joins the replicas' chunks
+/// (`checkpoint::read`, [`crate::zero::join_saved`]), so a checkpoint resumes on any layout.
 pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<checkpoint::Shards, ExecError> {
     let mut out = HashMap::new();
     let mut ids: Vec<StageId> = w.stages.keys().copied().collect();
     ids.sort();
     for id in ids {
-        let joined = match w.stages.get(&id).and_then(|st| st.shard.as_ref().map(|s| s.group)) {
-            Some(group) => {
-                let members = crate::collectives::members(w.plan, group)?;
-                // each part of the shard over its own replicas (`Worker::start_parts`)
-                let kind = pipec_plan::CollectiveKind::AllGather;
-                let mut gather = |parts: Vec<Vec<f32>>| -> Result<Vec<Vec<f32>>, ExecError> {
-                    let tickets = w.start_parts(id, kind, members.clone(), parts, None, None)?;
-                    Ok(tickets.into_iter().map(crate::comm::Ticket::wait).collect::<Result<_, _>>()?)
-                };
-                let st = w.stages.get(&id).ok_or(ExecError::Missing("the stage"))?;
-                Some(crate::zero::joined_state(st, &members, &mut gather)?)
-            }
-            None => None,
-        };
         let group = w.experts.get(&id).cloned();
         let st = w.stages.get_mut(&id).ok_or(ExecError::Missing("the stage"))?;
-        // (an expert-parallel stage's state is joined over its expert group below)
-        let mut joined_items = None;
-        let (weights, optimizer) = match joined {
-            Some((weights, items)) if st.experts.is_some() => {
-                joined_items = Some(items);
-                (weights, Ok(Vec::new()))
-            }
-            Some((weights, items)) => {
-                // the model's optimizer (unused on a sharded stage) serialises the joined state
-                st.optim.load_items(items, &w.dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
-                let bytes = st.optim.save();
-                st.optim.load_items(Vec::new(), &w.dev).map_err(ExecError::Checkpoint)?;
-                (weights, bytes)
-            }
-            None if st.experts.as_ref().is_some_and(|h| h.updates_alone()) => (None, Ok(Vec::new())),
-            None => (None, st.optim.save()),
+        let (tp_rank, tp_size) = st.tp_shard();
+        if st.shard.is_some() {
+            let (key, saved) = crate::zero::saved_shard(st, id, tp_rank, tp_size)?;
+            out.insert(key, saved);
+            continue;
+        }
+        // replicas hold the same state: only the one whose copy is written copies it (an
+        // expert group's members all take part in joining their experts)
+        if st.experts.is_none() && !copies_for_its_replicas(w.plan, id, w.device, tp_rank) {
+            continue;
+        }
+        let optimizer = match &st.experts {
+            Some(h) if h.updates_alone() => Ok(Vec::new()),
+            _ => st.optim.save(),
         };
         let mut optimizer = optimizer.map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
-        let mut params: Vec<(u64, Vec<usize>, Vec<f32>)> = match (weights, &st.shard) {
-            (Some(whole), Some(shard)) => {
-                shard.layout.params.iter().zip(whole).map(|(p, v)| (p.id, p.shape.clone(), v)).collect()
-            }
-            _ => params::snapshot::<B, _>(st.model()?)?
-                .into_iter()
-                .map(|(pid, shape, v)| (ParamId::val(&pid), shape, v))
-                .collect(),
-        };
+        let mut params: Vec<crate::experts::SavedParam> = params::snapshot::<B, _>(st.model()?)?
+            .into_iter()
+            .map(|(pid, shape, v)| (ParamId::val(&pid), shape, v))
+            .collect();
         // expert parallelism: each routed expert's weights and state from its holders, the
         // stage's optimizer state recorded whole by an optimizer of the whole stage's
         if let (Some(holding), Some(group)) = (&st.experts, &group) {
-            let items = match joined_items.take() {
-                Some(items) => items,
-                None => st.optim.items().map_err(ExecError::Checkpoint)?,
-            };
+            let items = st.optim.items().map_err(ExecError::Checkpoint)?;
             let items = crate::experts::join_experts(group, holding, &mut params, items)?;
             let whole: Vec<(u64, Vec<usize>)> = params.iter().map(|(id, shape, _)| (*id, shape.clone())).collect();
             let mut optim = stage::StageOptim::<B>::new(&w.plan.training.optimizer, &whole);
             optim.load_items(items, &w.dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
             optimizer = optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
         }
-        // batch normalisation's running statistics, beside the layer's parameters
-        for bn in st.model()?.batch_norms() {
-            let c = bn.running_mean.len();
-            params.push((layers::state_id(bn.index, layers::RUNNING_MEAN_SLOT), vec![c], bn.running_mean.clone()));
-            params.push((layers::state_id(bn.index, layers::RUNNING_VAR_SLOT), vec![c], bn.running_var.clone()));
-        }
-        let (tp_rank, tp_size) = st.tp_shard();
+        params.extend(running_statistics(st)?);
         out.insert(
-            checkpoint::ShardKey { stage: id.0, tp_rank },
-            checkpoint::StageCheckpoint { params, optimizer, tp_size },
+            checkpoint::ShardKey::whole(id.0, tp_rank),
+            checkpoint::StageCheckpoint { params, optimizer, tp_size, zero: None },
         );
+    }
+    Ok(out)
+}
+
+/// Whether `device` is the replica of stage `id` (at tensor-parallel position `tp_rank`)
+/// whose copy a checkpoint keeps: the lowest device among those holding the same state
+/// (the run's coordinator keeps the first replica's, `run::first_replicas_shards`; under
+/// asynchronous data parallelism it is the parameter server).
+fn copies_for_its_replicas(plan: &pipec_plan::Plan, id: StageId, device: pipec_plan::DeviceId, tp_rank: u32) -> bool {
+    let Some(stage) = plan.stages.get(id.0 as usize) else { return true };
+    let holders: Vec<pipec_plan::DeviceId> = if stage.tensor_parallel.is_empty() {
+        stage.replicas.clone()
+    } else {
+        stage.tensor_parallel.iter().filter_map(|g| g.get(tp_rank as usize).copied()).collect()
+    };
+    holders.iter().min().is_none_or(|first| *first == device)
+}
+
+/// Batch normalisation's running statistics of a stage, keyed like parameters.
+pub(crate) fn running_statistics<B: ExecBackend>(
+    st: &StageState<B>,
+) -> Result<Vec<crate::experts::SavedParam>, ExecError> {
+    let mut out = Vec::new();
+    for bn in st.model()?.batch_norms() {
+        let c = bn.running_mean.len();
+        out.push((layers::state_id(bn.index, layers::RUNNING_MEAN_SLOT), vec![c], bn.running_mean.clone()));
+        out.push((layers::state_id(bn.index, layers::RUNNING_VAR_SLOT), vec![c], bn.running_var.clone()));
     }
     Ok(out)
 }

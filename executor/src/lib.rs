@@ -95,13 +95,31 @@ impl From<PathBuf> for Resume {
 }
 
 impl Resume {
-    /// Reads and verifies the checkpoint (once).
-    pub fn load(&self) -> Result<Arc<checkpoint::Loaded>, String> {
+    /// Reads and verifies the checkpoint (once), its ZeRO shards joined for `plan`'s
+    /// optimizer ([`read_checkpoint`]).
+    pub fn load(&self, plan: &Plan) -> Result<Arc<checkpoint::Loaded>, String> {
         match self {
-            Resume::Dir(p) => Ok(Arc::new(checkpoint::read(&checkpoint::locate(p)?)?)),
-            Resume::Loaded(l) => Ok(l.clone()),
+            Resume::Dir(p) => Ok(Arc::new(read_checkpoint(&checkpoint::locate(p)?, &plan.training.optimizer)?)),
+            Resume::Loaded(l) if l.zero.is_empty() => Ok(l.clone()),
+            Resume::Loaded(l) => {
+                let mut joined = (**l).clone();
+                zero::join_saved(&mut joined, &plan.training.optimizer).map_err(|e| e.to_string())?;
+                Ok(Arc::new(joined))
+            }
         }
     }
+}
+
+/// Reads and verifies a checkpoint directory (`checkpoint::read`), a ZeRO-sharded stage's
+/// replicas' optimizer states joined into the whole state an unsharded stage saves, for
+/// the optimizer `optimizer` (the kind the checkpoint's identity names).
+pub fn read_checkpoint(
+    dir: &std::path::Path,
+    optimizer: &pipec_plan::plan::OptimizerPlan,
+) -> Result<checkpoint::Loaded, String> {
+    let mut loaded = checkpoint::read(dir)?;
+    zero::join_saved(&mut loaded, optimizer).map_err(|e| e.to_string())?;
+    Ok(loaded)
 }
 
 /// How to run.
@@ -171,6 +189,11 @@ pub struct StepMetrics {
     /// reporting this step (asynchronous: for the previous write, before handing over this
     /// step's copy; `async: false`: for the previous step's own write).
     pub checkpoint_wait_s: Option<f64>,
+    /// With a checkpoint after this step: the longest any device took to copy its state
+    /// for it (a ZeRO replica: its own shard), and how long the coordinator (rank 0 of a
+    /// process job, which first receives the other ranks' copies) took to write it.
+    pub checkpoint_copy_s: Option<f64>,
+    pub checkpoint_write_s: Option<f64>,
     /// The mixtures of experts' load-balancing loss (weighted by their `aux_loss`, summed
     /// over the blocks, averaged over the step's microbatches), where a block weighs it;
     /// `aux_sum` is its sum over the microbatches this process saw (for combining ranks).

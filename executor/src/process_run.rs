@@ -92,7 +92,7 @@ pub fn run_rank<F: Fabric + 'static>(
     }
     // the checkpoint is read once, here: the ranks compare what they start from
     let start =
-        options.resume.as_ref().map(crate::Resume::load).transpose().map_err(|e| (Some(info), RunError::setup(e)))?;
+        options.resume.as_ref().map(|r| r.load(plan)).transpose().map_err(|e| (Some(info), RunError::setup(e)))?;
     let steps = options.steps.unwrap_or(plan.training.steps);
     let mine = Fingerprint::of(plan, steps, start.as_deref()).map_err(|e| (Some(info), RunError::setup(e)))?;
     agree(fabric.as_ref(), &mine, &devices, options.timeout).map_err(|e| (Some(info), RunError::setup(e)))?;
@@ -113,6 +113,7 @@ pub fn run_rank<F: Fabric + 'static>(
         if rank == 0 {
             let (mut sum, mut count, mut secs) = (m.loss_sum, m.loss_count as f64, m.step_seconds);
             let mut wait = m.checkpoint_wait_s;
+            let mut copy = m.checkpoint_copy_s;
             // validation's sums, when this step was followed by one
             let mut validation = m.validation.map(|v| v.sums);
             let (mut aux, mut has_aux) = (m.aux_sum, m.aux_loss.is_some());
@@ -120,7 +121,7 @@ pub fn run_rank<F: Fabric + 'static>(
             for r in 1..size {
                 if let Ok(b) = receive_bytes(r, TAG_METRIC, &abort) {
                     let v = from_f64s(&b);
-                    if v.len() >= 12 {
+                    if v.len() >= 13 {
                         sum += v[1];
                         count += v[2];
                         secs = secs.max(v[3]);
@@ -131,7 +132,10 @@ pub fn run_rank<F: Fabric + 'static>(
                         }
                         aux += v[10];
                         has_aux |= v[11] != 0.0;
-                        merge_expert_tokens(&mut expert_tokens, &v[12..]);
+                        if v[12] >= 0.0 {
+                            copy = Some(copy.unwrap_or(0.0).max(v[12]));
+                        }
+                        merge_expert_tokens(&mut expert_tokens, &v[13..]);
                     }
                 }
             }
@@ -154,6 +158,8 @@ pub fn run_rank<F: Fabric + 'static>(
                 epoch: m.epoch,
                 validation: validation.map(|v| crate::ValidationMetrics::of(v, language_model)),
                 checkpoint_wait_s: wait,
+                checkpoint_copy_s: copy,
+                checkpoint_write_s: m.checkpoint_write_s,
                 aux_sum: aux,
                 aux_loss: has_aux.then(|| aux / microbatches),
                 expert_tokens,
@@ -178,6 +184,8 @@ pub fn run_rank<F: Fabric + 'static>(
                         m.checkpoint_wait_s.unwrap_or(0.0),
                         m.aux_sum,
                         f64::from(u8::from(m.aux_loss.is_some())),
+                        // (negative: no checkpoint after this step)
+                        m.checkpoint_copy_s.unwrap_or(-1.0),
                     ]
                     .into_iter()
                     .chain(m.expert_tokens.iter().flat_map(|(layer, took)| {

@@ -62,7 +62,7 @@ impl<'a> SavedLayout<'a> {
                         ExecError::Checkpoint(format!("the checkpoint's stages do not hold layer {layer}"))
                     })?;
                 Ok(Saved {
-                    files: (0..*degree).map(|k| vec![ShardKey { stage: s as u32, tp_rank: k }]).collect(),
+                    files: (0..*degree).map(|k| vec![ShardKey::whole(s as u32, k)]).collect(),
                     from: split.get(&id).copied().unwrap_or(Sharding::Whole),
                 })
             }

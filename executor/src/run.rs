@@ -22,7 +22,7 @@ use crate::error::ExecError;
 use crate::stage::build_stages;
 use crate::transport::Endpoint;
 use crate::worker::{StepReport, Worker};
-use crate::{comm, is_language_model, Placement, Resume, RunError, RunOptions, RunReport, StepMetrics};
+use crate::{comm, is_language_model, Placement, RunError, RunOptions, RunReport, StepMetrics};
 
 /// The most timeline entries a run keeps (about 40 bytes each): a long run's trace keeps
 /// its first steps in full.
@@ -163,7 +163,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
     sink: &mut CheckpointSink<'_>,
 ) -> Result<RunReport, RunError> {
     let data = Dataset::for_plan(plan).map_err(ExecError::Data)?;
-    let loaded = options.resume.as_ref().map(Resume::load).transpose().map_err(ExecError::Checkpoint)?;
+    let loaded = options.resume.as_ref().map(|r| r.load(plan)).transpose().map_err(ExecError::Checkpoint)?;
     if let Some(l) = &loaded {
         l.check_fits(plan).map_err(ExecError::Checkpoint)?;
     }
@@ -350,7 +350,10 @@ fn run_steps<B: ExecBackend>(
         let ckpt = if shared.every.is_some() && planned {
             waited += shared.written.wait_for(handed, shared.abort);
             handed += 1;
-            Some(save_checkpoint(w).map_err(|e| fail(Some(step), None, e))?)
+            let copying = Instant::now();
+            let shards = save_checkpoint(w).map_err(|e| fail(Some(step), None, e))?;
+            r.checkpoint_copy_s = copying.elapsed().as_secs_f64();
+            Some(shards)
         } else {
             None
         };
@@ -413,20 +416,23 @@ impl Coordinator<'_> {
             return false;
         }
         let reports = self.pending.remove(&step).unwrap_or_default();
-        let m = self.metrics(step, &reports);
+        let mut m = self.metrics(step, &reports);
+        self.merge_traces(&reports);
+        let checkpointed = reports.iter().any(|(_, c)| c.is_some());
+        if checkpointed {
+            // written before the step is reported, so its line says what the write took
+            let loss_scale = reports.iter().find_map(|(r, _)| r.next_loss_scale);
+            let writing = Instant::now();
+            match sink(step + 1, first_replicas_shards(reports), loss_scale) {
+                Ok(Some(p)) => self.report.checkpoints.push(p),
+                Ok(None) => {}
+                Err(e) => self.failed(RunError { step: Some(step), ..e.into() }, abort),
+            }
+            m.checkpoint_write_s = Some(writing.elapsed().as_secs_f64());
+        }
         on_step(&m);
         self.report.steps.push(m);
-        self.merge_traces(&reports);
-        if !reports.iter().any(|(_, c)| c.is_some()) {
-            return false;
-        }
-        let loss_scale = reports.iter().find_map(|(r, _)| r.next_loss_scale);
-        match sink(step + 1, first_replicas_shards(reports), loss_scale) {
-            Ok(Some(p)) => self.report.checkpoints.push(p),
-            Ok(None) => {}
-            Err(e) => self.failed(RunError { step: Some(step), ..e.into() }, abort),
-        }
-        true
+        checkpointed
     }
 
     /// A step's metrics: its loss (a loss belongs to its microbatch's step), and its time,
@@ -479,6 +485,11 @@ impl Coordinator<'_> {
             checkpoint_wait_s: self
                 .checkpoints
                 .then(|| reports.iter().map(|(r, _)| r.checkpoint_wait_s).fold(0.0, f64::max)),
+            checkpoint_copy_s: reports
+                .iter()
+                .any(|(_, c)| c.is_some())
+                .then(|| reports.iter().map(|(r, _)| r.checkpoint_copy_s).fold(0.0, f64::max)),
+            checkpoint_write_s: None,
             aux_sum,
             aux_loss: (!aux.is_empty()).then(|| aux_sum / n as f64),
             expert_tokens,

@@ -306,6 +306,24 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
         .map_err(|e| format!("cannot record the optimizer state: {e:?}"))
     }
 
+    /// Replaces the optimizer's state with a record [`StageOptim::save`] wrote (a corrupt one
+    /// is an error, not a panic).
+    pub fn load_bytes(&mut self, bytes: &[u8], dev: &B::Device) -> std::result::Result<(), String> {
+        fn record<R: Record<B2>, B2: Backend>(bytes: &[u8], dev: &B2::Device) -> std::result::Result<R, String> {
+            let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+            crate::error::catch_quietly(|| recorder.load(bytes.to_vec(), dev))
+                .map_err(|_| "the optimizer state is corrupt".to_string())?
+                .map_err(|e| format!("the optimizer state is corrupt: {e:?}"))
+        }
+        let placeholder = StageOptim::Sgd(SgdConfig::new().init());
+        *self = match std::mem::replace(self, placeholder) {
+            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(record(bytes, dev)?)),
+            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(record(bytes, dev)?)),
+            StageOptim::AdamW(o, rule) => StageOptim::AdamW(o.load_record(record(bytes, dev)?), rule),
+        };
+        Ok(())
+    }
+
     /// The optimizer's state, each parameter's as a serialised record item (for ZeRO: the
     /// shards' states are joined, and a whole state cut, item by item).
     pub fn items(&self) -> std::result::Result<Vec<(ParamId, crate::reshard::Item)>, String> {

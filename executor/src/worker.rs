@@ -77,6 +77,9 @@ pub struct StepReport {
     pub next_loss_scale: Option<pipec_plan::recipe::LossScale>,
     /// Seconds this worker waited for checkpoint writes since its previous report.
     pub checkpoint_wait_s: f64,
+    /// Seconds this worker took to copy its state for the checkpoint after this step (0:
+    /// none after it).
+    pub checkpoint_copy_s: f64,
 }
 
 /// The model state a device holds, in f32 values: its weights, the most gradient values it

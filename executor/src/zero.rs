@@ -24,6 +24,7 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::prelude::*;
+use pipec_plan::checkpoint;
 use pipec_plan::vocab::Sharding;
 use pipec_plan::{GroupId, Plan, StageId};
 
@@ -551,83 +552,118 @@ pub(crate) fn released_copy<B: ExecBackend>(model: &StageModel<B>) -> StageModel
     params::replace_params(model.clone(), |_| None::<(Vec<usize>, Vec<f32>)>).0
 }
 
-/// A sharded stage's state made whole: its weights when the model does not hold them (stage
-/// 3), and its optimizer state's items.
-pub(crate) type Joined = (Option<Vec<Vec<f32>>>, Vec<(ParamId, reshard::Item)>);
-
-/// ZeRO: a stage's state joined from its replicas' shards, for a checkpoint (which holds
-/// every parameter's state whole, as an unsharded run writes it, so that it resumes on any
-/// sharding level and data-parallel degree): its optimizer state's items, and at stage 3
-/// its whole weights (the model holds them at stages 1 and 2; under expert parallelism it
-/// lacks the other positions' experts, so always). `gather` all-gathers each part of the
-/// layout over its replicas: every replica calls this at the same point of the same step.
-pub(crate) fn joined_state<B: ExecBackend>(
+/// ZeRO: this replica's shard of a stage as a checkpoint keeps it (`pipec_plan::checkpoint`:
+/// one file set per replica, joined by the reader): its master chunks (flat, the last
+/// padded with zeros) with which chunk of which parameter each is, its optimizer state over
+/// them in Burn's record format, and (on the first replica only) the batch norms' running
+/// statistics whole. Nothing is gathered: every replica saves what it holds, and the writes
+/// cost what an unsharded stage's do.
+pub(crate) fn saved_shard<B: ExecBackend>(
     st: &StageState<B>,
-    members: &[pipec_plan::DeviceId],
-    gather: &mut dyn FnMut(Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>>,
-) -> Result<Joined> {
+    id: StageId,
+    tp_rank: u32,
+    tp_size: u32,
+) -> Result<(checkpoint::ShardKey, checkpoint::StageCheckpoint)> {
     let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
     let layout = &shard.layout;
-    if members.len() != layout.d {
-        return Err(ExecError::Plan(format!("a group of {} for a stage sharded {} ways", members.len(), layout.d)));
+    let master = shard.master.as_ref().ok_or(ExecError::Missing("the stage's shard is in use"))?;
+    let (mut params, mut chunks) = (Vec::new(), Vec::new());
+    for (k, p) in layout.params.iter().enumerate() {
+        // (another expert-parallel position's expert: its holders save it)
+        let Some(part) = p.part.map(|i| layout.parts[i]) else { continue };
+        let chunk = master.chunks.get(k).ok_or(ExecError::Missing("a chunk of the shard"))?;
+        params.push((p.id, vec![p.chunk], crate::params::host_f32(chunk.val().into_data())?));
+        chunks.push(checkpoint::Chunk { id: p.id, shape: p.shape.clone(), index: part.rank as u32, of: part.d as u32 });
     }
-    // (an expert-parallel member's model lacks the other positions' experts)
-    // (nor does a model whose weights are gathered per product)
-    let whole_here = shard.gathered && st.experts.is_none() && !shard.per_product.contains(&true);
-    let weights = if whole_here { None } else { Some(layout.whole(&gather(shard.gather_inputs(|_| true)?)?)?) };
-    let index: HashMap<u64, usize> = layout.params.iter().enumerate().map(|(k, p)| (p.id, k)).collect();
-    let items = shard.optim.items().map_err(ExecError::Checkpoint)?;
-    // each part's items and their tensors: every replica of a part has the same state's
-    // structure (the same tensors, each a chunk long)
-    let mut of_part: Vec<Vec<_>> = layout.parts.iter().map(|_| Vec::new()).collect();
-    for (id, item) in &items {
-        let k =
-            *index.get(&id.val()).ok_or_else(|| ExecError::Checkpoint(format!("the shard has no parameter {id}")))?;
-        if let Some(i) = layout.params[k].part {
-            of_part[i].push((k, *id, item, reshard::tensor_values(item)?));
+    if layout.rank == 0 {
+        for (sid, shape, values) in crate::checkpointing::running_statistics(st)? {
+            chunks.push(checkpoint::Chunk { id: sid, shape: shape.clone(), index: 0, of: 1 });
+            params.push((sid, shape, values));
         }
     }
-    let flats: Vec<Vec<f32>> =
-        of_part.iter().map(|p| p.iter().flat_map(|(_, _, _, t)| t.iter().flatten().copied()).collect()).collect();
-    let sizes: Vec<usize> = flats.iter().map(Vec::len).collect();
-    let gathered = gather(flats)?;
-    let mut joined = Vec::new();
-    for (((part, of_part), all), n) in layout.parts.iter().zip(&of_part).zip(&gathered).zip(sizes) {
-        if all.len() != n * part.d {
-            return Err(ExecError::Checkpoint(format!(
-                "the replicas' optimizer shards differ in size ({} values gathered, {n} here)",
-                all.len()
-            )));
+    let optimizer = shard.optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+    let key = checkpoint::ShardKey { stage: id.0, tp_rank, zero_rank: layout.rank as u32 };
+    Ok((key, checkpoint::StageCheckpoint { params, optimizer, tp_size, zero: Some(chunks) }))
+}
+
+/// A checkpoint's ZeRO shards' optimizer states joined into the whole states an unsharded
+/// stage saves (`optimizer-s{K}[-tp{r}].bin`, under [`checkpoint::ShardKey::whole`]): each
+/// parameter's state from its chunks in order, the padding dropped. The reader joined the
+/// weights already; after this the checkpoint loads like any other, on any layout. The
+/// records are decoded and encoded on the CPU backend (bytes either way).
+pub fn join_saved(loaded: &mut checkpoint::Loaded, optimizer: &pipec_plan::plan::OptimizerPlan) -> Result<()> {
+    type C = crate::CpuBackend;
+    if loaded.zero.is_empty() {
+        return Ok(());
+    }
+    let dev = Default::default();
+    let bad = |what: String| ExecError::Checkpoint(what);
+    // each (stage, tensor-parallel rank)'s replicas' shards
+    type Replicas = Vec<(checkpoint::ShardKey, Vec<checkpoint::Chunk>)>;
+    let mut groups: std::collections::BTreeMap<(u32, u32), Replicas> = Default::default();
+    for (key, chunks) in std::mem::take(&mut loaded.zero) {
+        groups.entry((key.stage, key.tp_rank)).or_default().push((key, chunks));
+    }
+    for ((stage, tp_rank), shards) in groups {
+        // every replica's items, by parameter: whole shape, chunk count, (chunk index, item)
+        type Pieces = (Vec<usize>, u32, Vec<(u32, reshard::Item)>);
+        let mut by_param: std::collections::BTreeMap<u64, Pieces> = Default::default();
+        let mut shapes: std::collections::BTreeMap<u64, Vec<usize>> = Default::default();
+        for (key, chunks) in shards {
+            let bytes = loaded
+                .optimizers
+                .remove(&key)
+                .ok_or_else(|| bad(format!("stage {stage}: replica {}'s optimizer state is missing", key.zero_rank)))?;
+            let flat: Vec<(u64, Vec<usize>)> = chunks.iter().map(|c| (c.id, vec![chunk_len(c)])).collect();
+            let mut shard_optim = StageOptim::<C, ShardParams<C>>::new(optimizer, &flat);
+            shard_optim
+                .load_bytes(&bytes, &dev)
+                .map_err(|e| bad(format!("stage {stage}, replica {}: {e}", key.zero_rank)))?;
+            let of_id: HashMap<u64, &checkpoint::Chunk> = chunks.iter().map(|c| (c.id, c)).collect();
+            for c in &chunks {
+                shapes.insert(c.id, c.shape.clone());
+            }
+            for (pid, item) in shard_optim.items().map_err(ExecError::Checkpoint)? {
+                let c = of_id.get(&pid.val()).ok_or_else(|| {
+                    bad(format!(
+                        "stage {stage}: replica {}'s optimizer holds a parameter it saved no chunk of",
+                        key.zero_rank
+                    ))
+                })?;
+                by_param.entry(c.id).or_insert_with(|| (c.shape.clone(), c.of, Vec::new())).2.push((c.index, item));
+            }
         }
-        let mut offset = 0;
-        for (k, id, item, tensors) in of_part {
-            let p = &layout.params[*k];
-            let size: usize = tensors.iter().map(Vec::len).sum();
-            let pieces = (0..part.d)
-                .map(|r| {
-                    let mut at = r * n + offset;
-                    let values = tensors
-                        .iter()
-                        .map(|t| {
-                            let v = all[at..at + t.len()].to_vec();
-                            at += t.len();
-                            v
-                        })
-                        .collect();
-                    reshard::with_tensors(item, values, &[p.chunk])
-                })
-                .collect::<Result<Vec<_>>>()?;
-            offset += size;
-            let whole = reshard::map_tensors(&pieces, &p.shape, &|pieces| {
-                let mut v: Vec<f32> = pieces.into_iter().flatten().collect();
-                v.truncate(p.len);
+        let mut joined = Vec::new();
+        for (pid, (shape, of, mut pieces)) in by_param {
+            pieces.sort_by_key(|(i, _)| *i);
+            if pieces.len() != of as usize || pieces.iter().enumerate().any(|(k, (i, _))| *i as usize != k) {
+                return Err(bad(format!(
+                    "stage {stage}: the optimizer state of `{}` is in {} of its {of} chunks",
+                    checkpoint::param_name(pid),
+                    pieces.len()
+                )));
+            }
+            let len: usize = shape.iter().product();
+            let items: Vec<reshard::Item> = pieces.into_iter().map(|(_, item)| item).collect();
+            let whole = reshard::map_tensors(&items, &shape, &|parts| {
+                let mut v: Vec<f32> = parts.into_iter().flatten().collect();
+                v.truncate(len);
                 Ok(v)
             })?;
-            joined.push((*id, reshard::with_rank(whole, p.shape.len())?));
+            joined.push((ParamId::from(pid), reshard::with_rank(whole, shape.len())?));
         }
+        let whole_shapes: Vec<(u64, Vec<usize>)> = shapes.into_iter().collect();
+        let mut whole = StageOptim::<C, StageModel<C>>::new(optimizer, &whole_shapes);
+        whole.load_items(joined, &dev).map_err(|e| bad(format!("stage {stage}: {e}")))?;
+        let bytes = whole.save().map_err(|e| bad(format!("stage {stage}: {e}")))?;
+        loaded.optimizers.insert(checkpoint::ShardKey::whole(stage, tp_rank), bytes);
     }
-    joined.sort_by_key(|(id, _)| id.val());
-    Ok((weights, joined))
+    Ok(())
+}
+
+/// A chunk's length: the whole parameter's values cut into `of` equal pieces.
+fn chunk_len(c: &checkpoint::Chunk) -> usize {
+    c.shape.iter().product::<usize>().div_ceil(c.of.max(1) as usize)
 }
 
 /// ZeRO: after a checkpoint is loaded into a sharded stage (whole weights in its model,

@@ -5,7 +5,13 @@
 //! SHA-256 and size of every other file. A tensor-parallel stage is saved as its shards:
 //! rank r's parameters as `layer{L}.p{slot}.tp{r}` and its optimizer state as
 //! `optimizer-s{K}-tp{r}.bin`, with the stage's degree in `state.json`'s
-//! `tensor_parallel`, so it resumes on the same degree. A checkpoint is written into a
+//! `tensor_parallel`, so it resumes on the same degree. A ZeRO-sharded stage is saved as
+//! its replicas' shards, as each holds them — replica z's chunk of a parameter as
+//! `layer{L}.p{slot}[.tp{r}].z{z}` (flat, the last chunk padded with zeros) and its
+//! optimizer state over its chunks as `optimizer-s{K}[-tp{r}]-z{z}.bin` — with `state.json`'s
+//! `zero` saying which chunk of which parameter each is; the reader joins the chunks, so
+//! a checkpoint costs no collective and no per-parameter work to write, and resumes on any
+//! layout. A checkpoint is written into a
 //! temporary directory and renamed into place, and `DIR/latest` names the newest one, so a
 //! crash never leaves half of one; temporary directories a killed run left behind are
 //! removed by the next run that writes into `DIR`. Reading verifies every checksum before
@@ -22,43 +28,72 @@ use sha2::{Digest, Sha256};
 /// Parameter values keyed by (parameter id, tensor-parallel rank): shape and values.
 pub type ParamValues = HashMap<(u64, u32), (Vec<usize>, Vec<f32>)>;
 
-/// Which state a [`StageCheckpoint`] holds: a stage, or one tensor-parallel shard of it.
+/// Which state a [`StageCheckpoint`] holds: a stage, one tensor-parallel shard of it, or
+/// one ZeRO replica's shard of either.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ShardKey {
     pub stage: u32,
     /// The rank in the stage's tensor-parallel group (0 without tensor parallelism).
     pub tp_rank: u32,
+    /// ZeRO: the replica whose shard this is (0 for a whole state).
+    pub zero_rank: u32,
+}
+
+impl ShardKey {
+    /// The key of a whole (not ZeRO-sharded) state.
+    pub fn whole(stage: u32, tp_rank: u32) -> ShardKey {
+        ShardKey { stage, tp_rank, zero_rank: 0 }
+    }
 }
 
 /// One stage's (or tensor-parallel shard's) saved state.
 #[derive(Debug, Clone, Default)]
 pub struct StageCheckpoint {
-    /// (parameter id, shape, values).
+    /// (parameter id, shape, values); a ZeRO shard's are its chunks, `[chunk]` each.
     pub params: Vec<(u64, Vec<usize>, Vec<f32>)>,
-    /// The optimizer record (Burn's binary record format).
+    /// The optimizer record (Burn's binary record format); a ZeRO shard's is over its chunks.
     pub optimizer: Vec<u8>,
     /// The stage's tensor-parallel degree (1 without tensor parallelism).
     pub tp_size: u32,
+    /// ZeRO: which chunk of which whole parameter each of `params` is (None: a whole state).
+    pub zero: Option<Vec<Chunk>>,
+}
+
+/// One ZeRO chunk: chunk `index` of `of` of parameter `id`, whose whole shape is `shape`
+/// (the chunks are the flattened values cut into `of` equal pieces, the last padded with
+/// zeros; an expert's are cut among the replicas holding it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    pub id: u64,
+    pub shape: Vec<usize>,
+    pub index: u32,
+    pub of: u32,
 }
 
 /// The saved state of some stages, by shard.
 pub type Shards = HashMap<ShardKey, StageCheckpoint>;
 
-/// A parameter's name in `model.safetensors`.
-fn stored_name(id: u64, key: ShardKey, tp_size: u32) -> String {
+/// A parameter's name in `model.safetensors` (a ZeRO chunk's with its replica).
+fn stored_name(id: u64, key: ShardKey, tp_size: u32, zero: bool) -> String {
+    let mut name = param_name(id);
     if tp_size > 1 {
-        format!("{}.tp{}", param_name(id), key.tp_rank)
-    } else {
-        param_name(id)
+        name += &format!(".tp{}", key.tp_rank);
     }
+    if zero {
+        name += &format!(".z{}", key.zero_rank);
+    }
+    name
 }
 
-fn optimizer_file(stage: u32, tp_rank: u32, tp_size: u32) -> String {
+fn optimizer_file(key: ShardKey, tp_size: u32, zero: bool) -> String {
+    let mut name = format!("optimizer-s{}", key.stage);
     if tp_size > 1 {
-        format!("optimizer-s{stage}-tp{tp_rank}.bin")
-    } else {
-        format!("optimizer-s{stage}.bin")
+        name += &format!("-tp{}", key.tp_rank);
     }
+    if zero {
+        name += &format!("-z{}", key.zero_rank);
+    }
+    name + ".bin"
 }
 
 /// Serialises stage checkpoints for sending to another process.
@@ -71,6 +106,7 @@ pub fn encode(stages: &Shards) -> Vec<u8> {
     for (k, st) in order {
         put(&mut b, u64::from(k.stage));
         put(&mut b, u64::from(k.tp_rank));
+        put(&mut b, u64::from(k.zero_rank));
         put(&mut b, u64::from(st.tp_size));
         put(&mut b, st.params.len() as u64);
         for (id, shape, values) in &st.params {
@@ -86,6 +122,20 @@ pub fn encode(stages: &Shards) -> Vec<u8> {
         }
         put(&mut b, st.optimizer.len() as u64);
         b.extend_from_slice(&st.optimizer);
+        match &st.zero {
+            None => put(&mut b, 0),
+            Some(chunks) => {
+                put(&mut b, 1);
+                put(&mut b, chunks.len() as u64);
+                for c in chunks {
+                    put(&mut b, c.id);
+                    put(&mut b, u64::from(c.index));
+                    put(&mut b, u64::from(c.of));
+                    put(&mut b, c.shape.len() as u64);
+                    c.shape.iter().for_each(|&d| put(&mut b, d as u64));
+                }
+            }
+        }
     }
     b
 }
@@ -115,6 +165,7 @@ pub fn decode(b: &[u8]) -> Result<Shards, String> {
     for _ in 0..c.u64()? {
         let stage = u32::try_from(c.u64()?).map_err(|_| "bad stage in checkpoint message")?;
         let tp_rank = u32::try_from(c.u64()?).map_err(|_| "bad shard in checkpoint message")?;
+        let zero_rank = u32::try_from(c.u64()?).map_err(|_| "bad shard in checkpoint message")?;
         let tp_size = u32::try_from(c.u64()?).map_err(|_| "bad shard in checkpoint message")?;
         let mut params = Vec::new();
         for _ in 0..c.u64()? {
@@ -133,7 +184,25 @@ pub fn decode(b: &[u8]) -> Result<Shards, String> {
         }
         let no = c.u64()? as usize;
         let optimizer = c.take(no)?.to_vec();
-        out.insert(ShardKey { stage, tp_rank }, StageCheckpoint { params, optimizer, tp_size });
+        let small = |v: u64| u32::try_from(v).map_err(|_| "bad chunk in checkpoint message");
+        let zero = match c.u64()? {
+            0 => None,
+            _ => {
+                let n = c.u64()?;
+                let mut chunks = Vec::new();
+                for _ in 0..n {
+                    let (id, index, of) = (c.u64()?, small(c.u64()?)?, small(c.u64()?)?);
+                    let rank = c.u64()?;
+                    if rank > 16 {
+                        return Err("bad chunk shape in checkpoint message".into());
+                    }
+                    let shape = (0..rank).map(|_| c.u64().map(|d| d as usize)).collect::<Result<Vec<_>, _>>()?;
+                    chunks.push(Chunk { id, shape, index, of });
+                }
+                Some(chunks)
+            }
+        };
+        out.insert(ShardKey { stage, tp_rank, zero_rank }, StageCheckpoint { params, optimizer, tp_size, zero });
     }
     Ok(out)
 }
@@ -162,8 +231,8 @@ mod tests {
         for s in 0..2u32 {
             let params = vec![(u64::from(s) << 8, vec![2], vec![1.0 + s as f32, 2.0])];
             m.insert(
-                ShardKey { stage: s, tp_rank: 0 },
-                StageCheckpoint { params, optimizer: vec![s as u8; 64], tp_size: 1 },
+                ShardKey::whole(s, 0),
+                StageCheckpoint { params, optimizer: vec![s as u8; 64], tp_size: 1, zero: None },
             );
         }
         let at = write(&dir, 3, &test_identity(), &m, None).expect("written");
@@ -250,8 +319,8 @@ mod tests {
     fn rewriting_a_step_keeps_it_whole_and_a_dangling_latest_falls_back_to_the_newest() {
         let (dir, at) = two_stage_checkpoint("rewrite");
         let m = HashMap::from([(
-            ShardKey { stage: 0, tp_rank: 0 },
-            StageCheckpoint { params: vec![(0, vec![1], vec![7.0])], optimizer: vec![], tp_size: 1 },
+            ShardKey::whole(0, 0),
+            StageCheckpoint { params: vec![(0, vec![1], vec![7.0])], optimizer: vec![], tp_size: 1, zero: None },
         )]);
         // step 3 again (a resumed run re-training it): replaced whole, nothing left aside
         write(&dir, 3, &test_identity(), &m, None).expect("rewritten");
@@ -270,16 +339,17 @@ mod tests {
     #[test]
     fn stage_checkpoints_round_trip_and_truncation_is_an_error() {
         let mut m = HashMap::new();
-        let k = |stage, tp_rank| ShardKey { stage, tp_rank };
+        let k = ShardKey::whole;
         m.insert(
             k(2, 1),
             StageCheckpoint {
                 params: vec![(513, vec![2, 2], vec![1.0, 2.0, 3.0, -4.5])],
                 optimizer: vec![9, 8, 7],
                 tp_size: 2,
+                zero: None,
             },
         );
-        m.insert(k(0, 0), StageCheckpoint { params: vec![], optimizer: vec![], tp_size: 1 });
+        m.insert(k(0, 0), StageCheckpoint { params: vec![], optimizer: vec![], tp_size: 1, zero: None });
         let b = encode(&m);
         let back = decode(&b).expect("decodes");
         assert_eq!(back[&k(2, 1)].params, m[&k(2, 1)].params);
@@ -288,10 +358,58 @@ mod tests {
         assert_eq!(back[&k(0, 0)].tp_size, 1);
         assert!(decode(&b[..b.len() - 1]).is_err());
         assert_eq!(param_name(513), "layer2.p1");
-        assert_eq!(parse_name("layer2.p1"), Some((513, 0)));
-        assert_eq!(stored_name(513, k(2, 1), 2), "layer2.p1.tp1");
-        assert_eq!(parse_name("layer2.p1.tp1"), Some((513, 1)));
+        assert_eq!(parse_name("layer2.p1"), Some((513, 0, None)));
+        assert_eq!(stored_name(513, k(2, 1), 2, false), "layer2.p1.tp1");
+        assert_eq!(parse_name("layer2.p1.tp1"), Some((513, 1, None)));
+        assert_eq!(stored_name(513, ShardKey { stage: 2, tp_rank: 1, zero_rank: 3 }, 2, true), "layer2.p1.tp1.z3");
+        assert_eq!(parse_name("layer2.p1.tp1.z3"), Some((513, 1, Some(3))));
+        assert_eq!(parse_name("layer2.p1.z0"), Some((513, 0, Some(0))));
         assert_eq!(parse_name("layer2.p1.tpx"), None);
+    }
+
+    #[test]
+    fn zero_shards_are_written_as_each_replica_holds_them_and_read_back_whole() {
+        let dir = std::env::temp_dir().join(format!("pipec-ckpt-zero-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // a [5]-parameter and a [2, 2]-parameter cut among 2 replicas (chunks of 3 and 2,
+        // the first padded), and a statistic whole on replica 0
+        let chunk = |id: u64, shape: Vec<usize>, index: u32| Chunk { id, shape, index, of: 2 };
+        let mut m = HashMap::new();
+        for z in 0..2u32 {
+            let (a, b) =
+                if z == 0 { (vec![1.0, 2.0, 3.0], vec![10.0, 11.0]) } else { (vec![4.0, 5.0, 0.0], vec![12.0, 13.0]) };
+            let mut params = vec![(1, vec![3], a), (2, vec![2], b)];
+            let mut chunks = vec![chunk(1, vec![5], z), chunk(2, vec![2, 2], z)];
+            if z == 0 {
+                params.push((3, vec![2], vec![0.5, 0.25]));
+                chunks.push(Chunk { id: 3, shape: vec![2], index: 0, of: 1 });
+            }
+            m.insert(
+                ShardKey { stage: 0, tp_rank: 0, zero_rank: z },
+                StageCheckpoint { params, optimizer: vec![z as u8; 8], tp_size: 1, zero: Some(chunks) },
+            );
+        }
+        let at = write(&dir, 4, &test_identity(), &m, None).expect("written");
+        assert!(at.join("optimizer-s0-z1.bin").is_file() && !at.join("optimizer-s0.bin").exists());
+        let l = read(&at).expect("reads");
+        assert_eq!(l.params[&(1, 0)], (vec![5], vec![1.0, 2.0, 3.0, 4.0, 5.0]));
+        assert_eq!(l.params[&(2, 0)], (vec![2, 2], vec![10.0, 11.0, 12.0, 13.0]));
+        assert_eq!(l.params[&(3, 0)], (vec![2], vec![0.5, 0.25]));
+        assert_eq!(l.optimizers[&ShardKey { stage: 0, tp_rank: 0, zero_rank: 1 }], vec![1; 8]);
+        assert_eq!(l.zero[&ShardKey { stage: 0, tp_rank: 0, zero_rank: 1 }].len(), 2);
+        // through a process's message as well
+        assert_eq!(
+            decode(&encode(&m)).expect("decodes")[&ShardKey { stage: 0, tp_rank: 0, zero_rank: 1 }].zero,
+            m[&ShardKey { stage: 0, tp_rank: 0, zero_rank: 1 }].zero
+        );
+        // a replica's chunk missing: named, not read as a short parameter
+        let mut state: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(at.join("state.json")).expect("s")).expect("j");
+        state["zero"]["chunks"]["0"]["layer0.p1.z1"]["index"] = serde_json::json!(0);
+        std::fs::write(at.join("state.json"), state.to_string()).expect("w");
+        let e = read(&at).expect_err("two chunks 0");
+        assert!(e.contains("the ZeRO chunks of `layer0.p1` are [0, 0], not all of 0 to 1"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -299,13 +417,19 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pipec-ckpt-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut m = HashMap::new();
-        let k = |stage, tp_rank| ShardKey { stage, tp_rank };
+        let k = ShardKey::whole;
         m.insert(
             k(0, 0),
-            StageCheckpoint { params: vec![(1, vec![2], vec![1.0, 2.0])], optimizer: vec![1], tp_size: 1 },
+            StageCheckpoint { params: vec![(1, vec![2], vec![1.0, 2.0])], optimizer: vec![1], tp_size: 1, zero: None },
         );
-        m.insert(k(1, 0), StageCheckpoint { params: vec![(256, vec![1], vec![3.0])], optimizer: vec![2], tp_size: 2 });
-        m.insert(k(1, 1), StageCheckpoint { params: vec![(256, vec![1], vec![4.0])], optimizer: vec![3], tp_size: 2 });
+        m.insert(
+            k(1, 0),
+            StageCheckpoint { params: vec![(256, vec![1], vec![3.0])], optimizer: vec![2], tp_size: 2, zero: None },
+        );
+        m.insert(
+            k(1, 1),
+            StageCheckpoint { params: vec![(256, vec![1], vec![4.0])], optimizer: vec![3], tp_size: 2, zero: None },
+        );
         let at = write(&dir, 5, &test_identity(), &m, None).expect("written");
         assert!(at.join("optimizer-s1-tp1.bin").is_file() && at.join("optimizer-s0.bin").is_file());
         let l = read(&locate(&dir).expect("latest")).expect("read");
@@ -343,20 +467,25 @@ pub fn param_name(id: u64) -> String {
     format!("layer{}.p{}", id >> 8, id & 0xff)
 }
 
-/// The parameter id and tensor-parallel rank of a stored name.
-fn parse_name(name: &str) -> Option<(u64, u32)> {
+/// The parameter id and tensor-parallel rank of a stored name, and a ZeRO chunk's replica.
+fn parse_name(name: &str) -> Option<(u64, u32, Option<u32>)> {
     let rest = name.strip_prefix("layer")?;
+    let (rest, zero) = match rest.rsplit_once(".z") {
+        Some((r, z)) => (r, Some(z.parse::<u32>().ok()?)),
+        None => (rest, None),
+    };
     let (l, p) = rest.split_once(".p")?;
     let (p, rank) = match p.split_once(".tp") {
         Some((p, r)) => (p, r.parse::<u32>().ok()?),
         None => (p, 0),
     };
-    Some(((l.parse::<u64>().ok()? << 8) | p.parse::<u64>().ok()?, rank))
+    Some(((l.parse::<u64>().ok()? << 8) | p.parse::<u64>().ok()?, rank, zero))
 }
 
-/// The checkpoint format this pipec writes; it reads this one and format 2 (the same files
-/// without identity or checksums, which then go unchecked).
-pub const FORMAT: u64 = 3;
+/// The checkpoint format this pipec writes; it reads this one, format 3 (the same without
+/// ZeRO shards) and format 2 (the same files without identity or checksums, which then go
+/// unchecked).
+pub const FORMAT: u64 = 4;
 
 /// What a checkpoint holds, apart from the values: checked when a run resumes from it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -497,13 +626,27 @@ pub fn write(
     let mut order: Vec<(&ShardKey, &StageCheckpoint)> = stages.iter().collect();
     order.sort_by_key(|(k, _)| **k);
     let mut bytes: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    // ZeRO: each sharded stage's replicas and, per stored chunk, what it is
+    let mut zero = serde_json::Map::new();
     for (k, st) in &order {
-        for (id, shape, values) in &st.params {
-            bytes.push((
-                stored_name(*id, **k, st.tp_size),
-                shape.clone(),
-                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ));
+        let chunks = st.zero.as_ref();
+        if let Some(chunks) = chunks {
+            if chunks.len() != st.params.len() {
+                return Err(format!(
+                    "stage {}: {} chunks described for {} saved",
+                    k.stage,
+                    chunks.len(),
+                    st.params.len()
+                ));
+            }
+        }
+        for (n, (id, shape, values)) in st.params.iter().enumerate() {
+            let name = stored_name(*id, **k, st.tp_size, chunks.is_some());
+            if let Some(c) = chunks.map(|c| &c[n]) {
+                let entry = zero.entry(k.stage.to_string()).or_insert_with(|| serde_json::json!({}));
+                entry[&name] = serde_json::json!({ "index": c.index, "of": c.of, "shape": c.shape });
+            }
+            bytes.push((name, shape.clone(), f32_bytes(values)));
         }
     }
     let views: Vec<(String, TensorView<'_>)> = bytes
@@ -515,7 +658,14 @@ pub fn write(
     let model = safetensors::serialize(views, None).map_err(|e| format!("cannot encode model.safetensors: {e}"))?;
     let mut files: Vec<(String, &[u8])> = vec![("model.safetensors".to_string(), &model)];
     for (k, st) in &order {
-        files.push((optimizer_file(k.stage, k.tp_rank, st.tp_size), &st.optimizer));
+        files.push((optimizer_file(**k, st.tp_size, st.zero.is_some()), &st.optimizer));
+    }
+    // a ZeRO stage's replicas, by tensor-parallel rank
+    let mut zero_replicas: std::collections::BTreeMap<(u32, u32), Vec<u32>> = Default::default();
+    for (k, st) in &order {
+        if st.zero.is_some() {
+            zero_replicas.entry((k.stage, k.tp_rank)).or_default().push(k.zero_rank);
+        }
     }
     let mut sums = serde_json::Map::new();
     for (file, contents) in &files {
@@ -543,6 +693,13 @@ pub fn write(
         "tensor_parallel": tensor_parallel,
         "files": sums,
     });
+    if !zero.is_empty() {
+        let replicas: serde_json::Map<String, serde_json::Value> = zero_replicas
+            .iter()
+            .map(|((stage, tp), ranks)| (format!("{stage}.{tp}"), serde_json::json!(ranks)))
+            .collect();
+        state["zero"] = serde_json::json!({ "replicas": replicas, "chunks": zero });
+    }
     if let Some(ls) = loss_scale {
         state["loss_scale"] = serde_json::json!({ "scale": ls.scale, "good_steps": ls.good_steps });
     }
@@ -563,6 +720,15 @@ pub fn write(
         let _ = std::fs::remove_dir_all(&aside);
     }
     Ok(final_dir)
+}
+
+/// f32 values as their little-endian bytes.
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * 4);
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
 }
 
 /// Writes a file and flushes it to the disk (a checkpoint is published only once its files
@@ -598,6 +764,10 @@ pub struct Loaded {
     /// Face base checkpoint lacks), with the name of the tensor each lacked; every other
     /// parameter must be in it.
     pub initial: std::collections::BTreeMap<u64, String>,
+    /// ZeRO: the chunks each replica's optimizer file (in `optimizers`, under its
+    /// `zero_rank`) holds the state of; the executor joins them into whole states before it
+    /// loads. `params` holds the joined weights already.
+    pub zero: HashMap<ShardKey, Vec<Chunk>>,
 }
 
 impl Loaded {
@@ -776,9 +946,9 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
     }
     let state: serde_json::Value = serde_json::from_slice(&state_bytes).map_err(|e| format!("state.json: {e}"))?;
     let format = state.get("format").and_then(serde_json::Value::as_u64);
-    if !matches!(format, Some(2) | Some(FORMAT)) {
+    if !matches!(format, Some(2) | Some(3) | Some(FORMAT)) {
         return Err(format!(
-            "state.json: checkpoint format {} is not one this pipec reads (2 and {FORMAT})",
+            "state.json: checkpoint format {} is not one this pipec reads (2 to {FORMAT})",
             state.get("format").map_or("(missing)".to_string(), ToString::to_string)
         ));
     }
@@ -790,7 +960,7 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
             .map(str::to_string)
             .ok_or(format!("state.json has no `{key}`"))
     };
-    let (identity, sums) = if format == Some(FORMAT) {
+    let (identity, sums) = if matches!(format, Some(3) | Some(FORMAT)) {
         let identity = Identity {
             plan: text("plan")?,
             partition: text("partition")?,
@@ -817,9 +987,14 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
     };
     let bytes = read_verified(source, "model.safetensors", sums)?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("model.safetensors: {e}"))?;
+    let zero_chunks = state.get("zero").and_then(|z| z.get("chunks"));
     let mut params = HashMap::new();
+    // ZeRO chunks by (parameter, tensor-parallel rank)
+    let mut chunks: HashMap<(u64, u32), Vec<Piece>> = HashMap::new();
+    let mut zero: HashMap<ShardKey, Vec<Chunk>> = HashMap::new();
     for (name, view) in st.tensors() {
-        let key = parse_name(&name).ok_or(format!("model.safetensors: unexpected tensor `{name}`"))?;
+        let (id, tp_rank, zero_rank) =
+            parse_name(&name).ok_or(format!("model.safetensors: unexpected tensor `{name}`"))?;
         if view.dtype() != Dtype::F32 {
             return Err(format!("model.safetensors: `{name}` is {:?}, pipec writes and reads f32", view.dtype()));
         }
@@ -828,7 +1003,19 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
         if let Some(i) = values.iter().position(|v| !v.is_finite()) {
             return Err(format!("model.safetensors: `{name}` holds a non-finite value ({}) at element {i}", values[i]));
         }
-        params.insert(key, (view.shape().to_vec(), values));
+        let Some(z) = zero_rank else {
+            params.insert((id, tp_rank), (view.shape().to_vec(), values));
+            continue;
+        };
+        let (stage, c) = zero_chunk(zero_chunks, &name, id)?;
+        zero.entry(ShardKey { stage, tp_rank, zero_rank: z }).or_default().push(c.clone());
+        chunks.entry((id, tp_rank)).or_default().push((c.index, c.of, c.shape, values));
+    }
+    for ((id, tp_rank), mut pieces) in chunks {
+        params.insert((id, tp_rank), join_chunks(id, &mut pieces)?);
+    }
+    for list in zero.values_mut() {
+        list.sort_by_key(|c| c.id);
     }
     let mut tensor_parallel = HashMap::new();
     if let Some(tp) = state.get("tensor_parallel").and_then(serde_json::Value::as_object) {
@@ -842,13 +1029,25 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
             tensor_parallel.insert(s, n);
         }
     }
+    let replicas = zero_replicas(&state)?;
     let mut optimizers = HashMap::new();
     for s in state.get("stages").and_then(serde_json::Value::as_array).cloned().unwrap_or_default() {
         let s = s.as_u64().and_then(|s| u32::try_from(s).ok()).ok_or(format!("state.json: bad stage {s}"))?;
         let n = tensor_parallel.get(&s).copied().unwrap_or(1);
         for r in 0..n {
-            let b = read_verified(source, &optimizer_file(s, r, n), sums)?;
-            optimizers.insert(ShardKey { stage: s, tp_rank: r }, b);
+            match replicas.get(&(s, r)) {
+                None => {
+                    let key = ShardKey::whole(s, r);
+                    optimizers.insert(key, read_verified(source, &optimizer_file(key, n, false), sums)?);
+                }
+                Some(ranks) => {
+                    for &z in ranks {
+                        let key = ShardKey { stage: s, tp_rank: r, zero_rank: z };
+                        optimizers.insert(key, read_verified(source, &optimizer_file(key, n, true), sums)?);
+                        zero.entry(key).or_default();
+                    }
+                }
+            }
         }
     }
     let loss_scale = match state.get("loss_scale") {
@@ -863,7 +1062,75 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
         identity,
         loss_scale,
         initial: Default::default(),
+        zero,
     })
+}
+
+/// The replicas of each ZeRO-sharded (stage, tensor-parallel rank), from `state.json`.
+fn zero_replicas(state: &serde_json::Value) -> Result<HashMap<(u32, u32), Vec<u32>>, String> {
+    let mut out = HashMap::new();
+    let Some(z) = state.get("zero") else { return Ok(out) };
+    let bad = |what: &str| format!("state.json: `zero.replicas` {what}");
+    let map = z.get("replicas").and_then(serde_json::Value::as_object).ok_or_else(|| bad("is missing"))?;
+    for (key, ranks) in map {
+        let (s, t) = key.split_once('.').ok_or_else(|| bad(&format!("has the key `{key}`, not `stage.rank`")))?;
+        let (s, t) = (s.parse::<u32>(), t.parse::<u32>());
+        let (Ok(s), Ok(t)) = (s, t) else { return Err(bad(&format!("has the key `{key}`, not `stage.rank`"))) };
+        let ranks: Vec<u32> = serde_json::from_value(ranks.clone())
+            .map_err(|_| bad(&format!("of `{key}` must be a list of replica numbers")))?;
+        if ranks.is_empty() || ranks.len() > 65_536 {
+            return Err(bad(&format!("of `{key}` lists {} replicas", ranks.len())));
+        }
+        out.insert((s, t), ranks);
+    }
+    Ok(out)
+}
+
+/// What `state.json` says the stored ZeRO chunk `name` (of parameter `id`) is: its stage
+/// and its place in the whole parameter.
+fn zero_chunk(chunks: Option<&serde_json::Value>, name: &str, id: u64) -> Result<(u32, Chunk), String> {
+    let not = || format!("state.json: `zero.chunks` does not describe the stored chunk `{name}`");
+    let chunks = chunks.and_then(serde_json::Value::as_object).ok_or_else(not)?;
+    for (stage, entries) in chunks {
+        let Some(e) = entries.get(name) else { continue };
+        let stage: u32 = stage.parse().map_err(|_| format!("state.json: bad stage `{stage}` in zero.chunks"))?;
+        let number = |k: &str| e.get(k).and_then(serde_json::Value::as_u64).and_then(|v| u32::try_from(v).ok());
+        let shape: Option<Vec<usize>> = e.get("shape").and_then(|v| serde_json::from_value(v.clone()).ok());
+        return match (number("index"), number("of"), shape) {
+            (Some(index), Some(of), Some(shape)) if index < of && shape.len() <= 16 => {
+                Ok((stage, Chunk { id, shape, index, of }))
+            }
+            _ => Err(format!("state.json: the chunk `{name}` needs an `index` below `of` and a `shape`")),
+        };
+    }
+    Err(not())
+}
+
+/// A stored ZeRO chunk: its index, the chunk count, the whole shape and its values.
+type Piece = (u32, u32, Vec<usize>, Vec<f32>);
+
+/// A parameter's whole values from its ZeRO chunks (every one of 0..of, each the same
+/// length, enough for the shape; the padding beyond it dropped).
+fn join_chunks(id: u64, pieces: &mut [Piece]) -> Result<(Vec<usize>, Vec<f32>), String> {
+    let name = param_name(id);
+    pieces.sort_by_key(|p| p.0);
+    let (of, shape) = (pieces[0].1, pieces[0].2.clone());
+    let len: usize = shape.iter().product();
+    let chunk = len.div_ceil(of.max(1) as usize);
+    let whole = pieces.iter().enumerate().all(|(k, p)| p.0 as usize == k && p.1 == of && p.2 == shape);
+    if !whole || pieces.len() != of as usize {
+        let have: Vec<u32> = pieces.iter().map(|p| p.0).collect();
+        return Err(format!("model.safetensors: the ZeRO chunks of `{name}` are {have:?}, not all of 0 to {}", of - 1));
+    }
+    if let Some(p) = pieces.iter().find(|p| p.3.len() != chunk) {
+        return Err(format!("model.safetensors: a ZeRO chunk of `{name}` holds {} values, not {chunk}", p.3.len()));
+    }
+    let mut values: Vec<f32> = Vec::with_capacity(chunk * of as usize);
+    for p in pieces.iter() {
+        values.extend_from_slice(&p.3);
+    }
+    values.truncate(len);
+    Ok((shape, values))
 }
 
 /// `state.json`'s `loss_scale`, checked: a finite scale above 0 and a whole count of steps.

@@ -139,6 +139,7 @@ pub fn initial_weights(plan: &Plan, dir: &Path, partial: bool) -> Result<(Loaded
         identity: Some(identity),
         loss_scale: None,
         initial: conversion.initial.iter().cloned().collect(),
+        zero: Default::default(),
     };
     Ok((loaded, conversion))
 }

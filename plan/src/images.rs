@@ -310,6 +310,27 @@ pub fn load_folder(
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_resize_is_bounded_before_anything_is_allocated() {
+        // against the crop: at most 8 times its longer side
+        assert!(resize_problem(256, [3, 224, 224]).is_none());
+        assert!(resize_problem(100_000, [3, 224, 224]).expect("too large").contains("8 times the crop's longer side"));
+        // a square image so resized must fit the budget
+        let side = ((transform_budget() / 3) as f64).sqrt() as usize + 1;
+        let e = resize_problem(side, [3, side, side]).expect("over the budget");
+        assert!(e.contains("MiB, more than the"), "{e}");
+        // a long panorama resized by its shorter side grows past the budget: refused at
+        // decode, before the resize allocates
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("panorama.png");
+        let budget = transform_budget() as f64;
+        let wide = (budget / (3.0 * 512.0 * 512.0)).ceil() as u32 * 2 + 1;
+        png(&path, wide, 1, false, |_, _| [9, 9, 9]);
+        let t = Transform { resize: Some(512), mean: vec![], std: vec![] };
+        let e = decode(&path, [3, 64, 64], &t).expect_err("too large once resized");
+        assert!(e.contains("panorama.png") && e.contains("would take"), "{e}");
+    }
+
     fn png(path: &Path, w: u32, h: u32, grey: bool, f: impl Fn(u32, u32) -> [u8; 3]) {
         if grey {
             image::GrayImage::from_fn(w, h, |x, y| image::Luma([f(x, y)[0]])).save(path).expect("png");
