@@ -138,7 +138,7 @@ pub fn run(args: RunArgs) -> u8 {
         return run_mpi(&plan, &args, resume, &dir, first_step);
     }
     if args.transport == Transport::Tcp {
-        return run_as_rank(&plan, &args, resume, &dir, first_step, pipec_executor::tcp::run);
+        return run_as_rank(&plan, &args, resume, &dir, first_step, pipec_executor::run::tcp_run::run);
     }
     let steps = args.steps.unwrap_or(plan.training.steps);
     let options = RunOptions { stop: Some(stop_on_signals()), resume, ..run_options(&plan, &args, &dir) };
@@ -354,7 +354,7 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
     }
 }
 
-/// How a rank runs its device: `pipec_executor::mpi_run::run` or `tcp::run`.
+/// How a rank runs its device: `pipec_executor::mpi_run::run` or `run::tcp_run::run`.
 type RankRun = fn(
     &Plan,
     &RunOptions,

@@ -421,7 +421,7 @@ fn zero_checkpoints() {
 /// step); median of 120 after 12 warm-ups.
 fn kernels() {
     use burn::tensor::{Distribution, Tensor};
-    use pipec_executor::dense::Kernels;
+    use pipec_executor::backend::dense::Kernels;
     type B = pipec_executor::CpuBackend;
     type I = burn::backend::Flex;
     println!(
@@ -573,7 +573,7 @@ fn mpi_pingpong() {
 /// through the executor's endpoint, as `mpi-pingpong` measures MPI's.
 fn tcp_pingpong() {
     use pipec_executor::fabric::ProcessEndpoint;
-    use pipec_executor::tcp::{Rendezvous, TcpFabric};
+    use pipec_executor::comm::tcp::{Rendezvous, TcpFabric};
     use pipec_executor::transport::{Endpoint, Message};
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;

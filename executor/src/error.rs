@@ -1,7 +1,7 @@
 //! Why a worker stops: one enum for every failure inside the executor. `RunError` (lib.rs)
 //! wraps it with where it happened (device, stage, step, instruction).
 
-use crate::transport::TransportError;
+use crate::comm::transport::TransportError;
 
 /// What went wrong inside a worker.
 #[derive(Debug, Clone, PartialEq)]

@@ -4,50 +4,21 @@
 //! Burn.
 
 pub use pipec_plan::checkpoint;
-pub mod agreement;
-pub mod amp;
-mod buckets;
-pub mod calibrate;
-mod checkpointing;
-mod clip;
-mod collectives;
+// The layers, each importing only those below it (tests/architecture.rs holds the order):
+// comm < error < backend < nn < parallel < interp < run.
+pub mod backend;
 pub mod comm;
-mod compute;
-pub mod context;
-pub mod data;
-pub mod dense;
 pub mod error;
-pub mod experts;
-pub mod fabric;
-mod flex_gemm;
-mod flex_softmax;
-mod flex_weights;
-pub mod gpus;
-#[cfg(test)]
-mod hf_reference;
-pub mod layers;
+pub mod interp;
+pub mod nn;
+pub mod parallel;
+pub mod run;
+
+pub use comm::{fabric, transport};
+pub use parallel::reshard::whole_weights;
+pub use run::{calibrate, data, process_run, profile};
 #[cfg(feature = "mpi")]
-pub mod mpi_run;
-#[cfg(feature = "mpi")]
-mod mpi_send;
-#[cfg(feature = "mpi")]
-pub mod mpi_transport;
-mod params;
-pub mod process_run;
-pub mod profile;
-mod reshard;
-pub mod ring;
-pub use reshard::whole_weights;
-pub mod resident;
-pub mod rng;
-mod run;
-mod stage;
-pub mod tcp;
-pub mod tensor_parallel;
-pub mod transport;
-mod values;
-mod worker;
-mod zero;
+pub use {comm::mpi_transport, run::mpi_run};
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -55,15 +26,15 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::dense::ExecBackend;
+use crate::backend::dense::ExecBackend;
 use pipec_plan::model::Op;
 use pipec_plan::{DeviceId, Plan, StageId};
 
 use crate::error::ExecError;
 
-pub use run::{run_workers, CheckpointSink, TIMELINE_LIMIT};
-pub use worker::HeldState;
-pub use worker::StepReport as WorkerStep;
+pub use interp::worker::HeldState;
+pub use interp::worker::StepReport as WorkerStep;
+pub use run::threads::{run_workers, CheckpointSink, TIMELINE_LIMIT};
 
 /// Which Burn backend runs the plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,7 +74,7 @@ impl Resume {
             Resume::Loaded(l) if l.zero.is_empty() => Ok(l.clone()),
             Resume::Loaded(l) => {
                 let mut joined = (**l).clone();
-                zero::join_saved(&mut joined, &plan.training.optimizer).map_err(|e| e.to_string())?;
+                parallel::zero::join_saved(&mut joined, &plan.training.optimizer).map_err(|e| e.to_string())?;
                 Ok(Arc::new(joined))
             }
         }
@@ -118,7 +89,7 @@ pub fn read_checkpoint(
     optimizer: &pipec_plan::plan::OptimizerPlan,
 ) -> Result<checkpoint::Loaded, String> {
     let mut loaded = checkpoint::read(dir)?;
-    zero::join_saved(&mut loaded, optimizer).map_err(|e| e.to_string())?;
+    parallel::zero::join_saved(&mut loaded, optimizer).map_err(|e| e.to_string())?;
     Ok(loaded)
 }
 
@@ -278,7 +249,7 @@ pub struct RunReport {
     pub held: BTreeMap<DeviceId, HeldState>,
     /// The resident memory of each process that ran one device (Linux; one MPI rank, or a
     /// one-device plan): before its stages were built and at its peak.
-    pub resident: BTreeMap<DeviceId, resident::Resident>,
+    pub resident: BTreeMap<DeviceId, backend::resident::Resident>,
 }
 
 /// Why a run failed: where, and what happened.
@@ -371,7 +342,7 @@ pub fn gpu_placement(plan: &Plan, options: &RunOptions) -> Result<Vec<(DeviceId,
     let count = cuda::device_count().map_err(RunError::setup)?;
     #[cfg(not(feature = "cuda"))]
     let count = cuda_available().map(|()| 0).map_err(RunError::setup)?;
-    gpus::in_process(&working_devices(plan), count, options.share_gpus).map_err(RunError::setup)
+    run::gpus::in_process(&working_devices(plan), count, options.share_gpus).map_err(RunError::setup)
 }
 
 /// Where each device of a process runs: the backend's device and its name for the user.
@@ -405,7 +376,7 @@ fn whole_stage_gathers(plan: &Plan) -> bool {
                             | Op::TransformerBlock { .. }
                     )
                 });
-                large && !zero::gathers_per_product(plan, l)
+                large && !parallel::zero::gathers_per_product(plan, l)
             })
     })
 }
@@ -419,7 +390,7 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
             "under bf16 the executor computes every matrix product (dense layers, attention) in bf16 from fp32 master weights, as autocast does, and sums gradients in the plan's `grad_precision`; the rest (norms, softmax, losses, convolutions) runs in fp32 and the activations kept for the backward are fp32, so its memory is above the plan's bf16 figures"
                 .to_string(),
         ),
-        pipec_plan::Precision::Fp16 if amp::scales_loss(plan) => out.push(
+        pipec_plan::Precision::Fp16 if backend::amp::scales_loss(plan) => out.push(
             "under fp16 the executor computes every matrix product (dense layers, attention) in fp16 from fp32 master weights, with dynamic loss scaling (PyTorch's GradScaler: from 65536, halved and the step skipped on every device when a gradient is not finite, doubled after 2000 finite steps; metrics.jsonl has each step's `loss_scale` and `skipped`), and sums gradients in the plan's `grad_precision`; the rest (norms, softmax, losses, convolutions) runs in fp32 and the activations kept for the backward are fp32, so its memory is above the plan's fp16 figures"
                 .to_string(),
         ),
@@ -515,7 +486,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     validate(plan)?;
     match options.backend {
         BackendKind::Cpu => {
-            resident::check_host_memory(plan, &working_devices(plan)).map_err(RunError::setup)?;
+            backend::resident::check_host_memory(plan, &working_devices(plan)).map_err(RunError::setup)?;
             let devices = working_devices(plan).into_iter().map(|d| (d, (Default::default(), "cpu".to_string())));
             run_in_process::<CpuBackend>(plan, options, devices.collect(), on_step)
         }

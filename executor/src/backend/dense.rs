@@ -1,0 +1,948 @@
+//! The dense product `x · W` of every weight matrix (linear layers, transformer projections,
+//! LSTM gates), with a backward that runs in the orientation the backend's kernel is fast in.
+//!
+//! Burn's own matmul backward takes the input gradient as `dy · Wᵀ` through a transposed
+//! view of `W`. On the CPU (`flex`, i.e. the `gemm` crate) that is the one orientation whose
+//! kernel repacks the whole weight on every call: at the benchmark model's 32-row
+//! microbatches it ran 1.60–1.62 ms for 32 × 1024 · 1024 × 1024, against 0.46 ms for the
+//! same numbers computed as `(W · dyᵀ)ᵀ` (and 0.79–0.90 ms for the forward `x · W`;
+//! `pipec-bench kernels`). Nothing is copied or cached: the result is a transposed view,
+//! which the next operation reads.
+//! Gradients are Burn's own up to float rounding (the kernel sums in another order; tested),
+//! and every schedule of a plan runs the same products, so pipelines still train to exactly
+//! the single device's numbers.
+//!
+//! A backend picks its orientation in [`Kernels::input_grad`]; CUDA keeps Burn's. The
+//! forward goes through [`Kernels::weight_product`]: on `flex`, `(Wᵀ · xᵀ)ᵀ` from a
+//! transposed copy of the weight (from its second forward, and after an update from the
+//! first), for the same reason and with the same bits (`crate::backend::flex_weights`).
+//!
+//! The weight gradients `xᵀ · dy` are summed into the step's running sums inside the
+//! backward ([`with_gradient_sums`]), or, for the input half of a split backward (a
+//! zero-bubble schedule's, or a later stage's that sends its gradient first), kept as
+//! operands and multiplied in its weight half ([`with_deferred_weight_gradients`],
+//! [`add_deferred`]) — the same products into the same sums either way.
+//!
+//! Under ZeRO-3 a weight gathered per product ([`crate::parallel::zero::per_product`]) is a one-value
+//! stand-in in the model: while [`with_gathered_weights`] names it, the product asks its
+//! [`crate::parallel::zero::Gatherer`] for the whole weight, and its backward keeps the gatherer
+//! instead of the weight and asks again for the input gradient.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+
+/// What the executor needs of a backend beyond Burn's: its dense product.
+pub trait Kernels: Backend {
+    /// `a · b` for 2-D tensors (by default Burn's matmul).
+    fn product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(a, b)
+    }
+
+    /// `acc + a · b` for 2-D tensors, in `acc`'s buffer where the backend can.
+    fn product_add(acc: FloatTensor<Self>, a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_add(acc, Self::product(a, b))
+    }
+
+    /// `x · w` in a forward pass, `w` a weight (by default [`Kernels::product`]).
+    fn weight_product(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::product(x, w)
+    }
+
+    /// Drops whatever this thread keeps to speed up [`Kernels::weight_product`], for every
+    /// weight (only frees memory; `pipec profile` starts and ends each layer with it).
+    fn release_weight_copies() {}
+
+    /// Drops what this thread keeps for [`Kernels::weight_product`] of `w` (a transposed
+    /// copy on `flex`); whether there was something.
+    fn take_weight_copy(_w: &FloatTensor<Self>) -> bool {
+        false
+    }
+
+    /// Makes now what [`Kernels::weight_product`] would make for `w` at its second forward
+    /// (after an update, for the weights whose previous version had it).
+    fn copy_weight(_w: &FloatTensor<Self>) {}
+
+    /// The key under which a weight's gradient is summed in place ([`with_gradient_sums`]):
+    /// on an autodiff backend the weight's graph node; `None` elsewhere.
+    fn sum_key(_weight: &FloatTensor<Self>) -> Option<NodeId> {
+        None
+    }
+
+    /// `dy · wᵀ`, the input gradient of `x · w` (2-D), computed the way this backend runs it
+    /// fastest (by default Burn's: through the transposed view of `w`).
+    fn input_grad(dy: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::product(dy, Self::float_transpose(w))
+    }
+
+    /// `x · w` for a weight matrix `w` ([in, out]).
+    fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
+        Tensor::from_primitive(TensorPrimitive::Float(forward_product::<Self>(x, w)))
+    }
+
+    /// The rows of table `w` ([vocabulary, d]) that `ids` ([batch, seq]) name: [batch, seq,
+    /// d] (Burn's embedding).
+    fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
+        burn::tensor::module::embedding(w, ids)
+    }
+
+    /// Expert parallelism's exchange of rows with the group ([`crate::parallel::experts::move_rows`]);
+    /// on an autodiff backend its gradient is the reverse exchange, run in the backward.
+    fn exchange(x: Tensor<Self, 2>, ex: &crate::parallel::experts::Exchange) -> Result<Tensor<Self, 2>, String> {
+        crate::parallel::experts::move_rows(x, ex)
+    }
+
+    /// softmax(scores/√dh + the causal mask) over the keys of [batch, heads, queries, keys]
+    /// attention scores (by default Burn's operations).
+    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+        crate::nn::layers::scores_softmax(scores, dh, causal)
+    }
+
+    /// The scores' gradient from [`Kernels::attention_softmax`]'s output `p` and its
+    /// gradient `dp`: `p ⊙ (dp − rowsum(dp ⊙ p)) / √dh` (by default Burn's operations).
+    fn attention_softmax_grad(p: Tensor<Self, 4>, dp: Tensor<Self, 4>, dh: usize) -> Tensor<Self, 4> {
+        crate::nn::layers::scores_softmax_grad(p, dp, dh)
+    }
+
+    /// Context parallelism's ring attention ([`crate::backend::ring`]): this member's queries
+    /// [b, h, s, dh] over the group's keys and values, its own `k`, `v` [b, kv, s, dh]
+    /// passed around the ring; an autodiff backend keeps only q, its own k and v, the output
+    /// and the rows' log-sum-exp. Without autodiff, the forward alone.
+    fn ring_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        ring: &crate::backend::ring::Ring,
+    ) -> Result<Tensor<Self, 4>, String> {
+        ring.forward(q, k, v).map(|(out, _)| out)
+    }
+
+    /// Attention's core, softmax(q·kᵀ/√dh + the causal mask)·v on [batch, heads, seq, dh],
+    /// without keeping its scores and probabilities for the backward: an autodiff backend
+    /// keeps q, k and v (which the graph holds anyway) and recomputes the probabilities in
+    /// the backward — selective recompute (Korthikanti et al. 2022). Without autodiff there
+    /// is nothing to keep: the plain computation.
+    fn attention_recomputed(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        dh: usize,
+        causal: crate::nn::layers::Causal,
+    ) -> Tensor<Self, 4> {
+        crate::backend::amp::matmul(crate::nn::layers::attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))), v)
+    }
+}
+
+impl Kernels for burn::backend::Flex {
+    fn product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        // flex's kernel without its zero-fill and copy of the output (crate::backend::flex_gemm)
+        crate::backend::flex_gemm::product(&a, &b).unwrap_or_else(|| Self::float_matmul(a, b))
+    }
+
+    fn product_add(acc: FloatTensor<Self>, a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::backend::flex_gemm::product_add(acc, &a, &b).unwrap_or_else(|acc| Self::float_add(acc, Self::product(a, b)))
+    }
+
+    fn input_grad(dy: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        // (w · dyᵀ)ᵀ: the kernel streams w as it is laid out
+        Self::float_transpose(Self::product(w, Self::float_transpose(dy)))
+    }
+
+    fn weight_product(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        // (wᵀ · xᵀ)ᵀ from a transposed copy of w, once it has one (crate::backend::flex_weights)
+        crate::backend::flex_weights::product(&x, &w).unwrap_or_else(|| Self::product(x, w))
+    }
+
+    fn release_weight_copies() {
+        crate::backend::flex_weights::release()
+    }
+
+    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+        // one pass per row (crate::backend::flex_softmax), Burn's operations for what it does not take
+        let divisor = (dh as f64).sqrt() as f32;
+        match crate::backend::flex_softmax::forward(&scores.clone().into_primitive().tensor(), divisor, causal) {
+            Some(p) => Tensor::from_primitive(TensorPrimitive::Float(p)),
+            None => crate::nn::layers::scores_softmax(scores, dh, causal),
+        }
+    }
+
+    fn attention_softmax_grad(p: Tensor<Self, 4>, dp: Tensor<Self, 4>, dh: usize) -> Tensor<Self, 4> {
+        let divisor = (dh as f64).sqrt() as f32;
+        let (pp, dpp) = (p.clone().into_primitive().tensor(), dp.clone().into_primitive().tensor());
+        match crate::backend::flex_softmax::backward(&pp, &dpp, divisor) {
+            Some(ds) => Tensor::from_primitive(TensorPrimitive::Float(ds)),
+            None => crate::nn::layers::scores_softmax_grad(p, dp, dh),
+        }
+    }
+
+    fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
+        crate::backend::flex_weights::take(w)
+    }
+
+    fn copy_weight(w: &FloatTensor<Self>) {
+        crate::backend::flex_weights::copy_now(w)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Kernels for burn::backend::Cuda {}
+
+/// The backends the executor trains on: autodiff over a backend with [`Kernels`].
+pub trait ExecBackend: AutodiffBackend<InnerBackend: Kernels> + Kernels {}
+
+impl<B: AutodiffBackend<InnerBackend: Kernels> + Kernels> ExecBackend for B {}
+
+impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
+    fn sum_key(weight: &FloatTensor<Self>) -> Option<NodeId> {
+        Some(weight.node.id)
+    }
+
+    fn release_weight_copies() {
+        I::release_weight_copies()
+    }
+
+    fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
+        I::take_weight_copy(&w.primitive)
+    }
+
+    fn copy_weight(w: &FloatTensor<Self>) {
+        I::copy_weight(&w.primitive)
+    }
+
+    fn exchange(x: Tensor<Self, 2>, ex: &crate::parallel::experts::Exchange) -> Result<Tensor<Self, 2>, String> {
+        let x = x.into_primitive().tensor();
+        let moved = crate::parallel::experts::move_rows(Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(x.primitive)), ex)?
+            .into_primitive()
+            .tensor();
+        let y = match ExchangeBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(ex.reversed(), moved),
+            OpsKind::UnTracked(prep) => prep.finish(moved),
+        };
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+    }
+
+    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+        let s = scores.into_primitive().tensor();
+        let inner = Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(s.primitive.clone()));
+        let p = I::attention_softmax(inner, dh, causal).into_primitive().tensor();
+        let y = match (SoftmaxBackward { dh }).prepare::<C>([s.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(p.clone(), p),
+            OpsKind::UnTracked(prep) => prep.finish(p),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+
+    fn attention_recomputed(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        dh: usize,
+        causal: crate::nn::layers::Causal,
+    ) -> Tensor<Self, 4> {
+        let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
+        let inner = |t: &FloatTensor<Self>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(t.primitive.clone()));
+        let out =
+            I::attention_recomputed(inner(&q), inner(&k), inner(&v), dh, causal.clone()).into_primitive().tensor();
+        let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
+        let y = match (AttentionBackward { dh, causal }).prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((q.primitive, k.primitive, v.primitive), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+
+    fn ring_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        ring: &crate::backend::ring::Ring,
+    ) -> Result<Tensor<Self, 4>, String> {
+        // validation's forwards pass detached keys and values (as `Context::gather`)
+        let (q, k, v) = if ring.group.tracked { (q, k, v) } else { (q.detach(), k.detach(), v.detach()) };
+        let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
+        let inner = |t: &FloatTensor<Self>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(t.primitive.clone()));
+        let (out, lse) = ring.forward(inner(&q), inner(&k), inner(&v))?;
+        let (out, lse) = (out.into_primitive().tensor(), lse.into_primitive().tensor());
+        let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
+        let y = match RingBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let state = RingState {
+                    q: q.primitive,
+                    k: k.primitive,
+                    v: v.primitive,
+                    out: out.clone(),
+                    lse,
+                    ring: ring.clone(),
+                };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+    }
+
+    fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
+        let w = w.into_primitive().tensor();
+        // ZeRO-3: a table gathered for this lookup only; its backward needs none of it (the
+        // gradient adds the output's rows into zeros of the table's shape, as Burn's does)
+        let Some((g, id)) = gathered_weight::<I>(w.node.id) else {
+            let w = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(w));
+            return burn::tensor::module::embedding(w, ids);
+        };
+        let table = g.get(id);
+        let shape = table.shape().dims::<2>();
+        let ids = ids.into_primitive();
+        let y = match (EmbedBackward { shape }).prepare::<C>([w.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(ids.clone(), I::embedding(table, ids)),
+            OpsKind::UnTracked(prep) => prep.finish(I::embedding(table, ids)),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+
+    fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
+        let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
+        // ZeRO-3: a weight gathered for this product only (its gathered copy in no cache of
+        // the backend's: `I::product`, the same bits as `weight_product`)
+        let gathered = gathered_weight::<I>(w.node.id);
+        let (weight, product): (FloatTensor<I>, Product<I>) = match &gathered {
+            Some((g, id)) => (g.get(*id), |x, w| crate::backend::amp::mixed::<I>(x, w, I::product)),
+            None => (w.primitive.clone(), forward_product::<I>),
+        };
+        let y = match DenseBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(mut prep) => {
+                // x for the weight gradient, w (or its gatherer) for the input gradient, each
+                // only if needed
+                let x_state = w_tracked.then(|| prep.checkpoint(&x));
+                let w_state = x_tracked.then(|| match gathered {
+                    Some((g, id)) => Weight::Gathered(g, id),
+                    None => Weight::Held(weight.clone()),
+                });
+                prep.finish((x_state, w_state), product(x.primitive, weight))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(product(x.primitive, weight)),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(y))
+    }
+}
+
+/// The backward of a table lookup whose table was gathered for it (ZeRO-3 per product): the
+/// table's gradient, zeros of its `shape` with each output row added into the row its id
+/// names (Burn's `embedding_backward`, which reads only the table's shape).
+#[derive(Debug)]
+struct EmbedBackward {
+    shape: [usize; 2],
+}
+
+impl<I: Kernels> Backward<I, 1> for EmbedBackward {
+    type State = burn::tensor::ops::IntTensor<I>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let ids = ops.state;
+        let [to_w] = ops.parents;
+        let dy = grads.consume::<I>(&ops.node);
+        if let Some(node) = to_w {
+            let [n, s] = ids.shape().dims::<2>();
+            let [rows, d] = self.shape;
+            let dtype = dy.dtype();
+            let dy = I::float_reshape(dy, Shape::new([n * s, d]));
+            let ids = I::int_reshape(ids, Shape::new([n * s]));
+            let zeros = I::float_zeros(Shape::new([rows, d]), &I::float_device(&dy), dtype.into());
+            grads.register::<I>(node.id, I::float_select_add(zeros, 0, ids, dy));
+        }
+    }
+}
+
+/// A forward product `x · w` on primitives.
+type Product<I> = fn(FloatTensor<I>, FloatTensor<I>) -> FloatTensor<I>;
+
+/// What a dense product's backward keeps for its input gradient: the weight, or under
+/// ZeRO-3 per product what gathers it again.
+#[derive(Clone, Debug)]
+enum Weight<I: Backend> {
+    Held(FloatTensor<I>),
+    Gathered(std::sync::Arc<crate::parallel::zero::Gatherer<I>>, u64),
+}
+
+/// The backward of `x · w`: `dy · wᵀ` (through [`Kernels::input_grad`]) and `xᵀ · dy`.
+#[derive(Debug)]
+struct DenseBackward;
+
+impl<I: Kernels> Backward<I, 2> for DenseBackward {
+    type State = (Option<NodeId>, Option<Weight<I>>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let (x, w) = ops.state;
+        let x: Option<FloatTensor<I>> = x.map(|x| checkpointer.retrieve_node_output(x));
+        let [to_x, to_w] = ops.parents;
+        let dy = grads.consume::<I>(&ops.node);
+        if let Some(node) = to_x {
+            let w = match w.expect("the input is tracked, so its weight was kept") {
+                Weight::Held(w) => w,
+                Weight::Gathered(g, id) => g.get(id),
+            };
+            grads.register::<I>(node.id, crate::backend::amp::mixed::<I>(dy.clone(), w, I::input_grad));
+        }
+        if let Some(node) = to_w {
+            let xt = I::float_transpose(x.expect("the weight is tracked, so its input was kept"));
+            if let Some(dw) = add_to_sum::<I>(node.id, xt, dy) {
+                grads.register::<I>(node.id, dw);
+            }
+        }
+    }
+}
+
+/// The backward of [`Kernels::attention_recomputed`]: the probabilities P recomputed from
+/// q and k, then dV = Pᵀ·dO, dS = P ⊙ (dO·vᵀ − rowsum(dO·vᵀ ⊙ P)) (the softmax's
+/// backward over the scaled scores; a masked position's P is 0, so is its dS), dQ = dS·k,
+/// dK = dSᵀ·q ([`Kernels::attention_softmax_grad`] divides by √dh).
+#[derive(Debug)]
+struct AttentionBackward {
+    dh: usize,
+    causal: crate::nn::layers::Causal,
+}
+
+impl<I: Kernels> Backward<I, 3> for AttentionBackward {
+    type State = (FloatTensor<I>, FloatTensor<I>, FloatTensor<I>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
+        let (q, k, v) = ops.state;
+        let (q, k, v) = (t(q), t(k), t(v));
+        let d_out = t(grads.consume::<I>(&ops.node));
+        let mask = self.causal.as_ref().map(|m| (&m.0[..], &m.1[..]));
+        let p = crate::nn::layers::attention_at(q.clone(), k.clone(), self.dh, mask);
+        let [to_q, to_k, to_v] = ops.parents;
+        if let Some(node) = to_v {
+            grads.register::<I>(
+                node.id,
+                crate::backend::amp::matmul(p.clone().swap_dims(2, 3), d_out.clone()).into_primitive().tensor(),
+            );
+        }
+        if to_q.is_none() && to_k.is_none() {
+            return;
+        }
+        let dp = crate::backend::amp::matmul(d_out, v.swap_dims(2, 3));
+        let ds = I::attention_softmax_grad(p, dp, self.dh);
+        if let Some(node) = to_q {
+            grads.register::<I>(node.id, crate::backend::amp::matmul(ds.clone(), k).into_primitive().tensor());
+        }
+        if let Some(node) = to_k {
+            grads.register::<I>(node.id, crate::backend::amp::matmul(ds.swap_dims(2, 3), q).into_primitive().tensor());
+        }
+    }
+}
+
+/// The backward of [`Kernels::attention_softmax`]: the scores' gradient from the kept
+/// probabilities ([`Kernels::attention_softmax_grad`]).
+#[derive(Debug)]
+struct SoftmaxBackward {
+    dh: usize,
+}
+
+impl<I: Kernels> Backward<I, 1> for SoftmaxBackward {
+    type State = FloatTensor<I>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
+        let p = ops.state;
+        let dh = self.dh;
+        burn::backend::autodiff::ops::unary::<I, _>(ops.parents, ops.node, grads, |dp| {
+            I::attention_softmax_grad(t(p), t(dp), dh).into_primitive().tensor()
+        });
+    }
+}
+
+/// The backward of an expert exchange: the gradient's rows back to the members they came
+/// from (the state is the reversed exchange). A backward cannot fail: a failed exchange
+/// records its error in the group (the worker reports it after the backward) and passes
+/// zeros on.
+#[derive(Debug)]
+struct ExchangeBackward;
+
+impl<I: Kernels> Backward<I, 1> for ExchangeBackward {
+    type State = crate::parallel::experts::Exchange;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let ex = ops.state;
+        burn::backend::autodiff::ops::unary::<I, _>(ops.parents, ops.node, grads, |dy| {
+            let dy = Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(dy));
+            let (device, d) = (dy.device(), dy.dims()[1]);
+            let rows: usize = ex.recv.iter().sum();
+            let moved = crate::parallel::experts::move_rows(dy, &ex).unwrap_or_else(|e| {
+                if let Ok(mut failed) = ex.group.failed.lock() {
+                    failed.get_or_insert(e);
+                }
+                Tensor::zeros([rows, d], &device)
+            });
+            moved.into_primitive().tensor()
+        });
+    }
+}
+
+/// What [`Kernels::ring_attention`]'s backward keeps: the queries, this member's keys and
+/// values, the output and its rows' log-sum-exp (never another member's keys or values).
+#[derive(Debug, Clone)]
+struct RingState<I: Backend> {
+    q: FloatTensor<I>,
+    k: FloatTensor<I>,
+    v: FloatTensor<I>,
+    out: FloatTensor<I>,
+    lse: FloatTensor<I>,
+    ring: crate::backend::ring::Ring,
+}
+
+/// The backward of [`Kernels::ring_attention`] ([`crate::backend::ring::Ring::backward`]); an
+/// exchange that fails is recorded for the worker (a backward cannot return an error) and
+/// the gradients are zeros.
+#[derive(Debug)]
+struct RingBackward;
+
+impl<I: Kernels> Backward<I, 3> for RingBackward {
+    type State = RingState<I>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
+        let RingState { q, k, v, out, lse, ring } = ops.state;
+        let d_out = t(grads.consume::<I>(&ops.node));
+        let (q, k, v) = (t(q), t(k), t(v));
+        let zeros = (q.zeros_like(), k.zeros_like(), v.zeros_like());
+        let (dq, dk, dv) = ring.backward(q, k, v, t(out), t(lse), d_out).unwrap_or_else(|e| {
+            if let Ok(mut failed) = ring.group.failed.lock() {
+                failed.get_or_insert(e);
+            }
+            zeros
+        });
+        let [to_q, to_k, to_v] = ops.parents;
+        for (node, g) in [(to_q, dq), (to_k, dk), (to_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<I>(node.id, g.into_primitive().tensor());
+            }
+        }
+    }
+}
+
+/// The step's running weight-gradient sums, keyed by weight ([`Kernels::sum_key`]).
+pub(crate) type Sums<I> = HashMap<NodeId, Option<FloatTensor<I>>>;
+
+/// Weight gradients a split backward's input pass put off ([`with_deferred_weight_gradients`]):
+/// per keyed weight, the operands `xᵀ` and `dy` of its product, in the order the backward
+/// reached them. [`add_deferred`] computes them.
+pub(crate) struct Deferred<I: Backend>(Vec<(NodeId, FloatTensor<I>, FloatTensor<I>)>);
+
+impl<I: Backend> Default for Deferred<I> {
+    fn default() -> Self {
+        Deferred(Vec::new())
+    }
+}
+
+impl<I: Backend> std::fmt::Debug for Deferred<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} deferred weight gradient(s)", self.0.len())
+    }
+}
+
+impl<I: Backend> Deferred<I> {
+    /// Takes out the products of the weights in `keys` (each weight's in their order),
+    /// leaving the others' (a weight pass run bucket by bucket).
+    pub(crate) fn take(&mut self, keys: &HashSet<NodeId>) -> Deferred<I> {
+        let (taken, kept) = std::mem::take(&mut self.0).into_iter().partition(|(n, _, _)| keys.contains(n));
+        self.0 = kept;
+        Deferred(taken)
+    }
+
+    /// How many weight gradients wait here.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// What a backward on this thread does with the weight gradients of keyed weights.
+enum Lent<I: Backend> {
+    /// Adds each into its running sum at once.
+    Sums(Sums<I>),
+    /// Keeps its operands for later, for the weights in the set.
+    Defer(HashSet<NodeId>, Deferred<I>),
+}
+
+thread_local! {
+    /// This thread's [`Lent`] while a backward runs (type-erased: one per backend).
+    static LENT: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+    /// The weights gathered per product while a pass runs ([`with_gathered_weights`]).
+    static GATHERED: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// ZeRO-3 per product: the stand-ins (by autodiff node) whose products gather their weight,
+/// and from what (by parameter id).
+pub(crate) type GatheredWeights<I> = HashMap<NodeId, (std::sync::Arc<crate::parallel::zero::Gatherer<I>>, u64)>;
+
+/// Runs `pass` (a forward or a recompute) with `weights` installed on this thread: a dense
+/// product of one of those stand-ins gathers the whole weight for itself (the backward
+/// needs nothing installed: each product's keeps its gatherer). Uninstalled after, also if
+/// the pass panics.
+pub(crate) fn with_gathered_weights<I: Backend, R>(weights: GatheredWeights<I>, pass: impl FnOnce() -> R) -> R {
+    struct Installed;
+    impl Drop for Installed {
+        fn drop(&mut self) {
+            GATHERED.with(|s| s.borrow_mut().take());
+        }
+    }
+    if weights.is_empty() {
+        return pass();
+    }
+    GATHERED.with(|s| *s.borrow_mut() = Some(Box::new(weights)));
+    let _installed = Installed;
+    pass()
+}
+
+/// The gatherer of the weight whose stand-in is `node`, while a pass names it.
+fn gathered_weight<I: Backend>(node: NodeId) -> Option<(std::sync::Arc<crate::parallel::zero::Gatherer<I>>, u64)> {
+    GATHERED.with(|s| s.borrow().as_ref()?.downcast_ref::<GatheredWeights<I>>()?.get(&node).cloned())
+}
+
+/// Runs `backward` with `lent` installed on this thread, and takes it back (also if the
+/// backward panics).
+fn with_lent<I: Backend, R>(lent: Lent<I>, backward: impl FnOnce() -> R) -> (R, Option<Lent<I>>) {
+    /// Uninstalls what was lent even if the backward panics.
+    struct Installed;
+    impl Drop for Installed {
+        fn drop(&mut self) {
+            LENT.with(|s| s.borrow_mut().take());
+        }
+    }
+    LENT.with(|s| *s.borrow_mut() = Some(Box::new(lent)));
+    let installed = Installed;
+    let out = backward();
+    let lent = LENT.with(|s| s.borrow_mut().take()).and_then(|b| b.downcast::<Lent<I>>().ok()).map(|b| *b);
+    drop(installed);
+    (out, lent)
+}
+
+/// Runs `backward` with `sums` installed on this thread: the dense product's backward adds
+/// the weight gradient `xᵀ · dy` of every weight keyed there straight into its sum
+/// ([`Kernels::product_add`]: on `flex` the kernel accumulates into the sum's buffer)
+/// instead of handing it to Burn's gradients, so a microbatch's gradient of a 1024 × 1024
+/// weight is never written out, read back and added. Weights not keyed (and every other
+/// op's gradients) go through Burn's gradients as before. Returns the sums, 2-D where a
+/// product touched them.
+pub(crate) fn with_gradient_sums<I: Backend, R>(sums: Sums<I>, backward: impl FnOnce() -> R) -> (R, Sums<I>) {
+    let (out, lent) = with_lent(Lent::<I>::Sums(sums), backward);
+    let sums = match lent {
+        Some(Lent::Sums(sums)) => sums,
+        _ => Sums::<I>::new(),
+    };
+    (out, sums)
+}
+
+/// Runs `backward` as the input half of a split backward (zero-bubble's `BackwardInput`):
+/// the dense product's backward computes the input gradient but only keeps the operands of
+/// the weight gradient of every weight in `keys`, which [`add_deferred`] adds into the sums
+/// later (the plan's `BackwardWeight`). The weight products are the backward's largest
+/// share that nothing downstream waits for; a stage that sends its input gradient before
+/// computing them lets the previous stage start its backward that much sooner. Other
+/// gradients go through Burn's as usual.
+pub(crate) fn with_deferred_weight_gradients<I: Backend, R>(
+    keys: impl IntoIterator<Item = NodeId>,
+    backward: impl FnOnce() -> R,
+) -> (R, Deferred<I>) {
+    let keyed = keys.into_iter().collect();
+    let (out, lent) = with_lent(Lent::<I>::Defer(keyed, Deferred::default()), backward);
+    let deferred = match lent {
+        Some(Lent::Defer(_, deferred)) => deferred,
+        _ => Deferred::default(),
+    };
+    (out, deferred)
+}
+
+/// Adds the weight gradients `deferred` kept into `sums` (the weights must be keyed there),
+/// in the order the backward reached them: the same products and sums as when a whole
+/// backward adds them ([`with_gradient_sums`]), so a split backward's numbers are the
+/// unsplit one's bit for bit. Returns the sums.
+pub(crate) fn add_deferred<I: Kernels>(mut sums: Sums<I>, deferred: Deferred<I>) -> Sums<I> {
+    for (node, xt, dy) in deferred.0 {
+        let sum = sums.get_mut(&node).and_then(Option::take);
+        sums.insert(node, Some(sum_product::<I>(sum, xt, dy)));
+    }
+    sums
+}
+
+/// `sum + xt · dy`, in `sum`'s buffer where the backend can; `xt · dy` for the first.
+fn sum_product<I: Kernels>(sum: Option<FloatTensor<I>>, xt: FloatTensor<I>, dy: FloatTensor<I>) -> FloatTensor<I> {
+    match sum {
+        Some(sum) => {
+            let shape = Shape::new([xt.shape().dims::<2>()[0], dy.shape().dims::<2>()[1]]);
+            let sum = I::float_reshape(sum, shape);
+            match crate::backend::amp::dtype() {
+                None => I::product_add(sum, xt, dy),
+                // a low-precision product, summed in fp32
+                Some(_) => I::float_add(sum, crate::backend::amp::mixed::<I>(xt, dy, I::product)),
+            }
+        }
+        None => crate::backend::amp::mixed::<I>(xt, dy, I::product),
+    }
+}
+
+/// `x · w` in a forward pass: through [`Kernels::weight_product`] in fp32; in a low
+/// precision ([`crate::backend::amp`]) the plain product of the rounded operands (a weight copy kept
+/// for `weight_product` would be the rounded weight's, made anew every pass).
+pub(crate) fn forward_product<I: Kernels>(x: FloatTensor<I>, w: FloatTensor<I>) -> FloatTensor<I> {
+    match crate::backend::amp::dtype() {
+        None => I::weight_product(x, w),
+        Some(_) => crate::backend::amp::mixed::<I>(x, w, I::product),
+    }
+}
+
+/// Adds `xt · dy` into the installed sum of weight `node`, or keeps the operands when the
+/// installed backward defers it; gives the product back when nothing is installed for it.
+fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) -> Option<FloatTensor<I>> {
+    // the sum is taken out while the product runs, so no borrow of the thread-local spans it;
+    // deferred, the operands are moved into the list and nothing is left to compute
+    let mut operands = Some((xt, dy));
+    let slot = LENT.with(|s| {
+        let mut s = s.borrow_mut();
+        match s.as_mut()?.downcast_mut::<Lent<I>>()? {
+            Lent::Sums(sums) => sums.get_mut(&node).map(Option::take),
+            Lent::Defer(keyed, deferred) => {
+                if keyed.contains(&node) {
+                    deferred.0.extend(operands.take().map(|(xt, dy)| (node, xt, dy)));
+                }
+                None
+            }
+        }
+    });
+    let (xt, dy) = operands?;
+    let Some(sum) = slot else { return Some(crate::backend::amp::mixed::<I>(xt, dy, I::product)) };
+    let new = sum_product::<I>(sum, xt, dy);
+    LENT.with(|s| {
+        if let Some(Lent::Sums(sums)) = s.borrow_mut().as_mut().and_then(|b| b.downcast_mut::<Lent<I>>()) {
+            sums.insert(node, Some(new));
+        }
+    });
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::{Distribution, TensorData};
+
+    type B = crate::CpuBackend;
+
+    /// Attention's core recomputed in the backward gives the values and the q, k, v
+    /// gradients of the core kept (Burn's own autodiff through the same forward), causal or
+    /// not, to 1e-5 of the largest value, and passes a gradient to what is tracked.
+    /// The causal mask of `s` queries over the same `s` keys.
+    fn causal_mask(s: usize) -> crate::nn::layers::Causal {
+        let p: Vec<usize> = (0..s).collect();
+        Some(std::sync::Arc::new((p.clone(), p)))
+    }
+
+    #[test]
+    fn the_attention_core_recomputed_in_the_backward_has_the_kept_cores_gradients() {
+        let dev = Default::default();
+        let rand = |seed: u64| {
+            <B as Backend>::seed(&dev, seed);
+            Tensor::<B, 4>::random([2, 3, 5, 4], Distribution::Normal(0.0, 1.0), &dev)
+        };
+        let close = |a: TensorData, b: TensorData, what: &str| {
+            let (a, b) = (a.to_vec::<f32>().expect("f32"), b.to_vec::<f32>().expect("f32"));
+            let scale = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+            let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(worst <= 1e-5 * scale, "{what}: differs by {worst} (largest value {scale})");
+        };
+        // no mask, the causal one, and a context-parallel member's: queries at positions
+        // 1, 2, 7, 8, 9 of a sequence against keys in another order
+        let member: crate::nn::layers::Causal = Some(std::sync::Arc::new((vec![1, 2, 7, 8, 9], vec![5, 0, 9, 3, 1])));
+        for causal in [None, causal_mask(5), member] {
+            let weights = rand(9);
+            let run = |recomputed: bool| {
+                let (q, k, v) = (rand(1).require_grad(), rand(2).require_grad(), rand(3).require_grad());
+                let out = if recomputed {
+                    B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal.clone())
+                } else {
+                    let mask = causal.as_ref().map(|m| (&m.0[..], &m.1[..]));
+                    crate::nn::layers::attention_at(q.clone(), k.clone(), 4, mask).matmul(v.clone())
+                };
+                let grads = (out.clone() * weights.clone()).sum().backward();
+                let g = |t: &Tensor<B, 4>| t.grad(&grads).expect("a gradient").into_data();
+                (out.into_data(), g(&q), g(&k), g(&v))
+            };
+            let (kept, recomputed) = (run(false), run(true));
+            close(kept.0, recomputed.0, "the forward");
+            close(kept.1, recomputed.1, "dq");
+            close(kept.2, recomputed.2, "dk");
+            close(kept.3, recomputed.3, "dv");
+        }
+        // only v tracked: v gets its gradient, and nothing is asked of q and k
+        let v = rand(3).require_grad();
+        let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, causal_mask(5));
+        let grads = out.sum().backward();
+        assert!(v.grad(&grads).is_some());
+    }
+
+    fn random(shape: [usize; 2], seed: u64) -> Tensor<B, 2> {
+        <B as Backend>::seed(&Default::default(), seed);
+        Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+    }
+
+    fn data(t: Tensor<<B as AutodiffBackend>::InnerBackend, 2>) -> TensorData {
+        t.into_data()
+    }
+
+    /// Equal up to float rounding: the two products may sum in different orders.
+    fn close(a: TensorData, b: TensorData, what: &str) {
+        assert_eq!(a.shape, b.shape, "{what}");
+        let (a, b) = (a.to_vec::<f32>().expect("f32"), b.to_vec::<f32>().expect("f32"));
+        let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * scale, "{what}: element {i}: {x} against {y}");
+        }
+    }
+
+    /// Two layers, so the first one's output gradient comes through the second one's input
+    /// gradient; the gradients must be Burn's own.
+    fn grads(
+        x: &Tensor<B, 2>,
+        w1: &Tensor<B, 2>,
+        w2: &Tensor<B, 2>,
+        ours: bool,
+    ) -> (TensorData, TensorData, TensorData) {
+        let mm = |a: Tensor<B, 2>, b: Tensor<B, 2>| if ours { B::dense(a, b) } else { a.matmul(b) };
+        let h = burn::tensor::activation::relu(mm(x.clone(), w1.clone()));
+        let g = mm(h, w2.clone()).sum().backward();
+        (
+            data(x.grad(&g).expect("a gradient")),
+            data(w1.grad(&g).expect("a gradient")),
+            data(w2.grad(&g).expect("a gradient")),
+        )
+    }
+
+    #[test]
+    fn gradients_equal_burns_matmul() {
+        for rows in [1, 5, 32] {
+            let x = random([rows, 48], 1).require_grad();
+            let w1 = random([48, 40], 2).require_grad();
+            let w2 = random([40, 7], 3).require_grad();
+            let (dx, dw1, dw2) = grads(&x, &w1, &w2, true);
+            let (rx, rw1, rw2) = grads(&x, &w1, &w2, false);
+            close(dx, rx, &format!("{rows} rows: input gradient"));
+            close(dw1, rw1, &format!("{rows} rows: first weight gradient"));
+            close(dw2, rw2, &format!("{rows} rows: second weight gradient"));
+        }
+        // the benchmark model's shape (the kernel's packed path), and a tall weight
+        for (rows, inner) in [(32, 1024), (7, 300)] {
+            let x = random([rows, inner], 4).require_grad();
+            let w1 = random([inner, 1024], 5).require_grad();
+            let w2 = random([1024, 10], 6).require_grad();
+            let (dx, dw1, dw2) = grads(&x, &w1, &w2, true);
+            let (rx, rw1, rw2) = grads(&x, &w1, &w2, false);
+            close(dx, rx, &format!("{rows} × {inner}: input gradient"));
+            close(dw1, rw1, &format!("{rows} × {inner}: first weight gradient"));
+            close(dw2, rw2, &format!("{rows} × {inner}: second weight gradient"));
+        }
+    }
+
+    #[test]
+    fn untracked_input_or_weight() {
+        // an input without a gradient (the data), and a frozen weight
+        let x = random([4, 6], 4);
+        let w = random([6, 3], 5).require_grad();
+        let g = B::dense(x.clone(), w.clone()).sum().backward();
+        let g_ref = x.clone().matmul(w.clone()).sum().backward();
+        close(data(w.grad(&g).expect("a gradient")), data(w.grad(&g_ref).expect("a gradient")), "weight gradient");
+        assert!(x.grad(&g).is_none());
+        let x = x.require_grad();
+        let frozen = random([6, 3], 6);
+        let g = B::dense(x.clone(), frozen.clone()).sum().backward();
+        let g_ref = x.clone().matmul(frozen.clone()).sum().backward();
+        close(data(x.grad(&g).expect("a gradient")), data(x.grad(&g_ref).expect("a gradient")), "input gradient");
+        // no autodiff at all: the plain product
+        let y = <B as AutodiffBackend>::InnerBackend::dense(x.clone().inner(), frozen.clone().inner());
+        assert_eq!(data(y), data(x.inner().matmul(frozen.inner())));
+    }
+
+    #[test]
+    fn on_flex_the_input_gradient_reads_the_weight_as_it_lies() {
+        // (w · dyᵀ)ᵀ: a transposed view of a product, not Burn's dy · wᵀ
+        let dy = random([32, 64], 12).inner().into_primitive().tensor();
+        let w = random([48, 64], 13).inner().into_primitive().tensor();
+        let ours = <burn::backend::Flex as Kernels>::input_grad(dy.clone(), w.clone());
+        assert!(!ours.is_contiguous(), "the product is taken transposed and not copied");
+        let burns = <burn::backend::Flex as FloatTensorOps<_>>::float_matmul(
+            dy,
+            <burn::backend::Flex as FloatTensorOps<_>>::float_transpose(w),
+        );
+        let as_data = |t| Tensor::<burn::backend::Flex, 2>::from_primitive(TensorPrimitive::Float(t)).into_data();
+        close(as_data(ours), as_data(burns), "input gradient");
+    }
+
+    /// A step that blocks a backward until the test releases it.
+    #[derive(Debug)]
+    struct Held;
+
+    /// (entered the backward, released by the test, gave up waiting)
+    type Gate = std::sync::Arc<(std::sync::Mutex<(bool, bool, bool)>, std::sync::Condvar)>;
+
+    impl<I: Backend> Backward<I, 1> for Held {
+        type State = Gate;
+
+        fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+            let (lock, cvar) = &*ops.state;
+            let mut state = lock.lock().expect("gate");
+            state.0 = true; // entered
+            cvar.notify_all();
+            let (mut state, _) =
+                cvar.wait_timeout_while(state, std::time::Duration::from_secs(20), |s| !s.1).expect("gate");
+            state.2 = !state.1;
+            drop(state);
+            burn::backend::autodiff::ops::unary::<I, _>(ops.parents, ops.node, grads, |g| g);
+        }
+    }
+
+    /// One device's backward must not wait for another device's backward to end (the sweep
+    /// at the end of every backward skips busy graphs: vendor/burn-autodiff's fix).
+    #[test]
+    fn a_backward_does_not_wait_for_another_threads_backward() {
+        let gate: Gate = Default::default();
+        let held = {
+            let gate = gate.clone();
+            std::thread::spawn(move || {
+                let x = random([2, 3], 14).require_grad().into_primitive().tensor();
+                let y = match Held
+                    .prepare::<burn::backend::autodiff::checkpoint::strategy::NoCheckpointing>([x.node.clone()])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(gate, x.primitive),
+                    OpsKind::UnTracked(prep) => prep.finish(x.primitive),
+                };
+                drop(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(y)).sum().backward());
+            })
+        };
+        let (lock, cvar) = &*gate;
+        let state = cvar.wait_while(lock.lock().expect("gate"), |s| !s.0).expect("gate");
+        drop(state);
+        // the other thread is inside its backward, holding its graph: this one must finish
+        let z = random([2, 2], 15).require_grad();
+        let g = B::dense(z.clone(), random([2, 2], 16)).sum().backward();
+        assert!(z.grad(&g).is_some());
+        {
+            let mut state = lock.lock().expect("gate");
+            state.1 = true;
+            cvar.notify_all();
+        }
+        held.join().expect("the held backward finishes");
+        let gave_up = lock.lock().expect("gate").2;
+        assert!(!gave_up, "this backward waited for the other thread's backward to end");
+    }
+}

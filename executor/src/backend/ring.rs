@@ -1,0 +1,324 @@
+//! Context parallelism's ring (`cp_comm: ring`; Megatron-LM's `p2p`, ring attention): a
+//! member's attention passes the keys and values around its group instead of gathering
+//! them, and keeps only its own for the backward.
+//!
+//! Forward: the member's queries meet its own block of keys and values first, then the
+//! block each neighbour passes on (member `position − j` at step j), `cp − 1` passes in
+//! all, each started on the collective thread before the attention over the block it
+//! carries and waited for after it (the transfer under the computation). Under a causal
+//! mask each half of the member's queries (its two load-balanced chunks) skips the key
+//! halves wholly after it — half of every other member's block, a quarter of its own —
+//! and masks only where a half meets the diagonal. The blocks' results are merged by the online softmax (a running row maximum `m`,
+//! a running denominator `l` and a running output, rescaled as a larger maximum arrives:
+//! Milakov and Gimelshein 2018, as FlashAttention and ring attention merge their blocks).
+//! What the backward keeps: the queries, the member's own keys and values, the output and
+//! each row's log-sum-exp `m + ln l` — never another member's keys or values.
+//!
+//! Backward: the group's keys and values are gathered again for the pass (and dropped
+//! after it), each block's probabilities recomputed from the kept log-sum-exp, and each
+//! block's key and value gradients sent to their member and summed there — the all-gather
+//! and reduce-scatter the plan prices for the ring's backward (`LayerCost::core_s`).
+//!
+//! Every step of it computes what the all-gather's attention computes, block by block, so
+//! the two give the same numbers up to float rounding (tested against one device).
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+use crate::comm::exchanger::Ticket;
+use crate::parallel::experts::ExpertGroup;
+
+/// The online softmax's running state of a part of the queries: each row's maximum score,
+/// its denominator and its unnormalised output.
+type Online<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
+
+/// The gradients of a member's queries, keys and values.
+pub type Grads<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
+
+/// What a member's ring attention needs beside its tensors.
+#[derive(Clone, Debug)]
+pub struct Ring {
+    pub group: ExpertGroup,
+    /// Each member's positions of the sequence (member order): its queries' and keys'.
+    pub positions: Vec<Vec<usize>>,
+    /// A causal mask by true position (a key after its query weighs nothing).
+    pub causal: bool,
+    /// Query heads per key/value head (grouped-query attention: each key and value head
+    /// serves this many query heads).
+    pub group_size: usize,
+}
+
+impl Ring {
+    fn position(&self) -> usize {
+        self.group.position
+    }
+
+    /// The group's size.
+    fn cp(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// How queries at positions `queries` meet keys at `keys`: None when every key is after
+    /// every query (nothing to compute), else whether the causal mask is needed (some key
+    /// after some query). Without a causal mask every query meets every key.
+    fn meets(&self, queries: &[usize], keys: &[usize]) -> Option<bool> {
+        if !self.causal {
+            return Some(false);
+        }
+        let (q_first, q_last) = (queries.iter().min()?, queries.iter().max()?);
+        let (k_first, k_last) = (keys.iter().min()?, keys.iter().max()?);
+        if k_first > q_last {
+            None
+        } else {
+            Some(k_last > q_first)
+        }
+    }
+
+    /// The parts a member's positions split into: under a causal mask the load-balanced
+    /// chunks' halves (a member holds chunks c and 2·cp − 1 − c, the first half of its
+    /// positions and the second), so that a query half meets a key half whole, on the
+    /// diagonal or not at all, and what it does not meet is never computed (half of every
+    /// other member's block); otherwise all of them.
+    fn halves(&self, positions: usize) -> Vec<std::ops::Range<usize>> {
+        if self.causal && positions >= 2 && positions.is_multiple_of(2) {
+            vec![0..positions / 2, positions / 2..positions]
+        } else {
+            std::iter::once(0..positions).collect()
+        }
+    }
+
+    /// The key range of member `m`'s block that query part `qr` meets (the key halves it
+    /// meets, which are contiguous), and whether the mask is needed; None: none.
+    fn keys_met(&self, qr: &std::ops::Range<usize>, m: usize) -> Option<(std::ops::Range<usize>, bool)> {
+        let queries = &self.positions[self.position()][qr.clone()];
+        let keys = &self.positions[m];
+        let met: Vec<(std::ops::Range<usize>, bool)> = self
+            .halves(keys.len())
+            .into_iter()
+            .filter_map(|kr| self.meets(queries, &keys[kr.clone()]).map(|masked| (kr, masked)))
+            .collect();
+        let (first, last) = (met.first()?, met.last()?);
+        Some((first.0.start..last.0.end, met.iter().any(|(_, masked)| *masked)))
+    }
+
+    /// The additive causal mask of this member's queries `qr` against member `m`'s keys
+    /// `kr`, [1, 1, q, k].
+    fn mask<B: Backend>(
+        &self,
+        qr: &std::ops::Range<usize>,
+        m: usize,
+        kr: &std::ops::Range<usize>,
+        dev: &B::Device,
+    ) -> Tensor<B, 4> {
+        crate::nn::layers::causal_mask::<B>(
+            &self.positions[self.position()][qr.clone()],
+            &self.positions[m][kr.clone()],
+            dev,
+        )
+    }
+
+    /// Keys or values [b, kv, s, dh] repeated to the query heads [b, h, s, dh].
+    fn repeat<B: Backend>(&self, t: Tensor<B, 4>) -> Tensor<B, 4> {
+        crate::nn::layers::repeat_heads(t, self.group_size)
+    }
+
+    /// A gradient at the query heads [b, h, s, dh] summed onto the key/value heads.
+    fn fold<B: Backend>(&self, t: Tensor<B, 4>) -> Tensor<B, 4> {
+        if self.group_size == 1 {
+            return t;
+        }
+        let [b, h, s, dh] = t.dims();
+        let kv = h / self.group_size;
+        t.reshape([b, kv, self.group_size, s, dh]).sum_dim(2).reshape([b, kv, s, dh])
+    }
+
+    /// The scaled scores of queries `q` (this member's part `qr`) against keys `k` (already
+    /// repeated; member `m`'s part `kr`), masked where `masked`.
+    fn scores<B: Backend>(
+        &self,
+        q: &Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        (qr, m, kr, masked): (&std::ops::Range<usize>, usize, &std::ops::Range<usize>, bool),
+    ) -> Tensor<B, 4> {
+        let dh = q.dims()[3];
+        let s = crate::backend::amp::matmul(q.clone(), k.swap_dims(2, 3)) / (dh as f64).sqrt();
+        if masked {
+            s + self.mask::<B>(qr, m, kr, &q.device())
+        } else {
+            s
+        }
+    }
+
+    /// Starts sending `values` to the next member (and receiving what the previous one
+    /// sends) on the collective thread; [`Ring::passed`] waits for it.
+    fn pass(&self, values: Vec<f32>) -> Result<Ticket<Vec<Vec<f32>>>, String> {
+        let next = (self.position() + 1) % self.cp();
+        let mut chunks = vec![Vec::new(); self.cp()];
+        chunks[next] = values;
+        self.group.exchanger.start(&self.group.members, chunks).map_err(|e| e.to_string())
+    }
+
+    /// What the previous member passed ([`Ring::pass`]).
+    fn passed(&self, ticket: Ticket<Vec<Vec<f32>>>) -> Result<Vec<f32>, String> {
+        let prev = (self.position() + self.cp() - 1) % self.cp();
+        let mut got = ticket.wait().map_err(|e| e.to_string())?;
+        Ok(std::mem::take(&mut got[prev]))
+    }
+
+    /// Every member's `values`, member after member.
+    fn all_gather(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, String> {
+        self.group.all_gather(values).map_err(|e| e.to_string())
+    }
+
+    /// Sends `chunks[m]` to member m and returns the sum of what every member sent this one.
+    fn reduce_scatter(&self, chunks: Vec<Vec<f32>>) -> Result<Vec<f32>, String> {
+        let got = self.group.exchanger.exchange(&self.group.members, chunks).map_err(|e| e.to_string())?;
+        let mut sum = vec![0f32; got.first().map_or(0, Vec::len)];
+        for part in &got {
+            if part.len() != sum.len() {
+                return Err("a context-parallel member sent key gradients of another size".into());
+            }
+            sum.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+        }
+        Ok(sum)
+    }
+
+    /// The forward: the attention output [b, h, s, dh] of queries `q` [b, h, s, dh] over
+    /// the group's keys and values, and each row's log-sum-exp [b, h, s, 1]; `k`, `v`
+    /// [b, kv, s, dh] are this member's.
+    pub fn forward<B: Backend>(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> Result<(Tensor<B, 4>, Tensor<B, 4>), String> {
+        let dev = q.device();
+        let shape = k.dims();
+        let (mut k_blk, mut v_blk) = (k, v);
+        // per part of the queries, the running (m, l, o)
+        let parts = self.halves(q.dims()[2]);
+        let mut state: Vec<Option<Online<B>>> = vec![None; parts.len()];
+        for j in 0..self.cp() {
+            let m_id = (self.position() + self.cp() - j) % self.cp();
+            // the block goes on to the next member while this one computes with it
+            let n = k_blk.dims().iter().product::<usize>();
+            let passing = if j + 1 < self.cp() {
+                let mut values = crate::nn::params::host_f32(k_blk.clone().into_data()).map_err(|e| e.to_string())?;
+                values.extend(crate::nn::params::host_f32(v_blk.clone().into_data()).map_err(|e| e.to_string())?);
+                Some(self.pass(values)?)
+            } else {
+                None
+            };
+            for (qr, st) in parts.iter().zip(state.iter_mut()) {
+                let Some((kr, masked)) = self.keys_met(qr, m_id) else { continue };
+                let narrow = |t: &Tensor<B, 4>| self.repeat(t.clone().narrow(2, kr.start, kr.len()));
+                let q_part = q.clone().narrow(2, qr.start, qr.len());
+                let s = self.scores(&q_part, narrow(&k_blk), (qr, m_id, &kr, masked));
+                let m_j = s.clone().max_dim(3);
+                let p = (s - m_j.clone()).exp();
+                let l_j = p.clone().sum_dim(3);
+                let o_j = crate::backend::amp::matmul(p, narrow(&v_blk));
+                *st = Some(match st.take() {
+                    None => (m_j, l_j, o_j),
+                    Some((m, l, o)) => {
+                        let m_new = m.clone().max_pair(m_j.clone());
+                        let (a, b) = ((m - m_new.clone()).exp(), (m_j - m_new.clone()).exp());
+                        (m_new, l * a.clone() + l_j * b.clone(), o * a + o_j * b)
+                    }
+                });
+            }
+            if let Some(ticket) = passing {
+                let got = self.passed(ticket)?;
+                if got.len() != 2 * n {
+                    return Err(format!(
+                        "a context-parallel member passed {} key and value values, not {}",
+                        got.len(),
+                        2 * n
+                    ));
+                }
+                let (kv, vv) = got.split_at(n);
+                k_blk = Tensor::from_data(TensorData::new(kv.to_vec(), shape), &dev);
+                v_blk = Tensor::from_data(TensorData::new(vv.to_vec(), shape), &dev);
+            }
+        }
+        // (every part met its own block's diagonal: each query sees its own position)
+        let (mut outs, mut lses) = (Vec::new(), Vec::new());
+        for st in state {
+            let (m, l, o) = st.ok_or("a part of a context-parallel member's queries met no key")?;
+            outs.push(o / l.clone());
+            lses.push(m + l.log());
+        }
+        Ok((Tensor::cat(outs, 2), Tensor::cat(lses, 2)))
+    }
+
+    /// The backward: the gradients of `q`, `k` and `v` (this member's) from the output's
+    /// gradient `d_out`, given the forward's output `out` and log-sum-exp `lse`.
+    pub fn backward<B: Backend>(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        out: Tensor<B, 4>,
+        lse: Tensor<B, 4>,
+        d_out: Tensor<B, 4>,
+    ) -> Result<Grads<B>, String> {
+        let dev = q.device();
+        let shape = k.dims();
+        let n = shape.iter().product::<usize>();
+        let dh = q.dims()[3];
+        let mut values = crate::nn::params::host_f32(k.into_data()).map_err(|e| e.to_string())?;
+        values.extend(crate::nn::params::host_f32(v.into_data()).map_err(|e| e.to_string())?);
+        let all = self.all_gather(values)?;
+        // rowsum(dO ⊙ O): the softmax's backward term
+        let delta = (d_out.clone() * out).sum_dim(3);
+        let parts = self.halves(q.dims()[2]);
+        let mut dq: Vec<Tensor<B, 4>> =
+            parts.iter().map(|qr| q.clone().narrow(2, qr.start, qr.len()).zeros_like()).collect();
+        let mut sends = Vec::with_capacity(self.cp());
+        for (m_id, kv) in all.iter().enumerate() {
+            if kv.len() != 2 * n {
+                return Err(format!("a context-parallel member sent {} key and value values, not {}", kv.len(), 2 * n));
+            }
+            let (kv_k, kv_v) = kv.split_at(n);
+            let k_m = Tensor::<B, 4>::from_data(TensorData::new(kv_k.to_vec(), shape), &dev);
+            let v_m = Tensor::<B, 4>::from_data(TensorData::new(kv_v.to_vec(), shape), &dev);
+            // the block's key and value gradients, at the query heads
+            let (mut dk, mut dv) = (self.repeat(k_m.zeros_like()), self.repeat(v_m.zeros_like()));
+            for (qr, dq_part) in parts.iter().zip(dq.iter_mut()) {
+                let Some((kr, masked)) = self.keys_met(qr, m_id) else { continue };
+                let narrow = |t: &Tensor<B, 4>, r: &std::ops::Range<usize>| t.clone().narrow(2, r.start, r.len());
+                let (k_r, v_r) = (self.repeat(narrow(&k_m, &kr)), self.repeat(narrow(&v_m, &kr)));
+                let (q_p, d_out_p) = (narrow(&q, qr), narrow(&d_out, qr));
+                let s = self.scores(&q_p, k_r.clone(), (qr, m_id, &kr, masked));
+                let p = (s - narrow(&lse, qr)).exp();
+                let dv_r = crate::backend::amp::matmul(p.clone().swap_dims(2, 3), d_out_p.clone());
+                let dp = crate::backend::amp::matmul(d_out_p, v_r.swap_dims(2, 3));
+                let ds = p * (dp - narrow(&delta, qr)) / (dh as f64).sqrt();
+                *dq_part = dq_part.clone() + crate::backend::amp::matmul(ds.clone(), k_r);
+                let dk_r = crate::backend::amp::matmul(ds.swap_dims(2, 3), q_p);
+                dk = dk.clone().slice_assign(rows_of(&dk, &kr), narrow(&dk, &kr) + dk_r);
+                dv = dv.clone().slice_assign(rows_of(&dv, &kr), narrow(&dv, &kr) + dv_r);
+            }
+            let mut part = crate::nn::params::host_f32(self.fold(dk).into_data()).map_err(|e| e.to_string())?;
+            part.extend(crate::nn::params::host_f32(self.fold(dv).into_data()).map_err(|e| e.to_string())?);
+            sends.push(part);
+        }
+        let mine = self.reduce_scatter(sends)?;
+        if mine.len() != 2 * n {
+            return Err("a context-parallel member's key gradients have the wrong size".into());
+        }
+        let (dk, dv) = mine.split_at(n);
+        Ok((
+            Tensor::cat(dq, 2),
+            Tensor::from_data(TensorData::new(dk.to_vec(), shape), &dev),
+            Tensor::from_data(TensorData::new(dv.to_vec(), shape), &dev),
+        ))
+    }
+}
+
+/// The slice of a [b, h, s, d] tensor that takes rows `rows` of its third dimension whole
+/// in the others.
+fn rows_of<B: Backend>(t: &Tensor<B, 4>, rows: &std::ops::Range<usize>) -> [std::ops::Range<usize>; 4] {
+    let [b, h, _, d] = t.dims();
+    [0..b, 0..h, rows.clone(), 0..d]
+}

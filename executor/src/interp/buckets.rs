@@ -1,0 +1,355 @@
+//! Data-parallel gradient buckets (PyTorch DDP's, `bucket` in the strategy). Where the
+//! plan's replica all-reduce of a stage with `gradient_buckets` directly follows the
+//! stage's backward (`pipec_plan::plan::reduced_in_buckets`: the step's last gradient of
+//! the stage), each bucket's gradients go to the communication thread as soon as they are
+//! complete, so the last layers' sums run while the first layers' gradients compute:
+//! - a whole backward: the stage runs its forward cut at the buckets' bounds (each segment
+//!   after the first from a fresh leaf) and its backward segment by segment, from the last;
+//! - a weight-gradient pass (a split backward): the put-off products bucket by bucket.
+//!
+//! The `Collective` instruction that follows takes the buckets in flight; its wait puts
+//! every bucket's sums back, as one all-reduce would.
+//!
+//! Burn's autodiff has no per-parameter hook to start a reduction from inside one backward
+//! pass, which is why the pass is cut; the cut changes no value (the gradient at a cut is
+//! handed on whole, as a pipeline stage's is).
+
+use std::collections::{HashMap, HashSet};
+
+use burn::backend::autodiff::NodeId;
+use std::ops::Range;
+
+use burn::prelude::*;
+use pipec_plan::{CollectiveKind, GroupId, Instr, MicrobatchId, StageId};
+
+use crate::interp::collectives::{land_replica_sum, ReplicaSum};
+use crate::comm::exchanger::Ticket;
+use crate::backend::dense::ExecBackend;
+use crate::error::{ExecError, Result};
+use crate::nn::layers::{Act, Collected, StageModel};
+use crate::nn::params::{
+    accumulate, add_deferred_into_sums, backward_into_sums, collect_grads, host_f32, layout, sum_keys,
+};
+use crate::comm::transport::Tag;
+use crate::interp::values::{dot, dot_with, grad_of, input_grad, Forwarded, Saved, WeightGrads};
+use crate::interp::worker::Worker;
+
+/// The results to come of one reduction per part of a shard's layout.
+type PartResults = Vec<Ticket<Vec<f32>>>;
+
+/// A bucketed stage's reduction in flight: per bucket, in start order, its result and the
+/// parameters it carries (positions in the stage's visiting order); the last bucket's
+/// values are followed by the stage's batch statistics (`n_stats` of them). Under ZeRO
+/// each bucket is a reduce-scatter whose result is this replica's chunks of its
+/// parameters; `covered` is then the microbatches its gradients summed (the stage's
+/// accumulator is cleared as each bucket is taken).
+pub(crate) struct BucketsInFlight {
+    /// Under ZeRO: each bucket's reduce-scatters (one per part of the shard's layout) and
+    /// its parameters.
+    parts: Vec<(PartResults, Range<usize>)>,
+    /// Without ZeRO: each bucket's replica sums.
+    sums: Vec<ReplicaSum>,
+    n_stats: usize,
+    covered: usize,
+}
+
+impl BucketsInFlight {
+    fn new() -> Self {
+        BucketsInFlight { parts: Vec::new(), sums: Vec::new(), n_stats: 0, covered: 0 }
+    }
+}
+
+/// The positions in `all` of the backwards whose stage's replica all-reduce runs in
+/// buckets (`reduced_in_buckets`, on a stage with buckets), with the all-reduce's group.
+pub(crate) fn bucketed_backwards(plan: &pipec_plan::Plan, all: &[Instr]) -> HashMap<usize, GroupId> {
+    (0..all.len())
+        .filter_map(|j| {
+            let b = pipec_plan::plan::reduced_in_buckets(all, j)?;
+            let Instr::Collective { stage, group, .. } = &all[j] else { return None };
+            plan.stage(*stage).filter(|s| !s.gradient_buckets.is_empty()).map(|_| (b, *group))
+        })
+        .collect()
+}
+
+/// An activation's gradient back on the autodiff backend (untracked).
+fn tracked<B: ExecBackend>(g: Act<B::InnerBackend>) -> Result<Act<B>> {
+    Ok(match g {
+        Act::D2(t) => Act::D2(Tensor::from_inner(t)),
+        Act::D3(t) => Act::D3(Tensor::from_inner(t)),
+        Act::D4(t) => Act::D4(Tensor::from_inner(t)),
+        other => {
+            return Err(ExecError::Shape(format!("no gradient of shape {:?} crosses a bucket's bound", other.dims())))
+        }
+    })
+}
+
+impl<'a, B: ExecBackend> Worker<'a, B> {
+    /// Where `stage`'s forward is cut (positions in its layers, rising): before each
+    /// bucket's first layer but the stage's own. None without buckets, where its buckets
+    /// are fed by a weight-gradient pass (which needs no cut), or while evaluating.
+    pub(crate) fn bucket_cuts(&self, stage: StageId) -> Option<Vec<usize>> {
+        if !self.segmented.contains(&stage) || self.evaluating.is_some() {
+            return None;
+        }
+        let s = self.plan.stage(stage).filter(|s| !s.gradient_buckets.is_empty())?;
+        let mut cuts: Vec<usize> =
+            s.gradient_buckets.iter().map(|b| b.layers[0].saturating_sub(s.layers[0])).filter(|&c| c > 0).collect();
+        cuts.sort_unstable();
+        Some(cuts)
+    }
+
+    /// Each of `stage`'s buckets' parameters (positions in the stage's visiting order), in
+    /// the plan's order (the last layers' first), from the layers of `model`.
+    fn bucket_params(&self, stage: StageId, model: &StageModel<B>) -> Result<Vec<Range<usize>>> {
+        let s = self.plan.stage(stage).ok_or(ExecError::Plan(format!("the plan has no {stage}")))?;
+        let per_layer: Vec<usize> = model.layers.iter().map(|l| layout::<B, _>(l).len()).collect();
+        let before = |l: usize| per_layer[..l.saturating_sub(s.layers[0]).min(per_layer.len())].iter().sum::<usize>();
+        Ok(s.gradient_buckets.iter().map(|b| before(b.layers[0])..before(b.layers[1])).collect())
+    }
+
+    /// The forward of a bucketed stage, cut at `cuts` (`StageModel::forward_segments`).
+    pub(crate) fn forward_segmented(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        model: &StageModel<B>,
+        x: Act<B>,
+        key: (u64, u64, u64),
+        cuts: &[usize],
+    ) -> Result<Forwarded<B>> {
+        let mut side =
+            Collected { experts: self.experts_for(stage), context: self.context_for(stage), ..Default::default() };
+        let segments = model.forward_segments(x, cuts, true, key, &mut side)?;
+        let Collected { stats, aux, expert_tokens, .. } = side;
+        if aux.is_some() {
+            return Err(ExecError::Plan(format!("{stage} has gradient buckets and a load-balancing loss")));
+        }
+        let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
+        if stage == self.last_stage() {
+            let loss = self.loss(mb, out.clone())?;
+            Ok(Forwarded {
+                saved: Saved::Segmented(segments, Some(loss.clone())),
+                output: None,
+                loss: Some(loss),
+                stats,
+                scores: Some(out),
+                aux: None,
+                expert_tokens,
+            })
+        } else {
+            Ok(Forwarded {
+                saved: Saved::Segmented(segments, None),
+                output: Some(out),
+                loss: None,
+                stats,
+                scores: None,
+                aux: None,
+                expert_tokens,
+            })
+        }
+    }
+
+    /// The backward of a segmented stage, segment by segment from the last, each
+    /// segment's weight gradients added into the stage's sums as it finishes; leaves the
+    /// input gradient to send. With `reduce` (the step's last gradient of the stage, its
+    /// all-reduce over that group to follow), the microbatch's batch statistics are added
+    /// too and each bucket's sums start their all-reduce as soon as its segment is done.
+    pub(crate) fn backward_segments(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        reduce: Option<(GroupId, usize)>,
+    ) -> Result<WeightGrads<B>> {
+        let n_mb = self.plan.training.microbatches as f64;
+        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let Saved::Segmented(segments, loss) = &kept.saved else {
+            return Err(ExecError::Plan(format!("{stage}'s forward did not run in buckets")));
+        };
+        let (segments, loss, used) = (segments.clone(), loss.clone(), kept.model.clone());
+        let keys = sum_keys(&used);
+        // segment k (forward order) is the plan's bucket n − 1 − k (the last layers' first)
+        let buckets = self.bucket_params(stage, &used)?;
+        if buckets.len() != segments.len() {
+            return Err(ExecError::Plan(format!("{stage}: {} segments for {} buckets", segments.len(), buckets.len())));
+        }
+        let params = |k: usize| buckets[buckets.len() - 1 - k].clone();
+        let mut grad_out: Option<Act<B>> = None;
+        for k in (0..segments.len()).rev() {
+            let seg = &segments[k];
+            let target = match (grad_out.take(), &loss) {
+                (Some(g), _) => dot(&seg.out, g)?,
+                (None, Some(l)) => self.backward_seed(l.clone(), n_mb),
+                (None, None) => {
+                    let g = self
+                        .grads_in
+                        .remove(&(stage, mb))
+                        .ok_or(ExecError::Missing("the gradient of its output was not received"))?;
+                    dot_with::<B>(&seg.out, &g, &self.dev)?
+                }
+            };
+            let st = self.state(stage)?;
+            let mut grads = backward_into_sums::<B>(&mut st.acc, &keys, || target.backward());
+            accumulate::<B>(&mut st.acc, collect_grads(&used, &mut grads));
+            if k > 0 {
+                let g =
+                    grad_of(&seg.leaf, &mut grads).ok_or(ExecError::Missing("no gradient reached a bucket's bound"))?;
+                grad_out = Some(tracked::<B>(g)?);
+            } else if stage.0 > 0 {
+                let g = input_grad::<B>(&seg.leaf, &mut grads, Tag::gradient(stage, mb))?
+                    .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
+                self.input_grads.insert((stage, mb), g);
+            }
+            if let Some((group, code)) = reduce {
+                if k == 0 {
+                    self.count_contribution(stage, mb)?;
+                }
+                self.start_bucket(stage, group, params(k), k == 0, code)?;
+            }
+        }
+        Ok(WeightGrads::all(Vec::new()))
+    }
+
+    /// The weight-gradient pass of a split backward (zero bubble, or a later stage that sends
+    /// its input gradient first) when it is the stage's last gradient of the step: the put-off
+    /// products bucket by bucket, the last layers' first, each bucket's all-reduce over
+    /// `group` started as soon as its products are summed.
+    pub(crate) fn weight_pass_in_buckets(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        grads: WeightGrads<B>,
+        group: GroupId,
+        code: usize,
+    ) -> Result<()> {
+        let st = self.state(stage)?;
+        accumulate::<B>(&mut st.acc, grads.rest);
+        let model = st.model()?.clone();
+        let buckets = self.bucket_params(stage, &model)?;
+        let (keys, mut deferred) = grads.deferred.unwrap_or_default();
+        let n = buckets.len();
+        for (i, range) in buckets.into_iter().enumerate() {
+            let last = i + 1 == n;
+            let part = if last {
+                std::mem::take(&mut deferred)
+            } else {
+                let held: HashSet<NodeId> =
+                    keys.get(range.clone()).unwrap_or_default().iter().flatten().copied().collect();
+                deferred.take(&held)
+            };
+            add_deferred_into_sums::<B>(&mut self.state(stage)?.acc, &keys, part);
+            if last {
+                self.count_contribution(stage, mb)?;
+            }
+            self.start_bucket(stage, group, range, last, code)?;
+        }
+        Ok(())
+    }
+
+    /// Starts one bucket's reduction: an all-reduce of its parameters' sums (zeros where a
+    /// parameter has none, with a presence flag each, as `gradients_out` sends them), or on
+    /// a sharded stage (ZeRO) a reduce-scatter of them into the replicas' chunks, which
+    /// takes them from the accumulator; after the last bucket's, the stage's batch
+    /// statistics.
+    fn start_bucket(
+        &mut self,
+        stage: StageId,
+        group: GroupId,
+        range: Range<usize>,
+        last: bool,
+        code: usize,
+    ) -> Result<()> {
+        let members = crate::interp::collectives::members(self.plan, group)?;
+        let st = self.state(stage)?;
+        if st.shard.is_none() {
+            let sum = self.start_replica_sum(stage, members, range, last, code)?;
+            self.buckets.entry(stage).or_insert_with(BucketsInFlight::new).sums.push(sum);
+            return Ok(());
+        }
+        let (kind, flat, n_stats, covered) = {
+            let stats = if last { st.statistics_message()? } else { Vec::new() };
+            let mut acc = std::mem::take(&mut st.acc);
+            let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?;
+            let parts = shard.layout.scatter_input_from(range.clone(), &stats, |k| {
+                acc.get_mut(k).and_then(Option::take).map(|t| host_f32(t.into_data())).transpose()
+            })?;
+            st.acc = acc;
+            let covered = if last { st.contributions } else { 0 };
+            if last {
+                st.clear_gradients();
+            }
+            (CollectiveKind::ReduceScatter, parts, stats.len(), covered)
+        };
+        // summed in the plan's `grad_precision` (the statistics after the gradients in fp32)
+        let precision = self.plan.training.grad_precision;
+        let n = flat.first().map_or(0, Vec::len);
+        let round = crate::comm::transport::Rounding::of_gradients(precision, kind, n, members.len(), n_stats);
+        let tickets = self.start_parts(stage, kind, members, flat, round, Some(code))?;
+        let b = self.buckets.entry(stage).or_insert_with(BucketsInFlight::new);
+        b.parts.push((tickets, range));
+        b.n_stats += n_stats;
+        b.covered += covered;
+        Ok(())
+    }
+
+    /// The buckets `stage`'s backward started, for its `Collective` instruction.
+    pub(crate) fn take_buckets(&mut self, stage: StageId) -> Option<BucketsInFlight> {
+        self.buckets.remove(&stage)
+    }
+
+    /// Every bucket's sums back into the stage's accumulator (`members` replicas
+    /// contributed), the batch statistics after the last.
+    pub(crate) fn buckets_in(&mut self, stage: StageId, b: BucketsInFlight, members: usize) -> Result<()> {
+        let (dev, precision) = (self.dev.clone(), self.plan.training.grad_precision);
+        let st = self.state(stage)?;
+        if let Some(shard) = st.shard.as_mut() {
+            // this replica's chunks of every bucket, laid out as one reduce-scatter of the
+            // whole stage would have returned them: its segment, then the statistics
+            let n = b.parts.len();
+            let layout = &shard.layout;
+            let mut chunks: Vec<Option<Vec<f32>>> = vec![None; layout.params.len()];
+            let mut stats = Vec::new();
+            for (i, (tickets, range)) in b.parts.into_iter().enumerate() {
+                // each part's result: its parameters' chunks in the bucket, in visiting
+                // order; the statistics after part 0's in the last bucket
+                for (part, ticket) in tickets.into_iter().enumerate() {
+                    let mut data = ticket.wait()?;
+                    let ks: Vec<usize> = range.clone().filter(|&k| layout.params[k].part == Some(part)).collect();
+                    let values: usize = ks.iter().map(|&k| layout.params[k].chunk).sum();
+                    let last = i + 1 == n && part == 0;
+                    if data.len() != values + if last { b.n_stats } else { 0 } {
+                        return Err(ExecError::Plan(format!(
+                            "a gradient bucket's reduce-scatter gave {} values for {values} of chunks",
+                            data.len()
+                        )));
+                    }
+                    if last {
+                        stats = data.split_off(values);
+                    }
+                    let mut at = 0;
+                    for k in ks {
+                        let len = layout.params[k].chunk;
+                        chunks[k] = Some(data[at..at + len].to_vec());
+                        at += len;
+                    }
+                }
+                // a parameter of no part (another position's expert) has no chunk
+                for k in range.filter(|&k| layout.params[k].part.is_none()) {
+                    chunks[k] = Some(Vec::new());
+                }
+            }
+            let chunks = chunks
+                .into_iter()
+                .map(|c| c.ok_or(ExecError::Plan(format!("{stage}'s buckets do not cover its parameters"))))
+                .collect::<Result<Vec<_>>>()?;
+            let segment = layout.segment_of(&chunks, &stats);
+            shard.add_gradients(&segment, &dev, precision)?;
+            shard.contributions += b.covered * members;
+            return Ok(());
+        }
+        for sum in b.sums {
+            land_replica_sum(st, sum, &dev)?;
+        }
+        st.contributions *= members;
+        Ok(())
+    }
+}

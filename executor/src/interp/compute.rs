@@ -1,0 +1,463 @@
+//! The worker's compute instructions: forward, recompute and backward (whole or split),
+//! each on a fresh-leaf copy of the stage's weights; a tensor-parallel stage differs only
+//! in `run_forward` and `run_backward` (see `tensor_parallel`).
+
+use burn::prelude::*;
+use burn::tensor::activation;
+use burn::tensor::ElementConversion;
+use pipec_plan::model::Loss;
+use pipec_plan::{CollectiveKind, MicrobatchId, StageId};
+
+use crate::run::data::Targets;
+use crate::backend::dense::ExecBackend;
+use crate::error::{ExecError, Result};
+use crate::nn::layers::{Act, StageModel};
+use crate::nn::params::{
+    accumulate, add_deferred_into_sums, backward_deferring, backward_into_sums, collect_grads, sum_keys, FlatGrads,
+};
+use crate::parallel::tensor_parallel::Boundary;
+use crate::comm::transport::{Message, Tag};
+use crate::interp::values::{
+    act_to_message, detach, dot_with, input_grad, microbatch_copy, require_grad, Forwarded, Kept, Saved, WeightGrads,
+};
+use crate::interp::worker::{StepReport, Worker};
+
+impl<'a, B: ExecBackend> Worker<'a, B> {
+    /// `Forward`: runs the stage on a microbatch copy of its weights (the stashed version
+    /// when the plan stashed one; vertical sync may pick an older version than the current
+    /// one), reports the loss or keeps the output to send, and keeps what the backward needs.
+    pub(crate) fn forward(&mut self, stage: StageId, mb: MicrobatchId, report: &mut StepReport) -> Result<()> {
+        let x = self.inputs.remove(&(stage, mb)).ok_or(ExecError::Missing("its input was not loaded or received"))?;
+        let st = self.state(stage)?;
+        let model = microbatch_copy(match st.stash.get(&mb) {
+            Some(m) => m,
+            None => st.model()?,
+        });
+        let gathered = self.gathered_weights(stage, &model)?;
+        let key = self.mask_key(mb);
+        let f = crate::backend::dense::with_gathered_weights(gathered, || self.run_forward(stage, mb, &model, x.clone(), key))?;
+        // the forward (not a recompute) records batch normalisation's statistics; validation
+        // trains nothing
+        if self.evaluating.is_none() {
+            self.state(stage)?.record_statistics(mb, f.stats);
+        }
+        if let Some(loss) = f.loss {
+            let value = loss.into_scalar().elem::<f32>();
+            if !value.is_finite() {
+                return Err(ExecError::NonFinite(format!("the loss of microbatch {} is {value}", mb.0)));
+            }
+            report.losses.push((mb.0, value));
+            if let (Some(_), Some(scores)) = (self.evaluating, &f.scores) {
+                if let Some(c) = self.correct(mb, scores)? {
+                    report.correct.push(c);
+                }
+            }
+        }
+        if let Some(out) = &f.output {
+            self.outputs.insert((stage, mb), act_to_message(out, Tag::activation(stage, mb))?);
+        }
+        // the mixtures of experts' load-balancing losses and token counts (training only)
+        if self.evaluating.is_none() {
+            if let Some(aux) = &f.aux {
+                report.aux_losses.push((mb.0, aux.clone().into_scalar().elem::<f32>()));
+            }
+            for (layer, took) in &f.expert_tokens {
+                crate::add_expert_tokens(&mut report.expert_tokens, *layer, took);
+            }
+        }
+        // with recompute only the input is kept (the last stage keeps its loss); the
+        // `Recompute` instruction re-runs the forward, a tensor-parallel group's
+        // all-reduces included
+        let recompute = self.plan.stage(stage).is_some_and(|s| s.recompute);
+        let keep_all = !recompute || stage == self.last_stage();
+        // ZeRO-3: a recomputed forward keeps no weights either (the recompute gathers them
+        // again), so that the stage's whole weights can be dropped between its passes
+        let model = if keep_all || !self.sharded_at_3(stage) { model } else { crate::parallel::zero::released_copy(&model) };
+        let kept = Kept {
+            input: if recompute { detach(&x) } else { x },
+            saved: if keep_all { f.saved } else { Saved::Nothing },
+            model,
+            aux: if keep_all { f.aux } else { None },
+        };
+        self.saved.insert((stage, mb), kept);
+        *self.in_flight.entry(stage).or_insert(0) += 1;
+        Ok(())
+    }
+
+    /// `Recompute`: re-runs the forward from the kept input at the weights the forward used
+    /// (not the newest, if an update came between), with the same dropout masks.
+    pub(crate) fn recompute(&mut self, stage: StageId, mb: MicrobatchId) -> Result<()> {
+        let Kept { input, model, .. } =
+            self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
+        let x = if stage.0 == 0 { input } else { require_grad(input) };
+        // ZeRO-3: the weights gathered for this pass (one version a step: the forward's)
+        let model = if self.sharded_at_3(stage) {
+            microbatch_copy(self.state(stage)?.model()?)
+        } else {
+            microbatch_copy(&model)
+        };
+        let gathered = self.gathered_weights(stage, &model)?;
+        let key = self.mask_key(mb);
+        let f = crate::backend::dense::with_gathered_weights(gathered, || self.run_forward(stage, mb, &model, x.clone(), key))?;
+        self.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model, aux: f.aux });
+        Ok(())
+    }
+
+    /// Whether `stage` is sharded at ZeRO stage 3 on this device (its weights gathered for
+    /// passes).
+    pub(crate) fn sharded_at_3(&self, stage: StageId) -> bool {
+        let shard = self.stages.get(&stage).and_then(|s| s.shard.as_ref());
+        shard.is_some_and(|s| s.level == pipec_plan::vocab::Sharding::Parameters)
+    }
+
+    /// A stage's forward on `model`; the one place a tensor-parallel stage's forward differs.
+    pub(crate) fn run_forward(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        model: &StageModel<B>,
+        x: Act<B>,
+        key: (u64, u64, u64),
+    ) -> Result<Forwarded<B>> {
+        let is_last = stage == self.last_stage();
+        // validation: dropout off, batch normalisation on its running statistics
+        let training = self.evaluating.is_none();
+        if let Some(tp) = self.state(stage)?.tp.clone() {
+            let reduce = self.reduce;
+            let comm = &self.comm;
+            let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> {
+                Ok(comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?)
+            };
+            let mut side = crate::nn::layers::Collected {
+                experts: self.experts_for(stage),
+                context: self.context_for(stage),
+                ..Default::default()
+            };
+            let segments = crate::parallel::tensor_parallel::forward(model, x, training, key, &mut sum, &mut side)?;
+            if side.aux.is_some() {
+                return Err(ExecError::Plan("a tensor-parallel stage cannot train a load-balancing loss".into()));
+            }
+            let stats = side.stats;
+            let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
+            if !is_last {
+                return Ok(Forwarded {
+                    saved: Saved::Tp(segments, None),
+                    output: Some(out),
+                    loss: None,
+                    stats,
+                    scores: None,
+                    aux: None,
+                    // every rank routes alike: one reports
+                    expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
+                });
+            }
+            let leaf = crate::parallel::tensor_parallel::fresh(&out);
+            let loss = match model.layers.last() {
+                // the scores are split over the vocabulary: Megatron's vocabulary-parallel loss
+                Some(crate::nn::layers::Layer::VocabLinear(_)) => {
+                    let part = leaf.dims().last().copied().unwrap_or(0);
+                    let Some(Targets::Classes(classes)) = self.labels.get(&mb) else {
+                        return Err(ExecError::Missing("the class labels of this microbatch were not loaded"));
+                    };
+                    crate::parallel::tensor_parallel::vocab_parallel_loss(
+                        leaf.clone(),
+                        classes,
+                        tp.rank * part,
+                        tp.rank,
+                        tp.members.len(),
+                        &mut sum,
+                    )?
+                }
+                _ => self.loss(mb, leaf.clone())?,
+            };
+            let reported = (tp.rank == 0).then(|| loss.clone());
+            // a vocabulary-parallel layer's scores are split over the ranks: no accuracy
+            let scores = match model.layers.last() {
+                Some(crate::nn::layers::Layer::VocabLinear(_)) => None,
+                _ => reported.as_ref().map(|_| leaf.clone()),
+            };
+            return Ok(Forwarded {
+                saved: Saved::Tp(segments, Some((leaf, loss))),
+                output: None,
+                loss: reported,
+                stats,
+                scores,
+                aux: None,
+                expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
+            });
+        }
+        if let Some(cuts) = self.bucket_cuts(stage) {
+            return self.forward_segmented(stage, mb, model, x, key, &cuts);
+        }
+        let mut side = crate::nn::layers::Collected {
+            experts: self.experts_for(stage),
+            context: self.context_for(stage),
+            ..Default::default()
+        };
+        let out = model.forward(x, training, key, &mut side)?;
+        let crate::nn::layers::Collected { stats, aux, expert_tokens, .. } = side;
+        if is_last {
+            let loss = self.loss(mb, out.clone())?;
+            Ok(Forwarded {
+                saved: Saved::Loss(loss.clone()),
+                output: None,
+                loss: Some(loss),
+                stats,
+                scores: Some(out),
+                aux,
+                expert_tokens,
+            })
+        } else {
+            Ok(Forwarded {
+                saved: Saved::Output(out.clone()),
+                output: Some(out),
+                loss: None,
+                stats,
+                scores: None,
+                aux,
+                expert_tokens,
+            })
+        }
+    }
+
+    /// A classifier's correct predictions among a microbatch's (the class of the highest
+    /// score against the label; a language model's at every position), and their number;
+    /// None for a regression.
+    pub(crate) fn correct(&self, mb: MicrobatchId, scores: &Act<B>) -> Result<Option<(f64, f64)>> {
+        let Some(Targets::Classes(labels)) = self.labels.get(&mb) else { return Ok(None) };
+        let values = crate::nn::params::host_f32(match scores {
+            Act::D2(t) => t.clone().inner().into_data(),
+            Act::D3(t) => t.clone().inner().into_data(),
+            _ => return Ok(None),
+        })?;
+        let classes = scores.dims().last().copied().unwrap_or(1).max(1);
+        if values.len() != labels.len() * classes {
+            return Ok(None);
+        }
+        let correct = values
+            .chunks_exact(classes)
+            .zip(labels)
+            .filter(|(row, &label)| {
+                let best = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(c, _)| c);
+                best as i64 == label
+            })
+            .count();
+        Ok(Some((correct as f64, labels.len() as f64)))
+    }
+
+    /// This device's expert-parallel group for `stage`, its exchanges recorded for a
+    /// backward only when training (not while evaluating).
+    pub(crate) fn experts_for(&self, stage: StageId) -> Option<crate::parallel::experts::ExpertGroup> {
+        self.experts.get(&stage).map(|g| self.tracked(g))
+    }
+
+    /// This device's context-parallel group for `stage`, its gather recorded for a backward
+    /// only when training (not while evaluating).
+    pub(crate) fn context_for(&self, stage: StageId) -> Option<crate::nn::context::Context> {
+        self.contexts.get(&stage).map(|c| crate::nn::context::Context { group: self.tracked(&c.group), ..c.clone() })
+    }
+
+    /// `group`, its exchanges recorded for a backward only when training.
+    fn tracked(&self, group: &crate::parallel::experts::ExpertGroup) -> crate::parallel::experts::ExpertGroup {
+        crate::parallel::experts::ExpertGroup { tracked: self.evaluating.is_none(), ..group.clone() }
+    }
+
+    /// The first failure of an expert or context-parallel exchange inside a backward of
+    /// `stage` (a backward cannot return one; the exchange records it).
+    pub(crate) fn exchange_failure(&self, stage: StageId) -> Result<()> {
+        let failure = self
+            .experts
+            .get(&stage)
+            .and_then(crate::parallel::experts::ExpertGroup::take_failure)
+            .or_else(|| self.contexts.get(&stage).and_then(crate::nn::context::Context::take_failure));
+        match failure {
+            Some(e) => Err(ExecError::Transport(crate::comm::transport::TransportError::Other(format!(
+                "an exchange with the group in the backward of {stage} failed: {e}"
+            )))),
+            None => Ok(()),
+        }
+    }
+
+    /// What a microbatch's backward starts from for its loss `l`: `l / N` (the step's mean
+    /// over its N microbatches), times fp16's loss scale when the loss is scaled (a power of
+    /// two: every gradient is exactly the scale times its unscaled value until a product
+    /// rounds it).
+    pub(crate) fn backward_seed(&self, l: Tensor<B, 1>, n_mb: f64) -> Tensor<B, 1> {
+        let l = l / n_mb;
+        match self.loss_scale {
+            Some(s) => l * s.scale,
+            None => l,
+        }
+    }
+
+    /// The mean loss of a microbatch's output (tracked).
+    pub(crate) fn loss(&self, mb: MicrobatchId, out: Act<B>) -> Result<Tensor<B, 1>> {
+        let y = self.labels.get(&mb).ok_or(ExecError::Missing("the labels of this microbatch were not loaded"))?;
+        loss_of::<B>(self.plan.model.loss, out, y, &self.dev)
+    }
+
+    /// A microbatch's backward: leaves the input gradient to send (every stage but the
+    /// first) and returns the weight gradients not yet summed. The dense weights' gradients
+    /// are added straight into the stage's sums inside the pass (`dense::with_gradient_sums`)
+    /// or, for the input half of a split backward (`split`), put off to its weight half
+    /// (`dense::with_deferred_weight_gradients`); the rest are Burn's.
+    pub(crate) fn run_backward(&mut self, stage: StageId, mb: MicrobatchId, split: bool) -> Result<WeightGrads<B>> {
+        let n_mb = self.plan.training.microbatches as f64;
+        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let target = match &kept.saved {
+            // (an exchange inside these backwards records its failure too: checked after them)
+            Saved::Tp(..) => {
+                let grads = self.backward_tp(stage, mb, n_mb)?;
+                self.exchange_failure(stage)?;
+                return Ok(WeightGrads::all(grads));
+            }
+            Saved::Segmented(..) if split => {
+                return Err(ExecError::Plan(format!("{stage} has gradient buckets and a split backward")))
+            }
+            Saved::Segmented(..) => {
+                let grads = self.backward_segments(stage, mb, None)?;
+                self.exchange_failure(stage)?;
+                return Ok(grads);
+            }
+            Saved::Loss(l) => self.backward_seed(l.clone(), n_mb),
+            Saved::Output(out) => {
+                let g = self
+                    .grads_in
+                    .remove(&(stage, mb))
+                    .ok_or(ExecError::Missing("the gradient of its output was not received"))?;
+                dot_with::<B>(out, &g, &self.dev)?
+            }
+            Saved::Nothing => return Err(ExecError::Missing("recompute was not run before the backward")),
+        };
+        // the stage's load-balancing losses, weighted as the microbatch's loss is
+        let target = match &kept.aux {
+            Some(aux) => target + self.backward_seed(aux.clone(), n_mb),
+            None => target,
+        };
+        let keys = sum_keys(&kept.model);
+        let (mut grads, deferred) = if split {
+            let (grads, deferred) = backward_deferring::<B>(&keys, || target.backward());
+            (grads, Some((keys, deferred)))
+        } else {
+            (backward_into_sums::<B>(&mut self.state(stage)?.acc, &keys, || target.backward()), None)
+        };
+        // an exchange inside the backward records its failure instead of returning it
+        self.exchange_failure(stage)?;
+        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        if stage.0 > 0 {
+            let g = input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb))?
+                .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
+            self.input_grads.insert((stage, mb), g);
+        }
+        Ok(WeightGrads { rest: collect_grads(&kept.model, &mut grads), deferred })
+    }
+
+    /// The backward of a tensor-parallel stage, segment by segment (see
+    /// `tensor_parallel`); returns the weight gradients and leaves the input gradient to send.
+    pub(crate) fn backward_tp(&mut self, stage: StageId, mb: MicrobatchId, n_mb: f64) -> Result<FlatGrads<B>> {
+        let tp = self.state(stage)?.tp.clone().ok_or(ExecError::Plan(format!("{stage} is not tensor-parallel")))?;
+        let size = tp.members.len() as f32;
+        let reduce = self.reduce;
+        let Kept { saved, model: used, .. } =
+            self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let Saved::Tp(segments, loss) = saved else {
+            return Err(ExecError::Plan(format!("{stage}'s forward was not tensor-parallel")));
+        };
+        // clones share the forward's autodiff nodes, so gradients are found by them
+        let (segments, loss, used) = (segments.clone(), loss.clone(), used.clone());
+        // the gradient at the last segment's output
+        let mut grad_out: Message = match loss {
+            Some((leaf, l)) => {
+                let mut grads = self.backward_seed(l, n_mb).backward();
+                input_grad::<B>(&leaf, &mut grads, Tag::gradient(stage, mb))?
+                    .ok_or(ExecError::Missing("no gradient reached the loss input"))?
+            }
+            None => self
+                .grads_in
+                .remove(&(stage, mb))
+                .ok_or(ExecError::Missing("the gradient of its output was not received"))?,
+        };
+        let mut flat: FlatGrads<B> = Vec::new();
+        for (k, seg) in segments.iter().enumerate().rev() {
+            let mut grads = dot_with::<B>(&seg.out, &grad_out, &self.dev)?.backward();
+            accumulate::<B>(&mut flat, collect_grads(&used, &mut grads));
+            if k == 0 && stage.0 == 0 {
+                break;
+            }
+            let mut g = input_grad::<B>(&seg.leaf, &mut grads, Tag::gradient(stage, mb))?
+                .ok_or(ExecError::Missing("no gradient reached a segment input"))?;
+            if seg.boundary != Boundary::Complete {
+                let sum = |data| self.comm.collective(CollectiveKind::AllReduce, &tp.members, data, reduce, None);
+                g.data = sum(std::mem::take(&mut g.data))?;
+                if seg.boundary == Boundary::SumResidual {
+                    // the residual's share was counted on every rank: keep it once
+                    for (x, r) in g.data.iter_mut().zip(&grad_out.data) {
+                        *x -= (size - 1.0) * r;
+                    }
+                }
+            }
+            if k == 0 {
+                self.input_grads.insert((stage, mb), g);
+            } else {
+                grad_out = g;
+            }
+        }
+        Ok(flat)
+    }
+
+    /// Adds one microbatch's weight gradients (and its forward's batch statistics) to the
+    /// stage's accumulator.
+    pub(crate) fn add_gradient(&mut self, stage: StageId, mb: MicrobatchId, grads: WeightGrads<B>) -> Result<()> {
+        let precision = self.plan.training.grad_precision;
+        let st = self.state(stage)?;
+        if let Some((keys, deferred)) = grads.deferred {
+            add_deferred_into_sums::<B>(&mut st.acc, &keys, deferred);
+        }
+        accumulate::<B>(&mut st.acc, grads.rest);
+        crate::nn::params::round_grads::<B>(&mut st.acc, precision);
+        self.count_contribution(stage, mb)
+    }
+
+    /// Adds microbatch `mb`'s batch statistics to the stage's and counts its gradient in.
+    pub(crate) fn count_contribution(&mut self, stage: StageId, mb: MicrobatchId) -> Result<()> {
+        let weight = match self.plan.training.recipe.running_stats {
+            pipec_plan::recipe::RunningStats::PerUpdate => 1.0,
+            pipec_plan::recipe::RunningStats::PerForward => {
+                crate::interp::stage::per_forward_weight(mb, self.plan.training.microbatches)
+            }
+        };
+        let st = self.state(stage)?;
+        st.add_statistics(mb, weight);
+        st.contributions += 1;
+        Ok(())
+    }
+}
+
+/// The mean loss of a microbatch (tracked).
+pub(crate) fn loss_of<B: ExecBackend>(loss: Loss, out: Act<B>, y: &Targets, dev: &B::Device) -> Result<Tensor<B, 1>> {
+    // a language model's [batch, seq, vocab] scores: the mean over every position of the
+    // cross-entropy with its next token
+    let out = match (loss, out) {
+        (Loss::CrossEntropy, Act::D3(t)) => {
+            let [n, s, v] = t.dims();
+            Act::D2(t.reshape([n * s, v]))
+        }
+        (_, out) => out,
+    };
+    let Act::D2(logits) = out else {
+        return Err(ExecError::Shape(format!("the loss needs a [batch, outputs] output, got {:?}", out.dims())));
+    };
+    let [n, c] = logits.dims();
+    match (loss, y) {
+        (Loss::CrossEntropy, Targets::Classes(classes)) => {
+            let labels = Tensor::<B, 2, Int>::from_data(TensorData::new(classes.clone(), [n, 1]), dev);
+            let logp = activation::log_softmax(logits, 1);
+            Ok(logp.gather(1, labels).mean().neg())
+        }
+        (Loss::Mse, Targets::Values(values)) => {
+            let target = Tensor::<B, 2>::from_data(TensorData::new(values.clone(), [n, c]), dev);
+            Ok((logits - target).powi_scalar(2).mean())
+        }
+        _ => Err(ExecError::Data(format!("the targets do not fit the `{loss}` loss"))),
+    }
+}

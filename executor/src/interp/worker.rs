@@ -1,0 +1,963 @@
+//! The interpreter: one worker per device executes its instruction stream, step after step,
+//! with an exhaustive `match` on the instruction set. Nothing runs that the plan does not say.
+//! `exec` dispatches each instruction to one method: the compute instructions are in
+//! `compute`, the collectives in `collectives`, the rest (data, messages, updates) here; a
+//! stage's state and optimizer are in `stage`, what the worker holds between instructions
+//! in `values`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use burn::prelude::*;
+use pipec_plan::plan::{instruction_code, Segment as StreamSegment};
+use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, Plan, ReduceMode, StageId};
+
+use crate::comm::exchanger::{Comm, CommTrace, Ticket};
+use crate::run::data::{Dataset, Inputs, Targets};
+use crate::backend::dense::ExecBackend;
+use crate::error::{ExecError, Result};
+use crate::nn::layers::Act;
+use crate::nn::params::{flatten_grads, layout, set_params, snapshot, unflatten, FlatGrads};
+use crate::interp::stage::{set_tied_gradient, tied_gradient, StageState};
+use crate::comm::transport::{Message, Tag, TransportError};
+use crate::interp::values::{host_to_act, require_grad, Kept, WeightGrads};
+
+/// Everything a worker reports about one step.
+#[derive(Debug, Clone, Default)]
+pub struct StepReport {
+    pub device: DeviceId,
+    pub step: usize,
+    /// (microbatch, loss) for every microbatch whose loss this device computed.
+    pub losses: Vec<(u32, f32)>,
+    /// (microbatch, load-balancing loss) for every microbatch whose forward ran a stage of
+    /// this device with a mixture of experts weighing that loss (per stage: its blocks'
+    /// losses, summed).
+    pub aux_losses: Vec<(u32, f32)>,
+    /// Per mixture-of-experts block on this device (by layer): the tokens each expert took
+    /// over the step's forwards.
+    pub expert_tokens: crate::ExpertTokens,
+    /// (instruction index, start s, end s) from the step's start.
+    pub trace: Vec<(usize, f64, f64)>,
+    /// What the communication threads ran during the step: (instruction index, start s,
+    /// end s) from the start of the run.
+    pub comm: CommTrace,
+    /// When the step started, in seconds from the start of the run (of this process).
+    pub started: f64,
+    pub step_seconds: f64,
+    /// Peak microbatches kept for the backward at once, per stage.
+    pub peak_in_flight: HashMap<StageId, u32>,
+    /// ZeRO-3 (a device holding a stage sharded so): the all-gathers of its stages' whole
+    /// weights this step ran, and how many of them were prefetched during the pass before.
+    pub weight_gathers: Option<u32>,
+    pub prefetched_gathers: Option<u32>,
+    /// ZeRO-3: the all-gathers of single weights by the products reading them
+    /// (`zero::per_product`) this step.
+    pub product_gathers: Option<u32>,
+    /// Peak weight versions alive at once (live + stashed), per stage.
+    pub peak_versions: HashMap<StageId, u32>,
+    /// Validation (a forward-only run of a held-out batch): per microbatch whose loss this
+    /// device computed, its correct predictions and predictions (a classifier's samples, a
+    /// language model's tokens; none for a regression).
+    pub correct: Vec<(f64, f64)>,
+    /// Validation after this step: the summed loss, microbatches, correct predictions and
+    /// predictions of every held-out batch on this device.
+    pub validation: Option<[f64; 4]>,
+    /// The model state this device holds (the run's last step only).
+    pub held: Option<HeldState>,
+    /// The process's resident memory, when it runs this device alone (the last step only).
+    pub resident: Option<crate::backend::resident::Resident>,
+    /// Gradient clipping by the global norm (or fp16's overflow check): the step's norm,
+    /// before clipping (unscaled).
+    pub grad_norm: Option<f64>,
+    /// fp16's dynamic loss scaling: the scale the step's loss was multiplied by, whether the
+    /// step's updates were skipped (a gradient was not finite), and the scale after the
+    /// step (what a checkpoint of it keeps).
+    pub loss_scale: Option<f64>,
+    pub skipped: bool,
+    pub next_loss_scale: Option<pipec_plan::recipe::LossScale>,
+    /// Seconds this worker waited for checkpoint writes since its previous report.
+    pub checkpoint_wait_s: f64,
+    /// Seconds this worker took to copy its state for the checkpoint after this step (0:
+    /// none after it).
+    pub checkpoint_copy_s: f64,
+}
+
+/// The model state a device holds, in f32 values: its weights, the most gradient values it
+/// held at once (whole sums and ZeRO shards), and its optimizer's state (momentum or Adam's
+/// moments; under ZeRO also the master weights' shard) — what the plan's memory figures
+/// predict, measured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldState {
+    pub weights: u64,
+    pub gradients: u64,
+    pub optimizer: u64,
+}
+
+/// A worker: one device, its stages, its stream.
+pub(crate) struct Worker<'a, B: ExecBackend> {
+    pub device: DeviceId,
+    pub plan: &'a Plan,
+    pub stream: &'a [Instr],
+    pub data: &'a Dataset,
+    pub comm: Comm,
+    pub dev: B::Device,
+    pub stages: HashMap<StageId, StageState<B>>,
+    pub reduce: ReduceMode,
+    /// The start of the run: step reports say when each step started from it.
+    pub epoch: Instant,
+    // per-step buffers
+    pub(crate) inputs: HashMap<(StageId, MicrobatchId), Act<B>>,
+    pub(crate) labels: HashMap<MicrobatchId, Targets>,
+    pub(crate) saved: HashMap<(StageId, MicrobatchId), Kept<B>>,
+    pub(crate) outputs: HashMap<(StageId, MicrobatchId), Message>,
+    pub(crate) grads_in: HashMap<(StageId, MicrobatchId), Message>,
+    pub(crate) input_grads: HashMap<(StageId, MicrobatchId), Message>,
+    /// Split backwards' weight halves to come (`BackwardWeight`).
+    pub(crate) pending_weight_grads: HashMap<(StageId, MicrobatchId), WeightGrads<B>>,
+    pub(crate) in_flight: HashMap<StageId, u32>,
+    /// ZeRO-3: the all-gathers of whole weights since the step started, and those of them
+    /// prefetched ([`Worker::prefetch_weights`]).
+    pub(crate) weight_gathers: u32,
+    pub(crate) prefetched_gathers: u32,
+    /// ZeRO-3: the all-gathers of single weights by their products since the step started.
+    pub(crate) product_gathers: u32,
+    /// ZeRO-3: whole weights being gathered ahead of the pass that needs them, per stage.
+    pub(crate) prefetched: HashMap<StageId, Vec<Ticket<Vec<f32>>>>,
+    /// The step's instructions (what a prefetch looks ahead in).
+    pub(crate) step_instrs: Vec<Instr>,
+    /// When the all-to-all the last instruction accounted for ran (inside its pass).
+    pub(crate) exchanged: Option<(Instant, Instant)>,
+    /// Receives posted ahead, by position in the step.
+    pub(crate) posted: HashMap<usize, Ticket<Message>>,
+    /// All-reduces in flight, per stage.
+    pub(crate) collectives: HashMap<(StageId, GroupId), crate::interp::collectives::InFlight>,
+    /// The most gradient values held at once since the run started.
+    pub(crate) peak_gradients: u64,
+    /// The step being run (the learning-rate schedule's).
+    pub(crate) current_step: usize,
+    /// Gradient clipping by the global norm: this step's norm (once summed).
+    pub(crate) grad_norm: Option<f64>,
+    /// fp16's dynamic loss scale at the start of the step (`crate::backend::amp::scales_loss`);
+    /// None when the loss is not scaled.
+    pub(crate) loss_scale: Option<pipec_plan::recipe::LossScale>,
+    /// The stream sums the gradient norm over every device (`grad_norm`).
+    pub(crate) global_clip: bool,
+    /// Validation: the held-out batch being evaluated (forwards only, dropout off, batch
+    /// normalisation on its running statistics); None while training.
+    pub(crate) evaluating: Option<usize>,
+    /// Expert parallelism: this device's group for each expert-parallel stage it holds.
+    pub(crate) experts: HashMap<StageId, crate::parallel::experts::ExpertGroup>,
+    /// Context parallelism: per stage, this device's group and positions.
+    pub(crate) contexts: HashMap<StageId, crate::nn::context::Context>,
+    /// Gradient buckets: the step's backwards (positions) whose stage's all-reduce over
+    /// the group runs in buckets (`buckets`), and the buckets started, per stage.
+    pub(crate) bucketed: HashMap<usize, GroupId>,
+    pub(crate) segmented: std::collections::HashSet<StageId>,
+    pub(crate) buckets: HashMap<StageId, crate::interp::buckets::BucketsInFlight>,
+}
+
+impl<'a, B: ExecBackend> Worker<'a, B> {
+    // the worker's parts, each one of the run's: a struct of them would only be unpacked here
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        device: DeviceId,
+        plan: &'a Plan,
+        stream: &'a [Instr],
+        data: &'a Dataset,
+        comm: Comm,
+        dev: B::Device,
+        stages: HashMap<StageId, StageState<B>>,
+        reduce: ReduceMode,
+    ) -> Self {
+        let exchanger = comm.exchanger();
+        let experts = stages
+            .keys()
+            .filter_map(|s| crate::parallel::experts::ExpertGroup::of(plan, *s, device, &exchanger).map(|g| (*s, g)))
+            .collect();
+        let contexts = stages
+            .keys()
+            .filter_map(|s| crate::nn::context::Context::of(plan, *s, device, &exchanger).map(|g| (*s, g)))
+            .collect();
+        Worker {
+            experts,
+            contexts,
+            device,
+            plan,
+            stream,
+            data,
+            comm,
+            dev,
+            stages,
+            reduce,
+            epoch: Instant::now(),
+            inputs: HashMap::new(),
+            labels: HashMap::new(),
+            saved: HashMap::new(),
+            outputs: HashMap::new(),
+            grads_in: HashMap::new(),
+            input_grads: HashMap::new(),
+            pending_weight_grads: HashMap::new(),
+            in_flight: HashMap::new(),
+            weight_gathers: 0,
+            prefetched_gathers: 0,
+            product_gathers: 0,
+            prefetched: HashMap::new(),
+            step_instrs: Vec::new(),
+            exchanged: None,
+            posted: HashMap::new(),
+            collectives: HashMap::new(),
+            peak_gradients: 0,
+            current_step: 0,
+            grad_norm: None,
+            loss_scale: None,
+            global_clip: stream
+                .iter()
+                .any(|i| matches!(i, Instr::Collective { payload: pipec_plan::CollectivePayload::GradNorm, .. })),
+            evaluating: None,
+            bucketed: HashMap::new(),
+            segmented: Default::default(),
+            buckets: HashMap::new(),
+        }
+    }
+
+    /// The segments step `step` runs: the plan's stream; for a flush-free pipeline the
+    /// prologue first when the pipeline is empty (`filled` false), then the body, or the
+    /// epilogue when the step must leave it empty (`drain`).
+    pub fn segments(&self, filled: bool, drain: bool) -> Vec<(StreamSegment, &'a [Instr])> {
+        let Some(f) = &self.plan.flush_free else { return vec![(StreamSegment::Body, self.stream)] };
+        let of = |m: &'a BTreeMap<DeviceId, Vec<Instr>>| m.get(&self.device).map_or(&[][..], Vec::as_slice);
+        let mut out = Vec::with_capacity(2);
+        if !filled {
+            out.push((StreamSegment::Prologue, of(&f.prologue)));
+        }
+        out.push(if drain { (StreamSegment::Epilogue, of(&f.epilogue)) } else { (StreamSegment::Body, self.stream) });
+        out
+    }
+
+    /// Runs one step: its `segments` (see `segments`), each instruction's microbatch made
+    /// absolute (`step·N + m`). With `drained`, nothing may be left in flight afterwards.
+    /// On failure: the instruction's `instruction_code` and the error.
+    pub fn step(
+        &mut self,
+        step: usize,
+        segments: &[(StreamSegment, &[Instr])],
+        drained: bool,
+    ) -> std::result::Result<StepReport, (usize, ExecError)> {
+        let start = Instant::now();
+        let started = start.duration_since(self.epoch).as_secs_f64();
+        let mut report = StepReport { device: self.device, step, started, ..Default::default() };
+        self.current_step = step;
+        self.grad_norm = None;
+        for st in self.stages.values_mut() {
+            st.versions = st.model.iter().cloned().collect();
+        }
+        let base = (step * self.plan.training.microbatches) as u32;
+        let mut versions: HashMap<StageId, u32> = HashMap::new();
+        let all: Vec<(usize, Instr)> = segments
+            .iter()
+            .flat_map(|(segment, stream)| {
+                stream.iter().enumerate().map(move |(index, ins)| {
+                    (instruction_code(*segment, index), ins.map_microbatch(|m| MicrobatchId(base + m.0)))
+                })
+            })
+            .collect();
+        let instrs: Vec<Instr> = all.iter().map(|(_, i)| i.clone()).collect();
+        self.bucketed = crate::interp::buckets::bucketed_backwards(self.plan, &instrs);
+        self.prefetched.clear();
+        // the stages whose whole backward feeds its buckets run their forwards in segments
+        self.segmented = self
+            .bucketed
+            .keys()
+            .filter(|&&b| matches!(instrs[b], Instr::Backward { .. }))
+            .map(|&b| instrs[b].stage())
+            .collect();
+        self.step_instrs = instrs;
+        // the next message instruction not yet handed to the communication thread
+        let mut issued = 0;
+        let mut last = 0;
+        for (at, (code, ins)) in all.iter().enumerate() {
+            last = *code;
+            // post the receives up to the next send: messages keep the stream's order, and a
+            // send is issued when the compute reaches it
+            while let Some((c, next)) = all.get(issued) {
+                if sends(next) {
+                    break;
+                }
+                if receives(next) && !self.comm.receives_directly() {
+                    let tag = expected_message(next).map_err(|e| (*c, e))?;
+                    let peer = next.peer().unwrap_or(self.device);
+                    let ticket = self.comm.post_recv(peer, tag, *c).map_err(|e| (*c, e.into()))?;
+                    self.posted.insert(issued, ticket);
+                }
+                issued += 1;
+            }
+            if sends(ins) {
+                issued = at + 1;
+            }
+            let t0 = start.elapsed().as_secs_f64();
+            self.exec(ins, *code, at, &mut report).map_err(|e| (*code, e))?;
+            let t1 = start.elapsed().as_secs_f64();
+            // an all-to-all ran inside the pass before it: the trace shows it where it ran
+            let since = |i: Instant| i.saturating_duration_since(start).as_secs_f64();
+            let (t0, t1) = self.exchanged.take().map_or((t0, t1), |(a, b)| (since(a), since(b)));
+            report.trace.push((*code, t0, t1));
+            let gradients: usize = self
+                .stages
+                .values()
+                .map(|st| {
+                    let whole: usize = st.acc.iter().flatten().map(|t| t.dims()[0]).sum();
+                    let shard: usize = st
+                        .shard
+                        .as_ref()
+                        .and_then(|s| s.grad.as_ref())
+                        .map_or(0, |g| g.iter().map(|t| t.dims()[0]).sum());
+                    whole + shard
+                })
+                .sum();
+            self.peak_gradients = self.peak_gradients.max(gradients as u64);
+            for (s, n) in &self.in_flight {
+                let p = report.peak_in_flight.entry(*s).or_insert(0);
+                *p = (*p).max(*n);
+            }
+            for (s, st) in &self.stages {
+                let v = versions.entry(*s).or_insert(0);
+                *v = (*v).max(1 + st.stash.len() as u32);
+            }
+        }
+        self.exchanges_accounted(None).map_err(|e| (last, e))?;
+        report.comm = self.comm.fence().map_err(|e| (last, e.into()))?;
+        if !self.collectives.is_empty() || !self.posted.is_empty() || !self.buckets.is_empty() {
+            return Err((
+                last,
+                ExecError::Missing("an all-reduce or a receive is left in flight at the end of the step"),
+            ));
+        }
+        if drained
+            && (!self.saved.is_empty()
+                || !self.outputs.is_empty()
+                || !self.input_grads.is_empty()
+                || self.stages.values().any(|st| !st.forward_stats.is_empty()))
+        {
+            return Err((last, ExecError::Missing("buffers are left over at the end of the step")));
+        }
+        report.peak_versions = versions;
+        let gathers = std::mem::take(&mut self.weight_gathers);
+        let prefetched = std::mem::take(&mut self.prefetched_gathers);
+        let sharded = self.stages.keys().any(|s| self.sharded_at_3(*s));
+        report.weight_gathers = sharded.then_some(gathers);
+        report.prefetched_gathers = sharded.then_some(prefetched);
+        report.product_gathers = sharded.then_some(std::mem::take(&mut self.product_gathers));
+        report.grad_norm = self.grad_norm;
+        if let (Some(ls), Some(norm)) = (self.loss_scale, self.grad_norm) {
+            // every device saw the same norm (the plan's `grad_norm`), so every device's
+            // scale moves alike
+            report.grad_norm = Some(norm / ls.scale);
+            report.loss_scale = Some(ls.scale);
+            report.skipped = !norm.is_finite();
+            self.loss_scale = Some(ls.next(norm.is_finite()));
+        }
+        report.next_loss_scale = self.loss_scale;
+        report.step_seconds = start.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    /// The message of the receive `ins` at position `at` of the step (traced as `code`):
+    /// taken now where the worker receives directly (`Comm::receives_directly`), otherwise
+    /// the one posted ahead.
+    pub(crate) fn received(&mut self, ins: &Instr, code: usize, at: usize) -> Result<Message> {
+        if self.comm.receives_directly() {
+            let tag = expected_message(ins)?;
+            let peer = ins.peer().unwrap_or(self.device);
+            return Ok(self.comm.recv_now(peer, tag, code)?);
+        }
+        Ok(self.posted.remove(&at).ok_or(ExecError::Missing("the receive was not posted"))?.wait()?)
+    }
+
+    pub(crate) fn exec(&mut self, ins: &Instr, code: usize, at: usize, report: &mut StepReport) -> Result<()> {
+        if !pipec_plan::TokenExchange::of_pass(ins.phase()).is_empty() {
+            self.exchanges_accounted(Some(ins.stage()))?;
+        }
+        match *ins {
+            Instr::LoadMicrobatch { stage, mb, inputs, labels } => self.load_microbatch(stage, mb, inputs, labels),
+            Instr::RecvActivation { stage, mb, .. } => {
+                let msg = self.received(ins, code, at)?;
+                let act = require_grad(host_to_act::<B>(&msg.shape, msg.data, &self.dev)?);
+                self.inputs.insert((stage, mb), act);
+                Ok(())
+            }
+            Instr::Forward { stage, mb } => {
+                self.gather_weights(stage)?;
+                self.prefetch_weights(at)?;
+                let done = self.forward(stage, mb, report);
+                self.products_gathered(stage, done)?;
+                self.release_unpinned(stage)
+            }
+            Instr::Recompute { stage, mb } => {
+                self.gather_weights(stage)?;
+                self.prefetch_weights(at)?;
+                let done = self.recompute(stage, mb);
+                self.products_gathered(stage, done)
+            }
+            Instr::Backward { stage, mb } => {
+                self.gather_weights(stage)?;
+                self.prefetch_weights(at)?;
+                let done = match self.bucketed.get(&at).copied() {
+                    // the stage's last gradient of the step: its buckets start in the pass
+                    Some(group) => self.backward_segments(stage, mb, Some((group, code))).map(|_| ()),
+                    None => self.run_backward(stage, mb, false).and_then(|grads| self.add_gradient(stage, mb, grads)),
+                };
+                self.products_gathered(stage, done)?;
+                // the stashed version has served its backward
+                self.state(stage)?.stash.remove(&mb);
+                Ok(())
+            }
+            Instr::BackwardInput { stage, mb } => {
+                self.gather_weights(stage)?;
+                self.prefetch_weights(at)?;
+                // the input gradients, and every gradient but the dense weights' products,
+                // which wait for the plan's BackwardWeight
+                let grads = self.run_backward(stage, mb, true);
+                let grads = self.products_gathered(stage, grads)?;
+                self.pending_weight_grads.insert((stage, mb), grads);
+                Ok(())
+            }
+            Instr::BackwardWeight { stage, mb } => {
+                let grads = self
+                    .pending_weight_grads
+                    .remove(&(stage, mb))
+                    .ok_or(ExecError::Missing("the input-gradient pass of this microbatch did not run"))?;
+                match self.bucketed.get(&at).copied() {
+                    // the stage's last gradient of the step: its buckets start in the pass
+                    Some(group) => self.weight_pass_in_buckets(stage, mb, grads, group, code),
+                    None => self.add_gradient(stage, mb, grads),
+                }
+            }
+            Instr::Free { stage, mb } => {
+                self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
+                if let Some(c) = self.in_flight.get_mut(&stage) {
+                    *c = c.saturating_sub(1);
+                }
+                self.release_unpinned(stage)
+            }
+            Instr::SendActivation { peer, stage, mb, .. } => {
+                let msg = self.outputs.remove(&(stage, mb));
+                self.send(peer, msg, code, "the activation to send was not computed")
+            }
+            Instr::RecvGradient { stage, mb, .. } => {
+                let msg = self.received(ins, code, at)?;
+                self.grads_in.insert((stage, mb), msg);
+                Ok(())
+            }
+            Instr::SendGradient { peer, stage, mb, .. } => {
+                let msg = self.input_grads.remove(&(stage, mb));
+                self.send(peer, msg, code, "the gradient to send was not computed")
+            }
+            Instr::Collective { kind, payload, stage, group, .. } => {
+                self.start_collective(kind, payload, stage, group, code)
+            }
+            Instr::WaitCollective { payload, stage, group } => self.wait_collective(payload, stage, group),
+            Instr::StashWeights { stage, mb, version } => {
+                let st = self.state(stage)?;
+                let m = match version {
+                    None => st.model()?.clone(),
+                    Some(v) => st.versions.get(v as usize).cloned().ok_or_else(|| {
+                        ExecError::Plan(format!("weight version {v} does not exist yet ({} so far)", st.versions.len()))
+                    })?,
+                };
+                st.stash.insert(mb, m);
+                Ok(())
+            }
+            Instr::RestoreWeights { stage, mb } => {
+                // Burn's autodiff graph holds the exact weight tensors the forward used, so
+                // the backward already differentiates at the stashed version; the stash is
+                // what keeps that version alive (and counted) until then.
+                if !self.state(stage)?.stash.contains_key(&mb) {
+                    return Err(ExecError::Missing("no weights were stashed for this microbatch"));
+                }
+                Ok(())
+            }
+            Instr::PushGradient { peer, stage, .. } => {
+                self.sum_local_ties(stage)?;
+                let st = self.state(stage)?;
+                if st.contributions != 1 {
+                    return Err(ExecError::Plan(format!(
+                        "{} microbatch gradients to push, expected one",
+                        st.contributions
+                    )));
+                }
+                let sizes = st.parameter_sizes()?;
+                let mut flat = flatten_grads::<B>(&st.acc, &sizes)?;
+                flat.extend(st.statistics_message()?);
+                st.clear_gradients();
+                let n = flat.len();
+                Ok(self.comm.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: flat }, code)?)
+            }
+            Instr::ApplyGradient { stage, .. } => {
+                let msg = self.received(ins, code, at)?;
+                self.apply_gradient(stage, &msg.data)
+            }
+            Instr::PushWeights { peer, stage, .. } => {
+                let model = self.state(stage)?.model()?;
+                let mut values: Vec<f32> = snapshot::<B, _>(model)?.into_iter().flat_map(|(_, _, v)| v).collect();
+                values.extend(model.running_statistics());
+                let n = values.len();
+                Ok(self.comm.send(peer, Message { tag: expected_message(ins)?, shape: vec![n], data: values }, code)?)
+            }
+            Instr::PullWeights { stage, .. } => {
+                let msg = self.received(ins, code, at)?;
+                self.pull_weights(stage, &msg.data)
+            }
+            Instr::OptimizerStep { stage } => self.optimizer_step(stage),
+            Instr::ShardStep { stage } => self.shard_step(stage),
+            // made inside the pass before it: the plan's record of it is checked
+            Instr::AllToAll { stage, layer, exchange, .. } => {
+                let group = self.experts.get(&stage).ok_or_else(|| {
+                    ExecError::Plan(format!("`{ins}`: this device is in no expert-parallel group of {stage}"))
+                })?;
+                let made = group.account(ins, layer, exchange).map_err(ExecError::Plan)?;
+                self.exchanged = Some((made.started, made.ended));
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether every all-to-all the passes of `stage` (every stage: None) made is one the
+    /// plan lists after them (`Instr::AllToAll`).
+    fn exchanges_accounted(&self, stage: Option<StageId>) -> Result<()> {
+        for (s, group) in self.experts.iter().filter(|(s, _)| stage.is_none_or(|x| x == **s)) {
+            let left = group.unaccounted();
+            if let Some(crate::parallel::experts::Made { layer, exchange, .. }) = left.first() {
+                return Err(ExecError::Plan(format!(
+                    "a pass of {s} made {} all-to-all(s) that the plan does not list after it, the first a {exchange} at layer {layer}",
+                    left.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a computed message; `missing` says what was not computed.
+    pub(crate) fn send(
+        &mut self,
+        peer: DeviceId,
+        msg: Option<Message>,
+        code: usize,
+        missing: &'static str,
+    ) -> Result<()> {
+        Ok(self.comm.send(peer, msg.ok_or(ExecError::Missing(missing))?, code)?)
+    }
+
+    pub(crate) fn last_stage(&self) -> StageId {
+        StageId(self.plan.stages.len().saturating_sub(1) as u32)
+    }
+
+    pub(crate) fn state(&mut self, s: StageId) -> Result<&mut StageState<B>> {
+        self.stages.get_mut(&s).ok_or_else(|| ExecError::Plan(format!("{} does not hold {s}", self.device)))
+    }
+
+    /// The dropout key of a microbatch's forward (the same at its recompute): its step and
+    /// number in the step, from its number in the run.
+    pub(crate) fn mask_key(&self, mb: MicrobatchId) -> (u64, u64, u64) {
+        // context parallelism: every chunk of a microbatch draws from the microbatch's key
+        let t = &self.plan.training;
+        let n = t.microbatches.max(1) as u64;
+        let cp = t.context_parallel.max(1) as u64;
+        (t.seed, u64::from(mb.0) / n, u64::from(mb.0) % n / cp)
+    }
+
+    /// The learning rate of the step being run (the plan's schedule).
+    pub(crate) fn learning_rate(&self) -> f64 {
+        self.plan.training.lr_at(self.current_step)
+    }
+
+    pub(crate) fn load_microbatch(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        inputs: bool,
+        labels: bool,
+    ) -> Result<()> {
+        let t = &self.plan.training;
+        // `mb` is the microbatch's number in the run: step·N + its number in the step; with
+        // context parallelism, chunk c of the step's microbatch m is number m·cp + c
+        let n = t.microbatches.max(1);
+        let cp = t.context_parallel.max(1);
+        let (step, k) = (mb.0 as usize / n, mb.0 as usize % n);
+        let (x, y) = match self.evaluating {
+            Some(batch) => self.data.validation_microbatch(batch, k / cp, t.microbatch_size, t.batch_size),
+            None => self.data.microbatch(step, k / cp, t.microbatch_size, t.batch_size),
+        };
+        let seq = self.plan.model.input.first().copied().unwrap_or(1);
+        let (x, y, seq) = match self.contexts.get(&stage) {
+            Some(c) if cp > 1 => {
+                if c.group.position != k % cp {
+                    return Err(ExecError::Plan(format!(
+                        "chunk {} of a microbatch was routed to context-parallel position {}",
+                        k % cp,
+                        c.group.position
+                    )));
+                }
+                let at = pipec_plan::plan::context_positions(seq, cp, c.group.position);
+                let b = t.microbatch_size;
+                let x = match x {
+                    Inputs::Tokens(v) => Inputs::Tokens(crate::nn::context::take_positions(&v, b, &at)?),
+                    Inputs::Features(_) => {
+                        return Err(ExecError::Data("context parallelism splits token sequences only".into()))
+                    }
+                };
+                let y = match y {
+                    Targets::Classes(v) => Targets::Classes(crate::nn::context::take_positions(&v, b, &at)?),
+                    Targets::Values(_) => {
+                        return Err(ExecError::Data("context parallelism splits next-token targets only".into()))
+                    }
+                };
+                (x, y, at.len())
+            }
+            _ => (x, y, seq),
+        };
+        if inputs {
+            let mut shape = vec![t.microbatch_size, seq];
+            shape.extend(self.plan.model.input.iter().skip(1));
+            let act = match x {
+                Inputs::Features(v) => host_to_act::<B>(&shape, v, &self.dev)?,
+                Inputs::Tokens(v) => Act::Tokens(Tensor::from_data(TensorData::new(v, shape), &self.dev)),
+            };
+            self.inputs.insert((stage, mb), act);
+        }
+        if labels {
+            self.labels.insert(mb, y);
+        }
+        Ok(())
+    }
+
+    /// `ApplyGradient` (parameter server): one microbatch's gradient for the whole stage;
+    /// its loss was scaled by 1/N, so the update uses its mean.
+    pub(crate) fn apply_gradient(&mut self, stage: StageId, values: &[f32]) -> Result<()> {
+        let plan = self.plan;
+        let lr = self.learning_rate();
+        let n_mb = self.plan.training.microbatches as f64;
+        let dev = self.dev.clone();
+        let st = self.state(stage)?;
+        let sizes = st.parameter_sizes()?;
+        let n_stats = st.statistics_message_len()?;
+        let Some(split) = values.len().checked_sub(n_stats) else {
+            return Err(ExecError::Plan("the parameter server sent a gradient that does not fit".into()));
+        };
+        let (values, stats) = values.split_at(split);
+        let flat: FlatGrads<B> = unflatten::<B::InnerBackend>(values, &sizes, &dev)
+            .map_err(|e| ExecError::Plan(format!("the parameter server sent a gradient that does not fit: {e}")))?
+            .into_iter()
+            .map(Some)
+            .collect();
+        let clip = crate::interp::clip::factor_of(plan, st, stage, &flat, n_mb)?;
+        st.update(lr, &flat, n_mb * clip)?;
+        st.set_statistics(stats, &dev)?;
+        st.fold_statistics(plan.training.recipe.running_stats)
+    }
+
+    /// `PullWeights`: replaces the stage's weights with the parameter server's, in visiting order.
+    pub(crate) fn pull_weights(&mut self, stage: StageId, values: &[f32]) -> Result<()> {
+        let st = self.state(stage)?;
+        let n_stats = st.model()?.statistics_len();
+        let Some(split) = values.len().checked_sub(n_stats) else {
+            return Err(ExecError::Plan("the pulled weights do not fit the stage".into()));
+        };
+        let (values, running) = values.split_at(split);
+        let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+        let mut offset = 0;
+        let (mut model, missing) = set_params(model, |_, shape| {
+            let n: usize = shape.iter().product();
+            let v = values.get(offset..offset + n)?.to_vec();
+            offset += n;
+            Some(v)
+        });
+        let set = model.set_running_statistics(running);
+        st.model = Some(model);
+        set?;
+        if !missing.is_empty() || offset != values.len() {
+            return Err(ExecError::Plan(format!(
+                "the pulled weights ({} values) do not fit the stage ({offset} values read, {} parameter(s) short)",
+                values.len(),
+                missing.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Ties within one stage: the embedding's and the projection's gradients summed, both
+    /// copies taking the sum (before the update, after any all-reduce).
+    pub(crate) fn sum_local_ties(&mut self, stage: StageId) -> Result<()> {
+        let plan = self.plan;
+        let Some(s) = plan.stages.get(stage.0 as usize) else { return Ok(()) };
+        let range = s.layers[0]..s.layers[1];
+        for l in &plan.layers[range.clone()] {
+            let Some(a) = l.tied.filter(|a| range.contains(a)) else { continue };
+            let st = self.state(stage)?;
+            let mut g = tied_gradient(st, plan, a)?;
+            g.iter_mut().zip(tied_gradient(st, plan, l.index)?).for_each(|(x, y)| *x += y);
+            set_tied_gradient(st, plan, a, &g)?;
+            set_tied_gradient(st, plan, l.index, &g)?;
+        }
+        Ok(())
+    }
+
+    /// `OptimizerStep`: the update from the accumulated gradients. Gradients are sums of
+    /// per-microbatch means scaled by 1/N; an update made from fewer microbatches
+    /// (PipeDream) rescales to their mean.
+    pub(crate) fn optimizer_step(&mut self, stage: StageId) -> Result<()> {
+        let lr = self.learning_rate();
+        let n_mb = self.plan.training.microbatches as f64;
+        self.settle(stage)?;
+        // fp16: the factor that unscales the gradients, or None to skip the update
+        let unscale = self.unscale()?;
+        let clip = if unscale.is_some() { self.clip_factor(stage)? } else { 1.0 };
+        let rule = self.plan.training.recipe.running_stats;
+        let st = self.state(stage)?;
+        let scale = clip * if st.contributions > 0 { n_mb / st.contributions as f64 } else { 1.0 };
+        let acc = std::mem::take(&mut st.acc);
+        if let Some(unscale) = unscale {
+            st.update(lr, &acc, scale * unscale)?;
+        }
+        st.fold_statistics(rule)?;
+        st.clear_gradients();
+        if let Some(m) = st.model.clone() {
+            st.versions.push(m);
+        }
+        Ok(())
+    }
+}
+
+impl<B: ExecBackend> Worker<'_, B> {
+    /// Validation: runs the plan's forward-only stream over held-out batch `batch` after
+    /// step `step`; this device's summed loss, microbatches, correct predictions and
+    /// predictions (zeros where it computes no loss).
+    pub(crate) fn evaluate(&mut self, step: usize, batch: usize) -> std::result::Result<[f64; 4], (usize, ExecError)> {
+        let plan = self.plan;
+        let Some(stream) = plan.eval.as_ref().and_then(|e| e.get(&self.device)) else { return Ok([0.0; 4]) };
+        self.evaluating = Some(batch);
+        let r = self.step(step, &[(StreamSegment::Body, stream.as_slice())], true);
+        self.evaluating = None;
+        let r = r?;
+        let loss: f64 = r.losses.iter().map(|(_, l)| f64::from(*l)).sum();
+        let (correct, total) = r.correct.iter().fold((0.0, 0.0), |(c, t), (a, b)| (c + a, t + b));
+        Ok([loss, r.losses.len() as f64, correct, total])
+    }
+
+    /// The model state this device holds now (see [`HeldState`]).
+    pub(crate) fn held_state(&self) -> Result<HeldState> {
+        let values = |items: Vec<(burn::module::ParamId, crate::parallel::reshard::Item)>| -> Result<u64> {
+            let mut n = 0;
+            for (_, item) in &items {
+                n += crate::parallel::reshard::tensor_values(item)?.iter().map(|t| t.len() as u64).sum::<u64>();
+            }
+            Ok(n)
+        };
+        let mut held = HeldState { gradients: self.peak_gradients, ..HeldState::default() };
+        for st in self.stages.values() {
+            held.weights +=
+                layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum::<u64>();
+            held.optimizer += values(st.optim.items().map_err(ExecError::Checkpoint)?)?;
+            if let Some(shard) = &st.shard {
+                held.optimizer += shard.layout.segment as u64;
+                held.optimizer += values(shard.optim.items().map_err(ExecError::Checkpoint)?)?;
+            }
+        }
+        Ok(held)
+    }
+
+    /// `ShardStep` (ZeRO): the update of this replica's shard from its reduced gradient
+    /// shard (the sum over the replicas of every microbatch's mean scaled by 1/N, as the
+    /// all-reduce gives the whole); batch normalisation's statistics, which every replica
+    /// received summed, are folded in; at stage 3 the whole weights are dropped until the
+    /// next pass gathers them.
+    pub(crate) fn shard_step(&mut self, stage: StageId) -> Result<()> {
+        let lr = self.learning_rate();
+        let n_mb = self.plan.training.microbatches as f64;
+        let unscale = self.unscale()?;
+        let clip = if unscale.is_some() { self.clip_factor(stage)? } else { 1.0 };
+        let st = self.state(stage)?;
+        let shard = st.shard.as_mut().ok_or_else(|| ExecError::Plan(format!("{stage} is not sharded here")))?;
+        let scale = clip * if shard.contributions > 0 { n_mb / shard.contributions as f64 } else { 1.0 };
+        match unscale {
+            Some(unscale) => shard.update(lr, scale * unscale)?,
+            None => shard.skip(),
+        }
+        let release = shard.level == pipec_plan::vocab::Sharding::Parameters;
+        let stats = std::mem::take(&mut shard.stats);
+        let dev = self.dev.clone();
+        let rule = self.plan.training.recipe.running_stats;
+        let st = self.state(stage)?;
+        st.set_statistics(&stats, &dev)?;
+        st.fold_statistics(rule)?;
+        st.clear_gradients();
+        if release {
+            crate::parallel::zero::release_weights(st)?;
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3: drops the stage's whole weights (those its products do not gather themselves,
+    /// `zero::per_product`) once nothing kept for a backward holds them —
+    /// after a recomputed stage's forward (which keeps only its input) and after the free
+    /// of a stage's last microbatch in flight — so that the next pass gathers them again
+    /// (FSDP's free after forward and after backward, a stage being the unit). While a
+    /// kept autodiff graph holds them they stay. Not while evaluating.
+    pub(crate) fn release_unpinned(&mut self, stage: StageId) -> Result<()> {
+        let gathered = self.stages.get(&stage).and_then(|s| s.shard.as_ref()).is_some_and(|shard| shard.gathered);
+        if !gathered || !self.sharded_at_3(stage) || self.evaluating.is_some() {
+            return Ok(());
+        }
+        let pinned = self.saved.iter().any(|((s, _), k)| *s == stage && !k.saved.is_nothing())
+            || self.pending_weight_grads.keys().any(|(s, _)| *s == stage);
+        if pinned {
+            return Ok(());
+        }
+        crate::parallel::zero::release_weights(self.state(stage)?)
+    }
+
+    /// ZeRO-3: gathers the stage's whole weights from the replicas' shards for a pass,
+    /// unless they are still here (`release_unpinned` and the update drop them; nothing
+    /// when the stage is not at stage 3) — those its products do not gather themselves
+    /// (`zero::per_product`: the model holds stand-ins for them).
+    pub(crate) fn gather_weights(&mut self, stage: StageId) -> Result<()> {
+        let Some(shard) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()) else { return Ok(()) };
+        if shard.gathered {
+            return Ok(());
+        }
+        let tickets = match self.prefetched.remove(&stage) {
+            Some(tickets) => {
+                self.prefetched_gathers += 1;
+                tickets
+            }
+            None => self.start_gather(stage)?,
+        };
+        let gathered = tickets.into_iter().map(Ticket::wait).collect::<std::result::Result<Vec<_>, _>>()?;
+        self.weight_gathers += 1;
+        let st = self.state(stage)?;
+        let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?;
+        let whole = shard.layout.whole_of(&gathered, |k| !shard.per_product[k])?;
+        drop(gathered);
+        crate::parallel::zero::restore_weights(st, whole)
+    }
+
+    /// ZeRO-3 per product: the weights `model`'s products gather themselves
+    /// (`zero::per_product`), by the autodiff node of their stand-ins in `model` (a pass's
+    /// copy of the stage's), with the gatherer of the stage's current weights (built when
+    /// the weights changed since the last). Empty for any other stage.
+    pub(crate) fn gathered_weights(
+        &mut self,
+        stage: StageId,
+        model: &crate::nn::layers::StageModel<B>,
+    ) -> Result<crate::backend::dense::GatheredWeights<B::InnerBackend>> {
+        let Some(shard) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()) else { return Ok(HashMap::new()) };
+        if !shard.per_product.contains(&true) {
+            return Ok(HashMap::new());
+        }
+        let gatherer = match &shard.gatherer {
+            Some(g) => g.clone(),
+            None => {
+                let members = crate::interp::collectives::members(self.plan, shard.group)?;
+                let g = crate::parallel::zero::Gatherer::new(shard, self.comm.exchanger(), members, self.reduce)?;
+                let g = std::sync::Arc::new(g);
+                self.state(stage)?.shard.as_mut().ok_or(ExecError::Missing("the stage's shard"))?.gatherer =
+                    Some(g.clone());
+                g
+            }
+        };
+        let shard = self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("its shard"))?;
+        let keys = crate::nn::params::sum_keys(model);
+        Ok(keys
+            .into_iter()
+            .zip(&shard.layout.params)
+            .zip(&shard.per_product)
+            .filter_map(|((key, p), g)| Some((key?, (gatherer.clone(), p.id))).filter(|_| *g))
+            .collect())
+    }
+
+    /// After a pass of `stage` (its result `done`): the weight its products kept gathered is
+    /// dropped and their gathers counted; a gather that failed in it fails the pass.
+    pub(crate) fn products_gathered<T>(&mut self, stage: StageId, done: Result<T>) -> Result<T> {
+        let Some(g) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()).and_then(|s| s.gatherer.clone()) else {
+            return done;
+        };
+        g.drop_kept();
+        self.product_gathers += g.take_gathers();
+        let done = done?;
+        match g.take_failure() {
+            Some(e) => Err(ExecError::Transport(TransportError::Other(format!("a weight's all-gather failed: {e}")))),
+            None => Ok(done),
+        }
+    }
+}
+
+impl<B: ExecBackend> Worker<'_, B> {
+    /// ZeRO-3: starts the all-gather of `stage`'s whole weights from the replicas' shards.
+    /// (one all-gather per part of the shard's layout: its experts' over their holders)
+    fn start_gather(&self, stage: StageId) -> Result<Vec<Ticket<Vec<f32>>>> {
+        let shard =
+            self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("the stage's shard"))?;
+        let members = crate::interp::collectives::members(self.plan, shard.group)?;
+        let parts = shard.gather_inputs(|k| !shard.per_product[k])?;
+        self.start_parts(stage, pipec_plan::CollectiveKind::AllGather, members, parts, None, None)
+    }
+
+    /// ZeRO-3's prefetch of what a stage gathers whole (FSDP's unit prefetch, with the stage
+    /// as the unit; the weights gathered per product are gathered ahead by their
+    /// `zero::Gatherer`): while the pass
+    /// at position `at` of the step computes, the whole weights of the stage the device's
+    /// next pass needs are gathered on its communication thread, when that is another stage
+    /// sharded at stage 3 whose weights are not here and nothing between the two passes
+    /// touches it (no update, no collective). Every replica of that stage runs the same
+    /// program, so each starts the gather at the same point of its communication order.
+    /// Not while evaluating.
+    pub(crate) fn prefetch_weights(&mut self, at: usize) -> Result<()> {
+        // (the look-ahead only where some stage here is sharded at level 3)
+        if self.evaluating.is_some() || !self.stages.keys().any(|s| self.sharded_at_3(*s)) {
+            return Ok(());
+        }
+        let Some(current) = self.step_instrs.get(at).map(Instr::stage) else { return Ok(()) };
+        let needs_weights = |i: &Instr| {
+            matches!(
+                i,
+                Instr::Forward { .. } | Instr::Recompute { .. } | Instr::Backward { .. } | Instr::BackwardInput { .. }
+            )
+        };
+        let Some(j) = (at + 1..self.step_instrs.len()).find(|&j| needs_weights(&self.step_instrs[j])) else {
+            return Ok(());
+        };
+        let next = self.step_instrs[j].stage();
+        let gathered = self.stages.get(&next).and_then(|s| s.shard.as_ref()).is_none_or(|shard| shard.gathered);
+        if next == current || gathered || !self.sharded_at_3(next) || self.prefetched.contains_key(&next) {
+            return Ok(());
+        }
+        // the weights must be those the pass finds: nothing in between updates the stage
+        let quiet = self.step_instrs[at + 1..j].iter().all(|i| {
+            i.stage() != next
+                || matches!(
+                    i.phase(),
+                    pipec_plan::Phase::Communication | pipec_plan::Phase::Memory | pipec_plan::Phase::BackwardWeight
+                ) && !matches!(i, Instr::StashWeights { .. } | Instr::RestoreWeights { .. })
+        });
+        if quiet {
+            let tickets = self.start_gather(next)?;
+            self.prefetched.insert(next, tickets);
+        }
+        Ok(())
+    }
+}
+
+/// Whether an instruction sends a message (issued when the compute reaches it) or
+/// receives one (posted ahead).
+pub(crate) fn sends(ins: &Instr) -> bool {
+    ins.transfer().is_some_and(|t| t.end == pipec_plan::End::Send)
+}
+
+pub(crate) fn receives(ins: &Instr) -> bool {
+    ins.transfer().is_some_and(|t| t.end == pipec_plan::End::Recv)
+}
+
+/// The message a point-to-point instruction sends or receives (the plan's identity, the
+/// same at both ends); an activation received by the first stage has none.
+pub(crate) fn expected_message(ins: &Instr) -> Result<Tag> {
+    ins.transfer().and_then(|t| t.id).ok_or_else(|| ExecError::Plan(format!("`{ins}` names a message no stage sends")))
+}

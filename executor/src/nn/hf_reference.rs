@@ -1,0 +1,131 @@
+//! pipec's layers against `transformers`: tiny random Llama (grouped-query attention,
+//! rotary embeddings, RMSNorm, SwiGLU) and GPT-2 (tanh GELU) models made by
+//! `tests/reference/hf/make_reference.py` — their weights loaded through
+//! `pipec_plan::hf::to_pipec`, their logits compared with the ones PyTorch computed.
+
+use burn::prelude::*;
+use pipec_plan::model::{MlpKind, Op};
+
+use crate::nn::layers::{Act, StageModel};
+
+type B = burn::backend::Flex;
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/reference/hf").join(name)
+}
+
+/// The largest difference between pipec's logits for `layers` with the fixture's weights
+/// and PyTorch's, relative to the largest logit.
+fn logits_difference(name: &str, layers: &[Op]) -> f64 {
+    logits_difference_as(name, layers, layers)
+}
+
+/// [`logits_difference`] of a model of `layers` holding the weights read for `read_as`.
+fn logits_difference_as(name: &str, read_as: &[Op], layers: &[Op]) -> f64 {
+    let dir = fixture(name);
+    let bytes = std::fs::read(dir.join("model.safetensors")).expect("fixture weights");
+    let tensors = pipec_plan::hf::read_safetensors(&bytes).expect("safetensors");
+    let values = pipec_plan::hf::to_pipec(read_as, &tensors).expect("every tensor maps");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).expect("fixture")).expect("json");
+    let ids: Vec<Vec<i64>> = serde_json::from_value(reference["input_ids"].clone()).expect("ids");
+    let expected: Vec<f64> = serde_json::from_value(reference["logits"].clone()).expect("logits");
+    let device = Default::default();
+    let model = StageModel::<B>::new(layers, 0, 1, &device);
+    let (model, missing) = crate::nn::params::set_params(model, |id, _| values.get(&id).map(|(_, v)| v.clone()));
+    assert!(missing.is_empty(), "parameters without a value: {missing:?}");
+    let (rows, seq) = (ids.len(), ids[0].len());
+    let flat: Vec<i64> = ids.into_iter().flatten().collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [rows, seq]), &device);
+    let got = match model
+        .forward(Act::Tokens(tokens), false, (0, 0, 0), &mut crate::nn::layers::Collected::default())
+        .expect("forward")
+    {
+        // a language model's [batch, seq, vocab], a classifier's [batch, classes]
+        Act::D3(out) => crate::nn::params::host_f32(out.into_data()).expect("values"),
+        Act::D2(out) => crate::nn::params::host_f32(out.into_data()).expect("values"),
+        other => panic!("logits of shape {:?}", other.dims()),
+    };
+    assert_eq!(got.len(), expected.len());
+    let scale = expected.iter().fold(0.0_f64, |m, v| m.max(v.abs()));
+    let d = got.iter().zip(&expected).map(|(g, e)| (f64::from(*g) - e).abs()).fold(0.0, f64::max) / scale;
+    eprintln!("{name}: largest difference {d:.2e} of the largest logit ({scale:.3})");
+    d
+}
+
+#[test]
+fn a_llama_block_with_grouped_query_attention_and_rotary_embeddings_computes_what_transformers_does() {
+    let block = Op::llama_block(16, 4, 2, 24);
+    let layers = [
+        Op::embedding(50, 16),
+        block.clone(),
+        block,
+        Op::RmsNorm { dim: 16, eps: 1e-5 },
+        Op::Linear { in_features: 16, out_features: 50, bias: false },
+    ];
+    let d = logits_difference("llama-gqa", &layers);
+    assert!(d < 1e-5, "pipec's logits differ from transformers' by {d:e} of the largest");
+    // and the comparison can fail: without the rotary embeddings the logits differ
+    let mut wrong = layers.clone();
+    if let Op::TransformerBlock { rope, .. } = &mut wrong[1] {
+        *rope = 0.0;
+    }
+    assert!(logits_difference("llama-gqa", &wrong) > 1e-2);
+}
+
+#[test]
+fn a_gpt2_block_with_the_tanh_gelu_computes_what_transformers_does() {
+    let mut block = gpt_block();
+    if let Op::TransformerBlock { mlp, .. } = &mut block {
+        *mlp = MlpKind::GeluTanh;
+    }
+    let layers = |block: Op| {
+        [
+            Op::embedding(50, 16),
+            Op::PosEmbedding { max_len: 32, dim: 16 },
+            block.clone(),
+            block,
+            Op::layer_norm(16),
+            Op::Linear { in_features: 16, out_features: 50, bias: false },
+        ]
+    };
+    let d = logits_difference("gpt2", &layers(block));
+    assert!(d < 1e-5, "pipec's logits differ from transformers' by {d:e} of the largest");
+    // the exact (erf) GELU is measurably not GPT-2's
+    assert!(logits_difference("gpt2", &layers(gpt_block())) > 1e-5);
+}
+
+/// A BERT sequence classifier as `pipec import` writes it: token types from the [SEP]
+/// token, learned positions, the embedding's layer norm, post-norm blocks (exact GELU, ε
+/// 1e-12), the first position pooled, the pooler (`linear` + `tanh`) and the classifier.
+pub(crate) fn bert_layers(post_norm: bool, sep: Option<usize>) -> Vec<Op> {
+    let mut block = Op::block(16, 4, 24, false);
+    if let Op::TransformerBlock { post_norm: p, eps, .. } = &mut block {
+        *p = post_norm;
+        *eps = 1e-12;
+    }
+    vec![
+        Op::Embedding { vocab: 50, dim: 16, types: 2, sep },
+        Op::PosEmbedding { max_len: 32, dim: 16 },
+        Op::LayerNorm { dim: 16, eps: 1e-12 },
+        block.clone(),
+        block,
+        Op::SeqPool { how: pipec_plan::model::Pooling::First },
+        Op::Linear { in_features: 16, out_features: 16, bias: true },
+        Op::Tanh,
+        Op::Linear { in_features: 16, out_features: 3, bias: true },
+    ]
+}
+
+#[test]
+fn a_bert_classifier_with_post_norm_blocks_and_token_types_computes_what_transformers_does() {
+    let d = logits_difference("bert", &bert_layers(true, Some(2)));
+    assert!(d < 1e-5, "pipec's logits differ from transformers' by {d:e} of the largest");
+    // and the comparison can fail: pre-norm blocks, or every token of type 0
+    assert!(logits_difference_as("bert", &bert_layers(true, Some(2)), &bert_layers(false, Some(2))) > 1e-2);
+    assert!(logits_difference("bert", &bert_layers(true, None)) > 1e-3);
+}
+
+fn gpt_block() -> Op {
+    Op::block(16, 4, 64, true)
+}

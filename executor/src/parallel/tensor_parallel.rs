@@ -1,0 +1,696 @@
+//! Megatron tensor parallelism inside a stage. Linear layers are paired — a column-parallel
+//! layer (each rank its slice of the output features), element-wise layers, then a
+//! row-parallel layer (each rank its slice of the input features) whose partial sums are
+//! all-reduced (Megatron's `g`) — and transformer blocks split their attention heads and MLP
+//! columns the same way. Other layers run replicated on every rank.
+//!
+//! Megatron's `f` (identity forward, all-reduce of the gradient in backward) needs
+//! communication in the middle of the backward pass, which Burn's autodiff cannot pause
+//! for. So a tensor-parallel stage's forward is cut into segments at every `f` point
+//! (the input of a column-parallel layer or of a block half): each segment starts from a
+//! fresh leaf, and the backward runs segment by segment, all-reducing the gradient at each
+//! leaf over the group before handing it to the segment before. For a block half the leaf
+//! also feeds the residual, whose share of the gradient is already complete on every rank:
+//! it is counted once (`all-reduce(g) − (tp − 1)·grad_out`). Layer norms that feed a
+//! column-parallel layer receive partial weight gradients, summed over the group before
+//! the optimizer step. Shards are slices of the full deterministic initial weights, so a
+//! tensor-parallel run computes what one device computes.
+
+use crate::backend::dense::{ExecBackend, Kernels};
+use burn::prelude::*;
+use pipec_plan::model::Op;
+
+use crate::error::{ExecError, Result};
+use crate::nn::layers::{
+    dense_values, embedding_values, stateless, Act, Block, Dense, Layer, StageModel, TokenTypes, VocabEmbed,
+};
+use crate::nn::params::host_f32;
+use pipec_plan::model::Loss;
+
+pub use pipec_plan::model::TpSplit as Split;
+
+/// One stage's layers within the whole model, and the model's loss: what a stage's split
+/// depends on (the vocabulary-parallel layers are the model's first and last).
+#[derive(Debug, Clone)]
+pub struct StageLayers<'a> {
+    pub all: &'a [Op],
+    pub range: std::ops::Range<usize>,
+    pub loss: Loss,
+}
+
+impl<'a> StageLayers<'a> {
+    /// The stage's operators.
+    pub fn ops(&self) -> &'a [Op] {
+        self.all.get(self.range.clone()).unwrap_or_default()
+    }
+
+    /// Each layer's split (`pipec_plan::model::stage_tp_splits`, the rule the compiler's
+    /// cost model reads too); errors when a block cannot be split `tp` ways.
+    pub fn splits(&self, tp: usize) -> Result<Vec<Split>> {
+        pipec_plan::model::stage_tp_splits(self.all, self.range.clone(), self.loss, tp).map_err(ExecError::Plan)
+    }
+}
+
+/// How one parameter is laid out over a tensor-parallel group of `tp` ranks: the single
+/// definition that building a stage, resharding a checkpoint and resharding the optimizer
+/// state share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// The whole tensor on every rank.
+    Whole,
+    /// A [rows, cols] tensor (row-major) split by columns: rank r holds columns
+    /// `r·cols/tp .. (r+1)·cols/tp` of every row (a column-parallel weight; its bias with
+    /// `rows` 1).
+    Columns { rows: usize, cols: usize },
+    /// `tp` contiguous chunks of the row-major values (a row-parallel weight: its rows).
+    Rows,
+    /// A [rows, w₀ + w₁ + w₂] tensor of three column parts side by side — a QKV projection
+    /// (widths d, kv, kv), a gated MLP's gate and up projections (f, f, 0); its bias with
+    /// `rows` 1: rank r holds, of each part, its columns `r·w/tp .. (r+1)·w/tp`.
+    Parts { rows: usize, widths: [usize; 3] },
+}
+
+/// The shape of one rank's shard of a tensor of shape `whole` split as `s` over `tp` ranks.
+pub fn shard_shape(whole: &[usize], s: Sharding, tp: usize) -> Vec<usize> {
+    let tp = tp.max(1);
+    let mut out = whole.to_vec();
+    match s {
+        Sharding::Whole => {}
+        Sharding::Rows => {
+            if let Some(d) = out.first_mut() {
+                *d /= tp;
+            }
+        }
+        Sharding::Columns { .. } | Sharding::Parts { .. } => {
+            if let Some(d) = out.last_mut() {
+                *d /= tp;
+            }
+        }
+    }
+    out
+}
+
+/// The whole tensor's shape from one rank's `shard` shape ([`shard_shape`]'s inverse).
+pub fn whole_shape(shard: &[usize], s: Sharding, tp: usize) -> Vec<usize> {
+    let tp = tp.max(1);
+    let mut out = shard.to_vec();
+    match s {
+        Sharding::Whole => {}
+        Sharding::Rows => {
+            if let Some(d) = out.first_mut() {
+                *d *= tp;
+            }
+        }
+        Sharding::Columns { .. } | Sharding::Parts { .. } => {
+            if let Some(d) = out.last_mut() {
+                *d *= tp;
+            }
+        }
+    }
+    out
+}
+
+/// Rank `rank`'s shard of the whole tensor `full`.
+pub fn shard(full: &[f32], s: Sharding, tp: usize, rank: usize) -> Vec<f32> {
+    let tp = tp.max(1);
+    match s {
+        Sharding::Whole => full.to_vec(),
+        Sharding::Columns { rows, cols } => {
+            let part = cols / tp;
+            (0..rows).flat_map(|r| full[r * cols + rank * part..r * cols + (rank + 1) * part].iter().copied()).collect()
+        }
+        Sharding::Rows => {
+            let part = full.len() / tp;
+            full[rank * part..(rank + 1) * part].to_vec()
+        }
+        Sharding::Parts { rows, widths } => {
+            let width: usize = widths.iter().sum();
+            let mut out = Vec::with_capacity(rows * width / tp);
+            for r in 0..rows {
+                let mut offset = r * width;
+                for w in widths {
+                    let part = w / tp;
+                    let start = offset + rank * part;
+                    out.extend_from_slice(&full[start..start + part]);
+                    offset += w;
+                }
+            }
+            out
+        }
+    }
+}
+
+/// The whole tensor from every rank's shard, in rank order: the inverse of `shard`.
+pub fn unshard(parts: &[Vec<f32>], s: Sharding) -> Result<Vec<f32>> {
+    let tp = parts.len();
+    let bad = || ExecError::Checkpoint(format!("{tp} tensor-parallel shards of unequal or unexpected sizes"));
+    let n = parts.first().map_or(0, Vec::len);
+    if tp == 0 || parts.iter().any(|p| p.len() != n) {
+        return Err(bad());
+    }
+    if s == Sharding::Whole {
+        return Ok(parts[0].clone());
+    }
+    // where `shard` takes each value of each rank from
+    let positions: Vec<f32> = (0..n * tp).map(|i| i as f32).collect();
+    let mut full = vec![f32::NAN; n * tp];
+    for (rank, part) in parts.iter().enumerate() {
+        let from = shard(&positions, s, tp, rank);
+        if from.len() != n {
+            return Err(bad());
+        }
+        for (i, v) in from.iter().zip(part) {
+            full[*i as usize] = *v;
+        }
+    }
+    Ok(full)
+}
+
+/// How every split parameter of a stage's layers is laid out over `tp` ranks, by parameter
+/// id; a parameter not listed is whole on every rank.
+pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections::HashMap<u64, Sharding>> {
+    let mut out = std::collections::HashMap::new();
+    if tp <= 1 {
+        return Ok(out);
+    }
+    let first = layers.range.start;
+    let id = |k: usize, slot: u64| crate::nn::layers::pid(first + k, slot);
+    for (k, (op, split)) in layers.ops().iter().zip(layers.splits(tp)?).enumerate() {
+        match (split, op) {
+            // an embedding table's rows: contiguous chunks of the vocabulary
+            (Split::Vocab, Op::Embedding { .. }) => {
+                out.insert(id(k, 0), Sharding::Rows);
+            }
+            (Split::Column | Split::Vocab, Op::Linear { in_features, out_features, .. }) => {
+                out.insert(id(k, 0), Sharding::Columns { rows: *in_features, cols: *out_features });
+                out.insert(id(k, 1), Sharding::Columns { rows: 1, cols: *out_features });
+            }
+            (Split::Row, Op::Linear { .. }) => {
+                out.insert(id(k, 0), Sharding::Rows);
+            }
+            (Split::Block, Op::TransformerBlock { .. }) => {
+                let Some(b) = op.block_dims() else { continue };
+                let qkv = [b.d, b.kv_width, b.kv_width];
+                out.insert(id(k, 2), Sharding::Parts { rows: b.d, widths: qkv });
+                out.insert(id(k, 3), Sharding::Parts { rows: 1, widths: qkv });
+                out.insert(id(k, 4), Sharding::Rows);
+                let (up, up_bias) = if b.gated {
+                    (
+                        Sharding::Parts { rows: b.d, widths: [b.ff, b.ff, 0] },
+                        Sharding::Parts { rows: 1, widths: [b.ff, b.ff, 0] },
+                    )
+                } else {
+                    (Sharding::Columns { rows: b.d, cols: b.ff }, Sharding::Columns { rows: 1, cols: b.ff })
+                };
+                // a dense block's one MLP, or each expert's (no biases: `lib::validate`)
+                match b.moe {
+                    None => {
+                        out.insert(id(k, 8), up);
+                        out.insert(id(k, 9), up_bias);
+                        out.insert(id(k, 10), Sharding::Rows);
+                    }
+                    Some(m) => {
+                        for e in 0..m.experts + m.shared {
+                            let slot = pipec_plan::checkpoint::expert_slot(e);
+                            out.insert(id(k, slot), up);
+                            out.insert(id(k, slot + 2), Sharding::Rows);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Builds this rank's shard of a stage's layers.
+pub fn build_stage<B: Kernels>(
+    layers: &StageLayers<'_>,
+    seed: u64,
+    device: &B::Device,
+    rank: usize,
+    tp: usize,
+) -> Result<StageModel<B>> {
+    let (ops, first) = (layers.ops(), layers.range.start);
+    let splits = layers.splits(tp)?;
+    let layout = shardings(layers, tp)?;
+    let at = |index: usize, slot: u64| layout.get(&crate::nn::layers::pid(index, slot)).copied().unwrap_or(Sharding::Whole);
+    let mut layers = Vec::with_capacity(ops.len());
+    for (k, (op, split)) in ops.iter().zip(&splits).enumerate() {
+        let index = first + k;
+        let layer = match (split, op) {
+            (Split::Column | Split::Vocab, Op::Linear { in_features, out_features, bias }) => {
+                let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
+                let part = out_features / tp;
+                let dense = Dense::from_values(
+                    index,
+                    0,
+                    shard(&w, at(index, 0), tp, rank),
+                    [*in_features, part],
+                    bias.then(|| vec![0.0; part]),
+                    device,
+                );
+                if *split == Split::Vocab {
+                    Layer::VocabLinear(dense)
+                } else {
+                    Layer::ColumnLinear(dense)
+                }
+            }
+            (Split::Vocab, Op::Embedding { vocab, dim, types, sep }) => {
+                let part = vocab / tp;
+                let table = shard(&embedding_values(index, seed, *vocab, *dim), at(index, 0), tp, rank);
+                let types = (*types > 0).then(|| TokenTypes::new(index, seed, *types, *dim, *sep, device));
+                Layer::VocabEmbedding(VocabEmbed::new(index, table, [part, *dim], rank * part, types, device))
+            }
+            (Split::Row, Op::Linear { in_features, out_features, bias }) => {
+                let w = dense_values(index, 0, seed, *in_features, *out_features, 2.0);
+                let part = in_features / tp;
+                Layer::RowLinear(Dense::from_values(
+                    index,
+                    0,
+                    shard(&w, at(index, 0), tp, rank),
+                    [part, *out_features],
+                    bias.then(|| vec![0.0; *out_features]),
+                    device,
+                ))
+            }
+            (Split::Block, Op::TransformerBlock { .. }) => {
+                let slice = |slot: u64, w: Vec<f32>| shard(&w, at(index, slot), tp, rank);
+                match Block::build(index, op, seed, device, slice, tp) {
+                    Some(b) => Layer::ParallelBlock(b),
+                    None => Layer::new(index, op, seed, device),
+                }
+            }
+            _ => Layer::new(index, op, seed, device),
+        };
+        layers.push(layer);
+    }
+    Ok(StageModel { layers, graph: None })
+}
+
+/// Parameter ids (layer << 8 | slot) whose gradients are partial on each rank and must be
+/// summed over the group: the layer norms feeding a block's column-parallel projections (a
+/// post-norm block's norms follow its all-reduces instead: their gradients are whole).
+pub fn partial_parameter_ids(layers: &StageLayers<'_>, tp: usize) -> Result<Vec<u64>> {
+    let first = layers.range.start;
+    let splits = layers.splits(tp)?;
+    let ops = layers.ops();
+    Ok(splits
+        .iter()
+        .enumerate()
+        .filter(|(k, s)| **s == Split::Block && !ops.get(*k).and_then(Op::block_dims).is_some_and(|b| b.post_norm))
+        .flat_map(|(k, _)| {
+            let l = ((first + k) as u64) << 8;
+            // a mixture of experts' router weighs this rank's partial expert outputs: its
+            // gradient is partial too
+            let moe = ops.get(k).and_then(Op::block_dims).is_some_and(|b| b.moe.is_some());
+            [l, l | 1, l | 6, l | 7].into_iter().chain(moe.then_some(l | pipec_plan::checkpoint::ROUTER_SLOT))
+        })
+        .collect())
+}
+
+/// How a segment's input gradient is completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Boundary {
+    /// The stage input, not followed by a split layer: the gradient is already complete.
+    Complete,
+    /// Megatron's `f`: sum the gradient over the group.
+    Sum,
+    /// `f` on a leaf that also feeds a residual: sum, then count the residual once.
+    SumResidual,
+}
+
+/// One segment of a tensor-parallel forward.
+#[derive(Debug, Clone)]
+pub struct Segment<B: Backend> {
+    pub leaf: Act<B>,
+    pub out: Act<B>,
+    pub boundary: Boundary,
+}
+
+/// Sums a tensor over the group (the forward all-reduce `g`): the value becomes the sum,
+/// the gradient passes through unchanged.
+fn g<B: ExecBackend>(partial: Act<B>, reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>) -> Result<Act<B>> {
+    fn host<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Result<Vec<f32>> {
+        host_f32(t.clone().into_data())
+    }
+    Ok(match partial {
+        Act::D2(t) => {
+            let full = Tensor::<B, 2>::from_data(TensorData::new(reduce(host(&t)?)?, t.dims()), &t.device());
+            Act::D2(t.clone() + (full - t.detach()))
+        }
+        Act::D3(t) => {
+            let full = Tensor::<B, 3>::from_data(TensorData::new(reduce(host(&t)?)?, t.dims()), &t.device());
+            Act::D3(t.clone() + (full - t.detach()))
+        }
+        other => return Err(ExecError::Shape(format!("cannot all-reduce {:?}", other.dims()))),
+    })
+}
+
+/// A leaf copy of an activation (same values, new autodiff node).
+pub fn fresh<B: ExecBackend>(a: &Act<B>) -> Act<B> {
+    match a {
+        Act::D2(t) => Act::D2(t.clone().detach().require_grad()),
+        Act::D3(t) => Act::D3(t.clone().detach().require_grad()),
+        Act::D4(t) => Act::D4(t.clone().detach().require_grad()),
+        Act::Tokens(t) => Act::Tokens(t.clone()),
+        Act::Bundle(parts) => Act::Bundle(parts.iter().map(fresh).collect()),
+    }
+}
+
+fn attention_half<B: ExecBackend>(
+    b: &Block<B>,
+    x: Tensor<B, 3>,
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+    context: Option<&crate::nn::context::Context>,
+) -> Result<Tensor<B, 3>> {
+    // pre-norm: x + attention(norm(x)); post-norm: x + attention(x), normed by the caller
+    let input = if b.post_norm { x.clone() } else { b.norm1.forward(x.clone()) };
+    let qkv = match b.qkv.forward_act(Act::D3(input))? {
+        Act::D3(t) => t,
+        _ => {
+            return Err(ExecError::Shape(
+                "the qkv projection of a tensor-parallel block must give [batch, seq, features]".into(),
+            ))
+        }
+    };
+    let ctx = b.attend(qkv, context)?;
+    let a = b.proj.add_bias(g(b.proj.matmul_only(Act::D3(ctx))?, reduce)?);
+    match a {
+        Act::D3(a) => Ok(x + a),
+        _ => Err(ExecError::Shape(
+            "the attention projection of a tensor-parallel block must give [batch, seq, d]".into(),
+        )),
+    }
+}
+
+fn mlp_half<B: ExecBackend>(
+    b: &Block<B>,
+    h: Tensor<B, 3>,
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+    training: bool,
+    side: &mut crate::nn::layers::Collected<B>,
+) -> Result<Tensor<B, 3>> {
+    let input = if b.post_norm { h.clone() } else { b.norm2.forward(h.clone()) };
+    if b.moe.is_some() {
+        // every rank routes alike (the router is whole); each expert's columns then rows on
+        // this rank give a partial output, weighted and summed, then summed over the group
+        // (experts without biases, no load-balancing loss: `lib::validate`)
+        return match g(Act::D3(b.feed_forward(input, training, side)?), reduce)? {
+            Act::D3(m) => Ok(h + m),
+            _ => Err(ExecError::Shape("the experts of a tensor-parallel block must give [batch, seq, d]".into())),
+        };
+    }
+    let mlp = match b.mlps.as_slice() {
+        [mlp] => mlp,
+        _ => return Err(ExecError::Plan("a dense transformer block has one MLP".into())),
+    };
+    let up = match mlp.fc1.forward_act(Act::D3(input))? {
+        Act::D3(t) => b.activate(t),
+        _ => {
+            return Err(ExecError::Shape(
+                "the first MLP layer of a tensor-parallel block must give [batch, seq, features]".into(),
+            ))
+        }
+    };
+    let m = mlp.fc2.add_bias(g(mlp.fc2.matmul_only(Act::D3(up))?, reduce)?);
+    match m {
+        Act::D3(m) => Ok(h + m),
+        _ => Err(ExecError::Shape("the MLP of a tensor-parallel block must give [batch, seq, d]".into())),
+    }
+}
+
+/// A post-norm block's norm on a residual sum `leaf` (replicated on every rank) as a segment
+/// of its own, whose input gradient is complete; the next segment's leaf.
+fn post_norm_segment<B: ExecBackend>(
+    segments: &mut Vec<Segment<B>>,
+    norm: &crate::nn::layers::Norm<B>,
+    leaf: Act<B>,
+) -> Result<Act<B>> {
+    let Act::D3(t) = leaf.clone() else {
+        return Err(ExecError::Shape("a transformer block's residual sum must be [batch, seq, d]".into()));
+    };
+    let out = Act::D3(norm.forward(t));
+    segments.push(Segment { leaf, out: out.clone(), boundary: Boundary::Complete });
+    Ok(fresh(&out))
+}
+
+/// The forward of a tensor-parallel stage, cut into segments at every `f` point.
+pub fn forward<B: ExecBackend>(
+    model: &StageModel<B>,
+    x: Act<B>,
+    training: bool,
+    key: (u64, u64, u64),
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+    side: &mut crate::nn::layers::Collected<B>,
+) -> Result<Vec<Segment<B>>> {
+    let mut segments = Vec::new();
+    let mut leaf = x.clone();
+    let mut cur = x;
+    let mut applied = 0usize; // layers applied since `leaf`
+    let mut boundary = Boundary::Complete;
+    let cut = |segments: &mut Vec<Segment<B>>,
+               leaf: &mut Act<B>,
+               cur: &mut Act<B>,
+               applied: &mut usize,
+               boundary: &mut Boundary,
+               next: Boundary| {
+        if *applied > 0 {
+            segments.push(Segment { leaf: leaf.clone(), out: cur.clone(), boundary: *boundary });
+            *leaf = fresh(cur);
+            *cur = leaf.clone();
+        }
+        *boundary = next;
+        *applied = 0;
+    };
+    for layer in &model.layers {
+        match layer {
+            Layer::ColumnLinear(d) => {
+                cut(&mut segments, &mut leaf, &mut cur, &mut applied, &mut boundary, Boundary::Sum);
+                cur = d.forward_act(cur)?;
+            }
+            Layer::RowLinear(d) => {
+                cur = d.add_bias(g(d.matmul_only(cur)?, reduce)?);
+            }
+            // this rank's rows of the table looked up, the others' summed in
+            Layer::VocabEmbedding(e) => {
+                let Act::Tokens(ids) = cur else {
+                    return Err(ExecError::Shape("a vocabulary-parallel embedding needs token ids".into()));
+                };
+                cur = g(Act::D3(e.partial(ids.clone())), reduce)?;
+                // the token types after the sum: the table is whole on every rank, and so
+                // is its gradient
+                if let (Some(types), Act::D3(t)) = (&e.types, &cur) {
+                    cur = Act::D3(types.add(t.clone(), &ids)?);
+                }
+            }
+            // this rank's logits: the loss is computed over the split (`vocab_parallel_loss`)
+            Layer::VocabLinear(d) => {
+                cut(&mut segments, &mut leaf, &mut cur, &mut applied, &mut boundary, Boundary::Sum);
+                cur = d.forward_act(cur)?;
+            }
+            Layer::ParallelBlock(b) => {
+                cut(&mut segments, &mut leaf, &mut cur, &mut applied, &mut boundary, Boundary::SumResidual);
+                let Act::D3(t) = cur.clone() else {
+                    return Err(ExecError::Shape("a transformer block needs [batch, seq, d]".into()));
+                };
+                let h = Act::D3(attention_half(b, t, reduce, side.context.as_ref())?);
+                segments.push(Segment { leaf: leaf.clone(), out: h.clone(), boundary });
+                leaf = fresh(&h);
+                // post-norm: the norm of the residual sum is its own segment, replicated,
+                // so the residual correction above sees the gradient at the sum itself
+                if b.post_norm {
+                    leaf = post_norm_segment(&mut segments, &b.norm1, leaf)?;
+                }
+                let Act::D3(t) = leaf.clone() else {
+                    return Err(ExecError::Shape(
+                        "a transformer block's attention half must give [batch, seq, d]".into(),
+                    ));
+                };
+                let y = Act::D3(mlp_half(b, t, reduce, training, side)?);
+                // The residual correction needs the gradient at the block's own output, so
+                // the segment ends there; what follows starts from a leaf whose gradient is
+                // already complete (the block output is replicated).
+                segments.push(Segment { leaf: leaf.clone(), out: y.clone(), boundary: Boundary::SumResidual });
+                leaf = fresh(&y);
+                if b.post_norm {
+                    leaf = post_norm_segment(&mut segments, &b.norm2, leaf)?;
+                }
+                cur = leaf.clone();
+                boundary = Boundary::Complete;
+                applied = 0;
+                continue;
+            }
+            Layer::Stateless(st) => cur = stateless(&st.op, st.index, cur, training, key, side.context.as_ref())?,
+            other => cur = other.forward(cur, training, key, side)?,
+        }
+        applied += 1;
+    }
+    segments.push(Segment { leaf, out: cur, boundary });
+    Ok(segments)
+}
+
+/// Megatron-LM's vocabulary-parallel cross-entropy: the mean over every row of `logits`
+/// (this rank's columns `first..` of the scores; [batch, seq, part] or [batch, part]) of
+/// the cross-entropy with `classes`, computed without gathering the scores. Each rank
+/// exchanges three per-row figures (its maximum, its sum of exponentials, the target's
+/// score where it holds the target); every rank gets the whole loss, and the gradient of
+/// its own scores: softmax minus the one-hot target, over the row count.
+pub fn vocab_parallel_loss<B: ExecBackend>(
+    logits: Act<B>,
+    classes: &[i64],
+    first: usize,
+    rank: usize,
+    tp: usize,
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+) -> Result<Tensor<B, 1>> {
+    let logits: Tensor<B, 2> = match logits {
+        Act::D3(t) => {
+            let [n, s, v] = t.dims();
+            t.reshape([n * s, v])
+        }
+        Act::D2(t) => t,
+        other => {
+            return Err(ExecError::Shape(format!("the loss needs [batch, outputs] scores, got {:?}", other.dims())))
+        }
+    };
+    let [rows, part] = logits.dims();
+    if classes.len() != rows {
+        return Err(ExecError::Data(format!("{} targets for {rows} rows of scores", classes.len())));
+    }
+    let device = logits.device();
+    let column = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [rows, 1]), &device);
+    // the row's maximum over every rank: each in its own slot, summed, then the largest
+    let local_max = host_f32(logits.clone().detach().max_dim(1).into_data())?;
+    let mut slots = vec![0.0f32; rows * tp];
+    for (i, m) in local_max.iter().enumerate() {
+        slots[i * tp + rank] = *m;
+    }
+    let slots = reduce(slots)?;
+    let max: Vec<f32> = slots.chunks(tp.max(1)).map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
+    let shifted = logits - column(max);
+    // the sum of exponentials over the whole row: the value summed over the ranks, the
+    // gradient of this rank's own terms
+    let local_sum = shifted.clone().exp().sum_dim(1);
+    let total = column(reduce(host_f32(local_sum.clone().detach().into_data())?)?);
+    let sum = local_sum.clone() + (total - local_sum.detach());
+    // the target's shifted score, on the rank whose columns hold it
+    let (mut index, mut held) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+    for &c in classes {
+        let local = c - first as i64;
+        let inside = local >= 0 && (local as usize) < part;
+        index.push(if inside { local } else { 0 });
+        held.push(if inside { 1.0f32 } else { 0.0 });
+    }
+    let index = Tensor::<B, 2, Int>::from_data(TensorData::new(index, [rows, 1]), &device);
+    let local_target = shifted.gather(1, index) * column(held);
+    let target_total = column(reduce(host_f32(local_target.clone().detach().into_data())?)?);
+    let target = local_target.clone() + (target_total - local_target.detach());
+    Ok((sum.log() - target).mean())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_join_back_into_the_whole_tensor_for_every_split_and_degree() {
+        for tp in [1usize, 2, 4] {
+            let cases = [
+                (Sharding::Whole, 24),
+                (Sharding::Columns { rows: 3, cols: 8 }, 24),
+                (Sharding::Columns { rows: 1, cols: 8 }, 8),
+                (Sharding::Rows, 24),
+                (Sharding::Parts { rows: 2, widths: [4, 4, 4] }, 24),
+                (Sharding::Parts { rows: 1, widths: [4, 4, 4] }, 12),
+                (Sharding::Parts { rows: 2, widths: [8, 4, 4] }, 32),
+                (Sharding::Parts { rows: 1, widths: [4, 4, 0] }, 8),
+            ];
+            for (s, n) in cases {
+                let full: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 3.0).collect();
+                let parts: Vec<Vec<f32>> = (0..tp).map(|r| shard(&full, s, tp, r)).collect();
+                if s != Sharding::Whole {
+                    assert!(parts.iter().all(|p| p.len() == n / tp), "{s:?} tp {tp}");
+                }
+                assert_eq!(unshard(&parts, s).expect("joins"), full, "{s:?} tp {tp}");
+            }
+        }
+        // a QKV projection keeps each rank's query, key and value columns together:
+        // [q0 q1 | k0 k1 | v0 v1] over 2 ranks is [q0 k0 v0] and [q1 k1 v1]
+        let qkv = [1.0, 2.0, 10.0, 20.0, 100.0, 200.0];
+        assert_eq!(shard(&qkv, Sharding::Parts { rows: 1, widths: [2, 2, 2] }, 2, 1), vec![2.0, 20.0, 200.0]);
+        assert!(unshard(&[vec![1.0], vec![1.0, 2.0]], Sharding::Rows).is_err());
+    }
+
+    /// The vocabulary-parallel loss over 2 and 4 ranks equals the one-device cross-entropy,
+    /// and each rank's score gradient is its columns of the one-device gradient.
+    #[test]
+    fn the_vocabulary_parallel_loss_is_the_cross_entropy_and_its_gradient() {
+        use crate::CpuBackend as B;
+        use std::sync::{Arc, Barrier, Mutex};
+        let (rows, vocab) = (6usize, 8usize);
+        let scores: Vec<f32> = (0..rows * vocab).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.7).collect();
+        // targets in every rank's part, the first and the last column included
+        let classes: Vec<i64> = vec![0, 7, 3, 4, 5, 2];
+        let dev = Default::default();
+        let whole = Tensor::<B, 2>::from_data(TensorData::new(scores.clone(), [rows, vocab]), &dev).require_grad();
+        let labels = Tensor::<B, 2, Int>::from_data(TensorData::new(classes.clone(), [rows, 1]), &dev);
+        let reference = burn::tensor::activation::log_softmax(whole.clone(), 1).gather(1, labels).mean().neg();
+        let grads = reference.backward();
+        let expected_grad = host_f32(whole.grad(&grads).expect("gradient").into_data()).expect("host");
+        let expected = host_f32(reference.into_data()).expect("host")[0];
+        for tp in [2usize, 4] {
+            let part = vocab / tp;
+            let barrier = Arc::new(Barrier::new(tp));
+            let inbox: Arc<Mutex<Vec<Vec<f32>>>> = Arc::new(Mutex::new(Vec::new()));
+            let outbox: Arc<Mutex<Vec<f32>>> = Arc::new(Mutex::new(Vec::new()));
+            let handles: Vec<_> = (0..tp)
+                .map(|rank| {
+                    let (barrier, inbox, outbox) = (barrier.clone(), inbox.clone(), outbox.clone());
+                    let (scores, classes) = (scores.clone(), classes.clone());
+                    std::thread::spawn(move || {
+                        // an all-reduce by hand: every rank posts, one sums, all read
+                        let mut reduce = |v: Vec<f32>| -> Result<Vec<f32>> {
+                            inbox.lock().expect("lock").push(v);
+                            if barrier.wait().is_leader() {
+                                let posted = std::mem::take(&mut *inbox.lock().expect("lock"));
+                                let sum = posted.iter().fold(vec![0.0; posted[0].len()], |mut a, p| {
+                                    a.iter_mut().zip(p).for_each(|(x, y)| *x += y);
+                                    a
+                                });
+                                *outbox.lock().expect("lock") = sum;
+                            }
+                            barrier.wait();
+                            let sum = outbox.lock().expect("lock").clone();
+                            barrier.wait();
+                            Ok(sum)
+                        };
+                        let dev = Default::default();
+                        let mine = shard(&scores, Sharding::Columns { rows, cols: vocab }, tp, rank);
+                        let local = Tensor::<B, 2>::from_data(TensorData::new(mine, [rows, part]), &dev).require_grad();
+                        let loss =
+                            vocab_parallel_loss(Act::D2(local.clone()), &classes, rank * part, rank, tp, &mut reduce)
+                                .expect("loss");
+                        let value = host_f32(loss.clone().into_data()).expect("host")[0];
+                        let g = loss.backward();
+                        (rank, value, host_f32(local.grad(&g).expect("gradient").into_data()).expect("host"))
+                    })
+                })
+                .collect();
+            let mut parts = vec![Vec::new(); tp];
+            for h in handles {
+                let (rank, value, grad) = h.join().expect("rank");
+                assert!(
+                    (value - expected).abs() <= 1e-6 * expected.abs(),
+                    "tp {tp} rank {rank}: {value} vs {expected}"
+                );
+                parts[rank] = grad;
+            }
+            let joined = unshard(&parts, Sharding::Columns { rows, cols: vocab }).expect("joins");
+            for (a, b) in joined.iter().zip(&expected_grad) {
+                assert!((a - b).abs() <= 1e-6, "tp {tp}: gradient {a} vs {b}");
+            }
+        }
+    }
+}

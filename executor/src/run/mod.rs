@@ -1,0 +1,14 @@
+//! Running a plan: worker threads and the coordinator, one process per device over a
+//! fabric, MPI start-up, data sets, calibration and profiling, the ranks' agreement, GPU
+//! placement.
+
+pub mod tcp_run;
+pub(crate) mod threads;
+pub mod process_run;
+pub mod calibrate;
+pub mod profile;
+pub mod data;
+pub mod agreement;
+pub mod gpus;
+#[cfg(feature = "mpi")]
+pub mod mpi_run;

@@ -1,0 +1,410 @@
+//! Running a plan as one process per device, over any [`Fabric`]: every rank executes only
+//! its own device's stream; rank 0 gathers each step's metrics, writes the checkpoints
+//! (every rank sends it its stages' shards) and gathers the final traces.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use pipec_plan::{DeviceId, Plan};
+
+use crate::run::agreement::{self, Fingerprint};
+use crate::comm::fabric::{Fabric, ProcessEndpoint, TAG_AGREE, TAG_CKPT, TAG_METRIC, TAG_TRACE};
+use crate::{run_workers, RunError, RunOptions, RunReport, StepMetrics};
+
+/// What this rank is.
+#[derive(Debug, Clone, Copy)]
+pub struct RankInfo {
+    pub rank: i32,
+    pub size: i32,
+    pub device: DeviceId,
+}
+
+fn f64s(v: &[f64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn from_f64s(b: &[u8]) -> Vec<f64> {
+    b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect()
+}
+
+/// The folder of a job's output directory under which `pipec launch --exec` has each
+/// attempt's ranks record their failures (`pipec run --record-failures`).
+pub const FAILURES_DIR: &str = "failures";
+
+static FAILURES: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Has `report_failure` also record each failure line in the folder `dir`. mpirun forwards
+/// a rank's output through its own event loop, which a write to a host it can no longer
+/// reach can block for minutes (a link down); the launcher reads this folder too, so it
+/// learns of the failure from the ranks on its own host whatever mpirun does.
+pub fn record_failures_in(dir: &std::path::Path) {
+    let _ = FAILURES.set(dir.to_path_buf());
+}
+
+/// Prints a rank's failure the one way every rank does (`pipec run` prints the failures
+/// that come before the fabric is up the same way), and records it where
+/// [`record_failures_in`] says (one file per rank, written whole).
+pub fn report_failure(info: Option<RankInfo>, e: &RunError) {
+    let line = match info {
+        Some(i) => format!("error: rank {} of {} (device {}): {e}", i.rank, i.size, i.device),
+        None => format!("error: {e}"),
+    };
+    // the file first: stderr is a pipe whose reader (mpirun) may be blocked on a host it
+    // cannot reach, and a write to it would then never return
+    if let Some(dir) = FAILURES.get() {
+        let name = match info {
+            Some(i) => format!("rank-{}", i.rank),
+            None => format!("process-{}", std::process::id()),
+        };
+        // best effort: the line goes to stderr too
+        let _ = pipec_plan::output::write_atomic(&dir.join(format!("{name}.txt")), format!("{line}\n").as_bytes());
+    }
+    eprintln!("{line}");
+}
+
+/// This rank's part of the job, once its fabric is up (`launcher` names what starts the
+/// processes and `how` says how to start n of them, for the error when their number is not
+/// the plan's). Returns the report on rank 0 (None elsewhere); on failure the caller aborts
+/// the job, so no rank waits forever.
+pub fn run_rank<F: Fabric + 'static>(
+    plan: &Plan,
+    options: &RunOptions,
+    on_step: &mut dyn FnMut(&StepMetrics),
+    fabric: Arc<F>,
+    (launcher, how): (&str, &dyn Fn(usize) -> String),
+) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
+    let (rank, size) = (fabric.rank(), fabric.size());
+    let devices = crate::working_devices(plan);
+    if size as usize != devices.len() {
+        return Err((
+            None,
+            RunError::setup(format!(
+                "rank {rank}: the plan has {} devices with work but {launcher} started {size} processes; {}",
+                devices.len(),
+                how(devices.len())
+            )),
+        ));
+    }
+    let device = devices[rank as usize];
+    let info = RankInfo { rank, size, device };
+    if options.backend == crate::BackendKind::Cpu {
+        crate::backend::resident::check_host_memory(plan, &[device]).map_err(|e| (Some(info), RunError::setup(e)))?;
+    }
+    // the checkpoint is read once, here: the ranks compare what they start from
+    let start =
+        options.resume.as_ref().map(|r| r.load(plan)).transpose().map_err(|e| (Some(info), RunError::setup(e)))?;
+    let steps = options.steps.unwrap_or(plan.training.steps);
+    let mine = Fingerprint::of(plan, steps, start.as_deref()).map_err(|e| (Some(info), RunError::setup(e)))?;
+    agree(fabric.as_ref(), &mine, &devices, options.timeout).map_err(|e| (Some(info), RunError::setup(e)))?;
+    let options = &RunOptions { resume: start.map(crate::Resume::Loaded), ..options.clone() };
+    // every rank is up once all reach this barrier; `pipec launch --exec` waits for this
+    // line to know the job started (its start-up bound)
+    fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
+    if rank == 0 {
+        eprintln!("{} {size} ranks", crate::MPI_STARTED);
+    }
+    let abort = Arc::new(AtomicBool::new(false));
+    let endpoint = ProcessEndpoint::new(device, &devices, fabric.clone(), abort.clone(), options.timeout);
+    let receive_bytes = |r: i32, tag: i32, abort: &AtomicBool| {
+        fabric.receive(r, tag, false, abort, options.timeout, devices[r as usize]).map(|(b, _)| b)
+    };
+    // Every rank reports each step's (loss sum, loss count) to rank 0, which combines them.
+    let mut gather = |m: &StepMetrics| {
+        if rank == 0 {
+            let (mut sum, mut count, mut secs) = (m.loss_sum, m.loss_count as f64, m.step_seconds);
+            let mut wait = m.checkpoint_wait_s;
+            let mut copy = m.checkpoint_copy_s;
+            // validation's sums, when this step was followed by one
+            let mut validation = m.validation.map(|v| v.sums);
+            let (mut aux, mut has_aux) = (m.aux_sum, m.aux_loss.is_some());
+            let mut expert_tokens = m.expert_tokens.clone();
+            for r in 1..size {
+                if let Ok(b) = receive_bytes(r, TAG_METRIC, &abort) {
+                    let v = from_f64s(&b);
+                    if v.len() >= 13 {
+                        sum += v[1];
+                        count += v[2];
+                        secs = secs.max(v[3]);
+                        wait = wait.map(|w| w.max(v[9]));
+                        if v[4] != 0.0 {
+                            let total = validation.get_or_insert([0.0; 4]);
+                            total.iter_mut().zip(&v[5..9]).for_each(|(a, b)| *a += b);
+                        }
+                        aux += v[10];
+                        has_aux |= v[11] != 0.0;
+                        if v[12] >= 0.0 {
+                            copy = Some(copy.unwrap_or(0.0).max(v[12]));
+                        }
+                        merge_expert_tokens(&mut expert_tokens, &v[13..]);
+                    }
+                }
+            }
+            let microbatches = plan.training.microbatches.max(1) as f64;
+            let loss = if count > 0.0 { sum / count } else { f64::NAN };
+            let language_model = crate::is_language_model(plan);
+            on_step(&StepMetrics {
+                step: m.step,
+                loss,
+                loss_sum: sum,
+                loss_count: count as usize,
+                step_seconds: secs,
+                samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12),
+                perplexity: language_model.then(|| loss.exp()),
+                // the same on every rank: a function of the step, and the norm's sum
+                lr: m.lr,
+                grad_norm: m.grad_norm,
+                loss_scale: m.loss_scale,
+                skipped: m.skipped,
+                epoch: m.epoch,
+                validation: validation.map(|v| crate::ValidationMetrics::of(v, language_model)),
+                checkpoint_wait_s: wait,
+                checkpoint_copy_s: copy,
+                checkpoint_write_s: m.checkpoint_write_s,
+                aux_sum: aux,
+                aux_loss: has_aux.then(|| aux / microbatches),
+                expert_tokens,
+            });
+        } else {
+            let v = m.validation.map_or([0.0; 4], |v| v.sums);
+            let has = f64::from(u8::from(m.validation.is_some()));
+            let _ = fabric.post(
+                0,
+                TAG_METRIC,
+                f64s(
+                    &[
+                        m.step as f64,
+                        m.loss_sum,
+                        m.loss_count as f64,
+                        m.step_seconds,
+                        has,
+                        v[0],
+                        v[1],
+                        v[2],
+                        v[3],
+                        m.checkpoint_wait_s.unwrap_or(0.0),
+                        m.aux_sum,
+                        f64::from(u8::from(m.aux_loss.is_some())),
+                        // (negative: no checkpoint after this step)
+                        m.checkpoint_copy_s.unwrap_or(-1.0),
+                    ]
+                    .into_iter()
+                    .chain(m.expert_tokens.iter().flat_map(|(layer, took)| {
+                        [*layer as f64, took.len() as f64].into_iter().chain(took.iter().map(|&t| t as f64))
+                    }))
+                    .collect::<Vec<f64>>(),
+                ),
+                None,
+            );
+        }
+    };
+    // Checkpoints: every rank sends its stages to rank 0, which writes one checkpoint.
+    let ckpt_abort = abort.clone();
+    let identity = crate::checkpoint::Identity::of(plan);
+    let mut sink = |steps: usize,
+                    mut stages: crate::checkpoint::Shards,
+                    loss_scale: Option<pipec_plan::recipe::LossScale>|
+     -> Result<Option<std::path::PathBuf>, crate::error::ExecError> {
+        use crate::error::ExecError;
+        if rank != 0 {
+            let _ = fabric.post(0, TAG_CKPT, crate::checkpoint::encode(&stages), None);
+            return Ok(None);
+        }
+        for r in 1..size {
+            // a transfer that fails keeps its kind: a wait ended by another failure is
+            // secondary to it, and the root cause is what the rank reports
+            let b = receive_bytes(r, TAG_CKPT, &ckpt_abort)?;
+            for (s, st) in crate::checkpoint::decode(&b).map_err(ExecError::Checkpoint)? {
+                stages.entry(s).or_insert(st);
+            }
+        }
+        match &options.checkpoint_dir {
+            Some(dir) => crate::checkpoint::write(dir, steps, &identity, &stages, loss_scale)
+                .map(Some)
+                .map_err(ExecError::Checkpoint),
+            None => Ok(None),
+        }
+    };
+    let report = match options.backend {
+        crate::BackendKind::Cpu => {
+            let placement = [(device, (Default::default(), "cpu".to_string()))].into_iter().collect();
+            run_workers::<crate::CpuBackend, _>(
+                plan,
+                options,
+                &placement,
+                vec![endpoint],
+                abort.clone(),
+                &mut gather,
+                &mut sink,
+            )
+        }
+        crate::BackendKind::Cuda => run_cuda(plan, options, device, endpoint, abort.clone(), &mut gather, &mut sink),
+    }
+    .map_err(|e| (Some(info), e))?;
+    // everything posted is sent before the ranks part: flush, then meet at a barrier
+    if rank == 0 {
+        let mut merged = report.clone();
+        for r in 1..size {
+            let b = receive_bytes(r, TAG_TRACE, &abort).map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
+            merge_traces(&mut merged, &from_f64s(&b));
+        }
+        fabric.flush();
+        fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
+        Ok((info, Some(merged)))
+    } else {
+        let _ = fabric.post(0, TAG_TRACE, f64s(&flat_traces(&report)), None);
+        fabric.flush();
+        fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
+        Ok((info, None))
+    }
+}
+
+/// Every rank sends rank 0 its [`Fingerprint`]; rank 0 compares them with its own and
+/// sends each rank the verdict (empty: they agree), so that ranks started with different
+/// specs, steps or checkpoints all stop at start with the same message.
+fn agree<F: Fabric>(
+    fabric: &F,
+    mine: &Fingerprint,
+    devices: &[DeviceId],
+    timeout: std::time::Duration,
+) -> Result<(), String> {
+    let never = AtomicBool::new(false);
+    let (rank, size) = (fabric.rank(), fabric.size());
+    if rank != 0 {
+        fabric.post(0, TAG_AGREE, mine.encode(), None).map_err(|e| e.to_string())?;
+        let (verdict, _) =
+            fabric.receive(0, TAG_AGREE, false, &never, timeout, devices[0]).map_err(|e| e.to_string())?;
+        return if verdict.is_empty() { Ok(()) } else { Err(String::from_utf8_lossy(&verdict).into_owned()) };
+    }
+    let mut theirs = Vec::new();
+    for r in 1..size {
+        let (b, _) =
+            fabric.receive(r, TAG_AGREE, false, &never, timeout, devices[r as usize]).map_err(|e| e.to_string())?;
+        theirs.push((r, Fingerprint::decode(&b)?));
+    }
+    let verdict = agreement::verdict(mine, &theirs);
+    let text = verdict.clone().unwrap_or_default().into_bytes();
+    for r in 1..size {
+        fabric.post(r, TAG_AGREE, text.clone(), None).map_err(|e| e.to_string())?;
+    }
+    match verdict {
+        None => Ok(()),
+        Some(why) => {
+            // the verdicts leave before this rank's failure ends the job
+            fabric.flush();
+            Err(why)
+        }
+    }
+}
+
+/// A rank's traces, and what it measured of its device's memory, as numbers for rank 0:
+/// the counts of the last step's trace, the communication timeline, the step timeline and
+/// the device facts, then each (device facts: device, whether the model state was
+/// measured, weights, gradients, optimizer, whether resident memory was, baseline, peak).
+fn flat_traces(report: &RunReport) -> Vec<f64> {
+    let devices: std::collections::BTreeSet<DeviceId> =
+        report.held.keys().chain(report.resident.keys()).copied().collect();
+    let mut flat: Vec<f64> = vec![
+        report.trace.len() as f64,
+        report.comm_timeline.len() as f64,
+        report.timeline.len() as f64,
+        devices.len() as f64,
+    ];
+    flat.extend(report.trace.iter().flat_map(|(d, i, s, e)| [f64::from(d.0), *i as f64, *s, *e]));
+    let five = |(d, k, i, s, e): &(DeviceId, usize, usize, f64, f64)| [f64::from(d.0), *k as f64, *i as f64, *s, *e];
+    flat.extend(report.comm_timeline.iter().flat_map(five));
+    flat.extend(report.timeline.iter().flat_map(five));
+    for d in devices {
+        let h = report.held.get(&d);
+        let r = report.resident.get(&d);
+        flat.extend([
+            f64::from(d.0),
+            f64::from(u8::from(h.is_some())),
+            h.map_or(0.0, |h| h.weights as f64),
+            h.map_or(0.0, |h| h.gradients as f64),
+            h.map_or(0.0, |h| h.optimizer as f64),
+            f64::from(u8::from(r.is_some())),
+            r.map_or(0.0, |r| r.baseline as f64),
+            r.map_or(0.0, |r| r.peak as f64),
+        ]);
+    }
+    flat
+}
+
+/// Rank 0 adds another rank's traces and device facts ([`flat_traces`]) to the run's
+/// (timelines up to `TIMELINE_LIMIT`).
+fn merge_traces(merged: &mut RunReport, v: &[f64]) {
+    let count = |i: usize| v.get(i).map_or(0, |n| *n as usize);
+    let body = &v[v.len().min(4)..];
+    let n = count(0).min(body.len() / 4);
+    let c = count(1).min((body.len() - 4 * n) / 5);
+    let t = count(2).min((body.len() - 4 * n - 5 * c) / 5);
+    let f = count(3).min((body.len() - 4 * n - 5 * c - 5 * t) / 8);
+    let entry = |t: &[f64]| (DeviceId(t[0] as u32), t[1] as usize, t[2] as usize, t[3], t[4]);
+    let (trace, rest) = body.split_at(4 * n);
+    let (comm, rest) = rest.split_at(5 * c);
+    let (timeline, rest) = rest.split_at(5 * t);
+    for t in trace.chunks_exact(4) {
+        merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
+    }
+    for t in comm.chunks_exact(5) {
+        if merged.comm_timeline.len() < crate::TIMELINE_LIMIT {
+            merged.comm_timeline.push(entry(t));
+        }
+    }
+    for t in timeline.chunks_exact(5) {
+        if merged.timeline.len() < crate::TIMELINE_LIMIT {
+            merged.timeline.push(entry(t));
+        }
+    }
+    for x in rest[..8 * f].chunks_exact(8) {
+        let d = DeviceId(x[0] as u32);
+        if x[1] != 0.0 {
+            let held = crate::HeldState { weights: x[2] as u64, gradients: x[3] as u64, optimizer: x[4] as u64 };
+            merged.held.insert(d, held);
+        }
+        if x[5] != 0.0 {
+            merged.resident.insert(d, crate::backend::resident::Resident { baseline: x[6] as u64, peak: x[7] as u64 });
+        }
+    }
+}
+
+/// This rank's device on the GPU of its local rank. Activations and gradients are staged
+/// through host memory (`transport::Message` holds host `f32`s), so any fabric works (an MPI
+/// need not be CUDA-aware).
+#[allow(clippy::too_many_arguments)]
+fn run_cuda<F: Fabric + 'static>(
+    plan: &Plan,
+    options: &RunOptions,
+    device: DeviceId,
+    endpoint: ProcessEndpoint<F>,
+    abort: Arc<AtomicBool>,
+    on_step: &mut dyn FnMut(&StepMetrics),
+    sink: &mut crate::CheckpointSink<'_>,
+) -> Result<RunReport, RunError> {
+    crate::cuda_available().map_err(RunError::setup)?;
+    #[cfg(feature = "cuda")]
+    {
+        type B = burn::backend::Autodiff<burn::backend::Cuda>;
+        let gpus = crate::cuda::device_count().map_err(RunError::setup)?;
+        let local = crate::run::gpus::local_rank_from_env().unwrap_or(0);
+        let gpu = crate::run::gpus::for_local_rank(local, gpus, options.share_gpus).map_err(RunError::setup)?;
+        let placement =
+            [(device, (burn::backend::cuda::CudaDevice::new(gpu), format!("GPU {gpu}")))].into_iter().collect();
+        run_workers::<B, _>(plan, options, &placement, vec![endpoint], abort, on_step, sink)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (plan, options, device, endpoint, abort, on_step, sink);
+        Err(RunError::setup("CUDA support is not built in"))
+    }
+}
+
+/// Adds a rank's expert token counts, sent as (layer, experts, counts...) runs, to `into`.
+fn merge_expert_tokens(into: &mut crate::ExpertTokens, mut runs: &[f64]) {
+    while let [layer, n, rest @ ..] = runs {
+        let n = (*n as usize).min(rest.len());
+        let took: Vec<u64> = rest[..n].iter().map(|&t| t as u64).collect();
+        crate::add_expert_tokens(into, *layer as usize, &took);
+        runs = &rest[n..];
+    }
+}
