@@ -80,8 +80,64 @@ fn each_crate_links_only_what_its_layer_may() {
     assert!(plan.iter().all(|p| !p.starts_with("pipec") && !p.starts_with("burn")), "{plan:?}");
 }
 
+/// The paths a use list or path names after `crate::`, to their second segment:
+/// `a::b::X` → `a::b` and `a`; `{a::X, b}` → `a::X`, `a`, `b`; `a::{b, c::Y}` → `a::b`,
+/// `a::c`, `a` (the caller keeps those that are modules).
+fn named_paths(rest: &str) -> Vec<String> {
+    fn ident(s: &str) -> (&str, &str) {
+        let n = s.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(s.len());
+        (&s[..n], &s[n..])
+    }
+    /// The top-level items of a `{...}` group (the text after its `{`).
+    fn items(group: &str) -> Vec<&str> {
+        let (mut depth, mut start, mut out) = (0, 0, Vec::new());
+        for (i, c) in group.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    out.push(group[start..i].trim());
+                    return out;
+                }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    out.push(group[start..i].trim());
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+    let mut out = Vec::new();
+    let firsts = match rest.strip_prefix('{') {
+        Some(group) => items(group),
+        None => vec![rest],
+    };
+    for item in firsts {
+        let (a, after) = ident(item);
+        if a.is_empty() {
+            continue;
+        }
+        out.push(a.to_string());
+        if let Some(tail) = after.strip_prefix("::") {
+            let seconds = match tail.strip_prefix('{') {
+                Some(group) => items(group),
+                None => vec![tail],
+            };
+            for s in seconds {
+                let (b, _) = ident(s);
+                if !b.is_empty() {
+                    out.push(format!("{a}::{b}"));
+                }
+            }
+        }
+    }
+    out
+}
+
 /// The modules a file of a crate names through `crate::` (in `use` lists and paths), by
-/// the file's own module name. Comments are skipped; `crate::{a, b::c}` names `a` and `b`.
+/// their paths from the crate root (`a`, or `a::b` for a file in folder `a`); the deepest
+/// module a path names is kept. Comments are skipped.
 fn module_references(text: &str, modules: &BTreeSet<String>) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for line in text.lines() {
@@ -89,68 +145,58 @@ fn module_references(text: &str, modules: &BTreeSet<String>) -> BTreeSet<String>
         let mut rest = code;
         while let Some(at) = rest.find("crate::") {
             rest = &rest[at + "crate::".len()..];
-            if let Some(group) = rest.strip_prefix('{') {
-                // the top-level names of the group (nested groups belong to their item)
-                let mut depth = 0;
-                let mut name = String::new();
-                let mut expect_name = true;
-                for c in group.chars() {
-                    match c {
-                        '{' => depth += 1,
-                        '}' if depth == 0 => break,
-                        '}' => depth -= 1,
-                        ',' if depth == 0 => {
-                            expect_name = true;
-                            continue;
-                        }
-                        _ => {}
-                    }
-                    if depth == 0 && expect_name {
-                        if c.is_alphanumeric() || c == '_' {
-                            name.push(c);
-                            continue;
-                        }
-                        if !name.is_empty() {
-                            out.insert(std::mem::take(&mut name));
-                            expect_name = false;
-                        }
-                    }
+            let named: Vec<String> = named_paths(rest).into_iter().filter(|m| modules.contains(m)).collect();
+            for m in &named {
+                // `a` is named for itself only when no `a::b` below it is
+                if !named.iter().any(|n| n.starts_with(&format!("{m}::"))) {
+                    out.insert(m.clone());
                 }
-                if !name.is_empty() {
-                    out.insert(name);
-                }
-            } else {
-                let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
-                out.insert(name);
             }
         }
     }
-    out.retain(|m| modules.contains(m));
     out
 }
 
-/// The import circles among a crate's modules (one file each; the crate root excluded):
-/// each strongly connected set of two or more modules, as sorted names.
-fn import_circles(src: &std::path::Path) -> Vec<Vec<String>> {
-    let files: Vec<(String, String)> = std::fs::read_dir(src)
-        .expect("src")
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
-        .filter_map(|p| {
-            let stem = p.file_stem()?.to_str()?.to_string();
-            (stem != "lib" && stem != "main").then(|| (stem, std::fs::read_to_string(&p).expect("read")))
-        })
-        .collect();
+/// A crate's modules (one file each, in its folders too; the crate root and each folder's
+/// `mod.rs` excluded) by path from the root, with their text.
+fn crate_modules(src: &std::path::Path) -> Vec<(String, String)> {
+    fn walk(dir: &std::path::Path, prefix: &str, out: &mut Vec<(String, String)>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir).expect("src").flatten().map(|e| e.path()).collect();
+        entries.sort();
+        for p in entries {
+            let Some(stem) = p.file_stem().and_then(|s| s.to_str()).map(String::from) else { continue };
+            let name = if prefix.is_empty() { stem.clone() } else { format!("{prefix}::{stem}") };
+            if p.is_dir() {
+                walk(&p, &name, out);
+            } else if p.extension().is_some_and(|x| x == "rs") && !["lib", "main", "mod"].contains(&stem.as_str()) {
+                out.push((name, std::fs::read_to_string(&p).expect("read")));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(src, "", &mut out);
+    out
+}
+
+/// Each module's references to the crate's other modules.
+fn module_edges(src: &std::path::Path) -> HashMap<String, BTreeSet<String>> {
+    let files = crate_modules(src);
     let modules: BTreeSet<String> = files.iter().map(|(m, _)| m.clone()).collect();
-    let edges: HashMap<String, BTreeSet<String>> = files
+    files
         .iter()
         .map(|(m, text)| {
             let mut refs = module_references(text, &modules);
             refs.remove(m);
             (m.clone(), refs)
         })
-        .collect();
+        .collect()
+}
+
+/// The import circles among a crate's modules: each strongly connected set of two or more
+/// modules, as sorted names.
+fn import_circles(src: &std::path::Path) -> Vec<Vec<String>> {
+    let edges = module_edges(src);
+    let modules: BTreeSet<String> = edges.keys().cloned().collect();
     // reachability, then the mutually reachable sets
     let reach = |from: &str| {
         let mut seen = BTreeSet::new();
@@ -178,15 +224,71 @@ fn import_circles(src: &std::path::Path) -> Vec<Vec<String>> {
     circles.into_iter().collect()
 }
 
+/// The executor's layers, lowest first: a module imports only modules of its own layer or
+/// of a layer below (ARCHITECTURE.md, "The executor"). `error` is the one module at the
+/// crate root beside `lib.rs`.
+const EXECUTOR_LAYERS: [&str; 7] = ["comm", "error", "backend", "nn", "parallel", "interp", "run"];
+
+/// The imports of the executor that run from a layer up to a layer above it.
+fn upward_imports(src: &std::path::Path) -> Vec<String> {
+    let layer_of = |m: &str| {
+        let top = m.split("::").next().unwrap_or(m);
+        EXECUTOR_LAYERS.iter().position(|l| *l == top)
+    };
+    let mut up = Vec::new();
+    for (m, refs) in module_edges(src) {
+        let Some(from) = layer_of(&m) else {
+            up.push(format!("{m} is in no layer"));
+            continue;
+        };
+        for r in refs {
+            if layer_of(&r).is_none_or(|to| to > from) {
+                up.push(format!("{m} -> {r}"));
+            }
+        }
+    }
+    up.sort();
+    up
+}
+
 #[test]
 fn no_import_circles_among_a_crates_modules() {
     // each phase is a function from one type to the next: a module uses the ones before it,
     // never one that uses it back (ARCHITECTURE.md)
-    for krate in ["grammar", "plan", "compiler"] {
+    for krate in ["grammar", "plan", "compiler", "executor"] {
         let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(krate).join("src");
         let circles = import_circles(&src);
         assert!(circles.is_empty(), "{krate}/src has import circles: {circles:?}");
     }
+}
+
+#[test]
+fn the_executors_layers_import_only_downward() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("executor/src");
+    let up = upward_imports(&src);
+    assert!(up.is_empty(), "imports from a layer to one above it (or a module in no layer): {up:#?}");
+    // every folder of executor/src is a layer
+    for e in std::fs::read_dir(&src).expect("src").flatten().filter(|e| e.path().is_dir()) {
+        let name = e.file_name().to_string_lossy().to_string();
+        assert!(EXECUTOR_LAYERS.contains(&name.as_str()), "executor/src/{name} is not one of the layers");
+    }
+}
+
+#[test]
+fn the_layer_check_sees_an_import_up() {
+    let dir = tempfile::tempdir().expect("tmp");
+    for (path, text) in [
+        ("comm/transport.rs", "pub struct T;"),
+        ("backend/dense.rs", "use crate::comm::transport::T;"),
+        ("backend/ring.rs", "use crate::{backend::dense, nn::layers::Block};"),
+        ("nn/layers.rs", "use crate::backend::{dense, ring::Ring};"),
+    ] {
+        let p = dir.path().join(path);
+        std::fs::create_dir_all(p.parent().expect("dir")).expect("mkdir");
+        std::fs::write(p, text).expect("w");
+    }
+    assert_eq!(upward_imports(dir.path()), vec!["backend::ring -> nn::layers".to_string()]);
+    assert_eq!(import_circles(dir.path()), vec![vec!["backend::ring".to_string(), "nn::layers".to_string()]]);
 }
 
 #[test]

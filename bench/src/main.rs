@@ -572,8 +572,8 @@ fn mpi_pingpong() {
 /// with torchrun's variables (`RANK=0|1 WORLD_SIZE=2 pipec-bench tcp-pingpong`): tensors
 /// through the executor's endpoint, as `mpi-pingpong` measures MPI's.
 fn tcp_pingpong() {
-    use pipec_executor::fabric::ProcessEndpoint;
     use pipec_executor::comm::tcp::{Rendezvous, TcpFabric};
+    use pipec_executor::fabric::ProcessEndpoint;
     use pipec_executor::transport::{Endpoint, Message};
     use std::sync::atomic::AtomicBool;
     use std::sync::Arc;

@@ -15,8 +15,9 @@ pub mod parallel;
 pub mod run;
 
 pub use comm::{fabric, transport};
+pub use interp::data;
 pub use parallel::reshard::whole_weights;
-pub use run::{calibrate, data, process_run, profile};
+pub use run::{calibrate, process_run, profile};
 #[cfg(feature = "mpi")]
 pub use {comm::mpi_transport, run::mpi_run};
 

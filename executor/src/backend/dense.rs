@@ -25,7 +25,7 @@
 //!
 //! Under ZeRO-3 a weight gathered per product ([`crate::parallel::zero::per_product`]) is a one-value
 //! stand-in in the model: while [`with_gathered_weights`] names it, the product asks its
-//! [`crate::parallel::zero::Gatherer`] for the whole weight, and its backward keeps the gatherer
+//! [`WholeWeight`] for the whole weight, and its backward keeps the gatherer
 //! instead of the weight and asks again for the input gradient.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -95,22 +95,22 @@ pub trait Kernels: Backend {
         burn::tensor::module::embedding(w, ids)
     }
 
-    /// Expert parallelism's exchange of rows with the group ([`crate::parallel::experts::move_rows`]);
+    /// Expert parallelism's exchange of rows with the group ([`crate::backend::port::move_rows`]);
     /// on an autodiff backend its gradient is the reverse exchange, run in the backward.
-    fn exchange(x: Tensor<Self, 2>, ex: &crate::parallel::experts::Exchange) -> Result<Tensor<Self, 2>, String> {
-        crate::parallel::experts::move_rows(x, ex)
+    fn exchange(x: Tensor<Self, 2>, ex: &crate::backend::port::Exchange) -> Result<Tensor<Self, 2>, String> {
+        crate::backend::port::move_rows(x, ex)
     }
 
     /// softmax(scores/√dh + the causal mask) over the keys of [batch, heads, queries, keys]
     /// attention scores (by default Burn's operations).
     fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
-        crate::nn::layers::scores_softmax(scores, dh, causal)
+        crate::backend::attention::scores_softmax(scores, dh, causal)
     }
 
     /// The scores' gradient from [`Kernels::attention_softmax`]'s output `p` and its
     /// gradient `dp`: `p ⊙ (dp − rowsum(dp ⊙ p)) / √dh` (by default Burn's operations).
     fn attention_softmax_grad(p: Tensor<Self, 4>, dp: Tensor<Self, 4>, dh: usize) -> Tensor<Self, 4> {
-        crate::nn::layers::scores_softmax_grad(p, dp, dh)
+        crate::backend::attention::scores_softmax_grad(p, dp, dh)
     }
 
     /// Context parallelism's ring attention ([`crate::backend::ring`]): this member's queries
@@ -136,9 +136,9 @@ pub trait Kernels: Backend {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         dh: usize,
-        causal: crate::nn::layers::Causal,
+        causal: crate::backend::attention::Causal,
     ) -> Tensor<Self, 4> {
-        crate::backend::amp::matmul(crate::nn::layers::attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))), v)
+        crate::backend::amp::matmul(attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))), v)
     }
 }
 
@@ -149,7 +149,8 @@ impl Kernels for burn::backend::Flex {
     }
 
     fn product_add(acc: FloatTensor<Self>, a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::backend::flex_gemm::product_add(acc, &a, &b).unwrap_or_else(|acc| Self::float_add(acc, Self::product(a, b)))
+        crate::backend::flex_gemm::product_add(acc, &a, &b)
+            .unwrap_or_else(|acc| Self::float_add(acc, Self::product(a, b)))
     }
 
     fn input_grad(dy: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -171,7 +172,7 @@ impl Kernels for burn::backend::Flex {
         let divisor = (dh as f64).sqrt() as f32;
         match crate::backend::flex_softmax::forward(&scores.clone().into_primitive().tensor(), divisor, causal) {
             Some(p) => Tensor::from_primitive(TensorPrimitive::Float(p)),
-            None => crate::nn::layers::scores_softmax(scores, dh, causal),
+            None => crate::backend::attention::scores_softmax(scores, dh, causal),
         }
     }
 
@@ -180,7 +181,7 @@ impl Kernels for burn::backend::Flex {
         let (pp, dpp) = (p.clone().into_primitive().tensor(), dp.clone().into_primitive().tensor());
         match crate::backend::flex_softmax::backward(&pp, &dpp, divisor) {
             Some(ds) => Tensor::from_primitive(TensorPrimitive::Float(ds)),
-            None => crate::nn::layers::scores_softmax_grad(p, dp, dh),
+            None => crate::backend::attention::scores_softmax_grad(p, dp, dh),
         }
     }
 
@@ -218,11 +219,12 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         I::copy_weight(&w.primitive)
     }
 
-    fn exchange(x: Tensor<Self, 2>, ex: &crate::parallel::experts::Exchange) -> Result<Tensor<Self, 2>, String> {
+    fn exchange(x: Tensor<Self, 2>, ex: &crate::backend::port::Exchange) -> Result<Tensor<Self, 2>, String> {
         let x = x.into_primitive().tensor();
-        let moved = crate::parallel::experts::move_rows(Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(x.primitive)), ex)?
-            .into_primitive()
-            .tensor();
+        let moved =
+            crate::backend::port::move_rows(Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(x.primitive)), ex)?
+                .into_primitive()
+                .tensor();
         let y = match ExchangeBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(ex.reversed(), moved),
             OpsKind::UnTracked(prep) => prep.finish(moved),
@@ -246,7 +248,7 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         dh: usize,
-        causal: crate::nn::layers::Causal,
+        causal: crate::backend::attention::Causal,
     ) -> Tensor<Self, 4> {
         let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
         let inner = |t: &FloatTensor<Self>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(t.primitive.clone()));
@@ -370,7 +372,7 @@ type Product<I> = fn(FloatTensor<I>, FloatTensor<I>) -> FloatTensor<I>;
 #[derive(Clone, Debug)]
 enum Weight<I: Backend> {
     Held(FloatTensor<I>),
-    Gathered(std::sync::Arc<crate::parallel::zero::Gatherer<I>>, u64),
+    Gathered(std::sync::Arc<dyn WholeWeight<I>>, u64),
 }
 
 /// The backward of `x · w`: `dy · wᵀ` (through [`Kernels::input_grad`]) and `xᵀ · dy`.
@@ -408,7 +410,7 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
 #[derive(Debug)]
 struct AttentionBackward {
     dh: usize,
-    causal: crate::nn::layers::Causal,
+    causal: crate::backend::attention::Causal,
 }
 
 impl<I: Kernels> Backward<I, 3> for AttentionBackward {
@@ -420,7 +422,7 @@ impl<I: Kernels> Backward<I, 3> for AttentionBackward {
         let (q, k, v) = (t(q), t(k), t(v));
         let d_out = t(grads.consume::<I>(&ops.node));
         let mask = self.causal.as_ref().map(|m| (&m.0[..], &m.1[..]));
-        let p = crate::nn::layers::attention_at(q.clone(), k.clone(), self.dh, mask);
+        let p = attention_at(q.clone(), k.clone(), self.dh, mask);
         let [to_q, to_k, to_v] = ops.parents;
         if let Some(node) = to_v {
             grads.register::<I>(
@@ -470,7 +472,7 @@ impl<I: Kernels> Backward<I, 1> for SoftmaxBackward {
 struct ExchangeBackward;
 
 impl<I: Kernels> Backward<I, 1> for ExchangeBackward {
-    type State = crate::parallel::experts::Exchange;
+    type State = crate::backend::port::Exchange;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let ex = ops.state;
@@ -478,7 +480,7 @@ impl<I: Kernels> Backward<I, 1> for ExchangeBackward {
             let dy = Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(dy));
             let (device, d) = (dy.device(), dy.dims()[1]);
             let rows: usize = ex.recv.iter().sum();
-            let moved = crate::parallel::experts::move_rows(dy, &ex).unwrap_or_else(|e| {
+            let moved = crate::backend::port::move_rows(dy, &ex).unwrap_or_else(|e| {
                 if let Ok(mut failed) = ex.group.failed.lock() {
                     failed.get_or_insert(e);
                 }
@@ -582,9 +584,16 @@ thread_local! {
     static GATHERED: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
 }
 
+/// The port's side of ZeRO-3's per-product gathers: a weight whole, by parameter id, for
+/// one product (the parallel layer's gatherer, `crate::parallel::zero::Gatherer`, gathers it
+/// from the replicas' shards; a failed gather is recorded there and gives zeros).
+pub(crate) trait WholeWeight<I: Backend>: Send + Sync + std::fmt::Debug {
+    fn get(&self, id: u64) -> FloatTensor<I>;
+}
+
 /// ZeRO-3 per product: the stand-ins (by autodiff node) whose products gather their weight,
 /// and from what (by parameter id).
-pub(crate) type GatheredWeights<I> = HashMap<NodeId, (std::sync::Arc<crate::parallel::zero::Gatherer<I>>, u64)>;
+pub(crate) type GatheredWeights<I> = HashMap<NodeId, (std::sync::Arc<dyn WholeWeight<I>>, u64)>;
 
 /// Runs `pass` (a forward or a recompute) with `weights` installed on this thread: a dense
 /// product of one of those stand-ins gathers the whole weight for itself (the backward
@@ -606,7 +615,7 @@ pub(crate) fn with_gathered_weights<I: Backend, R>(weights: GatheredWeights<I>, 
 }
 
 /// The gatherer of the weight whose stand-in is `node`, while a pass names it.
-fn gathered_weight<I: Backend>(node: NodeId) -> Option<(std::sync::Arc<crate::parallel::zero::Gatherer<I>>, u64)> {
+fn gathered_weight<I: Backend>(node: NodeId) -> Option<(std::sync::Arc<dyn WholeWeight<I>>, u64)> {
     GATHERED.with(|s| s.borrow().as_ref()?.downcast_ref::<GatheredWeights<I>>()?.get(&node).cloned())
 }
 
@@ -731,6 +740,20 @@ fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) 
     None
 }
 
+/// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
+/// `causal` (each query's and each key's position in the sequence — context parallelism: a
+/// member's queries against the gathered keys, in member order), a key after its query gets
+/// weight 0 (its score is pushed to -1e9 first, which leaves the same softmax and gradient
+/// as removing it, without -∞ arithmetic).
+pub(crate) fn attention_at<B: Kernels>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    dh: usize,
+    causal: Option<(&[usize], &[usize])>,
+) -> Tensor<B, 4> {
+    B::attention_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, causal)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -742,7 +765,7 @@ mod tests {
     /// gradients of the core kept (Burn's own autodiff through the same forward), causal or
     /// not, to 1e-5 of the largest value, and passes a gradient to what is tracked.
     /// The causal mask of `s` queries over the same `s` keys.
-    fn causal_mask(s: usize) -> crate::nn::layers::Causal {
+    fn causal_mask(s: usize) -> crate::backend::attention::Causal {
         let p: Vec<usize> = (0..s).collect();
         Some(std::sync::Arc::new((p.clone(), p)))
     }
@@ -762,7 +785,8 @@ mod tests {
         };
         // no mask, the causal one, and a context-parallel member's: queries at positions
         // 1, 2, 7, 8, 9 of a sequence against keys in another order
-        let member: crate::nn::layers::Causal = Some(std::sync::Arc::new((vec![1, 2, 7, 8, 9], vec![5, 0, 9, 3, 1])));
+        let member: crate::backend::attention::Causal =
+            Some(std::sync::Arc::new((vec![1, 2, 7, 8, 9], vec![5, 0, 9, 3, 1])));
         for causal in [None, causal_mask(5), member] {
             let weights = rand(9);
             let run = |recomputed: bool| {
@@ -771,7 +795,7 @@ mod tests {
                     B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal.clone())
                 } else {
                     let mask = causal.as_ref().map(|m| (&m.0[..], &m.1[..]));
-                    crate::nn::layers::attention_at(q.clone(), k.clone(), 4, mask).matmul(v.clone())
+                    attention_at(q.clone(), k.clone(), 4, mask).matmul(v.clone())
                 };
                 let grads = (out.clone() * weights.clone()).sum().backward();
                 let g = |t: &Tensor<B, 4>| t.grad(&grads).expect("a gradient").into_data();

@@ -19,8 +19,7 @@
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, TensorData};
 
-/// The score a masked key gets before the softmax (its weight is then exactly 0).
-pub(crate) const MASKED: f32 = -1e9;
+pub(crate) use crate::backend::attention::MASKED;
 
 /// The (rows, queries, keys) of a 4-D `f32` `[batch, heads, queries, keys]` tensor.
 fn rows(t: &FlexTensor) -> Option<(usize, usize, usize)> {
@@ -175,7 +174,7 @@ mod tests {
         ] {
             let scores = random([2, 3, 6, 6], 1);
             let p = values(ours(scores.clone(), 8, causal));
-            close(&p, &values(crate::nn::layers::scores_softmax(scores.clone(), 8, causal)), what);
+            close(&p, &values(crate::backend::attention::scores_softmax(scores.clone(), 8, causal)), what);
             // the scores as a transposed view are read in place, to the same numbers
             let view = scores.clone().swap_dims(2, 3).swap_dims(2, 3);
             assert_eq!(values(ours(view, 8, causal)), p, "{what}: a view");
@@ -196,7 +195,7 @@ mod tests {
         let transposed = scores.clone().swap_dims(2, 3);
         close(
             &values(ours(transposed.clone(), 4, None)),
-            &values(crate::nn::layers::scores_softmax(transposed, 4, None)),
+            &values(crate::backend::attention::scores_softmax(transposed, 4, None)),
             "transposed",
         );
     }
@@ -210,7 +209,7 @@ mod tests {
             let weights = random([2, 2, 5, 5], 4);
             // Burn's composition through autodiff
             let s = Tensor::<A, 4>::from_inner(scores.clone()).require_grad();
-            let p = crate::nn::layers::scores_softmax(s.clone(), 16, causal);
+            let p = crate::backend::attention::scores_softmax(s.clone(), 16, causal);
             let grads = (p.clone() * Tensor::<A, 4>::from_inner(weights.clone())).sum().backward();
             let burns = s.grad(&grads).expect("a gradient");
             // this kernel's, from the probabilities and their gradient (the weights)

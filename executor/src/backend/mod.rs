@@ -1,12 +1,14 @@
 //! Burn-facing kernels: the executor's autodiff operations and products, the mixed-
-//! precision rules, the CPU kernels, the ring attention, and the port through which a pass
-//! reaches its peers (`port::PassPort`).
+//! precision rules, the CPU kernels, attention's arithmetic and the ring attention, and the
+//! port through which a pass reaches its peers ([`port`]).
 
 pub mod amp;
+pub mod attention;
+pub mod dense;
 pub(crate) mod flex_gemm;
 pub(crate) mod flex_softmax;
 pub(crate) mod flex_weights;
-pub mod dense;
-pub mod rng;
+pub mod port;
 pub mod resident;
 pub mod ring;
+pub mod rng;

@@ -25,8 +25,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use crate::backend::port::PeerGroup;
 use crate::comm::exchanger::Ticket;
-use crate::parallel::experts::ExpertGroup;
 
 /// The online softmax's running state of a part of the queries: each row's maximum score,
 /// its denominator and its unnormalised output.
@@ -38,7 +38,7 @@ pub type Grads<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
 /// What a member's ring attention needs beside its tensors.
 #[derive(Clone, Debug)]
 pub struct Ring {
-    pub group: ExpertGroup,
+    pub group: PeerGroup,
     /// Each member's positions of the sequence (member order): its queries' and keys'.
     pub positions: Vec<Vec<usize>>,
     /// A causal mask by true position (a key after its query weighs nothing).
@@ -110,7 +110,7 @@ impl Ring {
         kr: &std::ops::Range<usize>,
         dev: &B::Device,
     ) -> Tensor<B, 4> {
-        crate::nn::layers::causal_mask::<B>(
+        crate::backend::attention::causal_mask::<B>(
             &self.positions[self.position()][qr.clone()],
             &self.positions[m][kr.clone()],
             dev,
@@ -119,7 +119,7 @@ impl Ring {
 
     /// Keys or values [b, kv, s, dh] repeated to the query heads [b, h, s, dh].
     fn repeat<B: Backend>(&self, t: Tensor<B, 4>) -> Tensor<B, 4> {
-        crate::nn::layers::repeat_heads(t, self.group_size)
+        crate::backend::attention::repeat_heads(t, self.group_size)
     }
 
     /// A gradient at the query heads [b, h, s, dh] summed onto the key/value heads.
@@ -203,8 +203,9 @@ impl Ring {
             // the block goes on to the next member while this one computes with it
             let n = k_blk.dims().iter().product::<usize>();
             let passing = if j + 1 < self.cp() {
-                let mut values = crate::nn::params::host_f32(k_blk.clone().into_data()).map_err(|e| e.to_string())?;
-                values.extend(crate::nn::params::host_f32(v_blk.clone().into_data()).map_err(|e| e.to_string())?);
+                let mut values =
+                    crate::backend::port::host_f32(k_blk.clone().into_data()).map_err(|e| e.to_string())?;
+                values.extend(crate::backend::port::host_f32(v_blk.clone().into_data()).map_err(|e| e.to_string())?);
                 Some(self.pass(values)?)
             } else {
                 None
@@ -266,8 +267,8 @@ impl Ring {
         let shape = k.dims();
         let n = shape.iter().product::<usize>();
         let dh = q.dims()[3];
-        let mut values = crate::nn::params::host_f32(k.into_data()).map_err(|e| e.to_string())?;
-        values.extend(crate::nn::params::host_f32(v.into_data()).map_err(|e| e.to_string())?);
+        let mut values = crate::backend::port::host_f32(k.into_data()).map_err(|e| e.to_string())?;
+        values.extend(crate::backend::port::host_f32(v.into_data()).map_err(|e| e.to_string())?);
         let all = self.all_gather(values)?;
         // rowsum(dO ⊙ O): the softmax's backward term
         let delta = (d_out.clone() * out).sum_dim(3);
@@ -299,8 +300,8 @@ impl Ring {
                 dk = dk.clone().slice_assign(rows_of(&dk, &kr), narrow(&dk, &kr) + dk_r);
                 dv = dv.clone().slice_assign(rows_of(&dv, &kr), narrow(&dv, &kr) + dv_r);
             }
-            let mut part = crate::nn::params::host_f32(self.fold(dk).into_data()).map_err(|e| e.to_string())?;
-            part.extend(crate::nn::params::host_f32(self.fold(dv).into_data()).map_err(|e| e.to_string())?);
+            let mut part = crate::backend::port::host_f32(self.fold(dk).into_data()).map_err(|e| e.to_string())?;
+            part.extend(crate::backend::port::host_f32(self.fold(dv).into_data()).map_err(|e| e.to_string())?);
             sends.push(part);
         }
         let mine = self.reduce_scatter(sends)?;

@@ -146,4 +146,3 @@ pub(crate) fn abort_world(world: &SimpleCommunicator, code: i32) -> ! {
     });
     world.abort(code)
 }
-

@@ -14,62 +14,25 @@
 //! pass, which is why the pass is cut; the cut changes no value (the gradient at a cut is
 //! handed on whole, as a pipeline stage's is).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use burn::backend::autodiff::NodeId;
 use std::ops::Range;
 
 use burn::prelude::*;
-use pipec_plan::{CollectiveKind, GroupId, Instr, MicrobatchId, StageId};
+use pipec_plan::{CollectiveKind, GroupId, MicrobatchId, StageId};
 
-use crate::interp::collectives::{land_replica_sum, ReplicaSum};
-use crate::comm::exchanger::Ticket;
 use crate::backend::dense::ExecBackend;
+use crate::comm::transport::Tag;
 use crate::error::{ExecError, Result};
+use crate::interp::collectives::land_replica_sum;
+use crate::interp::in_flight::BucketsInFlight;
+use crate::interp::values::{dot, dot_with, grad_of, input_grad, Forwarded, Saved, WeightGrads};
+use crate::interp::worker::Worker;
 use crate::nn::layers::{Act, Collected, StageModel};
 use crate::nn::params::{
     accumulate, add_deferred_into_sums, backward_into_sums, collect_grads, host_f32, layout, sum_keys,
 };
-use crate::comm::transport::Tag;
-use crate::interp::values::{dot, dot_with, grad_of, input_grad, Forwarded, Saved, WeightGrads};
-use crate::interp::worker::Worker;
-
-/// The results to come of one reduction per part of a shard's layout.
-type PartResults = Vec<Ticket<Vec<f32>>>;
-
-/// A bucketed stage's reduction in flight: per bucket, in start order, its result and the
-/// parameters it carries (positions in the stage's visiting order); the last bucket's
-/// values are followed by the stage's batch statistics (`n_stats` of them). Under ZeRO
-/// each bucket is a reduce-scatter whose result is this replica's chunks of its
-/// parameters; `covered` is then the microbatches its gradients summed (the stage's
-/// accumulator is cleared as each bucket is taken).
-pub(crate) struct BucketsInFlight {
-    /// Under ZeRO: each bucket's reduce-scatters (one per part of the shard's layout) and
-    /// its parameters.
-    parts: Vec<(PartResults, Range<usize>)>,
-    /// Without ZeRO: each bucket's replica sums.
-    sums: Vec<ReplicaSum>,
-    n_stats: usize,
-    covered: usize,
-}
-
-impl BucketsInFlight {
-    fn new() -> Self {
-        BucketsInFlight { parts: Vec::new(), sums: Vec::new(), n_stats: 0, covered: 0 }
-    }
-}
-
-/// The positions in `all` of the backwards whose stage's replica all-reduce runs in
-/// buckets (`reduced_in_buckets`, on a stage with buckets), with the all-reduce's group.
-pub(crate) fn bucketed_backwards(plan: &pipec_plan::Plan, all: &[Instr]) -> HashMap<usize, GroupId> {
-    (0..all.len())
-        .filter_map(|j| {
-            let b = pipec_plan::plan::reduced_in_buckets(all, j)?;
-            let Instr::Collective { stage, group, .. } = &all[j] else { return None };
-            plan.stage(*stage).filter(|s| !s.gradient_buckets.is_empty()).map(|_| (b, *group))
-        })
-        .collect()
-}
 
 /// An activation's gradient back on the autodiff backend (untracked).
 fn tracked<B: ExecBackend>(g: Act<B::InnerBackend>) -> Result<Act<B>> {
@@ -119,7 +82,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     ) -> Result<Forwarded<B>> {
         let mut side =
             Collected { experts: self.experts_for(stage), context: self.context_for(stage), ..Default::default() };
-        let segments = model.forward_segments(x, cuts, true, key, &mut side)?;
+        let segments = crate::parallel::tensor_parallel::forward_segments(model, x, cuts, true, key, &mut side)?;
         let Collected { stats, aux, expert_tokens, .. } = side;
         if aux.is_some() {
             return Err(ExecError::Plan(format!("{stage} has gradient buckets and a load-balancing loss")));
@@ -258,7 +221,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         last: bool,
         code: usize,
     ) -> Result<()> {
-        let members = crate::interp::collectives::members(self.plan, group)?;
+        let members = crate::parallel::groups::members(self.plan, group)?;
         let st = self.state(stage)?;
         if st.shard.is_none() {
             let sum = self.start_replica_sum(stage, members, range, last, code)?;

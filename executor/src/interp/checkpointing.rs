@@ -37,7 +37,7 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
         // expert parallelism: the routed experts this member keeps only; beside ZeRO every
         // replica takes its shard of every expert, from whole weights put back for it
         if st.shard.is_some() {
-            crate::parallel::zero::unevict(st)?;
+            crate::interp::sharded::unevict(st)?;
         }
         let elsewhere = |k: usize| st.experts.as_ref().is_some_and(|h| h.updates_alone() && h.elsewhere(k));
         let mut evicted = Vec::new();
@@ -86,9 +86,9 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
             .map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
         // ZeRO: the checkpoint holds the state whole; this replica keeps its shard of it
         if st.shard.is_some() {
-            crate::parallel::zero::shard_loaded(st, plan, dev)?;
+            crate::interp::sharded::shard_loaded(st, plan, dev)?;
             // (the loaded weights gathered per product live on in the shard only)
-            crate::parallel::zero::stand_in_per_product(st)?;
+            crate::interp::sharded::stand_in_per_product(st)?;
             if let Some(h) = &st.experts {
                 st.model = st.model.take().map(|m| h.evict(m));
             }
@@ -150,7 +150,7 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
         let st = w.stages.get_mut(&id).ok_or(ExecError::Missing("the stage"))?;
         let (tp_rank, tp_size) = st.tp_shard();
         if st.shard.is_some() {
-            let (key, saved) = crate::parallel::zero::saved_shard(st, id, tp_rank, tp_size)?;
+            let (key, saved) = crate::interp::sharded::saved_shard(st, id, tp_rank, tp_size)?;
             out.insert(key, saved);
             continue;
         }
@@ -178,7 +178,7 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
             optim.load_items(items, &w.dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
             optimizer = optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
         }
-        params.extend(running_statistics(st)?);
+        params.extend(stage::running_statistics(st)?);
         out.insert(
             checkpoint::ShardKey::whole(id.0, tp_rank),
             checkpoint::StageCheckpoint { params, optimizer, tp_size, zero: None },
@@ -199,17 +199,4 @@ fn copies_for_its_replicas(plan: &pipec_plan::Plan, id: StageId, device: pipec_p
         stage.tensor_parallel.iter().filter_map(|g| g.get(tp_rank as usize).copied()).collect()
     };
     holders.iter().min().is_none_or(|first| *first == device)
-}
-
-/// Batch normalisation's running statistics of a stage, keyed like parameters.
-pub(crate) fn running_statistics<B: ExecBackend>(
-    st: &StageState<B>,
-) -> Result<Vec<crate::parallel::experts::SavedParam>, ExecError> {
-    let mut out = Vec::new();
-    for bn in st.model()?.batch_norms() {
-        let c = bn.running_mean.len();
-        out.push((layers::state_id(bn.index, layers::RUNNING_MEAN_SLOT), vec![c], bn.running_mean.clone()));
-        out.push((layers::state_id(bn.index, layers::RUNNING_VAR_SLOT), vec![c], bn.running_var.clone()));
-    }
-    Ok(out)
 }

@@ -8,63 +8,32 @@
 use burn::prelude::*;
 use pipec_plan::{CollectiveKind, CollectivePayload, DeviceId, GroupId, StageId};
 
-use crate::comm::exchanger::Ticket;
 use crate::backend::dense::ExecBackend;
-use crate::error::{ExecError, Result};
-use crate::parallel::experts::Kept;
-use crate::nn::params::{flatten_grads, host_f32, layout, unflatten};
-use crate::interp::stage::{set_tied_gradient, set_tied_gradient_shard, tied_gradient, tied_gradient_shard, StageState};
+use crate::comm::exchanger::Ticket;
 use crate::comm::transport::Rounding;
+use crate::error::{ExecError, Result};
+use crate::interp::in_flight::{InFlight, Landing, ReplicaSum};
+use crate::interp::stage::{
+    set_tied_gradient, set_tied_gradient_shard, tied_gradient, tied_gradient_shard, StageState,
+};
 use crate::interp::worker::Worker;
+use crate::nn::params::{flatten_grads, host_f32, layout, unflatten};
+use crate::parallel::experts::Kept;
+use crate::parallel::groups::members;
 
 /// A collective in flight: its results to come (one per part of a sharded stage's data:
 /// [`crate::parallel::zero::ShardLayout`]), and where they go.
-pub(crate) struct InFlight {
-    payload: CollectivePayload,
-    results: Vec<Ticket<Vec<f32>>>,
-    into: Landing,
-}
-
 /// Whether device `d` holds stage `s` (a replica, or a tensor-parallel member of one).
 fn holds(s: &pipec_plan::plan::StagePlan, d: DeviceId) -> bool {
     s.replicas.contains(&d) || s.tensor_parallel.iter().any(|t| t.contains(&d))
 }
 
 /// The devices of the plan's collective group `group`, in member order.
-pub(crate) fn members(plan: &pipec_plan::Plan, group: GroupId) -> Result<Vec<DeviceId>> {
-    plan.groups
-        .iter()
-        .find(|g| g.id == group)
-        .map(|g| g.devices.clone())
-        .ok_or_else(|| ExecError::Plan(format!("the plan has no {group}")))
-}
-
 fn not_sharded(stage: StageId) -> ExecError {
     ExecError::Plan(format!("{stage} is not sharded on this device"))
 }
 
 /// Where a collective's result goes, by payload.
-enum Landing {
-    /// The stage's gradient sums and batch statistics; `members` replicas contributed.
-    Gradients { sum: ReplicaSum, members: usize },
-    /// The tied weights of these (stage, layer)s this device holds, in the table's
-    /// orientation.
-    TiedGradient { held: Vec<(StageId, usize)> },
-    /// ZeRO: this replica's segment of the reduce-scatter (its statistics, `n_stats`, after
-    /// part 0's chunks), added to its gradient shard; each of the `members` replicas had
-    /// reduced `covered` microbatches.
-    GradientShard { covered: usize, members: usize, n_stats: usize },
-    /// ZeRO: the tied weights' sums, in the table's orientation, for these (stage, layer)s:
-    /// a sharded stage takes its chunk into its gradient shard, another the whole.
-    TiedGradientShard { held: Vec<(StageId, usize)> },
-    /// ZeRO stages 1 and 2: every replica's updated chunks, into the whole weights.
-    Weights,
-    /// Gradient clipping: the squared norm summed over every device.
-    GradNorm,
-    /// The stage's gradient buckets, started in its backward; `members` replicas.
-    Buckets { buckets: crate::interp::buckets::BucketsInFlight, members: usize },
-}
-
 impl<'a, B: ExecBackend> Worker<'a, B> {
     /// `Collective`: starts `kind` over `group` on what `payload` names of `stage`.
     pub(crate) fn start_collective(
@@ -228,7 +197,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Landing::Weights => {
                 let st = self.state(stage)?;
                 let whole = st.shard.as_ref().ok_or_else(|| not_sharded(stage))?.layout.whole(&results)?;
-                crate::parallel::zero::restore_weights(st, whole)
+                crate::interp::sharded::restore_weights(st, whole)
             }
             Landing::Buckets { buckets, members } => self.buckets_in(stage, buckets, members),
             Landing::GradNorm => {
@@ -360,18 +329,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         }
         Ok(())
     }
-}
-
-/// A replica all-reduce of a stage's gradients in flight (the whole stage's, or one
-/// gradient bucket's `range`): the parameters every replica keeps over the stage's replicas,
-/// the batch statistics after them (`n_stats`, with the stage's last bucket); under expert
-/// parallelism ([`crate::parallel::experts::Holding`]) this member's routed experts over the replicas
-/// holding them, whose sum is the same as over every replica (the others compute no
-/// gradient of them), while the experts it does not keep stay without one.
-pub(crate) struct ReplicaSum {
-    everywhere: (Vec<usize>, Ticket<Vec<f32>>),
-    here: Option<(Vec<usize>, Ticket<Vec<f32>>)>,
-    n_stats: usize,
 }
 
 impl<B: ExecBackend> Worker<'_, B> {

@@ -8,19 +8,19 @@ use burn::tensor::ElementConversion;
 use pipec_plan::model::Loss;
 use pipec_plan::{CollectiveKind, MicrobatchId, StageId};
 
-use crate::run::data::Targets;
 use crate::backend::dense::ExecBackend;
+use crate::comm::transport::{Message, Tag};
 use crate::error::{ExecError, Result};
+use crate::interp::data::Targets;
+use crate::interp::values::{
+    act_to_message, detach, dot_with, input_grad, microbatch_copy, require_grad, Forwarded, Kept, Saved, WeightGrads,
+};
+use crate::interp::worker::{StepReport, Worker};
 use crate::nn::layers::{Act, StageModel};
 use crate::nn::params::{
     accumulate, add_deferred_into_sums, backward_deferring, backward_into_sums, collect_grads, sum_keys, FlatGrads,
 };
 use crate::parallel::tensor_parallel::Boundary;
-use crate::comm::transport::{Message, Tag};
-use crate::interp::values::{
-    act_to_message, detach, dot_with, input_grad, microbatch_copy, require_grad, Forwarded, Kept, Saved, WeightGrads,
-};
-use crate::interp::worker::{StepReport, Worker};
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
     /// `Forward`: runs the stage on a microbatch copy of its weights (the stashed version
@@ -35,7 +35,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         });
         let gathered = self.gathered_weights(stage, &model)?;
         let key = self.mask_key(mb);
-        let f = crate::backend::dense::with_gathered_weights(gathered, || self.run_forward(stage, mb, &model, x.clone(), key))?;
+        let f = crate::backend::dense::with_gathered_weights(gathered, || {
+            self.run_forward(stage, mb, &model, x.clone(), key)
+        })?;
         // the forward (not a recompute) records batch normalisation's statistics; validation
         // trains nothing
         if self.evaluating.is_none() {
@@ -72,7 +74,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let keep_all = !recompute || stage == self.last_stage();
         // ZeRO-3: a recomputed forward keeps no weights either (the recompute gathers them
         // again), so that the stage's whole weights can be dropped between its passes
-        let model = if keep_all || !self.sharded_at_3(stage) { model } else { crate::parallel::zero::released_copy(&model) };
+        let model =
+            if keep_all || !self.sharded_at_3(stage) { model } else { crate::parallel::zero::released_copy(&model) };
         let kept = Kept {
             input: if recompute { detach(&x) } else { x },
             saved: if keep_all { f.saved } else { Saved::Nothing },
@@ -98,7 +101,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         };
         let gathered = self.gathered_weights(stage, &model)?;
         let key = self.mask_key(mb);
-        let f = crate::backend::dense::with_gathered_weights(gathered, || self.run_forward(stage, mb, &model, x.clone(), key))?;
+        let f = crate::backend::dense::with_gathered_weights(gathered, || {
+            self.run_forward(stage, mb, &model, x.clone(), key)
+        })?;
         self.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model, aux: f.aux });
         Ok(())
     }
@@ -247,7 +252,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
 
     /// This device's expert-parallel group for `stage`, its exchanges recorded for a
     /// backward only when training (not while evaluating).
-    pub(crate) fn experts_for(&self, stage: StageId) -> Option<crate::parallel::experts::ExpertGroup> {
+    pub(crate) fn experts_for(&self, stage: StageId) -> Option<crate::backend::port::PeerGroup> {
         self.experts.get(&stage).map(|g| self.tracked(g))
     }
 
@@ -258,8 +263,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     }
 
     /// `group`, its exchanges recorded for a backward only when training.
-    fn tracked(&self, group: &crate::parallel::experts::ExpertGroup) -> crate::parallel::experts::ExpertGroup {
-        crate::parallel::experts::ExpertGroup { tracked: self.evaluating.is_none(), ..group.clone() }
+    fn tracked(&self, group: &crate::backend::port::PeerGroup) -> crate::backend::port::PeerGroup {
+        crate::backend::port::PeerGroup { tracked: self.evaluating.is_none(), ..group.clone() }
     }
 
     /// The first failure of an expert or context-parallel exchange inside a backward of
@@ -268,7 +273,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let failure = self
             .experts
             .get(&stage)
-            .and_then(crate::parallel::experts::ExpertGroup::take_failure)
+            .and_then(crate::backend::port::PeerGroup::take_failure)
             .or_else(|| self.contexts.get(&stage).and_then(crate::nn::context::Context::take_failure));
         match failure {
             Some(e) => Err(ExecError::Transport(crate::comm::transport::TransportError::Other(format!(

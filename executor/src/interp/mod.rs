@@ -2,11 +2,16 @@
 //! owns, the values passed between instructions, and the collectives, buckets, clipping and
 //! checkpoint copies it performs.
 
-pub(crate) mod worker;
-pub(crate) mod compute;
-pub(crate) mod collectives;
-pub(crate) mod clip;
 pub(crate) mod buckets;
+pub(crate) mod build;
+pub(crate) mod checkpointing;
+pub(crate) mod clip;
+pub(crate) mod collectives;
+pub(crate) mod compute;
+pub mod data;
+pub(crate) mod grad_norm;
+pub(crate) mod in_flight;
+pub(crate) mod sharded;
 pub(crate) mod stage;
 pub(crate) mod values;
-pub(crate) mod checkpointing;
+pub(crate) mod worker;

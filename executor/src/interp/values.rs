@@ -7,11 +7,11 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::prelude::*;
 
 use crate::backend::dense::{Deferred, ExecBackend};
+use crate::comm::transport::{Message, Tag};
 use crate::error::{ExecError, Result};
 use crate::nn::layers::{Act, StageModel};
 use crate::nn::params::{host_f32, FlatGrads};
 use crate::parallel::tensor_parallel::Segment;
-use crate::comm::transport::{Message, Tag};
 
 /// One backward's weight gradients, not yet in the stage's running sums.
 pub(crate) struct WeightGrads<B: ExecBackend> {

@@ -12,15 +12,15 @@ use burn::prelude::*;
 use pipec_plan::plan::{instruction_code, Segment as StreamSegment};
 use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, Plan, ReduceMode, StageId};
 
-use crate::comm::exchanger::{Comm, CommTrace, Ticket};
-use crate::run::data::{Dataset, Inputs, Targets};
 use crate::backend::dense::ExecBackend;
+use crate::comm::exchanger::{Comm, CommTrace, Ticket};
+use crate::comm::transport::{Message, Tag, TransportError};
 use crate::error::{ExecError, Result};
+use crate::interp::data::{Dataset, Inputs, Targets};
+use crate::interp::stage::{set_tied_gradient, tied_gradient, StageState};
+use crate::interp::values::{host_to_act, require_grad, Kept, WeightGrads};
 use crate::nn::layers::Act;
 use crate::nn::params::{flatten_grads, layout, set_params, snapshot, unflatten, FlatGrads};
-use crate::interp::stage::{set_tied_gradient, tied_gradient, StageState};
-use crate::comm::transport::{Message, Tag, TransportError};
-use crate::interp::values::{host_to_act, require_grad, Kept, WeightGrads};
 
 /// Everything a worker reports about one step.
 #[derive(Debug, Clone, Default)]
@@ -130,7 +130,7 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     /// Receives posted ahead, by position in the step.
     pub(crate) posted: HashMap<usize, Ticket<Message>>,
     /// All-reduces in flight, per stage.
-    pub(crate) collectives: HashMap<(StageId, GroupId), crate::interp::collectives::InFlight>,
+    pub(crate) collectives: HashMap<(StageId, GroupId), crate::interp::in_flight::InFlight>,
     /// The most gradient values held at once since the run started.
     pub(crate) peak_gradients: u64,
     /// The step being run (the learning-rate schedule's).
@@ -146,14 +146,14 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     /// normalisation on its running statistics); None while training.
     pub(crate) evaluating: Option<usize>,
     /// Expert parallelism: this device's group for each expert-parallel stage it holds.
-    pub(crate) experts: HashMap<StageId, crate::parallel::experts::ExpertGroup>,
+    pub(crate) experts: HashMap<StageId, crate::backend::port::PeerGroup>,
     /// Context parallelism: per stage, this device's group and positions.
     pub(crate) contexts: HashMap<StageId, crate::nn::context::Context>,
     /// Gradient buckets: the step's backwards (positions) whose stage's all-reduce over
     /// the group runs in buckets (`buckets`), and the buckets started, per stage.
     pub(crate) bucketed: HashMap<usize, GroupId>,
     pub(crate) segmented: std::collections::HashSet<StageId>,
-    pub(crate) buckets: HashMap<StageId, crate::interp::buckets::BucketsInFlight>,
+    pub(crate) buckets: HashMap<StageId, crate::interp::in_flight::BucketsInFlight>,
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -172,7 +172,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let exchanger = comm.exchanger();
         let experts = stages
             .keys()
-            .filter_map(|s| crate::parallel::experts::ExpertGroup::of(plan, *s, device, &exchanger).map(|g| (*s, g)))
+            .filter_map(|s| crate::backend::port::PeerGroup::of(plan, *s, device, &exchanger).map(|g| (*s, g)))
             .collect();
         let contexts = stages
             .keys()
@@ -262,7 +262,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             })
             .collect();
         let instrs: Vec<Instr> = all.iter().map(|(_, i)| i.clone()).collect();
-        self.bucketed = crate::interp::buckets::bucketed_backwards(self.plan, &instrs);
+        self.bucketed = crate::interp::in_flight::bucketed_backwards(self.plan, &instrs);
         self.prefetched.clear();
         // the stages whose whole backward feeds its buckets run their forwards in segments
         self.segmented = self
@@ -526,7 +526,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     fn exchanges_accounted(&self, stage: Option<StageId>) -> Result<()> {
         for (s, group) in self.experts.iter().filter(|(s, _)| stage.is_none_or(|x| x == **s)) {
             let left = group.unaccounted();
-            if let Some(crate::parallel::experts::Made { layer, exchange, .. }) = left.first() {
+            if let Some(crate::backend::port::Made { layer, exchange, .. }) = left.first() {
                 return Err(ExecError::Plan(format!(
                     "a pass of {s} made {} all-to-all(s) that the plan does not list after it, the first a {exchange} at layer {layer}",
                     left.len()
@@ -649,7 +649,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .into_iter()
             .map(Some)
             .collect();
-        let clip = crate::interp::clip::factor_of(plan, st, stage, &flat, n_mb)?;
+        let clip = crate::interp::grad_norm::factor_of(plan, st, stage, &flat, n_mb)?;
         st.update(lr, &flat, n_mb * clip)?;
         st.set_statistics(stats, &dev)?;
         st.fold_statistics(plan.training.recipe.running_stats)
@@ -791,7 +791,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         st.fold_statistics(rule)?;
         st.clear_gradients();
         if release {
-            crate::parallel::zero::release_weights(st)?;
+            crate::interp::sharded::release_weights(st)?;
         }
         Ok(())
     }
@@ -812,7 +812,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         if pinned {
             return Ok(());
         }
-        crate::parallel::zero::release_weights(self.state(stage)?)
+        crate::interp::sharded::release_weights(self.state(stage)?)
     }
 
     /// ZeRO-3: gathers the stage's whole weights from the replicas' shards for a pass,
@@ -837,7 +837,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?;
         let whole = shard.layout.whole_of(&gathered, |k| !shard.per_product[k])?;
         drop(gathered);
-        crate::parallel::zero::restore_weights(st, whole)
+        crate::interp::sharded::restore_weights(st, whole)
     }
 
     /// ZeRO-3 per product: the weights `model`'s products gather themselves
@@ -856,7 +856,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         let gatherer = match &shard.gatherer {
             Some(g) => g.clone(),
             None => {
-                let members = crate::interp::collectives::members(self.plan, shard.group)?;
+                let members = crate::parallel::groups::members(self.plan, shard.group)?;
                 let g = crate::parallel::zero::Gatherer::new(shard, self.comm.exchanger(), members, self.reduce)?;
                 let g = std::sync::Arc::new(g);
                 self.state(stage)?.shard.as_mut().ok_or(ExecError::Missing("the stage's shard"))?.gatherer =
@@ -870,7 +870,10 @@ impl<B: ExecBackend> Worker<'_, B> {
             .into_iter()
             .zip(&shard.layout.params)
             .zip(&shard.per_product)
-            .filter_map(|((key, p), g)| Some((key?, (gatherer.clone(), p.id))).filter(|_| *g))
+            .filter_map(|((key, p), g)| {
+                Some((key?, (gatherer.clone() as std::sync::Arc<dyn crate::backend::dense::WholeWeight<_>>, p.id)))
+                    .filter(|_| *g)
+            })
             .collect())
     }
 
@@ -896,7 +899,7 @@ impl<B: ExecBackend> Worker<'_, B> {
     fn start_gather(&self, stage: StageId) -> Result<Vec<Ticket<Vec<f32>>>> {
         let shard =
             self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("the stage's shard"))?;
-        let members = crate::interp::collectives::members(self.plan, shard.group)?;
+        let members = crate::parallel::groups::members(self.plan, shard.group)?;
         let parts = shard.gather_inputs(|k| !shard.per_product[k])?;
         self.start_parts(stage, pipec_plan::CollectiveKind::AllGather, members, parts, None, None)
     }

@@ -10,16 +10,16 @@
 use burn::tensor::Tensor;
 use pipec_plan::{DeviceId, Plan, StageId};
 
-use crate::comm::exchanger::Exchanger;
 use crate::backend::dense::Kernels;
+use crate::backend::port::{Exchange, PeerGroup};
+use crate::comm::exchanger::Exchanger;
 use crate::error::{ExecError, Result};
-use crate::parallel::experts::{Exchange, ExpertGroup};
 
 /// A device's context-parallel group for a stage, and its positions.
 #[derive(Clone, Debug)]
 pub struct Context {
     /// The members, in position order, and how to reach them.
-    pub group: ExpertGroup,
+    pub group: PeerGroup,
     pub cp: usize,
     /// `cp_comm: ring`: attention passes keys and values around the group
     /// ([`crate::backend::ring`]) instead of gathering them.
@@ -34,7 +34,7 @@ impl Context {
         if cp <= 1 {
             return None;
         }
-        let group = ExpertGroup::sized(plan, stage, device, exchanger, cp)?;
+        let group = PeerGroup::sized(plan, stage, device, exchanger, cp)?;
         Some(Context { group, cp, ring: plan.schedule.cp_comm == pipec_plan::vocab::CpComm::Ring })
     }
 
@@ -65,14 +65,14 @@ impl Context {
     /// goes back to the members and is summed there.
     pub fn gather<B: Kernels>(&self, x: Tensor<B, 4>) -> Result<Tensor<B, 4>> {
         let [b, h, s, dh] = x.dims();
-        // validation's forwards gather detached keys and values (`ExpertGroup::tracked`)
+        // validation's forwards gather detached keys and values (`PeerGroup::tracked`)
         let x = if self.group.tracked { x } else { x.detach() };
         let n = b * h * s * dh;
         let row = x.reshape([1, n]);
         let copies = Tensor::cat(vec![row; self.cp], 0);
         let ex = Exchange { group: self.group.clone(), send: vec![1; self.cp], recv: vec![1; self.cp], what: None };
-        let got =
-            B::exchange(copies, &ex).map_err(|e| ExecError::Transport(crate::comm::transport::TransportError::Other(e)))?;
+        let got = B::exchange(copies, &ex)
+            .map_err(|e| ExecError::Transport(crate::comm::transport::TransportError::Other(e)))?;
         Ok(got.reshape([self.cp, b, h, s, dh]).permute([1, 2, 0, 3, 4]).reshape([b, h, self.cp * s, dh]))
     }
 

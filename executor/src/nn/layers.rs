@@ -11,9 +11,11 @@ use burn::tensor::IndexingUpdateOp;
 use pipec_plan::checkpoint::{expert_slot, ROUTER_SLOT};
 use pipec_plan::model::{MlpKind, Moe, NormKind, Op, Pooling, Router, Source};
 
+use crate::backend::attention::{repeat_heads, Causal};
+use crate::backend::dense::attention_at;
 use crate::backend::dense::Kernels;
-use crate::error::{ExecError, Result};
 use crate::backend::rng::Rng;
+use crate::error::{ExecError, Result};
 
 /// An activation flowing between layers: its rank varies along the model.
 #[derive(Debug, Clone)]
@@ -292,7 +294,7 @@ pub struct Collected<B: Backend> {
     /// Per mixture-of-experts block, its layer and the tokens each of its experts took.
     pub expert_tokens: Vec<(usize, Vec<u64>)>,
     /// Expert parallelism: the stage's group, with which the blocks exchange tokens.
-    pub experts: Option<crate::parallel::experts::ExpertGroup>,
+    pub experts: Option<crate::backend::port::PeerGroup>,
     /// Context parallelism: the stage's group, whose keys and values attention gathers,
     /// and this member's positions.
     pub context: Option<crate::nn::context::Context>,
@@ -310,67 +312,6 @@ impl<B: Backend> Default for Collected<B> {
 pub struct Mlp<B: Backend> {
     pub fc1: Dense<B>,
     pub fc2: Dense<B>,
-}
-
-/// A causal mask as each query's and each key's position in the sequence (None: no mask).
-pub type Causal = Option<std::sync::Arc<(Vec<usize>, Vec<usize>)>>;
-
-/// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
-/// `causal` (each query's and each key's position in the sequence — context parallelism: a
-/// member's queries against the gathered keys, in member order), a key after its query gets
-/// weight 0 (its score is pushed to -1e9 first, which leaves the same softmax and gradient
-/// as removing it, without -∞ arithmetic).
-pub(crate) fn attention_at<B: crate::backend::dense::Kernels>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    dh: usize,
-    causal: Option<(&[usize], &[usize])>,
-) -> Tensor<B, 4> {
-    B::attention_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, causal)
-}
-
-/// softmax(scores/√dh + the causal mask) over the keys of [batch, heads, queries, keys]
-/// scores in Burn's operations ([`crate::backend::dense::Kernels::attention_softmax`]'s default).
-pub(crate) fn scores_softmax<B: Backend>(
-    scores: Tensor<B, 4>,
-    dh: usize,
-    causal: Option<(&[usize], &[usize])>,
-) -> Tensor<B, 4> {
-    let scores = scores / (dh as f64).sqrt();
-    let scores = match causal {
-        Some((queries, keys)) => {
-            let dev = scores.device();
-            scores + causal_mask::<B>(queries, keys, &dev)
-        }
-        None => scores,
-    };
-    activation::softmax(scores, 3)
-}
-
-/// The additive causal mask [1, 1, queries, keys] of queries and keys at these positions:
-/// a key after its query gets `flex_softmax::MASKED`, the rest 0.
-pub(crate) fn causal_mask<B: Backend>(queries: &[usize], keys: &[usize], dev: &B::Device) -> Tensor<B, 4> {
-    let masked = crate::backend::flex_softmax::MASKED;
-    let mask: Vec<f32> =
-        queries.iter().flat_map(|&qp| keys.iter().map(move |&kp| if kp > qp { masked } else { 0.0 })).collect();
-    Tensor::<B, 2>::from_data(TensorData::new(mask, [queries.len(), keys.len()]), dev).unsqueeze::<4>()
-}
-
-/// Keys or values [b, kv, s, dh] repeated for grouped-query attention: key/value head j
-/// serves query heads j·g .. (j+1)·g, [b, kv·g, s, dh].
-pub(crate) fn repeat_heads<B: Backend>(t: Tensor<B, 4>, g: usize) -> Tensor<B, 4> {
-    if g == 1 {
-        return t;
-    }
-    let [b, kv, s, dh] = t.dims();
-    t.unsqueeze_dim::<5>(2).repeat_dim(2, g).reshape([b, kv * g, s, dh])
-}
-
-/// The scores' gradient from [`scores_softmax`]'s output `p` and its gradient `dp`,
-/// `p ⊙ (dp − rowsum(dp ⊙ p)) / √dh`, in Burn's operations
-/// ([`crate::backend::dense::Kernels::attention_softmax_grad`]'s default).
-pub(crate) fn scores_softmax_grad<B: Backend>(p: Tensor<B, 4>, dp: Tensor<B, 4>, dh: usize) -> Tensor<B, 4> {
-    (p.clone() * (dp.clone() - (dp * p).sum_dim(3))) / (dh as f64).sqrt()
 }
 
 /// GELU's tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
@@ -412,7 +353,11 @@ impl<B: Kernels> Block<B> {
     /// The attention's context [batch, seq, heads·dh] from the fused QKV projection's output
     /// [batch, seq, (heads + 2·kv_heads)·dh]: rotary embeddings on queries and keys, each
     /// key/value head shared by `heads / kv_heads` query heads.
-    pub(crate) fn attend(&self, qkv: Tensor<B, 3>, context: Option<&crate::nn::context::Context>) -> Result<Tensor<B, 3>> {
+    pub(crate) fn attend(
+        &self,
+        qkv: Tensor<B, 3>,
+        context: Option<&crate::nn::context::Context>,
+    ) -> Result<Tensor<B, 3>> {
         let [b, s, width] = qkv.dims();
         let (h, kv) = (self.heads.max(1), self.kv_heads.max(1));
         let dh = width / (h + 2 * kv);
@@ -626,7 +571,7 @@ impl<B: Kernels> Block<B> {
         weights: &Tensor<B, 1>,
         by_expert: &[Vec<(usize, usize)>],
         k: usize,
-        group: &crate::parallel::experts::ExpertGroup,
+        group: &crate::backend::port::PeerGroup,
     ) -> Result<Tensor<B, 2>> {
         let [t, d] = x.dims();
         let dev = x.device();
@@ -658,7 +603,7 @@ impl<B: Kernels> Block<B> {
         }
         let tokens = ints(pairs.iter().map(|&(token, _)| token).collect());
         let layer = self.index as u32;
-        let ex = crate::parallel::experts::Exchange {
+        let ex = crate::backend::port::Exchange {
             group: group.clone(),
             send,
             recv: recv.clone(),
@@ -696,7 +641,7 @@ impl<B: Kernels> Block<B> {
         };
         let computed = if group.tracked { computed } else { computed.detach() };
         let combine =
-            crate::parallel::experts::Exchange { what: Some((layer, pipec_plan::TokenExchange::Combine)), ..ex.reversed() };
+            crate::backend::port::Exchange { what: Some((layer, pipec_plan::TokenExchange::Combine)), ..ex.reversed() };
         let returned = B::exchange(computed, &combine).map_err(exchange_error)?;
         let slots = ints(pairs.iter().map(|&(token, j)| token * k + j).collect());
         let w = weights.clone().select(0, slots).reshape([pairs.len(), 1]);
@@ -1272,47 +1217,14 @@ impl<B: Kernels> StageModel<B> {
     }
 
     /// Selective recompute (or flash attention's memory): the transformer blocks of the
-    /// layers the plan says so of ([`crate::interp::stage::recomputes_attention_core`]) recompute
+    /// layers the plan says so of ([`recomputes_attention_core`]) recompute
     /// their attention core in the backward instead of keeping it.
     pub fn recompute_attention_cores(&mut self, plan: &pipec_plan::Plan) {
         for layer in &mut self.layers {
             if let Layer::Block(b) | Layer::ParallelBlock(b) = layer {
-                b.recompute_core = crate::interp::stage::recomputes_attention_core(plan, b.index);
+                b.recompute_core = recomputes_attention_core(plan, b.index);
             }
         }
-    }
-
-    /// The forward of a chain of layers cut before each layer in `cuts` (positions in
-    /// `layers`, rising, none 0): each segment after the first starts from a fresh leaf
-    /// copy of the one before's output, so each segment's backward runs on its own (a
-    /// stage's gradient buckets, `compute::backward_segments`).
-    pub fn forward_segments(
-        &self,
-        x: Act<B>,
-        cuts: &[usize],
-        training: bool,
-        mask_key: (u64, u64, u64),
-        side: &mut Collected<B>,
-    ) -> Result<Vec<crate::parallel::tensor_parallel::Segment<B>>>
-    where
-        B: crate::backend::dense::ExecBackend,
-    {
-        use crate::parallel::tensor_parallel::{fresh, Boundary, Segment};
-        if self.graph.is_some() {
-            return Err(ExecError::Plan("gradient buckets need a chain of layers, not a graph".into()));
-        }
-        let mut segments = Vec::with_capacity(cuts.len() + 1);
-        let (mut leaf, mut cur) = (x.clone(), x);
-        for (k, layer) in self.layers.iter().enumerate() {
-            if cuts.contains(&k) {
-                segments.push(Segment { leaf, out: cur.clone(), boundary: Boundary::Complete });
-                leaf = fresh(&cur);
-                cur = leaf.clone();
-            }
-            cur = layer.forward(cur, training, mask_key, side)?;
-        }
-        segments.push(Segment { leaf, out: cur, boundary: Boundary::Complete });
-        Ok(segments)
     }
 
     /// The stage's batch normalisation layers, in order.
@@ -1458,4 +1370,12 @@ fn join<B: Backend>(op: &Op, args: Vec<Act<B>>) -> Result<Act<B>> {
         Some(Act::D4(_)) => joined!(D4),
         _ => return Err(ExecError::Shape(format!("{} takes feature tensors", op.name()))),
     })
+}
+
+/// Whether layer `layer`'s attention core is recomputed in its backward rather than kept:
+/// its stage's selective recompute, or flash attention's memory (nothing of size seq² kept;
+/// computed unfused).
+pub(crate) fn recomputes_attention_core(plan: &pipec_plan::Plan, layer: usize) -> bool {
+    plan.model.attention == pipec_plan::Attention::Flash
+        || plan.stages.iter().any(|s| s.selective_recompute && (s.layers[0]..s.layers[1]).contains(&layer))
 }

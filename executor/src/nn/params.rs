@@ -20,10 +20,7 @@ pub(crate) type FlatGrads<B> = Vec<Option<Tensor<<B as AutodiffBackend>::InnerBa
 /// One parameter: its id, shape and values.
 pub(crate) type ParamValue = (ParamId, Vec<usize>, Vec<f32>);
 
-/// A tensor's values on the host as f32 (what crosses a stage boundary or a collective).
-pub(crate) fn host_f32(data: TensorData) -> Result<Vec<f32>> {
-    data.convert::<f32>().into_vec::<f32>().map_err(|e| ExecError::Backend(format!("cannot read a tensor back: {e:?}")))
-}
+pub(crate) use crate::backend::port::host_f32;
 
 /// Takes every parameter's gradient out of `grads`, flattened, in visiting order.
 pub(crate) fn collect_grads<B: AutodiffBackend, M: Module<B>>(model: &M, grads: &mut B::Gradients) -> FlatGrads<B> {

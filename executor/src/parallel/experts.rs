@@ -13,129 +13,11 @@
 //! the replicas holding them (`crate::parallel::zero::ShardLayout`'s two parts), each part reduced,
 //! updated and gathered over its own replicas.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
-
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use pipec_plan::plan::StagePlan;
-use pipec_plan::{DeviceId, Plan, StageId, TokenExchange};
+use pipec_plan::{DeviceId, Plan, StageId};
 
-use crate::comm::exchanger::Exchanger;
-
-/// A device's expert-parallel group for a stage, and how to reach it.
-#[derive(Clone, Debug)]
-pub struct ExpertGroup {
-    pub members: Vec<DeviceId>,
-    /// This device's position: it computes experts `position · E/ep ..` of each block.
-    pub position: usize,
-    pub exchanger: Exchanger,
-    /// The first exchange that failed inside a backward (which cannot return an error);
-    /// the worker reports it after the backward.
-    pub failed: Arc<Mutex<Option<String>>>,
-    /// Whether the exchanges are recorded for a backward (training). Validation's forwards
-    /// exchange detached rows: a recorded exchange keeps its reverse (and the way to the
-    /// group's collective thread) in a graph no backward consumes.
-    pub tracked: bool,
-    /// The all-to-alls the passes made, oldest first, until the plan's `AllToAll`
-    /// instructions after each pass account for them ([`ExpertGroup::account`]).
-    pub made: Arc<Mutex<VecDeque<Made>>>,
-}
-
-/// An all-to-all a pass made: at its expert block `layer`, `exchange`, from `started` to
-/// `ended` (what the run's trace shows for the plan's instruction).
-#[derive(Clone, Copy, Debug)]
-pub struct Made {
-    pub layer: u32,
-    pub exchange: TokenExchange,
-    pub started: Instant,
-    pub ended: Instant,
-}
-
-impl ExpertGroup {
-    /// The group of `device` for `stage` of `plan`, if the stage is expert-parallel: the
-    /// replicas `ChunkPlacement::expert_group` puts it with (their tensor-parallel ranks of
-    /// the same rank).
-    pub fn of(plan: &Plan, stage: StageId, device: DeviceId, exchanger: &Exchanger) -> Option<ExpertGroup> {
-        let ep = plan.stage(stage)?.expert_parallel as usize;
-        ExpertGroup::sized(plan, stage, device, exchanger, ep)
-    }
-
-    /// The group of `size` replicas of `stage` that `device` is one of (None for a size of
-    /// 1): the replicas `ChunkPlacement::expert_group` puts it with, their tensor-parallel
-    /// ranks of the same rank (context parallelism's groups too, `crate::nn::context`).
-    pub fn sized(
-        plan: &Plan,
-        stage: StageId,
-        device: DeviceId,
-        exchanger: &Exchanger,
-        size: usize,
-    ) -> Option<ExpertGroup> {
-        let s = plan.stage(stage)?;
-        if size <= 1 {
-            return None;
-        }
-        let (i, rank) = replica_of(s, device)?;
-        let (group, position) = plan.schedule.kind.chunk_placement().expert_group(i, size);
-        let members: Vec<DeviceId> = group.into_iter().map(|j| device_at(s, j, rank)).collect::<Option<_>>()?;
-        Some(ExpertGroup {
-            members,
-            position,
-            exchanger: exchanger.clone(),
-            failed: Default::default(),
-            tracked: true,
-            made: Default::default(),
-        })
-    }
-
-    /// Every member's `values`, member after member (host values: context parallelism's
-    /// routing counts, the ring's keys and values).
-    pub fn all_gather(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, crate::comm::transport::TransportError> {
-        self.exchanger.exchange(&self.members, vec![values; self.members.len()])
-    }
-
-    /// Checks the plan's all-to-all `ins` — `exchange` at `layer` — against the next one a
-    /// pass made (the plan lists, after each pass, the all-to-alls it posts, in order), and
-    /// returns that one.
-    pub fn account(&self, ins: &pipec_plan::Instr, layer: u32, exchange: TokenExchange) -> Result<Made, String> {
-        let made = self.made.lock().map_err(|_| "the expert group's record was poisoned".to_string())?.pop_front();
-        match made {
-            Some(m) if (m.layer, m.exchange) == (layer, exchange) => Ok(m),
-            Some(m) => Err(format!(
-                "the plan's `{ins}` is not the all-to-all its pass made next ({} at layer {})",
-                m.exchange, m.layer
-            )),
-            None => Err(format!("the plan's `{ins}` is not an all-to-all its pass made (it made no more)")),
-        }
-    }
-
-    /// The all-to-alls passes made that no `AllToAll` of the plan accounted for.
-    pub fn unaccounted(&self) -> Vec<Made> {
-        self.made.lock().map(|mut m| m.drain(..).collect()).unwrap_or_default()
-    }
-
-    /// Takes the failure an exchange inside a backward recorded, if any.
-    pub fn take_failure(&self) -> Option<String> {
-        self.failed.lock().ok().and_then(|mut f| f.take())
-    }
-}
-
-/// `device`'s replica of stage `s` (its index among the replicas) and its tensor-parallel
-/// rank there (0 without tensor parallelism).
-fn replica_of(s: &StagePlan, device: DeviceId) -> Option<(usize, usize)> {
-    match s.replicas.iter().position(|d| *d == device) {
-        Some(i) => Some((i, 0)),
-        None => {
-            s.tensor_parallel.iter().enumerate().find_map(|(i, g)| g.iter().position(|d| *d == device).map(|r| (i, r)))
-        }
-    }
-}
-
-/// The device of stage `s`'s replica `j` at tensor-parallel rank `rank`.
-fn device_at(s: &StagePlan, j: usize, rank: usize) -> Option<DeviceId> {
-    s.tensor_parallel.get(j).and_then(|g| g.get(rank)).copied().or(s.replicas.get(j).copied())
-}
+use crate::backend::port::{device_at, replica_of, PeerGroup};
 
 /// Who keeps a parameter of an expert-parallel stage (see [`Holding`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -199,7 +81,7 @@ impl Holding {
         if ep <= 1 {
             return None;
         }
-        let sharded = crate::parallel::zero::shard_group(plan, stage, device).is_some();
+        let sharded = crate::parallel::groups::shard_group(plan, stage, device).is_some();
         let (i, rank) = replica_of(s, device)?;
         let placement = plan.schedule.kind.chunk_placement();
         let position = placement.expert_position(i, ep);
@@ -278,7 +160,7 @@ type Items = Vec<(burn::module::ParamId, crate::parallel::reshard::Item)>;
 /// expert group, whose members together hold every expert once. Returns the optimizer
 /// state of the whole stage; `params` then holds every expert's weights.
 pub(crate) fn join_experts(
-    group: &ExpertGroup,
+    group: &PeerGroup,
     holding: &Holding,
     params: &mut [SavedParam],
     items: Items,
@@ -381,63 +263,4 @@ fn put(out: &mut Vec<f32>, n: usize) {
 fn get(take: &mut dyn FnMut(usize) -> crate::error::Result<Vec<f32>>) -> crate::error::Result<usize> {
     let parts = take(4)?;
     Ok(parts.iter().enumerate().fold(0u64, |n, (i, &p)| n | ((p as u64) << (16 * i))) as usize)
-}
-
-/// One exchange of rows: this member sends `send[j]` rows to member j and receives
-/// `recv[i]` rows from member i (its gradient travels the other way). `what`: the plan's
-/// name for it (an expert block's layer and exchange), recorded in the group when it is
-/// made; None for context parallelism's gathers, which are not the plan's all-to-alls.
-#[derive(Clone, Debug)]
-pub struct Exchange {
-    pub group: ExpertGroup,
-    pub send: Vec<usize>,
-    pub recv: Vec<usize>,
-    pub what: Option<(u32, TokenExchange)>,
-}
-
-impl Exchange {
-    /// The same exchange the other way: its gradient's.
-    pub fn reversed(&self) -> Exchange {
-        Exchange {
-            group: self.group.clone(),
-            send: self.recv.clone(),
-            recv: self.send.clone(),
-            what: self.what.map(|(layer, e)| (layer, e.reversed())),
-        }
-    }
-}
-
-/// Moves the rows of `x` ([rows, d], member-major as `ex.send` counts them) to their
-/// members, returning the rows received, member-major as `ex.recv` counts them.
-pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B, 2>, String> {
-    let [rows, d] = x.dims();
-    if rows != ex.send.iter().sum::<usize>() {
-        return Err(format!("an expert exchange of {rows} rows was told to send {:?}", ex.send));
-    }
-    let device = x.device();
-    let values = crate::nn::params::host_f32(x.into_data()).map_err(|e| e.to_string())?;
-    let mut chunks = Vec::with_capacity(ex.send.len());
-    let mut at = 0;
-    for &n in &ex.send {
-        chunks.push(values[at * d..(at + n) * d].to_vec());
-        at += n;
-    }
-    let started = Instant::now();
-    let got = ex.group.exchanger.exchange(&ex.group.members, chunks).map_err(|e| e.to_string())?;
-    let ended = Instant::now();
-    for (i, (chunk, &n)) in got.iter().zip(&ex.recv).enumerate() {
-        if chunk.len() != n * d {
-            return Err(format!(
-                "member {} of the expert group sent {} values, {} rows of {d} were expected",
-                ex.group.members[i],
-                chunk.len(),
-                n
-            ));
-        }
-    }
-    if let (Some((layer, exchange)), Ok(mut made)) = (ex.what, ex.group.made.lock()) {
-        made.push_back(Made { layer, exchange, started, ended });
-    }
-    let n: usize = ex.recv.iter().sum();
-    Ok(Tensor::from_data(TensorData::new(got.concat(), [n, d]), &device))
 }

@@ -235,7 +235,8 @@ pub fn build_stage<B: Kernels>(
     let (ops, first) = (layers.ops(), layers.range.start);
     let splits = layers.splits(tp)?;
     let layout = shardings(layers, tp)?;
-    let at = |index: usize, slot: u64| layout.get(&crate::nn::layers::pid(index, slot)).copied().unwrap_or(Sharding::Whole);
+    let at =
+        |index: usize, slot: u64| layout.get(&crate::nn::layers::pid(index, slot)).copied().unwrap_or(Sharding::Whole);
     let mut layers = Vec::with_capacity(ops.len());
     for (k, (op, split)) in ops.iter().zip(&splits).enumerate() {
         let index = first + k;
@@ -588,6 +589,35 @@ pub fn vocab_parallel_loss<B: ExecBackend>(
     let target_total = column(reduce(host_f32(local_target.clone().detach().into_data())?)?);
     let target = local_target.clone() + (target_total - local_target.detach());
     Ok((sum.log() - target).mean())
+}
+
+/// The forward of a chain of layers cut before each layer in `cuts` (positions in
+/// `layers`, rising, none 0): each segment after the first starts from a fresh leaf
+/// copy of the one before's output, so each segment's backward runs on its own (a
+/// stage's gradient buckets, `compute::backward_segments`).
+pub fn forward_segments<B: ExecBackend>(
+    model: &StageModel<B>,
+    x: Act<B>,
+    cuts: &[usize],
+    training: bool,
+    mask_key: (u64, u64, u64),
+    side: &mut crate::nn::layers::Collected<B>,
+) -> Result<Vec<Segment<B>>> {
+    if model.graph.is_some() {
+        return Err(ExecError::Plan("gradient buckets need a chain of layers, not a graph".into()));
+    }
+    let mut segments = Vec::with_capacity(cuts.len() + 1);
+    let (mut leaf, mut cur) = (x.clone(), x);
+    for (k, layer) in model.layers.iter().enumerate() {
+        if cuts.contains(&k) {
+            segments.push(Segment { leaf, out: cur.clone(), boundary: Boundary::Complete });
+            leaf = fresh(&cur);
+            cur = leaf.clone();
+        }
+        cur = layer.forward(cur, training, mask_key, side)?;
+    }
+    segments.push(Segment { leaf, out: cur, boundary: Boundary::Complete });
+    Ok(segments)
 }
 
 #[cfg(test)]

@@ -1213,7 +1213,8 @@ pub fn calibrate_links(devices: usize, reps: usize) -> LinkCalibration {
                                 .map(|_| {
                                     barrier.wait();
                                     let start = Instant::now();
-                                    let data = crate::nn::params::host_f32(grad.clone().into_data()).unwrap_or_default();
+                                    let data =
+                                        crate::nn::params::host_f32(grad.clone().into_data()).unwrap_or_default();
                                     if let Ok(sum) =
                                         ep.collective(CollectiveKind::AllReduce, ids, data, ReduceMode::Ring, None)
                                     {

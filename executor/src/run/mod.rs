@@ -2,13 +2,12 @@
 //! fabric, MPI start-up, data sets, calibration and profiling, the ranks' agreement, GPU
 //! placement.
 
-pub mod tcp_run;
-pub(crate) mod threads;
-pub mod process_run;
-pub mod calibrate;
-pub mod profile;
-pub mod data;
 pub mod agreement;
+pub mod calibrate;
 pub mod gpus;
 #[cfg(feature = "mpi")]
 pub mod mpi_run;
+pub mod process_run;
+pub mod profile;
+pub mod tcp_run;
+pub(crate) mod threads;

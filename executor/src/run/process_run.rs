@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use pipec_plan::{DeviceId, Plan};
 
-use crate::run::agreement::{self, Fingerprint};
 use crate::comm::fabric::{Fabric, ProcessEndpoint, TAG_AGREE, TAG_CKPT, TAG_METRIC, TAG_TRACE};
+use crate::run::agreement::{self, Fingerprint};
 use crate::{run_workers, RunError, RunOptions, RunReport, StepMetrics};
 
 /// What this rank is.

@@ -12,12 +12,12 @@ use pipec_plan::model::Source;
 use pipec_plan::profile::{Profile, ProfiledLayer};
 use pipec_plan::Plan;
 
-use crate::error::ExecError;
-use crate::nn::layers::{Act, StageGraph, StageModel};
-use crate::nn::params::{accumulate, backward_into_sums, collect_grads, sum_keys, FlatGrads};
 use crate::backend::rng::Rng;
+use crate::error::ExecError;
 use crate::interp::stage::StageOptim;
 use crate::interp::values::require_grad;
+use crate::nn::layers::{Act, StageGraph, StageModel};
+use crate::nn::params::{accumulate, backward_into_sums, collect_grads, sum_keys, FlatGrads};
 
 /// The median of `v` (the upper one of an even count; 0 for none).
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {

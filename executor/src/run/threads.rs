@@ -15,12 +15,12 @@ use std::time::Instant;
 
 use pipec_plan::{checkpoint, Plan};
 
-use crate::interp::checkpointing::{load_checkpoint, save_checkpoint};
-use crate::run::data::Dataset;
 use crate::backend::dense::ExecBackend;
-use crate::error::ExecError;
-use crate::interp::stage::build_stages;
 use crate::comm::transport::Endpoint;
+use crate::error::ExecError;
+use crate::interp::build::build_stages;
+use crate::interp::checkpointing::{load_checkpoint, save_checkpoint};
+use crate::interp::data::Dataset;
 use crate::interp::worker::{StepReport, Worker};
 use crate::{is_language_model, Placement, RunError, RunOptions, RunReport, StepMetrics};
 

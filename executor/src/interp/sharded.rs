@@ -1,0 +1,167 @@
+//! ZeRO on a stage's state: whole weights put back or released, the per-product stand-ins,
+//! and a replica's shard saved to and cut from a checkpoint (the shards, layouts and gathers
+//! themselves are `crate::parallel::zero`'s).
+
+use pipec_plan::checkpoint;
+use pipec_plan::{Plan, StageId};
+
+use crate::backend::dense::ExecBackend;
+use crate::error::{ExecError, Result};
+use crate::interp::stage::StageState;
+use crate::parallel::optim::StageOptim;
+use crate::parallel::zero::master_chunks;
+use crate::{nn::params, parallel::reshard};
+use std::collections::HashMap;
+
+/// Puts whole weights (one vector per parameter, in the layout's order) into the stage's
+/// model, under each parameter's shape; the transposed copies of the weights they replace
+/// are dropped and made again for the new ones (as an update does).
+pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec<Vec<f32>>) -> Result<()> {
+    let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    // expert parallelism: another position's experts stay dropped (`experts::Holding`)
+    let dropped = |k: usize| st.experts.as_ref().is_some_and(|h| h.elsewhere(k));
+    let mut by_id: HashMap<u64, (Vec<usize>, Vec<f32>)> = shard
+        .layout
+        .params
+        .iter()
+        .zip(whole)
+        .enumerate()
+        .map(|(k, (p, v))| {
+            if dropped(k) {
+                (p.id, (crate::parallel::experts::dropped_shape(&p.shape), Vec::new()))
+            } else if shard.per_product.get(k).copied().unwrap_or(false) {
+                // gathered by its products: a one-value stand-in, as `release_weights` leaves
+                (p.id, (vec![1; p.shape.len()], vec![0.0]))
+            } else {
+                (p.id, (p.shape.clone(), v))
+            }
+        })
+        .collect();
+    let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    let copied = params::take_weight_copies(&model);
+    let (model, missing) = params::replace_params(model, |id| by_id.remove(&id));
+    params::copy_weights(&model, &copied);
+    st.model = Some(model);
+    if let Some(id) = missing.first() {
+        return Err(ExecError::Plan(format!("no gathered values for parameter {id}")));
+    }
+    if let Some(shard) = st.shard.as_mut() {
+        shard.gathered = true;
+    }
+    Ok(())
+}
+
+/// ZeRO: puts every parameter's whole shape back into the stage's model (zeros for another
+/// expert-parallel position's experts and for the stand-ins of weights gathered per
+/// product), so that a checkpoint's whole weights load into it before this replica cuts its
+/// shard of them.
+pub(crate) fn unevict<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
+    let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    let model = st.model.as_ref().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    let whole = params::snapshot::<B, _>(model)?
+        .into_iter()
+        .zip(&shard.layout.params)
+        .map(|((_, _, v), p)| if v.len() == p.len { v } else { vec![0.0; p.len] })
+        .collect();
+    // (every parameter whole: the experts of every position, the weights gathered per
+    // product too)
+    let experts = st.experts.take();
+    let per_product = st.shard.as_mut().map(|s| std::mem::take(&mut s.per_product));
+    let restored = restore_weights(st, whole);
+    st.experts = experts;
+    if let (Some(shard), Some(per_product)) = (st.shard.as_mut(), per_product) {
+        shard.per_product = per_product;
+    }
+    restored
+}
+
+/// ZeRO-3: drops the stage's whole weights after its update (one value each stands in until
+/// the next gather); only the shard remains.
+pub(crate) fn release_weights<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
+    let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    params::take_weight_copies(&model);
+    let (model, _) = params::replace_params(model, |_| None::<(Vec<usize>, Vec<f32>)>);
+    st.model = Some(model);
+    if let Some(shard) = st.shard.as_mut() {
+        shard.gathered = false;
+    }
+    Ok(())
+}
+
+/// ZeRO-3 per product: puts one-value stand-ins in the model for the weights its products
+/// gather ([`per_product`]), once the shard has cut its chunks from them (as built, and
+/// after a checkpoint's load); the other parameters stay as they are.
+pub(crate) fn stand_in_per_product<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
+    let Some(shard) = st.shard.as_ref() else { return Ok(()) };
+    let ids: std::collections::HashSet<u64> =
+        shard.layout.params.iter().zip(&shard.per_product).filter(|(_, g)| **g).map(|(p, _)| p.id).collect();
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    st.model = Some(params::stand_ins(model, &ids));
+    Ok(())
+}
+
+/// ZeRO: this replica's shard of a stage as a checkpoint keeps it (`pipec_plan::checkpoint`:
+/// one file set per replica, joined by the reader): its master chunks (flat, the last
+/// padded with zeros) with which chunk of which parameter each is, its optimizer state over
+/// them in Burn's record format, and (on the first replica only) the batch norms' running
+/// statistics whole. Nothing is gathered: every replica saves what it holds, and the writes
+/// cost what an unsharded stage's do.
+pub(crate) fn saved_shard<B: ExecBackend>(
+    st: &StageState<B>,
+    id: StageId,
+    tp_rank: u32,
+    tp_size: u32,
+) -> Result<(checkpoint::ShardKey, checkpoint::StageCheckpoint)> {
+    let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    let layout = &shard.layout;
+    let master = shard.master.as_ref().ok_or(ExecError::Missing("the stage's shard is in use"))?;
+    let (mut params, mut chunks) = (Vec::new(), Vec::new());
+    for (k, p) in layout.params.iter().enumerate() {
+        // (another expert-parallel position's expert: its holders save it)
+        let Some(part) = p.part.map(|i| layout.parts[i]) else { continue };
+        let chunk = master.chunks.get(k).ok_or(ExecError::Missing("a chunk of the shard"))?;
+        params.push((p.id, vec![p.chunk], crate::nn::params::host_f32(chunk.val().into_data())?));
+        chunks.push(checkpoint::Chunk { id: p.id, shape: p.shape.clone(), index: part.rank as u32, of: part.d as u32 });
+    }
+    if layout.rank == 0 {
+        for (sid, shape, values) in crate::interp::stage::running_statistics(st)? {
+            chunks.push(checkpoint::Chunk { id: sid, shape: shape.clone(), index: 0, of: 1 });
+            params.push((sid, shape, values));
+        }
+    }
+    let optimizer = shard.optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
+    let key = checkpoint::ShardKey { stage: id.0, tp_rank, zero_rank: layout.rank as u32 };
+    Ok((key, checkpoint::StageCheckpoint { params, optimizer, tp_size, zero: Some(chunks) }))
+}
+
+/// ZeRO: after a checkpoint is loaded into a sharded stage (whole weights in its model,
+/// whole optimizer state in its model's optimizer), this replica's shard of both: the
+/// master chunks, and each parameter's state cut to its chunk.
+pub(crate) fn shard_loaded<B: ExecBackend>(st: &mut StageState<B>, plan: &Plan, dev: &B::Device) -> Result<()> {
+    let model = st.model.as_ref().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    let shard = st.shard.as_mut().ok_or(ExecError::Missing("the stage is not sharded"))?;
+    shard.master = Some(master_chunks(&shard.layout, model, dev)?);
+    // (the weights gathered per product are gathered from the loaded chunks)
+    shard.gatherer = None;
+    let index: HashMap<u64, usize> = shard.layout.params.iter().enumerate().map(|(k, p)| (p.id, k)).collect();
+    let mut cut = Vec::new();
+    for (id, item) in st.optim.items().map_err(ExecError::Checkpoint)? {
+        let k = *index.get(&id.val()).ok_or_else(|| ExecError::Checkpoint(format!("no parameter {id} here")))?;
+        let layout = &shard.layout;
+        // (another expert-parallel position's expert: no state here)
+        if layout.params[k].part.is_none() {
+            continue;
+        }
+        let chunk = reshard::map_tensors(std::slice::from_ref(&item), &[layout.params[k].chunk], &|mut parts| {
+            Ok(layout.chunk(k, &parts.pop().unwrap_or_default(), layout.rank_of(k)))
+        })?;
+        cut.push((id, reshard::with_rank(chunk, 1)?));
+    }
+    shard.optim.load_items(cut, dev).map_err(ExecError::Checkpoint)?;
+    // the whole state lives on only in the shards
+    st.optim = StageOptim::new(&plan.training.optimizer, &[]);
+    Ok(())
+}
