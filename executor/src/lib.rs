@@ -27,7 +27,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use pipec_plan::model::Op;
 use pipec_plan::{DeviceId, Plan, StageId};
 
@@ -75,7 +75,7 @@ impl Resume {
             Resume::Loaded(l) if l.zero.is_empty() => Ok(l.clone()),
             Resume::Loaded(l) => {
                 let mut joined = (**l).clone();
-                parallel::zero::join_saved(&mut joined, &plan.training.optimizer).map_err(|e| e.to_string())?;
+                interp::sharded::join_saved(&mut joined, &plan.training.optimizer).map_err(|e| e.to_string())?;
                 Ok(Arc::new(joined))
             }
         }
@@ -90,7 +90,7 @@ pub fn read_checkpoint(
     optimizer: &pipec_plan::plan::OptimizerPlan,
 ) -> Result<checkpoint::Loaded, String> {
     let mut loaded = checkpoint::read(dir)?;
-    parallel::zero::join_saved(&mut loaded, optimizer).map_err(|e| e.to_string())?;
+    interp::sharded::join_saved(&mut loaded, optimizer).map_err(|e| e.to_string())?;
     Ok(loaded)
 }
 

@@ -13,7 +13,7 @@ pub(crate) const MASKED: f32 = -1e9;
 pub type Causal = Option<std::sync::Arc<(Vec<usize>, Vec<usize>)>>;
 
 /// softmax(scores/√dh + the causal mask) over the keys of [batch, heads, queries, keys]
-/// scores in Burn's operations ([`crate::backend::dense::Kernels::attention_softmax`]'s default).
+/// scores in Burn's operations ([`crate::backend::kernels::Kernels::attention_softmax`]'s default).
 pub(crate) fn scores_softmax<B: Backend>(
     scores: Tensor<B, 4>,
     dh: usize,
@@ -51,7 +51,7 @@ pub(crate) fn repeat_heads<B: Backend>(t: Tensor<B, 4>, g: usize) -> Tensor<B, 4
 
 /// The scores' gradient from [`scores_softmax`]'s output `p` and its gradient `dp`,
 /// `p ⊙ (dp − rowsum(dp ⊙ p)) / √dh`, in Burn's operations
-/// ([`crate::backend::dense::Kernels::attention_softmax_grad`]'s default).
+/// ([`crate::backend::kernels::Kernels::attention_softmax_grad`]'s default).
 pub(crate) fn scores_softmax_grad<B: Backend>(p: Tensor<B, 4>, dp: Tensor<B, 4>, dh: usize) -> Tensor<B, 4> {
     (p.clone() * (dp.clone() - (dp * p).sum_dim(3))) / (dh as f64).sqrt()
 }

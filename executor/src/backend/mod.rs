@@ -8,6 +8,7 @@ pub mod dense;
 pub(crate) mod flex_gemm;
 pub(crate) mod flex_softmax;
 pub(crate) mod flex_weights;
+pub mod kernels;
 pub mod port;
 pub mod resident;
 pub mod ring;

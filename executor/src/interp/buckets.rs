@@ -22,7 +22,7 @@ use std::ops::Range;
 use burn::prelude::*;
 use pipec_plan::{CollectiveKind, GroupId, MicrobatchId, StageId};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::comm::transport::Tag;
 use crate::error::{ExecError, Result};
 use crate::interp::collectives::land_replica_sum;

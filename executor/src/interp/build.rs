@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use pipec_plan::{DeviceId, Plan, StageId};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::interp::stage::{stage_graph, StageState, TpInfo};
 use crate::nn::layers::StageModel;

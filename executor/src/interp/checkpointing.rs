@@ -9,7 +9,7 @@ use burn::module::ParamId;
 use pipec_plan::checkpoint;
 use pipec_plan::{Plan, StageId};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::error::ExecError;
 use crate::interp::stage::{self, StageState};
 use crate::interp::worker::Worker;
@@ -140,7 +140,7 @@ fn load_running_statistics<B: ExecBackend>(
 /// A device's stages as checkpoint shards. A ZeRO-sharded stage's replica saves its own
 /// shard as it holds it — its master chunks and its optimizer state over them — with no
 /// collective and no per-parameter work; the reader joins the replicas' chunks
-/// (`checkpoint::read`, [`crate::parallel::zero::join_saved`]), so a checkpoint resumes on any layout.
+/// (`checkpoint::read`, [`crate::interp::sharded::join_saved`]), so a checkpoint resumes on any layout.
 pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<checkpoint::Shards, ExecError> {
     let mut out = HashMap::new();
     let mut ids: Vec<StageId> = w.stages.keys().copied().collect();

@@ -13,7 +13,7 @@
 
 use pipec_plan::{CollectiveKind, StageId};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::interp::grad_norm::squared_norm;
 use crate::interp::worker::Worker;

@@ -8,7 +8,7 @@
 use burn::prelude::*;
 use pipec_plan::{CollectiveKind, CollectivePayload, DeviceId, GroupId, StageId};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::comm::exchanger::Ticket;
 use crate::comm::transport::Rounding;
 use crate::error::{ExecError, Result};

@@ -8,7 +8,7 @@ use burn::tensor::ElementConversion;
 use pipec_plan::model::Loss;
 use pipec_plan::{CollectiveKind, MicrobatchId, StageId};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::comm::transport::{Message, Tag};
 use crate::error::{ExecError, Result};
 use crate::interp::data::Targets;

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use pipec_plan::{DeviceId, Plan, StageId};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::interp::stage::StageState;
 use crate::nn::params::{host_f32, layout};

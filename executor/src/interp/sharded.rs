@@ -5,12 +5,14 @@
 use pipec_plan::checkpoint;
 use pipec_plan::{Plan, StageId};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::interp::stage::StageState;
+use crate::nn::layers::StageModel;
 use crate::parallel::optim::StageOptim;
-use crate::parallel::zero::master_chunks;
+use crate::parallel::zero::{master_chunks, ShardParams};
 use crate::{nn::params, parallel::reshard};
+use burn::module::ParamId;
 use std::collections::HashMap;
 
 /// Puts whole weights (one vector per parameter, in the layout's order) into the stage's
@@ -164,4 +166,84 @@ pub(crate) fn shard_loaded<B: ExecBackend>(st: &mut StageState<B>, plan: &Plan, 
     // the whole state lives on only in the shards
     st.optim = StageOptim::new(&plan.training.optimizer, &[]);
     Ok(())
+}
+
+/// A checkpoint's ZeRO shards' optimizer states joined into the whole states an unsharded
+/// stage saves (`optimizer-s{K}[-tp{r}].bin`, under [`checkpoint::ShardKey::whole`]): each
+/// parameter's state from its chunks in order, the padding dropped. The reader joined the
+/// weights already; after this the checkpoint loads like any other, on any layout. The
+/// records are decoded and encoded on the CPU backend (bytes either way).
+pub fn join_saved(loaded: &mut checkpoint::Loaded, optimizer: &pipec_plan::plan::OptimizerPlan) -> Result<()> {
+    type C = crate::CpuBackend;
+    if loaded.zero.is_empty() {
+        return Ok(());
+    }
+    let dev = Default::default();
+    let bad = |what: String| ExecError::Checkpoint(what);
+    // each (stage, tensor-parallel rank)'s replicas' shards
+    type Replicas = Vec<(checkpoint::ShardKey, Vec<checkpoint::Chunk>)>;
+    let mut groups: std::collections::BTreeMap<(u32, u32), Replicas> = Default::default();
+    for (key, chunks) in std::mem::take(&mut loaded.zero) {
+        groups.entry((key.stage, key.tp_rank)).or_default().push((key, chunks));
+    }
+    for ((stage, tp_rank), shards) in groups {
+        // every replica's items, by parameter: whole shape, chunk count, (chunk index, item)
+        type Pieces = (Vec<usize>, u32, Vec<(u32, reshard::Item)>);
+        let mut by_param: std::collections::BTreeMap<u64, Pieces> = Default::default();
+        let mut shapes: std::collections::BTreeMap<u64, Vec<usize>> = Default::default();
+        for (key, chunks) in shards {
+            let bytes = loaded
+                .optimizers
+                .remove(&key)
+                .ok_or_else(|| bad(format!("stage {stage}: replica {}'s optimizer state is missing", key.zero_rank)))?;
+            let flat: Vec<(u64, Vec<usize>)> = chunks.iter().map(|c| (c.id, vec![chunk_len(c)])).collect();
+            let mut shard_optim = StageOptim::<C, ShardParams<C>>::new(optimizer, &flat);
+            shard_optim
+                .load_bytes(&bytes, &dev)
+                .map_err(|e| bad(format!("stage {stage}, replica {}: {e}", key.zero_rank)))?;
+            let of_id: HashMap<u64, &checkpoint::Chunk> = chunks.iter().map(|c| (c.id, c)).collect();
+            for c in &chunks {
+                shapes.insert(c.id, c.shape.clone());
+            }
+            for (pid, item) in shard_optim.items().map_err(ExecError::Checkpoint)? {
+                let c = of_id.get(&pid.val()).ok_or_else(|| {
+                    bad(format!(
+                        "stage {stage}: replica {}'s optimizer holds a parameter it saved no chunk of",
+                        key.zero_rank
+                    ))
+                })?;
+                by_param.entry(c.id).or_insert_with(|| (c.shape.clone(), c.of, Vec::new())).2.push((c.index, item));
+            }
+        }
+        let mut joined = Vec::new();
+        for (pid, (shape, of, mut pieces)) in by_param {
+            pieces.sort_by_key(|(i, _)| *i);
+            if pieces.len() != of as usize || pieces.iter().enumerate().any(|(k, (i, _))| *i as usize != k) {
+                return Err(bad(format!(
+                    "stage {stage}: the optimizer state of `{}` is in {} of its {of} chunks",
+                    checkpoint::param_name(pid),
+                    pieces.len()
+                )));
+            }
+            let len: usize = shape.iter().product();
+            let items: Vec<reshard::Item> = pieces.into_iter().map(|(_, item)| item).collect();
+            let whole = reshard::map_tensors(&items, &shape, &|parts| {
+                let mut v: Vec<f32> = parts.into_iter().flatten().collect();
+                v.truncate(len);
+                Ok(v)
+            })?;
+            joined.push((ParamId::from(pid), reshard::with_rank(whole, shape.len())?));
+        }
+        let whole_shapes: Vec<(u64, Vec<usize>)> = shapes.into_iter().collect();
+        let mut whole = StageOptim::<C, StageModel<C>>::new(optimizer, &whole_shapes);
+        whole.load_items(joined, &dev).map_err(|e| bad(format!("stage {stage}: {e}")))?;
+        let bytes = whole.save().map_err(|e| bad(format!("stage {stage}: {e}")))?;
+        loaded.optimizers.insert(checkpoint::ShardKey::whole(stage, tp_rank), bytes);
+    }
+    Ok(())
+}
+
+/// A chunk's length: the whole parameter's values cut into `of` equal pieces.
+fn chunk_len(c: &checkpoint::Chunk) -> usize {
+    c.shape.iter().product::<usize>().div_ceil(c.of.max(1) as usize)
 }

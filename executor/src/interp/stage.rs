@@ -9,7 +9,7 @@ use burn::prelude::*;
 use pipec_plan::model::{crossing, Source};
 use pipec_plan::{DeviceId, MicrobatchId, Plan};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::nn::layers::{StageGraph, StageModel};
 use crate::nn::params::{host_f32, layout, FlatGrads};

@@ -6,7 +6,8 @@ use burn::backend::autodiff::NodeId;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::prelude::*;
 
-use crate::backend::dense::{Deferred, ExecBackend};
+use crate::backend::dense::Deferred;
+use crate::backend::kernels::ExecBackend;
 use crate::comm::transport::{Message, Tag};
 use crate::error::{ExecError, Result};
 use crate::nn::layers::{Act, StageModel};

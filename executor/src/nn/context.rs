@@ -10,7 +10,7 @@
 use burn::tensor::Tensor;
 use pipec_plan::{DeviceId, Plan, StageId};
 
-use crate::backend::dense::Kernels;
+use crate::backend::kernels::Kernels;
 use crate::backend::port::{Exchange, PeerGroup};
 use crate::comm::exchanger::Exchanger;
 use crate::error::{ExecError, Result};

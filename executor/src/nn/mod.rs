@@ -1,8 +1,10 @@
 //! The layers as Burn modules (a stage's model), built from the plan's operators; their
 //! parameters as host values. A layer reaches a peer only through the backend's port.
 
+pub mod block;
 pub mod context;
 #[cfg(test)]
 mod hf_reference;
 pub mod layers;
 pub(crate) mod params;
+pub mod parts;

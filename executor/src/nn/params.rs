@@ -42,11 +42,11 @@ pub(crate) fn collect_grads<B: AutodiffBackend, M: Module<B>>(model: &M, grads: 
     c.out
 }
 
-/// Every parameter's key for in-place gradient sums ([`crate::backend::dense::Kernels::sum_key`]), in
+/// Every parameter's key for in-place gradient sums ([`crate::backend::kernels::Kernels::sum_key`]), in
 /// visiting order (the order of [`collect_grads`]).
-pub(crate) fn sum_keys<B: crate::backend::dense::ExecBackend, M: Module<B>>(model: &M) -> Vec<Option<NodeId>> {
+pub(crate) fn sum_keys<B: crate::backend::kernels::ExecBackend, M: Module<B>>(model: &M) -> Vec<Option<NodeId>> {
     struct Keys(Vec<Option<NodeId>>);
-    impl<B: crate::backend::dense::ExecBackend> ModuleVisitor<B> for Keys {
+    impl<B: crate::backend::kernels::ExecBackend> ModuleVisitor<B> for Keys {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             self.0.push(B::sum_key(&param.val().into_primitive().tensor()));
         }
@@ -57,10 +57,10 @@ pub(crate) fn sum_keys<B: crate::backend::dense::ExecBackend, M: Module<B>>(mode
 }
 
 /// Drops what this thread keeps for the forward products of `model`'s weights
-/// ([`crate::backend::dense::Kernels::take_weight_copy`]); the ids of those that had a copy.
-pub(crate) fn take_weight_copies<B: crate::backend::dense::ExecBackend, M: Module<B>>(model: &M) -> Vec<ParamId> {
+/// ([`crate::backend::kernels::Kernels::take_weight_copy`]); the ids of those that had a copy.
+pub(crate) fn take_weight_copies<B: crate::backend::kernels::ExecBackend, M: Module<B>>(model: &M) -> Vec<ParamId> {
     struct Held(Vec<ParamId>);
-    impl<B: crate::backend::dense::ExecBackend> ModuleVisitor<B> for Held {
+    impl<B: crate::backend::kernels::ExecBackend> ModuleVisitor<B> for Held {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if D == 2 && B::take_weight_copy(&param.val().into_primitive().tensor()) {
                 self.0.push(param.id);
@@ -72,11 +72,11 @@ pub(crate) fn take_weight_copies<B: crate::backend::dense::ExecBackend, M: Modul
     held.0
 }
 
-/// Makes the copies of the parameters `ids` names now ([`crate::backend::dense::Kernels::copy_weight`]):
+/// Makes the copies of the parameters `ids` names now ([`crate::backend::kernels::Kernels::copy_weight`]):
 /// after an update, for the weights whose previous version had one.
-pub(crate) fn copy_weights<B: crate::backend::dense::ExecBackend, M: Module<B>>(model: &M, ids: &[ParamId]) {
+pub(crate) fn copy_weights<B: crate::backend::kernels::ExecBackend, M: Module<B>>(model: &M, ids: &[ParamId]) {
     struct Copy<'a>(&'a [ParamId]);
-    impl<B: crate::backend::dense::ExecBackend> ModuleVisitor<B> for Copy<'_> {
+    impl<B: crate::backend::kernels::ExecBackend> ModuleVisitor<B> for Copy<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if D == 2 && self.0.contains(&param.id) {
                 B::copy_weight(&param.val().into_primitive().tensor());
@@ -91,7 +91,7 @@ pub(crate) fn copy_weights<B: crate::backend::dense::ExecBackend, M: Module<B>>(
 /// Runs `backward` with the running sums in `acc` of the parameters keyed in `keys` lent to
 /// the dense products ([`with_gradient_sums`]): their weight gradients are added into `acc`
 /// inside the backward, and Burn's gradients returned hold the rest.
-pub(crate) fn backward_into_sums<B: crate::backend::dense::ExecBackend>(
+pub(crate) fn backward_into_sums<B: crate::backend::kernels::ExecBackend>(
     acc: &mut FlatGrads<B>,
     keys: &[Option<NodeId>],
     backward: impl FnOnce() -> B::Gradients,
@@ -105,7 +105,7 @@ pub(crate) fn backward_into_sums<B: crate::backend::dense::ExecBackend>(
 /// The input half of a split backward: runs `backward` with the weight gradients of the
 /// parameters keyed in `keys` put off ([`with_deferred_weight_gradients`]); Burn's
 /// gradients returned hold the rest. [`add_deferred_into_sums`] is the weight half.
-pub(crate) fn backward_deferring<B: crate::backend::dense::ExecBackend>(
+pub(crate) fn backward_deferring<B: crate::backend::kernels::ExecBackend>(
     keys: &[Option<NodeId>],
     backward: impl FnOnce() -> B::Gradients,
 ) -> (B::Gradients, Deferred<B::InnerBackend>) {
@@ -114,7 +114,7 @@ pub(crate) fn backward_deferring<B: crate::backend::dense::ExecBackend>(
 
 /// The weight half of a split backward: adds the gradients [`backward_deferring`] put off
 /// into the running sums in `acc` (the same products and sums as [`backward_into_sums`]).
-pub(crate) fn add_deferred_into_sums<B: crate::backend::dense::ExecBackend>(
+pub(crate) fn add_deferred_into_sums<B: crate::backend::kernels::ExecBackend>(
     acc: &mut FlatGrads<B>,
     keys: &[Option<NodeId>],
     deferred: Deferred<B::InnerBackend>,
@@ -380,7 +380,7 @@ pub(crate) fn stand_ins<B: Backend, M: Module<B>>(model: M, ids: &std::collectio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::dense::Kernels;
+    use crate::backend::kernels::Kernels;
     use burn::module::Module;
     use burn::tensor::Distribution;
 

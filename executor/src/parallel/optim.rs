@@ -14,7 +14,7 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use pipec_plan::checkpoint::ShardKey;
 use pipec_plan::plan::OptimizerPlan;
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::nn::layers::StageModel;
 use crate::nn::params::{copy_weights, take_weight_copies, to_optimizer_grads};
 

@@ -24,16 +24,15 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::prelude::*;
-use pipec_plan::checkpoint;
 use pipec_plan::vocab::Sharding;
 use pipec_plan::{GroupId, Plan};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::nn::layers::StageModel;
+use crate::nn::params;
 pub(crate) use crate::parallel::groups::shard_group;
 use crate::parallel::optim::StageOptim;
-use crate::{nn::params, parallel::reshard};
 use std::collections::HashMap;
 
 /// One parameter of a sharded stage: its id, shape, value count, chunk length and the part
@@ -463,92 +462,12 @@ pub(crate) fn released_copy<B: ExecBackend>(model: &StageModel<B>) -> StageModel
     params::replace_params(model.clone(), |_| None::<(Vec<usize>, Vec<f32>)>).0
 }
 
-/// A checkpoint's ZeRO shards' optimizer states joined into the whole states an unsharded
-/// stage saves (`optimizer-s{K}[-tp{r}].bin`, under [`checkpoint::ShardKey::whole`]): each
-/// parameter's state from its chunks in order, the padding dropped. The reader joined the
-/// weights already; after this the checkpoint loads like any other, on any layout. The
-/// records are decoded and encoded on the CPU backend (bytes either way).
-pub fn join_saved(loaded: &mut checkpoint::Loaded, optimizer: &pipec_plan::plan::OptimizerPlan) -> Result<()> {
-    type C = crate::CpuBackend;
-    if loaded.zero.is_empty() {
-        return Ok(());
-    }
-    let dev = Default::default();
-    let bad = |what: String| ExecError::Checkpoint(what);
-    // each (stage, tensor-parallel rank)'s replicas' shards
-    type Replicas = Vec<(checkpoint::ShardKey, Vec<checkpoint::Chunk>)>;
-    let mut groups: std::collections::BTreeMap<(u32, u32), Replicas> = Default::default();
-    for (key, chunks) in std::mem::take(&mut loaded.zero) {
-        groups.entry((key.stage, key.tp_rank)).or_default().push((key, chunks));
-    }
-    for ((stage, tp_rank), shards) in groups {
-        // every replica's items, by parameter: whole shape, chunk count, (chunk index, item)
-        type Pieces = (Vec<usize>, u32, Vec<(u32, reshard::Item)>);
-        let mut by_param: std::collections::BTreeMap<u64, Pieces> = Default::default();
-        let mut shapes: std::collections::BTreeMap<u64, Vec<usize>> = Default::default();
-        for (key, chunks) in shards {
-            let bytes = loaded
-                .optimizers
-                .remove(&key)
-                .ok_or_else(|| bad(format!("stage {stage}: replica {}'s optimizer state is missing", key.zero_rank)))?;
-            let flat: Vec<(u64, Vec<usize>)> = chunks.iter().map(|c| (c.id, vec![chunk_len(c)])).collect();
-            let mut shard_optim = StageOptim::<C, ShardParams<C>>::new(optimizer, &flat);
-            shard_optim
-                .load_bytes(&bytes, &dev)
-                .map_err(|e| bad(format!("stage {stage}, replica {}: {e}", key.zero_rank)))?;
-            let of_id: HashMap<u64, &checkpoint::Chunk> = chunks.iter().map(|c| (c.id, c)).collect();
-            for c in &chunks {
-                shapes.insert(c.id, c.shape.clone());
-            }
-            for (pid, item) in shard_optim.items().map_err(ExecError::Checkpoint)? {
-                let c = of_id.get(&pid.val()).ok_or_else(|| {
-                    bad(format!(
-                        "stage {stage}: replica {}'s optimizer holds a parameter it saved no chunk of",
-                        key.zero_rank
-                    ))
-                })?;
-                by_param.entry(c.id).or_insert_with(|| (c.shape.clone(), c.of, Vec::new())).2.push((c.index, item));
-            }
-        }
-        let mut joined = Vec::new();
-        for (pid, (shape, of, mut pieces)) in by_param {
-            pieces.sort_by_key(|(i, _)| *i);
-            if pieces.len() != of as usize || pieces.iter().enumerate().any(|(k, (i, _))| *i as usize != k) {
-                return Err(bad(format!(
-                    "stage {stage}: the optimizer state of `{}` is in {} of its {of} chunks",
-                    checkpoint::param_name(pid),
-                    pieces.len()
-                )));
-            }
-            let len: usize = shape.iter().product();
-            let items: Vec<reshard::Item> = pieces.into_iter().map(|(_, item)| item).collect();
-            let whole = reshard::map_tensors(&items, &shape, &|parts| {
-                let mut v: Vec<f32> = parts.into_iter().flatten().collect();
-                v.truncate(len);
-                Ok(v)
-            })?;
-            joined.push((ParamId::from(pid), reshard::with_rank(whole, shape.len())?));
-        }
-        let whole_shapes: Vec<(u64, Vec<usize>)> = shapes.into_iter().collect();
-        let mut whole = StageOptim::<C, StageModel<C>>::new(optimizer, &whole_shapes);
-        whole.load_items(joined, &dev).map_err(|e| bad(format!("stage {stage}: {e}")))?;
-        let bytes = whole.save().map_err(|e| bad(format!("stage {stage}: {e}")))?;
-        loaded.optimizers.insert(checkpoint::ShardKey::whole(stage, tp_rank), bytes);
-    }
-    Ok(())
-}
-
-/// A chunk's length: the whole parameter's values cut into `of` equal pieces.
-fn chunk_len(c: &checkpoint::Chunk) -> usize {
-    c.shape.iter().product::<usize>().div_ceil(c.of.max(1) as usize)
-}
-
 /// ZeRO-3's parameters gathered per product rather than with their stage: the weights of
 /// the linear layers, of dense transformer blocks' projections (queries, keys and values,
 /// output, MLP) and of LSTMs' gates, which nothing reads but
-/// [`crate::backend::dense::Kernels::dense`] (an LSTM's recurrent weight, read at every position,
+/// [`crate::backend::kernels::Kernels::dense`] (an LSTM's recurrent weight, read at every position,
 /// stays gathered from one product to the next), and token embedding tables, which
-/// nothing reads but [`crate::backend::dense::Kernels::embed`]. Each product
+/// nothing reads but [`crate::backend::kernels::Kernels::embed`]. Each product
 /// then gathers its weight before it runs, in the forward, the recompute and (a product's,
 /// not a lookup's: its gradient needs no table) again in the backward, and drops it after
 /// (FSDP's unit is here one weight, the plan's one layer), so that the stage never holds
@@ -756,89 +675,4 @@ impl<I: burn::tensor::backend::Backend> Gatherer<I> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The layout round-trips: the chunks of every replica, gathered, are the whole values;
-    /// a reduce-scatter's input puts each replica's chunks (and the statistics) in its
-    /// segment; uneven lengths are padded with zeros.
-    #[test]
-    fn segments_cut_and_join_every_parameter() {
-        let params = vec![(1, vec![2, 3]), (2, vec![5]), (3, vec![1])];
-        let whole: Vec<Vec<f32>> =
-            vec![(0..6).map(|x| x as f32).collect(), (10..15).map(|x| x as f32).collect(), vec![20.0]];
-        for d in 1..=4 {
-            let layouts: Vec<ShardLayout> = (0..d).map(|r| ShardLayout::new(&params, d, r)).collect();
-            let l = &layouts[0];
-            assert_eq!(l.segment, 6usize.div_ceil(d) + 5usize.div_ceil(d) + 1);
-            let mut gathered = Vec::new();
-            for r in 0..d {
-                for (k, w) in whole.iter().enumerate() {
-                    gathered.extend(l.chunk(k, w, r));
-                }
-            }
-            assert_eq!(l.whole(&[gathered]).expect("whole"), whole, "d = {d}");
-            let mut input = l.scatter_input(&whole.iter().cloned().map(Some).collect::<Vec<_>>(), &[7.0, 8.0]);
-            assert_eq!(input.len(), 1);
-            let input = input.remove(0);
-            assert_eq!(input.len(), d * (l.segment + 2));
-            for (r, layout) in layouts.iter().enumerate() {
-                let seg = &input[r * (l.segment + 2)..(r + 1) * (l.segment + 2)];
-                let (chunks, stats) = layout.split_segment(seg).expect("split");
-                assert_eq!(stats, &[7.0, 8.0]);
-                for (k, (c, w)) in chunks.iter().zip(&whole).enumerate() {
-                    assert_eq!(*c, l.chunk(k, w, r).as_slice(), "d = {d}, replica {r}, parameter {k}");
-                }
-            }
-        }
-        // a missing gradient is zeros
-        let l = ShardLayout::new(&params, 2, 0);
-        assert!(l.scatter_input(&[None, None, None], &[]).concat().iter().all(|x| *x == 0.0));
-    }
-
-    /// Under expert parallelism a layout has two parts — the dense parameters over the
-    /// stage's 4 replicas, this member's experts over its 2 holders — and a parameter of
-    /// neither (another position's expert) has no chunk: each part's reduce-scatter input
-    /// and all-gather round-trip on its own, and a segment is part 0's chunks, part 1's,
-    /// then the statistics.
-    #[test]
-    fn an_expert_parallel_layout_shards_each_part_over_its_own_replicas() {
-        let params: Vec<(u64, Vec<usize>)> = vec![(1, vec![2, 3]), (2, vec![5]), (3, vec![4]), (4, vec![3])];
-        let part_of = |k: usize| [Some(0), Some(1), None, Some(0)][k];
-        let whole: Vec<Vec<f32>> = params
-            .iter()
-            .map(|(id, shape)| (0..shape.iter().product::<usize>()).map(|x| (10 * *id as usize + x) as f32).collect())
-            .collect();
-        let layout = |r0: usize, r1: usize| {
-            ShardLayout::split(&params, &[ShardPart { d: 4, rank: r0 }, ShardPart { d: 2, rank: r1 }], part_of)
-        };
-        let l = layout(0, 0);
-        assert_eq!(l.params.iter().map(|p| p.chunk).collect::<Vec<_>>(), vec![2, 3, 0, 1]);
-        assert_eq!((l.part_segment(0), l.part_segment(1), l.segment), (3, 3, 6));
-        // each part's all-gather of its replicas' chunks gives its parameters whole
-        let gather = |i: usize, d: usize| -> Vec<f32> {
-            (0..d)
-                .flat_map(|r| {
-                    (0..4).filter(|&k| part_of(k) == Some(i)).flat_map(|k| l.chunk(k, &whole[k], r)).collect::<Vec<_>>()
-                })
-                .collect()
-        };
-        let got = l.whole(&[gather(0, 4), gather(1, 2)]).expect("whole");
-        assert_eq!(got, vec![whole[0].clone(), whole[1].clone(), Vec::new(), whole[3].clone()]);
-        // the reduce-scatter inputs: part 0 with the statistics, part 1 without
-        let inputs = l.scatter_input(&whole.iter().cloned().map(Some).collect::<Vec<_>>(), &[7.0]);
-        assert_eq!((inputs[0].len(), inputs[1].len()), (4 * (3 + 1), 2 * 3));
-        let (r0, r1) = (2, 1);
-        let mine = layout(r0, r1);
-        let results = vec![inputs[0][r0 * 4..r0 * 4 + 4].to_vec(), inputs[1][r1 * 3..r1 * 3 + 3].to_vec()];
-        let segment = mine.joined_segment(results, 1).expect("joined");
-        let (chunks, stats) = mine.split_segment(&segment).expect("split");
-        assert_eq!(stats, &[7.0]);
-        for k in 0..4 {
-            let expected = if part_of(k).is_none() { Vec::new() } else { mine.chunk(k, &whole[k], mine.rank_of(k)) };
-            assert_eq!(chunks[k], expected.as_slice(), "parameter {k}");
-        }
-        assert_eq!(mine.segment_of(&chunks.iter().map(|c| c.to_vec()).collect::<Vec<_>>(), &[7.0]), segment);
-        assert_eq!(mine.part_inputs(|k| Ok(chunks[k].to_vec()), |_| true).expect("inputs").len(), 2);
-    }
-}
+mod tests;

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use burn::module::Module;
 use burn::prelude::*;
 use pipec_plan::model::Source;

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use pipec_plan::{checkpoint, Plan};
 
-use crate::backend::dense::ExecBackend;
+use crate::backend::kernels::ExecBackend;
 use crate::comm::transport::Endpoint;
 use crate::error::ExecError;
 use crate::interp::build::build_stages;

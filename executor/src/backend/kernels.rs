@@ -1,0 +1,195 @@
+//! What the executor needs of a backend beyond Burn's ([`Kernels`]): its dense product in
+//! the orientation its kernel is fast in, attention's softmax, the experts' exchange of rows
+//! and the ring attention through the port; the CPU's and CUDA's choices. The autodiff
+//! backend's implementation, with its backward operations, is `crate::backend::dense`.
+
+use burn::backend::autodiff::NodeId;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{Tensor, TensorPrimitive};
+
+/// What the executor needs of a backend beyond Burn's: its dense product.
+pub trait Kernels: Backend {
+    /// `a · b` for 2-D tensors (by default Burn's matmul).
+    fn product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(a, b)
+    }
+
+    /// `acc + a · b` for 2-D tensors, in `acc`'s buffer where the backend can.
+    fn product_add(acc: FloatTensor<Self>, a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_add(acc, Self::product(a, b))
+    }
+
+    /// `x · w` in a forward pass, `w` a weight (by default [`Kernels::product`]).
+    fn weight_product(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::product(x, w)
+    }
+
+    /// Drops whatever this thread keeps to speed up [`Kernels::weight_product`], for every
+    /// weight (only frees memory; `pipec profile` starts and ends each layer with it).
+    fn release_weight_copies() {}
+
+    /// Drops what this thread keeps for [`Kernels::weight_product`] of `w` (a transposed
+    /// copy on `flex`); whether there was something.
+    fn take_weight_copy(_w: &FloatTensor<Self>) -> bool {
+        false
+    }
+
+    /// Makes now what [`Kernels::weight_product`] would make for `w` at its second forward
+    /// (after an update, for the weights whose previous version had it).
+    fn copy_weight(_w: &FloatTensor<Self>) {}
+
+    /// The key under which a weight's gradient is summed in place ([`with_gradient_sums`]):
+    /// on an autodiff backend the weight's graph node; `None` elsewhere.
+    fn sum_key(_weight: &FloatTensor<Self>) -> Option<NodeId> {
+        None
+    }
+
+    /// `dy · wᵀ`, the input gradient of `x · w` (2-D), computed the way this backend runs it
+    /// fastest (by default Burn's: through the transposed view of `w`).
+    fn input_grad(dy: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::product(dy, Self::float_transpose(w))
+    }
+
+    /// `x · w` for a weight matrix `w` ([in, out]).
+    fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
+        Tensor::from_primitive(TensorPrimitive::Float(forward_product::<Self>(x, w)))
+    }
+
+    /// The rows of table `w` ([vocabulary, d]) that `ids` ([batch, seq]) name: [batch, seq,
+    /// d] (Burn's embedding).
+    fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
+        burn::tensor::module::embedding(w, ids)
+    }
+
+    /// Expert parallelism's exchange of rows with the group ([`crate::backend::port::move_rows`]);
+    /// on an autodiff backend its gradient is the reverse exchange, run in the backward.
+    fn exchange(x: Tensor<Self, 2>, ex: &crate::backend::port::Exchange) -> Result<Tensor<Self, 2>, String> {
+        crate::backend::port::move_rows(x, ex)
+    }
+
+    /// softmax(scores/√dh + the causal mask) over the keys of [batch, heads, queries, keys]
+    /// attention scores (by default Burn's operations).
+    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+        crate::backend::attention::scores_softmax(scores, dh, causal)
+    }
+
+    /// The scores' gradient from [`Kernels::attention_softmax`]'s output `p` and its
+    /// gradient `dp`: `p ⊙ (dp − rowsum(dp ⊙ p)) / √dh` (by default Burn's operations).
+    fn attention_softmax_grad(p: Tensor<Self, 4>, dp: Tensor<Self, 4>, dh: usize) -> Tensor<Self, 4> {
+        crate::backend::attention::scores_softmax_grad(p, dp, dh)
+    }
+
+    /// Context parallelism's ring attention ([`crate::backend::ring`]): this member's queries
+    /// [b, h, s, dh] over the group's keys and values, its own `k`, `v` [b, kv, s, dh]
+    /// passed around the ring; an autodiff backend keeps only q, its own k and v, the output
+    /// and the rows' log-sum-exp. Without autodiff, the forward alone.
+    fn ring_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        ring: &crate::backend::ring::Ring,
+    ) -> Result<Tensor<Self, 4>, String> {
+        ring.forward(q, k, v).map(|(out, _)| out)
+    }
+
+    /// Attention's core, softmax(q·kᵀ/√dh + the causal mask)·v on [batch, heads, seq, dh],
+    /// without keeping its scores and probabilities for the backward: an autodiff backend
+    /// keeps q, k and v (which the graph holds anyway) and recomputes the probabilities in
+    /// the backward — selective recompute (Korthikanti et al. 2022). Without autodiff there
+    /// is nothing to keep: the plain computation.
+    fn attention_recomputed(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        dh: usize,
+        causal: crate::backend::attention::Causal,
+    ) -> Tensor<Self, 4> {
+        crate::backend::amp::matmul(attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))), v)
+    }
+}
+
+impl Kernels for burn::backend::Flex {
+    fn product(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        // flex's kernel without its zero-fill and copy of the output (crate::backend::flex_gemm)
+        crate::backend::flex_gemm::product(&a, &b).unwrap_or_else(|| Self::float_matmul(a, b))
+    }
+
+    fn product_add(acc: FloatTensor<Self>, a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::backend::flex_gemm::product_add(acc, &a, &b)
+            .unwrap_or_else(|acc| Self::float_add(acc, Self::product(a, b)))
+    }
+
+    fn input_grad(dy: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        // (w · dyᵀ)ᵀ: the kernel streams w as it is laid out
+        Self::float_transpose(Self::product(w, Self::float_transpose(dy)))
+    }
+
+    fn weight_product(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
+        // (wᵀ · xᵀ)ᵀ from a transposed copy of w, once it has one (crate::backend::flex_weights)
+        crate::backend::flex_weights::product(&x, &w).unwrap_or_else(|| Self::product(x, w))
+    }
+
+    fn release_weight_copies() {
+        crate::backend::flex_weights::release()
+    }
+
+    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+        // one pass per row (crate::backend::flex_softmax), Burn's operations for what it does not take
+        let divisor = (dh as f64).sqrt() as f32;
+        match crate::backend::flex_softmax::forward(&scores.clone().into_primitive().tensor(), divisor, causal) {
+            Some(p) => Tensor::from_primitive(TensorPrimitive::Float(p)),
+            None => crate::backend::attention::scores_softmax(scores, dh, causal),
+        }
+    }
+
+    fn attention_softmax_grad(p: Tensor<Self, 4>, dp: Tensor<Self, 4>, dh: usize) -> Tensor<Self, 4> {
+        let divisor = (dh as f64).sqrt() as f32;
+        let (pp, dpp) = (p.clone().into_primitive().tensor(), dp.clone().into_primitive().tensor());
+        match crate::backend::flex_softmax::backward(&pp, &dpp, divisor) {
+            Some(ds) => Tensor::from_primitive(TensorPrimitive::Float(ds)),
+            None => crate::backend::attention::scores_softmax_grad(p, dp, dh),
+        }
+    }
+
+    fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
+        crate::backend::flex_weights::take(w)
+    }
+
+    fn copy_weight(w: &FloatTensor<Self>) {
+        crate::backend::flex_weights::copy_now(w)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Kernels for burn::backend::Cuda {}
+
+/// The backends the executor trains on: autodiff over a backend with [`Kernels`].
+pub trait ExecBackend: AutodiffBackend<InnerBackend: Kernels> + Kernels {}
+
+impl<B: AutodiffBackend<InnerBackend: Kernels> + Kernels> ExecBackend for B {}
+
+/// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
+/// `causal` (each query's and each key's position in the sequence — context parallelism: a
+/// member's queries against the gathered keys, in member order), a key after its query gets
+/// weight 0 (its score is pushed to -1e9 first, which leaves the same softmax and gradient
+/// as removing it, without -∞ arithmetic).
+pub(crate) fn attention_at<B: Kernels>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    dh: usize,
+    causal: Option<(&[usize], &[usize])>,
+) -> Tensor<B, 4> {
+    B::attention_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, causal)
+}
+
+/// `x · w` in a forward pass: through [`Kernels::weight_product`] in fp32; in a low
+/// precision ([`crate::backend::amp`]) the plain product of the rounded operands (a weight copy kept
+/// for `weight_product` would be the rounded weight's, made anew every pass).
+pub(crate) fn forward_product<I: Kernels>(x: FloatTensor<I>, w: FloatTensor<I>) -> FloatTensor<I> {
+    match crate::backend::amp::dtype() {
+        None => I::weight_product(x, w),
+        Some(_) => crate::backend::amp::mixed::<I>(x, w, I::product),
+    }
+}

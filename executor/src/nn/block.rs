@@ -1,0 +1,451 @@
+//! The transformer block: attention (grouped-query, rotary, causal, context-parallel through
+//! the port), its MLPs or mixture of experts (expert-parallel through the port), pre- or
+//! post-norm.
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn::tensor::activation;
+use burn::tensor::IndexingUpdateOp;
+use pipec_plan::checkpoint::{expert_slot, ROUTER_SLOT};
+use pipec_plan::model::{MlpKind, Moe, Op, Router};
+
+use crate::backend::attention::{repeat_heads, Causal};
+use crate::backend::kernels::attention_at;
+use crate::backend::kernels::Kernels;
+use crate::error::{ExecError, Result};
+
+use crate::nn::parts::*;
+
+/// A pre-norm transformer block.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub norm1: Norm<B>,
+    /// Queries, keys and values fused: [d, (heads + 2·kv_heads)·head_dim] (this rank's heads
+    /// under tensor parallelism).
+    pub qkv: Dense<B>,
+    pub proj: Dense<B>,
+    pub norm2: Norm<B>,
+    /// The MLPs: a dense block's one; a mixture of experts' routed experts, then its shared
+    /// ones.
+    pub mlps: Vec<Mlp<B>>,
+    /// A mixture of experts' router: d → experts, no bias.
+    pub router: Option<Dense<B>>,
+    /// A mixture of experts' routing rule.
+    #[module(skip)]
+    pub moe: Option<Moe>,
+    /// The block's layer (what its experts' token counts are reported under).
+    #[module(skip)]
+    pub index: usize,
+    /// Query heads (this rank's).
+    pub heads: usize,
+    /// Key/value heads (this rank's).
+    #[module(skip)]
+    pub kv_heads: usize,
+    /// Each position attends only to itself and earlier positions.
+    #[module(skip)]
+    pub causal: bool,
+    #[module(skip)]
+    pub mlp: MlpKind,
+    /// Rotary embeddings' base θ (0: none).
+    #[module(skip)]
+    pub rope: f64,
+    /// Each norm after its residual sum (BERT) instead of before its branch.
+    #[module(skip)]
+    pub post_norm: bool,
+    /// Selective recompute: the attention core's scores and probabilities are not kept
+    /// for the backward, which recomputes them ([`Kernels::attention_recomputed`]).
+    #[module(skip)]
+    pub recompute_core: bool,
+}
+
+/// One MLP of a block: the up projection (gated: [d, 2·ff], the gate's columns then the
+/// up's) and the down projection.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    pub fc1: Dense<B>,
+    pub fc2: Dense<B>,
+}
+
+/// GELU's tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+pub(crate) fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let inner = (x.clone() + x.clone().powi_scalar(3) * 0.044715) * c;
+    x * (inner.tanh() + 1.0) * 0.5
+}
+
+/// Rotary position embeddings (RoFormer; Hugging Face's `rotate_half` layout) on
+/// [batch, heads, seq, dh] queries or keys whose rows are at `positions` of the sequence
+/// (0, 1, … but for a context-parallel member): features i and i + dh/2 of position p
+/// rotate by p·θ^(−2i/dh).
+pub(crate) fn rotary_at<B: Backend>(x: Tensor<B, 4>, theta: f64, positions: &[usize]) -> Tensor<B, 4> {
+    let [_, _, s, dh] = x.dims();
+    let half = dh / 2;
+    let (mut cos, mut sin) = (Vec::with_capacity(s * dh), Vec::with_capacity(s * dh));
+    for &p in positions {
+        for j in 0..dh {
+            let i = j % half;
+            // in f64, rounded once, as the reference computes its angles in f32 from
+            // inv_freq = 1/θ^(2i/dh)
+            let inv_freq = (1.0 / theta.powf((2 * i) as f64 / dh as f64)) as f32;
+            let angle = (p as f32 * inv_freq) as f64;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    let dev = x.device();
+    let cos = Tensor::<B, 2>::from_data(TensorData::new(cos, [s, dh]), &dev).unsqueeze::<4>();
+    let sin = Tensor::<B, 2>::from_data(TensorData::new(sin, [s, dh]), &dev).unsqueeze::<4>();
+    let first = x.clone().narrow(3, 0, half);
+    let second = x.clone().narrow(3, half, half);
+    let rotated = Tensor::cat(vec![second.neg(), first], 3);
+    x * cos + rotated * sin
+}
+
+impl<B: Kernels> Block<B> {
+    /// The attention's context [batch, seq, heads·dh] from the fused QKV projection's output
+    /// [batch, seq, (heads + 2·kv_heads)·dh]: rotary embeddings on queries and keys, each
+    /// key/value head shared by `heads / kv_heads` query heads.
+    pub(crate) fn attend(
+        &self,
+        qkv: Tensor<B, 3>,
+        context: Option<&crate::nn::context::Context>,
+    ) -> Result<Tensor<B, 3>> {
+        let [b, s, width] = qkv.dims();
+        let (h, kv) = (self.heads.max(1), self.kv_heads.max(1));
+        let dh = width / (h + 2 * kv);
+        let part = |start: usize, heads: usize| {
+            qkv.clone().narrow(2, start * dh, heads * dh).reshape([b, s, heads, dh]).swap_dims(1, 2)
+        };
+        let (mut q, mut k, mut v) = (part(0, h), part(h, kv), part(h + kv, kv));
+        // this member's positions (all of them without context parallelism), and the keys':
+        // every member's, gathered, with context parallelism
+        let at: Vec<usize> = context.map_or_else(|| (0..s).collect(), |c| c.positions(s));
+        if self.rope != 0.0 {
+            q = rotary_at(q, self.rope, &at);
+            k = rotary_at(k, self.rope, &at);
+        }
+        if let Some(c) = context.filter(|c| c.ring) {
+            // around the ring: only this member's keys and values are kept (crate::backend::ring)
+            let ring = c.ring(s, self.causal, h / kv);
+            let out = B::ring_attention(q, k, v, &ring)
+                .map_err(|e| ExecError::Transport(crate::comm::transport::TransportError::Other(e)))?;
+            return Ok(out.swap_dims(1, 2).reshape([b, s, h * dh]));
+        }
+        let keys = match context {
+            Some(c) => {
+                k = c.gather(k)?;
+                v = c.gather(v)?;
+                c.key_positions(s)
+            }
+            None => at.clone(),
+        };
+        if kv != h {
+            k = repeat_heads(k, h / kv);
+            v = repeat_heads(v, h / kv);
+        }
+        // the causal mask at the true positions
+        let causal: Causal = self.causal.then(|| std::sync::Arc::new((at, keys)));
+        let context = if self.recompute_core {
+            B::attention_recomputed(q, k, v, dh, causal)
+        } else {
+            crate::backend::amp::matmul(attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))), v)
+        };
+        Ok(context.swap_dims(1, 2).reshape([b, s, h * dh]))
+    }
+
+    /// The MLP's activation on the up projection's output (gated: act(gate) ⊙ up).
+    pub(crate) fn activate(&self, up: Tensor<B, 3>) -> Tensor<B, 3> {
+        let gate_and_up = |up: Tensor<B, 3>| {
+            let f = up.dims()[2] / 2;
+            (up.clone().narrow(2, 0, f), up.narrow(2, f, f))
+        };
+        match self.mlp {
+            MlpKind::Gelu => activation::gelu(up),
+            MlpKind::GeluTanh => gelu_tanh(up),
+            MlpKind::Swiglu => {
+                let (gate, up) = gate_and_up(up);
+                activation::silu(gate) * up
+            }
+            MlpKind::Geglu => {
+                let (gate, up) = gate_and_up(up);
+                activation::gelu(gate) * up
+            }
+        }
+    }
+
+    pub(crate) fn forward(&self, x: Tensor<B, 3>, training: bool, side: &mut Collected<B>) -> Result<Tensor<B, 3>> {
+        if self.post_norm {
+            let ctx = self.attend(self.qkv.forward3(x.clone()), side.context.as_ref())?;
+            let h = self.norm1.forward(x + self.proj.forward3(ctx));
+            let m = self.feed_forward(h.clone(), training, side)?;
+            return Ok(self.norm2.forward(h + m));
+        }
+        let ctx = self.attend(self.qkv.forward3(self.norm1.forward(x.clone())), side.context.as_ref())?;
+        let x = x + self.proj.forward3(ctx);
+        let m = self.feed_forward(self.norm2.forward(x.clone()), training, side)?;
+        Ok(x + m)
+    }
+
+    /// One MLP on [rows, d].
+    pub(crate) fn mlp(&self, m: &Mlp<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [rows, d] = x.dims();
+        m.fc2.forward3(self.activate(m.fc1.forward3(x.reshape([1, rows, d])))).reshape([rows, d])
+    }
+
+    /// The block's MLP part on the normalised [batch, seq, d]: its one MLP, or a mixture of
+    /// experts — the router's scores (softmax or sigmoid), each token's `top_k` best-scored
+    /// experts (the lower index first on a tie), their weights (divided by their sum with
+    /// `norm_topk`), each expert on the tokens that chose it — at most its capacity, the
+    /// earlier tokens of the microbatch first — summed back weighted, and the shared
+    /// experts on every token. In training, a block with `aux_loss` > 0 adds its
+    /// load-balancing loss α · E · Σᵢ fᵢ · Pᵢ to `side.aux` (fᵢ the fraction of the tokens
+    /// that chose expert i, before any capacity drops them; Pᵢ the mean score of expert i);
+    /// every mixture of experts records the tokens each expert took.
+    pub(crate) fn feed_forward(
+        &self,
+        x: Tensor<B, 3>,
+        training: bool,
+        side: &mut Collected<B>,
+    ) -> Result<Tensor<B, 3>> {
+        let [b, s, d] = x.dims();
+        let (Some(router), Some(moe)) = (&self.router, self.moe) else {
+            let m = self.mlps.first().ok_or_else(|| ExecError::Shape("a transformer block without an MLP".into()))?;
+            return Ok(self.mlp(m, x.reshape([b * s, d])).reshape([b, s, d]));
+        };
+        let (t, experts, k) = (b * s, moe.experts, moe.top_k);
+        if self.mlps.len() != experts + moe.shared || k == 0 || k > experts {
+            return Err(ExecError::Shape(format!(
+                "a mixture of {experts} experts (top {k}) and {} shared has {} MLPs",
+                moe.shared,
+                self.mlps.len()
+            )));
+        }
+        let x = x.reshape([t, d]);
+        let dev = x.device();
+        let logits = router.forward2(x.clone());
+        let scores = match moe.router {
+            Router::Softmax => activation::softmax(logits, 1),
+            Router::Sigmoid => activation::sigmoid(logits),
+        };
+        let host = scores
+            .clone()
+            .into_data()
+            .to_vec::<f32>()
+            .map_err(|e| ExecError::Backend(format!("the router's scores: {e:?}")))?;
+        let mut chosen = vec![0usize; t * k];
+        let mut order: Vec<usize> = Vec::with_capacity(experts);
+        for (token, row) in host.chunks_exact(experts).enumerate() {
+            order.clear();
+            order.extend(0..experts);
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            chosen[token * k..(token + 1) * k].copy_from_slice(&order[..k]);
+        }
+        let ints = |v: Vec<i64>| {
+            let n = v.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &dev)
+        };
+        // per expert, the (token, choice) pairs that chose it, in token order
+        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); experts];
+        for (i, &c) in chosen.iter().enumerate() {
+            by_expert[c].push((i / k, i % k));
+        }
+        // context parallelism: the capacity and the balancing loss count the whole
+        // microbatch's tokens, every member's chunks (`Context::route_whole`), and the
+        // member's term is α · E · Σᵢ fᵢ · (its tokens' mean score of i), whose mean over the
+        // members is the whole microbatch's loss
+        let whole = match &side.context {
+            Some(c) if moe.capacity > 0.0 || (training && moe.aux_loss > 0.0) => {
+                let capacity = moe.expert_capacity(t * c.cp);
+                Some(c.route_whole(&mut by_expert, b, s, capacity)?)
+            }
+            _ => None,
+        };
+        if training && moe.aux_loss > 0.0 {
+            let chose: Vec<f32> = match &whole {
+                Some(f) => f.clone(),
+                None => by_expert.iter().map(|p| p.len() as f32 / t as f32).collect(),
+            };
+            let f = Tensor::<B, 2>::from_data(TensorData::new(chose, [1, experts]), &dev);
+            let aux = (scores.clone().mean_dim(0) * f).sum() * (moe.aux_loss * experts as f64);
+            side.aux = Some(match side.aux.take() {
+                Some(a) => a + aux,
+                None => aux,
+            });
+        }
+        let picked = ints(chosen.iter().map(|&c| c as i64).collect()).reshape([t, k]);
+        let mut weights = scores.gather(1, picked);
+        if moe.norm_topk {
+            weights = weights.clone() / weights.sum_dim(1);
+        }
+        let weights = weights.reshape([t * k]);
+        // each expert's pairs, to its capacity (with context parallelism, cut already)
+        if let (Some(c), None) = (moe.expert_capacity(t), &whole) {
+            by_expert.iter_mut().for_each(|pairs| pairs.truncate(c));
+        }
+        let took: Vec<u64> = by_expert.iter().map(|pairs| pairs.len() as u64).collect();
+        let mut out = match side.experts.clone() {
+            Some(group) => self.routed_over_group(&x, &weights, &by_expert, k, &group)?,
+            None => {
+                // every expert here, on its pairs (an expert-parallel member keeps only its
+                // own experts' weights: `crate::parallel::experts::Holding`)
+                if self.mlps[..experts].iter().any(|m| m.fc1.weight.dims().contains(&0)) {
+                    return Err(ExecError::Plan(format!(
+                        "layer {}: this device keeps only its expert group's share of the experts, and was asked to compute them all",
+                        self.index
+                    )));
+                }
+                let mut out = Tensor::<B, 2>::zeros([t, d], &dev);
+                for (m, pairs) in self.mlps.iter().zip(&by_expert).filter(|(_, pairs)| !pairs.is_empty()) {
+                    let n = pairs.len();
+                    let tokens = ints(pairs.iter().map(|&(token, _)| token as i64).collect());
+                    let slots = ints(pairs.iter().map(|&(token, j)| (token * k + j) as i64).collect());
+                    let y = self.mlp(m, x.clone().select(0, tokens.clone()));
+                    let w = weights.clone().select(0, slots).reshape([n, 1]);
+                    out = out.select_assign(0, tokens, y * w, IndexingUpdateOp::Add);
+                }
+                out
+            }
+        };
+        for m in &self.mlps[experts..] {
+            out = out + self.mlp(m, x.clone());
+        }
+        side.expert_tokens.push((self.index, took));
+        Ok(out.reshape([b, s, d]))
+    }
+
+    /// Expert parallelism: the routed experts' outputs, weighted, at their tokens — each
+    /// pair's input sent to the member of `group` computing its expert (this member's
+    /// experts computed on the rows every member sent), and the outputs sent back. The
+    /// members first tell each other how many rows of each expert they send.
+    pub(crate) fn routed_over_group(
+        &self,
+        x: &Tensor<B, 2>,
+        weights: &Tensor<B, 1>,
+        by_expert: &[Vec<(usize, usize)>],
+        k: usize,
+        group: &crate::backend::port::PeerGroup,
+    ) -> Result<Tensor<B, 2>> {
+        let [t, d] = x.dims();
+        let dev = x.device();
+        let (ep, experts) = (group.members.len(), by_expert.len());
+        let local = experts / ep.max(1);
+        if local == 0 || local * ep != experts {
+            return Err(ExecError::Plan(format!("{experts} experts do not divide over {ep} expert-parallel members")));
+        }
+        let ints = |v: Vec<usize>| {
+            let n = v.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v.into_iter().map(|i| i as i64).collect(), [n]), &dev)
+        };
+        let rows_of = |e: usize| by_expert[e].len();
+        let send: Vec<usize> = (0..ep).map(|j| (j * local..(j + 1) * local).map(rows_of).sum()).collect();
+        let counts: Vec<Vec<f32>> =
+            (0..ep).map(|j| (j * local..(j + 1) * local).map(|e| rows_of(e) as f32).collect()).collect();
+        let exchange_error = |e: String| ExecError::Transport(crate::comm::transport::TransportError::Other(e));
+        let got = group.exchanger.exchange(&group.members, counts).map_err(ExecError::Transport)?;
+        // from each member, the rows it sends each of this member's experts
+        let from: Vec<Vec<usize>> = got.iter().map(|c| c.iter().map(|&v| v as usize).collect()).collect();
+        if from.iter().any(|c| c.len() != local) {
+            return Err(exchange_error("the expert group's members disagree on the experts each holds".into()));
+        }
+        let recv: Vec<usize> = from.iter().map(|c| c.iter().sum()).collect();
+        // this member's pairs in expert order: member-major, as `send` counts them
+        let pairs: Vec<(usize, usize)> = by_expert.iter().flatten().copied().collect();
+        if pairs.is_empty() {
+            return Err(ExecError::Shape("a microbatch routed no token to any expert".into()));
+        }
+        let tokens = ints(pairs.iter().map(|&(token, _)| token).collect());
+        let layer = self.index as u32;
+        let ex = crate::backend::port::Exchange {
+            group: group.clone(),
+            send,
+            recv: recv.clone(),
+            what: Some((layer, pipec_plan::TokenExchange::Dispatch)),
+        };
+        let x = if group.tracked { x.clone() } else { x.clone().detach() };
+        let arrived = B::exchange(x.select(0, tokens.clone()), &ex).map_err(exchange_error)?;
+        // this member's experts, each on its rows from every member (member-major there)
+        let n_recv: usize = recv.iter().sum();
+        let computed = if n_recv == 0 {
+            arrived
+        } else {
+            let starts: Vec<usize> = recv.iter().scan(0, |s, &n| Some(std::mem::replace(s, *s + n))).collect();
+            let (mut outputs, mut order) = (Vec::new(), Vec::with_capacity(n_recv));
+            for l in 0..local {
+                let rows: Vec<usize> = (0..ep)
+                    .flat_map(|i| {
+                        let start = starts[i] + from[i][..l].iter().sum::<usize>();
+                        start..start + from[i][l]
+                    })
+                    .collect();
+                if rows.is_empty() {
+                    continue;
+                }
+                order.extend_from_slice(&rows);
+                let m = &self.mlps[group.position * local + l];
+                outputs.push(self.mlp(m, arrived.clone().select(0, ints(rows))));
+            }
+            // back into the order the rows arrived in
+            let mut inverse = vec![0usize; n_recv];
+            for (at, &row) in order.iter().enumerate() {
+                inverse[row] = at;
+            }
+            Tensor::cat(outputs, 0).select(0, ints(inverse))
+        };
+        let computed = if group.tracked { computed } else { computed.detach() };
+        let combine =
+            crate::backend::port::Exchange { what: Some((layer, pipec_plan::TokenExchange::Combine)), ..ex.reversed() };
+        let returned = B::exchange(computed, &combine).map_err(exchange_error)?;
+        let slots = ints(pairs.iter().map(|&(token, j)| token * k + j).collect());
+        let w = weights.clone().select(0, slots).reshape([pairs.len(), 1]);
+        Ok(Tensor::<B, 2>::zeros([t, d], &dev).select_assign(0, tokens, returned * w, IndexingUpdateOp::Add))
+    }
+
+    /// Layer `index`'s block `op` — whole, or with `tp` > 1 one rank's shard of it: each
+    /// weight is `slice(slot, the whole deterministic initial values)`, the rank's part.
+    pub(crate) fn build(
+        index: usize,
+        op: &Op,
+        seed: u64,
+        device: &B::Device,
+        slice: impl Fn(u64, Vec<f32>) -> Vec<f32>,
+        tp: usize,
+    ) -> Option<Self> {
+        let k = op.block_dims()?;
+        let tp = tp.max(1);
+        let he = 2.0;
+        let (d, f) = (k.d, k.ff);
+        let (qkv_w, up_w) = (k.qkv_width / tp, k.up_width / tp);
+        let dense = |slot: u64, fan_in: usize, fan_out: usize, shape: [usize; 2], bias: Option<usize>, gain: f64| {
+            let w = slice(slot, dense_values(index, slot, seed, fan_in, fan_out, gain));
+            Dense::from_values(index, slot, w, shape, bias.map(|n| vec![0.0; n]), device)
+        };
+        Some(Block {
+            norm1: Norm::of(k.norm, index, 0, d, k.eps, device),
+            qkv: dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0),
+            proj: dense(4, d, d, [d / tp, d], k.bias.then_some(d), 1.0),
+            norm2: Norm::of(k.norm, index, 6, d, k.eps, device),
+            mlps: match k.moe {
+                None => vec![Mlp {
+                    fc1: dense(8, d, k.up_width, [d, up_w], k.bias.then_some(up_w), he),
+                    fc2: dense(10, f, d, [f / tp, d], k.bias.then_some(d), 1.0),
+                }],
+                Some(m) => (0..m.experts + m.shared)
+                    .map(|e| Mlp {
+                        fc1: dense(expert_slot(e), d, k.up_width, [d, up_w], k.bias.then_some(up_w), he),
+                        fc2: dense(expert_slot(e) + 2, f, d, [f / tp, d], k.bias.then_some(d), 1.0),
+                    })
+                    .collect(),
+            },
+            router: k.moe.map(|m| dense(ROUTER_SLOT, d, m.experts, [d, m.experts], None, 1.0)),
+            moe: k.moe,
+            index,
+            heads: k.heads / tp,
+            kv_heads: k.kv_heads / tp,
+            causal: k.causal,
+            mlp: k.mlp,
+            rope: k.rope,
+            post_norm: k.post_norm,
+            recompute_core: false,
+        })
+    }
+}
