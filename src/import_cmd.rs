@@ -33,7 +33,12 @@ pub fn run(args: ImportArgs<'_>) -> u8 {
         None => default_name(args.config),
     };
     let spec = match pipec_grammar::import::hf::import(&text, &name, args.seq) {
-        Ok(s) => s,
+        Ok(imported) => {
+            for note in &imported.notes {
+                eprintln!("note: {}: {note}", args.config.display());
+            }
+            imported.spec
+        }
         Err(e) => {
             eprintln!("error: {}: {e}", args.config.display());
             return EXIT_USAGE;

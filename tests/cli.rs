@@ -1292,6 +1292,51 @@ fn import_writes_specs_that_check_clean_with_the_published_parameter_counts() {
         assert!(out.status.success(), "{config}: {said}");
         assert!(said.contains(&format!("ok, {parameters} parameters")), "{config}: {said}");
     }
+    // the same checkpoints' configs as transformers 5 saves them (`dtype`, `rope_parameters`,
+    // `layer_types`, and in two of them every generic field of `PretrainedConfig`): the same
+    // spec as the 4.x config, and the generic fields named in a note
+    for (config, parameters) in [
+        ("llama-2-7b", "6,738,415,616"),
+        ("mistral-7b", "7,241,732,096"),
+        ("llama-3-8b", "8,030,261,248"),
+        // Qwen2.5-7B's published count
+        ("qwen2.5-7b", "7,615,616,512"),
+    ] {
+        let spec = dir.path().join(format!("{config}-5.yaml"));
+        let out = pipec(&[
+            "import",
+            &format!("tests/import/transformers-5/{config}.json"),
+            "-o",
+            spec.to_str().expect("utf-8 path"),
+            "--name",
+            config,
+        ]);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{config}: {said}");
+        if matches!(config, "mistral-7b" | "qwen2.5-7b") {
+            assert!(said.contains("note: ") && said.contains("`return_dict`, "), "{config}: {said}");
+        }
+        let four = dir.path().join(format!("{config}.yaml"));
+        if four.exists() {
+            let same = std::fs::read_to_string(&four).expect("4.x spec");
+            assert_eq!(std::fs::read_to_string(&spec).expect("5.x spec"), same, "{config}");
+        }
+        let out = pipec(&["check", spec.to_str().expect("utf-8 path")]);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(said.contains(&format!("ok, {parameters} parameters")), "{config}: {said}");
+    }
+    // Llama 3.1's scaled rotary embeddings are refused naming the rope type, not as an
+    // unknown model
+    let scaled = dir.path().join("llama-3.1.json");
+    let text = std::fs::read_to_string("tests/import/transformers-5/llama-3-8b.json").expect("config");
+    let llama3 = r#""factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_theta": 500000.0, "rope_type": "llama3""#;
+    let text = text.replace("\"rope_theta\": 500000.0,\n    \"rope_type\": \"default\"", llama3);
+    assert!(text.contains("llama3"));
+    std::fs::write(&scaled, text).expect("write");
+    let out = pipec(&["import", scaled.to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains("`rope_parameters` with `rope_type: llama3` scales"), "{said}");
     // a field that would change the model is refused by name, and nothing is written
     let bad = dir.path().join("scaled.json");
     let text = std::fs::read_to_string("tests/import/llama-3-8b.json").expect("config");
