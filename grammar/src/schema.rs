@@ -135,7 +135,9 @@ enum LinksSpec {
 struct Links {
     /// Between devices of one node.
     intra_node: Link,
-    /// Between nodes. Required when `nodes` is more than 1.
+    /// Between nodes, per device: each device's share of the network, not the node's total
+    /// (a DGX H100's is `400Gbps`, one ConnectX-7 per GPU). Past 800 Gb/s, the fastest
+    /// adapter one device has, W0106 warns. Required when `nodes` is more than 1.
     inter_node: Option<Link>,
 }
 

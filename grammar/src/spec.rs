@@ -321,7 +321,13 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
     }
 }
 
-fn lower_link(cx: &mut Lower<'_>, node: &Node, owner: Span, level: &str) -> Option<Link> {
+fn lower_link(
+    cx: &mut Lower<'_>,
+    node: &Node,
+    owner: Span,
+    level: &str,
+    devices_per_node: Option<usize>,
+) -> Option<Link> {
     let path = ["cluster", "links", level];
     let f = cx.fields(node, &path, owner)?;
     let section = format!("cluster.links.{level}");
@@ -366,7 +372,45 @@ fn lower_link(cx: &mut Lower<'_>, node: &Node, owner: Span, level: &str) -> Opti
             }
         }),
     };
-    Some(Link { bandwidth: bw?, latency: lat?, efficiency: efficiency? })
+    let bandwidth = bw?;
+    if level == "inter_node" {
+        if let Some(n) = f.get("bandwidth") {
+            per_device_bandwidth(cx, n, bandwidth, devices_per_node);
+        }
+    }
+    Some(Link { bandwidth, latency: lat?, efficiency: efficiency? })
+}
+
+/// W0106: `inter_node.bandwidth` is each device's share of the network, and a figure past
+/// the fastest network adapter one device has ([`pipec_plan::device::FASTEST_NIC`]) is most
+/// likely a node's total (DGX H100's 8 × 400 Gb/s written as 3200Gbps gives each GPU 8× its
+/// bandwidth).
+fn per_device_bandwidth(cx: &mut Lower<'_>, n: &Node, bandwidth: f64, devices_per_node: Option<usize>) {
+    use pipec_plan::device::FASTEST_NIC;
+    if bandwidth <= FASTEST_NIC.bytes_per_s {
+        return;
+    }
+    let gbps = |b: f64| format!("{}Gbps", (b * 8.0 / 1e9 * 10.0).round() / 10.0);
+    let share = match devices_per_node.filter(|&d| d > 1) {
+        Some(d) => format!(
+            "if {} is the node's total, write each device's share, {} (÷ {d} devices per node)",
+            gbps(bandwidth),
+            gbps(bandwidth / d as f64)
+        ),
+        None => "if it is a node's total, divide it by the devices per node".to_string(),
+    };
+    cx.push(
+        Diagnostic::warning(
+            "W0106",
+            format!(
+                "`inter_node.bandwidth` is per device, and {} is more than one device's network adapter carries",
+                gbps(bandwidth)
+            ),
+            n.span,
+            format!("more than {} per device", gbps(FASTEST_NIC.bytes_per_s)),
+        )
+        .with_help(format!("{share}; the bound is {}", FASTEST_NIC.source)),
+    );
 }
 
 /// `name` is not a preset of `kind`: E0105 with the nearest name and the list.
@@ -508,7 +552,12 @@ fn read_device_file(cx: &mut Lower<'_>, f: &Node) -> Option<pipec_plan::device::
 }
 
 /// `cluster.links`: an interconnect preset's name, or the links per level.
-fn lower_links(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(Link, Option<Link>, bool, Span)> {
+fn lower_links(
+    cx: &mut Lower<'_>,
+    n: &Node,
+    owner: Span,
+    devices_per_node: Option<usize>,
+) -> Option<(Link, Option<Link>, bool, Span)> {
     if let Some(name) = n.as_str() {
         let names: Vec<&str> = pipec_plan::device::LINK_PRESETS.iter().map(|p| p.name).collect();
         return match pipec_plan::device::link_preset(name) {
@@ -526,9 +575,10 @@ fn lower_links(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(Link, Optio
     let lf = cx.fields(n, &["cluster", "links"], owner)?;
     let intra = cx
         .required(&lf, "intra_node", "cluster.links")
-        .and_then(|l| lower_link(cx, l, lf.key_span("intra_node").unwrap_or(owner), "intra_node"));
+        .and_then(|l| lower_link(cx, l, lf.key_span("intra_node").unwrap_or(owner), "intra_node", devices_per_node));
     let inter_node = lf.get("inter_node");
-    let inter = inter_node.and_then(|l| lower_link(cx, l, lf.key_span("inter_node").unwrap_or(owner), "inter_node"));
+    let inter = inter_node
+        .and_then(|l| lower_link(cx, l, lf.key_span("inter_node").unwrap_or(owner), "inter_node", devices_per_node));
     Some((intra?, inter, inter_node.is_some(), owner))
 }
 
@@ -539,8 +589,9 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
     let dpn = dpn_node.and_then(|n| cx.uint(n, 1));
     let device =
         cx.required(&f, "device", "cluster").and_then(|n| lower_device(cx, n, f.key_span("device").unwrap_or(owner)));
-    let links =
-        cx.required(&f, "links", "cluster").and_then(|n| lower_links(cx, n, f.key_span("links").unwrap_or(n.span)));
+    let links = cx
+        .required(&f, "links", "cluster")
+        .and_then(|n| lower_links(cx, n, f.key_span("links").unwrap_or(n.span), dpn));
     let (nodes, dpn, (device, memory_span, overhead), (intra, inter, inter_given, links_key)) =
         (nodes?, dpn?, device?, links?);
     if nodes.checked_mul(dpn).is_none_or(|n| n > MAX_DEVICES) {
