@@ -146,11 +146,13 @@ pub fn run(
         Some(Emit::TorchCsv) => print!("{}", torch_csv(plan)),
         None => {}
     }
+    // the report on standard output, unless `--emit` put the emitted form there
+    let report = |text: &str| if emit.is_some() { eprint!("{text}") } else { print!("{text}") };
     if format == Format::Human {
-        eprint!("{}", summary(plan, &dir));
+        report(&summary(plan, &dir));
     }
     if let Some(text) = moves {
-        eprint!("{text}");
+        report(&text);
     }
     EXIT_OK
 }
@@ -225,8 +227,14 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         plan.training.microbatches / cp,
         plan.training.microbatch_size
     ));
+    // the tie is mentioned only for a model that has one
+    let tied = if plan.layers.iter().any(|l| l.tied.is_some()) {
+        " (a weight tied to an embedding counted once; a stage's figure counts the copy it holds)"
+    } else {
+        ""
+    };
     s.push_str(&format!(
-        "  model: {} (a weight tied to an embedding counted once; a stage's figure counts the copy it holds)\n",
+        "  model: {}{tied}\n",
         pipec_plan::model::parameters_text(plan.layers.iter().map(|l| (&l.op, l.tied)))
     ));
     let cp = plan.training.context_parallel;
@@ -286,7 +294,7 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
             st.id,
             st.layers[0],
             st.layers[1],
-            st.replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+            pipec_plan::instr::devices_text(&st.replicas),
             st.parameters,
             human_time(st.forward_s),
             human_time(st.backward_s),
@@ -317,9 +325,9 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         None => format!("predicted step {}", human_time(sim.step_time_s)),
     };
     s.push_str(&format!(
-        "{kind}, bubble {:.1}%, {:.1} samples/s; tightest memory headroom {:.1}%\n",
+        "{kind}, bubble {:.1}%, {}; tightest memory headroom {:.1}%\n",
         sim.bubble_fraction * 100.0,
-        sim.throughput_samples_per_s,
+        plan.throughput_text(sim.throughput_samples_per_s),
         headroom * 100.0
     ));
     // the device whose all-reduces are exposed the longest, if any device all-reduces

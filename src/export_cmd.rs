@@ -12,7 +12,7 @@ use crate::{EXIT_OK, EXIT_USAGE};
 pub fn run(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> u8 {
     match export(checkpoint, out, plan) {
         Ok(n) => {
-            eprintln!("wrote {} ({n})", out.display());
+            println!("wrote {} ({n})", out.display());
             EXIT_OK
         }
         Err(e) => {

@@ -688,6 +688,25 @@ impl Plan {
         out
     }
 
+    /// A language model's tokens per sample (its sequence length: the model maps a sequence
+    /// of token ids to next-token scores under cross-entropy), the factor from samples/s to
+    /// tokens/s; None for any other model.
+    pub fn tokens_per_sample(&self) -> Option<usize> {
+        let out = self.layers.last().map(|l| l.output_shape.as_slice()).unwrap_or_default();
+        if self.model.loss != crate::Loss::CrossEntropy {
+            return None;
+        }
+        crate::model::language_model_positions(&self.model.input, out, self.model.token_vocab)
+    }
+
+    /// Throughput as a report writes it: samples/s, and for a language model tokens/s too.
+    pub fn throughput_text(&self, samples_per_s: f64) -> String {
+        match self.tokens_per_sample() {
+            Some(seq) => format!("{:.1} samples/s ({:.0} tokens/s)", samples_per_s, samples_per_s * seq as f64),
+            None => format!("{samples_per_s:.1} samples/s"),
+        }
+    }
+
     /// The tightest memory headroom over the devices with a capacity: 1 − used/capacity
     /// (infinite when no device states one).
     pub fn memory_headroom(&self) -> f64 {
