@@ -1683,6 +1683,45 @@ fn the_tiny_llama_trains_through_its_bpe_tokenizer_on_a_pipeline() {
 }
 
 #[test]
+fn text_trains_from_a_folder_or_a_pattern_of_files_through_a_model_folders_tokenizer() {
+    // specs/llama-tiny.yaml with its text split over two files in a folder and its
+    // tokenizer.json in a model folder (the one `--init` takes)
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("specs/data/architecture.txt")).expect("text");
+    let (first, second) = text.split_at(text.len() / 2);
+    let corpus = dir.path().join("corpus");
+    std::fs::create_dir_all(&corpus).expect("folder");
+    std::fs::write(corpus.join("part-1.txt"), first).expect("write");
+    std::fs::write(corpus.join("part-2.txt"), second).expect("write");
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).expect("folder");
+    std::fs::copy(root.join("specs/data/bpe-512.json"), model.join("tokenizer.json")).expect("copy");
+    let spec = std::fs::read_to_string(root.join("specs/llama-tiny.yaml")).expect("spec");
+    for path in ["corpus", "corpus/part-*.txt"] {
+        let written = dir.path().join("spec.yaml");
+        std::fs::write(
+            &written,
+            spec.replace(
+                "path: data/architecture.txt, tokenizer: data/bpe-512.json",
+                &format!("path: {path}, tokenizer: model"),
+            ),
+        )
+        .expect("spec");
+        let checked = pipec(&["check", written.to_str().expect("utf-8")]);
+        assert!(checked.status.success(), "{path}: {}", both_streams(&checked));
+        let out = dir.path().join("run");
+        let run = pipec(&["run", written.to_str().expect("utf-8"), "--steps", "2", "-o", out.to_str().expect("utf-8")]);
+        assert!(run.status.success(), "{path}: {}", both_streams(&run));
+        assert_eq!(run_losses(&out).len(), 2);
+    }
+    // a model folder without a tokenizer.json is named
+    std::fs::remove_file(model.join("tokenizer.json")).expect("remove");
+    let checked = pipec(&["check", dir.path().join("spec.yaml").to_str().expect("utf-8")]);
+    assert!(String::from_utf8_lossy(&checked.stderr).contains("the model folder `model` has no tokenizer.json"));
+}
+
+#[test]
 fn a_residual_network_trains_from_an_image_folder() {
     // specs/resnet-images.yaml: specs/data/shapes (256 PNGs in 4 classes), resized,
     // centre-cropped and normalised, on a 2-stage 1F1B pipeline with batch normalisation

@@ -147,6 +147,29 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
         Data::Tokens { path, dtype: None, span } => Some((path, pipec_plan::datafile::TokenFile::Npy, *span)),
         _ => None,
     };
+    // a file of another kind than the spec says: named, with the kind to write instead
+    use pipec_plan::datafile::Reading;
+    let reading = match &training.data {
+        Data::Text { path, span, .. } => Some((path, Reading::Text, span)),
+        Data::Tokens { path, dtype: Some(_), span } => Some((path, Reading::RawTokens, span)),
+        Data::Tokens { path, dtype: None, span } | Data::Npy { path, span, .. } => Some((path, Reading::Npy, span)),
+        Data::Csv { path, span } => Some((path, Reading::Csv, span)),
+        Data::Synthetic { .. } | Data::Images { .. } => None,
+    };
+    if let Some((path, reading, &span)) = reading {
+        if let Some(kind) = pipec_plan::datafile::file_kind_mismatch(&base.join(path), reading) {
+            cx.push(
+                Diagnostic::error(
+                    "E0502",
+                    format!("`{path}` is {}, not {}", kind.name(), reading.name()),
+                    span,
+                    kind.name(),
+                )
+                .with_help(kind.advice()),
+            );
+            return;
+        }
+    }
     let (result, span) = if let Some((path, kind, span)) = token_file {
         let (Some(seq), Some(vocab)) = (lm, model.token_vocab()) else {
             cx.push(
@@ -859,6 +882,42 @@ const DATA_KEYS: &[(&str, &[&str], &str)] = &[
     ("std", &["images"], "transforms an image folder's images"),
 ];
 
+/// E0502 when a data kind's file (`what`: data, labels, tokenizer) is not there: a folder
+/// where a file belongs is said to be one (text data may be a folder of `.txt` files or a
+/// pattern of file names, and a tokenizer a model folder holding `tokenizer.json`).
+fn missing_file(kind: &str, what: &str, rel: &str, full: &std::path::Path, span: Span) -> Option<Diagnostic> {
+    let error = |message: String, label: &str, help: &str| {
+        Some(Diagnostic::error("E0502", message, span, label.to_string()).with_help(help.to_string()))
+    };
+    match (kind, what) {
+        ("text", "data") => match pipec_plan::datafile::text_files(full) {
+            Ok(Some(_)) => None,
+            Ok(None) if full.is_file() => None,
+            Ok(None) => error(
+                format!("the data file `{rel}` does not exist"),
+                "no such file",
+                "text data is a file, a folder of `.txt` files, or a pattern such as `corpus/*.txt`, relative to the spec file's directory",
+            ),
+            Err(e) => error(e, "no text file here", "a folder's `.txt` files are read, or the files a pattern names"),
+        },
+        ("text", "tokenizer") if full.is_dir() => (!full.join("tokenizer.json").is_file()).then(|| {
+            Diagnostic::error("E0502", format!("the model folder `{rel}` has no tokenizer.json"), span, "no tokenizer.json")
+                .with_help("a tokenizer is a `tokenizer.json` file or a model folder holding one (save it with `tokenizer.save_pretrained`)")
+        }),
+        _ if full.is_dir() => error(
+            format!("the {what} file `{rel}` is a folder, not a file"),
+            "a folder",
+            "name the file itself (paths are relative to the spec file's directory)",
+        ),
+        _ if !full.is_file() => error(
+            format!("the {what} file `{rel}` does not exist"),
+            "no such file",
+            "paths are relative to the spec file's directory",
+        ),
+        _ => None,
+    }
+}
+
 fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
     if let Value::Str(_) = node.value {
         cx.choice(node, &["training", "data"])?;
@@ -926,16 +985,8 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                             );
                             return None;
                         }
-                    } else if !full.is_file() {
-                        cx.push(
-                            Diagnostic::error(
-                                "E0502",
-                                format!("the {what} file `{rel}` does not exist"),
-                                node.span,
-                                "no such file",
-                            )
-                            .with_help("paths are relative to the spec file's directory"),
-                        );
+                    } else if let Some(d) = missing_file(file_kind, what, rel, &full, node.span) {
+                        cx.push(d);
                         return None;
                     }
                 }
@@ -943,8 +994,13 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
             if file_kind == "csv" {
                 Some(Data::Csv { path, span: p.span })
             } else if file_kind == "text" {
+                // a model folder (the one `--init` takes) stands for its tokenizer.json
                 let tokenizer = match f.get("tokenizer") {
-                    Some(t) => Some(cx.string(t)?.to_string()),
+                    Some(t) => {
+                        let t = cx.string(t)?;
+                        let folder = cx.base_dir.is_some_and(|b| b.join(t).is_dir());
+                        Some(if folder { format!("{}/tokenizer.json", t.trim_end_matches('/')) } else { t.to_string() })
+                    }
                     None => None,
                 };
                 Some(Data::Text { path, tokenizer, span: p.span })

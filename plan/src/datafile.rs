@@ -61,12 +61,150 @@ pub enum Extent {
     Prefix(u64),
 }
 
+/// What a data file is, by its first bytes (its magic number): a file of one kind is never
+/// read as another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sniffed {
+    /// `PAR1` (Apache Parquet).
+    Parquet,
+    /// `ARROW1` (an Arrow IPC file, Feather v2).
+    ArrowFile,
+    /// An Arrow IPC stream (`datasets`' `save_to_disk` `.arrow` files): a 0xFFFFFFFF
+    /// continuation marker, then a message's length.
+    ArrowStream,
+    /// `\x93NUMPY`.
+    Npy,
+    /// JSON Lines: the first line is a JSON object.
+    JsonLines,
+    /// A gzip stream (`\x1f\x8b`).
+    Gzip,
+    /// A zip archive (`PK\x03\x04`: `.npz`, `.zip`).
+    Zip,
+}
+
+impl Sniffed {
+    /// The file's kind as a sentence names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sniffed::Parquet => "a Parquet file",
+            Sniffed::ArrowFile => "an Arrow (Feather) file",
+            Sniffed::ArrowStream => "an Arrow stream file (as `datasets` saves them)",
+            Sniffed::Npy => "an NPY file",
+            Sniffed::JsonLines => "a JSON Lines file",
+            Sniffed::Gzip => "a gzip-compressed file",
+            Sniffed::Zip => "a zip archive",
+        }
+    }
+
+    /// What to write in the spec instead.
+    pub fn advice(self) -> &'static str {
+        match self {
+            Sniffed::Parquet => "use `kind: parquet` with the text or token-id column's name (`column:`)",
+            Sniffed::ArrowFile | Sniffed::ArrowStream => {
+                "use `kind: arrow` with the text or token-id column's name (`column:`)"
+            }
+            Sniffed::Npy => "use `kind: tokens` (token ids) or `kind: npy` (features)",
+            Sniffed::JsonLines => "use `kind: jsonl` with the text field's name (`field:`)",
+            Sniffed::Gzip => "decompress it first (`gunzip`)",
+            Sniffed::Zip => "unpack it first (an `.npz` holds `.npy` files)",
+        }
+    }
+}
+
+/// The kind a file's first bytes show, if they show one.
+pub fn sniff(bytes: &[u8]) -> Option<Sniffed> {
+    if bytes.starts_with(b"PAR1") {
+        return Some(Sniffed::Parquet);
+    }
+    if bytes.starts_with(b"ARROW1") {
+        return Some(Sniffed::ArrowFile);
+    }
+    if bytes.starts_with(&[0xff, 0xff, 0xff, 0xff]) && bytes.len() >= 8 {
+        return Some(Sniffed::ArrowStream);
+    }
+    if bytes.starts_with(b"\x93NUMPY") {
+        return Some(Sniffed::Npy);
+    }
+    if bytes.starts_with(&[0x1f, 0x8b]) {
+        return Some(Sniffed::Gzip);
+    }
+    if bytes.starts_with(b"PK\x03\x04") {
+        return Some(Sniffed::Zip);
+    }
+    // JSON Lines: the first non-blank line is a whole JSON object
+    let text = bytes.strip_prefix(b"\xef\xbb\xbf").unwrap_or(bytes);
+    let start = text.iter().position(|b| !b.is_ascii_whitespace())?;
+    if text[start] == b'{' {
+        let line = text[start..].split(|&b| b == b'\n').next().unwrap_or_default();
+        if matches!(serde_json::from_slice::<serde_json::Value>(line), Ok(serde_json::Value::Object(_))) {
+            return Some(Sniffed::JsonLines);
+        }
+    }
+    None
+}
+
+/// What a reader takes a file for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reading {
+    Text,
+    RawTokens,
+    Npy,
+    Csv,
+}
+
+impl Reading {
+    /// The reader of a kind of token file.
+    pub fn of(kind: &TokenFile) -> Reading {
+        match kind {
+            TokenFile::Text | TokenFile::Tokenized(_) => Reading::Text,
+            TokenFile::Raw(_) => Reading::RawTokens,
+            TokenFile::Npy => Reading::Npy,
+        }
+    }
+
+    /// What the reader expects, as a sentence names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reading::Text => "a text file",
+            Reading::RawTokens => "a raw token file",
+            Reading::Npy => "an NPY file",
+            Reading::Csv => "a CSV file",
+        }
+    }
+
+    /// The kind a file's first bytes show when it is not one this reader takes.
+    pub fn mismatch(self, bytes: &[u8]) -> Option<Sniffed> {
+        sniff(bytes).filter(|k| !(self == Reading::Npy && *k == Sniffed::Npy))
+    }
+}
+
+/// Refuses a file whose first bytes show another kind than `reading` takes, naming what it
+/// is and what to write instead.
+fn refuse_other_kind(bytes: &[u8], shown: &str, reading: Reading) -> Result<(), String> {
+    match reading.mismatch(bytes) {
+        Some(kind) => Err(format!("`{shown}` is {}, not {}: {}", kind.name(), reading.name(), kind.advice())),
+        None => Ok(()),
+    }
+}
+
+/// The kind a data file's first bytes show when `reading` does not take it (None for a
+/// folder, a missing file or one that reads).
+pub fn file_kind_mismatch(path: &Path, reading: Reading) -> Option<Sniffed> {
+    let (bytes, _) = read_bytes(path, Extent::Prefix(4096)).ok()?;
+    reading.mismatch(&bytes)
+}
+
+/// A folder where a file is expected, said as such.
+pub fn folder_not_file(path: &Path, what: &str) -> String {
+    format!("`{}` is a folder, not {what}", path.display())
+}
+
 fn read_bytes(path: &Path, extent: Extent) -> Result<(Vec<u8>, bool), String> {
     let shown = path.display();
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read the data file `{shown}`: {e}"))?;
-    if file.metadata().is_ok_and(|m| m.is_dir()) {
-        return Err(format!("the data file `{shown}` is a directory"));
+    if path.is_dir() {
+        return Err(folder_not_file(path, "a data file"));
     }
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read the data file `{shown}`: {e}"))?;
     let mut bytes = Vec::new();
     let complete = match extent {
         Extent::All => {
@@ -167,6 +305,7 @@ pub fn load_csv(path: &Path, expect: &Expect, extent: Extent) -> Result<Samples,
 
 /// [`load_csv`] on a file's bytes (`complete` false: a prefix, whose cut last row is dropped).
 pub fn parse_csv(bytes: &[u8], complete: bool, shown: &str, expect: &Expect) -> Result<Samples, String> {
+    refuse_other_kind(bytes, shown, Reading::Csv)?;
     let text = match std::str::from_utf8(bytes) {
         Ok(t) => t,
         // a prefix may end inside a character
@@ -243,6 +382,7 @@ pub struct NpyArray {
 /// Parses an NPY file's bytes (format 1.0–3.0, little-endian or single-byte integers and
 /// floats, C order); with `complete` false the data may stop early.
 pub fn parse_npy(bytes: &[u8], complete: bool, shown: &str) -> Result<NpyArray, String> {
+    refuse_other_kind(bytes, shown, Reading::Npy)?;
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
         return Err(format!("`{shown}` is not an NPY file (no \\x93NUMPY magic)"));
     }
@@ -374,9 +514,89 @@ pub enum TokenFile {
 /// The token ids of a file, each checked to be in `0..vocab`. Text files number their
 /// distinct characters in code-point order; more distinct characters than `vocab` is an
 /// error that says how large the vocabulary must be.
+///
+/// Text (`TokenFile::Text` or `Tokenized`) may also be a folder, whose `.txt` files are
+/// read, or a pattern of file names (`corpus/*.txt`, `?` and `*` in the last part), each
+/// in name order and joined with a newline between files.
 pub fn load_tokens(path: &Path, kind: TokenFile, vocab: usize, extent: Extent) -> Result<Vec<u32>, String> {
-    let (bytes, complete) = read_bytes(path, extent)?;
+    let text = matches!(kind, TokenFile::Text | TokenFile::Tokenized(_));
+    let (bytes, complete) = match text_files(path)? {
+        Some(files) if text => read_text_files(&files, extent)?,
+        _ => read_bytes(path, extent)?,
+    };
     parse_tokens(&bytes, complete, kind, vocab, &path.display().to_string())
+}
+
+/// Whether a text path names several files: a folder (its `.txt` files) or a pattern of
+/// file names; None for a plain path. A folder or pattern with no file is an error.
+pub fn text_files(path: &Path) -> Result<Option<Vec<std::path::PathBuf>>, String> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let (folder, pattern) = if path.is_dir() {
+        (path.to_path_buf(), "*.txt".to_string())
+    } else if name.contains(['*', '?']) {
+        (path.parent().map_or_else(|| std::path::PathBuf::from("."), Path::to_path_buf), name.to_string())
+    } else {
+        return Ok(None);
+    };
+    let shown = path.display();
+    let entries = std::fs::read_dir(&folder).map_err(|e| format!("cannot list `{}`: {e}", folder.display()))?;
+    let mut files: Vec<std::path::PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| wildcard(&pattern, n)))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(format!("`{shown}` names no text file (a folder's `*.txt`, or a pattern such as `corpus/*.txt`)"));
+    }
+    Ok(Some(files))
+}
+
+/// Whether `name` matches `pattern`, where `*` stands for any run of characters and `?`
+/// for one.
+fn wildcard(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // the classic two-pointer match with backtracking to the last star
+    let (mut i, mut j, mut star, mut mark) = (0, 0, None, 0);
+    while j < n.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some(i);
+            mark = j;
+            i += 1;
+        } else if let Some(s) = star {
+            i = s + 1;
+            mark += 1;
+            j = mark;
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
+}
+
+/// Several text files' bytes, a newline between files, each checked to be text; with a
+/// prefix, as many files as its bytes reach.
+fn read_text_files(files: &[std::path::PathBuf], extent: Extent) -> Result<(Vec<u8>, bool), String> {
+    let mut out = Vec::new();
+    for (i, file) in files.iter().enumerate() {
+        let left = match extent {
+            Extent::All => Extent::All,
+            Extent::Prefix(n) if (out.len() as u64) < n => Extent::Prefix(n - out.len() as u64),
+            Extent::Prefix(_) => return Ok((out, false)),
+        };
+        let (bytes, complete) = read_bytes(file, left)?;
+        refuse_other_kind(&bytes, &file.display().to_string(), Reading::Text)?;
+        if i > 0 {
+            out.push(b'\n');
+        }
+        out.extend_from_slice(&bytes);
+        if !complete {
+            return Ok((out, false));
+        }
+    }
+    Ok((out, true))
 }
 
 /// The largest `tokenizer.json` read (the largest published ones are tens of MiB).
@@ -415,6 +635,7 @@ pub fn parse_tokens(
         }
         Err(e) => Err(format!("`{shown}` is not UTF-8 text (byte {} is not valid UTF-8)", e.valid_up_to())),
     };
+    refuse_other_kind(bytes, shown, Reading::of(&kind))?;
     let ids: Vec<u64> = match kind {
         TokenFile::Tokenized(tokenizer) => {
             let text = utf8()?;
@@ -514,6 +735,51 @@ pub fn token_windows(tokens: &[u32], seq: usize, shown: &str) -> Result<Samples,
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_file_of_one_kind_is_never_read_as_another() {
+        let lm = TokenFile::Raw(crate::vocab::TokenDtype::Uint16);
+        let parquet = b"PAR1\x15\x04\x15\x80\x01rest of a parquet file";
+        let e = parse_tokens(parquet, true, lm.clone(), 128_256, "train.parquet").expect_err("parquet as tokens");
+        assert_eq!(
+            e,
+            "`train.parquet` is a Parquet file, not a raw token file: use `kind: parquet` with the text or token-id column's name (`column:`)"
+        );
+        let jsonl = b"{\"text\": \"hello\"}\n{\"text\": \"world\"}\n";
+        let e = parse_tokens(jsonl, true, TokenFile::Text, 256, "train.jsonl").expect_err("jsonl as text");
+        assert!(e.contains("is a JSON Lines file, not a text file: use `kind: jsonl`"), "{e}");
+        let arrow = b"\xff\xff\xff\xff\x78\x00\x00\x00\x10\x00";
+        let e = parse_tokens(arrow, false, TokenFile::Text, 256, "data-00000-of-00001.arrow").expect_err("arrow");
+        assert!(e.contains("an Arrow stream file"), "{e}");
+        let e =
+            parse_csv(b"ARROW1\x00\x00", true, "x.feather", &Expect::of(&[2], &[2], crate::Loss::CrossEntropy, None))
+                .expect_err("feather as csv");
+        assert!(e.contains("is an Arrow (Feather) file, not a CSV file"), "{e}");
+        // text that only starts with a brace is text
+        assert_eq!(sniff(b"{ not json"), None);
+        assert_eq!(sniff(b"hello"), None);
+    }
+
+    #[test]
+    fn text_may_be_a_folder_or_a_pattern_of_files_and_a_folder_is_named_as_one() {
+        let dir = tempfile::tempdir().expect("tmp");
+        std::fs::write(dir.path().join("b.txt"), "cd").expect("write");
+        std::fs::write(dir.path().join("a.txt"), "ab").expect("write");
+        std::fs::write(dir.path().join("notes.md"), "zz").expect("write");
+        // a folder: its .txt files in name order, a newline between
+        let ids = load_tokens(dir.path(), TokenFile::Text, 16, Extent::All).expect("folder");
+        // distinct characters in code-point order: '\n' a b c d
+        assert_eq!(ids, vec![1, 2, 0, 3, 4]);
+        let pattern = dir.path().join("?.txt");
+        assert_eq!(load_tokens(&pattern, TokenFile::Text, 16, Extent::All).expect("pattern"), ids);
+        let e = load_tokens(&dir.path().join("*.csv"), TokenFile::Text, 16, Extent::All).expect_err("none");
+        assert!(e.contains("names no text file"), "{e}");
+        // a folder where a file is expected is said to be one
+        let e = load_tokens(dir.path(), TokenFile::Raw(crate::vocab::TokenDtype::Uint16), 16, Extent::All)
+            .expect_err("folder");
+        assert!(e.ends_with("is a folder, not a data file"), "{e}");
+        assert!(wildcard("data-*.arrow", "data-00000-of-00002.arrow") && !wildcard("*.txt", "a.txt.bak"));
+    }
     use super::*;
 
     const CLS: Expect = Expect { numel: 2, classes: Some(3), outputs: 3, vocab: None, positions: 1 };
