@@ -1042,6 +1042,23 @@ fn a_search_that_chooses_nothing_names_the_real_reason() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("E0607") && stderr.contains("does not divide"), "{stderr}");
     assert!(!stderr.contains("fits in device memory"), "{stderr}");
+    // Mixtral 8x7B on one node of 8 H100s: how much its state takes and how many nodes would
+    // hold it
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/specs/mixtral-8x7b.yaml"))
+        .expect("mixtral");
+    let (head, rest) = text.split_once("strategy:").expect("strategy");
+    let (_, training) = rest.split_once("training:").expect("training");
+    let one_node = dir.path().join("mixtral-1.yaml");
+    std::fs::write(&one_node, format!("{}strategy: auto\ntraining:{training}", head.replace("nodes: 8", "nodes: 1")))
+        .expect("write");
+    let out = pipec(&["search", one_node.to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("no strategy fits in device memory on this cluster: the model's weights, gradients and optimizer state take 782.92 GiB (46,702,792,704 parameters × 18 B); the 8 devices hold ")
+            && said.contains("at least 2 nodes of 8 devices hold it sharded over every device (ZeRO-3), before activations"),
+        "{said}"
+    );
 }
 
 /// `specs/mlp-1f1b.yaml` with `steps` steps and a checkpoint every 2 steps into `ckpts/`.
