@@ -89,7 +89,7 @@ pub fn run(args: RunArgs) -> u8 {
         eprintln!("error: `--steps 0` trains nothing: give at least 1");
         return EXIT_USAGE;
     }
-    let plan = match load_plan_checked(&args.file, args.color, args.verify) {
+    let mut plan = match load_plan_checked(&args.file, args.color, args.verify) {
         Ok(p) => p,
         Err(code) => return code,
     };
@@ -128,6 +128,12 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_USAGE;
         }
     };
+    // the run's plan.json remembers the --init folder, for `pipec export` to carry its
+    // tokenizer and config fields over
+    if let Some(init) = &args.init {
+        plan.training.init_from =
+            Some(std::path::absolute(init).unwrap_or_else(|_| init.clone()).display().to_string());
+    }
     // the output folder is made when the first step is done: refuse now one that cannot be
     // (it, or the nearest part of its path that exists, is a file)
     if let Some(blocking) = dir.ancestors().find(|a| a.exists()).filter(|a| !a.is_dir()) {

@@ -1574,6 +1574,12 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
         exported.to_str().expect("utf-8"),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // the --init folder's config fields come along: its token ids and its context of 32
+    // positions, not the training window
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exported.join("config.json")).expect("config")).expect("json");
+    assert_eq!((config["bos_token_id"].as_u64(), config["eos_token_id"].as_u64()), (Some(1), Some(2)), "{config}");
+    assert_eq!(config["max_position_embeddings"].as_u64(), Some(32), "{config}");
     // its config imports back into the same model
     let out = pipec(&["import", exported.join("config.json").to_str().expect("utf-8"), "--seq", "12"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -1597,6 +1603,27 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
         exported.to_str().expect("utf-8"),
     ]);
     assert_eq!(out.status.code(), Some(2));
+    // an --init folder's tokenizer files are carried into the export
+    let init = dir.path().join("with-tokenizer");
+    std::fs::create_dir_all(&init).expect("folder");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), init.join(f)).expect("copy");
+    }
+    let tokenizer = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data/bpe-512.json")).expect("bpe");
+    std::fs::write(init.join("tokenizer.json"), &tokenizer).expect("write");
+    std::fs::write(init.join("tokenizer_config.json"), "{\"bos_token\": \"<s>\"}\n").expect("write");
+    let tokenized = dir.path().join("tokenized");
+    run_from_hugging_face(&dir.path().join("train.yaml"), &init, &tokenized, &["--steps", "2"]);
+    let exported = dir.path().join("exported-with-tokenizer");
+    let out = pipec(&[
+        "export",
+        tokenized.join("checkpoints").to_str().expect("utf-8"),
+        "-o",
+        exported.to_str().expect("utf-8"),
+    ]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && said.contains("tokenizer.json, tokenizer_config.json from "), "{said}");
+    assert_eq!(std::fs::read(exported.join("tokenizer.json")).expect("tokenizer"), tokenizer);
     // a checkpoint whose shapes are not the model's is refused, naming the tensor
     let spec = std::fs::read_to_string(dir.path().join("init-1.yaml")).expect("spec").replace("ff=24", "ff=32");
     std::fs::write(dir.path().join("wrong.yaml"), spec).expect("spec");
@@ -1683,6 +1710,7 @@ fn the_tiny_llama_trains_through_its_bpe_tokenizer_on_a_pipeline() {
     assert_eq!(losses.len(), 15);
     // ln 512 ≈ 6.24 is a uniform guess over the tokenizer's vocabulary; it learns well below
     assert!(losses[14] < 0.85 * losses[0], "{losses:?}");
+
     // a language model's speed in tokens too (64-token windows), in metrics.jsonl and the log;
     // the log numbers steps from 0, as metrics.jsonl does
     let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).expect("metrics");
@@ -1697,6 +1725,32 @@ fn the_tiny_llama_trains_through_its_bpe_tokenizer_on_a_pipeline() {
     let first = log.lines().find(|l| l.starts_with("step ")).expect("a step line");
     assert!(first.starts_with("step     0 ") && first.contains(" tokens/s"), "{log}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("loss "), "the report is on standard output");
+    // its export loads as a model and a tokenizer: the data's tokenizer.json comes along with
+    // a tokenizer_config.json naming the generic fast tokenizer
+    let spec = std::fs::read_to_string("specs/llama-tiny.yaml").expect("spec");
+    let saving = dir.path().join("saving.yaml");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data");
+    std::fs::write(
+        &saving,
+        spec.replace(": data/", &format!(": {}/", data.display()))
+            .replace("  steps: ", "  checkpoint: { every: 1, dir: checkpoints }\n  steps: "),
+    )
+    .expect("spec");
+    let run = dir.path().join("saved");
+    let saved = pipec(&["run", saving.to_str().expect("utf-8"), "--steps", "1", "-o", run.to_str().expect("utf-8")]);
+    assert!(saved.status.success(), "{}", both_streams(&saved));
+    let exported = dir.path().join("exported");
+    let out =
+        pipec(&["export", run.join("checkpoints").to_str().expect("utf-8"), "-o", exported.to_str().expect("utf-8")]);
+    assert!(saved.status.success(), "{}", both_streams(&saved));
+    assert_eq!(
+        std::fs::read(exported.join("tokenizer.json")).expect("tokenizer"),
+        std::fs::read(data.join("bpe-512.json")).expect("bpe")
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exported.join("tokenizer_config.json")).expect("config"))
+            .expect("json");
+    assert_eq!(config["tokenizer_class"], "PreTrainedTokenizerFast");
 }
 
 #[test]

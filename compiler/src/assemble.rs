@@ -208,5 +208,7 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
         checkpoint_sync: t.checkpoint.as_ref().is_some_and(|c| !c.asynchronous),
         checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),
         recipe: t.recipe,
+        // set by `pipec run --init`, which knows the folder
+        init_from: None,
     }
 }

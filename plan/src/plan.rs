@@ -286,6 +286,11 @@ pub struct TrainingPlan {
     /// The learning-rate schedule, gradient clipping and sample order.
     #[serde(default, skip_serializing_if = "Recipe::is_default")]
     pub recipe: Recipe,
+    /// The Hugging Face folder `pipec run --init` started the weights from (an absolute
+    /// path), so `pipec export` can carry its tokenizer and its config's token ids and
+    /// context over; None for a run that started from pipec's initialisation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<String>,
 }
 
 impl TrainingPlan {
