@@ -56,6 +56,7 @@ pub fn compile_file(
         }
         return Err(EXIT_DIAGNOSTICS);
     };
+    write_token_cache(&spec, path)?;
     let profile = profile.map(read_profile).transpose()?;
     let options = CompileOptions {
         profile,
@@ -75,6 +76,26 @@ pub fn compile_file(
             Err(EXIT_DIAGNOSTICS)
         }
         Some(compiled) => Ok((compiled, source)),
+    }
+}
+
+/// JSON Lines data trains from its token cache (`pipec_plan::datafile::token_cache`): read
+/// whole and written before the plan that names it, unless it is there already.
+fn write_token_cache(spec: &pipec_grammar::spec::Spec, path: &Path) -> Result<(), u8> {
+    let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let (Some(records), Some(vocab)) = (spec.training.data.records(base), spec.model.token_vocab()) else {
+        return Ok(());
+    };
+    match pipec_plan::datafile::write_token_cache(&records, vocab) {
+        Ok((cache, Some(tokens))) => {
+            eprintln!("note: tokenized `{}` into {} ({tokens} tokens)", records.path.display(), cache.display());
+            Ok(())
+        }
+        Ok((_, None)) => Ok(()),
+        Err(e) => {
+            eprintln!("error: {e}");
+            Err(EXIT_USAGE)
+        }
     }
 }
 

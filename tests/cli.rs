@@ -1793,6 +1793,42 @@ fn text_trains_from_a_folder_or_a_pattern_of_files_through_a_model_folders_token
 }
 
 #[test]
+fn a_json_lines_file_trains_through_its_token_cache() {
+    // specs/llama-tiny.yaml's text as JSON Lines records (one paragraph a record, under
+    // `body`), cut by its tokenizer with `.` between records
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("specs/data/architecture.txt")).expect("text");
+    let records: String = text
+        .split("\n\n")
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| serde_json::json!({ "body": p, "source": "ARCHITECTURE.md" }).to_string() + "\n")
+        .collect();
+    std::fs::write(dir.path().join("train.jsonl"), records).expect("write");
+    std::fs::copy(root.join("specs/data/bpe-512.json"), dir.path().join("tokenizer.json")).expect("copy");
+    let spec = std::fs::read_to_string(root.join("specs/llama-tiny.yaml")).expect("spec").replace(
+        "{ kind: text, path: data/architecture.txt, tokenizer: data/bpe-512.json }",
+        "{ kind: jsonl, path: train.jsonl, field: body, tokenizer: tokenizer.json, eot: \".\" }",
+    );
+    let written = dir.path().join("spec.yaml");
+    std::fs::write(&written, &spec).expect("spec");
+    let checked = pipec(&["check", written.to_str().expect("utf-8")]);
+    assert!(checked.status.success(), "{}", both_streams(&checked));
+    let out = dir.path().join("run");
+    let run = pipec(&["run", written.to_str().expect("utf-8"), "--steps", "3", "-o", out.to_str().expect("utf-8")]);
+    let said = both_streams(&run);
+    assert!(run.status.success(), "{said}");
+    assert!(said.contains("note: tokenized `") && said.contains(".pipec-tokens/train-"), "{said}");
+    assert_eq!(run_losses(&out).len(), 3);
+    let plan = std::fs::read_to_string(out.join("plan.json")).expect("plan");
+    assert!(plan.contains(".pipec-tokens/train-") && plan.contains("\"dtype\": \"uint32\""), "{plan}");
+    // without an end-of-text token the tokenizer has, the records' separator is asked for
+    std::fs::write(&written, spec.replace(", eot: \".\"", "")).expect("spec");
+    let checked = pipec(&["check", written.to_str().expect("utf-8"), "--format", "json"]);
+    assert!(String::from_utf8_lossy(&checked.stdout).contains("name the one to put between records with `eot:`"));
+}
+
+#[test]
 fn a_residual_network_trains_from_an_image_folder() {
     // specs/resnet-images.yaml: specs/data/shapes (256 PNGs in 4 classes), resized,
     // centre-cropped and normalised, on a 2-stage 1F1B pipeline with batch normalisation

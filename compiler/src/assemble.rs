@@ -200,6 +200,17 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
                 DataPlan::Text { path: resolve(path), tokenizer: tokenizer.as_deref().map(resolve) }
             }
             Data::Tokens { path, dtype, .. } => DataPlan::Tokens { path: resolve(path), dtype: *dtype },
+            // JSON Lines records train from their token cache, written by `pipec compile`
+            // and `pipec run` before the plan runs (`pipec_plan::datafile::token_cache`)
+            Data::Jsonl { path, field, tokenizer, eot, .. } => {
+                let base = options.base_dir.clone().unwrap_or_default();
+                let records = pipec_grammar::ast::records(&base, path, field, tokenizer, eot);
+                let cache = pipec_plan::datafile::token_cache(&records);
+                DataPlan::Tokens {
+                    path: resolve(&cache.display().to_string()),
+                    dtype: Some(pipec_plan::TokenDtype::Uint32),
+                }
+            }
             Data::Images { path, resize, mean, std, .. } => {
                 DataPlan::Images { path: resolve(path), resize: *resize, mean: mean.clone(), std: std.clone() }
             }

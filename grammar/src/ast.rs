@@ -429,6 +429,42 @@ pub enum Data {
         dtype: Option<pipec_plan::TokenDtype>,
         span: Span,
     },
+    /// A language model's text in a JSON Lines file's records (`pipec_plan::datafile::Records`):
+    /// `field` names the text, `tokenizer` cuts it (absent: characters), `eot` is the token
+    /// put between records.
+    Jsonl {
+        path: String,
+        field: String,
+        tokenizer: Option<String>,
+        eot: Option<String>,
+        span: Span,
+    },
+}
+
+impl Data {
+    /// A JSON Lines file's records, its paths resolved against `base`.
+    pub fn records(&self, base: &std::path::Path) -> Option<pipec_plan::datafile::Records> {
+        match self {
+            Data::Jsonl { path, field, tokenizer, eot, .. } => Some(records(base, path, field, tokenizer, eot)),
+            _ => None,
+        }
+    }
+}
+
+/// The records of `kind: jsonl` data, its paths resolved against `base`.
+pub fn records(
+    base: &std::path::Path,
+    path: &str,
+    field: &str,
+    tokenizer: &Option<String>,
+    eot: &Option<String>,
+) -> pipec_plan::datafile::Records {
+    pipec_plan::datafile::Records {
+        path: base.join(path),
+        field: field.to_string(),
+        tokenizer: tokenizer.as_ref().map(|t| base.join(t)),
+        eot: eot.clone(),
+    }
 }
 
 /// Checkpointing.

@@ -599,6 +599,157 @@ fn read_text_files(files: &[std::path::PathBuf], extent: Extent) -> Result<(Vec<
     Ok((out, true))
 }
 
+/// A JSON Lines file of records, each a JSON object whose `field` holds a string of text:
+/// a language model's tokens are the records' texts one after the other, cut by
+/// `tokenizer` (a `tokenizer.json`; without one, one token per character), with an
+/// end-of-text token between records (`eot`, the tokenizer's token; by default the first of
+/// its special tokens named like one — `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>`,
+/// `[SEP]`; a newline between records without a tokenizer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Records {
+    pub path: std::path::PathBuf,
+    pub field: String,
+    pub tokenizer: Option<std::path::PathBuf>,
+    pub eot: Option<String>,
+}
+
+/// The special tokens taken for end-of-text, in order of preference.
+const END_OF_TEXT: &[&str] = &["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]"];
+
+/// The texts of a JSON Lines file's records (with a prefix, the whole lines it holds).
+pub fn load_jsonl(path: &Path, field: &str, extent: Extent) -> Result<Vec<String>, String> {
+    let (bytes, complete) = read_bytes(path, extent)?;
+    let shown = path.display().to_string();
+    match sniff(&bytes) {
+        Some(Sniffed::JsonLines) | None => {}
+        Some(other) => return Err(format!("`{shown}` is {}, not a JSON Lines file: {}", other.name(), other.advice())),
+    }
+    let text = match std::str::from_utf8(&bytes) {
+        Ok(t) => t,
+        Err(e) if !complete && e.error_len().is_none() => std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or(""),
+        Err(e) => return Err(format!("`{shown}` is not UTF-8 text (byte {} is not valid UTF-8)", e.valid_up_to())),
+    };
+    let mut lines: Vec<(usize, &str)> = text.lines().enumerate().map(|(i, l)| (i + 1, l)).collect();
+    if !complete {
+        lines.pop(); // cut by the prefix
+    }
+    let mut records = Vec::new();
+    for (n, line) in lines {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("`{shown}` line {n} is not a JSON object: {e}"))?;
+        let serde_json::Value::Object(record) = value else {
+            return Err(format!("`{shown}` line {n} is not a JSON object"));
+        };
+        match record.get(field) {
+            Some(serde_json::Value::String(t)) => records.push(t.clone()),
+            Some(other) => return Err(format!("`{shown}` line {n}: `{field}` holds {other}, not a string of text")),
+            None => {
+                let keys: Vec<String> = record.keys().map(|k| format!("`{k}`")).collect();
+                return Err(format!(
+                    "`{shown}` line {n} has no field `{field}` (it has {}): name the text's field with `field:`",
+                    keys.join(", ")
+                ));
+            }
+        }
+    }
+    if records.is_empty() {
+        return Err(format!("`{shown}` holds no record"));
+    }
+    Ok(records)
+}
+
+/// The token ids of a JSON Lines file's records (see [`Records`]), each checked to be in
+/// `0..vocab`.
+pub fn load_record_tokens(records: &Records, vocab: usize, extent: Extent) -> Result<Vec<u32>, String> {
+    let texts = load_jsonl(&records.path, &records.field, extent)?;
+    let shown = records.path.display().to_string();
+    let Some(path) = &records.tokenizer else {
+        // one token per character, a newline between records
+        let joined = texts.join("\n");
+        return parse_tokens(joined.as_bytes(), true, TokenFile::Text, vocab, &shown);
+    };
+    let tokenizer = load_tokenizer(path)?;
+    let size = tokenizer.get_vocab_size(true);
+    if size > vocab {
+        return Err(format!(
+            "the tokenizer `{}` has {size} tokens, more than the model's vocabulary of {vocab}: make the embedding's vocabulary (and the output layer) at least {size}",
+            path.display()
+        ));
+    }
+    let eot = match &records.eot {
+        Some(token) => tokenizer.token_to_id(token).ok_or_else(|| {
+            format!("`eot: {token}` is not a token of the tokenizer `{}`", path.display())
+        })?,
+        None => END_OF_TEXT.iter().find_map(|t| tokenizer.token_to_id(t)).ok_or_else(|| {
+            format!(
+                "the tokenizer `{}` has none of the usual end-of-text tokens ({}): name the one to put between records with `eot:`",
+                path.display(),
+                END_OF_TEXT.join(", ")
+            )
+        })?,
+    };
+    let mut ids = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        if i > 0 {
+            ids.push(eot);
+        }
+        let encoding = tokenizer
+            .encode(text.as_str(), false)
+            .map_err(|e| format!("`{shown}` record {} does not tokenize: {e}", i + 1))?;
+        ids.extend_from_slice(encoding.get_ids());
+    }
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+        return Err(format!("`{shown}`: token {i} has id {id}, outside the model's vocabulary 0..{vocab}"));
+    }
+    Ok(ids)
+}
+
+/// Where the token ids of `records` are kept for training: a raw `uint32` token file in a
+/// `.pipec-tokens` folder beside the data, named by a digest of what made it (the data
+/// file's and the tokenizer's paths, sizes and modification times, the field and the
+/// end-of-text token), so a changed input is read again. `pipec compile` and `pipec run`
+/// write it ([`write_token_cache`]); the executor reads it as `kind: tokens` data.
+pub fn token_cache(records: &Records) -> std::path::PathBuf {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    let mut stamp = |p: &Path| {
+        h.update(p.display().to_string().as_bytes());
+        if let Ok(m) = std::fs::metadata(p) {
+            h.update(m.len().to_le_bytes());
+            let modified = m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+            h.update(modified.map_or(0, |d| d.as_nanos()).to_le_bytes());
+        }
+    };
+    stamp(&records.path);
+    if let Some(t) = &records.tokenizer {
+        stamp(t);
+    }
+    h.update([0]);
+    h.update(records.field.as_bytes());
+    h.update([0]);
+    h.update(records.eot.as_deref().unwrap_or("").as_bytes());
+    let digest: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let stem = records.path.file_stem().and_then(|s| s.to_str()).unwrap_or("records");
+    let folder = records.path.parent().unwrap_or(Path::new("."));
+    folder.join(".pipec-tokens").join(format!("{stem}-{digest}.u32"))
+}
+
+/// Writes the token cache of `records` (whole, atomically) unless it is there already;
+/// returns its path and, when it wrote it now, how many tokens it holds.
+pub fn write_token_cache(records: &Records, vocab: usize) -> Result<(std::path::PathBuf, Option<usize>), String> {
+    let cache = token_cache(records);
+    if cache.is_file() {
+        return Ok((cache, None));
+    }
+    let ids = load_record_tokens(records, vocab, Extent::All)?;
+    let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+    crate::output::write_atomic(&cache, &bytes)?;
+    Ok((cache, Some(ids.len())))
+}
+
 /// The largest `tokenizer.json` read (the largest published ones are tens of MiB).
 pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 
@@ -735,6 +886,34 @@ pub fn token_windows(tokens: &[u32], seq: usize, shown: &str) -> Result<Samples,
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn json_lines_records_become_one_token_stream_with_a_separator_between_records() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("train.jsonl");
+        std::fs::write(&path, "{\"text\": \"ab\", \"id\": 1}\n\n{\"text\": \"ba\"}\n").expect("write");
+        let records = Records { path: path.clone(), field: "text".into(), tokenizer: None, eot: None };
+        assert_eq!(load_jsonl(&path, "text", Extent::All).expect("records"), vec!["ab", "ba"]);
+        // characters in code-point order ('\n' a b), a newline between records
+        assert_eq!(load_record_tokens(&records, 8, Extent::All).expect("tokens"), vec![1, 2, 0, 2, 1]);
+        let e = load_jsonl(&path, "body", Extent::All).expect_err("no such field");
+        assert!(
+            e.contains("line 1 has no field `body` (it has `id`, `text`): name the text's field with `field:`"),
+            "{e}"
+        );
+        std::fs::write(&path, "{\"text\": 3}\n").expect("write");
+        assert!(load_jsonl(&path, "text", Extent::All).expect_err("a number").contains("`text` holds 3, not a string"));
+        // the cache is named by what made it, and written once
+        std::fs::write(&path, "{\"text\": \"ab\"}\n").expect("write");
+        let (cache, written) = write_token_cache(&records, 8).expect("cache");
+        assert_eq!(written, Some(2));
+        assert!(cache.starts_with(dir.path().join(".pipec-tokens")), "{}", cache.display());
+        assert_eq!(write_token_cache(&records, 8).expect("cached"), (cache.clone(), None));
+        let other = Records { field: "body".into(), ..records.clone() };
+        assert_ne!(token_cache(&other), cache);
+        let ids = load_tokens(&cache, TokenFile::Raw(crate::vocab::TokenDtype::Uint32), 8, Extent::All).expect("raw");
+        assert_eq!(ids, vec![0, 1]);
+    }
 
     #[test]
     fn a_file_of_one_kind_is_never_read_as_another() {
