@@ -1829,6 +1829,74 @@ fn a_json_lines_file_trains_through_its_token_cache() {
 }
 
 #[test]
+fn a_parquet_file_and_a_datasets_folder_train_and_a_parquet_file_given_as_tokens_is_refused() {
+    // tests/records (pyarrow's): specs/llama-tiny.yaml's text as Parquet records and as a
+    // `datasets` save_to_disk folder, and token ids as a Parquet list column
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // copied, as the token caches are written beside the data
+    let records = dir.path().join("records");
+    std::fs::create_dir_all(records.join("dataset")).expect("folder");
+    for file in [
+        "text.parquet",
+        "ids.parquet",
+        "dataset/state.json",
+        "dataset/dataset_info.json",
+        "dataset/data-00000-of-00002.arrow",
+        "dataset/data-00001-of-00002.arrow",
+    ] {
+        std::fs::copy(root.join("tests/records").join(file), records.join(file)).expect("copy");
+    }
+    let tokenizer = root.join("specs/data/bpe-512.json");
+    let spec = std::fs::read_to_string(root.join("specs/llama-tiny.yaml")).expect("spec");
+    let data = [
+        format!(
+            "{{ kind: parquet, path: {}/text.parquet, column: body, tokenizer: {}, eot: \".\" }}",
+            records.display(),
+            tokenizer.display()
+        ),
+        format!(
+            "{{ kind: arrow, path: {}/dataset, column: body, tokenizer: {}, eot: \".\" }}",
+            records.display(),
+            tokenizer.display()
+        ),
+        format!("{{ kind: parquet, path: {}/ids.parquet, column: input_ids }}", records.display()),
+    ];
+    for (i, d) in data.iter().enumerate() {
+        let written = dir.path().join(format!("spec-{i}.yaml"));
+        std::fs::write(
+            &written,
+            spec.replace("{ kind: text, path: data/architecture.txt, tokenizer: data/bpe-512.json }", d),
+        )
+        .expect("spec");
+        let checked = pipec(&["check", written.to_str().expect("utf-8")]);
+        assert!(checked.status.success(), "{d}: {}", both_streams(&checked));
+        let out = dir.path().join(format!("run-{i}"));
+        let run = pipec(&["run", written.to_str().expect("utf-8"), "--steps", "2", "-o", out.to_str().expect("utf-8")]);
+        assert!(run.status.success(), "{d}: {}", both_streams(&run));
+        assert_eq!(run_losses(&out).len(), 2);
+    }
+    assert!(records.join(".pipec-tokens").is_dir());
+    // the same Parquet file as raw token ids: refused by name, not trained on its bytes
+    let written = dir.path().join("as-tokens.yaml");
+    let as_tokens = format!("{{ kind: tokens, path: {}/text.parquet, dtype: uint16 }}", records.display());
+    std::fs::write(
+        &written,
+        spec.replace("{ kind: text, path: data/architecture.txt, tokenizer: data/bpe-512.json }", &as_tokens)
+            .replace("embedding(512,", "embedding(65536,")
+            .replace("linear(64, 512", "linear(64, 65536"),
+    )
+    .expect("spec");
+    let checked = pipec(&["check", written.to_str().expect("utf-8"), "--format", "json"]);
+    let said = String::from_utf8_lossy(&checked.stdout);
+    assert_eq!(checked.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("text.parquet` is a Parquet file, not a raw token file") && said.contains("kind: parquet"),
+        "{said}"
+    );
+}
+
+#[test]
 fn a_residual_network_trains_from_an_image_folder() {
     // specs/resnet-images.yaml: specs/data/shapes (256 PNGs in 4 classes), resized,
     // centre-cropped and normalised, on a 2-stage 1F1B pipeline with batch normalisation

@@ -200,11 +200,11 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
                 DataPlan::Text { path: resolve(path), tokenizer: tokenizer.as_deref().map(resolve) }
             }
             Data::Tokens { path, dtype, .. } => DataPlan::Tokens { path: resolve(path), dtype: *dtype },
-            // JSON Lines records train from their token cache, written by `pipec compile`
+            // records (JSON Lines, Parquet, Arrow) train from their token cache, written by `pipec compile`
             // and `pipec run` before the plan runs (`pipec_plan::datafile::token_cache`)
-            Data::Jsonl { path, field, tokenizer, eot, .. } => {
+            Data::Records { format, path, field, tokenizer, eot, .. } => {
                 let base = options.base_dir.clone().unwrap_or_default();
-                let records = pipec_grammar::ast::records(&base, path, field, tokenizer, eot);
+                let records = pipec_grammar::ast::records(&base, *format, path, field, tokenizer, eot);
                 let cache = pipec_plan::datafile::token_cache(&records);
                 DataPlan::Tokens {
                     path: resolve(&cache.display().to_string()),

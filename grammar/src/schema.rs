@@ -461,7 +461,9 @@ struct Data {
     /// folder per class, PNG or JPEG, or a CIFAR-10 batch file), or a language model's `text` (UTF-8, one token per
     /// character or a tokenizer's; a file, a folder of `.txt` files or a pattern such as
     /// `corpus/*.txt`), `jsonl` (JSON Lines records' `field`, an end-of-text token
-    /// between records) or `tokens` (token ids: `.npy`, or raw with `dtype`). A data file's
+    /// between records), `parquet` or `arrow` (a text or token-id `column`; `arrow` also
+    /// takes a `datasets` save_to_disk folder) or `tokens` (token ids: `.npy`, or raw
+    /// with `dtype`). A data file's
     /// first bytes are checked: a Parquet, Arrow, NPY or JSON Lines file given as another
     /// kind is refused naming what it is.
     kind: DataFileKind,
@@ -484,7 +486,10 @@ struct Data {
     /// jsonl: the field of each record (a JSON object per line) that holds its text
     /// (default `text`).
     field: Option<String>,
-    /// jsonl: the tokenizer's token put between records (default: its end-of-text token,
+    /// parquet, arrow: the column that holds each record's text, or its token ids (a list
+    /// of integers, taken as they are) (default `text`).
+    column: Option<String>,
+    /// jsonl, parquet, arrow: the tokenizer's token put between records (default: its end-of-text token,
     /// `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>`, `<|im_end|>` or `[SEP]`, the
     /// first it has); without a tokenizer a newline is.
     eot: Option<String>,
@@ -507,6 +512,8 @@ enum DataFileKind {
     Tokens,
     Images,
     Jsonl,
+    Parquet,
+    Arrow,
 }
 
 /// Checkpointing during `pipec run`.

@@ -154,7 +154,7 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
         Data::Tokens { path, dtype: Some(_), span } => Some((path, Reading::RawTokens, span)),
         Data::Tokens { path, dtype: None, span } | Data::Npy { path, span, .. } => Some((path, Reading::Npy, span)),
         Data::Csv { path, span } => Some((path, Reading::Csv, span)),
-        Data::Synthetic { .. } | Data::Images { .. } | Data::Jsonl { .. } => None,
+        Data::Synthetic { .. } | Data::Images { .. } | Data::Records { .. } => None,
     };
     if let Some((path, reading, &span)) = reading {
         if let Some(kind) = pipec_plan::datafile::file_kind_mismatch(&base.join(path), reading) {
@@ -193,11 +193,11 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
     } else {
         match &training.data {
             Data::Synthetic { .. } | Data::Text { .. } | Data::Tokens { .. } => return,
-            Data::Jsonl { span, .. } => {
+            Data::Records { span, .. } => {
                 let Some(records) = training.data.records(base) else { return };
                 let (Some(seq), Some(vocab)) = (lm, model.token_vocab()) else {
                     cx.push(
-                        Diagnostic::error("E0502", "JSON Lines text trains a language model, and this model is not one", *span, "text records")
+                        Diagnostic::error("E0502", "text records train a language model, and this model is not one", *span, "text records")
                             .with_help("a language model starts with `embedding(vocab, d)` and ends with `linear(d, vocab)` on every position ([sequence, vocab] scores)"),
                     );
                     return;
@@ -887,12 +887,13 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
 const DATA_KEYS: &[(&str, &[&str], &str)] = &[
     ("task", &["synthetic"], "chooses what synthetic data is made for"),
     ("samples", &["synthetic"], "sizes a synthetic data set"),
-    ("path", &["csv", "npy", "text", "tokens", "images", "jsonl"], "names a data file or folder"),
+    ("path", &["csv", "npy", "text", "tokens", "images", "jsonl", "parquet", "arrow"], "names a data file or folder"),
     ("labels", &["npy"], "names an NPY file's labels"),
     ("dtype", &["tokens"], "is a raw token file's integer type"),
-    ("tokenizer", &["text", "jsonl"], "cuts text into a language model's tokens"),
+    ("tokenizer", &["text", "jsonl", "parquet", "arrow"], "cuts text into a language model's tokens"),
     ("field", &["jsonl"], "names the text's field in a JSON Lines file's records"),
-    ("eot", &["jsonl"], "is the token put between a JSON Lines file's records"),
+    ("column", &["parquet", "arrow"], "names the text's (or token ids') column"),
+    ("eot", &["jsonl", "parquet", "arrow"], "is the token put between records"),
     ("resize", &["images"], "transforms an image folder's images"),
     ("mean", &["images"], "transforms an image folder's images"),
     ("std", &["images"], "transforms an image folder's images"),
@@ -906,6 +907,8 @@ fn missing_file(kind: &str, what: &str, rel: &str, full: &std::path::Path, span:
         Some(Diagnostic::error("E0502", message, span, label.to_string()).with_help(help.to_string()))
     };
     match (kind, what) {
+        // a `datasets` save_to_disk folder
+        ("arrow", "data") if full.is_dir() => None,
         ("text", "data") => match pipec_plan::datafile::text_files(full) {
             Ok(Some(_)) => None,
             Ok(None) if full.is_file() => None,
@@ -916,7 +919,7 @@ fn missing_file(kind: &str, what: &str, rel: &str, full: &std::path::Path, span:
             ),
             Err(e) => error(e, "no text file here", "a folder's `.txt` files are read, or the files a pattern names"),
         },
-        ("text" | "jsonl", "tokenizer") if full.is_dir() => (!full.join("tokenizer.json").is_file()).then(|| {
+        ("text" | "jsonl" | "parquet" | "arrow", "tokenizer") if full.is_dir() => (!full.join("tokenizer.json").is_file()).then(|| {
             Diagnostic::error("E0502", format!("the model folder `{rel}` has no tokenizer.json"), span, "no tokenizer.json")
                 .with_help("a tokenizer is a `tokenizer.json` file or a model folder holding one (save it with `tokenizer.save_pretrained`)")
         }),
@@ -1009,7 +1012,7 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
             }
             if file_kind == "csv" {
                 Some(Data::Csv { path, span: p.span })
-            } else if file_kind == "text" || file_kind == "jsonl" {
+            } else if matches!(file_kind, "text" | "jsonl" | "parquet" | "arrow") {
                 // a model folder (the one `--init` takes) stands for its tokenizer.json
                 let tokenizer = match f.get("tokenizer") {
                     Some(t) => {
@@ -1019,16 +1022,20 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                     }
                     None => None,
                 };
-                if file_kind == "jsonl" {
-                    let text = |cx: &mut Lower<'_>, key: &str| match f.get(key) {
-                        Some(n) => cx.string(n).map(|s| Some(s.to_string())),
-                        None => Some(None),
-                    };
-                    let field = text(cx, "field")?.unwrap_or_else(|| "text".to_string());
-                    let eot = text(cx, "eot")?;
-                    return Some(Data::Jsonl { path, field, tokenizer, eot, span: p.span });
-                }
-                Some(Data::Text { path, tokenizer, span: p.span })
+                use pipec_plan::datafile::RecordFormat;
+                let (format, name_key) = match file_kind {
+                    "jsonl" => (RecordFormat::Jsonl, "field"),
+                    "parquet" => (RecordFormat::Parquet, "column"),
+                    "arrow" => (RecordFormat::Arrow, "column"),
+                    _ => return Some(Data::Text { path, tokenizer, span: p.span }),
+                };
+                let text = |cx: &mut Lower<'_>, key: &str| match f.get(key) {
+                    Some(n) => cx.string(n).map(|s| Some(s.to_string())),
+                    None => Some(None),
+                };
+                let field = text(cx, name_key)?.unwrap_or_else(|| "text".to_string());
+                let eot = text(cx, "eot")?;
+                Some(Data::Records { format, path, field, tokenizer, eot, span: p.span })
             } else if file_kind == "images" {
                 let resize = match f.get("resize") {
                     None => Some(None),

@@ -607,10 +607,41 @@ fn read_text_files(files: &[std::path::PathBuf], extent: Extent) -> Result<(Vec<
 /// `[SEP]`; a newline between records without a tokenizer).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Records {
+    pub format: RecordFormat,
     pub path: std::path::PathBuf,
+    /// The JSON field, or the Parquet or Arrow column, holding each record's text (or, for
+    /// Parquet and Arrow, its token ids: a list of integers, taken as they are).
     pub field: String,
     pub tokenizer: Option<std::path::PathBuf>,
     pub eot: Option<String>,
+}
+
+/// How a file of records is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordFormat {
+    /// JSON Lines: a JSON object per line.
+    Jsonl,
+    /// Apache Parquet (Snappy-compressed or not), read by the `parquet` crate.
+    Parquet,
+    /// Arrow IPC (a file, Feather v2, or a stream), or a `datasets` `save_to_disk` folder
+    /// (`state.json`'s `data-*.arrow` files in order), read by the `arrow-ipc` crate.
+    Arrow,
+}
+
+/// A column of records: their texts, or their token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Column {
+    Texts(Vec<String>),
+    Ids(Vec<Vec<u32>>),
+}
+
+/// The records' column (with a prefix, about as many bytes of it as the prefix).
+pub fn load_records(records: &Records, extent: Extent) -> Result<Column, String> {
+    match records.format {
+        RecordFormat::Jsonl => load_jsonl(&records.path, &records.field, extent).map(Column::Texts),
+        RecordFormat::Parquet => columnar::parquet(&records.path, &records.field, extent),
+        RecordFormat::Arrow => columnar::arrow(&records.path, &records.field, extent),
+    }
 }
 
 /// The special tokens taken for end-of-text, in order of preference.
@@ -664,8 +695,18 @@ pub fn load_jsonl(path: &Path, field: &str, extent: Extent) -> Result<Vec<String
 /// The token ids of a JSON Lines file's records (see [`Records`]), each checked to be in
 /// `0..vocab`.
 pub fn load_record_tokens(records: &Records, vocab: usize, extent: Extent) -> Result<Vec<u32>, String> {
-    let texts = load_jsonl(&records.path, &records.field, extent)?;
     let shown = records.path.display().to_string();
+    let texts = match load_records(records, extent)? {
+        Column::Texts(t) => t,
+        // token ids as they are, one record after the other
+        Column::Ids(rows) => {
+            let ids: Vec<u32> = rows.concat();
+            if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+                return Err(format!("`{shown}`: token {i} has id {id}, outside the model's vocabulary 0..{vocab}"));
+            }
+            return Ok(ids);
+        }
+    };
     let Some(path) = &records.tokenizer else {
         // one token per character, a newline between records
         let joined = texts.join("\n");
@@ -727,7 +768,7 @@ pub fn token_cache(records: &Records) -> std::path::PathBuf {
     if let Some(t) = &records.tokenizer {
         stamp(t);
     }
-    h.update([0]);
+    h.update([0, records.format as u8]);
     h.update(records.field.as_bytes());
     h.update([0]);
     h.update(records.eot.as_deref().unwrap_or("").as_bytes());
@@ -887,12 +928,67 @@ pub fn token_windows(tokens: &[u32], seq: usize, shown: &str) -> Result<Samples,
 #[cfg(test)]
 mod tests {
 
+    /// tests/records: files pyarrow 24 wrote from specs/data/architecture.txt's 31
+    /// paragraphs (`body`), and a `datasets` save_to_disk folder of two Arrow streams.
+    fn records(format: RecordFormat, file: &str, field: &str) -> Records {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/records").join(file);
+        Records { format, path, field: field.into(), tokenizer: None, eot: None }
+    }
+
+    #[test]
+    fn parquet_arrow_and_datasets_folders_read_the_same_records() {
+        let text =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs/data/architecture.txt"))
+                .expect("text");
+        let paragraphs: Vec<String> = text.split("\n\n").filter(|p| !p.trim().is_empty()).map(String::from).collect();
+        assert_eq!(paragraphs.len(), 31);
+        for (format, file) in [
+            (RecordFormat::Parquet, "text.parquet"),
+            (RecordFormat::Arrow, "text-uncompressed.feather"),
+            (RecordFormat::Arrow, "dataset"),
+        ] {
+            let got = load_records(&records(format, file, "body"), Extent::All).expect(file);
+            assert_eq!(got, Column::Texts(paragraphs.clone()), "{file}");
+        }
+        // a prefix stops after about as many bytes
+        let Column::Texts(first) =
+            load_records(&records(RecordFormat::Arrow, "dataset", "body"), Extent::Prefix(100)).expect("prefix")
+        else {
+            panic!("text")
+        };
+        assert!(!first.is_empty() && first.len() < 31, "{}", first.len());
+        // token ids as a dataset holds them: list<int64>, taken as they are
+        let ids = load_record_tokens(&records(RecordFormat::Parquet, "ids.parquet", "input_ids"), 512, Extent::All)
+            .expect("ids");
+        assert_eq!(ids.len(), 31 * 40);
+        assert_eq!(&ids[..3], &[0, 1, 2]);
+        let e = load_record_tokens(&records(RecordFormat::Parquet, "ids.parquet", "input_ids"), 100, Extent::All)
+            .expect_err("outside the vocabulary");
+        assert!(e.contains("outside the model's vocabulary 0..100"), "{e}");
+        // a missing column is named with the ones there are; a compressed Arrow file says so
+        let e = load_records(&records(RecordFormat::Parquet, "text.parquet", "text"), Extent::All).expect_err("column");
+        assert!(
+            e.contains(
+                "has no column `text` (it has `body`, `source`): name the text's or token ids' column with `column:`"
+            ),
+            "{e}"
+        );
+        let e = load_records(&records(RecordFormat::Arrow, "text.feather", "body"), Extent::All).expect_err("lz4");
+        assert!(e.contains("text.feather") && e.to_lowercase().contains("lz4"), "{e}");
+    }
+
     #[test]
     fn json_lines_records_become_one_token_stream_with_a_separator_between_records() {
         let dir = tempfile::tempdir().expect("tmp");
         let path = dir.path().join("train.jsonl");
         std::fs::write(&path, "{\"text\": \"ab\", \"id\": 1}\n\n{\"text\": \"ba\"}\n").expect("write");
-        let records = Records { path: path.clone(), field: "text".into(), tokenizer: None, eot: None };
+        let records = Records {
+            format: RecordFormat::Jsonl,
+            path: path.clone(),
+            field: "text".into(),
+            tokenizer: None,
+            eot: None,
+        };
         assert_eq!(load_jsonl(&path, "text", Extent::All).expect("records"), vec!["ab", "ba"]);
         // characters in code-point order ('\n' a b), a newline between records
         assert_eq!(load_record_tokens(&records, 8, Extent::All).expect("tokens"), vec![1, 2, 0, 2, 1]);
@@ -1107,5 +1203,205 @@ mod tests {
         let e = token_windows(&[1, 2, 3], 3, "x").expect_err("short");
         assert!(e.contains("fewer than one window of 4"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Parquet and Arrow columns through the Rust ecosystem's readers (`parquet`, `arrow-ipc`).
+mod columnar {
+    use std::path::{Path, PathBuf};
+
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::{
+        Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type, UInt64Type, UInt8Type,
+    };
+    use arrow_array::{Array, RecordBatch};
+    use arrow_schema::{ArrowError, DataType};
+
+    use super::{Column, Extent};
+
+    /// A Parquet file's column.
+    pub fn parquet(path: &Path, column: &str, extent: Extent) -> Result<Column, String> {
+        let shown = path.display().to_string();
+        if path.is_dir() {
+            return Err(super::folder_not_file(path, "a Parquet file"));
+        }
+        let file = std::fs::File::open(path).map_err(|e| format!("cannot read the data file `{shown}`: {e}"))?;
+        let builder = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
+            .map_err(|e| format!("`{shown}` is not a Parquet file pipec reads: {e}"))?;
+        let index = builder.schema().index_of(column).map_err(|_| no_column(&shown, column, builder.schema()))?;
+        let mask = parquet::arrow::ProjectionMask::roots(builder.parquet_schema(), [index]);
+        let reader = builder.with_projection(mask).build().map_err(|e| format!("`{shown}` does not read: {e}"))?;
+        let mut out = Gathered::new(extent);
+        for batch in reader {
+            if !out.add(batch, column, &shown)? {
+                break;
+            }
+        }
+        out.finish(&shown)
+    }
+
+    /// An Arrow IPC file or stream's column, or a `datasets` `save_to_disk` folder's (its
+    /// `state.json` lists its `data-*.arrow` files; without one, they are read in name
+    /// order).
+    pub fn arrow(path: &Path, column: &str, extent: Extent) -> Result<Column, String> {
+        let files = if path.is_dir() { dataset_files(path)? } else { vec![path.to_path_buf()] };
+        let shown = path.display().to_string();
+        let mut out = Gathered::new(extent);
+        for file in &files {
+            let file_shown = file.display().to_string();
+            let open =
+                std::fs::File::open(file).map_err(|e| format!("cannot read the data file `{file_shown}`: {e}"))?;
+            let mut head = [0u8; 8];
+            let is_file_format = {
+                use std::io::Read;
+                let mut f = &open;
+                f.read(&mut head).map_err(|e| format!("cannot read `{file_shown}`: {e}"))? >= 6
+                    && head.starts_with(b"ARROW1")
+            };
+            let open =
+                std::fs::File::open(file).map_err(|e| format!("cannot read the data file `{file_shown}`: {e}"))?;
+            let batches: Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>>> = if is_file_format {
+                Box::new(
+                    arrow_ipc::reader::FileReader::try_new_buffered(open, None)
+                        .map_err(|e| format!("`{file_shown}` is not an Arrow file pipec reads: {e}"))?,
+                )
+            } else {
+                Box::new(
+                    arrow_ipc::reader::StreamReader::try_new_buffered(open, None)
+                        .map_err(|e| format!("`{file_shown}` is not an Arrow stream pipec reads: {e}"))?,
+                )
+            };
+            for batch in batches {
+                if !out.add(batch, column, &file_shown)? {
+                    return out.finish(&shown);
+                }
+            }
+        }
+        out.finish(&shown)
+    }
+
+    /// The `data-*.arrow` files of a `datasets` folder, in the order its `state.json` lists.
+    fn dataset_files(folder: &Path) -> Result<Vec<PathBuf>, String> {
+        let shown = folder.display();
+        if let Ok(text) = std::fs::read_to_string(folder.join("state.json")) {
+            let state: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format!("`{shown}/state.json` is not JSON: {e}"))?;
+            let listed: Option<Vec<PathBuf>> = state["_data_files"]
+                .as_array()
+                .map(|files| files.iter().filter_map(|f| f["filename"].as_str()).map(|n| folder.join(n)).collect());
+            if let Some(files) = listed.filter(|f| !f.is_empty()) {
+                return Ok(files);
+            }
+        }
+        match super::text_files(&folder.join("data-*.arrow"))? {
+            Some(files) => Ok(files),
+            None => Err(format!(
+                "`{shown}` is a folder without `data-*.arrow` files (a `datasets` save_to_disk folder has them)"
+            )),
+        }
+    }
+
+    fn no_column(shown: &str, column: &str, schema: &arrow_schema::Schema) -> String {
+        let names: Vec<String> = schema.fields().iter().map(|f| format!("`{}`", f.name())).collect();
+        format!(
+            "`{shown}` has no column `{column}` (it has {}): name the text's or token ids' column with `column:`",
+            names.join(", ")
+        )
+    }
+
+    /// Records gathered batch by batch, up to a prefix's bytes.
+    struct Gathered {
+        texts: Vec<String>,
+        ids: Vec<Vec<u32>>,
+        bytes: u64,
+        limit: Option<u64>,
+    }
+
+    impl Gathered {
+        fn new(extent: Extent) -> Gathered {
+            let limit = match extent {
+                Extent::All => None,
+                Extent::Prefix(n) => Some(n),
+            };
+            Gathered { texts: Vec::new(), ids: Vec::new(), bytes: 0, limit }
+        }
+
+        /// Adds a batch's column; false once the prefix is full.
+        fn add(&mut self, batch: Result<RecordBatch, ArrowError>, column: &str, shown: &str) -> Result<bool, String> {
+            let batch = batch.map_err(|e| format!("`{shown}` does not read: {e}"))?;
+            let array = batch.column_by_name(column).ok_or_else(|| no_column(shown, column, &batch.schema()))?;
+            if array.null_count() > 0 {
+                return Err(format!("`{shown}`: the column `{column}` holds empty (null) records"));
+            }
+            let texts: Option<Vec<String>> = if let Some(a) = array.as_string_opt::<i32>() {
+                Some(a.iter().map(|t| t.unwrap_or_default().to_string()).collect())
+            } else if let Some(a) = array.as_string_opt::<i64>() {
+                Some(a.iter().map(|t| t.unwrap_or_default().to_string()).collect())
+            } else {
+                array.as_string_view_opt().map(|a| a.iter().map(|t| t.unwrap_or_default().to_string()).collect())
+            };
+            match texts {
+                Some(t) => {
+                    self.bytes += t.iter().map(|x| x.len() as u64).sum::<u64>();
+                    self.texts.extend(t);
+                }
+                None => {
+                    let rows = id_rows(array.as_ref()).ok_or_else(|| {
+                        format!(
+                            "`{shown}`: the column `{column}` holds {}, neither text nor lists of token ids",
+                            array.data_type()
+                        )
+                    })??;
+                    self.bytes += rows.iter().map(|r| 4 * r.len() as u64).sum::<u64>();
+                    self.ids.extend(rows);
+                }
+            }
+            Ok(self.limit.is_none_or(|n| self.bytes < n))
+        }
+
+        fn finish(self, shown: &str) -> Result<Column, String> {
+            match (self.texts.is_empty(), self.ids.is_empty()) {
+                (false, true) => Ok(Column::Texts(self.texts)),
+                (true, false) => Ok(Column::Ids(self.ids)),
+                (true, true) => Err(format!("`{shown}` holds no record")),
+                (false, false) => Err(format!("`{shown}` holds text in some files and token ids in others")),
+            }
+        }
+    }
+
+    /// A list column's rows of token ids (None when the column is not a list of integers).
+    fn id_rows(array: &dyn Array) -> Option<Result<Vec<Vec<u32>>, String>> {
+        let (offsets, values): (Vec<usize>, &dyn Array) = if let Some(l) = array.as_list_opt::<i32>() {
+            (l.value_offsets().iter().map(|&o| o as usize).collect(), l.values().as_ref())
+        } else if let Some(l) = array.as_list_opt::<i64>() {
+            (l.value_offsets().iter().map(|&o| o as usize).collect(), l.values().as_ref())
+        } else {
+            return None;
+        };
+        let flat = integers(values)?;
+        Some(flat.map(|flat| offsets.windows(2).map(|w| flat[w[0]..w[1]].to_vec()).collect()))
+    }
+
+    /// An integer array's values as token ids (a negative one is an error).
+    fn integers(values: &dyn Array) -> Option<Result<Vec<u32>, String>> {
+        fn ids<I: Into<i128> + Copy>(v: &[I]) -> Result<Vec<u32>, String> {
+            v.iter()
+                .map(|&x| {
+                    let x: i128 = x.into();
+                    u32::try_from(x).map_err(|_| format!("the token id {x} is not one (0 to 4,294,967,295)"))
+                })
+                .collect()
+        }
+        Some(match values.data_type() {
+            DataType::Int8 => ids(values.as_primitive::<Int8Type>().values()),
+            DataType::Int16 => ids(values.as_primitive::<Int16Type>().values()),
+            DataType::Int32 => ids(values.as_primitive::<Int32Type>().values()),
+            DataType::Int64 => ids(values.as_primitive::<Int64Type>().values()),
+            DataType::UInt8 => ids(values.as_primitive::<UInt8Type>().values()),
+            DataType::UInt16 => ids(values.as_primitive::<UInt16Type>().values()),
+            DataType::UInt32 => ids(values.as_primitive::<UInt32Type>().values()),
+            DataType::UInt64 => ids(values.as_primitive::<UInt64Type>().values()),
+            _ => return None,
+        })
     }
 }
