@@ -102,12 +102,12 @@ pub fn run(files: &[PathBuf], format: Format, color: bool) -> u8 {
                 if errors == 0 {
                     let size =
                         result.spec.as_ref().map(|s| format!(", {}", s.model.parameters_text())).unwrap_or_default();
-                    eprintln!(
+                    println!(
                         "{name}: ok{size}{}",
                         if warnings > 0 { format!(" ({warnings} warning(s))") } else { String::new() }
                     );
                 } else {
-                    eprintln!("{name}: {errors} error(s), {warnings} warning(s)");
+                    println!("{name}: {errors} error(s), {warnings} warning(s)");
                 }
             }
             Format::Json => print!("{}", render_json(&name, &source, &result.diagnostics)),

@@ -34,6 +34,8 @@ pub struct Prediction {
     pub step_s: f64,
     pub bubble: f64,
     pub throughput: f64,
+    /// A language model's tokens per sample (its throughput in tokens is `throughput` times it).
+    pub tokens_per_sample: Option<usize>,
     /// The tightest memory headroom over the devices.
     pub headroom: f64,
     /// Whether the schedule trains like one device.
@@ -136,6 +138,7 @@ pub fn compare(
                         step_s: c.plan.simulation.step_time_s,
                         bubble: c.plan.simulation.bubble_fraction,
                         throughput: c.plan.simulation.throughput_samples_per_s,
+                        tokens_per_sample: c.plan.tokens_per_sample(),
                         headroom: c.plan.memory_headroom(),
                         synchronous: c.plan.schedule.synchronous,
                         fits: !result.has_errors(),
@@ -152,17 +155,33 @@ pub fn compare(
 
 /// The comparison as a table, fastest feasible schedule first, the others after.
 pub fn table(rows: &[Row]) -> String {
+    // a language model's throughput in tokens too
+    let language_model =
+        rows.iter().any(|r| matches!(&r.outcome, Outcome::Planned(p) if p.tokens_per_sample.is_some()));
+    let tokens = |p: Option<&Prediction>| match (language_model, p) {
+        (false, _) => String::new(),
+        (true, None) => format!(" {:>12}", ""),
+        (true, Some(p)) => format!(" {:>12.0}", p.throughput * p.tokens_per_sample.unwrap_or(0) as f64),
+    };
     let mut s = format!(
-        "{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {}\n",
-        "schedule", "step", "bubble", "samples/s", "headroom", "microbatches", "notes"
+        "{:<42} {:>11} {:>7} {:>12}{} {:>9} {:>12}  {}\n",
+        "schedule",
+        "step",
+        "bubble",
+        "samples/s",
+        if language_model { format!(" {:>12}", "tokens/s") } else { String::new() },
+        "headroom",
+        "microbatches",
+        "notes"
     );
     for (r, p) in fastest_first(rows) {
         s.push_str(&format!(
-            "{:<42} {:>11} {:>6.1}% {:>12.1} {:>8.1}% {:>12}  {}\n",
+            "{:<42} {:>11} {:>6.1}% {:>12.1}{} {:>8.1}% {:>12}  {}\n",
             r.schedule,
             human_time(p.step_s),
             p.bubble * 100.0,
             p.throughput,
+            tokens(Some(p)),
             p.headroom * 100.0,
             r.microbatches,
             p.notes(false)
@@ -171,8 +190,14 @@ pub fn table(rows: &[Row]) -> String {
     for r in rows {
         if let Outcome::NotApplicable(why) = &r.outcome {
             s.push_str(&format!(
-                "{:<42} {:>11} {:>7} {:>12} {:>9} {:>12}  {why}\n",
-                r.schedule, "n/a", "", "", "", r.microbatches
+                "{:<42} {:>11} {:>7} {:>12}{} {:>9} {:>12}  {why}\n",
+                r.schedule,
+                "n/a",
+                "",
+                "",
+                tokens(None),
+                "",
+                r.microbatches
             ));
         }
     }
@@ -216,6 +241,9 @@ pub fn json_lines(rows: &[Row]) -> String {
                         "throughput_samples_per_s": p.throughput, "memory_headroom": p.headroom, "synchronous": p.synchronous, "fits": p.fits,
                         "weight_versions": p.weight_versions,
                     });
+                    if let Some(seq) = p.tokens_per_sample {
+                        v["throughput_tokens_per_s"] = (p.throughput * seq as f64).into();
+                    }
                     // a flush-free pipeline's figures are its steady state's
                     if let Some(first) = p.first_step_s {
                         v["steady_state"] = true.into();

@@ -56,6 +56,7 @@ pub fn compile_file(
         }
         return Err(EXIT_DIAGNOSTICS);
     };
+    write_token_cache(&spec, path)?;
     let profile = profile.map(read_profile).transpose()?;
     let options = CompileOptions {
         profile,
@@ -75,6 +76,26 @@ pub fn compile_file(
             Err(EXIT_DIAGNOSTICS)
         }
         Some(compiled) => Ok((compiled, source)),
+    }
+}
+
+/// JSON Lines data trains from its token cache (`pipec_plan::datafile::token_cache`): read
+/// whole and written before the plan that names it, unless it is there already.
+fn write_token_cache(spec: &pipec_grammar::spec::Spec, path: &Path) -> Result<(), u8> {
+    let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let (Some(records), Some(vocab)) = (spec.training.data.records(base), spec.model.token_vocab()) else {
+        return Ok(());
+    };
+    match pipec_plan::datafile::write_token_cache(&records, vocab) {
+        Ok((cache, Some(tokens))) => {
+            eprintln!("note: tokenized `{}` into {} ({tokens} tokens)", records.path.display(), cache.display());
+            Ok(())
+        }
+        Ok((_, None)) => Ok(()),
+        Err(e) => {
+            eprintln!("error: {e}");
+            Err(EXIT_USAGE)
+        }
     }
 }
 
@@ -146,11 +167,13 @@ pub fn run(
         Some(Emit::TorchCsv) => print!("{}", torch_csv(plan)),
         None => {}
     }
+    // the report on standard output, unless `--emit` put the emitted form there
+    let report = |text: &str| if emit.is_some() { eprint!("{text}") } else { print!("{text}") };
     if format == Format::Human {
-        eprint!("{}", summary(plan, &dir));
+        report(&summary(plan, &dir));
     }
     if let Some(text) = moves {
-        eprint!("{text}");
+        report(&text);
     }
     EXIT_OK
 }
@@ -225,8 +248,14 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         plan.training.microbatches / cp,
         plan.training.microbatch_size
     ));
+    // the tie is mentioned only for a model that has one
+    let tied = if plan.layers.iter().any(|l| l.tied.is_some()) {
+        " (a weight tied to an embedding counted once; a stage's figure counts the copy it holds)"
+    } else {
+        ""
+    };
     s.push_str(&format!(
-        "  model: {} (a weight tied to an embedding counted once; a stage's figure counts the copy it holds)\n",
+        "  model: {}{tied}\n",
         pipec_plan::model::parameters_text(plan.layers.iter().map(|l| (&l.op, l.tied)))
     ));
     let cp = plan.training.context_parallel;
@@ -286,7 +315,7 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
             st.id,
             st.layers[0],
             st.layers[1],
-            st.replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+            pipec_plan::instr::devices_text(&st.replicas),
             st.parameters,
             human_time(st.forward_s),
             human_time(st.backward_s),
@@ -317,9 +346,9 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         None => format!("predicted step {}", human_time(sim.step_time_s)),
     };
     s.push_str(&format!(
-        "{kind}, bubble {:.1}%, {:.1} samples/s; tightest memory headroom {:.1}%\n",
+        "{kind}, bubble {:.1}%, {}; tightest memory headroom {:.1}%\n",
         sim.bubble_fraction * 100.0,
-        sim.throughput_samples_per_s,
+        plan.throughput_text(sim.throughput_samples_per_s),
         headroom * 100.0
     ));
     // the device whose all-reduces are exposed the longest, if any device all-reduces

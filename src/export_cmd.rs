@@ -12,7 +12,7 @@ use crate::{EXIT_OK, EXIT_USAGE};
 pub fn run(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> u8 {
     match export(checkpoint, out, plan) {
         Ok(n) => {
-            eprintln!("wrote {} ({n})", out.display());
+            println!("wrote {} ({n})", out.display());
             EXIT_OK
         }
         Err(e) => {
@@ -61,8 +61,18 @@ fn export(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> Result<String, 
         (Some(config), tensors)
     };
     let model = pipec_plan::hf::write_safetensors(&tensors)?;
+    // what the run started from: its tokenizer files and its config's token ids and context
+    let carried = match &config {
+        Some(_) => carry_over(&plan),
+        None => Carried::default(),
+    };
     let config = match config {
-        Some(c) => Some(serde_json::to_string_pretty(&c).map_err(|e| e.to_string())? + "\n"),
+        Some(mut c) => {
+            for (key, value) in &carried.fields {
+                c[key.as_str()] = value.clone();
+            }
+            Some(serde_json::to_string_pretty(&c).map_err(|e| e.to_string())? + "\n")
+        }
         None => None,
     };
     // both files into a fresh folder beside the target, renamed into place at once: a
@@ -80,10 +90,108 @@ fn export(checkpoint: &Path, out: &Path, plan: Option<&Path>) -> Result<String, 
         if let Some(config) = &config {
             std::fs::write(tmp.join("config.json"), config.as_bytes()).map_err(|e| format!("cannot write: {e}"))?;
         }
+        for (name, bytes) in &carried.files {
+            std::fs::write(tmp.join(name), bytes).map_err(|e| format!("cannot write: {e}"))?;
+        }
         std::fs::rename(&tmp, out).map_err(|e| format!("cannot write `{}`: {e}", out.display()))
     };
     write().inspect_err(|_| {
         let _ = std::fs::remove_dir_all(&tmp);
     })?;
-    Ok(format!("{} tensors{}", tensors.len(), if convolutional { ", torchvision's names" } else { " and config.json" }))
+    let mut what = format!(
+        "{} tensors{}",
+        tensors.len(),
+        if convolutional { ", torchvision's names" } else { " and config.json" }
+    );
+    if !carried.files.is_empty() {
+        let names: Vec<&str> = carried.files.iter().map(|(n, _)| n.as_str()).collect();
+        what.push_str(&format!("; {} from {}", names.join(", "), carried.from));
+    }
+    if !carried.fields.is_empty() {
+        let keys: Vec<&str> = carried.fields.iter().map(|(k, _)| k.as_str()).collect();
+        what.push_str(&format!("; config.json's {} from {}", keys.join(", "), carried.from));
+    }
+    for note in &carried.notes {
+        eprintln!("note: {note}");
+    }
+    Ok(what)
+}
+
+/// What an export carries over from where the run started: tokenizer files to copy and
+/// config fields to set, and notes on what it could not.
+#[derive(Debug, Default)]
+struct Carried {
+    files: Vec<(String, Vec<u8>)>,
+    fields: Vec<(String, serde_json::Value)>,
+    /// Where they came from, as the report says it.
+    from: String,
+    notes: Vec<String>,
+}
+
+/// A Hugging Face folder's tokenizer files, copied whole when present.
+const TOKENIZER_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "generation_config.json",
+];
+
+/// The config fields that describe the checkpoint's use rather than its layers: its special
+/// tokens and the context it was trained for (not the run's training window).
+const CONFIG_FIELDS: &[&str] = &["bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"];
+
+/// The tokenizer and config fields of the `--init` folder the plan remembers; without one,
+/// the data's `tokenizer.json` (with a `tokenizer_config.json` naming the generic fast
+/// tokenizer, so `AutoTokenizer` loads it).
+fn carry_over(plan: &Plan) -> Carried {
+    let mut carried = Carried::default();
+    if let Some(init) = &plan.training.init_from {
+        let folder = Path::new(init);
+        if !folder.is_dir() {
+            carried.notes.push(format!(
+                "the run started from `{init}`, which is gone: its tokenizer and config fields are not carried over"
+            ));
+            return carried;
+        }
+        carried.from = format!("`{init}` (the run's --init)");
+        for name in TOKENIZER_FILES {
+            if let Ok(bytes) = std::fs::read(folder.join(name)) {
+                carried.files.push((name.to_string(), bytes));
+            }
+        }
+        let config = std::fs::read_to_string(folder.join("config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+        if let Some(config) = config {
+            // the original context, never one shorter than the model's window
+            let window = plan.model.input.first().copied().unwrap_or(0) as u64;
+            for key in CONFIG_FIELDS {
+                match config.get(*key) {
+                    Some(v) if *key == "max_position_embeddings" && v.as_u64().is_none_or(|n| n < window) => {}
+                    Some(v) if !v.is_null() => carried.fields.push((key.to_string(), v.clone())),
+                    _ => {}
+                }
+            }
+        }
+        return carried;
+    }
+    if let pipec_plan::plan::DataPlan::Text { tokenizer: Some(path), .. } = &plan.training.data {
+        match std::fs::read(path) {
+            Ok(bytes) => {
+                carried.from = format!("the data's tokenizer `{path}`");
+                carried.files.push(("tokenizer.json".into(), bytes));
+                carried.files.push((
+                    "tokenizer_config.json".into(),
+                    b"{\n  \"tokenizer_class\": \"PreTrainedTokenizerFast\"\n}\n".to_vec(),
+                ));
+            }
+            Err(e) => carried.notes.push(format!("the data's tokenizer `{path}` is not carried over: {e}")),
+        }
+    }
+    carried
 }

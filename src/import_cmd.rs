@@ -12,6 +12,8 @@ pub struct ImportArgs<'a> {
     /// The training sequence length (default: the config's context length, at most 4,096).
     pub seq: Option<usize>,
     pub name: Option<&'a str>,
+    /// The cluster the spec plans for.
+    pub cluster: pipec_grammar::import::hf::ClusterChoice,
 }
 
 pub fn run(args: ImportArgs<'_>) -> u8 {
@@ -32,8 +34,13 @@ pub fn run(args: ImportArgs<'_>) -> u8 {
         },
         None => default_name(args.config),
     };
-    let spec = match pipec_grammar::import::hf::import(&text, &name, args.seq) {
-        Ok(s) => s,
+    let spec = match pipec_grammar::import::hf::import(&text, &name, args.seq, &args.cluster) {
+        Ok(imported) => {
+            for note in &imported.notes {
+                eprintln!("note: {}: {note}", args.config.display());
+            }
+            imported.spec
+        }
         Err(e) => {
             eprintln!("error: {}: {e}", args.config.display());
             return EXIT_USAGE;
@@ -42,7 +49,7 @@ pub fn run(args: ImportArgs<'_>) -> u8 {
     match args.out {
         Some(path) => match crate::output::write_atomic(path, spec.as_bytes()) {
             Ok(()) => {
-                eprintln!("wrote {} (check it with `pipec check {}`)", path.display(), path.display());
+                println!("wrote {} (check it with `pipec check {}`)", path.display(), path.display());
                 EXIT_OK
             }
             Err(e) => {

@@ -56,9 +56,11 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Format::Human)]
         format: Format,
     },
-    /// Write a spec for a Hugging Face model's `config.json` (GPT-2, Llama, Mistral, Qwen2;
-    /// BERT as a sequence classifier): its `model` section as pipec layers, with a cluster, an `auto` strategy and a training
-    /// section to edit. A config field pipec cannot honour is an error naming it.
+    /// Write a spec for a Hugging Face model's `config.json` (saved by transformers 4.x or
+    /// 5.x; GPT-2, Llama, Mistral, Mixtral, Qwen2; BERT as a sequence classifier): its `model`
+    /// section as pipec layers, with the cluster of the flags below, an `auto` strategy and a
+    /// training section to edit. A config field pipec cannot honour is an error naming it and
+    /// why.
     Import {
         config: PathBuf,
         /// Where to write the spec (default: standard output).
@@ -70,6 +72,16 @@ enum Command {
         /// The spec's `name` (default: the config's folder).
         #[arg(long)]
         name: Option<String>,
+        /// The cluster's nodes.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+        nodes: u64,
+        /// Devices per node.
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=4096))]
+        devices_per_node: u64,
+        /// The device preset (h100-sxm, h200, b200, a100-80gb, a100-40gb, v100-32gb,
+        /// v100-16gb); the interconnect is its DGX system's.
+        #[arg(long, default_value = "h100-sxm")]
+        device: String,
     },
     /// Write a checkpoint as a Hugging Face checkpoint folder (`model.safetensors` under
     /// `transformers`' names and `config.json`) for a GPT-2, Llama-family or BERT model, or a
@@ -299,8 +311,11 @@ enum Command {
         /// space, at the cost of simulating more candidates).
         #[arg(long)]
         exact_top: bool,
-        /// `human`: the report; `json`: one JSON object.
-        #[arg(long, value_enum, default_value_t = Format::Human)]
+        /// `human`: the report with the strategy to paste; `json`: the same report as one JSON
+        /// object (the best and the runner-ups with their predicted step, bubble and headroom,
+        /// or `none_because`, and the counts of candidates considered, invalid, too big,
+        /// pruned and simulated). Diagnostics stay on standard error either way.
+        #[arg(long, value_enum, default_value_t = Format::Human, hide_possible_values = true)]
         format: Format,
     },
     /// Compile the spec under every schedule and print their predicted step time, bubble,
@@ -314,7 +329,7 @@ enum Command {
         #[arg(long, value_delimiter = ',')]
         microbatches: Vec<usize>,
         /// `human`: a table; `json`: one JSON object per schedule per line.
-        #[arg(long, value_enum, default_value_t = Format::Human)]
+        #[arg(long, value_enum, default_value_t = Format::Human, hide_possible_values = true)]
         format: Format,
     },
 }
@@ -330,8 +345,18 @@ fn main() -> ExitCode {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
         Command::Export { checkpoint, out, plan } => export_cmd::run(&checkpoint, &out, plan.as_deref()),
-        Command::Import { config, out, seq, name } => {
-            import_cmd::run(import_cmd::ImportArgs { config: &config, out: out.as_deref(), seq, name: name.as_deref() })
+        Command::Import { config, out, seq, name, nodes, devices_per_node, device } => {
+            import_cmd::run(import_cmd::ImportArgs {
+                config: &config,
+                out: out.as_deref(),
+                seq,
+                name: name.as_deref(),
+                cluster: pipec_grammar::import::hf::ClusterChoice {
+                    nodes: nodes as usize,
+                    devices_per_node: devices_per_node as usize,
+                    device,
+                },
+            })
         }
         Command::Search { file, profile, allow_async, max_depth, headroom, schedules, top, exact_top, format } => {
             search_cmd::run(search_cmd::SearchArgs {

@@ -89,7 +89,7 @@ pub fn run(args: RunArgs) -> u8 {
         eprintln!("error: `--steps 0` trains nothing: give at least 1");
         return EXIT_USAGE;
     }
-    let plan = match load_plan_checked(&args.file, args.color, args.verify) {
+    let mut plan = match load_plan_checked(&args.file, args.color, args.verify) {
         Ok(p) => p,
         Err(code) => return code,
     };
@@ -128,6 +128,12 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_USAGE;
         }
     };
+    // the run's plan.json remembers the --init folder, for `pipec export` to carry its
+    // tokenizer and config fields over
+    if let Some(init) = &args.init {
+        plan.training.init_from =
+            Some(std::path::absolute(init).unwrap_or_else(|_| init.clone()).display().to_string());
+    }
     // the output folder is made when the first step is done: refuse now one that cannot be
     // (it, or the nearest part of its path that exists, is a file)
     if let Some(blocking) = dir.ancestors().find(|a| a.exists()).filter(|a| !a.is_dir()) {
@@ -150,7 +156,7 @@ pub fn run(args: RunArgs) -> u8 {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} ETA {eta}")
+        indicatif::ProgressStyle::with_template("{bar:30} {msg} ETA {eta}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let quiet = bar.is_hidden();
@@ -162,12 +168,13 @@ pub fn run(args: RunArgs) -> u8 {
         pipec_executor::working_devices(&plan).len(),
         if backend == BackendKind::Cpu { "cpu (flex)" } else { "cuda" }
     );
+    let tokens = plan.tokens_per_sample();
     let mut on_step = |m: &StepMetrics| {
         metrics.append(m);
         bar.set_position(m.step as u64 + 1);
-        bar.set_message(format!("loss {:.5} {:.0} samples/s", m.loss, m.samples_per_s));
+        bar.set_message(bar_message(m, steps, tokens));
         if quiet {
-            print_step(m, steps);
+            print_step(m, steps, tokens);
         }
     };
     let result = pipec_executor::run(&plan, &options, &mut on_step);
@@ -192,10 +199,10 @@ pub fn run(args: RunArgs) -> u8 {
     let timed: Vec<f64> = report.steps.iter().skip(1).map(|s| s.step_seconds).collect();
     let median = median(&timed).unwrap_or(measured_step);
     if let (Some(first), Some(last)) = (report.steps.first(), report.steps.last()) {
-        eprintln!("loss {:.6} (step {}) -> {:.6} (step {})", first.loss, first.step, last.loss, last.step);
+        println!("loss {:.6} (step {}) -> {:.6} (step {})", first.loss, first.step, last.loss, last.step);
     }
     print_expert_tokens(&report.steps);
-    eprintln!(
+    println!(
         "step time: measured {} (median after the first step), predicted {}; bubble: measured {:.1}%, predicted {:.1}%",
         human_time(median),
         human_time(plan.simulation.step_time_s),
@@ -204,10 +211,10 @@ pub fn run(args: RunArgs) -> u8 {
     );
     let kinds = time_by_kind(&plan, &report);
     if !kinds.is_empty() {
-        eprintln!("time per step by instruction kind, all devices (measured: the median step after the first; a receive counts its wait):");
+        println!("time per step by instruction kind, all devices (measured: the median step after the first; a receive counts its wait):");
         for (kind, predicted, measured) in &kinds {
             let ratio = if *predicted > 0.0 { format!("{:.2}×", measured / predicted) } else { "-".into() };
-            eprintln!(
+            println!(
                 "  {kind:<20} predicted {:>11}  measured {:>11}  {ratio}",
                 human_time(*predicted),
                 human_time(*measured)
@@ -216,13 +223,14 @@ pub fn run(args: RunArgs) -> u8 {
     }
     print_memory(&plan, &report);
     for c in &report.checkpoints {
-        eprintln!("checkpoint {}", c.display());
+        println!("checkpoint {}", c.display());
     }
-    eprintln!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
+    println!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
     if report.interrupted {
         let done = report.steps.last().map_or(first_step, |s| s.step + 1);
         eprintln!(
-            "error: interrupted: stopped after step {done} of {steps} (every completed step is in metrics.jsonl{})",
+            "error: interrupted: stopped after {done} of {steps} steps (steps are numbered from 0: the last done was step {}; every completed step is in metrics.jsonl{})",
+            done.saturating_sub(1),
             if plan.training.checkpoint_every.is_some() {
                 "; resume from the last checkpoint with --resume"
             } else {
@@ -238,14 +246,12 @@ pub fn run(args: RunArgs) -> u8 {
 /// memory, each beside the plan's figures.
 fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
     if !report.held.is_empty() {
-        eprintln!(
-            "model state held per device at the end (measured, f32 values × 4 B; the plan's figure in brackets):"
-        );
+        println!("model state held per device at the end (measured, f32 values × 4 B; the plan's figure in brackets):");
         for (d, held) in &report.held {
             let Some(m) = plan.devices.get(d.0 as usize).map(|x| &x.memory) else { continue };
             let b = |values: u64| pipec_compiler::memory::human_bytes(values.saturating_mul(4));
             let p = pipec_compiler::memory::human_bytes;
-            eprintln!(
+            println!(
                 "  {d:<4} weights {} ({})  gradients {} ({})  optimizer {} ({})",
                 b(held.weights),
                 p(m.weights),
@@ -268,7 +274,7 @@ fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
                 })
             })
             .collect();
-        eprintln!(
+        println!(
             "ZeRO-3 gathers of whole stage weights in the last step (one for each pass that found them dropped; prefetched: started during the pass before, for another stage): {}",
             last.join(", ")
         );
@@ -278,19 +284,19 @@ fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
             .filter_map(|(d, g)| g.last().filter(|n| **n > 0).map(|n| format!("{d} {n}")))
             .collect();
         if !by_product.is_empty() {
-            eprintln!(
+            println!(
                 "ZeRO-3 gathers of single weights by the products reading them in the last step (each linear or LSTM weight and token table before its product in a forward, a product's again in its backward): {}",
                 by_product.join(", ")
             );
         }
     }
     if !report.resident.is_empty() {
-        eprintln!("resident memory per process running one device (measured: from before its stages were built to the run's peak; predicted: the plan's total without its workspace reserve):");
+        println!("resident memory per process running one device (measured: from before its stages were built to the run's peak; predicted: the plan's total without its workspace reserve):");
         for (d, r) in &report.resident {
             let Some(m) = plan.devices.get(d.0 as usize).map(|x| &x.memory) else { continue };
             let predicted = m.total.saturating_sub(m.workspace);
             let p = pipec_compiler::memory::human_bytes;
-            eprintln!(
+            println!(
                 "  {d:<4} measured {} (peak {} from {})  predicted {}  measured/predicted {:.2}",
                 p(r.growth()),
                 p(r.peak),
@@ -322,7 +328,7 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
     let lines = crate::progress::Lines::stderr();
     let mut on_step = |m: &StepMetrics| {
         metrics.append(m);
-        if let Some(line) = step_line(m, steps) {
+        if let Some(line) = step_line(m, steps, plan.tokens_per_sample()) {
             lines.line(line);
         }
     };
@@ -335,7 +341,7 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
         Ok((_, Some(report))) => {
             print_memory(plan, &report);
             for c in &report.checkpoints {
-                eprintln!("checkpoint {}", c.display());
+                println!("checkpoint {}", c.display());
             }
             let trace =
                 measured_trace(plan, &report, &format!("pipec run --transport {transport} (measured, every step)"));
@@ -343,7 +349,7 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
                 eprintln!("error: {e}");
                 return EXIT_USAGE;
             }
-            eprintln!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
+            println!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
             EXIT_OK
         }
         Ok((_, None)) => EXIT_OK,
@@ -443,8 +449,11 @@ fn measured_trace(plan: &Plan, report: &pipec_executor::RunReport, source: &str)
 }
 
 /// One line of `metrics.jsonl`.
-fn metrics_line(m: &StepMetrics) -> serde_json::Value {
+fn metrics_line(m: &StepMetrics, tokens_per_sample: Option<usize>) -> serde_json::Value {
     let mut line = serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s});
+    if let Some(seq) = tokens_per_sample {
+        line["tokens_per_s"] = (m.samples_per_s * seq as f64).into();
+    }
     if let Some(p) = m.perplexity {
         line["perplexity"] = p.into();
     }
@@ -573,6 +582,8 @@ struct MetricsLog {
     dir: PathBuf,
     plan_text: String,
     first_step: usize,
+    /// A language model's tokens per sample (each line's `tokens_per_s`).
+    tokens_per_sample: Option<usize>,
     file: Option<std::fs::File>,
     failed: bool,
 }
@@ -580,7 +591,14 @@ struct MetricsLog {
 impl MetricsLog {
     fn new(dir: &Path, first_step: usize, plan: &Plan) -> MetricsLog {
         let plan_text = pipec_plan::output::json_text(plan).unwrap_or_default();
-        MetricsLog { dir: dir.to_path_buf(), plan_text, first_step, file: None, failed: false }
+        MetricsLog {
+            dir: dir.to_path_buf(),
+            plan_text,
+            first_step,
+            tokens_per_sample: plan.tokens_per_sample(),
+            file: None,
+            failed: false,
+        }
     }
 
     fn open(&mut self) -> Result<(), String> {
@@ -617,7 +635,7 @@ impl MetricsLog {
         }
         if let Some(f) = &mut self.file {
             // one write a line: a launcher may append its record while this run ends
-            let _ = pipec_plan::output::write_line(f, &metrics_line(m).to_string());
+            let _ = pipec_plan::output::write_line(f, &metrics_line(m, self.tokens_per_sample).to_string());
             let _ = f.flush();
         }
     }
@@ -654,25 +672,25 @@ fn print_expert_tokens(steps: &[StepMetrics]) {
     if total.is_empty() {
         return;
     }
-    eprintln!("tokens each expert took over the run, per mixture-of-experts block (the busiest against the mean):");
+    println!("tokens each expert took over the run, per mixture-of-experts block (the busiest against the mean):");
     for (layer, took) in &total {
         let all = took.iter().sum::<u64>().max(1) as f64;
         let shares: Vec<String> = took.iter().map(|&t| format!("{:.1}%", 100.0 * t as f64 / all)).collect();
         let busiest = took.iter().copied().max().unwrap_or(0) as f64 / (all / took.len().max(1) as f64);
-        eprintln!("  layer {layer}: {} ({busiest:.2}×)", shares.join(" "));
+        println!("  layer {layer}: {} ({busiest:.2}×)", shares.join(" "));
     }
 }
 
 /// Prints a step's loss and speed: the first three steps, every tenth and the last of `steps`.
-fn print_step(m: &StepMetrics, steps: usize) {
-    if let Some(line) = step_line(m, steps) {
+fn print_step(m: &StepMetrics, steps: usize, tokens_per_sample: Option<usize>) {
+    if let Some(line) = step_line(m, steps, tokens_per_sample) {
         eprintln!("{line}");
     }
 }
 
 /// The line a step prints, for the first three, every tenth, the last, those with a
 /// validation and those fp16's loss scaling skipped.
-fn step_line(m: &StepMetrics, steps: usize) -> Option<String> {
+fn step_line(m: &StepMetrics, steps: usize, tokens_per_sample: Option<usize>) -> Option<String> {
     if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps || m.validation.is_some() || m.skipped {
         let perplexity = m.perplexity.map(|p| format!("  perplexity {p:.2}")).unwrap_or_default();
         let perplexity = match m.aux_loss {
@@ -699,15 +717,29 @@ fn step_line(m: &StepMetrics, steps: usize) -> Option<String> {
             _ => validation,
         };
         Some(format!(
-            "step {:>5}  loss {:.6}{perplexity}  {:.1} ms  {:.0} samples/s{validation}",
+            "step {:>5}  loss {:.6}{perplexity}  {:.1} ms  {}{validation}",
             m.step,
             m.loss,
             m.step_seconds * 1e3,
-            m.samples_per_s
+            speed(m, tokens_per_sample)
         ))
     } else {
         None
     }
+}
+
+/// A step's speed: samples/s, and tokens/s for a language model.
+fn speed(m: &StepMetrics, tokens_per_sample: Option<usize>) -> String {
+    match tokens_per_sample {
+        Some(seq) => format!("{:.0} samples/s {:.0} tokens/s", m.samples_per_s, m.samples_per_s * seq as f64),
+        None => format!("{:.0} samples/s", m.samples_per_s),
+    }
+}
+
+/// The progress bar's message after a step: the step's number as the log and
+/// metrics.jsonl write it (from 0) against the last one's, its loss and speed.
+fn bar_message(m: &StepMetrics, steps: usize, tokens_per_sample: Option<usize>) -> String {
+    format!("step {}/{} loss {:.5} {}", m.step, steps.saturating_sub(1), m.loss, speed(m, tokens_per_sample))
 }
 
 /// Per instruction kind: the plan's predicted seconds per step and the run's measured ones,

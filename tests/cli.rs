@@ -49,8 +49,114 @@ fn json_lines_have_the_documented_fields() {
 fn several_files_at_once_report_the_worst_exit() {
     let out = pipec(&["check", "specs/mlp-1f1b.yaml", "specs/invalid/bad-loss.yaml", "specs/gpipe.yaml"]);
     assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("specs/mlp-1f1b.yaml: ok") && err.contains("E0105"), "{err}");
+    let (report, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    // the verdicts are the report (standard output), the diagnostics go to standard error
+    assert!(report.contains("specs/mlp-1f1b.yaml: ok") && err.contains("E0105"), "{report}\n{err}");
+    assert!(report.contains("specs/invalid/bad-loss.yaml: 1 error(s)") && !report.contains("E0105"), "{report}");
+}
+
+/// A command's standard error, then its standard output: progress and diagnostics, then the
+/// report.
+fn both_streams(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout))
+}
+
+/// The text of a run's standard output and standard error.
+fn streams(out: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn reports_go_to_standard_output_and_diagnostics_to_standard_error() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let plan = dir.path().join("plan");
+    // `pipec compile x.yaml > report.txt` keeps the report
+    let (report, err) = streams(&pipec(&["compile", "specs/mlp-1f1b.yaml", "-o", plan.to_str().expect("utf-8")]));
+    assert!(report.contains("predicted step") && report.contains("wrote "), "{report}");
+    assert!(!err.contains("predicted step"), "{err}");
+    // with --emit, standard output carries the emitted form alone and the report moves aside
+    let (emitted, err) =
+        streams(&pipec(&["compile", "specs/mlp-1f1b.yaml", "-o", plan.to_str().expect("utf-8"), "--emit", "memory"]));
+    assert!(emitted.starts_with("device ") && !emitted.contains("predicted step"), "{emitted}");
+    assert!(err.contains("predicted step"), "{err}");
+    // a diagnostic stays on standard error
+    let (report, err) = streams(&pipec(&["compile", "specs/invalid/bad-loss.yaml"]));
+    assert!(report.is_empty() && err.contains("E0105"), "{report}\n{err}");
+    // the tie is mentioned only for a model that has one
+    let (report, _) = streams(&pipec(&["compile", "specs/mlp-1f1b.yaml", "-o", plan.to_str().expect("utf-8")]));
+    assert!(!report.contains("tied"), "{report}");
+    let (report, _) = streams(&pipec(&["compile", "specs/gpt2.yaml", "-o", plan.to_str().expect("utf-8")]));
+    assert!(report.contains("a weight tied to an embedding counted once"), "{report}");
+    // a language model's throughput in tokens too, in compile and compare
+    assert!(report.lines().any(|l| l.starts_with("predicted step") && l.contains(" tokens/s)")), "{report}");
+    let (table, _) = streams(&pipec(&["compare", "specs/gpt-tiny.yaml"]));
+    assert!(table.lines().next().is_some_and(|h| h.contains("samples/s") && h.contains("tokens/s")), "{table}");
+    let (table, _) = streams(&pipec(&["compare", "specs/mlp-1f1b.yaml"]));
+    assert!(!table.contains("tokens/s"), "{table}");
+}
+
+#[test]
+fn a_128_device_plan_reads_in_lines_that_do_not_grow_with_the_devices() {
+    // Mixtral on 16 × 8 H100: DualPipeV over two ranks of 64 replicas, expert parallelism
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = dir.path().join("plan");
+    let compiled = pipec(&["compile", "tests/specs/mixtral-128-dualpipev.yaml", "-o", out.to_str().expect("utf-8")]);
+    let (report, err) = streams(&compiled);
+    assert_eq!(compiled.status.code(), Some(0), "{err}");
+    // identical devices are one row, and a stage names its devices as a range
+    assert!(report.contains("  s0: layers 0..9 on d0–d63 (64 devices) "), "{report}");
+    assert!(report.lines().all(|l| !l.contains("d0,d1,d2")), "{report}");
+    let rows: Vec<&str> =
+        report.lines().skip_while(|l| !l.starts_with("device ")).skip(1).take_while(|l| l.starts_with('d')).collect();
+    assert_eq!(rows.len(), 2, "{report}");
+    assert!(rows[0].starts_with("d0–d63 (64 devices) ") && rows[1].starts_with("d64–d127 (64 devices) "), "{report}");
+    // exposed never more than in flight: the all-to-alls are reported apart
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).expect("plan")).expect("json");
+    for d in plan["simulation"]["devices"].as_array().expect("devices") {
+        let (flight, exposed) =
+            (d["collective_s"].as_f64().expect("s"), d["exposed_collective_s"].as_f64().expect("s"));
+        assert!(exposed <= flight + 1e-12, "{}: {exposed} s exposed, {flight} s in flight", d["id"]);
+    }
+    assert!(report.lines().any(|l| l.starts_with("all-to-all on d")), "{report}");
+    // the timeline: each device one row (a V's device holds two stages), every colour in the legend
+    let timeline = std::fs::read_to_string(out.join("timeline.svg")).expect("timeline");
+    let rows: Vec<&str> = timeline.lines().filter(|l| l.starts_with(r#"<text x="8""#)).collect();
+    let mut unique = rows.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(rows.len(), unique.len(), "{rows:?}");
+    assert!(rows.len() >= 2, "{rows:?}");
+    for colour in ["#9c755f", "#b07aa1", "#f28e2b"] {
+        let drawn = timeline.lines().filter(|l| l.contains(&format!("fill=\"{colour}\""))).count();
+        // drawn in the chart and once in the legend
+        assert!(drawn >= 2, "{colour} is drawn {drawn} time(s)");
+    }
+    assert!(timeline.contains(">all-to-all (expert parallelism)</text>"));
+    // memory.svg: a bar per group of identical devices, labelled with its devices, titled axes
+    let memory = std::fs::read_to_string(out.join("memory.svg")).expect("memory");
+    assert!(memory.contains(">d0–d63 (64 devices)</text>") && memory.contains(">d64–d127 (64 devices)</text>"));
+    assert!(memory.contains("128 devices in 2 bars of identical devices"));
+    assert!(memory.contains(">bytes per device<") && memory.contains(">device<"));
+}
+
+#[test]
+fn help_names_what_each_command_does() {
+    let (help, _) = streams(&pipec(&["import", "--help"]));
+    for word in ["Mixtral", "--nodes", "--devices-per-node", "--device", "5.x"] {
+        assert!(help.contains(word), "{word}: {help}");
+    }
+    let (help, _) = streams(&pipec(&["search", "--help"]));
+    assert!(help.contains("the same report as one JSON") && !help.contains("per diagnostic"), "{help}");
+    // the cluster size from the command line
+    let (spec, err) = streams(&pipec(&["import", "tests/import/llama-3-8b.json", "--nodes", "16", "--device", "h200"]));
+    assert!(
+        spec.contains("cluster:\n  nodes: 16\n  devices_per_node: 8\n  device: h200\n  links: dgx-h100\n"),
+        "{spec}{err}"
+    );
+    let out = pipec(&["import", "tests/import/llama-3-8b.json", "--device", "tpu"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--device `tpu` is not a device preset"));
 }
 
 #[test]
@@ -155,7 +261,8 @@ fn a_zero_plan_trains_to_the_same_losses_and_shows_the_state_each_replica_holds(
         let out_dir = dir.path().join(format!("out{zero}"));
         let out =
             pipec(&["run", spec.to_str().expect("utf-8"), "--steps", "3", "--out", out_dir.to_str().expect("utf-8")]);
-        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        // the report (standard output) after the progress (standard error)
+        let stderr = both_streams(&out);
         assert_eq!(out.status.code(), Some(0), "{stderr}");
         let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
         let losses: Vec<f64> = metrics
@@ -320,7 +427,7 @@ fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_a_small_one_train
     // expert per block on each device, 1/8 of the routed experts' weights
     let plan = dir.path().join("plan");
     let compiled = pipec(&["compile", "bench/specs/mixtral-8x7b-ep8.yaml", "-o", plan.to_str().expect("utf-8")]);
-    let report = String::from_utf8_lossy(&compiled.stderr);
+    let report = both_streams(&compiled);
     assert_eq!(compiled.status.code(), Some(0), "{report}");
     assert!(
         report.contains("expert parallelism: ep 8 — each device holds 1 of every block's 8 experts, tokens reach them in all-to-alls inside every pass; an expert's gradient is summed over the 1 replica(s) holding it"),
@@ -330,7 +437,7 @@ fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_a_small_one_train
         report.lines().any(|l| l.starts_with("all-to-all on d") && l.contains("per step inside its passes")),
         "{report}"
     );
-    assert!(report.lines().any(|l| l.starts_with("d0 ") && l.contains("1.75 GiB")), "{report}");
+    assert!(report.lines().any(|l| l.starts_with("d0") && l.contains("1.75 GiB")), "{report}");
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(plan.join("plan.json")).expect("plan")).expect("json");
     assert_eq!(json["stages"][1]["expert_parallel"], 8);
@@ -445,7 +552,7 @@ fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_
     let spec = "bench/specs/mixtral-8x7b.yaml";
     let checked = pipec(&["check", spec]);
     assert_eq!(checked.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&checked.stderr)
+    assert!(String::from_utf8_lossy(&checked.stdout)
         .contains("ok, 46,702,792,704 parameters (12,879,925,248 active per token)"));
     // Mixtral 8x7B on 8 DGX H100: t 8, 4 interleaved stages, 2 replicas sharing the
     // optimizer state — it fits, and the report counts every expert's weights: a device
@@ -453,7 +560,7 @@ fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_
     // in bf16, 2.73 GiB
     let plan = dir.path().join("plan");
     let compiled = pipec(&["compile", spec, "-o", plan.to_str().expect("utf-8")]);
-    let report = String::from_utf8_lossy(&compiled.stderr);
+    let report = both_streams(&compiled);
     assert_eq!(compiled.status.code(), Some(0), "{report}");
     assert!(report.contains("model: 46,702,792,704 parameters (12,879,925,248 active per token)"), "{report}");
     assert!(
@@ -462,7 +569,7 @@ fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_
         ),
         "{report}"
     );
-    let d0 = report.lines().find(|l| l.starts_with("d0 ")).expect("d0's memory");
+    let d0 = report.lines().find(|l| l.starts_with("d0")).expect("d0's memory");
     assert!(d0.contains("2.73 GiB"), "{d0}");
     // on this machine's CPU the 64 devices' model state (about a terabyte) is refused before
     // anything is allocated or written, not left to the kernel's out-of-memory killer
@@ -495,7 +602,7 @@ fn a_mixture_of_experts_compiles_with_its_memory_and_run_refuses_what_it_cannot_
     let aux = dir.path().join("aux.yaml");
     std::fs::write(&aux, text).expect("spec");
     let run = pipec(&["run", aux.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8"), "--steps", "2"]);
-    let said = String::from_utf8_lossy(&run.stderr);
+    let said = both_streams(&run);
     assert_eq!(run.status.code(), Some(0), "{said}");
     assert!(said.contains("load-balancing loss"), "{said}");
     // and the routing as it happened: each expert's share of the run's tokens, per block
@@ -523,7 +630,7 @@ fn run_prints_predicted_and_measured_time_by_instruction_kind() {
     let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/mlp-1f1b.yaml");
     let out_dir = dir.path().join("out");
     let out = pipec(&["run", spec.to_str().expect("utf-8"), "--steps", "3", "--out", out_dir.to_str().expect("utf-8")]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = both_streams(&out);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(stderr.contains("time per step by instruction kind"), "{stderr}");
     // the plan's prediction per kind is what the table shows, and the run measured each
@@ -935,6 +1042,23 @@ fn a_search_that_chooses_nothing_names_the_real_reason() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("E0607") && stderr.contains("does not divide"), "{stderr}");
     assert!(!stderr.contains("fits in device memory"), "{stderr}");
+    // Mixtral 8x7B on one node of 8 H100s: how much its state takes and how many nodes would
+    // hold it
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/specs/mixtral-8x7b.yaml"))
+        .expect("mixtral");
+    let (head, rest) = text.split_once("strategy:").expect("strategy");
+    let (_, training) = rest.split_once("training:").expect("training");
+    let one_node = dir.path().join("mixtral-1.yaml");
+    std::fs::write(&one_node, format!("{}strategy: auto\ntraining:{training}", head.replace("nodes: 8", "nodes: 1")))
+        .expect("write");
+    let out = pipec(&["search", one_node.to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("no strategy fits in device memory on this cluster: the model's weights, gradients and optimizer state take 782.92 GiB (46,702,792,704 parameters × 18 B); the 8 devices hold ")
+            && said.contains("at least 2 nodes of 8 devices hold it sharded over every device (ZeRO-3), before activations"),
+        "{said}"
+    );
 }
 
 /// `specs/mlp-1f1b.yaml` with `steps` steps and a checkpoint every 2 steps into `ckpts/`.
@@ -1090,7 +1214,7 @@ fn sigterm_stops_a_flush_free_pipeline_at_a_drained_step_boundary() {
             }
             let status = child.wait().expect("ends");
             assert_eq!(status.code(), Some(1), "{schedule}, round {round}: {stderr}");
-            assert!(stderr.contains("interrupted: stopped after step"), "{schedule}, round {round}: {stderr}");
+            assert!(stderr.contains("interrupted: stopped after "), "{schedule}, round {round}: {stderr}");
             assert!(!stderr.contains("disconnected"), "{schedule}, round {round}: {stderr}");
             let steps = metric_steps(&run);
             assert!(steps.iter().enumerate().all(|(i, &s)| s == i as u64), "{steps:?}");
@@ -1122,7 +1246,7 @@ fn sigterm_stops_at_a_step_boundary_and_keeps_every_completed_step() {
     let out = child.wait_with_output().expect("ends");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("interrupted: stopped after step"), "{stderr}");
+    assert!(stderr.contains("interrupted: stopped after "), "{stderr}");
     let steps = metric_steps(&run);
     assert!(steps.len() >= 3 && steps.iter().enumerate().all(|(i, &s)| s == i as u64), "{steps:?}");
     assert!(run.join("trace.json").is_file());
@@ -1156,7 +1280,7 @@ fn compile_resume_shows_which_layers_move_between_devices_and_how_many_bytes() {
         "--resume",
         run.to_str().expect("utf-8"),
     ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = both_streams(&out);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(stderr.contains("(step 2, layout `1-1`) onto `1-1-1`"), "{stderr}");
     assert!(
@@ -1246,10 +1370,10 @@ fn check_is_clean_only_when_compile_finds_nothing_without_a_search() {
     // the model's size where a user looks: GPT-2 small's published count, its tied output
     // layer counted once, in `check` and in `compile`
     let checked = pipec(&["check", "specs/gpt2.yaml"]);
-    assert!(String::from_utf8_lossy(&checked.stderr).contains("ok, 124,439,808 parameters"));
+    assert!(String::from_utf8_lossy(&checked.stdout).contains("ok, 124,439,808 parameters"));
     let out = dir.path().join("gpt2");
     let compiled = pipec(&["compile", "specs/gpt2.yaml", "-o", out.to_str().expect("utf-8")]);
-    assert!(String::from_utf8_lossy(&compiled.stderr).contains("model: 124,439,808 parameters"));
+    assert!(String::from_utf8_lossy(&compiled.stdout).contains("model: 124,439,808 parameters"));
     // a tied language model on two PipeDream stages: the plan-level error from `check`
     let text =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/gpt-tiny.yaml")).expect("gpt-tiny");
@@ -1288,10 +1412,55 @@ fn import_writes_specs_that_check_clean_with_the_published_parameter_counts() {
         ]);
         assert!(out.status.success(), "{config}: {}", String::from_utf8_lossy(&out.stderr));
         let out = pipec(&["check", spec.to_str().expect("utf-8 path")]);
-        let said = String::from_utf8_lossy(&out.stderr);
+        let said = both_streams(&out);
         assert!(out.status.success(), "{config}: {said}");
         assert!(said.contains(&format!("ok, {parameters} parameters")), "{config}: {said}");
     }
+    // the same checkpoints' configs as transformers 5 saves them (`dtype`, `rope_parameters`,
+    // `layer_types`, and in two of them every generic field of `PretrainedConfig`): the same
+    // spec as the 4.x config, and the generic fields named in a note
+    for (config, parameters) in [
+        ("llama-2-7b", "6,738,415,616"),
+        ("mistral-7b", "7,241,732,096"),
+        ("llama-3-8b", "8,030,261,248"),
+        // Qwen2.5-7B's published count
+        ("qwen2.5-7b", "7,615,616,512"),
+    ] {
+        let spec = dir.path().join(format!("{config}-5.yaml"));
+        let out = pipec(&[
+            "import",
+            &format!("tests/import/transformers-5/{config}.json"),
+            "-o",
+            spec.to_str().expect("utf-8 path"),
+            "--name",
+            config,
+        ]);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{config}: {said}");
+        if matches!(config, "mistral-7b" | "qwen2.5-7b") {
+            assert!(said.contains("note: ") && said.contains("`return_dict`, "), "{config}: {said}");
+        }
+        let four = dir.path().join(format!("{config}.yaml"));
+        if four.exists() {
+            let same = std::fs::read_to_string(&four).expect("4.x spec");
+            assert_eq!(std::fs::read_to_string(&spec).expect("5.x spec"), same, "{config}");
+        }
+        let out = pipec(&["check", spec.to_str().expect("utf-8 path")]);
+        let said = both_streams(&out);
+        assert!(said.contains(&format!("ok, {parameters} parameters")), "{config}: {said}");
+    }
+    // Llama 3.1's scaled rotary embeddings are refused naming the rope type, not as an
+    // unknown model
+    let scaled = dir.path().join("llama-3.1.json");
+    let text = std::fs::read_to_string("tests/import/transformers-5/llama-3-8b.json").expect("config");
+    let llama3 = r#""factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_theta": 500000.0, "rope_type": "llama3""#;
+    let text = text.replace("\"rope_theta\": 500000.0,\n    \"rope_type\": \"default\"", llama3);
+    assert!(text.contains("llama3"));
+    std::fs::write(&scaled, text).expect("write");
+    let out = pipec(&["import", scaled.to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains("`rope_parameters` with `rope_type: llama3` scales"), "{said}");
     // a field that would change the model is refused by name, and nothing is written
     let bad = dir.path().join("scaled.json");
     let text = std::fs::read_to_string("tests/import/llama-3-8b.json").expect("config");
@@ -1405,6 +1574,12 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
         exported.to_str().expect("utf-8"),
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // the --init folder's config fields come along: its token ids and its context of 32
+    // positions, not the training window
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exported.join("config.json")).expect("config")).expect("json");
+    assert_eq!((config["bos_token_id"].as_u64(), config["eos_token_id"].as_u64()), (Some(1), Some(2)), "{config}");
+    assert_eq!(config["max_position_embeddings"].as_u64(), Some(32), "{config}");
     // its config imports back into the same model
     let out = pipec(&["import", exported.join("config.json").to_str().expect("utf-8"), "--seq", "12"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -1428,6 +1603,27 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
         exported.to_str().expect("utf-8"),
     ]);
     assert_eq!(out.status.code(), Some(2));
+    // an --init folder's tokenizer files are carried into the export
+    let init = dir.path().join("with-tokenizer");
+    std::fs::create_dir_all(&init).expect("folder");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), init.join(f)).expect("copy");
+    }
+    let tokenizer = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data/bpe-512.json")).expect("bpe");
+    std::fs::write(init.join("tokenizer.json"), &tokenizer).expect("write");
+    std::fs::write(init.join("tokenizer_config.json"), "{\"bos_token\": \"<s>\"}\n").expect("write");
+    let tokenized = dir.path().join("tokenized");
+    run_from_hugging_face(&dir.path().join("train.yaml"), &init, &tokenized, &["--steps", "2"]);
+    let exported = dir.path().join("exported-with-tokenizer");
+    let out = pipec(&[
+        "export",
+        tokenized.join("checkpoints").to_str().expect("utf-8"),
+        "-o",
+        exported.to_str().expect("utf-8"),
+    ]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && said.contains("tokenizer.json, tokenizer_config.json from "), "{said}");
+    assert_eq!(std::fs::read(exported.join("tokenizer.json")).expect("tokenizer"), tokenizer);
     // a checkpoint whose shapes are not the model's is refused, naming the tensor
     let spec = std::fs::read_to_string(dir.path().join("init-1.yaml")).expect("spec").replace("ff=24", "ff=32");
     std::fs::write(dir.path().join("wrong.yaml"), spec).expect("spec");
@@ -1514,6 +1710,190 @@ fn the_tiny_llama_trains_through_its_bpe_tokenizer_on_a_pipeline() {
     assert_eq!(losses.len(), 15);
     // ln 512 ≈ 6.24 is a uniform guess over the tokenizer's vocabulary; it learns well below
     assert!(losses[14] < 0.85 * losses[0], "{losses:?}");
+
+    // a language model's speed in tokens too (64-token windows), in metrics.jsonl and the log;
+    // the log numbers steps from 0, as metrics.jsonl does
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).expect("metrics");
+    for (n, line) in metrics.lines().enumerate() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("json");
+        assert_eq!(v["step"].as_u64(), Some(n as u64));
+        let (samples, tokens) =
+            (v["samples_per_s"].as_f64().expect("samples"), v["tokens_per_s"].as_f64().expect("tokens"));
+        assert!((tokens - 64.0 * samples).abs() <= 1e-9 * tokens, "{line}");
+    }
+    let log = String::from_utf8_lossy(&out.stderr);
+    let first = log.lines().find(|l| l.starts_with("step ")).expect("a step line");
+    assert!(first.starts_with("step     0 ") && first.contains(" tokens/s"), "{log}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("loss "), "the report is on standard output");
+    // its export loads as a model and a tokenizer: the data's tokenizer.json comes along with
+    // a tokenizer_config.json naming the generic fast tokenizer
+    let spec = std::fs::read_to_string("specs/llama-tiny.yaml").expect("spec");
+    let saving = dir.path().join("saving.yaml");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data");
+    std::fs::write(
+        &saving,
+        spec.replace(": data/", &format!(": {}/", data.display()))
+            .replace("  steps: ", "  checkpoint: { every: 1, dir: checkpoints }\n  steps: "),
+    )
+    .expect("spec");
+    let run = dir.path().join("saved");
+    let saved = pipec(&["run", saving.to_str().expect("utf-8"), "--steps", "1", "-o", run.to_str().expect("utf-8")]);
+    assert!(saved.status.success(), "{}", both_streams(&saved));
+    let exported = dir.path().join("exported");
+    let out =
+        pipec(&["export", run.join("checkpoints").to_str().expect("utf-8"), "-o", exported.to_str().expect("utf-8")]);
+    assert!(saved.status.success(), "{}", both_streams(&saved));
+    assert_eq!(
+        std::fs::read(exported.join("tokenizer.json")).expect("tokenizer"),
+        std::fs::read(data.join("bpe-512.json")).expect("bpe")
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exported.join("tokenizer_config.json")).expect("config"))
+            .expect("json");
+    assert_eq!(config["tokenizer_class"], "PreTrainedTokenizerFast");
+}
+
+#[test]
+fn text_trains_from_a_folder_or_a_pattern_of_files_through_a_model_folders_tokenizer() {
+    // specs/llama-tiny.yaml with its text split over two files in a folder and its
+    // tokenizer.json in a model folder (the one `--init` takes)
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("specs/data/architecture.txt")).expect("text");
+    let (first, second) = text.split_at(text.len() / 2);
+    let corpus = dir.path().join("corpus");
+    std::fs::create_dir_all(&corpus).expect("folder");
+    std::fs::write(corpus.join("part-1.txt"), first).expect("write");
+    std::fs::write(corpus.join("part-2.txt"), second).expect("write");
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).expect("folder");
+    std::fs::copy(root.join("specs/data/bpe-512.json"), model.join("tokenizer.json")).expect("copy");
+    let spec = std::fs::read_to_string(root.join("specs/llama-tiny.yaml")).expect("spec");
+    for path in ["corpus", "corpus/part-*.txt"] {
+        let written = dir.path().join("spec.yaml");
+        std::fs::write(
+            &written,
+            spec.replace(
+                "path: data/architecture.txt, tokenizer: data/bpe-512.json",
+                &format!("path: {path}, tokenizer: model"),
+            ),
+        )
+        .expect("spec");
+        let checked = pipec(&["check", written.to_str().expect("utf-8")]);
+        assert!(checked.status.success(), "{path}: {}", both_streams(&checked));
+        let out = dir.path().join("run");
+        let run = pipec(&["run", written.to_str().expect("utf-8"), "--steps", "2", "-o", out.to_str().expect("utf-8")]);
+        assert!(run.status.success(), "{path}: {}", both_streams(&run));
+        assert_eq!(run_losses(&out).len(), 2);
+    }
+    // a model folder without a tokenizer.json is named
+    std::fs::remove_file(model.join("tokenizer.json")).expect("remove");
+    let checked = pipec(&["check", dir.path().join("spec.yaml").to_str().expect("utf-8")]);
+    assert!(String::from_utf8_lossy(&checked.stderr).contains("the model folder `model` has no tokenizer.json"));
+}
+
+#[test]
+fn a_json_lines_file_trains_through_its_token_cache() {
+    // specs/llama-tiny.yaml's text as JSON Lines records (one paragraph a record, under
+    // `body`), cut by its tokenizer with `.` between records
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("specs/data/architecture.txt")).expect("text");
+    let records: String = text
+        .split("\n\n")
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| serde_json::json!({ "body": p, "source": "ARCHITECTURE.md" }).to_string() + "\n")
+        .collect();
+    std::fs::write(dir.path().join("train.jsonl"), records).expect("write");
+    std::fs::copy(root.join("specs/data/bpe-512.json"), dir.path().join("tokenizer.json")).expect("copy");
+    let spec = std::fs::read_to_string(root.join("specs/llama-tiny.yaml")).expect("spec").replace(
+        "{ kind: text, path: data/architecture.txt, tokenizer: data/bpe-512.json }",
+        "{ kind: jsonl, path: train.jsonl, field: body, tokenizer: tokenizer.json, eot: \".\" }",
+    );
+    let written = dir.path().join("spec.yaml");
+    std::fs::write(&written, &spec).expect("spec");
+    let checked = pipec(&["check", written.to_str().expect("utf-8")]);
+    assert!(checked.status.success(), "{}", both_streams(&checked));
+    let out = dir.path().join("run");
+    let run = pipec(&["run", written.to_str().expect("utf-8"), "--steps", "3", "-o", out.to_str().expect("utf-8")]);
+    let said = both_streams(&run);
+    assert!(run.status.success(), "{said}");
+    assert!(said.contains("note: tokenized `") && said.contains(".pipec-tokens/train-"), "{said}");
+    assert_eq!(run_losses(&out).len(), 3);
+    let plan = std::fs::read_to_string(out.join("plan.json")).expect("plan");
+    assert!(plan.contains(".pipec-tokens/train-") && plan.contains("\"dtype\": \"uint32\""), "{plan}");
+    // without an end-of-text token the tokenizer has, the records' separator is asked for
+    std::fs::write(&written, spec.replace(", eot: \".\"", "")).expect("spec");
+    let checked = pipec(&["check", written.to_str().expect("utf-8"), "--format", "json"]);
+    assert!(String::from_utf8_lossy(&checked.stdout).contains("name the one to put between records with `eot:`"));
+}
+
+#[test]
+fn a_parquet_file_and_a_datasets_folder_train_and_a_parquet_file_given_as_tokens_is_refused() {
+    // tests/records (pyarrow's): specs/llama-tiny.yaml's text as Parquet records and as a
+    // `datasets` save_to_disk folder, and token ids as a Parquet list column
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // copied, as the token caches are written beside the data
+    let records = dir.path().join("records");
+    std::fs::create_dir_all(records.join("dataset")).expect("folder");
+    for file in [
+        "text.parquet",
+        "ids.parquet",
+        "dataset/state.json",
+        "dataset/dataset_info.json",
+        "dataset/data-00000-of-00002.arrow",
+        "dataset/data-00001-of-00002.arrow",
+    ] {
+        std::fs::copy(root.join("tests/records").join(file), records.join(file)).expect("copy");
+    }
+    let tokenizer = root.join("specs/data/bpe-512.json");
+    let spec = std::fs::read_to_string(root.join("specs/llama-tiny.yaml")).expect("spec");
+    let data = [
+        format!(
+            "{{ kind: parquet, path: {}/text.parquet, column: body, tokenizer: {}, eot: \".\" }}",
+            records.display(),
+            tokenizer.display()
+        ),
+        format!(
+            "{{ kind: arrow, path: {}/dataset, column: body, tokenizer: {}, eot: \".\" }}",
+            records.display(),
+            tokenizer.display()
+        ),
+        format!("{{ kind: parquet, path: {}/ids.parquet, column: input_ids }}", records.display()),
+    ];
+    for (i, d) in data.iter().enumerate() {
+        let written = dir.path().join(format!("spec-{i}.yaml"));
+        std::fs::write(
+            &written,
+            spec.replace("{ kind: text, path: data/architecture.txt, tokenizer: data/bpe-512.json }", d),
+        )
+        .expect("spec");
+        let checked = pipec(&["check", written.to_str().expect("utf-8")]);
+        assert!(checked.status.success(), "{d}: {}", both_streams(&checked));
+        let out = dir.path().join(format!("run-{i}"));
+        let run = pipec(&["run", written.to_str().expect("utf-8"), "--steps", "2", "-o", out.to_str().expect("utf-8")]);
+        assert!(run.status.success(), "{d}: {}", both_streams(&run));
+        assert_eq!(run_losses(&out).len(), 2);
+    }
+    assert!(records.join(".pipec-tokens").is_dir());
+    // the same Parquet file as raw token ids: refused by name, not trained on its bytes
+    let written = dir.path().join("as-tokens.yaml");
+    let as_tokens = format!("{{ kind: tokens, path: {}/text.parquet, dtype: uint16 }}", records.display());
+    std::fs::write(
+        &written,
+        spec.replace("{ kind: text, path: data/architecture.txt, tokenizer: data/bpe-512.json }", &as_tokens)
+            .replace("embedding(512,", "embedding(65536,")
+            .replace("linear(64, 512", "linear(64, 65536"),
+    )
+    .expect("spec");
+    let checked = pipec(&["check", written.to_str().expect("utf-8"), "--format", "json"]);
+    let said = String::from_utf8_lossy(&checked.stdout);
+    assert_eq!(checked.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("text.parquet` is a Parquet file, not a raw token file") && said.contains("kind: parquet"),
+        "{said}"
+    );
 }
 
 #[test]

@@ -316,3 +316,18 @@ fn a_tensor_name_in_the_middle_of_a_chain_is_misplaced() {
     assert_eq!(result.diagnostics[0].code, "E0302");
     assert_eq!(result.diagnostics[0].help.as_deref(), Some("did you mean `relu`?"));
 }
+
+#[test]
+fn an_inter_node_bandwidth_past_one_devices_adapter_is_warned_with_each_devices_share() {
+    // DGX H100's network, 8 × 400 Gb/s, written as the node's total
+    let src = "name: g\nmodel:\n  input: [64]\n  layers:\n    - linear(64, 128) -> relu\n    - linear(128, 10)\n  loss: cross_entropy\ncluster:\n  nodes: 2\n  devices_per_node: 8\n  device: h100-sxm\n  links:\n    intra_node: { bandwidth: 450GB/s, latency: 3us }\n    inter_node: { bandwidth: 3200Gbps, latency: 6us }\nstrategy:\n  dp: 16\n  schedule: dp-only\n  microbatches: 16\ntraining:\n  batch_size: 64\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
+    let result = check_source_in(src, None);
+    assert!(!result.has_errors(), "{:?}", result.diagnostics);
+    let rendered = render_human("node-total.yaml", src, &result.diagnostics, false);
+    insta::assert_snapshot!("inter_node_bandwidth_of_a_node", rendered);
+    // a device's own share, and the fastest adapter's, are not warned about
+    for share in ["400Gbps", "800Gbps"] {
+        let fine = src.replace("3200Gbps", share);
+        assert!(check_source_in(&fine, None).diagnostics.iter().all(|d| d.code != "W0106"), "{share}");
+    }
+}

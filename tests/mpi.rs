@@ -228,7 +228,8 @@ fn each_rank_of_a_zero_3_run_reports_its_memory_beside_the_prediction() {
     let out_dir = dir.path().join("out");
     let out =
         mpirun(4, &["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o", out_dir.to_str().expect("p")]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    // the report is rank 0's standard output
+    let stderr = format!("{}{}", String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout));
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let section = |title: &str| -> Vec<String> {
         stderr

@@ -200,6 +200,17 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
                 DataPlan::Text { path: resolve(path), tokenizer: tokenizer.as_deref().map(resolve) }
             }
             Data::Tokens { path, dtype, .. } => DataPlan::Tokens { path: resolve(path), dtype: *dtype },
+            // records (JSON Lines, Parquet, Arrow) train from their token cache, written by `pipec compile`
+            // and `pipec run` before the plan runs (`pipec_plan::datafile::token_cache`)
+            Data::Records { format, path, field, tokenizer, eot, .. } => {
+                let base = options.base_dir.clone().unwrap_or_default();
+                let records = pipec_grammar::ast::records(&base, *format, path, field, tokenizer, eot);
+                let cache = pipec_plan::datafile::token_cache(&records);
+                DataPlan::Tokens {
+                    path: resolve(&cache.display().to_string()),
+                    dtype: Some(pipec_plan::TokenDtype::Uint32),
+                }
+            }
             Data::Images { path, resize, mean, std, .. } => {
                 DataPlan::Images { path: resolve(path), resize: *resize, mean: mean.clone(), std: std.clone() }
             }
@@ -208,5 +219,7 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
         checkpoint_sync: t.checkpoint.as_ref().is_some_and(|c| !c.asynchronous),
         checkpoint_dir: t.checkpoint.as_ref().map(|c| c.dir.clone()),
         recipe: t.recipe,
+        // set by `pipec run --init`, which knows the folder
+        init_from: None,
     }
 }

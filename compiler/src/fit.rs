@@ -246,3 +246,95 @@ pub(crate) fn worst_few(over: &[&DevicePlan]) -> String {
         rest => format!("{} and {rest} more", named.join(", ")),
     }
 }
+
+/// The memory a model's state (weights, gradients, optimizer state) needs, against the
+/// cluster's: what "nothing fits" says would.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MemoryNeed {
+    pub parameters: u64,
+    /// Weights, gradients and optimizer state per parameter at the training precision.
+    pub bytes_per_parameter: f64,
+    /// A device's memory less its workspace reserve.
+    pub usable_per_device: f64,
+    pub devices_per_node: usize,
+    pub nodes: usize,
+}
+
+impl MemoryNeed {
+    /// The spec's model on its cluster.
+    pub fn of(spec: &Spec) -> MemoryNeed {
+        let capacity = spec.cluster.memory;
+        MemoryNeed {
+            parameters: spec.model.parameters(),
+            bytes_per_parameter: crate::model::state_bytes_per_parameter(spec),
+            usable_per_device: capacity - crate::memory::workspace_reserve(capacity) as f64,
+            devices_per_node: spec.cluster.devices_per_node.max(1),
+            nodes: spec.cluster.nodes,
+        }
+    }
+
+    /// The model state's bytes.
+    pub fn state_bytes(&self) -> f64 {
+        self.parameters as f64 * self.bytes_per_parameter
+    }
+
+    /// The fewest nodes whose devices hold the model state with it sharded over every
+    /// device (ZeRO-3) and nothing else: a lower bound, as activations come on top.
+    pub fn fewest_nodes(&self) -> usize {
+        let per_node = self.usable_per_device * self.devices_per_node as f64;
+        if per_node <= 0.0 {
+            return usize::MAX;
+        }
+        (self.state_bytes() / per_node).ceil().max(1.0) as usize
+    }
+
+    /// The sentence that says what would fit.
+    pub fn what_would_fit(&self) -> String {
+        let human = |b: f64| crate::memory::human_bytes(b.max(0.0) as u64);
+        let devices = self.nodes * self.devices_per_node;
+        let fewest = self.fewest_nodes();
+        let more = if fewest > self.nodes {
+            format!(
+                "at least {fewest} nodes of {} devices hold it sharded over every device (ZeRO-3), before activations",
+                self.devices_per_node
+            )
+        } else {
+            "the state fits sharded over every device (ZeRO-3): the activations are what does not — try more microbatches, recompute or a deeper pipeline".to_string()
+        };
+        format!(
+            "the model's weights, gradients and optimizer state take {} ({} parameters × {:.0} B); the {devices} devices hold {} ({} each after the workspace reserve): {more}",
+            human(self.state_bytes()),
+            pipec_plan::model::thousands(self.parameters),
+            self.bytes_per_parameter,
+            human(self.usable_per_device * devices as f64),
+            human(self.usable_per_device),
+        )
+    }
+}
+
+#[cfg(test)]
+mod need_tests {
+    use super::MemoryNeed;
+
+    #[test]
+    fn nothing_fits_says_how_much_the_state_takes_and_how_many_nodes_hold_it() {
+        // Mixtral 8x7B in bf16 under Adam with fp32 gradients: 2 + 4 + 8 + 4 (master) bytes a
+        // parameter, on one node of 8 H100s (80 GB, less the 1 GiB reserve)
+        let usable = 80e9 * 1.0 - (1u64 << 30) as f64;
+        let need = MemoryNeed {
+            parameters: 46_702_792_704,
+            bytes_per_parameter: 18.0,
+            usable_per_device: usable,
+            devices_per_node: 8,
+            nodes: 1,
+        };
+        assert_eq!(need.fewest_nodes(), 2);
+        let said = need.what_would_fit();
+        assert!(said.contains("take 782.92 GiB (46,702,792,704 parameters × 18 B)"), "{said}");
+        assert!(said.contains("at least 2 nodes of 8 devices"), "{said}");
+        // a state that fits leaves the activations to blame
+        let small = MemoryNeed { parameters: 1_000_000_000, ..need };
+        assert_eq!(small.fewest_nodes(), 1);
+        assert!(small.what_would_fit().contains("the activations are what does not"));
+    }
+}

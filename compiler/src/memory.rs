@@ -247,16 +247,13 @@ pub fn human_bytes(b: u64) -> String {
 
 /// The per-device memory table `pipec compile` prints.
 pub fn table(devices: &[(DeviceId, Vec<StageId>, usize, &MemoryBreakdown)]) -> String {
-    let mut out = format!(
-        "{:<7} {:<10} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}\n",
-        "device", "stages", "replicas", "weights", "gradients", "optimizer", "activations", "total", "capacity", "use"
-    );
+    // devices whose rows read the same are one row, named by their set (`d0–d127 (128 devices)`)
+    let mut groups: Vec<(String, Vec<DeviceId>)> = Vec::new();
     for (id, stages, replicas, m) in devices {
         let st: Vec<String> = stages.iter().map(ToString::to_string).collect();
         let share = if m.capacity > 0 { m.total as f64 / m.capacity as f64 * 100.0 } else { 0.0 };
-        out.push_str(&format!(
-            "{:<7} {:<10} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>5.1}%\n",
-            id.to_string(),
+        let row = format!(
+            "{:<10} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>5.1}%",
             st.join(","),
             replicas,
             human_bytes(m.weights),
@@ -266,7 +263,22 @@ pub fn table(devices: &[(DeviceId, Vec<StageId>, usize, &MemoryBreakdown)]) -> S
             human_bytes(m.total),
             human_bytes(m.capacity),
             share
-        ));
+        );
+        match groups.iter_mut().find(|(r, _)| *r == row) {
+            Some((_, ids)) => ids.push(*id),
+            None => groups.push((row, vec![*id])),
+        }
+    }
+    let names: Vec<String> = groups.iter().map(|(_, ids)| pipec_plan::instr::devices_text(ids)).collect();
+    let width = names.iter().map(|n| n.chars().count()).max().unwrap_or(0).max(7);
+    let mut out = format!(
+        "{:<width$} {:<10} {:>8} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}\n",
+        "device", "stages", "replicas", "weights", "gradients", "optimizer", "activations", "total", "capacity", "use"
+    );
+    for ((row, _), name) in groups.iter().zip(&names) {
+        // (padded by characters: a range's dash is one character of three bytes)
+        let pad = width - name.chars().count();
+        out.push_str(&format!("{name}{} {row}\n", " ".repeat(pad)));
     }
     out
 }

@@ -64,6 +64,16 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
     Ok(ModelCosts { graph, costs, cluster, precision, grad_bytes, microbatch_size, optimizer_bytes_per_parameter })
 }
 
+/// A parameter's model state in bytes: its weight at the training precision, its gradient
+/// at the gradient precision and its optimizer state (with the fp32 master copy under mixed
+/// precision).
+pub(crate) fn state_bytes_per_parameter(spec: &Spec) -> f64 {
+    let precision = spec.training.precision.bytes();
+    precision as f64
+        + spec.training.grad_precision.bytes() as f64
+        + optimizer_bytes_per_parameter(&spec.training.optimizer, precision)
+}
+
 pub(crate) fn optimizer_bytes_per_parameter(opt: &Optimizer, precision: usize) -> f64 {
     let states = opt.state_per_parameter() as f64 * 4.0;
     let master = if precision < 4 { 4.0 } else { 0.0 };

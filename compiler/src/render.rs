@@ -23,6 +23,19 @@ fn colour(phase: Phase) -> &'static str {
     }
 }
 
+/// An expert-parallel all-to-all inside a pass: its own colour and legend entry, apart from
+/// the collectives of the communication engine.
+const ALL_TO_ALL_COLOUR: &str = "#9c755f";
+
+/// The colour of an event: its phase's, or the all-to-all's.
+fn event_colour(e: &crate::simulate::Event) -> &'static str {
+    if e.all_to_all {
+        ALL_TO_ALL_COLOUR
+    } else {
+        colour(e.phase)
+    }
+}
+
 fn label(phase: Phase) -> &'static str {
     match phase {
         Phase::Forward => "forward",
@@ -31,7 +44,7 @@ fn label(phase: Phase) -> &'static str {
         Phase::BackwardWeight => "backward (weights)",
         Phase::Recompute => "recompute",
         Phase::Communication => "waiting for a transfer",
-        Phase::Collective => "all-reduce",
+        Phase::Collective => "collective (all-reduce, reduce-scatter, all-gather)",
         Phase::Optimizer => "optimizer step",
         Phase::Memory => "memory",
     }
@@ -63,8 +76,14 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
     let devices: Vec<DeviceId> = if all.len() <= TIMELINE_MAX_ROWS {
         all.clone()
     } else {
-        let mut rows: Vec<DeviceId> = plan.stages.iter().filter_map(|s| s.replicas.first().copied()).collect();
-        rows.dedup();
+        // each device once, in the order of the stages it first holds (a V's device holds
+        // a stage on the way down and one on the way up)
+        let mut rows: Vec<DeviceId> = Vec::new();
+        for d in plan.stages.iter().filter_map(|s| s.replicas.first().copied()) {
+            if !rows.contains(&d) {
+                rows.push(d);
+            }
+        }
         rows
     };
     let mut by_device: std::collections::HashMap<DeviceId, Vec<&crate::simulate::Event>> =
@@ -76,7 +95,7 @@ pub fn timeline_svg(plan: &Plan, timeline: &Timeline) -> String {
     let left = 64.0;
     let width = 1100.0;
     let top = 44.0;
-    let legend_h = 48.0;
+    let legend_h = 66.0;
     let height = top + row_h * devices.len() as f64 + legend_h + 24.0;
     let t = timeline.step_time.max(1e-12);
     let x = |s: f64| left + s / t * (width - left - 16.0);
@@ -153,7 +172,7 @@ fn draw_event(
             svg,
             r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="4" fill="{}" opacity="0.8"><title>in flight: {}</title></rect>"#,
             y + row_h - 6.0,
-            colour(e.phase),
+            event_colour(e),
             escape(&title)
         );
         return;
@@ -163,7 +182,7 @@ fn draw_event(
         r#"<rect x="{x0:.2}" y="{}" width="{w:.2}" height="{}" fill="{}" stroke="white" stroke-width="0.5"><title>{}</title></rect>"#,
         y + 3.0,
         row_h - 6.0,
-        colour(e.phase),
+        event_colour(e),
         escape(&title)
     );
     if let Some(i) = ins {
@@ -187,7 +206,7 @@ fn draw_event(
 
 /// The timeline's legend (the kinds of work it shows, idle) and its time axis, at `ly`.
 fn legend(svg: &mut String, timeline: &Timeline, left: f64, ly: f64, width: f64) {
-    let used: Vec<Phase> = [
+    let used: Vec<(&str, &str)> = [
         Phase::Forward,
         Phase::Backward,
         Phase::BackwardInput,
@@ -195,28 +214,33 @@ fn legend(svg: &mut String, timeline: &Timeline, left: f64, ly: f64, width: f64)
         Phase::Recompute,
         Phase::Communication,
         Phase::Collective,
+        Phase::Optimizer,
     ]
     .into_iter()
-    .filter(|p| timeline.events.iter().any(|e| e.phase == *p && e.end > e.start))
+    .filter(|p| timeline.events.iter().any(|e| e.phase == *p && !e.all_to_all && e.end > e.start))
+    .map(|p| (colour(p), label(p)))
     .collect();
-    let mut lx = left;
-    for p in used {
+    // every colour drawn has its entry: the all-to-all's too
+    let exchanges = timeline.events.iter().any(|e| e.all_to_all && e.end > e.start);
+    let used = used.into_iter().chain(exchanges.then_some((ALL_TO_ALL_COLOUR, "all-to-all (expert parallelism)")));
+    let (mut lx, mut ly) = (left, ly);
+    let entries: Vec<(&str, &str)> = used.chain([("#f7f7f7", "idle (bubble)")]).collect();
+    for (i, (c, text)) in entries.iter().enumerate() {
+        // a second row when the first is full
+        if lx + 30.0 + text.len() as f64 * 6.0 > width {
+            lx = left;
+            ly += 18.0;
+        }
+        // idle's light swatch gets an outline
+        let stroke = if i + 1 == entries.len() { r##" stroke="#ddd""## } else { "" };
         let _ = writeln!(
             svg,
-            r#"<rect x="{lx}" y="{ly}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{}</text>"#,
-            colour(p),
+            r#"<rect x="{lx}" y="{ly}" width="12" height="12" fill="{c}"{stroke}/><text x="{}" y="{}">{text}</text>"#,
             lx + 16.0,
-            ly + 10.0,
-            label(p)
+            ly + 10.0
         );
-        lx += 30.0 + label(p).len() as f64 * 6.5;
+        lx += 30.0 + text.len() as f64 * 6.0;
     }
-    let _ = writeln!(
-        svg,
-        r##"<rect x="{lx}" y="{ly}" width="12" height="12" fill="#f7f7f7" stroke="#ddd"/><text x="{}" y="{}">idle (bubble)</text>"##,
-        lx + 16.0,
-        ly + 10.0
-    );
     let _ = writeln!(
         svg,
         r##"<text x="{left}" y="{}" fill="#555">0</text><text x="{}" y="{}" fill="#555" text-anchor="end">{}</text>"##,
@@ -268,33 +292,49 @@ pub fn memory_svg(plan: &Plan) -> String {
         ("buffers", "#e15759"),
         ("workspace", "#bab0ac"),
     ];
-    let n = plan.devices.len().max(1);
+    // devices whose memory is the same are one bar, labelled with their set
+    let mut groups: Vec<(&pipec_plan::plan::MemoryBreakdown, Vec<DeviceId>)> = Vec::new();
+    for d in &plan.devices {
+        match groups.iter_mut().find(|(m, _)| **m == d.memory) {
+            Some((_, ids)) => ids.push(d.id),
+            None => groups.push((&d.memory, vec![d.id])),
+        }
+    }
+    let n = groups.len().max(1);
     let bar_w = (900.0 / n as f64).clamp(6.0, 60.0);
     let left = 80.0;
     let top = 50.0;
     let h = 300.0;
+    // the labels under the bars, slanted; past 64 bars every k-th is labelled
+    let label_every = n.div_ceil(64);
+    let labels: Vec<String> = groups.iter().map(|(_, ids)| pipec_plan::instr::devices_text(ids)).collect();
+    let label_h = labels.iter().map(|l| l.chars().count()).max().unwrap_or(2) as f64 * 4.6 + 16.0;
     let width = left + n as f64 * (bar_w + 6.0) + 180.0;
     let max = plan.devices.iter().map(|d| d.memory.capacity.max(d.memory.total)).max().unwrap_or(1).max(1) as f64;
     let y = |b: f64| top + h - b / max * h;
     let mut svg = String::new();
     let _ = writeln!(
         svg,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{}" font-family="sans-serif" font-size="11">"#,
-        top + h + 60.0
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{:.0}" font-family="sans-serif" font-size="11">"#,
+        top + h + label_h + 40.0
     );
     let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let _ = writeln!(
         svg,
-        r#"<text x="{left}" y="20" font-size="14" font-weight="bold">{}: memory per device ({} layout)</text>"#,
+        r#"<text x="{left}" y="20" font-size="14" font-weight="bold">{}: memory per device ({} layout){}</text>"#,
         escape(&plan.name),
-        escape(&plan.partition)
+        escape(&plan.partition),
+        if groups.len() < plan.devices.len() {
+            format!(", {} devices in {} bars of identical devices", plan.devices.len(), groups.len())
+        } else {
+            String::new()
+        }
     );
-    for (i, d) in plan.devices.iter().enumerate() {
+    for (i, ((m, _), name)) in groups.iter().zip(&labels).enumerate() {
         let x = left + i as f64 * (bar_w + 6.0);
-        let m = &d.memory;
         let mut acc = 0.0;
-        for (name, c) in parts {
-            let v = match name {
+        for (part, c) in parts {
+            let v = match part {
                 "weights" => m.weights,
                 "gradients" => m.gradients,
                 "optimizer" => m.optimizer,
@@ -307,10 +347,10 @@ pub fn memory_svg(plan: &Plan) -> String {
             }
             let _ = writeln!(
                 svg,
-                r#"<rect x="{x:.1}" y="{:.1}" width="{bar_w:.1}" height="{:.1}" fill="{c}"><title>{}: {name} {}</title></rect>"#,
+                r#"<rect x="{x:.1}" y="{:.1}" width="{bar_w:.1}" height="{:.1}" fill="{c}"><title>{}: {part} {}</title></rect>"#,
                 y(acc + v),
                 y(acc) - y(acc + v),
-                d.id,
+                escape(name),
                 human_bytes(v as u64)
             );
             acc += v;
@@ -324,13 +364,12 @@ pub fn memory_svg(plan: &Plan) -> String {
             x + bar_w + 2.0,
             if over { "red" } else { "black" }
         );
-        if n <= 32 {
+        if i % label_every == 0 {
+            let (lx, ly) = (x + bar_w / 2.0, top + h + 10.0);
             let _ = writeln!(
                 svg,
-                r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
-                x + bar_w / 2.0,
-                top + h + 14.0,
-                d.id
+                r#"<text transform="translate({lx:.1} {ly:.1}) rotate(35)" text-anchor="start">{}</text>"#,
+                escape(name)
             );
         }
     }
@@ -359,7 +398,7 @@ pub fn memory_svg(plan: &Plan) -> String {
         r##"<text transform="translate(16 {:.1}) rotate(-90)" text-anchor="middle" fill="#555">bytes per device</text><text x="{:.1}" y="{}" text-anchor="middle" fill="#555">device</text>"##,
         top + h / 2.0,
         (left + right) / 2.0,
-        top + h + 32.0
+        top + h + label_h + 24.0
     );
     let lx = right + 20.0;
     for (i, (name, c)) in parts.iter().enumerate() {

@@ -300,6 +300,8 @@ pub struct Prediction {
 pub struct SearchReport {
     pub candidates: Vec<Candidate>,
     pub seconds: f64,
+    /// What the model's state needs, for the report when nothing fits.
+    pub need: crate::fit::MemoryNeed,
 }
 
 impl SearchReport {
@@ -494,7 +496,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
     let mut memo = Memo::default();
     let (mut candidates, valid) = candidates(spec, compile_options, options, &mut memo);
     branch_and_bound(source, spec, compile_options, options, &mut memo, &mut candidates, valid);
-    SearchReport { candidates, seconds: started.elapsed().as_secs_f64() }
+    SearchReport { candidates, seconds: started.elapsed().as_secs_f64(), need: crate::fit::MemoryNeed::of(spec) }
 }
 
 /// Every candidate of the space the options leave: tensor-parallel degree × layout ×
@@ -922,7 +924,7 @@ impl SearchReport {
                 options.headroom * 100.0,
                 h * 100.0
             ),
-            _ => "no strategy fits in device memory on this cluster".to_string(),
+            _ => format!("no strategy fits in device memory on this cluster: {}", self.need.what_would_fit()),
         }
     }
 

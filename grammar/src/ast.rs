@@ -429,6 +429,48 @@ pub enum Data {
         dtype: Option<pipec_plan::TokenDtype>,
         span: Span,
     },
+    /// A language model's text in a file of records — JSON Lines, Parquet or Arrow
+    /// (`pipec_plan::datafile::Records`): `field` names the text's field or column (or, in
+    /// Parquet and Arrow, a column of token ids), `tokenizer` cuts the text (absent:
+    /// characters), `eot` is the token put between records.
+    Records {
+        format: pipec_plan::datafile::RecordFormat,
+        path: String,
+        field: String,
+        tokenizer: Option<String>,
+        eot: Option<String>,
+        span: Span,
+    },
+}
+
+impl Data {
+    /// A JSON Lines file's records, its paths resolved against `base`.
+    pub fn records(&self, base: &std::path::Path) -> Option<pipec_plan::datafile::Records> {
+        match self {
+            Data::Records { format, path, field, tokenizer, eot, .. } => {
+                Some(records(base, *format, path, field, tokenizer, eot))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The records of `kind: jsonl`, `parquet` or `arrow` data, its paths resolved against `base`.
+pub fn records(
+    base: &std::path::Path,
+    format: pipec_plan::datafile::RecordFormat,
+    path: &str,
+    field: &str,
+    tokenizer: &Option<String>,
+    eot: &Option<String>,
+) -> pipec_plan::datafile::Records {
+    pipec_plan::datafile::Records {
+        format,
+        path: base.join(path),
+        field: field.to_string(),
+        tokenizer: tokenizer.as_ref().map(|t| base.join(t)),
+        eot: eot.clone(),
+    }
 }
 
 /// Checkpointing.

@@ -37,6 +37,21 @@ Example:
 The flow list `[2, 1` is never closed. Fix the YAML first; pipec then reports
 every other problem at once.";
 
+"W0106", "an inter-node bandwidth past one device's network adapter",
+"`cluster.links.inter_node.bandwidth` is per device: each device's share of the network
+between nodes, one direction (a DGX H100 has 8 × 400 Gb/s ConnectX-7 adapters, one per GPU,
+so `bandwidth: 400Gbps`). A figure above the fastest adapter one device has (800 Gb/s,
+NVIDIA ConnectX-8) is most likely the node's total, which would give every device
+`devices_per_node` times its real bandwidth and make every collective across nodes look
+that much faster.
+
+    cluster:
+      devices_per_node: 8
+      links:
+        inter_node: { bandwidth: 3200Gbps, latency: 6us }   # warning: the node's total
+
+Write each device's share (3200 Gb/s ÷ 8 = `400Gbps`).";
+
 "E0102", "unknown key",
 "A mapping has a key pipec does not know. Keys are case-sensitive and spelled with
 underscores. The help names the closest known key; `pipec schema` lists them all.

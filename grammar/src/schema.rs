@@ -135,7 +135,9 @@ enum LinksSpec {
 struct Links {
     /// Between devices of one node.
     intra_node: Link,
-    /// Between nodes. Required when `nodes` is more than 1.
+    /// Between nodes, per device: each device's share of the network, not the node's total
+    /// (a DGX H100's is `400Gbps`, one ConnectX-7 per GPU). Past 800 Gb/s, the fastest
+    /// adapter one device has, W0106 warns. Required when `nodes` is more than 1.
     inter_node: Option<Link>,
 }
 
@@ -457,7 +459,13 @@ enum DataKind {
 struct Data {
     /// `synthetic` (deterministic from the seed), `csv`, `npy`, `images` (a folder of one
     /// folder per class, PNG or JPEG, or a CIFAR-10 batch file), or a language model's `text` (UTF-8, one token per
-    /// character or a tokenizer's) or `tokens` (token ids: `.npy`, or raw with `dtype`).
+    /// character or a tokenizer's; a file, a folder of `.txt` files or a pattern such as
+    /// `corpus/*.txt`), `jsonl` (JSON Lines records' `field`, an end-of-text token
+    /// between records), `parquet` or `arrow` (a text or token-id `column`; `arrow` also
+    /// takes a `datasets` save_to_disk folder) or `tokens` (token ids: `.npy`, or raw
+    /// with `dtype`). A data file's
+    /// first bytes are checked: a Parquet, Arrow, NPY or JSON Lines file given as another
+    /// kind is refused naming what it is.
     kind: DataFileKind,
     /// synthetic: `classification` (labels from a fixed random teacher) or `regression`.
     task: Option<Task>,
@@ -471,9 +479,20 @@ struct Data {
     /// tokens: the integer type of a raw token file (`uint16` or `uint32`); a `.npy` file
     /// says its own.
     dtype: Option<pipec_plan::TokenDtype>,
-    /// text: a Hugging Face `tokenizer.json` (BPE, Unigram or WordPiece), relative to the
-    /// spec, that cuts the text into tokens; without it, one token per character.
+    /// text, jsonl: a Hugging Face `tokenizer.json` (BPE, Unigram or WordPiece), or a model
+    /// folder holding one, relative to the spec, that cuts the text into tokens; without it,
+    /// one token per character.
     tokenizer: Option<String>,
+    /// jsonl: the field of each record (a JSON object per line) that holds its text
+    /// (default `text`).
+    field: Option<String>,
+    /// parquet, arrow: the column that holds each record's text, or its token ids (a list
+    /// of integers, taken as they are) (default `text`).
+    column: Option<String>,
+    /// jsonl, parquet, arrow: the tokenizer's token put between records (default: its end-of-text token,
+    /// `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>`, `<|im_end|>` or `[SEP]`, the
+    /// first it has); without a tokenizer a newline is.
+    eot: Option<String>,
     /// images: the shorter side after resizing, before the centre crop to the model's input
     /// (default: the input's longer side).
     resize: Option<u64>,
@@ -492,6 +511,9 @@ enum DataFileKind {
     Text,
     Tokens,
     Images,
+    Jsonl,
+    Parquet,
+    Arrow,
 }
 
 /// Checkpointing during `pipec run`.

@@ -147,6 +147,29 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
         Data::Tokens { path, dtype: None, span } => Some((path, pipec_plan::datafile::TokenFile::Npy, *span)),
         _ => None,
     };
+    // a file of another kind than the spec says: named, with the kind to write instead
+    use pipec_plan::datafile::Reading;
+    let reading = match &training.data {
+        Data::Text { path, span, .. } => Some((path, Reading::Text, span)),
+        Data::Tokens { path, dtype: Some(_), span } => Some((path, Reading::RawTokens, span)),
+        Data::Tokens { path, dtype: None, span } | Data::Npy { path, span, .. } => Some((path, Reading::Npy, span)),
+        Data::Csv { path, span } => Some((path, Reading::Csv, span)),
+        Data::Synthetic { .. } | Data::Images { .. } | Data::Records { .. } => None,
+    };
+    if let Some((path, reading, &span)) = reading {
+        if let Some(kind) = pipec_plan::datafile::file_kind_mismatch(&base.join(path), reading) {
+            cx.push(
+                Diagnostic::error(
+                    "E0502",
+                    format!("`{path}` is {}, not {}", kind.name(), reading.name()),
+                    span,
+                    kind.name(),
+                )
+                .with_help(kind.advice()),
+            );
+            return;
+        }
+    }
     let (result, span) = if let Some((path, kind, span)) = token_file {
         let (Some(seq), Some(vocab)) = (lm, model.token_vocab()) else {
             cx.push(
@@ -170,6 +193,20 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
     } else {
         match &training.data {
             Data::Synthetic { .. } | Data::Text { .. } | Data::Tokens { .. } => return,
+            Data::Records { span, .. } => {
+                let Some(records) = training.data.records(base) else { return };
+                let (Some(seq), Some(vocab)) = (lm, model.token_vocab()) else {
+                    cx.push(
+                        Diagnostic::error("E0502", "text records train a language model, and this model is not one", *span, "text records")
+                            .with_help("a language model starts with `embedding(vocab, d)` and ends with `linear(d, vocab)` on every position ([sequence, vocab] scores)"),
+                    );
+                    return;
+                };
+                let shown = records.path.display().to_string();
+                let result = pipec_plan::datafile::load_record_tokens(&records, vocab, extent)
+                    .and_then(|t| pipec_plan::datafile::token_windows(&t, seq, &shown));
+                (result, *span)
+            }
             Data::Images { path, resize, mean, std, span, .. } => {
                 let t = pipec_plan::images::Transform { resize: *resize, mean: mean.clone(), std: std.clone() };
                 (pipec_plan::images::load_folder(&base.join(path), &model.input, &expect, &t, extent), *span)
@@ -321,7 +358,13 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
     }
 }
 
-fn lower_link(cx: &mut Lower<'_>, node: &Node, owner: Span, level: &str) -> Option<Link> {
+fn lower_link(
+    cx: &mut Lower<'_>,
+    node: &Node,
+    owner: Span,
+    level: &str,
+    devices_per_node: Option<usize>,
+) -> Option<Link> {
     let path = ["cluster", "links", level];
     let f = cx.fields(node, &path, owner)?;
     let section = format!("cluster.links.{level}");
@@ -366,7 +409,45 @@ fn lower_link(cx: &mut Lower<'_>, node: &Node, owner: Span, level: &str) -> Opti
             }
         }),
     };
-    Some(Link { bandwidth: bw?, latency: lat?, efficiency: efficiency? })
+    let bandwidth = bw?;
+    if level == "inter_node" {
+        if let Some(n) = f.get("bandwidth") {
+            per_device_bandwidth(cx, n, bandwidth, devices_per_node);
+        }
+    }
+    Some(Link { bandwidth, latency: lat?, efficiency: efficiency? })
+}
+
+/// W0106: `inter_node.bandwidth` is each device's share of the network, and a figure past
+/// the fastest network adapter one device has ([`pipec_plan::device::FASTEST_NIC`]) is most
+/// likely a node's total (DGX H100's 8 × 400 Gb/s written as 3200Gbps gives each GPU 8× its
+/// bandwidth).
+fn per_device_bandwidth(cx: &mut Lower<'_>, n: &Node, bandwidth: f64, devices_per_node: Option<usize>) {
+    use pipec_plan::device::FASTEST_NIC;
+    if bandwidth <= FASTEST_NIC.bytes_per_s {
+        return;
+    }
+    let gbps = |b: f64| format!("{}Gbps", (b * 8.0 / 1e9 * 10.0).round() / 10.0);
+    let share = match devices_per_node.filter(|&d| d > 1) {
+        Some(d) => format!(
+            "if {} is the node's total, write each device's share, {} (÷ {d} devices per node)",
+            gbps(bandwidth),
+            gbps(bandwidth / d as f64)
+        ),
+        None => "if it is a node's total, divide it by the devices per node".to_string(),
+    };
+    cx.push(
+        Diagnostic::warning(
+            "W0106",
+            format!(
+                "`inter_node.bandwidth` is per device, and {} is more than one device's network adapter carries",
+                gbps(bandwidth)
+            ),
+            n.span,
+            format!("more than {} per device", gbps(FASTEST_NIC.bytes_per_s)),
+        )
+        .with_help(format!("{share}; the bound is {}", FASTEST_NIC.source)),
+    );
 }
 
 /// `name` is not a preset of `kind`: E0105 with the nearest name and the list.
@@ -508,7 +589,12 @@ fn read_device_file(cx: &mut Lower<'_>, f: &Node) -> Option<pipec_plan::device::
 }
 
 /// `cluster.links`: an interconnect preset's name, or the links per level.
-fn lower_links(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(Link, Option<Link>, bool, Span)> {
+fn lower_links(
+    cx: &mut Lower<'_>,
+    n: &Node,
+    owner: Span,
+    devices_per_node: Option<usize>,
+) -> Option<(Link, Option<Link>, bool, Span)> {
     if let Some(name) = n.as_str() {
         let names: Vec<&str> = pipec_plan::device::LINK_PRESETS.iter().map(|p| p.name).collect();
         return match pipec_plan::device::link_preset(name) {
@@ -526,9 +612,10 @@ fn lower_links(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(Link, Optio
     let lf = cx.fields(n, &["cluster", "links"], owner)?;
     let intra = cx
         .required(&lf, "intra_node", "cluster.links")
-        .and_then(|l| lower_link(cx, l, lf.key_span("intra_node").unwrap_or(owner), "intra_node"));
+        .and_then(|l| lower_link(cx, l, lf.key_span("intra_node").unwrap_or(owner), "intra_node", devices_per_node));
     let inter_node = lf.get("inter_node");
-    let inter = inter_node.and_then(|l| lower_link(cx, l, lf.key_span("inter_node").unwrap_or(owner), "inter_node"));
+    let inter = inter_node
+        .and_then(|l| lower_link(cx, l, lf.key_span("inter_node").unwrap_or(owner), "inter_node", devices_per_node));
     Some((intra?, inter, inter_node.is_some(), owner))
 }
 
@@ -539,8 +626,9 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
     let dpn = dpn_node.and_then(|n| cx.uint(n, 1));
     let device =
         cx.required(&f, "device", "cluster").and_then(|n| lower_device(cx, n, f.key_span("device").unwrap_or(owner)));
-    let links =
-        cx.required(&f, "links", "cluster").and_then(|n| lower_links(cx, n, f.key_span("links").unwrap_or(n.span)));
+    let links = cx
+        .required(&f, "links", "cluster")
+        .and_then(|n| lower_links(cx, n, f.key_span("links").unwrap_or(n.span), dpn));
     let (nodes, dpn, (device, memory_span, overhead), (intra, inter, inter_given, links_key)) =
         (nodes?, dpn?, device?, links?);
     if nodes.checked_mul(dpn).is_none_or(|n| n > MAX_DEVICES) {
@@ -799,14 +887,55 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optim
 const DATA_KEYS: &[(&str, &[&str], &str)] = &[
     ("task", &["synthetic"], "chooses what synthetic data is made for"),
     ("samples", &["synthetic"], "sizes a synthetic data set"),
-    ("path", &["csv", "npy", "text", "tokens", "images"], "names a data file or folder"),
+    ("path", &["csv", "npy", "text", "tokens", "images", "jsonl", "parquet", "arrow"], "names a data file or folder"),
     ("labels", &["npy"], "names an NPY file's labels"),
     ("dtype", &["tokens"], "is a raw token file's integer type"),
-    ("tokenizer", &["text"], "cuts a text file into a language model's tokens"),
+    ("tokenizer", &["text", "jsonl", "parquet", "arrow"], "cuts text into a language model's tokens"),
+    ("field", &["jsonl"], "names the text's field in a JSON Lines file's records"),
+    ("column", &["parquet", "arrow"], "names the text's (or token ids') column"),
+    ("eot", &["jsonl", "parquet", "arrow"], "is the token put between records"),
     ("resize", &["images"], "transforms an image folder's images"),
     ("mean", &["images"], "transforms an image folder's images"),
     ("std", &["images"], "transforms an image folder's images"),
 ];
+
+/// E0502 when a data kind's file (`what`: data, labels, tokenizer) is not there: a folder
+/// where a file belongs is said to be one (text data may be a folder of `.txt` files or a
+/// pattern of file names, and a tokenizer a model folder holding `tokenizer.json`).
+fn missing_file(kind: &str, what: &str, rel: &str, full: &std::path::Path, span: Span) -> Option<Diagnostic> {
+    let error = |message: String, label: &str, help: &str| {
+        Some(Diagnostic::error("E0502", message, span, label.to_string()).with_help(help.to_string()))
+    };
+    match (kind, what) {
+        // a `datasets` save_to_disk folder
+        ("arrow", "data") if full.is_dir() => None,
+        ("text", "data") => match pipec_plan::datafile::text_files(full) {
+            Ok(Some(_)) => None,
+            Ok(None) if full.is_file() => None,
+            Ok(None) => error(
+                format!("the data file `{rel}` does not exist"),
+                "no such file",
+                "text data is a file, a folder of `.txt` files, or a pattern such as `corpus/*.txt`, relative to the spec file's directory",
+            ),
+            Err(e) => error(e, "no text file here", "a folder's `.txt` files are read, or the files a pattern names"),
+        },
+        ("text" | "jsonl" | "parquet" | "arrow", "tokenizer") if full.is_dir() => (!full.join("tokenizer.json").is_file()).then(|| {
+            Diagnostic::error("E0502", format!("the model folder `{rel}` has no tokenizer.json"), span, "no tokenizer.json")
+                .with_help("a tokenizer is a `tokenizer.json` file or a model folder holding one (save it with `tokenizer.save_pretrained`)")
+        }),
+        _ if full.is_dir() => error(
+            format!("the {what} file `{rel}` is a folder, not a file"),
+            "a folder",
+            "name the file itself (paths are relative to the spec file's directory)",
+        ),
+        _ if !full.is_file() => error(
+            format!("the {what} file `{rel}` does not exist"),
+            "no such file",
+            "paths are relative to the spec file's directory",
+        ),
+        _ => None,
+    }
+}
 
 fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
     if let Value::Str(_) = node.value {
@@ -875,28 +1004,38 @@ fn lower_data(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Data> {
                             );
                             return None;
                         }
-                    } else if !full.is_file() {
-                        cx.push(
-                            Diagnostic::error(
-                                "E0502",
-                                format!("the {what} file `{rel}` does not exist"),
-                                node.span,
-                                "no such file",
-                            )
-                            .with_help("paths are relative to the spec file's directory"),
-                        );
+                    } else if let Some(d) = missing_file(file_kind, what, rel, &full, node.span) {
+                        cx.push(d);
                         return None;
                     }
                 }
             }
             if file_kind == "csv" {
                 Some(Data::Csv { path, span: p.span })
-            } else if file_kind == "text" {
+            } else if matches!(file_kind, "text" | "jsonl" | "parquet" | "arrow") {
+                // a model folder (the one `--init` takes) stands for its tokenizer.json
                 let tokenizer = match f.get("tokenizer") {
-                    Some(t) => Some(cx.string(t)?.to_string()),
+                    Some(t) => {
+                        let t = cx.string(t)?;
+                        let folder = cx.base_dir.is_some_and(|b| b.join(t).is_dir());
+                        Some(if folder { format!("{}/tokenizer.json", t.trim_end_matches('/')) } else { t.to_string() })
+                    }
                     None => None,
                 };
-                Some(Data::Text { path, tokenizer, span: p.span })
+                use pipec_plan::datafile::RecordFormat;
+                let (format, name_key) = match file_kind {
+                    "jsonl" => (RecordFormat::Jsonl, "field"),
+                    "parquet" => (RecordFormat::Parquet, "column"),
+                    "arrow" => (RecordFormat::Arrow, "column"),
+                    _ => return Some(Data::Text { path, tokenizer, span: p.span }),
+                };
+                let text = |cx: &mut Lower<'_>, key: &str| match f.get(key) {
+                    Some(n) => cx.string(n).map(|s| Some(s.to_string())),
+                    None => Some(None),
+                };
+                let field = text(cx, name_key)?.unwrap_or_else(|| "text".to_string());
+                let eot = text(cx, "eot")?;
+                Some(Data::Records { format, path, field, tokenizer, eot, span: p.span })
             } else if file_kind == "images" {
                 let resize = match f.get("resize") {
                     None => Some(None),

@@ -166,7 +166,9 @@ pub(crate) fn lower_strategy(
     // schedule it is still checked, so both are reported at once
     if let (None, Some(n), Some(t), Some(node)) = (&schedule, microbatches, training, microbatches_node) {
         if t.batch_size % n != 0 {
-            cx.push(batch_indivisible(t, n, node.span));
+            let help =
+                format!("choose microbatches among the divisors of {}: {}", t.batch_size, divisors_hint(t.batch_size));
+            cx.push(batch_indivisible(t, n, node.span, &help));
         }
     }
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
@@ -1100,8 +1102,10 @@ fn check_schedule_and_microbatches(
 
     let Some(t) = training else { return ok };
     let mb_span = mb.span.unwrap_or(mb.owner);
+    // every help names the counts that meet all the constraints at once
+    let choices = microbatch_choices(t.batch_size, schedule, replicas);
     if t.batch_size % microbatches != 0 {
-        cx.push(with_mb_fix(batch_indivisible(t, microbatches, mb_span)));
+        cx.push(with_mb_fix(batch_indivisible(t, microbatches, mb_span, &choices)));
         ok = false;
     }
     if let Some((s, &r)) = replicas.iter().enumerate().find(|(_, &r)| r > 1 && !microbatches.is_multiple_of(r)) {
@@ -1114,15 +1118,38 @@ fn check_schedule_and_microbatches(
                 format!("{microbatches} microbatches"),
             )
             .with_label(span, format!("{r} replicas"))
-            .with_help(format!("microbatches are routed round-robin to replicas: use a multiple of {r}")),
+            .with_help(format!("microbatches are routed round-robin to replicas, so a multiple of {r}; {choices}")),
         ));
         ok = false;
     }
     ok
 }
 
-/// E0404: the batch does not split into `microbatches`.
-fn batch_indivisible(t: &Training, microbatches: usize, mb_span: Span) -> Diagnostic {
+/// The microbatch counts that meet every constraint at once — divide the batch, are shared
+/// evenly by every stage's replicas, and suit the schedule on this layout (Chimera's pairs,
+/// an interleaved schedule's rounds) — as a help's sentence.
+fn microbatch_choices(batch: usize, schedule: &Schedule, replicas: &[usize]) -> String {
+    let accepted = |n: usize| schedule.kind.accepts_microbatches(replicas, n, schedule.vertical_sync);
+    let what = format!(
+        "counts that divide the batch of {batch}{} and that `{}` accepts on this layout",
+        if replicas.iter().any(|&r| r > 1) { ", are shared evenly by every stage's replicas" } else { "" },
+        schedule.kind.name()
+    );
+    match divisors(batch) {
+        Some(all) => {
+            let fitting: Vec<String> = all.into_iter().filter(|&n| accepted(n)).map(|n| n.to_string()).collect();
+            match fitting.len() {
+                0 => format!("no count meets every constraint ({what}): change the batch size or the layout"),
+                n if n > 10 => format!("use one of the {what}: {}, ...", fitting[..10].join(", ")),
+                _ => format!("use one of the {what}: {}", fitting.join(", ")),
+            }
+        }
+        None => format!("use one of the {what}"),
+    }
+}
+
+/// E0404: the batch does not split into `microbatches`; `help` says which counts do.
+fn batch_indivisible(t: &Training, microbatches: usize, mb_span: Span, help: &str) -> Diagnostic {
     Diagnostic::error(
         "E0404",
         format!("batch size {} is not divisible into {microbatches} microbatches", t.batch_size),
@@ -1130,11 +1157,7 @@ fn batch_indivisible(t: &Training, microbatches: usize, mb_span: Span) -> Diagno
         format!("{microbatches} microbatches"),
     )
     .with_label(t.batch_span, format!("batch size {}", t.batch_size))
-    .with_help(format!(
-        "choose microbatches among the divisors of {}: {}",
-        t.batch_size,
-        divisors_hint(t.batch_size)
-    ))
+    .with_help(help.to_string())
 }
 
 /// `partition: auto | balanced | [ranges per stage chunk]`.

@@ -61,12 +61,150 @@ pub enum Extent {
     Prefix(u64),
 }
 
+/// What a data file is, by its first bytes (its magic number): a file of one kind is never
+/// read as another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sniffed {
+    /// `PAR1` (Apache Parquet).
+    Parquet,
+    /// `ARROW1` (an Arrow IPC file, Feather v2).
+    ArrowFile,
+    /// An Arrow IPC stream (`datasets`' `save_to_disk` `.arrow` files): a 0xFFFFFFFF
+    /// continuation marker, then a message's length.
+    ArrowStream,
+    /// `\x93NUMPY`.
+    Npy,
+    /// JSON Lines: the first line is a JSON object.
+    JsonLines,
+    /// A gzip stream (`\x1f\x8b`).
+    Gzip,
+    /// A zip archive (`PK\x03\x04`: `.npz`, `.zip`).
+    Zip,
+}
+
+impl Sniffed {
+    /// The file's kind as a sentence names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sniffed::Parquet => "a Parquet file",
+            Sniffed::ArrowFile => "an Arrow (Feather) file",
+            Sniffed::ArrowStream => "an Arrow stream file (as `datasets` saves them)",
+            Sniffed::Npy => "an NPY file",
+            Sniffed::JsonLines => "a JSON Lines file",
+            Sniffed::Gzip => "a gzip-compressed file",
+            Sniffed::Zip => "a zip archive",
+        }
+    }
+
+    /// What to write in the spec instead.
+    pub fn advice(self) -> &'static str {
+        match self {
+            Sniffed::Parquet => "use `kind: parquet` with the text or token-id column's name (`column:`)",
+            Sniffed::ArrowFile | Sniffed::ArrowStream => {
+                "use `kind: arrow` with the text or token-id column's name (`column:`)"
+            }
+            Sniffed::Npy => "use `kind: tokens` (token ids) or `kind: npy` (features)",
+            Sniffed::JsonLines => "use `kind: jsonl` with the text field's name (`field:`)",
+            Sniffed::Gzip => "decompress it first (`gunzip`)",
+            Sniffed::Zip => "unpack it first (an `.npz` holds `.npy` files)",
+        }
+    }
+}
+
+/// The kind a file's first bytes show, if they show one.
+pub fn sniff(bytes: &[u8]) -> Option<Sniffed> {
+    if bytes.starts_with(b"PAR1") {
+        return Some(Sniffed::Parquet);
+    }
+    if bytes.starts_with(b"ARROW1") {
+        return Some(Sniffed::ArrowFile);
+    }
+    if bytes.starts_with(&[0xff, 0xff, 0xff, 0xff]) && bytes.len() >= 8 {
+        return Some(Sniffed::ArrowStream);
+    }
+    if bytes.starts_with(b"\x93NUMPY") {
+        return Some(Sniffed::Npy);
+    }
+    if bytes.starts_with(&[0x1f, 0x8b]) {
+        return Some(Sniffed::Gzip);
+    }
+    if bytes.starts_with(b"PK\x03\x04") {
+        return Some(Sniffed::Zip);
+    }
+    // JSON Lines: the first non-blank line is a whole JSON object
+    let text = bytes.strip_prefix(b"\xef\xbb\xbf").unwrap_or(bytes);
+    let start = text.iter().position(|b| !b.is_ascii_whitespace())?;
+    if text[start] == b'{' {
+        let line = text[start..].split(|&b| b == b'\n').next().unwrap_or_default();
+        if matches!(serde_json::from_slice::<serde_json::Value>(line), Ok(serde_json::Value::Object(_))) {
+            return Some(Sniffed::JsonLines);
+        }
+    }
+    None
+}
+
+/// What a reader takes a file for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reading {
+    Text,
+    RawTokens,
+    Npy,
+    Csv,
+}
+
+impl Reading {
+    /// The reader of a kind of token file.
+    pub fn of(kind: &TokenFile) -> Reading {
+        match kind {
+            TokenFile::Text | TokenFile::Tokenized(_) => Reading::Text,
+            TokenFile::Raw(_) => Reading::RawTokens,
+            TokenFile::Npy => Reading::Npy,
+        }
+    }
+
+    /// What the reader expects, as a sentence names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reading::Text => "a text file",
+            Reading::RawTokens => "a raw token file",
+            Reading::Npy => "an NPY file",
+            Reading::Csv => "a CSV file",
+        }
+    }
+
+    /// The kind a file's first bytes show when it is not one this reader takes.
+    pub fn mismatch(self, bytes: &[u8]) -> Option<Sniffed> {
+        sniff(bytes).filter(|k| !(self == Reading::Npy && *k == Sniffed::Npy))
+    }
+}
+
+/// Refuses a file whose first bytes show another kind than `reading` takes, naming what it
+/// is and what to write instead.
+fn refuse_other_kind(bytes: &[u8], shown: &str, reading: Reading) -> Result<(), String> {
+    match reading.mismatch(bytes) {
+        Some(kind) => Err(format!("`{shown}` is {}, not {}: {}", kind.name(), reading.name(), kind.advice())),
+        None => Ok(()),
+    }
+}
+
+/// The kind a data file's first bytes show when `reading` does not take it (None for a
+/// folder, a missing file or one that reads).
+pub fn file_kind_mismatch(path: &Path, reading: Reading) -> Option<Sniffed> {
+    let (bytes, _) = read_bytes(path, Extent::Prefix(4096)).ok()?;
+    reading.mismatch(&bytes)
+}
+
+/// A folder where a file is expected, said as such.
+pub fn folder_not_file(path: &Path, what: &str) -> String {
+    format!("`{}` is a folder, not {what}", path.display())
+}
+
 fn read_bytes(path: &Path, extent: Extent) -> Result<(Vec<u8>, bool), String> {
     let shown = path.display();
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read the data file `{shown}`: {e}"))?;
-    if file.metadata().is_ok_and(|m| m.is_dir()) {
-        return Err(format!("the data file `{shown}` is a directory"));
+    if path.is_dir() {
+        return Err(folder_not_file(path, "a data file"));
     }
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read the data file `{shown}`: {e}"))?;
     let mut bytes = Vec::new();
     let complete = match extent {
         Extent::All => {
@@ -167,6 +305,7 @@ pub fn load_csv(path: &Path, expect: &Expect, extent: Extent) -> Result<Samples,
 
 /// [`load_csv`] on a file's bytes (`complete` false: a prefix, whose cut last row is dropped).
 pub fn parse_csv(bytes: &[u8], complete: bool, shown: &str, expect: &Expect) -> Result<Samples, String> {
+    refuse_other_kind(bytes, shown, Reading::Csv)?;
     let text = match std::str::from_utf8(bytes) {
         Ok(t) => t,
         // a prefix may end inside a character
@@ -243,6 +382,7 @@ pub struct NpyArray {
 /// Parses an NPY file's bytes (format 1.0–3.0, little-endian or single-byte integers and
 /// floats, C order); with `complete` false the data may stop early.
 pub fn parse_npy(bytes: &[u8], complete: bool, shown: &str) -> Result<NpyArray, String> {
+    refuse_other_kind(bytes, shown, Reading::Npy)?;
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
         return Err(format!("`{shown}` is not an NPY file (no \\x93NUMPY magic)"));
     }
@@ -374,9 +514,281 @@ pub enum TokenFile {
 /// The token ids of a file, each checked to be in `0..vocab`. Text files number their
 /// distinct characters in code-point order; more distinct characters than `vocab` is an
 /// error that says how large the vocabulary must be.
+///
+/// Text (`TokenFile::Text` or `Tokenized`) may also be a folder, whose `.txt` files are
+/// read, or a pattern of file names (`corpus/*.txt`, `?` and `*` in the last part), each
+/// in name order and joined with a newline between files.
 pub fn load_tokens(path: &Path, kind: TokenFile, vocab: usize, extent: Extent) -> Result<Vec<u32>, String> {
-    let (bytes, complete) = read_bytes(path, extent)?;
+    let text = matches!(kind, TokenFile::Text | TokenFile::Tokenized(_));
+    let (bytes, complete) = match text_files(path)? {
+        Some(files) if text => read_text_files(&files, extent)?,
+        _ => read_bytes(path, extent)?,
+    };
     parse_tokens(&bytes, complete, kind, vocab, &path.display().to_string())
+}
+
+/// Whether a text path names several files: a folder (its `.txt` files) or a pattern of
+/// file names; None for a plain path. A folder or pattern with no file is an error.
+pub fn text_files(path: &Path) -> Result<Option<Vec<std::path::PathBuf>>, String> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let (folder, pattern) = if path.is_dir() {
+        (path.to_path_buf(), "*.txt".to_string())
+    } else if name.contains(['*', '?']) {
+        (path.parent().map_or_else(|| std::path::PathBuf::from("."), Path::to_path_buf), name.to_string())
+    } else {
+        return Ok(None);
+    };
+    let shown = path.display();
+    let entries = std::fs::read_dir(&folder).map_err(|e| format!("cannot list `{}`: {e}", folder.display()))?;
+    let mut files: Vec<std::path::PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| wildcard(&pattern, n)))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(format!("`{shown}` names no text file (a folder's `*.txt`, or a pattern such as `corpus/*.txt`)"));
+    }
+    Ok(Some(files))
+}
+
+/// Whether `name` matches `pattern`, where `*` stands for any run of characters and `?`
+/// for one.
+fn wildcard(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // the classic two-pointer match with backtracking to the last star
+    let (mut i, mut j, mut star, mut mark) = (0, 0, None, 0);
+    while j < n.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some(i);
+            mark = j;
+            i += 1;
+        } else if let Some(s) = star {
+            i = s + 1;
+            mark += 1;
+            j = mark;
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
+}
+
+/// Several text files' bytes, a newline between files, each checked to be text; with a
+/// prefix, as many files as its bytes reach.
+fn read_text_files(files: &[std::path::PathBuf], extent: Extent) -> Result<(Vec<u8>, bool), String> {
+    let mut out = Vec::new();
+    for (i, file) in files.iter().enumerate() {
+        let left = match extent {
+            Extent::All => Extent::All,
+            Extent::Prefix(n) if (out.len() as u64) < n => Extent::Prefix(n - out.len() as u64),
+            Extent::Prefix(_) => return Ok((out, false)),
+        };
+        let (bytes, complete) = read_bytes(file, left)?;
+        refuse_other_kind(&bytes, &file.display().to_string(), Reading::Text)?;
+        if i > 0 {
+            out.push(b'\n');
+        }
+        out.extend_from_slice(&bytes);
+        if !complete {
+            return Ok((out, false));
+        }
+    }
+    Ok((out, true))
+}
+
+/// A JSON Lines file of records, each a JSON object whose `field` holds a string of text:
+/// a language model's tokens are the records' texts one after the other, cut by
+/// `tokenizer` (a `tokenizer.json`; without one, one token per character), with an
+/// end-of-text token between records (`eot`, the tokenizer's token; by default the first of
+/// its special tokens named like one — `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>`,
+/// `[SEP]`; a newline between records without a tokenizer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Records {
+    pub format: RecordFormat,
+    pub path: std::path::PathBuf,
+    /// The JSON field, or the Parquet or Arrow column, holding each record's text (or, for
+    /// Parquet and Arrow, its token ids: a list of integers, taken as they are).
+    pub field: String,
+    pub tokenizer: Option<std::path::PathBuf>,
+    pub eot: Option<String>,
+}
+
+/// How a file of records is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordFormat {
+    /// JSON Lines: a JSON object per line.
+    Jsonl,
+    /// Apache Parquet (Snappy-compressed or not), read by the `parquet` crate.
+    Parquet,
+    /// Arrow IPC (a file, Feather v2, or a stream), or a `datasets` `save_to_disk` folder
+    /// (`state.json`'s `data-*.arrow` files in order), read by the `arrow-ipc` crate.
+    Arrow,
+}
+
+/// A column of records: their texts, or their token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Column {
+    Texts(Vec<String>),
+    Ids(Vec<Vec<u32>>),
+}
+
+/// The records' column (with a prefix, about as many bytes of it as the prefix).
+pub fn load_records(records: &Records, extent: Extent) -> Result<Column, String> {
+    match records.format {
+        RecordFormat::Jsonl => load_jsonl(&records.path, &records.field, extent).map(Column::Texts),
+        RecordFormat::Parquet => columnar::parquet(&records.path, &records.field, extent),
+        RecordFormat::Arrow => columnar::arrow(&records.path, &records.field, extent),
+    }
+}
+
+/// The special tokens taken for end-of-text, in order of preference.
+const END_OF_TEXT: &[&str] = &["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "[SEP]"];
+
+/// The texts of a JSON Lines file's records (with a prefix, the whole lines it holds).
+pub fn load_jsonl(path: &Path, field: &str, extent: Extent) -> Result<Vec<String>, String> {
+    let (bytes, complete) = read_bytes(path, extent)?;
+    let shown = path.display().to_string();
+    match sniff(&bytes) {
+        Some(Sniffed::JsonLines) | None => {}
+        Some(other) => return Err(format!("`{shown}` is {}, not a JSON Lines file: {}", other.name(), other.advice())),
+    }
+    let text = match std::str::from_utf8(&bytes) {
+        Ok(t) => t,
+        Err(e) if !complete && e.error_len().is_none() => std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or(""),
+        Err(e) => return Err(format!("`{shown}` is not UTF-8 text (byte {} is not valid UTF-8)", e.valid_up_to())),
+    };
+    let mut lines: Vec<(usize, &str)> = text.lines().enumerate().map(|(i, l)| (i + 1, l)).collect();
+    if !complete {
+        lines.pop(); // cut by the prefix
+    }
+    let mut records = Vec::new();
+    for (n, line) in lines {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("`{shown}` line {n} is not a JSON object: {e}"))?;
+        let serde_json::Value::Object(record) = value else {
+            return Err(format!("`{shown}` line {n} is not a JSON object"));
+        };
+        match record.get(field) {
+            Some(serde_json::Value::String(t)) => records.push(t.clone()),
+            Some(other) => return Err(format!("`{shown}` line {n}: `{field}` holds {other}, not a string of text")),
+            None => {
+                let keys: Vec<String> = record.keys().map(|k| format!("`{k}`")).collect();
+                return Err(format!(
+                    "`{shown}` line {n} has no field `{field}` (it has {}): name the text's field with `field:`",
+                    keys.join(", ")
+                ));
+            }
+        }
+    }
+    if records.is_empty() {
+        return Err(format!("`{shown}` holds no record"));
+    }
+    Ok(records)
+}
+
+/// The token ids of a JSON Lines file's records (see [`Records`]), each checked to be in
+/// `0..vocab`.
+pub fn load_record_tokens(records: &Records, vocab: usize, extent: Extent) -> Result<Vec<u32>, String> {
+    let shown = records.path.display().to_string();
+    let texts = match load_records(records, extent)? {
+        Column::Texts(t) => t,
+        // token ids as they are, one record after the other
+        Column::Ids(rows) => {
+            let ids: Vec<u32> = rows.concat();
+            if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+                return Err(format!("`{shown}`: token {i} has id {id}, outside the model's vocabulary 0..{vocab}"));
+            }
+            return Ok(ids);
+        }
+    };
+    let Some(path) = &records.tokenizer else {
+        // one token per character, a newline between records
+        let joined = texts.join("\n");
+        return parse_tokens(joined.as_bytes(), true, TokenFile::Text, vocab, &shown);
+    };
+    let tokenizer = load_tokenizer(path)?;
+    let size = tokenizer.get_vocab_size(true);
+    if size > vocab {
+        return Err(format!(
+            "the tokenizer `{}` has {size} tokens, more than the model's vocabulary of {vocab}: make the embedding's vocabulary (and the output layer) at least {size}",
+            path.display()
+        ));
+    }
+    let eot = match &records.eot {
+        Some(token) => tokenizer.token_to_id(token).ok_or_else(|| {
+            format!("`eot: {token}` is not a token of the tokenizer `{}`", path.display())
+        })?,
+        None => END_OF_TEXT.iter().find_map(|t| tokenizer.token_to_id(t)).ok_or_else(|| {
+            format!(
+                "the tokenizer `{}` has none of the usual end-of-text tokens ({}): name the one to put between records with `eot:`",
+                path.display(),
+                END_OF_TEXT.join(", ")
+            )
+        })?,
+    };
+    let mut ids = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        if i > 0 {
+            ids.push(eot);
+        }
+        let encoding = tokenizer
+            .encode(text.as_str(), false)
+            .map_err(|e| format!("`{shown}` record {} does not tokenize: {e}", i + 1))?;
+        ids.extend_from_slice(encoding.get_ids());
+    }
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+        return Err(format!("`{shown}`: token {i} has id {id}, outside the model's vocabulary 0..{vocab}"));
+    }
+    Ok(ids)
+}
+
+/// Where the token ids of `records` are kept for training: a raw `uint32` token file in a
+/// `.pipec-tokens` folder beside the data, named by a digest of what made it (the data
+/// file's and the tokenizer's paths, sizes and modification times, the field and the
+/// end-of-text token), so a changed input is read again. `pipec compile` and `pipec run`
+/// write it ([`write_token_cache`]); the executor reads it as `kind: tokens` data.
+pub fn token_cache(records: &Records) -> std::path::PathBuf {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    let mut stamp = |p: &Path| {
+        h.update(p.display().to_string().as_bytes());
+        if let Ok(m) = std::fs::metadata(p) {
+            h.update(m.len().to_le_bytes());
+            let modified = m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+            h.update(modified.map_or(0, |d| d.as_nanos()).to_le_bytes());
+        }
+    };
+    stamp(&records.path);
+    if let Some(t) = &records.tokenizer {
+        stamp(t);
+    }
+    h.update([0, records.format as u8]);
+    h.update(records.field.as_bytes());
+    h.update([0]);
+    h.update(records.eot.as_deref().unwrap_or("").as_bytes());
+    let digest: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let stem = records.path.file_stem().and_then(|s| s.to_str()).unwrap_or("records");
+    let folder = records.path.parent().unwrap_or(Path::new("."));
+    folder.join(".pipec-tokens").join(format!("{stem}-{digest}.u32"))
+}
+
+/// Writes the token cache of `records` (whole, atomically) unless it is there already;
+/// returns its path and, when it wrote it now, how many tokens it holds.
+pub fn write_token_cache(records: &Records, vocab: usize) -> Result<(std::path::PathBuf, Option<usize>), String> {
+    let cache = token_cache(records);
+    if cache.is_file() {
+        return Ok((cache, None));
+    }
+    let ids = load_record_tokens(records, vocab, Extent::All)?;
+    let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+    crate::output::write_atomic(&cache, &bytes)?;
+    Ok((cache, Some(ids.len())))
 }
 
 /// The largest `tokenizer.json` read (the largest published ones are tens of MiB).
@@ -415,6 +827,7 @@ pub fn parse_tokens(
         }
         Err(e) => Err(format!("`{shown}` is not UTF-8 text (byte {} is not valid UTF-8)", e.valid_up_to())),
     };
+    refuse_other_kind(bytes, shown, Reading::of(&kind))?;
     let ids: Vec<u64> = match kind {
         TokenFile::Tokenized(tokenizer) => {
             let text = utf8()?;
@@ -514,6 +927,134 @@ pub fn token_windows(tokens: &[u32], seq: usize, shown: &str) -> Result<Samples,
 
 #[cfg(test)]
 mod tests {
+
+    /// tests/records: files pyarrow 24 wrote from specs/data/architecture.txt's 31
+    /// paragraphs (`body`), and a `datasets` save_to_disk folder of two Arrow streams.
+    fn records(format: RecordFormat, file: &str, field: &str) -> Records {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/records").join(file);
+        Records { format, path, field: field.into(), tokenizer: None, eot: None }
+    }
+
+    #[test]
+    fn parquet_arrow_and_datasets_folders_read_the_same_records() {
+        let text =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs/data/architecture.txt"))
+                .expect("text");
+        let paragraphs: Vec<String> = text.split("\n\n").filter(|p| !p.trim().is_empty()).map(String::from).collect();
+        assert_eq!(paragraphs.len(), 31);
+        for (format, file) in [
+            (RecordFormat::Parquet, "text.parquet"),
+            (RecordFormat::Arrow, "text-uncompressed.feather"),
+            (RecordFormat::Arrow, "dataset"),
+        ] {
+            let got = load_records(&records(format, file, "body"), Extent::All).expect(file);
+            assert_eq!(got, Column::Texts(paragraphs.clone()), "{file}");
+        }
+        // a prefix stops after about as many bytes
+        let Column::Texts(first) =
+            load_records(&records(RecordFormat::Arrow, "dataset", "body"), Extent::Prefix(100)).expect("prefix")
+        else {
+            panic!("text")
+        };
+        assert!(!first.is_empty() && first.len() < 31, "{}", first.len());
+        // token ids as a dataset holds them: list<int64>, taken as they are
+        let ids = load_record_tokens(&records(RecordFormat::Parquet, "ids.parquet", "input_ids"), 512, Extent::All)
+            .expect("ids");
+        assert_eq!(ids.len(), 31 * 40);
+        assert_eq!(&ids[..3], &[0, 1, 2]);
+        let e = load_record_tokens(&records(RecordFormat::Parquet, "ids.parquet", "input_ids"), 100, Extent::All)
+            .expect_err("outside the vocabulary");
+        assert!(e.contains("outside the model's vocabulary 0..100"), "{e}");
+        // a missing column is named with the ones there are; a compressed Arrow file says so
+        let e = load_records(&records(RecordFormat::Parquet, "text.parquet", "text"), Extent::All).expect_err("column");
+        assert!(
+            e.contains(
+                "has no column `text` (it has `body`, `source`): name the text's or token ids' column with `column:`"
+            ),
+            "{e}"
+        );
+        let e = load_records(&records(RecordFormat::Arrow, "text.feather", "body"), Extent::All).expect_err("lz4");
+        assert!(e.contains("text.feather") && e.to_lowercase().contains("lz4"), "{e}");
+    }
+
+    #[test]
+    fn json_lines_records_become_one_token_stream_with_a_separator_between_records() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("train.jsonl");
+        std::fs::write(&path, "{\"text\": \"ab\", \"id\": 1}\n\n{\"text\": \"ba\"}\n").expect("write");
+        let records = Records {
+            format: RecordFormat::Jsonl,
+            path: path.clone(),
+            field: "text".into(),
+            tokenizer: None,
+            eot: None,
+        };
+        assert_eq!(load_jsonl(&path, "text", Extent::All).expect("records"), vec!["ab", "ba"]);
+        // characters in code-point order ('\n' a b), a newline between records
+        assert_eq!(load_record_tokens(&records, 8, Extent::All).expect("tokens"), vec![1, 2, 0, 2, 1]);
+        let e = load_jsonl(&path, "body", Extent::All).expect_err("no such field");
+        assert!(
+            e.contains("line 1 has no field `body` (it has `id`, `text`): name the text's field with `field:`"),
+            "{e}"
+        );
+        std::fs::write(&path, "{\"text\": 3}\n").expect("write");
+        assert!(load_jsonl(&path, "text", Extent::All).expect_err("a number").contains("`text` holds 3, not a string"));
+        // the cache is named by what made it, and written once
+        std::fs::write(&path, "{\"text\": \"ab\"}\n").expect("write");
+        let (cache, written) = write_token_cache(&records, 8).expect("cache");
+        assert_eq!(written, Some(2));
+        assert!(cache.starts_with(dir.path().join(".pipec-tokens")), "{}", cache.display());
+        assert_eq!(write_token_cache(&records, 8).expect("cached"), (cache.clone(), None));
+        let other = Records { field: "body".into(), ..records.clone() };
+        assert_ne!(token_cache(&other), cache);
+        let ids = load_tokens(&cache, TokenFile::Raw(crate::vocab::TokenDtype::Uint32), 8, Extent::All).expect("raw");
+        assert_eq!(ids, vec![0, 1]);
+    }
+
+    #[test]
+    fn a_file_of_one_kind_is_never_read_as_another() {
+        let lm = TokenFile::Raw(crate::vocab::TokenDtype::Uint16);
+        let parquet = b"PAR1\x15\x04\x15\x80\x01rest of a parquet file";
+        let e = parse_tokens(parquet, true, lm.clone(), 128_256, "train.parquet").expect_err("parquet as tokens");
+        assert_eq!(
+            e,
+            "`train.parquet` is a Parquet file, not a raw token file: use `kind: parquet` with the text or token-id column's name (`column:`)"
+        );
+        let jsonl = b"{\"text\": \"hello\"}\n{\"text\": \"world\"}\n";
+        let e = parse_tokens(jsonl, true, TokenFile::Text, 256, "train.jsonl").expect_err("jsonl as text");
+        assert!(e.contains("is a JSON Lines file, not a text file: use `kind: jsonl`"), "{e}");
+        let arrow = b"\xff\xff\xff\xff\x78\x00\x00\x00\x10\x00";
+        let e = parse_tokens(arrow, false, TokenFile::Text, 256, "data-00000-of-00001.arrow").expect_err("arrow");
+        assert!(e.contains("an Arrow stream file"), "{e}");
+        let e =
+            parse_csv(b"ARROW1\x00\x00", true, "x.feather", &Expect::of(&[2], &[2], crate::Loss::CrossEntropy, None))
+                .expect_err("feather as csv");
+        assert!(e.contains("is an Arrow (Feather) file, not a CSV file"), "{e}");
+        // text that only starts with a brace is text
+        assert_eq!(sniff(b"{ not json"), None);
+        assert_eq!(sniff(b"hello"), None);
+    }
+
+    #[test]
+    fn text_may_be_a_folder_or_a_pattern_of_files_and_a_folder_is_named_as_one() {
+        let dir = tempfile::tempdir().expect("tmp");
+        std::fs::write(dir.path().join("b.txt"), "cd").expect("write");
+        std::fs::write(dir.path().join("a.txt"), "ab").expect("write");
+        std::fs::write(dir.path().join("notes.md"), "zz").expect("write");
+        // a folder: its .txt files in name order, a newline between
+        let ids = load_tokens(dir.path(), TokenFile::Text, 16, Extent::All).expect("folder");
+        // distinct characters in code-point order: '\n' a b c d
+        assert_eq!(ids, vec![1, 2, 0, 3, 4]);
+        let pattern = dir.path().join("?.txt");
+        assert_eq!(load_tokens(&pattern, TokenFile::Text, 16, Extent::All).expect("pattern"), ids);
+        let e = load_tokens(&dir.path().join("*.csv"), TokenFile::Text, 16, Extent::All).expect_err("none");
+        assert!(e.contains("names no text file"), "{e}");
+        // a folder where a file is expected is said to be one
+        let e = load_tokens(dir.path(), TokenFile::Raw(crate::vocab::TokenDtype::Uint16), 16, Extent::All)
+            .expect_err("folder");
+        assert!(e.ends_with("is a folder, not a data file"), "{e}");
+        assert!(wildcard("data-*.arrow", "data-00000-of-00002.arrow") && !wildcard("*.txt", "a.txt.bak"));
+    }
     use super::*;
 
     const CLS: Expect = Expect { numel: 2, classes: Some(3), outputs: 3, vocab: None, positions: 1 };
@@ -662,5 +1203,205 @@ mod tests {
         let e = token_windows(&[1, 2, 3], 3, "x").expect_err("short");
         assert!(e.contains("fewer than one window of 4"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Parquet and Arrow columns through the Rust ecosystem's readers (`parquet`, `arrow-ipc`).
+mod columnar {
+    use std::path::{Path, PathBuf};
+
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::{
+        Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type, UInt64Type, UInt8Type,
+    };
+    use arrow_array::{Array, RecordBatch};
+    use arrow_schema::{ArrowError, DataType};
+
+    use super::{Column, Extent};
+
+    /// A Parquet file's column.
+    pub fn parquet(path: &Path, column: &str, extent: Extent) -> Result<Column, String> {
+        let shown = path.display().to_string();
+        if path.is_dir() {
+            return Err(super::folder_not_file(path, "a Parquet file"));
+        }
+        let file = std::fs::File::open(path).map_err(|e| format!("cannot read the data file `{shown}`: {e}"))?;
+        let builder = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
+            .map_err(|e| format!("`{shown}` is not a Parquet file pipec reads: {e}"))?;
+        let index = builder.schema().index_of(column).map_err(|_| no_column(&shown, column, builder.schema()))?;
+        let mask = parquet::arrow::ProjectionMask::roots(builder.parquet_schema(), [index]);
+        let reader = builder.with_projection(mask).build().map_err(|e| format!("`{shown}` does not read: {e}"))?;
+        let mut out = Gathered::new(extent);
+        for batch in reader {
+            if !out.add(batch, column, &shown)? {
+                break;
+            }
+        }
+        out.finish(&shown)
+    }
+
+    /// An Arrow IPC file or stream's column, or a `datasets` `save_to_disk` folder's (its
+    /// `state.json` lists its `data-*.arrow` files; without one, they are read in name
+    /// order).
+    pub fn arrow(path: &Path, column: &str, extent: Extent) -> Result<Column, String> {
+        let files = if path.is_dir() { dataset_files(path)? } else { vec![path.to_path_buf()] };
+        let shown = path.display().to_string();
+        let mut out = Gathered::new(extent);
+        for file in &files {
+            let file_shown = file.display().to_string();
+            let open =
+                std::fs::File::open(file).map_err(|e| format!("cannot read the data file `{file_shown}`: {e}"))?;
+            let mut head = [0u8; 8];
+            let is_file_format = {
+                use std::io::Read;
+                let mut f = &open;
+                f.read(&mut head).map_err(|e| format!("cannot read `{file_shown}`: {e}"))? >= 6
+                    && head.starts_with(b"ARROW1")
+            };
+            let open =
+                std::fs::File::open(file).map_err(|e| format!("cannot read the data file `{file_shown}`: {e}"))?;
+            let batches: Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>>> = if is_file_format {
+                Box::new(
+                    arrow_ipc::reader::FileReader::try_new_buffered(open, None)
+                        .map_err(|e| format!("`{file_shown}` is not an Arrow file pipec reads: {e}"))?,
+                )
+            } else {
+                Box::new(
+                    arrow_ipc::reader::StreamReader::try_new_buffered(open, None)
+                        .map_err(|e| format!("`{file_shown}` is not an Arrow stream pipec reads: {e}"))?,
+                )
+            };
+            for batch in batches {
+                if !out.add(batch, column, &file_shown)? {
+                    return out.finish(&shown);
+                }
+            }
+        }
+        out.finish(&shown)
+    }
+
+    /// The `data-*.arrow` files of a `datasets` folder, in the order its `state.json` lists.
+    fn dataset_files(folder: &Path) -> Result<Vec<PathBuf>, String> {
+        let shown = folder.display();
+        if let Ok(text) = std::fs::read_to_string(folder.join("state.json")) {
+            let state: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format!("`{shown}/state.json` is not JSON: {e}"))?;
+            let listed: Option<Vec<PathBuf>> = state["_data_files"]
+                .as_array()
+                .map(|files| files.iter().filter_map(|f| f["filename"].as_str()).map(|n| folder.join(n)).collect());
+            if let Some(files) = listed.filter(|f| !f.is_empty()) {
+                return Ok(files);
+            }
+        }
+        match super::text_files(&folder.join("data-*.arrow"))? {
+            Some(files) => Ok(files),
+            None => Err(format!(
+                "`{shown}` is a folder without `data-*.arrow` files (a `datasets` save_to_disk folder has them)"
+            )),
+        }
+    }
+
+    fn no_column(shown: &str, column: &str, schema: &arrow_schema::Schema) -> String {
+        let names: Vec<String> = schema.fields().iter().map(|f| format!("`{}`", f.name())).collect();
+        format!(
+            "`{shown}` has no column `{column}` (it has {}): name the text's or token ids' column with `column:`",
+            names.join(", ")
+        )
+    }
+
+    /// Records gathered batch by batch, up to a prefix's bytes.
+    struct Gathered {
+        texts: Vec<String>,
+        ids: Vec<Vec<u32>>,
+        bytes: u64,
+        limit: Option<u64>,
+    }
+
+    impl Gathered {
+        fn new(extent: Extent) -> Gathered {
+            let limit = match extent {
+                Extent::All => None,
+                Extent::Prefix(n) => Some(n),
+            };
+            Gathered { texts: Vec::new(), ids: Vec::new(), bytes: 0, limit }
+        }
+
+        /// Adds a batch's column; false once the prefix is full.
+        fn add(&mut self, batch: Result<RecordBatch, ArrowError>, column: &str, shown: &str) -> Result<bool, String> {
+            let batch = batch.map_err(|e| format!("`{shown}` does not read: {e}"))?;
+            let array = batch.column_by_name(column).ok_or_else(|| no_column(shown, column, &batch.schema()))?;
+            if array.null_count() > 0 {
+                return Err(format!("`{shown}`: the column `{column}` holds empty (null) records"));
+            }
+            let texts: Option<Vec<String>> = if let Some(a) = array.as_string_opt::<i32>() {
+                Some(a.iter().map(|t| t.unwrap_or_default().to_string()).collect())
+            } else if let Some(a) = array.as_string_opt::<i64>() {
+                Some(a.iter().map(|t| t.unwrap_or_default().to_string()).collect())
+            } else {
+                array.as_string_view_opt().map(|a| a.iter().map(|t| t.unwrap_or_default().to_string()).collect())
+            };
+            match texts {
+                Some(t) => {
+                    self.bytes += t.iter().map(|x| x.len() as u64).sum::<u64>();
+                    self.texts.extend(t);
+                }
+                None => {
+                    let rows = id_rows(array.as_ref()).ok_or_else(|| {
+                        format!(
+                            "`{shown}`: the column `{column}` holds {}, neither text nor lists of token ids",
+                            array.data_type()
+                        )
+                    })??;
+                    self.bytes += rows.iter().map(|r| 4 * r.len() as u64).sum::<u64>();
+                    self.ids.extend(rows);
+                }
+            }
+            Ok(self.limit.is_none_or(|n| self.bytes < n))
+        }
+
+        fn finish(self, shown: &str) -> Result<Column, String> {
+            match (self.texts.is_empty(), self.ids.is_empty()) {
+                (false, true) => Ok(Column::Texts(self.texts)),
+                (true, false) => Ok(Column::Ids(self.ids)),
+                (true, true) => Err(format!("`{shown}` holds no record")),
+                (false, false) => Err(format!("`{shown}` holds text in some files and token ids in others")),
+            }
+        }
+    }
+
+    /// A list column's rows of token ids (None when the column is not a list of integers).
+    fn id_rows(array: &dyn Array) -> Option<Result<Vec<Vec<u32>>, String>> {
+        let (offsets, values): (Vec<usize>, &dyn Array) = if let Some(l) = array.as_list_opt::<i32>() {
+            (l.value_offsets().iter().map(|&o| o as usize).collect(), l.values().as_ref())
+        } else if let Some(l) = array.as_list_opt::<i64>() {
+            (l.value_offsets().iter().map(|&o| o as usize).collect(), l.values().as_ref())
+        } else {
+            return None;
+        };
+        let flat = integers(values)?;
+        Some(flat.map(|flat| offsets.windows(2).map(|w| flat[w[0]..w[1]].to_vec()).collect()))
+    }
+
+    /// An integer array's values as token ids (a negative one is an error).
+    fn integers(values: &dyn Array) -> Option<Result<Vec<u32>, String>> {
+        fn ids<I: Into<i128> + Copy>(v: &[I]) -> Result<Vec<u32>, String> {
+            v.iter()
+                .map(|&x| {
+                    let x: i128 = x.into();
+                    u32::try_from(x).map_err(|_| format!("the token id {x} is not one (0 to 4,294,967,295)"))
+                })
+                .collect()
+        }
+        Some(match values.data_type() {
+            DataType::Int8 => ids(values.as_primitive::<Int8Type>().values()),
+            DataType::Int16 => ids(values.as_primitive::<Int16Type>().values()),
+            DataType::Int32 => ids(values.as_primitive::<Int32Type>().values()),
+            DataType::Int64 => ids(values.as_primitive::<Int64Type>().values()),
+            DataType::UInt8 => ids(values.as_primitive::<UInt8Type>().values()),
+            DataType::UInt16 => ids(values.as_primitive::<UInt16Type>().values()),
+            DataType::UInt32 => ids(values.as_primitive::<UInt32Type>().values()),
+            DataType::UInt64 => ids(values.as_primitive::<UInt64Type>().values()),
+            _ => return None,
+        })
     }
 }

@@ -588,6 +588,20 @@ pub struct LinkPreset {
     pub inter: (f64, f64, f64),
 }
 
+/// A figure with the source it comes from.
+#[derive(Debug, Clone, Copy)]
+pub struct Sourced {
+    pub bytes_per_s: f64,
+    pub source: &'static str,
+}
+
+/// The fastest network adapter one device has: the bound past which an `inter_node`
+/// bandwidth, which is per device, is taken for a node's total (W0106).
+pub const FASTEST_NIC: Sourced = Sourced {
+    bytes_per_s: 100e9,
+    source: "800 Gb/s, NVIDIA ConnectX-8 SuperNIC's datasheet port speed (one per GPU in GB300 systems; DGX H100 and B200 have 400 Gb/s ConnectX-7s)",
+};
+
 /// The interconnect presets a spec can name (`cluster.links: dgx-a100`). Line rates are the
 /// datasheets' (each preset's `source`); the efficiencies are measured shares: within a node
 /// 0.75, NCCL's all-reduce bus bandwidth on NVSwitch (nccl-tests on DGX A100 reach about

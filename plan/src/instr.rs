@@ -49,6 +49,42 @@ impl fmt::Display for GroupId {
     }
 }
 
+/// A set of devices as a report writes it: runs of three or more consecutive ids as ranges,
+/// and past one device the count — `d0–d127 (128 devices)`, `d0–d3, d8–d11 (8 devices)`,
+/// `d0,d1` — so a report at 128 devices names them in a line. Past eight runs the rest is
+/// elided (`…`).
+pub fn devices_text(ids: &[DeviceId]) -> String {
+    let mut sorted: Vec<u32> = ids.iter().map(|d| d.0).collect();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for id in &sorted {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == *id => *end = *id,
+            _ => runs.push((*id, *id)),
+        }
+    }
+    const SHOWN: usize = 8;
+    let mut parts: Vec<String> = Vec::new();
+    for &(start, end) in runs.iter().take(SHOWN) {
+        match end - start {
+            0 => parts.push(format!("d{start}")),
+            1 => parts.push(format!("d{start},d{end}")),
+            _ => parts.push(format!("d{start}–d{end}")),
+        }
+    }
+    if runs.len() > SHOWN {
+        parts.push("…".into());
+    }
+    let ranged = runs.iter().any(|(s, e)| e - s > 1) || runs.len() > SHOWN;
+    let text = parts.join(if ranged { ", " } else { "," });
+    if ranged {
+        format!("{text} ({} devices)", sorted.len())
+    } else {
+        text
+    }
+}
+
 /// A buffer an instruction reads or writes. Activation buffers are per (stage, microbatch).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(tag = "buffer", rename_all = "snake_case")]
@@ -754,5 +790,21 @@ impl fmt::Display for Instr {
                 write!(f, "all_to_all {stage} {mb} {group} L{layer} {exchange} {bytes}B")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod device_text_tests {
+    use super::{devices_text, DeviceId};
+
+    #[test]
+    fn device_sets_are_written_as_ranges_with_their_count() {
+        let ids = |r: std::ops::Range<u32>| r.map(DeviceId).collect::<Vec<_>>();
+        assert_eq!(devices_text(&ids(0..128)), "d0–d127 (128 devices)");
+        assert_eq!(devices_text(&[ids(0..4), ids(8..12)].concat()), "d0–d3, d8–d11 (8 devices)");
+        assert_eq!(devices_text(&ids(0..2)), "d0,d1");
+        assert_eq!(devices_text(&[DeviceId(5)]), "d5");
+        let every_other: Vec<DeviceId> = (0..40).step_by(2).map(DeviceId).collect();
+        assert_eq!(devices_text(&every_other), "d0, d2, d4, d6, d8, d10, d12, d14, … (20 devices)");
     }
 }

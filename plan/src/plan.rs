@@ -286,6 +286,11 @@ pub struct TrainingPlan {
     /// The learning-rate schedule, gradient clipping and sample order.
     #[serde(default, skip_serializing_if = "Recipe::is_default")]
     pub recipe: Recipe,
+    /// The Hugging Face folder `pipec run --init` started the weights from (an absolute
+    /// path), so `pipec export` can carry its tokenizer and its config's token ids and
+    /// context over; None for a run that started from pipec's initialisation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<String>,
 }
 
 impl TrainingPlan {
@@ -686,6 +691,25 @@ impl Plan {
             }
         }
         out
+    }
+
+    /// A language model's tokens per sample (its sequence length: the model maps a sequence
+    /// of token ids to next-token scores under cross-entropy), the factor from samples/s to
+    /// tokens/s; None for any other model.
+    pub fn tokens_per_sample(&self) -> Option<usize> {
+        let out = self.layers.last().map(|l| l.output_shape.as_slice()).unwrap_or_default();
+        if self.model.loss != crate::Loss::CrossEntropy {
+            return None;
+        }
+        crate::model::language_model_positions(&self.model.input, out, self.model.token_vocab)
+    }
+
+    /// Throughput as a report writes it: samples/s, and for a language model tokens/s too.
+    pub fn throughput_text(&self, samples_per_s: f64) -> String {
+        match self.tokens_per_sample() {
+            Some(seq) => format!("{:.1} samples/s ({:.0} tokens/s)", samples_per_s, samples_per_s * seq as f64),
+            None => format!("{samples_per_s:.1} samples/s"),
+        }
     }
 
     /// The tightest memory headroom over the devices with a capacity: 1 − used/capacity

@@ -3,7 +3,10 @@
 //! classifier), with a cluster, an `auto`
 //! strategy and a training section to edit. Every field of the config that changes what
 //! the model computes is either translated or refused by name; fields that do not (token
-//! ids, dtype, versions, initialisation) are ignored.
+//! ids, dtype, versions, initialisation) are ignored, and the generic fields every saved
+//! `PretrainedConfig` carries are ignored with a note when they have the value that changes
+//! nothing. Configs saved by `transformers` 4.x and 5.x are read alike (5.x's `dtype` and
+//! `rope_parameters` for 4.x's `torch_dtype` and `rope_theta`).
 
 use serde_json::{Map, Value};
 
@@ -15,6 +18,8 @@ const IGNORED: &[&str] = &[
     "eos_token_id",
     "pad_token_id",
     "torch_dtype",
+    // transformers 5.x's name for `torch_dtype`
+    "dtype",
     "transformers_version",
     "use_cache",
     "initializer_range",
@@ -36,6 +41,165 @@ const IGNORED: &[&str] = &[
     "label2id",
     "cls_token_id",
 ];
+
+/// A field every `PretrainedConfig` carries (transformers 4.x and 5.x, `configuration_utils.py`)
+/// whatever the model: `inert` says whether its value leaves the model's computation as it
+/// is (then the field is ignored and listed in a note), `why` what another value would change.
+struct Generic {
+    key: &'static str,
+    inert: fn(&Value) -> bool,
+    why: &'static str,
+}
+
+fn any_value(_: &Value) -> bool {
+    true
+}
+
+fn is_false(v: &Value) -> bool {
+    v.as_bool() == Some(false)
+}
+
+fn is_zero(v: &Value) -> bool {
+    v.as_u64() == Some(0)
+}
+
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Object(m) => m.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        _ => false,
+    }
+}
+
+/// The generic fields, in `PretrainedConfig`'s order. Output switches (`return_dict`,
+/// `output_hidden_states`, ...), TorchScript and TensorFlow flags, generation defaults and
+/// task names change nothing a training step computes; an encoder-decoder, cross-attention,
+/// pruned heads or a chunked feed-forward do. `id2label`/`label2id`/`num_labels` define a
+/// head only for a classifier (BERT, which reads them first); a causal LM has none.
+const GENERIC: &[Generic] = &[
+    Generic { key: "return_dict", inert: any_value, why: "" },
+    Generic { key: "output_hidden_states", inert: any_value, why: "" },
+    Generic { key: "output_attentions", inert: any_value, why: "" },
+    Generic { key: "torchscript", inert: any_value, why: "" },
+    Generic { key: "use_bfloat16", inert: any_value, why: "" },
+    Generic { key: "tf_legacy_loss", inert: any_value, why: "" },
+    Generic {
+        key: "pruned_heads",
+        inert: is_empty,
+        why: "pruned heads remove attention heads from some layers, and pipec's blocks keep every head",
+    },
+    Generic {
+        key: "chunk_size_feed_forward",
+        inert: is_zero,
+        why: "a chunked feed-forward is computed in pieces, which pipec's blocks do not do",
+    },
+    Generic {
+        key: "is_encoder_decoder",
+        inert: is_false,
+        why: "an encoder-decoder model has an encoder and cross-attention that pipec does not import",
+    },
+    Generic { key: "is_decoder", inert: any_value, why: "" },
+    Generic {
+        key: "add_cross_attention",
+        inert: is_false,
+        why: "cross-attention is an encoder-decoder's, which pipec does not import",
+    },
+    Generic {
+        key: "cross_attention_hidden_size",
+        inert: Value::is_null,
+        why: "cross-attention is an encoder-decoder's, which pipec does not import",
+    },
+    Generic {
+        key: "tie_encoder_decoder",
+        inert: is_false,
+        why: "tying an encoder to a decoder belongs to an encoder-decoder model, which pipec does not import",
+    },
+    Generic { key: "id2label", inert: any_value, why: "" },
+    Generic { key: "label2id", inert: any_value, why: "" },
+    Generic { key: "num_labels", inert: any_value, why: "" },
+    Generic { key: "problem_type", inert: any_value, why: "" },
+    Generic { key: "finetuning_task", inert: any_value, why: "" },
+    Generic { key: "prefix", inert: any_value, why: "" },
+    Generic { key: "sep_token_id", inert: any_value, why: "" },
+    Generic { key: "decoder_start_token_id", inert: any_value, why: "" },
+    Generic { key: "max_length", inert: any_value, why: "" },
+    Generic { key: "min_length", inert: any_value, why: "" },
+    Generic { key: "do_sample", inert: any_value, why: "" },
+    Generic { key: "early_stopping", inert: any_value, why: "" },
+    Generic { key: "num_beams", inert: any_value, why: "" },
+    Generic { key: "num_beam_groups", inert: any_value, why: "" },
+    Generic { key: "diversity_penalty", inert: any_value, why: "" },
+    Generic { key: "temperature", inert: any_value, why: "" },
+    Generic { key: "top_k", inert: any_value, why: "" },
+    Generic { key: "top_p", inert: any_value, why: "" },
+    Generic { key: "typical_p", inert: any_value, why: "" },
+    Generic { key: "repetition_penalty", inert: any_value, why: "" },
+    Generic { key: "length_penalty", inert: any_value, why: "" },
+    Generic { key: "no_repeat_ngram_size", inert: any_value, why: "" },
+    Generic { key: "encoder_no_repeat_ngram_size", inert: any_value, why: "" },
+    Generic { key: "bad_words_ids", inert: any_value, why: "" },
+    Generic { key: "num_return_sequences", inert: any_value, why: "" },
+    Generic { key: "output_scores", inert: any_value, why: "" },
+    Generic { key: "return_dict_in_generate", inert: any_value, why: "" },
+    Generic { key: "forced_bos_token_id", inert: any_value, why: "" },
+    Generic { key: "forced_eos_token_id", inert: any_value, why: "" },
+    Generic { key: "remove_invalid_values", inert: any_value, why: "" },
+    Generic { key: "exponential_decay_length_penalty", inert: any_value, why: "" },
+    Generic { key: "suppress_tokens", inert: any_value, why: "" },
+    Generic { key: "begin_suppress_tokens", inert: any_value, why: "" },
+];
+
+/// A spec written from a config, and the notes to show beside it (fields ignored).
+#[derive(Debug)]
+pub struct Imported {
+    pub spec: String,
+    pub notes: Vec<String>,
+}
+
+/// The cluster a written spec plans for (`pipec import --nodes --devices-per-node
+/// --device`): one node of eight H100s unless told.
+#[derive(Debug, Clone)]
+pub struct ClusterChoice {
+    pub nodes: usize,
+    pub devices_per_node: usize,
+    /// A device preset's name (`pipec_plan::device::PRESETS`).
+    pub device: String,
+}
+
+impl Default for ClusterChoice {
+    fn default() -> Self {
+        ClusterChoice { nodes: 1, devices_per_node: 8, device: "h100-sxm".into() }
+    }
+}
+
+impl ClusterChoice {
+    /// The spec's `cluster` section: the device preset and the interconnect of the DGX
+    /// system built of it (DGX H200's network is DGX H100's).
+    fn section(&self) -> Result<String, String> {
+        let names: Vec<&str> = pipec_plan::device::PRESETS.iter().map(|p| p.name).collect();
+        if pipec_plan::device::preset(&self.device).is_none() {
+            return Err(format!("--device `{}` is not a device preset (one of: {})", self.device, names.join(", ")));
+        }
+        let links = match self.device.as_str() {
+            "v100-16gb" | "v100-32gb" => "dgx-v100",
+            "a100-40gb" | "a100-80gb" => "dgx-a100",
+            "h100-sxm" | "h200" => "dgx-h100",
+            "b200" => "dgx-b200",
+            other => {
+                return Err(format!(
+                    "--device `{other}`: no interconnect preset is built of it; import with a DGX device and edit the spec's `device` and `links`"
+                ))
+            }
+        };
+        if self.nodes == 0 || self.devices_per_node == 0 {
+            return Err("--nodes and --devices-per-node must be at least 1".into());
+        }
+        Ok(format!(
+            "cluster:\n  nodes: {}\n  devices_per_node: {}\n  device: {}\n  links: {links}\n",
+            self.nodes, self.devices_per_node, self.device
+        ))
+    }
+}
 
 /// A config read field by field: every field used or checked is marked, and what is left
 /// is refused by name.
@@ -108,8 +272,27 @@ impl Config {
         }
     }
 
+    /// The generic fields the family did not read: each with a value that changes nothing
+    /// is ignored (returned, for the note), one that changes the computation refused with
+    /// why.
+    fn generic(&mut self) -> Result<Vec<&'static str>, String> {
+        let mut ignored = Vec::new();
+        for g in GENERIC {
+            if self.used.contains(g.key) {
+                continue;
+            }
+            let Some(v) = self.fields.get(g.key) else { continue };
+            if !v.is_null() && !(g.inert)(v) {
+                return Err(format!("`{}: {v}` changes what the model computes: {}", g.key, g.why));
+            }
+            self.used.insert(g.key.to_string());
+            ignored.push(g.key);
+        }
+        Ok(ignored)
+    }
+
     /// Every field neither used nor ignorable: refused, all named at once.
-    fn leftover(&self) -> Result<(), String> {
+    fn leftover(&self, family: &str) -> Result<(), String> {
         let left: Vec<&str> = self
             .fields
             .keys()
@@ -119,16 +302,24 @@ impl Config {
         if left.is_empty() {
             Ok(())
         } else {
+            let (them, they) =
+                if left.len() == 1 { ("this field", "it changes") } else { ("these fields", "they change") };
             Err(format!(
-                "field(s) pipec does not know, so cannot promise the same model: {}",
-                left.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+                "{them} of a `{family}` config: {}, which pipec's `{family}` import does not read, so it cannot tell \
+                 whether {they} what the model computes and writes no spec. If {} only describe{} the checkpoint \
+                 (not its layers), import a copy of config.json without {}",
+                left.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", "),
+                if left.len() == 1 { "it" } else { "they" },
+                if left.len() == 1 { "s" } else { "" },
+                if left.len() == 1 { "it" } else { "them" },
             ))
         }
     }
 }
 
-/// The spec for a config's text.
-pub fn import(text: &str, name: &str, seq: Option<usize>) -> Result<String, String> {
+/// The spec for a config's text, with notes on the fields it ignored.
+pub fn import(text: &str, name: &str, seq: Option<usize>, cluster: &ClusterChoice) -> Result<Imported, String> {
+    let cluster = cluster.section()?;
     let fields = match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => m,
         Ok(_) => return Err("not a JSON object".into()),
@@ -146,14 +337,24 @@ pub fn import(text: &str, name: &str, seq: Option<usize>) -> Result<String, Stri
             ))
         }
     };
-    c.leftover()?;
+    let ignored = c.generic()?;
+    c.leftover(&family)?;
+    let notes = if ignored.is_empty() {
+        Vec::new()
+    } else {
+        vec![format!(
+            "ignored {} (they change nothing a training step computes): {}",
+            if ignored.len() == 1 { "a generic field" } else { "generic fields" },
+            ignored.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+        )]
+    };
     let spec = format!(
         "# Imported by `pipec import` from a Hugging Face `{family}` config. The model computes what\n\
          # `transformers` computes for it; the cluster, the strategy and the training are a\n\
          # starting point to edit.\n\
          name: {name}\n\
          {model}\
-         cluster:\n  nodes: 1\n  devices_per_node: 8\n  device: h100-sxm\n  links: dgx-h100\n\
+         {cluster}\
          strategy: auto\n\
          training:\n  batch_size: 64\n  steps: 1000\n  optimizer: {{ kind: adamw, lr: 0.0003, weight_decay: 0.1 }}\n  precision: bf16\n  data: {{ kind: synthetic }}\n"
     );
@@ -162,7 +363,50 @@ pub fn import(text: &str, name: &str, seq: Option<usize>) -> Result<String, Stri
     if let Some(d) = checked.diagnostics.iter().find(|d| d.severity == crate::Severity::Error) {
         return Err(format!("the spec written from this config does not check: {} ({})", d.message, d.code));
     }
-    Ok(spec)
+    Ok(Imported { spec, notes })
+}
+
+/// The rotary embeddings' base: 4.x's `rope_theta` or 5.x's `rope_parameters: {rope_theta,
+/// rope_type}` (both: the same value). A `rope_type` other than `default` (Llama 3.1's
+/// `llama3`, YaRN, linear, dynamic) scales the frequencies, which is not a pipec layer yet.
+fn rope_theta(c: &mut Config) -> Result<f64, String> {
+    let mut theta = c.number_or("rope_theta", 10000.0)?;
+    let written = c.fields.get("rope_theta").is_some_and(|v| !v.is_null());
+    for key in ["rope_parameters", "rope_scaling"] {
+        let Some(v) = c.take(key).cloned() else { continue };
+        let Value::Object(params) = v else { return Err(format!("`{key}` must be an object, found {v}")) };
+        match params.get("rope_type").or_else(|| params.get("type")).and_then(Value::as_str) {
+            Some("default") => {}
+            Some(other) => {
+                return Err(format!(
+                    "`{key}` with `rope_type: {other}` scales the rotary embeddings' frequencies, which is not \
+                     a pipec layer yet (pipec imports `rope_type: default`)"
+                ))
+            }
+            None => return Err(format!("`{key}` has no `rope_type` (pipec imports `rope_type: default`)")),
+        }
+        for (k, value) in &params {
+            match k.as_str() {
+                "rope_type" | "type" => {}
+                "rope_theta" => {
+                    let inner = value
+                        .as_f64()
+                        .filter(|x| x.is_finite() && *x > 0.0)
+                        .ok_or_else(|| format!("`{key}.rope_theta` must be a positive number, found {value}"))?;
+                    if written && inner != theta {
+                        return Err(format!("`{key}.rope_theta` {inner} differs from `rope_theta` {theta}"));
+                    }
+                    theta = inner;
+                }
+                other => {
+                    return Err(format!(
+                        "`{key}.{other}` changes the rotary embeddings, and pipec's are the default ones (`rope_theta` alone)"
+                    ))
+                }
+            }
+        }
+    }
+    Ok(theta)
 }
 
 /// The training window: `--seq`, else the context length up to 4,096.
@@ -228,7 +472,7 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     let heads = c.count("num_attention_heads")?;
     let kv = c.count_or("num_key_value_heads", Some(heads))?;
     let positions = c.count("max_position_embeddings")?;
-    let theta = c.number_or("rope_theta", 10000.0)?;
+    let theta = rope_theta(c)?;
     let eps = c.number_or("rms_norm_eps", 1e-6)?;
     let tied = c.flag_or("tie_word_embeddings", false)?;
     let act = c.text("hidden_act")?.unwrap_or_else(|| "silu".into());
@@ -243,7 +487,6 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
         |v| v.as_u64() == Some((d / heads) as u64),
         "pipec's heads are hidden_size / num_attention_heads wide",
     )?;
-    c.require("rope_scaling", |_| false, "scaled rotary embeddings (Llama 3.1's, YaRN) are not a pipec layer yet")?;
     c.require("attention_dropout", |v| v.as_f64() == Some(0.0), "pipec's blocks apply no attention dropout")?;
     c.require("mlp_bias", |v| v.as_bool() == Some(false), "pipec's gated MLPs have no biases")?;
     // Qwen2 always has query/key/value biases; Llama's `attention_bias` puts them on the
@@ -257,6 +500,8 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     // a sliding window at least the training window long attends to every earlier position
     let seq = window(positions, seq)?;
     let use_window = c.flag_or("use_sliding_window", matches!(family, "mistral" | "mixtral"))?;
+    // transformers ≥ 4.53 also lists each layer's attention (Qwen2's `layer_types`)
+    let use_window = use_window || sliding_layers(c, layers)?;
     if let Some(w) = c.index("sliding_window")? {
         if use_window && (w as usize) < seq {
             return Err(format!(
@@ -323,6 +568,29 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
          \x20 loss: cross_entropy\n",
         if tied { " (tied)" } else { "" }
     ))
+}
+
+/// Whether `layer_types` (one per layer: `full_attention` or `sliding_attention`) names a
+/// sliding-window layer; absent: no.
+fn sliding_layers(c: &mut Config, layers: usize) -> Result<bool, String> {
+    let Some(v) = c.take("layer_types") else { return Ok(false) };
+    let kinds = v.as_array().ok_or_else(|| format!("`layer_types` must be a list, found {v}"))?;
+    if kinds.len() != layers {
+        return Err(format!("`layer_types` lists {} layers, and `num_hidden_layers` is {layers}", kinds.len()));
+    }
+    let mut sliding = false;
+    for kind in kinds {
+        match kind.as_str() {
+            Some("full_attention") => {}
+            Some("sliding_attention") => sliding = true,
+            _ => {
+                return Err(format!(
+                    "`layer_types` holds {kind}: pipec imports `full_attention` and `sliding_attention`"
+                ))
+            }
+        }
+    }
+    Ok(sliding)
 }
 
 /// A BERT encoder (`BertModel`, `BertForMaskedLM`, `BertForSequenceClassification`, ...) as
@@ -447,39 +715,53 @@ mod tests {
         let cfg = r#"{"model_type": "mixtral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
             "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "output_router_logits": false}"#;
-        let spec = import(cfg, "x", None).expect("mixtral");
+        let spec = import(cfg, "x", None, &ClusterChoice::default()).expect("mixtral").spec;
         assert!(spec.contains("experts=4, top_k=2, aux_loss=0,"), "{spec}");
         // the loss only where `transformers` adds it
-        let spec =
-            import(&cfg.replace(r#""output_router_logits": false"#, r#""output_router_logits": true"#), "x", None)
-                .expect("with the loss");
+        let spec = import(
+            &cfg.replace(r#""output_router_logits": false"#, r#""output_router_logits": true"#),
+            "x",
+            None,
+            &ClusterChoice::default(),
+        )
+        .expect("with the loss")
+        .spec;
         assert!(spec.contains("experts=4, top_k=2, aux_loss=2e-2,"), "{spec}");
         let checked = crate::check_source(&spec);
         assert!(!checked.has_errors(), "{:?}", checked.diagnostics);
         // noise on the router's logits, or more experts per token than there are, is refused
         let noisy = cfg.replace(r#""output_router_logits": false"#, r#""router_jitter_noise": 0.1"#);
-        assert!(import(&noisy, "x", None).expect_err("jitter").contains("`router_jitter_noise: 0.1` is not supported"));
-        let e = import(&cfg.replace(r#""num_experts_per_tok": 2"#, r#""num_experts_per_tok": 5"#), "x", None)
-            .expect_err("top-k");
+        assert!(import(&noisy, "x", None, &ClusterChoice::default())
+            .expect_err("jitter")
+            .contains("`router_jitter_noise: 0.1` is not supported"));
+        let e = import(
+            &cfg.replace(r#""num_experts_per_tok": 2"#, r#""num_experts_per_tok": 5"#),
+            "x",
+            None,
+            &ClusterChoice::default(),
+        )
+        .expect_err("top-k");
         assert!(e.contains("num_local_experts"), "{e}");
     }
 
     #[test]
     fn an_unknown_field_or_architecture_is_named() {
-        let e = import(r#"{"model_type": "t5"}"#, "x", None).expect_err("t5");
+        let e = import(r#"{"model_type": "t5"}"#, "x", None, &ClusterChoice::default()).expect_err("t5");
         assert!(e.contains("`model_type: t5`"), "{e}");
         let cfg = r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64, "frobnicate": 1}"#;
-        let e = import(cfg, "x", None).expect_err("unknown field");
+        let e = import(cfg, "x", None, &ClusterChoice::default()).expect_err("unknown field");
         assert!(e.contains("`frobnicate`"), "{e}");
         let e = import(
             &cfg.replace(r#""frobnicate": 1"#, r#""rope_scaling": {"type": "linear", "factor": 2.0}"#),
             "x",
             None,
+            &ClusterChoice::default(),
         )
         .expect_err("rope scaling");
         assert!(e.contains("`rope_scaling"), "{e}");
-        let e = import(&cfg.replace(r#", "frobnicate": 1"#, ""), "x", Some(128)).expect_err("window");
+        let e = import(&cfg.replace(r#", "frobnicate": 1"#, ""), "x", Some(128), &ClusterChoice::default())
+            .expect_err("window");
         assert!(e.contains("--seq 128"), "{e}");
     }
 
@@ -487,17 +769,21 @@ mod tests {
     fn a_field_of_the_wrong_type_is_named_not_read_as_absent() {
         let llama = r#"{"model_type": "mistral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64"#;
-        let e = import(&format!(r#"{llama}, "sliding_window": "4096"}}"#), "x", Some(32)).expect_err("window");
+        let e = import(&format!(r#"{llama}, "sliding_window": "4096"}}"#), "x", Some(32), &ClusterChoice::default())
+            .expect_err("window");
         assert!(e.contains("`sliding_window` must be a whole number, found \"4096\""), "{e}");
-        let e = import(&format!(r#"{llama}, "hidden_act": 5}}"#), "x", None).expect_err("act");
+        let e =
+            import(&format!(r#"{llama}, "hidden_act": 5}}"#), "x", None, &ClusterChoice::default()).expect_err("act");
         assert!(e.contains("`hidden_act` must be a string, found 5"), "{e}");
         let bert = r#"{"model_type": "bert", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64"#;
-        let e = import(&format!(r#"{bert}, "sep_token_id": -1}}"#), "x", None).expect_err("sep");
+        let e =
+            import(&format!(r#"{bert}, "sep_token_id": -1}}"#), "x", None, &ClusterChoice::default()).expect_err("sep");
         assert!(e.contains("`sep_token_id` must be a whole number, found -1"), "{e}");
-        let e = import(&format!(r#"{bert}, "id2label": ["a", "b"]}}"#), "x", None).expect_err("labels");
+        let e = import(&format!(r#"{bert}, "id2label": ["a", "b"]}}"#), "x", None, &ClusterChoice::default())
+            .expect_err("labels");
         assert!(e.contains("`id2label` must map"), "{e}");
-        let e = import(r#"{"model_type": 3}"#, "x", None).expect_err("type");
+        let e = import(r#"{"model_type": 3}"#, "x", None, &ClusterChoice::default()).expect_err("type");
         assert!(e.contains("`model_type` must be a string"), "{e}");
     }
 
@@ -505,7 +791,130 @@ mod tests {
     fn a_written_spec_always_checks() {
         let cfg = r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}"#;
-        let spec = import(cfg, "llama-3.1-8b", None).expect("imports");
+        let spec = import(cfg, "llama-3.1-8b", None, &ClusterChoice::default()).expect("imports").spec;
         assert!(!crate::check_source(&spec).has_errors());
+    }
+
+    const LLAMA: &str = r#""model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64"#;
+
+    #[test]
+    fn transformers_5_dtype_and_default_rope_parameters_read_as_4_x_fields() {
+        let four = import(
+            &format!(r#"{{{LLAMA}, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}}"#),
+            "x",
+            None,
+            &ClusterChoice::default(),
+        )
+        .expect("4.x")
+        .spec;
+        let five = import(
+            &format!(r#"{{{LLAMA}, "rope_parameters": {{"rope_theta": 500000.0, "rope_type": "default"}}, "dtype": "bfloat16"}}"#),
+            "x",
+            None,
+            &ClusterChoice::default(),
+        )
+        .expect("5.x")
+        .spec;
+        assert!(five.contains("rope=500000"), "{five}");
+        assert_eq!(four, five);
+        // both spellings must agree
+        let e = import(
+            &format!(r#"{{{LLAMA}, "rope_theta": 10000.0, "rope_parameters": {{"rope_theta": 500000.0, "rope_type": "default"}}}}"#),
+            "x",
+            None,
+            &ClusterChoice::default(),
+        )
+        .expect_err("two thetas");
+        assert!(e.contains("`rope_parameters.rope_theta` 500000 differs from `rope_theta` 10000"), "{e}");
+    }
+
+    #[test]
+    fn a_scaled_rope_type_is_refused_naming_it() {
+        for kind in ["llama3", "yarn", "linear", "dynamic"] {
+            let cfg = format!(
+                r#"{{{LLAMA}, "rope_parameters": {{"rope_theta": 500000.0, "rope_type": "{kind}", "factor": 8.0}}}}"#
+            );
+            let e = import(&cfg, "x", None, &ClusterChoice::default()).expect_err(kind);
+            assert!(e.contains(&format!("`rope_parameters` with `rope_type: {kind}` scales")), "{e}");
+            assert!(!e.contains("does not read"), "{e}");
+        }
+        let e = import(
+            &format!(r#"{{{LLAMA}, "rope_parameters": {{"rope_type": "default", "factor": 2}}}}"#),
+            "x",
+            None,
+            &ClusterChoice::default(),
+        )
+        .expect_err("extra key");
+        assert!(e.contains("`rope_parameters.factor` changes the rotary embeddings"), "{e}");
+    }
+
+    #[test]
+    fn generic_fields_that_change_nothing_are_ignored_with_a_note_and_the_others_refused_with_why() {
+        let generic = r#""return_dict": true, "output_hidden_states": false, "output_attentions": false,
+            "chunk_size_feed_forward": 0, "problem_type": null, "is_encoder_decoder": false,
+            "tie_encoder_decoder": false, "pruned_heads": {}, "torchscript": false, "use_bfloat16": false,
+            "tf_legacy_loss": false, "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "label2id": {"LABEL_0": 0, "LABEL_1": 1}"#;
+        let imported =
+            import(&format!("{{{LLAMA}, {generic}}}"), "x", None, &ClusterChoice::default()).expect("generic fields");
+        assert_eq!(imported.notes.len(), 1, "{:?}", imported.notes);
+        for key in ["return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "pruned_heads", "id2label"] {
+            assert!(imported.notes[0].contains(&format!("`{key}`")), "{key}: {:?}", imported.notes);
+        }
+        assert!(!imported.spec.contains("return_dict"));
+        for (field, why) in [
+            (r#""chunk_size_feed_forward": 64"#, "`chunk_size_feed_forward: 64` changes what the model computes"),
+            (r#""is_encoder_decoder": true"#, "`is_encoder_decoder: true` changes what the model computes"),
+            (r#""pruned_heads": {"0": [1]}"#, "`pruned_heads: {\"0\":[1]}` changes what the model computes"),
+        ] {
+            let e = import(&format!("{{{LLAMA}, {field}}}"), "x", None, &ClusterChoice::default()).expect_err(field);
+            assert!(e.contains(why), "{e}");
+        }
+        // an unknown field is named without reading as if the model were unsupported
+        let e = import(&format!(r#"{{{LLAMA}, "frobnicate": 1}}"#), "x", None, &ClusterChoice::default())
+            .expect_err("unknown");
+        assert!(e.contains("this field of a `llama` config: `frobnicate`"), "{e}");
+        assert!(!e.contains("cannot promise the same model"), "{e}");
+    }
+
+    #[test]
+    fn layer_types_of_full_attention_read_and_sliding_ones_are_held_to_the_window() {
+        let qwen = r#""model_type": "qwen2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64"#;
+        let full = format!(r#"{{{qwen}, "layer_types": ["full_attention", "full_attention"], "sliding_window": 16}}"#);
+        import(&full, "x", None, &ClusterChoice::default()).expect("full attention");
+        let e = import(
+            &full.replace(r#""full_attention"]"#, r#""sliding_attention"]"#),
+            "x",
+            None,
+            &ClusterChoice::default(),
+        )
+        .expect_err("sliding");
+        assert!(e.contains("`sliding_window: 16` is shorter"), "{e}");
+        let e = import(
+            &full.replace(r#"["full_attention", "full_attention"]"#, r#"["full_attention"]"#),
+            "x",
+            None,
+            &ClusterChoice::default(),
+        )
+        .expect_err("count");
+        assert!(e.contains("`layer_types` lists 1 layers"), "{e}");
+    }
+
+    #[test]
+    fn the_cluster_is_the_one_asked_for_with_its_dgx_interconnect() {
+        let cfg = format!("{{{LLAMA}}}");
+        let cluster = ClusterChoice { nodes: 16, devices_per_node: 8, device: "a100-80gb".into() };
+        let spec = import(&cfg, "x", None, &cluster).expect("cluster").spec;
+        assert!(
+            spec.contains("  nodes: 16\n  devices_per_node: 8\n  device: a100-80gb\n  links: dgx-a100\n"),
+            "{spec}"
+        );
+        let e = import(&cfg, "x", None, &ClusterChoice { device: "h100".into(), ..ClusterChoice::default() })
+            .expect_err("not a preset");
+        assert!(e.contains("--device `h100` is not a device preset (one of: "), "{e}");
+        let e = import(&cfg, "x", None, &ClusterChoice { device: "mi300x".into(), ..ClusterChoice::default() })
+            .expect_err("no interconnect");
+        assert!(e.contains("no interconnect preset"), "{e}");
     }
 }
