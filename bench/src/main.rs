@@ -421,7 +421,7 @@ fn zero_checkpoints() {
 /// step); median of 120 after 12 warm-ups.
 fn kernels() {
     use burn::tensor::{Distribution, Tensor};
-    use pipec_executor::backend::dense::Kernels;
+    use pipec_executor::backend::kernels::Kernels;
     type B = pipec_executor::CpuBackend;
     type I = burn::backend::Flex;
     println!(
