@@ -168,6 +168,13 @@ pub fn run(args: RunArgs) -> u8 {
         pipec_executor::working_devices(&plan).len(),
         if backend == BackendKind::Cpu { "cpu (flex)" } else { "cuda" }
     );
+    if let Some(from) = args.resume.as_ref().filter(|_| first_step > 0) {
+        eprintln!(
+            "resuming from {} at step {first_step} (steps are numbered from 0); earlier traces are kept, this run's is {}",
+            from.display(),
+            trace_file(first_step)
+        );
+    }
     let tokens = plan.tokens_per_sample();
     let mut on_step = |m: &StepMetrics| {
         metrics.append(m);
@@ -189,8 +196,9 @@ pub fn run(args: RunArgs) -> u8 {
     // Measured trace of every step, in the compiler's trace format (none when a stop
     // request came before the first step: then nothing was written at all).
     let trace = measured_trace(&plan, &report, "pipec run (measured, every step)");
+    let trace_name = trace_file(first_step);
     if !report.steps.is_empty() {
-        if let Err(e) = write_atomic(&dir.join("trace.json"), trace.as_bytes()) {
+        if let Err(e) = write_atomic(&dir.join(&trace_name), trace.as_bytes()) {
             eprintln!("error: {e}");
             return EXIT_USAGE;
         }
@@ -225,7 +233,7 @@ pub fn run(args: RunArgs) -> u8 {
     for c in &report.checkpoints {
         println!("checkpoint {}", c.display());
     }
-    println!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
+    println!("wrote {}/{{plan.json, metrics.jsonl, {trace_name}}}", dir.display());
     if report.interrupted {
         let done = report.steps.last().map_or(first_step, |s| s.step + 1);
         eprintln!(
@@ -237,6 +245,9 @@ pub fn run(args: RunArgs) -> u8 {
                 ""
             }
         );
+        if let Some(c) = report.checkpoints.last() {
+            eprintln!("resume with: {}", resume_command(&args, c));
+        }
         return EXIT_DIAGNOSTICS;
     }
     EXIT_OK
@@ -407,6 +418,41 @@ pub fn measured_bubble(plan: &Plan, trace: &[(pipec_plan::DeviceId, usize, f64, 
     (1.0 - busy / (step * devices.len() as f64), step)
 }
 
+/// The name of a run's measured trace: `trace.json` for a run from step 0, and for a run
+/// resumed at a later step one of its own (`trace-from-step-N.json`), so that the earlier
+/// runs' traces in the same folder are kept.
+fn trace_file(first_step: usize) -> String {
+    if first_step == 0 {
+        "trace.json".to_string()
+    } else {
+        format!("trace-from-step-{first_step}.json")
+    }
+}
+
+/// The command that resumes an interrupted run from checkpoint `checkpoint`: the same spec
+/// or plan, output folder, steps and backend.
+fn resume_command(args: &RunArgs, checkpoint: &Path) -> String {
+    let quote = |p: &Path| {
+        let s = p.display().to_string();
+        if s.chars().all(|c| c.is_ascii_alphanumeric() || "/._-+:=".contains(c)) {
+            s
+        } else {
+            format!("'{}'", s.replace('\'', "'\\''"))
+        }
+    };
+    let mut line = format!("pipec run {}", quote(&args.file));
+    if let Some(out) = &args.out {
+        line += &format!(" --out {}", quote(out));
+    }
+    if let Some(steps) = args.steps {
+        line += &format!(" --steps {steps}");
+    }
+    if args.backend == Backend::Cuda {
+        line += " --backend cuda";
+    }
+    line + &format!(" --resume {}", quote(checkpoint))
+}
+
 /// The measured trace of a run as a Chrome trace: every step's instructions on one time
 /// axis from the start of the run (each event's `args.step` says which step), and a marker
 /// where each step starts on each device.
@@ -433,8 +479,14 @@ fn measured_trace(plan: &Plan, report: &pipec_executor::RunReport, source: &str)
             comm_rows.insert(dev.0);
         }
     }
+    // every track named: the compute process, one row per device, and the communication
+    // threads' beside them
+    events.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "compute"}}));
+    let compute_rows: std::collections::BTreeSet<u32> = report.timeline.iter().map(|t| t.0 .0).collect();
+    for d in compute_rows {
+        events.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": format!("device {d} compute")}}));
+    }
     if !comm_rows.is_empty() {
-        events.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "compute"}}));
         events
             .push(serde_json::json!({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "communication"}}));
         for d in comm_rows {

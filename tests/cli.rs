@@ -1095,9 +1095,29 @@ fn resume_finds_the_specs_checkpoint_dir_keeps_earlier_metrics_and_a_failed_resu
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(metric_steps(&run), vec![0, 1, 2, 3], "a failed resume leaves the metrics alone");
     // the run directory names the checkpoint: found under the spec's `checkpoint.dir`
+    let first_trace = std::fs::read(run.join("trace.json")).expect("trace");
     let out = pipec(&["run", s, "-o", r, "--resume", r, "--steps", "6"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert_eq!(metric_steps(&run), vec![0, 1, 2, 3, 4, 5], "earlier steps kept, resumed ones appended");
+    // the banner says it resumed, and the first run's trace is kept beside the resumed one's
+    assert!(stderr.contains(&format!("resuming from {r} at step 4")), "{stderr}");
+    assert_eq!(std::fs::read(run.join("trace.json")).expect("trace"), first_trace);
+    let resumed: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.join("trace-from-step-4.json")).expect("resumed trace"))
+            .expect("json");
+    // every compute track is named, by its device
+    let names: Vec<&str> = resumed["traceEvents"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["name"] == "thread_name" && e["pid"] == 0)
+        .filter_map(|e| e["args"]["name"].as_str())
+        .collect();
+    assert!(
+        !names.is_empty() && names.iter().all(|n| n.starts_with("device ") && n.ends_with(" compute")),
+        "{names:?}"
+    );
 }
 
 /// Every file of a run folder (recursively) with its bytes.
@@ -1247,6 +1267,11 @@ fn sigterm_stops_at_a_step_boundary_and_keeps_every_completed_step() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("interrupted: stopped after "), "{stderr}");
+    // the exact command that resumes it, from its last checkpoint
+    let resume = stderr.lines().find_map(|l| l.strip_prefix("resume with: ")).expect("a resume command");
+    assert!(resume.starts_with(&format!("pipec run {} --out {} --resume ", spec.display(), run.display())), "{resume}");
+    let last = Path::new(resume.rsplit(' ').next().expect("a path"));
+    assert!(last.is_dir() && last.join("state.json").is_file(), "{resume}");
     let steps = metric_steps(&run);
     assert!(steps.len() >= 3 && steps.iter().enumerate().all(|(i, &s)| s == i as u64), "{steps:?}");
     assert!(run.join("trace.json").is_file());
@@ -1742,7 +1767,7 @@ fn the_tiny_llama_trains_through_its_bpe_tokenizer_on_a_pipeline() {
     let exported = dir.path().join("exported");
     let out =
         pipec(&["export", run.join("checkpoints").to_str().expect("utf-8"), "-o", exported.to_str().expect("utf-8")]);
-    assert!(saved.status.success(), "{}", both_streams(&saved));
+    assert!(out.status.success(), "{}", both_streams(&out));
     assert_eq!(
         std::fs::read(exported.join("tokenizer.json")).expect("tokenizer"),
         std::fs::read(data.join("bpe-512.json")).expect("bpe")

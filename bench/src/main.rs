@@ -331,12 +331,7 @@ fn checkpoints() {
         let report = pipec_executor::run(&plan, &options, &mut |_| {}).expect("runs");
         let wall = start.elapsed().as_secs_f64();
         let written = report.checkpoints.len();
-        let bytes: u64 = report
-            .checkpoints
-            .last()
-            .and_then(|c| std::fs::read_dir(c).ok())
-            .map(|d| d.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
-            .unwrap_or(0);
+        let bytes = last_checkpoint_bytes(&report);
         let waited: f64 = report.steps.iter().filter_map(|s| s.checkpoint_wait_s).sum::<f64>() + 0.0;
         let _ = std::fs::remove_dir_all(&dir);
         let steps = report.steps.len() as f64;
@@ -354,6 +349,16 @@ fn checkpoints() {
             waited
         );
     }
+}
+
+/// The bytes of a run's last checkpoint folder (0 without one).
+fn last_checkpoint_bytes(report: &pipec_executor::RunReport) -> u64 {
+    report
+        .checkpoints
+        .last()
+        .and_then(|c| std::fs::read_dir(c).ok())
+        .map(|d| d.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+        .unwrap_or(0)
 }
 
 /// What a checkpoint costs under each ZeRO level: `bench/specs/zero-mlp.yaml` (8 × linear(n, n),
@@ -389,12 +394,7 @@ fn zero_checkpoints() {
                 ..Default::default()
             };
             let report = pipec_executor::run(&plan, &options, &mut |_| {}).expect("runs");
-            let bytes: u64 = report
-                .checkpoints
-                .last()
-                .and_then(|c| std::fs::read_dir(c).ok())
-                .map(|d| d.flatten().filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
-                .unwrap_or(0);
+            let bytes = last_checkpoint_bytes(&report);
             let _ = std::fs::remove_dir_all(&dir);
             let copies: Vec<f64> = report.steps.iter().filter_map(|s| s.checkpoint_copy_s).skip(1).collect();
             let writes: Vec<f64> = report.steps.iter().filter_map(|s| s.checkpoint_write_s).skip(1).collect();

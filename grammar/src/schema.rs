@@ -440,8 +440,11 @@ struct Optimizer {
     decay_biases_and_norms: Option<bool>,
 }
 
+// `data:` as a kind's name or as its options. Only described (the schema derives from it),
+// never built, so its variants' sizes cost nothing.
 #[derive(JsonSchema)]
 #[serde(untagged)]
+#[allow(clippy::large_enum_variant)]
 enum DataSpec {
     Name(DataKind),
     Options(Data),
