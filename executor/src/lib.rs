@@ -361,20 +361,15 @@ pub fn working_devices(plan: &Plan) -> Vec<DeviceId> {
 /// convolutions, mixtures of experts, both ends of a tie). Norms and biases, gathered with
 /// the stage too, are small.
 fn whole_stage_gathers(plan: &Plan) -> bool {
-    use pipec_plan::model::Op;
     plan.stages.iter().any(|s| {
         s.tensor_parallel.iter().any(|g| g.len() > 1)
             || s.expert_parallel > 1
             || (s.layers[0]..s.layers[1]).any(|l| {
                 let large = plan.layers.get(l).is_some_and(|l| {
                     matches!(
-                        l.op,
-                        Op::Linear { .. }
-                            | Op::Embedding { .. }
-                            | Op::PosEmbedding { .. }
-                            | Op::Conv2d { .. }
-                            | Op::Lstm { .. }
-                            | Op::TransformerBlock { .. }
+                        parallel::zero::zero3_gather(&l.op),
+                        parallel::zero::Zero3Gather::PerProduct
+                            | parallel::zero::Zero3Gather::WithStage { large: true }
                     )
                 });
                 large && !parallel::zero::gathers_per_product(plan, l)

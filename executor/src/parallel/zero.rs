@@ -494,7 +494,19 @@ pub(crate) fn per_product<B: ExecBackend>(plan: &Plan, model: &StageModel<B>, la
                 ids.extend([b.qkv.weight.id, b.proj.weight.id]);
                 ids.extend(b.mlps.iter().flat_map(|m| [m.fc1.weight.id, m.fc2.weight.id]));
             }
-            _ => {}
+            // gathered with the stage: small weights, weights read by more than a product
+            // (a positional table, a convolution's), and tensor parallelism's shards (ZeRO-3
+            // under tensor parallelism gathers whole stages)
+            Layer::Conv(_)
+            | Layer::Norm(_)
+            | Layer::BatchNorm(_)
+            | Layer::PosEmbedding(_)
+            | Layer::Stateless(_)
+            | Layer::ColumnLinear(_)
+            | Layer::RowLinear(_)
+            | Layer::ParallelBlock(_)
+            | Layer::VocabEmbedding(_)
+            | Layer::VocabLinear(_) => {}
         }
     }
     let of_layer = |id: u64| gathers_per_product(plan, (id >> 8) as usize);
@@ -507,14 +519,48 @@ pub(crate) fn per_product<B: ExecBackend>(plan: &Plan, model: &StageModel<B>, la
 /// to). The one statement of that rule: the executor's layout and `pipec run`'s caveat
 /// both read it.
 pub(crate) fn gathers_per_product(plan: &Plan, layer: usize) -> bool {
-    use pipec_plan::model::Op;
     let Some(l) = plan.layers.get(layer) else { return false };
     let tied = l.tied.is_some() || plan.layers.iter().any(|t| t.tied == Some(layer));
-    !tied
-        && matches!(
-            l.op,
-            Op::Linear { .. } | Op::Embedding { .. } | Op::Lstm { .. } | Op::TransformerBlock { moe: None, .. }
-        )
+    !tied && zero3_gather(&l.op) == Zero3Gather::PerProduct
+}
+
+/// How ZeRO-3 gathers an operator's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Zero3Gather {
+    /// Each product gathers its own weight ([`per_product`]) unless the layer is tied.
+    PerProduct,
+    /// With the stage, for its passes; `large`: a weight of the model's size class (a
+    /// convolution's, a positional table), which [`crate::caveats`] names.
+    WithStage { large: bool },
+    /// No weights.
+    Nothing,
+}
+
+/// The one table of how ZeRO-3 gathers each operator's weights: a new operator is a
+/// compile error here until it says.
+pub(crate) fn zero3_gather(op: &pipec_plan::model::Op) -> Zero3Gather {
+    use pipec_plan::model::Op;
+    match op {
+        Op::Linear { .. } | Op::Embedding { .. } | Op::Lstm { .. } => Zero3Gather::PerProduct,
+        // a mixture of experts' tokens decide which experts run: its gathers would not pair
+        Op::TransformerBlock { moe: None, .. } => Zero3Gather::PerProduct,
+        Op::TransformerBlock { moe: Some(_), .. } => Zero3Gather::WithStage { large: true },
+        Op::Conv2d { .. } | Op::PosEmbedding { .. } => Zero3Gather::WithStage { large: true },
+        Op::BatchNorm2d { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => Zero3Gather::WithStage { large: false },
+        Op::MaxPool2d { .. }
+        | Op::AvgPool2d { .. }
+        | Op::AdaptiveAvgPool2d { .. }
+        | Op::Add { .. }
+        | Op::Concat { .. }
+        | Op::Flatten
+        | Op::Relu
+        | Op::Gelu
+        | Op::Tanh
+        | Op::Sigmoid
+        | Op::Dropout { .. }
+        | Op::SeqPool { .. }
+        | Op::GeluTanh => Zero3Gather::Nothing,
+    }
 }
 
 /// ZeRO-3 per product ([`per_product`]): a stage's weights each gathered whole from the
