@@ -63,3 +63,102 @@ fn a_plan_without_an_engine_is_pipecs_and_an_unknown_release_is_refused() {
         json.replacen("{\"version\":", "{\"engine\":{\"name\":\"jax\",\"version\":\"1.0.0\"},\"version\":", 1);
     assert!(Plan::from_json(&unknown).is_err_and(|e| e.contains("jax")));
 }
+
+/// The example specs whose model every engine could run (decoder-only language models).
+const LANGUAGE_MODELS: &[&str] = &["auto", "gpt-tiny", "llama-tiny", "moe-tiny", "hybrid", "gpt2"];
+
+fn root() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `text` with `engine: NAME` first and its strategy replaced by `strategy`.
+fn for_engine(text: &str, engine: Engine, strategy: &str) -> String {
+    let start = text.find("\nstrategy:").expect("a strategy") + 1;
+    let end = text[start..].find("\ntraining:").map(|e| start + e + 1).expect("training after the strategy");
+    format!("engine: {engine}\n{}{strategy}\n{}", &text[..start], &text[end..])
+}
+
+/// Every layout a search under `engine: X` plans, checked against X's capability table
+/// through the front end (a layout it refuses would be E0702).
+fn planned_layouts_run_on(text: &str, engine: Engine) -> usize {
+    use pipec_compiler::search::{search, Outcome, SearchOptions};
+    let spec = pipec_grammar::check_source(text).spec.expect("the auto spec checks");
+    let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+    let report = search(text, &spec, &CompileOptions::default(), &options);
+    let mut planned = 0;
+    for c in &report.candidates {
+        if !matches!(c.outcome, Outcome::Planned(_)) {
+            continue;
+        }
+        planned += 1;
+        let concrete = pipec_compiler::search::with_strategy(text, &spec, &c.strategy());
+        let checked = pipec_grammar::check_source(&concrete);
+        let s = checked.spec.expect("a planned candidate checks");
+        let layout = pipec_grammar::engine_check::layout_of(&s.model, &s.strategy, &s.training);
+        let refused = pipec_plan::engine::capability::refusals(&spec.engine.target, &layout);
+        assert!(refused.is_empty(), "{engine} cannot run {}: {refused:?}", c.strategy());
+    }
+    planned
+}
+
+#[test]
+fn a_search_under_an_engine_plans_only_layouts_that_engine_runs() {
+    for name in LANGUAGE_MODELS {
+        let text = std::fs::read_to_string(root().join(format!("specs/{name}.yaml"))).expect("example");
+        for engine in [Engine::Megatron, Engine::Torchtitan, Engine::Deepspeed] {
+            let auto = for_engine(&text, engine, "strategy: auto");
+            let planned = planned_layouts_run_on(&auto, engine);
+            eprintln!("{name} under {engine}: {planned} layouts planned");
+            // hybrid.yaml's blocks are not causal: only DeepSpeed takes any model
+            assert_eq!(planned > 0, *name != "hybrid" || engine == Engine::Deepspeed, "{name} under {engine}");
+        }
+    }
+}
+
+#[test]
+fn check_refuses_what_the_engine_lacks_at_its_key_with_the_nearest_as_fix() {
+    let zbv = format!("engine: megatron\n{}", GPT.replace("schedule: 1f1b", "schedule: zbv"));
+    let checked = pipec_grammar::check_source(&zbv);
+    let d = checked.diagnostics.iter().find(|d| d.code == "E0702").expect("E0702");
+    assert_eq!(&zbv[d.span.start..d.span.end], "zbv");
+    let fix = d.fix.as_ref().expect("a fix");
+    assert_eq!(fix.replacement, "{ kind: interleaved, virtual_stages: 2 }");
+    let fixed = format!("{}{}{}", &zbv[..fix.span.start], fix.replacement, &zbv[fix.span.end..]);
+    let again = pipec_grammar::check_source(&fixed);
+    assert!(again.diagnostics.iter().all(|d| !d.is_error()), "{:?}", again.diagnostics);
+    // pipec runs it
+    assert!(pipec_grammar::check_source(&GPT.replace("schedule: 1f1b", "schedule: zbv")).spec.is_some());
+    // a model no strategy changes is refused under `strategy: auto` too
+    let lstm = "engine: torchtitan\nmodel:\n  input: [16]\n  layers:\n    - embedding(50, 16)\n    - lstm(16, 16)\n    - linear(16, 50)\n  loss: cross_entropy\n";
+    let rest = &GPT[GPT.find("cluster:").expect("cluster")..];
+    let auto = format!(
+        "{lstm}{}",
+        rest.replace("strategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: 4\n", "strategy: auto\n")
+    );
+    let checked = pipec_grammar::check_source(&auto);
+    assert!(
+        checked.diagnostics.iter().any(|d| d.code == "E0702" && d.message.contains("decoder-only")),
+        "{:?}",
+        checked.diagnostics
+    );
+}
+
+#[test]
+fn compare_under_an_engine_plans_only_its_schedules() {
+    let dir = std::env::temp_dir().join(format!("pipec-engines-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("gpt.yaml");
+    std::fs::write(&path, format!("engine: megatron\n{}", GPT.replace("stages: straight", "pp: 2"))).expect("write");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pipec")).arg("compare").arg(&path).output().expect("runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for refused in ["gpipe", "zbv", "chimera", "dualpipev", "zb-h1"] {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(refused))
+            .unwrap_or_else(|| panic!("{refused} row in:\n{text}"));
+        assert!(line.contains("megatron"), "{line}");
+    }
+    let planned = text.lines().find(|l| l.trim_start().starts_with("1f1b")).expect("1f1b row");
+    assert!(!planned.contains("megatron"), "{planned}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -535,6 +535,20 @@ Example:
 
     engine: { name: megatron, version: \"0.17\" }   # error: pipec describes megatron 0.19.0 to 0.19.2";
 
+"E0702", "the engine does not run this",
+"The spec names an engine (`engine:`) whose capabilities (pipec's table of what it runs,
+each row with its source in the engine's code or documentation: docs/engines.md) lack
+something the strategy or training asks for: a pipeline schedule, a ZeRO level beside a
+pipeline, a kind of recompute, a precision, unequal replication, an asynchronous update,
+or a model other than a decoder-only language model. The fix offered is the nearest value
+the engine runs; `engine: pipec` (the default) runs every plan pipec compiles.
+
+Example:
+
+    engine: megatron
+    strategy: { pp: 4, schedule: zbv }   # error: megatron 0.19.2 has no `zbv` schedule
+                                         # fix: { kind: interleaved, virtual_stages: 2 }";
+
 "E0901", "cannot read file",
 "The file could not be read (missing, a directory, not UTF-8, ...).";
 }

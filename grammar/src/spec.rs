@@ -79,6 +79,10 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     out.strategy = strategy_node.and_then(|(n, ks)| {
         crate::strategy::lower_strategy(&mut cx, n, ks, out.model.as_ref(), out.cluster.as_ref(), out.training.as_ref())
     });
+    if let (Some(model), Some(strategy), Some(training)) = (&out.model, &out.strategy, &out.training) {
+        let sections = (strategy_node.map(|(n, _)| n), top.get("training"));
+        crate::engine_check::check_engine(&mut cx, &out.engine, sections, model, strategy, training);
+    }
     out.diagnostics = cx.diags;
     out
 }

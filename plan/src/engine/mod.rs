@@ -6,6 +6,9 @@
 //! range, or a prefix of the newest (`0.19` for `0.19.2`), and the plan records the release
 //! it resolved to.
 
+pub mod capability;
+pub mod gpt;
+
 use std::cmp::Ordering;
 use std::fmt;
 
@@ -160,6 +163,54 @@ impl Releases {
 /// Every engine's name, for messages.
 pub fn engine_names() -> Vec<&'static str> {
     Engine::ALL.iter().map(|e| e.name()).collect()
+}
+
+impl crate::Plan {
+    /// The model's shape as the engines describe a language model (None: not one).
+    pub fn gpt_shape(&self) -> Option<gpt::GptShape> {
+        let ops: Vec<crate::model::Op> = self.layers.iter().map(|l| l.op.clone()).collect();
+        gpt::GptShape::of(&ops, self.layers.iter().any(|l| l.tied.is_some()))
+    }
+
+    /// The layout the engines' capability tables judge (`capability::refusals`).
+    pub fn engine_layout(&self) -> capability::Layout {
+        use capability::RecomputeKind;
+        let chunks = self.schedule.virtual_stages.max(1);
+        let ranks = (self.stages.len() / chunks).max(1);
+        let cp = self.training.context_parallel.max(1);
+        let replicas: Vec<usize> =
+            self.stages[..ranks.min(self.stages.len())].iter().map(|s| (s.replicas.len() / cp).max(1)).collect();
+        let recomputed = self.stages.iter().filter(|s| s.recompute).count();
+        let recompute = if self.stages.iter().any(|s| s.selective_recompute) {
+            RecomputeKind::Selective
+        } else if recomputed == 0 {
+            RecomputeKind::Off
+        } else if recomputed == self.stages.len() {
+            RecomputeKind::Full
+        } else {
+            RecomputeKind::SomeStages
+        };
+        let first = self.stages.first();
+        capability::Layout {
+            replicas,
+            tp: first.and_then(|s| s.tensor_parallel.first()).map_or(1, |g| g.len().max(1)),
+            cp,
+            ep: first.map_or(1, |s| s.expert_parallel.max(1) as usize),
+            schedule: self.schedule.kind,
+            virtual_stages: chunks,
+            microbatches: self.training.microbatches / cp,
+            synchronous: self.schedule.synchronous,
+            reduce: self.schedule.reduce,
+            sharding: self.schedule.sharding,
+            sequence_parallel: self.schedule.sequence_parallel,
+            tp_overlap: self.schedule.tp_overlap,
+            cp_comm: self.schedule.cp_comm,
+            recompute,
+            precision: self.training.precision,
+            blocks: self.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),
+            gpt: self.gpt_shape().is_some(),
+        }
+    }
 }
 
 #[cfg(test)]
