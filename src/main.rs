@@ -12,6 +12,7 @@ mod check_cmd;
 mod compare_cmd;
 mod compile_cmd;
 mod elastic;
+mod emit_cmd;
 mod export_cmd;
 mod import_cmd;
 mod launch_cmd;
@@ -95,6 +96,19 @@ enum Command {
         /// The run's plan.json (default: the nearest one above the checkpoint).
         #[arg(long)]
         plan: Option<PathBuf>,
+    },
+    /// Write a plan as another engine's launch configuration: Megatron-LM's pretrain_gpt.py
+    /// arguments and a Slurm script, torchtitan's TOML job config and torchrun line, or
+    /// DeepSpeed's ds_config.json and launcher line, with pipec's prediction for the run.
+    Emit {
+        /// A spec (.yaml, compiled here) or a plan.json.
+        input: PathBuf,
+        /// The engine (default: the spec's `engine:`).
+        #[arg(long, value_parser = parse_engine)]
+        engine: Option<pipec_plan::vocab::Engine>,
+        /// The folder to write (must not exist).
+        #[arg(short, long)]
+        out: PathBuf,
     },
     /// Print the long explanation of a diagnostic code, e.g. `pipec explain E0102`.
     Explain {
@@ -344,6 +358,7 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
+        Command::Emit { input, engine, out } => emit_cmd::run(&input, engine, &out),
         Command::Export { checkpoint, out, plan } => export_cmd::run(&checkpoint, &out, plan.as_deref()),
         Command::Import { config, out, seq, name, nodes, devices_per_node, device } => {
             import_cmd::run(import_cmd::ImportArgs {
@@ -481,4 +496,14 @@ fn explain(code: Option<&str>, list: bool) -> u8 {
             EXIT_USAGE
         }
     }
+}
+
+/// An engine's name (`--engine`), spelled as in a spec's `engine:`.
+fn parse_engine(text: &str) -> Result<pipec_plan::vocab::Engine, String> {
+    use pipec_plan::vocab::Choice;
+    pipec_plan::vocab::Engine::ALL
+        .iter()
+        .copied()
+        .find(|e| e.name() == text)
+        .ok_or_else(|| format!("`{text}` is not an engine: {}", pipec_plan::engine::engine_names().join(", ")))
 }

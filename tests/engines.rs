@@ -169,3 +169,29 @@ fn compare_under_an_engine_plans_only_its_schedules() {
     assert!(!planned.contains("megatron"), "{planned}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The engines `pipec emit` writes for.
+const EMITTED: [Engine; 3] = [Engine::Megatron, Engine::Torchtitan, Engine::Deepspeed];
+
+/// Every example language model's plan, as written, emitted for every engine: each file it
+/// writes is a golden file, and a refusal's message too.
+#[test]
+fn emit_writes_each_engines_configuration_or_names_what_it_lacks() {
+    let mut accepted = 0;
+    for name in LANGUAGE_MODELS.iter().filter(|n| **n != "auto") {
+        let text = std::fs::read_to_string(root().join(format!("specs/{name}.yaml"))).expect("example");
+        let plan = plan_of(&text);
+        for engine in EMITTED {
+            match pipec_plan::engine::emit::emit(&plan, &EngineTarget::newest(engine)) {
+                Ok(files) => {
+                    accepted += 1;
+                    for (file, contents) in files {
+                        insta::assert_snapshot!(format!("emit__{name}__{engine}__{file}"), contents);
+                    }
+                }
+                Err(why) => insta::assert_snapshot!(format!("emit__{name}__{engine}__refused"), why),
+            }
+        }
+    }
+    assert!(accepted >= 5, "{accepted} accepted");
+}

@@ -8,7 +8,7 @@
 //! the PyTorch 2.15.0 pipelining schedules it names (`[P]`), DeepSpeed's 0.19.8 sdist
 //! (`[D]`); pipec's own rows cite this repository.
 
-use crate::vocab::{Choice, CpComm, Engine, Precision, ReduceMode, ScheduleKind, Sharding};
+use crate::vocab::{CpComm, Engine, Precision, ReduceMode, ScheduleKind, Sharding};
 
 use super::EngineTarget;
 
@@ -633,6 +633,7 @@ fn constraints(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::vocab::Choice;
 
     fn layout(schedule: ScheduleKind, chunks: usize) -> Layout {
         Layout {

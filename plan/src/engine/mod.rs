@@ -7,6 +7,7 @@
 //! it resolved to.
 
 pub mod capability;
+pub mod emit;
 pub mod gpt;
 
 use std::cmp::Ordering;
