@@ -60,8 +60,10 @@ enum Command {
     /// Write a spec for a Hugging Face model's `config.json` (saved by transformers 4.x or
     /// 5.x; GPT-2, Llama, Mistral, Mixtral, Qwen2; BERT as a sequence classifier): its `model`
     /// section as pipec layers, with the cluster of the flags below, an `auto` strategy and a
-    /// training section to edit. A config field pipec cannot honour is an error naming it and
-    /// why.
+    /// training section to edit; or for an engine's launch configuration (a Megatron-LM
+    /// argument list or script, a torchtitan TOML, a DeepSpeed ds_config.json with
+    /// --model-config) with the layout it describes. A field pipec cannot honour is an error
+    /// naming it and why.
     Import {
         config: PathBuf,
         /// Where to write the spec (default: standard output).
@@ -83,6 +85,13 @@ enum Command {
         /// v100-16gb); the interconnect is its DGX system's.
         #[arg(long, default_value = "h100-sxm")]
         device: String,
+        /// The GPUs an engine's configuration runs on, when it does not say (torchtitan,
+        /// DeepSpeed, a Megatron-LM argument list without `--nproc_per_node`).
+        #[arg(long)]
+        gpus: Option<usize>,
+        /// With a DeepSpeed ds_config.json: the Hugging Face config.json of its model.
+        #[arg(long)]
+        model_config: Option<PathBuf>,
     },
     /// Write a checkpoint as a Hugging Face checkpoint folder (`model.safetensors` under
     /// `transformers`' names and `config.json`) for a GPT-2, Llama-family or BERT model, or a
@@ -360,7 +369,7 @@ fn main() -> ExitCode {
         Command::Explain { code, list } => explain(code.as_deref(), list),
         Command::Emit { input, engine, out } => emit_cmd::run(&input, engine, &out),
         Command::Export { checkpoint, out, plan } => export_cmd::run(&checkpoint, &out, plan.as_deref()),
-        Command::Import { config, out, seq, name, nodes, devices_per_node, device } => {
+        Command::Import { config, out, seq, name, nodes, devices_per_node, device, gpus, model_config } => {
             import_cmd::run(import_cmd::ImportArgs {
                 config: &config,
                 out: out.as_deref(),
@@ -371,6 +380,8 @@ fn main() -> ExitCode {
                     devices_per_node: devices_per_node as usize,
                     device,
                 },
+                gpus,
+                model_config: model_config.as_deref(),
             })
         }
         Command::Search { file, profile, allow_async, max_depth, headroom, schedules, top, exact_top, format } => {

@@ -195,3 +195,76 @@ fn emit_writes_each_engines_configuration_or_names_what_it_lacks() {
     }
     assert!(accepted >= 5, "{accepted} accepted");
 }
+
+/// The layout a plan's engine configuration carries: what `emit ∘ import` keeps.
+fn carried(plan: &Plan) -> (pipec_plan::engine::capability::Layout, usize, usize) {
+    (plan.engine_layout(), plan.training.batch_size, plan.training.microbatch_size)
+}
+
+/// `spec`'s plan, from the text `pipec import` wrote.
+fn imported_plan(spec: Result<String, String>) -> Plan {
+    plan_of(&spec.unwrap_or_else(|e| panic!("imports: {e}")))
+}
+
+/// emit ∘ import is the identity on the layout (and the batch, and the model's shape for the
+/// engines whose configuration describes the model) for every example language model each
+/// engine accepts.
+#[test]
+fn importing_what_emit_wrote_gives_back_the_layout() {
+    use pipec_grammar::import::{deepspeed, megatron, torchtitan};
+    let hf = |f: &str| std::fs::read_to_string(root().join("tests/import").join(f)).expect("an HF config");
+    let (llama, mixtral) = (hf("llama-3-8b.json"), hf("mixtral-8x7b.json"));
+    let mut round_trips = 0;
+    for name in LANGUAGE_MODELS.iter().filter(|n| **n != "auto") {
+        let text = std::fs::read_to_string(root().join(format!("specs/{name}.yaml"))).expect("example");
+        let plan = plan_of(&text);
+        let world = plan.devices.len();
+        for engine in EMITTED {
+            let Ok(files) = pipec_plan::engine::emit::emit(&plan, &EngineTarget::newest(engine)) else { continue };
+            let file = |n: &str| files.iter().find(|(f, _)| f == n).map(|(_, t)| t.clone()).expect("emitted");
+            let back = match engine {
+                Engine::Megatron => imported_plan(megatron::import(&file("args.txt"), name, Some(world))),
+                Engine::Torchtitan => imported_plan(torchtitan::import(&file("job.toml"), name, Some(world))),
+                Engine::Deepspeed => imported_plan(deepspeed::import(
+                    &file("ds_config.json"),
+                    if plan.gpt_shape().and_then(|g| g.moe()).is_some() { &mixtral } else { &llama },
+                    name,
+                    Some(world),
+                    Some(plan.model.input[0]),
+                )),
+                Engine::Pipec => unreachable!("not emitted"),
+            };
+            let (mut want, mut got) = (carried(&plan), carried(&back));
+            if engine == Engine::Deepspeed {
+                // DeepSpeed's config holds no model: the model is the config.json's
+                (want.0.blocks, want.0.gpt, got.0.blocks, got.0.gpt) = (0, true, 0, true);
+            } else {
+                assert_eq!(
+                    back.gpt_shape().map(|g| (
+                        g.vocab,
+                        g.layers,
+                        g.block.d,
+                        g.block.heads,
+                        g.block.kv_heads,
+                        g.block.ff,
+                        g.block.moe
+                    )),
+                    plan.gpt_shape().map(|g| (
+                        g.vocab,
+                        g.layers,
+                        g.block.d,
+                        g.block.heads,
+                        g.block.kv_heads,
+                        g.block.ff,
+                        g.block.moe
+                    )),
+                    "{name} via {engine}"
+                );
+            }
+            assert_eq!(got, want, "{name} via {engine}");
+            assert_eq!(back.engine.name, engine);
+            round_trips += 1;
+        }
+    }
+    assert!(round_trips >= 7, "{round_trips}");
+}

@@ -167,7 +167,6 @@ fn notes(run: &Run<'_>, engine: &EngineTarget) -> String {
         let _ = writeln!(out, "- {a}");
     }
     out.push_str("\n## Not carried over from the plan\n\n");
-    let b = &run.gpt.block;
     let mut lost = Vec::new();
     if run.gpt.head_bias {
         lost.push("the output layer's bias (the engine's output layer has none)".to_string());
