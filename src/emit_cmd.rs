@@ -78,6 +78,10 @@ fn read_plan(input: &Path) -> Result<Plan, (u8, String)> {
             let options =
                 CompileOptions { source: Some(source.as_str().into()), base_dir: base, ..CompileOptions::default() };
             let result = compile(&spec, &options);
+            // a plan over a device's memory is still written out, with the compiler's word
+            for d in result.diagnostics.iter().filter(|d| d.is_error()) {
+                eprintln!("warning: pipec predicts this run does not fit ({}): {}", d.code, d.message);
+            }
             result.into_compiled().map(|c| c.plan).map_err(|_| {
                 (
                     EXIT_DIAGNOSTICS,

@@ -268,3 +268,60 @@ fn importing_what_emit_wrote_gives_back_the_layout() {
     }
     assert!(round_trips >= 7, "{round_trips}");
 }
+
+/// The published layouts (tests/engines/published; each file says where it is from) with the
+/// GPUs they run on where the file does not say, and the engine they are for.
+fn published() -> Vec<(String, Engine, String)> {
+    use pipec_grammar::import::{deepspeed, megatron, torchtitan};
+    let dir = root().join("tests/engines/published");
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).expect("a published layout");
+    let mut out = Vec::new();
+    for f in ["megatron-llama3-8b-fp8.sh", "megatron-mixtral-8x7b.sh", "megatron-gpt3-175b.args"].into_iter().chain(
+        ["llama3-8b", "llama3-70b", "mixtral-8x7b", "mixtral-8x22b"].map(|m| match m {
+            "llama3-8b" => "megatron-docs-llama3-8b.args",
+            "llama3-70b" => "megatron-docs-llama3-70b.args",
+            "mixtral-8x7b" => "megatron-docs-mixtral-8x7b.args",
+            _ => "megatron-docs-mixtral-8x22b.args",
+        }),
+    ) {
+        let name = f.rsplit_once('.').expect("an extension").0;
+        out.push((name.to_string(), Engine::Megatron, megatron::import(&read(f), name, None).expect(f)));
+    }
+    for (flavour, gpus) in [("8b", 64), ("70b", 64), ("405b", 128)] {
+        let name = format!("torchtitan-llama3-{flavour}");
+        let spec = torchtitan::import(&read(&format!("{name}.toml")), &name, Some(gpus)).expect("imports");
+        out.push((name, Engine::Torchtitan, spec));
+    }
+    let llama2 = std::fs::read_to_string(root().join("tests/import/llama-2-7b.json")).expect("config");
+    let spec =
+        deepspeed::import(&read("deepspeed-llama2-7b.json"), &llama2, "deepspeed-llama2-7b", Some(2), Some(4096));
+    out.push(("deepspeed-llama2-7b".into(), Engine::Deepspeed, spec.expect("imports")));
+    out
+}
+
+/// Eleven published layouts (Megatron-LM's examples and its parallelism guide's table,
+/// torchtitan's Llama 3 configurations, a DeepSpeed config) import into specs that check
+/// (the written spec is a golden file), compile, and emit back for their engine with the
+/// same layout.
+#[test]
+fn published_layouts_import_check_compile_and_emit_back() {
+    let all = published();
+    assert!(all.len() >= 10);
+    let mut over_memory = Vec::new();
+    for (name, engine, spec) in &all {
+        insta::assert_snapshot!(format!("import__{name}"), spec);
+        let checked = pipec_grammar::check_source(spec);
+        let result = compile(&checked.spec.expect("checks"), &CompileOptions::default());
+        // the only error compile may give: pipec's memory model puts a device over its 80 GB
+        for d in result.diagnostics.iter().filter(|d| d.is_error()) {
+            assert_eq!(d.code, "E0601", "{name}: {}", d.message);
+            over_memory.push(name.as_str());
+        }
+        let plan = result.into_compiled().expect("a plan").plan;
+        assert_eq!(plan.engine.name, *engine);
+        let files = pipec_plan::engine::emit::emit(&plan, &plan.engine).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(files.iter().any(|(f, _)| f == "prediction.json"));
+    }
+    over_memory.dedup();
+    insta::assert_snapshot!("import__over_memory", over_memory.join("\n"));
+}

@@ -102,7 +102,12 @@ pub fn words(text: &str) -> Vec<String> {
                 continue;
             }
         }
-        let expanded = expand(&line, &vars);
+        // `NAME=( ...`: an array's items
+        let items = match trimmed.split_once("=(") {
+            Some((name, rest)) if name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') => rest.to_string(),
+            _ => line,
+        };
+        let expanded = expand(&items, &vars);
         out.extend(expanded.split_whitespace().map(unquote).filter(|w| !w.is_empty()));
     }
     out
@@ -240,14 +245,15 @@ fn model(a: &mut Args) -> Result<ModelFacts, String> {
     let seq = a.need("--seq-length")?;
     let positions = a.count_or("--max-position-embeddings", seq)?;
     let kind = a.text("--position-embedding-type").unwrap_or_else(|| "learned_absolute".into());
-    let rope =
-        match kind.as_str() {
-            "rope" => a.number_or("--rotary-base", 10000.0)?,
-            "learned_absolute" | "none" => 0.0,
-            other => return Err(format!(
+    let rope = match kind.as_str() {
+        "rope" => a.number_or("--rotary-base", 10000.0)?,
+        "learned_absolute" | "none" => 0.0,
+        other => {
+            return Err(format!(
                 "`--position-embedding-type {other}` is not a pipec position embedding (learned_absolute, rope, none)"
-            )),
-        };
+            ))
+        }
+    };
     let norm = match a.text("--normalization").as_deref() {
         None | Some("LayerNorm") => NormKind::LayerNorm,
         Some("RMSNorm") => NormKind::RmsNorm,

@@ -114,6 +114,7 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
         "tokens_per_s_per_gpu": round(run.tokens_per_step() as f64 / step.max(1e-12) / run.world as f64),
         "bubble_fraction": round(sim.bubble_fraction),
         "peak_memory_bytes_per_rank": peaks,
+        "fits": run.plan.devices.iter().all(|d| d.memory.total <= d.memory.capacity),
         "source": "pipec's simulation of the plan (plan.json `simulation`); MFU is not predicted yet",
     });
     serde_json::to_string_pretty(&value).unwrap_or_default() + "\n"
@@ -181,6 +182,9 @@ fn notes(run: &Run<'_>, engine: &EngineTarget) -> String {
         if weight_decay > 0.0 {
             lost.push("Adam's L2 weight decay: the engines' Adam decouples it (AdamW)".into());
         }
+    }
+    if run.plan.model.attention != crate::vocab::Attention::Flash {
+        lost.push("standard attention: the engine attends with fused (flash) kernels, which keep no score matrix (`model.attention: flash` prices that)".into());
     }
     if run.plan.training.recipe.lr_schedule.is_some() {
         lost.push("the spec's learning-rate schedule (a constant rate is written)".into());
