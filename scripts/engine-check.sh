@@ -38,9 +38,24 @@ for f in 8b:64 70b:64 405b:128; do
 done
 "$PIPEC" import "$P/deepspeed-llama2-7b.json" --gpus 2 --model-config tests/import/llama-2-7b.json --name deepspeed-llama2-7b -o "$OUT/specs/deepspeed-llama2-7b.yaml"
 
+# each published layout's model and cluster with the strategy left to pipec's search under
+# its engine: the layout the search picks, emitted and checked by that engine too
+mkdir -p "$OUT/searched"
+for f in "$OUT"/specs/*.yaml; do
+  "$VENV/bin/python" - "$f" "$OUT/searched/$(basename "$f" .yaml)-searched.yaml" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+auto = "strategy: { tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }\n"
+text = re.sub(r"name: (\S+)", r"name: \1-searched", text, count=1)
+open(sys.argv[2], "w").write(re.sub(r"strategy:\n(  .*\n)+", auto, text))
+PY
+done
+
 ok=0; failed=0; refused=0
-for spec in specs/gpt-tiny.yaml specs/gpt2.yaml specs/llama-tiny.yaml specs/moe-tiny.yaml specs/hybrid.yaml "$OUT"/specs/*.yaml; do
-  for engine in megatron torchtitan deepspeed; do
+for spec in specs/gpt-tiny.yaml specs/gpt2.yaml specs/llama-tiny.yaml specs/moe-tiny.yaml specs/hybrid.yaml "$OUT"/specs/*.yaml "$OUT"/searched/*.yaml; do
+  engines="megatron torchtitan deepspeed"
+  case "$spec" in */searched/*) engines="$(sed -n 's/^engine: //p' "$spec")";; esac
+  for engine in $engines; do
     dir="$OUT/emit/$(basename "$spec" .yaml)-$engine"
     if ! "$PIPEC" emit --engine "$engine" "$spec" -o "$dir" 2>"$dir.log"; then
       echo "REFUSED $(basename "$spec") $engine: $(grep -m1 error "$dir.log")"; refused=$((refused + 1)); continue

@@ -50,9 +50,11 @@ def megatron(folder, want, world):
         if getattr(MU, n, None) is None:
             setattr(MU, n, lambda *a, **k: None)
     sys.argv = ["pretrain_gpt.py"] + args_txt
-    args = A.parse_args()
-    A.validate_args(args)
-    A.core_transformer_config_from_args(args)
+    import contextlib
+    with contextlib.redirect_stdout(sys.stderr):  # validate_args prints every argument
+        args = A.parse_args()
+        A.validate_args(args)
+        A.core_transformer_config_from_args(args)
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator, get_num_microbatches
     init_num_microbatches_calculator(
         rank=0, rampup_batch_size=getattr(args, "rampup_batch_size", None),
