@@ -332,7 +332,11 @@ fn published_layouts_import_check_compile_and_emit_back() {
 fn a_search_on_the_imported_specs_plans_only_layouts_their_engine_runs() {
     let mut planned = 0;
     for (name, engine, spec) in published() {
-        let auto = for_engine(spec.replace(&format!("engine: {engine}\n"), "").as_str(), engine, "strategy: { tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }");
+        let auto = for_engine(
+            spec.replace(&format!("engine: {engine}\n"), "").as_str(),
+            engine,
+            "strategy: { tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }",
+        );
         let n = planned_layouts_run_on(&auto, engine);
         eprintln!("{name} under {engine}: {n} layouts planned");
         planned += n;

@@ -493,7 +493,7 @@ fn held_to_engine(spec: &Spec, options: &SearchOptions, c: &mut Candidate, scrat
         let layout =
             pipec_grammar::engine_check::layout_of(&spec.model, &c.spec_in(spec, scratch).strategy, &spec.training);
         let refused = capability::refusals(&spec.engine.target, &layout);
-        let Some(first) = refused.first() else { return None };
+        let first = refused.first()?;
         let adjustable = refused.iter().find_map(|r| match (r.feature, r.nearest.as_deref()) {
             (capability::Feature::Sharding, Some(level)) if options.sharding.is_none() => {
                 level.parse().ok().and_then(Sharding::of_level).map(|s| Candidate { sharding: s, ..c.clone() })

@@ -55,7 +55,7 @@ pub fn import(
     let world = world.ok_or("a DeepSpeed config does not say how many GPUs it runs on: give --gpus")?;
     let pp = count(&c, &["pipeline", "stages"])?.unwrap_or(1).max(1);
     let tp = count(&c, &["tensor_parallel", "autotp_size"])?.unwrap_or(1).max(1);
-    if world % (pp * tp) != 0 {
+    if !world.is_multiple_of(pp * tp) {
         return Err(format!("{world} GPUs are not a multiple of pipeline.stages·autotp_size = {}", pp * tp));
     }
     let dp = world / (pp * tp);

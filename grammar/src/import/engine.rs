@@ -158,7 +158,7 @@ pub fn run_text(r: &RunFacts) -> Result<String, String> {
         k => k.name().to_string(),
     };
     let mut strategy = format!("  dp: {dp}\n  pp: {}\n  tp: {}\n  schedule: {schedule}\n", r.pp, r.tp);
-    if r.global % r.micro.max(1) != 0 {
+    if !r.global.is_multiple_of(r.micro.max(1)) {
         return Err(format!("the global batch {} is not a multiple of the microbatch {}", r.global, r.micro));
     }
     strategy += &format!("  microbatches: {}\n", r.global / r.micro.max(1));
