@@ -343,3 +343,72 @@ fn a_search_on_the_imported_specs_plans_only_layouts_their_engine_runs() {
     }
     assert!(planned > 0);
 }
+
+/// `pipec emit` writes a new folder whole, refuses an existing one, a file that is neither a
+/// spec nor a plan, and a spec that names no engine without `--engine`; `pipec import` tells a
+/// `--model-config` that is not a Hugging Face config what it is.
+#[test]
+fn emit_and_import_refuse_what_they_cannot_read_or_write() {
+    let dir = std::env::temp_dir().join(format!("pipec-engines-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let pipec = |args: &[&std::ffi::OsStr]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_pipec")).args(args).output().expect("runs")
+    };
+    let spec = dir.join("gpt.yaml");
+    std::fs::write(&spec, GPT).expect("write");
+    let out = dir.join("launch");
+    let no_engine = pipec(&["emit".as_ref(), spec.as_os_str(), "-o".as_ref(), out.as_os_str()]);
+    assert_eq!(no_engine.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&no_engine.stderr).contains("--engine"));
+    let written = pipec(&[
+        "emit".as_ref(),
+        "--engine".as_ref(),
+        "megatron".as_ref(),
+        spec.as_os_str(),
+        "-o".as_ref(),
+        out.as_os_str(),
+    ]);
+    assert_eq!(written.status.code(), Some(0), "{}", String::from_utf8_lossy(&written.stderr));
+    for f in ["train.sh", "args.txt", "job.sbatch", "prediction.json", "NOTES.md"] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
+    let again = pipec(&[
+        "emit".as_ref(),
+        "--engine".as_ref(),
+        "megatron".as_ref(),
+        spec.as_os_str(),
+        "-o".as_ref(),
+        out.as_os_str(),
+    ]);
+    assert_eq!(again.status.code(), Some(2), "an existing folder is not overwritten");
+    let toml = dir.join("job.toml");
+    std::fs::write(&toml, "[model]\nname = \"llama3\"\n").expect("write");
+    let wrong = pipec(&[
+        "emit".as_ref(),
+        "--engine".as_ref(),
+        "megatron".as_ref(),
+        toml.as_os_str(),
+        "-o".as_ref(),
+        dir.join("x").as_os_str(),
+    ]);
+    assert_eq!(wrong.status.code(), Some(2));
+    assert!(!dir.join("x").exists());
+    let ds = dir.join("ds_config.json");
+    std::fs::write(&ds, r#"{"train_batch_size": 8}"#).expect("write");
+    let told = pipec(&[
+        "import".as_ref(),
+        ds.as_os_str(),
+        "--gpus".as_ref(),
+        "8".as_ref(),
+        "--model-config".as_ref(),
+        toml.as_os_str(),
+    ]);
+    assert_eq!(told.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&told.stderr)
+            .contains("is a torchtitan TOML job configuration, not a Hugging Face config.json"),
+        "{}",
+        String::from_utf8_lossy(&told.stderr)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

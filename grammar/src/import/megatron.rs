@@ -427,7 +427,7 @@ mod tests {
         let w = words(script);
         assert_eq!(
             w,
-            ["A=", "--nproc_per_node", "8", "--nnodes", "2", "--fp8-format", "hybrid", "torchrun", "${A[@]}", "x.py"]
+            ["--nproc_per_node", "8", "--nnodes", "2", "--fp8-format", "hybrid", "torchrun", "${A[@]}", "x.py"]
         );
     }
 }
