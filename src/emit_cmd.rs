@@ -39,7 +39,7 @@ pub fn run(input: &Path, engine: Option<Engine>, out: &Path) -> u8 {
     match pipec_plan::output::write_folder_atomic(out, &bytes) {
         Ok(()) => {
             let names: Vec<&str> = bytes.iter().map(|(n, _)| n.as_str()).collect();
-            eprintln!("wrote {} for {target}: {}", out.display(), names.join(", "));
+            println!("wrote {} for {target}: {}", out.display(), names.join(", "));
             EXIT_OK
         }
         Err(e) => {
