@@ -14,6 +14,10 @@ pub struct ImportArgs<'a> {
     pub name: Option<&'a str>,
     /// The cluster the spec plans for.
     pub cluster: pipec_grammar::import::hf::ClusterChoice,
+    /// The GPUs an engine's configuration runs on, when it does not say.
+    pub gpus: Option<usize>,
+    /// The Hugging Face config.json of the model a DeepSpeed config trains.
+    pub model_config: Option<&'a Path>,
 }
 
 pub fn run(args: ImportArgs<'_>) -> u8 {
@@ -34,13 +38,8 @@ pub fn run(args: ImportArgs<'_>) -> u8 {
         },
         None => default_name(args.config),
     };
-    let spec = match pipec_grammar::import::hf::import(&text, &name, args.seq, &args.cluster) {
-        Ok(imported) => {
-            for note in &imported.notes {
-                eprintln!("note: {}: {note}", args.config.display());
-            }
-            imported.spec
-        }
+    let spec = match translate(&text, &name, &args) {
+        Ok(s) => s,
         Err(e) => {
             eprintln!("error: {}: {e}", args.config.display());
             return EXIT_USAGE;
@@ -61,6 +60,33 @@ pub fn run(args: ImportArgs<'_>) -> u8 {
             print!("{spec}");
             EXIT_OK
         }
+    }
+}
+
+/// The spec `text` describes, by what it is (a file of one kind is never read as another).
+fn translate(text: &str, name: &str, args: &ImportArgs<'_>) -> Result<String, String> {
+    use pipec_grammar::import::{deepspeed, hf, kind, megatron, torchtitan, Kind};
+    match kind(text) {
+        Kind::HuggingFace => hf::import(text, name, args.seq, &args.cluster).map(|imported| {
+            for note in &imported.notes {
+                eprintln!("note: {}: {note}", args.config.display());
+            }
+            imported.spec
+        }),
+        Kind::Megatron => megatron::import(text, name, args.gpus),
+        Kind::Torchtitan => torchtitan::import(text, name, args.gpus),
+        Kind::DeepSpeed => {
+            let path = args.model_config.ok_or("a DeepSpeed config does not describe the model: give its Hugging Face config.json with --model-config")?;
+            let model = std::fs::read_to_string(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+            match kind(&model) {
+                Kind::HuggingFace => deepspeed::import(text, &model, name, args.gpus, args.seq),
+                other => Err(format!("--model-config `{}` is {}, not a Hugging Face config.json", path.display(), other.describe())),
+            }
+        }
+        other @ (Kind::OtherJson | Kind::Unknown) => Err(format!(
+            "this is {}: pipec imports a Hugging Face config.json, a Megatron-LM argument list or launch script, a torchtitan TOML job configuration, or a DeepSpeed ds_config.json (with --model-config)",
+            other.describe()
+        )),
     }
 }
 

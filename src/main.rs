@@ -12,6 +12,7 @@ mod check_cmd;
 mod compare_cmd;
 mod compile_cmd;
 mod elastic;
+mod emit_cmd;
 mod export_cmd;
 mod import_cmd;
 mod launch_cmd;
@@ -59,8 +60,10 @@ enum Command {
     /// Write a spec for a Hugging Face model's `config.json` (saved by transformers 4.x or
     /// 5.x; GPT-2, Llama, Mistral, Mixtral, Qwen2; BERT as a sequence classifier): its `model`
     /// section as pipec layers, with the cluster of the flags below, an `auto` strategy and a
-    /// training section to edit. A config field pipec cannot honour is an error naming it and
-    /// why.
+    /// training section to edit; or for an engine's launch configuration (a Megatron-LM
+    /// argument list or script, a torchtitan TOML, a DeepSpeed ds_config.json with
+    /// --model-config) with the layout it describes. A field pipec cannot honour is an error
+    /// naming it and why.
     Import {
         config: PathBuf,
         /// Where to write the spec (default: standard output).
@@ -82,6 +85,13 @@ enum Command {
         /// v100-16gb); the interconnect is its DGX system's.
         #[arg(long, default_value = "h100-sxm")]
         device: String,
+        /// The GPUs an engine's configuration runs on, when it does not say (torchtitan,
+        /// DeepSpeed, a Megatron-LM argument list without `--nproc_per_node`).
+        #[arg(long)]
+        gpus: Option<usize>,
+        /// With a DeepSpeed ds_config.json: the Hugging Face config.json of its model.
+        #[arg(long)]
+        model_config: Option<PathBuf>,
     },
     /// Write a checkpoint as a Hugging Face checkpoint folder (`model.safetensors` under
     /// `transformers`' names and `config.json`) for a GPT-2, Llama-family or BERT model, or a
@@ -95,6 +105,19 @@ enum Command {
         /// The run's plan.json (default: the nearest one above the checkpoint).
         #[arg(long)]
         plan: Option<PathBuf>,
+    },
+    /// Write a plan as another engine's launch configuration: Megatron-LM's pretrain_gpt.py
+    /// arguments and a Slurm script, torchtitan's TOML job config and torchrun line, or
+    /// DeepSpeed's ds_config.json and launcher line, with pipec's prediction for the run.
+    Emit {
+        /// A spec (.yaml, compiled here) or a plan.json.
+        input: PathBuf,
+        /// The engine (default: the spec's `engine:`).
+        #[arg(long, value_parser = parse_engine)]
+        engine: Option<pipec_plan::vocab::Engine>,
+        /// The folder to write (must not exist).
+        #[arg(short, long)]
+        out: PathBuf,
     },
     /// Print the long explanation of a diagnostic code, e.g. `pipec explain E0102`.
     Explain {
@@ -344,8 +367,9 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Check { files, format } => check_cmd::run(&files, format, std::io::stderr().is_terminal()),
         Command::Explain { code, list } => explain(code.as_deref(), list),
+        Command::Emit { input, engine, out } => emit_cmd::run(&input, engine, &out),
         Command::Export { checkpoint, out, plan } => export_cmd::run(&checkpoint, &out, plan.as_deref()),
-        Command::Import { config, out, seq, name, nodes, devices_per_node, device } => {
+        Command::Import { config, out, seq, name, nodes, devices_per_node, device, gpus, model_config } => {
             import_cmd::run(import_cmd::ImportArgs {
                 config: &config,
                 out: out.as_deref(),
@@ -356,6 +380,8 @@ fn main() -> ExitCode {
                     devices_per_node: devices_per_node as usize,
                     device,
                 },
+                gpus,
+                model_config: model_config.as_deref(),
             })
         }
         Command::Search { file, profile, allow_async, max_depth, headroom, schedules, top, exact_top, format } => {
@@ -481,4 +507,14 @@ fn explain(code: Option<&str>, list: bool) -> u8 {
             EXIT_USAGE
         }
     }
+}
+
+/// An engine's name (`--engine`), spelled as in a spec's `engine:`.
+fn parse_engine(text: &str) -> Result<pipec_plan::vocab::Engine, String> {
+    use pipec_plan::vocab::Choice;
+    pipec_plan::vocab::Engine::ALL
+        .iter()
+        .copied()
+        .find(|e| e.name() == text)
+        .ok_or_else(|| format!("`{text}` is not an engine: {}", pipec_plan::engine::engine_names().join(", ")))
 }

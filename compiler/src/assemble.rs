@@ -140,6 +140,7 @@ pub(crate) fn assemble(
     Plan {
         version: PLAN_VERSION,
         name: spec.name.clone().unwrap_or_else(|| "pipec-job".into()),
+        engine: spec.engine.target.clone(),
         model: ModelPlan {
             input: spec.model.input.clone(),
             loss: spec.model.loss,

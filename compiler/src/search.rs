@@ -27,6 +27,7 @@ use std::time::Instant;
 use pipec_grammar::check_source_in;
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::{AutoStrategy, Partition, Recompute, Schedule, Spec};
+use pipec_plan::engine::capability;
 use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::{CpComm, ScheduleKind, Sharding};
 
@@ -475,6 +476,41 @@ fn sharded_variants(c: &Candidate) -> Vec<Candidate> {
         .collect()
 }
 
+/// Whether the spec's engine runs stages replicated unequally (PipeDream's planner's
+/// layouts).
+fn runs_uneven_replicas(spec: &Spec) -> bool {
+    capability::find(&spec.engine.target, |c| *c == capability::Capability::UnevenReplicas).is_some()
+}
+
+/// Holds a candidate to the spec's engine (`engine:`): the ZeRO level and sequence
+/// parallelism the search chooses itself are moved to the nearest the engine runs when the
+/// spec does not fix them; what else the engine does not run is the candidate's refusal.
+fn held_to_engine(spec: &Spec, options: &SearchOptions, c: &mut Candidate, scratch: &mut Spec) -> Option<String> {
+    if spec.engine.target.is_pipec() {
+        return None;
+    }
+    for _ in 0..3 {
+        let layout =
+            pipec_grammar::engine_check::layout_of(&spec.model, &c.spec_in(spec, scratch).strategy, &spec.training);
+        let refused = capability::refusals(&spec.engine.target, &layout);
+        let first = refused.first()?;
+        let adjustable = refused.iter().find_map(|r| match (r.feature, r.nearest.as_deref()) {
+            (capability::Feature::Sharding, Some(level)) if options.sharding.is_none() => {
+                level.parse().ok().and_then(Sharding::of_level).map(|s| Candidate { sharding: s, ..c.clone() })
+            }
+            (capability::Feature::SequenceParallel, Some("true")) if c.tp > 1 => {
+                Some(Candidate { sequence_parallel: true, ..c.clone() })
+            }
+            _ => None,
+        });
+        match adjustable {
+            Some(next) if next != *c => *c = next,
+            _ => return Some(first.message.clone()),
+        }
+    }
+    None
+}
+
 /// The first error's message among `diagnostics` (what an invalid candidate reports).
 fn first_error(diagnostics: &[Diagnostic]) -> String {
     diagnostics
@@ -537,7 +573,7 @@ fn candidates(
             None => divisors(machines).filter(|p| *p <= layers).map(|pp| Some(vec![machines / pp; pp])).collect(),
         };
         // (PipeDream's planner lays out replicas, not context-parallel groups)
-        if options.layout.is_none() && machines > 1 && cp == 1 {
+        if options.layout.is_none() && machines > 1 && cp == 1 && runs_uneven_replicas(spec) {
             layouts.push(None);
         }
         let too_deep = |pp: usize| options.max_pipeline_depth.is_some_and(|m| pp > m);
@@ -604,8 +640,11 @@ fn candidates(
                                 let facts = LayoutFacts { replicas: l, microbatches, vertical_sync: false };
                                 schedule.check_layout(&facts).into_iter().next()
                             });
+                            let broken = broken
+                                .map(|v| v.message)
+                                .or_else(|| held_to_engine(spec, options, &mut c, &mut scratch));
                             c.outcome = match broken {
-                                Some(v) => Outcome::Invalid(v.message),
+                                Some(v) => Outcome::Invalid(v),
                                 None => match work_bound(c.spec_in(spec, &mut scratch), compile_options, memo) {
                                     Ok(b) => {
                                         valid.push((candidates.len(), b));

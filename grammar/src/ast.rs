@@ -10,10 +10,27 @@ use crate::span::Span;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Spec {
     pub name: Option<String>,
+    /// `engine:`: the engine the plan is for.
+    pub engine: EngineChoice,
     pub model: Model,
     pub cluster: Cluster,
     pub strategy: Strategy,
     pub training: Training,
+}
+
+/// The engine a spec names (`engine:`), at the release it resolved to.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EngineChoice {
+    pub target: pipec_plan::engine::EngineTarget,
+    /// The span of `engine:`'s value; None when the spec does not name an engine (pipec).
+    pub span: Option<Span>,
+}
+
+impl EngineChoice {
+    /// The engine.
+    pub fn engine(&self) -> pipec_plan::vocab::Engine {
+        self.target.name
+    }
 }
 
 /// The model: per-sample input shape, the flattened list of layers in a topological order

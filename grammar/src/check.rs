@@ -55,7 +55,7 @@ fn check_with_schema(source: &str, schema: &SchemaIndex, base_dir: Option<&std::
     let has_errors = diagnostics.iter().any(Diagnostic::is_error);
     let spec = match (lowered.model, lowered.cluster, lowered.strategy, lowered.training) {
         (Some(model), Some(cluster), Some(strategy), Some(training)) if !has_errors => {
-            Some(Spec { name: lowered.name, model, cluster, strategy, training })
+            Some(Spec { name: lowered.name, engine: lowered.engine, model, cluster, strategy, training })
         }
         _ => None,
     };

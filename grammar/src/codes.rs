@@ -2,7 +2,7 @@
 //! `pipec explain CODE` prints. Codes are stable: never reuse or renumber one.
 //!
 //! Ranges: E01xx document structure, E02xx quantities, E03xx model, E04xx strategy,
-//! E05xx training, E06xx plan (compiler), E09xx internal.
+//! E05xx training, E06xx plan (compiler), E07xx engines (`engine:`), E09xx internal.
 
 /// One registered code.
 #[derive(Debug, Clone, Copy)]
@@ -523,6 +523,31 @@ was: nothing was left to try (e.g. only asynchronous schedules asked for without
 e.g. a fixed `tp` that does not divide the devices); or no plan fits in every device's
 memory with the headroom asked for. Allow more (drop a constraint, lower `headroom`, allow
 `recompute`), use devices with more memory, or a smaller model or batch.";
+
+"E0701", "engine release not described",
+"`engine: { name: ..., version: ... }` names a release of the engine that pipec's
+description of it does not cover. Each engine's description (docs/spec.md) was read at
+one release and covers a stated range; a version may be a whole release in that range or a
+prefix of the newest (`\"0.19\"` for Megatron-LM 0.19.2). Without `version`, the newest
+release pipec describes is assumed.
+
+Example:
+
+    engine: { name: megatron, version: \"0.17\" }   # error: pipec describes megatron 0.19.0 to 0.19.2";
+
+"E0702", "the engine does not run this",
+"The spec names an engine (`engine:`) whose capabilities (pipec's table of what it runs,
+each row with its source in the engine's code or documentation: docs/engines.md) lack
+something the strategy or training asks for: a pipeline schedule, a ZeRO level beside a
+pipeline, a kind of recompute, a precision, unequal replication, an asynchronous update,
+or a model other than a decoder-only language model. The fix offered is the nearest value
+the engine runs; `engine: pipec` (the default) runs every plan pipec compiles.
+
+Example:
+
+    engine: megatron
+    strategy: { pp: 4, schedule: zbv }   # error: megatron 0.19.2 has no `zbv` schedule
+                                         # fix: { kind: interleaved, virtual_stages: 2 }";
 
 "E0901", "cannot read file",
 "The file could not be read (missing, a directory, not UTF-8, ...).";

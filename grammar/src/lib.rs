@@ -12,6 +12,7 @@ pub mod codes;
 mod cx;
 pub mod diagnostic;
 pub mod dsl;
+pub mod engine_check;
 mod graph;
 pub mod ide;
 pub mod import;

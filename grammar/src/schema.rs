@@ -9,7 +9,7 @@
 #![allow(dead_code)]
 
 use pipec_plan::vocab::{
-    Decay, Loss, OptimizerKind, Precision, ReduceMode, RunningStats, ScheduleKind, SyncMode, Task,
+    Decay, Engine, Loss, OptimizerKind, Precision, ReduceMode, RunningStats, ScheduleKind, SyncMode, Task,
 };
 use schemars::JsonSchema;
 use serde_json::Value as Json;
@@ -22,10 +22,32 @@ use serde_json::Value as Json;
 struct Spec {
     /// A name for the job, used in reports and output file names.
     name: Option<String>,
+    engine: Option<EngineSpec>,
     model: Model,
     cluster: Cluster,
     strategy: StrategySpec,
     training: Training,
+}
+
+/// The training engine the plan is for: `pipec` (the default: `pipec run`), `megatron`
+/// (Megatron-LM), `torchtitan` or `deepspeed`, or a mapping with `name` and `version`.
+/// `pipec check`, `search` and `compare` hold the strategy to what that engine can run, and
+/// `pipec emit` writes its launch configuration.
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum EngineSpec {
+    Name(Engine),
+    Versioned(EngineFields),
+}
+
+/// An engine at a release.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct EngineFields {
+    name: Engine,
+    /// The engine's release, quoted: `"0.19"` (the newest 0.19 release pipec describes) or a
+    /// whole one, `"0.19.8"`. Default: the newest pipec describes (docs/spec.md lists them).
+    version: Option<String>,
 }
 
 /// The network to train: its per-sample input shape, its layers in order, and its loss.

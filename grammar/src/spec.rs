@@ -21,6 +21,7 @@ pub(crate) use crate::cx::Lower;
 #[derive(Debug, Default)]
 pub struct Lowered {
     pub name: Option<String>,
+    pub engine: EngineChoice,
     pub model: Option<Model>,
     pub cluster: Option<Cluster>,
     pub strategy: Option<Strategy>,
@@ -54,6 +55,10 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
         return out;
     };
     out.name = top.get("name").and_then(|n| cx.output_path(n, "E0105", "my-run"));
+    if let Some(node) = top.get("engine") {
+        out.engine =
+            lower_engine(&mut cx, node).unwrap_or(EngineChoice { span: Some(node.span), ..Default::default() });
+    }
     let section = |cx: &mut Lower<'_>, key: &str| -> Option<(&Node, Span)> {
         let node = cx.required(&top, key, "spec")?;
         Some((node, top.key_span(key).unwrap_or(doc_start)))
@@ -74,8 +79,62 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     out.strategy = strategy_node.and_then(|(n, ks)| {
         crate::strategy::lower_strategy(&mut cx, n, ks, out.model.as_ref(), out.cluster.as_ref(), out.training.as_ref())
     });
+    if let (Some(model), Some(strategy), Some(training)) = (&out.model, &out.strategy, &out.training) {
+        let sections = (strategy_node.map(|(n, _)| n), top.get("training"));
+        crate::engine_check::check_engine(&mut cx, &out.engine, sections, model, strategy, training);
+    }
     out.diagnostics = cx.diags;
     out
+}
+
+/// `engine:`: an engine's name, or a mapping with `name` and a quoted `version` (E0701
+/// names a release pipec does not describe).
+fn lower_engine(cx: &mut Lower<'_>, node: &Node) -> Option<EngineChoice> {
+    use pipec_plan::engine::{releases, EngineTarget};
+    let span = Some(node.span);
+    if node.as_map().is_none() {
+        let engine = cx.choose::<pipec_plan::vocab::Engine>(node, &["engine"])?;
+        return Some(EngineChoice { target: EngineTarget::newest(engine), span });
+    }
+    let f = cx.fields(node, &["engine"], node.span)?;
+    let name = cx.required(&f, "name", "engine")?;
+    let engine = cx.choose::<pipec_plan::vocab::Engine>(name, &["engine", "name"])?;
+    let Some(version) = f.get("version") else {
+        return Some(EngineChoice { target: EngineTarget::newest(engine), span });
+    };
+    let Value::Str(text) = &version.value else {
+        // `version: 0.10` is the number 0.1 to YAML: the text as written, quoted
+        let written = cx.src.get(version.span.range()).unwrap_or_default().trim().to_string();
+        let mut d = Diagnostic::error(
+            "E0103",
+            format!("`engine.version` must be a quoted string, found {}", version.value.kind_name()),
+            version.span,
+            "expected a string like \"0.19\"",
+        )
+        .with_help("quote the version: YAML reads 0.10 as the number 0.1");
+        if !written.is_empty() && !matches!(version.value, Value::Map(_) | Value::Seq(_)) {
+            d = d.with_fix("quote it", version.span, format!("\"{written}\""));
+        }
+        cx.push(d);
+        return None;
+    };
+    match EngineTarget::resolve(engine, Some(text)) {
+        Ok(target) => Some(EngineChoice { target, span }),
+        Err(why) => {
+            let r = releases(engine);
+            cx.push(
+                Diagnostic::error("E0701", format!("{engine} version `{text}`: {why}"), version.span, "not a release pipec describes")
+                    .with_help(format!(
+                        "pipec's description of {engine} covers {} (read at {}); name one of those releases or remove `version` for {}",
+                        r.range_text(),
+                        r.newest,
+                        r.newest
+                    ))
+                    .with_fix(format!("use {}", r.newest), version.span, format!("\"{}\"", r.newest)),
+            );
+            None
+        }
+    }
 }
 
 /// The most values one batch's layer outputs may hold together (2^52, about 4.5·10^15):

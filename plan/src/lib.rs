@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod datafile;
 pub mod device;
+pub mod engine;
 pub mod hf;
 pub mod images;
 pub mod instr;
@@ -22,6 +23,6 @@ pub use instr::{
 };
 pub use plan::Plan;
 pub use vocab::{
-    Attention, Choice, CollectiveKind, CollectivePayload, Loss, OptimizerKind, Precision, ReduceMode, ScheduleKind,
-    SyncMode, Task, TokenDtype, TokenExchange,
+    Attention, Choice, CollectiveKind, CollectivePayload, Engine, Loss, OptimizerKind, Precision, ReduceMode,
+    ScheduleKind, SyncMode, Task, TokenDtype, TokenExchange,
 };

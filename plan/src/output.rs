@@ -16,6 +16,28 @@ pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), String> {
     })
 }
 
+/// Writes a new folder `out` holding `files` (name, contents), whole or not at all: the
+/// files go into a fresh folder beside it, renamed into place at once. `out` must not exist.
+pub fn write_folder_atomic(out: &Path, files: &[(String, Vec<u8>)]) -> Result<(), String> {
+    if out.exists() {
+        return Err(format!("`{}` exists: a new folder is written", out.display()));
+    }
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| format!("cannot create `{}`: {e}", parent.display()))?;
+    let name = out.file_name().and_then(|n| n.to_str()).unwrap_or("out");
+    let tmp = parent.join(format!(".{name}.tmp{}", std::process::id()));
+    let write = || -> Result<(), String> {
+        std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create `{}`: {e}", tmp.display()))?;
+        for (file, contents) in files {
+            std::fs::write(tmp.join(file), contents).map_err(|e| format!("cannot write `{file}`: {e}"))?;
+        }
+        std::fs::rename(&tmp, out).map_err(|e| format!("cannot write `{}`: {e}", out.display()))
+    };
+    write().inspect_err(|_| {
+        let _ = std::fs::remove_dir_all(&tmp);
+    })
+}
+
 /// Appends `line` and its newline to `file` (open for appending) in one write, so that
 /// lines appended by several processes at once — a launcher's re-plan record beside a
 /// rank of a job being stopped, still writing its steps — never interleave.

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::engine::EngineTarget;
 use crate::instr::{DeviceId, GroupId, Instr, StageId};
 use crate::model::{Loss, Op, Source};
 use crate::recipe::Recipe;
@@ -19,6 +20,10 @@ pub const PLAN_VERSION: u32 = 6;
 pub struct Plan {
     pub version: u32,
     pub name: String,
+    /// The engine the plan is for (the spec's `engine:`): the layout was checked against
+    /// its capabilities (`crate::engine`). Absent: pipec itself.
+    #[serde(default, skip_serializing_if = "EngineTarget::is_pipec")]
+    pub engine: EngineTarget,
     pub model: ModelPlan,
     pub training: TrainingPlan,
     pub schedule: ScheduleInfo,
@@ -786,6 +791,9 @@ impl Plan {
     pub fn check(&self) -> Vec<String> {
         let mut out = Vec::new();
         let t = &self.training;
+        if let Some(problem) = self.engine.problem() {
+            out.push(format!("engine: {problem}"));
+        }
         if self.model.input.is_empty() || self.model.input.contains(&0) {
             out.push(format!("model.input {:?} must be non-empty with every dimension ≥ 1", self.model.input));
         } else if let Err(m) = crate::model::check_shape(&self.model.input) {

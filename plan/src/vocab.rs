@@ -1,5 +1,5 @@
 //! The named choices a spec and a plan share: schedule, data-parallel sync and reduce modes,
-//! precision, synthetic task, loss, optimizer kind. Each is an enum defined once here, with
+//! precision, synthetic task, loss, optimizer kind, engine. Each is an enum defined once here, with
 //! its spelling (the serde name, the spec's keyword, the plan file's value) and its
 //! documentation; the front end lowers spec values into them with [`Choice::from_name`], the
 //! JSON Schema is derived from them (feature `schema`), and an unknown value in a plan file is
@@ -168,6 +168,29 @@ choice! {
         DualPipe = "dualpipe",
         /// Data parallelism only: one stage, every device a replica.
         DpOnly = "dp-only",
+    }
+}
+
+choice! {
+    /// The training engine a plan is for (the spec's `engine:`): the capabilities `pipec check`,
+    /// `search` and `compare` hold a layout to (`crate::engine`), and the launch
+    /// configuration `pipec emit` writes.
+    pub enum Engine {
+        /// pipec's own executor (`pipec run`), the default.
+        Pipec = "pipec",
+        /// NVIDIA Megatron-LM: `pretrain_gpt.py` on Megatron Core.
+        Megatron = "megatron",
+        /// PyTorch's torchtitan (its TOML job configuration).
+        Torchtitan = "torchtitan",
+        /// Microsoft DeepSpeed (`ds_config.json` and the `deepspeed` launcher).
+        Deepspeed = "deepspeed",
+    }
+}
+
+#[allow(clippy::derivable_impls)] // the `choice!` macro writes the enum
+impl Default for Engine {
+    fn default() -> Self {
+        Engine::Pipec
     }
 }
 
@@ -445,6 +468,7 @@ mod tests {
         round_trips::<Task>();
         round_trips::<Loss>();
         round_trips::<OptimizerKind>();
+        round_trips::<Engine>();
         assert_eq!(ScheduleKind::OneFOneB.to_string(), "1f1b");
         assert_eq!(ReduceMode::ParameterServer.name(), "ps");
     }

@@ -1,0 +1,105 @@
+//! `engine:` held to the named engine's capabilities (`pipec_plan::engine::capability`):
+//! each thing the engine does not run is E0702, located at the key that asks for it, with the
+//! nearest value the engine runs as its fix. A strategy the search completes (`auto`) is held
+//! to them candidate by candidate (`pipec_compiler::search`), its model and precision here.
+
+use pipec_plan::engine::capability::{refusals, Feature, Layout, RecomputeKind};
+use pipec_plan::engine::gpt::GptShape;
+
+use crate::ast::{EngineChoice, Model, Recompute, Strategy, Training};
+use crate::cx::Lower;
+use crate::diagnostic::Diagnostic;
+use crate::span::Span;
+use crate::yaml::Node;
+
+/// The layout a written strategy asks for, as the capability tables see it.
+pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Layout {
+    let cp = strategy.cp.max(1);
+    let recompute = match &strategy.recompute {
+        Recompute::Off => RecomputeKind::Off,
+        Recompute::All => RecomputeKind::Full,
+        Recompute::Stages(v) if v.len() >= strategy.stage_count() => RecomputeKind::Full,
+        Recompute::Stages(v) if v.is_empty() => RecomputeKind::Off,
+        Recompute::Stages(_) => RecomputeKind::SomeStages,
+        Recompute::Selective => RecomputeKind::Selective,
+    };
+    let ops: Vec<pipec_plan::model::Op> = model.layers.iter().map(|l| l.op.clone()).collect();
+    let tied = model.layers.iter().any(|l| l.tied.is_some());
+    Layout {
+        replicas: strategy.replicas.iter().map(|r| (r / cp).max(1)).collect(),
+        tp: strategy.tp,
+        cp,
+        ep: strategy.ep.max(1),
+        schedule: strategy.schedule.kind,
+        virtual_stages: strategy.schedule.virtual_stages.max(1),
+        microbatches: strategy.written_microbatches(),
+        synchronous: strategy.schedule.kind.is_synchronous(strategy.schedule.sync),
+        reduce: strategy.schedule.reduce,
+        sharding: strategy.sharding,
+        sequence_parallel: strategy.sequence_parallel,
+        tp_overlap: strategy.tp_overlap,
+        cp_comm: strategy.cp_comm,
+        recompute,
+        precision: training.precision,
+        blocks: model.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),
+        gpt: GptShape::of(&ops, tied).is_some(),
+    }
+}
+
+/// E0702 for everything `engine` cannot run of the written strategy (nothing for pipec or
+/// a strategy the search completes).
+pub(crate) fn check_engine(
+    cx: &mut Lower<'_>,
+    engine: &EngineChoice,
+    sections: (Option<&Node>, Option<&Node>),
+    model: &Model,
+    strategy: &Strategy,
+    training: &Training,
+) {
+    if engine.target.is_pipec() {
+        return;
+    }
+    let (strategy_fields, training_fields) = sections;
+    let target = &engine.target;
+    // a strategy the search completes is held to the engine candidate by candidate; what
+    // no strategy changes (the model, the precision) is reported here
+    let searched = strategy.auto.is_some();
+    let all = refusals(target, &layout_of(model, strategy, training));
+    for refusal in all.into_iter().filter(|r| !searched || matches!(r.feature, Feature::Model | Feature::Precision)) {
+        let written = match refusal.feature {
+            Feature::Layout => Some(strategy.layout_span),
+            Feature::Schedule | Feature::Synchrony | Feature::Reduce => Some(strategy.schedule.span),
+            Feature::Microbatches => strategy.microbatches_span,
+            Feature::Model => Some(model.layers_span),
+            Feature::Precision => value_span(training_fields, "precision"),
+            other => value_span(strategy_fields, other.key()),
+        };
+        let span = written.or(engine.span).unwrap_or(strategy.span);
+        let key = refusal.feature.key();
+        let mut d =
+            Diagnostic::error("E0702", refusal.message.clone(), span, format!("{} does not run this", target.name))
+                .with_help(help(&refusal.nearest, key, target.name.to_string(), refusal.source));
+        if let (Some(nearest), Some(at)) = (&refusal.nearest, written.filter(|_| fixable(refusal.feature))) {
+            d = d.with_fix(format!("use {nearest}"), at, nearest.clone());
+        }
+        cx.push(d);
+    }
+}
+
+/// Whether a refusal's nearest value replaces the value written at its key.
+fn fixable(feature: Feature) -> bool {
+    !matches!(feature, Feature::Layout | Feature::Model | Feature::Reduce)
+}
+
+fn help(nearest: &Option<String>, key: &str, engine: String, source: &str) -> String {
+    let fix = match nearest {
+        Some(v) => format!("the nearest {engine} runs: `{key}: {v}`"),
+        None => format!("change `{key}` to what {engine} runs"),
+    };
+    format!("{fix}, or name another engine (`engine: pipec` runs it); {engine}'s rule: {source}")
+}
+
+/// The span of `key`'s value in the mapping `node`, when written.
+fn value_span(node: Option<&Node>, key: &str) -> Option<Span> {
+    node?.as_map()?.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v.span)
+}

@@ -1,0 +1,242 @@
+//! What the engine importers ([`super::megatron`], [`super::torchtitan`],
+//! [`super::deepspeed`]) read from a launch configuration, and the one spec writer they
+//! share: the model, the cluster, the layout as a written strategy, the training, and
+//! `engine:`, with a header listing what the configuration asks that the spec cannot say.
+
+use pipec_plan::model::{MlpKind, NormKind};
+use pipec_plan::vocab::{CpComm, Engine, Precision, ScheduleKind, Sharding};
+
+/// A decoder-only language model as the engines describe one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelFacts {
+    pub vocab: usize,
+    pub layers: usize,
+    pub d: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub ff: usize,
+    pub seq: usize,
+    /// A learned position table's length (0: none).
+    pub positions: usize,
+    /// Rotary embeddings' base (0: none).
+    pub rope: f64,
+    pub norm: NormKind,
+    pub eps: f64,
+    pub mlp: MlpKind,
+    pub bias: bool,
+    pub qkv_bias: bool,
+    pub tied: bool,
+    pub moe: Option<MoeFacts>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeFacts {
+    pub experts: usize,
+    pub top_k: usize,
+    /// Shared experts (each `ff` wide).
+    pub shared: usize,
+    pub aux_loss: f64,
+    pub sigmoid: bool,
+    pub norm_topk: bool,
+    pub capacity: f64,
+}
+
+/// The layout and training a launch configuration gives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunFacts {
+    pub world: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub cp: usize,
+    pub ep: usize,
+    pub schedule: ScheduleKind,
+    pub virtual_stages: usize,
+    pub sharding: Sharding,
+    pub sequence_parallel: bool,
+    pub tp_overlap: bool,
+    pub cp_comm: CpComm,
+    /// `true`, `false` or `selective`.
+    pub recompute: &'static str,
+    pub precision: Precision,
+    pub micro: usize,
+    pub global: usize,
+    pub steps: usize,
+    /// `adamw` or `sgd`, with (lr, beta1, beta2, eps, weight_decay) or (lr, momentum, _, _, weight_decay).
+    pub optimizer: (&'static str, [f64; 5]),
+    pub clip: Option<f64>,
+    pub seed: u64,
+}
+
+impl RunFacts {
+    /// The data-parallel degree: the devices left by the model's parallelism.
+    pub fn dp(&self) -> Result<usize, String> {
+        let model = self.tp * self.pp * self.cp;
+        if model == 0 || !self.world.is_multiple_of(model) {
+            return Err(format!("the world size {} is not a multiple of tp·pp·cp = {model}", self.world));
+        }
+        Ok(self.world / model)
+    }
+}
+
+/// Numbers as a spec writes them (no trailing `.0`, no exponent for the usual ones).
+pub fn number(x: f64) -> String {
+    if x == x.trunc() && x.abs() < 1e15 {
+        format!("{}", x as i64)
+    } else {
+        format!("{x}")
+    }
+}
+
+/// The model section of `m`.
+pub fn model_text(m: &ModelFacts) -> String {
+    let mut args = format!("d={}, heads={}, ff={}, causal=true", m.d, m.heads, m.ff);
+    if m.kv_heads != m.heads {
+        args += &format!(", kv_heads={}", m.kv_heads);
+    }
+    if m.norm == NormKind::RmsNorm {
+        args += ", norm=rmsnorm";
+    }
+    if m.mlp != MlpKind::Gelu {
+        args += &format!(", mlp={}", m.mlp.name());
+    }
+    if m.rope > 0.0 {
+        args += &format!(", rope={}", number(m.rope));
+    }
+    if !m.bias {
+        args += ", bias=false";
+        if m.qkv_bias {
+            args += ", qkv_bias=true";
+        }
+    }
+    if let Some(e) = &m.moe {
+        args += &format!(", experts={}, top_k={}", e.experts, e.top_k);
+        if e.shared > 0 {
+            args += &format!(", shared_experts={}", e.shared);
+        }
+        args += &format!(", aux_loss={}", number(e.aux_loss));
+        if e.sigmoid {
+            args += ", router=sigmoid";
+        }
+        if !e.norm_topk {
+            args += ", norm_topk=false";
+        }
+        if e.capacity > 0.0 {
+            args += &format!(", capacity={}", number(e.capacity));
+        }
+    }
+    let eps = (m.eps != pipec_plan::model::DEFAULT_EPS).then(|| format!("eps={}", number(m.eps)));
+    if let Some(e) = &eps {
+        args += &format!(", {e}");
+    }
+    let norm = if m.norm == NormKind::RmsNorm { "rmsnorm" } else { "layernorm" };
+    let final_norm = eps.map_or_else(|| norm.to_string(), |e| format!("{norm}({e})"));
+    let (table, head) = if m.tied {
+        (
+            format!("embedding({}, {}) as tokens", m.vocab, m.d),
+            format!("linear({}, {}, bias=false, tie=tokens)", m.d, m.vocab),
+        )
+    } else {
+        (format!("embedding({}, {})", m.vocab, m.d), format!("linear({}, {}, bias=false)", m.d, m.vocab))
+    };
+    let positions = if m.positions > 0 { format!("    - pos_embedding({})\n", m.positions) } else { String::new() };
+    format!(
+        "model:\n  input: [{}]\n  layers:\n    - {table}\n{positions}    - repeat {}: transformer_block({args})\n    - {final_norm}\n    - {head}\n  loss: cross_entropy\n",
+        m.seq, m.layers
+    )
+}
+
+/// The cluster, strategy and training sections of `r` (H100 nodes of up to 8 GPUs: the
+/// engines' configurations do not say which devices).
+pub fn run_text(r: &RunFacts) -> Result<String, String> {
+    let dp = r.dp()?;
+    let per_node = r.world.min(8);
+    if !r.world.is_multiple_of(per_node) {
+        return Err(format!("{} GPUs are not whole nodes of 8", r.world));
+    }
+    let schedule = match r.schedule {
+        ScheduleKind::Interleaved => format!("{{ kind: interleaved, virtual_stages: {} }}", r.virtual_stages),
+        k => k.name().to_string(),
+    };
+    let mut strategy = format!("  dp: {dp}\n  pp: {}\n  tp: {}\n  schedule: {schedule}\n", r.pp, r.tp);
+    if !r.global.is_multiple_of(r.micro.max(1)) {
+        return Err(format!("the global batch {} is not a multiple of the microbatch {}", r.global, r.micro));
+    }
+    strategy += &format!("  microbatches: {}\n", r.global / r.micro.max(1));
+    if r.sharding != Sharding::None {
+        strategy += &format!("  zero: {}\n", r.sharding.level());
+    }
+    if r.recompute != "false" {
+        strategy += &format!("  recompute: {}\n", r.recompute);
+    }
+    if r.sequence_parallel && r.tp > 1 {
+        strategy += "  sequence_parallel: true\n";
+    }
+    if r.tp_overlap && r.tp > 1 {
+        strategy += "  tp_overlap: true\n";
+    }
+    if r.cp > 1 {
+        strategy += &format!("  cp: {}\n", r.cp);
+        if r.cp_comm != CpComm::AllGather {
+            strategy += &format!("  cp_comm: {}\n", r.cp_comm.name());
+        }
+    }
+    if r.ep > 1 {
+        strategy += &format!("  ep: {}\n", r.ep);
+    }
+    let (kind, [lr, a, b, eps, wd]) = r.optimizer;
+    let optimizer = if kind == "sgd" {
+        format!("{{ kind: sgd, lr: {}, momentum: {}, weight_decay: {} }}", number(lr), number(a), number(wd))
+    } else {
+        format!(
+            "{{ kind: adamw, lr: {}, beta1: {}, beta2: {}, eps: {}, weight_decay: {} }}",
+            number(lr),
+            number(a),
+            number(b),
+            eps,
+            number(wd)
+        )
+    };
+    let clip = r.clip.filter(|c| *c > 0.0).map_or(String::new(), |c| format!("  clip_grad_norm: {}\n", number(c)));
+    Ok(format!(
+        "cluster:\n  nodes: {}\n  devices_per_node: {per_node}\n  device: h100-sxm\n  links: dgx-h100\n\
+         strategy:\n{strategy}\
+         training:\n  batch_size: {}\n  steps: {}\n  optimizer: {optimizer}\n  precision: {}\n  seed: {}\n  data: {{ kind: synthetic }}\n{clip}",
+        r.world / per_node,
+        r.global,
+        r.steps.max(1),
+        r.precision.name(),
+        r.seed
+    ))
+}
+
+/// The whole spec: a header naming the source and what was not carried over, then the
+/// sections; checked before it is returned (an importer never writes a spec that does not
+/// check, the engine's capabilities included).
+pub fn write_spec(
+    engine: Engine,
+    source: &str,
+    name: &str,
+    model: &str,
+    run: &RunFacts,
+    dropped: &[String],
+) -> Result<String, String> {
+    let mut header = format!("# Imported by `pipec import` from {source}: the layout, batch, model and optimizer it\n# describes, checked against {engine}'s capabilities.\n");
+    if !dropped.is_empty() {
+        header += "# Not carried over (pipec's spec cannot say it yet, or it changes no layout):\n";
+        for d in dropped {
+            header += &format!("#   {d}\n");
+        }
+    }
+    // the engines attend with fused (flash) kernels: Megatron-LM's --attention-backend auto,
+    // torchtitan's SDPA, transformers' sdpa under DeepSpeed
+    let model = model.replacen("model:\n", "model:\n  attention: flash\n", 1);
+    let spec = format!("{header}name: {name}\nengine: {engine}\n{model}{}", run_text(run)?);
+    let checked = crate::check_source(&spec);
+    if let Some(d) = checked.diagnostics.iter().find(|d| d.is_error()) {
+        return Err(format!(
+            "the spec written from this configuration does not check: {} ({})\n{spec}",
+            d.message, d.code
+        ));
+    }
+    Ok(spec)
+}

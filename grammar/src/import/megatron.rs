@@ -1,0 +1,433 @@
+//! A Megatron-LM launch — an examples/-style script (bash arrays of `pretrain_gpt.py`
+//! arguments, `torchrun` with `--nproc_per_node`/`--nnodes`) or a plain argument list — as a
+//! spec. The text is read as the shell would expand it for these purposes: comments and line
+//! continuations dropped, `NAME=value` assignments substituted (`$NAME`, `${NAME}`,
+//! `${NAME:-default}`), quotes removed and words split (the examples expand their arrays
+//! unquoted, so `"--fp8-format hybrid"` is two words). Defaults are Megatron-LM 0.19's
+//! (megatron/training/arguments.py at core_v0.19.0).
+
+use std::collections::BTreeMap;
+
+use pipec_plan::model::{MlpKind, NormKind};
+use pipec_plan::vocab::{CpComm, Engine, Precision, ScheduleKind, Sharding};
+
+use super::engine::{model_text, write_spec, ModelFacts, MoeFacts, RunFacts};
+
+/// Flags that change nothing pipec plans or predicts (logging, checkpoints, data paths,
+/// kernels' choice), read and left out silently.
+const IGNORED: &[&str] = &[
+    "--use-mcore-models",
+    "--init-method-std",
+    "--attention-dropout",
+    "--hidden-dropout",
+    "--no-masked-softmax-fusion",
+    "--no-position-embedding",
+    "--rotary-percent",
+    "--attention-backend",
+    "--tokenizer-type",
+    "--tokenizer-model",
+    "--mock-data",
+    "--data-path",
+    "--data-cache-path",
+    "--tiktoken-pattern",
+    "--split",
+    "--num-workers",
+    "--no-create-attention-mask-in-dataloader",
+    "--no-mmap-bin-files",
+    "--log-interval",
+    "--eval-iters",
+    "--eval-interval",
+    "--save-interval",
+    "--save",
+    "--load",
+    "--tensorboard-dir",
+    "--log-throughput",
+    "--profile",
+    "--profile-step-start",
+    "--profile-step-end",
+    "--ckpt-format",
+    "--distributed-timeout-minutes",
+    "--no-load-optim",
+    "--no-load-rng",
+    "--wandb-project",
+    "--wandb-exp-name",
+    "--manual-gc",
+    "--empty-unused-memory-level",
+    "--exit-duration-in-mins",
+    "--cross-entropy-loss-fusion",
+    "--make-vocab-size-divisible-by",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+    "--min-lr",
+    "--lr-decay-style",
+    "--lr-decay-iters",
+    "--lr-decay-samples",
+    "--lr-warmup-iters",
+    "--lr-warmup-samples",
+    "--lr-warmup-fraction",
+    "--grad-reduce-in-bf16",
+    "--moe-grouped-gemm",
+    "--moe-token-dispatcher-type",
+    "--moe-router-load-balancing-type",
+    "--moe-permute-fusion",
+    "--expert-tensor-parallel-size",
+    "--kv-channels",
+    "--num-workers",
+    "--vocab-file",
+    "--merge-file",
+    "--nproc_per_node",
+    "--nnodes",
+    "--node_rank",
+    "--master_addr",
+    "--master_port",
+    "--use-flash-attn",
+    "--calculate-per-token-loss",
+    "--no-gradient-accumulation-fusion",
+];
+
+/// The words of a launch script or argument list, expanded as the shell would for flags.
+pub fn words(text: &str) -> Vec<String> {
+    let mut vars: BTreeMap<String, String> = BTreeMap::new();
+    let mut out = Vec::new();
+    let joined = text.replace("\\\n", " ");
+    for line in joined.lines() {
+        let line = strip_comment(line);
+        let trimmed = line.trim().trim_start_matches("export ").trim();
+        // `NAME=value` (not an array): remembered for substitution
+        if let Some((name, value)) = trimmed.split_once('=') {
+            let plain = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if plain && !value.starts_with('(') && !value.contains(' ') {
+                let v = expand(value, &vars);
+                vars.insert(name.to_string(), unquote(&v));
+                continue;
+            }
+        }
+        // `NAME=( ...`: an array's items
+        let items = match trimmed.split_once("=(") {
+            Some((name, rest)) if name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') => rest.to_string(),
+            _ => line,
+        };
+        let expanded = expand(&items, &vars);
+        out.extend(expanded.split_whitespace().map(unquote).filter(|w| !w.is_empty()));
+    }
+    out
+}
+
+fn strip_comment(line: &str) -> String {
+    let (mut quote, mut out) = (None, String::new());
+    let mut prev = ' ';
+    for c in line.chars() {
+        match (c, quote) {
+            ('#', None) if prev.is_whitespace() => break,
+            ('"' | '\'', None) => quote = Some(c),
+            (q, Some(open)) if q == open => quote = None,
+            _ => {}
+        }
+        out.push(c);
+        prev = c;
+    }
+    out
+}
+
+fn unquote(word: &str) -> String {
+    word.chars().filter(|c| !matches!(c, '"' | '\'' | '(' | ')')).collect()
+}
+
+/// `$NAME`, `${NAME}` and `${NAME:-default}` substituted (unknown names: their default, or
+/// left as written).
+fn expand(text: &str, vars: &BTreeMap<String, String>) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        if let Some(inner) = after.strip_prefix('{') {
+            let Some(end) = inner.find('}') else {
+                out.push_str(&rest[at..]);
+                return out;
+            };
+            let body = &inner[..end];
+            let (name, default) = body.split_once(":-").map_or((body, None), |(n, d)| (n, Some(d)));
+            match (vars.get(name), default) {
+                (Some(v), _) => out.push_str(v),
+                (None, Some(d)) => out.push_str(&unquote(d)),
+                (None, None) => out.push_str(&format!("${{{body}}}")),
+            }
+            rest = &inner[end + 1..];
+        } else {
+            let len = after.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').count();
+            match vars.get(&after[..len]) {
+                Some(v) if len > 0 => out.push_str(v),
+                _ => out.push_str(&rest[at..at + 1 + len]),
+            }
+            rest = &after[len..];
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The flags of `words` with their values (None: a switch); the first value of a flag given
+/// twice wins, as the examples' arrays never repeat one.
+fn flags(words: &[String]) -> BTreeMap<String, Option<String>> {
+    let mut out = BTreeMap::new();
+    for (i, w) in words.iter().enumerate() {
+        if !w.starts_with("--") {
+            continue;
+        }
+        let value = words.get(i + 1).filter(|v| !v.starts_with("--")).cloned();
+        out.entry(w.clone()).or_insert(value);
+    }
+    out
+}
+
+struct Args {
+    flags: BTreeMap<String, Option<String>>,
+    used: std::collections::BTreeSet<String>,
+}
+
+impl Args {
+    fn has(&mut self, name: &str) -> bool {
+        self.used.insert(name.to_string());
+        self.flags.contains_key(name)
+    }
+    fn text(&mut self, name: &str) -> Option<String> {
+        self.used.insert(name.to_string());
+        self.flags.get(name).cloned().flatten()
+    }
+    fn count(&mut self, name: &str) -> Result<Option<usize>, String> {
+        match self.text(name) {
+            None => Ok(None),
+            Some(v) => v.parse().map(Some).map_err(|_| format!("`{name} {v}`: not a whole number")),
+        }
+    }
+    fn count_or(&mut self, name: &str, default: usize) -> Result<usize, String> {
+        Ok(self.count(name)?.unwrap_or(default))
+    }
+    fn need(&mut self, name: &str) -> Result<usize, String> {
+        self.count(name)?.ok_or_else(|| format!("`{name}` is missing: Megatron-LM requires it"))
+    }
+    fn number_or(&mut self, name: &str, default: f64) -> Result<f64, String> {
+        match self.text(name) {
+            None => Ok(default),
+            Some(v) => v.parse().map_err(|_| format!("`{name} {v}`: not a number")),
+        }
+    }
+}
+
+/// The spec a Megatron-LM launch describes; `world` when the text does not give the GPUs
+/// (`--nproc_per_node` × `--nnodes`).
+pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, String> {
+    let words = words(text);
+    let mut a = Args { flags: flags(&words), used: Default::default() };
+    if a.flags.is_empty() {
+        return Err("no `--flag` arguments: not a Megatron-LM argument list or launch script".into());
+    }
+    let model = model(&mut a)?;
+    let run = run(&mut a, &model, world)?;
+    let mut dropped: Vec<String> = Vec::new();
+    for (flag, value) in &a.flags {
+        if !a.used.contains(flag) && !IGNORED.contains(&flag.as_str()) {
+            dropped.push(value.as_ref().map_or_else(|| flag.clone(), |v| format!("{flag} {v}")));
+        }
+    }
+    write_spec(Engine::Megatron, "a Megatron-LM launch", name, &model_text(&model), &run, &dropped)
+}
+
+fn model(a: &mut Args) -> Result<ModelFacts, String> {
+    let d = a.need("--hidden-size")?;
+    let heads = a.need("--num-attention-heads")?;
+    let swiglu = a.has("--swiglu");
+    // arguments.py:1280-1290: 4h, or with SwiGLU int(4h·2/3 / 64)·64
+    let ff_default = if swiglu { (4 * d * 2 / 3) / 64 * 64 } else { 4 * d };
+    let gqa = a.has("--group-query-attention");
+    let groups = a.count_or("--num-query-groups", heads)?;
+    let seq = a.need("--seq-length")?;
+    let positions = a.count_or("--max-position-embeddings", seq)?;
+    let kind = a.text("--position-embedding-type").unwrap_or_else(|| "learned_absolute".into());
+    let rope = match kind.as_str() {
+        "rope" => a.number_or("--rotary-base", 10000.0)?,
+        "learned_absolute" | "none" => 0.0,
+        other => {
+            return Err(format!(
+                "`--position-embedding-type {other}` is not a pipec position embedding (learned_absolute, rope, none)"
+            ))
+        }
+    };
+    let norm = match a.text("--normalization").as_deref() {
+        None | Some("LayerNorm") => NormKind::LayerNorm,
+        Some("RMSNorm") => NormKind::RmsNorm,
+        Some(other) => return Err(format!("`--normalization {other}` is not LayerNorm or RMSNorm")),
+    };
+    let bias = !a.has("--disable-bias-linear");
+    let mlp = if swiglu {
+        MlpKind::Swiglu
+    } else if a.has("--openai-gelu") {
+        MlpKind::GeluTanh
+    } else {
+        MlpKind::Gelu
+    };
+    let moe = match a.count("--num-experts")? {
+        None => None,
+        Some(experts) => Some(MoeFacts {
+            experts,
+            top_k: a.count_or("--moe-router-topk", 2)?,
+            shared: match a.count("--moe-shared-expert-intermediate-size")? {
+                None => 0,
+                Some(w) => w / a.count("--moe-ffn-hidden-size")?.unwrap_or(ff_default).max(1),
+            },
+            aux_loss: a.number_or("--moe-aux-loss-coeff", 0.0)?,
+            sigmoid: a.text("--moe-router-score-function").as_deref() == Some("sigmoid"),
+            norm_topk: !a.has("--moe-router-pre-softmax"),
+            capacity: a.number_or("--moe-expert-capacity-factor", 0.0)?,
+        }),
+    };
+    let dense_ff = a.count_or("--ffn-hidden-size", ff_default)?;
+    let ff = match &moe {
+        Some(_) => a.count("--moe-ffn-hidden-size")?.unwrap_or(dense_ff),
+        None => dense_ff,
+    };
+    Ok(ModelFacts {
+        vocab: a.count("--vocab-size")?.ok_or(
+            "`--vocab-size` is missing: pipec needs the vocabulary (Megatron reads it from the tokenizer otherwise)",
+        )?,
+        layers: a.need("--num-layers")?,
+        d,
+        heads,
+        kv_heads: if gqa { groups } else { heads },
+        ff,
+        seq,
+        positions: if rope == 0.0 && kind == "learned_absolute" { positions } else { 0 },
+        rope,
+        norm,
+        eps: a.number_or("--norm-epsilon", 1e-5)?,
+        mlp,
+        bias,
+        qkv_bias: bias || a.has("--add-qkv-bias"),
+        tied: !a.has("--untie-embeddings-and-output-weights"),
+        moe,
+    })
+}
+
+fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, String> {
+    let per_node = a.count("--nproc_per_node")?;
+    let nodes = a.count("--nnodes")?;
+    let world = match (world, per_node, nodes) {
+        (Some(w), _, _) => w,
+        (None, Some(g), n) => g * n.unwrap_or(1),
+        (None, None, _) => {
+            return Err("the GPU count is not in the text (`--nproc_per_node`, `--nnodes`): give --gpus".into())
+        }
+    };
+    let tp = a.count_or("--tensor-model-parallel-size", 1)?;
+    let pp = a.count_or("--pipeline-model-parallel-size", 1)?;
+    let vpp =
+        match (a.count("--num-virtual-stages-per-pipeline-rank")?, a.count("--num-layers-per-virtual-pipeline-stage")?)
+        {
+            (Some(v), _) => v,
+            (None, Some(k)) => m.layers / pp.max(1) / k.max(1),
+            (None, None) => 1,
+        };
+    let full = a.text("--recompute-granularity");
+    let recompute = match full.as_deref() {
+        None if a.has("--recompute-activations") => "selective",
+        None => "false",
+        Some("full") => "true",
+        Some("selective") => "selective",
+        Some(other) => return Err(format!("`--recompute-granularity {other}` is not full or selective")),
+    };
+    let _ = (a.text("--recompute-method"), a.text("--recompute-num-layers"));
+    let sharding = if a.has("--use-megatron-fsdp") {
+        match a.text("--data-parallel-sharding-strategy").as_deref() {
+            Some("no_shard") => Sharding::None,
+            Some("optim") => Sharding::Optimizer,
+            Some("optim_grads") => Sharding::Gradients,
+            _ => Sharding::Parameters,
+        }
+    } else if a.has("--use-distributed-optimizer") {
+        Sharding::Optimizer
+    } else {
+        Sharding::None
+    };
+    let precision = if a.has("--bf16") {
+        Precision::Bf16
+    } else if a.has("--fp16") {
+        Precision::Fp16
+    } else {
+        Precision::Fp32
+    };
+    let micro = a.need("--micro-batch-size")?;
+    let cp = a.count_or("--context-parallel-size", 1)?;
+    let dp = world / (tp * pp * cp).max(1);
+    let optimizer = match a.text("--optimizer").as_deref() {
+        None | Some("adam") => (
+            "adamw",
+            [
+                a.number_or("--lr", 1e-4)?,
+                a.number_or("--adam-beta1", 0.9)?,
+                a.number_or("--adam-beta2", 0.999)?,
+                a.number_or("--adam-eps", 1e-8)?,
+                a.number_or("--weight-decay", 0.01)?,
+            ],
+        ),
+        Some("sgd") => (
+            "sgd",
+            [
+                a.number_or("--lr", 1e-4)?,
+                a.number_or("--sgd-momentum", 0.9)?,
+                0.0,
+                0.0,
+                a.number_or("--weight-decay", 0.01)?,
+            ],
+        ),
+        Some(other) => return Err(format!("`--optimizer {other}` is not adam or sgd")),
+    };
+    Ok(RunFacts {
+        world,
+        tp,
+        pp,
+        cp,
+        ep: a.count_or("--expert-model-parallel-size", 1)?,
+        schedule: if pp == 1 {
+            ScheduleKind::DpOnly
+        } else if vpp > 1 {
+            ScheduleKind::Interleaved
+        } else {
+            ScheduleKind::OneFOneB
+        },
+        virtual_stages: vpp,
+        sharding,
+        sequence_parallel: a.has("--sequence-parallel"),
+        tp_overlap: a.has("--tp-comm-overlap"),
+        cp_comm: if a.text("--cp-comm-type").as_deref() == Some("p2p") { CpComm::Ring } else { CpComm::AllGather },
+        recompute,
+        precision,
+        micro,
+        // arguments.py:674-688: mbs·DP without a global batch
+        global: a.count("--global-batch-size")?.unwrap_or(micro * dp),
+        steps: match a.count("--train-iters")? {
+            Some(s) => s,
+            None => a
+                .count("--train-samples")?
+                .map_or(1, |s| s / a.count("--global-batch-size").ok().flatten().unwrap_or(micro * dp).max(1)),
+        },
+        optimizer,
+        clip: Some(a.number_or("--clip-grad", 1.0)?),
+        seed: a.count_or("--seed", 1234)? as u64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_script_is_read_as_the_shell_expands_it() {
+        let script = "GPUS=8 # eight\nNODES=${SLURM_NNODES:-\"2\"}\nA=(\n    --nproc_per_node $GPUS\n    --nnodes $NODES \\\n    \"--fp8-format hybrid\"\n#    --bf16\n)\ntorchrun ${A[@]} x.py\n";
+        let w = words(script);
+        assert_eq!(
+            w,
+            ["--nproc_per_node", "8", "--nnodes", "2", "--fp8-format", "hybrid", "torchrun", "${A[@]}", "x.py"]
+        );
+    }
+}

@@ -1,0 +1,210 @@
+//! A torchtitan v0.2.2 TOML job configuration (`--job.config_file`) as a spec. The model is
+//! a llama3 flavour resolved to its dimensions from torchtitan's own table
+//! (`pipec_plan::engine::emit::LLAMA3_FLAVOURS`, torchtitan/models/llama3/__init__.py:29-100);
+//! a key's default is v0.2.2's (torchtitan/config/job_config.py). The GPU count is not in the
+//! file: it is given (`--gpus`).
+
+use pipec_plan::engine::emit::{LLAMA3_FLAVOURS, LLAMA3_VOCAB};
+use pipec_plan::model::{MlpKind, NormKind};
+use pipec_plan::vocab::{CpComm, Engine, Precision, ScheduleKind, Sharding};
+
+use super::engine::{model_text, write_spec, ModelFacts, RunFacts};
+
+/// Reads `[section] key` values with their v0.2.2 defaults.
+struct Toml {
+    table: toml::Table,
+}
+
+impl Toml {
+    fn get(&self, section: &str, key: &str) -> Option<&toml::Value> {
+        self.table.get(section)?.as_table()?.get(key)
+    }
+    fn int(&self, section: &str, key: &str, default: i64) -> Result<i64, String> {
+        match self.get(section, key) {
+            None => Ok(default),
+            Some(v) => v.as_integer().ok_or_else(|| format!("`[{section}] {key} = {v}`: not a whole number")),
+        }
+    }
+    fn float(&self, section: &str, key: &str, default: f64) -> Result<f64, String> {
+        match self.get(section, key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_float()
+                .or(v.as_integer().map(|i| i as f64))
+                .ok_or_else(|| format!("`[{section}] {key} = {v}`: not a number")),
+        }
+    }
+    fn text(&self, section: &str, key: &str, default: &str) -> Result<String, String> {
+        match self.get(section, key) {
+            None => Ok(default.to_string()),
+            Some(v) => v.as_str().map(str::to_string).ok_or_else(|| format!("`[{section}] {key} = {v}`: not a string")),
+        }
+    }
+    fn flag(&self, section: &str, key: &str) -> bool {
+        self.get(section, key).and_then(toml::Value::as_bool).unwrap_or(false)
+    }
+}
+
+fn positive(v: i64, what: &str) -> Result<usize, String> {
+    usize::try_from(v).ok().filter(|n| *n > 0).ok_or_else(|| format!("`{what} = {v}` must be at least 1"))
+}
+
+/// The spec a torchtitan v0.2.2 job configuration describes on `world` GPUs.
+pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, String> {
+    let table: toml::Table = text.parse().map_err(|e| format!("not TOML: {e}"))?;
+    let t = Toml { table };
+    let world = world.ok_or("a torchtitan configuration does not say how many GPUs it runs on: give --gpus")?;
+    let model_name = t.text("model", "name", "llama3")?;
+    let flavour = t.text("model", "flavor", "debugmodel")?;
+    let Some((_, [d, layers, heads, kv, ff], rope)) =
+        LLAMA3_FLAVOURS.iter().find(|(f, _, _)| *f == flavour).filter(|_| model_name == "llama3")
+    else {
+        let known: Vec<&str> = LLAMA3_FLAVOURS.iter().map(|(f, _, _)| *f).collect();
+        return Err(format!(
+            "model `{model_name}` flavour `{flavour}` is not one pipec knows the dimensions of (llama3: {})",
+            known.join(", ")
+        ));
+    };
+    let seq = positive(t.int("training", "seq_len", 2048)?, "[training] seq_len")?;
+    let model = ModelFacts {
+        vocab: LLAMA3_VOCAB,
+        layers: *layers,
+        d: *d,
+        heads: *heads,
+        kv_heads: *kv,
+        ff: *ff,
+        seq,
+        positions: 0,
+        rope: *rope,
+        norm: NormKind::RmsNorm,
+        eps: 1e-5,
+        mlp: MlpKind::Swiglu,
+        bias: false,
+        qkv_bias: false,
+        tied: false,
+        moe: None,
+    };
+    let p = "parallelism";
+    let tp = positive(t.int(p, "tensor_parallel_degree", 1)?, "tensor_parallel_degree")?;
+    let pp = positive(t.int(p, "pipeline_parallel_degree", 1)?, "pipeline_parallel_degree")?;
+    let cp = positive(t.int(p, "context_parallel_degree", 1)?, "context_parallel_degree")?;
+    let replicate = positive(t.int(p, "data_parallel_replicate_degree", 1)?, "data_parallel_replicate_degree")?;
+    let shard = match t.int(p, "data_parallel_shard_degree", -1)? {
+        -1 => world / (replicate * cp * tp * pp).max(1),
+        n => positive(n, "data_parallel_shard_degree")?,
+    };
+    if replicate * shard * cp * tp * pp != world {
+        return Err(format!("dp_replicate·dp_shard·cp·tp·pp = {} is not the {world} GPUs (torchtitan/distributed/parallel_dims.py:53-56)", replicate * shard * cp * tp * pp));
+    }
+    let mut dropped = Vec::new();
+    let sharding = if shard > 1 || cp > 1 {
+        if replicate > 1 {
+            dropped.push(format!(
+                "HSDP: sharded over groups of {shard}, replicated {replicate} times (pipec shards over every replica)"
+            ));
+        }
+        if t.text(p, "fsdp_reshard_after_forward", "default")? == "never" {
+            Sharding::Gradients
+        } else {
+            Sharding::Parameters
+        }
+    } else {
+        Sharding::None
+    };
+    let local = positive(t.int("training", "local_batch_size", 8)?, "[training] local_batch_size")?;
+    let dp = replicate * shard;
+    let global = match t.int("training", "global_batch_size", -1)? {
+        -1 => local * dp,
+        n => positive(n, "global_batch_size")?,
+    };
+    let micro = if pp > 1 {
+        positive(t.int(p, "pipeline_parallel_microbatch_size", 1)?, "pipeline_parallel_microbatch_size")?
+    } else {
+        local
+    };
+    let schedule_name = t.text(p, "pipeline_parallel_schedule", "1F1B")?;
+    let (schedule, chunks) = match (pp, schedule_name.to_lowercase().as_str()) {
+        (1, _) => (ScheduleKind::DpOnly, 1),
+        (_, "1f1b") => (ScheduleKind::OneFOneB, 1),
+        (_, "gpipe") => (ScheduleKind::Gpipe, 1),
+        (_, "interleaved1f1b") => {
+            let per_stage = t.int(p, "pipeline_parallel_layers_per_stage", 0)?;
+            let stages = if per_stage > 0 { layers / per_stage as usize } else { 2 * pp };
+            (ScheduleKind::Interleaved, (stages / pp).max(2))
+        }
+        (_, "zbvzerobubble") => (ScheduleKind::Zbv, 2),
+        (_, "dualpipev") => (ScheduleKind::DualPipeV, 2),
+        (_, other) => return Err(format!("`pipeline_parallel_schedule = \"{other}\"` has no pipec schedule (1F1B, GPipe, Interleaved1F1B, ZBVZeroBubble, DualPipeV)")),
+    };
+    let recompute = match t.text("activation_checkpoint", "mode", "selective")?.as_str() {
+        "none" => "false",
+        "full" => "true",
+        "selective" => {
+            let option = t.text("activation_checkpoint", "selective_ac_option", "2")?;
+            if option == "op" {
+                dropped.push(
+                    "op-level selective activation checkpointing, as pipec's selective recompute (the attention core)"
+                        .into(),
+                );
+                "selective"
+            } else {
+                dropped.push(format!("selective_ac_option = \"{option}\" (every {option}th block recomputed), as recompute on every block"));
+                "true"
+            }
+        }
+        other => {
+            return Err(format!(
+                "`[activation_checkpoint] mode = \"{other}\"` has no pipec recompute (none, full, selective)"
+            ))
+        }
+    };
+    if let Some(converters) = t.get("model", "converters").and_then(toml::Value::as_array).filter(|c| !c.is_empty()) {
+        dropped.push(format!(
+            "model.converters = {} (float8 and MX training are not in pipec's spec yet)",
+            toml::Value::Array(converters.clone())
+        ));
+    }
+    if t.flag("compile", "enable") {
+        dropped.push("[compile] enable = true (torch.compile)".into());
+    }
+    let precision = match t.text("training", "mixed_precision_param", "bfloat16")?.as_str() {
+        "float32" => Precision::Fp32,
+        _ => Precision::Bf16,
+    };
+    let o = "optimizer";
+    let run = RunFacts {
+        world,
+        tp,
+        pp,
+        cp,
+        ep: positive(t.int(p, "expert_parallel_degree", 1)?, "expert_parallel_degree")?,
+        schedule,
+        virtual_stages: chunks,
+        sharding,
+        sequence_parallel: tp > 1,
+        tp_overlap: t.flag(p, "enable_async_tensor_parallel"),
+        cp_comm: if t.text(p, "context_parallel_rotate_method", "allgather")? == "alltoall" {
+            CpComm::Ring
+        } else {
+            CpComm::AllGather
+        },
+        recompute,
+        precision,
+        micro,
+        global,
+        steps: positive(t.int("training", "steps", 10000)?, "steps")?,
+        optimizer: (
+            "adamw",
+            [
+                t.float(o, "lr", 8e-4)?,
+                t.float(o, "beta1", 0.9)?,
+                t.float(o, "beta2", 0.95)?,
+                t.float(o, "eps", 1e-8)?,
+                t.float(o, "weight_decay", 0.1)?,
+            ],
+        ),
+        clip: Some(t.float("training", "max_norm", 1.0)?),
+        seed: 0,
+    };
+    write_spec(Engine::Torchtitan, "a torchtitan v0.2.2 job configuration", name, &model_text(&model), &run, &dropped)
+}

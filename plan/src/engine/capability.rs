@@ -1,0 +1,717 @@
+//! What each engine can run: one table of rows per engine, each row a capability with the
+//! engine's own spelling of it and its source (a file and line at the release
+//! `super::RELEASES` names, or a document). What a table has no row for, the engine does not
+//! run; `refusals` holds a layout to the table and names, for each thing it lacks, the
+//! nearest value it runs.
+//!
+//! Sources: Megatron-LM at tag core_v0.19.0 (`[M]`), torchtitan at tag v0.2.2 (`[T]`) with
+//! the PyTorch 2.15.0 pipelining schedules it names (`[P]`), DeepSpeed's 0.19.8 sdist
+//! (`[D]`); pipec's own rows cite this repository.
+
+use crate::vocab::{CpComm, Engine, Precision, ReduceMode, ScheduleKind, Sharding};
+
+use super::EngineTarget;
+
+/// How many model chunks a schedule holds per device, as the engine runs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chunks {
+    /// Exactly one.
+    One,
+    /// Two or more (interleaved 1F1B).
+    AtLeastTwo,
+    /// Exactly two (the V-shaped schedules).
+    Two,
+    /// Whatever the schedule allows in pipec.
+    Any,
+}
+
+impl Chunks {
+    fn admits(self, chunks: usize) -> bool {
+        match self {
+            Chunks::One => chunks == 1,
+            Chunks::AtLeastTwo => chunks >= 2,
+            Chunks::Two => chunks == 2,
+            Chunks::Any => true,
+        }
+    }
+}
+
+/// How a strategy recomputes activations (the spec's `recompute`), as the tables see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecomputeKind {
+    Off,
+    /// Every stage recomputes its whole forward.
+    Full,
+    /// Some stages do, others not.
+    SomeStages,
+    /// Each block recomputes its attention core (Korthikanti et al.'s selective recompute).
+    Selective,
+}
+
+/// One thing an engine can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capability {
+    /// A pipeline schedule (`dp-only`: no pipeline) with the chunks per device it runs.
+    Schedule(ScheduleKind, Chunks),
+    /// A ZeRO level across data-parallel replicas; `with_pipeline`: also beside a pipeline.
+    Sharding {
+        level: Sharding,
+        with_pipeline: bool,
+    },
+    TensorParallel,
+    /// Megatron's sequence parallelism beside tensor parallelism.
+    SequenceParallel,
+    /// Tensor parallelism's collectives overlapped with computation.
+    TpOverlap,
+    /// Context parallelism exchanging keys and values so.
+    ContextParallel(CpComm),
+    ExpertParallel,
+    Recompute(RecomputeKind),
+    Precision(Precision),
+    /// Stages replicated unequally (PipeDream's `2-1-1`).
+    UnevenReplicas,
+    /// Asynchronous schedules or data parallelism (stale weights).
+    Asynchronous,
+    /// A parameter server in place of the all-reduce.
+    ParameterServer,
+    /// Any model pipec compiles; without this row, a decoder-only language model only
+    /// (`super::gpt::GptShape`).
+    AnyModel,
+}
+
+/// A rule between capabilities that an engine enforces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Constraint {
+    /// The transformer blocks split evenly over the pipeline's stages (all chunks).
+    EvenLayerSplit,
+    /// Interleaved 1F1B: microbatches a multiple of the pipeline's depth.
+    InterleavedMicrobatchesPerRank,
+    /// At least as many microbatches as pipeline stages (a single-stage-per-rank schedule).
+    MicrobatchesAtLeastStages,
+    /// DualPipeV: at least twice as many microbatches as pipeline ranks.
+    DualPipeVMicrobatches,
+    /// Tensor parallelism always splits the sequence outside its products.
+    SequenceParallelWithTp,
+    /// Overlapping tensor parallelism's collectives needs sequence parallelism.
+    TpOverlapNeedsSequenceParallel,
+    /// Unsharded data parallelism only when it is the only parallelism.
+    PlainDataParallelAlone,
+    /// No tensor parallelism beside a pipeline from the configuration alone.
+    NoTensorParallelWithPipeline,
+    /// Expert parallelism divides the tensor- and data-parallel devices' product into
+    /// whole groups (pipec's `ep` divides each stage's replicas: always met).
+    ExpertGroupsWhole,
+}
+
+/// A table row: a capability (or a constraint), what the engine calls it, from which
+/// release (within the range pipec describes), and where that is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Row<T> {
+    pub engine: Engine,
+    pub what: T,
+    /// The engine's spelling: a flag, a configuration key or a class.
+    pub runs_as: &'static str,
+    /// The first release with it, when that is inside the covered range.
+    pub since: Option<&'static str>,
+    pub source: &'static str,
+}
+
+const fn row<T>(engine: Engine, what: T, runs_as: &'static str, source: &'static str) -> Row<T> {
+    Row { engine, what, runs_as, since: None, source }
+}
+
+use Capability as C;
+use Engine::{Deepspeed as DS, Megatron as MG, Pipec as PC, Torchtitan as TT};
+use ScheduleKind as K;
+
+/// What `pipec run` runs: every schedule and option the compiler plans
+/// (`pipec_executor::caveats` lists where it runs one differently from how it is priced).
+const PIPEC_SOURCE: &str = "executor/src/lib.rs (`run` interprets any verified plan's streams; `caveats` lists bf16/fp16 kernels, tp_overlap, ring context parallelism, overlapped expert exchanges and ZeRO-3 gathers run differently from their pricing)";
+
+/// Every engine's capabilities.
+pub const CAPABILITIES: &[Row<Capability>] = &[
+    // pipec: everything its compiler plans
+    row(PC, C::AnyModel, "pipec run", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::DpOnly, Chunks::Any), "dp-only", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::Gpipe, Chunks::Any), "gpipe", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::OneFOneB, Chunks::Any), "1f1b", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::Interleaved, Chunks::Any), "interleaved", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::PipeDream, Chunks::Any), "pipedream", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::TwoBw, Chunks::Any), "2bw", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::Chimera, Chunks::Any), "chimera", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::ZbH1, Chunks::Any), "zb-h1", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::Zbv, Chunks::Any), "zbv", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::DualPipeV, Chunks::Any), "dualpipev", PIPEC_SOURCE),
+    row(PC, C::Schedule(K::DualPipe, Chunks::Any), "dualpipe", PIPEC_SOURCE),
+    row(PC, C::Sharding { level: Sharding::None, with_pipeline: true }, "zero: 0", PIPEC_SOURCE),
+    row(PC, C::Sharding { level: Sharding::Optimizer, with_pipeline: true }, "zero: 1", PIPEC_SOURCE),
+    row(PC, C::Sharding { level: Sharding::Gradients, with_pipeline: true }, "zero: 2", PIPEC_SOURCE),
+    row(PC, C::Sharding { level: Sharding::Parameters, with_pipeline: true }, "zero: 3", PIPEC_SOURCE),
+    row(PC, C::TensorParallel, "tp", PIPEC_SOURCE),
+    row(PC, C::SequenceParallel, "sequence_parallel", PIPEC_SOURCE),
+    row(PC, C::TpOverlap, "tp_overlap (run in line)", PIPEC_SOURCE),
+    row(PC, C::ContextParallel(CpComm::AllGather), "cp_comm: all_gather", PIPEC_SOURCE),
+    row(PC, C::ContextParallel(CpComm::Ring), "cp_comm: ring", PIPEC_SOURCE),
+    row(PC, C::ExpertParallel, "ep", PIPEC_SOURCE),
+    row(PC, C::Recompute(RecomputeKind::Full), "recompute: true", PIPEC_SOURCE),
+    row(PC, C::Recompute(RecomputeKind::SomeStages), "recompute: [stages]", PIPEC_SOURCE),
+    row(PC, C::Recompute(RecomputeKind::Selective), "recompute: selective", PIPEC_SOURCE),
+    row(PC, C::Precision(Precision::Fp32), "fp32", PIPEC_SOURCE),
+    row(PC, C::Precision(Precision::Bf16), "bf16 (products in bf16, the rest fp32)", PIPEC_SOURCE),
+    row(PC, C::Precision(Precision::Fp16), "fp16 (loss scaling; fp32 under async schedules)", PIPEC_SOURCE),
+    row(PC, C::UnevenReplicas, "stages: \"2-1-1\"", PIPEC_SOURCE),
+    row(PC, C::Asynchronous, "pipedream, 2bw, sync: asp/ssp", PIPEC_SOURCE),
+    row(PC, C::ParameterServer, "reduce: ps", PIPEC_SOURCE),
+    // Megatron-LM core_v0.19.0: pretrain_gpt.py
+    row(MG, C::Schedule(K::DpOnly, Chunks::One), "--pipeline-model-parallel-size 1", "[M] megatron/core/pipeline_parallel/schedules.py:149-163"),
+    row(MG, C::Schedule(K::OneFOneB, Chunks::One), "--pipeline-model-parallel-size N", "[M] megatron/core/pipeline_parallel/schedules.py:156-160"),
+    row(MG, C::Schedule(K::Interleaved, Chunks::AtLeastTwo), "--num-virtual-stages-per-pipeline-rank V", "[M] megatron/training/arguments.py:893-946; schedules.py:1133-1153"),
+    row(MG, C::Sharding { level: Sharding::None, with_pipeline: true }, "(DDP)", "[M] megatron/training/arguments.py:2968"),
+    row(MG, C::Sharding { level: Sharding::Optimizer, with_pipeline: true }, "--use-distributed-optimizer", "[M] megatron/training/arguments.py:2997"),
+    row(MG, C::Sharding { level: Sharding::Gradients, with_pipeline: true }, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads", "[M] megatron/training/arguments.py:1100-1164, 3023-3030"),
+    row(MG, C::Sharding { level: Sharding::Parameters, with_pipeline: true }, "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params", "[M] megatron/training/arguments.py:1100-1164, 3023-3030"),
+    row(MG, C::TensorParallel, "--tensor-model-parallel-size", "[M] megatron/core/transformer/transformer_config.py:1323-1345"),
+    row(MG, C::SequenceParallel, "--sequence-parallel", "[M] megatron/training/arguments.py:1392-1402"),
+    row(MG, C::TpOverlap, "--tp-comm-overlap", "[M] megatron/core/model_parallel_config.py:265; arguments.py:1401-1402"),
+    row(MG, C::ContextParallel(CpComm::AllGather), "--context-parallel-size N --cp-comm-type allgather", "[M] megatron/training/arguments.py:1295-1298, 3054-3059"),
+    row(MG, C::ContextParallel(CpComm::Ring), "--context-parallel-size N --cp-comm-type p2p", "[M] megatron/training/arguments.py:1295-1298, 3054-3059"),
+    row(MG, C::ExpertParallel, "--expert-model-parallel-size N --expert-tensor-parallel-size 1", "[M] megatron/training/arguments.py:568-569, 1600-1603; megatron/core/parallel_state.py:874-884"),
+    row(MG, C::Recompute(RecomputeKind::Full), "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", "[M] megatron/core/transformer/transformer_config.py:1724-1761"),
+    row(MG, C::Recompute(RecomputeKind::Selective), "--recompute-granularity selective (--recompute-modules core_attn, the default)", "[M] megatron/core/transformer/transformer_config.py:1763-1832"),
+    row(MG, C::Precision(Precision::Fp32), "(neither --bf16 nor --fp16)", "[M] megatron/training/arguments.py:1171-1183"),
+    row(MG, C::Precision(Precision::Bf16), "--bf16", "[M] megatron/training/arguments.py:1171-1183"),
+    row(MG, C::Precision(Precision::Fp16), "--fp16", "[M] megatron/training/arguments.py:1171-1183"),
+    // torchtitan v0.2.2: its TOML job configuration
+    row(TT, C::Schedule(K::DpOnly, Chunks::One), "pipeline_parallel_degree = 1", "[T] torchtitan/config/job_config.py:312-349"),
+    row(TT, C::Schedule(K::OneFOneB, Chunks::One), "pipeline_parallel_schedule = \"1F1B\"", "[P] torch/distributed/pipelining/schedules.py:5220-5244; [T] torchtitan/distributed/pipeline_parallel.py:54-115"),
+    row(TT, C::Schedule(K::Gpipe, Chunks::One), "pipeline_parallel_schedule = \"GPipe\"", "[P] torch/distributed/pipelining/schedules.py:5220-5244"),
+    row(TT, C::Schedule(K::Interleaved, Chunks::AtLeastTwo), "pipeline_parallel_schedule = \"Interleaved1F1B\"", "[P] torch/distributed/pipelining/schedules.py:4120-4126, 5220-5244"),
+    row(TT, C::Schedule(K::Zbv, Chunks::Two), "pipeline_parallel_schedule = \"ZBVZeroBubble\"", "[P] torch/distributed/pipelining/schedules.py:4480-4485, 5220-5244"),
+    row(TT, C::Schedule(K::DualPipeV, Chunks::Two), "pipeline_parallel_schedule = \"DualPipeV\"", "[P] torch/distributed/pipelining/schedules.py:4690-4698; [T] torchtitan/distributed/dual_pipe_v.py:36-51"),
+    row(TT, C::Sharding { level: Sharding::None, with_pipeline: true }, "data_parallel_replicate_degree = dp (alone: Constraint::PlainDataParallelAlone)", "[T] torchtitan/models/llama3/infra/parallelize.py:125-157"),
+    row(TT, C::Sharding { level: Sharding::Gradients, with_pipeline: true }, "data_parallel_shard_degree = dp, fsdp_reshard_after_forward = \"never\"", "[T] torchtitan/config/job_config.py:312-349"),
+    row(TT, C::Sharding { level: Sharding::Parameters, with_pipeline: true }, "data_parallel_shard_degree = dp (FSDP2)", "[T] torchtitan/distributed/parallel_dims.py:334-336; job_config.py:312-349"),
+    row(TT, C::TensorParallel, "tensor_parallel_degree", "[T] torchtitan/models/llama3/infra/parallelize.py:181-233"),
+    row(TT, C::SequenceParallel, "(always with tensor_parallel_degree > 1)", "[T] torchtitan/models/llama3/infra/parallelize.py:181-233"),
+    row(TT, C::TpOverlap, "enable_async_tensor_parallel = true (with [compile] enable)", "[T] torchtitan/models/llama3/infra/parallelize.py:69-74; distributed/tensor_parallel.py:16-27"),
+    row(TT, C::ContextParallel(CpComm::AllGather), "context_parallel_degree, context_parallel_rotate_method = \"allgather\"", "[T] torchtitan/distributed/context_parallel.py:52-77"),
+    row(TT, C::ContextParallel(CpComm::Ring), "context_parallel_degree, context_parallel_rotate_method = \"alltoall\"", "[T] torchtitan/distributed/context_parallel.py:52-77"),
+    row(TT, C::ExpertParallel, "expert_parallel_degree, expert_tensor_parallel_degree = 1", "[T] torchtitan/distributed/parallel_dims.py:58-59, 136-138"),
+    row(TT, C::Recompute(RecomputeKind::Full), "[activation_checkpoint] mode = \"full\"", "[T] torchtitan/config/job_config.py:651-715"),
+    row(TT, C::Recompute(RecomputeKind::Selective), "[activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\"", "[T] torchtitan/config/job_config.py:651-715; distributed/activation_checkpoint.py:167-185"),
+    row(TT, C::Precision(Precision::Fp32), "mixed_precision_param = \"float32\"", "[T] torchtitan/config/job_config.py:275-293"),
+    row(TT, C::Precision(Precision::Bf16), "mixed_precision_param = \"bfloat16\"", "[T] torchtitan/config/job_config.py:275-293"),
+    // DeepSpeed 0.19.8: ds_config.json and deepspeed.pipe
+    row(DS, C::AnyModel, "deepspeed.initialize(model=...)", "[D] deepspeed/__init__.py:586-648"),
+    row(DS, C::Schedule(K::DpOnly, Chunks::One), "(no PipelineModule)", "[D] deepspeed/runtime/pipe/schedule.py:11-327"),
+    row(DS, C::Schedule(K::OneFOneB, Chunks::One), "deepspeed.pipe.PipelineModule (TrainSchedule)", "[D] deepspeed/runtime/pipe/schedule.py:189-210; runtime/pipe/module.py:116-133"),
+    Row { since: Some("0.19.8"), ..row(DS, C::Schedule(K::DualPipeV, Chunks::Two), "deepspeed.pipe.DualPipeVModule", "[D] deepspeed/runtime/pipe/dualpipev.py:30, 94-107; schedule.py:327-360") },
+    row(DS, C::Sharding { level: Sharding::None, with_pipeline: true }, "zero_optimization.stage = 0", "[D] deepspeed/runtime/zero/config.py:81-377"),
+    row(DS, C::Sharding { level: Sharding::Optimizer, with_pipeline: true }, "zero_optimization.stage = 1", "[D] deepspeed/runtime/zero/config.py:81-377"),
+    row(DS, C::Sharding { level: Sharding::Gradients, with_pipeline: false }, "zero_optimization.stage = 2", "[D] deepspeed/runtime/pipe/engine.py:76-77 (refused beside a pipeline)"),
+    row(DS, C::Sharding { level: Sharding::Parameters, with_pipeline: false }, "zero_optimization.stage = 3", "[D] deepspeed/runtime/pipe/engine.py:76-77 (refused beside a pipeline)"),
+    row(DS, C::TensorParallel, "tensor_parallel.autotp_size", "[D] deepspeed/runtime/tensor_parallel/config.py:38-152; runtime/engine.py:1019-1023"),
+    row(DS, C::TpOverlap, "tensor_parallel.tp_overlap_comm = true", "[D] deepspeed/runtime/tensor_parallel/config.py:38-152"),
+    Row { since: Some("0.19.4"), ..row(DS, C::ExpertParallel, "expert_parallel.autoep_size", "[D] deepspeed/module_inject/auto_ep_config.py:42-67, 105-180") },
+    row(DS, C::Recompute(RecomputeKind::Full), "activation_checkpointing (every layer through deepspeed.checkpointing.checkpoint)", "[D] deepspeed/runtime/activation_checkpointing/config.py:27-90"),
+    row(DS, C::Precision(Precision::Fp32), "(neither bf16 nor fp16 enabled)", "[D] deepspeed/runtime/precision_config.py:41-160"),
+    row(DS, C::Precision(Precision::Bf16), "bf16.enabled = true", "[D] deepspeed/runtime/precision_config.py:41-160; runtime/config.py:509-512"),
+    row(DS, C::Precision(Precision::Fp16), "fp16.enabled = true", "[D] deepspeed/runtime/precision_config.py:41-160; runtime/config.py:509-512"),
+];
+
+/// Every engine's constraints between capabilities.
+pub const CONSTRAINTS: &[Row<Constraint>] = &[
+    row(
+        MG,
+        Constraint::EvenLayerSplit,
+        "--num-layers % (PP·VPP) == 0 without an uneven-split flag",
+        "[M] megatron/training/arguments.py:919-964",
+    ),
+    row(
+        MG,
+        Constraint::InterleavedMicrobatchesPerRank,
+        "microbatch_group_size_per_vp_stage (default PP) ≤ M, M % PP == 0",
+        "[M] megatron/core/pipeline_parallel/schedules.py:1133-1153",
+    ),
+    row(
+        MG,
+        Constraint::TpOverlapNeedsSequenceParallel,
+        "--tp-comm-overlap needs --sequence-parallel",
+        "[M] megatron/training/arguments.py:1401-1402",
+    ),
+    row(MG, Constraint::ExpertGroupsWhole, "world % (ETP·EP·PP) == 0", "[M] megatron/core/parallel_state.py:870-884"),
+    row(
+        TT,
+        Constraint::EvenLayerSplit,
+        "pipeline_parallel_layers_per_stage: stages % PP == 0",
+        "[T] torchtitan/distributed/pipeline_parallel.py:70-115, 236-300",
+    ),
+    row(
+        TT,
+        Constraint::InterleavedMicrobatchesPerRank,
+        "Interleaved1F1B: n_microbatches % PP == 0",
+        "[P] torch/distributed/pipelining/schedules.py:4120-4126",
+    ),
+    row(
+        TT,
+        Constraint::MicrobatchesAtLeastStages,
+        "1F1B: n_microbatches ≥ stages",
+        "[P] torch/distributed/pipelining/schedules.py:1440-1444",
+    ),
+    row(
+        TT,
+        Constraint::SequenceParallelWithTp,
+        "norms are SequenceParallel() under TP",
+        "[T] torchtitan/models/llama3/infra/parallelize.py:181-233",
+    ),
+    row(
+        TT,
+        Constraint::PlainDataParallelAlone,
+        "DDP has not supported > 1D parallelism",
+        "[T] torchtitan/models/llama3/infra/parallelize.py:125-157",
+    ),
+    row(
+        TT,
+        Constraint::ExpertGroupsWhole,
+        "dp_shard·cp·tp / (etp·ep) whole",
+        "[T] torchtitan/distributed/parallel_dims.py:58-59, 136-138",
+    ),
+    row(
+        DS,
+        Constraint::DualPipeVMicrobatches,
+        "gradient_accumulation_steps ≥ 2·stages",
+        "[D] deepspeed/runtime/pipe/dualpipev.py:94-107",
+    ),
+    row(
+        DS,
+        Constraint::NoTensorParallelWithPipeline,
+        "PipelineModule's topology comes from the client's mpu, not ds_config",
+        "[D] deepspeed/runtime/pipe/module.py:116-133; runtime/engine.py:1019-1023",
+    ),
+    row(
+        DS,
+        Constraint::MicrobatchesAtLeastStages,
+        "TrainSchedule: steps = 2·(M+S−1), every stage busy only with M ≥ S",
+        "[D] deepspeed/runtime/pipe/schedule.py:189-210",
+    ),
+];
+
+/// The layout facts the tables judge: what a spec's strategy and a plan both say.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    /// Replicas per pipeline rank, as written (not counting context parallelism).
+    pub replicas: Vec<usize>,
+    pub tp: usize,
+    pub cp: usize,
+    pub ep: usize,
+    pub schedule: ScheduleKind,
+    pub virtual_stages: usize,
+    /// Microbatches per step as written (each of `cp` chunks under context parallelism).
+    pub microbatches: usize,
+    pub synchronous: bool,
+    pub reduce: ReduceMode,
+    pub sharding: Sharding,
+    pub sequence_parallel: bool,
+    pub tp_overlap: bool,
+    pub cp_comm: CpComm,
+    pub recompute: RecomputeKind,
+    pub precision: Precision,
+    /// Transformer blocks (0: not a transformer).
+    pub blocks: usize,
+    /// Whether the model is a decoder-only language model the emitters describe.
+    pub gpt: bool,
+}
+
+impl Layout {
+    pub fn pp(&self) -> usize {
+        self.replicas.len()
+    }
+    pub fn dp(&self) -> usize {
+        self.replicas.iter().copied().max().unwrap_or(1)
+    }
+    fn uneven(&self) -> bool {
+        self.replicas.iter().any(|&r| r != self.dp())
+    }
+}
+
+/// The spec key a refusal is located at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Feature {
+    Layout,
+    Schedule,
+    Microbatches,
+    Sharding,
+    TensorParallel,
+    SequenceParallel,
+    TpOverlap,
+    ContextParallel,
+    CpComm,
+    ExpertParallel,
+    Recompute,
+    Precision,
+    Synchrony,
+    Reduce,
+    Model,
+}
+
+impl Feature {
+    /// The key in `strategy` (or `training`, for the precision; the spec's `model`).
+    pub fn key(self) -> &'static str {
+        match self {
+            Feature::Layout => "stages",
+            Feature::Schedule | Feature::Synchrony | Feature::Reduce => "schedule",
+            Feature::Microbatches => "microbatches",
+            Feature::Sharding => "zero",
+            Feature::TensorParallel => "tp",
+            Feature::SequenceParallel => "sequence_parallel",
+            Feature::TpOverlap => "tp_overlap",
+            Feature::ContextParallel => "cp",
+            Feature::CpComm => "cp_comm",
+            Feature::ExpertParallel => "ep",
+            Feature::Recompute => "recompute",
+            Feature::Precision => "precision",
+            Feature::Model => "model",
+        }
+    }
+}
+
+/// Something a layout asks that an engine does not run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refusal {
+    pub feature: Feature,
+    /// What is missing, in the engine's terms.
+    pub message: String,
+    /// The nearest value the engine runs, as a spec writes it at `feature`'s key.
+    pub nearest: Option<String>,
+    /// Where the engine says so (the row or constraint's source).
+    pub source: &'static str,
+}
+
+/// The rows of `engine` at its release `target`.
+fn supported(target: &EngineTarget) -> impl Iterator<Item = &'static Row<Capability>> + '_ {
+    CAPABILITIES.iter().filter(move |r| r.engine == target.name && r.since.is_none_or(|since| target.at_least(since)))
+}
+
+/// The row that runs `what` on `target`, if any.
+pub fn find(target: &EngineTarget, what: impl Fn(&Capability) -> bool) -> Option<&'static Row<Capability>> {
+    supported(target).find(|r| what(&r.what))
+}
+
+/// The row running `schedule` with `chunks` per device on `target`.
+pub fn schedule_row(target: &EngineTarget, schedule: ScheduleKind, chunks: usize) -> Option<&'static Row<Capability>> {
+    find(target, |c| matches!(c, C::Schedule(k, n) if *k == schedule && n.admits(chunks)))
+}
+
+/// The schedules to offer for `kind`, nearest first.
+fn schedule_preferences(kind: ScheduleKind) -> &'static [ScheduleKind] {
+    match kind {
+        K::DualPipe => &[K::DualPipeV, K::Zbv, K::Interleaved, K::OneFOneB],
+        K::DualPipeV => &[K::Zbv, K::Interleaved, K::OneFOneB],
+        K::Zbv => &[K::DualPipeV, K::Interleaved, K::OneFOneB],
+        K::ZbH1 | K::Chimera | K::Gpipe | K::Interleaved | K::PipeDream | K::TwoBw => &[K::OneFOneB],
+        K::OneFOneB | K::DpOnly => &[],
+    }
+}
+
+/// A schedule as a spec writes it.
+fn schedule_text(kind: ScheduleKind, chunks: usize) -> String {
+    if kind == K::Interleaved {
+        format!("{{ kind: interleaved, virtual_stages: {chunks} }}")
+    } else {
+        kind.name().to_string()
+    }
+}
+
+/// Everything `target` cannot run of `layout`, each with the nearest value it runs.
+pub fn refusals(target: &EngineTarget, layout: &Layout) -> Vec<Refusal> {
+    let mut out = Vec::new();
+    model_and_schedule(target, layout, &mut out);
+    sharding_and_parallelism(target, layout, &mut out);
+    recompute_and_precision(target, layout, &mut out);
+    constraints(target, layout, &mut out);
+    out
+}
+
+fn refuse(out: &mut Vec<Refusal>, feature: Feature, message: String, nearest: Option<String>, source: &'static str) {
+    out.push(Refusal { feature, message, nearest, source });
+}
+
+/// The source of a refusal with no row to cite: the table itself, whose rows cite theirs.
+fn covered(_target: &EngineTarget) -> &'static str {
+    "no row of its capability table (docs/engines.md lists every row with its source)"
+}
+
+fn model_and_schedule(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
+    let e = target.name;
+    if !l.gpt && find(target, |c| *c == C::AnyModel).is_none() {
+        refuse(out, Feature::Model, format!("{e} trains decoder-only language models here (an embedding, identical causal transformer blocks, a final norm and an output layer); this model is not one"), None, covered(target));
+    }
+    if l.uneven() && find(target, |c| *c == C::UnevenReplicas).is_none() {
+        let even = vec![l.dp().to_string(); l.pp()].join("-");
+        refuse(
+            out,
+            Feature::Layout,
+            format!(
+                "{e} replicates every pipeline stage equally (one data-parallel degree); `{}` does not",
+                l.replicas.iter().map(ToString::to_string).collect::<Vec<_>>().join("-")
+            ),
+            Some(format!("\"{even}\"")),
+            covered(target),
+        );
+    }
+    if !l.synchronous && find(target, |c| *c == C::Asynchronous).is_none() {
+        let nearest = schedule_preferences(l.schedule).first().map(|k| k.name().to_string());
+        refuse(
+            out,
+            Feature::Synchrony,
+            format!("{e} trains synchronously only: `{}` updates with stale weights", l.schedule),
+            nearest,
+            covered(target),
+        );
+    } else if schedule_row(target, l.schedule, l.virtual_stages).is_none() {
+        let nearest = schedule_preferences(l.schedule).iter().find_map(|&k| {
+            let chunks = if k.default_virtual_stages() > 1 { l.virtual_stages.max(2) } else { 1 };
+            schedule_row(target, k, chunks).map(|_| schedule_text(k, chunks))
+        });
+        let runs: Vec<&str> = supported(target)
+            .filter_map(|r| if let C::Schedule(k, _) = r.what { Some(k.name()) } else { None })
+            .collect();
+        let lacks = match find(target, |c| matches!(c, C::Schedule(k, _) if *k == l.schedule)) {
+            Some(r) => format!(
+                "{e} runs `{}` only with other chunks per device ({}), not {}",
+                l.schedule, r.runs_as, l.virtual_stages
+            ),
+            None => format!("{e} {} has no `{}` schedule (it runs {})", target.version, l.schedule, runs.join(", ")),
+        };
+        refuse(out, Feature::Schedule, lacks, nearest, covered(target));
+    }
+    if l.reduce == ReduceMode::ParameterServer && find(target, |c| *c == C::ParameterServer).is_none() {
+        refuse(
+            out,
+            Feature::Reduce,
+            format!("{e} reduces gradients with NCCL collectives, not a parameter server"),
+            None,
+            covered(target),
+        );
+    }
+}
+
+fn sharding_and_parallelism(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
+    let e = target.name;
+    let pipelined = l.pp() > 1;
+    let runs = |level: Sharding| {
+        find(
+            target,
+            |c| matches!(c, C::Sharding { level: s, with_pipeline } if *s == level && (*with_pipeline || !pipelined)),
+        )
+    };
+    if l.dp() * l.cp > 1 && runs(l.sharding).is_none() {
+        let nearest = [Sharding::Optimizer, Sharding::None, Sharding::Gradients, Sharding::Parameters]
+            .into_iter()
+            .find(|&s| runs(s).is_some())
+            .map(|s| s.level().to_string());
+        let beside = if pipelined
+            && find(target, |c| matches!(c, C::Sharding { level, .. } if *level == l.sharding)).is_some()
+        {
+            " beside a pipeline"
+        } else {
+            ""
+        };
+        let source = find(target, |c| matches!(c, C::Sharding { level, .. } if *level == l.sharding))
+            .map_or(covered(target), |r| r.source);
+        refuse(
+            out,
+            Feature::Sharding,
+            format!("{e} does not run ZeRO stage {}{beside}", l.sharding.level()),
+            nearest,
+            source,
+        );
+    }
+    let needs = [
+        (l.tp > 1, C::TensorParallel, Feature::TensorParallel, "tensor parallelism", "1"),
+        (
+            l.sequence_parallel,
+            C::SequenceParallel,
+            Feature::SequenceParallel,
+            "Megatron's sequence parallelism",
+            "false",
+        ),
+        (l.tp_overlap, C::TpOverlap, Feature::TpOverlap, "overlapped tensor-parallel collectives", "false"),
+        (l.ep > 1, C::ExpertParallel, Feature::ExpertParallel, "expert parallelism", "1"),
+    ];
+    for (asked, capability, feature, what, off) in needs {
+        if asked && find(target, |c| *c == capability).is_none() {
+            refuse(out, feature, format!("{e} {} has no {what}", target.version), Some(off.into()), covered(target));
+        }
+    }
+    if l.cp > 1 && find(target, |c| *c == C::ContextParallel(l.cp_comm)).is_none() {
+        let other = find(target, |c| matches!(c, C::ContextParallel(_)));
+        match other {
+            Some(r) => refuse(
+                out,
+                Feature::CpComm,
+                format!("{e} does not exchange context parallelism's keys and values as `{}`", l.cp_comm),
+                match r.what {
+                    C::ContextParallel(c) => Some(c.name().into()),
+                    _ => None,
+                },
+                covered(target),
+            ),
+            None => refuse(
+                out,
+                Feature::ContextParallel,
+                format!("{e} has no context parallelism (splitting each sequence over devices)"),
+                Some("1".into()),
+                covered(target),
+            ),
+        }
+    }
+}
+
+fn recompute_and_precision(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
+    let e = target.name;
+    if l.recompute != RecomputeKind::Off && find(target, |c| *c == C::Recompute(l.recompute)).is_none() {
+        let what = match l.recompute {
+            RecomputeKind::SomeStages => "recomputes every stage or none, not a list of stages",
+            RecomputeKind::Selective => "has no selective recompute of the attention core",
+            RecomputeKind::Full | RecomputeKind::Off => "does not recompute activations",
+        };
+        let nearest = find(target, |c| *c == C::Recompute(RecomputeKind::Full)).map(|_| "true".to_string());
+        refuse(out, Feature::Recompute, format!("{e} {what}"), nearest, covered(target));
+    }
+    if find(target, |c| *c == C::Precision(l.precision)).is_none() {
+        let nearest =
+            [Precision::Bf16, Precision::Fp32].into_iter().find(|&p| find(target, |c| *c == C::Precision(p)).is_some());
+        refuse(
+            out,
+            Feature::Precision,
+            format!("{e} does not train in {}", l.precision),
+            nearest.map(|p| p.name().into()),
+            covered(target),
+        );
+    }
+}
+
+fn constraints(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
+    let e = target.name;
+    let (pp, chunks) = (l.pp(), l.virtual_stages.max(1));
+    let stages = pp * chunks;
+    for r in CONSTRAINTS.iter().filter(|r| r.engine == e) {
+        let broken = match r.what {
+            Constraint::EvenLayerSplit => (l.gpt && pp > 1 && !l.blocks.is_multiple_of(stages)).then(|| {
+                (Feature::Layout, format!("{e} splits the {} transformer blocks evenly over {stages} pipeline stages; they do not divide", l.blocks), None)
+            }),
+            Constraint::InterleavedMicrobatchesPerRank => (l.schedule == K::Interleaved && !l.microbatches.is_multiple_of(pp)).then(|| {
+                (Feature::Microbatches, format!("{e}'s interleaved schedule needs the microbatches ({}) to be a multiple of the pipeline's depth ({pp})", l.microbatches), Some(l.microbatches.next_multiple_of(pp).to_string()))
+            }),
+            Constraint::MicrobatchesAtLeastStages => (pp > 1 && chunks == 1 && l.microbatches < pp).then(|| {
+                (Feature::Microbatches, format!("{e}'s `{}` needs at least one microbatch per stage ({pp}), not {}", l.schedule, l.microbatches), Some(pp.to_string()))
+            }),
+            Constraint::DualPipeVMicrobatches => (l.schedule == K::DualPipeV && l.microbatches < 2 * pp).then(|| {
+                (Feature::Microbatches, format!("{e}'s DualPipeV needs at least 2·{pp} microbatches, not {}", l.microbatches), Some((2 * pp).to_string()))
+            }),
+            Constraint::SequenceParallelWithTp => (l.tp > 1 && !l.sequence_parallel).then(|| {
+                (Feature::SequenceParallel, format!("{e} always splits the sequence outside the tensor-parallel products (sequence parallelism); the plan would price it without"), Some("true".into()))
+            }),
+            Constraint::TpOverlapNeedsSequenceParallel => (l.tp_overlap && !l.sequence_parallel).then(|| {
+                (Feature::SequenceParallel, format!("{e} overlaps tensor-parallel collectives only with sequence parallelism"), Some("true".into()))
+            }),
+            Constraint::PlainDataParallelAlone => (l.dp() > 1 && l.sharding == Sharding::None && (pp > 1 || l.tp > 1 || l.cp > 1)).then(|| {
+                (Feature::Sharding, format!("{e} runs unsharded data parallelism only as the only parallelism; beside a pipeline, tensor or context parallelism it shards (FSDP)"), Some("3".into()))
+            }),
+            Constraint::NoTensorParallelWithPipeline => (l.tp > 1 && pp > 1).then(|| {
+                (Feature::TensorParallel, format!("{e}'s configuration sets tensor parallelism (AutoTP) or a pipeline, not both: together they need the training script's own topology"), Some("1".into()))
+            }),
+            Constraint::ExpertGroupsWhole => None,
+        };
+        if let Some((feature, message, nearest)) = broken {
+            refuse(out, feature, message, nearest, r.source);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vocab::Choice;
+
+    fn layout(schedule: ScheduleKind, chunks: usize) -> Layout {
+        Layout {
+            replicas: vec![2; 4],
+            tp: 1,
+            cp: 1,
+            ep: 1,
+            schedule,
+            virtual_stages: chunks,
+            microbatches: 8,
+            synchronous: true,
+            reduce: ReduceMode::Ring,
+            sharding: Sharding::None,
+            sequence_parallel: false,
+            tp_overlap: false,
+            cp_comm: CpComm::AllGather,
+            recompute: RecomputeKind::Off,
+            precision: Precision::Bf16,
+            blocks: 16,
+            gpt: true,
+        }
+    }
+
+    #[test]
+    fn every_row_names_its_source_and_its_engines_spelling() {
+        for r in CAPABILITIES {
+            assert!(!r.source.is_empty() && !r.runs_as.is_empty(), "{r:?}");
+            assert!(
+                r.since.is_none_or(|s| EngineTarget::resolve(r.engine, Some(s)).is_ok()),
+                "{r:?}: since outside the range"
+            );
+        }
+        for r in CONSTRAINTS {
+            assert!(r.source.starts_with('['), "{r:?}");
+        }
+    }
+
+    #[test]
+    fn pipec_runs_every_schedule_and_option_it_plans() {
+        let pipec = EngineTarget::newest(Engine::Pipec);
+        for &k in ScheduleKind::ALL {
+            assert!(schedule_row(&pipec, k, k.default_virtual_stages()).is_some(), "{k}");
+        }
+        let mut l = layout(K::PipeDream, 1);
+        l.synchronous = false;
+        l.replicas = vec![2, 1, 1];
+        l.sharding = Sharding::Parameters;
+        l.reduce = ReduceMode::ParameterServer;
+        l.recompute = RecomputeKind::SomeStages;
+        l.gpt = false;
+        assert_eq!(refusals(&pipec, &l), vec![]);
+    }
+
+    #[test]
+    fn each_engine_refuses_what_it_lacks_with_the_nearest_it_runs() {
+        let megatron = EngineTarget::newest(Engine::Megatron);
+        assert_eq!(refusals(&megatron, &layout(K::OneFOneB, 1)), vec![]);
+        assert_eq!(refusals(&megatron, &layout(K::Interleaved, 2)), vec![]);
+        let chimera = refusals(&megatron, &layout(K::Chimera, 1));
+        assert_eq!((chimera[0].feature, chimera[0].nearest.as_deref()), (Feature::Schedule, Some("1f1b")));
+        let zbv = refusals(&megatron, &layout(K::Zbv, 2));
+        assert_eq!(zbv[0].nearest.as_deref(), Some("{ kind: interleaved, virtual_stages: 2 }"));
+        let titan = EngineTarget::newest(Engine::Torchtitan);
+        assert_eq!(refusals(&titan, &layout(K::Zbv, 2)).len(), 1, "DDP beside a pipeline");
+        let mut fsdp = layout(K::Zbv, 2);
+        fsdp.sharding = Sharding::Parameters;
+        assert_eq!(refusals(&titan, &fsdp), vec![]);
+        let deepspeed = EngineTarget::newest(Engine::Deepspeed);
+        let mut zero2 = layout(K::OneFOneB, 1);
+        zero2.sharding = Sharding::Gradients;
+        let r = refusals(&deepspeed, &zero2);
+        assert_eq!((r[0].feature, r[0].nearest.as_deref()), (Feature::Sharding, Some("1")), "{r:?}");
+        assert!(r[0].message.contains("beside a pipeline"));
+        // DualPipeV arrived in 0.19.8
+        let mut dualpipev = layout(K::DualPipeV, 2);
+        dualpipev.microbatches = 8;
+        assert_eq!(refusals(&deepspeed, &dualpipev), vec![]);
+        let older = EngineTarget::resolve(Engine::Deepspeed, Some("0.19.7")).expect("covered");
+        assert_eq!(refusals(&older, &dualpipev)[0].feature, Feature::Schedule);
+    }
+}

@@ -1,0 +1,78 @@
+//! A decoder-only language model's shape, as the engines' launch configurations describe
+//! one (Megatron-LM's `--num-layers --hidden-size ...`, torchtitan's model flavours, a Hugging
+//! Face `config.json`): read from a model's layers, or `None` when the model is not one.
+
+use crate::model::{BlockDims, MlpKind, Moe, NormKind, Op};
+
+/// The shape of an embedding → identical causal transformer blocks → final norm → output
+/// layer model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptShape {
+    pub vocab: usize,
+    pub layers: usize,
+    /// The block's sizes (hidden, heads, key-value heads, MLP width, norm, MLP kind, rotary
+    /// base, biases, experts).
+    pub block: BlockDims,
+    /// A learned position table of this many positions (0: none; rotary or no position).
+    pub positions: usize,
+    /// The output layer's weights are the embedding table's.
+    pub tied: bool,
+    /// The output layer has a bias (the engines' output layers have none).
+    pub head_bias: bool,
+}
+
+impl GptShape {
+    /// The shape of the model whose layers are `ops` in order (`tied`: the output layer
+    /// shares the embedding's table), if it is a decoder-only language model.
+    pub fn of(ops: &[Op], tied: bool) -> Option<GptShape> {
+        let (vocab, d) = match ops.first()? {
+            Op::Embedding { vocab, dim, types: 0, sep: None } => (*vocab, *dim),
+            _ => return None,
+        };
+        let mut rest = &ops[1..];
+        let positions = match rest.first() {
+            Some(Op::PosEmbedding { max_len, dim }) if *dim == d => {
+                rest = &rest[1..];
+                *max_len
+            }
+            _ => 0,
+        };
+        // dropout layers carry no parameters: skipped where the engines put theirs
+        let kept: Vec<&Op> = rest.iter().filter(|op| !matches!(op, Op::Dropout { .. })).collect();
+        let blocks: Vec<BlockDims> = kept.iter().map_while(|op| op.block_dims()).collect();
+        let block = *blocks.first()?;
+        let same = blocks.iter().all(|b| *b == block);
+        if !same || !block.causal || block.post_norm || block.d != d {
+            return None;
+        }
+        let tail = &kept[blocks.len()..];
+        let norm_ok = match (tail.first()?, block.norm) {
+            (Op::LayerNorm { dim, .. }, NormKind::LayerNorm) | (Op::RmsNorm { dim, .. }, NormKind::RmsNorm) => {
+                *dim == d
+            }
+            _ => false,
+        };
+        let head_bias = match tail.get(1)? {
+            Op::Linear { in_features, out_features, bias } if *in_features == d && *out_features == vocab => *bias,
+            _ => return None,
+        };
+        (norm_ok && tail.len() == 2).then_some(GptShape {
+            vocab,
+            layers: blocks.len(),
+            block,
+            positions,
+            tied,
+            head_bias,
+        })
+    }
+
+    /// The experts of every block (None: a dense MLP).
+    pub fn moe(&self) -> Option<Moe> {
+        self.block.moe
+    }
+
+    /// Whether the MLP is gated with SiLU (SwiGLU: Llama, Mixtral, DeepSeek).
+    pub fn swiglu(&self) -> bool {
+        self.block.mlp == MlpKind::Swiglu
+    }
+}

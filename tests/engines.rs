@@ -1,0 +1,414 @@
+//! `engine:`: the engine a spec names reaches the plan.
+
+use pipec_compiler::{compile, CompileOptions};
+use pipec_plan::engine::EngineTarget;
+use pipec_plan::vocab::Engine;
+use pipec_plan::Plan;
+
+/// A small GPT every engine runs: two blocks on two stages under 1F1B.
+const GPT: &str = "name: engines-gpt
+model:
+  input: [32]
+  layers:
+    - embedding(64, 32)
+    - repeat 2: transformer_block(d=32, heads=4, ff=64, causal=true)
+    - layernorm
+    - linear(32, 64)
+  loss: cross_entropy
+cluster:
+  nodes: 1
+  devices_per_node: 2
+  device: { kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }
+  links:
+    intra_node: { bandwidth: 10GB/s, latency: 5us }
+strategy:
+  stages: straight
+  schedule: 1f1b
+  microbatches: 4
+training:
+  batch_size: 32
+  steps: 3
+  optimizer: { kind: adam, lr: 0.001 }
+";
+
+fn plan_of(text: &str) -> Plan {
+    let checked = pipec_grammar::check_source(text);
+    let spec = checked.spec.unwrap_or_else(|| panic!("the spec checks: {:?}", checked.diagnostics));
+    compile(&spec, &CompileOptions::default()).into_compiled().expect("compiles").plan
+}
+
+#[test]
+fn the_plan_records_the_engine_and_release_the_spec_names() {
+    let plan = plan_of(&format!("engine: {{ name: megatron, version: \"0.19\" }}\n{GPT}"));
+    assert_eq!(plan.engine, EngineTarget { name: Engine::Megatron, version: "0.19.2".into() });
+    let json = serde_json::to_string(&plan).expect("serialises");
+    assert!(json.contains(r#""engine":{"name":"megatron","version":"0.19.2"}"#), "{}", &json[..200]);
+    assert_eq!(Plan::from_json(&json).expect("reads back").engine, plan.engine);
+    let named = plan_of(&format!("engine: deepspeed\n{GPT}"));
+    assert_eq!(named.engine, EngineTarget::newest(Engine::Deepspeed));
+}
+
+#[test]
+fn a_plan_without_an_engine_is_pipecs_and_an_unknown_release_is_refused() {
+    let plan = plan_of(GPT);
+    assert!(plan.engine.is_pipec());
+    let json = serde_json::to_string(&plan).expect("serialises");
+    assert!(!json.contains("\"engine\""), "pipec, the default, is not written");
+    assert!(Plan::from_json(&json).expect("reads").engine.is_pipec());
+    let mut edited = plan.clone();
+    edited.engine = EngineTarget { name: Engine::Megatron, version: "0.17.0".into() };
+    let problems = edited.check();
+    assert!(problems.iter().any(|p| p.contains("engine: pipec describes megatron 0.19.0 to 0.19.2")), "{problems:?}");
+    let unknown =
+        json.replacen("{\"version\":", "{\"engine\":{\"name\":\"jax\",\"version\":\"1.0.0\"},\"version\":", 1);
+    assert!(Plan::from_json(&unknown).is_err_and(|e| e.contains("jax")));
+}
+
+/// The example specs whose model every engine could run (decoder-only language models).
+const LANGUAGE_MODELS: &[&str] = &["auto", "gpt-tiny", "llama-tiny", "moe-tiny", "hybrid", "gpt2"];
+
+fn root() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `text` with `engine: NAME` first and its strategy replaced by `strategy`.
+fn for_engine(text: &str, engine: Engine, strategy: &str) -> String {
+    let start = text.find("\nstrategy:").expect("a strategy") + 1;
+    let end = text[start..].find("\ntraining:").map(|e| start + e + 1).expect("training after the strategy");
+    format!("engine: {engine}\n{}{strategy}\n{}", &text[..start], &text[end..])
+}
+
+/// Every layout a search under `engine: X` plans, checked against X's capability table
+/// through the front end (a layout it refuses would be E0702).
+fn planned_layouts_run_on(text: &str, engine: Engine) -> usize {
+    use pipec_compiler::search::{search, Outcome, SearchOptions};
+    let checked = pipec_grammar::check_source(text);
+    let Some(spec) = checked.spec else {
+        // a model the engine does not train: refused before any search
+        assert!(checked.diagnostics.iter().any(|d| d.code == "E0702"), "{:?}", checked.diagnostics);
+        return 0;
+    };
+    let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+    let report = search(text, &spec, &CompileOptions::default(), &options);
+    let mut planned = 0;
+    for c in &report.candidates {
+        if !matches!(c.outcome, Outcome::Planned(_)) {
+            continue;
+        }
+        planned += 1;
+        let concrete = pipec_compiler::search::with_strategy(text, &spec, &c.strategy());
+        let checked = pipec_grammar::check_source(&concrete);
+        let s = checked.spec.expect("a planned candidate checks");
+        let layout = pipec_grammar::engine_check::layout_of(&s.model, &s.strategy, &s.training);
+        let refused = pipec_plan::engine::capability::refusals(&spec.engine.target, &layout);
+        assert!(refused.is_empty(), "{engine} cannot run {}: {refused:?}", c.strategy());
+    }
+    planned
+}
+
+#[test]
+fn a_search_under_an_engine_plans_only_layouts_that_engine_runs() {
+    for name in LANGUAGE_MODELS {
+        let text = std::fs::read_to_string(root().join(format!("specs/{name}.yaml"))).expect("example");
+        for engine in [Engine::Megatron, Engine::Torchtitan, Engine::Deepspeed] {
+            let auto = for_engine(&text, engine, "strategy: auto");
+            let planned = planned_layouts_run_on(&auto, engine);
+            eprintln!("{name} under {engine}: {planned} layouts planned");
+            // hybrid.yaml's blocks are not causal: only DeepSpeed takes any model
+            assert_eq!(planned > 0, *name != "hybrid" || engine == Engine::Deepspeed, "{name} under {engine}");
+        }
+    }
+}
+
+#[test]
+fn check_refuses_what_the_engine_lacks_at_its_key_with_the_nearest_as_fix() {
+    let zbv =
+        format!("engine: megatron\n{}", GPT.replace("schedule: 1f1b", "schedule: zbv").replace("repeat 2", "repeat 4"));
+    let checked = pipec_grammar::check_source(&zbv);
+    let d = checked.diagnostics.iter().find(|d| d.code == "E0702").expect("E0702");
+    let at = d.span();
+    assert_eq!(&zbv[at.start..at.end], "zbv");
+    let fix = d.fix.as_ref().expect("a fix");
+    assert_eq!(fix.replacement, "{ kind: interleaved, virtual_stages: 2 }");
+    let fixed = format!("{}{}{}", &zbv[..fix.span.start], fix.replacement, &zbv[fix.span.end..]);
+    let again = pipec_grammar::check_source(&fixed);
+    assert!(again.diagnostics.iter().all(|d| !d.is_error()), "{:?}", again.diagnostics);
+    // pipec runs it
+    assert!(pipec_grammar::check_source(&GPT.replace("schedule: 1f1b", "schedule: zbv")).spec.is_some());
+    // a model no strategy changes is refused under `strategy: auto` too
+    let lstm = "engine: torchtitan\nmodel:\n  input: [16]\n  layers:\n    - embedding(50, 16)\n    - lstm(16, 16)\n    - linear(16, 50)\n  loss: cross_entropy\n";
+    let rest = &GPT[GPT.find("cluster:").expect("cluster")..];
+    let auto = format!(
+        "{lstm}{}",
+        rest.replace("strategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: 4\n", "strategy: auto\n")
+    );
+    let checked = pipec_grammar::check_source(&auto);
+    assert!(
+        checked.diagnostics.iter().any(|d| d.code == "E0702" && d.message.contains("decoder-only")),
+        "{:?}",
+        checked.diagnostics
+    );
+}
+
+#[test]
+fn compare_under_an_engine_plans_only_its_schedules() {
+    let dir = std::env::temp_dir().join(format!("pipec-engines-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("gpt.yaml");
+    std::fs::write(&path, format!("engine: megatron\n{}", GPT.replace("stages: straight", "pp: 2"))).expect("write");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pipec")).arg("compare").arg(&path).output().expect("runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for refused in ["gpipe", "zbv", "chimera", "dualpipev", "zb-h1"] {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(refused))
+            .unwrap_or_else(|| panic!("{refused} row in:\n{text}"));
+        assert!(line.contains("megatron"), "{line}");
+    }
+    let planned = text.lines().find(|l| l.trim_start().starts_with("1f1b")).expect("1f1b row");
+    assert!(!planned.contains("megatron"), "{planned}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The engines `pipec emit` writes for.
+const EMITTED: [Engine; 3] = [Engine::Megatron, Engine::Torchtitan, Engine::Deepspeed];
+
+/// Every example language model's plan, as written, emitted for every engine: each file it
+/// writes is a golden file, and a refusal's message too.
+#[test]
+fn emit_writes_each_engines_configuration_or_names_what_it_lacks() {
+    let mut accepted = 0;
+    for name in LANGUAGE_MODELS.iter().filter(|n| **n != "auto") {
+        let text = std::fs::read_to_string(root().join(format!("specs/{name}.yaml"))).expect("example");
+        let plan = plan_of(&text);
+        for engine in EMITTED {
+            match pipec_plan::engine::emit::emit(&plan, &EngineTarget::newest(engine)) {
+                Ok(files) => {
+                    accepted += 1;
+                    for (file, contents) in files {
+                        insta::assert_snapshot!(format!("emit__{name}__{engine}__{file}"), contents);
+                    }
+                }
+                Err(why) => insta::assert_snapshot!(format!("emit__{name}__{engine}__refused"), why),
+            }
+        }
+    }
+    assert!(accepted >= 5, "{accepted} accepted");
+}
+
+/// The layout a plan's engine configuration carries: what `emit ∘ import` keeps.
+fn carried(plan: &Plan) -> (pipec_plan::engine::capability::Layout, usize, usize) {
+    (plan.engine_layout(), plan.training.batch_size, plan.training.microbatch_size)
+}
+
+/// `spec`'s plan, from the text `pipec import` wrote.
+fn imported_plan(spec: Result<String, String>) -> Plan {
+    plan_of(&spec.unwrap_or_else(|e| panic!("imports: {e}")))
+}
+
+/// emit ∘ import is the identity on the layout (and the batch, and the model's shape for the
+/// engines whose configuration describes the model) for every example language model each
+/// engine accepts.
+#[test]
+fn importing_what_emit_wrote_gives_back_the_layout() {
+    use pipec_grammar::import::{deepspeed, megatron, torchtitan};
+    let hf = |f: &str| std::fs::read_to_string(root().join("tests/import").join(f)).expect("an HF config");
+    let (llama, mixtral) = (hf("llama-3-8b.json"), hf("mixtral-8x7b.json"));
+    let mut round_trips = 0;
+    for name in LANGUAGE_MODELS.iter().filter(|n| **n != "auto") {
+        let text = std::fs::read_to_string(root().join(format!("specs/{name}.yaml"))).expect("example");
+        let plan = plan_of(&text);
+        let world = plan.devices.len();
+        for engine in EMITTED {
+            let Ok(files) = pipec_plan::engine::emit::emit(&plan, &EngineTarget::newest(engine)) else { continue };
+            let file = |n: &str| files.iter().find(|(f, _)| f == n).map(|(_, t)| t.clone()).expect("emitted");
+            let back = match engine {
+                Engine::Megatron => imported_plan(megatron::import(&file("args.txt"), name, Some(world))),
+                Engine::Torchtitan => imported_plan(torchtitan::import(&file("job.toml"), name, Some(world))),
+                Engine::Deepspeed => imported_plan(deepspeed::import(
+                    &file("ds_config.json"),
+                    if plan.gpt_shape().and_then(|g| g.moe()).is_some() { &mixtral } else { &llama },
+                    name,
+                    Some(world),
+                    Some(plan.model.input[0]),
+                )),
+                Engine::Pipec => unreachable!("not emitted"),
+            };
+            let (mut want, mut got) = (carried(&plan), carried(&back));
+            if engine == Engine::Deepspeed {
+                // DeepSpeed's config holds no model: the model is the config.json's
+                (want.0.blocks, want.0.gpt, got.0.blocks, got.0.gpt) = (0, true, 0, true);
+            } else {
+                assert_eq!(
+                    back.gpt_shape().map(|g| (
+                        g.vocab,
+                        g.layers,
+                        g.block.d,
+                        g.block.heads,
+                        g.block.kv_heads,
+                        g.block.ff,
+                        g.block.moe
+                    )),
+                    plan.gpt_shape().map(|g| (
+                        g.vocab,
+                        g.layers,
+                        g.block.d,
+                        g.block.heads,
+                        g.block.kv_heads,
+                        g.block.ff,
+                        g.block.moe
+                    )),
+                    "{name} via {engine}"
+                );
+            }
+            assert_eq!(got, want, "{name} via {engine}");
+            assert_eq!(back.engine.name, engine);
+            round_trips += 1;
+        }
+    }
+    assert!(round_trips >= 7, "{round_trips}");
+}
+
+/// The published layouts (tests/engines/published; each file says where it is from) with the
+/// GPUs they run on where the file does not say, and the engine they are for.
+fn published() -> Vec<(String, Engine, String)> {
+    use pipec_grammar::import::{deepspeed, megatron, torchtitan};
+    let dir = root().join("tests/engines/published");
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).expect("a published layout");
+    let mut out = Vec::new();
+    for f in ["megatron-llama3-8b-fp8.sh", "megatron-mixtral-8x7b.sh", "megatron-gpt3-175b.args"].into_iter().chain(
+        ["llama3-8b", "llama3-70b", "mixtral-8x7b", "mixtral-8x22b"].map(|m| match m {
+            "llama3-8b" => "megatron-docs-llama3-8b.args",
+            "llama3-70b" => "megatron-docs-llama3-70b.args",
+            "mixtral-8x7b" => "megatron-docs-mixtral-8x7b.args",
+            _ => "megatron-docs-mixtral-8x22b.args",
+        }),
+    ) {
+        let name = f.rsplit_once('.').expect("an extension").0;
+        out.push((name.to_string(), Engine::Megatron, megatron::import(&read(f), name, None).expect(f)));
+    }
+    for (flavour, gpus) in [("8b", 64), ("70b", 64), ("405b", 128)] {
+        let name = format!("torchtitan-llama3-{flavour}");
+        let spec = torchtitan::import(&read(&format!("{name}.toml")), &name, Some(gpus)).expect("imports");
+        out.push((name, Engine::Torchtitan, spec));
+    }
+    let llama2 = std::fs::read_to_string(root().join("tests/import/llama-2-7b.json")).expect("config");
+    let spec =
+        deepspeed::import(&read("deepspeed-llama2-7b.json"), &llama2, "deepspeed-llama2-7b", Some(2), Some(4096));
+    out.push(("deepspeed-llama2-7b".into(), Engine::Deepspeed, spec.expect("imports")));
+    out
+}
+
+/// Eleven published layouts (Megatron-LM's examples and its parallelism guide's table,
+/// torchtitan's Llama 3 configurations, a DeepSpeed config) import into specs that check
+/// (the written spec is a golden file), compile, and emit back for their engine with the
+/// same layout.
+#[test]
+fn published_layouts_import_check_compile_and_emit_back() {
+    let all = published();
+    assert!(all.len() >= 10);
+    let mut over_memory = Vec::new();
+    for (name, engine, spec) in &all {
+        insta::assert_snapshot!(format!("import__{name}"), spec);
+        let checked = pipec_grammar::check_source(spec);
+        let result = compile(&checked.spec.expect("checks"), &CompileOptions::default());
+        // the only error compile may give: pipec's memory model puts a device over its 80 GB
+        for d in result.diagnostics.iter().filter(|d| d.is_error()) {
+            assert_eq!(d.code, "E0601", "{name}: {}", d.message);
+            over_memory.push(name.as_str());
+        }
+        let plan = result.into_compiled().expect("a plan").plan;
+        assert_eq!(plan.engine.name, *engine);
+        let files = pipec_plan::engine::emit::emit(&plan, &plan.engine).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(files.iter().any(|(f, _)| f == "prediction.json"));
+    }
+    over_memory.dedup();
+    insta::assert_snapshot!("import__over_memory", over_memory.join("\n"));
+}
+
+/// The search under `engine: X` on the published layouts' models and clusters (their
+/// strategies left to it) plans only layouts X runs, as on the example specs.
+#[test]
+fn a_search_on_the_imported_specs_plans_only_layouts_their_engine_runs() {
+    let mut planned = 0;
+    for (name, engine, spec) in published() {
+        let auto = for_engine(
+            spec.replace(&format!("engine: {engine}\n"), "").as_str(),
+            engine,
+            "strategy: { tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }",
+        );
+        let n = planned_layouts_run_on(&auto, engine);
+        eprintln!("{name} under {engine}: {n} layouts planned");
+        planned += n;
+    }
+    assert!(planned > 0);
+}
+
+/// `pipec emit` writes a new folder whole, refuses an existing one, a file that is neither a
+/// spec nor a plan, and a spec that names no engine without `--engine`; `pipec import` tells a
+/// `--model-config` that is not a Hugging Face config what it is.
+#[test]
+fn emit_and_import_refuse_what_they_cannot_read_or_write() {
+    let dir = std::env::temp_dir().join(format!("pipec-engines-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let pipec = |args: &[&std::ffi::OsStr]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_pipec")).args(args).output().expect("runs")
+    };
+    let spec = dir.join("gpt.yaml");
+    std::fs::write(&spec, GPT).expect("write");
+    let out = dir.join("launch");
+    let no_engine = pipec(&["emit".as_ref(), spec.as_os_str(), "-o".as_ref(), out.as_os_str()]);
+    assert_eq!(no_engine.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&no_engine.stderr).contains("--engine"));
+    let written = pipec(&[
+        "emit".as_ref(),
+        "--engine".as_ref(),
+        "megatron".as_ref(),
+        spec.as_os_str(),
+        "-o".as_ref(),
+        out.as_os_str(),
+    ]);
+    assert_eq!(written.status.code(), Some(0), "{}", String::from_utf8_lossy(&written.stderr));
+    for f in ["train.sh", "args.txt", "job.sbatch", "prediction.json", "NOTES.md"] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
+    let again = pipec(&[
+        "emit".as_ref(),
+        "--engine".as_ref(),
+        "megatron".as_ref(),
+        spec.as_os_str(),
+        "-o".as_ref(),
+        out.as_os_str(),
+    ]);
+    assert_eq!(again.status.code(), Some(2), "an existing folder is not overwritten");
+    let toml = dir.join("job.toml");
+    std::fs::write(&toml, "[model]\nname = \"llama3\"\n").expect("write");
+    let wrong = pipec(&[
+        "emit".as_ref(),
+        "--engine".as_ref(),
+        "megatron".as_ref(),
+        toml.as_os_str(),
+        "-o".as_ref(),
+        dir.join("x").as_os_str(),
+    ]);
+    assert_eq!(wrong.status.code(), Some(2));
+    assert!(!dir.join("x").exists());
+    let ds = dir.join("ds_config.json");
+    std::fs::write(&ds, r#"{"train_batch_size": 8}"#).expect("write");
+    let told = pipec(&[
+        "import".as_ref(),
+        ds.as_os_str(),
+        "--gpus".as_ref(),
+        "8".as_ref(),
+        "--model-config".as_ref(),
+        toml.as_os_str(),
+    ]);
+    assert_eq!(told.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&told.stderr)
+            .contains("is a torchtitan TOML job configuration, not a Hugging Face config.json"),
+        "{}",
+        String::from_utf8_lossy(&told.stderr)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
