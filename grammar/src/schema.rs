@@ -82,7 +82,8 @@ struct Cluster {
 }
 
 /// One device. All devices of the cluster are alike: a preset's name (`a100-80gb`,
-/// `h100-sxm`, `h200`, `b200`, `mi300x`, `v100-32gb`, ...), or a mapping.
+/// `h100-sxm`, `h100-nvl`, `h800`, `h200`, `h200-nvl`, `b200`, `gb200`, `mi300x`,
+/// `v100-32gb`, ...: docs/spec.md lists their figures and sources), or a mapping.
 #[derive(JsonSchema)]
 #[serde(untagged)]
 enum Device {
@@ -119,7 +120,8 @@ struct DeviceFields {
     overhead: Option<String>,
 }
 
-/// The interconnect: a preset's name (`dgx-a100`, `dgx-h100`, `dgx-b200`, `dgx-v100`), or
+/// The interconnect: a preset's name (`dgx-a100`, `dgx-h100`, `hgx-h800`, `dgx-b200`,
+/// `gb200-nvl72`, `dgx-v100`: docs/spec.md lists their figures), or
 /// bandwidth and latency per level of the cluster's hierarchy.
 #[derive(JsonSchema)]
 #[serde(untagged)]
