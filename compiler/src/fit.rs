@@ -80,11 +80,12 @@ pub(crate) fn memory_diagnostics(
     let m = &worst.memory;
     let share = m.total as f64 / m.capacity.max(1) as f64;
     let breakdown = format!(
-        "weights {} + gradients {} + optimizer {} + activations {} + buffers {} + workspace {} = {}",
+        "weights {} + gradients {} + optimizer {} + activations {} + backward's transient {} + buffers {} + workspace {} = {}",
         human_bytes(m.weights),
         human_bytes(m.gradients),
         human_bytes(m.optimizer),
         human_bytes(m.activations),
+        human_bytes(m.transient),
         human_bytes(m.buffers),
         human_bytes(m.workspace),
         human_bytes(m.total)

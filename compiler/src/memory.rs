@@ -91,6 +91,10 @@ pub struct StageBytes {
     /// With recompute: the largest unit's activations for one microbatch, live while it is
     /// recomputed and its backward runs.
     pub recompute_unit_peak: u64,
+    /// Without a whole-stage recompute: what one microbatch's backward of a layer holds
+    /// beyond the kept tensors — what the blocks' recompute policy dropped and brings back,
+    /// and the gradients at the block's widest point — the largest of the stage's layers.
+    pub backward_transient: u64,
     /// Largest message (activation or gradient) the stage sends or receives.
     pub largest_message: u64,
     /// ZeRO-3: the whole weights gathered at once (the layer computing and the next,
@@ -195,9 +199,21 @@ pub fn device_memory(
     let mut now: HashMap<StageId, u64> = HashMap::new();
     let mut peak_total = 0u64;
     let recomputed = |s: &StageId| recompute.get(s.0 as usize).copied().unwrap_or(false);
-    // a recomputed stage rebuilds one unit of one microbatch at a time
-    let recompute_extra =
-        held.iter().filter(|s| recomputed(s)).map(|s| stages[s.0 as usize].recompute_unit_peak).max().unwrap_or(0);
+    // a recomputed stage rebuilds one unit of one microbatch at a time; another holds, in
+    // one microbatch's backward of a layer, what the layer's recompute policy brings back
+    // and the gradients at the block's widest point
+    let transient = held
+        .iter()
+        .map(|s| {
+            let b = &stages[s.0 as usize];
+            if recomputed(s) {
+                b.recompute_unit_peak.saturating_add(b.backward_transient)
+            } else {
+                b.backward_transient
+            }
+        })
+        .max()
+        .unwrap_or(0);
     for ins in stream {
         let per = |s: &StageId| {
             let b = stages[s.0 as usize];
@@ -220,10 +236,11 @@ pub fn device_memory(
             _ => {}
         }
     }
-    m.activations = peak_total.saturating_add(recompute_extra);
+    m.activations = peak_total;
+    m.transient = transient;
     m.workspace = workspace_reserve(capacity);
     m.capacity = capacity as u64;
-    m.total = [m.gradients, m.optimizer, m.activations, m.buffers, m.workspace]
+    m.total = [m.gradients, m.optimizer, m.activations, m.transient, m.buffers, m.workspace]
         .into_iter()
         .fold(m.weights, u64::saturating_add);
     m

@@ -373,10 +373,22 @@ impl DeviceModel {
     /// [`product_traffic`](Self::product_traffic), the 2-norm of its compute and its
     /// traffic beyond the cache.
     pub fn matrix_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
+        self.product_time(flops, bytes, self.matrix.of(precision))
+    }
+
+    /// [`matrix_time`](Self::matrix_time) of a product with FP8 operands: at the FP8 rate
+    /// (the bf16 one on a device without FP8 products).
+    pub fn fp8_matrix_time(&self, flops: f64, bytes: f64) -> f64 {
+        let rate = if self.matrix.fp8 > 0.0 { self.matrix.fp8 } else { self.matrix.of(Precision::Bf16) };
+        self.product_time(flops, bytes, rate)
+    }
+
+    /// A product of `flops` moving `bytes` at `rate` FLOP/s at its size's efficiency.
+    fn product_time(&self, flops: f64, bytes: f64, rate: f64) -> f64 {
         if flops <= 0.0 && bytes <= 0.0 {
             return 0.0;
         }
-        let compute = flops / (self.matrix.of(precision) * self.matrix_efficiency.at(flops));
+        let compute = flops / (rate * self.matrix_efficiency.at(flops));
         match self.product_traffic {
             Some(t) => self.launch + compute.hypot((bytes - t.cached).max(0.0) / t.bandwidth),
             None => self.launch + compute.max(self.memory_time(bytes)),
@@ -788,7 +800,11 @@ mod tests {
     #[test]
     fn docs_show_every_preset_as_the_source_defines_it() {
         let spec = include_str!("../../docs/spec.md");
-        assert!(spec.contains(&presets_table()), "docs/spec.md's device table differs from PRESETS:\n{}", presets_table());
+        assert!(
+            spec.contains(&presets_table()),
+            "docs/spec.md's device table differs from PRESETS:\n{}",
+            presets_table()
+        );
         assert!(
             spec.contains(&link_presets_table()),
             "docs/spec.md's interconnect table differs from LINK_PRESETS:\n{}",
