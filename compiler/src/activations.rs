@@ -50,6 +50,11 @@ pub struct Kept {
     /// intermediate tensors and the block's input, whose gradients are alive together at
     /// the block's widest point; 0 for the others, whose gradients are smaller).
     pub gradient: f64,
+    /// Whether the backward reads it. A product's output it does not read (the output and
+    /// down projections') is listed all the same: op-level recompute keeps what its policy
+    /// names whether the backward reads it or not (torchtitan's policy saves every other
+    /// `aten.mm` output by its count).
+    pub read: bool,
 }
 
 /// What a block's list depends on besides the block.
@@ -81,7 +86,7 @@ struct List {
 
 impl List {
     fn keep(&mut self, name: &'static str, modules: &'static [RecomputeModule], made: Made, bytes: f64) {
-        self.tensors.push(Kept { name, modules, made, bytes, gradient: 0.0 });
+        self.tensors.push(Kept { name, modules, made, bytes, gradient: 0.0, read: true });
     }
 
     /// Keeps a tensor whose gradient of `gradient` bytes per sample is alive at the block's
@@ -94,7 +99,14 @@ impl List {
         bytes: f64,
         gradient: f64,
     ) {
-        self.tensors.push(Kept { name, modules, made, bytes, gradient });
+        self.tensors.push(Kept { name, modules, made, bytes, gradient, read: true });
+    }
+
+    /// The next matrix product, whose output the backward does not read, of `bytes` bytes
+    /// per sample.
+    fn unread_product(&mut self, name: &'static str, bytes: f64) {
+        let made = self.product();
+        self.tensors.push(Kept { name, modules: &[], made, bytes, gradient: 0.0, read: false });
     }
 
     /// The next matrix product.
@@ -134,8 +146,9 @@ pub fn block_kept(b: &BlockDims, cx: &BlockContext) -> Vec<Kept> {
         let made = list.product();
         list.keep_wide("up projection's output", up, made, split(rows * f, p), split(rows * f, p));
         list.keep_wide("activation's output", act, Made::Other, split(rows * f, linear_input), split(rows * f, p));
-        // the down projection's output is not read by the backward
-        list.product();
+        // the down projection's output (whole on every rank before the row-parallel
+        // reduction), not read by the backward
+        list.unread_product("down projection's output", s * rows * h * p);
     };
     match b.moe {
         None => mlp(&mut list, 1.0, &[Mlp], &[Mlp]),
@@ -223,8 +236,9 @@ fn attention_kept(b: &BlockDims, cx: &BlockContext, list: &mut List) {
         Attention::Flash => list.keep("attention log-sum-exp", &[CoreAttn], Made::Attention, split(heads, 4.0)),
     }
     list.keep("attention output", &[], Made::Attention, split(heads * vh, linear_input));
-    // the output projection
-    list.product();
+    // the output projection's output (whole on every rank before the row-parallel
+    // reduction), not read by the backward
+    list.unread_product("output projection's output", s * b.d as f64 * p);
 }
 
 /// A recompute policy for a block (`strategy.recompute` on its stage).
@@ -244,6 +258,9 @@ pub enum Policy {
 impl Policy {
     /// Whether the policy keeps `k`.
     pub fn keeps(&self, k: &Kept) -> bool {
+        if !k.read && !matches!(self, Policy::Ops(_)) {
+            return false;
+        }
         match self {
             Policy::None => true,
             Policy::Modules(modules) => !k.modules.iter().any(|m| modules.contains(m)),
@@ -268,16 +285,15 @@ impl Policy {
     /// Bytes per sample the policy keeps of `list`, and the bytes it drops (what comes back
     /// while the block's backward runs).
     pub fn split(&self, list: &[Kept]) -> (f64, f64) {
-        list.iter().fold(
-            (0.0, 0.0),
-            |(kept, dropped), k| {
-                if self.keeps(k) {
-                    (kept + k.bytes, dropped)
-                } else {
-                    (kept, dropped + k.bytes)
-                }
-            },
-        )
+        list.iter().fold((0.0, 0.0), |(kept, dropped), k| {
+            if self.keeps(k) {
+                (kept + k.bytes, dropped)
+            } else if k.read {
+                (kept, dropped + k.bytes)
+            } else {
+                (kept, dropped)
+            }
+        })
     }
 }
 
@@ -320,7 +336,7 @@ mod tests {
     }
 
     fn total(list: &[Kept]) -> f64 {
-        list.iter().map(|k| k.bytes).sum()
+        list.iter().filter(|k| k.read).map(|k| k.bytes).sum()
     }
 
     #[test]
@@ -346,13 +362,14 @@ mod tests {
     fn torchtitans_op_policy_keeps_the_alternate_products_and_the_attention() {
         // Llama 3.1 8B's block, flash attention, bf16: its input, the query and value
         // products (first and third), the attention's output and log-sum-exp, the gate
-        // (fifth product); the keys, output projection, up and down projections and every
-        // norm and activation are recomputed
+        // (fifth product) and the down projection (seventh: kept by its count though the
+        // backward does not read it); the keys, output and up projections and every norm
+        // and activation are recomputed
         let b = Op::llama_block(4096, 32, 8, 14336).block_dims().expect("block");
         let list = block_kept(&b, &BlockContext { s: 8192.0, ..cx(1.0, false, Attention::Flash, false) });
         let policy = Policy::Ops(vec![RecomputeOp::AlternateMatmul, RecomputeOp::Attention]);
         let (kept, _) = policy.split(&list);
-        let per_token = 2.0 * (4096.0 + 4096.0 + 1024.0 + 4096.0 + 14336.0) + 32.0 * 4.0;
+        let per_token = 2.0 * (4096.0 + 4096.0 + 1024.0 + 4096.0 + 14336.0 + 4096.0) + 32.0 * 4.0;
         assert_eq!(kept, 8192.0 * per_token);
         // a full recompute keeps the input alone; no recompute everything
         assert_eq!(Policy::Full.split(&list).0, 8192.0 * 2.0 * 4096.0);

@@ -94,8 +94,8 @@ pub struct LayerCost {
     /// Bytes of the output, per sample (whole).
     pub output_bytes_per_sample: u64,
     /// The last layer only: bytes the loss keeps for its backward, per sample, on one rank
-    /// (the log-probabilities; with the vocabulary split, this rank's part, in fp32 as
-    /// Megatron-LM's vocabulary-parallel cross-entropy keeps them).
+    /// (the log-probabilities, in fp32 under mixed precision as Megatron-LM's and
+    /// torchtitan's cross-entropy keep them; with the vocabulary split, this rank's part).
     pub loss_input_bytes_per_sample: u64,
 }
 
@@ -182,7 +182,7 @@ pub fn backward_flops(node: &OpNode) -> f64 {
 pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
     let p = precision_bytes as f64;
     let cx = KeptContext { p, linear_input: p, t: 1, sp: false, attention: Attention::Standard, ep: 1 };
-    kept_list(node, &cx).iter().map(|k| k.bytes).sum::<f64>() as u64
+    kept_list(node, &cx).iter().filter(|k| k.read).map(|k| k.bytes).sum::<f64>() as u64
 }
 
 /// What the layers' kept tensors depend on besides the layer.
@@ -201,7 +201,9 @@ pub(crate) struct KeptContext {
 /// The tensors one rank keeps for the layer's backward, per sample: a transformer block's
 /// as `activations::block_kept` lists them, any other layer's as one entry.
 pub(crate) fn kept_list(node: &OpNode, cx: &KeptContext) -> Vec<Kept> {
-    let one = |bytes: f64| vec![Kept { name: "layer input", modules: &[], made: Made::Other, bytes, gradient: 0.0 }];
+    let one = |bytes: f64| {
+        vec![Kept { name: "layer input", modules: &[], made: Made::Other, bytes, gradient: 0.0, read: true }]
+    };
     let inp = numel(&node.input_shape);
     let p = cx.p;
     match node.op {
@@ -243,7 +245,7 @@ pub(crate) fn kept_list(node: &OpNode, cx: &KeptContext) -> Vec<Kept> {
 fn kept_bytes(node: &OpNode, cx: &KeptContext) -> (f64, f64) {
     let list = kept_list(node, cx);
     let core = Policy::Modules(vec![RecomputeModule::CoreAttn]).split(&list).1;
-    (list.iter().map(|k| k.bytes).sum(), core)
+    (Policy::None.split(&list).0, core)
 }
 
 /// A layer's forward and backward kernels, the selective-recompute addition, and the
@@ -619,7 +621,10 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 loss_input_bytes_per_sample: match (last, split) {
                     (false, _) => 0,
                     (true, TpSplit::Vocab) => (numel(&node.output_shape) / cx.tp.max(1) as f64 * 4.0 / cp) as u64,
-                    (true, _) => (numel(&node.output_shape) * p as f64 / cp) as u64,
+                    // the log-probabilities in fp32 under mixed precision: Megatron-LM's
+                    // cross-entropy upcasts the logits (`vocab_parallel_cross_entropy`),
+                    // torchtitan's calls `.float()` before `cross_entropy`
+                    (true, _) => (numel(&node.output_shape) * (p as f64).max(4.0) / cp) as u64,
                 },
             }
         })

@@ -457,11 +457,13 @@ fn stage_bytes(
             (i..end).fold(0u64, |a, j| a.saturating_add(kept(j))).saturating_mul(mb)
         })
         .max()
-        .unwrap_or(0)
-        .saturating_add(loss_input);
+        .unwrap_or(0);
     // what one microbatch's backward holds beyond what is kept: the layer's recomputed
     // tensors and its gradients at the widest point, the largest of the stage's
     let transient = r.clone().map(|i| backward_peak(&costs[i], &policies[i])).max().unwrap_or(0).saturating_mul(mb);
+    // the loss's backward: the fp32 gradient of its kept log-probabilities and that
+    // gradient cast to the activations' precision, beside the log-probabilities themselves
+    let loss_backward = (loss_input as f64 * (4.0 + model.precision as f64) / 4.0) as u64;
     let whole = ModelState {
         weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>(),
         gradients: shard.saturating_mul(model.grad_bytes as u64),
@@ -503,6 +505,7 @@ fn stage_bytes(
         checkpoint_per_microbatch: checkpoint.saturating_add(loss_input),
         recompute_unit_peak: unit_peak,
         backward_transient: transient,
+        loss_transient: loss_backward,
         largest_message: input_bytes.max(output),
     }
 }

@@ -95,6 +95,10 @@ pub struct StageBytes {
     /// beyond the kept tensors — what the blocks' recompute policy dropped and brings back,
     /// and the gradients at the block's widest point — the largest of the stage's layers.
     pub backward_transient: u64,
+    /// The last stage: what the loss's backward holds beside the kept log-probabilities
+    /// (their gradient in fp32 and cast to the activations' precision); it runs before any
+    /// layer's backward, so it is not added to theirs.
+    pub loss_transient: u64,
     /// Largest message (activation or gradient) the stage sends or receives.
     pub largest_message: u64,
     /// ZeRO-3: the whole weights gathered at once (the layer computing and the next,
@@ -116,6 +120,21 @@ pub struct StageBytes {
     /// Of `activations_per_microbatch`, context parallelism's gathered keys and values
     /// (what `cp_comm: ring` does not keep).
     pub gathered_kv_per_microbatch: u64,
+}
+
+impl StageBytes {
+    /// What one microbatch's backward holds on the stage beyond what it keeps: with
+    /// `recomputed`, the largest recompute unit rebuilt and its layer's transient, else the
+    /// largest layer's; on the last stage at least the loss's backward (which runs before
+    /// any layer's).
+    pub fn transient(&self, recomputed: bool) -> u64 {
+        let layers = if recomputed {
+            self.recompute_unit_peak.saturating_add(self.backward_transient)
+        } else {
+            self.backward_transient
+        };
+        layers.max(self.loss_transient)
+    }
 }
 
 /// The documented workspace reserve: 5% of the device memory, at most 1 GiB (allocator
@@ -201,19 +220,9 @@ pub fn device_memory(
     let recomputed = |s: &StageId| recompute.get(s.0 as usize).copied().unwrap_or(false);
     // a recomputed stage rebuilds one unit of one microbatch at a time; another holds, in
     // one microbatch's backward of a layer, what the layer's recompute policy brings back
-    // and the gradients at the block's widest point
-    let transient = held
-        .iter()
-        .map(|s| {
-            let b = &stages[s.0 as usize];
-            if recomputed(s) {
-                b.recompute_unit_peak.saturating_add(b.backward_transient)
-            } else {
-                b.backward_transient
-            }
-        })
-        .max()
-        .unwrap_or(0);
+    // and the gradients at the block's widest point; the last stage's loss backward holds
+    // the gradient of the log-probabilities before any of that
+    let transient = held.iter().map(|s| stages[s.0 as usize].transient(recomputed(s))).max().unwrap_or(0);
     for ins in stream {
         let per = |s: &StageId| {
             let b = stages[s.0 as usize];
