@@ -297,7 +297,7 @@ enum Command {
         #[arg(long)]
         max_depth: Option<usize>,
         /// Memory headroom every device must keep, in percent of its capacity (default: the
-        /// spec's `search: headroom`, or 0).
+        /// spec's `search: headroom`, or 10%: the allocator's reserve, CUDA's context and NCCL's buffers).
         #[arg(long)]
         headroom: Option<f64>,
         /// Only these schedules, e.g. `--schedules 1f1b,interleaved`.

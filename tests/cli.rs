@@ -2250,3 +2250,35 @@ fn run_refuses_attention_shapes_the_executor_does_not_run_and_compile_plans_them
     }
     assert!(!dir.path().join("run").join("metrics.jsonl").exists(), "nothing trained");
 }
+
+/// A Llama 3 8B config imported and searched on H100s: the winner keeps the default memory
+/// headroom (the allocator's reserve, CUDA's context and NCCL's buffers a GPU run holds
+/// beside the plan's figures) — on 16 × 8 H100, and on one node of 8, where a winner without
+/// it fills all but 9% of the devices.
+#[test]
+fn an_imported_llama_3_8b_searched_on_h100s_keeps_the_default_memory_headroom() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("llama-3-8b.yaml");
+    let out = pipec(&["import", "tests/import/llama-3-8b.json", "--seq", "8192", "-o", spec.to_str().expect("utf-8")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let imported = std::fs::read_to_string(&spec).expect("the spec");
+    let default = pipec_plan::rules::DEFAULT_MEMORY_HEADROOM;
+    let best = |nodes: usize, batch: usize, extra: &[&str]| -> f64 {
+        let text = imported
+            .replace("  nodes: 1\n", &format!("  nodes: {nodes}\n"))
+            .replace("batch_size: 64", &format!("batch_size: {batch}"));
+        std::fs::write(&spec, text).expect("write");
+        let mut args = vec!["search", spec.to_str().expect("utf-8"), "--format", "json"];
+        args.extend_from_slice(extra);
+        let out = pipec(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        report["best"]["memory_headroom"].as_f64().expect("a winner's headroom")
+    };
+    for (nodes, batch) in [(16, 1024), (16, 64), (1, 16)] {
+        let headroom = best(nodes, batch, &[]);
+        assert!(headroom >= default, "{nodes} × 8 H100, batch {batch}: headroom {headroom}");
+    }
+    let without = best(1, 16, &["--headroom", "0"]);
+    assert!(without < default, "without the default the winner keeps {without}");
+}

@@ -83,7 +83,7 @@ impl Default for SearchOptions {
         SearchOptions {
             synchronous_only: true,
             max_pipeline_depth: None,
-            headroom: 0.0,
+            headroom: pipec_plan::rules::DEFAULT_MEMORY_HEADROOM,
             schedules: None,
             exhaustive: false,
             tp: None,

@@ -524,8 +524,11 @@ activations, buffers, workspace reserve). Use more stages, `recompute: true`, fe
 microbatches in flight (1F1B instead of GPipe), or a larger device.";
 
 "W0602", "device near its memory capacity",
-"The plan uses more than 90% of a device's memory. Memory fragmentation and framework
-overheads the cost model does not see may push it over at run time.";
+"The plan leaves less of a device's memory free than the headroom a GPU run needs beside
+the plan's figures: 10% by default (the caching allocator's reserve beyond the peak it
+allocates, 9% in Megatron-Bridge's Moonlight-16B study on H100; CUDA's context and NCCL's
+buffers outside it). `strategy.search.headroom` sets another share. Shard more (`zero`),
+recompute, or add devices to leave it.";
 
 "E0603", "compiler bug: plan verification failed",
 "The static verifier found a problem in the instruction streams pipec generated. This

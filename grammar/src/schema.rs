@@ -242,7 +242,9 @@ struct SearchSpec {
     asynchronous: Option<bool>,
     /// The most pipeline stages to consider.
     max_depth: Option<u64>,
-    /// Memory every device must keep free, e.g. `10%`.
+    /// Memory every device must keep free, e.g. `15%`; default 10% (the allocator's reserve,
+    /// CUDA's context and NCCL's buffers a GPU run holds beside the plan's figures); `0%`
+    /// lets a plan fill its devices.
     headroom: Option<String>,
     /// Only these schedules.
     schedules: Option<Vec<ScheduleKind>>,

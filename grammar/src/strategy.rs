@@ -73,7 +73,7 @@ pub(crate) fn lower_strategy(
             cp_comm: true,
             asynchronous: false,
             max_depth: None,
-            headroom: 0.0,
+            headroom: pipec_plan::rules::DEFAULT_MEMORY_HEADROOM,
             schedules: None,
         };
         return Some(placeholder_strategy(node, owner, cluster, all));
@@ -547,7 +547,7 @@ fn lower_auto_strategy(
         cp_comm: f.get("cp_comm").is_none(),
         asynchronous: false,
         max_depth: None,
-        headroom: 0.0,
+        headroom: pipec_plan::rules::DEFAULT_MEMORY_HEADROOM,
         schedules: None,
     };
     let mut ok = true;
