@@ -57,7 +57,7 @@ enum Command {
         format: Format,
     },
     /// Write a spec for a Hugging Face model's `config.json` (saved by transformers 4.x or
-    /// 5.x; GPT-2, Llama, Mistral, Mixtral, Qwen2; BERT as a sequence classifier): its `model`
+    /// 5.x; GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE; BERT as a sequence classifier): its `model`
     /// section as pipec layers, with the cluster of the flags below, an `auto` strategy and a
     /// training section to edit. A config field pipec cannot honour is an error naming it and
     /// why.

@@ -1398,6 +1398,10 @@ fn import_writes_specs_that_check_clean_with_the_published_parameter_counts() {
         ("llama-3-8b", "8,030,261,248"),
         ("gpt2-medium", "354,823,168"),
         ("qwen2-0.5b", "494,032,768"),
+        // query/key norms, and heads of 128 on d = 2048 with 32 heads (not d/heads = 64);
+        // 3,353,032,704 active per token (eight of 128 experts)
+        ("qwen3-8b", "8,190,735,360"),
+        ("qwen3-30b-a3b", "30,532,122,624"),
         // BertModel's 109,482,240 and a two-class classifier, 768·2 + 2
         ("bert-base-uncased", "109,483,778"),
     ] {
