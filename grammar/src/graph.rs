@@ -1067,14 +1067,14 @@ fn shape_help(op: &Op, input: &[usize]) -> String {
 /// `Op::output_shape` checks them.
 fn block_help(op: &Op, d_model: usize, heads: usize, written_kv: usize, written_head: usize, causal: bool) -> String {
     let Some(b) = op.block_dims() else { return String::new() };
-    if heads == 0 || (written_head == 0 && d_model % heads != 0) {
+    if heads == 0 || (written_head == 0 && !d_model.is_multiple_of(heads)) {
         return format!("heads must divide d={d_model}, or give each head its size with `head_dim=`");
     }
     if b.mla.is_some() && written_kv != 0 && written_kv != heads {
         return "remove `kv_heads`: multi-head latent attention's keys and values come from one latent".into();
     }
-    if b.kv_heads == 0 || heads % b.kv_heads != 0 {
-        let divisors: Vec<String> = (1..=heads).filter(|k| heads % k == 0).map(|k| k.to_string()).collect();
+    if b.kv_heads == 0 || !heads.is_multiple_of(b.kv_heads) {
+        let divisors: Vec<String> = (1..=heads).filter(|k| heads.is_multiple_of(*k)).map(|k| k.to_string()).collect();
         return format!("kv_heads must divide heads={heads}: one of {}", divisors.join(", "));
     }
     if b.rope != 0.0 {
@@ -1086,7 +1086,7 @@ fn block_help(op: &Op, d_model: usize, heads: usize, written_kv: usize, written_
                 return format!("give the heads an even size: head_dim={}", b.head_dim + 1);
             }
             // the most heads up to these whose size is whole and even
-            return match (1..heads).rev().find(|h| d_model % h == 0 && (d_model / h) % 2 == 0) {
+            return match (1..heads).rev().find(|h| d_model.is_multiple_of(*h) && (d_model / h).is_multiple_of(2)) {
                 Some(h) => format!("rotary embeddings need an even head size d/heads: heads={h} gives {}", d_model / h),
                 None => format!("rotary embeddings need an even head size d/heads, and no head count below {heads} gives one for d={d_model}: give `head_dim=` an even size"),
             };

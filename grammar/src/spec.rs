@@ -896,9 +896,9 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<(Opti
 
 fn lower_optimizer_kind(cx: &mut Lower<'_>, f: &Fields<'_>) -> Option<Optimizer> {
     let kind = cx
-        .required(&f, "kind", "training.optimizer")
+        .required(f, "kind", "training.optimizer")
         .and_then(|n| cx.choose::<OptimizerKind>(n, &["training", "optimizer", "kind"]));
-    let lr = cx.required(&f, "lr", "training.optimizer").and_then(|n| cx.number(n, rules::optimizer_bound("lr")));
+    let lr = cx.required(f, "lr", "training.optimizer").and_then(|n| cx.number(n, rules::optimizer_bound("lr")));
     let opt_f = |cx: &mut Lower<'_>, key: &str, default: f64| match f.get(key) {
         None => Some(default),
         Some(n) => cx.number(n, rules::optimizer_bound(key)),
