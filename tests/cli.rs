@@ -1746,7 +1746,7 @@ fn the_tiny_llama_trains_through_its_bpe_tokenizer_on_a_pipeline() {
     let exported = dir.path().join("exported");
     let out =
         pipec(&["export", run.join("checkpoints").to_str().expect("utf-8"), "-o", exported.to_str().expect("utf-8")]);
-    assert!(saved.status.success(), "{}", both_streams(&saved));
+    assert!(out.status.success(), "{}", both_streams(&out));
     assert_eq!(
         std::fs::read(exported.join("tokenizer.json")).expect("tokenizer"),
         std::fs::read(data.join("bpe-512.json")).expect("bpe")
