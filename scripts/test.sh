@@ -54,7 +54,8 @@ rm -rf "$GPU_CHECK_DIR"
 
 echo "== example specs check clean, plan-level rules included (the published configurations that do not fit an 80 GB GPU, *-none, say so with E0601)"
 PIPEC="$CARGO_TARGET_DIR/debug/pipec"
-"$PIPEC" check specs/*.yaml bench/specs/*.yaml bench/specs/gpu/*.yaml bench/specs/megatron/*.yaml $(ls bench/specs/published/*.yaml | grep -v -- '-none\.yaml$')
+"$PIPEC" check specs/*.yaml bench/specs/*.yaml bench/specs/gpu/*.yaml bench/specs/megatron/*.yaml $(ls bench/specs/published/*.yaml | grep -v -- '-none\.yaml$') \
+  $(awk -F, '$6 == "yes" { print "bench/specs/published-2025/" $1 }' bench/specs/published-2025/runs.csv)
 for f in bench/specs/published/*-none.yaml; do
   out="$("$PIPEC" check "$f" --format json || true)"
   grep -q '"code":"E0601"' <<<"$out" || { echo "$f: expected E0601 (it does not fit)" >&2; exit 1; }
@@ -70,5 +71,5 @@ echo "== language server driven by an independent client (pytest-lsp)"
 PIPEC_BIN="$CARGO_TARGET_DIR/debug/pipec" "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/lsp
 
 echo "== the committed JSON Schema against the specs (an independent validator: jsonschema, draft 2020-12)"
-"$VENV/bin/python" scripts/validate-schema.py schema/pipec.schema.json specs/*.yaml bench/specs/*.yaml bench/specs/gpu/*.yaml bench/specs/published/*.yaml bench/specs/megatron/*.yaml
+"$VENV/bin/python" scripts/validate-schema.py schema/pipec.schema.json specs/*.yaml bench/specs/*.yaml bench/specs/gpu/*.yaml bench/specs/published/*.yaml bench/specs/published-2025/*.yaml bench/specs/megatron/*.yaml
 "$VENV/bin/python" scripts/validate-schema.py --reject schema/pipec.schema.json specs/invalid/unknown-key-strategy.yaml

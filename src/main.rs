@@ -58,7 +58,7 @@ enum Command {
         format: Format,
     },
     /// Write a spec for a Hugging Face model's `config.json` (saved by transformers 4.x or
-    /// 5.x; GPT-2, Llama, Mistral, Mixtral, Qwen2; BERT as a sequence classifier): its `model`
+    /// 5.x; GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE; BERT as a sequence classifier): its `model`
     /// section as pipec layers, with the cluster of the flags below, an `auto` strategy and a
     /// training section to edit; or for an engine's launch configuration (a Megatron-LM
     /// argument list or script, a torchtitan TOML, a DeepSpeed ds_config.json with
@@ -320,7 +320,7 @@ enum Command {
         #[arg(long)]
         max_depth: Option<usize>,
         /// Memory headroom every device must keep, in percent of its capacity (default: the
-        /// spec's `search: headroom`, or 0).
+        /// spec's `search: headroom`, or 10%: the allocator's reserve, CUDA's context and NCCL's buffers).
         #[arg(long)]
         headroom: Option<f64>,
         /// Only these schedules, e.g. `--schedules 1f1b,interleaved`.

@@ -112,7 +112,9 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_USAGE;
         }
     }
-    if let Err(e) = pipec_executor::validate(&plan) {
+    if let Err(e) =
+        executor_runs_its_features(&plan).and_then(|()| pipec_executor::validate(&plan).map_err(|e| e.to_string()))
+    {
         eprintln!("error: cannot run this plan: {e}");
         return EXIT_DIAGNOSTICS;
     }
@@ -819,4 +821,45 @@ pub fn time_by_kind(plan: &Plan, report: &pipec_executor::RunReport) -> Vec<(&'s
             (predicted > 0.0 || measured > 0.0).then_some((kind, predicted, measured))
         })
         .collect()
+}
+
+/// Refuses a plan that uses a feature pipec's executor does not run
+/// (`pipec_plan::features`): the plan was made for another engine, or to be priced, and
+/// training it here would train something else.
+fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
+    use pipec_plan::features::{used, Feature};
+    let refused: Vec<String> = used(plan)
+        .into_iter()
+        .filter(|(f, _)| match f {
+            Feature::HeadSize
+            | Feature::QkNorm
+            | Feature::SlidingWindow
+            | Feature::AttentionSinks
+            | Feature::LatentAttention
+            | Feature::BlockDropout
+            | Feature::BlockRecompute
+            | Feature::ActivationOffload
+            | Feature::OptimizerStatePrecision => true,
+            // the plan's precision is bf16 around the FP8 products: the executor trains
+            // everything in bf16 and says so
+            Feature::Fp8 => {
+                eprintln!(
+                    "warning: the plan's blocks multiply in FP8 ({} scaling), but pipec's executor has no FP8 products: it trains them in bf16, so its steps and memory differ from the plan's",
+                    plan.training.fp8.map_or("", |f| f.recipe.name())
+                );
+                false
+            }
+        })
+        .map(|(f, layer)| match layer {
+            Some(l) => format!("{f} at layer {l}"),
+            None => f.to_string(),
+        })
+        .collect();
+    if refused.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "pipec's executor does not run {} yet; the plan's figures are for an engine that does (compile it with `pipec compile` to see them)",
+        refused.join(", ")
+    ))
 }

@@ -1423,6 +1423,10 @@ fn import_writes_specs_that_check_clean_with_the_published_parameter_counts() {
         ("llama-3-8b", "8,030,261,248"),
         ("gpt2-medium", "354,823,168"),
         ("qwen2-0.5b", "494,032,768"),
+        // query/key norms, and heads of 128 on d = 2048 with 32 heads (not d/heads = 64);
+        // 3,353,032,704 active per token (eight of 128 experts)
+        ("qwen3-8b", "8,190,735,360"),
+        ("qwen3-30b-a3b", "30,532,122,624"),
         // BertModel's 109,482,240 and a two-class classifier, 768·2 + 2
         ("bert-base-uncased", "109,483,778"),
     ] {
@@ -2256,4 +2260,54 @@ fn compile_states_each_context_parallel_members_positions() {
     // the keys and values gathered in every forward, their gradients sent back
     let context = &plan["stages"][0]["context_s"];
     assert!(context[0].as_f64().is_some_and(|f| f > 0.0) && context[1] == context[0], "{context}");
+}
+
+#[test]
+fn run_refuses_attention_shapes_the_executor_does_not_run_and_compile_plans_them() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("qwen-like.yaml");
+    let text = "model:\n  input: [16]\n  layers:\n    - embedding(50, 32)\n    - transformer_block(32, 4, 64, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, head_dim=16, qk_norm=true, window=8)\n    - rmsnorm\n    - linear(32, 50, bias=false)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 5us }\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n  data: synthetic\n";
+    std::fs::write(&spec, text).expect("spec");
+    let out = dir.path().join("plan");
+    let compiled = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
+    assert_eq!(compiled.status.code(), Some(0), "{}", String::from_utf8_lossy(&compiled.stderr));
+    let run = pipec(&["run", spec.to_str().expect("utf-8"), "-o", dir.path().join("run").to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{said}");
+    for feature in ["`head_dim=`", "`qk_norm=true`", "`window=`"] {
+        assert!(said.contains(feature), "{feature}: {said}");
+    }
+    assert!(!dir.path().join("run").join("metrics.jsonl").exists(), "nothing trained");
+}
+
+/// A Llama 3 8B config imported and searched on H100s: the winner keeps the default memory
+/// headroom (the allocator's reserve, CUDA's context and NCCL's buffers a GPU run holds
+/// beside the plan's figures) — on 16 × 8 H100, and on one node of 8, where a winner without
+/// it fills all but 9% of the devices.
+#[test]
+fn an_imported_llama_3_8b_searched_on_h100s_keeps_the_default_memory_headroom() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("llama-3-8b.yaml");
+    let out = pipec(&["import", "tests/import/llama-3-8b.json", "--seq", "8192", "-o", spec.to_str().expect("utf-8")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let imported = std::fs::read_to_string(&spec).expect("the spec");
+    let default = pipec_plan::rules::DEFAULT_MEMORY_HEADROOM;
+    let best = |nodes: usize, batch: usize, extra: &[&str]| -> f64 {
+        let text = imported
+            .replace("  nodes: 1\n", &format!("  nodes: {nodes}\n"))
+            .replace("batch_size: 64", &format!("batch_size: {batch}"));
+        std::fs::write(&spec, text).expect("write");
+        let mut args = vec!["search", spec.to_str().expect("utf-8"), "--format", "json"];
+        args.extend_from_slice(extra);
+        let out = pipec(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        report["best"]["memory_headroom"].as_f64().expect("a winner's headroom")
+    };
+    for (nodes, batch) in [(16, 1024), (16, 64), (1, 16)] {
+        let headroom = best(nodes, batch, &[]);
+        assert!(headroom >= default, "{nodes} × 8 H100, batch {batch}: headroom {headroom}");
+    }
+    let without = best(1, 16, &["--headroom", "0"]);
+    assert!(without < default, "without the default the winner keeps {without}");
 }

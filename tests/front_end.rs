@@ -288,6 +288,23 @@ fn a_mixture_of_experts_setting_on_a_block_without_experts_is_warned_once_at_its
     // with experts, the same arguments are the mixture's and nothing is warned
     let moe = src.replace("top_k=2", "experts=4, top_k=2");
     assert!(check_source_in(&moe, None).diagnostics.iter().all(|d| d.code != "W0314"));
+    // multi-head latent attention's sizes without its latent, likewise
+    let mla = moe.replace("causal=true", "causal=true, rope_dim=4, v_head_dim=8");
+    let warned: Vec<String> = check_source_in(&mla, None)
+        .diagnostics
+        .iter()
+        .filter(|d| d.code == "W0314")
+        .map(|d| d.message.clone())
+        .collect();
+    assert_eq!(
+        warned,
+        vec![
+            "`rope_dim` applies only to multi-head latent attention, and this block has none",
+            "`v_head_dim` applies only to multi-head latent attention, and this block has none"
+        ]
+    );
+    let latent = mla.replace("rope_dim=4", "kv_lora=16, rope_dim=4");
+    assert!(check_source_in(&latent, None).diagnostics.iter().all(|d| d.code != "W0314"));
 }
 
 #[test]
@@ -330,4 +347,27 @@ fn an_inter_node_bandwidth_past_one_devices_adapter_is_warned_with_each_devices_
         let fine = src.replace("3200Gbps", share);
         assert!(check_source_in(&fine, None).diagnostics.iter().all(|d| d.code != "W0106"), "{share}");
     }
+}
+
+#[test]
+fn a_recompute_module_no_block_has_is_warned_at_its_name() {
+    let src = "name: g\nmodel:\n  input: [16]\n  layers:\n    - embedding(50, 32)\n    - repeat 2: transformer_block(d=32, heads=4, ff=64, causal=true)\n    - linear(32, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { kind: cpu, memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 1us }\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\n  recompute: { modules: [core_attn, moe_act, mla_up_proj] }\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
+    let result = check_source_in(src, None);
+    assert!(!result.has_errors(), "{:?}", result.diagnostics);
+    let warned: Vec<(&str, &str)> = result
+        .diagnostics
+        .iter()
+        .filter(|d| d.code == "W0426")
+        .map(|d| (d.message.as_str(), &src[d.span().start..d.span().end]))
+        .collect();
+    assert_eq!(
+        warned,
+        vec![
+            ("`moe_act` recomputes nothing in this model: no block is a mixture of experts", "moe_act"),
+            ("`mla_up_proj` recomputes nothing in this model: no block has multi-head latent attention", "mla_up_proj"),
+        ]
+    );
+    // on a mixture of experts the same module is the experts' activation
+    let moe = src.replace("causal=true", "causal=true, experts=4").replace(", mla_up_proj", "");
+    assert!(check_source_in(&moe, None).diagnostics.iter().all(|d| d.code != "W0426"));
 }

@@ -86,9 +86,15 @@ fn zero_2_and_3_count_the_whole_gradient_each_reduce_scatter_takes() {
     let (two_b, _, largest) = buffers(2, "\n  bucket: 4MiB");
     assert_eq!(one_b, one, "ZeRO-1 keeps the whole gradient as its gradients already");
     assert_eq!(two_b - one_b, largest.expect("buckets"), "ZeRO-2 with buckets holds the largest bucket");
-    // ZeRO-3 holds the same beside its two gathered layers
+    // ZeRO-3 gathers the layers outside transformer blocks as one unit (FSDP's root unit,
+    // as torchtitan wraps them), held whole through the forward and backward, and its
+    // backward's whole bf16 gradient is what its reduce-scatter takes, in place of a bucket
     let (three_b, _, _) = buffers(3, "\n  bucket: 4MiB");
-    assert_eq!(three_b - two_b, 2 * (2 * 1024 * 1024), "the layer computing and the next, whole");
+    assert_eq!(
+        three_b - two_b + largest.expect("buckets"),
+        2 * PSI + 2 * PSI,
+        "the root unit gathered, its gradient whole"
+    );
 }
 
 #[test]

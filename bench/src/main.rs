@@ -695,13 +695,14 @@ fn megatron() {
                         Recompute::All => ", recompute".into(),
                         Recompute::Stages(v) => format!(", recompute {} of {} stages", v.len(), c.pp() * c.chunks),
                         Recompute::Selective => ", selective recompute".into(),
+                        Recompute::Blocks(b) => format!(", recompute {}", b.text()),
                     }
                 );
                 let share = match &c.recompute {
                     Recompute::Off => 0.0,
                     Recompute::All => 1.0,
                     Recompute::Stages(v) => v.len() as f64 / (c.pp() * c.chunks).max(1) as f64,
-                    Recompute::Selective => 0.0,
+                    Recompute::Selective | Recompute::Blocks(_) => 0.0,
                 };
                 (what, p.step_s, share)
             });

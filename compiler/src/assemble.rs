@@ -159,6 +159,10 @@ pub(crate) fn assemble(
             tp_overlap: strategy.tp_overlap && strategy.tp > 1,
             cp_comm: if strategy.cp > 1 { strategy.cp_comm } else { Default::default() },
             sharding: strategy.sharding,
+            block_recompute: match &strategy.recompute {
+                pipec_grammar::spec::Recompute::Blocks(b) => Some(b.clone()),
+                _ => None,
+            },
         },
         partition: layout.notation,
         stages: stage_plans,
@@ -190,6 +194,8 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
         optimizer: t.optimizer,
         precision: t.precision,
         grad_precision: t.grad_precision,
+        fp8: t.fp8,
+        state_precision: t.state_precision,
         seed: t.seed,
         data: match &t.data {
             Data::Synthetic { task, samples } => DataPlan::Synthetic { task: *task, samples: *samples },

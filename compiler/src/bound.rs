@@ -69,8 +69,9 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         let b = &stages.bytes[s];
         (if layout.recompute[s] { b.checkpoint_per_microbatch } else { b.activations_per_microbatch }) as f64
     };
-    // a recomputed stage's largest unit, rebuilt for its backward
-    let unit = |s: usize| if layout.recompute[s] { stages.bytes[s].recompute_unit_peak as f64 } else { 0.0 };
+    // what a microbatch's backward holds beyond the kept tensors (a recomputed stage's
+    // largest unit, rebuilt; a layer's transient; the loss's backward)
+    let unit = |s: usize| stages.bytes[s].transient(layout.recompute[s]) as f64;
     // the messages in flight, ZeRO-3's gathered layers and ZeRO-2/3's whole gradients a
     // reduce-scatter takes
     let buffer = |s: usize| {
@@ -94,8 +95,8 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     };
     let least_kept = |s: usize| {
         let b = &stages.bytes[s];
-        (b.activations_per_microbatch as f64)
-            .min(b.checkpoint_per_microbatch.saturating_add(b.recompute_unit_peak) as f64)
+        (b.activations_per_microbatch.saturating_add(b.transient(false)) as f64)
+            .min(b.checkpoint_per_microbatch.saturating_add(b.transient(true)) as f64)
     };
     let least_beside = |s: usize| least_kept(s) + stages.bytes[s].largest_message.saturating_mul(4) as f64 + reserve;
     // every stage is on some device: one stage too big for a device needs no placement to

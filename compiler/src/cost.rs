@@ -22,12 +22,16 @@
 //! parallelism), the 5·a·s² attention core dropped by flash attention or selective
 //! recompute. The optimizer step is priced as the memory traffic it is.
 
-use pipec_plan::device::{DeviceModel, Function};
+use pipec_plan::device::Function;
 use pipec_plan::model::{Op, TpSplit};
-use pipec_plan::vocab::{Attention, CpComm, Loss, OptimizerKind, Precision};
+use pipec_plan::vocab::{Attention, CpComm, Loss, OptimizerKind, Precision, RecomputeModule};
 use pipec_plan::CollectiveKind;
 
+use crate::activations::{block_kept, BlockContext, Kept, Made, Policy};
+use crate::block_cost::{price_block, BlockPriced, Part};
 use crate::ir::{Graph, OpNode};
+pub use crate::kernels::CostContext;
+use crate::kernels::Kernels;
 
 /// What one layer costs, per microbatch of `microbatch_size` samples, on one
 /// tensor-parallel rank.
@@ -75,6 +79,13 @@ pub struct LayerCost {
     pub parameter_bytes: u64,
     /// Bytes kept for the backward, per sample, on one rank.
     pub activation_bytes_per_sample: u64,
+    /// Those bytes tensor by tensor (a context-parallel member's share), what recompute
+    /// policies choose from (`activations::Policy`).
+    pub kept: Vec<Kept>,
+    /// A transformer block's forward seconds per part (`block_cost::Part`) and per product
+    /// in an eager model's order: what recompute by module or operation runs again.
+    pub forward_parts: [f64; Part::COUNT],
+    pub forward_products: Vec<f64>,
     /// The part of those that selective recompute drops (a block's attention core).
     pub attention_core_bytes_per_sample: u64,
     /// The part of those that is context parallelism's gathered keys and values (the
@@ -83,53 +94,9 @@ pub struct LayerCost {
     /// Bytes of the output, per sample (whole).
     pub output_bytes_per_sample: u64,
     /// The last layer only: bytes the loss keeps for its backward, per sample, on one rank
-    /// (the log-probabilities; with the vocabulary split, this rank's part, in fp32 as
-    /// Megatron-LM's vocabulary-parallel cross-entropy keeps them).
+    /// (the log-probabilities, in fp32 under mixed precision as Megatron-LM's and
+    /// torchtitan's cross-entropy keep them; with the vocabulary split, this rank's part).
     pub loss_input_bytes_per_sample: u64,
-}
-
-/// What pricing a layer needs besides the layer.
-#[derive(Debug, Clone)]
-pub struct CostContext<'a> {
-    pub device: &'a DeviceModel,
-    pub precision: Precision,
-    /// The precision gradients are accumulated in (the optimizer reads them).
-    pub grad_precision: Precision,
-    pub optimizer: OptimizerKind,
-    pub loss: Loss,
-    /// Samples per microbatch.
-    pub microbatch: usize,
-    /// Tensor-parallel degree.
-    pub tp: usize,
-    /// Expert-parallel degree: each device holds 1/ep of every expert block's experts.
-    pub ep: usize,
-    /// Context-parallel degree: each device computes 1/cp of every sequence's positions
-    /// (the load-balanced split: an equal share of the causal attention work too).
-    pub cp: usize,
-    pub sequence_parallel: bool,
-    pub attention: Attention,
-    /// How context parallelism exchanges keys and values (`cp_comm`).
-    pub cp_comm: CpComm,
-    /// Seconds a layer's forward costs beyond its kernels (its backward twice that): the
-    /// spec's `overhead`, framework work per pass.
-    pub overhead: f64,
-}
-
-impl CostContext<'_> {
-    /// The attention kernel the layers are priced as running: the spec's, except that a
-    /// context-parallel ring (`cp_comm: ring`) computes each block's attention with the
-    /// online softmax and keeps each row's log-sum-exp, never the [heads, seq, seq]
-    /// probabilities — flash attention's memory, and its recompute in the backward. So does
-    /// ring attention (Liu et al. 2023, blockwise), Transformer Engine's ring context
-    /// parallelism (it runs on its flash and fused attention kernels), and pipec's executor
-    /// (`executor/src/ring.rs`).
-    pub fn attention_kernel(&self) -> Attention {
-        if self.cp > 1 && self.cp_comm == CpComm::Ring {
-            Attention::Flash
-        } else {
-            self.attention
-        }
-    }
 }
 
 fn numel(shape: &[usize]) -> f64 {
@@ -184,14 +151,17 @@ pub fn forward_flops(node: &OpNode) -> f64 {
         Op::TransformerBlock { .. } => {
             let Some(blk) = node.op.block_dims() else { return 0.0 };
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
-            let (d, f) = (blk.d as f64, blk.ff as f64);
-            let (qkv, up) = (blk.qkv_width as f64, blk.up_width as f64);
-            // QKV 2·s·d·(d + 2·kv_width) and output projection 2·s·d², scores and weighted
-            // sum 4·s²·d, MLP 2·s·d·up + 2·s·f·d (GPT's block: 8·s·d² + 4·s²·d + 4·s·d·f);
-            // a mixture of experts: the router 2·s·d·E and each token's active experts' MLPs
+            let (d, f, up) = (blk.d as f64, blk.ff as f64, blk.up_width as f64);
+            // the attention's projections, 2·s·in·out each (GPT's block: QKV 6·s·d², output
+            // 2·s·d²); scores and weighted sum over the attended keys, 2·s·keys·heads·(qk +
+            // v head) (GPT's block: 4·s²·d); the MLP 2·s·d·up + 2·s·f·d; a mixture of experts:
+            // the router 2·s·d·E and each token's active experts' MLPs
+            let projections: f64 = blk.projections().iter().map(|p| 2.0 * s * p.input as f64 * p.output as f64).sum();
+            let keys = blk.attended(s as usize) as f64;
+            let core = 2.0 * s * keys * blk.heads as f64 * (blk.qk_head + blk.v_head) as f64;
             let (mlps, router) =
                 blk.moe.map_or((1.0, 0.0), |m| (m.active_experts() as f64, 2.0 * s * d * m.experts as f64));
-            2.0 * s * d * qkv + 2.0 * s * d * d + 4.0 * s * s * d + router + mlps * (2.0 * s * d * up + 2.0 * s * f * d)
+            projections + core + router + mlps * (2.0 * s * d * up + 2.0 * s * f * d)
         }
     }
 }
@@ -208,99 +178,74 @@ pub fn backward_flops(node: &OpNode) -> f64 {
 }
 
 /// Bytes kept for the backward, per sample, of the whole layer (one rank of no
-/// tensor parallelism, standard attention).
+/// tensor parallelism, standard attention, no dropout).
 pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
-    let (kept, _) = kept_bytes(node, precision_bytes as f64, 1, false, Attention::Standard, 1);
-    kept as u64
+    let p = precision_bytes as f64;
+    let cx = KeptContext { p, linear_input: p, t: 1, sp: false, attention: Attention::Standard, ep: 1 };
+    kept_list(node, &cx).iter().filter(|k| k.read).map(|k| k.bytes).sum::<f64>() as u64
+}
+
+/// What the layers' kept tensors depend on besides the layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KeptContext {
+    pub(crate) p: f64,
+    /// Bytes per value a block's linear layers keep of their inputs.
+    pub(crate) linear_input: f64,
+    /// The degree the layer is split over (1: replicated).
+    pub(crate) t: usize,
+    pub(crate) sp: bool,
+    pub(crate) attention: Attention,
+    pub(crate) ep: usize,
+}
+
+/// The tensors one rank keeps for the layer's backward, per sample: a transformer block's
+/// as `activations::block_kept` lists them, any other layer's as one entry.
+pub(crate) fn kept_list(node: &OpNode, cx: &KeptContext) -> Vec<Kept> {
+    let one = |bytes: f64| {
+        vec![Kept { name: "layer input", modules: &[], made: Made::Other, bytes, gradient: 0.0, read: true }]
+    };
+    let inp = numel(&node.input_shape);
+    let p = cx.p;
+    match node.op {
+        // the gradient passes through unchanged (add) or is sliced (concat, flatten)
+        Op::Flatten | Op::Add { .. } | Op::Concat { .. } | Op::AdaptiveAvgPool2d { .. } | Op::SeqPool { .. } => {
+            Vec::new()
+        }
+        // the table's gradient is the output gradient itself
+        Op::PosEmbedding { .. } => Vec::new(),
+        // per step: the input, the four gates, the cell state and its tanh, the hidden state
+        Op::Lstm { input, hidden } => {
+            let s = node.input_shape.first().copied().unwrap_or(1) as f64;
+            one(s * (input as f64 + 7.0 * hidden as f64) * p)
+        }
+        Op::Dropout { .. } => one(inp),         // one-byte mask
+        Op::Embedding { .. } => one(inp * 8.0), // token ids
+        Op::TransformerBlock { .. } => match node.op.block_dims() {
+            Some(b) => {
+                let block = BlockContext {
+                    s: node.input_shape.first().copied().unwrap_or(1) as f64,
+                    p,
+                    linear_input: cx.linear_input,
+                    t: cx.t.max(1) as f64,
+                    sp: cx.sp,
+                    attention: cx.attention,
+                    ep: cx.ep,
+                    dropout: b.dropout > 0.0,
+                };
+                block_kept(&b, &block)
+            }
+            None => Vec::new(),
+        },
+        _ => one(inp * p),
+    }
 }
 
 /// Bytes one rank keeps for the backward per sample, and the part of them that is a
 /// transformer block's attention core (what selective recompute drops).
-fn kept_bytes(node: &OpNode, p: f64, tp: usize, sp: bool, attention: Attention, ep: usize) -> (f64, f64) {
-    let inp = numel(&node.input_shape);
-    let bytes = match node.op {
-        // the gradient passes through unchanged (add) or is sliced (concat, flatten)
-        Op::Flatten | Op::Add { .. } | Op::Concat { .. } | Op::AdaptiveAvgPool2d { .. } | Op::SeqPool { .. } => 0.0,
-        // the table's gradient is the output gradient itself
-        Op::PosEmbedding { .. } => 0.0,
-        // per step: the input, the four gates, the cell state and its tanh, the hidden state
-        Op::Lstm { input, hidden } => {
-            let s = node.input_shape.first().copied().unwrap_or(1) as f64;
-            s * (input as f64 + 7.0 * hidden as f64) * p
-        }
-        Op::Dropout { .. } => inp,         // one-byte mask
-        Op::Embedding { .. } => inp * 8.0, // token ids
-        Op::TransformerBlock { d_model, heads, .. } => {
-            let s = node.input_shape.first().copied().unwrap_or(1) as f64;
-            let (h, a, t) = (d_model as f64, heads as f64, tp.max(1) as f64);
-            let sh = s * h;
-            let Some(blk) = node.op.block_dims() else { return (0.0, 0.0) };
-            let (qkv, f, up) = (blk.qkv_width as f64, blk.ff as f64, blk.up_width as f64);
-            // the MLP's activation input and the down projection's input; a gated unit
-            // keeps its gate and up outputs, the activation's output and their product
-            let mlp = if blk.gated { up + 2.0 * f } else { 2.0 * f };
-            // values (p bytes) and one-byte dropout masks outside the split products: the
-            // QKV and MLP inputs, the two layer norms' inputs (4·s·h) and two masks (2·s·h)
-            // — split along the sequence with sequence parallelism
-            let whole = 4.0 * sh * p + 2.0 * sh;
-            let whole = if sp { whole / t } else { whole };
-            // a mixture of experts keeps per token its router's logits and probabilities
-            // (fp32) and chosen experts (64-bit indices), and per expert-token pair its
-            // experts compute the expert's MLP values and (for the routed pairs) the
-            // dispatched input, whole on every rank as the dense MLP's input is: the pairs
-            // of the busiest device under the routing assumption (`Moe::skew`) — with expert
-            // parallelism the pairs its experts take from the whole group — and there also
-            // the experts' outputs sent back, which the combine's weights' gradient reads
-            let (mlp, routing) = match blk.moe {
-                Some(m) => {
-                    let ep = ep.max(1) as f64;
-                    let computed = m.busiest_device_pairs(s, ep as usize) * ep / s.max(1.0);
-                    let returned = if ep > 1.0 { m.routed_pairs(s) / s.max(1.0) } else { 0.0 };
-                    let pairs = computed + m.shared as f64;
-                    (pairs * mlp, s * (8.0 * m.experts as f64 + 8.0 * m.top_k as f64 + (computed + returned) * h * p))
-                }
-                None => (mlp, 0.0),
-            };
-            // inside the split products: Q, K, V, the projection's input, the MLP's (GPT's
-            // block: 12·s·h values)
-            let split = s * (qkv + h + mlp) * p / t + routing;
-            // the attention core: softmax and dropout outputs (2·a·s² values), its mask
-            let core = match attention {
-                Attention::Standard => (2.0 * a * s * s * p + a * s * s) / t,
-                Attention::Flash => 0.0,
-            };
-            return (whole + split + core, core);
-        }
-        _ => inp * p,
-    };
-    (bytes, 0.0)
-}
-
-/// The kernels of one pass, priced on the device: seconds so far.
-struct Kernels<'a> {
-    device: &'a DeviceModel,
-    precision: Precision,
-    p: f64,
-    seconds: f64,
-}
-
-impl Kernels<'_> {
-    /// A matrix product of `flops` moving `values` values.
-    fn matrix(&mut self, flops: f64, values: f64) {
-        self.seconds += self.device.matrix_time(flops, values * self.p, self.precision);
-    }
-    /// An element-wise kernel of `flops` moving `values` values and `mask` one-byte values.
-    fn vector(&mut self, flops: f64, values: f64, mask: f64) {
-        self.seconds += self.device.vector_time(flops, values * self.p + mask);
-    }
-    /// An element-wise kernel applying `f` to `elements` values ([`DeviceModel::function_time`]).
-    fn function(&mut self, f: Function, elements: f64, flops: f64, values: f64) {
-        self.seconds += self.device.function_time(f, elements, flops, values * self.p);
-    }
-    /// `f`'s gradient over `elements` values ([`DeviceModel::function_grad_time`]).
-    fn function_grad(&mut self, f: Function, elements: f64, flops: f64, values: f64) {
-        self.seconds += self.device.function_grad_time(f, elements, flops, values * self.p);
-    }
+fn kept_bytes(node: &OpNode, cx: &KeptContext) -> (f64, f64) {
+    let list = kept_list(node, cx);
+    let core = Policy::Modules(vec![RecomputeModule::CoreAttn]).split(&list).1;
+    (Policy::None.split(&list).0, core)
 }
 
 /// A layer's forward and backward kernels, the selective-recompute addition, and the
@@ -310,6 +255,8 @@ struct Priced {
     backward: f64,
     selective: f64,
     core: [f64; 2],
+    /// A transformer block's forward by part and by product (what recompute runs again).
+    block: Option<BlockPriced>,
 }
 
 /// Prices one layer's passes on one rank: `first` is the model's first layer, whose input
@@ -318,6 +265,7 @@ struct Priced {
 fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostContext<'_>) -> Priced {
     let b = device_samples(cx);
     let mut core_s = [0.0; 2];
+    let mut block = None;
     let p = cx.precision.bytes() as f64;
     let new = || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0 };
     let (mut fwd, mut bwd, mut sel) = (new(), new(), new());
@@ -359,146 +307,17 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
                 bwd.vector(30.0 * h * b, 12.0 * h * b, 0.0);
             }
         }
-        Op::TransformerBlock { d_model, heads, d_ff, causal, .. } => {
-            let s = node.input_shape.first().copied().unwrap_or(1) as f64;
-            let (h, a, f) = (d_model as f64, heads as f64, d_ff as f64);
+        Op::TransformerBlock { .. } => {
             let Some(blk) = node.op.block_dims() else {
-                return Priced { forward: 0.0, backward: 0.0, selective: 0.0, core: [0.0; 2] };
+                return Priced { forward: 0.0, backward: 0.0, selective: 0.0, core: [0.0; 2], block: None };
             };
-            let (qkv, up, gated) = (blk.qkv_width as f64, blk.up_width as f64, blk.gated);
-            let e = b * s * h;
-            let el = if cx.sequence_parallel { e / t } else { e };
-            let eatt = b * (a / t) * s * s;
-            let core_flops = 2.0 * b * s * s * h / t;
-            // the attention core's forward (standard attention): scores, softmax (with the
-            // causal mask), dropout, weighted sum
-            let core = |k: &mut Kernels<'_>| {
-                k.matrix(core_flops, 2.0 * e / t + eatt);
-                k.function(Function::Exp, eatt, 5.0 * eatt, 2.0 * eatt);
-                k.vector(2.0 * eatt, 2.0 * eatt, eatt);
-                k.matrix(core_flops, eatt + 2.0 * e / t);
-            };
-            let projections = [
-                (2.0 * b * s * h * qkv / t, e + h * qkv / t + b * s * qkv / t),
-                (2.0 * b * s * h * h / t, e / t + h * h / t + e),
-            ];
-            // the MLP's products: (FLOPs, values) of its up and down projections, one kernel
-            // each per MLP (a mixture of experts: per expert this device holds, the routed
-            // pairs it takes — from every member of its expert-parallel group — under the
-            // routing assumption, the busiest expert among them; then the shared experts)
-            let tokens = b * s;
-            let ep = cx.ep.max(1);
-            // the routed expert-token pairs this device's tokens make (dispatched, combined)
-            let routed = blk.moe.map_or(0.0, |m| m.routed_pairs(tokens));
-            let mlp_products: Vec<[(f64, f64); 2]> = {
-                let mlp = |rows: f64| {
-                    [
-                        (2.0 * rows * h * up / t, rows * h + h * up / t + rows * up / t),
-                        (2.0 * rows * f * h / t, rows * f / t + f * h / t + rows * h),
-                    ]
-                };
-                match blk.moe {
-                    Some(m) => {
-                        let (busiest, other) = m.expert_loads(tokens);
-                        let local = (m.experts / ep).max(1);
-                        std::iter::once(mlp(busiest * ep as f64))
-                            .chain(std::iter::repeat_n(mlp(other * ep as f64), local - 1))
-                            .chain(std::iter::repeat_n(mlp(tokens), m.shared))
-                            .collect()
-                    }
-                    None => vec![mlp(tokens)],
-                }
-            };
-            // the expert-token pairs the activation runs over (the tokens, for a dense MLP)
-            let pairs =
-                blk.moe.map_or(tokens, |m| m.busiest_device_pairs(tokens, ep) * ep as f64 + tokens * m.shared as f64);
-            let ef = pairs * f / t;
-            // a mixture of experts' routing: the router's product, its scores (softmax or
-            // sigmoid) and top-k choice over fp32 logits, the dispatch (a gather of each routed
-            // pair's input) and the combine (the weighted sum back to each token)
-            let routing = |k: &mut Kernels<'_>, backward: bool| {
-                if let Some(m) = blk.moe {
-                    let ex = m.experts as f64;
-                    let fp32 = 4.0 / p;
-                    let passes = if backward { 2 } else { 1 };
-                    for _ in 0..passes {
-                        k.matrix(2.0 * tokens * h * ex, e + h * ex + tokens * ex * fp32);
-                    }
-                    let scores = match m.router {
-                        pipec_plan::model::Router::Softmax => Function::Exp,
-                        pipec_plan::model::Router::Sigmoid => Function::Silu,
-                    };
-                    k.function(scores, tokens * ex, 6.0 * tokens * ex, 3.0 * tokens * ex * fp32);
-                    k.vector(0.0, 2.0 * routed * h, 0.0);
-                    k.vector(2.0 * routed * h, 2.0 * routed * h + e, 0.0);
-                }
-            };
-            // forward: LN, QKV, attention, projection, bias-dropout-add, LN, MLP, add
-            fwd.vector(5.0 * el, 2.0 * el, 0.0);
-            fwd.matrix(projections[0].0, projections[0].1);
-            // FlashAttention skips the masked half of a causal product (Dao 2023)
-            let flash_flops = 2.0 * core_flops * if causal { 0.5 } else { 1.0 };
-            // where the device measured the executor's attention (`pipec calibrate` on the
-            // CPU), its fitted passes over this rank's heads replace the kernels
-            let measured = cx.device.attention;
-            let (bh, dh) = (b * a / t, h / a);
-            let before = fwd.seconds;
-            match (cx.attention_kernel(), measured) {
-                (Attention::Standard, Some(m)) => fwd.seconds += m.forward.seconds(bh, s, dh),
-                (Attention::Standard, None) => core(&mut fwd),
-                (Attention::Flash, _) => fwd.matrix(flash_flops, 4.0 * e / t),
-            }
-            core_s[0] = fwd.seconds - before;
-            fwd.matrix(projections[1].0, projections[1].1);
-            fwd.vector(3.0 * el, 3.0 * el, el);
-            fwd.vector(5.0 * el, 2.0 * el, 0.0);
-            routing(&mut fwd, false);
-            for [up, _] in &mlp_products {
-                fwd.matrix(up.0, up.1);
-            }
-            // the activation (a gated unit: the gate's activation times the up projection)
-            let (act_flops, act_values) = if gated { (12.0 * ef, 3.0 * ef) } else { (10.0 * ef, 2.0 * ef) };
-            let act = match blk.mlp {
-                pipec_plan::model::MlpKind::Gelu | pipec_plan::model::MlpKind::Geglu => Function::Gelu,
-                pipec_plan::model::MlpKind::GeluTanh => Function::GeluTanh,
-                pipec_plan::model::MlpKind::Swiglu => Function::Silu,
-            };
-            fwd.function(act, ef, act_flops, act_values);
-            for [_, down] in &mlp_products {
-                fwd.matrix(down.0, down.1);
-            }
-            fwd.vector(3.0 * el, 3.0 * el, el);
-            // backward: every product twice (input and weight gradients), the element-wise
-            // kernels reading their input and the incoming gradient
-            for (flops, values) in projections.into_iter().chain(mlp_products.iter().flatten().copied()) {
-                bwd.matrix(flops, values);
-                bwd.matrix(flops, values);
-            }
-            routing(&mut bwd, true);
-            let before = bwd.seconds;
-            match (cx.attention_kernel(), measured) {
-                (Attention::Standard, Some(m)) => {
-                    bwd.seconds += m.backward.seconds(bh, s, dh);
-                    sel.seconds += m.forward.seconds(bh, s, dh);
-                }
-                (Attention::Standard, None) => {
-                    for _ in 0..4 {
-                        bwd.matrix(core_flops, eatt + 2.0 * e / t);
-                    }
-                    bwd.vector(4.0 * eatt, 3.0 * eatt, 0.0);
-                    bwd.vector(eatt, 2.0 * eatt, eatt);
-                    core(&mut sel);
-                }
-                // the fused backward recomputes the scores: 2.5× the forward's products
-                // (Dao et al. 2022)
-                (Attention::Flash, _) => bwd.matrix(2.5 * flash_flops, 8.0 * e / t),
-            }
-            core_s[1] = bwd.seconds - before;
-            bwd.vector(8.0 * el, 3.0 * el, 0.0);
-            bwd.vector(8.0 * el, 3.0 * el, 0.0);
-            bwd.function_grad(act, ef, act_flops, act_values + ef);
-            bwd.vector(2.0 * el, 2.0 * el, el);
-            bwd.vector(2.0 * el, 2.0 * el, el);
+            let s = node.input_shape.first().copied().unwrap_or(1) as f64;
+            let priced = price_block(&blk, s, t, b, cx);
+            fwd.seconds += priced.forward;
+            bwd.seconds += priced.backward;
+            sel.seconds += priced.selective;
+            core_s = priced.core;
+            block = Some(priced);
         }
         _ => {
             // element-wise, normalisation, pooling, joins, embeddings: memory-bound
@@ -548,6 +367,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
         backward: bwd.seconds + 2.0 * cx.overhead,
         selective: sel.seconds,
         core: core_s,
+        block,
     }
 }
 
@@ -651,7 +471,7 @@ fn cp_collectives(node: &OpNode, t: usize, cx: &CostContext<'_>) -> (Collectives
         return (Vec::new(), Vec::new());
     };
     let s = node.input_shape.first().copied().unwrap_or(1) as f64;
-    let kv = blk.qkv_width.saturating_sub(blk.d) as f64;
+    let kv = blk.kv_exchange_width() as f64;
     let bytes = (cx.microbatch.max(1) as f64 * s * kv * cx.precision.bytes() as f64 / t.max(1) as f64) as u64;
     let mut forward = vec![(CollectiveKind::AllGather, bytes)];
     // a mixture of experts whose capacity or balancing loss counts the whole microbatch:
@@ -681,7 +501,7 @@ fn context_kept(kept: f64, node: &OpNode, p: f64, t: usize, cx: &CostContext<'_>
     }
     let gathered = node.op.block_dims().map_or(0.0, |blk| {
         let s = node.input_shape.first().copied().unwrap_or(1) as f64;
-        blk.qkv_width.saturating_sub(blk.d) as f64 * s * p / t.max(1) as f64 * (1.0 - 1.0 / cp)
+        blk.kv_exchange_width() as f64 * s * p / t.max(1) as f64 * (1.0 - 1.0 / cp)
     });
     (kept / cp + gathered, gathered)
 }
@@ -703,9 +523,8 @@ fn shard_parameters(op: &Op, split: TpSplit, tp: usize) -> u64 {
     match (split, op) {
         (TpSplit::Replicated, _) => whole,
         (TpSplit::Block, Op::TransformerBlock { .. }) => {
-            // the two norms and the two row-parallel biases are whole
-            let whole_part = op.block_dims().map_or(0, |b| 2 * b.norm_parameters() + if b.bias { 2 * b.d } else { 0 });
-            let whole_part = whole_part as u64;
+            // the norms, the row-parallel biases and the duplicated products are whole
+            let whole_part = op.block_dims().map_or(0, |b| b.unsplit_parameters()) as u64;
             whole_part + (whole - whole_part.min(whole)) / t
         }
         (TpSplit::Column | TpSplit::Vocab, Op::Linear { .. }) => whole / t,
@@ -722,14 +541,19 @@ fn shard_parameters(op: &Op, split: TpSplit, tp: usize) -> u64 {
 /// Bytes one optimizer update moves per parameter: the weights (an fp32 master copy read
 /// and written; under mixed precision the low-precision copy written too), the gradient
 /// read, and the state read and written (Adam: two moments, momentum: one).
-pub fn update_bytes_per_parameter(optimizer: OptimizerKind, precision: Precision, grad: Precision) -> f64 {
+pub fn update_bytes_per_parameter(
+    optimizer: OptimizerKind,
+    precision: Precision,
+    grad: Precision,
+    state: Precision,
+) -> f64 {
     let states = match optimizer {
         OptimizerKind::Adam | OptimizerKind::AdamW => 2.0,
         OptimizerKind::Momentum => 1.0,
         OptimizerKind::Sgd => 0.0,
     };
     let low = if precision == Precision::Fp32 { 0.0 } else { precision.bytes() as f64 };
-    8.0 + low + grad.bytes() as f64 + states * 8.0
+    8.0 + low + grad.bytes() as f64 + states * 2.0 * state.bytes() as f64
 }
 
 /// Costs every layer of the graph analytically, on one rank of a `cx.tp`-way split.
@@ -738,7 +562,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
     let ops: Vec<Op> = graph.ops().map(|(_, node)| node.op.clone()).collect();
     let splits = pipec_plan::model::stage_tp_splits(&ops, 0..ops.len(), cx.loss, cx.tp)?;
     let count = ops.len();
-    let update_bytes = update_bytes_per_parameter(cx.optimizer, cx.precision, cx.grad_precision);
+    let update_bytes = update_bytes_per_parameter(cx.optimizer, cx.precision, cx.grad_precision, cx.state_precision);
     Ok(graph
         .ops()
         .zip(splits)
@@ -752,9 +576,20 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
             let (ep_forward, ep_backward) = ep_collectives(node, sp, t, cx);
             let params = node.op.parameter_count();
             let (shard, experts) = rank_parameters(&node.op, split, cx.tp, cx.ep);
-            let (kept, core) = kept_bytes(node, p as f64, t, sp, cx.attention_kernel(), cx.ep);
-            let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
+            let kept_cx = KeptContext {
+                p: p as f64,
+                linear_input: cx.linear_input_bytes(p as f64),
+                t,
+                sp,
+                attention: cx.attention_kernel(),
+                ep: cx.ep,
+            };
             let cp = cx.cp.max(1) as f64;
+            // a context-parallel member keeps 1/cp of every tensor (its positions)
+            let list: Vec<Kept> =
+                kept_list(node, &kept_cx).into_iter().map(|k| Kept { bytes: k.bytes / cp, ..k }).collect();
+            let (kept, core) = kept_bytes(node, &kept_cx);
+            let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
             let (kept, gathered) = context_kept(kept, node, p as f64, t, cx);
             let core = core / cp;
             let update_s = cx.device.update_time(cx.optimizer, node.op.parameter_tensors(), shard as f64, update_bytes);
@@ -777,13 +612,19 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 expert_parameters: experts,
                 parameter_bytes: shard * p as u64,
                 activation_bytes_per_sample: kept as u64,
+                kept: list,
+                forward_parts: priced.block.as_ref().map_or([0.0; Part::COUNT], |b| b.parts),
+                forward_products: priced.block.map_or_else(Vec::new, |b| b.products),
                 attention_core_bytes_per_sample: core as u64,
                 gathered_bytes_per_sample: gathered as u64,
                 output_bytes_per_sample: (numel(&node.output_shape) * p as f64 / cp) as u64,
                 loss_input_bytes_per_sample: match (last, split) {
                     (false, _) => 0,
                     (true, TpSplit::Vocab) => (numel(&node.output_shape) / cx.tp.max(1) as f64 * 4.0 / cp) as u64,
-                    (true, _) => (numel(&node.output_shape) * p as f64 / cp) as u64,
+                    // the log-probabilities in fp32 under mixed precision: Megatron-LM's
+                    // cross-entropy upcasts the logits (`vocab_parallel_cross_entropy`),
+                    // torchtitan's calls `.float()` before `cross_entropy`
+                    (true, _) => (numel(&node.output_shape) * (p as f64).max(4.0) / cp) as u64,
                 },
             }
         })
@@ -828,6 +669,7 @@ impl ApplyProfile for Profile {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pipec_plan::device::DeviceModel;
     use pipec_plan::model::Source;
 
     /// An fp32 SGD context on `device`: microbatch 4, cross-entropy, nothing split or
@@ -837,6 +679,7 @@ mod tests {
             device,
             precision: Precision::Fp32,
             grad_precision: Precision::Fp32,
+            state_precision: Precision::Fp32,
             optimizer: OptimizerKind::Sgd,
             loss: Loss::CrossEntropy,
             microbatch: 4,
@@ -847,7 +690,13 @@ mod tests {
             attention: Attention::Standard,
             cp_comm: CpComm::AllGather,
             overhead: 0.0,
+            fp8: None,
         }
+    }
+
+    /// [`kept_bytes`] of `n` at `p` bytes a value on one of `t` ranks.
+    fn kept_at(n: &OpNode, p: f64, t: usize, sp: bool, attention: Attention, ep: usize) -> (f64, f64) {
+        kept_bytes(n, &KeptContext { p, linear_input: p, t, sp, attention, ep })
     }
 
     fn node(op: Op, input: Vec<usize>) -> OpNode {
@@ -1073,7 +922,7 @@ mod tests {
             vec![(CollectiveKind::AllGather, kv)]
         );
         // memory per sample: a quarter of one device's, and the other members' keys and values
-        let (kept, _) = kept_bytes(&n, 2.0, 1, false, Attention::Flash, 1);
+        let (kept, _) = kept_at(&n, 2.0, 1, false, Attention::Flash, 1);
         let gathered = (8192 * 2 * 8 * 128 * 2) as f64 * 0.75;
         assert_eq!(context_kept(kept, &n, 2.0, 1, &cx(4, 4, Attention::Flash)), (kept / 4.0 + gathered, gathered));
         assert_eq!(context_kept(kept, &n, 2.0, 1, &cx(4, 1, Attention::Flash)), (kept, 0.0));
@@ -1180,10 +1029,13 @@ mod tests {
         // and receives twice the rows: the all-to-all's bytes follow the busiest member
         let (f, _) = ep_collectives(&skewed, false, 1, &cx(8));
         assert_eq!(f[0].1, 2 * a2a);
-        // it also keeps twice the expert values and dispatched rows, plus the outputs that came back
-        let kept = |n: &OpNode, ep| kept_bytes(n, 2.0, 1, false, Attention::Flash, ep).0;
-        assert!(kept(&skewed, 8) > kept(&n, 8) && kept(&n, 8) > kept(&n, 1));
-        assert_eq!(kept(&n, 8) - kept(&n, 1), 4096.0 * 2.0 * 4096.0 * 2.0);
+        // it also keeps twice the expert values and dispatched rows; under uniform routing a
+        // member keeps what it would without expert parallelism: the rows its expert takes
+        // are as many as its own tokens' pairs, and its own tokens' outputs come back for
+        // the combine either way
+        let kept = |n: &OpNode, ep| kept_at(n, 2.0, 1, false, Attention::Flash, ep).0;
+        assert!(kept(&skewed, 8) > kept(&n, 8));
+        assert_eq!(kept(&n, 8), kept(&n, 1));
     }
 
     #[test]
@@ -1216,12 +1068,14 @@ mod tests {
         // the products are twice the parameters a token uses, as for a dense block
         assert_eq!(moe - 4.0 * s * s * d, 2.0 * s * (mixtral.active_parameter_count() - 2 * 4096) as f64);
         assert_eq!(mixtral.parameter_count() - mixtral.active_parameter_count(), 6 * 3 * 4096 * 14336);
-        // kept per token beyond the dense block: the second expert's MLP values (gate ‖ up,
-        // the activation and the product: 4·f), both dispatched inputs, the router's fp32
-        // logits and probabilities and the two chosen indices
+        // kept per token beyond the dense block: the second expert's MLP values its backward
+        // reads (gate, up and the activation's output: 3·f; the down projection's output is
+        // not read), both dispatched inputs, both experts' outputs (the combine's gradient
+        // with respect to the scores reads them), the router's fp32 logits and scores (4·E
+        // bytes each) and the two chosen indices (8 bytes each)
         let p = 2.0;
-        let kept = |op: &Op| kept_bytes(&node(op.clone(), vec![4096, 4096]), p, 1, false, Attention::Flash, 1).0;
-        let extra = s * (4.0 * f * p + 2.0 * d * p + 8.0 * 8.0 + 8.0 * 2.0);
+        let kept = |op: &Op| kept_at(&node(op.clone(), vec![4096, 4096]), p, 1, false, Attention::Flash, 1).0;
+        let extra = s * (3.0 * f * p + 2.0 * d * p + 2.0 * d * p + 4.0 * 8.0 + 4.0 * 8.0 + 8.0 * 2.0);
         assert_eq!(kept(&mixtral) - kept(&Op::llama_block(4096, 32, 8, 14336)), extra);
         // a capacity factor of 0.5 bounds every expert at half its uniform share: half the
         // routed pairs computed and kept
@@ -1235,21 +1089,31 @@ mod tests {
 
     #[test]
     fn transformer_activations_follow_korthikanti() {
-        // s = 512, h = 1024, a = 16 at 16-bit: 34·s·h + 5·a·s² bytes per sample
-        let n = node(Op::block(1024, 16, 4096, false), vec![512, 1024]);
+        // GPT-3's block with its dropout of 0.1: s = 512, h = 1024, a = 16 at 16-bit,
+        // 34·s·h + 5·a·s² bytes per sample
+        let mut op = Op::block(1024, 16, 4096, false);
+        if let Op::TransformerBlock { dropout, .. } = &mut op {
+            *dropout = 0.1;
+        }
+        let n = node(op, vec![512, 1024]);
         let (sh, as2): (u64, u64) = (512 * 1024, 16 * 512 * 512);
         assert_eq!(activation_bytes(&n, 2), 34 * sh + 5 * as2);
         // at 32-bit the values double and the one-byte dropout masks do not
         assert_eq!(activation_bytes(&n, 4), 2 * (32 * sh + 4 * as2) + 2 * sh + as2);
         // tensor parallelism t: (10 + 24/t)·s·h + 5·a·s²/t; with sequence parallelism all
-        // of it over t; flash attention or selective recompute drops the 5·a·s² core
+        // of it over t; flash attention keeps each row's log-sum-exp (a fp32 values per
+        // position) instead of the 5·a·s² core, which selective recompute drops
         let t: u64 = 8;
-        let kept = |sp, attention| kept_bytes(&n, 2.0, t as usize, sp, attention, 1);
+        let kept = |sp, attention| kept_at(&n, 2.0, t as usize, sp, attention, 1);
         assert_eq!(
             kept(false, Attention::Standard),
             ((10 * sh + 24 * sh / t + 5 * as2 / t) as f64, (5 * as2 / t) as f64)
         );
         assert_eq!(kept(true, Attention::Standard).0, ((34 * sh + 5 * as2) / t) as f64);
-        assert_eq!(kept(true, Attention::Flash), ((34 * sh / t) as f64, 0.0));
+        let lse = (512 * 16 * 4 / t) as f64;
+        assert_eq!(kept(true, Attention::Flash), ((34 * sh / t) as f64 + lse, lse));
+        // without dropout: no masks, no dropped copy (32·s·h + 2·a·s²)
+        let plain = node(Op::block(1024, 16, 4096, false), vec![512, 1024]);
+        assert_eq!(activation_bytes(&plain, 2), 32 * sh + 2 * as2);
     }
 }

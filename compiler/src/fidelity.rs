@@ -79,6 +79,8 @@ pub struct Predicted {
     pub model_state_gib: f64,
     /// The first device's activations (the first stage keeps the most in flight), GiB.
     pub activations_gib: f64,
+    /// The largest device's predicted peak memory, GiB.
+    pub peak_gib: f64,
     /// Whether every device fits its memory.
     pub fits: bool,
 }
@@ -103,7 +105,8 @@ pub fn predict_source(source: &str, base: Option<&Path>) -> Result<Predicted, St
     let model_state_gib = figures.memory.iter().map(|(_, m)| state(m)).fold(f64::INFINITY, f64::min);
     let activations_gib =
         figures.memory.iter().min_by_key(|(d, _)| d.0).map_or(0.0, |(_, m)| m.activations as f64 / GIB);
-    Ok(Predicted { step_s: figures.step_s, model_state_gib, activations_gib, fits: figures.fits })
+    let peak_gib = figures.memory.iter().map(|(_, m)| m.total as f64 / GIB).fold(0.0, f64::max);
+    Ok(Predicted { step_s: figures.step_s, model_state_gib, activations_gib, peak_gib, fits: figures.fits })
 }
 
 /// `predicted / published − 1`.

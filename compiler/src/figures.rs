@@ -5,6 +5,7 @@ use pipec_plan::model::{Op, Source};
 use pipec_plan::plan::GradientBucket;
 use pipec_plan::CollectiveKind;
 
+use crate::activations::{recompute_seconds, Policy};
 use crate::cluster::ring_time;
 use crate::memory::{ModelState, StageBytes};
 use crate::model::ModelCosts;
@@ -70,7 +71,7 @@ fn gradient_buckets(
     model: &ModelCosts,
     layout: &Layout,
     replicas: &[u64],
-    backward: impl Fn(&crate::cost::LayerCost) -> f64,
+    backward: impl Fn(usize) -> f64,
 ) -> Vec<Vec<GradientBucket>> {
     let st = &spec.strategy;
     let none = || vec![Vec::new(); layout.ranges.len()];
@@ -99,14 +100,13 @@ fn gradient_buckets(
             if d < 2 || (whole && !chain) || moe || tied_within {
                 return Vec::new();
             }
-            let layers = &costs[r.clone()];
-            let total_time: f64 = layers.iter().map(&backward).sum();
+            let total_time: f64 = r.clone().map(&backward).sum();
             let mut out: Vec<GradientBucket> = Vec::new();
             let (mut end, mut bytes, mut done) = (r.end, 0u64, 0.0);
             for i in r.clone().rev() {
                 let c = &costs[i];
                 bytes = bytes.saturating_add(c.shard_parameters.saturating_mul(grad_bytes));
-                done += backward(c);
+                done += backward(i);
                 if bytes >= cap && i > r.start {
                     let ready = if total_time > 0.0 { (done / total_time).clamp(f64::MIN_POSITIVE, 1.0) } else { 1.0 };
                     out.push(GradientBucket { layers: [i, end], bytes, ready });
@@ -133,13 +133,19 @@ fn gradient_buckets(
 /// Stage figures: `Layout` → `StageFigures`.
 pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> StageFigures {
     let (costs, graph, mb) = (&model.costs, &model.graph, model.microbatch_size as u64);
-    let selective = spec.strategy.recompute.selective();
+    // what each layer keeps under the strategy's recompute inside the blocks, and what its
+    // backward runs again
+    let policies: Vec<Policy> = layout.ranges.iter().flat_map(|r| block_policies(spec, graph, r.clone())).collect();
+    let again = |i: usize| {
+        let c = &costs[i];
+        recompute_seconds(&policies[i], c.forward_s, &c.forward_parts, &c.forward_products)
+    };
     let times: Vec<(f64, f64)> = layout
         .ranges
         .iter()
         .map(|r| {
             let c = &costs[r.clone()];
-            let backward: f64 = c.iter().map(|c| c.backward_s + if selective { c.selective_s } else { 0.0 }).sum();
+            let backward: f64 = r.clone().map(|i| costs[i].backward_s + again(i)).sum();
             (c.iter().map(|c| c.forward_s).sum::<f64>(), backward)
         })
         .collect();
@@ -323,113 +329,17 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .iter()
         .zip(&output_bytes)
         .zip(&stage_replicas)
-        .map(|((r, &output), &d)| {
-            let c = &costs[r.clone()];
-            let parameters: u64 = c.iter().map(|c| c.parameters).sum();
-            let shard: u64 = c.iter().map(|c| c.shard_parameters).sum();
-            let input_bytes =
-                if r.start == 0 { graph.source_bytes(Source::Input) / cp as u64 } else { cut_bytes(r.start) }
-                    .saturating_mul(mb);
-            // the last stage also keeps what the loss needs for its backward (a language
-            // model's [sequence, vocab] log-probabilities; split by tp over the vocabulary)
-            let loss_input = if r.end == costs.len() {
-                costs.last().map_or(0, |c| c.loss_input_bytes_per_sample).saturating_mul(mb)
-            } else {
-                0
-            };
-            let kept = |c: &crate::cost::LayerCost| {
-                c.activation_bytes_per_sample - if selective { c.attention_core_bytes_per_sample } else { 0 }
-            };
-            // activation recompute checkpoints the input of every recompute unit — the stage
-            // input, and each transformer block's or LSTM's input (Megatron-LM's full
-            // recompute, one block at a time) — and rebuilds one unit's activations at a time
-            let starts: Vec<usize> = r
-                .clone()
-                .filter(|&i| {
-                    i == r.start
-                        || matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. } | Op::Lstm { .. })
-                })
-                .collect();
-            let checkpoint: u64 = starts
-                .iter()
-                .map(|&i| {
-                    if i == r.start {
-                        input_bytes
-                    } else {
-                        // with sequence parallelism a block's input is kept split along the sequence
-                        let split = spec.strategy.sequence_parallel
-                            && matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. });
-                        (cut_bytes(i) / if split { tp as u64 } else { 1 }).saturating_mul(mb)
-                    }
-                })
-                .fold(0u64, u64::saturating_add);
-            let unit_peak = starts
-                .iter()
-                .enumerate()
-                .map(|(k, &i)| {
-                    let end = starts.get(k + 1).copied().unwrap_or(r.end);
-                    costs[i..end].iter().fold(0u64, |a, c| a.saturating_add(kept(c))).saturating_mul(mb)
-                })
-                .max()
-                .unwrap_or(0)
-                .saturating_add(loss_input);
-            let whole = ModelState {
-                weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>(),
-                gradients: shard.saturating_mul(model.grad_bytes as u64),
-                optimizer: (shard as f64 * model.optimizer_bytes_per_parameter) as u64,
-                master: if model.precision >= 4 { shard.saturating_mul(4) } else { 0 },
-            };
-            // under expert parallelism the routed experts' state is sharded over the
-            // replicas holding the same experts only
-            let experts: u64 = c.iter().map(|c| c.expert_parameters).sum();
-            let stage_ep = if spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some()) { ep } else { 1 };
-            let held = whole.sharded_by_expert(sharding, d, experts, shard, stage_ep as u64);
-            StageBytes {
-                parameters,
-                weights: held.weights,
-                gradients: held.gradients,
-                optimizer: held.optimizer,
-                // ZeRO-3: the layer computing and the next one prefetched, whole
-                gathered_weights: if shard_weights && d > 1 {
-                    let largest = c.iter().map(|c| c.parameter_bytes).max().unwrap_or(0);
-                    largest.saturating_mul(2)
-                } else {
-                    0
-                },
-                // set below, once the buckets are known
-                scattered_gradients: 0,
-                activations_per_microbatch: c
-                    .iter()
-                    .fold(0u64, |a, c| a.saturating_add(kept(c)))
-                    .saturating_mul(mb)
-                    .saturating_add(loss_input),
-                whole,
-                replicas: d,
-                attention_core_per_microbatch: if selective {
-                    0
-                } else {
-                    c.iter().fold(0u64, |a, c| a.saturating_add(c.attention_core_bytes_per_sample)).saturating_mul(mb)
-                },
-                gathered_kv_per_microbatch: c
-                    .iter()
-                    .fold(0u64, |a, c| a.saturating_add(c.gathered_bytes_per_sample))
-                    .saturating_mul(mb),
-                checkpoint_per_microbatch: checkpoint.saturating_add(loss_input),
-                recompute_unit_peak: unit_peak,
-                largest_message: input_bytes.max(output),
-            }
-        })
+        .map(|((r, &output), &d)| stage_bytes(spec, model, r.clone(), &policies, (output, d)))
         .collect();
-    let buckets = gradient_buckets(spec, model, layout, &stage_replicas, |c| {
-        c.backward_s + if selective { c.selective_s } else { 0.0 }
-    });
-    // ZeRO-2 and 3 keep only the shard of the summed gradient, but each reduce-scatter takes
-    // the whole gradient of what it carries: one bucket, or the stage's whole gradient
+    let buckets = gradient_buckets(spec, model, layout, &stage_replicas, |i| costs[i].backward_s + again(i));
+    // ZeRO-2 keeps only the shard of the summed gradient, but each reduce-scatter takes the
+    // whole gradient of what it carries: the stage's largest gradient bucket where it has
+    // some (otherwise `Units`' default bucket)
     let mut bytes = bytes;
-    if sharding.level() >= 2 {
+    if sharding.level() == 2 {
         for (b, stage_buckets) in bytes.iter_mut().zip(&buckets) {
-            if b.replicas > 1 {
-                b.scattered_gradients = stage_buckets.iter().map(|x| x.bytes).max().unwrap_or(b.whole.gradients);
+            if let Some(largest) = stage_buckets.iter().map(|x| x.bytes).max().filter(|_| b.replicas > 1) {
+                b.scattered_gradients = largest;
             }
         }
     }
@@ -445,5 +355,225 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         output_bytes,
         bytes,
         buckets,
+    }
+}
+
+/// Each layer of the stage `range`'s recompute policy inside the blocks: the strategy's
+/// (selective recompute's attention core, or its mapping's modules or operations), the
+/// mapping's first `layers` blocks of the stage whole; a layer that is not a transformer
+/// block keeps everything (a stage recomputing its whole forward is `Recompute::stage`'s).
+fn block_policies(spec: &Spec, graph: &crate::ir::Graph, range: std::ops::Range<usize>) -> Vec<Policy> {
+    let Some(within) = spec.strategy.recompute.within_blocks() else {
+        return vec![Policy::None; range.len()];
+    };
+    let mut blocks = 0usize;
+    range
+        .map(|i| {
+            if !matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. }) {
+                return Policy::None;
+            }
+            blocks += 1;
+            if blocks <= within.layers {
+                Policy::Full
+            } else if !within.modules.is_empty() {
+                Policy::Modules(within.modules.clone())
+            } else if !within.ops.is_empty() {
+                Policy::Ops(within.ops.clone())
+            } else {
+                Policy::None
+            }
+        })
+        .collect()
+}
+
+/// Bytes per sample a layer keeps under `policy`: its listed tensors the policy keeps, and a
+/// context-parallel member's gathered keys and values unless the block recomputes whole.
+fn kept_under(c: &crate::cost::LayerCost, policy: &Policy) -> u64 {
+    if c.kept.is_empty() {
+        return c.activation_bytes_per_sample;
+    }
+    let gathered = if *policy == Policy::Full { 0 } else { c.gathered_bytes_per_sample };
+    (policy.split(&c.kept).0 as u64).saturating_add(gathered)
+}
+
+/// Bytes per sample alive in a layer's backward beyond what it keeps under `policy`: what
+/// the policy dropped (recomputed) and the gradients at the block's widest point.
+fn backward_peak(c: &crate::cost::LayerCost, policy: &Policy) -> u64 {
+    policy.backward_peak(&c.kept) as u64
+}
+
+/// The bytes a stage (layers `r`) needs, independent of the schedule, given each layer's
+/// recompute policy, the stage's output message and its replicas.
+fn stage_bytes(
+    spec: &Spec,
+    model: &ModelCosts,
+    r: std::ops::Range<usize>,
+    policies: &[Policy],
+    (output, d): (u64, u64),
+) -> StageBytes {
+    let (costs, graph, mb) = (&model.costs, &model.graph, model.microbatch_size as u64);
+    let (tp, cp, ep) = (spec.strategy.tp.max(1), spec.strategy.cp.max(1), spec.strategy.ep.max(1));
+    let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / cp as u64;
+    let c = &costs[r.clone()];
+    let parameters: u64 = c.iter().map(|c| c.parameters).sum();
+    let shard: u64 = c.iter().map(|c| c.shard_parameters).sum();
+    let input_bytes = if r.start == 0 { graph.source_bytes(Source::Input) / cp as u64 } else { cut_bytes(r.start) }
+        .saturating_mul(mb);
+    // the last stage also keeps what the loss needs for its backward (a language model's
+    // [sequence, vocab] log-probabilities; split by tp over the vocabulary)
+    let loss_input = if r.end == costs.len() {
+        costs.last().map_or(0, |c| c.loss_input_bytes_per_sample).saturating_mul(mb)
+    } else {
+        0
+    };
+    let kept = |i: usize| kept_under(&costs[i], &policies[i]);
+    // activation recompute checkpoints the input of every recompute unit — the stage input,
+    // and each transformer block's or LSTM's input (Megatron-LM's full recompute, one block
+    // at a time) — and rebuilds one unit's activations at a time
+    let starts: Vec<usize> = r
+        .clone()
+        .filter(|&i| {
+            i == r.start || matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. } | Op::Lstm { .. })
+        })
+        .collect();
+    let checkpoint: u64 = starts
+        .iter()
+        .map(|&i| {
+            if i == r.start {
+                input_bytes
+            } else {
+                // with sequence parallelism a block's input is kept split along the sequence
+                let split = spec.strategy.sequence_parallel
+                    && matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. });
+                (cut_bytes(i) / if split { tp as u64 } else { 1 }).saturating_mul(mb)
+            }
+        })
+        .fold(0u64, u64::saturating_add);
+    let unit_peak = starts
+        .iter()
+        .enumerate()
+        .map(|(k, &i)| {
+            let end = starts.get(k + 1).copied().unwrap_or(r.end);
+            (i..end).fold(0u64, |a, j| a.saturating_add(kept(j))).saturating_mul(mb)
+        })
+        .max()
+        .unwrap_or(0);
+    // what one microbatch's backward holds beyond what is kept: the layer's recomputed
+    // tensors and its gradients at the widest point, the largest of the stage's
+    let transient = r.clone().map(|i| backward_peak(&costs[i], &policies[i])).max().unwrap_or(0).saturating_mul(mb);
+    // the loss's backward: the fp32 gradient of its kept log-probabilities and that
+    // gradient cast to the activations' precision, beside the log-probabilities themselves
+    let loss_backward = (loss_input as f64 * (4.0 + model.precision as f64) / 4.0) as u64;
+    let whole = ModelState {
+        weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>(),
+        gradients: shard.saturating_mul(model.grad_bytes as u64),
+        optimizer: (shard as f64 * model.optimizer_bytes_per_parameter) as u64,
+        master: if model.precision >= 4 { shard.saturating_mul(4) } else { 0 },
+    };
+    // under expert parallelism the routed experts' state is sharded over the replicas
+    // holding the same experts only
+    let experts: u64 = c.iter().map(|c| c.expert_parameters).sum();
+    let stage_ep = if spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some()) { ep } else { 1 };
+    let held = whole.sharded_by_expert(spec.strategy.sharding, d, experts, shard, stage_ep as u64);
+    let whole_policy = |i: usize| policies[i] == Policy::None;
+    let units = Units::of(spec, model, r.clone(), d);
+    StageBytes {
+        parameters,
+        weights: held.weights.saturating_add(units.fp8_copies),
+        gradients: held.gradients,
+        optimizer: held.optimizer,
+        gathered_weights: units.gathered,
+        // set below, once the buckets are known
+        scattered_gradients: units.scattered,
+        activations_per_microbatch: r
+            .clone()
+            .fold(0u64, |a, i| a.saturating_add(kept(i)))
+            .saturating_mul(mb)
+            .saturating_add(loss_input),
+        whole,
+        replicas: d,
+        // the attention cores the layers keep (what selective recompute would drop)
+        attention_core_per_microbatch: r
+            .clone()
+            .filter(|&i| whole_policy(i))
+            .fold(0u64, |a, i| a.saturating_add(costs[i].attention_core_bytes_per_sample))
+            .saturating_mul(mb),
+        gathered_kv_per_microbatch: c
+            .iter()
+            .fold(0u64, |a, c| a.saturating_add(c.gathered_bytes_per_sample))
+            .saturating_mul(mb),
+        checkpoint_per_microbatch: checkpoint.saturating_add(loss_input),
+        recompute_unit_peak: unit_peak,
+        backward_transient: transient,
+        loss_transient: loss_backward,
+        largest_message: input_bytes.max(output),
+    }
+}
+
+/// What sharding and FP8 weight copies add to a stage's memory, unit by unit.
+struct Units {
+    /// ZeRO-3 (FSDP) gathers each transformer block as a unit — the block computing and
+    /// the next one prefetched (FSDP2's `reshard_after_forward`) — and the stage's other
+    /// layers as one more unit held whole for its whole forward and backward (torchtitan's
+    /// and Hugging Face's wrapping: a unit per block, the rest with the root); 0 otherwise.
+    gathered: u64,
+    /// ZeRO-2 and 3: the unsharded gradients one reduce-scatter holds at once — under
+    /// ZeRO-3 a block's (in the training precision, and cast to the reduction's) beside the
+    /// other unit's, which its backward keeps to the end; under ZeRO-2 a bucket's (the
+    /// stage's largest gradient bucket is set by `gradient_buckets` where it has some);
+    /// 0 otherwise.
+    scattered: u64,
+    /// FP8 training that keeps FP8 copies of the blocks' weights (each and its transpose,
+    /// a byte a value) between microbatches: the held blocks' copies.
+    fp8_copies: u64,
+}
+
+impl Units {
+    fn of(spec: &Spec, model: &ModelCosts, r: std::ops::Range<usize>, d: u64) -> Units {
+        let (costs, graph) = (&model.costs, &model.graph);
+        let block = |i: usize| matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. });
+        let p = model.precision as u64;
+        let fp8 = spec.training.fp8;
+        // a block's weights as gathered: in FP8 when the recipe gathers them so
+        let gathered_block = |i: usize| match fp8 {
+            Some(f) if f.gather == pipec_plan::vocab::Fp8Storage::Fp8 => costs[i].parameter_bytes / p.max(1),
+            _ => costs[i].parameter_bytes,
+        };
+        let largest_block = r.clone().filter(|&i| block(i)).map(gathered_block).max().unwrap_or(0);
+        let largest_block_parameters =
+            r.clone().filter(|&i| block(i)).map(|i| costs[i].shard_parameters).max().unwrap_or(0);
+        let rest: u64 = r.clone().filter(|&i| !block(i)).map(|i| costs[i].parameter_bytes).sum();
+        let rest_parameters: u64 = r.clone().filter(|&i| !block(i)).map(|i| costs[i].shard_parameters).sum();
+        let block_parameters: u64 = r.clone().filter(|&i| block(i)).map(|i| costs[i].shard_parameters).sum();
+        let sharding = spec.strategy.sharding;
+        let replicated = d > 1;
+        let copies_kept = fp8.is_some_and(|f| f.weight_copies);
+        let grad = model.grad_bytes as u64;
+        let gathered =
+            if sharding.shards().2 && replicated { largest_block.saturating_mul(2).saturating_add(rest) } else { 0 };
+        let scattered = match sharding.level() {
+            3 if replicated => {
+                // the block's gradients in the training precision and their copy in the
+                // reduction's, and the other unit's held in the training precision
+                largest_block_parameters
+                    .saturating_mul(p + if grad == p { 0 } else { grad })
+                    .saturating_add(rest_parameters.saturating_mul(p))
+            }
+            2 if replicated => {
+                // Megatron-LM's default bucket: max(40M, 1M · dp) parameters
+                // (`DistributedDataParallelConfig.bucket_size`)
+                let bucket = (40_000_000u64).max(1_000_000 * d);
+                bucket.min(block_parameters + rest_parameters).saturating_mul(grad)
+            }
+            _ => 0,
+        };
+        // FP8 copies of the blocks' weights: of every held block, or under ZeRO-3 of the
+        // gathered ones
+        let fp8_copies = match (copies_kept, sharding.shards().2 && replicated) {
+            (false, _) => 0,
+            (true, false) => block_parameters.saturating_mul(2),
+            (true, true) => largest_block_parameters.saturating_mul(4),
+        };
+        Units { gathered, scattered, fp8_copies }
     }
 }

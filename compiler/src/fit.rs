@@ -63,6 +63,13 @@ pub(crate) fn check_memory(
     (devices, diagnostics)
 }
 
+/// The memory share a plan leaves free: the spec's `search.headroom`, else
+/// [`pipec_plan::rules::DEFAULT_MEMORY_HEADROOM`] (the allocator's reserve, CUDA's context and
+/// NCCL's buffers).
+fn headroom(spec: &Spec) -> f64 {
+    spec.strategy.auto.as_ref().map_or(pipec_plan::rules::DEFAULT_MEMORY_HEADROOM, |a| a.headroom)
+}
+
 pub(crate) fn memory_diagnostics(
     spec: &Spec,
     devices: &[DevicePlan],
@@ -80,11 +87,12 @@ pub(crate) fn memory_diagnostics(
     let m = &worst.memory;
     let share = m.total as f64 / m.capacity.max(1) as f64;
     let breakdown = format!(
-        "weights {} + gradients {} + optimizer {} + activations {} + buffers {} + workspace {} = {}",
+        "weights {} + gradients {} + optimizer {} + activations {} + backward's transient {} + buffers {} + workspace {} = {}",
         human_bytes(m.weights),
         human_bytes(m.gradients),
         human_bytes(m.optimizer),
         human_bytes(m.activations),
+        human_bytes(m.transient),
         human_bytes(m.buffers),
         human_bytes(m.workspace),
         human_bytes(m.total)
@@ -144,11 +152,16 @@ pub(crate) fn memory_diagnostics(
             .with_label(spec.cluster.memory_span, format!("{} per device", human_bytes(m.capacity)))
             .with_help(format!("{breakdown}. What would fit: {}", ideas.join("; "))),
         );
-    } else if share > 0.9 {
+    } else if share > 1.0 - headroom(spec) {
         out.push(
             Diagnostic::warning(
                 "W0602",
-                format!("device {} uses {:.0}% of its memory", worst.id, share * 100.0),
+                format!(
+                    "device {} uses {:.0}% of its memory, leaving less than the {:.0}% headroom a GPU run needs beside the plan's figures",
+                    worst.id,
+                    share * 100.0,
+                    headroom(spec) * 100.0
+                ),
                 strategy.layout_span,
                 format!("{} of {}", human_bytes(m.total), human_bytes(m.capacity)),
             )

@@ -1,7 +1,9 @@
 //! pipec's compiler: from a checked spec to a verified, simulated plan. One module per
 //! phase; [`compile::compile`] lists the passes in order.
 
+pub mod activations;
 pub mod assemble;
+pub mod block_cost;
 pub mod bound;
 pub mod cluster;
 pub mod compile;
@@ -10,6 +12,7 @@ pub mod fidelity;
 pub mod figures;
 pub mod fit;
 pub mod ir;
+pub mod kernels;
 pub mod lower;
 pub mod memory;
 pub mod model;

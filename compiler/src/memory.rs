@@ -91,6 +91,14 @@ pub struct StageBytes {
     /// With recompute: the largest unit's activations for one microbatch, live while it is
     /// recomputed and its backward runs.
     pub recompute_unit_peak: u64,
+    /// Without a whole-stage recompute: what one microbatch's backward of a layer holds
+    /// beyond the kept tensors — what the blocks' recompute policy dropped and brings back,
+    /// and the gradients at the block's widest point — the largest of the stage's layers.
+    pub backward_transient: u64,
+    /// The last stage: what the loss's backward holds beside the kept log-probabilities
+    /// (their gradient in fp32 and cast to the activations' precision); it runs before any
+    /// layer's backward, so it is not added to theirs.
+    pub loss_transient: u64,
     /// Largest message (activation or gradient) the stage sends or receives.
     pub largest_message: u64,
     /// ZeRO-3: the whole weights gathered at once (the layer computing and the next,
@@ -112,6 +120,21 @@ pub struct StageBytes {
     /// Of `activations_per_microbatch`, context parallelism's gathered keys and values
     /// (what `cp_comm: ring` does not keep).
     pub gathered_kv_per_microbatch: u64,
+}
+
+impl StageBytes {
+    /// What one microbatch's backward holds on the stage beyond what it keeps: with
+    /// `recomputed`, the largest recompute unit rebuilt and its layer's transient, else the
+    /// largest layer's; on the last stage at least the loss's backward (which runs before
+    /// any layer's).
+    pub fn transient(&self, recomputed: bool) -> u64 {
+        let layers = if recomputed {
+            self.recompute_unit_peak.saturating_add(self.backward_transient)
+        } else {
+            self.backward_transient
+        };
+        layers.max(self.loss_transient)
+    }
 }
 
 /// The documented workspace reserve: 5% of the device memory, at most 1 GiB (allocator
@@ -195,9 +218,11 @@ pub fn device_memory(
     let mut now: HashMap<StageId, u64> = HashMap::new();
     let mut peak_total = 0u64;
     let recomputed = |s: &StageId| recompute.get(s.0 as usize).copied().unwrap_or(false);
-    // a recomputed stage rebuilds one unit of one microbatch at a time
-    let recompute_extra =
-        held.iter().filter(|s| recomputed(s)).map(|s| stages[s.0 as usize].recompute_unit_peak).max().unwrap_or(0);
+    // a recomputed stage rebuilds one unit of one microbatch at a time; another holds, in
+    // one microbatch's backward of a layer, what the layer's recompute policy brings back
+    // and the gradients at the block's widest point; the last stage's loss backward holds
+    // the gradient of the log-probabilities before any of that
+    let transient = held.iter().map(|s| stages[s.0 as usize].transient(recomputed(s))).max().unwrap_or(0);
     for ins in stream {
         let per = |s: &StageId| {
             let b = stages[s.0 as usize];
@@ -220,10 +245,11 @@ pub fn device_memory(
             _ => {}
         }
     }
-    m.activations = peak_total.saturating_add(recompute_extra);
+    m.activations = peak_total;
+    m.transient = transient;
     m.workspace = workspace_reserve(capacity);
     m.capacity = capacity as u64;
-    m.total = [m.gradients, m.optimizer, m.activations, m.buffers, m.workspace]
+    m.total = [m.gradients, m.optimizer, m.activations, m.transient, m.buffers, m.workspace]
         .into_iter()
         .fold(m.weights, u64::saturating_add);
     m

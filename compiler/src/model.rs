@@ -33,6 +33,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         device: &cluster.device,
         precision: spec.training.precision,
         grad_precision: spec.training.grad_precision,
+        state_precision: spec.training.state_precision,
         optimizer: spec.training.optimizer.kind(),
         loss: spec.model.loss,
         microbatch: microbatch_size,
@@ -43,6 +44,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         attention: spec.model.attention,
         cp_comm: spec.strategy.cp_comm,
         overhead: spec.cluster.overhead,
+        fp8: spec.training.fp8,
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {
         vec![Diagnostic::error("E0405", e, spec.strategy.span, "tensor parallelism")
@@ -59,7 +61,8 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
             .with_help("profile this spec with `pipec profile`")]
         })?;
     }
-    let optimizer_bytes_per_parameter = optimizer_bytes_per_parameter(&spec.training.optimizer, precision);
+    let optimizer_bytes_per_parameter =
+        optimizer_bytes_per_parameter(&spec.training.optimizer, precision, spec.training.state_precision);
     let grad_bytes = spec.training.grad_precision.bytes();
     Ok(ModelCosts { graph, costs, cluster, precision, grad_bytes, microbatch_size, optimizer_bytes_per_parameter })
 }
@@ -71,11 +74,13 @@ pub(crate) fn state_bytes_per_parameter(spec: &Spec) -> f64 {
     let precision = spec.training.precision.bytes();
     precision as f64
         + spec.training.grad_precision.bytes() as f64
-        + optimizer_bytes_per_parameter(&spec.training.optimizer, precision)
+        + optimizer_bytes_per_parameter(&spec.training.optimizer, precision, spec.training.state_precision)
 }
 
-pub(crate) fn optimizer_bytes_per_parameter(opt: &Optimizer, precision: usize) -> f64 {
-    let states = opt.state_per_parameter() as f64 * 4.0;
+/// Optimizer-state bytes per parameter: its moments (or momentum buffer) in their
+/// precision, and under mixed precision the fp32 master weights.
+pub(crate) fn optimizer_bytes_per_parameter(opt: &Optimizer, precision: usize, state: pipec_plan::Precision) -> f64 {
+    let states = opt.state_per_parameter() as f64 * state.bytes() as f64;
     let master = if precision < 4 { 4.0 } else { 0.0 };
     states + master
 }

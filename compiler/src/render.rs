@@ -284,11 +284,12 @@ fn trim_number(v: f64) -> String {
 }
 
 pub fn memory_svg(plan: &Plan) -> String {
-    let parts: [(&str, &str); 6] = [
+    let parts: [(&str, &str); 7] = [
         ("weights", "#4e79a7"),
         ("gradients", "#59a14f"),
         ("optimizer", "#b07aa1"),
         ("activations", "#f28e2b"),
+        ("transient", "#ffbe7d"),
         ("buffers", "#e15759"),
         ("workspace", "#bab0ac"),
     ];
@@ -339,6 +340,7 @@ pub fn memory_svg(plan: &Plan) -> String {
                 "gradients" => m.gradients,
                 "optimizer" => m.optimizer,
                 "activations" => m.activations,
+                "transient" => m.transient,
                 "buffers" => m.buffers,
                 _ => m.workspace,
             } as f64;

@@ -84,7 +84,7 @@ impl Default for SearchOptions {
         SearchOptions {
             synchronous_only: true,
             max_pipeline_depth: None,
-            headroom: 0.0,
+            headroom: pipec_plan::rules::DEFAULT_MEMORY_HEADROOM,
             schedules: None,
             exhaustive: false,
             tp: None,
@@ -420,6 +420,7 @@ fn recompute_json(r: &Recompute) -> serde_json::Value {
         Recompute::All => true.into(),
         Recompute::Stages(v) => v.clone().into(),
         Recompute::Selective => "selective".into(),
+        Recompute::Blocks(b) => serde_json::to_value(b).unwrap_or(serde_json::Value::Null),
     }
 }
 
@@ -839,6 +840,7 @@ fn describe(c: &Candidate) -> String {
             Recompute::All => ", recompute".into(),
             Recompute::Stages(v) => format!(", recompute stages {}", notation_list(v)),
             Recompute::Selective => ", selective recompute".into(),
+            Recompute::Blocks(b) => format!(", recompute {}", b.text()),
         }
     )
 }
@@ -867,6 +869,8 @@ fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> Str
         Recompute::Selective => 1,
         Recompute::All => usize::MAX,
         Recompute::Stages(v) => 1 + v.len(),
+        // more than the attention core, less than every forward
+        Recompute::Blocks(b) => 2 + b.modules.len() + b.layers,
     };
     if recomputed(o) > recomputed(b) {
         reasons.push(match o.recompute {

@@ -244,7 +244,13 @@ pub enum Recompute {
     /// attention core (scores, softmax, dropout, weighted sum), which its backward
     /// recomputes; no stage recomputes its whole forward.
     Selective,
+    /// Inside the transformer blocks: by module or by operation, the first blocks of every
+    /// stage whole, activations offloaded to the host (`recompute: { modules: [...] }`).
+    Blocks(BlockRecompute),
 }
+
+/// What every transformer block recomputes (`recompute` as a mapping).
+pub use pipec_plan::plan::BlockRecompute;
 
 impl Recompute {
     /// Whether stage `s` recomputes.
@@ -253,12 +259,24 @@ impl Recompute {
             Recompute::Off => false,
             Recompute::All => true,
             Recompute::Stages(v) => v.binary_search(&s).is_ok(),
-            Recompute::Selective => false,
+            Recompute::Selective | Recompute::Blocks(_) => false,
         }
     }
     /// Whether transformer blocks recompute their attention core (selective recompute).
     pub fn selective(&self) -> bool {
         *self == Recompute::Selective
+    }
+    /// What every transformer block recomputes inside a stage that does not recompute
+    /// its whole forward: selective recompute's attention core, or the mapping's policy.
+    pub fn within_blocks(&self) -> Option<BlockRecompute> {
+        match self {
+            Recompute::Selective => Some(BlockRecompute {
+                modules: vec![pipec_plan::vocab::RecomputeModule::CoreAttn],
+                ..BlockRecompute::default()
+            }),
+            Recompute::Blocks(b) => Some(b.clone()),
+            Recompute::Off | Recompute::All | Recompute::Stages(_) => None,
+        }
     }
     /// Per stage, for a plan of `stages` stages.
     pub fn per_stage(&self, stages: usize) -> Vec<bool> {
@@ -277,6 +295,7 @@ impl Recompute {
             Recompute::Off => "false".into(),
             Recompute::All => "true".into(),
             Recompute::Selective => "selective".into(),
+            Recompute::Blocks(b) => b.text(),
             Recompute::Stages(v) => {
                 format!("[{}]", v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))
             }
@@ -510,6 +529,11 @@ pub struct Training {
     /// The precision gradients are accumulated and reduced in: fp32 under bf16/fp16 unless
     /// the spec says otherwise (Megatron-LM's default), the training precision otherwise.
     pub grad_precision: Precision,
+    /// FP8 training (`precision: fp8`, with `training.fp8`): `precision` is then bf16, what
+    /// everything outside the blocks' FP8 products runs in.
+    pub fp8: Option<pipec_plan::plan::Fp8Plan>,
+    /// The optimizer moments' precision (`optimizer.state_precision`; fp32 by default).
+    pub state_precision: Precision,
     pub seed: u64,
     pub data: Data,
     pub checkpoint: Option<Checkpoint>,

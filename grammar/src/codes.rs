@@ -227,8 +227,9 @@ synchronous schedule.";
 "W0314", "a layer argument that does not apply",
 "A layer is given an argument that changes nothing for it, so it is ignored: a mixture of
 experts' settings (`top_k`, `shared_experts`, `capacity`, `router`, `norm_topk`,
-`aux_loss`, `skew`) on a `transformer_block` without `experts=`. Usually the block was
-meant to be a mixture of experts; add `experts=E`, or remove the argument.
+`aux_loss`, `skew`) on a `transformer_block` without `experts=`, or multi-head latent
+attention's sizes (`q_lora`, `rope_dim`, `v_head_dim`) on one without `kv_lora=`. Usually
+the block was meant to have them; add `experts=E` (or `kv_lora=R`), or remove the argument.
 
 Example:
 
@@ -450,6 +451,27 @@ remove `cp_comm`.
       stages: straight
       cp_comm: ring   # error: `cp` is 1";
 
+"E0425", "a recompute policy that does not go together",
+"`recompute` as a mapping says what every transformer block recomputes: `modules`
+(Megatron-LM's recompute_modules: the parts whose outputs are recomputed) or `ops` (the
+operations whose outputs are kept, all else recomputed: torchtitan's op-level policy),
+`layers` (the first blocks of every stage recompute their whole forward) and `offload`.
+`modules` and `ops` are two answers to one question: name one. A mapping that names
+nothing recomputes nothing: write `recompute: false`.
+
+    strategy:
+      recompute: { modules: [core_attn], ops: [attention] }   # error: both";
+
+"W0426", "a recompute module that applies to no block",
+"A recompute module names a part no transformer block of the model has: `moe_act`, `moe`
+or `shared_experts` without a mixture of experts (or without shared experts),
+`mla_up_proj` without multi-head latent attention, `mlp` where every block's MLP is a
+mixture of experts, `core_attn` or `layernorm` without blocks. It recomputes nothing;
+remove it.
+
+    strategy:
+      recompute: { modules: [moe_act] }   # warning on a dense model";
+
 "E0501", "bad optimizer settings",
 "An optimizer option does not apply to the chosen optimizer (`beta1` with `sgd`,
 `momentum` with `adam`), or is out of range.";
@@ -486,6 +508,15 @@ stage once per step; `per_update`, the default, works with any.
       clip_grad_norm: 1.0
       shuffle: true";
 
+"E0505", "bad FP8 settings",
+"`training.fp8` says how FP8 training runs — its scaling recipe, what the blocks' linear
+layers keep in FP8, whether FP8 weight copies are kept between microbatches, what ZeRO-3
+gathers — and applies only with `precision: fp8`. Set `precision: fp8`, or remove `fp8`.
+
+    training:
+      precision: bf16
+      fp8: { recipe: tensorwise }   # error: not FP8 training";
+
 "E0601", "device out of memory",
 "The plan needs more memory on a device than it has. The label gives the breakdown
 (weights × versions kept by the schedule, gradients, optimizer state, stashed
@@ -493,8 +524,11 @@ activations, buffers, workspace reserve). Use more stages, `recompute: true`, fe
 microbatches in flight (1F1B instead of GPipe), or a larger device.";
 
 "W0602", "device near its memory capacity",
-"The plan uses more than 90% of a device's memory. Memory fragmentation and framework
-overheads the cost model does not see may push it over at run time.";
+"The plan leaves less of a device's memory free than the headroom a GPU run needs beside
+the plan's figures: 10% by default (the caching allocator's reserve beyond the peak it
+allocates, 9% in Megatron-Bridge's Moonlight-16B study on H100; CUDA's context and NCCL's
+buffers outside it). `strategy.search.headroom` sets another share. Shard more (`zero`),
+recompute, or add devices to leave it.";
 
 "E0603", "compiler bug: plan verification failed",
 "The static verifier found a problem in the instruction streams pipec generated. This

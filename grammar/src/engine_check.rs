@@ -22,6 +22,10 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         Recompute::Stages(v) if v.is_empty() => RecomputeKind::Off,
         Recompute::Stages(_) => RecomputeKind::SomeStages,
         Recompute::Selective => RecomputeKind::Selective,
+        // recompute inside the blocks (by module, by operation, some blocks whole, offload):
+        // held to the engines as their selective recompute; the capability tables do not
+        // yet tell modules from operations
+        Recompute::Blocks(_) => RecomputeKind::Selective,
     };
     let ops: Vec<pipec_plan::model::Op> = model.layers.iter().map(|l| l.op.clone()).collect();
     let tied = model.layers.iter().any(|l| l.tied.is_some());

@@ -1056,28 +1056,53 @@ fn shape_help(op: &Op, input: &[usize]) -> String {
             format!("the input has {} channels: write `conv2d({}, {out_channels}, ...)`", input[0], input[0])
         }
         Op::LayerNorm { .. } => "omit the argument: `layernorm` infers its size".into(),
-        Op::TransformerBlock { d_model, heads, .. } if input.last() == Some(d_model) => {
-            let kv = op.block_dims().map_or(*heads, |b| b.kv_heads);
-            if kv == 0 || heads % kv != 0 {
-                let divisors: Vec<String> = (1..=*heads).filter(|k| heads % k == 0).map(|k| k.to_string()).collect();
-                format!("kv_heads must divide heads={heads}: one of {}", divisors.join(", "))
-            } else if d_model % heads.max(&1) != 0 {
-                format!("heads must divide d={d_model}")
-            } else if let Some(m) = op.moe().filter(|m| m.top_k == 0 || m.top_k > m.experts) {
-                format!("choose top_k from 1 to {}, or more experts", m.experts)
-            } else if let Some(m) = op.moe().filter(|m| !(1.0..=m.max_skew()).contains(&m.skew)) {
-                format!("skew is the busiest expert's share of the choices over the mean: from 1 to {}", m.max_skew())
-            } else {
-                // the most heads up to these whose size is whole and even
-                match (1..*heads).rev().find(|h| d_model % h == 0 && (d_model / h) % 2 == 0) {
-                    Some(h) => format!(
-                        "rotary embeddings need an even head size d/heads: heads={h} gives {}",
-                        d_model / h
-                    ),
-                    None => format!("rotary embeddings need an even head size d/heads, and no head count below {heads} gives one for d={d_model}"),
-                }
-            }
+        Op::TransformerBlock { d_model, heads, kv_heads, head_dim, causal, .. } if input.last() == Some(d_model) => {
+            block_help(op, *d_model, *heads, *kv_heads, *head_dim, *causal)
         }
         _ => format!("the shape arriving here is {}", fmt_shape(input)),
     }
+}
+
+/// The fix for a transformer block's arguments that do not fit together, in the order
+/// `Op::output_shape` checks them.
+fn block_help(op: &Op, d_model: usize, heads: usize, written_kv: usize, written_head: usize, causal: bool) -> String {
+    let Some(b) = op.block_dims() else { return String::new() };
+    if heads == 0 || (written_head == 0 && !d_model.is_multiple_of(heads)) {
+        return format!("heads must divide d={d_model}, or give each head its size with `head_dim=`");
+    }
+    if b.mla.is_some() && written_kv != 0 && written_kv != heads {
+        return "remove `kv_heads`: multi-head latent attention's keys and values come from one latent".into();
+    }
+    if b.kv_heads == 0 || !heads.is_multiple_of(b.kv_heads) {
+        let divisors: Vec<String> = (1..=heads).filter(|k| heads.is_multiple_of(*k)).map(|k| k.to_string()).collect();
+        return format!("kv_heads must divide heads={heads}: one of {}", divisors.join(", "));
+    }
+    if b.rope != 0.0 {
+        if let Some(m) = b.mla.filter(|m| m.rope_dim % 2 != 0) {
+            return format!("give the rotary part an even size: rope_dim={}", m.rope_dim + 1);
+        }
+        if b.mla.is_none() && b.head_dim % 2 != 0 {
+            if written_head > 0 {
+                return format!("give the heads an even size: head_dim={}", b.head_dim + 1);
+            }
+            // the most heads up to these whose size is whole and even
+            return match (1..heads).rev().find(|h| d_model.is_multiple_of(*h) && (d_model / h).is_multiple_of(2)) {
+                Some(h) => format!("rotary embeddings need an even head size d/heads: heads={h} gives {}", d_model / h),
+                None => format!("rotary embeddings need an even head size d/heads, and no head count below {heads} gives one for d={d_model}: give `head_dim=` an even size"),
+            };
+        }
+    }
+    if b.mla.is_some_and(|m| m.kv_lora == 0 || m.v_head_dim == 0) {
+        return "give multi-head latent attention's latent and value heads a size (DeepSeek-V3: kv_lora=512, v_head_dim=128)".into();
+    }
+    if b.window > 0 && !causal {
+        return "add `causal=true`, or remove `window` (a sliding window looks back from each position)".into();
+    }
+    if let Some(m) = op.moe().filter(|m| m.top_k == 0 || m.top_k > m.experts) {
+        return format!("choose top_k from 1 to {}, or more experts", m.experts);
+    }
+    if let Some(m) = op.moe().filter(|m| !(1.0..=m.max_skew()).contains(&m.skew)) {
+        return format!("skew is the busiest expert's share of the choices over the mean: from 1 to {}", m.max_skew());
+    }
+    String::new()
 }

@@ -165,8 +165,8 @@ pub const LAYERS: &[LayerDoc] = &[
     },
     LayerDoc {
         name: "transformer_block",
-        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5, post_norm=false, experts=0, top_k=2, shared_experts=0, capacity=0, router=softmax, norm_topk=true, aux_loss=0, skew=1)",
-        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε. `post_norm=true` puts each norm after its residual sum (BERT): norm(x + attention(x)), then norm(h + mlp(h)). `experts=E` makes the MLP a mixture of experts (Mixtral, DeepSeek): a router (a linear gate without bias, d → E; `router=softmax` or `sigmoid`) sends each token to its `top_k` best-scored experts, each an MLP like the dense one, and sums their outputs weighted by the scores (divided by their sum with `norm_topk=true`); `shared_experts` more experts take every token; `capacity=c` lets an expert take at most ⌈c · tokens · top_k / E⌉ of a microbatch's tokens, dropping the later tokens beyond it (0: none dropped); `aux_loss` is the load-balancing loss's weight (Switch Transformer's α; 0, the default, adds none); `skew=f` is what the prediction assumes of the routing: the busiest expert takes f times the mean share of the choices (1, the default: uniform; at most experts/top_k).",
+        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5, post_norm=false, experts=0, top_k=2, shared_experts=0, capacity=0, router=softmax, norm_topk=true, aux_loss=0, skew=1, head_dim=d/heads, qk_norm=false, window=0, sinks=false, kv_lora=0, q_lora=0, rope_dim=0, v_head_dim=head_dim, dropout=0)",
+        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε. `post_norm=true` puts each norm after its residual sum (BERT): norm(x + attention(x)), then norm(h + mlp(h)). `experts=E` makes the MLP a mixture of experts (Mixtral, DeepSeek): a router (a linear gate without bias, d → E; `router=softmax` or `sigmoid`) sends each token to its `top_k` best-scored experts, each an MLP like the dense one, and sums their outputs weighted by the scores (divided by their sum with `norm_topk=true`); `shared_experts` more experts take every token; `capacity=c` lets an expert take at most ⌈c · tokens · top_k / E⌉ of a microbatch's tokens, dropping the later tokens beyond it (0: none dropped); `aux_loss` is the load-balancing loss's weight (Switch Transformer's α; 0, the default, adds none); `skew=f` is what the prediction assumes of the routing: the busiest expert takes f times the mean share of the choices (1, the default: uniform; at most experts/top_k). Today's attention shapes: `head_dim=n` gives each head n features whatever d/heads is (Qwen3: 128 on d=2048 with 32 heads); `qk_norm=true` normalises each head's queries and keys (an RMSNorm, a gain per head feature, before the rotary embeddings: Qwen3, OLMo 2); `window=w` is sliding-window attention (each position attends to itself and the w − 1 before it; needs `causal=true`); `sinks=true` adds a learned logit per head to every softmax's normaliser (GPT-OSS). `kv_lora=r` makes the attention DeepSeek's multi-head latent attention: keys and values come from a shared latent of r features (and a rotary key part of `rope_dim` features shared by the heads), queries from a latent of `q_lora` features (0: from the input); each query and key head has `head_dim` features without rotary embeddings and `rope_dim` with them, each value head `v_head_dim` (DeepSeek-V3: kv_lora=512, q_lora=1536, head_dim=128, rope_dim=64, v_head_dim=128). `dropout=p` drops the attention's probabilities and each residual branch's output with probability p (GPT-2's and GPT-3's 0.1; planned and priced, which pipec's executor does not run yet).",
         params: &[
             pa("d", &["d_model"], ArgKind::Count, None),
             p("heads", ArgKind::Count, None),
@@ -189,6 +189,15 @@ pub const LAYERS: &[LayerDoc] = &[
             p("norm_topk", ArgKind::Bool, Some(1.0)),
             p("aux_loss", ArgKind::NonNegative, Some(0.0)),
             p("skew", ArgKind::Positive, Some(1.0)),
+            p("head_dim", ArgKind::Size, Some(0.0)),
+            p("qk_norm", ArgKind::Bool, Some(0.0)),
+            pa("window", &["sliding_window"], ArgKind::Size, Some(0.0)),
+            p("sinks", ArgKind::Bool, Some(0.0)),
+            pa("kv_lora", &["kv_lora_rank"], ArgKind::Size, Some(0.0)),
+            pa("q_lora", &["q_lora_rank"], ArgKind::Size, Some(0.0)),
+            pa("rope_dim", &["qk_rope_head_dim"], ArgKind::Size, Some(0.0)),
+            p("v_head_dim", ArgKind::Size, Some(0.0)),
+            p("dropout", ArgKind::Prob, Some(0.0)),
         ],
     },
     LayerDoc {
@@ -346,9 +355,30 @@ pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result
         return Err(errors);
     }
     let mut warnings = Vec::new();
+    // multi-head latent attention's sizes without its latent: they would be ignored
+    let kv_lora = pipec_plan::model::KV_LORA_ARG;
+    if doc.name == "transformer_block" && values[kv_lora].is_none_or(|(r, _)| r == 0.0) {
+        for (i, param) in doc.params.iter().enumerate().skip(kv_lora + 1).take(3) {
+            if let Some((_, span)) = values[i] {
+                warnings.push(CallError {
+                    code: "W0314",
+                    message: format!(
+                        "`{}` applies only to multi-head latent attention, and this block has none",
+                        param.name
+                    ),
+                    label: "ignored without `kv_lora=`".into(),
+                    span,
+                    help: Some(
+                        "add `kv_lora=R` (the keys' and values' latent width) to make the attention multi-head latent attention, or remove it"
+                            .into(),
+                    ),
+                });
+            }
+        }
+    }
     // a mixture of experts' settings without experts: they would be ignored
     if doc.name == "transformer_block" && values[12].is_none_or(|(e, _)| e == 0.0) {
-        for (i, param) in doc.params.iter().enumerate().skip(13) {
+        for (i, param) in doc.params.iter().enumerate().skip(13).take(pipec_plan::model::MOE_SKEW_ARG - 12) {
             if let Some((_, span)) = values[i] {
                 warnings.push(CallError {
                     code: "W0314",
@@ -418,6 +448,28 @@ pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result
                 aux_loss: get(18),
                 skew: get(pipec_plan::model::MOE_SKEW_ARG),
             }),
+            head_dim: n(pipec_plan::model::HEAD_DIM_ARG),
+            qk_norm: b(21),
+            window: n(pipec_plan::model::WINDOW_ARG),
+            sinks: b(23),
+            mla: (n(kv_lora) > 0).then(|| pipec_plan::model::Mla {
+                kv_lora: n(kv_lora),
+                q_lora: n(kv_lora + 1),
+                rope_dim: n(pipec_plan::model::ROPE_DIM_ARG),
+                // the value heads as large as the query and key heads' part without
+                // rotary embeddings unless given
+                v_head_dim: match n(kv_lora + 3) {
+                    0 => {
+                        let heads = n(1).max(1);
+                        match n(pipec_plan::model::HEAD_DIM_ARG) {
+                            0 => n(0) / heads,
+                            h => h,
+                        }
+                    }
+                    v => v,
+                },
+            }),
+            dropout: get(kv_lora + 4),
         },
         "pos_embedding" => {
             let (seq, dim) = match input {

@@ -104,7 +104,8 @@ struct Cluster {
 }
 
 /// One device. All devices of the cluster are alike: a preset's name (`a100-80gb`,
-/// `h100-sxm`, `h200`, `b200`, `mi300x`, `v100-32gb`, ...), or a mapping.
+/// `h100-sxm`, `h100-nvl`, `h800`, `h200`, `h200-nvl`, `b200`, `gb200`, `mi300x`,
+/// `v100-32gb`, ...: docs/spec.md lists their figures and sources), or a mapping.
 #[derive(JsonSchema)]
 #[serde(untagged)]
 enum Device {
@@ -141,7 +142,8 @@ struct DeviceFields {
     overhead: Option<String>,
 }
 
-/// The interconnect: a preset's name (`dgx-a100`, `dgx-h100`, `dgx-b200`, `dgx-v100`), or
+/// The interconnect: a preset's name (`dgx-a100`, `dgx-h100`, `hgx-h800`, `dgx-b200`,
+/// `gb200-nvl72`, `dgx-v100`: docs/spec.md lists their figures), or
 /// bandwidth and latency per level of the cluster's hierarchy.
 #[derive(JsonSchema)]
 #[serde(untagged)]
@@ -206,14 +208,40 @@ enum CountOrAuto {
     Auto(AutoWord),
 }
 
-/// `true`/`false`, a list of stage indices, or `auto` (the strategy search chooses).
+/// `true`/`false`, a list of stage indices, a policy's name, a mapping of what every
+/// transformer block recomputes, or `auto` (the strategy search chooses).
 #[derive(JsonSchema)]
 #[serde(untagged)]
 enum RecomputeSpec {
     Flag(bool),
     Stages(Vec<u32>),
     Mode(RecomputeMode),
+    Blocks(BlockRecomputeSpec),
     Auto(AutoWord),
+}
+
+/// What every transformer block recomputes in its backward instead of keeping.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct BlockRecomputeSpec {
+    /// Megatron-LM's `recompute_modules`: `core_attn` (the attention core), `mlp` (a dense
+    /// MLP), `moe_act` (the experts' activation), `layernorm` (the two norms' outputs),
+    /// `mla_up_proj` (multi-head latent attention's up projections), `moe` (the whole
+    /// mixture of experts), `shared_experts`. Their inputs stay kept.
+    modules: Option<Vec<pipec_plan::vocab::RecomputeModule>>,
+    /// Op-level selective recompute: keep only the outputs of these operations (and the
+    /// block's input), recompute the rest — `matmul` (every product), `alternate_matmul`
+    /// (every other product, as torchtitan's `selective_ac_option = "op"`), `attention` (the
+    /// fused attention kernel). Exclusive with `modules`.
+    ops: Option<Vec<pipec_plan::vocab::RecomputeOp>>,
+    /// The first `layers` transformer blocks of every stage (of each model chunk) recompute
+    /// their whole forward, keeping their input only (Megatron-LM's `recompute_num_layers`,
+    /// method `block`); the others follow `modules` or `ops`.
+    #[schemars(range(min = 1))]
+    layers: Option<u64>,
+    /// Offload every block's kept tensors to host memory after its forward and bring them
+    /// back for its backward, the copies running beside the compute (default false).
+    offload: Option<bool>,
 }
 
 /// A recompute policy by name.
@@ -236,7 +264,9 @@ struct SearchSpec {
     asynchronous: Option<bool>,
     /// The most pipeline stages to consider.
     max_depth: Option<u64>,
-    /// Memory every device must keep free, e.g. `10%`.
+    /// Memory every device must keep free, e.g. `15%`; default 10% (the allocator's reserve,
+    /// CUDA's context and NCCL's buffers a GPU run holds beside the plan's figures); `0%`
+    /// lets a plan fill its devices.
     headroom: Option<String>,
     /// Only these schedules.
     schedules: Option<Vec<ScheduleKind>>,
@@ -270,8 +300,10 @@ struct Strategy {
     /// (end included), `"stem..head"` (labels), `"8.."` (to the end).
     partition: Option<PartitionSpec>,
     /// Recompute activations in the backward pass: `true` (or `full`: every stage keeps
-    /// only its inputs), `false`, a list of stage indices (e.g. `[0, 1]`), or `selective`
-    /// (every transformer block recomputes only its attention core); `auto`: searched.
+    /// only its inputs), `false`, a list of stage indices (e.g. `[0, 1]`), `selective`
+    /// (every transformer block recomputes only its attention core), or a mapping of what
+    /// every block recomputes (`{ modules: [core_attn, mlp] }`, `{ ops: [alternate_matmul,
+    /// attention] }`, `{ layers: 4 }`, `offload: true`); `auto`: searched.
     recompute: Option<RecomputeSpec>,
     /// Megatron's sequence parallelism (needs `tp` > 1): a transformer block's layer norms,
     /// dropout and residual adds split along the sequence over the tensor-parallel group,
@@ -387,8 +419,13 @@ struct Training {
     /// Number of optimizer steps.
     steps: u64,
     optimizer: Optimizer,
-    /// Numeric precision of weights and activations: `fp32`, `bf16` or `fp16`.
-    precision: Option<Precision>,
+    /// Numeric precision of weights and activations: `fp32`, `bf16` or `fp16`; or `fp8`:
+    /// bf16 mixed precision with the transformer blocks' matrix products in FP8 (`fp8` says
+    /// how).
+    precision: Option<pipec_plan::vocab::TrainingPrecision>,
+    /// How FP8 training runs (with `precision: fp8`); the defaults are Transformer Engine's
+    /// as Megatron-LM runs it.
+    fp8: Option<Fp8Spec>,
     /// The precision gradients are accumulated and reduced in: `fp32` (the default:
     /// Megatron-LM's, under `bf16`/`fp16`) or the training precision.
     grad_precision: Option<Precision>,
@@ -409,6 +446,31 @@ struct Training {
     /// every layout) or `per_forward` (at every forward in the step's microbatch order, as
     /// `nn.BatchNorm2d` under gradient accumulation; synchronous schedules).
     running_stats: Option<RunningStats>,
+}
+
+/// FP8 training's recipe and what it keeps in FP8.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct Fp8Spec {
+    /// How each tensor is scaled before its FP8 product: `tensorwise` (the default: one
+    /// scale per tensor from its current maximum; Transformer Engine's current scaling,
+    /// torchao's tensorwise), `delayed` (from a history of earlier maxima), `rowwise`,
+    /// `blockwise` (DeepSeek-V3's 1×128 activation and 128×128 weight blocks) or `mxfp8`
+    /// (Blackwell's MX blocks of 32).
+    recipe: Option<pipec_plan::vocab::Fp8Recipe>,
+    /// What the blocks' linear layers keep of their inputs for the weight gradients: `fp8`
+    /// (the default: Transformer Engine keeps the FP8 copy it multiplied) or `bf16`
+    /// (torchao's `Float8Linear`, as torchtitan runs it, keeps the bf16 input).
+    activations: Option<pipec_plan::vocab::Fp8Storage>,
+    /// Keep FP8 copies of every block weight (and its transpose) from a step's first
+    /// microbatch to its update, as Transformer Engine does between Megatron-LM's
+    /// microbatches (default true): two bytes per weight. `false`: each copy is made for its
+    /// product and dropped (torchao).
+    weight_copies: Option<bool>,
+    /// What `zero: 3` gathers the blocks' weights in: `bf16` (the default) or `fp8`
+    /// (torchao's `enable_fsdp_float8_all_gather`, Megatron-LM's `--fp8-param-gather`):
+    /// half the bytes gathered and held.
+    gather: Option<pipec_plan::vocab::Fp8Storage>,
 }
 
 /// Evaluation on held-out data: the last `split` of a finite data set is never trained on,
@@ -456,20 +518,23 @@ struct Optimizer {
     beta2: Option<f64>,
     /// adam: ε.
     eps: Option<f64>,
+    /// The precision the optimizer keeps its state in (Adam's moments, the momentum buffer):
+    /// `fp32` (the default) or `bf16` (Megatron-LM's precision-aware optimizer,
+    /// `--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`); the master weights stay fp32.
+    state_precision: Option<Precision>,
     /// adamw: whether `weight_decay` also shrinks the one-dimensional parameters — biases
     /// and the norms' gains and shifts. Default true (one parameter group, as
     /// `torch.optim.AdamW(model.parameters())`); false is the usual rule for language models.
     decay_biases_and_norms: Option<bool>,
 }
 
-// `data:` as a kind's name or as its options. Only described (the schema derives from it),
-// never built, so its variants' sizes cost nothing.
 #[derive(JsonSchema)]
 #[serde(untagged)]
-#[allow(clippy::large_enum_variant)]
 enum DataSpec {
     Name(DataKind),
-    Options(Data),
+    // boxed: the mapping's fields outweigh the name (clippy's large_enum_variant); the
+    // schema is the same
+    Options(Box<Data>),
 }
 
 #[derive(JsonSchema)]
@@ -698,7 +763,12 @@ impl SchemaIndex {
     pub fn values_at(&self, path: &[&str]) -> Vec<(String, String)> {
         let Some(node) = self.node_at(path) else { return Vec::new() };
         let mut out = Vec::new();
-        for alt in self.alternatives(node) {
+        // a list's values are its items' (`recompute.modules: [core_attn, mlp]`)
+        let alternatives = self.alternatives(node).into_iter().flat_map(|alt| match alt.get("items") {
+            Some(items) => self.alternatives(items),
+            None => vec![alt],
+        });
+        for alt in alternatives {
             if let Some(values) = alt.get("enum").and_then(Json::as_array) {
                 for v in values.iter().filter_map(Json::as_str) {
                     out.push((v.to_string(), String::new()));
@@ -726,5 +796,9 @@ mod tests {
         assert!(idx.doc_at(&["cluster", "device", "memory"]).is_some_and(|d| d.contains("GiB")));
         let names: Vec<String> = idx.values_at(&["strategy", "schedule"]).into_iter().map(|v| v.0).collect();
         assert!(names.contains(&"1f1b".to_string()) && names.contains(&"zb-h1".to_string()));
+        // a list's values are its items'
+        let modules: Vec<String> =
+            idx.values_at(&["strategy", "recompute", "modules"]).into_iter().map(|v| v.0).collect();
+        assert!(modules.contains(&"core_attn".to_string()) && modules.contains(&"moe_act".to_string()), "{modules:?}");
     }
 }

@@ -5,7 +5,9 @@
 //! lowered is `None`; later checks run on whatever sections are present.
 
 use pipec_plan::model::{fmt_shape, Loss};
+use pipec_plan::plan::Fp8Plan;
 use pipec_plan::rules;
+use pipec_plan::vocab::{Fp8Recipe, Fp8Storage, TrainingPrecision};
 
 use crate::cx::Fields;
 use crate::diagnostic::Diagnostic;
@@ -737,13 +739,16 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
     let batch_node = cx.required(&f, "batch_size", "training");
     let batch = batch_node.and_then(|n| cx.uint(n, rules::training_minimum("batch_size")));
     let steps = cx.required(&f, "steps", "training").and_then(|n| cx.uint(n, rules::training_minimum("steps")));
-    let optimizer = cx
+    let optimized = cx
         .required(&f, "optimizer", "training")
         .and_then(|n| lower_optimizer(cx, n, f.key_span("optimizer").unwrap_or(owner)));
-    let precision = match f.get("precision") {
-        None => Some(Precision::Fp32),
-        Some(n) => cx.choose::<Precision>(n, &["training", "precision"]),
+    let (optimizer, state_precision) = (optimized.map(|o| o.0), optimized.map_or(Precision::Fp32, |o| o.1));
+    let trained = match f.get("precision") {
+        None => Some(TrainingPrecision::Fp32),
+        Some(n) => cx.choose::<TrainingPrecision>(n, &["training", "precision"]),
     };
+    let precision = trained.map(TrainingPrecision::values);
+    let fp8 = lower_fp8(cx, &f, trained);
     let grad_precision = match f.get("grad_precision") {
         None => precision.map(|_| Precision::Fp32),
         Some(n) => cx.choose::<Precision>(n, &["training", "grad_precision"]),
@@ -780,11 +785,52 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
         optimizer: optimizer?,
         precision: precision?,
         grad_precision: grad_precision?,
+        fp8: fp8?,
+        state_precision,
         seed: seed?,
         data: data?,
         checkpoint: checkpoint?,
         recipe: recipe?,
     })
+}
+
+/// `fp8`: how FP8 training runs (with `precision: fp8`; E0505 without). Its defaults are
+/// Transformer Engine's as Megatron-LM runs it: current (per-tensor) scaling, linear layers
+/// keeping their inputs in FP8, FP8 weight copies kept between microbatches, ZeRO-3
+/// gathering bf16 weights.
+fn lower_fp8(cx: &mut Lower<'_>, f: &Fields<'_>, trained: Option<TrainingPrecision>) -> Option<Option<Fp8Plan>> {
+    let default = Fp8Plan {
+        recipe: Fp8Recipe::default(),
+        activations: Fp8Storage::Fp8,
+        weight_copies: true,
+        gather: Fp8Storage::Bf16,
+    };
+    let Some(n) = f.get("fp8") else {
+        return Some((trained? == TrainingPrecision::Fp8).then_some(default));
+    };
+    if trained.is_some_and(|t| t != TrainingPrecision::Fp8) {
+        cx.push(
+            Diagnostic::error(
+                "E0505",
+                "`fp8` says how FP8 training runs, and `precision` is not `fp8`",
+                f.key_span("fp8").unwrap_or(n.span),
+                "applies only with `precision: fp8`",
+            )
+            .with_help("set `precision: fp8`, or remove `fp8`"),
+        );
+        return None;
+    }
+    let ff = cx.fields(n, &["training", "fp8"], f.key_span("fp8").unwrap_or(n.span))?;
+    let recipe =
+        ff.get("recipe").map_or(Some(default.recipe), |r| cx.choose::<Fp8Recipe>(r, &["training", "fp8", "recipe"]));
+    let activations = ff
+        .get("activations")
+        .map_or(Some(default.activations), |a| cx.choose::<Fp8Storage>(a, &["training", "fp8", "activations"]));
+    let gather =
+        ff.get("gather").map_or(Some(default.gather), |g| cx.choose::<Fp8Storage>(g, &["training", "fp8", "gather"]));
+    let weight_copies = ff.get("weight_copies").map_or(Some(default.weight_copies), |w| cx.boolean(w));
+    trained?;
+    Some(Some(Fp8Plan { recipe: recipe?, activations: activations?, weight_copies: weight_copies?, gather: gather? }))
 }
 
 /// `lr_schedule`, `clip_grad_norm` and `shuffle` (E0504 where the recipe's rules are broken,
@@ -882,12 +928,36 @@ fn lower_recipe(
     ok.then_some(recipe)
 }
 
-fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Optimizer> {
+/// The optimizer and its moments' precision (`state_precision`, fp32 unless given).
+fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<(Optimizer, Precision)> {
     let f = cx.fields(node, &["training", "optimizer"], owner)?;
+    let state = match f.get("state_precision") {
+        None => Some(Precision::Fp32),
+        Some(n) => cx.choose::<Precision>(n, &["training", "optimizer", "state_precision"]),
+    };
+    let optimizer = lower_optimizer_kind(cx, &f)?;
+    if optimizer.state_per_parameter() == 0 {
+        if let Some(span) = f.key_span("state_precision") {
+            cx.push(
+                Diagnostic::error(
+                    "E0501",
+                    "`state_precision` is the precision of an optimizer's state, and plain `sgd` keeps none",
+                    span,
+                    "no state to keep",
+                )
+                .with_help("remove it, or choose an optimizer with a state (`momentum`, `adam`, `adamw`)"),
+            );
+            return None;
+        }
+    }
+    Some((optimizer, state?))
+}
+
+fn lower_optimizer_kind(cx: &mut Lower<'_>, f: &Fields<'_>) -> Option<Optimizer> {
     let kind = cx
-        .required(&f, "kind", "training.optimizer")
+        .required(f, "kind", "training.optimizer")
         .and_then(|n| cx.choose::<OptimizerKind>(n, &["training", "optimizer", "kind"]));
-    let lr = cx.required(&f, "lr", "training.optimizer").and_then(|n| cx.number(n, rules::optimizer_bound("lr")));
+    let lr = cx.required(f, "lr", "training.optimizer").and_then(|n| cx.number(n, rules::optimizer_bound("lr")));
     let opt_f = |cx: &mut Lower<'_>, key: &str, default: f64| match f.get(key) {
         None => Some(default),
         Some(n) => cx.number(n, rules::optimizer_bound(key)),

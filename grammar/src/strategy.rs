@@ -4,11 +4,11 @@
 //! cluster size, stages vs layers, microbatches vs batch size, partition ranges vs layers.
 
 use pipec_plan::schedule::LayoutFacts;
-use pipec_plan::vocab::{CpComm, Sharding};
+use pipec_plan::vocab::{CpComm, RecomputeModule, RecomputeOp, Sharding};
 
 use crate::ast::{
-    AutoStrategy, Choice, Cluster, Model, Partition, Recompute, ReduceMode, Schedule, ScheduleKind, Strategy, SyncMode,
-    Training, MAX_STAGE_MICROBATCHES,
+    AutoStrategy, BlockRecompute, Choice, Cluster, Model, Partition, Recompute, ReduceMode, Schedule, ScheduleKind,
+    Strategy, SyncMode, Training, MAX_STAGE_MICROBATCHES,
 };
 use crate::cx::Fields;
 use crate::cx::Lower;
@@ -73,7 +73,7 @@ pub(crate) fn lower_strategy(
             cp_comm: true,
             asynchronous: false,
             max_depth: None,
-            headroom: 0.0,
+            headroom: pipec_plan::rules::DEFAULT_MEMORY_HEADROOM,
             schedules: None,
         };
         return Some(placeholder_strategy(node, owner, cluster, all));
@@ -141,7 +141,7 @@ pub(crate) fn lower_strategy(
     };
     let recompute = match f.get("recompute") {
         None => Some(Recompute::Off),
-        Some(n) => lower_recompute(cx, n),
+        Some(n) => lower_recompute(cx, n, model),
     };
     let overlap = match f.get("overlap") {
         None => Some(true),
@@ -391,10 +391,11 @@ fn check_sharding(
     false
 }
 
-/// `recompute`: `true`, `false`, `selective`, or a list of stage indices (sorted, without
-/// repeats).
-fn lower_recompute(cx: &mut Lower<'_>, node: &Node) -> Option<Recompute> {
+/// `recompute`: `true`, `false`, `selective`, a list of stage indices (sorted, without
+/// repeats), or a mapping of what every transformer block recomputes.
+fn lower_recompute(cx: &mut Lower<'_>, node: &Node, model: Option<&Model>) -> Option<Recompute> {
     match &node.value {
+        Value::Map(_) => lower_block_recompute(cx, node, model).map(Recompute::Blocks),
         Value::Bool(true) => Some(Recompute::All),
         Value::Bool(false) => Some(Recompute::Off),
         Value::Str(s) if s == "selective" => Some(Recompute::Selective),
@@ -409,10 +410,84 @@ fn lower_recompute(cx: &mut Lower<'_>, node: &Node) -> Option<Recompute> {
             Some(if stages.is_empty() { Recompute::Off } else { Recompute::Stages(stages) })
         }
         _ => {
-            cx.wrong_type(node, "`true`, `false`, `selective` or a list of stage indices such as `[0, 1]`");
+            cx.wrong_type(
+                node,
+                "`true`, `false`, `selective`, a list of stage indices such as `[0, 1]`, or a mapping such as `{ modules: [core_attn, mlp] }`",
+            );
             None
         }
     }
+}
+
+/// `recompute` as a mapping: `modules` (Megatron-LM's) or `ops` (torchtitan's op-level
+/// policy), `layers` (the first blocks of every stage whole), `offload`; E0425 where they do
+/// not go together or say nothing.
+fn lower_block_recompute(cx: &mut Lower<'_>, node: &Node, model: Option<&Model>) -> Option<BlockRecompute> {
+    let f = cx.fields(node, &["strategy", "recompute"], node.span)?;
+    let names = |cx: &mut Lower<'_>, key: &str| -> Option<Vec<Node>> {
+        match f.get(key) {
+            None => Some(Vec::new()),
+            Some(n) => match &n.value {
+                Value::Seq(items) => Some(items.clone()),
+                _ => {
+                    cx.wrong_type(n, "a list of names such as `[core_attn, mlp]`");
+                    None
+                }
+            },
+        }
+    };
+    let modules = names(cx, "modules").and_then(|items| {
+        let chosen: Option<Vec<RecomputeModule>> =
+            items.iter().map(|n| cx.choose::<RecomputeModule>(n, &["strategy", "recompute", "modules"])).collect();
+        if let (Some(chosen), Some(model)) = (&chosen, model) {
+            for (module, n) in chosen.iter().zip(&items) {
+                if let Some(why) = module_applies_to_nothing(*module, model) {
+                    cx.push(
+                        Diagnostic::warning(
+                            "W0426",
+                            format!("`{}` recomputes nothing in this model: {why}", module.name()),
+                            n.span,
+                            "applies to no block",
+                        )
+                        .with_help("remove it"),
+                    );
+                }
+            }
+        }
+        chosen
+    });
+    let ops = names(cx, "ops").and_then(|items| {
+        let chosen: Option<Vec<RecomputeOp>> =
+            items.iter().map(|n| cx.choose::<RecomputeOp>(n, &["strategy", "recompute", "ops"])).collect();
+        chosen
+    });
+    let layers = f.get("layers").map_or(Some(0), |n| cx.uint(n, 1));
+    let offload = f.get("offload").map_or(Some(false), |n| cx.boolean(n));
+    let (mut modules, mut ops, layers, offload) = (modules?, ops?, layers?, offload?);
+    modules.sort();
+    modules.dedup();
+    ops.sort();
+    ops.dedup();
+    let problem = if !modules.is_empty() && !ops.is_empty() {
+        Some((
+            f.key_span("ops").unwrap_or(node.span),
+            "`modules` and `ops` are two ways to say what a block recomputes: name one".to_string(),
+            "keep `modules` (Megatron-LM's recompute_modules) or `ops` (the operations whose outputs are kept), not both",
+        ))
+    } else if modules.is_empty() && ops.is_empty() && layers == 0 && !offload {
+        Some((
+            node.span,
+            "this `recompute` mapping says nothing to recompute".to_string(),
+            "name `modules`, `ops` or `layers`, or write `recompute: false`",
+        ))
+    } else {
+        None
+    };
+    if let Some((span, message, help)) = problem {
+        cx.push(Diagnostic::error("E0425", message, span, "here").with_help(help));
+        return None;
+    }
+    Some(BlockRecompute { modules, ops, layers, offload })
 }
 
 /// Whether a value is the word `auto`.
@@ -472,7 +547,7 @@ fn lower_auto_strategy(
         cp_comm: f.get("cp_comm").is_none(),
         asynchronous: false,
         max_depth: None,
-        headroom: 0.0,
+        headroom: pipec_plan::rules::DEFAULT_MEMORY_HEADROOM,
         schedules: None,
     };
     let mut ok = true;
@@ -530,7 +605,7 @@ fn lower_auto_strategy(
         strategy.microbatches_span = Some(n.span);
     }
     if !auto.recompute {
-        strategy.recompute = f.get("recompute").and_then(|n| lower_recompute(cx, n))?;
+        strategy.recompute = f.get("recompute").and_then(|n| lower_recompute(cx, n, model))?;
     }
     if let Some(n) = f.get("overlap") {
         strategy.overlap = cx.boolean(n)?;
@@ -1547,4 +1622,23 @@ fn lower_explicit_partition(
         ok = false;
     }
     ok.then(|| Partition::Explicit(stages.iter().map(|s| s.start..s.end).collect()))
+}
+
+/// Why a recompute module finds nothing to recompute in `model` (W0426), if it does not.
+fn module_applies_to_nothing(module: RecomputeModule, model: &Model) -> Option<&'static str> {
+    let blocks: Vec<pipec_plan::model::BlockDims> = model.layers.iter().filter_map(|l| l.op.block_dims()).collect();
+    let any = |rule: fn(&pipec_plan::model::BlockDims) -> bool| blocks.iter().any(rule);
+    match module {
+        RecomputeModule::CoreAttn | RecomputeModule::Layernorm => {
+            (blocks.is_empty()).then_some("it has no transformer block")
+        }
+        RecomputeModule::Mlp => (!any(|b| b.moe.is_none())).then_some("every block's MLP is a mixture of experts"),
+        RecomputeModule::MoeAct | RecomputeModule::Moe => {
+            (!any(|b| b.moe.is_some())).then_some("no block is a mixture of experts")
+        }
+        RecomputeModule::SharedExperts => {
+            (!any(|b| b.moe.is_some_and(|m| m.shared > 0))).then_some("no block has shared experts")
+        }
+        RecomputeModule::MlaUpProj => (!any(|b| b.mla.is_some())).then_some("no block has multi-head latent attention"),
+    }
 }

@@ -373,10 +373,22 @@ impl DeviceModel {
     /// [`product_traffic`](Self::product_traffic), the 2-norm of its compute and its
     /// traffic beyond the cache.
     pub fn matrix_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
+        self.product_time(flops, bytes, self.matrix.of(precision))
+    }
+
+    /// [`matrix_time`](Self::matrix_time) of a product with FP8 operands: at the FP8 rate
+    /// (the bf16 one on a device without FP8 products).
+    pub fn fp8_matrix_time(&self, flops: f64, bytes: f64) -> f64 {
+        let rate = if self.matrix.fp8 > 0.0 { self.matrix.fp8 } else { self.matrix.of(Precision::Bf16) };
+        self.product_time(flops, bytes, rate)
+    }
+
+    /// A product of `flops` moving `bytes` at `rate` FLOP/s at its size's efficiency.
+    fn product_time(&self, flops: f64, bytes: f64, rate: f64) -> f64 {
         if flops <= 0.0 && bytes <= 0.0 {
             return 0.0;
         }
-        let compute = flops / (self.matrix.of(precision) * self.matrix_efficiency.at(flops));
+        let compute = flops / (rate * self.matrix_efficiency.at(flops));
         match self.product_traffic {
             Some(t) => self.launch + compute.hypot((bytes - t.cached).max(0.0) / t.bandwidth),
             None => self.launch + compute.max(self.memory_time(bytes)),
@@ -523,6 +535,22 @@ pub const PRESETS: &[Preset] = &[
         memory_gbps: 2000.0,
     },
     Preset {
+        name: "h100-nvl",
+        source: "NVIDIA H100 Tensor Core GPU datasheet (H100 NVL, per GPU): 60 fp32, 835 tf32, 1,671 bf16/fp16, 3,341 fp8 TFLOP/s with sparsity (half of each dense), 94 GB HBM3 at 3.9 TB/s",
+        memory_gib: 94.0,
+        matrix_tflops: [60.0, 417.5, 835.5, 835.5, 1670.5],
+        vector_tflops: 60.0,
+        memory_gbps: 3900.0,
+    },
+    Preset {
+        name: "h800",
+        source: "NVIDIA H800 Tensor Core GPU datasheet (SXM5): 67 fp32, 989 tf32, 1,979 bf16/fp16, 3,958 fp8 TFLOP/s with sparsity (half of each dense), 80 GB HBM3 at 3.35 TB/s; NVLink 400 GB/s",
+        memory_gib: 80.0,
+        matrix_tflops: [67.0, 494.7, 989.4, 989.4, 1978.9],
+        vector_tflops: 67.0,
+        memory_gbps: 3350.0,
+    },
+    Preset {
         name: "h200",
         source: "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM's compute, 141 GB HBM3e at 4.8 TB/s",
         memory_gib: 141.0,
@@ -531,11 +559,27 @@ pub const PRESETS: &[Preset] = &[
         memory_gbps: 4800.0,
     },
     Preset {
+        name: "h200-nvl",
+        source: "NVIDIA H200 Tensor Core GPU datasheet (H200 NVL): 60 fp32, 835 tf32, 1,671 bf16/fp16, 3,341 fp8 TFLOP/s with sparsity (half of each dense), 141 GB HBM3e at 4.8 TB/s",
+        memory_gib: 141.0,
+        matrix_tflops: [60.0, 417.5, 835.5, 835.5, 1670.5],
+        vector_tflops: 60.0,
+        memory_gbps: 4800.0,
+    },
+    Preset {
         name: "b200",
         source: "NVIDIA DGX B200 datasheet, per GPU (72 PFLOP/s fp8 training for 8 GPUs, sparse): 2,250 bf16/fp16, 4,500 fp8, 1,100 tf32 TFLOP/s dense; 180 GB HBM3e at 8 TB/s; fp32 from the HGX B200 listing (75 TFLOP/s)",
         memory_gib: 180.0,
         matrix_tflops: [75.0, 1100.0, 2250.0, 2250.0, 4500.0],
         vector_tflops: 75.0,
+        memory_gbps: 8000.0,
+    },
+    Preset {
+        name: "gb200",
+        source: "NVIDIA GB200 NVL72 datasheet, per Blackwell GPU (the rack's 72): 720 PFLOP/s fp8, 360 bf16/fp16, 180 tf32 with sparsity (half of each dense), 5,760 TFLOP/s fp32; 13.4 TB HBM3e at 576 TB/s (186 GB at 8 TB/s each)",
+        memory_gib: 186.0,
+        matrix_tflops: [80.0, 1250.0, 2500.0, 2500.0, 5000.0],
+        vector_tflops: 80.0,
         memory_gbps: 8000.0,
     },
     Preset {
@@ -628,8 +672,20 @@ pub const LINK_PRESETS: &[LinkPreset] = &[
         inter: (50.0, 6e-6, 0.9),
     },
     LinkPreset {
+        name: "hgx-h800",
+        source: "NVIDIA H800 datasheet: NVLink 400 GB/s per GPU (200 GB/s each way) through NVSwitch; DeepSeek-V3 technical report (arXiv 2412.19437) §3.1: 8 × 400 Gb/s InfiniBand per node of 8 H800, one NIC per GPU",
+        intra: (200.0, 3e-6, 0.75),
+        inter: (50.0, 6e-6, 0.9),
+    },
+    LinkPreset {
         name: "dgx-b200",
         source: "NVIDIA DGX B200: NVLink 5, 1.8 TB/s per B200 (900 GB/s each way); 8 × 400 Gb/s ConnectX-7 NICs, one per GPU",
+        intra: (900.0, 3e-6, 0.75),
+        inter: (50.0, 6e-6, 0.9),
+    },
+    LinkPreset {
+        name: "gb200-nvl72",
+        source: "NVIDIA GB200 NVL72 datasheet: NVLink 5 (fifth-generation NVLink), 1.8 TB/s per GPU (900 GB/s each way) across the rack's 72 GPUs (one NVLink domain: `devices_per_node: 72`); a 400 Gb/s ConnectX-7 NIC per GPU between racks",
         intra: (900.0, 3e-6, 0.75),
         inter: (50.0, 6e-6, 0.9),
     },
@@ -638,6 +694,63 @@ pub const LINK_PRESETS: &[LinkPreset] = &[
 /// The interconnect preset named `name`.
 pub fn link_preset(name: &str) -> Option<&'static LinkPreset> {
     LINK_PRESETS.iter().find(|p| p.name.eq_ignore_ascii_case(name))
+}
+
+/// A figure for a table: `1,978.9`, `67`; `—` for none.
+fn figure(v: f64) -> String {
+    if v <= 0.0 {
+        return "—".into();
+    }
+    // two decimals at most, trailing zeros dropped
+    let hundredths = (v * 100.0).round() as u64;
+    let digits = crate::model::thousands(hundredths / 100);
+    match hundredths % 100 {
+        0 => digits,
+        f if f % 10 == 0 => format!("{digits}.{}", f / 10),
+        f => format!("{digits}.{f:02}"),
+    }
+}
+
+/// The table of device presets docs/spec.md shows (a test holds the two equal): every
+/// preset's memory, dense matrix rates, vector rate, bandwidth and source.
+pub fn presets_table() -> String {
+    let mut out = String::from(
+        "| preset | memory (GiB) | fp32 | tf32 | bf16 | fp16 | fp8 | vector fp32 | memory bandwidth (GB/s) | source |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n",
+    );
+    for p in PRESETS {
+        let [fp32, tf32, bf16, fp16, fp8] = p.matrix_tflops;
+        out.push_str(&format!(
+            "| `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            p.name,
+            figure(p.memory_gib),
+            figure(fp32),
+            figure(tf32),
+            figure(bf16),
+            figure(fp16),
+            figure(fp8),
+            figure(p.vector_tflops),
+            figure(p.memory_gbps),
+            p.source
+        ));
+    }
+    out
+}
+
+/// The table of interconnect presets docs/spec.md shows: per device and direction, within a
+/// node and between nodes, bandwidth, latency and the collectives' share of it.
+pub fn link_presets_table() -> String {
+    let mut out = String::from(
+        "| preset | within a node (GB/s, µs, efficiency) | between nodes (GB/s, µs, efficiency) | source |\n\
+         |---|---|---|---|\n",
+    );
+    let level = |(gbps, latency, efficiency): (f64, f64, f64)| {
+        format!("{}, {}, {}", figure(gbps), figure(latency * 1e6), efficiency)
+    };
+    for p in LINK_PRESETS {
+        out.push_str(&format!("| `{}` | {} | {} | {} |\n", p.name, level(p.intra), level(p.inter), p.source));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -682,6 +795,25 @@ mod tests {
         let d = DeviceModel::uniform("x", 1e9, 1e12);
         assert_eq!(d.matrix_time(2e12, 1e15, Precision::Bf16), 2.0);
         assert_eq!(d.vector_time(1e12, 1e15), 1.0);
+    }
+
+    #[test]
+    fn docs_show_every_preset_as_the_source_defines_it() {
+        let spec = include_str!("../../docs/spec.md");
+        assert!(
+            spec.contains(&presets_table()),
+            "docs/spec.md's device table differs from PRESETS:\n{}",
+            presets_table()
+        );
+        assert!(
+            spec.contains(&link_presets_table()),
+            "docs/spec.md's interconnect table differs from LINK_PRESETS:\n{}",
+            link_presets_table()
+        );
+        assert_eq!(figure(1978.9), "1,978.9");
+        assert_eq!(figure(67.0), "67");
+        assert_eq!(figure(6.25), "6.25");
+        assert_eq!(figure(0.0), "—");
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod datafile;
 pub mod device;
 pub mod engine;
+pub mod features;
 pub mod hf;
 pub mod images;
 pub mod instr;

@@ -125,6 +125,31 @@ pub enum Op {
         /// A mixture of experts in place of the dense MLP.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         moe: Option<Moe>,
+        /// Each head's query, key and value size, independent of d/heads (Qwen3's 128 on
+        /// d = 2048 with 32 heads); 0: d/heads. Under multi-head latent attention, the part of
+        /// each query and key head without rotary embeddings.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        head_dim: usize,
+        /// An RMSNorm over each head's queries and keys before the rotary embeddings, a gain per
+        /// head feature for each (Qwen3, OLMo 2).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        qk_norm: bool,
+        /// Sliding-window attention: each position attends to itself and the `window − 1`
+        /// positions before it (Mistral, GPT-OSS's alternate layers); 0: every position.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        window: usize,
+        /// Attention sinks: a learned logit per head that joins every softmax's normaliser
+        /// and takes no value (GPT-OSS).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        sinks: bool,
+        /// Multi-head latent attention (DeepSeek-V2 and V3) in place of the query, key and
+        /// value projections.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mla: Option<Mla>,
+        /// Dropout's probability on the attention's probabilities and on each residual
+        /// branch's output (GPT-2 and GPT-3: 0.1; the memory model keeps their masks).
+        #[serde(default, skip_serializing_if = "is_zero_f64")]
+        dropout: f64,
     },
     /// Root-mean-square normalisation over the last dimension: x / √(mean(x²) + ε) · gain.
     RmsNorm {
@@ -294,18 +319,104 @@ impl Moe {
     }
 }
 
+/// Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 §2.1; DeepSeek-V3): queries
+/// through a low-rank `q_lora` bottleneck (or projected directly when it is 0), keys and
+/// values through one shared `kv_lora` latent (each normalised by an RMSNorm), each query and
+/// key head the block's `head_dim` features without rotary embeddings and `rope_dim` with
+/// them (the rotary key part shared by every head, projected from the input beside the
+/// latent), each value head `v_head_dim` features.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mla {
+    /// The queries' latent width (DeepSeek-V3: 1,536); 0: queries projected from the input.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub q_lora: usize,
+    /// The keys' and values' latent width (DeepSeek-V3: 512).
+    pub kv_lora: usize,
+    /// Each query and key head's rotary part (DeepSeek-V3: 64).
+    pub rope_dim: usize,
+    /// Each value head's size (DeepSeek-V3: 128).
+    pub v_head_dim: usize,
+}
+
+/// The positions of `transformer_block`'s attention-shape arguments (a shape error's label).
+pub const HEAD_DIM_ARG: usize = 20;
+pub const WINDOW_ARG: usize = 22;
+pub const KV_LORA_ARG: usize = 24;
+pub const ROPE_DIM_ARG: usize = 26;
+
+/// What a weight matrix of a block's attention does (its place in the forward).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProjectionRole {
+    /// Queries, keys and values in one product (standard attention).
+    Qkv,
+    /// Multi-head latent attention: the queries from the input (no query latent).
+    Query,
+    /// The queries' latent from the input.
+    QueryDown,
+    /// The queries from their latent.
+    QueryUp,
+    /// The keys' and values' latent and the shared rotary key part from the input.
+    KvDown,
+    /// The keys (without rotary part) and values from their latent.
+    KvUp,
+    /// The heads' outputs back to the model width.
+    Output,
+}
+
+/// How Megatron-style tensor parallelism splits one of a block's weight matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProjectionSplit {
+    /// By output columns (heads).
+    Column,
+    /// By input rows, the outputs summed.
+    Row,
+    /// Whole on every rank (multi-head latent attention's down projections: Megatron-LM's
+    /// `linear_q_down_proj` and `linear_kv_down_proj` are duplicated across the group).
+    Replicated,
+}
+
+/// One weight matrix of a block's attention, `input × output`, in forward order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Projection {
+    pub role: ProjectionRole,
+    pub input: usize,
+    pub output: usize,
+    pub split: ProjectionSplit,
+    /// Whether the product has a bias (the spec's `qkv_bias` for the query/key/value
+    /// projections, `bias` for the output).
+    pub bias: bool,
+}
+
 /// A transformer block's sizes, derived once from its arguments ([`Op::block_dims`]):
 /// what the parameter count, the cost model, tensor parallelism and the executor read.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BlockDims {
     pub d: usize,
     pub heads: usize,
+    /// Key and value heads (under multi-head latent attention every query head has its own).
     pub kv_heads: usize,
+    /// Each query, key and value head's size (`head_dim=`, else d/heads); under multi-head
+    /// latent attention the query and key heads' part without rotary embeddings.
     pub head_dim: usize,
+    /// Each query and key head's size in the attention's products (`head_dim`, and under
+    /// multi-head latent attention its rotary part too).
+    pub qk_head: usize,
+    /// Each value head's size.
+    pub v_head: usize,
+    /// The queries' width: `heads · qk_head`.
+    pub q_width: usize,
     /// The key (and the value) projection's width: `kv_heads · head_dim`.
     pub kv_width: usize,
-    /// The fused query-key-value projection's width: `d + 2 · kv_width`.
+    /// The fused query-key-value projection's width: `q_width + 2 · kv_width`.
     pub qkv_width: usize,
+    /// The heads' outputs' width, the output projection's input: `heads · v_head`.
+    pub attention_width: usize,
+    pub qk_norm: bool,
+    pub window: usize,
+    pub sinks: bool,
+    pub mla: Option<Mla>,
+    pub dropout: f64,
     pub ff: usize,
     pub gated: bool,
     /// The first MLP projection's width: `2 · ff` when gated (gate ‖ up), else `ff`.
@@ -327,6 +438,92 @@ impl BlockDims {
         match self.norm {
             NormKind::LayerNorm => 2 * self.d,
             NormKind::RmsNorm => self.d,
+        }
+    }
+
+    /// The attention's weight matrices in forward order: standard attention's fused
+    /// query-key-value projection and output projection, or multi-head latent attention's
+    /// down and up projections and output projection.
+    pub fn projections(&self) -> Vec<Projection> {
+        use ProjectionRole::*;
+        use ProjectionSplit::*;
+        let p = |role, input, output, split, bias| Projection { role, input, output, split, bias };
+        let output = p(Output, self.attention_width, self.d, Row, self.bias);
+        match self.mla {
+            None => vec![p(Qkv, self.d, self.qkv_width, Column, self.qkv_bias), output],
+            Some(m) => {
+                let kv_up = self.heads.saturating_mul(self.head_dim.saturating_add(m.v_head_dim));
+                let mut list = match m.q_lora {
+                    0 => vec![p(Query, self.d, self.q_width, Column, false)],
+                    r => vec![p(QueryDown, self.d, r, Replicated, false), p(QueryUp, r, self.q_width, Column, false)],
+                };
+                list.push(p(KvDown, self.d, m.kv_lora.saturating_add(m.rope_dim), Replicated, false));
+                list.push(p(KvUp, m.kv_lora, kv_up, Column, false));
+                list.push(output);
+                list
+            }
+        }
+    }
+
+    /// The keys' and values' width per token, what context parallelism exchanges: standard
+    /// attention's key and value projections (`2 · kv_width`), multi-head latent attention's
+    /// keys and values after their up projection (every head's).
+    pub fn kv_exchange_width(&self) -> usize {
+        match self.mla {
+            None => self.kv_width.saturating_mul(2),
+            Some(_) => self.heads.saturating_mul(self.qk_head.saturating_add(self.v_head)),
+        }
+    }
+
+    /// Parameters that tensor parallelism keeps whole on every rank: the norms' gains (and
+    /// shifts), the row-split products' biases, the query/key norms' gains, multi-head
+    /// latent attention's down projections and latent norms.
+    pub fn unsplit_parameters(&self) -> usize {
+        let biases = if self.bias { 2 * self.d } else { 0 };
+        let qk = if self.qk_norm { 2 * self.qk_head } else { 0 };
+        let duplicated: usize = self
+            .projections()
+            .iter()
+            .filter(|p| p.split == ProjectionSplit::Replicated)
+            .map(|p| p.input.saturating_mul(p.output))
+            .sum();
+        let latents = self.mla.map_or(0, |m| m.q_lora + m.kv_lora);
+        2 * self.norm_parameters() + biases + qk + duplicated + latents
+    }
+
+    /// Parameters of the attention besides its projections: query/key norms' gains, the
+    /// sinks' logits, multi-head latent attention's two latent norms.
+    pub fn attention_extra_parameters(&self) -> usize {
+        let qk = if self.qk_norm { 2 * self.qk_head } else { 0 };
+        let sinks = if self.sinks { self.heads } else { 0 };
+        let latents = self.mla.map_or(0, |m| m.q_lora + m.kv_lora);
+        qk + sinks + latents
+    }
+
+    /// The key positions one query attends to in a sequence of `s`, as models' FLOP counts
+    /// take them (Megatron-LM's and PaLM's `s²` per sequence, causal or not): every
+    /// position, at most the sliding window.
+    pub fn attended(&self, s: usize) -> usize {
+        if self.window > 0 {
+            self.window.min(s)
+        } else {
+            s
+        }
+    }
+
+    /// The mean number of keys a query's attention computes over in a sequence of `s` when a
+    /// fused kernel skips what the mask hides: causal, s/2 (FlashAttention-2 skips the blocks
+    /// above the diagonal, Dao 2023); causal in a window w, (s·w − w²/2)/s, the band below
+    /// the diagonal; otherwise every position.
+    pub fn computed_keys(&self, s: usize) -> f64 {
+        let s_f = s as f64;
+        match (self.causal, self.window) {
+            (false, _) => s_f,
+            (true, 0) => s_f / 2.0,
+            (true, w) => {
+                let w = w.min(s) as f64;
+                (s_f * w - w * w / 2.0) / s_f.max(1.0)
+            }
         }
     }
 }
@@ -522,7 +719,10 @@ impl Op {
             Op::Embedding { vocab, dim, types, sep } => vec![vocab, dim, types, sep.unwrap_or(0)],
             Op::PosEmbedding { max_len, dim } => vec![max_len, dim],
             Op::Lstm { input, hidden } => vec![input, hidden],
-            Op::TransformerBlock { d_model, heads, d_ff, kv_heads, .. } => vec![d_model, heads, d_ff, kv_heads],
+            Op::TransformerBlock { d_model, heads, d_ff, kv_heads, head_dim, window, mla, .. } => {
+                let m = mla.map_or([0; 4], |m| [m.q_lora, m.kv_lora, m.rope_dim, m.v_head_dim]);
+                [d_model, heads, d_ff, kv_heads, head_dim, window].into_iter().chain(m).collect()
+            }
             Op::Flatten
             | Op::Relu
             | Op::Gelu
@@ -705,49 +905,91 @@ impl Op {
                     Some(0),
                 )),
             },
-            Op::TransformerBlock { d_model, heads, .. } => match input {
-                [_, d] if *d == d_model => {
-                    let (kv_heads, rope, head_dim) =
-                        self.block_dims().map_or((heads, 0.0, 0), |b| (b.kv_heads, b.rope, b.head_dim));
-                    if heads == 0 || d_model % heads != 0 {
-                        Err(shape_err(format!("d={d_model} is not divisible by heads={heads}"), Some(1)))
-                    } else if kv_heads == 0 || heads % kv_heads != 0 {
-                        Err(shape_err(
-                            format!("heads={heads} is not a multiple of kv_heads={kv_heads} (each key/value head serves a whole group of query heads)"),
-                            Some(4),
-                        ))
-                    } else if rope != 0.0 && head_dim % 2 != 0 {
-                        Err(shape_err(
-                            format!("rotary position embeddings rotate pairs of features, but the head size d/heads = {head_dim} is odd"),
-                            Some(7),
-                        ))
-                    } else if let Some(m) = self.moe().filter(|m| m.top_k == 0 || m.top_k > m.experts) {
-                        Err(shape_err(
-                            format!(
-                                "top_k={} must be between 1 and experts={} (each token goes to top_k of the experts)",
-                                m.top_k, m.experts
-                            ),
-                            Some(MOE_TOP_K_ARG),
-                        ))
-                    } else if let Some(m) = self.moe().filter(|m| !(1.0..=m.max_skew()).contains(&m.skew)) {
-                        Err(shape_err(
-                            format!(
-                                "skew={} must be between 1 (uniform routing) and experts/top_k = {} (every token choosing the busiest expert)",
-                                m.skew,
-                                m.max_skew()
-                            ),
-                            Some(MOE_SKEW_ARG),
-                        ))
-                    } else {
-                        Ok(input.to_vec())
-                    }
-                }
+            Op::TransformerBlock { d_model, .. } => match input {
+                [_, d] if *d == d_model => self.check_block().map(|()| input.to_vec()),
                 _ => Err(shape_err(
                     format!("transformer_block expects a [sequence, {d_model}] input, got {}", fmt_shape(input)),
                     Some(0),
                 )),
             },
         }
+    }
+
+    /// A transformer block's arguments against each other: heads dividing the width (unless
+    /// `head_dim` is given), key/value heads dividing the heads, an even rotary size, the
+    /// mixture of experts' `top_k` and `skew` in range, multi-head latent attention's sizes.
+    fn check_block(&self) -> Result<(), ShapeError> {
+        let Op::TransformerBlock { d_model, heads, kv_heads: written_kv, head_dim: written_head, causal, .. } = *self
+        else {
+            return Ok(());
+        };
+        let Some(b) = self.block_dims() else { return Ok(()) };
+        let rotary_size = b.mla.map_or(b.head_dim, |m| m.rope_dim);
+        if heads == 0 || (written_head == 0 && d_model % heads != 0) {
+            return Err(shape_err(
+                format!("d={d_model} is not divisible by heads={heads} (give `head_dim=` for heads of another size)"),
+                Some(1),
+            ));
+        }
+        if b.mla.is_some() && written_kv != 0 && written_kv != heads {
+            return Err(shape_err(
+                format!("multi-head latent attention gives each of the {heads} query heads its own key and value heads, so kv_heads={written_kv} does not apply"),
+                Some(4),
+            ));
+        }
+        if b.kv_heads == 0 || heads % b.kv_heads != 0 {
+            return Err(shape_err(
+                format!(
+                    "heads={heads} is not a multiple of kv_heads={} (each key/value head serves a whole group of query heads)",
+                    b.kv_heads
+                ),
+                Some(4),
+            ));
+        }
+        if b.rope != 0.0 && rotary_size % 2 != 0 {
+            let (what, arg) = match b.mla {
+                Some(_) => ("the rotary part rope_dim", ROPE_DIM_ARG),
+                None if written_head > 0 => ("the head size head_dim", HEAD_DIM_ARG),
+                None => ("the head size d/heads", 7),
+            };
+            return Err(shape_err(
+                format!("rotary position embeddings rotate pairs of features, but {what} = {rotary_size} is odd"),
+                Some(arg),
+            ));
+        }
+        if let Some(m) = b.mla.filter(|m| m.kv_lora == 0 || m.v_head_dim == 0) {
+            let (what, arg) = if m.kv_lora == 0 { ("kv_lora", KV_LORA_ARG) } else { ("v_head_dim", KV_LORA_ARG + 3) };
+            return Err(shape_err(format!("multi-head latent attention needs a positive {what}"), Some(arg)));
+        }
+        if b.window > 0 && !causal {
+            return Err(shape_err(
+                format!(
+                    "a sliding window of {} attends to the positions before each one: it needs causal=true",
+                    b.window
+                ),
+                Some(WINDOW_ARG),
+            ));
+        }
+        if let Some(m) = self.moe().filter(|m| m.top_k == 0 || m.top_k > m.experts) {
+            return Err(shape_err(
+                format!(
+                    "top_k={} must be between 1 and experts={} (each token goes to top_k of the experts)",
+                    m.top_k, m.experts
+                ),
+                Some(MOE_TOP_K_ARG),
+            ));
+        }
+        if let Some(m) = self.moe().filter(|m| !(1.0..=m.max_skew()).contains(&m.skew)) {
+            return Err(shape_err(
+                format!(
+                    "skew={} must be between 1 (uniform routing) and experts/top_k = {} (every token choosing the busiest expert)",
+                    m.skew,
+                    m.max_skew()
+                ),
+                Some(MOE_SKEW_ARG),
+            ));
+        }
+        Ok(())
     }
 
     /// The parameter tensors the executor holds for this operator (what an optimizer
@@ -761,17 +1003,16 @@ impl Op {
             Op::Embedding { types, .. } => 1 + usize::from(types > 0),
             Op::Lstm { .. } => 4,
             Op::TransformerBlock { .. } => self.block_dims().map_or(0, |b| {
-                // two norms; QKV and output projections; per MLP (the experts' and the
-                // shared ones) its up and down projections; a router
+                // two norms; the attention's projections (and their biases), its query/key
+                // norms, sinks and latent norms; per MLP (the experts' and the shared ones)
+                // its up and down projections; a router
                 let biases = |on: bool| usize::from(on);
                 let mlps = b.moe.map_or(1, |m| m.experts + m.shared);
-                2 * norm(b.norm)
-                    + 1
-                    + biases(b.qkv_bias)
-                    + 1
-                    + biases(b.bias)
-                    + mlps * (2 + 2 * biases(b.bias))
-                    + usize::from(b.moe.is_some())
+                let projections: usize = b.projections().iter().map(|p| 1 + biases(p.bias)).sum();
+                let extra = 2 * usize::from(b.qk_norm)
+                    + usize::from(b.sinks)
+                    + b.mla.map_or(0, |m| 1 + usize::from(m.q_lora > 0));
+                2 * norm(b.norm) + projections + extra + mlps * (2 + 2 * biases(b.bias)) + usize::from(b.moe.is_some())
             }),
             _ => 0,
         }
@@ -882,6 +1123,12 @@ impl Op {
             eps: DEFAULT_EPS,
             post_norm: false,
             moe: None,
+            head_dim: 0,
+            qk_norm: false,
+            window: 0,
+            sinks: false,
+            mla: None,
+            dropout: 0.0,
         }
     }
 
@@ -902,6 +1149,12 @@ impl Op {
             eps: DEFAULT_EPS,
             post_norm: false,
             moe: None,
+            head_dim: 0,
+            qk_norm: false,
+            window: 0,
+            sinks: false,
+            mla: None,
+            dropout: 0.0,
         }
     }
 
@@ -930,12 +1183,26 @@ impl Op {
             eps,
             post_norm,
             moe,
+            head_dim,
+            qk_norm,
+            window,
+            sinks,
+            mla,
+            dropout,
         } = *self
         else {
             return None;
         };
-        let kv_heads = if kv_heads == 0 { heads } else { kv_heads };
-        let head_dim = d_model / heads.max(1);
+        let head_dim = if head_dim == 0 { d_model / heads.max(1) } else { head_dim };
+        // multi-head latent attention: every query head has its own key and value heads,
+        // and each query and key head a rotary part beside the rest
+        let kv_heads = match (mla, kv_heads) {
+            (Some(_), _) | (None, 0) => heads,
+            (None, k) => k,
+        };
+        let qk_head = head_dim.saturating_add(mla.map_or(0, |m| m.rope_dim));
+        let v_head = mla.map_or(head_dim, |m| m.v_head_dim);
+        let q_width = heads.saturating_mul(qk_head);
         let kv_width = kv_heads.saturating_mul(head_dim);
         let gated = mlp.gated();
         Some(BlockDims {
@@ -943,8 +1210,17 @@ impl Op {
             heads,
             kv_heads,
             head_dim,
+            qk_head,
+            v_head,
+            q_width,
             kv_width,
-            qkv_width: d_model.saturating_add(kv_width.saturating_mul(2)),
+            qkv_width: q_width.saturating_add(kv_width.saturating_mul(2)),
+            attention_width: heads.saturating_mul(v_head),
+            qk_norm,
+            window,
+            sinks,
+            mla,
+            dropout,
             ff: d_ff,
             gated,
             up_width: if gated { d_ff.saturating_mul(2) } else { d_ff },
@@ -1018,16 +1294,17 @@ fn block_parameters(b: &BlockDims, mlps: usize, routed: usize) -> u128 {
     let sum_of = |terms: &[&[u128]]| {
         terms.iter().fold(0u128, |acc, t| acc.saturating_add(t.iter().fold(1u128, |p, &f| p.saturating_mul(f))))
     };
-    let (d, f, q, up) = (u(b.d), u(b.ff), u(b.qkv_width), u(b.up_width));
-    let (bias, qkv_bias) = (u128::from(b.bias), u128::from(b.qkv_bias));
-    // two norms, the QKV projection, the output projection, the router, and per MLP its up
-    // (and gate) and down projections
+    let (d, f, up) = (u(b.d), u(b.ff), u(b.up_width));
+    let bias = u128::from(b.bias);
+    // the attention's projections with their biases, and its other parameters
+    let attention = b.projections().iter().fold(u(b.attention_extra_parameters()), |acc, p| {
+        acc.saturating_add(u(p.input).saturating_mul(u(p.output))).saturating_add(u(p.output) * u128::from(p.bias))
+    });
+    // two norms, the attention, the router, and per MLP its up (and gate) and down
+    // projections
     sum_of(&[
         &[2, u(b.norm_parameters())],
-        &[d, q],
-        &[q, qkv_bias],
-        &[d, d],
-        &[d, bias],
+        &[attention],
         &[d, u(routed)],
         &[u(mlps), d, up],
         &[u(mlps), up, bias],
@@ -1306,6 +1583,88 @@ mod tests {
         let two = [llama_block(64, 4, 2, 128, false)];
         assert!(tp_splits(&two, 2).is_ok());
         assert!(tp_splits(&two, 4).expect_err("2 kv heads over 4").contains("kv_heads=2"));
+    }
+
+    /// A block with today's attention shapes set through the variant's fields.
+    fn shaped(mut op: Op, set: impl FnOnce(&mut usize, &mut bool, &mut usize, &mut bool, &mut Option<Mla>)) -> Op {
+        if let Op::TransformerBlock { head_dim, qk_norm, window, sinks, mla, .. } = &mut op {
+            set(head_dim, qk_norm, window, sinks, mla);
+        }
+        op
+    }
+
+    #[test]
+    fn todays_attention_shapes_count_as_their_models_do() {
+        // Qwen3-8B's block: 32 heads of 128 on d = 4096 (8 key/value heads), query/key norms
+        // of 128 each: 36 of these, the untied embedding and output (151,936 × 4,096 each)
+        // and the final norm make its 8,190,735,360 parameters
+        let qwen = shaped(Op::llama_block(4096, 32, 8, 12288), |h, qk, _, _, _| (*h, *qk) = (128, true));
+        assert_eq!(36 * qwen.parameter_count() + 2 * 151_936 * 4096 + 4096, 8_190_735_360);
+        // Qwen3-30B-A3B: 128-wide heads on d = 2048 (not d/heads = 64), 128 experts of 768,
+        // 8 per token: 48 blocks and the two untied 151,936 × 2,048 tables make 30.5B
+        let mut moe = shaped(Op::llama_block(2048, 32, 4, 768), |h, qk, _, _, _| (*h, *qk) = (128, true));
+        if let Op::TransformerBlock { moe: m, .. } = &mut moe {
+            *m = Some(Moe {
+                experts: 128,
+                top_k: 8,
+                shared: 0,
+                capacity: 0.0,
+                router: Router::Softmax,
+                norm_topk: true,
+                aux_loss: 0.0,
+                skew: 1.0,
+            });
+        }
+        let b = moe.block_dims().expect("a block");
+        assert_eq!((b.head_dim, b.q_width, b.kv_width, b.attention_width), (128, 4096, 512, 4096));
+        assert_eq!(48 * moe.parameter_count() + 2 * 151_936 * 2048 + 2048, 30_532_122_624);
+        assert_eq!(moe.output_shape(&[4096, 2048]), Ok(vec![4096, 2048]));
+        // DeepSeek-V3's multi-head latent attention: 187,107,328 parameters a block (query
+        // latent 7,168 × 1,536 and its norm, 1,536 × 128 × 192 up; key/value latent and
+        // rotary key 7,168 × 576 and its norm, 512 × 128 × 256 up; output 128 × 128 × 7,168)
+        let mla = Mla { q_lora: 1536, kv_lora: 512, rope_dim: 64, v_head_dim: 128 };
+        let dense = |ff| shaped(Op::llama_block(7168, 128, 0, ff), |h, _, _, _, m| (*h, *m) = (128, Some(mla)));
+        let attention = dense(18432).parameter_count() - 3 * 7168 * 18432 - 2 * 7168;
+        assert_eq!(attention, 187_107_328);
+        let b = dense(18432).block_dims().expect("a block");
+        assert_eq!((b.kv_heads, b.qk_head, b.v_head, b.q_width, b.attention_width), (128, 192, 128, 24576, 16384));
+        assert_eq!(b.projections().len(), 5);
+        // Moonlight-16B-A3B: no query latent, 16 heads: queries projected directly
+        let moonlight = shaped(Op::llama_block(2048, 16, 0, 11264), |h, _, _, _, m| {
+            (*h, *m) = (128, Some(Mla { q_lora: 0, kv_lora: 512, rope_dim: 64, v_head_dim: 128 }))
+        });
+        let attention = moonlight.parameter_count() - 3 * 2048 * 11264 - 2 * 2048;
+        assert_eq!(attention, 2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048);
+        // sinks: a logit per head (GPT-OSS); a sliding window changes no parameter
+        let plain = shaped(Op::llama_block(2880, 64, 8, 2880), |h, _, _, _, _| *h = 64);
+        let sinks = shaped(plain.clone(), |h, _, w, s, _| (*h, *w, *s) = (64, 128, true));
+        assert_eq!(sinks.parameter_count(), plain.parameter_count() + 64);
+        assert_eq!(sinks.parameter_tensors(), plain.parameter_tensors() + 1);
+        // a head size independent of d/heads lifts the divisibility rule, not the rotary one
+        let odd = shaped(Op::llama_block(2880, 64, 8, 2880), |h, _, _, _, _| *h = 63);
+        assert_eq!(odd.output_shape(&[16, 2880]).expect_err("odd head").argument, Some(HEAD_DIM_ARG));
+        assert!(plain.output_shape(&[16, 2880]).is_ok(), "64 heads of 64 on d = 2880 (GPT-OSS)");
+        // without it, d/heads = 45 cannot be rotated
+        assert!(Op::llama_block(2880, 64, 8, 2880).block_dims().is_some_and(|b| b.head_dim == 45));
+        assert_eq!(Op::llama_block(2880, 64, 8, 2880).output_shape(&[16, 2880]).expect_err("45").argument, Some(7));
+    }
+
+    #[test]
+    fn a_window_and_the_causal_mask_bound_the_keys_a_fused_kernel_computes() {
+        let block = |causal, window| {
+            let mut op = Op::llama_block(64, 4, 4, 128);
+            if let Op::TransformerBlock { causal: c, window: w, .. } = &mut op {
+                (*c, *w) = (causal, window);
+            }
+            op.block_dims().expect("a block")
+        };
+        assert_eq!(block(false, 0).computed_keys(4096), 4096.0);
+        assert_eq!(block(true, 0).computed_keys(4096), 2048.0);
+        // the band of 128 below the diagonal: 4096·128 − 128²/2 entries
+        assert_eq!(block(true, 128).computed_keys(4096), (4096.0 * 128.0 - 8192.0) / 4096.0);
+        // a window as long as the sequence is the causal mask
+        assert_eq!(block(true, 4096).computed_keys(4096), 2048.0);
+        assert_eq!((block(true, 128).attended(4096), block(true, 0).attended(4096)), (128, 4096));
     }
 
     #[test]

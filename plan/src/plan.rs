@@ -296,6 +296,83 @@ pub struct TrainingPlan {
     /// context over; None for a run that started from pipec's initialisation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<String>,
+    /// FP8 training: the blocks' matrix products in FP8 (`precision` is then bf16, what the
+    /// rest runs in); None without.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<Fp8Plan>,
+    /// The precision of the optimizer's moments (Megatron-LM's precision-aware optimizer:
+    /// `--exp-avg-dtype`, `--exp-avg-sq-dtype`); fp32 unless the spec says otherwise.
+    #[serde(default = "fp32", skip_serializing_if = "is_fp32")]
+    pub state_precision: Precision,
+}
+
+/// What every transformer block recomputes (a spec's `recompute` as a mapping).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlockRecompute {
+    /// Megatron-LM's `recompute_modules`: what these parts make is recomputed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub modules: Vec<crate::vocab::RecomputeModule>,
+    /// torchtitan's op-level policy: only these operations' outputs are kept (empty: not
+    /// op-level).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ops: Vec<crate::vocab::RecomputeOp>,
+    /// The first `layers` transformer blocks of every stage (of each model chunk) recompute
+    /// their whole forward, keeping their input only (Megatron-LM's `recompute_num_layers`
+    /// with its `block` method).
+    #[serde(default, skip_serializing_if = "is_zero_usize")]
+    pub layers: usize,
+    /// Every block's kept tensors go to host memory after its forward and come back for
+    /// its backward (activation offload).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub offload: bool,
+}
+
+impl BlockRecompute {
+    /// The spec's text: `{ modules: [core_attn, mlp], layers: 2 }`.
+    pub fn text(&self) -> String {
+        let list = |names: Vec<&str>| format!("[{}]", names.join(", "));
+        let mut parts = Vec::new();
+        if !self.modules.is_empty() {
+            parts.push(format!("modules: {}", list(self.modules.iter().map(|m| m.name()).collect())));
+        }
+        if !self.ops.is_empty() {
+            parts.push(format!("ops: {}", list(self.ops.iter().map(|o| o.name()).collect())));
+        }
+        if self.layers > 0 {
+            parts.push(format!("layers: {}", self.layers));
+        }
+        if self.offload {
+            parts.push("offload: true".into());
+        }
+        format!("{{ {} }}", parts.join(", "))
+    }
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_zero_usize(v: &usize) -> bool {
+    *v == 0
+}
+
+/// FP8 training as a recipe runs it (`training.fp8`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fp8Plan {
+    pub recipe: crate::vocab::Fp8Recipe,
+    /// What a block's linear layers keep of their inputs for the weight gradient: FP8
+    /// (Transformer Engine) or bf16 (torchao's `Float8Linear` keeps the high-precision input).
+    pub activations: crate::vocab::Fp8Storage,
+    /// Whether FP8 copies of every block weight (and of its transpose, which the backward's
+    /// input gradient reads) are kept from a step's first microbatch to its update
+    /// (Transformer Engine's weight cache, which Megatron-LM uses between microbatches);
+    /// otherwise each is made for its product and dropped.
+    pub weight_copies: bool,
+    /// What ZeRO-3 gathers a block's weights in: FP8 (torchao's
+    /// `enable_fsdp_float8_all_gather`, Megatron-LM's `--fp8-param-gather`) or bf16.
+    pub gather: crate::vocab::Fp8Storage,
 }
 
 impl TrainingPlan {
@@ -339,6 +416,11 @@ pub struct ScheduleInfo {
     /// gathers the weights it computes with.
     #[serde(default = "no_sharding", skip_serializing_if = "is_unsharded")]
     pub sharding: Sharding,
+    /// What every transformer block recomputes by module or operation, of which first
+    /// blocks whole, and whether it offloads (the spec's `recompute` mapping); None
+    /// otherwise (selective recompute is each stage's `selective_recompute`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_recompute: Option<BlockRecompute>,
 }
 
 impl ScheduleInfo {
@@ -534,6 +616,10 @@ pub struct MemoryBreakdown {
     pub gradients: u64,
     pub optimizer: u64,
     pub activations: u64,
+    /// What a backward holds beyond the kept activations at its peak: a recomputed unit's
+    /// tensors, the gradients at a block's widest point.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub transient: u64,
     /// Communication buffers (in-flight sends and receives).
     pub buffers: u64,
     /// The documented workspace reserve.

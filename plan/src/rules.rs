@@ -75,6 +75,15 @@ pub fn inside_output_folder(path: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The share of a device's memory a plan leaves free by default: the strategy search keeps
+/// it on every device and W0602 warns past it (`strategy.search.headroom` overrides both).
+/// What the plan's figures do not hold but a GPU run does: the caching allocator's reserve
+/// beyond the peak allocated (Megatron-Bridge's Moonlight-16B recompute study on H100,
+/// skills/nemo-mbridge-perf-activation-recompute/SKILL.md: 36.6 GB peak allocated, about
+/// 40 GB reserved, 9%), and outside the allocator the CUDA context and NCCL's channel
+/// buffers (several hundred MiB on an 80 GB device).
+pub const DEFAULT_MEMORY_HEADROOM: f64 = 0.10;
+
 #[cfg(test)]
 mod tests {
     use super::*;

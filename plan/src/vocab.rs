@@ -289,6 +289,45 @@ impl Precision {
 }
 
 choice! {
+    /// The training precision a spec names (`training.precision`): one of the value
+    /// precisions, or FP8 training — bf16 mixed precision whose transformer blocks' matrix
+    /// products take FP8 operands (Transformer Engine's and torchao's recipes: the first
+    /// and last layers, the attention core, norms and optimizer stay in bf16 or fp32).
+    pub enum TrainingPrecision {
+        /// 32-bit floating point.
+        Fp32 = "fp32",
+        /// bfloat16 (with an fp32 master copy of the weights).
+        Bf16 = "bf16",
+        /// IEEE half precision (with an fp32 master copy of the weights).
+        Fp16 = "fp16",
+        /// bf16 mixed precision with the blocks' products in FP8 (`training.fp8` says how).
+        Fp8 = "fp8",
+    }
+}
+
+impl TrainingPrecision {
+    /// The precision of weights and activations outside the FP8 products.
+    pub fn values(self) -> Precision {
+        match self {
+            TrainingPrecision::Fp32 => Precision::Fp32,
+            TrainingPrecision::Bf16 | TrainingPrecision::Fp8 => Precision::Bf16,
+            TrainingPrecision::Fp16 => Precision::Fp16,
+        }
+    }
+}
+
+choice! {
+    /// Where FP8 training keeps a tensor in FP8 or in bf16 (`training.fp8`'s `activations`
+    /// and `gather`).
+    pub enum Fp8Storage {
+        /// One byte per value, with its scales.
+        Fp8 = "fp8",
+        /// The training precision's two bytes.
+        Bf16 = "bf16",
+    }
+}
+
+choice! {
     /// How a transformer block computes attention.
     pub enum Attention {
         /// Scores materialised: softmax and dropout on the `[heads, seq, seq]` matrix, which
@@ -320,6 +359,85 @@ choice! {
 impl Default for CpComm {
     fn default() -> Self {
         CpComm::AllGather
+    }
+}
+
+choice! {
+    /// A part of a transformer block that recompute by module drops from what the forward
+    /// keeps and recomputes in the backward (Megatron-LM's `--recompute-modules`, whose
+    /// names these are): its inputs stay kept, what it makes from them does not.
+    pub enum RecomputeModule {
+        /// The attention core: scores, softmax, dropout, weighted sum (a fused kernel keeps
+        /// only its output and each row's log-sum-exp, and recomputes the rest anyway).
+        CoreAttn = "core_attn",
+        /// The whole dense MLP (its up projection, activation and down projection) from its
+        /// input.
+        Mlp = "mlp",
+        /// The experts' activation function: its output, the experts' down projection's input.
+        MoeAct = "moe_act",
+        /// The block's two norms: their outputs, the inputs of the products after them.
+        Layernorm = "layernorm",
+        /// Multi-head latent attention's up projections: the queries, keys and values from
+        /// their latents.
+        MlaUpProj = "mla_up_proj",
+        /// The whole mixture of experts: the router, the dispatch, the experts and the
+        /// combine, from the block's second norm's output.
+        Moe = "moe",
+        /// The shared experts.
+        SharedExperts = "shared_experts",
+    }
+}
+
+choice! {
+    /// An operation whose outputs op-level selective recompute saves (everything else in a
+    /// recomputed block is recomputed in its backward; torchtitan's `selective_ac_option =
+    /// "op"` saves `alternate_matmul` and `attention`).
+    pub enum RecomputeOp {
+        /// Every matrix product's output.
+        Matmul = "matmul",
+        /// Every other matrix product's output, in the block's forward order (the first,
+        /// third, ...): the others are recomputed.
+        AlternateMatmul = "alternate_matmul",
+        /// The fused attention kernel's output (and its log-sum-exp).
+        Attention = "attention",
+    }
+}
+
+choice! {
+    /// How FP8 training scales each tensor before its FP8 product (`training.fp8.recipe`).
+    pub enum Fp8Recipe {
+        /// One scale per tensor from a history of earlier steps' maxima (Transformer Engine's
+        /// `DelayedScaling`).
+        Delayed = "delayed",
+        /// One scale per tensor from its current maximum (Transformer Engine's
+        /// `Float8CurrentScaling`, Megatron-LM's `tensorwise`, torchao's `tensorwise`).
+        Tensorwise = "tensorwise",
+        /// One scale per row (torchao's `rowwise`).
+        Rowwise = "rowwise",
+        /// DeepSeek-V3's blocks: activations 1 × 128, weights 128 × 128 (Transformer Engine's
+        /// `Float8BlockScaling`, Megatron-LM's `blockwise`).
+        Blockwise = "blockwise",
+        /// MX block scaling: an 8-bit exponent per 32 values (`MXFP8BlockScaling`; Blackwell).
+        Mxfp8 = "mxfp8",
+    }
+}
+
+#[allow(clippy::derivable_impls)] // the `choice!` macro writes the enum
+impl Default for Fp8Recipe {
+    fn default() -> Self {
+        Fp8Recipe::Tensorwise
+    }
+}
+
+impl Fp8Recipe {
+    /// Bytes of scales per FP8 value: a 4-byte scale per row of 128 (blockwise activations),
+    /// per 32 values one byte (MX), or per tensor or row (negligible: 0).
+    pub fn scale_bytes_per_value(self) -> f64 {
+        match self {
+            Fp8Recipe::Delayed | Fp8Recipe::Tensorwise | Fp8Recipe::Rowwise => 0.0,
+            Fp8Recipe::Blockwise => 4.0 / 128.0,
+            Fp8Recipe::Mxfp8 => 1.0 / 32.0,
+        }
     }
 }
 
@@ -469,6 +587,11 @@ mod tests {
         round_trips::<Loss>();
         round_trips::<OptimizerKind>();
         round_trips::<Engine>();
+        round_trips::<RecomputeModule>();
+        round_trips::<RecomputeOp>();
+        round_trips::<Fp8Recipe>();
+        round_trips::<TrainingPrecision>();
+        round_trips::<Fp8Storage>();
         assert_eq!(ScheduleKind::OneFOneB.to_string(), "1f1b");
         assert_eq!(ReduceMode::ParameterServer.name(), "ps");
     }

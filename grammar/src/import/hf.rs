@@ -329,11 +329,11 @@ pub fn import(text: &str, name: &str, seq: Option<usize>, cluster: &ClusterChoic
     let family = c.text("model_type")?.ok_or("`model_type` is missing: which architecture is this?")?;
     let model = match family.as_str() {
         "gpt2" => gpt2(&mut c, seq)?,
-        "llama" | "mistral" | "mixtral" | "qwen2" => llama(&mut c, &family, seq)?,
+        "llama" | "mistral" | "mixtral" | "qwen2" | "qwen3" | "qwen3_moe" => llama(&mut c, &family, seq)?,
         "bert" => bert(&mut c, seq)?,
         other => {
             return Err(format!(
-                "`model_type: {other}` is not an architecture pipec imports (it imports gpt2, llama, mistral, mixtral, qwen2 and bert)"
+                "`model_type: {other}` is not an architecture pipec imports (it imports gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe and bert)"
             ))
         }
     };
@@ -467,7 +467,7 @@ fn gpt2(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
 fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, String> {
     let vocab = c.count("vocab_size")?;
     let d = c.count("hidden_size")?;
-    let ff = c.count("intermediate_size")?;
+    let dense_ff = c.count("intermediate_size")?;
     let layers = c.count("num_hidden_layers")?;
     let heads = c.count("num_attention_heads")?;
     let kv = c.count_or("num_key_value_heads", Some(heads))?;
@@ -479,14 +479,16 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     if act != "silu" {
         return Err(format!("`hidden_act: {act}` is not supported: pipec's gated MLPs are SwiGLU (silu) and GeGLU"));
     }
-    if d % heads != 0 {
-        return Err(format!("`hidden_size` {d} is not a multiple of `num_attention_heads` {heads}"));
-    }
-    c.require(
-        "head_dim",
-        |v| v.as_u64() == Some((d / heads) as u64),
-        "pipec's heads are hidden_size / num_attention_heads wide",
-    )?;
+    // each head's size: `head_dim` where the config gives one (Qwen3: 128 on d = 2048 with 32
+    // heads), else hidden_size / num_attention_heads
+    let head_dim = match c.index("head_dim")? {
+        Some(h) if h > 0 => h as usize,
+        Some(_) => return Err("`head_dim` must be a positive integer".into()),
+        None if d % heads == 0 => d / heads,
+        None => return Err(format!("`hidden_size` {d} is not a multiple of `num_attention_heads` {heads}")),
+    };
+    // Qwen3 normalises each head's queries and keys (an RMSNorm over the head's features)
+    let qk_norm = matches!(family, "qwen3" | "qwen3_moe");
     c.require("attention_dropout", |v| v.as_f64() == Some(0.0), "pipec's blocks apply no attention dropout")?;
     c.require("mlp_bias", |v| v.as_bool() == Some(false), "pipec's gated MLPs have no biases")?;
     // Qwen2 always has query/key/value biases; Llama's `attention_bias` puts them on the
@@ -513,6 +515,8 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
         "llama" => "Llama",
         "mistral" => "Mistral",
         "mixtral" => "Mixtral",
+        "qwen3" => "Qwen3",
+        "qwen3_moe" => "Qwen3-MoE",
         _ => "Qwen2",
     };
     // Mixtral: a softmax router over `num_local_experts` SwiGLU experts, the top
@@ -527,20 +531,34 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
         let coefficient = c.number_or("router_aux_loss_coef", 0.001)?;
         let aux = if c.flag_or("output_router_logits", false)? { coefficient } else { 0.0 };
         c.require("router_jitter_noise", |v| v.as_f64() == Some(0.0), "pipec's routers add no noise to the logits")?;
-        Some((experts, top_k, aux))
+        Some((experts, top_k, aux, true))
+    } else if family == "qwen3_moe" {
+        qwen3_experts(c)?
     } else {
         None
     };
+    // a mixture of experts' MLPs are `moe_intermediate_size` wide where the config says so
+    // (Qwen3-MoE; its `intermediate_size` is the dense MLP's of `mlp_only_layers`, none here)
+    let ff = if family == "qwen3_moe" { c.count("moe_intermediate_size")? } else { dense_ff };
     let mut args = format!("d={d}, heads={heads}, ff={ff}, causal=true");
     if kv != heads {
         args += &format!(", kv_heads={kv}");
+    }
+    if d % heads != 0 || head_dim != d / heads {
+        args += &format!(", head_dim={head_dim}");
+    }
+    if qk_norm {
+        args += ", qk_norm=true";
     }
     args += &format!(", norm=rmsnorm, mlp=swiglu, rope={}, bias=false", number(theta));
     if qkv_bias {
         args += ", qkv_bias=true";
     }
-    if let Some((experts, top_k, aux)) = experts {
+    if let Some((experts, top_k, aux, norm_topk)) = experts {
         args += &format!(", experts={experts}, top_k={top_k}, aux_loss={}", number(aux));
+        if !norm_topk {
+            args += ", norm_topk=false";
+        }
     }
     // the norms' ε, written only when not pipec's default
     let eps = (eps != pipec_plan::model::DEFAULT_EPS).then(|| format!("eps={}", number(eps)));
@@ -554,8 +572,9 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
         (format!("embedding({vocab}, {d})"), format!("linear({d}, {vocab}, bias=false) as lm_head"))
     };
     let gqa = if kv == heads { String::new() } else { format!(", {kv} key/value heads") };
+    let gqa = if d % heads != 0 || head_dim != d / heads { format!("{gqa}, heads of {head_dim}") } else { gqa };
     let gqa = match experts {
-        Some((e, k, _)) => format!("{gqa}, {e} experts ({k} per token)"),
+        Some((e, k, _, _)) => format!("{gqa}, {e} experts ({k} per token)"),
         None => gqa,
     };
     Ok(format!(
@@ -591,6 +610,28 @@ fn sliding_layers(c: &mut Config, layers: usize) -> Result<bool, String> {
         }
     }
     Ok(sliding)
+}
+
+/// Qwen3-MoE's experts: a softmax router over `num_experts` SwiGLU experts, the top
+/// `num_experts_per_tok` per token (renormalised with `norm_topk_prob`), in every block
+/// (`decoder_sparse_step` 1, no `mlp_only_layers`), the load-balancing loss only with
+/// `output_router_logits` as `transformers` adds it: (experts, top_k, aux_loss, norm_topk).
+fn qwen3_experts(c: &mut Config) -> Result<Option<(usize, usize, f64, bool)>, String> {
+    let experts = c.count("num_experts")?;
+    let top_k = c.count("num_experts_per_tok")?;
+    if top_k > experts {
+        return Err(format!("`num_experts_per_tok` {top_k} is more than `num_experts` {experts}"));
+    }
+    let norm_topk = c.flag_or("norm_topk_prob", false)?;
+    let coefficient = c.number_or("router_aux_loss_coef", 0.001)?;
+    let aux = if c.flag_or("output_router_logits", false)? { coefficient } else { 0.0 };
+    c.require("decoder_sparse_step", |v| v.as_u64() == Some(1), "pipec imports a mixture of experts in every block")?;
+    c.require(
+        "mlp_only_layers",
+        |v| v.as_array().is_some_and(Vec::is_empty),
+        "pipec imports a mixture of experts in every block",
+    )?;
+    Ok(Some((experts, top_k, aux, norm_topk)))
 }
 
 /// A BERT encoder (`BertModel`, `BertForMaskedLM`, `BertForSequenceClassification`, ...) as

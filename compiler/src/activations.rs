@@ -1,0 +1,378 @@
+//! What a transformer block keeps for its backward, tensor by tensor, and what each recompute
+//! policy drops of it.
+//!
+//! A block's forward is listed as the tensors its backward reads, each with its size per
+//! token, its precision, the operation that made it and the recompute module (Megatron-LM's
+//! `--recompute-modules`) that drops it. The list is the fused kernels' (Transformer Engine
+//! under Megatron-LM, and `torch.compile`'s per-block graphs): a norm fused with the product
+//! after it keeps its input and its output (the product's input), a gated MLP's fused
+//! activation keeps its input (gate and up outputs) and the down projection its input,
+//! FlashAttention its queries, keys, values, output and each row's log-sum-exp. For GPT-3's
+//! block with dropout this is Korthikanti et al. 2022's count (34·s·h + 5·a·s² bytes per
+//! sample at 16-bit; tested in `cost.rs`).
+//!
+//! Policies: no recompute keeps everything; recompute by module drops what the named modules
+//! make (their inputs stay); op-level selective recompute (torchtitan's) keeps the block's
+//! input and the outputs of the saved operations the backward reads; full recompute keeps
+//! the block's input only. What a policy drops comes back, one block of one microbatch at a
+//! time, while that block's backward runs: its transient peak.
+
+use pipec_plan::model::{BlockDims, ProjectionRole};
+
+use crate::block_cost::Part;
+use pipec_plan::vocab::{Attention, RecomputeModule, RecomputeOp};
+
+/// The operation that made a kept tensor (op-level selective recompute saves by it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Made {
+    /// The block's input: every policy keeps it (the recompute's starting point).
+    Input,
+    /// The block's k-th matrix product (from 0) in its forward as an eager model runs them
+    /// (queries, keys and values apart; a gated MLP's gate before its up projection).
+    Product(usize),
+    /// The fused attention kernel: its output and each row's log-sum-exp.
+    Attention,
+    /// Anything else (norms, rotary embeddings, activations, softmax, masks, the router's
+    /// scores, the dispatch): cheap to recompute.
+    Other,
+}
+
+/// One tensor a block keeps for its backward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Kept {
+    pub name: &'static str,
+    /// The recompute modules that drop it (empty: only a full recompute does).
+    pub modules: &'static [RecomputeModule],
+    pub made: Made,
+    /// Bytes per sample on one tensor-parallel rank.
+    pub bytes: f64,
+    /// Bytes per sample of its gradient while the backward passes it (the MLP's
+    /// intermediate tensors and the block's input, whose gradients are alive together at
+    /// the block's widest point; 0 for the others, whose gradients are smaller).
+    pub gradient: f64,
+    /// Whether the backward reads it. A product's output it does not read (the output and
+    /// down projections') is listed all the same: op-level recompute keeps what its policy
+    /// names whether the backward reads it or not (torchtitan's policy saves every other
+    /// `aten.mm` output by its count).
+    pub read: bool,
+}
+
+/// What a block's list depends on besides the block.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockContext {
+    /// Positions per sample.
+    pub s: f64,
+    /// Bytes per value of the activations.
+    pub p: f64,
+    /// Bytes per value a linear layer keeps of its input (FP8 with its scales under FP8
+    /// training that keeps them so, else `p`).
+    pub linear_input: f64,
+    /// The tensor-parallel degree the block is split over (1: not split).
+    pub t: f64,
+    /// Sequence parallelism: the tensors outside the split products are split too.
+    pub sp: bool,
+    pub attention: Attention,
+    /// Expert parallelism's degree.
+    pub ep: usize,
+    /// The block's dropout probability (0: no masks, no dropped copies).
+    pub dropout: bool,
+}
+
+/// The list being built: the tensors so far and the block's products so far.
+struct List {
+    tensors: Vec<Kept>,
+    products: usize,
+}
+
+impl List {
+    fn keep(&mut self, name: &'static str, modules: &'static [RecomputeModule], made: Made, bytes: f64) {
+        self.tensors.push(Kept { name, modules, made, bytes, gradient: 0.0, read: true });
+    }
+
+    /// Keeps a tensor whose gradient of `gradient` bytes per sample is alive at the block's
+    /// widest point of the backward.
+    fn keep_wide(
+        &mut self,
+        name: &'static str,
+        modules: &'static [RecomputeModule],
+        made: Made,
+        bytes: f64,
+        gradient: f64,
+    ) {
+        self.tensors.push(Kept { name, modules, made, bytes, gradient, read: true });
+    }
+
+    /// The next matrix product, whose output the backward does not read, of `bytes` bytes
+    /// per sample.
+    fn unread_product(&mut self, name: &'static str, bytes: f64) {
+        let made = self.product();
+        self.tensors.push(Kept { name, modules: &[], made, bytes, gradient: 0.0, read: false });
+    }
+
+    /// The next matrix product.
+    fn product(&mut self) -> Made {
+        self.products += 1;
+        Made::Product(self.products - 1)
+    }
+}
+
+/// The tensors a transformer block keeps for its backward, per sample on one rank.
+pub fn block_kept(b: &BlockDims, cx: &BlockContext) -> Vec<Kept> {
+    use RecomputeModule::{Layernorm, Mlp, Moe, MoeAct, SharedExperts};
+    let BlockContext { s, p, linear_input, t, sp, .. } = *cx;
+    let h = b.d as f64;
+    // outside the split products: whole per rank, split along the sequence with sequence
+    // parallelism; inside them: split over the heads or the MLP's columns
+    let seq = |values: f64, bytes: f64| s * values * bytes / if sp { t } else { 1.0 };
+    let split = |values: f64, bytes: f64| s * values * bytes / t;
+    let mut list = List { tensors: Vec::new(), products: 0 };
+    // the residual's gradient arrives and leaves at the block's input width
+    list.keep_wide("block input", &[], Made::Input, seq(h, p), 2.0 * seq(h, p));
+    list.keep("first norm's output", &[Layernorm], Made::Other, seq(h, linear_input));
+    attention_kept(b, cx, &mut list);
+    if cx.dropout {
+        list.keep("attention's dropout mask", &[], Made::Other, seq(h, 1.0));
+    }
+    list.keep("second norm's input", &[], Made::Other, seq(h, p));
+    list.keep("second norm's output", &[Layernorm], Made::Other, seq(h, linear_input));
+    // an MLP's kept tensors per token it computes: the up projection's output (gate ‖ up,
+    // the activation's input) and the activation's output (the down projection's input)
+    let f = b.ff as f64;
+    let mlp = |list: &mut List, rows: f64, up: &'static [RecomputeModule], act: &'static [RecomputeModule]| {
+        if b.gated {
+            let gate = list.product();
+            list.keep_wide("gate projection's output", up, gate, split(rows * f, p), split(rows * f, p));
+        }
+        let made = list.product();
+        list.keep_wide("up projection's output", up, made, split(rows * f, p), split(rows * f, p));
+        list.keep_wide("activation's output", act, Made::Other, split(rows * f, linear_input), split(rows * f, p));
+        // the down projection's output (whole on every rank before the row-parallel
+        // reduction), not read by the backward
+        list.unread_product("down projection's output", s * rows * h * p);
+    };
+    match b.moe {
+        None => mlp(&mut list, 1.0, &[Mlp], &[Mlp]),
+        Some(m) => {
+            let ep = cx.ep.max(1);
+            // the router's logits (fp32), scores (fp32) and chosen experts (64-bit), per token
+            // on the rank (its sequence share with sequence parallelism)
+            let router = list.product();
+            let e = m.experts as f64;
+            list.keep("router logits", &[Moe], router, seq(e, 4.0));
+            list.keep("router scores and choices", &[Moe], Made::Other, seq(4.0 * e + 8.0 * m.top_k as f64, 1.0));
+            // per token: the expert-token pairs this rank's experts compute (the busiest
+            // device's share of its group's routed pairs under the routing assumption) and
+            // the routed pairs of its own tokens, whose outputs the combine weighs
+            let computed = m.busiest_device_pairs(s, ep) * ep as f64 / s.max(1.0);
+            let routed = m.routed_pairs(s) / s.max(1.0);
+            list.keep("dispatched rows", &[Moe], Made::Other, seq(computed * h, linear_input));
+            mlp(&mut list, computed, &[Moe], &[MoeAct, Moe]);
+            list.keep("experts' outputs for the combine", &[Moe], Made::Other, seq(routed * h, p));
+            if m.shared > 0 {
+                mlp(&mut list, m.shared as f64, &[SharedExperts, Moe], &[SharedExperts, Moe]);
+            }
+        }
+    }
+    if cx.dropout {
+        list.keep("MLP's dropout mask", &[], Made::Other, seq(h, 1.0));
+    }
+    list.tensors
+}
+
+/// The attention's kept tensors: queries, keys and values (multi-head latent attention's
+/// latents, and its queries, keys and values from them), the query/key norms' inputs, the
+/// core's (the probabilities, or FlashAttention's log-sum-exp) and its output.
+fn attention_kept(b: &BlockDims, cx: &BlockContext, list: &mut List) {
+    use RecomputeModule::{CoreAttn, MlaUpProj};
+    let BlockContext { s, p, linear_input, t, sp, .. } = *cx;
+    let seq = |values: f64, bytes: f64| s * values * bytes / if sp { t } else { 1.0 };
+    let split = |values: f64, bytes: f64| s * values * bytes / t;
+    let (qk, vh, heads, kv) = (b.qk_head as f64, b.v_head as f64, b.heads as f64, b.kv_heads as f64);
+    for role in b.projections().iter().map(|p| p.role) {
+        match (role, b.mla) {
+            (ProjectionRole::Qkv, _) => {
+                let q = list.product();
+                list.keep("queries", &[], q, split(heads * qk, p));
+                let k = list.product();
+                list.keep("keys", &[], k, split(kv * qk, p));
+                let v = list.product();
+                list.keep("values", &[], v, split(kv * vh, p));
+            }
+            (ProjectionRole::QueryDown, Some(m)) => {
+                let made = list.product();
+                list.keep("query latent and its norm's output", &[], made, seq(2.0 * m.q_lora as f64, p));
+            }
+            (ProjectionRole::KvDown, Some(m)) => {
+                let made = list.product();
+                let values = 2.0 * m.kv_lora as f64 + m.rope_dim as f64;
+                list.keep("key/value latent, its norm's output and the rotary key", &[], made, seq(values, p));
+            }
+            (ProjectionRole::Query | ProjectionRole::QueryUp, _) => {
+                let made = list.product();
+                list.keep("queries", &[MlaUpProj], made, split(heads * qk, p));
+            }
+            (ProjectionRole::KvUp, _) => {
+                let made = list.product();
+                list.keep("keys and values", &[MlaUpProj], made, split(heads * (qk + vh), p));
+            }
+            // the output projection, after the core
+            (ProjectionRole::Output | ProjectionRole::QueryDown | ProjectionRole::KvDown, _) => {}
+        }
+    }
+    if b.qk_norm {
+        list.keep("query and key norms' inputs", &[], Made::Other, split((heads + kv) * qk, p));
+    }
+    let keys = b.attended(s as usize) as f64;
+    match cx.attention {
+        // the probabilities (and with dropout their mask and the dropped copy), per query
+        // one per key attended
+        Attention::Standard => {
+            list.keep("attention probabilities", &[CoreAttn], Made::Other, split(heads * keys, p));
+            if cx.dropout {
+                list.keep("attention dropout mask", &[CoreAttn], Made::Other, split(heads * keys, 1.0));
+                list.keep("dropped attention probabilities", &[CoreAttn], Made::Other, split(heads * keys, p));
+            }
+        }
+        Attention::Flash => list.keep("attention log-sum-exp", &[CoreAttn], Made::Attention, split(heads, 4.0)),
+    }
+    list.keep("attention output", &[], Made::Attention, split(heads * vh, linear_input));
+    // the output projection's output (whole on every rank before the row-parallel
+    // reduction), not read by the backward
+    list.unread_product("output projection's output", s * b.d as f64 * p);
+}
+
+/// A recompute policy for a block (`strategy.recompute` on its stage).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// Keep everything.
+    #[default]
+    None,
+    /// Drop what these modules make.
+    Modules(Vec<RecomputeModule>),
+    /// Keep the input and the outputs of these operations the backward reads.
+    Ops(Vec<RecomputeOp>),
+    /// Keep the input only.
+    Full,
+}
+
+impl Policy {
+    /// Whether the policy keeps `k`.
+    pub fn keeps(&self, k: &Kept) -> bool {
+        if !k.read && !matches!(self, Policy::Ops(_)) {
+            return false;
+        }
+        match self {
+            Policy::None => true,
+            Policy::Modules(modules) => !k.modules.iter().any(|m| modules.contains(m)),
+            Policy::Ops(ops) => match k.made {
+                Made::Input => true,
+                Made::Product(i) => {
+                    ops.contains(&RecomputeOp::Matmul) || (ops.contains(&RecomputeOp::AlternateMatmul) && i % 2 == 0)
+                }
+                Made::Attention => ops.contains(&RecomputeOp::Attention),
+                Made::Other => false,
+            },
+            Policy::Full => k.made == Made::Input,
+        }
+    }
+
+    /// Bytes per sample alive during the block's backward beyond what the policy keeps: what
+    /// it dropped (recomputed), and the gradients at the block's widest point.
+    pub fn backward_peak(&self, list: &[Kept]) -> f64 {
+        self.split(list).1 + list.iter().map(|k| k.gradient).sum::<f64>()
+    }
+
+    /// Bytes per sample the policy keeps of `list`, and the bytes it drops (what comes back
+    /// while the block's backward runs).
+    pub fn split(&self, list: &[Kept]) -> (f64, f64) {
+        list.iter().fold((0.0, 0.0), |(kept, dropped), k| {
+            if self.keeps(k) {
+                (kept + k.bytes, dropped)
+            } else if k.read {
+                (kept, dropped + k.bytes)
+            } else {
+                (kept, dropped)
+            }
+        })
+    }
+}
+
+/// Seconds of a block's forward that `policy` runs again in its backward: the parts of the
+/// recomputed modules, the forward but its kept products (and the attention, if kept), or
+/// the whole forward. `parts` and `products` are the forward's seconds by part and by
+/// product (`block_cost`).
+pub fn recompute_seconds(policy: &Policy, forward: f64, parts: &[f64; Part::COUNT], products: &[f64]) -> f64 {
+    match policy {
+        Policy::None => 0.0,
+        Policy::Modules(modules) => {
+            let mut covered: Vec<Part> = modules.iter().flat_map(|m| Part::of_module(*m).iter().copied()).collect();
+            covered.sort_by_key(|p| *p as usize);
+            covered.dedup();
+            covered.iter().map(|p| parts[*p as usize]).sum()
+        }
+        Policy::Ops(ops) => {
+            let kept_products: f64 = products
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| {
+                    ops.contains(&RecomputeOp::Matmul) || (ops.contains(&RecomputeOp::AlternateMatmul) && i % 2 == 0)
+                })
+                .map(|(_, s)| s)
+                .sum();
+            let attention = if ops.contains(&RecomputeOp::Attention) { parts[Part::Core as usize] } else { 0.0 };
+            (forward - kept_products - attention).max(0.0)
+        }
+        Policy::Full => forward,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipec_plan::model::Op;
+
+    fn cx(t: f64, sp: bool, attention: Attention, dropout: bool) -> BlockContext {
+        BlockContext { s: 512.0, p: 2.0, linear_input: 2.0, t, sp, attention, ep: 1, dropout }
+    }
+
+    fn total(list: &[Kept]) -> f64 {
+        list.iter().filter(|k| k.read).map(|k| k.bytes).sum()
+    }
+
+    #[test]
+    fn gpt3s_block_keeps_korthikantis_count() {
+        // s = 512, h = 1024, a = 16, 16-bit, dropout: 34·s·h + 5·a·s² bytes per sample
+        let b = Op::block(1024, 16, 4096, false).block_dims().expect("block");
+        let (sh, as2) = (512.0 * 1024.0, 16.0 * 512.0 * 512.0);
+        assert_eq!(total(&block_kept(&b, &cx(1.0, false, Attention::Standard, true))), 34.0 * sh + 5.0 * as2);
+        // tensor parallelism t: (10 + 24/t)·s·h + 5·a·s²/t; with sequence parallelism all over t
+        let t = 8.0;
+        assert_eq!(
+            total(&block_kept(&b, &cx(t, false, Attention::Standard, true))),
+            (10.0 + 24.0 / t) * sh + 5.0 * as2 / t
+        );
+        assert_eq!(total(&block_kept(&b, &cx(t, true, Attention::Standard, true))), (34.0 * sh + 5.0 * as2) / t);
+        // selective recompute (the core) drops the 5·a·s²
+        let list = block_kept(&b, &cx(t, true, Attention::Standard, true));
+        let (kept, dropped) = Policy::Modules(vec![RecomputeModule::CoreAttn]).split(&list);
+        assert_eq!((kept, dropped), (34.0 * sh / t, 5.0 * as2 / t));
+    }
+
+    #[test]
+    fn torchtitans_op_policy_keeps_the_alternate_products_and_the_attention() {
+        // Llama 3.1 8B's block, flash attention, bf16: its input, the query and value
+        // products (first and third), the attention's output and log-sum-exp, the gate
+        // (fifth product) and the down projection (seventh: kept by its count though the
+        // backward does not read it); the keys, output and up projections and every norm
+        // and activation are recomputed
+        let b = Op::llama_block(4096, 32, 8, 14336).block_dims().expect("block");
+        let list = block_kept(&b, &BlockContext { s: 8192.0, ..cx(1.0, false, Attention::Flash, false) });
+        let policy = Policy::Ops(vec![RecomputeOp::AlternateMatmul, RecomputeOp::Attention]);
+        let (kept, _) = policy.split(&list);
+        let per_token = 2.0 * (4096.0 + 4096.0 + 1024.0 + 4096.0 + 14336.0 + 4096.0) + 32.0 * 4.0;
+        assert_eq!(kept, 8192.0 * per_token);
+        // a full recompute keeps the input alone; no recompute everything
+        assert_eq!(Policy::Full.split(&list).0, 8192.0 * 2.0 * 4096.0);
+        assert_eq!(Policy::None.split(&list).0, total(&list));
+    }
+}

@@ -1,0 +1,129 @@
+//! What pricing a layer's kernels needs: the context of a cost model's layer (device,
+//! precisions, parallel degrees, attention kernel, FP8) and the running sum of one pass's
+//! kernels, each priced on the resource it is bound by (`DeviceModel::matrix_time`,
+//! `vector_time`).
+
+use pipec_plan::device::{DeviceModel, Function};
+use pipec_plan::plan::Fp8Plan;
+use pipec_plan::vocab::{Attention, CpComm, Fp8Storage, Loss, OptimizerKind, Precision};
+
+/// What pricing a layer needs besides the layer.
+#[derive(Debug, Clone)]
+pub struct CostContext<'a> {
+    pub device: &'a DeviceModel,
+    pub precision: Precision,
+    /// The precision gradients are accumulated in (the optimizer reads them).
+    pub grad_precision: Precision,
+    /// The precision of the optimizer's moments.
+    pub state_precision: Precision,
+    pub optimizer: OptimizerKind,
+    pub loss: Loss,
+    /// Samples per microbatch.
+    pub microbatch: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Expert-parallel degree: each device holds 1/ep of every expert block's experts.
+    pub ep: usize,
+    /// Context-parallel degree: each device computes 1/cp of every sequence's positions
+    /// (the load-balanced split: an equal share of the causal attention work too).
+    pub cp: usize,
+    pub sequence_parallel: bool,
+    pub attention: Attention,
+    /// How context parallelism exchanges keys and values (`cp_comm`).
+    pub cp_comm: CpComm,
+    /// Seconds a layer's forward costs beyond its kernels (its backward twice that): the
+    /// spec's `overhead`, framework work per pass.
+    pub overhead: f64,
+    /// FP8 training: the blocks' products in FP8 (None without).
+    pub fp8: Option<Fp8Plan>,
+}
+
+impl CostContext<'_> {
+    /// Bytes per value a block's linear layers keep of their inputs: FP8 and its scales
+    /// where FP8 training keeps them so (Transformer Engine), else the activations' `p`.
+    pub fn linear_input_bytes(&self, p: f64) -> f64 {
+        match self.fp8 {
+            Some(f) if f.activations == Fp8Storage::Fp8 => 1.0 + f.recipe.scale_bytes_per_value(),
+            _ => p,
+        }
+    }
+
+    /// The attention kernel the layers are priced as running: the spec's, except that a
+    /// context-parallel ring (`cp_comm: ring`) computes each block's attention with the
+    /// online softmax and keeps each row's log-sum-exp, never the [heads, seq, seq]
+    /// probabilities — flash attention's memory, and its recompute in the backward. So does
+    /// ring attention (Liu et al. 2023, blockwise), Transformer Engine's ring context
+    /// parallelism (it runs on its flash and fused attention kernels), and pipec's executor
+    /// (`executor/src/ring.rs`).
+    pub fn attention_kernel(&self) -> Attention {
+        if self.cp > 1 && self.cp_comm == CpComm::Ring {
+            Attention::Flash
+        } else {
+            self.attention
+        }
+    }
+}
+
+/// The kernels of one pass, priced on the device: seconds so far.
+pub(crate) struct Kernels<'a> {
+    pub(crate) device: &'a DeviceModel,
+    pub(crate) precision: Precision,
+    pub(crate) p: f64,
+    pub(crate) seconds: f64,
+}
+
+/// A matrix product: its FLOPs and the values it reads (its input and weights) and writes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Product {
+    pub(crate) flops: f64,
+    pub(crate) input: f64,
+    pub(crate) weights: f64,
+    pub(crate) output: f64,
+}
+
+impl Product {
+    fn values(&self) -> f64 {
+        self.input + self.weights + self.output
+    }
+}
+
+impl Kernels<'_> {
+    /// A matrix product of `flops` moving `values` values.
+    pub(crate) fn matrix(&mut self, flops: f64, values: f64) {
+        self.seconds += self.device.matrix_time(flops, values * self.p, self.precision);
+    }
+    /// A block's product: at the training precision, or under FP8 training with FP8
+    /// operands — its input cast first to FP8 twice (a row-major copy for this product and
+    /// a column-major one the weight gradient reads; Transformer Engine's `cast_transpose`),
+    /// one memory-bound kernel reading the input and writing two bytes per value.
+    pub(crate) fn product(&mut self, product: Product, fp8: bool) {
+        if !fp8 {
+            return self.matrix(product.flops, product.values());
+        }
+        self.seconds += self.device.vector_time(product.input, product.input * (self.p + 2.0));
+        self.seconds += self.device.fp8_matrix_time(product.flops, product.values() * self.p);
+    }
+    /// A product's backward: its input gradient and its weight gradient, and under FP8
+    /// training the output gradient's cast to FP8 (both layouts).
+    pub(crate) fn gradients(&mut self, product: Product, fp8: bool) {
+        if fp8 {
+            self.seconds += self.device.vector_time(product.output, product.output * (self.p + 2.0));
+            self.seconds += 2.0 * self.device.fp8_matrix_time(product.flops, product.values() * self.p);
+        } else {
+            self.matrix(product.flops, product.values());
+            self.matrix(product.flops, product.values());
+        }
+    }
+    /// An element-wise kernel of `flops` moving `values` values and `mask` one-byte values.
+    pub(crate) fn vector(&mut self, flops: f64, values: f64, mask: f64) {
+        self.seconds += self.device.vector_time(flops, values * self.p + mask);
+    }
+    /// An element-wise kernel applying `f` to `elements` values ([`DeviceModel::function_time`]).
+    pub(crate) fn function(&mut self, f: Function, elements: f64, flops: f64, values: f64) {
+        self.seconds += self.device.function_time(f, elements, flops, values * self.p);
+    }
+    /// `f`'s gradient over `elements` values ([`DeviceModel::function_grad_time`]).
+    pub(crate) fn function_grad(&mut self, f: Function, elements: f64, flops: f64, values: f64) {
+        self.seconds += self.device.function_grad_time(f, elements, flops, values * self.p);
+    }
+}
