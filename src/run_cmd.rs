@@ -358,11 +358,12 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
             }
             let trace =
                 measured_trace(plan, &report, &format!("pipec run --transport {transport} (measured, every step)"));
-            if let Err(e) = write_atomic(&dir.join("trace.json"), trace.as_bytes()) {
+            let trace_name = trace_file(first_step);
+            if let Err(e) = write_atomic(&dir.join(&trace_name), trace.as_bytes()) {
                 eprintln!("error: {e}");
                 return EXIT_USAGE;
             }
-            println!("wrote {}/{{plan.json, metrics.jsonl, trace.json}}", dir.display());
+            println!("wrote {}/{{plan.json, metrics.jsonl, {trace_name}}}", dir.display());
             EXIT_OK
         }
         Ok((_, None)) => EXIT_OK,

@@ -96,6 +96,8 @@ fn ranks_started_with_torchruns_variables_train_like_threads_and_resume_exactly(
         assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
     }
     assert_eq!(losses(&resumed), losses(&threads)[3..].to_vec());
+    // a resumed run's trace is its own, as in one process
+    assert!(resumed.join("trace-from-step-3.json").is_file() && !resumed.join("trace.json").exists());
 }
 
 #[test]
