@@ -127,8 +127,7 @@ impl Default for RunOptions {
     }
 }
 
-/// The CPU backend with autodiff.
-pub type CpuBackend = burn::backend::Autodiff<burn::backend::Flex>;
+pub use backend::CpuBackend;
 
 /// What one training step measured.
 #[derive(Debug, Clone, PartialEq)]
@@ -175,14 +174,7 @@ pub struct StepMetrics {
     pub expert_tokens: ExpertTokens,
 }
 
-/// Per mixture-of-experts block (by its layer index), the tokens each of its experts took.
-pub type ExpertTokens = BTreeMap<usize, Vec<u64>>;
-
-/// Adds one block's per-expert token counts (`layer`, `took`) to `into`.
-pub fn add_expert_tokens(into: &mut ExpertTokens, layer: usize, took: &[u64]) {
-    let sum = into.entry(layer).or_insert_with(|| vec![0; took.len()]);
-    sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
-}
+pub use interp::compute::{add_expert_tokens, ExpertTokens};
 
 /// The held-out data's figures after a step: its mean loss, and a classifier's accuracy
 /// (a language model's over its tokens) and a language model's perplexity.

@@ -147,7 +147,7 @@ mod tests {
     /// The gradients through a bf16 product reach fp32 leaves as fp32, near the fp32 ones.
     #[test]
     fn bf16_product_gradients_are_fp32_and_near_the_exact_ones() {
-        type A = crate::CpuBackend;
+        type A = crate::backend::CpuBackend;
         let dev = Default::default();
         let a = Tensor::<A, 2>::random([8, 32], Distribution::Normal(0.0, 1.0), &dev).require_grad();
         let w = Tensor::<A, 2>::from_data(

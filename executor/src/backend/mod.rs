@@ -13,3 +13,6 @@ pub mod port;
 pub mod resident;
 pub mod ring;
 pub mod rng;
+
+/// The CPU backend with autodiff.
+pub type CpuBackend = burn::backend::Autodiff<burn::backend::Flex>;

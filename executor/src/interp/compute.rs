@@ -64,7 +64,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 report.aux_losses.push((mb.0, aux.clone().into_scalar().elem::<f32>()));
             }
             for (layer, took) in &f.expert_tokens {
-                crate::add_expert_tokens(&mut report.expert_tokens, *layer, took);
+                add_expert_tokens(&mut report.expert_tokens, *layer, took);
             }
         }
         // with recompute only the input is kept (the last stage keeps its loss); the
@@ -465,4 +465,13 @@ pub(crate) fn loss_of<B: ExecBackend>(loss: Loss, out: Act<B>, y: &Targets, dev:
         }
         _ => Err(ExecError::Data(format!("the targets do not fit the `{loss}` loss"))),
     }
+}
+
+/// Per mixture-of-experts block (by its layer index), the tokens each of its experts took.
+pub type ExpertTokens = std::collections::BTreeMap<usize, Vec<u64>>;
+
+/// Adds one block's per-expert token counts (`layer`, `took`) to `into`.
+pub fn add_expert_tokens(into: &mut ExpertTokens, layer: usize, took: &[u64]) {
+    let sum = into.entry(layer).or_insert_with(|| vec![0; took.len()]);
+    sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
 }

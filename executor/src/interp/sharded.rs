@@ -174,7 +174,7 @@ pub(crate) fn shard_loaded<B: ExecBackend>(st: &mut StageState<B>, plan: &Plan, 
 /// weights already; after this the checkpoint loads like any other, on any layout. The
 /// records are decoded and encoded on the CPU backend (bytes either way).
 pub fn join_saved(loaded: &mut checkpoint::Loaded, optimizer: &pipec_plan::plan::OptimizerPlan) -> Result<()> {
-    type C = crate::CpuBackend;
+    type C = crate::backend::CpuBackend;
     if loaded.zero.is_empty() {
         return Ok(());
     }

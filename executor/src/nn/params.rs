@@ -384,7 +384,7 @@ mod tests {
     use burn::module::Module;
     use burn::tensor::Distribution;
 
-    type B = crate::CpuBackend;
+    type B = crate::backend::CpuBackend;
 
     #[derive(Module, Debug)]
     struct Two<B: Backend> {

@@ -7,3 +7,4 @@ pub(crate) mod optim;
 pub(crate) mod reshard;
 pub mod tensor_parallel;
 pub(crate) mod zero;
+pub(crate) mod zero_units;

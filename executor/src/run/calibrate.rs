@@ -492,22 +492,24 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
     };
     let one = || -> Result<Calibration, String> {
         meet();
-        let launch = autodiff_launch::<crate::CpuBackend>(&Default::default(), reps.max(3));
+        let launch = autodiff_launch::<crate::backend::CpuBackend>(&Default::default(), reps.max(3));
         // the adds and functions as the kernels run them; the products as the executor's
         // layers run them in a step (the bare products are not timed)
         let kernels = Sweep { products: &[], ..Sweep::CPU };
         let c = calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), kernels, &meet);
-        let products = layer_products::<crate::CpuBackend>(&Default::default(), reps, Sweep::CPU.products, &meet)?;
+        let products =
+            layer_products::<crate::backend::CpuBackend>(&Default::default(), reps, Sweep::CPU.products, &meet)?;
         meet();
         let mut functions = c.functions;
-        functions.extend(function_gradients::<crate::CpuBackend>(
+        functions.extend(function_gradients::<crate::backend::CpuBackend>(
             &Default::default(),
             Sweep::CPU.function_elements,
             reps,
         ));
-        let attention = attention_passes::<crate::CpuBackend>(&Default::default(), reps, ATTENTION_SHAPES, &meet)?;
+        let attention =
+            attention_passes::<crate::backend::CpuBackend>(&Default::default(), reps, ATTENTION_SHAPES, &meet)?;
         meet();
-        let optimizer = optimizer_rates::<crate::CpuBackend>(&Default::default(), reps);
+        let optimizer = optimizer_rates::<crate::backend::CpuBackend>(&Default::default(), reps);
         let mut c = fitted("", memory, launch, products, c.adds, functions);
         c.device.optimizer = Some(optimizer);
         c.attention = attention;

@@ -227,7 +227,7 @@ pub fn run_rank<F: Fabric + 'static>(
     let report = match options.backend {
         crate::BackendKind::Cpu => {
             let placement = [(device, (Default::default(), "cpu".to_string()))].into_iter().collect();
-            run_workers::<crate::CpuBackend, _>(
+            run_workers::<crate::backend::CpuBackend, _>(
                 plan,
                 options,
                 &placement,

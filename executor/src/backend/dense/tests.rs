@@ -3,7 +3,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{Distribution, TensorData};
 
-type B = crate::CpuBackend;
+type B = crate::backend::CpuBackend;
 
 /// Attention's core recomputed in the backward gives the values and the q, k, v
 /// gradients of the core kept (Burn's own autodiff through the same forward), causal or

@@ -33,7 +33,7 @@ fn shards_join_back_into_the_whole_tensor_for_every_split_and_degree() {
 /// and each rank's score gradient is its columns of the one-device gradient.
 #[test]
 fn the_vocabulary_parallel_loss_is_the_cross_entropy_and_its_gradient() {
-    use crate::CpuBackend as B;
+    use crate::backend::CpuBackend as B;
     use std::sync::{Arc, Barrier, Mutex};
     let (rows, vocab) = (6usize, 8usize);
     let scores: Vec<f32> = (0..rows * vocab).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.7).collect();

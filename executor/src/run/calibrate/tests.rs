@@ -66,15 +66,16 @@ fn the_attention_fit_recovers_its_terms_and_never_goes_negative() {
 
 #[test]
 fn the_executors_attention_is_timed_forward_and_backward() {
-    let points = attention_passes::<crate::CpuBackend>(&Default::default(), 3, &[(1, 8, 2, 4), (2, 16, 2, 8)], &|| {})
-        .expect("runs");
+    let points =
+        attention_passes::<crate::backend::CpuBackend>(&Default::default(), 3, &[(1, 8, 2, 4), (2, 16, 2, 8)], &|| {})
+            .expect("runs");
     assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), vec![(1, 8, 2, 4), (2, 16, 2, 8)]);
     assert!(points.iter().all(|&(_, f, b)| f > 0.0 && b > 0.0 && f.is_finite() && b.is_finite()), "{points:?}");
 }
 
 #[test]
 fn a_functions_gradient_is_timed_beyond_its_forward() {
-    let g = function_gradients::<crate::CpuBackend>(&Default::default(), 4096, 3);
+    let g = function_gradients::<crate::backend::CpuBackend>(&Default::default(), 4096, 3);
     let names: Vec<&str> = g.iter().map(|(n, _)| *n).collect();
     assert_eq!(names, ["gelu_grad", "gelu_tanh_grad", "silu_grad", "tanh_grad"]);
     assert!(g.iter().all(|(_, p)| p.size == 4096.0 && p.seconds > 0.0 && p.seconds.is_finite()), "{g:?}");
@@ -84,8 +85,9 @@ fn a_functions_gradient_is_timed_beyond_its_forward() {
 
 #[test]
 fn a_layers_products_are_timed_through_autodiff_one_product_a_point() {
-    let points = layer_products::<crate::CpuBackend>(&Default::default(), 3, &[(8, 16, 32), (16, 64, 64)], &|| {})
-        .expect("linear layers run");
+    let points =
+        layer_products::<crate::backend::CpuBackend>(&Default::default(), 3, &[(8, 16, 32), (16, 64, 64)], &|| {})
+            .expect("linear layers run");
     assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), vec![(8, 16, 32), (16, 64, 64)]);
     for ((m, k, n), p) in points {
         assert_eq!(p.size, 2.0 * (m * k * n) as f64);
@@ -140,13 +142,13 @@ fn the_plans_parameter_tensors_are_the_executors() {
         Op::llama_block(16, 4, 2, 24),
     ];
     for op in &ops {
-        let model = crate::nn::layers::StageModel::<crate::CpuBackend>::new(
+        let model = crate::nn::layers::StageModel::<crate::backend::CpuBackend>::new(
             std::slice::from_ref(op),
             0,
             1,
             &Default::default(),
         );
-        let layout = crate::nn::params::layout::<crate::CpuBackend, _>(&model);
+        let layout = crate::nn::params::layout::<crate::backend::CpuBackend, _>(&model);
         assert_eq!(op.parameter_tensors(), layout.len(), "{op:?}");
     }
 }
