@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod calibrate_cmd;
+mod calibrate_measured;
 mod check_cmd;
 mod compare_cmd;
 mod compile_cmd;
@@ -162,9 +163,21 @@ enum Command {
     /// Measure this machine's device (matrix products, element-wise kernels, launch) and
     /// write the device file a spec names with `cluster.device: { file: FILE }`.
     Calibrate {
-        /// Output file.
-        #[arg(short, long, default_value = "device.json")]
-        out: PathBuf,
+        /// Output file (default: device.json; with --measured, calibration.json).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// Instead of measuring this machine: fit the engine's kernel efficiency on SPEC's
+        /// device kind to one measured step of that spec's own run (--step or --log), and
+        /// write the calibration file a spec names with `engine: { calibration: FILE }`.
+        #[arg(long, value_name = "SPEC")]
+        measured: Option<PathBuf>,
+        /// With --measured: the measured seconds per step (`2.84`, `2840ms`).
+        #[arg(long, requires = "measured")]
+        step: Option<String>,
+        /// With --measured: the run's log — Megatron-LM's (`elapsed time per iteration
+        /// (ms)`), torchtitan's (`tps`) or `pipec run`'s metrics.jsonl.
+        #[arg(long, requires = "measured")]
+        log: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t = run_cmd::Backend::Cpu)]
         backend: run_cmd::Backend,
         /// The device's memory, written into the file (e.g. `16GiB`).
@@ -458,9 +471,16 @@ fn main() -> ExitCode {
             elastic: elastic.then_some(launch_cmd::Elastic { min_devices, max_restarts }),
             slurm,
         }),
-        Command::Calibrate { out, backend, memory, reps, concurrent } => {
-            calibrate_cmd::run(out, backend, &memory, reps, concurrent as usize)
+        Command::Calibrate { out, measured: Some(spec), step, log, .. } => {
+            calibrate_measured::run(&spec, step.as_deref(), log.as_deref(), out)
         }
+        Command::Calibrate { out, measured: None, backend, memory, reps, concurrent, .. } => calibrate_cmd::run(
+            out.unwrap_or_else(|| PathBuf::from("device.json")),
+            backend,
+            &memory,
+            reps,
+            concurrent as usize,
+        ),
         Command::Profile { file, out, backend, reps, concurrent } => {
             profile_cmd::run(&file, out, backend, reps, concurrent.map(|n| n as usize), std::io::stderr().is_terminal())
         }

@@ -2311,3 +2311,88 @@ fn an_imported_llama_3_8b_searched_on_h100s_keeps_the_default_memory_headroom() 
     let without = best(1, 16, &["--headroom", "0"]);
     assert!(without < default, "without the default the winner keeps {without}");
 }
+
+/// `pipec calibrate --measured`: one measured step of a spec's own run (a number, or an
+/// engine's log) fits its engine's constant on its device kind; a spec naming the file is
+/// then predicted at that step, and another layout of the same engine and device kind is
+/// priced with the same constant. A file for another engine or device is refused.
+#[test]
+fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/specs/published-2025");
+    let spec = root.join("tt24-t1-8b-8g-bf16-eager.yaml");
+    let file = dir.path().join("eager.json");
+    let out = pipec(&[
+        "calibrate",
+        "--measured",
+        spec.to_str().expect("utf-8"),
+        "--step",
+        "3.1s",
+        "-o",
+        file.to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).expect("written")).expect("json");
+    assert_eq!(written["format"], "pipec-engine-calibration-1");
+    assert_eq!(written["family"], "torch-eager");
+    assert_eq!(written["power"], 500.0);
+    // the spec, pointed at the file, is predicted at the measured step
+    let text = std::fs::read_to_string(&spec)
+        .expect("spec")
+        .replace("engine: torchtitan", &format!("engine: {{ name: torchtitan, calibration: {} }}", file.display()));
+    let pointed = dir.path().join("pointed.yaml");
+    std::fs::write(&pointed, &text).expect("write");
+    let plan_dir = dir.path().join("plan");
+    let out = pipec(&["compile", pointed.to_str().expect("utf-8"), "-o", plan_dir.to_str().expect("utf-8")]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let plan: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(plan_dir.join("plan.json")).expect("plan")).expect("json");
+    let step = plan["simulation"]["step_time_s"].as_f64().expect("step");
+    assert!((step / 3.1 - 1.0).abs() < 0.01, "predicted {step} s after calibrating to 3.1 s");
+    assert!(plan["engine_performance"]["source"].as_str().expect("source").contains("3.1"));
+    // a torchtitan log: tps per device turned into a step by the spec's batch (16 × 8192 on 8)
+    let log = dir.path().join("train.log");
+    std::fs::write(
+        &log,
+        "step:  1  loss: 12.0  tps: 900\nstep: 10  loss: 9.0  tps: 5,762\nstep: 20  loss: 8.0  tps: 5,762\n",
+    )
+    .expect("log");
+    let from_log = dir.path().join("log.json");
+    let out = pipec(&[
+        "calibrate",
+        "--measured",
+        spec.to_str().expect("utf-8"),
+        "--log",
+        log.to_str().expect("utf-8"),
+        "-o",
+        from_log.to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let read: serde_json::Value = serde_json::from_slice(&std::fs::read(&from_log).expect("written")).expect("json");
+    let measured = read["measured"]["step_s"].as_f64().expect("step");
+    assert!((measured - 16.0 * 8192.0 / (5762.0 * 8.0)).abs() < 1e-9, "{measured}");
+    // the file is for torchtitan eager on a 500 W H100: a compiled run refuses it
+    let other = std::fs::read_to_string(root.join("tt24-t1-8b-8g-bf16-compile.yaml")).expect("spec").replace(
+        "engine: { name: torchtitan, compile: true }",
+        &format!("engine: {{ name: torchtitan, compile: true, calibration: {} }}", file.display()),
+    );
+    let wrong = dir.path().join("wrong.yaml");
+    std::fs::write(&wrong, other).expect("write");
+    let out = pipec(&["check", wrong.to_str().expect("utf-8")]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not for this run"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // nothing to fit from: no step, an unreadable log, a step no efficiency reaches
+    for args in [vec!["--step", "-2"], vec!["--log", "/nonexistent/log"], vec!["--step", "0.001"]] {
+        let bad = dir.path().join("bad.json");
+        let mut all =
+            vec!["calibrate", "--measured", spec.to_str().expect("utf-8"), "-o", bad.to_str().expect("utf-8")];
+        all.extend(args.iter().copied());
+        let out = pipec(&all);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(!bad.exists(), "{args:?}: nothing written");
+    }
+}

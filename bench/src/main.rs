@@ -800,6 +800,78 @@ fn fidelity() {
     println!("memory figures: {}", summary(&memory));
 }
 
+/// Published 2025–26 step times (bench/specs/published-2025/steps.csv): each engine ×
+/// device kind's constant refitted on its calibration rows beside the table's, then every
+/// row predicted with the table's constants, the held-out half summarised.
+fn steps() {
+    use pipec_compiler::fidelity::{fit_efficiency, read_steps, relative_error, Half, StepSpec};
+    println!("## steps");
+    let folder = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/published-2025");
+    let table = std::fs::read_to_string(folder.join("steps.csv")).expect("bench/specs/published-2025/steps.csv");
+    let rows = read_steps(&table).expect("the step table");
+    let specs: Vec<StepSpec> = rows
+        .iter()
+        .map(|r| {
+            let source = std::fs::read_to_string(folder.join(&r.spec)).expect("the row's spec");
+            StepSpec::check(&source, Some(&folder)).unwrap_or_else(|e| panic!("{}: {e}", r.spec))
+        })
+        .collect();
+    let mut kinds: Vec<_> = specs.iter().map(StepSpec::kind).collect();
+    kinds.sort_by_key(|k| format!("{k:?}"));
+    kinds.dedup();
+    println!("| engine kernels | device | table's constant | refitted on its calibration rows | calibration rows |");
+    println!("|---|---|---|---|---|");
+    for kind in &kinds {
+        let members: Vec<usize> =
+            (0..rows.len()).filter(|&i| specs[i].kind() == *kind && rows[i].half == Half::Calibration).collect();
+        let published: Vec<f64> = members.iter().map(|&i| rows[i].step_s).collect();
+        let fitted = fit_efficiency(&published, |e| members.iter().map(|&i| specs[i].step(Some(e))).collect());
+        let table_value = members.first().map(|&i| specs[i].efficiency().efficiency);
+        println!(
+            "| {} | {} | {} | {} | {} |",
+            kind.0.describe(),
+            kind.1,
+            table_value.map_or("-".into(), |v| format!("{v:.4}")),
+            fitted.map_or_else(|e| e, |v| format!("{v:.4}")),
+            members.iter().map(|&i| rows[i].spec.trim_end_matches(".yaml")).collect::<Vec<_>>().join(", ")
+        );
+    }
+    println!();
+    println!("| spec | half | MoE | FP8 | published step (s) | pipec (s) | error |");
+    println!("|---|---|---|---|---|---|---|");
+    let (mut held, mut calibration) = (Vec::new(), Vec::new());
+    for (row, spec) in rows.iter().zip(&specs) {
+        let predicted = spec.step(None).unwrap_or_else(|e| panic!("{}: {e}", row.spec));
+        let error = relative_error(predicted, row.step_s);
+        match row.half {
+            Half::Calibration => calibration.push(error),
+            Half::HeldOut => held.push(error),
+        }
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        println!(
+            "| {} | {} | {} | {} | {:.3} | {:.3} | {:+.1}% |",
+            row.spec.trim_end_matches(".yaml"),
+            match row.half {
+                Half::Calibration => "calibration",
+                Half::HeldOut => "held-out",
+            },
+            yes(row.moe),
+            yes(row.fp8),
+            row.step_s,
+            predicted,
+            error * 100.0
+        );
+    }
+    let summary = |v: &[f64]| {
+        let mean = v.iter().map(|e| e.abs()).sum::<f64>() / v.len().max(1) as f64;
+        let worst = v.iter().map(|e| e.abs()).fold(0.0, f64::max);
+        format!("{} rows: mean |error| {:.2}%, worst {:.2}%", v.len(), mean * 100.0, worst * 100.0)
+    };
+    println!();
+    println!("calibration half: {}", summary(&calibration));
+    println!("held-out half: {}", summary(&held));
+}
+
 /// The allocator the `pipec` binary uses, so the executor numbers are the binary's.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -842,6 +914,9 @@ fn main() {
     }
     if what == "zero-checkpoints" || what == "all" {
         zero_checkpoints();
+    }
+    if what == "steps" || what == "all" {
+        steps();
     }
     if what == "fidelity" || what == "all" {
         fidelity();

@@ -141,6 +141,11 @@ pub(crate) fn assemble(
         version: PLAN_VERSION,
         name: spec.name.clone().unwrap_or_else(|| "pipec-job".into()),
         engine: spec.engine.target.clone(),
+        engine_performance: spec
+            .engine
+            .performance
+            .clone()
+            .filter(|p| p.family != pipec_plan::engine::performance::KernelFamily::Pipec),
         model: ModelPlan {
             input: spec.model.input.clone(),
             loss: spec.model.loss,

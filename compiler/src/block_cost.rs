@@ -145,7 +145,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     let head_norms = if b.qk_norm { q_values + k_values } else { 0.0 };
     let latents = b.mla.map_or(0.0, |m| samples * s * (m.q_lora + m.kv_lora) as f64);
     let tokens = samples * s;
-    let mlp = Mlps::of(b, tokens, cx.ep.max(1), t);
+    let mlp = Mlps::of(b, tokens, cx.ep.max(1), t, cx.grouped_experts);
     // forward: LN, the attention's products, attention, projection, bias-dropout-add, LN,
     // MLP, add
     fwd.part(Part::Norms, |k| k.vector(5.0 * el, 2.0 * el, 0.0));
@@ -179,7 +179,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     fwd.part(Part::Core, |k| match (cx.attention_kernel(), measured) {
         (Attention::Standard, Some(m)) => k.seconds += m.forward.seconds(bh, s, qk),
         (Attention::Standard, None) => core(k),
-        (Attention::Flash, _) => k.matrix(flash_flops, flash_values),
+        (Attention::Flash, _) => k.fused_attention(flash_flops, flash_values, cx.fused_attention),
     });
     let core_forward = fwd.parts[Part::Core as usize];
     for pr in projections.iter().filter(|p| p.role == ProjectionRole::Output) {
@@ -216,7 +216,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
         }
         // the fused backward recomputes the scores: 2.5× the forward's products (Dao et al.
         // 2022)
-        (Attention::Flash, _) => bwd.matrix(2.5 * flash_flops, 2.0 * flash_values),
+        (Attention::Flash, _) => bwd.fused_attention(2.5 * flash_flops, 2.0 * flash_values, cx.fused_attention),
     }
     let core_backward = bwd.seconds - before;
     bwd.vector(8.0 * el, 3.0 * el, 0.0);
@@ -251,8 +251,25 @@ struct Mlps<'a> {
     routed: f64,
 }
 
+/// The experts' up and down products as one grouped product each: their FLOPs and values
+/// summed.
+fn group_products(experts: &[[Product; 2]]) -> [Product; 2] {
+    let sum = |i: usize| {
+        experts.iter().fold(Product { flops: 0.0, input: 0.0, weights: 0.0, output: 0.0 }, |a, p| Product {
+            flops: a.flops + p[i].flops,
+            input: a.input + p[i].input,
+            weights: a.weights + p[i].weights,
+            output: a.output + p[i].output,
+        })
+    };
+    [sum(0), sum(1)]
+}
+
 impl<'a> Mlps<'a> {
-    fn of(b: &'a BlockDims, tokens: f64, ep: usize, t: f64) -> Mlps<'a> {
+    /// `grouped`: the rank's routed experts run as one grouped product per projection
+    /// (Megatron-LM's `--moe-grouped-gemm`, torchtitan's grouped experts), each priced at
+    /// the size of the group; else each expert's products are their own kernels.
+    fn of(b: &'a BlockDims, tokens: f64, ep: usize, t: f64, grouped: bool) -> Mlps<'a> {
         let (h, f, up) = (b.d as f64, b.ff as f64, b.up_width as f64);
         let mlp = |rows: f64| {
             [
@@ -264,8 +281,13 @@ impl<'a> Mlps<'a> {
             Some(m) => {
                 let (busiest, other) = m.expert_loads(tokens);
                 let local = (m.experts / ep).max(1);
-                let products = std::iter::once((mlp(busiest * ep as f64), false))
-                    .chain(std::iter::repeat_n((mlp(other * ep as f64), false), local - 1))
+                let routed: Vec<[Product; 2]> = std::iter::once(mlp(busiest * ep as f64))
+                    .chain(std::iter::repeat_n(mlp(other * ep as f64), local - 1))
+                    .collect();
+                let routed = if grouped { vec![group_products(&routed)] } else { routed };
+                let products = routed
+                    .into_iter()
+                    .map(|p| (p, false))
                     .chain(std::iter::repeat_n((mlp(tokens), true), m.shared))
                     .collect();
                 let routed_pairs = m.busiest_device_pairs(tokens, ep) * ep as f64;

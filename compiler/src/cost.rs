@@ -691,6 +691,8 @@ mod tests {
             cp_comm: CpComm::AllGather,
             overhead: 0.0,
             fp8: None,
+            fused_attention: None,
+            grouped_experts: false,
         }
     }
 

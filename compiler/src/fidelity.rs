@@ -109,6 +109,200 @@ pub fn predict_source(source: &str, base: Option<&Path>) -> Result<Predicted, St
     Ok(Predicted { step_s: figures.step_s, model_state_gib, activations_gib, peak_gib, fits: figures.fits })
 }
 
+/// Which half of the step-time table a row is in: the rows a constant is fitted on, or the
+/// rows it is judged on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    Calibration,
+    HeldOut,
+}
+
+/// One published 2025–26 run with a published step time (`bench/specs/published-2025/steps.csv`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepRow {
+    /// The spec's file name, in the table's folder.
+    pub spec: String,
+    /// Seconds per step: published, or the published tokens/s/GPU turned into one
+    /// (global batch × sequence / (tokens/s/GPU × GPUs)).
+    pub step_s: f64,
+    /// How `step_s` was read: `step` or `tokens`.
+    pub from: String,
+    pub half: Half,
+    pub moe: bool,
+    pub fp8: bool,
+}
+
+/// Reads the step-time table: `spec,step_s,from,half,moe,fp8` after a header, `#` lines
+/// ignored.
+pub fn read_steps(text: &str) -> Result<Vec<StepRow>, String> {
+    let mut rows = Vec::new();
+    let mut header = false;
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let cells: Vec<&str> = line.split(',').map(str::trim).collect();
+        if !header {
+            if cells != ["spec", "step_s", "from", "half", "moe", "fp8"] {
+                return Err(format!("line {}: expected the header `spec,step_s,from,half,moe,fp8`", n + 1));
+            }
+            header = true;
+            continue;
+        }
+        let [spec, step, from, half, moe, fp8] = cells.as_slice() else {
+            return Err(format!("line {}: {} cells, expected 6", n + 1, cells.len()));
+        };
+        let step_s = match step.parse::<f64>() {
+            Ok(v) if v.is_finite() && v > 0.0 => v,
+            _ => return Err(format!("line {}: `{step}` is not a positive number of seconds", n + 1)),
+        };
+        let half = match *half {
+            "calibration" => Half::Calibration,
+            "held-out" => Half::HeldOut,
+            other => return Err(format!("line {}: half `{other}` is neither `calibration` nor `held-out`", n + 1)),
+        };
+        let yes = |cell: &str| match cell {
+            "yes" => Ok(true),
+            "no" => Ok(false),
+            other => Err(format!("line {}: `{other}` is neither yes nor no", n + 1)),
+        };
+        if !matches!(*from, "step" | "tokens") {
+            return Err(format!("line {}: from `{from}` is neither `step` nor `tokens`", n + 1));
+        }
+        rows.push(StepRow {
+            spec: spec.to_string(),
+            step_s,
+            from: from.to_string(),
+            half,
+            moe: yes(moe)?,
+            fp8: yes(fp8)?,
+        });
+    }
+    if !header {
+        return Err("the table has no header".into());
+    }
+    Ok(rows)
+}
+
+/// A row's prediction: the step, and the engine × device kind whose constant priced it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepPrediction {
+    pub step_s: f64,
+    pub family: pipec_plan::engine::performance::KernelFamily,
+    /// `h100-sxm at 500 W`.
+    pub device: String,
+    /// The constant the spec was priced with (the table's, or 1 uncalibrated).
+    pub efficiency: f64,
+}
+
+/// A published run's spec, checked, ready to be predicted at any kernel efficiency.
+pub struct StepSpec {
+    spec: pipec_grammar::spec::Spec,
+    base: Option<std::path::PathBuf>,
+    performance: pipec_plan::engine::performance::Performance,
+}
+
+fn error_list(d: &[pipec_grammar::diagnostic::Diagnostic]) -> String {
+    d.iter().filter(|d| d.is_error()).map(|d| format!("{}: {}", d.code, d.message)).collect::<Vec<_>>().join("; ")
+}
+
+impl StepSpec {
+    /// Checks `source` (relative paths against `base`).
+    pub fn check(source: &str, base: Option<&Path>) -> Result<StepSpec, String> {
+        let checked = pipec_grammar::check_source_in(source, base);
+        let spec = checked.spec.ok_or_else(|| error_list(&checked.diagnostics))?;
+        let performance = spec.engine.performance.clone().ok_or("the spec's engine has no performance profile")?;
+        Ok(StepSpec { spec, base: base.map(Path::to_path_buf), performance })
+    }
+
+    /// The kernels and the device kind the spec's constant is for.
+    pub fn kind(&self) -> (pipec_plan::engine::performance::KernelFamily, String) {
+        (self.performance.family, pipec_plan::engine::performance::device_kind(&self.spec.cluster.device))
+    }
+
+    /// The device the spec's plan runs on (its figures scaled by the engine's constant).
+    pub fn device(&self) -> &pipec_plan::device::DeviceModel {
+        &self.spec.cluster.device
+    }
+
+    /// Devices in the cluster.
+    pub fn devices(&self) -> usize {
+        self.spec.cluster.nodes * self.spec.cluster.devices_per_node
+    }
+
+    /// Tokens a step trains on (global batch × sequence) for a language model; None for
+    /// another model.
+    pub fn tokens_per_step(&self) -> Option<f64> {
+        let seq = self.spec.model.token_vocab().and(self.spec.model.input.first().copied())?;
+        Some(self.spec.training.batch_size as f64 * seq as f64)
+    }
+
+    /// The highest efficiency [`step`](Self::step) takes: where a matrix product reaches the
+    /// device's peak.
+    pub fn max_efficiency(&self) -> f64 {
+        self.performance.efficiency / self.spec.cluster.device.matrix_efficiency.peak.max(1e-9)
+    }
+
+    /// The constant the spec is priced with: its table's, or a calibration file's.
+    pub fn efficiency(&self) -> &pipec_plan::engine::performance::Performance {
+        &self.performance
+    }
+
+    /// The predicted step with the engine's kernel efficiency `efficiency` in place of the
+    /// table's (None: the table's).
+    pub fn step(&self, efficiency: Option<f64>) -> Result<f64, String> {
+        let mut spec = self.spec.clone();
+        if let Some(e) = efficiency {
+            // the device's peaks were scaled by the table's constant: rescale them to `e`
+            let wanted = spec.cluster.device.matrix_efficiency.peak * e / self.performance.efficiency;
+            if wanted > 1.0 {
+                return Err(format!("an efficiency of {e} puts matrix products past the device's peak"));
+            }
+            pipec_plan::engine::performance::scale_peaks(&mut spec.cluster.device, e / self.performance.efficiency);
+        }
+        let options = CompileOptions { base_dir: self.base.clone(), ..CompileOptions::default() };
+        predict(&spec, &options, &mut Memo::default()).map(|f| f.step_s).map_err(|d| error_list(&d))
+    }
+}
+
+/// The kernel efficiency that makes `predict(e)` (seconds per row at efficiency `e`) match
+/// `published` in the mean of the log ratios — the geometric mean of predicted/published
+/// is 1 — found by bisection on log e in [0.05, 1.33] to 0.02% (a step's time falls as its kernels'
+/// efficiency rises). Err: the rows cannot be matched inside that range.
+pub fn fit_efficiency(published: &[f64], predict: impl FnMut(f64) -> Result<Vec<f64>, String>) -> Result<f64, String> {
+    fit_efficiency_in(published, 1.0 / 0.75, predict)
+}
+
+/// [`fit_efficiency`] with `highest` the top of the range (a device whose curves already
+/// peak at 1, a calibrated CPU's, takes at most 1).
+pub fn fit_efficiency_in(
+    published: &[f64],
+    highest: f64,
+    mut predict: impl FnMut(f64) -> Result<Vec<f64>, String>,
+) -> Result<f64, String> {
+    let mut gap = |e: f64| -> Result<f64, String> {
+        let p = predict(e)?;
+        Ok(p.iter().zip(published).map(|(p, m)| (p / m).ln()).sum::<f64>() / published.len().max(1) as f64)
+    };
+    let (mut lo, mut hi) = (0.05f64.ln(), highest.max(0.06).ln());
+    if gap(hi.exp())? > 0.0 {
+        return Err("even at the highest efficiency the prediction is slower than the runs".into());
+    }
+    if gap(lo.exp())? < 0.0 {
+        return Err("even at the lowest efficiency the prediction is faster than the runs".into());
+    }
+    for _ in 0..14 {
+        let mid = 0.5 * (lo + hi);
+        if gap(mid.exp())? > 0.0 {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Ok((0.5 * (lo + hi)).exp())
+}
+
 /// `predicted / published − 1`.
 pub fn relative_error(predicted: f64, published: f64) -> f64 {
     predicted / published - 1.0

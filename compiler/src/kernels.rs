@@ -36,6 +36,13 @@ pub struct CostContext<'a> {
     pub overhead: f64,
     /// FP8 training: the blocks' products in FP8 (None without).
     pub fp8: Option<Fp8Plan>,
+    /// The share of the matrix rate the engine's fused attention kernel sustains
+    /// (`pipec_plan::engine::performance::AttentionKernel`); None: FlashAttention priced as
+    /// the device's matrix products.
+    pub fused_attention: Option<f64>,
+    /// A mixture of experts' routed experts run as one grouped product per projection (the
+    /// engine's grouped GEMM), not one kernel per expert.
+    pub grouped_experts: bool,
 }
 
 impl CostContext<'_> {
@@ -91,6 +98,16 @@ impl Kernels<'_> {
     /// A matrix product of `flops` moving `values` values.
     pub(crate) fn matrix(&mut self, flops: f64, values: f64) {
         self.seconds += self.device.matrix_time(flops, values * self.p, self.precision);
+    }
+    /// FlashAttention's fused kernel of `flops` moving `values` values: at the engine's
+    /// attention kernel's published rate where it has one (`share`), else as a product.
+    pub(crate) fn fused_attention(&mut self, flops: f64, values: f64, share: Option<f64>) {
+        match share {
+            Some(share) => {
+                self.seconds += self.device.fused_attention_time(flops, values * self.p, self.precision, share)
+            }
+            None => self.matrix(flops, values),
+        }
     }
     /// A block's product: at the training precision, or under FP8 training with FP8
     /// operands — its input cast first to FP8 twice (a row-major copy for this product and

@@ -45,6 +45,8 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         cp_comm: spec.strategy.cp_comm,
         overhead: spec.cluster.overhead,
         fp8: spec.training.fp8,
+        fused_attention: spec.engine.family().attention(&cluster.device).map(|a| a.share),
+        grouped_experts: spec.engine.family().grouped_experts(),
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {
         vec![Diagnostic::error("E0405", e, spec.strategy.span, "tensor parallelism")

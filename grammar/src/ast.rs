@@ -24,9 +24,21 @@ pub struct EngineChoice {
     pub target: pipec_plan::engine::EngineTarget,
     /// The span of `engine:`'s value; None when the spec does not name an engine (pipec).
     pub span: Option<Span>,
+    /// `compile: true`: torchtitan compiles each block (`torch.compile`).
+    pub compiled: bool,
+    /// `calibration: FILE` (`pipec calibrate --measured`), read, with its path as written.
+    pub calibration: Option<(pipec_plan::engine::performance::CalibrationFile, String, Span)>,
+    /// How fast the engine runs the kernels on the cluster's device (set once the cluster
+    /// is lowered; the cluster's device model is already scaled by it).
+    pub performance: Option<pipec_plan::engine::performance::Performance>,
 }
 
 impl EngineChoice {
+    /// The kernels the engine runs.
+    pub fn family(&self) -> pipec_plan::engine::performance::KernelFamily {
+        pipec_plan::engine::performance::KernelFamily::of(self.target.name, self.compiled)
+    }
+
     /// The engine.
     pub fn engine(&self) -> pipec_plan::vocab::Engine {
         self.target.name

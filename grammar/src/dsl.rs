@@ -325,6 +325,7 @@ pub enum Dimension {
     Bandwidth,
     Time,
     FlopRate,
+    Power,
 }
 
 impl Dimension {
@@ -334,6 +335,7 @@ impl Dimension {
             Dimension::Bandwidth => "a bandwidth (e.g. `900GB/s`, `10Gbps`)",
             Dimension::Time => "a time (e.g. `5us`, `2ms`)",
             Dimension::FlopRate => "a compute throughput (e.g. `312TFLOP/s`)",
+            Dimension::Power => "a power (e.g. `500W`)",
         }
     }
     pub fn noun(self) -> &'static str {
@@ -342,12 +344,13 @@ impl Dimension {
             Dimension::Bandwidth => "a bandwidth",
             Dimension::Time => "a time",
             Dimension::FlopRate => "a compute throughput",
+            Dimension::Power => "a power",
         }
     }
 }
 
 /// Every unit pipec knows: its spelling, dimension and factor to the base unit
-/// (bytes, bytes/s, seconds, FLOP/s).
+/// (bytes, bytes/s, seconds, FLOP/s, watts).
 pub const UNITS: &[(&str, Dimension, f64)] = &[
     ("B", Dimension::Bytes, 1.0),
     ("KB", Dimension::Bytes, 1e3),
@@ -389,6 +392,8 @@ pub const UNITS: &[(&str, Dimension, f64)] = &[
     ("GFLOPS", Dimension::FlopRate, 1e9),
     ("TFLOPS", Dimension::FlopRate, 1e12),
     ("PFLOPS", Dimension::FlopRate, 1e15),
+    ("W", Dimension::Power, 1.0),
+    ("kW", Dimension::Power, 1e3),
 ];
 
 /// A quantity split into its number and unit (relative spans into the string).

@@ -48,6 +48,13 @@ struct EngineFields {
     /// The engine's release, quoted: `"0.19"` (the newest 0.19 release pipec describes) or a
     /// whole one, `"0.19.8"`. Default: the newest pipec describes (docs/spec.md lists them).
     version: Option<String>,
+    /// torchtitan only: each block compiled with `torch.compile` (its `[compile]` section),
+    /// priced as torchtitan's compiled kernels. Default false (eager).
+    compile: Option<bool>,
+    /// A calibration file (`pipec calibrate --measured`, relative to the spec): this
+    /// engine's kernel efficiency on this device kind, fitted to one measured step of your
+    /// own run. Default: pipec's fitted table (docs/benchmarks.md, "Step times").
+    calibration: Option<String>,
 }
 
 /// The network to train: its per-sample input shape, its layers in order, and its loss.
@@ -108,6 +115,7 @@ struct Cluster {
 /// `v100-32gb`, ...: docs/spec.md lists their figures and sources), or a mapping.
 #[derive(JsonSchema)]
 #[serde(untagged)]
+#[allow(clippy::large_enum_variant)] // a schema description, never built
 enum Device {
     /// A device preset with its datasheet figures (docs/spec.md lists them).
     Preset(String),
@@ -125,6 +133,11 @@ struct DeviceFields {
     file: Option<String>,
     /// A free-form name for the device kind (`a100`, `cpu`), shown in reports.
     kind: Option<String>,
+    /// The power cap the devices run at, with a unit: `500W` (with `preset` only; at most
+    /// the preset's board power). Matrix and element-wise rates are taken at the clock the
+    /// cap sustains, (power / board power)^(1/3) of the full one; the cap also names the
+    /// device kind an engine's calibrated constant is for.
+    power: Option<String>,
     /// Memory per device, with a unit: `16GiB`, `80GB`. Required without a preset or file.
     memory: Option<String>,
     /// Matrix-product throughput at every precision, with a unit: `312TFLOP/s`. Without a

@@ -67,6 +67,9 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     };
     out.model = section(&mut cx, "model").and_then(|(n, ks)| lower_model(&mut cx, n, ks));
     out.cluster = section(&mut cx, "cluster").and_then(|(n, ks)| lower_cluster(&mut cx, n, ks));
+    if let Some(cluster) = &mut out.cluster {
+        apply_engine_performance(&mut cx, &mut out.engine, cluster);
+    }
     let strategy_node = section(&mut cx, "strategy");
     out.training = section(&mut cx, "training").and_then(|(n, ks)| lower_training(&mut cx, n, ks));
     if let (Some(model), Some(training)) = (&out.model, &out.training) {
@@ -89,21 +92,55 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
     out
 }
 
-/// `engine:`: an engine's name, or a mapping with `name` and a quoted `version` (E0701
-/// names a release pipec does not describe).
+/// `engine:`: an engine's name, or a mapping with `name`, a quoted `version` (E0701 names a
+/// release pipec does not describe), torchtitan's `compile` and a `calibration` file.
 fn lower_engine(cx: &mut Lower<'_>, node: &Node) -> Option<EngineChoice> {
-    use pipec_plan::engine::{releases, EngineTarget};
+    use pipec_plan::engine::EngineTarget;
     let span = Some(node.span);
     if node.as_map().is_none() {
         let engine = cx.choose::<pipec_plan::vocab::Engine>(node, &["engine"])?;
-        return Some(EngineChoice { target: EngineTarget::newest(engine), span });
+        return Some(EngineChoice { target: EngineTarget::newest(engine), span, ..Default::default() });
     }
     let f = cx.fields(node, &["engine"], node.span)?;
     let name = cx.required(&f, "name", "engine")?;
     let engine = cx.choose::<pipec_plan::vocab::Engine>(name, &["engine", "name"])?;
-    let Some(version) = f.get("version") else {
-        return Some(EngineChoice { target: EngineTarget::newest(engine), span });
+    let target = match f.get("version") {
+        None => EngineTarget::newest(engine),
+        Some(version) => engine_version(cx, engine, version)?,
     };
+    let compiled = match f.get("compile") {
+        None => false,
+        Some(c) => {
+            let on = cx.boolean(c)?;
+            if on && engine != pipec_plan::vocab::Engine::Torchtitan {
+                cx.push(
+                    Diagnostic::error(
+                        "E0105",
+                        format!("`compile` is torchtitan's option; {engine} has none"),
+                        c.span,
+                        "not an option of this engine",
+                    )
+                    .with_help("remove `compile`, or name `torchtitan`: it compiles each block with torch.compile"),
+                );
+                return None;
+            }
+            on
+        }
+    };
+    let calibration = match f.get("calibration") {
+        None => None,
+        Some(c) => Some(read_calibration_file(cx, c)?),
+    };
+    Some(EngineChoice { target, span, compiled, calibration, performance: None })
+}
+
+/// `engine.version`: a quoted release pipec describes.
+fn engine_version(
+    cx: &mut Lower<'_>,
+    engine: pipec_plan::vocab::Engine,
+    version: &Node,
+) -> Option<pipec_plan::engine::EngineTarget> {
+    use pipec_plan::engine::{releases, EngineTarget};
     let Value::Str(text) = &version.value else {
         // `version: 0.10` is the number 0.1 to YAML: the text as written, quoted
         let written = cx.src.get(version.span.range()).unwrap_or_default().trim().to_string();
@@ -121,7 +158,7 @@ fn lower_engine(cx: &mut Lower<'_>, node: &Node) -> Option<EngineChoice> {
         return None;
     };
     match EngineTarget::resolve(engine, Some(text)) {
-        Ok(target) => Some(EngineChoice { target, span }),
+        Ok(target) => Some(target),
         Err(why) => {
             let r = releases(engine);
             cx.push(
@@ -137,6 +174,67 @@ fn lower_engine(cx: &mut Lower<'_>, node: &Node) -> Option<EngineChoice> {
             None
         }
     }
+}
+
+/// `engine.calibration`: a calibration file (`pipec calibrate --measured`), relative to the
+/// spec's directory.
+fn read_calibration_file(
+    cx: &mut Lower<'_>,
+    f: &Node,
+) -> Option<(pipec_plan::engine::performance::CalibrationFile, String, Span)> {
+    let path = cx.string(f)?;
+    let full = match cx.base_dir {
+        Some(base) => base.join(path),
+        None => std::path::PathBuf::from(path),
+    };
+    let read = std::fs::metadata(&full)
+        .map_err(|e| e.to_string())
+        .and_then(|m| {
+            if m.len() > MAX_DEVICE_FILE {
+                Err(format!("it has {} bytes; a calibration file is far smaller", m.len()))
+            } else {
+                std::fs::read_to_string(&full).map_err(|e| e.to_string())
+            }
+        })
+        .and_then(|t| pipec_plan::engine::performance::CalibrationFile::from_json(&t));
+    match read {
+        Ok(file) => Some((file, path.to_string(), f.span)),
+        Err(e) => {
+            cx.push(
+                Diagnostic::error(
+                    "E0105",
+                    format!("cannot use the calibration file `{path}`: {e}"),
+                    f.span,
+                    "this file",
+                )
+                .with_help("write one with `pipec calibrate --measured SPEC --step SECONDS -o FILE`"),
+            );
+            None
+        }
+    }
+}
+
+/// The engine's performance on the cluster's device: the calibration file's (checked to
+/// be for this engine and device kind) or the fitted table's; the cluster's device model
+/// is scaled by it, so every later pass prices the engine's kernels.
+fn apply_engine_performance(cx: &mut Lower<'_>, engine: &mut EngineChoice, cluster: &mut Cluster) {
+    use pipec_plan::engine::performance::Performance;
+    let family = engine.family();
+    let performance = match &engine.calibration {
+        Some((file, path, span)) => match file.matches(family, &cluster.device) {
+            Ok(()) => Performance::from_file(file, path),
+            Err(why) => {
+                cx.push(
+                    Diagnostic::error("E0105", format!("the calibration file `{path}` is not for this run: {why}"), *span, "another engine or device")
+                        .with_help("calibrate this engine on this device kind with `pipec calibrate --measured`, or remove `calibration`"),
+                );
+                return;
+            }
+        },
+        None => Performance::of(family, &cluster.device),
+    };
+    performance.apply(&mut cluster.device);
+    engine.performance = Some(performance);
 }
 
 /// The most values one batch's layer outputs may hold together (2^52, about 4.5·10^15):
@@ -552,7 +650,7 @@ fn lower_device(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(pipec_plan
         (Some(p), None) => {
             let name = cx.string(p)?;
             match preset(name) {
-                Some(p) => Some(p.model()),
+                Some(found) => Some(capped_preset(cx, found, df.get("power"))?),
                 None => {
                     unknown_preset(cx, p, "device", name, &names);
                     return None;
@@ -562,6 +660,13 @@ fn lower_device(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(pipec_plan
         (None, Some(f)) => Some(read_device_file(cx, f)?),
         (None, None) => None,
     };
+    if let (Some(w), None) = (df.get("power"), df.get("preset")) {
+        cx.push(
+            Diagnostic::error("E0105", "`power` caps a preset's device: name the preset", w.span, "no preset to cap")
+                .with_help("write `preset: h100-sxm` beside `power`; a device file is measured at the power it ran at"),
+        );
+        return None;
+    }
     let mut ok = true;
     let mut quantity = |cx: &mut Lower<'_>, key: &str, dim: Dimension, zero: bool| -> Option<f64> {
         let v = df.get(key).map(|q| cx.quantity(q, dim, zero));
@@ -615,6 +720,29 @@ fn lower_device(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(pipec_plan
     }
     let span = df.get("memory").or(df.get("preset")).or(df.get("file")).map_or(n.span, |m| m.span);
     Some((device, span, overhead))
+}
+
+/// A preset's device, at the power cap `power` gives (at most the board's power).
+fn capped_preset(
+    cx: &mut Lower<'_>,
+    p: &'static pipec_plan::device::Preset,
+    power: Option<&Node>,
+) -> Option<pipec_plan::device::DeviceModel> {
+    let Some(node) = power else { return Some(p.model()) };
+    let watts = cx.quantity(node, Dimension::Power, false)?;
+    if watts > p.tdp_w {
+        cx.push(
+            Diagnostic::error(
+                "E0105",
+                format!("a power cap of {watts} W is above the {} W board power of `{}`", p.tdp_w, p.name),
+                node.span,
+                "above the board's power",
+            )
+            .with_help(format!("a cap is at most {} W; remove `power` to run the device at its full power", p.tdp_w)),
+        );
+        return None;
+    }
+    Some(p.model_at(watts))
 }
 
 /// The largest device file read.

@@ -167,6 +167,12 @@ pub struct DeviceModel {
     /// CPU); None on the presets, whose attention is priced kernel by kernel.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention: Option<AttentionRates>,
+    /// The power cap the device runs at, W (`cluster.device: { preset, power: 500W }`);
+    /// None: its full power. Its rates are already at the clock that cap sustains
+    /// (`Preset::model_at`); the cap also names the device kind an engine's calibrated
+    /// constant is for (`crate::engine::performance`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power: Option<f64>,
 }
 
 /// Attention's forward and backward as `pipec calibrate` fits them over a sweep of shapes.
@@ -281,6 +287,7 @@ impl DeviceModel {
             optimizer: None,
             product_traffic: None,
             attention: None,
+            power: None,
         }
     }
 
@@ -374,6 +381,17 @@ impl DeviceModel {
     /// traffic beyond the cache.
     pub fn matrix_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
         self.product_time(flops, bytes, self.matrix.of(precision))
+    }
+
+    /// Seconds of a fused attention kernel of `flops` moving `bytes` in `precision` that
+    /// sustains `share` of the device's matrix rate (a published kernel's throughput,
+    /// `crate::engine::performance::AttentionKernel`), or its memory traffic, the slower.
+    pub fn fused_attention_time(&self, flops: f64, bytes: f64, precision: Precision, share: f64) -> f64 {
+        if flops <= 0.0 && bytes <= 0.0 {
+            return 0.0;
+        }
+        let rate = self.matrix.of(precision) * share;
+        self.launch + (flops / rate).max(self.memory_time(bytes))
     }
 
     /// [`matrix_time`](Self::matrix_time) of a product with FP8 operands: at the FP8 rate
@@ -482,12 +500,15 @@ pub struct Preset {
     pub vector_tflops: f64,
     /// Memory bandwidth, GB/s.
     pub memory_gbps: f64,
+    /// The board's maximum power (the datasheet's TDP), W: the clock the rates assume.
+    pub tdp_w: f64,
 }
 
 /// The device presets a spec can name (`cluster.device: a100-80gb`).
 pub const PRESETS: &[Preset] = &[
     Preset {
         name: "v100-16gb",
+        tdp_w: 300.0,
         source: "NVIDIA Tesla V100 datasheet (SXM2): 15.7 TFLOP/s fp32, 125 TFLOP/s fp16 tensor, 900 GB/s HBM2",
         memory_gib: 16.0,
         matrix_tflops: [15.7, 0.0, 0.0, 125.0, 0.0],
@@ -496,6 +517,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "v100-32gb",
+        tdp_w: 300.0,
         source: "NVIDIA Tesla V100 datasheet (SXM2): 15.7 TFLOP/s fp32, 125 TFLOP/s fp16 tensor, 900 GB/s HBM2",
         memory_gib: 32.0,
         matrix_tflops: [15.7, 0.0, 0.0, 125.0, 0.0],
@@ -504,6 +526,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "a100-40gb",
+        tdp_w: 400.0,
         source: "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 19.5 fp32, 156 tf32, 312 bf16/fp16 TFLOP/s, 1,555 GB/s HBM2",
         memory_gib: 40.0,
         matrix_tflops: [19.5, 156.0, 312.0, 312.0, 0.0],
@@ -512,6 +535,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "a100-80gb",
+        tdp_w: 400.0,
         source: "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 19.5 fp32, 156 tf32, 312 bf16/fp16 TFLOP/s, 2,039 GB/s HBM2e",
         memory_gib: 80.0,
         matrix_tflops: [19.5, 156.0, 312.0, 312.0, 0.0],
@@ -520,6 +544,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "h100-sxm",
+        tdp_w: 700.0,
         source: "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 67 fp32, 494.7 tf32, 989.4 bf16/fp16, 1,978.9 fp8 TFLOP/s dense, 3.35 TB/s HBM3, 80 GB",
         memory_gib: 80.0,
         matrix_tflops: [67.0, 494.7, 989.4, 989.4, 1978.9],
@@ -528,6 +553,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "h100-pcie",
+        tdp_w: 350.0,
         source: "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 51 fp32, 378 tf32, 756 bf16/fp16, 1,513 fp8 TFLOP/s dense, 2 TB/s HBM2e, 80 GB",
         memory_gib: 80.0,
         matrix_tflops: [51.0, 378.0, 756.0, 756.0, 1513.0],
@@ -536,6 +562,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "h100-nvl",
+        tdp_w: 400.0,
         source: "NVIDIA H100 Tensor Core GPU datasheet (H100 NVL, per GPU): 60 fp32, 835 tf32, 1,671 bf16/fp16, 3,341 fp8 TFLOP/s with sparsity (half of each dense), 94 GB HBM3 at 3.9 TB/s",
         memory_gib: 94.0,
         matrix_tflops: [60.0, 417.5, 835.5, 835.5, 1670.5],
@@ -544,6 +571,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "h800",
+        tdp_w: 700.0,
         source: "NVIDIA H800 Tensor Core GPU datasheet (SXM5): 67 fp32, 989 tf32, 1,979 bf16/fp16, 3,958 fp8 TFLOP/s with sparsity (half of each dense), 80 GB HBM3 at 3.35 TB/s; NVLink 400 GB/s",
         memory_gib: 80.0,
         matrix_tflops: [67.0, 494.7, 989.4, 989.4, 1978.9],
@@ -552,6 +580,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "h200",
+        tdp_w: 700.0,
         source: "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM's compute, 141 GB HBM3e at 4.8 TB/s",
         memory_gib: 141.0,
         matrix_tflops: [67.0, 494.7, 989.4, 989.4, 1978.9],
@@ -560,6 +589,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "h200-nvl",
+        tdp_w: 600.0,
         source: "NVIDIA H200 Tensor Core GPU datasheet (H200 NVL): 60 fp32, 835 tf32, 1,671 bf16/fp16, 3,341 fp8 TFLOP/s with sparsity (half of each dense), 141 GB HBM3e at 4.8 TB/s",
         memory_gib: 141.0,
         matrix_tflops: [60.0, 417.5, 835.5, 835.5, 1670.5],
@@ -568,6 +598,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "b200",
+        tdp_w: 1000.0,
         source: "NVIDIA DGX B200 datasheet, per GPU (72 PFLOP/s fp8 training for 8 GPUs, sparse): 2,250 bf16/fp16, 4,500 fp8, 1,100 tf32 TFLOP/s dense; 180 GB HBM3e at 8 TB/s; fp32 from the HGX B200 listing (75 TFLOP/s)",
         memory_gib: 180.0,
         matrix_tflops: [75.0, 1100.0, 2250.0, 2250.0, 4500.0],
@@ -576,6 +607,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "gb200",
+        tdp_w: 1200.0,
         source: "NVIDIA GB200 NVL72 datasheet, per Blackwell GPU (the rack's 72): 720 PFLOP/s fp8, 360 bf16/fp16, 180 tf32 with sparsity (half of each dense), 5,760 TFLOP/s fp32; 13.4 TB HBM3e at 576 TB/s (186 GB at 8 TB/s each)",
         memory_gib: 186.0,
         matrix_tflops: [80.0, 1250.0, 2500.0, 2500.0, 5000.0],
@@ -584,6 +616,7 @@ pub const PRESETS: &[Preset] = &[
     },
     Preset {
         name: "mi300x",
+        tdp_w: 750.0,
         source: "AMD Instinct MI300X datasheet: 163.4 fp32 matrix, 653.7 tf32, 1,307.4 bf16/fp16, 2,614.9 fp8 TFLOP/s dense, 81.7 fp32 vector; 192 GB HBM3 at 5.3 TB/s",
         memory_gib: 192.0,
         matrix_tflops: [163.4, 653.7, 1307.4, 1307.4, 2614.9],
@@ -610,8 +643,38 @@ impl Preset {
             optimizer: None,
             product_traffic: None,
             attention: None,
+            power: None,
         }
     }
+
+    /// The preset as a device model capped at `watts` (`cluster.device: { preset, power }`):
+    /// its matrix and element-wise rates at the clock that power sustains
+    /// ([`sustained_clock`]); memory bandwidth unchanged (the memory's clock is not the
+    /// one a power cap lowers).
+    pub fn model_at(&self, watts: f64) -> DeviceModel {
+        let mut d = self.model();
+        let clock = sustained_clock(watts, self.tdp_w);
+        let m = &mut d.matrix;
+        for rate in [&mut m.fp32, &mut m.tf32, &mut m.bf16, &mut m.fp16, &mut m.fp8, &mut d.vector] {
+            *rate *= clock;
+        }
+        d.power = Some(watts);
+        d
+    }
+}
+
+/// The share of its full clock a device capped at `watts` of its `tdp` sustains under
+/// load: `(watts / tdp)^(1/3)`, at most 1. Dynamic power goes as C·V²·f and voltage
+/// scales with frequency under dynamic voltage and frequency scaling, so power goes
+/// about as f³ (Weste and Harris, *CMOS VLSI Design*, §5.1 on dynamic power); an H100
+/// SXM capped at 500 W of its 700 W runs at 0.894 of its clock. A first-order model: the
+/// engine's calibrated constant (`crate::engine::performance`) is fitted on runs at
+/// their own caps and takes up what it misses.
+pub fn sustained_clock(watts: f64, tdp: f64) -> f64 {
+    if !(watts > 0.0 && tdp > 0.0) {
+        return 1.0;
+    }
+    (watts / tdp).min(1.0).cbrt()
 }
 
 /// The preset named `name`.

@@ -24,6 +24,11 @@ pub struct Plan {
     /// its capabilities (`crate::engine`). Absent: pipec itself.
     #[serde(default, skip_serializing_if = "EngineTarget::is_pipec")]
     pub engine: EngineTarget,
+    /// How fast that engine runs the kernels on the plan's device, as the predictions priced
+    /// them (`crate::engine::performance`). Absent: pipec itself, priced on its device's
+    /// figures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_performance: Option<crate::engine::performance::Performance>,
     pub model: ModelPlan,
     pub training: TrainingPlan,
     pub schedule: ScheduleInfo,

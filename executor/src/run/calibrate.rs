@@ -313,6 +313,7 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
         optimizer: None,
         product_traffic: None,
         attention: None,
+        power: None,
     }
 }
 

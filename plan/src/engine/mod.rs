@@ -9,6 +9,7 @@
 pub mod capability;
 pub mod emit;
 pub mod gpt;
+pub mod performance;
 
 use std::cmp::Ordering;
 use std::fmt;

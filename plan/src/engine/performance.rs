@@ -1,0 +1,406 @@
+//! How fast an engine runs a plan's kernels: the engine's performance profile.
+//!
+//! The same layout runs at different speeds on Megatron-LM with Transformer Engine, on
+//! torchtitan eager or compiled, on DeepSpeed and on pipec's own executor: their kernels
+//! differ (fused or not, Transformer Engine's GEMMs and attention or PyTorch's), and so does
+//! the clock the devices hold. The cost model prices kernels on the device's figures
+//! (`crate::device`: datasheet peaks and the efficiency curves shared by every GPU); an
+//! engine's profile scales those curves' peaks by one constant, its kernel efficiency on
+//! that device kind, which is the one constant fitted per engine × device kind
+//! ([`CALIBRATED`], fitted on named rows of `bench/specs/published-2025/steps.csv` and
+//! judged on the others), or measured from the user's own run (`pipec calibrate
+//! --measured`, a [`CalibrationFile`]).
+//!
+//! pipec's own executor is priced on the device's own figures: `pipec calibrate` measures
+//! them (a device file), so its profile's constant is 1.
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::DeviceModel;
+use crate::vocab::Engine;
+
+/// The kernels an engine runs a model's layers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KernelFamily {
+    /// pipec's executor (Burn): priced on the device file `pipec calibrate` measures.
+    Pipec,
+    /// Megatron-LM on Transformer Engine: fused GEMMs, cuDNN attention, fused norms.
+    MegatronTe,
+    /// torchtitan in eager PyTorch: every element-wise operation its own kernel.
+    TorchEager,
+    /// torchtitan with `torch.compile` on each block: element-wise work fused by Inductor.
+    TorchCompiled,
+    /// DeepSpeed over the model's own PyTorch modules, eager.
+    Deepspeed,
+}
+
+impl KernelFamily {
+    /// The family `engine` runs, compiled (`engine: { compile: true }`, torchtitan) or not.
+    pub fn of(engine: Engine, compiled: bool) -> KernelFamily {
+        match engine {
+            Engine::Pipec => KernelFamily::Pipec,
+            Engine::Megatron => KernelFamily::MegatronTe,
+            Engine::Torchtitan if compiled => KernelFamily::TorchCompiled,
+            Engine::Torchtitan => KernelFamily::TorchEager,
+            Engine::Deepspeed => KernelFamily::Deepspeed,
+        }
+    }
+
+    /// Words for reports.
+    pub fn describe(self) -> &'static str {
+        match self {
+            KernelFamily::Pipec => "pipec's executor",
+            KernelFamily::MegatronTe => "Megatron-LM on Transformer Engine",
+            KernelFamily::TorchEager => "torchtitan, eager",
+            KernelFamily::TorchCompiled => "torchtitan, compiled",
+            KernelFamily::Deepspeed => "DeepSpeed, eager",
+        }
+    }
+}
+
+/// The fused attention kernel an engine runs on a Hopper GPU, as a share of the device's
+/// dense bf16 matrix rate: published kernel throughputs, not fitted.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionKernel {
+    /// The kernel's sustained FLOP/s over the device's dense bf16 peak (989.4 TFLOP/s on an
+    /// H100 SXM).
+    pub share: f64,
+    pub source: &'static str,
+}
+
+/// FlashAttention-2, which PyTorch's `scaled_dot_product_attention` runs on Hopper: 370
+/// TFLOP/s of 989.4 (forward, head dimension 128, 8k tokens on an H100 SXM5).
+pub const FLASH_ATTENTION_2: AttentionKernel = AttentionKernel {
+    share: 370.0 / 989.4,
+    source: "Shah et al. 2024, FlashAttention-3 (arXiv 2407.08608), Figure 5: FlashAttention-2's forward at 370 TFLOP/s, head dimension 128, sequence 8k, H100 SXM5",
+};
+
+/// cuDNN's fused attention, which Transformer Engine runs on Hopper: 600 TFLOP/s of 989.4.
+pub const CUDNN_ATTENTION: AttentionKernel = AttentionKernel {
+    share: 600.0 / 989.4,
+    source: "Shah et al. 2024, FlashAttention-3 (arXiv 2407.08608), Figure 5: cuDNN's forward at 600 TFLOP/s, head dimension 128, sequence 8k, H100 SXM5",
+};
+
+/// The presets of Hopper GPUs, where the published attention kernels' figures hold.
+const HOPPER: &[&str] = &["h100-sxm", "h100-pcie", "h100-nvl", "h800", "h200", "h200-nvl"];
+
+impl KernelFamily {
+    /// Whether the engine runs a rank's routed experts as one grouped GEMM per projection:
+    /// Megatron-LM with `--moe-grouped-gemm` (TEGroupedMLP, megatron/core/transformer/moe/
+    /// experts.py; on in Megatron-Bridge's MoE recipes), torchtitan's GroupedExperts
+    /// (`torch._grouped_mm`, torchtitan/models/moe.py). pipec's executor and DeepSpeed-MoE
+    /// run one expert after another.
+    pub fn grouped_experts(self) -> bool {
+        match self {
+            KernelFamily::MegatronTe | KernelFamily::TorchEager | KernelFamily::TorchCompiled => true,
+            KernelFamily::Pipec | KernelFamily::Deepspeed => false,
+        }
+    }
+
+    /// The fused attention kernel this engine runs on `device`, where its throughput is
+    /// published (Hopper GPUs); None: attention priced as the device's matrix products.
+    pub fn attention(self, device: &DeviceModel) -> Option<AttentionKernel> {
+        if !HOPPER.iter().any(|h| h.eq_ignore_ascii_case(&device.name)) {
+            return None;
+        }
+        match self {
+            KernelFamily::Pipec => None,
+            KernelFamily::MegatronTe => Some(CUDNN_ATTENTION),
+            KernelFamily::TorchEager | KernelFamily::TorchCompiled | KernelFamily::Deepspeed => Some(FLASH_ATTENTION_2),
+        }
+    }
+}
+
+/// One fitted constant: an engine's kernel efficiency on one device kind.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Calibrated {
+    pub family: KernelFamily,
+    /// The device preset's name.
+    pub device: &'static str,
+    /// The power cap the rows ran at (None: full power).
+    pub power: Option<f64>,
+    /// The efficiency curves' peaks are multiplied by this.
+    pub efficiency: f64,
+    /// Where it comes from: the calibration rows it was fitted on (`run` names in
+    /// `bench/specs/published-2025/steps.csv`), or why it is what it is.
+    pub source: &'static str,
+}
+
+/// The constants fitted per engine × device kind. `pipec-bench steps` refits each on its
+/// rows and `tests/fidelity.rs` fails when a constant here is not what its rows give, or
+/// when the held-out rows are predicted past their bounds.
+pub const CALIBRATED: &[Calibrated] = &[
+    Calibrated {
+        family: KernelFamily::MegatronTe,
+        device: "a100-80gb",
+        power: None,
+        efficiency: 1.0,
+        source: "1 by construction: the GPU presets' shared efficiency curves (crate::device) were fitted on Megatron-LM's A100 runs (bench/specs/published: Narayanan et al. 2021, Korthikanti et al. 2022)",
+    },
+    Calibrated {
+        family: KernelFamily::MegatronTe,
+        device: "a100-40gb",
+        power: None,
+        efficiency: 1.0,
+        source: "1 by construction: the shared efficiency curves were fitted on Megatron-LM's A100 runs",
+    },
+    Calibrated {
+        family: KernelFamily::MegatronTe,
+        device: "h100-sxm",
+        power: None,
+        efficiency: 0.7114,
+        source: "fitted on steps.csv's calibration rows mb2511-h100-llama38b-fp8cs-8g, mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g (Megatron-Bridge's published H100 tables)",
+    },
+    Calibrated {
+        family: KernelFamily::TorchCompiled,
+        device: "h100-sxm",
+        power: Some(500.0),
+        efficiency: 0.6242,
+        source: "fitted on steps.csv's calibration rows tt24-t1-8b-8g-bf16-compile, tt24-t2-8b-fsdp8-cp1, tt24-t3-8b-128g-fp8-compile (torchtitan's December 2024 H100 benchmark, 500 W)",
+    },
+    Calibrated {
+        family: KernelFamily::TorchCompiled,
+        device: "h200",
+        power: None,
+        efficiency: 0.7795,
+        source: "fitted on steps.csv's calibration row tt25-trainy-h200-8b-32g (torchtitan's June 2025 H200 benchmark)",
+    },
+    Calibrated {
+        family: KernelFamily::TorchEager,
+        device: "h100-sxm",
+        power: Some(500.0),
+        efficiency: 0.5951,
+        source: "fitted on steps.csv's calibration row tt24-t1-8b-8g-bf16-eager (torchtitan's December 2024 H100 benchmark, 500 W)",
+    },
+];
+
+/// How fast the plan's engine runs its kernels on its device: what the cost model scales
+/// the device's efficiency curves by, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Performance {
+    pub family: KernelFamily,
+    /// The device's efficiency curves' peaks are multiplied by this (a matrix product's
+    /// peak at most 1).
+    pub efficiency: f64,
+    /// Whether `efficiency` was fitted or measured for this engine on this device kind;
+    /// false: 1, no run of it on this device kind is known to pipec.
+    pub calibrated: bool,
+    /// Where `efficiency` comes from.
+    pub source: String,
+}
+
+impl Performance {
+    /// The profile of `family` on `device`: the fitted constant for its device kind, else
+    /// the device's own figures.
+    pub fn of(family: KernelFamily, device: &DeviceModel) -> Performance {
+        if family == KernelFamily::Pipec {
+            return Performance {
+                family,
+                efficiency: 1.0,
+                calibrated: true,
+                source: "the device's own figures: `pipec calibrate` measures pipec's kernels on a backend (a device file); a preset's are datasheet peaks and the shared curves".into(),
+            };
+        }
+        let found = CALIBRATED.iter().find(|c| {
+            c.family == family && c.device.eq_ignore_ascii_case(&device.name) && same_power(c.power, device.power)
+        });
+        match found {
+            Some(c) => Performance { family, efficiency: c.efficiency, calibrated: true, source: c.source.to_string() },
+            None => Performance {
+                family,
+                efficiency: 1.0,
+                calibrated: false,
+                source: format!(
+                    "not calibrated: no run of {} on {} is in pipec's table; the device's figures as they are (`pipec calibrate --measured` fits this from one measured step)",
+                    family.describe(),
+                    device_kind(device)
+                ),
+            },
+        }
+    }
+
+    /// The profile a calibration file gives.
+    pub fn from_file(file: &CalibrationFile, path: &str) -> Performance {
+        Performance {
+            family: file.family,
+            efficiency: file.efficiency,
+            calibrated: true,
+            source: format!(
+                "{path}: fitted to a measured step of {:.4} s ({})",
+                file.measured.step_s, file.measured.source
+            ),
+        }
+    }
+
+    /// `device` as this engine runs it: its efficiency curves' peaks scaled.
+    pub fn apply(&self, device: &mut DeviceModel) {
+        scale_peaks(device, self.efficiency);
+    }
+}
+
+/// Scales a device's efficiency peaks by `factor` (a matrix product's peak at most 1).
+pub fn scale_peaks(device: &mut DeviceModel, factor: f64) {
+    device.matrix_efficiency.peak = (device.matrix_efficiency.peak * factor).min(1.0);
+    device.memory_efficiency.peak = (device.memory_efficiency.peak * factor).min(1.0);
+}
+
+fn same_power(a: Option<f64>, b: Option<f64>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(x), Some(y)) => (x - y).abs() < 0.5,
+        (None, Some(_)) | (Some(_), None) => false,
+    }
+}
+
+/// `h100-sxm`, or `h100-sxm at 500 W`.
+pub fn device_kind(device: &DeviceModel) -> String {
+    match device.power {
+        Some(w) => format!("{} at {w:.0} W", device.name),
+        None => device.name.clone(),
+    }
+}
+
+/// What `pipec calibrate --measured` writes and `engine: { calibration: FILE }` reads: an
+/// engine's kernel efficiency on one device kind, fitted to one measured step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CalibrationFile {
+    /// Always [`CALIBRATION_FORMAT`]: a file of another kind is refused.
+    pub format: String,
+    pub family: KernelFamily,
+    /// The device kind it was measured on: the preset's name and its power cap.
+    pub device: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power: Option<f64>,
+    pub efficiency: f64,
+    pub measured: Measured,
+}
+
+/// The step a calibration was fitted to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Measured {
+    /// The spec whose layout ran.
+    pub spec: String,
+    /// The measured seconds per step.
+    pub step_s: f64,
+    /// What the step was read from (a number given, or a log file and its lines).
+    pub source: String,
+    /// What pipec predicted for the spec before the fit.
+    pub predicted_before_s: f64,
+}
+
+/// The `format` of a calibration file.
+pub const CALIBRATION_FORMAT: &str = "pipec-engine-calibration-1";
+
+/// The largest efficiency factor a calibration may give: kernels faster than 4× the
+/// shared curves' peak would be a misread step, not a faster engine.
+pub const MAX_EFFICIENCY: f64 = 4.0;
+
+impl CalibrationFile {
+    /// Reads a calibration file, checking its kind and figures.
+    pub fn from_json(text: &str) -> Result<CalibrationFile, String> {
+        let kind: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("not a calibration file (not JSON: {e})"))?;
+        let format = kind.get("format").and_then(|f| f.as_str()).unwrap_or("");
+        if format != CALIBRATION_FORMAT {
+            return Err(format!(
+                "not a calibration file: its `format` is {}, expected \"{CALIBRATION_FORMAT}\" (write one with `pipec calibrate --measured`)",
+                if format.is_empty() { "missing".to_string() } else { format!("\"{format}\"") }
+            ));
+        }
+        let file: CalibrationFile = serde_json::from_value(kind).map_err(|e| format!("not a calibration file: {e}"))?;
+        if !(file.efficiency.is_finite() && file.efficiency > 0.0 && file.efficiency <= MAX_EFFICIENCY) {
+            return Err(format!("its efficiency {} is not in (0, {MAX_EFFICIENCY}]", file.efficiency));
+        }
+        if !(file.measured.step_s.is_finite() && file.measured.step_s > 0.0) {
+            return Err(format!("its measured step {} is not a positive number of seconds", file.measured.step_s));
+        }
+        if let Some(w) = file.power {
+            if !(w.is_finite() && w > 0.0) {
+                return Err(format!("its power {w} is not a positive number of watts"));
+            }
+        }
+        Ok(file)
+    }
+
+    /// Whether this file is for `family` on `device` (its preset and power cap); Err says
+    /// what differs.
+    pub fn matches(&self, family: KernelFamily, device: &DeviceModel) -> Result<(), String> {
+        if self.family != family {
+            return Err(format!(
+                "it calibrates {}, and the spec's engine runs {}",
+                self.family.describe(),
+                family.describe()
+            ));
+        }
+        if !self.device.eq_ignore_ascii_case(&device.name) || !same_power(self.power, device.power) {
+            let mine = match self.power {
+                Some(w) => format!("{} at {w:.0} W", self.device),
+                None => self.device.clone(),
+            };
+            return Err(format!("it was measured on {mine}, and the spec's devices are {}", device_kind(device)));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::preset;
+
+    #[test]
+    fn a_fitted_constant_scales_the_peaks_of_its_device_kind_only() {
+        let a100 = preset("a100-80gb").expect("preset").model();
+        let p = Performance::of(KernelFamily::MegatronTe, &a100);
+        assert!(p.calibrated && p.efficiency == 1.0, "{p:?}");
+        let h100 = preset("h100-sxm").expect("preset").model_at(500.0);
+        let q = Performance::of(KernelFamily::Deepspeed, &h100);
+        assert!(!q.calibrated && q.source.contains("h100-sxm at 500 W"), "{q:?}");
+        let mut d = preset("h100-sxm").expect("preset").model();
+        let before = d.matrix_efficiency.peak;
+        scale_peaks(&mut d, 0.5);
+        assert!((d.matrix_efficiency.peak - before * 0.5).abs() < 1e-12);
+        scale_peaks(&mut d, 100.0);
+        assert_eq!(d.matrix_efficiency.peak, 1.0, "a product's efficiency is at most 1");
+    }
+
+    #[test]
+    fn every_fitted_constant_names_a_preset_and_its_source() {
+        for c in CALIBRATED {
+            assert!(preset(c.device).is_some(), "{c:?}");
+            assert!(c.efficiency > 0.0 && c.efficiency <= MAX_EFFICIENCY, "{c:?}");
+            assert!(!c.source.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_calibration_file_is_checked_for_its_kind_and_figures() {
+        let good = CalibrationFile {
+            format: CALIBRATION_FORMAT.into(),
+            family: KernelFamily::TorchEager,
+            device: "h100-sxm".into(),
+            power: Some(500.0),
+            efficiency: 0.6,
+            measured: Measured {
+                spec: "a.yaml".into(),
+                step_s: 2.8,
+                source: "--step 2.8".into(),
+                predicted_before_s: 1.5,
+            },
+        };
+        let text = serde_json::to_string(&good).expect("json");
+        assert_eq!(CalibrationFile::from_json(&text), Ok(good.clone()));
+        assert!(CalibrationFile::from_json("{\"format\": \"pipec-plan\"}").expect_err("kind").contains("format"));
+        assert!(CalibrationFile::from_json("[1, 2").expect_err("json").contains("not JSON"));
+        let bad = text.replace("0.6", "-1");
+        assert!(CalibrationFile::from_json(&bad).expect_err("efficiency").contains("efficiency"));
+        let h100 = preset("h100-sxm").expect("preset");
+        assert_eq!(good.matches(KernelFamily::TorchEager, &h100.model_at(500.0)), Ok(()));
+        assert!(good.matches(KernelFamily::TorchEager, &h100.model()).expect_err("power").contains("500 W"));
+        assert!(good.matches(KernelFamily::TorchCompiled, &h100.model_at(500.0)).is_err());
+    }
+}
