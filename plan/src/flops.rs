@@ -66,7 +66,7 @@ impl FlopsCount {
     /// What the count counts, for a report's line.
     pub fn description(self) -> &'static str {
         match self {
-            FlopsCount::Megatron => "Megatron-LM's count: 6 × every weight matrix's multiply-adds with the logits, attention over s/2 keys",
+            FlopsCount::Megatron => "Megatron-LM's count: 6 × each product's multiply-adds, logits in, causal attention halved",
             FlopsCount::Torchtitan => "torchtitan's count: 6 × non-embedding parameters + 12·L·H·Q·T",
         }
     }
@@ -219,13 +219,13 @@ impl Mfu {
     /// "MFU 41.2% (Megatron-LM's count: …, 51.5 GFLOP per token; of 989.4 TFLOP/s, h100-sxm's
     /// dense bf16 peak)".
     pub fn text(&self) -> String {
-        format!(
-            "MFU {:.1}% ({}, {}FLOP per token; of {})",
-            self.fraction * 100.0,
-            self.formula.description(),
-            si(self.flops_per_token),
-            self.peak.text()
-        )
+        format!("MFU {:.1}% ({})", self.fraction * 100.0, self.basis_text())
+    }
+
+    /// What the fraction counts: "Megatron-LM's count: …, 51.5 GFLOP per token; of 989.4
+    /// TFLOP/s, h100-sxm's dense bf16 peak".
+    pub fn basis_text(&self) -> String {
+        format!("{}, {}FLOP per token; of {}", self.formula.description(), si(self.flops_per_token), self.peak.text())
     }
 }
 
@@ -244,6 +244,21 @@ pub struct Utilization {
 }
 
 impl Utilization {
+    /// The basis for a language model of `layers` (each operator with the embedding it is
+    /// tied to) training `tokens_per_sample` tokens a sample on `devices` devices of `peak`,
+    /// by the count `engine` reports.
+    pub fn of_model<'a>(
+        layers: impl Iterator<Item = (&'a Op, Option<usize>)>,
+        tokens_per_sample: usize,
+        engine: Engine,
+        devices: usize,
+        peak: Option<Peak>,
+    ) -> Utilization {
+        let formula = FlopsCount::of_engine(engine);
+        let flops_per_token = formula.per_token(layers, tokens_per_sample);
+        Utilization { tokens_per_sample, devices, formula, flops_per_token, peak }
+    }
+
     /// Tokens per second per device at `samples_per_s`.
     pub fn tokens_per_s_per_device(&self, samples_per_s: f64) -> f64 {
         samples_per_s * self.tokens_per_sample as f64 / self.devices.max(1) as f64
