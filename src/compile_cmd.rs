@@ -352,7 +352,10 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         headroom * 100.0
     ));
     if let Some(tokens) = sim.tokens_per_s_per_device {
-        let mfu = sim.mfu.as_ref().map_or_else(|| "MFU not counted (a layer outside the engine's FLOP count)".to_string(), |m| m.text());
+        let mfu = sim
+            .mfu
+            .as_ref()
+            .map_or_else(|| "MFU not counted (a layer outside the engine's FLOP count)".to_string(), |m| m.text());
         s.push_str(&format!("per device: {tokens:.0} tokens/s, {mfu}\n"));
     }
     // the device whose all-reduces are exposed the longest, if any device all-reduces

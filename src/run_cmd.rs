@@ -9,8 +9,8 @@ use pipec_executor::{BackendKind, Resume, RunOptions, StepMetrics};
 use pipec_plan::{Phase, Plan};
 
 use crate::compile_cmd::compile_file;
-use crate::run_speed::RunSpeed;
 use crate::output::write_atomic;
+use crate::run_speed::RunSpeed;
 use crate::{Format, EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
 
 /// The backends `--backend` accepts.

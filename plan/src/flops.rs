@@ -66,7 +66,9 @@ impl FlopsCount {
     /// What the count counts, for a report's line.
     pub fn description(self) -> &'static str {
         match self {
-            FlopsCount::Megatron => "Megatron-LM's count: 6 × each product's multiply-adds, logits in, causal attention halved",
+            FlopsCount::Megatron => {
+                "Megatron-LM's count: 6 × each product's multiply-adds, logits in, causal attention halved"
+            }
             FlopsCount::Torchtitan => "torchtitan's count: 6 × non-embedding parameters + 12·L·H·Q·T",
         }
     }

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::device::preset;
-use crate::model::{Moe, MlpKind, NormKind, Router};
+use crate::model::{MlpKind, Moe, NormKind, Router};
 
 /// A decoder-only language model as the importers write one: token embedding, `blocks`,
 /// a final RMSNorm and an untied output projection to the vocabulary.
