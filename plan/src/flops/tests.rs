@@ -107,13 +107,16 @@ fn torchtitan_counts_only_the_active_experts_of_qwen3_30b_a3b() {
     assert_eq!(per_token(FlopsCount::Torchtitan, &qwen3_30b_a3b(), 4096), 27_914_883_072.0);
 }
 
+/// A published row: its id, the model, its sequence, tokens/s/GPU and TFLOP/s/GPU.
+type PublishedRow = (&'static str, fn() -> Vec<Op>, usize, f64, f64);
+
 /// Megatron-Bridge's performance tables print tokens/s/GPU and model TFLOP/s/GPU, both from
 /// Megatron-LM's count: their ratio is its FLOPs per token. Rows of
 /// NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (and -archive.md) as
 /// /work/research/published-runs-2025.csv transcribed them: (row, tokens/s/GPU, TFLOP/s/GPU).
 #[test]
 fn megatron_count_reproduces_megatron_bridge_rows() {
-    let rows: [(&str, fn() -> Vec<Op>, usize, f64, f64); 5] = [
+    let rows: [PublishedRow; 5] = [
         ("mb2509_h100_llama38b_na_8g", llama3_8b, 8192, 14_079.0, 725.0),
         ("mb2511_gb300_llama38b_fp8cs_8g", llama3_8b, 8192, 37_556.0, 1933.0),
         ("mb2604_h100_llama370b_fp8_64g", llama3_70b, 8192, 1633.0, 734.0),
@@ -188,4 +191,12 @@ fn a_cpu_device_is_known_by_its_name() {
     let peak = |device: &str| Peak { flops_per_s: 1.0, device: device.into(), precision: Precision::Fp32 };
     assert!(peak("cpu").is_cpu() && peak("CPU").is_cpu() && peak("cpu (pipec calibrate)").is_cpu());
     assert!(!peak("h100-sxm").is_cpu() && !peak("cuda:0 (pipec calibrate)").is_cpu());
+}
+
+#[test]
+fn a_simulation_written_before_tokens_per_device_and_mfu_reads_back() {
+    let old =
+        serde_json::json!({"step_time_s": 1.0, "bubble_fraction": 0.0, "throughput_samples_per_s": 8.0, "devices": []});
+    let sim: crate::plan::Simulation = serde_json::from_value(old).expect("an older plan's simulation");
+    assert_eq!((sim.tokens_per_s_per_device, sim.mfu), (None, None));
 }
