@@ -36,6 +36,10 @@ pub struct Prediction {
     pub throughput: f64,
     /// A language model's tokens per sample (its throughput in tokens is `throughput` times it).
     pub tokens_per_sample: Option<usize>,
+    /// A language model's tokens/s per device.
+    pub tokens_per_s_per_device: Option<f64>,
+    /// A language model's model FLOPs utilization (`pipec_plan::flops`).
+    pub mfu: Option<pipec_plan::flops::Mfu>,
     /// The tightest memory headroom over the devices.
     pub headroom: f64,
     /// Whether the schedule trains like one device.
@@ -139,6 +143,8 @@ pub fn compare(
                         bubble: c.plan.simulation.bubble_fraction,
                         throughput: c.plan.simulation.throughput_samples_per_s,
                         tokens_per_sample: c.plan.tokens_per_sample(),
+                        tokens_per_s_per_device: c.plan.simulation.tokens_per_s_per_device,
+                        mfu: c.plan.simulation.mfu.clone(),
                         headroom: c.plan.memory_headroom(),
                         synchronous: c.plan.schedule.synchronous,
                         fits: !result.has_errors(),
@@ -158,10 +164,16 @@ pub fn table(rows: &[Row]) -> String {
     // a language model's throughput in tokens too
     let language_model =
         rows.iter().any(|r| matches!(&r.outcome, Outcome::Planned(p) if p.tokens_per_sample.is_some()));
+    // tokens/s, tokens/s per device and MFU
     let tokens = |p: Option<&Prediction>| match (language_model, p) {
         (false, _) => String::new(),
-        (true, None) => format!(" {:>12}", ""),
-        (true, Some(p)) => format!(" {:>12.0}", p.throughput * p.tokens_per_sample.unwrap_or(0) as f64),
+        (true, None) => format!(" {:>12} {:>12} {:>6}", "", "", ""),
+        (true, Some(p)) => format!(
+            " {:>12.0} {:>12.0} {:>6}",
+            p.throughput * p.tokens_per_sample.unwrap_or(0) as f64,
+            p.tokens_per_s_per_device.unwrap_or(0.0),
+            p.mfu.as_ref().map_or_else(|| "—".to_string(), |m| format!("{:.1}%", m.fraction * 100.0))
+        ),
     };
     let mut s = format!(
         "{:<42} {:>11} {:>7} {:>12}{} {:>9} {:>12}  {}\n",
@@ -169,7 +181,7 @@ pub fn table(rows: &[Row]) -> String {
         "step",
         "bubble",
         "samples/s",
-        if language_model { format!(" {:>12}", "tokens/s") } else { String::new() },
+        if language_model { format!(" {:>12} {:>12} {:>6}", "tokens/s", "tokens/s/dev", "MFU") } else { String::new() },
         "headroom",
         "microbatches",
         "notes"
@@ -200,6 +212,13 @@ pub fn table(rows: &[Row]) -> String {
                 r.microbatches
             ));
         }
+    }
+    // what the MFU column counts, once (every row's model, device and engine are the spec's)
+    if let Some(m) = rows.iter().find_map(|r| match &r.outcome {
+        Outcome::Planned(p) => p.mfu.as_ref(),
+        Outcome::NotApplicable(_) => None,
+    }) {
+        s.push_str(&format!("MFU: {}\n", m.basis_text()));
     }
     s
 }
@@ -243,6 +262,12 @@ pub fn json_lines(rows: &[Row]) -> String {
                     });
                     if let Some(seq) = p.tokens_per_sample {
                         v["throughput_tokens_per_s"] = (p.throughput * seq as f64).into();
+                    }
+                    if let Some(t) = p.tokens_per_s_per_device {
+                        v["tokens_per_s_per_device"] = t.into();
+                    }
+                    if let Some(m) = &p.mfu {
+                        v["mfu"] = serde_json::to_value(m).unwrap_or_default();
                     }
                     // a flush-free pipeline's figures are its steady state's
                     if let Some(first) = p.first_step_s {

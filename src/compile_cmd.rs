@@ -351,6 +351,13 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         plan.throughput_text(sim.throughput_samples_per_s),
         headroom * 100.0
     ));
+    if let Some(tokens) = sim.tokens_per_s_per_device {
+        let mfu = sim
+            .mfu
+            .as_ref()
+            .map_or_else(|| "MFU not counted (a layer outside the engine's FLOP count)".to_string(), |m| m.text());
+        s.push_str(&format!("per device: {tokens:.0} tokens/s, {mfu}\n"));
+    }
     // the device whose all-reduces are exposed the longest, if any device all-reduces
     if let Some(d) = sim.devices.iter().filter(|d| d.collective_s > 0.0).max_by(|a, b| {
         a.exposed_collective_s.total_cmp(&b.exposed_collective_s).then(a.collective_s.total_cmp(&b.collective_s))

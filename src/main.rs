@@ -25,6 +25,7 @@ mod plan_profile_cmd;
 mod profile_cmd;
 mod progress;
 mod run_cmd;
+mod run_speed;
 mod search_cmd;
 
 /// Exit codes, documented in README.md.

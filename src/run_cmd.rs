@@ -10,6 +10,7 @@ use pipec_plan::{Phase, Plan};
 
 use crate::compile_cmd::compile_file;
 use crate::output::write_atomic;
+use crate::run_speed::RunSpeed;
 use crate::{Format, EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
 
 /// The backends `--backend` accepts.
@@ -152,7 +153,7 @@ pub fn run(args: RunArgs) -> u8 {
     let options = RunOptions { stop: Some(stop_on_signals()), resume, ..run_options(&plan, &args, &dir) };
     // nothing is written until the first step is done: a run that fails before it (a
     // checkpoint that does not load, bad data) leaves the output folder as it was
-    let mut metrics = MetricsLog::new(&dir, first_step, &plan);
+    let mut metrics = MetricsLog::new(&dir, first_step, &plan, backend);
     let bar = indicatif::ProgressBar::new(steps as u64);
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -177,13 +178,16 @@ pub fn run(args: RunArgs) -> u8 {
             trace_file(first_step)
         );
     }
-    let tokens = plan.tokens_per_sample();
+    let speed = RunSpeed::of(&plan, backend);
+    if let Some(line) = speed.basis_line() {
+        eprintln!("{line}");
+    }
     let mut on_step = |m: &StepMetrics| {
         metrics.append(m);
         bar.set_position(m.step as u64 + 1);
-        bar.set_message(bar_message(m, steps, tokens));
+        bar.set_message(bar_message(m, steps, &speed));
         if quiet {
-            print_step(m, steps, tokens);
+            print_step(m, steps, &speed);
         }
     };
     let result = pipec_executor::run(&plan, &options, &mut on_step);
@@ -336,12 +340,16 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
     // forwards it), and the metrics of the completed steps are already on disk
     let options = RunOptions { resume, ..run_options(plan, args, dir) };
     // rank 0 alone gets each step's metrics, and appends them as they come
-    let mut metrics = MetricsLog::new(dir, first_step, plan);
+    let mut metrics = MetricsLog::new(dir, first_step, plan, backend_kind(args.backend));
     // the step lines never wait for stderr's reader (`progress`)
     let lines = crate::progress::Lines::stderr();
+    let speed = RunSpeed::of(plan, backend_kind(args.backend));
+    if let Some(line) = speed.basis_line() {
+        lines.line(line);
+    }
     let mut on_step = |m: &StepMetrics| {
         metrics.append(m);
-        if let Some(line) = step_line(m, steps, plan.tokens_per_sample()) {
+        if let Some(line) = step_line(m, steps, &speed) {
             lines.line(line);
         }
     };
@@ -504,11 +512,9 @@ fn measured_trace(plan: &Plan, report: &pipec_executor::RunReport, source: &str)
 }
 
 /// One line of `metrics.jsonl`.
-fn metrics_line(m: &StepMetrics, tokens_per_sample: Option<usize>) -> serde_json::Value {
+fn metrics_line(m: &StepMetrics, speed: &RunSpeed) -> serde_json::Value {
     let mut line = serde_json::json!({"step": m.step, "loss": m.loss, "step_time_s": m.step_seconds, "samples_per_s": m.samples_per_s});
-    if let Some(seq) = tokens_per_sample {
-        line["tokens_per_s"] = (m.samples_per_s * seq as f64).into();
-    }
+    speed.add_to(m, &mut line);
     if let Some(p) = m.perplexity {
         line["perplexity"] = p.into();
     }
@@ -637,20 +643,20 @@ struct MetricsLog {
     dir: PathBuf,
     plan_text: String,
     first_step: usize,
-    /// A language model's tokens per sample (each line's `tokens_per_s`).
-    tokens_per_sample: Option<usize>,
+    /// Each line's speed beside samples/s (a language model's tokens/s and MFU).
+    speed: RunSpeed,
     file: Option<std::fs::File>,
     failed: bool,
 }
 
 impl MetricsLog {
-    fn new(dir: &Path, first_step: usize, plan: &Plan) -> MetricsLog {
+    fn new(dir: &Path, first_step: usize, plan: &Plan, backend: BackendKind) -> MetricsLog {
         let plan_text = pipec_plan::output::json_text(plan).unwrap_or_default();
         MetricsLog {
             dir: dir.to_path_buf(),
             plan_text,
             first_step,
-            tokens_per_sample: plan.tokens_per_sample(),
+            speed: RunSpeed::of(plan, backend),
             file: None,
             failed: false,
         }
@@ -690,7 +696,7 @@ impl MetricsLog {
         }
         if let Some(f) = &mut self.file {
             // one write a line: a launcher may append its record while this run ends
-            let _ = pipec_plan::output::write_line(f, &metrics_line(m, self.tokens_per_sample).to_string());
+            let _ = pipec_plan::output::write_line(f, &metrics_line(m, &self.speed).to_string());
             let _ = f.flush();
         }
     }
@@ -737,15 +743,15 @@ fn print_expert_tokens(steps: &[StepMetrics]) {
 }
 
 /// Prints a step's loss and speed: the first three steps, every tenth and the last of `steps`.
-fn print_step(m: &StepMetrics, steps: usize, tokens_per_sample: Option<usize>) {
-    if let Some(line) = step_line(m, steps, tokens_per_sample) {
+fn print_step(m: &StepMetrics, steps: usize, speed: &RunSpeed) {
+    if let Some(line) = step_line(m, steps, speed) {
         eprintln!("{line}");
     }
 }
 
 /// The line a step prints, for the first three, every tenth, the last, those with a
 /// validation and those fp16's loss scaling skipped.
-fn step_line(m: &StepMetrics, steps: usize, tokens_per_sample: Option<usize>) -> Option<String> {
+fn step_line(m: &StepMetrics, steps: usize, speed: &RunSpeed) -> Option<String> {
     if m.step < 3 || (m.step + 1).is_multiple_of(10) || m.step + 1 == steps || m.validation.is_some() || m.skipped {
         let perplexity = m.perplexity.map(|p| format!("  perplexity {p:.2}")).unwrap_or_default();
         let perplexity = match m.aux_loss {
@@ -776,25 +782,17 @@ fn step_line(m: &StepMetrics, steps: usize, tokens_per_sample: Option<usize>) ->
             m.step,
             m.loss,
             m.step_seconds * 1e3,
-            speed(m, tokens_per_sample)
+            speed.text(m)
         ))
     } else {
         None
     }
 }
 
-/// A step's speed: samples/s, and tokens/s for a language model.
-fn speed(m: &StepMetrics, tokens_per_sample: Option<usize>) -> String {
-    match tokens_per_sample {
-        Some(seq) => format!("{:.0} samples/s {:.0} tokens/s", m.samples_per_s, m.samples_per_s * seq as f64),
-        None => format!("{:.0} samples/s", m.samples_per_s),
-    }
-}
-
 /// The progress bar's message after a step: the step's number as the log and
 /// metrics.jsonl write it (from 0) against the last one's, its loss and speed.
-fn bar_message(m: &StepMetrics, steps: usize, tokens_per_sample: Option<usize>) -> String {
-    format!("step {}/{} loss {:.5} {}", m.step, steps.saturating_sub(1), m.loss, speed(m, tokens_per_sample))
+fn bar_message(m: &StepMetrics, steps: usize, speed: &RunSpeed) -> String {
+    format!("step {}/{} loss {:.5} {}", m.step, steps.saturating_sub(1), m.loss, speed.text(m))
 }
 
 /// Per instruction kind: the plan's predicted seconds per step and the run's measured ones,

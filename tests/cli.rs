@@ -1749,10 +1749,17 @@ fn the_tiny_llama_trains_through_its_bpe_tokenizer_on_a_pipeline() {
         let (samples, tokens) =
             (v["samples_per_s"].as_f64().expect("samples"), v["tokens_per_s"].as_f64().expect("tokens"));
         assert!((tokens - 64.0 * samples).abs() <= 1e-9 * tokens, "{line}");
+        // per device of the 2, and MFU against the CPU's 40 GFLOP/s the spec states, by
+        // Megatron-LM's count (789,504 FLOPs per token: compile_reports_tokens_per_device_and_mfu…)
+        let per_device = v["tokens_per_s_per_device"].as_f64().expect("tokens per device");
+        assert!((per_device - tokens / 2.0).abs() <= 1e-9 * tokens, "{line}");
+        let mfu = v["mfu"].as_f64().expect("mfu");
+        assert!((mfu - per_device * 789_504.0 / 40e9).abs() <= 1e-9 * mfu, "{line}");
     }
     let log = String::from_utf8_lossy(&out.stderr);
     let first = log.lines().find(|l| l.starts_with("step ")).expect("a step line");
-    assert!(first.starts_with("step     0 ") && first.contains(" tokens/s"), "{log}");
+    assert!(first.starts_with("step     0 ") && first.contains(" tokens/s") && first.contains(" MFU "), "{log}");
+    assert!(log.contains("MFU (measured, per device of the run): Megatron-LM's count"), "{log}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("loss "), "the report is on standard output");
     // its export loads as a model and a tokenizer: the data's tokenizer.json comes along with
     // a tokenizer_config.json naming the generic fast tokenizer
@@ -2395,4 +2402,120 @@ fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
         assert!(!out.status.success(), "{args:?}");
         assert!(!bad.exists(), "{args:?}: nothing written");
     }
+}
+
+/// The llama-tiny spec with `edit` applied, its data paths made absolute, written into `dir`.
+fn llama_tiny_variant(dir: &Path, name: &str, edit: impl Fn(String) -> String) -> std::path::PathBuf {
+    let spec = std::fs::read_to_string("specs/llama-tiny.yaml").expect("spec");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/data");
+    let path = dir.join(name);
+    std::fs::write(&path, edit(spec.replace(": data/", &format!(": {}/", data.display())))).expect("spec");
+    path
+}
+
+/// `pipec compile --emit plan`'s plan.json as JSON.
+fn compiled_plan(spec: &Path, out: &Path) -> serde_json::Value {
+    let run = pipec(&["compile", spec.to_str().expect("utf-8"), "--emit", "plan", "-o", out.to_str().expect("utf-8")]);
+    assert!(run.status.success(), "{}", both_streams(&run));
+    serde_json::from_slice(&run.stdout).expect("plan.json")
+}
+
+#[test]
+fn compile_reports_tokens_per_device_and_mfu_for_a_language_model_only() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // llama-tiny: d 64, 4 heads of 16, 2 key/value heads, SwiGLU 172, vocabulary 512, 64
+    // tokens, 2 blocks, on 2 CPU devices of 40 GFLOP/s. Megatron-LM's count per token:
+    // blocks 2·6·(64·(64 + 2·32) + 64·64 + 3·64·172) = 543,744; logits 6·64·512 = 196,608;
+    // causal attention 2·6·(64 + 64)·64/2 = 49,152: 789,504
+    let plan = compiled_plan(Path::new("specs/llama-tiny.yaml"), &dir.path().join("megatron"));
+    let sim = &plan["simulation"];
+    let mfu = &sim["mfu"];
+    assert_eq!(mfu["formula"], "megatron", "{sim}");
+    assert_eq!(mfu["flops_per_token"].as_f64(), Some(789_504.0));
+    assert_eq!(mfu["peak"], serde_json::json!({"flops_per_s": 40e9, "device": "cpu", "precision": "fp32"}));
+    let samples = sim["throughput_samples_per_s"].as_f64().expect("samples/s");
+    let per_device = sim["tokens_per_s_per_device"].as_f64().expect("tokens/s per device");
+    assert!((per_device - samples * 64.0 / 2.0).abs() <= 1e-9 * per_device, "{sim}");
+    let fraction = mfu["fraction"].as_f64().expect("fraction");
+    assert!((fraction - per_device * 789_504.0 / 40e9).abs() <= 1e-9 * fraction, "{sim}");
+    // the summary names the count and the peak
+    let human = pipec(&["compile", "specs/llama-tiny.yaml", "-o", dir.path().join("h").to_str().expect("utf-8")]);
+    let text = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        text.contains(&format!(
+            "per device: {per_device:.0} tokens/s, MFU {:.1}% (Megatron-LM's count",
+            fraction * 100.0
+        )),
+        "{text}"
+    );
+    assert!(text.contains("789.5 kFLOP per token; of 40.0 GFLOP/s, cpu's dense fp32 peak)"), "{text}");
+
+    // for torchtitan, torchtitan's count: 6 × the non-embedding parameters (2·(2·64 + 12,288
+    // + 33,024) + 64 + 32,768 = 123,712) + 6·2·4·(16 + 16)·64 = 742,272 + 98,304 = 840,576
+    let torchtitan = llama_tiny_variant(dir.path(), "tt.yaml", |s| format!("engine: torchtitan\n{s}"));
+    let plan = compiled_plan(&torchtitan, &dir.path().join("torchtitan"));
+    assert_eq!(plan["simulation"]["mfu"]["formula"], "torchtitan");
+    assert_eq!(plan["simulation"]["mfu"]["flops_per_token"].as_f64(), Some(840_576.0));
+
+    // an MLP classifier: samples/s only
+    let plan = compiled_plan(Path::new("specs/mlp-1f1b.yaml"), &dir.path().join("mlp"));
+    assert!(plan["simulation"].get("mfu").is_none() && plan["simulation"].get("tokens_per_s_per_device").is_none());
+}
+
+#[test]
+fn a_run_on_another_kind_of_device_than_the_plans_shows_no_mfu() {
+    // a plan for H100s run on the CPU backend: the CPU's peak is not the plan's
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = llama_tiny_variant(dir.path(), "h100.yaml", |s| {
+        s.replace("{ kind: cpu, memory: 4GiB, throughput: 40GFLOP/s }", "h100-sxm")
+    });
+    let run = dir.path().join("run");
+    let out = pipec(&["run", spec.to_str().expect("utf-8"), "--steps", "1", "-o", run.to_str().expect("utf-8")]);
+    assert!(out.status.success(), "{}", both_streams(&out));
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        log.contains("MFU not shown: the peak of this run's CPU is not known (the plan describes h100-sxm"),
+        "{log}"
+    );
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).expect("metrics");
+    let v: serde_json::Value = serde_json::from_str(metrics.lines().next().expect("a step")).expect("json");
+    assert!(v["tokens_per_s_per_device"].as_f64().is_some() && v.get("mfu").is_none(), "{v}");
+}
+
+#[test]
+fn compare_and_search_report_tokens_per_device_and_mfu_for_a_language_model() {
+    // llama-tiny: 64 tokens a sample, 2 devices, 789,504 FLOPs per token by Megatron-LM's
+    // count (compile_reports_tokens_per_device_and_mfu…), a 40 GFLOP/s CPU
+    let consistent = |v: &serde_json::Value, samples_per_s: f64| {
+        let per_device = v["tokens_per_s_per_device"].as_f64().expect("tokens/s per device");
+        let fraction = v["mfu"]["fraction"].as_f64().expect("mfu");
+        (per_device - samples_per_s * 64.0 / 2.0).abs() <= 1e-9 * per_device
+            && (fraction - per_device * 789_504.0 / 40e9).abs() <= 1e-9 * fraction
+            && v["mfu"]["formula"] == "megatron"
+    };
+    let out = pipec(&["compare", "specs/llama-tiny.yaml", "--format", "json"]);
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    let planned: Vec<&serde_json::Value> = lines.iter().filter(|l| l["step_time_s"].is_number()).collect();
+    assert!(!planned.is_empty());
+    for l in planned {
+        assert!(consistent(l, l["throughput_samples_per_s"].as_f64().expect("samples/s")), "{l}");
+    }
+    let (table, _) = streams(&pipec(&["compare", "specs/llama-tiny.yaml"]));
+    assert!(table.lines().next().is_some_and(|h| h.contains("tokens/s/dev") && h.contains("MFU")), "{table}");
+    assert!(table.lines().last().is_some_and(|l| l.starts_with("MFU: Megatron-LM's count")), "{table}");
+    let (table, _) = streams(&pipec(&["compare", "specs/mlp-1f1b.yaml"]));
+    assert!(!table.contains("MFU"), "{table}");
+
+    let out = pipec(&["search", "specs/llama-tiny.yaml", "--format", "json", "--top", "3"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let best = &report["best"];
+    assert!(consistent(best, best["throughput_samples_per_s"].as_f64().expect("samples/s")), "{best}");
+    for r in report["runner_ups"].as_array().expect("runner-ups") {
+        assert!(consistent(r, r["throughput_samples_per_s"].as_f64().expect("samples/s")), "{r}");
+    }
+    let (text, _) = streams(&pipec(&["search", "specs/llama-tiny.yaml"]));
+    let best_line = text.lines().find(|l| l.starts_with("best: ")).expect("best");
+    assert!(best_line.contains(" tokens/s/device, MFU "), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("MFU: Megatron-LM's count")), "{text}");
 }

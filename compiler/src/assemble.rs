@@ -104,11 +104,15 @@ pub(crate) fn assemble(
         })
         .collect();
     let (step_time, bubble) = (simulated.step_time, simulated.bubble);
+    let samples_per_s = if step_time > 0.0 { spec.training.batch_size as f64 / step_time } else { 0.0 };
+    let utilization = spec.utilization();
     let simulation = Simulation {
         step_time_s: step_time,
         first_step_time_s: simulated.first_step,
         bubble_fraction: bubble,
-        throughput_samples_per_s: if step_time > 0.0 { spec.training.batch_size as f64 / step_time } else { 0.0 },
+        throughput_samples_per_s: samples_per_s,
+        tokens_per_s_per_device: utilization.as_ref().map(|u| u.tokens_per_s_per_device(samples_per_s)),
+        mfu: utilization.and_then(|u| u.mfu(samples_per_s)),
         devices: simulated
             .per_device
             .iter()

@@ -303,6 +303,10 @@ pub struct SearchReport {
     pub seconds: f64,
     /// What the model's state needs, for the report when nothing fits.
     pub need: crate::fit::MemoryNeed,
+    /// Samples per step, what turns a step time into samples/s.
+    pub batch_size: usize,
+    /// A language model's basis for tokens/s per device and MFU (`Spec::utilization`).
+    pub utilization: Option<pipec_plan::flops::Utilization>,
 }
 
 impl SearchReport {
@@ -533,7 +537,13 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
     let mut memo = Memo::default();
     let (mut candidates, valid) = candidates(spec, compile_options, options, &mut memo);
     branch_and_bound(source, spec, compile_options, options, &mut memo, &mut candidates, valid);
-    SearchReport { candidates, seconds: started.elapsed().as_secs_f64(), need: crate::fit::MemoryNeed::of(spec) }
+    SearchReport {
+        candidates,
+        seconds: started.elapsed().as_secs_f64(),
+        need: crate::fit::MemoryNeed::of(spec),
+        batch_size: spec.training.batch_size,
+        utilization: spec.utilization(),
+    }
 }
 
 /// Every candidate of the space the options leave: tensor-parallel degree × layout ×
@@ -995,12 +1005,16 @@ impl SearchReport {
         let b = &self.candidates[bi];
         let _ = writeln!(
             s,
-            "best: {} — step {}, bubble {:.1}%, memory headroom {:.1}%",
+            "best: {} — step {}{}, bubble {:.1}%, memory headroom {:.1}%",
             describe(b),
             crate::render::human_time(bp.step_s),
+            self.speed_text(bp.step_s),
             bp.bubble * 100.0,
             bp.headroom * 100.0
         );
+        if let Some(m) = self.utilization.as_ref().and_then(|u| u.mfu(self.samples_per_s(bp.step_s))) {
+            let _ = writeln!(s, "MFU: {}", m.basis_text());
+        }
         let _ = writeln!(s, "strategy: {}", b.strategy());
         if ranked.len() > 1 {
             s.push_str("runner-ups:\n");
@@ -1009,10 +1023,11 @@ impl SearchReport {
             let c = &self.candidates[i];
             let _ = writeln!(
                 s,
-                "  {} — step {} (+{:.1}%), bubble {:.1}%, headroom {:.1}%: {}",
+                "  {} — step {} (+{:.1}%){}, bubble {:.1}%, headroom {:.1}%: {}",
                 describe(c),
                 crate::render::human_time(p.step_s),
                 (p.step_s / bp.step_s - 1.0) * 100.0,
+                self.speed_text(p.step_s),
                 p.bubble * 100.0,
                 p.headroom * 100.0,
                 why((b, bp), (c, p))
@@ -1021,18 +1036,44 @@ impl SearchReport {
         s
     }
 
+    /// Samples per second at a step of `step_s`.
+    fn samples_per_s(&self, step_s: f64) -> f64 {
+        if step_s > 0.0 {
+            self.batch_size as f64 / step_s
+        } else {
+            0.0
+        }
+    }
+
+    /// A language model's tokens/s per device and MFU at a step of `step_s` (", 5,762
+    /// tokens/s/device, MFU 33.7%"); empty for any other model.
+    fn speed_text(&self, step_s: f64) -> String {
+        let Some(u) = &self.utilization else { return String::new() };
+        let samples_per_s = self.samples_per_s(step_s);
+        let mfu = u.mfu(samples_per_s).map(|m| format!(", MFU {:.1}%", m.fraction * 100.0)).unwrap_or_default();
+        format!(", {:.0} tokens/s/device{mfu}", u.tokens_per_s_per_device(samples_per_s))
+    }
+
     /// The report as JSON for tools.
     pub fn to_json(&self, options: &SearchOptions, top: usize) -> serde_json::Value {
         let ranked = self.ranked(options.headroom);
         let entry = |i: usize, p: &Prediction| {
             let c = &self.candidates[i];
-            serde_json::json!({
+            let mut v = serde_json::json!({
                 "strategy": c.strategy(), "tp": c.tp, "pp": c.pp(), "dp": c.dp(), "stages": notation(&c.replicas),
                 "planner": c.planner, "schedule": c.schedule.name(), "chunks": c.chunks,
                 "microbatches": c.microbatches, "recompute": recompute_json(&c.recompute), "step_time_s": p.step_s,
                 "bound_s": p.bound_s, "bubble_fraction": p.bubble, "memory_headroom": p.headroom,
                 "exposed_all_reduce_s": p.exposed_all_reduce_s,
-            })
+                "throughput_samples_per_s": self.samples_per_s(p.step_s),
+            });
+            if let Some(u) = &self.utilization {
+                v["tokens_per_s_per_device"] = u.tokens_per_s_per_device(self.samples_per_s(p.step_s)).into();
+                if let Some(m) = u.mfu(self.samples_per_s(p.step_s)) {
+                    v["mfu"] = serde_json::to_value(m).unwrap_or_default();
+                }
+            }
+            v
         };
         serde_json::json!({
             "best": ranked.first().map(|(i, p)| entry(*i, p)),

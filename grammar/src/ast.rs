@@ -18,6 +18,23 @@ pub struct Spec {
     pub training: Training,
 }
 
+impl Spec {
+    /// What turns a step's samples/s into tokens/s per device of the cluster and MFU against
+    /// its device's peak in the training precision, by the count of the engine the spec names;
+    /// None for a model that is not a language model (`pipec_plan::flops`).
+    pub fn utilization(&self) -> Option<pipec_plan::flops::Utilization> {
+        let m = &self.model;
+        let seq = pipec_plan::flops::language_model_tokens(&m.input, m.output_shape(), m.token_vocab(), m.loss)?;
+        Some(pipec_plan::flops::Utilization::of_model(
+            m.layers.iter().map(|l| (&l.op, l.tied)),
+            seq,
+            self.engine.engine(),
+            self.cluster.device_count(),
+            Some(pipec_plan::flops::Peak::of(&self.cluster.device, self.training.precision)),
+        ))
+    }
+}
+
 /// The engine a spec names (`engine:`), at the release it resolved to.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct EngineChoice {

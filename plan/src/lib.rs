@@ -7,6 +7,7 @@ pub mod datafile;
 pub mod device;
 pub mod engine;
 pub mod features;
+pub mod flops;
 pub mod hf;
 pub mod images;
 pub mod instr;

@@ -715,6 +715,15 @@ pub struct Simulation {
     /// Idle share of device-time over the step.
     pub bubble_fraction: f64,
     pub throughput_samples_per_s: f64,
+    /// A language model's tokens trained per second per device of the plan (what trainers
+    /// print as tokens/s/GPU); absent for any other model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_s_per_device: Option<f64>,
+    /// A language model's model FLOPs utilization at the predicted step, by the count of the
+    /// engine the plan is for (`crate::flops`); absent for any other model, or one with a
+    /// layer the count does not cover.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<crate::flops::Mfu>,
     pub devices: Vec<DeviceSimulation>,
 }
 
@@ -794,10 +803,20 @@ impl Plan {
     /// tokens/s; None for any other model.
     pub fn tokens_per_sample(&self) -> Option<usize> {
         let out = self.layers.last().map(|l| l.output_shape.as_slice()).unwrap_or_default();
-        if self.model.loss != crate::Loss::CrossEntropy {
-            return None;
-        }
-        crate::model::language_model_positions(&self.model.input, out, self.model.token_vocab)
+        crate::flops::language_model_tokens(&self.model.input, out, self.model.token_vocab, self.model.loss)
+    }
+
+    /// What turns this plan's samples/s on `devices` devices into tokens/s per device and
+    /// MFU against `peak` (None: not known), by the count of the engine the plan is for; None
+    /// for a model that is not a language model.
+    pub fn utilization(&self, devices: usize, peak: Option<crate::flops::Peak>) -> Option<crate::flops::Utilization> {
+        Some(crate::flops::Utilization::of_model(
+            self.layers.iter().map(|l| (&l.op, l.tied)),
+            self.tokens_per_sample()?,
+            self.engine.name,
+            devices,
+            peak,
+        ))
     }
 
     /// Throughput as a report writes it: samples/s, and for a language model tokens/s too.

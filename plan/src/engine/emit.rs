@@ -99,6 +99,14 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
     let sim = &run.plan.simulation;
     let step = sim.step_time_s;
     let peaks: Vec<u64> = sim.devices.iter().map(|d| d.peak_memory_bytes).collect();
+    // MFU by the count the engine prints (its log's line is held against it), of the peak the
+    // plan was compiled for
+    let mfu = run.plan.tokens_per_sample().and_then(|seq| {
+        let layers = run.plan.layers.iter().map(|l| (&l.op, l.tied));
+        let peak = sim.mfu.as_ref().map(|m| m.peak.clone());
+        let utilization = crate::flops::Utilization::of_model(layers, seq, engine.name, run.world, peak);
+        utilization.mfu(sim.throughput_samples_per_s).map(|m| crate::flops::Mfu { fraction: round(m.fraction), ..m })
+    });
     let value = json!({
         "engine": engine,
         "plan": run.plan.name,
@@ -115,7 +123,8 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
         "bubble_fraction": round(sim.bubble_fraction),
         "peak_memory_bytes_per_rank": peaks,
         "fits": run.plan.devices.iter().all(|d| d.memory.total <= d.memory.capacity),
-        "source": "pipec's simulation of the plan (plan.json `simulation`); MFU is not predicted yet",
+        "mfu": mfu,
+        "source": "pipec's simulation of the plan (plan.json `simulation`); MFU by the engine's own FLOP count (pipec_plan::flops)",
     });
     serde_json::to_string_pretty(&value).unwrap_or_default() + "\n"
 }
