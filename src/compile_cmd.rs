@@ -358,6 +358,15 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
             .map_or_else(|| "MFU not counted (a layer outside the engine's FLOP count)".to_string(), |m| m.text());
         s.push_str(&format!("per device: {tokens:.0} tokens/s, {mfu}\n"));
     }
+    if let Some(p) = &plan.engine_performance {
+        let how = if p.calibrated { "" } else { " (not calibrated)" };
+        s.push_str(&format!(
+            "priced as {} runs its kernels: efficiency × {:.4}{how} — {}\n",
+            p.family.describe(),
+            p.efficiency,
+            p.source
+        ));
+    }
     // the device whose all-reduces are exposed the longest, if any device all-reduces
     if let Some(d) = sim.devices.iter().filter(|d| d.collective_s > 0.0).max_by(|a, b| {
         a.exposed_collective_s.total_cmp(&b.exposed_collective_s).then(a.collective_s.total_cmp(&b.collective_s))

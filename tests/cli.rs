@@ -2356,6 +2356,8 @@ fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
         serde_json::from_slice(&std::fs::read(plan_dir.join("plan.json")).expect("plan")).expect("json");
     let step = plan["simulation"]["step_time_s"].as_f64().expect("step");
     assert!((step / 3.1 - 1.0).abs() < 0.01, "predicted {step} s after calibrating to 3.1 s");
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(report.contains("priced as torchtitan, eager runs its kernels: efficiency × "), "{report}");
     assert!(plan["engine_performance"]["source"].as_str().expect("source").contains("3.1"));
     // a torchtitan log: tps per device turned into a step by the spec's batch (16 × 8192 on 8)
     let log = dir.path().join("train.log");

@@ -412,3 +412,35 @@ fn emit_and_import_refuse_what_they_cannot_read_or_write() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `moe_dispatch: deepep` (DeepEP's dispatch): Megatron-LM's flex dispatcher and
+/// torchtitan's DeepEP backend accepted, DeepSpeed refused at the key.
+#[test]
+fn deepep_dispatch_is_emitted_as_each_engine_names_it_or_refused() {
+    let text = std::fs::read_to_string(root().join("specs/moe-tiny.yaml")).expect("example");
+    let deepep = text.replacen("  ep: 2\n", "  ep: 2\n  moe_dispatch: deepep\n", 1);
+    assert_ne!(deepep, text, "moe-tiny has `ep: 2`");
+    let plan = plan_of(&deepep);
+    assert_eq!(plan.schedule.moe_dispatch, pipec_plan::vocab::MoeDispatch::DeepEp);
+    let all = |engine: Engine| -> String {
+        let files = pipec_plan::engine::emit::emit(&plan, &EngineTarget::newest(engine)).expect("emits");
+        files.into_iter().map(|(_, contents)| contents).collect()
+    };
+    let megatron = all(Engine::Megatron);
+    assert!(megatron.contains("--moe-token-dispatcher-type flex"), "{megatron}");
+    assert!(megatron.contains("--moe-flex-dispatcher-backend deepep"), "{megatron}");
+    // torchtitan runs it (its emitter names Llama 3's flavours only, not this model)
+    let sharded = deepep.replacen("  ep: 2\n", "  ep: 2\n  zero: 3\n", 1);
+    let titan = pipec_grammar::check_source(&format!("engine: torchtitan\n{sharded}"));
+    assert!(
+        !titan.diagnostics.iter().any(|d| d.message.contains("DeepEP")),
+        "{:?}",
+        titan.diagnostics.iter().map(|d| &d.message).collect::<Vec<_>>()
+    );
+    let refused = pipec_grammar::check_source(&format!("engine: deepspeed\n{deepep}"));
+    assert!(
+        refused.diagnostics.iter().any(|d| d.code == "E0702" && d.message.contains("DeepEP")),
+        "{:?}",
+        refused.diagnostics.iter().map(|d| &d.message).collect::<Vec<_>>()
+    );
+}

@@ -167,6 +167,7 @@ pub(crate) fn assemble(
             sequence_parallel: strategy.sequence_parallel,
             tp_overlap: strategy.tp_overlap && strategy.tp > 1,
             cp_comm: if strategy.cp > 1 { strategy.cp_comm } else { Default::default() },
+            moe_dispatch: if strategy.ep > 1 { strategy.moe_dispatch } else { Default::default() },
             sharding: strategy.sharding,
             block_recompute: match &strategy.recompute {
                 pipec_grammar::spec::Recompute::Blocks(b) => Some(b.clone()),

@@ -167,6 +167,33 @@ impl ClusterGraph {
     }
 }
 
+impl ClusterGraph {
+    /// Expert parallelism's dispatch (or combine) of `bytes` per member over `members` as
+    /// DeepEP runs it (DeepSeek-AI 2024, DeepSeek-V3 technical report, arXiv 2412.19437,
+    /// §3.2.2; the DeepEP library): a token crosses the network once per destination node
+    /// its `top_k` experts lie on, to the device of its own index there, which forwards it
+    /// over NVLink to that node's chosen experts. Of the copies a plain all-to-all sends
+    /// across nodes (top_k·(q−1)/q per token, routing uniform over q nodes), DeepEP sends
+    /// the distinct nodes hit, (q−1)(1 − (1 − 1/q)^top_k); within a node the forwarded
+    /// copies join the node's own. The slower of the two parts sets the time.
+    pub fn node_forwarded_time(&self, members: &[DeviceId], bytes: u64, top_k: usize) -> f64 {
+        let shape = self.group_shape(members);
+        let (p, q, k) = (shape.members, shape.nodes, shape.per_node);
+        if q <= 1 || k <= 1 {
+            return self.shaped_collective_time(CollectiveKind::AllToAll, shape, bytes);
+        }
+        let chunk = bytes as f64 / p as f64;
+        let (qf, choices) = (q as f64, top_k.max(1) as f64);
+        let once_per_node = (qf * (1.0 - (1.0 - 1.0 / qf).powf(choices)) / choices).min(1.0);
+        let remote = (p - k) as f64;
+        let across = remote * self.inter.latency
+            + remote * chunk * once_per_node / (self.inter.bandwidth * self.inter.efficiency);
+        let within = (k - 1) as f64 * self.intra.latency
+            + ((k - 1) as f64 * chunk + remote * chunk) / (self.intra.bandwidth * self.intra.efficiency);
+        across.max(within)
+    }
+}
+
 /// A ring collective of `bytes` per member over `p` members on `link`: an all-reduce is
 /// 2(p−1) steps moving 2(p−1)/p of the bytes, a reduce-scatter or all-gather (p−1) steps
 /// moving (p−1)/p of them; α per step, the bytes at the link's bus bandwidth. An all-to-all
@@ -314,6 +341,33 @@ mod tests {
         // one member per node: a flat exchange on the interfaces
         let flat = c.collective_time(CollectiveKind::AllToAll, &[DeviceId(0), DeviceId(8)], n as u64);
         assert!((flat - (6e-6 + n / 2.0 / 22.5e9)).abs() < 1e-12, "{flat}");
+    }
+
+    #[test]
+    fn deepep_sends_a_token_once_per_destination_node() {
+        let c = cluster(2, 8);
+        let n = 8.0e8;
+        let members: Vec<DeviceId> = (0..16).map(DeviceId).collect();
+        // 16 members on 2 nodes, 8 choices per token: a plain all-to-all sends 8 sixteenths
+        // over the interface; DeepEP the token once to the other node, which 8 choices over
+        // 2 nodes hit with probability 1 − 2^−8: of 4 remote copies per token, 0.996 sent
+        let plain = c.collective_time(CollectiveKind::AllToAll, &members, n as u64);
+        let once = 2.0 * (1.0 - 0.5f64.powi(8)) / 8.0;
+        let chunk = n / 16.0;
+        let across = 8.0 * 6e-6 + 8.0 * chunk * once / 22.5e9;
+        let within = 7.0 * 3e-6 + 15.0 * chunk / 225e9;
+        let deepep = c.node_forwarded_time(&members, n as u64, 8);
+        assert!((deepep - across.max(within)).abs() < 1e-12, "{deepep}");
+        assert!(deepep < plain / 3.5, "{deepep} against {plain}");
+        // one choice per token: nothing to share, the interface carries what it did
+        let one = c.node_forwarded_time(&members, n as u64, 1);
+        assert!((one - (8.0 * 6e-6 + 8.0 * chunk / 22.5e9).max(within)).abs() < 1e-12);
+        // inside a node: the all-to-all itself
+        let node: Vec<DeviceId> = (0..8).map(DeviceId).collect();
+        assert_eq!(
+            c.node_forwarded_time(&node, n as u64, 8),
+            c.collective_time(CollectiveKind::AllToAll, &node, n as u64)
+        );
     }
 
     #[test]

@@ -28,6 +28,9 @@ pub(crate) struct PlanCost<'a> {
     /// experts (those, and their shape on the cluster).
     expert_groups: HashMap<GroupId, (f64, Vec<DeviceId>, GroupShape)>,
     ep: usize,
+    /// `moe_dispatch: deepep`: the experts each token chooses (the all-to-alls are priced
+    /// as DeepEP sends them, `ClusterGraph::node_forwarded_time`); None: plain all-to-alls.
+    deepep_top_k: Option<usize>,
     chunks: pipec_plan::schedule::ChunkPlacement,
     /// DualPipe's overlapped pairs (`ScheduleKind::overlaps_pairs`).
     pairs: bool,
@@ -60,6 +63,9 @@ impl<'a> PlanCost<'a> {
             stage_cp: &stages.cp_times,
             expert_groups: HashMap::new(),
             ep: spec.strategy.ep.max(1),
+            deepep_top_k: (spec.strategy.moe_dispatch == pipec_plan::vocab::MoeDispatch::DeepEp)
+                .then(|| spec.model.layers.iter().filter_map(|l| l.op.moe()).map(|m| m.top_k).max())
+                .flatten(),
             chunks: spec.strategy.schedule.kind.chunk_placement(),
             pairs: spec.strategy.schedule.kind.overlaps_pairs(),
             stage_update: &stages.update,
@@ -165,6 +171,9 @@ impl CostModel for PlanCost<'_> {
     }
     fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64 {
         let members = self.summed_over.get(&group).map_or(members, Vec::as_slice);
+        if let (CollectiveKind::AllToAll, Some(top_k)) = (kind, self.deepep_top_k) {
+            return self.cluster.node_forwarded_time(members, bytes, top_k);
+        }
         let shape = *self.shapes.borrow_mut().entry(group).or_insert_with(|| self.cluster.group_shape(members));
         let time = |members: &[DeviceId], shape: GroupShape, bytes: u64| match kind {
             CollectiveKind::AllReduce => self.shaped_reduce_time(members, shape, bytes),

@@ -390,6 +390,9 @@ pub struct Strategy {
     /// `cp_comm` (with `cp` > 1 or `cp: auto`): how the context-parallel members exchange
     /// keys and values, as the cost and memory model price it.
     pub cp_comm: pipec_plan::vocab::CpComm,
+    /// `moe_dispatch` (with `ep` > 1): how expert parallelism sends tokens to the experts'
+    /// devices, as the cost model prices it.
+    pub moe_dispatch: pipec_plan::vocab::MoeDispatch,
     /// `zero`: what data-parallel replicas shard among themselves.
     pub sharding: pipec_plan::vocab::Sharding,
     /// `ep`: expert parallelism — every replicated stage's replicas in groups of `ep`

@@ -43,6 +43,7 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         sequence_parallel: strategy.sequence_parallel,
         tp_overlap: strategy.tp_overlap,
         cp_comm: strategy.cp_comm,
+        moe_dispatch: strategy.moe_dispatch,
         recompute,
         precision: training.precision,
         blocks: model.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),

@@ -352,6 +352,13 @@ struct Strategy {
     /// them around again with their gradients). Needs `cp` > 1 or `cp: auto`. A planning
     /// choice: the executor all-gathers (`pipec run` says so).
     cp_comm: Option<pipec_plan::vocab::CpComm>,
+    /// How expert parallelism sends tokens to the experts' devices: `all_to_all` (the
+    /// default: one copy per routed expert, across nodes as within) or `deepep` (DeepEP or
+    /// HybridEP: a token crosses the network once per destination node and is forwarded to
+    /// that node's experts over NVLink; Megatron-LM's flex dispatcher, torchtitan's
+    /// `expert_parallel_comm_backend = "deepep"`). Needs `ep` > 1. A planning choice: the
+    /// executor runs an all-to-all (the same values, sent a copy per expert).
+    moe_dispatch: Option<pipec_plan::vocab::MoeDispatch>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
     /// Overlap communication with compute (default true): a replicated stage's all-reduce

@@ -160,6 +160,7 @@ pub(crate) fn lower_strategy(
         Some(n) => cx.uint(n, 1),
     };
     let cp_comm = lower_cp_comm(cx, &f, cp);
+    let moe_dispatch = lower_moe_dispatch(cx, &f, ep);
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
     // the batch's split into microbatches does not depend on the schedule: with a broken
@@ -173,7 +174,7 @@ pub(crate) fn lower_strategy(
     }
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
     let (overlap, sequence_parallel, sharding, ep, bucket) = (overlap?, sequence_parallel?, sharding?, ep?, bucket?);
-    let (cp, tp_overlap, cp_comm) = (cp?, tp_overlap?, cp_comm?);
+    let (cp, tp_overlap, cp_comm, moe_dispatch) = (cp?, tp_overlap?, cp_comm?, moe_dispatch?);
     // a stage replica is `tp` × `cp` devices
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp * cp)?;
     // ZeRO shards over a stage's data- and context-parallel members together
@@ -223,6 +224,7 @@ pub(crate) fn lower_strategy(
         sequence_parallel,
         tp_overlap,
         cp_comm,
+        moe_dispatch,
         sharding,
         ep,
         cp: 1,
@@ -262,6 +264,27 @@ fn lower_sequence_parallel(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>
 fn lower_tp_overlap(cx: &mut Lower<'_>, f: &Fields<'_>, tp: Option<usize>) -> Option<bool> {
     let message = "`tp_overlap` overlaps tensor parallelism's collectives, and `tp` is 1: there are none";
     lower_tensor_parallel_flag(cx, f, tp, ("tp_overlap", "E0423", message))
+}
+
+/// `moe_dispatch`: `all_to_all` (the default) or `deepep`, and DeepEP only where there is
+/// expert parallelism to dispatch over.
+fn lower_moe_dispatch(cx: &mut Lower<'_>, f: &Fields<'_>, ep: Option<usize>) -> Option<pipec_plan::vocab::MoeDispatch> {
+    use pipec_plan::vocab::MoeDispatch;
+    let Some(n) = f.get("moe_dispatch") else { return Some(MoeDispatch::AllToAll) };
+    let dispatch = cx.choose::<MoeDispatch>(n, &["strategy", "moe_dispatch"])?;
+    if dispatch == MoeDispatch::DeepEp && ep == Some(1) {
+        cx.push(
+            Diagnostic::error(
+                "E0105",
+                "`moe_dispatch: deepep` sends tokens to other devices' experts, and `ep` is 1: there is no exchange",
+                n.span,
+                "nothing to dispatch",
+            )
+            .with_help("set `ep` to the expert-parallel degree, or remove `moe_dispatch`"),
+        );
+        return None;
+    }
+    Some(dispatch)
 }
 
 /// `cp_comm`: `all_gather` (the default) or `ring`, and a ring only where there is
@@ -512,6 +535,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         sequence_parallel: false,
         tp_overlap: false,
         cp_comm: CpComm::AllGather,
+        moe_dispatch: Default::default(),
         sharding: Sharding::None,
         ep: 1,
         cp: 1,

@@ -415,6 +415,11 @@ pub struct ScheduleInfo {
     /// parallelism.
     #[serde(default, skip_serializing_if = "is_all_gather")]
     pub cp_comm: crate::vocab::CpComm,
+    /// How expert parallelism dispatches tokens (the cost model's accounting; the executor
+    /// runs an all-to-all). `all_to_all` without expert
+    /// parallelism.
+    #[serde(default, skip_serializing_if = "is_all_to_all")]
+    pub moe_dispatch: crate::vocab::MoeDispatch,
     /// ZeRO's sharding across each replicated stage's data-parallel replicas: the streams
     /// reduce-scatter its gradients (`gradient_shard`), update the shard (`step_shard`)
     /// and, at stages 1 and 2, all-gather the weights (`weights`); at stage 3 each pass
@@ -574,6 +579,10 @@ pub fn reduced_in_buckets(stream: &[Instr], at: usize) -> Option<usize> {
         }
     }
     None
+}
+
+fn is_all_to_all(d: &crate::vocab::MoeDispatch) -> bool {
+    *d == crate::vocab::MoeDispatch::AllToAll
 }
 
 fn is_all_gather(c: &crate::vocab::CpComm) -> bool {

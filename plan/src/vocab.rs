@@ -356,6 +356,29 @@ choice! {
 
 // (`choice!` takes no attributes on its variants, so not `#[derive(Default)]`)
 #[allow(clippy::derivable_impls)]
+impl Default for MoeDispatch {
+    fn default() -> Self {
+        MoeDispatch::AllToAll
+    }
+}
+
+choice! {
+    /// How expert parallelism sends a token's routed copies to the experts' devices
+    /// (`moe_dispatch`).
+    pub enum MoeDispatch {
+        /// One all-to-all over the expert-parallel group: a copy per routed expert, across
+        /// nodes as within them.
+        AllToAll = "all_to_all",
+        /// DeepEP's (or HybridEP's) dispatch: a token crosses the network once per
+        /// destination node and is forwarded to that node's chosen experts over NVLink; the
+        /// combine reduces the same way back (Megatron-LM's `--moe-token-dispatcher-type
+        /// flex`, torchtitan's `expert_parallel_comm_backend = "deepep"`). pipec's executor
+        /// sends the same values as an all-to-all.
+        DeepEp = "deepep",
+    }
+}
+
+#[allow(clippy::derivable_impls)]
 impl Default for CpComm {
     fn default() -> Self {
         CpComm::AllGather

@@ -8,7 +8,7 @@
 //! the PyTorch 2.15.0 pipelining schedules it names (`[P]`), DeepSpeed's 0.19.8 sdist
 //! (`[D]`); pipec's own rows cite this repository.
 
-use crate::vocab::{CpComm, Engine, Precision, ReduceMode, ScheduleKind, Sharding};
+use crate::vocab::{CpComm, Engine, MoeDispatch, Precision, ReduceMode, ScheduleKind, Sharding};
 
 use super::EngineTarget;
 
@@ -66,6 +66,9 @@ pub enum Capability {
     /// Context parallelism exchanging keys and values so.
     ContextParallel(CpComm),
     ExpertParallel,
+    /// Expert parallelism's tokens sent once per destination node and forwarded over
+    /// NVLink (DeepEP, HybridEP).
+    DeepEpDispatch,
     Recompute(RecomputeKind),
     Precision(Precision),
     /// Stages replicated unequally (PipeDream's `2-1-1`).
@@ -153,6 +156,7 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(PC, C::ContextParallel(CpComm::AllGather), "cp_comm: all_gather", PIPEC_SOURCE),
     row(PC, C::ContextParallel(CpComm::Ring), "cp_comm: ring", PIPEC_SOURCE),
     row(PC, C::ExpertParallel, "ep", PIPEC_SOURCE),
+    row(PC, C::DeepEpDispatch, "moe_dispatch: deepep (priced; run as an all-to-all)", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::Full), "recompute: true", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::SomeStages), "recompute: [stages]", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::Selective), "recompute: selective", PIPEC_SOURCE),
@@ -176,6 +180,7 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(MG, C::ContextParallel(CpComm::AllGather), "--context-parallel-size N --cp-comm-type allgather", "[M] megatron/training/arguments.py:1295-1298, 3054-3059"),
     row(MG, C::ContextParallel(CpComm::Ring), "--context-parallel-size N --cp-comm-type p2p", "[M] megatron/training/arguments.py:1295-1298, 3054-3059"),
     row(MG, C::ExpertParallel, "--expert-model-parallel-size N --expert-tensor-parallel-size 1", "[M] megatron/training/arguments.py:568-569, 1600-1603; megatron/core/parallel_state.py:874-884"),
+    row(MG, C::DeepEpDispatch, "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep", "[M] megatron/core/transformer/transformer_config.py:862-869"),
     row(MG, C::Recompute(RecomputeKind::Full), "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", "[M] megatron/core/transformer/transformer_config.py:1724-1761"),
     row(MG, C::Recompute(RecomputeKind::Selective), "--recompute-granularity selective (--recompute-modules core_attn, the default)", "[M] megatron/core/transformer/transformer_config.py:1763-1832"),
     row(MG, C::Precision(Precision::Fp32), "(neither --bf16 nor --fp16)", "[M] megatron/training/arguments.py:1171-1183"),
@@ -197,6 +202,7 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(TT, C::ContextParallel(CpComm::AllGather), "context_parallel_degree, context_parallel_rotate_method = \"allgather\"", "[T] torchtitan/distributed/context_parallel.py:52-77"),
     row(TT, C::ContextParallel(CpComm::Ring), "context_parallel_degree, context_parallel_rotate_method = \"alltoall\"", "[T] torchtitan/distributed/context_parallel.py:52-77"),
     row(TT, C::ExpertParallel, "expert_parallel_degree, expert_tensor_parallel_degree = 1", "[T] torchtitan/distributed/parallel_dims.py:58-59, 136-138"),
+    row(TT, C::DeepEpDispatch, "[parallelism] expert_parallel_comm_backend = \"deepep\"", "[T] torchtitan/config/job_config.py:474-482"),
     row(TT, C::Recompute(RecomputeKind::Full), "[activation_checkpoint] mode = \"full\"", "[T] torchtitan/config/job_config.py:651-715"),
     row(TT, C::Recompute(RecomputeKind::Selective), "[activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\"", "[T] torchtitan/config/job_config.py:651-715; distributed/activation_checkpoint.py:167-185"),
     row(TT, C::Precision(Precision::Fp32), "mixed_precision_param = \"float32\"", "[T] torchtitan/config/job_config.py:275-293"),
@@ -314,6 +320,7 @@ pub struct Layout {
     pub sequence_parallel: bool,
     pub tp_overlap: bool,
     pub cp_comm: CpComm,
+    pub moe_dispatch: MoeDispatch,
     pub recompute: RecomputeKind,
     pub precision: Precision,
     /// Transformer blocks (0: not a transformer).
@@ -347,6 +354,7 @@ pub enum Feature {
     ContextParallel,
     CpComm,
     ExpertParallel,
+    MoeDispatch,
     Recompute,
     Precision,
     Synchrony,
@@ -368,6 +376,7 @@ impl Feature {
             Feature::ContextParallel => "cp",
             Feature::CpComm => "cp_comm",
             Feature::ExpertParallel => "ep",
+            Feature::MoeDispatch => "moe_dispatch",
             Feature::Recompute => "recompute",
             Feature::Precision => "precision",
             Feature::Model => "model",
@@ -538,6 +547,13 @@ fn sharding_and_parallelism(target: &EngineTarget, l: &Layout, out: &mut Vec<Ref
         ),
         (l.tp_overlap, C::TpOverlap, Feature::TpOverlap, "overlapped tensor-parallel collectives", "false"),
         (l.ep > 1, C::ExpertParallel, Feature::ExpertParallel, "expert parallelism", "1"),
+        (
+            l.ep > 1 && l.moe_dispatch == MoeDispatch::DeepEp,
+            C::DeepEpDispatch,
+            Feature::MoeDispatch,
+            "DeepEP dispatch",
+            "all_to_all",
+        ),
     ];
     for (asked, capability, feature, what, off) in needs {
         if asked && find(target, |c| *c == capability).is_none() {
@@ -650,6 +666,7 @@ mod tests {
             sequence_parallel: false,
             tp_overlap: false,
             cp_comm: CpComm::AllGather,
+            moe_dispatch: MoeDispatch::AllToAll,
             recompute: RecomputeKind::Off,
             precision: Precision::Bf16,
             blocks: 16,

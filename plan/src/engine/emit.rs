@@ -287,8 +287,14 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
             arg("--moe-ffn-hidden-size", b.ff),
             arg("--moe-router-load-balancing-type", if m.aux_loss > 0.0 { "aux_loss" } else { "none" }),
             arg("--moe-aux-loss-coeff", m.aux_loss),
-            arg("--moe-token-dispatcher-type", "alltoall"),
         ]);
+        // DeepEP's dispatch is the flex dispatcher's (transformer_config.py:862-869)
+        match l.moe_dispatch {
+            crate::vocab::MoeDispatch::AllToAll => moe.push(arg("--moe-token-dispatcher-type", "alltoall")),
+            crate::vocab::MoeDispatch::DeepEp => {
+                moe.extend([arg("--moe-token-dispatcher-type", "flex"), arg("--moe-flex-dispatcher-backend", "deepep")])
+            }
+        }
         if m.shared > 0 {
             moe.push(arg("--moe-shared-expert-intermediate-size", m.shared * b.ff));
         }
@@ -537,6 +543,9 @@ pub fn torchtitan_rows(run: &Run<'_>, flavour: &str) -> Vec<(&'static str, &'sta
         ("parallelism", "expert_parallel_degree", json!(l.ep)),
         ("parallelism", "expert_tensor_parallel_degree", json!(1)),
     ];
+    if l.ep > 1 && l.moe_dispatch == crate::vocab::MoeDispatch::DeepEp {
+        rows.push(("parallelism", "expert_parallel_comm_backend", json!("deepep")));
+    }
     if pipelined {
         rows.extend([
             (

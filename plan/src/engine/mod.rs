@@ -207,6 +207,7 @@ impl crate::Plan {
             sequence_parallel: self.schedule.sequence_parallel,
             tp_overlap: self.schedule.tp_overlap,
             cp_comm: self.schedule.cp_comm,
+            moe_dispatch: self.schedule.moe_dispatch,
             recompute,
             precision: self.training.precision,
             blocks: self.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),
