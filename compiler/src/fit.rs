@@ -1,6 +1,8 @@
 //! The memory pass: each device's memory from its stream, and whether the plan fits —
 //! E0601 with what would fit, W0602 near capacity, W0605 for a large bubble.
 
+use std::collections::HashMap;
+
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
 use pipec_plan::plan::DevicePlan;
@@ -29,19 +31,24 @@ pub(crate) fn check_memory(
     let weight_cap = strategy.schedule.kind.weight_versions().cap();
     let empty = Vec::new();
     let counted = lowered.counted_streams();
+    // tensor-parallel followers hold a shard the size of their group leader's: the
+    // leader's figures, found once per group
+    let mut of_leader: HashMap<DeviceId, DevicePlan> = HashMap::new();
     let devices: Vec<DevicePlan> = device_ids
         .iter()
         .map(|&id| {
-            // tensor-parallel followers hold a shard the size of their group leader's
             let leader = DeviceId(id.0 - id.0 % tp as u32);
-            let stream = counted.get(&leader).unwrap_or(&empty);
-            DevicePlan {
-                id,
-                node: cluster.node_of(id),
-                stages: placement.stages_of(leader).into_iter().map(|s| StageId(s as u32)).collect(),
-                memory: device_memory(stream, &stages.bytes, &lowered.recompute, weight_cap, cluster.memory),
-                peak_in_flight: crate::memory::peak_in_flight(stream),
-            }
+            let figures = of_leader.entry(leader).or_insert_with(|| {
+                let stream = counted.get(&leader).unwrap_or(&empty);
+                DevicePlan {
+                    id: leader,
+                    node: 0,
+                    stages: placement.stages_of(leader).into_iter().map(|s| StageId(s as u32)).collect(),
+                    memory: device_memory(stream, &stages.bytes, &lowered.recompute, weight_cap, cluster.memory),
+                    peak_in_flight: crate::memory::peak_in_flight(stream),
+                }
+            });
+            DevicePlan { id, node: cluster.node_of(id), ..figures.clone() }
         })
         .collect();
     let mut diagnostics = Vec::new();

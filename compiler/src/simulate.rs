@@ -266,7 +266,8 @@ pub fn simulate(
         (t, last)
     };
     let mut overlapped: BTreeMap<DeviceId, f64> = BTreeMap::new();
-    let mut events = Vec::new();
+    // about an event per instruction
+    let mut events = Vec::with_capacity(streams.values().map(Vec::len).sum());
     let mut queue: VecDeque<DeviceId> = devices.iter().copied().collect();
     let mut queued: FxHashMap<DeviceId, bool> = devices.iter().map(|d| (*d, true)).collect();
     let mut error: Option<String> = None;
@@ -457,8 +458,32 @@ pub fn simulate(
         return Err(Stuck { next, reason });
     }
     let step_time = clock.values().chain(engines.free_at.values()).copied().fold(0.0, f64::max);
-    events.sort_by(|a, b| a.device.cmp(&b.device).then(a.start.total_cmp(&b.start)).then(a.index.cmp(&b.index)));
-    Ok(Timeline { events, step_time, overlapped })
+    Ok(Timeline { events: by_device_then_start(events), step_time, overlapped })
+}
+
+/// The events in the timeline's order — by device, then start, then index, ties in the
+/// order they ran — as one stable sort by that key would give them, without its cost: the
+/// events are split by device first (they come interleaved over the devices, each
+/// device's nearly in order of its start, which the stable sort of each part finds in
+/// linear time): the GPT-3 175B search simulates plans of 1,024 devices, whose sort was
+/// two fifths of its instructions.
+fn by_device_then_start(events: Vec<Event>) -> Vec<Event> {
+    let total = events.len();
+    let slots = events.iter().map(|e| e.device.0 as usize + 1).max().unwrap_or(0);
+    let mut counts = vec![0usize; slots];
+    for e in &events {
+        counts[e.device.0 as usize] += 1;
+    }
+    let mut per_device: Vec<Vec<Event>> = counts.into_iter().map(Vec::with_capacity).collect();
+    for e in events {
+        per_device[e.device.0 as usize].push(e);
+    }
+    let mut out = Vec::with_capacity(total);
+    for mut device_events in per_device {
+        device_events.sort_by(|a, b| a.start.total_cmp(&b.start).then(a.index.cmp(&b.index)));
+        out.append(&mut device_events);
+    }
+    out
 }
 
 /// DualPipe's overlapped pair a device's forward opened (`simulate`).
@@ -511,7 +536,7 @@ pub fn collective_times(t: &Timeline) -> BTreeMap<DeviceId, (f64, f64)> {
 /// Per-device busy time (compute, optimizer and the exposed part of collectives) and the
 /// bubble fractions.
 pub fn utilisation(t: &Timeline, devices: &[DeviceId]) -> (Vec<(DeviceId, f64, f64)>, f64) {
-    let mut busy: HashMap<DeviceId, f64> = HashMap::new();
+    let mut busy: FxHashMap<DeviceId, f64> = FxHashMap::default();
     for e in &t.events {
         if !e.background && !matches!(e.phase, Phase::Communication | Phase::Memory) {
             *busy.entry(e.device).or_insert(0.0) += e.end - e.start;
@@ -572,6 +597,33 @@ mod tests {
             Instr::OptimizerStep { stage },
         ]);
         (0..2).map(|d| (DeviceId(d), s.clone())).collect()
+    }
+
+    proptest::proptest! {
+        /// Split by device, then sorted: the order one stable sort by (device, start,
+        /// index) gives, ties (equal starts and indices) in the order the events ran.
+        #[test]
+        fn events_split_by_device_come_in_the_stable_sorts_order(
+            raw in proptest::collection::vec((0u32..5, 0u8..6, 0usize..4), 0..200),
+        ) {
+            let events: Vec<Event> = raw
+                .iter()
+                .enumerate()
+                .map(|(n, &(device, start, index))| Event {
+                    device: DeviceId(device),
+                    index,
+                    start: f64::from(start),
+                    // tells apart events whose key is the same
+                    end: n as f64,
+                    phase: Phase::Forward,
+                    background: false,
+                    all_to_all: false,
+                })
+                .collect();
+            let mut sorted = events.clone();
+            sorted.sort_by(|a, b| a.device.cmp(&b.device).then(a.start.total_cmp(&b.start)).then(a.index.cmp(&b.index)));
+            proptest::prop_assert_eq!(by_device_then_start(events), sorted);
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
-use pipec_plan::DeviceId;
+use pipec_plan::{DeviceId, Phase};
 
 use crate::figures::StageFigures;
 use crate::model::ModelCosts;
@@ -40,11 +40,28 @@ impl Simulated {
 
 /// Seconds of each device's own instructions by kind in `timeline`, over `steps` steps.
 fn time_by_phase(timeline: &Timeline, steps: f64) -> BTreeMap<DeviceId, BTreeMap<String, f64>> {
-    let mut out: BTreeMap<DeviceId, BTreeMap<String, f64>> = BTreeMap::new();
+    // each sum in the events' order; a device's sums are looked up once per run of its
+    // events, not once per event (the timeline's events come device by device), and the
+    // names allocated once per device and phase
+    type Sums = [Option<f64>; Phase::ALL.len()];
+    let mut sums: BTreeMap<DeviceId, Sums> = BTreeMap::new();
+    let mut current: Option<(DeviceId, Sums)> = None;
     for e in timeline.events.iter().filter(|e| !e.background && e.end > e.start) {
-        *out.entry(e.device).or_default().entry(e.phase.name().to_string()).or_insert(0.0) += (e.end - e.start) / steps;
+        if current.as_ref().is_none_or(|(d, _)| *d != e.device) {
+            sums.extend(current.take());
+            current = Some((e.device, sums.remove(&e.device).unwrap_or_default()));
+        }
+        if let (Some((_, phases)), Some(k)) = (current.as_mut(), Phase::ALL.iter().position(|p| *p == e.phase)) {
+            *phases[k].get_or_insert(0.0) += (e.end - e.start) / steps;
+        }
     }
-    out
+    sums.extend(current);
+    sums.into_iter()
+        .map(|(d, phases)| {
+            let named = Phase::ALL.iter().zip(phases).filter_map(|(p, s)| Some((p.name().to_string(), s?)));
+            (d, named.collect())
+        })
+        .collect()
 }
 
 /// Simulation: streams + cost model → `Simulated`, with figures for `device_ids`.
@@ -131,4 +148,46 @@ pub(crate) fn simulate_plan(
         collectives,
         by_phase,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simulate::Event;
+
+    /// The sums by device and phase are the events' own, added in their order, whether a
+    /// device's events come in one run or several.
+    #[test]
+    fn time_by_phase_sums_each_devices_phases_in_the_events_order() {
+        let event = |device: u32, phase: Phase, start: f64, end: f64, background: bool| Event {
+            device: DeviceId(device),
+            index: 0,
+            start,
+            end,
+            phase,
+            background,
+            all_to_all: false,
+        };
+        let events = vec![
+            event(1, Phase::Forward, 0.0, 0.1, false),
+            event(1, Phase::Forward, 0.1, 0.3, false),
+            event(0, Phase::Backward, 0.0, 0.7, false),
+            // on the communication engine, and of no length: not the device's time
+            event(0, Phase::Collective, 0.0, 5.0, true),
+            event(0, Phase::Optimizer, 1.0, 1.0, false),
+            event(1, Phase::Forward, 0.3, 0.6, false),
+            event(1, Phase::Collective, 0.6, 0.9, false),
+        ];
+        let timeline = Timeline { events, step_time: 1.0, overlapped: BTreeMap::new() };
+        let sums = time_by_phase(&timeline, 2.0);
+        let of = |d: u32| sums[&DeviceId(d)].iter().map(|(k, v)| (k.as_str(), *v)).collect::<Vec<_>>();
+        assert_eq!(of(0), vec![("backward", (0.7 - 0.0) / 2.0)]);
+        assert_eq!(
+            of(1),
+            vec![
+                ("collective", (0.9 - 0.6) / 2.0),
+                ("forward", (0.1 - 0.0) / 2.0 + (0.3 - 0.1) / 2.0 + (0.6 - 0.3) / 2.0)
+            ]
+        );
+    }
 }
