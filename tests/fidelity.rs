@@ -125,7 +125,7 @@ fn published_2025_runs_fit_and_their_peaks_are_as_the_table_says() {
 /// stay within the bounds below (docs/benchmarks.md, "Step times", shows both halves).
 #[test]
 fn published_2025_step_times_are_predicted_within_bounds_on_the_held_out_half() {
-    use pipec_compiler::fidelity::{fit_efficiency, read_steps, Half, StepSpec};
+    use pipec_compiler::fidelity::{read_steps, refit_all, Half, StepSpec};
     let folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/specs/published-2025");
     let rows = read_steps(&std::fs::read_to_string(folder.join("steps.csv")).expect("the table")).expect("reads");
     assert!(rows.len() >= 15, "at least 15 published runs");
@@ -137,33 +137,24 @@ fn published_2025_step_times_are_predicted_within_bounds_on_the_held_out_half() 
             StepSpec::check(&source, Some(&folder)).unwrap_or_else(|e| panic!("{}: {e}", r.spec))
         })
         .collect();
-    let mut kinds: Vec<_> = specs.iter().map(StepSpec::kind).collect();
-    kinds.sort_by_key(|k| format!("{k:?}"));
-    kinds.dedup();
-    for kind in &kinds {
-        let members: Vec<usize> = (0..rows.len()).filter(|&i| specs[i].kind() == *kind).collect();
-        let calibration: Vec<usize> = members.iter().copied().filter(|&i| rows[i].half == Half::Calibration).collect();
-        assert!(!calibration.is_empty(), "{kind:?}: no calibration row");
-        assert!(members.len() > calibration.len(), "{kind:?}: no held-out row");
-        let table = specs[calibration[0]].efficiency();
-        assert!(table.calibrated, "{kind:?}: no fitted constant: {}", table.source);
-        for &i in &calibration {
+    for r in refit_all(&rows, &specs) {
+        let kind = &r.kind;
+        assert!(!r.calibration.is_empty(), "{kind:?}: no calibration row");
+        assert!(!r.held_out.is_empty(), "{kind:?}: no held-out row");
+        assert!(r.table.calibrated, "{kind:?}: no fitted constant: {}", r.table.source);
+        for &i in &r.calibration {
             let named = rows[i].spec.trim_end_matches(".yaml");
-            assert!(table.source.contains(named), "{kind:?}: the constant's source does not name {named}");
+            assert!(r.table.source.contains(named), "{kind:?}: the constant's source does not name {named}");
         }
-        for &i in &members {
-            if rows[i].half == Half::HeldOut {
-                let named = rows[i].spec.trim_end_matches(".yaml");
-                assert!(!table.source.contains(named), "{kind:?}: held-out {named} named as a calibration row");
-            }
+        for &i in &r.held_out {
+            let named = rows[i].spec.trim_end_matches(".yaml");
+            assert!(!r.table.source.contains(named), "{kind:?}: held-out {named} named as a calibration row");
         }
-        let published: Vec<f64> = calibration.iter().map(|&i| rows[i].step_s).collect();
-        let fitted = fit_efficiency(&published, |e| calibration.iter().map(|&i| specs[i].step(Some(e))).collect())
-            .expect("fits");
+        let fitted = r.fitted.clone().expect("fits");
         assert!(
-            (fitted / table.efficiency - 1.0).abs() < 0.005,
+            (fitted / r.table.efficiency - 1.0).abs() < 0.005,
             "{kind:?}: the table's constant {} is not what its calibration rows give ({fitted:.4})",
-            table.efficiency
+            r.table.efficiency
         );
     }
     let held: Vec<(String, f64)> = rows

@@ -804,7 +804,7 @@ fn fidelity() {
 /// device kind's constant refitted on its calibration rows beside the table's, then every
 /// row predicted with the table's constants, the held-out half summarised.
 fn steps() {
-    use pipec_compiler::fidelity::{fit_efficiency, read_steps, relative_error, Half, StepSpec};
+    use pipec_compiler::fidelity::{read_steps, refit_all, relative_error, Half, StepSpec};
     println!("## steps");
     let folder = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/published-2025");
     let table = std::fs::read_to_string(folder.join("steps.csv")).expect("bench/specs/published-2025/steps.csv");
@@ -816,24 +816,16 @@ fn steps() {
             StepSpec::check(&source, Some(&folder)).unwrap_or_else(|e| panic!("{}: {e}", r.spec))
         })
         .collect();
-    let mut kinds: Vec<_> = specs.iter().map(StepSpec::kind).collect();
-    kinds.sort_by_key(|k| format!("{k:?}"));
-    kinds.dedup();
     println!("| engine kernels | device | table's constant | refitted on its calibration rows | calibration rows |");
     println!("|---|---|---|---|---|");
-    for kind in &kinds {
-        let members: Vec<usize> =
-            (0..rows.len()).filter(|&i| specs[i].kind() == *kind && rows[i].half == Half::Calibration).collect();
-        let published: Vec<f64> = members.iter().map(|&i| rows[i].step_s).collect();
-        let fitted = fit_efficiency(&published, |e| members.iter().map(|&i| specs[i].step(Some(e))).collect());
-        let table_value = members.first().map(|&i| specs[i].efficiency().efficiency);
+    for r in refit_all(&rows, &specs) {
         println!(
-            "| {} | {} | {} | {} | {} |",
-            kind.0.describe(),
-            kind.1,
-            table_value.map_or("-".into(), |v| format!("{v:.4}")),
-            fitted.map_or_else(|e| e, |v| format!("{v:.4}")),
-            members.iter().map(|&i| rows[i].spec.trim_end_matches(".yaml")).collect::<Vec<_>>().join(", ")
+            "| {} | {} | {:.4} | {} | {} |",
+            r.kind.0.describe(),
+            r.kind.1,
+            r.table.efficiency,
+            r.fitted.map_or_else(|e| e, |v| format!("{v:.4}")),
+            r.calibration.iter().map(|&i| rows[i].spec.trim_end_matches(".yaml")).collect::<Vec<_>>().join(", ")
         );
     }
     println!();

@@ -23,48 +23,56 @@ pub struct Published {
     pub activations_gib: Option<f64>,
 }
 
-/// Reads the table: `spec,step_s,model_state_gib,activations_gib` rows after a header, `#`
-/// lines ignored, an empty cell for a figure not published.
-pub fn read_published(text: &str) -> Result<Vec<Published>, String> {
+/// A table's rows after its header (`#` lines and empty ones skipped): each row's line
+/// number and cells; Err where the header is not `header` or a row has another count of
+/// cells.
+fn table_rows<'a>(text: &'a str, header: &[&str]) -> Result<Vec<(usize, Vec<&'a str>)>, String> {
     let mut rows = Vec::new();
-    let mut header = false;
+    let mut seen = false;
     for (n, line) in text.lines().enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
         let cells: Vec<&str> = line.split(',').map(str::trim).collect();
-        if !header {
-            if cells != ["spec", "step_s", "model_state_gib", "activations_gib"] {
-                return Err(format!(
-                    "line {}: expected the header `spec,step_s,model_state_gib,activations_gib`",
-                    n + 1
-                ));
+        if !seen {
+            if cells != header {
+                return Err(format!("line {}: expected the header `{}`", n + 1, header.join(",")));
             }
-            header = true;
+            seen = true;
             continue;
         }
-        let [spec, step, state, act] = cells.as_slice() else {
-            return Err(format!("line {}: {} cells, expected 4", n + 1, cells.len()));
-        };
+        if cells.len() != header.len() {
+            return Err(format!("line {}: {} cells, expected {}", n + 1, cells.len(), header.len()));
+        }
+        rows.push((n + 1, cells));
+    }
+    if !seen {
+        return Err("the table has no header".into());
+    }
+    Ok(rows)
+}
+
+/// Reads the table: `spec,step_s,model_state_gib,activations_gib` rows after a header, `#`
+/// lines ignored, an empty cell for a figure not published.
+pub fn read_published(text: &str) -> Result<Vec<Published>, String> {
+    let mut rows = Vec::new();
+    for (n, cells) in table_rows(text, &["spec", "step_s", "model_state_gib", "activations_gib"])? {
         let figure = |cell: &str| -> Result<Option<f64>, String> {
             if cell.is_empty() {
                 return Ok(None);
             }
             match cell.parse::<f64>() {
                 Ok(v) if v.is_finite() && v > 0.0 => Ok(Some(v)),
-                _ => Err(format!("line {}: `{cell}` is not a positive number", n + 1)),
+                _ => Err(format!("line {n}: `{cell}` is not a positive number")),
             }
         };
         rows.push(Published {
-            spec: spec.to_string(),
-            step_s: figure(step)?,
-            model_state_gib: figure(state)?,
-            activations_gib: figure(act)?,
+            spec: cells[0].to_string(),
+            step_s: figure(cells[1])?,
+            model_state_gib: figure(cells[2])?,
+            activations_gib: figure(cells[3])?,
         });
-    }
-    if !header {
-        return Err("the table has no header".into());
     }
     Ok(rows)
 }
@@ -136,39 +144,24 @@ pub struct StepRow {
 /// ignored.
 pub fn read_steps(text: &str) -> Result<Vec<StepRow>, String> {
     let mut rows = Vec::new();
-    let mut header = false;
-    for (n, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let cells: Vec<&str> = line.split(',').map(str::trim).collect();
-        if !header {
-            if cells != ["spec", "step_s", "from", "half", "moe", "fp8"] {
-                return Err(format!("line {}: expected the header `spec,step_s,from,half,moe,fp8`", n + 1));
-            }
-            header = true;
-            continue;
-        }
-        let [spec, step, from, half, moe, fp8] = cells.as_slice() else {
-            return Err(format!("line {}: {} cells, expected 6", n + 1, cells.len()));
-        };
+    for (n, cells) in table_rows(text, &["spec", "step_s", "from", "half", "moe", "fp8"])? {
+        let [spec, step, from, half, moe, fp8] = cells.as_slice() else { continue };
         let step_s = match step.parse::<f64>() {
             Ok(v) if v.is_finite() && v > 0.0 => v,
-            _ => return Err(format!("line {}: `{step}` is not a positive number of seconds", n + 1)),
+            _ => return Err(format!("line {n}: `{step}` is not a positive number of seconds")),
         };
         let half = match *half {
             "calibration" => Half::Calibration,
             "held-out" => Half::HeldOut,
-            other => return Err(format!("line {}: half `{other}` is neither `calibration` nor `held-out`", n + 1)),
+            other => return Err(format!("line {n}: half `{other}` is neither `calibration` nor `held-out`")),
         };
         let yes = |cell: &str| match cell {
             "yes" => Ok(true),
             "no" => Ok(false),
-            other => Err(format!("line {}: `{other}` is neither yes nor no", n + 1)),
+            other => Err(format!("line {n}: `{other}` is neither yes nor no")),
         };
         if !matches!(*from, "step" | "tokens") {
-            return Err(format!("line {}: from `{from}` is neither `step` nor `tokens`", n + 1));
+            return Err(format!("line {n}: from `{from}` is neither `step` nor `tokens`"));
         }
         rows.push(StepRow {
             spec: spec.to_string(),
@@ -179,21 +172,41 @@ pub fn read_steps(text: &str) -> Result<Vec<StepRow>, String> {
             fp8: yes(fp8)?,
         });
     }
-    if !header {
-        return Err("the table has no header".into());
-    }
     Ok(rows)
 }
 
-/// A row's prediction: the step, and the engine × device kind whose constant priced it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepPrediction {
-    pub step_s: f64,
-    pub family: pipec_plan::engine::performance::KernelFamily,
-    /// `h100-sxm at 500 W`.
-    pub device: String,
-    /// The constant the spec was priced with (the table's, or 1 uncalibrated).
-    pub efficiency: f64,
+/// One engine × device kind's constant refitted on its calibration rows of `rows` (their
+/// checked `specs`, in the same order): the rows it is fitted on, the table's constant
+/// and the refitted one (Err: the rows cannot be matched).
+pub struct Refit {
+    pub kind: (pipec_plan::engine::performance::KernelFamily, String),
+    pub calibration: Vec<usize>,
+    pub held_out: Vec<usize>,
+    pub table: pipec_plan::engine::performance::Performance,
+    pub fitted: Result<f64, String>,
+}
+
+/// Every engine × device kind of the table, refitted ([`Refit`]), in a stable order.
+pub fn refit_all(rows: &[StepRow], specs: &[StepSpec]) -> Vec<Refit> {
+    let mut kinds: Vec<_> = specs.iter().map(StepSpec::kind).collect();
+    kinds.sort_by_key(|k| format!("{k:?}"));
+    kinds.dedup();
+    kinds
+        .into_iter()
+        .map(|kind| {
+            let members: Vec<usize> = (0..rows.len()).filter(|&i| specs[i].kind() == kind).collect();
+            let (calibration, held_out): (Vec<usize>, Vec<usize>) =
+                members.iter().partition(|&&i| rows[i].half == Half::Calibration);
+            let first = calibration.first().or(held_out.first()).copied().unwrap_or(0);
+            let published: Vec<f64> = calibration.iter().map(|&i| rows[i].step_s).collect();
+            let fitted = if calibration.is_empty() {
+                Err("no calibration row".to_string())
+            } else {
+                fit_efficiency(&published, |e| calibration.iter().map(|&i| specs[i].step(Some(e))).collect())
+            };
+            Refit { kind, table: specs[first].efficiency().clone(), calibration, held_out, fitted }
+        })
+        .collect()
 }
 
 /// A published run's spec, checked, ready to be predicted at any kernel efficiency.
@@ -323,5 +336,29 @@ mod tests {
         assert!(read_published("spec,step_s,model_state_gib,activations_gib\na.yaml,-1,,\n").is_err());
         assert!(read_published("spec,step_s,model_state_gib,activations_gib\na.yaml,1\n").is_err());
         assert_eq!(relative_error(1.1, 1.0), 1.1 / 1.0 - 1.0);
+    }
+
+    #[test]
+    fn the_step_table_reads_its_halves_and_refuses_what_is_not_one() {
+        let head = "spec,step_s,from,half,moe,fp8\n";
+        let rows =
+            read_steps(&format!("# c\n{head}a.yaml,2.5,tokens,calibration,yes,no\nb.yaml,1,step,held-out,no,yes\n"))
+                .expect("reads");
+        assert_eq!((rows[0].half, rows[0].moe, rows[0].fp8), (Half::Calibration, true, false));
+        assert_eq!((rows[1].half, rows[1].step_s, rows[1].from.as_str()), (Half::HeldOut, 1.0, "step"));
+        for bad in [
+            "a.yaml,0,step,held-out,no,no",
+            "a.yaml,1,guess,held-out,no,no",
+            "a.yaml,1,step,both,no,no",
+            "a.yaml,1,step,held-out,maybe,no",
+            "a.yaml,1,step",
+        ] {
+            assert!(read_steps(&format!("{head}{bad}\n")).is_err(), "{bad}");
+        }
+        assert!(read_steps("a.yaml,1,step,held-out,no,no\n").is_err(), "no header");
+        // the bisection finds the efficiency that makes a step of a + b/e match
+        let fitted = fit_efficiency(&[3.0], |e| Ok(vec![1.0 + 1.0 / e])).expect("fits");
+        assert!((fitted - 0.5).abs() < 1e-3, "{fitted}");
+        assert!(fit_efficiency(&[0.5], |e| Ok(vec![1.0 + 1.0 / e])).is_err(), "faster than any efficiency");
     }
 }

@@ -183,19 +183,7 @@ fn read_calibration_file(
     f: &Node,
 ) -> Option<(pipec_plan::engine::performance::CalibrationFile, String, Span)> {
     let path = cx.string(f)?;
-    let full = match cx.base_dir {
-        Some(base) => base.join(path),
-        None => std::path::PathBuf::from(path),
-    };
-    let read = std::fs::metadata(&full)
-        .map_err(|e| e.to_string())
-        .and_then(|m| {
-            if m.len() > MAX_DEVICE_FILE {
-                Err(format!("it has {} bytes; a calibration file is far smaller", m.len()))
-            } else {
-                std::fs::read_to_string(&full).map_err(|e| e.to_string())
-            }
-        })
+    let read = read_small_file(cx, path, "a calibration file")
         .and_then(|t| pipec_plan::engine::performance::CalibrationFile::from_json(&t));
     match read {
         Ok(file) => Some((file, path.to_string(), f.span)),
@@ -745,26 +733,27 @@ fn capped_preset(
     Some(p.model_at(watts))
 }
 
-/// The largest device file read.
+/// The largest device or calibration file read.
 const MAX_DEVICE_FILE: u64 = 1 << 20;
 
-/// A device file (`pipec calibrate`'s JSON), relative to the spec's directory.
-fn read_device_file(cx: &mut Lower<'_>, f: &Node) -> Option<pipec_plan::device::DeviceModel> {
-    let path = cx.string(f)?;
+/// A file a spec names (relative to the spec's directory), read whole if it is no larger
+/// than a device file (`kind` names it in the error).
+fn read_small_file(cx: &Lower<'_>, path: &str, kind: &str) -> Result<String, String> {
     let full = match cx.base_dir {
         Some(base) => base.join(path),
         None => std::path::PathBuf::from(path),
     };
-    let read = std::fs::metadata(&full)
-        .map_err(|e| e.to_string())
-        .and_then(|m| {
-            if m.len() > MAX_DEVICE_FILE {
-                Err(format!("it has {} bytes; a device file is far smaller", m.len()))
-            } else {
-                std::fs::read_to_string(&full).map_err(|e| e.to_string())
-            }
-        })
-        .and_then(|t| pipec_plan::device::DeviceModel::from_json(&t));
+    let size = std::fs::metadata(&full).map_err(|e| e.to_string())?.len();
+    if size > MAX_DEVICE_FILE {
+        return Err(format!("it has {size} bytes; {kind} is far smaller"));
+    }
+    std::fs::read_to_string(&full).map_err(|e| e.to_string())
+}
+
+/// A device file (`pipec calibrate`'s JSON), relative to the spec's directory.
+fn read_device_file(cx: &mut Lower<'_>, f: &Node) -> Option<pipec_plan::device::DeviceModel> {
+    let path = cx.string(f)?;
+    let read = read_small_file(cx, path, "a device file").and_then(|t| pipec_plan::device::DeviceModel::from_json(&t));
     match read {
         Ok(d) => Some(d),
         Err(e) => {
