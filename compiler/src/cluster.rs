@@ -167,6 +167,16 @@ impl ClusterGraph {
     }
 }
 
+/// The experts each token chooses where the spec dispatches them as DeepEP does
+/// (`moe_dispatch: deepep`): what [`ClusterGraph::node_forwarded_time`] prices an expert
+/// exchange with (the largest `top_k` of the model's blocks); None: plain all-to-alls.
+pub(crate) fn deepep_top_k(spec: &pipec_grammar::spec::Spec) -> Option<usize> {
+    if spec.strategy.moe_dispatch != pipec_plan::vocab::MoeDispatch::DeepEp {
+        return None;
+    }
+    spec.model.layers.iter().filter_map(|l| l.op.moe()).map(|m| m.top_k).max()
+}
+
 impl ClusterGraph {
     /// Expert parallelism's dispatch (or combine) of `bytes` per member over `members` as
     /// DeepEP runs it (DeepSeek-AI 2024, DeepSeek-V3 technical report, arXiv 2412.19437,

@@ -178,12 +178,13 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // (the devices of every replica only where there are groups to price)
     let ranks = if ep > 1 || cp > 1 { crate::place::rank_devices(&layout.replicas, tp) } else { Vec::new() };
     type Pick = fn(&crate::cost::LayerCost) -> [&[(CollectiveKind, u64)]; 2];
-    // a collective of layer `l` over `members`: as the cluster prices it, except expert
-    // parallelism's exchanges under DeepEP's dispatch (one copy per destination node)
-    let deepep = spec.strategy.moe_dispatch == pipec_plan::vocab::MoeDispatch::DeepEp;
-    let exchange = |l: usize, k: CollectiveKind, members: &[pipec_plan::DeviceId], bytes: u64| -> f64 {
-        match spec.model.layers[l].op.moe().filter(|_| deepep && k == CollectiveKind::AllToAll) {
-            Some(m) => model.cluster.node_forwarded_time(members, bytes, m.top_k),
+    // a collective over `members`: as the cluster prices it, except expert parallelism's
+    // exchanges under DeepEP's dispatch (one copy per destination node), priced as the
+    // simulator prices the plan's all-to-alls (`PlanCost::collective`)
+    let deepep = crate::cluster::deepep_top_k(spec);
+    let exchange = |k: CollectiveKind, members: &[pipec_plan::DeviceId], bytes: u64| -> f64 {
+        match deepep.filter(|_| k == CollectiveKind::AllToAll) {
+            Some(top_k) => model.cluster.node_forwarded_time(members, bytes, top_k),
             None => model.cluster.collective_time(k, members, bytes),
         }
     };
@@ -203,12 +204,12 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                     return (0.0, 0.0);
                 };
                 let members = &m[..size.min(m.len())];
-                let time = |l: usize, list: &[(CollectiveKind, u64)]| {
-                    list.iter().map(|&(k, b)| exchange(l, k, members, b)).sum::<f64>()
-                };
+                let time =
+                    |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| exchange(k, members, b)).sum::<f64>();
+                let c = &costs[r.clone()];
                 (
-                    r.clone().map(|l| exposed(time(l, pick(&costs[l])[0]), costs[l].core_s[0])).sum(),
-                    r.clone().map(|l| exposed(time(l, pick(&costs[l])[1]), costs[l].core_s[1])).sum(),
+                    c.iter().map(|c| exposed(time(pick(c)[0]), c.core_s[0])).sum(),
+                    c.iter().map(|c| exposed(time(pick(c)[1]), c.core_s[1])).sum(),
                 )
             })
             .collect()

@@ -63,9 +63,7 @@ impl<'a> PlanCost<'a> {
             stage_cp: &stages.cp_times,
             expert_groups: HashMap::new(),
             ep: spec.strategy.ep.max(1),
-            deepep_top_k: (spec.strategy.moe_dispatch == pipec_plan::vocab::MoeDispatch::DeepEp)
-                .then(|| spec.model.layers.iter().filter_map(|l| l.op.moe()).map(|m| m.top_k).max())
-                .flatten(),
+            deepep_top_k: crate::cluster::deepep_top_k(spec),
             chunks: spec.strategy.schedule.kind.chunk_placement(),
             pairs: spec.strategy.schedule.kind.overlaps_pairs(),
             stage_update: &stages.update,

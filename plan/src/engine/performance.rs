@@ -256,9 +256,14 @@ fn same_power(a: Option<f64>, b: Option<f64>) -> bool {
 
 /// `h100-sxm`, or `h100-sxm at 500 W`.
 pub fn device_kind(device: &DeviceModel) -> String {
-    match device.power {
-        Some(w) => format!("{} at {w:.0} W", device.name),
-        None => device.name.clone(),
+    kind_text(&device.name, device.power)
+}
+
+/// A device kind in words: its name, and its power cap where it has one.
+fn kind_text(name: &str, power: Option<f64>) -> String {
+    match power {
+        Some(w) => format!("{name} at {w:.0} W"),
+        None => name.to_string(),
     }
 }
 
@@ -337,11 +342,11 @@ impl CalibrationFile {
             ));
         }
         if !self.device.eq_ignore_ascii_case(&device.name) || !same_power(self.power, device.power) {
-            let mine = match self.power {
-                Some(w) => format!("{} at {w:.0} W", self.device),
-                None => self.device.clone(),
-            };
-            return Err(format!("it was measured on {mine}, and the spec's devices are {}", device_kind(device)));
+            return Err(format!(
+                "it was measured on {}, and the spec's devices are {}",
+                kind_text(&self.device, self.power),
+                device_kind(device)
+            ));
         }
         Ok(())
     }
