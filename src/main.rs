@@ -238,6 +238,11 @@ enum Command {
         /// Seconds a worker may wait for a message before the run is declared stuck.
         #[arg(long, default_value_t = 120)]
         timeout: u64,
+        /// Seconds a SIGINT/SIGTERM gives the step in progress to end and the final
+        /// checkpoint to be written; past them the run exits without it (Kubernetes' and
+        /// Slurm's grace before SIGKILL are 30 s by default).
+        #[arg(long, default_value_t = 25)]
+        stop_grace: u64,
         /// Threads in this process, one MPI process per device (under mpirun or srun), or one
         /// process per device over TCP (each started with torchrun's RANK, WORLD_SIZE,
         /// MASTER_ADDR, MASTER_PORT).
@@ -432,6 +437,7 @@ fn main() -> ExitCode {
             init,
             init_partial,
             timeout,
+            stop_grace,
             transport,
             no_verify,
             share_gpus,
@@ -446,6 +452,7 @@ fn main() -> ExitCode {
             init,
             init_partial,
             timeout_s: timeout,
+            stop_grace_s: stop_grace,
             verify: !no_verify,
             share_gpus,
             record_failures,

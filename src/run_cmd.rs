@@ -46,6 +46,8 @@ pub struct RunArgs {
     /// Load what the model uses of `init` and list the rest, instead of refusing it.
     pub init_partial: bool,
     pub timeout_s: u64,
+    /// Seconds a stop request gives the step in progress and the final checkpoint.
+    pub stop_grace_s: u64,
     /// Verify a plan.json's streams before running it.
     pub verify: bool,
     /// Let several devices share a GPU.
@@ -150,7 +152,8 @@ pub fn run(args: RunArgs) -> u8 {
         return run_as_rank(&plan, &args, resume, &dir, first_step, pipec_executor::run::tcp_run::run);
     }
     let steps = args.steps.unwrap_or(plan.training.steps);
-    let options = RunOptions { stop: Some(stop_on_signals()), resume, ..run_options(&plan, &args, &dir) };
+    let watch = StopWatch::start(Duration::from_secs(args.stop_grace_s.max(1)));
+    let options = RunOptions { stop: Some(watch.stop.clone()), resume, ..run_options(&plan, &args, &dir) };
     // nothing is written until the first step is done: a run that fails before it (a
     // checkpoint that does not load, bad data) leaves the output folder as it was
     let mut metrics = MetricsLog::new(&dir, first_step, &plan, backend);
@@ -191,6 +194,7 @@ pub fn run(args: RunArgs) -> u8 {
         }
     };
     let result = pipec_executor::run(&plan, &options, &mut on_step);
+    let stop_took = watch.finish();
     bar.finish_and_clear();
     let report = match result {
         Ok(r) => r,
@@ -242,14 +246,16 @@ pub fn run(args: RunArgs) -> u8 {
     println!("wrote {}/{{plan.json, metrics.jsonl, {trace_name}}}", dir.display());
     if report.interrupted {
         let done = report.steps.last().map_or(first_step, |s| s.step + 1);
-        eprintln!(
-            "error: interrupted: stopped after {done} of {steps} steps (steps are numbered from 0: the last done was step {}; every completed step is in metrics.jsonl{})",
-            done.saturating_sub(1),
-            if plan.training.checkpoint_every.is_some() {
-                "; resume from the last checkpoint with --resume"
-            } else {
-                ""
+        let took = stop_took.map(|s| format!(" {s:.2} s after the stop request")).unwrap_or_default();
+        let saved = match report.checkpoints.last() {
+            Some(c) if c.file_name().is_some_and(|n| n == format!("step-{done:06}").as_str()) => {
+                format!("; the checkpoint of step {} holds it", done.saturating_sub(1))
             }
+            _ => String::new(),
+        };
+        eprintln!(
+            "error: interrupted: stopped{took} after {done} of {steps} steps (steps are numbered from 0: the last done was step {}; every completed step is in metrics.jsonl{saved})",
+            done.saturating_sub(1),
         );
         if let Some(c) = report.checkpoints.last() {
             eprintln!("resume with: {}", resume_command(&args, c));
@@ -562,16 +568,71 @@ fn metrics_line(m: &StepMetrics, speed: &RunSpeed) -> serde_json::Value {
     line
 }
 
-/// A flag SIGINT and SIGTERM set: the run stops at the next step boundary all workers agree
-/// on, keeps what it trained, and exits non-zero. A second SIGINT ends the process at once.
-fn stop_on_signals() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let _ = signal_hook::flag::register_conditional_shutdown(SIGINT, 130, stop.clone());
-    for sig in [SIGINT, SIGTERM] {
-        let _ = signal_hook::flag::register(sig, stop.clone());
+/// How a run answers SIGINT and SIGTERM: the first sets the stop flag the workers check at
+/// step boundaries (the run stops at the next one all agree on, writes a checkpoint of that
+/// step, keeps what it trained, and exits non-zero), notes when it came, and bounds the stop:
+/// a run whose step in progress and final checkpoint have not ended `grace` after it exits,
+/// saying so, before a scheduler's SIGKILL would end it unannounced (a checkpoint cut short
+/// leaves only its temporary folder, which the next run removes). A second SIGINT ends the
+/// process at once.
+struct StopWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    asked: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl StopWatch {
+    fn start(grace: Duration) -> StopWatch {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{Arc, Mutex, PoisonError};
+        let watch = StopWatch {
+            stop: Arc::new(AtomicBool::new(false)),
+            asked: Arc::new(Mutex::new(None)),
+            done: Arc::new(AtomicBool::new(false)),
+        };
+        let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) else {
+            eprintln!("warning: SIGINT and SIGTERM cannot be caught here: a stop ends the run without a checkpoint");
+            return watch;
+        };
+        let (stop, asked, done) = (watch.stop.clone(), watch.asked.clone(), watch.done.clone());
+        std::thread::spawn(move || {
+            for signal in signals.forever() {
+                if stop.load(Ordering::SeqCst) {
+                    if signal == SIGINT {
+                        std::process::exit(130);
+                    }
+                    continue;
+                }
+                // when, noted before the workers can see the flag
+                let at = std::time::Instant::now();
+                *asked.lock().unwrap_or_else(PoisonError::into_inner) = Some(at);
+                stop.store(true, Ordering::SeqCst);
+                let done = done.clone();
+                std::thread::spawn(move || {
+                    while at.elapsed() < grace {
+                        if done.load(Ordering::SeqCst) {
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    eprintln!(
+                        "error: interrupted: the step in progress and the final checkpoint did not end within {} s of the stop request (--stop-grace); exiting without a final checkpoint: resume from the last periodic one",
+                        grace.as_secs()
+                    );
+                    std::process::exit(i32::from(EXIT_DIAGNOSTICS));
+                });
+            }
+        });
+        watch
     }
-    stop
+
+    /// The run has returned: the bound no longer applies. The seconds from the stop
+    /// request to now, when one came.
+    fn finish(&self) -> Option<f64> {
+        self.done.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.asked.lock().unwrap_or_else(std::sync::PoisonError::into_inner).map(|at| at.elapsed().as_secs_f64())
+    }
 }
 
 /// The checkpoint `--resume` names (a step directory, a checkpoint directory, or a run
@@ -708,7 +769,9 @@ fn run_options(plan: &Plan, args: &RunArgs, dir: &Path) -> RunOptions {
         steps: Some(args.steps.unwrap_or(plan.training.steps)),
         backend: backend_kind(args.backend),
         timeout: Duration::from_secs(args.timeout_s.max(1)),
-        checkpoint_dir: plan.training.checkpoint_dir.as_ref().map(|d| dir.join(d)),
+        // the spec's checkpoint folder, else `checkpoints` in the run's: a stop writes its
+        // final checkpoint there even when the spec asks for no periodic ones
+        checkpoint_dir: Some(dir.join(plan.training.checkpoint_dir.as_deref().unwrap_or("checkpoints"))),
         resume: None,
         share_gpus: args.share_gpus,
         stop: None,

@@ -113,3 +113,68 @@ fn a_synchronous_checkpoint_holds_the_next_step_and_neither_kind_changes_the_num
     assert_eq!(loss(&sync), loss(&none));
     assert_eq!(loss(&asynchronous), loss(&none));
 }
+
+#[test]
+fn sigterm_writes_a_final_checkpoint_that_resumes_to_an_uninterrupted_runs_losses() {
+    // a spec without periodic checkpoints: the stop's own checkpoint is all a preempted run has
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("stop.yaml");
+    std::fs::write(&spec_path, spec("")).expect("write");
+    let run = dir.path().join("run");
+    let child = Command::new(pipec())
+        .arg("run")
+        .arg(&spec_path)
+        .arg("-o")
+        .arg(&run)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts");
+    let start = std::time::Instant::now();
+    while steps(&run).len() < 5 {
+        assert!(start.elapsed() < Duration::from_secs(120), "no steps after 120 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let signalled = std::time::Instant::now();
+    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let out = child.wait_with_output().expect("ends");
+    let took = signalled.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    eprintln!("the stop took {:.3} s from SIGTERM to the process's exit", took.as_secs_f64());
+    assert!(took < Duration::from_secs(20), "the stop took {took:?}: {stderr}");
+    let done = steps(&run);
+    let n = done.len();
+    assert!(done.iter().enumerate().all(|(i, (s, _))| *s == i as u64), "{done:?}");
+    // the checkpoint of the last completed step, in the run's own `checkpoints` folder
+    let last = run.join(format!("checkpoints/step-{n:06}"));
+    assert!(stderr.contains(&format!("the checkpoint of step {} holds it", n - 1)), "{stderr}");
+    assert!(stderr.contains("s after the stop request"), "{stderr}");
+    let resume = stderr.lines().find_map(|l| l.strip_prefix("resume with: ")).expect("a resume command");
+    assert!(resume.ends_with(&last.display().to_string()), "{resume}");
+    assert_eq!(pipec_plan::checkpoint::read(&last).expect("whole").completed_steps, n);
+    // resumed to step n + 4, it equals a run that was never stopped, loss for loss
+    let total = (n + 4).to_string();
+    let resumed = Command::new(pipec())
+        .arg("run")
+        .arg(&spec_path)
+        .args(["--steps", &total, "--resume"])
+        .arg(&last)
+        .arg("-o")
+        .arg(&run)
+        .output()
+        .expect("runs");
+    assert_eq!(resumed.status.code(), Some(0), "{}", String::from_utf8_lossy(&resumed.stderr));
+    let whole = dir.path().join("whole");
+    let uninterrupted = Command::new(pipec())
+        .arg("run")
+        .arg(&spec_path)
+        .args(["--steps", &total, "-o"])
+        .arg(&whole)
+        .output()
+        .expect("runs");
+    assert_eq!(uninterrupted.status.code(), Some(0), "{}", String::from_utf8_lossy(&uninterrupted.stderr));
+    assert_eq!(steps(&run), steps(&whole));
+    assert_eq!(steps(&whole).len(), n + 4);
+}

@@ -13,7 +13,7 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
-use pipec_plan::{checkpoint, Plan};
+use pipec_plan::{checkpoint, DeviceId, Plan};
 
 use crate::backend::kernels::ExecBackend;
 use crate::comm::transport::Endpoint;
@@ -127,6 +127,8 @@ impl Written {
 /// What a worker thread tells the coordinator.
 enum Event {
     Step(Box<StepReport>, Option<checkpoint::Shards>),
+    /// A worker's shards of the last step before a stop (SIGINT/SIGTERM).
+    Stopped(usize, DeviceId, checkpoint::Shards),
     Failed(RunError),
 }
 
@@ -143,6 +145,9 @@ struct Shared<'r> {
     steps: Range<usize>,
     /// Steps between checkpoints, when checkpoints are written.
     every: Option<usize>,
+    /// A stop (SIGINT/SIGTERM) ends with a checkpoint of the last step it lets run: there is
+    /// a checkpoint directory, whether or not the plan writes periodic ones.
+    checkpoint_on_stop: bool,
     /// The checkpoints written so far, and whether a step waits for its own (`sync`) or
     /// only for the previous one.
     written: &'r Written,
@@ -192,6 +197,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         epoch: Instant::now(),
         steps: first_step..total_steps,
         every: plan.training.checkpoint_every.filter(|_| options.checkpoint_dir.is_some()),
+        checkpoint_on_stop: options.checkpoint_dir.is_some(),
         written: &written,
         sync: plan.training.checkpoint_sync,
         alone: endpoints.len() == 1,
@@ -205,6 +211,8 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         first_error: None,
         samples: data.size(),
         checkpoints: shared.every.is_some(),
+        stop_shards: Vec::new(),
+        next_loss_scale: None,
         report: RunReport {
             placement: placement.iter().map(|(d, (_, name))| (*d, name.clone())).collect(),
             ..RunReport::default()
@@ -226,6 +234,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
                         written.finished();
                     }
                 }
+                Event::Stopped(step, device, shards) => coordinator.stopped(step, device, shards, sink, &abort),
             }
         }
     });
@@ -318,7 +327,19 @@ fn run_steps<B: ExecBackend>(
     let mut waited = 0.0;
     for step in shared.steps.clone() {
         let begin = shared.gate.begin(step);
-        if shared.abort.load(Ordering::Relaxed) || begin == Begin::Stop {
+        if shared.abort.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        if begin == Begin::Stop {
+            // every worker stops at this same step, each having completed the one before (a
+            // flush-free pipeline drained by it): their states make a checkpoint of it, unless
+            // a planned one holds it already or this run completed no step
+            let held = shared.every.is_some_and(|k| step.is_multiple_of(k));
+            if shared.checkpoint_on_stop && step > shared.steps.start && !held {
+                shared.written.wait_for(handed, shared.abort);
+                let shards = save_checkpoint(w).map_err(|e| fail(Some(step - 1), None, e))?;
+                let _ = tx.send(Event::Stopped(step - 1, w.device, shards));
+            }
             return Ok(());
         }
         let planned = step + 1 == shared.steps.end || shared.every.is_some_and(|k| (step + 1) % k == 0);
@@ -386,6 +407,10 @@ struct Coordinator<'r> {
     samples: Option<usize>,
     /// Checkpoints are written in this run.
     checkpoints: bool,
+    /// The workers' shards of the last step before a stop, as they come in.
+    stop_shards: Vec<(DeviceId, checkpoint::Shards)>,
+    /// The loss scale the last reported step left for the next (a stop's checkpoint holds it).
+    next_loss_scale: Option<pipec_plan::recipe::LossScale>,
 }
 
 impl Coordinator<'_> {
@@ -419,9 +444,10 @@ impl Coordinator<'_> {
         let mut m = self.metrics(step, &reports);
         self.merge_traces(&reports);
         let checkpointed = reports.iter().any(|(_, c)| c.is_some());
+        self.next_loss_scale = reports.iter().find_map(|(r, _)| r.next_loss_scale);
         if checkpointed {
             // written before the step is reported, so its line says what the write took
-            let loss_scale = reports.iter().find_map(|(r, _)| r.next_loss_scale);
+            let loss_scale = self.next_loss_scale;
             let writing = Instant::now();
             match sink(step + 1, first_replicas_shards(reports), loss_scale) {
                 Ok(Some(p)) => self.report.checkpoints.push(p),
@@ -433,6 +459,33 @@ impl Coordinator<'_> {
         on_step(&m);
         self.report.steps.push(m);
         checkpointed
+    }
+
+    /// A worker's shards of `step`, the last before a stop; once every worker's are in, the
+    /// checkpoint of that step is written.
+    fn stopped(
+        &mut self,
+        step: usize,
+        device: DeviceId,
+        shards: checkpoint::Shards,
+        sink: &mut CheckpointSink<'_>,
+        abort: &AtomicBool,
+    ) {
+        self.stop_shards.push((device, shards));
+        if self.stop_shards.len() < self.workers {
+            return;
+        }
+        // as a planned checkpoint's: each stage from the first device that holds it
+        self.stop_shards.sort_by_key(|(d, _)| *d);
+        let mut stages = HashMap::new();
+        for (s, st) in std::mem::take(&mut self.stop_shards).into_iter().flat_map(|(_, c)| c) {
+            stages.entry(s).or_insert(st);
+        }
+        match sink(step + 1, stages, self.next_loss_scale) {
+            Ok(Some(p)) => self.report.checkpoints.push(p),
+            Ok(None) => {}
+            Err(e) => self.failed(RunError { step: Some(step), ..e.into() }, abort),
+        }
     }
 
     /// A step's metrics: its loss (a loss belongs to its microbatch's step), and its time,
