@@ -1478,22 +1478,43 @@ fn import_writes_specs_that_check_clean_with_the_published_parameter_counts() {
         let said = both_streams(&out);
         assert!(said.contains(&format!("ok, {parameters} parameters")), "{config}: {said}");
     }
-    // Llama 3.1's scaled rotary embeddings are refused naming the rope type, not as an
-    // unknown model
+    // Llama 3.1's scaled rotary embeddings import as the block's `rope_scaling=llama3`, and
+    // the spec checks with Llama 3.1 8B's parameter count (that of Llama 3 8B)
     let scaled = dir.path().join("llama-3.1.json");
     let text = std::fs::read_to_string("tests/import/transformers-5/llama-3-8b.json").expect("config");
     let llama3 = r#""factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_theta": 500000.0, "rope_type": "llama3""#;
     let text = text.replace("\"rope_theta\": 500000.0,\n    \"rope_type\": \"default\"", llama3);
     assert!(text.contains("llama3"));
     std::fs::write(&scaled, text).expect("write");
-    let out = pipec(&["import", scaled.to_str().expect("utf-8")]);
+    let spec = dir.path().join("llama-3.1.yaml");
+    let out = pipec(&["import", scaled.to_str().expect("utf-8"), "-o", spec.to_str().expect("utf-8")]);
     let said = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{said}");
-    assert!(said.contains("`rope_parameters` with `rope_type: llama3` scales"), "{said}");
+    assert!(out.status.success(), "{said}");
+    let written = std::fs::read_to_string(&spec).expect("spec");
+    assert!(
+        written.contains(
+            "rope=500000, rope_scaling=llama3, rope_factor=8, rope_low_freq=1, rope_high_freq=4, rope_original=8192"
+        ),
+        "{written}"
+    );
+    let out = pipec(&["check", spec.to_str().expect("utf-8")]);
+    assert!(both_streams(&out).contains("ok, 8,030,261,248 parameters"), "{}", both_streams(&out));
+    // a scaling without the figures its kind needs is refused naming the figure
+    let bare = dir.path().join("bare.json");
+    let text = std::fs::read_to_string("tests/import/llama-3-8b.json").expect("config");
+    std::fs::write(&bare, text.replace("\"rope_scaling\": null", "\"rope_scaling\": {\"rope_type\": \"llama3\"}"))
+        .expect("write");
+    let out = pipec(&["import", bare.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("needs `factor`"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // a field that would change the model is refused by name, and nothing is written
     let bad = dir.path().join("scaled.json");
     let text = std::fs::read_to_string("tests/import/llama-3-8b.json").expect("config");
-    std::fs::write(&bad, text.replace("\"rope_scaling\": null", "\"rope_scaling\": {\"rope_type\": \"llama3\"}"))
+    std::fs::write(&bad, text.replace("\"rope_scaling\": null", "\"rope_scaling\": {\"rope_type\": \"longrope\"}"))
         .expect("write");
     let target = dir.path().join("scaled.yaml");
     let out = pipec(&["import", bad.to_str().expect("utf-8"), "-o", target.to_str().expect("utf-8")]);
@@ -1541,6 +1562,99 @@ fn run_losses(run: &Path) -> Vec<f64> {
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["loss"].as_f64().expect("loss"))
         .collect()
+}
+
+/// The mean next-token cross-entropy of a fixture's logits over its rows, concatenated
+/// and followed by token 7 (what pipec's windows of a token file of those rows train on).
+fn fixture_loss(fixture: &Path, vocab: usize) -> (Vec<u16>, usize, f64) {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).expect("fixture")).expect("json");
+    let ids: Vec<Vec<u16>> = serde_json::from_value(reference["input_ids"].clone()).expect("ids");
+    let logits: Vec<f64> = serde_json::from_value(reference["logits"].clone()).expect("logits");
+    let seq = ids[0].len();
+    let mut tokens: Vec<u16> = ids.concat();
+    tokens.push(7);
+    let mut loss = 0.0;
+    for (p, row) in logits.chunks(vocab).enumerate() {
+        let target = usize::from(tokens[p + 1]);
+        let max = row.iter().fold(f64::MIN, |m, v| m.max(*v));
+        let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+        loss += lse - row[target];
+    }
+    (tokens, seq, loss / (ids.len() * seq) as f64)
+}
+
+#[test]
+fn a_llama_3_1_config_with_scaled_rotary_embeddings_imports_and_trains_from_init_at_transformers_loss() {
+    // tests/reference/hf/rope-llama3: a tiny Llama whose config has Llama 3.1's
+    // `rope_type: llama3` (its context scaled down so the scaling changes the logits), saved
+    // by transformers 5
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf/rope-llama3");
+    let (tokens, seq, expected) = fixture_loss(&fixture, 50);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let imported = dir.path().join("imported.yaml");
+    let out = pipec(&[
+        "import",
+        fixture.join("config.json").to_str().expect("utf-8"),
+        "--seq",
+        &seq.to_string(),
+        "-o",
+        imported.to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&imported).expect("spec");
+    assert!(
+        text.contains("rope_scaling=llama3, rope_factor=8, rope_low_freq=1, rope_high_freq=4, rope_original=64"),
+        "{text}"
+    );
+    // the imported model, trained on the fixture's rows on one device and on two pipeline
+    // stages with tensor parallelism
+    let model: String = text
+        .lines()
+        .skip_while(|l| !l.starts_with("model:"))
+        .take_while(|l| l.starts_with("model:") || l.starts_with(' '))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("tokens.bin"), bytes).expect("tokens");
+    for (devices, layout) in [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")] {
+        let spec = format!(
+            "name: llama31\n{model}\
+             cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
+             strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
+             training:\n  batch_size: 2\n  steps: 2\n  optimizer: {{ kind: adamw, lr: 0.001 }}\n  data: {{ kind: tokens, path: tokens.bin, dtype: uint16 }}\n"
+        );
+        let path = dir.path().join(format!("llama31-{devices}.yaml"));
+        std::fs::write(&path, spec).expect("spec");
+        let out_dir = dir.path().join(format!("out-{devices}"));
+        run_from_hugging_face(&path, &fixture, &out_dir, &[]);
+        let loss = run_losses(&out_dir)[0];
+        assert!(
+            (loss - expected).abs() <= 1e-5 * expected,
+            "{layout}: pipec's first loss {loss}, transformers' {expected}"
+        );
+    }
+    // exported, the config keeps the scaling: imported back, the same blocks
+    let spec = std::fs::read_to_string(dir.path().join("llama31-1.yaml"))
+        .expect("spec")
+        .replace("steps: 2", "steps: 2\n  checkpoint: { every: 2, dir: checkpoints }");
+    std::fs::write(dir.path().join("train.yaml"), spec).expect("spec");
+    let run = dir.path().join("trained");
+    run_from_hugging_face(&dir.path().join("train.yaml"), &fixture, &run, &[]);
+    let exported = dir.path().join("exported");
+    let out = pipec(&[
+        "export",
+        run.join("checkpoints/step-000002").to_str().expect("utf-8"),
+        "-o",
+        exported.to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let config = std::fs::read_to_string(exported.join("config.json")).expect("config");
+    assert!(config.contains("\"rope_type\": \"llama3\""), "{config}");
+    let out = pipec(&["import", exported.join("config.json").to_str().expect("utf-8"), "--seq", &seq.to_string()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let block = |t: &str| t.lines().find(|l| l.contains("transformer_block(")).map(str::trim).map(String::from);
+    assert_eq!(block(&String::from_utf8_lossy(&out.stdout)), block(&text));
 }
 
 #[test]

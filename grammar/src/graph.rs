@@ -1092,6 +1092,15 @@ fn block_help(op: &Op, d_model: usize, heads: usize, written_kv: usize, written_
             };
         }
     }
+    if b.rope_scaling != pipec_plan::rope::RopeScaling::None {
+        if b.rope == 0.0 {
+            return "give the block rotary embeddings to scale (`rope=θ`: Llama 3.1's 500000), or remove `rope_scaling`"
+                .into();
+        }
+        if b.rope_scaling.problem().is_some() {
+            return "Llama 3.1's: rope_scaling=llama3, rope_factor=8, rope_low_freq=1, rope_high_freq=4, rope_original=8192; YaRN needs rope_original, the pretrained context".into();
+        }
+    }
     if b.mla.is_some_and(|m| m.kv_lora == 0 || m.v_head_dim == 0) {
         return "give multi-head latent attention's latent and value heads a size (DeepSeek-V3: kv_lora=512, v_head_dim=128)".into();
     }

@@ -29,6 +29,9 @@ pub enum ArgKind {
     Pooling,
     /// A mixture-of-experts router: `softmax` or `sigmoid` (the index into `Router::ALL`).
     Router,
+    /// How rotary frequencies are scaled: `none`, `linear`, `dynamic`, `yarn` or `llama3` (the
+    /// index into `pipec_plan::rope::KINDS`).
+    RopeScaling,
 }
 
 /// One parameter of a layer: its name, aliases, kind and default (None = required).
@@ -165,8 +168,8 @@ pub const LAYERS: &[LayerDoc] = &[
     },
     LayerDoc {
         name: "transformer_block",
-        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5, post_norm=false, experts=0, top_k=2, shared_experts=0, capacity=0, router=softmax, norm_topk=true, aux_loss=0, skew=1, head_dim=d/heads, qk_norm=false, window=0, sinks=false, kv_lora=0, q_lora=0, rope_dim=0, v_head_dim=head_dim, dropout=0)",
-        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε. `post_norm=true` puts each norm after its residual sum (BERT): norm(x + attention(x)), then norm(h + mlp(h)). `experts=E` makes the MLP a mixture of experts (Mixtral, DeepSeek): a router (a linear gate without bias, d → E; `router=softmax` or `sigmoid`) sends each token to its `top_k` best-scored experts, each an MLP like the dense one, and sums their outputs weighted by the scores (divided by their sum with `norm_topk=true`); `shared_experts` more experts take every token; `capacity=c` lets an expert take at most ⌈c · tokens · top_k / E⌉ of a microbatch's tokens, dropping the later tokens beyond it (0: none dropped); `aux_loss` is the load-balancing loss's weight (Switch Transformer's α; 0, the default, adds none); `skew=f` is what the prediction assumes of the routing: the busiest expert takes f times the mean share of the choices (1, the default: uniform; at most experts/top_k). Today's attention shapes: `head_dim=n` gives each head n features whatever d/heads is (Qwen3: 128 on d=2048 with 32 heads); `qk_norm=true` normalises each head's queries and keys (an RMSNorm, a gain per head feature, before the rotary embeddings: Qwen3, OLMo 2); `window=w` is sliding-window attention (each position attends to itself and the w − 1 before it; needs `causal=true`); `sinks=true` adds a learned logit per head to every softmax's normaliser (GPT-OSS). `kv_lora=r` makes the attention DeepSeek's multi-head latent attention: keys and values come from a shared latent of r features (and a rotary key part of `rope_dim` features shared by the heads), queries from a latent of `q_lora` features (0: from the input); each query and key head has `head_dim` features without rotary embeddings and `rope_dim` with them, each value head `v_head_dim` (DeepSeek-V3: kv_lora=512, q_lora=1536, head_dim=128, rope_dim=64, v_head_dim=128). `dropout=p` drops the attention's probabilities and each residual branch's output with probability p (GPT-2's and GPT-3's 0.1; planned and priced, which pipec's executor does not run yet).",
+        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5, post_norm=false, experts=0, top_k=2, shared_experts=0, capacity=0, router=softmax, norm_topk=true, aux_loss=0, skew=1, head_dim=d/heads, qk_norm=false, window=0, sinks=false, kv_lora=0, q_lora=0, rope_dim=0, v_head_dim=head_dim, dropout=0, rope_scaling=none, rope_factor=1, rope_original=0, rope_low_freq=1, rope_high_freq=4, rope_beta_fast=32, rope_beta_slow=1, rope_attention_factor=0, rope_truncate=true)",
+        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε. `post_norm=true` puts each norm after its residual sum (BERT): norm(x + attention(x)), then norm(h + mlp(h)). `experts=E` makes the MLP a mixture of experts (Mixtral, DeepSeek): a router (a linear gate without bias, d → E; `router=softmax` or `sigmoid`) sends each token to its `top_k` best-scored experts, each an MLP like the dense one, and sums their outputs weighted by the scores (divided by their sum with `norm_topk=true`); `shared_experts` more experts take every token; `capacity=c` lets an expert take at most ⌈c · tokens · top_k / E⌉ of a microbatch's tokens, dropping the later tokens beyond it (0: none dropped); `aux_loss` is the load-balancing loss's weight (Switch Transformer's α; 0, the default, adds none); `skew=f` is what the prediction assumes of the routing: the busiest expert takes f times the mean share of the choices (1, the default: uniform; at most experts/top_k). Today's attention shapes: `head_dim=n` gives each head n features whatever d/heads is (Qwen3: 128 on d=2048 with 32 heads); `qk_norm=true` normalises each head's queries and keys (an RMSNorm, a gain per head feature, before the rotary embeddings: Qwen3, OLMo 2); `window=w` is sliding-window attention (each position attends to itself and the w − 1 before it; needs `causal=true`); `sinks=true` adds a learned logit per head to every softmax's normaliser (GPT-OSS). `kv_lora=r` makes the attention DeepSeek's multi-head latent attention: keys and values come from a shared latent of r features (and a rotary key part of `rope_dim` features shared by the heads), queries from a latent of `q_lora` features (0: from the input); each query and key head has `head_dim` features without rotary embeddings and `rope_dim` with them, each value head `v_head_dim` (DeepSeek-V3: kv_lora=512, q_lora=1536, head_dim=128, rope_dim=64, v_head_dim=128). `dropout=p` drops the attention's probabilities and each residual branch's output with probability p (GPT-2's and GPT-3's 0.1; planned and priced, which pipec's executor does not run yet). `rope_scaling=` scales the rotary frequencies for a context longer than the pretrained one, as Hugging Face's `rope_type`s: `linear` (every frequency over `rope_factor`), `dynamic` (NTK: the base raised once the sequence is longer than `rope_original`), `yarn` (frequencies that turn fewer than `rope_beta_slow` times over `rope_original` positions divided by `rope_factor`, more than `rope_beta_fast` times kept, a ramp between; cosines and sines times `rope_attention_factor`, 0: 0.1·ln(factor) + 1; `rope_truncate` rounds the ramp's ends) or `llama3` (Llama 3.1: wavelengths above rope_original/rope_low_freq divided by `rope_factor`, below rope_original/rope_high_freq kept, blended between; Llama 3.1: rope_factor=8, rope_low_freq=1, rope_high_freq=4, rope_original=8192).",
         params: &[
             pa("d", &["d_model"], ArgKind::Count, None),
             p("heads", ArgKind::Count, None),
@@ -198,6 +201,16 @@ pub const LAYERS: &[LayerDoc] = &[
             pa("rope_dim", &["qk_rope_head_dim"], ArgKind::Size, Some(0.0)),
             p("v_head_dim", ArgKind::Size, Some(0.0)),
             p("dropout", ArgKind::Prob, Some(0.0)),
+            p("rope_scaling", ArgKind::RopeScaling, Some(0.0)),
+            pa("rope_factor", &["factor"], ArgKind::Positive, Some(1.0)),
+            pa("rope_original", &["original_max_position_embeddings"], ArgKind::Size, Some(0.0)),
+            pa("rope_low_freq", &["low_freq_factor"], ArgKind::Positive, Some(1.0)),
+            pa("rope_high_freq", &["high_freq_factor"], ArgKind::Positive, Some(4.0)),
+            pa("rope_beta_fast", &["beta_fast"], ArgKind::Positive, Some(32.0)),
+            pa("rope_beta_slow", &["beta_slow"], ArgKind::Positive, Some(1.0)),
+            // 0: YaRN's 0.1·ln(factor) + 1
+            pa("rope_attention_factor", &["attention_factor"], ArgKind::NonNegative, Some(0.0)),
+            pa("rope_truncate", &["truncate"], ArgKind::Bool, Some(1.0)),
         ],
     },
     LayerDoc {
@@ -393,6 +406,34 @@ pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result
             }
         }
     }
+    // a rotary scaling's figures that its kind does not read: they would be ignored
+    if doc.name == "transformer_block" {
+        let first = pipec_plan::model::ROPE_SCALING_ARG;
+        let kind = values[first].map_or(0, |(k, _)| k as usize);
+        let kind_name = pipec_plan::rope::KINDS.get(kind).copied().unwrap_or("none");
+        // which of rope_factor … rope_truncate each kind reads
+        let reads: [bool; 8] = match kind_name {
+            "linear" => [true, false, false, false, false, false, false, false],
+            "dynamic" => [true, true, false, false, false, false, false, false],
+            "yarn" => [true, true, false, false, true, true, true, true],
+            "llama3" => [true, true, true, true, false, false, false, false],
+            _ => [false; 8],
+        };
+        for (k, param) in doc.params.iter().enumerate().skip(first + 1).take(8) {
+            if let (Some((_, span)), false) = (values[k], reads[k - first - 1]) {
+                warnings.push(CallError {
+                    code: "W0314",
+                    message: format!("`{}` does not apply to `rope_scaling={kind_name}`", param.name),
+                    label: "ignored".into(),
+                    span,
+                    help: Some(
+                        "rope_factor: every kind; rope_original: dynamic, yarn and llama3; rope_low_freq and rope_high_freq: llama3; rope_beta_fast, rope_beta_slow, rope_attention_factor and rope_truncate: yarn"
+                            .into(),
+                    ),
+                });
+            }
+        }
+    }
     let get = |i: usize| values[i].map(|v| v.0).or(doc.params[i].default).unwrap_or(0.0);
     let n = |i: usize| get(i) as usize;
     let b = |i: usize| get(i) != 0.0;
@@ -434,6 +475,7 @@ pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result
             norm: NormKind::ALL[n(5)],
             mlp: MlpKind::ALL[n(6)],
             rope: get(7),
+            rope_scaling: rope_scaling(&get),
             bias: b(8),
             qkv_bias: if get(9) < 0.0 { b(8) } else { b(9) },
             eps: get(10),
@@ -492,6 +534,27 @@ pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result
     Ok((op, warnings))
 }
 
+/// A block's `rope_scaling=` and the figures after it (`ROPE_SCALING_ARG` on).
+fn rope_scaling(get: &dyn Fn(usize) -> f64) -> pipec_plan::rope::RopeScaling {
+    use pipec_plan::rope::{yarn_mscale, RopeScaling};
+    let at = |k: usize| get(pipec_plan::model::ROPE_SCALING_ARG + k);
+    let (factor, original) = (at(1), at(2) as usize);
+    match at(0) as usize {
+        1 => RopeScaling::Linear { factor },
+        2 => RopeScaling::Dynamic { factor, max_positions: original },
+        3 => RopeScaling::Yarn {
+            factor,
+            original,
+            beta_fast: at(5),
+            beta_slow: at(6),
+            attention_factor: if at(7) > 0.0 { at(7) } else { yarn_mscale(factor, 1.0) },
+            truncate: at(8) != 0.0,
+        },
+        4 => RopeScaling::Llama3 { factor, low_freq_factor: at(3), high_freq_factor: at(4), original },
+        _ => RopeScaling::None,
+    }
+}
+
 fn check_value(param: Param, v: &ArgValue) -> Result<f64, String> {
     let max = pipec_plan::model::MAX_DIM as i64;
     match (param.kind, v) {
@@ -530,6 +593,13 @@ fn check_value(param: Param, v: &ArgValue) -> Result<f64, String> {
             Ok(Router::ALL.iter().position(|k| k.name() == s).unwrap_or(0) as f64)
         }
         (ArgKind::Router, _) => Err(format!("must be one of {}", names(Router::ALL))),
+        (ArgKind::RopeScaling, ArgValue::Ident(s)) if pipec_plan::rope::KINDS.contains(&s.as_str()) => {
+            Ok(pipec_plan::rope::KINDS.iter().position(|k| k == s).unwrap_or(0) as f64)
+        }
+        (ArgKind::RopeScaling, _) => Err(format!(
+            "must be one of {}",
+            pipec_plan::rope::KINDS.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+        )),
     }
 }
 

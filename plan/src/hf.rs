@@ -776,10 +776,54 @@ pub fn from_pipec(
                 c["attention_bias"] = json!(false);
                 c["mlp_bias"] = json!(false);
             }
+            if let Some((scaling, positions)) = rope_scaling_config(&b.rope_scaling) {
+                c["rope_scaling"] = scaling;
+                // dynamic scaling rescales beyond the config's own context
+                if let Some(p) = positions {
+                    c["max_position_embeddings"] = json!(p);
+                }
+            }
             c
         }
     };
     Ok((config, out))
+}
+
+/// A block's scaled rotary frequencies as a config's `rope_scaling` (the form transformers
+/// 4.x reads and 5.x converts into `rope_parameters`), and the context `dynamic` rescales
+/// beyond; None unscaled.
+fn rope_scaling_config(s: &crate::rope::RopeScaling) -> Option<(serde_json::Value, Option<usize>)> {
+    use crate::rope::RopeScaling;
+    use serde_json::json;
+    match *s {
+        RopeScaling::None => None,
+        RopeScaling::Linear { factor } => Some((json!({"rope_type": "linear", "factor": factor}), None)),
+        RopeScaling::Dynamic { factor, max_positions } => {
+            Some((json!({"rope_type": "dynamic", "factor": factor}), Some(max_positions)))
+        }
+        RopeScaling::Yarn { factor, original, beta_fast, beta_slow, attention_factor, truncate } => Some((
+            json!({
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": original,
+                "beta_fast": beta_fast,
+                "beta_slow": beta_slow,
+                "attention_factor": attention_factor,
+                "truncate": truncate,
+            }),
+            None,
+        )),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original } => Some((
+            json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original,
+            }),
+            None,
+        )),
+    }
 }
 
 /// A BERT sequence classifier of `layers` (as `pipec import` writes it) under

@@ -16,6 +16,7 @@ pub mod output;
 pub mod plan;
 pub mod profile;
 pub mod recipe;
+pub mod rope;
 pub mod rules;
 pub mod schedule;
 pub mod vocab;

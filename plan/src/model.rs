@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::rope::RopeScaling;
+
 pub use crate::vocab::{MlpKind, NormKind, Pooling, Router};
 
 /// One operator of the model, with all its hyper-parameters resolved.
@@ -109,6 +111,9 @@ pub enum Op {
         /// Rotary position embeddings' base θ on queries and keys (0: none).
         #[serde(default, skip_serializing_if = "is_zero_f64")]
         rope: f64,
+        /// How the rotary frequencies are scaled (Llama 3.1's, YaRN, linear, dynamic).
+        #[serde(default, skip_serializing_if = "is_unscaled")]
+        rope_scaling: RopeScaling,
         /// Biases on the output projection and the MLP's linear layers.
         #[serde(default = "yes", skip_serializing_if = "is_true")]
         bias: bool,
@@ -176,6 +181,10 @@ pub enum Op {
 fn is_zero(v: &usize) -> bool {
     *v == 0
 }
+fn is_unscaled(s: &RopeScaling) -> bool {
+    *s == RopeScaling::None
+}
+
 fn is_zero_f64(v: &f64) -> bool {
     *v == 0.0
 }
@@ -344,6 +353,10 @@ pub const HEAD_DIM_ARG: usize = 20;
 pub const WINDOW_ARG: usize = 22;
 pub const KV_LORA_ARG: usize = 24;
 pub const ROPE_DIM_ARG: usize = 26;
+/// The position of `transformer_block`'s `rope_scaling=` and the arguments after it
+/// (`rope_factor`, `rope_original`, `rope_low_freq`, `rope_high_freq`, `rope_beta_fast`,
+/// `rope_beta_slow`, `rope_attention_factor`, `rope_truncate`).
+pub const ROPE_SCALING_ARG: usize = 29;
 
 /// What a weight matrix of a block's attention does (its place in the forward).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -424,6 +437,7 @@ pub struct BlockDims {
     pub norm: NormKind,
     pub mlp: MlpKind,
     pub rope: f64,
+    pub rope_scaling: RopeScaling,
     pub bias: bool,
     pub qkv_bias: bool,
     pub eps: f64,
@@ -957,6 +971,20 @@ impl Op {
                 Some(arg),
             ));
         }
+        if b.rope_scaling != RopeScaling::None {
+            if b.rope == 0.0 {
+                return Err(shape_err(
+                    format!(
+                        "rope_scaling={} scales rotary embeddings, but the block has none: give rope=θ",
+                        b.rope_scaling.kind()
+                    ),
+                    Some(ROPE_SCALING_ARG),
+                ));
+            }
+            if let Some(p) = b.rope_scaling.problem() {
+                return Err(shape_err(format!("rope_scaling={}: {p}", b.rope_scaling.kind()), Some(ROPE_SCALING_ARG)));
+            }
+        }
         if let Some(m) = b.mla.filter(|m| m.kv_lora == 0 || m.v_head_dim == 0) {
             let (what, arg) = if m.kv_lora == 0 { ("kv_lora", KV_LORA_ARG) } else { ("v_head_dim", KV_LORA_ARG + 3) };
             return Err(shape_err(format!("multi-head latent attention needs a positive {what}"), Some(arg)));
@@ -1118,6 +1146,7 @@ impl Op {
             norm: NormKind::LayerNorm,
             mlp: MlpKind::Gelu,
             rope: 0.0,
+            rope_scaling: RopeScaling::None,
             bias: true,
             qkv_bias: true,
             eps: DEFAULT_EPS,
@@ -1144,6 +1173,7 @@ impl Op {
             norm: NormKind::RmsNorm,
             mlp: MlpKind::Swiglu,
             rope: 10000.0,
+            rope_scaling: RopeScaling::None,
             bias: false,
             qkv_bias: false,
             eps: DEFAULT_EPS,
@@ -1178,6 +1208,7 @@ impl Op {
             norm,
             mlp,
             rope,
+            rope_scaling,
             bias,
             qkv_bias,
             eps,
@@ -1227,6 +1258,7 @@ impl Op {
             norm,
             mlp,
             rope,
+            rope_scaling,
             bias,
             qkv_bias,
             eps,

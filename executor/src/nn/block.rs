@@ -49,6 +49,9 @@ pub struct Block<B: Backend> {
     /// Rotary embeddings' base θ (0: none).
     #[module(skip)]
     pub rope: f64,
+    /// How the rotary frequencies are scaled.
+    #[module(skip)]
+    pub rope_scaling: pipec_plan::rope::RopeScaling,
     /// Each norm after its residual sum (BERT) instead of before its branch.
     #[module(skip)]
     pub post_norm: bool,
@@ -74,22 +77,29 @@ pub(crate) fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B
 }
 
 /// Rotary position embeddings (RoFormer; Hugging Face's `rotate_half` layout) on
-/// [batch, heads, seq, dh] queries or keys whose rows are at `positions` of the sequence
-/// (0, 1, … but for a context-parallel member): features i and i + dh/2 of position p
-/// rotate by p·θ^(−2i/dh).
-pub(crate) fn rotary_at<B: Backend>(x: Tensor<B, 4>, theta: f64, positions: &[usize]) -> Tensor<B, 4> {
+/// [batch, heads, seq, dh] queries or keys whose rows are at `positions` of a sequence of
+/// `seq` positions (0, 1, … but for a context-parallel member): features i and i + dh/2 of
+/// position p rotate by p·f_i, f_i the scaling's inverse frequencies
+/// ([`pipec_plan::rope::RopeScaling::inv_freq`]: θ^(−2i/dh) unscaled), the cosines and sines
+/// times its attention factor (YaRN's).
+pub(crate) fn rotary_at<B: Backend>(
+    x: Tensor<B, 4>,
+    theta: f64,
+    scaling: &pipec_plan::rope::RopeScaling,
+    positions: &[usize],
+    seq: usize,
+) -> Tensor<B, 4> {
     let [_, _, s, dh] = x.dims();
     let half = dh / 2;
+    let inv_freq = scaling.inv_freq(theta, dh, seq);
+    let scale = scaling.attention_factor();
     let (mut cos, mut sin) = (Vec::with_capacity(s * dh), Vec::with_capacity(s * dh));
     for &p in positions {
         for j in 0..dh {
-            let i = j % half;
-            // in f64, rounded once, as the reference computes its angles in f32 from
-            // inv_freq = 1/θ^(2i/dh)
-            let inv_freq = (1.0 / theta.powf((2 * i) as f64 / dh as f64)) as f32;
-            let angle = (p as f32 * inv_freq) as f64;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
+            // the angle in f32, as the reference computes it from its f32 inv_freq
+            let angle = f64::from(p as f32 * inv_freq[j % half]);
+            cos.push((angle.cos() * scale) as f32);
+            sin.push((angle.sin() * scale) as f32);
         }
     }
     let dev = x.device();
@@ -121,8 +131,10 @@ impl<B: Kernels> Block<B> {
         // every member's, gathered, with context parallelism
         let at: Vec<usize> = context.map_or_else(|| (0..s).collect(), |c| c.positions(s));
         if self.rope != 0.0 {
-            q = rotary_at(q, self.rope, &at);
-            k = rotary_at(k, self.rope, &at);
+            // the whole sequence's length: every member's positions under context parallelism
+            let seq = context.map_or(s, |c| s * c.cp);
+            q = rotary_at(q, self.rope, &self.rope_scaling, &at, seq);
+            k = rotary_at(k, self.rope, &self.rope_scaling, &at, seq);
         }
         if let Some(c) = context.filter(|c| c.ring) {
             // around the ring: only this member's keys and values are kept (crate::backend::ring)
@@ -444,6 +456,7 @@ impl<B: Kernels> Block<B> {
             causal: k.causal,
             mlp: k.mlp,
             rope: k.rope,
+            rope_scaling: k.rope_scaling,
             post_norm: k.post_norm,
             recompute_core: false,
         })

@@ -129,3 +129,49 @@ fn a_bert_classifier_with_post_norm_blocks_and_token_types_computes_what_transfo
 fn gpt_block() -> Op {
     Op::block(16, 4, 64, true)
 }
+
+/// The tiny Llama of `tests/reference/hf/rope-<kind>` (heads of 8 features, θ 10,000) with
+/// its blocks' rotary frequencies scaled by `scaling`.
+fn scaled_llama(scaling: pipec_plan::rope::RopeScaling) -> Vec<Op> {
+    let mut block = Op::llama_block(32, 4, 2, 48);
+    if let Op::TransformerBlock { rope_scaling, .. } = &mut block {
+        *rope_scaling = scaling;
+    }
+    vec![
+        Op::embedding(50, 32),
+        block.clone(),
+        block,
+        Op::RmsNorm { dim: 32, eps: 1e-5 },
+        Op::Linear { in_features: 32, out_features: 50, bias: false },
+    ]
+}
+
+#[test]
+fn scaled_rotary_embeddings_compute_what_transformers_does_for_each_rope_type() {
+    use pipec_plan::rope::{yarn_mscale, RopeScaling};
+    // each fixture's `rope_parameters` (tests/reference/hf/make_rope_reference.py)
+    let kinds = [
+        ("rope-llama3", RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original: 64 }),
+        (
+            "rope-yarn",
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original: 8,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: yarn_mscale(4.0, 1.0),
+                truncate: true,
+            },
+        ),
+        ("rope-linear", RopeScaling::Linear { factor: 2.0 }),
+        // a context of 8 positions, run on 12: rescaled
+        ("rope-dynamic", RopeScaling::Dynamic { factor: 4.0, max_positions: 8 }),
+    ];
+    for (name, scaling) in kinds {
+        let d = logits_difference(name, &scaled_llama(scaling));
+        assert!(d < 1e-5, "{name}: pipec's logits differ from transformers' by {d:e} of the largest");
+        // and the scaling matters: unscaled, the logits differ
+        let plain = logits_difference_as(name, &scaled_llama(scaling), &scaled_llama(RopeScaling::None));
+        assert!(plain > 1e-3, "{name}: the unscaled model is as close ({plain:e})");
+    }
+}

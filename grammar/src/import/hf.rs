@@ -366,25 +366,58 @@ pub fn import(text: &str, name: &str, seq: Option<usize>, cluster: &ClusterChoic
     Ok(Imported { spec, notes })
 }
 
-/// The rotary embeddings' base: 4.x's `rope_theta` or 5.x's `rope_parameters: {rope_theta,
-/// rope_type}` (both: the same value). A `rope_type` other than `default` (Llama 3.1's
-/// `llama3`, YaRN, linear, dynamic) scales the frequencies, which is not a pipec layer yet.
-fn rope_theta(c: &mut Config) -> Result<f64, String> {
+/// The rotary embeddings: their base, 4.x's `rope_theta` or 5.x's `rope_parameters:
+/// {rope_theta, rope_type}` (both: the same value), and, for a `rope_type` that scales the
+/// frequencies (Llama 3.1's `llama3`, `yarn`, `linear`, `dynamic`), the block's
+/// `rope_scaling=` arguments (", rope_scaling=llama3, rope_factor=8, …"). `positions` is the
+/// config's `max_position_embeddings`, which `dynamic` scales beyond and YaRN's factor is
+/// derived from where the config gives none.
+fn rope(c: &mut Config, positions: usize) -> Result<(f64, String), String> {
     let mut theta = c.number_or("rope_theta", 10000.0)?;
     let written = c.fields.get("rope_theta").is_some_and(|v| !v.is_null());
+    let mut args = String::new();
     for key in ["rope_parameters", "rope_scaling"] {
         let Some(v) = c.take(key).cloned() else { continue };
         let Value::Object(params) = v else { return Err(format!("`{key}` must be an object, found {v}")) };
-        match params.get("rope_type").or_else(|| params.get("type")).and_then(Value::as_str) {
-            Some("default") => {}
+        let kind = match params.get("rope_type").or_else(|| params.get("type")).and_then(Value::as_str) {
+            Some(k @ ("default" | "linear" | "dynamic" | "yarn" | "llama3")) => k.to_string(),
             Some(other) => {
                 return Err(format!(
-                    "`{key}` with `rope_type: {other}` scales the rotary embeddings' frequencies, which is not \
-                     a pipec layer yet (pipec imports `rope_type: default`)"
+                    "`{key}` with `rope_type: {other}` scales the rotary embeddings' frequencies in a way pipec does                      not run (it runs `default`, `linear`, `dynamic`, `yarn` and `llama3`)"
                 ))
             }
-            None => return Err(format!("`{key}` has no `rope_type` (pipec imports `rope_type: default`)")),
-        }
+            None => return Err(format!("`{key}` has no `rope_type`")),
+        };
+        let figure = |name: &str| -> Result<Option<f64>, String> {
+            match params.get(name) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .filter(|x| x.is_finite() && *x > 0.0)
+                    .map(Some)
+                    .ok_or_else(|| format!("`{key}.{name}` must be a positive number, found {v}")),
+            }
+        };
+        let needed = |name: &str| -> Result<f64, String> {
+            figure(name)?.ok_or_else(|| format!("`{key}` with `rope_type: {kind}` needs `{name}`"))
+        };
+        // the keys each kind reads, beyond its type and base
+        let reads: &[&str] = match kind.as_str() {
+            "linear" => &["factor"],
+            "dynamic" => &["factor"],
+            "yarn" => &[
+                "factor",
+                "original_max_position_embeddings",
+                "attention_factor",
+                "beta_fast",
+                "beta_slow",
+                "mscale",
+                "mscale_all_dim",
+                "truncate",
+            ],
+            "llama3" => &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+            _ => &[],
+        };
         for (k, value) in &params {
             match k.as_str() {
                 "rope_type" | "type" => {}
@@ -398,15 +431,62 @@ fn rope_theta(c: &mut Config) -> Result<f64, String> {
                     }
                     theta = inner;
                 }
-                other => {
+                // dynamic scaling reads `max_position_embeddings`, not this; transformers keeps it
+                "original_max_position_embeddings" if kind == "dynamic" => {}
+                other if reads.contains(&other) => {}
+                "partial_rotary_factor" => {
                     return Err(format!(
-                        "`{key}.{other}` changes the rotary embeddings, and pipec's are the default ones (`rope_theta` alone)"
+                        "`{key}.partial_rotary_factor` rotates only part of each head, and pipec rotates the whole head"
                     ))
                 }
+                other => return Err(format!(
+                    "`{key}.{other}` changes the rotary embeddings of `rope_type: {kind}` in a way pipec does not run"
+                )),
             }
         }
+        args = match kind.as_str() {
+            "default" => String::new(),
+            "linear" => format!(", rope_scaling=linear, rope_factor={}", number(needed("factor")?)),
+            "dynamic" => {
+                format!(", rope_scaling=dynamic, rope_factor={}, rope_original={positions}", number(needed("factor")?))
+            }
+            "llama3" => format!(
+                ", rope_scaling=llama3, rope_factor={}, rope_low_freq={}, rope_high_freq={}, rope_original={}",
+                number(needed("factor")?),
+                number(needed("low_freq_factor")?),
+                number(needed("high_freq_factor")?),
+                number(needed("original_max_position_embeddings")?)
+            ),
+            _ => {
+                // YaRN, as transformers 5 reads it: the pretrained context (4.x: the
+                // config's), the factor (DeepSeek-V3: max_position_embeddings over it), the
+                // attention factor from `mscale`/`mscale_all_dim` where given
+                let original = figure("original_max_position_embeddings")?.unwrap_or(positions as f64);
+                let factor = figure("factor")?.unwrap_or(positions as f64 / original);
+                let mscale = |m: f64| pipec_plan::rope::yarn_mscale(factor, m);
+                let attention = match (figure("attention_factor")?, figure("mscale")?, figure("mscale_all_dim")?) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(all)) => mscale(m) / mscale(all),
+                    (None, _, _) => mscale(1.0),
+                };
+                let truncate = match params.get("truncate") {
+                    None | Some(Value::Null) => true,
+                    Some(Value::Bool(b)) => *b,
+                    Some(v) => return Err(format!("`{key}.truncate` must be true or false, found {v}")),
+                };
+                format!(
+                    ", rope_scaling=yarn, rope_factor={}, rope_original={}, rope_beta_fast={}, rope_beta_slow={}, rope_attention_factor={}{}",
+                    number(factor),
+                    number(original),
+                    number(figure("beta_fast")?.unwrap_or(32.0)),
+                    number(figure("beta_slow")?.unwrap_or(1.0)),
+                    number(attention),
+                    if truncate { "" } else { ", rope_truncate=false" }
+                )
+            }
+        };
     }
-    Ok(theta)
+    Ok((theta, args))
 }
 
 /// The training window: `--seq`, else the context length up to 4,096.
@@ -472,7 +552,7 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     let heads = c.count("num_attention_heads")?;
     let kv = c.count_or("num_key_value_heads", Some(heads))?;
     let positions = c.count("max_position_embeddings")?;
-    let theta = rope_theta(c)?;
+    let (theta, scaling) = rope(c, positions)?;
     let eps = c.number_or("rms_norm_eps", 1e-6)?;
     let tied = c.flag_or("tie_word_embeddings", false)?;
     let act = c.text("hidden_act")?.unwrap_or_else(|| "silu".into());
@@ -550,7 +630,7 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     if qk_norm {
         args += ", qk_norm=true";
     }
-    args += &format!(", norm=rmsnorm, mlp=swiglu, rope={}, bias=false", number(theta));
+    args += &format!(", norm=rmsnorm, mlp=swiglu, rope={}{scaling}, bias=false", number(theta));
     if qkv_bias {
         args += ", qkv_bias=true";
     }
@@ -794,7 +874,7 @@ mod tests {
         let e = import(cfg, "x", None, &ClusterChoice::default()).expect_err("unknown field");
         assert!(e.contains("`frobnicate`"), "{e}");
         let e = import(
-            &cfg.replace(r#""frobnicate": 1"#, r#""rope_scaling": {"type": "linear", "factor": 2.0}"#),
+            &cfg.replace(r#""frobnicate": 1"#, r#""rope_scaling": {"type": "longrope", "factor": 2.0}"#),
             "x",
             None,
             &ClusterChoice::default(),
@@ -871,22 +951,43 @@ mod tests {
     }
 
     #[test]
-    fn a_scaled_rope_type_is_refused_naming_it() {
-        for kind in ["llama3", "yarn", "linear", "dynamic"] {
-            let cfg = format!(
-                r#"{{{LLAMA}, "rope_parameters": {{"rope_theta": 500000.0, "rope_type": "{kind}", "factor": 8.0}}}}"#
-            );
-            let e = import(&cfg, "x", None, &ClusterChoice::default()).expect_err(kind);
-            assert!(e.contains(&format!("`rope_parameters` with `rope_type: {kind}` scales")), "{e}");
-            assert!(!e.contains("does not read"), "{e}");
-        }
-        let e = import(
-            &format!(r#"{{{LLAMA}, "rope_parameters": {{"rope_type": "default", "factor": 2}}}}"#),
-            "x",
-            None,
-            &ClusterChoice::default(),
-        )
-        .expect_err("extra key");
+    fn scaled_rope_types_import_as_the_blocks_rope_scaling() {
+        let with = |params: &str| {
+            import(
+                &format!(r#"{{{LLAMA}, "rope_parameters": {{"rope_theta": 500000.0, {params}}}}}"#),
+                "x",
+                Some(16),
+                &ClusterChoice::default(),
+            )
+        };
+        let spec = |params: &str| with(params).unwrap_or_else(|e| panic!("{params}: {e}")).spec;
+        // Llama 3.1's
+        let llama3 = spec(
+            r#""rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192"#,
+        );
+        assert!(
+            llama3.contains("rope=500000, rope_scaling=llama3, rope_factor=8, rope_low_freq=1, rope_high_freq=4, rope_original=8192"),
+            "{llama3}"
+        );
+        assert!(spec(r#""rope_type": "linear", "factor": 2.0"#).contains("rope_scaling=linear, rope_factor=2,"));
+        // dynamic scales beyond the config's own context (LLAMA's 64 positions)
+        assert!(spec(r#""rope_type": "dynamic", "factor": 2.0"#)
+            .contains("rope_scaling=dynamic, rope_factor=2, rope_original=64"));
+        // YaRN's attention factor, 0.1·ln(4) + 1, and from DeepSeek's mscale pair
+        let yarn = spec(r#""rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16"#);
+        assert!(yarn.contains("rope_scaling=yarn, rope_factor=4, rope_original=16, rope_beta_fast=32, rope_beta_slow=1, rope_attention_factor=1.1386294361"), "{yarn}");
+        let deepseek = spec(
+            r#""rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0, "truncate": false"#,
+        );
+        assert!(deepseek.contains("rope_attention_factor=1, rope_truncate=false"), "{deepseek}");
+        // a figure a kind needs, another kind's key, and a kind pipec does not run, each named
+        let e = with(r#""rope_type": "llama3", "factor": 8.0"#).expect_err("incomplete");
+        assert!(e.contains("needs `low_freq_factor`"), "{e}");
+        let e = with(r#""rope_type": "linear", "factor": 2.0, "beta_fast": 8"#).expect_err("foreign key");
+        assert!(e.contains("`rope_parameters.beta_fast` changes the rotary embeddings of `rope_type: linear`"), "{e}");
+        let e = with(r#""rope_type": "longrope", "factor": 2.0"#).expect_err("longrope");
+        assert!(e.contains("`rope_type: longrope`"), "{e}");
+        let e = with(r#""rope_type": "default", "factor": 2"#).expect_err("extra key");
         assert!(e.contains("`rope_parameters.factor` changes the rotary embeddings"), "{e}");
     }
 

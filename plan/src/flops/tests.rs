@@ -49,6 +49,7 @@ fn qwen3_30b_a3b() -> Vec<Op> {
         norm: NormKind::RmsNorm,
         mlp: MlpKind::Swiglu,
         rope: 1e6,
+        rope_scaling: crate::rope::RopeScaling::None,
         bias: false,
         qkv_bias: false,
         eps: 1e-6,
