@@ -34,6 +34,18 @@ pub fn compile_file(
     color: bool,
     profile: Option<&Path>,
 ) -> Result<(Compiled, String), u8> {
+    compile_file_with(path, format, color, profile, &mut |_| {})
+}
+
+/// [`compile_file`], the checked spec first changed by `adjust` (`pipec run` puts this
+/// machine's CPU in place of a device written inline).
+pub fn compile_file_with(
+    path: &Path,
+    format: Format,
+    color: bool,
+    profile: Option<&Path>,
+    adjust: &mut dyn FnMut(&mut pipec_grammar::spec::Spec),
+) -> Result<(Compiled, String), u8> {
     let source = read_spec(path).map_err(|e| {
         eprintln!("error: {e}");
         EXIT_USAGE
@@ -50,12 +62,13 @@ pub fn compile_file(
     if !checked.diagnostics.is_empty() {
         report(&checked.diagnostics);
     }
-    let Some(spec) = checked.spec else {
+    let Some(mut spec) = checked.spec else {
         if format == Format::Human {
             eprintln!("{name}: not compiled: {} error(s)", checked.diagnostics.iter().filter(|d| d.is_error()).count());
         }
         return Err(EXIT_DIAGNOSTICS);
     };
+    adjust(&mut spec);
     write_token_cache(&spec, path)?;
     let profile = profile.map(read_profile).transpose()?;
     let options = CompileOptions {

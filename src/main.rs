@@ -27,6 +27,7 @@ mod progress;
 mod run_cmd;
 mod run_speed;
 mod search_cmd;
+mod this_cpu;
 
 /// Exit codes, documented in README.md.
 pub const EXIT_OK: u8 = 0;

@@ -8,7 +8,7 @@ use pipec_compiler::render::{human_time, trace_event};
 use pipec_executor::{BackendKind, Resume, RunOptions, StepMetrics};
 use pipec_plan::{Phase, Plan};
 
-use crate::compile_cmd::compile_file;
+use crate::compile_cmd::{compile_file, compile_file_with};
 use crate::output::write_atomic;
 use crate::run_speed::RunSpeed;
 use crate::{Format, EXIT_DIAGNOSTICS, EXIT_OK, EXIT_USAGE};
@@ -87,12 +87,73 @@ pub fn load_plan_checked(file: &Path, color: bool, verify: bool) -> Result<Plan,
     compile_file(file, Format::Human, color, None).map(|(c, _)| c.plan)
 }
 
+/// A note when the plan is priced for a device of another kind than the backend's (an H100
+/// plan trained on the CPU): its predicted times are that device's, not this run's. `device`
+/// is the spec's device's name (a plan.json's from its MFU basis, where it has one).
+fn device_note(plan: &Plan, device: Option<&str>, backend: BackendKind) -> Option<String> {
+    let name = device.map(str::to_string).or_else(|| plan.simulation.mfu.as_ref().map(|m| m.peak.device.clone()))?;
+    let cpu = name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("cpu"));
+    match (backend, cpu) {
+        (BackendKind::Cpu, false) => Some(format!(
+            "note: the plan is priced for {name}, and this run is on the CPU: the predicted times below are that device's, not this machine's (a spec with `device: {{ kind: cpu, ... }}` is planned for this machine's CPU)"
+        )),
+        (BackendKind::Cuda, true) => Some(format!(
+            "note: the plan is priced for a CPU ({name}), and this run is on a GPU: the predicted times below are the CPU's (a GPU preset or a `pipec calibrate --backend cuda` file prices the GPU)"
+        )),
+        (BackendKind::Cpu, true) | (BackendKind::Cuda, false) => None,
+    }
+}
+
+/// The plan `pipec run` trains, and the name of the device it is priced for (None for a
+/// plan.json): [`load_plan_checked`]'s, but a spec whose CPU device is written inline,
+/// trained by threads on the CPU, is planned for this machine's CPU ([`crate::this_cpu`];
+/// the spec's figures when the measurement fails or is switched off).
+fn load_run_plan(args: &RunArgs) -> Result<(Plan, Option<String>), u8> {
+    if args.file.extension().is_some_and(|e| e == "json") {
+        return load_plan_checked(&args.file, args.color, args.verify).map(|p| (p, None));
+    }
+    let on_this_cpu =
+        args.backend == Backend::Cpu && args.transport == Transport::Threads && !crate::this_cpu::switched_off();
+    let mut device = None;
+    let mut adjust = |spec: &mut pipec_grammar::spec::Spec| {
+        let cluster = &mut spec.cluster;
+        if on_this_cpu && crate::this_cpu::written_inline(&cluster.device) {
+            match crate::this_cpu::this_cpu(cluster.device_count(), cluster.memory) {
+                Ok(found) => {
+                    eprintln!("{}", found.note());
+                    if let Some(l) = found.device.link {
+                        // the workers' in-process transport, on every level of this one machine
+                        let link = pipec_grammar::ast::Link {
+                            bandwidth: l.bandwidth,
+                            latency: l.latency,
+                            efficiency: l.efficiency,
+                        };
+                        cluster.intra_node = link;
+                        if let Some(inter) = cluster.inter_node.as_mut() {
+                            *inter = link;
+                        }
+                    }
+                    cluster.device = found.device;
+                }
+                Err(e) => {
+                    eprintln!(
+                        "warning: this machine's CPU could not be measured ({e}): planned with the spec's figures"
+                    )
+                }
+            }
+        }
+        device = Some(cluster.device.name.clone());
+    };
+    let plan = compile_file_with(&args.file, Format::Human, args.color, None, &mut adjust).map(|(c, _)| c.plan)?;
+    Ok((plan, device))
+}
+
 pub fn run(args: RunArgs) -> u8 {
     if args.steps == Some(0) {
         eprintln!("error: `--steps 0` trains nothing: give at least 1");
         return EXIT_USAGE;
     }
-    let mut plan = match load_plan_checked(&args.file, args.color, args.verify) {
+    let (mut plan, device) = match load_run_plan(&args) {
         Ok(p) => p,
         Err(code) => return code,
     };
@@ -123,6 +184,9 @@ pub fn run(args: RunArgs) -> u8 {
     }
     for c in pipec_executor::caveats(&plan) {
         eprintln!("warning: {c}");
+    }
+    if let Some(note) = device_note(&plan, device.as_deref(), backend) {
+        eprintln!("{note}");
     }
     let dir = args.out.clone().unwrap_or_else(|| PathBuf::from("out").join(&plan.name));
     // the checkpoint to resume from, read and verified before anything is written
@@ -246,7 +310,7 @@ pub fn run(args: RunArgs) -> u8 {
     println!("wrote {}/{{plan.json, metrics.jsonl, {trace_name}}}", dir.display());
     if report.interrupted {
         let done = report.steps.last().map_or(first_step, |s| s.step + 1);
-        let took = stop_took.map(|s| format!(" {s:.2} s after the stop request")).unwrap_or_default();
+        let took = stop_took.map(|s| format!(", {s:.2} s after the stop request")).unwrap_or_default();
         let saved = match report.checkpoints.last() {
             Some(c) if c.file_name().is_some_and(|n| n == format!("step-{done:06}").as_str()) => {
                 format!("; the checkpoint of step {} holds it", done.saturating_sub(1))
@@ -254,7 +318,7 @@ pub fn run(args: RunArgs) -> u8 {
             _ => String::new(),
         };
         eprintln!(
-            "error: interrupted: stopped{took} after {done} of {steps} steps (steps are numbered from 0: the last done was step {}; every completed step is in metrics.jsonl{saved})",
+            "error: interrupted: stopped after {done} of {steps} steps{took} (steps are numbered from 0: the last done was step {}; every completed step is in metrics.jsonl{saved})",
             done.saturating_sub(1),
         );
         if let Some(c) = report.checkpoints.last() {

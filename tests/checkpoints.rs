@@ -12,6 +12,13 @@ fn pipec() -> &'static str {
     env!("CARGO_BIN_EXE_pipec")
 }
 
+/// `pipec`, planned with the specs' own device figures (no measurement of this machine's CPU).
+fn pipec_command() -> Command {
+    let mut c = Command::new(pipec());
+    c.env("PIPEC_CPU_CALIBRATION", "off");
+    c
+}
+
 /// Two pipeline stages of a 128-wide chain with Adam; `checkpoint` is the training
 /// section's checkpoint line (or nothing).
 fn spec(checkpoint: &str) -> String {
@@ -26,7 +33,7 @@ fn twenty_kills_at_random_moments_leave_a_checkpoint_that_resumes_exactly() {
     let reference_spec = dir.path().join("reference.yaml");
     std::fs::write(&reference_spec, spec("")).expect("write");
     let reference = dir.path().join("reference");
-    let out = Command::new(pipec())
+    let out = pipec_command()
         .arg("run")
         .arg(&reference_spec)
         .args(["--steps", "1500", "-o"])
@@ -43,7 +50,7 @@ fn twenty_kills_at_random_moments_leave_a_checkpoint_that_resumes_exactly() {
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut published = Vec::new();
     for kill in 0..20 {
-        let mut cmd = Command::new(pipec());
+        let mut cmd = pipec_command();
         cmd.arg("run").arg(&spec_path).arg("-o").arg(&run);
         if checkpoints.join("latest").exists() {
             cmd.arg("--resume").arg(&run);
@@ -65,7 +72,7 @@ fn twenty_kills_at_random_moments_leave_a_checkpoint_that_resumes_exactly() {
         published.push(n);
         // one step from it equals the uninterrupted run's step n
         let check = dir.path().join(format!("check-{kill}"));
-        let out = Command::new(pipec())
+        let out = pipec_command()
             .arg("run")
             .arg(&reference_spec)
             .arg("--resume")
@@ -121,7 +128,7 @@ fn sigterm_writes_a_final_checkpoint_that_resumes_to_an_uninterrupted_runs_losse
     let spec_path = dir.path().join("stop.yaml");
     std::fs::write(&spec_path, spec("")).expect("write");
     let run = dir.path().join("run");
-    let child = Command::new(pipec())
+    let child = pipec_command()
         .arg("run")
         .arg(&spec_path)
         .arg("-o")
@@ -156,7 +163,7 @@ fn sigterm_writes_a_final_checkpoint_that_resumes_to_an_uninterrupted_runs_losse
     assert_eq!(pipec_plan::checkpoint::read(&last).expect("whole").completed_steps, n);
     // resumed to step n + 4, it equals a run that was never stopped, loss for loss
     let total = (n + 4).to_string();
-    let resumed = Command::new(pipec())
+    let resumed = pipec_command()
         .arg("run")
         .arg(&spec_path)
         .args(["--steps", &total, "--resume"])
@@ -167,13 +174,8 @@ fn sigterm_writes_a_final_checkpoint_that_resumes_to_an_uninterrupted_runs_losse
         .expect("runs");
     assert_eq!(resumed.status.code(), Some(0), "{}", String::from_utf8_lossy(&resumed.stderr));
     let whole = dir.path().join("whole");
-    let uninterrupted = Command::new(pipec())
-        .arg("run")
-        .arg(&spec_path)
-        .args(["--steps", &total, "-o"])
-        .arg(&whole)
-        .output()
-        .expect("runs");
+    let uninterrupted =
+        pipec_command().arg("run").arg(&spec_path).args(["--steps", &total, "-o"]).arg(&whole).output().expect("runs");
     assert_eq!(uninterrupted.status.code(), Some(0), "{}", String::from_utf8_lossy(&uninterrupted.stderr));
     assert_eq!(steps(&run), steps(&whole));
     assert_eq!(steps(&whole).len(), n + 4);

@@ -6,6 +6,7 @@ use std::process::{Command, Output};
 fn pipec(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_pipec"))
         .args(args)
+        .env("PIPEC_CPU_CALIBRATION", "off")
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("pipec runs")
@@ -1206,6 +1207,7 @@ fn sigterm_stops_a_flush_free_pipeline_at_a_drained_step_boundary() {
         for (round, wait_for_steps) in [0usize, 1, 1, 3].into_iter().enumerate() {
             let run = dir.path().join(format!("{schedule}-{round}"));
             let mut child = Command::new(env!("CARGO_BIN_EXE_pipec"))
+                .env("PIPEC_CPU_CALIBRATION", "off")
                 .args(["run", spec.to_str().expect("utf-8"), "-o", run.to_str().expect("utf-8")])
                 .stderr(std::process::Stdio::piped())
                 .spawn()
@@ -1251,6 +1253,7 @@ fn sigterm_stops_at_a_step_boundary_and_keeps_every_completed_step() {
     let spec = checkpointing_spec(dir.path(), 100000);
     let run = dir.path().join("run");
     let child = Command::new(env!("CARGO_BIN_EXE_pipec"))
+        .env("PIPEC_CPU_CALIBRATION", "off")
         .args(["run", spec.to_str().expect("utf-8"), "-o", run.to_str().expect("utf-8")])
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -2634,4 +2637,52 @@ fn compare_and_search_report_tokens_per_device_and_mfu_for_a_language_model() {
     let best_line = text.lines().find(|l| l.starts_with("best: ")).expect("best");
     assert!(best_line.contains(" tokens/s/device, MFU "), "{text}");
     assert!(text.lines().any(|l| l.starts_with("MFU: Megatron-LM's count")), "{text}");
+}
+
+#[test]
+fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_calibration() {
+    // README's example: its device is written inline (`kind: cpu, throughput: 20GFLOP/s`)
+    let dir = tempfile::tempdir().expect("tmp");
+    let cache = dir.path().join("cache");
+    std::fs::create_dir_all(&cache).expect("folder");
+    // this machine's calibration for two workers, as an earlier run would have cached it
+    // (a measured device stands in for the measurement, which takes minutes in a debug build)
+    let mut device = pipec_plan::device::DeviceModel::from_json(
+        &std::fs::read_to_string("bench/specs/gpu/h100-burn-cuda.json").expect("a device file"),
+    )
+    .expect("device");
+    device.name = "cpu (pipec calibrate, cached)".into();
+    device.link = Some(pipec_plan::device::MeasuredLink { bandwidth: 2e9, latency: 40e-6, efficiency: 0.5 });
+    let file = pipec_executor::calibrate::cache_file(&cache, &pipec_executor::calibrate::cpu_name(), 2);
+    std::fs::write(&file, serde_json::to_string(&device).expect("json")).expect("cache");
+    let run = |spec: &str, switch: Option<&str>, out: &str| -> (String, serde_json::Value) {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_pipec"));
+        c.args(["run", spec, "--steps", "2", "-o"])
+            .arg(dir.path().join(out))
+            .env("PIPEC_CACHE_DIR", &cache)
+            .env_remove("PIPEC_CPU_CALIBRATION")
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        if let Some(v) = switch {
+            c.env("PIPEC_CPU_CALIBRATION", v);
+        }
+        let o = c.output().expect("runs");
+        let said = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{said}");
+        let plan = std::fs::read_to_string(dir.path().join(out).join("plan.json")).expect("plan");
+        (said, serde_json::from_str(&plan).expect("json"))
+    };
+    let (said, this) = run("specs/mlp-1f1b.yaml", None, "this");
+    assert!(said.contains("planned and predicted for this machine's CPU"), "{said}");
+    assert!(said.contains(&format!("measured before, from {}", file.display())), "{said}");
+    // switched off: the spec's own figures, and no note
+    let (said, spec) = run("specs/mlp-1f1b.yaml", Some("off"), "spec");
+    assert!(!said.contains("this machine's CPU"), "{said}");
+    let step = |p: &serde_json::Value| p["simulation"]["step_time_s"].as_f64().expect("step");
+    assert!((step(&this) / step(&spec) - 1.0).abs() > 0.05, "{} and {}", step(&this), step(&spec));
+    // the spec's memory figure is kept
+    assert_eq!(this["devices"][0]["memory"]["capacity"], spec["devices"][0]["memory"]["capacity"]);
+    // a plan priced for a GPU and trained on the CPU says whose times it predicts
+    let (said, _) = run("bench/specs/gpu/mlp.yaml", None, "gpu");
+    assert!(said.contains("note: the plan is priced for") && said.contains("not this machine's"), "{said}");
+    assert!(!said.contains("planned and predicted for this machine's CPU"), "{said}");
 }

@@ -15,6 +15,13 @@ fn pipec() -> &'static str {
     env!("CARGO_BIN_EXE_pipec")
 }
 
+/// `pipec`, planned with the specs' own device figures (no measurement of this machine's CPU).
+fn pipec_command() -> Command {
+    let mut c = Command::new(pipec());
+    c.env("PIPEC_CPU_CALIBRATION", "off");
+    c
+}
+
 /// A 256-wide chain of 8 layers on one node of `devices` devices, checkpointed every 5
 /// steps (wide enough that a step takes milliseconds, so a kill lands mid-run).
 fn spec(stages: &str, devices: usize, steps: usize) -> String {
@@ -25,7 +32,7 @@ fn spec(stages: &str, devices: usize, steps: usize) -> String {
 
 /// `pipec launch SPEC --exec --elastic EXTRA…` into `out`, started.
 fn launch(spec: &Path, out: &Path, extra: &[&str]) -> Child {
-    Command::new(pipec())
+    pipec_command()
         .arg("launch")
         .arg(spec)
         .arg("-o")
@@ -135,7 +142,7 @@ fn an_elastic_launch_needs_checkpoints_and_a_spec() {
     let run = launch(&spec_path, &dir.path().join("out"), &[]).wait_with_output().expect("ends");
     assert_eq!(run.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&run.stderr).contains("training.checkpoint: { every: N }"));
-    let run = Command::new(pipec()).args(["launch", "x.yaml", "--elastic"]).output().expect("runs");
+    let run = pipec_command().args(["launch", "x.yaml", "--elastic"]).output().expect("runs");
     assert_eq!(run.status.code(), Some(2), "--elastic without --exec is a usage error");
 }
 
@@ -179,7 +186,7 @@ fn under_slurm_a_node_with_a_killed_task_is_excluded_and_the_job_goes_on() {
     std::fs::write(&spec_path, text).expect("write");
     let bin = fake_srun(dir.path());
     let out = dir.path().join("out");
-    let child = Command::new(pipec())
+    let child = pipec_command()
         .arg("launch")
         .arg(&spec_path)
         .arg("-o")

@@ -11,6 +11,13 @@ fn pipec() -> &'static str {
     env!("CARGO_BIN_EXE_pipec")
 }
 
+/// `pipec`, planned with the specs' own device figures (no measurement of this machine's CPU).
+fn pipec_command() -> Command {
+    let mut c = Command::new(pipec());
+    c.env("PIPEC_CPU_CALIBRATION", "off");
+    c
+}
+
 const CHAIN: &str =
     "  layers:\n    - linear(16, 32) -> relu\n    - repeat 4: linear(32, 32) -> relu\n    - linear(32, 4)\n";
 
@@ -69,7 +76,7 @@ fn metric_lines(run: &Path) -> Vec<serde_json::Value> {
 /// Runs the spec at `spec_path` in one process into `threads` and as `devices` MPI ranks
 /// into `mpi`; both must succeed.
 fn run_in_process_and_over_mpi(spec_path: &Path, devices: usize, threads: &Path, mpi: &Path) {
-    let out = Command::new(pipec())
+    let out = pipec_command()
         .args(["run", spec_path.to_str().expect("p"), "-o", threads.to_str().expect("p")])
         .output()
         .expect("runs");
@@ -96,7 +103,7 @@ fn equal_to_in_process_with(model: &str, stages: &str, devices: usize, schedule:
         .replace("schedule: 1f1b", &format!("schedule: {schedule}"));
     std::fs::write(&spec_path, text).expect("write");
     let threads = dir.path().join("threads");
-    let out = Command::new(pipec())
+    let out = pipec_command()
         .args(["run", spec_path.to_str().expect("p"), "-o", threads.to_str().expect("p")])
         .output()
         .expect("runs");
@@ -387,7 +394,7 @@ fn a_failing_rank_aborts_the_job_with_its_device_and_instruction() {
     let spec_path = dir.path().join("spec.yaml");
     std::fs::write(&spec_path, spec("straight", 4, 3)).expect("write");
     let plan_dir = dir.path().join("plan");
-    let out = Command::new(pipec())
+    let out = pipec_command()
         .args(["compile", spec_path.to_str().expect("p"), "-o", plan_dir.to_str().expect("p")])
         .output()
         .expect("compiles");
@@ -506,7 +513,7 @@ fn the_mpi_transport_outside_mpirun_says_how_to_start_it() {
     let dir = tempfile::tempdir().expect("tmp");
     let spec_path = dir.path().join("spec.yaml");
     std::fs::write(&spec_path, spec("straight", 2, 1)).expect("write");
-    let out = Command::new(pipec())
+    let out = pipec_command()
         .args(["run", spec_path.to_str().expect("p"), "--transport", "mpi", "-o"])
         .arg(dir.path().join("out"))
         .output()
@@ -572,13 +579,13 @@ fn a_threaded_tensor_parallel_checkpoint_resumes_over_mpi_without_tensor_paralle
     let tp2 = write("tp2.yaml", "\"1-1\"\n  tp: 2", 4);
     let plain = write("plain.yaml", "\"1-1\"", 2);
     let source = dir.path().join("source");
-    let out = Command::new(pipec())
+    let out = pipec_command()
         .args(["run", tp2.to_str().expect("p"), "-o", source.to_str().expect("p")])
         .output()
         .expect("runs");
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let full = dir.path().join("full");
-    let out = Command::new(pipec())
+    let out = pipec_command()
         .args(["run", plain.to_str().expect("p"), "-o", full.to_str().expect("p")])
         .output()
         .expect("runs");
@@ -694,7 +701,7 @@ fn launch_slurm_starts_the_ranks_through_srun_and_a_miswired_step_is_refused() {
     std::fs::write(&spec_path, spec("\"2-1\"", 3, 4)).expect("write");
     let path = |bin: &Path| format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     // printed without --exec
-    let printed = Command::new(pipec()).arg("launch").arg(&spec_path).arg("--slurm").output().expect("runs");
+    let printed = pipec_command().arg("launch").arg(&spec_path).arg("--slurm").output().expect("runs");
     let line = String::from_utf8_lossy(&printed.stdout);
     assert!(
         line.starts_with(
@@ -704,7 +711,7 @@ fn launch_slurm_starts_the_ranks_through_srun_and_a_miswired_step_is_refused() {
     );
     assert!(line.contains(" run ") && line.contains("--transport mpi"), "{line}");
     // an allocation with fewer nodes than the plan's cluster
-    let short = Command::new(pipec())
+    let short = pipec_command()
         .arg("launch")
         .arg(&spec_path)
         .arg("--slurm")
@@ -716,7 +723,7 @@ fn launch_slurm_starts_the_ranks_through_srun_and_a_miswired_step_is_refused() {
     // run through the stand-in: the same losses as the threaded run
     let bin = fake_srun(dir.path(), false);
     let out = dir.path().join("slurm");
-    let run = Command::new(pipec())
+    let run = pipec_command()
         .arg("launch")
         .arg(&spec_path)
         .args(["--slurm", "--exec", "-o"])
@@ -727,12 +734,12 @@ fn launch_slurm_starts_the_ranks_through_srun_and_a_miswired_step_is_refused() {
     assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
     assert!(std::fs::read_to_string(bin.join("srun.log")).expect("log").starts_with("--nodes=1 --ntasks=3 "));
     let threads = dir.path().join("threads");
-    let t = Command::new(pipec()).arg("run").arg(&spec_path).arg("-o").arg(&threads).output().expect("runs");
+    let t = pipec_command().arg("run").arg(&spec_path).arg("-o").arg(&threads).output().expect("runs");
     assert_eq!(t.status.code(), Some(0), "{}", String::from_utf8_lossy(&t.stderr));
     assert_eq!(losses(&out), losses(&threads));
     // tasks numbered otherwise than MPI's ranks: refused, naming both
     let swapped = fake_srun(dir.path(), true);
-    let run = Command::new(pipec())
+    let run = pipec_command()
         .arg("launch")
         .arg(&spec_path)
         .args(["--slurm", "--exec", "-o"])

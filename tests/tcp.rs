@@ -10,6 +10,13 @@ fn pipec() -> &'static str {
     env!("CARGO_BIN_EXE_pipec")
 }
 
+/// `pipec`, planned with the specs' own device figures (no measurement of this machine's CPU).
+fn pipec_command() -> Command {
+    let mut c = Command::new(pipec());
+    c.env("PIPEC_CPU_CALIBRATION", "off");
+    c
+}
+
 /// A 3-device `2-1` pipeline of a small chain, `steps` steps.
 fn spec(dir: &Path, steps: usize, extra: &str) -> PathBuf {
     let text = format!(
@@ -27,7 +34,7 @@ fn free_port() -> u16 {
 
 /// Starts rank `rank` of `size` with `args` after `pipec run SPEC --transport tcp`.
 fn rank(spec: &Path, rank: usize, size: usize, port: u16, args: &[&str]) -> Child {
-    Command::new(pipec())
+    pipec_command()
         .arg("run")
         .arg(spec)
         .args(["--transport", "tcp"])
@@ -74,7 +81,7 @@ fn ranks_started_with_torchruns_variables_train_like_threads_and_resume_exactly(
     let dir = tempfile::tempdir().expect("tmp");
     let spec = spec(dir.path(), 6, "  checkpoint: { every: 3 }\n");
     let threads = dir.path().join("threads");
-    let t = Command::new(pipec()).arg("run").arg(&spec).arg("-o").arg(&threads).output().expect("runs");
+    let t = pipec_command().arg("run").arg(&spec).arg("-o").arg(&threads).output().expect("runs");
     assert_eq!(t.status.code(), Some(0), "{}", String::from_utf8_lossy(&t.stderr));
     // started in reverse order: the rendezvous waits for rank 0
     let out = dir.path().join("tcp");
@@ -134,7 +141,7 @@ fn bad_variables_and_a_missing_rank_are_errors_that_say_what_to_set() {
     let dir = tempfile::tempdir().expect("tmp");
     let spec = spec(dir.path(), 2, "");
     let run = |vars: &[(&str, &str)]| {
-        let mut c = Command::new(pipec());
+        let mut c = pipec_command();
         c.arg("run").arg(&spec).args(["--transport", "tcp", "-o"]).arg(dir.path().join("x"));
         for v in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
             c.env_remove(v);
@@ -149,7 +156,7 @@ fn bad_variables_and_a_missing_rank_are_errors_that_say_what_to_set() {
     assert!(err(&run(&[("RANK", "0"), ("WORLD_SIZE", "2")])).contains("WORLD_SIZE is 2 but the plan has 3 devices"));
     // rank 1 alone: rank 0 never comes, and the rendezvous gives up at the start-up bound
     let port = free_port().to_string();
-    let mut c = Command::new(pipec());
+    let mut c = pipec_command();
     c.arg("run").arg(&spec).args(["--transport", "tcp", "--timeout", "2", "-o"]).arg(dir.path().join("y"));
     let o = c
         .env("RANK", "1")
@@ -202,7 +209,7 @@ fn ranks_that_run_different_things_all_stop_at_start_naming_the_difference() {
     // only rank 0 resumes from a checkpoint
     let first = dir.path().join("first");
     let one_step = one_step_spec(dir.path());
-    let t = Command::new(pipec()).arg("run").arg(&one_step).arg("-o").arg(&first).output().expect("runs");
+    let t = pipec_command().arg("run").arg(&one_step).arg("-o").arg(&first).output().expect("runs");
     assert_eq!(t.status.code(), Some(0), "{}", String::from_utf8_lossy(&t.stderr));
     let ckpt = first.join("checkpoints");
     let c = ckpt.to_str().expect("p");

@@ -110,6 +110,11 @@ fn losses(r: &RunReport) -> Vec<f64> {
 /// Asserts equal losses (relative 1e-5) and that no device held more microbatches than
 /// the plan predicted.
 fn assert_same_as_one_device(j: Job<'_>) {
+    assert_near_one_device(j, 1e-5);
+}
+
+/// [`assert_same_as_one_device`] within `tolerance` (relative).
+fn assert_near_one_device(j: Job<'_>, tolerance: f64) {
     let reference = Job { devices: 1, stages: "\"1\"", schedule: "gpipe", ..Job { ..j } };
     let reference = train(&plan(&Job {
         input: reference.input,
@@ -127,7 +132,7 @@ fn assert_same_as_one_device(j: Job<'_>) {
     assert_eq!(a.len(), b.len());
     for (step, (x, y)) in a.iter().zip(&b).enumerate() {
         assert!(
-            (x - y).abs() <= 1e-5 * x.abs().max(1e-6),
+            (x - y).abs() <= tolerance * x.abs().max(1e-6),
             "{} {}: step {step}: one device {x}, plan {y}\nall: {a:?}\n vs {b:?}",
             j.schedule,
             j.stages
@@ -2445,13 +2450,20 @@ fn bf16_products_train_equal_to_one_device_and_near_fp32() {
     let bf16 = losses(&train(&plan(&Job { precision: "bf16", ..base })));
     let apart = fp32.iter().zip(&bf16).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
     assert!(apart > 1e-6 && apart < 1e-2, "bf16 against fp32: {apart:e}\n{fp32:?}\n{bf16:?}");
-    for (devices, stages, schedule) in [
-        (2, "\"1-1\"", "1f1b"),
-        (2, "\"1-1\"", "{ kind: interleaved, virtual_stages: 2 }"),
-        (4, "\"2-2\"\n  zero: 3", "gpipe"),
-    ] {
+    for (devices, stages, schedule) in
+        [(2, "\"1-1\"", "1f1b"), (2, "\"1-1\"", "{ kind: interleaved, virtual_stages: 2 }")]
+    {
         assert_same_as_one_device(Job { devices, stages, schedule, precision: "bf16", ..base });
     }
+    // two replicas each take half of every microbatch: their products see other shapes than
+    // one device's, and where the CPU's kernels sum those in another order (AMD EPYC's
+    // AVX2 kernels; not Xeon's) a bf16 rounding can turn the other way, a relative 1e-5 of
+    // the loss after four steps. A tenth of bf16's unit roundoff (2^-8) still fails a real
+    // difference: a skipped gradient share or a stale shard moves the loss by 1e-2
+    assert_near_one_device(
+        Job { devices: 4, stages: "\"2-2\"\n  zero: 3", schedule: "gpipe", precision: "bf16", ..base },
+        4e-4,
+    );
     let experts = "- embedding(20, 16) as tokens\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, norm=rmsnorm, mlp=swiglu, bias=false, experts=4, top_k=2, shared_experts=1)\n    - rmsnorm\n    - linear(16, 20, bias=false, tie=tokens)";
     let one_moe = losses(&train(&plan(&Job { layers: experts, precision: "bf16", ..base })));
     for (layers, stages, one) in

@@ -623,3 +623,26 @@ pub use products::*;
 
 #[cfg(test)]
 mod tests;
+
+/// This CPU's name (`/proc/cpuinfo`'s model name, else the architecture) and logical CPU
+/// count: what a cached calibration of this machine is kept under.
+pub fn cpu_name() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("model name").map(|r| r.trim_start_matches([' ', '\t', ':']).to_string()))
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    format!("{model} × {cpus}")
+}
+
+/// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
+/// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count
+/// and this version, so another machine, worker count or version measures again.
+pub fn cache_file(dir: &std::path::Path, cpu: &str, workers: usize) -> std::path::PathBuf {
+    let key = format!("{cpu}|{workers}|{}", env!("CARGO_PKG_VERSION"));
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    dir.join(format!("cpu-{workers}w-{hash:016x}.json"))
+}

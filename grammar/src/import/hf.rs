@@ -439,9 +439,11 @@ fn rope(c: &mut Config, positions: usize) -> Result<(f64, String), String> {
                         "`{key}.partial_rotary_factor` rotates only part of each head, and pipec rotates the whole head"
                     ))
                 }
-                other => return Err(format!(
+                other => {
+                    return Err(format!(
                     "`{key}.{other}` changes the rotary embeddings of `rope_type: {kind}` in a way pipec does not run"
-                )),
+                ))
+                }
             }
         }
         args = match kind.as_str() {
