@@ -75,10 +75,12 @@ def megatron(folder, want, world):
         zero = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[args.data_parallel_sharding_strategy]
     elif args.use_distributed_optimizer:
         zero = 1
+    # Transformer Engine's FP8: the recipe TransformerConfig takes (transformer_config.py:566-590)
+    fp8 = A.core_transformer_config_from_args(args).fp8_recipe if args.fp8 else None
     return dict(world=args.world_size, tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size,
                 cp=args.context_parallel_size, ep=ep, virtual_stages=vpp, microbatch_size=args.micro_batch_size,
                 microbatches_per_replica=m, global_batch=args.global_batch_size, recompute=recompute, zero=zero,
-                seq_length=args.seq_length)
+                seq_length=args.seq_length, fp8=str(getattr(fp8, "value", fp8)) if fp8 else None)
 
 
 def torchtitan(folder, want, world):
@@ -118,10 +120,16 @@ def torchtitan(folder, want, world):
         micro = local
     mode = cfg.activation_checkpoint.mode
     zero = 3 if pd.dp_shard > 1 and p.fsdp_reshard_after_forward != "never" else (2 if pd.dp_shard > 1 else 0)
+    # torchao's FP8 through torchtitan's converters (job_config.py:731-792)
+    fp8 = None
+    if "quantize.linear.float8" in cfg.model.converters:
+        fp8 = cfg.quantize.linear.float8.recipe_name or "tensorwise"
+    elif "quantize.linear.mx" in cfg.model.converters:
+        fp8 = "mxfp8"
     return dict(world=world, tp=pd.tp, pp=pd.pp, dp=dp, cp=pd.cp, ep=pd.ep, virtual_stages=chunks,
                 microbatch_size=micro, microbatches_per_replica=m, global_batch=gbs,
                 recompute={"none": "none", "full": "full", "selective": "selective"}[mode], zero=zero,
-                seq_length=cfg.training.seq_len)
+                seq_length=cfg.training.seq_len, fp8=fp8)
 
 
 def deepspeed(folder, want, world):
@@ -172,6 +180,8 @@ def main():
         expect["zero"] = got.get("zero")  # nothing to shard over one replica
     if "seq_length" in got:
         expect["seq_length"] = want["seq_length"]
+    if "fp8" in got:
+        expect["fp8"] = want.get("fp8")
     diff = {k: (expect[k], got.get(k)) for k in expect if expect[k] != got.get(k)}
     if diff:
         print(f"FAIL {folder} layout differs (pipec, {engine}): {diff}")

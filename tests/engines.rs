@@ -276,14 +276,19 @@ fn published() -> Vec<(String, Engine, String)> {
     let dir = root().join("tests/engines/published");
     let read = |f: &str| std::fs::read_to_string(dir.join(f)).expect("a published layout");
     let mut out = Vec::new();
-    for f in ["megatron-llama3-8b-fp8.sh", "megatron-mixtral-8x7b.sh", "megatron-gpt3-175b.args"].into_iter().chain(
-        ["llama3-8b", "llama3-70b", "mixtral-8x7b", "mixtral-8x22b"].map(|m| match m {
-            "llama3-8b" => "megatron-docs-llama3-8b.args",
-            "llama3-70b" => "megatron-docs-llama3-70b.args",
-            "mixtral-8x7b" => "megatron-docs-mixtral-8x7b.args",
-            _ => "megatron-docs-mixtral-8x22b.args",
-        }),
-    ) {
+    for f in [
+        "megatron-llama3-8b-fp8.sh",
+        "megatron-fsdp-llama3-8b-fp8.sh",
+        "megatron-mixtral-8x7b.sh",
+        "megatron-gpt3-175b.args",
+    ]
+    .into_iter()
+    .chain(["llama3-8b", "llama3-70b", "mixtral-8x7b", "mixtral-8x22b"].map(|m| match m {
+        "llama3-8b" => "megatron-docs-llama3-8b.args",
+        "llama3-70b" => "megatron-docs-llama3-70b.args",
+        "mixtral-8x7b" => "megatron-docs-mixtral-8x7b.args",
+        _ => "megatron-docs-mixtral-8x22b.args",
+    })) {
         let name = f.rsplit_once('.').expect("an extension").0;
         out.push((name.to_string(), Engine::Megatron, megatron::import(&read(f), name, None).expect(f)));
     }
@@ -299,14 +304,14 @@ fn published() -> Vec<(String, Engine, String)> {
     out
 }
 
-/// Eleven published layouts (Megatron-LM's examples and its parallelism guide's table,
+/// Twelve published layouts (Megatron-LM's examples and its parallelism guide's table,
 /// torchtitan's Llama 3 configurations, a DeepSpeed config) import into specs that check
 /// (the written spec is a golden file), compile, and emit back for their engine with the
 /// same layout.
 #[test]
 fn published_layouts_import_check_compile_and_emit_back() {
     let all = published();
-    assert!(all.len() >= 10);
+    assert!(all.len() >= 12);
     let mut over_memory = Vec::new();
     for (name, engine, spec) in &all {
         insta::assert_snapshot!(format!("import__{name}"), spec);
@@ -447,4 +452,71 @@ fn deepep_dispatch_is_emitted_as_each_engine_names_it_or_refused() {
         "{:?}",
         refused.diagnostics.iter().map(|d| &d.message).collect::<Vec<_>>()
     );
+}
+
+/// FP8 training crosses to and from each engine's own switches: an FP8 plan emitted for
+/// Megatron-LM (Transformer Engine's `--fp8-format hybrid --fp8-recipe R`, FP8 gathers
+/// with `--fp8-param-gather`) and torchtitan (torchao's `quantize.linear.float8` converter,
+/// `rowwise` by name) imports back with the same recipe and gathers; DeepSpeed, whose
+/// configuration has no FP8, refuses it naming the precision, and a recipe an engine lacks
+/// is refused naming the ones it runs.
+#[test]
+fn fp8_is_emitted_as_each_engine_switches_it_on_and_imported_back() {
+    use pipec_grammar::import::{megatron, torchtitan};
+    use pipec_plan::vocab::{Fp8Recipe, Fp8Storage};
+    let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example");
+    let with_fp8 = |zero: &str, fp8: &str| {
+        let t = text.replacen("precision: bf16", &format!("precision: fp8\n  fp8: {fp8}"), 1);
+        let t = if t.contains("precision: fp8") {
+            t
+        } else {
+            t.replacen("training:\n", &format!("training:\n  precision: fp8\n  fp8: {fp8}\n"), 1)
+        };
+        // two replicas of each stage, for the optimizer's shards
+        let t = t.replacen("devices_per_node: 2", "devices_per_node: 4", 1).replacen(
+            "stages: \"1-1\"",
+            "stages: \"2-2\"",
+            1,
+        );
+        plan_of(&t.replacen("strategy:\n", &format!("strategy:\n  zero: {zero}\n"), 1))
+    };
+    let emitted = |plan: &Plan, engine: Engine, file: &str| -> Result<String, String> {
+        let files = pipec_plan::engine::emit::emit(plan, &EngineTarget::newest(engine))?;
+        Ok(files.into_iter().find(|(f, _)| f == file).map(|(_, t)| t).expect("emitted"))
+    };
+    // Megatron-LM: current scaling, FP8 gathers of the distributed optimizer
+    let plan = with_fp8("1", "{ recipe: tensorwise, gather: fp8 }");
+    assert_eq!(plan.training.fp8.map(|f| f.recipe), Some(Fp8Recipe::Tensorwise));
+    let args = emitted(&plan, Engine::Megatron, "args.txt").expect("megatron runs it");
+    assert!(args.contains("--fp8-format hybrid") && args.contains("--fp8-recipe tensorwise"), "{args}");
+    assert!(args.contains("--fp8-param-gather") && args.contains("--bf16"), "{args}");
+    let back = imported_plan(megatron::import(&args, "back", Some(plan.devices.len())));
+    let f = back.training.fp8.expect("FP8 read back");
+    assert_eq!((f.recipe, f.gather), (Fp8Recipe::Tensorwise, Fp8Storage::Fp8));
+    assert_eq!(carried(&back).0, carried(&plan).0);
+    // torchtitan: rowwise under FSDP
+    let plan = with_fp8("3", "{ recipe: rowwise, activations: bf16, weight_copies: false }");
+    match emitted(&plan, Engine::Torchtitan, "job.toml") {
+        Ok(job) => {
+            assert!(job.contains("converters = [\"quantize.linear.float8\"]"), "{job}");
+            assert!(job.contains("[quantize.linear.float8]") && job.contains("recipe_name = \"rowwise\""), "{job}");
+            let back = imported_plan(torchtitan::import(&job, "back", Some(plan.devices.len())));
+            assert_eq!(back.training.fp8.map(|f| f.recipe), Some(Fp8Recipe::Rowwise));
+        }
+        // llama-tiny is no torchtitan flavour: the refusal says so, not FP8
+        Err(e) => assert!(e.contains("flavour"), "{e}"),
+    }
+    // the published torchtitan 405B configuration's float8 converter reads as tensorwise FP8
+    let job =
+        std::fs::read_to_string(root().join("tests/engines/published/torchtitan-llama3-405b.toml")).expect("toml");
+    let back = imported_plan(torchtitan::import(&job, "405b", Some(128)));
+    assert_eq!(back.training.fp8.map(|f| (f.recipe, f.activations)), Some((Fp8Recipe::Tensorwise, Fp8Storage::Bf16)));
+    let job = emitted(&back, Engine::Torchtitan, "job.toml").expect("torchtitan runs it");
+    assert!(job.contains("converters = [\"quantize.linear.float8\"]") && !job.contains("recipe_name"), "{job}");
+    // DeepSpeed has no FP8; Megatron-LM no rowwise recipe
+    let e =
+        emitted(&with_fp8("1", "{ recipe: tensorwise }"), Engine::Deepspeed, "ds_config.json").expect_err("refused");
+    assert!(e.contains("no FP8"), "{e}");
+    let e = emitted(&with_fp8("1", "{ recipe: rowwise }"), Engine::Megatron, "args.txt").expect_err("refused");
+    assert!(e.contains("rowwise recipe") && e.contains("tensorwise"), "{e}");
 }

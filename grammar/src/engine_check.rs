@@ -46,6 +46,7 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         moe_dispatch: strategy.moe_dispatch,
         recompute,
         precision: training.precision,
+        fp8: training.fp8.map(|f| f.recipe),
         blocks: model.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),
         gpt: GptShape::of(&ops, tied).is_some(),
     }

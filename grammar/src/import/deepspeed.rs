@@ -137,6 +137,7 @@ pub fn import(
         cp_comm: CpComm::AllGather,
         recompute: if c.get("activation_checkpointing").is_some() { "true" } else { "false" },
         precision,
+        fp8: None,
         micro: mb,
         global: tb,
         steps: 1000,

@@ -58,6 +58,9 @@ pub struct RunFacts {
     /// `true`, `false` or `selective`.
     pub recompute: &'static str,
     pub precision: Precision,
+    /// FP8 products (beside `precision: bf16`): the recipe and what the engine keeps and
+    /// gathers in FP8.
+    pub fp8: Option<pipec_plan::plan::Fp8Plan>,
     pub micro: usize,
     pub global: usize,
     pub steps: usize,
@@ -197,14 +200,23 @@ pub fn run_text(r: &RunFacts) -> Result<String, String> {
         )
     };
     let clip = r.clip.filter(|c| *c > 0.0).map_or(String::new(), |c| format!("  clip_grad_norm: {}\n", number(c)));
+    let fp8 = r.fp8.as_ref().map_or(String::new(), |f| {
+        format!(
+            "  fp8: {{ recipe: {}, activations: {}, weight_copies: {}, gather: {} }}\n",
+            f.recipe.name(),
+            f.activations.name(),
+            f.weight_copies,
+            f.gather.name()
+        )
+    });
     Ok(format!(
         "cluster:\n  nodes: {}\n  devices_per_node: {per_node}\n  device: h100-sxm\n  links: dgx-h100\n\
          strategy:\n{strategy}\
-         training:\n  batch_size: {}\n  steps: {}\n  optimizer: {optimizer}\n  precision: {}\n  seed: {}\n  data: {{ kind: synthetic }}\n{clip}",
+         training:\n  batch_size: {}\n  steps: {}\n  optimizer: {optimizer}\n  precision: {}\n{fp8}  seed: {}\n  data: {{ kind: synthetic }}\n{clip}",
         r.world / per_node,
         r.global,
         r.steps.max(1),
-        r.precision.name(),
+        if r.fp8.is_some() { "fp8" } else { r.precision.name() },
         r.seed
     ))
 }

@@ -215,6 +215,54 @@ impl Args {
     }
 }
 
+/// Transformer Engine's FP8 as Megatron-LM turns it on (TransformerConfig's `fp8`,
+/// `fp8_recipe`, `fp8_param` at core_v0.19.0, transformer_config.py:566-590; the
+/// `--fp8-param-gather` switch, arguments.py:1935): `--fp8-format e4m3|hybrid` with the bf16
+/// weights it casts, the recipe `--fp8-recipe` (default `delayed`), FP8 inputs kept for the
+/// backward and FP8 weight copies cached between microbatches (Transformer Engine's), the
+/// gathers of a sharded optimizer in FP8 with `--fp8-param-gather`.
+fn fp8(a: &mut Args, precision: Precision, sharding: Sharding) -> Result<Option<pipec_plan::plan::Fp8Plan>, String> {
+    use pipec_plan::vocab::{Fp8Recipe, Fp8Storage};
+    let Some(format) = a.text("--fp8-format") else {
+        for f in ["--fp8-recipe", "--fp8-param-gather"] {
+            if a.has(f) {
+                return Err(format!("`{f}` without `--fp8-format`: Megatron-LM trains no FP8 without a format"));
+            }
+        }
+        return Ok(None);
+    };
+    if !matches!(format.as_str(), "e4m3" | "hybrid") {
+        return Err(format!("`--fp8-format {format}` is not one of Megatron-LM's formats (e4m3, hybrid)"));
+    }
+    if precision != Precision::Bf16 {
+        return Err(format!(
+            "`--fp8-format {format}` without `--bf16`: pipec plans FP8 products beside bf16 weights and activations"
+        ));
+    }
+    let recipe = match a.text("--fp8-recipe").as_deref() {
+        None | Some("delayed") => Fp8Recipe::Delayed,
+        Some("tensorwise") => Fp8Recipe::Tensorwise,
+        Some("blockwise") => Fp8Recipe::Blockwise,
+        Some("mxfp8") => Fp8Recipe::Mxfp8,
+        Some(other) => {
+            return Err(format!("`--fp8-recipe {other}` has no pipec recipe (delayed, tensorwise, blockwise, mxfp8)"))
+        }
+    };
+    let gather = if a.has("--fp8-param-gather") {
+        if sharding == Sharding::None {
+            // arguments.py:1058-1063
+            return Err(
+                "`--fp8-param-gather` needs the distributed optimizer or FSDP (Megatron-LM refuses it otherwise)"
+                    .into(),
+            );
+        }
+        Fp8Storage::Fp8
+    } else {
+        Fp8Storage::Bf16
+    };
+    Ok(Some(pipec_plan::plan::Fp8Plan { recipe, activations: Fp8Storage::Fp8, weight_copies: true, gather }))
+}
+
 /// The spec a Megatron-LM launch describes; `world` when the text does not give the GPUs
 /// (`--nproc_per_node` × `--nnodes`).
 pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, String> {
@@ -356,6 +404,7 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
     } else {
         Precision::Fp32
     };
+    let fp8 = fp8(a, precision, sharding)?;
     let micro = a.need("--micro-batch-size")?;
     let cp = a.count_or("--context-parallel-size", 1)?;
     let dp = world / (tp * pp * cp).max(1);
@@ -402,6 +451,7 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
         cp_comm: if a.text("--cp-comm-type").as_deref() == Some("p2p") { CpComm::Ring } else { CpComm::AllGather },
         recompute,
         precision,
+        fp8,
         micro,
         // arguments.py:674-688: mbs·DP without a global batch
         global: a.count("--global-batch-size")?.unwrap_or(micro * dp),

@@ -158,12 +158,7 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
             ))
         }
     };
-    if let Some(converters) = t.get("model", "converters").and_then(toml::Value::as_array).filter(|c| !c.is_empty()) {
-        dropped.push(format!(
-            "model.converters = {} (float8 and MX training are not in pipec's spec yet)",
-            toml::Value::Array(converters.clone())
-        ));
-    }
+    let fp8 = fp8(&t, &mut dropped)?;
     if t.flag("compile", "enable") {
         dropped.push("[compile] enable = true (torch.compile)".into());
     }
@@ -171,6 +166,12 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         "float32" => Precision::Fp32,
         _ => Precision::Bf16,
     };
+    if fp8.is_some() && precision != Precision::Bf16 {
+        return Err(
+            "float8 training with `mixed_precision_param = \"float32\"`: pipec plans FP8 products beside bf16 weights"
+                .into(),
+        );
+    }
     let o = "optimizer";
     let run = RunFacts {
         world,
@@ -190,6 +191,7 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         },
         recompute,
         precision,
+        fp8,
         micro,
         global,
         steps: positive(t.int("training", "steps", 10000)?, "steps")?,
@@ -207,4 +209,66 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         seed: 0,
     };
     write_spec(Engine::Torchtitan, "a torchtitan v0.2.2 job configuration", name, &model_text(&model), &run, &dropped)
+}
+
+/// torchao's FP8 as torchtitan turns it on: the `float8` converter (December 2024's name,
+/// its `[float8]` section) or `quantize.linear.float8` (v0.2.2, `[quantize.linear.float8]`;
+/// torchtitan/config/job_config.py:731-754 and components/quantization/float8.py:238 at
+/// v0.2.2) with `recipe_name` (none: tensorwise; `rowwise`), or the MX converter
+/// `quantize.linear.mx` (MXFP8). `Float8Linear` keeps its high-precision input for the
+/// backward and casts each weight per product (no FP8 copy kept); FSDP gathers in FP8 with
+/// `enable_fsdp_float8_all_gather`. A converter of the grouped experts' products is listed as
+/// not carried over.
+fn fp8(t: &Toml, dropped: &mut Vec<String>) -> Result<Option<pipec_plan::plan::Fp8Plan>, String> {
+    use pipec_plan::vocab::{Fp8Recipe, Fp8Storage};
+    let Some(converters) = t.get("model", "converters") else { return Ok(None) };
+    let converters = converters.as_array().ok_or_else(|| format!("`[model] converters = {converters}`: not a list"))?;
+    let mut found = None;
+    for c in converters {
+        let name = c.as_str().ok_or_else(|| format!("`[model] converters`: {c} is not a converter's name"))?;
+        // the section of a converter's settings: a table, possibly nested
+        let section = |path: &[&str]| -> Option<&toml::value::Table> {
+            path.iter().try_fold(&t.table, |table, key| table.get(*key)?.as_table())
+        };
+        let setting = |path: &[&str], key: &str| section(path).and_then(|s| s.get(key));
+        let recipe = match name {
+            "float8" | "quantize.linear.float8" => {
+                let path: &[&str] = if name == "float8" { &["float8"] } else { &["quantize", "linear", "float8"] };
+                let recipe = match setting(path, "recipe_name")
+                    .map(|v| v.as_str().ok_or_else(|| format!("recipe_name = {v}: not a name")))
+                    .transpose()?
+                {
+                    None | Some("tensorwise") => Fp8Recipe::Tensorwise,
+                    Some("rowwise") => Fp8Recipe::Rowwise,
+                    Some(other) => {
+                        return Err(format!(
+                            "float8 `recipe_name = \"{other}\"` has no pipec recipe (tensorwise, rowwise)"
+                        ))
+                    }
+                };
+                let gather =
+                    setting(path, "enable_fsdp_float8_all_gather").and_then(toml::Value::as_bool).unwrap_or(false);
+                (recipe, if gather { Fp8Storage::Fp8 } else { Fp8Storage::Bf16 })
+            }
+            "quantize.linear.mx" => (Fp8Recipe::Mxfp8, Fp8Storage::Bf16),
+            "quantize.grouped_mm.float8" | "quantize.grouped_mm.mx" => {
+                dropped.push(format!("model.converters \"{name}\" (the experts' grouped products in FP8)"));
+                continue;
+            }
+            other => {
+                dropped.push(format!("model.converters \"{other}\""));
+                continue;
+            }
+        };
+        if found.is_some() {
+            return Err("`[model] converters` names two FP8 converters of the linear layers".into());
+        }
+        found = Some(recipe);
+    }
+    Ok(found.map(|(recipe, gather)| pipec_plan::plan::Fp8Plan {
+        recipe,
+        activations: Fp8Storage::Bf16,
+        weight_copies: false,
+        gather,
+    }))
 }

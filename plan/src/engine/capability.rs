@@ -8,7 +8,7 @@
 //! the PyTorch 2.15.0 pipelining schedules it names (`[P]`), DeepSpeed's 0.19.8 sdist
 //! (`[D]`); pipec's own rows cite this repository.
 
-use crate::vocab::{CpComm, Engine, MoeDispatch, Precision, ReduceMode, ScheduleKind, Sharding};
+use crate::vocab::{CpComm, Engine, Fp8Recipe, MoeDispatch, Precision, ReduceMode, ScheduleKind, Sharding};
 
 use super::EngineTarget;
 
@@ -71,6 +71,8 @@ pub enum Capability {
     DeepEpDispatch,
     Recompute(RecomputeKind),
     Precision(Precision),
+    /// FP8 products with this scaling recipe (beside bf16).
+    Fp8(Fp8Recipe),
     /// Stages replicated unequally (PipeDream's `2-1-1`).
     UnevenReplicas,
     /// Asynchronous schedules or data parallelism (stale weights).
@@ -163,6 +165,11 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(PC, C::Precision(Precision::Fp32), "fp32", PIPEC_SOURCE),
     row(PC, C::Precision(Precision::Bf16), "bf16 (products in bf16, the rest fp32)", PIPEC_SOURCE),
     row(PC, C::Precision(Precision::Fp16), "fp16 (loss scaling; fp32 under async schedules)", PIPEC_SOURCE),
+    row(PC, C::Fp8(Fp8Recipe::Delayed), "fp8: { recipe: delayed } (planned and priced; run in bf16, said before training)", PIPEC_SOURCE),
+    row(PC, C::Fp8(Fp8Recipe::Tensorwise), "fp8: { recipe: tensorwise } (planned and priced; run in bf16, said before training)", PIPEC_SOURCE),
+    row(PC, C::Fp8(Fp8Recipe::Rowwise), "fp8: { recipe: rowwise } (planned and priced; run in bf16, said before training)", PIPEC_SOURCE),
+    row(PC, C::Fp8(Fp8Recipe::Blockwise), "fp8: { recipe: blockwise } (planned and priced; run in bf16, said before training)", PIPEC_SOURCE),
+    row(PC, C::Fp8(Fp8Recipe::Mxfp8), "fp8: { recipe: mxfp8 } (planned and priced; run in bf16, said before training)", PIPEC_SOURCE),
     row(PC, C::UnevenReplicas, "stages: \"2-1-1\"", PIPEC_SOURCE),
     row(PC, C::Asynchronous, "pipedream, 2bw, sync: asp/ssp", PIPEC_SOURCE),
     row(PC, C::ParameterServer, "reduce: ps", PIPEC_SOURCE),
@@ -186,6 +193,10 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(MG, C::Precision(Precision::Fp32), "(neither --bf16 nor --fp16)", "[M] megatron/training/arguments.py:1171-1183"),
     row(MG, C::Precision(Precision::Bf16), "--bf16", "[M] megatron/training/arguments.py:1171-1183"),
     row(MG, C::Precision(Precision::Fp16), "--fp16", "[M] megatron/training/arguments.py:1171-1183"),
+    row(MG, C::Fp8(Fp8Recipe::Delayed), "--fp8-format hybrid --fp8-recipe delayed", "[M] megatron/core/transformer/transformer_config.py:566-590"),
+    row(MG, C::Fp8(Fp8Recipe::Tensorwise), "--fp8-format hybrid --fp8-recipe tensorwise", "[M] megatron/core/transformer/transformer_config.py:566-590"),
+    row(MG, C::Fp8(Fp8Recipe::Blockwise), "--fp8-format hybrid --fp8-recipe blockwise", "[M] megatron/core/transformer/transformer_config.py:566-590"),
+    row(MG, C::Fp8(Fp8Recipe::Mxfp8), "--fp8-format hybrid --fp8-recipe mxfp8 (Blackwell)", "[M] megatron/core/transformer/transformer_config.py:566-590"),
     // torchtitan v0.2.2: its TOML job configuration
     row(TT, C::Schedule(K::DpOnly, Chunks::One), "pipeline_parallel_degree = 1", "[T] torchtitan/config/job_config.py:312-349"),
     row(TT, C::Schedule(K::OneFOneB, Chunks::One), "pipeline_parallel_schedule = \"1F1B\"", "[P] torch/distributed/pipelining/schedules.py:5220-5244; [T] torchtitan/distributed/pipeline_parallel.py:54-115"),
@@ -207,6 +218,9 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(TT, C::Recompute(RecomputeKind::Selective), "[activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\"", "[T] torchtitan/config/job_config.py:651-715; distributed/activation_checkpoint.py:167-185"),
     row(TT, C::Precision(Precision::Fp32), "mixed_precision_param = \"float32\"", "[T] torchtitan/config/job_config.py:275-293"),
     row(TT, C::Precision(Precision::Bf16), "mixed_precision_param = \"bfloat16\"", "[T] torchtitan/config/job_config.py:275-293"),
+    row(TT, C::Fp8(Fp8Recipe::Tensorwise), "[model] converters = [\"quantize.linear.float8\"]", "[T] torchtitan/config/job_config.py:731-754; components/quantization/float8.py:238"),
+    row(TT, C::Fp8(Fp8Recipe::Rowwise), "[model] converters = [\"quantize.linear.float8\"], [quantize.linear.float8] recipe_name = \"rowwise\"", "[T] torchtitan/config/job_config.py:731-754; components/quantization/float8.py:238"),
+    row(TT, C::Fp8(Fp8Recipe::Mxfp8), "[model] converters = [\"quantize.linear.mx\"] (Blackwell)", "[T] torchtitan/config/job_config.py:766-792; components/quantization/mx.py:171"),
     // DeepSpeed 0.19.8: ds_config.json and deepspeed.pipe
     row(DS, C::AnyModel, "deepspeed.initialize(model=...)", "[D] deepspeed/__init__.py:586-648"),
     row(DS, C::Schedule(K::DpOnly, Chunks::One), "(no PipelineModule)", "[D] deepspeed/runtime/pipe/schedule.py:11-327"),
@@ -323,6 +337,8 @@ pub struct Layout {
     pub moe_dispatch: MoeDispatch,
     pub recompute: RecomputeKind,
     pub precision: Precision,
+    /// FP8 products' recipe, when the blocks' products are in FP8.
+    pub fp8: Option<Fp8Recipe>,
     /// Transformer blocks (0: not a transformer).
     pub blocks: usize,
     /// Whether the model is a decoder-only language model the emitters describe.
@@ -595,6 +611,30 @@ fn recompute_and_precision(target: &EngineTarget, l: &Layout, out: &mut Vec<Refu
         let nearest = find(target, |c| *c == C::Recompute(RecomputeKind::Full)).map(|_| "true".to_string());
         refuse(out, Feature::Recompute, format!("{e} {what}"), nearest, covered(target));
     }
+    if let Some(recipe) = l.fp8.filter(|r| find(target, |c| *c == C::Fp8(*r)).is_none()) {
+        let runs: Vec<&str> = <Fp8Recipe as crate::vocab::Choice>::ALL
+            .iter()
+            .filter(|&&r| find(target, |c| *c == C::Fp8(r)).is_some())
+            .map(|r| r.name())
+            .collect();
+        if runs.is_empty() {
+            // no FP8 at all: bf16 is the nearest precision
+            refuse(
+                out,
+                Feature::Precision,
+                format!("{e} has no FP8 training in its configuration"),
+                Some("bf16".into()),
+                covered(target),
+            );
+        } else {
+            let what = format!(
+                "{e} does not train FP8 with the {} recipe (it runs {}: `fp8: {{ recipe: ... }}`)",
+                recipe.name(),
+                runs.join(", ")
+            );
+            refuse(out, Feature::Precision, what, None, covered(target));
+        }
+    }
     if find(target, |c| *c == C::Precision(l.precision)).is_none() {
         let nearest =
             [Precision::Bf16, Precision::Fp32].into_iter().find(|&p| find(target, |c| *c == C::Precision(p)).is_some());
@@ -669,6 +709,7 @@ mod tests {
             moe_dispatch: MoeDispatch::AllToAll,
             recompute: RecomputeKind::Off,
             precision: Precision::Bf16,
+            fp8: None,
             blocks: 16,
             gpt: true,
         }

@@ -117,6 +117,7 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
             "microbatch_size": run.micro, "microbatches_per_replica": run.accumulation,
             "global_batch": run.plan.training.batch_size, "seq_length": run.seq,
             "zero": run.layout.sharding.level(), "recompute": recompute_name(run.layout.recompute),
+            "fp8": run.layout.fp8.map(|r| r.to_string()),
         },
         "step_time_s": round(step),
         "tokens_per_s_per_gpu": round(run.tokens_per_step() as f64 / step.max(1e-12) / run.world as f64),
@@ -366,6 +367,14 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
         Precision::Fp16 => training.push(flag("--fp16")),
         Precision::Fp32 => {}
     }
+    // Transformer Engine's FP8 (transformer_config.py:566-590; --fp8-param-gather:
+    // arguments.py:1935 at core_v0.19.0)
+    if let Some(f) = t.fp8 {
+        training.extend([arg("--fp8-format", "hybrid"), arg("--fp8-recipe", f.recipe.name())]);
+        if f.gather == crate::vocab::Fp8Storage::Fp8 {
+            training.push(flag("--fp8-param-gather"));
+        }
+    }
     training.extend(optimizer_args(&t.optimizer));
     training.extend([
         arg("--clip-grad", t.recipe.clip_grad_norm.unwrap_or(0.0)),
@@ -572,6 +581,22 @@ pub fn torchtitan_rows(run: &Run<'_>, flavour: &str) -> Vec<(&'static str, &'sta
     rows.push(("compile", "enable", json!(l.tp_overlap)));
     if l.tp_overlap {
         rows.push(("compile", "components", json!(["model", "loss"])));
+    }
+    // torchao's FP8 (job_config.py:731-792 at v0.2.2): the converter beside the model's
+    // name, its settings in a section of their own
+    if let Some(f) = t.fp8 {
+        let converter =
+            if f.recipe == crate::vocab::Fp8Recipe::Mxfp8 { "quantize.linear.mx" } else { "quantize.linear.float8" };
+        let at = rows.iter().position(|r| r.0 == "model").map_or(0, |i| i + 2);
+        rows.insert(at, ("model", "converters", json!([converter])));
+        if converter == "quantize.linear.float8" {
+            let gather = f.gather == crate::vocab::Fp8Storage::Fp8;
+            rows.push(("quantize.linear.float8", "enable_fsdp_float8_all_gather", json!(gather)));
+            rows.push(("quantize.linear.float8", "precompute_float8_dynamic_scale_for_fsdp", json!(gather)));
+            if f.recipe == crate::vocab::Fp8Recipe::Rowwise {
+                rows.push(("quantize.linear.float8", "recipe_name", json!("rowwise")));
+            }
+        }
     }
     rows
 }

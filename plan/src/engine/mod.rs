@@ -210,6 +210,7 @@ impl crate::Plan {
             moe_dispatch: self.schedule.moe_dispatch,
             recompute,
             precision: self.training.precision,
+            fp8: self.training.fp8.map(|f| f.recipe),
             blocks: self.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),
             gpt: self.gpt_shape().is_some(),
         }
