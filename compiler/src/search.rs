@@ -696,9 +696,20 @@ fn branch_and_bound(
     let ranked = options.ranked.max(1);
     let mut best: Vec<f64> = Vec::with_capacity(ranked + 1);
     let mut scratch = spec.clone();
+    // the fastest plan that fits with the headroom, and whether it is a standard layout;
+    // once the ranked plans are found, an unusual winner has the best standard layout found
+    // beside it: the search goes on through the standard candidates alone until one fits
+    let mut fastest: Option<(f64, bool)> = None;
+    let mut standard_found = false;
     while let Some(Reverse(Queued { bound_s, index: i, known })) = queue.pop() {
         if !options.exhaustive && best.len() == ranked && bound_s >= best[ranked - 1] {
-            break;
+            let unusual_winner = fastest.is_some_and(|(_, standard)| !standard);
+            if !unusual_winner || standard_found {
+                break;
+            }
+            if standard_family(&candidates[i]).is_none() {
+                continue;
+            }
         }
         let c = &mut candidates[i];
         // reached under a bound of less (its work spread evenly, or the bound of the
@@ -784,6 +795,11 @@ fn branch_and_bound(
             let at = best.partition_point(|&t| t <= prediction.step_s);
             best.insert(at, prediction.step_s);
             best.truncate(ranked);
+            let standard = standard_family(&candidates[i]).is_some();
+            standard_found |= standard;
+            if fastest.is_none_or(|(t, _)| prediction.step_s < t) {
+                fastest = Some((prediction.step_s, standard));
+            }
         }
         candidates[i].outcome = Outcome::Planned(prediction);
         if shardable(&candidates[i], options) {
@@ -820,6 +836,35 @@ fn queue_derived(
     derived.outcome = Outcome::Pruned { bound_s };
     queue.push(Reverse(Queued { bound_s, index: candidates.len(), known: Known::Work }));
     candidates.push(derived);
+}
+
+/// The standard layout family a candidate belongs to — the layouts teams run at scale:
+/// data parallelism (sharded: FSDP/ZeRO), data parallelism with tensor parallelism, and the
+/// pipelines Megatron-LM, torchtitan and DeepSpeed all run (1F1B, interleaved, GPipe; every
+/// stage replicated alike, with tensor and expert parallelism); None for the others
+/// (Chimera, the zero-bubble schedules, DualPipe, PipeDream's asynchronous ones, unequal
+/// replication).
+pub fn standard_family(c: &Candidate) -> Option<&'static str> {
+    let even = !c.replicas.is_empty() && c.replicas.iter().all(|&r| r == c.dp());
+    // one stage is data parallelism whatever the schedule is called
+    let one_stage = c.pp() == 1;
+    let family = match c.schedule {
+        _ if one_stage && c.tp > 1 => "DP + TP",
+        _ if one_stage && c.sharding == Sharding::None => "data parallelism",
+        _ if one_stage => "FSDP / ZeRO data parallelism",
+        // (one stage: above)
+        ScheduleKind::DpOnly => "data parallelism",
+        ScheduleKind::OneFOneB | ScheduleKind::Interleaved | ScheduleKind::Gpipe if c.ep > 1 => "PP + EP",
+        ScheduleKind::OneFOneB | ScheduleKind::Interleaved | ScheduleKind::Gpipe => "PP (1F1B, interleaved, GPipe)",
+        ScheduleKind::PipeDream
+        | ScheduleKind::TwoBw
+        | ScheduleKind::Chimera
+        | ScheduleKind::ZbH1
+        | ScheduleKind::Zbv
+        | ScheduleKind::DualPipeV
+        | ScheduleKind::DualPipe => return None,
+    };
+    even.then_some(family)
 }
 
 fn describe(c: &Candidate) -> String {
@@ -1016,6 +1061,9 @@ impl SearchReport {
             let _ = writeln!(s, "MFU: {}", m.basis_text());
         }
         let _ = writeln!(s, "strategy: {}", b.strategy());
+        if let Some(line) = self.standard_beside(&ranked) {
+            let _ = writeln!(s, "{line}");
+        }
         if ranked.len() > 1 {
             s.push_str("runner-ups:\n");
         }
@@ -1034,6 +1082,28 @@ impl SearchReport {
             );
         }
         s
+    }
+
+    /// Beside a winner that is no standard layout ([`standard_family`]): the fastest
+    /// standard layout that fits, with its step against the winner's, or that none does.
+    /// None when the winner is a standard layout.
+    fn standard_beside(&self, ranked: &[(usize, &Prediction)]) -> Option<String> {
+        let &(bi, bp) = ranked.first()?;
+        if standard_family(&self.candidates[bi]).is_some() {
+            return None;
+        }
+        let found = ranked.iter().find_map(|&(i, p)| standard_family(&self.candidates[i]).map(|f| (i, p, f)));
+        Some(match found {
+            Some((i, p, family)) => format!(
+                "the winner is no standard layout; the best standard one ({family}): {} — step {} (+{:.1}%){}: {}",
+                describe(&self.candidates[i]),
+                crate::render::human_time(p.step_s),
+                (p.step_s / bp.step_s - 1.0) * 100.0,
+                self.speed_text(p.step_s),
+                self.candidates[i].strategy()
+            ),
+            None => "the winner is no standard layout, and no standard one (FSDP or data parallelism, DP + TP, a 1F1B, interleaved or GPipe pipeline) fits with the headroom".to_string(),
+        })
     }
 
     /// Samples per second at a step of `step_s`.
@@ -1079,6 +1149,16 @@ impl SearchReport {
             "best": ranked.first().map(|(i, p)| entry(*i, p)),
             "none_because": ranked.is_empty().then(|| self.nothing_chosen(options)),
             "runner_ups": ranked.iter().skip(1).take(top.saturating_sub(1)).map(|(i, p)| entry(*i, p)).collect::<Vec<_>>(),
+            // beside a winner that is no standard layout: the fastest standard one that fits
+            "best_standard": ranked
+                .first()
+                .filter(|(i, _)| standard_family(&self.candidates[*i]).is_none())
+                .and_then(|_| ranked.iter().find(|(i, _)| standard_family(&self.candidates[*i]).is_some()))
+                .map(|(i, p)| {
+                    let mut e = entry(*i, p);
+                    e["family"] = standard_family(&self.candidates[*i]).into();
+                    e
+                }),
             "considered": self.candidates.len(),
             "invalid": self.count(|o| matches!(o, Outcome::Invalid(_))),
             "too_big": self.count(Outcome::too_big),
