@@ -1587,6 +1587,40 @@ fn fixture_loss(fixture: &Path, vocab: usize) -> (Vec<u16>, usize, f64) {
     (tokens, seq, loss / (ids.len() * seq) as f64)
 }
 
+/// Trains the spec `{name}-{devices}.yaml` (`model`, a spec's `model:` section, with
+/// `optimizer`) from `--init fixture` on one device and on a two-stage pipeline with tensor
+/// parallelism 2, each on the token file `tokens` written into `dir`; each first loss is
+/// `expected` within 1e-5.
+fn starts_at_loss_on_any_layout(
+    dir: &Path,
+    name: &str,
+    model: &str,
+    optimizer: &str,
+    fixture: &Path,
+    tokens: &[u16],
+    expected: f64,
+) {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    std::fs::write(dir.join("tokens.bin"), bytes).expect("tokens");
+    for (devices, layout) in [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")] {
+        let spec = format!(
+            "name: {name}\n{model}\
+             cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
+             strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
+             training:\n  batch_size: 2\n  steps: 2\n  optimizer: {optimizer}\n  data: {{ kind: tokens, path: tokens.bin, dtype: uint16 }}\n"
+        );
+        let path = dir.join(format!("{name}-{devices}.yaml"));
+        std::fs::write(&path, spec).expect("spec");
+        let out_dir = dir.join(format!("out-{devices}"));
+        run_from_hugging_face(&path, fixture, &out_dir, &[]);
+        let loss = run_losses(&out_dir)[0];
+        assert!(
+            (loss - expected).abs() <= 1e-5 * expected,
+            "{layout}: pipec's first loss {loss}, transformers' {expected}"
+        );
+    }
+}
+
 #[test]
 fn a_llama_3_1_config_with_scaled_rotary_embeddings_imports_and_trains_from_init_at_transformers_loss() {
     // tests/reference/hf/rope-llama3: a tiny Llama whose config has Llama 3.1's
@@ -1618,25 +1652,15 @@ fn a_llama_3_1_config_with_scaled_rotary_embeddings_imports_and_trains_from_init
         .take_while(|l| l.starts_with("model:") || l.starts_with(' '))
         .map(|l| format!("{l}\n"))
         .collect();
-    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-    std::fs::write(dir.path().join("tokens.bin"), bytes).expect("tokens");
-    for (devices, layout) in [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")] {
-        let spec = format!(
-            "name: llama31\n{model}\
-             cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
-             strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
-             training:\n  batch_size: 2\n  steps: 2\n  optimizer: {{ kind: adamw, lr: 0.001 }}\n  data: {{ kind: tokens, path: tokens.bin, dtype: uint16 }}\n"
-        );
-        let path = dir.path().join(format!("llama31-{devices}.yaml"));
-        std::fs::write(&path, spec).expect("spec");
-        let out_dir = dir.path().join(format!("out-{devices}"));
-        run_from_hugging_face(&path, &fixture, &out_dir, &[]);
-        let loss = run_losses(&out_dir)[0];
-        assert!(
-            (loss - expected).abs() <= 1e-5 * expected,
-            "{layout}: pipec's first loss {loss}, transformers' {expected}"
-        );
-    }
+    starts_at_loss_on_any_layout(
+        dir.path(),
+        "llama31",
+        &model,
+        "{ kind: adamw, lr: 0.001 }",
+        &fixture,
+        &tokens,
+        expected,
+    );
     // exported, the config keeps the scaling: imported back, the same blocks
     let spec = std::fs::read_to_string(dir.path().join("llama31-1.yaml"))
         .expect("spec")
@@ -1667,41 +1691,20 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
     // The token file holds both rows and one more token, so pipec's two windows are those
     // rows; their loss at step 0 is the cross-entropy of transformers' logits.
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf/llama-gqa");
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).expect("fixture")).expect("json");
-    let ids: Vec<Vec<u16>> = serde_json::from_value(reference["input_ids"].clone()).expect("ids");
-    let logits: Vec<f64> = serde_json::from_value(reference["logits"].clone()).expect("logits");
-    let (vocab, seq) = (50, ids[0].len());
-    let mut tokens: Vec<u16> = ids.concat();
-    tokens.push(7);
-    let mut expected = 0.0;
-    for (p, row) in logits.chunks(vocab).enumerate() {
-        let target = f64::from(tokens[p + 1]) as usize;
-        let max = row.iter().fold(f64::MIN, |m, v| m.max(*v));
-        let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
-        expected += lse - row[target];
-    }
-    expected /= (2 * seq) as f64;
+    let (tokens, seq, expected) = fixture_loss(&fixture, 50);
     let dir = tempfile::tempdir().expect("temp dir");
-    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-    std::fs::write(dir.path().join("tokens.bin"), bytes).expect("tokens");
-    for (devices, layout) in [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")] {
-        let spec = format!(
-            "name: init\nmodel:\n  input: [{seq}]\n  layers:\n    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head\n  loss: cross_entropy\n\
-             cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
-             strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
-             training:\n  batch_size: 2\n  steps: 2\n  optimizer: {{ kind: adamw, lr: 0.001, weight_decay: 0.1 }}\n  data: {{ kind: tokens, path: tokens.bin, dtype: uint16 }}\n"
-        );
-        let path = dir.path().join(format!("init-{devices}.yaml"));
-        std::fs::write(&path, spec).expect("spec");
-        let out_dir = dir.path().join(format!("out-{devices}"));
-        run_from_hugging_face(&path, &fixture, &out_dir, &[]);
-        let loss = run_losses(&out_dir)[0];
-        assert!(
-            (loss - expected).abs() <= 1e-5 * expected,
-            "{layout}: pipec's first loss {loss}, transformers' {expected}"
-        );
-    }
+    let model = format!(
+        "model:\n  input: [{seq}]\n  layers:\n    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head\n  loss: cross_entropy\n"
+    );
+    starts_at_loss_on_any_layout(
+        dir.path(),
+        "init",
+        &model,
+        "{ kind: adamw, lr: 0.001, weight_decay: 0.1 }",
+        &fixture,
+        &tokens,
+        expected,
+    );
     // export: trained 2 steps on the tensor-parallel pipeline, the checkpoint exported, a
     // run initialised from the export on one device starts at the loss the pipeline's third
     // step had (every step trains on the same two windows)
