@@ -180,3 +180,44 @@ fn sigterm_writes_a_final_checkpoint_that_resumes_to_an_uninterrupted_runs_losse
     assert_eq!(steps(&run), steps(&whole));
     assert_eq!(steps(&whole).len(), n + 4);
 }
+
+#[test]
+fn a_stop_that_outlasts_its_grace_ends_the_run_saying_no_final_checkpoint_was_written() {
+    // steps of seconds (4 products of 4096 × 1024 × 1024 each way), a grace of one second,
+    // and the signal as a step begins: the step cannot end within the grace
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("slow.yaml");
+    std::fs::write(
+        &spec_path,
+        "name: slow\nmodel:\n  input: [1024]\n  layers:\n    - repeat 4: linear(1024, 1024) -> relu\n    - linear(1024, 10)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { memory: 8GiB, throughput: 10GFLOP/s }\n  links:\n    intra_node: { bandwidth: 10GB/s, latency: 5us }\nstrategy:\n  stages: \"1\"\n  schedule: gpipe\n  microbatches: 1\ntraining:\n  batch_size: 4096\n  steps: 1000\n  optimizer: { kind: sgd, lr: 0.01 }\n  data: { kind: synthetic, samples: 4096 }\n",
+    )
+    .expect("write");
+    let run = dir.path().join("run");
+    let child = pipec_command()
+        .arg("run")
+        .arg(&spec_path)
+        .args(["--stop-grace", "1", "-o"])
+        .arg(&run)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starts");
+    let start = std::time::Instant::now();
+    while steps(&run).is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(300), "no step after 300 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let first_step = start.elapsed();
+    let signalled = std::time::Instant::now();
+    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let out = child.wait_with_output().expect("ends");
+    let took = signalled.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("did not end within 1 s of the stop request (--stop-grace)"), "{stderr}");
+    assert!(took < Duration::from_secs(5), "exited {took:?} after the signal (the first step took {first_step:?})");
+    // no checkpoint was published, and what was begun is left for the next run to remove
+    assert!(pipec_plan::checkpoint::locate_in(&run, None).is_err());
+    eprintln!("first step {first_step:?}; exited {took:?} after the signal");
+}
