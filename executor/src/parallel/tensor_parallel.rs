@@ -70,42 +70,30 @@ pub enum Sharding {
     Parts { rows: usize, widths: [usize; 3] },
 }
 
+/// The dimension of a tensor of `dims` dimensions that `s` splits: a row-parallel weight's
+/// rows (the first), a column-parallel one's columns (the last); None for a whole tensor.
+fn split_axis(dims: usize, s: Sharding) -> Option<usize> {
+    match s {
+        Sharding::Whole => None,
+        Sharding::Rows => (dims > 0).then_some(0),
+        Sharding::Columns { .. } | Sharding::Parts { .. } => dims.checked_sub(1),
+    }
+}
+
 /// The shape of one rank's shard of a tensor of shape `whole` split as `s` over `tp` ranks.
 pub fn shard_shape(whole: &[usize], s: Sharding, tp: usize) -> Vec<usize> {
-    let tp = tp.max(1);
     let mut out = whole.to_vec();
-    match s {
-        Sharding::Whole => {}
-        Sharding::Rows => {
-            if let Some(d) = out.first_mut() {
-                *d /= tp;
-            }
-        }
-        Sharding::Columns { .. } | Sharding::Parts { .. } => {
-            if let Some(d) = out.last_mut() {
-                *d /= tp;
-            }
-        }
+    if let Some(a) = split_axis(out.len(), s) {
+        out[a] /= tp.max(1);
     }
     out
 }
 
 /// The whole tensor's shape from one rank's `shard` shape ([`shard_shape`]'s inverse).
 pub fn whole_shape(shard: &[usize], s: Sharding, tp: usize) -> Vec<usize> {
-    let tp = tp.max(1);
     let mut out = shard.to_vec();
-    match s {
-        Sharding::Whole => {}
-        Sharding::Rows => {
-            if let Some(d) = out.first_mut() {
-                *d *= tp;
-            }
-        }
-        Sharding::Columns { .. } | Sharding::Parts { .. } => {
-            if let Some(d) = out.last_mut() {
-                *d *= tp;
-            }
-        }
+    if let Some(a) = split_axis(out.len(), s) {
+        out[a] *= tp.max(1);
     }
     out
 }
