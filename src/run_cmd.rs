@@ -92,8 +92,7 @@ pub fn load_plan_checked(file: &Path, color: bool, verify: bool) -> Result<Plan,
 /// is the spec's device's name (a plan.json's from its MFU basis, where it has one).
 fn device_note(plan: &Plan, device: Option<&str>, backend: BackendKind) -> Option<String> {
     let name = device.map(str::to_string).or_else(|| plan.simulation.mfu.as_ref().map(|m| m.peak.device.clone()))?;
-    let cpu = name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("cpu"));
-    match (backend, cpu) {
+    match (backend, pipec_plan::device::names_a_cpu(&name)) {
         (BackendKind::Cpu, false) => Some(format!(
             "note: the plan is priced for {name}, and this run is on the CPU: the predicted times below are that device's, not this machine's (a spec with `device: {{ kind: cpu, ... }}` is planned for this machine's CPU)"
         )),
@@ -312,7 +311,7 @@ pub fn run(args: RunArgs) -> u8 {
         let done = report.steps.last().map_or(first_step, |s| s.step + 1);
         let took = stop_took.map(|s| format!(", {s:.2} s after the stop request")).unwrap_or_default();
         let saved = match report.checkpoints.last() {
-            Some(c) if c.file_name().is_some_and(|n| n == format!("step-{done:06}").as_str()) => {
+            Some(c) if c.file_name().is_some_and(|n| *n == *pipec_plan::checkpoint::step_dir_name(done)) => {
                 format!("; the checkpoint of step {} holds it", done.saturating_sub(1))
             }
             _ => String::new(),

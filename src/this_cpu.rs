@@ -90,8 +90,8 @@ pub fn this_cpu_with(
 /// measures (its links too, for two workers or more); `memory` the spec's.
 pub fn this_cpu(workers: usize, memory: f64) -> Result<ThisCpu, String> {
     let dir = cache_dir().ok_or("no cache folder (set PIPEC_CACHE_DIR)")?;
-    eprintln!("measuring this machine's CPU for {workers} worker(s), once (cached for later runs) ...");
     let mut found = this_cpu_with(workers, &dir, &pipec_executor::calibrate::cpu_name(), || {
+        eprintln!("measuring this machine's CPU for {workers} worker(s), once (cached for later runs) ...");
         let mut c = pipec_executor::calibrate::calibrate_cpu_concurrent(memory, REPS, workers)?;
         if workers > 1 {
             c.device.link = Some(pipec_executor::calibrate::calibrate_links(workers, REPS).link);

@@ -2677,6 +2677,8 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     let (said, this) = run("specs/mlp-1f1b.yaml", None, "this");
     assert!(said.contains("planned and predicted for this machine's CPU"), "{said}");
     assert!(said.contains(&format!("measured before, from {}", file.display())), "{said}");
+    // nothing is measured when the cache holds this machine
+    assert!(!said.contains("measuring this machine's CPU"), "{said}");
     // switched off: the spec's own figures, and no note
     let (said, spec) = run("specs/mlp-1f1b.yaml", Some("off"), "spec");
     assert!(!said.contains("this machine's CPU"), "{said}");

@@ -696,15 +696,13 @@ fn branch_and_bound(
     let ranked = options.ranked.max(1);
     let mut best: Vec<f64> = Vec::with_capacity(ranked + 1);
     let mut scratch = spec.clone();
-    // the fastest plan that fits with the headroom, and whether it is a standard layout;
+    // whether the fastest plan found (best[0]) is a standard layout, and whether any is:
     // once the ranked plans are found, an unusual winner has the best standard layout found
-    // beside it: the search goes on through the standard candidates alone until one fits
-    let mut fastest: Option<(f64, bool)> = None;
-    let mut standard_found = false;
+    // beside it, so the search goes on through the standard candidates alone until one fits
+    let (mut winner_standard, mut standard_found) = (true, false);
     while let Some(Reverse(Queued { bound_s, index: i, known })) = queue.pop() {
         if !options.exhaustive && best.len() == ranked && bound_s >= best[ranked - 1] {
-            let unusual_winner = fastest.is_some_and(|(_, standard)| !standard);
-            if !unusual_winner || standard_found {
+            if winner_standard || standard_found {
                 break;
             }
             if standard_family(&candidates[i]).is_none() {
@@ -797,8 +795,8 @@ fn branch_and_bound(
             best.truncate(ranked);
             let standard = standard_family(&candidates[i]).is_some();
             standard_found |= standard;
-            if fastest.is_none_or(|(t, _)| prediction.step_s < t) {
-                fastest = Some((prediction.step_s, standard));
+            if at == 0 {
+                winner_standard = standard;
             }
         }
         candidates[i].outcome = Outcome::Planned(prediction);
@@ -1088,12 +1086,8 @@ impl SearchReport {
     /// standard layout that fits, with its step against the winner's, or that none does.
     /// None when the winner is a standard layout.
     fn standard_beside(&self, ranked: &[(usize, &Prediction)]) -> Option<String> {
-        let &(bi, bp) = ranked.first()?;
-        if standard_family(&self.candidates[bi]).is_some() {
-            return None;
-        }
-        let found = ranked.iter().find_map(|&(i, p)| standard_family(&self.candidates[i]).map(|f| (i, p, f)));
-        Some(match found {
+        let bp = ranked.first()?.1;
+        Some(match self.best_standard(ranked)? {
             Some((i, p, family)) => format!(
                 "the winner is no standard layout; the best standard one ({family}): {} — step {} (+{:.1}%){}: {}",
                 describe(&self.candidates[i]),
@@ -1104,6 +1098,20 @@ impl SearchReport {
             ),
             None => "the winner is no standard layout, and no standard one (FSDP or data parallelism, DP + TP, a 1F1B, interleaved or GPipe pipeline) fits with the headroom".to_string(),
         })
+    }
+
+    /// Beside a winner that is no standard layout: the fastest ranked standard layout (its
+    /// index, prediction and family), or None inside when none fits. None when the winner is
+    /// a standard layout (or there is none).
+    fn best_standard<'p>(
+        &self,
+        ranked: &[(usize, &'p Prediction)],
+    ) -> Option<Option<(usize, &'p Prediction, &'static str)>> {
+        let &(winner, _) = ranked.first()?;
+        if standard_family(&self.candidates[winner]).is_some() {
+            return None;
+        }
+        Some(ranked.iter().find_map(|&(i, p)| standard_family(&self.candidates[i]).map(|f| (i, p, f))))
     }
 
     /// Samples per second at a step of `step_s`.
@@ -1150,15 +1158,11 @@ impl SearchReport {
             "none_because": ranked.is_empty().then(|| self.nothing_chosen(options)),
             "runner_ups": ranked.iter().skip(1).take(top.saturating_sub(1)).map(|(i, p)| entry(*i, p)).collect::<Vec<_>>(),
             // beside a winner that is no standard layout: the fastest standard one that fits
-            "best_standard": ranked
-                .first()
-                .filter(|(i, _)| standard_family(&self.candidates[*i]).is_none())
-                .and_then(|_| ranked.iter().find(|(i, _)| standard_family(&self.candidates[*i]).is_some()))
-                .map(|(i, p)| {
-                    let mut e = entry(*i, p);
-                    e["family"] = standard_family(&self.candidates[*i]).into();
-                    e
-                }),
+            "best_standard": self.best_standard(&ranked).flatten().map(|(i, p, family)| {
+                let mut e = entry(i, p);
+                e["family"] = family.into();
+                e
+            }),
             "considered": self.candidates.len(),
             "invalid": self.count(|o| matches!(o, Outcome::Invalid(_))),
             "too_big": self.count(Outcome::too_big),

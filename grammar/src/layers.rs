@@ -539,10 +539,10 @@ fn rope_scaling(get: &dyn Fn(usize) -> f64) -> pipec_plan::rope::RopeScaling {
     use pipec_plan::rope::{yarn_mscale, RopeScaling};
     let at = |k: usize| get(pipec_plan::model::ROPE_SCALING_ARG + k);
     let (factor, original) = (at(1), at(2) as usize);
-    match at(0) as usize {
-        1 => RopeScaling::Linear { factor },
-        2 => RopeScaling::Dynamic { factor, max_positions: original },
-        3 => RopeScaling::Yarn {
+    match pipec_plan::rope::KINDS.get(at(0) as usize).copied() {
+        Some("linear") => RopeScaling::Linear { factor },
+        Some("dynamic") => RopeScaling::Dynamic { factor, max_positions: original },
+        Some("yarn") => RopeScaling::Yarn {
             factor,
             original,
             beta_fast: at(5),
@@ -550,7 +550,7 @@ fn rope_scaling(get: &dyn Fn(usize) -> f64) -> pipec_plan::rope::RopeScaling {
             attention_factor: if at(7) > 0.0 { at(7) } else { yarn_mscale(factor, 1.0) },
             truncate: at(8) != 0.0,
         },
-        4 => RopeScaling::Llama3 { factor, low_freq_factor: at(3), high_freq_factor: at(4), original },
+        Some("llama3") => RopeScaling::Llama3 { factor, low_freq_factor: at(3), high_freq_factor: at(4), original },
         _ => RopeScaling::None,
     }
 }

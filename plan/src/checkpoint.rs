@@ -610,6 +610,11 @@ pub fn clean_abandoned(dir: &Path) {
     }
 }
 
+/// The folder of the checkpoint taken after `completed_steps` steps: `step-NNNNNN`.
+pub fn step_dir_name(completed_steps: usize) -> String {
+    format!("step-{completed_steps:06}")
+}
+
 /// Writes a checkpoint of `stages` (by shard) taken after `completed_steps` steps.
 pub fn write(
     dir: &Path,
@@ -619,7 +624,7 @@ pub fn write(
     loss_scale: Option<crate::recipe::LossScale>,
 ) -> Result<PathBuf, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create `{}`: {e}", dir.display()))?;
-    let name = format!("step-{completed_steps:06}");
+    let name = step_dir_name(completed_steps);
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(|e| format!("cannot create `{}`: {e}", tmp.display()))?;

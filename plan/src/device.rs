@@ -269,6 +269,12 @@ pub struct MeasuredLink {
     pub efficiency: f64,
 }
 
+/// Whether a device model's name is a CPU's: a spec's `kind: cpu`, or a device file `pipec
+/// calibrate` measured on the CPU backend (named `cpu (pipec calibrate…)`).
+pub fn names_a_cpu(name: &str) -> bool {
+    name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("cpu"))
+}
+
 impl DeviceModel {
     /// A device known only by one throughput: every kernel's FLOPs at that rate, no memory
     /// bound, no size effect, no launch cost (what a spec's `throughput` alone says).

@@ -181,7 +181,7 @@ impl Peak {
     /// Whether the device model describes a CPU: a spec's `kind: cpu`, or a device file `pipec
     /// calibrate` measured on the CPU backend (named `cpu (pipec calibrate…)`).
     pub fn is_cpu(&self) -> bool {
-        self.device.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("cpu"))
+        crate::device::names_a_cpu(&self.device)
     }
 
     /// "989.4 TFLOP/s, h100-sxm's dense bf16 peak".

@@ -475,13 +475,7 @@ impl Coordinator<'_> {
         if self.stop_shards.len() < self.workers {
             return;
         }
-        // as a planned checkpoint's: each stage from the first device that holds it
-        self.stop_shards.sort_by_key(|(d, _)| *d);
-        let mut stages = HashMap::new();
-        for (s, st) in std::mem::take(&mut self.stop_shards).into_iter().flat_map(|(_, c)| c) {
-            stages.entry(s).or_insert(st);
-        }
-        match sink(step + 1, stages, self.next_loss_scale) {
+        match sink(step + 1, first_device_shards(std::mem::take(&mut self.stop_shards)), self.next_loss_scale) {
             Ok(Some(p)) => self.report.checkpoints.push(p),
             Ok(None) => {}
             Err(e) => self.failed(RunError { step: Some(step), ..e.into() }, abort),
@@ -594,13 +588,17 @@ impl Coordinator<'_> {
 /// replicas of a synchronous stage hold the same state, and under asynchronous data
 /// parallelism the first replica is the parameter server, the only one whose optimizer
 /// state is live.
-fn first_replicas_shards(mut reports: Vec<(StepReport, Option<checkpoint::Shards>)>) -> checkpoint::Shards {
-    reports.sort_by_key(|(r, _)| r.device);
+fn first_replicas_shards(reports: Vec<(StepReport, Option<checkpoint::Shards>)>) -> checkpoint::Shards {
+    first_device_shards(reports.into_iter().map(|(r, c)| (r.device, c.unwrap_or_default())).collect())
+}
+
+/// Each stage's shards from the first device (by id) that holds it: the devices' order,
+/// not the order their shards came in, so every replica's copy is read alike.
+fn first_device_shards(mut shards: Vec<(DeviceId, checkpoint::Shards)>) -> checkpoint::Shards {
+    shards.sort_by_key(|(d, _)| *d);
     let mut stages = HashMap::new();
-    for (_, c) in reports {
-        for (s, st) in c.unwrap_or_default() {
-            stages.entry(s).or_insert(st);
-        }
+    for (s, st) in shards.into_iter().flat_map(|(_, c)| c) {
+        stages.entry(s).or_insert(st);
     }
     stages
 }

@@ -383,7 +383,8 @@ fn rope(c: &mut Config, positions: usize) -> Result<(f64, String), String> {
             Some(k @ ("default" | "linear" | "dynamic" | "yarn" | "llama3")) => k.to_string(),
             Some(other) => {
                 return Err(format!(
-                    "`{key}` with `rope_type: {other}` scales the rotary embeddings' frequencies in a way pipec does                      not run (it runs `default`, `linear`, `dynamic`, `yarn` and `llama3`)"
+                    "`{key}` with `rope_type: {other}` scales the rotary embeddings' frequencies in a way pipec does \
+                     not run (it runs `default`, `linear`, `dynamic`, `yarn` and `llama3`)"
                 ))
             }
             None => return Err(format!("`{key}` has no `rope_type`")),
@@ -988,7 +989,10 @@ mod tests {
         let e = with(r#""rope_type": "linear", "factor": 2.0, "beta_fast": 8"#).expect_err("foreign key");
         assert!(e.contains("`rope_parameters.beta_fast` changes the rotary embeddings of `rope_type: linear`"), "{e}");
         let e = with(r#""rope_type": "longrope", "factor": 2.0"#).expect_err("longrope");
-        assert!(e.contains("`rope_type: longrope`"), "{e}");
+        assert!(
+            e.contains("`rope_type: longrope` scales the rotary embeddings' frequencies in a way pipec does not run"),
+            "{e}"
+        );
         let e = with(r#""rope_type": "default", "factor": 2"#).expect_err("extra key");
         assert!(e.contains("`rope_parameters.factor` changes the rotary embeddings"), "{e}");
     }

@@ -587,7 +587,7 @@ pub fn torchtitan_rows(run: &Run<'_>, flavour: &str) -> Vec<(&'static str, &'sta
     if let Some(f) = t.fp8 {
         let converter =
             if f.recipe == crate::vocab::Fp8Recipe::Mxfp8 { "quantize.linear.mx" } else { "quantize.linear.float8" };
-        let at = rows.iter().position(|r| r.0 == "model").map_or(0, |i| i + 2);
+        let at = rows.iter().rposition(|r| r.0 == "model").map_or(0, |i| i + 1);
         rows.insert(at, ("model", "converters", json!([converter])));
         if converter == "quantize.linear.float8" {
             let gather = f.gather == crate::vocab::Fp8Storage::Fp8;
