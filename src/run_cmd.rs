@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use pipec_compiler::render::{human_time, trace_event};
+use pipec_executor::process_run::RankHooks;
 use pipec_executor::{BackendKind, Resume, RunOptions, StepMetrics};
 use pipec_plan::{Phase, Plan};
 
@@ -133,6 +134,10 @@ fn load_run_plan(args: &RunArgs) -> Result<(Plan, Option<String>), u8> {
                         }
                     }
                     cluster.device = found.device;
+                    // the executor's own work per layer pass, unless the spec says
+                    if cluster.overhead == 0.0 {
+                        cluster.overhead = found.overhead;
+                    }
                 }
                 Err(e) => {
                     eprintln!(
@@ -308,21 +313,7 @@ pub fn run(args: RunArgs) -> u8 {
     }
     println!("wrote {}/{{plan.json, metrics.jsonl, {trace_name}}}", dir.display());
     if report.interrupted {
-        let done = report.steps.last().map_or(first_step, |s| s.step + 1);
-        let took = stop_took.map(|s| format!(", {s:.2} s after the stop request")).unwrap_or_default();
-        let saved = match report.checkpoints.last() {
-            Some(c) if c.file_name().is_some_and(|n| *n == *pipec_plan::checkpoint::step_dir_name(done)) => {
-                format!("; the checkpoint of step {} holds it", done.saturating_sub(1))
-            }
-            _ => String::new(),
-        };
-        eprintln!(
-            "error: interrupted: stopped after {done} of {steps} steps{took} (steps are numbered from 0: the last done was step {}; every completed step is in metrics.jsonl{saved})",
-            done.saturating_sub(1),
-        );
-        if let Some(c) = report.checkpoints.last() {
-            eprintln!("resume with: {}", resume_command(&args, c));
-        }
+        print_interrupted(&report, &args, steps, first_step, stop_took);
         return EXIT_DIAGNOSTICS;
     }
     EXIT_OK
@@ -405,45 +396,72 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
         pipec_executor::process_run::record_failures_in(record);
     }
     let steps = args.steps.unwrap_or(plan.training.steps);
-    // no stop flag: ranks would have to agree on the step; a signal ends the job (mpirun
-    // forwards it), and the metrics of the completed steps are already on disk
-    let options = RunOptions { resume, ..run_options(plan, args, dir) };
+    // a signal to any rank stops the job at a step boundary the ranks vote on, with a
+    // checkpoint of it (mpirun and torchrun forward SIGINT/SIGTERM to every rank)
+    let watch = StopWatch::start(Duration::from_secs(args.stop_grace_s.max(1)));
+    let options = RunOptions { stop: Some(watch.stop.clone()), resume, ..run_options(plan, args, dir) };
     // rank 0 alone gets each step's metrics, and appends them as they come
     let mut metrics = MetricsLog::new(dir, first_step, plan, backend_kind(args.backend));
     // the step lines never wait for stderr's reader (`progress`)
-    let lines = crate::progress::Lines::stderr();
+    // (finished by rank 0's report, or after the run on the others)
+    let lines = std::cell::RefCell::new(Some(crate::progress::Lines::stderr()));
+    let line = |text: String| {
+        if let Some(l) = lines.borrow().as_ref() {
+            l.line(text);
+        }
+    };
+    let finish = || {
+        if let Some(l) = lines.borrow_mut().take() {
+            l.finish();
+        }
+    };
     let speed = RunSpeed::of(plan, backend_kind(args.backend));
-    if let Some(line) = speed.basis_line() {
-        lines.line(line);
+    if let Some(text) = speed.basis_line() {
+        line(text);
     }
     let mut on_step = |m: &StepMetrics| {
         metrics.append(m);
-        if let Some(line) = step_line(m, steps, &speed) {
-            lines.line(line);
+        if let Some(text) = step_line(m, steps, &speed) {
+            line(text);
         }
     };
     let transport = if args.transport == Transport::Tcp { "tcp" } else { "mpi" };
-    let result = run(plan, &options, &mut on_step);
-    if result.is_ok() {
-        lines.finish();
-    }
-    match result {
-        Ok((_, Some(report))) => {
-            print_memory(plan, &report);
-            for c in &report.checkpoints {
-                println!("checkpoint {}", c.display());
-            }
-            let trace =
-                measured_trace(plan, &report, &format!("pipec run --transport {transport} (measured, every step)"));
-            let trace_name = trace_file(first_step);
+    // rank 0's outputs, written before the ranks part (the others wait for them)
+    let mut code = EXIT_OK;
+    let mut on_report = |report: &pipec_executor::RunReport| {
+        finish();
+        let stop_took = watch.finish();
+        print_memory(plan, report);
+        for c in &report.checkpoints {
+            println!("checkpoint {}", c.display());
+        }
+        // a stop first: mpirun ends the job shortly after it forwards the signal, and the
+        // resume command matters more than the trace
+        if report.interrupted {
+            print_interrupted(report, args, steps, first_step, stop_took);
+            code = EXIT_DIAGNOSTICS;
+        }
+        let trace = measured_trace(plan, report, &format!("pipec run --transport {transport} (measured, every step)"));
+        let trace_name = trace_file(first_step);
+        if !report.steps.is_empty() {
             if let Err(e) = write_atomic(&dir.join(&trace_name), trace.as_bytes()) {
                 eprintln!("error: {e}");
-                return EXIT_USAGE;
+                code = EXIT_USAGE;
+                return;
             }
-            println!("wrote {}/{{plan.json, metrics.jsonl, {trace_name}}}", dir.display());
-            EXIT_OK
         }
-        Ok((_, None)) => EXIT_OK,
+        println!("wrote {}/{{plan.json, metrics.jsonl, {trace_name}}}", dir.display());
+    };
+    let result = run(plan, &options, RankHooks { on_step: &mut on_step, on_report: &mut on_report });
+    watch.finish();
+    if result.is_ok() {
+        finish();
+    }
+    match result {
+        Ok((info, _)) if info.rank == 0 => code,
+        // the other ranks end as rank 0 does: a stopped job exits non-zero everywhere
+        Ok((_, report)) if report.interrupted => EXIT_DIAGNOSTICS,
+        Ok(_) => EXIT_OK,
         Err((info, e)) => {
             pipec_executor::process_run::report_failure(info, &e);
             EXIT_DIAGNOSTICS
@@ -455,9 +473,9 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
 type RankRun = fn(
     &Plan,
     &RunOptions,
-    &mut dyn FnMut(&StepMetrics),
+    RankHooks<'_>,
 ) -> Result<
-    (pipec_executor::process_run::RankInfo, Option<pipec_executor::RunReport>),
+    (pipec_executor::process_run::RankInfo, pipec_executor::RunReport),
     (Option<pipec_executor::process_run::RankInfo>, pipec_executor::RunError),
 >;
 
@@ -529,6 +547,12 @@ fn resume_command(args: &RunArgs, checkpoint: &Path) -> String {
     }
     if args.backend == Backend::Cuda {
         line += " --backend cuda";
+    }
+    match args.transport {
+        Transport::Threads => {}
+        // every rank again, started as this job's were (mpirun, torchrun's variables)
+        Transport::Mpi => line += " --transport mpi",
+        Transport::Tcp => line += " --transport tcp",
     }
     line + &format!(" --resume {}", quote(checkpoint))
 }
@@ -629,6 +653,37 @@ fn metrics_line(m: &StepMetrics, speed: &RunSpeed) -> serde_json::Value {
         }
     }
     line
+}
+
+/// What a stopped run says (on stderr): how many steps it completed, how long after the
+/// stop request it ended, which checkpoint holds its last step, and the exact command that
+/// resumes it.
+fn print_interrupted(
+    report: &pipec_executor::RunReport,
+    args: &RunArgs,
+    steps: usize,
+    first_step: usize,
+    stop_took: Option<f64>,
+) {
+    let done = report.steps.last().map_or(first_step, |s| s.step + 1);
+    let took = stop_took.map(|s| format!(", {s:.2} s after the stop request")).unwrap_or_default();
+    let saved = match report.checkpoints.last() {
+        Some(c) if c.file_name().is_some_and(|n| *n == *pipec_plan::checkpoint::step_dir_name(done)) => {
+            format!("; the checkpoint of step {} holds it", done.saturating_sub(1))
+        }
+        _ => String::new(),
+    };
+    eprintln!(
+        "error: interrupted: stopped after {done} of {steps} steps{took} (steps are numbered from 0: the last done was step {}; every completed step is in metrics.jsonl{saved})",
+        done.saturating_sub(1),
+    );
+    if let Some(c) = report.checkpoints.last() {
+        let how = match args.transport {
+            Transport::Threads => "",
+            Transport::Mpi | Transport::Tcp => " (every rank, started as this job's were)",
+        };
+        eprintln!("resume with{how}: {}", resume_command(args, c));
+    }
 }
 
 /// How a run answers SIGINT and SIGTERM: the first sets the stop flag the workers check at
@@ -838,6 +893,7 @@ fn run_options(plan: &Plan, args: &RunArgs, dir: &Path) -> RunOptions {
         resume: None,
         share_gpus: args.share_gpus,
         stop: None,
+        vote: None,
     }
 }
 

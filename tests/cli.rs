@@ -2657,7 +2657,9 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     device.name = "cpu (pipec calibrate, cached)".into();
     device.link = Some(pipec_plan::device::MeasuredLink { bandwidth: 2e9, latency: 40e-6, efficiency: 0.5 });
     let file = pipec_executor::calibrate::cache_file(&cache, &pipec_executor::calibrate::cpu_name(), 2);
-    std::fs::write(&file, serde_json::to_string(&device).expect("json")).expect("cache");
+    // with the executor's work per layer pass measured as 30 µs
+    let cached = |overhead: f64| serde_json::json!({ "device": device, "overhead_s": overhead }).to_string();
+    std::fs::write(&file, cached(30e-6)).expect("cache");
     let run = |spec: &str, switch: Option<&str>, out: &str| -> (String, serde_json::Value) {
         let mut c = Command::new(env!("CARGO_BIN_EXE_pipec"));
         c.args(["run", spec, "--steps", "2", "-o"])
@@ -2676,6 +2678,16 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     };
     let (said, this) = run("specs/mlp-1f1b.yaml", None, "this");
     assert!(said.contains("planned and predicted for this machine's CPU"), "{said}");
+    assert!(said.contains("30.0 µs of the executor's work a layer pass"), "{said}");
+    // the overhead is the spec's `overhead`: a layer's forward, twice its backward (the
+    // first stage holds four layers)
+    std::fs::write(&file, cached(0.0)).expect("cache");
+    let (_, bare) = run("specs/mlp-1f1b.yaml", None, "bare");
+    std::fs::write(&file, cached(30e-6)).expect("cache");
+    let stage = |p: &serde_json::Value, k: &str| p["stages"][0][k].as_f64().expect("figure");
+    assert_eq!(this["stages"][0]["layers"], serde_json::json!([0, 4]));
+    assert!((stage(&this, "forward_s") - stage(&bare, "forward_s") - 4.0 * 30e-6).abs() < 1e-12);
+    assert!((stage(&this, "backward_s") - stage(&bare, "backward_s") - 8.0 * 30e-6).abs() < 1e-12);
     assert!(said.contains(&format!("measured before, from {}", file.display())), "{said}");
     // nothing is measured when the cache holds this machine
     assert!(!said.contains("measuring this machine's CPU"), "{said}");

@@ -764,3 +764,54 @@ fn gradient_buckets_over_mpi_equal_in_process_exactly() {
         "dp-only",
     );
 }
+
+#[test]
+fn sigterm_to_mpirun_stops_every_rank_at_one_step_with_a_checkpoint_that_resumes_exactly() {
+    // mpirun forwards the signal to every rank and ends the job soon after the first exits:
+    // the ranks vote on the step, and rank 0's checkpoint and lines come before they part
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec_path = dir.path().join("spec.yaml");
+    std::fs::write(&spec_path, spec("\"2-1\"", 3, 100_000)).expect("write");
+    let spec_arg = spec_path.to_str().expect("p");
+    let out = dir.path().join("mpi");
+    let child = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "3", pipec()])
+        .args(["run", spec_arg, "--transport", "mpi", "-o", out.to_str().expect("p")])
+        .env("PIPEC_CPU_CALIBRATION", "off")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun starts");
+    let metrics = out.join("metrics.jsonl");
+    let start = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 3 {
+        assert!(start.elapsed() < Duration::from_secs(120), "no steps after 120 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let signalled = Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill").success());
+    let run = child.wait_with_output().expect("ends");
+    eprintln!("the stop took {:.3} s from SIGTERM to mpirun's exit", signalled.elapsed().as_secs_f64());
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_ne!(run.status.code(), Some(0), "{stderr}");
+    let n = losses(&out).len();
+    let last = out.join(format!("checkpoints/step-{n:06}"));
+    assert!(stderr.contains(&format!("the checkpoint of step {} holds it", n - 1)), "{stderr}");
+    let resume = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("resume with (every rank, started as this job's were): "))
+        .expect("a resume command");
+    assert!(resume.contains("--transport mpi") && resume.ends_with(&last.display().to_string()), "{resume}");
+    // resumed on MPI for three more steps, it equals a threaded run never stopped
+    let total = (n + 3).to_string();
+    let resumed = dir.path().join("resumed");
+    let (r, c) = (resumed.to_str().expect("p"), last.to_str().expect("p"));
+    let again = mpirun(3, &["run", spec_arg, "--transport", "mpi", "--steps", &total, "--resume", c, "-o", r]);
+    assert_eq!(again.status.code(), Some(0), "{}", String::from_utf8_lossy(&again.stderr));
+    let whole = dir.path().join("whole");
+    let t = pipec_command().args(["run", spec_arg, "--steps", &total, "-o"]).arg(&whole).output().expect("runs");
+    assert_eq!(t.status.code(), Some(0), "{}", String::from_utf8_lossy(&t.stderr));
+    let uninterrupted = losses(&whole);
+    assert_eq!(losses(&out), uninterrupted[..n].to_vec(), "the stopped job's steps");
+    assert_eq!(losses(&resumed), uninterrupted[n..].to_vec(), "the resumed job's steps");
+}

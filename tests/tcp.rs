@@ -225,3 +225,55 @@ fn ranks_that_run_different_things_all_stop_at_start_naming_the_difference() {
 fn one_step_spec(dir: &Path) -> PathBuf {
     spec(dir, 1, "  checkpoint: { every: 1 }\n")
 }
+
+#[test]
+fn sigterm_to_one_rank_stops_every_rank_at_one_step_with_a_checkpoint_that_resumes_exactly() {
+    // no periodic checkpoints: the stop's own is all the job has; the signal reaches one rank
+    // only (a scheduler that signals one task), and the ranks' vote stops all three
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = spec(dir.path(), 100_000, "");
+    let out = dir.path().join("tcp");
+    let o = out.to_str().expect("p");
+    let port = free_port();
+    let ranks: Vec<Child> = (0..3).map(|r| rank(&spec, r, 3, port, &["-o", o])).collect();
+    let start = Instant::now();
+    while losses(&out).len() < 3 {
+        assert!(start.elapsed() < Duration::from_secs(60), "no steps after 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let signalled = Instant::now();
+    let killed = Command::new("kill").args(["-TERM", &ranks[1].id().to_string()]).status().expect("kill");
+    assert!(killed.success());
+    let outputs = wait_all(ranks, Duration::from_secs(60));
+    let took = signalled.elapsed();
+    eprintln!("the stop took {:.3} s from SIGTERM to rank 1 to the last rank's exit", took.as_secs_f64());
+    for (k, run) in outputs.iter().enumerate() {
+        assert_eq!(run.status.code(), Some(1), "rank {k}: {}", String::from_utf8_lossy(&run.stderr));
+    }
+    let stderr = String::from_utf8_lossy(&outputs[0].stderr);
+    let n = losses(&out).len();
+    let last = out.join(format!("checkpoints/step-{n:06}"));
+    assert!(stderr.contains(&format!("the checkpoint of step {} holds it", n - 1)), "{stderr}");
+    let resume = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("resume with (every rank, started as this job's were): "))
+        .expect("a resume command");
+    assert!(resume.contains("--transport tcp") && resume.ends_with(&last.display().to_string()), "{resume}");
+    assert_eq!(pipec_plan::checkpoint::read(&last).expect("whole").completed_steps, n);
+    // resumed over TCP for three more steps, it equals a threaded run never stopped
+    let total = (n + 3).to_string();
+    let resumed = dir.path().join("resumed");
+    let (r, c) = (resumed.to_str().expect("p"), last.to_str().expect("p"));
+    let port = free_port();
+    let ranks: Vec<Child> =
+        (0..3).map(|k| rank(&spec, k, 3, port, &["-o", r, "--steps", &total, "--resume", c])).collect();
+    for run in wait_all(ranks, Duration::from_secs(120)) {
+        assert_eq!(run.status.code(), Some(0), "{}", String::from_utf8_lossy(&run.stderr));
+    }
+    let whole = dir.path().join("whole");
+    let t = pipec_command().arg("run").arg(&spec).args(["--steps", &total, "-o"]).arg(&whole).output().expect("runs");
+    assert_eq!(t.status.code(), Some(0), "{}", String::from_utf8_lossy(&t.stderr));
+    let uninterrupted = losses(&whole);
+    assert_eq!(losses(&out), uninterrupted[..n].to_vec(), "the stopped job's steps");
+    assert_eq!(losses(&resumed), uninterrupted[n..].to_vec(), "the resumed job's steps");
+}

@@ -272,7 +272,12 @@ fn saturation(kind: ScheduleKind, ranks: usize) -> usize {
         | ScheduleKind::TwoBw
         | ScheduleKind::DpOnly
         | ScheduleKind::ZbH1 => 2,
-        _ => 3,
+        ScheduleKind::Gpipe
+        | ScheduleKind::Interleaved
+        | ScheduleKind::Chimera
+        | ScheduleKind::Zbv
+        | ScheduleKind::DualPipeV
+        | ScheduleKind::DualPipe => 3,
     };
     rounds * ranks.max(1)
 }

@@ -439,12 +439,8 @@ fn stage_bytes(
     // activation recompute checkpoints the input of every recompute unit — the stage input,
     // and each transformer block's or LSTM's input (Megatron-LM's full recompute, one block
     // at a time) — and rebuilds one unit's activations at a time
-    let starts: Vec<usize> = r
-        .clone()
-        .filter(|&i| {
-            i == r.start || matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. } | Op::Lstm { .. })
-        })
-        .collect();
+    let starts: Vec<usize> =
+        r.clone().filter(|&i| i == r.start || graph.node(graph.op_at(i)).op.recompute_unit()).collect();
     let checkpoint: u64 = starts
         .iter()
         .map(|&i| {

@@ -380,26 +380,12 @@ fn divisors(n: usize) -> impl Iterator<Item = usize> {
 /// per device: interleaved with 2 and 4, ZBV (and DualPipeV, for a model with expert blocks:
 /// the schedule made for them) with their 2, the others 1.
 fn schedules_for(pp: usize, options: &SearchOptions, experts: bool) -> Vec<(ScheduleKind, usize)> {
-    let all: Vec<ScheduleKind> = if pp == 1 {
-        vec![ScheduleKind::DpOnly]
-    } else {
-        let mut v = vec![
-            ScheduleKind::Gpipe,
-            ScheduleKind::OneFOneB,
-            ScheduleKind::Interleaved,
-            ScheduleKind::ZbH1,
-            ScheduleKind::Zbv,
-            ScheduleKind::Chimera,
-        ];
-        if experts {
-            v.extend([ScheduleKind::DualPipeV, ScheduleKind::DualPipe]);
-        }
-        if !options.synchronous_only {
-            v.extend([ScheduleKind::PipeDream, ScheduleKind::TwoBw]);
-        }
-        v
-    };
+    use pipec_plan::vocab::Choice;
+    let mut all: Vec<(u8, ScheduleKind)> =
+        ScheduleKind::ALL.iter().filter_map(|&k| tried(k, pp, options, experts).map(|rank| (rank, k))).collect();
+    all.sort_by_key(|&(rank, _)| rank);
     all.into_iter()
+        .map(|(_, k)| k)
         .filter(|k| options.schedules.as_ref().is_none_or(|only| only.contains(k)))
         .flat_map(|k| match k {
             ScheduleKind::Interleaved => vec![(k, 2), (k, 4)],
@@ -407,6 +393,28 @@ fn schedules_for(pp: usize, options: &SearchOptions, experts: bool) -> Vec<(Sche
             other => vec![(other, 1)],
         })
         .collect()
+}
+
+/// Whether the search tries `kind` on `pp` stages, and where in its order (ties between
+/// equal candidates go to the earlier): an exhaustive rule, so a new schedule is a compile
+/// error here until it says. DualPipe and DualPipeV only where there are experts to overlap
+/// with, the asynchronous schedules unless the search is held to synchronous ones.
+fn tried(kind: ScheduleKind, pp: usize, options: &SearchOptions, experts: bool) -> Option<u8> {
+    let piped = pp > 1;
+    let (rank, when) = match kind {
+        ScheduleKind::DpOnly => (0, !piped),
+        ScheduleKind::Gpipe => (1, piped),
+        ScheduleKind::OneFOneB => (2, piped),
+        ScheduleKind::Interleaved => (3, piped),
+        ScheduleKind::ZbH1 => (4, piped),
+        ScheduleKind::Zbv => (5, piped),
+        ScheduleKind::Chimera => (6, piped),
+        ScheduleKind::DualPipeV => (7, piped && experts),
+        ScheduleKind::DualPipe => (8, piped && experts),
+        ScheduleKind::PipeDream => (9, piped && !options.synchronous_only),
+        ScheduleKind::TwoBw => (10, piped && !options.synchronous_only),
+    };
+    when.then_some(rank)
 }
 
 fn notation(replicas: &[usize]) -> String {

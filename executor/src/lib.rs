@@ -111,6 +111,9 @@ pub struct RunOptions {
     /// Set (by a SIGINT/SIGTERM handler) to stop at the next step boundary every worker
     /// agrees on; the run then returns what it trained with `RunReport::interrupted`.
     pub stop: Option<Arc<AtomicBool>>,
+    /// How the processes of a process-per-device job agree on the step to stop at (set by
+    /// `process_run`); none in one process, whose workers share a lock.
+    pub vote: Option<Arc<dyn run::stop::StopVote>>,
 }
 
 impl Default for RunOptions {
@@ -123,6 +126,7 @@ impl Default for RunOptions {
             resume: None,
             share_gpus: false,
             stop: None,
+            vote: None,
         }
     }
 }

@@ -716,6 +716,36 @@ impl Op {
         }
     }
 
+    /// Whether full activation recompute checkpoints this layer's input and rebuilds its
+    /// activations as one unit (Megatron-LM's full recompute, one block at a time): the
+    /// layers that hold many kernels' activations inside. Every other layer is rebuilt with
+    /// the stage's run of small layers it belongs to.
+    pub fn recompute_unit(&self) -> bool {
+        match self {
+            Op::TransformerBlock { .. } | Op::Lstm { .. } => true,
+            Op::Linear { .. }
+            | Op::Conv2d { .. }
+            | Op::MaxPool2d { .. }
+            | Op::AvgPool2d { .. }
+            | Op::AdaptiveAvgPool2d { .. }
+            | Op::BatchNorm2d { .. }
+            | Op::Add { .. }
+            | Op::Concat { .. }
+            | Op::Flatten
+            | Op::Relu
+            | Op::Gelu
+            | Op::Tanh
+            | Op::Sigmoid
+            | Op::LayerNorm { .. }
+            | Op::RmsNorm { .. }
+            | Op::GeluTanh
+            | Op::Dropout { .. }
+            | Op::Embedding { .. }
+            | Op::SeqPool { .. }
+            | Op::PosEmbedding { .. } => false,
+        }
+    }
+
     /// The operator's integer arguments (sizes, counts, kernel and padding).
     fn sizes(&self) -> Vec<usize> {
         match *self {

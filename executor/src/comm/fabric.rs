@@ -31,6 +31,9 @@ pub const TAG_TRACE: i32 = 13;
 pub const TAG_CKPT: i32 = 14;
 /// Each rank's description of its run, and rank 0's verdict (`agreement`).
 pub const TAG_AGREE: i32 = 15;
+/// Before each step, rank 0's decision on stopping, and each other rank's stop request
+/// (`run::stop`).
+pub const TAG_STOP: i32 = 16;
 
 /// The processes of a job and the messages between them.
 pub trait Fabric: Send + Sync {

@@ -9,5 +9,6 @@ pub mod gpus;
 pub mod mpi_run;
 pub mod process_run;
 pub mod profile;
+pub mod stop;
 pub mod tcp_run;
 pub(crate) mod threads;

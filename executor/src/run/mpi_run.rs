@@ -9,16 +9,16 @@ use mpi::Threading;
 use pipec_plan::Plan;
 
 use crate::comm::mpi_transport::{abort_world, MpiFabric};
-pub use crate::run::process_run::{report_failure, RankInfo};
-use crate::{RunError, RunOptions, RunReport, StepMetrics};
+pub use crate::run::process_run::{report_failure, RankHooks, RankInfo};
+use crate::{RunError, RunOptions, RunReport};
 
-/// Runs this rank's device. Returns the report on rank 0 (None elsewhere). A failure after
+/// Runs this rank's device. Returns the job's report on rank 0, this rank's own elsewhere. A failure after
 /// MPI is up aborts the whole job, so no rank waits forever.
 pub fn run(
     plan: &Plan,
     options: &RunOptions,
-    on_step: &mut dyn FnMut(&StepMetrics),
-) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
+    hooks: RankHooks<'_>,
+) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
     crate::validate(plan).map_err(|e| (None, e))?;
     let n_devices = crate::working_devices(plan).len();
     if !launched() && n_devices > 1 {
@@ -27,7 +27,7 @@ pub fn run(
     let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
         .ok_or((None, RunError::setup("MPI could not be initialised (is this process started by mpirun?)")))?;
     let world = universe.world();
-    let mut up = || -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
+    let up = || -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
         let (rank, size) = (world.rank(), world.size());
         if threading != Threading::Multiple {
             return Err((
@@ -39,7 +39,7 @@ pub fn run(
         }
         slurm_agrees(rank, size).map_err(|e| (None, RunError::setup(e)))?;
         let how = |n: usize| format!("run `mpirun -np {n}` (see `pipec launch`)");
-        crate::run::process_run::run_rank(plan, options, on_step, Arc::new(MpiFabric::start(&world)), ("mpirun", &how))
+        crate::run::process_run::run_rank(plan, options, hooks, Arc::new(MpiFabric::start(&world)), ("mpirun", &how))
     };
     match up() {
         Ok(done) => Ok(done),

@@ -7,9 +7,19 @@ use std::sync::Arc;
 
 use pipec_plan::{DeviceId, Plan};
 
-use crate::comm::fabric::{Fabric, ProcessEndpoint, TAG_AGREE, TAG_CKPT, TAG_METRIC, TAG_TRACE};
+use crate::comm::fabric::{Fabric, ProcessEndpoint, TAG_AGREE, TAG_CKPT, TAG_METRIC, TAG_STOP, TAG_TRACE};
 use crate::run::agreement::{self, Fingerprint};
+use crate::run::stop::{self, Begin, StopVote};
 use crate::{run_workers, RunError, RunOptions, RunReport, StepMetrics};
+
+/// What rank 0 does with the job: each step's metrics as it gathers them, then the job's
+/// report before the ranks part. The other ranks wait at the parting barrier until
+/// `on_report` returns, so a launcher that ends the job as soon as one rank exits (mpirun
+/// does, on a non-zero status) cannot cut rank 0's outputs short.
+pub struct RankHooks<'h> {
+    pub on_step: &'h mut dyn FnMut(&StepMetrics),
+    pub on_report: &'h mut dyn FnMut(&RunReport),
+}
 
 /// What this rank is.
 #[derive(Debug, Clone, Copy)]
@@ -64,15 +74,17 @@ pub fn report_failure(info: Option<RankInfo>, e: &RunError) {
 
 /// This rank's part of the job, once its fabric is up (`launcher` names what starts the
 /// processes and `how` says how to start n of them, for the error when their number is not
-/// the plan's). Returns the report on rank 0 (None elsewhere); on failure the caller aborts
-/// the job, so no rank waits forever.
+/// the plan's). Returns the job's report on rank 0 and this rank's own elsewhere (its steps'
+/// metrics are its own share, and it says whether the job was stopped); on failure the
+/// caller aborts the job, so no rank waits forever.
 pub fn run_rank<F: Fabric + 'static>(
     plan: &Plan,
     options: &RunOptions,
-    on_step: &mut dyn FnMut(&StepMetrics),
+    hooks: RankHooks<'_>,
     fabric: Arc<F>,
     (launcher, how): (&str, &dyn Fn(usize) -> String),
-) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
+) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
+    let RankHooks { on_step, on_report } = hooks;
     let (rank, size) = (fabric.rank(), fabric.size());
     let devices = crate::working_devices(plan);
     if size as usize != devices.len() {
@@ -96,14 +108,25 @@ pub fn run_rank<F: Fabric + 'static>(
     let steps = options.steps.unwrap_or(plan.training.steps);
     let mine = Fingerprint::of(plan, steps, start.as_deref()).map_err(|e| (Some(info), RunError::setup(e)))?;
     agree(fabric.as_ref(), &mine, &devices, options.timeout).map_err(|e| (Some(info), RunError::setup(e)))?;
-    let options = &RunOptions { resume: start.map(crate::Resume::Loaded), ..options.clone() };
+    let abort = Arc::new(AtomicBool::new(false));
+    // a stop request (SIGINT/SIGTERM to any rank) is voted on before every step
+    let vote = options.stop.is_some().then(|| {
+        Arc::new(FabricVote {
+            fabric: fabric.clone(),
+            devices: devices.clone(),
+            abort: abort.clone(),
+            timeout: options.timeout,
+            flush_free: plan.flush_free.is_some(),
+            previous: std::sync::Mutex::new(None),
+        }) as Arc<dyn StopVote>
+    });
+    let options = &RunOptions { resume: start.map(crate::Resume::Loaded), vote, ..options.clone() };
     // every rank is up once all reach this barrier; `pipec launch --exec` waits for this
     // line to know the job started (its start-up bound)
     fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
     if rank == 0 {
         eprintln!("{} {size} ranks", crate::MPI_STARTED);
     }
-    let abort = Arc::new(AtomicBool::new(false));
     let endpoint = ProcessEndpoint::new(device, &devices, fabric.clone(), abort.clone(), options.timeout);
     let receive_bytes = |r: i32, tag: i32, abort: &AtomicBool| {
         fabric.receive(r, tag, false, abort, options.timeout, devices[r as usize]).map(|(b, _)| b)
@@ -247,14 +270,69 @@ pub fn run_rank<F: Fabric + 'static>(
             let b = receive_bytes(r, TAG_TRACE, &abort).map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
             merge_traces(&mut merged, &from_f64s(&b));
         }
+        // the job's outputs before the ranks part: the others wait at the barrier
+        on_report(&merged);
         fabric.flush();
         fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
-        Ok((info, Some(merged)))
+        Ok((info, merged))
     } else {
         let _ = fabric.post(0, TAG_TRACE, f64s(&flat_traces(&report)), None);
         fabric.flush();
         fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
-        Ok((info, None))
+        Ok((info, report))
+    }
+}
+
+/// The ranks' vote on where to stop (SIGINT/SIGTERM may reach any of them, or only some):
+/// rank 0 decides every step boundary ([`stop::decide`]) from its own request and those the
+/// others sent at the boundary before, and sends the decision to every rank; each other
+/// rank waits for it before its step and, unless it stops or this is the last step, sends
+/// rank 0 whether it was asked to stop. No rank begins a step before rank 0 has decided it,
+/// so all stop at the same boundary, having completed the same steps. Each step costs the
+/// others one small message from rank 0, sent when rank 0 reaches the boundary.
+struct FabricVote<F: Fabric> {
+    fabric: Arc<F>,
+    devices: Vec<DeviceId>,
+    abort: Arc<AtomicBool>,
+    timeout: std::time::Duration,
+    flush_free: bool,
+    /// Rank 0's decision at the boundary before (none before the first).
+    previous: std::sync::Mutex<Option<Begin>>,
+}
+
+impl<F: Fabric> std::fmt::Debug for FabricVote<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FabricVote(rank {} of {})", self.fabric.rank(), self.fabric.size())
+    }
+}
+
+impl<F: Fabric> StopVote for FabricVote<F> {
+    fn before(&self, _step: usize, last: bool, asked: bool) -> Result<Begin, crate::error::ExecError> {
+        let (rank, size) = (self.fabric.rank(), self.fabric.size());
+        let receive = |r: i32| {
+            self.fabric.receive(r, TAG_STOP, false, &self.abort, self.timeout, self.devices[r as usize]).map(|m| m.0)
+        };
+        if rank != 0 {
+            let decision = Begin::from_byte(&receive(0)?).map_err(crate::error::ExecError::Plan)?;
+            if decision != Begin::Stop && !last {
+                self.fabric.post(0, TAG_STOP, vec![u8::from(asked)], None)?;
+            }
+            return Ok(decision);
+        }
+        let mut previous = self.previous.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut any = asked;
+        if previous.is_some() {
+            // every other rank's request from the boundary before (it began that step)
+            for r in 1..size {
+                any |= receive(r)? != [0];
+            }
+        }
+        let decision = stop::decide(*previous, any, self.flush_free);
+        *previous = Some(decision);
+        for r in 1..size {
+            self.fabric.post(r, TAG_STOP, vec![decision.byte()], None)?;
+        }
+        Ok(decision)
     }
 }
 

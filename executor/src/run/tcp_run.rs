@@ -7,18 +7,18 @@ use pipec_plan::Plan;
 
 use crate::comm::fabric::Fabric;
 use crate::comm::tcp::{Rendezvous, TcpFabric};
-use crate::run::process_run::{report_failure, RankInfo};
-use crate::{RunError, RunOptions, RunReport, StepMetrics};
+use crate::run::process_run::{report_failure, RankHooks, RankInfo};
+use crate::{RunError, RunOptions, RunReport};
 
 /// Runs this process's device of the job torchrun's variables describe (`pipec run
 /// --transport tcp`): the rendezvous within the run's timeout, then the device over the
-/// TCP fabric. Returns the report on rank 0 (None elsewhere); a failure after the
+/// TCP fabric. Returns the job's report on rank 0, this rank's own elsewhere; a failure after the
 /// rendezvous ends the whole job.
 pub fn run(
     plan: &Plan,
     options: &RunOptions,
-    on_step: &mut dyn FnMut(&StepMetrics),
-) -> Result<(RankInfo, Option<RunReport>), (Option<RankInfo>, RunError)> {
+    hooks: RankHooks<'_>,
+) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
     crate::validate(plan).map_err(|e| (None, e))?;
     let rv = Rendezvous::from_env().map_err(|e| (None, RunError::setup(e)))?;
     let devices = crate::working_devices(plan).len();
@@ -34,7 +34,7 @@ pub fn run(
     }
     let fabric = Arc::new(TcpFabric::connect(&rv, options.timeout).map_err(|e| (None, RunError::setup(e)))?);
     let how = |n: usize| format!("start {n} processes, RANK 0 to {}", n - 1);
-    match crate::run::process_run::run_rank(plan, options, on_step, fabric.clone(), ("the launcher", &how)) {
+    match crate::run::process_run::run_rank(plan, options, hooks, fabric.clone(), ("the launcher", &how)) {
         Ok(done) => Ok(done),
         Err((info, e)) => {
             report_failure(info, &e);

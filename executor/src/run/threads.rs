@@ -22,6 +22,7 @@ use crate::interp::build::build_stages;
 use crate::interp::checkpointing::{load_checkpoint, save_checkpoint};
 use crate::interp::data::Dataset;
 use crate::interp::worker::{StepReport, Worker};
+use crate::run::stop::{Begin, StopGate};
 use crate::{is_language_model, Placement, RunError, RunOptions, RunReport, StepMetrics};
 
 /// The most timeline entries a run keeps (about 40 bytes each): a long run's trace keeps
@@ -34,61 +35,6 @@ pub const TIMELINE_LIMIT: usize = 2_000_000;
 /// scale after the last of them (the same on every device), if the run scales its loss.
 pub type CheckpointSink<'a> = dyn FnMut(usize, checkpoint::Shards, Option<pipec_plan::recipe::LossScale>) -> Result<Option<PathBuf>, ExecError>
     + 'a;
-
-/// Where the workers of a run stop when asked to: a step boundary that no worker has
-/// passed. Workers ask before each step, under one lock, so all of them run the same
-/// steps: every step some worker has begun is finished by all, and none begins a later one.
-/// A flush-free pipeline (PipeDream, 2BW) must end on a step that drains it, and a worker
-/// that has already begun a step began it without draining; there the run stops one step
-/// later, and that last step drains (its epilogue), so nothing is left in flight.
-struct StopGate {
-    flag: Option<Arc<AtomicBool>>,
-    /// Whether the plan's steps leave microbatches in flight (a flush-free pipeline).
-    flush_free: bool,
-    /// (the highest step any worker has begun, the step no worker may begin)
-    state: std::sync::Mutex<(Option<usize>, Option<usize>)>,
-}
-
-/// What a worker about to begin a step is told.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Begin {
-    /// Run the step as planned.
-    Run,
-    /// Run it and drain the pipeline: it is the last step before a stop.
-    RunLast,
-    /// Stop before it.
-    Stop,
-}
-
-impl StopGate {
-    fn new(flag: Option<Arc<AtomicBool>>, flush_free: bool) -> Self {
-        StopGate { flag, flush_free, state: std::sync::Mutex::new((None, None)) }
-    }
-
-    /// Whether a worker may begin `step`, and whether it is the last.
-    fn begin(&self, step: usize) -> Begin {
-        let mut s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let asked = self.flag.as_ref().is_some_and(|f| f.load(Ordering::Relaxed));
-        if asked && s.1.is_none() {
-            let extra = usize::from(self.flush_free);
-            s.1 = Some(s.0.map_or(step, |begun| begun + 1 + extra));
-        }
-        match s.1 {
-            Some(stop) if step >= stop => return Begin::Stop,
-            _ => {}
-        }
-        s.0 = Some(s.0.map_or(step, |begun| begun.max(step)));
-        if s.1 == Some(step + 1) {
-            Begin::RunLast
-        } else {
-            Begin::Run
-        }
-    }
-
-    fn stopped(&self) -> bool {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).1.is_some()
-    }
-}
 
 /// How many checkpoints the coordinator has written (or failed to write) in this run: a
 /// worker about to hand over the copy of its n-th waits until n − 1 are (so at most one
@@ -186,7 +132,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
         ))
         .into());
     }
-    let gate = StopGate::new(options.stop.clone(), plan.flush_free.is_some());
+    let gate = StopGate::new(options.stop.clone(), plan.flush_free.is_some(), options.vote.clone());
     let written = Written::default();
     let shared = Shared {
         plan,
@@ -326,7 +272,7 @@ fn run_steps<B: ExecBackend>(
     let mut handed = 0;
     let mut waited = 0.0;
     for step in shared.steps.clone() {
-        let begin = shared.gate.begin(step);
+        let begin = shared.gate.begin(step, step + 1 == shared.steps.end).map_err(|e| fail(Some(step), None, e))?;
         if shared.abort.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -601,40 +547,4 @@ fn first_device_shards(mut shards: Vec<(DeviceId, checkpoint::Shards)>) -> check
         stages.entry(s).or_insert(st);
     }
     stages
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn asked() -> Arc<AtomicBool> {
-        Arc::new(AtomicBool::new(false))
-    }
-
-    #[test]
-    fn a_stop_ends_a_flushed_run_at_the_first_step_no_worker_began() {
-        let flag = asked();
-        let gate = StopGate::new(Some(flag.clone()), false);
-        assert_eq!(gate.begin(0), Begin::Run);
-        assert_eq!(gate.begin(1), Begin::Run);
-        flag.store(true, Ordering::Relaxed);
-        // a worker still at step 0 finishes the steps another has begun (the last), and no more
-        assert_eq!(gate.begin(1), Begin::RunLast);
-        assert_eq!(gate.begin(2), Begin::Stop);
-        assert!(gate.stopped());
-    }
-
-    #[test]
-    fn a_stop_drains_a_flush_free_pipeline_on_the_step_after_the_last_begun() {
-        let flag = asked();
-        let gate = StopGate::new(Some(flag.clone()), true);
-        assert_eq!(gate.begin(0), Begin::Run);
-        assert_eq!(gate.begin(1), Begin::Run);
-        flag.store(true, Ordering::Relaxed);
-        // step 1 was begun without draining: step 2 drains, every worker runs it as the last
-        assert_eq!(gate.begin(1), Begin::Run);
-        assert_eq!(gate.begin(2), Begin::RunLast);
-        assert_eq!(gate.begin(2), Begin::RunLast);
-        assert_eq!(gate.begin(3), Begin::Stop);
-    }
 }
