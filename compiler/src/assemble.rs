@@ -34,29 +34,7 @@ pub(crate) fn assemble(
     let kind = strategy.schedule.kind;
     let tp = strategy.tp.max(1);
     let counted = lowered.counted_streams().into_owned();
-    let layers: Vec<LayerPlan> = model
-        .graph
-        .ops()
-        .zip(&model.costs)
-        .enumerate()
-        .map(|(index, ((_, node), c))| LayerPlan {
-            index,
-            op: node.op.clone(),
-            label: node.label.clone(),
-            inputs: (node.inputs != [Source::before(index)]).then(|| node.inputs.clone()),
-            tied: node.tied,
-            input_shape: node.input_shape.clone(),
-            output_shape: node.output_shape.clone(),
-            parameters: c.parameters,
-            parameter_bytes: c.parameter_bytes,
-            forward_flops_per_sample: c.forward_flops_per_sample,
-            backward_flops_per_sample: c.backward_flops_per_sample,
-            forward_s: c.forward_s,
-            backward_s: c.backward_s,
-            activation_bytes_per_sample: c.activation_bytes_per_sample,
-            output_bytes_per_sample: c.output_bytes_per_sample,
-        })
-        .collect();
+    let layers = layer_plans(model);
     let stage_plans: Vec<StagePlan> = layout
         .ranges
         .iter()
@@ -103,34 +81,7 @@ pub(crate) fn assemble(
             experts: experts.contains(&id),
         })
         .collect();
-    let (step_time, bubble) = (simulated.step_time, simulated.bubble);
-    let samples_per_s = if step_time > 0.0 { spec.training.batch_size as f64 / step_time } else { 0.0 };
-    let utilization = spec.utilization();
-    let simulation = Simulation {
-        step_time_s: step_time,
-        first_step_time_s: simulated.first_step,
-        bubble_fraction: bubble,
-        throughput_samples_per_s: samples_per_s,
-        tokens_per_s_per_device: utilization.as_ref().map(|u| u.tokens_per_s_per_device(samples_per_s)),
-        mfu: utilization.and_then(|u| u.mfu(samples_per_s)),
-        devices: simulated
-            .per_device
-            .iter()
-            .map(|(d, busy, b)| {
-                let (in_flight, exposed) = simulated.collectives.get(d).copied().unwrap_or((0.0, 0.0));
-                DeviceSimulation {
-                    id: *d,
-                    busy_s: *busy,
-                    bubble_fraction: *b,
-                    peak_memory_bytes: devices[d.0 as usize].memory.total,
-                    collective_s: in_flight,
-                    exposed_collective_s: exposed,
-                    by_phase: simulated.by_phase.get(d).cloned().unwrap_or_default(),
-                    overlapped_s: simulated.overlapped(*d),
-                }
-            })
-            .collect(),
-    };
+    let simulation = simulation_plan(spec, simulated, &devices);
     let weight_versions = match kind.weight_versions() {
         WeightVersions::One => 1,
         WeightVersions::Two => 2,
@@ -183,6 +134,66 @@ pub(crate) fn assemble(
         flush_free: lowered.periodic.map(|p| p.segments),
         eval: lowered.eval,
         simulation,
+    }
+}
+
+/// Each layer's figures, as the plan lists them.
+fn layer_plans(model: &ModelCosts) -> Vec<LayerPlan> {
+    model
+        .graph
+        .ops()
+        .zip(&model.costs)
+        .enumerate()
+        .map(|(index, ((_, node), c))| LayerPlan {
+            index,
+            op: node.op.clone(),
+            label: node.label.clone(),
+            inputs: (node.inputs != [Source::before(index)]).then(|| node.inputs.clone()),
+            tied: node.tied,
+            input_shape: node.input_shape.clone(),
+            output_shape: node.output_shape.clone(),
+            parameters: c.parameters,
+            parameter_bytes: c.parameter_bytes,
+            forward_flops_per_sample: c.forward_flops_per_sample,
+            backward_flops_per_sample: c.backward_flops_per_sample,
+            forward_s: c.forward_s,
+            backward_s: c.backward_s,
+            activation_bytes_per_sample: c.activation_bytes_per_sample,
+            output_bytes_per_sample: c.output_bytes_per_sample,
+        })
+        .collect()
+}
+
+/// The simulated step: its time, bubble, throughput, tokens/s and MFU, and each device's
+/// busy time, collectives and peak memory.
+fn simulation_plan(spec: &Spec, simulated: &Simulated, devices: &[DevicePlan]) -> Simulation {
+    let (step_time, bubble) = (simulated.step_time, simulated.bubble);
+    let samples_per_s = if step_time > 0.0 { spec.training.batch_size as f64 / step_time } else { 0.0 };
+    let utilization = spec.utilization();
+    Simulation {
+        step_time_s: step_time,
+        first_step_time_s: simulated.first_step,
+        bubble_fraction: bubble,
+        throughput_samples_per_s: samples_per_s,
+        tokens_per_s_per_device: utilization.as_ref().map(|u| u.tokens_per_s_per_device(samples_per_s)),
+        mfu: utilization.and_then(|u| u.mfu(samples_per_s)),
+        devices: simulated
+            .per_device
+            .iter()
+            .map(|(d, busy, b)| {
+                let (in_flight, exposed) = simulated.collectives.get(d).copied().unwrap_or((0.0, 0.0));
+                DeviceSimulation {
+                    id: *d,
+                    busy_s: *busy,
+                    bubble_fraction: *b,
+                    peak_memory_bytes: devices[d.0 as usize].memory.total,
+                    collective_s: in_flight,
+                    exposed_collective_s: exposed,
+                    by_phase: simulated.by_phase.get(d).cloned().unwrap_or_default(),
+                    overlapped_s: simulated.overlapped(*d),
+                }
+            })
+            .collect(),
     }
 }
 

@@ -124,29 +124,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let Passes { forward, upstream_backward, weight, backward, recompute, hop, .. } = &passes;
     let forward_hop: Vec<f64> = forward.iter().zip(hop).map(|(f, h)| f + h).collect();
     let backward_hop: Vec<f64> = upstream_backward.iter().zip(hop).map(|(b, h)| b + h).collect();
-    // what a replicated stage's gradient reduction leaves after its last backward at
-    // least: a reduce-scatter, whatever the ZeRO level (the all-reduce of stage 0 is one
-    // and an all-gather; the gradient shards of stages 1 to 3 are one), so that the bound of
-    // a sharded strategy is never below its unsharded one's and the search may derive the
-    // sharded ones from it
-    let all_reduce: Vec<Option<f64>> = (0..n_stages)
-        .map(|s| {
-            let members = &placed.skeleton.replicas[s];
-            (members.len() > 1).then(|| {
-                // expert parallelism sums the routed experts' part over fewer members (or
-                // none): the dense part's reduce-scatter is what is certain; with gradient
-                // buckets only the last bucket's (the stage's first layers) starts after
-                // the backward
-                let bytes = match stages.buckets[s].last() {
-                    Some(b) => b.bytes,
-                    None => stages.bytes[s].whole.gradients.saturating_sub(stages.expert_gradients[s]),
-                };
-                let kind = pipec_plan::CollectiveKind::ReduceScatter;
-                let scatter = model.cluster.shaped_collective_time(kind, placed.skeleton.shapes[s], bytes);
-                scatter.min(cost.shaped_reduce_time(members, placed.skeleton.shapes[s], bytes))
-            })
-        })
-        .collect();
+    let all_reduce = least_reductions(model, &stages, &placed, &cost);
     let scatters_each_microbatch = spec.strategy.sharding.level() >= 2
         && kind.updates(layout.replicas.len()) == pipec_plan::schedule::Updates::PerStep;
     let flush = !runs_flush_free(spec);
@@ -174,23 +152,7 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             buffers = buffers.max(buffer(s));
         }
         let (head, tail) = if flush {
-            let upstream = |v: &[f64]| held.iter().map(|&c| v[..c].iter().sum::<f64>()).fold(f64::INFINITY, f64::min);
-            // the device's last instruction is a backward of a stage it holds; when every
-            // stage it holds is replicated, that stage's all-reduce follows it
-            let reduce =
-                held.iter().map(|&c| all_reduce[c]).try_fold(f64::INFINITY, |m, a| a.map(|a| m.min(a))).unwrap_or(0.0);
-            // with a split backward the last instruction may be a weight pass, after which
-            // nothing upstream need wait; a stage that sends its gradient first runs its
-            // last weight pass (`weight`, 0 for a whole backward) beside the upstream
-            // backwards
-            let drain = if split {
-                0.0
-            } else {
-                held.iter()
-                    .map(|&c| (backward_hop[..c].iter().sum::<f64>() - weight[c]).max(0.0))
-                    .fold(f64::INFINITY, f64::min)
-            };
-            (upstream(&forward_hop), drain.max(reduce))
+            head_and_tail(&held, (&forward_hop, &backward_hop), weight, &all_reduce, split)
         } else {
             (0.0, 0.0)
         };
@@ -227,13 +189,29 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let in_flight = (flush && fits_one_microbatch && all_kept > capacity)
         .then(|| memo.in_flight(&placed, kind, layout.replicas.len(), backward_slots(&stages.times)))
         .flatten();
+    let (overflows, overflows_any_sharding, stage_headroom) =
+        memory_verdict(devices, in_flight.as_deref(), &placed.ids, &kept, (capacity, n_stages));
+    let walked = in_flight.is_some();
+    Ok(Bound { step_s, overflows, overflows_any_sharding, replicas: layout.replicas, stage_headroom, walked })
+}
+
+/// Whether some device overflows its memory (with the activations' peak the schedule's
+/// order keeps where it was walked), whether one would under any ZeRO level, and each
+/// stage's least headroom over the devices holding it.
+fn memory_verdict(
+    devices: Vec<DeviceMemory>,
+    in_flight: Option<&InFlight>,
+    ids: &[u32],
+    kept: &dyn Fn(usize) -> f64,
+    (capacity, n_stages): (f64, usize),
+) -> (bool, bool, Vec<f64>) {
     let mut overflows = false;
     let mut overflows_any_sharding = false;
     let mut stage_headroom = vec![f64::INFINITY; n_stages];
     for d in devices {
         let mut beside = d.beside;
-        let in_view = placed.ids.binary_search(&(d.device as u32)).ok();
-        if let Some((stages_held, frontier)) = in_flight.as_ref().zip(in_view).and_then(|(f, i)| f.get(i)) {
+        let in_view = ids.binary_search(&(d.device as u32)).ok();
+        if let Some((stages_held, frontier)) = in_flight.zip(in_view).and_then(|(f, i)| f.get(i)) {
             let peak = frontier
                 .iter()
                 .map(|counts| stages_held.iter().zip(counts).map(|(&s, &c)| c as f64 * kept(s)).sum::<f64>())
@@ -247,8 +225,64 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
             stage_headroom[s] = stage_headroom[s].min(headroom);
         }
     }
-    let walked = in_flight.is_some();
-    Ok(Bound { step_s, overflows, overflows_any_sharding, replicas: layout.replicas, stage_headroom, walked })
+    (overflows, overflows_any_sharding, stage_headroom)
+}
+
+/// A flushed pipeline's least time on a device before its first pass and after its last:
+/// the forwards (with their hops) upstream of its first stage, and the longer of the
+/// upstream backwards less the last weight pass and the all-reduce of a replicated stage.
+fn head_and_tail(
+    held: &[usize],
+    (forward_hop, backward_hop): (&[f64], &[f64]),
+    weight: &[f64],
+    all_reduce: &[Option<f64>],
+    split: bool,
+) -> (f64, f64) {
+    let upstream = |v: &[f64]| held.iter().map(|&c| v[..c].iter().sum::<f64>()).fold(f64::INFINITY, f64::min);
+    // the device's last instruction is a backward of a stage it holds; when every
+    // stage it holds is replicated, that stage's all-reduce follows it
+    let reduce = held.iter().map(|&c| all_reduce[c]).try_fold(f64::INFINITY, |m, a| a.map(|a| m.min(a))).unwrap_or(0.0);
+    // with a split backward the last instruction may be a weight pass, after which
+    // nothing upstream need wait; a stage that sends its gradient first runs its
+    // last weight pass (`weight`, 0 for a whole backward) beside the upstream
+    // backwards
+    let drain = if split {
+        0.0
+    } else {
+        held.iter().map(|&c| (backward_hop[..c].iter().sum::<f64>() - weight[c]).max(0.0)).fold(f64::INFINITY, f64::min)
+    };
+    (upstream(forward_hop), drain.max(reduce))
+}
+
+/// Per stage, the least time its gradient reduction leaves after its last backward (None
+/// for a stage without replicas): a reduce-scatter, whatever the ZeRO level (the all-reduce
+/// of stage 0 is one and an all-gather; the gradient shards of stages 1 to 3 are one), so
+/// that the bound of a sharded strategy is never below its unsharded one's and the search
+/// may derive the sharded ones from it.
+fn least_reductions(
+    model: &ModelCosts,
+    stages: &StageFigures,
+    placed: &Placed,
+    cost: &PlanCost<'_>,
+) -> Vec<Option<f64>> {
+    (0..stages.bytes.len())
+        .map(|s| {
+            let members = &placed.skeleton.replicas[s];
+            (members.len() > 1).then(|| {
+                // expert parallelism sums the routed experts' part over fewer members (or
+                // none): the dense part's reduce-scatter is what is certain; with gradient
+                // buckets only the last bucket's (the stage's first layers) starts after
+                // the backward
+                let bytes = match stages.buckets[s].last() {
+                    Some(b) => b.bytes,
+                    None => stages.bytes[s].whole.gradients.saturating_sub(stages.expert_gradients[s]),
+                };
+                let kind = pipec_plan::CollectiveKind::ReduceScatter;
+                let scatter = model.cluster.shaped_collective_time(kind, placed.skeleton.shapes[s], bytes);
+                scatter.min(cost.shaped_reduce_time(members, placed.skeleton.shapes[s], bytes))
+            })
+        })
+        .collect()
 }
 
 /// Per device of one pipeline replica, the stages it holds (ascending) and the maximal

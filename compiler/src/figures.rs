@@ -220,112 +220,23 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // that does not cover is waited for
     let ring = (spec.strategy.cp_comm == pipec_plan::vocab::CpComm::Ring).then_some(cp);
     let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring);
-    let expert_parallel: Vec<usize> = layout
-        .ranges
-        .iter()
-        .map(|r| {
-            let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some());
-            if moe {
-                ep
-            } else {
-                1
-            }
-        })
-        .collect();
-    let all_to_alls: Vec<Vec<pipec_plan::ExpertExchange>> = layout
-        .ranges
-        .iter()
-        .zip(&expert_parallel)
-        .map(|(r, &ep)| {
-            r.clone()
-                .filter(|_| ep > 1)
-                .filter_map(|l| {
-                    // the dispatch and the combine carry as many bytes, each way
-                    let &(_, bytes) = costs[l].ep_forward.first()?;
-                    Some(pipec_plan::ExpertExchange { layer: l as u32, bytes })
-                })
-                .collect()
-        })
-        .collect();
-    let expert_gradients: Vec<u64> = layout
-        .ranges
-        .iter()
-        .map(|r| {
-            costs[r.clone()].iter().map(|c| c.expert_parameters).sum::<u64>().saturating_mul(model.grad_bytes as u64)
-        })
-        .collect();
+    let (expert_parallel, all_to_alls, expert_gradients) = expert_figures(spec, model, layout);
     // ZeRO: each replica of a stage keeps (and updates) its 1/d share of what is sharded
     let stage_replicas: Vec<u64> = chunk_replicas(&layout.replicas, spec.strategy.schedule.kind, layout.ranges.len())
         .into_iter()
         .map(|d| d.max(1) as u64)
         .collect();
     let sharding = spec.strategy.sharding;
-    let (shard_optimizer, _, shard_weights) = sharding.shards();
+    let shard_optimizer = sharding.shards().0;
     let update = layout
         .ranges
         .iter()
         .zip(&stage_replicas)
         .map(|(r, &d)| {
-            let t = costs[r.clone()].iter().map(|c| c.update_s).sum::<f64>();
-            if shard_optimizer {
-                t / d as f64
-            } else {
-                t
-            }
+            costs[r.clone()].iter().map(|c| c.update_s).sum::<f64>() / if shard_optimizer { d as f64 } else { 1.0 }
         })
         .collect();
-    // ZeRO-3 gathers each layer's weights before its forward and again before its backward,
-    // the next layer's while one computes (FSDP's prefetch): a pass waits for its first
-    // layer's gather, which nothing hides, and for whatever of the others its compute
-    // cannot hide — at least max(g₁, G − C + c_last) for gathers g (G in all) and computes c
-    // (C in all) in the pass's order, the bound a one-ahead prefetch meets
-    let dp_link =
-        |d: usize| if d * tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
-    let gather_waits: Vec<(f64, f64)> = layout
-        .ranges
-        .iter()
-        .zip(&stage_replicas)
-        .zip(&times)
-        .map(|((r, &d), &(forward, backward))| {
-            if !shard_weights || d < 2 {
-                return (0.0, 0.0);
-            }
-            let layers = &costs[r.clone()];
-            // under expert parallelism a layer's routed experts are gathered from the d / ep
-            // replicas holding them (nothing to gather when each holds its own whole)
-            let holders = (d as usize / ep).max(1);
-            let gather = |c: &crate::cost::LayerCost| {
-                if c.parameter_bytes == 0 {
-                    return 0.0;
-                }
-                let link = dp_link(d as usize);
-                let share = if c.shard_parameters > 0 && ep > 1 {
-                    c.expert_parameters as f64 / c.shard_parameters as f64
-                } else {
-                    0.0
-                };
-                let bytes = c.parameter_bytes as f64;
-                let experts = if holders > 1 && share > 0.0 {
-                    ring_time(CollectiveKind::AllGather, link, holders, bytes * share)
-                } else {
-                    0.0
-                };
-                ring_time(CollectiveKind::AllGather, link, d as usize, bytes * (1.0 - share)) + experts
-            };
-            let total: f64 = layers.iter().map(gather).sum();
-            let exposed =
-                |mut order: Box<dyn Iterator<Item = &crate::cost::LayerCost> + '_>, compute: f64, last: f64| {
-                    let first = order.find_map(|c| Some(gather(c)).filter(|g| *g > 0.0)).unwrap_or(0.0);
-                    first.max(total - compute + last)
-                };
-            let last_forward = layers.last().map_or(0.0, |c| c.forward_s);
-            let last_backward = layers.first().map_or(0.0, |c| c.backward_s);
-            (
-                exposed(Box::new(layers.iter()), forward, last_forward),
-                exposed(Box::new(layers.iter().rev()), backward, last_backward),
-            )
-        })
-        .collect();
+    let gather_waits = zero3_gather_waits(spec, model, layout, &stage_replicas, &times);
     let tp_times: Vec<(f64, f64)> =
         tp_times.iter().zip(&gather_waits).map(|(&(f, b), &(gf, gb))| (f + gf, b + gb)).collect();
     // byte counts saturate: a spec past pipec's limits is refused by the front end, and a
@@ -365,6 +276,116 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         bytes,
         buckets,
     }
+}
+
+/// ZeRO-3 gathers each layer's weights before its forward and again before its backward,
+/// the next layer's while one computes (FSDP's prefetch): a pass waits for its first
+/// layer's gather, which nothing hides, and for whatever of the others its compute
+/// cannot hide — at least max(g₁, G − C + c_last) for gathers g (G in all) and computes c
+/// (C in all) in the pass's order, the bound a one-ahead prefetch meets
+fn zero3_gather_waits(
+    spec: &Spec,
+    model: &ModelCosts,
+    layout: &Layout,
+    stage_replicas: &[u64],
+    times: &[(f64, f64)],
+) -> Vec<(f64, f64)> {
+    let (costs, tp, ep) = (&model.costs, spec.strategy.tp.max(1), spec.strategy.ep.max(1));
+    let shard_weights = spec.strategy.sharding.shards().2;
+    let dp_link =
+        |d: usize| if d * tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
+    layout
+        .ranges
+        .iter()
+        .zip(stage_replicas)
+        .zip(times)
+        .map(|((r, &d), &(forward, backward))| {
+            if !shard_weights || d < 2 {
+                return (0.0, 0.0);
+            }
+            let layers = &costs[r.clone()];
+            // under expert parallelism a layer's routed experts are gathered from the d / ep
+            // replicas holding them (nothing to gather when each holds its own whole)
+            let holders = (d as usize / ep).max(1);
+            let gather = |c: &crate::cost::LayerCost| {
+                if c.parameter_bytes == 0 {
+                    return 0.0;
+                }
+                let link = dp_link(d as usize);
+                let share = if c.shard_parameters > 0 && ep > 1 {
+                    c.expert_parameters as f64 / c.shard_parameters as f64
+                } else {
+                    0.0
+                };
+                let bytes = c.parameter_bytes as f64;
+                let experts = if holders > 1 && share > 0.0 {
+                    ring_time(CollectiveKind::AllGather, link, holders, bytes * share)
+                } else {
+                    0.0
+                };
+                ring_time(CollectiveKind::AllGather, link, d as usize, bytes * (1.0 - share)) + experts
+            };
+            let total: f64 = layers.iter().map(gather).sum();
+            let exposed =
+                |mut order: Box<dyn Iterator<Item = &crate::cost::LayerCost> + '_>, compute: f64, last: f64| {
+                    let first = order.find_map(|c| Some(gather(c)).filter(|g| *g > 0.0)).unwrap_or(0.0);
+                    first.max(total - compute + last)
+                };
+            let last_forward = layers.last().map_or(0.0, |c| c.forward_s);
+            let last_backward = layers.first().map_or(0.0, |c| c.backward_s);
+            (
+                exposed(Box::new(layers.iter()), forward, last_forward),
+                exposed(Box::new(layers.iter().rev()), backward, last_backward),
+            )
+        })
+        .collect()
+}
+
+/// Per stage, expert parallelism's figures: the group size its blocks exchange over (1
+/// without experts), its all-to-alls (a layer's dispatch and combine carry as many bytes,
+/// each way), and its routed experts' gradient bytes.
+#[allow(clippy::type_complexity)]
+fn expert_figures(
+    spec: &Spec,
+    model: &ModelCosts,
+    layout: &Layout,
+) -> (Vec<usize>, Vec<Vec<pipec_plan::ExpertExchange>>, Vec<u64>) {
+    let (costs, ep) = (&model.costs, spec.strategy.ep.max(1));
+    let expert_parallel: Vec<usize> = layout
+        .ranges
+        .iter()
+        .map(|r| {
+            let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some());
+            if moe {
+                ep
+            } else {
+                1
+            }
+        })
+        .collect();
+    let all_to_alls: Vec<Vec<pipec_plan::ExpertExchange>> = layout
+        .ranges
+        .iter()
+        .zip(&expert_parallel)
+        .map(|(r, &ep)| {
+            r.clone()
+                .filter(|_| ep > 1)
+                .filter_map(|l| {
+                    // the dispatch and the combine carry as many bytes, each way
+                    let &(_, bytes) = costs[l].ep_forward.first()?;
+                    Some(pipec_plan::ExpertExchange { layer: l as u32, bytes })
+                })
+                .collect()
+        })
+        .collect();
+    let expert_gradients: Vec<u64> = layout
+        .ranges
+        .iter()
+        .map(|r| {
+            costs[r.clone()].iter().map(|c| c.expert_parameters).sum::<u64>().saturating_mul(model.grad_bytes as u64)
+        })
+        .collect();
+    (expert_parallel, all_to_alls, expert_gradients)
 }
 
 /// Each layer of the stage `range`'s recompute policy inside the blocks: the strategy's

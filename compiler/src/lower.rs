@@ -213,63 +213,75 @@ fn device_stream(
         update_after_reduce(stream, st(s), group);
     }
     if input.updates == Updates::PerStep {
-        // With overlap, each replicated stage's all-reduce (ZeRO-1: reduce-scatter) starts
-        // right after its last gradient contribution (later positions first, so earlier
-        // ones stay valid); the waits and optimizer steps follow at the end, in stage order
-        // on every device. ZeRO-2 and 3 reduce-scattered every contribution already.
-        let held = p.stages_of(dev);
-        let whole = input.sharding.level() < 2;
-        let reduce = if input.sharding == Sharding::None {
-            CollectivePayload::Gradients
-        } else {
-            CollectivePayload::GradientShard
-        };
-        if input.overlap && whole {
-            let mut starts: Vec<(usize, usize, GroupId)> = held
-                .iter()
-                .filter_map(|&s| {
-                    let at = last_contribution.get(&s).copied().unwrap_or(stream.len());
-                    input.groups[s].map(|group| (at, s, group))
-                })
-                .collect();
-            starts.sort_by(|a, b| b.cmp(a));
-            for (at, s, group) in starts {
-                stream.insert(at, Instr::collective(reduce, st(s), group, input.gradient_bytes[s]));
-            }
-        }
-        let mut gathers = Vec::new();
-        for s in held {
-            match input.groups[s] {
-                Some(group) if input.sharding != Sharding::None => {
-                    if whole && !input.overlap {
-                        stream.push(Instr::collective(reduce, st(s), group, input.gradient_bytes[s]));
-                    }
-                    if whole || scattering.remove(&s).is_some() {
-                        stream.push(Instr::wait(reduce, st(s), group));
-                    }
-                    stream.push(Instr::ShardStep { stage: st(s) });
-                    // stages 1 and 2 gather the updated weights; their waits come last, so
-                    // each gather overlaps the device's other updates
-                    if input.sharding.level() < 3 {
-                        stream.push(Instr::collective(CollectivePayload::Weights, st(s), group, input.weight_bytes[s]));
-                        gathers.push((s, group));
-                    }
-                }
-                Some(group) => {
-                    if !input.overlap {
-                        stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
-                    }
-                    stream.push(Instr::wait(CollectivePayload::Gradients, st(s), group));
-                    stream.push(Instr::OptimizerStep { stage: st(s) });
-                }
-                None => stream.push(Instr::OptimizerStep { stage: st(s) }),
-            }
-        }
-        for (s, group) in gathers {
-            stream.push(Instr::wait(CollectivePayload::Weights, st(s), group));
-        }
+        per_step_updates(input, dev, stream, &last_contribution, &mut scattering);
     }
     owned
+}
+
+/// The end of a device's stream under one update per step: each held stage's gradient
+/// reduction (started after its last contribution with overlap), its optimizer step or
+/// ZeRO shard step, and the gathers of updated weights (ZeRO-1/2).
+fn per_step_updates(
+    input: &LowerInput<'_>,
+    dev: DeviceId,
+    stream: &mut Vec<Instr>,
+    last_contribution: &BTreeMap<usize, usize>,
+    scattering: &mut BTreeMap<usize, GroupId>,
+) {
+    let p = input.placement;
+    let st = |s: usize| StageId(s as u32);
+    // With overlap, each replicated stage's all-reduce (ZeRO-1: reduce-scatter) starts
+    // right after its last gradient contribution (later positions first, so earlier
+    // ones stay valid); the waits and optimizer steps follow at the end, in stage order
+    // on every device. ZeRO-2 and 3 reduce-scattered every contribution already.
+    let held = p.stages_of(dev);
+    let whole = input.sharding.level() < 2;
+    let reduce =
+        if input.sharding == Sharding::None { CollectivePayload::Gradients } else { CollectivePayload::GradientShard };
+    if input.overlap && whole {
+        let mut starts: Vec<(usize, usize, GroupId)> = held
+            .iter()
+            .filter_map(|&s| {
+                let at = last_contribution.get(&s).copied().unwrap_or(stream.len());
+                input.groups[s].map(|group| (at, s, group))
+            })
+            .collect();
+        starts.sort_by(|a, b| b.cmp(a));
+        for (at, s, group) in starts {
+            stream.insert(at, Instr::collective(reduce, st(s), group, input.gradient_bytes[s]));
+        }
+    }
+    let mut gathers = Vec::new();
+    for s in held {
+        match input.groups[s] {
+            Some(group) if input.sharding != Sharding::None => {
+                if whole && !input.overlap {
+                    stream.push(Instr::collective(reduce, st(s), group, input.gradient_bytes[s]));
+                }
+                if whole || scattering.remove(&s).is_some() {
+                    stream.push(Instr::wait(reduce, st(s), group));
+                }
+                stream.push(Instr::ShardStep { stage: st(s) });
+                // stages 1 and 2 gather the updated weights; their waits come last, so
+                // each gather overlaps the device's other updates
+                if input.sharding.level() < 3 {
+                    stream.push(Instr::collective(CollectivePayload::Weights, st(s), group, input.weight_bytes[s]));
+                    gathers.push((s, group));
+                }
+            }
+            Some(group) => {
+                if !input.overlap {
+                    stream.push(Instr::all_reduce_gradients(st(s), group, input.gradient_bytes[s]));
+                }
+                stream.push(Instr::wait(CollectivePayload::Gradients, st(s), group));
+                stream.push(Instr::OptimizerStep { stage: st(s) });
+            }
+            None => stream.push(Instr::OptimizerStep { stage: st(s) }),
+        }
+    }
+    for (s, group) in gathers {
+        stream.push(Instr::wait(CollectivePayload::Weights, st(s), group));
+    }
 }
 
 /// ZeRO stages 2 and 3 keep only a gradient shard: every gradient contribution of a

@@ -450,31 +450,44 @@ fn check_stream_dataflow(
                 }
             }
         }
-        // The next step computes with whole weights: every update's gather has landed.
-        for stage in &held {
-            if input.sharded(*stage) && !live.contains(&Buffer::Weights { stage: *stage }) {
-                out.push(Violation {
-                    device: Some(*dev),
-                    index: None,
-                    message: format!("{dev}: the weights of {stage} are not gathered after its shard's update"),
-                });
-            }
+        check_stream_end(input, *dev, &held, &live, out);
+    }
+}
+
+/// What must hold when a device's stream ends: every sharded stage's whole weights
+/// gathered again for the next step, and nothing a forward kept or stashed left behind.
+fn check_stream_end(
+    input: &VerifyInput<'_>,
+    dev: DeviceId,
+    held: &FxHashSet<StageId>,
+    live: &FxHashSet<Buffer>,
+    out: &mut Vec<Violation>,
+) {
+    let dev = &dev;
+    // The next step computes with whole weights: every update's gather has landed.
+    for stage in held {
+        if input.sharded(*stage) && !live.contains(&Buffer::Weights { stage: *stage }) {
+            out.push(Violation {
+                device: Some(*dev),
+                index: None,
+                message: format!("{dev}: the weights of {stage} are not gathered after its shard's update"),
+            });
         }
-        // Nothing the forwards kept may outlive the step.
-        for b in &live {
-            match b {
-                Buffer::Saved { stage, mb } => out.push(Violation {
-                    device: Some(*dev),
-                    index: None,
-                    message: format!("{dev}: the activations {stage} kept for {mb} are never freed"),
-                }),
-                Buffer::Stash { stage, mb } => out.push(Violation {
-                    device: Some(*dev),
-                    index: None,
-                    message: format!("{dev}: the weights {stage} stashed for {mb} are never restored for its backward"),
-                }),
-                _ => {}
-            }
+    }
+    // Nothing the forwards kept may outlive the step.
+    for b in live {
+        match b {
+            Buffer::Saved { stage, mb } => out.push(Violation {
+                device: Some(*dev),
+                index: None,
+                message: format!("{dev}: the activations {stage} kept for {mb} are never freed"),
+            }),
+            Buffer::Stash { stage, mb } => out.push(Violation {
+                device: Some(*dev),
+                index: None,
+                message: format!("{dev}: the weights {stage} stashed for {mb} are never restored for its backward"),
+            }),
+            _ => {}
         }
     }
 }

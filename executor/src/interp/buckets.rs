@@ -51,7 +51,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// bucket's first layer but the stage's own. None without buckets, where its buckets
     /// are fed by a weight-gradient pass (which needs no cut), or while evaluating.
     pub(crate) fn bucket_cuts(&self, stage: StageId) -> Option<Vec<usize>> {
-        if !self.segmented.contains(&stage) || self.evaluating.is_some() {
+        if !self.transfers.segmented.contains(&stage) || self.progress.evaluating.is_some() {
             return None;
         }
         let s = self.plan.stage(stage).filter(|s| !s.gradient_buckets.is_empty())?;
@@ -124,7 +124,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         reduce: Option<(GroupId, usize)>,
     ) -> Result<WeightGrads<B>> {
         let n_mb = self.plan.training.microbatches as f64;
-        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let kept =
+            self.passes.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         let Saved::Segmented(segments, loss) = &kept.saved else {
             return Err(ExecError::Plan(format!("{stage}'s forward did not run in buckets")));
         };
@@ -144,6 +145,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 (None, Some(l)) => self.backward_seed(l.clone(), n_mb),
                 (None, None) => {
                     let g = self
+                        .passes
                         .grads_in
                         .remove(&(stage, mb))
                         .ok_or(ExecError::Missing("the gradient of its output was not received"))?;
@@ -160,7 +162,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             } else if stage.0 > 0 {
                 let g = input_grad::<B>(&seg.leaf, &mut grads, Tag::gradient(stage, mb))?
                     .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
-                self.input_grads.insert((stage, mb), g);
+                self.passes.input_grads.insert((stage, mb), g);
             }
             if let Some((group, code)) = reduce {
                 if k == 0 {
@@ -225,7 +227,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let st = self.state(stage)?;
         if st.shard.is_none() {
             let sum = self.start_replica_sum(stage, members, range, last, code)?;
-            self.buckets.entry(stage).or_insert_with(BucketsInFlight::new).sums.push(sum);
+            self.transfers.buckets.entry(stage).or_insert_with(BucketsInFlight::new).sums.push(sum);
             return Ok(());
         }
         let (kind, flat, n_stats, covered) = {
@@ -247,7 +249,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let n = flat.first().map_or(0, Vec::len);
         let round = crate::comm::transport::Rounding::of_gradients(precision, kind, n, members.len(), n_stats);
         let tickets = self.start_parts(stage, kind, members, flat, round, Some(code))?;
-        let b = self.buckets.entry(stage).or_insert_with(BucketsInFlight::new);
+        let b = self.transfers.buckets.entry(stage).or_insert_with(BucketsInFlight::new);
         b.parts.push((tickets, range));
         b.n_stats += n_stats;
         b.covered += covered;
@@ -256,7 +258,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
 
     /// The buckets `stage`'s backward started, for its `Collective` instruction.
     pub(crate) fn take_buckets(&mut self, stage: StageId) -> Option<BucketsInFlight> {
-        self.buckets.remove(&stage)
+        self.transfers.buckets.remove(&stage)
     }
 
     /// Every bucket's sums back into the stage's accumulator (`members` replicas

@@ -146,7 +146,7 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
     let mut ids: Vec<StageId> = w.stages.keys().copied().collect();
     ids.sort();
     for id in ids {
-        let group = w.experts.get(&id).cloned();
+        let group = w.groups.experts.get(&id).cloned();
         let st = w.stages.get_mut(&id).ok_or(ExecError::Missing("the stage"))?;
         let (tp_rank, tp_size) = st.tp_shard();
         if st.shard.is_some() {

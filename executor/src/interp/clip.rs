@@ -50,17 +50,17 @@ impl<B: ExecBackend> Worker<'_, B> {
     /// loss scaling): summed over the devices by the plan's `grad_norm`; alone, this
     /// device's stages are the whole model.
     pub(crate) fn global_norm(&mut self) -> Result<f64> {
-        if self.grad_norm.is_none() && !self.global_clip {
-            self.grad_norm = Some(self.norm_share()?.sqrt());
+        if self.progress.grad_norm.is_none() && !self.progress.global_clip {
+            self.progress.grad_norm = Some(self.norm_share()?.sqrt());
         }
-        self.grad_norm.ok_or(ExecError::Missing("the gradient norm was not summed before the update"))
+        self.progress.grad_norm.ok_or(ExecError::Missing("the gradient norm was not summed before the update"))
     }
 
     /// fp16's dynamic loss scaling: the factor that unscales this step's gradients, or None
     /// when one of them (anywhere in the model) is not finite and the step's updates are
     /// skipped; 1 when the loss is not scaled.
     pub(crate) fn unscale(&mut self) -> Result<Option<f64>> {
-        let Some(ls) = self.loss_scale else { return Ok(Some(1.0)) };
+        let Some(ls) = self.progress.loss_scale else { return Ok(Some(1.0)) };
         Ok(self.global_norm()?.is_finite().then(|| 1.0 / ls.scale))
     }
 
@@ -73,13 +73,13 @@ impl<B: ExecBackend> Worker<'_, B> {
         if plan.training.recipe.clips_globally(plan.schedule.updates_every_step()) {
             // summed over the devices by the plan's `grad_norm`; alone, this device's stages
             // are the whole model
-            let norm = self.global_norm()? / self.loss_scale.map_or(1.0, |s| s.scale);
+            let norm = self.global_norm()? / self.progress.loss_scale.map_or(1.0, |s| s.scale);
             return Ok(pipec_plan::recipe::clip_factor(max, norm));
         }
         let (plan, device) = (self.plan, self.device);
         let mut sum = squared_norm(self.state(stage)?, plan, stage, device, true)?;
         if let Some(tp) = self.state(stage)?.tp.clone() {
-            let reduce = self.reduce;
+            let reduce = self.transfers.reduce;
             sum = f64::from(
                 self.comm.collective(CollectiveKind::AllReduce, &tp.members, vec![sum as f32], reduce, None)?[0],
             );

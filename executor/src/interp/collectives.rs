@@ -45,14 +45,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         code: usize,
     ) -> Result<()> {
         let members = members(self.plan, group)?;
-        if self.collectives.contains_key(&(stage, group)) {
+        if self.transfers.collectives.contains_key(&(stage, group)) {
             return Err(ExecError::Plan(format!("{stage} starts a collective on {group} while its last is in flight")));
         }
         // a bucketed stage's backward started its buckets already
         if matches!(payload, CollectivePayload::Gradients | CollectivePayload::GradientShard) {
             if let Some(b) = self.take_buckets(stage) {
                 let into = Landing::Buckets { buckets: b, members: members.len() };
-                self.collectives.insert((stage, group), InFlight { payload, results: Vec::new(), into });
+                self.transfers.collectives.insert((stage, group), InFlight { payload, results: Vec::new(), into });
                 return Ok(());
             }
         }
@@ -60,7 +60,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let (n, params) = (members.len(), self.state(stage)?.parameter_sizes()?.len());
             let sum = self.start_replica_sum(stage, members, 0..params, true, code)?;
             let into = Landing::Gradients { sum, members: n };
-            self.collectives.insert((stage, group), InFlight { payload, results: Vec::new(), into });
+            self.transfers.collectives.insert((stage, group), InFlight { payload, results: Vec::new(), into });
             return Ok(());
         }
         // (a sharded stage's data comes in parts: `zero::ShardLayout`)
@@ -77,7 +77,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         };
         let round = self.gradient_rounding(parts.first().map_or(0, Vec::len), &into);
         let results = self.start_parts(stage, kind, members, parts, round, Some(code))?;
-        self.collectives.insert((stage, group), InFlight { payload, results, into });
+        self.transfers.collectives.insert((stage, group), InFlight { payload, results, into });
         Ok(())
     }
 
@@ -95,7 +95,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     ) -> Result<Vec<Ticket<Vec<f32>>>> {
         let rest = parts.split_off(1.min(parts.len()));
         let first = parts.pop().unwrap_or_default();
-        let mut results = vec![self.comm.start_reduction(kind, members, first, self.reduce, round, code)?];
+        let mut results = vec![self.comm.start_reduction(kind, members, first, self.transfers.reduce, round, code)?];
         results.extend(self.start_expert_parts(stage, kind, rest, code)?);
         Ok(results)
     }
@@ -128,7 +128,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 let round = (kind == CollectiveKind::ReduceScatter)
                     .then(|| Rounding::of_gradients(precision, kind, d.len(), holders.len(), 0))
                     .flatten();
-                Ok(self.comm.start_reduction(kind, holders.clone(), d, self.reduce, round, code)?)
+                Ok(self.comm.start_reduction(kind, holders.clone(), d, self.transfers.reduce, round, code)?)
             })
             .collect()
     }
@@ -153,7 +153,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// `WaitCollective`: waits for `stage`'s collective on `group` and puts its result back.
     pub(crate) fn wait_collective(&mut self, payload: CollectivePayload, stage: StageId, group: GroupId) -> Result<()> {
         let c =
-            self.collectives.remove(&(stage, group)).filter(|c| c.payload == payload).ok_or_else(|| {
+            self.transfers.collectives.remove(&(stage, group)).filter(|c| c.payload == payload).ok_or_else(|| {
                 ExecError::Plan(format!("no {payload} collective of {stage} on {group} is in flight"))
             })?;
         let results = c.results.into_iter().map(Ticket::wait).collect::<std::result::Result<Vec<_>, _>>()?;
@@ -208,7 +208,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 // (a NaN stays NaN: f64::max would make it 0, and fp16's overflow check
                 // must see it)
                 let sum = f64::from(sum);
-                self.grad_norm = Some(if sum.is_nan() { sum } else { sum.max(0.0).sqrt() });
+                self.progress.grad_norm = Some(if sum.is_nan() { sum } else { sum.max(0.0).sqrt() });
                 Ok(())
             }
         }
@@ -313,7 +313,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         if tp.partial_ids.is_empty() {
             return Ok(());
         }
-        let reduce = self.reduce;
+        let reduce = self.transfers.reduce;
         let dev = self.dev.clone();
         let st = self.stages.get_mut(&stage).ok_or(ExecError::Missing("no stage"))?;
         let ids = layout::<B, _>(st.model()?);
@@ -343,7 +343,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         stats: bool,
         code: usize,
     ) -> Result<ReplicaSum> {
-        let (precision, reduce) = (self.plan.training.grad_precision, self.reduce);
+        let (precision, reduce) = (self.plan.training.grad_precision, self.transfers.reduce);
         let st = self.state(stage)?;
         let sizes = st.parameter_sizes()?;
         let (everywhere, here) = match st.experts.as_ref().filter(|h| h.updates_alone()) {

@@ -27,7 +27,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// when the plan stashed one; vertical sync may pick an older version than the current
     /// one), reports the loss or keeps the output to send, and keeps what the backward needs.
     pub(crate) fn forward(&mut self, stage: StageId, mb: MicrobatchId, report: &mut StepReport) -> Result<()> {
-        let x = self.inputs.remove(&(stage, mb)).ok_or(ExecError::Missing("its input was not loaded or received"))?;
+        let x = self
+            .passes
+            .inputs
+            .remove(&(stage, mb))
+            .ok_or(ExecError::Missing("its input was not loaded or received"))?;
         let st = self.state(stage)?;
         let model = microbatch_copy(match st.stash.get(&mb) {
             Some(m) => m,
@@ -40,7 +44,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         })?;
         // the forward (not a recompute) records batch normalisation's statistics; validation
         // trains nothing
-        if self.evaluating.is_none() {
+        if self.progress.evaluating.is_none() {
             self.state(stage)?.record_statistics(mb, f.stats);
         }
         if let Some(loss) = f.loss {
@@ -49,17 +53,17 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 return Err(ExecError::NonFinite(format!("the loss of microbatch {} is {value}", mb.0)));
             }
             report.losses.push((mb.0, value));
-            if let (Some(_), Some(scores)) = (self.evaluating, &f.scores) {
+            if let (Some(_), Some(scores)) = (self.progress.evaluating, &f.scores) {
                 if let Some(c) = self.correct(mb, scores)? {
                     report.correct.push(c);
                 }
             }
         }
         if let Some(out) = &f.output {
-            self.outputs.insert((stage, mb), act_to_message(out, Tag::activation(stage, mb))?);
+            self.passes.outputs.insert((stage, mb), act_to_message(out, Tag::activation(stage, mb))?);
         }
         // the mixtures of experts' load-balancing losses and token counts (training only)
-        if self.evaluating.is_none() {
+        if self.progress.evaluating.is_none() {
             if let Some(aux) = &f.aux {
                 report.aux_losses.push((mb.0, aux.clone().into_scalar().elem::<f32>()));
             }
@@ -82,8 +86,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             model,
             aux: if keep_all { f.aux } else { None },
         };
-        self.saved.insert((stage, mb), kept);
-        *self.in_flight.entry(stage).or_insert(0) += 1;
+        self.passes.saved.insert((stage, mb), kept);
+        *self.passes.in_flight.entry(stage).or_insert(0) += 1;
         Ok(())
     }
 
@@ -91,7 +95,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// (not the newest, if an update came between), with the same dropout masks.
     pub(crate) fn recompute(&mut self, stage: StageId, mb: MicrobatchId) -> Result<()> {
         let Kept { input, model, .. } =
-            self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
+            self.passes.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
         let x = if stage.0 == 0 { input } else { require_grad(input) };
         // ZeRO-3: the weights gathered for this pass (one version a step: the forward's)
         let model = if self.sharded_at_3(stage) {
@@ -104,7 +108,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let f = crate::backend::dense::with_gathered_weights(gathered, || {
             self.run_forward(stage, mb, &model, x.clone(), key)
         })?;
-        self.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model, aux: f.aux });
+        self.passes.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model, aux: f.aux });
         Ok(())
     }
 
@@ -126,9 +130,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     ) -> Result<Forwarded<B>> {
         let is_last = stage == self.last_stage();
         // validation: dropout off, batch normalisation on its running statistics
-        let training = self.evaluating.is_none();
+        let training = self.progress.evaluating.is_none();
         if let Some(tp) = self.state(stage)?.tp.clone() {
-            let reduce = self.reduce;
+            let reduce = self.transfers.reduce;
             let comm = &self.comm;
             let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> {
                 Ok(comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?)
@@ -161,7 +165,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 // the scores are split over the vocabulary: Megatron's vocabulary-parallel loss
                 Some(crate::nn::layers::Layer::VocabLinear(_)) => {
                     let part = leaf.dims().last().copied().unwrap_or(0);
-                    let Some(Targets::Classes(classes)) = self.labels.get(&mb) else {
+                    let Some(Targets::Classes(classes)) = self.passes.labels.get(&mb) else {
                         return Err(ExecError::Missing("the class labels of this microbatch were not loaded"));
                     };
                     crate::parallel::tensor_parallel::vocab_parallel_loss(
@@ -229,7 +233,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// score against the label; a language model's at every position), and their number;
     /// None for a regression.
     pub(crate) fn correct(&self, mb: MicrobatchId, scores: &Act<B>) -> Result<Option<(f64, f64)>> {
-        let Some(Targets::Classes(labels)) = self.labels.get(&mb) else { return Ok(None) };
+        let Some(Targets::Classes(labels)) = self.passes.labels.get(&mb) else { return Ok(None) };
         let values = crate::nn::params::host_f32(match scores {
             Act::D2(t) => t.clone().inner().into_data(),
             Act::D3(t) => t.clone().inner().into_data(),
@@ -253,28 +257,32 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// This device's expert-parallel group for `stage`, its exchanges recorded for a
     /// backward only when training (not while evaluating).
     pub(crate) fn experts_for(&self, stage: StageId) -> Option<crate::backend::port::PeerGroup> {
-        self.experts.get(&stage).map(|g| self.tracked(g))
+        self.groups.experts.get(&stage).map(|g| self.tracked(g))
     }
 
     /// This device's context-parallel group for `stage`, its gather recorded for a backward
     /// only when training (not while evaluating).
     pub(crate) fn context_for(&self, stage: StageId) -> Option<crate::nn::context::Context> {
-        self.contexts.get(&stage).map(|c| crate::nn::context::Context { group: self.tracked(&c.group), ..c.clone() })
+        self.groups
+            .contexts
+            .get(&stage)
+            .map(|c| crate::nn::context::Context { group: self.tracked(&c.group), ..c.clone() })
     }
 
     /// `group`, its exchanges recorded for a backward only when training.
     fn tracked(&self, group: &crate::backend::port::PeerGroup) -> crate::backend::port::PeerGroup {
-        crate::backend::port::PeerGroup { tracked: self.evaluating.is_none(), ..group.clone() }
+        crate::backend::port::PeerGroup { tracked: self.progress.evaluating.is_none(), ..group.clone() }
     }
 
     /// The first failure of an expert or context-parallel exchange inside a backward of
     /// `stage` (a backward cannot return one; the exchange records it).
     pub(crate) fn exchange_failure(&self, stage: StageId) -> Result<()> {
         let failure = self
+            .groups
             .experts
             .get(&stage)
             .and_then(crate::backend::port::PeerGroup::take_failure)
-            .or_else(|| self.contexts.get(&stage).and_then(crate::nn::context::Context::take_failure));
+            .or_else(|| self.groups.contexts.get(&stage).and_then(crate::nn::context::Context::take_failure));
         match failure {
             Some(e) => Err(ExecError::Transport(crate::comm::transport::TransportError::Other(format!(
                 "an exchange with the group in the backward of {stage} failed: {e}"
@@ -289,7 +297,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// rounds it).
     pub(crate) fn backward_seed(&self, l: Tensor<B, 1>, n_mb: f64) -> Tensor<B, 1> {
         let l = l / n_mb;
-        match self.loss_scale {
+        match self.progress.loss_scale {
             Some(s) => l * s.scale,
             None => l,
         }
@@ -297,7 +305,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
 
     /// The mean loss of a microbatch's output (tracked).
     pub(crate) fn loss(&self, mb: MicrobatchId, out: Act<B>) -> Result<Tensor<B, 1>> {
-        let y = self.labels.get(&mb).ok_or(ExecError::Missing("the labels of this microbatch were not loaded"))?;
+        let y =
+            self.passes.labels.get(&mb).ok_or(ExecError::Missing("the labels of this microbatch were not loaded"))?;
         loss_of::<B>(self.plan.model.loss, out, y, &self.dev)
     }
 
@@ -308,7 +317,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// (`dense::with_deferred_weight_gradients`); the rest are Burn's.
     pub(crate) fn run_backward(&mut self, stage: StageId, mb: MicrobatchId, split: bool) -> Result<WeightGrads<B>> {
         let n_mb = self.plan.training.microbatches as f64;
-        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let kept =
+            self.passes.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         let target = match &kept.saved {
             // (an exchange inside these backwards records its failure too: checked after them)
             Saved::Tp(..) => {
@@ -327,6 +337,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Saved::Loss(l) => self.backward_seed(l.clone(), n_mb),
             Saved::Output(out) => {
                 let g = self
+                    .passes
                     .grads_in
                     .remove(&(stage, mb))
                     .ok_or(ExecError::Missing("the gradient of its output was not received"))?;
@@ -348,11 +359,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         };
         // an exchange inside the backward records its failure instead of returning it
         self.exchange_failure(stage)?;
-        let kept = self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+        let kept =
+            self.passes.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         if stage.0 > 0 {
             let g = input_grad::<B>(&kept.input, &mut grads, Tag::gradient(stage, mb))?
                 .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
-            self.input_grads.insert((stage, mb), g);
+            self.passes.input_grads.insert((stage, mb), g);
         }
         Ok(WeightGrads { rest: collect_grads(&kept.model, &mut grads), deferred })
     }
@@ -362,9 +374,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     pub(crate) fn backward_tp(&mut self, stage: StageId, mb: MicrobatchId, n_mb: f64) -> Result<FlatGrads<B>> {
         let tp = self.state(stage)?.tp.clone().ok_or(ExecError::Plan(format!("{stage} is not tensor-parallel")))?;
         let size = tp.members.len() as f32;
-        let reduce = self.reduce;
+        let reduce = self.transfers.reduce;
         let Kept { saved, model: used, .. } =
-            self.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
+            self.passes.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         let Saved::Tp(segments, loss) = saved else {
             return Err(ExecError::Plan(format!("{stage}'s forward was not tensor-parallel")));
         };
@@ -378,6 +390,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     .ok_or(ExecError::Missing("no gradient reached the loss input"))?
             }
             None => self
+                .passes
                 .grads_in
                 .remove(&(stage, mb))
                 .ok_or(ExecError::Missing("the gradient of its output was not received"))?,
@@ -402,7 +415,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 }
             }
             if k == 0 {
-                self.input_grads.insert((stage, mb), g);
+                self.passes.input_grads.insert((stage, mb), g);
             } else {
                 grad_out = g;
             }

@@ -51,11 +51,11 @@ impl<B: ExecBackend> Worker<'_, B> {
     /// kept autodiff graph holds them they stay. Not while evaluating.
     pub(crate) fn release_unpinned(&mut self, stage: StageId) -> Result<()> {
         let gathered = self.stages.get(&stage).and_then(|s| s.shard.as_ref()).is_some_and(|shard| shard.gathered);
-        if !gathered || !self.sharded_at_3(stage) || self.evaluating.is_some() {
+        if !gathered || !self.sharded_at_3(stage) || self.progress.evaluating.is_some() {
             return Ok(());
         }
-        let pinned = self.saved.iter().any(|((s, _), k)| *s == stage && !k.saved.is_nothing())
-            || self.pending_weight_grads.keys().any(|(s, _)| *s == stage);
+        let pinned = self.passes.saved.iter().any(|((s, _), k)| *s == stage && !k.saved.is_nothing())
+            || self.passes.pending_weight_grads.keys().any(|(s, _)| *s == stage);
         if pinned {
             return Ok(());
         }
@@ -71,15 +71,15 @@ impl<B: ExecBackend> Worker<'_, B> {
         if shard.gathered {
             return Ok(());
         }
-        let tickets = match self.prefetched.remove(&stage) {
+        let tickets = match self.zero3.prefetched.remove(&stage) {
             Some(tickets) => {
-                self.prefetched_gathers += 1;
+                self.zero3.prefetched_gathers += 1;
                 tickets
             }
             None => self.start_gather(stage)?,
         };
         let gathered = tickets.into_iter().map(Ticket::wait).collect::<std::result::Result<Vec<_>, _>>()?;
-        self.weight_gathers += 1;
+        self.zero3.weight_gathers += 1;
         let st = self.state(stage)?;
         let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage's shard"))?;
         let whole = shard.layout.whole_of(&gathered, |k| !shard.per_product[k])?;
@@ -104,7 +104,8 @@ impl<B: ExecBackend> Worker<'_, B> {
             Some(g) => g.clone(),
             None => {
                 let members = crate::parallel::groups::members(self.plan, shard.group)?;
-                let g = crate::parallel::zero::Gatherer::new(shard, self.comm.exchanger(), members, self.reduce)?;
+                let g =
+                    crate::parallel::zero::Gatherer::new(shard, self.comm.exchanger(), members, self.transfers.reduce)?;
                 let g = std::sync::Arc::new(g);
                 self.state(stage)?.shard.as_mut().ok_or(ExecError::Missing("the stage's shard"))?.gatherer =
                     Some(g.clone());
@@ -131,7 +132,7 @@ impl<B: ExecBackend> Worker<'_, B> {
             return done;
         };
         g.drop_kept();
-        self.product_gathers += g.take_gathers();
+        self.zero3.product_gathers += g.take_gathers();
         let done = done?;
         match g.take_failure() {
             Some(e) => Err(ExecError::Transport(TransportError::Other(format!("a weight's all-gather failed: {e}")))),
@@ -162,26 +163,27 @@ impl<B: ExecBackend> Worker<'_, B> {
     /// Not while evaluating.
     pub(crate) fn prefetch_weights(&mut self, at: usize) -> Result<()> {
         // (the look-ahead only where some stage here is sharded at level 3)
-        if self.evaluating.is_some() || !self.stages.keys().any(|s| self.sharded_at_3(*s)) {
+        if self.progress.evaluating.is_some() || !self.stages.keys().any(|s| self.sharded_at_3(*s)) {
             return Ok(());
         }
-        let Some(current) = self.step_instrs.get(at).map(Instr::stage) else { return Ok(()) };
+        let Some(current) = self.progress.step_instrs.get(at).map(Instr::stage) else { return Ok(()) };
         let needs_weights = |i: &Instr| {
             matches!(
                 i,
                 Instr::Forward { .. } | Instr::Recompute { .. } | Instr::Backward { .. } | Instr::BackwardInput { .. }
             )
         };
-        let Some(j) = (at + 1..self.step_instrs.len()).find(|&j| needs_weights(&self.step_instrs[j])) else {
+        let Some(j) = (at + 1..self.progress.step_instrs.len()).find(|&j| needs_weights(&self.progress.step_instrs[j]))
+        else {
             return Ok(());
         };
-        let next = self.step_instrs[j].stage();
+        let next = self.progress.step_instrs[j].stage();
         let gathered = self.stages.get(&next).and_then(|s| s.shard.as_ref()).is_none_or(|shard| shard.gathered);
-        if next == current || gathered || !self.sharded_at_3(next) || self.prefetched.contains_key(&next) {
+        if next == current || gathered || !self.sharded_at_3(next) || self.zero3.prefetched.contains_key(&next) {
             return Ok(());
         }
         // the weights must be those the pass finds: nothing in between updates the stage
-        let quiet = self.step_instrs[at + 1..j].iter().all(|i| {
+        let quiet = self.progress.step_instrs[at + 1..j].iter().all(|i| {
             i.stage() != next
                 || matches!(
                     i.phase(),
@@ -190,7 +192,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         });
         if quiet {
             let tickets = self.start_gather(next)?;
-            self.prefetched.insert(next, tickets);
+            self.zero3.prefetched.insert(next, tickets);
         }
         Ok(())
     }

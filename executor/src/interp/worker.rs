@@ -10,15 +10,16 @@ use std::time::Instant;
 
 use burn::prelude::*;
 use pipec_plan::plan::{instruction_code, Segment as StreamSegment};
-use pipec_plan::{DeviceId, GroupId, Instr, MicrobatchId, Plan, ReduceMode, StageId};
+use pipec_plan::{DeviceId, Instr, MicrobatchId, Plan, ReduceMode, StageId};
 
 use crate::backend::kernels::ExecBackend;
-use crate::comm::exchanger::{Comm, CommTrace, Ticket};
+use crate::comm::exchanger::{Comm, CommTrace};
 use crate::comm::transport::{Message, Tag};
 use crate::error::{ExecError, Result};
 use crate::interp::data::{Dataset, Inputs, Targets};
+use crate::interp::parts::{Passes, PeerGroups, Progress, Transfers, Zero3Gathers};
 use crate::interp::stage::StageState;
-use crate::interp::values::{host_to_act, require_grad, Kept, WeightGrads};
+use crate::interp::values::{host_to_act, require_grad};
 use crate::nn::layers::Act;
 use crate::nn::params::{flatten_grads, layout, snapshot};
 
@@ -93,7 +94,8 @@ pub struct HeldState {
     pub optimizer: u64,
 }
 
-/// A worker: one device, its stages, its stream.
+/// A worker: one device, its stages, its stream, and what it holds between instructions
+/// (`interp::parts`: twelve fields in all).
 pub(crate) struct Worker<'a, B: ExecBackend> {
     pub device: DeviceId,
     pub plan: &'a Plan,
@@ -102,58 +104,11 @@ pub(crate) struct Worker<'a, B: ExecBackend> {
     pub comm: Comm,
     pub dev: B::Device,
     pub stages: HashMap<StageId, StageState<B>>,
-    pub reduce: ReduceMode,
-    /// The start of the run: step reports say when each step started from it.
-    pub epoch: Instant,
-    // per-step buffers
-    pub(crate) inputs: HashMap<(StageId, MicrobatchId), Act<B>>,
-    pub(crate) labels: HashMap<MicrobatchId, Targets>,
-    pub(crate) saved: HashMap<(StageId, MicrobatchId), Kept<B>>,
-    pub(crate) outputs: HashMap<(StageId, MicrobatchId), Message>,
-    pub(crate) grads_in: HashMap<(StageId, MicrobatchId), Message>,
-    pub(crate) input_grads: HashMap<(StageId, MicrobatchId), Message>,
-    /// Split backwards' weight halves to come (`BackwardWeight`).
-    pub(crate) pending_weight_grads: HashMap<(StageId, MicrobatchId), WeightGrads<B>>,
-    pub(crate) in_flight: HashMap<StageId, u32>,
-    /// ZeRO-3: the all-gathers of whole weights since the step started, and those of them
-    /// prefetched ([`Worker::prefetch_weights`]).
-    pub(crate) weight_gathers: u32,
-    pub(crate) prefetched_gathers: u32,
-    /// ZeRO-3: the all-gathers of single weights by their products since the step started.
-    pub(crate) product_gathers: u32,
-    /// ZeRO-3: whole weights being gathered ahead of the pass that needs them, per stage.
-    pub(crate) prefetched: HashMap<StageId, Vec<Ticket<Vec<f32>>>>,
-    /// The step's instructions (what a prefetch looks ahead in).
-    pub(crate) step_instrs: Vec<Instr>,
-    /// When the all-to-all the last instruction accounted for ran (inside its pass).
-    pub(crate) exchanged: Option<(Instant, Instant)>,
-    /// Receives posted ahead, by position in the step.
-    pub(crate) posted: HashMap<usize, Ticket<Message>>,
-    /// All-reduces in flight, per stage.
-    pub(crate) collectives: HashMap<(StageId, GroupId), crate::interp::in_flight::InFlight>,
-    /// The most gradient values held at once since the run started.
-    pub(crate) peak_gradients: u64,
-    /// The step being run (the learning-rate schedule's).
-    pub(crate) current_step: usize,
-    /// Gradient clipping by the global norm: this step's norm (once summed).
-    pub(crate) grad_norm: Option<f64>,
-    /// fp16's dynamic loss scale at the start of the step (`crate::backend::amp::scales_loss`);
-    /// None when the loss is not scaled.
-    pub(crate) loss_scale: Option<pipec_plan::recipe::LossScale>,
-    /// The stream sums the gradient norm over every device (`grad_norm`).
-    pub(crate) global_clip: bool,
-    /// Validation: the held-out batch being evaluated (forwards only, dropout off, batch
-    /// normalisation on its running statistics); None while training.
-    pub(crate) evaluating: Option<usize>,
-    /// Expert parallelism: this device's group for each expert-parallel stage it holds.
-    pub(crate) experts: HashMap<StageId, crate::backend::port::PeerGroup>,
-    /// Context parallelism: per stage, this device's group and positions.
-    pub(crate) contexts: HashMap<StageId, crate::nn::context::Context>,
-    /// Gradient buckets: the step's backwards (positions) whose stage's all-reduce over
-    /// the group runs in buckets (`buckets`), and the buckets started, per stage.
-    pub(crate) bucketed: HashMap<usize, GroupId>,
-    pub(crate) segmented: std::collections::HashSet<StageId>,
-    pub(crate) buckets: HashMap<StageId, crate::interp::in_flight::BucketsInFlight>,
+    pub(crate) passes: Passes<B>,
+    pub(crate) zero3: Zero3Gathers,
+    pub(crate) transfers: Transfers,
+    pub(crate) progress: Progress,
+    pub(crate) groups: PeerGroups,
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
@@ -178,9 +133,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .keys()
             .filter_map(|s| crate::nn::context::Context::of(plan, *s, device, &exchanger).map(|g| (*s, g)))
             .collect();
+        let global_clip = stream
+            .iter()
+            .any(|i| matches!(i, Instr::Collective { payload: pipec_plan::CollectivePayload::GradNorm, .. }));
         Worker {
-            experts,
-            contexts,
             device,
             plan,
             stream,
@@ -188,35 +144,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             comm,
             dev,
             stages,
-            reduce,
-            epoch: Instant::now(),
-            inputs: HashMap::new(),
-            labels: HashMap::new(),
-            saved: HashMap::new(),
-            outputs: HashMap::new(),
-            grads_in: HashMap::new(),
-            input_grads: HashMap::new(),
-            pending_weight_grads: HashMap::new(),
-            in_flight: HashMap::new(),
-            weight_gathers: 0,
-            prefetched_gathers: 0,
-            product_gathers: 0,
-            prefetched: HashMap::new(),
-            step_instrs: Vec::new(),
-            exchanged: None,
-            posted: HashMap::new(),
-            collectives: HashMap::new(),
-            peak_gradients: 0,
-            current_step: 0,
-            grad_norm: None,
-            loss_scale: None,
-            global_clip: stream
-                .iter()
-                .any(|i| matches!(i, Instr::Collective { payload: pipec_plan::CollectivePayload::GradNorm, .. })),
-            evaluating: None,
-            bucketed: HashMap::new(),
-            segmented: Default::default(),
-            buckets: HashMap::new(),
+            passes: Passes::default(),
+            zero3: Zero3Gathers::default(),
+            transfers: Transfers::new(reduce),
+            progress: Progress::new(global_clip),
+            groups: PeerGroups { experts, contexts },
         }
     }
 
@@ -244,10 +176,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         drained: bool,
     ) -> std::result::Result<StepReport, (usize, ExecError)> {
         let start = Instant::now();
-        let started = start.duration_since(self.epoch).as_secs_f64();
+        let started = start.duration_since(self.progress.epoch).as_secs_f64();
         let mut report = StepReport { device: self.device, step, started, ..Default::default() };
-        self.current_step = step;
-        self.grad_norm = None;
+        self.progress.current_step = step;
+        self.progress.grad_norm = None;
         for st in self.stages.values_mut() {
             st.versions = st.model.iter().cloned().collect();
         }
@@ -262,16 +194,17 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             })
             .collect();
         let instrs: Vec<Instr> = all.iter().map(|(_, i)| i.clone()).collect();
-        self.bucketed = crate::interp::in_flight::bucketed_backwards(self.plan, &instrs);
-        self.prefetched.clear();
+        self.transfers.bucketed = crate::interp::in_flight::bucketed_backwards(self.plan, &instrs);
+        self.zero3.prefetched.clear();
         // the stages whose whole backward feeds its buckets run their forwards in segments
-        self.segmented = self
+        self.transfers.segmented = self
+            .transfers
             .bucketed
             .keys()
             .filter(|&&b| matches!(instrs[b], Instr::Backward { .. }))
             .map(|&b| instrs[b].stage())
             .collect();
-        self.step_instrs = instrs;
+        self.progress.step_instrs = instrs;
         // the next message instruction not yet handed to the communication thread
         let mut issued = 0;
         let mut last = 0;
@@ -287,7 +220,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     let tag = expected_message(next).map_err(|e| (*c, e))?;
                     let peer = next.peer().unwrap_or(self.device);
                     let ticket = self.comm.post_recv(peer, tag, *c).map_err(|e| (*c, e.into()))?;
-                    self.posted.insert(issued, ticket);
+                    self.transfers.posted.insert(issued, ticket);
                 }
                 issued += 1;
             }
@@ -299,7 +232,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let t1 = start.elapsed().as_secs_f64();
             // an all-to-all ran inside the pass before it: the trace shows it where it ran
             let since = |i: Instant| i.saturating_duration_since(start).as_secs_f64();
-            let (t0, t1) = self.exchanged.take().map_or((t0, t1), |(a, b)| (since(a), since(b)));
+            let (t0, t1) = self.transfers.exchanged.take().map_or((t0, t1), |(a, b)| (since(a), since(b)));
             report.trace.push((*code, t0, t1));
             let gradients: usize = self
                 .stages
@@ -314,8 +247,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     whole + shard
                 })
                 .sum();
-            self.peak_gradients = self.peak_gradients.max(gradients as u64);
-            for (s, n) in &self.in_flight {
+            self.progress.peak_gradients = self.progress.peak_gradients.max(gradients as u64);
+            for (s, n) in &self.passes.in_flight {
                 let p = report.peak_in_flight.entry(*s).or_insert(0);
                 *p = (*p).max(*n);
             }
@@ -326,37 +259,40 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         }
         self.exchanges_accounted(None).map_err(|e| (last, e))?;
         report.comm = self.comm.fence().map_err(|e| (last, e.into()))?;
-        if !self.collectives.is_empty() || !self.posted.is_empty() || !self.buckets.is_empty() {
+        if !self.transfers.collectives.is_empty()
+            || !self.transfers.posted.is_empty()
+            || !self.transfers.buckets.is_empty()
+        {
             return Err((
                 last,
                 ExecError::Missing("an all-reduce or a receive is left in flight at the end of the step"),
             ));
         }
         if drained
-            && (!self.saved.is_empty()
-                || !self.outputs.is_empty()
-                || !self.input_grads.is_empty()
+            && (!self.passes.saved.is_empty()
+                || !self.passes.outputs.is_empty()
+                || !self.passes.input_grads.is_empty()
                 || self.stages.values().any(|st| !st.forward_stats.is_empty()))
         {
             return Err((last, ExecError::Missing("buffers are left over at the end of the step")));
         }
         report.peak_versions = versions;
-        let gathers = std::mem::take(&mut self.weight_gathers);
-        let prefetched = std::mem::take(&mut self.prefetched_gathers);
+        let gathers = std::mem::take(&mut self.zero3.weight_gathers);
+        let prefetched = std::mem::take(&mut self.zero3.prefetched_gathers);
         let sharded = self.stages.keys().any(|s| self.sharded_at_3(*s));
         report.weight_gathers = sharded.then_some(gathers);
         report.prefetched_gathers = sharded.then_some(prefetched);
-        report.product_gathers = sharded.then_some(std::mem::take(&mut self.product_gathers));
-        report.grad_norm = self.grad_norm;
-        if let (Some(ls), Some(norm)) = (self.loss_scale, self.grad_norm) {
+        report.product_gathers = sharded.then_some(std::mem::take(&mut self.zero3.product_gathers));
+        report.grad_norm = self.progress.grad_norm;
+        if let (Some(ls), Some(norm)) = (self.progress.loss_scale, self.progress.grad_norm) {
             // every device saw the same norm (the plan's `grad_norm`), so every device's
             // scale moves alike
             report.grad_norm = Some(norm / ls.scale);
             report.loss_scale = Some(ls.scale);
             report.skipped = !norm.is_finite();
-            self.loss_scale = Some(ls.next(norm.is_finite()));
+            self.progress.loss_scale = Some(ls.next(norm.is_finite()));
         }
-        report.next_loss_scale = self.loss_scale;
+        report.next_loss_scale = self.progress.loss_scale;
         report.step_seconds = start.elapsed().as_secs_f64();
         Ok(report)
     }
@@ -370,7 +306,30 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let peer = ins.peer().unwrap_or(self.device);
             return Ok(self.comm.recv_now(peer, tag, code)?);
         }
-        Ok(self.posted.remove(&at).ok_or(ExecError::Missing("the receive was not posted"))?.wait()?)
+        Ok(self.transfers.posted.remove(&at).ok_or(ExecError::Missing("the receive was not posted"))?.wait()?)
+    }
+
+    /// `Free`: drops what a microbatch's forward kept for its backward.
+    fn free(&mut self, stage: StageId, mb: MicrobatchId) -> Result<()> {
+        self.passes.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
+        if let Some(c) = self.passes.in_flight.get_mut(&stage) {
+            *c = c.saturating_sub(1);
+        }
+        self.release_unpinned(stage)
+    }
+
+    /// `StashWeights`: keeps the stage's current weights (or the step's `version`) for the
+    /// microbatch's backward.
+    fn stash_weights(&mut self, stage: StageId, mb: MicrobatchId, version: Option<u32>) -> Result<()> {
+        let st = self.state(stage)?;
+        let m = match version {
+            None => st.model()?.clone(),
+            Some(v) => st.versions.get(v as usize).cloned().ok_or_else(|| {
+                ExecError::Plan(format!("weight version {v} does not exist yet ({} so far)", st.versions.len()))
+            })?,
+        };
+        st.stash.insert(mb, m);
+        Ok(())
     }
 
     pub(crate) fn exec(&mut self, ins: &Instr, code: usize, at: usize, report: &mut StepReport) -> Result<()> {
@@ -382,7 +341,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Instr::RecvActivation { stage, mb, .. } => {
                 let msg = self.received(ins, code, at)?;
                 let act = require_grad(host_to_act::<B>(&msg.shape, msg.data, &self.dev)?);
-                self.inputs.insert((stage, mb), act);
+                self.passes.inputs.insert((stage, mb), act);
                 Ok(())
             }
             Instr::Forward { stage, mb } => {
@@ -401,7 +360,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Instr::Backward { stage, mb } => {
                 self.gather_weights(stage)?;
                 self.prefetch_weights(at)?;
-                let done = match self.bucketed.get(&at).copied() {
+                let done = match self.transfers.bucketed.get(&at).copied() {
                     // the stage's last gradient of the step: its buckets start in the pass
                     Some(group) => self.backward_segments(stage, mb, Some((group, code))).map(|_| ()),
                     None => self.run_backward(stage, mb, false).and_then(|grads| self.add_gradient(stage, mb, grads)),
@@ -418,55 +377,40 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 // which wait for the plan's BackwardWeight
                 let grads = self.run_backward(stage, mb, true);
                 let grads = self.products_gathered(stage, grads)?;
-                self.pending_weight_grads.insert((stage, mb), grads);
+                self.passes.pending_weight_grads.insert((stage, mb), grads);
                 Ok(())
             }
             Instr::BackwardWeight { stage, mb } => {
                 let grads = self
+                    .passes
                     .pending_weight_grads
                     .remove(&(stage, mb))
                     .ok_or(ExecError::Missing("the input-gradient pass of this microbatch did not run"))?;
-                match self.bucketed.get(&at).copied() {
+                match self.transfers.bucketed.get(&at).copied() {
                     // the stage's last gradient of the step: its buckets start in the pass
                     Some(group) => self.weight_pass_in_buckets(stage, mb, grads, group, code),
                     None => self.add_gradient(stage, mb, grads),
                 }
             }
-            Instr::Free { stage, mb } => {
-                self.saved.remove(&(stage, mb)).ok_or(ExecError::Missing("nothing is kept for this microbatch"))?;
-                if let Some(c) = self.in_flight.get_mut(&stage) {
-                    *c = c.saturating_sub(1);
-                }
-                self.release_unpinned(stage)
-            }
+            Instr::Free { stage, mb } => self.free(stage, mb),
             Instr::SendActivation { peer, stage, mb, .. } => {
-                let msg = self.outputs.remove(&(stage, mb));
+                let msg = self.passes.outputs.remove(&(stage, mb));
                 self.send(peer, msg, code, "the activation to send was not computed")
             }
             Instr::RecvGradient { stage, mb, .. } => {
                 let msg = self.received(ins, code, at)?;
-                self.grads_in.insert((stage, mb), msg);
+                self.passes.grads_in.insert((stage, mb), msg);
                 Ok(())
             }
             Instr::SendGradient { peer, stage, mb, .. } => {
-                let msg = self.input_grads.remove(&(stage, mb));
+                let msg = self.passes.input_grads.remove(&(stage, mb));
                 self.send(peer, msg, code, "the gradient to send was not computed")
             }
             Instr::Collective { kind, payload, stage, group, .. } => {
                 self.start_collective(kind, payload, stage, group, code)
             }
             Instr::WaitCollective { payload, stage, group } => self.wait_collective(payload, stage, group),
-            Instr::StashWeights { stage, mb, version } => {
-                let st = self.state(stage)?;
-                let m = match version {
-                    None => st.model()?.clone(),
-                    Some(v) => st.versions.get(v as usize).cloned().ok_or_else(|| {
-                        ExecError::Plan(format!("weight version {v} does not exist yet ({} so far)", st.versions.len()))
-                    })?,
-                };
-                st.stash.insert(mb, m);
-                Ok(())
-            }
+            Instr::StashWeights { stage, mb, version } => self.stash_weights(stage, mb, version),
             Instr::RestoreWeights { stage, mb } => {
                 // Burn's autodiff graph holds the exact weight tensors the forward used, so
                 // the backward already differentiates at the stashed version; the stash is
@@ -511,11 +455,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             Instr::ShardStep { stage } => self.shard_step(stage),
             // made inside the pass before it: the plan's record of it is checked
             Instr::AllToAll { stage, layer, exchange, .. } => {
-                let group = self.experts.get(&stage).ok_or_else(|| {
+                let group = self.groups.experts.get(&stage).ok_or_else(|| {
                     ExecError::Plan(format!("`{ins}`: this device is in no expert-parallel group of {stage}"))
                 })?;
                 let made = group.account(ins, layer, exchange).map_err(ExecError::Plan)?;
-                self.exchanged = Some((made.started, made.ended));
+                self.transfers.exchanged = Some((made.started, made.ended));
                 Ok(())
             }
         }
@@ -524,7 +468,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// Whether every all-to-all the passes of `stage` (every stage: None) made is one the
     /// plan lists after them (`Instr::AllToAll`).
     fn exchanges_accounted(&self, stage: Option<StageId>) -> Result<()> {
-        for (s, group) in self.experts.iter().filter(|(s, _)| stage.is_none_or(|x| x == **s)) {
+        for (s, group) in self.groups.experts.iter().filter(|(s, _)| stage.is_none_or(|x| x == **s)) {
             let left = group.unaccounted();
             if let Some(crate::backend::port::Made { layer, exchange, .. }) = left.first() {
                 return Err(ExecError::Plan(format!(
@@ -567,7 +511,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
 
     /// The learning rate of the step being run (the plan's schedule).
     pub(crate) fn learning_rate(&self) -> f64 {
-        self.plan.training.lr_at(self.current_step)
+        self.plan.training.lr_at(self.progress.current_step)
     }
 
     pub(crate) fn load_microbatch(
@@ -583,12 +527,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let n = t.microbatches.max(1);
         let cp = t.context_parallel.max(1);
         let (step, k) = (mb.0 as usize / n, mb.0 as usize % n);
-        let (x, y) = match self.evaluating {
+        let (x, y) = match self.progress.evaluating {
             Some(batch) => self.data.validation_microbatch(batch, k / cp, t.microbatch_size, t.batch_size),
             None => self.data.microbatch(step, k / cp, t.microbatch_size, t.batch_size),
         };
         let seq = self.plan.model.input.first().copied().unwrap_or(1);
-        let (x, y, seq) = match self.contexts.get(&stage) {
+        let (x, y, seq) = match self.groups.contexts.get(&stage) {
             Some(c) if cp > 1 => {
                 if c.group.position != k % cp {
                     return Err(ExecError::Plan(format!(
@@ -622,10 +566,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 Inputs::Features(v) => host_to_act::<B>(&shape, v, &self.dev)?,
                 Inputs::Tokens(v) => Act::Tokens(Tensor::from_data(TensorData::new(v, shape), &self.dev)),
             };
-            self.inputs.insert((stage, mb), act);
+            self.passes.inputs.insert((stage, mb), act);
         }
         if labels {
-            self.labels.insert(mb, y);
+            self.passes.labels.insert(mb, y);
         }
         Ok(())
     }
@@ -638,9 +582,9 @@ impl<B: ExecBackend> Worker<'_, B> {
     pub(crate) fn evaluate(&mut self, step: usize, batch: usize) -> std::result::Result<[f64; 4], (usize, ExecError)> {
         let plan = self.plan;
         let Some(stream) = plan.eval.as_ref().and_then(|e| e.get(&self.device)) else { return Ok([0.0; 4]) };
-        self.evaluating = Some(batch);
+        self.progress.evaluating = Some(batch);
         let r = self.step(step, &[(StreamSegment::Body, stream.as_slice())], true);
-        self.evaluating = None;
+        self.progress.evaluating = None;
         let r = r?;
         let loss: f64 = r.losses.iter().map(|(_, l)| f64::from(*l)).sum();
         let (correct, total) = r.correct.iter().fold((0.0, 0.0), |(c, t), (a, b)| (c + a, t + b));
@@ -656,7 +600,7 @@ impl<B: ExecBackend> Worker<'_, B> {
             }
             Ok(n)
         };
-        let mut held = HeldState { gradients: self.peak_gradients, ..HeldState::default() };
+        let mut held = HeldState { gradients: self.progress.peak_gradients, ..HeldState::default() };
         for st in self.stages.values() {
             held.weights +=
                 layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum::<u64>();

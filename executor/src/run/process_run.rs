@@ -131,93 +131,13 @@ pub fn run_rank<F: Fabric + 'static>(
     let receive_bytes = |r: i32, tag: i32, abort: &AtomicBool| {
         fabric.receive(r, tag, false, abort, options.timeout, devices[r as usize]).map(|(b, _)| b)
     };
-    // Every rank reports each step's (loss sum, loss count) to rank 0, which combines them.
+    // Every rank reports each step's figures to rank 0, which combines them.
     let mut gather = |m: &StepMetrics| {
         if rank == 0 {
-            let (mut sum, mut count, mut secs) = (m.loss_sum, m.loss_count as f64, m.step_seconds);
-            let mut wait = m.checkpoint_wait_s;
-            let mut copy = m.checkpoint_copy_s;
-            // validation's sums, when this step was followed by one
-            let mut validation = m.validation.map(|v| v.sums);
-            let (mut aux, mut has_aux) = (m.aux_sum, m.aux_loss.is_some());
-            let mut expert_tokens = m.expert_tokens.clone();
-            for r in 1..size {
-                if let Ok(b) = receive_bytes(r, TAG_METRIC, &abort) {
-                    let v = from_f64s(&b);
-                    if v.len() >= 13 {
-                        sum += v[1];
-                        count += v[2];
-                        secs = secs.max(v[3]);
-                        wait = wait.map(|w| w.max(v[9]));
-                        if v[4] != 0.0 {
-                            let total = validation.get_or_insert([0.0; 4]);
-                            total.iter_mut().zip(&v[5..9]).for_each(|(a, b)| *a += b);
-                        }
-                        aux += v[10];
-                        has_aux |= v[11] != 0.0;
-                        if v[12] >= 0.0 {
-                            copy = Some(copy.unwrap_or(0.0).max(v[12]));
-                        }
-                        merge_expert_tokens(&mut expert_tokens, &v[13..]);
-                    }
-                }
-            }
-            let microbatches = plan.training.microbatches.max(1) as f64;
-            let loss = if count > 0.0 { sum / count } else { f64::NAN };
-            let language_model = crate::is_language_model(plan);
-            on_step(&StepMetrics {
-                step: m.step,
-                loss,
-                loss_sum: sum,
-                loss_count: count as usize,
-                step_seconds: secs,
-                samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12),
-                perplexity: language_model.then(|| loss.exp()),
-                // the same on every rank: a function of the step, and the norm's sum
-                lr: m.lr,
-                grad_norm: m.grad_norm,
-                loss_scale: m.loss_scale,
-                skipped: m.skipped,
-                epoch: m.epoch,
-                validation: validation.map(|v| crate::ValidationMetrics::of(v, language_model)),
-                checkpoint_wait_s: wait,
-                checkpoint_copy_s: copy,
-                checkpoint_write_s: m.checkpoint_write_s,
-                aux_sum: aux,
-                aux_loss: has_aux.then(|| aux / microbatches),
-                expert_tokens,
-            });
+            let theirs = (1..size).filter_map(|r| receive_bytes(r, TAG_METRIC, &abort).ok().map(|b| from_f64s(&b)));
+            on_step(&combined_metrics(plan, m, theirs));
         } else {
-            let v = m.validation.map_or([0.0; 4], |v| v.sums);
-            let has = f64::from(u8::from(m.validation.is_some()));
-            let _ = fabric.post(
-                0,
-                TAG_METRIC,
-                f64s(
-                    &[
-                        m.step as f64,
-                        m.loss_sum,
-                        m.loss_count as f64,
-                        m.step_seconds,
-                        has,
-                        v[0],
-                        v[1],
-                        v[2],
-                        v[3],
-                        m.checkpoint_wait_s.unwrap_or(0.0),
-                        m.aux_sum,
-                        f64::from(u8::from(m.aux_loss.is_some())),
-                        // (negative: no checkpoint after this step)
-                        m.checkpoint_copy_s.unwrap_or(-1.0),
-                    ]
-                    .into_iter()
-                    .chain(m.expert_tokens.iter().flat_map(|(layer, took)| {
-                        [*layer as f64, took.len() as f64].into_iter().chain(took.iter().map(|&t| t as f64))
-                    }))
-                    .collect::<Vec<f64>>(),
-                ),
-                None,
-            );
+            let _ = fabric.post(0, TAG_METRIC, f64s(&metric_numbers(m)), None);
         }
     };
     // Checkpoints: every rank sends its stages to rank 0, which writes one checkpoint.
@@ -280,6 +200,92 @@ pub fn run_rank<F: Fabric + 'static>(
         fabric.flush();
         fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
         Ok((info, report))
+    }
+}
+
+/// A rank's figures of one step, as numbers for rank 0 ([`combined_metrics`] reads them):
+/// step, loss sum and count, seconds, validation (a flag and its four sums), checkpoint
+/// wait, aux-loss sum and flag, checkpoint copy (negative: none after this step), then the
+/// experts' token counts as (layer, experts, counts...) runs.
+fn metric_numbers(m: &StepMetrics) -> Vec<f64> {
+    let v = m.validation.map_or([0.0; 4], |v| v.sums);
+    let has = f64::from(u8::from(m.validation.is_some()));
+    [
+        m.step as f64,
+        m.loss_sum,
+        m.loss_count as f64,
+        m.step_seconds,
+        has,
+        v[0],
+        v[1],
+        v[2],
+        v[3],
+        m.checkpoint_wait_s.unwrap_or(0.0),
+        m.aux_sum,
+        f64::from(u8::from(m.aux_loss.is_some())),
+        m.checkpoint_copy_s.unwrap_or(-1.0),
+    ]
+    .into_iter()
+    .chain(
+        m.expert_tokens.iter().flat_map(|(layer, took)| {
+            [*layer as f64, took.len() as f64].into_iter().chain(took.iter().map(|&t| t as f64))
+        }),
+    )
+    .collect()
+}
+
+/// Rank 0's figures of a step, `m`, combined with the other ranks' ([`metric_numbers`]):
+/// losses and validation summed, the slowest rank's seconds and checkpoint times, the
+/// experts' token counts merged; what every rank has alike (the learning rate, the norm,
+/// the loss scale) is rank 0's.
+fn combined_metrics(plan: &Plan, m: &StepMetrics, theirs: impl Iterator<Item = Vec<f64>>) -> StepMetrics {
+    let (mut sum, mut count, mut secs) = (m.loss_sum, m.loss_count as f64, m.step_seconds);
+    let mut wait = m.checkpoint_wait_s;
+    let mut copy = m.checkpoint_copy_s;
+    // validation's sums, when this step was followed by one
+    let mut validation = m.validation.map(|v| v.sums);
+    let (mut aux, mut has_aux) = (m.aux_sum, m.aux_loss.is_some());
+    let mut expert_tokens = m.expert_tokens.clone();
+    for v in theirs.filter(|v| v.len() >= 13) {
+        sum += v[1];
+        count += v[2];
+        secs = secs.max(v[3]);
+        wait = wait.map(|w| w.max(v[9]));
+        if v[4] != 0.0 {
+            let total = validation.get_or_insert([0.0; 4]);
+            total.iter_mut().zip(&v[5..9]).for_each(|(a, b)| *a += b);
+        }
+        aux += v[10];
+        has_aux |= v[11] != 0.0;
+        if v[12] >= 0.0 {
+            copy = Some(copy.unwrap_or(0.0).max(v[12]));
+        }
+        merge_expert_tokens(&mut expert_tokens, &v[13..]);
+    }
+    let microbatches = plan.training.microbatches.max(1) as f64;
+    let loss = if count > 0.0 { sum / count } else { f64::NAN };
+    let language_model = crate::is_language_model(plan);
+    StepMetrics {
+        step: m.step,
+        loss,
+        loss_sum: sum,
+        loss_count: count as usize,
+        step_seconds: secs,
+        samples_per_s: plan.training.batch_size as f64 / secs.max(1e-12),
+        perplexity: language_model.then(|| loss.exp()),
+        // the same on every rank: a function of the step, and the norm's sum
+        lr: m.lr,
+        grad_norm: m.grad_norm,
+        loss_scale: m.loss_scale,
+        skipped: m.skipped,
+        epoch: m.epoch,
+        validation: validation.map(|v| crate::ValidationMetrics::of(v, language_model)),
+        checkpoint_wait_s: wait,
+        checkpoint_copy_s: copy,
+        checkpoint_write_s: m.checkpoint_write_s,
+        aux_sum: aux,
+        aux_loss: has_aux.then(|| aux / microbatches),
+        expert_tokens,
     }
 }
 

@@ -227,10 +227,10 @@ fn work<B: ExecBackend, E: Endpoint + 'static>(shared: &Shared<'_>, ep: E, dev: 
             let stream = &plan.streams[&device];
             let mut w = Worker::new(device, plan, stream, shared.data, comm, dev, stages, plan.schedule.reduce);
             // fp16: the loss scale a resumed run left off at, or GradScaler's first
-            w.loss_scale = crate::backend::amp::scales_loss(plan).then(|| {
+            w.progress.loss_scale = crate::backend::amp::scales_loss(plan).then(|| {
                 shared.loaded.and_then(|l| l.loss_scale).unwrap_or_else(pipec_plan::recipe::LossScale::initial)
             });
-            w.epoch = shared.epoch;
+            w.progress.epoch = shared.epoch;
             run_steps(shared, &mut w, tx, &fail, baseline)
         }));
         if !matches!(outcome, Ok(Ok(()))) {
