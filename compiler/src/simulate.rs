@@ -63,6 +63,13 @@ pub struct Event {
     pub all_to_all: bool,
 }
 
+impl Event {
+    /// An instruction that ran on the device itself from `start` to `end`.
+    fn ran(device: DeviceId, index: usize, (start, end): (f64, f64), phase: Phase, all_to_all: bool) -> Event {
+        Event { device, index, start, end, phase, background: false, all_to_all }
+    }
+}
+
 /// Where execution got stuck.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stuck {
@@ -230,6 +237,35 @@ fn waited(device: DeviceId, index: usize, now: f64, (begin, end): (f64, f64)) ->
     }
 }
 
+/// The point-to-point links: the messages in flight on each (one direction of a device
+/// pair), in send order, and when each link is free again.
+#[derive(Default)]
+struct Links {
+    queued: FxHashMap<(DeviceId, DeviceId), VecDeque<InFlight>>,
+    free: FxHashMap<(DeviceId, DeviceId), f64>,
+}
+
+impl Links {
+    /// A message of `bytes` sent at `now` on `link`: it leaves once the link's earlier
+    /// messages have, and arrives its transfer time later.
+    fn send(
+        &mut self,
+        cost: &dyn CostModel,
+        link: (DeviceId, DeviceId),
+        bytes: u64,
+        now: f64,
+        key: Option<(MessageId, u64)>,
+    ) {
+        let free = self.free.entry(link).or_insert(0.0);
+        let begin = now.max(*free);
+        let arrival = begin + cost.transfer(link.0, link.1, bytes);
+        *free = arrival;
+        if let Some(key) = key {
+            self.queued.entry(link).or_default().push_back((key, begin, arrival));
+        }
+    }
+}
+
 /// Runs the streams. `groups` maps a group id to its members.
 pub fn simulate(
     streams: &BTreeMap<DeviceId, Vec<Instr>>,
@@ -239,9 +275,7 @@ pub fn simulate(
     let devices: Vec<DeviceId> = streams.keys().copied().collect();
     let mut pc: FxHashMap<DeviceId, usize> = devices.iter().map(|d| (*d, 0)).collect();
     let mut clock: FxHashMap<DeviceId, f64> = devices.iter().map(|d| (*d, 0.0)).collect();
-    // messages in flight per link, in send order; and when each link is free again
-    let mut links: FxHashMap<(DeviceId, DeviceId), VecDeque<InFlight>> = FxHashMap::default();
-    let mut link_free: FxHashMap<(DeviceId, DeviceId), f64> = FxHashMap::default();
+    let mut links = Links::default();
     let mut engines = Engines::default();
     // per device, its last backward or weight pass: (position, start, end)
     let mut last_backward: FxHashMap<DeviceId, (usize, f64, f64)> = FxHashMap::default();
@@ -249,22 +283,6 @@ pub fn simulate(
     // backward's positions, what is left of the pair's time after the forward, and the
     // position of the pair's last all-to-all (those inside the pair are hidden in its time)
     let mut pair: FxHashMap<DeviceId, Pair> = FxHashMap::default();
-    // an all-to-all's seconds over its group, when `dev` is one of its members
-    let all_to_all = |dev: DeviceId, group: &GroupId, bytes: u64| -> Option<f64> {
-        let members = groups.get(group).filter(|m| m.contains(&dev))?;
-        Some(cost.collective(CollectiveKind::AllToAll, *group, members, bytes))
-    };
-    // the seconds of the all-to-alls right after position `at` of `stream` (one that names a
-    // group without `dev` stops the run where it stands)
-    let exchanged_after = |dev: DeviceId, stream: &[Instr], at: usize| -> (f64, usize) {
-        let mut last = at;
-        let mut t = 0.0;
-        while let Some(Instr::AllToAll { group, bytes, .. }) = stream.get(last + 1) {
-            t += all_to_all(dev, group, *bytes).unwrap_or(0.0);
-            last += 1;
-        }
-        (t, last)
-    };
     let mut overlapped: BTreeMap<DeviceId, f64> = BTreeMap::new();
     // about an event per instruction
     let mut events = Vec::with_capacity(streams.values().map(Vec::len).sum());
@@ -290,22 +308,8 @@ pub fn simulate(
                 | Instr::SendGradient { peer, bytes, .. }
                 | Instr::PushGradient { peer, bytes, .. }
                 | Instr::PushWeights { peer, bytes, .. } => {
-                    let free = link_free.entry((dev, *peer)).or_insert(0.0);
-                    let begin = now.max(*free);
-                    let arrival = begin + cost.transfer(dev, *peer, *bytes);
-                    *free = arrival;
-                    if let Some(key) = message_key(ins) {
-                        links.entry((dev, *peer)).or_default().push_back((key, begin, arrival));
-                    }
-                    events.push(Event {
-                        device: dev,
-                        index: i,
-                        start: now,
-                        end: now,
-                        phase: Phase::Communication,
-                        background: false,
-                        all_to_all: false,
-                    });
+                    links.send(cost, (dev, *peer), *bytes, now, message_key(ins));
+                    events.push(Event::ran(dev, i, (now, now), Phase::Communication, false));
                     wake(*peer, &mut queue, &mut queued);
                 }
                 Instr::RecvActivation { peer, .. }
@@ -313,7 +317,7 @@ pub fn simulate(
                 | Instr::ApplyGradient { peer, .. }
                 | Instr::PullWeights { peer, .. } => {
                     let want = message_key(ins);
-                    let q = links.entry((*peer, dev)).or_default();
+                    let q = links.queued.entry((*peer, dev)).or_default();
                     match q.front() {
                         None => break, // blocked: woken by the peer's next send
                         Some((key, sent, arrival)) => {
@@ -326,15 +330,7 @@ pub fn simulate(
                             let done = now.max(*arrival);
                             let start = now.max(*sent);
                             q.pop_front();
-                            events.push(Event {
-                                device: dev,
-                                index: i,
-                                start: start.min(done),
-                                end: done,
-                                phase: Phase::Communication,
-                                background: false,
-                                all_to_all: false,
-                            });
+                            events.push(Event::ran(dev, i, (start.min(done), done), Phase::Communication, false));
                             clock.insert(dev, done);
                         }
                     }
@@ -346,17 +342,7 @@ pub fn simulate(
                     }
                     // a tied gradient's members hold different stages
                     let stage = if payload.crosses_stages() { u32::MAX } else { stage.0 };
-                    let buckets = match reduced_in_buckets(stream, i) {
-                        Some(b) => match last_backward.get(&dev) {
-                            Some(&(at, start, end)) if at == b => cost
-                                .gradient_buckets(ins.stage())
-                                .iter()
-                                .map(|x| (start + x.ready * (end - start), x.bytes))
-                                .collect(),
-                            _ => Vec::new(),
-                        },
-                        None => Vec::new(),
-                    };
+                    let buckets = bucket_starts(cost, stream, i, last_backward.get(&dev).copied());
                     let started =
                         Started { device: dev, index: i, at: now, bytes: *bytes, kind: *kind, stage, buckets };
                     engines.start(*group, started);
@@ -374,22 +360,14 @@ pub fn simulate(
                 }
                 // inside its pass: the device waits for it (hidden inside an overlapped pair)
                 Instr::AllToAll { group, bytes, .. } => {
-                    let Some(t) = all_to_all(dev, group, *bytes) else {
+                    let Some(t) = all_to_all_time((groups, cost), dev, group, *bytes) else {
                         error = Some(format!("{dev}: `{ins}` names a group it is not a member of"));
                         break;
                     };
                     match pair.get(&dev) {
                         Some(p) if p.forward < i && i <= p.last => *overlapped.entry(dev).or_insert(0.0) += t,
                         _ => {
-                            events.push(Event {
-                                device: dev,
-                                index: i,
-                                start: now,
-                                end: now + t,
-                                phase: Phase::Collective,
-                                background: false,
-                                all_to_all: true,
-                            });
+                            events.push(Event::ran(dev, i, (now, now + t), Phase::Collective, true));
                             clock.insert(dev, now + t);
                         }
                     }
@@ -414,16 +392,7 @@ pub fn simulate(
                             d = p.rest;
                         }
                         _ => {
-                            let opened = pipec_plan::schedule::overlapped_pair(stream, i).and_then(|j| {
-                                let (forward_exchanges, _) = exchanged_after(dev, stream, i);
-                                let (backward_exchanges, last) = exchanged_after(dev, stream, j);
-                                let both =
-                                    cost.overlapped(dev, ins, &stream[j], forward_exchanges + backward_exchanges)?;
-                                // at least the forward with its own exchanges
-                                let rest = both.max(d + forward_exchanges) - d;
-                                Some(Pair { forward: i, backward: j, rest, last })
-                            });
-                            if let Some(p) = opened {
+                            if let Some(p) = open_pair((groups, cost), dev, stream, i, d) {
                                 pair.insert(dev, p);
                             }
                         }
@@ -431,15 +400,7 @@ pub fn simulate(
                     if let Instr::Backward { .. } | Instr::BackwardWeight { .. } = ins {
                         last_backward.insert(dev, (i, now, now + d));
                     }
-                    events.push(Event {
-                        device: dev,
-                        index: i,
-                        start: now,
-                        end: now + d,
-                        phase: ins.phase(),
-                        background: false,
-                        all_to_all: false,
-                    });
+                    events.push(Event::ran(dev, i, (now, now + d), ins.phase(), false));
                     clock.insert(dev, now + d);
                 }
             }
@@ -449,13 +410,8 @@ pub fn simulate(
             break;
         }
     }
-    let finished = devices.iter().all(|d| pc[d] >= streams[d].len());
-    let unfinished_collective = engines.queue.values().any(|q| !q.is_empty());
-    if let Some(reason) = error.or_else(|| {
-        (!finished).then(|| "no device can make progress: every unfinished device waits for a message or a collective that never comes (deadlock)".to_string())
-    }).or_else(|| unfinished_collective.then(|| "a started collective never runs: its group's members start their collectives in different orders, or one never starts it (deadlock)".to_string())) {
-        let next = devices.iter().map(|d| (*d, (pc[d] < streams[d].len()).then_some(pc[d]))).collect();
-        return Err(Stuck { next, reason });
+    if let Some(stuck) = stuck(streams, &devices, &pc, error, &engines) {
+        return Err(stuck);
     }
     let step_time = clock.values().chain(engines.free_at.values()).copied().fold(0.0, f64::max);
     Ok(Timeline { events: by_device_then_start(events), step_time, overlapped })
@@ -467,6 +423,87 @@ pub fn simulate(
 /// device's nearly in order of its start, which the stable sort of each part finds in
 /// linear time): the GPT-3 175B search simulates plans of 1,024 devices, whose sort was
 /// two fifths of its instructions.
+/// An all-to-all's seconds over its group, when `dev` is one of its members.
+fn all_to_all_time(
+    (groups, cost): (&HashMap<GroupId, Vec<DeviceId>>, &dyn CostModel),
+    dev: DeviceId,
+    group: &GroupId,
+    bytes: u64,
+) -> Option<f64> {
+    let members = groups.get(group).filter(|m| m.contains(&dev))?;
+    Some(cost.collective(CollectiveKind::AllToAll, *group, members, bytes))
+}
+
+/// The seconds of the all-to-alls right after position `at` of `stream`, and the position
+/// of the last of them (one that names a group without `dev` stops the run where it
+/// stands).
+fn exchanged_after(
+    priced: (&HashMap<GroupId, Vec<DeviceId>>, &dyn CostModel),
+    dev: DeviceId,
+    stream: &[Instr],
+    at: usize,
+) -> (f64, usize) {
+    let mut last = at;
+    let mut t = 0.0;
+    while let Some(Instr::AllToAll { group, bytes, .. }) = stream.get(last + 1) {
+        t += all_to_all_time(priced, dev, group, *bytes).unwrap_or(0.0);
+        last += 1;
+    }
+    (t, last)
+}
+
+/// The overlapped pair (DualPipe) the forward at `i` of `stream`, taking `d` seconds alone,
+/// opens: the seconds left of the pair after the forward (at least the forward with its own
+/// exchanges), or None where the cost model runs the two one after the other.
+fn open_pair(
+    priced: (&HashMap<GroupId, Vec<DeviceId>>, &dyn CostModel),
+    dev: DeviceId,
+    stream: &[Instr],
+    i: usize,
+    d: f64,
+) -> Option<Pair> {
+    let j = pipec_plan::schedule::overlapped_pair(stream, i)?;
+    let (forward_exchanges, _) = exchanged_after(priced, dev, stream, i);
+    let (backward_exchanges, last) = exchanged_after(priced, dev, stream, j);
+    let both = priced.1.overlapped(dev, &stream[i], &stream[j], forward_exchanges + backward_exchanges)?;
+    let rest = both.max(d + forward_exchanges) - d;
+    Some(Pair { forward: i, backward: j, rest, last })
+}
+
+/// The buckets a collective at `i` of `stream` reduces in, each with its start: when the
+/// backward just before it (`last`: its position, start and end) reaches the bucket's
+/// `ready` fraction; none when the collective is not a bucketed reduction.
+fn bucket_starts(cost: &dyn CostModel, stream: &[Instr], i: usize, last: Option<(usize, f64, f64)>) -> Vec<(f64, u64)> {
+    match (reduced_in_buckets(stream, i), last) {
+        (Some(b), Some((at, start, end))) if at == b => cost
+            .gradient_buckets(stream[i].stage())
+            .iter()
+            .map(|x| (start + x.ready * (end - start), x.bytes))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Why the run stopped before every stream ended, if it did: an error one device met, a
+/// deadlock (no device can go on), or a collective started that never ran.
+fn stuck(
+    streams: &BTreeMap<DeviceId, Vec<Instr>>,
+    devices: &[DeviceId],
+    pc: &FxHashMap<DeviceId, usize>,
+    error: Option<String>,
+    engines: &Engines,
+) -> Option<Stuck> {
+    let finished = devices.iter().all(|d| pc[d] >= streams[d].len());
+    let unfinished_collective = engines.queue.values().any(|q| !q.is_empty());
+    if let Some(reason) = error.or_else(|| {
+        (!finished).then(|| "no device can make progress: every unfinished device waits for a message or a collective that never comes (deadlock)".to_string())
+    }).or_else(|| unfinished_collective.then(|| "a started collective never runs: its group's members start their collectives in different orders, or one never starts it (deadlock)".to_string())) {
+        let next = devices.iter().map(|d| (*d, (pc[d] < streams[d].len()).then_some(pc[d]))).collect();
+        return Some(Stuck { next, reason });
+    }
+    None
+}
+
 fn by_device_then_start(events: Vec<Event>) -> Vec<Event> {
     let total = events.len();
     let slots = events.iter().map(|e| e.device.0 as usize + 1).max().unwrap_or(0);

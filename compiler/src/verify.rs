@@ -496,16 +496,107 @@ fn check_stream_end(
 /// stage's all-reduce (ZeRO: the reduce-scatters of every contribution) when it is
 /// replicated; no gradient is left unapplied; a sharded stage updates its shard, an
 /// unsharded one its whole weights.
+/// A stage's gradient contributions since its last update, and how many of them a
+/// finished replica reduction covers.
+#[derive(Default, Clone, Copy)]
+struct Pending {
+    contributions: usize,
+    reduced: usize,
+}
+
+/// An optimizer (or ZeRO shard) step at position `i` of `dev`'s stream: sharded as its
+/// stage is, after the norm when clipping, applying the gradients it should (every `k`
+/// microbatches' where the schedule says), after the replicas' reduction; `e` is the
+/// stage's pending gradients, emptied.
+fn check_optimizer_step(
+    input: &VerifyInput<'_>,
+    (dev, i, stream): (DeviceId, usize, &[Instr]),
+    stage: StageId,
+    (e, norm_taken, replicated): (&mut Pending, bool, &FxHashSet<u32>),
+    out: &mut Vec<Violation>,
+) {
+    let (dev, stage) = (&dev, &stage);
+    let ins = &stream[i];
+    let shard = matches!(ins, Instr::ShardStep { .. });
+    if shard != input.sharded(*stage) {
+        out.push(v(
+            *dev,
+            i,
+            format!(
+                "`{ins}`: {stage} is {}sharded across its replicas",
+                if input.sharded(*stage) { "" } else { "not " }
+            ),
+        ));
+    }
+    if input.clipping && !norm_taken {
+        out.push(v(*dev, i, format!("`{ins}` updates before the gradient's norm is taken")));
+    }
+    if e.contributions == 0 {
+        out.push(v(*dev, i, format!("`{ins}` applies no gradient")));
+    }
+    if let Some(k) = input.update_every {
+        let later = stream[i + 1..].iter().any(
+            |x| matches!(x, Instr::Backward { stage: s, .. } | Instr::BackwardWeight { stage: s, .. } if s == stage),
+        );
+        if e.contributions > k || (e.contributions < k && later) {
+            out.push(v(
+                *dev,
+                i,
+                format!("`{ins}` applies {} microbatches' gradients; this schedule updates every {k}", e.contributions),
+            ));
+        }
+    }
+    if replicated.contains(&stage.0) && e.reduced < e.contributions {
+        out.push(v(*dev, i, format!("`{ins}` runs before the replicas' gradients are all-reduced")));
+    }
+    *e = Pending::default();
+}
+
+/// What must hold when a device's stream ends: every collective waited for, every
+/// gradient applied, every held stage updated.
+#[allow(clippy::type_complexity)]
+fn check_updates_end(
+    input: &VerifyInput<'_>,
+    dev: DeviceId,
+    (reducing, pending, steps): (
+        &FxHashMap<StageId, (GroupId, CollectivePayload, usize)>,
+        &FxHashMap<StageId, Pending>,
+        &FxHashMap<StageId, usize>,
+    ),
+    out: &mut Vec<Violation>,
+) {
+    let dev = &dev;
+    for (stage, (group, payload, _)) in reducing {
+        out.push(Violation {
+            device: Some(*dev),
+            index: None,
+            message: format!("{dev}: the collective of {stage} on {group} ({payload}) is never waited for"),
+        });
+    }
+    for s in input.placement.stages_of(*dev) {
+        let stage = StageId(s as u32);
+        if pending.get(&stage).is_some_and(|e| e.contributions > 0) {
+            out.push(Violation {
+                device: Some(*dev),
+                index: None,
+                message: format!(
+                    "{dev}: gradients of {stage} computed after its last optimizer step are never applied"
+                ),
+            });
+        }
+        if steps.get(&stage).copied().unwrap_or(0) == 0 {
+            out.push(Violation {
+                device: Some(*dev),
+                index: None,
+                message: format!("{dev}: {stage} is never updated"),
+            });
+        }
+    }
+}
+
 fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
     let replicated: FxHashSet<u32> =
         (0..input.placement.stages()).filter(|&s| input.placement.replicas[s].len() > 1).map(|s| s as u32).collect();
-    /// A stage's gradient contributions since its last update, and how many of them a
-    /// finished replica reduction covers.
-    #[derive(Default, Clone, Copy)]
-    struct Pending {
-        contributions: usize,
-        reduced: usize,
-    }
     for (dev, stream) in input.streams {
         let mut pending: FxHashMap<StageId, Pending> = FxHashMap::default();
         let mut steps: FxHashMap<StageId, usize> = FxHashMap::default();
@@ -635,72 +726,14 @@ fn check_updates(input: &VerifyInput<'_>, out: &mut Vec<Violation>) {
                     )),
                 },
                 Instr::OptimizerStep { stage } | Instr::ShardStep { stage } => {
-                    let shard = matches!(ins, Instr::ShardStep { .. });
-                    if shard != input.sharded(*stage) {
-                        out.push(v(
-                            *dev,
-                            i,
-                            format!(
-                                "`{ins}`: {stage} is {}sharded across its replicas",
-                                if input.sharded(*stage) { "" } else { "not " }
-                            ),
-                        ));
-                    }
-                    if input.clipping && !norm_taken {
-                        out.push(v(*dev, i, format!("`{ins}` updates before the gradient's norm is taken")));
-                    }
                     let e = pending.entry(*stage).or_default();
-                    if e.contributions == 0 {
-                        out.push(v(*dev, i, format!("`{ins}` applies no gradient")));
-                    }
-                    if let Some(k) = input.update_every {
-                        let later = stream[i + 1..].iter().any(|x| matches!(x, Instr::Backward { stage: s, .. } | Instr::BackwardWeight { stage: s, .. } if s == stage));
-                        if e.contributions > k || (e.contributions < k && later) {
-                            out.push(v(
-                                *dev,
-                                i,
-                                format!(
-                                    "`{ins}` applies {} microbatches' gradients; this schedule updates every {k}",
-                                    e.contributions
-                                ),
-                            ));
-                        }
-                    }
-                    if replicated.contains(&stage.0) && e.reduced < e.contributions {
-                        out.push(v(*dev, i, format!("`{ins}` runs before the replicas' gradients are all-reduced")));
-                    }
-                    *e = Pending::default();
+                    check_optimizer_step(input, (*dev, i, stream), *stage, (e, norm_taken, &replicated), out);
                     *steps.entry(*stage).or_insert(0) += 1;
                 }
                 _ => {}
             }
         }
-        for (stage, (group, payload, _)) in &reducing {
-            out.push(Violation {
-                device: Some(*dev),
-                index: None,
-                message: format!("{dev}: the collective of {stage} on {group} ({payload}) is never waited for"),
-            });
-        }
-        for s in input.placement.stages_of(*dev) {
-            let stage = StageId(s as u32);
-            if pending.get(&stage).is_some_and(|e| e.contributions > 0) {
-                out.push(Violation {
-                    device: Some(*dev),
-                    index: None,
-                    message: format!(
-                        "{dev}: gradients of {stage} computed after its last optimizer step are never applied"
-                    ),
-                });
-            }
-            if steps.get(&stage).copied().unwrap_or(0) == 0 {
-                out.push(Violation {
-                    device: Some(*dev),
-                    index: None,
-                    message: format!("{dev}: {stage} is never updated"),
-                });
-            }
-        }
+        check_updates_end(input, *dev, (&reducing, &pending, &steps), out);
     }
 }
 
