@@ -303,3 +303,83 @@ fn the_circle_finder_finds_circles() {
     std::fs::write(dir.path().join("d.rs"), "use crate::a::A;").expect("w");
     assert_eq!(import_circles(dir.path()), vec![vec!["a".to_string(), "b".to_string(), "c".to_string()]]);
 }
+
+/// Each function's name, file, first line and length in lines (its signature to its closing
+/// brace) in the non-test Rust files below `src`: a `fn` line's braces counted to where
+/// they close. Test modules (`tests.rs`, and whatever follows `#[cfg(test)]`) are left out.
+fn function_lengths(src: &std::path::Path) -> Vec<(String, String, usize, usize)> {
+    fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir).expect("src").flatten().map(|e| e.path()).collect();
+        entries.sort();
+        for p in entries {
+            if p.is_dir() {
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") && !p.ends_with("tests.rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let mut out = Vec::new();
+    for file in files {
+        let path = file.display().to_string();
+        let text = std::fs::read_to_string(&file).expect("source");
+        let lines: Vec<&str> = text.lines().collect();
+        let mut i = 0;
+        while i < lines.len() {
+            let l = lines[i].trim_start();
+            if l.starts_with("#[cfg(test)]") {
+                break;
+            }
+            let signature = l.trim_start_matches("pub(crate) ").trim_start_matches("pub ").trim_start_matches("const ");
+            if let Some(rest) = signature.strip_prefix("fn ") {
+                let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                let (mut depth, mut opened, mut j) = (0i64, false, i);
+                while j < lines.len() {
+                    let line = lines[j];
+                    depth += line.matches('{').count() as i64 - line.matches('}').count() as i64;
+                    opened |= line.contains('{');
+                    if (opened && depth <= 0) || (!opened && line.trim_end().ends_with(';')) {
+                        break;
+                    }
+                    j += 1;
+                }
+                out.push((name, path.clone(), i + 1, j - i + 1));
+            }
+            i += 1;
+        }
+    }
+    out
+}
+
+#[test]
+fn no_function_of_the_compiler_or_the_executor_is_over_150_lines() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut long: Vec<String> = ["compiler/src", "executor/src"]
+        .iter()
+        .flat_map(|src| function_lengths(&root.join(src)))
+        .filter(|f| f.3 > 150)
+        .map(|(name, path, line, n)| format!("{path}:{line} {name}: {n} lines"))
+        .collect();
+    long.sort();
+    assert!(long.is_empty(), "functions over 150 lines:\n{}", long.join("\n"));
+    // the measure sees a long function: this file's own are counted too
+    let here = function_lengths(&root.join("tests"));
+    assert!(here.iter().any(|f| f.0 == "function_lengths" && f.3 > 20), "{here:?}");
+}
+
+#[test]
+fn the_worker_holds_at_most_twelve_fields() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("executor/src/interp/worker.rs");
+    let text = std::fs::read_to_string(path).expect("worker.rs");
+    let start = text.find("pub(crate) struct Worker<").expect("the Worker struct");
+    let body = &text[start..start + text[start..].find("\n}\n").expect("its end")];
+    let fields: Vec<&str> = body
+        .lines()
+        .skip(1)
+        .map(str::trim)
+        .filter(|l| !l.starts_with("//") && l.contains(':') && l.ends_with(','))
+        .collect();
+    assert!(!fields.is_empty() && fields.len() <= 12, "{} fields: {fields:?}", fields.len());
+}
