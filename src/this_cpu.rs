@@ -114,7 +114,11 @@ pub fn this_cpu(workers: usize, memory: f64) -> Result<ThisCpu, String> {
         if workers > 1 {
             c.device.link = Some(pipec_executor::calibrate::calibrate_links(workers, REPS).link);
         }
-        let overhead = layer_overhead(&c.device, workers)?;
+        // the kernels are measured either way: a failed fit plans with no overhead, saying so
+        let overhead = layer_overhead(&c.device, workers).unwrap_or_else(|e| {
+            eprintln!("warning: the executor's work per layer pass could not be measured ({e}): planned without it");
+            0.0
+        });
         Ok((c.device, overhead))
     })?;
     found.device.memory = memory;
@@ -126,8 +130,9 @@ pub fn this_cpu(workers: usize, memory: f64) -> Result<ThisCpu, String> {
 /// worker, 1F1B, widths and depth unlike README's example, which it is checked against —
 /// is planned for `device` with no overhead and trained for [`STEPS`] steps on `workers`
 /// threads; its forward and backward passes after the first two steps took the measured
-/// time, their plan predicts the kernels': the excess over the layer passes they ran is the
-/// overhead (never below zero).
+/// time, their plan predicts the kernels': the median over the passes of each one's excess
+/// per layer pass it ran (a forward one per layer, a backward two) is the overhead (never
+/// below zero).
 pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<f64, String> {
     use pipec_plan::Instr;
     let workers = workers.max(1);
@@ -148,7 +153,9 @@ pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<f64, Strin
     let plan = compiled.plan;
     let report = pipec_executor::run(&plan, &pipec_executor::RunOptions::default(), &mut |_| {})
         .map_err(|e| format!("the overhead run failed: {e}"))?;
-    let (mut excess, mut passes) = (0.0, 0.0);
+    // each pass's excess per layer pass it ran; their median (a pass the machine paused in
+    // the middle of moves it no more than any other)
+    let mut excess: Vec<f64> = Vec::new();
     for &(dev, step, index, start, end) in &report.timeline {
         let Some(ins) = plan.instruction(dev, index).filter(|_| step >= 2) else { continue };
         let (per_layer, predicted) = match *ins {
@@ -157,13 +164,13 @@ pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<f64, Strin
             _ => continue,
         };
         let (Some(predicted), Some(st)) = (predicted, plan.stage(ins.stage())) else { continue };
-        excess += (end - start) - predicted;
-        passes += per_layer * (st.layers[1] - st.layers[0]) as f64;
+        excess.push(((end - start) - predicted) / (per_layer * (st.layers[1] - st.layers[0]).max(1) as f64));
     }
-    if passes == 0.0 {
+    if excess.is_empty() {
         return Err("the overhead run timed no passes".into());
     }
-    Ok((excess / passes).max(0.0))
+    excess.sort_by(f64::total_cmp);
+    Ok(excess[excess.len() / 2].max(0.0))
 }
 
 /// Steps of [`layer_overhead`]'s run (the first two are not timed).
