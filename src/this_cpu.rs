@@ -200,6 +200,10 @@ mod tests {
         assert!(four.measured_s.is_some() && four.cache != first.cache);
         let other = this_cpu_with(2, dir.path(), "cpu b", || Ok((device(7e9), 0.0))).expect("measured");
         assert_eq!(other.device.matrix.fp32, 7e9);
+        // a cache of the format before the overhead (a bare device file) is measured again
+        std::fs::write(&first.cache, serde_json::to_string(&device(3e9)).expect("json")).expect("write");
+        let refit = this_cpu_with(2, dir.path(), "cpu a", || Ok((device(4e9), 1e-6))).expect("measured");
+        assert_eq!((refit.measured_s.is_some(), refit.device.matrix.fp32, refit.overhead), (true, 4e9, 1e-6));
         // a cache file that is not a device file is measured again and replaced
         std::fs::write(&first.cache, "{ not json").expect("write");
         let mended = this_cpu_with(2, dir.path(), "cpu a", || Ok((device(9e9), 0.0))).expect("measured");
