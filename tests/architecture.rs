@@ -160,22 +160,33 @@ fn module_references(text: &str, modules: &BTreeSet<String>) -> BTreeSet<String>
 /// A crate's modules (one file each, in its folders too; the crate root and each folder's
 /// `mod.rs` excluded) by path from the root, with their text.
 fn crate_modules(src: &std::path::Path) -> Vec<(String, String)> {
-    fn walk(dir: &std::path::Path, prefix: &str, out: &mut Vec<(String, String)>) {
-        let mut entries: Vec<_> = std::fs::read_dir(dir).expect("src").flatten().map(|e| e.path()).collect();
-        entries.sort();
-        for p in entries {
-            let Some(stem) = p.file_stem().and_then(|s| s.to_str()).map(String::from) else { continue };
-            let name = if prefix.is_empty() { stem.clone() } else { format!("{prefix}::{stem}") };
+    rust_files(src)
+        .into_iter()
+        .filter(|p| p.file_stem().is_some_and(|s| !["lib", "main", "mod"].contains(&s.to_str().unwrap_or(""))))
+        .map(|p| {
+            let name = p.strip_prefix(src).expect("below src").with_extension("");
+            let name = name.iter().map(|c| c.to_string_lossy()).collect::<Vec<_>>().join("::");
+            (name, std::fs::read_to_string(&p).expect("read"))
+        })
+        .collect()
+}
+
+/// The Rust files below `dir`, in the order of their paths.
+fn rust_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut entries: Vec<_> = std::fs::read_dir(dir).expect("src").flatten().map(|e| e.path()).collect();
+    entries.sort();
+    entries
+        .into_iter()
+        .flat_map(|p| {
             if p.is_dir() {
-                walk(&p, &name, out);
-            } else if p.extension().is_some_and(|x| x == "rs") && !["lib", "main", "mod"].contains(&stem.as_str()) {
-                out.push((name, std::fs::read_to_string(&p).expect("read")));
+                rust_files(&p)
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                vec![p]
+            } else {
+                Vec::new()
             }
-        }
-    }
-    let mut out = Vec::new();
-    walk(src, "", &mut out);
-    out
+        })
+        .collect()
 }
 
 /// Each module's references to the crate's other modules.
@@ -308,21 +319,8 @@ fn the_circle_finder_finds_circles() {
 /// brace) in the non-test Rust files below `src`: a `fn` line's braces counted to where
 /// they close. Test modules (`tests.rs`, and whatever follows `#[cfg(test)]`) are left out.
 fn function_lengths(src: &std::path::Path) -> Vec<(String, String, usize, usize)> {
-    fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
-        let mut entries: Vec<_> = std::fs::read_dir(dir).expect("src").flatten().map(|e| e.path()).collect();
-        entries.sort();
-        for p in entries {
-            if p.is_dir() {
-                rust_files(&p, out);
-            } else if p.extension().is_some_and(|x| x == "rs") && !p.ends_with("tests.rs") {
-                out.push(p);
-            }
-        }
-    }
-    let mut files = Vec::new();
-    rust_files(src, &mut files);
     let mut out = Vec::new();
-    for file in files {
+    for file in rust_files(src).into_iter().filter(|p| !p.ends_with("tests.rs")) {
         let path = file.display().to_string();
         let text = std::fs::read_to_string(&file).expect("source");
         let lines: Vec<&str> = text.lines().collect();

@@ -142,11 +142,7 @@ fn sigterm_writes_a_final_checkpoint_that_resumes_to_an_uninterrupted_runs_losse
         assert!(start.elapsed() < Duration::from_secs(120), "no steps after 120 s");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let signalled = std::time::Instant::now();
-    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
-    assert!(killed.success());
-    let out = child.wait_with_output().expect("ends");
-    let took = signalled.elapsed();
+    let (out, took) = common::sigterm_and_wait(child);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     eprintln!("the stop took {:.3} s from SIGTERM to the process's exit", took.as_secs_f64());
@@ -155,11 +151,8 @@ fn sigterm_writes_a_final_checkpoint_that_resumes_to_an_uninterrupted_runs_losse
     let n = done.len();
     assert!(done.iter().enumerate().all(|(i, (s, _))| *s == i as u64), "{done:?}");
     // the checkpoint of the last completed step, in the run's own `checkpoints` folder
-    let last = run.join(format!("checkpoints/step-{n:06}"));
-    assert!(stderr.contains(&format!("the checkpoint of step {} holds it", n - 1)), "{stderr}");
+    let (_, last) = common::stop_checkpoint(&stderr, &run, n, "resume with: ");
     assert!(stderr.contains("s after the stop request"), "{stderr}");
-    let resume = stderr.lines().find_map(|l| l.strip_prefix("resume with: ")).expect("a resume command");
-    assert!(resume.ends_with(&last.display().to_string()), "{resume}");
     assert_eq!(pipec_plan::checkpoint::read(&last).expect("whole").completed_steps, n);
     // resumed to step n + 4, it equals a run that was never stopped, loss for loss
     let total = (n + 4).to_string();
@@ -208,11 +201,7 @@ fn a_stop_that_outlasts_its_grace_ends_the_run_saying_no_final_checkpoint_was_wr
         std::thread::sleep(Duration::from_millis(5));
     }
     let first_step = start.elapsed();
-    let signalled = std::time::Instant::now();
-    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
-    assert!(killed.success());
-    let out = child.wait_with_output().expect("ends");
-    let took = signalled.elapsed();
+    let (out, took) = common::sigterm_and_wait(child);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("did not end within 1 s of the stop request (--stop-grace)"), "{stderr}");

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
 fn pipec() -> &'static str {
     env!("CARGO_BIN_EXE_pipec")
 }
@@ -788,20 +790,14 @@ fn sigterm_to_mpirun_stops_every_rank_at_one_step_with_a_checkpoint_that_resumes
         assert!(start.elapsed() < Duration::from_secs(120), "no steps after 120 s");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let signalled = Instant::now();
-    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill").success());
-    let run = child.wait_with_output().expect("ends");
-    eprintln!("the stop took {:.3} s from SIGTERM to mpirun's exit", signalled.elapsed().as_secs_f64());
+    let (run, took) = common::sigterm_and_wait(child);
+    eprintln!("the stop took {:.3} s from SIGTERM to mpirun's exit", took.as_secs_f64());
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert_ne!(run.status.code(), Some(0), "{stderr}");
     let n = losses(&out).len();
-    let last = out.join(format!("checkpoints/step-{n:06}"));
-    assert!(stderr.contains(&format!("the checkpoint of step {} holds it", n - 1)), "{stderr}");
-    let resume = stderr
-        .lines()
-        .find_map(|l| l.strip_prefix("resume with (every rank, started as this job's were): "))
-        .expect("a resume command");
-    assert!(resume.contains("--transport mpi") && resume.ends_with(&last.display().to_string()), "{resume}");
+    let (resume, last) =
+        common::stop_checkpoint(&stderr, &out, n, "resume with (every rank, started as this job's were): ");
+    assert!(resume.contains("--transport mpi"), "{resume}");
     // resumed on MPI for three more steps, it equals a threaded run never stopped
     let total = (n + 3).to_string();
     let resumed = dir.path().join("resumed");

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
 fn pipec() -> &'static str {
     env!("CARGO_BIN_EXE_pipec")
 }
@@ -252,13 +254,9 @@ fn sigterm_to_one_rank_stops_every_rank_at_one_step_with_a_checkpoint_that_resum
     }
     let stderr = String::from_utf8_lossy(&outputs[0].stderr);
     let n = losses(&out).len();
-    let last = out.join(format!("checkpoints/step-{n:06}"));
-    assert!(stderr.contains(&format!("the checkpoint of step {} holds it", n - 1)), "{stderr}");
-    let resume = stderr
-        .lines()
-        .find_map(|l| l.strip_prefix("resume with (every rank, started as this job's were): "))
-        .expect("a resume command");
-    assert!(resume.contains("--transport tcp") && resume.ends_with(&last.display().to_string()), "{resume}");
+    let (resume, last) =
+        common::stop_checkpoint(&stderr, &out, n, "resume with (every rank, started as this job's were): ");
+    assert!(resume.contains("--transport tcp"), "{resume}");
     assert_eq!(pipec_plan::checkpoint::read(&last).expect("whole").completed_steps, n);
     // resumed over TCP for three more steps, it equals a threaded run never stopped
     let total = (n + 3).to_string();

@@ -278,7 +278,9 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     }
 }
 
-/// ZeRO-3 gathers each layer's weights before its forward and again before its backward,
+/// Per stage, the seconds its forward and its backward wait for ZeRO-3's weight gathers
+/// (none unless weights are sharded over replicas). ZeRO-3 gathers each layer's weights
+/// before its forward and again before its backward,
 /// the next layer's while one computes (FSDP's prefetch): a pass waits for its first
 /// layer's gather, which nothing hides, and for whatever of the others its compute
 /// cannot hide — at least max(g₁, G − C + c_last) for gathers g (G in all) and computes c

@@ -178,7 +178,7 @@ pub struct StepMetrics {
     pub expert_tokens: ExpertTokens,
 }
 
-pub use interp::compute::{add_expert_tokens, ExpertTokens};
+pub use interp::worker::{add_expert_tokens, ExpertTokens};
 
 /// The held-out data's figures after a step: its mean loss, and a classifier's accuracy
 /// (a language model's over its tokens) and a language model's perplexity.

@@ -15,7 +15,7 @@ use crate::interp::data::Targets;
 use crate::interp::values::{
     act_to_message, detach, dot_with, input_grad, microbatch_copy, require_grad, Forwarded, Kept, Saved, WeightGrads,
 };
-use crate::interp::worker::{StepReport, Worker};
+use crate::interp::worker::{add_expert_tokens, StepReport, Worker};
 use crate::nn::layers::{Act, StageModel};
 use crate::nn::params::{
     accumulate, add_deferred_into_sums, backward_deferring, backward_into_sums, collect_grads, sum_keys, FlatGrads,
@@ -478,13 +478,4 @@ pub(crate) fn loss_of<B: ExecBackend>(loss: Loss, out: Act<B>, y: &Targets, dev:
         }
         _ => Err(ExecError::Data(format!("the targets do not fit the `{loss}` loss"))),
     }
-}
-
-/// Per mixture-of-experts block (by its layer index), the tokens each of its experts took.
-pub type ExpertTokens = std::collections::BTreeMap<usize, Vec<u64>>;
-
-/// Adds one block's per-expert token counts (`layer`, `took`) to `into`.
-pub fn add_expert_tokens(into: &mut ExpertTokens, layer: usize, took: &[u64]) {
-    let sum = into.entry(layer).or_insert_with(|| vec![0; took.len()]);
-    sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
 }

@@ -23,6 +23,15 @@ use crate::interp::values::{host_to_act, require_grad};
 use crate::nn::layers::Act;
 use crate::nn::params::{flatten_grads, layout, snapshot};
 
+/// Per mixture-of-experts block (by its layer index), the tokens each of its experts took.
+pub type ExpertTokens = std::collections::BTreeMap<usize, Vec<u64>>;
+
+/// Adds one block's per-expert token counts (`layer`, `took`) to `into`.
+pub fn add_expert_tokens(into: &mut ExpertTokens, layer: usize, took: &[u64]) {
+    let sum = into.entry(layer).or_insert_with(|| vec![0; took.len()]);
+    sum.iter_mut().zip(took).for_each(|(a, b)| *a += b);
+}
+
 /// Everything a worker reports about one step.
 #[derive(Debug, Clone, Default)]
 pub struct StepReport {
@@ -36,7 +45,7 @@ pub struct StepReport {
     pub aux_losses: Vec<(u32, f32)>,
     /// Per mixture-of-experts block on this device (by layer): the tokens each expert took
     /// over the step's forwards.
-    pub expert_tokens: crate::ExpertTokens,
+    pub expert_tokens: ExpertTokens,
     /// (instruction index, start s, end s) from the step's start.
     pub trace: Vec<(usize, f64, f64)>,
     /// What the communication threads ran during the step: (instruction index, start s,

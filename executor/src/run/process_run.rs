@@ -313,7 +313,7 @@ impl<F: Fabric> std::fmt::Debug for FabricVote<F> {
 }
 
 impl<F: Fabric> StopVote for FabricVote<F> {
-    fn before(&self, _step: usize, last: bool, asked: bool) -> Result<Begin, crate::error::ExecError> {
+    fn before(&self, last: bool, asked: bool) -> Result<Begin, crate::error::ExecError> {
         let (rank, size) = (self.fabric.rank(), self.fabric.size());
         let receive = |r: i32| {
             self.fabric.receive(r, TAG_STOP, false, &self.abort, self.timeout, self.devices[r as usize]).map(|m| m.0)

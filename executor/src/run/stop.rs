@@ -61,9 +61,9 @@ pub fn decide(previous: Option<Begin>, asked: bool, flush_free: bool) -> Begin {
 /// How the processes of a job agree on where to stop. `before` is called by the process's
 /// one worker before each of its steps, in order, and returns the same on every process.
 pub trait StopVote: Send + Sync + std::fmt::Debug {
-    /// The job's decision before `step` (`last`: the run's final step), given whether this
-    /// process was asked to stop.
-    fn before(&self, step: usize, last: bool, asked: bool) -> Result<Begin, ExecError>;
+    /// The job's decision before the process's next step (`last`: the run's final one),
+    /// given whether this process was asked to stop.
+    fn before(&self, last: bool, asked: bool) -> Result<Begin, ExecError>;
 }
 
 /// Where the workers of a run stop when asked to: a step boundary that no worker has
@@ -91,7 +91,7 @@ impl StopGate {
     pub(crate) fn begin(&self, step: usize, last: bool) -> Result<Begin, ExecError> {
         let asked = self.flag.as_ref().is_some_and(|f| f.load(Ordering::Relaxed));
         if let Some(vote) = &self.vote {
-            let decision = vote.before(step, last, asked)?;
+            let decision = vote.before(last, asked)?;
             if decision == Begin::Stop {
                 self.state.lock().unwrap_or_else(PoisonError::into_inner).1 = Some(step);
             }
@@ -181,7 +181,7 @@ mod tests {
     struct Replay(Mutex<Vec<Begin>>);
 
     impl StopVote for Replay {
-        fn before(&self, _step: usize, _last: bool, _asked: bool) -> Result<Begin, ExecError> {
+        fn before(&self, _last: bool, _asked: bool) -> Result<Begin, ExecError> {
             Ok(self.0.lock().expect("lock").remove(0))
         }
     }
