@@ -3,12 +3,16 @@
 # steps after calibration"): calibrates this machine one worker at a time and two at once,
 # points the benchmark specs at those device files, runs each RUNS times and prints the
 # median measured step beside the prediction, then the same for tensor parallelism 2
-# against 1. Usage: scripts/cpu-fidelity.sh [PIPEC] [RUNS] (a release build; default
+# against 1; then `pipec calibrate --measured` on one measured run of MEASURED (default
+# 1f1b) and the specs on the same device file (two workers at once) again with the engine
+# file it writes. Usage:
+# scripts/cpu-fidelity.sh [PIPEC] [RUNS] [MEASURED] (a release build; default
 # target/release/pipec, 5 runs). Writes nothing outside a temporary directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pipec=${1:-${CARGO_TARGET_DIR:-target}/release/pipec}
 runs=${2:-5}
+measured_on=${3:-1f1b}
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 ln -s "$PWD/specs/data" "$dir/data"
@@ -30,14 +34,23 @@ spec bench/specs/tp-cpu.yaml tp2 "$dir/two.json" "{ file: $dir/two.json }"
 sed -e 's/^  devices_per_node: 2/  devices_per_node: 1/' -e 's/^  tp: 2/  tp: 1/' \
     -e "s#^  device: .*#  device: { file: $dir/one.json }#" "$dir/tp2.yaml" >"$dir/tp1.yaml"
 
-# each run's "step time: measured A UNIT ..., predicted B UNIT" line, in seconds
-for name in mlp gpipe 1f1b gpt-tiny mlp-1f1b tp1 tp2; do
-    for _ in $(seq "$runs"); do
-        "$pipec" run "$dir/$name.yaml" --steps 10 -o "$dir/out" 2>&1 | grep '^step time:' | sed "s/^/$name /"
+all="mlp gpipe 1f1b gpt-tiny mlp-1f1b tp1 tp2"
+# the specs on the two-worker file, the one `--measured` calibrates
+two="gpipe 1f1b gpt-tiny mlp-1f1b tp2"
+# each run's "step time: measured A UNIT ..., predicted B UNIT" line, in seconds; $1: the
+# spec files' prefix, then the specs' names
+steps() {
+    prefix=$1
+    shift
+    for name in "$@"; do
+        for _ in $(seq "$runs"); do
+            "$pipec" run "$dir/$prefix$name.yaml" --steps 10 -o "$dir/out" 2>&1 | grep '^step time:' | sed "s/^/$name /"
+        done
     done
-done >"$dir/steps.txt"
+}
 
-python3 - "$dir/steps.txt" <<'PY'
+report() {
+    python3 - "$1" <<'PY'
 import re, statistics, sys
 unit = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 runs = {}
@@ -57,3 +70,22 @@ if "tp1" in runs and "tp2" in runs:
     measured, predicted = med("tp2") / med("tp1"), runs["tp2"][0][1] / runs["tp1"][0][1]
     print(f"tp 2 / tp 1: measured {measured:.3f}, predicted {predicted:.3f} ({abs(measured / predicted - 1) * 100:.1f}% off)")
 PY
+}
+
+steps "" $all >"$dir/steps.txt"
+echo "after \`pipec calibrate\`:"
+report "$dir/steps.txt"
+
+# pipec's executor fitted to one measured run of one spec (its metrics.jsonl), the others
+# predicted with the file it writes
+"$pipec" run "$dir/$measured_on.yaml" --steps 30 -o "$dir/measured" >/dev/null 2>&1
+if ! "$pipec" calibrate --measured "$dir/$measured_on.yaml" --log "$dir/measured/metrics.jsonl" -o "$dir/engine.json"; then
+    echo "\`pipec calibrate --measured\` on $measured_on found no fit (above)"
+    exit 0
+fi
+for name in $two; do
+    sed -e "s#^name: \(.*\)#name: \1\nengine: { name: pipec, calibration: $dir/engine.json }#" "$dir/$name.yaml" >"$dir/cal-$name.yaml"
+done
+steps cal- $two >"$dir/steps-measured.txt"
+echo "after \`pipec calibrate --measured\` on one run of $measured_on:"
+report "$dir/steps-measured.txt"

@@ -372,13 +372,8 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         s.push_str(&format!("per device: {tokens:.0} tokens/s, {mfu}\n"));
     }
     if let Some(p) = &plan.engine_performance {
-        let how = if p.calibrated { "" } else { " (not calibrated)" };
-        s.push_str(&format!(
-            "priced as {} runs its kernels: efficiency × {:.4}{how} — {}\n",
-            p.family.describe(),
-            p.efficiency,
-            p.source
-        ));
+        s.push_str(&p.text());
+        s.push('\n');
     }
     // the device whose all-reduces are exposed the longest, if any device all-reduces
     if let Some(d) = sim.devices.iter().filter(|d| d.collective_s > 0.0).max_by(|a, b| {

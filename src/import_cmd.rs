@@ -12,8 +12,8 @@ pub struct ImportArgs<'a> {
     /// The training sequence length (default: the config's context length, at most 4,096).
     pub seq: Option<usize>,
     pub name: Option<&'a str>,
-    /// The cluster the spec plans for.
-    pub cluster: pipec_grammar::import::hf::ClusterChoice,
+    /// The engine and the cluster the spec plans for.
+    pub target: pipec_grammar::import::hf::Target,
     /// The GPUs an engine's configuration runs on, when it does not say.
     pub gpus: Option<usize>,
     /// The Hugging Face config.json of the model a DeepSpeed config trains.
@@ -66,8 +66,15 @@ pub fn run(args: ImportArgs<'_>) -> u8 {
 /// The spec `text` describes, by what it is (a file of one kind is never read as another).
 fn translate(text: &str, name: &str, args: &ImportArgs<'_>) -> Result<String, String> {
     use pipec_grammar::import::{deepspeed, hf, kind, megatron, torchtitan, Kind};
-    match kind(text) {
-        Kind::HuggingFace => hf::import(text, name, args.seq, &args.cluster).map(|imported| {
+    let found = kind(text);
+    if args.target.engine.is_some() && found != Kind::HuggingFace {
+        return Err(format!(
+            "--engine chooses the engine of a Hugging Face config; this is {}, which names its own",
+            found.describe()
+        ));
+    }
+    match found {
+        Kind::HuggingFace => hf::import(text, name, args.seq, &args.target).map(|imported| {
             for note in &imported.notes {
                 eprintln!("note: {}: {note}", args.config.display());
             }

@@ -50,6 +50,34 @@ pub enum Format {
     Json,
 }
 
+/// The engines `pipec import --engine` plans a Hugging Face model for.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum ImportEngine {
+    /// torchtitan, eager PyTorch.
+    Torchtitan,
+    /// torchtitan with `torch.compile` on each block.
+    TorchtitanCompiled,
+    /// Megatron-LM on Transformer Engine.
+    Megatron,
+    /// DeepSpeed over the model's PyTorch modules.
+    Deepspeed,
+    /// pipec's own executor (`pipec run`).
+    Pipec,
+}
+
+impl ImportEngine {
+    /// The spec's `engine:` value.
+    fn spec_value(self) -> &'static str {
+        match self {
+            ImportEngine::Torchtitan => "torchtitan",
+            ImportEngine::TorchtitanCompiled => "{ name: torchtitan, compile: true }",
+            ImportEngine::Megatron => "megatron",
+            ImportEngine::Deepspeed => "deepspeed",
+            ImportEngine::Pipec => "pipec",
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Check specs statically and report every problem with its location.
@@ -78,6 +106,11 @@ enum Command {
         /// The spec's `name` (default: the config's folder).
         #[arg(long)]
         name: Option<String>,
+        /// The engine a Hugging Face model is planned for: its kernels price the step, its
+        /// capabilities bound the search, `pipec emit` writes its configuration (`pipec`:
+        /// pipec's own executor) [default: torchtitan; deepspeed for BERT]
+        #[arg(long, value_enum)]
+        engine: Option<ImportEngine>,
         /// The cluster's nodes.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
         nodes: u64,
@@ -389,13 +422,14 @@ fn main() -> ExitCode {
         Command::Explain { code, list } => explain(code.as_deref(), list),
         Command::Emit { input, engine, out } => emit_cmd::run(&input, engine, &out),
         Command::Export { checkpoint, out, plan } => export_cmd::run(&checkpoint, &out, plan.as_deref()),
-        Command::Import { config, out, seq, name, nodes, devices_per_node, device, gpus, model_config } => {
+        Command::Import { config, out, seq, name, engine, nodes, devices_per_node, device, gpus, model_config } => {
             import_cmd::run(import_cmd::ImportArgs {
                 config: &config,
                 out: out.as_deref(),
                 seq,
                 name: name.as_deref(),
-                cluster: pipec_grammar::import::hf::ClusterChoice {
+                target: pipec_grammar::import::hf::Target {
+                    engine: engine.map(|e| e.spec_value().to_string()),
                     nodes: nodes as usize,
                     devices_per_node: devices_per_node as usize,
                     device,

@@ -307,6 +307,9 @@ pub struct SearchReport {
     pub batch_size: usize,
     /// A language model's basis for tokens/s per device and MFU (`Spec::utilization`).
     pub utilization: Option<pipec_plan::flops::Utilization>,
+    /// How the spec's engine runs its kernels on its device (`Spec::engine`), the steps'
+    /// pricing.
+    pub kernels: Option<pipec_plan::engine::performance::Performance>,
 }
 
 impl SearchReport {
@@ -551,6 +554,7 @@ pub fn search(source: &str, spec: &Spec, compile_options: &CompileOptions, optio
         need: crate::fit::MemoryNeed::of(spec),
         batch_size: spec.training.batch_size,
         utilization: spec.utilization(),
+        kernels: spec.engine.performance.clone(),
     }
 }
 
@@ -1065,6 +1069,9 @@ impl SearchReport {
         );
         if let Some(m) = self.utilization.as_ref().and_then(|u| u.mfu(self.samples_per_s(bp.step_s))) {
             let _ = writeln!(s, "MFU: {}", m.basis_text());
+        }
+        if let Some(p) = &self.kernels {
+            let _ = writeln!(s, "{}", p.text());
         }
         let _ = writeln!(s, "strategy: {}", b.strategy());
         if let Some(line) = self.standard_beside(&ranked) {

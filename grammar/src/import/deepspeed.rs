@@ -32,7 +32,7 @@ fn enabled(v: &Value, key: &str) -> bool {
 
 /// The model section of the spec `pipec import` writes for a Hugging Face config.
 fn model_section(hf_config: &str, seq: Option<usize>) -> Result<String, String> {
-    let spec = super::hf::import(hf_config, "model", seq, &super::hf::ClusterChoice::default())
+    let spec = super::hf::import(hf_config, "model", seq, &super::hf::Target::default())
         .map_err(|e| format!("the model config: {e}"))?
         .spec;
     let start = spec.find("\nmodel:\n").ok_or("the model config's spec has no model")? + 1;

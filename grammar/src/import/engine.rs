@@ -241,7 +241,11 @@ pub fn write_spec(
     }
     // the engines attend with fused (flash) kernels: Megatron-LM's --attention-backend auto,
     // torchtitan's SDPA, transformers' sdpa under DeepSpeed
-    let model = model.replacen("model:\n", "model:\n  attention: flash\n", 1);
+    let model = if model.contains("\n  attention: flash\n") {
+        model.to_string()
+    } else {
+        model.replacen("model:\n", "model:\n  attention: flash\n", 1)
+    };
     let spec = format!("{header}name: {name}\nengine: {engine}\n{model}{}", run_text(run)?);
     let checked = crate::check_source(&spec);
     if let Some(d) = checked.diagnostics.iter().find(|d| d.is_error()) {

@@ -156,23 +156,39 @@ pub struct Imported {
     pub notes: Vec<String>,
 }
 
-/// The cluster a written spec plans for (`pipec import --nodes --devices-per-node
-/// --device`): one node of eight H100s unless told.
+/// What a written spec plans for (`pipec import --engine --nodes --devices-per-node
+/// --device`): one node of eight H100s unless told, and the engine of [`default_engine`].
 #[derive(Debug, Clone)]
-pub struct ClusterChoice {
+pub struct Target {
+    /// The engine the plan is priced for and `pipec emit` writes, as the spec's `engine:`
+    /// says it (`torchtitan`, `{ name: torchtitan, compile: true }`); None: the model's
+    /// default.
+    pub engine: Option<String>,
     pub nodes: usize,
     pub devices_per_node: usize,
     /// A device preset's name (`pipec_plan::device::PRESETS`).
     pub device: String,
 }
 
-impl Default for ClusterChoice {
-    fn default() -> Self {
-        ClusterChoice { nodes: 1, devices_per_node: 8, device: "h100-sxm".into() }
+/// The engine an imported model is planned for unless told: for a decoder-only language
+/// model torchtitan, eager (its job configurations' default), which trains the Hugging Face
+/// architectures as PyTorch modules; for BERT, which torchtitan and Megatron-LM's GPT
+/// training do not run, DeepSpeed over transformers' modules. pipec's own executor
+/// (`--engine pipec`) is not the default: no run of it on a GPU preset is calibrated.
+pub fn default_engine(family: &str) -> &'static str {
+    match family {
+        "bert" => "deepspeed",
+        _ => "torchtitan",
     }
 }
 
-impl ClusterChoice {
+impl Default for Target {
+    fn default() -> Self {
+        Target { engine: None, nodes: 1, devices_per_node: 8, device: "h100-sxm".into() }
+    }
+}
+
+impl Target {
     /// The spec's `cluster` section: the device preset and the interconnect of the DGX
     /// system built of it (DGX H200's network is DGX H100's).
     fn section(&self) -> Result<String, String> {
@@ -318,8 +334,8 @@ impl Config {
 }
 
 /// The spec for a config's text, with notes on the fields it ignored.
-pub fn import(text: &str, name: &str, seq: Option<usize>, cluster: &ClusterChoice) -> Result<Imported, String> {
-    let cluster = cluster.section()?;
+pub fn import(text: &str, name: &str, seq: Option<usize>, target: &Target) -> Result<Imported, String> {
+    let cluster = target.section()?;
     let fields = match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => m,
         Ok(_) => return Err("not a JSON object".into()),
@@ -339,6 +355,7 @@ pub fn import(text: &str, name: &str, seq: Option<usize>, cluster: &ClusterChoic
     };
     let ignored = c.generic()?;
     c.leftover(&family)?;
+    let engine = target.engine.as_deref().unwrap_or(default_engine(&family));
     let notes = if ignored.is_empty() {
         Vec::new()
     } else {
@@ -350,10 +367,14 @@ pub fn import(text: &str, name: &str, seq: Option<usize>, cluster: &ClusterChoic
     };
     let spec = format!(
         "# Imported by `pipec import` from a Hugging Face `{family}` config. The model computes what\n\
-         # `transformers` computes for it; the cluster, the strategy and the training are a\n\
-         # starting point to edit.\n\
+         # `transformers` computes for it; the engine, the cluster, the strategy and the training\n\
+         # are a starting point to edit (`engine: pipec` plans for pipec's own executor).\n\
          name: {name}\n\
+         engine: {engine}\n\
          {model}\
+         \x20 # attention in fused kernels (no seq² scores kept), as transformers' default `sdpa`,\n\
+         \x20 # torchtitan and Megatron-LM run it; the same values\n\
+         \x20 attention: flash\n\
          {cluster}\
          strategy: auto\n\
          training:\n  batch_size: 64\n  steps: 1000\n  optimizer: {{ kind: adamw, lr: 0.0003, weight_decay: 0.1 }}\n  precision: bf16\n  data: {{ kind: synthetic }}\n"
@@ -839,14 +860,14 @@ mod tests {
         let cfg = r#"{"model_type": "mixtral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
             "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "output_router_logits": false}"#;
-        let spec = import(cfg, "x", None, &ClusterChoice::default()).expect("mixtral").spec;
+        let spec = import(cfg, "x", None, &Target::default()).expect("mixtral").spec;
         assert!(spec.contains("experts=4, top_k=2, aux_loss=0,"), "{spec}");
         // the loss only where `transformers` adds it
         let spec = import(
             &cfg.replace(r#""output_router_logits": false"#, r#""output_router_logits": true"#),
             "x",
             None,
-            &ClusterChoice::default(),
+            &Target::default(),
         )
         .expect("with the loss")
         .spec;
@@ -855,14 +876,14 @@ mod tests {
         assert!(!checked.has_errors(), "{:?}", checked.diagnostics);
         // noise on the router's logits, or more experts per token than there are, is refused
         let noisy = cfg.replace(r#""output_router_logits": false"#, r#""router_jitter_noise": 0.1"#);
-        assert!(import(&noisy, "x", None, &ClusterChoice::default())
+        assert!(import(&noisy, "x", None, &Target::default())
             .expect_err("jitter")
             .contains("`router_jitter_noise: 0.1` is not supported"));
         let e = import(
             &cfg.replace(r#""num_experts_per_tok": 2"#, r#""num_experts_per_tok": 5"#),
             "x",
             None,
-            &ClusterChoice::default(),
+            &Target::default(),
         )
         .expect_err("top-k");
         assert!(e.contains("num_local_experts"), "{e}");
@@ -870,22 +891,22 @@ mod tests {
 
     #[test]
     fn an_unknown_field_or_architecture_is_named() {
-        let e = import(r#"{"model_type": "t5"}"#, "x", None, &ClusterChoice::default()).expect_err("t5");
+        let e = import(r#"{"model_type": "t5"}"#, "x", None, &Target::default()).expect_err("t5");
         assert!(e.contains("`model_type: t5`"), "{e}");
         let cfg = r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64, "frobnicate": 1}"#;
-        let e = import(cfg, "x", None, &ClusterChoice::default()).expect_err("unknown field");
+        let e = import(cfg, "x", None, &Target::default()).expect_err("unknown field");
         assert!(e.contains("`frobnicate`"), "{e}");
         let e = import(
             &cfg.replace(r#""frobnicate": 1"#, r#""rope_scaling": {"type": "longrope", "factor": 2.0}"#),
             "x",
             None,
-            &ClusterChoice::default(),
+            &Target::default(),
         )
         .expect_err("rope scaling");
         assert!(e.contains("`rope_scaling"), "{e}");
-        let e = import(&cfg.replace(r#", "frobnicate": 1"#, ""), "x", Some(128), &ClusterChoice::default())
-            .expect_err("window");
+        let e =
+            import(&cfg.replace(r#", "frobnicate": 1"#, ""), "x", Some(128), &Target::default()).expect_err("window");
         assert!(e.contains("--seq 128"), "{e}");
     }
 
@@ -893,21 +914,19 @@ mod tests {
     fn a_field_of_the_wrong_type_is_named_not_read_as_absent() {
         let llama = r#"{"model_type": "mistral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64"#;
-        let e = import(&format!(r#"{llama}, "sliding_window": "4096"}}"#), "x", Some(32), &ClusterChoice::default())
+        let e = import(&format!(r#"{llama}, "sliding_window": "4096"}}"#), "x", Some(32), &Target::default())
             .expect_err("window");
         assert!(e.contains("`sliding_window` must be a whole number, found \"4096\""), "{e}");
-        let e =
-            import(&format!(r#"{llama}, "hidden_act": 5}}"#), "x", None, &ClusterChoice::default()).expect_err("act");
+        let e = import(&format!(r#"{llama}, "hidden_act": 5}}"#), "x", None, &Target::default()).expect_err("act");
         assert!(e.contains("`hidden_act` must be a string, found 5"), "{e}");
         let bert = r#"{"model_type": "bert", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64"#;
-        let e =
-            import(&format!(r#"{bert}, "sep_token_id": -1}}"#), "x", None, &ClusterChoice::default()).expect_err("sep");
+        let e = import(&format!(r#"{bert}, "sep_token_id": -1}}"#), "x", None, &Target::default()).expect_err("sep");
         assert!(e.contains("`sep_token_id` must be a whole number, found -1"), "{e}");
-        let e = import(&format!(r#"{bert}, "id2label": ["a", "b"]}}"#), "x", None, &ClusterChoice::default())
-            .expect_err("labels");
+        let e =
+            import(&format!(r#"{bert}, "id2label": ["a", "b"]}}"#), "x", None, &Target::default()).expect_err("labels");
         assert!(e.contains("`id2label` must map"), "{e}");
-        let e = import(r#"{"model_type": 3}"#, "x", None, &ClusterChoice::default()).expect_err("type");
+        let e = import(r#"{"model_type": 3}"#, "x", None, &Target::default()).expect_err("type");
         assert!(e.contains("`model_type` must be a string"), "{e}");
     }
 
@@ -915,7 +934,7 @@ mod tests {
     fn a_written_spec_always_checks() {
         let cfg = r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}"#;
-        let spec = import(cfg, "llama-3.1-8b", None, &ClusterChoice::default()).expect("imports").spec;
+        let spec = import(cfg, "llama-3.1-8b", None, &Target::default()).expect("imports").spec;
         assert!(!crate::check_source(&spec).has_errors());
     }
 
@@ -928,7 +947,7 @@ mod tests {
             &format!(r#"{{{LLAMA}, "rope_theta": 500000.0, "torch_dtype": "bfloat16"}}"#),
             "x",
             None,
-            &ClusterChoice::default(),
+            &Target::default(),
         )
         .expect("4.x")
         .spec;
@@ -936,7 +955,7 @@ mod tests {
             &format!(r#"{{{LLAMA}, "rope_parameters": {{"rope_theta": 500000.0, "rope_type": "default"}}, "dtype": "bfloat16"}}"#),
             "x",
             None,
-            &ClusterChoice::default(),
+            &Target::default(),
         )
         .expect("5.x")
         .spec;
@@ -947,7 +966,7 @@ mod tests {
             &format!(r#"{{{LLAMA}, "rope_theta": 10000.0, "rope_parameters": {{"rope_theta": 500000.0, "rope_type": "default"}}}}"#),
             "x",
             None,
-            &ClusterChoice::default(),
+            &Target::default(),
         )
         .expect_err("two thetas");
         assert!(e.contains("`rope_parameters.rope_theta` 500000 differs from `rope_theta` 10000"), "{e}");
@@ -960,7 +979,7 @@ mod tests {
                 &format!(r#"{{{LLAMA}, "rope_parameters": {{"rope_theta": 500000.0, {params}}}}}"#),
                 "x",
                 Some(16),
-                &ClusterChoice::default(),
+                &Target::default(),
             )
         };
         let spec = |params: &str| with(params).unwrap_or_else(|e| panic!("{params}: {e}")).spec;
@@ -1004,7 +1023,7 @@ mod tests {
             "tie_encoder_decoder": false, "pruned_heads": {}, "torchscript": false, "use_bfloat16": false,
             "tf_legacy_loss": false, "id2label": {"0": "LABEL_0", "1": "LABEL_1"}, "label2id": {"LABEL_0": 0, "LABEL_1": 1}"#;
         let imported =
-            import(&format!("{{{LLAMA}, {generic}}}"), "x", None, &ClusterChoice::default()).expect("generic fields");
+            import(&format!("{{{LLAMA}, {generic}}}"), "x", None, &Target::default()).expect("generic fields");
         assert_eq!(imported.notes.len(), 1, "{:?}", imported.notes);
         for key in ["return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "pruned_heads", "id2label"] {
             assert!(imported.notes[0].contains(&format!("`{key}`")), "{key}: {:?}", imported.notes);
@@ -1015,12 +1034,12 @@ mod tests {
             (r#""is_encoder_decoder": true"#, "`is_encoder_decoder: true` changes what the model computes"),
             (r#""pruned_heads": {"0": [1]}"#, "`pruned_heads: {\"0\":[1]}` changes what the model computes"),
         ] {
-            let e = import(&format!("{{{LLAMA}, {field}}}"), "x", None, &ClusterChoice::default()).expect_err(field);
+            let e = import(&format!("{{{LLAMA}, {field}}}"), "x", None, &Target::default()).expect_err(field);
             assert!(e.contains(why), "{e}");
         }
         // an unknown field is named without reading as if the model were unsupported
-        let e = import(&format!(r#"{{{LLAMA}, "frobnicate": 1}}"#), "x", None, &ClusterChoice::default())
-            .expect_err("unknown");
+        let e =
+            import(&format!(r#"{{{LLAMA}, "frobnicate": 1}}"#), "x", None, &Target::default()).expect_err("unknown");
         assert!(e.contains("this field of a `llama` config: `frobnicate`"), "{e}");
         assert!(!e.contains("cannot promise the same model"), "{e}");
     }
@@ -1030,20 +1049,15 @@ mod tests {
         let qwen = r#""model_type": "qwen2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64"#;
         let full = format!(r#"{{{qwen}, "layer_types": ["full_attention", "full_attention"], "sliding_window": 16}}"#);
-        import(&full, "x", None, &ClusterChoice::default()).expect("full attention");
-        let e = import(
-            &full.replace(r#""full_attention"]"#, r#""sliding_attention"]"#),
-            "x",
-            None,
-            &ClusterChoice::default(),
-        )
-        .expect_err("sliding");
+        import(&full, "x", None, &Target::default()).expect("full attention");
+        let e = import(&full.replace(r#""full_attention"]"#, r#""sliding_attention"]"#), "x", None, &Target::default())
+            .expect_err("sliding");
         assert!(e.contains("`sliding_window: 16` is shorter"), "{e}");
         let e = import(
             &full.replace(r#"["full_attention", "full_attention"]"#, r#"["full_attention"]"#),
             "x",
             None,
-            &ClusterChoice::default(),
+            &Target::default(),
         )
         .expect_err("count");
         assert!(e.contains("`layer_types` lists 1 layers"), "{e}");
@@ -1052,16 +1066,21 @@ mod tests {
     #[test]
     fn the_cluster_is_the_one_asked_for_with_its_dgx_interconnect() {
         let cfg = format!("{{{LLAMA}}}");
-        let cluster = ClusterChoice { nodes: 16, devices_per_node: 8, device: "a100-80gb".into() };
+        let cluster =
+            Target { engine: Some("megatron".into()), nodes: 16, devices_per_node: 8, device: "a100-80gb".into() };
         let spec = import(&cfg, "x", None, &cluster).expect("cluster").spec;
         assert!(
             spec.contains("  nodes: 16\n  devices_per_node: 8\n  device: a100-80gb\n  links: dgx-a100\n"),
             "{spec}"
         );
-        let e = import(&cfg, "x", None, &ClusterChoice { device: "h100".into(), ..ClusterChoice::default() })
-            .expect_err("not a preset");
+        assert!(spec.contains("\nengine: megatron\n"), "{spec}");
+        // the engines' fused attention, by default torchtitan's
+        let spec = import(&cfg, "x", None, &Target::default()).expect("default").spec;
+        assert!(spec.contains("\nengine: torchtitan\n") && spec.contains("\n  attention: flash\n"), "{spec}");
+        let e =
+            import(&cfg, "x", None, &Target { device: "h100".into(), ..Target::default() }).expect_err("not a preset");
         assert!(e.contains("--device `h100` is not a device preset (one of: "), "{e}");
-        let e = import(&cfg, "x", None, &ClusterChoice { device: "mi300x".into(), ..ClusterChoice::default() })
+        let e = import(&cfg, "x", None, &Target { device: "mi300x".into(), ..Target::default() })
             .expect_err("no interconnect");
         assert!(e.contains("no interconnect preset"), "{e}");
     }

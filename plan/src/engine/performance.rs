@@ -196,29 +196,72 @@ impl Performance {
     /// the device's own figures.
     pub fn of(family: KernelFamily, device: &DeviceModel) -> Performance {
         if family == KernelFamily::Pipec {
-            return Performance {
-                family,
-                efficiency: 1.0,
-                calibrated: true,
-                source: "the device's own figures: `pipec calibrate` measures pipec's kernels on a backend (a device file); a preset's are datasheet peaks and the shared curves".into(),
+            // a device file is what `pipec calibrate` measured of pipec's kernels; a preset
+            // is a datasheet, on which no run of pipec's executor is calibrated
+            return match crate::device::preset(&device.name) {
+                None => Performance {
+                    family,
+                    efficiency: 1.0,
+                    calibrated: true,
+                    source: "the device's own figures (a device file is what `pipec calibrate` measured of pipec's kernels)".into(),
+                    },
+                Some(_) => Performance {
+                    family,
+                    efficiency: 1.0,
+                    calibrated: false,
+                    source: format!(
+                        "{} is a preset (datasheet peaks and the shared curves fitted on Megatron-LM's A100 runs), not a measurement of pipec's executor; `pipec calibrate --backend cuda` measures it",
+                        device_kind(device)
+                    ),
+                    },
             };
         }
-        let found = CALIBRATED.iter().find(|c| {
-            c.family == family && c.device.eq_ignore_ascii_case(&device.name) && same_power(c.power, device.power)
-        });
-        match found {
-            Some(c) => Performance { family, efficiency: c.efficiency, calibrated: true, source: c.source.to_string() },
-            None => Performance {
+        let of_device = |c: &&Calibrated| c.family == family && c.device.eq_ignore_ascii_case(&device.name);
+        let exact = CALIBRATED.iter().filter(of_device).find(|c| same_power(c.power, device.power));
+        // the constant is the engine's kernel efficiency at the clock its rows sustained; a
+        // power cap's clock is priced on its own (`DevicePreset::model_at`), so a constant
+        // fitted at one cap carries to the same device at another
+        let other_power = CALIBRATED.iter().find(of_device);
+        match (exact, other_power) {
+            (Some(c), _) => Performance {
+                family,
+                efficiency: c.efficiency,
+                calibrated: true,
+                source: c.source.to_string(),
+            },
+            (None, Some(c)) => Performance {
+                family,
+                efficiency: c.efficiency,
+                calibrated: true,
+                source: format!(
+                    "{}; fitted on {}, carried to {}: the power cap's sustained clock is priced on its own",
+                    c.source,
+                    kind_text(c.device, c.power),
+                    device_kind(device)
+                ),
+            },
+            (None, None) => Performance {
                 family,
                 efficiency: 1.0,
                 calibrated: false,
                 source: format!(
-                    "not calibrated: no run of {} on {} is in pipec's table; the device's figures as they are (`pipec calibrate --measured` fits this from one measured step)",
+                    "no run of {} on {} is in pipec's table; the device's figures as they are (`pipec calibrate --measured` fits this from one measured step)",
                     family.describe(),
                     device_kind(device)
                 ),
             },
         }
+    }
+
+    /// The line reports print: "priced as ENGINE runs its kernels: efficiency × E — SOURCE".
+    pub fn text(&self) -> String {
+        let how = if self.calibrated { "" } else { " (not calibrated)" };
+        format!(
+            "priced as {} runs its kernels: efficiency × {:.4}{how} — {}",
+            self.family.describe(),
+            self.efficiency,
+            self.source
+        )
     }
 
     /// The profile a calibration file gives.
@@ -365,6 +408,14 @@ mod tests {
         let h100 = preset("h100-sxm").expect("preset").model_at(500.0);
         let q = Performance::of(KernelFamily::Deepspeed, &h100);
         assert!(!q.calibrated && q.source.contains("h100-sxm at 500 W"), "{q:?}");
+        // a constant fitted at a power cap carries to the device at full power, saying so
+        let full = preset("h100-sxm").expect("preset").model();
+        let (capped, carried) =
+            (Performance::of(KernelFamily::TorchCompiled, &h100), Performance::of(KernelFamily::TorchCompiled, &full));
+        assert!(capped.calibrated && carried.calibrated, "{carried:?}");
+        assert_eq!(capped.efficiency, carried.efficiency);
+        assert!(carried.source.contains("fitted on h100-sxm at 500 W, carried to h100-sxm"), "{carried:?}");
+        assert!(!capped.source.contains("carried"), "{capped:?}");
         let mut d = preset("h100-sxm").expect("preset").model();
         let before = d.matrix_efficiency.peak;
         scale_peaks(&mut d, 0.5);
