@@ -285,6 +285,53 @@ fn the_executors_layers_import_only_downward() {
     }
 }
 
+/// The names the executor's modules take from its crate root (`crate::X` with `X` no layer).
+fn crate_root_imports(src: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for (m, text) in crate_modules(src) {
+        for line in text.lines() {
+            let code = line.split("//").next().unwrap_or("");
+            let mut rest = code;
+            while let Some(at) = rest.find("crate::") {
+                rest = &rest[at + "crate::".len()..];
+                let names: Vec<String> = if let Some(group) = rest.strip_prefix('{') {
+                    let group = group.split('}').next().unwrap_or("");
+                    group.split(',').map(|n| n.trim().split("::").next().unwrap_or("").to_string()).collect()
+                } else {
+                    vec![rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect()]
+                };
+                for n in names.into_iter().filter(|n| !n.is_empty() && !EXECUTOR_LAYERS.contains(&n.as_str())) {
+                    out.push(format!("{m} -> crate::{n}"));
+                }
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[test]
+fn the_executors_crate_root_only_declares_and_re_exports() {
+    // lib.rs sits above every layer: a layer that took a name from it would import upward
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("executor/src");
+    let taken = crate_root_imports(&src);
+    assert!(taken.is_empty(), "modules naming the crate root's items: {taken:#?}");
+    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("lib.rs");
+    let defining = ["fn ", "struct ", "enum ", "impl", "const ", "static ", "type ", "trait ", "mod ", "macro_rules!"];
+    for line in lib.lines().map(str::trim).filter(|l| !l.starts_with("//")) {
+        let item = line.strip_prefix("pub(crate) ").or_else(|| line.strip_prefix("pub ")).unwrap_or(line);
+        let defines = defining.iter().any(|d| item.starts_with(d)) && !line.starts_with("pub mod ");
+        assert!(!defines, "lib.rs defines more than the layers and the API's re-exports: {line}");
+    }
+    // the check sees a name taken from the root
+    let dir = tempfile::tempdir().expect("tmp");
+    std::fs::create_dir_all(dir.path().join("run")).expect("mkdir");
+    std::fs::write(dir.path().join("run/a.rs"), "use crate::{interp::x, RunOptions};\nfn f() { crate::validate(); }")
+        .expect("w");
+    assert_eq!(crate_root_imports(dir.path()), vec!["run::a -> crate::RunOptions", "run::a -> crate::validate"]);
+}
+
 #[test]
 fn the_layer_check_sees_an_import_up() {
     let dir = tempfile::tempdir().expect("tmp");

@@ -5,6 +5,8 @@
 pub mod agreement;
 pub mod calibrate;
 pub mod gpus;
+pub mod job;
+pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi_run;
 pub mod process_run;

@@ -9,8 +9,10 @@ use mpi::Threading;
 use pipec_plan::Plan;
 
 use crate::comm::mpi_transport::{abort_world, MpiFabric};
+use crate::run::job::RunError;
+use crate::run::job::RunOptions;
+use crate::run::job::RunReport;
 pub use crate::run::process_run::{report_failure, RankHooks, RankInfo};
-use crate::{RunError, RunOptions, RunReport};
 
 /// Runs this rank's device. Returns the job's report on rank 0, this rank's own elsewhere. A failure after
 /// MPI is up aborts the whole job, so no rank waits forever.
@@ -19,8 +21,8 @@ pub fn run(
     options: &RunOptions,
     hooks: RankHooks<'_>,
 ) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
-    crate::validate(plan).map_err(|e| (None, e))?;
-    let n_devices = crate::working_devices(plan).len();
+    crate::run::job::validate(plan).map_err(|e| (None, e))?;
+    let n_devices = crate::run::job::working_devices(plan).len();
     if !launched() && n_devices > 1 {
         return Err((None, RunError::setup(format!("`--transport mpi` runs one process per device: start the plan's {n_devices} devices with `mpirun -np {n_devices} pipec run …` (see `pipec launch`)"))));
     }

@@ -7,8 +7,10 @@ use pipec_plan::Plan;
 
 use crate::comm::fabric::Fabric;
 use crate::comm::tcp::{Rendezvous, TcpFabric};
+use crate::run::job::RunError;
+use crate::run::job::RunOptions;
+use crate::run::job::RunReport;
 use crate::run::process_run::{report_failure, RankHooks, RankInfo};
-use crate::{RunError, RunOptions, RunReport};
 
 /// Runs this process's device of the job torchrun's variables describe (`pipec run
 /// --transport tcp`): the rendezvous within the run's timeout, then the device over the
@@ -19,9 +21,9 @@ pub fn run(
     options: &RunOptions,
     hooks: RankHooks<'_>,
 ) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
-    crate::validate(plan).map_err(|e| (None, e))?;
+    crate::run::job::validate(plan).map_err(|e| (None, e))?;
     let rv = Rendezvous::from_env().map_err(|e| (None, RunError::setup(e)))?;
-    let devices = crate::working_devices(plan).len();
+    let devices = crate::run::job::working_devices(plan).len();
     if rv.size as usize != devices {
         return Err((
             None,
