@@ -70,6 +70,39 @@ fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
     waiters.into_iter().map(|w| w.join().expect("joined")).collect()
 }
 
+/// Three ranks of `spec` started on a free port, returned once they have trained three
+/// steps, with their output folder. A rank that ends first fails the test with every rank's
+/// words, unless its port was taken between `free_port` and its start (another test's):
+/// then the ranks start again on another port, at most three times.
+fn three_ranks_training(dir: &Path, spec: &Path) -> (Vec<Child>, PathBuf) {
+    for attempt in 0..3 {
+        let out = dir.join(format!("tcp-{attempt}"));
+        let port = free_port();
+        let mut ranks: Vec<Child> = (0..3).map(|r| rank(spec, r, 3, port, &["-o", out.to_str().expect("p")])).collect();
+        let start = Instant::now();
+        let ended = loop {
+            if losses(&out).len() >= 3 {
+                return (ranks, out);
+            }
+            let exited = ranks.iter_mut().any(|c| c.try_wait().ok().flatten().is_some());
+            if exited || start.elapsed() > Duration::from_secs(60) {
+                break exited;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        for c in &mut ranks {
+            let _ = c.kill();
+        }
+        let said: Vec<String> = ranks
+            .into_iter()
+            .map(|c| String::from_utf8_lossy(&c.wait_with_output().expect("output").stderr).into_owned())
+            .collect();
+        let taken = said.iter().any(|s| s.to_lowercase().contains("in use"));
+        assert!(ended && taken, "no three steps (a rank ended: {ended}); the ranks said: {said:#?}");
+    }
+    panic!("three ports in a row were taken");
+}
+
 fn losses(dir: &Path) -> Vec<f64> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap_or_default()
@@ -234,15 +267,7 @@ fn sigterm_to_one_rank_stops_every_rank_at_one_step_with_a_checkpoint_that_resum
     // only (a scheduler that signals one task), and the ranks' vote stops all three
     let dir = tempfile::tempdir().expect("tmp");
     let spec = spec(dir.path(), 100_000, "");
-    let out = dir.path().join("tcp");
-    let o = out.to_str().expect("p");
-    let port = free_port();
-    let ranks: Vec<Child> = (0..3).map(|r| rank(&spec, r, 3, port, &["-o", o])).collect();
-    let start = Instant::now();
-    while losses(&out).len() < 3 {
-        assert!(start.elapsed() < Duration::from_secs(60), "no steps after 60 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (ranks, out) = three_ranks_training(dir.path(), &spec);
     let signalled = Instant::now();
     let killed = Command::new("kill").args(["-TERM", &ranks[1].id().to_string()]).status().expect("kill");
     assert!(killed.success());
