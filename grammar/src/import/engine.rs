@@ -142,8 +142,10 @@ pub fn model_text(m: &ModelFacts) -> String {
         (format!("embedding({}, {})", m.vocab, m.d), format!("linear({}, {}, bias=false)", m.d, m.vocab))
     };
     let positions = if m.positions > 0 { format!("    - pos_embedding({})\n", m.positions) } else { String::new() };
+    // the engines attend with fused (flash) kernels: Megatron-LM's --attention-backend auto,
+    // torchtitan's SDPA (a Hugging Face model's section, DeepSpeed's, writes its own)
     format!(
-        "model:\n  input: [{}]\n  layers:\n    - {table}\n{positions}    - repeat {}: transformer_block({args})\n    - {final_norm}\n    - {head}\n  loss: cross_entropy\n",
+        "model:\n  attention: flash\n  input: [{}]\n  layers:\n    - {table}\n{positions}    - repeat {}: transformer_block({args})\n    - {final_norm}\n    - {head}\n  loss: cross_entropy\n",
         m.seq, m.layers
     )
 }
@@ -239,13 +241,6 @@ pub fn write_spec(
             header += &format!("#   {d}\n");
         }
     }
-    // the engines attend with fused (flash) kernels: Megatron-LM's --attention-backend auto,
-    // torchtitan's SDPA, transformers' sdpa under DeepSpeed
-    let model = if model.contains("\n  attention: flash\n") {
-        model.to_string()
-    } else {
-        model.replacen("model:\n", "model:\n  attention: flash\n", 1)
-    };
     let spec = format!("{header}name: {name}\nengine: {engine}\n{model}{}", run_text(run)?);
     let checked = crate::check_source(&spec);
     if let Some(d) = checked.diagnostics.iter().find(|d| d.is_error()) {
