@@ -1,20 +1,20 @@
 //! What a run is asked and what it reports: the backend, the options, the step metrics and
-//! the report, the plan's refusals (`validate`, `caveats`), the devices that work and their
-//! GPUs, and [`run`], which trains a plan on one worker thread per device.
+//! the report, the plan's refusals (`validate`, `caveats`), and the devices that work and
+//! their GPUs. The runs themselves: `local` (one process), `process_run` (one per device).
 
-use crate::interp::worker::{ExpertTokens, HeldState};
-use crate::{backend, interp, parallel};
-use pipec_plan::checkpoint;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pipec_plan::checkpoint;
 use pipec_plan::model::Op;
 use pipec_plan::{DeviceId, Plan, StageId};
 
 use crate::error::ExecError;
+use crate::interp::worker::{ExpertTokens, HeldState};
+use crate::{backend, interp, parallel};
 
 /// Which Burn backend runs the plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,16 +7,15 @@ use std::sync::Arc;
 
 use pipec_plan::Plan;
 
+use pipec_plan::checkpoint;
+
 use super::job::{
     gpu_placement, validate, working_devices, BackendKind, Placement, RunError, RunOptions, RunReport, StepMetrics,
 };
 use super::threads::run_workers;
-use crate::backend;
-use crate::backend::kernels::ExecBackend;
-use crate::backend::CpuBackend;
+use crate::backend::{self, kernels::ExecBackend, CpuBackend};
 use crate::comm::transport;
 use crate::error::ExecError;
-use pipec_plan::checkpoint;
 
 /// Runs a plan in this process: one thread per device, channels between them.
 pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetrics)) -> Result<RunReport, RunError> {

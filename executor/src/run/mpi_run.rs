@@ -9,9 +9,7 @@ use mpi::Threading;
 use pipec_plan::Plan;
 
 use crate::comm::mpi_transport::{abort_world, MpiFabric};
-use crate::run::job::RunError;
-use crate::run::job::RunOptions;
-use crate::run::job::RunReport;
+use crate::run::job::{validate, working_devices, RunError, RunOptions, RunReport};
 pub use crate::run::process_run::{report_failure, RankHooks, RankInfo};
 
 /// Runs this rank's device. Returns the job's report on rank 0, this rank's own elsewhere. A failure after
@@ -21,8 +19,8 @@ pub fn run(
     options: &RunOptions,
     hooks: RankHooks<'_>,
 ) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
-    crate::run::job::validate(plan).map_err(|e| (None, e))?;
-    let n_devices = crate::run::job::working_devices(plan).len();
+    validate(plan).map_err(|e| (None, e))?;
+    let n_devices = working_devices(plan).len();
     if !launched() && n_devices > 1 {
         return Err((None, RunError::setup(format!("`--transport mpi` runs one process per device: start the plan's {n_devices} devices with `mpirun -np {n_devices} pipec run …` (see `pipec launch`)"))));
     }

@@ -5,16 +5,14 @@
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use pipec_plan::{DeviceId, Plan};
+use pipec_plan::{checkpoint, DeviceId, Plan};
 
 use crate::comm::fabric::{Fabric, ProcessEndpoint, TAG_AGREE, TAG_CKPT, TAG_METRIC, TAG_STOP, TAG_TRACE};
+use crate::interp::worker::{add_expert_tokens, ExpertTokens, HeldState};
 use crate::run::agreement::{self, Fingerprint};
-use crate::run::job::RunError;
-use crate::run::job::RunOptions;
-use crate::run::job::RunReport;
-use crate::run::job::StepMetrics;
+use crate::run::job::{self, BackendKind, Resume, RunError, RunOptions, RunReport, StepMetrics, ValidationMetrics};
 use crate::run::stop::{self, Begin, StopVote};
-use crate::run::threads::run_workers;
+use crate::run::threads::{run_workers, CheckpointSink, TIMELINE_LIMIT};
 
 /// What rank 0 does with the job: each step's metrics as it gathers them, then the job's
 /// report before the ranks part. The other ranks wait at the parting barrier until
@@ -90,7 +88,7 @@ pub fn run_rank<F: Fabric + 'static>(
 ) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
     let RankHooks { on_step, on_report } = hooks;
     let (rank, size) = (fabric.rank(), fabric.size());
-    let devices = crate::run::job::working_devices(plan);
+    let devices = job::working_devices(plan);
     if size as usize != devices.len() {
         return Err((
             None,
@@ -103,7 +101,7 @@ pub fn run_rank<F: Fabric + 'static>(
     }
     let device = devices[rank as usize];
     let info = RankInfo { rank, size, device };
-    if options.backend == crate::run::job::BackendKind::Cpu {
+    if options.backend == BackendKind::Cpu {
         crate::backend::resident::check_host_memory(plan, &[device]).map_err(|e| (Some(info), RunError::setup(e)))?;
     }
     // the checkpoint is read once, here: the ranks compare what they start from
@@ -124,12 +122,12 @@ pub fn run_rank<F: Fabric + 'static>(
             previous: std::sync::Mutex::new(None),
         }) as Arc<dyn StopVote>
     });
-    let options = &RunOptions { resume: start.map(crate::run::job::Resume::Loaded), vote, ..options.clone() };
+    let options = &RunOptions { resume: start.map(Resume::Loaded), vote, ..options.clone() };
     // every rank is up once all reach this barrier; `pipec launch --exec` waits for this
     // line to know the job started (its start-up bound)
     fabric.barrier().map_err(|e| (Some(info), RunError::setup(e.to_string())))?;
     if rank == 0 {
-        eprintln!("{} {size} ranks", crate::run::job::MPI_STARTED);
+        eprintln!("{} {size} ranks", job::MPI_STARTED);
     }
     let endpoint = ProcessEndpoint::new(device, &devices, fabric.clone(), abort.clone(), options.timeout);
     let receive_bytes = |r: i32, tag: i32, abort: &AtomicBool| {
@@ -146,33 +144,33 @@ pub fn run_rank<F: Fabric + 'static>(
     };
     // Checkpoints: every rank sends its stages to rank 0, which writes one checkpoint.
     let ckpt_abort = abort.clone();
-    let identity = pipec_plan::checkpoint::Identity::of(plan);
+    let identity = checkpoint::Identity::of(plan);
     let mut sink = |steps: usize,
-                    mut stages: pipec_plan::checkpoint::Shards,
+                    mut stages: checkpoint::Shards,
                     loss_scale: Option<pipec_plan::recipe::LossScale>|
      -> Result<Option<std::path::PathBuf>, crate::error::ExecError> {
         use crate::error::ExecError;
         if rank != 0 {
-            let _ = fabric.post(0, TAG_CKPT, pipec_plan::checkpoint::encode(&stages), None);
+            let _ = fabric.post(0, TAG_CKPT, checkpoint::encode(&stages), None);
             return Ok(None);
         }
         for r in 1..size {
             // a transfer that fails keeps its kind: a wait ended by another failure is
             // secondary to it, and the root cause is what the rank reports
             let b = receive_bytes(r, TAG_CKPT, &ckpt_abort)?;
-            for (s, st) in pipec_plan::checkpoint::decode(&b).map_err(ExecError::Checkpoint)? {
+            for (s, st) in checkpoint::decode(&b).map_err(ExecError::Checkpoint)? {
                 stages.entry(s).or_insert(st);
             }
         }
         match &options.checkpoint_dir {
-            Some(dir) => pipec_plan::checkpoint::write(dir, steps, &identity, &stages, loss_scale)
-                .map(Some)
-                .map_err(ExecError::Checkpoint),
+            Some(dir) => {
+                checkpoint::write(dir, steps, &identity, &stages, loss_scale).map(Some).map_err(ExecError::Checkpoint)
+            }
             None => Ok(None),
         }
     };
     let report = match options.backend {
-        crate::run::job::BackendKind::Cpu => {
+        BackendKind::Cpu => {
             let placement = [(device, (Default::default(), "cpu".to_string()))].into_iter().collect();
             run_workers::<crate::backend::CpuBackend, _>(
                 plan,
@@ -184,9 +182,7 @@ pub fn run_rank<F: Fabric + 'static>(
                 &mut sink,
             )
         }
-        crate::run::job::BackendKind::Cuda => {
-            run_cuda(plan, options, device, endpoint, abort.clone(), &mut gather, &mut sink)
-        }
+        BackendKind::Cuda => run_cuda(plan, options, device, endpoint, abort.clone(), &mut gather, &mut sink),
     }
     .map_err(|e| (Some(info), e))?;
     // everything posted is sent before the ranks part: flush, then meet at a barrier
@@ -270,7 +266,7 @@ fn combined_metrics(plan: &Plan, m: &StepMetrics, theirs: impl Iterator<Item = V
     }
     let microbatches = plan.training.microbatches.max(1) as f64;
     let loss = if count > 0.0 { sum / count } else { f64::NAN };
-    let language_model = crate::run::job::is_language_model(plan);
+    let language_model = job::is_language_model(plan);
     StepMetrics {
         step: m.step,
         loss,
@@ -285,7 +281,7 @@ fn combined_metrics(plan: &Plan, m: &StepMetrics, theirs: impl Iterator<Item = V
         loss_scale: m.loss_scale,
         skipped: m.skipped,
         epoch: m.epoch,
-        validation: validation.map(|v| crate::run::job::ValidationMetrics::of(v, language_model)),
+        validation: validation.map(|v| ValidationMetrics::of(v, language_model)),
         checkpoint_wait_s: wait,
         checkpoint_copy_s: copy,
         checkpoint_write_s: m.checkpoint_write_s,
@@ -437,23 +433,19 @@ fn merge_traces(merged: &mut RunReport, v: &[f64]) {
         merged.trace.push((DeviceId(t[0] as u32), t[1] as usize, t[2], t[3]));
     }
     for t in comm.chunks_exact(5) {
-        if merged.comm_timeline.len() < crate::run::threads::TIMELINE_LIMIT {
+        if merged.comm_timeline.len() < TIMELINE_LIMIT {
             merged.comm_timeline.push(entry(t));
         }
     }
     for t in timeline.chunks_exact(5) {
-        if merged.timeline.len() < crate::run::threads::TIMELINE_LIMIT {
+        if merged.timeline.len() < TIMELINE_LIMIT {
             merged.timeline.push(entry(t));
         }
     }
     for x in rest[..8 * f].chunks_exact(8) {
         let d = DeviceId(x[0] as u32);
         if x[1] != 0.0 {
-            let held = crate::interp::worker::HeldState {
-                weights: x[2] as u64,
-                gradients: x[3] as u64,
-                optimizer: x[4] as u64,
-            };
+            let held = HeldState { weights: x[2] as u64, gradients: x[3] as u64, optimizer: x[4] as u64 };
             merged.held.insert(d, held);
         }
         if x[5] != 0.0 {
@@ -473,13 +465,13 @@ fn run_cuda<F: Fabric + 'static>(
     endpoint: ProcessEndpoint<F>,
     abort: Arc<AtomicBool>,
     on_step: &mut dyn FnMut(&StepMetrics),
-    sink: &mut crate::run::threads::CheckpointSink<'_>,
+    sink: &mut CheckpointSink<'_>,
 ) -> Result<RunReport, RunError> {
-    crate::run::job::cuda_available().map_err(RunError::setup)?;
+    job::cuda_available().map_err(RunError::setup)?;
     #[cfg(feature = "cuda")]
     {
         type B = burn::backend::Autodiff<burn::backend::Cuda>;
-        let gpus = crate::run::job::cuda::device_count().map_err(RunError::setup)?;
+        let gpus = job::cuda::device_count().map_err(RunError::setup)?;
         let local = crate::run::gpus::local_rank_from_env().unwrap_or(0);
         let gpu = crate::run::gpus::for_local_rank(local, gpus, options.share_gpus).map_err(RunError::setup)?;
         let placement =
@@ -494,11 +486,11 @@ fn run_cuda<F: Fabric + 'static>(
 }
 
 /// Adds a rank's expert token counts, sent as (layer, experts, counts...) runs, to `into`.
-fn merge_expert_tokens(into: &mut crate::interp::worker::ExpertTokens, mut runs: &[f64]) {
+fn merge_expert_tokens(into: &mut ExpertTokens, mut runs: &[f64]) {
     while let [layer, n, rest @ ..] = runs {
         let n = (*n as usize).min(rest.len());
         let took: Vec<u64> = rest[..n].iter().map(|&t| t as u64).collect();
-        crate::interp::worker::add_expert_tokens(into, *layer as usize, &took);
+        add_expert_tokens(into, *layer as usize, &took);
         runs = &rest[n..];
     }
 }

@@ -7,9 +7,7 @@ use pipec_plan::Plan;
 
 use crate::comm::fabric::Fabric;
 use crate::comm::tcp::{Rendezvous, TcpFabric};
-use crate::run::job::RunError;
-use crate::run::job::RunOptions;
-use crate::run::job::RunReport;
+use crate::run::job::{validate, working_devices, RunError, RunOptions, RunReport};
 use crate::run::process_run::{report_failure, RankHooks, RankInfo};
 
 /// Runs this process's device of the job torchrun's variables describe (`pipec run
@@ -21,9 +19,9 @@ pub fn run(
     options: &RunOptions,
     hooks: RankHooks<'_>,
 ) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
-    crate::run::job::validate(plan).map_err(|e| (None, e))?;
+    validate(plan).map_err(|e| (None, e))?;
     let rv = Rendezvous::from_env().map_err(|e| (None, RunError::setup(e)))?;
-    let devices = crate::run::job::working_devices(plan).len();
+    let devices = working_devices(plan).len();
     if rv.size as usize != devices {
         return Err((
             None,

@@ -21,13 +21,9 @@ use crate::error::ExecError;
 use crate::interp::build::build_stages;
 use crate::interp::checkpointing::{load_checkpoint, save_checkpoint};
 use crate::interp::data::Dataset;
+use crate::interp::worker::{add_expert_tokens, ExpertTokens};
 use crate::interp::worker::{StepReport, Worker};
-use crate::run::job::is_language_model;
-use crate::run::job::Placement;
-use crate::run::job::RunError;
-use crate::run::job::RunOptions;
-use crate::run::job::RunReport;
-use crate::run::job::StepMetrics;
+use crate::run::job::{is_language_model, Placement, RunError, RunOptions, RunReport, StepMetrics, ValidationMetrics};
 use crate::run::stop::{Begin, StopGate};
 
 /// The most timeline entries a run keeps (about 40 bytes each): a long run's trace keeps
@@ -448,9 +444,9 @@ impl Coordinator<'_> {
         }
         let aux: Vec<f32> = self.aux_carry.remove(&step).unwrap_or_default();
         self.aux_carry.retain(|s, _| *s > step);
-        let mut expert_tokens = crate::interp::worker::ExpertTokens::new();
+        let mut expert_tokens = ExpertTokens::new();
         for (layer, took) in reports.iter().flat_map(|(r, _)| r.expert_tokens.iter()) {
-            crate::interp::worker::add_expert_tokens(&mut expert_tokens, *layer, took);
+            add_expert_tokens(&mut expert_tokens, *layer, took);
         }
         let aux_sum: f64 = aux.iter().map(|&a| f64::from(a)).sum();
         let loss_sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
@@ -477,7 +473,7 @@ impl Coordinator<'_> {
                 for v in reports.iter().filter_map(|(r, _)| r.validation) {
                     sum.iter_mut().zip(v).for_each(|(a, b)| *a += b);
                 }
-                crate::run::job::ValidationMetrics::of(sum, is_language_model(plan))
+                ValidationMetrics::of(sum, is_language_model(plan))
             }),
             epoch: self.samples.map(|n| ((step + 1) * plan.training.batch_size) as f64 / n as f64),
             checkpoint_wait_s: self
