@@ -710,7 +710,7 @@ fn zero_beside_expert_parallelism_shards_the_experts_over_the_replicas_holding_t
 }
 
 #[test]
-fn pipec_run_says_that_dualpipes_overlap_of_all_to_alls_runs_in_line() {
+fn pipec_run_says_that_dualpipes_and_the_combined_1f1bs_overlap_of_all_to_alls_runs_in_line() {
     // the plan hides each pair's all-to-alls (DualPipe's overlap); the executor does not
     let text = std::fs::read_to_string(root().join("specs/moe-tiny.yaml")).expect("spec");
     let plan = |schedule: &str| {
@@ -722,4 +722,12 @@ fn pipec_run_says_that_dualpipes_overlap_of_all_to_alls_runs_in_line() {
         assert!(caveats.iter().any(|c| c.contains(schedule) && c.contains("all-to-alls in line")), "{caveats:?}");
     }
     assert!(!pipec_executor::caveats(&plan("1f1b")).iter().any(|c| c.contains("all-to-alls in line")));
+    // Megatron-LM's combined 1F1B (`ep_overlap`): the executor runs its order, not its overlap
+    let one_stage = text.replace("  stages: \"2-2\"\n", "  stages: \"4\"\n");
+    let overlapped = compile_text(&one_stage.replace("  ep: 2\n", "  ep: 2\n  ep_overlap: true\n"))
+        .into_compiled()
+        .unwrap_or_else(|d| panic!("ep_overlap: {d:?}"))
+        .plan;
+    let caveats = pipec_executor::caveats(&overlapped);
+    assert!(caveats.iter().any(|c| c.contains("`ep_overlap`") && c.contains("all-to-alls in line")), "{caveats:?}");
 }

@@ -454,6 +454,45 @@ fn deepep_dispatch_is_emitted_as_each_engine_names_it_or_refused() {
     );
 }
 
+/// `ep_overlap` (Megatron-LM's expert-parallel overlap): emitted as
+/// `--overlap-moe-expert-parallel-comm` beside the flex dispatcher, read back from the
+/// emitted arguments with the dispatch; torchtitan and DeepSpeed refuse it at the key
+/// (E0702), and Megatron-LM refuses it beside full recompute (its own assertion).
+#[test]
+fn ep_overlap_is_emitted_for_megatron_read_back_and_refused_elsewhere() {
+    use pipec_grammar::import::megatron;
+    let text = std::fs::read_to_string(root().join("specs/moe-tiny.yaml")).expect("example");
+    let one_stage = text.replacen("  stages: \"2-2\"\n", "  stages: \"4\"\n", 1);
+    let overlapped = one_stage.replacen("  ep: 2\n", "  ep: 2\n  moe_dispatch: deepep\n  ep_overlap: true\n", 1);
+    assert_ne!(overlapped, one_stage, "moe-tiny has `ep: 2`");
+    let plan = plan_of(&overlapped);
+    assert!(plan.schedule.ep_overlap);
+    let files = pipec_plan::engine::emit::emit(&plan, &EngineTarget::newest(Engine::Megatron)).expect("emits");
+    let args = files.into_iter().find(|(f, _)| f == "args.txt").map(|(_, t)| t).expect("args.txt");
+    assert!(args.contains("--overlap-moe-expert-parallel-comm"), "{args}");
+    let back = imported_plan(megatron::import(&args, "back", Some(plan.devices.len())));
+    assert!(back.schedule.ep_overlap, "read back");
+    assert_eq!(back.schedule.moe_dispatch, pipec_plan::vocab::MoeDispatch::DeepEp);
+    for engine in ["torchtitan", "deepspeed"] {
+        let refused = pipec_grammar::check_source(&format!("engine: {engine}\n{overlapped}"));
+        assert!(
+            refused
+                .diagnostics
+                .iter()
+                .any(|d| d.code == "E0702" && d.message.contains("overlapped with another microbatch")),
+            "{engine}: {:?}",
+            refused.diagnostics.iter().map(|d| &d.message).collect::<Vec<_>>()
+        );
+    }
+    let recomputed = overlapped.replacen("  ep: 2\n", "  ep: 2\n  recompute: true\n", 1);
+    let refused = pipec_grammar::check_source(&format!("engine: megatron\n{recomputed}"));
+    assert!(
+        refused.diagnostics.iter().any(|d| d.code == "E0702" && d.message.contains("full recompute")),
+        "{:?}",
+        refused.diagnostics.iter().map(|d| &d.message).collect::<Vec<_>>()
+    );
+}
+
 /// FP8 training crosses to and from each engine's own switches: an FP8 plan emitted for
 /// Megatron-LM (Transformer Engine's `--fp8-format hybrid --fp8-recipe R`, FP8 gathers
 /// with `--fp8-param-gather`) and torchtitan (torchao's `quantize.linear.float8` converter,

@@ -1249,7 +1249,7 @@ fn expert_parallel_groups_train_equal_to_one_device() {
     let layers = |block: &str| {
         format!("- embedding(50, 16)\n    - repeat 2: {block}\n    - rmsnorm\n    - flatten\n    - linear(256, 4)")
     };
-    let layouts: [(usize, &str, &str); 13] = [
+    let layouts: [(usize, &str, &str); 15] = [
         // ZeRO's reduce-scatter beside the experts: a member's gradient of an expert it
         // does not hold is zero, so every replica's chunk is the sum over its holders
         (4, "\"4\"\n  ep: 2\n  zero: 1", "1f1b"),
@@ -1265,6 +1265,10 @@ fn expert_parallel_groups_train_equal_to_one_device() {
         (4, "\"2-2\"\n  ep: 2", "dualpipev"),
         (4, "\"2-2\"\n  ep: 2", "dualpipe"),
         (4, "\"2-2\"\n  ep: 2", "chimera"),
+        // Megatron-LM's combined 1F1B order (`ep_overlap`): one more forward first, each
+        // forward then beside an earlier microbatch's backward
+        (4, "\"4\"\n  ep: 2\n  ep_overlap: true", "1f1b"),
+        (4, "\"2-2\"\n  ep: 2\n  ep_overlap: true", "{ kind: interleaved, virtual_stages: 2 }"),
     ];
     let balanced_layers = layers(balanced);
     let job = |devices, stages, schedule| expert_job(devices, stages, schedule, &balanced_layers, 10);

@@ -119,6 +119,7 @@ pub(crate) fn assemble(
             tp_overlap: strategy.tp_overlap && strategy.tp > 1,
             cp_comm: if strategy.cp > 1 { strategy.cp_comm } else { Default::default() },
             moe_dispatch: if strategy.ep > 1 { strategy.moe_dispatch } else { Default::default() },
+            ep_overlap: strategy.combined_1f1b(),
             sharding: strategy.sharding,
             block_recompute: match &strategy.recompute {
                 pipec_grammar::spec::Recompute::Blocks(b) => Some(b.clone()),

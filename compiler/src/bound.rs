@@ -187,6 +187,8 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     // pipeline replica whose order was walked; not for a flush-free pipeline, whose streams
     // are a steady state's)
     let in_flight = (flush && fits_one_microbatch && all_kept > capacity)
+        // (the combined 1F1B's pairs hold what 1F1B holds: each pair's forward keeps layer by
+        // layer what its backward frees, `memory::device_memory`)
         .then(|| memo.in_flight(&placed, kind, layout.replicas.len(), backward_slots(&stages.times)))
         .flatten();
     let (overflows, overflows_any_sharding, stage_headroom) =
@@ -471,6 +473,8 @@ struct Passes {
     /// forward of stage f and a whole backward of stage b take as one unit (at least the
     /// forward), for a stage b that is not recomputed. Empty under other schedules.
     pair: Vec<Vec<Option<f64>>>,
+    /// The plan's pairing (`Strategy::pairing`), None without pairs.
+    pairing: Option<pipec_plan::schedule::Pairing>,
 }
 
 impl Passes {
@@ -516,14 +520,17 @@ impl Passes {
             })
             .map(|t| if t.is_finite() { t } else { 0.0 })
             .collect();
-        let pair = if spec.strategy.schedule.kind.overlaps_pairs() {
+        let pairing = spec.strategy.pairing();
+        let pair = if let Some(pairing) = pairing {
             (0..n)
                 .map(|f| {
                     (0..n)
                         .map(|b| {
                             let (fw, bw) =
                                 (Instr::Forward { stage: stage(f), mb }, Instr::Backward { stage: stage(b), mb });
-                            let paired = f != b && !layout.recompute[b];
+                            // a forward pairs with a backward of another microbatch
+                            let other = (stage(b), MicrobatchId(1));
+                            let paired = pairing.pairs((stage(f), mb), other) && !layout.recompute[b];
                             let exchanged = cost.exchanged(&fw) + cost.exchanged(&bw);
                             paired
                                 .then(|| cost.overlapped(DeviceId(0), &fw, &bw, exchanged))
@@ -536,7 +543,7 @@ impl Passes {
         } else {
             Vec::new()
         };
-        Passes { forward, upstream_backward, weight, backward, recompute, hop, pair }
+        Passes { forward, upstream_backward, weight, backward, recompute, hop, pair, pairing }
     }
 }
 
@@ -566,7 +573,9 @@ pub fn timeline_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) ->
     let stages = stage_figures(spec, model, &layout);
     let cost = PlanCost::new(spec, model, &stages, HashMap::new());
     let passes = Passes::new(spec, &layout, &stages, &placed, &cost);
-    let order = generate(spec.strategy.schedule.kind, view, layout.replicas.len(), backward_slots(&stages.times));
+    let slots = backward_slots(&stages.times);
+    let order =
+        generate(spec.strategy.schedule.kind, view, layout.replicas.len(), slots, spec.strategy.combined_1f1b());
     Ok(run_order(&order, view, &passes))
 }
 
@@ -600,7 +609,9 @@ fn run_order(order: &Order, view: &Placement, p: &Passes) -> f64 {
                 // DualPipe's overlapped pair: the forward and the whole backward after it
                 // start once both their inputs are in and take the pair's time (`p.pair` has
                 // none for a recomputed backward, nor outside DualPipe)
-                let paired = crate::schedule::paired_backward(tasks, next[d], |_| false).and_then(|b| {
+                let paired_with =
+                    p.pairing.and_then(|r| crate::schedule::paired_backward(tasks, next[d], |_| false, r));
+                let paired = paired_with.and_then(|b| {
                     let both = p.pair.get(s)?.get(b.stage.0 as usize).copied().flatten()?;
                     Some((b.stage.0 as usize, b.mb.0 as usize, both))
                 });
@@ -800,7 +811,7 @@ impl Memo {
                     } else if let Some(counts) = one_f_one_b_in_flight(kind, view) {
                         counts
                     } else {
-                        in_flight(&generate(kind, view, ranks, slots))
+                        in_flight(&generate(kind, view, ranks, slots, false))
                     })
                 })
                 .clone(),
@@ -942,11 +953,14 @@ mod tests {
                     let cut = saturated(kind, &whole, ranks).expect("cut past the saturation");
                     assert_eq!(cut.microbatches, cap);
                     for slots in [1, 2, 3] {
-                        assert_eq!(
-                            in_flight(&generate(kind, &cut, ranks, slots)),
-                            in_flight(&generate(kind, &whole, ranks, slots)),
-                            "{kind:?} on {ranks} ranks, {v} chunks each, {m} microbatches, backward {slots} forwards"
-                        );
+                        // and the combined 1F1B's (`ep_overlap`), one forward longer
+                        for combined in [false, true] {
+                            assert_eq!(
+                                in_flight(&generate(kind, &cut, ranks, slots, combined)),
+                                in_flight(&generate(kind, &whole, ranks, slots, combined)),
+                                "{kind:?} on {ranks} ranks, {v} chunks each, {m} microbatches, backward {slots} forwards, combined {combined}"
+                            );
+                        }
                         checked += 1;
                     }
                 }
@@ -959,7 +973,7 @@ mod tests {
         // GPipe's frontier without its order is the order's
         for (ranks, m) in [(1, 1), (2, 3), (4, 8), (7, 20)] {
             let v = view(ScheduleKind::Gpipe, ranks, 1, m);
-            assert_eq!(gpipe_in_flight(&v), in_flight(&generate(ScheduleKind::Gpipe, &v, ranks, 2)));
+            assert_eq!(gpipe_in_flight(&v), in_flight(&generate(ScheduleKind::Gpipe, &v, ranks, 2, false)));
         }
         let mut routed = view(ScheduleKind::OneFOneB, 4, 1, 100);
         routed.replicas[0].push(DeviceId(4));
@@ -976,7 +990,7 @@ mod tests {
                     for slots in [1, 2, 3] {
                         assert_eq!(
                             one_f_one_b_in_flight(kind, &v),
-                            Some(in_flight(&generate(kind, &v, ranks, slots))),
+                            Some(in_flight(&generate(kind, &v, ranks, slots, false))),
                             "{kind:?} on {ranks} ranks, {m} microbatches, backward {slots} forwards"
                         );
                         checked += 1;

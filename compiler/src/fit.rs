@@ -44,7 +44,14 @@ pub(crate) fn check_memory(
                     id: leader,
                     node: 0,
                     stages: placement.stages_of(leader).into_iter().map(|s| StageId(s as u32)).collect(),
-                    memory: device_memory(stream, &stages.bytes, &lowered.recompute, weight_cap, cluster.memory),
+                    memory: device_memory(
+                        stream,
+                        &stages.bytes,
+                        &lowered.recompute,
+                        weight_cap,
+                        cluster.memory,
+                        spec.pairs_layer_by_layer(),
+                    ),
                     peak_in_flight: crate::memory::peak_in_flight(stream),
                 }
             });

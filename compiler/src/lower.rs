@@ -46,10 +46,10 @@ pub struct LowerInput<'a> {
     /// stage's next backward, so the forwards in between run while the replicas reduce (on
     /// the weights before that update). Without it, every all-reduce is waited for at once.
     pub overlap: bool,
-    /// DualPipe's overlapped pairs (`ScheduleKind::overlaps_pairs`): a forward followed by a
-    /// whole backward of another stage receives the backward's gradient first, so that the
-    /// pair starts with both its inputs in (`pipec_plan::schedule::overlapped_pair`).
-    pub overlapped_pairs: bool,
+    /// The overlapped pairs (DualPipe's, or Megatron-LM's combined 1F1B's): a forward
+    /// followed by a whole backward it pairs with receives the backward's gradient first, so
+    /// that the pair starts with both its inputs in (`pipec_plan::schedule::overlapped_pair`).
+    pub pairing: Option<pipec_plan::schedule::Pairing>,
 }
 
 /// Builds every device's stream: per device its receives, loads, compute and updates
@@ -145,7 +145,7 @@ fn device_stream(
                 }
                 // an overlapped pair's backward: its gradient too, before the pair starts
                 let recomputed = |s: usize| input.recompute.get(s).copied().unwrap_or(false);
-                let paired = paired_backward(tasks, i, recomputed).filter(|_| input.overlapped_pairs);
+                let paired = input.pairing.and_then(|p| paired_backward(tasks, i, recomputed, p));
                 if let Some(b) = paired {
                     let (bs, bm) = (b.stage.0 as usize, b.mb.0 as usize);
                     recv_gradient(stream, link_order, bs, bm);

@@ -178,13 +178,16 @@ pub fn peak_weight_versions(stream: &[Instr]) -> BTreeMap<StageId, u32> {
     peak_count(stream, |i| matches!(i, Instr::StashWeights { .. }), |i| matches!(i, Instr::RestoreWeights { .. }))
 }
 
-/// The memory a device needs for its stream.
+/// The memory a device needs for its stream. `layered_pairs`: the combined 1F1B's pairs run
+/// layer by layer (`Spec::pairs_layer_by_layer`), so a pair's forward keeps at most what its
+/// backward frees beyond the larger of the two.
 pub fn device_memory(
     stream: &[Instr],
     stages: &[StageBytes],
     recompute: &[bool],
     weight_versions: Option<u32>,
     capacity: f64,
+    layered_pairs: bool,
 ) -> MemoryBreakdown {
     let held: Vec<StageId> = {
         let mut v: Vec<StageId> = stream.iter().map(Instr::stage).collect();
@@ -223,7 +226,7 @@ pub fn device_memory(
     // and the gradients at the block's widest point; the last stage's loss backward holds
     // the gradient of the log-probabilities before any of that
     let transient = held.iter().map(|s| stages[s.0 as usize].transient(recomputed(s))).max().unwrap_or(0);
-    for ins in stream {
+    for (i, ins) in stream.iter().enumerate() {
         let per = |s: &StageId| {
             let b = stages[s.0 as usize];
             if recomputed(s) {
@@ -236,7 +239,14 @@ pub fn device_memory(
             Instr::Forward { stage, .. } => {
                 let e = now.entry(*stage).or_insert(0);
                 *e = e.saturating_add(per(stage));
-                peak_total = peak_total.max(now.values().fold(0u64, |a, &v| a.saturating_add(v)));
+                // a layered pair: while the forward keeps its layers, the backward frees its
+                // own; both are held whole only in the larger's share
+                let freed = layered_pairs
+                    .then(|| pipec_plan::schedule::overlapped_pair(stream, i, pipec_plan::schedule::Pairing::OtherTask))
+                    .flatten()
+                    .map_or(0, |j| per(&stream[j].stage()).min(per(stage)));
+                let total = now.values().fold(0u64, |a, &v| a.saturating_add(v));
+                peak_total = peak_total.max(total.saturating_sub(freed));
             }
             Instr::Free { stage, .. } => {
                 let e = now.entry(*stage).or_insert(0);

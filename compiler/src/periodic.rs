@@ -80,7 +80,7 @@ fn prepares(i: &Instr) -> bool {
 pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
     let n = input.placement.microbatches;
     let four = repeated(input.placement, 4);
-    let order = generate(input.kind, &four, input.ranks, 1);
+    let order = generate(input.kind, &four, input.ranks, 1, false);
     let streams = lower(&LowerInput {
         placement: &four,
         order: &order,
@@ -94,7 +94,7 @@ pub fn build(input: &PeriodicInput<'_>) -> Result<Periodic, String> {
         recompute: input.recompute,
         vertical_sync: false,
         overlap: input.overlap,
-        overlapped_pairs: false,
+        pairing: None,
     });
     let mut out = Periodic { body: BTreeMap::new(), segments: FlushFree::default(), microbatches: n };
     for (dev, stream) in streams {

@@ -32,8 +32,9 @@ pub(crate) struct PlanCost<'a> {
     /// as DeepEP sends them, `ClusterGraph::node_forwarded_time`); None: plain all-to-alls.
     deepep_top_k: Option<usize>,
     chunks: pipec_plan::schedule::ChunkPlacement,
-    /// DualPipe's overlapped pairs (`ScheduleKind::overlaps_pairs`).
-    pairs: bool,
+    /// The overlapped forward–backward pairs: DualPipe's, or Megatron-LM's combined 1F1B
+    /// under `ep_overlap` (`Strategy::pairing`).
+    pairing: Option<pipec_plan::schedule::Pairing>,
     pub(crate) stage_update: &'a [f64],
     /// Per stage, its gradient buckets (`StageFigures::buckets`).
     buckets: &'a [Vec<pipec_plan::plan::GradientBucket>],
@@ -65,7 +66,7 @@ impl<'a> PlanCost<'a> {
             ep: spec.strategy.ep.max(1),
             deepep_top_k: crate::cluster::deepep_top_k(spec),
             chunks: spec.strategy.schedule.kind.chunk_placement(),
-            pairs: spec.strategy.schedule.kind.overlaps_pairs(),
+            pairing: spec.strategy.pairing(),
             stage_update: &stages.update,
             buckets: &stages.buckets,
             cluster: &model.cluster,
@@ -158,11 +159,12 @@ impl CostModel for PlanCost<'_> {
     /// overlaps a chunk's dispatch and combine with the other chunk's attention and MLP):
     /// the longer of the two.
     fn overlapped(&self, device: DeviceId, forward: &Instr, backward: &Instr, exchanged: f64) -> Option<f64> {
-        if !self.pairs {
-            return None;
-        }
+        self.pairing?;
         let whole = self.compute(device, forward) + self.compute(device, backward);
         Some(whole.max(exchanged))
+    }
+    fn pairing(&self) -> Option<pipec_plan::schedule::Pairing> {
+        self.pairing
     }
     fn transfer(&self, from: DeviceId, to: DeviceId, bytes: u64) -> f64 {
         self.cluster.p2p_time(from, to, bytes / self.tp as u64)

@@ -78,27 +78,49 @@ impl Placement {
 /// Per device, the ordered compute tasks.
 pub type Order = Vec<Vec<Task>>;
 
-/// The whole backward that the forward at `at` of a device's `tasks` opens a DualPipe pair
-/// with (`ScheduleKind::overlaps_pairs`): the next task, a whole backward of another stage
-/// that does not recompute (`recomputed`: a recompute would run between them). The order's
-/// side of `pipec_plan::schedule::overlapped_pair`, which finds the same pairs in the
-/// streams this order lowers to.
-pub(crate) fn paired_backward(tasks: &[Task], at: usize, recomputed: impl Fn(usize) -> bool) -> Option<&Task> {
+/// The whole backward that the forward at `at` of a device's `tasks` opens an overlapped
+/// pair with under `pairing` (DualPipe's, or Megatron-LM's combined 1F1B): the next task, a
+/// whole backward that `pairing` pairs with the forward and that does not recompute
+/// (`recomputed`: a recompute would run between them). The order's side of
+/// `pipec_plan::schedule::overlapped_pair`, which finds the same pairs in the streams this
+/// order lowers to.
+pub(crate) fn paired_backward(
+    tasks: &[Task],
+    at: usize,
+    recomputed: impl Fn(usize) -> bool,
+    pairing: pipec_plan::schedule::Pairing,
+) -> Option<&Task> {
     let f = tasks.get(at).filter(|f| f.kind == TaskKind::Forward)?;
-    tasks.get(at + 1).filter(|b| b.kind == TaskKind::Backward && b.stage != f.stage && !recomputed(b.stage.0 as usize))
+    tasks.get(at + 1).filter(|b| {
+        b.kind == TaskKind::Backward
+            && pairing.pairs((f.stage, f.mb), (b.stage, b.mb))
+            && !recomputed(b.stage.0 as usize)
+    })
 }
 
 /// Generates the compute order of `kind` for a placement.
 ///
 /// `backward_slots` is the plan's backward time in forwards, rounded (1 when they are equal,
 /// about 2 for matrix layers); the schedules that pack passes by their length use it.
-pub fn generate(kind: ScheduleKind, placement: &Placement, pipeline_ranks: usize, backward_slots: usize) -> Order {
+///
+/// `combined`: Megatron-LM's combined 1F1B (`ep_overlap`): 1F1B and the interleaved schedule
+/// run one more forward before their first backward, so that each forward of the 1F1B phase
+/// and the backward after it are of different microbatches and run as one pair
+/// (`schedules.py`'s `num_warmup_microbatches + 1`; without pipelining F0, F1 B0, F2 B1, …).
+pub fn generate(
+    kind: ScheduleKind,
+    placement: &Placement,
+    pipeline_ranks: usize,
+    backward_slots: usize,
+    combined: bool,
+) -> Order {
+    let extra = usize::from(combined && kind.combines_1f1b());
     match kind {
         ScheduleKind::Gpipe => gpipe(placement),
         ScheduleKind::OneFOneB | ScheduleKind::PipeDream | ScheduleKind::TwoBw | ScheduleKind::DpOnly => {
-            one_f_one_b(placement)
+            one_f_one_b(placement, extra)
         }
-        ScheduleKind::Interleaved => interleaved(placement, pipeline_ranks),
+        ScheduleKind::Interleaved => interleaved(placement, pipeline_ranks, extra),
         ScheduleKind::ZbH1 => zb_h1(placement),
         ScheduleKind::Zbv => zero_bubble(placement),
         ScheduleKind::DualPipeV => dualpipe_v(placement),
@@ -166,9 +188,9 @@ pub fn in_flight_target(p: &Placement, stage: usize) -> usize {
 /// 1F1B with a flush (PipeDream-Flush / DAPPLE): `w` warm-up forwards, then alternate one
 /// backward and one forward, then the remaining backwards. Also the order of the
 /// asynchronous PipeDream schedules and of data parallelism (one stage: F, B, F, B, ...).
-fn one_f_one_b(p: &Placement) -> Order {
+fn one_f_one_b(p: &Placement, extra: usize) -> Order {
     stage_by_stage(p, |s, local, tasks| {
-        let warmup = in_flight_target(p, s).min(local.len());
+        let warmup = (in_flight_target(p, s) + extra).min(local.len());
         let mut next_f = 0;
         let mut next_b = 0;
         while next_f < warmup {
@@ -201,7 +223,7 @@ fn stage_by_stage(p: &Placement, mut emit: impl FnMut(usize, &[usize], &mut Vec<
 
 /// Interleaved 1F1B (Megatron-LM): device d holds chunks d, d+D, d+2D, ...; microbatches
 /// advance through the chunks in groups of D; warm-up (D−d−1)·2 + (V−1)·D forwards.
-fn interleaved(p: &Placement, ranks: usize) -> Order {
+fn interleaved(p: &Placement, ranks: usize, extra: usize) -> Order {
     let d_count = ranks;
     let v = p.stages() / ranks.max(1);
     let mut order = vec![Vec::new(); p.devices];
@@ -227,7 +249,7 @@ fn interleaved(p: &Placement, ranks: usize) -> Order {
             let mb = (k / (group * v)) * group + k % group;
             Task::new(TaskKind::Backward, chunk * d_count + rank, local[mb])
         };
-        let warmup = ((d_count - rank - 1) * 2 + (v - 1) * group).min(total);
+        let warmup = ((d_count - rank - 1) * 2 + (v - 1) * group + extra).min(total);
         for k in 0..warmup {
             tasks.push(forward_at(k));
         }
@@ -896,9 +918,35 @@ mod tests {
     #[test]
     fn one_f_one_b_matches_pytorch_order() {
         // torch.distributed.pipelining Schedule1F1B, 4 ranks, 8 microbatches (runtime order)
-        let order = text(&one_f_one_b(&straight(4, 8)));
+        let order = text(&one_f_one_b(&straight(4, 8), 0));
         assert_eq!(order[0], "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7");
         assert_eq!(order[3], "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7");
+    }
+
+    #[test]
+    fn the_combined_1f1b_runs_one_more_forward_and_pairs_each_forward_with_an_earlier_backward() {
+        use pipec_plan::schedule::Pairing;
+        // Megatron-LM's combined_1f1b_schedule_for_no_pipelining, 4 microbatches: F0, then
+        // B0 with F1, B1 with F2, B2 with F3, then B3
+        let one = generate(ScheduleKind::DpOnly, &straight(1, 4), 1, 1, true);
+        assert_eq!(text(&one)[0], "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3");
+        let pairs: Vec<String> = (0..one[0].len())
+            .filter_map(|i| {
+                paired_backward(&one[0], i, |_| false, Pairing::OtherTask).map(|b| format!("{}+{b}", one[0][i]))
+            })
+            .collect();
+        assert_eq!(pairs, ["0F1+0B0", "0F2+0B1", "0F3+0B2"]);
+        // without `ep_overlap` the forward's own backward follows it: no pair
+        let plain = generate(ScheduleKind::DpOnly, &straight(1, 4), 1, 1, false);
+        assert_eq!(text(&plain)[0], "0F0 0B0 0F1 0B1 0F2 0B2 0F3 0B3");
+        assert!((0..8).all(|i| paired_backward(&plain[0], i, |_| false, Pairing::OtherTask).is_none()));
+        // a pipeline: every stage's warm-up one forward longer (the last stage's 1F1B phase
+        // too), the interleaved schedule's as `schedules.py` counts it (+1)
+        let piped = text(&generate(ScheduleKind::OneFOneB, &straight(2, 4), 2, 1, true));
+        assert_eq!(piped, ["0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3", "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3"]);
+        // schedules without the 1F1B phase keep their order
+        let g = |c| text(&generate(ScheduleKind::Gpipe, &straight(2, 3), 2, 1, c));
+        assert_eq!(g(true), g(false));
     }
 
     #[test]
@@ -916,7 +964,7 @@ mod tests {
             devices: 2,
             microbatches: 4,
         };
-        let order = text(&interleaved(&p, 2));
+        let order = text(&interleaved(&p, 2, 0));
         assert_eq!(order[0], "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3");
         assert_eq!(order[1], "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3");
     }

@@ -153,6 +153,11 @@ pub struct Candidate {
     pub cp_comm: CpComm,
     /// Expert parallelism's degree (1: every replica holds every expert).
     pub ep: usize,
+    /// How expert parallelism dispatches tokens (the spec's `moe_dispatch`, with `ep` > 1).
+    pub moe_dispatch: pipec_plan::vocab::MoeDispatch,
+    /// Megatron-LM's expert-parallel overlap (the spec's `ep_overlap`), on a candidate with
+    /// `ep` > 1 whose schedule combines 1F1B.
+    pub ep_overlap: bool,
     /// Context parallelism's degree (1: none); `replicas` and `microbatches` are as written
     /// (each replica of cp members, each microbatch of cp chunks).
     pub cp: usize,
@@ -197,7 +202,17 @@ impl Candidate {
         };
         let sp = if self.sequence_parallel { ", sequence_parallel: true" } else { "" };
         let overlap_tp = if self.tp_overlap { ", tp_overlap: true" } else { "" };
-        let ep = if self.ep > 1 { format!(", ep: {}", self.ep) } else { String::new() };
+        let ep = match (self.ep, self.moe_dispatch, self.ep_overlap) {
+            (1, _, _) => String::new(),
+            (n, dispatch, overlap) => {
+                let dispatch = match dispatch {
+                    pipec_plan::vocab::MoeDispatch::AllToAll => String::new(),
+                    d => format!(", moe_dispatch: {d}"),
+                };
+                let overlap = if overlap { ", ep_overlap: true" } else { "" };
+                format!(", ep: {n}{dispatch}{overlap}")
+            }
+        };
         let cp = match (self.cp, self.cp_comm) {
             (1, _) => String::new(),
             (n, CpComm::AllGather) => format!(", cp: {n}"),
@@ -234,6 +249,8 @@ impl Candidate {
         st.tp_overlap = self.tp_overlap;
         st.cp_comm = self.cp_comm;
         st.ep = self.ep;
+        st.moe_dispatch = self.moe_dispatch;
+        st.ep_overlap = self.ep_overlap;
         // as the front end lowers context parallelism (the layout and microbatches as written)
         st.split_sequences(self.cp);
         st.auto = None;
@@ -650,6 +667,19 @@ fn candidates(
                                 tp_overlap: options.tp_overlap && tp > 1,
                                 cp_comm,
                                 ep,
+                                moe_dispatch: if ep > 1 { spec.strategy.moe_dispatch } else { Default::default() },
+                                ep_overlap: spec.strategy.ep_overlap
+                                    && ep > 1
+                                    && layout.as_ref().is_some_and(|l| {
+                                        let per_replica = microbatches / l[0].max(1);
+                                        pipec_plan::schedule::Pairing::combined_1f1b_obstacle(
+                                            schedule,
+                                            l.len(),
+                                            chunks,
+                                            per_replica,
+                                        )
+                                        .is_none()
+                                    }),
                                 cp,
                                 overlap: spec.strategy.overlap,
                                 bucket: spec.strategy.bucket,

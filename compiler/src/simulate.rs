@@ -32,7 +32,12 @@ pub trait CostModel {
     /// members are `members` (a cost model may know the group as larger: the strategy
     /// search simulates one pipeline replica of symmetric plans).
     fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64;
-    /// DualPipe's overlapped pair ([`pipec_plan::schedule::overlapped_pair`]): the seconds
+    /// The forward–backward pairs the plan overlaps ([`pipec_plan::schedule::Pairing`]:
+    /// DualPipe's or Megatron-LM's combined 1F1B), if any (the default: none).
+    fn pairing(&self) -> Option<pipec_plan::schedule::Pairing> {
+        None
+    }
+    /// An overlapped pair ([`pipec_plan::schedule::overlapped_pair`]): the seconds
     /// `forward` and `backward` on `device` take as one unit with the all-to-alls the two
     /// post (`exchanged` seconds of them), or None where they run one after the other (the
     /// default).
@@ -462,7 +467,7 @@ fn open_pair(
     i: usize,
     d: f64,
 ) -> Option<Pair> {
-    let j = pipec_plan::schedule::overlapped_pair(stream, i)?;
+    let j = pipec_plan::schedule::overlapped_pair(stream, i, priced.1.pairing()?)?;
     let (forward_exchanges, _) = exchanged_after(priced, dev, stream, i);
     let (backward_exchanges, last) = exchanged_after(priced, dev, stream, j);
     let both = priced.1.overlapped(dev, &stream[i], &stream[j], forward_exchanges + backward_exchanges)?;

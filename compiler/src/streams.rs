@@ -112,7 +112,7 @@ pub(crate) fn lower_streams(
     let streams = if asp {
         crate::lower::lower_asp(placement, gradient_bytes[0], strategy.schedule.staleness)
     } else {
-        let mut order = generate(kind, placement, ranks, backward_slots(&stages.times));
+        let mut order = generate(kind, placement, ranks, backward_slots(&stages.times), strategy.combined_1f1b());
         if sends_gradients_first(spec, ranks) {
             send_gradients_first(&mut order);
         }
@@ -128,7 +128,7 @@ pub(crate) fn lower_streams(
             recompute: &layout.recompute,
             vertical_sync: strategy.schedule.vertical_sync,
             overlap: strategy.overlap,
-            overlapped_pairs: kind.overlaps_pairs(),
+            pairing: strategy.pairing(),
         })
     };
     let periodic = runs_flush_free(spec)
@@ -243,7 +243,8 @@ pub(crate) fn runs_flush_free(spec: &Spec) -> bool {
 /// Whether a later stage sends its input gradient before it computes its weight gradients
 /// (`schedule::send_gradients_first`): with `overlap` (the default), on a schedule that
 /// updates once per step and does not split its backward already, without tensor
-/// parallelism (whose backward runs segment by segment with its all-reduces).
+/// parallelism (whose backward runs segment by segment with its all-reduces), nor the
+/// combined 1F1B (`ep_overlap`), whose pairs are whole backwards.
 pub(crate) fn sends_gradients_first(spec: &Spec, pipeline_ranks: usize) -> bool {
     let strategy = &spec.strategy;
     let kind = strategy.schedule.kind;
@@ -251,6 +252,9 @@ pub(crate) fn sends_gradients_first(spec: &Spec, pipeline_ranks: usize) -> bool 
         && kind.updates(pipeline_ranks) == Updates::PerStep
         && !kind.splits_backward()
         && strategy.tp.max(1) == 1
+        // the combined 1F1B pairs whole backwards (Megatron-LM's runs each layer's weight
+        // gradient inside its backward's step)
+        && !strategy.combined_1f1b()
 }
 
 /// The stage holding layer `i`.
@@ -389,7 +393,7 @@ pub(crate) fn eval_streams(
         recompute: &vec![false; n],
         vertical_sync: false,
         overlap: false,
-        overlapped_pairs: false,
+        pairing: None,
     });
     let tp = spec.strategy.tp.max(1) as u32;
     let mut out = BTreeMap::new();

@@ -465,6 +465,11 @@ fn every_schedule() -> Vec<(&'static str, Compiled)> {
         ("expert-parallel-dualpipe", build(&moe_spec(4, 8, "dualpipe", "\"2-2\"", 2))),
         ("expert-parallel-dp-only", build(&moe_spec(4, 8, "dp-only", "\"4\"", 4))),
         ("expert-parallel-1f1b", build(&moe_spec(4, 4, "1f1b", "\"2-2\"", 2))),
+        (
+            "expert-parallel-interleaved-ep-overlap",
+            build(&moe_spec(4, 8, "{ kind: interleaved, virtual_stages: 2 }", "\"2-2\"\n  ep_overlap: true", 2)),
+        ),
+        ("expert-parallel-dp-only-ep-overlap", build(&moe_spec(4, 8, "dp-only", "\"4\"\n  ep_overlap: true", 4))),
         ("expert-parallel-zbv", build(&moe_spec(4, 4, "zbv", "\"2-2\"", 2))),
         ("expert-parallel-tensor-parallel", build(&moe_spec(8, 4, "1f1b", "\"2-2\"\n  tp: 2", 2))),
         ("context-parallel-1f1b", build(&cp_spec(4, 2, "1f1b", "\"1-1\"", 2))),
@@ -735,10 +740,28 @@ fn dualpipe_bubbles_match_the_published_formula() {
 /// all-to-alls nothing); every other pass its computation, then its all-to-alls their
 /// whole time. The devices' forward, backward and all-to-all seconds are those, from the
 /// plan's stage figures; the plan reports what the pairs hid, and they hide something.
+///
+/// Megatron-LM's combined 1F1B (`ep_overlap`) the same way: on one stage per device and on
+/// an interleaved pipeline, each forward after the warm-up's one more with the backward of
+/// an earlier microbatch after it (`Pairing::OtherTask`).
 #[test]
 fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
-    for schedule in ["dualpipev", "dualpipe"] {
-        let c = build(&moe_spec(4, 8, schedule, "\"2-2\"", 2));
+    use pipec_plan::schedule::Pairing;
+    let overlapped = |text: String| text.replace("  ep: 2\n", "  ep: 2\n  ep_overlap: true\n");
+    let cases = [
+        ("dualpipev", moe_spec(4, 8, "dualpipev", "\"2-2\"", 2), Pairing::OtherStage),
+        ("dualpipe", moe_spec(4, 8, "dualpipe", "\"2-2\"", 2), Pairing::OtherStage),
+        ("dp-only, ep_overlap", overlapped(moe_spec(2, 8, "dp-only", "\"2\"", 2)), Pairing::OtherTask),
+        ("1f1b, ep_overlap", overlapped(moe_spec(2, 8, "1f1b", "\"2\"", 2)), Pairing::OtherTask),
+        (
+            "interleaved, ep_overlap",
+            overlapped(moe_spec(4, 8, "{ kind: interleaved, virtual_stages: 2 }", "\"2-2\"", 2)),
+            Pairing::OtherTask,
+        ),
+    ];
+    for (schedule, text, pairing) in cases {
+        let c = build(&text);
+        assert_eq!(c.plan.schedule.pairing(), Some(pairing), "{schedule}");
         let stages = &c.plan.stages;
         // a pass's computation and its all-to-alls
         let pass = |i: &Instr| {
@@ -758,7 +781,7 @@ fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
                     Instr::Forward { .. } => {
                         let (f, af) = pass(ins);
                         forward += f;
-                        match pipec_plan::schedule::overlapped_pair(stream, i) {
+                        match pipec_plan::schedule::overlapped_pair(stream, i, pairing) {
                             Some(j) => {
                                 let (b, ab) = pass(&stream[j]);
                                 let pair = (f + b).max(af + ab).max(f + af);
@@ -784,7 +807,7 @@ fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
             // each pair starts with both its inputs in: the backward's gradient is received
             // before the forward (the lowering's side of the one pair rule)
             for (i, ins) in stream.iter().enumerate() {
-                let Some(j) = pipec_plan::schedule::overlapped_pair(stream, i) else { continue };
+                let Some(j) = pipec_plan::schedule::overlapped_pair(stream, i, pairing) else { continue };
                 let (Instr::Backward { stage, mb }, last) = (&stream[j], stages.len() - 1) else { continue };
                 if stage.0 as usize != last {
                     let received = stream[..i]
@@ -811,6 +834,94 @@ fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
         }
         assert!(saved > 0.0, "{schedule}: no pair hid an all-to-all");
     }
+}
+
+/// Megatron-LM's combined 1F1B (`ep_overlap`) on the interleaved schedule: wherever the
+/// front end accepts it (every rank has a 1F1B phase, `Pairing::combined_1f1b_obstacle`),
+/// the plan verifies (no pair waits on its own forward's output downstream) and pairs
+/// passes; where it refuses it (E0427), the same layout without `ep_overlap` compiles.
+#[test]
+fn the_combined_1f1b_compiles_wherever_the_front_end_accepts_it() {
+    let mut accepted = 0;
+    for ranks in 2..=4usize {
+        for chunks in 2..=3usize {
+            for per_replica in 1..=4 * ranks {
+                let blocks = ranks * chunks;
+                let text = format!(
+                    "model:
+  input: [8]
+  layers:
+    - embedding(50, 16)
+    - repeat {}: transformer_block(16, 2, 32, experts=4, top_k=2)
+    - linear(16, 50, bias=false)
+  loss: cross_entropy
+cluster:
+  nodes: 1
+  devices_per_node: {}
+  device: {{ memory: 64GiB, throughput: 1GFLOP/s }}
+  links:
+    intra_node: {{ bandwidth: 100GB/s, latency: 1us }}
+strategy:
+  stages: \"{}\"
+  schedule: {{ kind: interleaved, virtual_stages: {chunks} }}
+  microbatches: {}
+  ep: 2
+  ep_overlap: true
+training:
+  batch_size: {}
+  steps: 1
+  optimizer: {{ kind: sgd, lr: 0.1 }}
+",
+                    blocks - 2,
+                    ranks * 2,
+                    vec!["2"; ranks].join("-"),
+                    per_replica * 2,
+                    per_replica * 4,
+                );
+                let checked = pipec_grammar::check_source(&text);
+                if checked.diagnostics.iter().any(|d| d.code == "E0405") {
+                    // the interleaved schedule's own rules (microbatches per rank)
+                    continue;
+                }
+                let obstacle = pipec_plan::schedule::Pairing::combined_1f1b_obstacle(
+                    pipec_plan::ScheduleKind::Interleaved,
+                    ranks,
+                    chunks,
+                    per_replica,
+                );
+                let shape = format!("{ranks} ranks × {chunks} chunks, {per_replica} microbatches a replica");
+                match (checked.spec, obstacle) {
+                    (Some(_), None) => {
+                        let c = build(&text);
+                        let pairs = c.plan.streams.values().any(|stream| {
+                            (0..stream.len()).any(|i| {
+                                pipec_plan::schedule::overlapped_pair(
+                                    stream,
+                                    i,
+                                    pipec_plan::schedule::Pairing::OtherTask,
+                                )
+                                .is_some()
+                            })
+                        });
+                        assert!(pairs, "{shape}: no pair");
+                        accepted += 1;
+                    }
+                    (None, Some(_)) => {
+                        assert!(
+                            checked.diagnostics.iter().any(|d| d.code == "E0427"),
+                            "{shape}: {:?}",
+                            checked.diagnostics
+                        );
+                        build(&text.replace("  ep_overlap: true\n", ""));
+                    }
+                    (spec, obstacle) => {
+                        panic!("{shape}: front end {:?}, obstacle {obstacle:?}", spec.map(|_| "accepts"))
+                    }
+                }
+            }
+        }
+    }
+    assert!(accepted >= 15, "{accepted} layouts accepted");
 }
 
 #[test]
@@ -1222,7 +1333,7 @@ fn synchronous_all_reduces_start_after_their_stages_last_backward_and_overlap_th
     let groups: Vec<Option<GroupId>> = (0..4).map(|s| Some(GroupId(s))).collect();
     let members: std::collections::HashMap<GroupId, Vec<DeviceId>> =
         (0..4u32).map(|s| (GroupId(s), rank(s % 2))).collect();
-    let order = generate(ScheduleKind::Interleaved, &placement, 2, 1);
+    let order = generate(ScheduleKind::Interleaved, &placement, 2, 1, false);
     let streams = |overlap: bool| {
         lower(&LowerInput {
             placement: &placement,
@@ -1236,7 +1347,7 @@ fn synchronous_all_reduces_start_after_their_stages_last_backward_and_overlap_th
             recompute: &[],
             vertical_sync: false,
             overlap,
-            overlapped_pairs: false,
+            pairing: None,
         })
     };
     let a = 0.5;

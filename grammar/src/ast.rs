@@ -19,6 +19,14 @@ pub struct Spec {
 }
 
 impl Spec {
+    /// Whether the combined 1F1B's pairs (`ep_overlap`) run layer by layer, each layer's
+    /// forward of one microbatch beside a layer's backward of the other, as Megatron-LM runs
+    /// them (`model_chunk_schedule_plan.py`): a pair then holds about one microbatch's
+    /// activations, its forward keeping what its backward frees. pipec's executor runs a
+    /// pair's two passes one after the other, holding both.
+    pub fn pairs_layer_by_layer(&self) -> bool {
+        self.strategy.combined_1f1b() && self.engine.target.name != pipec_plan::vocab::Engine::Pipec
+    }
     /// What turns a step's samples/s into tokens/s per device of the cluster and MFU against
     /// its device's peak in the training precision, by the count of the engine the spec names;
     /// None for a model that is not a language model (`pipec_plan::flops`).
@@ -393,6 +401,12 @@ pub struct Strategy {
     /// `moe_dispatch` (with `ep` > 1): how expert parallelism sends tokens to the experts'
     /// devices, as the cost model prices it.
     pub moe_dispatch: pipec_plan::vocab::MoeDispatch,
+    /// `ep_overlap` (with `ep` > 1, on a schedule that
+    /// [combines 1F1B](pipec_plan::vocab::ScheduleKind::combines_1f1b)): Megatron-LM's
+    /// expert-parallel overlap — one more forward before the first backward, then each
+    /// forward and the backward after it (of another microbatch) as one overlapped pair,
+    /// each one's all-to-alls under the other's computation.
+    pub ep_overlap: bool,
     /// `zero`: what data-parallel replicas shard among themselves.
     pub sharding: pipec_plan::vocab::Sharding,
     /// `ep`: expert parallelism — every replicated stage's replicas in groups of `ep`
@@ -442,6 +456,16 @@ impl Strategy {
     /// one's `cp` sequence chunks).
     pub fn written_microbatches(&self) -> usize {
         self.microbatches / self.cp.max(1)
+    }
+    /// The forward–backward pairs the strategy overlaps: DualPipe's, or Megatron-LM's
+    /// combined 1F1B under `ep_overlap` with expert parallelism.
+    pub fn pairing(&self) -> Option<pipec_plan::schedule::Pairing> {
+        pipec_plan::schedule::Pairing::of(self.schedule.kind, self.ep_overlap && self.ep > 1)
+    }
+    /// Whether the order is Megatron-LM's combined 1F1B: one more forward before the first
+    /// backward (`ep_overlap`).
+    pub fn combined_1f1b(&self) -> bool {
+        self.pairing() == Some(pipec_plan::schedule::Pairing::OtherTask)
     }
     /// Samples per microbatch of a batch of `batch` samples (each a whole sequence; with
     /// context parallelism a device computes its 1/cp of their tokens).

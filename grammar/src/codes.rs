@@ -462,6 +462,17 @@ nothing recomputes nothing: write `recompute: false`.
     strategy:
       recompute: { modules: [core_attn], ops: [attention] }   # error: both";
 
+"E0427", "expert-parallel overlap where it cannot run",
+"`ep_overlap: true` runs Megatron-LM's expert-parallel overlap (its combined 1F1B): one
+more forward before the first backward, then each forward together with the backward of
+an earlier microbatch, each pass's all-to-alls under the other's computation. It needs
+expert parallelism (`ep` above 1 or `ep: auto`) and a schedule with that 1F1B phase:
+`1f1b`, `dp-only` or `interleaved` (DualPipe and DualPipeV overlap their own pairs).
+
+    strategy:
+      ep: 1
+      ep_overlap: true   # error: no all-to-alls to overlap";
+
 "W0426", "a recompute module that applies to no block",
 "A recompute module names a part no transformer block of the model has: `moe_act`, `moe`
 or `shared_experts` without a mixture of experts (or without shared experts),

@@ -359,6 +359,14 @@ struct Strategy {
     /// `expert_parallel_comm_backend = "deepep"`). Needs `ep` > 1. A planning choice: the
     /// executor runs an all-to-all (the same values, sent a copy per expert).
     moe_dispatch: Option<pipec_plan::vocab::MoeDispatch>,
+    /// Megatron-LM's expert-parallel overlap (`--overlap-moe-expert-parallel-comm`; needs
+    /// `ep` > 1 and `1f1b`, `dp-only` or `interleaved`): the order runs one more forward
+    /// before the first backward, then each forward with the backward after it (of an
+    /// earlier microbatch) as one pair whose all-to-alls run under the other pass's
+    /// computation; one more microbatch's activations held. A planning choice: the executor
+    /// runs the order but a pair's passes one after the other (`pipec run` says so). Default
+    /// false.
+    ep_overlap: Option<bool>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,
     /// Overlap communication with compute (default true): a replicated stage's all-reduce

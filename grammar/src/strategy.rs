@@ -161,6 +161,7 @@ pub(crate) fn lower_strategy(
     };
     let cp_comm = lower_cp_comm(cx, &f, cp);
     let moe_dispatch = lower_moe_dispatch(cx, &f, ep);
+    let ep_overlap = lower_ep_overlap(cx, &f, ep, schedule.as_ref().map(|s| s.kind));
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
     // the batch's split into microbatches does not depend on the schedule: with a broken
@@ -174,7 +175,7 @@ pub(crate) fn lower_strategy(
     }
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
     let (overlap, sequence_parallel, sharding, ep, bucket) = (overlap?, sequence_parallel?, sharding?, ep?, bucket?);
-    let (cp, tp_overlap, cp_comm, moe_dispatch) = (cp?, tp_overlap?, cp_comm?, moe_dispatch?);
+    let (cp, tp_overlap, cp_comm, moe_dispatch, ep_overlap) = (cp?, tp_overlap?, cp_comm?, moe_dispatch?, ep_overlap?);
     // a stage replica is `tp` × `cp` devices
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp * cp)?;
     // ZeRO shards over a stage's data- and context-parallel members together
@@ -196,6 +197,9 @@ pub(crate) fn lower_strategy(
     check_size(cx, stages, &schedule, microbatches, microbatches_node.map_or(owner, |n| n.span))?;
     let written_mb = MicrobatchesWritten { count: microbatches, span: microbatches_node.map(|n| n.span), owner };
     ok &= check_schedule_and_microbatches(cx, &layout, planned.is_some(), &schedule, written_mb, model, training);
+    if ep_overlap {
+        ok &= check_ep_overlap(cx, &f, &schedule, &layout.replicas, microbatches);
+    }
 
     let chunks = layout.replicas.len() * schedule.virtual_stages;
     let partition = lower_partition(cx, partition_node, model, chunks)?;
@@ -225,6 +229,7 @@ pub(crate) fn lower_strategy(
         tp_overlap,
         cp_comm,
         moe_dispatch,
+        ep_overlap,
         sharding,
         ep,
         cp: 1,
@@ -285,6 +290,67 @@ fn lower_moe_dispatch(cx: &mut Lower<'_>, f: &Fields<'_>, ep: Option<usize>) -> 
         return None;
     }
     Some(dispatch)
+}
+
+/// `ep_overlap`: a boolean, and only where there are all-to-alls to overlap (`ep` above 1,
+/// or `auto`: None) on a schedule that combines 1F1B (the schedule written; None: the
+/// search's, which keeps it only on such schedules) (E0427). The layout's part of the rule
+/// is [`check_ep_overlap`]'s.
+fn lower_ep_overlap(cx: &mut Lower<'_>, f: &Fields<'_>, ep: Option<usize>, kind: Option<ScheduleKind>) -> Option<bool> {
+    let Some(n) = f.get("ep_overlap") else { return Some(false) };
+    let on = cx.boolean(n)?;
+    if !on {
+        return Some(false);
+    }
+    if ep == Some(1) {
+        cx.push(
+            Diagnostic::error(
+                "E0427",
+                "`ep_overlap` overlaps expert parallelism's all-to-alls, and `ep` is 1: there are none",
+                n.span,
+                "needs `ep` > 1",
+            )
+            .with_help("set `ep` to the expert-parallel degree, or remove `ep_overlap`"),
+        );
+        return None;
+    }
+    if let Some(kind) = kind.filter(|k| !k.combines_1f1b()) {
+        cx.push(ep_overlap_obstacle(n.span, &format!("not with `{kind}`"), kind, (1, 1, 1)));
+        return None;
+    }
+    Some(true)
+}
+
+/// E0427 where Megatron-LM's combined 1F1B cannot run on `kind` over (pipeline ranks,
+/// chunks each, microbatches per replica) ([`Pairing::combined_1f1b_obstacle`]).
+fn ep_overlap_obstacle(
+    at: Span,
+    label: &str,
+    kind: ScheduleKind,
+    (ranks, chunks, m): (usize, usize, usize),
+) -> Diagnostic {
+    let why = pipec_plan::schedule::Pairing::combined_1f1b_obstacle(kind, ranks, chunks, m).unwrap_or_default();
+    Diagnostic::error("E0427", format!("`ep_overlap` cannot pair this layout's passes: {why}"), at, label.to_string())
+        .with_help("use `schedule: 1f1b` or `dp-only` on one stage, or `interleaved` with a pipeline and enough microbatches; or remove `ep_overlap`")
+}
+
+/// `ep_overlap` on the resolved layout: a pipeline only on the interleaved schedule, with a
+/// 1F1B phase on every rank (E0427).
+fn check_ep_overlap(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    schedule: &Schedule,
+    replicas: &[usize],
+    microbatches: usize,
+) -> bool {
+    let Some(n) = f.get("ep_overlap") else { return true };
+    let (ranks, dp) = (replicas.len(), replicas.first().copied().unwrap_or(1).max(1));
+    let shape = (ranks, schedule.virtual_stages.max(1), microbatches / dp);
+    if pipec_plan::schedule::Pairing::combined_1f1b_obstacle(schedule.kind, shape.0, shape.1, shape.2).is_none() {
+        return true;
+    }
+    cx.push(ep_overlap_obstacle(n.span, "here", schedule.kind, shape));
+    false
 }
 
 /// `cp_comm`: `all_gather` (the default) or `ring`, and a ring only where there is
@@ -536,6 +602,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         tp_overlap: false,
         cp_comm: CpComm::AllGather,
         moe_dispatch: Default::default(),
+        ep_overlap: false,
         sharding: Sharding::None,
         ep: 1,
         cp: 1,
@@ -641,6 +708,10 @@ fn lower_auto_strategy(
     if !auto.ep {
         strategy.ep = f.get("ep").and_then(|n| cx.uint(n, 1))?;
     }
+    let written_ep = (!auto.ep).then_some(strategy.ep);
+    strategy.moe_dispatch = lower_moe_dispatch(cx, f, written_ep)?;
+    let written_kind = (!auto.schedule).then_some(strategy.schedule.kind);
+    strategy.ep_overlap = lower_ep_overlap(cx, f, written_ep, written_kind)?;
     let written_cp = match f.get("cp") {
         Some(n) if !is_auto(n) => Some(cx.uint(n, 1)?),
         Some(_) => None,
@@ -685,6 +756,10 @@ fn lower_auto_strategy(
     if auto.layout {
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
         ok &= check_expert_parallelism(cx, f, strategy.ep, model, None, strategy.cp, schedule);
+    }
+    // the search keeps `ep_overlap` only where it can pair; a layout written whole is checked
+    if strategy.ep_overlap && !auto.layout && !auto.schedule && !auto.microbatches {
+        ok &= check_ep_overlap(cx, f, &strategy.schedule, &strategy.replicas, strategy.microbatches);
     }
     ok.then_some(strategy)
 }

@@ -420,6 +420,13 @@ pub struct ScheduleInfo {
     /// parallelism.
     #[serde(default, skip_serializing_if = "is_all_to_all")]
     pub moe_dispatch: crate::vocab::MoeDispatch,
+    /// Megatron-LM's expert-parallel overlap (`--overlap-moe-expert-parallel-comm`): the
+    /// 1F1B phase's forwards and backwards of different microbatches run as overlapped
+    /// pairs (`crate::schedule::Pairing::OtherTask`), each one's all-to-alls under the
+    /// other's computation (the cost model's accounting; the executor runs a pair's passes
+    /// one after the other). False without expert parallelism.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub ep_overlap: bool,
     /// ZeRO's sharding across each replicated stage's data-parallel replicas: the streams
     /// reduce-scatter its gradients (`gradient_shard`), update the shard (`step_shard`)
     /// and, at stages 1 and 2, all-gather the weights (`weights`); at stage 3 each pass
@@ -438,6 +445,12 @@ impl ScheduleInfo {
     /// asynchronous data parallelism's own clocks): what a global gradient norm needs.
     pub fn updates_every_step(&self) -> bool {
         self.kind.updates_per_step() && self.staleness.is_none()
+    }
+
+    /// The forward–backward pairs the plan overlaps (DualPipe's, or Megatron-LM's combined
+    /// 1F1B under `ep_overlap`), if any.
+    pub fn pairing(&self) -> Option<crate::schedule::Pairing> {
+        crate::schedule::Pairing::of(self.kind, self.ep_overlap)
     }
 }
 

@@ -6,6 +6,7 @@
 //! the compiler (`pipec_compiler::schedule::generate`, also an exhaustive match).
 
 use crate::vocab::{ScheduleKind, SyncMode};
+use crate::{MicrobatchId, StageId};
 
 /// How weights are versioned and updated across the step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,6 +239,24 @@ impl ScheduleKind {
     /// ([`overlapped_pair`]).
     pub fn overlaps_pairs(self) -> bool {
         self.traits().overlaps_pairs
+    }
+
+    /// Whether the schedule has the 1F1B phase Megatron-LM's combined 1F1B runs as pairs
+    /// under `ep_overlap` (`schedules.py`: no pipelining, or the interleaved schedule; the
+    /// plain pipelined 1F1B here too, as the same warm-up plus one): its order then runs one
+    /// more forward before the first backward.
+    pub fn combines_1f1b(self) -> bool {
+        match self {
+            ScheduleKind::OneFOneB | ScheduleKind::DpOnly | ScheduleKind::Interleaved => true,
+            ScheduleKind::Gpipe
+            | ScheduleKind::PipeDream
+            | ScheduleKind::TwoBw
+            | ScheduleKind::Chimera
+            | ScheduleKind::ZbH1
+            | ScheduleKind::Zbv
+            | ScheduleKind::DualPipeV
+            | ScheduleKind::DualPipe => false,
+        }
     }
 
     /// Whether the schedule computes exactly what one device would (no stale weights).
@@ -480,18 +499,90 @@ impl ScheduleKind {
     }
 }
 
-/// DualPipe's overlapped pair that the forward at `forward_at` of `stream` opens: the
-/// position of the whole backward of another stage that is the next pass the device runs
-/// (only transfers, loads, frees, the forward's all-to-alls and the like between them), or
-/// None. Under a schedule that
-/// [overlaps pairs](ScheduleKind::overlaps_pairs) the two run as one unit: the backward's
-/// gradient is received before the forward starts (`pipec_compiler`'s lowering puts its
-/// receive there), and the pair takes the longer of their computations together and their
-/// all-to-alls together, as DeepSeek-V3's overlap of one chunk's computation with the
-/// other's communication does.
-pub fn overlapped_pair(stream: &[crate::Instr], forward_at: usize) -> Option<usize> {
+/// Which forward and whole backward next to each other in a device's stream run as one
+/// overlapped pair, each pass's expert-parallel all-to-alls under the other's computation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pairing {
+    /// DualPipe's and DualPipeV's: a forward of one of the device's stages and a backward of
+    /// another ([`ScheduleKind::overlaps_pairs`]).
+    OtherStage,
+    /// Megatron-LM's combined 1F1B (`ep_overlap`, `--overlap-moe-expert-parallel-comm`):
+    /// a forward and the backward of any other microbatch or stage, the 1F1B phase's
+    /// forward of one microbatch with the backward of an earlier one.
+    OtherTask,
+}
+
+impl Pairing {
+    /// The pairing a plan runs: DualPipe's by its schedule, else Megatron-LM's combined 1F1B
+    /// where `ep_overlap` is on (the front end allows it only on schedules that
+    /// [combine 1F1B](ScheduleKind::combines_1f1b)), else none.
+    pub fn of(kind: ScheduleKind, ep_overlap: bool) -> Option<Pairing> {
+        if kind.overlaps_pairs() {
+            Some(Pairing::OtherStage)
+        } else if ep_overlap && kind.combines_1f1b() {
+            Some(Pairing::OtherTask)
+        } else {
+            None
+        }
+    }
+
+    /// Why Megatron-LM's combined 1F1B (`ep_overlap`) cannot run on `kind` over `ranks`
+    /// pipeline ranks of `chunks` model chunks each, `per_replica` microbatches per
+    /// pipeline replica; None where it can. As Megatron-LM runs it (`schedules.py`,
+    /// `transformer_config.py`): without a pipeline, or on the interleaved schedule with a
+    /// 1F1B phase on every rank — the first rank's warm-up ((ranks − 1)·2 + (chunks − 1)·
+    /// group + 1 forwards) shorter than its passes — where each forward of the phase and
+    /// the backward after it form a pair; a warm-up that takes every forward leaves only its
+    /// last forward next to the first backward, a pair whose gradient waits on the forward's
+    /// own output downstream.
+    pub fn combined_1f1b_obstacle(
+        kind: ScheduleKind,
+        ranks: usize,
+        chunks: usize,
+        per_replica: usize,
+    ) -> Option<String> {
+        if !kind.combines_1f1b() {
+            let why = if kind.overlaps_pairs() { " (it overlaps its own pairs)" } else { "" };
+            return Some(format!("`{kind}` has no 1F1B phase to run as Megatron-LM's combined 1F1B{why}"));
+        }
+        match kind {
+            ScheduleKind::Interleaved => {
+                let group = ranks.min(per_replica).max(1);
+                let warmup = (ranks.saturating_sub(1)) * 2 + (chunks.saturating_sub(1)) * group + 1;
+                let passes = per_replica * chunks;
+                (ranks > 1 && warmup >= passes).then(|| {
+                    format!(
+                        "the first rank's warm-up ({warmup} forwards) takes all {passes} of its forwards: no 1F1B phase is left to pair; give each pipeline replica more microbatches"
+                    )
+                })
+            }
+            _ if ranks > 1 => Some(
+                "beside a pipeline Megatron-LM runs its combined 1F1B only on the interleaved schedule".to_string(),
+            ),
+            _ => None,
+        }
+    }
+
+    /// Whether a forward of `forward` (stage, microbatch) and a whole backward of
+    /// `backward` may run as a pair.
+    pub fn pairs(self, forward: (StageId, MicrobatchId), backward: (StageId, MicrobatchId)) -> bool {
+        match self {
+            Pairing::OtherStage => forward.0 != backward.0,
+            Pairing::OtherTask => forward != backward,
+        }
+    }
+}
+
+/// The overlapped pair ([`Pairing`]) that the forward at `forward_at` of `stream` opens: the
+/// position of the whole backward that `pairing` pairs with it and that is the next pass the
+/// device runs (only transfers, loads, frees, the forward's all-to-alls and the like between
+/// them), or None. The two run as one unit: the backward's gradient is received before the
+/// forward starts (`pipec_compiler`'s lowering puts its receive there), and the pair takes
+/// the longer of their computations together and their all-to-alls together, as
+/// DeepSeek-V3's overlap of one chunk's computation with the other's communication does.
+pub fn overlapped_pair(stream: &[crate::Instr], forward_at: usize, pairing: Pairing) -> Option<usize> {
     use crate::{Instr, Phase};
-    let Instr::Forward { stage, .. } = stream.get(forward_at)? else { return None };
+    let Instr::Forward { stage, mb } = stream.get(forward_at)? else { return None };
     let (j, next) = stream.iter().enumerate().skip(forward_at + 1).find(|(_, i)| {
         matches!(
             i.phase(),
@@ -504,7 +595,7 @@ pub fn overlapped_pair(stream: &[crate::Instr], forward_at: usize) -> Option<usi
                 | Phase::Collective
         )
     })?;
-    matches!(next, Instr::Backward { stage: b, .. } if b != stage).then_some(j)
+    matches!(next, Instr::Backward { stage: b, mb: bm } if pairing.pairs((*stage, *mb), (*b, *bm))).then_some(j)
 }
 
 #[cfg(test)]
@@ -551,19 +642,25 @@ mod tests {
         let fwd = Instr::Forward { stage: s(0), mb: m(2) };
         let send = Instr::SendActivation { peer: DeviceId(1), stage: s(0), mb: m(2), bytes: 8 };
         let bwd = |stage| Instr::Backward { stage: s(stage), mb: m(0) };
-        assert_eq!(overlapped_pair(&[fwd.clone(), send.clone(), bwd(1)], 0), Some(2));
+        let other = Pairing::OtherStage;
+        assert_eq!(overlapped_pair(&[fwd.clone(), send.clone(), bwd(1)], 0, other), Some(2));
         // the same stage's backward, a split backward, a recompute or a collective between
-        assert_eq!(overlapped_pair(&[fwd.clone(), bwd(0)], 0), None);
-        assert_eq!(overlapped_pair(&[fwd.clone(), Instr::BackwardInput { stage: s(1), mb: m(0) }], 0), None);
-        assert_eq!(overlapped_pair(&[fwd.clone(), Instr::Recompute { stage: s(1), mb: m(0) }, bwd(1)], 0), None);
+        assert_eq!(overlapped_pair(&[fwd.clone(), bwd(0)], 0, other), None);
+        assert_eq!(overlapped_pair(&[fwd.clone(), Instr::BackwardInput { stage: s(1), mb: m(0) }], 0, other), None);
+        assert_eq!(overlapped_pair(&[fwd.clone(), Instr::Recompute { stage: s(1), mb: m(0) }, bwd(1)], 0, other), None);
+        // Megatron-LM's combined 1F1B pairs the same stage's backward of another microbatch,
+        // never the forward's own backward
+        assert_eq!(overlapped_pair(&[fwd.clone(), bwd(0)], 0, Pairing::OtherTask), Some(1));
+        let own = Instr::Backward { stage: s(0), mb: m(2) };
+        assert_eq!(overlapped_pair(&[fwd.clone(), own], 0, Pairing::OtherTask), None);
         let wait = Instr::WaitCollective {
             payload: crate::CollectivePayload::Gradients,
             stage: s(1),
             group: crate::GroupId(0),
         };
-        assert_eq!(overlapped_pair(&[fwd.clone(), wait, bwd(1)], 0), None);
+        assert_eq!(overlapped_pair(&[fwd.clone(), wait, bwd(1)], 0, other), None);
         // only a forward opens one
-        assert_eq!(overlapped_pair(&[send, bwd(1)], 0), None);
-        assert_eq!(overlapped_pair(&[fwd], 0), None);
+        assert_eq!(overlapped_pair(&[send, bwd(1)], 0, other), None);
+        assert_eq!(overlapped_pair(&[fwd], 0, other), None);
     }
 }

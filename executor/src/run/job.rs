@@ -378,10 +378,15 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
                 .to_string(),
         );
     }
-    if plan.schedule.kind.overlaps_pairs() && plan.stages.iter().any(|s| s.expert_parallel > 1) {
+    if let Some(pairing) = plan.schedule.pairing().filter(|_| plan.stages.iter().any(|s| s.expert_parallel > 1)) {
+        let (under, whose) = match pairing {
+            pipec_plan::schedule::Pairing::OtherStage => (format!("`{}`", plan.schedule.kind), "DeepSeek-V3's overlap"),
+            pipec_plan::schedule::Pairing::OtherTask => {
+                ("`ep_overlap`".to_string(), "Megatron-LM's combined 1F1B, whose order the executor runs")
+            }
+        };
         out.push(format!(
-            "under `{}` the plan hides each forward-backward pair's all-to-alls under the other pass's computation (DeepSeek-V3's overlap), but the executor runs a pair's two passes one after the other with their all-to-alls in line: its steps take their whole time",
-            plan.schedule.kind
+            "under {under} the plan hides each forward-backward pair's all-to-alls under the other pass's computation ({whose}), but the executor runs a pair's two passes one after the other with their all-to-alls in line: its steps take their whole time"
         ));
     }
     if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters && whole_stage_gathers(plan) {

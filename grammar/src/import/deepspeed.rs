@@ -135,6 +135,8 @@ pub fn import(
             .and_then(Value::as_bool)
             .unwrap_or(false),
         cp_comm: CpComm::AllGather,
+        moe_dispatch: pipec_plan::vocab::MoeDispatch::AllToAll,
+        ep_overlap: false,
         recompute: if c.get("activation_checkpointing").is_some() { "true" } else { "false" },
         precision,
         fp8: None,

@@ -55,6 +55,10 @@ pub struct RunFacts {
     pub sequence_parallel: bool,
     pub tp_overlap: bool,
     pub cp_comm: CpComm,
+    /// How expert parallelism dispatches tokens.
+    pub moe_dispatch: pipec_plan::vocab::MoeDispatch,
+    /// Megatron-LM's expert-parallel overlap (`--overlap-moe-expert-parallel-comm`).
+    pub ep_overlap: bool,
     /// `true`, `false` or `selective`.
     pub recompute: &'static str,
     pub precision: Precision,
@@ -187,6 +191,12 @@ pub fn run_text(r: &RunFacts) -> Result<String, String> {
     }
     if r.ep > 1 {
         strategy += &format!("  ep: {}\n", r.ep);
+        if r.moe_dispatch != pipec_plan::vocab::MoeDispatch::AllToAll {
+            strategy += &format!("  moe_dispatch: {}\n", r.moe_dispatch);
+        }
+        if r.ep_overlap {
+            strategy += "  ep_overlap: true\n";
+        }
     }
     let (kind, [lr, a, b, eps, wd]) = r.optimizer;
     let optimizer = if kind == "sgd" {

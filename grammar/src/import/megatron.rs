@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use pipec_plan::model::{MlpKind, NormKind};
-use pipec_plan::vocab::{CpComm, Engine, Precision, ScheduleKind, Sharding};
+use pipec_plan::vocab::{CpComm, Engine, MoeDispatch, Precision, ScheduleKind, Sharding};
 
 use super::engine::{model_text, write_spec, ModelFacts, MoeFacts, RunFacts};
 
@@ -67,7 +67,6 @@ const IGNORED: &[&str] = &[
     "--lr-warmup-fraction",
     "--grad-reduce-in-bf16",
     "--moe-grouped-gemm",
-    "--moe-token-dispatcher-type",
     "--moe-router-load-balancing-type",
     "--moe-permute-fusion",
     "--expert-tensor-parallel-size",
@@ -448,6 +447,16 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
         sharding,
         sequence_parallel: a.has("--sequence-parallel"),
         tp_overlap: a.has("--tp-comm-overlap"),
+        // the flex dispatcher's DeepEP and HybridEP send a token once per node
+        // (transformer_config.py:862-869); any other dispatcher exchanges a copy per expert
+        moe_dispatch: match (
+            a.text("--moe-token-dispatcher-type").as_deref(),
+            a.text("--moe-flex-dispatcher-backend").as_deref(),
+        ) {
+            (Some("flex"), Some("deepep" | "hybridep")) => MoeDispatch::DeepEp,
+            _ => MoeDispatch::AllToAll,
+        },
+        ep_overlap: a.has("--overlap-moe-expert-parallel-comm"),
         cp_comm: if a.text("--cp-comm-type").as_deref() == Some("p2p") { CpComm::Ring } else { CpComm::AllGather },
         recompute,
         precision,

@@ -189,6 +189,13 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         } else {
             CpComm::AllGather
         },
+        // job_config.py:474-482: "standard" all-to-alls, or DeepEP's
+        moe_dispatch: if t.text(p, "expert_parallel_comm_backend", "standard")? == "deepep" {
+            pipec_plan::vocab::MoeDispatch::DeepEp
+        } else {
+            pipec_plan::vocab::MoeDispatch::AllToAll
+        },
+        ep_overlap: false,
         recompute,
         precision,
         fp8,

@@ -69,6 +69,9 @@ pub enum Capability {
     /// Expert parallelism's tokens sent once per destination node and forwarded over
     /// NVLink (DeepEP, HybridEP).
     DeepEpDispatch,
+    /// Expert parallelism's all-to-alls overlapped with another microbatch's computation
+    /// (Megatron-LM's combined 1F1B).
+    EpOverlap,
     Recompute(RecomputeKind),
     Precision(Precision),
     /// FP8 products with this scaling recipe (beside bf16).
@@ -106,6 +109,8 @@ pub enum Constraint {
     /// Expert parallelism divides the tensor- and data-parallel devices' product into
     /// whole groups (pipec's `ep` divides each stage's replicas: always met).
     ExpertGroupsWhole,
+    /// Overlapping expert-parallel all-to-alls refuses full recompute.
+    EpOverlapWithoutFullRecompute,
 }
 
 /// A table row: a capability (or a constraint), what the engine calls it, from which
@@ -159,6 +164,7 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(PC, C::ContextParallel(CpComm::Ring), "cp_comm: ring", PIPEC_SOURCE),
     row(PC, C::ExpertParallel, "ep", PIPEC_SOURCE),
     row(PC, C::DeepEpDispatch, "moe_dispatch: deepep (priced; run as an all-to-all)", PIPEC_SOURCE),
+    row(PC, C::EpOverlap, "ep_overlap (the combined 1F1B order; a pair's passes run one after the other)", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::Full), "recompute: true", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::SomeStages), "recompute: [stages]", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::Selective), "recompute: selective", PIPEC_SOURCE),
@@ -188,6 +194,7 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(MG, C::ContextParallel(CpComm::Ring), "--context-parallel-size N --cp-comm-type p2p", "[M] megatron/training/arguments.py:1295-1298, 3054-3059"),
     row(MG, C::ExpertParallel, "--expert-model-parallel-size N --expert-tensor-parallel-size 1", "[M] megatron/training/arguments.py:568-569, 1600-1603; megatron/core/parallel_state.py:874-884"),
     row(MG, C::DeepEpDispatch, "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep", "[M] megatron/core/transformer/transformer_config.py:862-869"),
+    row(MG, C::EpOverlap, "--overlap-moe-expert-parallel-comm", "[M] megatron/core/model_parallel_config.py:343; transformer_config.py:2669-2713; pipeline_parallel/schedules.py:751, 939-943"),
     row(MG, C::Recompute(RecomputeKind::Full), "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", "[M] megatron/core/transformer/transformer_config.py:1724-1761"),
     row(MG, C::Recompute(RecomputeKind::Selective), "--recompute-granularity selective (--recompute-modules core_attn, the default)", "[M] megatron/core/transformer/transformer_config.py:1763-1832"),
     row(MG, C::Precision(Precision::Fp32), "(neither --bf16 nor --fp16)", "[M] megatron/training/arguments.py:1171-1183"),
@@ -260,6 +267,12 @@ pub const CONSTRAINTS: &[Row<Constraint>] = &[
         "[M] megatron/training/arguments.py:1401-1402",
     ),
     row(MG, Constraint::ExpertGroupsWhole, "world % (ETP·EP·PP) == 0", "[M] megatron/core/parallel_state.py:870-884"),
+    row(
+        MG,
+        Constraint::EpOverlapWithoutFullRecompute,
+        "--overlap-moe-expert-parallel-comm refuses --recompute-granularity full",
+        "[M] megatron/core/transformer/transformer_config.py:2689-2699",
+    ),
     row(
         TT,
         Constraint::EvenLayerSplit,
@@ -335,6 +348,8 @@ pub struct Layout {
     pub tp_overlap: bool,
     pub cp_comm: CpComm,
     pub moe_dispatch: MoeDispatch,
+    /// Expert parallelism's all-to-alls overlapped in combined forward–backward pairs.
+    pub ep_overlap: bool,
     pub recompute: RecomputeKind,
     pub precision: Precision,
     /// FP8 products' recipe, when the blocks' products are in FP8.
@@ -371,6 +386,7 @@ pub enum Feature {
     CpComm,
     ExpertParallel,
     MoeDispatch,
+    EpOverlap,
     Recompute,
     Precision,
     Synchrony,
@@ -393,6 +409,7 @@ impl Feature {
             Feature::CpComm => "cp_comm",
             Feature::ExpertParallel => "ep",
             Feature::MoeDispatch => "moe_dispatch",
+            Feature::EpOverlap => "ep_overlap",
             Feature::Recompute => "recompute",
             Feature::Precision => "precision",
             Feature::Model => "model",
@@ -570,6 +587,13 @@ fn sharding_and_parallelism(target: &EngineTarget, l: &Layout, out: &mut Vec<Ref
             "DeepEP dispatch",
             "all_to_all",
         ),
+        (
+            l.ep > 1 && l.ep_overlap,
+            C::EpOverlap,
+            Feature::EpOverlap,
+            "expert-parallel all-to-alls overlapped with another microbatch's computation",
+            "false",
+        ),
     ];
     for (asked, capability, feature, what, off) in needs {
         if asked && find(target, |c| *c == capability).is_none() {
@@ -678,6 +702,9 @@ fn constraints(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
             Constraint::NoTensorParallelWithPipeline => (l.tp > 1 && pp > 1).then(|| {
                 (Feature::TensorParallel, format!("{e}'s configuration sets tensor parallelism (AutoTP) or a pipeline, not both: together they need the training script's own topology"), Some("1".into()))
             }),
+            Constraint::EpOverlapWithoutFullRecompute => (l.ep_overlap && matches!(l.recompute, RecomputeKind::Full | RecomputeKind::SomeStages)).then(|| {
+                (Feature::EpOverlap, format!("{e} does not overlap expert-parallel all-to-alls beside full recompute"), Some("false".into()))
+            }),
             Constraint::ExpertGroupsWhole => None,
         };
         if let Some((feature, message, nearest)) = broken {
@@ -707,6 +734,7 @@ mod tests {
             tp_overlap: false,
             cp_comm: CpComm::AllGather,
             moe_dispatch: MoeDispatch::AllToAll,
+            ep_overlap: false,
             recompute: RecomputeKind::Off,
             precision: Precision::Bf16,
             fp8: None,

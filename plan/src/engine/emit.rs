@@ -296,6 +296,10 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
                 moe.extend([arg("--moe-token-dispatcher-type", "flex"), arg("--moe-flex-dispatcher-backend", "deepep")])
             }
         }
+        // the combined 1F1B's overlapped pairs (model_parallel_config.py:343)
+        if l.ep_overlap && l.ep > 1 {
+            moe.push(flag("--overlap-moe-expert-parallel-comm"));
+        }
         if m.shared > 0 {
             moe.push(arg("--moe-shared-expert-intermediate-size", m.shared * b.ff));
         }

@@ -208,6 +208,7 @@ impl crate::Plan {
             tp_overlap: self.schedule.tp_overlap,
             cp_comm: self.schedule.cp_comm,
             moe_dispatch: self.schedule.moe_dispatch,
+            ep_overlap: self.schedule.ep_overlap,
             recompute,
             precision: self.training.precision,
             fp8: self.training.fp8.map(|f| f.recipe),
