@@ -149,7 +149,7 @@ pub const CALIBRATED: &[Calibrated] = &[
         family: KernelFamily::MegatronTe,
         device: "h100-sxm",
         power: None,
-        efficiency: 0.5224,
+        efficiency: 0.5216,
         source: "fitted on steps.csv's calibration rows mb2511-h100-llama38b-fp8cs-8g, mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g (Megatron-Bridge's published H100 tables)",
     },
     Calibrated {
