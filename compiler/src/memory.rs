@@ -318,3 +318,39 @@ pub fn table(devices: &[(DeviceId, Vec<StageId>, usize, &MemoryBreakdown)]) -> S
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipec_plan::{MicrobatchId, StageId};
+
+    /// The combined 1F1B without a pipeline (F0, F1 B0, F2 B1, F2's backward): run layer by
+    /// layer (Megatron-LM) a pair holds one microbatch's activations, its forward keeping
+    /// what its backward frees; run pass after pass (pipec's executor) two.
+    #[test]
+    fn a_layered_pair_holds_one_microbatch_and_a_pass_by_pass_pair_two() {
+        let (s, m) = (StageId(0), MicrobatchId);
+        let mut stream = vec![Instr::Forward { stage: s, mb: m(0) }];
+        for k in 1..3 {
+            stream.push(Instr::Forward { stage: s, mb: m(k) });
+            stream.push(Instr::Backward { stage: s, mb: m(k - 1) });
+            stream.push(Instr::Free { stage: s, mb: m(k - 1) });
+        }
+        stream.push(Instr::Backward { stage: s, mb: m(2) });
+        stream.push(Instr::Free { stage: s, mb: m(2) });
+        let bytes = StageBytes { activations_per_microbatch: 1000, ..StageBytes::default() };
+        let memory = |layered| device_memory(&stream, &[bytes], &[false], None, 1e12, layered).activations;
+        assert_eq!((memory(true), memory(false)), (1000, 2000));
+        // the plain 1F1B order holds one either way: nothing pairs
+        let plain: Vec<Instr> = (0..3)
+            .flat_map(|k| {
+                [
+                    Instr::Forward { stage: s, mb: m(k) },
+                    Instr::Backward { stage: s, mb: m(k) },
+                    Instr::Free { stage: s, mb: m(k) },
+                ]
+            })
+            .collect();
+        assert_eq!(device_memory(&plain, &[bytes], &[false], None, 1e12, true).activations, 1000);
+    }
+}

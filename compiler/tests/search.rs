@@ -96,6 +96,55 @@ fn the_search_tries_expert_parallelism_where_it_divides_replicas_and_experts() {
     }
 }
 
+/// A written `moe_dispatch` and `ep_overlap` stay on every expert-parallel candidate: in its
+/// strategy text (the text pasted back as the winner) and in its plan; `ep_overlap` only on
+/// candidates whose layout can pair (`Pairing::combined_1f1b_obstacle`), and the pairs hide
+/// all-to-alls there. The winner pasted back compiles to its prediction.
+#[test]
+fn the_search_keeps_the_written_dispatch_and_expert_parallel_overlap() {
+    use pipec_plan::schedule::Pairing;
+    let text = mixture_of_experts().replace(
+        "strategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: 4\n",
+        "strategy:\n  stages: auto\n  schedule: auto\n  microbatches: auto\n  ep: auto\n  moe_dispatch: deepep\n  ep_overlap: true\n",
+    );
+    let checked = pipec_grammar::check_source(&text);
+    let spec = checked.spec.unwrap_or_else(|| panic!("{:?}", checked.diagnostics));
+    let auto = spec.strategy.auto.clone().expect("an auto strategy");
+    let options = SearchOptions { exhaustive: true, ..SearchOptions::from_spec(&spec, &auto) };
+    let report = search(&text, &spec, &CompileOptions::default(), &options);
+    let mut paired = 0;
+    for c in report.candidates.iter().filter(|c| c.ep > 1) {
+        let strategy = c.strategy();
+        assert!(strategy.contains("moe_dispatch: deepep"), "{strategy}");
+        let can_pair = c.replicas.first().is_some_and(|dp| {
+            Pairing::combined_1f1b_obstacle(c.schedule, c.replicas.len(), c.chunks, c.microbatches / dp).is_none()
+        });
+        assert_eq!(c.ep_overlap, can_pair, "{strategy}");
+        assert_eq!(strategy.contains("ep_overlap: true"), can_pair, "{strategy}");
+        if let (true, Outcome::Planned(p)) = (c.ep_overlap, &c.outcome) {
+            paired += 1;
+            assert!(p.step_s > 0.0, "{strategy}");
+        }
+    }
+    assert!(paired > 0, "no planned candidate with the overlap");
+    // the best expert-parallel candidate with the overlap, pasted back: its plan pairs passes
+    let best = report
+        .candidates
+        .iter()
+        .filter(|c| c.ep_overlap && matches!(c.outcome, Outcome::Planned(_)))
+        .min_by(|a, b| match (&a.outcome, &b.outcome) {
+            (Outcome::Planned(x), Outcome::Planned(y)) => x.step_s.total_cmp(&y.step_s),
+            _ => std::cmp::Ordering::Equal,
+        })
+        .expect("one");
+    let Outcome::Planned(p) = &best.outcome else { unreachable!() };
+    let pasted = with_strategy(&text, &spec, &best.strategy());
+    let s = pipec_grammar::check_source(&pasted).spec.expect("the pasted strategy checks");
+    let plan = compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan;
+    assert!(plan.schedule.ep_overlap && plan.schedule.moe_dispatch == pipec_plan::vocab::MoeDispatch::DeepEp);
+    assert_eq!(plan.simulation.step_time_s, p.step_s, "{}", best.strategy());
+}
+
 /// `cp: auto`: the search tries every context-parallel degree that divides the devices and
 /// cuts the sequence into 2·cp chunks, agrees with the brute force over that space, and
 /// bounds every compiled candidate from below. On one sequence of 4096 and a single-head
