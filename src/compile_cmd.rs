@@ -397,8 +397,15 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
     }
     if let Some((d, a2a)) = all_to_all_per_step(plan).into_iter().max_by(|a, b| a.1.total_cmp(&b.1)) {
         let hidden = sim.devices.iter().find(|x| x.id == d).map_or(0.0, |x| x.overlapped_s);
+        // pipec's executor runs a pair's two passes one after the other (`caveats`): the
+        // prediction says so where the plan is for it
+        let in_line = if plan.engine.name == pipec_plan::vocab::Engine::Pipec {
+            " (priced as the engines that overlap them run them; pipec's executor runs them in line)"
+        } else {
+            ""
+        };
         let hidden = if hidden > 0.0 {
-            format!(", {} of it hidden by its overlapped pairs", human_time(hidden))
+            format!(", {} of it hidden by its overlapped pairs{in_line}", human_time(hidden))
         } else {
             String::new()
         };

@@ -67,6 +67,37 @@ fn streams(out: &Output) -> (String, String) {
     (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
+/// `pipec compile` says when the all-to-alls it hides under overlapped pairs are priced for
+/// an engine that overlaps them while the plan is for pipec's executor, which runs them in
+/// line (`pipec run` repeats it): DualPipeV on the tiny mixture of experts under pipec, and
+/// the combined 1F1B (`ep_overlap`) under pipec and under Megatron-LM, which runs it.
+#[test]
+fn compile_says_when_hidden_all_to_alls_run_in_line_on_pipecs_executor() {
+    let dir = tempfile::tempdir().expect("tmp");
+    // (without its data: the text file lies beside the example, not the copy)
+    let text = std::fs::read_to_string("specs/moe-tiny.yaml")
+        .expect("example")
+        .replace("  data: { kind: text, path: data/architecture.txt }\n", "");
+    let one_stage = text.replace("  stages: \"2-2\"\n", "  stages: \"4\"\n");
+    let overlapped = one_stage.replace("  ep: 2\n", "  ep: 2\n  ep_overlap: true\n");
+    let cases = [
+        ("dualpipev", text.replace("  schedule: 1f1b\n", "  schedule: dualpipev\n"), true),
+        ("ep_overlap", overlapped.clone(), true),
+        ("ep_overlap, megatron", format!("engine: megatron\n{overlapped}"), false),
+    ];
+    for (what, spec, in_line) in cases {
+        let path = dir.path().join("spec.yaml");
+        std::fs::write(&path, &spec).expect("write");
+        let out = dir.path().join("out");
+        let (report, err) =
+            streams(&pipec(&["compile", path.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]));
+        let line =
+            report.lines().find(|l| l.starts_with("all-to-all on")).unwrap_or_else(|| panic!("{what}: {report}{err}"));
+        assert!(line.contains("hidden by its overlapped pairs"), "{what}: {line}");
+        assert_eq!(line.contains("pipec's executor runs them in line"), in_line, "{what}: {line}");
+    }
+}
+
 #[test]
 fn reports_go_to_standard_output_and_diagnostics_to_standard_error() {
     let dir = tempfile::tempdir().expect("tmp");
