@@ -671,12 +671,11 @@ fn candidates(
                                 ep_overlap: spec.strategy.ep_overlap
                                     && ep > 1
                                     && layout.as_ref().is_some_and(|l| {
-                                        let per_replica = microbatches / l[0].max(1);
                                         pipec_plan::schedule::Pairing::combined_1f1b_obstacle(
                                             schedule,
-                                            l.len(),
+                                            l,
                                             chunks,
-                                            per_replica,
+                                            microbatches,
                                         )
                                         .is_none()
                                     }),

@@ -885,9 +885,9 @@ training:
                 }
                 let obstacle = pipec_plan::schedule::Pairing::combined_1f1b_obstacle(
                     pipec_plan::ScheduleKind::Interleaved,
-                    ranks,
+                    &vec![2; ranks],
                     chunks,
-                    per_replica,
+                    per_replica * 2,
                 );
                 let shape = format!("{ranks} ranks × {chunks} chunks, {per_replica} microbatches a replica");
                 match (checked.spec, obstacle) {

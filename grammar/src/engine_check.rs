@@ -44,7 +44,7 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         tp_overlap: strategy.tp_overlap,
         cp_comm: strategy.cp_comm,
         moe_dispatch: strategy.moe_dispatch,
-        ep_overlap: strategy.ep_overlap && strategy.ep > 1,
+        ep_overlap: strategy.combined_1f1b(),
         recompute,
         precision: training.precision,
         fp8: training.fp8.map(|f| f.recipe),

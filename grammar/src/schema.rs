@@ -363,9 +363,9 @@ struct Strategy {
     /// `ep` > 1 and `1f1b`, `dp-only` or `interleaved`): the order runs one more forward
     /// before the first backward, then each forward with the backward after it (of an
     /// earlier microbatch) as one pair whose all-to-alls run under the other pass's
-    /// computation; one more microbatch's activations held. A planning choice: the executor
-    /// runs the order but a pair's passes one after the other (`pipec run` says so). Default
-    /// false.
+    /// computation. Megatron-LM runs a pair layer by layer and holds what 1F1B holds; pipec's
+    /// executor runs the order but a pair's passes one after the other, holding one more
+    /// microbatch (`pipec run` says so). Default false.
     ep_overlap: Option<bool>,
     /// Constraints on the strategy search, when fields are `auto` (or `strategy: auto`).
     search: Option<SearchSpec>,

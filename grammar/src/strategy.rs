@@ -314,22 +314,18 @@ fn lower_ep_overlap(cx: &mut Lower<'_>, f: &Fields<'_>, ep: Option<usize>, kind:
         );
         return None;
     }
-    if let Some(kind) = kind.filter(|k| !k.combines_1f1b()) {
-        cx.push(ep_overlap_obstacle(n.span, &format!("not with `{kind}`"), kind, (1, 1, 1)));
+    if let Some((kind, why)) =
+        kind.and_then(|k| pipec_plan::schedule::Pairing::combined_1f1b_schedule_obstacle(k).map(|w| (k, w)))
+    {
+        cx.push(ep_overlap_obstacle(n.span, &format!("not with `{kind}`"), &why));
         return None;
     }
     Some(true)
 }
 
-/// E0427 where Megatron-LM's combined 1F1B cannot run on `kind` over (pipeline ranks,
-/// chunks each, microbatches per replica) ([`Pairing::combined_1f1b_obstacle`]).
-fn ep_overlap_obstacle(
-    at: Span,
-    label: &str,
-    kind: ScheduleKind,
-    (ranks, chunks, m): (usize, usize, usize),
-) -> Diagnostic {
-    let why = pipec_plan::schedule::Pairing::combined_1f1b_obstacle(kind, ranks, chunks, m).unwrap_or_default();
+/// E0427: Megatron-LM's combined 1F1B cannot run, for the reason `why`
+/// (`Pairing::combined_1f1b_obstacle`).
+fn ep_overlap_obstacle(at: Span, label: &str, why: &str) -> Diagnostic {
     Diagnostic::error("E0427", format!("`ep_overlap` cannot pair this layout's passes: {why}"), at, label.to_string())
         .with_help("use `schedule: 1f1b` or `dp-only` on one stage, or `interleaved` with a pipeline and enough microbatches; or remove `ep_overlap`")
 }
@@ -344,12 +340,14 @@ fn check_ep_overlap(
     microbatches: usize,
 ) -> bool {
     let Some(n) = f.get("ep_overlap") else { return true };
-    let (ranks, dp) = (replicas.len(), replicas.first().copied().unwrap_or(1).max(1));
-    let shape = (ranks, schedule.virtual_stages.max(1), microbatches / dp);
-    if pipec_plan::schedule::Pairing::combined_1f1b_obstacle(schedule.kind, shape.0, shape.1, shape.2).is_none() {
-        return true;
-    }
-    cx.push(ep_overlap_obstacle(n.span, "here", schedule.kind, shape));
+    let obstacle = pipec_plan::schedule::Pairing::combined_1f1b_obstacle(
+        schedule.kind,
+        replicas,
+        schedule.virtual_stages,
+        microbatches,
+    );
+    let Some(why) = obstacle else { return true };
+    cx.push(ep_overlap_obstacle(n.span, "here", &why));
     false
 }
 

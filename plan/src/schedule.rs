@@ -526,9 +526,17 @@ impl Pairing {
         }
     }
 
-    /// Why Megatron-LM's combined 1F1B (`ep_overlap`) cannot run on `kind` over `ranks`
-    /// pipeline ranks of `chunks` model chunks each, `per_replica` microbatches per
-    /// pipeline replica; None where it can. As Megatron-LM runs it (`schedules.py`,
+    /// Why Megatron-LM's combined 1F1B (`ep_overlap`) cannot run on `kind` whatever the
+    /// layout: a schedule without the 1F1B phase; None where it can on some layout.
+    pub fn combined_1f1b_schedule_obstacle(kind: ScheduleKind) -> Option<String> {
+        let why = if kind.overlaps_pairs() { " (it overlaps its own pairs)" } else { "" };
+        (!kind.combines_1f1b())
+            .then(|| format!("`{kind}` has no 1F1B phase to run as Megatron-LM's combined 1F1B{why}"))
+    }
+
+    /// Why Megatron-LM's combined 1F1B (`ep_overlap`) cannot run on `kind` over a pipeline
+    /// of `replicas` per rank (as written), `chunks` model chunks per rank and `microbatches`
+    /// in all; None where it can. As Megatron-LM runs it (`schedules.py`,
     /// `transformer_config.py`): without a pipeline, or on the interleaved schedule with a
     /// 1F1B phase on every rank — the first rank's warm-up ((ranks − 1)·2 + (chunks − 1)·
     /// group + 1 forwards) shorter than its passes — where each forward of the phase and
@@ -537,14 +545,16 @@ impl Pairing {
     /// own output downstream.
     pub fn combined_1f1b_obstacle(
         kind: ScheduleKind,
-        ranks: usize,
+        replicas: &[usize],
         chunks: usize,
-        per_replica: usize,
+        microbatches: usize,
     ) -> Option<String> {
-        if !kind.combines_1f1b() {
-            let why = if kind.overlaps_pairs() { " (it overlaps its own pairs)" } else { "" };
-            return Some(format!("`{kind}` has no 1F1B phase to run as Megatron-LM's combined 1F1B{why}"));
+        if let Some(why) = Pairing::combined_1f1b_schedule_obstacle(kind) {
+            return Some(why);
         }
+        let ranks = replicas.len();
+        let per_replica = microbatches / replicas.first().copied().unwrap_or(1).max(1);
+        let chunks = chunks.max(1);
         match kind {
             ScheduleKind::Interleaved => {
                 let group = ranks.min(per_replica).max(1);
