@@ -299,6 +299,14 @@ fn tp_overlap_hides_each_layers_collectives_under_its_passes() {
     assert!(pipec_executor::caveats(&plan).iter().any(|c| c.contains("tp_overlap") && c.contains("in line")));
     let plain = compile_text(&text).into_compiled().expect("compiles").plan;
     assert!(!pipec_executor::caveats(&plain).iter().any(|c| c.contains("tp_overlap")));
+    // nor sequence parallelism's gathers: it runs, and declares, tensor parallelism's sums
+    let sp = compile_text(&text.replace("  tp: 2\n", "  tp: 2\n  sequence_parallel: true\n"));
+    let plan = sp.into_compiled().expect("compiles").plan;
+    assert!(pipec_executor::caveats(&plan)
+        .iter()
+        .any(|c| c.contains("sequence_parallel") && c.contains("all-reduces")));
+    assert!(plan.in_pass.lists.iter().flatten().all(|e| e.op == pipec_plan::PassOp::AllReduce), "{:?}", plan.in_pass);
+    assert!(!pipec_executor::caveats(&plain).iter().any(|c| c.contains("sequence_parallel")));
     // nothing to overlap without tensor parallelism
     let checked = pipec_grammar::check_source(&text.replace("  tp: 2\n", "  tp: 1\n  tp_overlap: true\n"));
     assert!(checked.diagnostics.iter().any(|d| d.code == "E0423"), "{:?}", checked.diagnostics);

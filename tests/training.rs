@@ -2602,3 +2602,81 @@ fn fp16_scales_the_loss_skips_overflowing_steps_on_every_device_and_resumes_exac
     let tail = |r: &RunReport| r.steps.iter().map(|s| (s.loss, s.loss_scale, s.skipped)).collect::<Vec<_>>();
     assert_eq!(tail(&resumed), tail(&full)[3..].to_vec());
 }
+
+/// The collectives inside passes (`plan.in_pass`): on layouts with tensor, context and
+/// expert parallelism and ZeRO-3, every pass issues exactly what its device's declaration
+/// lists (the executor's debug check, on in tests: the run trains); a rank whose
+/// declaration drops or reorders one is refused by the verifier; and a declaration every
+/// member shares but the passes do not issue stops the run with the pass named.
+#[test]
+fn the_collectives_inside_passes_are_declared_verified_and_held_to() {
+    let moe = "- embedding(20, 16) as tokens\n    - pos_embedding\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=4, top_k=2, aux_loss=0.1)\n    - rmsnorm\n    - linear(16, 20, bias=false, tie=tokens)";
+    let lm = cp_lm(CP_BLOCKS[1]);
+    // (the executor splits experts over tensor-parallel ranks without the balancing loss)
+    let moe_tp = moe.replace(", aux_loss=0.1", "");
+    let layouts = [
+        (4, "\"1-1\"\n  tp: 2", "1f1b", "false", lm.as_str()),
+        (4, "\"1\"\n  tp: 2\n  cp: 2", "gpipe", "true", lm.as_str()),
+        (2, "\"1\"\n  cp: 2\n  cp_comm: ring\n  ep: 2", "gpipe", "false", moe),
+        (8, "\"2-2\"\n  tp: 2\n  ep: 2", "1f1b", "false", moe_tp.as_str()),
+        (4, "\"2-2\"\n  zero: 3", "1f1b", "true", lm.as_str()),
+        (2, "\"1\"\n  cp: 2\n  zero: 3", "gpipe", "false", lm.as_str()),
+    ];
+    for (devices, stages, schedule, recompute, layers) in layouts {
+        let p = plan(&Job { devices, stages, schedule, recompute, layers, optimizer: ADAM, ..Job::default() });
+        assert!(!p.in_pass.is_empty(), "{stages}: declared");
+        assert!(pipec_compiler::verification::verify_plan(&p).is_empty(), "{stages}");
+        train(&p);
+        // one rank's forward with a collective left out, or two of one group swapped
+        let d1 = pipec_plan::DeviceId(1);
+        let own = |p: &Plan, edit: &dyn Fn(&mut Vec<pipec_plan::in_pass::InPass>) -> bool| -> Option<Plan> {
+            let mut p = p.clone();
+            let entry = p
+                .in_pass
+                .devices
+                .get_mut(&d1)?
+                .iter_mut()
+                .find(|e| e.pass == pipec_plan::in_pass::PassKind::Forward)?;
+            let mut list = p.in_pass.lists[entry.list as usize].clone();
+            if !edit(&mut list) {
+                return None;
+            }
+            entry.list = p.in_pass.lists.len() as u32;
+            p.in_pass.lists.push(list);
+            Some(p)
+        };
+        let dropped = own(&p, &|l| l.pop().is_some()).expect("d1 declares a forward");
+        let problems = pipec_compiler::verification::verify_plan(&dropped);
+        assert!(
+            problems.iter().any(|m| m.contains("must issue the same ones in the same order")),
+            "{stages}: {problems:?}"
+        );
+        let swap = |l: &mut Vec<pipec_plan::in_pass::InPass>| {
+            let Some((i, j)) = (0..l.len())
+                .flat_map(|i| (i + 1..l.len()).map(move |j| (i, j)))
+                .find(|&(i, j)| l[i].over == l[j].over && l[i] != l[j])
+            else {
+                return false;
+            };
+            l.swap(i, j);
+            true
+        };
+        if let Some(swapped) = own(&p, &swap) {
+            let problems = pipec_compiler::verification::verify_plan(&swapped);
+            assert!(
+                problems.iter().any(|m| m.contains("must issue the same ones in the same order")),
+                "{stages}: {problems:?}"
+            );
+        }
+        // every member's forward declares one collective fewer: verified, but not what runs
+        let mut short = p.clone();
+        for l in &mut short.in_pass.lists {
+            l.pop();
+        }
+        let e = match pipec_executor::run(&short, &RunOptions::default(), &mut |_| {}) {
+            Ok(_) => panic!("{stages}: a plan declaring less than its passes issue trained"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("inside the pass, where the plan declares"), "{stages}: {e}");
+    }
+}

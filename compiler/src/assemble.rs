@@ -132,6 +132,7 @@ pub(crate) fn assemble(
         groups,
         layers,
         streams: lowered.streams,
+        in_pass: lowered.in_pass,
         flush_free: lowered.periodic.map(|p| p.segments),
         eval: lowered.eval,
         simulation,

@@ -11,6 +11,7 @@ pub mod cost;
 pub mod fidelity;
 pub mod figures;
 pub mod fit;
+pub mod in_pass;
 pub mod ir;
 pub mod kernels;
 pub mod lower;

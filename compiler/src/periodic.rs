@@ -186,6 +186,7 @@ pub fn verify_periodic(
             expert_groups: &BTreeMap::new(),
             chunks: pipec_plan::schedule::ChunkPlacement::RoundRobin,
             context_parallel: 1,
+            in_pass: None,
         });
         out.extend(violations.into_iter().map(|v| format!("unrolled over {k} step(s): {}", v.message)));
     }

@@ -44,6 +44,8 @@ pub(crate) struct Lowered {
     pub(crate) all_to_alls: Vec<Vec<pipec_plan::ExpertExchange>>,
     /// The expert-parallel groups among `groups` (tensor-parallel shifted copies included).
     pub(crate) expert_groups: BTreeSet<GroupId>,
+    /// The collectives inside each device's passes (`crate::in_pass`).
+    pub(crate) in_pass: pipec_plan::in_pass::InPassTable,
 }
 
 impl Lowered {
@@ -165,6 +167,7 @@ pub(crate) fn lower_streams(
         expert_parallel: stages.expert_parallel.clone(),
         all_to_alls: stages.all_to_alls.clone(),
         expert_groups: BTreeSet::new(),
+        in_pass: Default::default(),
     };
     tied_all_reduces(spec, layout, placement, summed, &mut lowered, precision);
     expert_all_to_alls(spec, placement, summed, &mut lowered);

@@ -45,6 +45,7 @@ pub(crate) fn verify_lowered(spec: &Spec, placement: &Placement, lowered: &Lower
             expert_groups: &expert_groups,
             chunks: kind.chunk_placement(),
             context_parallel: strategy.cp.max(1),
+            in_pass: Some(&lowered.in_pass),
         })
         .into_iter()
         .map(|v| v.message)
@@ -140,6 +141,7 @@ fn verify_eval(
         expert_groups: experts.expert_groups,
         chunks: experts.chunks,
         context_parallel: cp,
+        in_pass: None,
     })
     .into_iter()
     .map(|v| v.message)
@@ -237,6 +239,7 @@ pub fn verify_streams(plan: &pipec_plan::Plan, streams: &BTreeMap<DeviceId, Vec<
         expert_groups: &expert_groups,
         chunks: kind.chunk_placement(),
         context_parallel: plan.training.context_parallel.max(1),
+        in_pass: Some(&plan.in_pass),
     };
     verify(&input).into_iter().map(|v| v.message).collect()
 }

@@ -12,6 +12,8 @@ use pipec_plan::{Buffer, CollectiveKind, CollectivePayload, DeviceId, End, Group
 use crate::schedule::Placement;
 use crate::simulate::{simulate, UnitCost};
 
+mod declared;
+
 /// One verifier finding.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Violation {
@@ -64,6 +66,9 @@ pub struct VerifyInput<'a> {
     /// consecutive ones, member c running chunk-microbatch m·cp + c of each microbatch m
     /// its group runs, the members gathering keys and values inside every pass.
     pub context_parallel: usize,
+    /// The collectives declared inside the passes (`pipec_plan::in_pass`), checked over
+    /// every tensor-parallel rank together; None: not checked.
+    pub in_pass: Option<&'a pipec_plan::in_pass::InPassTable>,
 }
 
 impl VerifyInput<'_> {
@@ -75,6 +80,16 @@ impl VerifyInput<'_> {
 
 /// Checks every property; returns all violations found (empty = the plan is sound).
 pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
+    let mut out = Vec::new();
+    if let Some(table) = input.in_pass {
+        declared::check_declared(input, table, &mut out);
+    }
+    out.extend(verify_streams(&VerifyInput { in_pass: None, ..input.clone() }));
+    out
+}
+
+/// [`verify`] but for the declarations inside passes.
+fn verify_streams(input: &VerifyInput<'_>) -> Vec<Violation> {
     if input.tp > 1 {
         let mut out = Vec::new();
         for t in 0..input.tp as u32 {
@@ -94,7 +109,7 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
                 .map(|(g, m)| (*g, m.iter().copied().filter(|d| members.contains(d)).collect::<Vec<_>>()))
                 .filter(|(_, m)| !m.is_empty())
                 .collect();
-            out.extend(verify(&VerifyInput {
+            out.extend(verify_streams(&VerifyInput {
                 streams: &streams,
                 placement: &placement,
                 groups: &groups,

@@ -10,6 +10,7 @@ pub mod features;
 pub mod flops;
 pub mod hf;
 pub mod images;
+pub mod in_pass;
 pub mod instr;
 pub mod model;
 pub mod output;
@@ -26,6 +27,6 @@ pub use instr::{
 };
 pub use plan::Plan;
 pub use vocab::{
-    Attention, Choice, CollectiveKind, CollectivePayload, Engine, Loss, OptimizerKind, Precision, ReduceMode,
-    ScheduleKind, SyncMode, Task, TokenDtype, TokenExchange,
+    Attention, Choice, CollectiveKind, CollectivePayload, Engine, Loss, OptimizerKind, PassOp, PeerDim, Precision,
+    ReduceMode, ScheduleKind, SyncMode, Task, TokenDtype, TokenExchange,
 };

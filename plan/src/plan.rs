@@ -13,7 +13,7 @@ use crate::recipe::Recipe;
 use crate::vocab::{Attention, OptimizerKind, Precision, ReduceMode, ScheduleKind, Sharding, Task};
 
 /// Bumped on every incompatible change of the format.
-pub const PLAN_VERSION: u32 = 6;
+pub const PLAN_VERSION: u32 = 7;
 
 /// A compiled training plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -43,6 +43,10 @@ pub struct Plan {
     /// One ordered instruction stream per device: the step's, or with `flush_free` the
     /// body every step but the last runs.
     pub streams: BTreeMap<DeviceId, Vec<Instr>>,
+    /// The collectives each device's passes make inside themselves (tensor, context and
+    /// expert parallelism's), per stage and kind of pass (`crate::in_pass`). Absent: none.
+    #[serde(default, skip_serializing_if = "crate::in_pass::InPassTable::is_empty")]
+    pub in_pass: crate::in_pass::InPassTable,
     /// Flush-free pipelining (PipeDream, 2BW): a run is one continuous pipeline —
     /// `prologue` once, `streams` (the body) every step, `epilogue` for the step that
     /// drains it (the last, and one a checkpoint follows). Microbatch numbers are relative
@@ -921,7 +925,7 @@ impl Plan {
     }
 
     pub fn check(&self) -> Vec<String> {
-        let mut out = Vec::new();
+        let mut out = self.in_pass.check();
         let t = &self.training;
         if let Some(problem) = self.engine.problem() {
             out.push(format!("engine: {problem}"));

@@ -619,3 +619,38 @@ mod tests {
         assert_eq!(ReduceMode::ParameterServer.name(), "ps");
     }
 }
+
+choice! {
+    /// What a collective inside a pass does (`crate::in_pass`): one of the plan's collective
+    /// kinds, or a ring pass (context parallelism's ring: each member sends to the next
+    /// and receives from the one before).
+    pub enum PassOp {
+        /// Every member ends with the sum (tensor parallelism's `g` and `f`).
+        AllReduce = "all_reduce",
+        /// Every member ends with every member's values (context parallelism's keys and values).
+        AllGather = "all_gather",
+        /// Every member ends with the sum of its own part (the gathered keys' gradients).
+        ReduceScatter = "reduce_scatter",
+        /// Member i sends its j-th part to member j (expert parallelism's exchanges).
+        AllToAll = "all_to_all",
+        /// To the next member, from the one before (context parallelism's ring).
+        RingPass = "ring_pass",
+    }
+}
+
+choice! {
+    /// The group a collective inside a pass runs over, relative to the device and stage of
+    /// the pass: the stage's tensor-parallel group of the device's replica, the replicas
+    /// (at the device's tensor-parallel rank) its context- or expert-parallel group holds,
+    /// or every replica of the stage (ZeRO's shard).
+    pub enum PeerDim {
+        /// The tensor-parallel ranks of the device's replica.
+        Tensor = "tp",
+        /// The context-parallel group of the device's replica.
+        Context = "cp",
+        /// The expert-parallel group of the device's replica.
+        Expert = "ep",
+        /// The replicas sharing the stage's ZeRO shard (ZeRO-3's weight gathers).
+        Shard = "zero",
+    }
+}

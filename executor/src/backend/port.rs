@@ -12,7 +12,7 @@ use std::time::Instant;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use pipec_plan::plan::StagePlan;
-use pipec_plan::{DeviceId, Plan, StageId, TokenExchange};
+use pipec_plan::{DeviceId, PassOp, PeerDim, Plan, StageId, TokenExchange};
 
 use crate::comm::exchanger::Exchanger;
 use crate::error::{ExecError, Result};
@@ -26,6 +26,9 @@ pub(crate) fn host_f32(data: TensorData) -> Result<Vec<f32>> {
 #[derive(Clone, Debug)]
 pub struct PeerGroup {
     pub members: Vec<DeviceId>,
+    /// Which of the stage's groups it is (expert or context parallelism's): what the
+    /// exchanges it makes inside passes are recorded over.
+    pub over: PeerDim,
     /// This device's position: it computes experts `position · E/ep ..` of each block.
     pub position: usize,
     pub exchanger: Exchanger,
@@ -57,7 +60,7 @@ impl PeerGroup {
     /// the same rank).
     pub fn of(plan: &Plan, stage: StageId, device: DeviceId, exchanger: &Exchanger) -> Option<PeerGroup> {
         let ep = plan.stage(stage)?.expert_parallel as usize;
-        PeerGroup::sized(plan, stage, device, exchanger, ep)
+        PeerGroup::sized(plan, stage, device, exchanger, ep, PeerDim::Expert)
     }
 
     /// The group of `size` replicas of `stage` that `device` is one of (None for a size of
@@ -69,6 +72,7 @@ impl PeerGroup {
         device: DeviceId,
         exchanger: &Exchanger,
         size: usize,
+        over: PeerDim,
     ) -> Option<PeerGroup> {
         let s = plan.stage(stage)?;
         if size <= 1 {
@@ -79,6 +83,7 @@ impl PeerGroup {
         let members: Vec<DeviceId> = group.into_iter().map(|j| device_at(s, j, rank)).collect::<Option<_>>()?;
         Some(PeerGroup {
             members,
+            over,
             position,
             exchanger: exchanger.clone(),
             failed: Default::default(),
@@ -90,7 +95,28 @@ impl PeerGroup {
     /// Every member's `values`, member after member (host values: context parallelism's
     /// routing counts, the ring's keys and values).
     pub fn all_gather(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, crate::comm::transport::TransportError> {
-        self.exchanger.exchange(&self.members, vec![values; self.members.len()])
+        self.exchange(PassOp::AllGather, vec![values; self.members.len()])
+    }
+
+    /// Sends `chunks[j]` to member j and returns what each member sent this one: inside a
+    /// pass, recorded as `op` over the group (the interpreter holds it against the plan's
+    /// declaration of the pass).
+    pub fn exchange(
+        &self,
+        op: PassOp,
+        chunks: Vec<Vec<f32>>,
+    ) -> Result<Vec<Vec<f32>>, crate::comm::transport::TransportError> {
+        self.start(op, chunks)?.wait()
+    }
+
+    /// [`PeerGroup::exchange`] started on the collective thread.
+    pub fn start(
+        &self,
+        op: PassOp,
+        chunks: Vec<Vec<f32>>,
+    ) -> Result<crate::comm::exchanger::Ticket<Vec<Vec<f32>>>, crate::comm::transport::TransportError> {
+        self.exchanger.ledger().record(op, self.over, &self.members);
+        self.exchanger.start(&self.members, chunks)
     }
 
     /// Checks the plan's all-to-all `ins` — `exchange` at `layer` — against the next one a
@@ -145,6 +171,9 @@ pub struct Exchange {
     pub send: Vec<usize>,
     pub recv: Vec<usize>,
     pub what: Option<(u32, TokenExchange)>,
+    /// What the exchange does for the group: expert parallelism's all-to-all, context
+    /// parallelism's gather (whose gradient is reduce-scattered back).
+    pub op: PassOp,
 }
 
 impl Exchange {
@@ -155,6 +184,11 @@ impl Exchange {
             send: self.recv.clone(),
             recv: self.send.clone(),
             what: self.what.map(|(layer, e)| (layer, e.reversed())),
+            op: match self.op {
+                PassOp::AllGather => PassOp::ReduceScatter,
+                PassOp::ReduceScatter => PassOp::AllGather,
+                op @ (PassOp::AllReduce | PassOp::AllToAll | PassOp::RingPass) => op,
+            },
         }
     }
 }
@@ -175,7 +209,7 @@ pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B,
         at += n;
     }
     let started = Instant::now();
-    let got = ex.group.exchanger.exchange(&ex.group.members, chunks).map_err(|e| e.to_string())?;
+    let got = ex.group.exchange(ex.op, chunks).map_err(|e| e.to_string())?;
     let ended = Instant::now();
     for (i, (chunk, &n)) in got.iter().zip(&ex.recv).enumerate() {
         if chunk.len() != n * d {

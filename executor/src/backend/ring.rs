@@ -155,7 +155,7 @@ impl Ring {
         let next = (self.position() + 1) % self.cp();
         let mut chunks = vec![Vec::new(); self.cp()];
         chunks[next] = values;
-        self.group.exchanger.start(&self.group.members, chunks).map_err(|e| e.to_string())
+        self.group.start(pipec_plan::PassOp::RingPass, chunks).map_err(|e| e.to_string())
     }
 
     /// What the previous member passed ([`Ring::pass`]).
@@ -172,7 +172,7 @@ impl Ring {
 
     /// Sends `chunks[m]` to member m and returns the sum of what every member sent this one.
     fn reduce_scatter(&self, chunks: Vec<Vec<f32>>) -> Result<Vec<f32>, String> {
-        let got = self.group.exchanger.exchange(&self.group.members, chunks).map_err(|e| e.to_string())?;
+        let got = self.group.exchange(pipec_plan::PassOp::ReduceScatter, chunks).map_err(|e| e.to_string())?;
         let mut sum = vec![0f32; got.first().map_or(0, Vec::len)];
         for part in &got {
             if part.len() != sum.len() {

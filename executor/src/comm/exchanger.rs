@@ -23,7 +23,7 @@
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::Instant;
 
-use pipec_plan::{CollectiveKind, DeviceId, ReduceMode};
+use pipec_plan::{CollectiveKind, DeviceId, PassOp, PeerDim, ReduceMode};
 
 use crate::comm::transport::{Endpoint, Message, RecvHalf, Rounding, SendHalf, Tag, TransportError};
 
@@ -61,7 +61,35 @@ enum Coll {
 /// A handle that runs all-to-all exchanges on a device's collective thread, in order with
 /// its other collectives: what an autodiff node's backward holds (expert parallelism).
 #[derive(Clone)]
-pub struct Exchanger(Sender<Coll>);
+pub struct Exchanger(Sender<Coll>, Ledger);
+
+/// One collective issued inside a pass: what it does, over which of the pass's groups,
+/// and that group's members.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Issued {
+    pub op: PassOp,
+    pub over: PeerDim,
+    pub members: Vec<DeviceId>,
+}
+
+/// The collectives a device's passes issued (those the plan declares inside passes,
+/// `pipec_plan::in_pass`), in the order they reach the collective thread: what the
+/// interpreter holds against the plan's declaration of each pass.
+#[derive(Clone, Debug, Default)]
+pub struct Ledger(std::sync::Arc<std::sync::Mutex<Vec<Issued>>>);
+
+impl Ledger {
+    pub fn record(&self, op: PassOp, over: PeerDim, members: &[DeviceId]) {
+        if let Ok(mut l) = self.0.lock() {
+            l.push(Issued { op, over, members: members.to_vec() });
+        }
+    }
+
+    /// What was issued since the last take, oldest first.
+    pub fn take(&self) -> Vec<Issued> {
+        self.0.lock().map(|mut l| std::mem::take(&mut *l)).unwrap_or_default()
+    }
+}
 
 impl std::fmt::Debug for Exchanger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -70,6 +98,11 @@ impl std::fmt::Debug for Exchanger {
 }
 
 impl Exchanger {
+    /// The record of the collectives issued inside passes.
+    pub fn ledger(&self) -> &Ledger {
+        &self.1
+    }
+
     /// Sends `chunks[j]` to member j of `members` and returns what each member sent this
     /// one, in member order.
     pub fn exchange(&self, members: &[DeviceId], chunks: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, TransportError> {
@@ -123,6 +156,7 @@ impl<T> Ticket<T> {
 pub struct Comm {
     p2p: Sender<P2p>,
     coll: Sender<Coll>,
+    ledger: Ledger,
     sender: Box<dyn SendHalf>,
     /// The worker's own receiver, where the transport gives one.
     receiver: Option<Box<dyn RecvHalf>>,
@@ -157,7 +191,7 @@ impl Comm {
         let (coll, coll_rx) = channel();
         scope.spawn(move || p2p_loop(p2p_ep, p2p_rx, epoch));
         scope.spawn(move || coll_loop(coll_ep, coll_rx, epoch));
-        Comm { p2p, coll, sender, receiver, epoch, sent: CommTrace::new() }
+        Comm { p2p, coll, ledger: Ledger::default(), sender, receiver, epoch, sent: CommTrace::new() }
     }
 
     /// Whether the worker takes its messages itself ([`Comm::recv_now`]) rather than
@@ -237,7 +271,24 @@ impl Comm {
 
     /// A handle on this device's collective thread for all-to-all exchanges.
     pub fn exchanger(&self) -> Exchanger {
-        Exchanger(self.coll.clone())
+        Exchanger(self.coll.clone(), self.ledger.clone())
+    }
+
+    /// The record of the collectives issued inside passes.
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// A tensor-parallel all-reduce inside a pass over `members` (recorded in the
+    /// [`Ledger`]), waited for.
+    pub fn in_pass_all_reduce(
+        &self,
+        members: &[DeviceId],
+        data: Vec<f32>,
+        mode: ReduceMode,
+    ) -> Result<Vec<f32>, TransportError> {
+        self.ledger.record(PassOp::AllReduce, PeerDim::Tensor, members);
+        self.collective(CollectiveKind::AllReduce, members, data, mode, None)
     }
 
     /// Waits until everything issued so far is done; returns what both threads ran since

@@ -101,7 +101,8 @@ pub(crate) fn build_stages<B: ExecBackend>(
             let experts = st.experts.as_ref().map(|h| (h, device));
             let mut shard = crate::parallel::zero::ShardState::new(plan, st.model()?, group, rank, d, experts, dev)?;
             // ZeRO-3: the linear weights gathered by their products (not beside tensor or
-            // expert parallelism, whose stages are gathered whole)
+            // expert parallelism, whose stages are gathered whole: the rule the plan's
+            // declared collectives follow, `pipec_plan::in_pass::Layout::per_product`)
             if shard.level == pipec_plan::vocab::Sharding::Parameters && st.tp.is_none() && st.experts.is_none() {
                 shard.per_product = crate::parallel::zero::per_product(plan, st.model()?, &shard.layout);
             }

@@ -6,7 +6,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use burn::tensor::ElementConversion;
 use pipec_plan::model::Loss;
-use pipec_plan::{CollectiveKind, MicrobatchId, StageId};
+use pipec_plan::{MicrobatchId, StageId};
 
 use crate::backend::kernels::ExecBackend;
 use crate::comm::transport::{Message, Tag};
@@ -134,9 +134,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         if let Some(tp) = self.state(stage)?.tp.clone() {
             let reduce = self.transfers.reduce;
             let comm = &self.comm;
-            let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> {
-                Ok(comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?)
-            };
+            let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> { Ok(comm.in_pass_all_reduce(&tp.members, v, reduce)?) };
             let mut side = crate::nn::layers::Collected {
                 experts: self.experts_for(stage),
                 context: self.context_for(stage),
@@ -405,7 +403,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let mut g = input_grad::<B>(&seg.leaf, &mut grads, Tag::gradient(stage, mb))?
                 .ok_or(ExecError::Missing("no gradient reached a segment input"))?;
             if seg.boundary != Boundary::Complete {
-                let sum = |data| self.comm.collective(CollectiveKind::AllReduce, &tp.members, data, reduce, None);
+                let sum = |data| self.comm.in_pass_all_reduce(&tp.members, data, reduce);
                 g.data = sum(std::mem::take(&mut g.data))?;
                 if seg.boundary == Boundary::SumResidual {
                     // the residual's share was counted on every rank: keep it once

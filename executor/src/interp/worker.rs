@@ -341,7 +341,70 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok(())
     }
 
+    /// Runs one instruction; a pass's collectives inside it are held against the plan's
+    /// declaration (`pipec_plan::in_pass`): in debug builds a pass that issues anything
+    /// else fails the run.
     pub(crate) fn exec(&mut self, ins: &Instr, code: usize, at: usize, report: &mut StepReport) -> Result<()> {
+        let Some(kind) = pipec_plan::in_pass::PassKind::of(ins) else {
+            return self.exec_instr(ins, code, at, report);
+        };
+        // what was issued before the pass is not its own (a checkpoint's reshard)
+        drop(self.comm.ledger().take());
+        let done = self.exec_instr(ins, code, at, report);
+        let issued = self.comm.ledger().take();
+        if cfg!(debug_assertions) && done.is_ok() && self.progress.evaluating.is_none() {
+            self.check_declared(ins, kind, &issued)?;
+        }
+        done
+    }
+
+    /// `issued` (what `ins`, a pass of `kind`, issued inside itself) against what the plan
+    /// declares for it.
+    fn check_declared(
+        &mut self,
+        ins: &Instr,
+        kind: pipec_plan::in_pass::PassKind,
+        issued: &[crate::comm::exchanger::Issued],
+    ) -> Result<()> {
+        let stage = ins.stage();
+        let declared = self.plan.in_pass.of(self.device, stage, kind);
+        let mut want = Vec::with_capacity(declared.len());
+        for e in declared {
+            let members = match e.over {
+                pipec_plan::PeerDim::Tensor => self.state(stage)?.tp.as_ref().map(|t| t.members.clone()),
+                pipec_plan::PeerDim::Context => self.groups.contexts.get(&stage).map(|c| c.group.members.clone()),
+                pipec_plan::PeerDim::Expert => self.groups.experts.get(&stage).map(|g| g.members.clone()),
+                pipec_plan::PeerDim::Shard => match self.stages.get(&stage).and_then(|s| s.shard.as_ref()) {
+                    Some(shard) => Some(crate::parallel::groups::members(self.plan, shard.group)?),
+                    None => None,
+                },
+            };
+            let members = members.ok_or_else(|| {
+                ExecError::Plan(format!(
+                    "`{ins}`: the plan declares {e}, but this device is in no such group of {stage}"
+                ))
+            })?;
+            want.push(crate::comm::exchanger::Issued { op: e.op, over: e.over, members });
+        }
+        if want.as_slice() == issued {
+            return Ok(());
+        }
+        let say = |l: &[crate::comm::exchanger::Issued]| {
+            let parts: Vec<String> = l.iter().map(|i| format!("{} {}", i.over, i.op)).collect();
+            if parts.is_empty() {
+                "nothing".to_string()
+            } else {
+                parts.join(", ")
+            }
+        };
+        Err(ExecError::Plan(format!(
+            "`{ins}` issued {} inside the pass, where the plan declares {}",
+            say(issued),
+            say(&want)
+        )))
+    }
+
+    fn exec_instr(&mut self, ins: &Instr, code: usize, at: usize, report: &mut StepReport) -> Result<()> {
         if !pipec_plan::TokenExchange::of_pass(ins.phase()).is_empty() {
             self.exchanges_accounted(Some(ins.stage()))?;
         }

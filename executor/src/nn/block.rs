@@ -353,7 +353,7 @@ impl<B: Kernels> Block<B> {
         let counts: Vec<Vec<f32>> =
             (0..ep).map(|j| (j * local..(j + 1) * local).map(|e| rows_of(e) as f32).collect()).collect();
         let exchange_error = |e: String| ExecError::Transport(crate::comm::transport::TransportError::Other(e));
-        let got = group.exchanger.exchange(&group.members, counts).map_err(ExecError::Transport)?;
+        let got = group.exchange(pipec_plan::PassOp::AllToAll, counts).map_err(ExecError::Transport)?;
         // from each member, the rows it sends each of this member's experts
         let from: Vec<Vec<usize>> = got.iter().map(|c| c.iter().map(|&v| v as usize).collect()).collect();
         if from.iter().any(|c| c.len() != local) {
@@ -372,6 +372,7 @@ impl<B: Kernels> Block<B> {
             send,
             recv: recv.clone(),
             what: Some((layer, pipec_plan::TokenExchange::Dispatch)),
+            op: pipec_plan::PassOp::AllToAll,
         };
         let x = if group.tracked { x.clone() } else { x.clone().detach() };
         let arrived = B::exchange(x.select(0, tokens.clone()), &ex).map_err(exchange_error)?;

@@ -34,7 +34,7 @@ impl Context {
         if cp <= 1 {
             return None;
         }
-        let group = PeerGroup::sized(plan, stage, device, exchanger, cp)?;
+        let group = PeerGroup::sized(plan, stage, device, exchanger, cp, pipec_plan::PeerDim::Context)?;
         Some(Context { group, cp, ring: plan.schedule.cp_comm == pipec_plan::vocab::CpComm::Ring })
     }
 
@@ -70,7 +70,13 @@ impl Context {
         let n = b * h * s * dh;
         let row = x.reshape([1, n]);
         let copies = Tensor::cat(vec![row; self.cp], 0);
-        let ex = Exchange { group: self.group.clone(), send: vec![1; self.cp], recv: vec![1; self.cp], what: None };
+        let ex = Exchange {
+            group: self.group.clone(),
+            send: vec![1; self.cp],
+            recv: vec![1; self.cp],
+            what: None,
+            op: pipec_plan::PassOp::AllGather,
+        };
         let got = B::exchange(copies, &ex)
             .map_err(|e| ExecError::Transport(crate::comm::transport::TransportError::Other(e)))?;
         Ok(got.reshape([self.cp, b, h, s, dh]).permute([1, 2, 0, 3, 4]).reshape([b, h, self.cp * s, dh]))

@@ -632,6 +632,7 @@ impl<I: burn::tensor::backend::Backend> Gatherer<I> {
             self.chunks.get(&id).ok_or_else(|| ExecError::Plan(format!("{id} is not gathered per product")))?;
         let values = params::host_f32(chunk.clone().into_data())?;
         self.gathers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.exchanger.ledger().record(pipec_plan::PassOp::AllGather, pipec_plan::PeerDim::Shard, &self.members);
         Ok(self.exchanger.start_all_gather(&self.members, values, self.mode)?)
     }
 

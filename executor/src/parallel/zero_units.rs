@@ -14,41 +14,4 @@ pub(crate) fn gathers_per_product(plan: &Plan, layer: usize) -> bool {
     !tied && zero3_gather(&l.op) == Zero3Gather::PerProduct
 }
 
-/// How ZeRO-3 gathers an operator's weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Zero3Gather {
-    /// Each product gathers its own weight (`crate::parallel::zero::per_product`) unless the layer is tied.
-    PerProduct,
-    /// With the stage, for its passes; `large`: a weight of the model's size class (a
-    /// convolution's, a positional table), which `pipec run`'s caveats (lib.rs) names.
-    WithStage { large: bool },
-    /// No weights.
-    Nothing,
-}
-
-/// The one table of how ZeRO-3 gathers each operator's weights: a new operator is a
-/// compile error here until it says.
-pub(crate) fn zero3_gather(op: &pipec_plan::model::Op) -> Zero3Gather {
-    use pipec_plan::model::Op;
-    match op {
-        Op::Linear { .. } | Op::Embedding { .. } | Op::Lstm { .. } => Zero3Gather::PerProduct,
-        // a mixture of experts' tokens decide which experts run: its gathers would not pair
-        Op::TransformerBlock { moe: None, .. } => Zero3Gather::PerProduct,
-        Op::TransformerBlock { moe: Some(_), .. } => Zero3Gather::WithStage { large: true },
-        Op::Conv2d { .. } | Op::PosEmbedding { .. } => Zero3Gather::WithStage { large: true },
-        Op::BatchNorm2d { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => Zero3Gather::WithStage { large: false },
-        Op::MaxPool2d { .. }
-        | Op::AvgPool2d { .. }
-        | Op::AdaptiveAvgPool2d { .. }
-        | Op::Add { .. }
-        | Op::Concat { .. }
-        | Op::Flatten
-        | Op::Relu
-        | Op::Gelu
-        | Op::Tanh
-        | Op::Sigmoid
-        | Op::Dropout { .. }
-        | Op::SeqPool { .. }
-        | Op::GeluTanh => Zero3Gather::Nothing,
-    }
-}
+pub(crate) use pipec_plan::in_pass::{zero3_gather, Zero3Gather};

@@ -372,6 +372,12 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
                 .to_string(),
         );
     }
+    if plan.schedule.sequence_parallel && plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1)) {
+        out.push(
+            "under `sequence_parallel` the plan prices Megatron-LM's all-gathers and reduce-scatters and keeps a block's activations outside attention and MLP split along the sequence, but the executor runs tensor parallelism's all-reduces (what the plan's `in_pass` declares) on whole activations: its collectives and its activation memory are those of tensor parallelism alone"
+                .to_string(),
+        );
+    }
     if plan.schedule.cp_comm == pipec_plan::vocab::CpComm::Ring {
         out.push(
             "under `cp_comm: ring` the executor passes each block of keys and values on while it computes with it, as the plan prices, but its backward gathers the blocks and scatters their gradients in line, where the plan hides them under the attention's backward"

@@ -1,0 +1,158 @@
+//! The collectives declared inside passes (`pipec_plan::in_pass`): every member of a
+//! tensor-, context- or expert-parallel group declares the same ones, in the same order,
+//! over the passes it runs; and a declaration over a group names one the device is in.
+//!
+//! The members' streams are walked side by side, pass by pass, without expanding the
+//! declarations: memory stays that of the table at thousands of devices.
+
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap;
+
+use pipec_plan::in_pass::{InPass, InPassTable, PassKind};
+use pipec_plan::{Choice, DeviceId, PeerDim, StageId};
+
+use super::{VerifyInput, Violation};
+
+/// The members of `device`'s group over `dim` for `stage` (None: the device holds no
+/// replica of the stage, or the group would be the device alone).
+fn group_of(input: &VerifyInput<'_>, stage: StageId, device: DeviceId, dim: PeerDim) -> Option<Vec<DeviceId>> {
+    let s = stage.0 as usize;
+    let replicas = input.placement.replicas.get(s)?;
+    let tp = input.tp.max(1) as u32;
+    // the replica whose tensor-parallel ranks hold the device (a leader and the devices after it)
+    let (i, rank) = replicas
+        .iter()
+        .enumerate()
+        .find_map(|(i, r)| (device.0 >= r.0 && device.0 < r.0 + tp).then(|| (i, device.0 - r.0)))?;
+    let of_replicas = |size: usize| -> Option<Vec<DeviceId>> {
+        let (members, _) = input.chunks.expert_group(i, size);
+        members.into_iter().map(|j| replicas.get(j).map(|r| DeviceId(r.0 + rank))).collect()
+    };
+    let members = match dim {
+        PeerDim::Tensor => (0..tp).map(|t| DeviceId(replicas[i].0 + t)).collect(),
+        PeerDim::Context => of_replicas(input.context_parallel.max(1))?,
+        PeerDim::Expert => of_replicas(input.expert_parallel.get(s).copied().unwrap_or(1).max(1))?,
+        PeerDim::Shard => replicas.iter().map(|r| DeviceId(r.0 + rank)).collect(),
+    };
+    (members.len() > 1).then_some(members)
+}
+
+/// One pass's declarations over one group: its place in the stream, what it is, and its
+/// entries over the group's dimension.
+struct Pass<'t> {
+    index: usize,
+    stage: StageId,
+    kind: PassKind,
+    entries: &'t [InPass],
+}
+
+/// Checks `table` against the streams of `input` (all tensor-parallel ranks together).
+pub(super) fn check_declared(input: &VerifyInput<'_>, table: &InPassTable, out: &mut Vec<Violation>) {
+    // every (device, stage, dimension) declared over, to its group; and per (device,
+    // stage, kind of pass, dimension) the entries over that dimension
+    let mut groups: BTreeMap<(PeerDim, Vec<DeviceId>), usize> = BTreeMap::new();
+    let mut group_at: FxHashMap<(DeviceId, StageId, PeerDim), usize> = FxHashMap::default();
+    let mut over: FxHashMap<(DeviceId, StageId, PassKind, PeerDim), Vec<InPass>> = FxHashMap::default();
+    for (dev, lists) in &table.devices {
+        for p in lists {
+            let list = table.lists.get(p.list as usize).map_or(&[][..], Vec::as_slice);
+            for dim in PeerDim::ALL.iter().copied().filter(|d| list.iter().any(|e| e.over == *d)) {
+                over.insert((*dev, p.stage, p.pass, dim), list.iter().copied().filter(|e| e.over == dim).collect());
+                if group_at.contains_key(&(*dev, p.stage, dim)) {
+                    continue;
+                }
+                match group_of(input, p.stage, *dev, dim) {
+                    Some(members) => {
+                        let next = groups.len();
+                        let g = *groups.entry((dim, members)).or_insert(next);
+                        group_at.insert((*dev, p.stage, dim), g);
+                    }
+                    None => out.push(Violation {
+                        device: Some(*dev),
+                        index: None,
+                        message: format!(
+                            "its {} passes of {} declare collectives over {dim}, but {dev} is in no {dim} group of {} with other members",
+                            p.pass, p.stage, p.stage
+                        ),
+                    }),
+                }
+            }
+        }
+    }
+    for ((dim, members), g) in &groups {
+        let passes = |d: DeviceId| {
+            let (group_at, over) = (&group_at, &over);
+            input.streams.get(&d).into_iter().flatten().enumerate().filter_map(move |(index, ins)| {
+                let kind = PassKind::of(ins)?;
+                let stage = ins.stage();
+                if group_at.get(&(d, stage, *dim)) != Some(g) {
+                    return None;
+                }
+                let entries = over.get(&(d, stage, kind, *dim))?;
+                Some(Pass { index, stage, kind, entries })
+            })
+        };
+        // the members side by side, each stream walked once
+        let mut walks: Vec<_> = members.iter().map(|&d| passes(d)).collect();
+        let mut differ = vec![false; members.len()];
+        let mut k = 0;
+        loop {
+            let now: Vec<Option<Pass<'_>>> = walks.iter_mut().map(Iterator::next).collect();
+            if now.iter().all(Option::is_none) {
+                break;
+            }
+            for (m, pass) in now.iter().enumerate().skip(1) {
+                if !differ[m] && !same(now[0].as_ref(), pass.as_ref()) {
+                    differ[m] = true;
+                    out.push(difference(now[0].as_ref(), pass.as_ref(), k, members[m], *dim, members));
+                }
+            }
+            k += now[0].as_ref().map_or(0, |p| p.entries.len());
+        }
+    }
+}
+
+/// Whether two members' passes at one place of their walks declare the same.
+fn same(a: Option<&Pass<'_>>, b: Option<&Pass<'_>>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => a.stage == b.stage && a.kind == b.kind && a.entries == b.entries,
+        (None, None) => true,
+        (Some(_), None) | (None, Some(_)) => false,
+    }
+}
+
+/// The violation of member `d` whose pass `mine` differs from the group's first member's
+/// `reference`, `k` collectives into their walks.
+fn difference(
+    reference: Option<&Pass<'_>>,
+    mine: Option<&Pass<'_>>,
+    k: usize,
+    d: DeviceId,
+    dim: PeerDim,
+    members: &[DeviceId],
+) -> Violation {
+    let say = |p: Option<&Pass<'_>>, i: usize| {
+        p.and_then(|p| p.entries.get(i).map(|e| format!("{e} in a {} of {}", p.kind, p.stage)))
+            .unwrap_or_else(|| "nothing".to_string())
+    };
+    let at = match (reference, mine) {
+        (Some(r), Some(m)) if r.stage == m.stage && r.kind == m.kind => {
+            (0..).find(|&i| r.entries.get(i) != m.entries.get(i)).unwrap_or(0)
+        }
+        _ => 0,
+    };
+    let names: Vec<String> = members.iter().map(ToString::to_string).collect();
+    Violation {
+        device: Some(d),
+        index: mine.map(|m| m.index),
+        message: format!(
+            "its {dim} group ({})'s collectives inside passes differ from collective {} on: {}, where {} declares {}; a group's members must issue the same ones in the same order",
+            names.join(", "),
+            k + at,
+            say(mine, at),
+            members[0],
+            say(reference, at)
+        ),
+    }
+}

@@ -1,0 +1,638 @@
+//! The collectives a pass makes inside itself, declared in the plan: tensor parallelism's
+//! all-reduces (Megatron's `g` after a row-parallel product, `f`'s gradient before a
+//! column-parallel one, the vocabulary-parallel loss's three sums), context parallelism's
+//! key and value gathers or ring passes, expert parallelism's count, dispatch and combine
+//! exchanges, ZeRO-3's per-product weight gathers with their prefetch. Each is one [`InPass`]: the layer that makes it, its group ([`PeerDim`],
+//! resolved against the device and stage of the pass) and what it does ([`PassOp`]).
+//!
+//! [`declare`] is the rule: what pipec's executor issues, in issue order, in a pass of one
+//! kind ([`PassKind`]) of a stage. The compiler writes it per device into the plan
+//! ([`InPassTable`], lists shared between the devices that run the same ones), the verifier
+//! checks that every member of a group declares the same ones in the same order, and the
+//! executor records what its passes issue and, in debug builds, fails a pass that issues
+//! anything else.
+//!
+//! Not declared yet (run by the executor outside this table): ZeRO-3's gathers of a stage's
+//! other weights and their prefetch between passes, DDP's gradient buckets, and the
+//! tensor-parallel sums of partial gradients and gradient norms at the update.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::instr::{DeviceId, Instr, StageId};
+use crate::model::{Op, TpSplit};
+use crate::vocab::{Choice, Loss, PassOp, PeerDim};
+
+/// The kinds of pass that can make collectives inside themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PassKind {
+    Forward,
+    Recompute,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+}
+
+impl PassKind {
+    /// The pass an instruction runs, if it is one.
+    pub fn of(ins: &Instr) -> Option<PassKind> {
+        match ins {
+            Instr::Forward { .. } => Some(PassKind::Forward),
+            Instr::Recompute { .. } => Some(PassKind::Recompute),
+            Instr::Backward { .. } => Some(PassKind::Backward),
+            Instr::BackwardInput { .. } => Some(PassKind::BackwardInput),
+            Instr::BackwardWeight { .. } => Some(PassKind::BackwardWeight),
+            Instr::LoadMicrobatch { .. }
+            | Instr::SendActivation { .. }
+            | Instr::RecvActivation { .. }
+            | Instr::SendGradient { .. }
+            | Instr::RecvGradient { .. }
+            | Instr::Collective { .. }
+            | Instr::WaitCollective { .. }
+            | Instr::OptimizerStep { .. }
+            | Instr::ShardStep { .. }
+            | Instr::Free { .. }
+            | Instr::StashWeights { .. }
+            | Instr::RestoreWeights { .. }
+            | Instr::PushGradient { .. }
+            | Instr::ApplyGradient { .. }
+            | Instr::PushWeights { .. }
+            | Instr::PullWeights { .. }
+            | Instr::AllToAll { .. } => None,
+        }
+    }
+
+    /// Its name in messages and plan files.
+    pub fn name(self) -> &'static str {
+        match self {
+            PassKind::Forward => "forward",
+            PassKind::Recompute => "recompute",
+            PassKind::Backward => "backward",
+            PassKind::BackwardInput => "backward_input",
+            PassKind::BackwardWeight => "backward_weight",
+        }
+    }
+
+    /// Whether the pass runs the forward's collectives (else the backward's).
+    fn forward(self) -> bool {
+        match self {
+            PassKind::Forward | PassKind::Recompute => true,
+            PassKind::Backward | PassKind::BackwardInput | PassKind::BackwardWeight => false,
+        }
+    }
+}
+
+impl fmt::Display for PassKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One collective inside a pass: at `layer` (the model's index), `op` over `over`.
+/// Written in plan files as `"layer:group:op"`, e.g. `"3:tp:all_reduce"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct InPass {
+    pub layer: u32,
+    pub over: PeerDim,
+    pub op: PassOp,
+}
+
+impl fmt::Display for InPass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.layer, self.over, self.op)
+    }
+}
+
+impl std::str::FromStr for InPass {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("`{s}` is not a collective inside a pass (layer:group:op, e.g. 3:tp:all_reduce)");
+        let mut parts = s.split(':');
+        let (Some(layer), Some(over), Some(op), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+            return Err(bad());
+        };
+        Ok(InPass {
+            layer: layer.parse().map_err(|_| bad())?,
+            over: PeerDim::from_name(over).ok_or_else(bad)?,
+            op: PassOp::from_name(op).ok_or_else(bad)?,
+        })
+    }
+}
+
+impl Serialize for InPass {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for InPass {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Which declared list the passes of one kind of one stage on a device issue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PassList {
+    pub stage: StageId,
+    pub pass: PassKind,
+    /// Index into [`InPassTable::lists`].
+    pub list: u32,
+}
+
+/// Every device's declared collectives inside its passes: the distinct lists once, and per
+/// device which list each (stage, kind of pass) it runs issues. A pass not listed issues
+/// none.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct InPassTable {
+    pub lists: Vec<Vec<InPass>>,
+    pub devices: BTreeMap<DeviceId, Vec<PassList>>,
+}
+
+impl InPassTable {
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    /// What `device`'s passes of `kind` on `stage` issue, in order (empty: nothing).
+    pub fn of(&self, device: DeviceId, stage: StageId, kind: PassKind) -> &[InPass] {
+        self.devices
+            .get(&device)
+            .and_then(|l| l.iter().find(|p| p.stage == stage && p.pass == kind))
+            .and_then(|p| self.lists.get(p.list as usize))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// Declares `list` for `device`'s passes of `kind` on `stage` (nothing for an empty
+    /// list), sharing an equal list already declared.
+    pub fn insert(&mut self, device: DeviceId, stage: StageId, kind: PassKind, list: Vec<InPass>) {
+        if list.is_empty() {
+            return;
+        }
+        let at = match self.lists.iter().position(|l| *l == list) {
+            Some(i) => i,
+            None => {
+                self.lists.push(list);
+                self.lists.len() - 1
+            }
+        };
+        let entries = self.devices.entry(device).or_default();
+        entries.retain(|p| !(p.stage == stage && p.pass == kind));
+        entries.push(PassList { stage, pass: kind, list: at as u32 });
+    }
+
+    /// The table's own consistency: every list index in range, no (stage, kind) twice on
+    /// a device.
+    pub fn check(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (d, entries) in &self.devices {
+            for (i, p) in entries.iter().enumerate() {
+                if p.list as usize >= self.lists.len() {
+                    out.push(format!("in_pass: {d}'s list {} is not one of the {} lists", p.list, self.lists.len()));
+                }
+                if entries[..i].iter().any(|q| q.stage == p.stage && q.pass == p.pass) {
+                    out.push(format!("in_pass: {d} declares its {:?} passes of {} twice", p.pass, p.stage));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The parallel degrees a stage's passes run under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub tp: usize,
+    pub cp: usize,
+    /// Context parallelism around a ring (`cp_comm: ring`) rather than gathered.
+    pub ring: bool,
+    pub ep: usize,
+    /// ZeRO-3 on a replicated stage.
+    pub zero3: bool,
+}
+
+impl Layout {
+    /// Whether the stage's products gather their weights one at a time: ZeRO-3 without
+    /// tensor or expert parallelism (beside either, the executor gathers a stage whole for
+    /// its passes, between them).
+    pub fn per_product(&self) -> bool {
+        self.zero3 && self.tp <= 1 && self.ep <= 1
+    }
+}
+
+/// The whole model as the declaration reads it: its operators, which are either end of a
+/// weight tie, whose input carries a gradient within its stage (a stage's own input does
+/// past the first stage; the model's data does not), and its loss.
+#[derive(Debug, Clone, Copy)]
+pub struct Layers<'a> {
+    pub ops: &'a [Op],
+    pub tied: &'a [bool],
+    pub tracked: &'a [bool],
+    pub loss: Loss,
+}
+
+/// How ZeRO-3 gathers an operator's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Zero3Gather {
+    /// Each product gathers its own weight (the executor's `zero::per_product`) unless the
+    /// layer is tied.
+    PerProduct,
+    /// With the stage, for its passes; `large`: a weight of the model's size class (a
+    /// convolution's, a positional table), which `pipec run`'s caveats name.
+    WithStage { large: bool },
+    /// No weights.
+    Nothing,
+}
+
+/// The one table of how ZeRO-3 gathers each operator's weights: a new operator is a
+/// compile error here until it says.
+pub fn zero3_gather(op: &Op) -> Zero3Gather {
+    match op {
+        Op::Linear { .. } | Op::Embedding { .. } | Op::Lstm { .. } => Zero3Gather::PerProduct,
+        // a mixture of experts' tokens decide which experts run: its gathers would not pair
+        Op::TransformerBlock { moe: None, .. } => Zero3Gather::PerProduct,
+        Op::TransformerBlock { moe: Some(_), .. } => Zero3Gather::WithStage { large: true },
+        Op::Conv2d { .. } | Op::PosEmbedding { .. } => Zero3Gather::WithStage { large: true },
+        Op::BatchNorm2d { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => Zero3Gather::WithStage { large: false },
+        Op::MaxPool2d { .. }
+        | Op::AvgPool2d { .. }
+        | Op::AdaptiveAvgPool2d { .. }
+        | Op::Add { .. }
+        | Op::Concat { .. }
+        | Op::Flatten
+        | Op::Relu
+        | Op::Gelu
+        | Op::Tanh
+        | Op::Sigmoid
+        | Op::Dropout { .. }
+        | Op::SeqPool { .. }
+        | Op::GeluTanh => Zero3Gather::Nothing,
+    }
+}
+
+/// The weights a layer gathers per product under ZeRO-3 (not tied, of a kind gathered per
+/// product): a linear layer's or a token table's one; an LSTM's input and recurrent
+/// weights; a block's QKV, output, up and down projections.
+fn product_weights(layers: &Layers<'_>, k: usize) -> usize {
+    let op = &layers.ops[k];
+    if layers.tied.get(k).copied().unwrap_or(false) || zero3_gather(op) != Zero3Gather::PerProduct {
+        return 0;
+    }
+    match op {
+        Op::Lstm { .. } => 2,
+        Op::TransformerBlock { .. } => 4,
+        _ => 1,
+    }
+}
+
+/// What a pass does in order, before the per-product gatherer turns its reads into gathers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Event {
+    Collective(InPass),
+    /// A product reads weight `i` of the stage's per-product weights.
+    Read(usize),
+}
+
+/// The all-gathers the executor's per-product gatherer (`zero::Gatherer`) issues for a
+/// pass's `events`, in place of its reads of the stage's `weights` (each its layer): each
+/// weight not kept from the product before nor gathered ahead, and with each the next one
+/// ahead (the next in the stage's order, or the one before in a pass moving down it — one
+/// that first reads the last weight, or then one before the last it read).
+fn gathered(events: Vec<Event>, weights: &[u32]) -> Vec<InPass> {
+    let n = weights.len();
+    let gather = |i: usize| InPass { layer: weights[i], over: PeerDim::Shard, op: PassOp::AllGather };
+    let (mut out, mut kept, mut at, mut ahead) = (Vec::new(), None, None::<usize>, None);
+    for e in events {
+        let id = match e {
+            Event::Collective(c) => {
+                out.push(c);
+                continue;
+            }
+            Event::Read(id) => id,
+        };
+        if kept == Some(id) {
+            continue;
+        }
+        let came = ahead.take() == Some(id);
+        let down = match at {
+            Some(before) => before > id,
+            None => id + 1 == n && id > 0,
+        };
+        at = Some(id);
+        let next = if down { id.checked_sub(1) } else { Some(id + 1) }.filter(|&x| x < n);
+        if !came {
+            out.push(gather(id));
+        }
+        if let Some(x) = next {
+            out.push(gather(x));
+            ahead = Some(x);
+        }
+        kept = Some(id);
+    }
+    out
+}
+
+/// Half of a transformer block, as the executor's tensor-parallel segments cut it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unit {
+    /// A layer without collectives of its own in the backward.
+    Plain,
+    Attention,
+    Mlp,
+}
+
+/// What pipec's executor issues, in order, inside a pass of `kind` of the stage holding
+/// layers `range` of `layers`, under `layout`: `first` is the model's first stage (whose
+/// first segment's input gradient is not needed), `last` its last (whose forward and
+/// recompute compute the loss).
+pub fn declare(
+    layers: &Layers<'_>,
+    range: std::ops::Range<usize>,
+    layout: Layout,
+    kind: PassKind,
+    first: bool,
+    last: bool,
+) -> Result<Vec<InPass>, String> {
+    let ops = layers.ops;
+    let stage = ops.get(range.clone()).ok_or_else(|| format!("layers {range:?} are not in the model"))?;
+    let splits = if layout.tp > 1 {
+        crate::model::stage_tp_splits(ops, range.clone(), layers.loss, layout.tp)?
+    } else {
+        vec![TpSplit::Replicated; stage.len()]
+    };
+    // the stage's per-product weights (ZeRO-3): each one's layer, and each layer's first
+    let mut weights: Vec<u32> = Vec::new();
+    let mut base = Vec::with_capacity(stage.len());
+    for k in range.clone() {
+        base.push(weights.len());
+        let n = if layout.per_product() { product_weights(layers, k) } else { 0 };
+        weights.extend(std::iter::repeat_n(k as u32, n));
+    }
+    let read = |k: usize, slot: usize| -> Option<Event> {
+        (layout.per_product() && slot < product_weights(layers, range.start + k)).then(|| Event::Read(base[k] + slot))
+    };
+    let tracked = |k: usize| layers.tracked.get(range.start + k).copied().unwrap_or(true);
+    let at = |k: usize| (range.start + k) as u32;
+    let tp = layout.tp > 1;
+    let tp_sum = |k: usize| Event::Collective(InPass { layer: at(k), over: PeerDim::Tensor, op: PassOp::AllReduce });
+    let mut events: Vec<Event> = Vec::new();
+    if kind == PassKind::BackwardWeight {
+        return Ok(Vec::new());
+    }
+    if kind.forward() {
+        for (k, (op, split)) in stage.iter().zip(&splits).enumerate() {
+            events.extend(read(k, 0));
+            if matches!(op, Op::Lstm { .. }) {
+                events.extend(read(k, 1));
+            }
+            if matches!((split, op), (TpSplit::Vocab, Op::Embedding { .. }) | (TpSplit::Row, _)) {
+                events.push(tp_sum(k));
+            }
+            if op.block_dims().is_some() {
+                attention(&mut events, op, at(k), layout, true);
+                events.extend(read(k, 1));
+                if tp {
+                    events.push(tp_sum(k));
+                }
+                events.extend(read(k, 2));
+                mlp(&mut events, op, at(k), layout, true);
+                events.extend(read(k, 3));
+                if tp {
+                    events.push(tp_sum(k));
+                }
+            }
+        }
+        // the vocabulary-parallel cross-entropy: each row's maximum, sum of exponentials
+        // and target score summed over the group (a recompute computes it again)
+        if last && splits.last() == Some(&TpSplit::Vocab) {
+            events.extend(std::iter::repeat_n(tp_sum(stage.len() - 1), 3));
+        }
+        return Ok(gathered(events, &weights));
+    }
+    // the backward: without tensor parallelism one pass over the layers in reverse; with
+    // it, segment after segment (`executor::parallel::tensor_parallel`), each segment's
+    // input gradient summed over the group unless it is already complete
+    let mut segments: Vec<(bool, Vec<(usize, Unit)>)> = Vec::new();
+    let (mut sum, mut units): (bool, Vec<(usize, Unit)>) = (false, Vec::new());
+    for (k, (op, split)) in stage.iter().zip(&splits).enumerate() {
+        let post_norm = op.block_dims().is_some_and(|b| b.post_norm);
+        match split {
+            TpSplit::Column | TpSplit::Vocab if tp && matches!(op, Op::Linear { .. }) => {
+                if !units.is_empty() {
+                    segments.push((sum, std::mem::take(&mut units)));
+                }
+                sum = true;
+                units.push((k, Unit::Plain));
+            }
+            TpSplit::Block if tp => {
+                if !units.is_empty() {
+                    segments.push((sum, std::mem::take(&mut units)));
+                }
+                segments.push((true, vec![(k, Unit::Attention)]));
+                if post_norm {
+                    segments.push((false, vec![(k, Unit::Plain)]));
+                }
+                segments.push((true, vec![(k, Unit::Mlp)]));
+                if post_norm {
+                    segments.push((false, vec![(k, Unit::Plain)]));
+                }
+                sum = false;
+            }
+            _ if op.block_dims().is_some() => {
+                units.push((k, Unit::Attention));
+                units.push((k, Unit::Mlp));
+            }
+            _ => units.push((k, Unit::Plain)),
+        }
+    }
+    segments.push((sum, units));
+    for (i, (sum, units)) in segments.iter().enumerate().rev() {
+        for &(k, unit) in units.iter().rev() {
+            let op = &stage[k];
+            match unit {
+                // a table's lookup reads nothing back; a product whose input carries no
+                // gradient computes none
+                Unit::Plain => match op {
+                    Op::Lstm { .. } => {
+                        events.extend(read(k, 1));
+                        events.extend(read(k, 0).filter(|_| tracked(k)));
+                    }
+                    Op::Embedding { .. } => {}
+                    _ => events.extend(read(k, 0).filter(|_| tracked(k))),
+                },
+                Unit::Attention => {
+                    events.extend(read(k, 1));
+                    attention(&mut events, op, at(k), layout, false);
+                    let post_norm = op.block_dims().is_some_and(|b| b.post_norm);
+                    events.extend(read(k, 0).filter(|_| tracked(k) || !post_norm));
+                }
+                Unit::Mlp => {
+                    events.extend(read(k, 3));
+                    mlp(&mut events, op, at(k), layout, false);
+                    events.extend(read(k, 2));
+                }
+            }
+        }
+        if i == 0 && first {
+            break;
+        }
+        if tp && *sum {
+            events.push(tp_sum(units.first().map_or(0, |u| u.0)));
+        }
+    }
+    Ok(gathered(events, &weights))
+}
+
+/// A block's attention: context parallelism's keys and values gathered (forward; their
+/// gradients reduce-scattered back in the backward) or passed around the ring (`cp − 1`
+/// passes forward; backward the group's keys and values gathered and their gradients
+/// reduce-scattered).
+fn attention(out: &mut Vec<Event>, op: &Op, layer: u32, layout: Layout, forward: bool) {
+    if layout.cp <= 1 || op.block_dims().is_none() {
+        return;
+    }
+    let ops: Vec<PassOp> = match (layout.ring, forward) {
+        (true, true) => vec![PassOp::RingPass; layout.cp - 1],
+        (true, false) => vec![PassOp::AllGather, PassOp::ReduceScatter],
+        (false, true) => vec![PassOp::AllGather; 2],
+        (false, false) => vec![PassOp::ReduceScatter; 2],
+    };
+    out.extend(ops.into_iter().map(|op| Event::Collective(InPass { layer, over: PeerDim::Context, op })));
+}
+
+/// A mixture-of-experts block's MLP: under context parallelism with a capacity or a
+/// balancing loss the members' routing counts gathered (forward); with expert parallelism
+/// the members' per-expert row counts, the dispatch and the combine exchanged (forward),
+/// the combine's and the dispatch's gradients (backward).
+fn mlp(out: &mut Vec<Event>, op: &Op, layer: u32, layout: Layout, forward: bool) {
+    let Some(m) = op.moe() else { return };
+    let push = |out: &mut Vec<Event>, over, op| out.push(Event::Collective(InPass { layer, over, op }));
+    if forward && layout.cp > 1 && (m.capacity > 0.0 || m.aux_loss > 0.0) {
+        push(out, PeerDim::Context, PassOp::AllGather);
+    }
+    if layout.ep > 1 {
+        for _ in 0..if forward { 3 } else { 2 } {
+            push(out, PeerDim::Expert, PassOp::AllToAll);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_reads_back_as_written_and_a_bad_one_is_refused() {
+        let e = InPass { layer: 3, over: PeerDim::Tensor, op: PassOp::AllReduce };
+        assert_eq!(e.to_string(), "3:tp:all_reduce");
+        assert_eq!("3:tp:all_reduce".parse::<InPass>(), Ok(e));
+        for bad in ["3:tp", "x:tp:all_reduce", "3:dp:all_reduce", "3:tp:sum", "3:tp:all_reduce:1"] {
+            assert!(bad.parse::<InPass>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn equal_lists_are_stored_once() {
+        let e = InPass { layer: 0, over: PeerDim::Expert, op: PassOp::AllToAll };
+        let mut t = InPassTable::default();
+        t.insert(DeviceId(0), StageId(0), PassKind::Forward, vec![e; 3]);
+        t.insert(DeviceId(1), StageId(0), PassKind::Forward, vec![e; 3]);
+        t.insert(DeviceId(1), StageId(0), PassKind::Backward, Vec::new());
+        assert_eq!(t.lists.len(), 1);
+        assert_eq!(t.of(DeviceId(1), StageId(0), PassKind::Forward).len(), 3);
+        assert!(t.of(DeviceId(1), StageId(0), PassKind::Backward).is_empty());
+        assert!(t.check().is_empty());
+    }
+
+    #[test]
+    fn a_tensor_parallel_language_model_sums_as_megatron_does() {
+        let gpt = [
+            Op::embedding(128, 64),
+            Op::PosEmbedding { max_len: 64, dim: 64 },
+            Op::block(64, 4, 256, true),
+            Op::layer_norm(64),
+            Op::Linear { in_features: 64, out_features: 128, bias: false },
+        ];
+        let layout = Layout { tp: 2, cp: 1, ring: false, ep: 1, zero3: false };
+        let layers = Layers {
+            ops: &gpt,
+            tied: &[false; 5],
+            tracked: &[false, true, true, true, true],
+            loss: Loss::CrossEntropy,
+        };
+        let ops = |kind, first, last, range: std::ops::Range<usize>| -> Vec<String> {
+            declare(&layers, range, layout, kind, first, last)
+                .expect("declared")
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        // the embedding's sum, the block's two, the loss's three
+        assert_eq!(
+            ops(PassKind::Forward, true, true, 0..5),
+            [
+                "0:tp:all_reduce",
+                "2:tp:all_reduce",
+                "2:tp:all_reduce",
+                "4:tp:all_reduce",
+                "4:tp:all_reduce",
+                "4:tp:all_reduce"
+            ]
+        );
+        // the output layer's input gradient, then the block's two halves'; the embedding's
+        // segment on the first stage needs none
+        assert_eq!(
+            ops(PassKind::Backward, true, true, 0..5),
+            ["4:tp:all_reduce", "2:tp:all_reduce", "2:tp:all_reduce"]
+        );
+        // a recompute of the last stage computes the loss again; a weight pass makes nothing
+        assert_eq!(
+            ops(PassKind::Recompute, false, true, 2..5),
+            ["2:tp:all_reduce", "2:tp:all_reduce", "4:tp:all_reduce", "4:tp:all_reduce", "4:tp:all_reduce"]
+        );
+        assert_eq!(ops(PassKind::Recompute, false, false, 2..4), ["2:tp:all_reduce", "2:tp:all_reduce"]);
+        assert!(ops(PassKind::BackwardWeight, false, true, 2..5).is_empty());
+    }
+
+    #[test]
+    fn zero_3_gathers_each_product_weight_with_the_next_ahead() {
+        let mlp = [
+            Op::Linear { in_features: 8, out_features: 16, bias: true },
+            Op::Relu,
+            Op::Linear { in_features: 16, out_features: 16, bias: true },
+            Op::Relu,
+            Op::Linear { in_features: 16, out_features: 4, bias: true },
+        ];
+        let layout = Layout { tp: 1, cp: 1, ring: false, ep: 1, zero3: true };
+        let layers = Layers {
+            ops: &mlp,
+            tied: &[false; 5],
+            tracked: &[false, true, true, true, true],
+            loss: Loss::CrossEntropy,
+        };
+        let layers_of = |kind, first| -> Vec<u32> {
+            let got = declare(&layers, 0..5, layout, kind, first, true).expect("declared");
+            assert!(got.iter().all(|e| (e.over, e.op) == (PeerDim::Shard, PassOp::AllGather)));
+            got.iter().map(|e| e.layer).collect()
+        };
+        // forward: each weight in turn, the next gathered ahead while one is used
+        assert_eq!(layers_of(PassKind::Forward, true), [0, 2, 4]);
+        // backward: down the order; the first layer's input carries no gradient on the
+        // first stage, so its weight is read by no product, but was gathered ahead
+        assert_eq!(layers_of(PassKind::Backward, true), [4, 2, 0]);
+        assert!(layers_of(PassKind::BackwardWeight, true).is_empty());
+        // a read out of the order: the weight gathered ahead is not it, so both are issued
+        assert_eq!(gathered(vec![Event::Read(0), Event::Read(2)], &[7, 8, 9]).len(), 3);
+        // a weight read again by the next product is kept, not gathered again
+        assert_eq!(gathered(vec![Event::Read(0), Event::Read(0)], &[7]).len(), 1);
+        // beside tensor or expert parallelism the stage is gathered whole between passes
+        for layout in [Layout { tp: 2, ..layout }, Layout { ep: 2, ..layout }] {
+            assert!(!layout.per_product());
+            let got = declare(&layers, 0..5, layout, PassKind::Forward, true, true).expect("declared");
+            assert!(got.iter().all(|e| e.over != PeerDim::Shard), "{got:?}");
+        }
+    }
+}
