@@ -165,9 +165,12 @@ pub fn run(args: RunArgs) -> u8 {
     if backend == BackendKind::Cuda && args.transport == Transport::Threads {
         let options = RunOptions { share_gpus: args.share_gpus, ..RunOptions::default() };
         match pipec_executor::gpu_placement(&plan, &options) {
-            Ok(map) => {
+            Ok((map, warnings)) => {
                 let shown: Vec<String> = map.iter().map(|(d, g)| format!("{d} → GPU {g}")).collect();
                 eprintln!("devices: {}", shown.join(", "));
+                for w in warnings {
+                    eprintln!("warning: {w}");
+                }
             }
             Err(e) => {
                 eprintln!("error: {e}");

@@ -34,6 +34,8 @@ pub const TAG_AGREE: i32 = 15;
 /// Before each step, rank 0's decision on stopping, and each other rank's stop request
 /// (`run::stop`).
 pub const TAG_STOP: i32 = 16;
+/// A CUDA rank's GPU as it found it, and rank 0's verdict (`run::gpus`).
+pub const TAG_GPUS: i32 = 17;
 
 /// The processes of a job and the messages between them.
 pub trait Fabric: Send + Sync {

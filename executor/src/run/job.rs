@@ -292,6 +292,26 @@ pub(super) mod cuda {
         }
     }
 
+    /// What the driver says of GPU `ordinal` (its UUID, name and memory), before anything
+    /// is allocated on it.
+    pub fn gpu(ordinal: usize) -> Result<crate::run::gpus::Gpu, String> {
+        available()?;
+        let opened = crate::error::catch_quietly(|| cudarc::driver::CudaContext::new(ordinal))
+            .map_err(|_| "the NVIDIA driver library cannot be loaded; run with `--backend cpu`".to_string())?
+            .map_err(|e| format!("GPU {ordinal} cannot be opened: {e:?}"))?;
+        let asked = |what: &str, e: cudarc::driver::DriverError| format!("GPU {ordinal}'s {what}: {e:?}");
+        let name = opened.name().map_err(|e| asked("name", e))?;
+        let uuid = opened.uuid().map_err(|e| asked("UUID", e))?.bytes.map(|b| b as u8);
+        let (free, total) = opened.mem_get_info().map_err(|e| asked("memory", e))?;
+        Ok(crate::run::gpus::Gpu {
+            ordinal,
+            uuid: crate::run::gpus::uuid_text(uuid),
+            name,
+            total: total as u64,
+            free: free as u64,
+        })
+    }
+
     /// The number of GPUs, asked of the driver once it is known to load.
     pub fn device_count() -> Result<usize, String> {
         available()?;
@@ -306,15 +326,58 @@ pub(super) mod cuda {
     }
 }
 
+/// Each device's GPU: its index among the GPUs this process sees.
+pub type GpuMap = Vec<(DeviceId, usize)>;
+
 /// The GPU each device of an in-process CUDA run gets (see `gpus`), for `run` and for
-/// `pipec run` to print before training starts.
-pub fn gpu_placement(plan: &Plan, options: &RunOptions) -> Result<Vec<(DeviceId, usize)>, RunError> {
+/// `pipec run` to print before training starts, with warnings for the user (a GPU with less
+/// memory free than the plan's peak on it); refused where the plan's peaks do not fit the
+/// GPUs' memory (`gpus::verdict`), before anything is allocated.
+pub fn gpu_placement(plan: &Plan, options: &RunOptions) -> Result<(GpuMap, Vec<String>), RunError> {
     // the device count checks that CUDA is usable first (`cuda_available`)
     #[cfg(feature = "cuda")]
     let count = cuda::device_count().map_err(RunError::setup)?;
     #[cfg(not(feature = "cuda"))]
     let count = cuda_available().map(|()| 0).map_err(RunError::setup)?;
-    super::gpus::in_process(&working_devices(plan), count, options.share_gpus).map_err(RunError::setup)
+    let map = super::gpus::in_process(&working_devices(plan), count, options.share_gpus).map_err(RunError::setup)?;
+    let visible = super::gpus::visible_from_env();
+    let claims: Vec<(DeviceId, u64, super::gpus::Claim)> = map
+        .iter()
+        .map(|&(d, ordinal)| {
+            let found = gpu_facts(ordinal);
+            (d, super::gpus::plan_peak(plan, d), super::gpus::Claim { found, visible: visible.clone() })
+        })
+        .collect();
+    if let Some(why) = super::gpus::verdict(&claims, options.share_gpus, &|d| d.to_string()) {
+        return Err(RunError::setup(why));
+    }
+    let warnings = claims.iter().filter_map(|(d, peak, claim)| super::gpus::free_memory_warning(*d, *peak, claim));
+    Ok((map, warnings.collect()))
+}
+
+/// What the driver says of GPU `ordinal` (`cuda::gpu`); an error without CUDA support.
+pub fn gpu_facts(ordinal: usize) -> Result<super::gpus::Gpu, String> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::gpu(ordinal)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = ordinal;
+        cuda_available().and_then(|()| Err("CUDA support is not built in".into()))
+    }
+}
+
+/// The GPU count of this process's view, for a rank choosing its GPU; an error without CUDA.
+pub fn gpu_count() -> Result<usize, String> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::device_count()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        cuda_available().map(|()| 0)
+    }
 }
 
 /// Where each device of a process runs: the backend's device and its name for the user.

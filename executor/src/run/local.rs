@@ -27,7 +27,7 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
             run_in_process::<CpuBackend>(plan, options, devices.collect(), on_step)
         }
         BackendKind::Cuda => {
-            let map = gpu_placement(plan, options)?;
+            let (map, _warned_by_the_caller) = gpu_placement(plan, options)?;
             #[cfg(feature = "cuda")]
             {
                 type B = burn::backend::Autodiff<burn::backend::Cuda>;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use pipec_plan::{checkpoint, DeviceId, Plan};
 
-use crate::comm::fabric::{Fabric, ProcessEndpoint, TAG_AGREE, TAG_CKPT, TAG_METRIC, TAG_STOP, TAG_TRACE};
+use crate::comm::fabric::{Fabric, ProcessEndpoint, TAG_AGREE, TAG_CKPT, TAG_GPUS, TAG_METRIC, TAG_STOP, TAG_TRACE};
 use crate::interp::worker::{add_expert_tokens, ExpertTokens, HeldState};
 use crate::run::agreement::{self, Fingerprint};
 use crate::run::job::{self, BackendKind, Resume, RunError, RunOptions, RunReport, StepMetrics, ValidationMetrics};
@@ -110,6 +110,13 @@ pub fn run_rank<F: Fabric + 'static>(
     let steps = options.steps.unwrap_or(plan.training.steps);
     let mine = Fingerprint::of(plan, steps, start.as_deref()).map_err(|e| (Some(info), RunError::setup(e)))?;
     agree(fabric.as_ref(), &mine, &devices, options.timeout).map_err(|e| (Some(info), RunError::setup(e)))?;
+    // a CUDA rank's GPU, judged with every other rank's before anything is allocated
+    let gpu = match options.backend {
+        BackendKind::Cuda => {
+            Some(claim_gpu(fabric.as_ref(), plan, options, &devices).map_err(|e| (Some(info), RunError::setup(e)))?)
+        }
+        BackendKind::Cpu => None,
+    };
     let abort = Arc::new(AtomicBool::new(false));
     // a stop request (SIGINT/SIGTERM to any rank) is voted on before every step
     let vote = options.stop.is_some().then(|| {
@@ -182,7 +189,10 @@ pub fn run_rank<F: Fabric + 'static>(
                 &mut sink,
             )
         }
-        BackendKind::Cuda => run_cuda(plan, options, device, endpoint, abort.clone(), &mut gather, &mut sink),
+        BackendKind::Cuda => {
+            let gpu = gpu.ok_or_else(|| RunError::setup("no GPU was claimed"));
+            gpu.and_then(|gpu| run_cuda(plan, options, (device, gpu), endpoint, abort.clone(), &mut gather, &mut sink))
+        }
     }
     .map_err(|e| (Some(info), e))?;
     // everything posted is sent before the ranks part: flush, then meet at a barrier
@@ -345,32 +355,53 @@ impl<F: Fabric> StopVote for FabricVote<F> {
 }
 
 /// Every rank sends rank 0 its [`Fingerprint`]; rank 0 compares them with its own and
-/// sends each rank the verdict (empty: they agree), so that ranks started with different
-/// specs, steps or checkpoints all stop at start with the same message.
+/// sends each rank the verdict, so that ranks started with different specs, steps or
+/// checkpoints all stop at start with the same message.
 fn agree<F: Fabric>(
     fabric: &F,
     mine: &Fingerprint,
     devices: &[DeviceId],
     timeout: std::time::Duration,
 ) -> Result<(), String> {
+    judged(fabric, TAG_AGREE, mine.encode(), devices, timeout, |theirs| {
+        let mut decoded = Vec::new();
+        for (r, b) in theirs {
+            match Fingerprint::decode(&b) {
+                Ok(f) => decoded.push((r, f)),
+                Err(e) => return Some(e),
+            }
+        }
+        agreement::verdict(mine, &decoded)
+    })
+}
+
+/// One round of a judgement at start: every rank sends rank 0 `mine` (on `tag`); rank 0
+/// judges the others' with `verdict` (its own it holds) and sends each rank the verdict
+/// (empty: none), so that every rank goes on, or stops with the same message.
+fn judged<F: Fabric>(
+    fabric: &F,
+    tag: i32,
+    mine: Vec<u8>,
+    devices: &[DeviceId],
+    timeout: std::time::Duration,
+    verdict: impl FnOnce(Vec<(i32, Vec<u8>)>) -> Option<String>,
+) -> Result<(), String> {
     let never = AtomicBool::new(false);
     let (rank, size) = (fabric.rank(), fabric.size());
     if rank != 0 {
-        fabric.post(0, TAG_AGREE, mine.encode(), None).map_err(|e| e.to_string())?;
-        let (verdict, _) =
-            fabric.receive(0, TAG_AGREE, false, &never, timeout, devices[0]).map_err(|e| e.to_string())?;
+        fabric.post(0, tag, mine, None).map_err(|e| e.to_string())?;
+        let (verdict, _) = fabric.receive(0, tag, false, &never, timeout, devices[0]).map_err(|e| e.to_string())?;
         return if verdict.is_empty() { Ok(()) } else { Err(String::from_utf8_lossy(&verdict).into_owned()) };
     }
     let mut theirs = Vec::new();
     for r in 1..size {
-        let (b, _) =
-            fabric.receive(r, TAG_AGREE, false, &never, timeout, devices[r as usize]).map_err(|e| e.to_string())?;
-        theirs.push((r, Fingerprint::decode(&b)?));
+        let (b, _) = fabric.receive(r, tag, false, &never, timeout, devices[r as usize]).map_err(|e| e.to_string())?;
+        theirs.push((r, b));
     }
-    let verdict = agreement::verdict(mine, &theirs);
+    let verdict = verdict(theirs);
     let text = verdict.clone().unwrap_or_default().into_bytes();
     for r in 1..size {
-        fabric.post(r, TAG_AGREE, text.clone(), None).map_err(|e| e.to_string())?;
+        fabric.post(r, tag, text.clone(), None).map_err(|e| e.to_string())?;
     }
     match verdict {
         None => Ok(()),
@@ -380,6 +411,40 @@ fn agree<F: Fabric>(
             Err(why)
         }
     }
+}
+
+/// A CUDA rank's GPU: the one of its local rank among those it sees (`gpus::for_local_rank`),
+/// what the driver says of it sent to rank 0, which refuses (for every rank alike) a rank
+/// without one, two ranks on one GPU unless GPUs are shared, and a GPU with less memory
+/// than the plan's peaks on it (`gpus::verdict`). Returns its index among the visible GPUs.
+fn claim_gpu<F: Fabric>(fabric: &F, plan: &Plan, options: &RunOptions, devices: &[DeviceId]) -> Result<usize, String> {
+    use crate::run::gpus::{self, Claim};
+    let visible = gpus::visible_from_env();
+    let found = job::gpu_count().and_then(|n| {
+        let local = gpus::local_rank_from_env().unwrap_or(0);
+        job::gpu_facts(gpus::for_local_rank(local, n, visible.as_deref(), options.share_gpus)?)
+    });
+    let mine = Claim { found, visible };
+    let rank = fabric.rank();
+    let peak = |r: i32| gpus::plan_peak(plan, devices[r as usize]);
+    let who = |d: DeviceId| match devices.iter().position(|x| *x == d) {
+        Some(r) => format!("rank {r} ({d})"),
+        None => d.to_string(),
+    };
+    judged(fabric, TAG_GPUS, mine.encode(), devices, options.timeout, |theirs| {
+        let mut claims = vec![(devices[0], peak(0), mine.clone())];
+        for (r, b) in theirs {
+            match Claim::decode(&b) {
+                Ok(c) => claims.push((devices[r as usize], peak(r), c)),
+                Err(e) => return Some(format!("rank {r}: {e}")),
+            }
+        }
+        gpus::verdict(&claims, options.share_gpus, &who)
+    })?;
+    if let Some(w) = gpus::free_memory_warning(devices[rank as usize], peak(rank), &mine) {
+        eprintln!("warning: rank {rank}: {w}");
+    }
+    mine.found.map(|g| g.ordinal)
 }
 
 /// A rank's traces, and what it measured of its device's memory, as numbers for rank 0:
@@ -454,14 +519,13 @@ fn merge_traces(merged: &mut RunReport, v: &[f64]) {
     }
 }
 
-/// This rank's device on the GPU of its local rank. Activations and gradients are staged
-/// through host memory (`transport::Message` holds host `f32`s), so any fabric works (an MPI
-/// need not be CUDA-aware).
-#[allow(clippy::too_many_arguments)]
+/// This rank's device on the GPU it claimed (`claim_gpu`). Activations and gradients are
+/// staged through host memory (`transport::Message` holds host `f32`s), so any fabric works
+/// (an MPI need not be CUDA-aware).
 fn run_cuda<F: Fabric + 'static>(
     plan: &Plan,
     options: &RunOptions,
-    device: DeviceId,
+    (device, gpu): (DeviceId, usize),
     endpoint: ProcessEndpoint<F>,
     abort: Arc<AtomicBool>,
     on_step: &mut dyn FnMut(&StepMetrics),
@@ -471,16 +535,13 @@ fn run_cuda<F: Fabric + 'static>(
     #[cfg(feature = "cuda")]
     {
         type B = burn::backend::Autodiff<burn::backend::Cuda>;
-        let gpus = job::cuda::device_count().map_err(RunError::setup)?;
-        let local = crate::run::gpus::local_rank_from_env().unwrap_or(0);
-        let gpu = crate::run::gpus::for_local_rank(local, gpus, options.share_gpus).map_err(RunError::setup)?;
         let placement =
             [(device, (burn::backend::cuda::CudaDevice::new(gpu), format!("GPU {gpu}")))].into_iter().collect();
         run_workers::<B, _>(plan, options, &placement, vec![endpoint], abort, on_step, sink)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (plan, options, device, endpoint, abort, on_step, sink);
+        let _ = (plan, options, device, gpu, endpoint, abort, on_step, sink);
         Err(RunError::setup("CUDA support is not built in"))
     }
 }
