@@ -19,14 +19,22 @@ if ! command -v cargo-nextest >/dev/null 2>&1 && ! cargo nextest --version >/dev
 fi
 
 # Debian packages: Open MPI and clang (bindgen) for the `mpi` feature's tests, iproute2 for
-# the two-host test's network namespaces, python3-venv for the PyPI tools below.
+# the two-host test's network namespaces, python3-venv for the PyPI tools below, Mesa's
+# software Vulkan driver and the Vulkan loader for the `wgpu` feature's tests (tests/cubecl.rs:
+# the CubeCL path a GPU runs, on the CPU).
 if ! command -v mpirun >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1 \
-  || ! dpkg -s libopenmpi-dev libclang-dev clang >/dev/null 2>&1 || ! python3 -c "import ensurepip" >/dev/null 2>&1; then
+  || ! dpkg -s libopenmpi-dev libclang-dev clang mesa-vulkan-drivers libvulkan1 >/dev/null 2>&1 \
+  || ! python3 -c "import ensurepip" >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -q
-  $SUDO apt-get install -y -q libopenmpi-dev openmpi-bin clang libclang-dev iproute2 python3-venv
+  $SUDO apt-get install -y -q libopenmpi-dev openmpi-bin clang libclang-dev iproute2 python3-venv \
+    mesa-vulkan-drivers libvulkan1
 fi
+
+# the features of every build below, so that nothing compiles twice: MPI, and Burn's wgpu
+# backend for tests/cubecl.rs (the release binary has neither unless asked)
+FEATURES=mpi,wgpu
 
 echo "== formatting and lints"
 if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
@@ -34,13 +42,13 @@ if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 
 fi
 cargo fmt --all --check
 (cd fuzz && cargo fmt --all --check)
-cargo clippy --workspace --all-targets --features mpi -- -D warnings
+cargo clippy --workspace --all-targets --features "$FEATURES" -- -D warnings
 
 echo "== build"
-cargo build --workspace --all-targets --features mpi
+cargo build --workspace --all-targets --features "$FEATURES"
 
 echo "== tests"
-cargo nextest run --workspace --features mpi --no-fail-fast
+cargo nextest run --workspace --features "$FEATURES" --no-fail-fast
 
 echo "== cuda feature type-checks, with and without MPI (no GPU needed)"
 cargo check -p pipec --features cuda,mpi

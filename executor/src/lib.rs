@@ -26,6 +26,8 @@ pub use run::job::{
     Placement, Resume, RunError, RunOptions, RunReport, StepMetrics, ValidationMetrics, MPI_STARTED,
 };
 pub use run::local::run;
+#[cfg(feature = "wgpu")]
+pub use run::local::run_wgpu;
 pub use run::threads::{run_workers, CheckpointSink, TIMELINE_LIMIT};
 pub use run::{calibrate, process_run, profile};
 #[cfg(feature = "mpi")]

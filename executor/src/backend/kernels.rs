@@ -165,6 +165,9 @@ impl Kernels for burn::backend::Flex {
 #[cfg(feature = "cuda")]
 impl Kernels for burn::backend::Cuda {}
 
+#[cfg(feature = "wgpu")]
+impl Kernels for burn::backend::Wgpu {}
+
 /// The backends the executor trains on: autodiff over a backend with [`Kernels`].
 pub trait ExecBackend: AutodiffBackend<InnerBackend: Kernels> + Kernels {}
 

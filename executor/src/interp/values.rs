@@ -60,6 +60,37 @@ pub(crate) enum Saved<B: ExecBackend> {
     Segmented(Vec<Segment<B>>, Option<Tensor<B, 1>>),
 }
 
+impl<B: ExecBackend> Kept<B> {
+    /// The device of each tensor it holds: the input, what the backward starts from, the
+    /// weights and the balancing losses.
+    pub(crate) fn devices(&self) -> Vec<B::Device> {
+        let mut out = self.input.devices();
+        let segments = |s: &[Segment<B>]| s.iter().flat_map(|s| [s.leaf.devices(), s.out.devices()].concat()).collect();
+        let saved: Vec<B::Device> = match &self.saved {
+            Saved::Output(a) => a.devices(),
+            Saved::Loss(l) => vec![l.device()],
+            Saved::Nothing => Vec::new(),
+            Saved::Tp(s, last) => {
+                let mut d: Vec<B::Device> = segments(s);
+                if let Some((a, l)) = last {
+                    d.extend(a.devices());
+                    d.push(l.device());
+                }
+                d
+            }
+            Saved::Segmented(s, loss) => {
+                let mut d: Vec<B::Device> = segments(s);
+                d.extend(loss.iter().map(Tensor::device));
+                d
+            }
+        };
+        out.extend(saved);
+        out.extend(self.model.devices());
+        out.extend(self.aux.iter().map(Tensor::device));
+        out
+    }
+}
+
 impl<B: ExecBackend> Saved<B> {
     /// Whether only the input was kept (activation recompute): no autodiff graph, so no
     /// weight is held for the backward.

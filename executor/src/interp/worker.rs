@@ -352,10 +352,37 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         drop(self.comm.ledger().take());
         let done = self.exec_instr(ins, code, at, report);
         let issued = self.comm.ledger().take();
-        if cfg!(debug_assertions) && done.is_ok() && self.progress.evaluating.is_none() {
-            self.check_declared(ins, kind, &issued)?;
+        if cfg!(debug_assertions) && done.is_ok() {
+            self.check_on_device(ins)?;
+            if self.progress.evaluating.is_none() {
+                self.check_declared(ins, kind, &issued)?;
+            }
         }
         done
+    }
+
+    /// Debug builds: every tensor a pass left for its microbatch (its stage's input, what
+    /// its backward starts from, the weights) and the stage's weights are on this worker's
+    /// device. A tensor of another device reaching a kernel is no error on CubeCL (it reads
+    /// whatever the other client's buffer index holds here), so a mix-up is found here,
+    /// at the pass that made it, not as wrong numbers steps later.
+    fn check_on_device(&self, ins: &Instr) -> Result<()> {
+        let stage = ins.stage();
+        let mut found: Vec<B::Device> = Vec::new();
+        if let Some(mb) = ins.microbatch() {
+            found.extend(self.passes.inputs.get(&(stage, mb)).map(|a| a.devices()).unwrap_or_default());
+            found.extend(self.passes.saved.get(&(stage, mb)).map(|k| k.devices()).unwrap_or_default());
+        }
+        if let Some(model) = self.stages.get(&stage).and_then(|s| s.model.as_ref()) {
+            found.extend(burn::module::Module::devices(model));
+        }
+        match found.into_iter().find(|d| *d != self.dev) {
+            Some(other) => Err(ExecError::Backend(format!(
+                "`{ins}` left a tensor on {other:?}, not on this worker's device {:?}",
+                self.dev
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// `issued` (what `ins`, a pass of `kind`, issued inside itself) against what the plan

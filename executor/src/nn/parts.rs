@@ -24,6 +24,17 @@ pub enum Act<B: Backend> {
 }
 
 impl<B: Backend> Act<B> {
+    /// The device of each tensor it carries.
+    pub fn devices(&self) -> Vec<B::Device> {
+        match self {
+            Act::Tokens(t) => vec![t.device()],
+            Act::D2(t) => vec![t.device()],
+            Act::D3(t) => vec![t.device()],
+            Act::D4(t) => vec![t.device()],
+            Act::Bundle(parts) => parts.iter().flat_map(Act::devices).collect(),
+        }
+    }
+
     pub fn dims(&self) -> Vec<usize> {
         match self {
             Act::Tokens(t) => t.dims().to_vec(),

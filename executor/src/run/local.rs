@@ -46,6 +46,28 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
     }
 }
 
+/// Runs a plan in this process on Burn's wgpu backend: CubeCL's code path, as CUDA runs it,
+/// on any Vulkan driver (the tests run it on Mesa's software one). Consecutive devices
+/// alternate between two device clients (`DefaultDevice` and `Cpu`, the same adapter where
+/// there is one), so a tensor reaching another device's client is an error here, as it
+/// would be between two GPUs. Not a user backend: `pipec run` has no `--backend wgpu`.
+#[cfg(feature = "wgpu")]
+pub fn run_wgpu(
+    plan: &Plan,
+    options: &RunOptions,
+    on_step: &mut dyn FnMut(&StepMetrics),
+) -> Result<RunReport, RunError> {
+    use burn::backend::wgpu::WgpuDevice;
+    validate(plan)?;
+    let clients = [WgpuDevice::DefaultDevice, WgpuDevice::Cpu];
+    let devices = working_devices(plan).into_iter().enumerate().map(|(i, d)| {
+        let device = clients[i % clients.len()].clone();
+        let name = format!("wgpu {device:?}");
+        (d, (device, name))
+    });
+    run_in_process::<burn::backend::Autodiff<burn::backend::Wgpu>>(plan, options, devices.collect(), on_step)
+}
+
 fn run_in_process<B: ExecBackend>(
     plan: &Plan,
     options: &RunOptions,

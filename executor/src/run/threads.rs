@@ -103,6 +103,31 @@ struct Shared<'r> {
     alone: bool,
 }
 
+/// Refuses, before any worker starts, a placement whose backend cannot compute in a dtype
+/// the plan rounds to: its products' (`amp::compute_dtype`) and its gradients'
+/// (`grad_precision`) — bf16 on a GPU before Ampere, or on a driver without it — naming the
+/// device and the dtype, where the first kernel would otherwise fail inside a worker.
+fn backend_dtypes<B: ExecBackend>(plan: &Plan, placement: &Placement<B>) -> Result<(), RunError> {
+    use burn::tensor::{backend::Backend, DType, FloatDType};
+    let grads = match plan.training.grad_precision {
+        pipec_plan::Precision::Fp32 => None,
+        pipec_plan::Precision::Bf16 => Some(FloatDType::BF16),
+        pipec_plan::Precision::Fp16 => Some(FloatDType::F16),
+    };
+    let needed =
+        [(crate::backend::amp::compute_dtype(plan), "its products"), (grads, "its gradients (`grad_precision`)")];
+    for (device, (on, name)) in placement {
+        for (dtype, what) in needed.iter().filter_map(|(d, what)| d.map(|d| (d, what))) {
+            if !<B as Backend>::supports_dtype(on, DType::from(dtype)) {
+                return Err(RunError::setup(format!(
+                    "{device} runs on {name}, which cannot compute in {dtype:?}, the dtype the plan rounds {what} to: compile it with `precision: fp32` (and `grad_precision: fp32`), or run it on a device with {dtype:?} arithmetic"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs the workers of `devices` on this process with the given endpoints; used by the
 /// in-process transport (all devices) and by MPI (one device per process).
 pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
@@ -114,6 +139,7 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
     on_step: &mut dyn FnMut(&StepMetrics),
     sink: &mut CheckpointSink<'_>,
 ) -> Result<RunReport, RunError> {
+    backend_dtypes::<B>(plan, placement)?;
     let data = Dataset::for_plan(plan).map_err(ExecError::Data)?;
     let loaded = options.resume.as_ref().map(|r| r.load(plan)).transpose().map_err(ExecError::Checkpoint)?;
     if let Some(l) = &loaded {

@@ -1,0 +1,101 @@
+//! The executor's CubeCL path (the one a GPU runs: Burn's generic kernels, host staging,
+//! integer and boolean tensors, every device on its own device client) trained on Burn's
+//! wgpu backend over whatever Vulkan driver the machine has — in CI Mesa's software one
+//! (lavapipe) — against the CPU's losses, step by step. Built only with `--features wgpu`
+//! (scripts/test.sh); `pipec run` has no wgpu backend.
+#![cfg(feature = "wgpu")]
+
+use std::time::Duration;
+
+use pipec_compiler::{compile, CompileOptions};
+use pipec_executor::{RunOptions, RunReport};
+use pipec_plan::Plan;
+
+const STEPS: usize = 3;
+
+/// A spec of `specs/`, its data read from there, with `edits` (text → replacement) made.
+fn spec(name: &str, edits: &[(&str, &str)]) -> Plan {
+    let mut text = std::fs::read_to_string(format!("specs/{name}.yaml")).expect("the spec");
+    text = text.replace("path: data/", "path: specs/data/");
+    for (from, to) in edits {
+        assert!(text.contains(from), "{name}: {from:?} is not in the spec");
+        text = text.replace(from, to);
+    }
+    let checked = pipec_grammar::check_source(&text);
+    let s = checked.spec.unwrap_or_else(|| panic!("{name}: {:?}", checked.diagnostics));
+    compile(&s, &CompileOptions::default()).into_compiled().unwrap_or_else(|d| panic!("{name}: {d:?}")).plan
+}
+
+fn options() -> RunOptions {
+    RunOptions { steps: Some(STEPS), timeout: Duration::from_secs(120), ..Default::default() }
+}
+
+fn losses(r: &RunReport) -> Vec<f64> {
+    r.steps.iter().map(|s| s.loss).collect()
+}
+
+/// Trains `plan` on the CPU and on wgpu and holds every step's loss within `tolerance`
+/// (relative).
+fn equal_on_wgpu(name: &str, plan: &Plan, tolerance: f64) {
+    let cpu = pipec_executor::run(plan, &options(), &mut |_| {}).unwrap_or_else(|e| panic!("{name} on the CPU: {e}"));
+    let gpu = pipec_executor::run_wgpu(plan, &options(), &mut |_| {}).unwrap_or_else(|e| panic!("{name} on wgpu: {e}"));
+    let (a, b) = (losses(&cpu), losses(&gpu));
+    assert_eq!(a.len(), STEPS, "{name}");
+    assert_eq!(a.len(), b.len(), "{name}");
+    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs() / x.abs().max(1e-6)).fold(0.0, f64::max);
+    eprintln!("{name}: worst relative difference {worst:.2e} over {STEPS} steps");
+    assert!(worst <= tolerance, "{name}: the CPU's losses {a:?}, wgpu's {b:?} ({worst:.2e} > {tolerance:.0e})");
+}
+
+#[test]
+fn a_pipeline_of_gpt_blocks_with_a_tied_embedding_trains_to_the_cpus_numbers() {
+    equal_on_wgpu("gpt-tiny", &spec("gpt-tiny", &[]), 1e-4);
+}
+
+#[test]
+fn tensor_and_context_parallel_gpt_blocks_train_to_the_cpus_numbers() {
+    let tp = spec("gpt-tiny", &[("stages: \"1-1\"", "stages: \"1\"\n  tp: 2")]);
+    equal_on_wgpu("gpt-tiny tp 2", &tp, 1e-4);
+    let ring = spec("gpt-tiny", &[("stages: \"1-1\"", "stages: \"1\"\n  cp: 2\n  cp_comm: ring")]);
+    equal_on_wgpu("gpt-tiny cp 2 ring", &ring, 1e-4);
+}
+
+#[test]
+fn experts_over_an_expert_parallel_pipeline_train_to_the_cpus_numbers() {
+    equal_on_wgpu("moe-tiny", &spec("moe-tiny", &[]), 1e-4);
+}
+
+#[test]
+fn convolutions_and_batch_norms_train_to_the_cpus_numbers() {
+    equal_on_wgpu("resnet-small", &spec("resnet-small", &[]), 1e-3);
+}
+
+#[test]
+fn zero_3_data_parallelism_trains_to_the_cpus_numbers() {
+    let zero = spec(
+        "data-parallel",
+        &[("devices_per_node: 4", "devices_per_node: 2"), ("stages: \"4\"", "stages: \"2\"\n  zero: 3")],
+    );
+    equal_on_wgpu("data-parallel zero 3", &zero, 1e-5);
+}
+
+/// A dtype the device cannot compute in is refused before any worker starts, naming it;
+/// where the driver has it, the run trains near fp32.
+#[test]
+fn a_plan_in_a_dtype_the_device_lacks_is_a_setup_error_naming_it() {
+    let bf16 = spec("gpt-tiny", &[("  seed: 11", "  seed: 11\n  precision: bf16")]);
+    match pipec_executor::run_wgpu(&bf16, &options(), &mut |_| {}) {
+        Err(e) => {
+            let why = e.to_string();
+            assert!(e.device.is_none() && e.step.is_none(), "a worker's failure, not a setup error: {why}");
+            assert!(why.contains("BF16") && why.contains("precision: fp32"), "{why}");
+            eprintln!("bf16 refused: {why}");
+        }
+        Ok(r) => {
+            let fp32 = pipec_executor::run(&bf16, &options(), &mut |_| {}).expect("the CPU");
+            let (a, b) = (losses(&fp32), losses(&r));
+            assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 2e-2 * x.abs()), "{a:?} vs {b:?}");
+            eprintln!("bf16 trained: {a:?} on the CPU, {b:?} on wgpu");
+        }
+    }
+}
