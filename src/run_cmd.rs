@@ -342,6 +342,21 @@ fn print_memory(plan: &Plan, report: &pipec_executor::RunReport) {
             );
         }
     }
+    let pools: Vec<_> = report.held.iter().filter_map(|(d, h)| Some((d, h.pool_peak?))).collect();
+    if !pools.is_empty() {
+        println!("device memory per device (measured: the most its memory pool held for live tensors, sampled after each instruction; predicted: the plan's peak without its workspace reserve, which the pool does not hold):");
+        for (d, measured) in pools {
+            let Some(m) = plan.devices.get(d.0 as usize).map(|x| &x.memory) else { continue };
+            let p = pipec_compiler::memory::human_bytes;
+            let predicted = m.total.saturating_sub(m.workspace);
+            println!(
+                "  {d:<4} measured {}  predicted {}  measured/predicted {:.2}",
+                p(measured),
+                p(predicted),
+                measured as f64 / predicted.max(1) as f64
+            );
+        }
+    }
     if !report.weight_gathers.is_empty() {
         let prefetched = |d: &pipec_plan::DeviceId| report.prefetched_gathers.get(d).and_then(|p| p.last()).copied();
         let last: Vec<String> = report

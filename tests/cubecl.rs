@@ -99,3 +99,27 @@ fn a_plan_in_a_dtype_the_device_lacks_is_a_setup_error_naming_it() {
         }
     }
 }
+
+/// A GPU's memory is measured on its device's pool (sampled after every instruction) and
+/// reported beside the plan's peak: on wgpu every device has a figure, at least the weights
+/// its stages hold and at most the plan's peak without its workspace reserve; on the CPU
+/// none (its process memory is measured instead).
+#[test]
+fn each_device_reports_its_memory_pools_peak_beside_the_plans() {
+    let plan = spec("gpt-tiny", &[]);
+    let gpu = pipec_executor::run_wgpu(&plan, &options(), &mut |_| {}).expect("wgpu");
+    assert_eq!(gpu.held.len(), 2, "{:?}", gpu.held);
+    for (d, held) in &gpu.held {
+        let pool = held.pool_peak.unwrap_or_else(|| panic!("{d}: no pool figure"));
+        let m = &plan.devices[d.0 as usize].memory;
+        let predicted = m.total - m.workspace;
+        eprintln!(
+            "{d}: pool peak {pool} B, the plan's peak without its workspace {predicted} B ({:.2})",
+            pool as f64 / predicted as f64
+        );
+        assert!(pool >= 4 * held.weights, "{d}: the pool held {pool} B, less than its weights' {} B", 4 * held.weights);
+        assert!(pool <= predicted, "{d}: the pool held {pool} B, more than the plan's {predicted} B");
+    }
+    let cpu = pipec_executor::run(&plan, &options(), &mut |_| {}).expect("the CPU");
+    assert!(cpu.held.values().all(|h| h.pool_peak.is_none()), "{:?}", cpu.held);
+}

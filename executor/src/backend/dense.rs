@@ -51,6 +51,10 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         I::release_weight_copies()
     }
 
+    fn pool_in_use(device: &Self::Device) -> Option<u64> {
+        I::pool_in_use(device)
+    }
+
     fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
         I::take_weight_copy(&w.primitive)
     }

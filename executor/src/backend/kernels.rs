@@ -25,6 +25,13 @@ pub trait Kernels: Backend {
         Self::product(x, w)
     }
 
+    /// The bytes of the device's memory pool that allocations hold now (CubeCL's in use and
+    /// padding), for the run's measured device peak; None where the backend keeps no pool
+    /// (the CPU, whose process memory is measured instead).
+    fn pool_in_use(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
     /// Drops whatever this thread keeps to speed up [`Kernels::weight_product`], for every
     /// weight (only frees memory; `pipec profile` starts and ends each layer with it).
     fn release_weight_copies() {}
@@ -163,10 +170,25 @@ impl Kernels for burn::backend::Flex {
 }
 
 #[cfg(feature = "cuda")]
-impl Kernels for burn::backend::Cuda {}
+impl Kernels for burn::backend::Cuda {
+    fn pool_in_use(device: &Self::Device) -> Option<u64> {
+        cube_pool_in_use::<burn_cubecl::cubecl::cuda::CudaRuntime>(device)
+    }
+}
 
 #[cfg(feature = "wgpu")]
-impl Kernels for burn::backend::Wgpu {}
+impl Kernels for burn::backend::Wgpu {
+    fn pool_in_use(device: &Self::Device) -> Option<u64> {
+        cube_pool_in_use::<burn::backend::wgpu::WgpuRuntime>(device)
+    }
+}
+
+/// What a CubeCL runtime's memory pool on `device` holds for live allocations now.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn cube_pool_in_use<R: burn_cubecl::cubecl::Runtime>(device: &R::Device) -> Option<u64> {
+    let usage = R::client(device).memory_usage().ok()?;
+    Some(usage.bytes_in_use.saturating_add(usage.bytes_padding))
+}
 
 /// The backends the executor trains on: autodiff over a backend with [`Kernels`].
 pub trait ExecBackend: AutodiffBackend<InnerBackend: Kernels> + Kernels {}

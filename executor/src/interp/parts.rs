@@ -108,6 +108,8 @@ pub(crate) struct Progress {
     pub(crate) evaluating: Option<usize>,
     /// The most gradient values held at once since the run started.
     pub(crate) peak_gradients: u64,
+    /// The most bytes the device's memory pool has held (a GPU's; None on the CPU).
+    pub(crate) pool_peak: Option<u64>,
 }
 
 impl Progress {
@@ -121,6 +123,7 @@ impl Progress {
             loss_scale: None,
             evaluating: None,
             peak_gradients: 0,
+            pool_peak: None,
         }
     }
 }

@@ -101,6 +101,9 @@ pub struct HeldState {
     pub weights: u64,
     pub gradients: u64,
     pub optimizer: u64,
+    /// A GPU's: the most bytes its memory pool held for live allocations, sampled after
+    /// every instruction (`Kernels::pool_in_use`); None on the CPU.
+    pub pool_peak: Option<u64>,
 }
 
 /// A worker: one device, its stages, its stream, and what it holds between instructions
@@ -257,6 +260,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 })
                 .sum();
             self.progress.peak_gradients = self.progress.peak_gradients.max(gradients as u64);
+            if let Some(now) = B::pool_in_use(&self.dev) {
+                self.progress.pool_peak = Some(self.progress.pool_peak.unwrap_or(0).max(now));
+            }
             for (s, n) in &self.passes.in_flight {
                 let p = report.peak_in_flight.entry(*s).or_insert(0);
                 *p = (*p).max(*n);
@@ -699,7 +705,11 @@ impl<B: ExecBackend> Worker<'_, B> {
             }
             Ok(n)
         };
-        let mut held = HeldState { gradients: self.progress.peak_gradients, ..HeldState::default() };
+        let mut held = HeldState {
+            gradients: self.progress.peak_gradients,
+            pool_peak: self.progress.pool_peak,
+            ..HeldState::default()
+        };
         for st in self.stages.values() {
             held.weights +=
                 layout::<B, _>(st.model()?).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum::<u64>();

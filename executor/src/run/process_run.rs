@@ -450,7 +450,8 @@ fn claim_gpu<F: Fabric>(fabric: &F, plan: &Plan, options: &RunOptions, devices: 
 /// A rank's traces, and what it measured of its device's memory, as numbers for rank 0:
 /// the counts of the last step's trace, the communication timeline, the step timeline and
 /// the device facts, then each (device facts: device, whether the model state was
-/// measured, weights, gradients, optimizer, whether resident memory was, baseline, peak).
+/// measured, weights, gradients, optimizer, whether resident memory was, baseline, peak,
+/// whether a device pool was measured, its peak).
 fn flat_traces(report: &RunReport) -> Vec<f64> {
     let devices: std::collections::BTreeSet<DeviceId> =
         report.held.keys().chain(report.resident.keys()).copied().collect();
@@ -476,10 +477,15 @@ fn flat_traces(report: &RunReport) -> Vec<f64> {
             f64::from(u8::from(r.is_some())),
             r.map_or(0.0, |r| r.baseline as f64),
             r.map_or(0.0, |r| r.peak as f64),
+            f64::from(u8::from(h.and_then(|h| h.pool_peak).is_some())),
+            h.and_then(|h| h.pool_peak).map_or(0.0, |p| p as f64),
         ]);
     }
     flat
 }
+
+/// The numbers of one device's facts in [`flat_traces`].
+const FACTS: usize = 10;
 
 /// Rank 0 adds another rank's traces and device facts ([`flat_traces`]) to the run's
 /// (timelines up to `TIMELINE_LIMIT`).
@@ -489,7 +495,7 @@ fn merge_traces(merged: &mut RunReport, v: &[f64]) {
     let n = count(0).min(body.len() / 4);
     let c = count(1).min((body.len() - 4 * n) / 5);
     let t = count(2).min((body.len() - 4 * n - 5 * c) / 5);
-    let f = count(3).min((body.len() - 4 * n - 5 * c - 5 * t) / 8);
+    let f = count(3).min((body.len() - 4 * n - 5 * c - 5 * t) / FACTS);
     let entry = |t: &[f64]| (DeviceId(t[0] as u32), t[1] as usize, t[2] as usize, t[3], t[4]);
     let (trace, rest) = body.split_at(4 * n);
     let (comm, rest) = rest.split_at(5 * c);
@@ -507,10 +513,11 @@ fn merge_traces(merged: &mut RunReport, v: &[f64]) {
             merged.timeline.push(entry(t));
         }
     }
-    for x in rest[..8 * f].chunks_exact(8) {
+    for x in rest[..FACTS * f].chunks_exact(FACTS) {
         let d = DeviceId(x[0] as u32);
         if x[1] != 0.0 {
-            let held = HeldState { weights: x[2] as u64, gradients: x[3] as u64, optimizer: x[4] as u64 };
+            let pool_peak = (x[8] != 0.0).then_some(x[9] as u64);
+            let held = HeldState { weights: x[2] as u64, gradients: x[3] as u64, optimizer: x[4] as u64, pool_peak };
             merged.held.insert(d, held);
         }
         if x[5] != 0.0 {
