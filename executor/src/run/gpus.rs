@@ -151,8 +151,8 @@ pub fn verdict(claims: &[(DeviceId, u64, Claim)], share: bool, who: &dyn Fn(Devi
     // the same failure on every device is said once
     let errors: Vec<(DeviceId, &String)> =
         claims.iter().filter_map(|(d, _, c)| c.found.as_ref().err().map(|e| (*d, e))).collect();
-    if !errors.is_empty() && errors.len() == claims.len() && errors.iter().all(|(_, e)| *e == errors[0].1) {
-        out.push(format!("every {}: {}", if claims.len() == 1 { "device" } else { "one of the devices" }, errors[0].1));
+    if errors.len() > 1 && errors.len() == claims.len() && errors.iter().all(|(_, e)| *e == errors[0].1) {
+        out.push(format!("every device: {}", errors[0].1));
     } else {
         out.extend(errors.iter().map(|(d, e)| format!("{}: {e}", who(*d))));
     }
@@ -309,7 +309,8 @@ mod tests {
     fn a_failure_on_every_rank_is_said_once_and_others_by_rank() {
         let none = |e: &str| Claim { found: Err(e.into()), visible: None };
         let all = [(DeviceId(0), 0, none("no CUDA device")), (DeviceId(1), 0, none("no CUDA device"))];
-        assert_eq!(verdict(&all, false, &rank).as_deref(), Some("every one of the devices: no CUDA device"));
+        assert_eq!(verdict(&all, false, &rank).as_deref(), Some("every device: no CUDA device"));
+        assert_eq!(verdict(&all[..1], false, &rank).as_deref(), Some("rank 0: no CUDA device"));
         let one = [(DeviceId(0), 0, h100(0, 1, None)), (DeviceId(1), 0, none("GPU 1 cannot be opened"))];
         assert_eq!(verdict(&one, false, &rank).as_deref(), Some("rank 1: GPU 1 cannot be opened"));
     }
