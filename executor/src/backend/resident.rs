@@ -47,13 +47,19 @@ pub fn check_host_memory(plan: &pipec_plan::Plan, devices: &[pipec_plan::DeviceI
         .fold(0, u64::saturating_add);
     match available() {
         Some(free) if state > free => Err(format!(
-            "the {} device(s) this process runs hold {:.1} GiB of model state (weights, gradients, optimizer) by the plan, and this machine has {:.1} GiB available: the run would be killed for memory",
+            "the {} device(s) this process runs hold {} of model state (weights, gradients, optimizer) by the plan, and this machine has {} available: the run would be killed for memory",
             devices.len(),
-            state as f64 / (1u64 << 30) as f64,
-            free as f64 / (1u64 << 30) as f64
+            gib(state),
+            gib(free)
         )),
         _ => Ok(()),
     }
+}
+
+/// Bytes as GiB with one decimal, for the messages that hold memory against a plan's
+/// (this machine's here, a GPU's in `run::gpus`).
+pub(crate) fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
 /// Resident memory now, with the peak counter restarted from it (writing 5 to

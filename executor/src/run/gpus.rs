@@ -13,6 +13,8 @@
 
 use pipec_plan::{DeviceId, Plan};
 
+use crate::backend::resident::gib;
+
 /// What a process found of one GPU before it allocates anything on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gpu {
@@ -130,10 +132,6 @@ impl Claim {
             _ => Err(bad()),
         }
     }
-}
-
-fn gib(b: u64) -> String {
-    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
 /// The plan's peak memory on `device` (0 for a device it does not hold).
