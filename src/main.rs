@@ -246,58 +246,7 @@ enum Command {
         concurrent: Option<u64>,
     },
     /// Compile (or load a plan.json) and train: DIR/metrics.jsonl, trace.json, checkpoints.
-    Run {
-        /// A spec (.yaml) or a compiled plan (plan.json).
-        file: PathBuf,
-        /// Output directory (default: out/<job name>).
-        #[arg(short, long)]
-        out: Option<PathBuf>,
-        /// Steps to run (default: the spec's).
-        #[arg(long)]
-        steps: Option<usize>,
-        #[arg(long, value_enum, default_value_t = run_cmd::Backend::Cpu)]
-        backend: run_cmd::Backend,
-        /// Resume from a checkpoint (a run directory, a checkpoints directory or a step-N directory).
-        #[arg(long)]
-        resume: Option<PathBuf>,
-        /// Start from a Hugging Face checkpoint's weights (a folder with `model.safetensors`
-        /// or a sharded `model.safetensors.index.json`; GPT-2, Llama-family, Mixtral and BERT names,
-        /// or a torchvision ResNet's), on any layout, with a fresh optimizer.
-        #[arg(long, conflicts_with = "resume")]
-        init: Option<PathBuf>,
-        /// With `--init`: load the tensors the model uses and skip (listing them) those it
-        /// does not, instead of refusing a checkpoint that holds more than the model.
-        #[arg(long, requires = "init")]
-        init_partial: bool,
-        /// Seconds a worker may wait for a message before the run is declared stuck.
-        #[arg(long, default_value_t = 120)]
-        timeout: u64,
-        /// Seconds a SIGINT/SIGTERM gives the step in progress to end and the final
-        /// checkpoint to be written; past them the run exits without it (Kubernetes' and
-        /// Slurm's grace before SIGKILL are 30 s by default).
-        #[arg(long, default_value_t = 25)]
-        stop_grace: u64,
-        /// Threads in this process, one MPI process per device (under mpirun or srun), or one
-        /// process per device over TCP (each started with torchrun's RANK, WORLD_SIZE,
-        /// MASTER_ADDR, MASTER_PORT).
-        #[arg(long, value_enum, default_value_t = run_cmd::Transport::Threads)]
-        transport: run_cmd::Transport,
-        /// Run a plan.json without verifying its streams first (its structure is still
-        /// checked): for debugging the executor with a deliberately broken plan, which
-        /// then fails at run time, within `--timeout`.
-        #[arg(long)]
-        no_verify: bool,
-        /// With `--backend cuda`: let several devices share a GPU when there are fewer GPUs
-        /// than devices (each device otherwise gets its own GPU, and too few is an error).
-        #[arg(long)]
-        share_gpus: bool,
-        /// With one process per device: a folder where a failing rank also writes its
-        /// failure line (one file per rank). `pipec launch --exec` sets it for each attempt
-        /// and watches it, since mpirun may not forward a rank's output while it waits on a
-        /// host it cannot reach.
-        #[arg(long)]
-        record_failures: Option<PathBuf>,
-    },
+    Run(run_cmd::RunArgs),
     /// Print (and with --exec run) the mpirun command that trains the plan with one
     /// process per device.
     Launch {
@@ -463,36 +412,7 @@ fn main() -> ExitCode {
             profile.as_deref(),
             resume.as_deref(),
         ),
-        Command::Run {
-            file,
-            out,
-            steps,
-            backend,
-            resume,
-            init,
-            init_partial,
-            timeout,
-            stop_grace,
-            transport,
-            no_verify,
-            share_gpus,
-            record_failures,
-        } => run_cmd::run(run_cmd::RunArgs {
-            transport,
-            file,
-            out,
-            steps,
-            backend,
-            resume,
-            init,
-            init_partial,
-            timeout_s: timeout,
-            stop_grace_s: stop_grace,
-            verify: !no_verify,
-            share_gpus,
-            record_failures,
-            color: std::io::stderr().is_terminal(),
-        }),
+        Command::Run(args) => run_cmd::run(args),
         Command::Launch {
             file,
             hostfile,

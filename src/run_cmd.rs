@@ -33,28 +33,61 @@ pub enum Transport {
     Tcp,
 }
 
-/// `pipec run`'s options.
-#[derive(Debug, Clone)]
+/// `pipec run`'s arguments.
+#[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
-    pub transport: Transport,
+    /// A spec (.yaml) or a compiled plan (plan.json).
     pub file: PathBuf,
+    /// Output directory (default: out/<job name>).
+    #[arg(short, long)]
     pub out: Option<PathBuf>,
+    /// Steps to run (default: the spec's).
+    #[arg(long)]
     pub steps: Option<usize>,
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
     pub backend: Backend,
+    /// Resume from a checkpoint (a run directory, a checkpoints directory or a step-N directory).
+    #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// A Hugging Face checkpoint folder whose weights the run starts from.
+    /// Start from a Hugging Face checkpoint's weights (a folder with `model.safetensors`
+    /// or a sharded `model.safetensors.index.json`; GPT-2, Llama-family, Mixtral and BERT names,
+    /// or a torchvision ResNet's), on any layout, with a fresh optimizer.
+    #[arg(long, conflicts_with = "resume")]
     pub init: Option<PathBuf>,
-    /// Load what the model uses of `init` and list the rest, instead of refusing it.
+    /// With `--init`: load the tensors the model uses and skip (listing them) those it
+    /// does not, instead of refusing a checkpoint that holds more than the model.
+    #[arg(long, requires = "init")]
     pub init_partial: bool,
+    /// Seconds a worker may wait for a message before the run is declared stuck.
+    #[arg(long = "timeout", value_name = "TIMEOUT", default_value_t = 120)]
     pub timeout_s: u64,
-    /// Seconds a stop request gives the step in progress and the final checkpoint.
+    /// Seconds a SIGINT/SIGTERM gives the step in progress to end and the final
+    /// checkpoint to be written; past them the run exits without it (Kubernetes' and
+    /// Slurm's grace before SIGKILL are 30 s by default).
+    #[arg(long = "stop-grace", value_name = "STOP_GRACE", default_value_t = 25)]
     pub stop_grace_s: u64,
-    /// Verify a plan.json's streams before running it.
+    /// Threads in this process, one MPI process per device (under mpirun or srun), or one
+    /// process per device over TCP (each started with torchrun's RANK, WORLD_SIZE,
+    /// MASTER_ADDR, MASTER_PORT).
+    #[arg(long, value_enum, default_value_t = Transport::Threads)]
+    pub transport: Transport,
+    /// Run a plan.json without verifying its streams first (its structure is still
+    /// checked): for debugging the executor with a deliberately broken plan, which
+    /// then fails at run time, within `--timeout`.
+    #[arg(long = "no-verify", action = clap::ArgAction::SetFalse)]
     pub verify: bool,
-    /// Let several devices share a GPU.
+    /// With `--backend cuda`: let several devices share a GPU when there are fewer GPUs
+    /// than devices (each device otherwise gets its own GPU, and too few is an error).
+    #[arg(long)]
     pub share_gpus: bool,
-    /// A folder where a failing rank also records its failure line (`pipec launch --exec`).
+    /// With one process per device: a folder where a failing rank also writes its
+    /// failure line (one file per rank). `pipec launch --exec` sets it for each attempt
+    /// and watches it, since mpirun may not forward a rank's output while it waits on a
+    /// host it cannot reach.
+    #[arg(long)]
     pub record_failures: Option<PathBuf>,
+    /// Colour in diagnostics (standard error is a terminal).
+    #[arg(skip = std::io::IsTerminal::is_terminal(&std::io::stderr()))]
     pub color: bool,
 }
 
@@ -488,14 +521,7 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
 }
 
 /// How a rank runs its device: `pipec_executor::mpi_run::run` or `run::tcp_run::run`.
-type RankRun = fn(
-    &Plan,
-    &RunOptions,
-    RankHooks<'_>,
-) -> Result<
-    (pipec_executor::process_run::RankInfo, pipec_executor::RunReport),
-    (Option<pipec_executor::process_run::RankInfo>, pipec_executor::RunError),
->;
+type RankRun = fn(&Plan, &RunOptions, RankHooks<'_>) -> pipec_executor::process_run::RankOutcome;
 
 #[cfg(feature = "mpi")]
 fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, first_step: usize) -> u8 {

@@ -415,6 +415,24 @@ fn no_function_of_the_compiler_or_the_executor_is_over_150_lines() {
 }
 
 #[test]
+fn no_file_of_the_executor_is_over_700_lines() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("executor/src");
+    let files = rust_files(&src);
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let n = std::fs::read_to_string(f).expect("source").lines().count();
+            (n > 700).then(|| format!("{}: {n} lines", f.display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "executor files over 700 lines:\n{}", long.join("\n"));
+    // every file is seen: the worker, the layers and the kernels among them
+    for known in ["interp/worker.rs", "nn/layers.rs", "backend/kernels.rs"] {
+        assert!(files.iter().any(|f| f.ends_with(known)), "{known} not among {} files", files.len());
+    }
+}
+
+#[test]
 fn the_worker_holds_at_most_twelve_fields() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("executor/src/interp/worker.rs");
     let text = std::fs::read_to_string(path).expect("worker.rs");

@@ -644,12 +644,8 @@ impl Preset {
             launch: GPU_LAUNCH,
             matrix_efficiency: GPU_MATRIX_EFFICIENCY,
             memory_efficiency: GPU_MEMORY_EFFICIENCY,
-            functions: Functions::default(),
-            link: None,
-            optimizer: None,
-            product_traffic: None,
-            attention: None,
-            power: None,
+            // no measured functions, link, optimizer, traffic, attention or power figures
+            ..DeviceModel::uniform("", 0.0, 0.0)
         }
     }
 
@@ -701,6 +697,15 @@ pub struct LinkPreset {
     pub inter: (f64, f64, f64),
 }
 
+impl LinkPreset {
+    /// A node of devices on one switched link (NVSwitch) with a network adapter per device
+    /// (InfiniBand): `intra` and `inter` GB/s per device and direction, at the latencies
+    /// (3 µs within the node, 6 µs between nodes) and efficiencies every preset shares.
+    const fn switched(name: &'static str, source: &'static str, intra: f64, inter: f64) -> LinkPreset {
+        LinkPreset { name, source, intra: (intra, 3e-6, 0.75), inter: (inter, 6e-6, 0.9) }
+    }
+}
+
 /// A figure with the source it comes from.
 #[derive(Debug, Clone, Copy)]
 pub struct Sourced {
@@ -722,42 +727,12 @@ pub const FASTEST_NIC: Sourced = Sourced {
 /// between nodes 0.9, InfiniBand's payload share after encoding and headers (HDR's 200 Gb/s
 /// carries about 23 GB/s of data in perftest's ib_write_bw).
 pub const LINK_PRESETS: &[LinkPreset] = &[
-    LinkPreset {
-        name: "dgx-v100",
-        source: "NVIDIA DGX-2: NVSwitch, 300 GB/s NVLink per V100 (150 GB/s each way); 8 × 100 Gb/s EDR InfiniBand for 16 GPUs",
-        intra: (150.0, 3e-6, 0.75),
-        inter: (6.25, 6e-6, 0.9),
-    },
-    LinkPreset {
-        name: "dgx-a100",
-        source: "NVIDIA DGX A100 (and Selene): NVSwitch, 600 GB/s NVLink per A100 (300 GB/s each way); 8 × 200 Gb/s HDR InfiniBand compute NICs, one per GPU",
-        intra: (300.0, 3e-6, 0.75),
-        inter: (25.0, 6e-6, 0.9),
-    },
-    LinkPreset {
-        name: "dgx-h100",
-        source: "NVIDIA DGX H100: NVSwitch, 900 GB/s NVLink per H100 (450 GB/s each way); 8 × 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU",
-        intra: (450.0, 3e-6, 0.75),
-        inter: (50.0, 6e-6, 0.9),
-    },
-    LinkPreset {
-        name: "hgx-h800",
-        source: "NVIDIA H800 datasheet: NVLink 400 GB/s per GPU (200 GB/s each way) through NVSwitch; DeepSeek-V3 technical report (arXiv 2412.19437) §3.1: 8 × 400 Gb/s InfiniBand per node of 8 H800, one NIC per GPU",
-        intra: (200.0, 3e-6, 0.75),
-        inter: (50.0, 6e-6, 0.9),
-    },
-    LinkPreset {
-        name: "dgx-b200",
-        source: "NVIDIA DGX B200: NVLink 5, 1.8 TB/s per B200 (900 GB/s each way); 8 × 400 Gb/s ConnectX-7 NICs, one per GPU",
-        intra: (900.0, 3e-6, 0.75),
-        inter: (50.0, 6e-6, 0.9),
-    },
-    LinkPreset {
-        name: "gb200-nvl72",
-        source: "NVIDIA GB200 NVL72 datasheet: NVLink 5 (fifth-generation NVLink), 1.8 TB/s per GPU (900 GB/s each way) across the rack's 72 GPUs (one NVLink domain: `devices_per_node: 72`); a 400 Gb/s ConnectX-7 NIC per GPU between racks",
-        intra: (900.0, 3e-6, 0.75),
-        inter: (50.0, 6e-6, 0.9),
-    },
+    LinkPreset::switched("dgx-v100", "NVIDIA DGX-2: NVSwitch, 300 GB/s NVLink per V100 (150 GB/s each way); 8 × 100 Gb/s EDR InfiniBand for 16 GPUs", 150.0, 6.25),
+    LinkPreset::switched("dgx-a100", "NVIDIA DGX A100 (and Selene): NVSwitch, 600 GB/s NVLink per A100 (300 GB/s each way); 8 × 200 Gb/s HDR InfiniBand compute NICs, one per GPU", 300.0, 25.0),
+    LinkPreset::switched("dgx-h100", "NVIDIA DGX H100: NVSwitch, 900 GB/s NVLink per H100 (450 GB/s each way); 8 × 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU", 450.0, 50.0),
+    LinkPreset::switched("hgx-h800", "NVIDIA H800 datasheet: NVLink 400 GB/s per GPU (200 GB/s each way) through NVSwitch; DeepSeek-V3 technical report (arXiv 2412.19437) §3.1: 8 × 400 Gb/s InfiniBand per node of 8 H800, one NIC per GPU", 200.0, 50.0),
+    LinkPreset::switched("dgx-b200", "NVIDIA DGX B200: NVLink 5, 1.8 TB/s per B200 (900 GB/s each way); 8 × 400 Gb/s ConnectX-7 NICs, one per GPU", 900.0, 50.0),
+    LinkPreset::switched("gb200-nvl72", "NVIDIA GB200 NVL72 datasheet: NVLink 5 (fifth-generation NVLink), 1.8 TB/s per GPU (900 GB/s each way) across the rack's 72 GPUs (one NVLink domain: `devices_per_node: 72`); a 400 Gb/s ConnectX-7 NIC per GPU between racks", 900.0, 50.0),
 ];
 
 /// The interconnect preset named `name`.

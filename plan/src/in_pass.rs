@@ -257,19 +257,7 @@ pub fn zero3_gather(op: &Op) -> Zero3Gather {
         Op::TransformerBlock { moe: Some(_), .. } => Zero3Gather::WithStage { large: true },
         Op::Conv2d { .. } | Op::PosEmbedding { .. } => Zero3Gather::WithStage { large: true },
         Op::BatchNorm2d { .. } | Op::LayerNorm { .. } | Op::RmsNorm { .. } => Zero3Gather::WithStage { large: false },
-        Op::MaxPool2d { .. }
-        | Op::AvgPool2d { .. }
-        | Op::AdaptiveAvgPool2d { .. }
-        | Op::Add { .. }
-        | Op::Concat { .. }
-        | Op::Flatten
-        | Op::Relu
-        | Op::Gelu
-        | Op::Tanh
-        | Op::Sigmoid
-        | Op::Dropout { .. }
-        | Op::SeqPool { .. }
-        | Op::GeluTanh => Zero3Gather::Nothing,
+        crate::model::weightless!() => Zero3Gather::Nothing,
     }
 }
 

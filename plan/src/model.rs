@@ -8,6 +8,29 @@ pub use crate::rope::RopeScaling;
 
 pub use crate::vocab::{MlpKind, NormKind, Pooling, Router};
 
+/// The pattern of every operator without weights of its own: pools, joins, reshapes,
+/// activations, dropout and sequence pooling — the one list of them, so that a new
+/// weightless operator is added here once (a new operator of any kind is still a compile
+/// error in every exhaustive match over [`Op`]).
+macro_rules! weightless {
+    () => {
+        $crate::model::Op::MaxPool2d { .. }
+            | $crate::model::Op::AvgPool2d { .. }
+            | $crate::model::Op::AdaptiveAvgPool2d { .. }
+            | $crate::model::Op::Add { .. }
+            | $crate::model::Op::Concat { .. }
+            | $crate::model::Op::Flatten
+            | $crate::model::Op::Relu
+            | $crate::model::Op::Gelu
+            | $crate::model::Op::GeluTanh
+            | $crate::model::Op::Tanh
+            | $crate::model::Op::Sigmoid
+            | $crate::model::Op::Dropout { .. }
+            | $crate::model::Op::SeqPool { .. }
+    };
+}
+pub(crate) use weightless;
+
 /// One operator of the model, with all its hyper-parameters resolved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -723,25 +746,13 @@ impl Op {
     pub fn recompute_unit(&self) -> bool {
         match self {
             Op::TransformerBlock { .. } | Op::Lstm { .. } => true,
-            Op::Linear { .. }
+            weightless!()
+            | Op::Linear { .. }
             | Op::Conv2d { .. }
-            | Op::MaxPool2d { .. }
-            | Op::AvgPool2d { .. }
-            | Op::AdaptiveAvgPool2d { .. }
             | Op::BatchNorm2d { .. }
-            | Op::Add { .. }
-            | Op::Concat { .. }
-            | Op::Flatten
-            | Op::Relu
-            | Op::Gelu
-            | Op::Tanh
-            | Op::Sigmoid
             | Op::LayerNorm { .. }
             | Op::RmsNorm { .. }
-            | Op::GeluTanh
-            | Op::Dropout { .. }
             | Op::Embedding { .. }
-            | Op::SeqPool { .. }
             | Op::PosEmbedding { .. } => false,
         }
     }
@@ -1138,19 +1149,7 @@ impl Op {
                 },
                 None => 0,
             },
-            Op::MaxPool2d { .. }
-            | Op::AvgPool2d { .. }
-            | Op::AdaptiveAvgPool2d { .. }
-            | Op::Add { .. }
-            | Op::Concat { .. }
-            | Op::Flatten
-            | Op::Relu
-            | Op::Gelu
-            | Op::GeluTanh
-            | Op::Tanh
-            | Op::Sigmoid
-            | Op::Dropout { .. }
-            | Op::SeqPool { .. } => 0,
+            weightless!() => 0,
         }
     }
 
@@ -1194,28 +1193,12 @@ impl Op {
     /// A Llama-style decoder block: RMSNorm, grouped-query attention with `kv_heads`
     /// key/value heads, rotary embeddings of base 10,000, a SwiGLU MLP, no biases, ε 1e-5.
     pub fn llama_block(d_model: usize, heads: usize, kv_heads: usize, d_ff: usize) -> Op {
-        Op::TransformerBlock {
-            d_model,
-            heads,
-            d_ff,
-            causal: true,
-            kv_heads,
-            norm: NormKind::RmsNorm,
-            mlp: MlpKind::Swiglu,
-            rope: 10000.0,
-            rope_scaling: RopeScaling::None,
-            bias: false,
-            qkv_bias: false,
-            eps: DEFAULT_EPS,
-            post_norm: false,
-            moe: None,
-            head_dim: 0,
-            qk_norm: false,
-            window: 0,
-            sinks: false,
-            mla: None,
-            dropout: 0.0,
+        let mut op = Op::block(d_model, heads, d_ff, true);
+        if let Op::TransformerBlock { kv_heads: k, norm, mlp, rope, bias, qkv_bias, .. } = &mut op {
+            (*k, *norm, *mlp, *rope, *bias, *qkv_bias) =
+                (kv_heads, NormKind::RmsNorm, MlpKind::Swiglu, 10000.0, false, false);
         }
+        op
     }
 
     /// A transformer block's mixture of experts; None for a dense block or any other

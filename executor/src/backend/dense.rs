@@ -65,26 +65,19 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
 
     fn exchange(x: Tensor<Self, 2>, ex: &crate::backend::port::Exchange) -> Result<Tensor<Self, 2>, String> {
         let x = x.into_primitive().tensor();
-        let moved =
-            crate::backend::port::move_rows(Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(x.primitive)), ex)?
-                .into_primitive()
-                .tensor();
-        let y = match ExchangeBackward.prepare::<C>([x.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish(ex.reversed(), moved),
-            OpsKind::UnTracked(prep) => prep.finish(moved),
-        };
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+        let moved = crate::backend::port::move_rows(
+            Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(x.primitive.clone())),
+            ex,
+        )?
+        .into_primitive()
+        .tensor();
+        Ok(wrapped(tracked::<I, C, _, 1>(ExchangeBackward, [&x], || ex.reversed(), moved)))
     }
 
     fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
         let s = scores.into_primitive().tensor();
-        let inner = Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(s.primitive.clone()));
-        let p = I::attention_softmax(inner, dh, causal).into_primitive().tensor();
-        let y = match (SoftmaxBackward { dh }).prepare::<C>([s.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish(p.clone(), p),
-            OpsKind::UnTracked(prep) => prep.finish(p),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(y))
+        let p = I::attention_softmax(inner(&s.primitive), dh, causal).into_primitive().tensor();
+        wrapped(tracked::<I, C, _, 1>(SoftmaxBackward { dh }, [&s], || p.clone(), p.clone()))
     }
 
     fn attention_recomputed(
@@ -95,15 +88,12 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         causal: crate::backend::attention::Causal,
     ) -> Tensor<Self, 4> {
         let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
-        let inner = |t: &FloatTensor<Self>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(t.primitive.clone()));
         let out =
-            I::attention_recomputed(inner(&q), inner(&k), inner(&v), dh, causal.clone()).into_primitive().tensor();
-        let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
-        let y = match (AttentionBackward { dh, causal }).prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((q.primitive, k.primitive, v.primitive), out),
-            OpsKind::UnTracked(prep) => prep.finish(out),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(y))
+            I::attention_recomputed(inner(&q.primitive), inner(&k.primitive), inner(&v.primitive), dh, causal.clone())
+                .into_primitive()
+                .tensor();
+        let state = || (q.primitive.clone(), k.primitive.clone(), v.primitive.clone());
+        wrapped(tracked::<I, C, _, 3>(AttentionBackward { dh, causal }, [&q, &k, &v], state, out))
     }
 
     fn ring_attention(
@@ -115,25 +105,17 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         // validation's forwards pass detached keys and values (as `Context::gather`)
         let (q, k, v) = if ring.group.tracked { (q, k, v) } else { (q.detach(), k.detach(), v.detach()) };
         let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
-        let inner = |t: &FloatTensor<Self>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(t.primitive.clone()));
-        let (out, lse) = ring.forward(inner(&q), inner(&k), inner(&v))?;
+        let (out, lse) = ring.forward(inner::<I>(&q.primitive), inner(&k.primitive), inner(&v.primitive))?;
         let (out, lse) = (out.into_primitive().tensor(), lse.into_primitive().tensor());
-        let nodes = [q.node.clone(), k.node.clone(), v.node.clone()];
-        let y = match RingBackward.prepare::<C>(nodes).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let state = RingState {
-                    q: q.primitive,
-                    k: k.primitive,
-                    v: v.primitive,
-                    out: out.clone(),
-                    lse,
-                    ring: ring.clone(),
-                };
-                prep.finish(state, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(out),
+        let state = || RingState {
+            q: q.primitive.clone(),
+            k: k.primitive.clone(),
+            v: v.primitive.clone(),
+            out: out.clone(),
+            lse,
+            ring: ring.clone(),
         };
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+        Ok(wrapped(tracked::<I, C, _, 3>(RingBackward, [&q, &k, &v], state, out.clone())))
     }
 
     fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
@@ -147,11 +129,8 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         let table = g.get(id);
         let shape = table.shape().dims::<2>();
         let ids = ids.into_primitive();
-        let y = match (EmbedBackward { shape }).prepare::<C>([w.node.clone()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish(ids.clone(), I::embedding(table, ids)),
-            OpsKind::UnTracked(prep) => prep.finish(I::embedding(table, ids)),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(y))
+        let out = I::embedding(table, ids.clone());
+        wrapped(tracked::<I, C, _, 1>(EmbedBackward { shape }, [&w], || ids, out))
     }
 
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
@@ -187,6 +166,30 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
 #[derive(Debug)]
 struct EmbedBackward {
     shape: [usize; 2],
+}
+
+/// An autodiff tensor's inner values as a 4-dimensional tensor of the inner backend.
+fn inner<I: Backend>(t: &FloatTensor<I>) -> Tensor<I, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(t.clone()))
+}
+
+/// A primitive as a tensor of `D` dimensions.
+fn wrapped<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// `out`, which `op`'s forward computed from `inputs`, on the autodiff backend: where any
+/// of `inputs` is tracked, `op`'s backward keeps `state()` (computed only then).
+fn tracked<I: Kernels, C: CheckpointStrategy, O: Backward<I, N>, const N: usize>(
+    op: O,
+    inputs: [&FloatTensor<Autodiff<I, C>>; N],
+    state: impl FnOnce() -> O::State,
+    out: FloatTensor<I>,
+) -> FloatTensor<Autodiff<I, C>> {
+    match op.prepare::<C>(inputs.map(|t| t.node.clone())).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(state(), out),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    }
 }
 
 impl<I: Kernels> Backward<I, 1> for EmbedBackward {

@@ -35,17 +35,21 @@ enum P2p {
     Fence(Sender<(CommTrace, Option<TransportError>)>),
 }
 
+/// A collective to run on the collective thread: `kind` on `data` over `members`.
+#[derive(Debug)]
+pub struct Reduction {
+    pub kind: CollectiveKind,
+    pub members: Vec<DeviceId>,
+    pub data: Vec<f32>,
+    pub mode: ReduceMode,
+    /// How its sums round (`transport::Rounding`; None: fp32).
+    pub sum: Option<Rounding>,
+    /// The instruction it is, in the trace (None: part of a compute instruction).
+    pub code: Option<usize>,
+}
+
 enum Coll {
-    Run {
-        kind: CollectiveKind,
-        members: Vec<DeviceId>,
-        data: Vec<f32>,
-        mode: ReduceMode,
-        /// How its sums round (`transport::Rounding`; None: fp32).
-        sum: Option<Rounding>,
-        code: Option<usize>,
-        reply: Sender<Result<Vec<f32>, TransportError>>,
-    },
+    Run(Reduction, Sender<Result<Vec<f32>, TransportError>>),
     /// An all-to-all of chunks of any size (expert parallelism's token exchange).
     Exchange {
         members: Vec<DeviceId>,
@@ -127,7 +131,7 @@ impl Exchanger {
     ) -> Result<Ticket<Vec<f32>>, TransportError> {
         let (reply, rx) = channel();
         let kind = CollectiveKind::AllGather;
-        let run = Coll::Run { kind, members: members.to_vec(), data, mode, sum: None, code: None, reply };
+        let run = Coll::Run(Reduction { kind, members: members.to_vec(), data, mode, sum: None, code: None }, reply);
         self.0.send(run).map_err(|_| gone())?;
         Ok(Ticket(rx))
     }
@@ -238,22 +242,14 @@ impl Comm {
         mode: ReduceMode,
         code: Option<usize>,
     ) -> Result<Ticket<Vec<f32>>, TransportError> {
-        self.start_reduction(kind, members, data, mode, None, code)
+        self.start_reduction(Reduction { kind, members, data, mode, sum: None, code })
     }
 
-    /// [`Comm::start_collective`] rounding its sums by `sum` (gradients reduced in the
-    /// plan's `grad_precision`).
-    pub fn start_reduction(
-        &self,
-        kind: CollectiveKind,
-        members: Vec<DeviceId>,
-        data: Vec<f32>,
-        mode: ReduceMode,
-        sum: Option<Rounding>,
-        code: Option<usize>,
-    ) -> Result<Ticket<Vec<f32>>, TransportError> {
+    /// [`Comm::start_collective`] with its sums rounded (gradients reduced in the plan's
+    /// `grad_precision`).
+    pub fn start_reduction(&self, r: Reduction) -> Result<Ticket<Vec<f32>>, TransportError> {
         let (reply, rx) = channel();
-        self.coll.send(Coll::Run { kind, members, data, mode, sum, code, reply }).map_err(|_| gone())?;
+        self.coll.send(Coll::Run(r, reply)).map_err(|_| gone())?;
         Ok(Ticket(rx))
     }
 
@@ -370,7 +366,7 @@ fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, epoch: Instant) {
     let mut log = Log::new(epoch);
     for cmd in rx {
         match cmd {
-            Coll::Run { kind, members, data, mode, sum, code, reply } => {
+            Coll::Run(Reduction { kind, members, data, mode, sum, code }, reply) => {
                 let _ = reply.send(log.run(code, || ep.collective(kind, &members, data, mode, sum)));
             }
             Coll::Exchange { members, chunks, reply } => {

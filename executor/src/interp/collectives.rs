@@ -6,10 +6,10 @@
 //! for at once, so each device's collectives keep one order.
 
 use burn::prelude::*;
-use pipec_plan::{CollectiveKind, CollectivePayload, DeviceId, GroupId, StageId};
+use pipec_plan::{CollectiveKind, CollectivePayload, DeviceId, GroupId, ReduceMode, StageId};
 
 use crate::backend::kernels::ExecBackend;
-use crate::comm::exchanger::Ticket;
+use crate::comm::exchanger::{Reduction, Ticket};
 use crate::comm::transport::Rounding;
 use crate::error::{ExecError, Result};
 use crate::interp::in_flight::{InFlight, Landing, ReplicaSum};
@@ -95,7 +95,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     ) -> Result<Vec<Ticket<Vec<f32>>>> {
         let rest = parts.split_off(1.min(parts.len()));
         let first = parts.pop().unwrap_or_default();
-        let mut results = vec![self.comm.start_reduction(kind, members, first, self.transfers.reduce, round, code)?];
+        let mut results = vec![self.comm.start_reduction(Reduction {
+            kind,
+            members,
+            data: first,
+            mode: self.transfers.reduce,
+            sum: round,
+            code,
+        })?];
         results.extend(self.start_expert_parts(stage, kind, rest, code)?);
         Ok(results)
     }
@@ -128,7 +135,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 let round = (kind == CollectiveKind::ReduceScatter)
                     .then(|| Rounding::of_gradients(precision, kind, d.len(), holders.len(), 0))
                     .flatten();
-                Ok(self.comm.start_reduction(kind, holders.clone(), d, self.transfers.reduce, round, code)?)
+                Ok(self.comm.start_reduction(Reduction {
+                    kind,
+                    members: holders.clone(),
+                    data: d,
+                    mode: self.transfers.reduce,
+                    sum: round,
+                    code,
+                })?)
             })
             .collect()
     }
@@ -363,13 +377,12 @@ impl<B: ExecBackend> Worker<'_, B> {
         };
         let n = members.len();
         let round = Rounding::of_gradients(precision, CollectiveKind::AllReduce, flat.len(), n, n_stats);
-        let ticket = self.comm.start_reduction(CollectiveKind::AllReduce, members, flat, reduce, round, Some(code))?;
+        let ticket = self.comm.start_reduction(all_reduce(members, flat, reduce, round, code))?;
         let here = match here {
             Some((flat, positions, holders)) => {
                 let n = holders.len();
                 let round = Rounding::of_gradients(precision, CollectiveKind::AllReduce, flat.len(), n, 0);
-                let t =
-                    self.comm.start_reduction(CollectiveKind::AllReduce, holders, flat, reduce, round, Some(code))?;
+                let t = self.comm.start_reduction(all_reduce(holders, flat, reduce, round, code))?;
                 Some((positions, t))
             }
             None => None,
@@ -444,4 +457,15 @@ fn land_gradient_message<B: ExecBackend>(
         st.acc[k] = (p > 0.0).then_some(g);
     }
     Ok(())
+}
+
+/// The replicas' all-reduce of a flat gradient message, as instruction `code`.
+fn all_reduce(
+    members: Vec<DeviceId>,
+    data: Vec<f32>,
+    mode: ReduceMode,
+    sum: Option<Rounding>,
+    code: usize,
+) -> Reduction {
+    Reduction { kind: CollectiveKind::AllReduce, members, data, mode, sum, code: Some(code) }
 }

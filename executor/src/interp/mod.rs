@@ -5,6 +5,7 @@
 pub(crate) mod buckets;
 pub(crate) mod build;
 pub(crate) mod checkpointing;
+pub(crate) mod checks;
 pub(crate) mod clip;
 pub(crate) mod collectives;
 pub(crate) mod compute;

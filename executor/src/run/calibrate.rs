@@ -299,8 +299,6 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
     let vector = adds.iter().map(|(n, p)| *n as f64 / p.seconds.max(1e-12)).fold(0.0, f64::max);
     let vector = if vector > 0.0 { vector } else { rate };
     DeviceModel {
-        name: name.to_string(),
-        memory,
         // one fp32 path: bf16 and fp16 products fall back to its rate
         matrix: MatrixRates { fp32: rate, tf32: 0.0, bf16: 0.0, fp16: 0.0, fp8: 0.0 },
         vector,
@@ -308,12 +306,7 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
         launch,
         matrix_efficiency: Curve { peak: 1.0, half: matrix_half },
         memory_efficiency: Curve { peak: 1.0, half: memory_half },
-        functions: Functions::default(),
-        link: None,
-        optimizer: None,
-        product_traffic: None,
-        attention: None,
-        power: None,
+        ..DeviceModel::uniform(name, memory, rate)
     }
 }
 

@@ -9,16 +9,12 @@ use mpi::Threading;
 use pipec_plan::Plan;
 
 use crate::comm::mpi_transport::{abort_world, MpiFabric};
-use crate::run::job::{validate, working_devices, RunError, RunOptions, RunReport};
-pub use crate::run::process_run::{report_failure, RankHooks, RankInfo};
+use crate::run::job::{validate, working_devices, RunError, RunOptions};
+pub use crate::run::process_run::{report_failure, RankHooks, RankInfo, RankOutcome};
 
 /// Runs this rank's device. Returns the job's report on rank 0, this rank's own elsewhere. A failure after
 /// MPI is up aborts the whole job, so no rank waits forever.
-pub fn run(
-    plan: &Plan,
-    options: &RunOptions,
-    hooks: RankHooks<'_>,
-) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
+pub fn run(plan: &Plan, options: &RunOptions, hooks: RankHooks<'_>) -> RankOutcome {
     validate(plan).map_err(|e| (None, e))?;
     let n_devices = working_devices(plan).len();
     if !launched() && n_devices > 1 {
@@ -27,7 +23,7 @@ pub fn run(
     let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
         .ok_or((None, RunError::setup("MPI could not be initialised (is this process started by mpirun?)")))?;
     let world = universe.world();
-    let up = || -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
+    let up = || -> RankOutcome {
         let (rank, size) = (world.rank(), world.size());
         if threading != Threading::Multiple {
             return Err((

@@ -74,6 +74,10 @@ pub fn report_failure(info: Option<RankInfo>, e: &RunError) {
     eprintln!("{line}");
 }
 
+/// What a rank's run ends with: the job's report on rank 0, this rank's own elsewhere; or
+/// the failure, with the rank when it was known.
+pub type RankOutcome = Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)>;
+
 /// This rank's part of the job, once its fabric is up (`launcher` names what starts the
 /// processes and `how` says how to start n of them, for the error when their number is not
 /// the plan's). Returns the job's report on rank 0 and this rank's own elsewhere (its steps'
@@ -85,7 +89,7 @@ pub fn run_rank<F: Fabric + 'static>(
     hooks: RankHooks<'_>,
     fabric: Arc<F>,
     (launcher, how): (&str, &dyn Fn(usize) -> String),
-) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
+) -> RankOutcome {
     let RankHooks { on_step, on_report } = hooks;
     let (rank, size) = (fabric.rank(), fabric.size());
     let devices = job::working_devices(plan);

@@ -7,18 +7,14 @@ use pipec_plan::Plan;
 
 use crate::comm::fabric::Fabric;
 use crate::comm::tcp::{Rendezvous, TcpFabric};
-use crate::run::job::{validate, working_devices, RunError, RunOptions, RunReport};
-use crate::run::process_run::{report_failure, RankHooks, RankInfo};
+use crate::run::job::{validate, working_devices, RunError, RunOptions};
+use crate::run::process_run::{report_failure, RankHooks, RankOutcome};
 
 /// Runs this process's device of the job torchrun's variables describe (`pipec run
 /// --transport tcp`): the rendezvous within the run's timeout, then the device over the
 /// TCP fabric. Returns the job's report on rank 0, this rank's own elsewhere; a failure after the
 /// rendezvous ends the whole job.
-pub fn run(
-    plan: &Plan,
-    options: &RunOptions,
-    hooks: RankHooks<'_>,
-) -> Result<(RankInfo, RunReport), (Option<RankInfo>, RunError)> {
+pub fn run(plan: &Plan, options: &RunOptions, hooks: RankHooks<'_>) -> RankOutcome {
     validate(plan).map_err(|e| (None, e))?;
     let rv = Rendezvous::from_env().map_err(|e| (None, RunError::setup(e)))?;
     let devices = working_devices(plan).len();
