@@ -195,6 +195,9 @@ pub fn run(args: RunArgs) -> u8 {
         Err(code) => return code,
     };
     let backend = backend_kind(args.backend);
+    // in one process on CUDA, the GPUs are placed and judged once, here, and the run uses
+    // that placement
+    let mut gpus = None;
     if backend == BackendKind::Cuda && args.transport == Transport::Threads {
         let options = RunOptions { share_gpus: args.share_gpus, ..RunOptions::default() };
         match pipec_executor::gpu_placement(&plan, &options) {
@@ -204,6 +207,7 @@ pub fn run(args: RunArgs) -> u8 {
                 for w in warnings {
                     eprintln!("warning: {w}");
                 }
+                gpus = Some(map);
             }
             Err(e) => {
                 eprintln!("error: {e}");
@@ -257,7 +261,7 @@ pub fn run(args: RunArgs) -> u8 {
     }
     let steps = args.steps.unwrap_or(plan.training.steps);
     let watch = StopWatch::start(Duration::from_secs(args.stop_grace_s.max(1)));
-    let options = RunOptions { stop: Some(watch.stop.clone()), resume, ..run_options(&plan, &args, &dir) };
+    let options = RunOptions { stop: Some(watch.stop.clone()), resume, gpus, ..run_options(&plan, &args, &dir) };
     // nothing is written until the first step is done: a run that fails before it (a
     // checkpoint that does not load, bad data) leaves the output folder as it was
     let mut metrics = MetricsLog::new(&dir, first_step, &plan, backend);
@@ -936,6 +940,7 @@ fn run_options(plan: &Plan, args: &RunArgs, dir: &Path) -> RunOptions {
         checkpoint_dir: Some(dir.join(plan.training.checkpoint_dir.as_deref().unwrap_or("checkpoints"))),
         resume: None,
         share_gpus: args.share_gpus,
+        gpus: None,
         stop: None,
         vote: None,
     }

@@ -16,7 +16,7 @@ const STEPS: usize = 3;
 /// A spec of `specs/`, its data read from there, with `edits` (text → replacement) made.
 fn spec(name: &str, edits: &[(&str, &str)]) -> Plan {
     let mut text = std::fs::read_to_string(format!("specs/{name}.yaml")).expect("the spec");
-    text = text.replace("path: data/", "path: specs/data/");
+    text = text.replace("path: data/", "path: specs/data/").replace("tokenizer: data/", "tokenizer: specs/data/");
     for (from, to) in edits {
         assert!(text.contains(from), "{name}: {from:?} is not in the spec");
         text = text.replace(from, to);
@@ -122,4 +122,44 @@ fn each_device_reports_its_memory_pools_peak_beside_the_plans() {
     }
     let cpu = pipec_executor::run(&plan, &options(), &mut |_| {}).expect("the CPU");
     assert!(cpu.held.values().all(|h| h.pool_peak.is_none()), "{:?}", cpu.held);
+}
+
+/// Every example spec sized for a CPU (those of `specs/` with `kind: cpu` devices), trained
+/// 2 steps on wgpu: each device's memory pool peak (CubeCL's bytes in use, sampled after
+/// every instruction: weights, gradients, optimizer state, kept activations, transients) is
+/// at most the plan's peak without its workspace reserve — the model counts at least what
+/// the executor holds.
+#[test]
+fn every_cpu_example_specs_devices_hold_at_most_the_plans_peak() {
+    let mut worst = (String::new(), 0.0f64);
+    for name in [
+        "1f1b",
+        "cnn",
+        "csv-classifier",
+        "data-parallel",
+        "gpt-tiny",
+        "llama-tiny",
+        "mlp-1f1b",
+        "moe-tiny",
+        "resnet-images",
+        "resnet-small",
+        "transformer",
+    ] {
+        let plan = spec(name, &[]);
+        let gpu = pipec_executor::run_wgpu(&plan, &RunOptions { steps: Some(2), ..options() }, &mut |_| {})
+            .unwrap_or_else(|e| panic!("{name} on wgpu: {e}"));
+        assert_eq!(gpu.held.len(), plan.devices.len(), "{name}: {:?}", gpu.held);
+        for (d, held) in &gpu.held {
+            let pool = held.pool_peak.unwrap_or_else(|| panic!("{name} {d}: no pool figure"));
+            let m = &plan.devices[d.0 as usize].memory;
+            let predicted = m.total - m.workspace;
+            let share = pool as f64 / predicted as f64;
+            eprintln!("{name} {d}: pool peak {pool} B, the plan's {predicted} B without its workspace ({share:.3})");
+            assert!(pool <= predicted, "{name} {d}: the pool held {pool} B, more than the plan's {predicted} B");
+            if share > worst.1 {
+                worst = (format!("{name} {d}"), share);
+            }
+        }
+    }
+    eprintln!("closest to the plan's peak: {} at {:.3}", worst.0, worst.1);
 }

@@ -2439,6 +2439,98 @@ fn gradient_buckets_train_equal_to_one_device() {
     }
 }
 
+/// Gradient buckets' reductions are declared in the plan (`plan.in_pass`): the pass that
+/// feeds a stage's bucketed reduction (a whole backward, or a weight pass) lists each
+/// bucket's all-reduce (DDP) or reduce-scatter (ZeRO) over the replicas, `dp`, the last
+/// layers' first; the executor's debug check holds every such pass to it (the runs of
+/// `gradient_buckets_train_equal_to_one_device` too); a replica whose list drops or
+/// reorders one is refused by the verifier, and a list every replica shares but the pass
+/// does not issue stops the run.
+#[test]
+fn gradient_bucket_reductions_are_declared_verified_and_held_to() {
+    let bucket = "  bucket: 1KiB";
+    let layouts = [
+        Job { devices: 4, stages: "\"4\"", schedule: "dp-only", strategy: bucket, ..Job::default() },
+        Job {
+            devices: 4,
+            stages: "\"4\"",
+            schedule: "dp-only",
+            strategy: "  bucket: 1KiB\n  zero: 2",
+            ..Job::default()
+        },
+        Job { devices: 4, stages: "\"2-2\"", schedule: "zb-h1", optimizer: ADAM, strategy: bucket, ..Job::default() },
+    ];
+    for j in layouts {
+        let what = format!("{} {} {}", j.schedule, j.stages, j.strategy.trim());
+        let p = plan(&j);
+        let reducing: Vec<&pipec_plan::in_pass::PassList> =
+            p.in_pass.devices.values().flatten().filter(|e| e.reduces).collect();
+        assert!(!reducing.is_empty(), "{what}: no pass declares its buckets' reductions");
+        for e in &reducing {
+            let list = &p.in_pass.lists[e.list as usize];
+            let dp: Vec<_> = list.iter().filter(|x| x.over == pipec_plan::PeerDim::Data).collect();
+            let stage = &p.stages[e.stage.0 as usize];
+            assert_eq!(dp.len(), stage.gradient_buckets.len(), "{what}: {list:?}");
+            // the last layers' first, each at its bucket's first layer
+            let mut starts: Vec<u32> = stage.gradient_buckets.iter().map(|b| b.layers[0] as u32).collect();
+            starts.sort_unstable_by(|a, b| b.cmp(a));
+            assert_eq!(dp.iter().map(|x| x.layer).collect::<Vec<_>>(), starts, "{what}");
+            let op = if j.strategy.contains("zero") {
+                pipec_plan::PassOp::ReduceScatter
+            } else {
+                pipec_plan::PassOp::AllReduce
+            };
+            assert!(dp.iter().all(|x| x.op == op), "{what}: {dp:?}");
+        }
+        assert!(pipec_compiler::verification::verify_plan(&p).is_empty(), "{what}");
+        train(&p);
+        // one replica's list with a reduction left out, or two swapped
+        let d1 = pipec_plan::DeviceId(1);
+        let own = |edit: &dyn Fn(&mut Vec<pipec_plan::in_pass::InPass>)| -> Plan {
+            let mut p = p.clone();
+            let entry =
+                p.in_pass.devices.get_mut(&d1).and_then(|l| l.iter_mut().find(|e| e.reduces)).expect("d1 reduces");
+            let mut list = p.in_pass.lists[entry.list as usize].clone();
+            edit(&mut list);
+            entry.list = p.in_pass.lists.len() as u32;
+            p.in_pass.lists.push(list);
+            p
+        };
+        for (how, edited) in [
+            (
+                "dropped",
+                own(&|l| {
+                    l.pop();
+                }),
+            ),
+            (
+                "swapped",
+                own(&|l| {
+                    let dp: Vec<usize> = (0..l.len()).filter(|&i| l[i].over == pipec_plan::PeerDim::Data).collect();
+                    l.swap(dp[0], dp[1]);
+                }),
+            ),
+        ] {
+            let problems = pipec_compiler::verification::verify_plan(&edited);
+            assert!(
+                problems.iter().any(|m| m.contains("must issue the same ones in the same order")),
+                "{what}, {how}: {problems:?}"
+            );
+        }
+        // every replica's list without its last reduction: verified, but not what runs
+        let mut short = p.clone();
+        let lists: Vec<u32> = reducing.iter().map(|e| e.list).collect();
+        for i in lists {
+            short.in_pass.lists[i as usize].pop();
+        }
+        let e = match pipec_executor::run(&short, &RunOptions::default(), &mut |_| {}) {
+            Ok(_) => panic!("{what}: a plan declaring fewer reductions than its passes start trained"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("inside the pass, where the plan declares"), "{what}: {e}");
+    }
+}
+
 /// `precision: bf16` computes every matrix product in bf16 (`pipec_executor::amp`): one
 /// device's losses move off fp32's by bf16's rounding and no further, and every layout
 /// whose devices compute the same products as one device (pipelines, replicas with
@@ -2678,5 +2770,99 @@ fn the_collectives_inside_passes_are_declared_verified_and_held_to() {
             Err(e) => e.to_string(),
         };
         assert!(e.contains("inside the pass, where the plan declares"), "{stages}: {e}");
+    }
+}
+
+/// On CUDA in one process the GPUs are placed and judged once: a run given the placement
+/// (`RunOptions::gpus`, as `pipec run` passes the one it printed) uses it without asking the
+/// driver again — here, built without CUDA, it reaches the backend's own refusal — and a
+/// run given none places them first (and so stops at the driver check).
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn a_cuda_run_uses_the_gpus_its_caller_placed() {
+    let p = plan(&Job { devices: 2, stages: "\"1-1\"", ..Job::default() });
+    let on_cuda = |gpus| RunOptions { backend: pipec_executor::BackendKind::Cuda, gpus, ..RunOptions::default() };
+    let placed = vec![(pipec_plan::DeviceId(0), 0), (pipec_plan::DeviceId(1), 1)];
+    let given = pipec_executor::run(&p, &on_cuda(Some(placed)), &mut |_| {}).expect_err("no CUDA").to_string();
+    assert!(given.contains("CUDA support is not built in"), "{given}");
+    let none = pipec_executor::run(&p, &on_cuda(None), &mut |_| {}).expect_err("no CUDA").to_string();
+    assert!(none.contains("built without CUDA support"), "{none}");
+}
+
+/// The tensor-parallel sums on the update's side are declared in the plan
+/// (`pipec_plan::in_pass::update_sums`): a block's norms' partial gradients summed where
+/// the first instruction reads the stage's gradients whole — the update, the `grad_norm`
+/// all-reduce (clipping by the global norm) or ZeRO's reduce-scatter — and held to by the
+/// executor's debug check (the runs train); a rank whose list drops one is refused by the
+/// verifier.
+#[test]
+fn tensor_parallel_sums_at_the_update_are_declared_verified_and_held_to() {
+    use pipec_plan::in_pass::PassKind;
+    let lm = cp_lm(CP_BLOCKS[0]);
+    let clipped = |j: &Job<'_>| {
+        let text = spec(j).replace("  seed: 5\n", "  seed: 5\n  clip_grad_norm: 0.5\n");
+        let s = pipec_grammar::check_source(&text).spec.unwrap_or_else(|| panic!("bad spec\n{text}"));
+        compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan
+    };
+    let job =
+        |devices, stages| Job { devices, stages, schedule: "1f1b", optimizer: ADAM, layers: &lm, ..Job::default() };
+    let cases = [
+        ("the update", plan(&job(4, "\"1-1\"\n  tp: 2")), PassKind::Update),
+        ("the global norm", clipped(&job(4, "\"1-1\"\n  tp: 2")), PassKind::GradNorm),
+        ("ZeRO's reduce-scatter", plan(&job(4, "\"2\"\n  tp: 2\n  zero: 1")), PassKind::GradientShard),
+        // ZeRO-2 scatters every microbatch's gradients: each contribution is summed
+        ("every contribution's reduce-scatter", plan(&job(4, "\"2\"\n  tp: 2\n  zero: 2")), PassKind::GradientShard),
+    ];
+    for (what, p, kind) in cases {
+        // each block's two layer norms: gain and bias each, summed once, at `kind`
+        let lists: Vec<(&pipec_plan::in_pass::PassList, &Vec<pipec_plan::in_pass::InPass>)> = p
+            .in_pass
+            .devices
+            .values()
+            .flatten()
+            .filter(|e| !e.pass.is_pass())
+            .map(|e| (e, &p.in_pass.lists[e.list as usize]))
+            .collect();
+        assert!(!lists.is_empty() && lists.iter().all(|(e, _)| e.pass == kind), "{what}: {lists:?}");
+        for d in &p.devices {
+            let blocks: Vec<u32> = d
+                .stages
+                .iter()
+                .flat_map(|s| p.stages[s.0 as usize].layers[0]..p.stages[s.0 as usize].layers[1])
+                .filter(|&i| p.layers[i].op.block_dims().is_some())
+                .map(|i| i as u32)
+                .collect();
+            let mine: Vec<u32> = p.in_pass.devices[&d.id]
+                .iter()
+                .filter(|e| !e.pass.is_pass())
+                .flat_map(|e| p.in_pass.lists[e.list as usize].iter().map(|x| x.layer))
+                .collect();
+            let want: Vec<u32> = blocks.iter().flat_map(|&b| [b; 4]).collect();
+            assert_eq!(mine, want, "{what}: {}", d.id);
+        }
+        assert!(pipec_compiler::verification::verify_plan(&p).is_empty(), "{what}");
+        train(&p);
+        let mut dropped = p.clone();
+        let entry = dropped
+            .in_pass
+            .devices
+            .get_mut(&pipec_plan::DeviceId(1))
+            .and_then(|l| l.iter_mut().find(|e| e.pass == kind))
+            .expect("d1 sums");
+        let mut list = dropped.in_pass.lists[entry.list as usize].clone();
+        list.pop();
+        entry.list = dropped.in_pass.lists.len() as u32;
+        dropped.in_pass.lists.push(list);
+        let problems = pipec_compiler::verification::verify_plan(&dropped);
+        assert!(
+            problems.iter().any(|m| m.contains("must issue the same ones in the same order")),
+            "{what}: {problems:?}"
+        );
+    }
+    // and the sums are right: ZeRO-2 and 3 beside tensor parallelism train to one device's
+    // numbers, every microbatch's partial norm gradients summed before its reduce-scatter
+    for zero in ["  zero: 2", "  zero: 3"] {
+        let strategy = format!("\"2\"\n  tp: 2\n{zero}");
+        assert_same_as_one_device(Job { stages: &strategy, ..job(4, "") });
     }
 }

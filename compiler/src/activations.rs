@@ -17,7 +17,7 @@
 //! the block's input only. What a policy drops comes back, one block of one microbatch at a
 //! time, while that block's backward runs: its transient peak.
 
-use pipec_plan::model::{BlockDims, ProjectionRole};
+use pipec_plan::model::{BlockDims, MlpKind, ProjectionRole};
 
 use crate::block_cost::Part;
 use pipec_plan::vocab::{Attention, RecomputeModule, RecomputeOp};
@@ -76,6 +76,9 @@ pub struct BlockContext {
     pub ep: usize,
     /// The block's dropout probability (0: no masks, no dropped copies).
     pub dropout: bool,
+    /// A gated activation built of separate autodiff operations
+    /// (`KernelFamily::composes_gates`): they keep its intermediate values too.
+    pub composed_gates: bool,
 }
 
 /// The list being built: the tensors so far and the block's products so far.
@@ -145,6 +148,16 @@ pub fn block_kept(b: &BlockDims, cx: &BlockContext) -> Vec<Kept> {
         }
         let made = list.product();
         list.keep_wide("up projection's output", up, made, split(rows * f, p), split(rows * f, p));
+        // a composed gate's intermediates: SwiGLU's logistic of the gate and SiLU's output
+        // (SiLU = gate · logistic(gate), then · up), GEGLU's GELU output
+        let composed = match (cx.composed_gates, b.mlp) {
+            (true, MlpKind::Swiglu) => &["the gate's logistic", "SiLU's output"][..],
+            (true, MlpKind::Geglu) => &["GELU's output"][..],
+            (false, _) | (true, MlpKind::Gelu | MlpKind::GeluTanh) => &[][..],
+        };
+        for name in composed {
+            list.keep(name, act, Made::Other, split(rows * f, p));
+        }
         list.keep_wide("activation's output", act, Made::Other, split(rows * f, linear_input), split(rows * f, p));
         // the down projection's output (whole on every rank before the row-parallel
         // reduction), not read by the backward
@@ -332,7 +345,7 @@ mod tests {
     use pipec_plan::model::Op;
 
     fn cx(t: f64, sp: bool, attention: Attention, dropout: bool) -> BlockContext {
-        BlockContext { s: 512.0, p: 2.0, linear_input: 2.0, t, sp, attention, ep: 1, dropout }
+        BlockContext { s: 512.0, p: 2.0, linear_input: 2.0, t, sp, attention, ep: 1, dropout, composed_gates: false }
     }
 
     fn total(list: &[Kept]) -> f64 {

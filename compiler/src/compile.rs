@@ -75,7 +75,8 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         let whole: Vec<pipec_plan::DeviceId> =
             lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
         clip_norm_all_reduces(spec, &mut lowered, &whole);
-        lowered.in_pass = crate::in_pass::in_pass_table(spec, &model.graph, &layout.ranges, &placement, &lowered)?;
+        lowered.in_pass =
+            crate::in_pass::in_pass_table(spec, &model.graph, (&layout.ranges, &stages.buckets), &placement, &lowered)?;
         if spec.training.recipe.validation.is_some() {
             lowered.eval = Some(eval_streams(spec, &placement, &stages, &lowered));
         }

@@ -181,7 +181,15 @@ pub fn backward_flops(node: &OpNode) -> f64 {
 /// tensor parallelism, standard attention, no dropout).
 pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
     let p = precision_bytes as f64;
-    let cx = KeptContext { p, linear_input: p, t: 1, sp: false, attention: Attention::Standard, ep: 1 };
+    let cx = KeptContext {
+        p,
+        linear_input: p,
+        t: 1,
+        sp: false,
+        attention: Attention::Standard,
+        ep: 1,
+        composed_gates: false,
+    };
     kept_list(node, &cx).iter().filter(|k| k.read).map(|k| k.bytes).sum::<f64>() as u64
 }
 
@@ -196,6 +204,8 @@ pub(crate) struct KeptContext {
     pub(crate) sp: bool,
     pub(crate) attention: Attention,
     pub(crate) ep: usize,
+    /// `CostContext::composed_gates`.
+    pub(crate) composed_gates: bool,
 }
 
 /// The tensors one rank keeps for the layer's backward, per sample: a transformer block's
@@ -231,6 +241,7 @@ pub(crate) fn kept_list(node: &OpNode, cx: &KeptContext) -> Vec<Kept> {
                     attention: cx.attention,
                     ep: cx.ep,
                     dropout: b.dropout > 0.0,
+                    composed_gates: cx.composed_gates,
                 };
                 block_kept(&b, &block)
             }
@@ -583,6 +594,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 sp,
                 attention: cx.attention_kernel(),
                 ep: cx.ep,
+                composed_gates: cx.composed_gates,
             };
             let cp = cx.cp.max(1) as f64;
             // a context-parallel member keeps 1/cp of every tensor (its positions)
@@ -693,12 +705,13 @@ mod tests {
             fp8: None,
             fused_attention: None,
             grouped_experts: false,
+            composed_gates: false,
         }
     }
 
     /// [`kept_bytes`] of `n` at `p` bytes a value on one of `t` ranks.
     fn kept_at(n: &OpNode, p: f64, t: usize, sp: bool, attention: Attention, ep: usize) -> (f64, f64) {
-        kept_bytes(n, &KeptContext { p, linear_input: p, t, sp, attention, ep })
+        kept_bytes(n, &KeptContext { p, linear_input: p, t, sp, attention, ep, composed_gates: false })
     }
 
     fn node(op: Op, input: Vec<usize>) -> OpNode {

@@ -4,19 +4,20 @@
 
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
-use pipec_plan::in_pass::{declare, InPassTable, Layers, Layout, PassKind};
+use pipec_plan::in_pass::{declare, update_sums, Buckets, InPassTable, Layers, Layout, PassKind};
 use pipec_plan::model::{Op, Source};
-use pipec_plan::StageId;
+use pipec_plan::plan::{reduced_in_buckets, GradientBucket};
+use pipec_plan::{CollectivePayload, Instr, PassOp, StageId};
 
 use crate::ir::Graph;
 use crate::streams::Lowered;
 
-/// The table of `lowered`'s streams for the stages of `ranges` of `graph`, placed by
-/// `placement`.
+/// The table of `lowered`'s streams for the stages of `ranges` of `graph` with their
+/// gradient `buckets`, placed by `placement`.
 pub(crate) fn in_pass_table(
     spec: &Spec,
     graph: &Graph,
-    ranges: &[std::ops::Range<usize>],
+    (ranges, buckets): (&[std::ops::Range<usize>], &[Vec<GradientBucket>]),
     placement: &crate::schedule::Placement,
     lowered: &Lowered,
 ) -> Result<InPassTable, Vec<Diagnostic>> {
@@ -53,14 +54,31 @@ pub(crate) fn in_pass_table(
     let mut table = InPassTable::default();
     let last = ranges.len().saturating_sub(1);
     for (device, stream) in &lowered.streams {
-        let mut seen: Vec<(StageId, PassKind)> = Vec::new();
-        for ins in stream {
-            let Some(kind) = PassKind::of(ins) else { continue };
+        // the passes feeding a bucketed replica reduction, with its operation
+        let reducing: Vec<(usize, PassOp)> = (0..stream.len())
+            .filter_map(|j| {
+                let k = reduced_in_buckets(stream, j)?;
+                let Instr::Collective { stage, payload, .. } = &stream[j] else { return None };
+                let op = match payload {
+                    CollectivePayload::Gradients => PassOp::AllReduce,
+                    CollectivePayload::GradientShard => PassOp::ReduceScatter,
+                    CollectivePayload::TiedGradient
+                    | CollectivePayload::TiedGradientShard
+                    | CollectivePayload::Weights
+                    | CollectivePayload::GradNorm => return None,
+                };
+                buckets.get(stage.0 as usize).filter(|b| !b.is_empty()).map(|_| (k, op))
+            })
+            .collect();
+        let mut seen: Vec<(StageId, PassKind, bool)> = Vec::new();
+        for (i, ins) in stream.iter().enumerate() {
+            let Some(kind) = PassKind::of(ins).filter(|k| k.is_pass()) else { continue };
             let stage = ins.stage();
-            if seen.contains(&(stage, kind)) {
+            let reduces = reducing.iter().find(|(k, _)| *k == i).map(|&(_, op)| op);
+            if seen.contains(&(stage, kind, reduces.is_some())) {
                 continue;
             }
-            seen.push((stage, kind));
+            seen.push((stage, kind, reduces.is_some()));
             let s = stage.0 as usize;
             let layout = Layout {
                 tp: strategy.tp.max(1),
@@ -71,7 +89,10 @@ pub(crate) fn in_pass_table(
                     && placement.replicas.get(s).is_some_and(|r| r.len() > 1),
             };
             let range = ranges.get(s).cloned().unwrap_or_default();
-            let list = declare(&layers, range, layout, kind, s == 0, s == last).map_err(|e| {
+            let starts: Vec<usize> =
+                buckets.get(s).map(|b| b.iter().map(|b| b.layers[0]).collect()).unwrap_or_default();
+            let reduce = reduces.map(|op| Buckets { starts: &starts, op });
+            let list = declare(&layers, range, layout, kind, s == 0, s == last, reduce).map_err(|e| {
                 vec![Diagnostic::error(
                     "E0603",
                     format!("internal compiler error: the collectives inside {stage}'s passes: {e}"),
@@ -80,7 +101,47 @@ pub(crate) fn in_pass_table(
                 )
                 .with_help("this is a bug in pipec, not in the spec; please report it with the spec")]
             })?;
-            table.insert(*device, stage, kind, list);
+            table.insert(*device, stage, kind, reduces.is_some(), list);
+        }
+        // the update's side: the tensor-parallel sums of partial gradients (and norms)
+        let internal = |e: String| {
+            vec![Diagnostic::error(
+                "E0603",
+                format!("internal compiler error: the tensor-parallel sums at {device}'s updates: {e}"),
+                strategy.schedule.span,
+                "while compiling this schedule",
+            )
+            .with_help("this is a bug in pipec, not in the spec; please report it with the spec")]
+        };
+        let tp = strategy.tp.max(1);
+        let mut partial = std::collections::BTreeMap::new();
+        for stage in stream.iter().map(Instr::stage) {
+            let range = ranges.get(stage.0 as usize).cloned().unwrap_or_default();
+            if tp > 1 && !partial.contains_key(&stage) {
+                let ids = pipec_plan::in_pass::tp_partial_ids(&ops, range, spec.model.loss, tp).map_err(internal)?;
+                partial.insert(stage, ids.into_iter().map(|id| (id >> 8) as u32).collect::<Vec<u32>>());
+            }
+        }
+        let first_layer = |s: StageId| ranges.get(s.0 as usize).map_or(0, |r| r.start as u32);
+        // (as `Schedule::updates_every_step` reads the plan: asynchronous data parallelism's
+        // staleness is `lowered.asp`)
+        let per_step = spec.strategy.schedule.kind.updates_per_step() && !lowered.asp;
+        let clip_each_update = spec.training.recipe.clip_grad_norm.is_some() && !per_step;
+        let mut lists: Vec<((StageId, PassKind), Vec<pipec_plan::in_pass::InPass>)> = Vec::new();
+        for (i, list) in update_sums(stream, &partial, &first_layer, clip_each_update) {
+            let Some(kind) = PassKind::of(&stream[i]) else { continue };
+            let key = (stream[i].stage(), kind);
+            // every instruction of one kind of a stage sums the same (one list per key)
+            match lists.iter().find(|(k, _)| *k == key) {
+                Some((_, l)) if *l != list => {
+                    return Err(internal(format!("{} {}s sum differently", key.0, key.1)));
+                }
+                Some(_) => {}
+                None => lists.push((key, list)),
+            }
+        }
+        for ((stage, kind), list) in lists {
+            table.insert(*device, stage, kind, false, list);
         }
     }
     Ok(table)

@@ -43,6 +43,9 @@ pub struct CostContext<'a> {
     /// A mixture of experts' routed experts run as one grouped product per projection (the
     /// engine's grouped GEMM), not one kernel per expert.
     pub grouped_experts: bool,
+    /// A gated MLP's activation built of separate autodiff operations, each keeping its
+    /// operands (`KernelFamily::composes_gates`).
+    pub composed_gates: bool,
 }
 
 impl CostContext<'_> {

@@ -47,6 +47,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         fp8: spec.training.fp8,
         fused_attention: spec.engine.family().attention(&cluster.device).map(|a| a.share),
         grouped_experts: spec.engine.family().grouped_experts(),
+        composed_gates: spec.engine.family().composes_gates(),
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {
         vec![Diagnostic::error("E0405", e, spec.strategy.span, "tensor parallelism")

@@ -450,8 +450,8 @@ pub fn param_id(layer: usize, slot: u64) -> u64 {
     ((layer as u64) << 8) | slot
 }
 
-/// A mixture-of-experts block's router's parameter slot (after the dense block's 0..12).
-pub const ROUTER_SLOT: u64 = 12;
+/// A mixture-of-experts block's router's parameter slot (`model::ROUTER_SLOT`).
+pub use crate::model::ROUTER_SLOT;
 
 /// The first parameter slot of a mixture-of-experts block's MLP `e` (its routed experts,
 /// then its shared ones; four slots each: up weight and bias, down weight and bias).

@@ -12,9 +12,18 @@
 //! executor records what its passes issue and, in debug builds, fails a pass that issues
 //! anything else.
 //!
+//! The pass that feeds its stage's bucketed replica reduction (`plan::reduced_in_buckets`,
+//! the step's last gradient of a stage with gradient buckets) has a list of its own: the
+//! one of its kind with each bucket's all-reduce (DDP) or reduce-scatter (ZeRO) over the
+//! replicas, `dp`, where the bucket's gradients are complete.
+//!
+//! On the update's side, the `grad_norm` all-reduce, ZeRO's `gradient_shard` reduce-scatter
+//! and the update list the tensor-parallel sums of the gradients that are partial on each
+//! rank, where the first of them reads a stage's gradients whole, and of the stage's own
+//! norm where an update clips by it ([`update_sums`]).
+//!
 //! Not declared yet (run by the executor outside this table): ZeRO-3's gathers of a stage's
-//! other weights and their prefetch between passes, DDP's gradient buckets, and the
-//! tensor-parallel sums of partial gradients and gradient norms at the update.
+//! other weights and their prefetch between passes.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -23,9 +32,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::instr::{DeviceId, Instr, StageId};
 use crate::model::{Op, TpSplit};
-use crate::vocab::{Choice, Loss, PassOp, PeerDim};
+use crate::vocab::{Choice, CollectivePayload, Loss, NormKind, PassOp, PeerDim};
 
-/// The kinds of pass that can make collectives inside themselves.
+/// The kinds of instruction that can make collectives inside themselves: the passes, and
+/// on the update's side the gradient norm's all-reduce, ZeRO's gradient reduce-scatter and
+/// the update, which sum the gradients that are partial on each tensor-parallel rank
+/// ([`update_sums`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PassKind {
@@ -34,6 +46,12 @@ pub enum PassKind {
     Backward,
     BackwardInput,
     BackwardWeight,
+    /// The `grad_norm` collective (it settles every stage the device holds).
+    GradNorm,
+    /// ZeRO's `gradient_shard` collective (it settles its stage first).
+    GradientShard,
+    /// An optimizer step or a ZeRO shard step.
+    Update,
 }
 
 impl PassKind {
@@ -45,15 +63,23 @@ impl PassKind {
             Instr::Backward { .. } => Some(PassKind::Backward),
             Instr::BackwardInput { .. } => Some(PassKind::BackwardInput),
             Instr::BackwardWeight { .. } => Some(PassKind::BackwardWeight),
-            Instr::LoadMicrobatch { .. }
+            Instr::Collective { payload: CollectivePayload::GradNorm, .. } => Some(PassKind::GradNorm),
+            Instr::Collective { payload: CollectivePayload::GradientShard, .. } => Some(PassKind::GradientShard),
+            Instr::OptimizerStep { .. } | Instr::ShardStep { .. } => Some(PassKind::Update),
+            Instr::Collective {
+                payload:
+                    CollectivePayload::Gradients
+                    | CollectivePayload::TiedGradient
+                    | CollectivePayload::TiedGradientShard
+                    | CollectivePayload::Weights,
+                ..
+            }
+            | Instr::LoadMicrobatch { .. }
             | Instr::SendActivation { .. }
             | Instr::RecvActivation { .. }
             | Instr::SendGradient { .. }
             | Instr::RecvGradient { .. }
-            | Instr::Collective { .. }
             | Instr::WaitCollective { .. }
-            | Instr::OptimizerStep { .. }
-            | Instr::ShardStep { .. }
             | Instr::Free { .. }
             | Instr::StashWeights { .. }
             | Instr::RestoreWeights { .. }
@@ -73,14 +99,35 @@ impl PassKind {
             PassKind::Backward => "backward",
             PassKind::BackwardInput => "backward_input",
             PassKind::BackwardWeight => "backward_weight",
+            PassKind::GradNorm => "grad_norm",
+            PassKind::GradientShard => "gradient_shard",
+            PassKind::Update => "update",
         }
     }
 
-    /// Whether the pass runs the forward's collectives (else the backward's).
+    /// Whether it is a pass (whose collectives [`declare`] lists), else an instruction of
+    /// the update's side ([`update_sums`]).
+    pub fn is_pass(self) -> bool {
+        match self {
+            PassKind::Forward
+            | PassKind::Recompute
+            | PassKind::Backward
+            | PassKind::BackwardInput
+            | PassKind::BackwardWeight => true,
+            PassKind::GradNorm | PassKind::GradientShard | PassKind::Update => false,
+        }
+    }
+
+    /// Whether the pass runs the forward's collectives (else the backward's, or none).
     fn forward(self) -> bool {
         match self {
             PassKind::Forward | PassKind::Recompute => true,
-            PassKind::Backward | PassKind::BackwardInput | PassKind::BackwardWeight => false,
+            PassKind::Backward
+            | PassKind::BackwardInput
+            | PassKind::BackwardWeight
+            | PassKind::GradNorm
+            | PassKind::GradientShard
+            | PassKind::Update => false,
         }
     }
 }
@@ -139,6 +186,10 @@ impl<'de> Deserialize<'de> for InPass {
 pub struct PassList {
     pub stage: StageId,
     pub pass: PassKind,
+    /// The pass that feeds the stage's bucketed replica reduction
+    /// (`plan::reduced_in_buckets`); its list holds the buckets' reductions too.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reduces: bool,
     /// Index into [`InPassTable::lists`].
     pub list: u32,
 }
@@ -157,18 +208,20 @@ impl InPassTable {
         self.devices.is_empty()
     }
 
-    /// What `device`'s passes of `kind` on `stage` issue, in order (empty: nothing).
-    pub fn of(&self, device: DeviceId, stage: StageId, kind: PassKind) -> &[InPass] {
+    /// What `device`'s passes of `kind` on `stage` issue, in order (empty: nothing); with
+    /// `reduces`, the one that feeds the stage's bucketed reduction.
+    pub fn of(&self, device: DeviceId, stage: StageId, kind: PassKind, reduces: bool) -> &[InPass] {
         self.devices
             .get(&device)
-            .and_then(|l| l.iter().find(|p| p.stage == stage && p.pass == kind))
+            .and_then(|l| l.iter().find(|p| p.stage == stage && p.pass == kind && p.reduces == reduces))
             .and_then(|p| self.lists.get(p.list as usize))
             .map_or(&[], Vec::as_slice)
     }
 
-    /// Declares `list` for `device`'s passes of `kind` on `stage` (nothing for an empty
-    /// list), sharing an equal list already declared.
-    pub fn insert(&mut self, device: DeviceId, stage: StageId, kind: PassKind, list: Vec<InPass>) {
+    /// Declares `list` for `device`'s passes of `kind` on `stage` (with `reduces`, the one
+    /// feeding the bucketed reduction; nothing for an empty list), sharing an equal list
+    /// already declared.
+    pub fn insert(&mut self, device: DeviceId, stage: StageId, kind: PassKind, reduces: bool, list: Vec<InPass>) {
         if list.is_empty() {
             return;
         }
@@ -180,8 +233,8 @@ impl InPassTable {
             }
         };
         let entries = self.devices.entry(device).or_default();
-        entries.retain(|p| !(p.stage == stage && p.pass == kind));
-        entries.push(PassList { stage, pass: kind, list: at as u32 });
+        entries.retain(|p| !(p.stage == stage && p.pass == kind && p.reduces == reduces));
+        entries.push(PassList { stage, pass: kind, reduces, list: at as u32 });
     }
 
     /// The table's own consistency: every list index in range, no (stage, kind) twice on
@@ -193,7 +246,7 @@ impl InPassTable {
                 if p.list as usize >= self.lists.len() {
                     out.push(format!("in_pass: {d}'s list {} is not one of the {} lists", p.list, self.lists.len()));
                 }
-                if entries[..i].iter().any(|q| q.stage == p.stage && q.pass == p.pass) {
+                if entries[..i].iter().any(|q| q.stage == p.stage && q.pass == p.pass && q.reduces == p.reduces) {
                     out.push(format!("in_pass: {d} declares its {:?} passes of {} twice", p.pass, p.stage));
                 }
             }
@@ -332,10 +385,22 @@ enum Unit {
     Mlp,
 }
 
+/// The gradient buckets a pass reduces: it feeds its stage's bucketed replica reduction
+/// (`plan::reduced_in_buckets`), and each bucket's reduction starts as soon as the pass
+/// has completed its gradients.
+#[derive(Debug, Clone, Copy)]
+pub struct Buckets<'a> {
+    /// Each bucket's first layer (the model's index).
+    pub starts: &'a [usize],
+    /// An all-reduce (DDP) or, on a sharded stage, a reduce-scatter into the replicas'
+    /// shards (ZeRO).
+    pub op: PassOp,
+}
+
 /// What pipec's executor issues, in order, inside a pass of `kind` of the stage holding
 /// layers `range` of `layers`, under `layout`: `first` is the model's first stage (whose
 /// first segment's input gradient is not needed), `last` its last (whose forward and
-/// recompute compute the loss).
+/// recompute compute the loss); `buckets`: the pass feeds the stage's bucketed reduction.
 pub fn declare(
     layers: &Layers<'_>,
     range: std::ops::Range<usize>,
@@ -343,6 +408,7 @@ pub fn declare(
     kind: PassKind,
     first: bool,
     last: bool,
+    buckets: Option<Buckets<'_>>,
 ) -> Result<Vec<InPass>, String> {
     let ops = layers.ops;
     let stage = ops.get(range.clone()).ok_or_else(|| format!("layers {range:?} are not in the model"))?;
@@ -367,8 +433,20 @@ pub fn declare(
     let tp = layout.tp > 1;
     let tp_sum = |k: usize| Event::Collective(InPass { layer: at(k), over: PeerDim::Tensor, op: PassOp::AllReduce });
     let mut events: Vec<Event> = Vec::new();
-    if kind == PassKind::BackwardWeight {
+    if !kind.is_pass() {
         return Ok(Vec::new());
+    }
+    // a bucket's reduction, once the pass has the gradients of its layers from `k` on
+    let reduce = |k: usize| {
+        buckets.filter(|b| b.starts.contains(&(range.start + k))).map(|b| InPass {
+            layer: at(k),
+            over: PeerDim::Data,
+            op: b.op,
+        })
+    };
+    if kind == PassKind::BackwardWeight {
+        // the put-off weight products, bucket by bucket, the last layers' first
+        return Ok((0..stage.len()).rev().filter_map(reduce).collect());
     }
     if kind.forward() {
         for (k, (op, split)) in stage.iter().zip(&splits).enumerate() {
@@ -463,6 +541,10 @@ pub fn declare(
                     events.extend(read(k, 2));
                 }
             }
+            // the bucket starting at this layer is complete once its first unit is
+            if unit != Unit::Mlp {
+                events.extend(reduce(k).map(Event::Collective));
+            }
         }
         if i == 0 && first {
             break;
@@ -472,6 +554,88 @@ pub fn declare(
         }
     }
     Ok(gathered(events, &weights))
+}
+
+/// The parameters of the stage holding layers `range` of `ops` whose gradients are partial
+/// on each of `tp` ranks and are summed over the group before they are read whole: the
+/// norms feeding a block's column-parallel projections (gain and, for a layer norm, bias)
+/// and a mixture of experts' router, which weighs the rank's partial expert outputs (a
+/// post-norm block's norms follow its all-reduces instead: their gradients are whole).
+/// Each as its checkpoint id (layer << 8 | slot), in the layers' order.
+pub fn tp_partial_ids(ops: &[Op], range: std::ops::Range<usize>, loss: Loss, tp: usize) -> Result<Vec<u64>, String> {
+    if tp <= 1 {
+        return Ok(Vec::new());
+    }
+    let splits = crate::model::stage_tp_splits(ops, range.clone(), loss, tp)?;
+    Ok(splits
+        .iter()
+        .enumerate()
+        .filter_map(|(k, s)| {
+            let b = ops.get(range.start + k)?.block_dims()?;
+            (*s == TpSplit::Block && !b.post_norm).then_some(((range.start + k) as u64, b))
+        })
+        .flat_map(|(layer, b)| {
+            let l = layer << 8;
+            let bias = b.norm == NormKind::LayerNorm;
+            let router = b.moe.is_some().then_some(l | crate::model::ROUTER_SLOT);
+            [Some(l), bias.then_some(l | 1), Some(l | 6), bias.then_some(l | 7), router].into_iter().flatten()
+        })
+        .collect())
+}
+
+/// What the update's side of one device's step (`stream`) sums over the tensor-parallel
+/// group, per instruction of a kind that may (its position and list, perhaps empty): the first instruction to read a stage's accumulated gradients whole — the
+/// `grad_norm` all-reduce (every stage the device holds, in stage order), ZeRO's
+/// `gradient_shard` reduce-scatter, or the optimizer step — sums its partial ones
+/// (`partial`: a tensor-parallel stage's, each one's layer), once until the update or the
+/// reduce-scatter (ZeRO-2 and 3 scatter every contribution) takes them; with `clip_each_update` (gradient clipping by the stage's own norm, under a
+/// schedule that does not sum the global one) each update of a tensor-parallel stage sums
+/// its squared norm too.
+pub fn update_sums(
+    stream: &[Instr],
+    partial: &BTreeMap<StageId, Vec<u32>>,
+    first_layer: &dyn Fn(StageId) -> u32,
+    clip_each_update: bool,
+) -> Vec<(usize, Vec<InPass>)> {
+    let sum = |layer: u32| InPass { layer, over: PeerDim::Tensor, op: PassOp::AllReduce };
+    let mut settled: std::collections::BTreeSet<StageId> = Default::default();
+    let settle = |s: StageId, settled: &mut std::collections::BTreeSet<StageId>, out: &mut Vec<InPass>| {
+        if let Some(layers) = partial.get(&s).filter(|_| settled.insert(s)) {
+            out.extend(layers.iter().map(|&l| sum(l)));
+        }
+    };
+    let mut found = Vec::new();
+    for (i, ins) in stream.iter().enumerate() {
+        if PassKind::of(ins).is_none_or(PassKind::is_pass) {
+            continue;
+        }
+        let mut out = Vec::new();
+        match ins {
+            Instr::Collective { payload: CollectivePayload::GradNorm, .. } => {
+                for &s in partial.keys() {
+                    settle(s, &mut settled, &mut out);
+                }
+            }
+            Instr::Collective { payload: CollectivePayload::GradientShard, stage, .. } => {
+                // it takes the gradients: the next contribution's are partial again
+                settle(*stage, &mut settled, &mut out);
+                settled.remove(stage);
+            }
+            Instr::OptimizerStep { stage } | Instr::ShardStep { stage } => {
+                if matches!(ins, Instr::OptimizerStep { .. }) {
+                    settle(*stage, &mut settled, &mut out);
+                }
+                if clip_each_update && partial.contains_key(stage) {
+                    out.push(sum(first_layer(*stage)));
+                }
+                // the update clears the stage's gradients: the next ones are partial again
+                settled.remove(stage);
+            }
+            _ => {}
+        }
+        found.push((i, out));
+    }
+    found
 }
 
 /// A block's attention: context parallelism's keys and values gathered (forward; their
@@ -517,7 +681,7 @@ mod tests {
         let e = InPass { layer: 3, over: PeerDim::Tensor, op: PassOp::AllReduce };
         assert_eq!(e.to_string(), "3:tp:all_reduce");
         assert_eq!("3:tp:all_reduce".parse::<InPass>(), Ok(e));
-        for bad in ["3:tp", "x:tp:all_reduce", "3:dp:all_reduce", "3:tp:sum", "3:tp:all_reduce:1"] {
+        for bad in ["3:tp", "x:tp:all_reduce", "3:pp:all_reduce", "3:tp:sum", "3:tp:all_reduce:1"] {
             assert!(bad.parse::<InPass>().is_err(), "{bad}");
         }
     }
@@ -526,12 +690,12 @@ mod tests {
     fn equal_lists_are_stored_once() {
         let e = InPass { layer: 0, over: PeerDim::Expert, op: PassOp::AllToAll };
         let mut t = InPassTable::default();
-        t.insert(DeviceId(0), StageId(0), PassKind::Forward, vec![e; 3]);
-        t.insert(DeviceId(1), StageId(0), PassKind::Forward, vec![e; 3]);
-        t.insert(DeviceId(1), StageId(0), PassKind::Backward, Vec::new());
+        t.insert(DeviceId(0), StageId(0), PassKind::Forward, false, vec![e; 3]);
+        t.insert(DeviceId(1), StageId(0), PassKind::Forward, false, vec![e; 3]);
+        t.insert(DeviceId(1), StageId(0), PassKind::Backward, false, Vec::new());
         assert_eq!(t.lists.len(), 1);
-        assert_eq!(t.of(DeviceId(1), StageId(0), PassKind::Forward).len(), 3);
-        assert!(t.of(DeviceId(1), StageId(0), PassKind::Backward).is_empty());
+        assert_eq!(t.of(DeviceId(1), StageId(0), PassKind::Forward, false).len(), 3);
+        assert!(t.of(DeviceId(1), StageId(0), PassKind::Backward, false).is_empty());
         assert!(t.check().is_empty());
     }
 
@@ -552,7 +716,7 @@ mod tests {
             loss: Loss::CrossEntropy,
         };
         let ops = |kind, first, last, range: std::ops::Range<usize>| -> Vec<String> {
-            declare(&layers, range, layout, kind, first, last)
+            declare(&layers, range, layout, kind, first, last, None)
                 .expect("declared")
                 .iter()
                 .map(ToString::to_string)
@@ -602,7 +766,7 @@ mod tests {
             loss: Loss::CrossEntropy,
         };
         let layers_of = |kind, first| -> Vec<u32> {
-            let got = declare(&layers, 0..5, layout, kind, first, true).expect("declared");
+            let got = declare(&layers, 0..5, layout, kind, first, true, None).expect("declared");
             assert!(got.iter().all(|e| (e.over, e.op) == (PeerDim::Shard, PassOp::AllGather)));
             got.iter().map(|e| e.layer).collect()
         };
@@ -619,7 +783,7 @@ mod tests {
         // beside tensor or expert parallelism the stage is gathered whole between passes
         for layout in [Layout { tp: 2, ..layout }, Layout { ep: 2, ..layout }] {
             assert!(!layout.per_product());
-            let got = declare(&layers, 0..5, layout, PassKind::Forward, true, true).expect("declared");
+            let got = declare(&layers, 0..5, layout, PassKind::Forward, true, true, None).expect("declared");
             assert!(got.iter().all(|e| e.over != PeerDim::Shard), "{got:?}");
         }
     }

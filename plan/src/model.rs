@@ -8,6 +8,10 @@ pub use crate::rope::RopeScaling;
 
 pub use crate::vocab::{MlpKind, NormKind, Pooling, Router};
 
+/// A mixture-of-experts block's router's parameter slot (after the dense block's 0..12; a
+/// parameter's id is layer << 8 | slot, `checkpoint::param_id`).
+pub const ROUTER_SLOT: u64 = 12;
+
 /// The pattern of every operator without weights of its own: pools, joins, reshapes,
 /// activations, dropout and sequence pooling — the one list of them, so that a new
 /// weightless operator is added here once (a new operator of any kind is still a compile

@@ -642,7 +642,7 @@ choice! {
     /// The group a collective inside a pass runs over, relative to the device and stage of
     /// the pass: the stage's tensor-parallel group of the device's replica, the replicas
     /// (at the device's tensor-parallel rank) its context- or expert-parallel group holds,
-    /// or every replica of the stage (ZeRO's shard).
+    /// or every replica of the stage (ZeRO's shard, the gradients' reduction).
     pub enum PeerDim {
         /// The tensor-parallel ranks of the device's replica.
         Tensor = "tp",
@@ -652,5 +652,8 @@ choice! {
         Expert = "ep",
         /// The replicas sharing the stage's ZeRO shard (ZeRO-3's weight gathers).
         Shard = "zero",
+        /// The replicas reducing the stage's gradients (the reductions of its gradient
+        /// buckets: DDP's all-reduces, ZeRO's reduce-scatters into the shards).
+        Data = "dp",
     }
 }

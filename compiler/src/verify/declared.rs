@@ -1,15 +1,18 @@
 //! The collectives declared inside passes (`pipec_plan::in_pass`): every member of a
-//! tensor-, context- or expert-parallel group declares the same ones, in the same order,
-//! over the passes it runs; and a declaration over a group names one the device is in.
+//! tensor-, context- or expert-parallel group, or of a stage's replicas (ZeRO's shard, the
+//! gradients' reduction), declares the same ones, in the same order, over the passes it
+//! runs — a pass feeding its stage's bucketed reduction by its own list; and a declaration
+//! over a group names one the device is in.
 //!
 //! The members' streams are walked side by side, pass by pass, without expanding the
 //! declarations: memory stays that of the table at thousands of devices.
 
 use std::collections::BTreeMap;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use pipec_plan::in_pass::{InPass, InPassTable, PassKind};
+use pipec_plan::plan::reduced_in_buckets;
 use pipec_plan::{Choice, DeviceId, PeerDim, StageId};
 
 use super::{VerifyInput, Violation};
@@ -33,7 +36,7 @@ fn group_of(input: &VerifyInput<'_>, stage: StageId, device: DeviceId, dim: Peer
         PeerDim::Tensor => (0..tp).map(|t| DeviceId(replicas[i].0 + t)).collect(),
         PeerDim::Context => of_replicas(input.context_parallel.max(1))?,
         PeerDim::Expert => of_replicas(input.expert_parallel.get(s).copied().unwrap_or(1).max(1))?,
-        PeerDim::Shard => replicas.iter().map(|r| DeviceId(r.0 + rank)).collect(),
+        PeerDim::Shard | PeerDim::Data => replicas.iter().map(|r| DeviceId(r.0 + rank)).collect(),
     };
     (members.len() > 1).then_some(members)
 }
@@ -53,12 +56,18 @@ pub(super) fn check_declared(input: &VerifyInput<'_>, table: &InPassTable, out: 
     // stage, kind of pass, dimension) the entries over that dimension
     let mut groups: BTreeMap<(PeerDim, Vec<DeviceId>), usize> = BTreeMap::new();
     let mut group_at: FxHashMap<(DeviceId, StageId, PeerDim), usize> = FxHashMap::default();
-    let mut over: FxHashMap<(DeviceId, StageId, PassKind, PeerDim), Vec<InPass>> = FxHashMap::default();
+    // (keyed by whether the list is the one of a pass feeding the bucketed reduction)
+    let mut over: FxHashMap<(DeviceId, StageId, PassKind, bool, PeerDim), Vec<InPass>> = FxHashMap::default();
+    let mut reducing_lists: FxHashSet<(DeviceId, StageId, PassKind)> = FxHashSet::default();
     for (dev, lists) in &table.devices {
         for p in lists {
+            if p.reduces {
+                reducing_lists.insert((*dev, p.stage, p.pass));
+            }
             let list = table.lists.get(p.list as usize).map_or(&[][..], Vec::as_slice);
             for dim in PeerDim::ALL.iter().copied().filter(|d| list.iter().any(|e| e.over == *d)) {
-                over.insert((*dev, p.stage, p.pass, dim), list.iter().copied().filter(|e| e.over == dim).collect());
+                let entries = list.iter().copied().filter(|e| e.over == dim).collect();
+                over.insert((*dev, p.stage, p.pass, p.reduces, dim), entries);
                 if group_at.contains_key(&(*dev, p.stage, dim)) {
                     continue;
                 }
@@ -80,16 +89,25 @@ pub(super) fn check_declared(input: &VerifyInput<'_>, table: &InPassTable, out: 
             }
         }
     }
+    // per device, the passes feeding a bucketed replica reduction (`reduced_in_buckets`)
+    let reducing: FxHashMap<DeviceId, FxHashSet<usize>> = input
+        .streams
+        .iter()
+        .map(|(d, stream)| (*d, (0..stream.len()).filter_map(|j| reduced_in_buckets(stream, j)).collect()))
+        .collect();
     for ((dim, members), g) in &groups {
         let passes = |d: DeviceId| {
-            let (group_at, over) = (&group_at, &over);
+            let (group_at, over, reducing_lists) = (&group_at, &over, &reducing_lists);
+            let reducing = reducing.get(&d);
             input.streams.get(&d).into_iter().flatten().enumerate().filter_map(move |(index, ins)| {
                 let kind = PassKind::of(ins)?;
                 let stage = ins.stage();
                 if group_at.get(&(d, stage, *dim)) != Some(g) {
                     return None;
                 }
-                let entries = over.get(&(d, stage, kind, *dim))?;
+                let reduces =
+                    reducing.is_some_and(|r| r.contains(&index)) && reducing_lists.contains(&(d, stage, kind));
+                let entries = over.get(&(d, stage, kind, reduces, *dim))?;
                 Some(Pass { index, stage, kind, entries })
             })
         };

@@ -275,7 +275,8 @@ impl Comm {
         &self.ledger
     }
 
-    /// A tensor-parallel all-reduce inside a pass over `members` (recorded in the
+    /// A tensor-parallel all-reduce inside a pass, or inside an instruction of the update's
+    /// side (`pipec_plan::in_pass::update_sums`), over `members` (recorded in the
     /// [`Ledger`]), waited for.
     pub fn in_pass_all_reduce(
         &self,

@@ -20,7 +20,7 @@ use burn::backend::autodiff::NodeId;
 use std::ops::Range;
 
 use burn::prelude::*;
-use pipec_plan::{CollectiveKind, GroupId, MicrobatchId, StageId};
+use pipec_plan::{CollectiveKind, GroupId, MicrobatchId, PassOp, PeerDim, StageId};
 
 use crate::backend::kernels::ExecBackend;
 use crate::comm::transport::Tag;
@@ -224,6 +224,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         code: usize,
     ) -> Result<()> {
         let members = crate::parallel::groups::members(self.plan, group)?;
+        let op = if self.state(stage)?.shard.is_none() { PassOp::AllReduce } else { PassOp::ReduceScatter };
+        self.comm.ledger().record(op, PeerDim::Data, &members);
         let st = self.state(stage)?;
         if st.shard.is_none() {
             let sum = self.start_replica_sum(stage, members, range, last, code)?;

@@ -33,16 +33,18 @@ impl<B: ExecBackend> Worker<'_, B> {
         }
     }
 
-    /// `issued` (what `ins`, a pass of `kind`, issued inside itself) against what the plan
-    /// declares for it.
+    /// `issued` (what `ins`, a pass of `kind` at position `at` of the step, issued inside
+    /// itself) against what the plan declares for it — the list of a pass feeding its
+    /// stage's bucketed reduction where it is one.
     pub(super) fn check_declared(
         &mut self,
         ins: &Instr,
-        kind: pipec_plan::in_pass::PassKind,
+        (kind, at): (pipec_plan::in_pass::PassKind, usize),
         issued: &[crate::comm::exchanger::Issued],
     ) -> Result<()> {
         let stage = ins.stage();
-        let declared = self.plan.in_pass.of(self.device, stage, kind);
+        let reduces = self.transfers.bucketed.get(&at).copied();
+        let declared = self.plan.in_pass.of(self.device, stage, kind, reduces.is_some());
         let mut want = Vec::with_capacity(declared.len());
         for e in declared {
             let members = match e.over {
@@ -51,6 +53,10 @@ impl<B: ExecBackend> Worker<'_, B> {
                 pipec_plan::PeerDim::Expert => self.groups.experts.get(&stage).map(|g| g.members.clone()),
                 pipec_plan::PeerDim::Shard => match self.stages.get(&stage).and_then(|s| s.shard.as_ref()) {
                     Some(shard) => Some(crate::parallel::groups::members(self.plan, shard.group)?),
+                    None => None,
+                },
+                pipec_plan::PeerDim::Data => match reduces {
+                    Some(group) => Some(crate::parallel::groups::members(self.plan, group)?),
                     None => None,
                 },
             };

@@ -11,7 +11,7 @@
 //! the parameters they split, and rank 0 alone those every rank holds whole; a weight tied
 //! across layers is counted at its embedding, not again at the projection.
 
-use pipec_plan::{CollectiveKind, StageId};
+use pipec_plan::StageId;
 
 use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
@@ -80,9 +80,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         let mut sum = squared_norm(self.state(stage)?, plan, stage, device, true)?;
         if let Some(tp) = self.state(stage)?.tp.clone() {
             let reduce = self.transfers.reduce;
-            sum = f64::from(
-                self.comm.collective(CollectiveKind::AllReduce, &tp.members, vec![sum as f32], reduce, None)?[0],
-            );
+            sum = f64::from(self.comm.in_pass_all_reduce(&tp.members, vec![sum as f32], reduce)?[0]);
         }
         Ok(pipec_plan::recipe::clip_factor(max, sum.sqrt()))
     }

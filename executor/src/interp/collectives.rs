@@ -338,7 +338,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let Some(Some(t)) = st.acc.get(i) else { continue };
             let n = t.dims()[0];
             let v = host_f32(t.clone().into_data())?;
-            let v = self.comm.collective(CollectiveKind::AllReduce, &tp.members, v, reduce, None)?;
+            let v = self.comm.in_pass_all_reduce(&tp.members, v, reduce)?;
             st.acc[i] = Some(Tensor::from_data(TensorData::new(v, [n]), &dev));
         }
         Ok(())

@@ -361,7 +361,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         if cfg!(debug_assertions) && done.is_ok() {
             self.check_on_device(ins)?;
             if self.progress.evaluating.is_none() {
-                self.check_declared(ins, kind, &issued)?;
+                self.check_declared(ins, (kind, at), &issued)?;
             }
         }
         done

@@ -75,7 +75,9 @@ impl<B: Backend> BatchNorm<B> {
     fn forward(&self, x: Tensor<B, 4>, training: bool, stats: &mut Vec<Tensor<B, 1>>) -> Result<Tensor<B, 4>> {
         let [n, c, h, w] = x.dims();
         let per_channel = n * h * w;
-        let (mean, var) = if training {
+        // (x − mean) · (γ / √(var + ε)) + β: of the input's size the backward keeps the
+        // centred input alone (normalising first would keep the normalised input too)
+        let (centred, var) = if training {
             if per_channel < 2 {
                 return Err(ExecError::Shape(format!(
                     "batchnorm2d (layer {}) needs more than one value per channel in a microbatch to compute a variance, got {n}×{h}×{w} (raise the microbatch size)",
@@ -83,18 +85,18 @@ impl<B: Backend> BatchNorm<B> {
                 )));
             }
             let mean = x.clone().mean_dim(0).mean_dim(2).mean_dim(3);
-            let var = (x.clone() - mean.clone()).powi_scalar(2).mean_dim(0).mean_dim(2).mean_dim(3);
+            let centred = x - mean.clone();
+            let var = centred.clone().powi_scalar(2).mean_dim(0).mean_dim(2).mean_dim(3);
             let unbiased = var.clone().detach() * (per_channel as f64 / (per_channel - 1) as f64);
-            stats.push(Tensor::cat(vec![mean.clone().detach().reshape([c]), unbiased.reshape([c])], 0));
-            (mean, var)
+            stats.push(Tensor::cat(vec![mean.detach().reshape([c]), unbiased.reshape([c])], 0));
+            (centred, var)
         } else {
             let dev = x.device();
-            let stat =
-                |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [c]), &dev).reshape([1, c, 1, 1]);
-            (stat(&self.running_mean), stat(&self.running_var))
+            let stat = |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [c]), &dev);
+            (x - stat(&self.running_mean).reshape([1, c, 1, 1]), stat(&self.running_var).reshape([1, c, 1, 1]))
         };
-        let normed = (x - mean) / (var + BN_EPS).sqrt();
-        Ok(normed * self.gamma.val().reshape([1, c, 1, 1]) + self.beta.val().reshape([1, c, 1, 1]))
+        let scale = self.gamma.val().reshape([1, c, 1, 1]) / (var + BN_EPS).sqrt();
+        Ok(centred * scale + self.beta.val().reshape([1, c, 1, 1]))
     }
 }
 

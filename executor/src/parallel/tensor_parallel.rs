@@ -279,24 +279,10 @@ pub fn build_stage<B: Kernels>(
 }
 
 /// Parameter ids (layer << 8 | slot) whose gradients are partial on each rank and must be
-/// summed over the group: the layer norms feeding a block's column-parallel projections (a
-/// post-norm block's norms follow its all-reduces instead: their gradients are whole).
+/// summed over the group (`pipec_plan::in_pass::tp_partial_ids`, the rule the plan's
+/// declaration of those sums reads too).
 pub fn partial_parameter_ids(layers: &StageLayers<'_>, tp: usize) -> Result<Vec<u64>> {
-    let first = layers.range.start;
-    let splits = layers.splits(tp)?;
-    let ops = layers.ops();
-    Ok(splits
-        .iter()
-        .enumerate()
-        .filter(|(k, s)| **s == Split::Block && !ops.get(*k).and_then(Op::block_dims).is_some_and(|b| b.post_norm))
-        .flat_map(|(k, _)| {
-            let l = ((first + k) as u64) << 8;
-            // a mixture of experts' router weighs this rank's partial expert outputs: its
-            // gradient is partial too
-            let moe = ops.get(k).and_then(Op::block_dims).is_some_and(|b| b.moe.is_some());
-            [l, l | 1, l | 6, l | 7].into_iter().chain(moe.then_some(l | pipec_plan::checkpoint::ROUTER_SLOT))
-        })
-        .collect())
+    pipec_plan::in_pass::tp_partial_ids(layers.all, layers.range.clone(), layers.loss, tp).map_err(ExecError::Plan)
 }
 
 /// How a segment's input gradient is completed.

@@ -87,6 +87,10 @@ pub struct RunOptions {
     pub resume: Option<Resume>,
     /// Let several plan devices share one GPU when there are fewer GPUs than devices.
     pub share_gpus: bool,
+    /// On CUDA in one process: the GPU of each device, already placed and judged by
+    /// [`gpu_placement`] (`pipec run` does so to print it before compiling the workers);
+    /// None: placed and judged at the start of the run.
+    pub gpus: Option<GpuMap>,
     /// Set (by a SIGINT/SIGTERM handler) to stop at the next step boundary every worker
     /// agrees on; the run then returns what it trained with `RunReport::interrupted`.
     pub stop: Option<Arc<AtomicBool>>,
@@ -104,6 +108,7 @@ impl Default for RunOptions {
             checkpoint_dir: None,
             resume: None,
             share_gpus: false,
+            gpus: None,
             stop: None,
             vote: None,
         }

@@ -27,7 +27,11 @@ pub fn run(plan: &Plan, options: &RunOptions, on_step: &mut dyn FnMut(&StepMetri
             run_in_process::<CpuBackend>(plan, options, devices.collect(), on_step)
         }
         BackendKind::Cuda => {
-            let (map, _warned_by_the_caller) = gpu_placement(plan, options)?;
+            // placed and judged once: by the caller where it did (and warned), else here
+            let map = match &options.gpus {
+                Some(map) => map.clone(),
+                None => gpu_placement(plan, options)?.0,
+            };
             #[cfg(feature = "cuda")]
             {
                 type B = burn::backend::Autodiff<burn::backend::Cuda>;

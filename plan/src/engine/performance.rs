@@ -98,6 +98,23 @@ impl KernelFamily {
         }
     }
 
+    /// Whether a gated MLP's activation (SwiGLU, GEGLU) is built of separate autodiff
+    /// operations that each keep their operands for the backward: pipec's executor on Burn,
+    /// whose SwiGLU keeps the gate's logistic and SiLU's output beside the up projection's
+    /// output, and whose GEGLU keeps GELU's output (measured on the device pool,
+    /// `tests/cubecl.rs`). The other engines are counted as keeping the fused activation's
+    /// input alone (Transformer Engine's and Inductor's fused kernels; PyTorch's eager SiLU
+    /// also leaves its output to the product, which is not counted: not measured here).
+    pub fn composes_gates(self) -> bool {
+        match self {
+            KernelFamily::Pipec => true,
+            KernelFamily::MegatronTe
+            | KernelFamily::TorchEager
+            | KernelFamily::TorchCompiled
+            | KernelFamily::Deepspeed => false,
+        }
+    }
+
     /// The fused attention kernel this engine runs on `device`, where its throughput is
     /// published (Hopper GPUs); None: attention priced as the device's matrix products.
     pub fn attention(self, device: &DeviceModel) -> Option<AttentionKernel> {
