@@ -606,32 +606,37 @@ pub fn update_sums(
     };
     let mut found = Vec::new();
     for (i, ins) in stream.iter().enumerate() {
-        if PassKind::of(ins).is_none_or(PassKind::is_pass) {
-            continue;
-        }
+        let Some(kind) = PassKind::of(ins) else { continue };
+        let stage = ins.stage();
         let mut out = Vec::new();
-        match ins {
-            Instr::Collective { payload: CollectivePayload::GradNorm, .. } => {
+        match kind {
+            PassKind::GradNorm => {
                 for &s in partial.keys() {
                     settle(s, &mut settled, &mut out);
                 }
             }
-            Instr::Collective { payload: CollectivePayload::GradientShard, stage, .. } => {
+            PassKind::GradientShard => {
                 // it takes the gradients: the next contribution's are partial again
-                settle(*stage, &mut settled, &mut out);
-                settled.remove(stage);
+                settle(stage, &mut settled, &mut out);
+                settled.remove(&stage);
             }
-            Instr::OptimizerStep { stage } | Instr::ShardStep { stage } => {
+            PassKind::Update => {
+                // an optimizer step reads the stage's gradients whole; a shard step the
+                // shard its reduce-scatters summed
                 if matches!(ins, Instr::OptimizerStep { .. }) {
-                    settle(*stage, &mut settled, &mut out);
+                    settle(stage, &mut settled, &mut out);
                 }
-                if clip_each_update && partial.contains_key(stage) {
-                    out.push(sum(first_layer(*stage)));
+                if clip_each_update && partial.contains_key(&stage) {
+                    out.push(sum(first_layer(stage)));
                 }
                 // the update clears the stage's gradients: the next ones are partial again
-                settled.remove(stage);
+                settled.remove(&stage);
             }
-            _ => {}
+            PassKind::Forward
+            | PassKind::Recompute
+            | PassKind::Backward
+            | PassKind::BackwardInput
+            | PassKind::BackwardWeight => continue,
         }
         found.push((i, out));
     }

@@ -23,7 +23,17 @@ macro_rules! weightless {
             | $crate::model::Op::AdaptiveAvgPool2d { .. }
             | $crate::model::Op::Add { .. }
             | $crate::model::Op::Concat { .. }
-            | $crate::model::Op::Flatten
+            | $crate::model::sizeless!()
+    };
+}
+pub(crate) use weightless;
+
+/// The pattern of every operator that takes none of the layer's sizes: the activations,
+/// flattening, dropout and the sequence pool (weightless too: [`weightless!`] includes
+/// them).
+macro_rules! sizeless {
+    () => {
+        $crate::model::Op::Flatten
             | $crate::model::Op::Relu
             | $crate::model::Op::Gelu
             | $crate::model::Op::GeluTanh
@@ -33,7 +43,7 @@ macro_rules! weightless {
             | $crate::model::Op::SeqPool { .. }
     };
 }
-pub(crate) use weightless;
+pub(crate) use sizeless;
 
 /// One operator of the model, with all its hyper-parameters resolved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -782,14 +792,7 @@ impl Op {
                 let m = mla.map_or([0; 4], |m| [m.q_lora, m.kv_lora, m.rope_dim, m.v_head_dim]);
                 [d_model, heads, d_ff, kv_heads, head_dim, window].into_iter().chain(m).collect()
             }
-            Op::Flatten
-            | Op::Relu
-            | Op::Gelu
-            | Op::GeluTanh
-            | Op::Tanh
-            | Op::Sigmoid
-            | Op::Dropout { .. }
-            | Op::SeqPool { .. } => Vec::new(),
+            sizeless!() => Vec::new(),
         }
     }
 

@@ -103,7 +103,7 @@ pub trait Endpoint: Send {
     ) -> Result<Vec<f32>, TransportError> {
         match (kind, algorithm) {
             (CollectiveKind::AllReduce, ReduceMode::Ring) => {
-                ring_all_reduce_in(self, group, &mut data, round).map(|()| data)
+                Ring { ep: self, group, round }.all_reduce(&mut data).map(|()| data)
             }
             (CollectiveKind::AllReduce, ReduceMode::ParameterServer) => {
                 ps_all_reduce(self, group, &mut data, round).map(|()| data)
@@ -208,37 +208,64 @@ impl Rounding {
     }
 }
 
-/// The reduce-scatter half of a ring: p−1 steps of n/p values each, after which member
-/// `me` holds the complete sum of chunk `(me + 1) mod p` in place (each value and partial
-/// sum rounded by `round`).
-fn ring_reduce_half<E: Endpoint + ?Sized>(
-    ep: &mut E,
-    group: &[DeviceId],
-    data: &mut [f32],
+/// One member's part in a ring over `group`: its endpoint, and how its sums round.
+struct Ring<'a, E: Endpoint + ?Sized> {
+    ep: &'a mut E,
+    group: &'a [DeviceId],
     round: Option<Rounding>,
-) -> Result<(), TransportError> {
-    let p = group.len();
-    let (me, next, prev) = ring_position(ep, group)?;
-    let n = data.len();
-    Rounding::own(round, data);
-    for step in 0..p - 1 {
-        let send_i = (me + p - step) % p;
-        let recv_i = (me + p - step - 1) % p;
-        ep.coll_send(next, data[chunk(n, p, send_i)].to_vec())?;
-        let incoming = ep.coll_recv(prev)?;
-        let range = chunk(n, p, recv_i);
-        if incoming.len() != range.len() {
-            return Err(TransportError::Other("members of a collective sent different sizes".into()));
-        }
-        let start = range.start;
-        match round {
-            None => data[range].iter_mut().zip(incoming).for_each(|(d, x)| *d += x),
-            Some(r) => {
-                data[range].iter_mut().zip(incoming).enumerate().for_each(|(k, (d, x))| *d = r.at(start + k, *d + x))
+}
+
+impl<E: Endpoint + ?Sized> Ring<'_, E> {
+    /// The reduce-scatter half: p−1 steps of n/p values each, after which member `me`
+    /// holds the complete sum of chunk `(me + 1) mod p` in place (each value and partial
+    /// sum rounded).
+    fn reduce_half(&mut self, data: &mut [f32]) -> Result<(), TransportError> {
+        let (p, round) = (self.group.len(), self.round);
+        let (me, next, prev) = ring_position(self.ep, self.group)?;
+        let n = data.len();
+        Rounding::own(round, data);
+        for step in 0..p - 1 {
+            let send_i = (me + p - step) % p;
+            let recv_i = (me + p - step - 1) % p;
+            self.ep.coll_send(next, data[chunk(n, p, send_i)].to_vec())?;
+            let incoming = self.ep.coll_recv(prev)?;
+            let range = chunk(n, p, recv_i);
+            if incoming.len() != range.len() {
+                return Err(TransportError::Other("members of a collective sent different sizes".into()));
+            }
+            let start = range.start;
+            match round {
+                None => data[range].iter_mut().zip(incoming).for_each(|(d, x)| *d += x),
+                Some(r) => data[range]
+                    .iter_mut()
+                    .zip(incoming)
+                    .enumerate()
+                    .for_each(|(k, (d, x))| *d = r.at(start + k, *d + x)),
             }
         }
+        Ok(())
     }
-    Ok(())
+
+    /// The all-reduce: the reduce-scatter half, then the all-gather, 2(p−1) steps of n/p
+    /// values each.
+    fn all_reduce(&mut self, data: &mut [f32]) -> Result<(), TransportError> {
+        let p = self.group.len();
+        if p <= 1 {
+            Rounding::own(self.round, data);
+            return Ok(());
+        }
+        self.reduce_half(data)?;
+        let (me, next, prev) = ring_position(self.ep, self.group)?;
+        let n = data.len();
+        for step in 0..p - 1 {
+            let send_i = (me + 1 + p - step) % p;
+            let recv_i = (me + p - step) % p;
+            self.ep.coll_send(next, data[chunk(n, p, send_i)].to_vec())?;
+            let incoming = self.ep.coll_recv(prev)?;
+            data[chunk(n, p, recv_i)].copy_from_slice(&incoming);
+        }
+        Ok(())
+    }
 }
 
 /// Ring all-reduce: reduce-scatter then all-gather, 2(p−1) steps of n/p values each.
@@ -247,32 +274,7 @@ pub fn ring_all_reduce<E: Endpoint + ?Sized>(
     group: &[DeviceId],
     data: &mut [f32],
 ) -> Result<(), TransportError> {
-    ring_all_reduce_in(ep, group, data, None)
-}
-
-/// [`ring_all_reduce`] with values and partial sums rounded by `round`.
-fn ring_all_reduce_in<E: Endpoint + ?Sized>(
-    ep: &mut E,
-    group: &[DeviceId],
-    data: &mut [f32],
-    round: Option<Rounding>,
-) -> Result<(), TransportError> {
-    let p = group.len();
-    if p <= 1 {
-        Rounding::own(round, data);
-        return Ok(());
-    }
-    ring_reduce_half(ep, group, data, round)?;
-    let (me, next, prev) = ring_position(ep, group)?;
-    let n = data.len();
-    for step in 0..p - 1 {
-        let send_i = (me + 1 + p - step) % p;
-        let recv_i = (me + p - step) % p;
-        ep.coll_send(next, data[chunk(n, p, send_i)].to_vec())?;
-        let incoming = ep.coll_recv(prev)?;
-        data[chunk(n, p, recv_i)].copy_from_slice(&incoming);
-    }
-    Ok(())
+    Ring { ep, group, round: None }.all_reduce(data)
 }
 
 /// Ring reduce-scatter: the ring's first half, then member i's chunk (the i-th of p, the
@@ -289,7 +291,7 @@ pub fn ring_reduce_scatter<E: Endpoint + ?Sized>(
         Rounding::own(round, &mut data);
         return Ok(data);
     }
-    ring_reduce_half(ep, group, &mut data, round)?;
+    Ring { ep: &mut *ep, group, round }.reduce_half(&mut data)?;
     // member me holds chunk (me + 1) mod p complete: it belongs to its next neighbour
     let (me, next, prev) = ring_position(ep, group)?;
     let n = data.len();
