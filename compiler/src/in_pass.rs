@@ -6,7 +6,7 @@ use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
 use pipec_plan::in_pass::{declare, update_sums, Buckets, InPassTable, Layers, Layout, PassKind};
 use pipec_plan::model::{Op, Source};
-use pipec_plan::plan::{reduced_in_buckets, GradientBucket};
+use pipec_plan::plan::{bucketed_passes, GradientBucket};
 use pipec_plan::{CollectivePayload, Instr, PassOp, StageId};
 
 use crate::ir::Graph;
@@ -54,11 +54,21 @@ pub(crate) fn in_pass_table(
     let mut table = InPassTable::default();
     let last = ranges.len().saturating_sub(1);
     for (device, stream) in &lowered.streams {
+        let internal = |what: String| {
+            vec![Diagnostic::error(
+                "E0603",
+                format!("internal compiler error: {what}"),
+                strategy.schedule.span,
+                "while compiling this schedule",
+            )
+            .with_help("this is a bug in pipec, not in the spec; please report it with the spec")]
+        };
         // the passes feeding a bucketed replica reduction, with its operation
-        let reducing: Vec<(usize, PassOp)> = (0..stream.len())
-            .filter_map(|j| {
-                let k = reduced_in_buckets(stream, j)?;
-                let Instr::Collective { stage, payload, .. } = &stream[j] else { return None };
+        let has_buckets = |s: StageId| buckets.get(s.0 as usize).is_some_and(|b| !b.is_empty());
+        let reducing: std::collections::HashMap<usize, PassOp> = bucketed_passes(stream, has_buckets)
+            .into_iter()
+            .filter_map(|(pass, j)| {
+                let Instr::Collective { payload, .. } = &stream[j] else { return None };
                 let op = match payload {
                     CollectivePayload::Gradients => PassOp::AllReduce,
                     CollectivePayload::GradientShard => PassOp::ReduceScatter,
@@ -67,14 +77,14 @@ pub(crate) fn in_pass_table(
                     | CollectivePayload::Weights
                     | CollectivePayload::GradNorm => return None,
                 };
-                buckets.get(stage.0 as usize).filter(|b| !b.is_empty()).map(|_| (k, op))
+                Some((pass, op))
             })
             .collect();
         let mut seen: Vec<(StageId, PassKind, bool)> = Vec::new();
         for (i, ins) in stream.iter().enumerate() {
             let Some(kind) = PassKind::of(ins).filter(|k| k.is_pass()) else { continue };
             let stage = ins.stage();
-            let reduces = reducing.iter().find(|(k, _)| *k == i).map(|&(_, op)| op);
+            let reduces = reducing.get(&i).copied();
             if seen.contains(&(stage, kind, reduces.is_some())) {
                 continue;
             }
@@ -92,35 +102,21 @@ pub(crate) fn in_pass_table(
             let starts: Vec<usize> =
                 buckets.get(s).map(|b| b.iter().map(|b| b.layers[0]).collect()).unwrap_or_default();
             let reduce = reduces.map(|op| Buckets { starts: &starts, op });
-            let list = declare(&layers, range, layout, kind, s == 0, s == last, reduce).map_err(|e| {
-                vec![Diagnostic::error(
-                    "E0603",
-                    format!("internal compiler error: the collectives inside {stage}'s passes: {e}"),
-                    strategy.schedule.span,
-                    "while compiling this schedule",
-                )
-                .with_help("this is a bug in pipec, not in the spec; please report it with the spec")]
-            })?;
+            let list = declare(&layers, range, layout, kind, s == 0, s == last, reduce)
+                .map_err(|e| internal(format!("the collectives inside {stage}'s passes: {e}")))?;
             table.insert(*device, stage, kind, reduces.is_some(), list);
         }
         // the update's side: the tensor-parallel sums of partial gradients (and norms)
-        let internal = |e: String| {
-            vec![Diagnostic::error(
-                "E0603",
-                format!("internal compiler error: the tensor-parallel sums at {device}'s updates: {e}"),
-                strategy.schedule.span,
-                "while compiling this schedule",
-            )
-            .with_help("this is a bug in pipec, not in the spec; please report it with the spec")]
-        };
+        let at_updates = |e: String| internal(format!("the tensor-parallel sums at {device}'s updates: {e}"));
         let tp = strategy.tp.max(1);
         let mut partial = std::collections::BTreeMap::new();
-        for stage in stream.iter().map(Instr::stage) {
-            let range = ranges.get(stage.0 as usize).cloned().unwrap_or_default();
-            if tp > 1 && !partial.contains_key(&stage) {
-                let ids = pipec_plan::in_pass::tp_partial_ids(&ops, range, spec.model.loss, tp).map_err(internal)?;
-                partial.insert(stage, ids.into_iter().map(|id| (id >> 8) as u32).collect::<Vec<u32>>());
+        for stage in stream.iter().map(Instr::stage).filter(|_| tp > 1) {
+            if partial.contains_key(&stage) {
+                continue;
             }
+            let range = ranges.get(stage.0 as usize).cloned().unwrap_or_default();
+            let ids = pipec_plan::in_pass::tp_partial_ids(&ops, range, spec.model.loss, tp).map_err(at_updates)?;
+            partial.insert(stage, ids.into_iter().map(|id| (id >> 8) as u32).collect::<Vec<u32>>());
         }
         let first_layer = |s: StageId| ranges.get(s.0 as usize).map_or(0, |r| r.start as u32);
         // (as `Schedule::updates_every_step` reads the plan: asynchronous data parallelism's
@@ -134,7 +130,7 @@ pub(crate) fn in_pass_table(
             // every instruction of one kind of a stage sums the same (one list per key)
             match lists.iter().find(|(k, _)| *k == key) {
                 Some((_, l)) if *l != list => {
-                    return Err(internal(format!("{} {}s sum differently", key.0, key.1)));
+                    return Err(at_updates(format!("{} {}s sum differently", key.0, key.1)));
                 }
                 Some(_) => {}
                 None => lists.push((key, list)),

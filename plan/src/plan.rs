@@ -598,6 +598,19 @@ pub fn reduced_in_buckets(stream: &[Instr], at: usize) -> Option<usize> {
     None
 }
 
+/// The passes of `stream` that feed a bucketed replica reduction: each one's position with
+/// the position of the collective it feeds ([`reduced_in_buckets`]), on a stage that
+/// `has_buckets` says has gradient buckets. The one list the compiler's declaration, the
+/// verifier and the executor read.
+pub fn bucketed_passes(stream: &[Instr], has_buckets: impl Fn(StageId) -> bool) -> Vec<(usize, usize)> {
+    (0..stream.len())
+        .filter_map(|j| {
+            let pass = reduced_in_buckets(stream, j)?;
+            has_buckets(stream[j].stage()).then_some((pass, j))
+        })
+        .collect()
+}
+
 fn is_all_to_all(d: &crate::vocab::MoeDispatch) -> bool {
     *d == crate::vocab::MoeDispatch::AllToAll
 }

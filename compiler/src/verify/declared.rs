@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use pipec_plan::in_pass::{InPass, InPassTable, PassKind};
-use pipec_plan::plan::reduced_in_buckets;
+use pipec_plan::plan::bucketed_passes;
 use pipec_plan::{Choice, DeviceId, PeerDim, StageId};
 
 use super::{VerifyInput, Violation};
@@ -89,11 +89,12 @@ pub(super) fn check_declared(input: &VerifyInput<'_>, table: &InPassTable, out: 
             }
         }
     }
-    // per device, the passes feeding a bucketed replica reduction (`reduced_in_buckets`)
+    // per device, the passes feeding a bucketed replica reduction (on a stage with buckets
+    // where the table declares a list of its own for them)
     let reducing: FxHashMap<DeviceId, FxHashSet<usize>> = input
         .streams
         .iter()
-        .map(|(d, stream)| (*d, (0..stream.len()).filter_map(|j| reduced_in_buckets(stream, j)).collect()))
+        .map(|(d, stream)| (*d, bucketed_passes(stream, |_| true).into_iter().map(|(pass, _)| pass).collect()))
         .collect();
     for ((dim, members), g) in &groups {
         let passes = |d: DeviceId| {

@@ -78,11 +78,12 @@ impl BucketsInFlight {
 /// The positions in `all` of the backwards whose stage's replica all-reduce runs in
 /// buckets (`reduced_in_buckets`, on a stage with buckets), with the all-reduce's group.
 pub(crate) fn bucketed_backwards(plan: &pipec_plan::Plan, all: &[Instr]) -> HashMap<usize, GroupId> {
-    (0..all.len())
-        .filter_map(|j| {
-            let b = pipec_plan::plan::reduced_in_buckets(all, j)?;
-            let Instr::Collective { stage, group, .. } = &all[j] else { return None };
-            plan.stage(*stage).filter(|s| !s.gradient_buckets.is_empty()).map(|_| (b, *group))
+    let has_buckets = |s| plan.stage(s).is_some_and(|s| !s.gradient_buckets.is_empty());
+    pipec_plan::plan::bucketed_passes(all, has_buckets)
+        .into_iter()
+        .filter_map(|(pass, j)| {
+            let Instr::Collective { group, .. } = &all[j] else { return None };
+            Some((pass, *group))
         })
         .collect()
 }
