@@ -287,7 +287,8 @@ fn each_replica_holds_the_state_the_plan_counts() {
 /// kept for a backward holds them and gathered again for the next pass. A recomputed stage
 /// keeps only its forwards' inputs, so it gathers for every forward and every recompute —
 /// 2 gathers per microbatch; a stage whose forwards keep their graphs (here the last,
-/// which keeps its loss) gathers once a step, at its first pass. Both train like one device.
+/// which keeps its loss) gathers once a step, at its first pass — the first step too (a
+/// step starts with the weights dropped, those built included). Both train like one device.
 #[test]
 fn zero_3_gathers_a_recomputed_stage_for_every_pass_and_drops_it_between() {
     let strategy = "  stages: \"2-2\"\n  schedule: gpipe\n  microbatches: 4\n  recompute: true\n  zero: 3";
@@ -297,19 +298,18 @@ fn zero_3_gathers_a_recomputed_stage_for_every_pass_and_drops_it_between() {
     let p = plan(&spec(MLP, 4, strategy, ADAM, 2));
     let dir = tempfile::tempdir().expect("tempdir");
     let report = train(&p, dir.path());
-    // 4 microbatches over 2 replicas: 2 per replica (the first step's first pass finds
-    // the weights the stage was built with)
+    // 4 microbatches over 2 replicas: 2 per replica
     for s in &p.stages {
         let per_step = if s.id.0 == 0 { 2 * 2 } else { 1 };
         for d in &s.replicas {
-            assert_eq!(report.weight_gathers.get(d), Some(&vec![per_step - 1, per_step]), "{} on {d}", s.id);
+            assert_eq!(report.weight_gathers.get(d), Some(&vec![per_step, per_step]), "{} on {d}", s.id);
         }
     }
     // without recompute the first stage keeps its graphs too: one gather a step
     let p = plan(&spec(MLP, 4, &strategy.replace("recompute: true", "recompute: false"), ADAM, 2));
     let report = train(&p, tempfile::tempdir().expect("tempdir").path());
     assert_eq!(report.weight_gathers.len(), 4);
-    assert!(report.weight_gathers.values().all(|g| g == &vec![0, 1]), "{:?}", report.weight_gathers);
+    assert!(report.weight_gathers.values().all(|g| g == &vec![1, 1]), "{:?}", report.weight_gathers);
     // one stage per device: nothing to prefetch (the next pass is the same stage's)
     assert!(report.prefetched_gathers.values().all(|g| g == &vec![0, 0]), "{:?}", report.prefetched_gathers);
 }
@@ -317,8 +317,7 @@ fn zero_3_gathers_a_recomputed_stage_for_every_pass_and_drops_it_between() {
 /// ZeRO-3's prefetch, the stage as the unit: on an interleaved pipeline each device holds
 /// two chunks, and while one computes, the whole weights of the other, which the next pass
 /// needs, are gathered on the communication thread. Trains like one device; every device
-/// prefetched some of its gathers in the second step (the first step's first passes find
-/// the weights the stages were built with), and a prefetched gather is still one gather.
+/// prefetched some of its gathers in each step, and a prefetched gather is still one gather.
 #[test]
 fn zero_3_prefetches_the_next_stages_weights_during_a_pass() {
     let strategy = "  stages: \"2-2\"\n  schedule: { kind: interleaved, virtual_stages: 2 }\n  microbatches: 4\n  recompute: true\n  zero: 3";
@@ -330,7 +329,7 @@ fn zero_3_prefetches_the_next_stages_weights_during_a_pass() {
     assert_eq!(report.prefetched_gathers.len(), 4, "{:?}", report.prefetched_gathers);
     for (d, prefetched) in &report.prefetched_gathers {
         let gathers = &report.weight_gathers[d];
-        assert!(prefetched[1] > 0 && prefetched[1] <= gathers[1], "{d}: {prefetched:?} of {gathers:?}");
+        assert!(prefetched.iter().zip(gathers).all(|(p, g)| *p > 0 && p <= g), "{d}: {prefetched:?} of {gathers:?}");
     }
 }
 
@@ -430,5 +429,113 @@ fn validation_under_zero_3_equals_one_device() {
     for ((a, x), (b, y)) in one.iter().zip(&got) {
         assert!((a - b).abs() <= 1e-5 * a.abs(), "validation loss {a} on one device, {b} under ZeRO-3");
         assert_eq!(x, y, "validation accuracy");
+    }
+}
+
+/// ZeRO-3's gathers of stages' whole weights are in the plan (`in_pass.gathers`, by
+/// instruction) and are the program: on a recomputed GPipe pipeline, an interleaved one
+/// (gathers ahead), zero-bubble's split backward and beside tensor parallelism, each
+/// device's step runs exactly the gathers and prefetches its plan declares. A replica whose
+/// declaration drops a gather, or starts one at another pass, is refused by the verifier;
+/// a declaration every replica shares that leaves a pass's weights missing, or gathers
+/// weights that are here, stops the run at that pass.
+#[test]
+fn zero_3_stage_gathers_are_declared_verified_and_held_to() {
+    use pipec_plan::in_pass::StageGather;
+    let layouts = [
+        (4, "  stages: \"2-2\"\n  schedule: gpipe\n  microbatches: 4\n  recompute: true\n  zero: 3"),
+        (4, "  stages: \"2-2\"\n  schedule: { kind: interleaved, virtual_stages: 2 }\n  microbatches: 4\n  recompute: true\n  zero: 3"),
+        (4, "  stages: \"2-2\"\n  schedule: zb-h1\n  microbatches: 4\n  zero: 3"),
+        (8, "  stages: \"2-2\"\n  tp: 2\n  schedule: 1f1b\n  microbatches: 4\n  recompute: true\n  zero: 3"),
+    ];
+    for (devices, strategy) in layouts {
+        let what = strategy.replace('\n', ";");
+        let p = plan(&spec(MLP, devices, strategy, ADAM, 2));
+        assert!(pipec_compiler::verification::verify_plan(&p).is_empty(), "{what}");
+        let report = train(&p, tempfile::tempdir().expect("tempdir").path());
+        for (d, stream) in &p.streams {
+            let declared = p.in_pass.gathers_of(*d);
+            assert!(!declared.is_empty(), "{what}: {d} declares no gathers");
+            let ahead = declared.iter().filter(|g| stream[g.at as usize].stage() != g.stage).count() as u32;
+            let n = declared.len() as u32;
+            assert_eq!(report.weight_gathers.get(d), Some(&vec![n, n]), "{what}: {d}");
+            assert_eq!(report.prefetched_gathers.get(d), Some(&vec![ahead, ahead]), "{what}: {d}");
+        }
+        // one replica's declaration with a gather dropped, or started at another pass
+        let d1 = pipec_plan::DeviceId(1);
+        let own = |edit: &dyn Fn(&mut Vec<StageGather>)| -> Plan {
+            let mut p = p.clone();
+            let mut list = p.in_pass.gathers_of(d1).to_vec();
+            edit(&mut list);
+            p.in_pass.gathers.insert(d1, p.in_pass.gather_lists.len() as u32);
+            p.in_pass.gather_lists.push(list);
+            p
+        };
+        let stream = &p.streams[&d1];
+        let moved = |l: &mut Vec<StageGather>| {
+            let g = l[0];
+            let other = (0..stream.len())
+                .find(|&j| {
+                    j != g.at as usize
+                        && stream[j].stage() == g.stage
+                        && pipec_plan::in_pass::reads_weights(&stream[j])
+                        && !l.iter().any(|x| x.at as usize == j)
+                })
+                .expect("another pass of the stage");
+            l[0].at = other as u32;
+            l.sort_by_key(|x| x.at);
+        };
+        for (how, edited) in [
+            (
+                "dropped",
+                own(&|l| {
+                    l.pop();
+                }),
+            ),
+            ("moved", own(&moved)),
+        ] {
+            let problems = pipec_compiler::verification::verify_plan(&edited);
+            assert!(
+                problems.iter().any(|m| m.contains("must issue the same ones in the same order")),
+                "{what}, {how}: {problems:?}"
+            );
+        }
+        // every replica without its first gather: verified, but its pass finds no weights
+        let mut short = p.clone();
+        for list in &mut short.in_pass.gather_lists {
+            list.remove(0);
+        }
+        assert!(pipec_compiler::verification::verify_plan(&short).is_empty(), "{what}");
+        let e = match pipec_executor::run(&short, &RunOptions::default(), &mut |_| {}) {
+            Ok(_) => panic!("{what}: a plan declaring fewer gathers than its passes need trained"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains("whole weights are not here at this pass, where the plan declares no gather"),
+            "{what}: {e}"
+        );
+        // every device gathering once more, at its first stage's next pass that declares
+        // no gather: the weights are here (or on their way)
+        let mut twice = p.clone();
+        for (d, stream) in &p.streams {
+            let mut list = p.in_pass.gathers_of(*d).to_vec();
+            let first = list[0];
+            let j = (first.at as usize + 1..stream.len())
+                .find(|&j| {
+                    stream[j].stage() == first.stage
+                        && pipec_plan::in_pass::reads_weights(&stream[j])
+                        && !list.iter().any(|x| x.at as usize == j)
+                })
+                .expect("a pass finding the weights");
+            list.push(StageGather { at: j as u32, stage: first.stage });
+            list.sort_by_key(|x| x.at);
+            twice.in_pass.insert_gathers(*d, list);
+        }
+        assert!(pipec_compiler::verification::verify_plan(&twice).is_empty(), "{what}");
+        let e = match pipec_executor::run(&twice, &RunOptions::default(), &mut |_| {}) {
+            Ok(_) => panic!("{what}: a plan gathering weights that are here trained"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("where the plan declares a gather of them"), "{what}: {e}");
     }
 }

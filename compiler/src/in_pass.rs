@@ -80,6 +80,18 @@ pub(crate) fn in_pass_table(
                 Some((pass, op))
             })
             .collect();
+        // ZeRO-3's gathers of the device's sharded stages' whole weights, by instruction
+        let zero3 = |s: StageId| {
+            strategy.sharding == pipec_plan::vocab::Sharding::Parameters
+                && placement.replicas.get(s.0 as usize).is_some_and(|r| r.len() > 1)
+        };
+        let sharded: std::collections::BTreeMap<StageId, bool> = stream
+            .iter()
+            .map(Instr::stage)
+            .filter(|s| zero3(*s))
+            .map(|s| (s, lowered.recompute.get(s.0 as usize).copied().unwrap_or(false) && s.0 as usize != last))
+            .collect();
+        table.insert_gathers(*device, pipec_plan::in_pass::stage_gathers(stream, &sharded));
         let mut seen: Vec<(StageId, PassKind, bool)> = Vec::new();
         for (i, ins) in stream.iter().enumerate() {
             let Some(kind) = PassKind::of(ins).filter(|k| k.is_pass()) else { continue };
@@ -95,8 +107,7 @@ pub(crate) fn in_pass_table(
                 cp: strategy.cp.max(1),
                 ring: strategy.cp_comm == pipec_plan::vocab::CpComm::Ring,
                 ep: lowered.expert_parallel.get(s).copied().unwrap_or(1).max(1),
-                zero3: strategy.sharding == pipec_plan::vocab::Sharding::Parameters
-                    && placement.replicas.get(s).is_some_and(|r| r.len() > 1),
+                zero3: zero3(stage),
             };
             let range = ranges.get(s).cloned().unwrap_or_default();
             let starts: Vec<usize> =

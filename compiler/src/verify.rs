@@ -83,6 +83,7 @@ pub fn verify(input: &VerifyInput<'_>) -> Vec<Violation> {
     let mut out = Vec::new();
     if let Some(table) = input.in_pass {
         declared::check_declared(input, table, &mut out);
+        declared::check_gathers(input, table, &mut out);
     }
     out.extend(verify_streams(&VerifyInput { in_pass: None, ..input.clone() }));
     out

@@ -22,8 +22,15 @@
 //! rank, where the first of them reads a stage's gradients whole, and of the stage's own
 //! norm where an update clips by it ([`update_sums`]).
 //!
-//! Not declared yet (run by the executor outside this table): ZeRO-3's gathers of a stage's
-//! other weights and their prefetch between passes.
+//! ZeRO-3's gathers of a stage's whole weights (those its products do not gather
+//! themselves) and their prefetch depend on what the device keeps between passes, not on
+//! the kind of pass: each device declares them by instruction ([`stage_gathers`]), the
+//! verifier checks that the members of each stage's shard group start them at the same
+//! passes, and the executor starts exactly those.
+
+mod stage_gathers;
+
+pub use stage_gathers::{reads_weights, stage_gathers, StageGather};
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -195,17 +202,38 @@ pub struct PassList {
 }
 
 /// Every device's declared collectives inside its passes: the distinct lists once, and per
-/// device which list each (stage, kind of pass) it runs issues. A pass not listed issues
-/// none.
+/// device which list each (stage, kind of pass) it runs issues (a pass not listed issues
+/// none); and ZeRO-3's gathers of stages' whole weights, the distinct lists once and per
+/// device the index of its own (none: it starts none).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct InPassTable {
     pub lists: Vec<Vec<InPass>>,
     pub devices: BTreeMap<DeviceId, Vec<PassList>>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gather_lists: Vec<Vec<StageGather>>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gathers: BTreeMap<DeviceId, u32>,
 }
 
 impl InPassTable {
     pub fn is_empty(&self) -> bool {
-        self.devices.is_empty()
+        self.devices.is_empty() && self.gathers.is_empty()
+    }
+
+    /// The gathers of stages' whole weights `device`'s step starts, in order.
+    pub fn gathers_of(&self, device: DeviceId) -> &[StageGather] {
+        self.gathers.get(&device).and_then(|i| self.gather_lists.get(*i as usize)).map_or(&[], Vec::as_slice)
+    }
+
+    /// Declares `list` as the gathers of stages' whole weights `device`'s step starts
+    /// (nothing for an empty list), sharing an equal list already declared.
+    pub fn insert_gathers(&mut self, device: DeviceId, list: Vec<StageGather>) {
+        if list.is_empty() {
+            self.gathers.remove(&device);
+            return;
+        }
+        let at = shared(&mut self.gather_lists, list);
+        self.gathers.insert(device, at);
     }
 
     /// What `device`'s passes of `kind` on `stage` issue, in order (empty: nothing); with
@@ -225,16 +253,10 @@ impl InPassTable {
         if list.is_empty() {
             return;
         }
-        let at = match self.lists.iter().position(|l| *l == list) {
-            Some(i) => i,
-            None => {
-                self.lists.push(list);
-                self.lists.len() - 1
-            }
-        };
+        let at = shared(&mut self.lists, list);
         let entries = self.devices.entry(device).or_default();
         entries.retain(|p| !(p.stage == stage && p.pass == kind && p.reduces == reduces));
-        entries.push(PassList { stage, pass: kind, reduces, list: at as u32 });
+        entries.push(PassList { stage, pass: kind, reduces, list: at });
     }
 
     /// The table's own consistency: every list index in range, no (stage, kind) twice on
@@ -251,8 +273,22 @@ impl InPassTable {
                 }
             }
         }
+        for (d, i) in &self.gathers {
+            if *i as usize >= self.gather_lists.len() {
+                out.push(format!("in_pass: {d}'s gathers {i} are not one of the {} lists", self.gather_lists.len()));
+            }
+        }
         out
     }
+}
+
+/// The index of `list` in `lists`, where it is added unless an equal one is there.
+fn shared<T: PartialEq>(lists: &mut Vec<T>, list: T) -> u32 {
+    let at = lists.iter().position(|l| *l == list).unwrap_or_else(|| {
+        lists.push(list);
+        lists.len() - 1
+    });
+    at as u32
 }
 
 /// The parallel degrees a stage's passes run under.

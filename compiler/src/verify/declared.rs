@@ -6,6 +6,9 @@
 //!
 //! The members' streams are walked side by side, pass by pass, without expanding the
 //! declarations: memory stays that of the table at thousands of devices.
+//!
+//! ZeRO-3's gathers of stages' whole weights, declared by instruction, are checked per
+//! stage's shard group: its members start them at the same passes ([`check_gathers`]).
 
 use std::collections::BTreeMap;
 
@@ -13,6 +16,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use pipec_plan::in_pass::{InPass, InPassTable, PassKind};
 use pipec_plan::plan::bucketed_passes;
+use pipec_plan::vocab::Sharding;
 use pipec_plan::{Choice, DeviceId, PeerDim, StageId};
 
 use super::{VerifyInput, Violation};
@@ -173,5 +177,105 @@ fn difference(
             members[0],
             say(reference, at)
         ),
+    }
+}
+
+/// ZeRO-3's gathers of stages' whole weights (`pipec_plan::in_pass::stage_gathers`): each
+/// starts at a pass that reads weights, of a stage the device holds sharded at stage 3
+/// among other replicas, and the members of each stage's shard group start theirs at the
+/// same passes — the same kind of pass of the same stage, its same occurrence in the
+/// step — in the same order.
+pub(super) fn check_gathers(input: &VerifyInput<'_>, table: &InPassTable, out: &mut Vec<Violation>) {
+    // per (stage gathered, its shard group): each member's gathers, each as the pass it
+    // starts in (kind, stage, how many passes of that kind and stage came before)
+    type At = (PassKind, StageId, usize);
+    let mut groups: BTreeMap<(StageId, Vec<DeviceId>), BTreeMap<DeviceId, Vec<At>>> = BTreeMap::new();
+    for (d, stream) in input.streams {
+        let gathers = table.gathers_of(*d);
+        if gathers.is_empty() {
+            continue;
+        }
+        let mut seen: FxHashMap<(PassKind, StageId), usize> = FxHashMap::default();
+        let mut ordinal = vec![None; stream.len()];
+        for (i, ins) in stream.iter().enumerate() {
+            if let Some(kind) = PassKind::of(ins) {
+                let n = seen.entry((kind, ins.stage())).or_insert(0);
+                ordinal[i] = Some((kind, ins.stage(), *n));
+                *n += 1;
+            }
+        }
+        let held: FxHashSet<StageId> = stream.iter().map(pipec_plan::Instr::stage).collect();
+        for g in gathers {
+            let at = g.at as usize;
+            let problem = match stream.get(at) {
+                None => Some(format!("is past the end of its stream ({} instructions)", stream.len())),
+                Some(ins) if !pipec_plan::in_pass::reads_weights(ins) => {
+                    Some(format!("starts at `{ins}`, which reads no weights"))
+                }
+                Some(_) if !held.contains(&g.stage) => Some(format!("is of {}, which {d} does not hold", g.stage)),
+                Some(_) if input.sharding != Sharding::Parameters => {
+                    Some("is declared, but the plan does not shard parameters (ZeRO-3)".to_string())
+                }
+                Some(_) => None,
+            };
+            if let Some(p) = problem {
+                out.push(Violation {
+                    device: Some(*d),
+                    index: Some(at),
+                    message: format!("its gather of {}'s whole weights at instruction {at} {p}", g.stage),
+                });
+                continue;
+            }
+            let Some(members) = group_of(input, g.stage, *d, PeerDim::Shard) else {
+                out.push(Violation {
+                    device: Some(*d),
+                    index: Some(at),
+                    message: format!(
+                        "it gathers {}'s whole weights, but {d} shares no ZeRO shard of {} with other replicas",
+                        g.stage, g.stage
+                    ),
+                });
+                continue;
+            };
+            if let Some(o) = ordinal[at] {
+                groups.entry((g.stage, members)).or_default().entry(*d).or_default().push(o);
+            }
+        }
+    }
+    for ((stage, members), by_member) in groups {
+        let empty = Vec::new();
+        let reference = by_member.get(&members[0]).unwrap_or(&empty);
+        for m in &members[1..] {
+            let mine = by_member.get(m).unwrap_or(&empty);
+            let Some(k) = (0..reference.len().max(mine.len())).find(|&k| reference.get(k) != mine.get(k)) else {
+                continue;
+            };
+            let say = |a: Option<&At>| match a {
+                Some((kind, s, n)) => format!("at its {} {kind} of {s}", ordinal_name(*n)),
+                None => "nowhere".to_string(),
+            };
+            let names: Vec<String> = members.iter().map(ToString::to_string).collect();
+            out.push(Violation {
+                device: Some(*m),
+                index: None,
+                message: format!(
+                    "its ZeRO-3 gathers of {stage}'s whole weights differ from its shard group's ({}): gather {k} starts {}, where {} starts it {}; a group's members must issue the same ones in the same order",
+                    names.join(", "),
+                    say(mine.get(k)),
+                    members[0],
+                    say(reference.get(k)),
+                ),
+            });
+        }
+    }
+}
+
+/// "first", "second", … for occurrence `n` (from 0).
+fn ordinal_name(n: usize) -> String {
+    match n {
+        0 => "first".to_string(),
+        1 => "second".to_string(),
+        2 => "third".to_string(),
+        n => format!("{}th", n + 1),
     }
 }

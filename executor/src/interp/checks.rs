@@ -1,12 +1,12 @@
 //! The interpreter's debug checks of a pass (on in debug builds and so in every test): the
 //! tensors it left are on the worker's device, and the collectives it issued inside itself
-//! are those the plan declares for it (`pipec_plan::in_pass`), in order, over the same
-//! members.
+//! are those the plan declares for it (`pipec_plan::in_pass`; first ZeRO-3's gathers of
+//! whole weights declared at its position), in order, over the same members.
 
 use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::interp::worker::Worker;
-use pipec_plan::Instr;
+use pipec_plan::{Instr, PassOp, PeerDim};
 
 impl<B: ExecBackend> Worker<'_, B> {
     /// Debug builds: every tensor a pass left for its microbatch (its stage's input, what
@@ -46,6 +46,12 @@ impl<B: ExecBackend> Worker<'_, B> {
         let reduces = self.transfers.bucketed.get(&at).copied();
         let declared = self.plan.in_pass.of(self.device, stage, kind, reduces.is_some());
         let mut want = Vec::with_capacity(declared.len());
+        // ZeRO-3's gathers of whole weights the pass starts first (its stage's, then ahead)
+        for t in self.zero3.declared.get(&at).into_iter().flatten() {
+            let shard = self.stages.get(t).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("its shard"))?;
+            let members = crate::parallel::groups::members(self.plan, shard.group)?;
+            want.push(crate::comm::exchanger::Issued { op: PassOp::AllGather, over: PeerDim::Shard, members });
+        }
         for e in declared {
             let members = match e.over {
                 pipec_plan::PeerDim::Tensor => self.state(stage)?.tp.as_ref().map(|t| t.members.clone()),

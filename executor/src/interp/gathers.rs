@@ -1,9 +1,10 @@
-//! ZeRO as the worker runs it: a replica's shard update, the stage gathers and their
-//! prefetch, and the per-product gathers a pass installs for its products.
+//! ZeRO as the worker runs it: a replica's shard update, the stage gathers the plan
+//! declares and their prefetch, and the per-product gathers a pass installs for its
+//! products.
 
 use std::collections::HashMap;
 
-use pipec_plan::{Instr, StageId};
+use pipec_plan::StageId;
 
 use crate::backend::kernels::ExecBackend;
 use crate::comm::exchanger::Ticket;
@@ -62,21 +63,54 @@ impl<B: ExecBackend> Worker<'_, B> {
         crate::interp::sharded::release_weights(self.state(stage)?)
     }
 
-    /// ZeRO-3: gathers the stage's whole weights from the replicas' shards for a pass,
-    /// unless they are still here (`release_unpinned` and the update drop them; nothing
-    /// when the stage is not at stage 3) — those its products do not gather themselves
-    /// (`zero::per_product`: the model holds stand-ins for them).
-    pub(crate) fn gather_weights(&mut self, stage: StageId) -> Result<()> {
-        let Some(shard) = self.stages.get(&stage).and_then(|s| s.shard.as_ref()) else { return Ok(()) };
-        if shard.gathered {
-            return Ok(());
-        }
-        let tickets = match self.zero3.prefetched.remove(&stage) {
-            Some(tickets) => {
-                self.zero3.prefetched_gathers += 1;
-                tickets
+    /// ZeRO-3, before the pass at position `at` of the step, a pass of `stage`: the
+    /// gathers of whole weights the plan declares there (`pipec_plan::in_pass::stage_gathers`)
+    /// start — the stage's own, which the pass waits for, and that of the stage the
+    /// device's next pass needs, which runs on the communication thread while this pass
+    /// computes (FSDP's prefetch) — and the pass finds its stage's whole weights (those its
+    /// products do not gather themselves, `zero::per_product`) here, gathered now or ahead.
+    /// A declaration that leaves them missing, or gathers them while they are here, fails
+    /// the pass: the plan is the program. A validation, for which the plan declares
+    /// nothing, gathers what is missing.
+    pub(crate) fn gather_weights(&mut self, stage: StageId, at: usize) -> Result<()> {
+        let declared = self.zero3.declared.get(&at).cloned().unwrap_or_default();
+        let mut own = None;
+        for t in declared {
+            let tickets = self.start_gather(t)?;
+            if t == stage {
+                if own.replace(tickets).is_some() {
+                    return Err(ExecError::Plan(format!("ZeRO-3: the plan gathers {t}'s whole weights twice here")));
+                }
+            } else if self.zero3.prefetched.insert(t, tickets).is_some() {
+                return Err(ExecError::Plan(format!("ZeRO-3: the plan gathers {t}'s whole weights ahead twice")));
             }
-            None => self.start_gather(stage)?,
+        }
+        let gathered = self.stages.get(&stage).and_then(|s| s.shard.as_ref()).map(|shard| shard.gathered);
+        let ahead = self.zero3.prefetched.remove(&stage);
+        let tickets = match (gathered, own, ahead) {
+            (None | Some(true), None, None) => return Ok(()),
+            (Some(false), Some(t), None) => t,
+            (Some(false), None, Some(t)) => {
+                self.zero3.prefetched_gathers += 1;
+                t
+            }
+            (Some(false), None, None) if self.progress.evaluating.is_some() => self.start_gather(stage)?,
+            (gathered, own, ahead) => {
+                let here = match gathered {
+                    Some(true) => "here",
+                    Some(false) => "not here",
+                    None => "not sharded at ZeRO stage 3",
+                };
+                let declares = match (own.is_some(), ahead.is_some()) {
+                    (true, true) => "a gather of them and one ahead",
+                    (true, false) => "a gather of them",
+                    (false, true) => "a gather of them ahead",
+                    (false, false) => "no gather of them",
+                };
+                return Err(ExecError::Plan(format!(
+                    "ZeRO-3: {stage}'s whole weights are {here} at this pass, where the plan declares {declares}"
+                )));
+            }
         };
         let gathered = tickets.into_iter().map(Ticket::wait).collect::<std::result::Result<Vec<_>, _>>()?;
         self.zero3.weight_gathers += 1;
@@ -144,56 +178,14 @@ impl<B: ExecBackend> Worker<'_, B> {
 impl<B: ExecBackend> Worker<'_, B> {
     /// ZeRO-3: starts the all-gather of `stage`'s whole weights from the replicas' shards.
     /// (one all-gather per part of the shard's layout: its experts' over their holders)
+    /// Recorded in the ledger as one `zero` all-gather, as the plan declares it.
     fn start_gather(&self, stage: StageId) -> Result<Vec<Ticket<Vec<f32>>>> {
-        let shard =
-            self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or(ExecError::Missing("the stage's shard"))?;
+        let shard = self.stages.get(&stage).and_then(|s| s.shard.as_ref()).ok_or_else(|| {
+            ExecError::Plan(format!("ZeRO-3: the plan gathers {stage}'s whole weights, which are not sharded here"))
+        })?;
         let members = crate::parallel::groups::members(self.plan, shard.group)?;
+        self.comm.ledger().record(pipec_plan::PassOp::AllGather, pipec_plan::PeerDim::Shard, &members);
         let parts = shard.gather_inputs(|k| !shard.per_product[k])?;
         self.start_parts(stage, pipec_plan::CollectiveKind::AllGather, members, parts, None, None)
-    }
-
-    /// ZeRO-3's prefetch of what a stage gathers whole (FSDP's unit prefetch, with the stage
-    /// as the unit; the weights gathered per product are gathered ahead by their
-    /// `zero::Gatherer`): while the pass
-    /// at position `at` of the step computes, the whole weights of the stage the device's
-    /// next pass needs are gathered on its communication thread, when that is another stage
-    /// sharded at stage 3 whose weights are not here and nothing between the two passes
-    /// touches it (no update, no collective). Every replica of that stage runs the same
-    /// program, so each starts the gather at the same point of its communication order.
-    /// Not while evaluating.
-    pub(crate) fn prefetch_weights(&mut self, at: usize) -> Result<()> {
-        // (the look-ahead only where some stage here is sharded at level 3)
-        if self.progress.evaluating.is_some() || !self.stages.keys().any(|s| self.sharded_at_3(*s)) {
-            return Ok(());
-        }
-        let Some(current) = self.progress.step_instrs.get(at).map(Instr::stage) else { return Ok(()) };
-        let needs_weights = |i: &Instr| {
-            matches!(
-                i,
-                Instr::Forward { .. } | Instr::Recompute { .. } | Instr::Backward { .. } | Instr::BackwardInput { .. }
-            )
-        };
-        let Some(j) = (at + 1..self.progress.step_instrs.len()).find(|&j| needs_weights(&self.progress.step_instrs[j]))
-        else {
-            return Ok(());
-        };
-        let next = self.progress.step_instrs[j].stage();
-        let gathered = self.stages.get(&next).and_then(|s| s.shard.as_ref()).is_none_or(|shard| shard.gathered);
-        if next == current || gathered || !self.sharded_at_3(next) || self.zero3.prefetched.contains_key(&next) {
-            return Ok(());
-        }
-        // the weights must be those the pass finds: nothing in between updates the stage
-        let quiet = self.progress.step_instrs[at + 1..j].iter().all(|i| {
-            i.stage() != next
-                || matches!(
-                    i.phase(),
-                    pipec_plan::Phase::Communication | pipec_plan::Phase::Memory | pipec_plan::Phase::BackwardWeight
-                ) && !matches!(i, Instr::StashWeights { .. } | Instr::RestoreWeights { .. })
-        });
-        if quiet {
-            let tickets = self.start_gather(next)?;
-            self.zero3.prefetched.insert(next, tickets);
-        }
-        Ok(())
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use pipec_plan::{GroupId, Instr, MicrobatchId, ReduceMode, StageId};
+use pipec_plan::{GroupId, MicrobatchId, ReduceMode, StageId};
 
 use crate::backend::kernels::ExecBackend;
 use crate::comm::exchanger::Ticket;
@@ -48,13 +48,16 @@ impl<B: ExecBackend> Default for Passes<B> {
 #[derive(Default)]
 pub(crate) struct Zero3Gathers {
     /// The all-gathers of whole weights since the step started, and those of them
-    /// prefetched (`Worker::prefetch_weights`).
+    /// prefetched during the pass before (`Worker::gather_weights`).
     pub(crate) weight_gathers: u32,
     pub(crate) prefetched_gathers: u32,
     /// The all-gathers of single weights by their products since the step started.
     pub(crate) product_gathers: u32,
     /// Whole weights being gathered ahead of the pass that needs them, per stage.
     pub(crate) prefetched: HashMap<StageId, Vec<Ticket<Vec<f32>>>>,
+    /// The gathers of whole weights the plan declares in this step, by position: the
+    /// stages whose gathers the pass there starts, in order.
+    pub(crate) declared: HashMap<usize, Vec<StageId>>,
 }
 
 /// The transfers and gradient reductions in flight.
@@ -92,10 +95,8 @@ impl Transfers {
 pub(crate) struct Progress {
     /// The start of the run: step reports say when each step started from it.
     pub(crate) epoch: Instant,
-    /// The step being run (the learning-rate schedule's) and its instructions (what a
-    /// prefetch looks ahead in).
+    /// The step being run (the learning-rate schedule's).
     pub(crate) current_step: usize,
-    pub(crate) step_instrs: Vec<Instr>,
     /// Gradient clipping by the global norm: this step's norm (once summed); whether the
     /// stream sums it over every device.
     pub(crate) grad_norm: Option<f64>,
@@ -117,7 +118,6 @@ impl Progress {
         Progress {
             epoch: Instant::now(),
             current_step: 0,
-            step_instrs: Vec::new(),
             grad_norm: None,
             global_clip,
             loss_scale: None,

@@ -208,6 +208,20 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let instrs: Vec<Instr> = all.iter().map(|(_, i)| i.clone()).collect();
         self.transfers.bucketed = crate::interp::in_flight::bucketed_backwards(self.plan, &instrs);
         self.zero3.prefetched.clear();
+        // ZeRO-3: a step starts with its sharded stages' whole weights dropped (those built,
+        // or gathered by a validation), and gathers them where the plan declares
+        // (`pipec_plan::in_pass::stage_gathers`; nothing is declared for a validation)
+        self.zero3.declared.clear();
+        if self.progress.evaluating.is_none() {
+            for s in self.stages.keys().copied().collect::<Vec<_>>() {
+                self.release_unpinned(s).map_err(|e| (0, e))?;
+            }
+            // (positions in the body: ZeRO runs no flush-free pipeline)
+            let body = matches!(segments, [(StreamSegment::Body, _)]);
+            for g in self.plan.in_pass.gathers_of(self.device).iter().filter(|_| body) {
+                self.zero3.declared.entry(g.at as usize).or_default().push(g.stage);
+            }
+        }
         // the stages whose whole backward feeds its buckets run their forwards in segments
         self.transfers.segmented = self
             .transfers
@@ -216,7 +230,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .filter(|&&b| matches!(instrs[b], Instr::Backward { .. }))
             .map(|&b| instrs[b].stage())
             .collect();
-        self.progress.step_instrs = instrs;
         // the next message instruction not yet handed to the communication thread
         let mut issued = 0;
         let mut last = 0;
@@ -380,21 +393,18 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 Ok(())
             }
             Instr::Forward { stage, mb } => {
-                self.gather_weights(stage)?;
-                self.prefetch_weights(at)?;
+                self.gather_weights(stage, at)?;
                 let done = self.forward(stage, mb, report);
                 self.products_gathered(stage, done)?;
                 self.release_unpinned(stage)
             }
             Instr::Recompute { stage, mb } => {
-                self.gather_weights(stage)?;
-                self.prefetch_weights(at)?;
+                self.gather_weights(stage, at)?;
                 let done = self.recompute(stage, mb);
                 self.products_gathered(stage, done)
             }
             Instr::Backward { stage, mb } => {
-                self.gather_weights(stage)?;
-                self.prefetch_weights(at)?;
+                self.gather_weights(stage, at)?;
                 let done = match self.transfers.bucketed.get(&at).copied() {
                     // the stage's last gradient of the step: its buckets start in the pass
                     Some(group) => self.backward_segments(stage, mb, Some((group, code))).map(|_| ()),
@@ -406,8 +416,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 Ok(())
             }
             Instr::BackwardInput { stage, mb } => {
-                self.gather_weights(stage)?;
-                self.prefetch_weights(at)?;
+                self.gather_weights(stage, at)?;
                 // the input gradients, and every gradient but the dense weights' products,
                 // which wait for the plan's BackwardWeight
                 let grads = self.run_backward(stage, mb, true);
