@@ -539,3 +539,40 @@ fn zero_3_stage_gathers_are_declared_verified_and_held_to() {
         assert!(e.contains("where the plan declares a gather of them"), "{what}: {e}");
     }
 }
+
+/// ZeRO-3 on every synchronous schedule that runs replicated stages, with and without
+/// recompute: each trains like one device, and each device runs exactly the gathers of
+/// whole weights its plan declares (a missing or extra one stops the run, so a rule that
+/// misread a schedule's order would fail here) — V-shaped and bidirectional schedules
+/// holding two stages a device, the zero-bubble ones splitting their backwards.
+#[test]
+fn zero_3_gathers_hold_on_every_synchronous_schedule() {
+    let schedules = [
+        "gpipe",
+        "1f1b",
+        "{ kind: interleaved, virtual_stages: 2 }",
+        "zb-h1",
+        "zbv",
+        "dualpipev",
+        "dualpipe",
+        "chimera",
+    ];
+    for schedule in schedules {
+        for recompute in [false, true] {
+            let strategy = format!(
+                "  stages: \"2-2\"\n  schedule: {schedule}\n  microbatches: 8\n  recompute: {recompute}\n  zero: 3"
+            );
+            let p = assert_trains_like(MLP, ADAM, (4, &strategy), ONE_DEVICE);
+            let report = train(&p, tempfile::tempdir().expect("tempdir").path());
+            for d in p.streams.keys() {
+                let n = p.in_pass.gathers_of(*d).len() as u32;
+                assert!(n > 0, "{schedule}, recompute {recompute}: {d} declares no gathers");
+                assert!(
+                    report.weight_gathers.get(d).is_some_and(|g| g.iter().all(|x| *x == n)),
+                    "{schedule}, recompute {recompute}: {d} ran {:?}, declared {n}",
+                    report.weight_gathers.get(d)
+                );
+            }
+        }
+    }
+}
