@@ -93,3 +93,6 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         Err(diagnostics) => CompileResult { compiled: None, diagnostics },
     }
 }
+
+#[cfg(test)]
+mod tests;

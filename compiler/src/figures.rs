@@ -43,6 +43,12 @@ pub(crate) struct StageFigures {
     /// Per stage, its gradient buckets (`bucket` in the strategy; empty where the stage
     /// reduces in one all-reduce): [`gradient_buckets`].
     pub(crate) buckets: Vec<Vec<GradientBucket>>,
+    /// Per stage, the seconds of one ZeRO-3 gather of the weights pipec's executor gathers
+    /// whole with the stage, where the plan declares it (`pipec_plan::in_pass::stage_gathers`;
+    /// the simulator prices each, `PlanCost::with_stage_gathers`): every weight of a stage
+    /// with tensor or expert parallelism, else those its products do not gather themselves.
+    /// 0 without ZeRO-3 and for the other engines, whose gathers are priced layer by layer.
+    pub(crate) stage_gathers: Vec<f64>,
 }
 
 impl StageFigures {
@@ -236,7 +242,8 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             costs[r.clone()].iter().map(|c| c.update_s).sum::<f64>() / if shard_optimizer { d as f64 } else { 1.0 }
         })
         .collect();
-    let gather_waits = zero3_gather_waits(spec, model, layout, &stage_replicas, &times);
+    let (gather_waits, stage_gathers) =
+        zero3_gather_waits(spec, model, layout, (&stage_replicas, &expert_parallel), &times);
     let tp_times: Vec<(f64, f64)> =
         tp_times.iter().zip(&gather_waits).map(|(&(f, b), &(gf, gb))| (f + gf, b + gb)).collect();
     // byte counts saturate: a spec past pipec's limits is refused by the front end, and a
@@ -275,78 +282,114 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         output_bytes,
         bytes,
         buckets,
+        stage_gathers,
     }
 }
 
 /// Per stage, the seconds its forward and its backward wait for ZeRO-3's weight gathers
-/// (none unless weights are sharded over replicas). ZeRO-3 gathers each layer's weights
-/// before its forward and again before its backward,
-/// the next layer's while one computes (FSDP's prefetch): a pass waits for its first
-/// layer's gather, which nothing hides, and for whatever of the others its compute
-/// cannot hide — at least max(g₁, G − C + c_last) for gathers g (G in all) and computes c
-/// (C in all) in the pass's order, the bound a one-ahead prefetch meets
+/// (none unless weights are sharded over replicas), and the seconds of one gather of what
+/// pipec's executor gathers with the stage (`StageFigures::stage_gathers`). ZeRO-3 gathers
+/// each layer's weights before its forward and again before its backward, the next
+/// layer's while one computes (FSDP's prefetch): a pass waits for its first layer's
+/// gather, which nothing hides, and for whatever of the others its compute cannot hide —
+/// at least max(g₁, G − C + c_last) for gathers g (G in all) and computes c (C in all) in
+/// the pass's order, the bound a one-ahead prefetch meets. pipec's executor gathers that
+/// way only the weights its products gather themselves (`in_pass::zero3_gather`, none
+/// beside tensor or expert parallelism); the rest it gathers whole with the stage where
+/// the plan declares, which the simulator prices.
 fn zero3_gather_waits(
     spec: &Spec,
     model: &ModelCosts,
     layout: &Layout,
-    stage_replicas: &[u64],
+    (stage_replicas, expert_parallel): (&[u64], &[usize]),
     times: &[(f64, f64)],
-) -> Vec<(f64, f64)> {
+) -> (Vec<(f64, f64)>, Vec<f64>) {
     let (costs, tp, ep) = (&model.costs, spec.strategy.tp.max(1), spec.strategy.ep.max(1));
     let shard_weights = spec.strategy.sharding.shards().2;
+    let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
+    let graph = &model.graph;
+    // either end of a weight tie (gathered with its stage by pipec's executor)
+    let mut tied = vec![false; costs.len()];
+    for (i, (_, node)) in graph.ops().enumerate() {
+        if let Some(t) = node.tied {
+            tied[i] = true;
+            if let Some(x) = tied.get_mut(t) {
+                *x = true;
+            }
+        }
+    }
     let dp_link =
         |d: usize| if d * tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
-    layout
+    let mut whole = Vec::with_capacity(layout.ranges.len());
+    let waits = layout
         .ranges
         .iter()
+        .enumerate()
         .zip(stage_replicas)
         .zip(times)
-        .map(|((r, &d), &(forward, backward))| {
+        .map(|(((s, r), &d), &(forward, backward))| {
             if !shard_weights || d < 2 {
+                whole.push(0.0);
                 return (0.0, 0.0);
             }
-            let layers = &costs[r.clone()];
             // under expert parallelism a layer's routed experts are gathered from the d / ep
             // replicas holding them (nothing to gather when each holds its own whole)
             let holders = (d as usize / ep).max(1);
-            let gather = |c: &crate::cost::LayerCost| {
-                if c.parameter_bytes == 0 {
-                    return 0.0;
-                }
-                let link = dp_link(d as usize);
+            let link = dp_link(d as usize);
+            // a layer's bytes gathered over every replica, and its routed experts' over their holders
+            let parts = |c: &crate::cost::LayerCost| {
                 let share = if c.shard_parameters > 0 && ep > 1 {
                     c.expert_parameters as f64 / c.shard_parameters as f64
                 } else {
                     0.0
                 };
-                let bytes = c.parameter_bytes as f64;
-                let experts = if holders > 1 && share > 0.0 {
-                    ring_time(CollectiveKind::AllGather, link, holders, bytes * share)
+                // (pipec's executor gathers the fp32 master values of its shards)
+                let bytes = if pipec { c.shard_parameters as f64 * 4.0 } else { c.parameter_bytes as f64 };
+                if holders > 1 {
+                    (bytes * (1.0 - share), bytes * share)
                 } else {
-                    0.0
-                };
-                ring_time(CollectiveKind::AllGather, link, d as usize, bytes * (1.0 - share)) + experts
+                    (bytes * (1.0 - share), 0.0)
+                }
             };
-            let total: f64 = layers.iter().map(gather).sum();
-            let exposed =
-                |mut order: Box<dyn Iterator<Item = &crate::cost::LayerCost> + '_>, compute: f64, last: f64| {
-                    let first = order.find_map(|c| Some(gather(c)).filter(|g| *g > 0.0)).unwrap_or(0.0);
-                    first.max(total - compute + last)
-                };
-            let last_forward = layers.last().map_or(0.0, |c| c.forward_s);
-            let last_backward = layers.first().map_or(0.0, |c| c.backward_s);
+            let gathered = |(dense, experts): (f64, f64)| {
+                let ring =
+                    |n: usize, b: f64| if b > 0.0 { ring_time(CollectiveKind::AllGather, link, n, b) } else { 0.0 };
+                ring(d as usize, dense) + ring(holders, experts)
+            };
+            let gather = |c: &crate::cost::LayerCost| if c.parameter_bytes == 0 { 0.0 } else { gathered(parts(c)) };
+            // what pipec's executor gathers with the stage (`in_pass::Layout::per_product`)
+            let per_product = tp <= 1 && expert_parallel.get(s).copied().unwrap_or(1) <= 1;
+            let with_stage = |i: usize| {
+                pipec
+                    && !(per_product
+                        && !tied[i]
+                        && pipec_plan::in_pass::zero3_gather(&graph.node(graph.op_at(i)).op)
+                            == pipec_plan::in_pass::Zero3Gather::PerProduct)
+            };
+            // one gather of the stage's whole weights (and one of its experts')
+            let sum = r
+                .clone()
+                .filter(|&i| with_stage(i))
+                .map(|i| parts(&costs[i]))
+                .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+            whole.push(gathered(sum));
+            let layer_gather = |i: usize| if with_stage(i) { 0.0 } else { gather(&costs[i]) };
+            let total: f64 = r.clone().map(layer_gather).sum();
+            let exposed = |mut order: Box<dyn Iterator<Item = usize> + '_>, compute: f64, last: f64| {
+                let first = order.find_map(|i| Some(layer_gather(i)).filter(|g| *g > 0.0)).unwrap_or(0.0);
+                first.max(total - compute + last)
+            };
+            let last_forward = costs[r.clone()].last().map_or(0.0, |c| c.forward_s);
+            let last_backward = costs[r.clone()].first().map_or(0.0, |c| c.backward_s);
             (
-                exposed(Box::new(layers.iter()), forward, last_forward),
-                exposed(Box::new(layers.iter().rev()), backward, last_backward),
+                exposed(Box::new(r.clone()), forward, last_forward),
+                exposed(Box::new(r.clone().rev()), backward, last_backward),
             )
         })
-        .collect()
+        .collect();
+    (waits, whole)
 }
 
-/// Per stage, expert parallelism's figures: the group size its blocks exchange over (1
-/// without experts), its all-to-alls (a layer's dispatch and combine carry as many bytes,
-/// each way), and its routed experts' gradient bytes.
-#[allow(clippy::type_complexity)]
 fn expert_figures(
     spec: &Spec,
     model: &ModelCosts,

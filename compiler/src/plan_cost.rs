@@ -46,6 +46,9 @@ pub(crate) struct PlanCost<'a> {
     /// Each group's shape on the cluster, found at its first collective (a simulation
     /// prices a group's collectives many times).
     shapes: std::cell::RefCell<HashMap<GroupId, GroupShape>>,
+    /// ZeRO-3 on pipec's executor: the seconds a pass waits for the gathers of its stage's
+    /// whole weights the plan declares (`with_stage_gathers`), by device and pass.
+    stage_gathers: HashMap<(DeviceId, Instr), f64>,
 }
 
 impl<'a> PlanCost<'a> {
@@ -74,7 +77,54 @@ impl<'a> PlanCost<'a> {
             tp: spec.strategy.tp.max(1),
             summed_over,
             shapes: Default::default(),
+            stage_gathers: HashMap::new(),
         }
+    }
+
+    /// Prices ZeRO-3's gathers of stages' whole weights as pipec's executor runs them, where
+    /// the plan declares them (`pipec_plan::in_pass::stage_gathers` over each device's
+    /// `streams`; `stages.stage_gathers`, one gather's seconds; nothing for another engine,
+    /// whose gathers the stage's figures price layer by layer): a pass gathering its own
+    /// stage waits for the whole gather, and one whose weights were gathered ahead during
+    /// the pass before waits for what that pass's computation did not cover.
+    pub(crate) fn with_stage_gathers(
+        mut self,
+        streams: &std::collections::BTreeMap<DeviceId, Vec<Instr>>,
+        stages: &StageFigures,
+        recompute: &[bool],
+    ) -> Self {
+        let seconds = |s: pipec_plan::StageId| stages.stage_gathers.get(s.0 as usize).copied().unwrap_or(0.0);
+        if stages.stage_gathers.iter().all(|g| *g <= 0.0) {
+            return self;
+        }
+        let last = stages.stage_gathers.len().saturating_sub(1);
+        let mut out = HashMap::new();
+        for (d, stream) in streams {
+            // the stages sharded at ZeRO-3 here, each with whether its forward keeps only its input
+            let sharded: std::collections::BTreeMap<pipec_plan::StageId, bool> = stream
+                .iter()
+                .map(Instr::stage)
+                .filter(|s| stages.bytes.get(s.0 as usize).is_some_and(|b| b.replicas > 1))
+                .map(|s| (s, recompute.get(s.0 as usize).copied().unwrap_or(false) && s.0 as usize != last))
+                .collect();
+            for g in pipec_plan::in_pass::stage_gathers(stream, &sharded) {
+                let at = g.at as usize;
+                let wait = if stream[at].stage() == g.stage {
+                    (at, seconds(g.stage))
+                } else {
+                    // ahead: the stage's next pass waits for what this pass did not cover
+                    let Some(j) = (at + 1..stream.len())
+                        .find(|&j| stream[j].stage() == g.stage && pipec_plan::in_pass::reads_weights(&stream[j]))
+                    else {
+                        continue;
+                    };
+                    (j, (seconds(g.stage) - self.compute(*d, &stream[at])).max(0.0))
+                };
+                *out.entry((*d, stream[wait.0].clone())).or_insert(0.0) += wait.1;
+            }
+        }
+        self.stage_gathers = out;
+        self
     }
 
     /// Prices each replica group's gradient reductions as expert parallelism runs them:
@@ -135,8 +185,9 @@ impl PlanCost<'_> {
     }
 }
 
-impl CostModel for PlanCost<'_> {
-    fn compute(&self, _device: DeviceId, instr: &Instr) -> f64 {
+impl PlanCost<'_> {
+    /// An instruction's kernels and the collectives inside it, from its stage's figures.
+    fn kernels(&self, instr: &Instr) -> f64 {
         let s = instr.stage().0 as usize;
         let (f, b) = self.stage_fb.get(s).copied().unwrap_or((0.0, 0.0));
         let (tp_f, tp_b) = self.stage_tp.get(s).copied().unwrap_or((0.0, 0.0));
@@ -153,6 +204,15 @@ impl CostModel for PlanCost<'_> {
             Phase::Optimizer => self.stage_update.get(s).copied().unwrap_or(0.0),
             _ => 0.0,
         }
+    }
+}
+
+impl CostModel for PlanCost<'_> {
+    fn compute(&self, device: DeviceId, instr: &Instr) -> f64 {
+        if self.stage_gathers.is_empty() {
+            return self.kernels(instr);
+        }
+        self.kernels(instr) + self.stage_gathers.get(&(device, instr.clone())).copied().unwrap_or(0.0)
     }
     /// DualPipe's pair: the two passes' computations one after the other, and their
     /// expert-parallel all-to-alls beside them on the other's computation (DeepSeek-V3

@@ -72,11 +72,9 @@ pub(crate) fn simulate_plan(
     lowered: &Lowered,
     device_ids: &[DeviceId],
 ) -> Result<Simulated, Vec<Diagnostic>> {
-    let sim_cost = PlanCost::new(spec, model, stages, lowered.summed_over.clone()).with_expert_groups(
-        &lowered.groups,
-        &lowered.ties,
-        &stages.expert_share(),
-    );
+    let sim_cost = PlanCost::new(spec, model, stages, lowered.summed_over.clone())
+        .with_expert_groups(&lowered.groups, &lowered.ties, &stages.expert_share())
+        .with_stage_gathers(&lowered.streams, stages, &lowered.recompute);
     if let Some(p) = &lowered.periodic {
         let steady = crate::periodic::steady_state(p, &lowered.members(), &sim_cost).map_err(|e| {
             vec![Diagnostic::error(
