@@ -144,6 +144,12 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         // DualPipe's pairs save at most their best saving once per forward
         let best_pair = held.iter().flat_map(|&f| held.iter().map(move |&b| (f, b)));
         let best_pair = best_pair.map(|(f, b)| passes.pair_saving(f, b)).fold(0.0_f64, f64::max);
+        // ZeRO-3 on pipec's executor: a device holding one sharded stage gathers its whole
+        // weights at least once a step, with nothing to hide it behind (a gather ahead is
+        // of another stage; `PlanCost::with_stage_gathers`)
+        if let [s] = held.as_slice() {
+            load += stages.stage_gathers.get(*s).copied().unwrap_or(0.0);
+        }
         for &(s, n) in stage_counts {
             load += n as f64 * (forward[s] + backward[s] + recompute[s] - best_pair);
             held_state += state(s);
