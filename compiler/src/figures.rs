@@ -308,16 +308,7 @@ fn zero3_gather_waits(
     let shard_weights = spec.strategy.sharding.shards().2;
     let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
     let graph = &model.graph;
-    // either end of a weight tie (gathered with its stage by pipec's executor)
-    let mut tied = vec![false; costs.len()];
-    for (i, (_, node)) in graph.ops().enumerate() {
-        if let Some(t) = node.tied {
-            tied[i] = true;
-            if let Some(x) = tied.get_mut(t) {
-                *x = true;
-            }
-        }
-    }
+    let tied = graph.tie_ends();
     let dp_link =
         |d: usize| if d * tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
     let mut whole = Vec::with_capacity(layout.ranges.len());
@@ -357,14 +348,17 @@ fn zero3_gather_waits(
                 ring(d as usize, dense) + ring(holders, experts)
             };
             let gather = |c: &crate::cost::LayerCost| if c.parameter_bytes == 0 { 0.0 } else { gathered(parts(c)) };
-            // what pipec's executor gathers with the stage (`in_pass::Layout::per_product`)
-            let per_product = tp <= 1 && expert_parallel.get(s).copied().unwrap_or(1) <= 1;
+            // what pipec's executor gathers with the stage (the rule of its declarations)
+            let layout = pipec_plan::in_pass::Layout {
+                tp,
+                cp: spec.strategy.cp.max(1),
+                ring: spec.strategy.cp_comm == pipec_plan::vocab::CpComm::Ring,
+                ep: expert_parallel.get(s).copied().unwrap_or(1),
+                zero3: true,
+            };
             let with_stage = |i: usize| {
-                pipec
-                    && !(per_product
-                        && !tied[i]
-                        && pipec_plan::in_pass::zero3_gather(&graph.node(graph.op_at(i)).op)
-                            == pipec_plan::in_pass::Zero3Gather::PerProduct)
+                let op = &graph.node(graph.op_at(i)).op;
+                pipec && !pipec_plan::in_pass::gathered_per_product(op, tied[i], layout)
             };
             // one gather of the stage's whole weights (and one of its experts')
             let sum = r

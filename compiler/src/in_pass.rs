@@ -23,16 +23,7 @@ pub(crate) fn in_pass_table(
 ) -> Result<InPassTable, Vec<Diagnostic>> {
     let ops: Vec<Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
     let n = ops.len();
-    // either end of a weight tie
-    let mut tied = vec![false; n];
-    for (i, (_, node)) in graph.ops().enumerate() {
-        if let Some(t) = node.tied {
-            tied[i] = true;
-            if let Some(x) = tied.get_mut(t) {
-                *x = true;
-            }
-        }
-    }
+    let tied = graph.tie_ends();
     // whose input carries a gradient within its stage: a stage's input past the first
     // stage (received with its gradient to send back), a layer's output when its input
     // does or it has weights; never the model's data
@@ -85,12 +76,8 @@ pub(crate) fn in_pass_table(
             strategy.sharding == pipec_plan::vocab::Sharding::Parameters
                 && placement.replicas.get(s.0 as usize).is_some_and(|r| r.len() > 1)
         };
-        let sharded: std::collections::BTreeMap<StageId, bool> = stream
-            .iter()
-            .map(Instr::stage)
-            .filter(|s| zero3(*s))
-            .map(|s| (s, lowered.recompute.get(s.0 as usize).copied().unwrap_or(false) && s.0 as usize != last))
-            .collect();
+        let recompute = |s: StageId| lowered.recompute.get(s.0 as usize).copied().unwrap_or(false);
+        let sharded = pipec_plan::in_pass::zero3_stages(stream, zero3, recompute, StageId(last as u32));
         table.insert_gathers(*device, pipec_plan::in_pass::stage_gathers(stream, &sharded));
         let mut seen: Vec<(StageId, PassKind, bool)> = Vec::new();
         for (i, ins) in stream.iter().enumerate() {

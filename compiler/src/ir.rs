@@ -106,6 +106,19 @@ impl Graph {
     pub fn inputs(&self, id: OpId) -> impl Iterator<Item = OpId> + '_ {
         self.graph.neighbors_directed(id.0, petgraph::Direction::Incoming).map(OpId)
     }
+    /// Per operator in topological order: whether it is either end of a weight tie.
+    pub fn tie_ends(&self) -> Vec<bool> {
+        let mut tied = vec![false; self.len()];
+        for (i, (_, node)) in self.ops().enumerate() {
+            if let Some(t) = node.tied {
+                tied[i] = true;
+                if let Some(x) = tied.get_mut(t) {
+                    *x = true;
+                }
+            }
+        }
+        tied
+    }
 }
 
 /// The bytes of one sample's tensor of `shape`, saturating (a checked spec's tensors are

@@ -97,27 +97,19 @@ impl<'a> PlanCost<'a> {
         if stages.stage_gathers.iter().all(|g| *g <= 0.0) {
             return self;
         }
-        let last = stages.stage_gathers.len().saturating_sub(1);
+        let last = pipec_plan::StageId(stages.stage_gathers.len().saturating_sub(1) as u32);
+        let sharded = |s: pipec_plan::StageId| stages.bytes.get(s.0 as usize).is_some_and(|b| b.replicas > 1);
+        let recomputed = |s: pipec_plan::StageId| recompute.get(s.0 as usize).copied().unwrap_or(false);
         let mut out = HashMap::new();
         for (d, stream) in streams {
-            // the stages sharded at ZeRO-3 here, each with whether its forward keeps only its input
-            let sharded: std::collections::BTreeMap<pipec_plan::StageId, bool> = stream
-                .iter()
-                .map(Instr::stage)
-                .filter(|s| stages.bytes.get(s.0 as usize).is_some_and(|b| b.replicas > 1))
-                .map(|s| (s, recompute.get(s.0 as usize).copied().unwrap_or(false) && s.0 as usize != last))
-                .collect();
-            for g in pipec_plan::in_pass::stage_gathers(stream, &sharded) {
+            let zero3 = pipec_plan::in_pass::zero3_stages(stream, sharded, recomputed, last);
+            for g in pipec_plan::in_pass::stage_gathers(stream, &zero3) {
                 let at = g.at as usize;
                 let wait = if stream[at].stage() == g.stage {
                     (at, seconds(g.stage))
                 } else {
-                    // ahead: the stage's next pass waits for what this pass did not cover
-                    let Some(j) = (at + 1..stream.len())
-                        .find(|&j| stream[j].stage() == g.stage && pipec_plan::in_pass::reads_weights(&stream[j]))
-                    else {
-                        continue;
-                    };
+                    // ahead: the pass it is for waits for what this pass did not cover
+                    let Some(j) = pipec_plan::in_pass::next_reader(stream, at) else { continue };
                     (j, (seconds(g.stage) - self.compute(*d, &stream[at])).max(0.0))
                 };
                 *out.entry((*d, stream[wait.0].clone())).or_insert(0.0) += wait.1;

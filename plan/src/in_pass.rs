@@ -30,7 +30,7 @@
 
 mod stage_gathers;
 
-pub use stage_gathers::{reads_weights, stage_gathers, StageGather};
+pub use stage_gathers::{next_reader, reads_weights, stage_gathers, zero3_stages, StageGather};
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -350,12 +350,19 @@ pub fn zero3_gather(op: &Op) -> Zero3Gather {
     }
 }
 
-/// The weights a layer gathers per product under ZeRO-3 (not tied, of a kind gathered per
-/// product): a linear layer's or a token table's one; an LSTM's input and recurrent
-/// weights; a block's QKV, output, up and down projections.
-fn product_weights(layers: &Layers<'_>, k: usize) -> usize {
+/// Whether pipec's executor gathers layer `op`'s weights product by product under
+/// `layout` (ZeRO-3 without tensor or expert parallelism, a layer not `tied`, of a kind
+/// gathered per product); else, under ZeRO-3, whole with its stage.
+pub fn gathered_per_product(op: &Op, tied: bool, layout: Layout) -> bool {
+    layout.per_product() && !tied && zero3_gather(op) == Zero3Gather::PerProduct
+}
+
+/// The weights a layer gathers per product under `layout` ([`gathered_per_product`]): a
+/// linear layer's or a token table's one; an LSTM's input and recurrent weights; a block's
+/// QKV, output, up and down projections.
+fn product_weights(layers: &Layers<'_>, k: usize, layout: Layout) -> usize {
     let op = &layers.ops[k];
-    if layers.tied.get(k).copied().unwrap_or(false) || zero3_gather(op) != Zero3Gather::PerProduct {
+    if !gathered_per_product(op, layers.tied.get(k).copied().unwrap_or(false), layout) {
         return 0;
     }
     match op {
@@ -458,11 +465,11 @@ pub fn declare(
     let mut base = Vec::with_capacity(stage.len());
     for k in range.clone() {
         base.push(weights.len());
-        let n = if layout.per_product() { product_weights(layers, k) } else { 0 };
+        let n = product_weights(layers, k, layout);
         weights.extend(std::iter::repeat_n(k as u32, n));
     }
     let read = |k: usize, slot: usize| -> Option<Event> {
-        (layout.per_product() && slot < product_weights(layers, range.start + k)).then(|| Event::Read(base[k] + slot))
+        (slot < product_weights(layers, range.start + k, layout)).then(|| Event::Read(base[k] + slot))
     };
     let tracked = |k: usize| layers.tracked.get(range.start + k).copied().unwrap_or(true);
     let at = |k: usize| (range.start + k) as u32;

@@ -52,6 +52,24 @@ pub fn reads_weights(ins: &Instr) -> bool {
     }
 }
 
+/// The first pass after position `at` of `stream` that reads its stage's whole weights:
+/// the pass a gather ahead started at `at` is for.
+pub fn next_reader(stream: &[Instr], at: usize) -> Option<usize> {
+    (at + 1..stream.len()).find(|&j| reads_weights(&stream[j]))
+}
+
+/// The stages a device's `stream` runs that are `sharded` at ZeRO-3, each with whether its
+/// forward keeps only its input: a `recompute`d stage but the model's `last`, whose
+/// forward keeps its loss — what [`stage_gathers`] reads.
+pub fn zero3_stages(
+    stream: &[Instr],
+    sharded: impl Fn(StageId) -> bool,
+    recompute: impl Fn(StageId) -> bool,
+    last: StageId,
+) -> BTreeMap<StageId, bool> {
+    stream.iter().map(Instr::stage).filter(|s| sharded(*s)).map(|s| (s, recompute(s) && s != last)).collect()
+}
+
 /// What a device keeps of a sharded stage between its passes.
 #[derive(Default)]
 struct Held {
@@ -74,7 +92,7 @@ impl Held {
 
 /// The gathers of stages' whole weights in a device's step `stream`, in issue order;
 /// `zero3`: the stages the device holds sharded at ZeRO stage 3, each with whether its
-/// forward keeps only its input (a recomputed stage but the model's last).
+/// forward keeps only its input ([`zero3_stages`]).
 pub fn stage_gathers(stream: &[Instr], zero3: &BTreeMap<StageId, bool>) -> Vec<StageGather> {
     let mut held: BTreeMap<StageId, Held> = zero3.keys().map(|s| (*s, Held::default())).collect();
     let mut ahead: BTreeSet<StageId> = BTreeSet::new();
@@ -125,7 +143,7 @@ pub fn stage_gathers(stream: &[Instr], zero3: &BTreeMap<StageId, bool>) -> Vec<S
 /// nor on their way, and nothing between the two changes it.
 fn prefetch(stream: &[Instr], at: usize, held: &BTreeMap<StageId, Held>, ahead: &BTreeSet<StageId>) -> Option<StageId> {
     let current = stream[at].stage();
-    let j = (at + 1..stream.len()).find(|&j| reads_weights(&stream[j]))?;
+    let j = next_reader(stream, at)?;
     let next = stream[j].stage();
     let h = held.get(&next)?;
     if next == current || h.gathered || ahead.contains(&next) {
