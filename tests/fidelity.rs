@@ -33,7 +33,7 @@ fn published_iteration_times_and_memory_are_predicted_within_bounds() {
         }
     }
     assert_eq!(step_errors.len(), 18, "Table 5's 8 rows and Table 1's 10");
-    assert_eq!(memory_errors.len(), 16, "Figure 1's 16 figures");
+    assert_eq!(memory_errors.len(), 15, "Figure 1's 16 figures but the 22B blocks' sequence-parallel activations");
     let mean = step_errors.iter().map(|(_, e)| e.abs()).sum::<f64>() / step_errors.len() as f64;
     let worst = step_errors.iter().map(|(_, e)| e.abs()).fold(0.0, f64::max);
     assert!(mean <= 0.03 && worst <= 0.08, "iteration times: mean {mean:.4}, worst {worst:.4}: {step_errors:#?}");

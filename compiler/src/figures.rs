@@ -49,6 +49,20 @@ pub(crate) struct StageFigures {
     /// with tensor or expert parallelism, else those its products do not gather themselves.
     /// 0 without ZeRO-3 and for the other engines, whose gathers are priced layer by layer.
     pub(crate) stage_gathers: Vec<f64>,
+    /// Per stage, on pipec's executor, the seconds of each sum over the tensor-parallel
+    /// group of a gradient that is partial on each rank (`pipec_plan::in_pass::
+    /// tp_partial_parameters`, in its order: one all-reduce of the parameter's fp32 values,
+    /// as the executor sums them); empty for the other engines and without tensor
+    /// parallelism. The simulator prices each where the plan declares it
+    /// (`PlanCost::with_update_sums`).
+    pub(crate) update_sums: Vec<Vec<f64>>,
+    /// On pipec's executor with tensor parallelism, the seconds of the sum of a stage's
+    /// squared gradient norm over its group (one fp32 value; 0 otherwise).
+    pub(crate) norm_sum: f64,
+    /// Per stage, on pipec's executor with expert parallelism, each mixture's layer and the
+    /// seconds of the exchange of its per-expert row counts before a dispatch (counted in
+    /// `ep_times`' forward; the simulator prices each at the dispatch the plan lists).
+    pub(crate) ep_counts: Vec<ByLayer>,
 }
 
 impl StageFigures {
@@ -155,26 +169,8 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             (c.iter().map(|c| c.forward_s).sum::<f64>(), backward)
         })
         .collect();
-    // a tensor-parallel group is `tp` consecutive devices inside one node
     let tp = spec.strategy.tp.max(1);
-    let tp_link = if tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
-    let tp_time =
-        |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| ring_time(k, tp_link, tp, b as f64)).sum::<f64>();
-    // with `tp_overlap` (Megatron-LM's --tp-comm-overlap) a layer's collectives run under its
-    // own pass, chunked against its products: only what the pass does not cover is exposed
-    let overlap = spec.strategy.tp_overlap && tp > 1;
-    let exposed = |comm: f64, pass: f64| if overlap { (comm - pass).max(0.0) } else { comm };
-    let tp_times: Vec<(f64, f64)> = layout
-        .ranges
-        .iter()
-        .map(|r| {
-            let c = &costs[r.clone()];
-            (
-                c.iter().map(|c| exposed(tp_time(&c.tp_forward), c.forward_s)).sum(),
-                c.iter().map(|c| exposed(tp_time(&c.tp_backward), c.backward_s)).sum(),
-            )
-        })
-        .collect();
+    let (tp_link, tp_times) = tp_figures(spec, model, layout);
     // the collectives inside a stage's passes over `size` consecutive replicas of its
     // pipeline rank (consecutive tensor-parallel groups, so inside a node when they fit):
     // expert parallelism's all-to-alls, context parallelism's key/value exchanges
@@ -221,6 +217,12 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             .collect()
     };
     let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None);
+    let (update_sums, norm_sum, ep_counts) = pipec_in_line(spec, model, layout, (tp_link, &ranks));
+    let ep_times: Vec<(f64, f64)> = ep_times
+        .iter()
+        .zip(&ep_counts)
+        .map(|(&(f, b), counts)| (f + counts.iter().map(|(_, t)| t).sum::<f64>(), b))
+        .collect();
     // around the ring (`cp_comm: ring`) a block's cp − 1 transfers run under the attention
     // over the cp − 1 blocks before each (Transformer Engine's ring attention): only what
     // that does not cover is waited for
@@ -283,7 +285,97 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         bytes,
         buckets,
         stage_gathers,
+        update_sums,
+        norm_sum,
+        ep_counts,
     }
+}
+
+/// The tensor-parallel group's link and, per stage, the seconds a forward and a backward
+/// wait for its layers' collectives.
+fn tp_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> (pipec_grammar::spec::Link, Vec<(f64, f64)>) {
+    let costs = &model.costs;
+    // a tensor-parallel group is `tp` consecutive devices inside one node
+    let tp = spec.strategy.tp.max(1);
+    let tp_link = if tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
+    let tp_time =
+        |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| ring_time(k, tp_link, tp, b as f64)).sum::<f64>();
+    // with `tp_overlap` (Megatron-LM's --tp-comm-overlap) a layer's collectives run under its
+    // own pass, chunked against its products: only what the pass does not cover is exposed
+    let overlap = spec.strategy.tp_overlap && tp > 1;
+    let exposed = |comm: f64, pass: f64| if overlap { (comm - pass).max(0.0) } else { comm };
+    let tp_times: Vec<(f64, f64)> = layout
+        .ranges
+        .iter()
+        .map(|r| {
+            let c = &costs[r.clone()];
+            (
+                c.iter().map(|c| exposed(tp_time(&c.tp_forward), c.forward_s)).sum(),
+                c.iter().map(|c| exposed(tp_time(&c.tp_backward), c.backward_s)).sum(),
+            )
+        })
+        .collect();
+    (tp_link, tp_times)
+}
+
+/// Seconds by layer (each a mixture's).
+type ByLayer = Vec<(u32, f64)>;
+
+/// What pipec's executor runs in line beyond its passes' own collectives, per stage
+/// (`StageFigures::update_sums`, `norm_sum`, `ep_counts`): nothing for the other engines.
+/// `ranks`: every pipeline rank's devices, replica by replica, where there are groups.
+fn pipec_in_line(
+    spec: &Spec,
+    model: &ModelCosts,
+    layout: &Layout,
+    (tp_link, ranks): (pipec_grammar::spec::Link, &[Vec<pipec_plan::DeviceId>]),
+) -> (Vec<Vec<f64>>, f64, Vec<ByLayer>) {
+    let (costs, graph) = (&model.costs, &model.graph);
+    let (tp, ep) = (spec.strategy.tp.max(1), spec.strategy.ep.max(1));
+    let chunks = spec.strategy.schedule.kind.chunk_placement();
+    // pipec's executor sums each partial gradient of a tensor-parallel stage (its norms',
+    // its routers') at the update's side, one all-reduce of fp32 values each
+    let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
+    let pipec_sums = tp > 1 && pipec;
+    let ops: Vec<Op> = if pipec_sums { graph.ops().map(|(_, n)| n.op.clone()).collect() } else { Vec::new() };
+    let update_sums: Vec<Vec<f64>> = layout
+        .ranges
+        .iter()
+        .map(|r| {
+            let partial = pipec_plan::in_pass::tp_partial_parameters(&ops, r.clone(), spec.model.loss, tp);
+            match partial {
+                Ok(p) if pipec_sums => {
+                    p.iter().map(|&(_, n)| ring_time(CollectiveKind::AllReduce, tp_link, tp, 4.0 * n as f64)).collect()
+                }
+                // (a `tp` that does not divide a block is refused with the costs, E0405)
+                Ok(_) | Err(_) => Vec::new(),
+            }
+        })
+        .collect();
+    let norm_sum = if pipec_sums { ring_time(CollectiveKind::AllReduce, tp_link, tp, 4.0) } else { 0.0 };
+    // pipec's executor exchanges each mixture's per-expert row counts over its group before
+    // the dispatch, in every pass that dispatches (one all-to-all of an fp32 value per
+    // expert): part of the forward's all-to-alls, priced at each dispatch the plan lists
+    // (`PlanCost::with_ep_counts`)
+    let ep_counts: Vec<ByLayer> = layout
+        .ranges
+        .iter()
+        .enumerate()
+        .map(|(c, r)| {
+            let Some(m) = ranks.get(chunks.rank_of_chunk(c, ranks.len())).filter(|_| pipec && ep > 1) else {
+                return Vec::new();
+            };
+            let members = &m[..ep.min(m.len())];
+            r.clone()
+                .filter(|&l| !costs[l].ep_forward.is_empty())
+                .filter_map(|l| {
+                    let experts = graph.node(graph.op_at(l)).op.moe()?.experts as u64;
+                    Some((l as u32, model.cluster.collective_time(CollectiveKind::AllToAll, members, 4 * experts)))
+                })
+                .collect()
+        })
+        .collect();
+    (update_sums, norm_sum, ep_counts)
 }
 
 /// Per stage, the seconds its forward and its backward wait for ZeRO-3's weight gathers
@@ -508,8 +600,8 @@ fn stage_bytes(
                 input_bytes
             } else {
                 // with sequence parallelism a block's input is kept split along the sequence
-                let split = spec.strategy.sequence_parallel
-                    && matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. });
+                let split =
+                    spec.sequence_split() && matches!(graph.node(graph.op_at(i)).op, Op::TransformerBlock { .. });
                 (cut_bytes(i) / if split { tp as u64 } else { 1 }).saturating_mul(mb)
             }
         })

@@ -12,6 +12,15 @@ use pipec_plan::{CollectivePayload, Instr, PassOp, StageId};
 use crate::ir::Graph;
 use crate::streams::Lowered;
 
+/// Whether each update of a tensor-parallel stage sums its squared gradient norm over the
+/// group (`pipec_plan::in_pass::update_sums`): gradient clipping under a schedule that
+/// does not sum the global norm once a step (as `Schedule::updates_every_step` reads the
+/// plan: asynchronous data parallelism's staleness is `lowered.asp`).
+pub(crate) fn clip_each_update(spec: &Spec, lowered: &Lowered) -> bool {
+    let per_step = spec.strategy.schedule.kind.updates_per_step() && !lowered.asp;
+    spec.training.recipe.clip_grad_norm.is_some() && !per_step
+}
+
 /// The table of `lowered`'s streams for the stages of `ranges` of `graph` with their
 /// gradient `buckets`, placed by `placement`.
 pub(crate) fn in_pass_table(
@@ -117,10 +126,7 @@ pub(crate) fn in_pass_table(
             partial.insert(stage, ids.into_iter().map(|id| (id >> 8) as u32).collect::<Vec<u32>>());
         }
         let first_layer = |s: StageId| ranges.get(s.0 as usize).map_or(0, |r| r.start as u32);
-        // (as `Schedule::updates_every_step` reads the plan: asynchronous data parallelism's
-        // staleness is `lowered.asp`)
-        let per_step = spec.strategy.schedule.kind.updates_per_step() && !lowered.asp;
-        let clip_each_update = spec.training.recipe.clip_grad_norm.is_some() && !per_step;
+        let clip_each_update = clip_each_update(spec, lowered);
         let mut lists: Vec<((StageId, PassKind), Vec<pipec_plan::in_pass::InPass>)> = Vec::new();
         for (i, list) in update_sums(stream, &partial, &first_layer, clip_each_update) {
             let Some(kind) = PassKind::of(&stream[i]) else { continue };

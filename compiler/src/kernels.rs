@@ -27,6 +27,8 @@ pub struct CostContext<'a> {
     /// Context-parallel degree: each device computes 1/cp of every sequence's positions
     /// (the load-balanced split: an equal share of the causal attention work too).
     pub cp: usize,
+    /// A block's activations split along the sequence outside its tensor-parallel products
+    /// (`Spec::sequence_split`: written, and run so by the engine).
     pub sequence_parallel: bool,
     pub attention: Attention,
     /// How context parallelism exchanges keys and values (`cp_comm`).

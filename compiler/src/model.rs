@@ -40,7 +40,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         tp: spec.strategy.tp.max(1),
         ep: spec.strategy.ep.max(1),
         cp: spec.strategy.cp.max(1),
-        sequence_parallel: spec.strategy.sequence_parallel,
+        sequence_parallel: spec.sequence_split(),
         attention: spec.model.attention,
         cp_comm: spec.strategy.cp_comm,
         overhead: spec.cluster.overhead,

@@ -46,9 +46,12 @@ pub(crate) struct PlanCost<'a> {
     /// Each group's shape on the cluster, found at its first collective (a simulation
     /// prices a group's collectives many times).
     shapes: std::cell::RefCell<HashMap<GroupId, GroupShape>>,
-    /// ZeRO-3 on pipec's executor: the seconds a pass waits for the gathers of its stage's
-    /// whole weights the plan declares (`with_stage_gathers`), by device and pass.
-    stage_gathers: HashMap<(DeviceId, Instr), f64>,
+    /// On pipec's executor, the seconds an instruction waits for collectives the plan
+    /// declares at it beyond its stage's figures, by device and instruction: ZeRO-3's
+    /// gathers of a stage's whole weights (`with_stage_gathers`), the tensor-parallel sums
+    /// at the update's side (`with_update_sums`), the row counts exchanged before an
+    /// expert dispatch (`with_ep_counts`).
+    in_line: HashMap<(DeviceId, Instr), f64>,
 }
 
 impl<'a> PlanCost<'a> {
@@ -77,7 +80,7 @@ impl<'a> PlanCost<'a> {
             tp: spec.strategy.tp.max(1),
             summed_over,
             shapes: Default::default(),
-            stage_gathers: HashMap::new(),
+            in_line: HashMap::new(),
         }
     }
 
@@ -100,7 +103,6 @@ impl<'a> PlanCost<'a> {
         let last = pipec_plan::StageId(stages.stage_gathers.len().saturating_sub(1) as u32);
         let sharded = |s: pipec_plan::StageId| stages.bytes.get(s.0 as usize).is_some_and(|b| b.replicas > 1);
         let recomputed = |s: pipec_plan::StageId| recompute.get(s.0 as usize).copied().unwrap_or(false);
-        let mut out = HashMap::new();
         for (d, stream) in streams {
             let zero3 = pipec_plan::in_pass::zero3_stages(stream, sharded, recomputed, last);
             for g in pipec_plan::in_pass::stage_gathers(stream, &zero3) {
@@ -112,10 +114,68 @@ impl<'a> PlanCost<'a> {
                     let Some(j) = pipec_plan::in_pass::next_reader(stream, at) else { continue };
                     (j, (seconds(g.stage) - self.compute(*d, &stream[at])).max(0.0))
                 };
-                *out.entry((*d, stream[wait.0].clone())).or_insert(0.0) += wait.1;
+                *self.in_line.entry((*d, stream[wait.0].clone())).or_insert(0.0) += wait.1;
             }
         }
-        self.stage_gathers = out;
+        self
+    }
+
+    /// Prices the exchange of per-expert row counts pipec's executor runs in a pass before
+    /// each expert dispatch, at each dispatch the plan lists after the pass (`stages.
+    /// ep_counts`, by the mixture's layer; the plan declares the exchange in the pass's
+    /// `in_pass` list, beside the dispatch and the combine). Nothing for the other engines.
+    pub(crate) fn with_ep_counts(
+        mut self,
+        streams: &std::collections::BTreeMap<DeviceId, Vec<Instr>>,
+        stages: &StageFigures,
+    ) -> Self {
+        if stages.ep_counts.iter().all(Vec::is_empty) {
+            return self;
+        }
+        for (d, stream) in streams {
+            for ins in stream {
+                let Instr::AllToAll { stage, layer, exchange: pipec_plan::TokenExchange::Dispatch, .. } = ins else {
+                    continue;
+                };
+                let counts = stages.ep_counts.get(stage.0 as usize).and_then(|c| c.iter().find(|(l, _)| l == layer));
+                if let Some(&(_, seconds)) = counts {
+                    *self.in_line.entry((*d, ins.clone())).or_insert(0.0) += seconds;
+                }
+            }
+        }
+        self
+    }
+
+    /// Prices the tensor-parallel sums pipec's executor runs at the update's side where the
+    /// plan declares them (`pipec_plan::in_pass::update_sums_of`, the declaration's own rule
+    /// over each device's `streams`, with `stages.update_sums`' seconds for each partial
+    /// gradient and `stages.norm_sum`'s for a stage's squared norm under
+    /// `clip_each_update`): the instruction that sums waits for them in line. Nothing for
+    /// the other engines (their figures hold no sums).
+    pub(crate) fn with_update_sums(
+        mut self,
+        streams: &std::collections::BTreeMap<DeviceId, Vec<Instr>>,
+        stages: &StageFigures,
+        clip_each_update: bool,
+    ) -> Self {
+        if stages.update_sums.iter().all(Vec::is_empty) && stages.norm_sum <= 0.0 {
+            return self;
+        }
+        for (d, stream) in streams {
+            // every tensor-parallel stage the device holds (one with no partial gradient
+            // still sums its norm under `clip_each_update`)
+            let mut partial = std::collections::BTreeMap::new();
+            for s in stream.iter().map(Instr::stage) {
+                partial.entry(s).or_insert_with(|| stages.update_sums.get(s.0 as usize).cloned().unwrap_or_default());
+            }
+            let norm = |_: pipec_plan::StageId| stages.norm_sum;
+            for (i, sums) in pipec_plan::in_pass::update_sums_of(stream, &partial, &norm, clip_each_update) {
+                let seconds: f64 = sums.iter().sum();
+                if seconds > 0.0 {
+                    *self.in_line.entry((*d, stream[i].clone())).or_insert(0.0) += seconds;
+                }
+            }
+        }
         self
     }
 
@@ -201,10 +261,13 @@ impl PlanCost<'_> {
 
 impl CostModel for PlanCost<'_> {
     fn compute(&self, device: DeviceId, instr: &Instr) -> f64 {
-        if self.stage_gathers.is_empty() {
-            return self.kernels(instr);
+        self.kernels(instr) + self.in_line(device, instr)
+    }
+    fn in_line(&self, device: DeviceId, instr: &Instr) -> f64 {
+        if self.in_line.is_empty() {
+            return 0.0;
         }
-        self.kernels(instr) + self.stage_gathers.get(&(device, instr.clone())).copied().unwrap_or(0.0)
+        self.in_line.get(&(device, instr.clone())).copied().unwrap_or(0.0)
     }
     /// DualPipe's pair: the two passes' computations one after the other, and their
     /// expert-parallel all-to-alls beside them on the other's computation (DeepSeek-V3

@@ -26,6 +26,13 @@ use pipec_plan::{CollectiveKind, DeviceId, GroupId, Instr, MessageId, Phase, Sta
 pub trait CostModel {
     /// Seconds of a compute-like instruction on `device`.
     fn compute(&self, device: DeviceId, instr: &Instr) -> f64;
+    /// Seconds `device` spends in line at `instr` on collectives the plan declares there
+    /// beyond what its kind costs (for a collective instruction, before it starts it: the
+    /// update's tensor-parallel sums at a `grad_norm` or `gradient_shard`; for an expert
+    /// dispatch, the row counts exchanged before it); the default none.
+    fn in_line(&self, _device: DeviceId, _instr: &Instr) -> f64 {
+        0.0
+    }
     /// Seconds for `bytes` from `from` to `to`.
     fn transfer(&self, from: DeviceId, to: DeviceId, bytes: u64) -> f64;
     /// Seconds of a collective of `kind` on `bytes` per member by `group`, whose simulated
@@ -345,6 +352,7 @@ pub fn simulate(
                         error = Some(format!("{dev}: `{ins}` names a group it is not a member of"));
                         break;
                     }
+                    let now = summed_in_line(cost, (dev, i, ins), now, (&mut events, &mut clock));
                     // a tied gradient's members hold different stages
                     let stage = if payload.crosses_stages() { u32::MAX } else { stage.0 };
                     let buckets = bucket_starts(cost, stream, i, last_backward.get(&dev).copied());
@@ -364,8 +372,8 @@ pub fn simulate(
                     }
                 }
                 // inside its pass: the device waits for it (hidden inside an overlapped pair)
-                Instr::AllToAll { group, bytes, .. } => {
-                    let Some(t) = all_to_all_time((groups, cost), dev, group, *bytes) else {
+                Instr::AllToAll { .. } => {
+                    let Some(t) = all_to_all_time((groups, cost), dev, ins) else {
                         error = Some(format!("{dev}: `{ins}` names a group it is not a member of"));
                         break;
                     };
@@ -428,15 +436,34 @@ pub fn simulate(
 /// device's nearly in order of its start, which the stable sort of each part finds in
 /// linear time): the GPT-3 175B search simulates plans of 1,024 devices, whose sort was
 /// two fifths of its instructions.
-/// An all-to-all's seconds over its group, when `dev` is one of its members.
+/// When `dev` starts collective `ins` (its `i`-th instruction), reached at `now`: after
+/// what it sums in line first ([`CostModel::in_line`], an event of its own, the device's
+/// clock moved past it).
+fn summed_in_line(
+    cost: &dyn CostModel,
+    (dev, i, ins): (DeviceId, usize, &Instr),
+    now: f64,
+    (events, clock): (&mut Vec<Event>, &mut FxHashMap<DeviceId, f64>),
+) -> f64 {
+    let before = cost.in_line(dev, ins);
+    if before <= 0.0 {
+        return now;
+    }
+    events.push(Event::ran(dev, i, (now, now + before), Phase::Collective, false));
+    clock.insert(dev, now + before);
+    now + before
+}
+
+/// An all-to-all's seconds over its group, when `dev` is one of its members, with what
+/// the pass exchanges in line before it ([`CostModel::in_line`]: a dispatch's row counts).
 fn all_to_all_time(
     (groups, cost): (&HashMap<GroupId, Vec<DeviceId>>, &dyn CostModel),
     dev: DeviceId,
-    group: &GroupId,
-    bytes: u64,
+    ins: &Instr,
 ) -> Option<f64> {
+    let Instr::AllToAll { group, bytes, .. } = ins else { return None };
     let members = groups.get(group).filter(|m| m.contains(&dev))?;
-    Some(cost.collective(CollectiveKind::AllToAll, *group, members, bytes))
+    Some(cost.collective(CollectiveKind::AllToAll, *group, members, *bytes) + cost.in_line(dev, ins))
 }
 
 /// The seconds of the all-to-alls right after position `at` of `stream`, and the position
@@ -450,8 +477,8 @@ fn exchanged_after(
 ) -> (f64, usize) {
     let mut last = at;
     let mut t = 0.0;
-    while let Some(Instr::AllToAll { group, bytes, .. }) = stream.get(last + 1) {
-        t += all_to_all_time(priced, dev, group, *bytes).unwrap_or(0.0);
+    while let Some(ins @ Instr::AllToAll { .. }) = stream.get(last + 1) {
+        t += all_to_all_time(priced, dev, ins).unwrap_or(0.0);
         last += 1;
     }
     (t, last)

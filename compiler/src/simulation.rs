@@ -74,7 +74,9 @@ pub(crate) fn simulate_plan(
 ) -> Result<Simulated, Vec<Diagnostic>> {
     let sim_cost = PlanCost::new(spec, model, stages, lowered.summed_over.clone())
         .with_expert_groups(&lowered.groups, &lowered.ties, &stages.expert_share())
-        .with_stage_gathers(&lowered.streams, stages, &lowered.recompute);
+        .with_stage_gathers(&lowered.streams, stages, &lowered.recompute)
+        .with_update_sums(&lowered.streams, stages, crate::in_pass::clip_each_update(spec, lowered))
+        .with_ep_counts(&lowered.streams, stages);
     if let Some(p) = &lowered.periodic {
         let steady = crate::periodic::steady_state(p, &lowered.members(), &sim_cost).map_err(|e| {
             vec![Diagnostic::error(

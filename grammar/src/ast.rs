@@ -27,6 +27,14 @@ impl Spec {
     pub fn pairs_layer_by_layer(&self) -> bool {
         self.strategy.combined_1f1b() && self.engine.target.name != pipec_plan::vocab::Engine::Pipec
     }
+    /// Whether a block's activations are split along the sequence outside the
+    /// tensor-parallel products: `sequence_parallel` written, tensor parallelism, and an
+    /// engine that runs it so (`KernelFamily::splits_sequence`; pipec's executor does not).
+    /// The one rule the cost model, the memory model and the search read.
+    pub fn sequence_split(&self) -> bool {
+        self.strategy.sequence_parallel && self.strategy.tp > 1 && self.engine.family().splits_sequence()
+    }
+
     /// What turns a step's samples/s into tokens/s per device of the cluster and MFU against
     /// its device's peak in the training precision, by the count of the engine the spec names;
     /// None for a model that is not a language model (`pipec_plan::flops`).

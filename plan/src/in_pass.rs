@@ -606,6 +606,17 @@ pub fn declare(
 /// post-norm block's norms follow its all-reduces instead: their gradients are whole).
 /// Each as its checkpoint id (layer << 8 | slot), in the layers' order.
 pub fn tp_partial_ids(ops: &[Op], range: std::ops::Range<usize>, loss: Loss, tp: usize) -> Result<Vec<u64>, String> {
+    Ok(tp_partial_parameters(ops, range, loss, tp)?.into_iter().map(|(id, _)| id).collect())
+}
+
+/// [`tp_partial_ids`] with each parameter's number of values (a norm's gain or bias: the
+/// block's width; a router: width × experts): what each sum carries.
+pub fn tp_partial_parameters(
+    ops: &[Op],
+    range: std::ops::Range<usize>,
+    loss: Loss,
+    tp: usize,
+) -> Result<Vec<(u64, usize)>, String> {
     if tp <= 1 {
         return Ok(Vec::new());
     }
@@ -620,20 +631,23 @@ pub fn tp_partial_ids(ops: &[Op], range: std::ops::Range<usize>, loss: Loss, tp:
         .flat_map(|(layer, b)| {
             let l = layer << 8;
             let bias = b.norm == NormKind::LayerNorm;
-            let router = b.moe.is_some().then_some(l | crate::model::ROUTER_SLOT);
-            [Some(l), bias.then_some(l | 1), Some(l | 6), bias.then_some(l | 7), router].into_iter().flatten()
+            let router = b.moe.map(|m| (l | crate::model::ROUTER_SLOT, b.d * m.experts));
+            [Some((l, b.d)), bias.then_some((l | 1, b.d)), Some((l | 6, b.d)), bias.then_some((l | 7, b.d)), router]
+                .into_iter()
+                .flatten()
         })
         .collect())
 }
 
 /// What the update's side of one device's step (`stream`) sums over the tensor-parallel
-/// group, per instruction of a kind that may (its position and list, perhaps empty): the first instruction to read a stage's accumulated gradients whole — the
-/// `grad_norm` all-reduce (every stage the device holds, in stage order), ZeRO's
-/// `gradient_shard` reduce-scatter, or the optimizer step — sums its partial ones
-/// (`partial`: a tensor-parallel stage's, each one's layer), once until the update or the
-/// reduce-scatter (ZeRO-2 and 3 scatter every contribution) takes them; with `clip_each_update` (gradient clipping by the stage's own norm, under a
-/// schedule that does not sum the global one) each update of a tensor-parallel stage sums
-/// its squared norm too.
+/// group, per instruction of a kind that may (its position and list, perhaps empty): the
+/// first instruction to read a stage's accumulated gradients whole — the `grad_norm`
+/// all-reduce (every stage the device holds, in stage order), ZeRO's `gradient_shard`
+/// reduce-scatter, or the optimizer step — sums its partial ones (`partial`: a
+/// tensor-parallel stage's, each one's layer), once until the update or the reduce-scatter
+/// (ZeRO-2 and 3 scatter every contribution) takes them; with `clip_each_update` (gradient
+/// clipping by the stage's own norm, under a schedule that does not sum the global one)
+/// each update of a tensor-parallel stage sums its squared norm too.
 pub fn update_sums(
     stream: &[Instr],
     partial: &BTreeMap<StageId, Vec<u32>>,
@@ -641,10 +655,25 @@ pub fn update_sums(
     clip_each_update: bool,
 ) -> Vec<(usize, Vec<InPass>)> {
     let sum = |layer: u32| InPass { layer, over: PeerDim::Tensor, op: PassOp::AllReduce };
+    let partial: BTreeMap<StageId, Vec<InPass>> =
+        partial.iter().map(|(s, layers)| (*s, layers.iter().map(|&l| sum(l)).collect())).collect();
+    update_sums_of(stream, &partial, &|s| sum(first_layer(s)), clip_each_update)
+}
+
+/// The rule of [`update_sums`] over any description of a sum: `partial` each
+/// tensor-parallel stage's sums of partial gradients, `norm_sum` the sum of a stage's
+/// squared norm under `clip_each_update` (the declaration's entries; the cost model's
+/// seconds).
+pub fn update_sums_of<T: Clone>(
+    stream: &[Instr],
+    partial: &BTreeMap<StageId, Vec<T>>,
+    norm_sum: &dyn Fn(StageId) -> T,
+    clip_each_update: bool,
+) -> Vec<(usize, Vec<T>)> {
     let mut settled: std::collections::BTreeSet<StageId> = Default::default();
-    let settle = |s: StageId, settled: &mut std::collections::BTreeSet<StageId>, out: &mut Vec<InPass>| {
-        if let Some(layers) = partial.get(&s).filter(|_| settled.insert(s)) {
-            out.extend(layers.iter().map(|&l| sum(l)));
+    let settle = |s: StageId, settled: &mut std::collections::BTreeSet<StageId>, out: &mut Vec<T>| {
+        if let Some(sums) = partial.get(&s).filter(|_| settled.insert(s)) {
+            out.extend(sums.iter().cloned());
         }
     };
     let mut found = Vec::new();
@@ -670,7 +699,7 @@ pub fn update_sums(
                     settle(stage, &mut settled, &mut out);
                 }
                 if clip_each_update && partial.contains_key(&stage) {
-                    out.push(sum(first_layer(stage)));
+                    out.push(norm_sum(stage));
                 }
                 // the update clears the stage's gradients: the next ones are partial again
                 settled.remove(&stage);

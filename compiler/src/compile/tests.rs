@@ -23,9 +23,8 @@ fn spec(name: &str, edits: &[(&str, &str)]) -> pipec_grammar::spec::Spec {
 /// values as one collective of both's bytes, and a ring's passes as the all-gather they
 /// add up to), and each pass's declared expert-parallel dispatch and combine are the
 /// plan's `all_to_all` instructions after it, which the simulator prices (the row
-/// counts, a few bytes, are not priced). Sequence parallelism is the exception `pipec
-/// run` names: the cost model prices Megatron-LM's all-gathers and reduce-scatters, the
-/// executor runs all-reduces.
+/// counts, a few bytes, are not priced). With `sequence_parallel` the executor runs
+/// tensor parallelism's all-reduces, and they are what is priced.
 #[test]
 fn the_collectives_priced_inside_passes_are_those_declared() {
     let one_stage = |more: &'static str| ("stages: \"1-1\"", more);
@@ -38,6 +37,16 @@ fn the_collectives_priced_inside_passes_are_those_declared() {
             spec("gpt-tiny", &[one_stage("stages: \"1\"\n  cp: 2\n  cp_comm: ring")]),
         ),
         ("llama-tiny tp 2", PeerDim::Tensor, spec("llama-tiny", &[one_stage("stages: \"1\"\n  tp: 2")])),
+        (
+            "gpt-tiny tp 2 sequence_parallel",
+            PeerDim::Tensor,
+            spec("gpt-tiny", &[one_stage("stages: \"1\"\n  tp: 2\n  sequence_parallel: true")]),
+        ),
+        (
+            "llama-tiny tp 2 sequence_parallel",
+            PeerDim::Tensor,
+            spec("llama-tiny", &[one_stage("stages: \"1\"\n  tp: 2\n  sequence_parallel: true")]),
+        ),
         ("moe-tiny", PeerDim::Expert, spec("moe-tiny", &[])),
     ];
     for (what, dim, spec) in cases {
@@ -97,6 +106,59 @@ fn the_collectives_priced_inside_passes_are_those_declared() {
     }
 }
 
+/// Sequence parallelism is priced as the engine runs it (`Spec::sequence_split`): for
+/// Megatron-LM a block's all-gathers and reduce-scatters, with its activations outside
+/// attention and the MLP split along the sequence (less kept than without); for pipec's
+/// executor tensor parallelism's all-reduces on whole activations, the figures of the
+/// layout without it.
+#[test]
+fn sequence_parallelism_is_priced_as_the_engine_runs_it() {
+    use pipec_plan::model::Op;
+    let layout = ("stages: \"1-1\"", "stages: \"1\"\n  tp: 2");
+    let sp = ("stages: \"1-1\"", "stages: \"1\"\n  tp: 2\n  sequence_parallel: true");
+    let megatron = ("model:", "engine: megatron\nmodel:");
+    let options = crate::CompileOptions::default();
+    let blocks = |spec: &pipec_grammar::spec::Spec| {
+        let model = crate::model::cost_model(spec, &options).expect("costs");
+        model
+            .graph
+            .ops()
+            .zip(model.costs)
+            .filter(|((_, n), _)| matches!(n.op, Op::TransformerBlock { .. }))
+            .map(|(_, c)| c)
+            .collect::<Vec<_>>()
+    };
+    let kinds = |c: &crate::cost::LayerCost| c.tp_forward.iter().map(|(k, _)| *k).collect::<Vec<_>>();
+    for name in ["gpt-tiny", "llama-tiny"] {
+        let (plain, split) = (spec(name, &[layout]), spec(name, &[sp]));
+        assert!(!split.sequence_split(), "{name}: pipec's executor does not split the sequence");
+        for (a, b) in blocks(&plain).iter().zip(blocks(&split)) {
+            assert_eq!(kinds(a), kinds(&b), "{name}");
+            assert_eq!((a.forward_s, a.backward_s), (b.forward_s, b.backward_s), "{name}");
+        }
+        let (plain, split) = (spec(name, &[layout, megatron]), spec(name, &[sp, megatron]));
+        assert!(split.sequence_split(), "{name}: Megatron-LM splits it");
+        let (a, b) = (blocks(&plain), blocks(&split));
+        assert!(!a.is_empty() && a.len() == b.len());
+        for (a, b) in a.iter().zip(&b) {
+            assert_eq!(kinds(a), vec![CollectiveKind::AllReduce; 2], "{name}");
+            let expected = [
+                CollectiveKind::AllGather,
+                CollectiveKind::ReduceScatter,
+                CollectiveKind::AllGather,
+                CollectiveKind::ReduceScatter,
+            ];
+            assert_eq!(kinds(b), expected, "{name}");
+            assert!(
+                b.activation_bytes_per_sample < a.activation_bytes_per_sample,
+                "{name}: {} < {}",
+                b.activation_bytes_per_sample,
+                a.activation_bytes_per_sample
+            );
+        }
+    }
+}
+
 fn pass_op(k: CollectiveKind) -> PassOp {
     match k {
         CollectiveKind::AllReduce => PassOp::AllReduce,
@@ -145,4 +207,114 @@ fn the_declared_whole_stage_gathers_are_priced_in_the_pass_that_waits() {
             "{d}: the first forward waits {waited:e} s more, {params} parameters"
         );
     }
+}
+
+/// The tensor-parallel sums pipec's executor runs at the update's side are priced at the
+/// instruction the plan declares them at: each a ring all-reduce over the group of the
+/// partial gradient's fp32 values (`tp_partial_parameters`, in the declaration's order),
+/// the optimizer step waiting for them without gradient clipping, the `grad_norm`
+/// all-reduce with it (the device sums before it starts the norm's). Llama-tiny on one
+/// stage with TP 2: its 2 blocks' two RMSNorm gains each.
+#[test]
+fn the_update_sums_are_priced_where_they_are_declared() {
+    let layout = ("stages: \"1-1\"", "stages: \"1\"\n  tp: 2");
+    for clip in [false, true] {
+        let recipe = ("  seed: 11\n", if clip { "  seed: 11\n  clip_grad_norm: 1.0\n" } else { "  seed: 11\n" });
+        let spec = spec("llama-tiny", &[layout, recipe]);
+        let options = crate::CompileOptions::default();
+        let model = crate::model::cost_model(&spec, &options).expect("costs");
+        let compiled = crate::compile(&spec, &options).into_compiled().expect("compiles");
+        let (plan, timeline) = (&compiled.plan, &compiled.timeline);
+        let ops: Vec<pipec_plan::model::Op> = model.graph.ops().map(|(_, n)| n.op.clone()).collect();
+        let st = &plan.stages[0];
+        let range = st.layers[0]..st.layers[1];
+        let partial = pipec_plan::in_pass::tp_partial_parameters(&ops, range.clone(), spec.model.loss, 2).expect("ids");
+        assert_eq!(partial.len(), 4, "two norms a block");
+        let sums: f64 = partial
+            .iter()
+            .map(|&(_, n)| crate::cluster::ring_time(CollectiveKind::AllReduce, model.cluster.intra, 2, 4.0 * n as f64))
+            .sum();
+        let update: f64 = model.costs[range].iter().map(|c| c.update_s).sum();
+        for (d, stream) in &plan.streams {
+            let at: Vec<usize> = (0..stream.len())
+                .filter(|&i| {
+                    let kind = PassKind::of(&stream[i]);
+                    let update_side =
+                        |k: &PassKind| matches!(k, PassKind::GradNorm | PassKind::GradientShard | PassKind::Update);
+                    kind.filter(update_side)
+                        .is_some_and(|k| !plan.in_pass.of(*d, stream[i].stage(), k, false).is_empty())
+                })
+                .collect();
+            assert_eq!(at.len(), 1, "{d}: one instruction sums, once a step");
+            let i = at[0];
+            let declared = plan.in_pass.of(*d, stream[i].stage(), PassKind::of(&stream[i]).expect("a kind"), false);
+            assert_eq!(declared.len(), partial.len(), "{d}");
+            let took: Vec<f64> = timeline
+                .events
+                .iter()
+                .filter(|e| e.device == *d && e.index == i && !e.background)
+                .map(|e| e.end - e.start)
+                .collect();
+            if clip {
+                assert!(matches!(stream[i], Instr::Collective { .. }), "{d}: {}", stream[i]);
+                assert!(took.iter().any(|t| (t - sums).abs() < 1e-12), "{d}: {took:?} against {sums:e}");
+            } else {
+                assert!(matches!(stream[i], Instr::OptimizerStep { .. }), "{d}: {}", stream[i]);
+                assert_eq!(took.len(), 1, "{d}");
+                assert!((took[0] - update - sums).abs() < 1e-12, "{d}: {} against {update:e} + {sums:e}", took[0]);
+            }
+        }
+    }
+}
+
+/// pipec's executor exchanges each mixture's per-expert row counts over its group before
+/// the dispatch (the first of the three expert exchanges a forward declares): the
+/// simulator prices it at each dispatch the plan lists, one all-to-all of an fp32 value
+/// per expert, so a dispatch takes longer than its combine (which carries as many bytes)
+/// by exactly that; and the forward's all-to-all seconds the plan reports count it.
+#[test]
+fn the_expert_row_counts_are_priced_before_each_dispatch() {
+    use pipec_plan::TokenExchange;
+    let spec = spec("moe-tiny", &[]);
+    let options = crate::CompileOptions::default();
+    let model = crate::model::cost_model(&spec, &options).expect("costs");
+    let compiled = crate::compile(&spec, &options).into_compiled().expect("compiles");
+    let (plan, timeline) = (&compiled.plan, &compiled.timeline);
+    let mut checked = 0;
+    for st in plan.stages.iter().filter(|s| s.expert_parallel > 1) {
+        for d in &st.replicas {
+            let stream = &plan.streams[d];
+            let took = |i: usize| -> f64 {
+                timeline.events.iter().filter(|e| e.device == *d && e.index == i).map(|e| e.end - e.start).sum()
+            };
+            let first = stream
+                .iter()
+                .position(|i| matches!(i, Instr::Forward { stage, .. } if *stage == st.id))
+                .expect("a forward");
+            let after: Vec<usize> =
+                (first + 1..stream.len()).take_while(|&j| matches!(stream[j], Instr::AllToAll { .. })).collect();
+            assert_eq!(after.len(), 2 * st.all_to_alls.len(), "{d}: a dispatch and a combine a mixture");
+            let shown: f64 = after.iter().map(|&j| took(j)).sum();
+            assert!((shown - st.all_to_all_s[0]).abs() < 1e-12, "{d}: {shown:e} against {:e}", st.all_to_all_s[0]);
+            for pair in after.chunks(2) {
+                let (Instr::AllToAll { exchange: a, layer, group, .. }, Instr::AllToAll { exchange: b, .. }) =
+                    (&stream[pair[0]], &stream[pair[1]])
+                else {
+                    unreachable!("all-to-alls")
+                };
+                assert_eq!((*a, *b), (TokenExchange::Dispatch, TokenExchange::Combine), "{d}");
+                let members = &plan.groups.iter().find(|g| g.id == *group).expect("the group").devices;
+                let experts = spec.model.layers[*layer as usize].op.moe().expect("a mixture").experts as u64;
+                let counts = model.cluster.collective_time(CollectiveKind::AllToAll, members, 4 * experts);
+                assert!(counts > 0.0);
+                let extra = took(pair[0]) - took(pair[1]);
+                assert!(
+                    (extra - counts).abs() < 1e-12,
+                    "{d}: the dispatch takes {extra:e} more, the counts {counts:e}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 0, "no dispatch was compared");
 }

@@ -440,7 +440,13 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
                 .to_string(),
         );
     }
-    if plan.schedule.sequence_parallel && plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1)) {
+    // for pipec's own executor the plan prices what runs: tensor parallelism's all-reduces
+    // (`KernelFamily::splits_sequence`; torchtitan's compiled or eager kernels alike)
+    let priced_split = pipec_plan::engine::performance::KernelFamily::of(plan.engine.name, false).splits_sequence();
+    if plan.schedule.sequence_parallel
+        && priced_split
+        && plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1))
+    {
         out.push(
             "under `sequence_parallel` the plan prices Megatron-LM's all-gathers and reduce-scatters and keeps a block's activations outside attention and MLP split along the sequence, but the executor runs tensor parallelism's all-reduces (what the plan's `in_pass` declares) on whole activations: its collectives and its activation memory are those of tensor parallelism alone"
                 .to_string(),

@@ -136,7 +136,7 @@ use ScheduleKind as K;
 
 /// What `pipec run` runs: every schedule and option the compiler plans
 /// (`pipec_executor::caveats` lists where it runs one differently from how it is priced).
-const PIPEC_SOURCE: &str = "executor/src/lib.rs (`run` interprets any verified plan's streams; `caveats` lists bf16/fp16 kernels, tp_overlap, ring context parallelism, overlapped expert exchanges and ZeRO-3 gathers run differently from their pricing)";
+const PIPEC_SOURCE: &str = "executor/src/lib.rs (`run` interprets any verified plan's streams; `caveats` lists bf16/fp16 kernels, tp_overlap, an engine's sequence parallelism, ring context parallelism, overlapped expert exchanges and ZeRO-3 gathers run differently from their pricing)";
 
 /// Every engine's capabilities.
 pub const CAPABILITIES: &[Row<Capability>] = &[
@@ -158,7 +158,7 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(PC, C::Sharding { level: Sharding::Gradients, with_pipeline: true }, "zero: 2", PIPEC_SOURCE),
     row(PC, C::Sharding { level: Sharding::Parameters, with_pipeline: true }, "zero: 3", PIPEC_SOURCE),
     row(PC, C::TensorParallel, "tp", PIPEC_SOURCE),
-    row(PC, C::SequenceParallel, "sequence_parallel", PIPEC_SOURCE),
+    row(PC, C::SequenceParallel, "sequence_parallel (run and priced as tensor parallelism's all-reduces on whole activations)", PIPEC_SOURCE),
     row(PC, C::TpOverlap, "tp_overlap (run in line)", PIPEC_SOURCE),
     row(PC, C::ContextParallel(CpComm::AllGather), "cp_comm: all_gather", PIPEC_SOURCE),
     row(PC, C::ContextParallel(CpComm::Ring), "cp_comm: ring", PIPEC_SOURCE),

@@ -98,6 +98,24 @@ impl KernelFamily {
         }
     }
 
+    /// Whether `sequence_parallel: true` splits a block's activations along the sequence
+    /// outside the tensor-parallel products, with all-gathers and reduce-scatters in place of
+    /// the all-reduces (Megatron-LM's `--sequence-parallel`, megatron/core/tensor_parallel/
+    /// mappings.py; torchtitan's `SequenceParallel` norms): what the cost and memory models
+    /// price when it is written. pipec's executor runs tensor parallelism's all-reduces on
+    /// whole activations (`pipec_plan::in_pass` declares them), so for it the flag changes
+    /// neither the collectives nor the activations, and is priced so. DeepSpeed does not
+    /// run it (its capability table refuses it), and is counted as Megatron-DeepSpeed would.
+    pub fn splits_sequence(self) -> bool {
+        match self {
+            KernelFamily::Pipec => false,
+            KernelFamily::MegatronTe
+            | KernelFamily::TorchEager
+            | KernelFamily::TorchCompiled
+            | KernelFamily::Deepspeed => true,
+        }
+    }
+
     /// Whether a gated MLP's activation (SwiGLU, GEGLU) is built of separate autodiff
     /// operations that each keep their operands for the backward: pipec's executor on Burn,
     /// whose SwiGLU keeps the gate's logistic and SiLU's output beside the up projection's
