@@ -310,6 +310,16 @@ fn tp_overlap_hides_each_layers_collectives_under_its_passes() {
     let peaks = |p: &pipec_plan::Plan| p.devices.iter().map(|d| (d.id, d.memory.total)).collect::<Vec<_>>();
     assert_eq!(peaks(&plan), peaks(&plain));
     assert!(!pipec_executor::caveats(&plan).iter().any(|c| c.contains("sequence_parallel")));
+    // priced for Megatron-LM's sequence parallelism (its gathers, its split activations):
+    // `pipec run` says that the executor runs tensor parallelism's sums instead
+    let gpt = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/gpt-tiny.yaml"))
+        .expect("gpt-tiny")
+        .replace("model:", "engine: megatron\nmodel:")
+        .replace("stages: \"1-1\"", "stages: \"1\"\n  tp: 2\n  sequence_parallel: true");
+    let plan = compile_text(&gpt).into_compiled().expect("compiles").plan;
+    assert!(pipec_executor::caveats(&plan)
+        .iter()
+        .any(|c| c.contains("sequence_parallel") && c.contains("all-reduces")));
     // nothing to overlap without tensor parallelism
     let checked = pipec_grammar::check_source(&text.replace("  tp: 2\n", "  tp: 1\n  tp_overlap: true\n"));
     assert!(checked.diagnostics.iter().any(|d| d.code == "E0423"), "{:?}", checked.diagnostics);

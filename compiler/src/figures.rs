@@ -401,6 +401,11 @@ fn zero3_gather_waits(
     let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
     let graph = &model.graph;
     let tied = graph.tie_ends();
+    // what the declaration pass reads of the stages (`in_pass::declare`'s layers)
+    let ops: Vec<Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
+    let tracked = graph.tracked_inputs(&layout.ranges);
+    let layers = pipec_plan::in_pass::Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss };
+    let layout_ranges = layout.ranges.len();
     let dp_link =
         |d: usize| if d * tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
     let mut whole = Vec::with_capacity(layout.ranges.len());
@@ -452,6 +457,40 @@ fn zero3_gather_waits(
                 let op = &graph.node(graph.op_at(i)).op;
                 pipec && !pipec_plan::in_pass::gathered_per_product(op, tied[i], layout)
             };
+            // pipec's executor gathers product by product only the weight matrices its
+            // products read (`in_pass::product_gathers`, in the order the plan declares)
+            if pipec && layout.per_product() {
+                let in_order = |kind| {
+                    let stage = (kind, s == 0, s + 1 == layout_ranges);
+                    let list = pipec_plan::in_pass::product_gathers(&layers, r.clone(), layout, stage);
+                    list.unwrap_or_default().iter().map(|&(_, v)| gathered((4.0 * v as f64, 0.0))).collect::<Vec<_>>()
+                };
+                let matrices = |i: usize| {
+                    pipec_plan::in_pass::product_weight_values(&graph.node(graph.op_at(i)).op).iter().sum::<u64>()
+                };
+                // the rest (norms, biases, and layers gathered whole) with the stage
+                let rest: f64 = r
+                    .clone()
+                    .map(|i| {
+                        if with_stage(i) {
+                            parts(&costs[i]).0
+                        } else {
+                            costs[i].shard_parameters.saturating_sub(matrices(i)) as f64 * 4.0
+                        }
+                    })
+                    .sum();
+                whole.push(gathered((rest, 0.0)));
+                let last_forward = costs[r.clone()].last().map_or(0.0, |c| c.forward_s);
+                let last_backward = costs[r.clone()].first().map_or(0.0, |c| c.backward_s);
+                let exposed = |gathers: Vec<f64>, compute: f64, last: f64| {
+                    let first = gathers.first().copied().unwrap_or(0.0);
+                    first.max(gathers.iter().sum::<f64>() - compute + last)
+                };
+                return (
+                    exposed(in_order(pipec_plan::in_pass::PassKind::Forward), forward, last_forward),
+                    exposed(in_order(pipec_plan::in_pass::PassKind::Backward), backward, last_backward),
+                );
+            }
             // one gather of the stage's whole weights (and one of its experts')
             let sum = r
                 .clone()

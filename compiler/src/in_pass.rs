@@ -5,7 +5,7 @@
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
 use pipec_plan::in_pass::{declare, update_sums, Buckets, InPassTable, Layers, Layout, PassKind};
-use pipec_plan::model::{Op, Source};
+use pipec_plan::model::Op;
 use pipec_plan::plan::{bucketed_passes, GradientBucket};
 use pipec_plan::{CollectivePayload, Instr, PassOp, StageId};
 
@@ -31,24 +31,8 @@ pub(crate) fn in_pass_table(
     lowered: &Lowered,
 ) -> Result<InPassTable, Vec<Diagnostic>> {
     let ops: Vec<Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
-    let n = ops.len();
     let tied = graph.tie_ends();
-    // whose input carries a gradient within its stage: a stage's input past the first
-    // stage (received with its gradient to send back), a layer's output when its input
-    // does or it has weights; never the model's data
-    let (mut tracked, mut carries) = (vec![false; n], vec![false; n]);
-    for r in ranges {
-        for i in r.clone() {
-            let node = graph.node(graph.op_at(i));
-            let t = node.inputs.iter().any(|s| match *s {
-                Source::Input => false,
-                Source::Layer(p) if p < r.start => true,
-                Source::Layer(p) => carries.get(p).copied().unwrap_or(true),
-            });
-            tracked[i] = t;
-            carries[i] = t || node.op.parameter_count() > 0 || node.tied.is_some();
-        }
-    }
+    let tracked = graph.tracked_inputs(ranges);
     let layers = Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss };
     let strategy = &spec.strategy;
     let mut table = InPassTable::default();

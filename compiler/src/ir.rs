@@ -119,6 +119,27 @@ impl Graph {
         }
         tied
     }
+    /// Per operator, the graph cut into stages `ranges`: whether its input carries a gradient
+    /// within its stage (`pipec_plan::in_pass::Layers::tracked`): a stage's input past the
+    /// first stage (received with its gradient to send back), a layer's output when its input
+    /// does or it has weights; never the model's data.
+    pub fn tracked_inputs(&self, ranges: &[std::ops::Range<usize>]) -> Vec<bool> {
+        let n = self.len();
+        let (mut tracked, mut carries) = (vec![false; n], vec![false; n]);
+        for r in ranges {
+            for i in r.clone() {
+                let node = self.node(self.op_at(i));
+                let t = node.inputs.iter().any(|s| match *s {
+                    Source::Input => false,
+                    Source::Layer(p) if p < r.start => true,
+                    Source::Layer(p) => carries.get(p).copied().unwrap_or(true),
+                });
+                tracked[i] = t;
+                carries[i] = t || node.op.parameter_count() > 0 || node.tied.is_some();
+            }
+        }
+        tracked
+    }
 }
 
 /// The bytes of one sample's tensor of `shape`, saturating (a checked spec's tensors are

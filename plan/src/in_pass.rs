@@ -357,18 +357,36 @@ pub fn gathered_per_product(op: &Op, tied: bool, layout: Layout) -> bool {
     layout.per_product() && !tied && zero3_gather(op) == Zero3Gather::PerProduct
 }
 
-/// The weights a layer gathers per product under `layout` ([`gathered_per_product`]): a
-/// linear layer's or a token table's one; an LSTM's input and recurrent weights; a block's
-/// QKV, output, up and down projections.
-fn product_weights(layers: &Layers<'_>, k: usize, layout: Layout) -> usize {
+/// The weights a layer gathers per product under `layout` ([`gathered_per_product`]), by
+/// the slot its products read them as, with each one's number of values
+/// ([`product_weight_values`]).
+fn product_weights(layers: &Layers<'_>, k: usize, layout: Layout) -> Vec<u64> {
     let op = &layers.ops[k];
     if !gathered_per_product(op, layers.tied.get(k).copied().unwrap_or(false), layout) {
-        return 0;
+        return Vec::new();
+    }
+    product_weight_values(op)
+}
+
+/// The values of each weight matrix of `op` a product reads, by slot: a linear layer's
+/// weight or a token table (one); an LSTM's input and recurrent weights; a block's QKV,
+/// output, up and down projections (its norms and biases are small: under ZeRO-3 pipec's
+/// executor gathers them with the stage). Empty for an operator gathered with its stage.
+pub fn product_weight_values(op: &Op) -> Vec<u64> {
+    let m = |a: usize, b: usize| (a as u64).saturating_mul(b as u64);
+    match zero3_gather(op) {
+        Zero3Gather::PerProduct => {}
+        Zero3Gather::WithStage { .. } | Zero3Gather::Nothing => return Vec::new(),
     }
     match op {
-        Op::Lstm { .. } => 2,
-        Op::TransformerBlock { .. } => 4,
-        _ => 1,
+        Op::Linear { in_features, out_features, .. } => vec![m(*in_features, *out_features)],
+        Op::Embedding { vocab, dim, .. } => vec![m(*vocab, *dim)],
+        // W_ih [4h, in], W_hh [4h, h]
+        Op::Lstm { input, hidden } => vec![m(4 * hidden, *input), m(4 * hidden, *hidden)],
+        _ => match op.block_dims() {
+            Some(b) => vec![m(b.d, b.qkv_width), m(b.attention_width, b.d), m(b.d, b.up_width), m(b.ff, b.d)],
+            None => Vec::new(),
+        },
     }
 }
 
@@ -380,19 +398,34 @@ enum Event {
     Read(usize),
 }
 
+/// What a pass issues: a collective of its own, or the per-product gather of the stage's
+/// weight `i`.
+enum Issued {
+    Collective(InPass),
+    Gather(usize),
+}
+
+impl Issued {
+    fn either(self, gather: impl Fn(usize) -> InPass) -> InPass {
+        match self {
+            Issued::Collective(c) => c,
+            Issued::Gather(i) => gather(i),
+        }
+    }
+}
+
 /// The all-gathers the executor's per-product gatherer (`zero::Gatherer`) issues for a
-/// pass's `events`, in place of its reads of the stage's `weights` (each its layer): each
-/// weight not kept from the product before nor gathered ahead, and with each the next one
-/// ahead (the next in the stage's order, or the one before in a pass moving down it — one
-/// that first reads the last weight, or then one before the last it read).
-fn gathered(events: Vec<Event>, weights: &[u32]) -> Vec<InPass> {
-    let n = weights.len();
-    let gather = |i: usize| InPass { layer: weights[i], over: PeerDim::Shard, op: PassOp::AllGather };
+/// pass's `events`, in place of its reads of the stage's `n` weights: each weight not kept
+/// from the product before nor gathered ahead, and with each the next one ahead (the next
+/// in the stage's order, or the one before in a pass moving down it — one that first
+/// reads the last weight, or then one before the last it read).
+fn gathered(events: Vec<Event>, n: usize) -> Vec<Issued> {
+    let gather = Issued::Gather;
     let (mut out, mut kept, mut at, mut ahead) = (Vec::new(), None, None::<usize>, None);
     for e in events {
         let id = match e {
             Event::Collective(c) => {
-                out.push(c);
+                out.push(Issued::Collective(c));
                 continue;
             }
             Event::Read(id) => id,
@@ -453,6 +486,41 @@ pub fn declare(
     last: bool,
     buckets: Option<Buckets<'_>>,
 ) -> Result<Vec<InPass>, String> {
+    let (events, weights) = pass_events(layers, range, layout, (kind, first, last), buckets)?;
+    let gather = |i: usize| InPass { layer: weights[i].0, over: PeerDim::Shard, op: PassOp::AllGather };
+    Ok(gathered(events, weights.len()).into_iter().map(|g| g.either(gather)).collect())
+}
+
+/// The weights ZeRO-3's per-product gatherer gathers in a pass of `kind` (as [`declare`]
+/// lists them: its `zero` all-gathers, in order), each as its layer and its number of
+/// values ([`product_weight_values`]): what the cost model prices.
+pub fn product_gathers(
+    layers: &Layers<'_>,
+    range: std::ops::Range<usize>,
+    layout: Layout,
+    (kind, first, last): (PassKind, bool, bool),
+) -> Result<Vec<(u32, u64)>, String> {
+    let (events, weights) = pass_events(layers, range, layout, (kind, first, last), None)?;
+    Ok(gathered(events, weights.len())
+        .into_iter()
+        .filter_map(|g| match g {
+            Issued::Gather(i) => Some(weights[i]),
+            Issued::Collective(_) => None,
+        })
+        .collect())
+}
+
+/// A pass's events in order, before the per-product gatherer turns its reads into gathers,
+/// and the stage's per-product weights (each its layer and values) the reads name.
+type PassEvents = (Vec<Event>, Vec<(u32, u64)>);
+
+fn pass_events(
+    layers: &Layers<'_>,
+    range: std::ops::Range<usize>,
+    layout: Layout,
+    (kind, first, last): (PassKind, bool, bool),
+    buckets: Option<Buckets<'_>>,
+) -> Result<PassEvents, String> {
     let ops = layers.ops;
     let stage = ops.get(range.clone()).ok_or_else(|| format!("layers {range:?} are not in the model"))?;
     let splits = if layout.tp > 1 {
@@ -460,24 +528,25 @@ pub fn declare(
     } else {
         vec![TpSplit::Replicated; stage.len()]
     };
-    // the stage's per-product weights (ZeRO-3): each one's layer, and each layer's first
-    let mut weights: Vec<u32> = Vec::new();
+    // the stage's per-product weights (ZeRO-3): each one's layer and values, and each
+    // layer's first
+    let mut weights: Vec<(u32, u64)> = Vec::new();
     let mut base = Vec::with_capacity(stage.len());
+    let mut count = Vec::with_capacity(stage.len());
     for k in range.clone() {
         base.push(weights.len());
-        let n = product_weights(layers, k, layout);
-        weights.extend(std::iter::repeat_n(k as u32, n));
+        let w = product_weights(layers, k, layout);
+        count.push(w.len());
+        weights.extend(w.into_iter().map(|v| (k as u32, v)));
     }
-    let read = |k: usize, slot: usize| -> Option<Event> {
-        (slot < product_weights(layers, range.start + k, layout)).then(|| Event::Read(base[k] + slot))
-    };
+    let read = |k: usize, slot: usize| -> Option<Event> { (slot < count[k]).then(|| Event::Read(base[k] + slot)) };
     let tracked = |k: usize| layers.tracked.get(range.start + k).copied().unwrap_or(true);
     let at = |k: usize| (range.start + k) as u32;
     let tp = layout.tp > 1;
     let tp_sum = |k: usize| Event::Collective(InPass { layer: at(k), over: PeerDim::Tensor, op: PassOp::AllReduce });
     let mut events: Vec<Event> = Vec::new();
     if !kind.is_pass() {
-        return Ok(Vec::new());
+        return Ok((events, weights));
     }
     // a bucket's reduction, once the pass has the gradients of its layers from `k` on
     let reduce = |k: usize| {
@@ -489,7 +558,8 @@ pub fn declare(
     };
     if kind == PassKind::BackwardWeight {
         // the put-off weight products, bucket by bucket, the last layers' first
-        return Ok((0..stage.len()).rev().filter_map(reduce).collect());
+        let reductions = (0..stage.len()).rev().filter_map(reduce).map(Event::Collective).collect();
+        return Ok((reductions, weights));
     }
     if kind.forward() {
         for (k, (op, split)) in stage.iter().zip(&splits).enumerate() {
@@ -519,7 +589,7 @@ pub fn declare(
         if last && splits.last() == Some(&TpSplit::Vocab) {
             events.extend(std::iter::repeat_n(tp_sum(stage.len() - 1), 3));
         }
-        return Ok(gathered(events, &weights));
+        return Ok((events, weights));
     }
     // the backward: without tensor parallelism one pass over the layers in reverse; with
     // it, segment after segment (`executor::parallel::tensor_parallel`), each segment's
@@ -596,7 +666,7 @@ pub fn declare(
             events.push(tp_sum(units.first().map_or(0, |u| u.0)));
         }
     }
-    Ok(gathered(events, &weights))
+    Ok((events, weights))
 }
 
 /// The parameters of the stage holding layers `range` of `ops` whose gradients are partial
@@ -854,9 +924,9 @@ mod tests {
         assert_eq!(layers_of(PassKind::Backward, true), [4, 2, 0]);
         assert!(layers_of(PassKind::BackwardWeight, true).is_empty());
         // a read out of the order: the weight gathered ahead is not it, so both are issued
-        assert_eq!(gathered(vec![Event::Read(0), Event::Read(2)], &[7, 8, 9]).len(), 3);
+        assert_eq!(gathered(vec![Event::Read(0), Event::Read(2)], 3).len(), 3);
         // a weight read again by the next product is kept, not gathered again
-        assert_eq!(gathered(vec![Event::Read(0), Event::Read(0)], &[7]).len(), 1);
+        assert_eq!(gathered(vec![Event::Read(0), Event::Read(0)], 1).len(), 1);
         // beside tensor or expert parallelism the stage is gathered whole between passes
         for layout in [Layout { tp: 2, ..layout }, Layout { ep: 2, ..layout }] {
             assert!(!layout.per_product());

@@ -318,3 +318,109 @@ fn the_expert_row_counts_are_priced_before_each_dispatch() {
     }
     assert!(checked > 0, "no dispatch was compared");
 }
+
+/// ZeRO-3's per-product gathers on pipec's executor are priced one for one from what the
+/// plan declares: a pass's `zero` all-gathers are `in_pass::product_gathers`' weights in
+/// order (a forward gathers each weight matrix once, and here, blocks only, the backward
+/// again for their input gradients), and the pass waits for the first and
+/// for what its compute does not cover of the others, each a ring all-gather of the
+/// matrix's fp32 values; the norms and biases go with the stage's whole gather. gpt-tiny
+/// (its tied table and output layer gathered whole) over 2 replicas of one stage.
+#[test]
+fn the_per_product_gathers_are_priced_one_for_one() {
+    let spec = spec("gpt-tiny", &[("stages: \"1-1\"", "stages: \"2\"\n  zero: 3")]);
+    let options = crate::CompileOptions::default();
+    let model = crate::model::cost_model(&spec, &options).expect("costs");
+    let compiled = crate::compile(&spec, &options).into_compiled().expect("compiles");
+    let (plan, timeline) = (&compiled.plan, &compiled.timeline);
+    let st = &plan.stages[0];
+    assert_eq!(st.replicas.len(), 2);
+    let ops: Vec<pipec_plan::model::Op> = model.graph.ops().map(|(_, n)| n.op.clone()).collect();
+    let tied = model.graph.tie_ends();
+    let range = st.layers[0]..st.layers[1];
+    let tracked = model.graph.tracked_inputs(std::slice::from_ref(&range));
+    let layers = pipec_plan::in_pass::Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss };
+    let layout = pipec_plan::in_pass::Layout { tp: 1, cp: 1, ring: false, ep: 1, zero3: true };
+    let gathers = |kind| pipec_plan::in_pass::product_gathers(&layers, range.clone(), layout, (kind, true, true));
+    let (forward, backward) =
+        (gathers(PassKind::Forward).expect("forward"), gathers(PassKind::Backward).expect("backward"));
+    // the forward gathers every matrix of the layers gathered per product once
+    let mut all: Vec<(u32, u64)> = range
+        .clone()
+        .filter(|&i| !tied[i])
+        .flat_map(|i| pipec_plan::in_pass::product_weight_values(&ops[i]).into_iter().map(move |v| (i as u32, v)))
+        .collect();
+    let mut sorted = forward.clone();
+    sorted.sort_unstable();
+    all.sort_unstable();
+    assert_eq!(sorted, all);
+    // (the backward reads each block's four matrices again for its input gradients)
+    let mut again = backward.clone();
+    again.sort_unstable();
+    assert_eq!(again, all);
+    // intra_node: 10 GB/s, 5 us; a ring all-gather over 2 members sends half its bytes
+    let ring = |values: u64| 4.0 * values as f64 / 2.0 / 10e9 + 5e-6;
+    let c = &model.costs[range.clone()];
+    for d in &st.replicas {
+        for (kind, list) in [(PassKind::Forward, &forward), (PassKind::Backward, &backward)] {
+            // what the plan declares is what is priced
+            let declared: Vec<u32> = plan
+                .in_pass
+                .of(*d, st.id, kind, false)
+                .iter()
+                .filter(|e| e.over == PeerDim::Shard)
+                .map(|e| e.layer)
+                .collect();
+            assert_eq!(declared, list.iter().map(|(l, _)| *l).collect::<Vec<_>>(), "{d} {kind}");
+            let (compute, last) = match kind {
+                PassKind::Forward => {
+                    (c.iter().map(|c| c.forward_s).sum::<f64>(), c.last().map_or(0.0, |c| c.forward_s))
+                }
+                _ => (c.iter().map(|c| c.backward_s).sum::<f64>(), c.first().map_or(0.0, |c| c.backward_s)),
+            };
+            let g: Vec<f64> = list.iter().map(|&(_, v)| ring(v)).collect();
+            let wait = g[0].max(g.iter().sum::<f64>() - compute + last);
+            // each forward here gathers the stage whole too (its norms, biases and the
+            // tied table: the stage's parameters but the matrices), then waits as priced
+            let whole: u64 = st.parameters - all.iter().map(|(_, v)| v).sum::<u64>();
+            let phase = if kind == PassKind::Forward { Phase::Forward } else { Phase::Backward };
+            for e in timeline.events.iter().filter(|e| e.device == *d && e.phase == phase && !e.background) {
+                let gathers_whole = plan.in_pass.gathers_of(*d).iter().any(|g| g.at as usize == e.index);
+                assert_eq!(gathers_whole, kind == PassKind::Forward, "{d} {kind}");
+                let expected = compute + wait + if gathers_whole { ring(whole) } else { 0.0 };
+                let took = e.end - e.start;
+                assert!((took - expected).abs() < 1e-12, "{d} {kind}: {took:e} against {expected:e}");
+            }
+        }
+    }
+}
+
+/// Under context parallelism a mixture with a balancing loss (or a capacity) gathers the
+/// group's routing counts in each forward, as the plan declares: priced inside the forward
+/// (the cost model's `cp_forward`, the plan's `context_s`) as one all-gather over the group
+/// of each member's fp32 counts per sample, half of its positions and expert; without the
+/// loss nothing is gathered.
+/// moe-tiny (8 experts, a balancing loss) on one stage, `cp: 2`.
+#[test]
+fn the_routing_counts_under_context_parallelism_are_priced() {
+    let layout = [("stages: \"2-2\"", "stages: \"2\"\n  cp: 2"), ("  ep: 2\n", "")];
+    let with = spec("moe-tiny", &layout);
+    let without = spec("moe-tiny", &[layout[0], layout[1], (", aux_loss=0.05)", ")")]);
+    let options = crate::CompileOptions::default();
+    let plan = |s: &pipec_grammar::spec::Spec| crate::compile(s, &options).into_compiled().expect("compiles").plan;
+    let (a, b) = (plan(&with), plan(&without));
+    let declared = |p: &pipec_plan::Plan| {
+        let (st, d) = (&p.stages[0], p.stages[0].replicas[0]);
+        p.in_pass.of(d, st.id, PassKind::Forward, false).iter().filter(|e| e.over == PeerDim::Context).count()
+    };
+    // two mixtures: one gather of counts each, beside each block's keys and values
+    assert_eq!(declared(&a), declared(&b) + 2);
+    let model = crate::model::cost_model(&with, &options).expect("costs");
+    let members = &a.groups.iter().find(|g| g.id == a.stages[0].group.expect("a group")).expect("the group").devices;
+    let values = 2 * model.microbatch_size as u64 * 2 * 8;
+    let counts = model.cluster.collective_time(CollectiveKind::AllGather, &members[..2], 4 * values);
+    let (fa, fb) = (a.stages[0].context_s, b.stages[0].context_s);
+    assert!(counts > 0.0);
+    assert!((fa[0] - fb[0] - 2.0 * counts).abs() < 1e-12, "{fa:?} against {fb:?} + 2 × {counts:e}");
+    assert_eq!(fa[1], fb[1]);
+}
