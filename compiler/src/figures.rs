@@ -337,21 +337,19 @@ fn pipec_in_line(
     // its routers') at the update's side, one all-reduce of fp32 values each
     let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
     let pipec_sums = tp > 1 && pipec;
-    let ops: Vec<Op> = if pipec_sums { graph.ops().map(|(_, n)| n.op.clone()).collect() } else { Vec::new() };
-    let update_sums: Vec<Vec<f64>> = layout
-        .ranges
-        .iter()
-        .map(|r| {
-            let partial = pipec_plan::in_pass::tp_partial_parameters(&ops, r.clone(), spec.model.loss, tp);
-            match partial {
-                Ok(p) if pipec_sums => {
-                    p.iter().map(|&(_, n)| ring_time(CollectiveKind::AllReduce, tp_link, tp, 4.0 * n as f64)).collect()
-                }
-                // (a `tp` that does not divide a block is refused with the costs, E0405)
-                Ok(_) | Err(_) => Vec::new(),
-            }
-        })
-        .collect();
+    let update_sums: Vec<Vec<f64>> = if pipec_sums {
+        let ops: Vec<Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
+        let sum = |&(_, n): &(u64, usize)| ring_time(CollectiveKind::AllReduce, tp_link, tp, 4.0 * n as f64);
+        layout
+            .ranges
+            .iter()
+            // (a `tp` that does not divide a block is refused with the costs, E0405)
+            .map(|r| pipec_plan::in_pass::tp_partial_parameters(&ops, r.clone(), spec.model.loss, tp))
+            .map(|partial| partial.map(|p| p.iter().map(sum).collect()).unwrap_or_default())
+            .collect()
+    } else {
+        vec![Vec::new(); layout.ranges.len()]
+    };
     let norm_sum = if pipec_sums { ring_time(CollectiveKind::AllReduce, tp_link, tp, 4.0) } else { 0.0 };
     // pipec's executor exchanges each mixture's per-expert row counts over its group before
     // the dispatch, in every pass that dispatches (one all-to-all of an fp32 value per
@@ -401,9 +399,13 @@ fn zero3_gather_waits(
     let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
     let graph = &model.graph;
     let tied = graph.tie_ends();
-    // what the declaration pass reads of the stages (`in_pass::declare`'s layers)
-    let ops: Vec<Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
-    let tracked = graph.tracked_inputs(&layout.ranges);
+    // what the declaration pass reads of the stages (`in_pass::declare`'s layers), only
+    // where pipec's executor may gather per product
+    let (ops, tracked): (Vec<Op>, Vec<bool>) = if shard_weights && pipec {
+        (graph.ops().map(|(_, n)| n.op.clone()).collect(), graph.tracked_inputs(&layout.ranges))
+    } else {
+        Default::default()
+    };
     let layers = pipec_plan::in_pass::Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss };
     let layout_ranges = layout.ranges.len();
     let dp_link =
