@@ -15,7 +15,8 @@
 # compares every step's loss (every synchronous schedule on 2 devices sharing the GPU,
 # tensor parallelism, recompute, a ResNet with batch norm, a GPT with tied embeddings);
 # trains two ranks as two processes on CUDA, over MPI (when the binary has it and an
-# `mpirun` is there or bundled) and over TCP; calibrates the device; and benchmarks pipec
+# `mpirun` is there or bundled) and over TCP; starts a one-rank NCCL communicator and times
+# its all-reduce (`--nccl-check`, found where PyTorch's wheel installed it); calibrates the device; and benchmarks pipec
 # against PyTorch eager on the same GPU (bench/specs/gpu/: an MLP, a GPT-2 block stack, a
 # ResNet-50 stage; per-microbatch forward and backward, whole steps, the step predicted
 # from `pipec profile` and from `pipec calibrate` against the measured one), with
@@ -60,8 +61,8 @@ done
 case "$mode" in
   build)
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/pipec-target}"
-    features=cuda
-    [ "$mpi" = 1 ] && features=cuda,mpi
+    features=cuda,nccl
+    [ "$mpi" = 1 ] && features=cuda,mpi,nccl
     cargo build --release --features "$features"
     mkdir -p gpu-check
     cp "$CARGO_TARGET_DIR/release/pipec" gpu-check/pipec
@@ -198,6 +199,7 @@ blocks='- embedding(50, 16)
     - linear(512, 4)'
 spec gpipe 2 straight gpipe "" "$mlp"
 spec 1f1b 2 straight 1f1b "" "$mlp"
+spec one-device 1 straight 1f1b "" "$mlp"
 spec interleaved 2 straight "{ kind: interleaved, virtual_stages: 2 }" "" "$mlp"
 spec zb-h1 2 straight zb-h1 "" "$mlp"
 spec zbv 2 straight zbv "" "$mlp"
@@ -305,6 +307,15 @@ if [ "$dry" = 0 ]; then
     compare "tcp: 2 processes on CUDA" "$out/cpu/1f1b/metrics.jsonl" "$out/tcp/metrics.jsonl" | tee -a "$out/equality.txt"
   else
     echo "FAIL tcp: see tcp.0.log, tcp.1.log" | tee -a "$out/equality.txt"
+  fi
+fi
+if [ "$dry" = 0 ]; then
+  # NCCL: a one-rank communicator started over the TCP fabric and its all-reduce on the GPU
+  # timed (`--nccl-check`); several GPUs need a machine with several
+  if (cd "$work" && RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29518 timeout 120 "$bin" run "$out/specs/one-device.yaml" --transport tcp --backend cuda --nccl-check --steps 2 -o "$out/nccl") > "$out/nccl.log" 2>&1; then
+    echo "ok nccl: $(grep -m1 'all-reduce of' "$out/nccl.log")" | tee -a "$out/equality.txt"
+  else
+    echo "FAIL nccl: a one-rank NCCL communicator on the GPU (see nccl.log)" | tee -a "$out/equality.txt"
   fi
 fi
 grep -q FAIL "$out/equality.txt" && status=1

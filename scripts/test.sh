@@ -33,8 +33,8 @@ if ! command -v mpirun >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1 \
 fi
 
 # the features of every build below, so that nothing compiles twice: MPI, and Burn's wgpu
-# backend for tests/cubecl.rs (the release binary has neither unless asked)
-FEATURES=mpi,wgpu
+# backend for tests/cubecl.rs, and NCCL's loader and start (the release binary has none unless asked)
+FEATURES=mpi,wgpu,nccl
 
 echo "== formatting and lints"
 if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
@@ -50,8 +50,8 @@ cargo build --workspace --all-targets --features "$FEATURES"
 echo "== tests"
 cargo nextest run --workspace --features "$FEATURES" --no-fail-fast
 
-echo "== cuda feature type-checks, with and without MPI (no GPU needed)"
-cargo check -p pipec --features cuda,mpi
+echo "== cuda feature type-checks, with MPI and NCCL (no GPU needed)"
+cargo check -p pipec --features cuda,mpi,nccl
 
 echo "== the GPU check, dry (CPU only): proves scripts/gpu-check.sh end to end"
 GPU_CHECK_DIR="$(mktemp -d)"

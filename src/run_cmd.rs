@@ -80,6 +80,12 @@ pub struct RunArgs {
     /// than devices (each device otherwise gets its own GPU, and too few is an error).
     #[arg(long)]
     pub share_gpus: bool,
+    /// With `--backend cuda` and one process per GPU (`--transport mpi` or `tcp`): start
+    /// an NCCL communicator over every rank before training and check an all-reduce on
+    /// each GPU (a build with `--features cuda,nccl`); any rank's failure or silence stops
+    /// every rank within `--timeout`. The plan's collectives still travel through host memory.
+    #[arg(long)]
+    pub nccl_check: bool,
     /// With one process per device: a folder where a failing rank also writes its
     /// failure line (one file per rank). `pipec launch --exec` sets it for each attempt
     /// and watches it, since mpirun may not forward a rank's output while it waits on a
@@ -188,6 +194,10 @@ fn load_run_plan(args: &RunArgs) -> Result<(Plan, Option<String>), u8> {
 pub fn run(args: RunArgs) -> u8 {
     if args.steps == Some(0) {
         eprintln!("error: `--steps 0` trains nothing: give at least 1");
+        return EXIT_USAGE;
+    }
+    if args.nccl_check && (args.backend != Backend::Cuda || args.transport == Transport::Threads) {
+        eprintln!("error: `--nccl-check` starts NCCL between processes, one per GPU: it needs `--backend cuda` with `--transport mpi` or `--transport tcp`");
         return EXIT_USAGE;
     }
     let (mut plan, device) = match load_run_plan(&args) {
@@ -940,6 +950,7 @@ fn run_options(plan: &Plan, args: &RunArgs, dir: &Path) -> RunOptions {
         checkpoint_dir: Some(dir.join(plan.training.checkpoint_dir.as_deref().unwrap_or("checkpoints"))),
         resume: None,
         share_gpus: args.share_gpus,
+        nccl_check: args.nccl_check,
         gpus: None,
         stop: None,
         vote: None,

@@ -300,3 +300,28 @@ fn sigterm_to_one_rank_stops_every_rank_at_one_step_with_a_checkpoint_that_resum
     assert_eq!(losses(&out), uninterrupted[..n].to_vec(), "the stopped job's steps");
     assert_eq!(losses(&resumed), uninterrupted[n..].to_vec(), "the resumed job's steps");
 }
+
+#[test]
+fn the_nccl_check_is_refused_where_it_cannot_run() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let spec = spec(dir.path(), 1, "");
+    for extra in
+        [&["--nccl-check"][..], &["--nccl-check", "--transport", "tcp"], &["--nccl-check", "--backend", "cuda"]]
+    {
+        let o = pipec_command()
+            .arg("run")
+            .arg(&spec)
+            .args(extra)
+            .arg("-o")
+            .arg(dir.path().join("n"))
+            .output()
+            .expect("runs");
+        assert_eq!(o.status.code(), Some(2), "{extra:?}");
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            e.contains("`--nccl-check` starts NCCL between processes, one per GPU: it needs `--backend cuda` with `--transport mpi` or `--transport tcp`"),
+            "{e}"
+        );
+        assert!(!dir.path().join("n").exists());
+    }
+}

@@ -36,6 +36,9 @@ pub const TAG_AGREE: i32 = 15;
 pub const TAG_STOP: i32 = 16;
 /// A CUDA rank's GPU as it found it, and rank 0's verdict (`run::gpus`).
 pub const TAG_GPUS: i32 = 17;
+/// The start of an NCCL communicator: rank 0's unique id, each rank's report and rank 0's
+/// verdict (`comm::nccl::bootstrap`).
+pub const TAG_NCCL: i32 = 18;
 
 /// The processes of a job and the messages between them.
 pub trait Fabric: Send + Sync {

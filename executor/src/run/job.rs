@@ -87,6 +87,9 @@ pub struct RunOptions {
     pub resume: Option<Resume>,
     /// Let several plan devices share one GPU when there are fewer GPUs than devices.
     pub share_gpus: bool,
+    /// With one process per GPU: start an NCCL communicator over every rank before training
+    /// and check an all-reduce on each GPU (`comm::nccl`).
+    pub nccl_check: bool,
     /// On CUDA in one process: the GPU of each device, already placed and judged by
     /// [`gpu_placement`] (`pipec run` does so to print it before compiling the workers);
     /// None: placed and judged at the start of the run.
@@ -108,6 +111,7 @@ impl Default for RunOptions {
             checkpoint_dir: None,
             resume: None,
             share_gpus: false,
+            nccl_check: false,
             gpus: None,
             stop: None,
             vote: None,

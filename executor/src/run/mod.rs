@@ -9,6 +9,8 @@ pub mod job;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi_run;
+#[cfg(all(feature = "cuda", feature = "nccl"))]
+pub mod nccl_check;
 pub mod process_run;
 pub mod profile;
 pub mod stop;

@@ -121,6 +121,9 @@ pub fn run_rank<F: Fabric + 'static>(
         }
         BackendKind::Cpu => None,
     };
+    if options.nccl_check {
+        check_nccl(fabric.as_ref(), gpu, options.timeout).map_err(|e| (Some(info), RunError::setup(e)))?;
+    }
     let abort = Arc::new(AtomicBool::new(false));
     // a stop request (SIGINT/SIGTERM to any rank) is voted on before every step
     let vote = options.stop.is_some().then(|| {
@@ -414,6 +417,32 @@ fn judged<F: Fabric>(
             fabric.flush();
             Err(why)
         }
+    }
+}
+
+/// `--nccl-check`: one NCCL communicator over every rank, started on each rank's GPU and
+/// checked with an all-reduce (`comm::nccl`); rank 0 says what it measured.
+fn check_nccl<F: Fabric>(fabric: &F, gpu: Option<usize>, timeout: std::time::Duration) -> Result<(), String> {
+    #[cfg(all(feature = "cuda", feature = "nccl"))]
+    {
+        let ordinal = gpu.ok_or("`--nccl-check` needs `--backend cuda`")?;
+        let c = crate::run::nccl_check::check(fabric, ordinal, timeout)?;
+        if fabric.rank() == 0 {
+            eprintln!(
+                "{}: a communicator of {} rank(s) started; all-reduce of {} MiB on each GPU: {:.3} ms, bus bandwidth {:.1} GB/s (rank 0; the plan's collectives still travel through host memory)",
+                c.library,
+                c.ranks,
+                c.bytes >> 20,
+                c.seconds * 1e3,
+                c.bus_gb_s
+            );
+        }
+        Ok(())
+    }
+    #[cfg(not(all(feature = "cuda", feature = "nccl")))]
+    {
+        let _ = (fabric, gpu, timeout);
+        Err("this pipec was built without NCCL: `--nccl-check` needs `cargo build --release --features cuda,nccl` (with `mpi` for `--transport mpi`)".into())
     }
 }
 
