@@ -94,6 +94,19 @@ fn fabrics(size: i32) -> Vec<TcpFabric> {
 
 /// Each rank's outcome (None: the rank stayed silent) and the seconds it took.
 fn run(fake: &Fake, size: i32, silent: Option<i32>, timeout: Duration) -> Vec<(Option<Result<usize, String>>, f64)> {
+    run_with(fake, size, silent, &[], timeout)
+}
+
+/// [`run`], the `odd` rank sending `says` on the start's tag (rank 0 to every rank, another
+/// rank to rank 0) instead of starting, then staying silent.
+fn run_with(
+    fake: &Fake,
+    size: i32,
+    odd: Option<i32>,
+    says: &[u8],
+    timeout: Duration,
+) -> Vec<(Option<Result<usize, String>>, f64)> {
+    let silent = odd;
     let fabrics = fabrics(size);
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -104,7 +117,11 @@ fn run(fake: &Fake, size: i32, silent: Option<i32>, timeout: Duration) -> Vec<(O
                 s.spawn(move || {
                     let t = Instant::now();
                     if silent == Some(f.rank()) {
-                        // alive, connected, and saying nothing until the others have ended
+                        let to: Vec<i32> = if f.rank() == 0 { (1..size).collect() } else { vec![0] };
+                        for r in to.into_iter().filter(|_| !says.is_empty()) {
+                            f.post(r, TAG_NCCL, says.to_vec(), None).expect("posts");
+                        }
+                        // alive, connected, and saying nothing (more) until the others have ended
                         while !done.load(Ordering::Relaxed) {
                             std::thread::sleep(Duration::from_millis(10));
                         }
@@ -218,4 +235,36 @@ fn ranks_whose_rank_0_hangs_after_sending_the_id_stop_on_their_own() {
     let mut aborted = fake.aborted.lock().expect("lock").clone();
     aborted.sort_unstable();
     assert_eq!(aborted, vec![1, 2]);
+}
+
+#[test]
+fn a_malformed_message_or_another_id_stops_every_rank_and_names_its_sender() {
+    let timeout = Duration::from_secs(30);
+    // another rank's report that is none of the start's messages
+    let fake = Fake::new(3);
+    let out = run_with(&fake, 3, Some(2), &[9, 9, 9], timeout);
+    for (r, (o, secs)) in out.iter().enumerate().take(2) {
+        let e = o.clone().expect("ran").expect_err("stops");
+        assert!(e.contains("rank 2: its report of NCCL's start is malformed"), "rank {r}: {e}");
+        assert!(*secs < 15.0, "rank {r} took {secs:.1} s");
+    }
+    // a rank whose part is ready with an id other than rank 0's (its digest differs)
+    let fake = Fake::new(3);
+    let mut wrong = vec![READY];
+    wrong.extend(digest(&[7u8; UNIQUE_ID_BYTES]));
+    let out = run_with(&fake, 3, Some(2), &wrong, timeout);
+    for (r, (o, _)) in out.iter().enumerate().take(2) {
+        let e = o.clone().expect("ran").expect_err("stops");
+        assert!(e.contains("rank 2: it started NCCL with another unique id than rank 0 sent"), "rank {r}: {e}");
+    }
+    // rank 0's id cut short, and a message that is not an id
+    for says in [&[0u8; 17][..], &[GO][..]] {
+        let fake = Fake::new(3);
+        let out = run_with(&fake, 3, Some(0), says, timeout);
+        for (r, (o, _)) in out.iter().enumerate().skip(1) {
+            let e = o.clone().expect("ran").expect_err("stops");
+            assert!(e.contains("rank 0's NCCL unique id is malformed"), "rank {r}: {e}");
+        }
+        assert!(fake.started.lock().expect("lock").is_empty());
+    }
 }
