@@ -88,7 +88,9 @@ case "$mode" in
       tar cJf gpu-check/openmpi.txz -C "$bundle" root
       rm -rf "$bundle"
     fi
-    size=$(du -cb gpu-check/pipec gpu-check/openmpi.txz 2>/dev/null | tail -1 | cut -f1)
+    carried=(gpu-check/pipec)
+    [ -f gpu-check/openmpi.txz ] && carried+=(gpu-check/openmpi.txz)
+    size=$(du -cb "${carried[@]}" | tail -1 | cut -f1)
     echo "gpu-check/: $((size / 1048576)) MiB (carry gpu-check/ to the GPU machine; at most 64 MiB)"
     [ "$size" -le $((64 * 1048576)) ] || { echo "gpu-check: gpu-check/ is over 64 MiB" >&2; exit 1; }
     exit 0

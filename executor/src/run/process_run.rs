@@ -429,11 +429,12 @@ fn check_nccl<F: Fabric>(fabric: &F, gpu: Option<usize>, timeout: std::time::Dur
         let c = crate::run::nccl_check::check(fabric, ordinal, timeout)?;
         if fabric.rank() == 0 {
             eprintln!(
-                "{}: a communicator of {} rank(s) started; all-reduce of {} MiB on each GPU: {:.3} ms, bus bandwidth {:.1} GB/s (rank 0; the plan's collectives still travel through host memory)",
+                "{}: a communicator of {} rank(s) started; all-reduce of {} MiB on each GPU: {:.3} ms, algorithm bandwidth {:.1} GB/s, bus bandwidth {:.1} GB/s (rank 0; the plan's collectives still travel through host memory)",
                 c.library,
                 c.ranks,
                 c.bytes >> 20,
                 c.seconds * 1e3,
+                c.alg_gb_s,
                 c.bus_gb_s
             );
         }

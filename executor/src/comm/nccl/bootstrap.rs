@@ -15,6 +15,9 @@
 //!    time: the others wait [`GRACE`] longer) aborts on its own. So any rank's failure or silence stops every rank within the
 //!    timeout, and a failure stops them as soon as rank 0 hears of it.
 //!
+//! The protocol bounds its own waits; NCCL's calls themselves are trusted to return (a
+//! non-blocking start returns at once, and `ncclCommAbort` ends what it started).
+//!
 //! The NCCL calls are behind [`Nccl`], so the protocol is tested without a GPU or the
 //! library (`tests.rs`: a stand-in whose initialisation, like NCCL's, finishes only when every
 //! rank has started it).
@@ -88,6 +91,11 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// A duration as the words `1.5 s`.
+fn secs(d: Duration) -> String {
+    format!("{} s", (d.as_secs_f64() * 10.0).round() / 10.0)
+}
+
 /// What a rank received on the start's tag: a message, nothing yet, or an error.
 enum Heard {
     Message(Vec<u8>),
@@ -135,7 +143,15 @@ fn lead<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result<N
         }
     };
     for r in 1..size {
-        post(fabric, r, message(ID, &id))?;
+        if let Err(e) = post(fabric, r, message(ID, &id)) {
+            // the ranks that have the id are told to stop rather than wait on NCCL
+            let why = format!("NCCL's communicator did not start: {e}");
+            for s in 1..r {
+                let _ = post(fabric, s, message(STOP, why.as_bytes()));
+            }
+            fabric.flush();
+            return Err(why);
+        }
     }
     let expected = digest(&id);
     let mut comm = None;
@@ -199,17 +215,23 @@ fn lead<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result<N
             if !waiting.is_empty() {
                 what.push(format!("rank(s) {} started their part and it did not finish", waiting.join(", ")));
             }
-            failures.insert(-1, format!("{} within {:.0} s", what.join("; "), timeout.as_secs_f64()));
+            failures.insert(-1, format!("{} within {}", what.join("; "), secs(timeout)));
         }
         if failures.is_empty() {
             std::thread::sleep(POLL);
         }
     }
     if failures.is_empty() {
-        for r in 1..size {
-            post(fabric, r, message(GO, &[]))?;
-        }
-        return comm.ok_or_else(|| "rank 0 has no NCCL communicator".to_string());
+        // every rank is told; a rank that cannot be is named, and this rank's part ended
+        let lost: Vec<String> = (1..size).filter_map(|r| post(fabric, r, message(GO, &[])).err()).collect();
+        return match (comm, lost.is_empty()) {
+            (Some(c), true) => Ok(c),
+            (Some(c), false) => {
+                nccl.abort(c);
+                Err(lost.join("; "))
+            }
+            (None, _) => Err("rank 0 has no NCCL communicator".to_string()),
+        };
     }
     let why = failures
         .iter()
@@ -230,16 +252,26 @@ fn lead<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result<N
 /// Every other rank: takes the id, starts its part, reports, and follows rank 0's verdict.
 fn follow<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result<N::Comm, String> {
     let (rank, size) = (fabric.rank(), fabric.size());
-    let begun = Instant::now();
-    let silent = || format!("rank 0 said nothing of NCCL's start within {:.0} s", timeout.as_secs_f64());
+    let silent = |d: Duration| format!("rank 0 said nothing of NCCL's start within {}", secs(d));
+    let malformed = || {
+        let why = "rank 0's NCCL unique id is malformed".to_string();
+        let _ = post(fabric, 0, message(FAILED, why.as_bytes()));
+        fabric.flush();
+        Err(why)
+    };
     let id: UniqueId = match hear(fabric, 0, timeout)? {
-        Heard::Nothing => return Err(silent()),
+        Heard::Nothing => return Err(silent(timeout)),
         Heard::Message(m) => match m.split_first() {
-            Some((&ID, id)) => id.try_into().map_err(|_| "rank 0's NCCL unique id is malformed".to_string())?,
+            Some((&ID, id)) => match id.try_into() {
+                Ok(id) => id,
+                Err(_) => return malformed(),
+            },
             Some((&NO_ID, why)) => return Err(text(why)),
-            _ => return Err("rank 0's NCCL unique id is malformed".into()),
+            _ => return malformed(),
         },
     };
+    // this rank's clock starts with the id, after rank 0's: rank 0 always judges first
+    let begun = Instant::now();
     let comm = match nccl.start(&id, size as usize, rank as usize) {
         Ok(c) => c,
         Err(e) => {
@@ -285,8 +317,8 @@ fn follow<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result
         }
         if begun.elapsed() > timeout + GRACE {
             let why = format!(
-                "this rank's NCCL part did not start within {:.0} s, and rank 0 gave no verdict",
-                (timeout + GRACE).as_secs_f64()
+                "this rank's NCCL part did not start within {}, and rank 0 gave no verdict",
+                secs(timeout + GRACE)
             );
             let _ = post(fabric, 0, message(FAILED, why.as_bytes()));
             nccl.abort(comm);
@@ -304,7 +336,12 @@ fn follow<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result
             Ok(()) => Ok(comm),
             Err(why) => stop(comm, why),
         },
-        Ok(Heard::Nothing) => stop(comm, silent()),
+        Ok(Heard::Nothing) => {
+            let why = format!("rank 0 gave no verdict on NCCL's start within {}", secs(timeout + GRACE));
+            let _ = post(fabric, 0, message(FAILED, why.as_bytes()));
+            fabric.flush();
+            stop(comm, why)
+        }
         Err(e) => stop(comm, e),
     }
 }

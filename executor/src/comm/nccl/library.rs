@@ -25,6 +25,9 @@ const OLDEST: c_int = 21800;
 const CONFIG_MAGIC: u32 = 0xcafe_beef;
 const UNDEF: c_int = c_int::MIN;
 
+/// How long a collective's non-blocking enqueueing may take.
+const ENQUEUE_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// The environment variable that names the library's file.
 pub const LIBRARY_VAR: &str = "PIPEC_NCCL_LIBRARY";
 
@@ -35,7 +38,9 @@ struct RawId {
 }
 
 /// `ncclConfig_t` as NCCL 2.18 lays it out: later versions read its `size` and `version`
-/// and take their defaults for the fields it lacks.
+/// and take their defaults for the fields it lacks. The 4 bytes after `split_share` are
+/// written too (`traffic_class`, undefined): NCCL 2.26 reads its `trafficClass` there,
+/// whatever the version says, and padding would hand it garbage.
 #[repr(C)]
 struct Config {
     size: usize,
@@ -47,6 +52,7 @@ struct Config {
     max_ctas: c_int,
     net_name: *const c_char,
     split_share: c_int,
+    traffic_class: c_int,
 }
 
 type RawComm = *mut c_void;
@@ -82,15 +88,38 @@ pub struct Communicator {
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time; a
-// `Communicator` is owned by one rank's thread at a time.
+// `Communicator` is owned by one rank's thread at a time. (NCCL 2.18 joins a non-blocking
+// start's thread only when aborted from the thread that started it: the bootstrap does both
+// on one thread.)
 unsafe impl Send for Communicator {}
+
+impl Communicator {
+    /// Ends the communicator at once, without waiting for its work or its peers
+    /// (`ncclCommAbort`): what a rank does when a peer has failed or gone silent.
+    pub fn abort(mut self) {
+        self.end(true);
+    }
+
+    fn end(&mut self, abort: bool) {
+        if self.raw.is_null() {
+            return;
+        }
+        // a communicator with an error or work in flight is aborted: `ncclCommDestroy` would
+        // return at its error leaving it allocated, or wait on a dead peer for ever
+        let healthy = !abort && self.library.state(self.raw) == Progress::Ready;
+        let end = if healthy { self.library.destroy } else { self.library.abort };
+        // SAFETY: `raw` came from ncclCommInitRankConfig and is ended once (then nulled).
+        let r = unsafe { end(self.raw) };
+        self.raw = std::ptr::null_mut();
+        if r != SUCCESS && r != IN_PROGRESS {
+            eprintln!("warning: NCCL could not end a communicator: {}", self.library.error(r, std::ptr::null_mut()));
+        }
+    }
+}
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        if !self.raw.is_null() {
-            // SAFETY: `raw` came from ncclCommInitRankConfig and is ended once.
-            unsafe { (self.library.destroy)(self.raw) };
-        }
+        self.end(false);
     }
 }
 
@@ -149,6 +178,37 @@ pub fn candidates(env: &dyn Fn(&str) -> Option<String>, python_dirs: &dyn Fn(&Pa
     out
 }
 
+/// Why NCCL would start blocking whatever pipec asks: `NCCL_COMM_BLOCKING` set to other
+/// than 0 in the environment or in NCCL's configuration files (`~/.nccl.conf`,
+/// `/etc/nccl.conf`), where a rank's failure would leave every other rank inside NCCL for
+/// ever. None where it is not forced.
+pub fn blocking_forced(env: &dyn Fn(&str) -> Option<String>, file: &dyn Fn(&Path) -> Option<String>) -> Option<String> {
+    const VAR: &str = "NCCL_COMM_BLOCKING";
+    let forced = |v: &str| !matches!(v.trim(), "" | "0");
+    if let Some(v) = env(VAR).filter(|v| forced(v)) {
+        return Some(format!(
+            "{VAR}={v} makes NCCL's start blocking, so one rank's failure would hang the others: unset it"
+        ));
+    }
+    // the environment wins over the files, as in NCCL
+    if env(VAR).is_some() {
+        return None;
+    }
+    let home = env("HOME").map(|h| PathBuf::from(h).join(".nccl.conf"));
+    for path in home.into_iter().chain([PathBuf::from("/etc/nccl.conf")]) {
+        let text = file(&path).unwrap_or_default();
+        let set = text.lines().filter_map(|l| l.split_once('=')).find(|(k, _)| k.trim() == VAR);
+        if let Some((_, v)) = set.filter(|(_, v)| forced(v)) {
+            return Some(format!(
+                "{} sets {VAR}={}, which makes NCCL's start blocking, so one rank's failure would hang the others: set {VAR}=0 in the environment",
+                path.display(),
+                v.trim()
+            ));
+        }
+    }
+    None
+}
+
 /// A library folder's `python3.*` folders, in name order.
 pub fn python_dirs(lib: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(lib)
@@ -163,9 +223,14 @@ pub fn python_dirs(lib: &Path) -> Vec<PathBuf> {
     v
 }
 
-/// NCCL's version code as the words `2.21.5`.
+/// NCCL's version code as the words `2.21.5` (`X·10000 + Y·100 + Z` since 2.9,
+/// `X·1000 + Y·100 + Z` before).
 pub fn version_text(code: c_int) -> String {
-    format!("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100)
+    if code < 10000 {
+        format!("{}.{}.{}", code / 1000, (code % 1000) / 100, code % 100)
+    } else {
+        format!("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100)
+    }
 }
 
 impl NcclLibrary {
@@ -244,11 +309,12 @@ impl NcclLibrary {
             // SAFETY: NCCL returns a static NUL-terminated string or null.
             (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
         };
-        // SAFETY: both take any value and return static strings.
+        // SAFETY: both take any value and return NUL-terminated strings NCCL owns (the last
+        // warning is one process-wide buffer, read once here).
         let what = words(unsafe { (self.error_string)(code) }).unwrap_or_else(|| format!("NCCL error {code}"));
         let last = words(unsafe { (self.last_error)(comm) }).filter(|s| !s.is_empty());
         match last {
-            Some(l) => format!("{what}: {l}"),
+            Some(l) => format!("{what} (NCCL's last warning: {l})"),
             None => what,
         }
     }
@@ -275,12 +341,30 @@ impl NcclLibrary {
         }
     }
 
-    /// Waits until a non-blocking call's enqueueing is done (not its work on the stream).
+    /// The communicator's asynchronous error, if it has one (a peer gone, a network error),
+    /// for a caller waiting on its work.
+    pub fn failure(&self, comm: &Communicator) -> Option<String> {
+        match self.state(comm.raw) {
+            Progress::Failed(e) => Some(e),
+            Progress::Ready | Progress::Pending => None,
+        }
+    }
+
+    /// Waits until a non-blocking call's enqueueing is done (not its work on the stream), at
+    /// most `ENQUEUE_LIMIT`: a first collective connects the peers, and a dead one never
+    /// answers (the caller then aborts the communicator).
     fn wait(&self, comm: &Communicator) -> Result<(), String> {
+        let begun = std::time::Instant::now();
         loop {
             match self.state(comm.raw) {
                 Progress::Ready => return Ok(()),
-                Progress::Pending => std::thread::yield_now(),
+                Progress::Pending if begun.elapsed() > ENQUEUE_LIMIT => {
+                    return Err(format!(
+                        "NCCL had not queued the collective after {} s (a peer gone?)",
+                        ENQUEUE_LIMIT.as_secs()
+                    ))
+                }
+                Progress::Pending => std::thread::sleep(std::time::Duration::from_micros(50)),
                 Progress::Failed(e) => return Err(e),
             }
         }
@@ -312,6 +396,9 @@ impl Nccl for Arc<NcclLibrary> {
         }
     }
     fn start(&self, id: &UniqueId, ranks: usize, rank: usize) -> Result<Communicator, String> {
+        if let Some(why) = blocking_forced(&|v| std::env::var(v).ok(), &|p| std::fs::read_to_string(p).ok()) {
+            return Err(why);
+        }
         let mut config = Config {
             size: std::mem::size_of::<Config>(),
             magic: CONFIG_MAGIC,
@@ -322,6 +409,7 @@ impl Nccl for Arc<NcclLibrary> {
             max_ctas: UNDEF,
             net_name: std::ptr::null(),
             split_share: UNDEF,
+            traffic_class: UNDEF,
         };
         let mut raw: RawComm = std::ptr::null_mut();
         let n = c_int::try_from(ranks).map_err(|_| format!("{ranks} ranks are too many for NCCL"))?;
@@ -340,12 +428,8 @@ impl Nccl for Arc<NcclLibrary> {
     fn progress(&self, comm: &Communicator) -> Progress {
         self.state(comm.raw)
     }
-    fn abort(&self, mut comm: Communicator) {
-        if !comm.raw.is_null() {
-            // SAFETY: ends the communicator once; Drop then sees null.
-            unsafe { (self.abort)(comm.raw) };
-            comm.raw = std::ptr::null_mut();
-        }
+    fn abort(&self, comm: Communicator) {
+        comm.abort();
     }
 }
 
@@ -408,7 +492,32 @@ mod tests {
     fn versions_read_as_nccl_writes_them() {
         assert_eq!(version_text(21805), "2.18.5");
         assert_eq!(version_text(22703), "2.27.3");
+        assert_eq!(version_text(2708), "2.7.8");
         assert_eq!(std::mem::size_of::<Config>(), 48);
         assert_eq!(std::mem::size_of::<RawId>(), 128);
+    }
+}
+
+#[cfg(test)]
+mod blocking {
+    use super::*;
+
+    #[test]
+    fn a_forced_blocking_start_is_refused_from_the_environment_or_ncclconf() {
+        let none = |_: &Path| None;
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        assert_eq!(blocking_forced(&env(&[]), &none), None);
+        assert_eq!(blocking_forced(&env(&[("NCCL_COMM_BLOCKING", "0")]), &none), None);
+        let e = blocking_forced(&env(&[("NCCL_COMM_BLOCKING", "1")]), &none).expect("refused");
+        assert!(e.contains("NCCL_COMM_BLOCKING=1 makes NCCL's start blocking"), "{e}");
+        let conf = |p: &Path| {
+            (p == Path::new("/etc/nccl.conf")).then(|| "NCCL_DEBUG=WARN\nNCCL_COMM_BLOCKING = 1\n".to_string())
+        };
+        let e = blocking_forced(&env(&[]), &conf).expect("refused");
+        assert!(e.contains("/etc/nccl.conf sets NCCL_COMM_BLOCKING=1"), "{e}");
+        // the environment's 0 wins over the file
+        assert_eq!(blocking_forced(&env(&[("NCCL_COMM_BLOCKING", "0")]), &conf), None);
     }
 }
