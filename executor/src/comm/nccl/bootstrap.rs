@@ -5,15 +5,17 @@
 //!    rank (or, where NCCL could not make one, why: every rank stops with that message).
 //! 2. Every rank starts its part of the communicator without blocking (NCCL's
 //!    `blocking = 0` configuration) and polls it. A rank tells rank 0 that it has started,
-//!    and reports as soon as its part is ready (with a digest of the id it used, which rank 0 compares with its own:
-//!    the id is byte-equal on every rank or the communicator is refused) or has failed.
+//!    and reports as soon as its part is ready (with a digest of the id it used, which
+//!    rank 0 compares with its own: the id is byte-equal on every rank or the communicator
+//!    is refused) or has failed.
 //! 3. Rank 0 gives the verdict as soon as it knows it: `go` once every rank is ready; `stop`
 //!    at the first failure, or when a rank has said nothing within the timeout. A rank still
 //!    waiting on NCCL (whose initialisation is collective, and never finishes where one rank
 //!    failed) hears the verdict while it polls, aborts its part (`ncclCommAbort`) and stops
 //!    with the verdict's words; a rank that hears nothing from rank 0 (rank 0 keeps the
-//!    time: the others wait [`GRACE`] longer) aborts on its own. So any rank's failure or silence stops every rank within the
-//!    timeout, and a failure stops them as soon as rank 0 hears of it.
+//!    time: the others wait [`GRACE`] longer) aborts on its own. So any rank's failure or
+//!    silence stops every rank within the timeout, and a failure stops them as soon as
+//!    rank 0 hears of it.
 //!
 //! The protocol bounds its own waits; NCCL's calls themselves are trusted to return (a
 //! non-blocking start returns at once, and `ncclCommAbort` ends what it started).
@@ -116,6 +118,15 @@ fn post<F: Fabric>(fabric: &F, rank: i32, bytes: Vec<u8>) -> Result<(), String> 
     fabric.post(rank, TAG_NCCL, bytes, None).map_err(|e| format!("NCCL's start could not reach rank {rank}: {e}"))
 }
 
+/// A failing rank's last word: `kind` and `why` to each of `ranks` (as far as they can be
+/// reached), sent before the rank's failure ends the job.
+fn tell<F: Fabric>(fabric: &F, ranks: std::ops::Range<i32>, kind: u8, why: &str) {
+    for r in ranks {
+        let _ = post(fabric, r, message(kind, why.as_bytes()));
+    }
+    fabric.flush();
+}
+
 /// Starts this rank's part of one communicator over every rank of `fabric` and returns it
 /// once every rank's part is ready; otherwise every rank returns an error (each started part
 /// aborted), within `timeout`.
@@ -135,10 +146,7 @@ fn lead<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result<N
         Ok(id) => id,
         Err(e) => {
             let why = format!("NCCL could not make the communicator's unique id on rank 0: {e}");
-            for r in 1..size {
-                let _ = post(fabric, r, message(NO_ID, why.as_bytes()));
-            }
-            fabric.flush();
+            tell(fabric, 1..size, NO_ID, &why);
             return Err(why);
         }
     };
@@ -146,10 +154,7 @@ fn lead<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result<N
         if let Err(e) = post(fabric, r, message(ID, &id)) {
             // the ranks that have the id are told to stop rather than wait on NCCL
             let why = format!("NCCL's communicator did not start: {e}");
-            for s in 1..r {
-                let _ = post(fabric, s, message(STOP, why.as_bytes()));
-            }
-            fabric.flush();
+            tell(fabric, 1..r, STOP, &why);
             return Err(why);
         }
     }
@@ -239,13 +244,10 @@ fn lead<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result<N
         .collect::<Vec<_>>()
         .join("; ");
     let why = format!("NCCL's communicator did not start: {why}");
-    for r in 1..size {
-        let _ = post(fabric, r, message(STOP, why.as_bytes()));
-    }
+    tell(fabric, 1..size, STOP, &why);
     if let Some(c) = comm {
         nccl.abort(c);
     }
-    fabric.flush();
     Err(why)
 }
 
@@ -255,8 +257,7 @@ fn follow<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result
     let silent = |d: Duration| format!("rank 0 said nothing of NCCL's start within {}", secs(d));
     let malformed = || {
         let why = "rank 0's NCCL unique id is malformed".to_string();
-        let _ = post(fabric, 0, message(FAILED, why.as_bytes()));
-        fabric.flush();
+        tell(fabric, 0..1, FAILED, &why);
         Err(why)
     };
     let id: UniqueId = match hear(fabric, 0, timeout)? {
@@ -275,8 +276,7 @@ fn follow<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result
     let comm = match nccl.start(&id, size as usize, rank as usize) {
         Ok(c) => c,
         Err(e) => {
-            let _ = post(fabric, 0, message(FAILED, e.as_bytes()));
-            fabric.flush();
+            tell(fabric, 0..1, FAILED, &e);
             return Err(format!("NCCL's communicator did not start on rank {rank}: {e}"));
         }
     };
@@ -299,9 +299,8 @@ fn follow<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result
             Progress::Ready => break,
             Progress::Pending => {}
             Progress::Failed(e) => {
-                let _ = post(fabric, 0, message(FAILED, e.as_bytes()));
+                tell(fabric, 0..1, FAILED, &e);
                 nccl.abort(comm);
-                fabric.flush();
                 return Err(format!("NCCL's communicator did not start on rank {rank}: {e}"));
             }
         }
@@ -320,9 +319,8 @@ fn follow<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result
                 "this rank's NCCL part did not start within {}, and rank 0 gave no verdict",
                 secs(timeout + GRACE)
             );
-            let _ = post(fabric, 0, message(FAILED, why.as_bytes()));
+            tell(fabric, 0..1, FAILED, &why);
             nccl.abort(comm);
-            fabric.flush();
             return Err(format!("rank {rank}: {why}"));
         }
         std::thread::sleep(POLL);
@@ -338,8 +336,7 @@ fn follow<N: Nccl, F: Fabric>(nccl: &N, fabric: &F, timeout: Duration) -> Result
         },
         Ok(Heard::Nothing) => {
             let why = format!("rank 0 gave no verdict on NCCL's start within {}", secs(timeout + GRACE));
-            let _ = post(fabric, 0, message(FAILED, why.as_bytes()));
-            fabric.flush();
+            tell(fabric, 0..1, FAILED, &why);
             stop(comm, why)
         }
         Err(e) => stop(comm, e),

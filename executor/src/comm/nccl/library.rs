@@ -496,11 +496,6 @@ mod tests {
         assert_eq!(std::mem::size_of::<Config>(), 48);
         assert_eq!(std::mem::size_of::<RawId>(), 128);
     }
-}
-
-#[cfg(test)]
-mod blocking {
-    use super::*;
 
     #[test]
     fn a_forced_blocking_start_is_refused_from_the_environment_or_ncclconf() {

@@ -41,6 +41,17 @@ impl Fake {
     }
 }
 
+impl Fake {
+    /// The ranks that started a part, and those whose part was aborted, each sorted.
+    fn started_and_aborted(&self) -> (Vec<usize>, Vec<usize>) {
+        let mut started: Vec<usize> = self.started.lock().expect("lock").iter().map(|(r, _)| *r).collect();
+        let mut aborted = self.aborted.lock().expect("lock").clone();
+        started.sort_unstable();
+        aborted.sort_unstable();
+        (started, aborted)
+    }
+}
+
 impl Nccl for Fake {
     type Comm = usize;
     fn unique_id(&self) -> Result<UniqueId, String> {
@@ -106,7 +117,6 @@ fn run_with(
     says: &[u8],
     timeout: Duration,
 ) -> Vec<(Option<Result<usize, String>>, f64)> {
-    let silent = odd;
     let fabrics = fabrics(size);
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -116,7 +126,7 @@ fn run_with(
                 let done = &done;
                 s.spawn(move || {
                     let t = Instant::now();
-                    if silent == Some(f.rank()) {
+                    if odd == Some(f.rank()) {
                         let to: Vec<i32> = if f.rank() == 0 { (1..size).collect() } else { vec![0] };
                         for r in to.into_iter().filter(|_| !says.is_empty()) {
                             f.post(r, TAG_NCCL, says.to_vec(), None).expect("posts");
@@ -135,7 +145,7 @@ fn run_with(
         let out = handles
             .into_iter()
             .enumerate()
-            .map(|(r, h)| if silent == Some(r as i32) { (None, 0.0) } else { h.join().expect("joined") })
+            .map(|(r, h)| if odd == Some(r as i32) { (None, 0.0) } else { h.join().expect("joined") })
             .collect();
         done.store(true, Ordering::Relaxed);
         out
@@ -149,12 +159,10 @@ fn every_rank_starts_its_part_with_rank_0s_id_byte_for_byte() {
     for (r, (o, _)) in out.iter().enumerate() {
         assert_eq!(o, &Some(Ok(r)), "rank {r}");
     }
-    let started = fake.started.lock().expect("lock");
-    let mut ranks: Vec<usize> = started.iter().map(|(r, _)| *r).collect();
-    ranks.sort_unstable();
+    let (ranks, aborted) = fake.started_and_aborted();
     assert_eq!(ranks, vec![0, 1, 2, 3]);
-    assert!(started.iter().all(|(_, id)| *id == fake.id), "every rank used rank 0's id");
-    assert!(fake.aborted.lock().expect("lock").is_empty());
+    assert!(fake.started.lock().expect("lock").iter().all(|(_, id)| *id == fake.id), "every rank used rank 0's id");
+    assert!(aborted.is_empty());
 }
 
 #[test]
@@ -172,10 +180,7 @@ fn a_failure_on_one_rank_stops_every_rank_at_once_and_aborts_every_part() {
             assert!(e.contains(&format!("rank {bad}")) || r == bad, "rank {r}: {e}");
         }
         // every part that was started is aborted, on every rank
-        let mut started: Vec<usize> = fake.started.lock().expect("lock").iter().map(|(r, _)| *r).collect();
-        let mut aborted = fake.aborted.lock().expect("lock").clone();
-        started.sort_unstable();
-        aborted.sort_unstable();
+        let (started, aborted) = fake.started_and_aborted();
         assert_eq!(started, aborted, "failing rank {bad}");
     }
 }
@@ -211,10 +216,7 @@ fn a_silent_rank_stops_every_other_rank_within_the_timeout() {
             };
             assert!(e.contains(named), "rank {r}: {e}");
         }
-        let mut started: Vec<usize> = fake.started.lock().expect("lock").iter().map(|(r, _)| *r).collect();
-        let mut aborted = fake.aborted.lock().expect("lock").clone();
-        started.sort_unstable();
-        aborted.sort_unstable();
+        let (started, aborted) = fake.started_and_aborted();
         assert_eq!(started, aborted, "silent rank {silent}");
     }
 }
@@ -232,9 +234,7 @@ fn ranks_whose_rank_0_hangs_after_sending_the_id_stop_on_their_own() {
         assert!(*secs < (timeout + GRACE).as_secs_f64() + 5.0, "rank {r} took {secs:.1} s");
     }
     // ranks 1 and 2 started their parts and aborted them
-    let mut aborted = fake.aborted.lock().expect("lock").clone();
-    aborted.sort_unstable();
-    assert_eq!(aborted, vec![1, 2]);
+    assert_eq!(fake.started_and_aborted().1, vec![1, 2]);
 }
 
 #[test]
