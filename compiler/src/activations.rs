@@ -20,6 +20,7 @@
 use pipec_plan::model::{BlockDims, MlpKind, ProjectionRole};
 
 use crate::block_cost::Part;
+use crate::kernels::Keeps;
 use pipec_plan::vocab::{Attention, RecomputeModule, RecomputeOp};
 
 /// The operation that made a kept tensor (op-level selective recompute saves by it).
@@ -76,9 +77,8 @@ pub struct BlockContext {
     pub ep: usize,
     /// The block's dropout probability (0: no masks, no dropped copies).
     pub dropout: bool,
-    /// A gated activation built of separate autodiff operations
-    /// (`KernelFamily::composes_gates`): they keep its intermediate values too.
-    pub composed_gates: bool,
+    /// What the engine's kernels keep beyond the operations' operands.
+    pub keeps: Keeps,
 }
 
 /// The list being built: the tensors so far and the block's products so far.
@@ -150,7 +150,7 @@ pub fn block_kept(b: &BlockDims, cx: &BlockContext) -> Vec<Kept> {
         list.keep_wide("up projection's output", up, made, split(rows * f, p), split(rows * f, p));
         // a composed gate's intermediates: SwiGLU's logistic of the gate and SiLU's output
         // (SiLU = gate · logistic(gate), then · up), GEGLU's GELU output
-        let composed = match (cx.composed_gates, b.mlp) {
+        let composed = match (cx.keeps.composed_gates, b.mlp) {
             (true, MlpKind::Swiglu) => &["the gate's logistic", "SiLU's output"][..],
             (true, MlpKind::Geglu) => &["GELU's output"][..],
             (false, _) | (true, MlpKind::Gelu | MlpKind::GeluTanh) => &[][..],
@@ -180,7 +180,13 @@ pub fn block_kept(b: &BlockDims, cx: &BlockContext) -> Vec<Kept> {
             let routed = m.routed_pairs(s) / s.max(1.0);
             list.keep("dispatched rows", &[Moe], Made::Other, seq(computed * h, linear_input));
             mlp(&mut list, computed, &[Moe], &[MoeAct, Moe]);
-            list.keep("experts' outputs for the combine", &[Moe], Made::Other, seq(routed * h, p));
+            if cx.keeps.weights_in_activation {
+                // the activation's output times each pair's weight (fp32, the router's): an
+                // input of the activation, kept when the activation alone is recomputed
+                list.keep("routed pairs' weights", &[Moe], Made::Other, seq(computed, 4.0));
+            } else {
+                list.keep("experts' outputs for the combine", &[Moe], Made::Other, seq(routed * h, p));
+            }
             if m.shared > 0 {
                 mlp(&mut list, m.shared as f64, &[SharedExperts, Moe], &[SharedExperts, Moe]);
             }
@@ -342,10 +348,11 @@ pub fn recompute_seconds(policy: &Policy, forward: f64, parts: &[f64; Part::COUN
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pipec_plan::engine::performance::KernelFamily;
     use pipec_plan::model::Op;
 
     fn cx(t: f64, sp: bool, attention: Attention, dropout: bool) -> BlockContext {
-        BlockContext { s: 512.0, p: 2.0, linear_input: 2.0, t, sp, attention, ep: 1, dropout, composed_gates: false }
+        BlockContext { s: 512.0, p: 2.0, linear_input: 2.0, t, sp, attention, ep: 1, dropout, keeps: Keeps::default() }
     }
 
     fn total(list: &[Kept]) -> f64 {
@@ -369,6 +376,48 @@ mod tests {
         let list = block_kept(&b, &cx(t, true, Attention::Standard, true));
         let (kept, dropped) = Policy::Modules(vec![RecomputeModule::CoreAttn]).split(&list);
         assert_eq!((kept, dropped), (34.0 * sh / t, 5.0 * as2 / t));
+    }
+
+    #[test]
+    fn weights_in_the_activation_keep_one_fp32_weight_a_pair_in_place_of_the_experts_outputs() {
+        // Qwen3-30B-A3B's block (128 experts of 768, 8 a token), one rank: a combine that
+        // weighs keeps the 8 routed outputs of 2048 a token (bf16); Megatron-Core's weighted
+        // activation keeps 8 fp32 weights instead, and drops them with the whole MoE
+        let mut op = Op::llama_block(2048, 32, 4, 768);
+        if let Op::TransformerBlock { moe, .. } = &mut op {
+            *moe = Some(pipec_plan::model::Moe {
+                experts: 128,
+                top_k: 8,
+                shared: 0,
+                capacity: 0.0,
+                router: pipec_plan::model::Router::Softmax,
+                norm_topk: true,
+                aux_loss: 0.0,
+                skew: 1.0,
+            });
+        }
+        let b = op.block_dims().expect("block");
+        let s = 4096.0;
+        let of = |weights_in_activation| {
+            let keeps = Keeps { composed_gates: false, weights_in_activation };
+            block_kept(&b, &BlockContext { s, keeps, ..cx(1.0, false, Attention::Flash, false) })
+        };
+        let (combine, weighed) = (of(false), of(true));
+        assert_eq!(total(&combine) - total(&weighed), s * 8.0 * (2048.0 * 2.0 - 4.0));
+        assert!(weighed.iter().all(|k| k.name != "experts' outputs for the combine"));
+        let weights = weighed.iter().find(|k| k.name == "routed pairs' weights").expect("kept");
+        assert_eq!((weights.bytes, weights.modules), (s * 8.0 * 4.0, &[RecomputeModule::Moe][..]));
+        // recomputing the activation alone keeps the weights: they are its input
+        let (kept, _) = Policy::Modules(vec![RecomputeModule::MoeAct]).split(&weighed);
+        let (kept_moe, _) = Policy::Modules(vec![RecomputeModule::Moe]).split(&weighed);
+        assert!(kept - kept_moe >= s * 8.0 * 4.0);
+        // the engines: Megatron-LM weighs in the activation, the others in the combine
+        assert!(Keeps::of(KernelFamily::MegatronTe).weights_in_activation);
+        for family in
+            [KernelFamily::Pipec, KernelFamily::TorchEager, KernelFamily::TorchCompiled, KernelFamily::Deepspeed]
+        {
+            assert!(!Keeps::of(family).weights_in_activation, "{family:?}");
+        }
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::activations::{block_kept, BlockContext, Kept, Made, Policy};
 use crate::block_cost::{price_block, BlockPriced, Part};
 use crate::ir::{Graph, OpNode};
 pub use crate::kernels::CostContext;
-use crate::kernels::Kernels;
+use crate::kernels::{Keeps, Kernels};
 
 /// What one layer costs, per microbatch of `microbatch_size` samples, on one
 /// tensor-parallel rank.
@@ -188,7 +188,7 @@ pub fn activation_bytes(node: &OpNode, precision_bytes: usize) -> u64 {
         sp: false,
         attention: Attention::Standard,
         ep: 1,
-        composed_gates: false,
+        keeps: Keeps::default(),
     };
     kept_list(node, &cx).iter().filter(|k| k.read).map(|k| k.bytes).sum::<f64>() as u64
 }
@@ -204,8 +204,8 @@ pub(crate) struct KeptContext {
     pub(crate) sp: bool,
     pub(crate) attention: Attention,
     pub(crate) ep: usize,
-    /// `CostContext::composed_gates`.
-    pub(crate) composed_gates: bool,
+    /// `CostContext::keeps`.
+    pub(crate) keeps: Keeps,
 }
 
 /// The tensors one rank keeps for the layer's backward, per sample: a transformer block's
@@ -241,7 +241,7 @@ pub(crate) fn kept_list(node: &OpNode, cx: &KeptContext) -> Vec<Kept> {
                     attention: cx.attention,
                     ep: cx.ep,
                     dropout: b.dropout > 0.0,
-                    composed_gates: cx.composed_gates,
+                    keeps: cx.keeps,
                 };
                 block_kept(&b, &block)
             }
@@ -594,7 +594,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 sp,
                 attention: cx.attention_kernel(),
                 ep: cx.ep,
-                composed_gates: cx.composed_gates,
+                keeps: cx.keeps,
             };
             let cp = cx.cp.max(1) as f64;
             // a context-parallel member keeps 1/cp of every tensor (its positions)
@@ -705,13 +705,13 @@ mod tests {
             fp8: None,
             fused_attention: None,
             grouped_experts: false,
-            composed_gates: false,
+            keeps: Keeps::default(),
         }
     }
 
     /// [`kept_bytes`] of `n` at `p` bytes a value on one of `t` ranks.
     fn kept_at(n: &OpNode, p: f64, t: usize, sp: bool, attention: Attention, ep: usize) -> (f64, f64) {
-        kept_bytes(n, &KeptContext { p, linear_input: p, t, sp, attention, ep, composed_gates: false })
+        kept_bytes(n, &KeptContext { p, linear_input: p, t, sp, attention, ep, keeps: Keeps::default() })
     }
 
     fn node(op: Op, input: Vec<usize>) -> OpNode {

@@ -4,6 +4,7 @@
 //! `vector_time`).
 
 use pipec_plan::device::{DeviceModel, Function};
+use pipec_plan::engine::performance::KernelFamily;
 use pipec_plan::plan::Fp8Plan;
 use pipec_plan::vocab::{Attention, CpComm, Fp8Storage, Loss, OptimizerKind, Precision};
 
@@ -45,9 +46,28 @@ pub struct CostContext<'a> {
     /// A mixture of experts' routed experts run as one grouped product per projection (the
     /// engine's grouped GEMM), not one kernel per expert.
     pub grouped_experts: bool,
-    /// A gated MLP's activation built of separate autodiff operations, each keeping its
-    /// operands (`KernelFamily::composes_gates`).
+    /// What the engine's kernels keep beyond the operations' operands.
+    pub keeps: Keeps,
+}
+
+/// What an engine's kernels keep of a block beyond its operations' own operands: the answers
+/// of `pipec_plan::engine::performance::KernelFamily` the kept list depends on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Keeps {
+    /// A gated activation built of separate autodiff operations
+    /// (`KernelFamily::composes_gates`): they keep its intermediate values too.
     pub composed_gates: bool,
+    /// The routed experts' activation applies the routing weights
+    /// (`KernelFamily::weighs_routes_in_activation`): the combine keeps no expert outputs,
+    /// the activation keeps each routed pair's weight.
+    pub weights_in_activation: bool,
+}
+
+impl Keeps {
+    /// What `family` keeps.
+    pub fn of(family: KernelFamily) -> Keeps {
+        Keeps { composed_gates: family.composes_gates(), weights_in_activation: family.weighs_routes_in_activation() }
+    }
 }
 
 impl CostContext<'_> {

@@ -7,6 +7,7 @@ use pipec_grammar::spec::{Optimizer, Spec};
 use crate::cluster::ClusterGraph;
 use crate::cost::{analytic_costs, ApplyProfile, CostContext, LayerCost};
 use crate::ir::{self, Graph};
+use crate::kernels::Keeps;
 use crate::options::CompileOptions;
 
 /// The model as the later passes see it: the IR, per-layer costs, the cluster.
@@ -47,7 +48,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         fp8: spec.training.fp8,
         fused_attention: spec.engine.family().attention(&cluster.device).map(|a| a.share),
         grouped_experts: spec.engine.family().grouped_experts(),
-        composed_gates: spec.engine.family().composes_gates(),
+        keeps: Keeps::of(spec.engine.family()),
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {
         vec![Diagnostic::error("E0405", e, spec.strategy.span, "tensor parallelism")

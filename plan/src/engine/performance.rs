@@ -133,6 +133,26 @@ impl KernelFamily {
         }
     }
 
+    /// Whether a mixture of experts' routed activation applies the routing weights, so the
+    /// combine only sums the experts' outputs and keeps none of them for the router's
+    /// backward: Megatron-Core's memory-efficient permutation (v0.13, July 2025: "moving the
+    /// probs multiplication from unpermutation to activation function of GroupedMLP";
+    /// TEGroupedMLP's `bias_act_func` multiplies the activation's output by the permuted
+    /// probabilities, megatron/core/transformer/moe/experts.py). The probabilities (fp32,
+    /// one per routed pair) are kept instead. The others are counted as weighing the
+    /// experts' outputs in the combine, which keeps them: pipec's executor (measured,
+    /// `tests/cubecl.rs`), DeepSpeed-MoE; torchtitan's default `score_before_experts` weighs
+    /// the dispatched rows before the experts and keeps the unweighed rows for the scores'
+    /// gradient, the same bytes per routed pair at the activations' precision.
+    pub fn weighs_routes_in_activation(self) -> bool {
+        match self {
+            KernelFamily::MegatronTe => true,
+            KernelFamily::Pipec | KernelFamily::TorchEager | KernelFamily::TorchCompiled | KernelFamily::Deepspeed => {
+                false
+            }
+        }
+    }
+
     /// The fused attention kernel this engine runs on `device`, where its throughput is
     /// published (Hopper GPUs); None: attention priced as the device's matrix products.
     pub fn attention(self, device: &DeviceModel) -> Option<AttentionKernel> {
