@@ -534,7 +534,7 @@ pub(crate) struct Gatherer<I: burn::tensor::backend::Backend> {
     order: Vec<u64>,
     kept: std::sync::Mutex<Kept<I>>,
     /// The first gather that failed (a product cannot return it: the pass checks after).
-    failure: std::sync::Mutex<Option<String>>,
+    failure: std::sync::Mutex<Option<ExecError>>,
     gathers: std::sync::atomic::AtomicU32,
 }
 
@@ -586,7 +586,7 @@ impl<I: burn::tensor::backend::Backend> crate::backend::dense::WholeWeight<I> fo
             Ok(w) => w,
             Err(e) => {
                 let mut failure = self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                failure.get_or_insert(e.to_string());
+                failure.get_or_insert(e);
                 let shape = self.chunks.get(&id).map_or(vec![1, 1], |(k, _, _)| self.layout.params[*k].shape.clone());
                 let dev = self.chunks.values().next().map(|(_, _, c)| c.device()).unwrap_or_default();
                 return Tensor::<I, 2>::zeros([shape[0], shape[1]], &dev).into_primitive().tensor();
@@ -661,7 +661,7 @@ impl<I: burn::tensor::backend::Backend> Gatherer<I> {
     }
 
     /// The first gather that failed since the last call.
-    pub fn take_failure(&self) -> Option<String> {
+    pub fn take_failure(&self) -> Option<ExecError> {
         self.failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
     }
 
