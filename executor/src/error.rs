@@ -36,6 +36,16 @@ impl ExecError {
     pub fn is_secondary(&self) -> bool {
         matches!(self, ExecError::Transport(TransportError::Aborted | TransportError::Disconnected(_)))
     }
+
+    /// A failure recorded inside a pass (a gather or an exchange that cannot return it) as
+    /// the pass's error, saying `what` failed. One that only follows another worker's stays
+    /// as it is, secondary, so the run reports the worker that failed first.
+    pub fn recorded_in(self, what: &str) -> ExecError {
+        if self.is_secondary() {
+            return self;
+        }
+        ExecError::Transport(TransportError::Other(format!("{what}: {self}")))
+    }
 }
 
 impl std::fmt::Display for ExecError {
@@ -113,6 +123,18 @@ mod tests {
         assert!(!ExecError::from(timeout).is_secondary());
         assert!(!ExecError::Missing("x").is_secondary());
         assert!(!ExecError::Shape("x".into()).is_secondary());
+    }
+
+    #[test]
+    fn a_recorded_failure_that_follows_another_stays_secondary() {
+        let stopped = ExecError::from(TransportError::Aborted).recorded_in("a weight's all-gather failed");
+        assert!(stopped.is_secondary(), "{stopped}");
+        let lost = ExecError::from(TransportError::Disconnected(DeviceId(1))).recorded_in("an exchange failed");
+        assert!(lost.is_secondary(), "{lost}");
+        let timeout = TransportError::Timeout { from: DeviceId(2), waited: std::time::Duration::from_secs(3) };
+        let failed = ExecError::from(timeout).recorded_in("a weight's all-gather failed");
+        assert!(!failed.is_secondary());
+        assert_eq!(failed.to_string(), "a weight's all-gather failed: nothing arrived from d2 within 3 s");
     }
 
     #[test]

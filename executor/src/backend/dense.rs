@@ -63,7 +63,7 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         I::copy_weight(&w.primitive)
     }
 
-    fn exchange(x: Tensor<Self, 2>, ex: &crate::backend::port::Exchange) -> Result<Tensor<Self, 2>, String> {
+    fn exchange(x: Tensor<Self, 2>, ex: &crate::backend::port::Exchange) -> crate::error::Result<Tensor<Self, 2>> {
         let x = x.into_primitive().tensor();
         let moved = crate::backend::port::move_rows(
             Tensor::<I, 2>::from_primitive(TensorPrimitive::Float(x.primitive.clone())),
@@ -101,7 +101,7 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         ring: &crate::backend::ring::Ring,
-    ) -> Result<Tensor<Self, 4>, String> {
+    ) -> crate::error::Result<Tensor<Self, 4>> {
         // validation's forwards pass detached keys and values (as `Context::gather`)
         let (q, k, v) = if ring.group.tracked { (q, k, v) } else { (q.detach(), k.detach(), v.detach()) };
         let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());

@@ -72,7 +72,7 @@ pub trait Kernels: Backend {
 
     /// Expert parallelism's exchange of rows with the group ([`crate::backend::port::move_rows`]);
     /// on an autodiff backend its gradient is the reverse exchange, run in the backward.
-    fn exchange(x: Tensor<Self, 2>, ex: &crate::backend::port::Exchange) -> Result<Tensor<Self, 2>, String> {
+    fn exchange(x: Tensor<Self, 2>, ex: &crate::backend::port::Exchange) -> crate::error::Result<Tensor<Self, 2>> {
         crate::backend::port::move_rows(x, ex)
     }
 
@@ -97,7 +97,7 @@ pub trait Kernels: Backend {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         ring: &crate::backend::ring::Ring,
-    ) -> Result<Tensor<Self, 4>, String> {
+    ) -> crate::error::Result<Tensor<Self, 4>> {
         ring.forward(q, k, v).map(|(out, _)| out)
     }
 

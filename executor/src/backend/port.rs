@@ -34,7 +34,7 @@ pub struct PeerGroup {
     pub exchanger: Exchanger,
     /// The first exchange that failed inside a backward (which cannot return an error);
     /// the worker reports it after the backward.
-    pub failed: Arc<Mutex<Option<String>>>,
+    pub failed: Arc<Mutex<Option<ExecError>>>,
     /// Whether the exchanges are recorded for a backward (training). Validation's forwards
     /// exchange detached rows: a recorded exchange keeps its reverse (and the way to the
     /// group's collective thread) in a graph no backward consumes.
@@ -140,7 +140,7 @@ impl PeerGroup {
     }
 
     /// Takes the failure an exchange inside a backward recorded, if any.
-    pub fn take_failure(&self) -> Option<String> {
+    pub fn take_failure(&self) -> Option<ExecError> {
         self.failed.lock().ok().and_then(|mut f| f.take())
     }
 }
@@ -195,13 +195,13 @@ impl Exchange {
 
 /// Moves the rows of `x` ([rows, d], member-major as `ex.send` counts them) to their
 /// members, returning the rows received, member-major as `ex.recv` counts them.
-pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B, 2>, String> {
+pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B, 2>> {
     let [rows, d] = x.dims();
     if rows != ex.send.iter().sum::<usize>() {
-        return Err(format!("an expert exchange of {rows} rows was told to send {:?}", ex.send));
+        return Err(ExecError::Plan(format!("an expert exchange of {rows} rows was told to send {:?}", ex.send)));
     }
     let device = x.device();
-    let values = host_f32(x.into_data()).map_err(|e| e.to_string())?;
+    let values = host_f32(x.into_data())?;
     let mut chunks = Vec::with_capacity(ex.send.len());
     let mut at = 0;
     for &n in &ex.send {
@@ -209,16 +209,16 @@ pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B,
         at += n;
     }
     let started = Instant::now();
-    let got = ex.group.exchange(ex.op, chunks).map_err(|e| e.to_string())?;
+    let got = ex.group.exchange(ex.op, chunks)?;
     let ended = Instant::now();
     for (i, (chunk, &n)) in got.iter().zip(&ex.recv).enumerate() {
         if chunk.len() != n * d {
-            return Err(format!(
+            return Err(ExecError::Transport(crate::comm::transport::TransportError::Other(format!(
                 "member {} of the expert group sent {} values, {} rows of {d} were expected",
                 ex.group.members[i],
                 chunk.len(),
                 n
-            ));
+            ))));
         }
     }
     if let (Some((layer, exchange)), Ok(mut made)) = (ex.what, ex.group.made.lock()) {

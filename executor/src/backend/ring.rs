@@ -27,6 +27,8 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::backend::port::PeerGroup;
 use crate::comm::exchanger::Ticket;
+use crate::comm::transport::TransportError;
+use crate::error::ExecError;
 
 /// The online softmax's running state of a part of the queries: each row's maximum score,
 /// its denominator and its unnormalised output.
@@ -151,32 +153,32 @@ impl Ring {
 
     /// Starts sending `values` to the next member (and receiving what the previous one
     /// sends) on the collective thread; [`Ring::passed`] waits for it.
-    fn pass(&self, values: Vec<f32>) -> Result<Ticket<Vec<Vec<f32>>>, String> {
+    fn pass(&self, values: Vec<f32>) -> Result<Ticket<Vec<Vec<f32>>>, ExecError> {
         let next = (self.position() + 1) % self.cp();
         let mut chunks = vec![Vec::new(); self.cp()];
         chunks[next] = values;
-        self.group.start(pipec_plan::PassOp::RingPass, chunks).map_err(|e| e.to_string())
+        self.group.start(pipec_plan::PassOp::RingPass, chunks).map_err(ExecError::from)
     }
 
     /// What the previous member passed ([`Ring::pass`]).
-    fn passed(&self, ticket: Ticket<Vec<Vec<f32>>>) -> Result<Vec<f32>, String> {
+    fn passed(&self, ticket: Ticket<Vec<Vec<f32>>>) -> Result<Vec<f32>, ExecError> {
         let prev = (self.position() + self.cp() - 1) % self.cp();
-        let mut got = ticket.wait().map_err(|e| e.to_string())?;
+        let mut got = ticket.wait().map_err(ExecError::from)?;
         Ok(std::mem::take(&mut got[prev]))
     }
 
     /// Every member's `values`, member after member.
-    fn all_gather(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, String> {
-        self.group.all_gather(values).map_err(|e| e.to_string())
+    fn all_gather(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, ExecError> {
+        self.group.all_gather(values).map_err(ExecError::from)
     }
 
     /// Sends `chunks[m]` to member m and returns the sum of what every member sent this one.
-    fn reduce_scatter(&self, chunks: Vec<Vec<f32>>) -> Result<Vec<f32>, String> {
-        let got = self.group.exchange(pipec_plan::PassOp::ReduceScatter, chunks).map_err(|e| e.to_string())?;
+    fn reduce_scatter(&self, chunks: Vec<Vec<f32>>) -> Result<Vec<f32>, ExecError> {
+        let got = self.group.exchange(pipec_plan::PassOp::ReduceScatter, chunks).map_err(ExecError::from)?;
         let mut sum = vec![0f32; got.first().map_or(0, Vec::len)];
         for part in &got {
             if part.len() != sum.len() {
-                return Err("a context-parallel member sent key gradients of another size".into());
+                return Err(mismatch("a context-parallel member sent key gradients of another size".into()));
             }
             sum.iter_mut().zip(part).for_each(|(a, b)| *a += b);
         }
@@ -191,7 +193,7 @@ impl Ring {
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
-    ) -> Result<(Tensor<B, 4>, Tensor<B, 4>), String> {
+    ) -> Result<(Tensor<B, 4>, Tensor<B, 4>), ExecError> {
         let dev = q.device();
         let shape = k.dims();
         let (mut k_blk, mut v_blk) = (k, v);
@@ -203,9 +205,8 @@ impl Ring {
             // the block goes on to the next member while this one computes with it
             let n = k_blk.dims().iter().product::<usize>();
             let passing = if j + 1 < self.cp() {
-                let mut values =
-                    crate::backend::port::host_f32(k_blk.clone().into_data()).map_err(|e| e.to_string())?;
-                values.extend(crate::backend::port::host_f32(v_blk.clone().into_data()).map_err(|e| e.to_string())?);
+                let mut values = crate::backend::port::host_f32(k_blk.clone().into_data())?;
+                values.extend(crate::backend::port::host_f32(v_blk.clone().into_data())?);
                 Some(self.pass(values)?)
             } else {
                 None
@@ -231,11 +232,11 @@ impl Ring {
             if let Some(ticket) = passing {
                 let got = self.passed(ticket)?;
                 if got.len() != 2 * n {
-                    return Err(format!(
+                    return Err(mismatch(format!(
                         "a context-parallel member passed {} key and value values, not {}",
                         got.len(),
                         2 * n
-                    ));
+                    )));
                 }
                 let (kv, vv) = got.split_at(n);
                 k_blk = Tensor::from_data(TensorData::new(kv.to_vec(), shape), &dev);
@@ -245,7 +246,8 @@ impl Ring {
         // (every part met its own block's diagonal: each query sees its own position)
         let (mut outs, mut lses) = (Vec::new(), Vec::new());
         for st in state {
-            let (m, l, o) = st.ok_or("a part of a context-parallel member's queries met no key")?;
+            let (m, l, o) =
+                st.ok_or_else(|| mismatch("a part of a context-parallel member's queries met no key".into()))?;
             outs.push(o / l.clone());
             lses.push(m + l.log());
         }
@@ -262,13 +264,13 @@ impl Ring {
         out: Tensor<B, 4>,
         lse: Tensor<B, 4>,
         d_out: Tensor<B, 4>,
-    ) -> Result<Grads<B>, String> {
+    ) -> Result<Grads<B>, ExecError> {
         let dev = q.device();
         let shape = k.dims();
         let n = shape.iter().product::<usize>();
         let dh = q.dims()[3];
-        let mut values = crate::backend::port::host_f32(k.into_data()).map_err(|e| e.to_string())?;
-        values.extend(crate::backend::port::host_f32(v.into_data()).map_err(|e| e.to_string())?);
+        let mut values = crate::backend::port::host_f32(k.into_data())?;
+        values.extend(crate::backend::port::host_f32(v.into_data())?);
         let all = self.all_gather(values)?;
         // rowsum(dO ⊙ O): the softmax's backward term
         let delta = (d_out.clone() * out).sum_dim(3);
@@ -278,7 +280,11 @@ impl Ring {
         let mut sends = Vec::with_capacity(self.cp());
         for (m_id, kv) in all.iter().enumerate() {
             if kv.len() != 2 * n {
-                return Err(format!("a context-parallel member sent {} key and value values, not {}", kv.len(), 2 * n));
+                return Err(mismatch(format!(
+                    "a context-parallel member sent {} key and value values, not {}",
+                    kv.len(),
+                    2 * n
+                )));
             }
             let (kv_k, kv_v) = kv.split_at(n);
             let k_m = Tensor::<B, 4>::from_data(TensorData::new(kv_k.to_vec(), shape), &dev);
@@ -300,13 +306,13 @@ impl Ring {
                 dk = dk.clone().slice_assign(rows_of(&dk, &kr), narrow(&dk, &kr) + dk_r);
                 dv = dv.clone().slice_assign(rows_of(&dv, &kr), narrow(&dv, &kr) + dv_r);
             }
-            let mut part = crate::backend::port::host_f32(self.fold(dk).into_data()).map_err(|e| e.to_string())?;
-            part.extend(crate::backend::port::host_f32(self.fold(dv).into_data()).map_err(|e| e.to_string())?);
+            let mut part = crate::backend::port::host_f32(self.fold(dk).into_data())?;
+            part.extend(crate::backend::port::host_f32(self.fold(dv).into_data())?);
             sends.push(part);
         }
         let mine = self.reduce_scatter(sends)?;
         if mine.len() != 2 * n {
-            return Err("a context-parallel member's key gradients have the wrong size".into());
+            return Err(mismatch("a context-parallel member's key gradients have the wrong size".into()));
         }
         let (dk, dv) = mine.split_at(n);
         Ok((
@@ -322,4 +328,9 @@ impl Ring {
 fn rows_of<B: Backend>(t: &Tensor<B, 4>, rows: &std::ops::Range<usize>) -> [std::ops::Range<usize>; 4] {
     let [b, h, _, d] = t.dims();
     [0..b, 0..h, rows.clone(), 0..d]
+}
+
+/// A member's exchange that brought the wrong number of values.
+fn mismatch(what: String) -> ExecError {
+    ExecError::Transport(TransportError::Other(what))
 }

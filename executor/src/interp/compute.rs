@@ -282,9 +282,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             .and_then(crate::backend::port::PeerGroup::take_failure)
             .or_else(|| self.groups.contexts.get(&stage).and_then(crate::nn::context::Context::take_failure));
         match failure {
-            Some(e) => Err(ExecError::Transport(crate::comm::transport::TransportError::Other(format!(
-                "an exchange with the group in the backward of {stage} failed: {e}"
-            )))),
+            Some(e) => Err(e.recorded_in(&format!("an exchange with the group in the backward of {stage} failed"))),
             None => Ok(()),
         }
     }

@@ -8,7 +8,6 @@ use pipec_plan::StageId;
 
 use crate::backend::kernels::ExecBackend;
 use crate::comm::exchanger::Ticket;
-use crate::comm::transport::TransportError;
 use crate::error::{ExecError, Result};
 use crate::interp::worker::Worker;
 
@@ -169,7 +168,7 @@ impl<B: ExecBackend> Worker<'_, B> {
         self.zero3.product_gathers += g.take_gathers();
         let done = done?;
         match g.take_failure() {
-            Some(e) => Err(gather_failed(e)),
+            Some(e) => Err(e.recorded_in("a weight's all-gather failed")),
             None => Ok(done),
         }
     }
@@ -187,33 +186,5 @@ impl<B: ExecBackend> Worker<'_, B> {
         self.comm.ledger().record(pipec_plan::PassOp::AllGather, pipec_plan::PeerDim::Shard, &members);
         let parts = shard.gather_inputs(|k| !shard.per_product[k])?;
         self.start_parts(stage, pipec_plan::CollectiveKind::AllGather, members, parts, None, None)
-    }
-}
-
-/// A product's failed all-gather as its pass's error. One stopped because another worker
-/// failed (or lost its peer) stays secondary, so the run reports the worker that failed
-/// first, not the gather it stopped.
-fn gather_failed(e: ExecError) -> ExecError {
-    if e.is_secondary() {
-        return e;
-    }
-    ExecError::Transport(TransportError::Other(format!("a weight's all-gather failed: {e}")))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_gather_stopped_by_another_worker_stays_secondary() {
-        let stopped = gather_failed(ExecError::Transport(TransportError::Aborted));
-        assert!(stopped.is_secondary(), "{stopped}");
-        let lost = gather_failed(ExecError::Transport(TransportError::Disconnected(pipec_plan::DeviceId(1))));
-        assert!(lost.is_secondary(), "{lost}");
-        let timeout =
-            TransportError::Timeout { from: pipec_plan::DeviceId(2), waited: std::time::Duration::from_secs(3) };
-        let failed = gather_failed(ExecError::Transport(timeout));
-        assert!(!failed.is_secondary());
-        assert_eq!(failed.to_string(), "a weight's all-gather failed: nothing arrived from d2 within 3 s");
     }
 }

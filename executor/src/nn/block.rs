@@ -139,8 +139,7 @@ impl<B: Kernels> Block<B> {
         if let Some(c) = context.filter(|c| c.ring) {
             // around the ring: only this member's keys and values are kept (crate::backend::ring)
             let ring = c.ring(s, self.causal, h / kv);
-            let out = B::ring_attention(q, k, v, &ring)
-                .map_err(|e| ExecError::Transport(crate::comm::transport::TransportError::Other(e)))?;
+            let out = B::ring_attention(q, k, v, &ring)?;
             return Ok(out.swap_dims(1, 2).reshape([b, s, h * dh]));
         }
         let keys = match context {
@@ -375,7 +374,7 @@ impl<B: Kernels> Block<B> {
             op: pipec_plan::PassOp::AllToAll,
         };
         let x = if group.tracked { x.clone() } else { x.clone().detach() };
-        let arrived = B::exchange(x.select(0, tokens.clone()), &ex).map_err(exchange_error)?;
+        let arrived = B::exchange(x.select(0, tokens.clone()), &ex)?;
         // this member's experts, each on its rows from every member (member-major there)
         let n_recv: usize = recv.iter().sum();
         let computed = if n_recv == 0 {
@@ -407,7 +406,7 @@ impl<B: Kernels> Block<B> {
         let computed = if group.tracked { computed } else { computed.detach() };
         let combine =
             crate::backend::port::Exchange { what: Some((layer, pipec_plan::TokenExchange::Combine)), ..ex.reversed() };
-        let returned = B::exchange(computed, &combine).map_err(exchange_error)?;
+        let returned = B::exchange(computed, &combine)?;
         let slots = ints(pairs.iter().map(|&(token, j)| token * k + j).collect());
         let w = weights.clone().select(0, slots).reshape([pairs.len(), 1]);
         Ok(Tensor::<B, 2>::zeros([t, d], &dev).select_assign(0, tokens, returned * w, IndexingUpdateOp::Add))

@@ -77,8 +77,7 @@ impl Context {
             what: None,
             op: pipec_plan::PassOp::AllGather,
         };
-        let got = B::exchange(copies, &ex)
-            .map_err(|e| ExecError::Transport(crate::comm::transport::TransportError::Other(e)))?;
+        let got = B::exchange(copies, &ex)?;
         Ok(got.reshape([self.cp, b, h, s, dh]).permute([1, 2, 0, 3, 4]).reshape([b, h, self.cp * s, dh]))
     }
 
@@ -156,7 +155,7 @@ impl Context {
     }
 
     /// Takes the failure an exchange inside a backward recorded, if any.
-    pub fn take_failure(&self) -> Option<String> {
+    pub fn take_failure(&self) -> Option<ExecError> {
         self.group.take_failure()
     }
 }
