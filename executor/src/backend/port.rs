@@ -193,6 +193,12 @@ impl Exchange {
     }
 }
 
+/// An exchange with a group that brought what the members do not agree on (the wrong
+/// number of values, other experts).
+pub(crate) fn mismatch(what: String) -> ExecError {
+    ExecError::Transport(crate::comm::transport::TransportError::Other(what))
+}
+
 /// Moves the rows of `x` ([rows, d], member-major as `ex.send` counts them) to their
 /// members, returning the rows received, member-major as `ex.recv` counts them.
 pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B, 2>> {
@@ -213,12 +219,12 @@ pub fn move_rows<B: Backend>(x: Tensor<B, 2>, ex: &Exchange) -> Result<Tensor<B,
     let ended = Instant::now();
     for (i, (chunk, &n)) in got.iter().zip(&ex.recv).enumerate() {
         if chunk.len() != n * d {
-            return Err(ExecError::Transport(crate::comm::transport::TransportError::Other(format!(
+            return Err(mismatch(format!(
                 "member {} of the expert group sent {} values, {} rows of {d} were expected",
                 ex.group.members[i],
                 chunk.len(),
                 n
-            ))));
+            )));
         }
     }
     if let (Some((layer, exchange)), Ok(mut made)) = (ex.what, ex.group.made.lock()) {

@@ -25,9 +25,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use crate::backend::port::PeerGroup;
+use crate::backend::port::{mismatch, PeerGroup};
 use crate::comm::exchanger::Ticket;
-use crate::comm::transport::TransportError;
 use crate::error::ExecError;
 
 /// The online softmax's running state of a part of the queries: each row's maximum score,
@@ -163,7 +162,7 @@ impl Ring {
     /// What the previous member passed ([`Ring::pass`]).
     fn passed(&self, ticket: Ticket<Vec<Vec<f32>>>) -> Result<Vec<f32>, ExecError> {
         let prev = (self.position() + self.cp() - 1) % self.cp();
-        let mut got = ticket.wait().map_err(ExecError::from)?;
+        let mut got = ticket.wait()?;
         Ok(std::mem::take(&mut got[prev]))
     }
 
@@ -174,7 +173,7 @@ impl Ring {
 
     /// Sends `chunks[m]` to member m and returns the sum of what every member sent this one.
     fn reduce_scatter(&self, chunks: Vec<Vec<f32>>) -> Result<Vec<f32>, ExecError> {
-        let got = self.group.exchange(pipec_plan::PassOp::ReduceScatter, chunks).map_err(ExecError::from)?;
+        let got = self.group.exchange(pipec_plan::PassOp::ReduceScatter, chunks)?;
         let mut sum = vec![0f32; got.first().map_or(0, Vec::len)];
         for part in &got {
             if part.len() != sum.len() {
@@ -328,9 +327,4 @@ impl Ring {
 fn rows_of<B: Backend>(t: &Tensor<B, 4>, rows: &std::ops::Range<usize>) -> [std::ops::Range<usize>; 4] {
     let [b, h, _, d] = t.dims();
     [0..b, 0..h, rows.clone(), 0..d]
-}
-
-/// A member's exchange that brought the wrong number of values.
-fn mismatch(what: String) -> ExecError {
-    ExecError::Transport(TransportError::Other(what))
 }

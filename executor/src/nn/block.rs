@@ -351,12 +351,13 @@ impl<B: Kernels> Block<B> {
         let send: Vec<usize> = (0..ep).map(|j| (j * local..(j + 1) * local).map(rows_of).sum()).collect();
         let counts: Vec<Vec<f32>> =
             (0..ep).map(|j| (j * local..(j + 1) * local).map(|e| rows_of(e) as f32).collect()).collect();
-        let exchange_error = |e: String| ExecError::Transport(crate::comm::transport::TransportError::Other(e));
         let got = group.exchange(pipec_plan::PassOp::AllToAll, counts).map_err(ExecError::Transport)?;
         // from each member, the rows it sends each of this member's experts
         let from: Vec<Vec<usize>> = got.iter().map(|c| c.iter().map(|&v| v as usize).collect()).collect();
         if from.iter().any(|c| c.len() != local) {
-            return Err(exchange_error("the expert group's members disagree on the experts each holds".into()));
+            return Err(crate::backend::port::mismatch(
+                "the expert group's members disagree on the experts each holds".into(),
+            ));
         }
         let recv: Vec<usize> = from.iter().map(|c| c.iter().sum()).collect();
         // this member's pairs in expert order: member-major, as `send` counts them
