@@ -1080,7 +1080,8 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
             | Feature::BlockDropout
             | Feature::BlockRecompute
             | Feature::ActivationOffload
-            | Feature::OptimizerStatePrecision => true,
+            | Feature::OptimizerStatePrecision
+            | Feature::NoMasterWeights => true,
             // the plan's precision is bf16 around the FP8 products: the executor trains
             // everything in bf16 and says so
             Feature::Fp8 => {

@@ -559,3 +559,64 @@ fn fp8_is_emitted_as_each_engine_switches_it_on_and_imported_back() {
     let e = emitted(&with_fp8("1", "{ recipe: rowwise }"), Engine::Megatron, "args.txt").expect_err("refused");
     assert!(e.contains("rowwise recipe") && e.contains("tensorwise"), "{e}");
 }
+
+/// Gradients reduced in bf16 and Adam's moments in bf16 are emitted as Megatron-LM switches
+/// them on (`--grad-reduce-in-bf16`; the precision-aware optimizer over the distributed
+/// optimizer) and read back by its import; torchtitan (FP32 reductions only at 0.2.2) and
+/// DeepSpeed (as pipec writes its configuration) refuse them rather than emit a run that
+/// holds more memory than the plan, and Megatron-LM refuses bf16 moments without its
+/// distributed optimizer.
+#[test]
+fn bf16_gradients_and_moments_are_emitted_for_megatron_read_back_and_refused_elsewhere() {
+    use pipec_grammar::import::megatron;
+    use pipec_plan::vocab::Precision;
+    let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example");
+    let with = |zero: &str, training: &str| {
+        let t = text.replacen("devices_per_node: 2", "devices_per_node: 4", 1).replacen(
+            "stages: \"1-1\"",
+            "stages: \"2-2\"",
+            1,
+        );
+        let t = t.replacen("strategy:\n", &format!("strategy:\n  zero: {zero}\n"), 1);
+        plan_of(&t.replacen("training:\n", &format!("training:\n{training}"), 1))
+    };
+    let emitted = |plan: &Plan, engine: Engine, file: &str| -> Result<String, String> {
+        let files = pipec_plan::engine::emit::emit(plan, &EngineTarget::newest(engine))?;
+        Ok(files.into_iter().find(|(f, _)| f == file).map(|(_, t)| t).expect("emitted"))
+    };
+    let both = "  precision: bf16\n  grad_precision: bf16\n";
+    let plan = with("1", both);
+    let mut plan_state = plan.clone();
+    plan_state.training.state_precision = Precision::Bf16;
+    assert_eq!(plan.training.grad_precision, Precision::Bf16);
+    let args = emitted(&plan, Engine::Megatron, "args.txt").expect("megatron runs it");
+    assert!(args.contains("--grad-reduce-in-bf16") && !args.contains("--use-precision-aware-optimizer"), "{args}");
+    let back = imported_plan(megatron::import(&args, "back", Some(plan.devices.len())));
+    assert_eq!(back.training.grad_precision, Precision::Bf16);
+    assert_eq!(carried(&back).0, carried(&plan).0);
+    // without the flag, Megatron-LM's --bf16 reduces in fp32, and the import says so
+    let fp32 = imported_plan(megatron::import(&args.replace("--grad-reduce-in-bf16", ""), "back", Some(8)));
+    assert_eq!(fp32.training.grad_precision, Precision::Fp32);
+    // the moments in bf16: the precision-aware optimizer, read back
+    let args = emitted(&plan_state, Engine::Megatron, "args.txt").expect("megatron runs it");
+    for flag in ["--use-precision-aware-optimizer", "--exp-avg-dtype bf16", "--exp-avg-sq-dtype bf16"] {
+        assert!(args.contains(flag), "{flag}: {args}");
+    }
+    let back = imported_plan(megatron::import(&args, "back", Some(plan.devices.len())));
+    assert_eq!(back.training.state_precision, Precision::Bf16);
+    assert_eq!(carried(&back).0, carried(&plan_state).0);
+    // moments in two precisions are refused by the import, not dropped
+    let mixed = args.replace("--exp-avg-sq-dtype bf16", "--exp-avg-sq-dtype fp32");
+    let e = megatron::import(&mixed, "back", Some(8)).expect_err("refused");
+    assert!(e.contains("one precision"), "{e}");
+    // without the distributed optimizer Megatron-LM has no precision-aware optimizer
+    let mut plain = with("0", both);
+    plain.training.state_precision = Precision::Bf16;
+    let e = emitted(&plain, Engine::Megatron, "args.txt").expect_err("refused");
+    assert!(e.contains("distributed optimizer"), "{e}");
+    // DeepSpeed refuses both, as pipec writes its configuration
+    let e = emitted(&plan, Engine::Deepspeed, "ds_config.json").expect_err("refused");
+    assert!(e.contains("grad_precision: bf16"), "{e}");
+    let e = emitted(&plan_state, Engine::Deepspeed, "ds_config.json").expect_err("refused");
+    assert!(e.contains("state_precision: bf16"), "{e}");
+}

@@ -116,6 +116,9 @@ fn published_2025_runs_fit_and_their_peaks_are_as_the_table_says() {
         }
     }
     assert!(wrong.is_empty(), "{wrong:#?}");
+    // issue #65's bar: every published layout compiles without E0601
+    let rejected: Vec<&str> = runs.iter().filter(|r| !r.fits).map(|r| r.spec.as_str()).collect();
+    assert!(rejected.is_empty(), "published layouts pipec rejects: {rejected:?}");
 }
 
 /// Published 2025–26 step times (bench/specs/published-2025/steps.csv), split before any
@@ -181,8 +184,9 @@ const HELD_OUT_WORST: f64 = 0.55;
 /// deepep`)` (DeepEP or HybridEP, Megatron-LM's flex dispatcher) comes with `moe_dispatch:
 /// deepep` in the strategy, a line `# Expert-parallel overlap: … `ep_overlap: true`` with
 /// `ep_overlap: true`, a line `# Gradients: … `grad_precision: bf16`` with `grad_precision:
-/// bf16`, and a spec written with any of them has its line — so a row cannot be priced on an
-/// exchange, an overlap or a gradient size its source does not name.
+/// bf16`, a line `# Weights: … `master_weights: false`` with `master_weights: false`, and a
+/// spec written with any of them has its line — so a row cannot be priced on an exchange, an
+/// overlap, a gradient size or a model state its source does not name.
 #[test]
 fn published_2025_specs_dispatch_as_their_headers_say() {
     let folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/specs/published-2025");
@@ -209,6 +213,15 @@ fn published_2025_specs_dispatch_as_their_headers_say() {
         in_bf16 += usize::from(reduced);
         if bf16 != reduced {
             wrong.push(format!("{}: header says bf16 gradients {bf16}, training {reduced}", path.display()));
+        }
+        // the weights without an fp32 master its recipe built
+        let masterless = text.lines().any(|l| l.starts_with("# Weights:") && l.contains("`master_weights: false`"));
+        let written_masterless = text.lines().any(|l| !l.starts_with('#') && l.contains("master_weights: false"));
+        if masterless != written_masterless {
+            wrong.push(format!(
+                "{}: header says weights without a master {masterless}, training {written_masterless}",
+                path.display()
+            ));
         }
         // and the expert-parallel overlap its recipe or study turned on
         let said =

@@ -219,6 +219,7 @@ pub(crate) fn training_plan(spec: &Spec, microbatch_size: usize, options: &Compi
         grad_precision: t.grad_precision,
         fp8: t.fp8,
         state_precision: t.state_precision,
+        master_weights: t.master_weights,
         seed: t.seed,
         data: match &t.data {
             Data::Synthetic { task, samples } => DataPlan::Synthetic { task: *task, samples: *samples },

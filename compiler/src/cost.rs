@@ -550,21 +550,27 @@ fn shard_parameters(op: &Op, split: TpSplit, tp: usize) -> u64 {
 }
 
 /// Bytes one optimizer update moves per parameter: the weights (an fp32 master copy read
-/// and written; under mixed precision the low-precision copy written too), the gradient
-/// read, and the state read and written (Adam: two moments, momentum: one).
+/// and written; under mixed precision the low-precision copy written too; without master
+/// weights the low-precision weights alone, read and written), the gradient read, and the
+/// state read and written (Adam: two moments, momentum: one).
 pub fn update_bytes_per_parameter(
     optimizer: OptimizerKind,
     precision: Precision,
     grad: Precision,
     state: Precision,
+    master: bool,
 ) -> f64 {
     let states = match optimizer {
         OptimizerKind::Adam | OptimizerKind::AdamW => 2.0,
         OptimizerKind::Momentum => 1.0,
         OptimizerKind::Sgd => 0.0,
     };
-    let low = if precision == Precision::Fp32 { 0.0 } else { precision.bytes() as f64 };
-    8.0 + low + grad.bytes() as f64 + states * 2.0 * state.bytes() as f64
+    let weights = match (precision, master) {
+        (Precision::Fp32, _) => 8.0,
+        (_, true) => 8.0 + precision.bytes() as f64,
+        (_, false) => 2.0 * precision.bytes() as f64,
+    };
+    weights + grad.bytes() as f64 + states * 2.0 * state.bytes() as f64
 }
 
 /// Costs every layer of the graph analytically, on one rank of a `cx.tp`-way split.
@@ -573,7 +579,13 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
     let ops: Vec<Op> = graph.ops().map(|(_, node)| node.op.clone()).collect();
     let splits = pipec_plan::model::stage_tp_splits(&ops, 0..ops.len(), cx.loss, cx.tp)?;
     let count = ops.len();
-    let update_bytes = update_bytes_per_parameter(cx.optimizer, cx.precision, cx.grad_precision, cx.state_precision);
+    let update_bytes = update_bytes_per_parameter(
+        cx.optimizer,
+        cx.precision,
+        cx.grad_precision,
+        cx.state_precision,
+        cx.master_weights,
+    );
     Ok(graph
         .ops()
         .zip(splits)
@@ -692,6 +704,7 @@ mod tests {
             precision: Precision::Fp32,
             grad_precision: Precision::Fp32,
             state_precision: Precision::Fp32,
+            master_weights: true,
             optimizer: OptimizerKind::Sgd,
             loss: Loss::CrossEntropy,
             microbatch: 4,

@@ -672,7 +672,19 @@ fn stage_bytes(
     // holding the same experts only
     let experts: u64 = c.iter().map(|c| c.expert_parameters).sum();
     let stage_ep = if spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some()) { ep } else { 1 };
-    let held = whole.sharded_by_expert(spec.strategy.sharding, d, experts, shard, stage_ep as u64);
+    let mut held = whole.sharded_by_expert(spec.strategy.sharding, d, experts, shard, stage_ep as u64);
+    // FSDP2 (and pipec's executor) under ZeRO-3 and mixed precision: the fp32 master shard
+    // is the rank's weights, no training-precision shard beside it (4 bytes a parameter of
+    // the optimizer state's counted as weights instead, the 2 bytes dropped)
+    let master_only = sharding_level_3(spec)
+        && model.precision < 4
+        && spec.training.master_weights
+        && spec.engine.family().shards_master_only();
+    if master_only {
+        let fp32 = held.weights / model.precision.max(1) as u64 * 4;
+        held.optimizer = held.optimizer.saturating_sub(fp32);
+        held.weights = fp32;
+    }
     let whole_policy = |i: usize| policies[i] == Policy::None;
     let units = Units::of(spec, model, r.clone(), d);
     StageBytes {
@@ -706,6 +718,11 @@ fn stage_bytes(
         loss_transient: loss_backward,
         largest_message: input_bytes.max(output),
     }
+}
+
+/// Whether the stage's weights are sharded (ZeRO-3, FSDP).
+fn sharding_level_3(spec: &Spec) -> bool {
+    spec.strategy.sharding.shards().2
 }
 
 /// What sharding and FP8 weight copies add to a stage's memory, unit by unit.

@@ -17,6 +17,8 @@ pub struct CostContext<'a> {
     pub grad_precision: Precision,
     /// The precision of the optimizer's moments.
     pub state_precision: Precision,
+    /// Whether a low-precision model's optimizer updates fp32 master weights.
+    pub master_weights: bool,
     pub optimizer: OptimizerKind,
     pub loss: Loss,
     /// Samples per microbatch.

@@ -2,7 +2,7 @@
 //! or a measured profile), the cluster: `Spec` → `ModelCosts`.
 
 use pipec_grammar::diagnostic::Diagnostic;
-use pipec_grammar::spec::{Optimizer, Spec};
+use pipec_grammar::spec::{Spec, Training};
 
 use crate::cluster::ClusterGraph;
 use crate::cost::{analytic_costs, ApplyProfile, CostContext, LayerCost};
@@ -35,6 +35,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         precision: spec.training.precision,
         grad_precision: spec.training.grad_precision,
         state_precision: spec.training.state_precision,
+        master_weights: spec.training.master_weights,
         optimizer: spec.training.optimizer.kind(),
         loss: spec.model.loss,
         microbatch: microbatch_size,
@@ -65,8 +66,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
             .with_help("profile this spec with `pipec profile`")]
         })?;
     }
-    let optimizer_bytes_per_parameter =
-        optimizer_bytes_per_parameter(&spec.training.optimizer, precision, spec.training.state_precision);
+    let optimizer_bytes_per_parameter = optimizer_bytes_per_parameter(&spec.training);
     let grad_bytes = spec.training.grad_precision.bytes();
     Ok(ModelCosts { graph, costs, cluster, precision, grad_bytes, microbatch_size, optimizer_bytes_per_parameter })
 }
@@ -76,15 +76,14 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
 /// precision).
 pub(crate) fn state_bytes_per_parameter(spec: &Spec) -> f64 {
     let precision = spec.training.precision.bytes();
-    precision as f64
-        + spec.training.grad_precision.bytes() as f64
-        + optimizer_bytes_per_parameter(&spec.training.optimizer, precision, spec.training.state_precision)
+    precision as f64 + spec.training.grad_precision.bytes() as f64 + optimizer_bytes_per_parameter(&spec.training)
 }
 
 /// Optimizer-state bytes per parameter: its moments (or momentum buffer) in their
-/// precision, and under mixed precision the fp32 master weights.
-pub(crate) fn optimizer_bytes_per_parameter(opt: &Optimizer, precision: usize, state: pipec_plan::Precision) -> f64 {
-    let states = opt.state_per_parameter() as f64 * state.bytes() as f64;
-    let master = if precision < 4 { 4.0 } else { 0.0 };
+/// precision, and under mixed precision the fp32 master weights (unless the spec keeps
+/// the weights in the training precision alone, `optimizer.master_weights: false`).
+pub(crate) fn optimizer_bytes_per_parameter(training: &Training) -> f64 {
+    let states = training.optimizer.state_per_parameter() as f64 * training.state_precision.bytes() as f64;
+    let master = if training.precision.bytes() < 4 && training.master_weights { 4.0 } else { 0.0 };
     states + master
 }

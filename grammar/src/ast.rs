@@ -598,6 +598,10 @@ pub struct Training {
     pub fp8: Option<pipec_plan::plan::Fp8Plan>,
     /// The optimizer moments' precision (`optimizer.state_precision`; fp32 by default).
     pub state_precision: Precision,
+    /// Whether a bf16 or fp16 model keeps fp32 master weights for the optimizer to update
+    /// (`optimizer.master_weights`; true by default); false: the weights exist in the
+    /// training precision only and the optimizer updates them in place.
+    pub master_weights: bool,
     pub seed: u64,
     pub data: Data,
     pub checkpoint: Option<Checkpoint>,

@@ -48,6 +48,13 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         recompute,
         precision: training.precision,
         fp8: training.fp8.map(|f| f.recipe),
+        master_weights: training.master_weights,
+        grad_precision: training.grad_precision,
+        state_precision: training.state_precision,
+        adam: matches!(
+            training.optimizer.kind(),
+            pipec_plan::vocab::OptimizerKind::Adam | pipec_plan::vocab::OptimizerKind::AdamW
+        ),
         blocks: model.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),
         gpt: GptShape::of(&ops, tied).is_some(),
     }
@@ -72,13 +79,18 @@ pub(crate) fn check_engine(
     // no strategy changes (the model, the precision) is reported here
     let searched = strategy.auto.is_some();
     let all = refusals(target, &layout_of(model, strategy, training));
-    for refusal in all.into_iter().filter(|r| !searched || matches!(r.feature, Feature::Model | Feature::Precision)) {
+    for refusal in all.into_iter().filter(|r| {
+        !searched
+            || matches!(r.feature, Feature::Model | Feature::Precision | Feature::Optimizer | Feature::GradPrecision)
+    }) {
         let written = match refusal.feature {
             Feature::Layout => Some(strategy.layout_span),
             Feature::Schedule | Feature::Synchrony | Feature::Reduce => Some(strategy.schedule.span),
             Feature::Microbatches => strategy.microbatches_span,
             Feature::Model => Some(model.layers_span),
             Feature::Precision => value_span(training_fields, "precision"),
+            Feature::Optimizer => value_span(training_fields, "optimizer"),
+            Feature::GradPrecision => value_span(training_fields, "grad_precision"),
             other => value_span(strategy_fields, other.key()),
         };
         let span = written.or(engine.span).unwrap_or(strategy.span);

@@ -550,6 +550,11 @@ struct Optimizer {
     /// `fp32` (the default) or `bf16` (Megatron-LM's precision-aware optimizer,
     /// `--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`); the master weights stay fp32.
     state_precision: Option<Precision>,
+    /// Under `bf16` or `fp16` training: whether the optimizer updates fp32 master weights
+    /// (true, the default: Megatron-LM, torchtitan's FSDP2 over fp32 parameters, DeepSpeed)
+    /// or the weights in the training precision in place, with no fp32 copy (false: a
+    /// model built in bf16 and sharded as it is, as NeMo AutoModel's recipes do).
+    master_weights: Option<bool>,
     /// adamw: whether `weight_decay` also shrinks the one-dimensional parameters — biases
     /// and the norms' gains and shifts. Default true (one parameter group, as
     /// `torch.optim.AdamW(model.parameters())`); false is the usual rule for language models.

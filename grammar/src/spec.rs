@@ -856,14 +856,15 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
     let batch_node = cx.required(&f, "batch_size", "training");
     let batch = batch_node.and_then(|n| cx.uint(n, rules::training_minimum("batch_size")));
     let steps = cx.required(&f, "steps", "training").and_then(|n| cx.uint(n, rules::training_minimum("steps")));
-    let optimized = cx
-        .required(&f, "optimizer", "training")
-        .and_then(|n| lower_optimizer(cx, n, f.key_span("optimizer").unwrap_or(owner)));
-    let (optimizer, state_precision) = (optimized.map(|o| o.0), optimized.map_or(Precision::Fp32, |o| o.1));
     let trained = match f.get("precision") {
         None => Some(TrainingPrecision::Fp32),
         Some(n) => cx.choose::<TrainingPrecision>(n, &["training", "precision"]),
     };
+    let optimized = cx
+        .required(&f, "optimizer", "training")
+        .and_then(|n| lower_optimizer(cx, n, f.key_span("optimizer").unwrap_or(owner), trained));
+    let (optimizer, state_precision) = (optimized.map(|o| o.0), optimized.map_or(Precision::Fp32, |o| o.1));
+    let master_weights = optimized.map_or(Some(true), |o| o.2);
     let precision = trained.map(TrainingPrecision::values);
     let fp8 = lower_fp8(cx, &f, trained);
     let grad_precision = match f.get("grad_precision") {
@@ -904,6 +905,7 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
         grad_precision: grad_precision?,
         fp8: fp8?,
         state_precision,
+        master_weights: master_weights?,
         seed: seed?,
         data: data?,
         checkpoint: checkpoint?,
@@ -1045,9 +1047,28 @@ fn lower_recipe(
     ok.then_some(recipe)
 }
 
-/// The optimizer and its moments' precision (`state_precision`, fp32 unless given).
-fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<(Optimizer, Precision)> {
+/// The optimizer, its moments' precision (`state_precision`, fp32 unless given) and whether
+/// it keeps master weights (`master_weights`; None: written, but not a boolean).
+fn lower_optimizer(
+    cx: &mut Lower<'_>,
+    node: &Node,
+    owner: Span,
+    trained: Option<TrainingPrecision>,
+) -> Option<(Optimizer, Precision, Option<bool>)> {
     let f = cx.fields(node, &["training", "optimizer"], owner)?;
+    let mut master = f.get("master_weights").map_or(Some(true), |n| cx.boolean(n));
+    if let (Some(false), Some(TrainingPrecision::Fp32), Some(span)) = (master, trained, f.key_span("master_weights")) {
+        cx.push(
+            Diagnostic::error(
+                "E0501",
+                "`master_weights: false` drops the fp32 copy a bf16 or fp16 model's optimizer updates, and an fp32 model's weights are their own",
+                span,
+                "no master copy to drop",
+            )
+            .with_help("remove it, or train in `precision: bf16` with the weights kept in bf16 alone"),
+        );
+        master = None;
+    }
     let state = match f.get("state_precision") {
         None => Some(Precision::Fp32),
         Some(n) => cx.choose::<Precision>(n, &["training", "optimizer", "state_precision"]),
@@ -1067,7 +1088,7 @@ fn lower_optimizer(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<(Opti
             return None;
         }
     }
-    Some((optimizer, state?))
+    Some((optimizer, state?, master))
 }
 
 fn lower_optimizer_kind(cx: &mut Lower<'_>, f: &Fields<'_>) -> Option<Optimizer> {

@@ -33,6 +33,9 @@ pub enum Feature {
     Fp8,
     /// Optimizer moments in a precision other than fp32 (`optimizer.state_precision`).
     OptimizerStatePrecision,
+    /// A bf16 or fp16 model's weights kept without an fp32 master copy
+    /// (`optimizer.master_weights: false`).
+    NoMasterWeights,
 }
 
 impl Feature {
@@ -48,6 +51,7 @@ impl Feature {
         Feature::ActivationOffload,
         Feature::Fp8,
         Feature::OptimizerStatePrecision,
+        Feature::NoMasterWeights,
     ];
 
     /// How a spec writes it, for messages.
@@ -65,6 +69,7 @@ impl Feature {
             Feature::ActivationOffload => "activation offload (`recompute: { offload: true }`)",
             Feature::Fp8 => "FP8 products (`precision: fp8`)",
             Feature::OptimizerStatePrecision => "optimizer moments below fp32 (`optimizer.state_precision`)",
+            Feature::NoMasterWeights => "weights without an fp32 master copy (`optimizer.master_weights: false`)",
         }
     }
 
@@ -111,6 +116,9 @@ pub fn used(plan: &Plan) -> Vec<(Feature, Option<usize>)> {
     if plan.training.state_precision != crate::Precision::Fp32 {
         out.push((Feature::OptimizerStatePrecision, None));
     }
+    if !plan.training.master_weights {
+        out.push((Feature::NoMasterWeights, None));
+    }
     if let Some(b) = &plan.schedule.block_recompute {
         // `{ modules: [core_attn] }` alone is selective recompute
         let selective = b.modules == [crate::vocab::RecomputeModule::CoreAttn] && b.ops.is_empty() && b.layers == 0;
@@ -152,6 +160,6 @@ mod tests {
             *head_dim = 64;
         }
         assert!(!Feature::of_op(&op).contains(&Feature::HeadSize));
-        assert_eq!(Feature::ALL.len(), 10);
+        assert_eq!(Feature::ALL.len(), 11);
     }
 }

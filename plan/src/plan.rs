@@ -143,6 +143,12 @@ fn fp32() -> Precision {
     Precision::Fp32
 }
 
+fn yes() -> bool {
+    true
+}
+fn is_true(b: &bool) -> bool {
+    *b
+}
 fn is_fp32(p: &Precision) -> bool {
     *p == Precision::Fp32
 }
@@ -313,6 +319,11 @@ pub struct TrainingPlan {
     /// `--exp-avg-dtype`, `--exp-avg-sq-dtype`); fp32 unless the spec says otherwise.
     #[serde(default = "fp32", skip_serializing_if = "is_fp32")]
     pub state_precision: Precision,
+    /// Whether a bf16 or fp16 plan's optimizer updates fp32 master weights (true unless the
+    /// spec says `optimizer.master_weights: false`: the weights in the training precision
+    /// alone, updated in place).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub master_weights: bool,
 }
 
 /// What every transformer block recomputes (a spec's `recompute` as a mapping).

@@ -140,6 +140,8 @@ pub fn import(
         recompute: if c.get("activation_checkpointing").is_some() { "true" } else { "false" },
         precision,
         fp8: None,
+        grad_bf16: false,
+        state_bf16: false,
         micro: mb,
         global: tb,
         steps: 1000,

@@ -65,6 +65,10 @@ pub struct RunFacts {
     /// FP8 products (beside `precision: bf16`): the recipe and what the engine keeps and
     /// gathers in FP8.
     pub fp8: Option<pipec_plan::plan::Fp8Plan>,
+    /// Gradients accumulated and reduced in bf16 (Megatron-LM's `--grad-reduce-in-bf16`).
+    pub grad_bf16: bool,
+    /// The optimizer's moments in bf16 (Megatron-LM's precision-aware optimizer).
+    pub state_bf16: bool,
     pub micro: usize,
     pub global: usize,
     pub steps: usize,
@@ -199,11 +203,12 @@ pub fn run_text(r: &RunFacts) -> Result<String, String> {
         }
     }
     let (kind, [lr, a, b, eps, wd]) = r.optimizer;
+    let state = if r.state_bf16 { ", state_precision: bf16" } else { "" };
     let optimizer = if kind == "sgd" {
-        format!("{{ kind: sgd, lr: {}, momentum: {}, weight_decay: {} }}", number(lr), number(a), number(wd))
+        format!("{{ kind: sgd, lr: {}, momentum: {}, weight_decay: {}{state} }}", number(lr), number(a), number(wd))
     } else {
         format!(
-            "{{ kind: adamw, lr: {}, beta1: {}, beta2: {}, eps: {}, weight_decay: {} }}",
+            "{{ kind: adamw, lr: {}, beta1: {}, beta2: {}, eps: {}, weight_decay: {}{state} }}",
             number(lr),
             number(a),
             number(b),
@@ -221,10 +226,11 @@ pub fn run_text(r: &RunFacts) -> Result<String, String> {
             f.gather.name()
         )
     });
+    let grad = if r.grad_bf16 { "  grad_precision: bf16\n" } else { "" };
     Ok(format!(
         "cluster:\n  nodes: {}\n  devices_per_node: {per_node}\n  device: h100-sxm\n  links: dgx-h100\n\
          strategy:\n{strategy}\
-         training:\n  batch_size: {}\n  steps: {}\n  optimizer: {optimizer}\n  precision: {}\n{fp8}  seed: {}\n  data: {{ kind: synthetic }}\n{clip}",
+         training:\n  batch_size: {}\n  steps: {}\n  optimizer: {optimizer}\n  precision: {}\n{grad}{fp8}  seed: {}\n  data: {{ kind: synthetic }}\n{clip}",
         r.world / per_node,
         r.global,
         r.steps.max(1),

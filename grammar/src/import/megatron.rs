@@ -262,6 +262,34 @@ fn fp8(a: &mut Args, precision: Precision, sharding: Sharding) -> Result<Option<
     Ok(Some(pipec_plan::plan::Fp8Plan { recipe, activations: Fp8Storage::Fp8, weight_copies: true, gather }))
 }
 
+/// Whether a bf16 run reduces its gradients in bf16 (`--grad-reduce-in-bf16`; without it
+/// `--bf16` accumulates and reduces in fp32, arguments.py:1181-1194) and keeps Adam's
+/// moments in bf16 (`--use-precision-aware-optimizer` with `--exp-avg-dtype` and
+/// `--exp-avg-sq-dtype` bf16, arguments.py:3500-3517). pipec keeps both moments in one
+/// precision: other dtypes are refused, not dropped (they change the memory).
+fn reduced_and_kept(a: &mut Args, precision: Precision) -> Result<(bool, bool), String> {
+    let grad = a.has("--grad-reduce-in-bf16") && precision != Precision::Fp32;
+    if !a.has("--use-precision-aware-optimizer") {
+        for f in ["--exp-avg-dtype", "--exp-avg-sq-dtype", "--main-grads-dtype", "--main-params-dtype"] {
+            let _ = a.text(f);
+        }
+        return Ok((grad, false));
+    }
+    let dtype = |a: &mut Args, f: &str| a.text(f).unwrap_or_else(|| "fp32".into());
+    let (first, second) = (dtype(a, "--exp-avg-dtype"), dtype(a, "--exp-avg-sq-dtype"));
+    let (grads, params) = (dtype(a, "--main-grads-dtype"), dtype(a, "--main-params-dtype"));
+    if params != "fp32" {
+        return Err(format!("`--main-params-dtype {params}`: pipec keeps fp32 master weights under Megatron-LM"));
+    }
+    match (first.as_str(), second.as_str()) {
+        ("fp32", "fp32") => Ok((grad || grads == "bf16", false)),
+        ("bf16", "bf16") => Ok((grad || grads == "bf16", true)),
+        _ => Err(format!(
+            "`--exp-avg-dtype {first} --exp-avg-sq-dtype {second}`: pipec keeps both of Adam's moments in one precision (`state_precision`: fp32 or bf16)"
+        )),
+    }
+}
+
 /// The spec a Megatron-LM launch describes; `world` when the text does not give the GPUs
 /// (`--nproc_per_node` × `--nnodes`).
 pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, String> {
@@ -404,6 +432,7 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
         Precision::Fp32
     };
     let fp8 = fp8(a, precision, sharding)?;
+    let (grad_bf16, state_bf16) = reduced_and_kept(a, precision)?;
     let micro = a.need("--micro-batch-size")?;
     let cp = a.count_or("--context-parallel-size", 1)?;
     let dp = world / (tp * pp * cp).max(1);
@@ -461,6 +490,8 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
         recompute,
         precision,
         fp8,
+        grad_bf16,
+        state_bf16,
         micro,
         // arguments.py:674-688: mbs·DP without a global batch
         global: a.count("--global-batch-size")?.unwrap_or(micro * dp),

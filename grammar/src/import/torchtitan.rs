@@ -199,6 +199,8 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         recompute,
         precision,
         fp8,
+        grad_bf16: false,
+        state_bf16: false,
         micro,
         global,
         steps: positive(t.int("training", "steps", 10000)?, "steps")?,

@@ -76,6 +76,13 @@ pub enum Capability {
     Precision(Precision),
     /// FP8 products with this scaling recipe (beside bf16).
     Fp8(Fp8Recipe),
+    /// A bf16 or fp16 model trained without fp32 master weights (`optimizer.master_weights:
+    /// false`).
+    NoMasterWeights,
+    /// Gradients accumulated and reduced in bf16 (`grad_precision: bf16`).
+    Bf16Gradients,
+    /// The optimizer's moments kept in bf16 (`optimizer.state_precision: bf16`).
+    Bf16OptimizerState,
     /// Stages replicated unequally (PipeDream's `2-1-1`).
     UnevenReplicas,
     /// Asynchronous schedules or data parallelism (stale weights).
@@ -176,6 +183,9 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(PC, C::Fp8(Fp8Recipe::Rowwise), "fp8: { recipe: rowwise } (planned and priced; run in bf16, said before training)", PIPEC_SOURCE),
     row(PC, C::Fp8(Fp8Recipe::Blockwise), "fp8: { recipe: blockwise } (planned and priced; run in bf16, said before training)", PIPEC_SOURCE),
     row(PC, C::Fp8(Fp8Recipe::Mxfp8), "fp8: { recipe: mxfp8 } (planned and priced; run in bf16, said before training)", PIPEC_SOURCE),
+    row(PC, C::Bf16Gradients, "grad_precision: bf16 (each microbatch's sum and each partial sum of the reduction rounded to bf16)", PIPEC_SOURCE),
+    row(PC, C::Bf16OptimizerState, "optimizer: { state_precision: bf16 } (planned and priced; `pipec run` refuses it)", PIPEC_SOURCE),
+    row(PC, C::NoMasterWeights, "optimizer: { master_weights: false } (planned and priced; `pipec run` refuses it)", PIPEC_SOURCE),
     row(PC, C::UnevenReplicas, "stages: \"2-1-1\"", PIPEC_SOURCE),
     row(PC, C::Asynchronous, "pipedream, 2bw, sync: asp/ssp", PIPEC_SOURCE),
     row(PC, C::ParameterServer, "reduce: ps", PIPEC_SOURCE),
@@ -200,6 +210,8 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(MG, C::Precision(Precision::Fp32), "(neither --bf16 nor --fp16)", "[M] megatron/training/arguments.py:1171-1183"),
     row(MG, C::Precision(Precision::Bf16), "--bf16", "[M] megatron/training/arguments.py:1171-1183"),
     row(MG, C::Precision(Precision::Fp16), "--fp16", "[M] megatron/training/arguments.py:1171-1183"),
+    row(MG, C::Bf16Gradients, "--grad-reduce-in-bf16 (without it --bf16 accumulates and reduces in fp32)", "[M] megatron/training/arguments.py:1181-1194, 2905-2906"),
+    row(MG, C::Bf16OptimizerState, "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (Adam and the distributed optimizer only)", "[M] megatron/training/arguments.py:3500-3517; megatron/core/optimizer/optimizer_config.py:430-436"),
     row(MG, C::Fp8(Fp8Recipe::Delayed), "--fp8-format hybrid --fp8-recipe delayed", "[M] megatron/core/transformer/transformer_config.py:566-590"),
     row(MG, C::Fp8(Fp8Recipe::Tensorwise), "--fp8-format hybrid --fp8-recipe tensorwise", "[M] megatron/core/transformer/transformer_config.py:566-590"),
     row(MG, C::Fp8(Fp8Recipe::Blockwise), "--fp8-format hybrid --fp8-recipe blockwise", "[M] megatron/core/transformer/transformer_config.py:566-590"),
@@ -354,6 +366,13 @@ pub struct Layout {
     pub precision: Precision,
     /// FP8 products' recipe, when the blocks' products are in FP8.
     pub fp8: Option<Fp8Recipe>,
+    /// Whether a bf16 or fp16 model's optimizer updates fp32 master weights.
+    pub master_weights: bool,
+    /// The precision gradients are accumulated and reduced in.
+    pub grad_precision: Precision,
+    /// The precision of the optimizer's moments, and whether the optimizer is Adam.
+    pub state_precision: Precision,
+    pub adam: bool,
     /// Transformer blocks (0: not a transformer).
     pub blocks: usize,
     /// Whether the model is a decoder-only language model the emitters describe.
@@ -389,6 +408,10 @@ pub enum Feature {
     EpOverlap,
     Recompute,
     Precision,
+    /// `training.optimizer` (its `master_weights`, `state_precision`).
+    Optimizer,
+    /// `training.grad_precision`.
+    GradPrecision,
     Synchrony,
     Reduce,
     Model,
@@ -412,6 +435,8 @@ impl Feature {
             Feature::EpOverlap => "ep_overlap",
             Feature::Recompute => "recompute",
             Feature::Precision => "precision",
+            Feature::Optimizer => "optimizer",
+            Feature::GradPrecision => "grad_precision",
             Feature::Model => "model",
         }
     }
@@ -659,6 +684,47 @@ fn recompute_and_precision(target: &EngineTarget, l: &Layout, out: &mut Vec<Refu
             refuse(out, Feature::Precision, what, None, covered(target));
         }
     }
+    if !l.master_weights && find(target, |c| *c == C::NoMasterWeights).is_none() {
+        refuse(
+            out,
+            Feature::Optimizer,
+            format!("{e} keeps fp32 master weights for its optimizer under {} (`master_weights: false` is not in its configuration)", l.precision),
+            None,
+            covered(target),
+        );
+    }
+    if l.grad_precision == Precision::Bf16
+        && l.precision != Precision::Fp32
+        && find(target, |c| *c == C::Bf16Gradients).is_none()
+    {
+        refuse(
+            out,
+            Feature::GradPrecision,
+            format!("{e} accumulates and reduces gradients in fp32 under {} (`grad_precision: bf16` is not in its configuration)", l.precision),
+            Some("fp32".into()),
+            covered(target),
+        );
+    }
+    if l.state_precision != Precision::Fp32 {
+        match find(target, |c| *c == C::Bf16OptimizerState) {
+            None => refuse(
+                out,
+                Feature::Optimizer,
+                format!("{e} keeps its optimizer's moments in fp32 (`state_precision: {}` is not in its configuration)", l.state_precision),
+                None,
+                covered(target),
+            ),
+            // Megatron-LM's precision-aware optimizer is Adam's, over the distributed optimizer
+            Some(r) if target.name == Engine::Megatron && (!l.adam || l.sharding == Sharding::None) => refuse(
+                out,
+                Feature::Optimizer,
+                format!("{e} keeps an optimizer's moments in {} with Adam over its distributed optimizer only (`zero: 1` or more)", l.state_precision),
+                None,
+                r.source,
+            ),
+            Some(_) => {}
+        }
+    }
     if find(target, |c| *c == C::Precision(l.precision)).is_none() {
         let nearest =
             [Precision::Bf16, Precision::Fp32].into_iter().find(|&p| find(target, |c| *c == C::Precision(p)).is_some());
@@ -738,6 +804,10 @@ mod tests {
             recompute: RecomputeKind::Off,
             precision: Precision::Bf16,
             fp8: None,
+            master_weights: true,
+            grad_precision: Precision::Fp32,
+            state_precision: Precision::Fp32,
+            adam: true,
             blocks: 16,
             gpt: true,
         }

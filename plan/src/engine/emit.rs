@@ -379,6 +379,17 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
             training.push(flag("--fp8-param-gather"));
         }
     }
+    // gradients in bf16, the moments in bf16 (arguments.py:1181-1194, 2905, 3500-3517)
+    if t.grad_precision == Precision::Bf16 && t.precision != Precision::Fp32 {
+        training.push(flag("--grad-reduce-in-bf16"));
+    }
+    if t.state_precision == Precision::Bf16 {
+        training.extend([
+            flag("--use-precision-aware-optimizer"),
+            arg("--exp-avg-dtype", "bf16"),
+            arg("--exp-avg-sq-dtype", "bf16"),
+        ]);
+    }
     training.extend(optimizer_args(&t.optimizer));
     training.extend([
         arg("--clip-grad", t.recipe.clip_grad_norm.unwrap_or(0.0)),

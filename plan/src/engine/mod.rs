@@ -212,6 +212,10 @@ impl crate::Plan {
             recompute,
             precision: self.training.precision,
             fp8: self.training.fp8.map(|f| f.recipe),
+            master_weights: self.training.master_weights,
+            grad_precision: self.training.grad_precision,
+            state_precision: self.training.state_precision,
+            adam: matches!(self.training.optimizer, crate::plan::OptimizerPlan::Adam { .. }),
             blocks: self.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),
             gpt: self.gpt_shape().is_some(),
         }

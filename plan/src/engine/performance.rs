@@ -153,6 +153,21 @@ impl KernelFamily {
         }
     }
 
+    /// Whether ZeRO-3 under mixed precision keeps a rank's fp32 master shard as its only
+    /// copy of its weights and gathers it cast to the training precision: FSDP2 over fp32
+    /// parameters with `MixedPrecisionPolicy(param_dtype=bf16)` (torchtitan,
+    /// torchtitan/distributed/parallel_dims.py and models/llama3/parallelize.py), and pipec's
+    /// executor, whose ZeRO-3 shard is its fp32 master chunks (`executor/src/parallel/zero.rs`).
+    /// The others keep a training-precision shard beside the fp32 master: Megatron-FSDP's
+    /// model-weight and main-weight buffers, DeepSpeed ZeRO-3's low-precision and fp32
+    /// partitions.
+    pub fn shards_master_only(self) -> bool {
+        match self {
+            KernelFamily::Pipec | KernelFamily::TorchEager | KernelFamily::TorchCompiled => true,
+            KernelFamily::MegatronTe | KernelFamily::Deepspeed => false,
+        }
+    }
+
     /// The fused attention kernel this engine runs on `device`, where its throughput is
     /// published (Hopper GPUs); None: attention priced as the device's matrix products.
     pub fn attention(self, device: &DeviceModel) -> Option<AttentionKernel> {
