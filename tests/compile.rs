@@ -737,18 +737,25 @@ fn pipec_run_says_that_dualpipes_and_the_combined_1f1bs_overlap_of_all_to_alls_r
 #[test]
 fn weights_without_a_master_copy_drop_four_bytes_a_parameter_and_fsdp2_shards_the_master_alone() {
     // a bf16 Adam plan under ZeRO-3 on 2 replicas, each holding half the parameters
-    let base = "ENGINEmodel:\n  input: [64]\n  layers:\n    - embedding(512, 64)\n    - repeat 2: transformer_block(d=64, heads=4, ff=256, causal=true)\n    - layernorm\n    - linear(64, 512, bias=false)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: { memory: 1GiB, throughput: 1TFLOP/s }\n  links:\n    intra_node: { bandwidth: 100GB/s, latency: 1us }\nstrategy:\n  dp: 2\n  schedule: SCHEDULE\n  microbatches: 2\n  zero: 3\ntraining:\n  batch_size: 4\n  steps: 1\n  precision: bf16\n  grad_precision: bf16\n  optimizer: { kind: adam, lr: 0.001OPTIONS }\n";
+    let base = "ENGINEmodel:\n  input: [64]\n  layers:\n    - embedding(512, 64)\n    - repeat 2: transformer_block(d=64, heads=4, ff=256, causal=true)\n    - layernorm\n    - linear(64, 512, bias=false)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: { memory: 1GiB, throughput: 1TFLOP/s }\n  links:\n    intra_node: { bandwidth: 100GB/s, latency: 1us }\nstrategy:\n  dp: 2\n  schedule: SCHEDULE\n  microbatches: 2\n  zero: 3\ntraining:\n  batch_size: 4\n  steps: 1\n  precision: bf16\n  grad_precision: GRADS\n  optimizer: { kind: adam, lr: 0.001OPTIONS }\n";
     let compiled = |engine: &str, options: &str| {
         let schedule = if engine.is_empty() { "1f1b" } else { "dp-only" };
-        let text = base.replace("ENGINE", engine).replace("SCHEDULE", schedule).replace("OPTIONS", options);
-        compile_text(&text).into_compiled().unwrap_or_else(|e| panic!("{engine}{options}: {e:?}")).plan
+        // torchtitan 0.2.2 reduces FSDP's gradients in fp32 only
+        let grads = if engine.contains("torchtitan") { "fp32" } else { "bf16" };
+        let text = base
+            .replace("ENGINE", engine)
+            .replace("SCHEDULE", schedule)
+            .replace("OPTIONS", options)
+            .replace("GRADS", grads);
+        let plan = compile_text(&text).into_compiled().unwrap_or_else(|e| panic!("{engine}{options}: {e:?}")).plan;
+        (plan, if grads == "fp32" { 4 } else { 2 })
     };
     let state = |engine: &str, options: &str| {
-        let plan = compiled(engine, options);
+        let (plan, grad_bytes) = compiled(engine, options);
         let m = &plan.devices[0].memory;
         let parameters: u64 = plan.stages.iter().map(|s| s.parameters).sum();
         let shard = parameters.div_ceil(2);
-        assert_eq!(m.gradients, shard * 2, "bf16 gradients, sharded");
+        assert_eq!(m.gradients, shard * grad_bytes, "gradients, sharded");
         (m.weights as f64 / shard as f64, m.optimizer as f64 / shard as f64)
     };
     let near = |(w, o): (f64, f64), (ew, eo): (f64, f64), what: &str| {
@@ -760,14 +767,13 @@ fn weights_without_a_master_copy_drop_four_bytes_a_parameter_and_fsdp2_shards_th
     near(state(megatron, ""), (2.0, 12.0), "megatron");
     near(state(megatron, ", state_precision: bf16"), (2.0, 8.0), "megatron, bf16 moments");
     // FSDP2 (torchtitan) and pipec's executor: the fp32 master shard is the weights
-    for engine in ["engine: torchtitan\n", ""] {
-        near(state(engine, ""), (4.0, 8.0), engine);
-        near(state(engine, ", state_precision: bf16"), (4.0, 4.0), engine);
-    }
+    near(state("engine: torchtitan\n", ""), (4.0, 8.0), "torchtitan");
+    near(state("", ""), (4.0, 8.0), "pipec");
+    near(state("", ", state_precision: bf16"), (4.0, 4.0), "pipec, bf16 moments");
     // the weights in bf16 alone (NeMo AutoModel's recipes): 8 bytes a parameter in all
     near(state("", ", state_precision: bf16, master_weights: false"), (2.0, 4.0), "no master");
     // which pipec's executor does not train: `pipec run` refuses the plan before training
-    let plan = compiled("", ", master_weights: false");
+    let (plan, _) = compiled("", ", master_weights: false");
     assert!(!plan.training.master_weights);
     let used = pipec_plan::features::used(&plan);
     assert!(used.iter().any(|(f, _)| *f == pipec_plan::features::Feature::NoMasterWeights), "{used:?}");

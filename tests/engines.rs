@@ -620,3 +620,74 @@ fn bf16_gradients_and_moments_are_emitted_for_megatron_read_back_and_refused_els
     let e = emitted(&plan_state, Engine::Deepspeed, "ds_config.json").expect_err("refused");
     assert!(e.contains("state_precision: bf16"), "{e}");
 }
+
+/// Recompute inside the blocks is written as each engine runs it or refused, never dropped:
+/// Megatron-LM's full recompute of the first layers (`--recompute-method block`) and its
+/// selective recompute of named modules (`--recompute-modules`), both read back by its
+/// import; torchtitan's op-level policy (`selective_ac_option = "op"`) for `ops:
+/// [alternate_matmul, attention]`, read back as those operations, and `torch.compile` for a
+/// compiled torchtitan plan; what an engine has no setting for is refused by name.
+#[test]
+fn recompute_inside_the_blocks_is_emitted_as_each_engine_runs_it_or_refused() {
+    use pipec_grammar::import::{megatron, torchtitan};
+    use pipec_plan::vocab::RecomputeModule;
+    let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example");
+    // one stage of 2 blocks on 2 replicas
+    let with = |recompute: &str, engine: &str| {
+        let t = text.replacen("stages: \"1-1\"", &format!("stages: \"2\"\n  recompute: {recompute}"), 1);
+        plan_of(&format!("{engine}{t}"))
+    };
+    let emitted = |plan: &Plan, engine: Engine, file: &str| -> Result<String, String> {
+        let files = pipec_plan::engine::emit::emit(plan, &EngineTarget::newest(engine))?;
+        Ok(files.into_iter().find(|(f, _)| f == file).map(|(_, t)| t).expect("emitted"))
+    };
+    // Megatron-LM: the first block of the stage recomputed whole
+    let plan = with("{ layers: 1 }", "");
+    let args = emitted(&plan, Engine::Megatron, "args.txt").expect("megatron runs it");
+    for flag in ["--recompute-granularity full", "--recompute-method block", "--recompute-num-layers 1"] {
+        assert!(args.contains(flag), "{flag}: {args}");
+    }
+    let back = imported_plan(megatron::import(&args, "back", Some(2)));
+    assert_eq!(back.schedule.block_recompute.as_ref().map(|b| b.layers), Some(1));
+    // named modules, selectively
+    let plan = with("{ modules: [layernorm, mlp] }", "");
+    let args = emitted(&plan, Engine::Megatron, "args.txt").expect("megatron runs it");
+    assert!(args.contains("--recompute-granularity selective"), "{args}");
+    assert!(
+        args.contains("--recompute-modules mlp layernorm") || args.contains("--recompute-modules layernorm mlp"),
+        "{args}"
+    );
+    let back = imported_plan(megatron::import(&args, "back", Some(2)));
+    let mut modules = back.schedule.block_recompute.expect("modules read back").modules;
+    modules.sort_by_key(|m| m.name());
+    assert_eq!(modules, [RecomputeModule::Layernorm, RecomputeModule::Mlp]);
+    // an unknown module is refused by the import, not dropped
+    let e = megatron::import(&args.replace("layernorm", "everything"), "back", Some(2)).expect_err("refused");
+    assert!(e.contains("everything"), "{e}");
+    // operations, offload, and modules beside layers have no Megatron-LM setting
+    for (recompute, why) in [
+        ("{ ops: [alternate_matmul, attention] }", "not a list of operations"),
+        ("{ modules: [mlp], layers: 1 }", "not both"),
+        ("{ offload: true }", "offload"),
+    ] {
+        let e = emitted(&with(recompute, ""), Engine::Megatron, "args.txt").expect_err("refused");
+        assert!(e.contains(why), "{recompute}: {e}");
+    }
+    // torchtitan: its op-level policy, compiled
+    let llama =
+        std::fs::read_to_string(root().join("tests/engines/published/torchtitan-llama3-8b.toml")).expect("toml");
+    let spec = torchtitan::import(&llama, "tt", Some(8)).expect("imports");
+    assert!(spec.contains("recompute: { ops: [alternate_matmul, attention] }"), "{spec}");
+    let compiled = spec.replacen("engine: torchtitan", "engine: { name: torchtitan, compile: true }", 1);
+    let job = emitted(&plan_of(&compiled), Engine::Torchtitan, "job.toml").expect("torchtitan runs it");
+    assert!(job.contains("mode = \"selective\"") && job.contains("selective_ac_option = \"op\""), "{job}");
+    assert!(job.contains("[compile]\nenable = true"), "{job}");
+    let job = emitted(&plan_of(&spec), Engine::Torchtitan, "job.toml").expect("torchtitan runs it");
+    assert!(job.contains("[compile]\nenable = false"), "{job}");
+    // torchtitan has no first-layers recompute, DeepSpeed no recompute inside a block
+    let layers = spec.replacen("recompute: { ops: [alternate_matmul, attention] }", "recompute: { layers: 1 }", 1);
+    let e = emitted(&plan_of(&layers), Engine::Torchtitan, "job.toml").expect_err("refused");
+    assert!(e.contains("op-level policy"), "{e}");
+    let e = emitted(&with("{ layers: 1 }", ""), Engine::Deepspeed, "ds_config.json").expect_err("refused");
+    assert!(e.contains("DeepSpeed"), "{e}");
+}

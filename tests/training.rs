@@ -952,6 +952,34 @@ fn tensor_parallel_attention_equals_one_device() {
     });
 }
 
+/// A head size of its own (`head_dim=`: Qwen3's 32 heads of 128 on d = 2048): the query,
+/// key, value and output projections are heads · head_dim wide, and tensor-parallel,
+/// pipelined, ZeRO-3 and context-parallel (gathered or ring) layouts of a language model of
+/// such blocks train to one device's numbers.
+#[test]
+fn a_head_size_of_its_own_trains_to_one_devices_numbers() {
+    let block = "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, head_dim=8, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)";
+    let layers = cp_lm(block);
+    let p = plan(&Job { layers: &layers, ..Job::default() });
+    let b = p.layers[2].op.block_dims().expect("a block");
+    assert_eq!((b.q_width, b.kv_width, b.attention_width), (32, 16, 32), "4 heads and 2 key/value heads of 8");
+    let layouts = [
+        (2, "\"1\"\n  tp: 2", "gpipe"),
+        (2, "\"1-1\"", "1f1b"),
+        (2, "\"2\"\n  zero: 3", "gpipe"),
+        (2, "\"1\"\n  cp: 2", "gpipe"),
+        (2, "\"1\"\n  cp: 2\n  cp_comm: ring", "gpipe"),
+    ];
+    adam_on_layouts_equals_one_device(&layers, &layouts);
+}
+
+/// `layers` trained with Adam on each (devices, stages, schedule) layout equals one device.
+fn adam_on_layouts_equals_one_device(layers: &str, layouts: &[(usize, &str, &str)]) {
+    for &(devices, stages, schedule) in layouts {
+        assert_same_as_one_device(Job { devices, stages, schedule, optimizer: ADAM, layers, ..Job::default() });
+    }
+}
+
 /// Context-parallel layouts (devices, stages, schedule): cp 2 and 4 alone, cp 2 beside two
 /// replicas, and on a 1F1B pipeline.
 const CP_LAYOUTS: [(usize, &str, &str); 4] = [
@@ -982,17 +1010,7 @@ fn context_parallelism_equals_one_device_on_a_language_model() {
     // learned positions, the rotary angles and the causal mask follow each position's
     // place in the whole sequence, and attention gathers the group's keys and values
     for block in CP_BLOCKS {
-        let layers = cp_lm(block);
-        for (devices, stages, schedule) in CP_LAYOUTS {
-            assert_same_as_one_device(Job {
-                devices,
-                stages,
-                schedule,
-                optimizer: ADAM,
-                layers: &layers,
-                ..Job::default()
-            });
-        }
+        adam_on_layouts_equals_one_device(&cp_lm(block), &CP_LAYOUTS);
     }
     // dropout: each member draws the whole sequence's mask, as one device does, and keeps
     // its positions' (with full recompute the recomputed masks equal the first ones)

@@ -280,20 +280,22 @@ fn convert_from(layers: &[Op], src: &Source<'_>) -> Result<(Weights, Vec<(u64, S
                     out.insert(pid(i, 11), same(&format!("{h}mlp.c_proj.bias"), &[d])?);
                 } else {
                     let h = format!("model.layers.{block}.");
-                    let kv = b.kv_width;
+                    // the queries' and the attention output's widths: heads · head_dim (d
+                    // unless the config gives its own `head_dim`)
+                    let (kv, qw, aw) = (b.kv_width, b.q_width, b.attention_width);
                     out.insert(pid(i, 0), same(&format!("{h}input_layernorm.weight"), &[d])?);
                     // [out, in] projections side by side along `out`, then [in, out]
-                    let q = get(&format!("{h}self_attn.q_proj.weight"), &[d, d])?;
+                    let q = get(&format!("{h}self_attn.q_proj.weight"), &[qw, d])?;
                     let k = get(&format!("{h}self_attn.k_proj.weight"), &[kv, d])?;
                     let v = get(&format!("{h}self_attn.v_proj.weight"), &[kv, d])?;
-                    out.insert(pid(i, 2), transposed(&[q.as_slice(), k, v].concat(), d + 2 * kv, d));
+                    out.insert(pid(i, 2), transposed(&[q.as_slice(), k, v].concat(), qw + 2 * kv, d));
                     if b.qkv_bias {
-                        let q = get(&format!("{h}self_attn.q_proj.bias"), &[d])?;
+                        let q = get(&format!("{h}self_attn.q_proj.bias"), &[qw])?;
                         let k = get(&format!("{h}self_attn.k_proj.bias"), &[kv])?;
                         let v = get(&format!("{h}self_attn.v_proj.bias"), &[kv])?;
-                        out.insert(pid(i, 3), (vec![d + 2 * kv], [q.as_slice(), k, v].concat()));
+                        out.insert(pid(i, 3), (vec![qw + 2 * kv], [q.as_slice(), k, v].concat()));
                     }
-                    out.insert(pid(i, 4), transposed(get(&format!("{h}self_attn.o_proj.weight"), &[d, d])?, d, d));
+                    out.insert(pid(i, 4), transposed(get(&format!("{h}self_attn.o_proj.weight"), &[d, aw])?, d, aw));
                     out.insert(pid(i, 6), same(&format!("{h}post_attention_layernorm.weight"), &[d])?);
                     if !b.gated {
                         return Err("a Llama-family checkpoint's MLP is gated: the block needs mlp=swiglu".into());
@@ -666,21 +668,21 @@ pub fn from_pipec(
             }
             (Family::Llama, Op::TransformerBlock { .. }) => {
                 let h = format!("model.layers.{block}.");
-                let kv = b.kv_width;
+                let (kv, qw, aw) = (b.kv_width, b.q_width, b.attention_width);
                 put(format!("{h}input_layernorm.weight"), vec![d], weight(id(0), &[d])?.clone());
                 put(format!("{h}post_attention_layernorm.weight"), vec![d], weight(id(6), &[d])?.clone());
                 // pipec's [in, out] as [out, in], then cut along `out`
-                let qkv = transpose(weight(id(2), &[d, d + 2 * kv])?, d, d + 2 * kv);
-                put(format!("{h}self_attn.q_proj.weight"), vec![d, d], qkv[..d * d].to_vec());
-                put(format!("{h}self_attn.k_proj.weight"), vec![kv, d], qkv[d * d..(d + kv) * d].to_vec());
-                put(format!("{h}self_attn.v_proj.weight"), vec![kv, d], qkv[(d + kv) * d..].to_vec());
+                let qkv = transpose(weight(id(2), &[d, qw + 2 * kv])?, d, qw + 2 * kv);
+                put(format!("{h}self_attn.q_proj.weight"), vec![qw, d], qkv[..qw * d].to_vec());
+                put(format!("{h}self_attn.k_proj.weight"), vec![kv, d], qkv[qw * d..(qw + kv) * d].to_vec());
+                put(format!("{h}self_attn.v_proj.weight"), vec![kv, d], qkv[(qw + kv) * d..].to_vec());
                 if b.qkv_bias {
-                    let bias = weight(id(3), &[d + 2 * kv])?;
-                    put(format!("{h}self_attn.q_proj.bias"), vec![d], bias[..d].to_vec());
-                    put(format!("{h}self_attn.k_proj.bias"), vec![kv], bias[d..d + kv].to_vec());
-                    put(format!("{h}self_attn.v_proj.bias"), vec![kv], bias[d + kv..].to_vec());
+                    let bias = weight(id(3), &[qw + 2 * kv])?;
+                    put(format!("{h}self_attn.q_proj.bias"), vec![qw], bias[..qw].to_vec());
+                    put(format!("{h}self_attn.k_proj.bias"), vec![kv], bias[qw..qw + kv].to_vec());
+                    put(format!("{h}self_attn.v_proj.bias"), vec![kv], bias[qw + kv..].to_vec());
                 }
-                put(format!("{h}self_attn.o_proj.weight"), vec![d, d], transpose(weight(id(4), &[d, d])?, d, d));
+                put(format!("{h}self_attn.o_proj.weight"), vec![d, aw], transpose(weight(id(4), &[aw, d])?, aw, d));
                 match b.moe {
                     None => {
                         let up = transpose(weight(id(8), &[d, 2 * f])?, d, 2 * f);
@@ -764,6 +766,10 @@ pub fn from_pipec(
                 "tie_word_embeddings": tied,
                 "torch_dtype": "float32",
             });
+            // a head size of its own (transformers' `head_dim`; d / heads otherwise)
+            if b.head_dim.saturating_mul(b.heads) != d {
+                c["head_dim"] = json!(b.head_dim);
+            }
             if let Some(m) = b.moe {
                 c["architectures"] = json!(["MixtralForCausalLM"]);
                 c["model_type"] = json!("mixtral");
@@ -1135,7 +1141,15 @@ mod tests {
             }
             b
         };
-        let models: [(Vec<Op>, bool, &str, usize); 4] = [
+        // Qwen2's biases with heads of their own size: 4 heads of 4 on d = 8
+        let wide_heads = {
+            let mut b = llama(true);
+            if let Op::TransformerBlock { head_dim, .. } = &mut b {
+                *head_dim = 4;
+            }
+            b
+        };
+        let models: [(Vec<Op>, bool, &str, usize); 5] = [
             (
                 vec![
                     Op::embedding(11, 8),
@@ -1184,6 +1198,17 @@ mod tests {
                 // final norm, the output layer
                 19,
             ),
+            (
+                vec![
+                    Op::embedding(11, 8),
+                    wide_heads,
+                    Op::RmsNorm { dim: 8, eps: 1e-6 },
+                    Op::Linear { in_features: 8, out_features: 11, bias: false },
+                ],
+                false,
+                "qwen2",
+                15,
+            ),
         ];
         for (layers, tied, family, tensors) in models {
             // distinct values everywhere, so a swapped or transposed tensor shows
@@ -1208,6 +1233,10 @@ mod tests {
             }
             let (config, hf) = from_pipec(&layers, tied, 6, &weights).expect("exports");
             assert_eq!(config["model_type"], family, "{config}");
+            // a head size other than d / heads is written as transformers reads it
+            let b = layers[layers.len() - 3].block_dims().expect("a block");
+            let own = (b.head_dim * b.heads != b.d).then_some(b.head_dim);
+            assert_eq!(config.get("head_dim").and_then(|h| h.as_u64()), own.map(|h| h as u64), "{config}");
             assert_eq!(hf.len(), tensors, "{family}: {:?}", hf.keys().collect::<Vec<_>>());
             let back = to_pipec(&layers, &hf).expect("imports");
             assert_eq!(back, weights, "{family}");
@@ -1237,7 +1266,7 @@ mod tests {
                     put(7, vec![b.d]);
                 }
                 put(2, vec![b.d, b.qkv_width]);
-                put(4, vec![b.d, b.d]);
+                put(4, vec![b.attention_width, b.d]);
                 match b.moe {
                     None => {
                         put(8, vec![b.d, b.up_width]);

@@ -435,7 +435,8 @@ impl<B: Kernels> Block<B> {
         Some(Block {
             norm1: Norm::of(k.norm, index, 0, d, k.eps, device),
             qkv: dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0),
-            proj: dense(4, d, d, [d / tp, d], k.bias.then_some(d), 1.0),
+            // the heads' outputs (heads · head_dim, this rank's) back to d
+            proj: dense(4, k.attention_width, d, [k.attention_width / tp, d], k.bias.then_some(d), 1.0),
             norm2: Norm::of(k.norm, index, 6, d, k.eps, device),
             mlps: match k.moe {
                 None => vec![Mlp {

@@ -178,7 +178,7 @@ pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections
             }
             (Split::Block, Op::TransformerBlock { .. }) => {
                 let Some(b) = op.block_dims() else { continue };
-                let qkv = [b.d, b.kv_width, b.kv_width];
+                let qkv = [b.q_width, b.kv_width, b.kv_width];
                 out.insert(id(k, 2), Sharding::Parts { rows: b.d, widths: qkv });
                 out.insert(id(k, 3), Sharding::Parts { rows: 1, widths: qkv });
                 out.insert(id(k, 4), Sharding::Rows);

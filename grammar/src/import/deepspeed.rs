@@ -137,7 +137,7 @@ pub fn import(
         cp_comm: CpComm::AllGather,
         moe_dispatch: pipec_plan::vocab::MoeDispatch::AllToAll,
         ep_overlap: false,
-        recompute: if c.get("activation_checkpointing").is_some() { "true" } else { "false" },
+        recompute: if c.get("activation_checkpointing").is_some() { "true" } else { "false" }.into(),
         precision,
         fp8: None,
         grad_bf16: false,

@@ -60,7 +60,7 @@ pub struct RunFacts {
     /// Megatron-LM's expert-parallel overlap (`--overlap-moe-expert-parallel-comm`).
     pub ep_overlap: bool,
     /// `true`, `false` or `selective`.
-    pub recompute: &'static str,
+    pub recompute: String,
     pub precision: Precision,
     /// FP8 products (beside `precision: bf16`): the recipe and what the engine keeps and
     /// gathers in FP8.

@@ -17,6 +17,9 @@ use super::engine::{model_text, write_spec, ModelFacts, MoeFacts, RunFacts};
 /// kernels' choice), read and left out silently.
 const IGNORED: &[&str] = &[
     "--use-mcore-models",
+    // the routed experts as one grouped GEMM: how pipec prices Megatron-LM's experts anyway
+    // (`KernelFamily::grouped_experts`)
+    "--moe-grouped-gemm",
     "--init-method-std",
     "--attention-dropout",
     "--hidden-dropout",
@@ -182,10 +185,26 @@ fn flags(words: &[String]) -> BTreeMap<String, Option<String>> {
 
 struct Args {
     flags: BTreeMap<String, Option<String>>,
+    /// Every word after each flag up to the next flag (a list argument's values).
+    lists: BTreeMap<String, Vec<String>>,
     used: std::collections::BTreeSet<String>,
 }
 
+/// Each flag's following words up to the next flag (`--recompute-modules core_attn mlp`).
+fn lists(words: &[String]) -> BTreeMap<String, Vec<String>> {
+    let mut out = BTreeMap::new();
+    for (i, w) in words.iter().enumerate().filter(|(_, w)| w.starts_with("--")) {
+        let values = words[i + 1..].iter().take_while(|v| !v.starts_with("--")).cloned().collect();
+        out.entry(w.clone()).or_insert(values);
+    }
+    out
+}
+
 impl Args {
+    fn list(&mut self, name: &str) -> Vec<String> {
+        self.used.insert(name.to_string());
+        self.lists.get(name).cloned().unwrap_or_default()
+    }
     fn has(&mut self, name: &str) -> bool {
         self.used.insert(name.to_string());
         self.flags.contains_key(name)
@@ -262,6 +281,38 @@ fn fp8(a: &mut Args, precision: Precision, sharding: Sharding) -> Result<Option<
     Ok(Some(pipec_plan::plan::Fp8Plan { recipe, activations: Fp8Storage::Fp8, weight_copies: true, gather }))
 }
 
+/// The spec's `recompute` for Megatron-LM's (transformer_config.py:1724-1832 at core_v0.19.0):
+/// `selective` of the attention core (its default `--recompute-modules`), selective of other
+/// modules `{ modules: [...] }`, full of the first N layers of each model chunk
+/// (`--recompute-method block`) `{ layers: N }`, full of every layer `true`. `chunk`: the
+/// layers of a model chunk.
+fn recompute(a: &mut Args, chunk: usize) -> Result<String, String> {
+    use pipec_plan::vocab::{Choice, RecomputeModule};
+    let method = a.text("--recompute-method");
+    let layers = a.count("--recompute-num-layers")?;
+    let modules = a.list("--recompute-modules");
+    Ok(match a.text("--recompute-granularity").as_deref() {
+        None if a.has("--recompute-activations") => "selective".into(),
+        None => "false".into(),
+        Some("full") => match (method.as_deref(), layers) {
+            (Some("block"), Some(n)) if n < chunk => format!("{{ layers: {n} }}"),
+            _ => "true".into(),
+        },
+        Some("selective") if modules.is_empty() || modules == ["core_attn"] => "selective".into(),
+        Some("selective") => {
+            for m in &modules {
+                if !<RecomputeModule as Choice>::ALL.iter().any(|r| r.name() == m) {
+                    return Err(format!("`--recompute-modules {m}` is not a module pipec recomputes ({})", {
+                        <RecomputeModule as Choice>::ALL.iter().map(|r| r.name()).collect::<Vec<_>>().join(", ")
+                    }));
+                }
+            }
+            format!("{{ modules: [{}] }}", modules.join(", "))
+        }
+        Some(other) => return Err(format!("`--recompute-granularity {other}` is not full or selective")),
+    })
+}
+
 /// Whether a bf16 run reduces its gradients in bf16 (`--grad-reduce-in-bf16`; without it
 /// `--bf16` accumulates and reduces in fp32, arguments.py:1181-1194) and keeps Adam's
 /// moments in bf16 (`--use-precision-aware-optimizer` with `--exp-avg-dtype` and
@@ -294,7 +345,7 @@ fn reduced_and_kept(a: &mut Args, precision: Precision) -> Result<(bool, bool), 
 /// (`--nproc_per_node` × `--nnodes`).
 pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, String> {
     let words = words(text);
-    let mut a = Args { flags: flags(&words), used: Default::default() };
+    let mut a = Args { flags: flags(&words), lists: lists(&words), used: Default::default() };
     if a.flags.is_empty() {
         return Err("no `--flag` arguments: not a Megatron-LM argument list or launch script".into());
     }
@@ -403,15 +454,7 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
             (None, Some(k)) => m.layers / pp.max(1) / k.max(1),
             (None, None) => 1,
         };
-    let full = a.text("--recompute-granularity");
-    let recompute = match full.as_deref() {
-        None if a.has("--recompute-activations") => "selective",
-        None => "false",
-        Some("full") => "true",
-        Some("selective") => "selective",
-        Some(other) => return Err(format!("`--recompute-granularity {other}` is not full or selective")),
-    };
-    let _ = (a.text("--recompute-method"), a.text("--recompute-num-layers"));
+    let recompute = recompute(a, m.layers / (pp * vpp).max(1))?;
     let sharding = if a.has("--use-megatron-fsdp") {
         match a.text("--data-parallel-sharding-strategy").as_deref() {
             Some("no_shard") => Sharding::None,

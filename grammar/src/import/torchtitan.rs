@@ -137,19 +137,17 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         (_, other) => return Err(format!("`pipeline_parallel_schedule = \"{other}\"` has no pipec schedule (1F1B, GPipe, Interleaved1F1B, ZBVZeroBubble, DualPipeV)")),
     };
     let recompute = match t.text("activation_checkpoint", "mode", "selective")?.as_str() {
-        "none" => "false",
-        "full" => "true",
+        "none" => "false".to_string(),
+        "full" => "true".into(),
         "selective" => {
             let option = t.text("activation_checkpoint", "selective_ac_option", "2")?;
             if option == "op" {
-                dropped.push(
-                    "op-level selective activation checkpointing, as pipec's selective recompute (the attention core)"
-                        .into(),
-                );
-                "selective"
+                // its op-level policy: every other matrix product's output and attention's
+                // saved, the rest recomputed
+                "{ ops: [alternate_matmul, attention] }".into()
             } else {
                 dropped.push(format!("selective_ac_option = \"{option}\" (every {option}th block recomputed), as recompute on every block"));
-                "true"
+                "true".into()
             }
         }
         other => {

@@ -14,8 +14,8 @@ use super::capability::{refusals, Layout, RecomputeKind};
 use super::gpt::GptShape;
 use super::EngineTarget;
 use crate::model::{MlpKind, NormKind};
-use crate::plan::OptimizerPlan;
-use crate::vocab::{CpComm, Engine, Precision, ScheduleKind, Sharding};
+use crate::plan::{BlockRecompute, OptimizerPlan};
+use crate::vocab::{CpComm, Engine, Precision, RecomputeOp, ScheduleKind, Sharding};
 use crate::Plan;
 
 /// One emitted file: its name in the folder and its text.
@@ -38,6 +38,9 @@ pub struct Run<'a> {
 impl<'a> Run<'a> {
     /// The run `plan` describes, or why `engine` cannot take it.
     pub fn of(plan: &'a Plan, engine: &EngineTarget) -> Result<Run<'a>, String> {
+        // recompute inside the blocks first: the tables judge it as selective recompute,
+        // which says less than why the engine cannot write it
+        written_block_recompute(plan, engine.name).map_err(|why| format!("{engine} cannot run this plan: {why}"))?;
         let layout = plan.engine_layout();
         let refused = refusals(engine, &layout);
         if !refused.is_empty() {
@@ -116,7 +119,7 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
             "virtual_stages": run.layout.virtual_stages, "schedule": run.layout.schedule,
             "microbatch_size": run.micro, "microbatches_per_replica": run.accumulation,
             "global_batch": run.plan.training.batch_size, "seq_length": run.seq,
-            "zero": run.layout.sharding.level(), "recompute": recompute_name(run.layout.recompute),
+            "zero": run.layout.sharding.level(), "recompute": written_recompute_name(run),
             "fp8": run.layout.fp8.map(|r| r.to_string()),
         },
         "step_time_s": round(step),
@@ -137,6 +140,46 @@ fn round(x: f64) -> f64 {
     }
     let scale = 10f64.powi(5 - x.abs().log10().floor() as i32);
     (x * scale).round() / scale
+}
+
+/// torchtitan's op-level selective checkpointing (`selective_ac_option = "op"`, 0.2.2): the
+/// outputs of every other matrix product and of attention saved, the rest recomputed.
+const TORCHTITAN_OP_POLICY: [RecomputeOp; 2] = [RecomputeOp::AlternateMatmul, RecomputeOp::Attention];
+
+/// The plan's recompute inside the blocks (`recompute: { modules | ops | layers | offload }`)
+/// as `engine` writes it: Megatron-LM's selective recompute of named modules
+/// (`--recompute-modules`) or full recompute of the first layers of each stage (`--recompute-method
+/// block`), torchtitan's op-level policy; or why it cannot (never dropped silently).
+fn written_block_recompute(plan: &Plan, engine: Engine) -> Result<Option<&BlockRecompute>, String> {
+    let Some(b) = plan.schedule.block_recompute.as_ref() else { return Ok(None) };
+    let refuse = |why: &str| Err(format!("`recompute: {}`: {why}", b.text()));
+    match engine {
+        Engine::Pipec => Ok(Some(b)),
+        _ if b.offload => refuse("activation offload is not written into its configuration"),
+        Engine::Megatron if !b.ops.is_empty() => {
+            refuse("Megatron-LM recomputes modules (`modules:`) or whole layers (`layers:`), not a list of operations")
+        }
+        Engine::Megatron if !b.modules.is_empty() && b.layers > 0 => {
+            refuse("Megatron-LM's recompute granularity is selective (modules) or full (layers), not both")
+        }
+        Engine::Megatron => Ok(Some(b)),
+        Engine::Torchtitan if b.modules.is_empty() && b.layers == 0 && b.ops == TORCHTITAN_OP_POLICY => Ok(Some(b)),
+        Engine::Torchtitan => refuse(
+            "torchtitan 0.2.2's selective checkpointing is its op-level policy, `{ ops: [alternate_matmul, attention] }`, or every n-th layer whole",
+        ),
+        Engine::Deepspeed => refuse("DeepSpeed's activation checkpointing recomputes whole layers (`recompute: true`)"),
+    }
+}
+
+/// The recompute the engine's configuration says, as its own parser reads it back
+/// (`scripts/engine_check.py`): block recompute of whole layers is Megatron-LM's `full`
+/// granularity, of modules or operations `selective`.
+fn written_recompute_name(run: &Run<'_>) -> &'static str {
+    match run.plan.schedule.block_recompute.as_ref() {
+        Some(b) if b.layers > 0 => "full",
+        Some(_) => "selective",
+        None => recompute_name(run.layout.recompute),
+    }
 }
 
 fn recompute_name(r: RecomputeKind) -> &'static str {
@@ -184,6 +227,7 @@ fn notes(run: &Run<'_>, engine: &EngineTarget) -> String {
     }
     if engine.name != Engine::Pipec
         && run.layout.recompute == RecomputeKind::Selective
+        && run.plan.schedule.block_recompute.is_none()
         && engine.name == Engine::Torchtitan
     {
         lost.push("pipec's selective recompute (the attention core) as torchtitan's op-level selective checkpointing, which saves matrix products' outputs and recomputes the rest".into());
@@ -288,6 +332,10 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
             arg("--moe-ffn-hidden-size", b.ff),
             arg("--moe-router-load-balancing-type", if m.aux_loss > 0.0 { "aux_loss" } else { "none" }),
             arg("--moe-aux-loss-coeff", m.aux_loss),
+            // the routed experts as one grouped GEMM, as the cost model prices them
+            // (`KernelFamily::grouped_experts`; transformer_config.py:829), which
+            // `--recompute-modules moe_act` needs
+            flag("--moe-grouped-gemm"),
         ]);
         // DeepEP's dispatch is the flex dispatcher's (transformer_config.py:862-869)
         match l.moe_dispatch {
@@ -357,14 +405,27 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
         arg("--global-batch-size", t.batch_size),
         arg("--train-iters", t.steps),
     ];
-    match l.recompute {
-        RecomputeKind::Full => training.extend([
+    // recompute inside the blocks (transformer_config.py:1724-1832 at core_v0.19.0): the
+    // first layers of each stage whole, or named modules selectively; else the stages'
+    let block = written_block_recompute(run.plan, Engine::Megatron).ok().flatten();
+    match (block, l.recompute) {
+        (Some(b), _) if b.layers > 0 => training.extend([
+            arg("--recompute-granularity", "full"),
+            arg("--recompute-method", "block"),
+            arg("--recompute-num-layers", b.layers),
+        ]),
+        (Some(b), _) if !b.modules.is_empty() && b.modules != [crate::vocab::RecomputeModule::CoreAttn] => training
+            .extend([
+                arg("--recompute-granularity", "selective"),
+                arg("--recompute-modules", b.modules.iter().map(|m| m.name()).collect::<Vec<_>>().join(" ")),
+            ]),
+        (_, RecomputeKind::Full) => training.extend([
             arg("--recompute-granularity", "full"),
             arg("--recompute-method", "uniform"),
             arg("--recompute-num-layers", 1),
         ]),
-        RecomputeKind::Selective => training.push(arg("--recompute-granularity", "selective")),
-        RecomputeKind::Off | RecomputeKind::SomeStages => {}
+        (_, RecomputeKind::Selective) => training.push(arg("--recompute-granularity", "selective")),
+        (_, RecomputeKind::Off | RecomputeKind::SomeStages) => {}
     }
     match t.precision {
         Precision::Bf16 => training.push(flag("--bf16")),
@@ -522,6 +583,8 @@ pub fn torchtitan_rows(run: &Run<'_>, flavour: &str) -> Vec<(&'static str, &'sta
     let sharded = matches!(l.sharding, Sharding::Gradients | Sharding::Parameters);
     let dp = l.dp();
     let pipelined = l.pp() > 1;
+    // torchtitan's op-level policy, written in the spec as its operations
+    let op_level = matches!(written_block_recompute(run.plan, Engine::Torchtitan), Ok(Some(_)));
     let mut rows = vec![
         ("job", "dump_folder", json!("./outputs")),
         ("job", "description", json!(format!("{} (pipec emit)", run.plan.name))),
@@ -584,17 +647,24 @@ pub fn torchtitan_rows(run: &Run<'_>, flavour: &str) -> Vec<(&'static str, &'sta
     rows.push((
         "activation_checkpoint",
         "mode",
-        json!(match l.recompute {
-            RecomputeKind::Full | RecomputeKind::SomeStages => "full",
-            RecomputeKind::Selective => "selective",
-            RecomputeKind::Off => "none",
+        json!(match (l.recompute, op_level) {
+            (_, true) | (RecomputeKind::Selective, _) => "selective",
+            (RecomputeKind::Full | RecomputeKind::SomeStages, false) => "full",
+            (RecomputeKind::Off, false) => "none",
         }),
     ));
-    if l.recompute == RecomputeKind::Selective {
+    if l.recompute == RecomputeKind::Selective || op_level {
         rows.push(("activation_checkpoint", "selective_ac_option", json!("op")));
     }
-    rows.push(("compile", "enable", json!(l.tp_overlap)));
-    if l.tp_overlap {
+    // `torch.compile` on each block (`engine: { compile: true }`), which asynchronous TP
+    // needs too
+    let compiled = run
+        .plan
+        .engine_performance
+        .as_ref()
+        .is_some_and(|p| p.family == super::performance::KernelFamily::TorchCompiled);
+    rows.push(("compile", "enable", json!(l.tp_overlap || compiled)));
+    if l.tp_overlap || compiled {
         rows.push(("compile", "components", json!(["model", "loss"])));
     }
     // torchao's FP8 (job_config.py:731-792 at v0.2.2): the converter beside the model's

@@ -183,7 +183,10 @@ impl crate::Plan {
         let replicas: Vec<usize> =
             self.stages[..ranks.min(self.stages.len())].iter().map(|s| (s.replicas.len() / cp).max(1)).collect();
         let recomputed = self.stages.iter().filter(|s| s.recompute).count();
-        let recompute = if self.stages.iter().any(|s| s.selective_recompute) {
+        // recompute inside the blocks is held to the tables as their selective recompute, as
+        // the front end holds a spec's (`grammar::engine_check`); the emitters write it whole
+        let recompute = if self.stages.iter().any(|s| s.selective_recompute) || self.schedule.block_recompute.is_some()
+        {
             RecomputeKind::Selective
         } else if recomputed == 0 {
             RecomputeKind::Off
