@@ -1823,7 +1823,7 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
 
 #[test]
 fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
-    // tests/reference/hf/{llama-gqa,gpt2,mixtral}/after-{adamw,sgd}.safetensors: the weights
+    // tests/reference/hf/{llama-gqa,gpt2,mixtral,qwen3}/after-{adamw,sgd}.safetensors: the weights
     // after one step of torch.optim.AdamW (no decay on biases and norms) and of SGD with
     // momentum and weight decay, on the fixture's two rows as one batch; pipec trains the
     // same step from the same weights, on one device and on a 2-stage pipeline with tensor
@@ -1834,6 +1834,7 @@ fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
     let llama = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
     let gpt2 = "    - embedding(50, 16) as wte\n    - pos_embedding(32)\n    - repeat 2: transformer_block(d=16, heads=4, ff=64, causal=true, mlp=gelu_tanh)\n    - layernorm\n    - linear(16, 50, bias=false, tie=wte)";
     let mixtral = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=4, top_k=2)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
+    let qwen3 = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, head_dim=8, qk_norm=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
     let dense_layouts = [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")];
     let expert_layouts =
         [(1, "stages: \"1\""), (2, "stages: \"1-1\""), (2, "stages: \"2\""), (4, "stages: \"1-1\"\n  tp: 2")];
@@ -1845,6 +1846,7 @@ fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
         ("llama-gqa", llama, &dense_layouts[..]),
         ("gpt2", gpt2, &dense_layouts),
         ("mixtral", mixtral, &expert_layouts),
+        ("qwen3", qwen3, &dense_layouts),
     ] {
         let fixture = root.join(model);
         let reference: serde_json::Value =
@@ -2432,11 +2434,12 @@ fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
     let run = pipec(&["run", spec.to_str().expect("utf-8"), "-o", dir.path().join("run").to_str().expect("utf-8")]);
     let said = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(1), "{said}");
-    for feature in ["`qk_norm=true`", "`window=`", "`optimizer.master_weights: false`"] {
+    for feature in ["`window=`", "`optimizer.master_weights: false`"] {
         assert!(said.contains(feature), "{feature}: {said}");
     }
-    // a head size of its own runs (tests/training.rs: a_head_size_of_its_own_...)
-    assert!(!said.contains("`head_dim=`"), "{said}");
+    // a head size of its own and query/key norms run (tests/training.rs:
+    // a_head_size_of_its_own_and_query_key_norms_..., the qwen3 fixture)
+    assert!(!said.contains("`head_dim=`") && !said.contains("`qk_norm=true`"), "{said}");
     assert!(!dir.path().join("run").join("metrics.jsonl").exists(), "nothing trained");
 }
 

@@ -952,13 +952,15 @@ fn tensor_parallel_attention_equals_one_device() {
     });
 }
 
-/// A head size of its own (`head_dim=`: Qwen3's 32 heads of 128 on d = 2048): the query,
-/// key, value and output projections are heads · head_dim wide, and tensor-parallel,
-/// pipelined, ZeRO-3 and context-parallel (gathered or ring) layouts of a language model of
-/// such blocks train to one device's numbers.
+/// A head size of its own (`head_dim=`: Qwen3's 32 heads of 128 on d = 2048) and query/key
+/// norms (`qk_norm=true`): the query, key, value and output projections are heads ·
+/// head_dim wide, each head's queries and keys normalised by one shared gain, and
+/// tensor-parallel (the gains' gradients summed over the group), pipelined, ZeRO-3 and
+/// context-parallel (gathered or ring) layouts of a language model of such blocks train to
+/// one device's numbers.
 #[test]
-fn a_head_size_of_its_own_trains_to_one_devices_numbers() {
-    let block = "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, head_dim=8, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)";
+fn a_head_size_of_its_own_and_query_key_norms_train_to_one_devices_numbers() {
+    let block = "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, head_dim=8, qk_norm=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)";
     let layers = cp_lm(block);
     let p = plan(&Job { layers: &layers, ..Job::default() });
     let b = p.layers[2].op.block_dims().expect("a block");

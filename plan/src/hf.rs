@@ -296,6 +296,14 @@ fn convert_from(layers: &[Op], src: &Source<'_>) -> Result<(Weights, Vec<(u64, S
                         out.insert(pid(i, 3), (vec![qw + 2 * kv], [q.as_slice(), k, v].concat()));
                     }
                     out.insert(pid(i, 4), transposed(get(&format!("{h}self_attn.o_proj.weight"), &[d, aw])?, d, aw));
+                    // Qwen3's query and key norms over each head's features
+                    if b.qk_norm {
+                        for (slot, name) in
+                            [(crate::model::Q_NORM_SLOT, "q_norm"), (crate::model::K_NORM_SLOT, "k_norm")]
+                        {
+                            out.insert(pid(i, slot), same(&format!("{h}self_attn.{name}.weight"), &[b.qk_head])?);
+                        }
+                    }
                     out.insert(pid(i, 6), same(&format!("{h}post_attention_layernorm.weight"), &[d])?);
                     if !b.gated {
                         return Err("a Llama-family checkpoint's MLP is gated: the block needs mlp=swiglu".into());
@@ -604,6 +612,9 @@ pub fn from_pipec(
         if !mixtral {
             return Err("the blocks are mixtures of experts that are not Mixtral's (a softmax router, norm_topk=true, no shared experts, no capacity): no Hugging Face family to write them as".into());
         }
+        if b.qk_norm {
+            return Err("the blocks are mixtures of experts with query/key norms (Qwen3-MoE): its checkpoint names are not written yet, and Mixtral's have no query/key norms".into());
+        }
     }
     if b.post_norm {
         return bert_from_pipec(layers, &blocks, weights);
@@ -683,6 +694,15 @@ pub fn from_pipec(
                     put(format!("{h}self_attn.v_proj.bias"), vec![kv], bias[qw + kv..].to_vec());
                 }
                 put(format!("{h}self_attn.o_proj.weight"), vec![d, aw], transpose(weight(id(4), &[aw, d])?, aw, d));
+                if b.qk_norm {
+                    for (slot, name) in [(crate::model::Q_NORM_SLOT, "q_norm"), (crate::model::K_NORM_SLOT, "k_norm")] {
+                        put(
+                            format!("{h}self_attn.{name}.weight"),
+                            vec![b.qk_head],
+                            weight(id(slot), &[b.qk_head])?.clone(),
+                        );
+                    }
+                }
                 match b.moe {
                     None => {
                         let up = transpose(weight(id(8), &[d, 2 * f])?, d, 2 * f);
@@ -766,9 +786,16 @@ pub fn from_pipec(
                 "tie_word_embeddings": tied,
                 "torch_dtype": "float32",
             });
-            // a head size of its own (transformers' `head_dim`; d / heads otherwise)
-            if b.head_dim.saturating_mul(b.heads) != d {
+            // a head size of its own (transformers' `head_dim`; d / heads otherwise); query
+            // and key norms are Qwen3's (whose config's `head_dim` defaults to 128: always
+            // written)
+            if b.head_dim.saturating_mul(b.heads) != d || b.qk_norm {
                 c["head_dim"] = json!(b.head_dim);
+            }
+            if b.qk_norm {
+                c["architectures"] = json!(["Qwen3ForCausalLM"]);
+                c["model_type"] = json!("qwen3");
+                c["attention_bias"] = json!(b.qkv_bias);
             }
             if let Some(m) = b.moe {
                 c["architectures"] = json!(["MixtralForCausalLM"]);
@@ -1282,6 +1309,10 @@ mod tests {
                 }
                 if b.qkv_bias {
                     put(3, vec![b.qkv_width]);
+                }
+                if b.qk_norm {
+                    put(crate::model::Q_NORM_SLOT, vec![b.qk_head]);
+                    put(crate::model::K_NORM_SLOT, vec![b.qk_head]);
                 }
                 if b.bias {
                     put(5, vec![b.d]);

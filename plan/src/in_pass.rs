@@ -702,9 +702,19 @@ pub fn tp_partial_parameters(
             let l = layer << 8;
             let bias = b.norm == NormKind::LayerNorm;
             let router = b.moe.map(|m| (l | crate::model::ROUTER_SLOT, b.d * m.experts));
-            [Some((l, b.d)), bias.then_some((l | 1, b.d)), Some((l | 6, b.d)), bias.then_some((l | 7, b.d)), router]
-                .into_iter()
-                .flatten()
+            // the query and key norms' gains: every rank's heads use the whole gain
+            let qk = |slot: u64| b.qk_norm.then_some((l | slot, b.qk_head));
+            [
+                Some((l, b.d)),
+                bias.then_some((l | 1, b.d)),
+                Some((l | 6, b.d)),
+                bias.then_some((l | 7, b.d)),
+                router,
+                qk(crate::model::Q_NORM_SLOT),
+                qk(crate::model::K_NORM_SLOT),
+            ]
+            .into_iter()
+            .flatten()
         })
         .collect())
 }

@@ -12,6 +12,11 @@ pub use crate::vocab::{MlpKind, NormKind, Pooling, Router};
 /// parameter's id is layer << 8 | slot, `checkpoint::param_id`).
 pub const ROUTER_SLOT: u64 = 12;
 
+/// A block's query norm's and key norm's gain slots (`qk_norm=true`: an RMSNorm over each
+/// head's features), after the router's.
+pub const Q_NORM_SLOT: u64 = 13;
+pub const K_NORM_SLOT: u64 = 14;
+
 /// The pattern of every operator without weights of its own: pools, joins, reshapes,
 /// activations, dropout and sequence pooling — the one list of them, so that a new
 /// weightless operator is added here once (a new operator of any kind is still a compile

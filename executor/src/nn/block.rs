@@ -7,7 +7,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use burn::tensor::IndexingUpdateOp;
 use pipec_plan::checkpoint::{expert_slot, ROUTER_SLOT};
-use pipec_plan::model::{MlpKind, Moe, Op, Router};
+use pipec_plan::model::{MlpKind, Moe, NormKind, Op, Router, K_NORM_SLOT, Q_NORM_SLOT};
 
 use crate::backend::attention::{repeat_heads, Causal};
 use crate::backend::kernels::attention_at;
@@ -23,6 +23,10 @@ pub struct Block<B: Backend> {
     /// Queries, keys and values fused: [d, (heads + 2·kv_heads)·head_dim] (this rank's heads
     /// under tensor parallelism).
     pub qkv: Dense<B>,
+    /// Query and key norms (`qk_norm=true`): an RMSNorm over each head's features, before
+    /// the rotary embeddings (Qwen3, OLMo 2); one gain shared by every head.
+    pub q_norm: Option<Norm<B>>,
+    pub k_norm: Option<Norm<B>>,
     pub proj: Dense<B>,
     pub norm2: Norm<B>,
     /// The MLPs: a dense block's one; a mixture of experts' routed experts, then its shared
@@ -127,6 +131,12 @@ impl<B: Kernels> Block<B> {
             qkv.clone().narrow(2, start * dh, heads * dh).reshape([b, s, heads, dh]).swap_dims(1, 2)
         };
         let (mut q, mut k, mut v) = (part(0, h), part(h, kv), part(h + kv, kv));
+        if let Some(n) = &self.q_norm {
+            q = n.forward(q);
+        }
+        if let Some(n) = &self.k_norm {
+            k = n.forward(k);
+        }
         // this member's positions (all of them without context parallelism), and the keys':
         // every member's, gathered, with context parallelism
         let at: Vec<usize> = context.map_or_else(|| (0..s).collect(), |c| c.positions(s));
@@ -435,6 +445,8 @@ impl<B: Kernels> Block<B> {
         Some(Block {
             norm1: Norm::of(k.norm, index, 0, d, k.eps, device),
             qkv: dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0),
+            q_norm: k.qk_norm.then(|| Norm::of(NormKind::RmsNorm, index, Q_NORM_SLOT, k.qk_head, k.eps, device)),
+            k_norm: k.qk_norm.then(|| Norm::of(NormKind::RmsNorm, index, K_NORM_SLOT, k.qk_head, k.eps, device)),
             // the heads' outputs (heads · head_dim, this rank's) back to d
             proj: dense(4, k.attention_width, d, [k.attention_width / tp, d], k.bias.then_some(d), 1.0),
             norm2: Norm::of(k.norm, index, 6, d, k.eps, device),

@@ -53,16 +53,22 @@ fn logits_difference_as(name: &str, read_as: &[Op], layers: &[Op]) -> f64 {
     d
 }
 
-#[test]
-fn a_llama_block_with_grouped_query_attention_and_rotary_embeddings_computes_what_transformers_does() {
-    let block = Op::llama_block(16, 4, 2, 24);
-    let layers = [
+/// An embedding of 50 tokens, two copies of `block` on d = 16, a final RMSNorm and an
+/// untied 16 → 50 head: the layers both Llama-family fixtures were written with.
+fn llama_layers(block: Op) -> Vec<Op> {
+    vec![
         Op::embedding(50, 16),
         block.clone(),
         block,
         Op::RmsNorm { dim: 16, eps: 1e-5 },
         Op::Linear { in_features: 16, out_features: 50, bias: false },
-    ];
+    ]
+}
+
+#[test]
+fn a_llama_block_with_grouped_query_attention_and_rotary_embeddings_computes_what_transformers_does() {
+    let block = Op::llama_block(16, 4, 2, 24);
+    let layers = llama_layers(block);
     let d = logits_difference("llama-gqa", &layers);
     assert!(d < 1e-5, "pipec's logits differ from transformers' by {d:e} of the largest");
     // and the comparison can fail: without the rotary embeddings the logits differ
@@ -71,6 +77,28 @@ fn a_llama_block_with_grouped_query_attention_and_rotary_embeddings_computes_wha
         *rope = 0.0;
     }
     assert!(logits_difference("llama-gqa", &wrong) > 1e-2);
+}
+
+/// tests/reference/hf/qwen3 (transformers 4.57.6): 4 query heads and 2 key/value heads of 8
+/// features on d = 16 (the query projection 16 → 32, the output 32 → 16), an RMSNorm over
+/// each query and key head before the rotary embeddings.
+#[test]
+fn a_qwen3_block_with_its_own_head_size_and_query_key_norms_computes_what_transformers_does() {
+    let mut block = Op::llama_block(16, 4, 2, 24);
+    if let Op::TransformerBlock { head_dim, qk_norm, .. } = &mut block {
+        (*head_dim, *qk_norm) = (8, true);
+    }
+    let layers = llama_layers(block);
+    let d = logits_difference("qwen3", &layers);
+    assert!(d < 1e-5, "pipec's logits differ from transformers' by {d:e} of the largest");
+    // and the comparison can fail: the same weights without the query/key norms differ
+    let mut plain = layers.clone();
+    for op in &mut plain[1..3] {
+        if let Op::TransformerBlock { qk_norm, .. } = op {
+            *qk_norm = false;
+        }
+    }
+    assert!(logits_difference_as("qwen3", &layers, &plain) > 1e-2);
 }
 
 #[test]

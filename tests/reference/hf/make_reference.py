@@ -3,7 +3,8 @@ Mixtral, GPT-2 and BERT layers (executor/src/hf_reference.rs, tests/cli.rs) and 
 ResNet weights and batch normalisation (tests/cli.rs) are tested against.
 
 Run once, in a throwaway venv outside the repository (torch 2.5.1, transformers 4.46.3,
-torchvision 0.20.1); name models to make only those (llama-gqa, gpt2, bert, resnet, mixtral):
+torchvision 0.20.1; qwen3 needs transformers 4.51 or later); name models to make only those
+(llama-gqa, gpt2, bert, resnet, mixtral, qwen3):
 
     python tests/reference/hf/make_reference.py [NAME ...]
 
@@ -277,3 +278,17 @@ if wanted("mixtral"):
     m = MixtralForCausalLM(mixtral).float()
     randomise(m)
     write_language_model("mixtral", m, 50, 12)
+
+# A Qwen3 (heads of their own size: 4 query heads of 8 features on d = 16, so the query
+# projection is 16 → 32 and the output projection 32 → 16, and 2 key/value heads of 8; an
+# RMSNorm over each query and key head before the rotary embeddings). Qwen3 is in
+# transformers from 4.51: this one was made with torch 2.15.0 and transformers 4.57.6 (its
+# reference.json says so). Its own seed, so the fixtures above stay as they were.
+if wanted("qwen3"):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    qwen3 = Qwen3Config(**TINY_LLAMA, head_dim=8, attention_bias=False, use_sliding_window=False)
+    torch.manual_seed(4)
+    m = Qwen3ForCausalLM(qwen3).float()
+    randomise(m)
+    write_language_model("qwen3", m, 50, 12)
