@@ -956,8 +956,8 @@ fn tensor_parallel_attention_equals_one_device() {
 /// norms (`qk_norm=true`): the query, key, value and output projections are heads ·
 /// head_dim wide, each head's queries and keys normalised by one shared gain, and
 /// tensor-parallel (the gains' gradients summed over the group), pipelined, ZeRO-3 and
-/// context-parallel (gathered or ring) layouts of a language model of such blocks train to
-/// one device's numbers.
+/// context-parallel (gathered or ring) and selectively recomputed layouts of a language model
+/// of such blocks train to one device's numbers.
 #[test]
 fn a_head_size_of_its_own_and_query_key_norms_train_to_one_devices_numbers() {
     let block = "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, head_dim=8, qk_norm=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)";
@@ -965,14 +965,77 @@ fn a_head_size_of_its_own_and_query_key_norms_train_to_one_devices_numbers() {
     let p = plan(&Job { layers: &layers, ..Job::default() });
     let b = p.layers[2].op.block_dims().expect("a block");
     assert_eq!((b.q_width, b.kv_width, b.attention_width), (32, 16, 32), "4 heads and 2 key/value heads of 8");
-    let layouts = [
+    attention_layouts_equal_one_device(&layers, true);
+}
+
+/// Sliding-window attention (each position sees itself and the 2 before it, of 16):
+/// tensor-parallel, pipelined, ZeRO-3 and context-parallel layouts — the gathered keys
+/// masked by true position, and the ring, where a member's block wholly outside a query
+/// part's window is skipped — train to one device's numbers, and so does selective
+/// recompute, whose backward rebuilds the same mask; the window changes the numbers
+/// (against full attention).
+#[test]
+fn a_sliding_window_trains_to_one_devices_numbers() {
+    let block = "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, window=3)";
+    let layers = cp_lm(block);
+    attention_layouts_equal_one_device(&layers, true);
+    adam_on_layouts_equals_one_device(&layers, &[(4, "\"1\"\n  cp: 4\n  cp_comm: ring", "gpipe")]);
+    let full = cp_lm(&block.replace(", window=3", ""));
+    let one = |layers: &str| losses(&train(&plan(&Job { optimizer: ADAM, layers, ..Job::default() })));
+    let (windowed, whole) = (one(&layers), one(&full));
+    assert!(windowed.iter().zip(&whole).any(|(a, b)| (a - b).abs() > 1e-4), "{windowed:?} against {whole:?}");
+}
+
+/// Attention sinks (a logit per head in every softmax, GPT-OSS's) in a sliding window:
+/// tensor-parallel (each rank its heads' sinks), pipelined, ZeRO-3, context-parallel
+/// (gathered keys) and selectively recomputed layouts train to one device's numbers.
+#[test]
+fn attention_sinks_train_to_one_devices_numbers() {
+    let block = "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, window=3, sinks=true)";
+    attention_layouts_equal_one_device(&cp_lm(block), false);
+}
+
+/// Multi-head latent attention (DeepSeek's), with a query latent and without: tensor-parallel
+/// (the up projections by heads, the down projection's and the latents' norms' gradients
+/// summed over the group), pipelined, ZeRO-3, context-parallel (gathered keys, and the ring
+/// passing keys and values of their own sizes) and selectively recomputed layouts train to
+/// one device's numbers.
+#[test]
+fn multi_head_latent_attention_trains_to_one_devices_numbers() {
+    for q_lora in ["q_lora=8, ", ""] {
+        let block = format!(
+            "transformer_block(d=16, heads=4, ff=24, causal=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, head_dim=4, kv_lora=8, {q_lora}rope_dim=4, v_head_dim=6)"
+        );
+        attention_layouts_equal_one_device(&cp_lm(&block), true);
+    }
+}
+
+/// The layouts a block's attention is checked on, each with Adam against one device:
+/// tensor parallelism 2, a 1F1B pipeline of 2 stages, ZeRO-3 over 2 replicas, context
+/// parallelism 2 with gathered keys (and with `ring` around the ring), and selective
+/// recompute on the pipeline.
+fn attention_layouts_equal_one_device(layers: &str, ring: bool) {
+    let mut layouts = vec![
         (2, "\"1\"\n  tp: 2", "gpipe"),
         (2, "\"1-1\"", "1f1b"),
         (2, "\"2\"\n  zero: 3", "gpipe"),
         (2, "\"1\"\n  cp: 2", "gpipe"),
-        (2, "\"1\"\n  cp: 2\n  cp_comm: ring", "gpipe"),
     ];
-    adam_on_layouts_equals_one_device(&layers, &layouts);
+    if ring {
+        layouts.push((2, "\"1\"\n  cp: 2\n  cp_comm: ring", "gpipe"));
+    }
+    adam_on_layouts_equals_one_device(layers, &layouts);
+    let selective = Job {
+        devices: 2,
+        stages: "\"1-1\"",
+        schedule: "1f1b",
+        recompute: "selective",
+        optimizer: ADAM,
+        layers,
+        ..Job::default()
+    };
+    assert!(plan(&selective).stages.iter().all(|s| s.selective_recompute));
+    assert_same_as_one_device(selective);
 }
 
 /// `layers` trained with Adam on each (devices, stages, schedule) layout equals one device.

@@ -217,14 +217,10 @@ fn attention_kept(b: &BlockDims, cx: &BlockContext, list: &mut List) {
                 let v = list.product();
                 list.keep("values", &[], v, split(kv * vh, p));
             }
-            (ProjectionRole::QueryDown, Some(m)) => {
+            (ProjectionRole::LatentDown, Some(m)) => {
                 let made = list.product();
-                list.keep("query latent and its norm's output", &[], made, seq(2.0 * m.q_lora as f64, p));
-            }
-            (ProjectionRole::KvDown, Some(m)) => {
-                let made = list.product();
-                let values = 2.0 * m.kv_lora as f64 + m.rope_dim as f64;
-                list.keep("key/value latent, its norm's output and the rotary key", &[], made, seq(values, p));
+                let values = 2.0 * (m.q_lora + m.kv_lora) as f64 + m.rope_dim as f64;
+                list.keep("latents, their norms' outputs and the rotary key", &[], made, seq(values, p));
             }
             (ProjectionRole::Query | ProjectionRole::QueryUp, _) => {
                 let made = list.product();
@@ -235,7 +231,7 @@ fn attention_kept(b: &BlockDims, cx: &BlockContext, list: &mut List) {
                 list.keep("keys and values", &[MlaUpProj], made, split(heads * (qk + vh), p));
             }
             // the output projection, after the core
-            (ProjectionRole::Output | ProjectionRole::QueryDown | ProjectionRole::KvDown, _) => {}
+            (ProjectionRole::Output | ProjectionRole::LatentDown, _) => {}
         }
     }
     if b.qk_norm {

@@ -1104,6 +1104,10 @@ fn block_help(op: &Op, d_model: usize, heads: usize, written_kv: usize, written_
     if b.mla.is_some_and(|m| m.kv_lora == 0 || m.v_head_dim == 0) {
         return "give multi-head latent attention's latent and value heads a size (DeepSeek-V3: kv_lora=512, v_head_dim=128)".into();
     }
+    if b.mla.is_some() && b.qk_norm {
+        return "remove `qk_norm`: multi-head latent attention's RMSNorms are over its query and key-value latents"
+            .into();
+    }
     if b.window > 0 && !causal {
         return "add `causal=true`, or remove `window` (a sliding window looks back from each position)".into();
     }

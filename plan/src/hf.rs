@@ -284,12 +284,20 @@ fn convert_from(layers: &[Op], src: &Source<'_>) -> Result<(Weights, Vec<(u64, S
                     // unless the config gives its own `head_dim`)
                     let (kv, qw, aw) = (b.kv_width, b.q_width, b.attention_width);
                     out.insert(pid(i, 0), same(&format!("{h}input_layernorm.weight"), &[d])?);
-                    // [out, in] projections side by side along `out`, then [in, out]
-                    let q = get(&format!("{h}self_attn.q_proj.weight"), &[qw, d])?;
-                    let k = get(&format!("{h}self_attn.k_proj.weight"), &[kv, d])?;
-                    let v = get(&format!("{h}self_attn.v_proj.weight"), &[kv, d])?;
-                    out.insert(pid(i, 2), transposed(&[q.as_slice(), k, v].concat(), qw + 2 * kv, d));
-                    if b.qkv_bias {
+                    if let Some(m) = b.mla {
+                        for (slot, value) in
+                            latent_to_pipec(&b, m, &|name, shape| get(&format!("{h}self_attn.{name}"), shape))?
+                        {
+                            out.insert(pid(i, slot), value);
+                        }
+                    } else {
+                        // [out, in] projections side by side along `out`, then [in, out]
+                        let q = get(&format!("{h}self_attn.q_proj.weight"), &[qw, d])?;
+                        let k = get(&format!("{h}self_attn.k_proj.weight"), &[kv, d])?;
+                        let v = get(&format!("{h}self_attn.v_proj.weight"), &[kv, d])?;
+                        out.insert(pid(i, 2), transposed(&[q.as_slice(), k, v].concat(), qw + 2 * kv, d));
+                    }
+                    if b.qkv_bias && b.mla.is_none() {
                         let q = get(&format!("{h}self_attn.q_proj.bias"), &[qw])?;
                         let k = get(&format!("{h}self_attn.k_proj.bias"), &[kv])?;
                         let v = get(&format!("{h}self_attn.v_proj.bias"), &[kv])?;
@@ -363,6 +371,128 @@ fn convert_from(layers: &[Op], src: &Source<'_>) -> Result<(Weights, Vec<(u64, S
         }
     }
     Ok((out, Vec::new()))
+}
+
+/// DeepSeek's rotary parts as its checkpoints store them (`rope_interleave`: the two
+/// features of each rotated pair side by side) read in the order pipec turns them (the first
+/// of every pair, then the second: Llama's `rotate_half`): row j of `n` comes from row
+/// 2j for j < n/2, from row 2(j − n/2) + 1 after.
+fn deinterleaved(j: usize, n: usize) -> usize {
+    if j < n / 2 {
+        2 * j
+    } else {
+        2 * (j - n / 2) + 1
+    }
+}
+
+/// Rows `rows` (of `width` values each) of an [out, in] weight, each rotary part of
+/// `rope` rows in it — at `first` and every `stride` rows after, `count` of them —
+/// reordered from DeepSeek's interleaved pairs to pipec's halves (`to_pipec`) or back.
+fn reorder_rotary(
+    values: &[f32],
+    width: usize,
+    (first, stride, count, rope): (usize, usize, usize, usize),
+    to_pipec: bool,
+) -> Vec<f32> {
+    let mut out = values.to_vec();
+    for part in 0..count {
+        let start = first + part * stride;
+        for j in 0..rope {
+            let (to, from) = if to_pipec { (j, deinterleaved(j, rope)) } else { (deinterleaved(j, rope), j) };
+            out[(start + to) * width..(start + to + 1) * width]
+                .copy_from_slice(&values[(start + from) * width..(start + from + 1) * width]);
+        }
+    }
+    out
+}
+
+/// A DeepSeek block's multi-head latent attention tensors (`get(name, [out, in])` under its
+/// `self_attn.`) as pipec's parameters by slot ([`crate::model::LATENT_DOWN_SLOT`] and the
+/// others): `q_a_proj` (or `q_proj` without a query latent) and `kv_a_proj_with_mqa` side by
+/// side, the two latent norms side by side, `q_b_proj`, `kv_b_proj`, `o_proj`; the rotary
+/// parts de-interleaved.
+fn latent_to_pipec<'a>(b: &crate::model::BlockDims, m: crate::model::Mla, get: &ByName<'a>) -> Result<Weights, String> {
+    use crate::model::{LATENT_DOWN_SLOT, LATENT_KV_UP_SLOT, LATENT_NORMS_SLOT, LATENT_QUERY_SLOT};
+    let (d, heads, qk) = (b.d, b.heads, b.qk_head);
+    let kv_a = reorder_rotary(
+        get("kv_a_proj_with_mqa.weight", &[m.kv_lora + m.rope_dim, d])?,
+        d,
+        (m.kv_lora, 0, 1, m.rope_dim),
+        true,
+    );
+    // each query head's rotary part: its last rope_dim rows of qk
+    let query_rope = (qk - m.rope_dim, qk, heads, m.rope_dim);
+    let (down_q, q_norm, query, q_in): (Vec<f32>, Vec<f32>, Vec<f32>, usize) = if m.q_lora > 0 {
+        (
+            get("q_a_proj.weight", &[m.q_lora, d])?.clone(),
+            get("q_a_layernorm.weight", &[m.q_lora])?.clone(),
+            reorder_rotary(get("q_b_proj.weight", &[b.q_width, m.q_lora])?, m.q_lora, query_rope, true),
+            m.q_lora,
+        )
+    } else {
+        (Vec::new(), Vec::new(), reorder_rotary(get("q_proj.weight", &[b.q_width, d])?, d, query_rope, true), d)
+    };
+    let down_rows = m.q_lora + m.kv_lora + m.rope_dim;
+    let kv_up = heads * (b.head_dim + m.v_head_dim);
+    let kv_norm = get("kv_a_layernorm.weight", &[m.kv_lora])?;
+    Ok(Weights::from([
+        (LATENT_DOWN_SLOT, (vec![d, down_rows], transpose(&[down_q, kv_a].concat(), down_rows, d))),
+        (LATENT_NORMS_SLOT, (vec![m.q_lora + m.kv_lora], [q_norm.as_slice(), kv_norm].concat())),
+        (LATENT_QUERY_SLOT, (vec![q_in, b.q_width], transpose(&query, b.q_width, q_in))),
+        (
+            LATENT_KV_UP_SLOT,
+            (vec![m.kv_lora, kv_up], transpose(get("kv_b_proj.weight", &[kv_up, m.kv_lora])?, kv_up, m.kv_lora)),
+        ),
+    ]))
+}
+
+/// A tensor's values by name and shape, or why not.
+type ByName<'a> = dyn Fn(&str, &[usize]) -> Result<&'a Vec<f32>, String> + 'a;
+
+/// A parameter's values by slot and shape, or why not.
+type BySlot<'a> = dyn Fn(u64, &[usize]) -> Result<&'a Vec<f32>, String> + 'a;
+
+/// [`latent_to_pipec`]'s inverse: a block's latent attention parameters (`weight(slot,
+/// shape)`) as DeepSeek's tensors under `self_attn.` — by name, [out, in] and values, the
+/// rotary parts interleaved again (`rope_interleave: true`, as its checkpoints are).
+fn latent_from_pipec<'a>(
+    b: &crate::model::BlockDims,
+    m: crate::model::Mla,
+    weight: &BySlot<'a>,
+) -> Result<Tensors, String> {
+    use crate::model::{LATENT_DOWN_SLOT, LATENT_KV_UP_SLOT, LATENT_NORMS_SLOT, LATENT_QUERY_SLOT};
+    let (d, heads, qk) = (b.d, b.heads, b.qk_head);
+    let down_rows = m.q_lora + m.kv_lora + m.rope_dim;
+    let down = transpose(weight(LATENT_DOWN_SLOT, &[d, down_rows])?, d, down_rows);
+    let norms = weight(LATENT_NORMS_SLOT, &[m.q_lora + m.kv_lora])?;
+    let q_in = if m.q_lora > 0 { m.q_lora } else { d };
+    let query = reorder_rotary(
+        &transpose(weight(LATENT_QUERY_SLOT, &[q_in, b.q_width])?, q_in, b.q_width),
+        q_in,
+        (qk - m.rope_dim, qk, heads, m.rope_dim),
+        false,
+    );
+    let kv_up = heads * (b.head_dim + m.v_head_dim);
+    let kv_a = reorder_rotary(&down[m.q_lora * d..], d, (m.kv_lora, 0, 1, m.rope_dim), false);
+    let mut out = Tensors::new();
+    let mut put = |name: &str, shape: Vec<usize>, values: Vec<f32>| {
+        out.insert(name.to_string(), (shape, values));
+    };
+    if m.q_lora > 0 {
+        put("q_a_proj.weight", vec![m.q_lora, d], down[..m.q_lora * d].to_vec());
+        put("q_a_layernorm.weight", vec![m.q_lora], norms[..m.q_lora].to_vec());
+        put("q_b_proj.weight", vec![b.q_width, m.q_lora], query);
+    } else {
+        put("q_proj.weight", vec![b.q_width, d], query);
+    }
+    put("kv_a_proj_with_mqa.weight", vec![m.kv_lora + m.rope_dim, d], kv_a);
+    put("kv_a_layernorm.weight", vec![m.kv_lora], norms[m.q_lora..].to_vec());
+    put(
+        "kv_b_proj.weight",
+        vec![kv_up, m.kv_lora],
+        transpose(weight(LATENT_KV_UP_SLOT, &[m.kv_lora, kv_up])?, m.kv_lora, kv_up),
+    );
+    Ok(out)
 }
 
 /// Where a torchvision ResNet module comes in `state_dict` order: the stem (`conv1`, `bn1`),
@@ -616,6 +746,15 @@ pub fn from_pipec(
             return Err("the blocks are mixtures of experts with query/key norms (Qwen3-MoE): its checkpoint names are not written yet, and Mixtral's have no query/key norms".into());
         }
     }
+    if b.sinks {
+        return Err(
+            "the blocks have attention sinks (GPT-OSS's): its checkpoint names and its experts are not written yet"
+                .into(),
+        );
+    }
+    if b.mla.is_some() && b.moe.is_some() {
+        return Err("the blocks are mixtures of experts with multi-head latent attention: DeepSeek's experts (a sigmoid router with group-limited routing and a scaling factor) are not pipec's, and its checkpoint names for them are not written".into());
+    }
     if b.post_norm {
         return bert_from_pipec(layers, &blocks, weights);
     }
@@ -633,6 +772,9 @@ pub fn from_pipec(
             )
         }
     };
+    if family == Family::Gpt2 && b.window > 0 {
+        return Err("the blocks attend in a sliding window, which GPT-2's have no field for".into());
+    }
     let Some(Op::Embedding { vocab, dim, .. }) = layers.first().cloned() else {
         return Err("the model does not start with an embedding".into());
     };
@@ -682,12 +824,18 @@ pub fn from_pipec(
                 let (kv, qw, aw) = (b.kv_width, b.q_width, b.attention_width);
                 put(format!("{h}input_layernorm.weight"), vec![d], weight(id(0), &[d])?.clone());
                 put(format!("{h}post_attention_layernorm.weight"), vec![d], weight(id(6), &[d])?.clone());
-                // pipec's [in, out] as [out, in], then cut along `out`
-                let qkv = transpose(weight(id(2), &[d, qw + 2 * kv])?, d, qw + 2 * kv);
-                put(format!("{h}self_attn.q_proj.weight"), vec![qw, d], qkv[..qw * d].to_vec());
-                put(format!("{h}self_attn.k_proj.weight"), vec![kv, d], qkv[qw * d..(qw + kv) * d].to_vec());
-                put(format!("{h}self_attn.v_proj.weight"), vec![kv, d], qkv[(qw + kv) * d..].to_vec());
-                if b.qkv_bias {
+                if let Some(m) = b.mla {
+                    for (name, (shape, values)) in latent_from_pipec(&b, m, &|slot, shape| weight(id(slot), shape))? {
+                        put(format!("{h}self_attn.{name}"), shape, values);
+                    }
+                } else {
+                    // pipec's [in, out] as [out, in], then cut along `out`
+                    let qkv = transpose(weight(id(2), &[d, qw + 2 * kv])?, d, qw + 2 * kv);
+                    put(format!("{h}self_attn.q_proj.weight"), vec![qw, d], qkv[..qw * d].to_vec());
+                    put(format!("{h}self_attn.k_proj.weight"), vec![kv, d], qkv[qw * d..(qw + kv) * d].to_vec());
+                    put(format!("{h}self_attn.v_proj.weight"), vec![kv, d], qkv[(qw + kv) * d..].to_vec());
+                }
+                if b.qkv_bias && b.mla.is_none() {
                     let bias = weight(id(3), &[qw + 2 * kv])?;
                     put(format!("{h}self_attn.q_proj.bias"), vec![qw], bias[..qw].to_vec());
                     put(format!("{h}self_attn.k_proj.bias"), vec![kv], bias[qw..qw + kv].to_vec());
@@ -808,6 +956,38 @@ pub fn from_pipec(
             } else if !b.qkv_bias {
                 c["attention_bias"] = json!(false);
                 c["mlp_bias"] = json!(false);
+            }
+            // multi-head latent attention: DeepSeek-V3's, every block dense
+            // (`first_k_dense_replace`), the rotary parts interleaved as its checkpoints are
+            if let Some(m) = b.mla {
+                c["architectures"] = json!(["DeepseekV3ForCausalLM"]);
+                c["model_type"] = json!("deepseek_v3");
+                c["num_key_value_heads"] = json!(b.heads);
+                c["q_lora_rank"] = if m.q_lora > 0 { json!(m.q_lora) } else { serde_json::Value::Null };
+                c["kv_lora_rank"] = json!(m.kv_lora);
+                c["qk_nope_head_dim"] = json!(b.head_dim);
+                c["qk_rope_head_dim"] = json!(m.rope_dim);
+                c["v_head_dim"] = json!(m.v_head_dim);
+                c["first_k_dense_replace"] = json!(blocks.len());
+                c["rope_interleave"] = json!(true);
+                c["attention_bias"] = json!(false);
+                if let Some(map) = c.as_object_mut() {
+                    // transformers derives it from qk_rope_head_dim
+                    map.remove("head_dim");
+                    map.remove("mlp_bias");
+                }
+            }
+            // a sliding window: Mistral's (a Llama block that slides), Mixtral's; Qwen2's and
+            // Qwen3's only with `use_sliding_window`, from layer `max_window_layers` on
+            if b.window > 0 {
+                if b.qkv_bias || b.qk_norm {
+                    c["use_sliding_window"] = json!(true);
+                    c["max_window_layers"] = json!(0);
+                } else if b.moe.is_none() {
+                    c["architectures"] = json!(["MistralForCausalLM"]);
+                    c["model_type"] = json!("mistral");
+                }
+                c["sliding_window"] = json!(b.window);
             }
             if let Some((scaling, positions)) = rope_scaling_config(&b.rope_scaling) {
                 c["rope_scaling"] = scaling;
@@ -1176,7 +1356,25 @@ mod tests {
             }
             b
         };
-        let models: [(Vec<Op>, bool, &str, usize); 5] = [
+        // Mistral: Llama's block in a sliding window of 4
+        let sliding = {
+            let mut b = llama(false);
+            if let Op::TransformerBlock { window, .. } = &mut b {
+                *window = 4;
+            }
+            b
+        };
+        // DeepSeek-V3's multi-head latent attention, with a query latent and without: 4 heads
+        // of 4 + 2 rotary features, values of 3
+        let latent = |q_lora: usize| {
+            let mut b = llama(false);
+            if let Op::TransformerBlock { head_dim, mla, kv_heads, .. } = &mut b {
+                (*head_dim, *kv_heads) = (4, 0);
+                *mla = Some(crate::model::Mla { q_lora, kv_lora: 6, rope_dim: 2, v_head_dim: 3 });
+            }
+            b
+        };
+        let models: [(Vec<Op>, bool, &str, usize); 8] = [
             (
                 vec![
                     Op::embedding(11, 8),
@@ -1236,6 +1434,41 @@ mod tests {
                 "qwen2",
                 15,
             ),
+            (
+                vec![
+                    Op::embedding(11, 8),
+                    sliding,
+                    Op::RmsNorm { dim: 8, eps: 1e-6 },
+                    Op::Linear { in_features: 8, out_features: 11, bias: false },
+                ],
+                false,
+                "mistral",
+                12,
+            ),
+            (
+                vec![
+                    Op::embedding(11, 8),
+                    latent(5),
+                    Op::RmsNorm { dim: 8, eps: 1e-6 },
+                    Op::Linear { in_features: 8, out_features: 11, bias: false },
+                ],
+                false,
+                "deepseek_v3",
+                // embedding, two norms, q_a, its norm, q_b, kv_a, its norm, kv_b, o, the
+                // MLP's three, the final norm, the output layer
+                15,
+            ),
+            (
+                vec![
+                    Op::embedding(11, 8),
+                    latent(0),
+                    Op::RmsNorm { dim: 8, eps: 1e-6 },
+                    Op::Linear { in_features: 8, out_features: 11, bias: false },
+                ],
+                false,
+                "deepseek_v3",
+                13,
+            ),
         ];
         for (layers, tied, family, tensors) in models {
             // distinct values everywhere, so a swapped or transposed tensor shows
@@ -1262,8 +1495,16 @@ mod tests {
             assert_eq!(config["model_type"], family, "{config}");
             // a head size other than d / heads is written as transformers reads it
             let b = layers[layers.len() - 3].block_dims().expect("a block");
-            let own = (b.head_dim * b.heads != b.d).then_some(b.head_dim);
+            let own = (b.head_dim * b.heads != b.d && b.mla.is_none()).then_some(b.head_dim);
             assert_eq!(config.get("head_dim").and_then(|h| h.as_u64()), own.map(|h| h as u64), "{config}");
+            // multi-head latent attention writes DeepSeek's head sizes (and no `head_dim`)
+            if let Some(m) = b.mla {
+                assert_eq!(config["qk_rope_head_dim"], m.rope_dim, "{config}");
+                assert_eq!(config["q_lora_rank"].as_u64(), (m.q_lora > 0).then_some(m.q_lora as u64), "{config}");
+            }
+            // and a sliding window as Mistral's `sliding_window`
+            let window = (b.window > 0).then_some(b.window as u64);
+            assert_eq!(config.get("sliding_window").and_then(|w| w.as_u64()), window, "{config}");
             assert_eq!(hf.len(), tensors, "{family}: {:?}", hf.keys().collect::<Vec<_>>());
             let back = to_pipec(&layers, &hf).expect("imports");
             assert_eq!(back, weights, "{family}");
@@ -1292,7 +1533,16 @@ mod tests {
                     put(1, vec![b.d]);
                     put(7, vec![b.d]);
                 }
-                put(2, vec![b.d, b.qkv_width]);
+                match b.mla {
+                    None => put(2, vec![b.d, b.qkv_width]),
+                    Some(m) => {
+                        let q_in = if m.q_lora > 0 { m.q_lora } else { b.d };
+                        put(crate::model::LATENT_DOWN_SLOT, vec![b.d, m.q_lora + m.kv_lora + m.rope_dim]);
+                        put(crate::model::LATENT_NORMS_SLOT, vec![m.q_lora + m.kv_lora]);
+                        put(crate::model::LATENT_QUERY_SLOT, vec![q_in, b.q_width]);
+                        put(crate::model::LATENT_KV_UP_SLOT, vec![m.kv_lora, b.heads * (b.head_dim + m.v_head_dim)]);
+                    }
+                }
                 put(4, vec![b.attention_width, b.d]);
                 match b.moe {
                     None => {
@@ -1307,7 +1557,7 @@ mod tests {
                         }
                     }
                 }
-                if b.qkv_bias {
+                if b.qkv_bias && b.mla.is_none() {
                     put(3, vec![b.qkv_width]);
                 }
                 if b.qk_norm {

@@ -368,9 +368,11 @@ fn product_weights(layers: &Layers<'_>, k: usize, layout: Layout) -> Vec<u64> {
     product_weight_values(op)
 }
 
-/// The values of each weight matrix of `op` a product reads, by slot: a linear layer's
-/// weight or a token table (one); an LSTM's input and recurrent weights; a block's QKV,
-/// output, up and down projections (its norms and biases are small: under ZeRO-3 pipec's
+/// The values of each weight matrix of `op` a product reads, in the order the products
+/// read them: a linear layer's weight or a token table (one); an LSTM's input and
+/// recurrent weights; a block's attention projections (`BlockDims::projections`: the fused
+/// QKV, or multi-head latent attention's down and up projections; then the output) and its
+/// MLP's up and down projections (its norms and biases are small: under ZeRO-3 pipec's
 /// executor gathers them with the stage). Empty for an operator gathered with its stage.
 pub fn product_weight_values(op: &Op) -> Vec<u64> {
     let m = |a: usize, b: usize| (a as u64).saturating_mul(b as u64);
@@ -384,10 +386,20 @@ pub fn product_weight_values(op: &Op) -> Vec<u64> {
         // W_ih [4h, in], W_hh [4h, h]
         Op::Lstm { input, hidden } => vec![m(4 * hidden, *input), m(4 * hidden, *hidden)],
         _ => match op.block_dims() {
-            Some(b) => vec![m(b.d, b.qkv_width), m(b.attention_width, b.d), m(b.d, b.up_width), m(b.ff, b.d)],
+            Some(b) => {
+                let attention = b.projections().into_iter().map(|p| m(p.input, p.output));
+                attention.chain([m(b.d, b.up_width), m(b.ff, b.d)]).collect()
+            }
             None => Vec::new(),
         },
     }
+}
+
+/// A block's attention products before its core (`BlockDims::projections` but the output
+/// projection): standard attention's one fused product, multi-head latent attention's down
+/// and two up projections. None for another operator.
+fn attention_products(op: &Op) -> Option<usize> {
+    op.block_dims().map(|b| b.projections().len().saturating_sub(1).max(1))
 }
 
 /// What a pass does in order, before the per-product gatherer turns its reads into gathers.
@@ -570,15 +582,20 @@ fn pass_events(
             if matches!((split, op), (TpSplit::Vocab, Op::Embedding { .. }) | (TpSplit::Row, _)) {
                 events.push(tp_sum(k));
             }
-            if op.block_dims().is_some() {
+            if let Some(a) = attention_products(op) {
+                // the attention's products before the core (the first read above), the
+                // output projection, the MLP's up and down projections
+                for slot in 1..a {
+                    events.extend(read(k, slot));
+                }
                 attention(&mut events, op, at(k), layout, true);
-                events.extend(read(k, 1));
+                events.extend(read(k, a));
                 if tp {
                     events.push(tp_sum(k));
                 }
-                events.extend(read(k, 2));
+                events.extend(read(k, a + 1));
                 mlp(&mut events, op, at(k), layout, true);
-                events.extend(read(k, 3));
+                events.extend(read(k, a + 2));
                 if tp {
                     events.push(tp_sum(k));
                 }
@@ -643,15 +660,25 @@ fn pass_events(
                     _ => events.extend(read(k, 0).filter(|_| tracked(k))),
                 },
                 Unit::Attention => {
-                    events.extend(read(k, 1));
+                    let a = attention_products(op).unwrap_or(1);
+                    events.extend(read(k, a));
                     attention(&mut events, op, at(k), layout, false);
-                    let post_norm = op.block_dims().is_some_and(|b| b.post_norm);
-                    events.extend(read(k, 0).filter(|_| tracked(k) || !post_norm));
+                    // the products in reverse, each reading its weight for its input's
+                    // gradient: a product of the block's input (its norm's output, or under
+                    // post-norm the input itself) only when that input carries one
+                    let b = op.block_dims();
+                    let post_norm = b.is_some_and(|b| b.post_norm);
+                    let of_input =
+                        |slot: usize| slot == 0 || (slot == 1 && b.and_then(|b| b.mla).is_some_and(|m| m.q_lora == 0));
+                    for slot in (0..a).rev() {
+                        events.extend(read(k, slot).filter(|_| !of_input(slot) || tracked(k) || !post_norm));
+                    }
                 }
                 Unit::Mlp => {
-                    events.extend(read(k, 3));
+                    let a = attention_products(op).unwrap_or(1);
+                    events.extend(read(k, a + 2));
                     mlp(&mut events, op, at(k), layout, false);
-                    events.extend(read(k, 2));
+                    events.extend(read(k, a + 1));
                 }
             }
             // the bucket starting at this layer is complete once its first unit is
@@ -704,6 +731,10 @@ pub fn tp_partial_parameters(
             let router = b.moe.map(|m| (l | crate::model::ROUTER_SLOT, b.d * m.experts));
             // the query and key norms' gains: every rank's heads use the whole gain
             let qk = |slot: u64| b.qk_norm.then_some((l | slot, b.qk_head));
+            // multi-head latent attention's down projection and latents' norms: whole on
+            // every rank, each rank's heads' share of their gradients
+            let down = b.mla.map(|m| (l | crate::model::LATENT_DOWN_SLOT, b.d * (m.q_lora + m.kv_lora + m.rope_dim)));
+            let norms = b.mla.map(|m| (l | crate::model::LATENT_NORMS_SLOT, m.q_lora + m.kv_lora));
             [
                 Some((l, b.d)),
                 bias.then_some((l | 1, b.d)),
@@ -712,6 +743,8 @@ pub fn tp_partial_parameters(
                 router,
                 qk(crate::model::Q_NORM_SLOT),
                 qk(crate::model::K_NORM_SLOT),
+                down,
+                norms,
             ]
             .into_iter()
             .flatten()

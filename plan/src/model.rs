@@ -17,6 +17,26 @@ pub const ROUTER_SLOT: u64 = 12;
 pub const Q_NORM_SLOT: u64 = 13;
 pub const K_NORM_SLOT: u64 = 14;
 
+/// A block's attention sinks' slot (`sinks=true`: a logit per query head), the last before
+/// the experts' (`checkpoint::expert_slot`).
+pub const SINKS_SLOT: u64 = 15;
+
+/// Multi-head latent attention's weights, in the slots standard attention's fused
+/// projection and query/key norms take (a latent block has neither): the down projection
+/// of the input to the queries' latent, the keys' and values' latent and the shared rotary
+/// key, side by side, `[d, q_lora + kv_lora + rope_dim]` (DeepSeek's `q_a_proj` and
+/// `kv_a_proj_with_mqa`, both of the same input, as one product)…
+pub const LATENT_DOWN_SLOT: u64 = 2;
+/// …the two latents' RMSNorm gains side by side, `[q_lora + kv_lora]` (`q_a_layernorm`,
+/// `kv_a_layernorm`)…
+pub const LATENT_NORMS_SLOT: u64 = 3;
+/// …the queries from their latent, or from the input without one, `[q_lora or d, heads ·
+/// (head_dim + rope_dim)]` (`q_b_proj`, `q_proj`)…
+pub const LATENT_QUERY_SLOT: u64 = Q_NORM_SLOT;
+/// …and the keys' parts without rotary embeddings and the values from their latent,
+/// `[kv_lora, heads · (head_dim + v_head_dim)]`, head after head (`kv_b_proj`).
+pub const LATENT_KV_UP_SLOT: u64 = K_NORM_SLOT;
+
 /// The pattern of every operator without weights of its own: pools, joins, reshapes,
 /// activations, dropout and sequence pooling — the one list of them, so that a new
 /// weightless operator is added here once (a new operator of any kind is still a compile
@@ -405,14 +425,15 @@ pub const ROPE_SCALING_ARG: usize = 29;
 pub enum ProjectionRole {
     /// Queries, keys and values in one product (standard attention).
     Qkv,
-    /// Multi-head latent attention: the queries from the input (no query latent).
+    /// Multi-head latent attention: the queries' latent, the keys' and values' latent and
+    /// the shared rotary key part from the input, in one product (DeepSeek's `q_a_proj` and
+    /// `kv_a_proj_with_mqa` read the same input; pipec's executor multiplies them as one,
+    /// [`LATENT_DOWN_SLOT`]).
+    LatentDown,
+    /// The queries from the input (no query latent).
     Query,
-    /// The queries' latent from the input.
-    QueryDown,
     /// The queries from their latent.
     QueryUp,
-    /// The keys' and values' latent and the shared rotary key part from the input.
-    KvDown,
     /// The keys (without rotary part) and values from their latent.
     KvUp,
     /// The heads' outputs back to the model width.
@@ -497,9 +518,11 @@ impl BlockDims {
         }
     }
 
-    /// The attention's weight matrices in forward order: standard attention's fused
-    /// query-key-value projection and output projection, or multi-head latent attention's
-    /// down and up projections and output projection.
+    /// The attention's weight matrices in forward order, as pipec's executor multiplies
+    /// them: standard attention's fused query-key-value projection and output projection,
+    /// or multi-head latent attention's down projection, its up projections (the queries
+    /// from their latent or the input, the keys and values from theirs) and output
+    /// projection.
     pub fn projections(&self) -> Vec<Projection> {
         use ProjectionRole::*;
         use ProjectionSplit::*;
@@ -509,14 +532,15 @@ impl BlockDims {
             None => vec![p(Qkv, self.d, self.qkv_width, Column, self.qkv_bias), output],
             Some(m) => {
                 let kv_up = self.heads.saturating_mul(self.head_dim.saturating_add(m.v_head_dim));
-                let mut list = match m.q_lora {
-                    0 => vec![p(Query, self.d, self.q_width, Column, false)],
-                    r => vec![p(QueryDown, self.d, r, Replicated, false), p(QueryUp, r, self.q_width, Column, false)],
+                let down = m.q_lora.saturating_add(m.kv_lora).saturating_add(m.rope_dim);
+                // without a query latent the queries of the input first: the executor's order
+                // (`executor::nn::latent::Latent`), which ZeRO-3's per-product gathers follow
+                let down = p(LatentDown, self.d, down, Replicated, false);
+                let (first, second) = match m.q_lora {
+                    0 => (p(Query, self.d, self.q_width, Column, false), down),
+                    r => (down, p(QueryUp, r, self.q_width, Column, false)),
                 };
-                list.push(p(KvDown, self.d, m.kv_lora.saturating_add(m.rope_dim), Replicated, false));
-                list.push(p(KvUp, m.kv_lora, kv_up, Column, false));
-                list.push(output);
-                list
+                vec![first, second, p(KvUp, m.kv_lora, kv_up, Column, false), output]
             }
         }
     }
@@ -1042,6 +1066,12 @@ impl Op {
             let (what, arg) = if m.kv_lora == 0 { ("kv_lora", KV_LORA_ARG) } else { ("v_head_dim", KV_LORA_ARG + 3) };
             return Err(shape_err(format!("multi-head latent attention needs a positive {what}"), Some(arg)));
         }
+        if b.mla.is_some() && b.qk_norm {
+            return Err(shape_err(
+                "multi-head latent attention normalises its latents, not each head's queries and keys: qk_norm=true does not apply".to_string(),
+                Some(HEAD_DIM_ARG + 1),
+            ));
+        }
         if b.window > 0 && !causal {
             return Err(shape_err(
                 format!(
@@ -1085,14 +1115,13 @@ impl Op {
             Op::Lstm { .. } => 4,
             Op::TransformerBlock { .. } => self.block_dims().map_or(0, |b| {
                 // two norms; the attention's projections (and their biases), its query/key
-                // norms, sinks and latent norms; per MLP (the experts' and the shared ones)
-                // its up and down projections; a router
+                // norms, sinks and latent norms (one tensor of both latents' gains,
+                // `LATENT_NORMS_SLOT`); per MLP (the experts' and the shared ones) its up and
+                // down projections; a router
                 let biases = |on: bool| usize::from(on);
                 let mlps = b.moe.map_or(1, |m| m.experts + m.shared);
                 let projections: usize = b.projections().iter().map(|p| 1 + biases(p.bias)).sum();
-                let extra = 2 * usize::from(b.qk_norm)
-                    + usize::from(b.sinks)
-                    + b.mla.map_or(0, |m| 1 + usize::from(m.q_lora > 0));
+                let extra = 2 * usize::from(b.qk_norm) + usize::from(b.sinks) + usize::from(b.mla.is_some());
                 2 * norm(b.norm) + projections + extra + mlps * (2 + 2 * biases(b.bias)) + usize::from(b.moe.is_some())
             }),
             _ => 0,
@@ -1685,7 +1714,7 @@ mod tests {
         assert_eq!(attention, 187_107_328);
         let b = dense(18432).block_dims().expect("a block");
         assert_eq!((b.kv_heads, b.qk_head, b.v_head, b.q_width, b.attention_width), (128, 192, 128, 24576, 16384));
-        assert_eq!(b.projections().len(), 5);
+        assert_eq!(b.projections().len(), 4, "the down projection, two up projections, the output");
         // Moonlight-16B-A3B: no query latent, 16 heads: queries projected directly
         let moonlight = shaped(Op::llama_block(2048, 16, 0, 11264), |h, _, _, _, m| {
             (*h, *m) = (128, Some(Mla { q_lora: 0, kv_lora: 512, rope_dim: 64, v_head_dim: 128 }))

@@ -74,9 +74,13 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         Ok(wrapped(tracked::<I, C, _, 1>(ExchangeBackward, [&x], || ex.reversed(), moved)))
     }
 
-    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+    fn attention_softmax(
+        scores: Tensor<Self, 4>,
+        dh: usize,
+        mask: Option<crate::backend::attention::Mask<'_>>,
+    ) -> Tensor<Self, 4> {
         let s = scores.into_primitive().tensor();
-        let p = I::attention_softmax(inner(&s.primitive), dh, causal).into_primitive().tensor();
+        let p = I::attention_softmax(inner(&s.primitive), dh, mask).into_primitive().tensor();
         wrapped(tracked::<I, C, _, 1>(SoftmaxBackward { dh }, [&s], || p.clone(), p.clone()))
     }
 
@@ -86,14 +90,28 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         v: Tensor<Self, 4>,
         dh: usize,
         causal: crate::backend::attention::Causal,
+        sinks: Option<Tensor<Self, 1>>,
     ) -> Tensor<Self, 4> {
         let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
-        let out =
-            I::attention_recomputed(inner(&q.primitive), inner(&k.primitive), inner(&v.primitive), dh, causal.clone())
-                .into_primitive()
-                .tensor();
-        let state = || (q.primitive.clone(), k.primitive.clone(), v.primitive.clone());
-        wrapped(tracked::<I, C, _, 3>(AttentionBackward { dh, causal }, [&q, &k, &v], state, out))
+        let sinks = sinks.map(|s| s.into_primitive().tensor());
+        let out = I::attention_recomputed(
+            inner(&q.primitive),
+            inner(&k.primitive),
+            inner(&v.primitive),
+            dh,
+            causal.clone(),
+            sinks.as_ref().map(|s| Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(s.primitive.clone()))),
+        )
+        .into_primitive()
+        .tensor();
+        let qkv = || (q.primitive.clone(), k.primitive.clone(), v.primitive.clone());
+        match &sinks {
+            None => wrapped(tracked::<I, C, _, 3>(AttentionBackward { dh, causal }, [&q, &k, &v], qkv, out)),
+            Some(s) => {
+                let state = || (qkv(), s.primitive.clone());
+                wrapped(tracked::<I, C, _, 4>(SinkAttentionBackward { dh, causal }, [&q, &k, &v, s], state, out))
+            }
+        }
     }
 
     fn ring_attention(
@@ -268,7 +286,7 @@ impl<I: Kernels> Backward<I, 3> for AttentionBackward {
         let (q, k, v) = ops.state;
         let (q, k, v) = (t(q), t(k), t(v));
         let d_out = t(grads.consume::<I>(&ops.node));
-        let mask = self.causal.as_ref().map(|m| (&m.0[..], &m.1[..]));
+        let mask = self.causal.as_ref().map(|m| m.mask());
         let p = attention_at(q.clone(), k.clone(), self.dh, mask);
         let [to_q, to_k, to_v] = ops.parents;
         if let Some(node) = to_v {
@@ -281,6 +299,56 @@ impl<I: Kernels> Backward<I, 3> for AttentionBackward {
             return;
         }
         let dp = crate::backend::amp::matmul(d_out, v.swap_dims(2, 3));
+        let ds = I::attention_softmax_grad(p, dp, self.dh);
+        if let Some(node) = to_q {
+            grads.register::<I>(node.id, crate::backend::amp::matmul(ds.clone(), k).into_primitive().tensor());
+        }
+        if let Some(node) = to_k {
+            grads.register::<I>(node.id, crate::backend::amp::matmul(ds.swap_dims(2, 3), q).into_primitive().tensor());
+        }
+    }
+}
+
+/// The backward of [`Kernels::attention_recomputed`] with sinks: as [`AttentionBackward`]
+/// with the probabilities recomputed with the sinks
+/// ([`crate::backend::attention::sink_softmax`]; the scores' gradient has the same form, a
+/// sink weighing no value), and the sinks' gradient
+/// ([`crate::backend::attention::sink_grad`]).
+#[derive(Debug)]
+struct SinkAttentionBackward {
+    dh: usize,
+    causal: crate::backend::attention::Causal,
+}
+
+impl<I: Kernels> Backward<I, 4> for SinkAttentionBackward {
+    type State = ((FloatTensor<I>, FloatTensor<I>, FloatTensor<I>), FloatTensor<I>);
+
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
+        let ((q, k, v), sinks) = ops.state;
+        let (q, k, v) = (t(q), t(k), t(v));
+        let sinks = Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(sinks));
+        let d_out = t(grads.consume::<I>(&ops.node));
+        let mask = self.causal.as_ref().map(|m| m.mask());
+        let scores = crate::backend::amp::matmul(q.clone(), k.clone().swap_dims(2, 3));
+        let p = crate::backend::attention::sink_softmax(scores, self.dh, mask, sinks);
+        let [to_q, to_k, to_v, to_sinks] = ops.parents;
+        if let Some(node) = to_v {
+            grads.register::<I>(
+                node.id,
+                crate::backend::amp::matmul(p.clone().swap_dims(2, 3), d_out.clone()).into_primitive().tensor(),
+            );
+        }
+        if to_q.is_none() && to_k.is_none() && to_sinks.is_none() {
+            return;
+        }
+        let dp = crate::backend::amp::matmul(d_out, v.swap_dims(2, 3));
+        if let Some(node) = to_sinks {
+            grads.register::<I>(
+                node.id,
+                crate::backend::attention::sink_grad(p.clone(), dp.clone()).into_primitive().tensor(),
+            );
+        }
         let ds = I::attention_softmax_grad(p, dp, self.dh);
         if let Some(node) = to_q {
             grads.register::<I>(node.id, crate::backend::amp::matmul(ds.clone(), k).into_primitive().tensor());

@@ -20,6 +20,7 @@ use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, TensorData};
 
 pub(crate) use crate::backend::attention::MASKED;
+use crate::backend::attention::{hidden, Mask};
 
 /// The (rows, queries, keys) of a 4-D `f32` `[batch, heads, queries, keys]` tensor.
 fn rows(t: &FlexTensor) -> Option<(usize, usize, usize)> {
@@ -69,12 +70,13 @@ fn read_row(data: &[f32], start: usize, step: isize, out: &mut [f32]) -> bool {
 /// masked key's weight is written as 0 without calling `exp`.
 const EXP_ZERO: f32 = -104.0;
 
-/// softmax(scores / divisor + mask) over the last dimension of `scores`; with `causal`
-/// (each query's and each key's position) a key after its query gets [`MASKED`] first.
+/// softmax(scores / divisor + mask) over the last dimension of `scores`; with a `mask`
+/// (each query's and each key's position, the sliding window) a key its query does not see
+/// gets [`MASKED`] first.
 /// `None` for a dtype or shape this kernel does not take.
-pub(crate) fn forward(scores: &FlexTensor, divisor: f32, causal: Option<(&[usize], &[usize])>) -> Option<FlexTensor> {
+pub(crate) fn forward(scores: &FlexTensor, divisor: f32, mask: Option<Mask<'_>>) -> Option<FlexTensor> {
     let (n, sq, sk) = rows(scores)?;
-    if causal.is_some_and(|(q, k)| q.len() != sq || k.len() != sk) {
+    if mask.is_some_and(|m| m.queries.len() != sq || m.keys.len() != sk) {
         return None;
     }
     let (starts, step) = row_starts(scores)?;
@@ -87,10 +89,10 @@ pub(crate) fn forward(scores: &FlexTensor, divisor: f32, causal: Option<(&[usize
         for y in y.iter_mut() {
             *y /= divisor;
         }
-        if let Some((queries, keys)) = causal {
-            let at = queries[r % sq];
-            for (y, &key) in y.iter_mut().zip(keys) {
-                *y += if key > at { MASKED } else { 0.0 };
+        if let Some(m) = mask {
+            let at = m.queries[r % sq];
+            for (y, &key) in y.iter_mut().zip(m.keys) {
+                *y += if hidden(at, key, m.window) { MASKED } else { 0.0 };
             }
         }
         let max = y.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -147,8 +149,8 @@ mod tests {
         t.into_data().to_vec::<f32>().expect("f32")
     }
 
-    fn ours(scores: Tensor<B, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<B, 4> {
-        let p = forward(&scores.into_primitive().tensor(), (dh as f64).sqrt() as f32, causal).expect("taken");
+    fn ours(scores: Tensor<B, 4>, dh: usize, mask: Option<Mask<'_>>) -> Tensor<B, 4> {
+        let p = forward(&scores.into_primitive().tensor(), (dh as f64).sqrt() as f32, mask).expect("taken");
         Tensor::from_primitive(TensorPrimitive::Float(p))
     }
 
@@ -167,10 +169,13 @@ mod tests {
         // a context-parallel member's queries (positions 1, 2, 7, 8, 9, 11) against keys in
         // member order
         let (queries, keys) = (vec![1, 2, 7, 8, 9, 11], vec![5, 0, 9, 3, 1, 11]);
+        let mask = |queries, keys, window| Some(Mask { queries, keys, window });
         for (what, causal) in [
             ("no mask", None),
-            ("causal", Some((&positions[..], &positions[..]))),
-            ("a member's", Some((&queries[..], &keys[..]))),
+            ("causal", mask(&positions[..], &positions[..], 0)),
+            ("a member's", mask(&queries[..], &keys[..], 0)),
+            ("a sliding window of 3", mask(&positions[..], &positions[..], 3)),
+            ("a member's in a window of 4", mask(&queries[..], &keys[..], 4)),
         ] {
             let scores = random([2, 3, 6, 6], 1);
             let p = values(ours(scores.clone(), 8, causal));
@@ -181,10 +186,14 @@ mod tests {
             for (r, row) in p.chunks(6).enumerate() {
                 let total: f32 = row.iter().sum();
                 assert!((total - 1.0).abs() < 1e-6, "{what}: row {r} sums to {total}");
-                if let Some((q, k)) = causal {
+                if let Some(m) = causal {
+                    let at = m.queries[r % 6];
                     for (j, w) in row.iter().enumerate() {
-                        if k[j] > q[r % 6] {
+                        let kp = m.keys[j];
+                        if kp > at || (m.window > 0 && at - kp >= m.window) {
                             assert_eq!(*w, 0.0, "{what}: row {r}, key {j} is masked");
+                        } else {
+                            assert!(*w > 0.0, "{what}: row {r}, key {j} is seen");
                         }
                     }
                 }
@@ -204,7 +213,8 @@ mod tests {
     fn the_one_pass_gradient_is_burns_through_autodiff() {
         type A = Autodiff<Flex>;
         let positions: Vec<usize> = (0..5).collect();
-        for causal in [None, Some((&positions[..], &positions[..]))] {
+        let window = |window| Some(Mask { queries: &positions[..], keys: &positions[..], window });
+        for causal in [None, window(0), window(2)] {
             let scores = random([2, 2, 5, 5], 3);
             let weights = random([2, 2, 5, 5], 4);
             // Burn's composition through autodiff
@@ -227,7 +237,8 @@ mod tests {
         let scores = random([1, 1, 3, 3], 5);
         let short = [0usize, 1];
         assert!(
-            forward(&scores.into_primitive().tensor(), 1.0, Some((&short, &short))).is_none(),
+            forward(&scores.into_primitive().tensor(), 1.0, Some(Mask { queries: &short, keys: &short, window: 0 }))
+                .is_none(),
             "a mask of another size"
         );
     }

@@ -76,10 +76,14 @@ pub trait Kernels: Backend {
         crate::backend::port::move_rows(x, ex)
     }
 
-    /// softmax(scores/√dh + the causal mask) over the keys of [batch, heads, queries, keys]
+    /// softmax(scores/√dh + the mask) over the keys of [batch, heads, queries, keys]
     /// attention scores (by default Burn's operations).
-    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
-        crate::backend::attention::scores_softmax(scores, dh, causal)
+    fn attention_softmax(
+        scores: Tensor<Self, 4>,
+        dh: usize,
+        mask: Option<crate::backend::attention::Mask<'_>>,
+    ) -> Tensor<Self, 4> {
+        crate::backend::attention::scores_softmax(scores, dh, mask)
     }
 
     /// The scores' gradient from [`Kernels::attention_softmax`]'s output `p` and its
@@ -101,19 +105,32 @@ pub trait Kernels: Backend {
         ring.forward(q, k, v).map(|(out, _)| out)
     }
 
-    /// Attention's core, softmax(q·kᵀ/√dh + the causal mask)·v on [batch, heads, seq, dh],
-    /// without keeping its scores and probabilities for the backward: an autodiff backend
-    /// keeps q, k and v (which the graph holds anyway) and recomputes the probabilities in
-    /// the backward — selective recompute (Korthikanti et al. 2022). Without autodiff there
-    /// is nothing to keep: the plain computation.
+    /// Attention's core, softmax(q·kᵀ/√dh + the causal mask)·v on [batch, heads, seq, dh]
+    /// (with `sinks`, a logit per head [heads] in every softmax:
+    /// [`crate::backend::attention::sink_softmax`]), without keeping its scores and
+    /// probabilities for the backward: an autodiff backend keeps q, k and v (which the graph
+    /// holds anyway) and the sinks, and recomputes the probabilities in the backward —
+    /// selective recompute (Korthikanti et al. 2022). Without autodiff there is nothing to
+    /// keep: the plain computation.
     fn attention_recomputed(
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         dh: usize,
         causal: crate::backend::attention::Causal,
+        sinks: Option<Tensor<Self, 1>>,
     ) -> Tensor<Self, 4> {
-        crate::backend::amp::matmul(attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))), v)
+        let mask = causal.as_ref().map(|m| m.mask());
+        let p = match sinks {
+            Some(sinks) => crate::backend::attention::sink_softmax(
+                crate::backend::amp::matmul(q, k.swap_dims(2, 3)),
+                dh,
+                mask,
+                sinks,
+            ),
+            None => attention_at(q, k, dh, mask),
+        };
+        crate::backend::amp::matmul(p, v)
     }
 }
 
@@ -142,12 +159,16 @@ impl Kernels for burn::backend::Flex {
         crate::backend::flex_weights::release()
     }
 
-    fn attention_softmax(scores: Tensor<Self, 4>, dh: usize, causal: Option<(&[usize], &[usize])>) -> Tensor<Self, 4> {
+    fn attention_softmax(
+        scores: Tensor<Self, 4>,
+        dh: usize,
+        mask: Option<crate::backend::attention::Mask<'_>>,
+    ) -> Tensor<Self, 4> {
         // one pass per row (crate::backend::flex_softmax), Burn's operations for what it does not take
         let divisor = (dh as f64).sqrt() as f32;
-        match crate::backend::flex_softmax::forward(&scores.clone().into_primitive().tensor(), divisor, causal) {
+        match crate::backend::flex_softmax::forward(&scores.clone().into_primitive().tensor(), divisor, mask) {
             Some(p) => Tensor::from_primitive(TensorPrimitive::Float(p)),
-            None => crate::backend::attention::scores_softmax(scores, dh, causal),
+            None => crate::backend::attention::scores_softmax(scores, dh, mask),
         }
     }
 
@@ -196,17 +217,17 @@ pub trait ExecBackend: AutodiffBackend<InnerBackend: Kernels> + Kernels {}
 impl<B: AutodiffBackend<InnerBackend: Kernels> + Kernels> ExecBackend for B {}
 
 /// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
-/// `causal` (each query's and each key's position in the sequence — context parallelism: a
-/// member's queries against the gathered keys, in member order), a key after its query gets
-/// weight 0 (its score is pushed to -1e9 first, which leaves the same softmax and gradient
+/// a `mask` (each query's and each key's position in the sequence — context parallelism: a
+/// member's queries against the gathered keys, in member order — and the sliding window), a
+/// key its query does not see gets weight 0 (its score is pushed to -1e9 first, which leaves the same softmax and gradient
 /// as removing it, without -∞ arithmetic).
 pub(crate) fn attention_at<B: Kernels>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     dh: usize,
-    causal: Option<(&[usize], &[usize])>,
+    mask: Option<crate::backend::attention::Mask<'_>>,
 ) -> Tensor<B, 4> {
-    B::attention_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, causal)
+    B::attention_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, mask)
 }
 
 /// `x · w` in a forward pass: through [`Kernels::weight_product`] in fp32; in a low

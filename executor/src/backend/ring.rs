@@ -44,6 +44,9 @@ pub struct Ring {
     pub positions: Vec<Vec<usize>>,
     /// A causal mask by true position (a key after its query weighs nothing).
     pub causal: bool,
+    /// A sliding window under the causal mask (0: none): a key `window` or more positions
+    /// before its query weighs nothing either.
+    pub window: usize,
     /// Query heads per key/value head (grouped-query attention: each key and value head
     /// serves this many query heads).
     pub group_size: usize,
@@ -60,18 +63,20 @@ impl Ring {
     }
 
     /// How queries at positions `queries` meet keys at `keys`: None when every key is after
-    /// every query (nothing to compute), else whether the causal mask is needed (some key
-    /// after some query). Without a causal mask every query meets every key.
+    /// every query, or with a sliding window too far before every query (nothing to
+    /// compute), else whether the mask is needed (some key after some query, or out of some
+    /// query's window). Without a causal mask every query meets every key.
     fn meets(&self, queries: &[usize], keys: &[usize]) -> Option<bool> {
         if !self.causal {
             return Some(false);
         }
-        let (q_first, q_last) = (queries.iter().min()?, queries.iter().max()?);
-        let (k_first, k_last) = (keys.iter().min()?, keys.iter().max()?);
-        if k_first > q_last {
+        let (&q_first, &q_last) = (queries.iter().min()?, queries.iter().max()?);
+        let (&k_first, &k_last) = (keys.iter().min()?, keys.iter().max()?);
+        let windowed = self.window > 0;
+        if k_first > q_last || (windowed && q_first >= k_last + self.window) {
             None
         } else {
-            Some(k_last > q_first)
+            Some(k_last > q_first || (windowed && q_last >= k_first + self.window))
         }
     }
 
@@ -102,8 +107,8 @@ impl Ring {
         Some((first.0.start..last.0.end, met.iter().any(|(_, masked)| *masked)))
     }
 
-    /// The additive causal mask of this member's queries `qr` against member `m`'s keys
-    /// `kr`, [1, 1, q, k].
+    /// The additive mask of this member's queries `qr` against member `m`'s keys `kr`,
+    /// [1, 1, q, k].
     fn mask<B: Backend>(
         &self,
         qr: &std::ops::Range<usize>,
@@ -111,11 +116,12 @@ impl Ring {
         kr: &std::ops::Range<usize>,
         dev: &B::Device,
     ) -> Tensor<B, 4> {
-        crate::backend::attention::causal_mask::<B>(
-            &self.positions[self.position()][qr.clone()],
-            &self.positions[m][kr.clone()],
-            dev,
-        )
+        let mask = crate::backend::attention::Mask {
+            queries: &self.positions[self.position()][qr.clone()],
+            keys: &self.positions[m][kr.clone()],
+            window: self.window,
+        };
+        crate::backend::attention::additive_mask::<B>(mask, dev)
     }
 
     /// Keys or values [b, kv, s, dh] repeated to the query heads [b, h, s, dh].
@@ -194,7 +200,9 @@ impl Ring {
         v: Tensor<B, 4>,
     ) -> Result<(Tensor<B, 4>, Tensor<B, 4>), ExecError> {
         let dev = q.device();
-        let shape = k.dims();
+        // keys and values of their own sizes (multi-head latent attention's value heads)
+        let (k_shape, v_shape) = (k.dims(), v.dims());
+        let (nk, nv) = (k_shape.iter().product::<usize>(), v_shape.iter().product::<usize>());
         let (mut k_blk, mut v_blk) = (k, v);
         // per part of the queries, the running (m, l, o)
         let parts = self.halves(q.dims()[2]);
@@ -202,7 +210,6 @@ impl Ring {
         for j in 0..self.cp() {
             let m_id = (self.position() + self.cp() - j) % self.cp();
             // the block goes on to the next member while this one computes with it
-            let n = k_blk.dims().iter().product::<usize>();
             let passing = if j + 1 < self.cp() {
                 let mut values = crate::backend::port::host_f32(k_blk.clone().into_data())?;
                 values.extend(crate::backend::port::host_f32(v_blk.clone().into_data())?);
@@ -230,16 +237,16 @@ impl Ring {
             }
             if let Some(ticket) = passing {
                 let got = self.passed(ticket)?;
-                if got.len() != 2 * n {
+                if got.len() != nk + nv {
                     return Err(mismatch(format!(
                         "a context-parallel member passed {} key and value values, not {}",
                         got.len(),
-                        2 * n
+                        nk + nv
                     )));
                 }
-                let (kv, vv) = got.split_at(n);
-                k_blk = Tensor::from_data(TensorData::new(kv.to_vec(), shape), &dev);
-                v_blk = Tensor::from_data(TensorData::new(vv.to_vec(), shape), &dev);
+                let (kv, vv) = got.split_at(nk);
+                k_blk = Tensor::from_data(TensorData::new(kv.to_vec(), k_shape), &dev);
+                v_blk = Tensor::from_data(TensorData::new(vv.to_vec(), v_shape), &dev);
             }
         }
         // (every part met its own block's diagonal: each query sees its own position)
@@ -265,8 +272,8 @@ impl Ring {
         d_out: Tensor<B, 4>,
     ) -> Result<Grads<B>, ExecError> {
         let dev = q.device();
-        let shape = k.dims();
-        let n = shape.iter().product::<usize>();
+        let (k_shape, v_shape) = (k.dims(), v.dims());
+        let (nk, nv) = (k_shape.iter().product::<usize>(), v_shape.iter().product::<usize>());
         let dh = q.dims()[3];
         let mut values = crate::backend::port::host_f32(k.into_data())?;
         values.extend(crate::backend::port::host_f32(v.into_data())?);
@@ -278,16 +285,16 @@ impl Ring {
             parts.iter().map(|qr| q.clone().narrow(2, qr.start, qr.len()).zeros_like()).collect();
         let mut sends = Vec::with_capacity(self.cp());
         for (m_id, kv) in all.iter().enumerate() {
-            if kv.len() != 2 * n {
+            if kv.len() != nk + nv {
                 return Err(mismatch(format!(
                     "a context-parallel member sent {} key and value values, not {}",
                     kv.len(),
-                    2 * n
+                    nk + nv
                 )));
             }
-            let (kv_k, kv_v) = kv.split_at(n);
-            let k_m = Tensor::<B, 4>::from_data(TensorData::new(kv_k.to_vec(), shape), &dev);
-            let v_m = Tensor::<B, 4>::from_data(TensorData::new(kv_v.to_vec(), shape), &dev);
+            let (kv_k, kv_v) = kv.split_at(nk);
+            let k_m = Tensor::<B, 4>::from_data(TensorData::new(kv_k.to_vec(), k_shape), &dev);
+            let v_m = Tensor::<B, 4>::from_data(TensorData::new(kv_v.to_vec(), v_shape), &dev);
             // the block's key and value gradients, at the query heads
             let (mut dk, mut dv) = (self.repeat(k_m.zeros_like()), self.repeat(v_m.zeros_like()));
             for (qr, dq_part) in parts.iter().zip(dq.iter_mut()) {
@@ -310,14 +317,14 @@ impl Ring {
             sends.push(part);
         }
         let mine = self.reduce_scatter(sends)?;
-        if mine.len() != 2 * n {
+        if mine.len() != nk + nv {
             return Err(mismatch("a context-parallel member's key gradients have the wrong size".into()));
         }
-        let (dk, dv) = mine.split_at(n);
+        let (dk, dv) = mine.split_at(nk);
         Ok((
             Tensor::cat(dq, 2),
-            Tensor::from_data(TensorData::new(dk.to_vec(), shape), &dev),
-            Tensor::from_data(TensorData::new(dv.to_vec(), shape), &dev),
+            Tensor::from_data(TensorData::new(dk.to_vec(), k_shape), &dev),
+            Tensor::from_data(TensorData::new(dv.to_vec(), v_shape), &dev),
         ))
     }
 }

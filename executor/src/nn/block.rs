@@ -2,31 +2,48 @@
 //! the port), its MLPs or mixture of experts (expert-parallel through the port), pre- or
 //! post-norm.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::prelude::*;
 use burn::tensor::activation;
 use burn::tensor::IndexingUpdateOp;
 use pipec_plan::checkpoint::{expert_slot, ROUTER_SLOT};
-use pipec_plan::model::{MlpKind, Moe, NormKind, Op, Router, K_NORM_SLOT, Q_NORM_SLOT};
+use pipec_plan::model::{
+    MlpKind, Moe, NormKind, Op, Router, K_NORM_SLOT, LATENT_DOWN_SLOT, LATENT_KV_UP_SLOT, LATENT_NORMS_SLOT,
+    LATENT_QUERY_SLOT, Q_NORM_SLOT, SINKS_SLOT,
+};
 
-use crate::backend::attention::{repeat_heads, Causal};
+use crate::backend::attention::{repeat_heads, sink_softmax, Causal, MaskPositions};
 use crate::backend::kernels::attention_at;
 use crate::backend::kernels::Kernels;
 use crate::error::{ExecError, Result};
 
+use crate::nn::latent::Latent;
 use crate::nn::parts::*;
+
+/// Where a block's queries, keys and values come from (one per block: the latent variant's
+/// size does not matter).
+#[derive(Module, Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Projections<B: Backend> {
+    /// Standard attention's one product, fused: [d, (heads + 2·kv_heads)·head_dim] (this
+    /// rank's heads under tensor parallelism).
+    Fused(Dense<B>),
+    /// Multi-head latent attention's down and up projections (`kv_lora=`).
+    Latent(Latent<B>),
+}
 
 /// A pre-norm transformer block.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
     pub norm1: Norm<B>,
-    /// Queries, keys and values fused: [d, (heads + 2·kv_heads)·head_dim] (this rank's heads
-    /// under tensor parallelism).
-    pub qkv: Dense<B>,
+    pub qkv: Projections<B>,
     /// Query and key norms (`qk_norm=true`): an RMSNorm over each head's features, before
     /// the rotary embeddings (Qwen3, OLMo 2); one gain shared by every head.
     pub q_norm: Option<Norm<B>>,
     pub k_norm: Option<Norm<B>>,
+    /// Attention sinks (`sinks=true`, GPT-OSS): a learned logit per query head (this
+    /// rank's) that joins every softmax and weighs no value.
+    pub sinks: Option<Param<Tensor<B, 1>>>,
     pub proj: Dense<B>,
     pub norm2: Norm<B>,
     /// The MLPs: a dense block's one; a mixture of experts' routed experts, then its shared
@@ -45,9 +62,22 @@ pub struct Block<B: Backend> {
     /// Key/value heads (this rank's).
     #[module(skip)]
     pub kv_heads: usize,
+    /// Each query and key head's size, and each value head's.
+    #[module(skip)]
+    pub qk_head: usize,
+    #[module(skip)]
+    pub v_head: usize,
+    /// The features of each query and key head that rotary embeddings turn, its last ones:
+    /// the whole head, or multi-head latent attention's rotary part.
+    #[module(skip)]
+    pub rotary: usize,
     /// Each position attends only to itself and earlier positions.
     #[module(skip)]
     pub causal: bool,
+    /// Sliding-window attention (0: none): each position attends to itself and the
+    /// `window − 1` positions before it.
+    #[module(skip)]
+    pub window: usize,
     #[module(skip)]
     pub mlp: MlpKind,
     /// Rotary embeddings' base θ (0: none).
@@ -116,9 +146,19 @@ pub(crate) fn rotary_at<B: Backend>(
 }
 
 impl<B: Kernels> Block<B> {
-    /// The attention's context [batch, seq, heads·dh] from the fused QKV projection's output
-    /// [batch, seq, (heads + 2·kv_heads)·dh]: rotary embeddings on queries and keys, each
-    /// key/value head shared by `heads / kv_heads` query heads.
+    /// The queries, keys and values of the normalised input [batch, seq, d], side by side:
+    /// [batch, seq, heads·qk_head | kv_heads·qk_head | kv_heads·v_head] (this rank's heads).
+    pub(crate) fn queries_keys_values(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
+        match &self.qkv {
+            Projections::Fused(p) => Ok(p.forward3(x)),
+            Projections::Latent(l) => l.queries_keys_values(x, self.heads.max(1)),
+        }
+    }
+
+    /// The attention's context [batch, seq, heads·v_head] from the queries, keys and values
+    /// [batch, seq, heads·qk_head | kv_heads·qk_head | kv_heads·v_head]
+    /// ([`Block::queries_keys_values`]): rotary embeddings on queries and keys (their last
+    /// `rotary` features), each key/value head shared by `heads / kv_heads` query heads.
     pub(crate) fn attend(
         &self,
         qkv: Tensor<B, 3>,
@@ -126,11 +166,17 @@ impl<B: Kernels> Block<B> {
     ) -> Result<Tensor<B, 3>> {
         let [b, s, width] = qkv.dims();
         let (h, kv) = (self.heads.max(1), self.kv_heads.max(1));
-        let dh = width / (h + 2 * kv);
-        let part = |start: usize, heads: usize| {
-            qkv.clone().narrow(2, start * dh, heads * dh).reshape([b, s, heads, dh]).swap_dims(1, 2)
+        let (dh, vh) = (self.qk_head, self.v_head);
+        if width != (h + kv) * dh + kv * vh {
+            return Err(ExecError::Shape(format!(
+                "a block of {h} query and {kv} key/value heads of {dh} (values of {vh}) takes {} query, key and value features, not {width}",
+                (h + kv) * dh + kv * vh
+            )));
+        }
+        let part = |start: usize, heads: usize, size: usize| {
+            qkv.clone().narrow(2, start, heads * size).reshape([b, s, heads, size]).swap_dims(1, 2)
         };
-        let (mut q, mut k, mut v) = (part(0, h), part(h, kv), part(h + kv, kv));
+        let (mut q, mut k, mut v) = (part(0, h, dh), part(h * dh, kv, dh), part((h + kv) * dh, kv, vh));
         if let Some(n) = &self.q_norm {
             q = n.forward(q);
         }
@@ -143,14 +189,28 @@ impl<B: Kernels> Block<B> {
         if self.rope != 0.0 {
             // the whole sequence's length: every member's positions under context parallelism
             let seq = context.map_or(s, |c| s * c.cp);
-            q = rotary_at(q, self.rope, &self.rope_scaling, &at, seq);
-            k = rotary_at(k, self.rope, &self.rope_scaling, &at, seq);
+            let (plain, turned) = (dh - self.rotary, self.rotary);
+            let turn = |t: Tensor<B, 4>| {
+                if plain == 0 {
+                    return rotary_at(t, self.rope, &self.rope_scaling, &at, seq);
+                }
+                let rotated = rotary_at(t.clone().narrow(3, plain, turned), self.rope, &self.rope_scaling, &at, seq);
+                Tensor::cat(vec![t.narrow(3, 0, plain), rotated], 3)
+            };
+            q = turn(q);
+            k = turn(k);
         }
+        let sinks = self.sinks.as_ref().map(|s| s.val());
         if let Some(c) = context.filter(|c| c.ring) {
+            if sinks.is_some() {
+                return Err(ExecError::Setup(
+                    "attention sinks (`sinks=true`) do not run under `cp_comm: ring` yet: the ring's online softmax has no sink (use `cp_comm: all_gather`)".into(),
+                ));
+            }
             // around the ring: only this member's keys and values are kept (crate::backend::ring)
-            let ring = c.ring(s, self.causal, h / kv);
+            let ring = c.ring(s, self.causal, self.window, h / kv);
             let out = B::ring_attention(q, k, v, &ring)?;
-            return Ok(out.swap_dims(1, 2).reshape([b, s, h * dh]));
+            return Ok(out.swap_dims(1, 2).reshape([b, s, h * vh]));
         }
         let keys = match context {
             Some(c) => {
@@ -164,14 +224,20 @@ impl<B: Kernels> Block<B> {
             k = repeat_heads(k, h / kv);
             v = repeat_heads(v, h / kv);
         }
-        // the causal mask at the true positions
-        let causal: Causal = self.causal.then(|| std::sync::Arc::new((at, keys)));
+        // the causal mask (in the sliding window) at the true positions
+        let causal: Causal =
+            self.causal.then(|| std::sync::Arc::new(MaskPositions { queries: at, keys, window: self.window }));
         let context = if self.recompute_core {
-            B::attention_recomputed(q, k, v, dh, causal)
+            B::attention_recomputed(q, k, v, dh, causal, sinks)
         } else {
-            crate::backend::amp::matmul(attention_at(q, k, dh, causal.as_ref().map(|m| (&m.0[..], &m.1[..]))), v)
+            let mask = causal.as_ref().map(|m| m.mask());
+            let p = match sinks {
+                Some(sinks) => sink_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, mask, sinks),
+                None => attention_at(q, k, dh, mask),
+            };
+            crate::backend::amp::matmul(p, v)
         };
-        Ok(context.swap_dims(1, 2).reshape([b, s, h * dh]))
+        Ok(context.swap_dims(1, 2).reshape([b, s, h * vh]))
     }
 
     /// The MLP's activation on the up projection's output (gated: act(gate) ⊙ up).
@@ -196,12 +262,12 @@ impl<B: Kernels> Block<B> {
 
     pub(crate) fn forward(&self, x: Tensor<B, 3>, training: bool, side: &mut Collected<B>) -> Result<Tensor<B, 3>> {
         if self.post_norm {
-            let ctx = self.attend(self.qkv.forward3(x.clone()), side.context.as_ref())?;
+            let ctx = self.attend(self.queries_keys_values(x.clone())?, side.context.as_ref())?;
             let h = self.norm1.forward(x + self.proj.forward3(ctx));
             let m = self.feed_forward(h.clone(), training, side)?;
             return Ok(self.norm2.forward(h + m));
         }
-        let ctx = self.attend(self.qkv.forward3(self.norm1.forward(x.clone())), side.context.as_ref())?;
+        let ctx = self.attend(self.queries_keys_values(self.norm1.forward(x.clone()))?, side.context.as_ref())?;
         let x = x + self.proj.forward3(ctx);
         let m = self.feed_forward(self.norm2.forward(x.clone()), training, side)?;
         Ok(x + m)
@@ -444,9 +510,38 @@ impl<B: Kernels> Block<B> {
         };
         Some(Block {
             norm1: Norm::of(k.norm, index, 0, d, k.eps, device),
-            qkv: dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0),
+            qkv: match k.mla {
+                None => Projections::Fused(dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0)),
+                Some(m) => {
+                    // the down projection and the latents' norms whole on every rank, the
+                    // up projections this rank's heads
+                    let down = m.q_lora + m.kv_lora + m.rope_dim;
+                    let q_in = if m.q_lora > 0 { m.q_lora } else { d };
+                    let kv_up = k.heads * (k.head_dim + m.v_head_dim);
+                    let latents = m.q_lora + m.kv_lora;
+                    let queries = || dense(LATENT_QUERY_SLOT, q_in, k.q_width, [q_in, k.q_width / tp], None, 1.0);
+                    Projections::Latent(Latent {
+                        input_queries: (m.q_lora == 0).then(queries),
+                        down: dense(LATENT_DOWN_SLOT, d, down, [d, down], None, 1.0),
+                        norms: param(pid(index, LATENT_NORMS_SLOT), vec![1.0; latents], [latents], device),
+                        latent_queries: (m.q_lora > 0).then(queries),
+                        kv_up: dense(LATENT_KV_UP_SLOT, m.kv_lora, kv_up, [m.kv_lora, kv_up / tp], None, 1.0),
+                        q_lora: m.q_lora,
+                        kv_lora: m.kv_lora,
+                        rope_dim: m.rope_dim,
+                        head_dim: k.head_dim,
+                        v_head: m.v_head_dim,
+                    })
+                }
+            },
             q_norm: k.qk_norm.then(|| Norm::of(NormKind::RmsNorm, index, Q_NORM_SLOT, k.qk_head, k.eps, device)),
             k_norm: k.qk_norm.then(|| Norm::of(NormKind::RmsNorm, index, K_NORM_SLOT, k.qk_head, k.eps, device)),
+            // the sinks start at 0 (each softmax's normaliser one more e^0); tensor
+            // parallelism gives each rank its heads' sinks
+            sinks: k.sinks.then(|| {
+                let values = slice(SINKS_SLOT, vec![0.0; k.heads]);
+                param(pid(index, SINKS_SLOT), values, [k.heads / tp], device)
+            }),
             // the heads' outputs (heads · head_dim, this rank's) back to d
             proj: dense(4, k.attention_width, d, [k.attention_width / tp, d], k.bias.then_some(d), 1.0),
             norm2: Norm::of(k.norm, index, 6, d, k.eps, device),
@@ -467,7 +562,11 @@ impl<B: Kernels> Block<B> {
             index,
             heads: k.heads / tp,
             kv_heads: k.kv_heads / tp,
+            qk_head: k.qk_head,
+            v_head: k.v_head,
+            rotary: k.mla.map_or(k.qk_head, |m| m.rope_dim),
             causal: k.causal,
+            window: k.window,
             mlp: k.mlp,
             rope: k.rope,
             rope_scaling: k.rope_scaling,

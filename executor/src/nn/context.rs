@@ -54,10 +54,11 @@ impl Context {
     }
 
     /// The ring of a sequence whose local part has `local` positions (`causal`: masked by
-    /// true position; `group_size` query heads per key/value head).
-    pub fn ring(&self, local: usize, causal: bool, group_size: usize) -> crate::backend::ring::Ring {
+    /// true position, in a sliding `window` when it is not 0; `group_size` query heads per
+    /// key/value head).
+    pub fn ring(&self, local: usize, causal: bool, window: usize, group_size: usize) -> crate::backend::ring::Ring {
         let positions = self.members_positions(local);
-        crate::backend::ring::Ring { group: self.group.clone(), positions, causal, group_size }
+        crate::backend::ring::Ring { group: self.group.clone(), positions, causal, window, group_size }
     }
 
     /// Every member's keys (or values) [batch, heads, local, dh] gathered into

@@ -101,6 +101,52 @@ fn a_qwen3_block_with_its_own_head_size_and_query_key_norms_computes_what_transf
     assert!(logits_difference_as("qwen3", &layers, &plain) > 1e-2);
 }
 
+/// tests/reference/hf/mistral (transformers 4.57.6): the Llama block in a sliding window of
+/// 4 — each of the 12 positions sees itself and the 3 before it.
+#[test]
+fn a_mistral_block_with_a_sliding_window_computes_what_transformers_does() {
+    let mut block = Op::llama_block(16, 4, 2, 24);
+    if let Op::TransformerBlock { window, .. } = &mut block {
+        *window = 4;
+    }
+    let layers = llama_layers(block);
+    let d = logits_difference("mistral", &layers);
+    assert!(d < 1e-5, "pipec's logits differ from transformers' by {d:e} of the largest");
+    // and the comparison can fail: the same weights attending to every earlier position differ
+    let mut full = layers.clone();
+    for op in &mut full[1..3] {
+        if let Op::TransformerBlock { window, .. } = op {
+            *window = 0;
+        }
+    }
+    assert!(logits_difference_as("mistral", &layers, &full) > 1e-2);
+}
+
+/// tests/reference/hf/deepseek-v3 (transformers 4.57.6): multi-head latent attention — 4
+/// heads whose queries come from a latent of 8 and whose keys and values from a latent of 8
+/// and a shared rotary key of 4, each query and key head 4 features without rotary
+/// embeddings and 4 with, values of 6 — its checkpoint's interleaved rotary parts read in
+/// pipec's order, SwiGLU MLPs.
+#[test]
+fn a_deepseek_v3_block_with_multi_head_latent_attention_computes_what_transformers_does() {
+    let mut block = Op::llama_block(16, 4, 4, 24);
+    if let Op::TransformerBlock { head_dim, mla, .. } = &mut block {
+        *head_dim = 4;
+        *mla = Some(pipec_plan::model::Mla { q_lora: 8, kv_lora: 8, rope_dim: 4, v_head_dim: 6 });
+    }
+    let layers = llama_layers(block);
+    let d = logits_difference("deepseek-v3", &layers);
+    assert!(d < 1e-5, "pipec's logits differ from transformers' by {d:e} of the largest");
+    // and the comparison can fail: without the rotary embeddings the logits differ
+    let mut unturned = layers.clone();
+    for op in &mut unturned[1..3] {
+        if let Op::TransformerBlock { rope, .. } = op {
+            *rope = 0.0;
+        }
+    }
+    assert!(logits_difference_as("deepseek-v3", &layers, &unturned) > 1e-2);
+}
+
 #[test]
 fn a_gpt2_block_with_the_tanh_gelu_computes_what_transformers_does() {
     let mut block = gpt_block();
@@ -202,4 +248,74 @@ fn scaled_rotary_embeddings_compute_what_transformers_does_for_each_rope_type() 
         let plain = logits_difference_as(name, &scaled_llama(scaling), &scaled_llama(RopeScaling::None));
         assert!(plain > 1e-3, "{name}: the unscaled model is as close ({plain:e})");
     }
+}
+
+/// tests/reference/hf/gpt-oss-attention (transformers 4.57.6's `eager_attention_forward` of
+/// gpt_oss): the attention core with sinks — 4 query heads on 2 key/value heads of 8, 6
+/// positions, causal in a window of 3, sinks of both signs — gives transformers' output and
+/// the gradients of its queries, keys, values and sinks, with the probabilities kept and
+/// recomputed in the backward (selective recompute, flash attention).
+#[test]
+fn gpt_oss_attention_sinks_compute_what_transformers_does_forward_and_backward() {
+    type A = burn::backend::Autodiff<B>;
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("gpt-oss-attention").join("reference.json")).expect("fixture"),
+    )
+    .expect("json");
+    let values = |key: &str| -> Vec<f32> { serde_json::from_value(reference[key].clone()).expect(key) };
+    let (b, h, kv, s, dh) = (2, 4, 2, 6, 8);
+    let dev = Default::default();
+    let mut op = Op::llama_block(16, h, kv, 24);
+    if let Op::TransformerBlock { head_dim, window, sinks, rope, .. } = &mut op {
+        (*head_dim, *window, *sinks, *rope) = (dh, 3, true, 0.0);
+    }
+    // [batch, heads, seq, dh] as the fused projection's [batch, seq, heads·dh]
+    let heads_last = |v: Vec<f32>, heads: usize| {
+        Tensor::<A, 4>::from_data(TensorData::new(v, [b, heads, s, dh]), &dev).swap_dims(1, 2).reshape([
+            b,
+            s,
+            heads * dh,
+        ])
+    };
+    let back = |t: Tensor<A, 3>, heads: usize| -> Vec<f32> {
+        let t = Tensor::<A, 3>::from_inner(t.inner());
+        t.reshape([b, s, heads, dh]).swap_dims(1, 2).into_data().to_vec::<f32>().expect("f32")
+    };
+    let close = |got: &[f32], want: &[f32], what: &str| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = got.iter().zip(want).fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+        assert!(worst <= 1e-5 * scale, "{what}: differs by {worst} (largest {scale})");
+    };
+    let run = |recompute: bool, sinks: Vec<f32>| {
+        let mut block = super::block::Block::<A>::build(0, &op, 0, &dev, |_, w| w, 1).expect("a block");
+        block.recompute_core = recompute;
+        let id = pipec_plan::checkpoint::param_id(0, pipec_plan::model::SINKS_SLOT);
+        block.sinks = Some(crate::nn::parts::param(id, sinks, [h], &dev));
+        let qkv =
+            Tensor::cat(vec![heads_last(values("q"), h), heads_last(values("k"), kv), heads_last(values("v"), kv)], 2)
+                .detach()
+                .require_grad();
+        let out = block.attend(qkv.clone(), None).expect("attends");
+        let weights = Tensor::<A, 3>::from_data(TensorData::new(values("weights"), [b, s, h * dh]), &dev);
+        let grads = (out.clone() * weights).sum().backward();
+        let dqkv = Tensor::<A, 3>::from_inner(qkv.grad(&grads).expect("a gradient"));
+        let part = |start: usize, heads: usize| back(dqkv.clone().narrow(2, start * dh, heads * dh), heads);
+        let dsinks = block.sinks.as_ref().expect("sinks").val().grad(&grads).expect("the sinks' gradient");
+        let got = out.into_data().to_vec::<f32>().expect("f32");
+        (got, part(0, h), part(h, kv), part(h + kv, kv), dsinks.into_data().to_vec::<f32>().expect("f32"))
+    };
+    for recompute in [false, true] {
+        let what = |t: &str| format!("{t} ({})", if recompute { "recomputed" } else { "kept" });
+        let (out, dq, dk, dv, dsinks) = run(recompute, values("sinks"));
+        close(&out, &values("out"), &what("the output"));
+        close(&dq, &values("dq"), &what("dq"));
+        close(&dk, &values("dk"), &what("dk"));
+        close(&dv, &values("dv"), &what("dv"));
+        close(&dsinks, &values("dsinks"), &what("the sinks' gradient"));
+    }
+    // and the comparison can fail: sinks at 0 give another output
+    let (out, ..) = run(false, vec![0.0; h]);
+    let worst = out.iter().zip(values("out")).fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+    assert!(worst > 1e-2, "{worst}");
 }

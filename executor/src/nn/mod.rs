@@ -5,6 +5,7 @@ pub mod block;
 pub mod context;
 #[cfg(test)]
 mod hf_reference;
+pub mod latent;
 pub mod layers;
 pub(crate) mod params;
 pub mod parts;

@@ -178,10 +178,32 @@ pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections
             }
             (Split::Block, Op::TransformerBlock { .. }) => {
                 let Some(b) = op.block_dims() else { continue };
-                let qkv = [b.q_width, b.kv_width, b.kv_width];
-                out.insert(id(k, 2), Sharding::Parts { rows: b.d, widths: qkv });
-                out.insert(id(k, 3), Sharding::Parts { rows: 1, widths: qkv });
+                match b.mla {
+                    None => {
+                        let qkv = [b.q_width, b.kv_width, b.kv_width];
+                        out.insert(id(k, 2), Sharding::Parts { rows: b.d, widths: qkv });
+                        out.insert(id(k, 3), Sharding::Parts { rows: 1, widths: qkv });
+                    }
+                    // multi-head latent attention: the up projections by heads (the down
+                    // projection and the latents' norms whole)
+                    Some(m) => {
+                        let q_in = if m.q_lora > 0 { m.q_lora } else { b.d };
+                        let kv_up = b.heads * (b.head_dim + m.v_head_dim);
+                        out.insert(
+                            id(k, pipec_plan::model::LATENT_QUERY_SLOT),
+                            Sharding::Columns { rows: q_in, cols: b.q_width },
+                        );
+                        out.insert(
+                            id(k, pipec_plan::model::LATENT_KV_UP_SLOT),
+                            Sharding::Columns { rows: m.kv_lora, cols: kv_up },
+                        );
+                    }
+                }
                 out.insert(id(k, 4), Sharding::Rows);
+                // the sinks: a logit per query head, each rank its heads'
+                if b.sinks {
+                    out.insert(id(k, pipec_plan::model::SINKS_SLOT), Sharding::Rows);
+                }
                 let (up, up_bias) = if b.gated {
                     (
                         Sharding::Parts { rows: b.d, widths: [b.ff, b.ff, 0] },
@@ -342,15 +364,7 @@ fn attention_half<B: ExecBackend>(
 ) -> Result<Tensor<B, 3>> {
     // pre-norm: x + attention(norm(x)); post-norm: x + attention(x), normed by the caller
     let input = if b.post_norm { x.clone() } else { b.norm1.forward(x.clone()) };
-    let qkv = match b.qkv.forward_act(Act::D3(input))? {
-        Act::D3(t) => t,
-        _ => {
-            return Err(ExecError::Shape(
-                "the qkv projection of a tensor-parallel block must give [batch, seq, features]".into(),
-            ))
-        }
-    };
-    let ctx = b.attend(qkv, context)?;
+    let ctx = b.attend(b.queries_keys_values(input)?, context)?;
     let a = b.proj.add_bias(g(b.proj.matmul_only(Act::D3(ctx))?, reduce)?);
     match a {
         Act::D3(a) => Ok(x + a),

@@ -492,7 +492,15 @@ pub(crate) fn per_product<B: ExecBackend>(plan: &Plan, model: &StageModel<B>, la
                 ids.extend([l.w_ih.id, l.w_hh.id]);
             }
             Layer::Block(b) => {
-                ids.extend([b.qkv.weight.id, b.proj.weight.id]);
+                match &b.qkv {
+                    crate::nn::block::Projections::Fused(p) => ids.insert(p.weight.id),
+                    crate::nn::block::Projections::Latent(l) => {
+                        let queries = l.input_queries.iter().chain(&l.latent_queries).map(|p| p.weight.id);
+                        ids.extend(queries.chain([l.down.weight.id]));
+                        ids.insert(l.kv_up.weight.id)
+                    }
+                };
+                ids.insert(b.proj.weight.id);
                 ids.extend(b.mlps.iter().flat_map(|m| [m.fc1.weight.id, m.fc2.weight.id]));
             }
             // gathered with the stage: small weights, weights read by more than a product

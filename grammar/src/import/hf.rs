@@ -603,18 +603,8 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
             "`attention_bias: true` is not supported: biases on every attention projection but not the MLP's".into()
         );
     }
-    // a sliding window at least the training window long attends to every earlier position
     let seq = window(positions, seq)?;
-    let use_window = c.flag_or("use_sliding_window", matches!(family, "mistral" | "mixtral"))?;
-    // transformers ≥ 4.53 also lists each layer's attention (Qwen2's `layer_types`)
-    let use_window = use_window || sliding_layers(c, layers)?;
-    if let Some(w) = c.index("sliding_window")? {
-        if use_window && (w as usize) < seq {
-            return Err(format!(
-                "`sliding_window: {w}` is shorter than the training window of {seq}: pipec's attention is full (use --seq {w} or less)"
-            ));
-        }
-    }
+    let windows = layer_windows(c, family, layers, seq)?;
     let label = match family {
         "llama" => "Llama",
         "mistral" => "Mistral",
@@ -681,11 +671,16 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
         Some((e, k, _, _)) => format!("{gqa}, {e} experts ({k} per token)"),
         None => gqa,
     };
+    let slide = match windows.iter().max() {
+        Some(&w) if w > 0 => format!(", sliding windows of {w}"),
+        _ => String::new(),
+    };
+    let blocks = block_lines(&windows, &args);
     Ok(format!(
-        "# {label}: {layers} blocks of d = {d} with {heads} heads{gqa}, a {vocab}-token vocabulary{}.\n\
+        "# {label}: {layers} blocks of d = {d} with {heads} heads{gqa}{slide}, a {vocab}-token vocabulary{}.\n\
          model:\n  input: [{seq}]\n  layers:\n\
          \x20   - {table}\n\
-         \x20   - repeat {layers}: transformer_block({args})\n\
+         {blocks}\
          \x20   - {final_norm}\n\
          \x20   - {head}\n\
          \x20 loss: cross_entropy\n",
@@ -693,27 +688,73 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     ))
 }
 
-/// Whether `layer_types` (one per layer: `full_attention` or `sliding_attention`) names a
-/// sliding-window layer; absent: no.
-fn sliding_layers(c: &mut Config, layers: usize) -> Result<bool, String> {
-    let Some(v) = c.take("layer_types") else { return Ok(false) };
+/// Each layer's sliding window (0: full attention) over a training window of `seq`, as
+/// transformers reads the config: Mistral and Mixtral attend in the last `sliding_window`
+/// positions whenever it is set; Qwen2 and Qwen3 only with `use_sliding_window`, in the
+/// layers `layer_types` lists as `sliding_attention` (transformers ≥ 4.53) or else from
+/// layer `max_window_layers` on (28 when absent, their configs' default); Llama has no
+/// window. A window at least the training window long is full attention, written as such.
+fn layer_windows(c: &mut Config, family: &str, layers: usize, seq: usize) -> Result<Vec<usize>, String> {
+    let listed = layer_types(c, layers)?;
+    let qwen = matches!(family, "qwen2" | "qwen3" | "qwen3_moe");
+    let slides = c.flag_or("use_sliding_window", matches!(family, "mistral" | "mixtral"))?;
+    let from = if qwen { c.index("max_window_layers")?.map_or(28, |v| v as usize) } else { 0 };
+    let sliding = listed.unwrap_or_else(|| (0..layers).map(|i| i >= from).collect());
+    Ok(match c.index("sliding_window")? {
+        Some(w) if slides && w > 0 && (w as usize) < seq => {
+            sliding.iter().map(|&s| if s { w as usize } else { 0 }).collect()
+        }
+        _ => vec![0; layers],
+    })
+}
+
+/// Whether each layer of `layer_types` (one per layer: `full_attention` or
+/// `sliding_attention`) slides; absent: None.
+fn layer_types(c: &mut Config, layers: usize) -> Result<Option<Vec<bool>>, String> {
+    let Some(v) = c.take("layer_types") else { return Ok(None) };
     let kinds = v.as_array().ok_or_else(|| format!("`layer_types` must be a list, found {v}"))?;
     if kinds.len() != layers {
         return Err(format!("`layer_types` lists {} layers, and `num_hidden_layers` is {layers}", kinds.len()));
     }
-    let mut sliding = false;
-    for kind in kinds {
-        match kind.as_str() {
-            Some("full_attention") => {}
-            Some("sliding_attention") => sliding = true,
-            _ => {
-                return Err(format!(
-                    "`layer_types` holds {kind}: pipec imports `full_attention` and `sliding_attention`"
-                ))
-            }
+    kinds
+        .iter()
+        .map(|kind| match kind.as_str() {
+            Some("full_attention") => Ok(false),
+            Some("sliding_attention") => Ok(true),
+            _ => Err(format!("`layer_types` holds {kind}: pipec imports `full_attention` and `sliding_attention`")),
+        })
+        .collect::<Result<Vec<bool>, String>>()
+        .map(Some)
+}
+
+/// The spec's block lines for layers with these sliding windows (0: none) and the blocks'
+/// other arguments `args`: one `repeat` of the shortest repeating group of at most 8
+/// layers (`repeat 12: a -> b` for windows alternating with full attention), else one
+/// `repeat` per run of equal layers.
+fn block_lines(windows: &[usize], args: &str) -> String {
+    let block = |w: usize| {
+        if w > 0 {
+            format!("transformer_block({args}, window={w})")
+        } else {
+            format!("transformer_block({args})")
         }
+    };
+    let n = windows.len();
+    let period = (1..=n.min(8))
+        .filter(|&p| p == 1 || p < n)
+        .find(|&p| n.is_multiple_of(p) && windows.iter().enumerate().all(|(i, w)| *w == windows[i % p]));
+    if let Some(p) = period {
+        let group: Vec<String> = windows[..p].iter().map(|&w| block(w)).collect();
+        return format!("    - repeat {}: {}\n", n / p, group.join(" -> "));
     }
-    Ok(sliding)
+    let mut out = String::new();
+    let mut i = 0;
+    while i < n {
+        let run = windows[i..].iter().take_while(|w| **w == windows[i]).count();
+        out += &format!("    - repeat {run}: {}\n", block(windows[i]));
+        i += run;
+    }
+    out
 }
 
 /// Qwen3-MoE's experts: a softmax router over `num_experts` SwiGLU experts, the top
@@ -1045,14 +1086,58 @@ mod tests {
     }
 
     #[test]
-    fn layer_types_of_full_attention_read_and_sliding_ones_are_held_to_the_window() {
+    fn sliding_windows_become_each_blocks_window_and_layer_types_say_which() {
         let qwen = r#""model_type": "qwen2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64"#;
-        let full = format!(r#"{{{qwen}, "layer_types": ["full_attention", "full_attention"], "sliding_window": 16}}"#);
-        import(&full, "x", None, &Target::default()).expect("full attention");
-        let e = import(&full.replace(r#""full_attention"]"#, r#""sliding_attention"]"#), "x", None, &Target::default())
-            .expect_err("sliding");
-        assert!(e.contains("`sliding_window: 16` is shorter"), "{e}");
+        // planned for pipec's executor: torchtitan and Megatron-LM train identical blocks (E0702)
+        let pipec = Target { engine: Some("pipec".into()), ..Target::default() };
+        let spec = |cfg: &str| import(cfg, "x", None, &pipec).expect("imports").spec;
+        let blocks = |spec: &str| -> Vec<String> {
+            spec.lines().filter(|l| l.contains("transformer_block")).map(|l| l.trim().to_string()).collect()
+        };
+        let full = format!(
+            r#"{{{qwen}, "use_sliding_window": true, "layer_types": ["full_attention", "full_attention"], "sliding_window": 16}}"#
+        );
+        let plain = spec(&full);
+        assert!(!plain.contains("window="), "{plain}");
+        // without `use_sliding_window` Qwen2 attends fully whatever the layer types say
+        let unused = full
+            .replace(r#""use_sliding_window": true, "#, "")
+            .replace(r#"["full_attention", "#, r#"["sliding_attention", "#);
+        assert!(!spec(&unused).contains("window="), "{unused}");
+        // one full and one sliding layer: a run of each
+        let mixed = spec(&full.replace(r#""full_attention"]"#, r#""sliding_attention"]"#));
+        let lines = blocks(&mixed);
+        assert_eq!(lines.len(), 2, "{mixed}");
+        assert!(lines[0].starts_with("- repeat 1: transformer_block(") && !lines[0].contains("window"), "{mixed}");
+        assert!(lines[1].starts_with("- repeat 1: ") && lines[1].ends_with(", window=16)"), "{mixed}");
+        assert!(mixed.contains("sliding windows of 16"), "{mixed}");
+        // alternating over 4 layers (GPT-OSS's pattern): two groups of a sliding and a full
+        // block
+        let four = qwen.replace(r#""num_hidden_layers": 2"#, r#""num_hidden_layers": 4"#);
+        let alternating = spec(&format!(
+            r#"{{{four}, "use_sliding_window": true, "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"], "sliding_window": 16}}"#
+        ));
+        let lines = blocks(&alternating);
+        assert_eq!(lines.len(), 1, "{alternating}");
+        let (sliding_block, full_block) = lines[0].split_once(" -> ").expect("a group of two blocks");
+        assert!(sliding_block.starts_with("- repeat 2: transformer_block(") && sliding_block.ends_with(", window=16)"));
+        assert!(full_block.starts_with("transformer_block(") && !full_block.contains("window"), "{alternating}");
+        // Mistral slides in every layer by default; a window as long as the training window
+        // is full attention
+        let mistral = four.replace("qwen2", "mistral");
+        let every = spec(&format!(r#"{{{mistral}, "sliding_window": 16}}"#));
+        assert_eq!(blocks(&every).len(), 1, "{every}");
+        assert!(blocks(&every)[0].starts_with("- repeat 4: ") && every.contains("window=16)"), "{every}");
+        assert!(!spec(&format!(r#"{{{mistral}, "sliding_window": 64}}"#)).contains("window="));
+        // Qwen2's older configs: `use_sliding_window` from layer `max_window_layers` on, runs
+        // of equal layers
+        let older =
+            spec(&format!(r#"{{{four}, "use_sliding_window": true, "max_window_layers": 1, "sliding_window": 16}}"#));
+        let lines = blocks(&older);
+        assert_eq!(lines.len(), 2, "{older}");
+        assert!(lines[0].starts_with("- repeat 1: ") && !lines[0].contains("window"), "{older}");
+        assert!(lines[1].starts_with("- repeat 3: ") && lines[1].ends_with(", window=16)"), "{older}");
         let e = import(
             &full.replace(r#"["full_attention", "full_attention"]"#, r#"["full_attention"]"#),
             "x",

@@ -3,8 +3,9 @@ Mixtral, GPT-2 and BERT layers (executor/src/hf_reference.rs, tests/cli.rs) and 
 ResNet weights and batch normalisation (tests/cli.rs) are tested against.
 
 Run once, in a throwaway venv outside the repository (torch 2.5.1, transformers 4.46.3,
-torchvision 0.20.1; qwen3 needs transformers 4.51 or later); name models to make only those
-(llama-gqa, gpt2, bert, resnet, mixtral, qwen3):
+torchvision 0.20.1; qwen3 needs transformers 4.51 or later, and qwen3 and mistral were made
+with torch 2.15.0 and transformers 4.57.6); name models to make only those (llama-gqa, gpt2,
+bert, resnet, mixtral, qwen3, mistral, gpt-oss-attention, deepseek-v3):
 
     python tests/reference/hf/make_reference.py [NAME ...]
 
@@ -52,10 +53,11 @@ def randomise(model):
                 p.copy_(0.3 * torch.randn_like(p))
 
 
-def write(name, model, inputs, loss_of, extra=None):
+def write(name, model, inputs, loss_of, extra=None, optimizers=None):
     """A model's fixture: `model.safetensors` and `config.json`, `reference.json` (the
     keyword `inputs`, `extra` and the float32 logits), and the weights after one step of
-    each of `OPTIMIZERS` with the loss `loss_of(logits)`, named `<optimizer>.safetensors`."""
+    each of `optimizers` (`OPTIMIZERS` unless given) with the loss `loss_of(logits)`, named
+    `<optimizer>.safetensors`."""
     model.eval()
     with torch.no_grad():
         logits = model(**inputs).logits.float()
@@ -69,7 +71,7 @@ def write(name, model, inputs, loss_of, extra=None):
     reference["logits"] = [round(float(v), 7) for v in logits.flatten()]
     (out / "reference.json").write_text(json.dumps(reference) + "\n")
     (out / "generation_config.json").unlink(missing_ok=True)
-    for after, make in OPTIMIZERS:
+    for after, make in optimizers or OPTIMIZERS:
         m = copy.deepcopy(model).train()
         opt = make(m)
         loss = loss_of(m(**inputs).logits)
@@ -81,7 +83,7 @@ def write(name, model, inputs, loss_of, extra=None):
         save_file(state, out / f"{after}.safetensors", metadata={"loss": f"{loss.item():.9f}"})
 
 
-def write_language_model(name, model, vocab, seq):
+def write_language_model(name, model, vocab, seq, optimizers=None):
     """A causal language model's fixture: two rows of `seq` random token ids as one batch —
     the targets are the rows shifted by one, the last row's last target the token 7, the
     loss the mean next-token cross-entropy over every position. The ids are drawn even when
@@ -95,7 +97,7 @@ def write_language_model(name, model, vocab, seq):
     def loss_of(logits):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
 
-    write(name, model, {"input_ids": ids}, loss_of)
+    write(name, model, {"input_ids": ids}, loss_of, optimizers=optimizers)
 
 
 def adamw(eps):
@@ -292,3 +294,104 @@ if wanted("qwen3"):
     m = Qwen3ForCausalLM(qwen3).float()
     randomise(m)
     write_language_model("qwen3", m, 50, 12)
+
+# A Mistral: the Llama block with a sliding window of 4 — each position attends to itself
+# and the 3 before it (transformers' `sliding_window`), so on 12 positions most rows see
+# less than their whole past. Made with torch 2.15.0 and transformers 4.57.6 (its
+# reference.json says so); its own seed, so the fixtures above stay as they were.
+if wanted("mistral"):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    mistral = MistralConfig(**TINY_LLAMA, sliding_window=4, attn_implementation="eager")
+    torch.manual_seed(5)
+    m = MistralForCausalLM(mistral).float()
+    randomise(m)
+    # AdamW's eps 1e-3 here: a key projection weight's gradient of 6e-5 takes AdamW's first
+    # step lr·g/(|g| + eps) through a slope lr·eps/(|g| + eps)² of 40 with eps 1e-4, which
+    # turns pipec's and torch's fp32 gradients' ~4e-7 difference (sums in another order
+    # under the window's mask) into 1.6e-5 on weights of 0.8, above the test's 1e-5
+    # relative; with 1e-3 the slope is 9
+    write_language_model("mistral", m, 50, 12, [("after-adamw", adamw(1e-3)), OPTIMIZERS[1]])
+
+# GPT-OSS's attention core with its sinks (transformers' `eager_attention_forward` of
+# gpt_oss: a learned logit per head joins each softmax and weighs no value), alone: 4 query
+# heads sharing 2 key/value heads of 8 features, 6 positions, causal in a sliding window of
+# 3 (as its sliding layers), sinks of both signs. It writes the inputs, the output
+# [batch, seq, heads, head_dim] and the gradients of sum(output ⊙ weights) with respect to
+# the queries, keys, values and sinks.
+if wanted("gpt-oss-attention"):
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.manual_seed(6)
+    b, h, kv, s, dh, window = 2, 4, 2, 6, 8, 3
+    q = torch.randn(b, h, s, dh, requires_grad=True)
+    k = torch.randn(b, kv, s, dh, requires_grad=True)
+    v = torch.randn(b, kv, s, dh, requires_grad=True)
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    module.num_key_value_groups = h // kv
+    module.training = False
+    at = torch.arange(s)
+    seen = (at[None, :] <= at[:, None]) & (at[:, None] - at[None, :] < window)
+    mask = torch.where(seen, 0.0, torch.finfo(torch.float32).min)[None, None]
+    out, _ = eager_attention_forward(module, q, k, v, mask, dh**-0.5)
+    weights = torch.randn(out.shape)
+    (out * weights).sum().backward()
+    target = HERE / "gpt-oss-attention"
+    target.mkdir(exist_ok=True)
+    flat = lambda t: [round(float(x), 7) for x in t.detach().flatten()]
+    (target / "reference.json").write_text(
+        json.dumps(
+            {
+                "made_with": f"torch {torch.__version__}, transformers {__import__('transformers').__version__}",
+                "shape": {"batch": b, "heads": h, "kv_heads": kv, "seq": s, "head_dim": dh, "window": window},
+                "q": flat(q),
+                "k": flat(k),
+                "v": flat(v),
+                "sinks": flat(module.sinks),
+                "weights": flat(weights),
+                "out": flat(out),
+                "dq": flat(q.grad),
+                "dk": flat(k.grad),
+                "dv": flat(v.grad),
+                "dsinks": flat(module.sinks.grad),
+            }
+        )
+        + "\n"
+    )
+
+# A DeepSeek-V3 of dense blocks (`first_k_dense_replace` = every layer: the MLPs are SwiGLU,
+# no experts): multi-head latent attention — the queries from a latent of 8 features, the
+# keys and values from a latent of 8 and a shared rotary key of 4, 4 heads whose queries and
+# keys have 4 features without rotary embeddings and 4 with, values of 6 — with the rotary
+# parts interleaved as DeepSeek's checkpoints store them (`rope_interleave`). Made with torch
+# 2.15.0 and transformers 4.57.6 (its reference.json says so); its own seed.
+if wanted("deepseek-v3"):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    deepseek = DeepseekV3Config(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        rope_interleave=True,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(7)
+    m = DeepseekV3ForCausalLM(deepseek).float()
+    randomise(m)
+    write_language_model("deepseek-v3", m, 50, 12)

@@ -3,6 +3,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{Distribution, TensorData};
 
+use crate::backend::attention::MaskPositions;
+
 type B = crate::backend::CpuBackend;
 
 /// Attention's core recomputed in the backward gives the values and the q, k, v
@@ -11,7 +13,7 @@ type B = crate::backend::CpuBackend;
 /// The causal mask of `s` queries over the same `s` keys.
 fn causal_mask(s: usize) -> crate::backend::attention::Causal {
     let p: Vec<usize> = (0..s).collect();
-    Some(std::sync::Arc::new((p.clone(), p)))
+    Some(std::sync::Arc::new(MaskPositions { queries: p.clone(), keys: p, window: 0 }))
 }
 
 #[test]
@@ -27,33 +29,50 @@ fn the_attention_core_recomputed_in_the_backward_has_the_kept_cores_gradients() 
         let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
         assert!(worst <= 1e-5 * scale, "{what}: differs by {worst} (largest value {scale})");
     };
-    // no mask, the causal one, and a context-parallel member's: queries at positions
-    // 1, 2, 7, 8, 9 of a sequence against keys in another order
-    let member: crate::backend::attention::Causal =
-        Some(std::sync::Arc::new((vec![1, 2, 7, 8, 9], vec![5, 0, 9, 3, 1])));
-    for causal in [None, causal_mask(5), member] {
+    // no mask, the causal one, a context-parallel member's: queries at positions 1, 2, 7,
+    // 8, 9 of a sequence against keys in another order, and that in a sliding window of 4
+    let member = |window| {
+        Some(std::sync::Arc::new(MaskPositions { queries: vec![1, 2, 7, 8, 9], keys: vec![5, 0, 9, 3, 1], window }))
+    };
+    // and each with sinks (a logit per head of the 3, of both signs)
+    let with_sinks = [None, Some(vec![0.5f32, -1.0, 2.0])];
+    for (causal, sinks) in [None, causal_mask(5), member(0), member(4)]
+        .into_iter()
+        .flat_map(|c| with_sinks.iter().map(move |s| (c.clone(), s.clone())))
+    {
         let weights = rand(9);
         let run = |recomputed: bool| {
             let (q, k, v) = (rand(1).require_grad(), rand(2).require_grad(), rand(3).require_grad());
+            let s = sinks.clone().map(|s| Tensor::<B, 1>::from_data(TensorData::new(s, [3]), &dev).require_grad());
             let out = if recomputed {
-                B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal.clone())
+                B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal.clone(), s.clone())
             } else {
-                let mask = causal.as_ref().map(|m| (&m.0[..], &m.1[..]));
-                attention_at(q.clone(), k.clone(), 4, mask).matmul(v.clone())
+                let mask = causal.as_ref().map(|m| m.mask());
+                let p = match s.clone() {
+                    Some(s) => {
+                        crate::backend::attention::sink_softmax(q.clone().matmul(k.clone().swap_dims(2, 3)), 4, mask, s)
+                    }
+                    None => attention_at(q.clone(), k.clone(), 4, mask),
+                };
+                p.matmul(v.clone())
             };
             let grads = (out.clone() * weights.clone()).sum().backward();
             let g = |t: &Tensor<B, 4>| t.grad(&grads).expect("a gradient").into_data();
-            (out.into_data(), g(&q), g(&k), g(&v))
+            let ds = s.map(|s| s.grad(&grads).expect("the sinks' gradient").into_data());
+            (out.into_data(), g(&q), g(&k), g(&v), ds)
         };
         let (kept, recomputed) = (run(false), run(true));
         close(kept.0, recomputed.0, "the forward");
         close(kept.1, recomputed.1, "dq");
         close(kept.2, recomputed.2, "dk");
         close(kept.3, recomputed.3, "dv");
+        if let (Some(a), Some(b)) = (kept.4, recomputed.4) {
+            close(a, b, "the sinks' gradient");
+        }
     }
     // only v tracked: v gets its gradient, and nothing is asked of q and k
     let v = rand(3).require_grad();
-    let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, causal_mask(5));
+    let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, causal_mask(5), None);
     let grads = out.sum().backward();
     assert!(v.grad(&grads).is_some());
 }
