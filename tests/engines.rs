@@ -691,3 +691,69 @@ fn recompute_inside_the_blocks_is_emitted_as_each_engine_runs_it_or_refused() {
     let e = emitted(&with("{ layers: 1 }", ""), Engine::Deepspeed, "ds_config.json").expect_err("refused");
     assert!(e.contains("DeepSpeed"), "{e}");
 }
+
+/// Today's attention shapes reach Megatron-LM as the flags that build them, and its import
+/// reads the same block back (every size, norm, window, sink, latent and rotary scaling):
+/// a head size of its own (`--kv-channels`), query/key norms (`--qk-layernorm`), a sliding
+/// window (`--window-size L,0`: L keys before each query and itself), sinks (`--softmax-type
+/// learnable`), multi-head latent attention with and without a query latent
+/// (`--multi-latent-attention`, its ranks and head sizes, plain rotary embeddings), Llama
+/// 3.1's rotary scaling (`--use-rope-scaling`). torchtitan's llama3 flavours have none of
+/// them: a block with one is refused, not written as a flavour that lacks it. Scaling other
+/// than Llama 3.1's is refused by Megatron-LM too.
+#[test]
+fn todays_attention_shapes_are_emitted_for_megatron_read_back_and_refused_by_torchtitan() {
+    use pipec_grammar::import::megatron;
+    let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example");
+    let plain = "transformer_block(d=64, heads=4, ff=172, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)";
+    assert!(text.contains(plain), "specs/llama-tiny.yaml's block changed");
+    let with = |args: &str| plan_of(&text.replacen(plain, &plain.replacen(")", &format!(", {args})"), 1), 1));
+    let emitted = |plan: &Plan, engine: Engine, file: &str| -> Result<String, String> {
+        let files = pipec_plan::engine::emit::emit(plan, &EngineTarget::newest(engine))?;
+        Ok(files.into_iter().find(|(f, _)| f == file).map(|(_, t)| t).expect("emitted"))
+    };
+    let mla_no_kv = |args: &str| {
+        let t = text.replacen(plain, &plain.replacen(", kv_heads=2", "", 1).replacen(")", &format!(", {args})"), 1), 1);
+        plan_of(&t)
+    };
+    let cases: Vec<(Plan, Vec<&str>)> = vec![
+        (with("head_dim=32"), vec!["--kv-channels 32"]),
+        (with("qk_norm=true"), vec!["--qk-layernorm"]),
+        (with("window=16"), vec!["--window-size 15,0"]),
+        (with("sinks=true"), vec!["--softmax-type learnable"]),
+        (
+            mla_no_kv("head_dim=16, kv_lora=32, q_lora=48, rope_dim=8, v_head_dim=24"),
+            vec![
+                "--multi-latent-attention",
+                "--q-lora-rank 48",
+                "--kv-lora-rank 32",
+                "--qk-head-dim 16",
+                "--qk-pos-emb-head-dim 8",
+                "--v-head-dim 24",
+                "--rope-type rope",
+                "--no-rope-fusion",
+            ],
+        ),
+        (mla_no_kv("head_dim=16, kv_lora=32, rope_dim=8, v_head_dim=24"), vec!["--multi-latent-attention"]),
+        (
+            with("rope_scaling=llama3, rope_factor=8, rope_low_freq=1, rope_high_freq=4, rope_original=8192"),
+            vec!["--use-rope-scaling", "--rope-scaling-factor 8"],
+        ),
+    ];
+    for (plan, flags) in cases {
+        let block = plan.gpt_shape().expect("a language model").block;
+        let args = emitted(&plan, Engine::Megatron, "args.txt").unwrap_or_else(|e| panic!("megatron: {e}"));
+        for f in flags {
+            assert!(args.contains(f), "{f}: {args}");
+        }
+        assert_eq!(args.contains("--group-query-attention"), block.mla.is_none(), "{args}");
+        let back = imported_plan(megatron::import(&args, "back", Some(plan.devices.len())));
+        assert_eq!(back.gpt_shape().expect("a language model").block, block, "{args}");
+        assert_eq!(carried(&back).0, carried(&plan).0);
+        let e = emitted(&plan, Engine::Torchtitan, "job.toml").expect_err("no llama3 flavour has it");
+        assert!(e.contains("flavour"), "{e}");
+    }
+    let yarn = with("rope_scaling=yarn, rope_factor=4, rope_original=1024");
+    let e = emitted(&yarn, Engine::Megatron, "args.txt").expect_err("refused");
+    assert!(e.contains("rope_scaling=yarn"), "{e}");
+}

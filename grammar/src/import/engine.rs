@@ -27,6 +27,26 @@ pub struct ModelFacts {
     pub qkv_bias: bool,
     pub tied: bool,
     pub moe: Option<MoeFacts>,
+    pub attention: AttentionFacts,
+}
+
+/// The attention's shape beyond heads and key/value heads (Default: standard attention of
+/// d/heads features a head).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AttentionFacts {
+    /// Each head's size when it is not d/heads (Megatron-LM's `--kv-channels`).
+    pub head_dim: Option<usize>,
+    /// An RMSNorm or LayerNorm over each head's queries and keys (`--qk-layernorm`).
+    pub qk_norm: bool,
+    /// A sliding window: each position sees itself and the `window − 1` before it (0: none).
+    pub window: usize,
+    /// A learned logit per head in every softmax (`--softmax-type learnable`).
+    pub sinks: bool,
+    /// Multi-head latent attention (`--multi-latent-attention`).
+    pub mla: Option<pipec_plan::model::Mla>,
+    /// Llama 3.1's rotary scaling by this factor (low 1, high 4, original 8192:
+    /// `--use-rope-scaling`).
+    pub llama3_rope_factor: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -118,6 +138,32 @@ pub fn model_text(m: &ModelFacts) -> String {
         if m.qkv_bias {
             args += ", qkv_bias=true";
         }
+    }
+    let a = &m.attention;
+    if let Some(f) = a.llama3_rope_factor {
+        args += &format!(
+            ", rope_scaling=llama3, rope_factor={}, rope_low_freq=1, rope_high_freq=4, rope_original=8192",
+            number(f)
+        );
+    }
+    if let Some(h) = a.head_dim {
+        args += &format!(", head_dim={h}");
+    }
+    if a.qk_norm {
+        args += ", qk_norm=true";
+    }
+    if a.window > 0 {
+        args += &format!(", window={}", a.window);
+    }
+    if a.sinks {
+        args += ", sinks=true";
+    }
+    if let Some(l) = a.mla {
+        args += &format!(", kv_lora={}", l.kv_lora);
+        if l.q_lora > 0 {
+            args += &format!(", q_lora={}", l.q_lora);
+        }
+        args += &format!(", rope_dim={}, v_head_dim={}", l.rope_dim, l.v_head_dim);
     }
     if let Some(e) = &m.moe {
         args += &format!(", experts={}, top_k={}", e.experts, e.top_k);

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use pipec_plan::model::{MlpKind, NormKind};
 use pipec_plan::vocab::{CpComm, Engine, MoeDispatch, Precision, ScheduleKind, Sharding};
 
-use super::engine::{model_text, write_spec, ModelFacts, MoeFacts, RunFacts};
+use super::engine::{model_text, write_spec, AttentionFacts, ModelFacts, MoeFacts, RunFacts};
 
 /// Flags that change nothing pipec plans or predicts (logging, checkpoints, data paths,
 /// kernels' choice), read and left out silently.
@@ -73,7 +73,6 @@ const IGNORED: &[&str] = &[
     "--moe-router-load-balancing-type",
     "--moe-permute-fusion",
     "--expert-tensor-parallel-size",
-    "--kv-channels",
     "--num-workers",
     "--vocab-file",
     "--merge-file",
@@ -408,6 +407,7 @@ fn model(a: &mut Args) -> Result<ModelFacts, String> {
             capacity: a.number_or("--moe-expert-capacity-factor", 0.0)?,
         }),
     };
+    let attention = attention(a, d, heads)?;
     let dense_ff = a.count_or("--ffn-hidden-size", ff_default)?;
     let ff = match &moe {
         Some(_) => a.count("--moe-ffn-hidden-size")?.unwrap_or(dense_ff),
@@ -432,7 +432,71 @@ fn model(a: &mut Args) -> Result<ModelFacts, String> {
         qkv_bias: bias || a.has("--add-qkv-bias"),
         tied: !a.has("--untie-embeddings-and-output-weights"),
         moe,
+        attention,
     })
+}
+
+/// The attention's shape (core_v0.19.0's TransformerConfig and MLATransformerConfig):
+/// `--kv-channels` (each head's size, else hidden/heads), `--qk-layernorm`, `--window-size
+/// L,0` (TE's window: each query sees the L keys before it and itself: pipec's window L + 1),
+/// `--softmax-type learnable` (a learned offset per head: attention sinks), and
+/// `--multi-latent-attention` with its ranks and head sizes (arguments.py's defaults: kv
+/// rank 32, query and key heads 128 + 64 rotary, values 128, no query latent), and
+/// `--use-rope-scaling` (Llama 3.1's, `--rope-scaling-factor`, 8 by default). A window
+/// that also looks ahead, the skip pattern of alternating windows, the fixed offset and
+/// YaRN on a latent block are refused by name.
+fn attention(a: &mut Args, d: usize, heads: usize) -> Result<AttentionFacts, String> {
+    let head_dim = a.count("--kv-channels")?.filter(|&h| h * heads != d);
+    let window = match a.text("--window-size") {
+        None => 0,
+        Some(w) => {
+            let parts: Vec<&str> = w.trim_matches(|c| c == '(' || c == ')').split(',').map(str::trim).collect();
+            match parts.as_slice() {
+                [left, "0"] => match left.parse::<i64>() {
+                    Ok(-1) => 0,
+                    Ok(l) if l >= 0 => l as usize + 1,
+                    _ => return Err(format!("`--window-size {w}`: the left size must be a whole number or -1")),
+                },
+                _ => {
+                    return Err(format!(
+                        "`--window-size {w}` looks ahead of each position: pipec's windows are causal (L,0)"
+                    ))
+                }
+            }
+        }
+    };
+    if window > 0 && a.text("--window-attn-skip-freq").is_some() {
+        return Err("`--window-attn-skip-freq` alternates windowed and full layers: pipec's engine specs repeat one block (write the layers in a spec by hand)".into());
+    }
+    let sinks = match a.text("--softmax-type").as_deref() {
+        None | Some("vanilla") => false,
+        Some("learnable") => true,
+        Some(other) => {
+            return Err(format!("`--softmax-type {other}` is not pipec's: vanilla, or learnable (attention sinks)"))
+        }
+    };
+    let mla = if a.has("--multi-latent-attention") {
+        // (its rotary kernel fused or not: the same numbers)
+        let _ = a.has("--no-rope-fusion");
+        if a.text("--rope-type").as_deref().unwrap_or("yarn") != "rope" {
+            return Err("multi-head latent attention with YaRN (`--rope-type yarn`, Megatron-LM's default for it): its softmax scale is not pipec's; write `--rope-type rope`".into());
+        }
+        Some(pipec_plan::model::Mla {
+            q_lora: a.count("--q-lora-rank")?.unwrap_or(0),
+            kv_lora: a.count_or("--kv-lora-rank", 32)?,
+            rope_dim: a.count_or("--qk-pos-emb-head-dim", 64)?,
+            v_head_dim: a.count_or("--v-head-dim", 128)?,
+        })
+    } else {
+        None
+    };
+    let head_dim = match mla {
+        Some(_) => Some(a.count_or("--qk-head-dim", 128)?),
+        None => head_dim,
+    };
+    let llama3_rope_factor =
+        if a.has("--use-rope-scaling") { Some(a.number_or("--rope-scaling-factor", 8.0)?) } else { None };
+    Ok(AttentionFacts { head_dim, qk_norm: a.has("--qk-layernorm"), window, sinks, mla, llama3_rope_factor })
 }
 
 fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, String> {

@@ -83,6 +83,7 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         qkv_bias: false,
         tied: false,
         moe: None,
+        attention: Default::default(),
     };
     let p = "parallelism";
     let tp = positive(t.int(p, "tensor_parallel_degree", 1)?, "tensor_parallel_degree")?;

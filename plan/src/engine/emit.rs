@@ -15,6 +15,7 @@ use super::gpt::GptShape;
 use super::EngineTarget;
 use crate::model::{MlpKind, NormKind};
 use crate::plan::{BlockRecompute, OptimizerPlan};
+use crate::rope::RopeScaling;
 use crate::vocab::{CpComm, Engine, Precision, RecomputeOp, ScheduleKind, Sharding};
 use crate::Plan;
 
@@ -273,6 +274,29 @@ fn megatron_shape(g: &GptShape) -> Result<(), String> {
     if b.bias && !b.qkv_bias {
         return Err("Megatron-LM biases the query/key/value projection whenever the other projections: a block with `bias=true, qkv_bias=false` has no flag".into());
     }
+    // its rotary scaling is Llama 3.1's with 1, 4 and 8192 fixed (`--use-rope-scaling`,
+    // rotary_pos_embedding.py's _apply_scaling), and none on a latent block (written with
+    // `--rope-type rope`)
+    match b.rope_scaling {
+        RopeScaling::None => {}
+        RopeScaling::Llama3 { low_freq_factor, high_freq_factor, original, .. }
+            if low_freq_factor == 1.0 && high_freq_factor == 4.0 && original == 8192 && b.mla.is_none() => {}
+        other => {
+            return Err(format!(
+                "Megatron-LM scales rotary embeddings as Llama 3.1 only (low 1, high 4, original 8192), and not on latent blocks: rope_scaling={} has no flag",
+                other.kind()
+            ))
+        }
+    }
+    if b.dropout > 0.0 {
+        return Err(
+            "dropout inside the blocks: pipec writes Megatron-LM's --attention-dropout and --hidden-dropout as 0"
+                .into(),
+        );
+    }
+    if b.qk_norm && b.norm != NormKind::RmsNorm {
+        return Err("query/key norms under layer norms: Megatron-LM's --qk-layernorm normalises with the blocks' norm (LayerNorm here), pipec's are RMSNorms".into());
+    }
     Ok(())
 }
 
@@ -286,11 +310,43 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
         arg("--ffn-hidden-size", b.ff),
         arg("--num-attention-heads", b.heads),
     ];
-    if b.kv_heads != b.heads {
-        model.extend([flag("--group-query-attention"), arg("--num-query-groups", b.kv_heads)]);
+    match b.mla {
+        // multi-head latent attention (MLATransformerConfig): every head its own keys and
+        // values, plain rotary embeddings (Megatron-LM's default for it is YaRN), unfused
+        // (its fused rotary kernel takes YaRN only: transformer_config.py:2966)
+        Some(m) => {
+            model.push(flag("--multi-latent-attention"));
+            if m.q_lora > 0 {
+                model.push(arg("--q-lora-rank", m.q_lora));
+            }
+            model.extend([
+                arg("--kv-lora-rank", m.kv_lora),
+                arg("--qk-head-dim", b.head_dim),
+                arg("--qk-pos-emb-head-dim", m.rope_dim),
+                arg("--v-head-dim", m.v_head_dim),
+                arg("--rope-type", "rope"),
+                flag("--no-rope-fusion"),
+            ]);
+        }
+        None => {
+            if b.kv_heads != b.heads {
+                model.extend([flag("--group-query-attention"), arg("--num-query-groups", b.kv_heads)]);
+            }
+            if b.head_dim * b.heads != b.d {
+                model.push(arg("--kv-channels", b.head_dim));
+            }
+        }
     }
-    if b.head_dim * b.heads != b.d {
-        model.push(arg("--kv-channels", b.head_dim));
+    if b.qk_norm {
+        model.push(flag("--qk-layernorm"));
+    }
+    // Transformer Engine's window (L, 0): each query sees the L keys before it and itself
+    if b.window > 0 {
+        model.push(arg("--window-size", format!("{},0", b.window - 1)));
+    }
+    // a learned offset per head in every softmax: attention sinks
+    if b.sinks {
+        model.push(arg("--softmax-type", "learnable"));
     }
     model.extend([arg("--seq-length", run.seq), arg("--max-position-embeddings", g.positions.max(run.seq))]);
     model.push(match (g.positions, b.rope) {
@@ -300,6 +356,9 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
     });
     if b.rope > 0.0 {
         model.push(arg("--rotary-base", b.rope));
+    }
+    if let RopeScaling::Llama3 { factor, .. } = b.rope_scaling {
+        model.extend([flag("--use-rope-scaling"), arg("--rope-scaling-factor", factor)]);
     }
     model.push(arg("--normalization", if b.norm == NormKind::RmsNorm { "RMSNorm" } else { "LayerNorm" }));
     model.push(arg("--norm-epsilon", b.eps));
@@ -542,12 +601,17 @@ pub const LLAMA3_VOCAB: usize = 128256;
 
 fn llama3_flavour(g: &GptShape) -> Option<&'static str> {
     let b = &g.block;
+    // llama3's attention: heads of d/heads, no query/key norms, window, sinks, latents or
+    // dropout (a block with any of them is another model, not written as this one)
+    let plain_attention =
+        b.head_dim * b.heads == b.d && !b.qk_norm && b.window == 0 && !b.sinks && b.mla.is_none() && b.dropout == 0.0;
     let llama = b.norm == NormKind::RmsNorm
         && b.mlp == MlpKind::Swiglu
         && !b.bias
         && !b.qkv_bias
         && !g.tied
-        && g.positions == 0;
+        && g.positions == 0
+        && plain_attention;
     let dims = [b.d, g.layers, b.heads, b.kv_heads, b.ff];
     LLAMA3_FLAVOURS
         .iter()
