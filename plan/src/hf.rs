@@ -414,6 +414,7 @@ fn reorder_rotary(
 fn latent_to_pipec<'a>(b: &crate::model::BlockDims, m: crate::model::Mla, get: &ByName<'a>) -> Result<Weights, String> {
     use crate::model::{LATENT_DOWN_SLOT, LATENT_KV_UP_SLOT, LATENT_NORMS_SLOT, LATENT_QUERY_SLOT};
     let (d, heads, qk) = (b.d, b.heads, b.qk_head);
+    let w = b.latent().ok_or("not a latent block")?;
     let kv_a = reorder_rotary(
         get("kv_a_proj_with_mqa.weight", &[m.kv_lora + m.rope_dim, d])?,
         d,
@@ -422,27 +423,22 @@ fn latent_to_pipec<'a>(b: &crate::model::BlockDims, m: crate::model::Mla, get: &
     );
     // each query head's rotary part: its last rope_dim rows of qk
     let query_rope = (qk - m.rope_dim, qk, heads, m.rope_dim);
-    let (down_q, q_norm, query, q_in): (Vec<f32>, Vec<f32>, Vec<f32>, usize) = if m.q_lora > 0 {
+    let ([q_in, q_width], [kv_in, kv_up], down_out) = (w.query, w.kv_up, w.down[1]);
+    let (down_q, q_norm, query) = if m.q_lora > 0 {
         (
             get("q_a_proj.weight", &[m.q_lora, d])?.clone(),
             get("q_a_layernorm.weight", &[m.q_lora])?.clone(),
-            reorder_rotary(get("q_b_proj.weight", &[b.q_width, m.q_lora])?, m.q_lora, query_rope, true),
-            m.q_lora,
+            reorder_rotary(get("q_b_proj.weight", &[q_width, q_in])?, q_in, query_rope, true),
         )
     } else {
-        (Vec::new(), Vec::new(), reorder_rotary(get("q_proj.weight", &[b.q_width, d])?, d, query_rope, true), d)
+        (Vec::new(), Vec::new(), reorder_rotary(get("q_proj.weight", &[q_width, q_in])?, q_in, query_rope, true))
     };
-    let down_rows = m.q_lora + m.kv_lora + m.rope_dim;
-    let kv_up = heads * (b.head_dim + m.v_head_dim);
     let kv_norm = get("kv_a_layernorm.weight", &[m.kv_lora])?;
     Ok(Weights::from([
-        (LATENT_DOWN_SLOT, (vec![d, down_rows], transpose(&[down_q, kv_a].concat(), down_rows, d))),
-        (LATENT_NORMS_SLOT, (vec![m.q_lora + m.kv_lora], [q_norm.as_slice(), kv_norm].concat())),
-        (LATENT_QUERY_SLOT, (vec![q_in, b.q_width], transpose(&query, b.q_width, q_in))),
-        (
-            LATENT_KV_UP_SLOT,
-            (vec![m.kv_lora, kv_up], transpose(get("kv_b_proj.weight", &[kv_up, m.kv_lora])?, kv_up, m.kv_lora)),
-        ),
+        (LATENT_DOWN_SLOT, (w.down.to_vec(), transpose(&[down_q, kv_a].concat(), down_out, d))),
+        (LATENT_NORMS_SLOT, (vec![w.norms], [q_norm.as_slice(), kv_norm].concat())),
+        (LATENT_QUERY_SLOT, (w.query.to_vec(), transpose(&query, q_width, q_in))),
+        (LATENT_KV_UP_SLOT, (w.kv_up.to_vec(), transpose(get("kv_b_proj.weight", &[kv_up, kv_in])?, kv_up, kv_in))),
     ]))
 }
 
@@ -462,17 +458,16 @@ fn latent_from_pipec<'a>(
 ) -> Result<Tensors, String> {
     use crate::model::{LATENT_DOWN_SLOT, LATENT_KV_UP_SLOT, LATENT_NORMS_SLOT, LATENT_QUERY_SLOT};
     let (d, heads, qk) = (b.d, b.heads, b.qk_head);
-    let down_rows = m.q_lora + m.kv_lora + m.rope_dim;
-    let down = transpose(weight(LATENT_DOWN_SLOT, &[d, down_rows])?, d, down_rows);
-    let norms = weight(LATENT_NORMS_SLOT, &[m.q_lora + m.kv_lora])?;
-    let q_in = if m.q_lora > 0 { m.q_lora } else { d };
+    let w = b.latent().ok_or("not a latent block")?;
+    let ([q_in, q_width], [kv_in, kv_up]) = (w.query, w.kv_up);
+    let down = transpose(weight(LATENT_DOWN_SLOT, &w.down)?, w.down[0], w.down[1]);
+    let norms = weight(LATENT_NORMS_SLOT, &[w.norms])?;
     let query = reorder_rotary(
-        &transpose(weight(LATENT_QUERY_SLOT, &[q_in, b.q_width])?, q_in, b.q_width),
+        &transpose(weight(LATENT_QUERY_SLOT, &w.query)?, q_in, q_width),
         q_in,
         (qk - m.rope_dim, qk, heads, m.rope_dim),
         false,
     );
-    let kv_up = heads * (b.head_dim + m.v_head_dim);
     let kv_a = reorder_rotary(&down[m.q_lora * d..], d, (m.kv_lora, 0, 1, m.rope_dim), false);
     let mut out = Tensors::new();
     let mut put = |name: &str, shape: Vec<usize>, values: Vec<f32>| {
@@ -481,17 +476,13 @@ fn latent_from_pipec<'a>(
     if m.q_lora > 0 {
         put("q_a_proj.weight", vec![m.q_lora, d], down[..m.q_lora * d].to_vec());
         put("q_a_layernorm.weight", vec![m.q_lora], norms[..m.q_lora].to_vec());
-        put("q_b_proj.weight", vec![b.q_width, m.q_lora], query);
+        put("q_b_proj.weight", vec![q_width, q_in], query);
     } else {
-        put("q_proj.weight", vec![b.q_width, d], query);
+        put("q_proj.weight", vec![q_width, q_in], query);
     }
     put("kv_a_proj_with_mqa.weight", vec![m.kv_lora + m.rope_dim, d], kv_a);
     put("kv_a_layernorm.weight", vec![m.kv_lora], norms[m.q_lora..].to_vec());
-    put(
-        "kv_b_proj.weight",
-        vec![kv_up, m.kv_lora],
-        transpose(weight(LATENT_KV_UP_SLOT, &[m.kv_lora, kv_up])?, m.kv_lora, kv_up),
-    );
+    put("kv_b_proj.weight", vec![kv_up, kv_in], transpose(weight(LATENT_KV_UP_SLOT, &w.kv_up)?, kv_in, kv_up));
     Ok(out)
 }
 
@@ -1533,14 +1524,13 @@ mod tests {
                     put(1, vec![b.d]);
                     put(7, vec![b.d]);
                 }
-                match b.mla {
+                match b.latent() {
                     None => put(2, vec![b.d, b.qkv_width]),
-                    Some(m) => {
-                        let q_in = if m.q_lora > 0 { m.q_lora } else { b.d };
-                        put(crate::model::LATENT_DOWN_SLOT, vec![b.d, m.q_lora + m.kv_lora + m.rope_dim]);
-                        put(crate::model::LATENT_NORMS_SLOT, vec![m.q_lora + m.kv_lora]);
-                        put(crate::model::LATENT_QUERY_SLOT, vec![q_in, b.q_width]);
-                        put(crate::model::LATENT_KV_UP_SLOT, vec![m.kv_lora, b.heads * (b.head_dim + m.v_head_dim)]);
+                    Some(w) => {
+                        put(crate::model::LATENT_DOWN_SLOT, w.down.to_vec());
+                        put(crate::model::LATENT_NORMS_SLOT, vec![w.norms]);
+                        put(crate::model::LATENT_QUERY_SLOT, w.query.to_vec());
+                        put(crate::model::LATENT_KV_UP_SLOT, w.kv_up.to_vec());
                     }
                 }
                 put(4, vec![b.attention_width, b.d]);

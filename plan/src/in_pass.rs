@@ -733,8 +733,8 @@ pub fn tp_partial_parameters(
             let qk = |slot: u64| b.qk_norm.then_some((l | slot, b.qk_head));
             // multi-head latent attention's down projection and latents' norms: whole on
             // every rank, each rank's heads' share of their gradients
-            let down = b.mla.map(|m| (l | crate::model::LATENT_DOWN_SLOT, b.d * (m.q_lora + m.kv_lora + m.rope_dim)));
-            let norms = b.mla.map(|m| (l | crate::model::LATENT_NORMS_SLOT, m.q_lora + m.kv_lora));
+            let down = b.latent().map(|w| (l | crate::model::LATENT_DOWN_SLOT, w.down[0] * w.down[1]));
+            let norms = b.latent().map(|w| (l | crate::model::LATENT_NORMS_SLOT, w.norms));
             [
                 Some((l, b.d)),
                 bias.then_some((l | 1, b.d)),

@@ -440,6 +440,22 @@ pub enum ProjectionRole {
     Output,
 }
 
+/// Multi-head latent attention's weights as pipec holds them ([`LATENT_DOWN_SLOT`] and the
+/// slots after it): each matrix's [in, out], the latents' norms' length. The one place
+/// their sizes are derived ([`BlockDims::latent`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LatentWeights {
+    /// The input to both latents and the shared rotary key: [d, q_lora + kv_lora + rope_dim].
+    pub down: [usize; 2],
+    /// Both latents' RMSNorm gains side by side: q_lora + kv_lora.
+    pub norms: usize,
+    /// The queries from their latent, or from the input without one: [q_lora or d, q_width].
+    pub query: [usize; 2],
+    /// The keys' parts without rotary embeddings and the values, head after head:
+    /// [kv_lora, heads · (head_dim + v_head_dim)].
+    pub kv_up: [usize; 2],
+}
+
 /// How Megatron-style tensor parallelism splits one of a block's weight matrices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProjectionSplit {
@@ -518,6 +534,16 @@ impl BlockDims {
         }
     }
 
+    /// Multi-head latent attention's weights' sizes (None: standard attention).
+    pub fn latent(&self) -> Option<LatentWeights> {
+        self.mla.map(|m| LatentWeights {
+            down: [self.d, m.q_lora.saturating_add(m.kv_lora).saturating_add(m.rope_dim)],
+            norms: m.q_lora.saturating_add(m.kv_lora),
+            query: [if m.q_lora > 0 { m.q_lora } else { self.d }, self.q_width],
+            kv_up: [m.kv_lora, self.heads.saturating_mul(self.head_dim.saturating_add(m.v_head_dim))],
+        })
+    }
+
     /// The attention's weight matrices in forward order, as pipec's executor multiplies
     /// them: standard attention's fused query-key-value projection and output projection,
     /// or multi-head latent attention's down projection, its up projections (the queries
@@ -528,20 +554,18 @@ impl BlockDims {
         use ProjectionSplit::*;
         let p = |role, input, output, split, bias| Projection { role, input, output, split, bias };
         let output = p(Output, self.attention_width, self.d, Row, self.bias);
-        match self.mla {
-            None => vec![p(Qkv, self.d, self.qkv_width, Column, self.qkv_bias), output],
-            Some(m) => {
-                let kv_up = self.heads.saturating_mul(self.head_dim.saturating_add(m.v_head_dim));
-                let down = m.q_lora.saturating_add(m.kv_lora).saturating_add(m.rope_dim);
+        match (self.mla, self.latent()) {
+            (Some(m), Some(l)) => {
                 // without a query latent the queries of the input first: the executor's order
                 // (`executor::nn::latent::Latent`), which ZeRO-3's per-product gathers follow
-                let down = p(LatentDown, self.d, down, Replicated, false);
+                let down = p(LatentDown, l.down[0], l.down[1], Replicated, false);
                 let (first, second) = match m.q_lora {
-                    0 => (p(Query, self.d, self.q_width, Column, false), down),
-                    r => (down, p(QueryUp, r, self.q_width, Column, false)),
+                    0 => (p(Query, l.query[0], l.query[1], Column, false), down),
+                    _ => (down, p(QueryUp, l.query[0], l.query[1], Column, false)),
                 };
-                vec![first, second, p(KvUp, m.kv_lora, kv_up, Column, false), output]
+                vec![first, second, p(KvUp, l.kv_up[0], l.kv_up[1], Column, false), output]
             }
+            _ => vec![p(Qkv, self.d, self.qkv_width, Column, self.qkv_bias), output],
         }
     }
 

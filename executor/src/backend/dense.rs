@@ -40,7 +40,7 @@ use std::any::Any;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 
-use crate::backend::kernels::{attention_at, forward_product, Kernels};
+use crate::backend::kernels::{attention_weights, forward_product, Kernels};
 
 impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
     fn sum_key(weight: &FloatTensor<Self>) -> Option<NodeId> {
@@ -109,7 +109,7 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
             None => wrapped(tracked::<I, C, _, 3>(AttentionBackward { dh, causal }, [&q, &k, &v], qkv, out)),
             Some(s) => {
                 let state = || (qkv(), s.primitive.clone());
-                wrapped(tracked::<I, C, _, 4>(SinkAttentionBackward { dh, causal }, [&q, &k, &v, s], state, out))
+                wrapped(tracked::<I, C, _, 4>(AttentionBackward { dh, causal }, [&q, &k, &v, s], state, out))
             }
         }
     }
@@ -269,73 +269,40 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
 }
 
 /// The backward of [`Kernels::attention_recomputed`]: the probabilities P recomputed from
-/// q and k, then dV = Pᵀ·dO, dS = P ⊙ (dO·vᵀ − rowsum(dO·vᵀ ⊙ P)) (the softmax's
-/// backward over the scaled scores; a masked position's P is 0, so is its dS), dQ = dS·k,
-/// dK = dSᵀ·q ([`Kernels::attention_softmax_grad`] divides by √dh).
+/// q and k (and the sinks, [`crate::backend::attention::sink_softmax`]: a sink weighs no
+/// value, so the scores' gradient keeps its form), then dV = Pᵀ·dO, dS = P ⊙ (dO·vᵀ −
+/// rowsum(dO·vᵀ ⊙ P)) (the softmax's backward over the scaled scores; a masked position's P
+/// is 0, so is its dS), dQ = dS·k, dK = dSᵀ·q ([`Kernels::attention_softmax_grad`] divides
+/// by √dh), and the sinks' gradient ([`crate::backend::attention::sink_grad`]). Three
+/// parents (q, k, v) without sinks, four with them.
 #[derive(Debug)]
 struct AttentionBackward {
     dh: usize,
     causal: crate::backend::attention::Causal,
 }
 
-impl<I: Kernels> Backward<I, 3> for AttentionBackward {
-    type State = (FloatTensor<I>, FloatTensor<I>, FloatTensor<I>);
+type Qkv<I> = (FloatTensor<I>, FloatTensor<I>, FloatTensor<I>);
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+impl AttentionBackward {
+    /// Registers, from the output's gradient `d_out`, the gradients of the parents that are
+    /// tracked (`to`: q, k, v, the sinks).
+    fn register<I: Kernels>(
+        &self,
+        grads: &mut Gradients,
+        d_out: FloatTensor<I>,
+        (q, k, v): Qkv<I>,
+        sinks: Option<FloatTensor<I>>,
+        [to_q, to_k, to_v, to_sinks]: [Option<NodeId>; 4],
+    ) {
         let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
-        let (q, k, v) = ops.state;
         let (q, k, v) = (t(q), t(k), t(v));
-        let d_out = t(grads.consume::<I>(&ops.node));
+        let sinks = sinks.map(|s| Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(s)));
+        let d_out = t(d_out);
         let mask = self.causal.as_ref().map(|m| m.mask());
-        let p = attention_at(q.clone(), k.clone(), self.dh, mask);
-        let [to_q, to_k, to_v] = ops.parents;
-        if let Some(node) = to_v {
+        let p = attention_weights(q.clone(), k.clone(), self.dh, mask, sinks);
+        if let Some(id) = to_v {
             grads.register::<I>(
-                node.id,
-                crate::backend::amp::matmul(p.clone().swap_dims(2, 3), d_out.clone()).into_primitive().tensor(),
-            );
-        }
-        if to_q.is_none() && to_k.is_none() {
-            return;
-        }
-        let dp = crate::backend::amp::matmul(d_out, v.swap_dims(2, 3));
-        let ds = I::attention_softmax_grad(p, dp, self.dh);
-        if let Some(node) = to_q {
-            grads.register::<I>(node.id, crate::backend::amp::matmul(ds.clone(), k).into_primitive().tensor());
-        }
-        if let Some(node) = to_k {
-            grads.register::<I>(node.id, crate::backend::amp::matmul(ds.swap_dims(2, 3), q).into_primitive().tensor());
-        }
-    }
-}
-
-/// The backward of [`Kernels::attention_recomputed`] with sinks: as [`AttentionBackward`]
-/// with the probabilities recomputed with the sinks
-/// ([`crate::backend::attention::sink_softmax`]; the scores' gradient has the same form, a
-/// sink weighing no value), and the sinks' gradient
-/// ([`crate::backend::attention::sink_grad`]).
-#[derive(Debug)]
-struct SinkAttentionBackward {
-    dh: usize,
-    causal: crate::backend::attention::Causal,
-}
-
-impl<I: Kernels> Backward<I, 4> for SinkAttentionBackward {
-    type State = ((FloatTensor<I>, FloatTensor<I>, FloatTensor<I>), FloatTensor<I>);
-
-    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
-        let ((q, k, v), sinks) = ops.state;
-        let (q, k, v) = (t(q), t(k), t(v));
-        let sinks = Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(sinks));
-        let d_out = t(grads.consume::<I>(&ops.node));
-        let mask = self.causal.as_ref().map(|m| m.mask());
-        let scores = crate::backend::amp::matmul(q.clone(), k.clone().swap_dims(2, 3));
-        let p = crate::backend::attention::sink_softmax(scores, self.dh, mask, sinks);
-        let [to_q, to_k, to_v, to_sinks] = ops.parents;
-        if let Some(node) = to_v {
-            grads.register::<I>(
-                node.id,
+                id,
                 crate::backend::amp::matmul(p.clone().swap_dims(2, 3), d_out.clone()).into_primitive().tensor(),
             );
         }
@@ -343,19 +310,39 @@ impl<I: Kernels> Backward<I, 4> for SinkAttentionBackward {
             return;
         }
         let dp = crate::backend::amp::matmul(d_out, v.swap_dims(2, 3));
-        if let Some(node) = to_sinks {
+        if let Some(id) = to_sinks {
             grads.register::<I>(
-                node.id,
+                id,
                 crate::backend::attention::sink_grad(p.clone(), dp.clone()).into_primitive().tensor(),
             );
         }
         let ds = I::attention_softmax_grad(p, dp, self.dh);
-        if let Some(node) = to_q {
-            grads.register::<I>(node.id, crate::backend::amp::matmul(ds.clone(), k).into_primitive().tensor());
+        if let Some(id) = to_q {
+            grads.register::<I>(id, crate::backend::amp::matmul(ds.clone(), k).into_primitive().tensor());
         }
-        if let Some(node) = to_k {
-            grads.register::<I>(node.id, crate::backend::amp::matmul(ds.swap_dims(2, 3), q).into_primitive().tensor());
+        if let Some(id) = to_k {
+            grads.register::<I>(id, crate::backend::amp::matmul(ds.swap_dims(2, 3), q).into_primitive().tensor());
         }
+    }
+}
+
+impl<I: Kernels> Backward<I, 3> for AttentionBackward {
+    type State = Qkv<I>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let d_out = grads.consume::<I>(&ops.node);
+        let [q, k, v] = ops.parents.map(|p| p.map(|n| n.id));
+        self.register::<I>(grads, d_out, ops.state, None, [q, k, v, None]);
+    }
+}
+
+impl<I: Kernels> Backward<I, 4> for AttentionBackward {
+    type State = (Qkv<I>, FloatTensor<I>);
+
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let d_out = grads.consume::<I>(&ops.node);
+        let (qkv, sinks) = ops.state;
+        self.register::<I>(grads, d_out, qkv, Some(sinks), ops.parents.map(|p| p.map(|n| n.id)));
     }
 }
 

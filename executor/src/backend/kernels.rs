@@ -120,17 +120,7 @@ pub trait Kernels: Backend {
         causal: crate::backend::attention::Causal,
         sinks: Option<Tensor<Self, 1>>,
     ) -> Tensor<Self, 4> {
-        let mask = causal.as_ref().map(|m| m.mask());
-        let p = match sinks {
-            Some(sinks) => crate::backend::attention::sink_softmax(
-                crate::backend::amp::matmul(q, k.swap_dims(2, 3)),
-                dh,
-                mask,
-                sinks,
-            ),
-            None => attention_at(q, k, dh, mask),
-        };
-        crate::backend::amp::matmul(p, v)
+        crate::backend::amp::matmul(attention_weights(q, k, dh, causal.as_ref().map(|m| m.mask()), sinks), v)
     }
 }
 
@@ -228,6 +218,23 @@ pub(crate) fn attention_at<B: Kernels>(
     mask: Option<crate::backend::attention::Mask<'_>>,
 ) -> Tensor<B, 4> {
     B::attention_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, mask)
+}
+
+/// [`attention_at`], or with `sinks` (a logit per head [heads] in every softmax) the
+/// weights of [`crate::backend::attention::sink_softmax`].
+pub(crate) fn attention_weights<B: Kernels>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    dh: usize,
+    mask: Option<crate::backend::attention::Mask<'_>>,
+    sinks: Option<Tensor<B, 1>>,
+) -> Tensor<B, 4> {
+    match sinks {
+        Some(sinks) => {
+            crate::backend::attention::sink_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, mask, sinks)
+        }
+        None => attention_at(q, k, dh, mask),
+    }
 }
 
 /// `x · w` in a forward pass: through [`Kernels::weight_product`] in fp32; in a low

@@ -12,8 +12,8 @@ use pipec_plan::model::{
     LATENT_QUERY_SLOT, Q_NORM_SLOT, SINKS_SLOT,
 };
 
-use crate::backend::attention::{repeat_heads, sink_softmax, Causal, MaskPositions};
-use crate::backend::kernels::attention_at;
+use crate::backend::attention::{repeat_heads, Causal, MaskPositions};
+use crate::backend::kernels::attention_weights;
 use crate::backend::kernels::Kernels;
 use crate::error::{ExecError, Result};
 
@@ -230,12 +230,7 @@ impl<B: Kernels> Block<B> {
         let context = if self.recompute_core {
             B::attention_recomputed(q, k, v, dh, causal, sinks)
         } else {
-            let mask = causal.as_ref().map(|m| m.mask());
-            let p = match sinks {
-                Some(sinks) => sink_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, mask, sinks),
-                None => attention_at(q, k, dh, mask),
-            };
-            crate::backend::amp::matmul(p, v)
+            crate::backend::amp::matmul(attention_weights(q, k, dh, causal.as_ref().map(|m| m.mask()), sinks), v)
         };
         Ok(context.swap_dims(1, 2).reshape([b, s, h * vh]))
     }
@@ -510,22 +505,19 @@ impl<B: Kernels> Block<B> {
         };
         Some(Block {
             norm1: Norm::of(k.norm, index, 0, d, k.eps, device),
-            qkv: match k.mla {
-                None => Projections::Fused(dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0)),
-                Some(m) => {
+            qkv: match (k.mla, k.latent()) {
+                (Some(m), Some(w)) => {
                     // the down projection and the latents' norms whole on every rank, the
                     // up projections this rank's heads
-                    let down = m.q_lora + m.kv_lora + m.rope_dim;
-                    let q_in = if m.q_lora > 0 { m.q_lora } else { d };
-                    let kv_up = k.heads * (k.head_dim + m.v_head_dim);
-                    let latents = m.q_lora + m.kv_lora;
-                    let queries = || dense(LATENT_QUERY_SLOT, q_in, k.q_width, [q_in, k.q_width / tp], None, 1.0);
+                    let column =
+                        |slot: u64, [rows, cols]: [usize; 2]| dense(slot, rows, cols, [rows, cols / tp], None, 1.0);
+                    let queries = || column(LATENT_QUERY_SLOT, w.query);
                     Projections::Latent(Latent {
                         input_queries: (m.q_lora == 0).then(queries),
-                        down: dense(LATENT_DOWN_SLOT, d, down, [d, down], None, 1.0),
-                        norms: param(pid(index, LATENT_NORMS_SLOT), vec![1.0; latents], [latents], device),
+                        down: dense(LATENT_DOWN_SLOT, w.down[0], w.down[1], w.down, None, 1.0),
+                        norms: param(pid(index, LATENT_NORMS_SLOT), vec![1.0; w.norms], [w.norms], device),
                         latent_queries: (m.q_lora > 0).then(queries),
-                        kv_up: dense(LATENT_KV_UP_SLOT, m.kv_lora, kv_up, [m.kv_lora, kv_up / tp], None, 1.0),
+                        kv_up: column(LATENT_KV_UP_SLOT, w.kv_up),
                         q_lora: m.q_lora,
                         kv_lora: m.kv_lora,
                         rope_dim: m.rope_dim,
@@ -533,6 +525,7 @@ impl<B: Kernels> Block<B> {
                         v_head: m.v_head_dim,
                     })
                 }
+                _ => Projections::Fused(dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0)),
             },
             q_norm: k.qk_norm.then(|| Norm::of(NormKind::RmsNorm, index, Q_NORM_SLOT, k.qk_head, k.eps, device)),
             k_norm: k.qk_norm.then(|| Norm::of(NormKind::RmsNorm, index, K_NORM_SLOT, k.qk_head, k.eps, device)),

@@ -10,7 +10,7 @@ use burn::prelude::*;
 
 use crate::backend::kernels::Kernels;
 use crate::error::{ExecError, Result};
-use crate::nn::parts::Dense;
+use crate::nn::parts::{rms_norm, Dense};
 
 /// A block's latent projections; the tensor-parallel rank's heads of the up projections,
 /// the down projection and the latents' norms whole on every rank (Megatron-LM duplicates
@@ -68,13 +68,13 @@ impl<B: Kernels> Latent<B> {
         let queries = match (of_input, &self.latent_queries) {
             (Some(q), _) => q,
             (None, Some(p)) => {
-                p.forward3(self.rms(down.clone().narrow(2, 0, q_lora), gains.clone().narrow(0, 0, q_lora)))
+                p.forward3(rms_norm(down.clone().narrow(2, 0, q_lora), gains.clone().narrow(0, 0, q_lora), LATENT_EPS))
             }
             (None, None) => {
                 return Err(ExecError::Plan("a latent block's queries come from its input or its query latent".into()))
             }
         };
-        let kv_latent = self.rms(down.clone().narrow(2, q_lora, kv_lora), gains.narrow(0, q_lora, kv_lora));
+        let kv_latent = rms_norm(down.clone().narrow(2, q_lora, kv_lora), gains.narrow(0, q_lora, kv_lora), LATENT_EPS);
         let shared = down.narrow(2, q_lora + kv_lora, rope).reshape([b, s, 1, rope]).repeat_dim(2, heads);
         let kv = self.kv_up.forward3(kv_latent).reshape([b, s, heads, self.head_dim + self.v_head]);
         let keys = Tensor::cat(vec![kv.clone().narrow(3, 0, self.head_dim), shared], 3).reshape([
@@ -84,12 +84,5 @@ impl<B: Kernels> Latent<B> {
         ]);
         let values = kv.narrow(3, self.head_dim, self.v_head).reshape([b, s, heads * self.v_head]);
         Ok(Tensor::cat(vec![queries, keys, values], 2))
-    }
-
-    /// RMSNorm of `x` [batch, seq, n] with the gains `gain` [n]: x / √(mean(x²) + ε) · gain.
-    fn rms(&self, x: Tensor<B, 3>, gain: Tensor<B, 1>) -> Tensor<B, 3> {
-        let n = gain.dims()[0];
-        let ms = x.clone().powi_scalar(2).mean_dim(2);
-        x / (ms + LATENT_EPS).sqrt() * gain.reshape([1, 1, n])
     }
 }

@@ -237,12 +237,18 @@ impl<B: Backend> Norm<B> {
                 let normed = centered / (var + self.eps).sqrt();
                 normed * self.gamma.val().reshape(shape) + beta.val().reshape(shape)
             }
-            None => {
-                let ms = x.clone().powi_scalar(2).mean_dim(D - 1);
-                x / (ms + self.eps).sqrt() * self.gamma.val().reshape(shape)
-            }
+            None => rms_norm(x, self.gamma.val(), self.eps),
         }
     }
+}
+
+/// RMSNorm over the last dimension of `x` with the gains `gain`: x / √(mean(x²) + ε) · gain
+/// (a [`Norm`]'s without a bias; multi-head latent attention's latents').
+pub(crate) fn rms_norm<B: Backend, const D: usize>(x: Tensor<B, D>, gain: Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
+    let mut shape = [1usize; D];
+    shape[D - 1] = gain.dims()[0];
+    let ms = x.clone().powi_scalar(2).mean_dim(D - 1);
+    x / (ms + eps).sqrt() * gain.reshape(shape)
 }
 
 /// What a stage's forward collects beside its output.

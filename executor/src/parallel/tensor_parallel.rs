@@ -178,7 +178,7 @@ pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections
             }
             (Split::Block, Op::TransformerBlock { .. }) => {
                 let Some(b) = op.block_dims() else { continue };
-                match b.mla {
+                match b.latent() {
                     None => {
                         let qkv = [b.q_width, b.kv_width, b.kv_width];
                         out.insert(id(k, 2), Sharding::Parts { rows: b.d, widths: qkv });
@@ -186,17 +186,13 @@ pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections
                     }
                     // multi-head latent attention: the up projections by heads (the down
                     // projection and the latents' norms whole)
-                    Some(m) => {
-                        let q_in = if m.q_lora > 0 { m.q_lora } else { b.d };
-                        let kv_up = b.heads * (b.head_dim + m.v_head_dim);
-                        out.insert(
-                            id(k, pipec_plan::model::LATENT_QUERY_SLOT),
-                            Sharding::Columns { rows: q_in, cols: b.q_width },
-                        );
-                        out.insert(
-                            id(k, pipec_plan::model::LATENT_KV_UP_SLOT),
-                            Sharding::Columns { rows: m.kv_lora, cols: kv_up },
-                        );
+                    Some(w) => {
+                        for (slot, [rows, cols]) in [
+                            (pipec_plan::model::LATENT_QUERY_SLOT, w.query),
+                            (pipec_plan::model::LATENT_KV_UP_SLOT, w.kv_up),
+                        ] {
+                            out.insert(id(k, slot), Sharding::Columns { rows, cols });
+                        }
                     }
                 }
                 out.insert(id(k, 4), Sharding::Rows);

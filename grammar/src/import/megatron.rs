@@ -58,6 +58,7 @@ const IGNORED: &[&str] = &[
     "--empty-unused-memory-level",
     "--exit-duration-in-mins",
     "--cross-entropy-loss-fusion",
+    "--no-rope-fusion",
     "--make-vocab-size-divisible-by",
     "--overlap-grad-reduce",
     "--overlap-param-gather",
@@ -476,8 +477,6 @@ fn attention(a: &mut Args, d: usize, heads: usize) -> Result<AttentionFacts, Str
         }
     };
     let mla = if a.has("--multi-latent-attention") {
-        // (its rotary kernel fused or not: the same numbers)
-        let _ = a.has("--no-rope-fusion");
         if a.text("--rope-type").as_deref().unwrap_or("yarn") != "rope" {
             return Err("multi-head latent attention with YaRN (`--rope-type yarn`, Megatron-LM's default for it): its softmax scale is not pipec's; write `--rope-type rope`".into());
         }

@@ -48,13 +48,7 @@ fn the_attention_core_recomputed_in_the_backward_has_the_kept_cores_gradients() 
                 B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal.clone(), s.clone())
             } else {
                 let mask = causal.as_ref().map(|m| m.mask());
-                let p = match s.clone() {
-                    Some(s) => {
-                        crate::backend::attention::sink_softmax(q.clone().matmul(k.clone().swap_dims(2, 3)), 4, mask, s)
-                    }
-                    None => attention_at(q.clone(), k.clone(), 4, mask),
-                };
-                p.matmul(v.clone())
+                attention_weights(q.clone(), k.clone(), 4, mask, s.clone()).matmul(v.clone())
             };
             let grads = (out.clone() * weights.clone()).sum().backward();
             let g = |t: &Tensor<B, 4>| t.grad(&grads).expect("a gradient").into_data();
