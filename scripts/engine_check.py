@@ -20,13 +20,14 @@ changes a layout rule:
 """
 import json
 import os
+import shlex
 import sys
 
 
 def megatron(folder, want, world):
     os.environ["WORLD_SIZE"] = str(world)
     os.environ.setdefault("RANK", "0")
-    args_txt = open(os.path.join(folder, "args.txt")).read().split()
+    args_txt = shlex.split(open(os.path.join(folder, "args.txt")).read())
     fsdp = "--use-megatron-fsdp" in args_txt
     if fsdp:
         os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)

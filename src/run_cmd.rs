@@ -1083,6 +1083,7 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
             // multi-head latent attention runs (the deepseek-v3 fixture against transformers)
             Feature::LatentAttention => false,
             Feature::BlockDropout
+            | Feature::ExpertBias
             | Feature::BlockRecompute
             | Feature::ActivationOffload
             | Feature::OptimizerStatePrecision

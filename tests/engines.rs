@@ -757,3 +757,63 @@ fn todays_attention_shapes_are_emitted_for_megatron_read_back_and_refused_by_tor
     let e = emitted(&yarn, Engine::Megatron, "args.txt").expect_err("refused");
     assert!(e.contains("rope_scaling=yarn"), "{e}");
 }
+
+#[test]
+fn deepseeks_routing_and_dense_first_blocks_are_emitted_for_megatron_and_read_back() {
+    // a DeepSeek-V3 in miniature: one dense block, then mixtures of 8 experts with a shared
+    // one, sigmoid scores with a fixed expert bias, 2 of 4 groups, weights scaled by 2.5
+    use pipec_grammar::import::megatron;
+    let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example");
+    let plain = "    - repeat 2: transformer_block(d=64, heads=4, ff=172, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)";
+    assert!(text.contains(plain), "specs/llama-tiny.yaml's block changed");
+    let attention = "d=64, heads=4, causal=true, head_dim=16, kv_lora=32, q_lora=48, rope_dim=8, v_head_dim=16, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false";
+    let routing = "experts=8, top_k=4, shared_experts=1, router=sigmoid, route_scale=2.5, route_groups=4, route_group_top=2, expert_bias=true";
+    let blocks = format!(
+        "    - repeat 1: transformer_block({attention}, ff=172)\n    - repeat 3: transformer_block({attention}, ff=32, {routing})"
+    );
+    let plan = plan_of(&text.replacen(plain, &blocks, 1).replacen("stages: \"1-1\"", "stages: \"2\"", 1));
+    let shape = plan.gpt_shape().expect("dense blocks first, then experts: a language model");
+    assert_eq!((shape.layers, shape.dense, shape.dense_ff, shape.block.ff), (4, 1, 172, 32));
+    let m = shape.moe().expect("experts");
+    assert_eq!((m.groups, m.group_top, m.scale, m.expert_bias), (4, 2, 2.5, true));
+    let files = pipec_plan::engine::emit::emit(&plan, &EngineTarget::newest(Engine::Megatron)).expect("megatron");
+    let file = |name: &str| files.iter().find(|(f, _)| f == name).map(|(_, t)| t.clone()).expect("emitted");
+    let args = file("args.txt");
+    for f in [
+        "--ffn-hidden-size 172",
+        "--moe-ffn-hidden-size 32",
+        "--moe-layer-freq \"([0]*1+[1]*3)\"",
+        "--moe-router-score-function sigmoid",
+        "--moe-router-topk-scaling-factor 2.5",
+        "--moe-router-num-groups 4",
+        "--moe-router-group-topk 2",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate 0",
+    ] {
+        assert!(args.contains(f), "{f}: {args}");
+    }
+    // the script quotes the pattern for the shell, and the import reads both back
+    assert!(file("train.sh").contains("--moe-layer-freq \"([0]*1+[1]*3)\""));
+    for text in [args.clone(), file("train.sh")] {
+        let back = imported_plan(megatron::import(&text, "back", Some(plan.devices.len())));
+        assert_eq!(back.gpt_shape(), Some(shape), "{text}");
+    }
+    // Megatron-LM moves its expert bias after every step unless the rate is 0; another
+    // pattern of dense and expert blocks than dense-first is refused by name
+    let moving = args.replace("--moe-router-bias-update-rate 0", "--moe-router-bias-update-rate 1e-3");
+    let e = megatron::import(&moving, "back", Some(2)).expect_err("a moving bias");
+    assert!(e.contains("pipec's expert bias is fixed"), "{e}");
+    let alternating = args.replace("\"([0]*1+[1]*3)\"", "\"([0]*1+[1]*1)*2\"");
+    let e = megatron::import(&alternating, "back", Some(2)).expect_err("alternating");
+    assert!(e.contains("--moe-layer-freq"), "{e}");
+    // sigmoid scores Megatron-LM always renormalises: not renormalised is refused
+    let unnormalised =
+        plan_of(
+            &text
+                .replacen(plain, &blocks.replace("router=sigmoid, ", "router=sigmoid, norm_topk=false, "), 1)
+                .replacen("stages: \"1-1\"", "stages: \"2\"", 1),
+        );
+    let e = pipec_plan::engine::emit::emit(&unnormalised, &EngineTarget::newest(Engine::Megatron))
+        .expect_err("no flag for it");
+    assert!(e.contains("norm_topk=false"), "{e}");
+}

@@ -268,7 +268,7 @@ fn inception_modules_concatenate_their_branches() {
 
 #[test]
 fn a_mixture_of_experts_setting_on_a_block_without_experts_is_warned_once_at_its_argument() {
-    let src = "name: g\nmodel:\n  input: [16]\n  layers:\n    - embedding(50, 32)\n    - repeat 3: transformer_block(d=32, heads=4, ff=64, causal=true, top_k=2, capacity=1.25)\n    - linear(32, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { kind: cpu, memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 1us }\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
+    let src = "name: g\nmodel:\n  input: [16]\n  layers:\n    - embedding(50, 32)\n    - repeat 3: transformer_block(d=32, heads=4, ff=64, causal=true, top_k=2, capacity=1.25, route_scale=2.5)\n    - linear(32, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { kind: cpu, memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 1us }\nstrategy:\n  stages: straight\n  schedule: gpipe\n  microbatches: 1\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
     let result = check_source_in(src, None);
     assert!(!result.has_errors(), "{:?}", result.diagnostics);
     let warned: Vec<(&str, &str)> = result
@@ -283,13 +283,14 @@ fn a_mixture_of_experts_setting_on_a_block_without_experts_is_warned_once_at_its
         vec![
             ("`top_k` applies only to a mixture of experts, and this block has none", "2"),
             ("`capacity` applies only to a mixture of experts, and this block has none", "1.25"),
+            ("`route_scale` applies only to a mixture of experts, and this block has none", "2.5"),
         ]
     );
     // with experts, the same arguments are the mixture's and nothing is warned
     let moe = src.replace("top_k=2", "experts=4, top_k=2");
     assert!(check_source_in(&moe, None).diagnostics.iter().all(|d| d.code != "W0314"));
     // multi-head latent attention's sizes without its latent, likewise
-    let mla = moe.replace("causal=true", "causal=true, rope_dim=4, v_head_dim=8");
+    let mla = moe.replace("causal=true", "causal=true, rope_dim=4, v_head_dim=8, rope_mscale_all_dim=1");
     let warned: Vec<String> = check_source_in(&mla, None)
         .diagnostics
         .iter()
@@ -300,7 +301,8 @@ fn a_mixture_of_experts_setting_on_a_block_without_experts_is_warned_once_at_its
         warned,
         vec![
             "`rope_dim` applies only to multi-head latent attention, and this block has none",
-            "`v_head_dim` applies only to multi-head latent attention, and this block has none"
+            "`v_head_dim` applies only to multi-head latent attention, and this block has none",
+            "`rope_mscale_all_dim` applies only to multi-head latent attention, and this block has none"
         ]
     );
     let latent = mla.replace("rope_dim=4", "kv_lora=16, rope_dim=4");

@@ -1325,6 +1325,39 @@ fn mixture_of_experts_blocks_equal_one_device_on_pipelines_and_replicas() {
 }
 
 #[test]
+fn deepseek_v3s_routing_and_yarn_scaled_latent_attention_train_to_one_devices_numbers() {
+    // a dense latent block, then a mixture of 8 experts and a shared one (and a small
+    // balancing loss, which the comparison reads): sigmoid scores,
+    // each token's 4 experts from its 2 best of 4 groups, weights times 2.5; YaRN's mscale²
+    // on the softmax (the deepseek-v3-moe fixture's shape against transformers:
+    // executor/src/nn/hf_reference.rs)
+    let attention = "heads=4, causal=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, head_dim=4, kv_lora=8, q_lora=8, rope_dim=4, v_head_dim=6, rope_scaling=yarn, rope_factor=4, rope_original=8, rope_attention_factor=1, rope_mscale_all_dim=1";
+    let layers = format!(
+        "- embedding(50, 16) as tokens\n    - transformer_block(d=16, ff=24, {attention})\n    - transformer_block(d=16, ff=8, {attention}, experts=8, top_k=4, shared_experts=1, router=sigmoid, route_scale=2.5, route_groups=4, route_group_top=2, aux_loss=0.01)\n    - rmsnorm\n    - linear(16, 50, bias=false, tie=tokens)"
+    );
+    let job = |devices, stages, schedule| expert_job(devices, stages, schedule, &layers, 4);
+    let reference = train(&plan(&job(1, "\"1\"", "gpipe")));
+    for (devices, stages, schedule) in [
+        (2, "\"2\"\n  ep: 2", "gpipe"),
+        (4, "\"2-2\"\n  ep: 2\n  zero: 3", "1f1b"),
+        (2, "\"1\"\n  cp: 2\n  cp_comm: ring", "gpipe"),
+    ] {
+        let got = train(&plan(&job(devices, stages, schedule)));
+        assert_same_experts(&reference, &got, &format!("{schedule} {stages}"));
+    }
+    // tensor parallelism splits the experts without the balancing loss
+    let unbalanced = layers.replace(", aux_loss=0.01", "");
+    assert_same_as_one_device(Job {
+        devices: 2,
+        stages: "\"1\"\n  tp: 2",
+        schedule: "gpipe",
+        optimizer: ADAM,
+        layers: &unbalanced,
+        ..Job::default()
+    });
+}
+
+#[test]
 fn expert_parallel_groups_train_equal_to_one_device() {
     // 8 experts, top 2, a shared expert and the load-balancing loss; then a capacity that
     // drops tokens and a sigmoid router

@@ -390,6 +390,10 @@ mod tests {
                 norm_topk: true,
                 aux_loss: 0.0,
                 skew: 1.0,
+                scale: 1.0,
+                groups: 0,
+                group_top: 0,
+                expert_bias: false,
             });
         }
         let b = op.block_dims().expect("block");

@@ -167,34 +167,77 @@ impl ClusterGraph {
     }
 }
 
-/// The experts each token chooses where the spec dispatches them as DeepEP does
+/// What DeepEP's dispatch is priced with: the experts each token chooses, and the
+/// group-limited routing that bounds the groups they come from (`route_groups`,
+/// `route_group_top`; 0: none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeepEpRouting {
+    pub top_k: usize,
+    pub groups: usize,
+    pub group_top: usize,
+}
+
+impl DeepEpRouting {
+    /// Routing over every expert: `top_k` choices, no groups.
+    pub fn choices(top_k: usize) -> DeepEpRouting {
+        DeepEpRouting { top_k, groups: 0, group_top: 0 }
+    }
+
+    /// The distinct nodes of `q` (holding the experts in order, an equal share each) a
+    /// token's choices reach, routing uniform: q(1 − (1 − 1/q)^top_k) over every expert;
+    /// with groups that nest in the nodes (G a multiple of q, G/q groups a node) at most
+    /// the nodes holding the token's `group_top` groups, q(1 − C(G − G/q, g)/C(G, g)) for g
+    /// groups drawn uniformly, each giving at least one expert (DeepSeek-V3's node-limited
+    /// routing: 8 groups, 4 chosen, on 8 nodes: 4 nodes where unlimited choices reach 5.25).
+    pub fn distinct_nodes(&self, q: usize) -> f64 {
+        let qf = q as f64;
+        let uniform = qf * (1.0 - (1.0 - 1.0 / qf).powf(self.top_k.max(1) as f64));
+        let (g, chosen) = (self.groups, self.group_top);
+        if g < q || !g.is_multiple_of(q.max(1)) || chosen == 0 || chosen > g {
+            return uniform;
+        }
+        let per_node = g / q;
+        // C(G − m, g) / C(G, g): no chosen group on a given node
+        let missed: f64 = (0..chosen)
+            .map(|i| if g < per_node + i + 1 { 0.0 } else { (g - per_node - i) as f64 / (g - i) as f64 })
+            .product();
+        uniform.min(qf * (1.0 - missed))
+    }
+}
+
+/// How the spec's expert exchanges are priced where it dispatches them as DeepEP does
 /// (`moe_dispatch: deepep`): what [`ClusterGraph::node_forwarded_time`] prices an expert
-/// exchange with (the largest `top_k` of the model's blocks); None: plain all-to-alls.
-pub(crate) fn deepep_top_k(spec: &pipec_grammar::spec::Spec) -> Option<usize> {
+/// exchange with (the model's block with the most choices); None: plain all-to-alls.
+pub(crate) fn deepep_routing(spec: &pipec_grammar::spec::Spec) -> Option<DeepEpRouting> {
     if spec.strategy.moe_dispatch != pipec_plan::vocab::MoeDispatch::DeepEp {
         return None;
     }
-    spec.model.layers.iter().filter_map(|l| l.op.moe()).map(|m| m.top_k).max()
+    spec.model.layers.iter().filter_map(|l| l.op.moe()).max_by_key(|m| m.top_k).map(|m| DeepEpRouting {
+        top_k: m.top_k,
+        groups: m.groups,
+        group_top: m.group_top,
+    })
 }
 
 impl ClusterGraph {
     /// Expert parallelism's dispatch (or combine) of `bytes` per member over `members` as
     /// DeepEP runs it (DeepSeek-AI 2024, DeepSeek-V3 technical report, arXiv 2412.19437,
     /// §3.2.2; the DeepEP library): a token crosses the network once per destination node
-    /// its `top_k` experts lie on, to the device of its own index there, which forwards it
-    /// over NVLink to that node's chosen experts. Of the copies a plain all-to-all sends
-    /// across nodes (top_k·(q−1)/q per token, routing uniform over q nodes), DeepEP sends
-    /// the distinct nodes hit, (q−1)(1 − (1 − 1/q)^top_k); within a node the forwarded
-    /// copies join the node's own. The slower of the two parts sets the time.
-    pub fn node_forwarded_time(&self, members: &[DeviceId], bytes: u64, top_k: usize) -> f64 {
+    /// its experts lie on, to the device of its own index there, which forwards it over
+    /// NVLink to that node's chosen experts. Of the copies a plain all-to-all sends across
+    /// nodes (top_k·(q−1)/q per token, routing uniform over q nodes), DeepEP sends the
+    /// distinct nodes hit ([`DeepEpRouting::distinct_nodes`], fewer under node-limited
+    /// routing) but its own; within a node the forwarded copies join the node's own. The
+    /// slower of the two parts sets the time.
+    pub fn node_forwarded_time(&self, members: &[DeviceId], bytes: u64, routing: DeepEpRouting) -> f64 {
         let shape = self.group_shape(members);
         let (p, q, k) = (shape.members, shape.nodes, shape.per_node);
         if q <= 1 || k <= 1 {
             return self.shaped_collective_time(CollectiveKind::AllToAll, shape, bytes);
         }
         let chunk = bytes as f64 / p as f64;
-        let (qf, choices) = (q as f64, top_k.max(1) as f64);
-        let once_per_node = (qf * (1.0 - (1.0 - 1.0 / qf).powf(choices)) / choices).min(1.0);
+        let choices = routing.top_k.max(1) as f64;
+        let once_per_node = (routing.distinct_nodes(q) / choices).min(1.0);
         let remote = (p - k) as f64;
         let across = remote * self.inter.latency
             + remote * chunk * once_per_node / (self.inter.bandwidth * self.inter.efficiency);
@@ -366,18 +409,42 @@ mod tests {
         let chunk = n / 16.0;
         let across = 8.0 * 6e-6 + 8.0 * chunk * once / 22.5e9;
         let within = 7.0 * 3e-6 + 15.0 * chunk / 225e9;
-        let deepep = c.node_forwarded_time(&members, n as u64, 8);
+        let deepep = c.node_forwarded_time(&members, n as u64, DeepEpRouting::choices(8));
         assert!((deepep - across.max(within)).abs() < 1e-12, "{deepep}");
         assert!(deepep < plain / 3.5, "{deepep} against {plain}");
         // one choice per token: nothing to share, the interface carries what it did
-        let one = c.node_forwarded_time(&members, n as u64, 1);
+        let one = c.node_forwarded_time(&members, n as u64, DeepEpRouting::choices(1));
         assert!((one - (8.0 * 6e-6 + 8.0 * chunk / 22.5e9).max(within)).abs() < 1e-12);
         // inside a node: the all-to-all itself
         let node: Vec<DeviceId> = (0..8).map(DeviceId).collect();
         assert_eq!(
-            c.node_forwarded_time(&node, n as u64, 8),
+            c.node_forwarded_time(&node, n as u64, DeepEpRouting::choices(8)),
             c.collective_time(CollectiveKind::AllToAll, &node, n as u64)
         );
+    }
+
+    #[test]
+    fn node_limited_routing_bounds_the_nodes_a_token_reaches() {
+        // DeepSeek-V3: 8 of 256 experts per token; over 8 nodes unlimited choices reach
+        // 8(1 − (7/8)^8) = 5.25 nodes, its 4 of 8 groups (one a node) 8(1 − C(7,4)/C(8,4)) = 4
+        let v3 = DeepEpRouting { top_k: 8, groups: 8, group_top: 4 };
+        let unlimited = 8.0 * (1.0 - (7.0f64 / 8.0).powi(8));
+        assert!((DeepEpRouting::choices(8).distinct_nodes(8) - unlimited).abs() < 1e-12);
+        assert!((v3.distinct_nodes(8) - 4.0).abs() < 1e-12, "{}", v3.distinct_nodes(8));
+        // two groups a node on 4 nodes: 4(1 − C(6,4)/C(8,4)) = 4(1 − 15/70)
+        assert!((v3.distinct_nodes(4) - 4.0 * (1.0 - 15.0 / 70.0)).abs() < 1e-12);
+        // groups that do not nest in the nodes bound nothing
+        assert_eq!(v3.distinct_nodes(16), DeepEpRouting::choices(8).distinct_nodes(16));
+        // priced: 64 members on 8 nodes, the interface's part in proportion
+        let c = cluster(8, 8);
+        let members: Vec<DeviceId> = (0..64).map(DeviceId).collect();
+        let (n, chunk) = (8.0e8, 8.0e8 / 64.0);
+        let across = |nodes: f64| 56.0 * 6e-6 + 56.0 * chunk * nodes / 8.0 / 22.5e9;
+        let within = 7.0 * 3e-6 + 63.0 * chunk / 225e9;
+        for (routing, nodes) in [(DeepEpRouting::choices(8), unlimited), (v3, 4.0)] {
+            let t = c.node_forwarded_time(&members, n as u64, routing);
+            assert!((t - across(nodes).max(within)).abs() < 1e-12, "{routing:?}: {t}");
+        }
     }
 
     #[test]

@@ -934,6 +934,10 @@ mod tests {
                     norm_topk: true,
                     aux_loss,
                     skew: 1.0,
+                    scale: 1.0,
+                    groups: 0,
+                    group_top: 0,
+                    expert_bias: false,
                 });
             }
             node(op, vec![8192, 4096])
@@ -996,6 +1000,10 @@ mod tests {
             norm_topk: true,
             aux_loss: 0.0,
             skew,
+            scale: 1.0,
+            groups: 0,
+            group_top: 0,
+            expert_bias: false,
         };
         if let Op::TransformerBlock { moe: m, .. } = &mut op {
             *m = Some(moe(1.0));
@@ -1083,6 +1091,10 @@ mod tests {
                     norm_topk: true,
                     aux_loss: 0.01,
                     skew: 1.0,
+                    scale: 1.0,
+                    groups: 0,
+                    group_top: 0,
+                    expert_bias: false,
                 });
             }
             b

@@ -183,10 +183,10 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // a collective over `members`: as the cluster prices it, except expert parallelism's
     // exchanges under DeepEP's dispatch (one copy per destination node), priced as the
     // simulator prices the plan's all-to-alls (`PlanCost::collective`)
-    let deepep = crate::cluster::deepep_top_k(spec);
+    let deepep = crate::cluster::deepep_routing(spec);
     let exchange = |k: CollectiveKind, members: &[pipec_plan::DeviceId], bytes: u64| -> f64 {
         match deepep.filter(|_| k == CollectiveKind::AllToAll) {
-            Some(top_k) => model.cluster.node_forwarded_time(members, bytes, top_k),
+            Some(routing) => model.cluster.node_forwarded_time(members, bytes, routing),
             None => model.cluster.collective_time(k, members, bytes),
         }
     };

@@ -30,7 +30,7 @@ pub(crate) struct PlanCost<'a> {
     ep: usize,
     /// `moe_dispatch: deepep`: the experts each token chooses (the all-to-alls are priced
     /// as DeepEP sends them, `ClusterGraph::node_forwarded_time`); None: plain all-to-alls.
-    deepep_top_k: Option<usize>,
+    deepep: Option<crate::cluster::DeepEpRouting>,
     chunks: pipec_plan::schedule::ChunkPlacement,
     /// The overlapped forward–backward pairs: DualPipe's, or Megatron-LM's combined 1F1B
     /// under `ep_overlap` (`Strategy::pairing`).
@@ -70,7 +70,7 @@ impl<'a> PlanCost<'a> {
             stage_cp: &stages.cp_times,
             expert_groups: HashMap::new(),
             ep: spec.strategy.ep.max(1),
-            deepep_top_k: crate::cluster::deepep_top_k(spec),
+            deepep: crate::cluster::deepep_routing(spec),
             chunks: spec.strategy.schedule.kind.chunk_placement(),
             pairing: spec.strategy.pairing(),
             stage_update: &stages.update,
@@ -286,8 +286,8 @@ impl CostModel for PlanCost<'_> {
     }
     fn collective(&self, kind: CollectiveKind, group: GroupId, members: &[DeviceId], bytes: u64) -> f64 {
         let members = self.summed_over.get(&group).map_or(members, Vec::as_slice);
-        if let (CollectiveKind::AllToAll, Some(top_k)) = (kind, self.deepep_top_k) {
-            return self.cluster.node_forwarded_time(members, bytes, top_k);
+        if let (CollectiveKind::AllToAll, Some(routing)) = (kind, self.deepep) {
+            return self.cluster.node_forwarded_time(members, bytes, routing);
         }
         let shape = *self.shapes.borrow_mut().entry(group).or_insert_with(|| self.cluster.group_shape(members));
         let time = |members: &[DeviceId], shape: GroupShape, bytes: u64| match kind {

@@ -168,8 +168,8 @@ pub const LAYERS: &[LayerDoc] = &[
     },
     LayerDoc {
         name: "transformer_block",
-        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5, post_norm=false, experts=0, top_k=2, shared_experts=0, capacity=0, router=softmax, norm_topk=true, aux_loss=0, skew=1, head_dim=d/heads, qk_norm=false, window=0, sinks=false, kv_lora=0, q_lora=0, rope_dim=0, v_head_dim=head_dim, dropout=0, rope_scaling=none, rope_factor=1, rope_original=0, rope_low_freq=1, rope_high_freq=4, rope_beta_fast=32, rope_beta_slow=1, rope_attention_factor=0, rope_truncate=true)",
-        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε. `post_norm=true` puts each norm after its residual sum (BERT): norm(x + attention(x)), then norm(h + mlp(h)). `experts=E` makes the MLP a mixture of experts (Mixtral, DeepSeek): a router (a linear gate without bias, d → E; `router=softmax` or `sigmoid`) sends each token to its `top_k` best-scored experts, each an MLP like the dense one, and sums their outputs weighted by the scores (divided by their sum with `norm_topk=true`); `shared_experts` more experts take every token; `capacity=c` lets an expert take at most ⌈c · tokens · top_k / E⌉ of a microbatch's tokens, dropping the later tokens beyond it (0: none dropped); `aux_loss` is the load-balancing loss's weight (Switch Transformer's α; 0, the default, adds none); `skew=f` is what the prediction assumes of the routing: the busiest expert takes f times the mean share of the choices (1, the default: uniform; at most experts/top_k). Today's attention shapes: `head_dim=n` gives each head n features whatever d/heads is (Qwen3: 128 on d=2048 with 32 heads); `qk_norm=true` normalises each head's queries and keys (an RMSNorm, a gain per head feature, before the rotary embeddings: Qwen3, OLMo 2); `window=w` is sliding-window attention (each position attends to itself and the w − 1 before it; needs `causal=true`); `sinks=true` adds a learned logit per head to every softmax's normaliser (GPT-OSS). `kv_lora=r` makes the attention DeepSeek's multi-head latent attention: keys and values come from a shared latent of r features (and a rotary key part of `rope_dim` features shared by the heads), queries from a latent of `q_lora` features (0: from the input); each query and key head has `head_dim` features without rotary embeddings and `rope_dim` with them, each value head `v_head_dim` (DeepSeek-V3: kv_lora=512, q_lora=1536, head_dim=128, rope_dim=64, v_head_dim=128). `dropout=p` drops the attention's probabilities and each residual branch's output with probability p (GPT-2's and GPT-3's 0.1; planned and priced, which pipec's executor does not run yet). `rope_scaling=` scales the rotary frequencies for a context longer than the pretrained one, as Hugging Face's `rope_type`s: `linear` (every frequency over `rope_factor`), `dynamic` (NTK: the base raised once the sequence is longer than `rope_original`), `yarn` (frequencies that turn fewer than `rope_beta_slow` times over `rope_original` positions divided by `rope_factor`, more than `rope_beta_fast` times kept, a ramp between; cosines and sines times `rope_attention_factor`, 0: 0.1·ln(factor) + 1; `rope_truncate` rounds the ramp's ends) or `llama3` (Llama 3.1: wavelengths above rope_original/rope_low_freq divided by `rope_factor`, below rope_original/rope_high_freq kept, blended between; Llama 3.1: rope_factor=8, rope_low_freq=1, rope_high_freq=4, rope_original=8192).",
+        signature: "transformer_block(d, heads, ff, causal=false, kv_heads=heads, norm=layernorm, mlp=gelu, rope=0, bias=true, qkv_bias=bias, eps=1e-5, post_norm=false, experts=0, top_k=2, shared_experts=0, capacity=0, router=softmax, norm_topk=true, aux_loss=0, skew=1, head_dim=d/heads, qk_norm=false, window=0, sinks=false, kv_lora=0, q_lora=0, rope_dim=0, v_head_dim=head_dim, dropout=0, rope_scaling=none, rope_factor=1, rope_original=0, rope_low_freq=1, rope_high_freq=4, rope_beta_fast=32, rope_beta_slow=1, rope_attention_factor=0, rope_truncate=true, route_scale=1, route_groups=0, route_group_top=0, expert_bias=false, rope_mscale_all_dim=0)",
+        doc: "Pre-norm transformer block on [sequence, d]: self-attention with `heads` heads and an MLP of width `ff`, each with a residual connection. `causal=true` lets each position attend only to itself and earlier positions (a GPT decoder block). A Llama-style block: `kv_heads` key/value heads shared by groups of query heads (grouped-query attention; 1 is multi-query), `norm=rmsnorm`, `mlp=swiglu` (or `geglu`; `gelu_tanh` is GPT-2's GELU), `rope=θ` rotary position embeddings of base θ on queries and keys, `bias=false` (no biases on the projections; `qkv_bias=true` keeps the query/key/value ones, as Qwen2), `eps` the norms' ε. `post_norm=true` puts each norm after its residual sum (BERT): norm(x + attention(x)), then norm(h + mlp(h)). `experts=E` makes the MLP a mixture of experts (Mixtral, DeepSeek): a router (a linear gate without bias, d → E; `router=softmax` or `sigmoid`) sends each token to its `top_k` best-scored experts, each an MLP like the dense one, and sums their outputs weighted by the scores (divided by their sum with `norm_topk=true`); `shared_experts` more experts take every token; `capacity=c` lets an expert take at most ⌈c · tokens · top_k / E⌉ of a microbatch's tokens, dropping the later tokens beyond it (0: none dropped); `aux_loss` is the load-balancing loss's weight (Switch Transformer's α; 0, the default, adds none); `skew=f` is what the prediction assumes of the routing: the busiest expert takes f times the mean share of the choices (1, the default: uniform; at most experts/top_k). DeepSeek-V3's routing: `route_scale=s` multiplies the chosen experts' weights by s (after `norm_topk`; `routed_scaling_factor` 2.5); `route_groups=G, route_group_top=g` split the experts into G equal groups and let each token choose only among the experts of its g best groups, a group scored by the sum of its top_k/g best scores (`n_group` 8, `topk_group` 4); `expert_bias=true` adds a fixed bias per expert to the sigmoid scores when choosing, not when weighting (`e_score_correction_bias`, auxiliary-loss-free balancing). Today's attention shapes: `head_dim=n` gives each head n features whatever d/heads is (Qwen3: 128 on d=2048 with 32 heads); `qk_norm=true` normalises each head's queries and keys (an RMSNorm, a gain per head feature, before the rotary embeddings: Qwen3, OLMo 2); `window=w` is sliding-window attention (each position attends to itself and the w − 1 before it; needs `causal=true`); `sinks=true` adds a learned logit per head to every softmax's normaliser (GPT-OSS). `kv_lora=r` makes the attention DeepSeek's multi-head latent attention: keys and values come from a shared latent of r features (and a rotary key part of `rope_dim` features shared by the heads), queries from a latent of `q_lora` features (0: from the input); each query and key head has `head_dim` features without rotary embeddings and `rope_dim` with them, each value head `v_head_dim` (DeepSeek-V3: kv_lora=512, q_lora=1536, head_dim=128, rope_dim=64, v_head_dim=128). `dropout=p` drops the attention's probabilities and each residual branch's output with probability p (GPT-2's and GPT-3's 0.1; planned and priced, which pipec's executor does not run yet). `rope_scaling=` scales the rotary frequencies for a context longer than the pretrained one, as Hugging Face's `rope_type`s: `linear` (every frequency over `rope_factor`), `dynamic` (NTK: the base raised once the sequence is longer than `rope_original`), `yarn` (frequencies that turn fewer than `rope_beta_slow` times over `rope_original` positions divided by `rope_factor`, more than `rope_beta_fast` times kept, a ramp between; cosines and sines times `rope_attention_factor`, 0: 0.1·ln(factor) + 1; `rope_truncate` rounds the ramp's ends; with `kv_lora`, `rope_mscale_all_dim=m` multiplies the softmax's scale by (0.1·m·ln(factor) + 1)², DeepSeek's `mscale_all_dim`) or `llama3` (Llama 3.1: wavelengths above rope_original/rope_low_freq divided by `rope_factor`, below rope_original/rope_high_freq kept, blended between; Llama 3.1: rope_factor=8, rope_low_freq=1, rope_high_freq=4, rope_original=8192).",
         params: &[
             pa("d", &["d_model"], ArgKind::Count, None),
             p("heads", ArgKind::Count, None),
@@ -211,6 +211,11 @@ pub const LAYERS: &[LayerDoc] = &[
             // 0: YaRN's 0.1·ln(factor) + 1
             pa("rope_attention_factor", &["attention_factor"], ArgKind::NonNegative, Some(0.0)),
             pa("rope_truncate", &["truncate"], ArgKind::Bool, Some(1.0)),
+            pa("route_scale", &["routed_scaling_factor"], ArgKind::Positive, Some(1.0)),
+            pa("route_groups", &["n_group"], ArgKind::Size, Some(0.0)),
+            pa("route_group_top", &["topk_group"], ArgKind::Size, Some(0.0)),
+            p("expert_bias", ArgKind::Bool, Some(0.0)),
+            pa("rope_mscale_all_dim", &["mscale_all_dim"], ArgKind::NonNegative, Some(0.0)),
         ],
     },
     LayerDoc {
@@ -371,7 +376,8 @@ pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result
     // multi-head latent attention's sizes without its latent: they would be ignored
     let kv_lora = pipec_plan::model::KV_LORA_ARG;
     if doc.name == "transformer_block" && values[kv_lora].is_none_or(|(r, _)| r == 0.0) {
-        for (i, param) in doc.params.iter().enumerate().skip(kv_lora + 1).take(3) {
+        let latent = (kv_lora + 1..kv_lora + 4).chain([pipec_plan::model::MSCALE_ALL_DIM_ARG]);
+        for (i, param) in latent.map(|i| (i, &doc.params[i])) {
             if let Some((_, span)) = values[i] {
                 warnings.push(CallError {
                     code: "W0314",
@@ -391,7 +397,9 @@ pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result
     }
     // a mixture of experts' settings without experts: they would be ignored
     if doc.name == "transformer_block" && values[12].is_none_or(|(e, _)| e == 0.0) {
-        for (i, param) in doc.params.iter().enumerate().skip(13).take(pipec_plan::model::MOE_SKEW_ARG - 12) {
+        let moe = (13..=pipec_plan::model::MOE_SKEW_ARG)
+            .chain(pipec_plan::model::ROUTE_SCALE_ARG..=pipec_plan::model::EXPERT_BIAS_ARG);
+        for (i, param) in moe.map(|i| (i, &doc.params[i])) {
             if let Some((_, span)) = values[i] {
                 warnings.push(CallError {
                     code: "W0314",
@@ -489,6 +497,10 @@ pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result
                 norm_topk: b(17),
                 aux_loss: get(18),
                 skew: get(pipec_plan::model::MOE_SKEW_ARG),
+                scale: get(pipec_plan::model::ROUTE_SCALE_ARG),
+                groups: n(pipec_plan::model::ROUTE_GROUPS_ARG),
+                group_top: n(pipec_plan::model::ROUTE_GROUPS_ARG + 1),
+                expert_bias: b(pipec_plan::model::EXPERT_BIAS_ARG),
             }),
             head_dim: n(pipec_plan::model::HEAD_DIM_ARG),
             qk_norm: b(21),
@@ -510,6 +522,7 @@ pub fn resolve_call_warning(call: &LayerCall, input: Option<&[usize]>) -> Result
                     }
                     v => v,
                 },
+                mscale_all_dim: get(pipec_plan::model::MSCALE_ALL_DIM_ARG),
             }),
             dropout: get(kv_lora + 4),
         },

@@ -24,6 +24,8 @@ pub enum Feature {
     LatentAttention,
     /// Dropout inside a transformer block (`dropout=`).
     BlockDropout,
+    /// DeepSeek-V3's expert bias in the routing (`expert_bias=true`).
+    ExpertBias,
     /// Recompute inside the blocks other than selective recompute's attention core
     /// (`recompute: { modules | ops | layers }`).
     BlockRecompute,
@@ -47,6 +49,7 @@ impl Feature {
         Feature::AttentionSinks,
         Feature::LatentAttention,
         Feature::BlockDropout,
+        Feature::ExpertBias,
         Feature::BlockRecompute,
         Feature::ActivationOffload,
         Feature::Fp8,
@@ -63,6 +66,7 @@ impl Feature {
             Feature::AttentionSinks => "attention sinks (`sinks=true`)",
             Feature::LatentAttention => "multi-head latent attention (`kv_lora=`)",
             Feature::BlockDropout => "dropout inside a transformer block (`dropout=`)",
+            Feature::ExpertBias => "an expert bias in the routing (`expert_bias=true`)",
             Feature::BlockRecompute => {
                 "recompute by module or operation inside the blocks (`recompute: { modules | ops | layers }`)"
             }
@@ -75,7 +79,8 @@ impl Feature {
 
     /// The features one operator uses.
     pub fn of_op(op: &Op) -> Vec<Feature> {
-        let Op::TransformerBlock { d_model, heads, head_dim, qk_norm, window, sinks, mla, dropout, .. } = *op else {
+        let Op::TransformerBlock { d_model, heads, head_dim, qk_norm, window, sinks, mla, dropout, moe, .. } = *op
+        else {
             return Vec::new();
         };
         let mut out = Vec::new();
@@ -96,6 +101,9 @@ impl Feature {
         }
         if dropout > 0.0 {
             out.push(Feature::BlockDropout);
+        }
+        if moe.is_some_and(|m| m.expert_bias) {
+            out.push(Feature::ExpertBias);
         }
         out
     }
@@ -160,6 +168,25 @@ mod tests {
             *head_dim = 64;
         }
         assert!(!Feature::of_op(&op).contains(&Feature::HeadSize));
-        assert_eq!(Feature::ALL.len(), 11);
+        // DeepSeek's expert bias; its groups and scaled weights run everywhere
+        let mut moe = Op::llama_block(2048, 32, 4, 768);
+        if let Op::TransformerBlock { moe: m, .. } = &mut moe {
+            *m = Some(crate::model::Moe {
+                experts: 8,
+                top_k: 4,
+                shared: 1,
+                capacity: 0.0,
+                router: crate::model::Router::Sigmoid,
+                norm_topk: true,
+                aux_loss: 0.0,
+                skew: 1.0,
+                scale: 2.5,
+                groups: 4,
+                group_top: 2,
+                expert_bias: true,
+            });
+        }
+        assert_eq!(Feature::of_op(&moe), [Feature::ExpertBias]);
+        assert_eq!(Feature::ALL.len(), 12);
     }
 }

@@ -326,6 +326,48 @@ fn convert_from(layers: &[Op], src: &Source<'_>) -> Result<(Weights, Vec<(u64, S
                                 transposed(get(&format!("{h}mlp.down_proj.weight"), &[d, f])?, d, f),
                             );
                         }
+                        // DeepSeek-V3 and Qwen3-MoE: the router `mlp.gate` (DeepSeek's with its
+                        // correction bias), per expert gate_proj, up_proj, down_proj, and
+                        // DeepSeek's shared experts as one MLP `shared · ff` wide
+                        Some(m) if !tensors.contains_key(&format!("{h}block_sparse_moe.gate.weight")) => {
+                            let moe = format!("{h}mlp.");
+                            let router = get(&format!("{moe}gate.weight"), &[m.experts, d])?;
+                            out.insert(pid(i, crate::checkpoint::ROUTER_SLOT), transposed(router, m.experts, d));
+                            let bias = format!("{moe}gate.e_score_correction_bias");
+                            if tensors.contains_key(&bias) {
+                                let values = get(&bias, &[m.experts])?;
+                                if m.expert_bias || values.iter().any(|v| *v != 0.0) {
+                                    return Err(format!(
+                                        "`{bias}`: pipec does not hold DeepSeek's expert bias yet; a bias of zeros (transformers' initial one) is read as none, with expert_bias=false"
+                                    ));
+                                }
+                            }
+                            let mlp = |x: &str, rows: std::ops::Range<usize>, width: usize| -> Result<_, String> {
+                                let gate = get(&format!("{x}gate_proj.weight"), &[width, d])?;
+                                let up = get(&format!("{x}up_proj.weight"), &[width, d])?;
+                                let down = get(&format!("{x}down_proj.weight"), &[d, width])?;
+                                let n = rows.len();
+                                let (gate, up) =
+                                    (&gate[rows.start * d..rows.end * d], &up[rows.start * d..rows.end * d]);
+                                let down: Vec<f32> = (0..d)
+                                    .flat_map(|r| down[r * width + rows.start..r * width + rows.end].to_vec())
+                                    .collect();
+                                Ok((transposed(&[gate, up].concat(), 2 * n, d), transposed(&down, d, n)))
+                            };
+                            for e in 0..m.experts {
+                                let (up, down) = mlp(&format!("{moe}experts.{e}."), 0..f, f)?;
+                                let slot = crate::checkpoint::expert_slot(e);
+                                out.insert(pid(i, slot), up);
+                                out.insert(pid(i, slot + 2), down);
+                            }
+                            for s in 0..m.shared {
+                                let (up, down) =
+                                    mlp(&format!("{moe}shared_experts."), s * f..(s + 1) * f, m.shared * f)?;
+                                let slot = crate::checkpoint::expert_slot(m.experts + s);
+                                out.insert(pid(i, slot), up);
+                                out.insert(pid(i, slot + 2), down);
+                            }
+                        }
                         // Mixtral: the router `gate`, and per expert w1 (gate), w3 (up), w2 (down)
                         Some(m) => {
                             let moe = format!("{h}block_sparse_moe.");
@@ -1300,6 +1342,10 @@ mod tests {
                 norm_topk: true,
                 aux_loss: 0.0,
                 skew: 1.0,
+                scale: 1.0,
+                groups: 0,
+                group_top: 0,
+                expert_bias: false,
             });
         }
         let layers = [
@@ -1335,6 +1381,10 @@ mod tests {
                     norm_topk: true,
                     aux_loss: 0.0,
                     skew: 1.0,
+                    scale: 1.0,
+                    groups: 0,
+                    group_top: 0,
+                    expert_bias: false,
                 });
             }
             b
@@ -1361,7 +1411,7 @@ mod tests {
             let mut b = llama(false);
             if let Op::TransformerBlock { head_dim, mla, kv_heads, .. } = &mut b {
                 (*head_dim, *kv_heads) = (4, 0);
-                *mla = Some(crate::model::Mla { q_lora, kv_lora: 6, rope_dim: 2, v_head_dim: 3 });
+                *mla = Some(crate::model::Mla { q_lora, kv_lora: 6, rope_dim: 2, v_head_dim: 3, mscale_all_dim: 0.0 });
             }
             b
         };

@@ -73,6 +73,10 @@ pub(crate) use sizeless;
 /// One operator of the model, with all its hyper-parameters resolved.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "a model holds one Op per layer, read in place: boxing the transformer block's 256 bytes would add an indirection to every match for no memory worth saving"
+)]
 pub enum Op {
     Linear {
         in_features: usize,
@@ -250,6 +254,9 @@ fn is_unscaled(s: &RopeScaling) -> bool {
 fn is_zero_f64(v: &f64) -> bool {
     *v == 0.0
 }
+fn is_false(v: &bool) -> bool {
+    !*v
+}
 fn layer_norm() -> NormKind {
     NormKind::LayerNorm
 }
@@ -311,6 +318,24 @@ pub struct Moe {
     /// executor routes by the scores whatever this says; it reports the counts it saw.
     #[serde(default = "one_f64", skip_serializing_if = "is_one_f64")]
     pub skew: f64,
+    /// The chosen experts' weights times this, after any `norm_topk` (DeepSeek-V3's
+    /// `routed_scaling_factor` 2.5, Megatron-LM's `--moe-router-topk-scaling-factor`).
+    #[serde(default = "one_f64", skip_serializing_if = "is_one_f64")]
+    pub scale: f64,
+    /// Group-limited routing (DeepSeek-V2/V3, Megatron-LM's `--moe-router-num-groups` and
+    /// `--moe-router-group-topk`): the experts in `groups` equal groups, each token choosing
+    /// among the experts of its `group_top` best groups only, a group scored by the sum of
+    /// its top_k / group_top best scores. 0: no groups.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub groups: usize,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub group_top: usize,
+    /// A fixed bias per expert added to the scores for choosing the experts but not for
+    /// weighting them (DeepSeek-V3's `e_score_correction_bias`, the auxiliary-loss-free
+    /// balancing of arXiv 2408.15664; transformers keeps it fixed, Megatron-LM's
+    /// `--moe-router-enable-expert-bias` with an update rate of 0).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub expert_bias: bool,
 }
 
 fn one_f64() -> f64 {
@@ -322,6 +347,13 @@ fn is_one_f64(v: &f64) -> bool {
 
 /// The position of `skew` among `transformer_block`'s arguments (a shape error's label).
 pub const MOE_SKEW_ARG: usize = 19;
+/// The positions of `route_scale`, `route_groups` (`route_group_top` after it) and
+/// `expert_bias` among `transformer_block`'s arguments.
+pub const ROUTE_SCALE_ARG: usize = 38;
+pub const ROUTE_GROUPS_ARG: usize = 39;
+pub const EXPERT_BIAS_ARG: usize = 41;
+/// The position of `rope_mscale_all_dim` among `transformer_block`'s arguments.
+pub const MSCALE_ALL_DIM_ARG: usize = 42;
 
 impl Moe {
     /// The experts one token's MLP runs through: its routed ones and the shared ones.
@@ -352,6 +384,35 @@ impl Moe {
             Some(c) => routed.min(c as f64 * self.experts as f64),
             None => routed,
         }
+    }
+
+    /// What is wrong with the routing's groups or bias, if anything: the groups must divide
+    /// the experts, `group_top` be between 1 and `groups` and divide `top_k` (each chosen
+    /// group scored by its top_k / group_top best experts, Megatron-LM's rule), the chosen
+    /// groups hold at least `top_k` experts; the expert bias needs the sigmoid router
+    /// (Megatron-LM's rule: softmax scores sum to one).
+    pub fn routing_problem(&self) -> Option<String> {
+        let (e, k, g, top) = (self.experts, self.top_k, self.groups, self.group_top);
+        if self.expert_bias && self.router != Router::Sigmoid {
+            return Some(
+                "expert_bias=true biases sigmoid scores (DeepSeek-V3's auxiliary-loss-free balancing): it needs router=sigmoid".into(),
+            );
+        }
+        if g == 0 && top == 0 {
+            return None;
+        }
+        if g == 0 || !e.is_multiple_of(g) {
+            return Some(format!("route_groups={g} must divide the experts={e} into equal groups"));
+        }
+        if top == 0 || top > g || k % top != 0 {
+            return Some(format!(
+                "route_group_top={top} must be between 1 and route_groups={g} and divide top_k={k} (each chosen group is scored by its top_k / route_group_top best experts)"
+            ));
+        }
+        if top * (e / g) < k || k / top > e / g {
+            return Some(format!("the {top} chosen groups of {} experts each cannot hold top_k={k} experts", e / g));
+        }
+        None
     }
 
     /// The largest `skew` routing allows: one expert chosen by every token, E / top_k times
@@ -396,7 +457,7 @@ impl Moe {
 /// key head the block's `head_dim` features without rotary embeddings and `rope_dim` with
 /// them (the rotary key part shared by every head, projected from the input beside the
 /// latent), each value head `v_head_dim` features.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Mla {
     /// The queries' latent width (DeepSeek-V3: 1,536); 0: queries projected from the input.
@@ -408,6 +469,11 @@ pub struct Mla {
     pub rope_dim: usize,
     /// Each value head's size (DeepSeek-V3: 128).
     pub v_head_dim: usize,
+    /// YaRN's `mscale_all_dim` (DeepSeek-V3: 1; 0: none): under `rope_scaling=yarn` the
+    /// softmax's scale is multiplied by (0.1 · mscale_all_dim · ln factor + 1)², as
+    /// transformers' and Megatron-LM's latent attention do.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub mscale_all_dim: f64,
 }
 
 /// The positions of `transformer_block`'s attention-shape arguments (a shape error's label).
@@ -526,6 +592,18 @@ pub struct BlockDims {
 }
 
 impl BlockDims {
+    /// What the attention's softmax scale (1/√ of the query head's size) is multiplied by:
+    /// latent attention's (0.1 · mscale_all_dim · ln factor + 1)² under YaRN
+    /// ([`Mla::mscale_all_dim`]), else 1.
+    pub fn softmax_multiplier(&self) -> f64 {
+        match (self.mla, self.rope_scaling) {
+            (Some(m), RopeScaling::Yarn { factor, .. }) if m.mscale_all_dim > 0.0 => {
+                crate::rope::yarn_mscale(factor, m.mscale_all_dim).powi(2)
+            }
+            _ => 1.0,
+        }
+    }
+
     /// Parameters of one of its norms.
     pub fn norm_parameters(&self) -> usize {
         match self.norm {
@@ -1113,6 +1191,24 @@ impl Op {
                 ),
                 Some(MOE_TOP_K_ARG),
             ));
+        }
+        if let Some(m) = self.moe() {
+            if let Some(problem) = m.routing_problem() {
+                let arg = if m.expert_bias && m.router != Router::Sigmoid { EXPERT_BIAS_ARG } else { ROUTE_GROUPS_ARG };
+                return Err(shape_err(problem, Some(arg)));
+            }
+        }
+        if let Some(m) = b.mla.filter(|m| m.mscale_all_dim > 0.0) {
+            if !matches!(b.rope_scaling, RopeScaling::Yarn { .. }) {
+                return Err(shape_err(
+                    format!(
+                        "rope_mscale_all_dim={} scales the softmax by YaRN's factor, but the block has rope_scaling={}: it needs rope_scaling=yarn",
+                        m.mscale_all_dim,
+                        b.rope_scaling.kind()
+                    ),
+                    Some(MSCALE_ALL_DIM_ARG),
+                ));
+            }
         }
         if let Some(m) = self.moe().filter(|m| !(1.0..=m.max_skew()).contains(&m.skew)) {
             return Err(shape_err(
@@ -1723,6 +1819,10 @@ mod tests {
                 norm_topk: true,
                 aux_loss: 0.0,
                 skew: 1.0,
+                scale: 1.0,
+                groups: 0,
+                group_top: 0,
+                expert_bias: false,
             });
         }
         let b = moe.block_dims().expect("a block");
@@ -1732,7 +1832,7 @@ mod tests {
         // DeepSeek-V3's multi-head latent attention: 187,107,328 parameters a block (query
         // latent 7,168 × 1,536 and its norm, 1,536 × 128 × 192 up; key/value latent and
         // rotary key 7,168 × 576 and its norm, 512 × 128 × 256 up; output 128 × 128 × 7,168)
-        let mla = Mla { q_lora: 1536, kv_lora: 512, rope_dim: 64, v_head_dim: 128 };
+        let mla = Mla { q_lora: 1536, kv_lora: 512, rope_dim: 64, v_head_dim: 128, mscale_all_dim: 0.0 };
         let dense = |ff| shaped(Op::llama_block(7168, 128, 0, ff), |h, _, _, _, m| (*h, *m) = (128, Some(mla)));
         let attention = dense(18432).parameter_count() - 3 * 7168 * 18432 - 2 * 7168;
         assert_eq!(attention, 187_107_328);
@@ -1741,7 +1841,7 @@ mod tests {
         assert_eq!(b.projections().len(), 4, "the down projection, two up projections, the output");
         // Moonlight-16B-A3B: no query latent, 16 heads: queries projected directly
         let moonlight = shaped(Op::llama_block(2048, 16, 0, 11264), |h, _, _, _, m| {
-            (*h, *m) = (128, Some(Mla { q_lora: 0, kv_lora: 512, rope_dim: 64, v_head_dim: 128 }))
+            (*h, *m) = (128, Some(Mla { q_lora: 0, kv_lora: 512, rope_dim: 64, v_head_dim: 128, mscale_all_dim: 0.0 }))
         });
         let attention = moonlight.parameter_count() - 3 * 2048 * 11264 - 2 * 2048;
         assert_eq!(attention, 2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048);

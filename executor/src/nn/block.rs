@@ -317,10 +317,7 @@ impl<B: Kernels> Block<B> {
         let mut chosen = vec![0usize; t * k];
         let mut order: Vec<usize> = Vec::with_capacity(experts);
         for (token, row) in host.chunks_exact(experts).enumerate() {
-            order.clear();
-            order.extend(0..experts);
-            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            chosen[token * k..(token + 1) * k].copy_from_slice(&order[..k]);
+            choose_experts(row, &moe, &mut order, &mut chosen[token * k..(token + 1) * k]);
         }
         let ints = |v: Vec<i64>| {
             let n = v.len();
@@ -358,6 +355,9 @@ impl<B: Kernels> Block<B> {
         let mut weights = scores.gather(1, picked);
         if moe.norm_topk {
             weights = weights.clone() / weights.sum_dim(1);
+        }
+        if moe.scale != 1.0 {
+            weights = weights * moe.scale;
         }
         let weights = weights.reshape([t * k]);
         // each expert's pairs, to its capacity (with context parallelism, cut already)
@@ -523,6 +523,7 @@ impl<B: Kernels> Block<B> {
                         rope_dim: m.rope_dim,
                         head_dim: k.head_dim,
                         v_head: m.v_head_dim,
+                        query_scale: k.softmax_multiplier(),
                     })
                 }
                 _ => Projections::Fused(dense(2, d, k.qkv_width, [d, qkv_w], k.qkv_bias.then_some(qkv_w), 1.0)),
@@ -567,4 +568,35 @@ impl<B: Kernels> Block<B> {
             recompute_core: false,
         })
     }
+}
+
+/// One token's experts from its router scores `row`, into `chosen` (`top_k` of them): the
+/// best scores, the lower index first on a tie, among every expert — or, with group-limited
+/// routing (`route_groups`), among the experts of the token's `route_group_top` best groups,
+/// a group scored by the sum of its top_k / route_group_top best scores (Megatron-LM's
+/// `group_limited_topk`; transformers' DeepSeek-V3 sums the two best, the same for its 8 of
+/// 4 groups). `order` is scratch space.
+pub(crate) fn choose_experts(row: &[f32], moe: &Moe, order: &mut Vec<usize>, chosen: &mut [usize]) {
+    let experts = row.len();
+    order.clear();
+    if moe.groups > 1 && moe.group_top > 0 && experts.is_multiple_of(moe.groups) {
+        let size = experts / moe.groups;
+        let per = (chosen.len() / moe.group_top).max(1);
+        let mut scored: Vec<(f32, usize)> = (0..moe.groups)
+            .map(|g| {
+                let mut members = row[g * size..(g + 1) * size].to_vec();
+                members.sort_by(|a, b| b.total_cmp(a));
+                (members.iter().take(per).sum(), g)
+            })
+            .collect();
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for &(_, g) in scored.iter().take(moe.group_top) {
+            order.extend(g * size..(g + 1) * size);
+        }
+    } else {
+        order.extend(0..experts);
+    }
+    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    let k = chosen.len().min(order.len());
+    chosen[..k].copy_from_slice(&order[..k]);
 }

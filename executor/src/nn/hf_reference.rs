@@ -132,7 +132,7 @@ fn a_deepseek_v3_block_with_multi_head_latent_attention_computes_what_transforme
     let mut block = Op::llama_block(16, 4, 4, 24);
     if let Op::TransformerBlock { head_dim, mla, .. } = &mut block {
         *head_dim = 4;
-        *mla = Some(pipec_plan::model::Mla { q_lora: 8, kv_lora: 8, rope_dim: 4, v_head_dim: 6 });
+        *mla = Some(pipec_plan::model::Mla { q_lora: 8, kv_lora: 8, rope_dim: 4, v_head_dim: 6, mscale_all_dim: 0.0 });
     }
     let layers = llama_layers(block);
     let d = logits_difference("deepseek-v3", &layers);
@@ -145,6 +145,68 @@ fn a_deepseek_v3_block_with_multi_head_latent_attention_computes_what_transforme
         }
     }
     assert!(logits_difference_as("deepseek-v3", &layers, &unturned) > 1e-2);
+}
+
+/// tests/reference/hf/deepseek-v3-moe (transformers 4.57.6): DeepSeek-V3's latent attention
+/// under YaRN (factor 4 over 8 positions; `mscale_all_dim` 1 scales the softmax by
+/// (0.1 ln 4 + 1)²), a dense block, then a mixture of 8 experts of 8 with a shared one:
+/// sigmoid scores, each token's 4 experts from its 2 best of 4 groups, their weights
+/// renormalised and times 2.5 (the correction bias zero, as transformers initialises it).
+#[test]
+fn a_deepseek_v3_mixture_of_experts_with_group_limited_routing_computes_what_transformers_does() {
+    use pipec_plan::model::{Mla, Moe, Router};
+    use pipec_plan::rope::RopeScaling;
+    let block = |ff: usize, moe: Option<Moe>, mscale_all_dim: f64| {
+        let mut b = Op::llama_block(16, 4, 4, ff);
+        if let Op::TransformerBlock { head_dim, mla, rope_scaling, moe: m, .. } = &mut b {
+            *head_dim = 4;
+            *mla = Some(Mla { q_lora: 8, kv_lora: 8, rope_dim: 4, v_head_dim: 6, mscale_all_dim });
+            *rope_scaling = RopeScaling::Yarn {
+                factor: 4.0,
+                original: 8,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: 1.0,
+                truncate: true,
+            };
+            *m = moe;
+        }
+        b
+    };
+    let routing = |groups: usize, scale: f64| Moe {
+        experts: 8,
+        top_k: 4,
+        shared: 1,
+        capacity: 0.0,
+        router: Router::Sigmoid,
+        norm_topk: true,
+        aux_loss: 0.0,
+        skew: 1.0,
+        scale,
+        groups,
+        group_top: if groups > 0 { 2 } else { 0 },
+        expert_bias: false,
+    };
+    let layers = |groups: usize, scale: f64, mscale: f64| {
+        vec![
+            Op::embedding(50, 16),
+            block(24, None, mscale),
+            block(8, Some(routing(groups, scale)), mscale),
+            Op::RmsNorm { dim: 16, eps: 1e-5 },
+            Op::Linear { in_features: 16, out_features: 50, bias: false },
+        ]
+    };
+    let exact = layers(4, 2.5, 1.0);
+    let d = logits_difference("deepseek-v3-moe", &exact);
+    assert!(d < 1e-5, "pipec's logits differ from transformers' by {d:e} of the largest");
+    // and the comparison can fail: without the groups, the scale or YaRN's softmax scale
+    // the same weights give other logits
+    for (what, other) in
+        [("groups", layers(0, 2.5, 1.0)), ("scale", layers(4, 1.0, 1.0)), ("mscale", layers(4, 2.5, 0.0))]
+    {
+        let d = logits_difference_as("deepseek-v3-moe", &exact, &other);
+        assert!(d > 1e-3, "without the {what}: {d:e}");
+    }
 }
 
 #[test]

@@ -47,6 +47,10 @@ pub struct Latent<B: Backend> {
     pub head_dim: usize,
     #[module(skip)]
     pub v_head: usize,
+    /// What the queries are multiplied by: the softmax's scale beyond 1/√ of the head's
+    /// size (`BlockDims::softmax_multiplier`, YaRN's mscale² for DeepSeek-V3; 1: none).
+    #[module(skip)]
+    pub query_scale: f64,
 }
 
 /// The latents' RMSNorms' ε: DeepSeek's 1e-6, whatever the block's `eps` (its reference
@@ -74,6 +78,9 @@ impl<B: Kernels> Latent<B> {
                 return Err(ExecError::Plan("a latent block's queries come from its input or its query latent".into()))
             }
         };
+        // the scores' extra scale, on the queries before their rotary part turns (a
+        // rotation is linear): q·k times it
+        let queries = if self.query_scale != 1.0 { queries * self.query_scale } else { queries };
         let kv_latent = rms_norm(down.clone().narrow(2, q_lora, kv_lora), gains.narrow(0, q_lora, kv_lora), LATENT_EPS);
         let shared = down.narrow(2, q_lora + kv_lora, rope).reshape([b, s, 1, rope]).repeat_dim(2, heads);
         let kv = self.kv_up.forward3(kv_latent).reshape([b, s, heads, self.head_dim + self.v_head]);

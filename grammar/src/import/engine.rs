@@ -59,6 +59,14 @@ pub struct MoeFacts {
     pub sigmoid: bool,
     pub norm_topk: bool,
     pub capacity: f64,
+    /// Blocks with a dense MLP `dense_ff` wide before the first mixture of experts.
+    pub dense: usize,
+    pub dense_ff: usize,
+    /// `route_scale`, `route_groups`, `route_group_top`, `expert_bias`.
+    pub scale: f64,
+    pub groups: usize,
+    pub group_top: usize,
+    pub expert_bias: bool,
 }
 
 /// The layout and training a launch configuration gives.
@@ -120,7 +128,40 @@ pub fn number(x: f64) -> String {
 
 /// The model section of `m`.
 pub fn model_text(m: &ModelFacts) -> String {
-    let mut args = format!("d={}, heads={}, ff={}, causal=true", m.d, m.heads, m.ff);
+    let args = block_args(m, m.ff, true);
+    let eps = (m.eps != pipec_plan::model::DEFAULT_EPS).then(|| format!("eps={}", number(m.eps)));
+    let norm = if m.norm == NormKind::RmsNorm { "rmsnorm" } else { "layernorm" };
+    let final_norm = eps.map_or_else(|| norm.to_string(), |e| format!("{norm}({e})"));
+    let (table, head) = if m.tied {
+        (
+            format!("embedding({}, {}) as tokens", m.vocab, m.d),
+            format!("linear({}, {}, bias=false, tie=tokens)", m.d, m.vocab),
+        )
+    } else {
+        (format!("embedding({}, {})", m.vocab, m.d), format!("linear({}, {}, bias=false)", m.d, m.vocab))
+    };
+    let positions = if m.positions > 0 { format!("    - pos_embedding({})\n", m.positions) } else { String::new() };
+    // a mixture of experts' dense blocks first (`--moe-layer-freq ([0]*k+[1]*n)`)
+    let dense = m.moe.as_ref().map_or(0, |e| e.dense.min(m.layers));
+    let blocks = match m.moe.as_ref().filter(|_| dense > 0) {
+        Some(e) => format!(
+            "    - repeat {dense}: transformer_block({})\n    - repeat {}: transformer_block({args})\n",
+            block_args(m, e.dense_ff, false),
+            m.layers - dense
+        ),
+        None => format!("    - repeat {}: transformer_block({args})\n", m.layers),
+    };
+    // the engines attend with fused (flash) kernels: Megatron-LM's --attention-backend auto,
+    // torchtitan's SDPA (a Hugging Face model's section, DeepSpeed's, writes its own)
+    format!(
+        "model:\n  attention: flash\n  input: [{}]\n  layers:\n    - {table}\n{positions}{blocks}    - {final_norm}\n    - {head}\n  loss: cross_entropy\n",
+        m.seq
+    )
+}
+
+/// A block's arguments: its MLP `ff` wide, with the mixture of experts (`moe`) or dense.
+fn block_args(m: &ModelFacts, ff: usize, moe: bool) -> String {
+    let mut args = format!("d={}, heads={}, ff={ff}, causal=true", m.d, m.heads);
     if m.kv_heads != m.heads {
         args += &format!(", kv_heads={}", m.kv_heads);
     }
@@ -165,7 +206,7 @@ pub fn model_text(m: &ModelFacts) -> String {
         }
         args += &format!(", rope_dim={}, v_head_dim={}", l.rope_dim, l.v_head_dim);
     }
-    if let Some(e) = &m.moe {
+    if let Some(e) = m.moe.as_ref().filter(|_| moe) {
         args += &format!(", experts={}, top_k={}", e.experts, e.top_k);
         if e.shared > 0 {
             args += &format!(", shared_experts={}", e.shared);
@@ -180,28 +221,20 @@ pub fn model_text(m: &ModelFacts) -> String {
         if e.capacity > 0.0 {
             args += &format!(", capacity={}", number(e.capacity));
         }
+        if e.scale != 1.0 {
+            args += &format!(", route_scale={}", number(e.scale));
+        }
+        if e.groups > 0 {
+            args += &format!(", route_groups={}, route_group_top={}", e.groups, e.group_top);
+        }
+        if e.expert_bias {
+            args += ", expert_bias=true";
+        }
     }
-    let eps = (m.eps != pipec_plan::model::DEFAULT_EPS).then(|| format!("eps={}", number(m.eps)));
-    if let Some(e) = &eps {
-        args += &format!(", {e}");
+    if m.eps != pipec_plan::model::DEFAULT_EPS {
+        args += &format!(", eps={}", number(m.eps));
     }
-    let norm = if m.norm == NormKind::RmsNorm { "rmsnorm" } else { "layernorm" };
-    let final_norm = eps.map_or_else(|| norm.to_string(), |e| format!("{norm}({e})"));
-    let (table, head) = if m.tied {
-        (
-            format!("embedding({}, {}) as tokens", m.vocab, m.d),
-            format!("linear({}, {}, bias=false, tie=tokens)", m.d, m.vocab),
-        )
-    } else {
-        (format!("embedding({}, {})", m.vocab, m.d), format!("linear({}, {}, bias=false)", m.d, m.vocab))
-    };
-    let positions = if m.positions > 0 { format!("    - pos_embedding({})\n", m.positions) } else { String::new() };
-    // the engines attend with fused (flash) kernels: Megatron-LM's --attention-backend auto,
-    // torchtitan's SDPA (a Hugging Face model's section, DeepSpeed's, writes its own)
-    format!(
-        "model:\n  attention: flash\n  input: [{}]\n  layers:\n    - {table}\n{positions}    - repeat {}: transformer_block({args})\n    - {final_norm}\n    - {head}\n  loss: cross_entropy\n",
-        m.seq, m.layers
-    )
+    args
 }
 
 /// The cluster, strategy and training sections of `r` (H100 nodes of up to 8 GPUs: the

@@ -175,9 +175,13 @@ pub struct Target {
 /// architectures as PyTorch modules; for BERT, which torchtitan and Megatron-LM's GPT
 /// training do not run, DeepSpeed over transformers' modules. pipec's own executor
 /// (`--engine pipec`) is not the default: no run of it on a GPU preset is calibrated.
+/// DeepSeek-V3 (dense blocks first, latent attention, DeepSeek's routing) is planned for
+/// Megatron-LM, which runs it as published (`--moe-layer-freq`, `--multi-latent-attention`)
+/// where torchtitan's llama3 flavours do not.
 pub fn default_engine(family: &str) -> &'static str {
     match family {
         "bert" => "deepspeed",
+        "deepseek_v3" => "megatron",
         _ => "torchtitan",
     }
 }
@@ -222,6 +226,8 @@ impl Target {
 struct Config {
     fields: Map<String, Value>,
     used: std::collections::BTreeSet<String>,
+    /// What a family's import says of the fields it read but does not write (printed).
+    notes: Vec<String>,
 }
 
 impl Config {
@@ -341,30 +347,30 @@ pub fn import(text: &str, name: &str, seq: Option<usize>, target: &Target) -> Re
         Ok(_) => return Err("not a JSON object".into()),
         Err(e) => return Err(format!("not JSON: {e}")),
     };
-    let mut c = Config { fields, used: Default::default() };
+    let mut c = Config { fields, used: Default::default(), notes: Vec::new() };
     let family = c.text("model_type")?.ok_or("`model_type` is missing: which architecture is this?")?;
     let model = match family.as_str() {
         "gpt2" => gpt2(&mut c, seq)?,
         "llama" | "mistral" | "mixtral" | "qwen2" | "qwen3" | "qwen3_moe" => llama(&mut c, &family, seq)?,
         "bert" => bert(&mut c, seq)?,
+        "deepseek_v3" => deepseek_v3(&mut c, seq)?,
         other => {
             return Err(format!(
-                "`model_type: {other}` is not an architecture pipec imports (it imports gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe and bert)"
+                "`model_type: {other}` is not an architecture pipec imports (it imports gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, deepseek_v3 and bert)"
             ))
         }
     };
     let ignored = c.generic()?;
     c.leftover(&family)?;
     let engine = target.engine.as_deref().unwrap_or(default_engine(&family));
-    let notes = if ignored.is_empty() {
-        Vec::new()
-    } else {
-        vec![format!(
+    let mut notes = std::mem::take(&mut c.notes);
+    if !ignored.is_empty() {
+        notes.push(format!(
             "ignored {} (they change nothing a training step computes): {}",
             if ignored.len() == 1 { "a generic field" } else { "generic fields" },
             ignored.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
-        )]
-    };
+        ));
+    }
     let spec = format!(
         "# Imported by `pipec import` from a Hugging Face `{family}` config. The model computes what\n\
          # `transformers` computes for it; the engine, the cluster, the strategy and the training\n\
@@ -659,12 +665,7 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
     if let Some(e) = &eps {
         args += &format!(", {e}");
     }
-    let final_norm = eps.map_or_else(|| "rmsnorm".to_string(), |e| format!("rmsnorm({e})"));
-    let (table, head) = if tied {
-        (format!("embedding({vocab}, {d}) as tokens"), format!("linear({d}, {vocab}, bias=false, tie=tokens)"))
-    } else {
-        (format!("embedding({vocab}, {d})"), format!("linear({d}, {vocab}, bias=false) as lm_head"))
-    };
+    let (table, final_norm, head) = lm_ends(vocab, d, tied, eps.as_deref());
     let gqa = if kv == heads { String::new() } else { format!(", {kv} key/value heads") };
     let gqa = if d % heads != 0 || head_dim != d / heads { format!("{gqa}, heads of {head_dim}") } else { gqa };
     let gqa = match experts {
@@ -686,6 +687,22 @@ fn llama(c: &mut Config, family: &str, seq: Option<usize>) -> Result<String, Str
          \x20 loss: cross_entropy\n",
         if tied { " (tied)" } else { "" }
     ))
+}
+
+/// A Llama-family language model's layers around its blocks: the token embedding (named
+/// `tokens` when the output layer is tied to it), the final RMSNorm (with the config's ε
+/// where it is not pipec's default, `eps`: "eps=…") and the output layer.
+fn lm_ends(vocab: usize, d: usize, tied: bool, eps: Option<&str>) -> (String, String, String) {
+    let final_norm = eps.map_or_else(|| "rmsnorm".to_string(), |e| format!("rmsnorm({e})"));
+    if tied {
+        (
+            format!("embedding({vocab}, {d}) as tokens"),
+            final_norm,
+            format!("linear({d}, {vocab}, bias=false, tie=tokens)"),
+        )
+    } else {
+        (format!("embedding({vocab}, {d})"), final_norm, format!("linear({d}, {vocab}, bias=false) as lm_head"))
+    }
 }
 
 /// Each layer's sliding window (0: full attention) over a training window of `seq`, as
@@ -777,6 +794,181 @@ fn qwen3_experts(c: &mut Config) -> Result<Option<(usize, usize, f64, bool)>, St
         "pipec imports a mixture of experts in every block",
     )?;
     Ok(Some((experts, top_k, aux, norm_topk)))
+}
+
+/// DeepSeek-V3 (transformers' `DeepseekV3ForCausalLM`, which Kimi K2 shares): multi-head
+/// latent attention in every block (`q_lora_rank`, `kv_lora_rank`, heads of
+/// `qk_nope_head_dim` + `qk_rope_head_dim` features, values of `v_head_dim`; under YaRN the
+/// softmax scaled by `mscale_all_dim`), dense SwiGLU MLPs in the first
+/// `first_k_dense_replace` blocks, then mixtures of `n_routed_experts` of
+/// `moe_intermediate_size` with `n_shared_experts` shared: sigmoid scores, a fixed
+/// correction bias for the choice (`noaux_tc`), the top `num_experts_per_tok` among the
+/// experts of the `topk_group` best of `n_group` groups (a group scored by its two best),
+/// renormalised with `norm_topk_prob`, times `routed_scaling_factor`. The remote-code
+/// config's fields that transformers does not read either are noted: the
+/// multi-token-prediction module (`num_nextn_predict_layers`), the auxiliary loss
+/// (`aux_loss_alpha`, `seq_aux`: transformers adds none), `ep_size` and the checkpoint's
+/// FP8 storage (`quantization_config`).
+fn deepseek_v3(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
+    let vocab = c.count("vocab_size")?;
+    let d = c.count("hidden_size")?;
+    let dense_ff = c.count("intermediate_size")?;
+    let expert_ff = c.count("moe_intermediate_size")?;
+    let layers = c.count("num_hidden_layers")?;
+    let heads = c.count("num_attention_heads")?;
+    c.require(
+        "num_key_value_heads",
+        |v| v.as_u64() == Some(heads as u64),
+        "multi-head latent attention gives every query head its own key and value head",
+    )?;
+    let positions = c.count("max_position_embeddings")?;
+    let yarn = c.fields.get("rope_scaling").or_else(|| c.fields.get("rope_parameters")).cloned();
+    let (theta, scaling) = rope(c, positions)?;
+    let eps = c.number_or("rms_norm_eps", 1e-6)?;
+    let tied = c.flag_or("tie_word_embeddings", false)?;
+    let act = c.text("hidden_act")?.unwrap_or_else(|| "silu".into());
+    if act != "silu" {
+        return Err(format!("`hidden_act: {act}` is not supported: DeepSeek-V3's MLPs are SwiGLU (silu)"));
+    }
+    c.require("attention_bias", |v| v.as_bool() == Some(false), "pipec's latent attention has no biases")?;
+    c.require("attention_dropout", |v| v.as_f64() == Some(0.0), "pipec's blocks apply no attention dropout")?;
+    c.require(
+        "rope_interleave",
+        |v| v.as_bool() == Some(true),
+        "pipec reads DeepSeek's rotary parts interleaved, as its checkpoints store them",
+    )?;
+    // latent attention
+    let q_lora = c.index("q_lora_rank")?.unwrap_or(0) as usize;
+    let kv_lora = c.count("kv_lora_rank")?;
+    let nope = c.count("qk_nope_head_dim")?;
+    let rope_dim = c.count("qk_rope_head_dim")?;
+    let v_head = c.count("v_head_dim")?;
+    // transformers 4.5x saves the sizes it derives: each must be the one it derives
+    c.require(
+        "qk_head_dim",
+        |v| v.as_u64() == Some((nope + rope_dim) as u64),
+        "it is qk_nope_head_dim + qk_rope_head_dim",
+    )?;
+    c.require("head_dim", |v| v.as_u64() == Some(rope_dim as u64), "transformers sets it to qk_rope_head_dim")?;
+    // the softmax's scale under YaRN (DeepseekV3Attention: × yarn_get_mscale(factor, mscale_all_dim)²)
+    let mscale_all_dim = match &yarn {
+        Some(Value::Object(p)) => match p.get("mscale_all_dim") {
+            None | Some(Value::Null) => 0.0,
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or_else(|| format!("`rope_scaling.mscale_all_dim` must be a number of 0 or more, found {v}"))?,
+        },
+        _ => 0.0,
+    };
+    if mscale_all_dim > 0.0 && yarn.as_ref().and_then(|p| p.get("factor")).and_then(Value::as_f64).is_none() {
+        return Err(
+            "`rope_scaling.mscale_all_dim` scales the softmax by YaRN's `factor`, which the config does not give"
+                .into(),
+        );
+    }
+    // the mixture of experts
+    let experts = c.count("n_routed_experts")?;
+    let top_k = c.count("num_experts_per_tok")?;
+    let shared = c.index("n_shared_experts")?.unwrap_or(0) as usize;
+    let groups = c.count_or("n_group", Some(1))?;
+    let group_top = c.count_or("topk_group", Some(1))?;
+    let scale = c.number_or("routed_scaling_factor", 1.0)?;
+    let norm_topk = c.flag_or("norm_topk_prob", true)?;
+    let dense = c.index("first_k_dense_replace")?.unwrap_or(0) as usize;
+    if top_k > experts {
+        return Err(format!("`num_experts_per_tok` {top_k} is more than `n_routed_experts` {experts}"));
+    }
+    if dense > layers {
+        return Err(format!("`first_k_dense_replace` {dense} is more than `num_hidden_layers` {layers}"));
+    }
+    // transformers scores a group by its two best experts; pipec (as Megatron-LM) by its
+    // top_k / topk_group best
+    if groups > 1 && top_k != 2 * group_top {
+        return Err(format!(
+            "`num_experts_per_tok` {top_k} with `topk_group` {group_top}: transformers scores each group by its two best experts, pipec by its top_k / topk_group best, the same only when num_experts_per_tok is 2 × topk_group"
+        ));
+    }
+    c.require(
+        "moe_layer_freq",
+        |v| v.as_u64() == Some(1),
+        "pipec imports a mixture of experts in every block after the dense ones",
+    )?;
+    c.require(
+        "topk_method",
+        |v| v.as_str() == Some("noaux_tc"),
+        "transformers' DeepSeek-V3 chooses experts by the biased sigmoid scores (`noaux_tc`) whatever this says",
+    )?;
+    c.require(
+        "scoring_func",
+        |v| v.as_str() == Some("sigmoid"),
+        "transformers' DeepSeek-V3 scores experts with a sigmoid",
+    )?;
+    // read, not imported: what transformers' DeepseekV3ForCausalLM does not compute either
+    for (key, why) in [
+        ("num_nextn_predict_layers", "the multi-token-prediction module (transformers' DeepSeek-V3 has none: pipec trains next-token prediction only)"),
+        ("aux_loss_alpha", "the auxiliary balancing loss (transformers adds none for DeepSeek-V3)"),
+        ("seq_aux", "the auxiliary balancing loss (transformers adds none for DeepSeek-V3)"),
+        ("ep_size", "the reference code's expert-parallel size for inference (the strategy sets pipec's)"),
+        ("quantization_config", "the checkpoint's FP8 storage (the training's precision is `training.precision`)"),
+        ("auto_map", "the reference code's classes"),
+    ] {
+        if let Some(v) = c.take(key).cloned() {
+            if !(key == "num_nextn_predict_layers" && v.as_u64() == Some(0)) {
+                c.notes.push(format!("not imported: `{key}` — {why}"));
+            }
+        }
+    }
+    let seq = window(positions, seq)?;
+    let eps_arg = (eps != pipec_plan::model::DEFAULT_EPS).then(|| format!("eps={}", number(eps)));
+    let mut attention = format!(
+        "heads={heads}, head_dim={nope}, kv_lora={kv_lora}{}, rope_dim={rope_dim}, v_head_dim={v_head}",
+        if q_lora > 0 { format!(", q_lora={q_lora}") } else { String::new() }
+    );
+    attention += &format!(", norm=rmsnorm, mlp=swiglu, rope={}{scaling}", number(theta));
+    if mscale_all_dim > 0.0 {
+        attention += &format!(", rope_mscale_all_dim={}", number(mscale_all_dim));
+    }
+    attention += ", bias=false";
+    if let Some(e) = &eps_arg {
+        attention += &format!(", {e}");
+    }
+    let block = |ff: usize, moe: &str| format!("transformer_block(d={d}, ff={ff}, causal=true, {attention}{moe})");
+    let mut routing = format!(", experts={experts}, top_k={top_k}");
+    if shared > 0 {
+        routing += &format!(", shared_experts={shared}");
+    }
+    routing += ", router=sigmoid";
+    if !norm_topk {
+        routing += ", norm_topk=false";
+    }
+    if scale != 1.0 {
+        routing += &format!(", route_scale={}", number(scale));
+    }
+    if groups > 1 {
+        routing += &format!(", route_groups={groups}, route_group_top={group_top}");
+    }
+    routing += ", expert_bias=true";
+    let mut blocks = String::new();
+    if dense > 0 {
+        blocks += &format!("    - repeat {dense}: {}\n", block(dense_ff, ""));
+    }
+    if layers > dense {
+        blocks += &format!("    - repeat {}: {}\n", layers - dense, block(expert_ff, &routing));
+    }
+    let (table, final_norm, head) = lm_ends(vocab, d, tied, eps_arg.as_deref());
+    Ok(format!(
+        "# DeepSeek-V3: {layers} blocks of d = {d} with {heads} latent-attention heads, the first {dense} dense, then\n\
+         # {experts} routed experts ({top_k} per token{}) and {shared} shared, a {vocab}-token vocabulary{}.\n\
+         model:\n  input: [{seq}]\n  layers:\n\
+         \x20   - {table}\n\
+         {blocks}\
+         \x20   - {final_norm}\n\
+         \x20   - {head}\n\
+         \x20 loss: cross_entropy\n",
+        if groups > 1 { format!(" from {group_top} of {groups} groups") } else { String::new() },
+        if tied { " (tied)" } else { "" }
+    ))
 }
 
 /// A BERT encoder (`BertModel`, `BertForMaskedLM`, `BertForSequenceClassification`, ...) as
@@ -887,6 +1079,59 @@ fn number(x: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn deepseek_v3_imports_with_its_latent_attention_dense_blocks_and_routing() {
+        // DeepSeek-V3's config.json as deepseek-ai publishes it (tests/import/deepseek-v3.json)
+        let cfg = include_str!("../../../tests/import/deepseek-v3.json");
+        let imported = import(cfg, "v3", None, &Target::default()).expect("imports");
+        let spec = &imported.spec;
+        assert!(spec.contains("engine: megatron"), "{spec}");
+        let attention = "heads=128, head_dim=128, kv_lora=512, q_lora=1536, rope_dim=64, v_head_dim=128, norm=rmsnorm, mlp=swiglu, rope=10000, rope_scaling=yarn, rope_factor=40, rope_original=4096, rope_beta_fast=32, rope_beta_slow=1, rope_attention_factor=1, rope_mscale_all_dim=1, bias=false, eps=1e-6";
+        assert!(
+            spec.contains(&format!("- repeat 3: transformer_block(d=7168, ff=18432, causal=true, {attention})\n")),
+            "{spec}"
+        );
+        assert!(
+            spec.contains(&format!("- repeat 58: transformer_block(d=7168, ff=2048, causal=true, {attention}, experts=256, top_k=8, shared_experts=1, router=sigmoid, route_scale=2.5e0, route_groups=8, route_group_top=4, expert_bias=true)\n")),
+            "{spec}"
+        );
+        assert!(spec.contains("- linear(7168, 129280, bias=false) as lm_head"), "{spec}");
+        // what transformers does not compute either is named, not silently dropped
+        let notes = imported.notes.join("\n");
+        assert!(notes.contains("`num_nextn_predict_layers`") && notes.contains("multi-token-prediction"), "{notes}");
+        // the plan's model: 671B parameters as DeepSeek reports (without the 14B of the
+        // multi-token-prediction module), 37B active per token
+        let checked = crate::check_source(spec);
+        let s = checked.spec.expect("checks");
+        let total = s.model.parameter_count() as f64 / 1e9;
+        assert!((total - 671.0).abs() < 1.0, "{total}");
+        // what pipec computes otherwise than transformers is refused by name
+        let refused = |from: &str, to: &str| {
+            assert!(cfg.contains(from), "{from}");
+            import(&cfg.replacen(from, to, 1), "v3", None, &Target::default()).expect_err(to)
+        };
+        assert!(refused(r#""topk_method": "noaux_tc""#, r#""topk_method": "greedy""#).contains("`topk_method"));
+        assert!(refused(r#""topk_group": 4"#, r#""topk_group": 2"#).contains("two best experts"));
+        assert!(refused(r#""moe_layer_freq": 1"#, r#""moe_layer_freq": 2"#).contains("`moe_layer_freq"));
+        assert!(refused(r#""scoring_func": "sigmoid""#, r#""scoring_func": "softmax""#).contains("`scoring_func"));
+        assert!(refused(r#""num_key_value_heads": 128"#, r#""num_key_value_heads": 8"#).contains("own key and value"));
+        assert!(refused(r#""rope_theta": 10000"#, r#""rope_theta": 10000, "rope_interleave": false"#)
+            .contains("interleaved"));
+        // without YaRN the softmax keeps its plain scale; one group is no group
+        let start = cfg.find(r#""rope_scaling": {"#).expect("rope_scaling");
+        let end = start + cfg[start..].find('}').expect("its end") + 1;
+        let plain = format!("{}\"rope_scaling\": null{}", &cfg[..start], &cfg[end..]);
+        let spec = import(&plain, "v3", None, &Target::default()).expect("imports").spec;
+        assert!(!spec.contains("rope_scaling") && !spec.contains("rope_mscale_all_dim"), "{spec}");
+        let ungrouped = cfg.replacen(r#""n_group": 8"#, r#""n_group": 1"#, 1).replacen(
+            r#""topk_group": 4"#,
+            r#""topk_group": 1"#,
+            1,
+        );
+        let spec = import(&ungrouped, "v3", None, &Target::default()).expect("imports").spec;
+        assert!(!spec.contains("route_groups") && spec.contains("expert_bias=true"), "{spec}");
+    }
 
     #[test]
     fn numbers_are_written_as_a_spec_reads_them() {

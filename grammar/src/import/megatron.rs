@@ -393,9 +393,12 @@ fn model(a: &mut Args) -> Result<ModelFacts, String> {
     } else {
         MlpKind::Gelu
     };
+    let layers = a.need("--num-layers")?;
     let moe = match a.count("--num-experts")? {
         None => None,
         Some(experts) => Some(MoeFacts {
+            dense: dense_first(a, layers)?,
+            dense_ff: a.count_or("--ffn-hidden-size", ff_default)?,
             experts,
             top_k: a.count_or("--moe-router-topk", 2)?,
             shared: match a.count("--moe-shared-expert-intermediate-size")? {
@@ -406,6 +409,10 @@ fn model(a: &mut Args) -> Result<ModelFacts, String> {
             sigmoid: a.text("--moe-router-score-function").as_deref() == Some("sigmoid"),
             norm_topk: !a.has("--moe-router-pre-softmax"),
             capacity: a.number_or("--moe-expert-capacity-factor", 0.0)?,
+            scale: a.number_or("--moe-router-topk-scaling-factor", 1.0)?,
+            groups: a.count("--moe-router-num-groups")?.unwrap_or(0),
+            group_top: a.count("--moe-router-group-topk")?.unwrap_or(0),
+            expert_bias: expert_bias(a)?,
         }),
     };
     let attention = attention(a, d, heads)?;
@@ -418,7 +425,7 @@ fn model(a: &mut Args) -> Result<ModelFacts, String> {
         vocab: a.count("--vocab-size")?.ok_or(
             "`--vocab-size` is missing: pipec needs the vocabulary (Megatron reads it from the tokenizer otherwise)",
         )?,
-        layers: a.need("--num-layers")?,
+        layers,
         d,
         heads,
         kv_heads: if gqa { groups } else { heads },
@@ -435,6 +442,44 @@ fn model(a: &mut Args) -> Result<ModelFacts, String> {
         moe,
         attention,
     })
+}
+
+/// `--moe-layer-freq`: a mixture of experts in every block (1, the default), or the dense
+/// blocks first and experts in the rest (`([0]*k+[1]*n)`, k + n the layers); any other
+/// pattern is refused by name.
+fn dense_first(a: &mut Args, layers: usize) -> Result<usize, String> {
+    let Some(text) = a.text("--moe-layer-freq") else { return Ok(0) };
+    if text.trim() == "1" {
+        return Ok(0);
+    }
+    // the script's words lose the pattern's outer parentheses with its quotes
+    let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+    let bare = compact.strip_prefix('(').and_then(|r| r.strip_suffix(')')).unwrap_or(&compact);
+    let parsed = bare
+        .strip_prefix("[0]*")
+        .and_then(|r| r.split_once("+[1]*"))
+        .and_then(|(k, n)| Some((k.parse::<usize>().ok()?, n.parse::<usize>().ok()?)));
+    match parsed {
+        Some((k, n)) if k + n == layers => Ok(k),
+        Some((k, n)) => Err(format!("`--moe-layer-freq {text}` lists {} layers, and `--num-layers` is {layers}", k + n)),
+        None => Err(format!(
+            "`--moe-layer-freq {text}`: pipec reads a mixture of experts in every block (1) or dense blocks first (`([0]*k+[1]*n)`)"
+        )),
+    }
+}
+
+/// `--moe-router-enable-expert-bias`: pipec's expert bias is fixed (transformers keeps
+/// it so), Megatron-LM's moves by `--moe-router-bias-update-rate` (1e-3 by default) after
+/// every step; only a rate of 0 is read.
+fn expert_bias(a: &mut Args) -> Result<bool, String> {
+    if !a.has("--moe-router-enable-expert-bias") {
+        return Ok(false);
+    }
+    let rate = a.number_or("--moe-router-bias-update-rate", 1e-3)?;
+    if rate != 0.0 {
+        return Err(format!("`--moe-router-enable-expert-bias` with `--moe-router-bias-update-rate {rate}` moves the bias after every step; pipec's expert bias is fixed (write the rate as 0)"));
+    }
+    Ok(true)
 }
 
 /// The attention's shape (core_v0.19.0's TransformerConfig and MLATransformerConfig):
@@ -485,6 +530,7 @@ fn attention(a: &mut Args, d: usize, heads: usize) -> Result<AttentionFacts, Str
             kv_lora: a.count_or("--kv-lora-rank", 32)?,
             rope_dim: a.count_or("--qk-pos-emb-head-dim", 64)?,
             v_head_dim: a.count_or("--v-head-dim", 128)?,
+            mscale_all_dim: 0.0,
         })
     } else {
         None

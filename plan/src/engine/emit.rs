@@ -294,6 +294,12 @@ fn megatron_shape(g: &GptShape) -> Result<(), String> {
                 .into(),
         );
     }
+    if let Some(m) = b.moe.filter(|m| m.router == crate::model::Router::Sigmoid && !m.norm_topk && m.top_k > 1) {
+        return Err(format!(
+            "Megatron-LM divides sigmoid scores by their sum over the {} chosen experts (moe_utils.py): router=sigmoid with norm_topk=false has no flag",
+            m.top_k
+        ));
+    }
     if b.qk_norm && b.norm != NormKind::RmsNorm {
         return Err("query/key norms under layer norms: Megatron-LM's --qk-layernorm normalises with the blocks' norm (LayerNorm here), pipec's are RMSNorms".into());
     }
@@ -307,7 +313,7 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
     let mut model = vec![
         arg("--num-layers", g.layers),
         arg("--hidden-size", b.d),
-        arg("--ffn-hidden-size", b.ff),
+        arg("--ffn-hidden-size", if g.dense > 0 { g.dense_ff } else { b.ff }),
         arg("--num-attention-heads", b.heads),
     ];
     match b.mla {
@@ -389,6 +395,12 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
             arg("--num-experts", m.experts),
             arg("--moe-router-topk", m.top_k),
             arg("--moe-ffn-hidden-size", b.ff),
+            // the dense blocks first (DeepSeek-V3's first_k_dense_replace; arguments.py's
+            // moe_freq_type pattern), else a mixture of experts in every block
+            arg(
+                "--moe-layer-freq",
+                if g.dense > 0 { format!("([0]*{}+[1]*{})", g.dense, g.layers - g.dense) } else { "1".into() },
+            ),
             arg("--moe-router-load-balancing-type", if m.aux_loss > 0.0 { "aux_loss" } else { "none" }),
             arg("--moe-aux-loss-coeff", m.aux_loss),
             // the routed experts as one grouped GEMM, as the cost model prices them
@@ -420,6 +432,19 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
         }
         if m.capacity > 0.0 {
             moe.push(arg("--moe-expert-capacity-factor", m.capacity));
+        }
+        // DeepSeek-V3's routing (moe_utils.py's topk_routing_with_score_function: the
+        // scaling after the renormalisation, groups scored by their top_k / group_topk
+        // best; the expert bias on the sigmoid scores for the choice only, kept fixed as
+        // pipec's is)
+        if m.scale != 1.0 {
+            moe.push(arg("--moe-router-topk-scaling-factor", m.scale));
+        }
+        if m.groups > 0 {
+            moe.extend([arg("--moe-router-num-groups", m.groups), arg("--moe-router-group-topk", m.group_top)]);
+        }
+        if m.expert_bias {
+            moe.extend([flag("--moe-router-enable-expert-bias"), arg("--moe-router-bias-update-rate", 0)]);
         }
     }
     let mut parallel = vec![
@@ -544,9 +569,12 @@ fn optimizer_args(o: &OptimizerPlan) -> Vec<Arg> {
     }
 }
 
+/// A flag as the script writes it: a value with characters the shell reads (a
+/// `--moe-layer-freq` pattern's brackets and stars) in double quotes.
 fn arg_text((name, value): &Arg) -> String {
     match value {
-        Some(v) => format!("{name} {v}"),
+        Some(v) if v.chars().all(|c| c.is_ascii_alphanumeric() || "._,:/=+-".contains(c)) => format!("{name} {v}"),
+        Some(v) => format!("{name} \"{v}\""),
         None => name.to_string(),
     }
 }

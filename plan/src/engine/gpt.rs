@@ -19,6 +19,11 @@ pub struct GptShape {
     pub tied: bool,
     /// The output layer has a bias (the engines' output layers have none).
     pub head_bias: bool,
+    /// Blocks of a mixture of experts' model that come first with a dense MLP (DeepSeek-V3's
+    /// `first_k_dense_replace`, Megatron-LM's `--moe-layer-freq ([0]*k+[1]*n)`): how many,
+    /// and their MLP's width; the blocks are otherwise `block`. 0: every block is `block`.
+    pub dense: usize,
+    pub dense_ff: usize,
 }
 
 impl GptShape {
@@ -40,8 +45,15 @@ impl GptShape {
         // dropout layers carry no parameters: skipped where the engines put theirs
         let kept: Vec<&Op> = rest.iter().filter(|op| !matches!(op, Op::Dropout { .. })).collect();
         let blocks: Vec<BlockDims> = kept.iter().map_while(|op| op.block_dims()).collect();
-        let block = *blocks.first()?;
-        let same = blocks.iter().all(|b| *b == block);
+        let block = *blocks.last()?;
+        // dense blocks first, then mixtures of experts otherwise the same
+        let dense = blocks.iter().take_while(|b| b.moe.is_none()).count();
+        let dense = if block.moe.is_some() { dense } else { 0 };
+        let dense_ff = blocks.first().map_or(0, |b| b.ff);
+        let up_width = if block.gated { 2 * dense_ff } else { dense_ff };
+        let as_dense = |b: &BlockDims| BlockDims { moe: None, ff: dense_ff, up_width, ..*b };
+        let same =
+            blocks[..dense].iter().all(|b| *b == as_dense(&block)) && blocks[dense..].iter().all(|b| *b == block);
         if !same || !block.causal || block.post_norm || block.d != d {
             return None;
         }
@@ -63,6 +75,8 @@ impl GptShape {
             positions,
             tied,
             head_bias,
+            dense,
+            dense_ff: if dense > 0 { dense_ff } else { 0 },
         })
     }
 

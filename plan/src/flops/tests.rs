@@ -39,6 +39,10 @@ fn qwen3_30b_a3b() -> Vec<Op> {
         norm_topk: true,
         aux_loss: 0.001,
         skew: 1.0,
+        scale: 1.0,
+        groups: 0,
+        group_top: 0,
+        expert_bias: false,
     };
     let block = Op::TransformerBlock {
         d_model: 2048,

@@ -5,7 +5,7 @@ ResNet weights and batch normalisation (tests/cli.rs) are tested against.
 Run once, in a throwaway venv outside the repository (torch 2.5.1, transformers 4.46.3,
 torchvision 0.20.1; qwen3 needs transformers 4.51 or later, and qwen3 and mistral were made
 with torch 2.15.0 and transformers 4.57.6); name models to make only those (llama-gqa, gpt2,
-bert, resnet, mixtral, qwen3, mistral, gpt-oss-attention, deepseek-v3):
+bert, resnet, mixtral, qwen3, mistral, gpt-oss-attention, deepseek-v3, deepseek-v3-moe):
 
     python tests/reference/hf/make_reference.py [NAME ...]
 
@@ -360,16 +360,12 @@ if wanted("gpt-oss-attention"):
         + "\n"
     )
 
-# A DeepSeek-V3 of dense blocks (`first_k_dense_replace` = every layer: the MLPs are SwiGLU,
-# no experts): multi-head latent attention — the queries from a latent of 8 features, the
-# keys and values from a latent of 8 and a shared rotary key of 4, 4 heads whose queries and
-# keys have 4 features without rotary embeddings and 4 with, values of 6 — with the rotary
-# parts interleaved as DeepSeek's checkpoints store them (`rope_interleave`). Made with torch
-# 2.15.0 and transformers 4.57.6 (its reference.json says so); its own seed.
-if wanted("deepseek-v3"):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+def tiny_deepseek(**changes):
+    """The tiny DeepSeek-V3 both DeepSeek fixtures start from: d = 16, 2 layers, latent
+    attention (query latent 8, key/value latent 8, heads of 4 + 4 rotary, values of 6)."""
+    from transformers import DeepseekV3Config
 
-    deepseek = DeepseekV3Config(
+    settings = dict(
         vocab_size=50,
         hidden_size=16,
         intermediate_size=24,
@@ -391,7 +387,46 @@ if wanted("deepseek-v3"):
         rope_interleave=True,
         attn_implementation="eager",
     )
+    settings.update(changes)
+    return DeepseekV3Config(**settings)
+
+
+# A DeepSeek-V3 of dense blocks (`first_k_dense_replace` = every layer: the MLPs are SwiGLU,
+# no experts): multi-head latent attention — the queries from a latent of 8 features, the
+# keys and values from a latent of 8 and a shared rotary key of 4, 4 heads whose queries and
+# keys have 4 features without rotary embeddings and 4 with, values of 6 — with the rotary
+# parts interleaved as DeepSeek's checkpoints store them (`rope_interleave`). Made with torch
+# 2.15.0 and transformers 4.57.6 (its reference.json says so); its own seed.
+if wanted("deepseek-v3"):
+    from transformers import DeepseekV3ForCausalLM
+
+    deepseek = tiny_deepseek()
     torch.manual_seed(7)
     m = DeepseekV3ForCausalLM(deepseek).float()
     randomise(m)
     write_language_model("deepseek-v3", m, 50, 12)
+
+# A DeepSeek-V3 with its mixture of experts: one dense block, then one of 8 routed experts of
+# 8 (4 per token from the 2 best of 4 groups, sigmoid scores renormalised and times 2.5) and
+# a shared one, under YaRN (factor 4 over 8 positions, mscale_all_dim 1: the softmax's scale
+# times (0.1 ln 4 + 1)²). The correction bias stays zero, as transformers initialises it.
+# Made with torch 2.15.0 and transformers 4.57.6; its own seed.
+if wanted("deepseek-v3-moe"):
+    from transformers import DeepseekV3ForCausalLM
+
+    deepseek = tiny_deepseek(
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )
+    torch.manual_seed(11)
+    m = DeepseekV3ForCausalLM(deepseek).float()
+    randomise(m)
+    write_language_model("deepseek-v3-moe", m, 50, 12)
