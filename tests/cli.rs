@@ -1823,7 +1823,7 @@ fn a_run_initialised_from_a_hugging_face_checkpoint_starts_at_transformers_loss_
 
 #[test]
 fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
-    // tests/reference/hf/{llama-gqa,gpt2,mixtral,qwen3,mistral,deepseek-v3}/after-{adamw,sgd}.safetensors: the weights
+    // tests/reference/hf/{llama-gqa,gpt2,mixtral,qwen3,mistral,deepseek-v3,deepseek-v3-moe}/after-{adamw,sgd}.safetensors: the weights
     // after one step of torch.optim.AdamW (no decay on biases and norms) and of SGD with
     // momentum and weight decay, on the fixture's two rows as one batch; pipec trains the
     // same step from the same weights, on one device and on a 2-stage pipeline with tensor
@@ -1837,6 +1837,10 @@ fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
     let qwen3 = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, head_dim=8, qk_norm=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
     let mistral = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, window=4)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
     let deepseek = "    - embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=24, causal=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, head_dim=4, kv_lora=8, q_lora=8, rope_dim=4, v_head_dim=6)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head";
+    // DeepSeek-V3 with experts: a dense latent block, then 8 experts and a shared one, 4 per
+    // token from the 2 best of 4 groups, weights times 2.5, under YaRN with mscale_all_dim
+    let latent = "causal=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, head_dim=4, kv_lora=8, q_lora=8, rope_dim=4, v_head_dim=6, rope_scaling=yarn, rope_factor=4, rope_original=8, rope_attention_factor=1, rope_mscale_all_dim=1";
+    let deepseek_moe = format!("    - embedding(50, 16)\n    - transformer_block(d=16, heads=4, ff=24, {latent})\n    - transformer_block(d=16, heads=4, ff=8, {latent}, experts=8, top_k=4, shared_experts=1, router=sigmoid, route_scale=2.5, route_groups=4, route_group_top=2)\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head");
     let dense_layouts = [(1, "stages: \"1\""), (4, "stages: \"1-1\"\n  tp: 2")];
     let expert_layouts =
         [(1, "stages: \"1\""), (2, "stages: \"1-1\""), (2, "stages: \"2\""), (4, "stages: \"1-1\"\n  tp: 2")];
@@ -1851,6 +1855,7 @@ fn one_optimizer_step_equals_torchs_adamw_and_sgd_on_transformers_models() {
         ("qwen3", qwen3, &dense_layouts),
         ("mistral", mistral, &dense_layouts),
         ("deepseek-v3", deepseek, &dense_layouts),
+        ("deepseek-v3-moe", deepseek_moe.as_str(), &expert_layouts),
     ] {
         let fixture = root.join(model);
         let reference: serde_json::Value =

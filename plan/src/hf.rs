@@ -762,18 +762,39 @@ pub fn from_pipec(
 ) -> Result<(serde_json::Value, Tensors), String> {
     use serde_json::json;
     let blocks: Vec<crate::model::BlockDims> = layers.iter().filter_map(Op::block_dims).collect();
-    let first =
-        *blocks.first().ok_or("the model has no transformer block: only GPT-2, Llama-family and BERT models export")?;
-    if blocks.iter().any(|b| *b != first) {
-        return Err("the model's blocks differ: a Hugging Face config describes one block repeated".into());
+    let b =
+        *blocks.last().ok_or("the model has no transformer block: only GPT-2, Llama-family and BERT models export")?;
+    // DeepSeek-V3's dense first blocks (`first_k_dense_replace`): otherwise its blocks of experts
+    let dense =
+        if b.mla.is_some() && b.moe.is_some() { blocks.iter().take_while(|d| d.moe.is_none()).count() } else { 0 };
+    let dense_ff = blocks.first().map_or(b.ff, |d| d.ff);
+    let as_dense = crate::model::BlockDims {
+        moe: None,
+        ff: dense_ff,
+        up_width: if b.gated { 2 * dense_ff } else { dense_ff },
+        ..b
+    };
+    if blocks[..dense].iter().any(|d| *d != as_dense) || blocks[dense..].iter().any(|d| *d != b) {
+        return Err("the model's blocks differ: a Hugging Face config describes one block repeated (DeepSeek-V3: dense blocks first, then one block of experts repeated)".into());
     }
-    let b = first;
     if let Some(m) = b.moe {
         // Mixtral's routing: a softmax over every expert, the top k renormalised, no
-        // shared expert, no token dropped
-        let mixtral = m.router == crate::model::Router::Softmax && m.norm_topk && m.shared == 0 && m.capacity == 0.0;
-        if !mixtral {
-            return Err("the blocks are mixtures of experts that are not Mixtral's (a softmax router, norm_topk=true, no shared experts, no capacity): no Hugging Face family to write them as".into());
+        // shared expert, no token dropped; DeepSeek-V3's (with latent attention): sigmoid
+        // scores, groups scored by their two best (transformers' rule), no expert bias
+        // held (transformers' buffer is written as zeros, what pipec computes)
+        let mixtral = m.router == crate::model::Router::Softmax
+            && m.norm_topk
+            && m.shared == 0
+            && m.capacity == 0.0
+            && m.scale == 1.0
+            && m.groups == 0;
+        let deepseek = b.mla.is_some()
+            && m.router == crate::model::Router::Sigmoid
+            && m.capacity == 0.0
+            && !m.expert_bias
+            && (m.groups == 0 || m.top_k == 2 * m.group_top);
+        if !mixtral && !deepseek {
+            return Err("the blocks are mixtures of experts that are neither Mixtral's (a softmax router, norm_topk=true, no shared experts, scale or groups) nor DeepSeek-V3's (latent attention, a sigmoid router, groups scored by their two best, no expert bias held): no Hugging Face family to write them as".into());
         }
         if b.qk_norm {
             return Err("the blocks are mixtures of experts with query/key norms (Qwen3-MoE): its checkpoint names are not written yet, and Mixtral's have no query/key norms".into());
@@ -784,9 +805,6 @@ pub fn from_pipec(
             "the blocks have attention sinks (GPT-OSS's): its checkpoint names and its experts are not written yet"
                 .into(),
         );
-    }
-    if b.mla.is_some() && b.moe.is_some() {
-        return Err("the blocks are mixtures of experts with multi-head latent attention: DeepSeek's experts (a sigmoid router with group-limited routing and a scaling factor) are not pipec's, and its checkpoint names for them are not written".into());
     }
     if b.post_norm {
         return bert_from_pipec(layers, &blocks, weights);
@@ -854,6 +872,8 @@ pub fn from_pipec(
             }
             (Family::Llama, Op::TransformerBlock { .. }) => {
                 let h = format!("model.layers.{block}.");
+                // this block's MLP: DeepSeek-V3's dense first blocks are their own width
+                let (b, f) = if block < dense { (as_dense, dense_ff) } else { (b, f) };
                 let (kv, qw, aw) = (b.kv_width, b.q_width, b.attention_width);
                 put(format!("{h}input_layernorm.weight"), vec![d], weight(id(0), &[d])?.clone());
                 put(format!("{h}post_attention_layernorm.weight"), vec![d], weight(id(6), &[d])?.clone());
@@ -890,6 +910,45 @@ pub fn from_pipec(
                         put(format!("{h}mlp.gate_proj.weight"), vec![f, d], up[..f * d].to_vec());
                         put(format!("{h}mlp.up_proj.weight"), vec![f, d], up[f * d..].to_vec());
                         put(format!("{h}mlp.down_proj.weight"), vec![d, f], transpose(weight(id(10), &[f, d])?, f, d));
+                    }
+                    // DeepSeek-V3: `mlp.gate` with its correction bias (zeros: none held),
+                    // the experts' gate/up/down projections, the shared experts as one MLP
+                    Some(m) if b.mla.is_some() => {
+                        let moe = format!("{h}mlp.");
+                        let router =
+                            transpose(weight(id(crate::checkpoint::ROUTER_SLOT), &[d, m.experts])?, d, m.experts);
+                        put(format!("{moe}gate.weight"), vec![m.experts, d], router);
+                        put(format!("{moe}gate.e_score_correction_bias"), vec![m.experts], vec![0.0; m.experts]);
+                        let mlp = |slot: u64| -> Result<[Vec<f32>; 3], String> {
+                            let up = transpose(weight(id(slot), &[d, 2 * f])?, d, 2 * f);
+                            let down = transpose(weight(id(slot + 2), &[f, d])?, f, d);
+                            Ok([up[..f * d].to_vec(), up[f * d..].to_vec(), down])
+                        };
+                        for e in 0..m.experts {
+                            let [gate, up, down] = mlp(crate::checkpoint::expert_slot(e))?;
+                            let x = format!("{moe}experts.{e}.");
+                            put(format!("{x}gate_proj.weight"), vec![f, d], gate);
+                            put(format!("{x}up_proj.weight"), vec![f, d], up);
+                            put(format!("{x}down_proj.weight"), vec![d, f], down);
+                        }
+                        if m.shared > 0 {
+                            // rows of the shared experts side by side, [shared · f, d]; the
+                            // down projection's columns, [d, shared · f]
+                            let w = m.shared * f;
+                            let (mut gates, mut ups, mut downs) = (Vec::new(), Vec::new(), vec![0.0; d * w]);
+                            for s in 0..m.shared {
+                                let [gate, up, down] = mlp(crate::checkpoint::expert_slot(m.experts + s))?;
+                                gates.extend(gate);
+                                ups.extend(up);
+                                for r in 0..d {
+                                    downs[r * w + s * f..r * w + (s + 1) * f]
+                                        .copy_from_slice(&down[r * f..(r + 1) * f]);
+                                }
+                            }
+                            put(format!("{moe}shared_experts.gate_proj.weight"), vec![w, d], gates);
+                            put(format!("{moe}shared_experts.up_proj.weight"), vec![w, d], ups);
+                            put(format!("{moe}shared_experts.down_proj.weight"), vec![d, w], downs);
+                        }
                     }
                     Some(m) => {
                         let moe = format!("{h}block_sparse_moe.");
@@ -978,7 +1037,7 @@ pub fn from_pipec(
                 c["model_type"] = json!("qwen3");
                 c["attention_bias"] = json!(b.qkv_bias);
             }
-            if let Some(m) = b.moe {
+            if let Some(m) = b.moe.filter(|_| b.mla.is_none()) {
                 c["architectures"] = json!(["MixtralForCausalLM"]);
                 c["model_type"] = json!("mixtral");
                 c["num_local_experts"] = json!(m.experts);
@@ -1001,9 +1060,28 @@ pub fn from_pipec(
                 c["qk_nope_head_dim"] = json!(b.head_dim);
                 c["qk_rope_head_dim"] = json!(m.rope_dim);
                 c["v_head_dim"] = json!(m.v_head_dim);
-                c["first_k_dense_replace"] = json!(blocks.len());
+                c["first_k_dense_replace"] = json!(if b.moe.is_some() { dense } else { blocks.len() });
                 c["rope_interleave"] = json!(true);
                 c["attention_bias"] = json!(false);
+                // its experts: transformers scores each of `n_group` groups by its two best
+                // (checked above), one group of every expert limits nothing
+                if let Some(moe) = b.moe {
+                    c["intermediate_size"] = json!(dense_ff);
+                    c["moe_intermediate_size"] = json!(b.ff);
+                    c["n_routed_experts"] = json!(moe.experts);
+                    c["num_experts_per_tok"] = json!(moe.top_k);
+                    c["n_shared_experts"] = json!(moe.shared);
+                    c["norm_topk_prob"] = json!(moe.norm_topk);
+                    c["routed_scaling_factor"] = json!(moe.scale);
+                    c["n_group"] = json!(moe.groups.max(1));
+                    c["topk_group"] = json!(moe.group_top.max(1));
+                }
+                if m.mscale_all_dim > 0.0 {
+                    if let Some((mut scaling, _)) = rope_scaling_config(&b.rope_scaling) {
+                        scaling["mscale_all_dim"] = json!(m.mscale_all_dim);
+                        c["rope_scaling"] = scaling;
+                    }
+                }
                 if let Some(map) = c.as_object_mut() {
                     // transformers derives it from qk_rope_head_dim
                     map.remove("head_dim");
@@ -1022,7 +1100,9 @@ pub fn from_pipec(
                 }
                 c["sliding_window"] = json!(b.window);
             }
-            if let Some((scaling, positions)) = rope_scaling_config(&b.rope_scaling) {
+            if let Some((scaling, positions)) =
+                rope_scaling_config(&b.rope_scaling).filter(|_| c["rope_scaling"].is_null())
+            {
                 c["rope_scaling"] = scaling;
                 // dynamic scaling rescales beyond the config's own context
                 if let Some(p) = positions {
@@ -1355,7 +1435,7 @@ mod tests {
             Op::Linear { in_features: 8, out_features: 11, bias: false },
         ];
         let e = from_pipec(&layers, false, 6, &Weights::new()).expect_err("a mixture of experts");
-        assert!(e.contains("not Mixtral's"), "{e}");
+        assert!(e.contains("neither Mixtral's"), "{e}");
     }
 
     /// Every family's export reads back into the same weights, names and shapes included:
@@ -1415,7 +1495,31 @@ mod tests {
             }
             b
         };
-        let models: [(Vec<Op>, bool, &str, usize); 8] = [
+        // DeepSeek-V3's experts after a dense latent block: 4 of 6 wide, 2 per token from the
+        // best of 2 groups, weights times 2.5, two shared experts (one MLP of 12 in its
+        // checkpoint)
+        let deepseek_moe = {
+            let mut b = latent(5);
+            if let Op::TransformerBlock { moe, d_ff, .. } = &mut b {
+                *d_ff = 6;
+                *moe = Some(crate::model::Moe {
+                    experts: 4,
+                    top_k: 2,
+                    shared: 2,
+                    capacity: 0.0,
+                    router: crate::model::Router::Sigmoid,
+                    norm_topk: true,
+                    aux_loss: 0.0,
+                    skew: 1.0,
+                    scale: 2.5,
+                    groups: 2,
+                    group_top: 1,
+                    expert_bias: false,
+                });
+            }
+            b
+        };
+        let models: [(Vec<Op>, bool, &str, usize); 9] = [
             (
                 vec![
                     Op::embedding(11, 8),
@@ -1510,6 +1614,21 @@ mod tests {
                 "deepseek_v3",
                 13,
             ),
+            (
+                vec![
+                    Op::embedding(11, 8),
+                    latent(5),
+                    deepseek_moe,
+                    Op::RmsNorm { dim: 8, eps: 1e-6 },
+                    Op::Linear { in_features: 8, out_features: 11, bias: false },
+                ],
+                false,
+                "deepseek_v3",
+                // the embedding; the dense block's 12; the expert block's two norms, seven
+                // attention tensors, router and its bias, 4 × 3 experts', 3 shared; the final
+                // norm and the output layer
+                1 + 12 + 26 + 2,
+            ),
         ];
         for (layers, tied, family, tensors) in models {
             // distinct values everywhere, so a swapped or transposed tensor shows
@@ -1544,12 +1663,25 @@ mod tests {
                 assert_eq!(config["q_lora_rank"].as_u64(), (m.q_lora > 0).then_some(m.q_lora as u64), "{config}");
             }
             // and a sliding window as Mistral's `sliding_window`
+            // experts as DeepSeek-V3's config describes them
+            if let (Some(m), Some(_)) = (b.moe, b.mla) {
+                assert_eq!(config["first_k_dense_replace"], 1, "{config}");
+                assert_eq!(config["intermediate_size"], 12, "{config}");
+                assert_eq!(config["moe_intermediate_size"], 6, "{config}");
+                assert_eq!((config["n_group"].clone(), config["topk_group"].clone()), (json_n(m.groups), json_n(1)));
+                assert_eq!(config["routed_scaling_factor"], 2.5, "{config}");
+                assert_eq!(config["n_shared_experts"], 2, "{config}");
+            }
             let window = (b.window > 0).then_some(b.window as u64);
             assert_eq!(config.get("sliding_window").and_then(|w| w.as_u64()), window, "{config}");
             assert_eq!(hf.len(), tensors, "{family}: {:?}", hf.keys().collect::<Vec<_>>());
             let back = to_pipec(&layers, &hf).expect("imports");
             assert_eq!(back, weights, "{family}");
         }
+    }
+
+    fn json_n(n: usize) -> serde_json::Value {
+        serde_json::json!(n)
     }
 
     /// The shape of each of `op`'s parameters, by slot (the layers a Hugging Face family has).
@@ -1591,7 +1723,7 @@ mod tests {
                     }
                     Some(m) => {
                         put(crate::checkpoint::ROUTER_SLOT, vec![b.d, m.experts]);
-                        for e in 0..m.experts {
+                        for e in 0..m.experts + m.shared {
                             put(crate::checkpoint::expert_slot(e), vec![b.d, b.up_width]);
                             put(crate::checkpoint::expert_slot(e) + 2, vec![b.ff, b.d]);
                         }

@@ -796,7 +796,7 @@ fn qwen3_experts(c: &mut Config) -> Result<Option<(usize, usize, f64, bool)>, St
     Ok(Some((experts, top_k, aux, norm_topk)))
 }
 
-/// DeepSeek-V3 (transformers' `DeepseekV3ForCausalLM`, which Kimi K2 shares): multi-head
+/// DeepSeek-V3 (transformers' `DeepseekV3ForCausalLM`): multi-head
 /// latent attention in every block (`q_lora_rank`, `kv_lora_rank`, heads of
 /// `qk_nope_head_dim` + `qk_rope_head_dim` features, values of `v_head_dim`; under YaRN the
 /// softmax scaled by `mscale_all_dim`), dense SwiGLU MLPs in the first

@@ -395,12 +395,6 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
             arg("--num-experts", m.experts),
             arg("--moe-router-topk", m.top_k),
             arg("--moe-ffn-hidden-size", b.ff),
-            // the dense blocks first (DeepSeek-V3's first_k_dense_replace; arguments.py's
-            // moe_freq_type pattern), else a mixture of experts in every block
-            arg(
-                "--moe-layer-freq",
-                if g.dense > 0 { format!("([0]*{}+[1]*{})", g.dense, g.layers - g.dense) } else { "1".into() },
-            ),
             arg("--moe-router-load-balancing-type", if m.aux_loss > 0.0 { "aux_loss" } else { "none" }),
             arg("--moe-aux-loss-coeff", m.aux_loss),
             // the routed experts as one grouped GEMM, as the cost model prices them
@@ -437,6 +431,11 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
         // scaling after the renormalisation, groups scored by their top_k / group_topk
         // best; the expert bias on the sigmoid scores for the choice only, kept fixed as
         // pipec's is)
+        // the dense blocks first (DeepSeek-V3's first_k_dense_replace; arguments.py's
+        // moe_freq_type pattern); without, the default: a mixture of experts in every block
+        if g.dense > 0 {
+            moe.push(arg("--moe-layer-freq", format!("([0]*{}+[1]*{})", g.dense, g.layers - g.dense)));
+        }
         if m.scale != 1.0 {
             moe.push(arg("--moe-router-topk-scaling-factor", m.scale));
         }
@@ -570,10 +569,11 @@ fn optimizer_args(o: &OptimizerPlan) -> Vec<Arg> {
 }
 
 /// A flag as the script writes it: a value with characters the shell reads (a
-/// `--moe-layer-freq` pattern's brackets and stars) in double quotes.
+/// `--moe-layer-freq` pattern's brackets and stars) in double quotes; a list's values stay
+/// words of their own (`--recompute-modules layernorm mlp`).
 fn arg_text((name, value): &Arg) -> String {
     match value {
-        Some(v) if v.chars().all(|c| c.is_ascii_alphanumeric() || "._,:/=+-".contains(c)) => format!("{name} {v}"),
+        Some(v) if v.chars().all(|c| c.is_ascii_alphanumeric() || "._,:/=+- ".contains(c)) => format!("{name} {v}"),
         Some(v) => format!("{name} \"{v}\""),
         None => name.to_string(),
     }
