@@ -1769,6 +1769,69 @@ mod tests {
         (layers, tensors)
     }
 
+    /// Qwen3-MoE's checkpoint names (`mlp.gate`, `mlp.experts.{e}.gate_proj/up_proj/down_proj`,
+    /// the query/key norms) read into the same weights as Mixtral's names for the same model.
+    #[test]
+    fn a_qwen3_moe_checkpoint_reads_under_its_own_names() {
+        let block = |qk_norm: bool| {
+            let mut b = Op::llama_block(8, 4, 2, 12);
+            if let Op::TransformerBlock { moe, qk_norm: q, .. } = &mut b {
+                *q = qk_norm;
+                *moe = Some(crate::model::Moe {
+                    experts: 3,
+                    top_k: 2,
+                    shared: 0,
+                    capacity: 0.0,
+                    router: crate::model::Router::Softmax,
+                    norm_topk: true,
+                    aux_loss: 0.0,
+                    skew: 1.0,
+                    scale: 1.0,
+                    groups: 0,
+                    group_top: 0,
+                    expert_bias: false,
+                });
+            }
+            b
+        };
+        let layers = |qk_norm: bool| {
+            vec![
+                Op::embedding(11, 8),
+                block(qk_norm),
+                Op::RmsNorm { dim: 8, eps: 1e-6 },
+                Op::Linear { in_features: 8, out_features: 11, bias: false },
+            ]
+        };
+        let mut weights = Weights::new();
+        for (i, op) in layers(false).iter().enumerate() {
+            for (slot, shape) in param_shapes(op) {
+                let n: usize = shape.iter().product();
+                weights.insert(pid(i, slot), (shape, (0..n).map(|k| (i * 1000 + k) as f32 * 1e-3).collect()));
+            }
+        }
+        let (_, mixtral) = from_pipec(&layers(false), false, 16, &weights).expect("exports");
+        let mut qwen: Tensors = mixtral
+            .into_iter()
+            .map(|(name, t)| {
+                let name = name
+                    .replace("block_sparse_moe.", "mlp.")
+                    .replace(".w1.", ".gate_proj.")
+                    .replace(".w3.", ".up_proj.")
+                    .replace(".w2.", ".down_proj.");
+                (name, t)
+            })
+            .collect();
+        assert!(qwen.contains_key("model.layers.0.mlp.experts.2.down_proj.weight"));
+        for (slot, name, base) in
+            [(crate::model::Q_NORM_SLOT, "q_norm", 7.0f32), (crate::model::K_NORM_SLOT, "k_norm", 9.0)]
+        {
+            let values: Vec<f32> = (0..2).map(|k| base + k as f32).collect();
+            qwen.insert(format!("model.layers.0.self_attn.{name}.weight"), (vec![2], values.clone()));
+            weights.insert(pid(1, slot), (vec![2], values));
+        }
+        assert_eq!(to_pipec(&layers(true), &qwen).expect("reads"), weights);
+    }
+
     #[test]
     fn tensors_the_model_does_not_use_are_named_not_dropped() {
         let (two, tensors) = llama_tensors(2, false);
