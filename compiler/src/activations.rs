@@ -381,20 +381,7 @@ mod tests {
         // activation keeps 8 fp32 weights instead, and drops them with the whole MoE
         let mut op = Op::llama_block(2048, 32, 4, 768);
         if let Op::TransformerBlock { moe, .. } = &mut op {
-            *moe = Some(pipec_plan::model::Moe {
-                experts: 128,
-                top_k: 8,
-                shared: 0,
-                capacity: 0.0,
-                router: pipec_plan::model::Router::Softmax,
-                norm_topk: true,
-                aux_loss: 0.0,
-                skew: 1.0,
-                scale: 1.0,
-                groups: 0,
-                group_top: 0,
-                expert_bias: false,
-            });
+            *moe = Some(pipec_plan::model::Moe::new(128, 8));
         }
         let b = op.block_dims().expect("block");
         let s = 4096.0;

@@ -925,20 +925,7 @@ mod tests {
         let moe = |capacity: f64, aux_loss: f64| {
             let mut op = Op::llama_block(4096, 32, 8, 14336);
             if let Op::TransformerBlock { moe, .. } = &mut op {
-                *moe = Some(pipec_plan::model::Moe {
-                    experts: 8,
-                    top_k: 2,
-                    shared: 0,
-                    capacity,
-                    router: pipec_plan::model::Router::Softmax,
-                    norm_topk: true,
-                    aux_loss,
-                    skew: 1.0,
-                    scale: 1.0,
-                    groups: 0,
-                    group_top: 0,
-                    expert_bias: false,
-                });
+                *moe = Some(pipec_plan::model::Moe { capacity, aux_loss, ..pipec_plan::model::Moe::new(8, 2) });
             }
             node(op, vec![8192, 4096])
         };
@@ -991,20 +978,7 @@ mod tests {
     fn expert_parallelism_divides_the_experts_and_prices_their_all_to_alls() {
         // Mixtral's block: 8 SwiGLU experts of 3 · 4096 · 14336 parameters each
         let mut op = Op::llama_block(4096, 32, 8, 14336);
-        let moe = |skew: f64| pipec_plan::model::Moe {
-            experts: 8,
-            top_k: 2,
-            shared: 0,
-            capacity: 0.0,
-            router: pipec_plan::model::Router::Softmax,
-            norm_topk: true,
-            aux_loss: 0.0,
-            skew,
-            scale: 1.0,
-            groups: 0,
-            group_top: 0,
-            expert_bias: false,
-        };
+        let moe = |skew: f64| pipec_plan::model::Moe { skew, ..pipec_plan::model::Moe::new(8, 2) };
         if let Op::TransformerBlock { moe: m, .. } = &mut op {
             *m = Some(moe(1.0));
         }
@@ -1083,18 +1057,9 @@ mod tests {
             let mut b = Op::llama_block(4096, 32, 8, 14336);
             if let Op::TransformerBlock { moe, .. } = &mut b {
                 *moe = Some(pipec_plan::model::Moe {
-                    experts,
-                    top_k,
-                    shared: 0,
                     capacity,
-                    router: pipec_plan::model::Router::Softmax,
-                    norm_topk: true,
                     aux_loss: 0.01,
-                    skew: 1.0,
-                    scale: 1.0,
-                    groups: 0,
-                    group_top: 0,
-                    expert_bias: false,
+                    ..pipec_plan::model::Moe::new(experts, top_k)
                 });
             }
             b

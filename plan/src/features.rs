@@ -172,18 +172,13 @@ mod tests {
         let mut moe = Op::llama_block(2048, 32, 4, 768);
         if let Op::TransformerBlock { moe: m, .. } = &mut moe {
             *m = Some(crate::model::Moe {
-                experts: 8,
-                top_k: 4,
                 shared: 1,
-                capacity: 0.0,
                 router: crate::model::Router::Sigmoid,
-                norm_topk: true,
-                aux_loss: 0.0,
-                skew: 1.0,
                 scale: 2.5,
                 groups: 4,
                 group_top: 2,
                 expert_bias: true,
+                ..crate::model::Moe::new(8, 4)
             });
         }
         assert_eq!(Feature::of_op(&moe), [Feature::ExpertBias]);

@@ -768,12 +768,7 @@ pub fn from_pipec(
     let dense =
         if b.mla.is_some() && b.moe.is_some() { blocks.iter().take_while(|d| d.moe.is_none()).count() } else { 0 };
     let dense_ff = blocks.first().map_or(b.ff, |d| d.ff);
-    let as_dense = crate::model::BlockDims {
-        moe: None,
-        ff: dense_ff,
-        up_width: if b.gated { 2 * dense_ff } else { dense_ff },
-        ..b
-    };
+    let as_dense = b.with_dense_mlp(dense_ff);
     if blocks[..dense].iter().any(|d| *d != as_dense) || blocks[dense..].iter().any(|d| *d != b) {
         return Err("the model's blocks differ: a Hugging Face config describes one block repeated (DeepSeek-V3: dense blocks first, then one block of experts repeated)".into());
     }
@@ -1413,20 +1408,7 @@ mod tests {
     fn a_mixture_of_experts_is_not_exported_as_a_dense_family() {
         let mut block = Op::llama_block(8, 2, 1, 16);
         if let Op::TransformerBlock { moe, .. } = &mut block {
-            *moe = Some(crate::model::Moe {
-                experts: 4,
-                top_k: 2,
-                shared: 0,
-                capacity: 0.0,
-                router: crate::model::Router::Sigmoid,
-                norm_topk: true,
-                aux_loss: 0.0,
-                skew: 1.0,
-                scale: 1.0,
-                groups: 0,
-                group_top: 0,
-                expert_bias: false,
-            });
+            *moe = Some(crate::model::Moe { router: crate::model::Router::Sigmoid, ..crate::model::Moe::new(4, 2) });
         }
         let layers = [
             Op::embedding(11, 8),
@@ -1452,20 +1434,7 @@ mod tests {
         let mixtral = {
             let mut b = llama(false);
             if let Op::TransformerBlock { moe, .. } = &mut b {
-                *moe = Some(crate::model::Moe {
-                    experts: 3,
-                    top_k: 2,
-                    shared: 0,
-                    capacity: 0.0,
-                    router: crate::model::Router::Softmax,
-                    norm_topk: true,
-                    aux_loss: 0.0,
-                    skew: 1.0,
-                    scale: 1.0,
-                    groups: 0,
-                    group_top: 0,
-                    expert_bias: false,
-                });
+                *moe = Some(crate::model::Moe::new(3, 2));
             }
             b
         };
@@ -1503,18 +1472,12 @@ mod tests {
             if let Op::TransformerBlock { moe, d_ff, .. } = &mut b {
                 *d_ff = 6;
                 *moe = Some(crate::model::Moe {
-                    experts: 4,
-                    top_k: 2,
                     shared: 2,
-                    capacity: 0.0,
                     router: crate::model::Router::Sigmoid,
-                    norm_topk: true,
-                    aux_loss: 0.0,
-                    skew: 1.0,
                     scale: 2.5,
                     groups: 2,
                     group_top: 1,
-                    expert_bias: false,
+                    ..crate::model::Moe::new(4, 2)
                 });
             }
             b
@@ -1747,6 +1710,18 @@ mod tests {
         out
     }
 
+    /// Every parameter of `layers` (a Hugging Face family's), each value distinct.
+    fn distinct_weights(layers: &[Op]) -> Weights {
+        let mut weights = Weights::new();
+        for (i, op) in layers.iter().enumerate() {
+            for (slot, shape) in param_shapes(op) {
+                let n: usize = shape.iter().product();
+                weights.insert(pid(i, slot), (shape, (0..n).map(|k| (i * 1000 + k) as f32 * 1e-3).collect()));
+            }
+        }
+        weights
+    }
+
     /// A Llama-family checkpoint's tensors (`blocks` blocks, q/k/v biases with `bias`), from
     /// pipec weights of distinct values.
     fn llama_tensors(blocks: usize, bias: bool) -> (Vec<Op>, Tensors) {
@@ -1758,14 +1733,7 @@ mod tests {
         layers.extend(std::iter::repeat_n(block, blocks));
         layers.push(Op::RmsNorm { dim: 8, eps: 1e-6 });
         layers.push(Op::Linear { in_features: 8, out_features: 11, bias: false });
-        let mut weights = Weights::new();
-        for (i, op) in layers.iter().enumerate() {
-            for (slot, shape) in param_shapes(op) {
-                let n: usize = shape.iter().product();
-                weights.insert(pid(i, slot), (shape, (0..n).map(|k| (i * 1000 + k) as f32 * 1e-3).collect()));
-            }
-        }
-        let (_, tensors) = from_pipec(&layers, false, 16, &weights).expect("exports");
+        let (_, tensors) = from_pipec(&layers, false, 16, &distinct_weights(&layers)).expect("exports");
         (layers, tensors)
     }
 
@@ -1777,20 +1745,7 @@ mod tests {
             let mut b = Op::llama_block(8, 4, 2, 12);
             if let Op::TransformerBlock { moe, qk_norm: q, .. } = &mut b {
                 *q = qk_norm;
-                *moe = Some(crate::model::Moe {
-                    experts: 3,
-                    top_k: 2,
-                    shared: 0,
-                    capacity: 0.0,
-                    router: crate::model::Router::Softmax,
-                    norm_topk: true,
-                    aux_loss: 0.0,
-                    skew: 1.0,
-                    scale: 1.0,
-                    groups: 0,
-                    group_top: 0,
-                    expert_bias: false,
-                });
+                *moe = Some(crate::model::Moe::new(3, 2));
             }
             b
         };
@@ -1802,13 +1757,7 @@ mod tests {
                 Op::Linear { in_features: 8, out_features: 11, bias: false },
             ]
         };
-        let mut weights = Weights::new();
-        for (i, op) in layers(false).iter().enumerate() {
-            for (slot, shape) in param_shapes(op) {
-                let n: usize = shape.iter().product();
-                weights.insert(pid(i, slot), (shape, (0..n).map(|k| (i * 1000 + k) as f32 * 1e-3).collect()));
-            }
-        }
+        let mut weights = distinct_weights(&layers(false));
         let (_, mixtral) = from_pipec(&layers(false), false, 16, &weights).expect("exports");
         let mut qwen: Tensors = mixtral
             .into_iter()

@@ -356,6 +356,26 @@ pub const EXPERT_BIAS_ARG: usize = 41;
 pub const MSCALE_ALL_DIM_ARG: usize = 42;
 
 impl Moe {
+    /// `experts` routed experts, `top_k` a token, with every other setting at the spec's
+    /// default (a softmax router renormalised over the chosen, no shared experts, no
+    /// capacity, loss, skew, scale, groups or bias): the base a literal updates.
+    pub fn new(experts: usize, top_k: usize) -> Moe {
+        Moe {
+            experts,
+            top_k,
+            shared: 0,
+            capacity: 0.0,
+            router: Router::Softmax,
+            norm_topk: true,
+            aux_loss: 0.0,
+            skew: 1.0,
+            scale: 1.0,
+            groups: 0,
+            group_top: 0,
+            expert_bias: false,
+        }
+    }
+
     /// The experts one token's MLP runs through: its routed ones and the shared ones.
     pub fn active_experts(&self) -> usize {
         self.top_k + self.shared
@@ -592,6 +612,12 @@ pub struct BlockDims {
 }
 
 impl BlockDims {
+    /// The block with a dense MLP `ff` wide in place of its own (DeepSeek-V3's dense first
+    /// blocks beside its blocks of experts).
+    pub fn with_dense_mlp(&self, ff: usize) -> BlockDims {
+        BlockDims { moe: None, ff, up_width: if self.gated { 2 * ff } else { ff }, ..*self }
+    }
+
     /// What the attention's softmax scale (1/√ of the query head's size) is multiplied by:
     /// latent attention's (0.1 · mscale_all_dim · ln factor + 1)² under YaRN
     /// ([`Mla::mscale_all_dim`]), else 1.
@@ -1810,20 +1836,7 @@ mod tests {
         // 8 per token: 48 blocks and the two untied 151,936 × 2,048 tables make 30.5B
         let mut moe = shaped(Op::llama_block(2048, 32, 4, 768), |h, qk, _, _, _| (*h, *qk) = (128, true));
         if let Op::TransformerBlock { moe: m, .. } = &mut moe {
-            *m = Some(Moe {
-                experts: 128,
-                top_k: 8,
-                shared: 0,
-                capacity: 0.0,
-                router: Router::Softmax,
-                norm_topk: true,
-                aux_loss: 0.0,
-                skew: 1.0,
-                scale: 1.0,
-                groups: 0,
-                group_top: 0,
-                expert_bias: false,
-            });
+            *m = Some(Moe::new(128, 8));
         }
         let b = moe.block_dims().expect("a block");
         assert_eq!((b.head_dim, b.q_width, b.kv_width, b.attention_width), (128, 4096, 512, 4096));

@@ -582,13 +582,14 @@ fn choose_experts(row: &[f32], moe: &Moe, order: &mut Vec<usize>, chosen: &mut [
     if moe.groups > 1 && moe.group_top > 0 && experts.is_multiple_of(moe.groups) {
         let size = experts / moe.groups;
         let per = (chosen.len() / moe.group_top).max(1);
-        let mut scored: Vec<(f32, usize)> = (0..moe.groups)
-            .map(|g| {
-                let mut members = row[g * size..(g + 1) * size].to_vec();
-                members.sort_by(|a, b| b.total_cmp(a));
-                (members.iter().take(per).sum(), g)
-            })
-            .collect();
+        let mut members = Vec::with_capacity(size);
+        let mut scored: Vec<(f32, usize)> = Vec::with_capacity(moe.groups);
+        for g in 0..moe.groups {
+            members.clear();
+            members.extend_from_slice(&row[g * size..(g + 1) * size]);
+            members.sort_by(|a, b| b.total_cmp(a));
+            scored.push((members.iter().take(per).sum(), g));
+        }
         scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         for &(_, g) in scored.iter().take(moe.group_top) {
             order.extend(g * size..(g + 1) * size);
@@ -606,20 +607,7 @@ mod tests {
     use super::*;
 
     fn routing(top_k: usize, groups: usize, group_top: usize) -> Moe {
-        Moe {
-            experts: 8,
-            top_k,
-            shared: 0,
-            capacity: 0.0,
-            router: Router::Sigmoid,
-            norm_topk: true,
-            aux_loss: 0.0,
-            skew: 1.0,
-            scale: 1.0,
-            groups,
-            group_top,
-            expert_bias: false,
-        }
+        Moe { router: Router::Sigmoid, groups, group_top, ..Moe::new(8, top_k) }
     }
 
     fn chosen(row: &[f32], moe: &Moe) -> Vec<usize> {

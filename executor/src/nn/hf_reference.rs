@@ -174,18 +174,12 @@ fn a_deepseek_v3_mixture_of_experts_with_group_limited_routing_computes_what_tra
         b
     };
     let routing = |groups: usize, scale: f64| Moe {
-        experts: 8,
-        top_k: 4,
         shared: 1,
-        capacity: 0.0,
         router: Router::Sigmoid,
-        norm_topk: true,
-        aux_loss: 0.0,
-        skew: 1.0,
         scale,
         groups,
         group_top: if groups > 0 { 2 } else { 0 },
-        expert_bias: false,
+        ..Moe::new(8, 4)
     };
     let layers = |groups: usize, scale: f64, mscale: f64| {
         vec![

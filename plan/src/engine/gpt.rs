@@ -50,10 +50,8 @@ impl GptShape {
         let dense = blocks.iter().take_while(|b| b.moe.is_none()).count();
         let dense = if block.moe.is_some() { dense } else { 0 };
         let dense_ff = blocks.first().map_or(0, |b| b.ff);
-        let up_width = if block.gated { 2 * dense_ff } else { dense_ff };
-        let as_dense = |b: &BlockDims| BlockDims { moe: None, ff: dense_ff, up_width, ..*b };
-        let same =
-            blocks[..dense].iter().all(|b| *b == as_dense(&block)) && blocks[dense..].iter().all(|b| *b == block);
+        let as_dense = block.with_dense_mlp(dense_ff);
+        let same = blocks[..dense].iter().all(|b| *b == as_dense) && blocks[dense..].iter().all(|b| *b == block);
         if !same || !block.causal || block.post_norm || block.d != d {
             return None;
         }

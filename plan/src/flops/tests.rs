@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::device::preset;
-use crate::model::{MlpKind, Moe, NormKind, Router};
+use crate::model::{MlpKind, Moe, NormKind};
 
 /// A decoder-only language model as the importers write one: token embedding, `blocks`,
 /// a final RMSNorm and an untied output projection to the vocabulary.
@@ -30,20 +30,7 @@ fn llama3_70b() -> Vec<Op> {
 /// heads, query/key norms; 128 routed SwiGLU experts of 768, 8 per token, no shared expert;
 /// vocabulary 151,936, untied.
 fn qwen3_30b_a3b() -> Vec<Op> {
-    let moe = Moe {
-        experts: 128,
-        top_k: 8,
-        shared: 0,
-        capacity: 0.0,
-        router: Router::Softmax,
-        norm_topk: true,
-        aux_loss: 0.001,
-        skew: 1.0,
-        scale: 1.0,
-        groups: 0,
-        group_top: 0,
-        expert_bias: false,
-    };
+    let moe = Moe { aux_loss: 0.001, ..Moe::new(128, 8) };
     let block = Op::TransformerBlock {
         d_model: 2048,
         heads: 32,
