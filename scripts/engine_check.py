@@ -77,9 +77,16 @@ def megatron(folder, want, world):
     elif args.use_distributed_optimizer:
         zero = 1
     # Transformer Engine's FP8: the recipe TransformerConfig takes (transformer_config.py:566-590)
-    fp8 = A.core_transformer_config_from_args(args).fp8_recipe if args.fp8 else None
+    config = A.core_transformer_config_from_args(args)
+    fp8 = config.fp8_recipe if args.fp8 else None
+    # the transformer blocks each model chunk builds (chunk c: virtual stage c // pp on rank
+    # c % pp), by Megatron-LM's own split (transformer_block.py get_num_layers_to_build)
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    chunks = [get_num_layers_to_build(config, vp_stage=c // pp if vpp > 1 else None, pp_rank=c % pp)
+              for c in range(pp * vpp)]
     return dict(world=args.world_size, tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size,
-                cp=args.context_parallel_size, ep=ep, virtual_stages=vpp, microbatch_size=args.micro_batch_size,
+                cp=args.context_parallel_size, ep=ep, etp=etp, chunk_blocks=chunks, virtual_stages=vpp,
+                microbatch_size=args.micro_batch_size,
                 microbatches_per_replica=m, global_batch=args.global_batch_size, recompute=recompute, zero=zero,
                 seq_length=args.seq_length, fp8=str(getattr(fp8, "value", fp8)) if fp8 else None)
 
@@ -127,7 +134,7 @@ def torchtitan(folder, want, world):
         fp8 = cfg.quantize.linear.float8.recipe_name or "tensorwise"
     elif "quantize.linear.mx" in cfg.model.converters:
         fp8 = "mxfp8"
-    return dict(world=world, tp=pd.tp, pp=pd.pp, dp=dp, cp=pd.cp, ep=pd.ep, virtual_stages=chunks,
+    return dict(world=world, tp=pd.tp, pp=pd.pp, dp=dp, cp=pd.cp, ep=pd.ep, etp=pd.etp, virtual_stages=chunks,
                 microbatch_size=micro, microbatches_per_replica=m, global_batch=gbs,
                 recompute={"none": "none", "full": "full", "selective": "selective"}[mode], zero=zero,
                 seq_length=cfg.training.seq_len, fp8=fp8)
@@ -157,7 +164,9 @@ def deepspeed(folder, want, world):
     if pp > 1 and zero >= 2:
         raise AssertionError("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (runtime/pipe/engine.py:76-77)")
     recompute = "full" if "activation_checkpointing" in cfg else "none"
-    return dict(world=world, tp=tp, pp=pp, dp=dp, cp=1, ep=cfg.get("expert_parallel", {}).get("autoep_size", 1),
+    autoep = cfg.get("expert_parallel", {})
+    return dict(world=world, tp=tp, pp=pp, dp=dp, cp=1, ep=autoep.get("autoep_size", 1),
+                etp=autoep.get("expert_tensor_parallel_size", 1),
                 virtual_stages=2 if cfg.get("pipeline", {}).get("schedule") == "DualPipeV" else 1,
                 microbatch_size=c.train_micro_batch_size_per_gpu, microbatches_per_replica=c.gradient_accumulation_steps,
                 global_batch=c.train_batch_size, recompute=recompute, zero=zero)
@@ -183,6 +192,12 @@ def main():
         expect["seq_length"] = want["seq_length"]
     if "fp8" in got:
         expect["fp8"] = want.get("fp8")
+    # expert tensor parallelism only where there are experts; each chunk's blocks where the
+    # engine says them
+    if want["ep"] > 1:
+        expect["etp"] = want["etp"]
+    if "chunk_blocks" in got:
+        expect["chunk_blocks"] = want.get("chunk_blocks")
     diff = {k: (expect[k], got.get(k)) for k in expect if expect[k] != got.get(k)}
     if diff:
         print(f"FAIL {folder} layout differs (pipec, {engine}): {diff}")

@@ -1087,7 +1087,8 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
             | Feature::BlockRecompute
             | Feature::ActivationOffload
             | Feature::OptimizerStatePrecision
-            | Feature::NoMasterWeights => true,
+            | Feature::NoMasterWeights
+            | Feature::WholeExperts => true,
             // the plan's precision is bf16 around the FP8 products: the executor trains
             // everything in bf16 and says so
             Feature::Fp8 => {

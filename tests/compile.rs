@@ -778,3 +778,37 @@ fn weights_without_a_master_copy_drop_four_bytes_a_parameter_and_fsdp2_shards_th
     let used = pipec_plan::features::used(&plan);
     assert!(used.iter().any(|(f, _)| *f == pipec_plan::features::Feature::NoMasterWeights), "{used:?}");
 }
+
+/// `etp: 1`: each routed expert whole on a device, the tensor-parallel ranks folded into the
+/// expert-parallel group. The plan says so (for `pipec run` to refuse, and for the engines'
+/// `--expert-tensor-parallel-size 1`); the groups are drawn from ep / tp replicas, and a
+/// device holds the same bytes of experts as with them split over the ranks of as many
+/// replicas (`ep: 8, etp: 1` beside `tp: 2`: one whole expert of 8; `ep: 4`: halves of two).
+#[test]
+fn whole_experts_fold_the_tensor_parallel_ranks_into_the_expert_groups() {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/moe-tiny.yaml"))
+        .expect("example")
+        .replace("devices_per_node: 4", "devices_per_node: 8");
+    let with = |strategy: &str| {
+        let start = text.find("strategy:").expect("strategy");
+        let end = text.find("training:").expect("training");
+        format!("{}strategy:\n  dp: 4\n  tp: 2\n  sequence_parallel: true\n  schedule: dp-only\n  microbatches: 4\n{strategy}{}", &text[..start], &text[end..])
+    };
+    let plan_of = |strategy: &str| compile_text(&with(strategy)).into_compiled().expect("compiles").plan;
+    let (whole, split) = (plan_of("  ep: 8\n  etp: 1\n"), plan_of("  ep: 2\n"));
+    assert!(whole.schedule.whole_experts && !split.schedule.whole_experts);
+    let used = pipec_plan::features::used(&whole);
+    assert!(used.iter().any(|(f, _)| *f == pipec_plan::features::Feature::WholeExperts), "{used:?}");
+    assert!(!pipec_plan::features::used(&split).iter().any(|(f, _)| *f == pipec_plan::features::Feature::WholeExperts));
+    // groups of ep / tp = 4 replicas (their 8 devices), against 2 replicas split
+    assert_eq!(whole.stages[0].expert_parallel, 4);
+    assert_eq!(split.stages[0].expert_parallel, 2);
+    // a device's weights: its whole expert against `ep: 4`'s halves of two (the same
+    // bytes) and `ep: 2`'s halves of four (more)
+    let experts_whole = plan_of("  ep: 4\n");
+    assert_eq!(whole.devices[0].memory.weights, experts_whole.devices[0].memory.weights);
+    assert!(split.devices[0].memory.weights > whole.devices[0].memory.weights);
+    // the engines are told: Megatron-LM's group of 8 devices, experts whole
+    let layout = whole.engine_layout();
+    assert_eq!((layout.ep, layout.etp, layout.tp), (8, 1, 2));
+}

@@ -120,6 +120,7 @@ pub(crate) fn assemble(
             cp_comm: if strategy.cp > 1 { strategy.cp_comm } else { Default::default() },
             moe_dispatch: if strategy.ep > 1 { strategy.moe_dispatch } else { Default::default() },
             ep_overlap: strategy.combined_1f1b(),
+            whole_experts: strategy.experts_whole() && strategy.ep > 1,
             sharding: strategy.sharding,
             block_recompute: match &strategy.recompute {
                 pipec_grammar::spec::Recompute::Blocks(b) => Some(b.clone()),

@@ -145,7 +145,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     let head_norms = if b.qk_norm { q_values + k_values } else { 0.0 };
     let latents = b.mla.map_or(0.0, |m| samples * s * (m.q_lora + m.kv_lora) as f64);
     let tokens = samples * s;
-    let mlp = Mlps::of(b, tokens, cx.ep.max(1), t, cx.grouped_experts);
+    let mlp = Mlps::of(b, tokens, (cx.ep.max(1), cx.whole_experts), t, cx.grouped_experts);
     // forward: LN, the attention's products, attention, projection, bias-dropout-add, LN,
     // MLP, add
     fwd.part(Part::Norms, |k| k.vector(5.0 * el, 2.0 * el, 0.0));
@@ -269,20 +269,26 @@ impl<'a> Mlps<'a> {
     /// `grouped`: the rank's routed experts run as one grouped product per projection
     /// (Megatron-LM's `--moe-grouped-gemm`, torchtitan's grouped experts), each priced at
     /// the size of the group; else each expert's products are their own kernels.
-    fn of(b: &'a BlockDims, tokens: f64, ep: usize, t: f64, grouped: bool) -> Mlps<'a> {
+    /// `ep`: the expert-parallel replicas, and whether each routed expert is whole on a
+    /// device (`etp: 1`: the rank's sequence share of the tokens dispatched over the group's
+    /// ep · t devices) rather than split over the `t` ranks.
+    fn of(b: &'a BlockDims, tokens: f64, (ep, whole): (usize, bool), t: f64, grouped: bool) -> Mlps<'a> {
         let (h, f, up) = (b.d as f64, b.ff as f64, b.up_width as f64);
-        let mlp = |rows: f64| {
+        let split = |rows: f64, t: f64| {
             [
                 Product { flops: 2.0 * rows * h * up / t, input: rows * h, weights: h * up / t, output: rows * up / t },
                 Product { flops: 2.0 * rows * f * h / t, input: rows * f / t, weights: f * h / t, output: rows * h },
             ]
         };
+        let mlp = |rows: f64| split(rows, t);
         let (products, activation, routed) = match b.moe {
             Some(m) => {
-                let (busiest, other) = m.expert_loads(tokens);
+                let (routed_tokens, ep, et) =
+                    if whole && t > 1.0 { (tokens / t, ep * t as usize, 1.0) } else { (tokens, ep, t) };
+                let (busiest, other) = m.expert_loads(routed_tokens);
                 let local = (m.experts / ep).max(1);
-                let routed: Vec<[Product; 2]> = std::iter::once(mlp(busiest * ep as f64))
-                    .chain(std::iter::repeat_n(mlp(other * ep as f64), local - 1))
+                let routed: Vec<[Product; 2]> = std::iter::once(split(busiest * ep as f64, et))
+                    .chain(std::iter::repeat_n(split(other * ep as f64, et), local - 1))
                     .collect();
                 let routed = if grouped { vec![group_products(&routed)] } else { routed };
                 let products = routed
@@ -290,8 +296,8 @@ impl<'a> Mlps<'a> {
                     .map(|p| (p, false))
                     .chain(std::iter::repeat_n((mlp(tokens), true), m.shared))
                     .collect();
-                let routed_pairs = m.busiest_device_pairs(tokens, ep) * ep as f64;
-                (products, [routed_pairs * f / t, tokens * m.shared as f64 * f / t], m.routed_pairs(tokens))
+                let routed_pairs = m.busiest_device_pairs(routed_tokens, ep) * ep as f64;
+                (products, [routed_pairs * f / et, tokens * m.shared as f64 * f / t], m.routed_pairs(tokens))
             }
             None => (vec![(mlp(tokens), false)], [tokens * f / t, 0.0], 0.0),
         };

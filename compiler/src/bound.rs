@@ -683,8 +683,9 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
     to.iter().find_map(|&d| nodes.get(&cluster.node_of(d)).map(|&f| (f, d))).unwrap_or((a, b))
 }
 
-/// What a model's costs depend on: (tp, samples per microbatch, ep, cp).
-type CostKey = (usize, usize, usize, usize, pipec_plan::vocab::CpComm);
+/// What a model's costs depend on: (tp, samples per microbatch, ep replicas, cp, cp's
+/// exchange, whole experts).
+type CostKey = (usize, usize, usize, usize, pipec_plan::vocab::CpComm, bool);
 
 /// Work the candidates of one spec's strategy search share: the model's costs per
 /// (tensor-parallel degree, microbatch size, expert- and context-parallel degree, context
@@ -896,10 +897,11 @@ impl Memo {
         let key = (
             spec.strategy.tp.max(1),
             spec.strategy.microbatch_size(spec.training.batch_size),
-            spec.strategy.ep.max(1),
+            spec.strategy.ep_replicas(),
             spec.strategy.cp.max(1),
             // (a ring prices attention's core and keeps other bytes than the all-gather)
             spec.strategy.cp_comm,
+            spec.strategy.experts_whole(),
         );
         Ok(match self.models.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),

@@ -425,6 +425,13 @@ fn tp_collectives(node: &OpNode, split: TpSplit, cx: &CostContext<'_>) -> (Colle
     let b = device_samples(cx);
     let bytes = |values: f64| (values * b * p) as u64;
     match split {
+        // whole experts without shared ones (`etp: 1`): the routed experts take each rank's
+        // sequence share as it is, so only the attention's gather and scatter remain (and
+        // backward the attention input's gather again)
+        TpSplit::Block if cx.sequence_parallel && cx.whole_experts && node.op.moe().is_some_and(|m| m.shared == 0) => {
+            let x = bytes(numel(&node.input_shape));
+            (vec![(AllGather, x), (ReduceScatter, x)], vec![(AllGather, x), (ReduceScatter, x), (AllGather, x)])
+        }
         TpSplit::Block => {
             let x = bytes(numel(&node.input_shape));
             if cx.sequence_parallel {
@@ -465,9 +472,15 @@ fn ep_collectives(node: &OpNode, sp: bool, t: usize, cx: &CostContext<'_>) -> (C
     let h = node.input_shape.last().copied().unwrap_or(1) as f64;
     // a member's tokens (context parallelism: its positions of the microbatch)
     let tokens = device_samples(cx) * s;
-    let rows = m.routed_pairs(tokens).max(m.busiest_device_pairs(tokens, ep) * ep as f64);
-    let share = if sp { t.max(1) as f64 } else { 1.0 };
-    let bytes = (rows * h * cx.precision.bytes() as f64 / share) as u64;
+    let bytes = if cx.whole_experts && t > 1 {
+        // whole experts: each rank sends its sequence share over the group's ep · t devices
+        let (tokens, n) = (tokens / t as f64, cx.load_members(t));
+        m.routed_pairs(tokens).max(m.busiest_device_pairs(tokens, n) * n as f64) * h * cx.precision.bytes() as f64
+    } else {
+        let rows = m.routed_pairs(tokens).max(m.busiest_device_pairs(tokens, ep) * ep as f64);
+        let share = if sp { t.max(1) as f64 } else { 1.0 };
+        rows * h * cx.precision.bytes() as f64 / share
+    } as u64;
     let both = vec![(CollectiveKind::AllToAll, bytes); 2];
     (both.clone(), both)
 }
@@ -605,7 +618,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 t,
                 sp,
                 attention: cx.attention_kernel(),
-                ep: cx.ep,
+                ep: cx.load_members(t),
                 keeps: cx.keeps,
             };
             let cp = cx.cp.max(1) as f64;
@@ -710,6 +723,7 @@ mod tests {
             microbatch: 4,
             tp: 1,
             ep: 1,
+            whole_experts: false,
             cp: 1,
             sequence_parallel: false,
             attention: Attention::Standard,
@@ -1046,6 +1060,65 @@ mod tests {
         let kept = |n: &OpNode, ep| kept_at(n, 2.0, 1, false, Attention::Flash, ep).0;
         assert!(kept(&skewed, 8) > kept(&n, 8));
         assert_eq!(kept(&n, 8), kept(&n, 1));
+    }
+
+    #[test]
+    fn whole_experts_beside_tensor_parallelism_are_priced_as_megatron_folds_them() {
+        // Qwen3-235B's block: 128 experts of 1536, 8 per token, no shared expert; tp 2 with
+        // sequence parallelism, 4 expert-parallel replicas: split, each rank holds halves of
+        // 32 experts; whole (`etp: 1`), 16 whole experts over the group's 8 devices
+        let mut op = Op::llama_block(4096, 64, 4, 1536);
+        if let Op::TransformerBlock { moe, .. } = &mut op {
+            *moe = Some(pipec_plan::model::Moe::new(128, 8));
+        }
+        let device = DeviceModel::uniform("x", 1e12, 1e12);
+        let cx = |whole: bool| CostContext {
+            precision: Precision::Bf16,
+            optimizer: OptimizerKind::Adam,
+            microbatch: 1,
+            tp: 2,
+            ep: 4,
+            whole_experts: whole,
+            sequence_parallel: true,
+            attention: Attention::Flash,
+            ..context(&device)
+        };
+        let n = node(op.clone(), vec![4096, 4096]);
+        let (split, whole) = (cx(false), cx(true));
+        // the same bytes of experts per rank either way: halves of 32 experts, or 16 whole
+        // ones, 1/8 of the block's
+        assert_eq!(rank_parameters(&op, TpSplit::Block, 2, 4).1, op.routed_expert_parameter_count() / 8);
+        // the tensor-parallel collectives: no gather and scatter around whole experts
+        let (f, b) = tp_collectives(&n, TpSplit::Block, &split);
+        assert_eq!((f.len(), b.len()), (4, 6));
+        let (f, b) = tp_collectives(&n, TpSplit::Block, &whole);
+        assert_eq!((f.len(), b.len()), (2, 3));
+        assert_eq!(f[0].0, CollectiveKind::AllGather);
+        // a block with a shared expert keeps its gather and scatter (the shared expert is
+        // split like the block)
+        let mut shared = op.clone();
+        if let Op::TransformerBlock { moe: Some(m), .. } = &mut shared {
+            m.shared = 1;
+        }
+        let (f, _) = tp_collectives(&node(shared, vec![4096, 4096]), TpSplit::Block, &whole);
+        assert_eq!(f.len(), 4);
+        // the all-to-alls: each rank sends its sequence share's routed rows either way
+        assert_eq!(ep_collectives(&n, true, 2, &split), ep_collectives(&n, true, 2, &whole));
+        // the same FLOPs on a uniform device, whole-width products on half the rows
+        let (p_split, p_whole) =
+            (price(&n, TpSplit::Block, (false, false), &split), price(&n, TpSplit::Block, (false, false), &whole));
+        assert!((p_split.forward - p_whole.forward).abs() < 1e-9 * p_split.forward);
+        assert_eq!(split.load_members(2), 4);
+        assert_eq!(whole.load_members(2), 8);
+        assert_eq!(whole.load_members(1), 4);
+        // under a skewed routing the busiest of 8 devices holding 16 experts each takes a
+        // larger share than the busiest of 4 replicas holding 32: its rank keeps more
+        if let Op::TransformerBlock { moe: Some(m), .. } = &mut op {
+            m.skew = 4.0;
+        }
+        let skewed = node(op, vec![4096, 4096]);
+        let kept = |ep| kept_at(&skewed, 2.0, 2, true, Attention::Flash, ep).0;
+        assert!(kept(whole.load_members(2)) > kept(split.load_members(2)));
     }
 
     #[test]

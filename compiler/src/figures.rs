@@ -174,7 +174,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // the collectives inside a stage's passes over `size` consecutive replicas of its
     // pipeline rank (consecutive tensor-parallel groups, so inside a node when they fit):
     // expert parallelism's all-to-alls, context parallelism's key/value exchanges
-    let ep = spec.strategy.ep.max(1);
+    let ep = spec.strategy.ep_replicas();
     let cp = spec.strategy.cp.max(1);
     let chunks = spec.strategy.schedule.kind.chunk_placement();
     // (the devices of every replica only where there are groups to price)
@@ -190,7 +190,17 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             None => model.cluster.collective_time(k, members, bytes),
         }
     };
-    let group_times = |size: usize, pick: Pick, ring: Option<usize>| -> Vec<(f64, f64)> {
+    // an expert-parallel group's devices: its replicas' leaders, or with whole experts every
+    // tensor-parallel rank of them (the ranks of a replica are consecutive)
+    let whole_experts = spec.strategy.experts_whole();
+    let group_devices = |leaders: &[pipec_plan::DeviceId]| -> Vec<pipec_plan::DeviceId> {
+        if whole_experts {
+            leaders.iter().flat_map(|d| (0..tp as u32).map(move |k| pipec_plan::DeviceId(d.0 + k))).collect()
+        } else {
+            leaders.to_vec()
+        }
+    };
+    let group_times = |size: usize, pick: Pick, ring: Option<usize>, expert: bool| -> Vec<(f64, f64)> {
         // the part of a layer's exchange its attention core does not cover (a ring of
         // `ring` members overlaps cp − 1 of its cp blocks), or all of it
         let exposed = |comm: f64, core: f64| match ring {
@@ -205,9 +215,10 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
                 let Some(m) = ranks.get(chunks.rank_of_chunk(c, ranks.len())).filter(|_| size > 1) else {
                     return (0.0, 0.0);
                 };
-                let members = &m[..size.min(m.len())];
+                let leaders = &m[..size.min(m.len())];
+                let members = if expert { group_devices(leaders) } else { leaders.to_vec() };
                 let time =
-                    |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| exchange(k, members, b)).sum::<f64>();
+                    |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| exchange(k, &members, b)).sum::<f64>();
                 let c = &costs[r.clone()];
                 (
                     c.iter().map(|c| exposed(time(pick(c)[0]), c.core_s[0])).sum(),
@@ -216,7 +227,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             })
             .collect()
     };
-    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None);
+    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None, true);
     let (update_sums, norm_sum, ep_counts) = pipec_in_line(spec, model, layout, (tp_link, &ranks));
     let ep_times: Vec<(f64, f64)> = ep_times
         .iter()
@@ -227,7 +238,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // over the cp − 1 blocks before each (Transformer Engine's ring attention): only what
     // that does not cover is waited for
     let ring = (spec.strategy.cp_comm == pipec_plan::vocab::CpComm::Ring).then_some(cp);
-    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring);
+    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring, false);
     let (expert_parallel, all_to_alls, expert_gradients) = expert_figures(spec, model, layout);
     // ZeRO: each replica of a stage keeps (and updates) its 1/d share of what is sharded
     let stage_replicas: Vec<u64> = chunk_replicas(&layout.replicas, spec.strategy.schedule.kind, layout.ranges.len())
@@ -331,7 +342,7 @@ fn pipec_in_line(
     (tp_link, ranks): (pipec_grammar::spec::Link, &[Vec<pipec_plan::DeviceId>]),
 ) -> (Vec<Vec<f64>>, f64, Vec<ByLayer>) {
     let (costs, graph) = (&model.costs, &model.graph);
-    let (tp, ep) = (spec.strategy.tp.max(1), spec.strategy.ep.max(1));
+    let (tp, ep) = (spec.strategy.tp.max(1), spec.strategy.ep_replicas());
     let chunks = spec.strategy.schedule.kind.chunk_placement();
     // pipec's executor sums each partial gradient of a tensor-parallel stage (its norms',
     // its routers') at the update's side, one all-reduce of fp32 values each
@@ -394,7 +405,7 @@ fn zero3_gather_waits(
     (stage_replicas, expert_parallel): (&[u64], &[usize]),
     times: &[(f64, f64)],
 ) -> (Vec<(f64, f64)>, Vec<f64>) {
-    let (costs, tp, ep) = (&model.costs, spec.strategy.tp.max(1), spec.strategy.ep.max(1));
+    let (costs, tp, ep) = (&model.costs, spec.strategy.tp.max(1), spec.strategy.ep_replicas());
     let shard_weights = spec.strategy.sharding.shards().2;
     let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
     let graph = &model.graph;
@@ -522,7 +533,7 @@ fn expert_figures(
     model: &ModelCosts,
     layout: &Layout,
 ) -> (Vec<usize>, Vec<Vec<pipec_plan::ExpertExchange>>, Vec<u64>) {
-    let (costs, ep) = (&model.costs, spec.strategy.ep.max(1));
+    let (costs, ep) = (&model.costs, spec.strategy.ep_replicas());
     let expert_parallel: Vec<usize> = layout
         .ranges
         .iter()
@@ -614,7 +625,7 @@ fn stage_bytes(
     (output, d): (u64, u64),
 ) -> StageBytes {
     let (costs, graph, mb) = (&model.costs, &model.graph, model.microbatch_size as u64);
-    let (tp, cp, ep) = (spec.strategy.tp.max(1), spec.strategy.cp.max(1), spec.strategy.ep.max(1));
+    let (tp, cp, ep) = (spec.strategy.tp.max(1), spec.strategy.cp.max(1), spec.strategy.ep_replicas());
     let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / cp as u64;
     let c = &costs[r.clone()];
     let parameters: u64 = c.iter().map(|c| c.parameters).sum();

@@ -25,8 +25,12 @@ pub struct CostContext<'a> {
     pub microbatch: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
-    /// Expert-parallel degree: each device holds 1/ep of every expert block's experts.
+    /// Expert-parallel degree in replicas: each replica holds 1/ep of every expert block's
+    /// experts (split over its tensor-parallel ranks like the block, or whole on them).
     pub ep: usize,
+    /// `etp: 1` beside tensor parallelism: each routed expert whole on one device, the
+    /// group's ep · tp devices each dispatching its sequence share.
+    pub whole_experts: bool,
     /// Context-parallel degree: each device computes 1/cp of every sequence's positions
     /// (the load-balanced split: an equal share of the causal attention work too).
     pub cp: usize,
@@ -73,6 +77,16 @@ impl Keeps {
 }
 
 impl CostContext<'_> {
+    /// The devices a layer split `t` ways spreads its routed pairs over: the group's ep
+    /// replicas, or with whole experts their ep · t ranks.
+    pub fn load_members(&self, t: usize) -> usize {
+        if self.whole_experts && t > 1 {
+            self.ep.max(1) * t
+        } else {
+            self.ep.max(1)
+        }
+    }
+
     /// Bytes per value a block's linear layers keep of their inputs: FP8 and its scales
     /// where FP8 training keeps them so (Transformer Engine), else the activations' `p`.
     pub fn linear_input_bytes(&self, p: f64) -> f64 {

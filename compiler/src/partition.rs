@@ -570,6 +570,10 @@ pub(crate) fn partition_layers(
             })?;
             (replicas, 1, ranges)
         }
+        // an engine that splits a language model's blocks evenly runs its own split
+        Partition::Auto | Partition::Balanced if engine_split(spec, graph, ranks * v).is_some() => {
+            (replicas, v, engine_split(spec, graph, ranks * v).unwrap_or_default())
+        }
         Partition::Auto | Partition::Balanced => {
             let solve = || balanced(&times, &chunk_replicas).map(|(ranges, _)| ranges);
             let ranges = match memo {
@@ -591,6 +595,23 @@ pub(crate) fn partition_layers(
         virtual_stages,
         ranges,
     })
+}
+
+/// The chunks of a language model's layers (more than one) as the spec's engine runs them
+/// when it splits the transformer blocks evenly (`capability::block_split`): each chunk its
+/// share of the blocks, the layers before the first block in the first chunk, every other
+/// layer with the block before it. None for pipec's executor, another model, or blocks that
+/// do not split so (the engine's tables then refuse the plan).
+fn engine_split(spec: &Spec, graph: &crate::ir::Graph, chunks: usize) -> Option<Vec<Range<usize>>> {
+    use pipec_plan::engine::capability;
+    let split = capability::block_split(spec.engine.target.name)?;
+    let ops: Vec<pipec_plan::model::Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
+    let tied = spec.model.layers.iter().any(|l| l.tied.is_some());
+    pipec_plan::engine::gpt::GptShape::of(&ops, tied)?;
+    let starts: Vec<usize> =
+        ops.iter().enumerate().filter(|(_, op)| op.block_dims().is_some()).map(|(i, _)| i).collect();
+    let counts = capability::split_blocks(starts.len(), chunks, split).filter(|_| chunks > 1)?;
+    Some(capability::chunk_ranges(&starts, ops.len(), &counts))
 }
 
 pub(crate) fn notation(replicas: &[usize]) -> String {

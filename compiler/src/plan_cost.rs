@@ -69,7 +69,7 @@ impl<'a> PlanCost<'a> {
             stage_ep: &stages.ep_times,
             stage_cp: &stages.cp_times,
             expert_groups: HashMap::new(),
-            ep: spec.strategy.ep.max(1),
+            ep: spec.strategy.ep_replicas(),
             deepep: crate::cluster::deepep_routing(spec),
             chunks: spec.strategy.schedule.kind.chunk_placement(),
             pairing: spec.strategy.pairing(),

@@ -69,6 +69,10 @@ pub struct SearchOptions {
     /// `ep` written: every candidate divides the experts so (otherwise, for a model with
     /// expert blocks, every degree that divides the replicas and the experts is tried).
     pub ep: Option<usize>,
+    /// `etp: 1` written: every candidate with tensor and expert parallelism keeps each
+    /// expert whole, `ep` counting the group's devices (a multiple of `tp`), with sequence
+    /// parallelism.
+    pub whole_experts: bool,
     /// `cp` written: every candidate splits the sequence so; None (`cp: auto`): every degree
     /// the model, the sequence and the devices allow is tried.
     pub cp: Option<usize>,
@@ -96,6 +100,7 @@ impl Default for SearchOptions {
             tp_overlap: false,
             cp_comm: None,
             ep: None,
+            whole_experts: false,
             cp: Some(1),
             ranked: 1,
         }
@@ -123,6 +128,7 @@ impl SearchOptions {
             tp_overlap: st.tp_overlap,
             cp_comm: (!auto.cp_comm).then_some(st.cp_comm),
             ep: (!auto.ep).then_some(st.ep),
+            whole_experts: st.whole_experts,
             cp: (!auto.cp).then_some(st.cp.max(1)),
             ranked: 1,
         }
@@ -151,8 +157,11 @@ pub struct Candidate {
     pub tp_overlap: bool,
     /// How context parallelism exchanges keys and values (with `cp` > 1).
     pub cp_comm: CpComm,
-    /// Expert parallelism's degree (1: every replica holds every expert).
+    /// Expert parallelism's degree (1: every replica holds every expert): replicas, or with
+    /// whole experts the group's devices.
     pub ep: usize,
+    /// Each routed expert whole on one device beside tensor parallelism (`etp: 1`).
+    pub whole_experts: bool,
     /// How expert parallelism dispatches tokens (the spec's `moe_dispatch`, with `ep` > 1).
     pub moe_dispatch: pipec_plan::vocab::MoeDispatch,
     /// Megatron-LM's expert-parallel overlap (the spec's `ep_overlap`), on a candidate with
@@ -210,7 +219,8 @@ impl Candidate {
                     d => format!(", moe_dispatch: {d}"),
                 };
                 let overlap = if overlap { ", ep_overlap: true" } else { "" };
-                format!(", ep: {n}{dispatch}{overlap}")
+                let etp = if self.whole_experts { ", etp: 1" } else { "" };
+                format!(", ep: {n}{etp}{dispatch}{overlap}")
             }
         };
         let cp = match (self.cp, self.cp_comm) {
@@ -249,6 +259,7 @@ impl Candidate {
         st.tp_overlap = self.tp_overlap;
         st.cp_comm = self.cp_comm;
         st.ep = self.ep;
+        st.whole_experts = self.whole_experts;
         st.moe_dispatch = self.moe_dispatch;
         st.ep_overlap = self.ep_overlap;
         // as the front end lowers context parallelism (the layout and microbatches as written)
@@ -468,22 +479,38 @@ fn shardable(c: &Candidate, options: &SearchOptions) -> bool {
 /// (`experts`: each block's count) every degree dividing every stage's members and every
 /// block's experts, under a schedule whose replicas run their passes
 /// together (one update per step: the front end's E0417–E0419).
+/// With whole experts (`etp: 1` beside `tp` > 1) a degree counts the group's devices: tp
+/// times the replicas it groups; a written `ep` stays as written, where it folds.
 fn expert_degrees(
     experts: &[usize],
     options: &SearchOptions,
     members: Option<&[usize]>,
-    schedule: ScheduleKind,
+    (schedule, tp, whole): (ScheduleKind, usize, bool),
 ) -> Vec<usize> {
+    let fold = if whole { tp.max(1) } else { 1 };
     let Some(l) = members else { return vec![options.ep.unwrap_or(1)] };
     let together = schedule.updates_per_step();
+    // `e` devices (replicas when not folded) to a group
     let fits = |e: usize| {
-        e == 1 || (together && l.iter().all(|r| r.is_multiple_of(e)) && experts.iter().all(|x| x.is_multiple_of(e)))
+        e == 1
+            || (together
+                && e.is_multiple_of(fold)
+                && l.iter().all(|r| r.is_multiple_of(e / fold))
+                && experts.iter().all(|x| x.is_multiple_of(e)))
     };
     match options.ep {
+        Some(e) if fold > 1 => [e].into_iter().filter(|&e| fits(e)).collect(),
         Some(e) => vec![e],
         None if experts.is_empty() => vec![1],
-        None => divisors(l.iter().copied().max().unwrap_or(1)).filter(|&e| fits(e)).collect(),
+        None => divisors(l.iter().copied().max().unwrap_or(1)).map(|e| e * fold).filter(|&e| fits(e)).collect(),
     }
+}
+
+/// Whether the spec's engine runs routed experts whole beside tensor parallelism (its
+/// capability table; never pipec's executor, whose `pipec run` refuses it).
+fn runs_whole_experts(spec: &Spec) -> bool {
+    !spec.engine.target.is_pipec()
+        && capability::find(&spec.engine.target, |c| *c == capability::Capability::WholeExperts).is_some()
 }
 
 /// The context-parallel degrees to try on `machines` devices per tensor-parallel rank: the
@@ -645,7 +672,28 @@ fn candidates(
                 .into_iter()
                 .filter(|(k, _)| cp == 1 || k.context_parallel_obstacle(pipec_plan::vocab::SyncMode::Bsp).is_none());
             for (schedule, chunks) in schedules {
-                for ep in expert_degrees(&expert_counts, options, members.as_deref(), schedule) {
+                // experts split like the block, or whole (`etp: 1`): as written, or both
+                // under an engine that runs whole experts beside tensor parallelism (pipec's
+                // executor does not)
+                let folds: &[bool] = if options.whole_experts {
+                    &[true]
+                } else if tp > 1 && !expert_counts.is_empty() && runs_whole_experts(spec) {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
+                let degrees = folds.iter().flat_map(|&whole| {
+                    expert_degrees(&expert_counts, options, members.as_deref(), (schedule, tp, whole))
+                        .into_iter()
+                        .map(move |ep| (ep, whole && ep > 1))
+                });
+                let degrees: Vec<(usize, bool)> = degrees.fold(Vec::new(), |mut v, d| {
+                    if !v.contains(&d) {
+                        v.push(d);
+                    }
+                    v
+                });
+                for (ep, whole) in degrees {
                     for &microbatches in &counts {
                         for (recompute, &cp_comm) in recomputes.iter().flat_map(|r| comms.iter().map(move |c| (r, c))) {
                             let mut c = Candidate {
@@ -663,10 +711,12 @@ fn candidates(
                                     (Some(l), Some(written)) if l.iter().any(|&r| r > 1) => written,
                                     _ => Sharding::None,
                                 },
-                                sequence_parallel: options.sequence_parallel && tp > 1,
+                                // whole experts dispatch each rank's sequence share
+                                sequence_parallel: (options.sequence_parallel || whole) && tp > 1,
                                 tp_overlap: options.tp_overlap && tp > 1,
                                 cp_comm,
                                 ep,
+                                whole_experts: whole && tp > 1,
                                 moe_dispatch: if ep > 1 { spec.strategy.moe_dispatch } else { Default::default() },
                                 ep_overlap: spec.strategy.ep_overlap
                                     && ep > 1
@@ -923,7 +973,11 @@ fn describe(c: &Candidate) -> String {
         0 => String::new(),
         z => format!(", zero {z}"),
     };
-    let zero = if c.ep > 1 { format!("{zero}, ep {}", c.ep) } else { zero };
+    let zero = if c.ep > 1 {
+        format!("{zero}, ep {}{}", c.ep, if c.whole_experts { " (experts whole)" } else { "" })
+    } else {
+        zero
+    };
     let zero = if c.cp > 1 { format!("{zero}, cp {}", c.cp) } else { zero };
     format!(
         "{schedule}{chunks} · tp {} × {layout}, {} microbatches{}{zero}",

@@ -605,3 +605,39 @@ fn an_unusual_winner_is_shown_beside_the_best_standard_layout() {
         assert!(report.to_json(&options, 3)["best_standard"].is_null());
     }
 }
+
+/// Expert tensor parallelism in the search: under an engine that runs experts whole beside
+/// tensor parallelism (Megatron-LM), candidates with `tp` and `ep` come both ways, the whole
+/// ones with `etp: 1`, `ep` a multiple of `tp` and sequence parallelism in their text; under
+/// pipec's executor, whose `pipec run` refuses whole experts, never; a written `etp: 1` is
+/// kept on every expert-parallel candidate.
+#[test]
+fn the_search_tries_whole_experts_where_the_engine_runs_them() {
+    let base = |etp: &str| {
+        mixture_of_experts().replace(
+            "strategy:\n  stages: straight\n  schedule: 1f1b\n  microbatches: 4\n",
+            &format!("strategy:\n  stages: auto\n  tp: 2\n  sequence_parallel: true\n  schedule: auto\n  microbatches: auto\n  ep: auto\n{etp}"),
+        )
+    };
+    let candidates = |text: String| {
+        let checked = pipec_grammar::check_source(&text);
+        let spec = checked.spec.unwrap_or_else(|| panic!("{:?}", checked.diagnostics));
+        let auto = spec.strategy.auto.clone().expect("an auto strategy");
+        let options = SearchOptions { exhaustive: true, ..SearchOptions::from_spec(&spec, &auto) };
+        search(&text, &spec, &CompileOptions::default(), &options).candidates
+    };
+    let megatron = candidates(format!("engine: megatron\n{}", base("")));
+    let whole: Vec<_> = megatron.iter().filter(|c| c.whole_experts).collect();
+    assert!(!whole.is_empty(), "no candidate with whole experts");
+    for c in &whole {
+        let strategy = c.strategy();
+        assert!(strategy.contains("etp: 1") && strategy.contains("sequence_parallel: true"), "{strategy}");
+        assert!(c.ep > 1 && c.ep % c.tp == 0, "{strategy}");
+    }
+    assert!(megatron.iter().any(|c| c.ep > 1 && !c.whole_experts), "no candidate with split experts");
+    assert!(whole.iter().any(|c| matches!(c.outcome, Outcome::Planned(_))), "no whole-expert candidate planned");
+    assert!(candidates(base("")).iter().all(|c| !c.whole_experts), "pipec's executor refuses whole experts");
+    let written = candidates(base("  etp: 1\n"));
+    assert!(written.iter().any(|c| c.ep > 1));
+    assert!(written.iter().filter(|c| c.ep > 1).all(|c| c.whole_experts));
+}

@@ -421,6 +421,14 @@ pub struct Strategy {
     /// consecutive ones, each holding `experts / ep` of every expert block's experts and
     /// exchanging tokens with the group's other members (1: every replica holds them all).
     pub ep: usize,
+    /// `etp: 1` beside `tp` > 1: expert tensor parallelism 1 — each routed expert whole on
+    /// one device, and the expert-parallel group of `ep` devices made of the tensor-parallel
+    /// ranks of ep / tp consecutive replicas, each rank dispatching its sequence share
+    /// (Megatron-LM's MoE parallel folding with `--expert-tensor-parallel-size 1`,
+    /// torchtitan's `expert_tensor_parallel_degree = 1`). False (`etp` absent or equal to
+    /// `tp`): each expert split over the tensor-parallel ranks like the rest of the block,
+    /// `ep` counting replicas.
+    pub whole_experts: bool,
     /// `cp`: context parallelism — each microbatch's sequence split over `cp` devices
     /// (Megatron-LM's load-balanced split: 2·cp chunks, member c holding
     /// chunks c and 2·cp − 1 − c), attention gathering the group's keys and values. Once
@@ -446,6 +454,28 @@ pub struct Strategy {
 impl Strategy {
     pub fn stage_count(&self) -> usize {
         self.replicas.len()
+    }
+    /// Whether routed experts are whole on each device with tensor parallelism around them
+    /// (`etp: 1` beside `tp` > 1, [`Strategy::whole_experts`]).
+    pub fn experts_whole(&self) -> bool {
+        self.whole_experts && self.tp > 1
+    }
+    /// The expert tensor-parallel degree: 1 when experts are whole, else `tp`.
+    pub fn etp(&self) -> usize {
+        if self.experts_whole() {
+            1
+        } else {
+            self.tp.max(1)
+        }
+    }
+    /// The replicas of an expert-parallel group: `ep`, or with whole experts ep / tp (the
+    /// group's `ep` devices are the tensor-parallel ranks of that many replicas).
+    pub fn ep_replicas(&self) -> usize {
+        if self.experts_whole() {
+            (self.ep / self.tp.max(1)).max(1)
+        } else {
+            self.ep.max(1)
+        }
     }
     pub fn devices_needed(&self) -> usize {
         self.replicas.iter().sum::<usize>() * self.tp

@@ -473,6 +473,22 @@ expert parallelism (`ep` above 1 or `ep: auto`) and a schedule with that 1F1B ph
       ep: 1
       ep_overlap: true   # error: no all-to-alls to overlap";
 
+"E0428", "expert tensor parallelism that does not fold",
+"`etp` is the expert tensor-parallel degree: `tp` (the default: each routed expert split
+over the tensor-parallel ranks like the rest of the block, `ep` counting replicas) or 1
+(each expert whole on one device, Megatron-LM's `--expert-tensor-parallel-size 1` and
+torchtitan's `expert_tensor_parallel_degree = 1`). With `etp: 1` the expert-parallel group
+of `ep` devices is made of the tensor-parallel ranks of ep / tp consecutive replicas: `ep`
+must be a multiple of `tp`, and each rank dispatches its share of the sequence, which
+needs `sequence_parallel: true`. Other degrees are not run by torchtitan and not modelled.
+
+    strategy:
+      dp: 4
+      tp: 4
+      ep: 2        # error with etp: 1: not a multiple of tp
+      etp: 1
+      sequence_parallel: true";
+
 "W0426", "a recompute module that applies to no block",
 "A recompute module names a part no transformer block of the model has: `moe_act`, `moe`
 or `shared_experts` without a mixture of experts (or without shared experts),

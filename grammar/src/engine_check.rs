@@ -34,6 +34,7 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         tp: strategy.tp,
         cp,
         ep: strategy.ep.max(1),
+        etp: strategy.etp(),
         schedule: strategy.schedule.kind,
         virtual_stages: strategy.schedule.virtual_stages.max(1),
         microbatches: strategy.written_microbatches(),
@@ -56,6 +57,21 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
             pipec_plan::vocab::OptimizerKind::Adam | pipec_plan::vocab::OptimizerKind::AdamW
         ),
         blocks: model.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),
+        // a partition written out: the blocks of each chunk
+        chunk_blocks: match &strategy.partition {
+            crate::ast::Partition::Explicit(ranges) => Some(
+                ranges
+                    .iter()
+                    .map(|r| {
+                        model
+                            .layers
+                            .get(r.clone())
+                            .map_or(0, |ls| ls.iter().filter(|l| l.op.block_dims().is_some()).count())
+                    })
+                    .collect(),
+            ),
+            crate::ast::Partition::Auto | crate::ast::Partition::Balanced => None,
+        },
         gpt: GptShape::of(&ops, tied).is_some(),
     }
 }

@@ -338,6 +338,15 @@ struct Strategy {
     /// an expert's gradient is summed over the replicas holding it. Divides every stage's
     /// replicas and every block's experts. Default 1; `auto`: searched.
     ep: Option<CountOrAuto>,
+    /// Expert tensor parallelism beside `tp` > 1: `tp` (the default: each routed expert split
+    /// over the tensor-parallel ranks like the block, `ep` counting replicas) or 1 (each
+    /// expert whole on one device; the expert-parallel group's `ep` devices are the
+    /// tensor-parallel ranks of ep / tp replicas, so `ep` is a multiple of `tp`, and each
+    /// rank dispatches its sequence share: needs `sequence_parallel`). Megatron-LM's
+    /// `--expert-tensor-parallel-size`, torchtitan's `expert_tensor_parallel_degree`. A
+    /// planning choice: the executor refuses `etp: 1` beside `tp` > 1.
+    #[schemars(range(min = 1))]
+    etp: Option<usize>,
     /// Context parallelism (a language model of transformer blocks): each microbatch's
     /// sequence split over `cp` devices, 2·cp chunks with member c holding chunks c and
     /// 2·cp − 1 − c (balanced causal work); each attention gathers the group's keys and

@@ -162,6 +162,7 @@ pub(crate) fn lower_strategy(
     let cp_comm = lower_cp_comm(cx, &f, cp);
     let moe_dispatch = lower_moe_dispatch(cx, &f, ep);
     let ep_overlap = lower_ep_overlap(cx, &f, ep, schedule.as_ref().map(|s| s.kind));
+    let whole_experts = lower_etp(cx, &f, (tp, ep, sequence_parallel));
     let written = lower_layout(cx, &f, owner, schedule.as_ref().map(|s| s.kind));
 
     // the batch's split into microbatches does not depend on the schedule: with a broken
@@ -176,12 +177,16 @@ pub(crate) fn lower_strategy(
     let (tp, schedule, microbatches, recompute, written) = (tp?, schedule?, microbatches?, recompute?, written?);
     let (overlap, sequence_parallel, sharding, ep, bucket) = (overlap?, sequence_parallel?, sharding?, ep?, bucket?);
     let (cp, tp_overlap, cp_comm, moe_dispatch, ep_overlap) = (cp?, tp_overlap?, cp_comm?, moe_dispatch?, ep_overlap?);
+    let whole_experts = whole_experts?;
+    // an expert-parallel group's replicas (its `ep` devices are, with whole experts, the
+    // tensor-parallel ranks of ep / tp replicas)
+    let ep_replicas = if whole_experts && tp > 1 { (ep / tp).max(1) } else { ep };
     // a stage replica is `tp` × `cp` devices
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp * cp)?;
     // ZeRO shards over a stage's data- and context-parallel members together
     let members: Vec<usize> = layout.replicas.iter().map(|r| r * cp).collect();
     let mut ok = check_sharding(cx, &f, sharding, &members, Some(&schedule));
-    ok &= check_expert_parallelism(cx, &f, ep, model, Some(&members), cp, Some(&schedule));
+    ok &= check_expert_parallelism(cx, &f, (ep, ep_replicas), model, Some(&members), cp, Some(&schedule));
     ok &= check_context_parallelism(cx, &f, cp, model, Some(&schedule));
     let partition_node = f.get("partition");
     // `partition: auto` with no layout written: PipeDream's planner picks the stages and
@@ -232,6 +237,7 @@ pub(crate) fn lower_strategy(
         ep_overlap,
         sharding,
         ep,
+        whole_experts,
         cp: 1,
         auto: None,
         layout_span: layout.span,
@@ -290,6 +296,46 @@ fn lower_moe_dispatch(cx: &mut Lower<'_>, f: &Fields<'_>, ep: Option<usize>) -> 
         return None;
     }
     Some(dispatch)
+}
+
+/// `etp`: expert tensor parallelism, 1 or `tp` (the default), as torchtitan allows
+/// (`parallel_dims.py`: "ETP=TP or ETP=1"). `etp: 1` beside `tp` > 1 folds the
+/// tensor-parallel ranks into the expert-parallel group: `ep` counts devices and must be a
+/// multiple of `tp`, and each rank dispatches its sequence share, which needs
+/// `sequence_parallel` (Megatron-LM's MoE layer refuses tensor parallelism without it,
+/// `moe_layer.py`) (E0428). Returns whether experts are whole (`etp: 1`). The values not
+/// yet known (`auto`: None) are checked by the search.
+fn lower_etp(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    (tp, ep, sp): (Option<usize>, Option<usize>, Option<bool>),
+) -> Option<bool> {
+    let Some(n) = f.get("etp") else { return Some(false) };
+    let etp = cx.uint(n, 1)?;
+    let problem = match (tp, ep) {
+        (Some(tp), _) if etp != 1 && etp != tp => Some((
+            format!("`etp: {etp}` splits each expert over {etp} devices, and `tp` is {tp}: an expert is split like the block (`etp: {tp}`) or whole (`etp: 1`)"),
+            format!("write `etp: 1` or remove `etp` (the same as `etp: {tp}`)"),
+        )),
+        (None, _) if etp != 1 => Some((
+            format!("`etp: {etp}` must equal the tensor-parallel degree, which the search chooses"),
+            "write `etp: 1` (experts whole), or write `tp` too".to_string(),
+        )),
+        (Some(tp), Some(ep)) if etp == 1 && tp > 1 && !ep.is_multiple_of(tp) => Some((
+            format!("`etp: 1` folds the {tp} tensor-parallel ranks of each replica into the expert-parallel group, and `ep: {ep}` is not a multiple of {tp}"),
+            format!("write `ep` as a multiple of {tp} (the group's devices: {tp} per replica), or remove `etp`"),
+        )),
+        (Some(tp), _) if etp == 1 && tp > 1 && sp == Some(false) => Some((
+            "`etp: 1` has each tensor-parallel rank dispatch its share of the sequence, which needs `sequence_parallel: true`".to_string(),
+            "add `sequence_parallel: true` (Megatron-LM refuses a mixture of experts beside tensor parallelism without it), or remove `etp`".to_string(),
+        )),
+        _ => None,
+    };
+    if let Some((message, help)) = problem {
+        cx.push(Diagnostic::error("E0428", message, n.span, "expert tensor parallelism").with_help(help));
+        return None;
+    }
+    Some(etp == 1)
 }
 
 /// `ep_overlap`: a boolean, and only where there are all-to-alls to overlap (`ep` above 1,
@@ -603,6 +649,7 @@ fn placeholder_strategy(node: &Node, owner: Span, cluster: Option<&Cluster>, aut
         ep_overlap: false,
         sharding: Sharding::None,
         ep: 1,
+        whole_experts: false,
         cp: 1,
         auto: Some(auto),
         layout_span: node.span,
@@ -707,6 +754,8 @@ fn lower_auto_strategy(
         strategy.ep = f.get("ep").and_then(|n| cx.uint(n, 1))?;
     }
     let written_ep = (!auto.ep).then_some(strategy.ep);
+    let written_tp = (!auto.tp).then_some(strategy.tp);
+    strategy.whole_experts = lower_etp(cx, f, (written_tp, written_ep, Some(strategy.sequence_parallel)))?;
     strategy.moe_dispatch = lower_moe_dispatch(cx, f, written_ep)?;
     let written_kind = (!auto.schedule).then_some(strategy.schedule.kind);
     strategy.ep_overlap = lower_ep_overlap(cx, f, written_ep, written_kind)?;
@@ -746,14 +795,17 @@ fn lower_auto_strategy(
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
         let members: Vec<usize> = layout.replicas.iter().map(|r| r * strategy.cp).collect();
         ok &= check_sharding(cx, f, strategy.sharding, &members, schedule);
-        ok &= check_expert_parallelism(cx, f, strategy.ep, model, Some(&members), strategy.cp, schedule);
+        // (whole experts beside a searched `tp`: the search groups the replicas)
+        let ep = (strategy.ep, if strategy.whole_experts && auto.tp { 1 } else { strategy.ep_replicas() });
+        ok &= check_expert_parallelism(cx, f, ep, model, Some(&members), strategy.cp, schedule);
         strategy.replicas = layout.replicas;
         strategy.layout_span = layout.span;
         strategy.layout_fixed = true;
     }
     if auto.layout {
         let schedule = (!auto.schedule).then_some(&strategy.schedule);
-        ok &= check_expert_parallelism(cx, f, strategy.ep, model, None, strategy.cp, schedule);
+        let ep = (strategy.ep, strategy.ep_replicas());
+        ok &= check_expert_parallelism(cx, f, ep, model, None, strategy.cp, schedule);
     }
     // the search keeps `ep_overlap` only where it can pair; a layout written whole is checked
     if strategy.ep_overlap && !auto.layout && !auto.schedule && !auto.microbatches {
@@ -879,7 +931,7 @@ pub fn context_parallel_obstacle(m: &Model) -> Option<(Span, String)> {
 fn check_expert_parallelism(
     cx: &mut Lower<'_>,
     f: &Fields<'_>,
-    ep: usize,
+    (ep, ep_replicas): (usize, usize),
     model: Option<&Model>,
     members: Option<&[usize]>,
     cp: usize,
@@ -924,6 +976,10 @@ fn check_expert_parallelism(
             ok = false;
         }
     }
+    // with whole experts (`etp: 1`) a group's `ep` devices are the tensor-parallel ranks of
+    // ep / tp replicas
+    let written = if ep != ep_replicas { format!("`ep: {ep}` with `etp: 1`") } else { format!("`ep: {ep}`") };
+    let ep = ep_replicas;
     if let Some(r) = members.filter(|r| r.iter().any(|&n| n % ep != 0)) {
         let stage = r.iter().position(|&n| n % ep != 0).unwrap_or(0);
         let has = if cp > 1 {
@@ -934,7 +990,7 @@ fn check_expert_parallelism(
         cx.push(
             Diagnostic::error(
                 "E0417",
-                format!("`ep: {ep}` groups each stage's replicas {ep} at a time, and stage {stage} has {has}"),
+                format!("{written} groups each stage's replicas {ep} at a time, and stage {stage} has {has}"),
                 at,
                 "expert-parallel groups",
             )

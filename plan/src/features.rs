@@ -38,6 +38,8 @@ pub enum Feature {
     /// A bf16 or fp16 model's weights kept without an fp32 master copy
     /// (`optimizer.master_weights: false`).
     NoMasterWeights,
+    /// Routed experts whole on each device beside tensor parallelism (`etp: 1`).
+    WholeExperts,
 }
 
 impl Feature {
@@ -55,6 +57,7 @@ impl Feature {
         Feature::Fp8,
         Feature::OptimizerStatePrecision,
         Feature::NoMasterWeights,
+        Feature::WholeExperts,
     ];
 
     /// How a spec writes it, for messages.
@@ -74,6 +77,7 @@ impl Feature {
             Feature::Fp8 => "FP8 products (`precision: fp8`)",
             Feature::OptimizerStatePrecision => "optimizer moments below fp32 (`optimizer.state_precision`)",
             Feature::NoMasterWeights => "weights without an fp32 master copy (`optimizer.master_weights: false`)",
+            Feature::WholeExperts => "experts whole beside tensor parallelism (`etp: 1`)",
         }
     }
 
@@ -126,6 +130,9 @@ pub fn used(plan: &Plan) -> Vec<(Feature, Option<usize>)> {
     }
     if !plan.training.master_weights {
         out.push((Feature::NoMasterWeights, None));
+    }
+    if plan.schedule.whole_experts {
+        out.push((Feature::WholeExperts, None));
     }
     if let Some(b) = &plan.schedule.block_recompute {
         // `{ modules: [core_attn] }` alone is selective recompute
@@ -182,6 +189,6 @@ mod tests {
             });
         }
         assert_eq!(Feature::of_op(&moe), [Feature::ExpertBias]);
-        assert_eq!(Feature::ALL.len(), 12);
+        assert_eq!(Feature::ALL.len(), 13);
     }
 }

@@ -442,6 +442,12 @@ pub struct ScheduleInfo {
     /// one after the other). False without expert parallelism.
     #[serde(default, skip_serializing_if = "is_false")]
     pub ep_overlap: bool,
+    /// Expert tensor parallelism 1 beside tensor parallelism (the spec's `etp: 1`): each
+    /// routed expert whole on one device, a stage's `expert_parallel` replicas' tensor-parallel
+    /// ranks forming one expert-parallel group of expert_parallel × tp devices (the cost
+    /// model's accounting; the executor refuses it). False: experts split like the block.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub whole_experts: bool,
     /// ZeRO's sharding across each replicated stage's data-parallel replicas: the streams
     /// reduce-scatter its gradients (`gradient_shard`), update the shard (`step_shard`)
     /// and, at stages 1 and 2, all-gather the weights (`weights`); at stage 3 each pass

@@ -76,7 +76,15 @@ pub struct RunFacts {
     pub tp: usize,
     pub pp: usize,
     pub cp: usize,
+    /// Expert parallelism's devices per group.
     pub ep: usize,
+    /// Expert tensor parallelism: the tensor-parallel degree (experts split like the
+    /// block) or 1 (whole).
+    pub etp: usize,
+    /// Megatron-LM's uneven split: the embedding and the loss counted as a layer of the
+    /// first and last chunk (`--account-for-embedding-in-pipeline-split`,
+    /// `--account-for-loss-in-pipeline-split`).
+    pub split_ends: (bool, bool),
     pub schedule: ScheduleKind,
     pub virtual_stages: usize,
     pub sharding: Sharding,
@@ -274,6 +282,19 @@ pub fn run_text(r: &RunFacts) -> Result<String, String> {
     }
     if r.ep > 1 {
         strategy += &format!("  ep: {}\n", r.ep);
+        if r.tp > 1 && r.etp == 1 && !r.sequence_parallel {
+            return Err(format!(
+                "experts whole (expert tensor parallelism 1) beside tensor parallelism {} without sequence parallelism: pipec plans whole experts with each rank dispatching its sequence share (Megatron-LM's MoE layer refuses tensor parallelism without sequence parallelism)",
+                r.tp
+            ));
+        } else if r.tp > 1 && r.etp == 1 {
+            strategy += "  etp: 1\n";
+        } else if r.etp != r.tp {
+            return Err(format!(
+                "expert tensor parallelism {} beside tensor parallelism {}: pipec plans experts split like the block or whole (1)",
+                r.etp, r.tp
+            ));
+        }
         if r.moe_dispatch != pipec_plan::vocab::MoeDispatch::AllToAll {
             strategy += &format!("  moe_dispatch: {}\n", r.moe_dispatch);
         }
@@ -321,6 +342,26 @@ pub fn run_text(r: &RunFacts) -> Result<String, String> {
 /// The whole spec: a header naming the source and what was not carried over, then the
 /// sections; checked before it is returned (an importer never writes a spec that does not
 /// check, the engine's capabilities included).
+/// `spec` with the partition Megatron-LM runs when it counts the embedding and (or) the
+/// loss as a layer (`run.split_ends`): an explicit list of the chunks' layers.
+fn with_counted_split(spec: &str, run: &RunFacts) -> Result<String, String> {
+    use pipec_plan::engine::capability::{chunk_ranges, counted_split};
+    let Some(model) = crate::check_source(spec).spec.map(|s| s.model) else {
+        return Err(format!("the spec written from this configuration does not check\n{spec}"));
+    };
+    let starts: Vec<usize> =
+        model.layers.iter().enumerate().filter(|(_, l)| l.op.block_dims().is_some()).map(|(i, _)| i).collect();
+    let chunks = run.pp * run.virtual_stages.max(1);
+    let counts = counted_split(starts.len(), chunks, run.split_ends).ok_or_else(|| {
+        format!("{} transformer blocks do not split evenly over {chunks} pipeline chunks with the embedding and the loss counted so", starts.len())
+    })?;
+    let list: Vec<String> = chunk_ranges(&starts, model.layers.len(), &counts)
+        .iter()
+        .map(|r| format!("\"{}..{}\"", r.start, r.end))
+        .collect();
+    Ok(spec.replacen("strategy:\n", &format!("strategy:\n  partition: [{}]\n", list.join(", ")), 1))
+}
+
 pub fn write_spec(
     engine: Engine,
     source: &str,
@@ -336,7 +377,10 @@ pub fn write_spec(
             header += &format!("#   {d}\n");
         }
     }
-    let spec = format!("{header}name: {name}\nengine: {engine}\n{model}{}", run_text(run)?);
+    let mut spec = format!("{header}name: {name}\nengine: {engine}\n{model}{}", run_text(run)?);
+    if run.split_ends != (false, false) {
+        spec = with_counted_split(&spec, run)?;
+    }
     let checked = crate::check_source(&spec);
     if let Some(d) = checked.diagnostics.iter().find(|d| d.is_error()) {
         return Err(format!(

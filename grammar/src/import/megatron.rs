@@ -73,7 +73,6 @@ const IGNORED: &[&str] = &[
     "--moe-grouped-gemm",
     "--moe-router-load-balancing-type",
     "--moe-permute-fusion",
-    "--expert-tensor-parallel-size",
     "--num-workers",
     "--vocab-file",
     "--merge-file",
@@ -617,6 +616,10 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
         pp,
         cp,
         ep: a.count_or("--expert-model-parallel-size", 1)?,
+        // arguments.py:587-588: the tensor-parallel degree unless written
+        etp: a.count_or("--expert-tensor-parallel-size", tp)?,
+        // arguments.py:985-996: the embedding and the loss counted as layers of the split
+        split_ends: (a.has("--account-for-embedding-in-pipeline-split"), a.has("--account-for-loss-in-pipeline-split")),
         schedule: if pp == 1 {
             ScheduleKind::DpOnly
         } else if vpp > 1 {

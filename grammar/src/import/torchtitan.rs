@@ -178,6 +178,9 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         pp,
         cp,
         ep: positive(t.int(p, "expert_parallel_degree", 1)?, "expert_parallel_degree")?,
+        // job_config.py: 1 (experts whole) unless written; parallel_dims.py:58-59 allows 1 or tp
+        etp: positive(t.int(p, "expert_tensor_parallel_degree", 1)?, "expert_tensor_parallel_degree")?,
+        split_ends: (false, false),
         schedule,
         virtual_stages: chunks,
         sharding,

@@ -66,6 +66,12 @@ pub enum Capability {
     /// Context parallelism exchanging keys and values so.
     ContextParallel(CpComm),
     ExpertParallel,
+    /// Beside tensor parallelism, each routed expert split over the tensor-parallel ranks
+    /// (expert tensor parallelism = tensor parallelism).
+    SplitExperts,
+    /// Beside tensor parallelism, each routed expert whole on one device, the tensor-parallel
+    /// ranks folded into the expert-parallel group (expert tensor parallelism 1).
+    WholeExperts,
     /// Expert parallelism's tokens sent once per destination node and forwarded over
     /// NVLink (DeepEP, HybridEP).
     DeepEpDispatch,
@@ -99,6 +105,10 @@ pub enum Capability {
 pub enum Constraint {
     /// The transformer blocks split evenly over the pipeline's stages (all chunks).
     EvenLayerSplit,
+    /// The transformer blocks split evenly over the pipeline's stages (all chunks), the
+    /// embedding and the loss each counted as one layer of the first and the last chunk
+    /// where that makes the split even (`megatron_split`).
+    EvenLayerSplitCountingEnds,
     /// Interleaved 1F1B: microbatches a multiple of the pipeline's depth.
     InterleavedMicrobatchesPerRank,
     /// At least as many microbatches as pipeline stages (a single-stage-per-rank schedule).
@@ -170,6 +180,8 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(PC, C::ContextParallel(CpComm::AllGather), "cp_comm: all_gather", PIPEC_SOURCE),
     row(PC, C::ContextParallel(CpComm::Ring), "cp_comm: ring", PIPEC_SOURCE),
     row(PC, C::ExpertParallel, "ep", PIPEC_SOURCE),
+    row(PC, C::SplitExperts, "ep beside tp (each expert split like the block)", PIPEC_SOURCE),
+    row(PC, C::WholeExperts, "etp: 1 (planned and priced; `pipec run` refuses it)", PIPEC_SOURCE),
     row(PC, C::DeepEpDispatch, "moe_dispatch: deepep (priced; run as an all-to-all)", PIPEC_SOURCE),
     row(PC, C::EpOverlap, "ep_overlap (the combined 1F1B order; a pair's passes run one after the other)", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::Full), "recompute: true", PIPEC_SOURCE),
@@ -202,7 +214,9 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(MG, C::TpOverlap, "--tp-comm-overlap", "[M] megatron/core/model_parallel_config.py:265; arguments.py:1401-1402"),
     row(MG, C::ContextParallel(CpComm::AllGather), "--context-parallel-size N --cp-comm-type allgather", "[M] megatron/training/arguments.py:1295-1298, 3054-3059"),
     row(MG, C::ContextParallel(CpComm::Ring), "--context-parallel-size N --cp-comm-type p2p", "[M] megatron/training/arguments.py:1295-1298, 3054-3059"),
-    row(MG, C::ExpertParallel, "--expert-model-parallel-size N --expert-tensor-parallel-size 1", "[M] megatron/training/arguments.py:568-569, 1600-1603; megatron/core/parallel_state.py:874-884"),
+    row(MG, C::ExpertParallel, "--expert-model-parallel-size N", "[M] megatron/training/arguments.py:568-569, 1600-1603; megatron/core/parallel_state.py:874-884"),
+    row(MG, C::SplitExperts, "--expert-tensor-parallel-size = --tensor-model-parallel-size (the default)", "[M] megatron/training/arguments.py:587-588; megatron/core/parallel_state.py:871-892"),
+    row(MG, C::WholeExperts, "--expert-tensor-parallel-size 1", "[M] megatron/core/parallel_state.py:871-892"),
     row(MG, C::DeepEpDispatch, "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep", "[M] megatron/core/transformer/transformer_config.py:862-869"),
     row(MG, C::EpOverlap, "--overlap-moe-expert-parallel-comm", "[M] megatron/core/model_parallel_config.py:343; transformer_config.py:2669-2713; pipeline_parallel/schedules.py:751, 939-943"),
     row(MG, C::Recompute(RecomputeKind::Full), "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", "[M] megatron/core/transformer/transformer_config.py:1724-1761"),
@@ -231,7 +245,9 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(TT, C::TpOverlap, "enable_async_tensor_parallel = true (with [compile] enable)", "[T] torchtitan/models/llama3/infra/parallelize.py:69-74; distributed/tensor_parallel.py:16-27"),
     row(TT, C::ContextParallel(CpComm::AllGather), "context_parallel_degree, context_parallel_rotate_method = \"allgather\"", "[T] torchtitan/distributed/context_parallel.py:52-77"),
     row(TT, C::ContextParallel(CpComm::Ring), "context_parallel_degree, context_parallel_rotate_method = \"alltoall\"", "[T] torchtitan/distributed/context_parallel.py:52-77"),
-    row(TT, C::ExpertParallel, "expert_parallel_degree, expert_tensor_parallel_degree = 1", "[T] torchtitan/distributed/parallel_dims.py:58-59, 136-138"),
+    row(TT, C::ExpertParallel, "expert_parallel_degree", "[T] torchtitan/distributed/parallel_dims.py:58-59, 136-138"),
+    row(TT, C::SplitExperts, "expert_tensor_parallel_degree = tensor_parallel_degree", "[T] torchtitan/distributed/parallel_dims.py:58-59, 136-138"),
+    row(TT, C::WholeExperts, "expert_tensor_parallel_degree = 1", "[T] torchtitan/distributed/parallel_dims.py:58-59, 136-138"),
     row(TT, C::DeepEpDispatch, "[parallelism] expert_parallel_comm_backend = \"deepep\"", "[T] torchtitan/config/job_config.py:474-482"),
     row(TT, C::Recompute(RecomputeKind::Full), "[activation_checkpoint] mode = \"full\"", "[T] torchtitan/config/job_config.py:651-715"),
     row(TT, C::Recompute(RecomputeKind::Selective), "[activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\"", "[T] torchtitan/config/job_config.py:651-715; distributed/activation_checkpoint.py:167-185"),
@@ -252,6 +268,7 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(DS, C::TensorParallel, "tensor_parallel.autotp_size", "[D] deepspeed/runtime/tensor_parallel/config.py:38-152; runtime/engine.py:1019-1023"),
     row(DS, C::TpOverlap, "tensor_parallel.tp_overlap_comm = true", "[D] deepspeed/runtime/tensor_parallel/config.py:38-152"),
     Row { since: Some("0.19.4"), ..row(DS, C::ExpertParallel, "expert_parallel.autoep_size", "[D] deepspeed/module_inject/auto_ep_config.py:42-67, 105-180") },
+    Row { since: Some("0.19.4"), ..row(DS, C::WholeExperts, "expert_parallel.expert_tensor_parallel_size = 1 (AutoEP's folding; other sizes refused)", "[D] deepspeed/module_inject/auto_ep_folding.py:110-125, 214-217") },
     row(DS, C::Recompute(RecomputeKind::Full), "activation_checkpointing (every layer through deepspeed.checkpointing.checkpoint)", "[D] deepspeed/runtime/activation_checkpointing/config.py:27-90"),
     row(DS, C::Precision(Precision::Fp32), "(neither bf16 nor fp16 enabled)", "[D] deepspeed/runtime/precision_config.py:41-160"),
     row(DS, C::Precision(Precision::Bf16), "bf16.enabled = true", "[D] deepspeed/runtime/precision_config.py:41-160; runtime/config.py:509-512"),
@@ -262,9 +279,9 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
 pub const CONSTRAINTS: &[Row<Constraint>] = &[
     row(
         MG,
-        Constraint::EvenLayerSplit,
-        "--num-layers % (PP·VPP) == 0 without an uneven-split flag",
-        "[M] megatron/training/arguments.py:919-964",
+        Constraint::EvenLayerSplitCountingEnds,
+        "(--num-layers + embedding + loss) % (PP·VPP) == 0, the ends counted by --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split",
+        "[M] megatron/training/arguments.py:919-996; megatron/core/transformer/transformer_config.py:137-141",
     ),
     row(
         MG,
@@ -348,7 +365,10 @@ pub struct Layout {
     pub replicas: Vec<usize>,
     pub tp: usize,
     pub cp: usize,
+    /// Expert parallelism's devices per group (Megatron-LM's `--expert-model-parallel-size`).
     pub ep: usize,
+    /// Expert tensor parallelism: `tp` (experts split like the block) or 1 (whole).
+    pub etp: usize,
     pub schedule: ScheduleKind,
     pub virtual_stages: usize,
     /// Microbatches per step as written (each of `cp` chunks under context parallelism).
@@ -375,6 +395,9 @@ pub struct Layout {
     pub adam: bool,
     /// Transformer blocks (0: not a transformer).
     pub blocks: usize,
+    /// Transformer blocks of each model chunk in model order, where the partition is known
+    /// (a plan's, or a spec's explicit one; None: the compiler balances it).
+    pub chunk_blocks: Option<Vec<usize>>,
     /// Whether the model is a decoder-only language model the emitters describe.
     pub gpt: bool,
 }
@@ -404,6 +427,8 @@ pub enum Feature {
     ContextParallel,
     CpComm,
     ExpertParallel,
+    /// `etp`.
+    ExpertTensorParallel,
     MoeDispatch,
     EpOverlap,
     Recompute,
@@ -431,6 +456,7 @@ impl Feature {
             Feature::ContextParallel => "cp",
             Feature::CpComm => "cp_comm",
             Feature::ExpertParallel => "ep",
+            Feature::ExpertTensorParallel => "etp",
             Feature::MoeDispatch => "moe_dispatch",
             Feature::EpOverlap => "ep_overlap",
             Feature::Recompute => "recompute",
@@ -594,6 +620,8 @@ fn sharding_and_parallelism(target: &EngineTarget, l: &Layout, out: &mut Vec<Ref
             source,
         );
     }
+    // the `etp` that splits experts like the block
+    let split_experts = l.tp.to_string();
     let needs = [
         (l.tp > 1, C::TensorParallel, Feature::TensorParallel, "tensor parallelism", "1"),
         (
@@ -605,6 +633,20 @@ fn sharding_and_parallelism(target: &EngineTarget, l: &Layout, out: &mut Vec<Ref
         ),
         (l.tp_overlap, C::TpOverlap, Feature::TpOverlap, "overlapped tensor-parallel collectives", "false"),
         (l.ep > 1, C::ExpertParallel, Feature::ExpertParallel, "expert parallelism", "1"),
+        (
+            l.ep > 1 && l.tp > 1 && l.etp == 1,
+            C::WholeExperts,
+            Feature::ExpertTensorParallel,
+            "experts whole beside tensor parallelism (expert tensor parallelism 1)",
+            &split_experts,
+        ),
+        (
+            l.ep > 1 && l.tp > 1 && l.etp > 1,
+            C::SplitExperts,
+            Feature::ExpertTensorParallel,
+            "experts split over the tensor-parallel ranks (expert tensor parallelism = tensor parallelism)",
+            "1",
+        ),
         (
             l.ep > 1 && l.moe_dispatch == MoeDispatch::DeepEp,
             C::DeepEpDispatch,
@@ -738,15 +780,140 @@ fn recompute_and_precision(target: &EngineTarget, l: &Layout, out: &mut Vec<Refu
     }
 }
 
+/// Megatron-LM's split of the transformer blocks over its model chunks (`chunk_blocks`, in
+/// model order): evenly, or with the embedding and (or) the loss counted as one layer of the
+/// first and last chunk (`--account-for-embedding-in-pipeline-split`,
+/// `--account-for-loss-in-pipeline-split`). Which ends the split counts, None when no such
+/// split gives these chunks.
+pub fn megatron_split(chunk_blocks: &[usize]) -> Option<(bool, bool)> {
+    let k = chunk_blocks.len();
+    if k <= 1 {
+        return Some((false, false));
+    }
+    let total: usize = chunk_blocks.iter().sum();
+    [(false, false), (true, false), (false, true), (true, true)].into_iter().find(|&(embedding, loss)| {
+        let n = total + usize::from(embedding) + usize::from(loss);
+        n.is_multiple_of(k)
+            && chunk_blocks.iter().enumerate().all(|(i, &b)| {
+                let ends = usize::from(embedding && i == 0) + usize::from(loss && i + 1 == k);
+                b + ends == n / k
+            })
+    })
+}
+
+/// How an engine splits a language model's transformer blocks over its pipeline's chunks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockSplit {
+    /// The same number of blocks in every chunk.
+    Even,
+    /// Evenly, the embedding and (or) the loss counted as a layer of the first and last
+    /// chunk where that divides ([`megatron_split`]).
+    CountingEnds,
+}
+
+/// How `engine` splits a language model's transformer blocks over its pipeline's chunks,
+/// from its constraints (None: as the plan partitions them).
+pub fn block_split(engine: Engine) -> Option<BlockSplit> {
+    CONSTRAINTS.iter().filter(|r| r.engine == engine).find_map(|r| match r.what {
+        Constraint::EvenLayerSplit => Some(BlockSplit::Even),
+        Constraint::EvenLayerSplitCountingEnds => Some(BlockSplit::CountingEnds),
+        Constraint::InterleavedMicrobatchesPerRank
+        | Constraint::MicrobatchesAtLeastStages
+        | Constraint::DualPipeVMicrobatches
+        | Constraint::SequenceParallelWithTp
+        | Constraint::TpOverlapNeedsSequenceParallel
+        | Constraint::PlainDataParallelAlone
+        | Constraint::NoTensorParallelWithPipeline
+        | Constraint::ExpertGroupsWhole
+        | Constraint::EpOverlapWithoutFullRecompute => None,
+    })
+}
+
+/// The blocks of each of `chunks` chunks as `split` runs `blocks` of them: every chunk the
+/// same, or with the ends counted the first (last) one fewer; the first even split of
+/// (none, both, the loss, the embedding) counted. None when no chunk split gives every
+/// chunk a block.
+pub fn split_blocks(blocks: usize, chunks: usize, split: BlockSplit) -> Option<Vec<usize>> {
+    if chunks == 0 {
+        return None;
+    }
+    let ends: &[(usize, usize)] = match split {
+        BlockSplit::Even => &[(0, 0)],
+        BlockSplit::CountingEnds => &[(0, 0), (1, 1), (0, 1), (1, 0)],
+    };
+    ends.iter().find_map(|&(e, l)| counted_split(blocks, chunks, (e == 1, l == 1)))
+}
+
+/// The blocks of each of `chunks` chunks when Megatron-LM counts the embedding and (or)
+/// the loss (`ends`) as a layer of the first and last chunk: None when that does not divide
+/// or leaves a chunk without a block.
+pub fn counted_split(blocks: usize, chunks: usize, (embedding, loss): (bool, bool)) -> Option<Vec<usize>> {
+    let (e, l) = (usize::from(embedding), usize::from(loss));
+    let n = blocks + e + l;
+    if chunks == 0 || !n.is_multiple_of(chunks) {
+        return None;
+    }
+    let per = n / chunks;
+    let counts: Vec<usize> = (0..chunks)
+        .map(|i| per.saturating_sub(if i == 0 { e } else { 0 }).saturating_sub(if i + 1 == chunks { l } else { 0 }))
+        .collect();
+    (counts.iter().all(|&c| c >= 1) && counts.iter().sum::<usize>() == blocks).then_some(counts)
+}
+
+/// The layer ranges of chunks holding `counts` blocks each, of a model of `layers` layers
+/// whose blocks are at `starts`: the layers before the first block in the first chunk, every
+/// other layer with the block before it.
+pub fn chunk_ranges(starts: &[usize], layers: usize, counts: &[usize]) -> Vec<std::ops::Range<usize>> {
+    let mut ranges = Vec::with_capacity(counts.len());
+    let (mut begin, mut seen) = (0, 0);
+    for (i, c) in counts.iter().enumerate() {
+        seen += c;
+        let end = if i + 1 == counts.len() { layers } else { starts.get(seen).copied().unwrap_or(layers) };
+        ranges.push(begin..end);
+        begin = end;
+    }
+    ranges
+}
+
+/// What the layout's chunks hold, for a refusal of its split.
+fn uneven(l: &Layout) -> String {
+    match &l.chunk_blocks {
+        Some(v) => format!(
+            "the partition's chunks hold {} blocks",
+            v.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        ),
+        None => "they do not divide".to_string(),
+    }
+}
+
 fn constraints(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
     let e = target.name;
     let (pp, chunks) = (l.pp(), l.virtual_stages.max(1));
     let stages = pp * chunks;
     for r in CONSTRAINTS.iter().filter(|r| r.engine == e) {
         let broken = match r.what {
-            Constraint::EvenLayerSplit => (l.gpt && pp > 1 && !l.blocks.is_multiple_of(stages)).then(|| {
-                (Feature::Layout, format!("{e} splits the {} transformer blocks evenly over {stages} pipeline stages; they do not divide", l.blocks), None)
-            }),
+            Constraint::EvenLayerSplit => {
+                let even = match &l.chunk_blocks {
+                    Some(v) => v.iter().all(|&b| b == v[0]),
+                    None => l.blocks.is_multiple_of(stages),
+                };
+                (l.gpt && pp > 1 && !even).then(|| {
+                    (Feature::Layout, format!("{e} splits the {} transformer blocks evenly over {stages} pipeline stages; {}", l.blocks, uneven(l)), None)
+                })
+            }
+            Constraint::EvenLayerSplitCountingEnds => {
+                let even = match &l.chunk_blocks {
+                    Some(v) => megatron_split(v).is_some(),
+                    None => (0..=2).any(|ends| (l.blocks + ends).is_multiple_of(stages)),
+                };
+                (l.gpt && pp > 1 && !even).then(|| {
+                    (
+                        Feature::Layout,
+                        format!("{e} splits the {} transformer blocks evenly over {stages} pipeline stages, counting the embedding and the loss as a layer each or not; {}", l.blocks, uneven(l)),
+                        None,
+                    )
+                })
+            }
             Constraint::InterleavedMicrobatchesPerRank => (l.schedule == K::Interleaved && !l.microbatches.is_multiple_of(pp)).then(|| {
                 (Feature::Microbatches, format!("{e}'s interleaved schedule needs the microbatches ({}) to be a multiple of the pipeline's depth ({pp})", l.microbatches), Some(l.microbatches.next_multiple_of(pp).to_string()))
             }),
@@ -790,6 +957,7 @@ mod tests {
             tp: 1,
             cp: 1,
             ep: 1,
+            etp: 1,
             schedule,
             virtual_stages: chunks,
             microbatches: 8,
@@ -809,6 +977,7 @@ mod tests {
             state_precision: Precision::Fp32,
             adam: true,
             blocks: 16,
+            chunk_blocks: None,
             gpt: true,
         }
     }

@@ -116,7 +116,8 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
         "plan": run.plan.name,
         "world_size": run.world,
         "layout": {
-            "tp": run.layout.tp, "pp": run.layout.pp(), "dp": run.layout.dp(), "cp": run.layout.cp, "ep": run.layout.ep,
+            "tp": run.layout.tp, "pp": run.layout.pp(), "dp": run.layout.dp(), "cp": run.layout.cp, "ep": run.layout.ep, "etp": run.layout.etp,
+            "chunk_blocks": run.layout.chunk_blocks,
             "virtual_stages": run.layout.virtual_stages, "schedule": run.layout.schedule,
             "microbatch_size": run.micro, "microbatches_per_replica": run.accumulation,
             "global_batch": run.plan.training.batch_size, "seq_length": run.seq,
@@ -451,10 +452,19 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
         arg("--pipeline-model-parallel-size", l.pp()),
         arg("--context-parallel-size", l.cp),
         arg("--expert-model-parallel-size", l.ep),
-        arg("--expert-tensor-parallel-size", 1),
+        arg("--expert-tensor-parallel-size", l.etp),
     ];
     if l.schedule == ScheduleKind::Interleaved {
         parallel.push(arg("--num-virtual-stages-per-pipeline-rank", l.virtual_stages));
+    }
+    // the plan's chunks as Megatron-LM splits them: the embedding and the loss counted as a
+    // layer of the first and last chunk where the plan's split is so
+    let ends = l.chunk_blocks.as_deref().and_then(super::capability::megatron_split).unwrap_or((false, false));
+    if ends.0 {
+        parallel.push(flag("--account-for-embedding-in-pipeline-split"));
+    }
+    if ends.1 {
+        parallel.push(flag("--account-for-loss-in-pipeline-split"));
     }
     if l.cp > 1 {
         parallel.push(arg("--cp-comm-type", if l.cp_comm == CpComm::Ring { "p2p" } else { "allgather" }));
@@ -720,7 +730,7 @@ pub fn torchtitan_rows(run: &Run<'_>, flavour: &str) -> Vec<(&'static str, &'sta
             json!(if l.cp_comm == CpComm::Ring { "alltoall" } else { "allgather" }),
         ),
         ("parallelism", "expert_parallel_degree", json!(l.ep)),
-        ("parallelism", "expert_tensor_parallel_degree", json!(1)),
+        ("parallelism", "expert_tensor_parallel_degree", json!(l.etp)),
     ];
     if l.ep > 1 && l.moe_dispatch == crate::vocab::MoeDispatch::DeepEp {
         rows.push(("parallelism", "expert_parallel_comm_backend", json!("deepep")));
@@ -837,7 +847,7 @@ pub fn deepspeed_config(run: &Run<'_>) -> serde_json::Value {
         c["tensor_parallel"] = json!({"autotp_size": l.tp, "tp_overlap_comm": l.tp_overlap});
     }
     if l.ep > 1 {
-        c["expert_parallel"] = json!({"enabled": true, "autoep_size": l.ep, "expert_tensor_parallel_size": 1});
+        c["expert_parallel"] = json!({"enabled": true, "autoep_size": l.ep, "expert_tensor_parallel_size": l.etp});
     }
     if l.recompute == RecomputeKind::Full {
         c["activation_checkpointing"] = json!({"partition_activations": false, "number_checkpoints": run.gpt.layers});

@@ -196,11 +196,16 @@ impl crate::Plan {
             RecomputeKind::SomeStages
         };
         let first = self.stages.first();
+        let tp = first.and_then(|s| s.tensor_parallel.first()).map_or(1, |g| g.len().max(1));
+        // a stage's expert-parallel replicas; with whole experts their tensor-parallel ranks
+        let ep_replicas = first.map_or(1, |s| s.expert_parallel.max(1) as usize);
+        let whole = self.schedule.whole_experts && tp > 1;
         capability::Layout {
             replicas,
-            tp: first.and_then(|s| s.tensor_parallel.first()).map_or(1, |g| g.len().max(1)),
+            tp,
             cp,
-            ep: first.map_or(1, |s| s.expert_parallel.max(1) as usize),
+            ep: if whole { ep_replicas * tp } else { ep_replicas },
+            etp: if whole { 1 } else { tp },
             schedule: self.schedule.kind,
             virtual_stages: chunks,
             microbatches: self.training.microbatches / cp,
@@ -220,6 +225,15 @@ impl crate::Plan {
             state_precision: self.training.state_precision,
             adam: matches!(self.training.optimizer, crate::plan::OptimizerPlan::Adam { .. }),
             blocks: self.layers.iter().filter(|l| l.op.block_dims().is_some()).count(),
+            chunk_blocks: Some(
+                self.stages
+                    .iter()
+                    .map(|s| {
+                        let [a, b] = s.layers;
+                        self.layers.iter().filter(|l| (a..b).contains(&l.index) && l.op.block_dims().is_some()).count()
+                    })
+                    .collect(),
+            ),
             gpt: self.gpt_shape().is_some(),
         }
     }
