@@ -899,3 +899,24 @@ fn expert_tensor_parallelism_is_written_and_read_back_by_megatron() {
     let why = pipec_plan::engine::emit::emit(&split, &EngineTarget::newest(Engine::Deepspeed)).expect_err("folds only");
     assert!(why.contains("`etp`"), "{why}");
 }
+
+/// A pipeline whose first stage holds only dense blocks (DeepSeek-V3's dense blocks first):
+/// the engines are told the expert stages' degree, not the first stage's 1.
+#[test]
+fn the_expert_parallel_degree_is_the_expert_stages_when_the_first_has_none() {
+    let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example").replace(
+        "    - repeat 2: transformer_block(d=64, heads=4, ff=172, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n",
+        "    - repeat 2: transformer_block(d=64, heads=4, ff=172, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - repeat 2: transformer_block(d=64, heads=4, ff=32, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, experts=4, top_k=2)\n",
+    ).replace("devices_per_node: 2", "devices_per_node: 4");
+    let plan = plan_of(&for_engine(
+        &text,
+        Engine::Megatron,
+        "strategy:\n  stages: \"2-2\"\n  schedule: 1f1b\n  microbatches: 4\n  zero: 1\n  ep: 2",
+    ));
+    assert_eq!(plan.engine_layout().chunk_blocks, Some(vec![2, 2]));
+    assert_eq!(plan.stages[0].expert_parallel, 1, "the first stage holds the dense blocks");
+    assert_eq!(plan.engine_layout().ep, 2);
+    let files = pipec_plan::engine::emit::emit(&plan, &plan.engine).expect("megatron runs it");
+    let args = files.iter().find(|(f, _)| f == "args.txt").map(|(_, t)| t.clone()).expect("args.txt");
+    assert!(args.contains("--expert-model-parallel-size 2"), "{args}");
+}

@@ -506,6 +506,34 @@ fn expert_degrees(
     }
 }
 
+/// The expert-parallel degrees to try with whether each keeps the routed experts whole:
+/// split like the block, or whole (`etp: 1`), as written, or both under an engine that runs
+/// whole experts beside tensor parallelism (pipec's executor does not).
+fn expert_choices(
+    spec: &Spec,
+    options: &SearchOptions,
+    (experts, members): (&[usize], Option<&[usize]>),
+    (schedule, tp): (ScheduleKind, usize),
+) -> Vec<(usize, bool)> {
+    let folds: &[bool] = if options.whole_experts {
+        &[true]
+    } else if tp > 1 && !experts.is_empty() && runs_whole_experts(spec) {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    let mut out: Vec<(usize, bool)> = Vec::new();
+    for &whole in folds {
+        for ep in expert_degrees(experts, options, members, (schedule, tp, whole)) {
+            let choice = (ep, whole && ep > 1);
+            if !out.contains(&choice) {
+                out.push(choice);
+            }
+        }
+    }
+    out
+}
+
 /// Whether the spec's engine runs routed experts whole beside tensor parallelism (its
 /// capability table; never pipec's executor, whose `pipec run` refuses it).
 fn runs_whole_experts(spec: &Spec) -> bool {
@@ -672,27 +700,7 @@ fn candidates(
                 .into_iter()
                 .filter(|(k, _)| cp == 1 || k.context_parallel_obstacle(pipec_plan::vocab::SyncMode::Bsp).is_none());
             for (schedule, chunks) in schedules {
-                // experts split like the block, or whole (`etp: 1`): as written, or both
-                // under an engine that runs whole experts beside tensor parallelism (pipec's
-                // executor does not)
-                let folds: &[bool] = if options.whole_experts {
-                    &[true]
-                } else if tp > 1 && !expert_counts.is_empty() && runs_whole_experts(spec) {
-                    &[false, true]
-                } else {
-                    &[false]
-                };
-                let degrees = folds.iter().flat_map(|&whole| {
-                    expert_degrees(&expert_counts, options, members.as_deref(), (schedule, tp, whole))
-                        .into_iter()
-                        .map(move |ep| (ep, whole && ep > 1))
-                });
-                let degrees: Vec<(usize, bool)> = degrees.fold(Vec::new(), |mut v, d| {
-                    if !v.contains(&d) {
-                        v.push(d);
-                    }
-                    v
-                });
+                let degrees = expert_choices(spec, options, (&expert_counts, members.as_deref()), (schedule, tp));
                 for (ep, whole) in degrees {
                     for &microbatches in &counts {
                         for (recompute, &cp_comm) in recomputes.iter().flat_map(|r| comms.iter().map(move |c| (r, c))) {

@@ -197,8 +197,9 @@ impl crate::Plan {
         };
         let first = self.stages.first();
         let tp = first.and_then(|s| s.tensor_parallel.first()).map_or(1, |g| g.len().max(1));
-        // a stage's expert-parallel replicas; with whole experts their tensor-parallel ranks
-        let ep_replicas = first.map_or(1, |s| s.expert_parallel.max(1) as usize);
+        // the expert stages' expert-parallel replicas (a stage without experts has 1: the
+        // first may hold only dense blocks); with whole experts their tensor-parallel ranks
+        let ep_replicas = self.stages.iter().map(|s| s.expert_parallel.max(1) as usize).max().unwrap_or(1);
         let whole = self.schedule.whole_experts && tp > 1;
         capability::Layout {
             replicas,
