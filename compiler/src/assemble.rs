@@ -7,7 +7,7 @@ use pipec_plan::plan::{
     TrainingPlan, PLAN_VERSION,
 };
 use pipec_plan::schedule::WeightVersions;
-use pipec_plan::{DeviceId, Plan, StageId};
+use pipec_plan::{Plan, StageId};
 
 use crate::figures::StageFigures;
 use crate::model::ModelCosts;
@@ -58,7 +58,7 @@ pub(crate) fn assemble(
             },
             output_bytes_per_microbatch: stages.output_bytes[s],
             tensor_parallel: if tp > 1 {
-                placement.replicas[s].iter().map(|l| (0..tp as u32).map(|t| DeviceId(l.0 + t)).collect()).collect()
+                placement.replicas[s].iter().map(|&l| crate::place::tensor_parallel_devices(l, tp).collect()).collect()
             } else {
                 Vec::new()
             },

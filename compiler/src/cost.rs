@@ -472,15 +472,14 @@ fn ep_collectives(node: &OpNode, sp: bool, t: usize, cx: &CostContext<'_>) -> (C
     let h = node.input_shape.last().copied().unwrap_or(1) as f64;
     // a member's tokens (context parallelism: its positions of the microbatch)
     let tokens = device_samples(cx) * s;
-    let bytes = if cx.whole_experts && t > 1 {
-        // whole experts: each rank sends its sequence share over the group's ep · t devices
-        let (tokens, n) = (tokens / t as f64, cx.load_members(t));
-        m.routed_pairs(tokens).max(m.busiest_device_pairs(tokens, n) * n as f64) * h * cx.precision.bytes() as f64
+    // whole experts: each rank routes its sequence share over the group's ep · t devices
+    let (tokens, n, share) = if cx.whole_experts && t > 1 {
+        (tokens / t as f64, cx.load_members(t), 1.0)
     } else {
-        let rows = m.routed_pairs(tokens).max(m.busiest_device_pairs(tokens, ep) * ep as f64);
-        let share = if sp { t.max(1) as f64 } else { 1.0 };
-        rows * h * cx.precision.bytes() as f64 / share
-    } as u64;
+        (tokens, ep, if sp { t.max(1) as f64 } else { 1.0 })
+    };
+    let rows = m.routed_pairs(tokens).max(m.busiest_device_pairs(tokens, n) * n as f64);
+    let bytes = (rows * h * cx.precision.bytes() as f64 / share) as u64;
     let both = vec![(CollectiveKind::AllToAll, bytes); 2];
     (both.clone(), both)
 }

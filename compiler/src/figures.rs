@@ -195,7 +195,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     let whole_experts = spec.strategy.experts_whole();
     let group_devices = |leaders: &[pipec_plan::DeviceId]| -> Vec<pipec_plan::DeviceId> {
         if whole_experts {
-            leaders.iter().flat_map(|d| (0..tp as u32).map(move |k| pipec_plan::DeviceId(d.0 + k))).collect()
+            leaders.iter().flat_map(|&d| crate::place::tensor_parallel_devices(d, tp)).collect()
         } else {
             leaders.to_vec()
         }

@@ -571,18 +571,18 @@ pub(crate) fn partition_layers(
             (replicas, 1, ranges)
         }
         // an engine that splits a language model's blocks evenly runs its own split
-        Partition::Auto | Partition::Balanced if engine_split(spec, graph, ranks * v).is_some() => {
-            (replicas, v, engine_split(spec, graph, ranks * v).unwrap_or_default())
-        }
-        Partition::Auto | Partition::Balanced => {
-            let solve = || balanced(&times, &chunk_replicas).map(|(ranges, _)| ranges);
-            let ranges = match memo {
-                Some(memo) => memo.balanced.entry(chunk_replicas.clone()).or_insert_with(solve).clone(),
-                None => solve(),
+        Partition::Auto | Partition::Balanced => match engine_split(spec, graph, ranks * v) {
+            Some(ranges) => (replicas, v, ranges),
+            None => {
+                let solve = || balanced(&times, &chunk_replicas).map(|(ranges, _)| ranges);
+                let ranges = match memo {
+                    Some(memo) => memo.balanced.entry(chunk_replicas.clone()).or_insert_with(solve).clone(),
+                    None => solve(),
+                }
+                .ok_or_else(|| fail(format!("{} stages for {} layers", chunk_replicas.len(), times.len())))?;
+                (replicas, v, ranges)
             }
-            .ok_or_else(|| fail(format!("{} stages for {} layers", chunk_replicas.len(), times.len())))?;
-            (replicas, v, ranges)
-        }
+        },
     };
     // the stages `recompute` names exist (the front end checked a layout it knew)
     if let Some(s) = strategy.recompute.beyond(ranges.len()) {

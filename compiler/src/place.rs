@@ -83,6 +83,11 @@ pub(crate) fn paired_copy(chunks: ChunkPlacement, pairs: usize, ranks: usize, mi
     (2 * q + usize::from(o / pairs >= share / 2)) as u32
 }
 
+/// A replica's devices: its tensor-parallel leader and the `tp` − 1 after it.
+pub(crate) fn tensor_parallel_devices(leader: DeviceId, tp: usize) -> impl Iterator<Item = DeviceId> {
+    (0..tp.max(1) as u32).map(move |t| DeviceId(leader.0 + t))
+}
+
 /// The devices of each pipeline rank's replicas (the tensor-parallel leaders): consecutive,
 /// `tp` apart, rank after rank.
 pub(crate) fn rank_devices(replicas: &[usize], tp: usize) -> Vec<Vec<DeviceId>> {

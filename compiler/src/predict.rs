@@ -78,9 +78,9 @@ fn predict_with(
         d
     };
     // the whole plan's devices with a stream: every replica's tensor-parallel group
-    let tp = spec.strategy.tp.max(1) as u32;
+    let tp = spec.strategy.tp;
     let mut whole: Vec<DeviceId> =
-        placement.replicas.iter().flatten().flat_map(|d| (0..tp).map(move |t| DeviceId(d.0 + t))).collect();
+        placement.replicas.iter().flatten().flat_map(|&d| crate::place::tensor_parallel_devices(d, tp)).collect();
     whole.sort();
     whole.dedup();
     clip_norm_all_reduces(spec, &mut lowered, &whole);

@@ -197,9 +197,9 @@ fn expert_all_to_alls(spec: &Spec, placement: &Placement, summed: &[Vec<DeviceId
         let mut made: Vec<(Vec<DeviceId>, Option<Vec<DeviceId>>)> = Vec::new();
         // with whole experts (`etp: 1`) the group's devices are every tensor-parallel rank of
         // its replicas (consecutive after each leader), which its exchanges are priced over
-        let (tp, folded) = (spec.strategy.tp.max(1) as u32, spec.strategy.experts_whole());
+        let (tp, folded) = (spec.strategy.tp, spec.strategy.experts_whole());
         let devices = |leaders: Vec<DeviceId>| -> Vec<DeviceId> {
-            leaders.into_iter().flat_map(|d| (0..tp).map(move |k| DeviceId(d.0 + k))).collect()
+            leaders.into_iter().flat_map(|d| crate::place::tensor_parallel_devices(d, tp)).collect()
         };
         for r in replicas {
             let Some(group) = whole.iter().position(|d| d == r).and_then(|k| of(whole, k)) else { continue };

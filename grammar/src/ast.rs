@@ -451,6 +451,16 @@ pub struct Strategy {
     pub span: Span,
 }
 
+/// The replicas of an expert-parallel group of `ep` (devices with `whole` experts beside
+/// `tp` > 1: the tensor-parallel ranks of ep / tp replicas; else replicas).
+pub fn expert_group_replicas(ep: usize, tp: usize, whole: bool) -> usize {
+    if whole && tp > 1 {
+        (ep / tp).max(1)
+    } else {
+        ep.max(1)
+    }
+}
+
 impl Strategy {
     pub fn stage_count(&self) -> usize {
         self.replicas.len()
@@ -471,11 +481,7 @@ impl Strategy {
     /// The replicas of an expert-parallel group: `ep`, or with whole experts ep / tp (the
     /// group's `ep` devices are the tensor-parallel ranks of that many replicas).
     pub fn ep_replicas(&self) -> usize {
-        if self.experts_whole() {
-            (self.ep / self.tp.max(1)).max(1)
-        } else {
-            self.ep.max(1)
-        }
+        expert_group_replicas(self.ep, self.tp, self.whole_experts)
     }
     pub fn devices_needed(&self) -> usize {
         self.replicas.iter().sum::<usize>() * self.tp

@@ -180,7 +180,7 @@ pub(crate) fn lower_strategy(
     let whole_experts = whole_experts?;
     // an expert-parallel group's replicas (its `ep` devices are, with whole experts, the
     // tensor-parallel ranks of ep / tp replicas)
-    let ep_replicas = if whole_experts && tp > 1 { (ep / tp).max(1) } else { ep };
+    let ep_replicas = crate::ast::expert_group_replicas(ep, tp, whole_experts);
     // a stage replica is `tp` × `cp` devices
     let layout = resolve_layout(cx, &f, owner, written, cluster, tp * cp)?;
     // ZeRO shards over a stage's data- and context-parallel members together

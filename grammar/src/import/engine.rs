@@ -339,9 +339,6 @@ pub fn run_text(r: &RunFacts) -> Result<String, String> {
     ))
 }
 
-/// The whole spec: a header naming the source and what was not carried over, then the
-/// sections; checked before it is returned (an importer never writes a spec that does not
-/// check, the engine's capabilities included).
 /// `spec` with the partition Megatron-LM runs when it counts the embedding and (or) the
 /// loss as a layer (`run.split_ends`): an explicit list of the chunks' layers.
 fn with_counted_split(spec: &str, run: &RunFacts) -> Result<String, String> {
@@ -362,6 +359,9 @@ fn with_counted_split(spec: &str, run: &RunFacts) -> Result<String, String> {
     Ok(spec.replacen("strategy:\n", &format!("strategy:\n  partition: [{}]\n", list.join(", ")), 1))
 }
 
+/// The whole spec: a header naming the source and what was not carried over, then the
+/// sections; checked before it is returned (an importer never writes a spec that does not
+/// check, the engine's capabilities included).
 pub fn write_spec(
     engine: Engine,
     source: &str,

@@ -791,14 +791,9 @@ pub fn megatron_split(chunk_blocks: &[usize]) -> Option<(bool, bool)> {
         return Some((false, false));
     }
     let total: usize = chunk_blocks.iter().sum();
-    [(false, false), (true, false), (false, true), (true, true)].into_iter().find(|&(embedding, loss)| {
-        let n = total + usize::from(embedding) + usize::from(loss);
-        n.is_multiple_of(k)
-            && chunk_blocks.iter().enumerate().all(|(i, &b)| {
-                let ends = usize::from(embedding && i == 0) + usize::from(loss && i + 1 == k);
-                b + ends == n / k
-            })
-    })
+    [(false, false), (true, false), (false, true), (true, true)]
+        .into_iter()
+        .find(|&ends| chunk_counts(total, k, ends).as_deref() == Some(chunk_blocks))
 }
 
 /// How an engine splits a language model's transformer blocks over its pipeline's chunks.
@@ -837,27 +832,36 @@ pub fn split_blocks(blocks: usize, chunks: usize, split: BlockSplit) -> Option<V
     if chunks == 0 {
         return None;
     }
-    let ends: &[(usize, usize)] = match split {
-        BlockSplit::Even => &[(0, 0)],
-        BlockSplit::CountingEnds => &[(0, 0), (1, 1), (0, 1), (1, 0)],
+    let ends: &[(bool, bool)] = match split {
+        BlockSplit::Even => &[(false, false)],
+        BlockSplit::CountingEnds => &[(false, false), (true, true), (false, true), (true, false)],
     };
-    ends.iter().find_map(|&(e, l)| counted_split(blocks, chunks, (e == 1, l == 1)))
+    ends.iter().find_map(|&ends| counted_split(blocks, chunks, ends))
 }
 
 /// The blocks of each of `chunks` chunks when Megatron-LM counts the embedding and (or)
 /// the loss (`ends`) as a layer of the first and last chunk: None when that does not divide
 /// or leaves a chunk without a block.
-pub fn counted_split(blocks: usize, chunks: usize, (embedding, loss): (bool, bool)) -> Option<Vec<usize>> {
+pub fn counted_split(blocks: usize, chunks: usize, ends: (bool, bool)) -> Option<Vec<usize>> {
+    chunk_counts(blocks, chunks, ends)
+        .filter(|counts| counts.iter().all(|&c| c >= 1) && counts.iter().sum::<usize>() == blocks)
+}
+
+/// Megatron-LM's arithmetic: `blocks` and the counted ends (`ends`: the embedding, the loss)
+/// divided equally over `chunks`, the first (last) chunk one block fewer for each end it
+/// counts; None when they do not divide.
+fn chunk_counts(blocks: usize, chunks: usize, (embedding, loss): (bool, bool)) -> Option<Vec<usize>> {
     let (e, l) = (usize::from(embedding), usize::from(loss));
     let n = blocks + e + l;
     if chunks == 0 || !n.is_multiple_of(chunks) {
         return None;
     }
     let per = n / chunks;
-    let counts: Vec<usize> = (0..chunks)
-        .map(|i| per.saturating_sub(if i == 0 { e } else { 0 }).saturating_sub(if i + 1 == chunks { l } else { 0 }))
-        .collect();
-    (counts.iter().all(|&c| c >= 1) && counts.iter().sum::<usize>() == blocks).then_some(counts)
+    Some(
+        (0..chunks)
+            .map(|i| per.saturating_sub(if i == 0 { e } else { 0 }).saturating_sub(if i + 1 == chunks { l } else { 0 }))
+            .collect(),
+    )
 }
 
 /// The layer ranges of chunks holding `counts` blocks each, of a model of `layers` layers
