@@ -816,15 +816,20 @@ fn steps() {
             StepSpec::check(&source, Some(&folder)).unwrap_or_else(|e| panic!("{}: {e}", r.spec))
         })
         .collect();
-    println!("| engine kernels | device | table's constant | refitted on its calibration rows | calibration rows |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| engine kernels | device | table's constant | refitted | experts' constant | refitted | calibration rows |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     for r in refit_all(&rows, &specs) {
+        let fitted = |f: Result<f64, String>| f.map_or_else(|e| e, |v| format!("{v:.4}"));
         println!(
-            "| {} | {} | {:.4} | {} | {} |",
+            "| {} | {} | {:.4} | {} | {:.4} | {} | {} |",
             r.kind.0.describe(),
             r.kind.1,
             r.table.efficiency,
-            r.fitted.map_or_else(|e| e, |v| format!("{v:.4}")),
+            fitted(r.fitted),
+            r.table.experts,
+            r.fitted_experts.map_or_else(|| "1 (not fitted)".to_string(), fitted),
             r.calibration.iter().map(|&i| rows[i].spec.trim_end_matches(".yaml")).collect::<Vec<_>>().join(", ")
         );
     }

@@ -249,6 +249,9 @@ struct Mlps<'a> {
     tokens: f64,
     /// The routed expert-token pairs this rank's tokens make (dispatched, combined).
     routed: f64,
+    /// The routed experts' FP8 products' efficiency against dense products of their size (a
+    /// grouped GEMM's; 1 for one kernel per expert).
+    routed_efficiency: f64,
 }
 
 /// The experts' up and down products as one grouped product each: their FLOPs and values
@@ -268,11 +271,13 @@ fn group_products(experts: &[[Product; 2]]) -> [Product; 2] {
 impl<'a> Mlps<'a> {
     /// `grouped`: the rank's routed experts run as one grouped product per projection
     /// (Megatron-LM's `--moe-grouped-gemm`, torchtitan's grouped experts), each priced at
-    /// the size of the group; else each expert's products are their own kernels.
+    /// the size of the group at the given efficiency of a dense product that size (the
+    /// engine's fitted `experts` constant); None: each expert's products are their own
+    /// kernels.
     /// `ep`: the expert-parallel replicas, and whether each routed expert is whole on a
     /// device (`etp: 1`: the rank's sequence share of the tokens dispatched over the group's
     /// ep · t devices) rather than split over the `t` ranks.
-    fn of(b: &'a BlockDims, tokens: f64, (ep, whole): (usize, bool), t: f64, grouped: bool) -> Mlps<'a> {
+    fn of(b: &'a BlockDims, tokens: f64, (ep, whole): (usize, bool), t: f64, grouped: Option<f64>) -> Mlps<'a> {
         let (h, f, up) = (b.d as f64, b.ff as f64, b.up_width as f64);
         let split = |rows: f64, t: f64| {
             [
@@ -290,7 +295,7 @@ impl<'a> Mlps<'a> {
                 let routed: Vec<[Product; 2]> = std::iter::once(split(busiest * ep as f64, et))
                     .chain(std::iter::repeat_n(split(other * ep as f64, et), local - 1))
                     .collect();
-                let routed = if grouped { vec![group_products(&routed)] } else { routed };
+                let routed = if grouped.is_some() { vec![group_products(&routed)] } else { routed };
                 let products = routed
                     .into_iter()
                     .map(|p| (p, false))
@@ -301,7 +306,24 @@ impl<'a> Mlps<'a> {
             }
             None => (vec![(mlp(tokens), false)], [tokens * f / t, 0.0], 0.0),
         };
-        Mlps { b, products, activation, tokens, routed }
+        let routed_efficiency = match (b.moe, grouped) {
+            (Some(_), Some(e)) => e,
+            (Some(_), None) | (None, _) => 1.0,
+        };
+        Mlps { b, products, activation, tokens, routed, routed_efficiency }
+    }
+
+    /// The efficiency an MLP's products run at against dense products of their size: the
+    /// engine's fitted constant for the routed experts' grouped products in FP8 (each
+    /// expert's rows quantized on their own: Transformer Engine's grouped FP8 GEMM), 1 for
+    /// the shared experts, the dense MLP, and grouped products in the training precision
+    /// (no run of those is calibrated apart from the dense ones).
+    fn efficiency(&self, shared: bool, fp8: bool) -> f64 {
+        if shared || !fp8 {
+            1.0
+        } else {
+            self.routed_efficiency
+        }
     }
 
     fn function(&self) -> Function {
@@ -365,9 +387,10 @@ impl<'a> Mlps<'a> {
             if group.is_empty() {
                 continue;
             }
+            let efficiency = self.efficiency(shared, fp8);
             let before = fwd.k.seconds;
             for pair in &group {
-                fwd.part(part(shared), |k| k.product(pair[0], fp8));
+                fwd.part(part(shared), |k| k.at_efficiency(efficiency, |k| k.product(pair[0], fp8)));
             }
             let up_seconds = fwd.k.seconds - before;
             let whole: f64 = up_shares.iter().sum();
@@ -378,7 +401,7 @@ impl<'a> Mlps<'a> {
             fwd.part(act_part, |k| k.function(self.function(), elements, flops, values));
             let before = fwd.k.seconds;
             for pair in &group {
-                fwd.part(part(shared), |k| k.product(pair[1], fp8));
+                fwd.part(part(shared), |k| k.at_efficiency(efficiency, |k| k.product(pair[1], fp8)));
             }
             fwd.products.push(fwd.k.seconds - before);
         }
@@ -386,9 +409,10 @@ impl<'a> Mlps<'a> {
 
     /// The backward's products (each twice: input and weight gradients) and routing.
     fn backward(&self, bwd: &mut Kernels<'_>, fp8: bool) {
-        for (pair, _) in &self.products {
+        for (pair, shared) in &self.products {
+            let efficiency = self.efficiency(*shared, fp8);
             for &product in pair {
-                bwd.gradients(product, fp8);
+                bwd.at_efficiency(efficiency, |k| k.gradients(product, fp8));
             }
         }
         self.routing(bwd, true);

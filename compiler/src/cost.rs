@@ -730,7 +730,7 @@ mod tests {
             overhead: 0.0,
             fp8: None,
             fused_attention: None,
-            grouped_experts: false,
+            grouped_experts: None,
             keeps: Keeps::default(),
         }
     }
@@ -1059,6 +1059,55 @@ mod tests {
         let kept = |n: &OpNode, ep| kept_at(n, 2.0, 1, false, Attention::Flash, ep).0;
         assert!(kept(&skewed, 8) > kept(&n, 8));
         assert_eq!(kept(&n, 8), kept(&n, 1));
+    }
+
+    #[test]
+    fn the_engines_experts_constant_prices_the_routed_experts_fp8_grouped_products_only() {
+        // Qwen3-30B-A3B's block: 128 experts of 768, 8 per token; on a uniform device, the
+        // engine's grouped products at a fitted share of a dense product's speed
+        let mut op = Op::llama_block(2048, 32, 4, 768);
+        if let Op::TransformerBlock { moe, .. } = &mut op {
+            *moe = Some(pipec_plan::model::Moe::new(128, 8));
+        }
+        let device = DeviceModel::uniform("x", 1e12, 1e12);
+        let fp8 = pipec_plan::plan::Fp8Plan {
+            recipe: pipec_plan::vocab::Fp8Recipe::Tensorwise,
+            activations: pipec_plan::vocab::Fp8Storage::Fp8,
+            weight_copies: true,
+            gather: pipec_plan::vocab::Fp8Storage::Bf16,
+        };
+        let cx = |grouped: Option<f64>, fp8: Option<pipec_plan::plan::Fp8Plan>| CostContext {
+            precision: Precision::Bf16,
+            optimizer: OptimizerKind::Adam,
+            microbatch: 1,
+            ep: 8,
+            attention: Attention::Flash,
+            grouped_experts: grouped,
+            fp8,
+            ..context(&device)
+        };
+        let n = node(op.clone(), vec![4096, 2048]);
+        let at = |grouped, fp8| price(&n, TpSplit::Replicated, (false, false), &cx(grouped, fp8));
+        let (whole, quarter) = (at(Some(1.0), Some(fp8)), at(Some(0.25), Some(fp8)));
+        // the routed experts' products (and their FP8 casts) take 4× their seconds: 3× more
+        let part = |c: &Priced, p: Part| c.block.as_ref().map_or(0.0, |b| b.parts[p as usize]);
+        let experts = part(&whole, Part::Experts);
+        assert!(experts > 0.0);
+        assert!((part(&quarter, Part::Experts) - 4.0 * experts).abs() < 1e-9 * experts);
+        assert!((quarter.forward - whole.forward - 3.0 * experts).abs() < 1e-9 * whole.forward);
+        assert!(quarter.backward > whole.backward);
+        // nothing else moves: the attention, the routing, the activation
+        for p in [Part::AttentionProducts, Part::Core, Part::Routing, Part::ExpertsActivation, Part::Norms] {
+            assert_eq!(part(&quarter, p), part(&whole, p), "{p:?}");
+        }
+        // in the training precision, or where the engine runs one kernel per expert, the
+        // constant does not act
+        assert_eq!(at(Some(0.25), None).forward, at(Some(1.0), None).forward);
+        assert_eq!(at(Some(0.25), None).backward, at(Some(1.0), None).backward);
+        // a dense block has no routed experts for it to act on
+        let dense = node(Op::llama_block(2048, 32, 4, 768), vec![4096, 2048]);
+        let priced = |g| price(&dense, TpSplit::Replicated, (false, false), &cx(Some(g), Some(fp8)));
+        assert_eq!(priced(0.25).forward, priced(1.0).forward);
     }
 
     #[test]

@@ -175,16 +175,29 @@ pub fn read_steps(text: &str) -> Result<Vec<StepRow>, String> {
     Ok(rows)
 }
 
-/// One engine × device kind's constant refitted on its calibration rows of `rows` (their
-/// checked `specs`, in the same order): the rows it is fitted on, the table's constant
-/// and the refitted one (Err: the rows cannot be matched).
+/// One engine × device kind's constants refitted on its calibration rows of `rows` (their
+/// checked `specs`, in the same order): the rows they are fitted on, the table's constants
+/// and the refitted ones (Err: the rows cannot be matched).
+///
+/// The kernel efficiency is fitted on the kind's calibration rows the experts' constant does
+/// not act on (dense, or a mixture of experts in the training precision); the routed
+/// experts' constant then on its FP8 mixture-of-experts calibration rows, the kernel
+/// efficiency held. A kind without rows of both sorts fits its kernel efficiency on all of
+/// them, its experts' constant 1.
 pub struct Refit {
     pub kind: (pipec_plan::engine::performance::KernelFamily, String),
     pub calibration: Vec<usize>,
     pub held_out: Vec<usize>,
     pub table: pipec_plan::engine::performance::Performance,
     pub fitted: Result<f64, String>,
+    /// The routed experts' constant refitted (None: the kind has not both an FP8 mixture of
+    /// experts and another calibration row: it is 1).
+    pub fitted_experts: Option<Result<f64, String>>,
 }
+
+/// The highest routed experts' constant a fit takes: grouped products 4× faster than a
+/// dense product of their size would be a misread row.
+const HIGHEST_EXPERTS: f64 = 4.0;
 
 /// Every engine × device kind of the table, refitted ([`Refit`]), in a stable order.
 pub fn refit_all(rows: &[StepRow], specs: &[StepSpec]) -> Vec<Refit> {
@@ -198,13 +211,24 @@ pub fn refit_all(rows: &[StepRow], specs: &[StepSpec]) -> Vec<Refit> {
             let (calibration, held_out): (Vec<usize>, Vec<usize>) =
                 members.iter().partition(|&&i| rows[i].half == Half::Calibration);
             let first = calibration.first().or(held_out.first()).copied().unwrap_or(0);
-            let published: Vec<f64> = calibration.iter().map(|&i| rows[i].step_s).collect();
-            let fitted = if calibration.is_empty() {
+            let (dense, moe): (Vec<usize>, Vec<usize>) =
+                calibration.iter().partition(|&&i| !(rows[i].moe && rows[i].fp8));
+            let published = |of: &[usize]| of.iter().map(|&i| rows[i].step_s).collect::<Vec<f64>>();
+            // without a dense row the efficiency is fitted on every row, the experts at 1
+            let on = if dense.is_empty() { calibration.clone() } else { dense.clone() };
+            let fitted = if on.is_empty() {
                 Err("no calibration row".to_string())
             } else {
-                fit_efficiency(&published, |e| calibration.iter().map(|&i| specs[i].step(Some(e))).collect())
+                fit_efficiency(&published(&on), |e| on.iter().map(|&i| specs[i].step_at(Some(e), Some(1.0))).collect())
             };
-            Refit { kind, table: specs[first].efficiency().clone(), calibration, held_out, fitted }
+            let fitted_experts = match (&fitted, dense.is_empty() || moe.is_empty()) {
+                (_, true) => None,
+                (Err(e), false) => Some(Err(e.clone())),
+                (Ok(e), false) => Some(fit_efficiency_in(&published(&moe), HIGHEST_EXPERTS, |x| {
+                    moe.iter().map(|&i| specs[i].step_at(Some(*e), Some(x))).collect()
+                })),
+            };
+            Refit { kind, table: specs[first].efficiency().clone(), calibration, held_out, fitted, fitted_experts }
         })
         .collect()
 }
@@ -265,7 +289,16 @@ impl StepSpec {
     /// The predicted step with the engine's kernel efficiency `efficiency` in place of the
     /// table's (None: the table's).
     pub fn step(&self, efficiency: Option<f64>) -> Result<f64, String> {
+        self.step_at(efficiency, None)
+    }
+
+    /// [`step`](Self::step) with the routed experts' constant `experts` in place of the
+    /// table's too (None: the table's).
+    pub fn step_at(&self, efficiency: Option<f64>, experts: Option<f64>) -> Result<f64, String> {
         let mut spec = self.spec.clone();
+        if let (Some(x), Some(p)) = (experts, spec.engine.performance.as_mut()) {
+            p.experts = x;
+        }
         if let Some(e) = efficiency {
             // the device's peaks were scaled by the table's constant: rescale them to `e`
             let wanted = spec.cluster.device.matrix_efficiency.peak * e / self.performance.efficiency;

@@ -50,8 +50,10 @@ pub struct CostContext<'a> {
     /// the device's matrix products.
     pub fused_attention: Option<f64>,
     /// A mixture of experts' routed experts run as one grouped product per projection (the
-    /// engine's grouped GEMM), not one kernel per expert.
-    pub grouped_experts: bool,
+    /// engine's grouped GEMM), not one kernel per expert: Some(the grouped products'
+    /// efficiency against a dense product of their size,
+    /// `pipec_plan::engine::performance::Performance::experts`).
+    pub grouped_experts: Option<f64>,
     /// What the engine's kernels keep beyond the operations' operands.
     pub keeps: Keeps,
 }
@@ -160,6 +162,12 @@ impl Kernels<'_> {
         }
         self.seconds += self.device.vector_time(product.input, product.input * (self.p + 2.0));
         self.seconds += self.device.fp8_matrix_time(product.flops, product.values() * self.p);
+    }
+    /// Runs `kernels` at `efficiency` of what they are priced at: their seconds divided by it.
+    pub(crate) fn at_efficiency(&mut self, efficiency: f64, kernels: impl FnOnce(&mut Self)) {
+        let before = self.seconds;
+        kernels(self);
+        self.seconds = before + (self.seconds - before) / efficiency.max(f64::MIN_POSITIVE);
     }
     /// A product's backward: its input gradient and its weight gradient, and under FP8
     /// training the output gradient's cast to FP8 (both layouts).

@@ -195,6 +195,16 @@ pub struct Calibrated {
     /// Where it comes from: the calibration rows it was fitted on (`run` names in
     /// `bench/specs/published-2025/steps.csv`), or why it is what it is.
     pub source: &'static str,
+    /// The routed experts' grouped products in FP8 ([`KernelFamily::grouped_experts`])
+    /// against the engine's dense FP8 products: their seconds are divided by this. A grouped
+    /// GEMM over a rank's experts is many products of a few hundred to a few thousand rows,
+    /// each expert's rows quantized with their own scales, which the dense curve of the same
+    /// FLOPs does not price; the constant carries whatever else of an FP8 expert layer the
+    /// model does not price too. 1 where no FP8 run of a mixture of experts on this kind is
+    /// a calibration row (grouped products in bf16 are priced as dense ones).
+    pub experts: f64,
+    /// Where `experts` comes from (empty: it is 1, nothing fitted).
+    pub experts_source: &'static str,
 }
 
 /// The constants fitted per engine × device kind. `pipec-bench steps` refits each on its
@@ -207,6 +217,8 @@ pub const CALIBRATED: &[Calibrated] = &[
         power: None,
         efficiency: 1.0,
         source: "1 by construction: the GPU presets' shared efficiency curves (crate::device) were fitted on Megatron-LM's A100 runs (bench/specs/published: Narayanan et al. 2021, Korthikanti et al. 2022)",
+        experts: 1.0,
+        experts_source: "",
     },
     Calibrated {
         family: KernelFamily::MegatronTe,
@@ -214,13 +226,17 @@ pub const CALIBRATED: &[Calibrated] = &[
         power: None,
         efficiency: 1.0,
         source: "1 by construction: the shared efficiency curves were fitted on Megatron-LM's A100 runs",
+        experts: 1.0,
+        experts_source: "",
     },
     Calibrated {
         family: KernelFamily::MegatronTe,
         device: "h100-sxm",
         power: None,
-        efficiency: 0.5216,
-        source: "fitted on steps.csv's calibration rows mb2511-h100-llama38b-fp8cs-8g, mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g (Megatron-Bridge's published H100 tables)",
+        efficiency: 0.8432,
+        source: "fitted on steps.csv's dense calibration row mb2511-h100-llama38b-fp8cs-8g (Megatron-Bridge's published H100 tables)",
+        experts: 0.2501,
+        experts_source: "fitted on steps.csv's FP8 mixture-of-experts calibration rows mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g, the dense constant held (Megatron-Bridge's published H100 tables)",
     },
     Calibrated {
         family: KernelFamily::TorchCompiled,
@@ -228,6 +244,8 @@ pub const CALIBRATED: &[Calibrated] = &[
         power: Some(500.0),
         efficiency: 0.6242,
         source: "fitted on steps.csv's calibration rows tt24-t1-8b-8g-bf16-compile, tt24-t2-8b-fsdp8-cp1, tt24-t3-8b-128g-fp8-compile (torchtitan's December 2024 H100 benchmark, 500 W)",
+        experts: 1.0,
+        experts_source: "",
     },
     Calibrated {
         family: KernelFamily::TorchCompiled,
@@ -235,6 +253,8 @@ pub const CALIBRATED: &[Calibrated] = &[
         power: None,
         efficiency: 0.7795,
         source: "fitted on steps.csv's calibration row tt25-trainy-h200-8b-32g (torchtitan's June 2025 H200 benchmark)",
+        experts: 1.0,
+        experts_source: "",
     },
     Calibrated {
         family: KernelFamily::TorchEager,
@@ -242,6 +262,8 @@ pub const CALIBRATED: &[Calibrated] = &[
         power: Some(500.0),
         efficiency: 0.5951,
         source: "fitted on steps.csv's calibration row tt24-t1-8b-8g-bf16-eager (torchtitan's December 2024 H100 benchmark, 500 W)",
+        experts: 1.0,
+        experts_source: "",
     },
 ];
 
@@ -259,6 +281,33 @@ pub struct Performance {
     pub calibrated: bool,
     /// Where `efficiency` comes from.
     pub source: String,
+    /// The routed experts' grouped FP8 products against the engine's dense FP8 products:
+    /// their seconds are divided by this ([`Calibrated::experts`]; 1: nothing fitted).
+    #[serde(default = "unity")]
+    pub experts: f64,
+    /// Where `experts` comes from; None: it is 1, no run of a mixture of experts on this
+    /// kind is calibrated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts_source: Option<String>,
+}
+
+fn unity() -> f64 {
+    1.0
+}
+
+/// The fitted experts' constant of `family` on a device kind, and its source: the table's
+/// entry for the kind (its power cap, else another), 1 and None where there is none.
+fn experts_of(family: KernelFamily, device: &str, power: Option<f64>) -> (f64, Option<String>) {
+    let of_device = |c: &&Calibrated| c.family == family && c.device.eq_ignore_ascii_case(device);
+    let entry = CALIBRATED
+        .iter()
+        .filter(of_device)
+        .find(|c| same_power(c.power, power))
+        .or_else(|| CALIBRATED.iter().find(of_device));
+    match entry {
+        Some(c) if !c.experts_source.is_empty() => (c.experts, Some(c.experts_source.to_string())),
+        Some(_) | None => (1.0, None),
+    }
 }
 
 impl Performance {
@@ -274,6 +323,8 @@ impl Performance {
                     efficiency: 1.0,
                     calibrated: true,
                     source: "the device's own figures (a device file is what `pipec calibrate` measured of pipec's kernels)".into(),
+                    experts: 1.0,
+                    experts_source: None,
                     },
                 Some(_) => Performance {
                     family,
@@ -283,6 +334,8 @@ impl Performance {
                         "{} is a preset (datasheet peaks and the shared curves fitted on Megatron-LM's A100 runs), not a measurement of pipec's executor; `pipec calibrate --backend cuda` measures it",
                         device_kind(device)
                     ),
+                    experts: 1.0,
+                    experts_source: None,
                     },
             };
         }
@@ -292,12 +345,15 @@ impl Performance {
         // power cap's clock is priced on its own (`DevicePreset::model_at`), so a constant
         // fitted at one cap carries to the same device at another
         let other_power = CALIBRATED.iter().find(of_device);
+        let (experts, experts_source) = experts_of(family, &device.name, device.power);
         match (exact, other_power) {
             (Some(c), _) => Performance {
                 family,
                 efficiency: c.efficiency,
                 calibrated: true,
                 source: c.source.to_string(),
+                experts,
+                experts_source,
             },
             (None, Some(c)) => Performance {
                 family,
@@ -309,6 +365,8 @@ impl Performance {
                     kind_text(c.device, c.power),
                     device_kind(device)
                 ),
+                experts,
+                experts_source,
             },
             (None, None) => Performance {
                 family,
@@ -319,6 +377,8 @@ impl Performance {
                     family.describe(),
                     device_kind(device)
                 ),
+                experts,
+                experts_source,
             },
         }
     }
@@ -326,8 +386,12 @@ impl Performance {
     /// The line reports print: "priced as ENGINE runs its kernels: efficiency × E — SOURCE".
     pub fn text(&self) -> String {
         let how = if self.calibrated { "" } else { " (not calibrated)" };
+        let experts = match &self.experts_source {
+            Some(source) => format!("; routed experts' grouped FP8 products × {:.4} of that — {source}", self.experts),
+            None => String::new(),
+        };
         format!(
-            "priced as {} runs its kernels: efficiency × {:.4}{how} — {}",
+            "priced as {} runs its kernels: efficiency × {:.4}{how} — {}{experts}",
             self.family.describe(),
             self.efficiency,
             self.source
@@ -336,7 +400,10 @@ impl Performance {
 
     /// The profile a calibration file gives.
     pub fn from_file(file: &CalibrationFile, path: &str) -> Performance {
+        let (experts, experts_source) = experts_of(file.family, &file.device, file.power);
         Performance {
+            experts,
+            experts_source,
             family: file.family,
             efficiency: file.efficiency,
             calibrated: true,
@@ -500,7 +567,49 @@ mod tests {
             assert!(preset(c.device).is_some(), "{c:?}");
             assert!(c.efficiency > 0.0 && c.efficiency <= MAX_EFFICIENCY, "{c:?}");
             assert!(!c.source.is_empty());
+            assert!(c.experts > 0.0 && c.experts <= MAX_EFFICIENCY, "{c:?}");
+            // a fitted experts' constant names its rows; an unfitted one is 1
+            assert_eq!(c.experts_source.is_empty(), c.experts == 1.0, "{c:?}");
         }
+    }
+
+    #[test]
+    fn the_experts_constant_travels_with_its_kind_and_into_calibration_files() {
+        let h100 = preset("h100-sxm").expect("preset").model();
+        let megatron = Performance::of(KernelFamily::MegatronTe, &h100);
+        let table = CALIBRATED
+            .iter()
+            .find(|c| c.family == KernelFamily::MegatronTe && c.device == "h100-sxm")
+            .expect("Megatron-LM's H100 constants");
+        assert_eq!(megatron.experts, table.experts);
+        assert!(megatron.experts < 1.0, "{megatron:?}");
+        assert!(megatron.text().contains("routed experts' grouped FP8 products"), "{}", megatron.text());
+        // a kind with no FP8 mixture of experts calibrated: 1, and the report says nothing
+        let titan = Performance::of(KernelFamily::TorchCompiled, &h100);
+        assert_eq!((titan.experts, titan.experts_source.as_deref()), (1.0, None));
+        assert!(!titan.text().contains("experts"));
+        // a user's calibration file fits the kernel efficiency; the experts' constant of its
+        // kind stays the table's
+        let file = CalibrationFile {
+            format: CALIBRATION_FORMAT.into(),
+            family: KernelFamily::MegatronTe,
+            device: "h100-sxm".into(),
+            power: None,
+            efficiency: 0.7,
+            measured: Measured {
+                spec: "a.yaml".into(),
+                step_s: 9.0,
+                source: "--step 9".into(),
+                predicted_before_s: 8.0,
+            },
+        };
+        let from = Performance::from_file(&file, "m.json");
+        assert_eq!((from.efficiency, from.experts), (0.7, table.experts));
+        // a plan written before the constant existed reads as 1
+        let mut old = serde_json::to_value(&titan).expect("serialises");
+        old.as_object_mut().expect("an object").remove("experts");
+        let read: Performance = serde_json::from_value(old).expect("reads");
+        assert_eq!(read.experts, 1.0);
     }
 
     #[test]
