@@ -52,7 +52,8 @@ PY
 done
 
 ok=0; failed=0; refused=0
-for spec in specs/gpt-tiny.yaml specs/gpt2.yaml specs/llama-tiny.yaml specs/moe-tiny.yaml specs/hybrid.yaml "$OUT"/specs/*.yaml "$OUT"/searched/*.yaml; do
+for spec in specs/gpt-tiny.yaml specs/gpt2.yaml specs/llama-tiny.yaml specs/moe-tiny.yaml specs/hybrid.yaml \
+    bench/specs/published-2025/mb2604-h100-gptoss120b-bf16-64g.yaml "$OUT"/specs/*.yaml "$OUT"/searched/*.yaml; do
   engines="megatron torchtitan deepspeed"
   case "$spec" in */searched/*) engines="$(sed -n 's/^engine: //p' "$spec")";; esac
   for engine in $engines; do

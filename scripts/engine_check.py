@@ -84,8 +84,15 @@ def megatron(folder, want, world):
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     chunks = [get_num_layers_to_build(config, vp_stage=c // pp if vpp > 1 else None, pp_rank=c % pp)
               for c in range(pp * vpp)]
+    # each block's sliding window (0: full attention), by Megatron-LM's own rule
+    # (transformer/utils.py is_layer_window_attention; TE's (L, 0) window is L + 1 positions)
+    from megatron.core.transformer.utils import is_layer_window_attention
+    windows = [config.window_size[0] + 1
+               if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, n) else 0
+               for n in range(1, config.num_layers + 1)] if config.window_size else None
     return dict(world=args.world_size, tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size,
                 cp=args.context_parallel_size, ep=ep, etp=etp, chunk_blocks=chunks, virtual_stages=vpp,
+                block_windows=windows,
                 microbatch_size=args.micro_batch_size,
                 microbatches_per_replica=m, global_batch=args.global_batch_size, recompute=recompute, zero=zero,
                 seq_length=args.seq_length, fp8=str(getattr(fp8, "value", fp8)) if fp8 else None)
@@ -198,6 +205,8 @@ def main():
         expect["etp"] = want["etp"]
     if "chunk_blocks" in got:
         expect["chunk_blocks"] = want.get("chunk_blocks")
+    if "block_windows" in got:
+        expect["block_windows"] = pred.get("block_windows")
     diff = {k: (expect[k], got.get(k)) for k in expect if expect[k] != got.get(k)}
     if diff:
         print(f"FAIL {folder} layout differs (pipec, {engine}): {diff}")

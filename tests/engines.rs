@@ -761,6 +761,66 @@ fn todays_attention_shapes_are_emitted_for_megatron_read_back_and_refused_by_tor
     assert!(e.contains("rope_scaling=yarn"), "{e}");
 }
 
+/// Blocks alternating a sliding window and full attention (GPT-OSS: every second block
+/// attends fully) are Megatron-LM's `--window-size L,0 --window-attn-skip-freq N`; the import
+/// reads them back as the same blocks, and refuses a list pattern or a count that does not
+/// divide the layers. Megatron-LM's own `is_layer_window_attention` gives the same windows
+/// (`scripts/engine_check.py` compares prediction.json's `block_windows`).
+#[test]
+fn blocks_alternating_a_window_and_full_attention_are_megatrons_skip_frequency() {
+    use pipec_grammar::import::megatron;
+    let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example");
+    let plain = "transformer_block(d=64, heads=4, ff=172, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)";
+    let windowed = plain.replacen(")", ", window=16)", 1);
+    let layers = |group: &[&str], times: usize| {
+        text.replacen(&format!("repeat 2: {plain}"), &format!("repeat {times}: {}", group.join(" -> ")), 1)
+    };
+    let files = |plan: &Plan| pipec_plan::engine::emit::emit(plan, &EngineTarget::newest(Engine::Megatron));
+    let file = |files: &[(String, String)], name: &str| {
+        files.iter().find(|(f, _)| f == name).map(|(_, t)| t.clone()).expect("emitted")
+    };
+    for (group, every) in [(vec![windowed.as_str(), plain], 2), (vec![windowed.as_str(), windowed.as_str(), plain], 3)]
+    {
+        let plan = plan_of(&layers(&group, 2));
+        let shape = plan.gpt_shape().expect("a language model");
+        assert_eq!((shape.full_every, shape.block.window), (every, 16));
+        let emitted = files(&plan).expect("megatron runs it");
+        let args = file(&emitted, "args.txt");
+        assert!(
+            args.contains("--window-size 15,0") && args.contains(&format!("--window-attn-skip-freq {every}")),
+            "{args}"
+        );
+        let prediction: serde_json::Value = serde_json::from_str(&file(&emitted, "prediction.json")).expect("json");
+        let want: Vec<usize> = (1..=2 * every).map(|i| if i % every == 0 { 0 } else { 16 }).collect();
+        assert_eq!(prediction["block_windows"], serde_json::json!(want));
+        // read back: the same blocks, each with its own window
+        let back = imported_plan(megatron::import(&args, "back", Some(plan.devices.len())));
+        let blocks = |p: &Plan| p.layers.iter().map(|l| l.op.clone()).collect::<Vec<_>>();
+        assert_eq!(blocks(&back), blocks(&plan), "{args}");
+    }
+    // a window on every block writes no skip frequency; blocks alternating irregularly are not
+    // a shape the engines' configurations describe
+    let uniform = plan_of(&layers(&[windowed.as_str()], 4));
+    assert_eq!(uniform.gpt_shape().expect("shape").full_every, 0);
+    assert!(!file(&files(&uniform).expect("emits"), "args.txt").contains("--window-attn-skip-freq"));
+    let irregular = plan_of(&layers(&[plain, windowed.as_str()], 2));
+    assert!(irregular.gpt_shape().is_none(), "full attention first, then the window");
+    let e = files(&irregular).expect_err("refused");
+    assert!(e.contains("decoder-only"), "{e}");
+    // the import: a list pattern, or groups that do not divide the layers, are refused by name
+    let args = file(&files(&plan_of(&layers(&[windowed.as_str(), plain], 2))).expect("emits"), "args.txt");
+    let listed = args.replace("--window-attn-skip-freq 2", "--window-attn-skip-freq [1,0,1,0]");
+    let e = megatron::import(&listed, "x", Some(2)).expect_err("a list pattern");
+    assert!(e.contains("list pattern"), "{e}");
+    let odd = args.replace("--num-layers 4", "--num-layers 5");
+    let e = megatron::import(&odd, "x", Some(2)).expect_err("5 layers in groups of 2");
+    assert!(e.contains("--window-attn-skip-freq 2"), "{e}");
+    // a skip frequency without a window changes nothing
+    let no_window = args.replace("--window-size 15,0", "");
+    let back = imported_plan(megatron::import(&no_window, "x", Some(2)));
+    assert!(back.layers.iter().filter_map(|l| l.op.block_dims()).all(|b| b.window == 0));
+}
+
 #[test]
 fn deepseeks_routing_and_dense_first_blocks_are_emitted_for_megatron_and_read_back() {
     // a DeepSeek-V3 in miniature: one dense block, then mixtures of 8 experts with a shared

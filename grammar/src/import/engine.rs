@@ -40,6 +40,9 @@ pub struct AttentionFacts {
     pub qk_norm: bool,
     /// A sliding window: each position sees itself and the `window − 1` before it (0: none).
     pub window: usize,
+    /// With a window, every `full_every`-th layer (from 1) attends fully instead
+    /// (`--window-attn-skip-freq N`; 0: every layer slides).
+    pub full_every: usize,
     /// A learned logit per head in every softmax (`--softmax-type learnable`).
     pub sinks: bool,
     /// Multi-head latent attention (`--multi-latent-attention`).
@@ -157,6 +160,14 @@ pub fn model_text(m: &ModelFacts) -> String {
             block_args(m, e.dense_ff, false),
             m.layers - dense
         ),
+        None if m.attention.full_every > 0 => {
+            // N − 1 windowed blocks, then one attending fully
+            let n = m.attention.full_every;
+            let full = ModelFacts { attention: AttentionFacts { window: 0, ..m.attention.clone() }, ..m.clone() };
+            let mut group = vec![format!("transformer_block({args})"); n - 1];
+            group.push(format!("transformer_block({})", block_args(&full, m.ff, true)));
+            format!("    - repeat {}: {}\n", m.layers / n, group.join(" -> "))
+        }
         None => format!("    - repeat {}: transformer_block({args})\n", m.layers),
     };
     // the engines attend with fused (flash) kernels: Megatron-LM's --attention-backend auto,

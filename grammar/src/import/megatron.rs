@@ -415,6 +415,15 @@ fn model(a: &mut Args) -> Result<ModelFacts, String> {
         }),
     };
     let attention = attention(a, d, heads)?;
+    if attention.full_every > 0 {
+        let n = attention.full_every;
+        if !layers.is_multiple_of(n) || moe.as_ref().is_some_and(|m| m.dense > 0) {
+            return Err(format!(
+                "`--window-attn-skip-freq {n}` over {layers} layers{}: pipec's engine specs repeat whole groups of {n} blocks (write the layers in a spec by hand)",
+                if moe.as_ref().is_some_and(|m| m.dense > 0) { " after dense ones" } else { "" }
+            ));
+        }
+    }
     let dense_ff = a.count_or("--ffn-hidden-size", ff_default)?;
     let ff = match &moe {
         Some(_) => a.count("--moe-ffn-hidden-size")?.unwrap_or(dense_ff),
@@ -510,9 +519,22 @@ fn attention(a: &mut Args, d: usize, heads: usize) -> Result<AttentionFacts, Str
             }
         }
     };
-    if window > 0 && a.text("--window-attn-skip-freq").is_some() {
-        return Err("`--window-attn-skip-freq` alternates windowed and full layers: pipec's engine specs repeat one block (write the layers in a spec by hand)".into());
-    }
+    // every N-th layer attends fully (utils.py is_layer_window_attention); without a window
+    // it changes nothing
+    let full_every = match a.text("--window-attn-skip-freq") {
+        None => 0,
+        Some(_) if window == 0 => 0,
+        Some(f) => match f.trim().parse::<usize>() {
+            Ok(n) if n >= 2 => n,
+            // every layer full: no window anywhere
+            Ok(1) => 1,
+            Ok(_) | Err(_) => {
+                return Err(format!(
+                    "`--window-attn-skip-freq {f}`: pipec reads a whole number N (every N-th layer attends fully), not a list pattern (write the layers in a spec by hand)"
+                ))
+            }
+        },
+    };
     let sinks = match a.text("--softmax-type").as_deref() {
         None | Some("vanilla") => false,
         Some("learnable") => true,
@@ -540,7 +562,16 @@ fn attention(a: &mut Args, d: usize, heads: usize) -> Result<AttentionFacts, Str
     };
     let llama3_rope_factor =
         if a.has("--use-rope-scaling") { Some(a.number_or("--rope-scaling-factor", 8.0)?) } else { None };
-    Ok(AttentionFacts { head_dim, qk_norm: a.has("--qk-layernorm"), window, sinks, mla, llama3_rope_factor })
+    let (window, full_every) = if full_every == 1 { (0, 0) } else { (window, full_every) };
+    Ok(AttentionFacts {
+        head_dim,
+        qk_norm: a.has("--qk-layernorm"),
+        window,
+        full_every,
+        sinks,
+        mla,
+        llama3_rope_factor,
+    })
 }
 
 fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, String> {

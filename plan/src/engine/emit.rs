@@ -111,7 +111,7 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
         let utilization = crate::flops::Utilization::of_model(layers, seq, engine.name, run.world, peak);
         utilization.mfu(sim.throughput_samples_per_s).map(|m| crate::flops::Mfu { fraction: round(m.fraction), ..m })
     });
-    let value = json!({
+    let mut value = json!({
         "engine": engine,
         "plan": run.plan.name,
         "world_size": run.world,
@@ -124,6 +124,7 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
             "zero": run.layout.sharding.level(), "recompute": written_recompute_name(run),
             "fp8": run.layout.fp8.map(|r| r.to_string()),
         },
+
         "step_time_s": round(step),
         "tokens_per_s_per_gpu": round(run.tokens_per_step() as f64 / step.max(1e-12) / run.world as f64),
         "bubble_fraction": round(sim.bubble_fraction),
@@ -132,7 +133,18 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
         "mfu": mfu,
         "source": "pipec's simulation of the plan (plan.json `simulation`); MFU by the engine's own FLOP count (pipec_plan::flops)",
     });
+    // each block's sliding window (0: full attention), where a block has one: the engine
+    // builds the same
+    if let Some(windows) = block_windows(&run.gpt) {
+        value["block_windows"] = json!(windows);
+    }
     serde_json::to_string_pretty(&value).unwrap_or_default() + "\n"
+}
+
+/// Each block's sliding window (0: full attention), None where no block has one.
+fn block_windows(g: &GptShape) -> Option<Vec<usize>> {
+    let w = g.block.window;
+    (w > 0).then(|| (1..=g.layers).map(|i| if g.full_every > 0 && i % g.full_every == 0 { 0 } else { w }).collect())
 }
 
 /// Six significant digits: the golden files stay stable under last-bit changes.
@@ -350,6 +362,11 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
     // Transformer Engine's window (L, 0): each query sees the L keys before it and itself
     if b.window > 0 {
         model.push(arg("--window-size", format!("{},0", b.window - 1)));
+        // every N-th block attends fully (utils.py is_layer_window_attention: layer_number %
+        // N != 0 slides)
+        if g.full_every > 0 {
+            model.push(arg("--window-attn-skip-freq", g.full_every));
+        }
     }
     // a learned offset per head in every softmax: attention sinks
     if b.sinks {

@@ -24,6 +24,26 @@ pub struct GptShape {
     /// and their MLP's width; the blocks are otherwise `block`. 0: every block is `block`.
     pub dense: usize,
     pub dense_ff: usize,
+    /// Blocks alternating a sliding window and full attention (GPT-OSS; Megatron-LM's
+    /// `--window-attn-skip-freq N`, megatron/core/transformer/utils.py
+    /// `is_layer_window_attention`): every `full_every`-th block counting from 1 attends
+    /// fully, the others through `block.window`. 0: every block is `block`.
+    pub full_every: usize,
+}
+
+/// The period of blocks alternating a sliding window and full attention: Some(N ≥ 2) where
+/// block i (from 1) attends fully exactly when N divides i, and every other block has one
+/// window; Some(0) where every block has the same window (or none); None otherwise.
+fn full_every(windows: &[usize]) -> Option<usize> {
+    let first = *windows.first()?;
+    if windows.iter().all(|&w| w == first) {
+        return Some(0);
+    }
+    let window = windows.iter().copied().max().unwrap_or(0);
+    let n = windows.iter().position(|&w| w == 0)? + 1;
+    let regular =
+        n >= 2 && windows.iter().enumerate().all(|(i, &w)| if (i + 1) % n == 0 { w == 0 } else { w == window });
+    regular.then_some(n)
 }
 
 impl GptShape {
@@ -45,6 +65,11 @@ impl GptShape {
         // dropout layers carry no parameters: skipped where the engines put theirs
         let kept: Vec<&Op> = rest.iter().filter(|op| !matches!(op, Op::Dropout { .. })).collect();
         let blocks: Vec<BlockDims> = kept.iter().map_while(|op| op.block_dims()).collect();
+        // windowed and full blocks alternating: compared with the window put back
+        let windows: Vec<usize> = blocks.iter().map(|b| b.window).collect();
+        let full_every = full_every(&windows)?;
+        let window = windows.iter().copied().max().unwrap_or(0);
+        let blocks: Vec<BlockDims> = blocks.into_iter().map(|b| BlockDims { window, ..b }).collect();
         let block = *blocks.last()?;
         // dense blocks first, then mixtures of experts otherwise the same
         let dense = blocks.iter().take_while(|b| b.moe.is_none()).count();
@@ -75,6 +100,7 @@ impl GptShape {
             head_bias,
             dense,
             dense_ff: if dense > 0 { dense_ff } else { 0 },
+            full_every,
         })
     }
 
