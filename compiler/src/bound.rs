@@ -1018,3 +1018,90 @@ mod tests {
         assert_eq!(one_f_one_b_in_flight(ScheduleKind::OneFOneB, &routed), None);
     }
 }
+
+#[cfg(test)]
+mod combined_1f1b_tests {
+    use std::collections::HashMap;
+
+    use pipec_plan::{DeviceId, Instr, MicrobatchId, StageId};
+
+    use crate::plan_cost::PlanCost;
+    use crate::simulate::CostModel;
+
+    /// A stage of two mixture-of-experts blocks under Megatron-LM's combined 1F1B: its pairs
+    /// overlap each layer's exchanges phase by phase with the other pass's parts.
+    #[test]
+    fn the_combined_1f1b_overlaps_each_layers_exchanges_with_the_other_passs_parts() {
+        let text = "model:
+  input: [64]
+  layers:
+    - embedding(50, 64)
+    - repeat 2: transformer_block(64, 4, 128, experts=4, top_k=2)
+    - linear(64, 50, bias=false)
+  loss: cross_entropy
+cluster:
+  nodes: 1
+  devices_per_node: 2
+  device: h100-sxm
+  links: dgx-h100
+strategy:
+  dp: 2
+  schedule: 1f1b
+  microbatches: 4
+  ep: 2
+  ep_overlap: true
+training:
+  batch_size: 8
+  steps: 1
+  optimizer: { kind: sgd, lr: 0.1 }
+";
+        let spec = pipec_grammar::check_source(text).spec.expect("checks");
+        let (model, layout) =
+            super::Memo::default().model_and_layout(&spec, &crate::CompileOptions::default()).expect("compiles");
+        let stages = crate::figures::stage_figures(&spec, &model, &layout);
+        let cost = PlanCost::new(&spec, &model, &stages, HashMap::new());
+        let parts = &stages.moe_parts[0];
+        assert_eq!(parts.len(), 2, "two expert blocks");
+        let (f, b) = (
+            Instr::Forward { stage: StageId(0), mb: MicrobatchId(1) },
+            Instr::Backward { stage: StageId(0), mb: MicrobatchId(0) },
+        );
+        let whole = cost.compute(DeviceId(0), &f) + cost.compute(DeviceId(0), &b);
+        // the parts are the stage's: the blocks' attention and MLP inside its passes
+        let computed: f64 = parts.iter().map(|p| p.attention[0] + p.mlp[0] + p.attention[1] + p.mlp[1]).sum();
+        assert!(parts.iter().all(|p| p.mlp[0] > 0.0 && p.attention[0] > 0.0 && p.mlp[1] > p.mlp[0]));
+        assert!(computed < whole, "the embedding and the output are not paired");
+        let pair = |sent: &[f64], returned: &[f64]| {
+            cost.overlapped_exchanges(DeviceId(0), (&f, &b), (sent, returned)).expect("a pair")
+        };
+        // nothing exchanged: the two passes, nothing hidden, nothing added
+        assert!((pair(&[0.0; 4], &[0.0; 4]) - whole).abs() < 1e-12 * whole);
+        // exchanges far longer than any part: each phase is its exchanges, the rest of the
+        // computation on top (a whole overlap would have given the exchanges alone)
+        let long = 1.0;
+        let all = pair(&[long; 4], &[long; 4]);
+        assert!((all - (8.0 * long + whole - computed)).abs() < 1e-9, "{all}");
+        // one layer's phases by hand: the backward's combine beside the forward's attention,
+        // both dispatches beside both MLPs, the forward's combine beside the backward's
+        // attention; the forward's k-th layer with the backward's k-th from the last
+        let (x, y) = (parts[0], parts[1]);
+        let sent = [x.attention[0] * 0.5, x.mlp[0] * 3.0, 0.0, 0.0];
+        let returned = [y.attention[0] * 2.0, y.mlp[1] * 0.25, 0.0, 0.0];
+        let by_hand = x.attention[0].max(returned[0])
+            + (y.mlp[1] + x.mlp[0]).max(sent[0] + returned[1])
+            + y.attention[1].max(sent[1])
+            + x.attention[1]
+            + x.mlp[1]
+            + y.attention[0]
+            + y.mlp[0]
+            + (whole - computed);
+        let got = pair(&sent, &returned);
+        assert!((got - by_hand).abs() < 1e-12 * by_hand, "{got} against {by_hand}");
+        // never less than the longer of the two sums, never more than one after the other
+        let exchanged: f64 = sent.iter().chain(&returned).sum();
+        assert!(got >= whole.max(exchanged) && got <= whole + exchanged);
+        // an exchange the layers do not pair (a fifth) runs after them
+        let odd = pair(&[0.0, 0.0, 0.0, 0.0, 0.5], &[0.0; 4]);
+        assert!((odd - whole - 0.5).abs() < 1e-9);
+    }
+}

@@ -63,6 +63,47 @@ pub(crate) struct StageFigures {
     /// seconds of the exchange of its per-expert row counts before a dispatch (counted in
     /// `ep_times`' forward; the simulator prices each at the dispatch the plan lists).
     pub(crate) ep_counts: Vec<ByLayer>,
+    /// Per stage, each layer that posts expert-parallel all-to-alls, first to last: its
+    /// [`MoeParts`] (what Megatron-LM's combined 1F1B overlaps the exchanges with).
+    pub(crate) moe_parts: Vec<Vec<MoeParts>>,
+}
+
+/// A mixture-of-experts layer's computation per microbatch on one rank, split as
+/// Megatron-LM's combined 1F1B schedules it (megatron/core/models/common/
+/// model_chunk_schedule_plan.py, `TransformerLayerSchedulePlan.run`): before the dispatch
+/// (the attention, the norms, the router) and the MLP (the routed and shared experts and
+/// their activation), in the forward and in the backward (with what recompute runs again).
+/// The backward's split is the forward's, scaled: the layer's backward costs the same
+/// multiple of its forward in each part.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct MoeParts {
+    pub(crate) attention: [f64; 2],
+    pub(crate) mlp: [f64; 2],
+}
+
+/// Each stage's [`MoeParts`], layer by layer.
+fn moe_parts(model: &ModelCosts, layout: &Layout, backward: impl Fn(usize) -> f64) -> Vec<Vec<MoeParts>> {
+    use crate::block_cost::Part;
+    layout
+        .ranges
+        .iter()
+        .map(|r| {
+            r.clone()
+                .filter(|&i| !model.costs[i].ep_forward.is_empty())
+                .map(|i| {
+                    let c = &model.costs[i];
+                    let parts = &c.forward_parts;
+                    let mlp = parts[Part::Experts as usize]
+                        + parts[Part::ExpertsActivation as usize]
+                        + parts[Part::Shared as usize];
+                    let mlp = mlp.min(c.forward_s);
+                    let back = backward(i);
+                    let share = if c.forward_s > 0.0 { mlp / c.forward_s } else { 0.0 };
+                    MoeParts { attention: [c.forward_s - mlp, back * (1.0 - share)], mlp: [mlp, back * share] }
+                })
+                .collect()
+        })
+        .collect()
 }
 
 impl StageFigures {
@@ -264,7 +305,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // (a context-parallel member's tensors hold its 1/cp of every sample's positions)
     let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / cp as u64;
     let output_bytes: Vec<u64> = layout.ranges.iter().map(|r| cut_bytes(r.end).saturating_mul(mb)).collect();
-    let bytes: Vec<StageBytes> = layout
+    let mut bytes: Vec<StageBytes> = layout
         .ranges
         .iter()
         .zip(&output_bytes)
@@ -275,7 +316,6 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // ZeRO-2 keeps only the shard of the summed gradient, but each reduce-scatter takes the
     // whole gradient of what it carries: the stage's largest gradient bucket where it has
     // some (otherwise `Units`' default bucket)
-    let mut bytes = bytes;
     if sharding.level() == 2 {
         for (b, stage_buckets) in bytes.iter_mut().zip(&buckets) {
             if let Some(largest) = stage_buckets.iter().map(|x| x.bytes).max().filter(|_| b.replicas > 1) {
@@ -284,6 +324,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         }
     }
     StageFigures {
+        moe_parts: moe_parts(model, layout, |i| costs[i].backward_s + again(i)),
         times,
         tp_times,
         ep_times,

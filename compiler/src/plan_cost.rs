@@ -35,6 +35,9 @@ pub(crate) struct PlanCost<'a> {
     /// The overlapped forward–backward pairs: DualPipe's, or Megatron-LM's combined 1F1B
     /// under `ep_overlap` (`Strategy::pairing`).
     pairing: Option<pipec_plan::schedule::Pairing>,
+    /// Per stage, its expert-parallel layers' computation split as the combined 1F1B
+    /// overlaps it (`StageFigures::moe_parts`).
+    moe_parts: &'a [Vec<crate::figures::MoeParts>],
     pub(crate) stage_update: &'a [f64],
     /// Per stage, its gradient buckets (`StageFigures::buckets`).
     buckets: &'a [Vec<pipec_plan::plan::GradientBucket>],
@@ -73,6 +76,7 @@ impl<'a> PlanCost<'a> {
             deepep: crate::cluster::deepep_routing(spec),
             chunks: spec.strategy.schedule.kind.chunk_placement(),
             pairing: spec.strategy.pairing(),
+            moe_parts: &stages.moe_parts,
             stage_update: &stages.update,
             buckets: &stages.buckets,
             cluster: &model.cluster,
@@ -277,6 +281,46 @@ impl CostModel for PlanCost<'_> {
         self.pairing?;
         let whole = self.compute(device, forward) + self.compute(device, backward);
         Some(whole.max(exchanged))
+    }
+    /// Megatron-LM's combined 1F1B overlaps the two passes layer by layer
+    /// (`TransformerLayerSchedulePlan.run`, megatron/core/models/common/
+    /// model_chunk_schedule_plan.py): for the k-th expert layer of the forward and the k-th
+    /// of the backward (last to first), the backward's combine beside the forward's
+    /// attention, the forward's and the backward's dispatches beside the two MLPs, the
+    /// forward's combine beside the backward's attention — each phase as long as its longer
+    /// side; what the layers do not pair (other layers, the tensor-parallel collectives,
+    /// layers beyond the shorter pass's) runs one after the other. DualPipe's pairs keep
+    /// [`overlapped`](CostModel::overlapped)'s whole overlap (DeepSeek-V3 tunes its
+    /// communication's SMs until the exchanges hide).
+    fn overlapped_exchanges(
+        &self,
+        device: DeviceId,
+        (forward, backward): (&Instr, &Instr),
+        (sent, returned): (&[f64], &[f64]),
+    ) -> Option<f64> {
+        let exchanged: f64 = sent.iter().chain(returned).sum();
+        if self.pairing? != pipec_plan::schedule::Pairing::OtherTask {
+            return self.overlapped(device, forward, backward, exchanged);
+        }
+        let parts = |i: &Instr| self.moe_parts.get(i.stage().0 as usize).map_or(&[][..], Vec::as_slice);
+        let (f_layers, b_layers) = (parts(forward), parts(backward));
+        // each layer's two exchanges: the forward's (dispatch, combine) first to last, the
+        // backward's (combine, dispatch) last to first
+        let pairs = f_layers.len().min(b_layers.len()).min(sent.len() / 2).min(returned.len() / 2);
+        let mut paired = 0.0;
+        let (mut computed, mut hidden) = (0.0, 0.0);
+        for k in 0..pairs {
+            let (f, b) = (&f_layers[k], &b_layers[b_layers.len() - 1 - k]);
+            let (dispatch, combine) = (sent[2 * k], sent[2 * k + 1]);
+            let (combine_grad, dispatch_grad) = (returned[2 * k], returned[2 * k + 1]);
+            paired += f.attention[0].max(combine_grad)
+                + (b.mlp[1] + f.mlp[0]).max(dispatch + dispatch_grad)
+                + b.attention[1].max(combine);
+            computed += f.attention[0] + f.mlp[0] + b.attention[1] + b.mlp[1];
+            hidden += dispatch + combine + combine_grad + dispatch_grad;
+        }
+        let whole = self.compute(device, forward) + self.compute(device, backward);
+        Some(paired + (whole - computed).max(0.0) + (exchanged - hidden).max(0.0))
     }
     fn pairing(&self) -> Option<pipec_plan::schedule::Pairing> {
         self.pairing

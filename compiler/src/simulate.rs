@@ -51,6 +51,18 @@ pub trait CostModel {
     fn overlapped(&self, _device: DeviceId, _forward: &Instr, _backward: &Instr, _exchanged: f64) -> Option<f64> {
         None
     }
+    /// [`overlapped`](Self::overlapped) with each all-to-all's seconds apart, in the order
+    /// the two passes post them (`forward`'s dispatch and combine at each layer first to
+    /// last; `backward`'s combine and dispatch gradients last to first): a cost model that
+    /// pairs the exchanges layer by layer prices them so (the default: their sum).
+    fn overlapped_exchanges(
+        &self,
+        device: DeviceId,
+        (forward, backward): (&Instr, &Instr),
+        (sent, returned): (&[f64], &[f64]),
+    ) -> Option<f64> {
+        self.overlapped(device, forward, backward, sent.iter().chain(returned).sum())
+    }
     /// The gradient buckets of `stage` ([`pipec_plan::plan::StagePlan::gradient_buckets`]):
     /// its replica all-reduce right after its backward runs as one collective per bucket,
     /// each started when the backward reaches its `ready` fraction.
@@ -466,22 +478,22 @@ fn all_to_all_time(
     Some(cost.collective(CollectiveKind::AllToAll, *group, members, *bytes) + cost.in_line(dev, ins))
 }
 
-/// The seconds of the all-to-alls right after position `at` of `stream`, and the position
-/// of the last of them (one that names a group without `dev` stops the run where it
-/// stands).
-fn exchanged_after(
+/// The seconds of each all-to-all right after position `at` of `stream`, in the stream's
+/// order, and the position of the last of them (one that names a group without `dev` stops
+/// the run where it stands).
+fn each_exchanged_after(
     priced: (&HashMap<GroupId, Vec<DeviceId>>, &dyn CostModel),
     dev: DeviceId,
     stream: &[Instr],
     at: usize,
-) -> (f64, usize) {
+) -> (Vec<f64>, usize) {
     let mut last = at;
-    let mut t = 0.0;
+    let mut each = Vec::new();
     while let Some(ins @ Instr::AllToAll { .. }) = stream.get(last + 1) {
-        t += all_to_all_time(priced, dev, ins).unwrap_or(0.0);
+        each.push(all_to_all_time(priced, dev, ins).unwrap_or(0.0));
         last += 1;
     }
-    (t, last)
+    (each, last)
 }
 
 /// The overlapped pair (DualPipe) the forward at `i` of `stream`, taking `d` seconds alone,
@@ -495,9 +507,10 @@ fn open_pair(
     d: f64,
 ) -> Option<Pair> {
     let j = pipec_plan::schedule::overlapped_pair(stream, i, priced.1.pairing()?)?;
-    let (forward_exchanges, _) = exchanged_after(priced, dev, stream, i);
-    let (backward_exchanges, last) = exchanged_after(priced, dev, stream, j);
-    let both = priced.1.overlapped(dev, &stream[i], &stream[j], forward_exchanges + backward_exchanges)?;
+    let (sent, _) = each_exchanged_after(priced, dev, stream, i);
+    let (returned, last) = each_exchanged_after(priced, dev, stream, j);
+    let both = priced.1.overlapped_exchanges(dev, (&stream[i], &stream[j]), (&sent, &returned))?;
+    let forward_exchanges: f64 = sent.iter().sum();
     let rest = both.max(d + forward_exchanges) - d;
     Some(Pair { forward: i, backward: j, rest, last })
 }

@@ -741,9 +741,13 @@ fn dualpipe_bubbles_match_the_published_formula() {
 /// whole time. The devices' forward, backward and all-to-all seconds are those, from the
 /// plan's stage figures; the plan reports what the pairs hid, and they hide something.
 ///
-/// Megatron-LM's combined 1F1B (`ep_overlap`) the same way: on one stage per device and on
-/// an interleaved pipeline, each forward after the warm-up's one more with the backward of
-/// an earlier microbatch after it (`Pairing::OtherTask`).
+/// Megatron-LM's combined 1F1B (`ep_overlap`) on one stage per device and on an interleaved
+/// pipeline, each forward after the warm-up's one more with the backward of an earlier
+/// microbatch after it (`Pairing::OtherTask`): its pairs overlap layer by layer, phase by
+/// phase (`PlanCost::overlapped_exchanges`, tested with the layers' parts in
+/// `bound.rs`), so each takes at least the longer of the two sums and at most the
+/// two passes one after the other; what the plan reports hidden is at most what a whole
+/// overlap would hide, and more than nothing.
 #[test]
 fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
     use pipec_plan::schedule::Pairing;
@@ -784,6 +788,7 @@ fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
                         match pipec_plan::schedule::overlapped_pair(stream, i, pairing) {
                             Some(j) => {
                                 let (b, ab) = pass(&stream[j]);
+                                // DualPipe's whole overlap; the combined 1F1B's at most that
                                 let pair = (f + b).max(af + ab).max(f + af);
                                 hidden += f + af + b + ab - pair;
                                 rest = Some((j, pair - f));
@@ -818,7 +823,20 @@ fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
             }
             let got = |phase: &str| d.by_phase.get(phase).copied().unwrap_or(0.0);
             assert!((got("forward") - forward).abs() <= 1e-9 * forward, "{schedule} {}: forward", d.id);
-            assert!((got("backward") - backward).abs() <= 1e-9 * backward.max(1e-12), "{schedule} {}: backward", d.id);
+            let tolerance = 1e-9 * backward.max(1e-12);
+            match pairing {
+                Pairing::OtherStage => {
+                    assert!((got("backward") - backward).abs() <= tolerance, "{schedule} {}: backward", d.id)
+                }
+                Pairing::OtherTask => {
+                    let (b, whole) = (got("backward"), backward + hidden);
+                    assert!(
+                        b >= backward - tolerance && b <= whole + tolerance,
+                        "{schedule} {}: {b} outside [{backward}, {whole}]",
+                        d.id
+                    );
+                }
+            }
             // the all-to-alls the timeline shows: those outside pairs
             let shown: f64 = c
                 .timeline
@@ -829,8 +847,15 @@ fn dualpipe_pairs_hide_their_all_to_alls_under_each_others_computation() {
                 .sum();
             assert!((shown - exchanged).abs() <= 1e-9 * exchanged.max(1e-12), "{schedule} {}: all-to-alls", d.id);
             // what the plan reports hidden (`pipec compile` prints it)
-            assert!((d.overlapped_s - hidden).abs() <= 1e-9 * hidden.max(1e-12), "{schedule} {}: hidden", d.id);
-            saved += hidden;
+            match pairing {
+                Pairing::OtherStage => {
+                    assert!((d.overlapped_s - hidden).abs() <= 1e-9 * hidden.max(1e-12), "{schedule} {}: hidden", d.id)
+                }
+                Pairing::OtherTask => {
+                    assert!(d.overlapped_s <= hidden * (1.0 + 1e-9) + 1e-15, "{schedule} {}: hidden", d.id)
+                }
+            }
+            saved += d.overlapped_s;
         }
         assert!(saved > 0.0, "{schedule}: no pair hid an all-to-all");
     }
