@@ -197,18 +197,16 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // what each layer keeps under the strategy's recompute inside the blocks, and what its
     // backward runs again
     let policies: Vec<Policy> = layout.ranges.iter().flat_map(|r| block_policies(spec, graph, r.clone())).collect();
-    let again = |i: usize| {
-        let c = &costs[i];
-        recompute_seconds(&policies[i], c.forward_s, &c.forward_parts, &c.forward_products)
-    };
+    // each layer's backward with what it runs again
+    let backward: Vec<f64> = policies
+        .iter()
+        .zip(costs)
+        .map(|(p, c)| c.backward_s + recompute_seconds(p, c.forward_s, &c.forward_parts, &c.forward_products))
+        .collect();
     let times: Vec<(f64, f64)> = layout
         .ranges
         .iter()
-        .map(|r| {
-            let c = &costs[r.clone()];
-            let backward: f64 = r.clone().map(|i| costs[i].backward_s + again(i)).sum();
-            (c.iter().map(|c| c.forward_s).sum::<f64>(), backward)
-        })
+        .map(|r| (costs[r.clone()].iter().map(|c| c.forward_s).sum::<f64>(), backward[r.clone()].iter().sum()))
         .collect();
     let tp = spec.strategy.tp.max(1);
     let (tp_link, tp_times) = tp_figures(spec, model, layout);
@@ -312,7 +310,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .zip(&stage_replicas)
         .map(|((r, &output), &d)| stage_bytes(spec, model, r.clone(), &policies, (output, d)))
         .collect();
-    let buckets = gradient_buckets(spec, model, layout, &stage_replicas, |i| costs[i].backward_s + again(i));
+    let buckets = gradient_buckets(spec, model, layout, &stage_replicas, |i| backward[i]);
     // ZeRO-2 keeps only the shard of the summed gradient, but each reduce-scatter takes the
     // whole gradient of what it carries: the stage's largest gradient bucket where it has
     // some (otherwise `Units`' default bucket)
@@ -324,7 +322,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         }
     }
     StageFigures {
-        moe_parts: moe_parts(model, layout, |i| costs[i].backward_s + again(i)),
+        moe_parts: moe_parts(model, layout, |i| backward[i]),
         times,
         tp_times,
         ep_times,

@@ -124,7 +124,6 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
             "zero": run.layout.sharding.level(), "recompute": written_recompute_name(run),
             "fp8": run.layout.fp8.map(|r| r.to_string()),
         },
-
         "step_time_s": round(step),
         "tokens_per_s_per_gpu": round(run.tokens_per_step() as f64 / step.max(1e-12) / run.world as f64),
         "bubble_fraction": round(sim.bubble_fraction),
@@ -135,16 +134,10 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
     });
     // each block's sliding window (0: full attention), where a block has one: the engine
     // builds the same
-    if let Some(windows) = block_windows(&run.gpt) {
-        value["block_windows"] = json!(windows);
+    if run.gpt.block.window > 0 {
+        value["block_windows"] = json!(run.gpt.block_windows());
     }
     serde_json::to_string_pretty(&value).unwrap_or_default() + "\n"
-}
-
-/// Each block's sliding window (0: full attention), None where no block has one.
-fn block_windows(g: &GptShape) -> Option<Vec<usize>> {
-    let w = g.block.window;
-    (w > 0).then(|| (1..=g.layers).map(|i| if g.full_every > 0 && i % g.full_every == 0 { 0 } else { w }).collect())
 }
 
 /// Six significant digits: the golden files stay stable under last-bit changes.

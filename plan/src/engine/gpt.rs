@@ -31,9 +31,21 @@ pub struct GptShape {
     pub full_every: usize,
 }
 
+/// The window of block `number` (from 1) of blocks with `window` where every
+/// `full_every`-th attends fully (0: none does): Megatron-LM's `is_layer_window_attention`
+/// (megatron/core/transformer/utils.py, `layer_number % N != 0` slides).
+fn window_of(window: usize, full_every: usize, number: usize) -> usize {
+    if full_every > 0 && number.is_multiple_of(full_every) {
+        0
+    } else {
+        window
+    }
+}
+
 /// The period of blocks alternating a sliding window and full attention: Some(N ≥ 2) where
 /// block i (from 1) attends fully exactly when N divides i, and every other block has one
-/// window; Some(0) where every block has the same window (or none); None otherwise.
+/// window ([`window_of`]); Some(0) where every block has the same window (or none); None
+/// otherwise.
 fn full_every(windows: &[usize]) -> Option<usize> {
     let first = *windows.first()?;
     if windows.iter().all(|&w| w == first) {
@@ -41,8 +53,7 @@ fn full_every(windows: &[usize]) -> Option<usize> {
     }
     let window = windows.iter().copied().max().unwrap_or(0);
     let n = windows.iter().position(|&w| w == 0)? + 1;
-    let regular =
-        n >= 2 && windows.iter().enumerate().all(|(i, &w)| if (i + 1) % n == 0 { w == 0 } else { w == window });
+    let regular = n >= 2 && windows.iter().enumerate().all(|(i, &w)| w == window_of(window, n, i + 1));
     regular.then_some(n)
 }
 
@@ -102,6 +113,11 @@ impl GptShape {
             dense_ff: if dense > 0 { dense_ff } else { 0 },
             full_every,
         })
+    }
+
+    /// Each block's sliding window (0: full attention), first to last.
+    pub fn block_windows(&self) -> Vec<usize> {
+        (1..=self.layers).map(|i| window_of(self.block.window, self.full_every, i)).collect()
     }
 
     /// The experts of every block (None: a dense MLP).
