@@ -812,3 +812,33 @@ fn whole_experts_fold_the_tensor_parallel_ranks_into_the_expert_groups() {
     let layout = whole.engine_layout();
     assert_eq!((layout.ep, layout.etp, layout.tp), (8, 1, 2));
 }
+
+/// A group of whole experts (`etp: 1`) already holds every tensor-parallel rank: the
+/// copies of the leaders' streams for rank 1 exchange over that same group, not over the
+/// devices one further on (which crossed into the next node). So the compiled plan's step
+/// is the search's prediction of it (one replica standing for the others): each group of
+/// 4 devices inside a node, the nodes joined by a slow link.
+#[test]
+fn whole_experts_exchange_inside_their_group_on_every_tensor_parallel_rank() {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/moe-tiny.yaml"))
+        .expect("example")
+        .replace("nodes: 1\n  devices_per_node: 4", "nodes: 2\n  devices_per_node: 4")
+        .replace(
+            "    intra_node: { bandwidth: 10GB/s, latency: 5us }",
+            "    intra_node: { bandwidth: 10GB/s, latency: 5us }\n    inter_node: { bandwidth: 100MB/s, latency: 50us }",
+        );
+    let start = text.find("strategy:").expect("strategy");
+    let end = text.find("training:").expect("training");
+    let text = format!(
+        "{}strategy:\n  dp: 4\n  tp: 2\n  sequence_parallel: true\n  schedule: dp-only\n  microbatches: 4\n  ep: 4\n  etp: 1\n{}",
+        &text[..start],
+        &text[end..]
+    );
+    let plan = compile_text(&text).into_compiled().expect("compiles").plan;
+    let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+    let predicted = pipec_compiler::predict::predict(&spec, &CompileOptions::default(), &mut Default::default())
+        .expect("predicted")
+        .step_s;
+    let compiled = plan.simulation.step_time_s;
+    assert!((compiled - predicted).abs() <= 1e-9 * predicted, "compiled {compiled} s, predicted {predicted} s");
+}

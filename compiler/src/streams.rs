@@ -488,7 +488,11 @@ pub(crate) fn tensor_parallel_copies(lowered: &mut Lowered, tp: usize) {
                 lowered.expert_groups.insert(id);
             }
             if let Some(whole) = lowered.summed_over.get(g) {
-                let whole = whole.iter().copied().map(shift).collect();
+                // a group already over every tensor-parallel rank (the expert-parallel
+                // group of whole experts, `etp: 1`) is the copy's too; one over the
+                // leaders is shifted to rank t's devices
+                let spans_ranks = members.iter().all(|&m| whole.contains(&shift(m)));
+                let whole = if spans_ranks { whole.clone() } else { whole.iter().copied().map(shift).collect() };
                 lowered.summed_over.insert(id, whole);
             }
             shifted.insert(*g, id);
