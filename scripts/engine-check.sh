@@ -53,7 +53,8 @@ done
 
 ok=0; failed=0; refused=0
 for spec in specs/gpt-tiny.yaml specs/gpt2.yaml specs/llama-tiny.yaml specs/moe-tiny.yaml specs/hybrid.yaml \
-    bench/specs/published-2025/mb2604-h100-gptoss120b-bf16-64g.yaml "$OUT"/specs/*.yaml "$OUT"/searched/*.yaml; do
+    bench/specs/published-2025/mb2604-h100-gptoss120b-bf16-64g.yaml \
+    bench/specs/published-2025/mb2509-h100-deepseekv3-fp8-1024g.yaml "$OUT"/specs/*.yaml "$OUT"/searched/*.yaml; do
   engines="megatron torchtitan deepspeed"
   case "$spec" in */searched/*) engines="$(sed -n 's/^engine: //p' "$spec")";; esac
   for engine in $engines; do

@@ -82,8 +82,23 @@ def megatron(folder, want, world):
     # the transformer blocks each model chunk builds (chunk c: virtual stage c // pp on rank
     # c % pp), by Megatron-LM's own split (transformer_block.py get_num_layers_to_build)
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    chunks = [get_num_layers_to_build(config, vp_stage=c // pp if vpp > 1 else None, pp_rank=c % pp)
-              for c in range(pp * vpp)]
+    from megatron.core.transformer.enums import LayerType
+    layout = config.pipeline_model_parallel_layout
+    if layout is not None:
+        # a written layout (--pipeline-model-parallel-layout): the layers Megatron-LM parsed
+        # for each rank and virtual stage (its get_num_layers_to_build counts the same list,
+        # but reads the virtual stage from the uninitialised parallel state), and where it
+        # builds the multi-token-prediction modules
+        chunks = [layout.layout[c % pp][c // pp].count(LayerType.decoder) for c in range(pp * vpp)]
+        mtp_chunks = [c for c in range(pp * vpp) if layout.layout[c % pp][c // pp].count(LayerType.mtp)]
+    else:
+        chunks = [get_num_layers_to_build(config, vp_stage=c // pp if vpp > 1 else None, pp_rank=c % pp)
+                  for c in range(pp * vpp)]
+        # without a layout the modules are built with the loss, on the last stage's last chunk
+        # (multi_token_prediction.py)
+        mtp_chunks = [pp * vpp - 1] if config.mtp_num_layers else []
+    mtp = dict(depth=config.mtp_num_layers, weight=config.mtp_loss_scaling_factor,
+               chunk=mtp_chunks[0] if len(mtp_chunks) == 1 else mtp_chunks) if config.mtp_num_layers else None
     # each block's sliding window (0: full attention), by Megatron-LM's own rule
     # (transformer/utils.py is_layer_window_attention; TE's (L, 0) window is L + 1 positions)
     from megatron.core.transformer.utils import is_layer_window_attention
@@ -92,7 +107,7 @@ def megatron(folder, want, world):
                for n in range(1, config.num_layers + 1)] if config.window_size else None
     return dict(world=args.world_size, tp=args.tensor_model_parallel_size, pp=pp, dp=args.data_parallel_size,
                 cp=args.context_parallel_size, ep=ep, etp=etp, chunk_blocks=chunks, virtual_stages=vpp,
-                block_windows=windows,
+                block_windows=windows, mtp=mtp,
                 microbatch_size=args.micro_batch_size,
                 microbatches_per_replica=m, global_batch=args.global_batch_size, recompute=recompute, zero=zero,
                 seq_length=args.seq_length, fp8=str(getattr(fp8, "value", fp8)) if fp8 else None)
@@ -207,6 +222,8 @@ def main():
         expect["chunk_blocks"] = want.get("chunk_blocks")
     if "block_windows" in got:
         expect["block_windows"] = pred.get("block_windows")
+    if "mtp" in got:
+        expect["mtp"] = pred.get("mtp")
     diff = {k: (expect[k], got.get(k)) for k in expect if expect[k] != got.get(k)}
     if diff:
         print(f"FAIL {folder} layout differs (pipec, {engine}): {diff}")

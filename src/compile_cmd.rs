@@ -267,8 +267,9 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
     } else {
         ""
     };
+    let mtp = plan.model.mtp.map(|m| m.parameters_text(plan.layers.iter().map(|l| &l.op))).unwrap_or_default();
     s.push_str(&format!(
-        "  model: {}{tied}\n",
+        "  model: {}{mtp}{tied}\n",
         pipec_plan::model::parameters_text(plan.layers.iter().map(|l| (&l.op, l.tied)))
     ));
     let cp = plan.training.context_parallel;
@@ -314,9 +315,18 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         s.push_str(&format!("  mixture of experts: routing assumed {routing}{capacity}\n"));
         if let Some(st) = plan.stages.iter().find(|st| st.expert_parallel > 1) {
             let ep = st.expert_parallel as usize;
+            let tp = st.tensor_parallel.first().map_or(1, |g| g.len().max(1));
+            // whole experts (`etp: 1`): the group is the replicas' tensor-parallel ranks, each
+            // device its own experts; else each replica's experts split over its ranks
+            let holds = if plan.schedule.whole_experts && tp > 1 {
+                format!("ep {} (experts whole: `etp: 1`) — each device holds {}", ep * tp, m.experts / (ep * tp))
+            } else if tp > 1 {
+                format!("ep {ep} — each replica holds {}, split over its {tp} tensor-parallel ranks,", m.experts / ep)
+            } else {
+                format!("ep {ep} — each device holds {}", m.experts / ep)
+            };
             s.push_str(&format!(
-                "  expert parallelism: ep {ep} — each device holds {} of every block's {} experts, tokens reach them in all-to-alls inside every pass; an expert's gradient is summed over the {} replica(s) holding it\n",
-                m.experts / ep,
+                "  expert parallelism: {holds} of every block's {} experts, tokens reach them in all-to-alls inside every pass; an expert's gradient is summed over the {} replica(s) holding it\n",
                 m.experts,
                 st.replicas.len() / ep
             ));

@@ -1088,7 +1088,8 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
             | Feature::ActivationOffload
             | Feature::OptimizerStatePrecision
             | Feature::NoMasterWeights
-            | Feature::WholeExperts => true,
+            | Feature::WholeExperts
+            | Feature::MultiTokenPrediction => true,
             // the plan's precision is bf16 around the FP8 products: the executor trains
             // everything in bf16 and says so
             Feature::Fp8 => {

@@ -456,13 +456,14 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
 fn mixtral_with_expert_parallelism_reports_its_all_to_alls_and_a_small_one_trains() {
     let dir = tempfile::tempdir().expect("tmp");
     // Mixtral 8x7B on 8 DGX H100 with ep 8 (t 2, 4 interleaved stages, 8 replicas): one
-    // expert per block on each device, 1/8 of the routed experts' weights
+    // expert per block on each replica, split over its two ranks: 1/8 of the routed
+    // experts' weights
     let plan = dir.path().join("plan");
     let compiled = pipec(&["compile", "bench/specs/mixtral-8x7b-ep8.yaml", "-o", plan.to_str().expect("utf-8")]);
     let report = both_streams(&compiled);
     assert_eq!(compiled.status.code(), Some(0), "{report}");
     assert!(
-        report.contains("expert parallelism: ep 8 — each device holds 1 of every block's 8 experts, tokens reach them in all-to-alls inside every pass; an expert's gradient is summed over the 1 replica(s) holding it"),
+        report.contains("expert parallelism: ep 8 — each replica holds 1, split over its 2 tensor-parallel ranks, of every block's 8 experts, tokens reach them in all-to-alls inside every pass; an expert's gradient is summed over the 1 replica(s) holding it"),
         "{report}"
     );
     assert!(

@@ -842,3 +842,40 @@ fn whole_experts_exchange_inside_their_group_on_every_tensor_parallel_rank() {
     let compiled = plan.simulation.step_time_s;
     assert!((compiled - predicted).abs() <= 1e-9 * predicted, "compiled {compiled} s, predicted {predicted} s");
 }
+
+/// DeepSeek-V3's multi-token prediction (`model.mtp`) is priced with the output layer,
+/// whose stage runs it: one more copy of the last transformer block, the projection from
+/// 2·d to d and three norms (their parameters, `Mtp::parameters`), their FLOPs and a second
+/// pass through the output layer and the loss (its logits kept too); on a later stage than
+/// the embedding, a copy of the embedding's table. The first stage does not change, and
+/// `pipec run` refuses the plan before training.
+#[test]
+fn multi_token_prediction_adds_a_block_a_projection_and_a_second_loss_to_the_last_stage() {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/llama-tiny.yaml"))
+        .expect("example")
+        .replacen("  partition: balanced\n", "  partition: [\"0..2\", \"2..5\"]\n", 1);
+    let with = text.replacen("  loss: cross_entropy\n", "  loss: cross_entropy\n  mtp: 1\n", 1);
+    assert_ne!(with, text);
+    let plan = |t: &str| compile_text(t).into_compiled().expect("compiles").plan;
+    let (without, with) = (plan(&text), plan(&with));
+    let block = &without.layers[2].op;
+    let own = pipec_plan::model::Mtp { depth: 1, weight: 0.1 }.parameters(block);
+    // d = 64: the block's 45,440 and 3·64 + 2·64² of its own
+    assert_eq!(own, block.parameter_count() + 3 * 64 + 2 * 64 * 64);
+    let head = |p: &pipec_plan::Plan| p.layers.last().cloned().expect("a head");
+    assert_eq!(head(&with).parameters - head(&without).parameters, own);
+    assert_eq!(with.stages[0].parameters, without.stages[0].parameters);
+    let embedding = without.layers[0].parameters;
+    assert_eq!(with.stages[1].parameters - without.stages[1].parameters, own + embedding);
+    // FLOPs: the block's, the projection's and the output layer's again (64 positions)
+    let (s, d, vocab) = (64.0, 64.0, 512.0);
+    let expected = without.layers[2].forward_flops_per_sample + 2.0 * s * 2.0 * d * d + 2.0 * s * d * vocab;
+    let added = head(&with).forward_flops_per_sample - head(&without).forward_flops_per_sample;
+    assert!(added >= expected && added <= expected * 1.02, "added {added}, expected {expected}");
+    // the second logits are kept for the loss's backward; the step is longer
+    assert!(with.devices[1].memory.activations > without.devices[1].memory.activations);
+    assert!(with.simulation.step_time_s > without.simulation.step_time_s);
+    assert_eq!(with.devices[0].memory.total, without.devices[0].memory.total);
+    let used = pipec_plan::features::used(&with);
+    assert!(used.iter().any(|(f, _)| *f == pipec_plan::features::Feature::MultiTokenPrediction), "{used:?}");
+}

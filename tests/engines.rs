@@ -916,15 +916,19 @@ fn megatron_counts_the_embedding_and_the_loss_in_its_uneven_split() {
     let own =
         plan_of(&tiny_for_megatron(7, 4, "strategy:\n  stages: \"1-1-1-1\"\n  schedule: 1f1b\n  microbatches: 4"));
     assert_eq!(own.engine_layout().chunk_blocks, Some(vec![2, 2, 2, 1]));
-    // a written split Megatron-LM does not run (2, 1, 2, 1)
-    let written = tiny_for_megatron(
+    // a written split no even one describes (2, 1, 2, 1): written layer by layer
+    // (`--pipeline-model-parallel-layout`) and read back as the same partition
+    let written = plan_of(&tiny_for_megatron(
         6,
         4,
         "strategy:\n  stages: \"1-1-1-1\"\n  schedule: 1f1b\n  microbatches: 4\n  partition: [\"0..3\", \"3..4\", \"4..6\", \"6..9\"]",
-    );
-    let checked = pipec_grammar::check_source(&written);
-    let refused = checked.diagnostics.iter().find(|d| d.code == "E0702").expect("refused");
-    assert!(refused.message.contains("2, 1, 2, 1 blocks"), "{}", refused.message);
+    ));
+    let files = pipec_plan::engine::emit::emit(&written, &written.engine).expect("megatron runs it");
+    let args = files.iter().find(|(f, _)| f == "args.txt").map(|(_, t)| t.clone()).expect("args.txt");
+    assert!(args.contains("--pipeline-model-parallel-layout \"Ett|t|tt|tL\""), "{args}");
+    assert!(!args.contains("--account-for"), "{args}");
+    let back = imported_plan(megatron::import(&args, "tiny", Some(4)));
+    assert_eq!(back.engine_layout().chunk_blocks, Some(vec![2, 1, 2, 1]));
 }
 
 /// Expert tensor parallelism: `etp: 1` is written for Megatron-LM as
@@ -979,4 +983,49 @@ fn the_expert_parallel_degree_is_the_expert_stages_when_the_first_has_none() {
     let files = pipec_plan::engine::emit::emit(&plan, &plan.engine).expect("megatron runs it");
     let args = files.iter().find(|(f, _)| f == "args.txt").map(|(_, t)| t.clone()).expect("args.txt");
     assert!(args.contains("--expert-model-parallel-size 2"), "{args}");
+}
+
+/// DeepSeek-V3's multi-token prediction (`model.mtp`) crosses to Megatron-LM and back: its
+/// modules and loss weight as `--mtp-num-layers` and `--mtp-loss-scaling-factor`; a chunk
+/// split no even one describes (the embedding alone with a block, the last chunk the
+/// modules and the loss, as Megatron-Bridge's DeepSeek-V3 recipe) as
+/// `--pipeline-model-parallel-layout`, read back into the same partition; the layout's
+/// language with its repetitions; torchtitan and DeepSpeed refuse the modules at the key.
+#[test]
+fn multi_token_prediction_and_a_written_layout_cross_to_megatron_and_back() {
+    use pipec_grammar::import::megatron;
+    use pipec_plan::engine::capability::{megatron_layout, parse_megatron_layout};
+    let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example");
+    let text = text
+        .replacen("  loss: cross_entropy\n", "  loss: cross_entropy\n  mtp: { depth: 1, weight: 0.3 }\n", 1)
+        .replacen("  partition: balanced\n", "  partition: [\"0..3\", \"3..5\"]\n", 1);
+    assert!(text.contains("mtp: {") && text.contains("\"3..5\""), "{text}");
+    let plan = plan_of(&format!("engine: megatron\n{text}"));
+    assert_eq!(plan.model.mtp, Some(pipec_plan::model::Mtp { depth: 1, weight: 0.3 }));
+    let files = pipec_plan::engine::emit::emit(&plan, &EngineTarget::newest(Engine::Megatron)).expect("emits");
+    let args = files.into_iter().find(|(f, _)| f == "args.txt").map(|(_, t)| t).expect("args.txt");
+    assert!(args.contains("--mtp-num-layers 1") && args.contains("--mtp-loss-scaling-factor 0.3"), "{args}");
+    // both blocks in the first chunk, the modules and the loss alone in the last: no even
+    // split, with or without the ends counted
+    assert!(args.contains("--pipeline-model-parallel-layout \"Ett|mL\""), "{args}");
+    assert!(!args.contains("--num-virtual-stages-per-pipeline-rank"), "{args}");
+    let back = imported_plan(megatron::import(&args, "back", Some(plan.devices.len())));
+    assert_eq!(back.model.mtp, plan.model.mtp);
+    let ranges = |p: &Plan| p.stages.iter().map(|s| s.layers).collect::<Vec<_>>();
+    assert_eq!(ranges(&back), ranges(&plan));
+    // the layout's language: Megatron-Bridge's DeepSeek-V3 layout, and refusals by name
+    assert_eq!(parse_megatron_layout("Et|(tt|)*30mL"), Ok((std::iter::once(1).chain([2; 30]).chain([0]).collect(), 1)));
+    assert_eq!(parse_megatron_layout("Et*3,|t*2L"), Ok((vec![3, 2], 0)));
+    assert_eq!(megatron_layout(&[1, 2, 0], 1), "Et|tt|mL");
+    assert!(parse_megatron_layout("tt|EL").expect_err("no embedding first").contains("embedding"));
+    assert!(parse_megatron_layout("Etm|tL").expect_err("a module before a block").contains("`m`"));
+    assert!(parse_megatron_layout("E(t|)*99999999999L").expect_err("too long").contains("unrolls past"));
+    for engine in ["torchtitan", "deepspeed"] {
+        let refused = pipec_grammar::check_source(&format!("engine: {engine}\n{text}"));
+        assert!(
+            refused.diagnostics.iter().any(|d| d.code == "E0702" && d.message.contains("multi-token prediction")),
+            "{engine}: {:?}",
+            refused.diagnostics.iter().map(|d| &d.message).collect::<Vec<_>>()
+        );
+    }
 }

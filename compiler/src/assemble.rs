@@ -106,6 +106,7 @@ pub(crate) fn assemble(
             loss: spec.model.loss,
             token_vocab: spec.model.token_vocab(),
             attention: spec.model.attention,
+            mtp: spec.model.mtp,
         },
         training: training_plan(spec, model.microbatch_size, options),
         schedule: ScheduleInfo {

@@ -99,6 +99,79 @@ pub struct LayerCost {
     pub loss_input_bytes_per_sample: u64,
 }
 
+impl LayerCost {
+    /// Adds `other`'s work to this layer's: its passes, collectives, parameters and kept
+    /// tensors (multi-token prediction's modules, priced with the output layer that runs
+    /// them). The output this layer sends on stays its own.
+    fn absorb(&mut self, other: LayerCost) {
+        self.forward_flops_per_sample += other.forward_flops_per_sample;
+        self.backward_flops_per_sample += other.backward_flops_per_sample;
+        self.forward_s += other.forward_s;
+        self.backward_s += other.backward_s;
+        self.selective_s += other.selective_s;
+        for (a, b) in self.core_s.iter_mut().zip(other.core_s) {
+            *a += b;
+        }
+        self.tp_forward.extend(other.tp_forward);
+        self.tp_backward.extend(other.tp_backward);
+        self.ep_forward.extend(other.ep_forward);
+        self.ep_backward.extend(other.ep_backward);
+        self.cp_forward.extend(other.cp_forward);
+        self.cp_backward.extend(other.cp_backward);
+        self.update_s += other.update_s;
+        self.parameters += other.parameters;
+        self.shard_parameters += other.shard_parameters;
+        self.expert_parameters += other.expert_parameters;
+        self.parameter_bytes += other.parameter_bytes;
+        self.activation_bytes_per_sample += other.activation_bytes_per_sample;
+        self.kept.extend(other.kept);
+        for (a, b) in self.forward_parts.iter_mut().zip(other.forward_parts) {
+            *a += b;
+        }
+        self.forward_products.extend(other.forward_products);
+        self.attention_core_bytes_per_sample += other.attention_core_bytes_per_sample;
+        self.gathered_bytes_per_sample += other.gathered_bytes_per_sample;
+        self.loss_input_bytes_per_sample += other.loss_input_bytes_per_sample;
+    }
+
+    /// Drops the parameters: a layer whose weights another holds (multi-token prediction's
+    /// embedding lookup and output layer are the model's own).
+    fn own_nothing(&mut self) {
+        (self.parameters, self.shard_parameters, self.expert_parameters, self.parameter_bytes) = (0, 0, 0, 0);
+        self.update_s = 0.0;
+    }
+}
+
+/// Multi-token prediction's layers (`pipec_plan::model::Mtp::layers`) as nodes over the
+/// model's positions, with whether each holds its own weights.
+pub fn mtp_nodes(graph: &Graph, mtp: pipec_plan::model::Mtp) -> Vec<(OpNode, bool)> {
+    let Some(&s) = graph.input_shape.first() else { return Vec::new() };
+    let ops: Vec<&Op> = graph.ops().map(|(_, n)| &n.op).collect();
+    mtp.layers(ops.iter().copied())
+        .into_iter()
+        .map(|(op, own)| {
+            let (input, output) = match op {
+                Op::Embedding { dim, .. } => (vec![s], vec![s, dim]),
+                Op::Linear { in_features, out_features, .. } => (vec![s, in_features], vec![s, out_features]),
+                Op::RmsNorm { dim, .. } => (vec![s, dim], vec![s, dim]),
+                _ => {
+                    let d = op.block_dims().map_or(0, |b| b.d);
+                    (vec![s, d], vec![s, d])
+                }
+            };
+            let node = OpNode {
+                op,
+                label: None,
+                inputs: vec![pipec_plan::model::Source::Input],
+                input_shape: input,
+                output_shape: output,
+                tied: None,
+            };
+            (node, own)
+        })
+        .collect()
+}
+
 fn numel(shape: &[usize]) -> f64 {
     shape.iter().product::<usize>() as f64
 }
@@ -598,73 +671,101 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
         cx.state_precision,
         cx.master_weights,
     );
-    Ok(graph
+    let mut costs: Vec<LayerCost> = graph
         .ops()
-        .zip(splits)
+        .zip(&splits)
         .enumerate()
-        .map(|(i, ((_, node), split))| {
-            let last = i + 1 == count;
-            let priced = price(node, split, (i == 0, last), cx);
-            let (tp_forward, tp_backward) = tp_collectives(node, split, cx);
-            let t = if split == TpSplit::Replicated { 1 } else { cx.tp };
-            let sp = cx.sequence_parallel && split == TpSplit::Block;
-            let (ep_forward, ep_backward) = ep_collectives(node, sp, t, cx);
-            let params = node.op.parameter_count();
-            let (shard, experts) = rank_parameters(&node.op, split, cx.tp, cx.ep);
-            let kept_cx = KeptContext {
-                p: p as f64,
-                linear_input: cx.linear_input_bytes(p as f64),
-                t,
-                sp,
-                attention: cx.attention_kernel(),
-                ep: cx.load_members(t),
-                keeps: cx.keeps,
+        .map(|(i, ((_, node), &split))| layer_cost(node, split, (i == 0, i + 1 == count), (p, update_bytes), cx))
+        .collect();
+    // multi-token prediction runs after the output layer's forward, on its stage, and shares
+    // its weights: its modules are priced as part of that layer
+    if let (Some(mtp), Some(head), Some(&head_split)) = (graph.mtp, costs.last_mut(), splits.last()) {
+        for (node, own) in mtp_nodes(graph, mtp) {
+            let split = match node.op {
+                Op::TransformerBlock { .. } => TpSplit::Block,
+                Op::Linear { .. } if !own => head_split,
+                Op::Linear { .. } => TpSplit::Column,
+                Op::Embedding { .. } if head_split == TpSplit::Vocab => TpSplit::Vocab,
+                _ => TpSplit::Replicated,
             };
-            let cp = cx.cp.max(1) as f64;
-            // a context-parallel member keeps 1/cp of every tensor (its positions)
-            let list: Vec<Kept> =
-                kept_list(node, &kept_cx).into_iter().map(|k| Kept { bytes: k.bytes / cp, ..k }).collect();
-            let (kept, core) = kept_bytes(node, &kept_cx);
-            let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
-            let (kept, gathered) = context_kept(kept, node, p as f64, t, cx);
-            let core = core / cp;
-            let update_s = cx.device.update_time(cx.optimizer, node.op.parameter_tensors(), shard as f64, update_bytes);
-            LayerCost {
-                forward_flops_per_sample: forward_flops(node),
-                backward_flops_per_sample: backward_flops(node),
-                forward_s: priced.forward,
-                backward_s: priced.backward,
-                selective_s: priced.selective,
-                core_s: priced.core,
-                tp_forward,
-                tp_backward,
-                ep_forward,
-                ep_backward,
-                cp_forward,
-                cp_backward,
-                update_s,
-                parameters: params,
-                shard_parameters: shard,
-                expert_parameters: experts,
-                parameter_bytes: shard * p as u64,
-                activation_bytes_per_sample: kept as u64,
-                kept: list,
-                forward_parts: priced.block.as_ref().map_or([0.0; Part::COUNT], |b| b.parts),
-                forward_products: priced.block.map_or_else(Vec::new, |b| b.products),
-                attention_core_bytes_per_sample: core as u64,
-                gathered_bytes_per_sample: gathered as u64,
-                output_bytes_per_sample: (numel(&node.output_shape) * p as f64 / cp) as u64,
-                loss_input_bytes_per_sample: match (last, split) {
-                    (false, _) => 0,
-                    (true, TpSplit::Vocab) => (numel(&node.output_shape) / cx.tp.max(1) as f64 * 4.0 / cp) as u64,
-                    // the log-probabilities in fp32 under mixed precision: Megatron-LM's
-                    // cross-entropy upcasts the logits (`vocab_parallel_cross_entropy`),
-                    // torchtitan's calls `.float()` before `cross_entropy`
-                    (true, _) => (numel(&node.output_shape) * (p as f64).max(4.0) / cp) as u64,
-                },
+            let scores = matches!(node.op, Op::Linear { .. }) && !own;
+            let mut c = layer_cost(&node, split, (false, scores), (p, update_bytes), cx);
+            if !own {
+                c.own_nothing();
             }
-        })
-        .collect())
+            head.absorb(c);
+        }
+    }
+    Ok(costs)
+}
+
+/// One layer's costs on one rank: `node` split `split`, (`first`, `last`) its place in
+/// the model, `p` bytes a value, `update_bytes` an update's bytes per parameter.
+fn layer_cost(
+    node: &OpNode,
+    split: TpSplit,
+    (first, last): (bool, bool),
+    (p, update_bytes): (usize, f64),
+    cx: &CostContext<'_>,
+) -> LayerCost {
+    let priced = price(node, split, (first, last), cx);
+    let (tp_forward, tp_backward) = tp_collectives(node, split, cx);
+    let t = if split == TpSplit::Replicated { 1 } else { cx.tp };
+    let sp = cx.sequence_parallel && split == TpSplit::Block;
+    let (ep_forward, ep_backward) = ep_collectives(node, sp, t, cx);
+    let params = node.op.parameter_count();
+    let (shard, experts) = rank_parameters(&node.op, split, cx.tp, cx.ep);
+    let kept_cx = KeptContext {
+        p: p as f64,
+        linear_input: cx.linear_input_bytes(p as f64),
+        t,
+        sp,
+        attention: cx.attention_kernel(),
+        ep: cx.load_members(t),
+        keeps: cx.keeps,
+    };
+    let cp = cx.cp.max(1) as f64;
+    // a context-parallel member keeps 1/cp of every tensor (its positions)
+    let list: Vec<Kept> = kept_list(node, &kept_cx).into_iter().map(|k| Kept { bytes: k.bytes / cp, ..k }).collect();
+    let (kept, core) = kept_bytes(node, &kept_cx);
+    let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
+    let (kept, gathered) = context_kept(kept, node, p as f64, t, cx);
+    let core = core / cp;
+    let update_s = cx.device.update_time(cx.optimizer, node.op.parameter_tensors(), shard as f64, update_bytes);
+    LayerCost {
+        forward_flops_per_sample: forward_flops(node),
+        backward_flops_per_sample: backward_flops(node),
+        forward_s: priced.forward,
+        backward_s: priced.backward,
+        selective_s: priced.selective,
+        core_s: priced.core,
+        tp_forward,
+        tp_backward,
+        ep_forward,
+        ep_backward,
+        cp_forward,
+        cp_backward,
+        update_s,
+        parameters: params,
+        shard_parameters: shard,
+        expert_parameters: experts,
+        parameter_bytes: shard * p as u64,
+        activation_bytes_per_sample: kept as u64,
+        kept: list,
+        forward_parts: priced.block.as_ref().map_or([0.0; Part::COUNT], |b| b.parts),
+        forward_products: priced.block.map_or_else(Vec::new, |b| b.products),
+        attention_core_bytes_per_sample: core as u64,
+        gathered_bytes_per_sample: gathered as u64,
+        output_bytes_per_sample: (numel(&node.output_shape) * p as f64 / cp) as u64,
+        loss_input_bytes_per_sample: match (last, split) {
+            (false, _) => 0,
+            (true, TpSplit::Vocab) => (numel(&node.output_shape) / cx.tp.max(1) as f64 * 4.0 / cp) as u64,
+            // the log-probabilities in fp32 under mixed precision: Megatron-LM's
+            // cross-entropy upcasts the logits (`vocab_parallel_cross_entropy`),
+            // torchtitan's calls `.float()` before `cross_entropy`
+            (true, _) => (numel(&node.output_shape) * (p as f64).max(4.0) / cp) as u64,
+        },
+    }
 }
 
 pub use pipec_plan::profile::{Profile, ProfiledLayer};

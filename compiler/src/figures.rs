@@ -155,7 +155,7 @@ fn gradient_buckets(
             // schedule splits them), which it cuts into segments: a chain of layers only
             let whole = s == 0 && !kind.splits_backward();
             let chain = r.clone().all(|i| graph.node(graph.op_at(i)).inputs == [Source::before(i)]);
-            let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some());
+            let moe = holds_experts(model, r);
             let tied_within = st.sharding != pipec_plan::vocab::Sharding::None
                 && spec.model.layers[r.clone()].iter().any(|l| l.tied.is_some_and(|a| r.contains(&a)));
             if d < 2 || (whole && !chain) || moe || tied_within {
@@ -573,18 +573,8 @@ fn expert_figures(
     layout: &Layout,
 ) -> (Vec<usize>, Vec<Vec<pipec_plan::ExpertExchange>>, Vec<u64>) {
     let (costs, ep) = (&model.costs, spec.strategy.ep_replicas());
-    let expert_parallel: Vec<usize> = layout
-        .ranges
-        .iter()
-        .map(|r| {
-            let moe = spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some());
-            if moe {
-                ep
-            } else {
-                1
-            }
-        })
-        .collect();
+    let expert_parallel: Vec<usize> =
+        layout.ranges.iter().map(|r| if holds_experts(model, r) { ep } else { 1 }).collect();
     let all_to_alls: Vec<Vec<pipec_plan::ExpertExchange>> = layout
         .ranges
         .iter()
@@ -667,8 +657,15 @@ fn stage_bytes(
     let (tp, cp, ep) = (spec.strategy.tp.max(1), spec.strategy.cp.max(1), spec.strategy.ep_replicas());
     let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / cp as u64;
     let c = &costs[r.clone()];
-    let parameters: u64 = c.iter().map(|c| c.parameters).sum();
-    let shard: u64 = c.iter().map(|c| c.shard_parameters).sum();
+    // multi-token prediction on a later stage than the embedding keeps a copy of its table
+    // (Megatron-LM's last stage builds its own, kept equal to the first stage's by an
+    // all-reduce of their gradients, as tied embeddings are)
+    let copy = costs
+        .first()
+        .filter(|_| graph.mtp.is_some() && r.start > 0 && r.end == costs.len())
+        .map_or((0, 0, 0), |e| (e.parameters, e.shard_parameters, e.parameter_bytes));
+    let parameters: u64 = c.iter().map(|c| c.parameters).sum::<u64>() + copy.0;
+    let shard: u64 = c.iter().map(|c| c.shard_parameters).sum::<u64>() + copy.1;
     let input_bytes = if r.start == 0 { graph.source_bytes(Source::Input) / cp as u64 } else { cut_bytes(r.start) }
         .saturating_mul(mb);
     // the last stage also keeps what the loss needs for its backward (a language model's
@@ -711,9 +708,11 @@ fn stage_bytes(
     let transient = r.clone().map(|i| backward_peak(&costs[i], &policies[i])).max().unwrap_or(0).saturating_mul(mb);
     // the loss's backward: the fp32 gradient of its kept log-probabilities and that
     // gradient cast to the activations' precision, beside the log-probabilities themselves
-    let loss_backward = (loss_input as f64 * (4.0 + model.precision as f64) / 4.0) as u64;
+    // (one loss's at a time: multi-token prediction's each keep their own)
+    let losses = 1 + graph.mtp.map_or(0, |m| m.depth) as u64;
+    let loss_backward = (loss_input as f64 / losses as f64 * (4.0 + model.precision as f64) / 4.0) as u64;
     let whole = ModelState {
-        weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>(),
+        weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>() + copy.2,
         gradients: shard.saturating_mul(model.grad_bytes as u64),
         optimizer: (shard as f64 * model.optimizer_bytes_per_parameter) as u64,
         master: if model.precision >= 4 { shard.saturating_mul(4) } else { 0 },
@@ -721,7 +720,7 @@ fn stage_bytes(
     // under expert parallelism the routed experts' state is sharded over the replicas
     // holding the same experts only
     let experts: u64 = c.iter().map(|c| c.expert_parameters).sum();
-    let stage_ep = if spec.model.layers[r.clone()].iter().any(|l| l.op.moe().is_some()) { ep } else { 1 };
+    let stage_ep = if holds_experts(model, &r) { ep } else { 1 };
     let mut held = whole.sharded_by_expert(spec.strategy.sharding, d, experts, shard, stage_ep as u64);
     // FSDP2 (and pipec's executor) under ZeRO-3 and mixed precision: the fp32 master shard
     // is the rank's weights, no training-precision shard beside it (4 bytes a parameter of
@@ -768,6 +767,12 @@ fn stage_bytes(
         loss_transient: loss_backward,
         largest_message: input_bytes.max(output),
     }
+}
+
+/// Whether layers `r` hold routed experts (a mixture-of-experts block, or multi-token
+/// prediction's copy of one priced with the output layer).
+fn holds_experts(model: &ModelCosts, r: &std::ops::Range<usize>) -> bool {
+    model.costs.get(r.clone()).is_some_and(|c| c.iter().any(|c| c.expert_parameters > 0))
 }
 
 /// Whether the stage's weights are sharded (ZeRO-3, FSDP).

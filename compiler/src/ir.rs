@@ -54,6 +54,9 @@ pub struct Graph {
     spans: Vec<Span>,
     pub input_shape: Vec<usize>,
     pub precision_bytes: usize,
+    /// DeepSeek-V3's multi-token prediction after the last block (`model.mtp`), priced with
+    /// the output layer (`crate::cost::analytic_costs`).
+    pub mtp: Option<pipec_plan::model::Mtp>,
     /// Per cut (0 to the operator count), the bytes per sample crossing it: what every
     /// candidate of a strategy search reads for its stage boundaries, computed once.
     cuts: Vec<u64>,
@@ -175,7 +178,15 @@ pub fn lower(model: &Model, precision_bytes: usize) -> Graph {
     }
     // The graph is built in topological order; check it stays a DAG as the DSL grows.
     debug_assert!(petgraph::algo::toposort(&graph, None).is_ok());
-    let mut g = Graph { graph, order, spans, input_shape: model.input.clone(), precision_bytes, cuts: Vec::new() };
+    let mut g = Graph {
+        graph,
+        order,
+        spans,
+        input_shape: model.input.clone(),
+        precision_bytes,
+        mtp: model.mtp,
+        cuts: Vec::new(),
+    };
     g.cuts = cut_bytes(&g);
     g
 }

@@ -41,8 +41,11 @@ impl Spec {
     pub fn utilization(&self) -> Option<pipec_plan::flops::Utilization> {
         let m = &self.model;
         let seq = pipec_plan::flops::language_model_tokens(&m.input, m.output_shape(), m.token_vocab(), m.loss)?;
+        // multi-token prediction's layers count as the engines count them (Megatron-LM's
+        // num_floating_point_operations: its blocks, projections and logits)
+        let mtp = m.mtp.map(|p| p.layers(m.layers.iter().map(|l| &l.op))).unwrap_or_default();
         Some(pipec_plan::flops::Utilization::of_model(
-            m.layers.iter().map(|l| (&l.op, l.tied)),
+            m.layers.iter().map(|l| (&l.op, l.tied)).chain(mtp.iter().map(|(op, _)| (op, None))),
             seq,
             self.engine.engine(),
             self.cluster.device_count(),
@@ -94,6 +97,10 @@ pub struct Model {
     pub groups: Vec<LayerGroup>,
     /// The blocks and named tensors the model defines (for the editor).
     pub names: Vec<NameDef>,
+    /// DeepSeek-V3's multi-token prediction after the last transformer block (`model.mtp`).
+    pub mtp: Option<pipec_plan::model::Mtp>,
+    /// Where `model.mtp` is written (the model's span without it).
+    pub mtp_span: Span,
 }
 
 impl Model {
@@ -103,9 +110,19 @@ impl Model {
         pipec_plan::model::model_parameters(self.layers.iter().map(|l| (&l.op, l.tied)))
     }
 
-    /// "N parameters", with the active ones per token for a mixture of experts.
+    /// "N parameters", with the active ones per token for a mixture of experts, and those
+    /// of the multi-token-prediction modules apart.
     pub fn parameters_text(&self) -> String {
-        pipec_plan::model::parameters_text(self.layers.iter().map(|l| (&l.op, l.tied)))
+        let text = pipec_plan::model::parameters_text(self.layers.iter().map(|l| (&l.op, l.tied)));
+        let mtp = self.mtp.map(|m| m.parameters_text(self.layers.iter().map(|l| &l.op))).unwrap_or_default();
+        format!("{text}{mtp}")
+    }
+
+    /// The transformer block each multi-token-prediction module copies: the model's last
+    /// (None without `model.mtp` or without a block).
+    pub fn mtp_block(&self) -> Option<&Op> {
+        self.mtp?;
+        pipec_plan::model::Mtp::block(self.layers.iter().map(|l| &l.op))
     }
 }
 

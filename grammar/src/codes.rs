@@ -235,6 +235,26 @@ Example:
 
     - repeat 32: transformer_block(d=4096, heads=32, ff=14336, top_k=2)   # warning: no experts";
 
+"E0315", "multi-token prediction does not fit the model",
+"`model.mtp` is DeepSeek-V3's multi-token prediction: after the last transformer block,
+each module embeds the tokens k positions on with the model's embedding, joins them to the
+previous hidden state (two RMSNorms and a projection from 2·d to d), runs one transformer
+block shaped as the model's last, and scores the vocabulary with the model's output layer.
+So the model must be a causal language model: `embedding(vocab, d)` first, a causal
+`transformer_block` of width d, `linear(d, vocab)` last, and `loss: cross_entropy`.
+
+Example:
+
+    model:
+      input: [4096]
+      layers:
+        - embedding(129280, 7168)
+        - repeat 61: transformer_block(d=7168, heads=128, ff=18432, causal=true, ...)
+        - rmsnorm
+        - linear(7168, 129280, bias=false)
+      loss: cross_entropy
+      mtp: 1                            # or { depth: 1, weight: 0.1 }";
+
 "E0401", "strategy syntax error",
 "`strategy.stages` is PipeDream notation: replica counts per stage joined by `-`
 (`2-1-1`), or `straight`. A bare number must be quoted (`\"4\"` = one stage on four

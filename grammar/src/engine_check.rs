@@ -73,6 +73,7 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
             crate::ast::Partition::Auto | crate::ast::Partition::Balanced => None,
         },
         gpt: GptShape::of(&ops, tied).is_some(),
+        mtp: model.mtp.map_or(0, |m| m.depth),
     }
 }
 
@@ -97,23 +98,26 @@ pub(crate) fn check_engine(
     let all = refusals(target, &layout_of(model, strategy, training));
     for refusal in all.into_iter().filter(|r| {
         !searched
-            || matches!(r.feature, Feature::Model | Feature::Precision | Feature::Optimizer | Feature::GradPrecision)
+            || matches!(
+                r.feature,
+                Feature::Model | Feature::Mtp | Feature::Precision | Feature::Optimizer | Feature::GradPrecision
+            )
     }) {
         let written = match refusal.feature {
             Feature::Layout => Some(strategy.layout_span),
             Feature::Schedule | Feature::Synchrony | Feature::Reduce => Some(strategy.schedule.span),
             Feature::Microbatches => strategy.microbatches_span,
             Feature::Model => Some(model.layers_span),
+            Feature::Mtp => Some(model.mtp_span),
             Feature::Precision => value_span(training_fields, "precision"),
             Feature::Optimizer => value_span(training_fields, "optimizer"),
             Feature::GradPrecision => value_span(training_fields, "grad_precision"),
             other => value_span(strategy_fields, other.key()),
         };
         let span = written.or(engine.span).unwrap_or(strategy.span);
-        let key = refusal.feature.key();
         let mut d =
             Diagnostic::error("E0702", refusal.message.clone(), span, format!("{} does not run this", target.name))
-                .with_help(help(&refusal.nearest, key, target.name.to_string(), refusal.source));
+                .with_help(help(&refusal.nearest, refusal.feature, target.name.to_string(), refusal.source));
         if let (Some(nearest), Some(at)) = (&refusal.nearest, written.filter(|_| fixable(refusal.feature))) {
             d = d.with_fix(format!("use {nearest}"), at, nearest.clone());
         }
@@ -123,15 +127,19 @@ pub(crate) fn check_engine(
 
 /// Whether a refusal's nearest value replaces the value written at its key.
 fn fixable(feature: Feature) -> bool {
-    !matches!(feature, Feature::Layout | Feature::Model | Feature::Reduce)
+    !matches!(feature, Feature::Layout | Feature::Model | Feature::Mtp | Feature::Reduce)
 }
 
-fn help(nearest: &Option<String>, key: &str, engine: String, source: &str) -> String {
-    let fix = match nearest {
-        Some(v) => format!("the nearest {engine} runs: `{key}: {v}`"),
-        None => format!("change `{key}` to what {engine} runs"),
+fn help(nearest: &Option<String>, feature: Feature, engine: String, source: &str) -> String {
+    let key = feature.key();
+    let fix = match (nearest, feature) {
+        (Some(v), _) => format!("the nearest {engine} runs: `{key}: {v}`"),
+        (None, Feature::Mtp) => format!("remove `{key}` (next-token prediction alone)"),
+        (None, _) => format!("change `{key}` to what {engine} runs"),
     };
-    format!("{fix}, or name another engine (`engine: pipec` runs it); {engine}'s rule: {source}")
+    // pipec's executor plans multi-token prediction but does not train it
+    let other = if feature == Feature::Mtp { "`engine: megatron` trains it" } else { "`engine: pipec` runs it" };
+    format!("{fix}, or name another engine ({other}); {engine}'s rule: {source}")
 }
 
 /// The span of `key`'s value in the mapping `node`, when written.

@@ -87,6 +87,31 @@ struct Model {
     /// The loss at the end of the model: `cross_entropy` (classification; the last layer's
     /// output size is the number of classes) or `mse` (regression).
     loss: Loss,
+    /// DeepSeek-V3's multi-token prediction (a language model's): `depth` modules after the
+    /// last transformer block, the k-th predicting the token k + 1 positions ahead, each one
+    /// transformer block shaped as the last, with the model's embedding and output layer
+    /// shared; `weight` scales their mean cross-entropy into the loss (default 0.1,
+    /// Megatron-LM's). `mtp: 1` or `mtp: { depth: 1, weight: 0.1 }`. Planned and priced;
+    /// `pipec run` does not train it.
+    mtp: Option<MtpSpec>,
+}
+
+/// `model.mtp`: the depth alone, or a mapping.
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum MtpSpec {
+    Depth(u64),
+    Fields(MtpFields),
+}
+
+/// `model.mtp` as a mapping.
+#[derive(JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct MtpFields {
+    /// Modules, each predicting one token further ahead (DeepSeek-V3: 1).
+    depth: u64,
+    /// Their mean cross-entropy's weight in the loss (default 0.1).
+    weight: Option<f64>,
 }
 
 #[derive(JsonSchema)]

@@ -4,7 +4,7 @@
 //! checked on its own, and every problem becomes a [`Diagnostic`]. A section that cannot be
 //! lowered is `None`; later checks run on whatever sections are present.
 
-use pipec_plan::model::{fmt_shape, Loss};
+use pipec_plan::model::{fmt_shape, Loss, Op};
 use pipec_plan::plan::Fp8Plan;
 use pipec_plan::rules;
 use pipec_plan::vocab::{Fp8Recipe, Fp8Storage, TrainingPrecision};
@@ -390,6 +390,57 @@ fn check_data_file(cx: &mut Lower<'_>, model: &Model, training: &Training, base:
     }
 }
 
+/// `model.mtp`: a depth, or `{ depth, weight }`.
+fn lower_mtp(cx: &mut Lower<'_>, node: &Node) -> Option<pipec_plan::model::Mtp> {
+    use pipec_plan::model::Mtp;
+    if node.as_map().is_none() {
+        let depth = cx.uint(node, 1)?;
+        return Some(Mtp { depth, weight: Mtp::DEFAULT_WEIGHT });
+    }
+    let f = cx.fields(node, &["model", "mtp"], node.span)?;
+    let depth = cx.required(&f, "depth", "model.mtp").and_then(|n| cx.uint(n, 1));
+    let weight = match f.get("weight") {
+        None => Some(Mtp::DEFAULT_WEIGHT),
+        Some(w) => cx.number(w, pipec_plan::rules::Bound::Positive),
+    };
+    Some(Mtp { depth: depth?, weight: weight? })
+}
+
+/// Whether `model.mtp` has what multi-token prediction reads: a language model (an
+/// embedding first, `linear(d, vocab)` last, the cross-entropy) with a causal transformer
+/// block of the output layer's width; says why not (E0315).
+fn mtp_fits(cx: &mut Lower<'_>, model: &Model) -> bool {
+    let vocab = model.token_vocab();
+    let head = model.layers.last().and_then(|l| match l.op {
+        Op::Linear { in_features, out_features, .. } => Some((in_features, out_features)),
+        _ => None,
+    });
+    let block = model.mtp_block().and_then(|b| b.block_dims().map(|d| (d.d, d.causal)));
+    let why = match (vocab, head, block) {
+        (None, _, _) => "multi-token prediction embeds tokens: the model must start with `embedding(vocab, d)`".to_string(),
+        (Some(v), Some((_, out)), _) if out != v => {
+            format!("multi-token prediction scores the vocabulary with the output layer: the model must end with `linear(d, {v})`")
+        }
+        (Some(v), None, _) => {
+            format!("multi-token prediction scores the vocabulary with the output layer: the model must end with `linear(d, {v})`")
+        }
+        (_, _, None) => "multi-token prediction repeats the model's last transformer block, and the model has none".to_string(),
+        (_, _, Some((_, false))) => "multi-token prediction predicts later tokens from earlier ones: the last transformer block must be `causal=true`".to_string(),
+        (_, Some((d_in, _)), Some((d, true))) if d_in != d => format!(
+            "the output layer reads {d_in} features and the last transformer block gives {d}: multi-token prediction feeds its block's output to the output layer"
+        ),
+        _ if model.loss != Loss::CrossEntropy => {
+            "multi-token prediction adds cross-entropies over the vocabulary: the loss must be `cross_entropy`".to_string()
+        }
+        _ => return true,
+    };
+    cx.push(
+        Diagnostic::error("E0315", format!("`mtp` does not fit this model: {why}"), model.mtp_span, "multi-token prediction")
+            .with_help("`mtp` is DeepSeek-V3's multi-token prediction, for a causal language model: `embedding(vocab, d)`, transformer blocks, a norm, `linear(d, vocab)`, `loss: cross_entropy`"),
+    );
+    false
+}
+
 fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
     let f = cx.fields(node, &["model"], owner)?;
     let input_node = cx.required(&f, "input", "model");
@@ -431,7 +482,12 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
         Some(crate::graph::expand(cx, n, blocks_node, input.as_deref()))
     });
     let expanded = expanded.filter(|e| e.ok);
-    let (input, expanded, loss, attention) = (input?, expanded?, loss?, attention?);
+    let mtp = match f.get("mtp") {
+        None => Some(None),
+        Some(n) => lower_mtp(cx, n).map(Some),
+    };
+    let mtp_span = f.get("mtp").map_or(owner, |n| n.span);
+    let (input, expanded, loss, attention, mtp) = (input?, expanded?, loss?, attention?, mtp?);
     let crate::graph::Expanded { layers, groups, names, .. } = expanded;
     let loss_node = loss_node?;
     let model = Model {
@@ -444,7 +500,12 @@ fn lower_model(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Model> {
         attention,
         groups,
         names,
+        mtp,
+        mtp_span,
     };
+    if mtp.is_some() && !mtp_fits(cx, &model) {
+        return None;
+    }
     // The loss needs a vector output (a language model's [sequence, vocab] for cross-entropy);
     // cross-entropy needs at least two classes.
     let out = model.output_shape();

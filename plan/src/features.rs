@@ -40,6 +40,8 @@ pub enum Feature {
     NoMasterWeights,
     /// Routed experts whole on each device beside tensor parallelism (`etp: 1`).
     WholeExperts,
+    /// DeepSeek-V3's multi-token prediction (`model.mtp`).
+    MultiTokenPrediction,
 }
 
 impl Feature {
@@ -58,6 +60,7 @@ impl Feature {
         Feature::OptimizerStatePrecision,
         Feature::NoMasterWeights,
         Feature::WholeExperts,
+        Feature::MultiTokenPrediction,
     ];
 
     /// How a spec writes it, for messages.
@@ -78,6 +81,7 @@ impl Feature {
             Feature::OptimizerStatePrecision => "optimizer moments below fp32 (`optimizer.state_precision`)",
             Feature::NoMasterWeights => "weights without an fp32 master copy (`optimizer.master_weights: false`)",
             Feature::WholeExperts => "experts whole beside tensor parallelism (`etp: 1`)",
+            Feature::MultiTokenPrediction => "multi-token prediction (`model.mtp`)",
         }
     }
 
@@ -134,6 +138,9 @@ pub fn used(plan: &Plan) -> Vec<(Feature, Option<usize>)> {
     if plan.schedule.whole_experts {
         out.push((Feature::WholeExperts, None));
     }
+    if plan.model.mtp.is_some() {
+        out.push((Feature::MultiTokenPrediction, None));
+    }
     if let Some(b) = &plan.schedule.block_recompute {
         // `{ modules: [core_attn] }` alone is selective recompute
         let selective = b.modules == [crate::vocab::RecomputeModule::CoreAttn] && b.ops.is_empty() && b.layers == 0;
@@ -189,6 +196,6 @@ mod tests {
             });
         }
         assert_eq!(Feature::of_op(&moe), [Feature::ExpertBias]);
-        assert_eq!(Feature::ALL.len(), 13);
+        assert_eq!(Feature::ALL.len(), 14);
     }
 }

@@ -284,6 +284,89 @@ fn is_default_eps(e: &f64) -> bool {
     *e == DEFAULT_EPS
 }
 
+/// DeepSeek-V3's multi-token prediction (`model.mtp`; Liu et al. 2024, §2.2): `depth`
+/// modules after the model's last transformer block, the k-th predicting the token k + 1
+/// positions ahead. Each normalises the previous depth's hidden state (the model's, after
+/// its final norm, for the first) and the embeddings of the tokens k positions on
+/// (RMSNorms), projects their concatenation from 2·d to d, runs one transformer block
+/// shaped as the model's last, normalises, and scores the vocabulary with the model's own
+/// output layer (the embedding and the output layer are shared, not copied); its
+/// cross-entropy joins the loss times `weight` / `depth` (Megatron-LM's
+/// `--mtp-loss-scaling-factor`, averaged over the depths).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mtp {
+    pub depth: usize,
+    pub weight: f64,
+}
+
+impl Mtp {
+    /// Megatron-LM's default loss weight (`mtp_loss_scaling_factor`, 0.1; DeepSeek-V3's
+    /// report trained at 0.3 for its first 10T tokens, then 0.1).
+    pub const DEFAULT_WEIGHT: f64 = 0.1;
+
+    /// One module's layers in order, each with whether it holds its own weights: the
+    /// lookup of the tokens k positions on (the model's embedding, shared), the two input
+    /// norms (one over the joined 2·d features), the projection from 2·d to d, a copy of
+    /// `block` (the model's last transformer block), the final norm, and the scores over
+    /// the `vocab` tokens (the model's output layer, shared; the loss after it). None for
+    /// an `block` that is not a transformer block.
+    pub fn module_layers(block: &Op, vocab: usize) -> Option<Vec<(Op, bool)>> {
+        let d = block.block_dims()?.d;
+        Some(vec![
+            (Op::Embedding { vocab, dim: d, types: 0, sep: None }, false),
+            (Op::RmsNorm { dim: 2 * d, eps: DEFAULT_EPS }, true),
+            (Op::Linear { in_features: 2 * d, out_features: d, bias: false }, true),
+            (block.clone(), true),
+            (Op::RmsNorm { dim: d, eps: DEFAULT_EPS }, true),
+            (Op::Linear { in_features: d, out_features: vocab, bias: false }, false),
+        ])
+    }
+
+    /// Every module's layers after the model's `ops` (a language model ending in its
+    /// output layer, whose width is the vocabulary), in order, with whether each holds its
+    /// own weights; empty where the model has no transformer block or output layer.
+    pub fn layers<'a>(self, ops: impl DoubleEndedIterator<Item = &'a Op> + Clone) -> Vec<(Op, bool)> {
+        let vocab = match ops.clone().next_back() {
+            Some(Op::Linear { out_features, .. }) => *out_features,
+            _ => return Vec::new(),
+        };
+        let one = Self::block(ops).and_then(|b| Self::module_layers(b, vocab)).unwrap_or_default();
+        (0..self.depth).flat_map(|_| one.clone()).collect()
+    }
+
+    /// The parameters all depths add: each module's own layers' (a copy of `block`, the
+    /// model's last transformer block, its norms and projection).
+    pub fn parameters(self, block: &Op) -> u64 {
+        let own: u64 = Self::module_layers(block, 0)
+            .unwrap_or_default()
+            .iter()
+            .filter(|(_, own)| *own)
+            .map(|(op, _)| op.parameter_count())
+            .sum();
+        self.depth as u64 * own
+    }
+
+    /// The block each module copies: the last transformer block of `ops`.
+    pub fn block<'a>(ops: impl DoubleEndedIterator<Item = &'a Op>) -> Option<&'a Op> {
+        ops.rev().find(|op| matches!(op, Op::TransformerBlock { .. }))
+    }
+
+    /// ", and N in D multi-token-prediction module(s)" for reports, beside the model's
+    /// parameters (`parameters_text`); empty without a block.
+    pub fn parameters_text<'a>(self, ops: impl DoubleEndedIterator<Item = &'a Op>) -> String {
+        match Self::block(ops) {
+            Some(block) => format!(
+                ", and {} in {} multi-token-prediction module{}",
+                thousands(self.parameters(block)),
+                self.depth,
+                if self.depth == 1 { "" } else { "s" }
+            ),
+            None => String::new(),
+        }
+    }
+}
+
 /// The position of `top_k` among `transformer_block`'s arguments (a shape error's label).
 pub const MOE_TOP_K_ARG: usize = 13;
 

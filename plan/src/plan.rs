@@ -129,6 +129,10 @@ pub struct ModelPlan {
     /// same values either way).
     #[serde(default = "standard_attention", skip_serializing_if = "is_standard")]
     pub attention: Attention,
+    /// DeepSeek-V3's multi-token prediction after the last block (`model.mtp`), priced
+    /// with the output layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtp: Option<crate::model::Mtp>,
 }
 
 fn standard_attention() -> Attention {
@@ -862,12 +866,19 @@ impl Plan {
         crate::flops::language_model_tokens(&self.model.input, out, self.model.token_vocab, self.model.loss)
     }
 
+    /// Multi-token prediction's layers after the model's (`crate::model::Mtp::layers`), with
+    /// whether each holds its own weights; empty without.
+    pub fn mtp_layers(&self) -> Vec<(crate::model::Op, bool)> {
+        self.model.mtp.map(|m| m.layers(self.layers.iter().map(|l| &l.op))).unwrap_or_default()
+    }
+
     /// What turns this plan's samples/s on `devices` devices into tokens/s per device and
     /// MFU against `peak` (None: not known), by the count of the engine the plan is for; None
     /// for a model that is not a language model.
     pub fn utilization(&self, devices: usize, peak: Option<crate::flops::Peak>) -> Option<crate::flops::Utilization> {
+        let mtp = self.mtp_layers();
         Some(crate::flops::Utilization::of_model(
-            self.layers.iter().map(|l| (&l.op, l.tied)),
+            self.layers.iter().map(|l| (&l.op, l.tied)).chain(mtp.iter().map(|(op, _)| (op, None))),
             self.tokens_per_sample()?,
             self.engine.name,
             devices,

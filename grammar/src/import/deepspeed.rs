@@ -124,6 +124,7 @@ pub fn import(
         // auto_ep_config.py:50: 1 unless written (auto_ep_folding.py:214-217 refuses others)
         etp: count(&c, &["expert_parallel", "expert_tensor_parallel_size"])?.unwrap_or(1).max(1),
         split_ends: (false, false),
+        chunk_blocks: None,
         schedule: match (pp, dualpipev) {
             (1, _) => ScheduleKind::DpOnly,
             (_, true) => ScheduleKind::DualPipeV,

@@ -28,6 +28,8 @@ pub struct ModelFacts {
     pub tied: bool,
     pub moe: Option<MoeFacts>,
     pub attention: AttentionFacts,
+    /// Multi-token prediction (Megatron-LM's `--mtp-num-layers`).
+    pub mtp: Option<pipec_plan::model::Mtp>,
 }
 
 /// The attention's shape beyond heads and key/value heads (Default: standard attention of
@@ -88,6 +90,9 @@ pub struct RunFacts {
     /// first and last chunk (`--account-for-embedding-in-pipeline-split`,
     /// `--account-for-loss-in-pipeline-split`).
     pub split_ends: (bool, bool),
+    /// Megatron-LM's split written layer by layer (`--pipeline-model-parallel-layout`): the
+    /// blocks of each chunk in model order.
+    pub chunk_blocks: Option<Vec<usize>>,
     pub schedule: ScheduleKind,
     pub virtual_stages: usize,
     pub sharding: Sharding,
@@ -172,8 +177,13 @@ pub fn model_text(m: &ModelFacts) -> String {
     };
     // the engines attend with fused (flash) kernels: Megatron-LM's --attention-backend auto,
     // torchtitan's SDPA (a Hugging Face model's section, DeepSpeed's, writes its own)
+    let mtp = match m.mtp {
+        None => String::new(),
+        Some(p) if p.weight == pipec_plan::model::Mtp::DEFAULT_WEIGHT => format!("  mtp: {}\n", p.depth),
+        Some(p) => format!("  mtp: {{ depth: {}, weight: {} }}\n", p.depth, p.weight),
+    };
     format!(
-        "model:\n  attention: flash\n  input: [{}]\n  layers:\n    - {table}\n{positions}{blocks}    - {final_norm}\n    - {head}\n  loss: cross_entropy\n",
+        "model:\n  attention: flash\n  input: [{}]\n  layers:\n    - {table}\n{positions}{blocks}    - {final_norm}\n    - {head}\n  loss: cross_entropy\n{mtp}",
         m.seq
     )
 }
@@ -351,7 +361,8 @@ pub fn run_text(r: &RunFacts) -> Result<String, String> {
 }
 
 /// `spec` with the partition Megatron-LM runs when it counts the embedding and (or) the
-/// loss as a layer (`run.split_ends`): an explicit list of the chunks' layers.
+/// loss as a layer (`run.split_ends`) or is given a layout (`run.chunk_blocks`): an
+/// explicit list of the chunks' layers.
 fn with_counted_split(spec: &str, run: &RunFacts) -> Result<String, String> {
     use pipec_plan::engine::capability::{chunk_ranges, counted_split};
     let Some(model) = crate::check_source(spec).spec.map(|s| s.model) else {
@@ -360,9 +371,19 @@ fn with_counted_split(spec: &str, run: &RunFacts) -> Result<String, String> {
     let starts: Vec<usize> =
         model.layers.iter().enumerate().filter(|(_, l)| l.op.block_dims().is_some()).map(|(i, _)| i).collect();
     let chunks = run.pp * run.virtual_stages.max(1);
-    let counts = counted_split(starts.len(), chunks, run.split_ends).ok_or_else(|| {
-        format!("{} transformer blocks do not split evenly over {chunks} pipeline chunks with the embedding and the loss counted so", starts.len())
-    })?;
+    let counts = match &run.chunk_blocks {
+        Some(counts) if counts.iter().sum::<usize>() == starts.len() => counts.clone(),
+        Some(counts) => {
+            return Err(format!(
+                "the pipeline layout places {} transformer blocks, the model has {}",
+                counts.iter().sum::<usize>(),
+                starts.len()
+            ))
+        }
+        None => counted_split(starts.len(), chunks, run.split_ends).ok_or_else(|| {
+            format!("{} transformer blocks do not split evenly over {chunks} pipeline chunks with the embedding and the loss counted so", starts.len())
+        })?,
+    };
     let list: Vec<String> = chunk_ranges(&starts, model.layers.len(), &counts)
         .iter()
         .map(|r| format!("\"{}..{}\"", r.start, r.end))
@@ -389,7 +410,7 @@ pub fn write_spec(
         }
     }
     let mut spec = format!("{header}name: {name}\nengine: {engine}\n{model}{}", run_text(run)?);
-    if run.split_ends != (false, false) {
+    if run.split_ends != (false, false) || run.chunk_blocks.is_some() {
         spec = with_counted_split(&spec, run)?;
     }
     let checked = crate::check_source(&spec);

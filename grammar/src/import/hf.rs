@@ -904,19 +904,27 @@ fn deepseek_v3(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
         |v| v.as_str() == Some("sigmoid"),
         "transformers' DeepSeek-V3 scores experts with a sigmoid",
     )?;
+    // the multi-token-prediction modules DeepSeek-V3 trains with (transformers' model has
+    // none): planned and priced as Megatron-LM trains them
+    let mtp = match c.take("num_nextn_predict_layers").cloned() {
+        None => 0,
+        Some(v) => v.as_u64().ok_or("`num_nextn_predict_layers` must be a whole number")? as usize,
+    };
+    if mtp > 0 {
+        c.notes.push(format!(
+            "`num_nextn_predict_layers: {mtp}` imported as `mtp: {mtp}` (DeepSeek-V3's multi-token prediction, with Megatron-LM's loss weight 0.1): planned and priced; transformers' DeepseekV3ForCausalLM and pipec's executor do not train it — remove the line to train next-token prediction only"
+        ));
+    }
     // read, not imported: what transformers' DeepseekV3ForCausalLM does not compute either
     for (key, why) in [
-        ("num_nextn_predict_layers", "the multi-token-prediction module (transformers' DeepSeek-V3 has none: pipec trains next-token prediction only)"),
         ("aux_loss_alpha", "the auxiliary balancing loss (transformers adds none for DeepSeek-V3)"),
         ("seq_aux", "the auxiliary balancing loss (transformers adds none for DeepSeek-V3)"),
         ("ep_size", "the reference code's expert-parallel size for inference (the strategy sets pipec's)"),
         ("quantization_config", "the checkpoint's FP8 storage (the training's precision is `training.precision`)"),
         ("auto_map", "the reference code's classes"),
     ] {
-        if let Some(v) = c.take(key).cloned() {
-            if !(key == "num_nextn_predict_layers" && v.as_u64() == Some(0)) {
-                c.notes.push(format!("not imported: `{key}` — {why}"));
-            }
+        if c.take(key).is_some() {
+            c.notes.push(format!("not imported: `{key}` — {why}"));
         }
     }
     let seq = window(positions, seq)?;
@@ -965,9 +973,11 @@ fn deepseek_v3(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
          {blocks}\
          \x20   - {final_norm}\n\
          \x20   - {head}\n\
-         \x20 loss: cross_entropy\n",
+         \x20 loss: cross_entropy\n\
+         {}",
         if groups > 1 { format!(" from {group_top} of {groups} groups") } else { String::new() },
-        if tied { " (tied)" } else { "" }
+        if tied { " (tied)" } else { "" },
+        if mtp > 0 { format!("  mtp: {mtp}\n") } else { String::new() }
     ))
 }
 
@@ -1097,9 +1107,10 @@ mod tests {
             "{spec}"
         );
         assert!(spec.contains("- linear(7168, 129280, bias=false) as lm_head"), "{spec}");
-        // what transformers does not compute either is named, not silently dropped
+        // the multi-token-prediction module is planned (transformers has none: said so)
+        assert!(spec.contains("\n  loss: cross_entropy\n  mtp: 1\n"), "{spec}");
         let notes = imported.notes.join("\n");
-        assert!(notes.contains("`num_nextn_predict_layers`") && notes.contains("multi-token-prediction"), "{notes}");
+        assert!(notes.contains("`num_nextn_predict_layers: 1` imported as `mtp: 1`"), "{notes}");
         // the plan's model: 671B parameters as DeepSeek reports (without the 14B of the
         // multi-token-prediction module), 37B active per token
         let checked = crate::check_source(spec);

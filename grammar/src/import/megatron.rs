@@ -449,6 +449,15 @@ fn model(a: &mut Args) -> Result<ModelFacts, String> {
         tied: !a.has("--untie-embeddings-and-output-weights"),
         moe,
         attention,
+        // multi-token prediction's modules (transformer_config.py:68-75: the weight 0.1
+        // unless given)
+        mtp: match a.count("--mtp-num-layers")? {
+            None | Some(0) => None,
+            Some(depth) => Some(pipec_plan::model::Mtp {
+                depth,
+                weight: a.number_or("--mtp-loss-scaling-factor", pipec_plan::model::Mtp::DEFAULT_WEIGHT)?,
+            }),
+        },
     })
 }
 
@@ -586,13 +595,39 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
     };
     let tp = a.count_or("--tensor-model-parallel-size", 1)?;
     let pp = a.count_or("--pipeline-model-parallel-size", 1)?;
-    let vpp =
-        match (a.count("--num-virtual-stages-per-pipeline-rank")?, a.count("--num-layers-per-virtual-pipeline-stage")?)
-        {
-            (Some(v), _) => v,
-            (None, Some(k)) => m.layers / pp.max(1) / k.max(1),
-            (None, None) => 1,
-        };
+    // a split written layer by layer: its chunks give the virtual stages (arguments.py:893-917)
+    let laid_out = match a.text("--pipeline-model-parallel-layout") {
+        None => None,
+        Some(text) => {
+            let (blocks, mtp) = pipec_plan::engine::capability::parse_megatron_layout(&text)
+                .map_err(|e| format!("`--pipeline-model-parallel-layout {text}`: {e}"))?;
+            if !blocks.len().is_multiple_of(pp.max(1)) {
+                return Err(format!(
+                    "`--pipeline-model-parallel-layout` has {} chunks, not a multiple of the pipeline's {pp} stages",
+                    blocks.len()
+                ));
+            }
+            // multi-token prediction's modules as the layout places them and the flag counts
+            // them (pipeline_parallel_layer_layout.py:104-107)
+            if mtp != m.mtp.map_or(0, |p| p.depth) {
+                return Err(format!(
+                    "`--pipeline-model-parallel-layout` places {mtp} multi-token-prediction modules, `--mtp-num-layers` {}",
+                    m.mtp.map_or(0, |p| p.depth)
+                ));
+            }
+            Some(blocks)
+        }
+    };
+    let vpp = match (
+        &laid_out,
+        a.count("--num-virtual-stages-per-pipeline-rank")?,
+        a.count("--num-layers-per-virtual-pipeline-stage")?,
+    ) {
+        (Some(blocks), _, _) => blocks.len() / pp.max(1),
+        (None, Some(v), _) => v,
+        (None, None, Some(k)) => m.layers / pp.max(1) / k.max(1),
+        (None, None, None) => 1,
+    };
     let recompute = recompute(a, m.layers / (pp * vpp).max(1))?;
     let sharding = if a.has("--use-megatron-fsdp") {
         match a.text("--data-parallel-sharding-strategy").as_deref() {
@@ -651,6 +686,7 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
         etp: a.count_or("--expert-tensor-parallel-size", tp)?,
         // arguments.py:985-996: the embedding and the loss counted as layers of the split
         split_ends: (a.has("--account-for-embedding-in-pipeline-split"), a.has("--account-for-loss-in-pipeline-split")),
+        chunk_blocks: laid_out,
         schedule: if pp == 1 {
             ScheduleKind::DpOnly
         } else if vpp > 1 {

@@ -84,6 +84,7 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         tied: false,
         moe: None,
         attention: Default::default(),
+        mtp: None,
     };
     let p = "parallelism";
     let tp = positive(t.int(p, "tensor_parallel_degree", 1)?, "tensor_parallel_degree")?;
@@ -181,6 +182,7 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         // job_config.py: 1 (experts whole) unless written; parallel_dims.py:58-59 allows 1 or tp
         etp: positive(t.int(p, "expert_tensor_parallel_degree", 1)?, "expert_tensor_parallel_degree")?,
         split_ends: (false, false),
+        chunk_blocks: None,
         schedule,
         virtual_stages: chunks,
         sharding,

@@ -98,6 +98,11 @@ pub enum Capability {
     /// Any model pipec compiles; without this row, a decoder-only language model only
     /// (`super::gpt::GptShape`).
     AnyModel,
+    /// DeepSeek-V3's multi-token prediction (`model.mtp`).
+    MultiTokenPrediction,
+    /// Any split of the transformer blocks over the pipeline's chunks, written layer by
+    /// layer (Megatron-LM's `--pipeline-model-parallel-layout`).
+    LayerLayout,
 }
 
 /// A rule between capabilities that an engine enforces.
@@ -217,6 +222,8 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(MG, C::ExpertParallel, "--expert-model-parallel-size N", "[M] megatron/training/arguments.py:568-569, 1600-1603; megatron/core/parallel_state.py:874-884"),
     row(MG, C::SplitExperts, "--expert-tensor-parallel-size = --tensor-model-parallel-size (the default)", "[M] megatron/training/arguments.py:587-588; megatron/core/parallel_state.py:871-892"),
     row(MG, C::WholeExperts, "--expert-tensor-parallel-size 1", "[M] megatron/core/parallel_state.py:871-892"),
+    row(MG, C::LayerLayout, "--pipeline-model-parallel-layout \"Et|tt|…|tL\" (each chunk's layers, in model order)", "[M] megatron/training/arguments.py:893-917; megatron/core/transformer/pipeline_parallel_layer_layout.py:24-135, 283-321"),
+    row(MG, C::MultiTokenPrediction, "--mtp-num-layers N --mtp-loss-scaling-factor W (on the last pipeline stage)", "[M] megatron/core/transformer/transformer_config.py:68-75; megatron/core/transformer/multi_token_prediction.py:897-1049"),
     row(MG, C::DeepEpDispatch, "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep", "[M] megatron/core/transformer/transformer_config.py:862-869"),
     row(MG, C::EpOverlap, "--overlap-moe-expert-parallel-comm", "[M] megatron/core/model_parallel_config.py:343; transformer_config.py:2669-2713; pipeline_parallel/schedules.py:751, 939-943"),
     row(MG, C::Recompute(RecomputeKind::Full), "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", "[M] megatron/core/transformer/transformer_config.py:1724-1761"),
@@ -400,6 +407,8 @@ pub struct Layout {
     pub chunk_blocks: Option<Vec<usize>>,
     /// Whether the model is a decoder-only language model the emitters describe.
     pub gpt: bool,
+    /// Multi-token prediction's depth (`model.mtp`; 0: none).
+    pub mtp: usize,
 }
 
 impl Layout {
@@ -440,6 +449,8 @@ pub enum Feature {
     Synchrony,
     Reduce,
     Model,
+    /// `model.mtp`.
+    Mtp,
 }
 
 impl Feature {
@@ -464,6 +475,7 @@ impl Feature {
             Feature::Optimizer => "optimizer",
             Feature::GradPrecision => "grad_precision",
             Feature::Model => "model",
+            Feature::Mtp => "mtp",
         }
     }
 }
@@ -538,6 +550,15 @@ fn model_and_schedule(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>)
     let e = target.name;
     if !l.gpt && find(target, |c| *c == C::AnyModel).is_none() {
         refuse(out, Feature::Model, format!("{e} trains decoder-only language models here (an embedding, identical causal transformer blocks, a final norm and an output layer); this model is not one"), None, covered(target));
+    }
+    if l.mtp > 0 && find(target, |c| *c == C::MultiTokenPrediction).is_none() {
+        refuse(
+            out,
+            Feature::Mtp,
+            format!("{e} {} has no multi-token prediction", target.version),
+            None,
+            covered(target),
+        );
     }
     if l.uneven() && find(target, |c| *c == C::UnevenReplicas).is_none() {
         let even = vec![l.dp().to_string(); l.pp()].join("-");
@@ -796,6 +817,119 @@ pub fn megatron_split(chunk_blocks: &[usize]) -> Option<(bool, bool)> {
         .find(|&ends| chunk_counts(total, k, ends).as_deref() == Some(chunk_blocks))
 }
 
+/// Megatron-LM's `--pipeline-model-parallel-layout` for chunks of `chunk_blocks` blocks in
+/// model order, `mtp` multi-token-prediction modules with the loss in the last: `E` the
+/// embedding, `t` a block, `m` a module, `L` the loss, `|` between chunks
+/// (pipeline_parallel_layer_layout.py:283-321; chunk c on rank c mod PP).
+pub fn megatron_layout(chunk_blocks: &[usize], mtp: usize) -> String {
+    let last = chunk_blocks.len().saturating_sub(1);
+    chunk_blocks
+        .iter()
+        .enumerate()
+        .map(|(c, &n)| {
+            let (first, end) =
+                (if c == 0 { "E" } else { "" }, if c == last { "m".repeat(mtp) + "L" } else { String::new() });
+            format!("{first}{}{end}", "t".repeat(n))
+        })
+        .collect::<Vec<_>>()
+        .join("|")
+}
+
+/// The blocks of each chunk and the multi-token-prediction modules of a Megatron-LM layout
+/// (`megatron_layout`'s language, with its `(…)*n` and `x*n` repetitions and cosmetic
+/// commas), or why pipec cannot plan it: the embedding must open the first chunk and the
+/// loss close the last, the modules sit in the last chunk, after its blocks.
+pub fn parse_megatron_layout(text: &str) -> Result<(Vec<usize>, usize), String> {
+    let unrolled = unroll_layout(&text.replace([',', ' ', '"', '\''], ""))?;
+    let chunks: Vec<&str> = unrolled.split('|').collect();
+    let last = chunks.len() - 1;
+    let mut blocks = Vec::with_capacity(chunks.len());
+    let mut mtp = 0;
+    for (c, chunk) in chunks.iter().enumerate() {
+        let mut body = *chunk;
+        if c == 0 {
+            body = body.strip_prefix('E').ok_or("the layout's first chunk must open with the embedding (`E`)")?;
+        }
+        if c == last {
+            body = body.strip_suffix('L').ok_or("the layout's last chunk must close with the loss (`L`)")?;
+            let modules = body.len() - body.trim_end_matches('m').len();
+            mtp = modules;
+            body = &body[..body.len() - modules];
+        }
+        if let Some(bad) = body.chars().find(|&ch| ch != 't') {
+            return Err(format!(
+                "`{bad}` in the layout's chunk {c} (`{chunk}`): pipec plans the embedding first, blocks (`t`), then the multi-token-prediction modules (`m`) and the loss (`L`) in the last chunk"
+            ));
+        }
+        blocks.push(body.len());
+    }
+    Ok((blocks, mtp))
+}
+
+/// A layout with its repetitions written out as Megatron-LM does, in two passes: first
+/// every `(…)*n` (`(ab|)*2` as `ab|ab|`), then every `x*n` (`t*3` as `ttt`); at most a
+/// million layers.
+fn unroll_layout(text: &str) -> Result<String, String> {
+    const MOST: usize = 1 << 20;
+    let count = |chars: &[char], i: &mut usize| -> Result<usize, String> {
+        let start = *i;
+        while *i < chars.len() && chars[*i].is_ascii_digit() {
+            *i += 1;
+        }
+        let n: String = chars[start..*i].iter().collect();
+        n.parse::<usize>().map_err(|_| format!("`*{n}` in the layout is not a repeat count"))
+    };
+    let grown = |out: &String| {
+        if out.len() > MOST {
+            Err(format!("the layout unrolls past {MOST} layers"))
+        } else {
+            Ok(())
+        }
+    };
+    // `(…)*n`
+    let chars: Vec<char> = text.chars().collect();
+    let (mut once, mut i) = (String::new(), 0);
+    while i < chars.len() {
+        if chars[i] == '(' {
+            let close = chars[i..].iter().position(|&c| c == ')').ok_or("an unclosed `(` in the layout")? + i;
+            let inner: String = chars[i + 1..close].iter().collect();
+            i = close + 1;
+            if chars.get(i) != Some(&'*') {
+                return Err("`(…)` in the layout needs a repeat count: `(tt|)*30`".into());
+            }
+            i += 1;
+            let n = count(&chars, &mut i)?;
+            if inner.len().saturating_mul(n) > MOST {
+                return Err(format!("the layout unrolls past {MOST} layers"));
+            }
+            once += &inner.repeat(n);
+        } else {
+            once.push(chars[i]);
+            i += 1;
+        }
+        grown(&once)?;
+    }
+    // `x*n`
+    let chars: Vec<char> = once.chars().collect();
+    let (mut out, mut i) = (String::new(), 0);
+    while i < chars.len() {
+        if chars[i] == '*' {
+            i += 1;
+            let n = count(&chars, &mut i)?;
+            let x = out.pop().ok_or("`*` with nothing before it in the layout")?;
+            if n > MOST {
+                return Err(format!("the layout unrolls past {MOST} layers"));
+            }
+            out.extend(std::iter::repeat_n(x, n));
+        } else {
+            out.push(chars[i]);
+            i += 1;
+        }
+        grown(&out)?;
+    }
+    Ok(out)
+}
+
 /// How an engine splits a language model's transformer blocks over its pipeline's chunks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockSplit {
@@ -866,13 +1000,20 @@ fn chunk_counts(blocks: usize, chunks: usize, (embedding, loss): (bool, bool)) -
 
 /// The layer ranges of chunks holding `counts` blocks each, of a model of `layers` layers
 /// whose blocks are at `starts`: the layers before the first block in the first chunk, every
-/// other layer with the block before it.
+/// other layer with the block before it, except that a last chunk without blocks holds the
+/// layers after the last block (Megatron-LM's `…|L` and `…|mL`: the final norm and the
+/// output layer).
 pub fn chunk_ranges(starts: &[usize], layers: usize, counts: &[usize]) -> Vec<std::ops::Range<usize>> {
     let mut ranges = Vec::with_capacity(counts.len());
     let (mut begin, mut seen) = (0, 0);
     for (i, c) in counts.iter().enumerate() {
         seen += c;
-        let end = if i + 1 == counts.len() { layers } else { starts.get(seen).copied().unwrap_or(layers) };
+        let end = match (i + 1 == counts.len(), starts.get(seen)) {
+            (true, _) => layers,
+            (false, Some(&next)) => next,
+            // only chunks without blocks after this one: the last block's layer ends it
+            (false, None) => starts.last().map_or(layers, |&b| (b + 1).max(begin)),
+        };
         ranges.push(begin..end);
         begin = end;
     }
@@ -910,7 +1051,9 @@ fn constraints(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
                     Some(v) => megatron_split(v).is_some(),
                     None => (0..=2).any(|ends| (l.blocks + ends).is_multiple_of(stages)),
                 };
-                (l.gpt && pp > 1 && !even).then(|| {
+                // any other split written layer by layer where the engine takes a layout
+                let laid_out = find(target, |c| *c == C::LayerLayout).is_some();
+                (l.gpt && pp > 1 && !even && !laid_out).then(|| {
                     (
                         Feature::Layout,
                         format!("{e} splits the {} transformer blocks evenly over {stages} pipeline stages, counting the embedding and the loss as a layer each or not; {}", l.blocks, uneven(l)),
@@ -983,6 +1126,7 @@ mod tests {
             blocks: 16,
             chunk_blocks: None,
             gpt: true,
+            mtp: 0,
         }
     }
 

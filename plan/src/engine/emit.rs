@@ -83,6 +83,7 @@ pub fn emit(plan: &Plan, engine: &EngineTarget) -> Result<Vec<File>, String> {
     let mut files = match engine.name {
         Engine::Megatron => {
             megatron_shape(&run.gpt)?;
+            megatron_mtp(&run)?;
             megatron(&run)
         }
         Engine::Torchtitan => torchtitan(&run)?,
@@ -106,7 +107,8 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
     // MFU by the count the engine prints (its log's line is held against it), of the peak the
     // plan was compiled for
     let mfu = run.plan.tokens_per_sample().and_then(|seq| {
-        let layers = run.plan.layers.iter().map(|l| (&l.op, l.tied));
+        let mtp = run.plan.mtp_layers();
+        let layers = run.plan.layers.iter().map(|l| (&l.op, l.tied)).chain(mtp.iter().map(|(op, _)| (op, None)));
         let peak = sim.mfu.as_ref().map(|m| m.peak.clone());
         let utilization = crate::flops::Utilization::of_model(layers, seq, engine.name, run.world, peak);
         utilization.mfu(sim.throughput_samples_per_s).map(|m| crate::flops::Mfu { fraction: round(m.fraction), ..m })
@@ -136,6 +138,12 @@ fn prediction(run: &Run<'_>, engine: &EngineTarget) -> String {
     // builds the same
     if run.gpt.block.window > 0 {
         value["block_windows"] = json!(run.gpt.block_windows());
+    }
+    // multi-token prediction's modules and where the engine builds them: with the loss, in
+    // the last chunk
+    if let Some(m) = run.plan.model.mtp {
+        value["mtp"] =
+            json!({ "depth": m.depth, "weight": m.weight, "chunk": run.plan.stages.len().saturating_sub(1) });
     }
     serde_json::to_string_pretty(&value).unwrap_or_default() + "\n"
 }
@@ -312,6 +320,23 @@ fn megatron_shape(g: &GptShape) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether Megatron-LM's multi-token prediction takes the plan's: rotary or no position
+/// embeddings ([M] megatron/training/arguments.py:856-860), and one module at most beside
+/// the combined 1F1B ([M] megatron/core/transformer/transformer_config.py:2709-2713).
+fn megatron_mtp(run: &Run<'_>) -> Result<(), String> {
+    let Some(m) = run.plan.model.mtp else { return Ok(()) };
+    if run.gpt.positions > 0 {
+        return Err("Megatron-LM's multi-token prediction takes rotary or no position embeddings, and this model learns a table of positions".into());
+    }
+    if run.layout.ep_overlap && run.layout.ep > 1 && m.depth > 1 {
+        return Err(format!(
+            "Megatron-LM's combined 1F1B (`ep_overlap`) takes one multi-token-prediction module at most, and the model has {}",
+            m.depth
+        ));
+    }
+    Ok(())
+}
+
 /// `pretrain_gpt.py`'s arguments, in the examples' groups.
 pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
     let (g, l, t) = (&run.gpt, &run.layout, &run.plan.training);
@@ -393,6 +418,11 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
     if !g.tied {
         model.push(flag("--untie-embeddings-and-output-weights"));
     }
+    // multi-token prediction's modules after the last block, on the last pipeline stage
+    // (transformer_config.py:68-75, multi_token_prediction.py)
+    if let Some(m) = run.plan.model.mtp {
+        model.extend([arg("--mtp-num-layers", m.depth), arg("--mtp-loss-scaling-factor", m.weight)]);
+    }
     model.extend([
         arg("--attention-dropout", 0),
         arg("--hidden-dropout", 0),
@@ -464,11 +494,21 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
         arg("--expert-model-parallel-size", l.ep),
         arg("--expert-tensor-parallel-size", l.etp),
     ];
-    if l.schedule == ScheduleKind::Interleaved {
-        parallel.push(arg("--num-virtual-stages-per-pipeline-rank", l.virtual_stages));
+    // the plan's chunks as Megatron-LM splits them: evenly, the embedding and the loss
+    // counted as a layer of the first and last chunk where the plan's split is so; any other
+    // split written layer by layer (its chunks give the virtual stages: arguments.py:893-917)
+    let layout = l
+        .chunk_blocks
+        .as_deref()
+        .filter(|c| l.pp() > 1 && super::capability::megatron_split(c).is_none())
+        .map(|c| super::capability::megatron_layout(c, run.plan.model.mtp.map_or(0, |m| m.depth)));
+    match layout {
+        Some(text) => parallel.push(arg("--pipeline-model-parallel-layout", text)),
+        None if l.schedule == ScheduleKind::Interleaved => {
+            parallel.push(arg("--num-virtual-stages-per-pipeline-rank", l.virtual_stages))
+        }
+        None => {}
     }
-    // the plan's chunks as Megatron-LM splits them: the embedding and the loss counted as a
-    // layer of the first and last chunk where the plan's split is so
     let ends = l.chunk_blocks.as_deref().and_then(super::capability::megatron_split).unwrap_or((false, false));
     if ends.0 {
         parallel.push(flag("--account-for-embedding-in-pipeline-split"));

@@ -236,6 +236,7 @@ impl crate::Plan {
                     .collect(),
             ),
             gpt: self.gpt_shape().is_some(),
+            mtp: self.model.mtp.map_or(0, |m| m.depth),
         }
     }
 }
