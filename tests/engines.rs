@@ -913,6 +913,17 @@ fn megatron_counts_the_embedding_and_the_loss_in_its_uneven_split() {
     let seven = args.replace("--num-layers 6", "--num-layers 7").replace("--account-for-loss-in-pipeline-split", "");
     let back = imported_plan(megatron::import(&seven, "tiny", Some(4)));
     assert_eq!(back.engine_layout().chunk_blocks, Some(vec![1, 2, 2, 2]));
+    // the first and the last rank's blocks given (`--decoder-first/last-pipeline-num-layers`),
+    // the rest shared evenly: 2, 1, 1, 2 (Megatron-LM's transformer_block.py)
+    let ends = args
+        .replace("--account-for-embedding-in-pipeline-split", "--decoder-first-pipeline-num-layers 2")
+        .replace("--account-for-loss-in-pipeline-split", "--decoder-last-pipeline-num-layers 2");
+    let back = imported_plan(megatron::import(&ends, "tiny", Some(4)));
+    assert_eq!(back.engine_layout().chunk_blocks, Some(vec![2, 1, 1, 2]));
+    let uneven = pipec_plan::engine::capability::megatron_uneven_ranks;
+    assert_eq!(uneven(14, 4, 2, (Some(2), None)), Ok(vec![1, 2, 2, 2, 1, 2, 2, 2]));
+    assert!(uneven(12, 4, 1, (Some(2), None)).expect_err("10 over 3").contains("3 other ranks"));
+    assert!(uneven(8, 2, 2, (Some(3), None)).expect_err("3 over 2").contains("virtual stages"));
     let own =
         plan_of(&tiny_for_megatron(7, 4, "strategy:\n  stages: \"1-1-1-1\"\n  schedule: 1f1b\n  microbatches: 4"));
     assert_eq!(own.engine_layout().chunk_blocks, Some(vec![2, 2, 2, 1]));

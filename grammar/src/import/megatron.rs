@@ -628,6 +628,19 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
         (None, None, Some(k)) => m.layers / pp.max(1) / k.max(1),
         (None, None, None) => 1,
     };
+    // the first and (or) the last rank's blocks given, the rest shared evenly
+    let ends = (a.count("--decoder-first-pipeline-num-layers")?, a.count("--decoder-last-pipeline-num-layers")?);
+    let laid_out = match (laid_out, ends) {
+        (Some(blocks), (None, None)) => Some(blocks),
+        (None, (None, None)) => None,
+        (Some(_), _) => {
+            return Err("`--pipeline-model-parallel-layout` beside `--decoder-first/last-pipeline-num-layers`: Megatron-LM takes one of them".into())
+        }
+        (None, ends) => Some(
+            pipec_plan::engine::capability::megatron_uneven_ranks(m.layers, pp, vpp, ends)
+                .map_err(|e| format!("`--decoder-first/last-pipeline-num-layers`: {e}"))?,
+        ),
+    };
     let recompute = recompute(a, m.layers / (pp * vpp).max(1))?;
     let sharding = if a.has("--use-megatron-fsdp") {
         match a.text("--data-parallel-sharding-strategy").as_deref() {

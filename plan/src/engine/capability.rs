@@ -817,6 +817,42 @@ pub fn megatron_split(chunk_blocks: &[usize]) -> Option<(bool, bool)> {
         .find(|&ends| chunk_counts(total, k, ends).as_deref() == Some(chunk_blocks))
 }
 
+/// The blocks of each chunk (model order; chunk c on rank c mod `pp`, virtual stage c div
+/// `pp`) when Megatron-LM is given the first and (or) the last rank's blocks
+/// (`--decoder-first-pipeline-num-layers`, `--decoder-last-pipeline-num-layers`): the other
+/// ranks share the rest evenly, and each rank's blocks split evenly over its `vpp` chunks
+/// ([M] megatron/core/transformer/transformer_block.py:97-175); or why Megatron-LM refuses it.
+pub fn megatron_uneven_ranks(
+    blocks: usize,
+    pp: usize,
+    vpp: usize,
+    (first, last): (Option<usize>, Option<usize>),
+) -> Result<Vec<usize>, String> {
+    let (pp, vpp) = (pp.max(1), vpp.max(1));
+    let given = first.unwrap_or(0) + last.unwrap_or(0);
+    let left = pp.saturating_sub(usize::from(first.is_some()) + usize::from(last.is_some()));
+    let rest = blocks
+        .checked_sub(given)
+        .ok_or_else(|| format!("the first and last ranks' {given} blocks are more than the model's {blocks}"))?;
+    let middle = match left {
+        0 if rest == 0 => 0,
+        0 => return Err(format!("{rest} blocks are left with no rank to take them")),
+        n if rest.is_multiple_of(n) => rest / n,
+        n => return Err(format!("the {rest} blocks left do not divide over the {n} other ranks")),
+    };
+    let per_rank: Vec<usize> = (0..pp)
+        .map(|r| match (r, first, last) {
+            (0, Some(f), _) => f,
+            (r, _, Some(l)) if r + 1 == pp => l,
+            _ => middle,
+        })
+        .collect();
+    if let Some(r) = per_rank.iter().position(|b| !b.is_multiple_of(vpp)) {
+        return Err(format!("rank {r}'s {} blocks do not divide over its {vpp} virtual stages", per_rank[r]));
+    }
+    Ok((0..pp * vpp).map(|c| per_rank[c % pp] / vpp).collect())
+}
+
 /// Megatron-LM's `--pipeline-model-parallel-layout` for chunks of `chunk_blocks` blocks in
 /// model order, `mtp` multi-token-prediction modules with the loss in the last: `E` the
 /// embedding, `t` a block, `m` a module, `L` the loss, `|` between chunks
