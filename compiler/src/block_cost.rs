@@ -145,7 +145,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     let head_norms = if b.qk_norm { q_values + k_values } else { 0.0 };
     let latents = b.mla.map_or(0.0, |m| samples * s * (m.q_lora + m.kv_lora) as f64);
     let tokens = samples * s;
-    let mlp = Mlps::of(b, tokens, (cx.ep.max(1), cx.whole_experts), t, cx.grouped_experts);
+    let mlp = Mlps::of(b, tokens, (cx.ep.max(1), cx.whole_experts), t, (cx.grouped_experts, cx.experts_efficiency));
     // forward: LN, the attention's products, attention, projection, bias-dropout-add, LN,
     // MLP, add
     fwd.part(Part::Norms, |k| k.vector(5.0 * el, 2.0 * el, 0.0));
@@ -249,8 +249,8 @@ struct Mlps<'a> {
     tokens: f64,
     /// The routed expert-token pairs this rank's tokens make (dispatched, combined).
     routed: f64,
-    /// The routed experts' FP8 products' efficiency against dense products of their size (a
-    /// grouped GEMM's; 1 for one kernel per expert).
+    /// The routed experts' FP8 products' efficiency against dense FP8 products of their size
+    /// (the engine's fitted `experts` constant; 1 where none is fitted).
     routed_efficiency: f64,
 }
 
@@ -269,15 +269,22 @@ fn group_products(experts: &[[Product; 2]]) -> [Product; 2] {
 }
 
 impl<'a> Mlps<'a> {
-    /// `grouped`: the rank's routed experts run as one grouped product per projection
-    /// (Megatron-LM's `--moe-grouped-gemm`, torchtitan's grouped experts), each priced at
-    /// the size of the group at the given efficiency of a dense product that size (the
-    /// engine's fitted `experts` constant); None: each expert's products are their own
-    /// kernels.
+    /// `(grouped, efficiency)`: whether the rank's routed experts run as one grouped kernel
+    /// per projection, priced at the size of the group (torchtitan's `torch._grouped_mm`),
+    /// or as one kernel per expert, each at its own size (Transformer Engine's grouped
+    /// linear on Hopper, one cuBLAS GEMM per expert: `KernelFamily::grouped_expert_gemm`);
+    /// and the share of a dense FP8 product's speed the routed FP8 products run at (the
+    /// engine's fitted `experts` constant; 1 where none is fitted).
     /// `ep`: the expert-parallel replicas, and whether each routed expert is whole on a
     /// device (`etp: 1`: the rank's sequence share of the tokens dispatched over the group's
     /// ep · t devices) rather than split over the `t` ranks.
-    fn of(b: &'a BlockDims, tokens: f64, (ep, whole): (usize, bool), t: f64, grouped: Option<f64>) -> Mlps<'a> {
+    fn of(
+        b: &'a BlockDims,
+        tokens: f64,
+        (ep, whole): (usize, bool),
+        t: f64,
+        (grouped, efficiency): (bool, f64),
+    ) -> Mlps<'a> {
         let (h, f, up) = (b.d as f64, b.ff as f64, b.up_width as f64);
         let split = |rows: f64, t: f64| {
             [
@@ -295,7 +302,7 @@ impl<'a> Mlps<'a> {
                 let routed: Vec<[Product; 2]> = std::iter::once(split(busiest * ep as f64, et))
                     .chain(std::iter::repeat_n(split(other * ep as f64, et), local - 1))
                     .collect();
-                let routed = if grouped.is_some() { vec![group_products(&routed)] } else { routed };
+                let routed = if grouped { vec![group_products(&routed)] } else { routed };
                 let products = routed
                     .into_iter()
                     .map(|p| (p, false))
@@ -306,17 +313,14 @@ impl<'a> Mlps<'a> {
             }
             None => (vec![(mlp(tokens), false)], [tokens * f / t, 0.0], 0.0),
         };
-        let routed_efficiency = match (b.moe, grouped) {
-            (Some(_), Some(e)) => e,
-            (Some(_), None) | (None, _) => 1.0,
-        };
+        let routed_efficiency = if b.moe.is_some() { efficiency } else { 1.0 };
         Mlps { b, products, activation, tokens, routed, routed_efficiency }
     }
 
     /// The efficiency an MLP's products run at against dense products of their size: the
-    /// engine's fitted constant for the routed experts' grouped products in FP8 (each
-    /// expert's rows quantized on their own: Transformer Engine's grouped FP8 GEMM), 1 for
-    /// the shared experts, the dense MLP, and grouped products in the training precision
+    /// engine's fitted constant for the routed experts' products in FP8 (each expert's rows
+    /// quantized on their own: Transformer Engine's grouped linear), 1 for the shared
+    /// experts, the dense MLP, and the routed experts' products in the training precision
     /// (no run of those is calibrated apart from the dense ones).
     fn efficiency(&self, shared: bool, fp8: bool) -> f64 {
         if shared || !fp8 {

@@ -831,7 +831,8 @@ mod tests {
             overhead: 0.0,
             fp8: None,
             fused_attention: None,
-            grouped_experts: None,
+            grouped_experts: false,
+            experts_efficiency: 1.0,
             keeps: Keeps::default(),
         }
     }
@@ -1163,9 +1164,41 @@ mod tests {
     }
 
     #[test]
-    fn the_engines_experts_constant_prices_the_routed_experts_fp8_grouped_products_only() {
+    fn routed_experts_run_as_one_grouped_kernel_or_one_kernel_per_expert() {
+        // Qwen3-30B-A3B's block over ep 8 on an H100: 16 experts a device, each a few
+        // thousand rows. One kernel per expert (Transformer Engine's cuBLAS GEMM per expert)
+        // prices each at its own size's efficiency with a launch each: slower than one
+        // grouped kernel over the same rows (torch._grouped_mm), the FLOPs the same
+        let mut op = Op::llama_block(2048, 32, 4, 768);
+        if let Op::TransformerBlock { moe, .. } = &mut op {
+            *moe = Some(pipec_plan::model::Moe::new(128, 8));
+        }
+        let device = pipec_plan::device::preset("h100-sxm").expect("a preset").model();
+        let cx = |grouped: bool| CostContext {
+            precision: Precision::Bf16,
+            optimizer: OptimizerKind::Adam,
+            microbatch: 1,
+            ep: 8,
+            attention: Attention::Flash,
+            grouped_experts: grouped,
+            ..context(&device)
+        };
+        let n = node(op, vec![4096, 2048]);
+        let at = |grouped| price(&n, TpSplit::Replicated, (false, false), &cx(grouped));
+        let experts = |c: &Priced| c.block.as_ref().map_or(0.0, |b| b.parts[Part::Experts as usize]);
+        let (one, each) = (at(true), at(false));
+        assert!(experts(&each) > 1.1 * experts(&one), "{} against {}", experts(&each), experts(&one));
+        assert!(each.backward > one.backward);
+        assert_eq!(
+            one.block.as_ref().map(|b| b.parts[Part::Core as usize]),
+            each.block.as_ref().map(|b| b.parts[Part::Core as usize])
+        );
+    }
+
+    #[test]
+    fn the_engines_experts_constant_prices_the_routed_experts_fp8_products_only() {
         // Qwen3-30B-A3B's block: 128 experts of 768, 8 per token; on a uniform device, the
-        // engine's grouped products at a fitted share of a dense product's speed
+        // routed experts' FP8 products at a fitted share of a dense product's speed
         let mut op = Op::llama_block(2048, 32, 4, 768);
         if let Op::TransformerBlock { moe, .. } = &mut op {
             *moe = Some(pipec_plan::model::Moe::new(128, 8));
@@ -1177,19 +1210,19 @@ mod tests {
             weight_copies: true,
             gather: pipec_plan::vocab::Fp8Storage::Bf16,
         };
-        let cx = |grouped: Option<f64>, fp8: Option<pipec_plan::plan::Fp8Plan>| CostContext {
+        let cx = |efficiency: f64, fp8: Option<pipec_plan::plan::Fp8Plan>| CostContext {
             precision: Precision::Bf16,
             optimizer: OptimizerKind::Adam,
             microbatch: 1,
             ep: 8,
             attention: Attention::Flash,
-            grouped_experts: grouped,
+            experts_efficiency: efficiency,
             fp8,
             ..context(&device)
         };
         let n = node(op.clone(), vec![4096, 2048]);
-        let at = |grouped, fp8| price(&n, TpSplit::Replicated, (false, false), &cx(grouped, fp8));
-        let (whole, quarter) = (at(Some(1.0), Some(fp8)), at(Some(0.25), Some(fp8)));
+        let at = |efficiency, fp8| price(&n, TpSplit::Replicated, (false, false), &cx(efficiency, fp8));
+        let (whole, quarter) = (at(1.0, Some(fp8)), at(0.25, Some(fp8)));
         // the routed experts' products (and their FP8 casts) take 4× their seconds: 3× more
         let part = |c: &Priced, p: Part| c.block.as_ref().map_or(0.0, |b| b.parts[p as usize]);
         let experts = part(&whole, Part::Experts);
@@ -1201,13 +1234,12 @@ mod tests {
         for p in [Part::AttentionProducts, Part::Core, Part::Routing, Part::ExpertsActivation, Part::Norms] {
             assert_eq!(part(&quarter, p), part(&whole, p), "{p:?}");
         }
-        // in the training precision, or where the engine runs one kernel per expert, the
-        // constant does not act
-        assert_eq!(at(Some(0.25), None).forward, at(Some(1.0), None).forward);
-        assert_eq!(at(Some(0.25), None).backward, at(Some(1.0), None).backward);
+        // in the training precision the constant does not act
+        assert_eq!(at(0.25, None).forward, at(1.0, None).forward);
+        assert_eq!(at(0.25, None).backward, at(1.0, None).backward);
         // a dense block has no routed experts for it to act on
         let dense = node(Op::llama_block(2048, 32, 4, 768), vec![4096, 2048]);
-        let priced = |g| price(&dense, TpSplit::Replicated, (false, false), &cx(Some(g), Some(fp8)));
+        let priced = |g| price(&dense, TpSplit::Replicated, (false, false), &cx(g, Some(fp8)));
         assert_eq!(priced(0.25).forward, priced(1.0).forward);
     }
 

@@ -49,11 +49,13 @@ pub struct CostContext<'a> {
     /// (`pipec_plan::engine::performance::AttentionKernel`); None: FlashAttention priced as
     /// the device's matrix products.
     pub fused_attention: Option<f64>,
-    /// A mixture of experts' routed experts run as one grouped product per projection (the
-    /// engine's grouped GEMM), not one kernel per expert: Some(the grouped products'
-    /// efficiency against a dense product of their size,
-    /// `pipec_plan::engine::performance::Performance::experts`).
-    pub grouped_experts: Option<f64>,
+    /// A mixture of experts' routed experts run as one grouped kernel per projection
+    /// (torchtitan's `torch._grouped_mm`), not one kernel per expert
+    /// (`pipec_plan::engine::performance::KernelFamily::grouped_expert_gemm`).
+    pub grouped_experts: bool,
+    /// The routed experts' FP8 products' share of a dense FP8 product's speed
+    /// (`pipec_plan::engine::performance::Performance::experts`; 1 where none is fitted).
+    pub experts_efficiency: f64,
     /// What the engine's kernels keep beyond the operations' operands.
     pub keeps: Keeps,
 }

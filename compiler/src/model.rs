@@ -49,11 +49,8 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         overhead: spec.cluster.overhead,
         fp8: spec.training.fp8,
         fused_attention: spec.engine.family().attention(&cluster.device).map(|a| a.share),
-        grouped_experts: spec
-            .engine
-            .family()
-            .grouped_experts()
-            .then(|| spec.engine.performance.as_ref().map_or(1.0, |p| p.experts)),
+        grouped_experts: spec.engine.family().grouped_expert_gemm(),
+        experts_efficiency: spec.engine.performance.as_ref().map_or(1.0, |p| p.experts),
         keeps: Keeps::of(spec.engine.family()),
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {

@@ -17,8 +17,8 @@ use super::engine::{model_text, write_spec, AttentionFacts, ModelFacts, MoeFacts
 /// kernels' choice), read and left out silently.
 const IGNORED: &[&str] = &[
     "--use-mcore-models",
-    // the routed experts as one grouped GEMM: how pipec prices Megatron-LM's experts anyway
-    // (`KernelFamily::grouped_experts`)
+    // the routed experts through Transformer Engine's grouped linear: how pipec prices
+    // Megatron-LM's experts anyway (`KernelFamily::grouped_expert_gemm`)
     "--moe-grouped-gemm",
     "--init-method-std",
     "--attention-dropout",

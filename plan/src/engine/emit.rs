@@ -438,8 +438,9 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
             arg("--moe-ffn-hidden-size", b.ff),
             arg("--moe-router-load-balancing-type", if m.aux_loss > 0.0 { "aux_loss" } else { "none" }),
             arg("--moe-aux-loss-coeff", m.aux_loss),
-            // the routed experts as one grouped GEMM, as the cost model prices them
-            // (`KernelFamily::grouped_experts`; transformer_config.py:829), which
+            // the routed experts through Transformer Engine's grouped linear (a GEMM per
+            // expert on Hopper), as the cost model prices them
+            // (`KernelFamily::grouped_expert_gemm`; transformer_config.py:829), which
             // `--recompute-modules moe_act` needs
             flag("--moe-grouped-gemm"),
         ]);

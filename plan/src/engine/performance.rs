@@ -86,15 +86,21 @@ pub const CUDNN_ATTENTION: AttentionKernel = AttentionKernel {
 const HOPPER: &[&str] = &["h100-sxm", "h100-pcie", "h100-nvl", "h800", "h200", "h200-nvl"];
 
 impl KernelFamily {
-    /// Whether the engine runs a rank's routed experts as one grouped GEMM per projection:
-    /// Megatron-LM with `--moe-grouped-gemm` (TEGroupedMLP, megatron/core/transformer/moe/
-    /// experts.py; on in Megatron-Bridge's MoE recipes), torchtitan's GroupedExperts
-    /// (`torch._grouped_mm`, torchtitan/models/moe.py). pipec's executor and DeepSpeed-MoE
-    /// run one expert after another.
-    pub fn grouped_experts(self) -> bool {
+    /// Whether the engine runs a rank's routed experts as one grouped kernel per projection
+    /// (torchtitan's GroupedExperts: `torch._grouped_mm`, torchtitan/models/moe.py), priced
+    /// at the size of the group; else one kernel per expert, each at its own size.
+    /// Megatron-LM's grouped experts (`--moe-grouped-gemm`, TEGroupedMLP) run Transformer
+    /// Engine's grouped linear, which on Hopper splits the input per expert (quantizing each
+    /// expert's rows on their own under FP8) and launches one cuBLAS GEMM per expert on a
+    /// pool of streams (transformer_engine/common/gemm/cublaslt_gemm.cu,
+    /// `nvte_multi_tensor_gemm`: `multi_stream_cublas_gemm` unless
+    /// `NVTE_USE_CUTLASS_GROUPED_GEMM=1`, which Megatron-Bridge's recipes do not set; its
+    /// documentation's "Per-expert GEMMs"). pipec's executor and DeepSpeed-MoE run one
+    /// expert after another.
+    pub fn grouped_expert_gemm(self) -> bool {
         match self {
-            KernelFamily::MegatronTe | KernelFamily::TorchEager | KernelFamily::TorchCompiled => true,
-            KernelFamily::Pipec | KernelFamily::Deepspeed => false,
+            KernelFamily::TorchEager | KernelFamily::TorchCompiled => true,
+            KernelFamily::MegatronTe | KernelFamily::Pipec | KernelFamily::Deepspeed => false,
         }
     }
 
@@ -195,13 +201,13 @@ pub struct Calibrated {
     /// Where it comes from: the calibration rows it was fitted on (`run` names in
     /// `bench/specs/published-2025/steps.csv`), or why it is what it is.
     pub source: &'static str,
-    /// The routed experts' grouped products in FP8 ([`KernelFamily::grouped_experts`])
-    /// against the engine's dense FP8 products: their seconds are divided by this. A grouped
-    /// GEMM over a rank's experts is many products of a few hundred to a few thousand rows,
-    /// each expert's rows quantized with their own scales, which the dense curve of the same
-    /// FLOPs does not price; the constant carries whatever else of an FP8 expert layer the
-    /// model does not price too. 1 where no FP8 run of a mixture of experts on this kind is
-    /// a calibration row (grouped products in bf16 are priced as dense ones).
+    /// The routed experts' products in FP8 against the engine's dense FP8 products of their
+    /// size ([`KernelFamily::grouped_expert_gemm`] says at which size: the group's or each
+    /// expert's): their seconds are divided by this. Each expert's rows are quantized with
+    /// their own scales, which the dense curve does not price; the constant carries
+    /// whatever else of an FP8 expert layer the model does not price too. 1 where no FP8 run
+    /// of a mixture of experts on this kind is a calibration row (the experts' products in
+    /// bf16 are priced as dense ones of their size).
     pub experts: f64,
     /// Where `experts` comes from (empty: it is 1, nothing fitted).
     pub experts_source: &'static str,
@@ -235,7 +241,7 @@ pub const CALIBRATED: &[Calibrated] = &[
         power: None,
         efficiency: 0.8432,
         source: "fitted on steps.csv's dense calibration row mb2511-h100-llama38b-fp8cs-8g (Megatron-Bridge's published H100 tables)",
-        experts: 0.2501,
+        experts: 0.4281,
         experts_source: "fitted on steps.csv's FP8 mixture-of-experts calibration rows mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g, the dense constant held (Megatron-Bridge's published H100 tables)",
     },
     Calibrated {
@@ -281,7 +287,7 @@ pub struct Performance {
     pub calibrated: bool,
     /// Where `efficiency` comes from.
     pub source: String,
-    /// The routed experts' grouped FP8 products against the engine's dense FP8 products:
+    /// The routed experts' FP8 products against the engine's dense FP8 products:
     /// their seconds are divided by this ([`Calibrated::experts`]; 1: nothing fitted).
     #[serde(default = "unity")]
     pub experts: f64,
@@ -387,7 +393,7 @@ impl Performance {
     pub fn text(&self) -> String {
         let how = if self.calibrated { "" } else { " (not calibrated)" };
         let experts = match &self.experts_source {
-            Some(source) => format!("; routed experts' grouped FP8 products × {:.4} of that — {source}", self.experts),
+            Some(source) => format!("; routed experts' FP8 products × {:.4} of that — {source}", self.experts),
             None => String::new(),
         };
         format!(
@@ -583,7 +589,7 @@ mod tests {
             .expect("Megatron-LM's H100 constants");
         assert_eq!(megatron.experts, table.experts);
         assert!(megatron.experts < 1.0, "{megatron:?}");
-        assert!(megatron.text().contains("routed experts' grouped FP8 products"), "{}", megatron.text());
+        assert!(megatron.text().contains("routed experts' FP8 products"), "{}", megatron.text());
         // a kind with no FP8 mixture of experts calibrated: 1, and the report says nothing
         let titan = Performance::of(KernelFamily::TorchCompiled, &h100);
         assert_eq!((titan.experts, titan.experts_source.as_deref()), (1.0, None));
