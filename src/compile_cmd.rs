@@ -315,10 +315,12 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         s.push_str(&format!("  mixture of experts: routing assumed {routing}{capacity}\n"));
         if let Some(st) = plan.stages.iter().find(|st| st.expert_parallel > 1) {
             let ep = st.expert_parallel as usize;
-            let tp = st.tensor_parallel.first().map_or(1, |g| g.len().max(1));
             // whole experts (`etp: 1`): the group is the replicas' tensor-parallel ranks, each
-            // device its own experts; else each replica's experts split over its ranks
-            let holds = if plan.schedule.whole_experts && tp > 1 {
+            // device its own experts; else each replica's experts split over its ranks (the
+            // layout the engines are told)
+            let layout = plan.engine_layout();
+            let tp = layout.tp;
+            let holds = if layout.etp == 1 && tp > 1 {
                 format!("ep {} (experts whole: `etp: 1`) — each device holds {}", ep * tp, m.experts / (ep * tp))
             } else if tp > 1 {
                 format!("ep {ep} — each replica holds {}, split over its {tp} tensor-parallel ranks,", m.experts / ep)

@@ -411,22 +411,20 @@ fn lower_mtp(cx: &mut Lower<'_>, node: &Node) -> Option<pipec_plan::model::Mtp> 
 /// block of the output layer's width; says why not (E0315).
 fn mtp_fits(cx: &mut Lower<'_>, model: &Model) -> bool {
     let vocab = model.token_vocab();
+    // the output layer's input width, where it scores the vocabulary
     let head = model.layers.last().and_then(|l| match l.op {
-        Op::Linear { in_features, out_features, .. } => Some((in_features, out_features)),
+        Op::Linear { in_features, out_features, .. } if Some(out_features) == vocab => Some(in_features),
         _ => None,
     });
     let block = model.mtp_block().and_then(|b| b.block_dims().map(|d| (d.d, d.causal)));
     let why = match (vocab, head, block) {
         (None, _, _) => "multi-token prediction embeds tokens: the model must start with `embedding(vocab, d)`".to_string(),
-        (Some(v), Some((_, out)), _) if out != v => {
-            format!("multi-token prediction scores the vocabulary with the output layer: the model must end with `linear(d, {v})`")
-        }
         (Some(v), None, _) => {
             format!("multi-token prediction scores the vocabulary with the output layer: the model must end with `linear(d, {v})`")
         }
         (_, _, None) => "multi-token prediction repeats the model's last transformer block, and the model has none".to_string(),
         (_, _, Some((_, false))) => "multi-token prediction predicts later tokens from earlier ones: the last transformer block must be `causal=true`".to_string(),
-        (_, Some((d_in, _)), Some((d, true))) if d_in != d => format!(
+        (_, Some(d_in), Some((d, true))) if d_in != d => format!(
             "the output layer reads {d_in} features and the last transformer block gives {d}: multi-token prediction feeds its block's output to the output layer"
         ),
         _ if model.loss != Loss::CrossEntropy => {
