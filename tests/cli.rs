@@ -2784,3 +2784,30 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     assert!(said.contains("note: the plan is priced for") && said.contains("not this machine's"), "{said}");
     assert!(!said.contains("planned and predicted for this machine's CPU"), "{said}");
 }
+
+/// The compile report says how many experts a device holds: with experts whole beside
+/// tensor parallelism (`etp: 1`, 4 replicas × 2 ranks one group of 8), one of the 8 on each
+/// device; split over the ranks (`ep: 2`), 4 a replica, halves on each rank.
+#[test]
+fn the_compile_report_counts_each_devices_experts_whole_or_split() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let text = std::fs::read_to_string("specs/moe-tiny.yaml")
+        .expect("example")
+        .replace("devices_per_node: 4", "devices_per_node: 8")
+        .replace("path: data/", &format!("path: {}/specs/data/", env!("CARGO_MANIFEST_DIR")))
+        .replace(
+            "  stages: \"2-2\"\n  schedule: 1f1b\n  microbatches: 8\n  ep: 2\n",
+            "  dp: 4\n  tp: 2\n  sequence_parallel: true\n  schedule: dp-only\n  microbatches: 8\n",
+        );
+    assert!(text.contains("tp: 2"), "{text}");
+    for (strategy, said) in [
+        ("  ep: 8\n  etp: 1\n", "expert parallelism: ep 8 (experts whole: `etp: 1`) — each device holds 1 of every block's 8 experts"),
+        ("  ep: 2\n", "expert parallelism: ep 2 — each replica holds 4, split over its 2 tensor-parallel ranks, of every block's 8 experts"),
+    ] {
+        let spec = dir.path().join("moe.yaml");
+        std::fs::write(&spec, text.replace("  microbatches: 8\n", &format!("  microbatches: 8\n{strategy}"))).expect("write");
+        let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("out").to_str().expect("utf-8")]);
+        let report = both_streams(&out);
+        assert!(report.contains(said), "{report}");
+    }
+}
