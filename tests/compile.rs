@@ -878,4 +878,9 @@ fn multi_token_prediction_adds_a_block_a_projection_and_a_second_loss_to_the_las
     assert_eq!(with.devices[0].memory.total, without.devices[0].memory.total);
     let used = pipec_plan::features::used(&with);
     assert!(used.iter().any(|(f, _)| *f == pipec_plan::features::Feature::MultiTokenPrediction), "{used:?}");
+    // MFU counts the module as the engines do: its block, projection and logits (6 FLOPs a
+    // multiply-add's two: at least the projection's and the logits' 6·(2d² + d·vocab) a token)
+    let per_token = |p: &pipec_plan::Plan| p.simulation.mfu.as_ref().map(|m| m.flops_per_token).expect("an MFU");
+    let counted = per_token(&with) - per_token(&without);
+    assert!(counted > 6.0 * (2.0 * d * d + d * vocab), "{counted}");
 }
