@@ -2583,8 +2583,8 @@ fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
     assert!((measured - 16.0 * 8192.0 / (5762.0 * 8.0)).abs() < 1e-9, "{measured}");
     // the file is for torchtitan eager on a 500 W H100: a compiled run refuses it
     let other = std::fs::read_to_string(root.join("tt24-t1-8b-8g-bf16-compile.yaml")).expect("spec").replace(
-        "engine: { name: torchtitan, compile: true }",
-        &format!("engine: {{ name: torchtitan, compile: true, calibration: {} }}", file.display()),
+        "engine: { name: torchtitan, compile: [model] }",
+        &format!("engine: {{ name: torchtitan, compile: [model], calibration: {} }}", file.display()),
     );
     let wrong = dir.path().join("wrong.yaml");
     std::fs::write(&wrong, other).expect("write");

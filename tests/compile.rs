@@ -884,3 +884,36 @@ fn multi_token_prediction_adds_a_block_a_projection_and_a_second_loss_to_the_las
     let counted = per_token(&with) - per_token(&without);
     assert!(counted > 6.0 * (2.0 * d * d + d * vocab), "{counted}");
 }
+
+/// ZeRO-3 under activation recompute: the engines' backward gathers a layer's weights once
+/// for its recompute and its backward (FSDP2's and Megatron-FSDP's hooks), so a recompute
+/// waits for no gather and the backward's hide behind recompute and backward both; pipec's
+/// executor gathers for every pass, a recompute as a forward. On a slow link between the
+/// replicas a forward waits for its gathers: a Megatron-LM recompute costs well under a
+/// forward, pipec's about as much as one.
+#[test]
+fn under_recompute_zero_3_gathers_once_for_the_recompute_and_the_backward_on_the_engines() {
+    let base = "ENGINEmodel:\n  input: [64]\n  layers:\n    - embedding(512, 256)\n    - repeat 4: transformer_block(d=256, heads=4, ff=1024, causal=true)\n    - layernorm\n    - linear(256, 512, bias=false)\n  loss: cross_entropy\ncluster:\n  nodes: 2\n  devices_per_node: 1\n  device: { memory: 1GiB, throughput: 1TFLOP/s }\n  links:\n    intra_node: { bandwidth: 100GB/s, latency: 1us }\n    inter_node: { bandwidth: 0.1GB/s, latency: 10us }\nstrategy:\n  dp: 2\n  schedule: SCHEDULE\n  microbatches: 2\n  zero: 3\n  recompute: true\ntraining:\n  batch_size: 4\n  steps: 1\n  precision: bf16\n  optimizer: { kind: adam, lr: 0.001 }\n";
+    let phases = |engine: &str, schedule: &str| {
+        let text = base.replace("ENGINE", engine).replace("SCHEDULE", schedule);
+        let plan = compile_text(&text).into_compiled().unwrap_or_else(|e| panic!("{engine}: {e:?}")).plan;
+        let d = &plan.simulation.devices[0];
+        let at = |p: &str| d.by_phase.get(p).copied().unwrap_or(0.0);
+        (at("forward"), at("recompute"), at("backward"))
+    };
+    let (forward, recompute, backward) = phases("engine: megatron\n", "dp-only");
+    assert!(forward > 1.5 * recompute, "the forward waits for its gathers: {forward} against {recompute}");
+    // without recompute the backward hides its gathers behind less compute
+    let no_recompute =
+        base.replace("  recompute: true\n", "").replace("ENGINE", "engine: megatron\n").replace("SCHEDULE", "dp-only");
+    let plan = compile_text(&no_recompute).into_compiled().expect("compiles").plan;
+    let without = plan.simulation.devices[0].by_phase.get("backward").copied().unwrap_or(0.0);
+    assert!(
+        backward <= without + 1e-9,
+        "recompute's compute hides the backward's gathers: {backward} against {without}"
+    );
+    // pipec's executor gathers again for a recompute (the stage's whole gather, priced
+    // where the plan declares it, may sit on either pass)
+    let (forward, recompute, _) = phases("", "1f1b");
+    assert!(recompute >= 0.99 * forward, "{forward} against {recompute}");
+}

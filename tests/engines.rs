@@ -340,11 +340,14 @@ fn published_layouts_import_check_compile_and_emit_back() {
 fn a_search_on_the_imported_specs_plans_only_layouts_their_engine_runs() {
     let mut planned = 0;
     for (name, engine, spec) in published() {
+        // the imported engine line as written (`compile` beside the name, for torchtitan)
+        let line = spec.lines().find(|l| l.starts_with("engine:")).expect("an engine").to_string();
         let auto = for_engine(
-            spec.replace(&format!("engine: {engine}\n"), "").as_str(),
+            spec.replacen(&format!("{line}\n"), "", 1).as_str(),
             engine,
             "strategy: { tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }",
-        );
+        )
+        .replacen(&format!("engine: {engine}\n"), &format!("{line}\n"), 1);
         let n = planned_layouts_run_on(&auto, engine);
         eprintln!("{name} under {engine}: {n} layouts planned");
         planned += n;
@@ -1039,4 +1042,57 @@ fn multi_token_prediction_and_a_written_layout_cross_to_megatron_and_back() {
             refused.diagnostics.iter().map(|d| &d.message).collect::<Vec<_>>()
         );
     }
+}
+
+/// torchtitan's `[compile] components`: a compiled loss keeps the bf16 logits and writes
+/// their gradient in one kernel, where the eager loss keeps fp32 log-probabilities beside
+/// two fp32 gradients in its backward, and PyTorch's loss parallel (the vocabulary split
+/// by tensor parallelism) three (`pipec_plan::engine::performance::CrossEntropy`). The spec
+/// says which (`compile: [model]`, `true`), the plan prices it to the byte, `pipec emit`
+/// writes the components and the import reads them back.
+#[test]
+fn the_loss_torchtitan_compiles_is_priced_emitted_and_read_back() {
+    use pipec_grammar::import::torchtitan;
+    let job = std::fs::read_to_string(root().join("tests/engines/published/torchtitan-llama3-8b.toml")).expect("toml");
+    let spec = torchtitan::import(&job, "tt8", Some(8)).expect("imports");
+    assert!(spec.contains("\nengine: torchtitan\n"), "no [compile] section: eager\n{spec}");
+    let with = |engine: &str, tp: usize| {
+        let t = spec.replacen("\nengine: torchtitan\n", &format!("\nengine: {engine}\n"), 1);
+        let t = t.replacen("  dp: 8\n", &format!("  dp: {}\n", 8 / tp), 1).replacen(
+            "  tp: 1\n",
+            &format!("  tp: {tp}\n{}", if tp > 1 { "  sequence_parallel: true\n" } else { "" }),
+            1,
+        );
+        plan_of(&t)
+    };
+    // one sequence of 8192 tokens a device, scored over 128,256 words
+    let logits = 8192u64 * 128_256;
+    let memory = |p: &Plan| {
+        let m = &p.devices[0].memory;
+        (m.activations, m.transient)
+    };
+    let eager = with("torchtitan", 1);
+    let blocks = with("{ name: torchtitan, compile: [model] }", 1);
+    let whole = with("{ name: torchtitan, compile: true }", 1);
+    assert_eq!(memory(&eager), memory(&blocks), "compiled blocks leave the eager loss as it is");
+    assert_eq!(memory(&eager).1, 8 * logits, "two fp32 gradients beside the log-probabilities");
+    assert_eq!(memory(&whole).1, 2 * logits, "the gradient at the logits' precision");
+    assert_eq!(memory(&eager).0 - memory(&whole).0, 2 * logits, "bf16 logits kept, not fp32 log-probabilities");
+    // the vocabulary split over 2 ranks: loss parallel's three fp32 tensors
+    let split = with("{ name: torchtitan, compile: [model] }", 2);
+    assert_eq!(memory(&split).1, 12 * logits / 2);
+    // emitted as planned, and read back
+    let emitted = |plan: &Plan| -> String {
+        let files = pipec_plan::engine::emit::emit(plan, &EngineTarget::newest(Engine::Torchtitan)).expect("emits");
+        files.into_iter().find(|(f, _)| f == "job.toml").map(|(_, t)| t).expect("job.toml")
+    };
+    for (plan, components, written) in
+        [(&blocks, "[\"model\"]", "compile: [model]"), (&whole, "[\"model\", \"loss\"]", "compile: [model, loss]")]
+    {
+        let job = emitted(plan);
+        assert!(job.contains(&format!("components = {components}")), "{job}");
+        let back = torchtitan::import(&job, "back", Some(8)).expect("reads back");
+        assert!(back.contains(written), "{back}");
+    }
+    assert!(emitted(&eager).contains("enable = false"));
 }

@@ -227,22 +227,30 @@ impl ClusterGraph {
     /// NVLink to that node's chosen experts. Of the copies a plain all-to-all sends across
     /// nodes (top_k·(q−1)/q per token, routing uniform over q nodes), DeepEP sends the
     /// distinct nodes hit ([`DeepEpRouting::distinct_nodes`], fewer under node-limited
-    /// routing) but its own; within a node the forwarded copies join the node's own. The
-    /// slower of the two parts sets the time.
+    /// routing) but its own; within a node the forwarded copies join the node's own. Every
+    /// copy goes once to each device holding any of the token's experts, whatever their
+    /// number there (DeepEP's dispatch layout, `is_token_in_rank`; the combine sums a
+    /// device's experts' outputs before sending one row back): of the top_k/p routed pairs
+    /// per token and device a plain all-to-all sends, 1 − (1 − 1/p)^top_k. The slower of
+    /// the two parts sets the time.
     pub fn node_forwarded_time(&self, members: &[DeviceId], bytes: u64, routing: DeepEpRouting) -> f64 {
         let shape = self.group_shape(members);
         let (p, q, k) = (shape.members, shape.nodes, shape.per_node);
+        let choices = routing.top_k.max(1) as f64;
+        // the copies per device a token's choices reach, against the routed pairs
+        let once_per_device = (routing.distinct_nodes(p) / choices).min(1.0);
         if q <= 1 || k <= 1 {
-            return self.shaped_collective_time(CollectiveKind::AllToAll, shape, bytes);
+            let copies = (bytes as f64 * once_per_device) as u64;
+            return self.shaped_collective_time(CollectiveKind::AllToAll, shape, copies);
         }
         let chunk = bytes as f64 / p as f64;
-        let choices = routing.top_k.max(1) as f64;
         let once_per_node = (routing.distinct_nodes(q) / choices).min(1.0);
         let remote = (p - k) as f64;
         let across = remote * self.inter.latency
             + remote * chunk * once_per_node / (self.inter.bandwidth * self.inter.efficiency);
         let within = (k - 1) as f64 * self.intra.latency
-            + ((k - 1) as f64 * chunk + remote * chunk) / (self.intra.bandwidth * self.intra.efficiency);
+            + ((k - 1) as f64 * chunk + remote * chunk) * once_per_device
+                / (self.intra.bandwidth * self.intra.efficiency);
         across.max(within)
     }
 }
@@ -397,7 +405,7 @@ mod tests {
     }
 
     #[test]
-    fn deepep_sends_a_token_once_per_destination_node() {
+    fn deepep_sends_a_token_once_per_destination_node_and_device() {
         let c = cluster(2, 8);
         let n = 8.0e8;
         let members: Vec<DeviceId> = (0..16).map(DeviceId).collect();
@@ -408,17 +416,27 @@ mod tests {
         let once = 2.0 * (1.0 - 0.5f64.powi(8)) / 8.0;
         let chunk = n / 16.0;
         let across = 8.0 * 6e-6 + 8.0 * chunk * once / 22.5e9;
-        let within = 7.0 * 3e-6 + 15.0 * chunk / 225e9;
+        // over NVLink, once to each device holding any of a token's experts: of 8/16 routed
+        // pairs per device, 1 − (15/16)^8
+        let per_device = 16.0 * (1.0 - (15.0f64 / 16.0).powi(8)) / 8.0;
+        let within = 7.0 * 3e-6 + 15.0 * chunk * per_device / 225e9;
         let deepep = c.node_forwarded_time(&members, n as u64, DeepEpRouting::choices(8));
         assert!((deepep - across.max(within)).abs() < 1e-12, "{deepep}");
         assert!(deepep < plain / 3.5, "{deepep} against {plain}");
-        // one choice per token: nothing to share, the interface carries what it did
+        // one choice per token: nothing to share, the links carry what they did
         let one = c.node_forwarded_time(&members, n as u64, DeepEpRouting::choices(1));
-        assert!((one - (8.0 * 6e-6 + 8.0 * chunk / 22.5e9).max(within)).abs() < 1e-12);
-        // inside a node: the all-to-all itself
+        let within_one = 7.0 * 3e-6 + 15.0 * chunk / 225e9;
+        assert!((one - (8.0 * 6e-6 + 8.0 * chunk / 22.5e9).max(within_one)).abs() < 1e-12);
+        // inside a node: an all-to-all of the copies, 8 choices over 8 devices reaching
+        // 8(1 − (7/8)^8) = 5.25 of them
         let node: Vec<DeviceId> = (0..8).map(DeviceId).collect();
+        let copies = n * 8.0 * (1.0 - (7.0f64 / 8.0).powi(8)) / 8.0;
         assert_eq!(
             c.node_forwarded_time(&node, n as u64, DeepEpRouting::choices(8)),
+            c.collective_time(CollectiveKind::AllToAll, &node, copies as u64)
+        );
+        assert_eq!(
+            c.node_forwarded_time(&node, n as u64, DeepEpRouting::choices(1)),
             c.collective_time(CollectiveKind::AllToAll, &node, n as u64)
         );
     }
@@ -440,10 +458,10 @@ mod tests {
         let members: Vec<DeviceId> = (0..64).map(DeviceId).collect();
         let (n, chunk) = (8.0e8, 8.0e8 / 64.0);
         let across = |nodes: f64| 56.0 * 6e-6 + 56.0 * chunk * nodes / 8.0 / 22.5e9;
-        let within = 7.0 * 3e-6 + 63.0 * chunk / 225e9;
+        let within = |r: DeepEpRouting| 7.0 * 3e-6 + 63.0 * chunk * r.distinct_nodes(64) / 8.0 / 225e9;
         for (routing, nodes) in [(DeepEpRouting::choices(8), unlimited), (v3, 4.0)] {
             let t = c.node_forwarded_time(&members, n as u64, routing);
-            assert!((t - across(nodes).max(within)).abs() < 1e-12, "{routing:?}: {t}");
+            assert!((t - across(nodes).max(within(routing))).abs() < 1e-12, "{routing:?}: {t}");
         }
     }
 

@@ -94,9 +94,13 @@ pub struct LayerCost {
     /// Bytes of the output, per sample (whole).
     pub output_bytes_per_sample: u64,
     /// The last layer only: bytes the loss keeps for its backward, per sample, on one rank
-    /// (the log-probabilities, in fp32 under mixed precision as Megatron-LM's and
-    /// torchtitan's cross-entropy keep them; with the vocabulary split, this rank's part).
+    /// (what the engine's cross-entropy keeps of the logits,
+    /// `pipec_plan::engine::performance::CrossEntropy`; with the vocabulary split, this
+    /// rank's part).
     pub loss_input_bytes_per_sample: u64,
+    /// The last layer only: bytes the loss holds beside those at its widest point, per
+    /// sample, on one rank (its fp32 copies and gradients).
+    pub loss_transient_bytes_per_sample: u64,
 }
 
 impl LayerCost {
@@ -132,6 +136,7 @@ impl LayerCost {
         self.attention_core_bytes_per_sample += other.attention_core_bytes_per_sample;
         self.gathered_bytes_per_sample += other.gathered_bytes_per_sample;
         self.loss_input_bytes_per_sample += other.loss_input_bytes_per_sample;
+        self.loss_transient_bytes_per_sample += other.loss_transient_bytes_per_sample;
     }
 
     /// Drops the parameters: a layer whose weights another holds (multi-token prediction's
@@ -732,6 +737,20 @@ fn layer_cost(
     let (kept, gathered) = context_kept(kept, node, p as f64, t, cx);
     let core = core / cp;
     let update_s = cx.device.update_time(cx.optimizer, node.op.parameter_tensors(), shard as f64, update_bytes);
+    // the last layer's outputs on this rank (split over the vocabulary, or whole), and what
+    // the engine's cross-entropy holds of each; another loss is counted as pipec's executor
+    // holds its input
+    let logits = if last {
+        numel(&node.output_shape) / if split == TpSplit::Vocab { cx.tp.max(1) as f64 } else { 1.0 } / cp
+    } else {
+        0.0
+    };
+    let loss = match (cx.loss, split) {
+        (Loss::CrossEntropy, TpSplit::Vocab) if cx.tp > 1 => cx.cross_entropy.split,
+        (Loss::CrossEntropy, _) => cx.cross_entropy.whole,
+        (Loss::Mse, _) => pipec_plan::engine::performance::CrossEntropy::Pipec,
+    }
+    .bytes(p as f64);
     LayerCost {
         forward_flops_per_sample: forward_flops(node),
         backward_flops_per_sample: backward_flops(node),
@@ -757,14 +776,8 @@ fn layer_cost(
         attention_core_bytes_per_sample: core as u64,
         gathered_bytes_per_sample: gathered as u64,
         output_bytes_per_sample: (numel(&node.output_shape) * p as f64 / cp) as u64,
-        loss_input_bytes_per_sample: match (last, split) {
-            (false, _) => 0,
-            (true, TpSplit::Vocab) => (numel(&node.output_shape) / cx.tp.max(1) as f64 * 4.0 / cp) as u64,
-            // the log-probabilities in fp32 under mixed precision: Megatron-LM's
-            // cross-entropy upcasts the logits (`vocab_parallel_cross_entropy`),
-            // torchtitan's calls `.float()` before `cross_entropy`
-            (true, _) => (numel(&node.output_shape) * (p as f64).max(4.0) / cp) as u64,
-        },
+        loss_input_bytes_per_sample: (loss.kept * logits) as u64,
+        loss_transient_bytes_per_sample: (loss.transient * logits) as u64,
     }
 }
 
@@ -793,8 +806,9 @@ impl ApplyProfile for Profile {
             let output = l.output_bytes / self.batch_size as u64;
             if c.output_bytes_per_sample > 0 {
                 // the loss keeps what the analytic model says, scaled as the output measured
-                c.loss_input_bytes_per_sample =
-                    (c.loss_input_bytes_per_sample as f64 * output as f64 / c.output_bytes_per_sample as f64) as u64;
+                let scaled = |b: u64| (b as f64 * output as f64 / c.output_bytes_per_sample as f64) as u64;
+                c.loss_input_bytes_per_sample = scaled(c.loss_input_bytes_per_sample);
+                c.loss_transient_bytes_per_sample = scaled(c.loss_transient_bytes_per_sample);
             }
             c.output_bytes_per_sample = output;
             c.parameter_bytes = l.parameter_bytes;
@@ -834,6 +848,7 @@ mod tests {
             grouped_experts: false,
             experts_efficiency: 1.0,
             keeps: Keeps::default(),
+            cross_entropy: Default::default(),
         }
     }
 

@@ -17,8 +17,12 @@ pub(crate) struct StageFigures {
     /// (selective recompute's attention cores in the backward).
     pub(crate) times: Vec<(f64, f64)>,
     /// (forward, backward) seconds per microbatch of the tensor-parallel collectives the
-    /// stage's passes wait for (0 without tensor parallelism).
+    /// stage's passes wait for (0 without tensor parallelism), ZeRO-3's gathers included.
     pub(crate) tp_times: Vec<(f64, f64)>,
+    /// Seconds per microbatch a recompute of the stage waits for the same: its
+    /// tensor-parallel collectives, and no ZeRO-3 gather where the engine's backward gathers
+    /// for it (`zero3_gather_waits`).
+    pub(crate) recompute_tp: Vec<f64>,
     /// (forward, backward) seconds per microbatch of the expert-parallel all-to-alls the
     /// stage's passes wait for (0 without expert parallelism).
     pub(crate) ep_times: Vec<(f64, f64)>,
@@ -296,8 +300,9 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .collect();
     let (gather_waits, stage_gathers) =
         zero3_gather_waits(spec, model, layout, (&stage_replicas, &expert_parallel), &times);
+    let recompute_tp: Vec<f64> = tp_times.iter().zip(&gather_waits).map(|(&(f, _), &(_, _, gr))| f + gr).collect();
     let tp_times: Vec<(f64, f64)> =
-        tp_times.iter().zip(&gather_waits).map(|(&(f, b), &(gf, gb))| (f + gf, b + gb)).collect();
+        tp_times.iter().zip(&gather_waits).map(|(&(f, b), &(gf, gb, _))| (f + gf, b + gb)).collect();
     // byte counts saturate: a spec past pipec's limits is refused by the front end, and a
     // figure that saturates reads as "does not fit" rather than wrapping to a small one
     // (a context-parallel member's tensors hold its 1/cp of every sample's positions)
@@ -325,6 +330,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         moe_parts: moe_parts(model, layout, |i| backward[i]),
         times,
         tp_times,
+        recompute_tp,
         ep_times,
         cp_times,
         expert_gradients,
@@ -426,24 +432,31 @@ fn pipec_in_line(
     (update_sums, norm_sum, ep_counts)
 }
 
-/// Per stage, the seconds its forward and its backward wait for ZeRO-3's weight gathers
-/// (none unless weights are sharded over replicas), and the seconds of one gather of what
-/// pipec's executor gathers with the stage (`StageFigures::stage_gathers`). ZeRO-3 gathers
-/// each layer's weights before its forward and again before its backward, the next
-/// layer's while one computes (FSDP's prefetch): a pass waits for its first layer's
-/// gather, which nothing hides, and for whatever of the others its compute cannot hide —
-/// at least max(g₁, G − C + c_last) for gathers g (G in all) and computes c (C in all) in
-/// the pass's order, the bound a one-ahead prefetch meets. pipec's executor gathers that
-/// way only the weights its products gather themselves (`in_pass::zero3_gather`, none
-/// beside tensor or expert parallelism); the rest it gathers whole with the stage where
-/// the plan declares, which the simulator prices.
+/// Per stage, the seconds its forward, its backward and its recompute wait for ZeRO-3's
+/// weight gathers (none unless weights are sharded over replicas), and the seconds of one
+/// gather of what pipec's executor gathers with the stage (`StageFigures::stage_gathers`).
+/// ZeRO-3 gathers each layer's weights before its forward and again before its backward,
+/// the next layer's while one computes (FSDP's prefetch): a pass waits for its first
+/// layer's gather, which nothing hides, and for whatever of the others its compute cannot
+/// hide — at least max(g₁, G − C + c_last) for gathers g (G in all) and computes c (C in
+/// all) in the pass's order, the bound a one-ahead prefetch meets. Under activation
+/// recompute the engines' backward gather serves the recompute too: FSDP2's pre-forward
+/// hook returns at once in the backward (`TrainingState.PRE_BACKWARD`,
+/// torch/distributed/fsdp/_fully_shard/_fsdp_state.py), Megatron-FSDP's finds the weights
+/// its pre-backward hook gathered ("In activation recomputation case, we need to cancel
+/// forward prefetch", megatron_fsdp.py), DeepSpeed's finds them available; so a recompute
+/// waits for no gather, and a layer's gather hides behind the next layer's recompute and
+/// backward. pipec's executor gathers that way only the weights its products gather
+/// themselves (`in_pass::zero3_gather`, none beside tensor or expert parallelism), again
+/// for a recompute; the rest it gathers whole with the stage where the plan declares,
+/// which the simulator prices.
 fn zero3_gather_waits(
     spec: &Spec,
     model: &ModelCosts,
     layout: &Layout,
     (stage_replicas, expert_parallel): (&[u64], &[usize]),
     times: &[(f64, f64)],
-) -> (Vec<(f64, f64)>, Vec<f64>) {
+) -> (Vec<(f64, f64, f64)>, Vec<f64>) {
     let (costs, tp, ep) = (&model.costs, spec.strategy.tp.max(1), spec.strategy.ep_replicas());
     let shard_weights = spec.strategy.sharding.shards().2;
     let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
@@ -458,6 +471,7 @@ fn zero3_gather_waits(
     };
     let layers = pipec_plan::in_pass::Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss };
     let layout_ranges = layout.ranges.len();
+    let recomputed: &[bool] = &layout.recompute;
     let dp_link =
         |d: usize| if d * tp <= model.cluster.devices_per_node { model.cluster.intra } else { model.cluster.inter };
     let mut whole = Vec::with_capacity(layout.ranges.len());
@@ -470,7 +484,7 @@ fn zero3_gather_waits(
         .map(|(((s, r), &d), &(forward, backward))| {
             if !shard_weights || d < 2 {
                 whole.push(0.0);
-                return (0.0, 0.0);
+                return (0.0, 0.0, 0.0);
             }
             // under expert parallelism a layer's routed experts are gathered from the d / ep
             // replicas holding them (nothing to gather when each holds its own whole)
@@ -538,9 +552,11 @@ fn zero3_gather_waits(
                     let first = gathers.first().copied().unwrap_or(0.0);
                     first.max(gathers.iter().sum::<f64>() - compute + last)
                 };
+                let forward_wait = exposed(in_order(pipec_plan::in_pass::PassKind::Forward), forward, last_forward);
                 return (
-                    exposed(in_order(pipec_plan::in_pass::PassKind::Forward), forward, last_forward),
+                    forward_wait,
                     exposed(in_order(pipec_plan::in_pass::PassKind::Backward), backward, last_backward),
+                    forward_wait,
                 );
             }
             // one gather of the stage's whole weights (and one of its experts')
@@ -558,10 +574,13 @@ fn zero3_gather_waits(
             };
             let last_forward = costs[r.clone()].last().map_or(0.0, |c| c.forward_s);
             let last_backward = costs[r.clone()].first().map_or(0.0, |c| c.backward_s);
-            (
-                exposed(Box::new(r.clone()), forward, last_forward),
-                exposed(Box::new(r.clone().rev()), backward, last_backward),
-            )
+            let forward_wait = exposed(Box::new(r.clone()), forward, last_forward);
+            if recomputed.get(s).copied().unwrap_or(false) && !pipec {
+                // the backward's gathers, behind each layer's recompute and backward
+                let first = costs[r.clone()].first().map_or(0.0, |c| c.forward_s + c.backward_s);
+                return (forward_wait, exposed(Box::new(r.clone().rev()), forward + backward, first), 0.0);
+            }
+            (forward_wait, exposed(Box::new(r.clone().rev()), backward, last_backward), forward_wait)
         })
         .collect();
     (waits, whole)
@@ -706,11 +725,15 @@ fn stage_bytes(
     // what one microbatch's backward holds beyond what is kept: the layer's recomputed
     // tensors and its gradients at the widest point, the largest of the stage's
     let transient = r.clone().map(|i| backward_peak(&costs[i], &policies[i])).max().unwrap_or(0).saturating_mul(mb);
-    // the loss's backward: the fp32 gradient of its kept log-probabilities and that
-    // gradient cast to the activations' precision, beside the log-probabilities themselves
-    // (one loss's at a time: multi-token prediction's each keep their own)
+    // the loss's widest point beside what it keeps (its fp32 copies and gradients, the
+    // engine's cross-entropy's), one loss's at a time: multi-token prediction's each keep
+    // their own
     let losses = 1 + graph.mtp.map_or(0, |m| m.depth) as u64;
-    let loss_backward = (loss_input as f64 / losses as f64 * (4.0 + model.precision as f64) / 4.0) as u64;
+    let loss_backward = if r.end == costs.len() {
+        costs.last().map_or(0, |c| c.loss_transient_bytes_per_sample).saturating_mul(mb) / losses
+    } else {
+        0
+    };
     let whole = ModelState {
         weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>() + copy.2,
         gradients: shard.saturating_mul(model.grad_bytes as u64),

@@ -4,7 +4,7 @@
 //! `vector_time`).
 
 use pipec_plan::device::{DeviceModel, Function};
-use pipec_plan::engine::performance::KernelFamily;
+use pipec_plan::engine::performance::{CrossEntropy, KernelFamily};
 use pipec_plan::plan::Fp8Plan;
 use pipec_plan::vocab::{Attention, CpComm, Fp8Storage, Loss, OptimizerKind, Precision};
 
@@ -58,6 +58,16 @@ pub struct CostContext<'a> {
     pub experts_efficiency: f64,
     /// What the engine's kernels keep beyond the operations' operands.
     pub keeps: Keeps,
+    /// The engine's cross-entropy: what a language model's loss holds.
+    pub cross_entropy: Losses,
+}
+
+/// The engine's cross-entropy over whole logits and over a vocabulary split by tensor
+/// parallelism (`pipec_plan::engine::performance::KernelFamily::cross_entropy`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Losses {
+    pub whole: CrossEntropy,
+    pub split: CrossEntropy,
 }
 
 /// What an engine's kernels keep of a block beyond its operations' own operands: the answers

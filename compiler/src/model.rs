@@ -7,7 +7,7 @@ use pipec_grammar::spec::{Spec, Training};
 use crate::cluster::ClusterGraph;
 use crate::cost::{analytic_costs, ApplyProfile, CostContext, LayerCost};
 use crate::ir::{self, Graph};
-use crate::kernels::Keeps;
+use crate::kernels::{Keeps, Losses};
 use crate::options::CompileOptions;
 
 /// The model as the later passes see it: the IR, per-layer costs, the cluster.
@@ -52,6 +52,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         grouped_experts: spec.engine.family().grouped_expert_gemm(),
         experts_efficiency: spec.engine.performance.as_ref().map_or(1.0, |p| p.experts),
         keeps: Keeps::of(spec.engine.family()),
+        cross_entropy: Losses { whole: spec.engine.cross_entropy(false), split: spec.engine.cross_entropy(true) },
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {
         vec![Diagnostic::error("E0405", e, spec.strategy.span, "tensor parallelism")

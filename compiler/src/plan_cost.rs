@@ -18,6 +18,8 @@ pub(crate) struct PlanCost<'a> {
     pub(crate) stage_fb: &'a [(f64, f64)],
     /// Per stage, the tensor-parallel collectives' seconds in a forward and a backward.
     pub(crate) stage_tp: &'a [(f64, f64)],
+    /// `StageFigures::recompute_tp`.
+    recompute_tp: &'a [f64],
     /// Per stage, the expert-parallel all-to-alls' seconds in a forward and a backward.
     pub(crate) stage_ep: &'a [(f64, f64)],
     /// Per stage, the context-parallel exchanges' seconds in a forward and a backward.
@@ -69,6 +71,7 @@ impl<'a> PlanCost<'a> {
         PlanCost {
             stage_fb: &stages.times,
             stage_tp: &stages.tp_times,
+            recompute_tp: &stages.recompute_tp,
             stage_ep: &stages.ep_times,
             stage_cp: &stages.cp_times,
             expert_groups: HashMap::new(),
@@ -251,7 +254,8 @@ impl PlanCost<'_> {
         // (expert parallelism's all-to-alls are the plan's own instructions after the pass)
         let (tp_f, tp_b) = (tp_f + cp_f, tp_b + cp_b);
         match instr.phase() {
-            Phase::Forward | Phase::Recompute => f + tp_f,
+            Phase::Forward => f + tp_f,
+            Phase::Recompute => f + cp_f + self.recompute_tp.get(s).copied().unwrap_or(0.0),
             Phase::Backward => b + tp_b,
             // the input gradient and the weight gradient each cost about one forward; the
             // collectives complete the input gradient

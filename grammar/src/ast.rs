@@ -60,8 +60,10 @@ pub struct EngineChoice {
     pub target: pipec_plan::engine::EngineTarget,
     /// The span of `engine:`'s value; None when the spec does not name an engine (pipec).
     pub span: Option<Span>,
-    /// `compile: true`: torchtitan compiles each block (`torch.compile`).
+    /// `compile: true` or `[model, ...]`: torchtitan compiles each block (`torch.compile`).
     pub compiled: bool,
+    /// `compile: true` or `[..., loss]`: torchtitan compiles the loss too.
+    pub loss_compiled: bool,
     /// `calibration: FILE` (`pipec calibrate --measured`), read, with its path as written.
     pub calibration: Option<(pipec_plan::engine::performance::CalibrationFile, String, Span)>,
     /// How fast the engine runs the kernels on the cluster's device (set once the cluster
@@ -73,6 +75,12 @@ impl EngineChoice {
     /// The kernels the engine runs.
     pub fn family(&self) -> pipec_plan::engine::performance::KernelFamily {
         pipec_plan::engine::performance::KernelFamily::of(self.target.name, self.compiled)
+    }
+
+    /// The cross-entropy the engine runs (`vocab_split`: tensor parallelism splits the
+    /// logits over the vocabulary).
+    pub fn cross_entropy(&self, vocab_split: bool) -> pipec_plan::engine::performance::CrossEntropy {
+        self.family().cross_entropy(self.loss_compiled, vocab_split)
     }
 
     /// The engine.

@@ -48,9 +48,11 @@ struct EngineFields {
     /// The engine's release, quoted: `"0.19"` (the newest 0.19 release pipec describes) or a
     /// whole one, `"0.19.8"`. Default: the newest pipec describes (docs/spec.md lists them).
     version: Option<String>,
-    /// torchtitan only: each block compiled with `torch.compile` (its `[compile]` section),
-    /// priced as torchtitan's compiled kernels. Default false (eager).
-    compile: Option<bool>,
+    /// torchtitan only: what `torch.compile` compiles (its `[compile]` section): `true`,
+    /// the model's blocks and the loss (torchtitan's default components); or a list,
+    /// `[model]`, `[loss]`, `[model, loss]`. Compiled blocks are priced as torchtitan's
+    /// compiled kernels, a compiled loss keeps the logits alone. Default false (eager).
+    compile: Option<CompileSpec>,
     /// A calibration file (`pipec calibrate --measured`, relative to the spec): this
     /// engine's kernel efficiency on this device kind, fitted to one measured step of your
     /// own run. Default: pipec's fitted table (docs/benchmarks.md, "Step times").
@@ -94,6 +96,14 @@ struct Model {
     /// Megatron-LM's). `mtp: 1` or `mtp: { depth: 1, weight: 0.1 }`. Planned and priced;
     /// `pipec run` does not train it.
     mtp: Option<MtpSpec>,
+}
+
+/// `engine.compile`: on or off, or the components compiled.
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum CompileSpec {
+    On(bool),
+    Components(Vec<pipec_plan::vocab::CompileComponent>),
 }
 
 /// `model.mtp`: the depth alone, or a mapping.

@@ -108,11 +108,11 @@ fn lower_engine(cx: &mut Lower<'_>, node: &Node) -> Option<EngineChoice> {
         None => EngineTarget::newest(engine),
         Some(version) => engine_version(cx, engine, version)?,
     };
-    let compiled = match f.get("compile") {
-        None => false,
+    let (compiled, loss_compiled) = match f.get("compile") {
+        None => (false, false),
         Some(c) => {
-            let on = cx.boolean(c)?;
-            if on && engine != pipec_plan::vocab::Engine::Torchtitan {
+            let (model, loss) = compile_components(cx, c)?;
+            if (model || loss) && engine != pipec_plan::vocab::Engine::Torchtitan {
                 cx.push(
                     Diagnostic::error(
                         "E0105",
@@ -124,14 +124,32 @@ fn lower_engine(cx: &mut Lower<'_>, node: &Node) -> Option<EngineChoice> {
                 );
                 return None;
             }
-            on
+            (model, loss)
         }
     };
     let calibration = match f.get("calibration") {
         None => None,
         Some(c) => Some(read_calibration_file(cx, c)?),
     };
-    Some(EngineChoice { target, span, compiled, calibration, performance: None })
+    Some(EngineChoice { target, span, compiled, loss_compiled, calibration, performance: None })
+}
+
+/// `engine.compile`: `true` (the model and the loss, torchtitan's default components),
+/// `false`, or the list of what is compiled (`[model]`, `[model, loss]`, `[loss]`).
+fn compile_components(cx: &mut Lower<'_>, node: &Node) -> Option<(bool, bool)> {
+    use pipec_plan::vocab::CompileComponent;
+    let items = match &node.value {
+        Value::Seq(items) => items,
+        Value::Bool(on) => return Some((*on, *on)),
+        _ => {
+            cx.wrong_type(node, "`true`, `false` or a list of what to compile, like `[model, loss]`");
+            return None;
+        }
+    };
+    let chosen: Option<Vec<CompileComponent>> =
+        items.iter().map(|n| cx.choose::<CompileComponent>(n, &["engine", "compile"])).collect();
+    let chosen = chosen?;
+    Some((chosen.contains(&CompileComponent::Model), chosen.contains(&CompileComponent::Loss)))
 }
 
 /// `engine.version`: a quoted release pipec describes.
@@ -208,7 +226,7 @@ fn read_calibration_file(
 fn apply_engine_performance(cx: &mut Lower<'_>, engine: &mut EngineChoice, cluster: &mut Cluster) {
     use pipec_plan::engine::performance::Performance;
     let family = engine.family();
-    let performance = match &engine.calibration {
+    let mut performance = match &engine.calibration {
         Some((file, path, span)) => match file.matches(family, &cluster.device) {
             Ok(()) => Performance::from_file(file, path),
             Err(why) => {
@@ -221,6 +239,7 @@ fn apply_engine_performance(cx: &mut Lower<'_>, engine: &mut EngineChoice, clust
         },
         None => Performance::of(family, &cluster.device),
     };
+    performance.loss_compiled = engine.loss_compiled;
     performance.apply(&mut cluster.device);
     engine.performance = Some(performance);
 }

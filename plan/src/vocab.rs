@@ -427,6 +427,18 @@ choice! {
 }
 
 choice! {
+    /// What torchtitan compiles with `torch.compile` (`engine: { compile: [...] }`, its
+    /// `[compile] components`).
+    pub enum CompileComponent {
+        /// Each transformer block: element-wise work fused by Inductor.
+        Model = "model",
+        /// The loss: the cross-entropy's upcast, softmax and gradient in fused kernels that
+        /// keep the logits alone.
+        Loss = "loss",
+    }
+}
+
+choice! {
     /// How FP8 training scales each tensor before its FP8 product (`training.fp8.recipe`).
     pub enum Fp8Recipe {
         /// One scale per tensor from a history of earlier steps' maxima (Transformer Engine's
@@ -612,6 +624,7 @@ mod tests {
         round_trips::<Engine>();
         round_trips::<RecomputeModule>();
         round_trips::<RecomputeOp>();
+        round_trips::<CompileComponent>();
         round_trips::<Fp8Recipe>();
         round_trips::<TrainingPrecision>();
         round_trips::<Fp8Storage>();

@@ -116,6 +116,7 @@ pub fn import(
     }
     let dualpipev = c.get("pipeline").and_then(|p| p.get("schedule")).and_then(Value::as_str) == Some("DualPipeV");
     let run = RunFacts {
+        compile: (false, false),
         world,
         tp,
         pp,

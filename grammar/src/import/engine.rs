@@ -120,6 +120,8 @@ pub struct RunFacts {
     pub optimizer: (&'static str, [f64; 5]),
     pub clip: Option<f64>,
     pub seed: u64,
+    /// torchtitan's `[compile]`: the model's blocks, the loss (`engine.compile`).
+    pub compile: (bool, bool),
 }
 
 impl RunFacts {
@@ -409,7 +411,14 @@ pub fn write_spec(
             header += &format!("#   {d}\n");
         }
     }
-    let mut spec = format!("{header}name: {name}\nengine: {engine}\n{model}{}", run_text(run)?);
+    let engine_line = match run.compile {
+        (false, false) => engine.to_string(),
+        (model, loss) => {
+            let parts: Vec<&str> = [("model", model), ("loss", loss)].iter().filter(|c| c.1).map(|c| c.0).collect();
+            format!("{{ name: {engine}, compile: [{}] }}", parts.join(", "))
+        }
+    };
+    let mut spec = format!("{header}name: {name}\nengine: {engine_line}\n{model}{}", run_text(run)?);
     if run.split_ends != (false, false) || run.chunk_blocks.is_some() {
         spec = with_counted_split(&spec, run)?;
     }

@@ -690,6 +690,7 @@ fn run(a: &mut Args, m: &ModelFacts, world: Option<usize>) -> Result<RunFacts, S
         Some(other) => return Err(format!("`--optimizer {other}` is not adam or sgd")),
     };
     Ok(RunFacts {
+        compile: (false, false),
         world,
         tp,
         pp,

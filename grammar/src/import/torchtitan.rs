@@ -159,9 +159,31 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
         }
     };
     let fp8 = fp8(&t, &mut dropped)?;
-    if t.flag("compile", "enable") {
-        dropped.push("[compile] enable = true (torch.compile)".into());
-    }
+    // `[compile]`: enable, and its components (default the model and the loss,
+    // job_config.py:721-727 at v0.2.2)
+    let compile = if t.flag("compile", "enable") {
+        match t.get("compile", "components") {
+            None => (true, true),
+            Some(v) => {
+                let parts = v.as_array().ok_or_else(|| format!("`[compile] components = {v}`: not a list"))?;
+                let mut on = (false, false);
+                for c in parts {
+                    match c.as_str() {
+                        Some("model") => on.0 = true,
+                        Some("loss") => on.1 = true,
+                        _ => {
+                            return Err(format!(
+                                "`[compile] components` names {c}: torchtitan compiles \"model\" and \"loss\""
+                            ))
+                        }
+                    }
+                }
+                on
+            }
+        }
+    } else {
+        (false, false)
+    };
     let precision = match t.text("training", "mixed_precision_param", "bfloat16")?.as_str() {
         "float32" => Precision::Fp32,
         _ => Precision::Bf16,
@@ -174,6 +196,7 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
     }
     let o = "optimizer";
     let run = RunFacts {
+        compile,
         world,
         tp,
         pp,

@@ -809,16 +809,16 @@ pub fn torchtitan_rows(run: &Run<'_>, flavour: &str) -> Vec<(&'static str, &'sta
     if l.recompute == RecomputeKind::Selective || op_level {
         rows.push(("activation_checkpoint", "selective_ac_option", json!("op")));
     }
-    // `torch.compile` on each block (`engine: { compile: true }`), which asynchronous TP
-    // needs too
-    let compiled = run
-        .plan
-        .engine_performance
-        .as_ref()
-        .is_some_and(|p| p.family == super::performance::KernelFamily::TorchCompiled);
-    rows.push(("compile", "enable", json!(l.tp_overlap || compiled)));
-    if l.tp_overlap || compiled {
-        rows.push(("compile", "components", json!(["model", "loss"])));
+    // `torch.compile` on each block (`engine: { compile: [model] }`), which asynchronous
+    // TP needs too, and on the loss (`[loss]`): what the plan priced
+    let performance = run.plan.engine_performance.as_ref();
+    let model =
+        l.tp_overlap || performance.is_some_and(|p| p.family == super::performance::KernelFamily::TorchCompiled);
+    let loss = performance.is_some_and(|p| p.loss_compiled);
+    rows.push(("compile", "enable", json!(model || loss)));
+    if model || loss {
+        let components: Vec<&str> = [("model", model), ("loss", loss)].iter().filter(|c| c.1).map(|c| c.0).collect();
+        rows.push(("compile", "components", json!(components)));
     }
     // torchao's FP8 (job_config.py:731-792 at v0.2.2): the converter beside the model's
     // name, its settings in a section of their own

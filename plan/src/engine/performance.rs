@@ -59,6 +59,79 @@ impl KernelFamily {
     }
 }
 
+/// How an engine's cross-entropy holds a language model's logits: the implementation
+/// whose tensors decide the last stage's loss memory (`KernelFamily::cross_entropy`). Each
+/// is read from the code that runs it; none is fitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CrossEntropy {
+    /// pipec's executor: the log-probabilities kept, their gradient and its cast made in
+    /// the backward (`executor/src/interp/compute.rs`).
+    #[default]
+    Pipec,
+    /// PyTorch eager, `F.cross_entropy(logits.float(), labels)` (torchtitan's loss before
+    /// it is compiled, `torchtitan/components/loss.py`; train.py@9dec370 l.131-138, where
+    /// compiling it was turned off): `log_softmax` keeps its fp32 output; the forward holds
+    /// the logits and their fp32 copy beside it (the loop frees the logits only after the
+    /// loss, `del pred`); the backward, `nll_loss`'s gradient (a dense fp32 tensor) and
+    /// `log_softmax`'s beside the kept output.
+    Eager,
+    /// PyTorch's loss parallel over a vocabulary split by tensor parallelism (torchtitan's
+    /// default under `tp`; torch/distributed/tensor/parallel/loss.py): `_log_softmax`
+    /// makes the shifted logits and the result as separate fp32 tensors, and the backward
+    /// (`_nll_loss_and_log_softmax_backward`) a zero tensor, `exp(x)`, their sum and the
+    /// product, three of them live at once beside the kept result.
+    LossParallel,
+    /// `torch.compile`d (torchtitan's `[compile] components` with `loss`): Inductor saves
+    /// the logits and each row's log-sum-exp, and its backward writes the gradient at the
+    /// logits' precision in one fused kernel.
+    Compiled,
+    /// Megatron-LM's `vocab_parallel_cross_entropy` and its native fusion
+    /// (megatron/core/tensor_parallel/cross_entropy.py, fusions/fused_cross_entropy.py):
+    /// the logits upcast once, the softmax made in place in that fp32 copy and kept, the
+    /// gradient made in place in it and cast to the logits' precision. Transformer Engine's
+    /// fused cross-entropy (in place on the logits) is refused by Megatron-Core since June
+    /// 2026 (`cross_entropy_fusion_impl = 'te'`, model_parallel_config.py).
+    Megatron,
+    /// A Hugging Face model under DeepSpeed: transformers' `ForCausalLMLoss` upcasts the
+    /// logits and calls `F.cross_entropy`, and the model's output keeps the logits while
+    /// the training loop holds it through the backward.
+    Transformers,
+}
+
+/// Bytes per logit (one vocabulary entry of one token, on this rank) that a cross-entropy
+/// holds: `kept` from its forward to its backward, `transient` beside them at its widest
+/// point (forward or backward; it runs before any layer's backward).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossBytes {
+    pub kept: f64,
+    pub transient: f64,
+}
+
+impl CrossEntropy {
+    /// What the loss holds when the logits are `precision` bytes each (the activations'
+    /// precision): fp32 copies where the implementation upcasts, none under fp32 training
+    /// (`.float()` of an fp32 tensor is the tensor).
+    pub fn bytes(self, precision: f64) -> LossBytes {
+        let (p, f) = (precision, precision.max(4.0));
+        // the fp32 copy `.float()` makes of lower-precision logits
+        let copy = if p < 4.0 { f } else { 0.0 };
+        let (kept, transient) = match self {
+            CrossEntropy::Pipec => (f, f + p),
+            // forward: the logits and their copy; backward: two fp32 gradients
+            CrossEntropy::Eager => (f, (p + copy).max(2.0 * f)),
+            // forward: the logits, the copy and the shifted logits; backward: three
+            CrossEntropy::LossParallel => (f, (p + copy + f).max(3.0 * f)),
+            CrossEntropy::Compiled => (p, p),
+            // the logits beside their upcast in the forward, the gradient's cast in the
+            // backward; under fp32 the softmax is made in the logits themselves
+            CrossEntropy::Megatron => (f, if p < 4.0 { p } else { 0.0 }),
+            // the output's logits kept beside the log-probabilities; two fp32 gradients
+            CrossEntropy::Transformers => (f + p, copy.max(2.0 * f)),
+        };
+        LossBytes { kept, transient }
+    }
+}
+
 /// The fused attention kernel an engine runs on a Hopper GPU, as a share of the device's
 /// dense bf16 matrix rate: published kernel throughputs, not fitted.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -174,6 +247,20 @@ impl KernelFamily {
         }
     }
 
+    /// The cross-entropy the engine runs: `loss_compiled`, torchtitan's `[compile]
+    /// components` include the loss; `vocab_split`, tensor parallelism splits the logits
+    /// over the vocabulary.
+    pub fn cross_entropy(self, loss_compiled: bool, vocab_split: bool) -> CrossEntropy {
+        match self {
+            KernelFamily::Pipec => CrossEntropy::Pipec,
+            KernelFamily::MegatronTe => CrossEntropy::Megatron,
+            KernelFamily::TorchEager | KernelFamily::TorchCompiled if loss_compiled => CrossEntropy::Compiled,
+            KernelFamily::TorchEager | KernelFamily::TorchCompiled if vocab_split => CrossEntropy::LossParallel,
+            KernelFamily::TorchEager | KernelFamily::TorchCompiled => CrossEntropy::Eager,
+            KernelFamily::Deepspeed => CrossEntropy::Transformers,
+        }
+    }
+
     /// The fused attention kernel this engine runs on `device`, where its throughput is
     /// published (Hopper GPUs); None: attention priced as the device's matrix products.
     pub fn attention(self, device: &DeviceModel) -> Option<AttentionKernel> {
@@ -241,14 +328,14 @@ pub const CALIBRATED: &[Calibrated] = &[
         power: None,
         efficiency: 0.8432,
         source: "fitted on steps.csv's dense calibration row mb2511-h100-llama38b-fp8cs-8g (Megatron-Bridge's published H100 tables)",
-        experts: 0.4281,
+        experts: 0.4277,
         experts_source: "fitted on steps.csv's FP8 mixture-of-experts calibration rows mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g, the dense constant held (Megatron-Bridge's published H100 tables)",
     },
     Calibrated {
         family: KernelFamily::TorchCompiled,
         device: "h100-sxm",
         power: Some(500.0),
-        efficiency: 0.6242,
+        efficiency: 0.6240,
         source: "fitted on steps.csv's calibration rows tt24-t1-8b-8g-bf16-compile, tt24-t2-8b-fsdp8-cp1, tt24-t3-8b-128g-fp8-compile (torchtitan's December 2024 H100 benchmark, 500 W)",
         experts: 1.0,
         experts_source: "",
@@ -295,6 +382,10 @@ pub struct Performance {
     /// kind is calibrated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub experts_source: Option<String>,
+    /// torchtitan compiles the loss (`[compile] components` with `loss`): the cross-entropy
+    /// `KernelFamily::cross_entropy` prices, and what `pipec emit` writes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub loss_compiled: bool,
 }
 
 fn unity() -> f64 {
@@ -331,6 +422,7 @@ impl Performance {
                     source: "the device's own figures (a device file is what `pipec calibrate` measured of pipec's kernels)".into(),
                     experts: 1.0,
                     experts_source: None,
+                    loss_compiled: false,
                     },
                 Some(_) => Performance {
                     family,
@@ -342,6 +434,7 @@ impl Performance {
                     ),
                     experts: 1.0,
                     experts_source: None,
+                    loss_compiled: false,
                     },
             };
         }
@@ -360,6 +453,7 @@ impl Performance {
                 source: c.source.to_string(),
                 experts,
                 experts_source,
+                loss_compiled: false,
             },
             (None, Some(c)) => Performance {
                 family,
@@ -373,6 +467,7 @@ impl Performance {
                 ),
                 experts,
                 experts_source,
+                loss_compiled: false,
             },
             (None, None) => Performance {
                 family,
@@ -385,6 +480,7 @@ impl Performance {
                 ),
                 experts,
                 experts_source,
+                loss_compiled: false,
             },
         }
     }
@@ -410,6 +506,7 @@ impl Performance {
         Performance {
             experts,
             experts_source,
+            loss_compiled: false,
             family: file.family,
             efficiency: file.efficiency,
             calibrated: true,
@@ -542,6 +639,36 @@ impl CalibrationFile {
 mod tests {
     use super::*;
     use crate::device::preset;
+
+    /// Each engine's cross-entropy, counted tensor by tensor from its code (the variants'
+    /// docs): bytes per logit kept and held beside them, under bf16 and fp32 training.
+    #[test]
+    fn each_cross_entropy_holds_what_its_code_makes() {
+        let at = |c: CrossEntropy, p: f64| {
+            let b = c.bytes(p);
+            (b.kept, b.transient)
+        };
+        // bf16 logits: 2 bytes; their fp32 copy, the log-probabilities, the gradients: 4
+        assert_eq!(at(CrossEntropy::Pipec, 2.0), (4.0, 6.0));
+        assert_eq!(at(CrossEntropy::Eager, 2.0), (4.0, 8.0), "the two fp32 gradients");
+        assert_eq!(at(CrossEntropy::LossParallel, 2.0), (4.0, 12.0), "three fp32 tensors in the backward");
+        assert_eq!(at(CrossEntropy::Compiled, 2.0), (2.0, 2.0), "the logits, and their gradient");
+        assert_eq!(at(CrossEntropy::Megatron, 2.0), (4.0, 2.0), "the softmax in place, the gradient's cast");
+        assert_eq!(at(CrossEntropy::Transformers, 2.0), (6.0, 8.0), "the output's logits kept too");
+        // fp32 training: `.float()` copies nothing
+        assert_eq!(at(CrossEntropy::Eager, 4.0), (4.0, 8.0));
+        assert_eq!(at(CrossEntropy::LossParallel, 4.0), (4.0, 12.0));
+        assert_eq!(at(CrossEntropy::Megatron, 4.0), (4.0, 0.0));
+        assert_eq!(at(CrossEntropy::Compiled, 4.0), (4.0, 4.0));
+        // which engine runs which
+        use KernelFamily as F;
+        assert_eq!(F::TorchCompiled.cross_entropy(false, true), CrossEntropy::LossParallel);
+        assert_eq!(F::TorchCompiled.cross_entropy(false, false), CrossEntropy::Eager);
+        assert_eq!(F::TorchEager.cross_entropy(true, true), CrossEntropy::Compiled);
+        assert_eq!(F::MegatronTe.cross_entropy(false, true), CrossEntropy::Megatron);
+        assert_eq!(F::Deepspeed.cross_entropy(false, false), CrossEntropy::Transformers);
+        assert_eq!(F::Pipec.cross_entropy(true, true), CrossEntropy::Pipec);
+    }
 
     #[test]
     fn a_fitted_constant_scales_the_peaks_of_its_device_kind_only() {
