@@ -917,3 +917,31 @@ fn under_recompute_zero_3_gathers_once_for_the_recompute_and_the_backward_on_the
     let (forward, recompute, _) = phases("", "1f1b");
     assert!(recompute >= 0.99 * forward, "{forward} against {recompute}");
 }
+
+/// Multi-token prediction under expert parallelism: each module's block exchanges its
+/// tokens with its experts like the model's, run with the output layer on the last stage,
+/// so the output layer's dispatch carries every module's tokens (two modules twice one's).
+#[test]
+fn multi_token_prediction_exchanges_every_modules_tokens_with_its_experts() {
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/moe-tiny.yaml")).expect("example");
+    let head_exchange = |mtp: &str| -> u64 {
+        let t = text.replacen("  loss: cross_entropy\n", &format!("  loss: cross_entropy\n  mtp: {mtp}\n"), 1);
+        let plan = compile_text(&t).into_compiled().expect("compiles").plan;
+        let head = (plan.layers.len() - 1) as u32;
+        let bytes: Vec<u64> = plan
+            .streams
+            .values()
+            .flatten()
+            .filter_map(|i| match i {
+                pipec_plan::Instr::AllToAll { layer, bytes, .. } if *layer == head => Some(*bytes),
+                _ => None,
+            })
+            .collect();
+        assert!(!bytes.is_empty() && bytes.iter().all(|b| *b == bytes[0]), "{bytes:?}");
+        bytes[0]
+    };
+    let (one, two) = (head_exchange("1"), head_exchange("{ depth: 2 }"));
+    assert!(one > 0);
+    assert_eq!(two, 2 * one);
+}

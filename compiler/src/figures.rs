@@ -602,9 +602,12 @@ fn expert_figures(
             r.clone()
                 .filter(|_| ep > 1)
                 .filter_map(|l| {
-                    // the dispatch and the combine carry as many bytes, each way
-                    let &(_, bytes) = costs[l].ep_forward.first()?;
-                    Some(pipec_plan::ExpertExchange { layer: l as u32, bytes })
+                    // the dispatch and the combine carry as many bytes, each way; a layer
+                    // that runs several mixtures (the output layer with multi-token
+                    // prediction's modules) exchanges all of theirs
+                    let all = &costs[l].ep_forward;
+                    let bytes = all.iter().map(|&(_, b)| b).sum::<u64>() / 2;
+                    (!all.is_empty()).then_some(pipec_plan::ExpertExchange { layer: l as u32, bytes })
                 })
                 .collect()
         })
