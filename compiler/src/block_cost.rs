@@ -92,9 +92,9 @@ impl<'a> Forward<'a> {
 
     /// Runs a product of `part`, recording its seconds as the next products of an eager
     /// model in the given shares (a fused product of several eager ones: by their widths).
-    fn product(&mut self, part: Part, product: Product, shares: &[f64], fp8: bool) {
+    fn product(&mut self, part: Part, product: Product, shares: &[f64], (fp8, steps): (bool, usize)) {
         let before = self.k.seconds;
-        self.part(part, |k| k.product(product, fp8));
+        self.part(part, |k| k.product_in_steps(product, fp8, steps));
         let seconds = self.k.seconds - before;
         let whole: f64 = shares.iter().sum::<f64>().max(f64::MIN_POSITIVE);
         self.products.extend(shares.iter().map(|s| seconds * s / whole));
@@ -126,6 +126,10 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
         k.vector(2.0 * eatt, 2.0 * eatt, eatt);
         k.matrix(sum_flops, eatt + v_values + o_values);
     };
+    // a split product under ring-exchange overlap runs in `t` steps
+    let ring_steps = if cx.tp_overlap { t as usize } else { 1 };
+
+    let steps = |p: &Projection| if p.split == ProjectionSplit::Replicated { 1 } else { ring_steps };
     // the attention's products, (FLOPs, values) each on one rank: a column-split one's
     // output and a row-split one's input are the rank's share, a duplicated one (multi-head
     // latent attention's down projections) runs whole on every rank
@@ -145,7 +149,10 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     let head_norms = if b.qk_norm { q_values + k_values } else { 0.0 };
     let latents = b.mla.map_or(0.0, |m| samples * s * (m.q_lora + m.kv_lora) as f64);
     let tokens = samples * s;
-    let mlp = Mlps::of(b, tokens, (cx.ep.max(1), cx.whole_experts), t, (cx.grouped_experts, cx.experts_efficiency));
+    let mut mlp = Mlps::of(b, tokens, (cx.ep.max(1), cx.whole_experts), t, (cx.grouped_experts, cx.experts_efficiency));
+    if b.moe.is_none() {
+        mlp.steps = ring_steps;
+    }
     // forward: LN, the attention's products, attention, projection, bias-dropout-add, LN,
     // MLP, add
     fwd.part(Part::Norms, |k| k.vector(5.0 * el, 2.0 * el, 0.0));
@@ -160,7 +167,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
             ProjectionRole::Qkv => vec![b.q_width as f64, b.kv_width as f64, b.kv_width as f64],
             _ => vec![1.0],
         };
-        fwd.product(part, priced(pr), &shares, fp8);
+        fwd.product(part, priced(pr), &shares, (fp8, steps(pr)));
     }
     fwd.part(Part::Norms, |k| {
         for norms in [head_norms, latents].into_iter().filter(|&n| n > 0.0) {
@@ -183,7 +190,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     });
     let core_forward = fwd.parts[Part::Core as usize];
     for pr in projections.iter().filter(|p| p.role == ProjectionRole::Output) {
-        fwd.product(Part::Output, priced(pr), &[1.0], fp8);
+        fwd.product(Part::Output, priced(pr), &[1.0], (fp8, steps(pr)));
     }
     fwd.part(Part::Output, |k| k.vector(3.0 * el, 3.0 * el, el));
     fwd.part(Part::Norms, |k| k.vector(5.0 * el, 2.0 * el, 0.0));
@@ -192,7 +199,9 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     // backward: every product twice (input and weight gradients), the element-wise kernels
     // reading their input and the incoming gradient
     for pr in &projections {
-        bwd.gradients(priced(pr), fp8);
+        // the output projection is row-split: its input gradient in steps under ring exchange
+        let n = if pr.split == ProjectionSplit::Row { steps(pr) } else { 1 };
+        bwd.gradients_in_steps(priced(pr), fp8, n);
     }
     for norms in [head_norms, latents].into_iter().filter(|&n| n > 0.0) {
         bwd.vector(8.0 * norms, 3.0 * norms, 0.0);
@@ -252,6 +261,9 @@ struct Mlps<'a> {
     /// The routed experts' FP8 products' efficiency against dense FP8 products of their size
     /// (the engine's fitted `experts` constant; 1 where none is fitted).
     routed_efficiency: f64,
+    /// The steps a dense MLP's split products run in (tensor parallelism's ring-exchange
+    /// overlap; 1 without).
+    steps: usize,
 }
 
 /// The experts' up and down products as one grouped product each: their FLOPs and values
@@ -314,7 +326,7 @@ impl<'a> Mlps<'a> {
             None => (vec![(mlp(tokens), false)], [tokens * f / t, 0.0], 0.0),
         };
         let routed_efficiency = if b.moe.is_some() { efficiency } else { 1.0 };
-        Mlps { b, products, activation, tokens, routed, routed_efficiency }
+        Mlps { b, products, activation, tokens, routed, routed_efficiency, steps: 1 }
     }
 
     /// The efficiency an MLP's products run at against dense products of their size: the
@@ -394,7 +406,9 @@ impl<'a> Mlps<'a> {
             let efficiency = self.efficiency(shared, fp8);
             let before = fwd.k.seconds;
             for pair in &group {
-                fwd.part(part(shared), |k| k.at_efficiency(efficiency, |k| k.product(pair[0], fp8)));
+                fwd.part(part(shared), |k| {
+                    k.at_efficiency(efficiency, |k| k.product_in_steps(pair[0], fp8, self.steps))
+                });
             }
             let up_seconds = fwd.k.seconds - before;
             let whole: f64 = up_shares.iter().sum();
@@ -405,7 +419,9 @@ impl<'a> Mlps<'a> {
             fwd.part(act_part, |k| k.function(self.function(), elements, flops, values));
             let before = fwd.k.seconds;
             for pair in &group {
-                fwd.part(part(shared), |k| k.at_efficiency(efficiency, |k| k.product(pair[1], fp8)));
+                fwd.part(part(shared), |k| {
+                    k.at_efficiency(efficiency, |k| k.product_in_steps(pair[1], fp8, self.steps))
+                });
             }
             fwd.products.push(fwd.k.seconds - before);
         }
@@ -415,9 +431,9 @@ impl<'a> Mlps<'a> {
     fn backward(&self, bwd: &mut Kernels<'_>, fp8: bool) {
         for (pair, shared) in &self.products {
             let efficiency = self.efficiency(*shared, fp8);
-            for &product in pair {
-                bwd.at_efficiency(efficiency, |k| k.gradients(product, fp8));
-            }
+            bwd.at_efficiency(efficiency, |k| k.gradients(pair[0], fp8));
+            // the down product is row-split: its input gradient in steps under ring exchange
+            bwd.at_efficiency(efficiency, |k| k.gradients_in_steps(pair[1], fp8, self.steps));
         }
         self.routing(bwd, true);
     }

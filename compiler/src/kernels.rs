@@ -58,6 +58,9 @@ pub struct CostContext<'a> {
     pub experts_efficiency: f64,
     /// What the engine's kernels keep beyond the operations' operands.
     pub keeps: Keeps,
+    /// Tensor parallelism's collectives overlapped with the products by ring exchange
+    /// (`tp_overlap`): a split product runs in `tp` steps.
+    pub tp_overlap: bool,
     /// The engine's cross-entropy: what a language model's loss holds.
     pub cross_entropy: Losses,
 }
@@ -175,6 +178,22 @@ impl Kernels<'_> {
         self.seconds += self.device.vector_time(product.input, product.input * (self.p + 2.0));
         self.seconds += self.device.fp8_matrix_time(product.flops, product.values() * self.p);
     }
+    /// A block's product run in `n` steps over its rows, each step's product a 1/n share
+    /// of its input rows and output against the whole weights (tensor parallelism's
+    /// communication overlapped by ring exchange: Transformer Engine's userbuffers, PyTorch's
+    /// asynchronous TP), each priced at its own size.
+    pub(crate) fn product_in_steps(&mut self, product: Product, fp8: bool, n: usize) {
+        let n = n.max(1) as f64;
+        let step = Product {
+            flops: product.flops / n,
+            input: product.input / n,
+            weights: product.weights,
+            output: product.output / n,
+        };
+        for _ in 0..n as usize {
+            self.product(step, fp8);
+        }
+    }
     /// Runs `kernels` at `efficiency` of what they are priced at: their seconds divided by it.
     pub(crate) fn at_efficiency(&mut self, efficiency: f64, kernels: impl FnOnce(&mut Self)) {
         let before = self.seconds;
@@ -190,6 +209,33 @@ impl Kernels<'_> {
         } else {
             self.matrix(product.flops, product.values());
             self.matrix(product.flops, product.values());
+        }
+    }
+    /// [`Self::gradients`] with the input gradient in `n` steps over its rows, as a
+    /// row-split product's runs under ring-exchange overlap (the output gradient's
+    /// all-gather chunked against it); the weight gradient whole.
+    pub(crate) fn gradients_in_steps(&mut self, product: Product, fp8: bool, n: usize) {
+        if n <= 1 {
+            return self.gradients(product, fp8);
+        }
+        let steps = n as f64;
+        let step = Product {
+            flops: product.flops / steps,
+            input: product.input / steps,
+            weights: product.weights,
+            output: product.output / steps,
+        };
+        if fp8 {
+            self.seconds += self.device.vector_time(product.output, product.output * (self.p + 2.0));
+            self.seconds += self.device.fp8_matrix_time(product.flops, product.values() * self.p);
+            for _ in 0..n {
+                self.seconds += self.device.fp8_matrix_time(step.flops, step.values() * self.p);
+            }
+        } else {
+            self.matrix(product.flops, product.values());
+            for _ in 0..n {
+                self.matrix(step.flops, step.values());
+            }
         }
     }
     /// An element-wise kernel of `flops` moving `values` values and `mask` one-byte values.
