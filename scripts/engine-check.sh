@@ -56,7 +56,8 @@ for spec in specs/gpt-tiny.yaml specs/gpt2.yaml specs/llama-tiny.yaml specs/moe-
     bench/specs/published-2025/mb2604-h100-gptoss120b-bf16-64g.yaml \
     bench/specs/published-2025/mb2509-h100-deepseekv3-fp8-1024g.yaml "$OUT"/specs/*.yaml "$OUT"/searched/*.yaml; do
   engines="megatron torchtitan deepspeed"
-  case "$spec" in */searched/*) engines="$(sed -n 's/^engine: //p' "$spec")";; esac
+  # a searched spec: its own engine, written as a name or `{ name: NAME, ... }`
+  case "$spec" in */searched/*) engines="$(sed -n -e 's/^engine: { *name: *\([a-z]*\).*/\1/p' -e 's/^engine: \([a-z]*\) *$/\1/p' "$spec")";; esac
   for engine in $engines; do
     dir="$OUT/emit/$(basename "$spec" .yaml)-$engine"
     if ! "$PIPEC" emit --engine "$engine" "$spec" -o "$dir" 2>"$dir.log"; then
