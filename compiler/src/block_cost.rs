@@ -127,7 +127,17 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
         k.matrix(sum_flops, eatt + v_values + o_values);
     };
     // a split product under ring-exchange overlap runs in `t` steps
-    let ring_steps = if cx.tp_overlap { t as usize } else { 1 };
+    let ring_steps = if cx.tp_overlap.is_some() { t as usize } else { 1 };
+    let overlap = cx.tp_overlap.unwrap_or_default();
+    // a split product's (input, weight) gradients in steps: a row-split one's input
+    // gradient always (its output gradient's all-gather), a column-split one's input
+    // gradient (its reduce-scatter) and a row-split one's weight gradient where the engine
+    // runs them so
+    let grad_steps = |split: ProjectionSplit| match split {
+        ProjectionSplit::Replicated => (1, 1),
+        ProjectionSplit::Column => (if overlap.column_input_grad { ring_steps } else { 1 }, 1),
+        ProjectionSplit::Row => (ring_steps, if overlap.row_weight_grad { ring_steps } else { 1 }),
+    };
 
     let steps = |p: &Projection| if p.split == ProjectionSplit::Replicated { 1 } else { ring_steps };
     // the attention's products, (FLOPs, values) each on one rank: a column-split one's
@@ -152,6 +162,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     let mut mlp = Mlps::of(b, tokens, (cx.ep.max(1), cx.whole_experts), t, (cx.grouped_experts, cx.experts_efficiency));
     if b.moe.is_none() {
         mlp.steps = ring_steps;
+        mlp.grad_steps = [grad_steps(ProjectionSplit::Column), grad_steps(ProjectionSplit::Row)];
     }
     // forward: LN, the attention's products, attention, projection, bias-dropout-add, LN,
     // MLP, add
@@ -199,9 +210,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     // backward: every product twice (input and weight gradients), the element-wise kernels
     // reading their input and the incoming gradient
     for pr in &projections {
-        // the output projection is row-split: its input gradient in steps under ring exchange
-        let n = if pr.split == ProjectionSplit::Row { steps(pr) } else { 1 };
-        bwd.gradients_in_steps(priced(pr), fp8, n);
+        bwd.gradients_in_steps(priced(pr), fp8, grad_steps(pr.split));
     }
     for norms in [head_norms, latents].into_iter().filter(|&n| n > 0.0) {
         bwd.vector(8.0 * norms, 3.0 * norms, 0.0);
@@ -262,8 +271,9 @@ struct Mlps<'a> {
     /// (the engine's fitted `experts` constant; 1 where none is fitted).
     routed_efficiency: f64,
     /// The steps a dense MLP's split products run in (tensor parallelism's ring-exchange
-    /// overlap; 1 without).
+    /// overlap; 1 without), and their (input, weight) gradients' (up, then down).
     steps: usize,
+    grad_steps: [(usize, usize); 2],
 }
 
 /// The experts' up and down products as one grouped product each: their FLOPs and values
@@ -326,7 +336,7 @@ impl<'a> Mlps<'a> {
             None => (vec![(mlp(tokens), false)], [tokens * f / t, 0.0], 0.0),
         };
         let routed_efficiency = if b.moe.is_some() { efficiency } else { 1.0 };
-        Mlps { b, products, activation, tokens, routed, routed_efficiency, steps: 1 }
+        Mlps { b, products, activation, tokens, routed, routed_efficiency, steps: 1, grad_steps: [(1, 1); 2] }
     }
 
     /// The efficiency an MLP's products run at against dense products of their size: the
@@ -431,9 +441,8 @@ impl<'a> Mlps<'a> {
     fn backward(&self, bwd: &mut Kernels<'_>, fp8: bool) {
         for (pair, shared) in &self.products {
             let efficiency = self.efficiency(*shared, fp8);
-            bwd.at_efficiency(efficiency, |k| k.gradients(pair[0], fp8));
-            // the down product is row-split: its input gradient in steps under ring exchange
-            bwd.at_efficiency(efficiency, |k| k.gradients_in_steps(pair[1], fp8, self.steps));
+            bwd.at_efficiency(efficiency, |k| k.gradients_in_steps(pair[0], fp8, self.grad_steps[0]));
+            bwd.at_efficiency(efficiency, |k| k.gradients_in_steps(pair[1], fp8, self.grad_steps[1]));
         }
         self.routing(bwd, true);
     }

@@ -821,6 +821,7 @@ impl ApplyProfile for Profile {
 mod tests {
     use super::*;
     use pipec_plan::device::DeviceModel;
+    use pipec_plan::engine::performance::{KernelFamily, OverlapSteps};
     use pipec_plan::model::Source;
 
     /// An fp32 SGD context on `device`: microbatch 4, cross-entropy, nothing split or
@@ -849,7 +850,7 @@ mod tests {
             experts_efficiency: 1.0,
             keeps: Keeps::default(),
             cross_entropy: Default::default(),
-            tp_overlap: false,
+            tp_overlap: None,
         }
     }
 
@@ -1400,7 +1401,7 @@ mod tests {
     /// products; the replicated parts (norms, the attention core) do not change.
     #[test]
     fn ring_exchange_overlap_runs_each_split_product_in_steps() {
-        fn cx(device: &DeviceModel, overlap: bool) -> CostContext<'_> {
+        fn cx(device: &DeviceModel, overlap: Option<OverlapSteps>) -> CostContext<'_> {
             CostContext {
                 precision: Precision::Bf16,
                 optimizer: OptimizerKind::Adam,
@@ -1415,7 +1416,8 @@ mod tests {
         let device = pipec_plan::device::preset("h100-sxm").expect("a preset").model();
         let n = node(Op::llama_block(8192, 64, 8, 28672), vec![8192, 8192]);
         let at = |overlap| price(&n, TpSplit::Block, (false, false), &cx(&device, overlap));
-        let (whole, steps) = (at(false), at(true));
+        let megatron = Some(KernelFamily::MegatronTe.overlap_steps());
+        let (whole, steps) = (at(None), at(megatron));
         let part = |c: &Priced, p: Part| c.block.as_ref().map_or(0.0, |b| b.parts[p as usize]);
         for p in [Part::AttentionProducts, Part::Output, Part::Mlp] {
             assert!(part(&steps, p) > part(&whole, p), "{p:?}: {} against {}", part(&steps, p), part(&whole, p));
@@ -1424,10 +1426,15 @@ mod tests {
             assert_eq!(part(&steps, p), part(&whole, p), "{p:?}");
         }
         assert!(steps.backward > whole.backward);
+        // PyTorch's micro-pipelined TP also runs the column-split products' input gradients
+        // (their reduce-scatter) and the row-split ones' weight gradients in steps
+        let torch = at(Some(KernelFamily::TorchCompiled.overlap_steps()));
+        assert_eq!(torch.forward, steps.forward);
+        assert!(torch.backward > steps.backward, "{} against {}", torch.backward, steps.backward);
         // in steps no product is cheaper than the whole: on a uniform device, the same
         let uniform = DeviceModel::uniform("x", 1e12, 1e12);
         let flat = |overlap| price(&n, TpSplit::Block, (false, false), &cx(&uniform, overlap));
-        let (a, b) = (flat(false), flat(true));
+        let (a, b) = (flat(None), flat(megatron));
         assert!(b.forward >= a.forward && b.forward < 1.05 * a.forward, "{} against {}", b.forward, a.forward);
     }
 }

@@ -4,7 +4,7 @@
 //! `vector_time`).
 
 use pipec_plan::device::{DeviceModel, Function};
-use pipec_plan::engine::performance::{CrossEntropy, KernelFamily};
+use pipec_plan::engine::performance::{CrossEntropy, KernelFamily, OverlapSteps};
 use pipec_plan::plan::Fp8Plan;
 use pipec_plan::vocab::{Attention, CpComm, Fp8Storage, Loss, OptimizerKind, Precision};
 
@@ -59,8 +59,8 @@ pub struct CostContext<'a> {
     /// What the engine's kernels keep beyond the operations' operands.
     pub keeps: Keeps,
     /// Tensor parallelism's collectives overlapped with the products by ring exchange
-    /// (`tp_overlap`): a split product runs in `tp` steps.
-    pub tp_overlap: bool,
+    /// (`tp_overlap`), with the passes the engine runs in `tp` steps; None without.
+    pub tp_overlap: Option<OverlapSteps>,
     /// The engine's cross-entropy: what a language model's loss holds.
     pub cross_entropy: Losses,
 }
@@ -150,6 +150,13 @@ impl Product {
     fn values(&self) -> f64 {
         self.input + self.weights + self.output
     }
+
+    /// One of `n` steps over the product's rows: a 1/n share of its FLOPs, input and
+    /// output against the whole weights.
+    fn step(&self, n: usize) -> Product {
+        let n = n.max(1) as f64;
+        Product { flops: self.flops / n, input: self.input / n, weights: self.weights, output: self.output / n }
+    }
 }
 
 impl Kernels<'_> {
@@ -183,14 +190,8 @@ impl Kernels<'_> {
     /// communication overlapped by ring exchange: Transformer Engine's userbuffers, PyTorch's
     /// asynchronous TP), each priced at its own size.
     pub(crate) fn product_in_steps(&mut self, product: Product, fp8: bool, n: usize) {
-        let n = n.max(1) as f64;
-        let step = Product {
-            flops: product.flops / n,
-            input: product.input / n,
-            weights: product.weights,
-            output: product.output / n,
-        };
-        for _ in 0..n as usize {
+        let step = product.step(n);
+        for _ in 0..n.max(1) {
             self.product(step, fp8);
         }
     }
@@ -211,30 +212,24 @@ impl Kernels<'_> {
             self.matrix(product.flops, product.values());
         }
     }
-    /// [`Self::gradients`] with the input gradient in `n` steps over its rows, as a
-    /// row-split product's runs under ring-exchange overlap (the output gradient's
-    /// all-gather chunked against it); the weight gradient whole.
-    pub(crate) fn gradients_in_steps(&mut self, product: Product, fp8: bool, n: usize) {
-        if n <= 1 {
+    /// [`Self::gradients`] with the input gradient in `input` steps and the weight gradient
+    /// in `weight` steps over the rows (a split product's passes chunked against their
+    /// collectives under ring-exchange overlap), each step priced at its size; 1: whole.
+    pub(crate) fn gradients_in_steps(&mut self, product: Product, fp8: bool, (input, weight): (usize, usize)) {
+        if input <= 1 && weight <= 1 {
             return self.gradients(product, fp8);
         }
-        let steps = n as f64;
-        let step = Product {
-            flops: product.flops / steps,
-            input: product.input / steps,
-            weights: product.weights,
-            output: product.output / steps,
-        };
         if fp8 {
             self.seconds += self.device.vector_time(product.output, product.output * (self.p + 2.0));
-            self.seconds += self.device.fp8_matrix_time(product.flops, product.values() * self.p);
-            for _ in 0..n {
-                self.seconds += self.device.fp8_matrix_time(step.flops, step.values() * self.p);
-            }
-        } else {
-            self.matrix(product.flops, product.values());
-            for _ in 0..n {
-                self.matrix(step.flops, step.values());
+        }
+        for n in [input, weight] {
+            let step = product.step(n);
+            for _ in 0..n.max(1) {
+                if fp8 {
+                    self.seconds += self.device.fp8_matrix_time(step.flops, step.values() * self.p);
+                } else {
+                    self.matrix(step.flops, step.values());
+                }
             }
         }
     }

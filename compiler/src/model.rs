@@ -52,7 +52,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         grouped_experts: spec.engine.family().grouped_expert_gemm(),
         experts_efficiency: spec.engine.performance.as_ref().map_or(1.0, |p| p.experts),
         keeps: Keeps::of(spec.engine.family()),
-        tp_overlap: spec.strategy.tp_overlap && spec.strategy.tp > 1,
+        tp_overlap: (spec.strategy.tp_overlap && spec.strategy.tp > 1).then(|| spec.engine.family().overlap_steps()),
         cross_entropy: Losses { whole: spec.engine.cross_entropy(false), split: spec.engine.cross_entropy(true) },
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {

@@ -59,6 +59,18 @@ impl KernelFamily {
     }
 }
 
+/// Which of a split product's backward passes an engine's tensor-parallel overlap
+/// (`tp_overlap`) runs in steps against its collectives, beside every forward product and
+/// the row-split products' input gradients, which all run so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OverlapSteps {
+    /// A column-split product's input gradient, chunked against its reduce-scatter.
+    pub column_input_grad: bool,
+    /// A row-split product's weight gradient, chunked against its output gradient's
+    /// all-gather.
+    pub row_weight_grad: bool,
+}
+
 /// How an engine's cross-entropy holds a language model's logits: the implementation
 /// whose tensors decide the last stage's loss memory (`KernelFamily::cross_entropy`). Each
 /// is read from the code that runs it; none is fitted.
@@ -244,6 +256,24 @@ impl KernelFamily {
         match self {
             KernelFamily::Pipec | KernelFamily::TorchEager | KernelFamily::TorchCompiled => true,
             KernelFamily::MegatronTe | KernelFamily::Deepspeed => false,
+        }
+    }
+
+    /// The backward passes the engine's `tp_overlap` chunks ([`OverlapSteps`]).
+    /// Megatron-LM on Transformer Engine (Megatron-Bridge's H100 userbuffers
+    /// configurations, comm_overlap.py): the row-split input gradients by ring exchange, the
+    /// column-split ones and every weight gradient bulk-overlapped, whole. PyTorch's
+    /// micro-pipelined TP under torchtitan's asynchronous TP
+    /// (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses every all-gather with the
+    /// products reading it and every product with the reduce-scatter after it, in the
+    /// backward's graph too. pipec's executor runs the collectives in line (`pipec run` says
+    /// so) and DeepSpeed has no such overlap: planned as Megatron-LM's.
+    pub fn overlap_steps(self) -> OverlapSteps {
+        match self {
+            KernelFamily::TorchEager | KernelFamily::TorchCompiled => {
+                OverlapSteps { column_input_grad: true, row_weight_grad: true }
+            }
+            KernelFamily::MegatronTe | KernelFamily::Pipec | KernelFamily::Deepspeed => OverlapSteps::default(),
         }
     }
 
