@@ -138,7 +138,6 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
         ProjectionSplit::Column => (if overlap.column_input_grad { ring_steps } else { 1 }, 1),
         ProjectionSplit::Row => (ring_steps, if overlap.row_weight_grad { ring_steps } else { 1 }),
     };
-
     let steps = |p: &Projection| if p.split == ProjectionSplit::Replicated { 1 } else { ring_steps };
     // the attention's products, (FLOPs, values) each on one rank: a column-split one's
     // output and a row-split one's input are the rank's share, a duplicated one (multi-head

@@ -690,13 +690,11 @@ fn stage_bytes(
     let shard: u64 = c.iter().map(|c| c.shard_parameters).sum::<u64>() + copy.1;
     let input_bytes = if r.start == 0 { graph.source_bytes(Source::Input) / cp as u64 } else { cut_bytes(r.start) }
         .saturating_mul(mb);
-    // the last stage also keeps what the loss needs for its backward (a language model's
-    // [sequence, vocab] log-probabilities; split by tp over the vocabulary)
-    let loss_input = if r.end == costs.len() {
-        costs.last().map_or(0, |c| c.loss_input_bytes_per_sample).saturating_mul(mb)
-    } else {
-        0
-    };
+    // the last stage also keeps what the loss needs for its backward (what the engine's
+    // cross-entropy keeps of a language model's [sequence, vocab] logits; split by tp over
+    // the vocabulary)
+    let loss_layer = costs.last().filter(|_| r.end == costs.len());
+    let loss_input = loss_layer.map_or(0, |c| c.loss_input_bytes_per_sample).saturating_mul(mb);
     let kept = |i: usize| kept_under(&costs[i], &policies[i]);
     // activation recompute checkpoints the input of every recompute unit — the stage input,
     // and each transformer block's or LSTM's input (Megatron-LM's full recompute, one block
@@ -732,11 +730,7 @@ fn stage_bytes(
     // engine's cross-entropy's), one loss's at a time: multi-token prediction's each keep
     // their own
     let losses = 1 + graph.mtp.map_or(0, |m| m.depth) as u64;
-    let loss_backward = if r.end == costs.len() {
-        costs.last().map_or(0, |c| c.loss_transient_bytes_per_sample).saturating_mul(mb) / losses
-    } else {
-        0
-    };
+    let loss_backward = loss_layer.map_or(0, |c| c.loss_transient_bytes_per_sample).saturating_mul(mb) / losses;
     let whole = ModelState {
         weights: c.iter().map(|c| c.parameter_bytes).sum::<u64>() + copy.2,
         gradients: shard.saturating_mul(model.grad_bytes as u64),

@@ -438,6 +438,17 @@ choice! {
     }
 }
 
+impl CompileComponent {
+    /// The components compiled where the model's blocks and (or) the loss are, in
+    /// torchtitan's order: what `engine.compile` lists, the import writes and `emit` sets.
+    pub fn compiled((model, loss): (bool, bool)) -> Vec<CompileComponent> {
+        [(CompileComponent::Model, model), (CompileComponent::Loss, loss)]
+            .into_iter()
+            .filter_map(|(c, on)| on.then_some(c))
+            .collect()
+    }
+}
+
 choice! {
     /// How FP8 training scales each tensor before its FP8 product (`training.fp8.recipe`).
     pub enum Fp8Recipe {

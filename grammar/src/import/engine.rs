@@ -4,7 +4,7 @@
 //! `engine:`, with a header listing what the configuration asks that the spec cannot say.
 
 use pipec_plan::model::{MlpKind, NormKind};
-use pipec_plan::vocab::{CpComm, Engine, Precision, ScheduleKind, Sharding};
+use pipec_plan::vocab::{Choice, CompileComponent, CpComm, Engine, Precision, ScheduleKind, Sharding};
 
 /// A decoder-only language model as the engines describe one.
 #[derive(Debug, Clone, PartialEq)]
@@ -413,8 +413,8 @@ pub fn write_spec(
     }
     let engine_line = match run.compile {
         (false, false) => engine.to_string(),
-        (model, loss) => {
-            let parts: Vec<&str> = [("model", model), ("loss", loss)].iter().filter(|c| c.1).map(|c| c.0).collect();
+        compile => {
+            let parts: Vec<&str> = CompileComponent::compiled(compile).into_iter().map(Choice::name).collect();
             format!("{{ name: {engine}, compile: [{}] }}", parts.join(", "))
         }
     };

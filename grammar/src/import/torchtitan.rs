@@ -6,7 +6,7 @@
 
 use pipec_plan::engine::emit::{LLAMA3_FLAVOURS, LLAMA3_VOCAB};
 use pipec_plan::model::{MlpKind, NormKind};
-use pipec_plan::vocab::{CpComm, Engine, Precision, ScheduleKind, Sharding};
+use pipec_plan::vocab::{Choice, CompileComponent, CpComm, Engine, Precision, ScheduleKind, Sharding};
 
 use super::engine::{model_text, write_spec, ModelFacts, RunFacts};
 
@@ -168,10 +168,10 @@ pub fn import(text: &str, name: &str, world: Option<usize>) -> Result<String, St
                 let parts = v.as_array().ok_or_else(|| format!("`[compile] components = {v}`: not a list"))?;
                 let mut on = (false, false);
                 for c in parts {
-                    match c.as_str() {
-                        Some("model") => on.0 = true,
-                        Some("loss") => on.1 = true,
-                        _ => {
+                    match c.as_str().and_then(CompileComponent::from_name) {
+                        Some(CompileComponent::Model) => on.0 = true,
+                        Some(CompileComponent::Loss) => on.1 = true,
+                        None => {
                             return Err(format!(
                                 "`[compile] components` names {c}: torchtitan compiles \"model\" and \"loss\""
                             ))

@@ -16,7 +16,7 @@ use super::EngineTarget;
 use crate::model::{MlpKind, NormKind};
 use crate::plan::{BlockRecompute, OptimizerPlan};
 use crate::rope::RopeScaling;
-use crate::vocab::{CpComm, Engine, Precision, RecomputeOp, ScheduleKind, Sharding};
+use crate::vocab::{Choice, CompileComponent, CpComm, Engine, Precision, RecomputeOp, ScheduleKind, Sharding};
 use crate::Plan;
 
 /// One emitted file: its name in the folder and its text.
@@ -817,7 +817,7 @@ pub fn torchtitan_rows(run: &Run<'_>, flavour: &str) -> Vec<(&'static str, &'sta
     let loss = performance.is_some_and(|p| p.loss_compiled);
     rows.push(("compile", "enable", json!(model || loss)));
     if model || loss {
-        let components: Vec<&str> = [("model", model), ("loss", loss)].iter().filter(|c| c.1).map(|c| c.0).collect();
+        let components: Vec<&str> = CompileComponent::compiled((model, loss)).into_iter().map(Choice::name).collect();
         rows.push(("compile", "components", json!(components)));
     }
     // torchao's FP8 (job_config.py:731-792 at v0.2.2): the converter beside the model's
