@@ -391,3 +391,37 @@ fn a_context_parallel_ring_keeps_less_and_hides_its_transfers_under_attention() 
     let (fits, help) = at(below);
     assert!(!fits && !help.contains("cp_comm"), "{below} MiB: never offered where it does not fit: {help}");
 }
+
+/// Sequence parallelism's collectives as each engine runs them, on a link slow enough that
+/// they set the step: Megatron-LM gathers each column-split input again for the backward,
+/// torchtitan keeps it (PyTorch's autograd) unless its op-level policy recomputes it, and
+/// under Float8 with tensorwise scaling gathers FP8 both ways — each of the three is two of a
+/// block's bf16 gathers.
+#[test]
+fn sequence_parallel_gathers_are_priced_as_each_engine_runs_them() {
+    let step = |engine: &str, recompute: &str, fp8: bool| {
+        let precision =
+            if fp8 { "fp8\n  fp8: { recipe: tensorwise, activations: bf16, weight_copies: false }" } else { "bf16" };
+        let text = format!(
+            "name: sp\nengine: {engine}\nmodel:\n  input: [4096]\n  layers:\n    - embedding(1024, 1024)\n    - repeat 2: transformer_block(d=1024, heads=8, ff=4096, causal=true, norm=rmsnorm, mlp=swiglu, bias=false)\n    - rmsnorm\n    - linear(1024, 1024, bias=false)\n  loss: cross_entropy\n  attention: flash\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: h100-sxm\n  links:\n    intra_node: {{ bandwidth: 100MB/s, latency: 0us }}\nstrategy:\n  dp: 1\n  pp: 1\n  tp: 2\n  sequence_parallel: true\n  schedule: 1f1b\n  microbatches: 1\n  recompute: {recompute}\ntraining:\n  batch_size: 1\n  steps: 1\n  optimizer: {{ kind: adamw, lr: 0.001 }}\n  precision: {precision}\n"
+        );
+        compile_text(&text).into_compiled().expect("compiles").plan.simulation.step_time_s
+    };
+    let megatron = step("megatron", "false", false);
+    let torchtitan = step("torchtitan", "false", false);
+    let op_level = step("torchtitan", "{ ops: [alternate_matmul, attention] }", false);
+    let float8 = step("torchtitan", "false", true);
+    // a block's bf16 gather: 4096 × 1024 values of 2 bytes, half of them from the other rank
+    let gather = 4096.0 * 1024.0 * 2.0 / 2.0 / 100e6;
+    let two_blocks_two_gathers = 2.0 * 2.0 * gather;
+    for (what, saved) in [
+        ("Megatron-LM's gathers again", megatron - torchtitan),
+        ("the op-level policy's gathers again", op_level - torchtitan),
+        ("torchtitan's bf16 gathers against its FP8 ones", torchtitan - float8),
+    ] {
+        assert!(
+            (saved / two_blocks_two_gathers - 1.0).abs() < 0.02,
+            "{what}: {saved} s against {two_blocks_two_gathers} s"
+        );
+    }
+}

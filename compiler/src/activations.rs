@@ -131,13 +131,20 @@ pub fn block_kept(b: &BlockDims, cx: &BlockContext) -> Vec<Kept> {
     let mut list = List { tensors: Vec::new(), products: 0 };
     // the residual's gradient arrives and leaves at the block's input width
     list.keep_wide("block input", &[], Made::Input, seq(h, p), 2.0 * seq(h, p));
-    list.keep("first norm's output", &[Layernorm], Made::Other, seq(h, linear_input));
+    // a column-split product's input: its sequence share, or the gathered sequence where the
+    // engine keeps that (at FP8 where it gathers FP8)
+    let column_input = |values: f64| match (cx.keeps.gathered_inputs, cx.keeps.gathered_fp8) {
+        (true, true) => s * values,
+        (true, false) => s * values * linear_input,
+        (false, _) => seq(values, linear_input),
+    };
+    list.keep("first norm's output", &[Layernorm], Made::Other, column_input(h));
     attention_kept(b, cx, &mut list);
     if cx.dropout {
         list.keep("attention's dropout mask", &[], Made::Other, seq(h, 1.0));
     }
     list.keep("second norm's input", &[], Made::Other, seq(h, p));
-    list.keep("second norm's output", &[Layernorm], Made::Other, seq(h, linear_input));
+    list.keep("second norm's output", &[Layernorm], Made::Other, column_input(h));
     // an MLP's kept tensors per token it computes: the up projection's output (gate ‖ up,
     // the activation's input) and the activation's output (the down projection's input)
     let f = b.ff as f64;
@@ -375,6 +382,33 @@ mod tests {
     }
 
     #[test]
+    fn under_sequence_parallelism_pytorch_keeps_the_gathered_inputs_of_the_column_products() {
+        // GPT-3's block, t = 8 with sequence parallelism: Megatron-LM keeps each norm's output
+        // as its sequence share (and gathers it again for the weight gradients); PyTorch's
+        // autograd keeps the gathered input, the whole sequence, at FP8 under torchao's
+        // Float8 tensor parallelism
+        let b = Op::block(1024, 16, 4096, false).block_dims().expect("block");
+        let (t, sh) = (8.0, 512.0 * 1024.0);
+        let of = |gathered_inputs: bool, gathered_fp8: bool| {
+            let keeps = Keeps { gathered_inputs, gathered_fp8, ..Keeps::default() };
+            let list = block_kept(&b, &BlockContext { keeps, ..cx(t, true, Attention::Flash, false) });
+            let norms: Vec<f64> = list.iter().filter(|k| k.name.ends_with("norm's output")).map(|k| k.bytes).collect();
+            (total(&list), norms)
+        };
+        let (megatron, shares) = of(false, false);
+        let (pytorch, gathered) = of(true, false);
+        let (float8, fp8) = of(true, true);
+        assert_eq!(shares, vec![2.0 * sh / t; 2]);
+        assert_eq!(gathered, vec![2.0 * sh; 2]);
+        assert_eq!(fp8, vec![sh; 2]);
+        assert_eq!(pytorch - megatron, 2.0 * 2.0 * sh * (1.0 - 1.0 / t));
+        assert_eq!(pytorch - float8, 2.0 * sh);
+        // without sequence parallelism nothing changes: every rank holds the whole input
+        let whole = |keeps| total(&block_kept(&b, &BlockContext { keeps, ..cx(t, false, Attention::Flash, false) }));
+        assert_eq!(whole(Keeps { gathered_inputs: true, ..Keeps::default() }), whole(Keeps::default()));
+    }
+
+    #[test]
     fn weights_in_the_activation_keep_one_fp32_weight_a_pair_in_place_of_the_experts_outputs() {
         // Qwen3-30B-A3B's block (128 experts of 768, 8 a token), one rank: a combine that
         // weighs keeps the 8 routed outputs of 2048 a token (bf16); Megatron-Core's weighted
@@ -386,7 +420,7 @@ mod tests {
         let b = op.block_dims().expect("block");
         let s = 4096.0;
         let of = |weights_in_activation| {
-            let keeps = Keeps { composed_gates: false, weights_in_activation };
+            let keeps = Keeps { weights_in_activation, ..Keeps::default() };
             block_kept(&b, &BlockContext { s, keeps, ..cx(1.0, false, Attention::Flash, false) })
         };
         let (combine, weighed) = (of(false), of(true));

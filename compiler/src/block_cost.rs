@@ -105,7 +105,8 @@ impl<'a> Forward<'a> {
 pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext<'_>) -> BlockPriced {
     let p = cx.precision.bytes() as f64;
     let fp8 = cx.fp8.is_some();
-    let new = || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0 };
+    let new =
+        || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0, fp8_rate: true, casts: cx.fp8_casts };
     let mut fwd = Forward { k: new(), parts: [0.0; Part::COUNT], products: Vec::new() };
     let (mut bwd, mut sel) = (new(), new());
     let (h, a) = (b.d as f64, b.heads as f64);
@@ -266,9 +267,12 @@ struct Mlps<'a> {
     tokens: f64,
     /// The routed expert-token pairs this rank's tokens make (dispatched, combined).
     routed: f64,
-    /// The routed experts' FP8 products' efficiency against dense FP8 products of their size
-    /// (the engine's fitted `experts` constant; 1 where none is fitted).
+    /// The routed experts' products' efficiency against dense products of their size (the
+    /// engine's fitted `experts` constant; 1 where none is fitted).
     routed_efficiency: f64,
+    /// The routed experts run one GEMM per expert (not grouped): under FP8 at the training
+    /// precision's rate ([`Mlps::run`]).
+    per_expert: bool,
     /// The steps a dense MLP's split products run in (tensor parallelism's ring-exchange
     /// overlap; 1 without), and their (input, weight) gradients' (up, then down).
     steps: usize,
@@ -335,19 +339,39 @@ impl<'a> Mlps<'a> {
             None => (vec![(mlp(tokens), false)], [tokens * f / t, 0.0], 0.0),
         };
         let routed_efficiency = if b.moe.is_some() { efficiency } else { 1.0 };
-        Mlps { b, products, activation, tokens, routed, routed_efficiency, steps: 1, grad_steps: [(1, 1); 2] }
+        let per_expert = b.moe.is_some() && !grouped;
+        Mlps {
+            b,
+            products,
+            activation,
+            tokens,
+            routed,
+            routed_efficiency,
+            per_expert,
+            steps: 1,
+            grad_steps: [(1, 1); 2],
+        }
     }
 
-    /// The efficiency an MLP's products run at against dense products of their size: the
-    /// engine's fitted constant for the routed experts' products in FP8 (each expert's rows
-    /// quantized on their own: Transformer Engine's grouped linear), 1 for the shared
-    /// experts, the dense MLP, and the routed experts' products in the training precision
-    /// (no run of those is calibrated apart from the dense ones).
-    fn efficiency(&self, shared: bool, fp8: bool) -> f64 {
-        if shared || !fp8 {
-            1.0
+    /// Runs an MLP's products `kernels` as the engine runs them: the routed experts' at the
+    /// engine's fitted constant of dense products of their size (1 for the shared experts
+    /// and the dense MLP), and where they run one GEMM per expert, their FP8 products at the
+    /// training precision's rate. Transformer Engine's grouped linear on Hopper quantizes
+    /// each expert's rows on their own and runs each expert's FP8 GEMM of a few thousand
+    /// rows (`KernelFamily::grouped_expert_gemm`); Megatron-Bridge's FP8 mixture-of-experts
+    /// calibration rows fit them at 0.43 of the FP8 rate, 0.86 of the bf16 one: no faster
+    /// than bf16 (docs/benchmarks.md, "Steps"). So the one constant holds for their bf16
+    /// products too, which were priced as dense ones before and ran too fast on every
+    /// held-out bf16 mixture-of-experts row.
+    fn run(&self, k: &mut Kernels<'_>, shared: bool, fp8: bool, kernels: impl FnOnce(&mut Kernels<'_>)) {
+        if shared {
+            return kernels(k);
+        }
+        let efficiency = self.routed_efficiency;
+        if fp8 && self.per_expert {
+            k.at_training_rate(|k| k.at_efficiency(efficiency, kernels));
         } else {
-            self.routed_efficiency
+            k.at_efficiency(efficiency, kernels);
         }
     }
 
@@ -412,12 +436,9 @@ impl<'a> Mlps<'a> {
             if group.is_empty() {
                 continue;
             }
-            let efficiency = self.efficiency(shared, fp8);
             let before = fwd.k.seconds;
             for pair in &group {
-                fwd.part(part(shared), |k| {
-                    k.at_efficiency(efficiency, |k| k.product_in_steps(pair[0], fp8, self.steps))
-                });
+                fwd.part(part(shared), |k| self.run(k, shared, fp8, |k| k.product_in_steps(pair[0], fp8, self.steps)));
             }
             let up_seconds = fwd.k.seconds - before;
             let whole: f64 = up_shares.iter().sum();
@@ -428,9 +449,7 @@ impl<'a> Mlps<'a> {
             fwd.part(act_part, |k| k.function(self.function(), elements, flops, values));
             let before = fwd.k.seconds;
             for pair in &group {
-                fwd.part(part(shared), |k| {
-                    k.at_efficiency(efficiency, |k| k.product_in_steps(pair[1], fp8, self.steps))
-                });
+                fwd.part(part(shared), |k| self.run(k, shared, fp8, |k| k.product_in_steps(pair[1], fp8, self.steps)));
             }
             fwd.products.push(fwd.k.seconds - before);
         }
@@ -439,9 +458,8 @@ impl<'a> Mlps<'a> {
     /// The backward's products (each twice: input and weight gradients) and routing.
     fn backward(&self, bwd: &mut Kernels<'_>, fp8: bool) {
         for (pair, shared) in &self.products {
-            let efficiency = self.efficiency(*shared, fp8);
-            bwd.at_efficiency(efficiency, |k| k.gradients_in_steps(pair[0], fp8, self.grad_steps[0]));
-            bwd.at_efficiency(efficiency, |k| k.gradients_in_steps(pair[1], fp8, self.grad_steps[1]));
+            self.run(bwd, *shared, fp8, |k| k.gradients_in_steps(pair[0], fp8, self.grad_steps[0]));
+            self.run(bwd, *shared, fp8, |k| k.gradients_in_steps(pair[1], fp8, self.grad_steps[1]));
         }
         self.routing(bwd, true);
     }

@@ -356,7 +356,8 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
     let mut core_s = [0.0; 2];
     let mut block = None;
     let p = cx.precision.bytes() as f64;
-    let new = || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0 };
+    let new =
+        || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0, fp8_rate: true, casts: cx.fp8_casts };
     let (mut fwd, mut bwd, mut sel) = (new(), new(), new());
     let inp = numel(&node.input_shape) * b;
     let out = numel(&node.output_shape) * b;
@@ -502,28 +503,30 @@ fn tp_collectives(node: &OpNode, split: TpSplit, cx: &CostContext<'_>) -> (Colle
     let p = cx.precision.bytes() as f64;
     let b = device_samples(cx);
     let bytes = |values: f64| (values * b * p) as u64;
+    // sequence parallelism: each all-gather at the bytes the engine gathers (FP8 under
+    // torchao's Float8 tensor parallelism), and backward per column-split input its
+    // gradient's reduce-scatter, after the output gradient's gather, and unless the engine
+    // keeps the gathered input its gather again for the weight gradient
+    let sequence = |values: f64, columns: usize| {
+        let x = bytes(values);
+        let g = (values * b * cx.sequence_gather_bytes(p)) as u64;
+        let regather = if cx.sequence_collectives.keeps_gathered { 0 } else { columns };
+        let backward: Collectives = std::iter::repeat_n([(AllGather, g), (ReduceScatter, x)], columns)
+            .flatten()
+            .chain(std::iter::repeat_n((AllGather, g), regather))
+            .collect();
+        (std::iter::repeat_n([(AllGather, g), (ReduceScatter, x)], columns).flatten().collect(), backward)
+    };
     match split {
         // whole experts without shared ones (`etp: 1`): the routed experts take each rank's
-        // sequence share as it is, so only the attention's gather and scatter remain (and
-        // backward the attention input's gather again)
+        // sequence share as it is, so only the attention's gather and scatter remain
         TpSplit::Block if cx.sequence_parallel && cx.whole_experts && node.op.moe().is_some_and(|m| m.shared == 0) => {
-            let x = bytes(numel(&node.input_shape));
-            (vec![(AllGather, x), (ReduceScatter, x)], vec![(AllGather, x), (ReduceScatter, x), (AllGather, x)])
+            sequence(numel(&node.input_shape), 1)
         }
         TpSplit::Block => {
             let x = bytes(numel(&node.input_shape));
             if cx.sequence_parallel {
-                (
-                    vec![(AllGather, x), (ReduceScatter, x), (AllGather, x), (ReduceScatter, x)],
-                    vec![
-                        (AllGather, x),
-                        (ReduceScatter, x),
-                        (AllGather, x),
-                        (ReduceScatter, x),
-                        (AllGather, x),
-                        (AllGather, x),
-                    ],
-                )
+                sequence(numel(&node.input_shape), 2)
             } else {
                 (vec![(AllReduce, x), (AllReduce, x)], vec![(AllReduce, x), (AllReduce, x)])
             }
@@ -727,7 +730,7 @@ fn layer_cost(
         sp,
         attention: cx.attention_kernel(),
         ep: cx.load_members(t),
-        keeps: cx.keeps,
+        keeps: cx.keeps_of_block(sp),
     };
     let cp = cx.cp.max(1) as f64;
     // a context-parallel member keeps 1/cp of every tensor (its positions)
@@ -851,6 +854,8 @@ mod tests {
             keeps: Keeps::default(),
             cross_entropy: Default::default(),
             tp_overlap: None,
+            sequence_collectives: Default::default(),
+            fp8_casts: pipec_plan::engine::performance::KernelFamily::MegatronTe.fp8_casts(),
         }
     }
 
@@ -1213,9 +1218,9 @@ mod tests {
     }
 
     #[test]
-    fn the_engines_experts_constant_prices_the_routed_experts_fp8_products_only() {
+    fn the_engines_experts_constant_prices_the_routed_experts_products_and_per_expert_fp8_at_the_bf16_rate() {
         // Qwen3-30B-A3B's block: 128 experts of 768, 8 per token; on a uniform device, the
-        // routed experts' FP8 products at a fitted share of a dense product's speed
+        // routed experts' products at a fitted share of a dense product's speed
         let mut op = Op::llama_block(2048, 32, 4, 768);
         if let Op::TransformerBlock { moe, .. } = &mut op {
             *moe = Some(pipec_plan::model::Moe::new(128, 8));
@@ -1251,13 +1256,116 @@ mod tests {
         for p in [Part::AttentionProducts, Part::Core, Part::Routing, Part::ExpertsActivation, Part::Norms] {
             assert_eq!(part(&quarter, p), part(&whole, p), "{p:?}");
         }
-        // in the training precision the constant does not act
-        assert_eq!(at(0.25, None).forward, at(1.0, None).forward);
-        assert_eq!(at(0.25, None).backward, at(1.0, None).backward);
+        // in the training precision it acts alike
+        let (bf16, bf16_quarter) = (at(1.0, None), at(0.25, None));
+        let experts = part(&bf16, Part::Experts);
+        assert!((part(&bf16_quarter, Part::Experts) - 4.0 * experts).abs() < 1e-9 * experts);
+        assert_eq!(part(&bf16_quarter, Part::AttentionProducts), part(&bf16, Part::AttentionProducts));
         // a dense block has no routed experts for it to act on
         let dense = node(Op::llama_block(2048, 32, 4, 768), vec![4096, 2048]);
         let priced = |g| price(&dense, TpSplit::Replicated, (false, false), &cx(g, Some(fp8)));
         assert_eq!(priced(0.25).forward, priced(1.0).forward);
+        // one GEMM per expert: their FP8 products run at the bf16 rate, the dense FP8
+        // products at the FP8 rate; grouped (one kernel), the experts' at the FP8 rate too
+        let mut fast = device.clone();
+        fast.matrix.fp8 = 4e12;
+        let on = |device: &DeviceModel, grouped: bool| {
+            let cx = CostContext { grouped_experts: grouped, device, ..cx(1.0, Some(fp8)) };
+            price(&n, TpSplit::Replicated, (false, false), &cx)
+        };
+        let (slow_each, fast_each) = (on(&device, false), on(&fast, false));
+        assert_eq!(part(&fast_each, Part::Experts), part(&slow_each, Part::Experts));
+        assert!(part(&fast_each, Part::AttentionProducts) < part(&slow_each, Part::AttentionProducts));
+        assert!(part(&on(&fast, true), Part::Experts) < part(&on(&device, true), Part::Experts));
+    }
+
+    #[test]
+    fn fp8_casts_cost_what_the_engine_moves() {
+        use pipec_plan::engine::performance::KernelFamily;
+        // a Llama block in FP8 on a device whose casts are bound by its memory: torchao's
+        // compiled casts move more than Transformer Engine's (the weights every forward, one
+        // byte more a value), eager ones more still; the products themselves alike
+        let mut device = DeviceModel::uniform("x", 1e12, 1e12);
+        device.memory_bandwidth = 1e11;
+        let fp8 = pipec_plan::plan::Fp8Plan {
+            recipe: pipec_plan::vocab::Fp8Recipe::Tensorwise,
+            activations: pipec_plan::vocab::Fp8Storage::Bf16,
+            weight_copies: false,
+            gather: pipec_plan::vocab::Fp8Storage::Bf16,
+        };
+        let n = node(Op::llama_block(4096, 32, 8, 14336), vec![4096, 4096]);
+        let at = |family: KernelFamily| {
+            let cx = CostContext {
+                precision: Precision::Bf16,
+                optimizer: OptimizerKind::Adam,
+                microbatch: 1,
+                attention: Attention::Flash,
+                fp8: Some(fp8),
+                fp8_casts: family.fp8_casts(),
+                ..context(&device)
+            };
+            price(&n, TpSplit::Replicated, (false, false), &cx)
+        };
+        let (te, compiled, eager) =
+            (at(KernelFamily::MegatronTe), at(KernelFamily::TorchCompiled), at(KernelFamily::TorchEager));
+        // forward, bytes beyond Transformer Engine's: compiled 7 a weight and 1 an input
+        // value, eager 6 and 2 — the weights and inputs come out of the two differences
+        let (c, e) = ((compiled.forward - te.forward) * 1e11, (eager.forward - te.forward) * 1e11);
+        let (weights, inputs) = ((2.0 * c - e) / 8.0, (7.0 * e - 6.0 * c) / 8.0);
+        let parameters = n.op.parameter_count() as f64;
+        assert!((weights / parameters - 1.0).abs() < 0.001, "{weights} against {parameters}");
+        // the products' inputs: 4096 rows of the block's width three times (attention's
+        // products, the output projection, the MLP's up products) and of the MLP's once
+        let rows = 4096.0;
+        assert!((inputs / (rows * (3.0 * 4096.0 + 14336.0)) - 1.0).abs() < 0.001, "{inputs}");
+        // backward: the output gradient's cast, 1 byte a value more compiled, 2 eager
+        let (c, e) = (compiled.backward - te.backward, eager.backward - te.backward);
+        assert!(c > 0.0 && (e / c - 2.0).abs() < 1e-9, "{c} {e}");
+    }
+
+    #[test]
+    fn sequence_parallel_collectives_are_the_engines() {
+        use pipec_plan::engine::performance::SequenceCollectives;
+        // a Llama block on t = 8 with sequence parallelism: forward a gather and a scatter
+        // around each half; backward each half's output-gradient gather and input-gradient
+        // scatter, and on Megatron-LM the two inputs gathered again
+        let device = DeviceModel::uniform("x", 1e12, 1e12);
+        let fp8 = |recipe| pipec_plan::plan::Fp8Plan {
+            recipe,
+            activations: pipec_plan::vocab::Fp8Storage::Bf16,
+            weight_copies: false,
+            gather: pipec_plan::vocab::Fp8Storage::Bf16,
+        };
+        let cx = |sequence_collectives, fp8| CostContext {
+            precision: Precision::Bf16,
+            optimizer: OptimizerKind::Adam,
+            microbatch: 1,
+            tp: 8,
+            sequence_parallel: true,
+            attention: Attention::Flash,
+            sequence_collectives,
+            fp8,
+            ..context(&device)
+        };
+        let n = node(Op::llama_block(4096, 32, 8, 14336), vec![8192, 4096]);
+        let x = 8192 * 4096 * 2;
+        use CollectiveKind::{AllGather as Ag, ReduceScatter as Rs};
+        let megatron = SequenceCollectives::default();
+        let torch = pipec_plan::engine::performance::KernelFamily::TorchCompiled.sequence_collectives();
+        let tensorwise = Some(fp8(pipec_plan::vocab::Fp8Recipe::Tensorwise));
+        let (f, b) = tp_collectives(&n, TpSplit::Block, &cx(megatron, tensorwise));
+        assert_eq!(f, vec![(Ag, x), (Rs, x), (Ag, x), (Rs, x)]);
+        assert_eq!(b, vec![(Ag, x), (Rs, x), (Ag, x), (Rs, x), (Ag, x), (Ag, x)]);
+        // PyTorch keeps the gathered inputs: no gather again
+        let (f, b) = tp_collectives(&n, TpSplit::Block, &cx(torch, None));
+        assert_eq!(f, vec![(Ag, x), (Rs, x), (Ag, x), (Rs, x)]);
+        assert_eq!(b, f);
+        // torchao's Float8 tensor parallelism gathers FP8 under tensorwise scaling, both ways
+        let (f, b) = tp_collectives(&n, TpSplit::Block, &cx(torch, tensorwise));
+        assert_eq!(f, vec![(Ag, x / 2), (Rs, x), (Ag, x / 2), (Rs, x)]);
+        assert_eq!(b, f);
+        let rowwise = Some(fp8(pipec_plan::vocab::Fp8Recipe::Rowwise));
+        assert_eq!(tp_collectives(&n, TpSplit::Block, &cx(torch, rowwise)).0[0], (Ag, x));
     }
 
     #[test]

@@ -24,6 +24,31 @@ pub(crate) struct ModelCosts {
     pub(crate) optimizer_bytes_per_parameter: f64,
 }
 
+/// How the spec's engine runs sequence parallelism's collectives: under an op-level policy
+/// (`recompute: { ops: [...] }`, torchtitan's selective checkpointing) a gathered input is
+/// not among the kept outputs (the policy keeps products, attention and reduce-scatters:
+/// `_save_list`, torchtitan/parallelisms/parallelize_llama.py@9dec370, today
+/// torchtitan/distributed/activation_checkpoint.py), so the backward's
+/// recompute gathers it again, whatever the engine keeps otherwise.
+fn sequence_collectives(spec: &Spec) -> pipec_plan::engine::performance::SequenceCollectives {
+    let mut collectives = spec.engine.family().sequence_collectives();
+    if let pipec_grammar::ast::Recompute::Blocks(b) = &spec.strategy.recompute {
+        collectives.keeps_gathered &= b.ops.is_empty();
+    }
+    collectives
+}
+
+/// What the spec's engine moves to cast FP8 operands: with FSDP's FP8 all-gather
+/// (`fp8.gather: fp8`, torchao's `enable_fsdp_float8_all_gather`) the weights are cast on
+/// their shard before the gather, not priced per pass.
+fn fp8_casts(spec: &Spec) -> pipec_plan::engine::performance::Fp8Casts {
+    let mut casts = spec.engine.family().fp8_casts();
+    if spec.training.fp8.is_some_and(|f| f.gather == pipec_plan::vocab::Fp8Storage::Fp8) {
+        casts.weights = None;
+    }
+    casts
+}
+
 /// IR and cost model: `Spec` → `ModelCosts` (analytic costs, or a measured profile).
 pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelCosts, Vec<Diagnostic>> {
     let precision = spec.training.precision.bytes();
@@ -54,6 +79,8 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         keeps: Keeps::of(spec.engine.family()),
         tp_overlap: (spec.strategy.tp_overlap && spec.strategy.tp > 1).then(|| spec.engine.family().overlap_steps()),
         cross_entropy: Losses { whole: spec.engine.cross_entropy(false), split: spec.engine.cross_entropy(true) },
+        sequence_collectives: sequence_collectives(spec),
+        fp8_casts: fp8_casts(spec),
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {
         vec![Diagnostic::error("E0405", e, spec.strategy.span, "tensor parallelism")

@@ -259,6 +259,58 @@ impl KernelFamily {
         }
     }
 
+    /// What the engine's FP8 training moves to cast a product's operands ([`Fp8Casts`]).
+    /// Transformer Engine's fused `cast_transpose` reads the input once and writes the two
+    /// FP8 copies (2 bytes a value), the output gradient alike, and keeps its FP8 weights
+    /// from the step's first microbatch; pipec's executor and DeepSpeed are planned as it.
+    /// torchao's Float8 linears (torchtitan) scale dynamically: per operand a max-abs
+    /// reduction, then a cast writing both copies; the weights cast every forward. Their
+    /// traffic as torchao's own roofline counts it (torchao/float8/roofline_utils.py,
+    /// `get_tensor_memory_traffic_bytes` with dynamic scaling, @567cb46, the repository as of
+    /// torchtitan's December 2024 runs): compiled (`model_torch_compile_limitations`), the
+    /// input's and the output gradient's reduction fused with the operation before, and one
+    /// more FP8 read (pytorch/pytorch#130015): 1 read and 3 bytes written a value, the
+    /// weights 2 reads and 3 bytes; eager, nothing fused: 2 reads and 2 bytes each.
+    pub fn fp8_casts(self) -> Fp8Casts {
+        let te = CastTraffic { reads: 1.0, writes: 2.0 };
+        match self {
+            KernelFamily::MegatronTe | KernelFamily::Pipec | KernelFamily::Deepspeed => {
+                Fp8Casts { input: te, grad_output: te, weights: None }
+            }
+            KernelFamily::TorchCompiled => {
+                let fused = CastTraffic { reads: 1.0, writes: 3.0 };
+                Fp8Casts { input: fused, grad_output: fused, weights: Some(CastTraffic { reads: 2.0, writes: 3.0 }) }
+            }
+            KernelFamily::TorchEager => {
+                let unfused = CastTraffic { reads: 2.0, writes: 2.0 };
+                Fp8Casts { input: unfused, grad_output: unfused, weights: Some(unfused) }
+            }
+        }
+    }
+
+    /// How the engine runs sequence parallelism's collectives around a block's split
+    /// products ([`SequenceCollectives`]). PyTorch's DTensor (torchtitan's
+    /// `SequenceParallel` norms and `PrepareModuleInput` to `Replicate`,
+    /// torch/distributed/tensor/parallel/style.py) all-gathers a column-split product's input
+    /// in the forward and autograd saves the gathered tensor for its weight gradient; under
+    /// torchao's Float8 tensor parallelism (`Float8ColwiseParallel`, `Float8RowwiseParallel`,
+    /// `PrepareFloat8ModuleInput`, torchao/float8/float8_tensor_parallel.py, which torchtitan
+    /// applies with Float8 linears) the input is cast to FP8 before that all-gather, and the
+    /// output gradient before the backward's all-gather, while the reduce-scatters carry the
+    /// training precision. Megatron-LM gathers the input again for the weight gradient
+    /// rather than keep it (megatron/core/tensor_parallel/layers.py,
+    /// `LinearWithGradAccumulationAndAsyncCommunication.backward`) and is priced with its
+    /// gathers in the training precision, as its calibration rows ran. pipec's executor and
+    /// DeepSpeed do not split the sequence ([`Self::splits_sequence`]).
+    pub fn sequence_collectives(self) -> SequenceCollectives {
+        match self {
+            KernelFamily::TorchEager | KernelFamily::TorchCompiled => {
+                SequenceCollectives { keeps_gathered: true, fp8_gathers: true }
+            }
+            KernelFamily::MegatronTe | KernelFamily::Pipec | KernelFamily::Deepspeed => SequenceCollectives::default(),
+        }
+    }
+
     /// The backward passes the engine's `tp_overlap` chunks ([`OverlapSteps`]).
     /// Megatron-LM on Transformer Engine (Megatron-Bridge's H100 userbuffers
     /// configurations, comm_overlap.py): the row-split input gradients by ring exchange, the
@@ -305,6 +357,44 @@ impl KernelFamily {
     }
 }
 
+/// What an engine's FP8 training moves to cast one operand to FP8 with tensorwise
+/// scaling, per value: values read at the training precision and bytes written
+/// ([`KernelFamily::fp8_casts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CastTraffic {
+    pub reads: f64,
+    pub writes: f64,
+}
+
+impl CastTraffic {
+    /// Bytes moved per value cast from `p`-byte values.
+    pub fn bytes(self, p: f64) -> f64 {
+        self.reads * p + self.writes
+    }
+}
+
+/// What an engine's FP8 training casts around a block's product: its input and the
+/// backward's output gradient, each to a row-major and a column-major FP8 copy, and where
+/// the engine casts them every pass, its weights.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Fp8Casts {
+    pub input: CastTraffic,
+    pub grad_output: CastTraffic,
+    /// None: the weights' FP8 copies are made once a step (or gathered in FP8), not priced.
+    pub weights: Option<CastTraffic>,
+}
+
+/// How an engine runs sequence parallelism's collectives
+/// ([`KernelFamily::sequence_collectives`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SequenceCollectives {
+    /// The backward reuses a column-split product's gathered input for its weight gradient
+    /// (else it gathers it again).
+    pub keeps_gathered: bool,
+    /// Under FP8 training with tensorwise scaling, the all-gathers carry FP8 values.
+    pub fp8_gathers: bool,
+}
+
 /// One fitted constant: an engine's kernel efficiency on one device kind.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Calibrated {
@@ -318,13 +408,15 @@ pub struct Calibrated {
     /// Where it comes from: the calibration rows it was fitted on (`run` names in
     /// `bench/specs/published-2025/steps.csv`), or why it is what it is.
     pub source: &'static str,
-    /// The routed experts' products in FP8 against the engine's dense FP8 products of their
-    /// size ([`KernelFamily::grouped_expert_gemm`] says at which size: the group's or each
-    /// expert's): their seconds are divided by this. Each expert's rows are quantized with
-    /// their own scales, which the dense curve does not price; the constant carries
-    /// whatever else of an FP8 expert layer the model does not price too. 1 where no FP8 run
-    /// of a mixture of experts on this kind is a calibration row (the experts' products in
-    /// bf16 are priced as dense ones of their size).
+    /// The routed experts' products against the engine's dense products of their size
+    /// ([`KernelFamily::grouped_expert_gemm`] says at which size: the group's or each
+    /// expert's), in either precision: their seconds are divided by this. Where the engine
+    /// runs one GEMM per expert, their FP8 products are priced at the bf16 rate: Transformer
+    /// Engine's per-expert FP8 GEMMs, each expert's rows quantized with their own scales,
+    /// fit no faster than bf16 (0.43 of the FP8 rate on the FP8 rows this was first fitted
+    /// on, 0.86 of bf16's). The constant carries whatever else of an expert layer the model
+    /// does not price too. 1 where no run of a mixture of experts on this kind is a
+    /// calibration row.
     pub experts: f64,
     /// Where `experts` comes from (empty: it is 1, nothing fitted).
     pub experts_source: &'static str,
@@ -358,14 +450,14 @@ pub const CALIBRATED: &[Calibrated] = &[
         power: None,
         efficiency: 0.8432,
         source: "fitted on steps.csv's dense calibration row mb2511-h100-llama38b-fp8cs-8g (Megatron-Bridge's published H100 tables)",
-        experts: 0.4277,
-        experts_source: "fitted on steps.csv's FP8 mixture-of-experts calibration rows mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g, the dense constant held (Megatron-Bridge's published H100 tables)",
+        experts: 0.6761,
+        experts_source: "fitted on steps.csv's mixture-of-experts calibration rows mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g, the dense constant held (Megatron-Bridge's published H100 tables)",
     },
     Calibrated {
         family: KernelFamily::TorchCompiled,
         device: "h100-sxm",
         power: Some(500.0),
-        efficiency: 0.6240,
+        efficiency: 0.6411,
         source: "fitted on steps.csv's calibration rows tt24-t1-8b-8g-bf16-compile, tt24-t2-8b-fsdp8-cp1, tt24-t3-8b-128g-fp8-compile (torchtitan's December 2024 H100 benchmark, 500 W)",
         experts: 1.0,
         experts_source: "",
@@ -374,7 +466,7 @@ pub const CALIBRATED: &[Calibrated] = &[
         family: KernelFamily::TorchCompiled,
         device: "h200",
         power: None,
-        efficiency: 0.7795,
+        efficiency: 0.7918,
         source: "fitted on steps.csv's calibration row tt25-trainy-h200-8b-32g (torchtitan's June 2025 H200 benchmark)",
         experts: 1.0,
         experts_source: "",
@@ -404,7 +496,7 @@ pub struct Performance {
     pub calibrated: bool,
     /// Where `efficiency` comes from.
     pub source: String,
-    /// The routed experts' FP8 products against the engine's dense FP8 products:
+    /// The routed experts' products against the engine's dense products of their size:
     /// their seconds are divided by this ([`Calibrated::experts`]; 1: nothing fitted).
     #[serde(default = "unity")]
     pub experts: f64,
@@ -519,7 +611,7 @@ impl Performance {
     pub fn text(&self) -> String {
         let how = if self.calibrated { "" } else { " (not calibrated)" };
         let experts = match &self.experts_source {
-            Some(source) => format!("; routed experts' FP8 products × {:.4} of that — {source}", self.experts),
+            Some(source) => format!("; routed experts' products × {:.4} of that — {source}", self.experts),
             None => String::new(),
         };
         format!(
@@ -673,6 +765,28 @@ mod tests {
     /// Each engine's cross-entropy, counted tensor by tensor from its code (the variants'
     /// docs): bytes per logit kept and held beside them, under bf16 and fp32 training.
     #[test]
+    fn fp8_casts_move_what_each_engines_code_moves() {
+        // bf16 operands: Transformer Engine's cast_transpose reads 2 bytes and writes 2 a
+        // value; torchao's compiled dynamic scaling 5 (its roofline's 2 + 2·1 + 1), its
+        // weights 7 (the reduction's read too), eager 6 each
+        let p = 2.0;
+        let te = KernelFamily::MegatronTe.fp8_casts();
+        assert_eq!((te.input.bytes(p), te.grad_output.bytes(p), te.weights), (4.0, 4.0, None));
+        let compiled = KernelFamily::TorchCompiled.fp8_casts();
+        assert_eq!((compiled.input.bytes(p), compiled.grad_output.bytes(p)), (5.0, 5.0));
+        assert_eq!(compiled.weights.map(|w| w.bytes(p)), Some(7.0));
+        let eager = KernelFamily::TorchEager.fp8_casts();
+        assert_eq!((eager.input.bytes(p), eager.weights.map(|w| w.bytes(p))), (6.0, Some(6.0)));
+        for family in [KernelFamily::Pipec, KernelFamily::Deepspeed] {
+            assert_eq!(family.fp8_casts(), te, "{family:?}");
+        }
+        // sequence parallelism: PyTorch keeps the gathered inputs and gathers FP8
+        let torch = KernelFamily::TorchCompiled.sequence_collectives();
+        assert!(torch.keeps_gathered && torch.fp8_gathers);
+        assert_eq!(KernelFamily::MegatronTe.sequence_collectives(), SequenceCollectives::default());
+    }
+
+    #[test]
     fn each_cross_entropy_holds_what_its_code_makes() {
         let at = |c: CrossEntropy, p: f64| {
             let b = c.bytes(p);
@@ -746,7 +860,7 @@ mod tests {
             .expect("Megatron-LM's H100 constants");
         assert_eq!(megatron.experts, table.experts);
         assert!(megatron.experts < 1.0, "{megatron:?}");
-        assert!(megatron.text().contains("routed experts' FP8 products"), "{}", megatron.text());
+        assert!(megatron.text().contains("routed experts' products ×"), "{}", megatron.text());
         // a kind with no FP8 mixture of experts calibrated: 1, and the report says nothing
         let titan = Performance::of(KernelFamily::TorchCompiled, &h100);
         assert_eq!((titan.experts, titan.experts_source.as_deref()), (1.0, None));
