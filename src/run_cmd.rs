@@ -1082,9 +1082,12 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
             Feature::AttentionSinks => ring,
             // multi-head latent attention runs (the deepseek-v3 fixture against transformers)
             Feature::LatentAttention => false,
+            // the first blocks of every stage recomputed whole run (tests/training.rs); the
+            // layouts they do not run beside are refused by `pipec_executor::validate`
+            Feature::LayerRecompute => false,
             Feature::BlockDropout
             | Feature::ExpertBias
-            | Feature::BlockRecompute
+            | Feature::ModuleRecompute
             | Feature::ActivationOffload
             | Feature::OptimizerStatePrecision
             | Feature::NoMasterWeights

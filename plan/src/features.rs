@@ -27,8 +27,10 @@ pub enum Feature {
     /// DeepSeek-V3's expert bias in the routing (`expert_bias=true`).
     ExpertBias,
     /// Recompute inside the blocks other than selective recompute's attention core
-    /// (`recompute: { modules | ops | layers }`).
-    BlockRecompute,
+    /// (`recompute: { modules | ops }`).
+    ModuleRecompute,
+    /// The first blocks of every stage recomputed whole (`recompute: { layers: n }`).
+    LayerRecompute,
     /// Activation offload (`recompute: { offload: true }`).
     ActivationOffload,
     /// FP8 products (`precision: fp8`).
@@ -54,7 +56,8 @@ impl Feature {
         Feature::LatentAttention,
         Feature::BlockDropout,
         Feature::ExpertBias,
-        Feature::BlockRecompute,
+        Feature::ModuleRecompute,
+        Feature::LayerRecompute,
         Feature::ActivationOffload,
         Feature::Fp8,
         Feature::OptimizerStatePrecision,
@@ -73,9 +76,10 @@ impl Feature {
             Feature::LatentAttention => "multi-head latent attention (`kv_lora=`)",
             Feature::BlockDropout => "dropout inside a transformer block (`dropout=`)",
             Feature::ExpertBias => "an expert bias in the routing (`expert_bias=true`)",
-            Feature::BlockRecompute => {
-                "recompute by module or operation inside the blocks (`recompute: { modules | ops | layers }`)"
+            Feature::ModuleRecompute => {
+                "recompute by module or operation inside the blocks (`recompute: { modules | ops }`)"
             }
+            Feature::LayerRecompute => "the first blocks of every stage recomputed whole (`recompute: { layers: n }`)",
             Feature::ActivationOffload => "activation offload (`recompute: { offload: true }`)",
             Feature::Fp8 => "FP8 products (`precision: fp8`)",
             Feature::OptimizerStatePrecision => "optimizer moments below fp32 (`optimizer.state_precision`)",
@@ -143,9 +147,12 @@ pub fn used(plan: &Plan) -> Vec<(Feature, Option<usize>)> {
     }
     if let Some(b) = &plan.schedule.block_recompute {
         // `{ modules: [core_attn] }` alone is selective recompute
-        let selective = b.modules == [crate::vocab::RecomputeModule::CoreAttn] && b.ops.is_empty() && b.layers == 0;
-        if !selective && (!b.modules.is_empty() || !b.ops.is_empty() || b.layers > 0) {
-            out.push((Feature::BlockRecompute, None));
+        let selective = b.modules == [crate::vocab::RecomputeModule::CoreAttn] && b.ops.is_empty();
+        if !selective && (!b.modules.is_empty() || !b.ops.is_empty()) {
+            out.push((Feature::ModuleRecompute, None));
+        }
+        if b.layers > 0 {
+            out.push((Feature::LayerRecompute, None));
         }
         if b.offload {
             out.push((Feature::ActivationOffload, None));
@@ -196,6 +203,6 @@ mod tests {
             });
         }
         assert_eq!(Feature::of_op(&moe), [Feature::ExpertBias]);
-        assert_eq!(Feature::ALL.len(), 14);
+        assert_eq!(Feature::ALL.len(), 15);
     }
 }

@@ -464,6 +464,12 @@ impl<I: Backend> Deferred<I> {
         Deferred(taken)
     }
 
+    /// Appends the products `later` put off (a backward run in two passes, the later
+    /// pass's after the earlier's: the order the backward reached them).
+    pub(crate) fn append(&mut self, later: Deferred<I>) {
+        self.0.extend(later.0);
+    }
+
     /// How many weight gradients wait here.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {

@@ -35,7 +35,7 @@ use crate::nn::params::{
 };
 
 /// An activation's gradient back on the autodiff backend (untracked).
-fn tracked<B: ExecBackend>(g: Act<B::InnerBackend>) -> Result<Act<B>> {
+pub(crate) fn tracked<B: ExecBackend>(g: Act<B::InnerBackend>) -> Result<Act<B>> {
     Ok(match g {
         Act::D2(t) => Act::D2(Tensor::from_inner(t)),
         Act::D3(t) => Act::D3(Tensor::from_inner(t)),
@@ -83,33 +83,11 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let mut side =
             Collected { experts: self.experts_for(stage), context: self.context_for(stage), ..Default::default() };
         let segments = crate::parallel::tensor_parallel::forward_segments(model, x, cuts, true, key, &mut side)?;
-        let Collected { stats, aux, expert_tokens, .. } = side;
-        if aux.is_some() {
+        if side.aux.is_some() {
             return Err(ExecError::Plan(format!("{stage} has gradient buckets and a load-balancing loss")));
         }
         let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
-        if stage == self.last_stage() {
-            let loss = self.loss(mb, out.clone())?;
-            Ok(Forwarded {
-                saved: Saved::Segmented(segments, Some(loss.clone())),
-                output: None,
-                loss: Some(loss),
-                stats,
-                scores: Some(out),
-                aux: None,
-                expert_tokens,
-            })
-        } else {
-            Ok(Forwarded {
-                saved: Saved::Segmented(segments, None),
-                output: Some(out),
-                loss: None,
-                stats,
-                scores: None,
-                aux: None,
-                expert_tokens,
-            })
-        }
+        self.forwarded(stage, mb, out, side, move |loss, _| Saved::Segmented(segments, loss))
     }
 
     /// The backward of a segmented stage, segment by segment from the last, each

@@ -88,6 +88,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         };
         self.passes.saved.insert((stage, mb), kept);
         *self.passes.in_flight.entry(stage).or_insert(0) += 1;
+        if !keep_all {
+            // the graph just dropped, freed now rather than at the next backward
+            crate::interp::values::release_dropped_graphs::<B>(&self.dev);
+        }
         Ok(())
     }
 
@@ -193,6 +197,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
             });
         }
+        if let Some(cut) = self.recompute_cut(stage) {
+            return self.forward_recomputing(stage, mb, model, x, key, cut);
+        }
         if let Some(cuts) = self.bucket_cuts(stage) {
             return self.forward_segmented(stage, mb, model, x, key, &cuts);
         }
@@ -202,28 +209,31 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             ..Default::default()
         };
         let out = model.forward(x, training, key, &mut side)?;
+        self.forwarded(stage, mb, out, side, |loss, out| match loss {
+            Some(loss) => Saved::Loss(loss),
+            None => Saved::Output(out.clone()),
+        })
+    }
+
+    /// What a forward of `stage` hands on from its output `out` and what it collected: on
+    /// the last stage its loss (and the scores validation reads), else the output to send;
+    /// `saved` makes what the backward starts from, given the loss (None on another stage).
+    pub(crate) fn forwarded(
+        &self,
+        stage: StageId,
+        mb: MicrobatchId,
+        out: Act<B>,
+        side: crate::nn::layers::Collected<B>,
+        saved: impl FnOnce(Option<Tensor<B, 1>>, &Act<B>) -> Saved<B>,
+    ) -> Result<Forwarded<B>> {
         let crate::nn::layers::Collected { stats, aux, expert_tokens, .. } = side;
-        if is_last {
+        if stage == self.last_stage() {
             let loss = self.loss(mb, out.clone())?;
-            Ok(Forwarded {
-                saved: Saved::Loss(loss.clone()),
-                output: None,
-                loss: Some(loss),
-                stats,
-                scores: Some(out),
-                aux,
-                expert_tokens,
-            })
+            let saved = saved(Some(loss.clone()), &out);
+            Ok(Forwarded { saved, output: None, loss: Some(loss), stats, scores: Some(out), aux, expert_tokens })
         } else {
-            Ok(Forwarded {
-                saved: Saved::Output(out.clone()),
-                output: Some(out),
-                loss: None,
-                stats,
-                scores: None,
-                aux,
-                expert_tokens,
-            })
+            let saved = saved(None, &out);
+            Ok(Forwarded { saved, output: Some(out), loss: None, stats, scores: None, aux, expert_tokens })
         }
     }
 
@@ -250,6 +260,23 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             })
             .count();
         Ok(Some((correct as f64, labels.len() as f64)))
+    }
+
+    /// This device's expert-parallel and context-parallel groups for `stage`, their
+    /// exchanges recorded for no backward: what a forward whose graph is not kept collects
+    /// with.
+    pub(crate) fn untracked_groups(&self, stage: StageId) -> crate::nn::layers::Collected<B> {
+        let untracked =
+            |g: &crate::backend::port::PeerGroup| crate::backend::port::PeerGroup { tracked: false, ..g.clone() };
+        crate::nn::layers::Collected {
+            experts: self.groups.experts.get(&stage).map(untracked),
+            context: self
+                .groups
+                .contexts
+                .get(&stage)
+                .map(|c| crate::nn::context::Context { group: untracked(&c.group), ..c.clone() }),
+            ..Default::default()
+        }
     }
 
     /// This device's expert-parallel group for `stage`, its exchanges recorded for a
@@ -330,6 +357,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 self.exchange_failure(stage)?;
                 return Ok(grads);
             }
+            Saved::Head { .. } => return self.backward_recomputing(stage, mb, split),
             Saved::Loss(l) => self.backward_seed(l.clone(), n_mb),
             Saved::Output(out) => {
                 let g = self

@@ -13,6 +13,7 @@ pub mod data;
 pub(crate) mod gathers;
 pub(crate) mod grad_norm;
 pub(crate) mod in_flight;
+pub(crate) mod layer_recompute;
 pub(crate) mod parts;
 pub mod sharded;
 pub(crate) mod stage;

@@ -58,6 +58,12 @@ pub(crate) enum Saved<B: ExecBackend> {
     /// per bucket, the first layers' first), and (last stage) the loss on the last
     /// segment's output.
     Segmented(Vec<Segment<B>>, Option<Tensor<B, 1>>),
+    /// Recompute by layers (`crate::interp::layer_recompute`): the forward cut at `cut` (a
+    /// position in the stage's layers, after its first blocks). The head before the cut
+    /// keeps nothing (the stage's input is kept) and runs again in the backward; the tail
+    /// from a leaf copy of the head's output keeps its graph; and (last stage) the loss on
+    /// the tail's output.
+    Head { cut: usize, tail: Segment<B>, loss: Option<Tensor<B, 1>> },
 }
 
 impl<B: ExecBackend> Kept<B> {
@@ -80,6 +86,11 @@ impl<B: ExecBackend> Kept<B> {
             }
             Saved::Segmented(s, loss) => {
                 let mut d: Vec<B::Device> = segments(s);
+                d.extend(loss.iter().map(Tensor::device));
+                d
+            }
+            Saved::Head { tail, loss, .. } => {
+                let mut d: Vec<B::Device> = segments(std::slice::from_ref(tail));
                 d.extend(loss.iter().map(Tensor::device));
                 d
             }
@@ -133,8 +144,32 @@ impl<B: ExecBackend> ModuleMapper<B> for FreshLeaves {
     }
 }
 
+/// Frees what Burn's autodiff still holds of operations no live tensor reaches: its server
+/// registers every operation, untracked ones too (burn-autodiff 0.21, `OpsPrep::finish`), and
+/// clears those no tensor reaches only inside a backward, so the tensors of a forward whose
+/// graph was dropped, or that ran untracked, stay held until the next backward — under
+/// GPipe, after every microbatch's forward. A backward of a one-value graph clears them now
+/// (measured: `tests/training.rs`, recompute by layers).
+pub(crate) fn release_dropped_graphs<B: ExecBackend>(dev: &B::Device) {
+    drop(Tensor::<B, 1>::from_floats([0.0f32], dev).require_grad().sum().backward());
+}
+
 pub(crate) fn microbatch_copy<B: ExecBackend>(model: &StageModel<B>) -> StageModel<B> {
     model.clone().map(&mut FreshLeaves)
+}
+
+/// A copy of a stage's weights that no gradient is taken of: a forward on it (and on an
+/// untracked input) saves nothing for a backward — the forward of what the backward
+/// recomputes ([`release_dropped_graphs`] frees what Burn still holds of it).
+pub(crate) fn untracked_copy<B: ExecBackend>(model: &StageModel<B>) -> StageModel<B> {
+    struct Untracked;
+    impl<B: ExecBackend> ModuleMapper<B> for Untracked {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, _) = param.consume();
+            Param::initialized(id, tensor.detach())
+        }
+    }
+    model.clone().map(&mut Untracked)
 }
 
 /// An activation from the wire. A bundle (several tensors crossing one boundary) travels

@@ -482,6 +482,35 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     out
 }
 
+/// Refuses recompute by layers (`recompute: { layers: n }`: `crate::interp::layer_recompute`)
+/// beside what it does not run with yet: a tensor-parallel stage (whose forward runs in its
+/// own segments), gradient buckets (whose segments feed the buckets), expert parallelism
+/// (whose backward would make the recompute's all-to-alls, which the plan's streams do not
+/// list) and a model with branches or joins (the cut needs a chain of layers).
+fn layer_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
+    if plan.schedule.block_recompute.as_ref().is_none_or(|b| b.layers == 0) {
+        return Ok(());
+    }
+    let refuse = |why: &str| {
+        Err(RunError::setup(format!(
+            "the executor recomputes the first blocks of every stage (`recompute: {{ layers: n }}`) only {why} yet"
+        )))
+    };
+    if plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1)) {
+        return refuse("without tensor parallelism");
+    }
+    if plan.stages.iter().any(|s| !s.gradient_buckets.is_empty()) {
+        return refuse("without gradient buckets (`bucket`)");
+    }
+    if plan.stages.iter().any(|s| s.expert_parallel > 1) {
+        return refuse("without expert parallelism");
+    }
+    if plan.layers.iter().any(|l| l.inputs.is_some()) {
+        return refuse("in a chain of layers (this model has branches or joins)");
+    }
+    Ok(())
+}
+
 /// Checks that this executor can run the plan.
 pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if plan.version != pipec_plan::plan::PLAN_VERSION {
@@ -508,6 +537,7 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
             ));
         }
     }
+    layer_recompute_runs_here(plan)?;
     // batch normalisation needs a variance per channel in every microbatch
     for l in &plan.layers {
         if let (Op::BatchNorm2d { .. }, [_, h, w]) = (&l.op, l.input_shape.as_slice()) {
