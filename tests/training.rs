@@ -227,23 +227,27 @@ fn recompute_on_some_stages_equals_one_device() {
 /// device's, and the same layout keeping everything exactly (the same products in the same
 /// order): on 1F1B, on the interleaved schedule (every model chunk cut), on zero bubble
 /// (whose split backward puts off both passes' weight gradients), with every block of a stage
-/// recomputed, and with a mixture of experts' load-balancing loss split at the cut.
+/// recomputed, with a mixture of experts' load-balancing loss split at the cut, and under
+/// ZeRO-2 over two replicas. Beside tensor parallelism and ZeRO-3 it is refused before
+/// training, by name.
 #[test]
 fn recompute_by_layers_trains_like_keeping_every_activation() {
     let dense = "- embedding(20, 16)\n    - repeat 4: transformer_block(d=16, heads=4, ff=32, causal=true)\n    - layernorm\n    - flatten\n    - linear(128, 4)";
     let moe = "- embedding(20, 16)\n    - repeat 4: transformer_block(d=16, heads=4, ff=32, causal=true, experts=4, top_k=2, aux_loss=0.01)\n    - layernorm\n    - flatten\n    - linear(128, 4)";
-    for (schedule, layers, n) in [
-        ("1f1b", dense, 1),
-        ("{ kind: interleaved, virtual_stages: 2 }", dense, 1),
-        ("zb-h1", dense, 1),
-        ("1f1b", dense, 3),
-        ("1f1b", moe, 1),
+    for (stages, schedule, layers, n) in [
+        ("straight", "1f1b", dense, 1),
+        ("straight", "{ kind: interleaved, virtual_stages: 2 }", dense, 1),
+        ("straight", "zb-h1", dense, 1),
+        ("straight", "1f1b", dense, 3),
+        ("straight", "1f1b", moe, 1),
+        // ZeRO-2 over 2 replicas
+        ("\"2\"\n  zero: 2", "gpipe", dense, 2),
     ] {
         let recompute = format!("{{ layers: {n} }}");
         let job = Job {
             devices: 2,
             input: "[8]",
-            stages: "straight",
+            stages,
             schedule,
             recompute: &recompute,
             optimizer: ADAM,
@@ -257,7 +261,7 @@ fn recompute_by_layers_trains_like_keeping_every_activation() {
         assert_eq!(losses(&train(&p)), kept, "{schedule}, {n} block(s): the same losses as keeping everything");
         assert_same_as_one_device(job);
     }
-    // beside tensor parallelism it is refused before training, by name
+    // beside tensor parallelism and ZeRO-3 it is refused before training, by name
     let job = Job {
         devices: 4,
         input: "[8]",
@@ -267,9 +271,14 @@ fn recompute_by_layers_trains_like_keeping_every_activation() {
         layers: dense,
         ..Job::default()
     };
-    let refused = pipec_executor::run(&plan(&job), &RunOptions::default(), &mut |_| {}).map(|_| ());
-    let message = refused.expect_err("refused beside tensor parallelism").to_string();
+    let refused = |job: Job<'_>| {
+        let run = pipec_executor::run(&plan(&job), &RunOptions::default(), &mut |_| {}).map(|_| ());
+        run.expect_err("refused").to_string()
+    };
+    let message = refused(job);
     assert!(message.contains("`recompute: { layers: n }`") && message.contains("tensor parallelism"), "{message}");
+    let message = refused(Job { devices: 2, stages: "\"2\"\n  zero: 3", schedule: "gpipe", ..job });
+    assert!(message.contains("`recompute: { layers: n }`") && message.contains("ZeRO-3"), "{message}");
 }
 
 /// What recompute by layers drops is not held: on one device under GPipe (every
