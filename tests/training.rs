@@ -228,8 +228,8 @@ fn recompute_on_some_stages_equals_one_device() {
 /// order): on 1F1B, on the interleaved schedule (every model chunk cut), on zero bubble
 /// (whose split backward puts off both passes' weight gradients), with every block of a stage
 /// recomputed, with a mixture of experts' load-balancing loss split at the cut, and under
-/// ZeRO-2 over two replicas. Beside tensor parallelism and ZeRO-3 it is refused before
-/// training, by name.
+/// ZeRO-2 over two replicas. Beside tensor or context parallelism and ZeRO-3 it is refused
+/// before training, by name.
 #[test]
 fn recompute_by_layers_trains_like_keeping_every_activation() {
     let dense = "- embedding(20, 16)\n    - repeat 4: transformer_block(d=16, heads=4, ff=32, causal=true)\n    - layernorm\n    - flatten\n    - linear(128, 4)";
@@ -261,7 +261,7 @@ fn recompute_by_layers_trains_like_keeping_every_activation() {
         assert_eq!(losses(&train(&p)), kept, "{schedule}, {n} block(s): the same losses as keeping everything");
         assert_same_as_one_device(job);
     }
-    // beside tensor parallelism and ZeRO-3 it is refused before training, by name
+    // beside tensor or context parallelism and ZeRO-3 it is refused before training, by name
     let job = Job {
         devices: 4,
         input: "[8]",
@@ -279,6 +279,9 @@ fn recompute_by_layers_trains_like_keeping_every_activation() {
     assert!(message.contains("`recompute: { layers: n }`") && message.contains("tensor parallelism"), "{message}");
     let message = refused(Job { devices: 2, stages: "\"2\"\n  zero: 3", schedule: "gpipe", ..job });
     assert!(message.contains("`recompute: { layers: n }`") && message.contains("ZeRO-3"), "{message}");
+    let cp = cp_lm(CP_BLOCKS[0]);
+    let message = refused(Job { devices: 2, stages: "\"1\"\n  cp: 2", schedule: "gpipe", layers: &cp, ..job });
+    assert!(message.contains("`recompute: { layers: n }`") && message.contains("context parallelism"), "{message}");
 }
 
 /// What recompute by layers drops is not held: on one device under GPipe (every

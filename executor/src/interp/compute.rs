@@ -262,23 +262,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok(Some((correct as f64, labels.len() as f64)))
     }
 
-    /// This device's expert-parallel and context-parallel groups for `stage`, their
-    /// exchanges recorded for no backward: what a forward whose graph is not kept collects
-    /// with.
-    pub(crate) fn untracked_groups(&self, stage: StageId) -> crate::nn::layers::Collected<B> {
-        let untracked =
-            |g: &crate::backend::port::PeerGroup| crate::backend::port::PeerGroup { tracked: false, ..g.clone() };
-        crate::nn::layers::Collected {
-            experts: self.groups.experts.get(&stage).map(untracked),
-            context: self
-                .groups
-                .contexts
-                .get(&stage)
-                .map(|c| crate::nn::context::Context { group: untracked(&c.group), ..c.clone() }),
-            ..Default::default()
-        }
-    }
-
     /// This device's expert-parallel group for `stage`, its exchanges recorded for a
     /// backward only when training (not while evaluating).
     pub(crate) fn experts_for(&self, stage: StageId) -> Option<crate::backend::port::PeerGroup> {

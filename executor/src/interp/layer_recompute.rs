@@ -3,12 +3,16 @@
 //! forward again in the backward, keeping nothing but the stage's input; the layers after
 //! them keep their activations.
 //!
-//! The forward is cut after the stage's n-th block: the head before the cut runs and its
-//! graph is dropped, the tail runs from a leaf copy of the head's output and keeps its
-//! graph. The backward runs the tail's backward to that leaf, the head's forward again from
-//! the kept input at the weights the forward used (the same dropout keys, ZeRO-3's gathers
-//! again), and the head's backward from the leaf's gradient. Every weight's gradient is the
-//! one backward's through the whole stage: the same products in the same order.
+//! The forward is cut after the stage's n-th block: the head before the cut runs untracked
+//! (nothing kept for a backward), the tail runs from a leaf copy of the head's output and
+//! keeps its graph. The backward runs the tail's backward to that leaf, the head's forward
+//! again from the kept input at the weights the forward used (the same dropout keys), and
+//! the head's backward from the leaf's gradient. Every weight's gradient is the one
+//! backward's through the whole stage: the same products in the same order.
+//!
+//! The head exchanges nothing with other devices: `pipec_executor::validate` refuses recompute
+//! by layers beside expert and context parallelism and ZeRO-3, whose collectives inside the
+//! recomputed forward the plan does not declare for the backward.
 
 use pipec_plan::{MicrobatchId, StageId};
 
@@ -82,14 +86,12 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         cut: usize,
     ) -> Result<Forwarded<B>> {
         // the head untracked (nothing held for a backward), the tail from a leaf copy of its
-        // output with its groups' exchanges recorded for the backward
-        let mut side = self.untracked_groups(stage);
+        // output, its load-balancing losses summed onto the head's
+        let mut side = Collected::default();
         let head = Self::run_head(&untracked_copy(model), detach(&x), cut, key, &mut side, Some(&self.dev))?;
         let leaf = fresh(&head);
         drop(head);
         release_dropped_graphs::<B>(&self.dev);
-        side.experts = self.experts_for(stage);
-        side.context = self.context_for(stage);
         let mut out = leaf.clone();
         for layer in &model.layers[cut..] {
             out = layer.forward(out, true, key, &mut side)?;
@@ -140,13 +142,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let at_cut = grad_of(&tail.leaf, &mut grads).ok_or(ExecError::Missing("no gradient reached the cut"))?;
         drop((grads, tail));
         // the head again, from the kept input at the forward's weights
-        let gathered = self.gathered_weights(stage, &used)?;
-        let key = self.mask_key(mb);
-        let mut side =
-            Collected { experts: self.experts_for(stage), context: self.context_for(stage), ..Default::default() };
-        let head = crate::backend::dense::with_gathered_weights(gathered, || {
-            Self::run_head(&used, input.clone(), cut, key, &mut side, None)
-        })?;
+        let mut side = Collected::default();
+        let head = Self::run_head(&used, input.clone(), cut, self.mask_key(mb), &mut side, None)?;
         let target = dot(&head, tracked::<B>(at_cut)?)?;
         let target = match side.aux.take() {
             Some(aux) => target + self.backward_seed(aux, n_mb),

@@ -484,10 +484,10 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
 
 /// Refuses recompute by layers (`recompute: { layers: n }`: `crate::interp::layer_recompute`)
 /// beside what it does not run with yet: a tensor-parallel stage (whose forward runs in its
-/// own segments), gradient buckets (whose segments feed the buckets), expert parallelism and
-/// ZeRO-3 (whose backward would make the recompute's all-to-alls and weight gathers, which
-/// the plan's streams and in-pass table do not list) and a model with branches or joins (the
-/// cut needs a chain of layers).
+/// own segments), gradient buckets (whose segments feed the buckets), expert and context
+/// parallelism and ZeRO-3 (whose backward would make the recompute's all-to-alls, key and
+/// value gathers and weight gathers, which the plan's streams and in-pass table do not list)
+/// and a model with branches or joins (the cut needs a chain of layers).
 fn layer_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
     if plan.schedule.block_recompute.as_ref().is_none_or(|b| b.layers == 0) {
         return Ok(());
@@ -505,6 +505,9 @@ fn layer_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
     }
     if plan.stages.iter().any(|s| s.expert_parallel > 1) {
         return refuse("without expert parallelism");
+    }
+    if plan.training.context_parallel > 1 {
+        return refuse("without context parallelism");
     }
     if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters {
         return refuse("without ZeRO-3 (`zero: 3`)");
