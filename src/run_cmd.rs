@@ -1082,12 +1082,11 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
             Feature::AttentionSinks => ring,
             // multi-head latent attention runs (the deepseek-v3 fixture against transformers)
             Feature::LatentAttention => false,
-            // the first blocks of every stage recomputed whole run (tests/training.rs); the
-            // layouts they do not run beside are refused by `pipec_executor::validate`
-            Feature::LayerRecompute => false,
+            // recompute by layers, module or operation runs (tests/training.rs); the layouts
+            // it does not run beside are refused by `pipec_executor::validate`
+            Feature::LayerRecompute | Feature::ModuleRecompute => false,
             Feature::BlockDropout
             | Feature::ExpertBias
-            | Feature::ModuleRecompute
             | Feature::ActivationOffload
             | Feature::OptimizerStatePrecision
             | Feature::NoMasterWeights

@@ -2452,7 +2452,6 @@ fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
         "`sinks=true`) at layer 1 under `cp_comm: ring`",
         "`optimizer.master_weights: false`",
         "an expert bias in the routing (`expert_bias=true`) at layer 3",
-        "recompute by module or operation inside the blocks (`recompute: { modules | ops }`)",
     ] {
         assert!(said.contains(feature), "{feature}: {said}");
     }
@@ -2460,10 +2459,18 @@ fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
     // attention run (tests/training.rs; the qwen3, mistral and deepseek-v3 fixtures), and so
     // do sinks without the ring (attention_sinks_...), and DeepSeek's group-limited routing
     // and scaled weights (the deepseek-v3-moe fixture)
-    // and so does recompute by layers (recompute_by_layers_... in tests/training.rs)
-    for runs in
-        ["`head_dim=`", "`qk_norm=true`", "`window=`", "`kv_lora=`", "`route_groups=`", "`route_scale=`", "layers: n"]
-    {
+    // and so does recompute by layers, module or operation (recompute_by_... in
+    // tests/training.rs)
+    for runs in [
+        "`head_dim=`",
+        "`qk_norm=true`",
+        "`window=`",
+        "`kv_lora=`",
+        "`route_groups=`",
+        "`route_scale=`",
+        "layers: n",
+        "modules | ops",
+    ] {
         assert!(!said.contains(runs), "{runs}: {said}");
     }
     assert!(!dir.path().join("run").join("metrics.jsonl").exists(), "nothing trained");

@@ -945,3 +945,37 @@ fn multi_token_prediction_exchanges_every_modules_tokens_with_its_experts() {
     assert!(one > 0);
     assert_eq!(two, 2 * one);
 }
+
+/// Under context parallelism a block whose backward runs its attention's forward again
+/// (recompute by layers, or pipec's executor running the attention half again) exchanges its
+/// keys and values again there: each such block's backward context time grows by its
+/// forward's (the executor's own exchanges are held to the plan's declaration in
+/// tests/training.rs). Recompute of the MLP half alone exchanges nothing again.
+#[test]
+fn a_block_run_again_in_the_backward_exchanges_its_keys_and_values_again() {
+    let spec = |recompute: &str| {
+        format!(
+            "name: cp\nmodel:\n  input: [256]\n  layers:\n    - embedding(50, 64)\n    - repeat 2: transformer_block(d=64, heads=4, ff=128, causal=true)\n    - layernorm\n    - linear(64, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ kind: cpu, memory: 4GiB, throughput: 40GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 1GB/s, latency: 5us }}\nstrategy:\n  stages: \"1\"\n  cp: 2\n  schedule: gpipe\n  microbatches: 1\n  recompute: {recompute}\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n"
+        )
+    };
+    let context = |recompute: &str| {
+        let plan = compile_text(&spec(recompute)).into_compiled().unwrap_or_else(|d| panic!("{recompute}: {d:?}")).plan;
+        plan.stages[0].context_s
+    };
+    let [forward, backward] = context("false");
+    assert!(forward > 0.0 && backward > 0.0, "{forward} {backward}");
+    // both blocks whole, or both attention halves: two blocks' forwards again
+    for again in ["{ layers: 2 }", "{ modules: [layernorm] }"] {
+        let [f, b] = context(again);
+        assert_eq!(f, forward, "{again}");
+        assert!(
+            (b - (backward + forward)).abs() <= 1e-12 * backward.max(1.0),
+            "{again}: {b} against {backward} + {forward}"
+        );
+    }
+    // one block whole: half of it
+    let [_, b] = context("{ layers: 1 }");
+    assert!((b - (backward + forward / 2.0)).abs() <= 1e-12 * backward.max(1.0), "{b}");
+    // the MLP alone: nothing again
+    assert_eq!(context("{ modules: [mlp] }"), [forward, backward]);
+}

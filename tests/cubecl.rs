@@ -128,24 +128,44 @@ fn each_device_reports_its_memory_pools_peak_beside_the_plans() {
 /// 2 steps on wgpu: each device's memory pool peak (CubeCL's bytes in use, sampled after
 /// every instruction: weights, gradients, optimizer state, kept activations, transients) is
 /// at most the plan's peak without its workspace reserve — the model counts at least what
-/// the executor holds.
+/// the executor holds. Recompute inside the blocks too: by layers, by module and by
+/// operation (`BlockRecompute::executor_halves`, which the plan counts for this executor).
 #[test]
 fn every_cpu_example_specs_devices_hold_at_most_the_plans_peak() {
     let mut worst = (String::new(), 0.0f64);
-    for name in [
-        "1f1b",
-        "cnn",
-        "csv-classifier",
-        "data-parallel",
-        "gpt-tiny",
-        "llama-tiny",
-        "mlp-1f1b",
-        "moe-tiny",
-        "resnet-images",
-        "resnet-small",
-        "transformer",
+    let balanced = "  partition: balanced\n";
+    let recompute = |policy: &'static str| -> &'static str {
+        Box::leak(format!("{balanced}  recompute: {policy}\n").into_boxed_str())
+    };
+    // moe-tiny's experts on every replica (expert parallelism does not run beside recompute
+    // inside the blocks yet)
+    let moe = |policy: &'static str| -> Vec<(&'static str, &'static str)> {
+        vec![("  ep: 2\n", Box::leak(format!("  recompute: {policy}\n").into_boxed_str()))]
+    };
+    for (name, edits) in [
+        ("1f1b", vec![]),
+        ("cnn", vec![]),
+        ("csv-classifier", vec![]),
+        ("data-parallel", vec![]),
+        ("gpt-tiny", vec![]),
+        ("llama-tiny", vec![]),
+        ("llama-tiny", vec![(balanced, recompute("{ modules: [mlp] }"))]),
+        ("llama-tiny", vec![(balanced, recompute("{ modules: [core_attn, layernorm] }"))]),
+        ("llama-tiny", vec![(balanced, recompute("{ ops: [matmul, attention] }"))]),
+        ("llama-tiny", vec![(balanced, recompute("{ layers: 1 }"))]),
+        ("mlp-1f1b", vec![]),
+        ("moe-tiny", vec![]),
+        ("moe-tiny", moe("{ modules: [moe_act] }")),
+        ("resnet-images", vec![]),
+        ("resnet-small", vec![]),
+        ("transformer", vec![]),
     ] {
-        let plan = spec(name, &[]);
+        let plan = spec(name, &edits);
+        let name = match edits.first() {
+            Some((_, to)) => format!("{name} ({})", to.trim().rsplit('\n').next().unwrap_or_default().trim()),
+            None => name.to_string(),
+        };
+        let name = name.as_str();
         let gpu = pipec_executor::run_wgpu(&plan, &RunOptions { steps: Some(2), ..options() }, &mut |_| {})
             .unwrap_or_else(|e| panic!("{name} on wgpu: {e}"));
         assert_eq!(gpu.held.len(), plan.devices.len(), "{name}: {:?}", gpu.held);

@@ -228,8 +228,8 @@ fn recompute_on_some_stages_equals_one_device() {
 /// order): on 1F1B, on the interleaved schedule (every model chunk cut), on zero bubble
 /// (whose split backward puts off both passes' weight gradients), with every block of a stage
 /// recomputed, with a mixture of experts' load-balancing loss split at the cut, and under
-/// ZeRO-2 over two replicas. Beside tensor or context parallelism and ZeRO-3 it is refused
-/// before training, by name.
+/// ZeRO-2 over two replicas, and beside ZeRO-3 and context parallelism (gathered and around
+/// the ring). Beside tensor parallelism it is refused before training, by name.
 #[test]
 fn recompute_by_layers_trains_like_keeping_every_activation() {
     let dense = "- embedding(20, 16)\n    - repeat 4: transformer_block(d=16, heads=4, ff=32, causal=true)\n    - layernorm\n    - flatten\n    - linear(128, 4)";
@@ -257,9 +257,7 @@ fn recompute_by_layers_trains_like_keeping_every_activation() {
         let p = plan(&job);
         assert_eq!(p.schedule.block_recompute.as_ref().map(|b| b.layers), Some(n), "{schedule}");
         assert!(p.stages.iter().all(|s| !s.recompute), "{schedule}: no stage recomputes its whole forward");
-        let kept = losses(&train(&plan(&Job { recompute: "false", ..job })));
-        assert_eq!(losses(&train(&p)), kept, "{schedule}, {n} block(s): the same losses as keeping everything");
-        assert_same_as_one_device(job);
+        trains_like_keeping_every_activation(job, &format!("{schedule}, {n} block(s)"));
     }
     // beside tensor or context parallelism and ZeRO-3 it is refused before training, by name
     let job = Job {
@@ -277,18 +275,34 @@ fn recompute_by_layers_trains_like_keeping_every_activation() {
     };
     let message = refused(job);
     assert!(message.contains("`recompute: { layers: n }`") && message.contains("tensor parallelism"), "{message}");
-    let message = refused(Job { devices: 2, stages: "\"2\"\n  zero: 3", schedule: "gpipe", ..job });
-    assert!(message.contains("`recompute: { layers: n }`") && message.contains("ZeRO-3"), "{message}");
-    let cp = cp_lm(CP_BLOCKS[0]);
-    let message = refused(Job { devices: 2, stages: "\"1\"\n  cp: 2", schedule: "gpipe", layers: &cp, ..job });
-    assert!(message.contains("`recompute: { layers: n }`") && message.contains("context parallelism"), "{message}");
+    // beside ZeRO-3 and context parallelism the backward gathers the weights, keys and
+    // values of what it runs again, as the plan declares (held in debug builds)
+    let cp = cp_lm(CP_BLOCKS[1]);
+    for (devices, stages, layers) in [
+        (2, "\"2\"\n  zero: 3", dense),
+        (4, "\"1-1\"\n  cp: 2", cp.as_str()),
+        (2, "\"1\"\n  cp: 2\n  cp_comm: ring", cp.as_str()),
+    ] {
+        let job =
+            Job { devices, stages, schedule: "gpipe", recompute: "{ layers: 1 }", optimizer: ADAM, layers, ..job };
+        trains_like_keeping_every_activation(job, stages);
+    }
+}
+
+/// Trains `job` and the same layout keeping every activation: the same losses, bit for bit
+/// (the same products in the same order), and one device's.
+fn trains_like_keeping_every_activation(job: Job<'_>, what: &str) {
+    let kept = losses(&train(&plan(&Job { recompute: "false", ..job })));
+    assert_eq!(losses(&train(&plan(&job))), kept, "{what}: the same losses as keeping everything");
+    assert_same_as_one_device(job);
 }
 
 /// What recompute by layers drops is not held: on one device under GPipe (every
 /// microbatch's forward before the first backward), a run recomputing all 8 blocks peaks
-/// at least 32 MiB below the same run keeping them (the process's resident peak: 61 MiB
-/// against 130 MiB when measured; 154 MiB before the head ran untracked and Burn's hold on
-/// it was released at once). The recomputing run goes first, so that the other starts from
+/// at least 32 MiB below the same run keeping them (the process's resident peak: 65 MiB
+/// against 130–131 MiB when measured, each block run again on its own, 2026-12-06; 61 MiB
+/// when the 8 ran again as one piece; 154 MiB before the head ran untracked and Burn's hold
+/// on it was released at once). The recomputing run goes first, so that the other starts from
 /// the memory it left.
 #[test]
 fn recompute_by_layers_holds_less_than_keeping_every_activation() {
@@ -300,9 +314,132 @@ fn recompute_by_layers_holds_less_than_keeping_every_activation() {
     };
     let Some(recomputing) = peak(job) else { return };
     let keeping = peak(Job { recompute: "false", ..job }).expect("the second run measures too");
+    eprintln!("keeping {} MiB, recomputing the blocks {} MiB", keeping >> 20, recomputing >> 20);
     assert!(
         keeping >= recomputing + (32 << 20),
         "keeping every activation peaked at {} MiB, recomputing the blocks at {} MiB",
+        keeping >> 20,
+        recomputing >> 20
+    );
+}
+
+/// Recompute by module (Megatron-LM's `--recompute-modules`) and by operation (torchtitan's
+/// op-level policy) runs each block's halves that the policy recomputes anything of again
+/// in the backward (`BlockRecompute::executor_halves`): the same losses, bit for bit, as
+/// keeping every activation, on 1F1B, interleaved and zero-bubble pipelines, in dense blocks
+/// and mixtures of experts (their load-balancing loss too), with recompute by layers, under
+/// ZeRO-2 and ZeRO-3, beside context parallelism (gathered and around the ring) and
+/// gradient buckets;
+/// `core_attn` beside them (recomputed in the attention kernel) trains as selective
+/// recompute alone does. Beside tensor and expert parallelism it is refused by name.
+#[test]
+fn recompute_by_module_and_operation_trains_like_keeping_every_activation() {
+    let dense = "- embedding(20, 16)\n    - repeat 4: transformer_block(d=16, heads=4, ff=32, causal=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - flatten\n    - linear(128, 4)";
+    let moe = "- embedding(20, 16)\n    - repeat 4: transformer_block(d=16, heads=4, ff=32, causal=true, experts=4, top_k=2, shared_experts=1, aux_loss=0.01)\n    - layernorm\n    - flatten\n    - linear(128, 4)";
+    let cp = cp_lm(CP_BLOCKS[1]);
+    for (stages, schedule, layers, recompute) in [
+        ("straight", "1f1b", dense, "{ modules: [mlp] }"),
+        ("straight", "1f1b", dense, "{ modules: [layernorm] }"),
+        ("straight", "{ kind: interleaved, virtual_stages: 2 }", dense, "{ modules: [mlp] }"),
+        ("straight", "zb-h1", dense, "{ modules: [layernorm] }"),
+        ("straight", "1f1b", dense, "{ ops: [matmul, attention] }"),
+        ("straight", "zb-h1", dense, "{ ops: [alternate_matmul] }"),
+        ("straight", "1f1b", dense, "{ modules: [mlp], layers: 1 }"),
+        ("straight", "1f1b", moe, "{ modules: [moe_act] }"),
+        ("straight", "zb-h1", moe, "{ modules: [shared_experts, layernorm] }"),
+        // ZeRO-2 and ZeRO-3 over 2 replicas: under ZeRO-3 the backward gathers the weights
+        // of what it runs again, as the plan declares (held in debug builds)
+        ("\"2\"\n  zero: 2", "gpipe", dense, "{ modules: [mlp] }"),
+        ("\"2\"\n  zero: 3", "gpipe", dense, "{ modules: [layernorm] }"),
+        ("\"2\"\n  zero: 3", "gpipe", dense, "{ ops: [matmul], layers: 1 }"),
+        // context parallelism: the keys and values gathered again
+        ("\"1-1\"\n  cp: 2", "1f1b", cp.as_str(), "{ modules: [core_attn, layernorm] }"),
+        ("\"1-1\"\n  cp: 2\n  cp_comm: ring", "gpipe", cp.as_str(), "{ modules: [mlp, layernorm] }"),
+    ] {
+        let devices = if stages.contains("cp: 2") { 4 } else { 2 };
+        let job = Job { devices, input: "[8]", stages, schedule, recompute, optimizer: ADAM, layers, ..Job::default() };
+        let p = plan(&job);
+        let policy = p.schedule.block_recompute.clone().expect("a recompute policy");
+        assert!(policy.executor_halves().any(), "{recompute}");
+        assert!(p.stages.iter().all(|s| !s.recompute), "{recompute}: no stage recomputes its whole forward");
+        trains_like_keeping_every_activation(job, &format!("{schedule}, {recompute}"));
+    }
+    // gradient buckets (of 1 KiB, about a layer each): a kept run of layers cut at each
+    // bucket's first layer, whose reduction starts once the piece beginning there is done,
+    // under DDP and ZeRO-2; under zero bubble the weight passes feed the buckets
+    for (devices, stages, schedule, recompute) in [
+        (2, "\"2\"", "dp-only", "{ modules: [mlp] }"),
+        (2, "\"2\"\n  zero: 2", "gpipe", "{ modules: [layernorm], layers: 1 }"),
+        (4, "\"2-2\"", "zb-h1", "{ ops: [matmul] }"),
+    ] {
+        let job = Job {
+            devices,
+            input: "[8]",
+            stages,
+            schedule,
+            recompute,
+            optimizer: ADAM,
+            layers: dense,
+            strategy: "  bucket: 1KiB",
+            ..Job::default()
+        };
+        let p = plan(&job);
+        assert!(p.stages.iter().all(|s| s.gradient_buckets.len() >= 2), "{stages} {recompute}: buckets");
+        trains_like_keeping_every_activation(job, &format!("{stages} {recompute}, in buckets"));
+    }
+    // `core_attn` beside another module: the attention core recomputed in its kernel, as
+    // selective recompute alone does
+    let job = Job {
+        devices: 2,
+        input: "[8]",
+        stages: "straight",
+        schedule: "1f1b",
+        recompute: "{ modules: [core_attn, mlp] }",
+        optimizer: ADAM,
+        layers: dense,
+        ..Job::default()
+    };
+    let selective = losses(&train(&plan(&Job { recompute: "selective", ..job })));
+    assert_eq!(losses(&train(&plan(&job))), selective, "core_attn and mlp: the losses of selective recompute");
+    assert_same_as_one_device(job);
+    // beside tensor and expert parallelism it is refused before training, by name
+    let moe_ep = Job { devices: 2, stages: "\"2\"\n  ep: 2", schedule: "gpipe", layers: moe, ..job };
+    let message =
+        pipec_executor::run(&plan(&moe_ep), &RunOptions::default(), &mut |_| {}).map(|_| ()).expect_err("refused");
+    let message = message.to_string();
+    assert!(message.contains("by module") && message.contains("expert parallelism"), "{message}");
+    let job = Job { devices: 4, stages: "\"1-1\"\n  tp: 2", recompute: "{ modules: [mlp] }", ..job };
+    let message =
+        pipec_executor::run(&plan(&job), &RunOptions::default(), &mut |_| {}).map(|_| ()).expect_err("refused");
+    let message = message.to_string();
+    assert!(message.contains("by module") && message.contains("tensor parallelism"), "{message}");
+    let job = Job { recompute: "{ ops: [matmul] }", ..job };
+    let message =
+        pipec_executor::run(&plan(&job), &RunOptions::default(), &mut |_| {}).map(|_| ()).expect_err("refused");
+    let message = message.to_string();
+    assert!(message.contains("by operation") && message.contains("tensor parallelism"), "{message}");
+}
+
+/// What recompute by module drops is not held: on one device under GPipe, a run
+/// recomputing every block's MLP (`{ modules: [mlp] }`, ff = 16·d) peaks at least 32 MiB
+/// below the same run keeping it (the process's resident peak: 137–138 MiB against 236–238
+/// MiB when measured, 2026-12-06). The recomputing run goes first, so that the other starts from the
+/// memory it left.
+#[test]
+fn recompute_by_module_holds_less_than_keeping_every_activation() {
+    let layers = "- embedding(50, 64)\n    - repeat 8: transformer_block(d=64, heads=4, ff=1024, causal=true)\n    - layernorm\n    - flatten\n    - linear(4096, 4)";
+    let job =
+        Job { input: "[64]", recompute: "{ modules: [mlp] }", optimizer: ADAM, layers, steps: 2, ..Job::default() };
+    let peak = |job: Job<'_>| {
+        let report = train(&plan(&job));
+        report.resident.values().next().map(|r| r.peak)
+    };
+    let Some(recomputing) = peak(job) else { return };
+    let keeping = peak(Job { recompute: "false", ..job }).expect("the second run measures too");
+    eprintln!("keeping {} MiB, recomputing the MLPs {} MiB", keeping >> 20, recomputing >> 20);
+    assert!(
+        keeping >= recomputing + (32 << 20),
+        "keeping every activation peaked at {} MiB, recomputing the MLPs at {} MiB",
         keeping >> 20,
         recomputing >> 20
     );

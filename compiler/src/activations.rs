@@ -38,6 +38,16 @@ pub enum Made {
     Other,
 }
 
+/// Where in the block a kept tensor is made: a half's input (the block's, or the residual
+/// sum between its attention and its MLP), or inside the attention half or the MLP half
+/// (pipec's executor recomputes by halves: `BlockRecompute::executor_halves`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Within {
+    Input,
+    Attention,
+    Mlp,
+}
+
 /// One tensor a block keeps for its backward.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Kept {
@@ -56,6 +66,7 @@ pub struct Kept {
     /// names whether the backward reads it or not (torchtitan's policy saves every other
     /// `aten.mm` output by its count).
     pub read: bool,
+    pub within: Within,
 }
 
 /// What a block's list depends on besides the block.
@@ -85,11 +96,13 @@ pub struct BlockContext {
 struct List {
     tensors: Vec<Kept>,
     products: usize,
+    /// Where the tensors being listed are made.
+    within: Within,
 }
 
 impl List {
     fn keep(&mut self, name: &'static str, modules: &'static [RecomputeModule], made: Made, bytes: f64) {
-        self.tensors.push(Kept { name, modules, made, bytes, gradient: 0.0, read: true });
+        self.tensors.push(Kept { name, modules, made, bytes, gradient: 0.0, read: true, within: self.within });
     }
 
     /// Keeps a tensor whose gradient of `gradient` bytes per sample is alive at the block's
@@ -102,14 +115,14 @@ impl List {
         bytes: f64,
         gradient: f64,
     ) {
-        self.tensors.push(Kept { name, modules, made, bytes, gradient, read: true });
+        self.tensors.push(Kept { name, modules, made, bytes, gradient, read: true, within: self.within });
     }
 
     /// The next matrix product, whose output the backward does not read, of `bytes` bytes
     /// per sample.
     fn unread_product(&mut self, name: &'static str, bytes: f64) {
         let made = self.product();
-        self.tensors.push(Kept { name, modules: &[], made, bytes, gradient: 0.0, read: false });
+        self.tensors.push(Kept { name, modules: &[], made, bytes, gradient: 0.0, read: false, within: self.within });
     }
 
     /// The next matrix product.
@@ -128,9 +141,10 @@ pub fn block_kept(b: &BlockDims, cx: &BlockContext) -> Vec<Kept> {
     // parallelism; inside them: split over the heads or the MLP's columns
     let seq = |values: f64, bytes: f64| s * values * bytes / if sp { t } else { 1.0 };
     let split = |values: f64, bytes: f64| s * values * bytes / t;
-    let mut list = List { tensors: Vec::new(), products: 0 };
+    let mut list = List { tensors: Vec::new(), products: 0, within: Within::Input };
     // the residual's gradient arrives and leaves at the block's input width
     list.keep_wide("block input", &[], Made::Input, seq(h, p), 2.0 * seq(h, p));
+    list.within = Within::Attention;
     // a column-split product's input: its sequence share, or the gathered sequence where the
     // engine keeps that (at FP8 where it gathers FP8)
     let column_input = |values: f64| match (cx.keeps.gathered_inputs, cx.keeps.gathered_fp8) {
@@ -143,7 +157,9 @@ pub fn block_kept(b: &BlockDims, cx: &BlockContext) -> Vec<Kept> {
     if cx.dropout {
         list.keep("attention's dropout mask", &[], Made::Other, seq(h, 1.0));
     }
+    list.within = Within::Input;
     list.keep("second norm's input", &[], Made::Other, seq(h, p));
+    list.within = Within::Mlp;
     list.keep("second norm's output", &[Layernorm], Made::Other, column_input(h));
     // an MLP's kept tensors per token it computes: the up projection's output (gate ‖ up,
     // the activation's input) and the activation's output (the down projection's input)
@@ -275,6 +291,9 @@ pub enum Policy {
     Ops(Vec<RecomputeOp>),
     /// Keep the input only.
     Full,
+    /// pipec's executor: keep each half's input; drop everything the `halves` recomputed
+    /// make, and with `core` the attention core's tensors (recomputed in its kernel).
+    Halves { halves: pipec_plan::plan::Halves, core: bool },
 }
 
 impl Policy {
@@ -295,6 +314,11 @@ impl Policy {
                 Made::Other => false,
             },
             Policy::Full => k.made == Made::Input,
+            Policy::Halves { halves, core } => match k.within {
+                Within::Input => true,
+                Within::Attention => !(halves.attention || *core && k.modules.contains(&RecomputeModule::CoreAttn)),
+                Within::Mlp => !halves.mlp,
+            },
         }
     }
 
@@ -345,6 +369,19 @@ pub fn recompute_seconds(policy: &Policy, forward: f64, parts: &[f64; Part::COUN
             (forward - kept_products - attention).max(0.0)
         }
         Policy::Full => forward,
+        Policy::Halves { halves, core } => {
+            // the norms split between the halves (each runs one of the two)
+            let of =
+                |ps: &[Part]| ps.iter().map(|p| parts[*p as usize]).sum::<f64>() + 0.5 * parts[Part::Norms as usize];
+            let attention = of(&[Part::AttentionProducts, Part::LatentUp, Part::Core, Part::Output]);
+            let mlp = of(&[Part::Mlp, Part::Routing, Part::Experts, Part::ExpertsActivation, Part::Shared]);
+            let first = match (halves.attention, *core) {
+                (true, _) => attention,
+                (false, true) => parts[Part::Core as usize],
+                (false, false) => 0.0,
+            };
+            first + if halves.mlp { mlp } else { 0.0 }
+        }
     }
 }
 
@@ -457,5 +494,51 @@ mod tests {
         // a full recompute keeps the input alone; no recompute everything
         assert_eq!(Policy::Full.split(&list).0, 8192.0 * 2.0 * 4096.0);
         assert_eq!(Policy::None.split(&list).0, total(&list));
+    }
+
+    #[test]
+    fn pipecs_executor_keeps_the_inputs_of_the_halves_it_recomputes() {
+        // Llama 3.1 8B's block, standard attention, bf16, 8192 positions: the MLP half run
+        // again keeps its input (the residual sum, 2·h a token) and the attention half's
+        // tensors; both halves keep the two halves' inputs alone
+        let b = Op::llama_block(4096, 32, 8, 14336).block_dims().expect("block");
+        let s = 8192.0;
+        let list = block_kept(&b, &BlockContext { s, ..cx(1.0, false, Attention::Standard, false) });
+        let halves = |attention, mlp| pipec_plan::plan::Halves { attention, mlp };
+        let inputs = 2.0 * s * 2.0 * 4096.0;
+        assert_eq!(Policy::Halves { halves: halves(true, true), core: false }.split(&list).0, inputs);
+        let attention_half: f64 =
+            list.iter().filter(|k| k.read && k.within == Within::Attention).map(|k| k.bytes).sum();
+        let mlp_half: f64 = list.iter().filter(|k| k.read && k.within == Within::Mlp).map(|k| k.bytes).sum();
+        assert_eq!(Policy::Halves { halves: halves(false, true), core: false }.split(&list).0, inputs + attention_half);
+        assert_eq!(Policy::Halves { halves: halves(true, false), core: false }.split(&list).0, inputs + mlp_half);
+        // the MLP half holds the gate, up and activation outputs (3·ff a token, bf16)
+        assert_eq!(mlp_half, s * 2.0 * (4096.0 + 3.0 * 14336.0));
+        // the core recomputed in the kernel drops the probabilities from the attention half
+        let (with_core, _) = Policy::Halves { halves: halves(false, true), core: true }.split(&list);
+        let probabilities = list.iter().find(|k| k.name == "attention probabilities").expect("kept").bytes;
+        assert_eq!(with_core, inputs + attention_half - probabilities);
+        // each policy of modules holds at least what the halves the executor runs again
+        // hold: a half runs again wherever the policy drops anything of it
+        use RecomputeModule::*;
+        for modules in [vec![Mlp], vec![Layernorm], vec![CoreAttn, Mlp], vec![MlaUpProj], vec![CoreAttn, Layernorm]] {
+            let policy = pipec_plan::plan::BlockRecompute { modules: modules.clone(), ..Default::default() };
+            let pipec = Policy::Halves { halves: policy.executor_halves(), core: policy.recomputes_core() };
+            let (megatron, _) = Policy::Modules(modules.clone()).split(&list);
+            assert!(pipec.split(&list).0 <= megatron, "{modules:?}");
+        }
+        // and runs at least as much again
+        let mut parts = [0.0; Part::COUNT];
+        for (i, p) in parts.iter_mut().enumerate() {
+            *p = (i + 1) as f64;
+        }
+        let forward: f64 = parts.iter().sum();
+        for modules in [vec![Mlp], vec![Layernorm], vec![CoreAttn], vec![MoeAct], vec![CoreAttn, Layernorm]] {
+            let policy = pipec_plan::plan::BlockRecompute { modules: modules.clone(), ..Default::default() };
+            let pipec = Policy::Halves { halves: policy.executor_halves(), core: policy.recomputes_core() };
+            let again = recompute_seconds(&pipec, forward, &parts, &[]);
+            assert!(again >= recompute_seconds(&Policy::Modules(modules.clone()), forward, &parts, &[]), "{modules:?}");
+            assert!(again <= forward, "{modules:?}");
+        }
     }
 }

@@ -290,7 +290,15 @@ pub(crate) struct KeptContext {
 /// as `activations::block_kept` lists them, any other layer's as one entry.
 pub(crate) fn kept_list(node: &OpNode, cx: &KeptContext) -> Vec<Kept> {
     let one = |bytes: f64| {
-        vec![Kept { name: "layer input", modules: &[], made: Made::Other, bytes, gradient: 0.0, read: true }]
+        vec![Kept {
+            name: "layer input",
+            modules: &[],
+            made: Made::Other,
+            bytes,
+            gradient: 0.0,
+            read: true,
+            within: crate::activations::Within::Input,
+        }]
     };
     let inp = numel(&node.input_shape);
     let p = cx.p;

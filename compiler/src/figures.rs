@@ -212,76 +212,14 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .iter()
         .map(|r| (costs[r.clone()].iter().map(|c| c.forward_s).sum::<f64>(), backward[r.clone()].iter().sum()))
         .collect();
-    let tp = spec.strategy.tp.max(1);
     let (tp_link, tp_times) = tp_figures(spec, model, layout);
-    // the collectives inside a stage's passes over `size` consecutive replicas of its
-    // pipeline rank (consecutive tensor-parallel groups, so inside a node when they fit):
-    // expert parallelism's all-to-alls, context parallelism's key/value exchanges
-    let ep = spec.strategy.ep_replicas();
-    let cp = spec.strategy.cp.max(1);
-    let chunks = spec.strategy.schedule.kind.chunk_placement();
-    // (the devices of every replica only where there are groups to price)
-    let ranks = if ep > 1 || cp > 1 { crate::place::rank_devices(&layout.replicas, tp) } else { Vec::new() };
-    type Pick = fn(&crate::cost::LayerCost) -> [&[(CollectiveKind, u64)]; 2];
-    // a collective over `members`: as the cluster prices it, except expert parallelism's
-    // exchanges under DeepEP's dispatch (one copy per destination node), priced as the
-    // simulator prices the plan's all-to-alls (`PlanCost::collective`)
-    let deepep = crate::cluster::deepep_routing(spec);
-    let exchange = |k: CollectiveKind, members: &[pipec_plan::DeviceId], bytes: u64| -> f64 {
-        match deepep.filter(|_| k == CollectiveKind::AllToAll) {
-            Some(routing) => model.cluster.node_forwarded_time(members, bytes, routing),
-            None => model.cluster.collective_time(k, members, bytes),
-        }
-    };
-    // an expert-parallel group's devices: its replicas' leaders, or with whole experts every
-    // tensor-parallel rank of them (the ranks of a replica are consecutive)
-    let whole_experts = spec.strategy.experts_whole();
-    let group_devices = |leaders: &[pipec_plan::DeviceId]| -> Vec<pipec_plan::DeviceId> {
-        if whole_experts {
-            leaders.iter().flat_map(|&d| crate::place::tensor_parallel_devices(d, tp)).collect()
-        } else {
-            leaders.to_vec()
-        }
-    };
-    let group_times = |size: usize, pick: Pick, ring: Option<usize>, expert: bool| -> Vec<(f64, f64)> {
-        // the part of a layer's exchange its attention core does not cover (a ring of
-        // `ring` members overlaps cp − 1 of its cp blocks), or all of it
-        let exposed = |comm: f64, core: f64| match ring {
-            Some(n) => (comm - core * (n - 1) as f64 / n as f64).max(0.0),
-            None => comm,
-        };
-        layout
-            .ranges
-            .iter()
-            .enumerate()
-            .map(|(c, r)| {
-                let Some(m) = ranks.get(chunks.rank_of_chunk(c, ranks.len())).filter(|_| size > 1) else {
-                    return (0.0, 0.0);
-                };
-                let leaders = &m[..size.min(m.len())];
-                let members = if expert { group_devices(leaders) } else { leaders.to_vec() };
-                let time =
-                    |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| exchange(k, &members, b)).sum::<f64>();
-                let c = &costs[r.clone()];
-                (
-                    c.iter().map(|c| exposed(time(pick(c)[0]), c.core_s[0])).sum(),
-                    c.iter().map(|c| exposed(time(pick(c)[1]), c.core_s[1])).sum(),
-                )
-            })
-            .collect()
-    };
-    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None, true);
+    let (ep_times, cp_times, ranks) = group_exchange_times(spec, model, layout, &policies);
     let (update_sums, norm_sum, ep_counts) = pipec_in_line(spec, model, layout, (tp_link, &ranks));
     let ep_times: Vec<(f64, f64)> = ep_times
         .iter()
         .zip(&ep_counts)
         .map(|(&(f, b), counts)| (f + counts.iter().map(|(_, t)| t).sum::<f64>(), b))
         .collect();
-    // around the ring (`cp_comm: ring`) a block's cp − 1 transfers run under the attention
-    // over the cp − 1 blocks before each (Transformer Engine's ring attention): only what
-    // that does not cover is waited for
-    let ring = (spec.strategy.cp_comm == pipec_plan::vocab::CpComm::Ring).then_some(cp);
-    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring, false);
     let (expert_parallel, all_to_alls, expert_gradients) = expert_figures(spec, model, layout);
     // ZeRO: each replica of a stage keeps (and updates) its 1/d share of what is sharded
     let stage_replicas: Vec<u64> = chunk_replicas(&layout.replicas, spec.strategy.schedule.kind, layout.ranges.len())
@@ -306,7 +244,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // byte counts saturate: a spec past pipec's limits is refused by the front end, and a
     // figure that saturates reads as "does not fit" rather than wrapping to a small one
     // (a context-parallel member's tensors hold its 1/cp of every sample's positions)
-    let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / cp as u64;
+    let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / spec.strategy.cp.max(1) as u64;
     let output_bytes: Vec<u64> = layout.ranges.iter().map(|r| cut_bytes(r.end).saturating_mul(mb)).collect();
     let mut bytes: Vec<StageBytes> = layout
         .ranges
@@ -345,6 +283,99 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         norm_sum,
         ep_counts,
     }
+}
+
+/// Per stage, expert parallelism's and context parallelism's (forward, backward) seconds, and
+/// every replica's devices where there are such groups.
+type GroupTimes = (Vec<(f64, f64)>, Vec<(f64, f64)>, Vec<Vec<pipec_plan::DeviceId>>);
+
+/// Per stage, the seconds a forward and a backward wait for the collectives inside them over
+/// `size` consecutive replicas of its pipeline rank (consecutive tensor-parallel groups, so
+/// inside a node when they fit): expert parallelism's all-to-alls and context parallelism's
+/// key/value exchanges (again in the backward of a block that runs its attention's forward
+/// again there, under `policies`).
+fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, policies: &[Policy]) -> GroupTimes {
+    let costs = &model.costs;
+    let tp = spec.strategy.tp.max(1);
+    let ep = spec.strategy.ep_replicas();
+    let cp = spec.strategy.cp.max(1);
+    let chunks = spec.strategy.schedule.kind.chunk_placement();
+    // (the devices of every replica only where there are groups to price)
+    let ranks = if ep > 1 || cp > 1 { crate::place::rank_devices(&layout.replicas, tp) } else { Vec::new() };
+    type Pick = fn(&crate::cost::LayerCost) -> [&[(CollectiveKind, u64)]; 2];
+    // a collective over `members`: as the cluster prices it, except expert parallelism's
+    // exchanges under DeepEP's dispatch (one copy per destination node), priced as the
+    // simulator prices the plan's all-to-alls (`PlanCost::collective`)
+    let deepep = crate::cluster::deepep_routing(spec);
+    let exchange = |k: CollectiveKind, members: &[pipec_plan::DeviceId], bytes: u64| -> f64 {
+        match deepep.filter(|_| k == CollectiveKind::AllToAll) {
+            Some(routing) => model.cluster.node_forwarded_time(members, bytes, routing),
+            None => model.cluster.collective_time(k, members, bytes),
+        }
+    };
+    // an expert-parallel group's devices: its replicas' leaders, or with whole experts every
+    // tensor-parallel rank of them (the ranks of a replica are consecutive)
+    let whole_experts = spec.strategy.experts_whole();
+    let group_devices = |leaders: &[pipec_plan::DeviceId]| -> Vec<pipec_plan::DeviceId> {
+        if whole_experts {
+            leaders.iter().flat_map(|&d| crate::place::tensor_parallel_devices(d, tp)).collect()
+        } else {
+            leaders.to_vec()
+        }
+    };
+    // a layer whose backward runs its attention's forward again, with that forward's
+    // context-parallel exchanges: a block recomputed whole (`layers: n`) or by its attention
+    // half (pipec's executor)
+    let attention_again: Vec<bool> = policies
+        .iter()
+        .map(|p| match p {
+            Policy::Full => true,
+            Policy::Halves { halves, .. } => halves.attention,
+            Policy::None | Policy::Modules(_) | Policy::Ops(_) => false,
+        })
+        .collect();
+    let group_times = |size: usize, pick: Pick, ring: Option<usize>, again: Option<&[bool]>| -> Vec<(f64, f64)> {
+        let expert = again.is_none();
+        // the part of a layer's exchange its attention core does not cover (a ring of
+        // `ring` members overlaps cp − 1 of its cp blocks), or all of it
+        let exposed = |comm: f64, core: f64| match ring {
+            Some(n) => (comm - core * (n - 1) as f64 / n as f64).max(0.0),
+            None => comm,
+        };
+        layout
+            .ranges
+            .iter()
+            .enumerate()
+            .map(|(c, r)| {
+                let Some(m) = ranks.get(chunks.rank_of_chunk(c, ranks.len())).filter(|_| size > 1) else {
+                    return (0.0, 0.0);
+                };
+                let leaders = &m[..size.min(m.len())];
+                let members = if expert { group_devices(leaders) } else { leaders.to_vec() };
+                let time =
+                    |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| exchange(k, &members, b)).sum::<f64>();
+                let c = &costs[r.clone()];
+                let forward = |c: &crate::cost::LayerCost| exposed(time(pick(c)[0]), c.core_s[0]);
+                let rerun = |i: usize| again.and_then(|a| a.get(i)).copied().unwrap_or(false);
+                (
+                    c.iter().map(forward).sum(),
+                    r.clone()
+                        .zip(c)
+                        .map(|(i, c)| exposed(time(pick(c)[1]), c.core_s[1]) + if rerun(i) { forward(c) } else { 0.0 })
+                        .sum(),
+                )
+            })
+            .collect()
+    };
+    // (expert parallelism is refused beside recompute inside the blocks by pipec's executor;
+    // what other engines' recomputed exchanges cost is not counted)
+    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None, None);
+    // around the ring (`cp_comm: ring`) a block's cp − 1 transfers run under the attention
+    // over the cp − 1 blocks before each (Transformer Engine's ring attention): only what
+    // that does not cover is waited for
+    let ring = (spec.strategy.cp_comm == pipec_plan::vocab::CpComm::Ring).then_some(cp);
+    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring, Some(&attention_again));
+    (ep_times, cp_times, ranks)
 }
 
 /// The tensor-parallel group's link and, per stage, the seconds a forward and a backward
@@ -469,7 +500,14 @@ fn zero3_gather_waits(
     } else {
         Default::default()
     };
-    let layers = pipec_plan::in_pass::Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss };
+    let within = spec.strategy.recompute.within_blocks();
+    let layers = pipec_plan::in_pass::Layers {
+        ops: &ops,
+        tied: &tied,
+        tracked: &tracked,
+        loss: spec.model.loss,
+        within: within.as_ref(),
+    };
     let layout_ranges = layout.ranges.len();
     let recomputed: &[bool] = &layout.recompute;
     let dp_link =
@@ -518,6 +556,7 @@ fn zero3_gather_waits(
                 ring: spec.strategy.cp_comm == pipec_plan::vocab::CpComm::Ring,
                 ep: expert_parallel.get(s).copied().unwrap_or(1),
                 zero3: true,
+                inside: !recomputed.get(s).copied().unwrap_or(false),
             };
             let with_stage = |i: usize| {
                 let op = &graph.node(graph.op_at(i)).op;
@@ -630,6 +669,9 @@ fn block_policies(spec: &Spec, graph: &crate::ir::Graph, range: std::ops::Range<
     let Some(within) = spec.strategy.recompute.within_blocks() else {
         return vec![Policy::None; range.len()];
     };
+    // pipec's executor recomputes by halves of a block (`BlockRecompute::executor_halves`)
+    let halves = within.executor_halves();
+    let by_halves = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec && halves.any();
     let mut blocks = 0usize;
     range
         .map(|i| {
@@ -639,6 +681,8 @@ fn block_policies(spec: &Spec, graph: &crate::ir::Graph, range: std::ops::Range<
             blocks += 1;
             if blocks <= within.layers {
                 Policy::Full
+            } else if by_halves {
+                Policy::Halves { halves, core: within.recomputes_core() }
             } else if !within.modules.is_empty() {
                 Policy::Modules(within.modules.clone())
             } else if !within.ops.is_empty() {
@@ -677,7 +721,7 @@ fn stage_bytes(
 ) -> StageBytes {
     let (costs, graph, mb) = (&model.costs, &model.graph, model.microbatch_size as u64);
     let (tp, cp, ep) = (spec.strategy.tp.max(1), spec.strategy.cp.max(1), spec.strategy.ep_replicas());
-    let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / cp as u64;
+    let cut_bytes = |j: usize| graph.cut_bytes_per_sample(j) / spec.strategy.cp.max(1) as u64;
     let c = &costs[r.clone()];
     // multi-token prediction on a later stage than the embedding keeps a copy of its table
     // (Megatron-LM's last stage builds its own, kept equal to the first stage's by an

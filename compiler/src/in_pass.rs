@@ -33,7 +33,8 @@ pub(crate) fn in_pass_table(
     let ops: Vec<Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
     let tied = graph.tie_ends();
     let tracked = graph.tracked_inputs(ranges);
-    let layers = Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss };
+    let within = spec.strategy.recompute.within_blocks();
+    let layers = Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss, within: within.as_ref() };
     let strategy = &spec.strategy;
     let mut table = InPassTable::default();
     let last = ranges.len().saturating_sub(1);
@@ -88,6 +89,7 @@ pub(crate) fn in_pass_table(
                 ring: strategy.cp_comm == pipec_plan::vocab::CpComm::Ring,
                 ep: lowered.expert_parallel.get(s).copied().unwrap_or(1).max(1),
                 zero3: zero3(stage),
+                inside: !recompute(stage),
             };
             let range = ranges.get(s).cloned().unwrap_or_default();
             let starts: Vec<usize> =

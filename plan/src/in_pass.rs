@@ -301,6 +301,9 @@ pub struct Layout {
     pub ep: usize,
     /// ZeRO-3 on a replicated stage.
     pub zero3: bool,
+    /// The stage runs the model's recompute inside its blocks ([`Layers::within`]; not a
+    /// stage that recomputes its whole forward).
+    pub inside: bool,
 }
 
 impl Layout {
@@ -321,6 +324,9 @@ pub struct Layers<'a> {
     pub tied: &'a [bool],
     pub tracked: &'a [bool],
     pub loss: Loss,
+    /// Recompute inside the blocks: what a stage's backward runs again of its forward
+    /// (`BlockRecompute::run_again`) where its layout says it runs it.
+    pub within: Option<&'a crate::recompute::BlockRecompute>,
 }
 
 /// How ZeRO-3 gathers an operator's weights.
@@ -573,8 +579,13 @@ fn pass_events(
         let reductions = (0..stage.len()).rev().filter_map(reduce).map(Event::Collective).collect();
         return Ok((reductions, weights));
     }
-    if kind.forward() {
-        for (k, (op, split)) in stage.iter().zip(&splits).enumerate() {
+    // a unit's forward: a layer's, or one half of a block's (the attention's products
+    // before the core, its collectives, the output projection; the MLP's up projection, its
+    // collectives, its down projection)
+    let forward_of = |events: &mut Vec<Event>, k: usize, unit: Unit| {
+        let (op, split) = (&stage[k], splits[k]);
+        let block = attention_products(op);
+        if unit != Unit::Mlp {
             events.extend(read(k, 0));
             if matches!(op, Op::Lstm { .. }) {
                 events.extend(read(k, 1));
@@ -582,24 +593,30 @@ fn pass_events(
             if matches!((split, op), (TpSplit::Vocab, Op::Embedding { .. }) | (TpSplit::Row, _)) {
                 events.push(tp_sum(k));
             }
-            if let Some(a) = attention_products(op) {
-                // the attention's products before the core (the first read above), the
-                // output projection, the MLP's up and down projections
-                for slot in 1..a {
-                    events.extend(read(k, slot));
-                }
-                attention(&mut events, op, at(k), layout, true);
-                events.extend(read(k, a));
-                if tp {
-                    events.push(tp_sum(k));
-                }
-                events.extend(read(k, a + 1));
-                mlp(&mut events, op, at(k), layout, true);
-                events.extend(read(k, a + 2));
-                if tp {
-                    events.push(tp_sum(k));
-                }
+        }
+        let Some(a) = block else { return };
+        if unit != Unit::Mlp {
+            for slot in 1..a {
+                events.extend(read(k, slot));
             }
+            attention(events, op, at(k), layout, true);
+            events.extend(read(k, a));
+            if tp {
+                events.push(tp_sum(k));
+            }
+        }
+        if unit != Unit::Attention {
+            events.extend(read(k, a + 1));
+            mlp(events, op, at(k), layout, true);
+            events.extend(read(k, a + 2));
+            if tp {
+                events.push(tp_sum(k));
+            }
+        }
+    };
+    if kind.forward() {
+        for k in 0..stage.len() {
+            forward_of(&mut events, k, Unit::Plain);
         }
         // the vocabulary-parallel cross-entropy: each row's maximum, sum of exponentials
         // and target score summed over the group (a recompute computes it again)
@@ -645,9 +662,23 @@ fn pass_events(
         }
     }
     segments.push((sum, units));
+    // what the backward runs again before each unit's backward: a layer whole before its
+    // last unit's, a block's half before that half's
+    let again = match layers.within.filter(|_| layout.inside) {
+        Some(policy) => policy.run_again(&stage.iter().map(|op| op.block_dims().is_some()).collect::<Vec<_>>()),
+        None => vec![crate::recompute::RunAgain::Nothing; stage.len()],
+    };
     for (i, (sum, units)) in segments.iter().enumerate().rev() {
         for &(k, unit) in units.iter().rev() {
             let op = &stage[k];
+            match (again[k], unit) {
+                (crate::recompute::RunAgain::Whole, Unit::Plain | Unit::Mlp) => forward_of(&mut events, k, Unit::Plain),
+                (crate::recompute::RunAgain::Halves(h), Unit::Attention) if h.attention => {
+                    forward_of(&mut events, k, Unit::Attention)
+                }
+                (crate::recompute::RunAgain::Halves(h), Unit::Mlp) if h.mlp => forward_of(&mut events, k, Unit::Mlp),
+                _ => {}
+            }
             match unit {
                 // a table's lookup reads nothing back; a product whose input carries no
                 // gradient computes none
@@ -898,12 +929,13 @@ mod tests {
             Op::layer_norm(64),
             Op::Linear { in_features: 64, out_features: 128, bias: false },
         ];
-        let layout = Layout { tp: 2, cp: 1, ring: false, ep: 1, zero3: false };
+        let layout = Layout { tp: 2, cp: 1, ring: false, ep: 1, zero3: false, inside: false };
         let layers = Layers {
             ops: &gpt,
             tied: &[false; 5],
             tracked: &[false, true, true, true, true],
             loss: Loss::CrossEntropy,
+            within: None,
         };
         let ops = |kind, first, last, range: std::ops::Range<usize>| -> Vec<String> {
             declare(&layers, range, layout, kind, first, last, None)
@@ -948,12 +980,13 @@ mod tests {
             Op::Relu,
             Op::Linear { in_features: 16, out_features: 4, bias: true },
         ];
-        let layout = Layout { tp: 1, cp: 1, ring: false, ep: 1, zero3: true };
+        let layout = Layout { tp: 1, cp: 1, ring: false, ep: 1, zero3: true, inside: false };
         let layers = Layers {
             ops: &mlp,
             tied: &[false; 5],
             tracked: &[false, true, true, true, true],
             loss: Loss::CrossEntropy,
+            within: None,
         };
         let layers_of = |kind, first| -> Vec<u32> {
             let got = declare(&layers, 0..5, layout, kind, first, true, None).expect("declared");

@@ -17,6 +17,7 @@ pub mod output;
 pub mod plan;
 pub mod profile;
 pub mod recipe;
+pub mod recompute;
 pub mod rope;
 pub mod rules;
 pub mod schedule;

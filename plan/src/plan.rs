@@ -330,54 +330,9 @@ pub struct TrainingPlan {
     pub master_weights: bool,
 }
 
-/// What every transformer block recomputes (a spec's `recompute` as a mapping).
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BlockRecompute {
-    /// Megatron-LM's `recompute_modules`: what these parts make is recomputed.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub modules: Vec<crate::vocab::RecomputeModule>,
-    /// torchtitan's op-level policy: only these operations' outputs are kept (empty: not
-    /// op-level).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub ops: Vec<crate::vocab::RecomputeOp>,
-    /// The first `layers` transformer blocks of every stage (of each model chunk) recompute
-    /// their whole forward, keeping their input only (Megatron-LM's `recompute_num_layers`
-    /// with its `block` method).
-    #[serde(default, skip_serializing_if = "is_zero_usize")]
-    pub layers: usize,
-    /// Every block's kept tensors go to host memory after its forward and come back for
-    /// its backward (activation offload).
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub offload: bool,
-}
-
-impl BlockRecompute {
-    /// The spec's text: `{ modules: [core_attn, mlp], layers: 2 }`.
-    pub fn text(&self) -> String {
-        let list = |names: Vec<&str>| format!("[{}]", names.join(", "));
-        let mut parts = Vec::new();
-        if !self.modules.is_empty() {
-            parts.push(format!("modules: {}", list(self.modules.iter().map(|m| m.name()).collect())));
-        }
-        if !self.ops.is_empty() {
-            parts.push(format!("ops: {}", list(self.ops.iter().map(|o| o.name()).collect())));
-        }
-        if self.layers > 0 {
-            parts.push(format!("layers: {}", self.layers));
-        }
-        if self.offload {
-            parts.push("offload: true".into());
-        }
-        format!("{{ {} }}", parts.join(", "))
-    }
-}
+pub use crate::recompute::{BlockRecompute, Halves, RunAgain};
 
 fn is_zero_u64(v: &u64) -> bool {
-    *v == 0
-}
-
-fn is_zero_usize(v: &usize) -> bool {
     *v == 0
 }
 

@@ -339,8 +339,9 @@ fn the_per_product_gathers_are_priced_one_for_one() {
     let tied = model.graph.tie_ends();
     let range = st.layers[0]..st.layers[1];
     let tracked = model.graph.tracked_inputs(std::slice::from_ref(&range));
-    let layers = pipec_plan::in_pass::Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss };
-    let layout = pipec_plan::in_pass::Layout { tp: 1, cp: 1, ring: false, ep: 1, zero3: true };
+    let layers =
+        pipec_plan::in_pass::Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss, within: None };
+    let layout = pipec_plan::in_pass::Layout { tp: 1, cp: 1, ring: false, ep: 1, zero3: true, inside: false };
     let gathers = |kind| pipec_plan::in_pass::product_gathers(&layers, range.clone(), layout, (kind, true, true));
     let (forward, backward) =
         (gathers(PassKind::Forward).expect("forward"), gathers(PassKind::Backward).expect("backward"));

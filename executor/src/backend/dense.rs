@@ -522,6 +522,29 @@ pub(crate) fn with_gathered_weights<I: Backend, R>(weights: GatheredWeights<I>, 
     pass()
 }
 
+/// Runs `pass` with `more` stand-ins' gatherers beside those installed on this thread (a
+/// pass that runs part of its forward on another copy of the weights: recompute inside the
+/// blocks runs it untracked); what was installed is restored after, also if it panics.
+pub(crate) fn with_more_gathered_weights<I: Backend, R>(more: GatheredWeights<I>, pass: impl FnOnce() -> R) -> R {
+    struct Restore(Option<Box<dyn Any>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let before = self.0.take();
+            GATHERED.with(|s| *s.borrow_mut() = before);
+        }
+    }
+    if more.is_empty() {
+        return pass();
+    }
+    let before = GATHERED.with(|s| s.borrow_mut().take());
+    let mut all: GatheredWeights<I> =
+        before.as_ref().and_then(|b| b.downcast_ref::<GatheredWeights<I>>()).cloned().unwrap_or_default();
+    all.extend(more);
+    GATHERED.with(|s| *s.borrow_mut() = Some(Box::new(all)));
+    let _restore = Restore(before);
+    pass()
+}
+
 /// The gatherer of the weight whose stand-in is `node`, while a pass names it.
 fn gathered_weight<I: Backend>(node: NodeId) -> Option<(std::sync::Arc<dyn WholeWeight<I>>, u64)> {
     GATHERED.with(|s| s.borrow().as_ref()?.downcast_ref::<GatheredWeights<I>>()?.get(&node).cloned())

@@ -27,7 +27,7 @@ use crate::comm::transport::Tag;
 use crate::error::{ExecError, Result};
 use crate::interp::collectives::land_replica_sum;
 use crate::interp::in_flight::BucketsInFlight;
-use crate::interp::values::{dot, dot_with, grad_of, input_grad, Forwarded, Saved, WeightGrads};
+use crate::interp::values::{grad_of, input_grad, Forwarded, Saved, WeightGrads};
 use crate::interp::worker::Worker;
 use crate::nn::layers::{Act, Collected, StageModel};
 use crate::nn::params::{
@@ -63,7 +63,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
 
     /// Each of `stage`'s buckets' parameters (positions in the stage's visiting order), in
     /// the plan's order (the last layers' first), from the layers of `model`.
-    fn bucket_params(&self, stage: StageId, model: &StageModel<B>) -> Result<Vec<Range<usize>>> {
+    pub(crate) fn bucket_params(&self, stage: StageId, model: &StageModel<B>) -> Result<Vec<Range<usize>>> {
         let s = self.plan.stage(stage).ok_or(ExecError::Plan(format!("the plan has no {stage}")))?;
         let per_layer: Vec<usize> = model.layers.iter().map(|l| layout::<B, _>(l).len()).collect();
         let before = |l: usize| per_layer[..l.saturating_sub(s.layers[0]).min(per_layer.len())].iter().sum::<usize>();
@@ -101,7 +101,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         mb: MicrobatchId,
         reduce: Option<(GroupId, usize)>,
     ) -> Result<WeightGrads<B>> {
-        let n_mb = self.plan.training.microbatches as f64;
         let kept =
             self.passes.saved.get(&(stage, mb)).ok_or(ExecError::Missing("its forward's activations are missing"))?;
         let Saved::Segmented(segments, loss) = &kept.saved else {
@@ -118,18 +117,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let mut grad_out: Option<Act<B>> = None;
         for k in (0..segments.len()).rev() {
             let seg = &segments[k];
-            let target = match (grad_out.take(), &loss) {
-                (Some(g), _) => dot(&seg.out, g)?,
-                (None, Some(l)) => self.backward_seed(l.clone(), n_mb),
-                (None, None) => {
-                    let g = self
-                        .passes
-                        .grads_in
-                        .remove(&(stage, mb))
-                        .ok_or(ExecError::Missing("the gradient of its output was not received"))?;
-                    dot_with::<B>(&seg.out, &g, &self.dev)?
-                }
-            };
+            let target = self.seed_at(stage, mb, &seg.out, grad_out.take(), loss.as_ref())?;
             let st = self.state(stage)?;
             let mut grads = backward_into_sums::<B>(&mut st.acc, &keys, || target.backward());
             accumulate::<B>(&mut st.acc, collect_grads(&used, &mut grads));
@@ -193,7 +181,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
     /// a sharded stage (ZeRO) a reduce-scatter of them into the replicas' chunks, which
     /// takes them from the accumulator; after the last bucket's, the stage's batch
     /// statistics.
-    fn start_bucket(
+    pub(crate) fn start_bucket(
         &mut self,
         stage: StageId,
         group: GroupId,

@@ -13,7 +13,8 @@ use crate::comm::transport::{Message, Tag};
 use crate::error::{ExecError, Result};
 use crate::interp::data::Targets;
 use crate::interp::values::{
-    act_to_message, detach, dot_with, input_grad, microbatch_copy, require_grad, Forwarded, Kept, Saved, WeightGrads,
+    act_to_message, detach, dot, dot_with, input_grad, microbatch_copy, require_grad, Forwarded, Kept, Saved,
+    WeightGrads,
 };
 use crate::interp::worker::{add_expert_tokens, StepReport, Worker};
 use crate::nn::layers::{Act, StageModel};
@@ -197,8 +198,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
             });
         }
-        if let Some(cut) = self.recompute_cut(stage) {
-            return self.forward_recomputing(stage, mb, model, x, key, cut);
+        if let Some(units) = self.recompute_units(stage, model) {
+            return self.forward_in_pieces(stage, mb, model, x, key, units);
         }
         if let Some(cuts) = self.bucket_cuts(stage) {
             return self.forward_segmented(stage, mb, model, x, key, &cuts);
@@ -309,6 +310,32 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         }
     }
 
+    /// What the backward of a part of `stage`'s forward ending at `out` starts from: the
+    /// gradient `grad_out` the part after it handed back, else (the stage's last part) the
+    /// seed of its `loss` on the last stage or the gradient received at its output.
+    pub(crate) fn seed_at(
+        &mut self,
+        stage: StageId,
+        mb: MicrobatchId,
+        out: &Act<B>,
+        grad_out: Option<Act<B>>,
+        loss: Option<&Tensor<B, 1>>,
+    ) -> Result<Tensor<B, 1>> {
+        let n_mb = self.plan.training.microbatches as f64;
+        match (grad_out, loss) {
+            (Some(g), _) => dot(out, g),
+            (None, Some(l)) => Ok(self.backward_seed(l.clone(), n_mb)),
+            (None, None) => {
+                let g = self
+                    .passes
+                    .grads_in
+                    .remove(&(stage, mb))
+                    .ok_or(ExecError::Missing("the gradient of its output was not received"))?;
+                dot_with::<B>(out, &g, &self.dev)
+            }
+        }
+    }
+
     /// The mean loss of a microbatch's output (tracked).
     pub(crate) fn loss(&self, mb: MicrobatchId, out: Act<B>) -> Result<Tensor<B, 1>> {
         let y =
@@ -340,7 +367,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 self.exchange_failure(stage)?;
                 return Ok(grads);
             }
-            Saved::Head { .. } => return self.backward_recomputing(stage, mb, split),
+            Saved::Pieces { .. } => return self.backward_in_pieces(stage, mb, split, None),
             Saved::Loss(l) => self.backward_seed(l.clone(), n_mb),
             Saved::Output(out) => {
                 let g = self

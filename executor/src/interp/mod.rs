@@ -2,6 +2,7 @@
 //! owns, the values passed between instructions, and the collectives, buckets, clipping and
 //! checkpoint copies it performs.
 
+pub(crate) mod block_recompute;
 pub(crate) mod buckets;
 pub(crate) mod build;
 pub(crate) mod checkpointing;
@@ -13,7 +14,6 @@ pub mod data;
 pub(crate) mod gathers;
 pub(crate) mod grad_norm;
 pub(crate) mod in_flight;
-pub(crate) mod layer_recompute;
 pub(crate) mod parts;
 pub mod sharded;
 pub(crate) mod stage;

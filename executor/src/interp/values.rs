@@ -10,6 +10,7 @@ use crate::backend::dense::Deferred;
 use crate::backend::kernels::ExecBackend;
 use crate::comm::transport::{Message, Tag};
 use crate::error::{ExecError, Result};
+use crate::nn::block::Half;
 use crate::nn::layers::{Act, StageModel};
 use crate::nn::params::{host_f32, FlatGrads};
 use crate::parallel::tensor_parallel::Segment;
@@ -58,12 +59,41 @@ pub(crate) enum Saved<B: ExecBackend> {
     /// per bucket, the first layers' first), and (last stage) the loss on the last
     /// segment's output.
     Segmented(Vec<Segment<B>>, Option<Tensor<B, 1>>),
-    /// Recompute by layers (`crate::interp::layer_recompute`): the forward cut at `cut` (a
-    /// position in the stage's layers, after its first blocks). The head before the cut
-    /// keeps nothing (the stage's input is kept) and runs again in the backward; the tail
-    /// from a leaf copy of the head's output keeps its graph; and (last stage) the loss on
-    /// the tail's output.
-    Head { cut: usize, tail: Segment<B>, loss: Option<Tensor<B, 1>> },
+    /// Recompute inside the blocks (`crate::interp::block_recompute`): the forward cut into
+    /// pieces, each keeping its graph or only its input, and (last stage) the loss on the
+    /// last piece's output.
+    /// `starts`: the layer (a position in the stage) each piece begins, where it begins one.
+    Pieces { pieces: Vec<Piece<B>>, starts: Vec<Option<usize>>, loss: Option<Tensor<B, 1>> },
+}
+
+/// A step of a stage's forward: one of its layers whole, or one half of a transformer block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unit {
+    Layer(usize),
+    Half(usize, Half),
+}
+
+/// A piece of a stage's forward cut for recompute.
+#[derive(Clone)]
+pub(crate) enum Piece<B: ExecBackend> {
+    /// Keeps its graph from `leaf` to `out`, and its load-balancing losses (tracked).
+    Kept { leaf: Act<B>, out: Act<B>, aux: Option<Tensor<B, 1>> },
+    /// Keeps only its `input` (a leaf); `units` run again in the backward.
+    Again { input: Act<B>, units: Vec<Unit> },
+}
+
+impl<B: ExecBackend> Piece<B> {
+    /// The devices of the tensors it holds.
+    pub(crate) fn devices(&self) -> Vec<B::Device> {
+        match self {
+            Piece::Kept { leaf, out, aux } => {
+                let mut d = [leaf.devices(), out.devices()].concat();
+                d.extend(aux.iter().map(Tensor::device));
+                d
+            }
+            Piece::Again { input, .. } => input.devices(),
+        }
+    }
 }
 
 impl<B: ExecBackend> Kept<B> {
@@ -89,8 +119,8 @@ impl<B: ExecBackend> Kept<B> {
                 d.extend(loss.iter().map(Tensor::device));
                 d
             }
-            Saved::Head { tail, loss, .. } => {
-                let mut d: Vec<B::Device> = segments(std::slice::from_ref(tail));
+            Saved::Pieces { pieces, loss, .. } => {
+                let mut d: Vec<B::Device> = pieces.iter().flat_map(|p| p.devices()).collect();
                 d.extend(loss.iter().map(Tensor::device));
                 d
             }
@@ -107,6 +137,11 @@ impl<B: ExecBackend> Saved<B> {
     /// weight is held for the backward.
     pub(crate) fn is_nothing(&self) -> bool {
         matches!(self, Saved::Nothing)
+    }
+
+    /// Whether the forward was cut into pieces for recompute inside the blocks.
+    pub(crate) fn is_pieces(&self) -> bool {
+        matches!(self, Saved::Pieces { .. })
     }
 }
 

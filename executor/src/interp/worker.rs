@@ -407,6 +407,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 self.gather_weights(stage, at)?;
                 let done = match self.transfers.bucketed.get(&at).copied() {
                     // the stage's last gradient of the step: its buckets start in the pass
+                    Some(group) if self.passes.saved.get(&(stage, mb)).is_some_and(|k| k.saved.is_pieces()) => {
+                        self.backward_in_pieces(stage, mb, false, Some((group, code))).map(|_| ())
+                    }
                     Some(group) => self.backward_segments(stage, mb, Some((group, code))).map(|_| ()),
                     None => self.run_backward(stage, mb, false).and_then(|grads| self.add_gradient(stage, mb, grads)),
                 };

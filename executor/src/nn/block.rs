@@ -32,6 +32,13 @@ pub enum Projections<B: Backend> {
     Latent(Latent<B>),
 }
 
+/// A half of a transformer block ([`Block::half`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    Attention,
+    Mlp,
+}
+
 /// A pre-norm transformer block.
 #[derive(Module, Debug)]
 pub struct Block<B: Backend> {
@@ -256,16 +263,33 @@ impl<B: Kernels> Block<B> {
     }
 
     pub(crate) fn forward(&self, x: Tensor<B, 3>, training: bool, side: &mut Collected<B>) -> Result<Tensor<B, 3>> {
-        if self.post_norm {
-            let ctx = self.attend(self.queries_keys_values(x.clone())?, side.context.as_ref())?;
-            let h = self.norm1.forward(x + self.proj.forward3(ctx));
-            let m = self.feed_forward(h.clone(), training, side)?;
-            return Ok(self.norm2.forward(h + m));
-        }
-        let ctx = self.attend(self.queries_keys_values(self.norm1.forward(x.clone()))?, side.context.as_ref())?;
-        let x = x + self.proj.forward3(ctx);
-        let m = self.feed_forward(self.norm2.forward(x.clone()), training, side)?;
-        Ok(x + m)
+        let h = self.half(Half::Attention, x, training, side)?;
+        self.half(Half::Mlp, h, training, side)
+    }
+
+    /// One half of the block on its input [batch, seq, d]: pre-norm `x + f(norm(x))`,
+    /// post-norm `norm(x + f(x))`, `f` the attention or the MLP part. The block is its
+    /// attention half, then its MLP half; each is what recompute by module runs again
+    /// (`pipec_plan::plan::BlockRecompute::executor_halves`).
+    pub(crate) fn half(
+        &self,
+        half: Half,
+        x: Tensor<B, 3>,
+        training: bool,
+        side: &mut Collected<B>,
+    ) -> Result<Tensor<B, 3>> {
+        let norm = match half {
+            Half::Attention => &self.norm1,
+            Half::Mlp => &self.norm2,
+        };
+        let input = if self.post_norm { x.clone() } else { norm.forward(x.clone()) };
+        let f = match half {
+            Half::Attention => {
+                self.proj.forward3(self.attend(self.queries_keys_values(input)?, side.context.as_ref())?)
+            }
+            Half::Mlp => self.feed_forward(input, training, side)?,
+        };
+        Ok(if self.post_norm { norm.forward(x + f) } else { x + f })
     }
 
     /// One MLP on [rows, d].

@@ -691,10 +691,10 @@ fn join<B: Backend>(op: &Op, args: Vec<Act<B>>) -> Result<Act<B>> {
     })
 }
 
-/// Whether layer `layer`'s attention core is recomputed in its backward rather than kept:
-/// its stage's selective recompute, or flash attention's memory (nothing of size seq² kept;
-/// computed unfused).
+/// Whether layer `layer`'s attention core is recomputed in its backward rather than kept: selective
+/// recompute, a policy naming `core_attn`, or flash attention's memory (computed unfused).
 pub(crate) fn recomputes_attention_core(plan: &pipec_plan::Plan, layer: usize) -> bool {
     plan.model.attention == pipec_plan::Attention::Flash
+        || plan.schedule.block_recompute.as_ref().is_some_and(pipec_plan::plan::BlockRecompute::recomputes_core)
         || plan.stages.iter().any(|s| s.selective_recompute && (s.layers[0]..s.layers[1]).contains(&layer))
 }

@@ -482,35 +482,27 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
     out
 }
 
-/// Refuses recompute by layers (`recompute: { layers: n }`: `crate::interp::layer_recompute`)
-/// beside what it does not run with yet: a tensor-parallel stage (whose forward runs in its
-/// own segments), gradient buckets (whose segments feed the buckets), expert and context
-/// parallelism and ZeRO-3 (whose backward would make the recompute's all-to-alls, key and
-/// value gathers and weight gathers, which the plan's streams and in-pass table do not list)
-/// and a model with branches or joins (the cut needs a chain of layers).
-fn layer_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
-    if plan.schedule.block_recompute.as_ref().is_none_or(|b| b.layers == 0) {
-        return Ok(());
-    }
-    let refuse = |why: &str| {
-        Err(RunError::setup(format!(
-            "the executor recomputes the first blocks of every stage (`recompute: {{ layers: n }}`) only {why} yet"
-        )))
+/// Refuses recompute inside the blocks (`recompute: { layers: n }`, `{ modules: [...] }`,
+/// `{ ops: [...] }`: `crate::interp::block_recompute`; `core_attn` alone is recomputed in
+/// the attention kernel and runs everywhere) beside what it does not run with yet: a
+/// tensor-parallel stage (whose forward runs in its own segments), expert parallelism (whose
+/// backward would make the recompute's all-to-alls, which the plan's `AllToAll`
+/// instructions after each pass do not list) and a model with branches or joins (the cut
+/// needs a chain of layers).
+fn block_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
+    let Some(policy) = plan.schedule.block_recompute.as_ref() else { return Ok(()) };
+    let what = match (policy.layers > 0, policy.executor_halves().any()) {
+        (false, false) => return Ok(()),
+        (true, _) => "the first blocks of every stage (`recompute: { layers: n }`)",
+        (false, true) if policy.ops.is_empty() => "by module (`recompute: { modules: [...] }`)",
+        (false, true) => "by operation (`recompute: { ops: [...] }`)",
     };
+    let refuse = |why: &str| Err(RunError::setup(format!("the executor recomputes {what} only {why} yet")));
     if plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1)) {
         return refuse("without tensor parallelism");
     }
-    if plan.stages.iter().any(|s| !s.gradient_buckets.is_empty()) {
-        return refuse("without gradient buckets (`bucket`)");
-    }
     if plan.stages.iter().any(|s| s.expert_parallel > 1) {
         return refuse("without expert parallelism");
-    }
-    if plan.training.context_parallel > 1 {
-        return refuse("without context parallelism");
-    }
-    if plan.schedule.sharding == pipec_plan::vocab::Sharding::Parameters {
-        return refuse("without ZeRO-3 (`zero: 3`)");
     }
     if plan.layers.iter().any(|l| l.inputs.is_some()) {
         return refuse("in a chain of layers (this model has branches or joins)");
@@ -544,7 +536,7 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
             ));
         }
     }
-    layer_recompute_runs_here(plan)?;
+    block_recompute_runs_here(plan)?;
     // batch normalisation needs a variance per channel in every microbatch
     for l in &plan.layers {
         if let (Op::BatchNorm2d { .. }, [_, h, w]) = (&l.op, l.input_shape.as_slice()) {
