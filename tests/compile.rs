@@ -979,3 +979,38 @@ fn a_block_run_again_in_the_backward_exchanges_its_keys_and_values_again() {
     // the MLP alone: nothing again
     assert_eq!(context("{ modules: [mlp] }"), [forward, backward]);
 }
+
+/// Under expert parallelism a block whose backward runs its mixture of experts' forward again
+/// dispatches and combines again there: the plan's `AllToAll` instructions list those
+/// exchanges before the gradients' (`ExpertExchange::again`) and the stage's backward
+/// exchange time grows by its forward's; recompute of the attention core alone exchanges
+/// nothing again.
+#[test]
+fn a_mixture_run_again_in_the_backward_dispatches_and_combines_again() {
+    let spec = |recompute: &str| {
+        format!(
+            "name: ep\nmodel:\n  input: [64]\n  layers:\n    - embedding(50, 32)\n    - repeat 2: transformer_block(d=32, heads=4, ff=64, causal=true, experts=4, top_k=2)\n    - layernorm\n    - linear(32, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ kind: cpu, memory: 4GiB, throughput: 40GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 1GB/s, latency: 5us }}\nstrategy:\n  stages: \"2\"\n  ep: 2\n  schedule: gpipe\n  microbatches: 2\n  recompute: {recompute}\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n"
+        )
+    };
+    let plan = |recompute: &str| {
+        compile_text(&spec(recompute)).into_compiled().unwrap_or_else(|d| panic!("{recompute}: {d:?}")).plan
+    };
+    let kept = plan("false");
+    let [forward, backward] = kept.stages[0].all_to_all_s;
+    assert!(forward > 0.0 && backward > 0.0 && kept.stages[0].all_to_alls.iter().all(|x| !x.again));
+    let count = |p: &pipec_plan::Plan| {
+        p.streams.values().flatten().filter(|i| matches!(i, pipec_plan::Instr::AllToAll { .. })).count()
+    };
+    for again in ["{ modules: [moe_act] }", "{ layers: 2 }"] {
+        let p = plan(again);
+        assert!(p.stages[0].all_to_alls.iter().all(|x| x.again), "{again}");
+        let [f, b] = p.stages[0].all_to_all_s;
+        assert_eq!(f, forward, "{again}");
+        assert!((b - (backward + forward)).abs() <= 1e-12 * backward, "{again}: {b} against {backward} + {forward}");
+        // each backward posts each layer's dispatch and combine again: half as many again
+        // as a forward and a backward post
+        assert_eq!(2 * count(&p), 3 * count(&kept), "{again}");
+    }
+    let core = plan("{ modules: [core_attn] }");
+    assert_eq!((core.stages[0].all_to_all_s, count(&core)), ([forward, backward], count(&kept)));
+}

@@ -331,7 +331,8 @@ fn recompute_by_layers_holds_less_than_keeping_every_activation() {
 /// ZeRO-2 and ZeRO-3, beside context parallelism (gathered and around the ring) and
 /// gradient buckets;
 /// `core_attn` beside them (recomputed in the attention kernel) trains as selective
-/// recompute alone does. Beside tensor and expert parallelism it is refused by name.
+/// recompute alone does, and beside expert parallelism (the mixtures' exchanges again) and
+/// tensor parallelism (a block's half as its segment).
 #[test]
 fn recompute_by_module_and_operation_trains_like_keeping_every_activation() {
     let dense = "- embedding(20, 16)\n    - repeat 4: transformer_block(d=16, heads=4, ff=32, causal=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false)\n    - rmsnorm\n    - flatten\n    - linear(128, 4)";
@@ -402,22 +403,38 @@ fn recompute_by_module_and_operation_trains_like_keeping_every_activation() {
     let selective = losses(&train(&plan(&Job { recompute: "selective", ..job })));
     assert_eq!(losses(&train(&plan(&job))), selective, "core_attn and mlp: the losses of selective recompute");
     assert_same_as_one_device(job);
-    // beside tensor and expert parallelism it is refused before training, by name
+    // expert parallelism: a backward that runs a mixture again dispatches and combines
+    // again, as the plan's `AllToAll` instructions list (`ExpertExchange::again`) and its
+    // in-pass table declares
+    for (stages, recompute) in [
+        ("\"2\"\n  ep: 2", "{ modules: [moe_act] }"),
+        ("\"2\"\n  ep: 2\n  zero: 3", "{ layers: 2 }"),
+        ("\"2\"\n  ep: 2", "{ modules: [layernorm], layers: 1 }"),
+    ] {
+        let moe_ep = Job { devices: 2, stages, schedule: "gpipe", recompute, layers: moe, ..job };
+        let p = plan(&moe_ep);
+        assert!(p.stages[0].all_to_alls.iter().any(|x| x.again), "{stages} {recompute}: {:?}", p.stages[0].all_to_alls);
+        trains_like_keeping_every_activation(moe_ep, &format!("{stages} {recompute}"));
+    }
+    // a plan whose instructions do not list them (one for an engine that recomputes the
+    // activation alone) is refused before training, by name
     let moe_ep = Job { devices: 2, stages: "\"2\"\n  ep: 2", schedule: "gpipe", layers: moe, ..job };
-    let message =
-        pipec_executor::run(&plan(&moe_ep), &RunOptions::default(), &mut |_| {}).map(|_| ()).expect_err("refused");
+    let mut p = plan(&Job { recompute: "{ modules: [moe_act] }", ..moe_ep });
+    p.stages[0].all_to_alls[0].again = false;
+    let message = pipec_executor::run(&p, &RunOptions::default(), &mut |_| {}).map(|_| ()).expect_err("refused");
     let message = message.to_string();
     assert!(message.contains("by module") && message.contains("expert parallelism"), "{message}");
-    let job = Job { devices: 4, stages: "\"1-1\"\n  tp: 2", recompute: "{ modules: [mlp] }", ..job };
-    let message =
-        pipec_executor::run(&plan(&job), &RunOptions::default(), &mut |_| {}).map(|_| ()).expect_err("refused");
-    let message = message.to_string();
-    assert!(message.contains("by module") && message.contains("tensor parallelism"), "{message}");
-    let job = Job { recompute: "{ ops: [matmul] }", ..job };
-    let message =
-        pipec_executor::run(&plan(&job), &RunOptions::default(), &mut |_| {}).map(|_| ()).expect_err("refused");
-    let message = message.to_string();
-    assert!(message.contains("by operation") && message.contains("tensor parallelism"), "{message}");
+    // tensor parallelism: a block's half runs again as its forward's segment, its
+    // all-reduce again too (recompute by layers is refused there, by name:
+    // recompute_by_layers_trains_like_keeping_every_activation)
+    for (devices, stages, recompute) in [
+        (4, "\"1-1\"\n  tp: 2", "{ modules: [mlp] }"),
+        (2, "\"1\"\n  tp: 2", "{ ops: [matmul] }"),
+        (4, "\"1-1\"\n  tp: 2\n  sequence_parallel: true", "{ modules: [core_attn, layernorm] }"),
+    ] {
+        let job = Job { devices, stages, recompute, ..job };
+        trains_like_keeping_every_activation(job, &format!("{stages} {recompute}"));
+    }
 }
 
 /// What recompute by module drops is not held: on one device under GPipe, a run

@@ -215,12 +215,17 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     let (tp_link, tp_times) = tp_figures(spec, model, layout);
     let (ep_times, cp_times, ranks) = group_exchange_times(spec, model, layout, &policies);
     let (update_sums, norm_sum, ep_counts) = pipec_in_line(spec, model, layout, (tp_link, &ranks));
+    // the routing counts exchanged before each dispatch, a backward's dispatches again too
+    let again = |l: &u32| policies.get(*l as usize).is_some_and(|p| exchanges_again(p)[1]);
     let ep_times: Vec<(f64, f64)> = ep_times
         .iter()
         .zip(&ep_counts)
-        .map(|(&(f, b), counts)| (f + counts.iter().map(|(_, t)| t).sum::<f64>(), b))
+        .map(|(&(f, b), counts)| {
+            let rerun: f64 = counts.iter().filter(|(l, _)| again(l)).map(|(_, t)| t).sum();
+            (f + counts.iter().map(|(_, t)| t).sum::<f64>(), b + rerun)
+        })
         .collect();
-    let (expert_parallel, all_to_alls, expert_gradients) = expert_figures(spec, model, layout);
+    let (expert_parallel, all_to_alls, expert_gradients) = expert_figures(spec, model, layout, &policies);
     // ZeRO: each replica of a stage keeps (and updates) its 1/d share of what is sharded
     let stage_replicas: Vec<u64> = chunk_replicas(&layout.replicas, spec.strategy.schedule.kind, layout.ranges.len())
         .into_iter()
@@ -323,19 +328,9 @@ fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, polici
             leaders.to_vec()
         }
     };
-    // a layer whose backward runs its attention's forward again, with that forward's
-    // context-parallel exchanges: a block recomputed whole (`layers: n`) or by its attention
-    // half (pipec's executor)
-    let attention_again: Vec<bool> = policies
-        .iter()
-        .map(|p| match p {
-            Policy::Full => true,
-            Policy::Halves { halves, .. } => halves.attention,
-            Policy::None | Policy::Modules(_) | Policy::Ops(_) => false,
-        })
-        .collect();
-    let group_times = |size: usize, pick: Pick, ring: Option<usize>, again: Option<&[bool]>| -> Vec<(f64, f64)> {
-        let expert = again.is_none();
+    let attention_again: Vec<bool> = policies.iter().map(|p| exchanges_again(p)[0]).collect();
+    let mlp_again: Vec<bool> = policies.iter().map(|p| exchanges_again(p)[1]).collect();
+    let group_times = |size: usize, pick: Pick, ring: Option<usize>, expert: bool, again: &[bool]| {
         // the part of a layer's exchange its attention core does not cover (a ring of
         // `ring` members overlaps cp − 1 of its cp blocks), or all of it
         let exposed = |comm: f64, core: f64| match ring {
@@ -356,7 +351,7 @@ fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, polici
                     |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| exchange(k, &members, b)).sum::<f64>();
                 let c = &costs[r.clone()];
                 let forward = |c: &crate::cost::LayerCost| exposed(time(pick(c)[0]), c.core_s[0]);
-                let rerun = |i: usize| again.and_then(|a| a.get(i)).copied().unwrap_or(false);
+                let rerun = |i: usize| again.get(i).copied().unwrap_or(false);
                 (
                     c.iter().map(forward).sum(),
                     r.clone()
@@ -369,12 +364,12 @@ fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, polici
     };
     // (expert parallelism is refused beside recompute inside the blocks by pipec's executor;
     // what other engines' recomputed exchanges cost is not counted)
-    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None, None);
+    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None, true, &mlp_again);
     // around the ring (`cp_comm: ring`) a block's cp − 1 transfers run under the attention
     // over the cp − 1 blocks before each (Transformer Engine's ring attention): only what
     // that does not cover is waited for
     let ring = (spec.strategy.cp_comm == pipec_plan::vocab::CpComm::Ring).then_some(cp);
-    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring, Some(&attention_again));
+    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring, false, &attention_again);
     (ep_times, cp_times, ranks)
 }
 
@@ -625,10 +620,25 @@ fn zero3_gather_waits(
     (waits, whole)
 }
 
+/// Whether a layer's backward under `policy` runs its forward's exchanges again: its
+/// attention's (context parallelism's keys and values) and its mixture of experts'
+/// (the dispatch and the combine). A block recomputed whole (`layers: n`), pipec's executor
+/// by halves, Megatron-LM's `moe` module; not its `moe_act` or `mlp` (no exchange), nor
+/// torchtitan's op-level policy (which saves the all-to-alls' outputs).
+fn exchanges_again(policy: &Policy) -> [bool; 2] {
+    match policy {
+        Policy::Full => [true, true],
+        Policy::Halves { halves, .. } => [halves.attention, halves.mlp],
+        Policy::Modules(m) => [false, m.contains(&pipec_plan::vocab::RecomputeModule::Moe)],
+        Policy::None | Policy::Ops(_) => [false, false],
+    }
+}
+
 fn expert_figures(
     spec: &Spec,
     model: &ModelCosts,
     layout: &Layout,
+    policies: &[Policy],
 ) -> (Vec<usize>, Vec<Vec<pipec_plan::ExpertExchange>>, Vec<u64>) {
     let (costs, ep) = (&model.costs, spec.strategy.ep_replicas());
     let expert_parallel: Vec<usize> =
@@ -646,7 +656,8 @@ fn expert_figures(
                     // prediction's modules) exchanges all of theirs
                     let all = &costs[l].ep_forward;
                     let bytes = all.iter().map(|&(_, b)| b).sum::<u64>() / 2;
-                    (!all.is_empty()).then_some(pipec_plan::ExpertExchange { layer: l as u32, bytes })
+                    let again = policies.get(l).is_some_and(|p| exchanges_again(p)[1]);
+                    (!all.is_empty()).then_some(pipec_plan::ExpertExchange { layer: l as u32, bytes, again })
                 })
                 .collect()
         })

@@ -125,6 +125,10 @@ pub enum Buffer {
 pub struct ExpertExchange {
     pub layer: u32,
     pub bytes: u64,
+    /// The layer's backward runs its mixture's forward again first (recompute inside the
+    /// blocks), dispatching and combining again before it exchanges the gradients.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub again: bool,
 }
 
 /// One instruction of a device's stream.
@@ -507,8 +511,10 @@ impl Instr {
     /// The all-to-alls `pass` posts, in order, on a stage whose mixture-of-experts layers
     /// exchange `layers` (layer, bytes per member) over expert group `group`: at each layer
     /// (a forward's and a recompute's first to last, a backward's last to first) the
-    /// exchanges of [`TokenExchange::of_pass`]. Empty for an instruction that is not such a
-    /// pass. The one rule the lowering, the verifier and the executor read.
+    /// exchanges of [`TokenExchange::of_pass`], a backward's after a forward's where the
+    /// layer runs its forward again there ([`ExpertExchange::again`]). Empty for an
+    /// instruction that is not such a pass. The one rule the lowering, the verifier and the
+    /// executor read.
     pub fn all_to_alls_of(pass: &Instr, layers: &[ExpertExchange], group: GroupId) -> Vec<Instr> {
         let Some(mb) = pass.microbatch() else { return Vec::new() };
         let phase = pass.phase();
@@ -519,10 +525,12 @@ impl Instr {
         let backward = matches!(phase, Phase::Backward | Phase::BackwardInput);
         let ordered: Vec<&ExpertExchange> =
             if backward { layers.iter().rev().collect() } else { layers.iter().collect() };
+        let again = TokenExchange::of_pass(Phase::Recompute);
         ordered
             .into_iter()
             .flat_map(|l| {
-                exchanges.iter().map(move |&exchange| Instr::AllToAll {
+                let rerun = if backward && l.again { again } else { &[] };
+                rerun.iter().chain(exchanges).map(move |&exchange| Instr::AllToAll {
                     stage: pass.stage(),
                     mb,
                     layer: l.layer,
@@ -795,7 +803,7 @@ impl fmt::Display for Instr {
 
 #[cfg(test)]
 mod device_text_tests {
-    use super::{devices_text, DeviceId};
+    use super::*;
 
     #[test]
     fn device_sets_are_written_as_ranges_with_their_count() {
@@ -806,5 +814,30 @@ mod device_text_tests {
         assert_eq!(devices_text(&[DeviceId(5)]), "d5");
         let every_other: Vec<DeviceId> = (0..40).step_by(2).map(DeviceId).collect();
         assert_eq!(devices_text(&every_other), "d0, d2, d4, d6, d8, d10, d12, d14, … (20 devices)");
+    }
+
+    #[test]
+    fn a_backward_that_runs_a_mixture_again_dispatches_and_combines_again_first() {
+        let layers =
+            [ExpertExchange { layer: 1, bytes: 8, again: true }, ExpertExchange { layer: 2, bytes: 8, again: false }];
+        let (stage, mb, group) = (StageId(0), MicrobatchId(3), GroupId(1));
+        let posted = |pass: Instr| -> Vec<(u32, TokenExchange)> {
+            Instr::all_to_alls_of(&pass, &layers, group)
+                .into_iter()
+                .map(|i| match i {
+                    Instr::AllToAll { layer, exchange, .. } => (layer, exchange),
+                    other => panic!("{other:?}"),
+                })
+                .collect()
+        };
+        use TokenExchange::{Combine, CombineGrad, Dispatch, DispatchGrad};
+        // a forward and a recompute as before; a backward, last layer first, the first
+        // layer's forward exchanges again before its gradients'
+        assert_eq!(posted(Instr::Forward { stage, mb }), [(1, Dispatch), (1, Combine), (2, Dispatch), (2, Combine)]);
+        let backward =
+            [(2, CombineGrad), (2, DispatchGrad), (1, Dispatch), (1, Combine), (1, CombineGrad), (1, DispatchGrad)];
+        assert_eq!(posted(Instr::Backward { stage, mb }), backward);
+        assert_eq!(posted(Instr::BackwardInput { stage, mb }), backward);
+        assert!(posted(Instr::BackwardWeight { stage, mb }).is_empty());
     }
 }

@@ -13,7 +13,7 @@ use crate::recipe::Recipe;
 use crate::vocab::{Attention, OptimizerKind, Precision, ReduceMode, ScheduleKind, Sharding, Task};
 
 /// Bumped on every incompatible change of the format.
-pub const PLAN_VERSION: u32 = 9;
+pub const PLAN_VERSION: u32 = 10;
 
 /// A compiled training plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -84,8 +84,9 @@ impl BlockRecompute {
 impl BlockRecompute {
     /// What each layer of a stage that runs this policy (one that does not recompute its
     /// whole forward) runs again in its backward, `blocks` saying whether each of the
-    /// stage's layers is a transformer block: every layer up to its `layers`-th block
-    /// (all, where it has fewer) whole, then each block's [`BlockRecompute::executor_halves`].
+    /// stage's layers is a transformer block: its first `layers` blocks (all, where it has
+    /// fewer) whole, as Megatron-LM counts them (an embedding before them is kept), then each
+    /// block's [`BlockRecompute::executor_halves`].
     /// The executor's pieces (`executor::interp::block_recompute`) and the plan's declared
     /// collectives inside the backward (`in_pass::declare`) both read it.
     pub fn run_again(&self, blocks: &[bool]) -> Vec<RunAgain> {
@@ -99,7 +100,7 @@ impl BlockRecompute {
             .iter()
             .enumerate()
             .map(|(k, &block)| match () {
-                _ if k < cut => RunAgain::Whole,
+                _ if k < cut && block => RunAgain::Whole,
                 _ if block && halves.any() => RunAgain::Halves(halves),
                 _ => RunAgain::Nothing,
             })

@@ -4,7 +4,7 @@
 //! backward.
 //!
 //! - By layers (Megatron-LM's `--recompute-num-layers` with its `block` method): each of the
-//!   stage's layers up to and including its n-th transformer block is a piece run again.
+//!   stage's first n transformer blocks is a piece run again.
 //! - By module or operation: each block's halves (`Block::half`: the attention with its
 //!   norm and residual sum, the MLP or mixture of experts likewise) that the policy
 //!   recomputes anything of are pieces run again, from the half's input
@@ -21,14 +21,18 @@
 //! backward's through the whole stage: the same products in the same order.
 //!
 //! A piece run again makes its forward's collectives again inside the backward — ZeRO-3's
-//! per-product gathers, context parallelism's key and value gathers — which the plan
-//! declares there (`pipec_plan::in_pass::declare` reads the same `BlockRecompute::run_again`).
+//! per-product gathers, context parallelism's key and value gathers, expert parallelism's
+//! dispatch and combine — which the plan declares there (`pipec_plan::in_pass::declare`
+//! reads the same `BlockRecompute::run_again`, and `Instr::all_to_alls_of` its
+//! `ExpertExchange::again`).
 //! With gradient buckets a kept run of units is also cut at each bucket's first layer, and
 //! the step's last backward starts each bucket's reduction once the piece beginning there is
 //! done (the plan declares it after that layer's units, recomputed or not).
-//! `pipec_executor::validate` refuses it beside tensor parallelism (whose stages run in their
-//! own segments) and expert parallelism (whose exchanges the plan's `AllToAll` instructions
-//! after each pass list, not yet those of a forward run again).
+//! A tensor-parallel stage runs its forward in segments of its own, a block's half each
+//! (`parallel::tensor_parallel`), which run again the same way: by module or operation, not
+//! yet by layers. `pipec_executor::validate` refuses that, and expert parallelism in a plan
+//! whose `AllToAll` instructions do not list what the executor exchanges again (one made for
+//! another engine).
 
 use pipec_plan::{MicrobatchId, StageId};
 

@@ -145,7 +145,22 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 context: self.context_for(stage),
                 ..Default::default()
             };
-            let segments = crate::parallel::tensor_parallel::forward(model, x, training, key, &mut sum, &mut side)?;
+            // recompute inside the blocks: the halves run again untracked (not while evaluating)
+            let again = self.tp_run_again(stage, model);
+            let untracked = again.as_ref().map(|_| crate::interp::values::untracked_copy(model));
+            let dev = self.dev.clone();
+            let release = move || crate::interp::values::release_dropped_graphs::<B>(&dev);
+            let rerun = again.as_deref().zip(untracked.as_ref()).map(|(again, untracked)| {
+                crate::parallel::tensor_parallel::Rerun { again, untracked, release: &release }
+            });
+            let segments = crate::parallel::tensor_parallel::forward(
+                model,
+                x,
+                (training, key),
+                &mut sum,
+                &mut side,
+                rerun.as_ref(),
+            )?;
             if side.aux.is_some() {
                 return Err(ExecError::Plan("a tensor-parallel stage cannot train a load-balancing loss".into()));
             }
@@ -403,6 +418,19 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok(WeightGrads { rest: collect_grads(&kept.model, &mut grads), deferred })
     }
 
+    /// What each layer of tensor-parallel `stage` runs again in its backward under the plan's
+    /// recompute inside the blocks (`BlockRecompute::run_again`); None without it, on a
+    /// stage that recomputes its whole forward, and while evaluating.
+    fn tp_run_again(&self, stage: StageId, model: &StageModel<B>) -> Option<Vec<pipec_plan::plan::RunAgain>> {
+        let policy = self.plan.schedule.block_recompute.as_ref()?;
+        if self.progress.evaluating.is_some() || self.plan.stage(stage).is_none_or(|s| s.recompute) {
+            return None;
+        }
+        let blocks: Vec<bool> =
+            model.layers.iter().map(|l| matches!(l, crate::nn::layers::Layer::ParallelBlock(_))).collect();
+        Some(policy.run_again(&blocks))
+    }
+
     /// The backward of a tensor-parallel stage, segment by segment (see
     /// `tensor_parallel`); returns the weight gradients and leaves the input gradient to send.
     pub(crate) fn backward_tp(&mut self, stage: StageId, mb: MicrobatchId, n_mb: f64) -> Result<FlatGrads<B>> {
@@ -431,7 +459,27 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         };
         let mut flat: FlatGrads<B> = Vec::new();
         for (k, seg) in segments.iter().enumerate().rev() {
-            let mut grads = dot_with::<B>(&seg.out, &grad_out, &self.dev)?.backward();
+            // a block's half run again (recompute inside the blocks), its all-reduce again too
+            let out = match seg.rerun {
+                Some((layer, half)) => {
+                    let (Some(crate::nn::layers::Layer::ParallelBlock(b)), Act::D3(t)) =
+                        (used.layers.get(layer), seg.leaf.clone())
+                    else {
+                        return Err(ExecError::Plan(format!("layer {layer} of {stage} is not a block to run again")));
+                    };
+                    let mut side = crate::nn::layers::Collected {
+                        experts: self.experts_for(stage),
+                        context: self.context_for(stage),
+                        ..Default::default()
+                    };
+                    let comm = &self.comm;
+                    let mut sum =
+                        |v: Vec<f32>| -> Result<Vec<f32>> { Ok(comm.in_pass_all_reduce(&tp.members, v, reduce)?) };
+                    Act::D3(crate::parallel::tensor_parallel::run_half(b, half, t, &mut sum, &mut side)?)
+                }
+                None => seg.out.clone(),
+            };
+            let mut grads = dot_with::<B>(&out, &grad_out, &self.dev)?.backward();
             accumulate::<B>(&mut flat, collect_grads(&used, &mut grads));
             if k == 0 && stage.0 == 0 {
                 break;

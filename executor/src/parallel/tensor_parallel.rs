@@ -21,6 +21,7 @@ use burn::prelude::*;
 use pipec_plan::model::Op;
 
 use crate::error::{ExecError, Result};
+use crate::nn::block::Half;
 use crate::nn::layers::{
     dense_values, embedding_values, stateless, Act, Block, Dense, Layer, StageModel, TokenTypes, VocabEmbed,
 };
@@ -320,6 +321,47 @@ pub struct Segment<B: Backend> {
     pub leaf: Act<B>,
     pub out: Act<B>,
     pub boundary: Boundary,
+    /// A block's half (its layer, a position in the stage) the segment is, run untracked in
+    /// the forward and again in the backward (recompute inside the blocks): `out` holds no
+    /// graph.
+    pub rerun: Option<(usize, Half)>,
+}
+
+/// Recompute inside the blocks of a tensor-parallel stage: what each layer (a position in
+/// the stage) runs again (`BlockRecompute::run_again`), the stage's weights untracked for
+/// the forward of those, and what releases Burn's hold on an untracked half.
+pub struct Rerun<'a, B: Backend> {
+    pub again: &'a [pipec_plan::plan::RunAgain],
+    pub untracked: &'a StageModel<B>,
+    pub release: &'a dyn Fn(),
+}
+
+impl<B: Backend> Rerun<'_, B> {
+    /// Whether layer `k` runs its `half` again.
+    fn runs(&self, k: usize, half: Half) -> bool {
+        match self.again.get(k) {
+            Some(pipec_plan::plan::RunAgain::Halves(h)) => match half {
+                Half::Attention => h.attention,
+                Half::Mlp => h.mlp,
+            },
+            Some(pipec_plan::plan::RunAgain::Whole | pipec_plan::plan::RunAgain::Nothing) | None => false,
+        }
+    }
+}
+
+/// One half of tensor-parallel block `b` on `x` (its attention, or its MLP or experts, with
+/// the residual sum): what a segment of a block is, and what its backward runs again.
+pub fn run_half<B: ExecBackend>(
+    b: &Block<B>,
+    half: Half,
+    x: Tensor<B, 3>,
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+    side: &mut crate::nn::layers::Collected<B>,
+) -> Result<Tensor<B, 3>> {
+    match half {
+        Half::Attention => attention_half(b, x, reduce, side.context.as_ref()),
+        Half::Mlp => mlp_half(b, x, reduce, true, side),
+    }
 }
 
 /// Sums a tensor over the group (the forward all-reduce `g`): the value becomes the sum,
@@ -417,18 +459,38 @@ fn post_norm_segment<B: ExecBackend>(
         return Err(ExecError::Shape("a transformer block's residual sum must be [batch, seq, d]".into()));
     };
     let out = Act::D3(norm.forward(t));
-    segments.push(Segment { leaf, out: out.clone(), boundary: Boundary::Complete });
+    segments.push(Segment { leaf, out: out.clone(), boundary: Boundary::Complete, rerun: None });
     Ok(fresh(&out))
 }
 
-/// The forward of a tensor-parallel stage, cut into segments at every `f` point.
+/// Block `b`'s `half` at layer `k` on `t`: untracked (and whether so) where `rerun` runs
+/// it again in the backward.
+fn half_of<B: ExecBackend>(
+    rerun: Option<&Rerun<'_, B>>,
+    (k, half): (usize, Half),
+    b: &Block<B>,
+    t: Tensor<B, 3>,
+    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
+    side: &mut crate::nn::layers::Collected<B>,
+) -> Result<(Tensor<B, 3>, bool)> {
+    let Some(r) = rerun.filter(|r| r.runs(k, half)) else { return Ok((run_half(b, half, t, reduce, side)?, false)) };
+    let Some(Layer::ParallelBlock(untracked)) = r.untracked.layers.get(k) else {
+        return Err(ExecError::Plan(format!("layer {k} of the stage is not a tensor-parallel block")));
+    };
+    let out = run_half(untracked, half, t.detach(), reduce, side)?.detach();
+    (r.release)();
+    Ok((out, true))
+}
+
+/// The forward of a tensor-parallel stage, cut into segments at every `f` point; with
+/// `rerun`, the blocks' halves it names run untracked (their segments keep their input).
 pub fn forward<B: ExecBackend>(
     model: &StageModel<B>,
     x: Act<B>,
-    training: bool,
-    key: (u64, u64, u64),
+    (training, key): (bool, (u64, u64, u64)),
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
     side: &mut crate::nn::layers::Collected<B>,
+    rerun: Option<&Rerun<'_, B>>,
 ) -> Result<Vec<Segment<B>>> {
     let mut segments = Vec::new();
     let mut leaf = x.clone();
@@ -442,14 +504,14 @@ pub fn forward<B: ExecBackend>(
                boundary: &mut Boundary,
                next: Boundary| {
         if *applied > 0 {
-            segments.push(Segment { leaf: leaf.clone(), out: cur.clone(), boundary: *boundary });
+            segments.push(Segment { leaf: leaf.clone(), out: cur.clone(), boundary: *boundary, rerun: None });
             *leaf = fresh(cur);
             *cur = leaf.clone();
         }
         *boundary = next;
         *applied = 0;
     };
-    for layer in &model.layers {
+    for (k, layer) in model.layers.iter().enumerate() {
         match layer {
             Layer::ColumnLinear(d) => {
                 cut(&mut segments, &mut leaf, &mut cur, &mut applied, &mut boundary, Boundary::Sum);
@@ -480,8 +542,14 @@ pub fn forward<B: ExecBackend>(
                 let Act::D3(t) = cur.clone() else {
                     return Err(ExecError::Shape("a transformer block needs [batch, seq, d]".into()));
                 };
-                let h = Act::D3(attention_half(b, t, reduce, side.context.as_ref())?);
-                segments.push(Segment { leaf: leaf.clone(), out: h.clone(), boundary });
+                let (h, again) = half_of(rerun, (k, Half::Attention), b, t, reduce, side)?;
+                let h = Act::D3(h);
+                segments.push(Segment {
+                    leaf: leaf.clone(),
+                    out: h.clone(),
+                    boundary,
+                    rerun: again.then_some((k, Half::Attention)),
+                });
                 leaf = fresh(&h);
                 // post-norm: the norm of the residual sum is its own segment, replicated,
                 // so the residual correction above sees the gradient at the sum itself
@@ -493,11 +561,20 @@ pub fn forward<B: ExecBackend>(
                         "a transformer block's attention half must give [batch, seq, d]".into(),
                     ));
                 };
-                let y = Act::D3(mlp_half(b, t, reduce, training, side)?);
+                let (y, again) = match training {
+                    true => half_of(rerun, (k, Half::Mlp), b, t, reduce, side)?,
+                    false => (mlp_half(b, t, reduce, false, side)?, false),
+                };
+                let y = Act::D3(y);
                 // The residual correction needs the gradient at the block's own output, so
                 // the segment ends there; what follows starts from a leaf whose gradient is
                 // already complete (the block output is replicated).
-                segments.push(Segment { leaf: leaf.clone(), out: y.clone(), boundary: Boundary::SumResidual });
+                segments.push(Segment {
+                    leaf: leaf.clone(),
+                    out: y.clone(),
+                    boundary: Boundary::SumResidual,
+                    rerun: again.then_some((k, Half::Mlp)),
+                });
                 leaf = fresh(&y);
                 if b.post_norm {
                     leaf = post_norm_segment(&mut segments, &b.norm2, leaf)?;
@@ -512,7 +589,7 @@ pub fn forward<B: ExecBackend>(
         }
         applied += 1;
     }
-    segments.push(Segment { leaf, out: cur, boundary });
+    segments.push(Segment { leaf, out: cur, boundary, rerun: None });
     Ok(segments)
 }
 
@@ -594,13 +671,13 @@ pub fn forward_segments<B: ExecBackend>(
     let (mut leaf, mut cur) = (x.clone(), x);
     for (k, layer) in model.layers.iter().enumerate() {
         if cuts.contains(&k) {
-            segments.push(Segment { leaf, out: cur.clone(), boundary: Boundary::Complete });
+            segments.push(Segment { leaf, out: cur.clone(), boundary: Boundary::Complete, rerun: None });
             leaf = fresh(&cur);
             cur = leaf.clone();
         }
         cur = layer.forward(cur, training, mask_key, side)?;
     }
-    segments.push(Segment { leaf, out: cur, boundary: Boundary::Complete });
+    segments.push(Segment { leaf, out: cur, boundary: Boundary::Complete, rerun: None });
     Ok(segments)
 }
 

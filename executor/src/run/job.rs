@@ -484,10 +484,11 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
 
 /// Refuses recompute inside the blocks (`recompute: { layers: n }`, `{ modules: [...] }`,
 /// `{ ops: [...] }`: `crate::interp::block_recompute`; `core_attn` alone is recomputed in
-/// the attention kernel and runs everywhere) beside what it does not run with yet: a
-/// tensor-parallel stage (whose forward runs in its own segments), expert parallelism (whose
-/// backward would make the recompute's all-to-alls, which the plan's `AllToAll`
-/// instructions after each pass do not list) and a model with branches or joins (the cut
+/// the attention kernel and runs everywhere) beside what it does not run with yet: recompute
+/// by layers on a tensor-parallel stage (whose forward runs in its own segments, a block's
+/// halves apart), expert parallelism in a
+/// plan whose `AllToAll` instructions do not list the dispatch and combine the executor's
+/// backward runs again (one for another engine) and a model with branches or joins (the cut
 /// needs a chain of layers).
 fn block_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
     let Some(policy) = plan.schedule.block_recompute.as_ref() else { return Ok(()) };
@@ -498,14 +499,32 @@ fn block_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
         (false, true) => "by operation (`recompute: { ops: [...] }`)",
     };
     let refuse = |why: &str| Err(RunError::setup(format!("the executor recomputes {what} only {why} yet")));
-    if plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1)) {
+    // a tensor-parallel stage runs again by halves of a block (its forward's segments)
+    let tensor_parallel = plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1));
+    if tensor_parallel && policy.layers > 0 {
         return refuse("without tensor parallelism");
-    }
-    if plan.stages.iter().any(|s| s.expert_parallel > 1) {
-        return refuse("without expert parallelism");
     }
     if plan.layers.iter().any(|l| l.inputs.is_some()) {
         return refuse("in a chain of layers (this model has branches or joins)");
+    }
+    // expert parallelism: the plan lists the dispatch and combine a backward runs again
+    // where this executor runs them again (a plan for another engine lists that engine's)
+    for s in plan.stages.iter().filter(|s| s.expert_parallel > 1 && !s.recompute) {
+        let ops: Vec<&pipec_plan::model::Op> = (s.layers[0]..s.layers[1])
+            .filter_map(|i| plan.layers.iter().find(|l| l.index == i))
+            .map(|l| &l.op)
+            .collect();
+        let again = policy.run_again(&ops.iter().map(|op| op.block_dims().is_some()).collect::<Vec<_>>());
+        let runs = |k: usize| match again.get(k) {
+            Some(pipec_plan::plan::RunAgain::Whole) => true,
+            Some(pipec_plan::plan::RunAgain::Halves(h)) => h.mlp,
+            Some(pipec_plan::plan::RunAgain::Nothing) | None => false,
+        };
+        if s.all_to_alls.iter().any(|x| runs((x.layer as usize).saturating_sub(s.layers[0])) != x.again) {
+            return refuse(
+                "beside expert parallelism in a plan for `engine: pipec` (this plan's engine runs the policy's exchanges again elsewhere than the executor would)",
+            );
+        }
     }
     Ok(())
 }
