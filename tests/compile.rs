@@ -1014,3 +1014,23 @@ fn a_mixture_run_again_in_the_backward_dispatches_and_combines_again() {
     let core = plan("{ modules: [core_attn] }");
     assert_eq!((core.stages[0].all_to_all_s, count(&core)), ([forward, backward], count(&kept)));
 }
+
+/// pipec's executor runs a block recomputed whole by layers (`layers: n`) again as one piece
+/// keeping its input, but on a tensor-parallel stage by its two halves, each keeping its
+/// input: there the plan counts what recompute of both halves keeps (as an operation list
+/// does for the executor), elsewhere less.
+#[test]
+fn a_tensor_parallel_block_recomputed_whole_keeps_both_halves_inputs() {
+    let spec = |stages: &str, recompute: &str| {
+        format!(
+            "name: tp\nmodel:\n  input: [64]\n  layers:\n    - embedding(50, 32)\n    - repeat 2: transformer_block(d=32, heads=4, ff=64, causal=true)\n    - layernorm\n    - linear(32, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ kind: cpu, memory: 4GiB, throughput: 40GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 1GB/s, latency: 5us }}\nstrategy:\n  stages: {stages}\n  schedule: gpipe\n  microbatches: 1\n  recompute: {recompute}\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n"
+        )
+    };
+    let kept = |stages: &str, recompute: &str| {
+        let plan = compile_text(&spec(stages, recompute)).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan;
+        plan.stages[0].activation_bytes_per_microbatch
+    };
+    let tp = "\"1\"\n  tp: 2";
+    assert_eq!(kept(tp, "{ layers: 2 }"), kept(tp, "{ ops: [matmul] }"));
+    assert!(kept("straight", "{ layers: 2 }") < kept("straight", "{ ops: [matmul] }"));
+}

@@ -228,8 +228,9 @@ fn recompute_on_some_stages_equals_one_device() {
 /// order): on 1F1B, on the interleaved schedule (every model chunk cut), on zero bubble
 /// (whose split backward puts off both passes' weight gradients), with every block of a stage
 /// recomputed, with a mixture of experts' load-balancing loss split at the cut, and under
-/// ZeRO-2 over two replicas, and beside ZeRO-3 and context parallelism (gathered and around
-/// the ring). Beside tensor parallelism it is refused before training, by name.
+/// ZeRO-2 over two replicas, and beside ZeRO-3, context parallelism (gathered and around the
+/// ring) and tensor parallelism. In a model with branches it is refused before training, by
+/// name.
 #[test]
 fn recompute_by_layers_trains_like_keeping_every_activation() {
     let dense = "- embedding(20, 16)\n    - repeat 4: transformer_block(d=16, heads=4, ff=32, causal=true)\n    - layernorm\n    - flatten\n    - linear(128, 4)";
@@ -259,34 +260,41 @@ fn recompute_by_layers_trains_like_keeping_every_activation() {
         assert!(p.stages.iter().all(|s| !s.recompute), "{schedule}: no stage recomputes its whole forward");
         trains_like_keeping_every_activation(job, &format!("{schedule}, {n} block(s)"));
     }
-    // beside tensor or context parallelism and ZeRO-3 it is refused before training, by name
-    let job = Job {
-        devices: 4,
-        input: "[8]",
-        stages: "\"1-1\"\n  tp: 2",
-        schedule: "1f1b",
-        recompute: "{ layers: 1 }",
-        layers: dense,
-        ..Job::default()
-    };
-    let refused = |job: Job<'_>| {
-        let run = pipec_executor::run(&plan(&job), &RunOptions::default(), &mut |_| {}).map(|_| ());
-        run.expect_err("refused").to_string()
-    };
-    let message = refused(job);
-    assert!(message.contains("`recompute: { layers: n }`") && message.contains("tensor parallelism"), "{message}");
     // beside ZeRO-3 and context parallelism the backward gathers the weights, keys and
-    // values of what it runs again, as the plan declares (held in debug builds)
+    // values of what it runs again, as the plan declares (held in debug builds); beside
+    // tensor parallelism a block runs again by its halves, its all-reduces again too
     let cp = cp_lm(CP_BLOCKS[1]);
     for (devices, stages, layers) in [
         (2, "\"2\"\n  zero: 3", dense),
         (4, "\"1-1\"\n  cp: 2", cp.as_str()),
         (2, "\"1\"\n  cp: 2\n  cp_comm: ring", cp.as_str()),
+        (4, "\"1-1\"\n  tp: 2", dense),
     ] {
-        let job =
-            Job { devices, stages, schedule: "gpipe", recompute: "{ layers: 1 }", optimizer: ADAM, layers, ..job };
+        let job = Job {
+            devices,
+            input: "[8]",
+            stages,
+            schedule: "gpipe",
+            recompute: "{ layers: 1 }",
+            optimizer: ADAM,
+            layers,
+            ..Job::default()
+        };
         trains_like_keeping_every_activation(job, stages);
     }
+    // in a model with branches it is refused before training, by name
+    let job = Job {
+        devices: 2,
+        stages: "straight",
+        recompute: "{ layers: 1 }",
+        layers: GRAPH_LAYERS,
+        blocks: GRAPH_BLOCKS,
+        ..Job::default()
+    };
+    let message =
+        pipec_executor::run(&plan(&job), &RunOptions::default(), &mut |_| {}).map(|_| ()).expect_err("refused");
+    let message = message.to_string();
+    assert!(message.contains("`recompute: { layers: n }`") && message.contains("branches"), "{message}");
 }
 
 /// Trains `job` and the same layout keeping every activation: the same losses, bit for bit

@@ -682,7 +682,8 @@ fn block_policies(spec: &Spec, graph: &crate::ir::Graph, range: std::ops::Range<
     };
     // pipec's executor recomputes by halves of a block (`BlockRecompute::executor_halves`)
     let halves = within.executor_halves();
-    let by_halves = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec && halves.any();
+    let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
+    let (by_halves, tp) = (pipec && halves.any(), spec.strategy.tp);
     let mut blocks = 0usize;
     range
         .map(|i| {
@@ -690,7 +691,11 @@ fn block_policies(spec: &Spec, graph: &crate::ir::Graph, range: std::ops::Range<
                 return Policy::None;
             }
             blocks += 1;
-            if blocks <= within.layers {
+            if blocks <= within.layers && pipec && tp > 1 {
+                // a tensor-parallel stage of pipec's executor runs a whole block again by its
+                // halves, each its segment's input kept
+                Policy::Halves { halves: pipec_plan::plan::Halves { attention: true, mlp: true }, core: false }
+            } else if blocks <= within.layers {
                 Policy::Full
             } else if by_halves {
                 Policy::Halves { halves, core: within.recomputes_core() }

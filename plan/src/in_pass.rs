@@ -671,12 +671,13 @@ fn pass_events(
     for (i, (sum, units)) in segments.iter().enumerate().rev() {
         for &(k, unit) in units.iter().rev() {
             let op = &stage[k];
+            // (a tensor-parallel stage runs a whole block again by its halves, its segments)
+            use crate::recompute::RunAgain;
             match (again[k], unit) {
-                (crate::recompute::RunAgain::Whole, Unit::Plain | Unit::Mlp) => forward_of(&mut events, k, Unit::Plain),
-                (crate::recompute::RunAgain::Halves(h), Unit::Attention) if h.attention => {
-                    forward_of(&mut events, k, Unit::Attention)
-                }
-                (crate::recompute::RunAgain::Halves(h), Unit::Mlp) if h.mlp => forward_of(&mut events, k, Unit::Mlp),
+                (RunAgain::Whole, Unit::Mlp) if !tp => forward_of(&mut events, k, Unit::Plain),
+                (RunAgain::Whole, Unit::Attention | Unit::Mlp) if tp => forward_of(&mut events, k, unit),
+                (RunAgain::Halves(h), Unit::Attention) if h.attention => forward_of(&mut events, k, Unit::Attention),
+                (RunAgain::Halves(h), Unit::Mlp) if h.mlp => forward_of(&mut events, k, Unit::Mlp),
                 _ => {}
             }
             match unit {

@@ -29,9 +29,9 @@
 //! the step's last backward starts each bucket's reduction once the piece beginning there is
 //! done (the plan declares it after that layer's units, recomputed or not).
 //! A tensor-parallel stage runs its forward in segments of its own, a block's half each
-//! (`parallel::tensor_parallel`), which run again the same way: by module or operation, not
-//! yet by layers. `pipec_executor::validate` refuses that, and expert parallelism in a plan
-//! whose `AllToAll` instructions do not list what the executor exchanges again (one made for
+//! (`parallel::tensor_parallel`), which run again the same way (a block recomputed whole by
+//! its two halves). `pipec_executor::validate` refuses expert parallelism in a plan whose
+//! `AllToAll` instructions do not list what the executor exchanges again (one made for
 //! another engine).
 
 use pipec_plan::{MicrobatchId, StageId};

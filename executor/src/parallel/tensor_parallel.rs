@@ -344,7 +344,9 @@ impl<B: Backend> Rerun<'_, B> {
                 Half::Attention => h.attention,
                 Half::Mlp => h.mlp,
             },
-            Some(pipec_plan::plan::RunAgain::Whole | pipec_plan::plan::RunAgain::Nothing) | None => false,
+            // a block run again whole: its two halves, each its segment
+            Some(pipec_plan::plan::RunAgain::Whole) => true,
+            Some(pipec_plan::plan::RunAgain::Nothing) | None => false,
         }
     }
 }

@@ -484,9 +484,8 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
 
 /// Refuses recompute inside the blocks (`recompute: { layers: n }`, `{ modules: [...] }`,
 /// `{ ops: [...] }`: `crate::interp::block_recompute`; `core_attn` alone is recomputed in
-/// the attention kernel and runs everywhere) beside what it does not run with yet: recompute
-/// by layers on a tensor-parallel stage (whose forward runs in its own segments, a block's
-/// halves apart), expert parallelism in a
+/// the attention kernel and runs everywhere) beside what it does not run with yet: expert
+/// parallelism in a
 /// plan whose `AllToAll` instructions do not list the dispatch and combine the executor's
 /// backward runs again (one for another engine) and a model with branches or joins (the cut
 /// needs a chain of layers).
@@ -499,11 +498,6 @@ fn block_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
         (false, true) => "by operation (`recompute: { ops: [...] }`)",
     };
     let refuse = |why: &str| Err(RunError::setup(format!("the executor recomputes {what} only {why} yet")));
-    // a tensor-parallel stage runs again by halves of a block (its forward's segments)
-    let tensor_parallel = plan.stages.iter().any(|s| s.tensor_parallel.iter().any(|g| g.len() > 1));
-    if tensor_parallel && policy.layers > 0 {
-        return refuse("without tensor parallelism");
-    }
     if plan.layers.iter().any(|l| l.inputs.is_some()) {
         return refuse("in a chain of layers (this model has branches or joins)");
     }
