@@ -188,6 +188,19 @@ fn expert_parallelism_over_mpi_equals_in_process_exactly() {
     equal_to_in_process_with(MOE_LM, "\"2-2\"\n  ep: 2", 4, "dualpipe");
 }
 
+/// Recompute inside the blocks over MPI: the collectives its backward makes again cross the
+/// processes — expert parallelism's dispatch and combine, ZeRO-3's gathers, context
+/// parallelism's keys and values, tensor parallelism's all-reduces — to the same numbers as
+/// in one process.
+#[test]
+fn recompute_inside_the_blocks_over_mpi_equals_in_process_exactly() {
+    equal_to_in_process_for(MOE_LM, "\"2-2\"\n  ep: 2\n  recompute: { modules: [moe_act] }", 4);
+    equal_to_in_process_with(MOE_LM, "\"4\"\n  ep: 2\n  zero: 3\n  recompute: { layers: 1 }", 4, "gpipe");
+    equal_to_in_process_for(TIED_LM, "\"1-1\"\n  cp: 2\n  recompute: { modules: [layernorm] }", 4);
+    let moe_tp = MOE_LM.replace(", capacity=1.0, aux_loss=0.01)", ", capacity=1.0, bias=false)");
+    equal_to_in_process_for(&moe_tp, "\"2\"\n  tp: 2\n  ep: 2\n  recompute: { ops: [matmul] }", 4);
+}
+
 #[test]
 fn context_parallelism_over_mpi_equals_in_process_exactly() {
     // keys and values gathered between processes inside every attention (and their
