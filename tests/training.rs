@@ -282,6 +282,23 @@ fn recompute_by_layers_trains_like_keeping_every_activation() {
         };
         trains_like_keeping_every_activation(job, stages);
     }
+    // a block after layers without weights on the first stage: its input carries no
+    // gradient, and under post-norm ZeRO-3 gathers no query weight for it (as the plan
+    // declares, held in debug builds)
+    let weightless = "- relu\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, post_norm=true)\n    - flatten\n    - linear(128, 4)";
+    for recompute in ["{ layers: 1 }", "{ modules: [mlp] }", "{ modules: [layernorm] }"] {
+        let job = Job {
+            devices: 2,
+            input: "[8, 16]",
+            stages: "\"2\"\n  zero: 3",
+            schedule: "gpipe",
+            recompute,
+            optimizer: ADAM,
+            layers: weightless,
+            ..Job::default()
+        };
+        trains_like_keeping_every_activation(job, recompute);
+    }
     // in a model with branches it is refused before training, by name
     let job = Job {
         devices: 2,

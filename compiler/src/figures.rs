@@ -23,6 +23,9 @@ pub(crate) struct StageFigures {
     /// tensor-parallel collectives, and no ZeRO-3 gather where the engine's backward gathers
     /// for it (`zero3_gather_waits`).
     pub(crate) recompute_tp: Vec<f64>,
+    /// Per stage, the seconds of its forward a backward runs again (recompute inside the
+    /// blocks; part of `times`' backward), in a split backward's input half.
+    pub(crate) rerun: Vec<f64>,
     /// (forward, backward) seconds per microbatch of the expert-parallel all-to-alls the
     /// stage's passes wait for (0 without expert parallelism).
     pub(crate) ep_times: Vec<(f64, f64)>,
@@ -201,18 +204,20 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
     // what each layer keeps under the strategy's recompute inside the blocks, and what its
     // backward runs again
     let policies: Vec<Policy> = layout.ranges.iter().flat_map(|r| block_policies(spec, graph, r.clone())).collect();
-    // each layer's backward with what it runs again
-    let backward: Vec<f64> = policies
+    // what each layer's backward runs again of its forward, and the backward with it
+    let again: Vec<f64> = policies
         .iter()
         .zip(costs)
-        .map(|(p, c)| c.backward_s + recompute_seconds(p, c.forward_s, &c.forward_parts, &c.forward_products))
+        .map(|(p, c)| recompute_seconds(p, c.forward_s, &c.forward_parts, &c.forward_products))
         .collect();
+    let backward: Vec<f64> = costs.iter().zip(&again).map(|(c, a)| c.backward_s + a).collect();
+    let rerun: Vec<f64> = layout.ranges.iter().map(|r| again[r.clone()].iter().sum()).collect();
     let times: Vec<(f64, f64)> = layout
         .ranges
         .iter()
         .map(|r| (costs[r.clone()].iter().map(|c| c.forward_s).sum::<f64>(), backward[r.clone()].iter().sum()))
         .collect();
-    let (tp_link, tp_times) = tp_figures(spec, model, layout);
+    let (tp_link, tp_times) = tp_figures(spec, model, layout, &policies);
     let (ep_times, cp_times, ranks) = group_exchange_times(spec, model, layout, &policies);
     let (update_sums, norm_sum, ep_counts) = pipec_in_line(spec, model, layout, (tp_link, &ranks));
     // the routing counts exchanged before each dispatch, a backward's dispatches again too
@@ -274,6 +279,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         times,
         tp_times,
         recompute_tp,
+        rerun,
         ep_times,
         cp_times,
         expert_gradients,
@@ -362,8 +368,6 @@ fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, polici
             })
             .collect()
     };
-    // (expert parallelism is refused beside recompute inside the blocks by pipec's executor;
-    // what other engines' recomputed exchanges cost is not counted)
     let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None, true, &mlp_again);
     // around the ring (`cp_comm: ring`) a block's cp − 1 transfers run under the attention
     // over the cp − 1 blocks before each (Transformer Engine's ring attention): only what
@@ -374,8 +378,14 @@ fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, polici
 }
 
 /// The tensor-parallel group's link and, per stage, the seconds a forward and a backward
-/// wait for its layers' collectives.
-fn tp_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> (pipec_grammar::spec::Link, Vec<(f64, f64)>) {
+/// wait for its layers' collectives (a backward's with those of the halves of its blocks
+/// that pipec's executor runs again there, or of the blocks recomputed whole, `policies`).
+fn tp_figures(
+    spec: &Spec,
+    model: &ModelCosts,
+    layout: &Layout,
+    policies: &[Policy],
+) -> (pipec_grammar::spec::Link, Vec<(f64, f64)>) {
     let costs = &model.costs;
     // a tensor-parallel group is `tp` consecutive devices inside one node
     let tp = spec.strategy.tp.max(1);
@@ -391,9 +401,21 @@ fn tp_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) -> (pipec_gramma
         .iter()
         .map(|r| {
             let c = &costs[r.clone()];
+            // a block's forward all-reduces: one after its attention, one after its MLP
+            let again = |i: usize| match policies.get(i) {
+                Some(Policy::Full) => 1.0,
+                Some(Policy::Halves { halves, .. }) => 0.5 * (halves.attention as u8 + halves.mlp as u8) as f64,
+                Some(Policy::None | Policy::Modules(_) | Policy::Ops(_)) | None => 0.0,
+            };
             (
                 c.iter().map(|c| exposed(tp_time(&c.tp_forward), c.forward_s)).sum(),
-                c.iter().map(|c| exposed(tp_time(&c.tp_backward), c.backward_s)).sum(),
+                r.clone()
+                    .zip(c)
+                    .map(|(i, c)| {
+                        exposed(tp_time(&c.tp_backward), c.backward_s)
+                            + again(i) * exposed(tp_time(&c.tp_forward), c.forward_s)
+                    })
+                    .sum(),
             )
         })
         .collect();
@@ -716,7 +738,8 @@ fn kept_under(c: &crate::cost::LayerCost, policy: &Policy) -> u64 {
     if c.kept.is_empty() {
         return c.activation_bytes_per_sample;
     }
-    let gathered = if *policy == Policy::Full { 0 } else { c.gathered_bytes_per_sample };
+    // (a block or attention half run again keeps its input alone)
+    let gathered = if exchanges_again(policy)[0] { 0 } else { c.gathered_bytes_per_sample };
     (policy.split(&c.kept).0 as u64).saturating_add(gathered)
 }
 

@@ -20,6 +20,8 @@ pub(crate) struct PlanCost<'a> {
     pub(crate) stage_tp: &'a [(f64, f64)],
     /// `StageFigures::recompute_tp`.
     recompute_tp: &'a [f64],
+    /// `StageFigures::rerun`: what of a backward runs its forward again.
+    rerun: &'a [f64],
     /// Per stage, the expert-parallel all-to-alls' seconds in a forward and a backward.
     pub(crate) stage_ep: &'a [(f64, f64)],
     /// Per stage, the context-parallel exchanges' seconds in a forward and a backward.
@@ -72,6 +74,7 @@ impl<'a> PlanCost<'a> {
             stage_fb: &stages.times,
             stage_tp: &stages.tp_times,
             recompute_tp: &stages.recompute_tp,
+            rerun: &stages.rerun,
             stage_ep: &stages.ep_times,
             stage_cp: &stages.cp_times,
             expert_groups: HashMap::new(),
@@ -251,6 +254,7 @@ impl PlanCost<'_> {
         let (f, b) = self.stage_fb.get(s).copied().unwrap_or((0.0, 0.0));
         let (tp_f, tp_b) = self.stage_tp.get(s).copied().unwrap_or((0.0, 0.0));
         let (cp_f, cp_b) = self.stage_cp.get(s).copied().unwrap_or((0.0, 0.0));
+        let rerun = self.rerun.get(s).copied().unwrap_or(0.0).min(b);
         // (expert parallelism's all-to-alls are the plan's own instructions after the pass)
         let (tp_f, tp_b) = (tp_f + cp_f, tp_b + cp_b);
         match instr.phase() {
@@ -258,9 +262,10 @@ impl PlanCost<'_> {
             Phase::Recompute => f + cp_f + self.recompute_tp.get(s).copied().unwrap_or(0.0),
             Phase::Backward => b + tp_b,
             // the input gradient and the weight gradient each cost about one forward; the
-            // collectives complete the input gradient
-            Phase::BackwardInput => b / 2.0 + tp_b,
-            Phase::BackwardWeight => b / 2.0,
+            // collectives complete the input gradient, which runs again what recompute inside
+            // the blocks runs again
+            Phase::BackwardInput => (b - rerun) / 2.0 + rerun + tp_b,
+            Phase::BackwardWeight => (b - rerun) / 2.0,
             Phase::Optimizer => self.stage_update.get(s).copied().unwrap_or(0.0),
             _ => 0.0,
         }

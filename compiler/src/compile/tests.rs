@@ -425,3 +425,42 @@ fn the_routing_counts_under_context_parallelism_are_priced() {
     assert!((fa[0] - fb[0] - 2.0 * counts).abs() < 1e-12, "{fa:?} against {fb:?} + 2 × {counts:e}");
     assert_eq!(fa[1], fb[1]);
 }
+
+/// What pipec's executor runs again in a backward (recompute inside the blocks) is priced
+/// in it: a tensor-parallel block's forward all-reduces again where both its halves run
+/// again (a block recomputed whole), half of them where its MLP half alone does; and under
+/// a split backward (zero bubble) all of it in the input half, none in the weight half.
+#[test]
+fn what_a_backward_runs_again_is_priced_in_it() {
+    use crate::simulate::CostModel;
+    let figures = |edits: &[(&str, &str)]| {
+        let spec = spec("llama-tiny", edits);
+        let options = crate::CompileOptions::default();
+        let (model, layout) = crate::bound::Memo::default().model_and_layout(&spec, &options).expect("compiles");
+        let stages = crate::figures::stage_figures(&spec, &model, &layout);
+        (spec, model, stages)
+    };
+    let tp = ("stages: \"1-1\"", "stages: \"1\"\n  tp: 2");
+    let recompute = |policy: &'static str| -> (&'static str, &'static str) {
+        (
+            "  partition: balanced\n",
+            Box::leak(format!("  partition: balanced\n  recompute: {policy}\n").into_boxed_str()),
+        )
+    };
+    let backward = |edits: &[(&str, &str)]| figures(edits).2.tp_times[0].1;
+    let kept = backward(&[tp]);
+    let (mlp, whole) = (backward(&[tp, recompute("{ modules: [mlp] }")]), backward(&[tp, recompute("{ layers: 2 }")]));
+    assert!(mlp > kept, "{mlp} > {kept}");
+    assert!(((whole - kept) - 2.0 * (mlp - kept)).abs() <= 1e-12 * whole, "{kept} {mlp} {whole}");
+    // zero bubble: the input half carries what runs again
+    let zb = ("schedule: 1f1b", "schedule: zb-h1");
+    let (spec, model, stages) = figures(&[zb, recompute("{ modules: [mlp] }")]);
+    let rerun = stages.rerun[0];
+    assert!(rerun > 0.0);
+    let cost = crate::plan_cost::PlanCost::new(&spec, &model, &stages, Default::default());
+    let (stage, mb, d) = (pipec_plan::StageId(0), pipec_plan::MicrobatchId(0), pipec_plan::DeviceId(0));
+    let input = cost.compute(d, &Instr::BackwardInput { stage, mb });
+    let weight = cost.compute(d, &Instr::BackwardWeight { stage, mb });
+    assert!((input - weight - rerun).abs() <= 1e-12 * input, "{input} − {weight} against {rerun}");
+    assert!((input + weight - stages.times[0].1).abs() <= 1e-12 * input);
+}

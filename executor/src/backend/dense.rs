@@ -47,6 +47,10 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         Some(weight.node.id)
     }
 
+    fn carries_gradient(t: &FloatTensor<Self>) -> bool {
+        !t.node.requirement.is_none()
+    }
+
     fn release_weight_copies() {
         I::release_weight_copies()
     }

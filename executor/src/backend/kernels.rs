@@ -52,6 +52,12 @@ pub trait Kernels: Backend {
         None
     }
 
+    /// Whether a backward through `t` reaches a tensor that needs a gradient: on an autodiff
+    /// backend, a leaf that requires one or anything computed from one; `false` elsewhere.
+    fn carries_gradient(_t: &FloatTensor<Self>) -> bool {
+        false
+    }
+
     /// `dy · wᵀ`, the input gradient of `x · w` (2-D), computed the way this backend runs it
     /// fastest (by default Burn's: through the transposed view of `w`).
     fn input_grad(dy: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -41,8 +41,8 @@ use crate::comm::transport::Tag;
 use crate::error::{ExecError, Result};
 use crate::interp::buckets::tracked;
 use crate::interp::values::{
-    detach, dot, grad_of, input_grad, release_dropped_graphs, untracked_copy, Forwarded, Piece, Saved, Unit,
-    WeightGrads,
+    carries_gradient, detach, dot, grad_of, input_grad, release_dropped_graphs, untracked_copy, Forwarded, Piece,
+    Saved, Unit, WeightGrads,
 };
 use crate::interp::worker::Worker;
 
@@ -184,7 +184,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             } else {
                 let out = run_units(model, &run, cur.clone(), key, &mut side, None)?;
                 pieces.push(Piece::Kept { leaf: cur, out: out.clone(), aux: side.aux.clone() });
-                cur = if rest.is_empty() { out } else { fresh(&out) };
+                // a leaf carries a gradient where the output did (not after layers without
+                // weights on the first stage, as the plan's declarations count it)
+                cur = match (rest.is_empty(), carries_gradient(&out)) {
+                    (true, _) => out,
+                    (false, true) => fresh(&out),
+                    (false, false) => detach(&out),
+                };
             }
         }
         // the stage's output: a kept piece's, or a leaf after a piece run again (its
@@ -237,45 +243,53 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let mut put_off = None;
         // the gradient at the output of the piece being run back
         let mut grad_out: Option<Act<B>> = None;
+        // set at a cut no gradient crosses: nothing before it carries one, so the pieces
+        // before it run no backward (their buckets still start)
+        let mut settled = false;
         for (k, piece) in pieces.iter().enumerate().rev() {
-            let (target, leaf) = match piece {
-                Piece::Kept { leaf, out, aux } => {
-                    let target = self.seed_at(stage, mb, out, grad_out.take(), loss.as_ref())?;
-                    let target = match aux {
-                        Some(aux) => target + self.backward_seed(aux.clone(), n_mb),
-                        None => target,
-                    };
-                    (target, leaf)
+            if !settled {
+                let (target, leaf) = match piece {
+                    Piece::Kept { leaf, out, aux } => {
+                        let target = self.seed_at(stage, mb, out, grad_out.take(), loss.as_ref())?;
+                        let target = match aux {
+                            Some(aux) => target + self.backward_seed(aux.clone(), n_mb),
+                            None => target,
+                        };
+                        (target, leaf)
+                    }
+                    Piece::Again { input, units } => {
+                        let g = grad_out.take().ok_or(ExecError::Missing("no gradient reached a recomputed piece"))?;
+                        let mut side = self.side(stage);
+                        // ZeRO-3: the products gather their weights again, as in the forward
+                        let gathered = self.gathered_weights(stage, &used)?;
+                        let out = crate::backend::dense::with_gathered_weights(gathered, || {
+                            run_units(&used, units, input.clone(), key, &mut side, None)
+                        })?;
+                        self.exchange_failure(stage)?;
+                        let target = dot(&out, g)?;
+                        let target = match side.aux.take() {
+                            Some(aux) => target + self.backward_seed(aux, n_mb),
+                            None => target,
+                        };
+                        (target, input)
+                    }
+                };
+                let mut grads = self.pass(stage, &keys, split, &mut put_off, target)?;
+                match reduce {
+                    Some(_) => accumulate::<B>(&mut self.state(stage)?.acc, collect_grads(&used, &mut grads)),
+                    None => accumulate::<B>(&mut flat, collect_grads(&used, &mut grads)),
                 }
-                Piece::Again { input, units } => {
-                    let g = grad_out.take().ok_or(ExecError::Missing("no gradient reached a recomputed piece"))?;
-                    let mut side = self.side(stage);
-                    // ZeRO-3: the products gather their weights again, as in the forward
-                    let gathered = self.gathered_weights(stage, &used)?;
-                    let out = crate::backend::dense::with_gathered_weights(gathered, || {
-                        run_units(&used, units, input.clone(), key, &mut side, None)
-                    })?;
-                    self.exchange_failure(stage)?;
-                    let target = dot(&out, g)?;
-                    let target = match side.aux.take() {
-                        Some(aux) => target + self.backward_seed(aux, n_mb),
-                        None => target,
-                    };
-                    (target, input)
+                if k > 0 && !carries_gradient(leaf) {
+                    settled = true;
+                } else if k > 0 {
+                    let g =
+                        grad_of(leaf, &mut grads).ok_or(ExecError::Missing("no gradient reached a recompute cut"))?;
+                    grad_out = Some(tracked::<B>(g)?);
+                } else if stage.0 > 0 {
+                    let g = input_grad::<B>(leaf, &mut grads, Tag::gradient(stage, mb))?
+                        .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
+                    self.passes.input_grads.insert((stage, mb), g);
                 }
-            };
-            let mut grads = self.pass(stage, &keys, split, &mut put_off, target)?;
-            match reduce {
-                Some(_) => accumulate::<B>(&mut self.state(stage)?.acc, collect_grads(&used, &mut grads)),
-                None => accumulate::<B>(&mut flat, collect_grads(&used, &mut grads)),
-            }
-            if k > 0 {
-                let g = grad_of(leaf, &mut grads).ok_or(ExecError::Missing("no gradient reached a recompute cut"))?;
-                grad_out = Some(tracked::<B>(g)?);
-            } else if stage.0 > 0 {
-                let g = input_grad::<B>(leaf, &mut grads, Tag::gradient(stage, mb))?
-                    .ok_or(ExecError::Missing("no gradient reached the stage input"))?;
-                self.passes.input_grads.insert((stage, mb), g);
             }
             // the bucket beginning where this piece begins is complete
             let bucket = starts.get(k).copied().flatten().and_then(|at| buckets.iter().find(|(first, _)| *first == at));

@@ -277,6 +277,21 @@ pub(crate) fn require_grad<B: ExecBackend>(a: Act<B>) -> Act<B> {
     }
 }
 
+/// Whether an activation carries a gradient: computed from a tensor that requires one (a
+/// bundle: any of its parts).
+pub(crate) fn carries_gradient<B: ExecBackend>(a: &Act<B>) -> bool {
+    fn of<B: ExecBackend, const D: usize>(t: &Tensor<B, D>) -> bool {
+        B::carries_gradient(&t.clone().into_primitive().tensor())
+    }
+    match a {
+        Act::D2(t) => of(t),
+        Act::D3(t) => of(t),
+        Act::D4(t) => of(t),
+        Act::Tokens(_) => false,
+        Act::Bundle(parts) => parts.iter().any(carries_gradient),
+    }
+}
+
 pub(crate) fn detach<B: ExecBackend>(a: &Act<B>) -> Act<B> {
     match a {
         Act::D2(t) => Act::D2(t.clone().detach()),
