@@ -272,6 +272,14 @@ fn summary(plan: &pipec_plan::Plan, dir: &Path) -> String {
         "  model: {}{mtp}{tied}\n",
         pipec_plan::model::parameters_text(plan.layers.iter().map(|l| (&l.op, l.tied)))
     ));
+    // recompute inside the blocks: what the plan's engine runs again in each backward
+    if let Some(b) = &plan.schedule.block_recompute {
+        let runs = match plan.engine.name {
+            pipec_plan::Engine::Pipec => format!("pipec's executor runs again in each backward {}", b.executor_words()),
+            other => format!("counted as {} runs it", other.name()),
+        };
+        s.push_str(&format!("  recompute inside the blocks `{}`: {runs}\n", b.text()));
+    }
     let cp = plan.training.context_parallel;
     if cp > 1 {
         let seq = plan.model.input.first().copied().unwrap_or(0);

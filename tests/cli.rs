@@ -2822,3 +2822,21 @@ fn the_compile_report_counts_each_devices_experts_whole_or_split() {
         assert!(report.contains(said), "{report}");
     }
 }
+
+/// `pipec compile` says what recompute inside the blocks runs again: for pipec's executor,
+/// which halves of each block (and the first blocks whole).
+#[test]
+fn compile_says_what_the_executor_runs_again() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec = dir.path().join("rc.yaml");
+    let text = "name: rc\nmodel:\n  input: [16]\n  layers:\n    - embedding(50, 32)\n    - repeat 2: transformer_block(d=32, heads=4, ff=64, causal=true)\n    - layernorm\n    - linear(32, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 1\n  device: { kind: cpu, memory: 1GiB, throughput: 10GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 5us }\nstrategy:\n  stages: \"1\"\n  schedule: gpipe\n  microbatches: 1\n  recompute: { modules: [core_attn, mlp], layers: 1 }\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: { kind: sgd, lr: 0.1 }\n";
+    std::fs::write(&spec, text).expect("spec");
+    let out =
+        pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("plan").to_str().expect("utf-8")]);
+    let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(
+        said.contains("recompute inside the blocks `{ modules: [core_attn, mlp], layers: 1 }`: pipec's executor runs again in each backward the first 1 block(s) of every stage whole, then each block's MLP half (its norm, MLP or experts and residual sum) from its input, the attention core inside its kernel"),
+        "{said}"
+    );
+}

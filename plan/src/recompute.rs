@@ -74,6 +74,33 @@ impl BlockRecompute {
         }
     }
 
+    /// What pipec's executor runs again under this policy, in words for reports: "the first
+    /// 2 block(s) of every stage whole, then each block's MLP half (…) from its input, the
+    /// attention core inside its kernel".
+    pub fn executor_words(&self) -> String {
+        let halves = self.executor_halves();
+        let mut parts = Vec::new();
+        if self.layers > 0 {
+            parts.push(format!("the first {} block(s) of every stage whole", self.layers));
+        }
+        let half = match (halves.attention, halves.mlp) {
+            (true, true) => Some("both halves of each block (the attention, the MLP), each from its input"),
+            (true, false) => Some("each block's attention half (its norm, attention and residual sum) from its input"),
+            (false, true) => Some("each block's MLP half (its norm, MLP or experts and residual sum) from its input"),
+            (false, false) => None,
+        };
+        if let Some(h) = half {
+            parts.push(if self.layers > 0 { format!("then {h}") } else { h.to_string() });
+        }
+        if self.recomputes_core() && !halves.attention {
+            parts.push("the attention core inside its kernel".into());
+        }
+        match parts.is_empty() {
+            true => "nothing".into(),
+            false => parts.join(", "),
+        }
+    }
+
     /// Whether the policy recomputes the attention core (`core_attn`), which a fused kernel
     /// recomputes anyway.
     pub fn recomputes_core(&self) -> bool {
@@ -130,5 +157,39 @@ pub struct Halves {
 impl Halves {
     pub fn any(self) -> bool {
         self.attention || self.mlp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vocab::{RecomputeModule as M, RecomputeOp};
+
+    #[test]
+    fn what_runs_again_follows_the_halves_a_policy_touches() {
+        let modules = |m: Vec<M>| BlockRecompute { modules: m, ..Default::default() };
+        let halves = |b: &BlockRecompute| (b.executor_halves().attention, b.executor_halves().mlp);
+        assert_eq!(halves(&modules(vec![M::CoreAttn])), (false, false));
+        assert_eq!(halves(&modules(vec![M::Mlp])), (false, true));
+        assert_eq!(halves(&modules(vec![M::MoeAct])), (false, true));
+        assert_eq!(halves(&modules(vec![M::MlaUpProj])), (true, false));
+        assert_eq!(halves(&modules(vec![M::Layernorm])), (true, true));
+        let ops = BlockRecompute { ops: vec![RecomputeOp::Matmul], ..Default::default() };
+        assert_eq!(halves(&ops), (true, true));
+        // by layers: the first n blocks whole (an embedding before them kept), then halves
+        let policy = BlockRecompute { modules: vec![M::Mlp], layers: 2, ..Default::default() };
+        let h = Halves { attention: false, mlp: true };
+        assert_eq!(
+            policy.run_again(&[false, true, true, true, false]),
+            [RunAgain::Nothing, RunAgain::Whole, RunAgain::Whole, RunAgain::Halves(h), RunAgain::Nothing]
+        );
+        // more blocks asked for than the stage has: all of them
+        let all = BlockRecompute { layers: 5, ..Default::default() };
+        assert_eq!(all.run_again(&[true, false]), [RunAgain::Whole, RunAgain::Nothing]);
+        assert_eq!(
+            policy.executor_words(),
+            "the first 2 block(s) of every stage whole, then each block's MLP half (its norm, MLP or experts and residual sum) from its input"
+        );
+        assert_eq!(modules(vec![M::CoreAttn]).executor_words(), "the attention core inside its kernel");
     }
 }
