@@ -218,10 +218,12 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .map(|r| (costs[r.clone()].iter().map(|c| c.forward_s).sum::<f64>(), backward[r.clone()].iter().sum()))
         .collect();
     let (tp_link, tp_times) = tp_figures(spec, model, layout, &policies);
-    let (ep_times, cp_times, ranks) = group_exchange_times(spec, model, layout, &policies);
+    // each layer's backward's exchanges again: its attention's, its mixture of experts'
+    let exchanged: Vec<[bool; 2]> = policies.iter().map(exchanges_again).collect();
+    let (ep_times, cp_times, ranks) = group_exchange_times(spec, model, layout, &exchanged);
     let (update_sums, norm_sum, ep_counts) = pipec_in_line(spec, model, layout, (tp_link, &ranks));
     // the routing counts exchanged before each dispatch, a backward's dispatches again too
-    let again = |l: &u32| policies.get(*l as usize).is_some_and(|p| exchanges_again(p)[1]);
+    let again = |l: &u32| exchanged.get(*l as usize).is_some_and(|e| e[1]);
     let ep_times: Vec<(f64, f64)> = ep_times
         .iter()
         .zip(&ep_counts)
@@ -230,7 +232,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
             (f + counts.iter().map(|(_, t)| t).sum::<f64>(), b + rerun)
         })
         .collect();
-    let (expert_parallel, all_to_alls, expert_gradients) = expert_figures(spec, model, layout, &policies);
+    let (expert_parallel, all_to_alls, expert_gradients) = expert_figures(spec, model, layout, &exchanged);
     // ZeRO: each replica of a stage keeps (and updates) its 1/d share of what is sharded
     let stage_replicas: Vec<u64> = chunk_replicas(&layout.replicas, spec.strategy.schedule.kind, layout.ranges.len())
         .into_iter()
@@ -303,9 +305,9 @@ type GroupTimes = (Vec<(f64, f64)>, Vec<(f64, f64)>, Vec<Vec<pipec_plan::DeviceI
 /// Per stage, the seconds a forward and a backward wait for the collectives inside them over
 /// `size` consecutive replicas of its pipeline rank (consecutive tensor-parallel groups, so
 /// inside a node when they fit): expert parallelism's all-to-alls and context parallelism's
-/// key/value exchanges (again in the backward of a block that runs its attention's forward
-/// again there, under `policies`).
-fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, policies: &[Policy]) -> GroupTimes {
+/// key/value exchanges (again in the backward of a layer that runs its forward's again,
+/// `exchanged`: `exchanges_again` of each layer).
+fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, exchanged: &[[bool; 2]]) -> GroupTimes {
     let costs = &model.costs;
     let tp = spec.strategy.tp.max(1);
     let ep = spec.strategy.ep_replicas();
@@ -334,9 +336,8 @@ fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, polici
             leaders.to_vec()
         }
     };
-    let attention_again: Vec<bool> = policies.iter().map(|p| exchanges_again(p)[0]).collect();
-    let mlp_again: Vec<bool> = policies.iter().map(|p| exchanges_again(p)[1]).collect();
-    let group_times = |size: usize, pick: Pick, ring: Option<usize>, expert: bool, again: &[bool]| {
+    // `again`: which of a layer's exchanges (its attention's 0, its experts' 1) these are
+    let group_times = |size: usize, pick: Pick, ring: Option<usize>, expert: bool, again: usize| {
         // the part of a layer's exchange its attention core does not cover (a ring of
         // `ring` members overlaps cp − 1 of its cp blocks), or all of it
         let exposed = |comm: f64, core: f64| match ring {
@@ -357,7 +358,7 @@ fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, polici
                     |list: &[(CollectiveKind, u64)]| list.iter().map(|&(k, b)| exchange(k, &members, b)).sum::<f64>();
                 let c = &costs[r.clone()];
                 let forward = |c: &crate::cost::LayerCost| exposed(time(pick(c)[0]), c.core_s[0]);
-                let rerun = |i: usize| again.get(i).copied().unwrap_or(false);
+                let rerun = |i: usize| exchanged.get(i).is_some_and(|e| e[again]);
                 (
                     c.iter().map(forward).sum(),
                     r.clone()
@@ -368,12 +369,12 @@ fn group_exchange_times(spec: &Spec, model: &ModelCosts, layout: &Layout, polici
             })
             .collect()
     };
-    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None, true, &mlp_again);
+    let ep_times = group_times(ep, |c| [&c.ep_forward, &c.ep_backward], None, true, 1);
     // around the ring (`cp_comm: ring`) a block's cp − 1 transfers run under the attention
     // over the cp − 1 blocks before each (Transformer Engine's ring attention): only what
     // that does not cover is waited for
     let ring = (spec.strategy.cp_comm == pipec_plan::vocab::CpComm::Ring).then_some(cp);
-    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring, false, &attention_again);
+    let cp_times = group_times(cp, |c| [&c.cp_forward, &c.cp_backward], ring, false, 0);
     (ep_times, cp_times, ranks)
 }
 
@@ -660,7 +661,7 @@ fn expert_figures(
     spec: &Spec,
     model: &ModelCosts,
     layout: &Layout,
-    policies: &[Policy],
+    exchanged: &[[bool; 2]],
 ) -> (Vec<usize>, Vec<Vec<pipec_plan::ExpertExchange>>, Vec<u64>) {
     let (costs, ep) = (&model.costs, spec.strategy.ep_replicas());
     let expert_parallel: Vec<usize> =
@@ -678,7 +679,7 @@ fn expert_figures(
                     // prediction's modules) exchanges all of theirs
                     let all = &costs[l].ep_forward;
                     let bytes = all.iter().map(|&(_, b)| b).sum::<u64>() / 2;
-                    let again = policies.get(l).is_some_and(|p| exchanges_again(p)[1]);
+                    let again = exchanged.get(l).is_some_and(|e| e[1]);
                     (!all.is_empty()).then_some(pipec_plan::ExpertExchange { layer: l as u32, bytes, again })
                 })
                 .collect()

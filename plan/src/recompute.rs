@@ -146,6 +146,17 @@ pub enum RunAgain {
     Halves(Halves),
 }
 
+impl RunAgain {
+    /// The halves of a block that run again (both where it runs again whole).
+    pub fn halves(self) -> Halves {
+        match self {
+            RunAgain::Nothing => Halves::default(),
+            RunAgain::Whole => Halves { attention: true, mlp: true },
+            RunAgain::Halves(h) => h,
+        }
+    }
+}
+
 /// The halves of a transformer block that pipec's executor runs again in the backward
 /// ([`BlockRecompute::executor_halves`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

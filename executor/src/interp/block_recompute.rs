@@ -51,17 +51,13 @@ use crate::nn::layers::{Act, Collected, Layer, StageModel};
 use crate::nn::params::{accumulate, backward_deferring, backward_into_sums, collect_grads, sum_keys, FlatGrads};
 use crate::parallel::tensor_parallel::fresh;
 
-/// `stage`'s forward as units, each with whether it runs again in the backward, as
-/// `BlockRecompute::run_again` says of its layers: a layer whole, or a block's two halves
-/// where it runs halves again. None where nothing runs again.
-fn units_of<B: ExecBackend>(
-    model: &StageModel<B>,
-    policy: &pipec_plan::plan::BlockRecompute,
-) -> Option<Vec<(Unit, bool)>> {
+/// A stage's forward as units, each with whether it runs again in the backward, from what
+/// each of its layers runs again (`again`): a layer whole, or a block's two halves where it
+/// runs halves again. None where nothing runs again.
+fn units_of(again: Vec<pipec_plan::plan::RunAgain>) -> Option<Vec<(Unit, bool)>> {
     use pipec_plan::plan::RunAgain;
-    let blocks: Vec<bool> = model.layers.iter().map(|l| matches!(l, Layer::Block(_))).collect();
-    let mut units = Vec::with_capacity(model.layers.len() * 2);
-    for (k, again) in policy.run_again(&blocks).into_iter().enumerate() {
+    let mut units = Vec::with_capacity(again.len() * 2);
+    for (k, again) in again.into_iter().enumerate() {
         match again {
             RunAgain::Nothing => units.push((Unit::Layer(k), false)),
             RunAgain::Whole => units.push((Unit::Layer(k), true)),
@@ -128,16 +124,25 @@ fn run_units<B: ExecBackend>(
 }
 
 impl<'a, B: ExecBackend> Worker<'a, B> {
-    /// `stage`'s forward as units ([`units_of`]) under the plan's recompute inside the
-    /// blocks. None without it, on a stage that recomputes its whole forward or has no
-    /// block, and while evaluating (nothing is kept for a backward).
-    pub(crate) fn recompute_units(&self, stage: StageId, model: &StageModel<B>) -> Option<Vec<(Unit, bool)>> {
+    /// What each layer of `stage` (`model`'s) runs again in its backward under the plan's
+    /// recompute inside the blocks (`BlockRecompute::run_again`, its blocks whole or
+    /// tensor-parallel). None without it, on a stage that recomputes its whole forward, for
+    /// a graph of layers, and while evaluating (nothing is kept for a backward).
+    pub(crate) fn run_again(&self, stage: StageId, model: &StageModel<B>) -> Option<Vec<pipec_plan::plan::RunAgain>> {
         let policy = self.plan.schedule.block_recompute.as_ref()?;
         if self.progress.evaluating.is_some() || model.graph.is_some() {
             return None;
         }
         self.plan.stage(stage).filter(|s| !s.recompute)?;
-        units_of(model, policy)
+        let blocks: Vec<bool> =
+            model.layers.iter().map(|l| matches!(l, Layer::Block(_) | Layer::ParallelBlock(_))).collect();
+        Some(policy.run_again(&blocks))
+    }
+
+    /// `stage`'s forward as units ([`units_of`]) under the plan's recompute inside the
+    /// blocks ([`Worker::run_again`]); None where nothing runs again.
+    pub(crate) fn recompute_units(&self, stage: StageId, model: &StageModel<B>) -> Option<Vec<(Unit, bool)>> {
+        units_of(self.run_again(stage, model)?)
     }
 
     /// The forward of a stage cut into pieces ([`Saved::Pieces`]). The load-balancing
@@ -155,6 +160,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         // where the stage's gradient buckets begin (the step's last backward starts each)
         let cuts = self.bucket_cuts(stage).unwrap_or_default();
         let untracked = untracked_copy(model);
+        // ZeRO-3: the untracked copy's products gather their weights too
+        let gathered = self.gathered_weights(stage, &untracked)?;
         let mut side = self.side(stage);
         let (mut pieces, mut starts) = (Vec::new(), Vec::new());
         let mut cur = x;
@@ -169,12 +176,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let run: Vec<Unit> = rest[..n].iter().map(|(u, _)| *u).collect();
             rest = &rest[n..];
             starts.push(first_of_layer(first));
-            let before = side.aux.take().map(|a| a.detach());
-            side.aux = before;
+            side.aux = side.aux.take().map(|a| a.detach());
             if again {
-                // ZeRO-3: the untracked copy's products gather their weights too
-                let gathered = self.gathered_weights(stage, &untracked)?;
-                let out = crate::backend::dense::with_more_gathered_weights(gathered, || {
+                let out = crate::backend::dense::with_more_gathered_weights(gathered.clone(), || {
                     run_units(&untracked, &run, detach(&cur), key, &mut side, Some(&self.dev))
                 })?;
                 side.aux = side.aux.take().map(|a| a.detach());
@@ -229,9 +233,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         // each bucket's first layer (a position in the stage) and parameters
         let buckets: Vec<(usize, std::ops::Range<usize>)> = match reduce {
             Some(_) => {
-                let s = self.plan.stage(stage).ok_or(ExecError::Plan(format!("the plan has no {stage}")))?;
-                let firsts: Vec<usize> =
-                    s.gradient_buckets.iter().map(|b| b.layers[0].saturating_sub(s.layers[0])).collect();
+                let firsts = self.bucket_firsts(stage).ok_or(ExecError::Plan(format!("the plan has no {stage}")))?;
                 firsts.into_iter().zip(self.bucket_params(stage, &used)?).collect()
             }
             None => Vec::new(),
@@ -239,6 +241,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let mut started = 0;
         let keys = sum_keys(&used);
         let key = self.mask_key(mb);
+        // ZeRO-3: the products of what runs again gather their weights again, as in the forward
+        let gathered = self.gathered_weights(stage, &used)?;
         let mut flat: FlatGrads<B> = Vec::new();
         let mut put_off = None;
         // the gradient at the output of the piece being run back
@@ -260,9 +264,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     Piece::Again { input, units } => {
                         let g = grad_out.take().ok_or(ExecError::Missing("no gradient reached a recomputed piece"))?;
                         let mut side = self.side(stage);
-                        // ZeRO-3: the products gather their weights again, as in the forward
-                        let gathered = self.gathered_weights(stage, &used)?;
-                        let out = crate::backend::dense::with_gathered_weights(gathered, || {
+                        let out = crate::backend::dense::with_gathered_weights(gathered.clone(), || {
                             run_units(&used, units, input.clone(), key, &mut side, None)
                         })?;
                         self.exchange_failure(stage)?;
@@ -308,11 +310,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             )));
         }
         Ok(WeightGrads { rest: flat, deferred: put_off.map(|d| (keys, d)) })
-    }
-
-    /// What a forward of `stage` collects into, with its context-parallel group.
-    fn side(&self, stage: StageId) -> Collected<B> {
-        Collected { experts: self.experts_for(stage), context: self.context_for(stage), ..Default::default() }
     }
 
     /// One backward from `target`: the dense weights' gradients added into the stage's

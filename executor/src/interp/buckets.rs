@@ -29,7 +29,7 @@ use crate::interp::collectives::land_replica_sum;
 use crate::interp::in_flight::BucketsInFlight;
 use crate::interp::values::{grad_of, input_grad, Forwarded, Saved, WeightGrads};
 use crate::interp::worker::Worker;
-use crate::nn::layers::{Act, Collected, StageModel};
+use crate::nn::layers::{Act, StageModel};
 use crate::nn::params::{
     accumulate, add_deferred_into_sums, backward_into_sums, collect_grads, host_f32, layout, sum_keys,
 };
@@ -54,11 +54,17 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         if !self.transfers.segmented.contains(&stage) || self.progress.evaluating.is_some() {
             return None;
         }
-        let s = self.plan.stage(stage).filter(|s| !s.gradient_buckets.is_empty())?;
-        let mut cuts: Vec<usize> =
-            s.gradient_buckets.iter().map(|b| b.layers[0].saturating_sub(s.layers[0])).filter(|&c| c > 0).collect();
+        let firsts = self.bucket_firsts(stage).filter(|f| !f.is_empty())?;
+        let mut cuts: Vec<usize> = firsts.into_iter().filter(|&c| c > 0).collect();
         cuts.sort_unstable();
         Some(cuts)
+    }
+
+    /// Where each of `stage`'s buckets begins (a position in its layers), in the plan's order
+    /// (the last layers' first).
+    pub(crate) fn bucket_firsts(&self, stage: StageId) -> Option<Vec<usize>> {
+        let s = self.plan.stage(stage)?;
+        Some(s.gradient_buckets.iter().map(|b| b.layers[0].saturating_sub(s.layers[0])).collect())
     }
 
     /// Each of `stage`'s buckets' parameters (positions in the stage's visiting order), in
@@ -80,8 +86,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         key: (u64, u64, u64),
         cuts: &[usize],
     ) -> Result<Forwarded<B>> {
-        let mut side =
-            Collected { experts: self.experts_for(stage), context: self.context_for(stage), ..Default::default() };
+        let mut side = self.side(stage);
         let segments = crate::parallel::tensor_parallel::forward_segments(model, x, cuts, true, key, &mut side)?;
         if side.aux.is_some() {
             return Err(ExecError::Plan(format!("{stage} has gradient buckets and a load-balancing loss")));

@@ -140,13 +140,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let reduce = self.transfers.reduce;
             let comm = &self.comm;
             let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> { Ok(comm.in_pass_all_reduce(&tp.members, v, reduce)?) };
-            let mut side = crate::nn::layers::Collected {
-                experts: self.experts_for(stage),
-                context: self.context_for(stage),
-                ..Default::default()
-            };
+            let mut side = self.side(stage);
             // recompute inside the blocks: the halves run again untracked (not while evaluating)
-            let again = self.tp_run_again(stage, model);
+            let again = self.run_again(stage, model);
             let untracked = again.as_ref().map(|_| crate::interp::values::untracked_copy(model));
             let dev = self.dev.clone();
             let release = move || crate::interp::values::release_dropped_graphs::<B>(&dev);
@@ -219,11 +215,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         if let Some(cuts) = self.bucket_cuts(stage) {
             return self.forward_segmented(stage, mb, model, x, key, &cuts);
         }
-        let mut side = crate::nn::layers::Collected {
-            experts: self.experts_for(stage),
-            context: self.context_for(stage),
-            ..Default::default()
-        };
+        let mut side = self.side(stage);
         let out = model.forward(x, training, key, &mut side)?;
         self.forwarded(stage, mb, out, side, |loss, out| match loss {
             Some(loss) => Saved::Loss(loss),
@@ -276,6 +268,16 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             })
             .count();
         Ok(Some((correct as f64, labels.len() as f64)))
+    }
+
+    /// What a pass of `stage` collects into (`Collected`), with its expert-parallel and
+    /// context-parallel groups.
+    pub(crate) fn side(&self, stage: StageId) -> crate::nn::layers::Collected<B> {
+        crate::nn::layers::Collected {
+            experts: self.experts_for(stage),
+            context: self.context_for(stage),
+            ..Default::default()
+        }
     }
 
     /// This device's expert-parallel group for `stage`, its exchanges recorded for a
@@ -418,19 +420,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok(WeightGrads { rest: collect_grads(&kept.model, &mut grads), deferred })
     }
 
-    /// What each layer of tensor-parallel `stage` runs again in its backward under the plan's
-    /// recompute inside the blocks (`BlockRecompute::run_again`); None without it, on a
-    /// stage that recomputes its whole forward, and while evaluating.
-    fn tp_run_again(&self, stage: StageId, model: &StageModel<B>) -> Option<Vec<pipec_plan::plan::RunAgain>> {
-        let policy = self.plan.schedule.block_recompute.as_ref()?;
-        if self.progress.evaluating.is_some() || self.plan.stage(stage).is_none_or(|s| s.recompute) {
-            return None;
-        }
-        let blocks: Vec<bool> =
-            model.layers.iter().map(|l| matches!(l, crate::nn::layers::Layer::ParallelBlock(_))).collect();
-        Some(policy.run_again(&blocks))
-    }
-
     /// The backward of a tensor-parallel stage, segment by segment (see
     /// `tensor_parallel`); returns the weight gradients and leaves the input gradient to send.
     pub(crate) fn backward_tp(&mut self, stage: StageId, mb: MicrobatchId, n_mb: f64) -> Result<FlatGrads<B>> {
@@ -467,11 +456,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     else {
                         return Err(ExecError::Plan(format!("layer {layer} of {stage} is not a block to run again")));
                     };
-                    let mut side = crate::nn::layers::Collected {
-                        experts: self.experts_for(stage),
-                        context: self.context_for(stage),
-                        ..Default::default()
-                    };
+                    let mut side = self.side(stage);
                     let comm = &self.comm;
                     let mut sum =
                         |v: Vec<f32>| -> Result<Vec<f32>> { Ok(comm.in_pass_all_reduce(&tp.members, v, reduce)?) };

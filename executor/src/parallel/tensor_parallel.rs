@@ -338,15 +338,12 @@ pub struct Rerun<'a, B: Backend> {
 
 impl<B: Backend> Rerun<'_, B> {
     /// Whether layer `k` runs its `half` again.
+    /// (a block run again whole: its two halves, each its segment)
     fn runs(&self, k: usize, half: Half) -> bool {
-        match self.again.get(k) {
-            Some(pipec_plan::plan::RunAgain::Halves(h)) => match half {
-                Half::Attention => h.attention,
-                Half::Mlp => h.mlp,
-            },
-            // a block run again whole: its two halves, each its segment
-            Some(pipec_plan::plan::RunAgain::Whole) => true,
-            Some(pipec_plan::plan::RunAgain::Nothing) | None => false,
+        let halves = self.again.get(k).map(|a| a.halves()).unwrap_or_default();
+        match half {
+            Half::Attention => halves.attention,
+            Half::Mlp => halves.mlp,
         }
     }
 }

@@ -485,10 +485,9 @@ pub fn caveats(plan: &Plan) -> Vec<String> {
 /// Refuses recompute inside the blocks (`recompute: { layers: n }`, `{ modules: [...] }`,
 /// `{ ops: [...] }`: `crate::interp::block_recompute`; `core_attn` alone is recomputed in
 /// the attention kernel and runs everywhere) beside what it does not run with yet: expert
-/// parallelism in a
-/// plan whose `AllToAll` instructions do not list the dispatch and combine the executor's
-/// backward runs again (one for another engine) and a model with branches or joins (the cut
-/// needs a chain of layers).
+/// parallelism in a plan whose `AllToAll` instructions do not list the dispatch and combine
+/// the executor's backward runs again (one for another engine) and a model with branches or
+/// joins (the cut needs a chain of layers).
 fn block_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
     let Some(policy) = plan.schedule.block_recompute.as_ref() else { return Ok(()) };
     let what = match (policy.layers > 0, policy.executor_halves().any()) {
@@ -509,11 +508,7 @@ fn block_recompute_runs_here(plan: &Plan) -> Result<(), RunError> {
             .map(|l| &l.op)
             .collect();
         let again = policy.run_again(&ops.iter().map(|op| op.block_dims().is_some()).collect::<Vec<_>>());
-        let runs = |k: usize| match again.get(k) {
-            Some(pipec_plan::plan::RunAgain::Whole) => true,
-            Some(pipec_plan::plan::RunAgain::Halves(h)) => h.mlp,
-            Some(pipec_plan::plan::RunAgain::Nothing) | None => false,
-        };
+        let runs = |k: usize| again.get(k).is_some_and(|a| a.halves().mlp);
         if s.all_to_alls.iter().any(|x| runs((x.layer as usize).saturating_sub(s.layers[0])) != x.again) {
             return refuse(
                 "beside expert parallelism in a plan for `engine: pipec` (this plan's engine runs the policy's exchanges again elsewhere than the executor would)",
