@@ -324,7 +324,7 @@ fn trains_like_keeping_every_activation(job: Job<'_>, what: &str) {
 
 /// What recompute by layers drops is not held: on one device under GPipe (every
 /// microbatch's forward before the first backward), a run recomputing all 8 blocks peaks
-/// at least 32 MiB below the same run keeping them (the process's resident peak: 65 MiB
+/// at least 32 MiB below the same run keeping them (the process's resident peak: 65–67 MiB
 /// against 130–131 MiB when measured, each block run again on its own, 2026-12-06; 61 MiB
 /// when the 8 ran again as one piece; 154 MiB before the head ran untracked and Burn's hold
 /// on it was released at once). The recomputing run goes first, so that the other starts from
