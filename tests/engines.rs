@@ -691,11 +691,63 @@ fn recompute_inside_the_blocks_is_emitted_as_each_engine_runs_it_or_refused() {
     let job = emitted(&plan_of(&spec), Engine::Torchtitan, "job.toml").expect("torchtitan runs it");
     assert!(job.contains("[compile]\nenable = false"), "{job}");
     // torchtitan has no first-layers recompute, DeepSpeed no recompute inside a block
-    let layers = spec.replacen("recompute: { ops: [alternate_matmul, attention] }", "recompute: { layers: 1 }", 1);
+    // (planned under pipec: `check` refuses it under `engine: torchtitan`)
+    let layers = spec
+        .replacen("recompute: { ops: [alternate_matmul, attention] }", "recompute: { layers: 1 }", 1)
+        .replacen("engine: torchtitan", "engine: pipec", 1);
     let e = emitted(&plan_of(&layers), Engine::Torchtitan, "job.toml").expect_err("refused");
     assert!(e.contains("op-level policy"), "{e}");
     let e = emitted(&with("{ layers: 1 }", ""), Engine::Deepspeed, "ds_config.json").expect_err("refused");
-    assert!(e.contains("DeepSpeed"), "{e}");
+    assert!(e.contains("deepspeed") && e.contains("whole layers"), "{e}");
+}
+
+/// `pipec check` holds recompute inside the blocks to the named engine part by part, as
+/// `emit` does: E0702 at the `recompute` value, with what the engine runs as the fix (its
+/// op-level policy under torchtitan, which then checks clean).
+#[test]
+fn check_holds_recompute_inside_the_blocks_to_the_engine_at_its_value() {
+    let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example");
+    let spec = |engine: &str, recompute: &str| {
+        format!(
+            "engine: {engine}\n{}",
+            text.replacen("stages: \"1-1\"", &format!("stages: \"2\"\n  recompute: {recompute}"), 1)
+        )
+    };
+    let e0702 = |source: &str| {
+        let checked = pipec_grammar::check_source(source);
+        checked.diagnostics.iter().find(|d| d.code == "E0702").cloned()
+    };
+    for (engine, ok) in [
+        ("megatron", "{ modules: [layernorm, mlp] }"),
+        ("megatron", "{ layers: 1 }"),
+        ("torchtitan", "{ ops: [alternate_matmul, attention] }"),
+        ("pipec", "{ ops: [matmul], offload: true }"),
+    ] {
+        let source = spec(engine, ok);
+        assert!(e0702(&source).is_none(), "{engine} {ok}: {:?}", pipec_grammar::check_source(&source).diagnostics);
+    }
+    for (engine, refused, why, fix) in [
+        ("megatron", "{ ops: [alternate_matmul, attention] }", "not a list of operations", "true"),
+        ("megatron", "{ modules: [mlp], layers: 1 }", "not both", ""),
+        ("torchtitan", "{ modules: [mlp] }", "op-level policy", "{ ops: [alternate_matmul, attention] }"),
+        ("deepspeed", "{ layers: 1 }", "whole layers", "true"),
+    ] {
+        let source = spec(engine, refused);
+        let d = e0702(&source).unwrap_or_else(|| panic!("{engine} {refused}: no E0702"));
+        assert!(d.message.contains(why), "{engine} {refused}: {}", d.message);
+        let at = d.span();
+        assert_eq!(&source[at.start..at.end], refused, "{engine}: located at the value");
+        match d.fix.as_ref() {
+            Some(f) => {
+                assert_eq!(f.replacement, fix, "{engine} {refused}");
+                if engine == "torchtitan" {
+                    let fixed = format!("{}{}{}", &source[..f.span.start], f.replacement, &source[f.span.end..]);
+                    assert!(e0702(&fixed).is_none(), "{fixed}");
+                }
+            }
+            None => assert!(fix.is_empty(), "{engine} {refused}: no fix"),
+        }
+    }
 }
 
 /// Today's attention shapes reach Megatron-LM as the flags that build them, and its import

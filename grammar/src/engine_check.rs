@@ -3,7 +3,7 @@
 //! nearest value the engine runs as its fix. A strategy the search completes (`auto`) is held
 //! to them candidate by candidate (`pipec_compiler::search`), its model and precision here.
 
-use pipec_plan::engine::capability::{refusals, Feature, Layout, RecomputeKind};
+use pipec_plan::engine::capability::{refusals, BlockRecomputePart, Feature, Layout, RecomputeKind};
 use pipec_plan::engine::gpt::GptShape;
 
 use crate::ast::{EngineChoice, Model, Recompute, Strategy, Training};
@@ -23,8 +23,7 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         Recompute::Stages(_) => RecomputeKind::SomeStages,
         Recompute::Selective => RecomputeKind::Selective,
         // recompute inside the blocks (by module, by operation, some blocks whole, offload):
-        // held to the engines as their selective recompute; the capability tables do not
-        // yet tell modules from operations
+        // held to the engines part by part (`block_recompute`)
         Recompute::Blocks(_) => RecomputeKind::Selective,
     };
     let ops: Vec<pipec_plan::model::Op> = model.layers.iter().map(|l| l.op.clone()).collect();
@@ -47,6 +46,10 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         moe_dispatch: strategy.moe_dispatch,
         ep_overlap: strategy.combined_1f1b(),
         recompute,
+        block_recompute: match &strategy.recompute {
+            Recompute::Blocks(b) => BlockRecomputePart::of(b),
+            _ => Vec::new(),
+        },
         precision: training.precision,
         fp8: training.fp8.map(|f| f.recipe),
         master_weights: training.master_weights,

@@ -8,7 +8,10 @@
 //! the PyTorch 2.15.0 pipelining schedules it names (`[P]`), DeepSpeed's 0.19.8 sdist
 //! (`[D]`); pipec's own rows cite this repository.
 
-use crate::vocab::{CpComm, Engine, Fp8Recipe, MoeDispatch, Precision, ReduceMode, ScheduleKind, Sharding};
+use crate::recompute::BlockRecompute;
+use crate::vocab::{
+    CpComm, Engine, Fp8Recipe, MoeDispatch, Precision, RecomputeOp, ReduceMode, ScheduleKind, Sharding,
+};
 
 use super::EngineTarget;
 
@@ -44,8 +47,61 @@ pub enum RecomputeKind {
     Full,
     /// Some stages do, others not.
     SomeStages,
-    /// Each block recomputes its attention core (Korthikanti et al.'s selective recompute).
+    /// Each block recomputes its attention core (Korthikanti et al.'s selective recompute),
+    /// or recomputes inside the blocks otherwise (the spec's `recompute` as a mapping, whose
+    /// parts the tables judge one by one: [`BlockRecomputePart`]).
     Selective,
+}
+
+/// A part of recompute inside the blocks (the spec's `recompute` as a mapping), as the
+/// tables see it: an engine runs the mapping when it runs each of its parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockRecomputePart {
+    /// Named modules recomputed (`modules:`).
+    Modules,
+    /// torchtitan's op-level policy: every other matrix product's output and the attention
+    /// kernel's kept, the rest recomputed (`ops: [alternate_matmul, attention]`).
+    OpPolicy,
+    /// Another list of kept operations (`ops:`).
+    Ops,
+    /// The first blocks of every chunk recomputed whole (`layers:`).
+    FirstLayers,
+    /// The kept tensors sent to host memory (`offload: true`).
+    Offload,
+}
+
+impl BlockRecomputePart {
+    /// torchtitan's op-level policy's kept operations, in its order.
+    pub const OP_POLICY: [RecomputeOp; 2] = [RecomputeOp::AlternateMatmul, RecomputeOp::Attention];
+
+    /// The parts of `b`, in the spec's order.
+    pub fn of(b: &BlockRecompute) -> Vec<BlockRecomputePart> {
+        let policy = b.ops.len() == Self::OP_POLICY.len() && Self::OP_POLICY.iter().all(|o| b.ops.contains(o));
+        [
+            (!b.modules.is_empty(), BlockRecomputePart::Modules),
+            (!b.ops.is_empty() && policy, BlockRecomputePart::OpPolicy),
+            (!b.ops.is_empty() && !policy, BlockRecomputePart::Ops),
+            (b.layers > 0, BlockRecomputePart::FirstLayers),
+            (b.offload, BlockRecomputePart::Offload),
+        ]
+        .into_iter()
+        .filter_map(|(on, part)| on.then_some(part))
+        .collect()
+    }
+
+    /// What an engine without this part does not run, in words.
+    fn missing(self) -> &'static str {
+        match self {
+            BlockRecomputePart::Modules => "does not recompute named modules inside the blocks (`modules:`)",
+            BlockRecomputePart::OpPolicy | BlockRecomputePart::Ops => {
+                "does not keep a list of operations inside the blocks (`ops:`)"
+            }
+            BlockRecomputePart::FirstLayers => {
+                "does not recompute only the first blocks of each stage whole (`layers:`)"
+            }
+            BlockRecomputePart::Offload => "has no activation offload in its configuration (`offload:`)",
+        }
+    }
 }
 
 /// One thing an engine can run.
@@ -79,6 +135,8 @@ pub enum Capability {
     /// (Megatron-LM's combined 1F1B).
     EpOverlap,
     Recompute(RecomputeKind),
+    /// A part of recompute inside the blocks.
+    BlockRecompute(BlockRecomputePart),
     Precision(Precision),
     /// FP8 products with this scaling recipe (beside bf16).
     Fp8(Fp8Recipe),
@@ -131,8 +189,11 @@ pub enum Constraint {
     /// Expert parallelism divides the tensor- and data-parallel devices' product into
     /// whole groups (pipec's `ep` divides each stage's replicas: always met).
     ExpertGroupsWhole,
-    /// Overlapping expert-parallel all-to-alls refuses full recompute.
+    /// Overlapping expert-parallel all-to-alls refuses full recompute (of every block, or of
+    /// the first blocks of each stage).
     EpOverlapWithoutFullRecompute,
+    /// Recompute inside the blocks is by module or by whole layers, not both at once.
+    ModulesOrLayers,
 }
 
 /// A table row: a capability (or a constraint), what the engine calls it, from which
@@ -192,6 +253,11 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(PC, C::Recompute(RecomputeKind::Full), "recompute: true", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::SomeStages), "recompute: [stages]", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::Selective), "recompute: selective", PIPEC_SOURCE),
+    row(PC, C::BlockRecompute(BlockRecomputePart::Modules), "recompute: { modules: [...] } (run as the halves of each block they touch)", PIPEC_SOURCE),
+    row(PC, C::BlockRecompute(BlockRecomputePart::OpPolicy), "recompute: { ops: [alternate_matmul, attention] } (run as both halves of each block)", PIPEC_SOURCE),
+    row(PC, C::BlockRecompute(BlockRecomputePart::Ops), "recompute: { ops: [...] } (run as both halves of each block)", PIPEC_SOURCE),
+    row(PC, C::BlockRecompute(BlockRecomputePart::FirstLayers), "recompute: { layers: N }", PIPEC_SOURCE),
+    row(PC, C::BlockRecompute(BlockRecomputePart::Offload), "recompute: { offload: true } (planned and priced; `pipec run` refuses it)", PIPEC_SOURCE),
     row(PC, C::Precision(Precision::Fp32), "fp32", PIPEC_SOURCE),
     row(PC, C::Precision(Precision::Bf16), "bf16 (products in bf16, the rest fp32)", PIPEC_SOURCE),
     row(PC, C::Precision(Precision::Fp16), "fp16 (loss scaling; fp32 under async schedules)", PIPEC_SOURCE),
@@ -228,6 +294,8 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(MG, C::EpOverlap, "--overlap-moe-expert-parallel-comm", "[M] megatron/core/model_parallel_config.py:343; transformer_config.py:2669-2713; pipeline_parallel/schedules.py:751, 939-943"),
     row(MG, C::Recompute(RecomputeKind::Full), "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", "[M] megatron/core/transformer/transformer_config.py:1724-1761"),
     row(MG, C::Recompute(RecomputeKind::Selective), "--recompute-granularity selective (--recompute-modules core_attn, the default)", "[M] megatron/core/transformer/transformer_config.py:1763-1832"),
+    row(MG, C::BlockRecompute(BlockRecomputePart::Modules), "--recompute-granularity selective --recompute-modules M…", "[M] megatron/core/transformer/transformer_config.py:1763-1832"),
+    row(MG, C::BlockRecompute(BlockRecomputePart::FirstLayers), "--recompute-granularity full --recompute-method block --recompute-num-layers N", "[M] megatron/core/transformer/transformer_config.py:1724-1761"),
     row(MG, C::Precision(Precision::Fp32), "(neither --bf16 nor --fp16)", "[M] megatron/training/arguments.py:1171-1183"),
     row(MG, C::Precision(Precision::Bf16), "--bf16", "[M] megatron/training/arguments.py:1171-1183"),
     row(MG, C::Precision(Precision::Fp16), "--fp16", "[M] megatron/training/arguments.py:1171-1183"),
@@ -258,6 +326,7 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(TT, C::DeepEpDispatch, "[parallelism] expert_parallel_comm_backend = \"deepep\"", "[T] torchtitan/config/job_config.py:474-482"),
     row(TT, C::Recompute(RecomputeKind::Full), "[activation_checkpoint] mode = \"full\"", "[T] torchtitan/config/job_config.py:651-715"),
     row(TT, C::Recompute(RecomputeKind::Selective), "[activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\"", "[T] torchtitan/config/job_config.py:651-715; distributed/activation_checkpoint.py:167-185"),
+    row(TT, C::BlockRecompute(BlockRecomputePart::OpPolicy), "[activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\" (its policy's operations only)", "[T] torchtitan/distributed/activation_checkpoint.py:167-185"),
     row(TT, C::Precision(Precision::Fp32), "mixed_precision_param = \"float32\"", "[T] torchtitan/config/job_config.py:275-293"),
     row(TT, C::Precision(Precision::Bf16), "mixed_precision_param = \"bfloat16\"", "[T] torchtitan/config/job_config.py:275-293"),
     row(TT, C::Fp8(Fp8Recipe::Tensorwise), "[model] converters = [\"quantize.linear.float8\"]", "[T] torchtitan/config/job_config.py:731-754; components/quantization/float8.py:238"),
@@ -308,6 +377,12 @@ pub const CONSTRAINTS: &[Row<Constraint>] = &[
         Constraint::EpOverlapWithoutFullRecompute,
         "--overlap-moe-expert-parallel-comm refuses --recompute-granularity full",
         "[M] megatron/core/transformer/transformer_config.py:2689-2699",
+    ),
+    row(
+        MG,
+        Constraint::ModulesOrLayers,
+        "--recompute-granularity is selective (--recompute-modules) or full (--recompute-num-layers), one at a time",
+        "[M] megatron/core/transformer/transformer_config.py:1724-1832",
     ),
     row(
         TT,
@@ -390,6 +465,8 @@ pub struct Layout {
     /// Expert parallelism's all-to-alls overlapped in combined forward–backward pairs.
     pub ep_overlap: bool,
     pub recompute: RecomputeKind,
+    /// The parts of recompute inside the blocks (empty: none).
+    pub block_recompute: Vec<BlockRecomputePart>,
     pub precision: Precision,
     /// FP8 products' recipe, when the blocks' products are in FP8.
     pub fp8: Option<Fp8Recipe>,
@@ -714,7 +791,9 @@ fn sharding_and_parallelism(target: &EngineTarget, l: &Layout, out: &mut Vec<Ref
 
 fn recompute_and_precision(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
     let e = target.name;
-    if l.recompute != RecomputeKind::Off && find(target, |c| *c == C::Recompute(l.recompute)).is_none() {
+    block_recompute(target, l, out);
+    let judged = l.recompute != RecomputeKind::Off && l.block_recompute.is_empty();
+    if judged && find(target, |c| *c == C::Recompute(l.recompute)).is_none() {
         let what = match l.recompute {
             RecomputeKind::SomeStages => "recomputes every stage or none, not a list of stages",
             RecomputeKind::Selective => "has no selective recompute of the attention core",
@@ -966,6 +1045,49 @@ fn unroll_layout(text: &str) -> Result<String, String> {
     Ok(out)
 }
 
+/// Recompute inside the blocks, part by part: each part the engine lacks is refused, with
+/// what the engine runs inside the blocks as the nearest (torchtitan's op-level policy) or,
+/// without any, its full recompute.
+fn block_recompute(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
+    let e = target.name;
+    let runs = |part: BlockRecomputePart| find(target, |c| *c == C::BlockRecompute(part)).is_some();
+    // a policy of its own operations is run where any list is
+    let runs_part = |part: BlockRecomputePart| {
+        runs(part) || (part == BlockRecomputePart::OpPolicy && runs(BlockRecomputePart::Ops))
+    };
+    let inside: Vec<&str> = [
+        (BlockRecomputePart::Modules, "named modules (`modules:`)"),
+        (BlockRecomputePart::OpPolicy, "its op-level policy (`ops: [alternate_matmul, attention]`)"),
+        (BlockRecomputePart::FirstLayers, "the first blocks of each stage whole (`layers:`)"),
+    ]
+    .into_iter()
+    .filter(|(p, _)| runs(*p))
+    .map(|(_, words)| words)
+    .collect();
+    let nearest = if runs(BlockRecomputePart::OpPolicy) && !runs(BlockRecomputePart::Ops) {
+        Some("{ ops: [alternate_matmul, attention] }".to_string())
+    } else {
+        find(target, |c| *c == C::Recompute(RecomputeKind::Full)).map(|_| "true".to_string())
+    };
+    for part in l.block_recompute.iter().copied().filter(|p| !runs_part(*p)) {
+        let instead = match inside.as_slice() {
+            [] => "; it recomputes whole layers or none".to_string(),
+            runs => format!("; inside the blocks it recomputes {}", runs.join(" or ")),
+        };
+        let why = match part {
+            BlockRecomputePart::Ops if runs(BlockRecomputePart::OpPolicy) => {
+                "keeps only its op-level policy's operations (`alternate_matmul`, `attention`), not another list"
+                    .to_string()
+            }
+            BlockRecomputePart::Ops | BlockRecomputePart::OpPolicy if !inside.is_empty() => {
+                format!("recomputes {}, not a list of operations", inside.join(" or "))
+            }
+            p => format!("{}{instead}", p.missing()),
+        };
+        refuse(out, Feature::Recompute, format!("{e} {why}"), nearest.clone(), covered(target));
+    }
+}
+
 /// How an engine splits a language model's transformer blocks over its pipeline's chunks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockSplit {
@@ -990,7 +1112,8 @@ pub fn block_split(engine: Engine) -> Option<BlockSplit> {
         | Constraint::PlainDataParallelAlone
         | Constraint::NoTensorParallelWithPipeline
         | Constraint::ExpertGroupsWhole
-        | Constraint::EpOverlapWithoutFullRecompute => None,
+        | Constraint::EpOverlapWithoutFullRecompute
+        | Constraint::ModulesOrLayers => None,
     })
 }
 
@@ -1118,9 +1241,21 @@ fn constraints(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
             Constraint::NoTensorParallelWithPipeline => (l.tp > 1 && pp > 1).then(|| {
                 (Feature::TensorParallel, format!("{e}'s configuration sets tensor parallelism (AutoTP) or a pipeline, not both: together they need the training script's own topology"), Some("1".into()))
             }),
-            Constraint::EpOverlapWithoutFullRecompute => (l.ep_overlap && matches!(l.recompute, RecomputeKind::Full | RecomputeKind::SomeStages)).then(|| {
-                (Feature::EpOverlap, format!("{e} does not overlap expert-parallel all-to-alls beside full recompute"), Some("false".into()))
-            }),
+            Constraint::EpOverlapWithoutFullRecompute => {
+                let full = matches!(l.recompute, RecomputeKind::Full | RecomputeKind::SomeStages)
+                    || l.block_recompute.contains(&BlockRecomputePart::FirstLayers);
+                (l.ep_overlap && full).then(|| {
+                    (Feature::EpOverlap, format!("{e} does not overlap expert-parallel all-to-alls beside full recompute (of every block or of the first blocks of each stage)"), Some("false".into()))
+                })
+            }
+            Constraint::ModulesOrLayers => {
+                let both = [BlockRecomputePart::Modules, BlockRecomputePart::FirstLayers]
+                    .iter()
+                    .all(|p| l.block_recompute.contains(p));
+                both.then(|| {
+                    (Feature::Recompute, format!("{e}'s recompute granularity is selective (`modules:`) or full (`layers:`), not both"), None)
+                })
+            }
             Constraint::ExpertGroupsWhole => None,
         };
         if let Some((feature, message, nearest)) = broken {
@@ -1153,6 +1288,7 @@ mod tests {
             moe_dispatch: MoeDispatch::AllToAll,
             ep_overlap: false,
             recompute: RecomputeKind::Off,
+            block_recompute: Vec::new(),
             precision: Precision::Bf16,
             fp8: None,
             master_weights: true,
@@ -1194,6 +1330,70 @@ mod tests {
         l.recompute = RecomputeKind::SomeStages;
         l.gpt = false;
         assert_eq!(refusals(&pipec, &l), vec![]);
+        l.recompute = RecomputeKind::Selective;
+        l.block_recompute = vec![
+            BlockRecomputePart::Modules,
+            BlockRecomputePart::Ops,
+            BlockRecomputePart::FirstLayers,
+            BlockRecomputePart::Offload,
+        ];
+        assert_eq!(refusals(&pipec, &l), vec![]);
+    }
+
+    /// Recompute inside the blocks is judged part by part: each engine takes the parts its
+    /// configuration writes (Megatron-LM modules or first layers, one at a time; torchtitan
+    /// its op-level policy; DeepSpeed none), and a refusal names what the engine runs instead.
+    #[test]
+    fn recompute_inside_the_blocks_is_held_to_each_engine_part_by_part() {
+        use crate::vocab::RecomputeModule;
+        use BlockRecomputePart as P;
+        let parts = |b: BlockRecompute| {
+            let mut l = layout(K::OneFOneB, 1);
+            l.recompute = RecomputeKind::Selective;
+            l.block_recompute = P::of(&b);
+            l
+        };
+        let modules = BlockRecompute { modules: vec![RecomputeModule::Mlp], ..Default::default() };
+        let layers = BlockRecompute { layers: 2, ..Default::default() };
+        let policy =
+            BlockRecompute { ops: vec![RecomputeOp::Attention, RecomputeOp::AlternateMatmul], ..Default::default() };
+        let matmuls = BlockRecompute { ops: vec![RecomputeOp::Matmul], ..Default::default() };
+        let offload = BlockRecompute { offload: true, ..Default::default() };
+        let both = BlockRecompute { layers: 1, ..modules.clone() };
+        assert_eq!(P::of(&policy), [P::OpPolicy], "the policy's operations in any order");
+        assert_eq!(P::of(&matmuls), [P::Ops]);
+        assert_eq!(P::of(&both), [P::Modules, P::FirstLayers]);
+        let refused = |engine: Engine, b: &BlockRecompute| refusals(&EngineTarget::newest(engine), &parts(b.clone()));
+        for ok in [&modules, &layers] {
+            assert_eq!(refused(Engine::Megatron, ok), vec![], "{}", ok.text());
+        }
+        for (b, why) in [(&policy, "not a list of operations"), (&offload, "offload"), (&both, "not both")] {
+            let r = refused(Engine::Megatron, b);
+            assert_eq!(r.len(), 1, "{}: {r:?}", b.text());
+            assert!(r[0].message.contains(why) && r[0].feature == Feature::Recompute, "{}: {r:?}", b.text());
+        }
+        assert_eq!(refused(Engine::Torchtitan, &policy).iter().filter(|r| r.feature == Feature::Recompute).count(), 0);
+        for b in [&modules, &layers, &matmuls, &offload] {
+            let r: Vec<Refusal> =
+                refused(Engine::Torchtitan, b).into_iter().filter(|r| r.feature == Feature::Recompute).collect();
+            assert_eq!(r.len(), 1, "{}: {r:?}", b.text());
+            assert!(r[0].message.contains("op-level policy"), "{r:?}");
+            assert_eq!(r[0].nearest.as_deref(), Some("{ ops: [alternate_matmul, attention] }"));
+        }
+        for b in [&modules, &layers, &policy, &offload] {
+            let r = refused(Engine::Deepspeed, b);
+            assert_eq!(r.len(), 1, "{}: {r:?}", b.text());
+            assert_eq!(r[0].nearest.as_deref(), Some("true"), "{r:?}");
+        }
+        // Megatron-LM's expert-parallel overlap refuses full recompute of the first blocks too
+        let mut overlapped = parts(layers.clone());
+        overlapped.ep = 2;
+        overlapped.ep_overlap = true;
+        let r = refusals(&EngineTarget::newest(Engine::Megatron), &overlapped);
+        assert!(r.iter().any(|r| r.feature == Feature::EpOverlap), "{r:?}");
+        overlapped.block_recompute = P::of(&modules);
+        let r = refusals(&EngineTarget::newest(Engine::Megatron), &overlapped);
+        assert!(!r.iter().any(|r| r.feature == Feature::EpOverlap), "{r:?}");
     }
 
     #[test]

@@ -14,9 +14,9 @@ use super::capability::{refusals, Layout, RecomputeKind};
 use super::gpt::GptShape;
 use super::EngineTarget;
 use crate::model::{MlpKind, NormKind};
-use crate::plan::{BlockRecompute, OptimizerPlan};
+use crate::plan::OptimizerPlan;
 use crate::rope::RopeScaling;
-use crate::vocab::{Choice, CompileComponent, CpComm, Engine, Precision, RecomputeOp, ScheduleKind, Sharding};
+use crate::vocab::{Choice, CompileComponent, CpComm, Engine, Precision, ScheduleKind, Sharding};
 use crate::Plan;
 
 /// One emitted file: its name in the folder and its text.
@@ -39,9 +39,8 @@ pub struct Run<'a> {
 impl<'a> Run<'a> {
     /// The run `plan` describes, or why `engine` cannot take it.
     pub fn of(plan: &'a Plan, engine: &EngineTarget) -> Result<Run<'a>, String> {
-        // recompute inside the blocks first: the tables judge it as selective recompute,
-        // which says less than why the engine cannot write it
-        written_block_recompute(plan, engine.name).map_err(|why| format!("{engine} cannot run this plan: {why}"))?;
+        // recompute inside the blocks is judged part by part (`BlockRecomputePart`): what
+        // the tables let through each engine writes, never dropped
         let layout = plan.engine_layout();
         let refused = refusals(engine, &layout);
         if !refused.is_empty() {
@@ -155,35 +154,6 @@ fn round(x: f64) -> f64 {
     }
     let scale = 10f64.powi(5 - x.abs().log10().floor() as i32);
     (x * scale).round() / scale
-}
-
-/// torchtitan's op-level selective checkpointing (`selective_ac_option = "op"`, 0.2.2): the
-/// outputs of every other matrix product and of attention saved, the rest recomputed.
-const TORCHTITAN_OP_POLICY: [RecomputeOp; 2] = [RecomputeOp::AlternateMatmul, RecomputeOp::Attention];
-
-/// The plan's recompute inside the blocks (`recompute: { modules | ops | layers | offload }`)
-/// as `engine` writes it: Megatron-LM's selective recompute of named modules
-/// (`--recompute-modules`) or full recompute of the first layers of each stage (`--recompute-method
-/// block`), torchtitan's op-level policy; or why it cannot (never dropped silently).
-fn written_block_recompute(plan: &Plan, engine: Engine) -> Result<Option<&BlockRecompute>, String> {
-    let Some(b) = plan.schedule.block_recompute.as_ref() else { return Ok(None) };
-    let refuse = |why: &str| Err(format!("`recompute: {}`: {why}", b.text()));
-    match engine {
-        Engine::Pipec => Ok(Some(b)),
-        _ if b.offload => refuse("activation offload is not written into its configuration"),
-        Engine::Megatron if !b.ops.is_empty() => {
-            refuse("Megatron-LM recomputes modules (`modules:`) or whole layers (`layers:`), not a list of operations")
-        }
-        Engine::Megatron if !b.modules.is_empty() && b.layers > 0 => {
-            refuse("Megatron-LM's recompute granularity is selective (modules) or full (layers), not both")
-        }
-        Engine::Megatron => Ok(Some(b)),
-        Engine::Torchtitan if b.modules.is_empty() && b.layers == 0 && b.ops == TORCHTITAN_OP_POLICY => Ok(Some(b)),
-        Engine::Torchtitan => refuse(
-            "torchtitan 0.2.2's selective checkpointing is its op-level policy, `{ ops: [alternate_matmul, attention] }`, or every n-th layer whole",
-        ),
-        Engine::Deepspeed => refuse("DeepSpeed's activation checkpointing recomputes whole layers (`recompute: true`)"),
-    }
 }
 
 /// The recompute the engine's configuration says, as its own parser reads it back
@@ -551,7 +521,7 @@ pub fn megatron_args(run: &Run<'_>) -> Vec<(&'static str, Vec<Arg>)> {
     ];
     // recompute inside the blocks (transformer_config.py:1724-1832 at core_v0.19.0): the
     // first layers of each stage whole, or named modules selectively; else the stages'
-    let block = written_block_recompute(run.plan, Engine::Megatron).ok().flatten();
+    let block = run.plan.schedule.block_recompute.as_ref();
     match (block, l.recompute) {
         (Some(b), _) if b.layers > 0 => training.extend([
             arg("--recompute-granularity", "full"),
@@ -737,7 +707,8 @@ pub fn torchtitan_rows(run: &Run<'_>, flavour: &str) -> Vec<(&'static str, &'sta
     let dp = l.dp();
     let pipelined = l.pp() > 1;
     // torchtitan's op-level policy, written in the spec as its operations
-    let op_level = matches!(written_block_recompute(run.plan, Engine::Torchtitan), Ok(Some(_)));
+    // its op-level policy, the one recompute inside the blocks its table runs
+    let op_level = run.plan.schedule.block_recompute.is_some();
     let mut rows = vec![
         ("job", "dump_folder", json!("./outputs")),
         ("job", "description", json!(format!("{} (pipec emit)", run.plan.name))),

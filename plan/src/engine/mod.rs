@@ -219,6 +219,11 @@ impl crate::Plan {
             moe_dispatch: self.schedule.moe_dispatch,
             ep_overlap: self.schedule.ep_overlap,
             recompute,
+            block_recompute: self
+                .schedule
+                .block_recompute
+                .as_ref()
+                .map_or_else(Vec::new, capability::BlockRecomputePart::of),
             precision: self.training.precision,
             fp8: self.training.fp8.map(|f| f.recipe),
             master_weights: self.training.master_weights,
