@@ -37,6 +37,11 @@ pub struct Bound {
     /// the least one microbatch keeps under any recompute choice, the buffers and the
     /// reserve overflows it: then no ZeRO level fits either, whatever its stages recompute.
     pub overflows_any_sharding: bool,
+    /// Whether the model state at the strategy's own ZeRO level with the least one
+    /// microbatch keeps under any recompute choice, inside the blocks too (its stage's input
+    /// and a layer's backward transient), the buffers and the reserve overflows some device:
+    /// then no recompute choice fits at this level (a ZeRO level above it may).
+    pub overflows_any_recompute: bool,
     /// The layout bounded: replicas per pipeline rank (PipeDream's planner's choice when
     /// the strategy leaves it to `partition: auto`).
     pub replicas: Vec<usize>,
@@ -65,40 +70,11 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     let stages = stage_figures(spec, model, &layout);
     let capacity = model.cluster.memory;
     let reserve = crate::memory::workspace_reserve(capacity) as f64;
-    let kept = |s: usize| {
-        let b = &stages.bytes[s];
-        (if layout.recompute[s] { b.checkpoint_per_microbatch } else { b.activations_per_microbatch }) as f64
-    };
-    // what a microbatch's backward holds beyond the kept tensors (a recomputed stage's
-    // largest unit, rebuilt; a layer's transient; the loss's backward)
-    let unit = |s: usize| stages.bytes[s].transient(layout.recompute[s]) as f64;
-    // the messages in flight, ZeRO-3's gathered layers and ZeRO-2/3's whole gradients a
-    // reduce-scatter takes
-    let buffer = |s: usize| {
-        let b = &stages.bytes[s];
-        b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights).saturating_add(b.scattered_gradients)
-            as f64
-    };
-    // what a device needs beside its model state for one of its stages at least: one
-    // microbatch kept, the stage's recompute unit, its buffers, the reserve
-    let beside = |s: usize| kept(s) + unit(s) + buffer(s) + reserve;
-    let state = |s: usize| {
-        let b = &stages.bytes[s];
-        (b.weights + b.gradients + b.optimizer) as f64
-    };
-    // the least model state any ZeRO level leaves a replica of the stage (ZeRO-3's share),
-    // with the least one microbatch of it keeps under any recompute choice (the sharded
-    // candidates derive their own partial recompute), its messages' buffers and the reserve
-    let least_state = |s: usize| {
-        let b = &stages.bytes[s];
-        b.whole.sharded(Sharding::Parameters, b.replicas).total() as f64
-    };
-    let least_kept = |s: usize| {
-        let b = &stages.bytes[s];
-        (b.activations_per_microbatch.saturating_add(b.transient(false)) as f64)
-            .min(b.checkpoint_per_microbatch.saturating_add(b.transient(true)) as f64)
-    };
-    let least_beside = |s: usize| least_kept(s) + stages.bytes[s].largest_message.saturating_mul(4) as f64 + reserve;
+    let m = StageMemory { stages: &stages, recompute: &layout.recompute, reserve };
+    let (kept, unit, buffer, beside, state) =
+        (|s| m.kept(s), |s| m.unit(s), |s| m.buffer(s), |s| m.beside(s), |s| m.state(s));
+    let (least_state, least_beside, least_beside_blocks) =
+        (|s| m.least_state(s), |s| m.least_beside(s), |s| m.least_beside_blocks(s));
     // every stage is on some device: one stage too big for a device needs no placement to
     // tell (the bound's memory below, stage by stage) when no ZeRO level is to be derived
     // from it (whose bounds want this one's step)
@@ -107,10 +83,12 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
     if (spec.strategy.sharding != Sharding::None || overflows_sharded)
         && (0..n_stages).any(|s| state(s) + beside(s) > capacity)
     {
+        let overflows_any_recompute = (0..n_stages).any(|s| state(s) + least_beside_blocks(s) > capacity);
         return Ok(Bound {
             step_s: 0.0,
             overflows: true,
             overflows_any_sharding: overflows_sharded,
+            overflows_any_recompute,
             replicas: layout.replicas,
             stage_headroom: (0..n_stages).map(|s| 1.0 - (state(s) + beside(s)) / capacity).collect(),
             walked: false,
@@ -178,11 +156,13 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         all_kept = all_kept.max(held_state + recompute_unit + buffers + reserve + most);
         let least = held.iter().map(|&s| least_state(s)).sum::<f64>()
             + held.iter().map(|&s| least_beside(s)).fold(0.0, f64::max);
+        let least_here = held_state + held.iter().map(|&s| least_beside_blocks(s)).fold(0.0, f64::max);
         devices.push(DeviceMemory {
             device: *device,
             held,
             state: held_state,
             least,
+            least_here,
             one_microbatch,
             beside: one_microbatch + recompute_unit + buffers + reserve,
         });
@@ -197,10 +177,86 @@ pub fn lower_bound(spec: &Spec, options: &CompileOptions, memo: &mut Memo) -> Re
         // layer what its backward frees, `memory::device_memory`)
         .then(|| memo.in_flight(&placed, kind, layout.replicas.len(), backward_slots(&stages.times)))
         .flatten();
+    let overflows_any_recompute = devices.iter().any(|d| d.least_here > capacity);
     let (overflows, overflows_any_sharding, stage_headroom) =
         memory_verdict(devices, in_flight.as_deref(), &placed.ids, &kept, (capacity, n_stages));
     let walked = in_flight.is_some();
-    Ok(Bound { step_s, overflows, overflows_any_sharding, replicas: layout.replicas, stage_headroom, walked })
+    Ok(Bound {
+        step_s,
+        overflows,
+        overflows_any_sharding,
+        overflows_any_recompute,
+        replicas: layout.replicas,
+        stage_headroom,
+        walked,
+    })
+}
+
+/// A candidate's memory terms per stage, as the bound reads them (bytes, as `f64`).
+struct StageMemory<'a> {
+    stages: &'a StageFigures,
+    recompute: &'a [bool],
+    reserve: f64,
+}
+
+impl StageMemory<'_> {
+    /// One microbatch's kept tensors.
+    fn kept(&self, s: usize) -> f64 {
+        let b = &self.stages.bytes[s];
+        (if self.recompute[s] { b.checkpoint_per_microbatch } else { b.activations_per_microbatch }) as f64
+    }
+
+    /// What a microbatch's backward holds beyond the kept tensors (a recomputed stage's
+    /// largest unit, rebuilt; a layer's transient; the loss's backward).
+    fn unit(&self, s: usize) -> f64 {
+        self.stages.bytes[s].transient(self.recompute[s]) as f64
+    }
+
+    /// The messages in flight, ZeRO-3's gathered layers and ZeRO-2/3's whole gradients a
+    /// reduce-scatter takes.
+    fn buffer(&self, s: usize) -> f64 {
+        let b = &self.stages.bytes[s];
+        b.largest_message.saturating_mul(4).saturating_add(b.gathered_weights).saturating_add(b.scattered_gradients)
+            as f64
+    }
+
+    /// What a device needs beside its model state for one of its stages at least: one
+    /// microbatch kept, the stage's recompute unit, its buffers, the reserve.
+    fn beside(&self, s: usize) -> f64 {
+        self.kept(s) + self.unit(s) + self.buffer(s) + self.reserve
+    }
+
+    /// The stage's weights, gradients and optimizer state on a replica.
+    fn state(&self, s: usize) -> f64 {
+        let b = &self.stages.bytes[s];
+        (b.weights + b.gradients + b.optimizer) as f64
+    }
+
+    /// The least model state any ZeRO level leaves a replica of the stage (ZeRO-3's share).
+    fn least_state(&self, s: usize) -> f64 {
+        let b = &self.stages.bytes[s];
+        b.whole.sharded(Sharding::Parameters, b.replicas).total() as f64
+    }
+
+    /// With the least one microbatch of the stage keeps keeping everything or recomputing
+    /// every forward (the sharded candidates derive their own partial recompute), its
+    /// messages' buffers and the reserve.
+    fn least_beside(&self, s: usize) -> f64 {
+        let b = &self.stages.bytes[s];
+        let kept = (b.activations_per_microbatch.saturating_add(b.transient(false)) as f64)
+            .min(b.checkpoint_per_microbatch.saturating_add(b.transient(true)) as f64);
+        kept + b.largest_message.saturating_mul(4) as f64 + self.reserve
+    }
+
+    /// The least under any recompute choice inside the blocks too: at least the stage's
+    /// input, and beside it at least a layer's backward transient (a choice's unit rebuilt
+    /// adds to it).
+    fn least_beside_blocks(&self, s: usize) -> f64 {
+        let b = &self.stages.bytes[s];
+        (b.activations_per_microbatch.min(b.checkpoint_per_microbatch).saturating_add(b.transient(false))) as f64
+            + b.largest_message.saturating_mul(4) as f64
+            + self.reserve
+    }
 }
 
 /// Whether some device overflows its memory (with the activations' peak the schedule's
@@ -454,6 +510,9 @@ struct DeviceMemory {
     held: Vec<usize>,
     state: f64,
     least: f64,
+    /// The model state at the strategy's own ZeRO level with the least any recompute
+    /// choice keeps beside it (`Bound::overflows_any_recompute`).
+    least_here: f64,
     one_microbatch: f64,
     beside: f64,
 }
@@ -685,11 +744,12 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 
 /// What a model's costs depend on: (tp, samples per microbatch, ep replicas, cp, cp's
 /// exchange, whole experts).
-type CostKey = (usize, usize, usize, usize, pipec_plan::vocab::CpComm, bool);
+type CostKey = (usize, usize, usize, usize, pipec_plan::vocab::CpComm, bool, bool);
 
 /// Work the candidates of one spec's strategy search share: the model's costs per
 /// (tensor-parallel degree, microbatch size, expert- and context-parallel degree, context
-/// exchange) — all a candidate's strategy changes in them —
+/// exchange, whole experts, recompute by operation) — all a candidate's strategy changes in
+/// them —
 /// and the balanced partitions of each; the placements (with what the bound reads of them)
 /// per chunk placement, layout, degree and microbatch count. Only for specs that differ in
 /// their strategy.
@@ -902,6 +962,7 @@ impl Memo {
             // (a ring prices attention's core and keeps other bytes than the all-gather)
             spec.strategy.cp_comm,
             spec.strategy.experts_whole(),
+            crate::model::recomputes_by_operation(spec),
         );
         Ok(match self.models.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),

@@ -32,10 +32,14 @@ pub(crate) struct ModelCosts {
 /// recompute gathers it again, whatever the engine keeps otherwise.
 fn sequence_collectives(spec: &Spec) -> pipec_plan::engine::performance::SequenceCollectives {
     let mut collectives = spec.engine.family().sequence_collectives();
-    if let pipec_grammar::ast::Recompute::Blocks(b) = &spec.strategy.recompute {
-        collectives.keeps_gathered &= b.ops.is_empty();
-    }
+    collectives.keeps_gathered &= !recomputes_by_operation(spec);
     collectives
+}
+
+/// Whether the spec recomputes inside the blocks by operation (`recompute: { ops: [...] }`),
+/// the one recompute choice the model's costs depend on ([`sequence_collectives`]).
+pub(crate) fn recomputes_by_operation(spec: &Spec) -> bool {
+    matches!(&spec.strategy.recompute, pipec_grammar::ast::Recompute::Blocks(b) if !b.ops.is_empty())
 }
 
 /// What the spec's engine moves to cast FP8 operands: with FSDP's FP8 all-gather

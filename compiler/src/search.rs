@@ -20,7 +20,7 @@
 //! over the same space checks it in the tests).
 
 use std::cmp::{Ordering, Reverse};
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashSet};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -795,6 +795,8 @@ fn branch_and_bound(
     let ranked = options.ranked.max(1);
     let mut best: Vec<f64> = Vec::with_capacity(ranked + 1);
     let mut scratch = spec.clone();
+    // the derived candidates queued so far, by their strategy's text
+    let mut derived_once = HashSet::new();
     // whether the fastest plan found (best[0]) is a standard layout, and whether any is:
     // once the ranked plans are found, an unusual winner has the best standard layout found
     // beside it, so the search goes on through the standard candidates alone until one fits
@@ -845,8 +847,13 @@ fn branch_and_bound(
                 derived.extend(sharded_variants(c));
             }
             derived.extend(recompute_short_stages(c, &b.stage_headroom, options));
+            // recompute inside the blocks keeps more than recomputing whole forwards: tried
+            // where that could fit at this ZeRO level (the levels above derive their own)
+            if !b.overflows_any_recompute {
+                derived.extend(recompute_inside_blocks(spec, c, &b.stage_headroom, options));
+            }
             for d in derived {
-                queue_derived(candidates, &mut queue, d, bound_s);
+                queue_derived(candidates, &mut queue, (d, &mut derived_once), bound_s);
             }
             continue;
         }
@@ -901,11 +908,15 @@ fn branch_and_bound(
         candidates[i].outcome = Outcome::Planned(prediction);
         if shardable(&candidates[i], options) {
             for derived in sharded_variants(&candidates[i]) {
-                queue_derived(candidates, &mut queue, derived, bound_s);
+                queue_derived(candidates, &mut queue, (derived, &mut derived_once), bound_s);
             }
         }
-        if let Some(derived) = recompute_short_stages(&candidates[i], &f.stage_headroom, options) {
-            queue_derived(candidates, &mut queue, derived, bound_s);
+        let derived: Vec<Candidate> = recompute_short_stages(&candidates[i], &f.stage_headroom, options)
+            .into_iter()
+            .chain(recompute_inside_blocks(spec, &candidates[i], &f.stage_headroom, options))
+            .collect();
+        for d in derived {
+            queue_derived(candidates, &mut queue, (d, &mut derived_once), bound_s);
         }
     }
 }
@@ -922,14 +933,137 @@ fn recompute_short_stages(c: &Candidate, stage_headroom: &[f64], options: &Searc
     .then(|| Candidate { recompute: Recompute::Stages(short), ..c.clone() })
 }
 
-/// A candidate derived from another (a ZeRO level, recomputing the short stages): queued
-/// under that one's bound (never above its own), bounded when the search reaches it.
+/// Short of memory: the candidates recomputing inside the blocks, at the granularities the
+/// spec's engine runs ([`block_granularities`]), each chain walked one step at a time — a
+/// candidate keeping everything derives the first of every chain, and one recomputing
+/// inside the blocks that is still short derives the next of its own chain, which keeps
+/// less and runs more again (a lighter choice that fits is faster than a heavier one on
+/// the same layout). Recomputing every forward is a candidate of its own already.
+fn recompute_inside_blocks(
+    spec: &Spec,
+    c: &Candidate,
+    stage_headroom: &[f64],
+    options: &SearchOptions,
+) -> Vec<Candidate> {
+    let short = stage_headroom.iter().any(|&h| h < options.headroom);
+    if options.recompute.is_some() || !short {
+        return Vec::new();
+    }
+    let blocks = spec.model.layers.iter().filter(|l| l.op.block_dims().is_some()).count();
+    let chunk_blocks = blocks.div_ceil((c.pp() * c.chunks).max(1));
+    let chains = block_granularities(spec, chunk_blocks);
+    let next: Vec<Recompute> = match &c.recompute {
+        Recompute::Off => chains.into_iter().filter_map(|chain| chain.into_iter().next()).collect(),
+        Recompute::All | Recompute::Stages(_) => Vec::new(),
+        now @ (Recompute::Selective | Recompute::Blocks(_)) => chains
+            .into_iter()
+            .find_map(|chain| chain.iter().position(|r| r == now).and_then(|i| chain.get(i + 1).cloned()))
+            .into_iter()
+            .collect(),
+    };
+    next.into_iter()
+        // Megatron-LM's expert-parallel overlap refuses full recompute of any block
+        .filter(|r| !(c.ep_overlap && matches!(r, Recompute::Blocks(b) if b.layers > 0)))
+        .map(|recompute| Candidate { recompute, ..c.clone() })
+        .collect()
+}
+
+/// The recompute granularities inside the blocks that the spec's engine runs, for chunks of
+/// `chunk_blocks` transformer blocks, in chains that each keep less than the one before:
+/// - the attention cores alone (Korthikanti et al.'s selective recompute), where the
+///   model's attention keeps its scores (a fused kernel recomputes them anyway);
+/// - Megatron-LM's modules: the norms, the MLP (dense blocks) or the experts' activation
+///   (mixtures of experts), both, the whole mixture of experts with the norms; then
+///   torchtitan's op-level policy;
+/// - the first quarter, half and three quarters of each chunk's blocks whole.
+///
+/// Under pipec's own engine, which runs a policy as the halves of each block it touches
+/// (`BlockRecompute::executor_halves`), policies that run the same halves are tried once,
+/// fewer halves first; none for a model with branches, which its executor does not cut.
+pub fn block_granularities(spec: &Spec, chunk_blocks: usize) -> Vec<Vec<Recompute>> {
+    use capability::{BlockRecomputePart as Part, Capability, RecomputeKind};
+    use pipec_plan::plan::BlockRecompute;
+    use pipec_plan::vocab::RecomputeModule as M;
+    let target = &spec.engine.target;
+    let runs = |what: Capability| capability::find(target, |c| *c == what).is_some();
+    let kinds: Vec<bool> =
+        spec.model.layers.iter().filter_map(|l| l.op.block_dims()).map(|b| b.moe.is_some()).collect();
+    if kinds.is_empty() {
+        return Vec::new();
+    }
+    let (dense, experts) = (kinds.iter().any(|m| !m), kinds.iter().any(|m| *m));
+    let mut chains = Vec::new();
+    if spec.model.attention == pipec_plan::vocab::Attention::Standard
+        && runs(Capability::Recompute(RecomputeKind::Selective))
+    {
+        chains.push(vec![Recompute::Selective]);
+    }
+    let modules = |list: Vec<M>| {
+        let mut modules = list;
+        modules.sort();
+        BlockRecompute { modules, ..Default::default() }
+    };
+    let mut inside = Vec::new();
+    if runs(Capability::BlockRecompute(Part::Modules)) {
+        let mlp: Vec<M> =
+            [(dense, M::Mlp), (experts, M::MoeAct)].into_iter().filter_map(|(on, m)| on.then_some(m)).collect();
+        inside.push(modules(vec![M::Layernorm]));
+        inside.push(modules(mlp.clone()));
+        inside.push(modules([vec![M::Layernorm], mlp].concat()));
+        if experts {
+            let whole = if dense { vec![M::Layernorm, M::Mlp, M::Moe] } else { vec![M::Layernorm, M::Moe] };
+            inside.push(modules(whole));
+        }
+    }
+    if runs(Capability::BlockRecompute(Part::OpPolicy)) {
+        inside.push(BlockRecompute { ops: Part::OP_POLICY.to_vec(), ..Default::default() });
+    }
+    let mut layers: Vec<BlockRecompute> = Vec::new();
+    if runs(Capability::BlockRecompute(Part::FirstLayers)) {
+        let mut counts: Vec<usize> = [1, 2, 3].iter().map(|q| (chunk_blocks * q).div_ceil(4)).collect();
+        counts.dedup();
+        layers.extend(
+            counts
+                .into_iter()
+                .filter(|&n| n > 0 && n < chunk_blocks)
+                .map(|layers| BlockRecompute { layers, ..Default::default() }),
+        );
+    }
+    if target.is_pipec() {
+        // pipec's executor cuts a stage into pieces along a chain of layers only
+        if !spec.model.is_chain() {
+            inside.clear();
+            layers.clear();
+        }
+        let halves = |b: &BlockRecompute| {
+            let h = b.executor_halves();
+            usize::from(h.attention) + usize::from(h.mlp)
+        };
+        inside.retain(|b| halves(b) > 0);
+        inside.sort_by_key(halves);
+        inside.dedup_by_key(|b| b.executor_halves());
+    }
+    for chain in [inside, layers] {
+        if !chain.is_empty() {
+            chains.push(chain.into_iter().map(Recompute::Blocks).collect());
+        }
+    }
+    chains
+}
+
+/// A candidate derived from another (a ZeRO level, recomputing the short stages or inside
+/// the blocks): queued under that one's bound (never above its own), bounded when the search
+/// reaches it; once only, though two candidates derive it (a ZeRO level of one recompute
+/// choice, the same recompute choice of that ZeRO level), by its strategy's text.
 fn queue_derived(
     candidates: &mut Vec<Candidate>,
     queue: &mut BinaryHeap<Reverse<Queued>>,
-    mut derived: Candidate,
+    (mut derived, once): (Candidate, &mut HashSet<String>),
     bound_s: f64,
 ) {
+    if !once.insert(derived.strategy()) {
+        return;
+    }
     derived.outcome = Outcome::Pruned { bound_s };
     queue.push(Reverse(Queued { bound_s, index: candidates.len(), known: Known::Work }));
     candidates.push(derived);
@@ -1029,10 +1163,11 @@ fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> Str
         Recompute::Blocks(b) => 2 + b.modules.len() + b.layers,
     };
     if recomputed(o) > recomputed(b) {
-        reasons.push(match o.recompute {
+        reasons.push(match &o.recompute {
             Recompute::All => "recomputes every forward".into(),
             Recompute::Selective => "recomputes every attention core".into(),
-            _ => "recomputes more stages' forwards".to_string(),
+            Recompute::Blocks(b) => format!("recomputes inside the blocks ({})", b.text()),
+            Recompute::Stages(_) | Recompute::Off => "recomputes more stages' forwards".to_string(),
         });
     }
     if o.tp > b.tp {

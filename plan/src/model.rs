@@ -1713,7 +1713,9 @@ pub fn stage_tp_splits(
             out[0] = TpSplit::Vocab;
         }
     }
-    let whole_last = tp_splits(ops, tp)?.last().copied();
+    // (the whole model's split read only for its last stage: every stage's split is asked
+    // for each candidate of a search)
+    let whole_last = if range.end == ops.len() { tp_splits(ops, tp)?.last().copied() } else { None };
     if let (true, Some(Op::Linear { out_features, .. }), Some(TpSplit::Replicated)) =
         (range.end == ops.len(), stage.last(), whole_last)
     {
