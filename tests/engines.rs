@@ -702,8 +702,10 @@ fn recompute_inside_the_blocks_is_emitted_as_each_engine_runs_it_or_refused() {
 }
 
 /// `pipec check` holds recompute inside the blocks to the named engine part by part, as
-/// `emit` does: E0702 at the `recompute` value, with what the engine runs as the fix (its
-/// op-level policy under torchtitan, which then checks clean).
+/// `emit` does: E0702 at the `recompute` value, with the nearest the engine runs as the fix
+/// — the mapping without the refused parts, else what the engine runs inside the blocks
+/// (torchtitan's op-level policy, Megatron-LM's selective recompute), else `true` — which
+/// then checks clean.
 #[test]
 fn check_holds_recompute_inside_the_blocks_to_the_engine_at_its_value() {
     let text = std::fs::read_to_string(root().join("specs/llama-tiny.yaml")).expect("example");
@@ -727,8 +729,9 @@ fn check_holds_recompute_inside_the_blocks_to_the_engine_at_its_value() {
         assert!(e0702(&source).is_none(), "{engine} {ok}: {:?}", pipec_grammar::check_source(&source).diagnostics);
     }
     for (engine, refused, why, fix) in [
-        ("megatron", "{ ops: [alternate_matmul, attention] }", "not a list of operations", "true"),
-        ("megatron", "{ modules: [mlp], layers: 1 }", "not both", ""),
+        ("megatron", "{ ops: [alternate_matmul, attention] }", "not a list of operations", "selective"),
+        ("megatron", "{ modules: [mlp], layers: 1 }", "not both", "{ modules: [mlp] }"),
+        ("megatron", "{ layers: 1, offload: true }", "offload", "{ layers: 1 }"),
         ("torchtitan", "{ modules: [mlp] }", "op-level policy", "{ ops: [alternate_matmul, attention] }"),
         ("deepspeed", "{ layers: 1 }", "whole layers", "true"),
     ] {
@@ -740,7 +743,7 @@ fn check_holds_recompute_inside_the_blocks_to_the_engine_at_its_value() {
         match d.fix.as_ref() {
             Some(f) => {
                 assert_eq!(f.replacement, fix, "{engine} {refused}");
-                if engine == "torchtitan" {
+                if engine != "deepspeed" {
                     let fixed = format!("{}{}{}", &source[..f.span.start], f.replacement, &source[f.span.end..]);
                     assert!(e0702(&fixed).is_none(), "{fixed}");
                 }

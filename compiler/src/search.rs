@@ -848,8 +848,10 @@ fn branch_and_bound(
             }
             derived.extend(recompute_short_stages(c, &b.stage_headroom, options));
             // recompute inside the blocks keeps more than recomputing whole forwards: tried
-            // where that could fit at this ZeRO level (the levels above derive their own)
-            if !b.overflows_any_recompute {
+            // where that could fit at this ZeRO level (the levels above derive their own);
+            // the bound's least is read off a candidate keeping everything, whose backward's
+            // transient no recompute choice lowers
+            if !b.overflows_any_recompute || c.recompute != Recompute::Off {
                 derived.extend(recompute_inside_blocks(spec, c, &b.stage_headroom, options));
             }
             for d in derived {
@@ -961,9 +963,14 @@ fn recompute_inside_blocks(
             .into_iter()
             .collect(),
     };
+    // an engine whose expert-parallel overlap refuses full recompute (Megatron-LM's) refuses
+    // it of the first blocks too
+    let overlap_refuses_layers = c.ep_overlap
+        && capability::CONSTRAINTS.iter().any(|r| {
+            r.engine == spec.engine.target.name && r.what == capability::Constraint::EpOverlapWithoutFullRecompute
+        });
     next.into_iter()
-        // Megatron-LM's expert-parallel overlap refuses full recompute of any block
-        .filter(|r| !(c.ep_overlap && matches!(r, Recompute::Blocks(b) if b.layers > 0)))
+        .filter(|r| !(overlap_refuses_layers && matches!(r, Recompute::Blocks(b) if b.layers > 0)))
         .map(|recompute| Candidate { recompute, ..c.clone() })
         .collect()
 }
@@ -971,7 +978,9 @@ fn recompute_inside_blocks(
 /// The recompute granularities inside the blocks that the spec's engine runs, for chunks of
 /// `chunk_blocks` transformer blocks, in chains that each keep less than the one before:
 /// - the attention cores alone (Korthikanti et al.'s selective recompute), where the
-///   model's attention keeps its scores (a fused kernel recomputes them anyway);
+///   model's attention keeps its scores (a fused kernel recomputes them anyway), under an
+///   engine that recomputes named modules (torchtitan writes `selective` as its op-level
+///   policy, the next chain);
 /// - Megatron-LM's modules: the norms, the MLP (dense blocks) or the experts' activation
 ///   (mixtures of experts), both, the whole mixture of experts with the norms; then
 ///   torchtitan's op-level policy;
@@ -993,8 +1002,10 @@ pub fn block_granularities(spec: &Spec, chunk_blocks: usize) -> Vec<Vec<Recomput
     }
     let (dense, experts) = (kinds.iter().any(|m| !m), kinds.iter().any(|m| *m));
     let mut chains = Vec::new();
+    // (torchtitan writes `selective` as its op-level policy: tried as that policy below)
     if spec.model.attention == pipec_plan::vocab::Attention::Standard
         && runs(Capability::Recompute(RecomputeKind::Selective))
+        && runs(Capability::BlockRecompute(Part::Modules))
     {
         chains.push(vec![Recompute::Selective]);
     }

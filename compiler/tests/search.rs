@@ -678,9 +678,10 @@ fn llama_8b_32k(engine: &str, recompute: &str) -> String {
 /// Where keeping every activation does not fit and recomputing every forward costs a
 /// third more compute, the search tries recompute inside the blocks at each granularity the
 /// engine runs (Megatron-LM's modules and first layers, torchtitan's op-level policy, any of
-/// them under pipec), and under Megatron-LM and pipec its winner recomputes inside the
-/// blocks, faster than the best plan keeping everything and the best recomputing every
-/// forward; the engine runs it, and the winner pasted back compiles to its prediction.
+/// them under pipec), and under Megatron-LM and pipec its winner recomputes modules inside
+/// the blocks, faster than the best plan keeping everything and the best recomputing every
+/// forward; the engine's capability tables take it, and the winner pasted back compiles to
+/// its prediction.
 #[test]
 fn the_search_recomputes_inside_the_blocks_as_the_engine_runs_it_where_that_is_fastest() {
     use pipec_grammar::spec::Recompute;
@@ -707,7 +708,7 @@ fn the_search_recomputes_inside_the_blocks_as_the_engine_runs_it_where_that_is_f
         .collect();
     assert!(!inside.is_empty());
     assert!(inside.iter().all(|b| b == "{ ops: [alternate_matmul, attention] }"), "{inside:?}");
-    for (engine, granularity) in [("megatron", "modules"), ("pipec", "")] {
+    for (engine, granularity) in [("megatron", "modules"), ("pipec", "modules")] {
         let (Some((winner, step)), spec) = best(&llama_8b_32k(engine, "auto")) else { panic!("{engine}: no plan") };
         let Recompute::Blocks(b) = &winner.recompute else {
             panic!("{engine}: {} does not recompute inside the blocks", winner.strategy())
@@ -729,8 +730,20 @@ fn the_search_recomputes_inside_the_blocks_as_the_engine_runs_it_where_that_is_f
         let checked = pipec_grammar::check_source(&text);
         assert!(checked.diagnostics.iter().all(|d| !d.is_error()), "{engine}: {:?}", checked.diagnostics);
         let pasted = checked.spec.expect("the winner checks");
+        // the engine's tables take it (pipec's executor: `tests/training.rs` trains every
+        // granularity it is offered)
+        let layout = pipec_grammar::engine_check::layout_of(&pasted.model, &pasted.strategy, &pasted.training);
+        assert_eq!(pipec_plan::engine::capability::refusals(&pasted.engine.target, &layout), vec![], "{engine}");
         let plan = compile(&pasted, &CompileOptions::default()).into_compiled().expect("compiles").plan;
         let predicted = plan.simulation.step_time_s;
         assert!((predicted - step).abs() <= 1e-6 * step, "{engine}: searched {step} s, compiled {predicted} s");
+        // the first blocks recomputed whole were tried too
+        let text = llama_8b_32k(engine, "auto");
+        let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+        let report = search(&text, &spec, &CompileOptions::default(), &options);
+        assert!(
+            report.candidates.iter().any(|c| matches!(&c.recompute, Recompute::Blocks(b) if b.layers > 0)),
+            "{engine}: no first-layers candidate"
+        );
     }
 }

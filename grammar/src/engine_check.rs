@@ -3,7 +3,7 @@
 //! nearest value the engine runs as its fix. A strategy the search completes (`auto`) is held
 //! to them candidate by candidate (`pipec_compiler::search`), its model and precision here.
 
-use pipec_plan::engine::capability::{refusals, BlockRecomputePart, Feature, Layout, RecomputeKind};
+use pipec_plan::engine::capability::{refusals, Feature, Layout, RecomputeKind};
 use pipec_plan::engine::gpt::GptShape;
 
 use crate::ast::{EngineChoice, Model, Recompute, Strategy, Training};
@@ -47,8 +47,8 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         ep_overlap: strategy.combined_1f1b(),
         recompute,
         block_recompute: match &strategy.recompute {
-            Recompute::Blocks(b) => BlockRecomputePart::of(b),
-            _ => Vec::new(),
+            Recompute::Blocks(b) => Some(b.clone()),
+            Recompute::Off | Recompute::All | Recompute::Stages(_) | Recompute::Selective => None,
         },
         precision: training.precision,
         fp8: training.fp8.map(|f| f.recipe),

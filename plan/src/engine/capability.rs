@@ -465,8 +465,9 @@ pub struct Layout {
     /// Expert parallelism's all-to-alls overlapped in combined forward–backward pairs.
     pub ep_overlap: bool,
     pub recompute: RecomputeKind,
-    /// The parts of recompute inside the blocks (empty: none).
-    pub block_recompute: Vec<BlockRecomputePart>,
+    /// Recompute inside the blocks (the spec's `recompute` as a mapping), judged part by
+    /// part ([`BlockRecomputePart::of`]).
+    pub block_recompute: Option<BlockRecompute>,
     pub precision: Precision,
     /// FP8 products' recipe, when the blocks' products are in FP8.
     pub fp8: Option<Fp8Recipe>,
@@ -792,7 +793,7 @@ fn sharding_and_parallelism(target: &EngineTarget, l: &Layout, out: &mut Vec<Ref
 fn recompute_and_precision(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
     let e = target.name;
     block_recompute(target, l, out);
-    let judged = l.recompute != RecomputeKind::Off && l.block_recompute.is_empty();
+    let judged = l.recompute != RecomputeKind::Off && l.block_recompute.is_none();
     if judged && find(target, |c| *c == C::Recompute(l.recompute)).is_none() {
         let what = match l.recompute {
             RecomputeKind::SomeStages => "recomputes every stage or none, not a list of stages",
@@ -1046,10 +1047,10 @@ fn unroll_layout(text: &str) -> Result<String, String> {
 }
 
 /// Recompute inside the blocks, part by part: each part the engine lacks is refused, with
-/// what the engine runs inside the blocks as the nearest (torchtitan's op-level policy) or,
-/// without any, its full recompute.
+/// the nearest it runs as the fix ([`nearest_block_recompute`]).
 fn block_recompute(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
     let e = target.name;
+    let Some(b) = &l.block_recompute else { return };
     let runs = |part: BlockRecomputePart| find(target, |c| *c == C::BlockRecompute(part)).is_some();
     // a policy of its own operations is run where any list is
     let runs_part = |part: BlockRecomputePart| {
@@ -1064,12 +1065,9 @@ fn block_recompute(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
     .filter(|(p, _)| runs(*p))
     .map(|(_, words)| words)
     .collect();
-    let nearest = if runs(BlockRecomputePart::OpPolicy) && !runs(BlockRecomputePart::Ops) {
-        Some("{ ops: [alternate_matmul, attention] }".to_string())
-    } else {
-        find(target, |c| *c == C::Recompute(RecomputeKind::Full)).map(|_| "true".to_string())
-    };
-    for part in l.block_recompute.iter().copied().filter(|p| !runs_part(*p)) {
+    let refused: Vec<BlockRecomputePart> = BlockRecomputePart::of(b).into_iter().filter(|p| !runs_part(*p)).collect();
+    let nearest = nearest_block_recompute(target, b, &refused);
+    for part in refused {
         let instead = match inside.as_slice() {
             [] => "; it recomputes whole layers or none".to_string(),
             runs => format!("; inside the blocks it recomputes {}", runs.join(" or ")),
@@ -1082,9 +1080,45 @@ fn block_recompute(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
             BlockRecomputePart::Ops | BlockRecomputePart::OpPolicy if !inside.is_empty() => {
                 format!("recomputes {}, not a list of operations", inside.join(" or "))
             }
-            p => format!("{}{instead}", p.missing()),
+            BlockRecomputePart::Modules
+            | BlockRecomputePart::OpPolicy
+            | BlockRecomputePart::Ops
+            | BlockRecomputePart::FirstLayers
+            | BlockRecomputePart::Offload => format!("{}{instead}", part.missing()),
         };
         refuse(out, Feature::Recompute, format!("{e} {why}"), nearest.clone(), covered(target));
+    }
+}
+
+/// The nearest recompute the engine runs to `b` without its `refused` parts: the mapping
+/// with those parts dropped where anything is left (`{ layers: 2, offload: true }` →
+/// `{ layers: 2 }`), else what the engine runs inside the blocks (torchtitan's op-level
+/// policy; Megatron-LM's selective recompute of the attention core), else its full
+/// recompute (`true`).
+fn nearest_block_recompute(
+    target: &EngineTarget,
+    b: &BlockRecompute,
+    refused: &[BlockRecomputePart],
+) -> Option<String> {
+    use BlockRecomputePart as P;
+    let mut kept = b.clone();
+    for part in refused {
+        match part {
+            P::Modules => kept.modules.clear(),
+            P::OpPolicy | P::Ops => kept.ops.clear(),
+            P::FirstLayers => kept.layers = 0,
+            P::Offload => kept.offload = false,
+        }
+    }
+    let runs = |what: Capability| find(target, |c| *c == what).is_some();
+    if kept != BlockRecompute::default() {
+        Some(kept.text())
+    } else if runs(C::BlockRecompute(P::OpPolicy)) {
+        Some("{ ops: [alternate_matmul, attention] }".into())
+    } else if runs(C::BlockRecompute(P::Modules)) && runs(C::Recompute(RecomputeKind::Selective)) {
+        Some("selective".into())
+    } else {
+        find(target, |c| *c == C::Recompute(RecomputeKind::Full)).map(|_| "true".to_string())
     }
 }
 
@@ -1243,19 +1277,16 @@ fn constraints(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
             }),
             Constraint::EpOverlapWithoutFullRecompute => {
                 let full = matches!(l.recompute, RecomputeKind::Full | RecomputeKind::SomeStages)
-                    || l.block_recompute.contains(&BlockRecomputePart::FirstLayers);
+                    || l.block_recompute.as_ref().is_some_and(|b| b.layers > 0);
                 (l.ep_overlap && full).then(|| {
                     (Feature::EpOverlap, format!("{e} does not overlap expert-parallel all-to-alls beside full recompute (of every block or of the first blocks of each stage)"), Some("false".into()))
                 })
             }
-            Constraint::ModulesOrLayers => {
-                let both = [BlockRecomputePart::Modules, BlockRecomputePart::FirstLayers]
-                    .iter()
-                    .all(|p| l.block_recompute.contains(p));
-                both.then(|| {
-                    (Feature::Recompute, format!("{e}'s recompute granularity is selective (`modules:`) or full (`layers:`), not both"), None)
-                })
-            }
+            Constraint::ModulesOrLayers => l.block_recompute.as_ref().filter(|b| !b.modules.is_empty() && b.layers > 0).map(|b| {
+                // the modules alone: the selective granularity
+                let modules = BlockRecompute { layers: 0, ..b.clone() };
+                (Feature::Recompute, format!("{e}'s recompute granularity is selective (`modules:`) or full (`layers:`), not both"), Some(modules.text()))
+            }),
             Constraint::ExpertGroupsWhole => None,
         };
         if let Some((feature, message, nearest)) = broken {
@@ -1288,7 +1319,7 @@ mod tests {
             moe_dispatch: MoeDispatch::AllToAll,
             ep_overlap: false,
             recompute: RecomputeKind::Off,
-            block_recompute: Vec::new(),
+            block_recompute: None,
             precision: Precision::Bf16,
             fp8: None,
             master_weights: true,
@@ -1331,12 +1362,12 @@ mod tests {
         l.gpt = false;
         assert_eq!(refusals(&pipec, &l), vec![]);
         l.recompute = RecomputeKind::Selective;
-        l.block_recompute = vec![
-            BlockRecomputePart::Modules,
-            BlockRecomputePart::Ops,
-            BlockRecomputePart::FirstLayers,
-            BlockRecomputePart::Offload,
-        ];
+        l.block_recompute = Some(BlockRecompute {
+            modules: vec![crate::vocab::RecomputeModule::Mlp],
+            ops: vec![RecomputeOp::Matmul],
+            layers: 1,
+            offload: true,
+        });
         assert_eq!(refusals(&pipec, &l), vec![]);
     }
 
@@ -1350,7 +1381,7 @@ mod tests {
         let parts = |b: BlockRecompute| {
             let mut l = layout(K::OneFOneB, 1);
             l.recompute = RecomputeKind::Selective;
-            l.block_recompute = P::of(&b);
+            l.block_recompute = Some(b);
             l
         };
         let modules = BlockRecompute { modules: vec![RecomputeModule::Mlp], ..Default::default() };
@@ -1367,10 +1398,17 @@ mod tests {
         for ok in [&modules, &layers] {
             assert_eq!(refused(Engine::Megatron, ok), vec![], "{}", ok.text());
         }
-        for (b, why) in [(&policy, "not a list of operations"), (&offload, "offload"), (&both, "not both")] {
+        let layers_offloaded = BlockRecompute { offload: true, ..layers.clone() };
+        for (b, why, nearest) in [
+            (&policy, "not a list of operations", "selective"),
+            (&offload, "offload", "selective"),
+            (&both, "not both", "{ modules: [mlp] }"),
+            (&layers_offloaded, "offload", "{ layers: 2 }"),
+        ] {
             let r = refused(Engine::Megatron, b);
             assert_eq!(r.len(), 1, "{}: {r:?}", b.text());
             assert!(r[0].message.contains(why) && r[0].feature == Feature::Recompute, "{}: {r:?}", b.text());
+            assert_eq!(r[0].nearest.as_deref(), Some(nearest), "{}", b.text());
         }
         assert_eq!(refused(Engine::Torchtitan, &policy).iter().filter(|r| r.feature == Feature::Recompute).count(), 0);
         for b in [&modules, &layers, &matmuls, &offload] {
@@ -1391,7 +1429,7 @@ mod tests {
         overlapped.ep_overlap = true;
         let r = refusals(&EngineTarget::newest(Engine::Megatron), &overlapped);
         assert!(r.iter().any(|r| r.feature == Feature::EpOverlap), "{r:?}");
-        overlapped.block_recompute = P::of(&modules);
+        overlapped.block_recompute = Some(modules.clone());
         let r = refusals(&EngineTarget::newest(Engine::Megatron), &overlapped);
         assert!(!r.iter().any(|r| r.feature == Feature::EpOverlap), "{r:?}");
     }

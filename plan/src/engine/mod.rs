@@ -183,8 +183,9 @@ impl crate::Plan {
         let replicas: Vec<usize> =
             self.stages[..ranks.min(self.stages.len())].iter().map(|s| (s.replicas.len() / cp).max(1)).collect();
         let recomputed = self.stages.iter().filter(|s| s.recompute).count();
-        // recompute inside the blocks is held to the tables as their selective recompute, as
-        // the front end holds a spec's (`grammar::engine_check`); the emitters write it whole
+        // recompute inside the blocks is the tables' selective kind, its parts judged one by
+        // one (`Layout::block_recompute`), as the front end holds a spec's
+        // (`grammar::engine_check`)
         let recompute = if self.stages.iter().any(|s| s.selective_recompute) || self.schedule.block_recompute.is_some()
         {
             RecomputeKind::Selective
@@ -219,11 +220,7 @@ impl crate::Plan {
             moe_dispatch: self.schedule.moe_dispatch,
             ep_overlap: self.schedule.ep_overlap,
             recompute,
-            block_recompute: self
-                .schedule
-                .block_recompute
-                .as_ref()
-                .map_or_else(Vec::new, capability::BlockRecomputePart::of),
+            block_recompute: self.schedule.block_recompute.clone(),
             precision: self.training.precision,
             fp8: self.training.fp8.map(|f| f.recipe),
             master_weights: self.training.master_weights,
