@@ -325,8 +325,9 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(TT, C::WholeExperts, "expert_tensor_parallel_degree = 1", "[T] torchtitan/distributed/parallel_dims.py:58-59, 136-138"),
     row(TT, C::DeepEpDispatch, "[parallelism] expert_parallel_comm_backend = \"deepep\"", "[T] torchtitan/config/job_config.py:474-482"),
     row(TT, C::Recompute(RecomputeKind::Full), "[activation_checkpoint] mode = \"full\"", "[T] torchtitan/config/job_config.py:651-715"),
-    row(TT, C::Recompute(RecomputeKind::Selective), "[activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\"", "[T] torchtitan/config/job_config.py:651-715; distributed/activation_checkpoint.py:167-185"),
-    row(TT, C::BlockRecompute(BlockRecomputePart::OpPolicy), "[activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\" (its policy's operations only)", "[T] torchtitan/distributed/activation_checkpoint.py:167-185"),
+    // its `selective` mode is this op-level policy (or every n-th block whole), never the
+    // attention core alone: pipec's `recompute: selective` is refused, the policy its fix
+    row(TT, C::BlockRecompute(BlockRecomputePart::OpPolicy), "[activation_checkpoint] mode = \"selective\", selective_ac_option = \"op\" (its policy's operations only)", "[T] torchtitan/config/job_config.py:651-715; distributed/activation_checkpoint.py:167-185"),
     row(TT, C::Precision(Precision::Fp32), "mixed_precision_param = \"float32\"", "[T] torchtitan/config/job_config.py:275-293"),
     row(TT, C::Precision(Precision::Bf16), "mixed_precision_param = \"bfloat16\"", "[T] torchtitan/config/job_config.py:275-293"),
     row(TT, C::Fp8(Fp8Recipe::Tensorwise), "[model] converters = [\"quantize.linear.float8\"]", "[T] torchtitan/config/job_config.py:731-754; components/quantization/float8.py:238"),
@@ -800,7 +801,15 @@ fn recompute_and_precision(target: &EngineTarget, l: &Layout, out: &mut Vec<Refu
             RecomputeKind::Selective => "has no selective recompute of the attention core",
             RecomputeKind::Full | RecomputeKind::Off => "does not recompute activations",
         };
-        let nearest = find(target, |c| *c == C::Recompute(RecomputeKind::Full)).map(|_| "true".to_string());
+        // selective recompute's nearest inside the blocks: the engine's op-level policy
+        // (torchtitan's `selective`), else its full recompute
+        let policy = find(target, |c| *c == C::BlockRecompute(BlockRecomputePart::OpPolicy)).is_some();
+        let nearest = match l.recompute {
+            RecomputeKind::Selective if policy => Some("{ ops: [alternate_matmul, attention] }".to_string()),
+            RecomputeKind::Selective | RecomputeKind::SomeStages | RecomputeKind::Full | RecomputeKind::Off => {
+                find(target, |c| *c == C::Recompute(RecomputeKind::Full)).map(|_| "true".to_string())
+            }
+        };
         refuse(out, Feature::Recompute, format!("{e} {what}"), nearest, covered(target));
     }
     if let Some(recipe) = l.fp8.filter(|r| find(target, |c| *c == C::Fp8(*r)).is_none()) {
@@ -1423,6 +1432,14 @@ mod tests {
             assert_eq!(r.len(), 1, "{}: {r:?}", b.text());
             assert_eq!(r[0].nearest.as_deref(), Some("true"), "{r:?}");
         }
+        // torchtitan's `selective` is its op-level policy, not the attention core alone
+        let mut selective = layout(K::OneFOneB, 1);
+        selective.recompute = RecomputeKind::Selective;
+        let r = refusals(&EngineTarget::newest(Engine::Torchtitan), &selective);
+        let r: Vec<&Refusal> = r.iter().filter(|r| r.feature == Feature::Recompute).collect();
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert_eq!(r[0].nearest.as_deref(), Some("{ ops: [alternate_matmul, attention] }"));
+        assert_eq!(refusals(&EngineTarget::newest(Engine::Megatron), &selective), vec![]);
         // Megatron-LM's expert-parallel overlap refuses full recompute of the first blocks too
         let mut overlapped = parts(layers.clone());
         overlapped.ep = 2;

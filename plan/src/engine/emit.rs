@@ -210,13 +210,6 @@ fn notes(run: &Run<'_>, engine: &EngineTarget) -> String {
     if run.gpt.head_bias {
         lost.push("the output layer's bias (the engine's output layer has none)".to_string());
     }
-    if engine.name != Engine::Pipec
-        && run.layout.recompute == RecomputeKind::Selective
-        && run.plan.schedule.block_recompute.is_none()
-        && engine.name == Engine::Torchtitan
-    {
-        lost.push("pipec's selective recompute (the attention core) as torchtitan's op-level selective checkpointing, which saves matrix products' outputs and recomputes the rest".into());
-    }
     if let OptimizerPlan::Adam { decoupled: false, weight_decay, .. } = run.plan.training.optimizer {
         if weight_decay > 0.0 {
             lost.push("Adam's L2 weight decay: the engines' Adam decouples it (AdamW)".into());
