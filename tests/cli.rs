@@ -2833,7 +2833,7 @@ fn compile_says_what_the_executor_runs_again() {
     std::fs::write(&spec, text).expect("spec");
     let out =
         pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("plan").to_str().expect("utf-8")]);
-    let said = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let said = both_streams(&out);
     assert_eq!(out.status.code(), Some(0), "{said}");
     assert!(
         said.contains("recompute inside the blocks `{ modules: [core_attn, mlp], layers: 1 }`: pipec's executor runs again in each backward the first 1 block(s) of every stage whole, then each block's MLP half (its norm, MLP or experts and residual sum) from its input, the attention core inside its kernel"),

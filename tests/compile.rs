@@ -946,6 +946,20 @@ fn multi_token_prediction_exchanges_every_modules_tokens_with_its_experts() {
     assert_eq!(two, 2 * one);
 }
 
+/// A language model of two transformer blocks of width `d` (`block`: the rest of their
+/// arguments) over a 50-token vocabulary, sequences of `input`, on two CPU devices, with
+/// the `strategy` mapping's lines given.
+fn two_blocks(input: usize, d: usize, block: &str, strategy: &str) -> String {
+    format!(
+        "name: lm\nmodel:\n  input: [{input}]\n  layers:\n    - embedding(50, {d})\n    - repeat 2: transformer_block(d={d}, {block})\n    - layernorm\n    - linear({d}, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ kind: cpu, memory: 4GiB, throughput: 40GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 1GB/s, latency: 5us }}\nstrategy:\n{strategy}training:\n  batch_size: 4\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n"
+    )
+}
+
+/// The plan `text` compiles to (`what`: named when it does not).
+fn compiled_plan(text: &str, what: &str) -> pipec_plan::Plan {
+    compile_text(text).into_compiled().unwrap_or_else(|d| panic!("{what}: {d:?}")).plan
+}
+
 /// Under context parallelism a block whose backward runs its attention's forward again
 /// (recompute by layers, or pipec's executor running the attention half again) exchanges its
 /// keys and values again there: each such block's backward context time grows by its
@@ -954,14 +968,14 @@ fn multi_token_prediction_exchanges_every_modules_tokens_with_its_experts() {
 #[test]
 fn a_block_run_again_in_the_backward_exchanges_its_keys_and_values_again() {
     let spec = |recompute: &str| {
-        format!(
-            "name: cp\nmodel:\n  input: [256]\n  layers:\n    - embedding(50, 64)\n    - repeat 2: transformer_block(d=64, heads=4, ff=128, causal=true)\n    - layernorm\n    - linear(64, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ kind: cpu, memory: 4GiB, throughput: 40GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 1GB/s, latency: 5us }}\nstrategy:\n  stages: \"1\"\n  cp: 2\n  schedule: gpipe\n  microbatches: 1\n  recompute: {recompute}\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n"
+        two_blocks(
+            256,
+            64,
+            "heads=4, ff=128, causal=true",
+            &format!("  stages: \"1\"\n  cp: 2\n  schedule: gpipe\n  microbatches: 1\n  recompute: {recompute}\n"),
         )
     };
-    let context = |recompute: &str| {
-        let plan = compile_text(&spec(recompute)).into_compiled().unwrap_or_else(|d| panic!("{recompute}: {d:?}")).plan;
-        plan.stages[0].context_s
-    };
+    let context = |recompute: &str| compiled_plan(&spec(recompute), recompute).stages[0].context_s;
     let [forward, backward] = context("false");
     assert!(forward > 0.0 && backward > 0.0, "{forward} {backward}");
     // both blocks whole, or both attention halves: two blocks' forwards again
@@ -988,13 +1002,14 @@ fn a_block_run_again_in_the_backward_exchanges_its_keys_and_values_again() {
 #[test]
 fn a_mixture_run_again_in_the_backward_dispatches_and_combines_again() {
     let spec = |recompute: &str| {
-        format!(
-            "name: ep\nmodel:\n  input: [64]\n  layers:\n    - embedding(50, 32)\n    - repeat 2: transformer_block(d=32, heads=4, ff=64, causal=true, experts=4, top_k=2)\n    - layernorm\n    - linear(32, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ kind: cpu, memory: 4GiB, throughput: 40GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 1GB/s, latency: 5us }}\nstrategy:\n  stages: \"2\"\n  ep: 2\n  schedule: gpipe\n  microbatches: 2\n  recompute: {recompute}\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n"
+        two_blocks(
+            64,
+            32,
+            "heads=4, ff=64, causal=true, experts=4, top_k=2",
+            &format!("  stages: \"2\"\n  ep: 2\n  schedule: gpipe\n  microbatches: 2\n  recompute: {recompute}\n"),
         )
     };
-    let plan = |recompute: &str| {
-        compile_text(&spec(recompute)).into_compiled().unwrap_or_else(|d| panic!("{recompute}: {d:?}")).plan
-    };
+    let plan = |recompute: &str| compiled_plan(&spec(recompute), recompute);
     let kept = plan("false");
     let [forward, backward] = kept.stages[0].all_to_all_s;
     assert!(forward > 0.0 && backward > 0.0 && kept.stages[0].all_to_alls.iter().all(|x| !x.again));
@@ -1022,13 +1037,15 @@ fn a_mixture_run_again_in_the_backward_dispatches_and_combines_again() {
 #[test]
 fn a_tensor_parallel_block_recomputed_whole_keeps_both_halves_inputs() {
     let spec = |stages: &str, recompute: &str| {
-        format!(
-            "name: tp\nmodel:\n  input: [64]\n  layers:\n    - embedding(50, 32)\n    - repeat 2: transformer_block(d=32, heads=4, ff=64, causal=true)\n    - layernorm\n    - linear(32, 50)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: {{ kind: cpu, memory: 4GiB, throughput: 40GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 1GB/s, latency: 5us }}\nstrategy:\n  stages: {stages}\n  schedule: gpipe\n  microbatches: 1\n  recompute: {recompute}\ntraining:\n  batch_size: 4\n  steps: 1\n  optimizer: {{ kind: sgd, lr: 0.1 }}\n"
+        two_blocks(
+            64,
+            32,
+            "heads=4, ff=64, causal=true",
+            &format!("  stages: {stages}\n  schedule: gpipe\n  microbatches: 1\n  recompute: {recompute}\n"),
         )
     };
     let kept = |stages: &str, recompute: &str| {
-        let plan = compile_text(&spec(stages, recompute)).into_compiled().unwrap_or_else(|d| panic!("{d:?}")).plan;
-        plan.stages[0].activation_bytes_per_microbatch
+        compiled_plan(&spec(stages, recompute), recompute).stages[0].activation_bytes_per_microbatch
     };
     let tp = "\"1\"\n  tp: 2";
     assert_eq!(kept(tp, "{ layers: 2 }"), kept(tp, "{ ops: [matmul] }"));
