@@ -323,15 +323,18 @@ fn handle_request(
                     let Some(fix) = &d.fix else { continue };
                     // offered on the diagnostic and on the text the fix rewrites
                     let touches = |span: Span| span.end >= start && span.start <= end;
-                    if !touches(d.span()) && !touches(fix.span) {
+                    if !touches(d.span()) && !fix.edits().iter().any(|(span, _)| touches(*span)) {
                         continue;
                     }
-                    let edit =
-                        TextEdit { range: range(&index, &doc.text, fix.span), new_text: fix.replacement.clone() };
+                    let edits: Vec<TextEdit> = fix
+                        .edits()
+                        .into_iter()
+                        .map(|(span, new_text)| TextEdit { range: range(&index, &doc.text, span), new_text })
+                        .collect();
                     // lsp-types keys a WorkspaceEdit by Uri, which clippy counts as mutable
                     #[allow(clippy::mutable_key_type)]
                     let mut changes = HashMap::new();
-                    changes.insert(uri.clone(), vec![edit]);
+                    changes.insert(uri.clone(), edits);
                     actions.push(CodeActionOrCommand::CodeAction(CodeAction {
                         title: fix.title.clone(),
                         kind: Some(CodeActionKind::QUICKFIX),

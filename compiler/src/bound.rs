@@ -744,11 +744,11 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 
 /// What a model's costs depend on: (tp, samples per microbatch, ep replicas, cp, cp's
 /// exchange, whole experts).
-type CostKey = (usize, usize, usize, usize, pipec_plan::vocab::CpComm, bool, bool);
+type CostKey = (usize, usize, usize, usize, pipec_plan::vocab::CpComm, bool, bool, Option<pipec_plan::plan::Fp8Plan>);
 
 /// Work the candidates of one spec's strategy search share: the model's costs per
 /// (tensor-parallel degree, microbatch size, expert- and context-parallel degree, context
-/// exchange, whole experts, recompute by operation) — all a candidate's strategy changes in
+/// exchange, whole experts, recompute by operation, FP8) — all a candidate changes in
 /// them —
 /// and the balanced partitions of each; the placements (with what the bound reads of them)
 /// per chunk placement, layout, degree and microbatch count. Only for specs that differ in
@@ -963,6 +963,8 @@ impl Memo {
             spec.strategy.cp_comm,
             spec.strategy.experts_whole(),
             crate::model::recomputes_by_operation(spec),
+            // (FP8 products, their casts and what the blocks keep)
+            spec.training.fp8,
         );
         Ok(match self.models.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),

@@ -28,6 +28,7 @@ use pipec_grammar::check_source_in;
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::{AutoStrategy, Partition, Recompute, Schedule, Spec};
 use pipec_plan::engine::capability;
+use pipec_plan::plan::Fp8Plan;
 use pipec_plan::schedule::LayoutFacts;
 use pipec_plan::vocab::{CpComm, ScheduleKind, Sharding};
 
@@ -47,6 +48,9 @@ pub struct SearchOptions {
     pub headroom: f64,
     /// Only these schedules (all that apply when None).
     pub schedules: Option<Vec<ScheduleKind>>,
+    /// A written schedule's model chunks per device (`virtual_stages`, for the schedules
+    /// with several); None: interleaved with 2 and 4, ZBV and DualPipeV with 2.
+    pub virtual_stages: Option<usize>,
     /// Compile and simulate every valid candidate instead of pruning by the bound (tests).
     pub exhaustive: bool,
     /// Fields the user fixed: the tensor-parallel degree, the layout (replicas per stage),
@@ -81,6 +85,11 @@ pub struct SearchOptions {
     /// stops when no bound can beat the last of them. Other runner-ups in the report are
     /// plans simulated on the way.
     pub ranked: usize,
+    /// `training.precision: auto` where FP8 runs ([`fp8_obstacle`]): every candidate is tried
+    /// in bf16 and in FP8 as this says; None: in the spec's written precision.
+    pub fp8: Option<Fp8Plan>,
+    /// Under `training.precision: auto`, why FP8 is not tried (shown in the report).
+    pub fp8_not_tried: Option<String>,
 }
 
 impl Default for SearchOptions {
@@ -90,6 +99,7 @@ impl Default for SearchOptions {
             max_pipeline_depth: None,
             headroom: pipec_plan::rules::DEFAULT_MEMORY_HEADROOM,
             schedules: None,
+            virtual_stages: None,
             exhaustive: false,
             tp: None,
             layout: None,
@@ -103,6 +113,8 @@ impl Default for SearchOptions {
             whole_experts: false,
             cp: Some(1),
             ranked: 1,
+            fp8: None,
+            fp8_not_tried: None,
         }
     }
 }
@@ -118,6 +130,8 @@ impl SearchOptions {
             max_pipeline_depth: auto.max_depth,
             headroom: auto.headroom,
             schedules: if auto.schedule { auto.schedules.clone() } else { Some(vec![st.schedule.kind]) },
+            virtual_stages: (!auto.schedule && st.schedule.kind.default_virtual_stages() > 1)
+                .then_some(st.schedule.virtual_stages),
             exhaustive: false,
             tp: (!auto.tp).then_some(st.tp),
             layout: (!auto.layout).then(|| st.replicas.clone()),
@@ -131,8 +145,37 @@ impl SearchOptions {
             whole_experts: st.whole_experts,
             cp: (!auto.cp).then_some(st.cp.max(1)),
             ranked: 1,
+            fp8: spec.training.precision_search.filter(|p| fp8_obstacle(spec, p.fp8).is_none()).map(|p| p.fp8),
+            fp8_not_tried: spec.training.precision_search.and_then(|p| fp8_obstacle(spec, p.fp8)),
         }
     }
+}
+
+/// Why `precision: auto` does not try FP8 training as `fp8` says on the spec's engine and
+/// device: pipec's executor has no FP8 products (it trains an FP8 plan in bf16), the engine
+/// does not run the recipe (its capability table), or the device has no FP8 rate (FP8
+/// products would run at the bf16 rate, after their casts). None: it is tried.
+pub fn fp8_obstacle(spec: &Spec, fp8: Fp8Plan) -> Option<String> {
+    let target = &spec.engine.target;
+    if target.is_pipec() {
+        return Some(
+            "pipec's executor has no FP8 products (`pipec run` trains an FP8 plan in bf16): name the engine that runs the plan (`engine:`)".into(),
+        );
+    }
+    let training = pipec_grammar::spec::Training { fp8: Some(fp8), ..spec.training.clone() };
+    let layout = pipec_grammar::engine_check::layout_of(&spec.model, &spec.strategy, &training);
+    if let Some(r) =
+        capability::refusals(target, &layout).into_iter().find(|r| r.feature == capability::Feature::Precision)
+    {
+        return Some(r.message);
+    }
+    if spec.cluster.device.matrix.fp8 <= 0.0 {
+        return Some(format!(
+            "the device ({}) has no FP8 matrix rate: its products would run at the bf16 rate after their casts",
+            spec.cluster.device.name
+        ));
+    }
+    None
 }
 
 /// One point of the space.
@@ -174,6 +217,8 @@ pub struct Candidate {
     pub overlap: bool,
     /// The spec's gradient buckets (`bucket`, in bytes; written when set).
     pub bucket: Option<u64>,
+    /// FP8 training as this says (None: the spec's precision, bf16 under `precision: auto`).
+    pub fp8: Option<Fp8Plan>,
     pub outcome: Outcome,
 }
 
@@ -266,7 +311,25 @@ impl Candidate {
         st.split_sequences(self.cp);
         st.auto = None;
         st.layout_fixed = layout.is_some();
+        s.training.fp8 = self.fp8;
         s
+    }
+
+    /// The `training.precision` a searched precision (`precision: auto`) is written as.
+    pub fn precision(&self) -> &'static str {
+        if self.fp8.is_some() {
+            "fp8"
+        } else {
+            "bf16"
+        }
+    }
+
+    /// The edits that write the candidate into the spec: its strategy, and under
+    /// `precision: auto` its precision.
+    pub fn edits(&self, spec: &Spec) -> Vec<(pipec_grammar::span::Span, String)> {
+        std::iter::once((spec.strategy.span, self.strategy()))
+            .chain(spec.training.precision_search.map(|p| (p.span, self.precision().to_string())))
+            .collect()
     }
 
     /// Pipeline ranks.
@@ -418,10 +481,11 @@ fn schedules_for(pp: usize, options: &SearchOptions, experts: bool) -> Vec<(Sche
     all.into_iter()
         .map(|(_, k)| k)
         .filter(|k| options.schedules.as_ref().is_none_or(|only| only.contains(k)))
-        .flat_map(|k| match k {
-            ScheduleKind::Interleaved => vec![(k, 2), (k, 4)],
-            ScheduleKind::Zbv | ScheduleKind::DualPipeV => vec![(k, 2)],
-            other => vec![(other, 1)],
+        .flat_map(|k| match (k, options.virtual_stages) {
+            (ScheduleKind::Interleaved | ScheduleKind::Zbv | ScheduleKind::DualPipeV, Some(v)) => vec![(k, v)],
+            (ScheduleKind::Interleaved, None) => vec![(k, 2), (k, 4)],
+            (ScheduleKind::Zbv | ScheduleKind::DualPipeV, None) => vec![(k, 2)],
+            (other, _) => vec![(other, 1)],
         })
         .collect()
 }
@@ -612,6 +676,12 @@ pub fn with_strategy(source: &str, spec: &Spec, strategy: &str) -> String {
     pipec_grammar::splice(source, vec![(spec.strategy.span, strategy.to_string())])
 }
 
+/// `source` with the candidate written in: its strategy, and under `precision: auto` its
+/// precision.
+pub fn with_candidate(source: &str, spec: &Spec, c: &Candidate) -> String {
+    pipec_grammar::splice(source, c.edits(spec))
+}
+
 /// Searches the strategies of `spec` (whose text is `source`): every candidate of the
 /// space with its bound ([`candidates`]), then the branch and bound over them
 /// ([`branch_and_bound`]).
@@ -654,6 +724,11 @@ fn candidates(
     // with only the stages of its devices short of memory recomputed (in the branch and bound)
     let recomputes: Vec<Recompute> =
         options.recompute.clone().map_or_else(|| vec![Recompute::Off, Recompute::All], |r| vec![r]);
+    // the precisions: as written, or under `precision: auto` bf16 and FP8 where it runs
+    let precisions: Vec<Option<Fp8Plan>> = match options.fp8 {
+        Some(fp8) => vec![None, Some(fp8)],
+        None => vec![spec.training.fp8],
+    };
     // each expert block's experts
     let expert_counts: Vec<usize> = spec.model.layers.iter().filter_map(|l| l.op.moe()).map(|m| m.experts).collect();
     let experts = !expert_counts.is_empty();
@@ -703,7 +778,11 @@ fn candidates(
                 let degrees = expert_choices(spec, options, (&expert_counts, members.as_deref()), (schedule, tp));
                 for (ep, whole) in degrees {
                     for &microbatches in &counts {
-                        for (recompute, &cp_comm) in recomputes.iter().flat_map(|r| comms.iter().map(move |c| (r, c))) {
+                        let choices = recomputes
+                            .iter()
+                            .flat_map(|r| comms.iter().map(move |c| (r, c)))
+                            .flat_map(|(r, c)| precisions.iter().map(move |p| (r, c, p)));
+                        for (recompute, &cp_comm, &fp8) in choices {
                             let mut c = Candidate {
                                 tp,
                                 replicas: layout.clone().unwrap_or_default(),
@@ -740,6 +819,7 @@ fn candidates(
                                 cp,
                                 overlap: spec.strategy.overlap,
                                 bucket: spec.strategy.bucket,
+                                fp8,
                                 outcome: Outcome::TooBig,
                             };
                             // the schedule's layout rules (the front end's), then the work spread
@@ -869,7 +949,7 @@ fn branch_and_bound(
                 continue;
             }
         }
-        let text = with_strategy(source, spec, &candidates[i].strategy());
+        let text = with_candidate(source, spec, &candidates[i]);
         let checked = check_source_in(&text, compile_options.base_dir.as_deref());
         let s = match checked.spec {
             Some(s) if !checked.diagnostics.iter().any(Diagnostic::is_error) => s,
@@ -1072,7 +1152,7 @@ fn queue_derived(
     (mut derived, once): (Candidate, &mut HashSet<String>),
     bound_s: f64,
 ) {
-    if !once.insert(derived.strategy()) {
+    if !once.insert(format!("{} {}", derived.strategy(), derived.precision())) {
         return;
     }
     derived.outcome = Outcome::Pruned { bound_s };
@@ -1132,6 +1212,7 @@ fn describe(c: &Candidate) -> String {
         zero
     };
     let zero = if c.cp > 1 { format!("{zero}, cp {}", c.cp) } else { zero };
+    let zero = if c.fp8.is_some() { format!("{zero}, FP8") } else { zero };
     format!(
         "{schedule}{chunks} · tp {} × {layout}, {} microbatches{}{zero}",
         c.tp,
@@ -1180,6 +1261,12 @@ fn why(best: (&Candidate, &Prediction), other: (&Candidate, &Prediction)) -> Str
             Recompute::Blocks(b) => format!("recomputes inside the blocks ({})", b.text()),
             Recompute::Stages(_) | Recompute::Off => "recomputes more stages' forwards".to_string(),
         });
+    }
+    if o.fp8.is_none() && b.fp8.is_some() {
+        reasons.push("bf16 (the blocks' products at half the FP8 rate)".into());
+    }
+    if o.fp8.is_some() && b.fp8.is_none() {
+        reasons.push("FP8 (its casts and weight copies cost more than its products save)".into());
     }
     if o.tp > b.tp {
         reasons.push(format!("tp {} (tensor-parallel all-reduces inside every pass)", o.tp));
@@ -1311,6 +1398,11 @@ impl SearchReport {
             let _ = writeln!(s, "{}", p.text());
         }
         let _ = writeln!(s, "strategy: {}", b.strategy());
+        if let Some(why) = &options.fp8_not_tried {
+            let _ = writeln!(s, "precision: bf16 (FP8 not tried: {why})");
+        } else if options.fp8.is_some() {
+            let _ = writeln!(s, "precision: {}", b.precision());
+        }
         if let Some(line) = self.standard_beside(&ranked) {
             let _ = writeln!(s, "{line}");
         }
@@ -1396,6 +1488,7 @@ impl SearchReport {
                 "bound_s": p.bound_s, "bubble_fraction": p.bubble, "memory_headroom": p.headroom,
                 "exposed_all_reduce_s": p.exposed_all_reduce_s,
                 "throughput_samples_per_s": self.samples_per_s(p.step_s),
+                "fp8": c.fp8.map(|f| f.recipe.to_string()),
             });
             if let Some(u) = &self.utilization {
                 v["tokens_per_s_per_device"] = u.tokens_per_s_per_device(self.samples_per_s(p.step_s)).into();
@@ -1415,6 +1508,7 @@ impl SearchReport {
                 e["family"] = family.into();
                 e
             }),
+            "fp8_not_tried": options.fp8_not_tried,
             "considered": self.candidates.len(),
             "invalid": self.count(|o| matches!(o, Outcome::Invalid(_))),
             "too_big": self.count(Outcome::too_big),
@@ -1449,7 +1543,7 @@ pub fn compile_auto(spec: &Spec, options: &CompileOptions, auto: &AutoStrategy) 
         return CompileResult { compiled: None, diagnostics: vec![d] };
     };
     let chosen = &report.candidates[i];
-    let text = with_strategy(source, spec, &chosen.strategy());
+    let text = with_candidate(source, spec, chosen);
     let Some(concrete) = check_source_in(&text, options.base_dir.as_deref()).spec else {
         let d =
             Diagnostic::error("E0607", "the chosen strategy does not check (a pipec bug)", span, "searched strategy");
@@ -1475,7 +1569,14 @@ pub fn compile_auto(spec: &Spec, options: &CompileOptions, auto: &AutoStrategy) 
         "chosen by the strategy search",
     )
     .with_help(report.explain(&search_options, 3))
-    .with_fix("write the chosen strategy into the spec", span, chosen.strategy());
+    .with_fix_edits(
+        if spec.training.precision_search.is_some() {
+            "write the chosen strategy and precision into the spec"
+        } else {
+            "write the chosen strategy into the spec"
+        },
+        chosen.edits(spec),
+    );
     result.diagnostics.insert(0, note);
     result
 }

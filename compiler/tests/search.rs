@@ -747,3 +747,108 @@ fn the_search_recomputes_inside_the_blocks_as_the_engine_runs_it_where_that_is_f
         );
     }
 }
+
+/// Llama 3 8B at 8K tokens on one node of eight GPUs, the strategy searched, in `precision`.
+fn llama_8b_8k(engine: &str, device: &str, precision: &str) -> String {
+    format!(
+        "name: l8b\nengine: {engine}\nmodel:\n  input: [8192]\n  layers:\n    - embedding(128256, 4096)\n    - repeat 32: transformer_block(d=4096, heads=32, ff=14336, causal=true, kv_heads=8, norm=rmsnorm, mlp=swiglu, rope=500000, bias=false)\n    - rmsnorm\n    - linear(4096, 128256, bias=false)\n  loss: cross_entropy\n  attention: flash\ncluster:\n  nodes: 1\n  devices_per_node: 8\n  device: {device}\n  links: dgx-h100\nstrategy: {{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }}\ntraining:\n  batch_size: 32\n  steps: 1\n  optimizer: {{ kind: adamw, lr: 0.0003 }}\n  precision: {precision}\n"
+    )
+}
+
+/// `training.precision: auto`: where the engine runs FP8 products on a device with an FP8
+/// rate, every candidate is tried in bf16 and in FP8, and the winner is the faster of the
+/// two searches pinned to each precision; written back (strategy and precision, the two
+/// edits of W0606's fix), it checks as FP8 training and compiles to its prediction.
+/// Under pipec's own executor (no FP8 products) and on a device without an FP8 rate, only
+/// bf16 is tried, and the report says why.
+#[test]
+fn precision_auto_tries_fp8_where_the_engine_and_the_device_run_it() {
+    let searched = |text: &str| {
+        let spec = pipec_grammar::check_source(text).spec.expect("valid");
+        let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+        let report = search(text, &spec, &CompileOptions::default(), &options);
+        (spec, options, report)
+    };
+    let best_step = |text: &str| {
+        let (_, options, report) = searched(text);
+        report.ranked(options.headroom).first().map(|&(_, p)| p.step_s).expect("a plan")
+    };
+    let text = llama_8b_8k("megatron", "h100-sxm", "auto");
+    let (spec, options, report) = searched(&text);
+    assert_eq!(options.fp8_not_tried, None);
+    assert!(report.candidates.iter().any(|c| c.fp8.is_some()) && report.candidates.iter().any(|c| c.fp8.is_none()));
+    let &(i, p) = report.ranked(options.headroom).first().expect("a plan");
+    let winner = &report.candidates[i];
+    assert!(winner.fp8.is_some(), "{}", winner.strategy());
+    let (bf16, fp8) = (
+        best_step(&llama_8b_8k("megatron", "h100-sxm", "bf16")),
+        best_step(&llama_8b_8k("megatron", "h100-sxm", "fp8")),
+    );
+    assert!(fp8 < bf16, "FP8 {fp8} s, bf16 {bf16} s");
+    assert!((p.step_s - fp8).abs() <= 1e-9 * fp8, "auto {} s, FP8 pinned {fp8} s", p.step_s);
+    assert!(report.explain(&options, 1).contains("precision: fp8"));
+    // written back: a strategy and a precision that compile, without a search, to the same step
+    let fixed = pipec_compiler::search::with_candidate(&text, &spec, winner);
+    let pasted = pipec_grammar::check_source(&fixed).spec.expect("the winner checks");
+    assert!(pasted.strategy.auto.is_none() && pasted.training.precision_search.is_none());
+    assert_eq!(pasted.training.fp8, spec.training.precision_search.map(|p| p.fp8));
+    let plan = compile(&pasted, &CompileOptions::default()).into_compiled().expect("compiles").plan;
+    assert!((plan.simulation.step_time_s - p.step_s).abs() <= 1e-6 * p.step_s);
+    // `pipec compile` offers the same two edits as W0606's fix
+    let options = CompileOptions { source: Some(text.as_str().into()), ..CompileOptions::default() };
+    let compiled = compile(&spec, &options);
+    let note = compiled.diagnostics.iter().find(|d| d.code == "W0606").expect("the choice is reported");
+    let fix = note.fix.as_ref().expect("a fix");
+    assert_eq!(fix.also.len(), 1, "the precision is the second edit");
+    assert_eq!(fix.apply(&text), fixed);
+    // a strategy written whole beside `precision: auto` is searched for the precision alone
+    let written =
+        "{ stages: \"8\", tp: 1, schedule: dp-only, microbatches: 32, partition: balanced, recompute: false, zero: 3 }";
+    let text = llama_8b_8k("megatron", "h100-sxm", "auto")
+        .replace("{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }", written);
+    let (_, options, report) = searched(&text);
+    assert!(
+        report.candidates.iter().all(|c| c.strategy() == written),
+        "{:?}",
+        report.candidates.iter().map(|c| c.strategy()).collect::<Vec<_>>()
+    );
+    let precisions: std::collections::BTreeSet<&str> = report.candidates.iter().map(|c| c.precision()).collect();
+    assert_eq!(precisions, ["bf16", "fp8"].into());
+    assert!(!report.ranked(options.headroom).is_empty());
+    // not tried: pipec's executor, a device without an FP8 rate
+    for (engine, device, why) in
+        [("pipec", "h100-sxm", "pipec's executor"), ("megatron", "a100-80gb", "no FP8 matrix rate")]
+    {
+        let (_, options, report) = searched(&llama_8b_8k(engine, device, "auto"));
+        assert!(options.fp8_not_tried.as_deref().is_some_and(|w| w.contains(why)), "{:?}", options.fp8_not_tried);
+        assert!(report.candidates.iter().all(|c| c.fp8.is_none()), "{engine} on {device}");
+        assert!(report.explain(&options, 1).contains("FP8 not tried"));
+    }
+}
+
+/// A schedule written beside searched fields keeps its written model chunks per device:
+/// every candidate of `{ kind: interleaved, virtual_stages: 3 }` runs three, and the
+/// winner is written with them.
+#[test]
+fn a_written_schedule_keeps_its_chunks_through_the_search() {
+    let mlp = "    - linear(64, 512) -> relu\n    - repeat 10: linear(512, 512) -> relu\n    - linear(512, 10)";
+    let text = spec_text(4, 1, mlp, 32, "8GiB").replace(
+        "  stages: straight\n  schedule: 1f1b\n  microbatches: 4\n",
+        "  pp: 2\n  dp: auto\n  schedule: { kind: interleaved, virtual_stages: 3 }\n  microbatches: auto\n",
+    );
+    let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+    let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+    assert_eq!(options.virtual_stages, Some(3));
+    let report = search(&text, &spec, &CompileOptions::default(), &options);
+    assert!(!report.candidates.is_empty());
+    assert!(
+        report.candidates.iter().all(|c| c.chunks == 3),
+        "{:?}",
+        report.candidates.iter().map(|c| c.chunks).collect::<Vec<_>>()
+    );
+    let &(i, _) = report.ranked(options.headroom).first().expect("a plan");
+    let pasted = pipec_grammar::check_source(&with_strategy(&text, &spec, &report.candidates[i].strategy()))
+        .spec
+        .expect("the winner checks");
+    assert_eq!(pasted.strategy.schedule.virtual_stages, 3);
+}

@@ -643,6 +643,15 @@ pub struct Checkpoint {
     pub asynchronous: bool,
 }
 
+/// `training.precision: auto`: the precision the strategy search chooses, bf16 or FP8.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrecisionSearch {
+    /// The `auto` value, which the search's choice replaces.
+    pub span: Span,
+    /// FP8 training as the spec's `fp8` mapping says (its defaults where absent).
+    pub fp8: pipec_plan::plan::Fp8Plan,
+}
+
 /// The training set-up.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Training {
@@ -657,6 +666,9 @@ pub struct Training {
     /// FP8 training (`precision: fp8`, with `training.fp8`): `precision` is then bf16, what
     /// everything outside the blocks' FP8 products runs in.
     pub fp8: Option<pipec_plan::plan::Fp8Plan>,
+    /// `precision: auto`: the strategy search chooses between bf16 (what `precision` and
+    /// `fp8` say until it has) and FP8 training as `fp8` says.
+    pub precision_search: Option<PrecisionSearch>,
     /// The optimizer moments' precision (`optimizer.state_precision`; fp32 by default).
     pub state_precision: Precision,
     /// Whether a bf16 or fp16 model keeps fp32 master weights for the optimizer to update

@@ -302,7 +302,10 @@ carries, or is empty.";
 interleaved schedules).";
 
 "E0410", "conflicting strategy keys",
-"`stages` (PipeDream notation) and `dp`/`pp` describe the same thing two ways; give one.";
+"`stages` (PipeDream notation) and `dp`/`pp` describe the same thing two ways; give one.
+A partition written out (`partition: [\"0..4\", \"4..\"]`) in a strategy the search fills
+in (an `auto` field, a `search` mapping, or `training.precision: auto`) is refused too: the
+search lays stages out itself (`partition: balanced`, and PipeDream's planner).";
 
 "E0411", "strategy does not fit the model",
 "The strategy asks for something the model cannot do. Tensor parallelism (`tp` > 1)
@@ -558,7 +561,8 @@ stage once per step; `per_update`, the default, works with any.
 "E0505", "bad FP8 settings",
 "`training.fp8` says how FP8 training runs — its scaling recipe, what the blocks' linear
 layers keep in FP8, whether FP8 weight copies are kept between microbatches, what ZeRO-3
-gathers — and applies only with `precision: fp8`. Set `precision: fp8`, or remove `fp8`.
+gathers — and applies only with `precision: fp8` (or `precision: auto`, where it says how FP8 runs if the
+search chooses it). Set `precision: fp8`, or remove `fp8`.
 
     training:
       precision: bf16
@@ -591,10 +595,11 @@ schedule with smaller bubbles (interleaved, zero-bubble), would use the devices 
 "W0606", "strategy chosen by the search",
 "The strategy has `auto` fields (or is `strategy: auto`): pipec searched every strategy
 that fills them in — tensor-parallel degree within a node, pipeline depth × data
-parallelism, schedule, microbatches, recompute — and compiled the fastest one that fits in
-every device's memory (with the headroom asked for). The message says what it chose and the
-runner-ups; the quick fix replaces the strategy with the chosen one, so later compiles do
-not search again. `pipec search` prints the full report.";
+parallelism, schedule, microbatches, recompute, and with `training.precision: auto` bf16 or
+FP8 — and compiled the fastest one that fits in every device's memory (with the headroom
+asked for). The message says what it chose and the runner-ups; the quick fix replaces the
+strategy (and an `auto` precision) with the chosen one, so later compiles do not search
+again. `pipec search` prints the full report.";
 
 "E0607", "no strategy fits",
 "`strategy: auto` (or an `auto` field) found no strategy to choose, among the strategies

@@ -30,12 +30,27 @@ pub struct Label {
     pub message: String,
 }
 
-/// A machine-applicable fix: replace `span` with `replacement`.
+/// A machine-applicable fix: replace `span` with `replacement`, and each of `also`'s spans
+/// with its text (one change in two places, e.g. a searched strategy and precision).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fix {
     pub title: String,
     pub span: Span,
     pub replacement: String,
+    /// Further edits of the same fix, in spans apart from `span` and from each other.
+    pub also: Vec<(Span, String)>,
+}
+
+impl Fix {
+    /// Every edit of the fix, `span`'s first.
+    pub fn edits(&self) -> Vec<(Span, String)> {
+        std::iter::once((self.span, self.replacement.clone())).chain(self.also.iter().cloned()).collect()
+    }
+
+    /// `source` with the fix applied.
+    pub fn apply(&self, source: &str) -> String {
+        crate::span::splice(source, self.edits())
+    }
 }
 
 /// One problem found in a spec.
@@ -81,7 +96,19 @@ impl Diagnostic {
     }
 
     pub fn with_fix(mut self, title: impl Into<String>, span: Span, replacement: impl Into<String>) -> Self {
-        self.fix = Some(Fix { title: title.into(), span, replacement: replacement.into() });
+        self.fix = Some(Fix { title: title.into(), span, replacement: replacement.into(), also: Vec::new() });
+        self
+    }
+
+    /// A fix of several edits (the first is the primary one); none when `edits` is empty.
+    pub fn with_fix_edits(mut self, title: impl Into<String>, edits: Vec<(Span, String)>) -> Self {
+        let mut edits = edits.into_iter();
+        self.fix = edits.next().map(|(span, replacement)| Fix {
+            title: title.into(),
+            span,
+            replacement,
+            also: edits.collect(),
+        });
         self
     }
 
@@ -201,7 +228,17 @@ pub fn to_json(file: &str, source: &str, index: &LineIndex, d: &Diagnostic) -> s
     if let (Some(fix), Some(map)) = (&d.fix, obj.as_object_mut()) {
         map.insert(
             "fix".into(),
-            serde_json::json!({"title": fix.title, "byte_start": fix.span.start, "byte_end": fix.span.end, "replacement": fix.replacement}),
+            serde_json::json!({
+                "title": fix.title,
+                "byte_start": fix.span.start,
+                "byte_end": fix.span.end,
+                "replacement": fix.replacement,
+                "edits": fix.edits().iter().map(|(span, text)| serde_json::json!({
+                    "byte_start": span.start,
+                    "byte_end": span.end,
+                    "replacement": text,
+                })).collect::<Vec<_>>(),
+            }),
         );
     }
     obj

@@ -256,6 +256,14 @@ enum CountOrAuto {
     Auto(AutoWord),
 }
 
+/// A training precision, or `auto` (the strategy search chooses bf16 or FP8).
+#[derive(JsonSchema)]
+#[serde(untagged)]
+enum PrecisionOrAuto {
+    Precision(pipec_plan::vocab::TrainingPrecision),
+    Auto(AutoWord),
+}
+
 /// `true`/`false`, a list of stage indices, a policy's name, a mapping of what every
 /// transformer block recomputes, or `auto` (the strategy search chooses).
 #[derive(JsonSchema)]
@@ -493,10 +501,11 @@ struct Training {
     optimizer: Optimizer,
     /// Numeric precision of weights and activations: `fp32`, `bf16` or `fp16`; or `fp8`:
     /// bf16 mixed precision with the transformer blocks' matrix products in FP8 (`fp8` says
-    /// how).
-    precision: Option<pipec_plan::vocab::TrainingPrecision>,
-    /// How FP8 training runs (with `precision: fp8`); the defaults are Transformer Engine's
-    /// as Megatron-LM runs it.
+    /// how); or `auto`: the strategy search chooses bf16 or FP8 (FP8 where the engine runs
+    /// FP8 products and the device has an FP8 rate).
+    precision: Option<PrecisionOrAuto>,
+    /// How FP8 training runs (with `precision: fp8`, or `auto` if the search chooses FP8);
+    /// the defaults are Transformer Engine's as Megatron-LM runs it.
     fp8: Option<Fp8Spec>,
     /// The precision gradients are accumulated and reduced in: `fp32` (the default:
     /// Megatron-LM's, under `bf16`/`fp16`) or the training precision.

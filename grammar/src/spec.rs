@@ -934,8 +934,12 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
     let batch_node = cx.required(&f, "batch_size", "training");
     let batch = batch_node.and_then(|n| cx.uint(n, rules::training_minimum("batch_size")));
     let steps = cx.required(&f, "steps", "training").and_then(|n| cx.uint(n, rules::training_minimum("steps")));
+    // `precision: auto`: the strategy search tries bf16 and FP8 (bf16 is the baseline the
+    // rest of the spec is checked with)
+    let searched = f.get("precision").filter(|n| crate::strategy::is_auto(n)).map(|n| n.span);
     let trained = match f.get("precision") {
         None => Some(TrainingPrecision::Fp32),
+        Some(_) if searched.is_some() => Some(TrainingPrecision::Bf16),
         Some(n) => cx.choose::<TrainingPrecision>(n, &["training", "precision"]),
     };
     let optimized = cx
@@ -944,7 +948,11 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
     let (optimizer, state_precision) = (optimized.map(|o| o.0), optimized.map_or(Precision::Fp32, |o| o.1));
     let master_weights = optimized.map_or(Some(true), |o| o.2);
     let precision = trained.map(TrainingPrecision::values);
-    let fp8 = lower_fp8(cx, &f, trained);
+    let fp8 = lower_fp8(cx, &f, if searched.is_some() { Some(TrainingPrecision::Fp8) } else { trained });
+    let (fp8, precision_search) = match (searched, fp8) {
+        (Some(span), Some(Some(fp8))) => (Some(None), Some(PrecisionSearch { span, fp8 })),
+        (_, fp8) => (fp8, None),
+    };
     let grad_precision = match f.get("grad_precision") {
         None => precision.map(|_| Precision::Fp32),
         Some(n) => cx.choose::<Precision>(n, &["training", "grad_precision"]),
@@ -982,6 +990,7 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
         precision: precision?,
         grad_precision: grad_precision?,
         fp8: fp8?,
+        precision_search,
         state_precision,
         master_weights: master_weights?,
         seed: seed?,

@@ -89,8 +89,9 @@ pub(crate) fn lower_strategy(
         || free("ep")
         || free("cp")
         || f.get("search").is_some()
+        || training.is_some_and(|t| t.precision_search.is_some())
     {
-        return lower_auto_strategy(cx, node, &f, owner, model, cluster, layout_free);
+        return lower_auto_strategy(cx, node, &f, owner, (model, cluster, training));
     }
     let tp = match f.get("tp") {
         None => Some(1),
@@ -624,8 +625,18 @@ fn lower_block_recompute(cx: &mut Lower<'_>, node: &Node, model: Option<&Model>)
 }
 
 /// Whether a value is the word `auto`.
-fn is_auto(node: &Node) -> bool {
+pub(crate) fn is_auto(node: &Node) -> bool {
     matches!(&node.value, Value::Str(s) if s == "auto")
+}
+
+/// What makes a written strategy a searched one, where the strategy says it: its first
+/// `auto` value or its `search` mapping (otherwise `training.precision: auto`).
+fn auto_reason(f: &Fields<'_>) -> Option<Span> {
+    ["stages", "dp", "pp", "tp", "schedule", "microbatches", "recompute", "ep", "cp"]
+        .iter()
+        .filter_map(|k| f.get(k).filter(|n| is_auto(n)).map(|n| n.span))
+        .chain(f.key_span("search"))
+        .next()
 }
 
 /// A strategy the search fills in: placeholders (one data-parallel stage on every device,
@@ -667,11 +678,10 @@ fn lower_auto_strategy(
     node: &Node,
     f: &Fields<'_>,
     owner: Span,
-    model: Option<&Model>,
-    cluster: Option<&Cluster>,
-    layout_free: bool,
+    (model, cluster, training): (Option<&Model>, Option<&Cluster>, Option<&Training>),
 ) -> Option<Strategy> {
     let free = |key: &str| f.get(key).is_some_and(is_auto);
+    let layout_free = free("stages") || free("dp") || free("pp");
     let mut auto = AutoStrategy {
         layout: layout_free || (f.get("stages").is_none() && f.get("dp").is_none() && f.get("pp").is_none()),
         tp: free("tp") || f.get("tp").is_none(),
@@ -727,6 +737,29 @@ fn lower_auto_strategy(
             }
         }
     }
+    // the search lays stages out itself (balanced, or PipeDream's planner): a partition
+    // written out would be lost
+    if let Some(p) = f.get("partition").filter(|p| matches!(p.value, Value::Seq(_))) {
+        let (reason, help) = match (auto_reason(f), training.and_then(|t| t.precision_search)) {
+            (Some(at), _) => (at, "or write every strategy field"),
+            (None, Some(precision)) => (precision.span, "or write the precision (`bf16` or `fp8`)"),
+            (None, None) => (node.span, "or write every strategy field"),
+        };
+        cx.push(
+            Diagnostic::error(
+                "E0410",
+                "stage boundaries written out, and the strategy is left to the search",
+                p.span,
+                "an explicit partition",
+            )
+            .with_label(reason, "the search lays the stages out because of this")
+            .with_help(format!(
+                "remove `partition` (the search splits stages with `partition: balanced` and tries PipeDream's \
+                 planner), {help}"
+            )),
+        );
+        ok = false;
+    }
     let mut strategy = placeholder_strategy(node, owner, cluster, auto.clone());
     if !auto.tp {
         strategy.tp = f.get("tp").and_then(|n| cx.uint(n, 1))?;
@@ -734,6 +767,23 @@ fn lower_auto_strategy(
     if !auto.schedule {
         let n = f.get("schedule")?;
         strategy.schedule = lower_schedule(cx, n, f.key_span("schedule").unwrap_or(owner))?;
+        // the search writes a schedule's kind and chunks: other options would be lost
+        let plain = Schedule {
+            virtual_stages: strategy.schedule.virtual_stages,
+            ..Schedule::new(strategy.schedule.kind, strategy.schedule.span)
+        };
+        if strategy.schedule != plain {
+            cx.push(
+                Diagnostic::error(
+                    "E0410",
+                    "schedule options written (`sync`, `reduce`, `staleness` or `vertical_sync`), and the strategy is left to the search",
+                    n.span,
+                    "options the search does not keep",
+                )
+                .with_help("remove them (the search tries each schedule with its defaults), or write every strategy field"),
+            );
+            ok = false;
+        }
     }
     if !auto.microbatches {
         let n = f.get("microbatches")?;

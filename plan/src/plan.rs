@@ -337,7 +337,7 @@ fn is_zero_u64(v: &u64) -> bool {
 }
 
 /// FP8 training as a recipe runs it (`training.fp8`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Fp8Plan {
     pub recipe: crate::vocab::Fp8Recipe,

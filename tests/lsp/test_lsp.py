@@ -42,6 +42,17 @@ async def open_doc(client: LanguageClient, name: str, text: str, version: int = 
     return client.diagnostics[uri_of(name)]
 
 
+async def actions_on(client: LanguageClient, name: str, diagnostics):
+    """The code actions offered on the first of `diagnostics`."""
+    return await client.text_document_code_action_async(
+        types.CodeActionParams(
+            text_document=types.TextDocumentIdentifier(uri=uri_of(name)),
+            range=diagnostics[0].range,
+            context=types.CodeActionContext(diagnostics=diagnostics),
+        )
+    )
+
+
 async def test_diagnostics_have_codes_and_utf16_ranges(client: LanguageClient):
     text = (ROOT / "specs/invalid/many-errors.yaml").read_text()
     diags = await open_doc(client, "specs/invalid/many-errors.yaml", text)
@@ -191,18 +202,54 @@ async def test_strategy_auto_is_searched_and_offered_as_a_code_action(client: La
     await client.wait_for_notification(types.TEXT_DOCUMENT_PUBLISH_DIAGNOSTICS)
     chosen = [d for d in client.diagnostics[uri_of(name)] if d.code == "W0606"]
     assert chosen and "the search chose" in chosen[0].message, client.diagnostics[uri_of(name)]
-    actions = await client.text_document_code_action_async(
-        types.CodeActionParams(
-            text_document=types.TextDocumentIdentifier(uri=uri_of(name)),
-            range=chosen[0].range,
-            context=types.CodeActionContext(diagnostics=chosen),
-        )
-    )
+    actions = await actions_on(client, name, chosen)
     assert [a.title for a in actions] == ["write the chosen strategy into the spec"]
     edit = actions[0].edit.changes[uri_of(name)][0]
     # a layout written out, or PipeDream's planner's (`partition: auto`, no stages)
     layout = "stages: " in edit.new_text or "partition: auto" in edit.new_text
     assert edit.new_text.startswith("{ ") and "schedule: " in edit.new_text and layout, edit.new_text
+
+
+PRECISION_AUTO = """name: l8b
+engine: megatron
+model:
+  input: [8192]
+  layers:
+    - embedding(128256, 4096)
+    - repeat 32: transformer_block(d=4096, heads=32, ff=14336, causal=true, kv_heads=8, norm=rmsnorm, mlp=swiglu, rope=500000, bias=false)
+    - rmsnorm
+    - linear(4096, 128256, bias=false)
+  loss: cross_entropy
+  attention: flash
+cluster:
+  nodes: 1
+  devices_per_node: 8
+  device: h100-sxm
+  links: dgx-h100
+strategy: { tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }
+training:
+  batch_size: 32
+  steps: 1
+  optimizer: { kind: adamw, lr: 0.0003 }
+  precision: auto
+"""
+
+
+async def test_a_searched_precision_is_written_with_the_strategy_by_one_code_action(client: LanguageClient):
+    # `precision: auto`: the search's choice is two edits, the strategy and the precision
+    name = "specs/precision-auto-scratch.yaml"
+    diags = await open_doc(client, name, PRECISION_AUTO)
+    assert list(diags) == [], "the front end finds nothing wrong"
+    await client.wait_for_notification(types.TEXT_DOCUMENT_PUBLISH_DIAGNOSTICS)
+    chosen = [d for d in client.diagnostics[uri_of(name)] if d.code == "W0606"]
+    assert chosen, client.diagnostics[uri_of(name)]
+    actions = await actions_on(client, name, chosen)
+    assert [a.title for a in actions] == ["write the chosen strategy and precision into the spec"]
+    edits = actions[0].edit.changes[uri_of(name)]
+    assert len(edits) == 2, edits
+    strategy, precision = edits
+    assert strategy.range.start.line == 16 and strategy.new_text.startswith("{ "), strategy
+    assert precision.range.start.line == 21 and precision.new_text in ("bf16", "fp8"), precision
 
 
 async def test_a_stream_of_random_edits_never_breaks_the_server(client: LanguageClient):
