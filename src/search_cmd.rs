@@ -69,7 +69,7 @@ pub fn run(a: SearchArgs<'_>) -> u8 {
     // an `auto` strategy's pinned fields and constraints, the flags over them
     let mut options = match &spec.strategy.auto {
         Some(auto) => SearchOptions::from_spec(&spec, auto),
-        None => SearchOptions::default(),
+        None => SearchOptions::for_precision_of(&spec),
     };
     options.synchronous_only &= !a.allow_async;
     options.max_pipeline_depth = a.max_depth.or(options.max_pipeline_depth);

@@ -51,15 +51,43 @@ pub fn check_plan(spec: &Spec, options: &CompileOptions) -> Vec<pipec_grammar::d
     if spec.strategy.auto.is_some() {
         return Vec::new();
     }
-    match predict::predict(spec, options, &mut bound::Memo::default()) {
+    let predicted = |spec: &Spec| match predict::predict(spec, options, &mut bound::Memo::default()) {
         Ok(f) => f.diagnostics,
         Err(d) => d,
+    };
+    // `precision: auto`: the diagnostics of the roomier precision (bf16's unless FP8's plan
+    // fits where bf16's does not, or keeps the headroom where bf16's does not), as
+    // `compile` chooses
+    let room = |d: &[pipec_grammar::diagnostic::Diagnostic]| match (
+        d.iter().any(pipec_grammar::diagnostic::Diagnostic::is_error),
+        d.iter().any(|d| d.code == "W0602"),
+    ) {
+        (true, _) => 0,
+        (false, true) => 1,
+        (false, false) => 2,
+    };
+    match search::precision_choices(spec) {
+        (Some(fp8), _) => {
+            let bf16 = predicted(&search::with_precision(spec, None));
+            if room(&bf16) == 2 {
+                return bf16;
+            }
+            let fp8 = predicted(&search::with_precision(spec, Some(fp8)));
+            if room(&fp8) > room(&bf16) {
+                fp8
+            } else {
+                bf16
+            }
+        }
+        (None, _) => predicted(spec),
     }
 }
 
 pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
     match &spec.strategy.auto {
         Some(auto) => search::compile_auto(spec, options, auto),
+        // a written strategy beside `precision: auto`: compiled in each precision
+        None if spec.training.precision_search.is_some() => search::compile_precision(spec, options),
         None => compile::compile(spec, options),
     }
 }

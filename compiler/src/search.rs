@@ -145,10 +145,36 @@ impl SearchOptions {
             whole_experts: st.whole_experts,
             cp: (!auto.cp).then_some(st.cp.max(1)),
             ranked: 1,
-            fp8: spec.training.precision_search.filter(|p| fp8_obstacle(spec, p.fp8).is_none()).map(|p| p.fp8),
-            fp8_not_tried: spec.training.precision_search.and_then(|p| fp8_obstacle(spec, p.fp8)),
+            fp8: precision_choices(spec).0,
+            fp8_not_tried: precision_choices(spec).1,
         }
     }
+
+    /// The defaults, with the spec's `precision: auto` (for `pipec search` on a written
+    /// strategy, which it ignores).
+    pub fn for_precision_of(spec: &Spec) -> SearchOptions {
+        let (fp8, fp8_not_tried) = precision_choices(spec);
+        SearchOptions { fp8, fp8_not_tried, ..SearchOptions::default() }
+    }
+}
+
+/// What `training.precision: auto` tries besides bf16: FP8 training as the spec's `fp8`
+/// says where it runs, or why not ([`fp8_obstacle`]); (None, None) without `auto`.
+pub fn precision_choices(spec: &Spec) -> (Option<Fp8Plan>, Option<String>) {
+    match spec.training.precision_search {
+        None => (None, None),
+        Some(p) => match fp8_obstacle(spec, p.fp8) {
+            None => (Some(p.fp8), None),
+            Some(why) => (None, Some(why)),
+        },
+    }
+}
+
+/// The spec with its precision chosen (`fp8`: FP8 training as it says; None: bf16, the
+/// baseline `precision: auto` is checked with).
+pub fn with_precision(spec: &Spec, fp8: Option<Fp8Plan>) -> Spec {
+    let training = pipec_grammar::spec::Training { fp8, precision_search: None, ..spec.training.clone() };
+    Spec { training, ..spec.clone() }
 }
 
 /// Why `precision: auto` does not try FP8 training as `fp8` says on the spec's engine and
@@ -1517,6 +1543,58 @@ impl SearchReport {
             "seconds": self.seconds,
         })
     }
+}
+
+/// `compile` for a written strategy beside `training.precision: auto`: compiled in bf16 and,
+/// where it runs, in FP8; the faster plan that keeps the headroom (W0602 absent) wins, else
+/// the faster that fits, else bf16's result. A W0606 note says what was chosen against the
+/// other, with a quick fix that writes the precision into the spec.
+pub fn compile_precision(spec: &Spec, options: &CompileOptions) -> CompileResult {
+    let Some(searched) = spec.training.precision_search else { return compile(spec, options) };
+    let (fp8, not_tried) = precision_choices(spec);
+    // (choice, result, rank: fits with the headroom 2, fits 1, neither 0; step)
+    let mut tried: Vec<(Option<Fp8Plan>, CompileResult, u8, f64)> = std::iter::once(None)
+        .chain(fp8.map(Some))
+        .map(|choice| {
+            let r = compile(&with_precision(spec, choice), options);
+            let step = r.compiled.as_ref().map_or(f64::INFINITY, |c| c.plan.simulation.step_time_s);
+            let rank = match (r.has_errors(), r.diagnostics.iter().any(|d| d.code == "W0602")) {
+                (true, _) => 0,
+                (false, true) => 1,
+                (false, false) => 2,
+            };
+            (choice, r, rank, step)
+        })
+        .collect();
+    let chosen = (0..tried.len()).max_by(|&a, &b| tried[a].2.cmp(&tried[b].2).then(tried[b].3.total_cmp(&tried[a].3)));
+    let Some(i) = chosen.filter(|&i| tried[i].2 > 0) else { return tried.swap_remove(0).1 };
+    let name = |c: Option<Fp8Plan>| if c.is_some() { "fp8" } else { "bf16" };
+    let others: Vec<String> = tried
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| *j != i)
+        .map(|(_, (c, r, rank, step))| match rank {
+            0 => format!("{}: {}", name(*c), first_error(&r.diagnostics)),
+            1 => format!("{}: {} step, short of the memory headroom", name(*c), crate::render::human_time(*step)),
+            _ => format!("{}: {} step", name(*c), crate::render::human_time(*step)),
+        })
+        .chain(not_tried.map(|why| format!("FP8 not tried: {why}")))
+        .collect();
+    let (choice, mut result, _, step) = tried.swap_remove(i);
+    let note = Diagnostic::warning(
+        "W0606",
+        format!(
+            "`precision: auto` chose {} (predicted step {})",
+            if choice.is_some() { "FP8 training" } else { "bf16" },
+            crate::render::human_time(step)
+        ),
+        searched.span,
+        "chosen by the precision search",
+    )
+    .with_help(if others.is_empty() { "the only precision tried".to_string() } else { others.join("; ") })
+    .with_fix("write the chosen precision into the spec", searched.span, name(choice));
+    result.diagnostics.insert(0, note);
+    result
 }
 
 /// `compile` for a spec whose strategy is `auto` (or has `auto` fields): searches, then

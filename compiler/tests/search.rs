@@ -801,20 +801,32 @@ fn precision_auto_tries_fp8_where_the_engine_and_the_device_run_it() {
     let fix = note.fix.as_ref().expect("a fix");
     assert_eq!(fix.also.len(), 1, "the precision is the second edit");
     assert_eq!(fix.apply(&text), fixed);
-    // a strategy written whole beside `precision: auto` is searched for the precision alone
+    // a strategy written whole beside `precision: auto` is kept: compiled in each precision,
+    // the faster that keeps the headroom wins, and the fix writes the precision alone
     let written =
-        "{ stages: \"8\", tp: 1, schedule: dp-only, microbatches: 32, partition: balanced, recompute: false, zero: 3 }";
-    let text = llama_8b_8k("megatron", "h100-sxm", "auto")
-        .replace("{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }", written);
-    let (_, options, report) = searched(&text);
-    assert!(
-        report.candidates.iter().all(|c| c.strategy() == written),
-        "{:?}",
-        report.candidates.iter().map(|c| c.strategy()).collect::<Vec<_>>()
-    );
-    let precisions: std::collections::BTreeSet<&str> = report.candidates.iter().map(|c| c.precision()).collect();
-    assert_eq!(precisions, ["bf16", "fp8"].into());
-    assert!(!report.ranked(options.headroom).is_empty());
+        "{ stages: \"8\", tp: 1, schedule: 1f1b, microbatches: 32, partition: balanced, recompute: false, zero: 3 }";
+    let whole = |precision: &str| {
+        llama_8b_8k("megatron", "h100-sxm", precision)
+            .replace("{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }", written)
+    };
+    let text = whole("auto");
+    let spec = pipec_grammar::check_source(&text).spec.expect("valid");
+    assert!(spec.strategy.auto.is_none(), "the strategy stays written");
+    let options = CompileOptions { source: Some(text.as_str().into()), ..CompileOptions::default() };
+    let chosen = compile(&spec, &options);
+    assert!(!chosen.has_errors(), "{:?}", chosen.diagnostics);
+    let note = chosen.diagnostics.iter().find(|d| d.code == "W0606").expect("the choice is reported");
+    let fix = note.fix.as_ref().expect("a fix");
+    assert_eq!((fix.replacement.as_str(), fix.also.len()), ("fp8", 0));
+    let step = |text: &str| {
+        let s = pipec_grammar::check_source(text).spec.expect("valid");
+        compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan.simulation.step_time_s
+    };
+    let (fp8, bf16) = (step(&whole("fp8")), step(&whole("bf16")));
+    assert!(fp8 < bf16, "FP8 {fp8} s, bf16 {bf16} s");
+    assert_eq!(chosen.compiled.expect("a plan").plan.simulation.step_time_s, fp8);
+    assert_eq!(step(&fix.apply(&text)), fp8);
+    assert!(note.help.as_deref().is_some_and(|h| h.starts_with("bf16: ")), "{:?}", note.help);
     // not tried: pipec's executor, a device without an FP8 rate
     for (engine, device, why) in
         [("pipec", "h100-sxm", "pipec's executor"), ("megatron", "a100-80gb", "no FP8 matrix rate")]

@@ -304,7 +304,8 @@ interleaved schedules).";
 "E0410", "conflicting strategy keys",
 "`stages` (PipeDream notation) and `dp`/`pp` describe the same thing two ways; give one.
 A partition written out (`partition: [\"0..4\", \"4..\"]`) in a strategy the search fills
-in (an `auto` field, a `search` mapping, or `training.precision: auto`) is refused too: the
+in (an `auto` field or a `search` mapping) is refused too, and so are a schedule's `sync`,
+`reduce`, `staleness` and `vertical_sync` there, which the search does not write: the
 search lays stages out itself (`partition: balanced`, and PipeDream's planner).";
 
 "E0411", "strategy does not fit the model",

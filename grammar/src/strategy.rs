@@ -89,9 +89,8 @@ pub(crate) fn lower_strategy(
         || free("ep")
         || free("cp")
         || f.get("search").is_some()
-        || training.is_some_and(|t| t.precision_search.is_some())
     {
-        return lower_auto_strategy(cx, node, &f, owner, (model, cluster, training));
+        return lower_auto_strategy(cx, node, &f, owner, (model, cluster));
     }
     let tp = match f.get("tp") {
         None => Some(1),
@@ -629,8 +628,8 @@ pub(crate) fn is_auto(node: &Node) -> bool {
     matches!(&node.value, Value::Str(s) if s == "auto")
 }
 
-/// What makes a written strategy a searched one, where the strategy says it: its first
-/// `auto` value or its `search` mapping (otherwise `training.precision: auto`).
+/// What makes a written strategy a searched one: its first `auto` value or its `search`
+/// mapping.
 fn auto_reason(f: &Fields<'_>) -> Option<Span> {
     ["stages", "dp", "pp", "tp", "schedule", "microbatches", "recompute", "ep", "cp"]
         .iter()
@@ -678,7 +677,7 @@ fn lower_auto_strategy(
     node: &Node,
     f: &Fields<'_>,
     owner: Span,
-    (model, cluster, training): (Option<&Model>, Option<&Cluster>, Option<&Training>),
+    (model, cluster): (Option<&Model>, Option<&Cluster>),
 ) -> Option<Strategy> {
     let free = |key: &str| f.get(key).is_some_and(is_auto);
     let layout_free = free("stages") || free("dp") || free("pp");
@@ -740,11 +739,7 @@ fn lower_auto_strategy(
     // the search lays stages out itself (balanced, or PipeDream's planner): a partition
     // written out would be lost
     if let Some(p) = f.get("partition").filter(|p| matches!(p.value, Value::Seq(_))) {
-        let (reason, help) = match (auto_reason(f), training.and_then(|t| t.precision_search)) {
-            (Some(at), _) => (at, "or write every strategy field"),
-            (None, Some(precision)) => (precision.span, "or write the precision (`bf16` or `fp8`)"),
-            (None, None) => (node.span, "or write every strategy field"),
-        };
+        let reason = auto_reason(f).unwrap_or(node.span);
         cx.push(
             Diagnostic::error(
                 "E0410",
@@ -753,10 +748,10 @@ fn lower_auto_strategy(
                 "an explicit partition",
             )
             .with_label(reason, "the search lays the stages out because of this")
-            .with_help(format!(
+            .with_help(
                 "remove `partition` (the search splits stages with `partition: balanced` and tries PipeDream's \
-                 planner), {help}"
-            )),
+                 planner), or write every strategy field",
+            ),
         );
         ok = false;
     }
