@@ -744,11 +744,29 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
 
 /// What a model's costs depend on: (tp, samples per microbatch, ep replicas, cp, cp's
 /// exchange, whole experts).
-type CostKey = (usize, usize, usize, usize, pipec_plan::vocab::CpComm, bool, bool, Option<pipec_plan::plan::Fp8Plan>);
+/// What a candidate's model costs depend on among what the search changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct CostKey {
+    tp: usize,
+    microbatch_size: usize,
+    ep_replicas: usize,
+    cp: usize,
+    /// (a ring prices attention's core and keeps other bytes than the all-gather)
+    cp_comm: pipec_plan::vocab::CpComm,
+    experts_whole: bool,
+    recomputes_by_operation: bool,
+    /// (FP8 products, their casts and what the blocks keep)
+    fp8: Option<pipec_plan::plan::Fp8Plan>,
+    /// (what the blocks keep, and their collectives)
+    sequence_parallel: bool,
+    /// (split products in steps)
+    tp_overlap: bool,
+}
 
 /// Work the candidates of one spec's strategy search share: the model's costs per
 /// (tensor-parallel degree, microbatch size, expert- and context-parallel degree, context
-/// exchange, whole experts, recompute by operation, FP8) — all a candidate changes in
+/// exchange, whole experts, recompute by operation, FP8, sequence parallelism and the
+/// tensor-parallel overlap: [`CostKey`]) — all a candidate changes in
 /// them —
 /// and the balanced partitions of each; the placements (with what the bound reads of them)
 /// per chunk placement, layout, degree and microbatch count. Only for specs that differ in
@@ -954,18 +972,18 @@ impl Memo {
         spec: &Spec,
         options: &CompileOptions,
     ) -> Result<&mut (std::rc::Rc<ModelCosts>, Partitions), Vec<Diagnostic>> {
-        let key = (
-            spec.strategy.tp.max(1),
-            spec.strategy.microbatch_size(spec.training.batch_size),
-            spec.strategy.ep_replicas(),
-            spec.strategy.cp.max(1),
-            // (a ring prices attention's core and keeps other bytes than the all-gather)
-            spec.strategy.cp_comm,
-            spec.strategy.experts_whole(),
-            crate::model::recomputes_by_operation(spec),
-            // (FP8 products, their casts and what the blocks keep)
-            spec.training.fp8,
-        );
+        let key = CostKey {
+            tp: spec.strategy.tp.max(1),
+            microbatch_size: spec.strategy.microbatch_size(spec.training.batch_size),
+            ep_replicas: spec.strategy.ep_replicas(),
+            cp: spec.strategy.cp.max(1),
+            cp_comm: spec.strategy.cp_comm,
+            experts_whole: spec.strategy.experts_whole(),
+            recomputes_by_operation: crate::model::recomputes_by_operation(spec),
+            fp8: spec.training.fp8,
+            sequence_parallel: spec.strategy.sequence_parallel,
+            tp_overlap: spec.strategy.tp_overlap,
+        };
         Ok(match self.models.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {

@@ -67,6 +67,14 @@ pub struct SearchOptions {
     pub sequence_parallel: bool,
     /// `tp_overlap: true` written: kept on every candidate with tensor parallelism.
     pub tp_overlap: bool,
+    /// `sequence_parallel` not written: on beside tensor parallelism under an engine that
+    /// runs it (what the engines' recipes run; it keeps less, and its collectives move what
+    /// the all-reduces did).
+    pub sequence_parallel_free: bool,
+    /// `tp_overlap` not written: tried on and off beside sequence parallelism under an
+    /// engine that overlaps tensor parallelism's collectives (its products run in steps,
+    /// each less efficient, while it hides the collectives).
+    pub tp_overlap_free: bool,
     /// `cp_comm` written: kept on every candidate with context parallelism; None: both
     /// tried.
     pub cp_comm: Option<CpComm>,
@@ -108,6 +116,8 @@ impl Default for SearchOptions {
             sharding: None,
             sequence_parallel: false,
             tp_overlap: false,
+            sequence_parallel_free: true,
+            tp_overlap_free: true,
             cp_comm: None,
             ep: None,
             whole_experts: false,
@@ -140,6 +150,8 @@ impl SearchOptions {
             sharding: (st.sharding != Sharding::None).then_some(st.sharding),
             sequence_parallel: st.sequence_parallel,
             tp_overlap: st.tp_overlap,
+            sequence_parallel_free: auto.sequence_parallel,
+            tp_overlap_free: auto.tp_overlap,
             cp_comm: (!auto.cp_comm).then_some(st.cp_comm),
             ep: (!auto.ep).then_some(st.ep),
             whole_experts: st.whole_experts,
@@ -624,6 +636,31 @@ fn expert_choices(
     out
 }
 
+/// The (sequence parallelism, tensor-parallel overlap) pairs a candidate of `tp` ranks
+/// tries: as written; sequence parallelism where whole experts dispatch each rank's sequence
+/// share, or unwritten under an engine that runs it; the overlap, unwritten, both ways
+/// beside sequence parallelism under an engine that overlaps the collectives (pipec's
+/// executor runs them in line, and its sequence parallelism keeps what tensor parallelism
+/// does: neither is added there).
+fn tensor_parallel_choices(spec: &Spec, options: &SearchOptions, tp: usize, whole: bool) -> Vec<(bool, bool)> {
+    if tp <= 1 {
+        return vec![(false, false)];
+    }
+    let target = &spec.engine.target;
+    let runs = |c: capability::Capability| !target.is_pipec() && capability::find(target, |x| *x == c).is_some();
+    let sp = options.sequence_parallel
+        || whole
+        || (options.sequence_parallel_free && runs(capability::Capability::SequenceParallel));
+    let overlaps: &[bool] = if options.tp_overlap {
+        &[true]
+    } else if options.tp_overlap_free && sp && runs(capability::Capability::TpOverlap) {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    overlaps.iter().map(|&o| (sp, o)).collect()
+}
+
 /// Whether the spec's engine runs routed experts whole beside tensor parallelism (its
 /// capability table; never pipec's executor, whose `pipec run` refuses it).
 fn runs_whole_experts(spec: &Spec) -> bool {
@@ -803,12 +840,14 @@ fn candidates(
             for (schedule, chunks) in schedules {
                 let degrees = expert_choices(spec, options, (&expert_counts, members.as_deref()), (schedule, tp));
                 for (ep, whole) in degrees {
+                    let tensor_parallel = tensor_parallel_choices(spec, options, tp, whole);
                     for &microbatches in &counts {
                         let choices = recomputes
                             .iter()
                             .flat_map(|r| comms.iter().map(move |c| (r, c)))
-                            .flat_map(|(r, c)| precisions.iter().map(move |p| (r, c, p)));
-                        for (recompute, &cp_comm, &fp8) in choices {
+                            .flat_map(|(r, c)| precisions.iter().map(move |p| (r, c, p)))
+                            .flat_map(|(r, c, p)| tensor_parallel.iter().map(move |t| (r, c, p, t)));
+                        for (recompute, &cp_comm, &fp8, &(sequence_parallel, tp_overlap)) in choices {
                             let mut c = Candidate {
                                 tp,
                                 replicas: layout.clone().unwrap_or_default(),
@@ -824,9 +863,8 @@ fn candidates(
                                     (Some(l), Some(written)) if l.iter().any(|&r| r > 1) => written,
                                     _ => Sharding::None,
                                 },
-                                // whole experts dispatch each rank's sequence share
-                                sequence_parallel: (options.sequence_parallel || whole) && tp > 1,
-                                tp_overlap: options.tp_overlap && tp > 1,
+                                sequence_parallel,
+                                tp_overlap,
                                 cp_comm,
                                 ep,
                                 whole_experts: whole && tp > 1,

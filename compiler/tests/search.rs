@@ -670,8 +670,11 @@ fn the_search_tries_whole_experts_where_the_engine_runs_them() {
 /// Llama 3 8B at 32K tokens a sequence on one node of H100s under `engine`, its recompute
 /// as written (`auto`: searched).
 fn llama_8b_32k(engine: &str, recompute: &str) -> String {
+    // Megatron-LM without sequence parallelism: with it, TP 4 keeping everything fits and
+    // wins (`the_search_adds_sequence_parallelism_and_tries_tp_overlap_where_the_engine_runs_them`)
+    let sp = if engine == "megatron" { ", sequence_parallel: false" } else { "" };
     format!(
-        "name: l8b\nengine: {engine}\nmodel:\n  input: [32768]\n  layers:\n    - embedding(128256, 4096)\n    - repeat 32: transformer_block(d=4096, heads=32, ff=14336, causal=true, kv_heads=8, norm=rmsnorm, mlp=swiglu, rope=500000, bias=false)\n    - rmsnorm\n    - linear(4096, 128256, bias=false)\n  loss: cross_entropy\n  attention: flash\ncluster:\n  nodes: 1\n  devices_per_node: 8\n  device: h100-sxm\n  links: dgx-h100\nstrategy: {{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: {recompute} }}\ntraining:\n  batch_size: 32\n  steps: 1\n  optimizer: {{ kind: adamw, lr: 0.0003 }}\n  precision: bf16\n"
+        "name: l8b\nengine: {engine}\nmodel:\n  input: [32768]\n  layers:\n    - embedding(128256, 4096)\n    - repeat 32: transformer_block(d=4096, heads=32, ff=14336, causal=true, kv_heads=8, norm=rmsnorm, mlp=swiglu, rope=500000, bias=false)\n    - rmsnorm\n    - linear(4096, 128256, bias=false)\n  loss: cross_entropy\n  attention: flash\ncluster:\n  nodes: 1\n  devices_per_node: 8\n  device: h100-sxm\n  links: dgx-h100\nstrategy: {{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: {recompute}{sp} }}\ntraining:\n  batch_size: 32\n  steps: 1\n  optimizer: {{ kind: adamw, lr: 0.0003 }}\n  precision: bf16\n"
     )
 }
 
@@ -863,4 +866,41 @@ fn a_written_schedule_keeps_its_chunks_through_the_search() {
         .spec
         .expect("the winner checks");
     assert_eq!(pasted.strategy.schedule.virtual_stages, 3);
+}
+
+/// Llama 3 70B at 8K tokens on 8 nodes of eight H100s, the strategy searched beside `extra`.
+fn llama_70b_64(engine: &str, extra: &str) -> String {
+    format!(
+        "name: l70b\nengine: {engine}\nmodel:\n  input: [8192]\n  layers:\n    - embedding(128256, 8192)\n    - repeat 80: transformer_block(d=8192, heads=64, ff=28672, causal=true, kv_heads=8, norm=rmsnorm, mlp=swiglu, rope=500000, bias=false)\n    - rmsnorm\n    - linear(8192, 128256, bias=false)\n  loss: cross_entropy\n  attention: flash\ncluster:\n  nodes: 8\n  devices_per_node: 8\n  device: h100-sxm\n  links: dgx-h100\nstrategy: {{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto{extra} }}\ntraining:\n  batch_size: 128\n  steps: 1\n  optimizer: {{ kind: adamw, lr: 0.0003 }}\n  precision: bf16\n"
+    )
+}
+
+/// `sequence_parallel` and `tp_overlap` left out: under Megatron-LM every candidate with
+/// tensor parallelism runs sequence parallelism and is tried with the collectives overlapped
+/// and not, and the winner is faster than the search with sequence parallelism written
+/// off; written values are kept, and under pipec's executor (which runs the collectives in
+/// line) neither is added.
+#[test]
+fn the_search_adds_sequence_parallelism_and_tries_tp_overlap_where_the_engine_runs_them() {
+    let searched = |text: &str| {
+        let spec = pipec_grammar::check_source(text).spec.expect("valid");
+        let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+        let report = search(text, &spec, &CompileOptions::default(), &options);
+        let best = report.ranked(options.headroom).first().map(|&(i, p)| (report.candidates[i].clone(), p.step_s));
+        (report, best)
+    };
+    let (report, best) = searched(&llama_70b_64("megatron", ""));
+    let split: Vec<_> = report.candidates.iter().filter(|c| c.tp > 1).collect();
+    assert!(split.iter().all(|c| c.sequence_parallel));
+    assert!(split.iter().any(|c| c.tp_overlap) && split.iter().any(|c| !c.tp_overlap));
+    let (winner, step) = best.expect("a plan");
+    let (_, off) = searched(&llama_70b_64("megatron", ", sequence_parallel: false"));
+    let (_, off_step) = off.expect("a plan");
+    assert!(step < off_step, "{} at {step} s; without sequence parallelism {off_step} s", winner.strategy());
+    // written: kept
+    let (report, _) = searched(&llama_70b_64("megatron", ", sequence_parallel: true, tp_overlap: false"));
+    assert!(report.candidates.iter().filter(|c| c.tp > 1).all(|c| c.sequence_parallel && !c.tp_overlap));
+    // pipec's executor: as written (neither)
+    let (report, _) = searched(&llama_70b_64("pipec", ""));
+    assert!(report.candidates.iter().all(|c| !c.sequence_parallel && !c.tp_overlap));
 }

@@ -391,6 +391,13 @@ pub struct AutoStrategy {
     /// How context parallelism exchanges keys and values: both tried on every
     /// context-parallel candidate when `cp_comm` is not written.
     pub cp_comm: bool,
+    /// `sequence_parallel` not written: on for tensor parallelism under an engine that runs
+    /// it (what the engines' recipes run beside TP).
+    pub sequence_parallel: bool,
+    /// `tp_overlap` not written: tried on and off beside sequence parallelism under an
+    /// engine that overlaps tensor parallelism's collectives (never pipec's executor, which
+    /// runs them in line).
+    pub tp_overlap: bool,
     /// `search.async`: the asynchronous schedules (stale weights) may be chosen.
     pub asynchronous: bool,
     /// `search.max_depth`: the most pipeline stages.
