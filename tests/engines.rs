@@ -99,7 +99,7 @@ fn planned_layouts_run_on(text: &str, engine: Engine) -> usize {
         let concrete = pipec_compiler::search::with_strategy(text, &spec, &c.strategy());
         let checked = pipec_grammar::check_source(&concrete);
         let s = checked.spec.expect("a planned candidate checks");
-        let layout = pipec_grammar::engine_check::layout_of(&s.model, &s.strategy, &s.training);
+        let layout = pipec_grammar::engine_check::layout_of(&s.model, &s.strategy, &s.training, s.engine.compiled);
         let refused = pipec_plan::engine::capability::refusals(&spec.engine.target, &layout);
         assert!(refused.is_empty(), "{engine} cannot run {}: {refused:?}", c.strategy());
     }

@@ -201,7 +201,7 @@ pub fn fp8_obstacle(spec: &Spec, fp8: Fp8Plan) -> Option<String> {
         );
     }
     let training = pipec_grammar::spec::Training { fp8: Some(fp8), ..spec.training.clone() };
-    let layout = pipec_grammar::engine_check::layout_of(&spec.model, &spec.strategy, &training);
+    let layout = pipec_grammar::engine_check::layout_of(&spec.model, &spec.strategy, &training, spec.engine.compiled);
     if let Some(r) =
         capability::refusals(target, &layout).into_iter().find(|r| r.feature == capability::Feature::Precision)
     {
@@ -705,8 +705,12 @@ fn held_to_engine(spec: &Spec, options: &SearchOptions, c: &mut Candidate, scrat
         return None;
     }
     for _ in 0..3 {
-        let layout =
-            pipec_grammar::engine_check::layout_of(&spec.model, &c.spec_in(spec, scratch).strategy, &spec.training);
+        let layout = pipec_grammar::engine_check::layout_of(
+            &spec.model,
+            &c.spec_in(spec, scratch).strategy,
+            &spec.training,
+            spec.engine.compiled,
+        );
         let refused = capability::refusals(&spec.engine.target, &layout);
         let first = refused.first()?;
         let adjustable = refused.iter().find_map(|r| match (r.feature, r.nearest.as_deref()) {

@@ -735,7 +735,12 @@ fn the_search_recomputes_inside_the_blocks_as_the_engine_runs_it_where_that_is_f
         let pasted = checked.spec.expect("the winner checks");
         // the engine's tables take it (pipec's executor: `tests/training.rs` trains every
         // granularity it is offered)
-        let layout = pipec_grammar::engine_check::layout_of(&pasted.model, &pasted.strategy, &pasted.training);
+        let layout = pipec_grammar::engine_check::layout_of(
+            &pasted.model,
+            &pasted.strategy,
+            &pasted.training,
+            pasted.engine.compiled,
+        );
         assert_eq!(pipec_plan::engine::capability::refusals(&pasted.engine.target, &layout), vec![], "{engine}");
         let plan = compile(&pasted, &CompileOptions::default()).into_compiled().expect("compiles").plan;
         let predicted = plan.simulation.step_time_s;
@@ -878,8 +883,8 @@ fn llama_70b_64(engine: &str, extra: &str) -> String {
 /// `sequence_parallel` and `tp_overlap` left out: under Megatron-LM every candidate with
 /// tensor parallelism runs sequence parallelism and is tried with the collectives overlapped
 /// and not, and the winner is faster than the search with sequence parallelism written
-/// off; written values are kept, and under pipec's executor (which runs the collectives in
-/// line) neither is added.
+/// off; written values are kept; torchtitan overlaps them only in a compiled model; and
+/// under pipec's executor (which runs the collectives in line) neither is added.
 #[test]
 fn the_search_adds_sequence_parallelism_and_tries_tp_overlap_where_the_engine_runs_them() {
     let searched = |text: &str| {
@@ -900,6 +905,14 @@ fn the_search_adds_sequence_parallelism_and_tries_tp_overlap_where_the_engine_ru
     // written: kept
     let (report, _) = searched(&llama_70b_64("megatron", ", sequence_parallel: true, tp_overlap: false"));
     assert!(report.candidates.iter().filter(|c| c.tp > 1).all(|c| c.sequence_parallel && !c.tp_overlap));
+    // torchtitan overlaps them only in a compiled model (async TP)
+    let (report, best) = searched(&llama_70b_64("torchtitan", ""));
+    assert!(report.candidates.iter().filter(|c| c.tp_overlap).all(|c| matches!(c.outcome, Outcome::Invalid(_))));
+    assert!(!best.expect("a plan").0.tp_overlap);
+    let compiled =
+        llama_70b_64("torchtitan", "").replace("engine: torchtitan", "engine: { name: torchtitan, compile: true }");
+    let (report, _) = searched(&compiled);
+    assert!(report.candidates.iter().any(|c| c.tp_overlap && !matches!(c.outcome, Outcome::Invalid(_))));
     // pipec's executor: as written (neither)
     let (report, _) = searched(&llama_70b_64("pipec", ""));
     assert!(report.candidates.iter().all(|c| !c.sequence_parallel && !c.tp_overlap));

@@ -12,8 +12,9 @@ use crate::diagnostic::Diagnostic;
 use crate::span::Span;
 use crate::yaml::Node;
 
-/// The layout a written strategy asks for, as the capability tables see it.
-pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Layout {
+/// The layout a written strategy asks for, as the capability tables see it (`compiled`:
+/// the engine compiles the model, torchtitan's `compile`).
+pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training, compiled: bool) -> Layout {
     let cp = strategy.cp.max(1);
     let recompute = match &strategy.recompute {
         Recompute::Off => RecomputeKind::Off,
@@ -77,6 +78,7 @@ pub fn layout_of(model: &Model, strategy: &Strategy, training: &Training) -> Lay
         },
         gpt: GptShape::of(&ops, tied).is_some(),
         mtp: model.mtp.map_or(0, |m| m.depth),
+        compiled,
     }
 }
 
@@ -98,7 +100,7 @@ pub(crate) fn check_engine(
     // a strategy the search completes is held to the engine candidate by candidate; what
     // no strategy changes (the model, the precision) is reported here
     let searched = strategy.auto.is_some();
-    let all = refusals(target, &layout_of(model, strategy, training));
+    let all = refusals(target, &layout_of(model, strategy, training, engine.compiled));
     for refusal in all.into_iter().filter(|r| {
         !searched
             || matches!(

@@ -182,6 +182,8 @@ pub enum Constraint {
     SequenceParallelWithTp,
     /// Overlapping tensor parallelism's collectives needs sequence parallelism.
     TpOverlapNeedsSequenceParallel,
+    /// Overlapping tensor parallelism's collectives needs the model compiled.
+    TpOverlapNeedsCompile,
     /// Unsharded data parallelism only when it is the only parallelism.
     PlainDataParallelAlone,
     /// No tensor parallelism beside a pipeline from the configuration alone.
@@ -411,6 +413,12 @@ pub const CONSTRAINTS: &[Row<Constraint>] = &[
     ),
     row(
         TT,
+        Constraint::TpOverlapNeedsCompile,
+        "async TP raises without `model` in [compile] components and [compile] enable",
+        "[T] torchtitan/distributed/tensor_parallel.py:16-27 (maybe_enable_async_tp)",
+    ),
+    row(
+        TT,
         Constraint::PlainDataParallelAlone,
         "DDP has not supported > 1D parallelism",
         "[T] torchtitan/models/llama3/infra/parallelize.py:125-157",
@@ -488,6 +496,8 @@ pub struct Layout {
     pub gpt: bool,
     /// Multi-token prediction's depth (`model.mtp`; 0: none).
     pub mtp: usize,
+    /// Whether the engine compiles the model's blocks (torchtitan's `compile`).
+    pub compiled: bool,
 }
 
 impl Layout {
@@ -1152,6 +1162,7 @@ pub fn block_split(engine: Engine) -> Option<BlockSplit> {
         | Constraint::DualPipeVMicrobatches
         | Constraint::SequenceParallelWithTp
         | Constraint::TpOverlapNeedsSequenceParallel
+        | Constraint::TpOverlapNeedsCompile
         | Constraint::PlainDataParallelAlone
         | Constraint::NoTensorParallelWithPipeline
         | Constraint::ExpertGroupsWhole
@@ -1278,6 +1289,9 @@ fn constraints(target: &EngineTarget, l: &Layout, out: &mut Vec<Refusal>) {
             Constraint::TpOverlapNeedsSequenceParallel => (l.tp_overlap && !l.sequence_parallel).then(|| {
                 (Feature::SequenceParallel, format!("{e} overlaps tensor-parallel collectives only with sequence parallelism"), Some("true".into()))
             }),
+            Constraint::TpOverlapNeedsCompile => (l.tp_overlap && !l.compiled).then(|| {
+                (Feature::TpOverlap, format!("{e} overlaps tensor-parallel collectives (async TP) only in a compiled model: name `compile: true` in `engine`, or run them in line"), Some("false".into()))
+            }),
             Constraint::PlainDataParallelAlone => (l.dp() > 1 && l.sharding == Sharding::None && (pp > 1 || l.tp > 1 || l.cp > 1)).then(|| {
                 (Feature::Sharding, format!("{e} runs unsharded data parallelism only as the only parallelism; beside a pipeline, tensor or context parallelism it shards (FSDP)"), Some("3".into()))
             }),
@@ -1339,6 +1353,7 @@ mod tests {
             chunk_blocks: None,
             gpt: true,
             mtp: 0,
+            compiled: false,
         }
     }
 

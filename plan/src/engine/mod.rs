@@ -239,6 +239,10 @@ impl crate::Plan {
             ),
             gpt: self.gpt_shape().is_some(),
             mtp: self.model.mtp.map_or(0, |m| m.depth),
+            compiled: self
+                .engine_performance
+                .as_ref()
+                .is_some_and(|p| p.family == crate::engine::performance::KernelFamily::TorchCompiled),
         }
     }
 }
