@@ -322,12 +322,6 @@ impl Policy {
         }
     }
 
-    /// Bytes per sample alive during the block's backward beyond what the policy keeps: what
-    /// it dropped (recomputed), and the gradients at the block's widest point.
-    pub fn backward_peak(&self, list: &[Kept]) -> f64 {
-        self.split(list).1 + list.iter().map(|k| k.gradient).sum::<f64>()
-    }
-
     /// Bytes per sample the policy keeps of `list`, and the bytes it drops (what comes back
     /// while the block's backward runs).
     pub fn split(&self, list: &[Kept]) -> (f64, f64) {

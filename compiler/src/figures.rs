@@ -443,13 +443,12 @@ fn pipec_in_line(
     let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
     let pipec_sums = tp > 1 && pipec;
     let update_sums: Vec<Vec<f64>> = if pipec_sums {
-        let ops: Vec<Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
         let sum = |&(_, n): &(u64, usize)| ring_time(CollectiveKind::AllReduce, tp_link, tp, 4.0 * n as f64);
         layout
             .ranges
             .iter()
             // (a `tp` that does not divide a block is refused with the costs, E0405)
-            .map(|r| pipec_plan::in_pass::tp_partial_parameters(&ops, r.clone(), spec.model.loss, tp))
+            .map(|r| model.tp_partials(r.clone(), spec.model.loss, tp))
             .map(|partial| partial.map(|p| p.iter().map(sum).collect()).unwrap_or_default())
             .collect()
     } else {
@@ -513,14 +512,14 @@ fn zero3_gather_waits(
     let tied = graph.tie_ends();
     // what the declaration pass reads of the stages (`in_pass::declare`'s layers), only
     // where pipec's executor may gather per product
-    let (ops, tracked): (Vec<Op>, Vec<bool>) = if shard_weights && pipec {
-        (graph.ops().map(|(_, n)| n.op.clone()).collect(), graph.tracked_inputs(&layout.ranges))
+    let (ops, tracked): (&[Op], Vec<bool>) = if shard_weights && pipec {
+        (graph.op_list(), graph.tracked_inputs(&layout.ranges))
     } else {
-        Default::default()
+        (&[], Vec::new())
     };
     let within = spec.strategy.recompute.within_blocks();
     let layers = pipec_plan::in_pass::Layers {
-        ops: &ops,
+        ops,
         tied: &tied,
         tracked: &tracked,
         loss: spec.model.loss,
@@ -733,21 +732,19 @@ fn block_policies(spec: &Spec, graph: &crate::ir::Graph, range: std::ops::Range<
         .collect()
 }
 
-/// Bytes per sample a layer keeps under `policy`: its listed tensors the policy keeps, and a
-/// context-parallel member's gathered keys and values unless the block recomputes whole.
-fn kept_under(c: &crate::cost::LayerCost, policy: &Policy) -> u64 {
+/// Bytes per sample a layer keeps under `policy` — its listed tensors the policy keeps, and
+/// a context-parallel member's gathered keys and values unless the block recomputes whole —
+/// and the bytes per sample alive in its backward beyond them: what the policy dropped
+/// (recomputed) and the gradients at the block's widest point (the list walked once).
+fn kept_and_peak(c: &crate::cost::LayerCost, policy: &Policy) -> (u64, u64) {
     if c.kept.is_empty() {
-        return c.activation_bytes_per_sample;
+        return (c.activation_bytes_per_sample, 0);
     }
     // (a block or attention half run again keeps its input alone)
     let gathered = if exchanges_again(policy)[0] { 0 } else { c.gathered_bytes_per_sample };
-    (policy.split(&c.kept).0 as u64).saturating_add(gathered)
-}
-
-/// Bytes per sample alive in a layer's backward beyond what it keeps under `policy`: what
-/// the policy dropped (recomputed) and the gradients at the block's widest point.
-fn backward_peak(c: &crate::cost::LayerCost, policy: &Policy) -> u64 {
-    policy.backward_peak(&c.kept) as u64
+    let (kept, dropped) = policy.split(&c.kept);
+    let gradients: f64 = c.kept.iter().map(|k| k.gradient).sum();
+    ((kept as u64).saturating_add(gathered), (dropped + gradients) as u64)
 }
 
 /// The bytes a stage (layers `r`) needs, independent of the schedule, given each layer's
@@ -779,7 +776,9 @@ fn stage_bytes(
     // the vocabulary)
     let loss_layer = costs.last().filter(|_| r.end == costs.len());
     let loss_input = loss_layer.map_or(0, |c| c.loss_input_bytes_per_sample).saturating_mul(mb);
-    let kept = |i: usize| kept_under(&costs[i], &policies[i]);
+    // each layer's bytes kept and its backward's peak under its policy, walked once
+    let (kept_bytes, peaks): (Vec<u64>, Vec<u64>) = r.clone().map(|i| kept_and_peak(&costs[i], &policies[i])).unzip();
+    let kept = |i: usize| kept_bytes[i - r.start];
     // activation recompute checkpoints the input of every recompute unit — the stage input,
     // and each transformer block's or LSTM's input (Megatron-LM's full recompute, one block
     // at a time) — and rebuilds one unit's activations at a time
@@ -809,7 +808,7 @@ fn stage_bytes(
         .unwrap_or(0);
     // what one microbatch's backward holds beyond what is kept: the layer's recomputed
     // tensors and its gradients at the widest point, the largest of the stage's
-    let transient = r.clone().map(|i| backward_peak(&costs[i], &policies[i])).max().unwrap_or(0).saturating_mul(mb);
+    let transient = peaks.iter().copied().max().unwrap_or(0).saturating_mul(mb);
     // the loss's widest point beside what it keeps (its fp32 copies and gradients, the
     // engine's cross-entropy's), one loss's at a time: multi-token prediction's each keep
     // their own

@@ -5,7 +5,6 @@
 use pipec_grammar::diagnostic::Diagnostic;
 use pipec_grammar::spec::Spec;
 use pipec_plan::in_pass::{declare, update_sums, Buckets, InPassTable, Layers, Layout, PassKind};
-use pipec_plan::model::Op;
 use pipec_plan::plan::{bucketed_passes, GradientBucket};
 use pipec_plan::{CollectivePayload, Instr, PassOp, StageId};
 
@@ -30,11 +29,11 @@ pub(crate) fn in_pass_table(
     placement: &crate::schedule::Placement,
     lowered: &Lowered,
 ) -> Result<InPassTable, Vec<Diagnostic>> {
-    let ops: Vec<Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
+    let ops = graph.op_list();
     let tied = graph.tie_ends();
     let tracked = graph.tracked_inputs(ranges);
     let within = spec.strategy.recompute.within_blocks();
-    let layers = Layers { ops: &ops, tied: &tied, tracked: &tracked, loss: spec.model.loss, within: within.as_ref() };
+    let layers = Layers { ops, tied: &tied, tracked: &tracked, loss: spec.model.loss, within: within.as_ref() };
     let strategy = &spec.strategy;
     let mut table = InPassTable::default();
     let last = ranges.len().saturating_sub(1);
@@ -108,7 +107,7 @@ pub(crate) fn in_pass_table(
                 continue;
             }
             let range = ranges.get(stage.0 as usize).cloned().unwrap_or_default();
-            let ids = pipec_plan::in_pass::tp_partial_ids(&ops, range, spec.model.loss, tp).map_err(at_updates)?;
+            let ids = pipec_plan::in_pass::tp_partial_ids(ops, range, spec.model.loss, tp).map_err(at_updates)?;
             partial.insert(stage, ids.into_iter().map(|id| (id >> 8) as u32).collect::<Vec<u32>>());
         }
         let first_layer = |s: StageId| ranges.get(s.0 as usize).map_or(0, |r| r.start as u32);

@@ -60,6 +60,9 @@ pub struct Graph {
     /// Per cut (0 to the operator count), the bytes per sample crossing it: what every
     /// candidate of a strategy search reads for its stage boundaries, computed once.
     cuts: Vec<u64>,
+    /// The operators in topological order, as the plan crate's passes read them (every
+    /// candidate of a strategy search reads them: kept once).
+    op_list: Vec<Op>,
 }
 
 impl Graph {
@@ -68,6 +71,10 @@ impl Graph {
     }
     pub fn is_empty(&self) -> bool {
         self.order.is_empty()
+    }
+    /// The operators themselves in topological order.
+    pub fn op_list(&self) -> &[Op] {
+        &self.op_list
     }
     /// Operators in topological order.
     pub fn ops(&self) -> impl Iterator<Item = (OpId, &OpNode)> + '_ {
@@ -186,8 +193,10 @@ pub fn lower(model: &Model, precision_bytes: usize) -> Graph {
         precision_bytes,
         mtp: model.mtp,
         cuts: Vec::new(),
+        op_list: Vec::new(),
     };
     g.cuts = cut_bytes(&g);
+    g.op_list = g.ops().map(|(_, n)| n.op.clone()).collect();
     g
 }
 

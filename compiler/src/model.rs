@@ -22,6 +22,32 @@ pub(crate) struct ModelCosts {
     pub(crate) microbatch_size: usize,
     /// Optimizer-state bytes per parameter.
     pub(crate) optimizer_bytes_per_parameter: f64,
+    /// Per stage's layers, the tensor-parallel partial gradients pipec's executor sums at
+    /// the update (`in_pass::tp_partial_parameters`; None where `tp` does not divide a
+    /// block): the same for every candidate of a search that cuts the stage so.
+    tp_partials: std::cell::RefCell<rustc_hash::FxHashMap<(usize, usize), Option<Partials>>>,
+}
+
+/// A stage's tensor-parallel partial gradients: (parameter id, values) each.
+type Partials = std::rc::Rc<[(u64, usize)]>;
+
+impl ModelCosts {
+    /// The partial gradients of layers `r` split `tp` ways (`in_pass::tp_partial_parameters`),
+    /// computed once per range.
+    pub(crate) fn tp_partials(
+        &self,
+        r: std::ops::Range<usize>,
+        loss: pipec_plan::model::Loss,
+        tp: usize,
+    ) -> Option<Partials> {
+        self.tp_partials
+            .borrow_mut()
+            .entry((r.start, r.end))
+            .or_insert_with(|| {
+                pipec_plan::in_pass::tp_partial_parameters(self.graph.op_list(), r, loss, tp).ok().map(Into::into)
+            })
+            .clone()
+    }
 }
 
 /// How the spec's engine runs sequence parallelism's collectives: under an op-level policy
@@ -103,7 +129,16 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
     }
     let optimizer_bytes_per_parameter = optimizer_bytes_per_parameter(&spec.training);
     let grad_bytes = spec.training.grad_precision.bytes();
-    Ok(ModelCosts { graph, costs, cluster, precision, grad_bytes, microbatch_size, optimizer_bytes_per_parameter })
+    Ok(ModelCosts {
+        graph,
+        costs,
+        cluster,
+        precision,
+        grad_bytes,
+        microbatch_size,
+        optimizer_bytes_per_parameter,
+        tp_partials: Default::default(),
+    })
 }
 
 /// A parameter's model state in bytes: its weight at the training precision, its gradient

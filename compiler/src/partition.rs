@@ -605,9 +605,9 @@ pub(crate) fn partition_layers(
 fn engine_split(spec: &Spec, graph: &crate::ir::Graph, chunks: usize) -> Option<Vec<Range<usize>>> {
     use pipec_plan::engine::capability;
     let split = capability::block_split(spec.engine.target.name)?;
-    let ops: Vec<pipec_plan::model::Op> = graph.ops().map(|(_, n)| n.op.clone()).collect();
+    let ops = graph.op_list();
     let tied = spec.model.layers.iter().any(|l| l.tied.is_some());
-    pipec_plan::engine::gpt::GptShape::of(&ops, tied)?;
+    pipec_plan::engine::gpt::GptShape::of(ops, tied)?;
     let starts: Vec<usize> =
         ops.iter().enumerate().filter(|(_, op)| op.block_dims().is_some()).map(|(i, _)| i).collect();
     let counts = capability::split_blocks(starts.len(), chunks, split).filter(|_| chunks > 1)?;
