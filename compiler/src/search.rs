@@ -75,6 +75,12 @@ pub struct SearchOptions {
     /// engine that overlaps tensor parallelism's collectives (its products run in steps,
     /// each less efficient, while it hides the collectives).
     pub tp_overlap_free: bool,
+    /// `moe_dispatch` not written: DeepEP tried beside the all-to-all on every candidate
+    /// with expert parallelism, under an engine that runs it.
+    pub moe_dispatch_free: bool,
+    /// `ep_overlap` not written: tried on and off on every candidate with expert
+    /// parallelism whose schedule pairs passes, under an engine that overlaps the exchanges.
+    pub ep_overlap_free: bool,
     /// `cp_comm` written: kept on every candidate with context parallelism; None: both
     /// tried.
     pub cp_comm: Option<CpComm>,
@@ -118,6 +124,8 @@ impl Default for SearchOptions {
             tp_overlap: false,
             sequence_parallel_free: true,
             tp_overlap_free: true,
+            moe_dispatch_free: true,
+            ep_overlap_free: true,
             cp_comm: None,
             ep: None,
             whole_experts: false,
@@ -152,6 +160,8 @@ impl SearchOptions {
             tp_overlap: st.tp_overlap,
             sequence_parallel_free: auto.sequence_parallel,
             tp_overlap_free: auto.tp_overlap,
+            moe_dispatch_free: auto.moe_dispatch,
+            ep_overlap_free: auto.ep_overlap,
             cp_comm: (!auto.cp_comm).then_some(st.cp_comm),
             ep: (!auto.ep).then_some(st.ep),
             whole_experts: st.whole_experts,
@@ -661,6 +671,41 @@ fn tensor_parallel_choices(spec: &Spec, options: &SearchOptions, tp: usize, whol
     overlaps.iter().map(|&o| (sp, o)).collect()
 }
 
+/// The (dispatch, expert-parallel overlap) pairs a candidate with `ep` exchanging ranks
+/// tries: as written; DeepEP beside the all-to-all when `moe_dispatch` is not written and
+/// the engine runs it; the overlap, where the schedule pairs passes (`pairs`), on when
+/// written, both ways when not written and the engine overlaps the exchanges (pipec's
+/// executor runs DeepEP's dispatch as an all-to-all and a pair's passes one after the
+/// other: neither is added there).
+fn expert_exchange_choices(
+    spec: &Spec,
+    options: &SearchOptions,
+    ep: usize,
+    pairs: bool,
+) -> Vec<(pipec_plan::vocab::MoeDispatch, bool)> {
+    use pipec_plan::vocab::MoeDispatch;
+    if ep <= 1 {
+        return vec![(MoeDispatch::default(), false)];
+    }
+    let target = &spec.engine.target;
+    let runs = |c: capability::Capability| !target.is_pipec() && capability::find(target, |x| *x == c).is_some();
+    let dispatches = if options.moe_dispatch_free && runs(capability::Capability::DeepEpDispatch) {
+        vec![MoeDispatch::AllToAll, MoeDispatch::DeepEp]
+    } else {
+        vec![spec.strategy.moe_dispatch]
+    };
+    let overlaps: &[bool] = if !pairs {
+        &[false]
+    } else if spec.strategy.ep_overlap {
+        &[true]
+    } else if options.ep_overlap_free && runs(capability::Capability::EpOverlap) {
+        &[false, true]
+    } else {
+        &[false]
+    };
+    dispatches.into_iter().flat_map(|d| overlaps.iter().map(move |&o| (d, o))).collect()
+}
+
 /// Whether the spec's engine runs routed experts whole beside tensor parallelism (its
 /// capability table; never pipec's executor, whose `pipec run` refuses it).
 fn runs_whole_experts(spec: &Spec) -> bool {
@@ -846,12 +891,26 @@ fn candidates(
                 for (ep, whole) in degrees {
                     let tensor_parallel = tensor_parallel_choices(spec, options, tp, whole);
                     for &microbatches in &counts {
+                        // the combined 1F1B's pairs, for expert-parallel overlap
+                        let pairs = layout.as_ref().is_some_and(|l| {
+                            pipec_plan::schedule::Pairing::combined_1f1b_obstacle(schedule, l, chunks, microbatches)
+                                .is_none()
+                        });
+                        let exchanges = expert_exchange_choices(spec, options, ep, pairs);
                         let choices = recomputes
                             .iter()
                             .flat_map(|r| comms.iter().map(move |c| (r, c)))
                             .flat_map(|(r, c)| precisions.iter().map(move |p| (r, c, p)))
-                            .flat_map(|(r, c, p)| tensor_parallel.iter().map(move |t| (r, c, p, t)));
-                        for (recompute, &cp_comm, &fp8, &(sequence_parallel, tp_overlap)) in choices {
+                            .flat_map(|(r, c, p)| tensor_parallel.iter().map(move |t| (r, c, p, t)))
+                            .flat_map(|(r, c, p, t)| exchanges.iter().map(move |e| (r, c, p, t, e)));
+                        for (
+                            recompute,
+                            &cp_comm,
+                            &fp8,
+                            &(sequence_parallel, tp_overlap),
+                            &(moe_dispatch, ep_overlap),
+                        ) in choices
+                        {
                             let mut c = Candidate {
                                 tp,
                                 replicas: layout.clone().unwrap_or_default(),
@@ -872,45 +931,18 @@ fn candidates(
                                 cp_comm,
                                 ep,
                                 whole_experts: whole && tp > 1,
-                                moe_dispatch: if ep > 1 { spec.strategy.moe_dispatch } else { Default::default() },
-                                ep_overlap: spec.strategy.ep_overlap
-                                    && ep > 1
-                                    && layout.as_ref().is_some_and(|l| {
-                                        pipec_plan::schedule::Pairing::combined_1f1b_obstacle(
-                                            schedule,
-                                            l,
-                                            chunks,
-                                            microbatches,
-                                        )
-                                        .is_none()
-                                    }),
+                                moe_dispatch,
+                                ep_overlap,
                                 cp,
                                 overlap: spec.strategy.overlap,
                                 bucket: spec.strategy.bucket,
                                 fp8,
                                 outcome: Outcome::TooBig,
                             };
-                            // the schedule's layout rules (the front end's), then the work spread
-                            // evenly: the candidate is bounded (and PipeDream's planner lays it
-                            // out) only when the branch and bound reaches it; the text itself is
-                            // checked before compiling
-                            let broken = c.layout().and_then(|l| {
-                                let facts = LayoutFacts { replicas: l, microbatches, vertical_sync: false };
-                                schedule.check_layout(&facts).into_iter().next()
-                            });
-                            let broken = broken
-                                .map(|v| v.message)
-                                .or_else(|| held_to_engine(spec, options, &mut c, &mut scratch));
-                            c.outcome = match broken {
-                                Some(v) => Outcome::Invalid(v),
-                                None => match work_bound(c.spec_in(spec, &mut scratch), compile_options, memo) {
-                                    Ok(b) => {
-                                        valid.push((candidates.len(), b));
-                                        Outcome::Pruned { bound_s: b }
-                                    }
-                                    Err(d) => Outcome::Invalid(first_error(&d)),
-                                },
-                            };
+                            c.outcome = admitted(spec, (options, compile_options), memo, &mut scratch, &mut c);
+                            if let Outcome::Pruned { bound_s } = c.outcome {
+                                valid.push((candidates.len(), bound_s));
+                            }
                             candidates.push(c);
                         }
                     }
@@ -919,6 +951,30 @@ fn candidates(
         }
     }
     (candidates, valid)
+}
+
+/// What becomes of a new candidate before the branch and bound: the schedule's layout rules
+/// (the front end's) and the engine's tables, then its work spread evenly (the candidate is
+/// bounded, and PipeDream's planner lays it out, only when the branch and bound reaches it;
+/// the text itself is checked before compiling).
+fn admitted(
+    spec: &Spec,
+    (options, compile_options): (&SearchOptions, &CompileOptions),
+    memo: &mut Memo,
+    scratch: &mut Spec,
+    c: &mut Candidate,
+) -> Outcome {
+    let broken = c.layout().and_then(|l| {
+        let facts = LayoutFacts { replicas: l, microbatches: c.microbatches, vertical_sync: false };
+        c.schedule.check_layout(&facts).into_iter().next()
+    });
+    match broken.map(|v| v.message).or_else(|| held_to_engine(spec, options, c, scratch)) {
+        Some(v) => Outcome::Invalid(v),
+        None => match work_bound(c.spec_in(spec, scratch), compile_options, memo) {
+            Ok(b) => Outcome::Pruned { bound_s: b },
+            Err(d) => Outcome::Invalid(first_error(&d)),
+        },
+    }
 }
 
 /// Branch and bound: compiles and simulates the candidates in order of their bound until no

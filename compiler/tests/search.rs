@@ -917,3 +917,48 @@ fn the_search_adds_sequence_parallelism_and_tries_tp_overlap_where_the_engine_ru
     let (report, _) = searched(&llama_70b_64("pipec", ""));
     assert!(report.candidates.iter().all(|c| !c.sequence_parallel && !c.tp_overlap));
 }
+
+/// Qwen3-30B-A3B at 4K tokens on 2 nodes of eight H100s under `engine`, batch 256, the
+/// strategy searched beside `extra`.
+fn qwen3_30b_16(engine: &str, extra: &str) -> String {
+    format!(
+        "name: q30b\nengine: {engine}\nmodel:\n  input: [4096]\n  layers:\n    - embedding(151936, 2048)\n    - repeat 48: transformer_block(d=2048, heads=32, ff=768, causal=true, kv_heads=4, head_dim=128, qk_norm=true, norm=rmsnorm, mlp=swiglu, rope=1000000, bias=false, eps=1e-6, experts=128, top_k=8)\n    - rmsnorm\n    - linear(2048, 151936, bias=false)\n  loss: cross_entropy\n  attention: flash\ncluster:\n  nodes: 2\n  devices_per_node: 8\n  device: h100-sxm\n  links: dgx-h100\nstrategy: {{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto, ep: auto{extra} }}\ntraining:\n  batch_size: 256\n  steps: 1\n  optimizer: {{ kind: adamw, lr: 0.0003 }}\n  precision: bf16\n"
+    )
+}
+
+/// `moe_dispatch` and `ep_overlap` left out: under Megatron-LM every candidate with expert
+/// parallelism is tried with DeepEP's dispatch beside the all-to-all, and where its schedule
+/// pairs passes with the exchanges overlapped and not; its winner is no slower than the
+/// search with them written as the defaults, and pasted back it compiles to its prediction.
+/// Written values are kept; under pipec's executor (an all-to-all, a pair's passes one after
+/// the other) neither is added.
+#[test]
+fn the_search_tries_deepep_and_expert_parallel_overlap_where_the_engine_runs_them() {
+    use pipec_plan::vocab::MoeDispatch;
+    let searched = |text: &str| {
+        let spec = pipec_grammar::check_source(text).spec.expect("valid");
+        let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+        let report = search(text, &spec, &CompileOptions::default(), &options);
+        let best = report.ranked(options.headroom).first().map(|&(i, p)| (report.candidates[i].clone(), p.step_s));
+        (spec, report, best)
+    };
+    let text = qwen3_30b_16("megatron", "");
+    let (spec, report, best) = searched(&text);
+    let exchanging: Vec<_> = report.candidates.iter().filter(|c| c.ep > 1).collect();
+    assert!(exchanging.iter().any(|c| c.moe_dispatch == MoeDispatch::DeepEp));
+    assert!(exchanging.iter().any(|c| c.moe_dispatch == MoeDispatch::AllToAll));
+    assert!(exchanging.iter().any(|c| c.ep_overlap) && exchanging.iter().any(|c| !c.ep_overlap));
+    let (winner, step) = best.expect("a plan");
+    let (_, _, plain) = searched(&qwen3_30b_16("megatron", ", moe_dispatch: all_to_all, ep_overlap: false"));
+    let (_, plain_step) = plain.expect("a plan");
+    assert!(step <= plain_step, "{} at {step} s; written defaults {plain_step} s", winner.strategy());
+    let pasted = pipec_grammar::check_source(&with_strategy(&text, &spec, &winner.strategy())).spec.expect("checks");
+    let plan = compile(&pasted, &CompileOptions::default()).into_compiled().expect("compiles").plan;
+    assert!((plan.simulation.step_time_s - step).abs() <= 1e-6 * step);
+    // written: kept
+    let (_, report, _) = searched(&qwen3_30b_16("megatron", ", moe_dispatch: all_to_all, ep_overlap: false"));
+    assert!(report.candidates.iter().all(|c| c.moe_dispatch == MoeDispatch::AllToAll && !c.ep_overlap));
+    // pipec's executor: neither
+    let (_, report, _) = searched(&qwen3_30b_16("pipec", ""));
+    assert!(report.candidates.iter().all(|c| c.moe_dispatch == MoeDispatch::AllToAll && !c.ep_overlap));
+}

@@ -398,6 +398,13 @@ pub struct AutoStrategy {
     /// engine that overlaps tensor parallelism's collectives (never pipec's executor, which
     /// runs them in line).
     pub tp_overlap: bool,
+    /// `moe_dispatch` not written: DeepEP tried beside the all-to-all under an engine that
+    /// runs it (never pipec's executor, which runs it as an all-to-all).
+    pub moe_dispatch: bool,
+    /// `ep_overlap` not written: tried on and off where the schedule pairs passes, under an
+    /// engine that overlaps the exchanges (never pipec's executor, which runs a pair's
+    /// passes one after the other).
+    pub ep_overlap: bool,
     /// `search.async`: the asynchronous schedules (stale weights) may be chosen.
     pub asynchronous: bool,
     /// `search.max_depth`: the most pipeline stages.
