@@ -1,8 +1,9 @@
 //! The strategy search against a brute force over the same space, and its bound against
 //! the simulation of every candidate.
 
-use pipec_compiler::search::{search, with_strategy, Outcome, SearchOptions};
+use pipec_compiler::search::{search, with_strategy, Candidate, Outcome, SearchOptions, SearchReport};
 use pipec_compiler::{compile, CompileOptions};
+use pipec_grammar::spec::Spec;
 
 fn spec_text(devices_per_node: usize, nodes: usize, layers: &str, batch: usize, memory: &str) -> String {
     format!(
@@ -756,6 +757,16 @@ fn the_search_recomputes_inside_the_blocks_as_the_engine_runs_it_where_that_is_f
     }
 }
 
+/// `text` checked and searched under its own `auto` fields: the spec, the search's options,
+/// its report and its winner with the winner's step.
+fn searched(text: &str) -> (Spec, SearchOptions, SearchReport, Option<(Candidate, f64)>) {
+    let spec = pipec_grammar::check_source(text).spec.expect("valid");
+    let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
+    let report = search(text, &spec, &CompileOptions::default(), &options);
+    let best = report.ranked(options.headroom).first().map(|&(i, p)| (report.candidates[i].clone(), p.step_s));
+    (spec, options, report, best)
+}
+
 /// Llama 3 8B at 8K tokens on one node of eight GPUs, the strategy searched, in `precision`.
 fn llama_8b_8k(engine: &str, device: &str, precision: &str) -> String {
     format!(
@@ -771,18 +782,12 @@ fn llama_8b_8k(engine: &str, device: &str, precision: &str) -> String {
 /// bf16 is tried, and the report says why.
 #[test]
 fn precision_auto_tries_fp8_where_the_engine_and_the_device_run_it() {
-    let searched = |text: &str| {
-        let spec = pipec_grammar::check_source(text).spec.expect("valid");
-        let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
-        let report = search(text, &spec, &CompileOptions::default(), &options);
-        (spec, options, report)
-    };
     let best_step = |text: &str| {
-        let (_, options, report) = searched(text);
-        report.ranked(options.headroom).first().map(|&(_, p)| p.step_s).expect("a plan")
+        let (_, _, _, best) = searched(text);
+        best.expect("a plan").1
     };
     let text = llama_8b_8k("megatron", "h100-sxm", "auto");
-    let (spec, options, report) = searched(&text);
+    let (spec, options, report, _) = searched(&text);
     assert_eq!(options.fp8_not_tried, None);
     assert!(report.candidates.iter().any(|c| c.fp8.is_some()) && report.candidates.iter().any(|c| c.fp8.is_none()));
     let &(i, p) = report.ranked(options.headroom).first().expect("a plan");
@@ -839,7 +844,7 @@ fn precision_auto_tries_fp8_where_the_engine_and_the_device_run_it() {
     for (engine, device, why) in
         [("pipec", "h100-sxm", "pipec's executor"), ("megatron", "a100-80gb", "no FP8 matrix rate")]
     {
-        let (_, options, report) = searched(&llama_8b_8k(engine, device, "auto"));
+        let (_, options, report, _) = searched(&llama_8b_8k(engine, device, "auto"));
         assert!(options.fp8_not_tried.as_deref().is_some_and(|w| w.contains(why)), "{:?}", options.fp8_not_tried);
         assert!(report.candidates.iter().all(|c| c.fp8.is_none()), "{engine} on {device}");
         assert!(report.explain(&options, 1).contains("FP8 not tried"));
@@ -887,34 +892,27 @@ fn llama_70b_64(engine: &str, extra: &str) -> String {
 /// under pipec's executor (which runs the collectives in line) neither is added.
 #[test]
 fn the_search_adds_sequence_parallelism_and_tries_tp_overlap_where_the_engine_runs_them() {
-    let searched = |text: &str| {
-        let spec = pipec_grammar::check_source(text).spec.expect("valid");
-        let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
-        let report = search(text, &spec, &CompileOptions::default(), &options);
-        let best = report.ranked(options.headroom).first().map(|&(i, p)| (report.candidates[i].clone(), p.step_s));
-        (report, best)
-    };
-    let (report, best) = searched(&llama_70b_64("megatron", ""));
+    let (_, _, report, best) = searched(&llama_70b_64("megatron", ""));
     let split: Vec<_> = report.candidates.iter().filter(|c| c.tp > 1).collect();
     assert!(split.iter().all(|c| c.sequence_parallel));
     assert!(split.iter().any(|c| c.tp_overlap) && split.iter().any(|c| !c.tp_overlap));
     let (winner, step) = best.expect("a plan");
-    let (_, off) = searched(&llama_70b_64("megatron", ", sequence_parallel: false"));
+    let (_, _, _, off) = searched(&llama_70b_64("megatron", ", sequence_parallel: false"));
     let (_, off_step) = off.expect("a plan");
     assert!(step < off_step, "{} at {step} s; without sequence parallelism {off_step} s", winner.strategy());
     // written: kept
-    let (report, _) = searched(&llama_70b_64("megatron", ", sequence_parallel: true, tp_overlap: false"));
+    let (_, _, report, _) = searched(&llama_70b_64("megatron", ", sequence_parallel: true, tp_overlap: false"));
     assert!(report.candidates.iter().filter(|c| c.tp > 1).all(|c| c.sequence_parallel && !c.tp_overlap));
     // torchtitan overlaps them only in a compiled model (async TP)
-    let (report, best) = searched(&llama_70b_64("torchtitan", ""));
+    let (_, _, report, best) = searched(&llama_70b_64("torchtitan", ""));
     assert!(report.candidates.iter().filter(|c| c.tp_overlap).all(|c| matches!(c.outcome, Outcome::Invalid(_))));
     assert!(!best.expect("a plan").0.tp_overlap);
     let compiled =
         llama_70b_64("torchtitan", "").replace("engine: torchtitan", "engine: { name: torchtitan, compile: true }");
-    let (report, _) = searched(&compiled);
+    let (_, _, report, _) = searched(&compiled);
     assert!(report.candidates.iter().any(|c| c.tp_overlap && !matches!(c.outcome, Outcome::Invalid(_))));
     // pipec's executor: as written (neither)
-    let (report, _) = searched(&llama_70b_64("pipec", ""));
+    let (_, _, report, _) = searched(&llama_70b_64("pipec", ""));
     assert!(report.candidates.iter().all(|c| !c.sequence_parallel && !c.tp_overlap));
 }
 
@@ -935,30 +933,23 @@ fn qwen3_30b_16(engine: &str, extra: &str) -> String {
 #[test]
 fn the_search_tries_deepep_and_expert_parallel_overlap_where_the_engine_runs_them() {
     use pipec_plan::vocab::MoeDispatch;
-    let searched = |text: &str| {
-        let spec = pipec_grammar::check_source(text).spec.expect("valid");
-        let options = SearchOptions::from_spec(&spec, spec.strategy.auto.as_ref().expect("auto"));
-        let report = search(text, &spec, &CompileOptions::default(), &options);
-        let best = report.ranked(options.headroom).first().map(|&(i, p)| (report.candidates[i].clone(), p.step_s));
-        (spec, report, best)
-    };
     let text = qwen3_30b_16("megatron", "");
-    let (spec, report, best) = searched(&text);
+    let (spec, _, report, best) = searched(&text);
     let exchanging: Vec<_> = report.candidates.iter().filter(|c| c.ep > 1).collect();
     assert!(exchanging.iter().any(|c| c.moe_dispatch == MoeDispatch::DeepEp));
     assert!(exchanging.iter().any(|c| c.moe_dispatch == MoeDispatch::AllToAll));
     assert!(exchanging.iter().any(|c| c.ep_overlap) && exchanging.iter().any(|c| !c.ep_overlap));
     let (winner, step) = best.expect("a plan");
-    let (_, _, plain) = searched(&qwen3_30b_16("megatron", ", moe_dispatch: all_to_all, ep_overlap: false"));
+    let (_, _, _, plain) = searched(&qwen3_30b_16("megatron", ", moe_dispatch: all_to_all, ep_overlap: false"));
     let (_, plain_step) = plain.expect("a plan");
     assert!(step <= plain_step, "{} at {step} s; written defaults {plain_step} s", winner.strategy());
     let pasted = pipec_grammar::check_source(&with_strategy(&text, &spec, &winner.strategy())).spec.expect("checks");
     let plan = compile(&pasted, &CompileOptions::default()).into_compiled().expect("compiles").plan;
     assert!((plan.simulation.step_time_s - step).abs() <= 1e-6 * step);
     // written: kept
-    let (_, report, _) = searched(&qwen3_30b_16("megatron", ", moe_dispatch: all_to_all, ep_overlap: false"));
+    let (_, _, report, _) = searched(&qwen3_30b_16("megatron", ", moe_dispatch: all_to_all, ep_overlap: false"));
     assert!(report.candidates.iter().all(|c| c.moe_dispatch == MoeDispatch::AllToAll && !c.ep_overlap));
     // pipec's executor: neither
-    let (_, report, _) = searched(&qwen3_30b_16("pipec", ""));
+    let (_, _, report, _) = searched(&qwen3_30b_16("pipec", ""));
     assert!(report.candidates.iter().all(|c| c.moe_dispatch == MoeDispatch::AllToAll && !c.ep_overlap));
 }
