@@ -323,11 +323,11 @@ fn handle_request(
                     let Some(fix) = &d.fix else { continue };
                     // offered on the diagnostic and on the text the fix rewrites
                     let touches = |span: Span| span.end >= start && span.start <= end;
-                    if !touches(d.span()) && !fix.edits().iter().any(|(span, _)| touches(*span)) {
+                    let edits = fix.edits();
+                    if !touches(d.span()) && !edits.iter().any(|(span, _)| touches(*span)) {
                         continue;
                     }
-                    let edits: Vec<TextEdit> = fix
-                        .edits()
+                    let edits: Vec<TextEdit> = edits
                         .into_iter()
                         .map(|(span, new_text)| TextEdit { range: range(&index, &doc.text, span), new_text })
                         .collect();

@@ -742,8 +742,6 @@ pub(crate) fn closest_pair(cluster: &ClusterGraph, from: &[DeviceId], to: &[Devi
     to.iter().find_map(|&d| nodes.get(&cluster.node_of(d)).map(|&f| (f, d))).unwrap_or((a, b))
 }
 
-/// What a model's costs depend on: (tp, samples per microbatch, ep replicas, cp, cp's
-/// exchange, whole experts).
 /// What a candidate's model costs depend on among what the search changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct CostKey {
@@ -766,9 +764,8 @@ pub(crate) struct CostKey {
 /// Work the candidates of one spec's strategy search share: the model's costs per
 /// (tensor-parallel degree, microbatch size, expert- and context-parallel degree, context
 /// exchange, whole experts, recompute by operation, FP8, sequence parallelism and the
-/// tensor-parallel overlap: [`CostKey`]) — all a candidate changes in
-/// them —
-/// and the balanced partitions of each; the placements (with what the bound reads of them)
+/// tensor-parallel overlap: [`CostKey`]) — all a candidate changes in them — and the
+/// balanced partitions of each; the placements (with what the bound reads of them)
 /// per chunk placement, layout, degree and microbatch count. Only for specs that differ in
 /// their strategy.
 #[derive(Default)]

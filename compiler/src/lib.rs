@@ -58,14 +58,7 @@ pub fn check_plan(spec: &Spec, options: &CompileOptions) -> Vec<pipec_grammar::d
     // `precision: auto`: the diagnostics of the roomier precision (bf16's unless FP8's plan
     // fits where bf16's does not, or keeps the headroom where bf16's does not), as
     // `compile` chooses
-    let room = |d: &[pipec_grammar::diagnostic::Diagnostic]| match (
-        d.iter().any(pipec_grammar::diagnostic::Diagnostic::is_error),
-        d.iter().any(|d| d.code == "W0602"),
-    ) {
-        (true, _) => 0,
-        (false, true) => 1,
-        (false, false) => 2,
-    };
+    use search::room;
     match search::precision_choices(spec) {
         (Some(fp8), _) => {
             let bf16 = predicted(&search::with_precision(spec, None));

@@ -141,6 +141,7 @@ impl SearchOptions {
     /// What a spec's `auto` strategy leaves free and pins.
     pub fn from_spec(spec: &Spec, auto: &AutoStrategy) -> SearchOptions {
         let st = &spec.strategy;
+        let (fp8, fp8_not_tried) = precision_choices(spec);
         SearchOptions {
             // PyTorch's per-forward running statistics fold a whole step in order
             synchronous_only: !auto.asynchronous
@@ -167,8 +168,8 @@ impl SearchOptions {
             whole_experts: st.whole_experts,
             cp: (!auto.cp).then_some(st.cp.max(1)),
             ranked: 1,
-            fp8: precision_choices(spec).0,
-            fp8_not_tried: precision_choices(spec).1,
+            fp8,
+            fp8_not_tried,
         }
     }
 
@@ -189,6 +190,27 @@ pub fn precision_choices(spec: &Spec) -> (Option<Fp8Plan>, Option<String>) {
             None => (Some(p.fp8), None),
             Some(why) => (None, Some(why)),
         },
+    }
+}
+
+/// The `training.precision` a precision choice is written as (`fp8`: FP8 training; None:
+/// bf16, the baseline of `precision: auto`).
+fn precision_name(fp8: Option<Fp8Plan>) -> &'static str {
+    if fp8.is_some() {
+        "fp8"
+    } else {
+        "bf16"
+    }
+}
+
+/// How much room a compiled plan leaves, as `precision: auto` ranks its precisions: 2 when it
+/// keeps the memory headroom (no W0602), 1 when it fits short of it, 0 when it does not fit
+/// or does not compile (an error).
+pub(crate) fn room(diagnostics: &[Diagnostic]) -> u8 {
+    match (diagnostics.iter().any(Diagnostic::is_error), diagnostics.iter().any(|d| d.code == "W0602")) {
+        (true, _) => 0,
+        (false, true) => 1,
+        (false, false) => 2,
     }
 }
 
@@ -365,11 +387,7 @@ impl Candidate {
 
     /// The `training.precision` a searched precision (`precision: auto`) is written as.
     pub fn precision(&self) -> &'static str {
-        if self.fp8.is_some() {
-            "fp8"
-        } else {
-            "bf16"
-        }
+        precision_name(self.fp8)
     }
 
     /// The edits that write the candidate into the spec: its strategy, and under
@@ -656,8 +674,7 @@ fn tensor_parallel_choices(spec: &Spec, options: &SearchOptions, tp: usize, whol
     if tp <= 1 {
         return vec![(false, false)];
     }
-    let target = &spec.engine.target;
-    let runs = |c: capability::Capability| !target.is_pipec() && capability::find(target, |x| *x == c).is_some();
+    let runs = |c| another_engine_runs(spec, c);
     let sp = options.sequence_parallel
         || whole
         || (options.sequence_parallel_free && runs(capability::Capability::SequenceParallel));
@@ -687,8 +704,7 @@ fn expert_exchange_choices(
     if ep <= 1 {
         return vec![(MoeDispatch::default(), false)];
     }
-    let target = &spec.engine.target;
-    let runs = |c: capability::Capability| !target.is_pipec() && capability::find(target, |x| *x == c).is_some();
+    let runs = |c| another_engine_runs(spec, c);
     let dispatches = if options.moe_dispatch_free && runs(capability::Capability::DeepEpDispatch) {
         vec![MoeDispatch::AllToAll, MoeDispatch::DeepEp]
     } else {
@@ -706,11 +722,19 @@ fn expert_exchange_choices(
     dispatches.into_iter().flat_map(|d| overlaps.iter().map(move |&o| (d, o))).collect()
 }
 
+/// Whether the spec's engine, other than pipec's own executor, runs `what` (its capability
+/// table): what the search adds unwritten only where an engine runs it as priced (pipec's
+/// executor refuses whole experts beside tensor parallelism, and runs the overlaps in line,
+/// sequence parallelism as tensor parallelism and DeepEP as an all-to-all).
+fn another_engine_runs(spec: &Spec, what: capability::Capability) -> bool {
+    let target = &spec.engine.target;
+    !target.is_pipec() && capability::find(target, |c| *c == what).is_some()
+}
+
 /// Whether the spec's engine runs routed experts whole beside tensor parallelism (its
 /// capability table; never pipec's executor, whose `pipec run` refuses it).
 fn runs_whole_experts(spec: &Spec) -> bool {
-    !spec.engine.target.is_pipec()
-        && capability::find(&spec.engine.target, |c| *c == capability::Capability::WholeExperts).is_some()
+    another_engine_runs(spec, capability::Capability::WholeExperts)
 }
 
 /// The context-parallel degrees to try on `machines` devices per tensor-parallel rank: the
@@ -1650,35 +1674,33 @@ impl SearchReport {
 pub fn compile_precision(spec: &Spec, options: &CompileOptions) -> CompileResult {
     let Some(searched) = spec.training.precision_search else { return compile(spec, options) };
     let (fp8, not_tried) = precision_choices(spec);
-    // (choice, result, rank: fits with the headroom 2, fits 1, neither 0; step)
-    let mut tried: Vec<(Option<Fp8Plan>, CompileResult, u8, f64)> = std::iter::once(None)
+    // (choice, its room, step, result)
+    let mut tried: Vec<(Option<Fp8Plan>, u8, f64, CompileResult)> = std::iter::once(None)
         .chain(fp8.map(Some))
         .map(|choice| {
             let r = compile(&with_precision(spec, choice), options);
             let step = r.compiled.as_ref().map_or(f64::INFINITY, |c| c.plan.simulation.step_time_s);
-            let rank = match (r.has_errors(), r.diagnostics.iter().any(|d| d.code == "W0602")) {
-                (true, _) => 0,
-                (false, true) => 1,
-                (false, false) => 2,
-            };
-            (choice, r, rank, step)
+            (choice, room(&r.diagnostics), step, r)
         })
         .collect();
-    let chosen = (0..tried.len()).max_by(|&a, &b| tried[a].2.cmp(&tried[b].2).then(tried[b].3.total_cmp(&tried[a].3)));
-    let Some(i) = chosen.filter(|&i| tried[i].2 > 0) else { return tried.swap_remove(0).1 };
-    let name = |c: Option<Fp8Plan>| if c.is_some() { "fp8" } else { "bf16" };
+    let chosen = (0..tried.len()).max_by(|&a, &b| tried[a].1.cmp(&tried[b].1).then(tried[b].2.total_cmp(&tried[a].2)));
+    let Some(i) = chosen.filter(|&i| tried[i].1 > 0) else { return tried.swap_remove(0).3 };
     let others: Vec<String> = tried
         .iter()
         .enumerate()
         .filter(|(j, _)| *j != i)
-        .map(|(_, (c, r, rank, step))| match rank {
-            0 => format!("{}: {}", name(*c), first_error(&r.diagnostics)),
-            1 => format!("{}: {} step, short of the memory headroom", name(*c), crate::render::human_time(*step)),
-            _ => format!("{}: {} step", name(*c), crate::render::human_time(*step)),
+        .map(|(_, (c, room, step, r))| match room {
+            0 => format!("{}: {}", precision_name(*c), first_error(&r.diagnostics)),
+            1 => format!(
+                "{}: {} step, short of the memory headroom",
+                precision_name(*c),
+                crate::render::human_time(*step)
+            ),
+            _ => format!("{}: {} step", precision_name(*c), crate::render::human_time(*step)),
         })
         .chain(not_tried.map(|why| format!("FP8 not tried: {why}")))
         .collect();
-    let (choice, mut result, _, step) = tried.swap_remove(i);
+    let (choice, _, step, mut result) = tried.swap_remove(i);
     let note = Diagnostic::warning(
         "W0606",
         format!(
@@ -1690,7 +1712,7 @@ pub fn compile_precision(spec: &Spec, options: &CompileOptions) -> CompileResult
         "chosen by the precision search",
     )
     .with_help(if others.is_empty() { "the only precision tried".to_string() } else { others.join("; ") })
-    .with_fix("write the chosen precision into the spec", searched.span, name(choice));
+    .with_fix("write the chosen precision into the spec", searched.span, precision_name(choice));
     result.diagnostics.insert(0, note);
     result
 }

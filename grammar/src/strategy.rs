@@ -83,17 +83,7 @@ pub(crate) fn lower_strategy(
         return Some(placeholder_strategy(node, owner, cluster, all));
     }
     let f = cx.fields(node, &["strategy"], owner)?;
-    let free = |key: &str| f.get(key).is_some_and(is_auto);
-    let layout_free = free("stages") || free("dp") || free("pp");
-    if layout_free
-        || free("tp")
-        || free("schedule")
-        || free("microbatches")
-        || free("recompute")
-        || free("ep")
-        || free("cp")
-        || f.get("search").is_some()
-    {
+    if auto_reason(&f).is_some() {
         return lower_auto_strategy(cx, node, &f, owner, (model, cluster));
     }
     let tp = match f.get("tp") {
@@ -633,7 +623,7 @@ pub(crate) fn is_auto(node: &Node) -> bool {
 }
 
 /// What makes a written strategy a searched one: its first `auto` value or its `search`
-/// mapping.
+/// mapping (None: the strategy is written whole).
 fn auto_reason(f: &Fields<'_>) -> Option<Span> {
     ["stages", "dp", "pp", "tp", "schedule", "microbatches", "recompute", "ep", "cp"]
         .iter()
