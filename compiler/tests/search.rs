@@ -800,6 +800,8 @@ fn precision_auto_tries_fp8_where_the_engine_and_the_device_run_it() {
     assert!(fp8 < bf16, "FP8 {fp8} s, bf16 {bf16} s");
     assert!((p.step_s - fp8).abs() <= 1e-9 * fp8, "auto {} s, FP8 pinned {fp8} s", p.step_s);
     assert!(report.explain(&options, 1).contains("precision: fp8"));
+    let json = report.to_json(&options, 1);
+    assert_eq!((json["best"]["fp8"].as_str(), json["fp8_not_tried"].is_null()), (Some("tensorwise"), true));
     // written back: a strategy and a precision that compile, without a search, to the same step
     let fixed = pipec_compiler::search::with_candidate(&text, &spec, winner);
     let pasted = pipec_grammar::check_source(&fixed).spec.expect("the winner checks");
@@ -848,6 +850,7 @@ fn precision_auto_tries_fp8_where_the_engine_and_the_device_run_it() {
         assert!(options.fp8_not_tried.as_deref().is_some_and(|w| w.contains(why)), "{:?}", options.fp8_not_tried);
         assert!(report.candidates.iter().all(|c| c.fp8.is_none()), "{engine} on {device}");
         assert!(report.explain(&options, 1).contains("FP8 not tried"));
+        assert!(report.to_json(&options, 1)["fp8_not_tried"].as_str().is_some_and(|w| w.contains(why)));
     }
 }
 
@@ -952,4 +955,26 @@ fn the_search_tries_deepep_and_expert_parallel_overlap_where_the_engine_runs_the
     // pipec's executor: neither
     let (_, _, report, _) = searched(&qwen3_30b_16("pipec", ""));
     assert!(report.candidates.iter().all(|c| c.moe_dispatch == MoeDispatch::AllToAll && !c.ep_overlap));
+}
+
+/// `pipec check` of a strategy written whole beside `precision: auto` reports the memory of
+/// the precision `compile` would choose: Llama 3 70B on Megatron-Bridge's published layout
+/// (bf16 gradients, as its recipe reduces them) keeps the headroom in FP8 alone, so the check carries bf16's W0602 only when bf16 is
+/// written.
+#[test]
+fn check_reports_the_memory_of_the_precision_compile_chooses() {
+    let written = "{ dp: 2, pp: 8, tp: 4, sequence_parallel: true, tp_overlap: true, schedule: { kind: interleaved, virtual_stages: 5 }, microbatches: 128, zero: 1, recompute: false }";
+    let text = |precision: &str| {
+        llama_70b_64("megatron", "")
+            .replace("{ tp: auto, pp: auto, dp: auto, schedule: auto, microbatches: auto, recompute: auto }", written)
+            .replace("precision: bf16", &format!("precision: {precision}\n  grad_precision: bf16"))
+    };
+    let codes = |precision: &str| {
+        let spec = pipec_grammar::check_source(&text(precision)).spec.expect("valid");
+        let d = pipec_compiler::check_plan(&spec, &CompileOptions::default());
+        d.iter().map(|d| d.code).collect::<Vec<_>>()
+    };
+    assert!(codes("bf16").contains(&"W0602"), "{:?}", codes("bf16"));
+    assert!(!codes("fp8").contains(&"W0602"), "{:?}", codes("fp8"));
+    assert_eq!(codes("auto"), codes("fp8"));
 }

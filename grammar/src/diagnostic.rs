@@ -289,4 +289,24 @@ mod tests {
         assert_eq!(j["labels"][0]["column"], 1);
         assert_eq!(j["labels"][0]["end_column"], 3);
     }
+
+    /// A fix of several edits: the primary one first, each in JSON, applied together.
+    #[test]
+    fn a_fix_of_several_edits_is_applied_and_written_whole() {
+        let src = "a: 1\nbb: 2\n";
+        let d = Diagnostic::warning("W0606", "chosen", Span::new(3, 4), "here")
+            .with_fix_edits("write both", vec![(Span::new(3, 4), "10".into()), (Span::new(9, 10), "20".into())]);
+        let fix = d.fix.as_ref().expect("a fix");
+        assert_eq!((fix.span, fix.replacement.as_str(), fix.also.len()), (Span::new(3, 4), "10", 1));
+        assert_eq!(fix.apply(src), "a: 10\nbb: 20\n");
+        let j = to_json("f.yaml", src, &LineIndex::new(src), &d);
+        assert_eq!(j["fix"]["replacement"], "10");
+        assert_eq!(j["fix"]["edits"].as_array().map(Vec::len), Some(2));
+        assert_eq!(j["fix"]["edits"][1]["byte_start"], 9);
+        assert_eq!(j["fix"]["edits"][1]["replacement"], "20");
+        assert!(Diagnostic::warning("W0606", "chosen", Span::new(3, 4), "here")
+            .with_fix_edits("none", vec![])
+            .fix
+            .is_none());
+    }
 }
