@@ -1151,3 +1151,42 @@ fn the_loss_torchtitan_compiles_is_priced_emitted_and_read_back() {
     }
     assert!(emitted(&eager).contains("enable = false"));
 }
+
+/// Llama-like blocks on 8 nodes of 2 H100s under `strategy` (its degrees, and the rest),
+/// so that every gradient reduction crosses InfiniBand.
+fn reduced_across_nodes(engine: &str, strategy: &str) -> Plan {
+    let text = format!(
+        "name: buckets\nengine: {engine}\nmodel:\n  input: [2048]\n  layers:\n    - embedding(32000, 2048)\n    - repeat 8: transformer_block(d=2048, heads=16, ff=5632, causal=true, norm=rmsnorm, mlp=swiglu, bias=false)\n    - rmsnorm\n    - linear(2048, 32000, bias=false)\n  loss: cross_entropy\n  attention: flash\ncluster:\n  nodes: 8\n  devices_per_node: 2\n  device: h100-sxm\n  links: dgx-h100\nstrategy:\n  pp: 1\n  schedule: 1f1b\n  microbatches: 16\n{strategy}training:\n  batch_size: 16\n  steps: 1\n  optimizer: {{ kind: adamw, lr: 0.001 }}\n  precision: bf16\n"
+    );
+    plan_of(&text)
+}
+
+#[test]
+fn each_engine_reduces_its_gradients_in_its_own_buckets_during_the_backward() {
+    let exposed = |p: &Plan| p.simulation.devices.iter().map(|d| d.exposed_collective_s).fold(0.0, f64::max);
+    // Megatron-FSDP and FSDP2 reduce-scatter each block after its backward: of the last
+    // microbatch's reduction only what follows the backward is exposed, against the whole
+    // of it with the reduction after the backward (`overlap: false`)
+    for engine in ["megatron", "torchtitan"] {
+        let per_block = reduced_across_nodes(engine, "  dp: 8\n  tp: 2\n  sequence_parallel: true\n  zero: 3\n");
+        let after =
+            reduced_across_nodes(engine, "  dp: 8\n  tp: 2\n  sequence_parallel: true\n  zero: 3\n  overlap: false\n");
+        let (hidden, whole) = (exposed(&per_block), exposed(&after));
+        assert!(whole > 0.0 && hidden < whole / 2.0, "{engine}: {hidden} s exposed against {whole} s");
+        assert!(per_block.simulation.step_time_s < after.simulation.step_time_s, "{engine}");
+        // the engine's buckets price the plan; the plan declares none for pipec's executor
+        assert!(per_block.stages.iter().all(|s| s.gradient_buckets.is_empty()), "{engine}");
+    }
+    // torchtitan's DDP buckets 100 MiB: a model of 0.5 B parameters is several
+    // buckets, which hide part of the all-reduce
+    let ddp = reduced_across_nodes("torchtitan", "  dp: 16\n  tp: 1\n  zero: 0\n");
+    let ddp_after = reduced_across_nodes("torchtitan", "  dp: 16\n  tp: 1\n  zero: 0\n  overlap: false\n");
+    assert!(exposed(&ddp) < exposed(&ddp_after), "{} against {}", exposed(&ddp), exposed(&ddp_after));
+    // pipec's executor buckets only where the spec writes `bucket`, and the plan declares
+    // those buckets for it to run
+    let pipec = reduced_across_nodes("pipec", "  dp: 16\n  tp: 1\n  zero: 3\n");
+    let bucketed = reduced_across_nodes("pipec", "  dp: 16\n  tp: 1\n  zero: 3\n  bucket: 64MiB\n");
+    assert!(pipec.stages.iter().all(|s| s.gradient_buckets.is_empty()));
+    assert!(bucketed.stages.iter().all(|s| s.gradient_buckets.len() > 1));
+    assert!(exposed(&bucketed) < exposed(&pipec), "{} against {}", exposed(&bucketed), exposed(&pipec));
+}

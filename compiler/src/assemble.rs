@@ -35,6 +35,7 @@ pub(crate) fn assemble(
     let tp = strategy.tp.max(1);
     let counted = lowered.counted_streams().into_owned();
     let layers = layer_plans(model);
+    let declared = stages.declared_buckets();
     let stage_plans: Vec<StagePlan> = layout
         .ranges
         .iter()
@@ -66,7 +67,7 @@ pub(crate) fn assemble(
             all_to_all_s: [stages.ep_times[s].0, stages.ep_times[s].1],
             all_to_alls: stages.all_to_alls[s].clone(),
             context_s: [stages.cp_times[s].0, stages.cp_times[s].1],
-            gradient_buckets: stages.buckets[s].clone(),
+            gradient_buckets: declared[s].clone(),
         })
         .collect();
     let (ties, experts) = (lowered.ties, lowered.expert_groups);

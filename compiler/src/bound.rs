@@ -329,6 +329,7 @@ fn least_reductions(
     placed: &Placed,
     cost: &PlanCost<'_>,
 ) -> Vec<Option<f64>> {
+    let share = stages.expert_share();
     (0..stages.bytes.len())
         .map(|s| {
             let members = &placed.skeleton.replicas[s];
@@ -338,7 +339,7 @@ fn least_reductions(
                 // buckets only the last bucket's (the stage's first layers) starts after
                 // the backward
                 let bytes = match stages.buckets[s].last() {
-                    Some(b) => b.bytes,
+                    Some(b) => (b.bytes as f64 * (1.0 - share[s])) as u64,
                     None => stages.bytes[s].whole.gradients.saturating_sub(stages.expert_gradients[s]),
                 };
                 let kind = pipec_plan::CollectiveKind::ReduceScatter;

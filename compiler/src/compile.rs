@@ -75,8 +75,9 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         let whole: Vec<pipec_plan::DeviceId> =
             lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
         clip_norm_all_reduces(spec, &mut lowered, &whole);
+        let declared = stages.declared_buckets();
         lowered.in_pass =
-            crate::in_pass::in_pass_table(spec, &model.graph, (&layout.ranges, &stages.buckets), &placement, &lowered)?;
+            crate::in_pass::in_pass_table(spec, &model.graph, (&layout.ranges, &declared), &placement, &lowered)?;
         if spec.training.recipe.validation.is_some() {
             lowered.eval = Some(eval_streams(spec, &placement, &stages, &lowered));
         }

@@ -47,9 +47,12 @@ pub(crate) struct StageFigures {
     /// Output bytes per microbatch (what goes to the next stage).
     pub(crate) output_bytes: Vec<u64>,
     pub(crate) bytes: Vec<StageBytes>,
-    /// Per stage, its gradient buckets (`bucket` in the strategy; empty where the stage
-    /// reduces in one all-reduce): [`gradient_buckets`].
+    /// Per stage, the buckets its gradient reduction runs in (empty where the stage
+    /// reduces in one collective): [`gradient_buckets`].
     pub(crate) buckets: Vec<Vec<GradientBucket>>,
+    /// Whether `buckets` are the plan's, which pipec's executor runs (`bucket` under
+    /// `engine: pipec`), rather than another engine's own, which price the plan only.
+    pub(crate) executor_buckets: bool,
     /// Per stage, the seconds of one ZeRO-3 gather of the weights pipec's executor gathers
     /// whole with the stage, where the plan declares it (`pipec_plan::in_pass::stage_gathers`;
     /// the simulator prices each, `PlanCost::with_stage_gathers`): every weight of a stage
@@ -123,17 +126,33 @@ impl StageFigures {
             .map(|(&e, b)| if b.whole.gradients > 0 { e as f64 / b.whole.gradients as f64 } else { 0.0 })
             .collect()
     }
+
+    /// Per stage, the gradient buckets the plan declares for pipec's executor to run:
+    /// `buckets` under pipec, none under another engine, whose own buckets price the plan
+    /// only.
+    pub(crate) fn declared_buckets(&self) -> Vec<Vec<GradientBucket>> {
+        if self.executor_buckets {
+            self.buckets.clone()
+        } else {
+            vec![Vec::new(); self.buckets.len()]
+        }
+    }
 }
 
-/// PyTorch DDP's buckets over a replicated stage's gradients: the layers from the stage's
-/// end down, a bucket closed once it holds `cap` bytes, a last one with the rest (merged
-/// into the one before when it has no gradients); each ready when the backward has passed
-/// its first layer (the layers' backward times, `backward`, from the end). Only where the
-/// executor runs them (no tensor or expert parallelism, every stage updated once per step,
-/// the reduction overlapped; a stage that runs whole backwards a chain of layers; under
-/// ZeRO, whose buckets are reduce-scattered into the gradient shard, no stage holding both
-/// ends of a weight tie, whose two gradients are summed before any is scattered), and only
-/// when there are two buckets or more.
+/// The buckets a replicated stage's gradient reduction runs in: the layers from the stage's
+/// end down, a bucket closed once it holds its size in bytes, a last one with the rest
+/// (merged into the one before when it has no gradients); each ready when the backward has
+/// passed its first layer (the layers' backward times, `backward`, from the end). Only
+/// where every stage is updated once per step and the reduction is overlapped, and only
+/// when there are two buckets or more. The size:
+/// - under pipec's executor, the spec's `bucket` (PyTorch DDP's), where the executor runs
+///   them: no tensor or expert parallelism; a stage that runs whole backwards a chain of
+///   layers; under ZeRO, whose buckets are reduce-scattered into the gradient shard, no
+///   stage holding both ends of a weight tie, whose two gradients are summed before any is
+///   scattered. These are the plan's (`StageFigures::executor_buckets`).
+/// - under another engine, the engine's own
+///   ([`pipec_plan::engine::performance::gradient_buckets`]: FSDP's per layer, DDP's by
+///   size, a written `bucket` for the size), which price the plan only.
 fn gradient_buckets(
     spec: &Spec,
     model: &ModelCosts,
@@ -141,12 +160,12 @@ fn gradient_buckets(
     replicas: &[u64],
     backward: impl Fn(usize) -> f64,
 ) -> Vec<Vec<GradientBucket>> {
+    use pipec_plan::engine::performance::GradientBuckets;
     let st = &spec.strategy;
-    let none = || vec![Vec::new(); layout.ranges.len()];
-    let Some(cap) = st.bucket else { return none() };
     let kind = st.schedule.kind;
-    if !st.overlap || st.tp.max(1) > 1 || !kind.updates_per_step() || !kind.is_synchronous(st.schedule.sync) {
-        return none();
+    let engine = spec.engine.target.name;
+    if !st.overlap || !kind.updates_per_step() || !kind.is_synchronous(st.schedule.sync) {
+        return vec![Vec::new(); layout.ranges.len()];
     }
     let (costs, graph) = (&model.costs, &model.graph);
     let grad_bytes = model.grad_bytes as u64;
@@ -156,18 +175,32 @@ fn gradient_buckets(
         .zip(replicas)
         .enumerate()
         .map(|(s, (r, &d))| {
-            // with `overlap` every later stage sends its input gradient before its
-            // weight-gradient pass (`streams::sends_gradients_first`), which the executor
-            // runs bucket by bucket; the first stage runs whole backwards (unless the
-            // schedule splits them), which it cuts into segments: a chain of layers only
-            let whole = s == 0 && !kind.splits_backward();
-            let chain = r.clone().all(|i| graph.node(graph.op_at(i)).inputs == [Source::before(i)]);
-            let moe = holds_experts(model, r);
-            let tied_within = st.sharding != pipec_plan::vocab::Sharding::None
-                && spec.model.layers[r.clone()].iter().any(|l| l.tied.is_some_and(|a| r.contains(&a)));
-            if d < 2 || (whole && !chain) || moe || tied_within {
+            if d < 2 {
                 return Vec::new();
             }
+            let cap = if engine == pipec_plan::vocab::Engine::Pipec {
+                // with `overlap` every later stage sends its input gradient before its
+                // weight-gradient pass (`streams::sends_gradients_first`), which the executor
+                // runs bucket by bucket; the first stage runs whole backwards (unless the
+                // schedule splits them), which it cuts into segments: a chain of layers only
+                let whole = s == 0 && !kind.splits_backward();
+                let chain = r.clone().all(|i| graph.node(graph.op_at(i)).inputs == [Source::before(i)]);
+                let tied_within = st.sharding != pipec_plan::vocab::Sharding::None
+                    && spec.model.layers[r.clone()].iter().any(|l| l.tied.is_some_and(|a| r.contains(&a)));
+                // the executor runs buckets without tensor or expert parallelism
+                let runs = st.tp.max(1) == 1 && (chain || !whole) && !holds_experts(model, r) && !tied_within;
+                match st.bucket {
+                    Some(cap) if runs => cap,
+                    _ => return Vec::new(),
+                }
+            } else {
+                match pipec_plan::engine::performance::gradient_buckets(engine, st.sharding.level(), grad_bytes) {
+                    GradientBuckets::Whole => return Vec::new(),
+                    // each layer with weights closes its own
+                    GradientBuckets::Layers => 1,
+                    GradientBuckets::Bytes(b) => st.bucket.unwrap_or(b),
+                }
+            };
             let total_time: f64 = r.clone().map(&backward).sum();
             let mut out: Vec<GradientBucket> = Vec::new();
             let (mut end, mut bytes, mut done) = (r.end, 0u64, 0.0);
@@ -291,6 +324,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         output_bytes,
         bytes,
         buckets,
+        executor_buckets: spec.engine.target.name == pipec_plan::vocab::Engine::Pipec,
         stage_gathers,
         update_sums,
         norm_sum,

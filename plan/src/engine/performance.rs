@@ -395,6 +395,51 @@ pub struct SequenceCollectives {
     pub fp8_gathers: bool,
 }
 
+/// How an engine cuts a replicated stage's gradient reduction so that it runs during the
+/// backward: each part is reduced (all-reduced, or under ZeRO reduce-scattered) once the
+/// backward has made its layers' gradients ([`gradient_buckets`]). Read from each engine's
+/// code; none is fitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradientBuckets {
+    /// One reduction after the stage's backward.
+    Whole,
+    /// One per layer: FSDP's units, each block sharded and reduced on its own.
+    Layers,
+    /// Buckets of about this many gradient bytes, the last layers' first.
+    Bytes(u64),
+}
+
+/// The buckets `engine` reduces a stage's gradients in by default, under ZeRO level
+/// `level` (0 to 3), of `grad_bytes` a gradient. pipec's own
+/// executor buckets only where the spec writes `bucket` (PyTorch DDP's), so here it is
+/// `Whole`.
+/// - Megatron-LM: Megatron-FSDP (`zero` 2 and 3, `optim_grads`/`optim_grads_params`)
+///   reduce-scatters each transformer layer's gradients after its backward, every
+///   microbatch (megatron_fsdp.py, `grad_reduce_every_bprop`). Its DistributedDataParallel
+///   (`zero` 0 and 1) is priced as one reduction after the stage's backward: Megatron-Core
+///   buckets `max(40,000,000, 1,000,000 × dp)` parameters on the first pipeline rank's
+///   first chunk (distributed_data_parallel.py), but the shared efficiency constants
+///   (`crate::device`) were fitted on Megatron-LM's 2021–22 A100 rows priced that way, and
+///   pricing the buckets needs them fitted again.
+/// - torchtitan: FSDP2's `fully_shard` on every block (`zero` 3, and 2, which it runs
+///   with `fsdp_reshard_after_forward = "never"`) reduce-scatters per block; its DDP
+///   (`replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)`) buckets 100 MiB.
+/// - DeepSpeed: `overlap_comm` is on by default only under ZeRO-3
+///   (`DeepSpeedZeroConfig.overlap_comm_valid`), whose reductions then run in buckets of
+///   `reduce_bucket_size`, 5e8 elements; without it, one reduction after the backward.
+pub fn gradient_buckets(engine: Engine, level: u8, grad_bytes: u64) -> GradientBuckets {
+    match engine {
+        Engine::Pipec => GradientBuckets::Whole,
+        Engine::Megatron if level >= 2 => GradientBuckets::Layers,
+        Engine::Megatron => GradientBuckets::Whole,
+        Engine::Torchtitan if level >= 2 => GradientBuckets::Layers,
+        Engine::Torchtitan if level == 0 => GradientBuckets::Bytes(100 << 20),
+        Engine::Torchtitan => GradientBuckets::Whole,
+        Engine::Deepspeed if level >= 3 => GradientBuckets::Bytes(500_000_000u64.saturating_mul(grad_bytes)),
+        Engine::Deepspeed => GradientBuckets::Whole,
+    }
+}
+
 /// One fitted constant: an engine's kernel efficiency on one device kind.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Calibrated {
@@ -448,16 +493,16 @@ pub const CALIBRATED: &[Calibrated] = &[
         family: KernelFamily::MegatronTe,
         device: "h100-sxm",
         power: None,
-        efficiency: 0.8432,
+        efficiency: 0.8388,
         source: "fitted on steps.csv's dense calibration row mb2511-h100-llama38b-fp8cs-8g (Megatron-Bridge's published H100 tables)",
-        experts: 0.6761,
+        experts: 0.6807,
         experts_source: "fitted on steps.csv's mixture-of-experts calibration rows mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g, the dense constant held (Megatron-Bridge's published H100 tables)",
     },
     Calibrated {
         family: KernelFamily::TorchCompiled,
         device: "h100-sxm",
         power: Some(500.0),
-        efficiency: 0.6411,
+        efficiency: 0.6069,
         source: "fitted on steps.csv's calibration rows tt24-t1-8b-8g-bf16-compile, tt24-t2-8b-fsdp8-cp1, tt24-t3-8b-128g-fp8-compile (torchtitan's December 2024 H100 benchmark, 500 W)",
         experts: 1.0,
         experts_source: "",
@@ -466,7 +511,7 @@ pub const CALIBRATED: &[Calibrated] = &[
         family: KernelFamily::TorchCompiled,
         device: "h200",
         power: None,
-        efficiency: 0.7918,
+        efficiency: 0.6937,
         source: "fitted on steps.csv's calibration row tt25-trainy-h200-8b-32g (torchtitan's June 2025 H200 benchmark)",
         experts: 1.0,
         experts_source: "",
@@ -475,7 +520,7 @@ pub const CALIBRATED: &[Calibrated] = &[
         family: KernelFamily::TorchEager,
         device: "h100-sxm",
         power: Some(500.0),
-        efficiency: 0.5951,
+        efficiency: 0.5768,
         source: "fitted on steps.csv's calibration row tt24-t1-8b-8g-bf16-eager (torchtitan's December 2024 H100 benchmark, 500 W)",
         experts: 1.0,
         experts_source: "",
