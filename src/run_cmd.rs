@@ -1085,11 +1085,19 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
             // recompute by layers, module or operation runs (tests/training.rs); the layouts
             // it does not run beside are refused by `pipec_executor::validate`
             Feature::LayerRecompute | Feature::ModuleRecompute => false,
+            // weights without a master copy, optimizer state below fp32: each update's
+            // results rounded to their precision (the executor's optimizer storage), held
+            // as f32
+            Feature::OptimizerStatePrecision | Feature::NoMasterWeights => {
+                eprintln!(
+                    "note: {}: pipec's executor rounds them to their precision after each update and holds them as f32, so its numbers are that precision's and its memory for them twice the plan's",
+                    f.written()
+                );
+                false
+            }
             Feature::BlockDropout
             | Feature::ExpertBias
             | Feature::ActivationOffload
-            | Feature::OptimizerStatePrecision
-            | Feature::NoMasterWeights
             | Feature::WholeExperts
             | Feature::MultiTokenPrediction => true,
             // the plan's precision is bf16 around the FP8 products: the executor trains

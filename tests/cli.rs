@@ -2450,11 +2450,17 @@ fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
     for feature in [
         "`dropout=`",
         "`sinks=true`) at layer 1 under `cp_comm: ring`",
-        "`optimizer.master_weights: false`",
         "an expert bias in the routing (`expert_bias=true`) at layer 3",
     ] {
         assert!(said.contains(feature), "{feature}: {said}");
     }
+    // weights without a master copy run, rounded after each update, and the run says how
+    let refused = said.lines().find(|l| l.contains("does not run")).unwrap_or_default();
+    assert!(!refused.contains("master_weights"), "{said}");
+    assert!(
+        said.contains("note: weights without an fp32 master copy (`optimizer.master_weights: false`): pipec's executor rounds them to their precision after each update"),
+        "{said}"
+    );
     // a head size of its own, query/key norms, sliding windows and multi-head latent
     // attention run (tests/training.rs; the qwen3, mistral and deepseek-v3 fixtures), and so
     // do sinks without the ring (attention_sinks_...), and DeepSeek's group-limited routing

@@ -11,6 +11,7 @@ use crate::interp::stage::{stage_graph, StageState, TpInfo};
 use crate::nn::layers::StageModel;
 use crate::nn::params::layout;
 pub(crate) use crate::parallel::optim::StageOptim;
+use crate::parallel::optim::Storage;
 
 pub(crate) fn build_stages<B: ExecBackend>(
     plan: &Plan,
@@ -71,7 +72,7 @@ pub(crate) fn build_stages<B: ExecBackend>(
             model = crate::nn::params::set_params(model, |p, _| if p == id { weight.take() } else { None }).0;
         }
         let params = layout::<B, _>(&model);
-        let optim = StageOptim::new(&plan.training.optimizer, &params);
+        let optim = StageOptim::new(&plan.training.optimizer, &params, Storage::of(&plan.training));
         let experts = crate::parallel::experts::Holding::of(plan, s.id, device, &params);
         // (a ZeRO-sharded stage's shards are cut from the whole weights first)
         let model = match &experts {

@@ -174,7 +174,7 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
             let items = st.optim.items().map_err(ExecError::Checkpoint)?;
             let items = crate::parallel::experts::join_experts(group, holding, &mut params, items)?;
             let whole: Vec<(u64, Vec<usize>)> = params.iter().map(|(id, shape, _)| (*id, shape.clone())).collect();
-            let mut optim = stage::StageOptim::<B>::new(&w.plan.training.optimizer, &whole);
+            let mut optim = stage::StageOptim::<B>::new(&w.plan.training.optimizer, &whole, Default::default());
             optim.load_items(items, &w.dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
             optimizer = optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
         }

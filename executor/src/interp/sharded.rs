@@ -9,7 +9,7 @@ use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
 use crate::interp::stage::StageState;
 use crate::nn::layers::StageModel;
-use crate::parallel::optim::StageOptim;
+use crate::parallel::optim::{StageOptim, Storage};
 use crate::parallel::zero::{master_chunks, ShardParams};
 use crate::{nn::params, parallel::reshard};
 use burn::module::ParamId;
@@ -157,14 +157,15 @@ pub(crate) fn shard_loaded<B: ExecBackend>(st: &mut StageState<B>, plan: &Plan, 
         if layout.params[k].part.is_none() {
             continue;
         }
-        let chunk = reshard::map_tensors(std::slice::from_ref(&item), &[layout.params[k].chunk], &|mut parts| {
-            Ok(layout.chunk(k, &parts.pop().unwrap_or_default(), layout.rank_of(k)))
-        })?;
+        let chunk =
+            reshard::map_tensors(std::slice::from_ref(&item), Some(&[layout.params[k].chunk]), &|mut parts| {
+                Ok(layout.chunk(k, &parts.pop().unwrap_or_default(), layout.rank_of(k)))
+            })?;
         cut.push((id, reshard::with_rank(chunk, 1)?));
     }
     shard.optim.load_items(cut, dev).map_err(ExecError::Checkpoint)?;
     // the whole state lives on only in the shards
-    st.optim = StageOptim::new(&plan.training.optimizer, &[]);
+    st.optim = StageOptim::new(&plan.training.optimizer, &[], Storage::of(&plan.training));
     Ok(())
 }
 
@@ -197,7 +198,7 @@ pub fn join_saved(loaded: &mut checkpoint::Loaded, optimizer: &pipec_plan::plan:
                 .remove(&key)
                 .ok_or_else(|| bad(format!("stage {stage}: replica {}'s optimizer state is missing", key.zero_rank)))?;
             let flat: Vec<(u64, Vec<usize>)> = chunks.iter().map(|c| (c.id, vec![chunk_len(c)])).collect();
-            let mut shard_optim = StageOptim::<C, ShardParams<C>>::new(optimizer, &flat);
+            let mut shard_optim = StageOptim::<C, ShardParams<C>>::new(optimizer, &flat, Storage::default());
             shard_optim
                 .load_bytes(&bytes, &dev)
                 .map_err(|e| bad(format!("stage {stage}, replica {}: {e}", key.zero_rank)))?;
@@ -227,7 +228,7 @@ pub fn join_saved(loaded: &mut checkpoint::Loaded, optimizer: &pipec_plan::plan:
             }
             let len: usize = shape.iter().product();
             let items: Vec<reshard::Item> = pieces.into_iter().map(|(_, item)| item).collect();
-            let whole = reshard::map_tensors(&items, &shape, &|parts| {
+            let whole = reshard::map_tensors(&items, Some(&shape), &|parts| {
                 let mut v: Vec<f32> = parts.into_iter().flatten().collect();
                 v.truncate(len);
                 Ok(v)
@@ -235,7 +236,7 @@ pub fn join_saved(loaded: &mut checkpoint::Loaded, optimizer: &pipec_plan::plan:
             joined.push((ParamId::from(pid), reshard::with_rank(whole, shape.len())?));
         }
         let whole_shapes: Vec<(u64, Vec<usize>)> = shapes.into_iter().collect();
-        let mut whole = StageOptim::<C, StageModel<C>>::new(optimizer, &whole_shapes);
+        let mut whole = StageOptim::<C, StageModel<C>>::new(optimizer, &whole_shapes, Storage::default());
         whole.load_items(joined, &dev).map_err(|e| bad(format!("stage {stage}: {e}")))?;
         let bytes = whole.save().map_err(|e| bad(format!("stage {stage}: {e}")))?;
         loaded.optimizers.insert(checkpoint::ShardKey::whole(stage, tp_rank), bytes);

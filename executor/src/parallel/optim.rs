@@ -13,13 +13,55 @@ use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use pipec_plan::checkpoint::ShardKey;
 use pipec_plan::plan::OptimizerPlan;
+use pipec_plan::Precision;
 
 use crate::backend::kernels::ExecBackend;
 use crate::nn::layers::StageModel;
 use crate::nn::params::{copy_weights, take_weight_copies, to_optimizer_grads};
 
-/// The optimizer of a stage (of its model, or of a ZeRO replica's shard of it).
-pub(crate) enum StageOptim<B: ExecBackend, M: AutodiffModule<B> = StageModel<B>> {
+/// The optimizer of a stage (of its model, or of a ZeRO replica's shard of it), and the
+/// precision its results are stored in.
+pub(crate) struct StageOptim<B: ExecBackend, M: AutodiffModule<B> = StageModel<B>> {
+    optim: Optim<B, M>,
+    storage: Storage,
+}
+
+/// What a step's results are rounded to, as the engines store them (the executor keeps
+/// f32 tensors and rounds their values): the weights to the training precision after each
+/// update where the model has no fp32 master copy (`optimizer.master_weights: false`), the
+/// optimizer's state (momentum, Adam's moments) to `optimizer.state_precision`. PyTorch's
+/// optimizers update bf16 and fp16 tensors so: each step's arithmetic in fp32 from the
+/// stored values, its result rounded once to the tensor's precision.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Storage {
+    /// The weights' precision, where they are rounded to one.
+    pub weights: Option<Precision>,
+    /// The optimizer state's precision, where it is rounded to one.
+    pub state: Option<Precision>,
+}
+
+impl Storage {
+    /// The storage `training` asks for.
+    pub(crate) fn of(training: &pipec_plan::plan::TrainingPlan) -> Storage {
+        let below_fp32 = |p: Precision| (p != Precision::Fp32).then_some(p);
+        Storage {
+            weights: below_fp32(training.precision).filter(|_| !training.master_weights),
+            state: below_fp32(training.state_precision),
+        }
+    }
+}
+
+/// `values` rounded to the nearest value of `precision` (ties to even), kept as f32.
+fn round_to(precision: Precision, values: &mut [f32]) {
+    match precision {
+        Precision::Fp32 => {}
+        Precision::Bf16 => values.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        Precision::Fp16 => values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+    }
+}
+
+/// The optimizers Burn gives.
+enum Optim<B: ExecBackend, M: AutodiffModule<B>> {
     Sgd(OptimizerAdaptor<Sgd<B::InnerBackend>, M, B>),
     Adam(OptimizerAdaptor<Adam, M, B>),
     /// With a rule when the weight decay skips some parameters (`decay_biases_and_norms:
@@ -64,9 +106,8 @@ impl DecayRule {
     }
 }
 
-impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
-    /// The optimizer of the parameters `params` (id and whole shape: a ZeRO shard's too).
-    pub fn new(plan: &OptimizerPlan, params: &[(u64, Vec<usize>)]) -> Self {
+impl<B: ExecBackend, M: AutodiffModule<B>> Optim<B, M> {
+    fn new(plan: &OptimizerPlan, params: &[(u64, Vec<usize>)]) -> Self {
         match *plan {
             OptimizerPlan::Sgd { momentum, weight_decay, .. } => {
                 let mut c = SgdConfig::new();
@@ -76,7 +117,7 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
                 if weight_decay > 0.0 {
                     c = c.with_weight_decay(Some(WeightDecayConfig { penalty: weight_decay as f32 }));
                 }
-                StageOptim::Sgd(c.init())
+                Optim::Sgd(c.init())
             }
             OptimizerPlan::Adam {
                 beta1, beta2, eps, weight_decay, decoupled: true, decay_biases_and_norms, ..
@@ -92,7 +133,7 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
                     .with_beta_2(beta2 as f32)
                     .with_epsilon(eps as f32)
                     .with_weight_decay(if rule.is_some() { 0.0 } else { weight_decay as f32 });
-                StageOptim::AdamW(c.init(), rule)
+                Optim::AdamW(c.init(), rule)
             }
             OptimizerPlan::Adam { beta1, beta2, eps, weight_decay, decoupled: false, .. } => {
                 let mut c =
@@ -100,21 +141,81 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
                 if weight_decay > 0.0 {
                     c = c.with_weight_decay(Some(WeightDecayConfig { penalty: weight_decay as f32 }));
                 }
-                StageOptim::Adam(c.init())
+                Optim::Adam(c.init())
             }
         }
     }
 
-    pub(crate) fn step(&mut self, lr: f64, model: M, grads: GradientsParams) -> M {
+    fn step(&mut self, lr: f64, model: M, grads: GradientsParams) -> M {
         match self {
-            StageOptim::Sgd(o) => o.step(lr, model, grads),
-            StageOptim::Adam(o) => o.step(lr, model, grads),
-            StageOptim::AdamW(o, None) => o.step(lr, model, grads),
-            StageOptim::AdamW(o, Some(rule)) => {
+            Optim::Sgd(o) => o.step(lr, model, grads),
+            Optim::Adam(o) => o.step(lr, model, grads),
+            Optim::AdamW(o, None) => o.step(lr, model, grads),
+            Optim::AdamW(o, Some(rule)) => {
                 let model = rule.apply(lr, model, &grads);
                 o.step(lr, model, grads)
             }
         }
+    }
+}
+
+/// `model` with every weight's values rounded to `precision`.
+fn round_weights<B: ExecBackend, M: AutodiffModule<B>>(model: M, precision: Precision) -> M {
+    struct Round(Precision);
+    impl<B: ExecBackend> burn::module::ModuleMapper<B> for Round {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<B, D>>,
+        ) -> burn::module::Param<Tensor<B, D>> {
+            let (id, tensor, _) = param.consume();
+            let device = tensor.device();
+            let data = tensor.inner().into_data();
+            let shape = data.shape.clone();
+            let mut values: Vec<f32> = data.convert::<f32>().into_vec().unwrap_or_default();
+            round_to(self.0, &mut values);
+            let inner = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(values, shape), &device);
+            burn::module::Param::initialized(id, Tensor::from_inner(inner).require_grad())
+        }
+    }
+    model.map(&mut Round(precision))
+}
+
+impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
+    /// The optimizer of the parameters `params` (id and whole shape: a ZeRO shard's too),
+    /// storing its results as `storage` says.
+    pub fn new(plan: &OptimizerPlan, params: &[(u64, Vec<usize>)], storage: Storage) -> Self {
+        StageOptim { optim: Optim::new(plan, params), storage }
+    }
+
+    pub(crate) fn step(&mut self, lr: f64, model: M, grads: GradientsParams) -> M {
+        let model = self.optim.step(lr, model, grads);
+        let model = match self.storage.weights {
+            Some(precision) => round_weights(model, precision),
+            None => model,
+        };
+        if let Some(precision) = self.storage.state {
+            if let Some(dev) = model.devices().first() {
+                // the state is the optimizer's own: a failure to read it back is a bug
+                let rounded = self.items().and_then(|items| {
+                    items
+                        .into_iter()
+                        .map(|(id, item)| {
+                            crate::parallel::reshard::map_tensors(std::slice::from_ref(&item), None, &|mut parts| {
+                                let mut values = parts.pop().unwrap_or_default();
+                                round_to(precision, &mut values);
+                                Ok(values)
+                            })
+                            .map(|item| (id, item))
+                            .map_err(|e| e.to_string())
+                        })
+                        .collect::<std::result::Result<Vec<_>, String>>()
+                });
+                if let Err(e) = rounded.and_then(|items| self.load_items(items, dev)) {
+                    panic!("the optimizer's state does not round to {precision}: {e}");
+                }
+            }
+        }
+        model
     }
 
     /// One update of `model` from flat gradients (in visiting order), each scaled by
@@ -135,10 +236,10 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
     /// The optimizer's state (momentum, Adam moments) in Burn's binary record format.
     pub fn save(&self) -> std::result::Result<Vec<u8>, String> {
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-        match self {
-            StageOptim::Sgd(o) => recorder.record(o.to_record(), ()),
-            StageOptim::Adam(o) => recorder.record(o.to_record(), ()),
-            StageOptim::AdamW(o, _) => recorder.record(o.to_record(), ()),
+        match &self.optim {
+            Optim::Sgd(o) => recorder.record(o.to_record(), ()),
+            Optim::Adam(o) => recorder.record(o.to_record(), ()),
+            Optim::AdamW(o, _) => recorder.record(o.to_record(), ()),
         }
         .map_err(|e| format!("cannot record the optimizer state: {e:?}"))
     }
@@ -152,11 +253,11 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
                 .map_err(|_| "the optimizer state is corrupt".to_string())?
                 .map_err(|e| format!("the optimizer state is corrupt: {e:?}"))
         }
-        let placeholder = StageOptim::Sgd(SgdConfig::new().init());
-        *self = match std::mem::replace(self, placeholder) {
-            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(record(bytes, dev)?)),
-            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(record(bytes, dev)?)),
-            StageOptim::AdamW(o, rule) => StageOptim::AdamW(o.load_record(record(bytes, dev)?), rule),
+        let placeholder = Optim::Sgd(SgdConfig::new().init());
+        self.optim = match std::mem::replace(&mut self.optim, placeholder) {
+            Optim::Sgd(o) => Optim::Sgd(o.load_record(record(bytes, dev)?)),
+            Optim::Adam(o) => Optim::Adam(o.load_record(record(bytes, dev)?)),
+            Optim::AdamW(o, rule) => Optim::AdamW(o.load_record(record(bytes, dev)?), rule),
         };
         Ok(())
     }
@@ -183,10 +284,10 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
             out.sort_by_key(|(id, _)| id.val());
             Ok(out)
         }
-        match self {
-            StageOptim::Sgd(o) => items_of::<_, _, B>(o.to_record()),
-            StageOptim::Adam(o) => items_of::<_, _, B>(o.to_record()),
-            StageOptim::AdamW(o, _) => items_of::<_, _, B>(o.to_record()),
+        match &self.optim {
+            Optim::Sgd(o) => items_of::<_, _, B>(o.to_record()),
+            Optim::Adam(o) => items_of::<_, _, B>(o.to_record()),
+            Optim::AdamW(o, _) => items_of::<_, _, B>(o.to_record()),
         }
     }
 
@@ -214,11 +315,11 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
                 })
                 .collect()
         }
-        let placeholder = StageOptim::Sgd(SgdConfig::new().init());
-        *self = match std::mem::replace(self, placeholder) {
-            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(record_of(items, dev)?)),
-            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(record_of(items, dev)?)),
-            StageOptim::AdamW(o, rule) => StageOptim::AdamW(o.load_record(record_of(items, dev)?), rule),
+        let placeholder = Optim::Sgd(SgdConfig::new().init());
+        self.optim = match std::mem::replace(&mut self.optim, placeholder) {
+            Optim::Sgd(o) => Optim::Sgd(o.load_record(record_of(items, dev)?)),
+            Optim::Adam(o) => Optim::Adam(o.load_record(record_of(items, dev)?)),
+            Optim::AdamW(o, rule) => Optim::AdamW(o.load_record(record_of(items, dev)?), rule),
         };
         Ok(())
     }
@@ -314,7 +415,7 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
                         .collect::<std::result::Result<Vec<_>, _>>()
                         .map_err(|e| format!("the optimizer state cannot be resharded: {e}"))?;
                     let (from, to, tp, rank) = (want.saved.from, want.to, want.tp as usize, want.rank as usize);
-                    let joined = crate::parallel::reshard::map_tensors(&items, &want.shape, &|parts| {
+                    let joined = crate::parallel::reshard::map_tensors(&items, Some(&want.shape), &|parts| {
                         Ok(crate::parallel::tensor_parallel::shard(
                             &crate::parallel::tensor_parallel::unshard(&parts, from)?,
                             to,
@@ -332,11 +433,11 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
             }
             Ok(out.into_iter().collect())
         }
-        let placeholder = StageOptim::Sgd(SgdConfig::new().init());
-        *self = match std::mem::replace(self, placeholder) {
-            StageOptim::Sgd(o) => StageOptim::Sgd(o.load_record(merged(files, wants, complete, dev)?)),
-            StageOptim::Adam(o) => StageOptim::Adam(o.load_record(merged(files, wants, complete, dev)?)),
-            StageOptim::AdamW(o, rule) => StageOptim::AdamW(o.load_record(merged(files, wants, complete, dev)?), rule),
+        let placeholder = Optim::Sgd(SgdConfig::new().init());
+        self.optim = match std::mem::replace(&mut self.optim, placeholder) {
+            Optim::Sgd(o) => Optim::Sgd(o.load_record(merged(files, wants, complete, dev)?)),
+            Optim::Adam(o) => Optim::Adam(o.load_record(merged(files, wants, complete, dev)?)),
+            Optim::AdamW(o, rule) => Optim::AdamW(o.load_record(merged(files, wants, complete, dev)?), rule),
         };
         Ok(())
     }
@@ -352,4 +453,26 @@ pub(crate) struct Want {
     pub to: crate::parallel::tensor_parallel::Sharding,
     pub tp: u32,
     pub rank: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_keeps_the_nearest_value_of_the_precision_ties_to_even() {
+        // bf16 keeps 8 significant bits: 1 + 2^-8 is halfway between 1 and 1 + 2^-7
+        let mut v = [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), 1.0 + 2f32.powi(-9), -2.5e-3];
+        round_to(Precision::Bf16, &mut v);
+        assert_eq!(v[..3], [1.0, 1.0 + 2f32.powi(-6), 1.0]);
+        assert_eq!(v[3], half::bf16::from_f32(-2.5e-3).to_f32());
+        // fp16 keeps 11 and overflows past 65,504
+        let mut h = [1.0 + 2f32.powi(-11), 70000.0];
+        round_to(Precision::Fp16, &mut h);
+        assert_eq!(h[0], 1.0);
+        assert!(h[1].is_infinite());
+        let mut same = [0.1f32];
+        round_to(Precision::Fp32, &mut same);
+        assert_eq!(same, [0.1]);
+    }
 }

@@ -152,10 +152,11 @@ fn entry<'a>(v: &'a Item, key: &str) -> Option<&'a Item> {
 /// Applies `f` to every f32 tensor inside a serialised record item, in the same order in
 /// each of `items` (the saved ranks' states of one parameter); `f` gets each rank's values
 /// and returns this rank's. The state of an optimizer is a record of tensors shaped like
-/// its parameter (and counters, kept from the first rank).
+/// its parameter (and counters, kept from the first rank); each tensor is reshaped to
+/// `shape`, or keeps its own with None.
 pub(crate) fn map_tensors(
     items: &[Item],
-    shape: &[usize],
+    shape: Option<&[usize]>,
     f: &dyn Fn(Vec<Vec<f32>>) -> Result<Vec<f32>>,
 ) -> Result<Item> {
     fn is_tensor(v: &Item) -> bool {
@@ -170,18 +171,19 @@ pub(crate) fn map_tensors(
         }
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
-    fn walk(items: &[&Item], shape: &[usize], f: &dyn Fn(Vec<Vec<f32>>) -> Result<Vec<f32>>) -> Result<Item> {
+    fn walk(items: &[&Item], shape: Option<&[usize]>, f: &dyn Fn(Vec<Vec<f32>>) -> Result<Vec<f32>>) -> Result<Item> {
         let first = items[0];
         if is_tensor(first) {
             let parts = items.iter().map(|v| floats(v)).collect::<Result<Vec<_>>>()?;
             let values = f(parts)?;
             let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
-            let dims = Item::Array(shape.iter().map(|&n| Item::Integer((n as u64).into())).collect());
+            let dims =
+                shape.map(|shape| Item::Array(shape.iter().map(|&n| Item::Integer((n as u64).into())).collect()));
             let map = first.as_map().map(|m| {
                 m.iter()
                     .map(|(k, v)| match k.as_text() {
                         Some("bytes") => (k.clone(), Item::Bytes(bytes.clone())),
-                        Some("shape") => (k.clone(), dims.clone()),
+                        Some("shape") => (k.clone(), dims.clone().unwrap_or_else(|| v.clone())),
                         _ => (k.clone(), v.clone()),
                     })
                     .collect()
@@ -220,7 +222,7 @@ pub(crate) fn map_tensors(
 /// The f32 tensors inside a serialised record item, in the order [`map_tensors`] visits them.
 pub(crate) fn tensor_values(item: &Item) -> Result<Vec<Vec<f32>>> {
     let found = std::cell::RefCell::new(Vec::new());
-    map_tensors(std::slice::from_ref(item), &[], &|mut parts| {
+    map_tensors(std::slice::from_ref(item), None, &|mut parts| {
         let values = parts.pop().unwrap_or_default();
         found.borrow_mut().push(values);
         Ok(Vec::new())
@@ -232,7 +234,7 @@ pub(crate) fn tensor_values(item: &Item) -> Result<Vec<Vec<f32>>> {
 /// shaped `shape`.
 pub(crate) fn with_tensors(item: &Item, values: Vec<Vec<f32>>, shape: &[usize]) -> Result<Item> {
     let next = std::cell::RefCell::new(values.into_iter());
-    map_tensors(std::slice::from_ref(item), shape, &|_| {
+    map_tensors(std::slice::from_ref(item), Some(shape), &|_| {
         next.borrow_mut().next().ok_or_else(|| ExecError::Checkpoint("an optimizer state has too few tensors".into()))
     })
 }

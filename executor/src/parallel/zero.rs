@@ -32,7 +32,7 @@ use crate::error::{ExecError, Result};
 use crate::nn::layers::StageModel;
 use crate::nn::params;
 pub(crate) use crate::parallel::groups::shard_group;
-use crate::parallel::optim::StageOptim;
+use crate::parallel::optim::{StageOptim, Storage};
 pub(crate) use crate::parallel::zero_units::{gathers_per_product, zero3_gather, Zero3Gather};
 use std::collections::HashMap;
 
@@ -365,7 +365,7 @@ impl<B: ExecBackend> ShardState<B> {
             None => ShardLayout::new(&params, d, rank),
         };
         let master = master_chunks(&layout, model, dev)?;
-        let optim = StageOptim::new(&plan.training.optimizer, &layout.whole_shapes());
+        let optim = StageOptim::new(&plan.training.optimizer, &layout.whole_shapes(), Storage::of(&plan.training));
         let per_product = vec![false; layout.params.len()];
         Ok(ShardState {
             level: plan.schedule.sharding,

@@ -323,7 +323,11 @@ pub fn optimizer_rates<B: crate::backend::kernels::ExecBackend>(device: &B::Devi
     let time = |plan: &OptimizerPlan, ops: &[Op]| -> Point {
         let mut model = Some(crate::nn::layers::StageModel::<B>::new(ops, 0, 1, device));
         let layout = crate::nn::params::layout::<B, _>(model.as_ref().expect("built"));
-        let mut optim = crate::interp::stage::StageOptim::<B, crate::nn::layers::StageModel<B>>::new(plan, &layout);
+        let mut optim = crate::interp::stage::StageOptim::<B, crate::nn::layers::StageModel<B>>::new(
+            plan,
+            &layout,
+            Default::default(),
+        );
         let flat: Vec<Option<Tensor<B::InnerBackend, 1>>> = layout
             .iter()
             .map(|(_, shape)| {

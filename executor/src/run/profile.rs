@@ -72,7 +72,7 @@ pub(crate) fn time_passes<B: ExecBackend>(
     mut input: impl FnMut() -> Act<B>,
 ) -> Result<Passes, ExecError> {
     let (mut fwd, mut bwd, mut upd) = (Vec::new(), Vec::new(), Vec::new());
-    let mut optim = StageOptim::<B>::new(optimizer, &crate::nn::params::layout::<B, _>(&model));
+    let mut optim = StageOptim::<B>::new(optimizer, &crate::nn::params::layout::<B, _>(&model), Default::default());
     let mut acc = FlatGrads::<B>::new();
     let keys = sum_keys(&model);
     let per_version = per_version.max(1);
