@@ -232,7 +232,9 @@ impl ClusterGraph {
     /// number there (DeepEP's dispatch layout, `is_token_in_rank`; the combine sums a
     /// device's experts' outputs before sending one row back): of the top_k/p routed pairs
     /// per token and device a plain all-to-all sends, 1 − (1 − 1/p)^top_k. The slower of
-    /// the two parts sets the time.
+    /// the two parts sets the time. Each part pays its link's latency once: one kernel writes
+    /// to every peer at once (DeepEP's normal kernels, each channel's warps sending to all
+    /// ranks), where a ring pays it per step.
     pub fn node_forwarded_time(&self, members: &[DeviceId], bytes: u64, routing: DeepEpRouting) -> f64 {
         let shape = self.group_shape(members);
         let (p, q, k) = (shape.members, shape.nodes, shape.per_node);
@@ -246,9 +248,9 @@ impl ClusterGraph {
         let chunk = bytes as f64 / p as f64;
         let once_per_node = (routing.distinct_nodes(q) / choices).min(1.0);
         let remote = (p - k) as f64;
-        let across = remote * self.inter.latency
-            + remote * chunk * once_per_node / (self.inter.bandwidth * self.inter.efficiency);
-        let within = (k - 1) as f64 * self.intra.latency
+        let across =
+            self.inter.latency + remote * chunk * once_per_node / (self.inter.bandwidth * self.inter.efficiency);
+        let within = self.intra.latency
             + ((k - 1) as f64 * chunk + remote * chunk) * once_per_device
                 / (self.intra.bandwidth * self.intra.efficiency);
         across.max(within)
@@ -415,18 +417,19 @@ mod tests {
         let plain = c.collective_time(CollectiveKind::AllToAll, &members, n as u64);
         let once = 2.0 * (1.0 - 0.5f64.powi(8)) / 8.0;
         let chunk = n / 16.0;
-        let across = 8.0 * 6e-6 + 8.0 * chunk * once / 22.5e9;
+        // one kernel sends to every peer at once: the link's latency once
+        let across = 6e-6 + 8.0 * chunk * once / 22.5e9;
         // over NVLink, once to each device holding any of a token's experts: of 8/16 routed
         // pairs per device, 1 − (15/16)^8
         let per_device = 16.0 * (1.0 - (15.0f64 / 16.0).powi(8)) / 8.0;
-        let within = 7.0 * 3e-6 + 15.0 * chunk * per_device / 225e9;
+        let within = 3e-6 + 15.0 * chunk * per_device / 225e9;
         let deepep = c.node_forwarded_time(&members, n as u64, DeepEpRouting::choices(8));
         assert!((deepep - across.max(within)).abs() < 1e-12, "{deepep}");
         assert!(deepep < plain / 3.5, "{deepep} against {plain}");
         // one choice per token: nothing to share, the links carry what they did
         let one = c.node_forwarded_time(&members, n as u64, DeepEpRouting::choices(1));
-        let within_one = 7.0 * 3e-6 + 15.0 * chunk / 225e9;
-        assert!((one - (8.0 * 6e-6 + 8.0 * chunk / 22.5e9).max(within_one)).abs() < 1e-12);
+        let within_one = 3e-6 + 15.0 * chunk / 225e9;
+        assert!((one - (6e-6 + 8.0 * chunk / 22.5e9).max(within_one)).abs() < 1e-12);
         // inside a node: an all-to-all of the copies, 8 choices over 8 devices reaching
         // 8(1 − (7/8)^8) = 5.25 of them
         let node: Vec<DeviceId> = (0..8).map(DeviceId).collect();
@@ -457,8 +460,8 @@ mod tests {
         let c = cluster(8, 8);
         let members: Vec<DeviceId> = (0..64).map(DeviceId).collect();
         let (n, chunk) = (8.0e8, 8.0e8 / 64.0);
-        let across = |nodes: f64| 56.0 * 6e-6 + 56.0 * chunk * nodes / 8.0 / 22.5e9;
-        let within = |r: DeepEpRouting| 7.0 * 3e-6 + 63.0 * chunk * r.distinct_nodes(64) / 8.0 / 225e9;
+        let across = |nodes: f64| 6e-6 + 56.0 * chunk * nodes / 8.0 / 22.5e9;
+        let within = |r: DeepEpRouting| 3e-6 + 63.0 * chunk * r.distinct_nodes(64) / 8.0 / 225e9;
         for (routing, nodes) in [(DeepEpRouting::choices(8), unlimited), (v3, 4.0)] {
             let t = c.node_forwarded_time(&members, n as u64, routing);
             assert!((t - across(nodes).max(within(routing))).abs() < 1e-12, "{routing:?}: {t}");

@@ -495,7 +495,7 @@ pub const CALIBRATED: &[Calibrated] = &[
         power: None,
         efficiency: 0.8388,
         source: "fitted on steps.csv's dense calibration row mb2511-h100-llama38b-fp8cs-8g (Megatron-Bridge's published H100 tables)",
-        experts: 0.6807,
+        experts: 0.6697,
         experts_source: "fitted on steps.csv's mixture-of-experts calibration rows mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g, the dense constant held (Megatron-Bridge's published H100 tables)",
     },
     Calibrated {
