@@ -1095,8 +1095,10 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
                 );
                 false
             }
+            // the fixed expert bias runs (choice only; kept in checkpoints, read from and
+            // written to DeepSeek-V3's `e_score_correction_bias`)
+            Feature::ExpertBias => false,
             Feature::BlockDropout
-            | Feature::ExpertBias
             | Feature::ActivationOffload
             | Feature::WholeExperts
             | Feature::MultiTokenPrediction => true,

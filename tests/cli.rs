@@ -2447,11 +2447,7 @@ fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
     let run = pipec(&["run", spec.to_str().expect("utf-8"), "-o", dir.path().join("run").to_str().expect("utf-8")]);
     let said = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(1), "{said}");
-    for feature in [
-        "`dropout=`",
-        "`sinks=true`) at layer 1 under `cp_comm: ring`",
-        "an expert bias in the routing (`expert_bias=true`) at layer 3",
-    ] {
+    for feature in ["`dropout=`", "`sinks=true`) at layer 1 under `cp_comm: ring`"] {
         assert!(said.contains(feature), "{feature}: {said}");
     }
     // weights without a master copy run, rounded after each update, and the run says how
@@ -2464,10 +2460,11 @@ fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
     // a head size of its own, query/key norms, sliding windows and multi-head latent
     // attention run (tests/training.rs; the qwen3, mistral and deepseek-v3 fixtures), and so
     // do sinks without the ring (attention_sinks_...), and DeepSeek's group-limited routing
-    // and scaled weights (the deepseek-v3-moe fixture)
-    // and so does recompute by layers, module or operation (recompute_by_... in
-    // tests/training.rs)
+    // and scaled weights (the deepseek-v3-moe fixture) and its expert bias
+    // (a_deepseek_expert_bias_...), and so does recompute by layers, module or operation
+    // (recompute_by_... in tests/training.rs)
     for runs in [
+        "`expert_bias=true`",
         "`head_dim=`",
         "`qk_norm=true`",
         "`window=`",
@@ -2845,4 +2842,89 @@ fn compile_says_what_the_executor_runs_again() {
         said.contains("recompute inside the blocks `{ modules: [core_attn, mlp], layers: 1 }`: pipec's executor runs again in each backward the first 1 block(s) of every stage whole, then each block's MLP half (its norm, MLP or experts and residual sum) from its input, the attention core inside its kernel"),
         "{said}"
     );
+}
+
+/// DeepSeek-V3's expert bias (`expert_bias=true`, its `e_score_correction_bias`): read from
+/// a Hugging Face checkpoint, added to the sigmoid scores for the choice only, held fixed
+/// (nothing trains it), kept in pipec's checkpoints and written back by `pipec export`. A
+/// copy of the deepseek-v3-moe fixture whose bias is not zero routes otherwise than its
+/// zeros, and trains to one device's numbers on a pipeline, on replicas and under tensor
+/// parallelism; without `expert_bias=true` its bias is refused, naming the key.
+#[test]
+fn a_deepseek_expert_bias_is_read_routed_with_kept_fixed_and_written_back() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/hf/deepseek-v3-moe");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let biased = dir.path().join("biased");
+    std::fs::create_dir(&biased).expect("dir");
+    std::fs::copy(fixture.join("config.json"), biased.join("config.json")).expect("config");
+    let mut tensors =
+        pipec_plan::hf::read_safetensors(&std::fs::read(fixture.join("model.safetensors")).expect("fixture"))
+            .expect("safetensors");
+    let key = "model.layers.1.mlp.gate.e_score_correction_bias";
+    assert_eq!(tensors.get(key).map(|(_, v)| v.clone()), Some(vec![0.0; 8]), "the fixture's bias is zeros");
+    let bias = vec![0.3f32, -0.2, 0.1, -0.4, 0.25, 0.0, -0.1, 0.15];
+    tensors.insert(key.to_string(), (vec![8], bias.clone()));
+    std::fs::write(biased.join("model.safetensors"), pipec_plan::hf::write_safetensors(&tensors).expect("write"))
+        .expect("model");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("reference.json")).expect("fixture")).expect("json");
+    let ids: Vec<Vec<u16>> = serde_json::from_value(reference["input_ids"].clone()).expect("ids");
+    let mut tokens: Vec<u16> = ids.concat();
+    tokens.push(7);
+    let data = dir.path().join("tokens.bin");
+    std::fs::write(&data, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).expect("tokens");
+    let latent = "causal=true, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, head_dim=4, kv_lora=8, q_lora=8, rope_dim=4, v_head_dim=6, rope_scaling=yarn, rope_factor=4, rope_original=8, rope_attention_factor=1, rope_mscale_all_dim=1";
+    let spec = |name: &str, devices: usize, layout: &str, expert_bias: bool| {
+        let path = dir.path().join(format!("{name}.yaml"));
+        let text = format!(
+            "name: {name}\nmodel:\n  input: [12]\n  layers:\n    - embedding(50, 16)\n    - transformer_block(d=16, heads=4, ff=24, {latent})\n    - transformer_block(d=16, heads=4, ff=8, {latent}, experts=8, top_k=4, shared_experts=1, router=sigmoid, route_scale=2.5, route_groups=4, route_group_top=2, expert_bias={expert_bias})\n    - rmsnorm\n    - linear(16, 50, bias=false) as lm_head\n  loss: cross_entropy\n\
+             cluster:\n  nodes: 1\n  devices_per_node: {devices}\n  device: {{ kind: cpu, memory: 2GiB, throughput: 20GFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\n\
+             strategy:\n  {layout}\n  schedule: 1f1b\n  microbatches: 2\n\
+             training:\n  batch_size: 2\n  steps: 3\n  checkpoint: {{ every: 3, dir: checkpoints }}\n  optimizer: {{ kind: adamw, lr: 0.01, weight_decay: 0.1 }}\n  data: {{ kind: tokens, path: {}, dtype: uint16 }}\n",
+            data.display()
+        );
+        std::fs::write(&path, text).expect("spec");
+        path
+    };
+    // without `expert_bias=true` a bias that is not zero is refused, naming the key
+    let plain = spec("plain", 1, "stages: \"1\"", false);
+    let out = pipec(&[
+        "run",
+        plain.to_str().expect("utf-8"),
+        "--init",
+        biased.to_str().expect("utf-8"),
+        "--out",
+        dir.path().join("plain").to_str().expect("utf-8"),
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains(key) && said.contains("expert_bias=true"), "{said}");
+    // the bias routes otherwise than the fixture's zeros
+    let zeros = dir.path().join("zeros");
+    run_from_hugging_face(&spec("zeros", 1, "stages: \"1\"", true), &fixture, &zeros, &[]);
+    let one = dir.path().join("one");
+    run_from_hugging_face(&spec("one", 1, "stages: \"1\"", true), &biased, &one, &[]);
+    let (with, without) = (run_losses(&one), run_losses(&zeros));
+    assert_eq!(with.len(), 3);
+    assert!(with.iter().zip(&without).all(|(a, b)| a != b), "{with:?} against {without:?}");
+    // every layout trains to one device's numbers
+    for (k, (devices, layout)) in
+        [(2, "stages: \"1-1\""), (2, "stages: \"2\""), (4, "stages: \"1-1\"\n  tp: 2")].into_iter().enumerate()
+    {
+        let run = dir.path().join(format!("layout{k}"));
+        run_from_hugging_face(&spec(&format!("layout{k}"), devices, layout, true), &biased, &run, &[]);
+        let got = run_losses(&run);
+        let apart = got.iter().zip(&with).map(|(a, b)| (a - b).abs() / b.abs()).fold(0.0, f64::max);
+        assert!(apart < 1e-5, "{layout}: {got:?} against one device's {with:?}");
+        // kept fixed through three AdamW steps with weight decay, and written back
+        let exported = dir.path().join(format!("layout{k}-hf"));
+        let out = pipec(&[
+            "export",
+            run.join("checkpoints").to_str().expect("utf-8"),
+            "-o",
+            exported.to_str().expect("utf-8"),
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let written = pipec_plan::hf::read_dir(&exported).expect("exported");
+        assert_eq!(written.get(key).map(|(_, v)| v.clone()), Some(bias.clone()), "{layout}");
+    }
 }

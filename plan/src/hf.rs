@@ -333,12 +333,17 @@ fn convert_from(layers: &[Op], src: &Source<'_>) -> Result<(Weights, Vec<(u64, S
                             let moe = format!("{h}mlp.");
                             let router = get(&format!("{moe}gate.weight"), &[m.experts, d])?;
                             out.insert(pid(i, crate::checkpoint::ROUTER_SLOT), transposed(router, m.experts, d));
+                            // the fixed expert bias (`expert_bias=true`); without it, a bias
+                            // of zeros (transformers' initial one) is read as none
                             let bias = format!("{moe}gate.e_score_correction_bias");
-                            if tensors.contains_key(&bias) {
+                            if m.expert_bias {
                                 let values = get(&bias, &[m.experts])?;
-                                if m.expert_bias || values.iter().any(|v| *v != 0.0) {
+                                out.insert(pid(i, crate::model::EXPERT_BIAS_SLOT), (vec![m.experts], values.to_vec()));
+                            } else if tensors.contains_key(&bias) {
+                                let values = get(&bias, &[m.experts])?;
+                                if values.iter().any(|v| *v != 0.0) {
                                     return Err(format!(
-                                        "`{bias}`: pipec does not hold DeepSeek's expert bias yet; a bias of zeros (transformers' initial one) is read as none, with expert_bias=false"
+                                        "`{bias}` is not zero: the block routes with an expert bias; write `expert_bias=true` on it (`pipec import` does from config.json's `topk_method: noaux_tc`)"
                                     ));
                                 }
                             }
@@ -786,10 +791,9 @@ pub fn from_pipec(
         let deepseek = b.mla.is_some()
             && m.router == crate::model::Router::Sigmoid
             && m.capacity == 0.0
-            && !m.expert_bias
             && (m.groups == 0 || m.top_k == 2 * m.group_top);
         if !mixtral && !deepseek {
-            return Err("the blocks are mixtures of experts that are neither Mixtral's (a softmax router, norm_topk=true, no shared experts, scale or groups) nor DeepSeek-V3's (latent attention, a sigmoid router, groups scored by their two best, no expert bias held): no Hugging Face family to write them as".into());
+            return Err("the blocks are mixtures of experts that are neither Mixtral's (a softmax router, norm_topk=true, no shared experts, scale or groups) nor DeepSeek-V3's (latent attention, a sigmoid router, groups scored by their two best): no Hugging Face family to write them as".into());
         }
         if b.qk_norm {
             return Err("the blocks are mixtures of experts with query/key norms (Qwen3-MoE): its checkpoint names are not written yet, and Mixtral's have no query/key norms".into());
@@ -906,14 +910,20 @@ pub fn from_pipec(
                         put(format!("{h}mlp.up_proj.weight"), vec![f, d], up[f * d..].to_vec());
                         put(format!("{h}mlp.down_proj.weight"), vec![d, f], transpose(weight(id(10), &[f, d])?, f, d));
                     }
-                    // DeepSeek-V3: `mlp.gate` with its correction bias (zeros: none held),
+                    // DeepSeek-V3: `mlp.gate` with its correction bias (the expert bias, or
+                    // zeros without one),
                     // the experts' gate/up/down projections, the shared experts as one MLP
                     Some(m) if b.mla.is_some() => {
                         let moe = format!("{h}mlp.");
                         let router =
                             transpose(weight(id(crate::checkpoint::ROUTER_SLOT), &[d, m.experts])?, d, m.experts);
                         put(format!("{moe}gate.weight"), vec![m.experts, d], router);
-                        put(format!("{moe}gate.e_score_correction_bias"), vec![m.experts], vec![0.0; m.experts]);
+                        let bias = if m.expert_bias {
+                            weight(id(crate::model::EXPERT_BIAS_SLOT), &[m.experts])?.to_vec()
+                        } else {
+                            vec![0.0; m.experts]
+                        };
+                        put(format!("{moe}gate.e_score_correction_bias"), vec![m.experts], bias);
                         let mlp = |slot: u64| -> Result<[Vec<f32>; 3], String> {
                             let up = transpose(weight(id(slot), &[d, 2 * f])?, d, 2 * f);
                             let down = transpose(weight(id(slot + 2), &[f, d])?, f, d);

@@ -21,6 +21,11 @@ pub const K_NORM_SLOT: u64 = 14;
 /// the experts' (`checkpoint::expert_slot`).
 pub const SINKS_SLOT: u64 = 15;
 
+/// A mixture of experts' fixed bias per expert (`expert_bias=true`, DeepSeek-V3's
+/// `e_score_correction_bias`), in the slot a dense block's down projection takes (a mixture
+/// has none): state kept in checkpoints, not a parameter (nothing trains it).
+pub const EXPERT_BIAS_SLOT: u64 = 10;
+
 /// Multi-head latent attention's weights, in the slots standard attention's fused
 /// projection and query/key norms take (a latent block has neither): the down projection
 /// of the input to the queries' latent, the keys' and values' latent and the shared rotary

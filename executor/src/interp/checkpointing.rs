@@ -55,6 +55,7 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
         missing.retain(|pid| !loaded.initial.contains_key(pid) && !evicted.contains(pid));
         st.model = Some(model);
         load_running_statistics(st, &saved, tp_size, tp_rank)?;
+        load_expert_biases(st, &saved, tp_size, tp_rank)?;
         if let Some(first) = missing.first() {
             return Err(ExecError::Checkpoint(format!(
                 "model.safetensors lacks {} parameter(s) of stage {id} (e.g. `{}`)",
@@ -93,6 +94,35 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
                 st.model = st.model.take().map(|m| h.evict(m));
             }
         }
+    }
+    Ok(())
+}
+
+/// Mixtures of experts' fixed expert biases from a checkpoint (keyed like parameters; a
+/// Hugging Face checkpoint's `e_score_correction_bias`): finite values, one per expert.
+fn load_expert_biases<B: ExecBackend>(
+    st: &mut StageState<B>,
+    saved: &reshard::SavedLayout<'_>,
+    tp_size: u32,
+    tp_rank: u32,
+) -> Result<(), ExecError> {
+    let wanted: Vec<(usize, usize)> = st.model()?.expert_biases().map(|(layer, b)| (layer, b.len())).collect();
+    for (layer, experts) in wanted {
+        let id = layers::state_id(layer, pipec_plan::model::EXPERT_BIAS_SLOT);
+        let Some(values) = saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, &[experts])? else {
+            return Err(ExecError::Checkpoint(format!(
+                "model.safetensors lacks the expert bias of layer {layer} (`{}`)",
+                checkpoint::param_name(id)
+            )));
+        };
+        if let Some(k) = values.iter().position(|x| !x.is_finite()) {
+            return Err(ExecError::Checkpoint(format!(
+                "the expert bias of layer {layer} (`{}`) is {} at expert {k}: a bias is finite (the checkpoint is damaged)",
+                checkpoint::param_name(id),
+                values[k]
+            )));
+        }
+        st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.set_expert_bias(layer, values)?;
     }
     Ok(())
 }
@@ -178,7 +208,7 @@ pub(crate) fn save_checkpoint<B: ExecBackend>(w: &mut Worker<'_, B>) -> Result<c
             optim.load_items(items, &w.dev).map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
             optimizer = optim.save().map_err(|e| ExecError::Checkpoint(format!("stage {id}: {e}")))?;
         }
-        params.extend(stage::running_statistics(st)?);
+        params.extend(stage::kept_state(st)?);
         out.insert(
             checkpoint::ShardKey::whole(id.0, tp_rank),
             checkpoint::StageCheckpoint { params, optimizer, tp_size, zero: None },

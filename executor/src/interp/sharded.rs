@@ -129,7 +129,7 @@ pub(crate) fn saved_shard<B: ExecBackend>(
         chunks.push(checkpoint::Chunk { id: p.id, shape: p.shape.clone(), index: part.rank as u32, of: part.d as u32 });
     }
     if layout.rank == 0 {
-        for (sid, shape, values) in crate::interp::stage::running_statistics(st)? {
+        for (sid, shape, values) in crate::interp::stage::kept_state(st)? {
             chunks.push(checkpoint::Chunk { id: sid, shape: shape.clone(), index: 0, of: 1 });
             params.push((sid, shape, values));
         }

@@ -305,11 +305,20 @@ pub(crate) fn stage_graph(plan: &Plan, a: usize, b: usize) -> Option<StageGraph>
     })
 }
 
-/// Batch normalisation's running statistics of a stage, keyed like parameters.
-pub(crate) fn running_statistics<B: ExecBackend>(
+/// The state a stage keeps beside its parameters, keyed like them: batch normalisation's
+/// running statistics and mixtures of experts' fixed expert biases (every tensor-parallel
+/// rank holds them whole).
+pub(crate) fn kept_state<B: ExecBackend>(
     st: &StageState<B>,
 ) -> Result<Vec<crate::parallel::experts::SavedParam>, ExecError> {
     let mut out = Vec::new();
+    for (layer, bias) in st.model()?.expert_biases() {
+        out.push((
+            crate::nn::layers::state_id(layer, pipec_plan::model::EXPERT_BIAS_SLOT),
+            vec![bias.len()],
+            bias.to_vec(),
+        ));
+    }
     for bn in st.model()?.batch_norms() {
         let c = bn.running_mean.len();
         out.push((

@@ -61,6 +61,10 @@ pub struct Block<B: Backend> {
     /// A mixture of experts' routing rule.
     #[module(skip)]
     pub moe: Option<Moe>,
+    /// A mixture of experts' fixed bias per expert (`expert_bias=true`), added to the
+    /// scores for the choice only: state, not a parameter (empty without one).
+    #[module(skip)]
+    pub expert_bias: Vec<f32>,
     /// The block's layer (what its experts' token counts are reported under).
     #[module(skip)]
     pub index: usize,
@@ -340,7 +344,15 @@ impl<B: Kernels> Block<B> {
             .map_err(|e| ExecError::Backend(format!("the router's scores: {e:?}")))?;
         let mut chosen = vec![0usize; t * k];
         let mut order: Vec<usize> = Vec::with_capacity(experts);
+        let mut biased = Vec::with_capacity(experts);
         for (token, row) in host.chunks_exact(experts).enumerate() {
+            let row = if self.expert_bias.len() == experts {
+                biased.clear();
+                biased.extend(row.iter().zip(&self.expert_bias).map(|(s, b)| s + b));
+                biased.as_slice()
+            } else {
+                row
+            };
             choose_experts(row, &moe, &mut order, &mut chosen[token * k..(token + 1) * k]);
         }
         let ints = |v: Vec<i64>| {
@@ -577,6 +589,7 @@ impl<B: Kernels> Block<B> {
             },
             router: k.moe.map(|m| dense(ROUTER_SLOT, d, m.experts, [d, m.experts], None, 1.0)),
             moe: k.moe,
+            expert_bias: k.moe.filter(|m| m.expert_bias).map_or_else(Vec::new, |m| vec![0.0; m.experts]),
             index,
             heads: k.heads / tp,
             kv_heads: k.kv_heads / tp,
@@ -638,6 +651,41 @@ mod tests {
         let mut out = vec![0; moe.top_k];
         choose_experts(row, moe, &mut Vec::new(), &mut out);
         out
+    }
+
+    /// `expert_bias`: added to the scores for the choice only. A bias that favours experts 6
+    /// and 7 by far makes every token choose them, weighted by their own (unbiased) scores
+    /// renormalised: the mixture's output is theirs, recomposed here from the router and
+    /// the two experts' MLPs.
+    #[test]
+    fn the_expert_bias_chooses_the_experts_and_leaves_their_weights_alone() {
+        type T = burn::backend::Flex;
+        let dev = Default::default();
+        let mut op = Op::llama_block(8, 2, 2, 4);
+        if let Op::TransformerBlock { moe, .. } = &mut op {
+            *moe = Some(Moe { router: Router::Sigmoid, expert_bias: true, ..Moe::new(8, 2) });
+        }
+        let mut block = Block::<T>::build(1, &op, 3, &dev, |_, v| v, 1).expect("a block");
+        assert_eq!(block.expert_bias, vec![0.0; 8], "zeros until a checkpoint says otherwise");
+        let values: Vec<f32> = (0..5 * 8).map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0).collect();
+        let x = Tensor::<T, 3>::from_data(TensorData::new(values, [1, 5, 8]), &dev);
+        let run = |b: &Block<T>| {
+            let y = b.feed_forward(x.clone(), false, &mut crate::nn::layers::Collected::default()).expect("runs");
+            y.into_data().to_vec::<f32>().expect("f32")
+        };
+        let plain = run(&block);
+        block.expert_bias = vec![0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 10.0, 10.0];
+        let biased = run(&block);
+        let rows = x.clone().reshape([5, 8]);
+        let scores = activation::sigmoid(block.router.as_ref().expect("a router").forward2(rows.clone()));
+        let (s6, s7) = (scores.clone().narrow(1, 6, 1), scores.narrow(1, 7, 1));
+        let sum = s6.clone() + s7.clone();
+        let expected =
+            block.mlp(&block.mlps[6], rows.clone()) * (s6 / sum.clone()) + block.mlp(&block.mlps[7], rows) * (s7 / sum);
+        let expected = expected.into_data().to_vec::<f32>().expect("f32");
+        let apart = biased.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(apart < 1e-6, "{apart:e}: {biased:?} against {expected:?}");
+        assert!(plain.iter().zip(&biased).any(|(a, b)| (a - b).abs() > 1e-3), "the bias changes the choice");
     }
 
     #[test]
