@@ -106,7 +106,8 @@ fn load_expert_biases<B: ExecBackend>(
     tp_size: u32,
     tp_rank: u32,
 ) -> Result<(), ExecError> {
-    let wanted: Vec<(usize, usize)> = st.model()?.expert_biases().map(|(layer, b)| (layer, b.len())).collect();
+    let wanted: Vec<(usize, usize)> =
+        stage::biased_mixtures(st.model()?).map(|b| (b.index, b.expert_bias.len())).collect();
     for (layer, experts) in wanted {
         let id = layers::state_id(layer, pipec_plan::model::EXPERT_BIAS_SLOT);
         let Some(values) = saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, &[experts])? else {
@@ -122,7 +123,11 @@ fn load_expert_biases<B: ExecBackend>(
                 values[k]
             )));
         }
-        st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.set_expert_bias(layer, values)?;
+        stage::set_expert_bias(
+            st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?,
+            layer,
+            values,
+        )?;
     }
     Ok(())
 }

@@ -11,7 +11,8 @@ use pipec_plan::{DeviceId, MicrobatchId, Plan};
 
 use crate::backend::kernels::ExecBackend;
 use crate::error::{ExecError, Result};
-use crate::nn::layers::{StageGraph, StageModel};
+use crate::nn::block::Block;
+use crate::nn::layers::{Layer, StageGraph, StageModel};
 use crate::nn::params::{host_f32, layout, FlatGrads};
 pub(crate) use crate::parallel::optim::{StageOptim, Want};
 
@@ -312,11 +313,11 @@ pub(crate) fn kept_state<B: ExecBackend>(
     st: &StageState<B>,
 ) -> Result<Vec<crate::parallel::experts::SavedParam>, ExecError> {
     let mut out = Vec::new();
-    for (layer, bias) in st.model()?.expert_biases() {
+    for b in biased_mixtures(st.model()?) {
         out.push((
-            crate::nn::layers::state_id(layer, pipec_plan::model::EXPERT_BIAS_SLOT),
-            vec![bias.len()],
-            bias.to_vec(),
+            crate::nn::layers::state_id(b.index, pipec_plan::model::EXPERT_BIAS_SLOT),
+            vec![b.expert_bias.len()],
+            b.expert_bias.clone(),
         ));
     }
     for bn in st.model()?.batch_norms() {
@@ -333,4 +334,33 @@ pub(crate) fn kept_state<B: ExecBackend>(
         ));
     }
     Ok(out)
+}
+
+/// The stage's mixtures of experts with a fixed expert bias (`expert_bias=true`), in order.
+pub(crate) fn biased_mixtures<B: Backend>(model: &StageModel<B>) -> impl Iterator<Item = &Block<B>> {
+    model.layers.iter().filter_map(|l| match l {
+        Layer::Block(b) | Layer::ParallelBlock(b) if !b.expert_bias.is_empty() => Some(b),
+        _ => None,
+    })
+}
+
+/// Replaces the expert bias of the block at `layer` of `model` with `values` (one per
+/// expert).
+pub(crate) fn set_expert_bias<B: Backend>(model: &mut StageModel<B>, layer: usize, values: Vec<f32>) -> Result<()> {
+    for l in &mut model.layers {
+        if let Layer::Block(b) | Layer::ParallelBlock(b) = l {
+            if b.index == layer && !b.expert_bias.is_empty() {
+                if values.len() != b.expert_bias.len() {
+                    return Err(ExecError::Shape(format!(
+                        "{} expert biases for layer {layer}'s {} experts",
+                        values.len(),
+                        b.expert_bias.len()
+                    )));
+                }
+                b.expert_bias = values;
+                return Ok(());
+            }
+        }
+    }
+    Err(ExecError::Missing("a mixture of experts with an expert bias at that layer"))
 }

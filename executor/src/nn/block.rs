@@ -19,6 +19,7 @@ use crate::error::{ExecError, Result};
 
 use crate::nn::latent::Latent;
 use crate::nn::parts::*;
+use crate::nn::routing::choose_experts;
 
 /// Where a block's queries, keys and values come from (one per block: the latent variant's
 /// size does not matter).
@@ -607,51 +608,9 @@ impl<B: Kernels> Block<B> {
     }
 }
 
-/// One token's experts from its router scores `row`, into `chosen` (`top_k` of them): the
-/// best scores, the lower index first on a tie, among every expert — or, with group-limited
-/// routing (`route_groups`), among the experts of the token's `route_group_top` best groups,
-/// a group scored by the sum of its top_k / route_group_top best scores (Megatron-LM's
-/// `group_limited_topk`; transformers' DeepSeek-V3 sums the two best, the same for its 8
-/// choices from 4 groups). `order` is scratch space.
-fn choose_experts(row: &[f32], moe: &Moe, order: &mut Vec<usize>, chosen: &mut [usize]) {
-    let experts = row.len();
-    order.clear();
-    if moe.groups > 1 && moe.group_top > 0 && experts.is_multiple_of(moe.groups) {
-        let size = experts / moe.groups;
-        let per = (chosen.len() / moe.group_top).max(1);
-        let mut members = Vec::with_capacity(size);
-        let mut scored: Vec<(f32, usize)> = Vec::with_capacity(moe.groups);
-        for g in 0..moe.groups {
-            members.clear();
-            members.extend_from_slice(&row[g * size..(g + 1) * size]);
-            members.sort_by(|a, b| b.total_cmp(a));
-            scored.push((members.iter().take(per).sum(), g));
-        }
-        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        for &(_, g) in scored.iter().take(moe.group_top) {
-            order.extend(g * size..(g + 1) * size);
-        }
-    } else {
-        order.extend(0..experts);
-    }
-    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-    let k = chosen.len().min(order.len());
-    chosen[..k].copy_from_slice(&order[..k]);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn routing(top_k: usize, groups: usize, group_top: usize) -> Moe {
-        Moe { router: Router::Sigmoid, groups, group_top, ..Moe::new(8, top_k) }
-    }
-
-    fn chosen(row: &[f32], moe: &Moe) -> Vec<usize> {
-        let mut out = vec![0; moe.top_k];
-        choose_experts(row, moe, &mut Vec::new(), &mut out);
-        out
-    }
 
     /// `expert_bias`: added to the scores for the choice only. A bias that favours experts 6
     /// and 7 by far makes every token choose them, weighted by their own (unbiased) scores
@@ -670,7 +629,7 @@ mod tests {
         let values: Vec<f32> = (0..5 * 8).map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0).collect();
         let x = Tensor::<T, 3>::from_data(TensorData::new(values, [1, 5, 8]), &dev);
         let run = |b: &Block<T>| {
-            let y = b.feed_forward(x.clone(), false, &mut crate::nn::layers::Collected::default()).expect("runs");
+            let y = b.feed_forward(x.clone(), false, &mut crate::nn::parts::Collected::default()).expect("runs");
             y.into_data().to_vec::<f32>().expect("f32")
         };
         let plain = run(&block);
@@ -686,20 +645,5 @@ mod tests {
         let apart = biased.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(apart < 1e-6, "{apart:e}: {biased:?} against {expected:?}");
         assert!(plain.iter().zip(&biased).any(|(a, b)| (a - b).abs() > 1e-3), "the bias changes the choice");
-    }
-
-    #[test]
-    fn group_limited_routing_chooses_among_the_best_groups_only() {
-        // 4 groups of 2; with 4 choices from 2 groups each group is scored by its 2 best:
-        // 1.0, 1.2, 0.8, 1.4 — groups 3 and 1, so experts 6, 7, 2, 3, where the 4 best of
-        // all are 0, 4, 6, 7
-        let row = [0.9, 0.1, 0.6, 0.6, 0.8, 0.0, 0.7, 0.7];
-        assert_eq!(chosen(&row, &routing(4, 0, 0)), [0, 4, 6, 7]);
-        assert_eq!(chosen(&row, &routing(4, 4, 2)), [6, 7, 2, 3]);
-        // every group chosen, or one group of all: no limit
-        assert_eq!(chosen(&row, &routing(4, 4, 4)), [0, 4, 6, 7]);
-        assert_eq!(chosen(&row, &routing(4, 1, 1)), [0, 4, 6, 7]);
-        // 2 choices from 1 group scored by its 2 best: group 3 (1.4)
-        assert_eq!(chosen(&row, &routing(2, 4, 1)), [6, 7]);
     }
 }

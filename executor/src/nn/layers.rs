@@ -546,37 +546,6 @@ impl<B: Kernels> StageModel<B> {
         }
     }
 
-    /// The stage's mixtures of experts with a fixed expert bias (`expert_bias=true`): each
-    /// one's layer and bias, in order.
-    pub fn expert_biases(&self) -> impl Iterator<Item = (usize, &[f32])> {
-        self.layers.iter().filter_map(|l| match l {
-            Layer::Block(b) | Layer::ParallelBlock(b) if !b.expert_bias.is_empty() => {
-                Some((b.index, b.expert_bias.as_slice()))
-            }
-            _ => None,
-        })
-    }
-
-    /// Replaces the expert bias of the block at `layer` with `values` (one per expert).
-    pub fn set_expert_bias(&mut self, layer: usize, values: Vec<f32>) -> Result<()> {
-        for l in &mut self.layers {
-            if let Layer::Block(b) | Layer::ParallelBlock(b) = l {
-                if b.index == layer && !b.expert_bias.is_empty() {
-                    if values.len() != b.expert_bias.len() {
-                        return Err(ExecError::Shape(format!(
-                            "{} expert biases for layer {layer}'s {} experts",
-                            values.len(),
-                            b.expert_bias.len()
-                        )));
-                    }
-                    b.expert_bias = values;
-                    return Ok(());
-                }
-            }
-        }
-        Err(ExecError::Missing("a mixture of experts with an expert bias at that layer"))
-    }
-
     /// The stage's batch normalisation layers, in order.
     pub fn batch_norms(&self) -> impl Iterator<Item = &BatchNorm<B>> {
         self.layers.iter().filter_map(|l| match l {

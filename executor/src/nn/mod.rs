@@ -9,3 +9,4 @@ pub mod latent;
 pub mod layers;
 pub(crate) mod params;
 pub mod parts;
+pub mod routing;

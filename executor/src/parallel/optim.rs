@@ -171,7 +171,8 @@ fn round_weights<B: ExecBackend, M: AutodiffModule<B>>(model: M, precision: Prec
             let device = tensor.device();
             let data = tensor.inner().into_data();
             let shape = data.shape.clone();
-            let mut values: Vec<f32> = data.convert::<f32>().into_vec().unwrap_or_default();
+            // the executor's weights are f32: anything else is a bug, not an input
+            let mut values: Vec<f32> = data.convert::<f32>().into_vec().expect("a weight's values as f32");
             round_to(self.0, &mut values);
             let inner = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(values, shape), &device);
             burn::module::Param::initialized(id, Tensor::from_inner(inner).require_grad())
@@ -193,29 +194,31 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
             Some(precision) => round_weights(model, precision),
             None => model,
         };
-        if let Some(precision) = self.storage.state {
-            if let Some(dev) = model.devices().first() {
-                // the state is the optimizer's own: a failure to read it back is a bug
-                let rounded = self.items().and_then(|items| {
-                    items
-                        .into_iter()
-                        .map(|(id, item)| {
-                            crate::parallel::reshard::map_tensors(std::slice::from_ref(&item), None, &|mut parts| {
-                                let mut values = parts.pop().unwrap_or_default();
-                                round_to(precision, &mut values);
-                                Ok(values)
-                            })
-                            .map(|item| (id, item))
-                            .map_err(|e| e.to_string())
-                        })
-                        .collect::<std::result::Result<Vec<_>, String>>()
-                });
-                if let Err(e) = rounded.and_then(|items| self.load_items(items, dev)) {
-                    panic!("the optimizer's state does not round to {precision}: {e}");
-                }
+        if let (Some(precision), Some(dev)) = (self.storage.state, model.devices().first()) {
+            // the state is the optimizer's own: a failure to read it back is a bug
+            if let Err(e) = self.round_state(precision, dev) {
+                panic!("the optimizer's state does not round to {precision}: {e}");
             }
         }
         model
+    }
+
+    /// The optimizer's state (each tensor of it) rounded to `precision`.
+    fn round_state(&mut self, precision: Precision, dev: &B::Device) -> std::result::Result<(), String> {
+        let items = self
+            .items()?
+            .into_iter()
+            .map(|(id, item)| {
+                crate::parallel::reshard::map_tensors(std::slice::from_ref(&item), None, &|mut parts| {
+                    let mut values = parts.pop().unwrap_or_default();
+                    round_to(precision, &mut values);
+                    Ok(values)
+                })
+                .map(|item| (id, item))
+                .map_err(|e| e.to_string())
+            })
+            .collect::<std::result::Result<Vec<_>, String>>()?;
+        self.load_items(items, dev)
     }
 
     /// One update of `model` from flat gradients (in visiting order), each scaled by
