@@ -2898,6 +2898,25 @@ fn a_deepseek_expert_bias_is_read_routed_with_kept_fixed_and_written_back() {
     ]);
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && said.contains(key) && said.contains("expert_bias=true"), "{said}");
+    // a bias that is not finite is refused, naming the tensor and the value
+    let broken = dir.path().join("broken");
+    std::fs::create_dir(&broken).expect("dir");
+    std::fs::copy(fixture.join("config.json"), broken.join("config.json")).expect("config");
+    let mut nan = bias.clone();
+    nan[5] = f32::NAN;
+    tensors.insert(key.to_string(), (vec![8], nan));
+    std::fs::write(broken.join("model.safetensors"), pipec_plan::hf::write_safetensors(&tensors).expect("write"))
+        .expect("model");
+    let out = pipec(&[
+        "run",
+        spec("broken", 1, "stages: \"1\"", true).to_str().expect("utf-8"),
+        "--init",
+        broken.to_str().expect("utf-8"),
+        "--out",
+        dir.path().join("broken-run").to_str().expect("utf-8"),
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains(key) && said.contains("NaN at value 5"), "{said}");
     // the bias routes otherwise than the fixture's zeros
     let zeros = dir.path().join("zeros");
     run_from_hugging_face(&spec("zeros", 1, "stages: \"1\"", true), &fixture, &zeros, &[]);

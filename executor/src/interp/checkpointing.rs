@@ -99,7 +99,8 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
 }
 
 /// Mixtures of experts' fixed expert biases from a checkpoint (keyed like parameters; a
-/// Hugging Face checkpoint's `e_score_correction_bias`): finite values, one per expert.
+/// Hugging Face checkpoint's `e_score_correction_bias`), one per expert (the checkpoint's
+/// reader refuses values that are not finite).
 fn load_expert_biases<B: ExecBackend>(
     st: &mut StageState<B>,
     saved: &reshard::SavedLayout<'_>,
@@ -116,13 +117,6 @@ fn load_expert_biases<B: ExecBackend>(
                 checkpoint::param_name(id)
             )));
         };
-        if let Some(k) = values.iter().position(|x| !x.is_finite()) {
-            return Err(ExecError::Checkpoint(format!(
-                "the expert bias of layer {layer} (`{}`) is {} at expert {k}: a bias is finite (the checkpoint is damaged)",
-                checkpoint::param_name(id),
-                values[k]
-            )));
-        }
         stage::set_expert_bias(
             st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?,
             layer,
