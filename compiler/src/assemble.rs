@@ -35,7 +35,7 @@ pub(crate) fn assemble(
     let tp = strategy.tp.max(1);
     let counted = lowered.counted_streams().into_owned();
     let layers = layer_plans(model);
-    let declared = stages.declared_buckets();
+    let declared = stages.declared_buckets(spec.engine.target.name);
     let stage_plans: Vec<StagePlan> = layout
         .ranges
         .iter()

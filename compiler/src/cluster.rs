@@ -232,9 +232,10 @@ impl ClusterGraph {
     /// number there (DeepEP's dispatch layout, `is_token_in_rank`; the combine sums a
     /// device's experts' outputs before sending one row back): of the top_k/p routed pairs
     /// per token and device a plain all-to-all sends, 1 − (1 − 1/p)^top_k. The slower of
-    /// the two parts sets the time. Each part pays its link's latency once: one kernel writes
-    /// to every peer at once (DeepEP's normal kernels, each channel's warps sending to all
-    /// ranks), where a ring pays it per step.
+    /// the two parts sets the time. Across nodes each part pays its link's latency once:
+    /// one kernel writes to every peer at once (DeepEP's normal kernels, each channel's
+    /// warps sending to all ranks), where a ring pays it per step. A group inside one node
+    /// is priced as an all-to-all of the copies (its latency per peer, as before).
     pub fn node_forwarded_time(&self, members: &[DeviceId], bytes: u64, routing: DeepEpRouting) -> f64 {
         let shape = self.group_shape(members);
         let (p, q, k) = (shape.members, shape.nodes, shape.per_node);

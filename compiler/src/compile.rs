@@ -75,7 +75,7 @@ pub fn compile(spec: &Spec, options: &CompileOptions) -> CompileResult {
         let whole: Vec<pipec_plan::DeviceId> =
             lowered.streams.iter().filter(|(_, s)| !s.is_empty()).map(|(d, _)| *d).collect();
         clip_norm_all_reduces(spec, &mut lowered, &whole);
-        let declared = stages.declared_buckets();
+        let declared = stages.declared_buckets(spec.engine.target.name);
         lowered.in_pass =
             crate::in_pass::in_pass_table(spec, &model.graph, (&layout.ranges, &declared), &placement, &lowered)?;
         if spec.training.recipe.validation.is_some() {

@@ -50,9 +50,6 @@ pub(crate) struct StageFigures {
     /// Per stage, the buckets its gradient reduction runs in (empty where the stage
     /// reduces in one collective): [`gradient_buckets`].
     pub(crate) buckets: Vec<Vec<GradientBucket>>,
-    /// Whether `buckets` are the plan's, which pipec's executor runs (`bucket` under
-    /// `engine: pipec`), rather than another engine's own, which price the plan only.
-    pub(crate) executor_buckets: bool,
     /// Per stage, the seconds of one ZeRO-3 gather of the weights pipec's executor gathers
     /// whole with the stage, where the plan declares it (`pipec_plan::in_pass::stage_gathers`;
     /// the simulator prices each, `PlanCost::with_stage_gathers`): every weight of a stage
@@ -128,10 +125,10 @@ impl StageFigures {
     }
 
     /// Per stage, the gradient buckets the plan declares for pipec's executor to run:
-    /// `buckets` under pipec, none under another engine, whose own buckets price the plan
-    /// only.
-    pub(crate) fn declared_buckets(&self) -> Vec<Vec<GradientBucket>> {
-        if self.executor_buckets {
+    /// `buckets` under pipec (the spec's `bucket`), none under another `engine`, whose own
+    /// buckets price the plan only.
+    pub(crate) fn declared_buckets(&self, engine: pipec_plan::vocab::Engine) -> Vec<Vec<GradientBucket>> {
+        if engine == pipec_plan::vocab::Engine::Pipec {
             self.buckets.clone()
         } else {
             vec![Vec::new(); self.buckets.len()]
@@ -149,7 +146,7 @@ impl StageFigures {
 ///   them: no tensor or expert parallelism; a stage that runs whole backwards a chain of
 ///   layers; under ZeRO, whose buckets are reduce-scattered into the gradient shard, no
 ///   stage holding both ends of a weight tie, whose two gradients are summed before any is
-///   scattered. These are the plan's (`StageFigures::executor_buckets`).
+///   scattered. These are the plan's (`StageFigures::declared_buckets`).
 /// - under another engine, the engine's own
 ///   ([`pipec_plan::engine::performance::gradient_buckets`]: FSDP's per layer, DDP's by
 ///   size, a written `bucket` for the size), which price the plan only.
@@ -324,7 +321,6 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         output_bytes,
         bytes,
         buckets,
-        executor_buckets: spec.engine.target.name == pipec_plan::vocab::Engine::Pipec,
         stage_gathers,
         update_sums,
         norm_sum,

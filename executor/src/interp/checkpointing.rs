@@ -98,6 +98,22 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
     Ok(())
 }
 
+/// The whole values of state `id` (of layer `layer`, `len` of them) that every
+/// tensor-parallel rank holds alike, or an error naming `what` a checkpoint lacks.
+fn whole_state(
+    saved: &reshard::SavedLayout<'_>,
+    (tp_size, tp_rank): (u32, u32),
+    (id, layer, len): (u64, usize, usize),
+    what: &str,
+) -> Result<Vec<f32>, ExecError> {
+    saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, &[len])?.ok_or_else(|| {
+        ExecError::Checkpoint(format!(
+            "model.safetensors lacks the {what} of layer {layer} (`{}`)",
+            checkpoint::param_name(id)
+        ))
+    })
+}
+
 /// Mixtures of experts' fixed expert biases from a checkpoint (keyed like parameters; a
 /// Hugging Face checkpoint's `e_score_correction_bias`), one per expert (the checkpoint's
 /// reader refuses values that are not finite).
@@ -107,21 +123,10 @@ fn load_expert_biases<B: ExecBackend>(
     tp_size: u32,
     tp_rank: u32,
 ) -> Result<(), ExecError> {
-    let wanted: Vec<(usize, usize)> =
-        stage::biased_mixtures(st.model()?).map(|b| (b.index, b.expert_bias.len())).collect();
-    for (layer, experts) in wanted {
-        let id = layers::state_id(layer, pipec_plan::model::EXPERT_BIAS_SLOT);
-        let Some(values) = saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, &[experts])? else {
-            return Err(ExecError::Checkpoint(format!(
-                "model.safetensors lacks the expert bias of layer {layer} (`{}`)",
-                checkpoint::param_name(id)
-            )));
-        };
-        stage::set_expert_bias(
-            st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?,
-            layer,
-            values,
-        )?;
+    let model = st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?;
+    for b in stage::biased_mixtures_mut(model) {
+        let id = layers::state_id(b.index, pipec_plan::model::EXPERT_BIAS_SLOT);
+        b.expert_bias = whole_state(saved, (tp_size, tp_rank), (id, b.index, b.expert_bias.len()), "expert bias")?;
     }
     Ok(())
 }
@@ -138,29 +143,19 @@ fn load_running_statistics<B: ExecBackend>(
         let c = bn.running_mean.len();
         for slot in [layers::RUNNING_MEAN_SLOT, layers::RUNNING_VAR_SLOT] {
             let id = layers::state_id(bn.index, slot);
-            match saved.values(id, tensor_parallel::Sharding::Whole, tp_size, tp_rank, &[c])? {
-                Some(v) => {
-                    // a mean is any finite value, a variance a finite one of 0 or more
-                    let bad = |x: f32| !x.is_finite() || (slot == layers::RUNNING_VAR_SLOT && x < 0.0);
-                    if let Some(k) = v.iter().position(|x| bad(*x)) {
-                        let what = if slot == layers::RUNNING_VAR_SLOT { "running variance" } else { "running mean" };
-                        return Err(ExecError::Checkpoint(format!(
-                            "the {what} of layer {} (`{}`) is {} at channel {k}: a variance is finite and at least 0, a mean finite (the checkpoint is damaged)",
-                            bn.index,
-                            checkpoint::param_name(id),
-                            v[k]
-                        )));
-                    }
-                    values.extend_from_slice(&v)
-                }
-                None => {
-                    return Err(ExecError::Checkpoint(format!(
-                        "model.safetensors lacks the running statistics of layer {} (`{}`)",
-                        bn.index,
-                        checkpoint::param_name(id)
-                    )))
-                }
+            let v = whole_state(saved, (tp_size, tp_rank), (id, bn.index, c), "running statistics")?;
+            // a mean is any finite value, a variance a finite one of 0 or more
+            let bad = |x: f32| !x.is_finite() || (slot == layers::RUNNING_VAR_SLOT && x < 0.0);
+            if let Some(k) = v.iter().position(|x| bad(*x)) {
+                let what = if slot == layers::RUNNING_VAR_SLOT { "running variance" } else { "running mean" };
+                return Err(ExecError::Checkpoint(format!(
+                    "the {what} of layer {} (`{}`) is {} at channel {k}: a variance is finite and at least 0, a mean finite (the checkpoint is damaged)",
+                    bn.index,
+                    checkpoint::param_name(id),
+                    v[k]
+                )));
             }
+            values.extend_from_slice(&v)
         }
     }
     st.model.as_mut().ok_or(ExecError::Missing("the stage's model is in use"))?.set_running_statistics(&values)

@@ -344,23 +344,10 @@ pub(crate) fn biased_mixtures<B: Backend>(model: &StageModel<B>) -> impl Iterato
     })
 }
 
-/// Replaces the expert bias of the block at `layer` of `model` with `values` (one per
-/// expert).
-pub(crate) fn set_expert_bias<B: Backend>(model: &mut StageModel<B>, layer: usize, values: Vec<f32>) -> Result<()> {
-    for l in &mut model.layers {
-        if let Layer::Block(b) | Layer::ParallelBlock(b) = l {
-            if b.index == layer && !b.expert_bias.is_empty() {
-                if values.len() != b.expert_bias.len() {
-                    return Err(ExecError::Shape(format!(
-                        "{} expert biases for layer {layer}'s {} experts",
-                        values.len(),
-                        b.expert_bias.len()
-                    )));
-                }
-                b.expert_bias = values;
-                return Ok(());
-            }
-        }
-    }
-    Err(ExecError::Missing("a mixture of experts with an expert bias at that layer"))
+/// [`biased_mixtures`], to set their biases.
+pub(crate) fn biased_mixtures_mut<B: Backend>(model: &mut StageModel<B>) -> impl Iterator<Item = &mut Block<B>> {
+    model.layers.iter_mut().filter_map(|l| match l {
+        Layer::Block(b) | Layer::ParallelBlock(b) if !b.expert_bias.is_empty() => Some(b),
+        _ => None,
+    })
 }

@@ -343,19 +343,7 @@ impl<B: Kernels> Block<B> {
             .into_data()
             .to_vec::<f32>()
             .map_err(|e| ExecError::Backend(format!("the router's scores: {e:?}")))?;
-        let mut chosen = vec![0usize; t * k];
-        let mut order: Vec<usize> = Vec::with_capacity(experts);
-        let mut biased = Vec::with_capacity(experts);
-        for (token, row) in host.chunks_exact(experts).enumerate() {
-            let row = if self.expert_bias.len() == experts {
-                biased.clear();
-                biased.extend(row.iter().zip(&self.expert_bias).map(|(s, b)| s + b));
-                biased.as_slice()
-            } else {
-                row
-            };
-            choose_experts(row, &moe, &mut order, &mut chosen[token * k..(token + 1) * k]);
-        }
+        let chosen = choose_experts(&host, &self.expert_bias, &moe);
         let ints = |v: Vec<i64>| {
             let n = v.len();
             Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &dev)

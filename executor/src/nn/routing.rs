@@ -2,13 +2,34 @@
 
 use pipec_plan::model::Moe;
 
+/// Each token's `top_k` experts from the router's `scores` (a row of `moe.experts` per
+/// token), token after token: by the scores, plus `bias` where the block has one
+/// (`expert_bias`, for the choice only; empty: none).
+pub(crate) fn choose_experts(scores: &[f32], bias: &[f32], moe: &Moe) -> Vec<usize> {
+    let (experts, k) = (moe.experts, moe.top_k);
+    let mut chosen = vec![0usize; scores.len() / experts.max(1) * k];
+    let mut order: Vec<usize> = Vec::with_capacity(experts);
+    let mut biased = Vec::with_capacity(experts);
+    for (token, row) in scores.chunks_exact(experts.max(1)).enumerate() {
+        let row = if bias.len() == experts {
+            biased.clear();
+            biased.extend(row.iter().zip(bias).map(|(s, b)| s + b));
+            biased.as_slice()
+        } else {
+            row
+        };
+        choose(row, moe, &mut order, &mut chosen[token * k..(token + 1) * k]);
+    }
+    chosen
+}
+
 /// One token's experts from its router scores `row`, into `chosen` (`top_k` of them): the
 /// best scores, the lower index first on a tie, among every expert — or, with group-limited
 /// routing (`route_groups`), among the experts of the token's `route_group_top` best groups,
 /// a group scored by the sum of its top_k / route_group_top best scores (Megatron-LM's
 /// `group_limited_topk`; transformers' DeepSeek-V3 sums the two best, the same for its 8
 /// choices from 4 groups). `order` is scratch space.
-pub(crate) fn choose_experts(row: &[f32], moe: &Moe, order: &mut Vec<usize>, chosen: &mut [usize]) {
+fn choose(row: &[f32], moe: &Moe, order: &mut Vec<usize>, chosen: &mut [usize]) {
     let experts = row.len();
     order.clear();
     if moe.groups > 1 && moe.group_top > 0 && experts.is_multiple_of(moe.groups) {
@@ -45,7 +66,7 @@ mod tests {
 
     fn chosen(row: &[f32], moe: &Moe) -> Vec<usize> {
         let mut out = vec![0; moe.top_k];
-        choose_experts(row, moe, &mut Vec::new(), &mut out);
+        choose(row, moe, &mut Vec::new(), &mut out);
         out
     }
 
