@@ -2447,7 +2447,7 @@ fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
     let run = pipec(&["run", spec.to_str().expect("utf-8"), "-o", dir.path().join("run").to_str().expect("utf-8")]);
     let said = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(1), "{said}");
-    for feature in ["`dropout=`", "`sinks=true`) at layer 1 under `cp_comm: ring`"] {
+    for feature in ["`dropout=`) at layer 2 under `cp_comm: ring`", "`sinks=true`) at layer 1 under `cp_comm: ring`"] {
         assert!(said.contains(feature), "{feature}: {said}");
     }
     // weights without a master copy run, rounded after each update, and the run says how

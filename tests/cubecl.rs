@@ -148,6 +148,8 @@ fn every_cpu_example_specs_devices_hold_at_most_the_plans_peak() {
         ("csv-classifier", vec![]),
         ("data-parallel", vec![]),
         ("gpt-tiny", vec![]),
+        // dropout inside the blocks: no mask kept (each backward draws it again)
+        ("gpt-tiny", vec![("causal=true)", "causal=true, dropout=0.1)")]),
         ("llama-tiny", vec![]),
         ("llama-tiny", vec![(balanced, recompute("{ modules: [mlp] }"))]),
         ("llama-tiny", vec![(balanced, recompute("{ modules: [core_attn, layernorm] }"))]),

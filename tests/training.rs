@@ -1233,6 +1233,47 @@ fn a_head_size_of_its_own_and_query_key_norms_train_to_one_devices_numbers() {
     attention_layouts_equal_one_device(&layers, true);
 }
 
+/// Dropout inside the blocks (`dropout=`: the attention's probabilities and each half's
+/// output before its residual sum), each mask drawn by place in the whole microbatch as one
+/// device draws it: tensor-parallel (each rank its heads' part of the probabilities' mask),
+/// pipelined (1F1B, zero bubble, interleaved), ZeRO-3 and context-parallel layouts train to
+/// one device's numbers, and so do selective, full and by-module recompute (the backwards
+/// draw the same masks again), a post-norm (BERT) block under tensor parallelism and
+/// experts across an expert-parallel group; the dropout changes the numbers.
+#[test]
+fn dropout_inside_the_blocks_trains_to_one_devices_numbers() {
+    let block = "transformer_block(d=16, heads=4, ff=32, causal=true, kv_heads=2, dropout=0.2)";
+    let layers = cp_lm(block);
+    attention_layouts_equal_one_device(&layers, false);
+    // full and by-module recompute; the zero-bubble schedule's split backward and an
+    // interleaved pipeline
+    for (stages, schedule, recompute) in [
+        ("\"1-1\"", "1f1b", "true"),
+        ("\"1-1\"", "1f1b", "{ modules: [mlp, layernorm] }"),
+        ("\"1-1\"", "zb-h1", "false"),
+        ("\"1-1\"", "{ kind: interleaved, virtual_stages: 2 }", "false"),
+    ] {
+        assert_same_as_one_device(Job {
+            devices: 2,
+            stages,
+            schedule,
+            recompute,
+            optimizer: ADAM,
+            layers: &layers,
+            ..Job::default()
+        });
+    }
+    let post_norm = cp_lm("transformer_block(d=16, heads=4, ff=32, post_norm=true, dropout=0.1)");
+    adam_on_layouts_equals_one_device(&post_norm, &[(2, "\"1\"\n  tp: 2", "gpipe"), (2, "\"1\"\n  cp: 2", "gpipe")]);
+    let experts = cp_lm("transformer_block(d=16, heads=4, ff=24, causal=true, experts=4, top_k=2, dropout=0.2)");
+    adam_on_layouts_equals_one_device(&experts, &[(2, "\"2\"\n  ep: 2", "gpipe")]);
+    let plain =
+        train(&plan(&Job { layers: &cp_lm(&block.replace(", dropout=0.2", "")), optimizer: ADAM, ..Job::default() }));
+    let dropped = train(&plan(&Job { layers: &layers, optimizer: ADAM, ..Job::default() }));
+    let (a, b) = (losses(&plain), losses(&dropped));
+    assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() > 1e-4), "{a:?} against {b:?}");
+}
+
 /// Sliding-window attention (each position sees itself and the 2 before it, of 16):
 /// tensor-parallel, pipelined, ZeRO-3 and context-parallel layouts — the gathered keys
 /// masked by true position, and the ring, where a member's block wholly outside a query

@@ -261,6 +261,8 @@ fn convert_from(layers: &[Op], src: &Source<'_>) -> Result<(Weights, Vec<(u64, S
             Op::PosEmbedding { max_len, dim } if gpt2 => {
                 out.insert(pid(i, 0), same(&format!("{prefix}wpe.weight"), &[*max_len, *dim])?);
             }
+            // GPT-2's embedding dropout (`embd_pdrop`): no weights
+            Op::Dropout { .. } if gpt2 && i > 0 && matches!(layers[i - 1], Op::PosEmbedding { .. }) => {}
             Op::TransformerBlock { .. } => {
                 let b = op.block_dims().ok_or("not a block")?;
                 let (d, f) = (b.d, b.ff);
@@ -836,6 +838,7 @@ pub fn from_pipec(
     let (d, f) = (b.d, b.ff);
     let mut block = 0usize;
     let mut positions = None;
+    let mut embd_pdrop = 0.0;
     for (i, op) in layers.iter().enumerate() {
         let id = |slot: u64| pid(i, slot);
         match (family, op) {
@@ -844,6 +847,10 @@ pub fn from_pipec(
             }
             (Family::Llama, Op::Embedding { .. }) => {
                 put("model.embed_tokens.weight".into(), vec![vocab, dim], weight(id(0), &[vocab, dim])?.clone())
+            }
+            // GPT-2's embedding dropout (`embd_pdrop`) after the positions
+            (Family::Gpt2, Op::Dropout { p }) if i > 0 && matches!(layers[i - 1], Op::PosEmbedding { .. }) => {
+                embd_pdrop = *p;
             }
             (Family::Gpt2, Op::PosEmbedding { max_len, dim }) => {
                 positions = Some(*max_len);
@@ -1008,9 +1015,11 @@ pub fn from_pipec(
             "n_positions": positions.ok_or("a GPT-2 model has a `pos_embedding`")?,
             "activation_function": if b.mlp == crate::model::MlpKind::GeluTanh { "gelu_new" } else { "gelu" },
             "layer_norm_epsilon": b.eps,
-            "attn_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "resid_pdrop": 0.0,
+            // the blocks' one dropout drops the attention's probabilities and the residual
+            // branches' outputs
+            "attn_pdrop": b.dropout,
+            "embd_pdrop": embd_pdrop,
+            "resid_pdrop": b.dropout,
             "tie_word_embeddings": true,
             "torch_dtype": "float32",
         }),
@@ -1245,8 +1254,8 @@ fn bert_from_pipec(
         "max_position_embeddings": positions.ok_or("a BERT model has a `pos_embedding`")?,
         "type_vocab_size": types,
         "layer_norm_eps": b.eps,
-        "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0,
+        "hidden_dropout_prob": blocks[0].dropout,
+        "attention_probs_dropout_prob": blocks[0].dropout,
         "position_embedding_type": "absolute",
         "num_labels": labels,
         "id2label": (0..labels).map(|k| (k.to_string(), json!(format!("LABEL_{k}")))).collect::<serde_json::Map<_, _>>(),
@@ -1492,13 +1501,19 @@ mod tests {
             }
             b
         };
+        // GPT-2's dropouts: the embedding's after the positions, the blocks' one
+        let mut gpt2_block = Op::block(8, 2, 16, true);
+        if let Op::TransformerBlock { dropout, .. } = &mut gpt2_block {
+            *dropout = 0.125;
+        }
         let models: [(Vec<Op>, bool, &str, usize); 9] = [
             (
                 vec![
                     Op::embedding(11, 8),
                     Op::PosEmbedding { max_len: 6, dim: 8 },
-                    Op::block(8, 2, 16, true),
-                    Op::block(8, 2, 16, true),
+                    Op::Dropout { p: 0.25 },
+                    gpt2_block.clone(),
+                    gpt2_block,
                     Op::layer_norm(8),
                     Op::Linear { in_features: 8, out_features: 11, bias: false },
                 ],
@@ -1644,6 +1659,13 @@ mod tests {
                 assert_eq!((config["n_group"].clone(), config["topk_group"].clone()), (json_n(m.groups), json_n(1)));
                 assert_eq!(config["routed_scaling_factor"], 2.5, "{config}");
                 assert_eq!(config["n_shared_experts"], 2, "{config}");
+            }
+            if family == "gpt2" {
+                let p = |k: &str| config[k].as_f64();
+                assert_eq!(
+                    [p("embd_pdrop"), p("attn_pdrop"), p("resid_pdrop")],
+                    [Some(0.25), Some(0.125), Some(0.125)]
+                );
             }
             let window = (b.window > 0).then_some(b.window as u64);
             assert_eq!(config.get("sliding_window").and_then(|w| w.as_u64()), window, "{config}");

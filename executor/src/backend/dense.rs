@@ -88,6 +88,14 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         wrapped(tracked::<I, C, _, 1>(SoftmaxBackward { dh }, [&s], || p.clone(), p.clone()))
     }
 
+    fn dropout(x: Tensor<Self, 1>, mask: std::sync::Arc<crate::backend::dropout::DropMask>) -> Tensor<Self, 1> {
+        let x = x.into_primitive().tensor();
+        let y = I::dropout(Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(x.primitive.clone())), mask.clone())
+            .into_primitive()
+            .tensor();
+        wrapped(tracked::<I, C, _, 1>(crate::backend::dropout::DropoutBackward { mask }, [&x], || (), y))
+    }
+
     fn attention_recomputed(
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,
@@ -95,6 +103,7 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         dh: usize,
         causal: crate::backend::attention::Causal,
         sinks: Option<Tensor<Self, 1>>,
+        drop: &crate::backend::dropout::Dropped,
     ) -> Tensor<Self, 4> {
         let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
         let sinks = sinks.map(|s| s.into_primitive().tensor());
@@ -105,15 +114,17 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
             dh,
             causal.clone(),
             sinks.as_ref().map(|s| Tensor::<I, 1>::from_primitive(TensorPrimitive::Float(s.primitive.clone()))),
+            drop,
         )
         .into_primitive()
         .tensor();
         let qkv = || (q.primitive.clone(), k.primitive.clone(), v.primitive.clone());
+        let backward = AttentionBackward { dh, causal, drop: drop.clone() };
         match &sinks {
-            None => wrapped(tracked::<I, C, _, 3>(AttentionBackward { dh, causal }, [&q, &k, &v], qkv, out)),
+            None => wrapped(tracked::<I, C, _, 3>(backward, [&q, &k, &v], qkv, out)),
             Some(s) => {
                 let state = || (qkv(), s.primitive.clone());
-                wrapped(tracked::<I, C, _, 4>(AttentionBackward { dh, causal }, [&q, &k, &v, s], state, out))
+                wrapped(tracked::<I, C, _, 4>(backward, [&q, &k, &v, s], state, out))
             }
         }
     }
@@ -277,12 +288,14 @@ impl<I: Kernels> Backward<I, 2> for DenseBackward {
 /// value, so the scores' gradient keeps its form), then dV = Pᵀ·dO, dS = P ⊙ (dO·vᵀ −
 /// rowsum(dO·vᵀ ⊙ P)) (the softmax's backward over the scaled scores; a masked position's P
 /// is 0, so is its dS), dQ = dS·k, dK = dSᵀ·q ([`Kernels::attention_softmax_grad`] divides
-/// by √dh), and the sinks' gradient ([`crate::backend::attention::sink_grad`]). Three
+/// by √dh), and the sinks' gradient ([`crate::backend::attention::sink_grad`]). With
+/// dropout (mask M drawn again), P ⊙ M stands for P in dV and dO·vᵀ ⊙ M for dO·vᵀ. Three
 /// parents (q, k, v) without sinks, four with them.
 #[derive(Debug)]
 struct AttentionBackward {
     dh: usize,
     causal: crate::backend::attention::Causal,
+    drop: crate::backend::dropout::Dropped,
 }
 
 type Qkv<I> = (FloatTensor<I>, FloatTensor<I>, FloatTensor<I>);
@@ -304,16 +317,23 @@ impl AttentionBackward {
         let d_out = t(d_out);
         let mask = self.causal.as_ref().map(|m| m.mask());
         let p = attention_weights(q.clone(), k.clone(), self.dh, mask, sinks);
+        // the dropout's factors [b, h, q, k], drawn again
+        let factors = self.drop.as_ref().map(|m| m.tensor::<I>(&p.device()).reshape(p.dims()));
+        let dropped = |t: Tensor<I, 4>| match &factors {
+            Some(f) => t * f.clone(),
+            None => t,
+        };
         if let Some(id) = to_v {
+            let pd = dropped(p.clone());
             grads.register::<I>(
                 id,
-                crate::backend::amp::matmul(p.clone().swap_dims(2, 3), d_out.clone()).into_primitive().tensor(),
+                crate::backend::amp::matmul(pd.swap_dims(2, 3), d_out.clone()).into_primitive().tensor(),
             );
         }
         if to_q.is_none() && to_k.is_none() && to_sinks.is_none() {
             return;
         }
-        let dp = crate::backend::amp::matmul(d_out, v.swap_dims(2, 3));
+        let dp = dropped(crate::backend::amp::matmul(d_out, v.swap_dims(2, 3)));
         if let Some(id) = to_sinks {
             grads.register::<I>(
                 id,

@@ -82,6 +82,14 @@ pub trait Kernels: Backend {
         crate::backend::port::move_rows(x, ex)
     }
 
+    /// Dropout on a flattened tensor: `x` times the mask's factors
+    /// ([`crate::backend::dropout::DropMask`]); on an autodiff backend the backward draws the
+    /// mask again rather than keeping it.
+    fn dropout(x: Tensor<Self, 1>, mask: std::sync::Arc<crate::backend::dropout::DropMask>) -> Tensor<Self, 1> {
+        let dev = x.device();
+        x * mask.tensor(&dev)
+    }
+
     /// softmax(scores/√dh + the mask) over the keys of [batch, heads, queries, keys]
     /// attention scores (by default Burn's operations).
     fn attention_softmax(
@@ -116,8 +124,9 @@ pub trait Kernels: Backend {
     /// [`crate::backend::attention::sink_softmax`]), without keeping its scores and
     /// probabilities for the backward: an autodiff backend keeps q, k and v (which the graph
     /// holds anyway) and the sinks, and recomputes the probabilities in the backward —
-    /// selective recompute (Korthikanti et al. 2022). Without autodiff there is nothing to
-    /// keep: the plain computation.
+    /// selective recompute (Korthikanti et al. 2022). With `drop`, the probabilities' dropout
+    /// (its mask drawn again in the backward). Without autodiff there is nothing to keep: the
+    /// plain computation.
     fn attention_recomputed(
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,
@@ -125,8 +134,10 @@ pub trait Kernels: Backend {
         dh: usize,
         causal: crate::backend::attention::Causal,
         sinks: Option<Tensor<Self, 1>>,
+        drop: &crate::backend::dropout::Dropped,
     ) -> Tensor<Self, 4> {
-        crate::backend::amp::matmul(attention_weights(q, k, dh, causal.as_ref().map(|m| m.mask()), sinks), v)
+        let p = attention_weights(q, k, dh, causal.as_ref().map(|m| m.mask()), sinks);
+        crate::backend::amp::matmul(dropped(p, drop), v)
     }
 }
 
@@ -224,6 +235,17 @@ pub(crate) fn attention_at<B: Kernels>(
     mask: Option<crate::backend::attention::Mask<'_>>,
 ) -> Tensor<B, 4> {
     B::attention_softmax(crate::backend::amp::matmul(q, k.swap_dims(2, 3)), dh, mask)
+}
+
+/// `x` after the dropout `mask` (its factors in row-major order, the part's), if any.
+pub(crate) fn dropped<B: Kernels, const D: usize>(
+    x: Tensor<B, D>,
+    mask: &crate::backend::dropout::Dropped,
+) -> Tensor<B, D> {
+    let Some(mask) = mask else { return x };
+    let dims = x.dims();
+    let n = dims.iter().product::<usize>();
+    B::dropout(x.reshape([n]), mask.clone()).reshape(dims)
 }
 
 /// [`attention_at`], or with `sinks` (a logit per head [heads] in every softmax) the

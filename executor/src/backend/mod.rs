@@ -5,6 +5,7 @@
 pub mod amp;
 pub mod attention;
 pub mod dense;
+pub mod dropout;
 pub(crate) mod flex_gemm;
 pub(crate) mod flex_softmax;
 pub(crate) mod flex_weights;

@@ -25,6 +25,12 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// The uniform draw `i` steps on ([`Rng::uniform`]'s (i+1)-th value from here),
+    /// without drawing those before it: SplitMix64's state moves by one constant a draw.
+    pub fn uniform_at(&self, i: u64) -> f64 {
+        Rng(self.0.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15))).uniform()
+    }
+
     /// Uniform in [0, 1).
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
@@ -71,5 +77,10 @@ mod tests {
         let mean: f64 = xs.iter().map(|&x| f64::from(x)).sum::<f64>() / xs.len() as f64;
         let var: f64 = xs.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / xs.len() as f64;
         assert!(mean.abs() < 0.03 && (var - 1.0).abs() < 0.05, "mean {mean} var {var}");
+        // a draw far on equals the one reached by drawing every one before it
+        let start = Rng::keyed(&[3, 4]);
+        let mut walk = start.clone();
+        let drawn: Vec<f64> = (0..100).map(|_| walk.uniform()).collect();
+        assert!((0..100).all(|i| start.uniform_at(i) == drawn[i as usize]));
     }
 }

@@ -79,16 +79,10 @@ fn first_of_layer(unit: Unit) -> Option<usize> {
 }
 
 /// Runs `unit` of `model` on `x`.
-fn run_unit<B: ExecBackend>(
-    model: &StageModel<B>,
-    unit: Unit,
-    x: Act<B>,
-    key: (u64, u64, u64),
-    side: &mut Collected<B>,
-) -> Result<Act<B>> {
+fn run_unit<B: ExecBackend>(model: &StageModel<B>, unit: Unit, x: Act<B>, side: &mut Collected<B>) -> Result<Act<B>> {
     let layer = |k: usize| model.layers.get(k).ok_or(ExecError::Plan(format!("the stage has no layer at {k}")));
     match unit {
-        Unit::Layer(k) => layer(k)?.forward(x, true, key, side),
+        Unit::Layer(k) => layer(k)?.forward(x, true, side),
         Unit::Half(k, half) => match (layer(k)?, x) {
             (Layer::Block(b), Act::D3(t)) => Ok(Act::D3(b.half(half, t, true, side)?)),
             (_, x) => Err(ExecError::Shape(format!(
@@ -106,12 +100,11 @@ fn run_units<B: ExecBackend>(
     model: &StageModel<B>,
     units: &[Unit],
     x: Act<B>,
-    key: (u64, u64, u64),
     side: &mut Collected<B>,
     untracked: Option<&B::Device>,
 ) -> Result<Act<B>> {
     units.iter().try_fold(x, |x, &unit| {
-        let y = run_unit(model, unit, x, key, side)?;
+        let y = run_unit(model, unit, x, side)?;
         Ok(match untracked {
             Some(dev) => {
                 let y = detach(&y);
@@ -154,7 +147,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         mb: MicrobatchId,
         model: &StageModel<B>,
         x: Act<B>,
-        key: (u64, u64, u64),
         units: Vec<(Unit, bool)>,
     ) -> Result<Forwarded<B>> {
         // where the stage's gradient buckets begin (the step's last backward starts each)
@@ -162,7 +154,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let untracked = untracked_copy(model);
         // ZeRO-3: the untracked copy's products gather their weights too
         let gathered = self.gathered_weights(stage, &untracked)?;
-        let mut side = self.side(stage);
+        let mut side = self.side(stage, mb);
         let (mut pieces, mut starts) = (Vec::new(), Vec::new());
         let mut cur = x;
         let mut rest = units.as_slice();
@@ -179,14 +171,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             side.aux = side.aux.take().map(|a| a.detach());
             if again {
                 let out = crate::backend::dense::with_more_gathered_weights(gathered.clone(), || {
-                    run_units(&untracked, &run, detach(&cur), key, &mut side, Some(&self.dev))
+                    run_units(&untracked, &run, detach(&cur), &mut side, Some(&self.dev))
                 })?;
                 side.aux = side.aux.take().map(|a| a.detach());
                 pieces.push(Piece::Again { input: cur, units: run });
                 cur = fresh(&out);
                 release_dropped_graphs::<B>(&self.dev);
             } else {
-                let out = run_units(model, &run, cur.clone(), key, &mut side, None)?;
+                let out = run_units(model, &run, cur.clone(), &mut side, None)?;
                 pieces.push(Piece::Kept { leaf: cur, out: out.clone(), aux: side.aux.clone() });
                 // a leaf carries a gradient where the output did (not after layers without
                 // weights on the first stage, as the plan's declarations count it)
@@ -240,7 +232,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         };
         let mut started = 0;
         let keys = sum_keys(&used);
-        let key = self.mask_key(mb);
         // ZeRO-3: the products of what runs again gather their weights again, as in the forward
         let gathered = self.gathered_weights(stage, &used)?;
         let mut flat: FlatGrads<B> = Vec::new();
@@ -263,9 +254,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     }
                     Piece::Again { input, units } => {
                         let g = grad_out.take().ok_or(ExecError::Missing("no gradient reached a recomputed piece"))?;
-                        let mut side = self.side(stage);
+                        let mut side = self.side(stage, mb);
                         let out = crate::backend::dense::with_gathered_weights(gathered.clone(), || {
-                            run_units(&used, units, input.clone(), key, &mut side, None)
+                            run_units(&used, units, input.clone(), &mut side, None)
                         })?;
                         self.exchange_failure(stage)?;
                         let target = dot(&out, g)?;

@@ -83,11 +83,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         mb: MicrobatchId,
         model: &StageModel<B>,
         x: Act<B>,
-        key: (u64, u64, u64),
         cuts: &[usize],
     ) -> Result<Forwarded<B>> {
-        let mut side = self.side(stage);
-        let segments = crate::parallel::tensor_parallel::forward_segments(model, x, cuts, true, key, &mut side)?;
+        let mut side = self.side(stage, mb);
+        let segments = crate::parallel::tensor_parallel::forward_segments(model, x, cuts, true, &mut side)?;
         if side.aux.is_some() {
             return Err(ExecError::Plan(format!("{stage} has gradient buckets and a load-balancing loss")));
         }

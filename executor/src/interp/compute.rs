@@ -39,10 +39,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             None => st.model()?,
         });
         let gathered = self.gathered_weights(stage, &model)?;
-        let key = self.mask_key(mb);
-        let f = crate::backend::dense::with_gathered_weights(gathered, || {
-            self.run_forward(stage, mb, &model, x.clone(), key)
-        })?;
+        let f =
+            crate::backend::dense::with_gathered_weights(gathered, || self.run_forward(stage, mb, &model, x.clone()))?;
         // the forward (not a recompute) records batch normalisation's statistics; validation
         // trains nothing
         if self.progress.evaluating.is_none() {
@@ -109,10 +107,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             microbatch_copy(&model)
         };
         let gathered = self.gathered_weights(stage, &model)?;
-        let key = self.mask_key(mb);
-        let f = crate::backend::dense::with_gathered_weights(gathered, || {
-            self.run_forward(stage, mb, &model, x.clone(), key)
-        })?;
+        let f =
+            crate::backend::dense::with_gathered_weights(gathered, || self.run_forward(stage, mb, &model, x.clone()))?;
         self.passes.saved.insert((stage, mb), Kept { input: x, saved: f.saved, model, aux: f.aux });
         Ok(())
     }
@@ -131,7 +127,6 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         mb: MicrobatchId,
         model: &StageModel<B>,
         x: Act<B>,
-        key: (u64, u64, u64),
     ) -> Result<Forwarded<B>> {
         let is_last = stage == self.last_stage();
         // validation: dropout off, batch normalisation on its running statistics
@@ -140,7 +135,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let reduce = self.transfers.reduce;
             let comm = &self.comm;
             let mut sum = |v: Vec<f32>| -> Result<Vec<f32>> { Ok(comm.in_pass_all_reduce(&tp.members, v, reduce)?) };
-            let mut side = self.side(stage);
+            let mut side = self.side(stage, mb);
             // recompute inside the blocks: the halves run again untracked (not while evaluating)
             let again = self.run_again(stage, model);
             let untracked = again.as_ref().map(|_| crate::interp::values::untracked_copy(model));
@@ -149,14 +144,8 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             let rerun = again.as_deref().zip(untracked.as_ref()).map(|(again, untracked)| {
                 crate::parallel::tensor_parallel::Rerun { again, untracked, release: &release }
             });
-            let segments = crate::parallel::tensor_parallel::forward(
-                model,
-                x,
-                (training, key),
-                &mut sum,
-                &mut side,
-                rerun.as_ref(),
-            )?;
+            let segments =
+                crate::parallel::tensor_parallel::forward(model, x, training, &mut sum, &mut side, rerun.as_ref())?;
             if side.aux.is_some() {
                 return Err(ExecError::Plan("a tensor-parallel stage cannot train a load-balancing loss".into()));
             }
@@ -210,13 +199,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             });
         }
         if let Some(units) = self.recompute_units(stage, model) {
-            return self.forward_in_pieces(stage, mb, model, x, key, units);
+            return self.forward_in_pieces(stage, mb, model, x, units);
         }
         if let Some(cuts) = self.bucket_cuts(stage) {
-            return self.forward_segmented(stage, mb, model, x, key, &cuts);
+            return self.forward_segmented(stage, mb, model, x, &cuts);
         }
-        let mut side = self.side(stage);
-        let out = model.forward(x, training, key, &mut side)?;
+        let mut side = self.side(stage, mb);
+        let out = model.forward(x, training, &mut side)?;
         self.forwarded(stage, mb, out, side, |loss, out| match loss {
             Some(loss) => Saved::Loss(loss),
             None => Saved::Output(out.clone()),
@@ -270,12 +259,13 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok(Some((correct as f64, labels.len() as f64)))
     }
 
-    /// What a pass of `stage` collects into (`Collected`), with its expert-parallel and
-    /// context-parallel groups.
-    pub(crate) fn side(&self, stage: StageId) -> crate::nn::layers::Collected<B> {
+    /// What a pass of `stage` on microbatch `mb` collects into (`Collected`), with its
+    /// expert-parallel and context-parallel groups and, when training, its dropout key.
+    pub(crate) fn side(&self, stage: StageId, mb: MicrobatchId) -> crate::nn::layers::Collected<B> {
         crate::nn::layers::Collected {
             experts: self.experts_for(stage),
             context: self.context_for(stage),
+            mask_key: self.progress.evaluating.is_none().then(|| self.mask_key(mb)),
             ..Default::default()
         }
     }
@@ -456,7 +446,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     else {
                         return Err(ExecError::Plan(format!("layer {layer} of {stage} is not a block to run again")));
                     };
-                    let mut side = self.side(stage);
+                    let mut side = self.side(stage, mb);
                     let comm = &self.comm;
                     let mut sum =
                         |v: Vec<f32>| -> Result<Vec<f32>> { Ok(comm.in_pass_all_reduce(&tp.members, v, reduce)?) };

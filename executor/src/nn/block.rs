@@ -13,6 +13,7 @@ use pipec_plan::model::{
 };
 
 use crate::backend::attention::{repeat_heads, Causal, MaskPositions};
+use crate::backend::dropout::{DropMask, Dropped};
 use crate::backend::kernels::attention_weights;
 use crate::backend::kernels::Kernels;
 use crate::error::{ExecError, Result};
@@ -105,7 +106,21 @@ pub struct Block<B: Backend> {
     /// for the backward, which recomputes them ([`Kernels::attention_recomputed`]).
     #[module(skip)]
     pub recompute_core: bool,
+    /// In training, dropout with this probability (`dropout=`; 0: none) on the attention's
+    /// probabilities and on each half's output before its residual sum (GPT-2's `attn_pdrop`
+    /// and `resid_pdrop`, BERT's attention and hidden dropouts).
+    #[module(skip)]
+    pub dropout: f64,
+    /// This rank's first query head and the whole block's heads (tensor parallelism gives
+    /// each rank a run of them), where the probabilities' dropout mask is cut.
+    #[module(skip)]
+    pub head_range: (usize, usize),
 }
+
+/// The dropout sites of a block, each drawing its own mask.
+const ATTENTION_PROBABILITIES: u64 = 21;
+const ATTENTION_OUTPUT: u64 = 22;
+const MLP_OUTPUT: u64 = 23;
 
 /// One MLP of a block: the up projection (gated: [d, 2·ff], the gate's columns then the
 /// up's) and the down projection.
@@ -167,15 +182,39 @@ impl<B: Kernels> Block<B> {
         }
     }
 
+    /// The dropout mask of `site` on the part `picks` of a tensor of dimensions `whole`
+    /// (per dimension, the indices held), drawn from the pass's key; None while evaluating
+    /// or without dropout.
+    fn mask(&self, side: &Collected<B>, site: u64, whole: Vec<usize>, picks: Vec<Vec<usize>>) -> Dropped {
+        let key = side.mask_key.filter(|_| self.dropout > 0.0)?;
+        let key = [key.0, site, key.1, key.2, self.index as u64];
+        Some(std::sync::Arc::new(DropMask::new(self.dropout, &key, whole, picks)))
+    }
+
+    /// A half's output [batch, seq, d] (whole on every tensor-parallel rank) after its
+    /// dropout: the whole sequence's mask at this context-parallel member's positions.
+    pub(crate) fn branch_dropout(&self, half: Half, f: Tensor<B, 3>, side: &Collected<B>) -> Tensor<B, 3> {
+        if side.mask_key.is_none() || self.dropout == 0.0 {
+            return f;
+        }
+        let [b, s, d] = f.dims();
+        let (seq, at) = side.context.as_ref().map_or_else(|| (s, (0..s).collect()), |c| (s * c.cp, c.positions(s)));
+        let site = match half {
+            Half::Attention => ATTENTION_OUTPUT,
+            Half::Mlp => MLP_OUTPUT,
+        };
+        let mask = self.mask(side, site, vec![b, seq, d], vec![(0..b).collect(), at, (0..d).collect()]);
+        crate::backend::kernels::dropped(f, &mask)
+    }
+
     /// The attention's context [batch, seq, heads·v_head] from the queries, keys and values
     /// [batch, seq, heads·qk_head | kv_heads·qk_head | kv_heads·v_head]
     /// ([`Block::queries_keys_values`]): rotary embeddings on queries and keys (their last
-    /// `rotary` features), each key/value head shared by `heads / kv_heads` query heads.
-    pub(crate) fn attend(
-        &self,
-        qkv: Tensor<B, 3>,
-        context: Option<&crate::nn::context::Context>,
-    ) -> Result<Tensor<B, 3>> {
+    /// `rotary` features), each key/value head shared by `heads / kv_heads` query heads; in
+    /// training the probabilities' dropout, its mask cut to this rank's heads and this
+    /// member's query positions (`side`: the context-parallel group and the dropout key).
+    pub(crate) fn attend(&self, qkv: Tensor<B, 3>, side: &Collected<B>) -> Result<Tensor<B, 3>> {
+        let context = side.context.as_ref();
         let [b, s, width] = qkv.dims();
         let (h, kv) = (self.heads.max(1), self.kv_heads.max(1));
         let (dh, vh) = (self.qk_head, self.v_head);
@@ -219,6 +258,11 @@ impl<B: Kernels> Block<B> {
                     "attention sinks (`sinks=true`) do not run under `cp_comm: ring` yet: the ring's online softmax has no sink (use `cp_comm: all_gather`)".into(),
                 ));
             }
+            if self.dropout > 0.0 {
+                return Err(ExecError::Setup(
+                    "a block's dropout (`dropout=`) does not run under `cp_comm: ring` yet: the ring's online softmax never holds the probabilities it would drop (use `cp_comm: all_gather`)".into(),
+                ));
+            }
             // around the ring: only this member's keys and values are kept (crate::backend::ring)
             let ring = c.ring(s, self.causal, self.window, h / kv);
             let out = B::ring_attention(q, k, v, &ring)?;
@@ -236,13 +280,20 @@ impl<B: Kernels> Block<B> {
             k = repeat_heads(k, h / kv);
             v = repeat_heads(v, h / kv);
         }
+        // the probabilities' dropout: the whole block's [batch, heads, seq, seq] mask at this
+        // rank's heads, this member's queries and the keys' positions
+        let (first, whole_heads) = self.head_range;
+        let seq = context.map_or(s, |c| s * c.cp);
+        let picks = vec![(0..b).collect(), (first..first + h).collect(), at.clone(), keys.clone()];
+        let drop = self.mask(side, ATTENTION_PROBABILITIES, vec![b, whole_heads, seq, seq], picks);
         // the causal mask (in the sliding window) at the true positions
         let causal: Causal =
             self.causal.then(|| std::sync::Arc::new(MaskPositions { queries: at, keys, window: self.window }));
         let context = if self.recompute_core {
-            B::attention_recomputed(q, k, v, dh, causal, sinks)
+            B::attention_recomputed(q, k, v, dh, causal, sinks, &drop)
         } else {
-            crate::backend::amp::matmul(attention_weights(q, k, dh, causal.as_ref().map(|m| m.mask()), sinks), v)
+            let p = attention_weights(q, k, dh, causal.as_ref().map(|m| m.mask()), sinks);
+            crate::backend::amp::matmul(crate::backend::kernels::dropped(p, &drop), v)
         };
         Ok(context.swap_dims(1, 2).reshape([b, s, h * vh]))
     }
@@ -289,11 +340,10 @@ impl<B: Kernels> Block<B> {
         };
         let input = if self.post_norm { x.clone() } else { norm.forward(x.clone()) };
         let f = match half {
-            Half::Attention => {
-                self.proj.forward3(self.attend(self.queries_keys_values(input)?, side.context.as_ref())?)
-            }
+            Half::Attention => self.proj.forward3(self.attend(self.queries_keys_values(input)?, side)?),
             Half::Mlp => self.feed_forward(input, training, side)?,
         };
+        let f = self.branch_dropout(half, f, side);
         Ok(if self.post_norm { norm.forward(x + f) } else { x + f })
     }
 
@@ -509,7 +559,7 @@ impl<B: Kernels> Block<B> {
         Ok(Tensor::<B, 2>::zeros([t, d], &dev).select_assign(0, tokens, returned * w, IndexingUpdateOp::Add))
     }
 
-    /// Layer `index`'s block `op` — whole, or with `tp` > 1 one rank's shard of it: each
+    /// Layer `index`'s block `op` — whole, or with `tp` > 1 rank `rank`'s shard of it: each
     /// weight is `slice(slot, the whole deterministic initial values)`, the rank's part.
     pub(crate) fn build(
         index: usize,
@@ -517,7 +567,7 @@ impl<B: Kernels> Block<B> {
         seed: u64,
         device: &B::Device,
         slice: impl Fn(u64, Vec<f32>) -> Vec<f32>,
-        tp: usize,
+        (tp, rank): (usize, usize),
     ) -> Option<Self> {
         let k = op.block_dims()?;
         let tp = tp.max(1);
@@ -592,6 +642,11 @@ impl<B: Kernels> Block<B> {
             rope_scaling: k.rope_scaling,
             post_norm: k.post_norm,
             recompute_core: false,
+            dropout: match op {
+                Op::TransformerBlock { dropout, .. } => *dropout,
+                _ => 0.0,
+            },
+            head_range: (rank * (k.heads / tp), k.heads),
         })
     }
 }
@@ -612,7 +667,7 @@ mod tests {
         if let Op::TransformerBlock { moe, .. } = &mut op {
             *moe = Some(Moe { router: Router::Sigmoid, expert_bias: true, ..Moe::new(8, 2) });
         }
-        let mut block = Block::<T>::build(1, &op, 3, &dev, |_, v| v, 1).expect("a block");
+        let mut block = Block::<T>::build(1, &op, 3, &dev, |_, v| v, (1, 0)).expect("a block");
         assert_eq!(block.expert_bias, vec![0.0; 8], "zeros until a checkpoint says otherwise");
         let values: Vec<f32> = (0..5 * 8).map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0).collect();
         let x = Tensor::<T, 3>::from_data(TensorData::new(values, [1, 5, 8]), &dev);

@@ -37,15 +37,14 @@ fn logits_difference_as(name: &str, read_as: &[Op], layers: &[Op]) -> f64 {
     let (rows, seq) = (ids.len(), ids[0].len());
     let flat: Vec<i64> = ids.into_iter().flatten().collect();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [rows, seq]), &device);
-    let got = match model
-        .forward(Act::Tokens(tokens), false, (0, 0, 0), &mut crate::nn::layers::Collected::default())
-        .expect("forward")
-    {
-        // a language model's [batch, seq, vocab], a classifier's [batch, classes]
-        Act::D3(out) => crate::nn::params::host_f32(out.into_data()).expect("values"),
-        Act::D2(out) => crate::nn::params::host_f32(out.into_data()).expect("values"),
-        other => panic!("logits of shape {:?}", other.dims()),
-    };
+    let got =
+        match model.forward(Act::Tokens(tokens), false, &mut crate::nn::layers::Collected::default()).expect("forward")
+        {
+            // a language model's [batch, seq, vocab], a classifier's [batch, classes]
+            Act::D3(out) => crate::nn::params::host_f32(out.into_data()).expect("values"),
+            Act::D2(out) => crate::nn::params::host_f32(out.into_data()).expect("values"),
+            other => panic!("logits of shape {:?}", other.dims()),
+        };
     assert_eq!(got.len(), expected.len());
     let scale = expected.iter().fold(0.0_f64, |m, v| m.max(v.abs()));
     let d = got.iter().zip(&expected).map(|(g, e)| (f64::from(*g) - e).abs()).fold(0.0, f64::max) / scale;
@@ -344,7 +343,7 @@ fn gpt_oss_attention_sinks_compute_what_transformers_does_forward_and_backward()
         assert!(worst <= 1e-5 * scale, "{what}: differs by {worst} (largest {scale})");
     };
     let run = |recompute: bool, sinks: Vec<f32>| {
-        let mut block = super::block::Block::<A>::build(0, &op, 0, &dev, |_, w| w, 1).expect("a block");
+        let mut block = super::block::Block::<A>::build(0, &op, 0, &dev, |_, w| w, (1, 0)).expect("a block");
         block.recompute_core = recompute;
         let id = pipec_plan::checkpoint::param_id(0, pipec_plan::model::SINKS_SLOT);
         block.sinks = Some(crate::nn::parts::param(id, sinks, [h], &dev));
@@ -352,7 +351,7 @@ fn gpt_oss_attention_sinks_compute_what_transformers_does_forward_and_backward()
             Tensor::cat(vec![heads_last(values("q"), h), heads_last(values("k"), kv), heads_last(values("v"), kv)], 2)
                 .detach()
                 .require_grad();
-        let out = block.attend(qkv.clone(), None).expect("attends");
+        let out = block.attend(qkv.clone(), &crate::nn::parts::Collected::default()).expect("attends");
         let weights = Tensor::<A, 3>::from_data(TensorData::new(values("weights"), [b, s, h * dh]), &dev);
         let grads = (out.clone() * weights).sum().backward();
         let dqkv = Tensor::<A, 3>::from_inner(qkv.grad(&grads).expect("a gradient"));

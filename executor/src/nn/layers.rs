@@ -326,7 +326,7 @@ impl<B: Kernels> Layer<B> {
                 Layer::PosEmbedding(Embed { weight: param(pid(index, 0), table, [max_len, dim], device), types: None })
             }
             Op::Lstm { input, hidden } => Layer::Lstm(Lstm::new(index, seed, input, hidden, device)),
-            Op::TransformerBlock { .. } => match Block::build(index, op, seed, device, |_, w| w, 1) {
+            Op::TransformerBlock { .. } => match Block::build(index, op, seed, device, |_, w| w, (1, 0)) {
                 Some(b) => Layer::Block(b),
                 None => Layer::Stateless(Stateless { op: op.clone(), index }),
             },
@@ -334,16 +334,10 @@ impl<B: Kernels> Layer<B> {
         }
     }
 
-    /// The forward pass. `mask_key` makes dropout masks depend on (step, microbatch) only;
-    /// batch normalisation in training appends its batch statistics to `side.stats`, a
+    /// The forward pass. `side.mask_key` makes dropout masks depend on (step, microbatch)
+    /// only; batch normalisation in training appends its batch statistics to `side.stats`, a
     /// mixture of experts its load-balancing loss and token counts (`Collected`).
-    pub fn forward(
-        &self,
-        x: Act<B>,
-        training: bool,
-        mask_key: (u64, u64, u64),
-        side: &mut Collected<B>,
-    ) -> Result<Act<B>> {
+    pub fn forward(&self, x: Act<B>, training: bool, side: &mut Collected<B>) -> Result<Act<B>> {
         Ok(match (self, x) {
             (Layer::BatchNorm(bn), Act::D4(t)) => Act::D4(bn.forward(t, training, &mut side.stats)?),
             (Layer::Dense(d), Act::D2(t)) => Act::D2(d.forward2(t)),
@@ -378,7 +372,7 @@ impl<B: Kernels> Layer<B> {
             }
             (Layer::Lstm(l), Act::D3(t)) => Act::D3(l.forward(t)),
             (Layer::Block(b), Act::D3(t)) => Act::D3(b.forward(t, training, side)?),
-            (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, training, mask_key, side.context.as_ref())?,
+            (Layer::Stateless(st), x) => stateless(&st.op, st.index, x, side)?,
             (Layer::ColumnLinear(d), x) => d.forward_act(x)?,
             (layer, x) => {
                 return Err(ExecError::Shape(format!(
@@ -430,14 +424,9 @@ fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) 
     Ok(restore(f(flat)))
 }
 
-pub(crate) fn stateless<B: Backend>(
-    op: &Op,
-    index: usize,
-    x: Act<B>,
-    training: bool,
-    key: (u64, u64, u64),
-    context: Option<&crate::nn::context::Context>,
-) -> Result<Act<B>> {
+/// A layer without weights on `x`; dropout draws from `side.mask_key` (none while
+/// evaluating) the whole microbatch's mask, as one device does, and keeps this device's part.
+pub(crate) fn stateless<B: Kernels>(op: &Op, index: usize, x: Act<B>, side: &Collected<B>) -> Result<Act<B>> {
     match *op {
         Op::Relu => elementwise(x, activation::relu),
         Op::Gelu => elementwise(x, activation::gelu),
@@ -445,34 +434,19 @@ pub(crate) fn stateless<B: Backend>(
         Op::Tanh => elementwise(x, activation::tanh),
         Op::Sigmoid => elementwise(x, activation::sigmoid),
         Op::Dropout { p } => {
-            if !training || p == 0.0 {
-                return Ok(x);
-            }
-            // context parallelism: the mask of the whole sequence, as one device draws it,
-            // at this member's positions
-            let positions = match (&x, context) {
+            let Some(key) = side.mask_key.filter(|_| p > 0.0) else { return Ok(x) };
+            let key = [key.0, 20, key.1, key.2, index as u64];
+            // context parallelism: the mask of the whole sequence at this member's positions
+            let mask = match (&x, &side.context) {
                 (Act::D3(t), Some(c)) => {
-                    let [_, s, d] = t.dims();
-                    Some((c.positions(s), s * c.cp, d))
+                    let [b, s, d] = t.dims();
+                    let picks = vec![(0..b).collect(), c.positions(s), (0..d).collect()];
+                    crate::backend::dropout::DropMask::new(p, &key, vec![b, s * c.cp, d], picks)
                 }
-                _ => None,
+                _ => crate::backend::dropout::DropMask::whole(p, &key, x.dims()),
             };
-            elementwise(x, |t| {
-                let [rows, cols] = t.dims();
-                let mut rng = Rng::keyed(&[key.0, 20, key.1, key.2, index as u64]);
-                let mut draw = || if rng.uniform() < p { 0.0 } else { (1.0 / (1.0 - p)) as f32 };
-                let keep: Vec<f32> = match &positions {
-                    Some((at, seq, d)) => (0..rows)
-                        .flat_map(|_| {
-                            let row: Vec<f32> = (0..seq * d).map(|_| draw()).collect();
-                            at.iter().flat_map(move |&q| row[q * d..(q + 1) * d].to_vec()).collect::<Vec<_>>()
-                        })
-                        .collect(),
-                    None => (0..rows * cols).map(|_| draw()).collect(),
-                };
-                let mask = Tensor::<B, 2>::from_data(TensorData::new(keep, [rows, cols]), &t.device());
-                t * mask
-            })
+            let mask = Some(std::sync::Arc::new(mask));
+            elementwise(x, |t| crate::backend::kernels::dropped(t, &mask))
         }
         Op::Flatten => Ok(match x {
             Act::D2(t) => Act::D2(t),
@@ -611,16 +585,10 @@ impl<B: Kernels> StageModel<B> {
     /// The stage's forward; batch normalisation layers in training append their batch
     /// statistics to `side.stats`, in layer order (and mixtures of experts their losses and
     /// counts, `Collected`).
-    pub fn forward(
-        &self,
-        mut x: Act<B>,
-        training: bool,
-        mask_key: (u64, u64, u64),
-        side: &mut Collected<B>,
-    ) -> Result<Act<B>> {
+    pub fn forward(&self, mut x: Act<B>, training: bool, side: &mut Collected<B>) -> Result<Act<B>> {
         let Some(g) = &self.graph else {
             for layer in &self.layers {
-                x = layer.forward(x, training, mask_key, side)?;
+                x = layer.forward(x, training, side)?;
             }
             return Ok(x);
         };
@@ -643,7 +611,7 @@ impl<B: Kernels> StageModel<B> {
                 Layer::Stateless(st) if matches!(st.op, Op::Add { .. } | Op::Concat { .. }) => join(&st.op, args)?,
                 _ => {
                     let x = args.into_iter().next().ok_or(ExecError::Missing("a layer has no operand"))?;
-                    layer.forward(x, training, mask_key, side)?
+                    layer.forward(x, training, side)?
                 }
             };
             env.insert(Source::Layer(g.first + k), out);

@@ -266,10 +266,20 @@ pub struct Collected<B: Backend> {
     /// Context parallelism: the stage's group, whose keys and values attention gathers,
     /// and this member's positions.
     pub context: Option<crate::nn::context::Context>,
+    /// Training: the microbatch's dropout key, its step and number in the step (the same at
+    /// its recompute); None while evaluating, when nothing is dropped.
+    pub mask_key: Option<(u64, u64, u64)>,
 }
 
 impl<B: Backend> Default for Collected<B> {
     fn default() -> Self {
-        Collected { stats: Vec::new(), aux: None, expert_tokens: Vec::new(), experts: None, context: None }
+        Collected {
+            stats: Vec::new(),
+            aux: None,
+            expert_tokens: Vec::new(),
+            experts: None,
+            context: None,
+            mask_key: None,
+        }
     }
 }

@@ -285,7 +285,7 @@ pub fn build_stage<B: Kernels>(
             }
             (Split::Block, Op::TransformerBlock { .. }) => {
                 let slice = |slot: u64, w: Vec<f32>| shard(&w, at(index, slot), tp, rank);
-                match Block::build(index, op, seed, device, slice, tp) {
+                match Block::build(index, op, seed, device, slice, (tp, rank)) {
                     Some(b) => Layer::ParallelBlock(b),
                     None => Layer::new(index, op, seed, device),
                 }
@@ -358,7 +358,7 @@ pub fn run_half<B: ExecBackend>(
     side: &mut crate::nn::layers::Collected<B>,
 ) -> Result<Tensor<B, 3>> {
     match half {
-        Half::Attention => attention_half(b, x, reduce, side.context.as_ref()),
+        Half::Attention => attention_half(b, x, reduce, side),
         Half::Mlp => mlp_half(b, x, reduce, true, side),
     }
 }
@@ -397,14 +397,15 @@ fn attention_half<B: ExecBackend>(
     b: &Block<B>,
     x: Tensor<B, 3>,
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
-    context: Option<&crate::nn::context::Context>,
+    side: &crate::nn::layers::Collected<B>,
 ) -> Result<Tensor<B, 3>> {
     // pre-norm: x + attention(norm(x)); post-norm: x + attention(x), normed by the caller
     let input = if b.post_norm { x.clone() } else { b.norm1.forward(x.clone()) };
-    let ctx = b.attend(b.queries_keys_values(input)?, context)?;
+    let ctx = b.attend(b.queries_keys_values(input)?, side)?;
     let a = b.proj.add_bias(g(b.proj.matmul_only(Act::D3(ctx))?, reduce)?);
     match a {
-        Act::D3(a) => Ok(x + a),
+        // the dropout after the sum, on the whole output every rank holds
+        Act::D3(a) => Ok(x + b.branch_dropout(Half::Attention, a, side)),
         _ => Err(ExecError::Shape(
             "the attention projection of a tensor-parallel block must give [batch, seq, d]".into(),
         )),
@@ -424,7 +425,7 @@ fn mlp_half<B: ExecBackend>(
         // this rank give a partial output, weighted and summed, then summed over the group
         // (experts without biases, no load-balancing loss: `lib::validate`)
         return match g(Act::D3(b.feed_forward(input, training, side)?), reduce)? {
-            Act::D3(m) => Ok(h + m),
+            Act::D3(m) => Ok(h + b.branch_dropout(Half::Mlp, m, side)),
             _ => Err(ExecError::Shape("the experts of a tensor-parallel block must give [batch, seq, d]".into())),
         };
     }
@@ -442,7 +443,7 @@ fn mlp_half<B: ExecBackend>(
     };
     let m = mlp.fc2.add_bias(g(mlp.fc2.matmul_only(Act::D3(up))?, reduce)?);
     match m {
-        Act::D3(m) => Ok(h + m),
+        Act::D3(m) => Ok(h + b.branch_dropout(Half::Mlp, m, side)),
         _ => Err(ExecError::Shape("the MLP of a tensor-parallel block must give [batch, seq, d]".into())),
     }
 }
@@ -486,7 +487,7 @@ fn half_of<B: ExecBackend>(
 pub fn forward<B: ExecBackend>(
     model: &StageModel<B>,
     x: Act<B>,
-    (training, key): (bool, (u64, u64, u64)),
+    training: bool,
     reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
     side: &mut crate::nn::layers::Collected<B>,
     rerun: Option<&Rerun<'_, B>>,
@@ -583,8 +584,8 @@ pub fn forward<B: ExecBackend>(
                 applied = 0;
                 continue;
             }
-            Layer::Stateless(st) => cur = stateless(&st.op, st.index, cur, training, key, side.context.as_ref())?,
-            other => cur = other.forward(cur, training, key, side)?,
+            Layer::Stateless(st) => cur = stateless(&st.op, st.index, cur, side)?,
+            other => cur = other.forward(cur, training, side)?,
         }
         applied += 1;
     }
@@ -660,7 +661,6 @@ pub fn forward_segments<B: ExecBackend>(
     x: Act<B>,
     cuts: &[usize],
     training: bool,
-    mask_key: (u64, u64, u64),
     side: &mut crate::nn::layers::Collected<B>,
 ) -> Result<Vec<Segment<B>>> {
     if model.graph.is_some() {
@@ -674,7 +674,7 @@ pub fn forward_segments<B: ExecBackend>(
             leaf = fresh(&cur);
             cur = leaf.clone();
         }
-        cur = layer.forward(cur, training, mask_key, side)?;
+        cur = layer.forward(cur, training, side)?;
     }
     segments.push(Segment { leaf, out: cur, boundary: Boundary::Complete, rerun: None });
     Ok(segments)

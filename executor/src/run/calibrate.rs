@@ -345,7 +345,7 @@ pub fn optimizer_rates<B: crate::backend::kernels::ExecBackend>(device: &B::Devi
         let x = Tensor::<B, 2>::random([8, width], Distribution::Uniform(-1.0, 1.0), device);
         for _ in 0..2 {
             if let Some(m) = &model {
-                let _ = m.forward(crate::nn::layers::Act::D2(x.clone()), false, (0, 0, 0), &mut Default::default());
+                let _ = m.forward(crate::nn::layers::Act::D2(x.clone()), false, &mut Default::default());
             }
         }
         let seconds = median_seconds(1, reps.max(3), || {

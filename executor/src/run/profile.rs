@@ -83,7 +83,8 @@ pub(crate) fn time_passes<B: ExecBackend>(
         // the input made before the clock starts (a GPU queues its kernels)
         let _ = B::sync(dev);
         let t0 = Instant::now();
-        let y = model.forward(x, true, (0, 0, r as u64), &mut crate::nn::layers::Collected::default())?;
+        let mut side = crate::nn::layers::Collected { mask_key: Some((0, 0, r as u64)), ..Default::default() };
+        let y = model.forward(x, true, &mut side)?;
         let s = sum(&y).ok_or_else(|| ExecError::Shape(format!("{what} produced token ids")))?;
         // make the forward really run before the clock stops (lazy backends)
         let _ = s.clone().into_scalar();

@@ -261,6 +261,31 @@ impl Config {
         }
     }
 
+    /// A probability in [0, 1) (`default`, transformers' own, when the config has none).
+    fn probability_or(&mut self, key: &str, default: f64) -> Result<f64, String> {
+        match self.take(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .filter(|p| (0.0..1.0).contains(p))
+                .ok_or_else(|| format!("`{key}` must be a probability in [0, 1), found {v}")),
+        }
+    }
+
+    /// A block's `dropout=` from the config's dropout of the attention's probabilities and
+    /// of the residual branches (each `default`, transformers' own, when absent): pipec's
+    /// blocks drop both with one probability, so where they differ the residual one is
+    /// taken, and a note says so.
+    fn block_dropout(&mut self, attention: &str, residual: &str, default: f64) -> Result<String, String> {
+        let (a, r) = (self.probability_or(attention, default)?, self.probability_or(residual, default)?);
+        if a != r {
+            self.notes.push(format!(
+                "`{attention}: {a}` differs from `{residual}: {r}`: pipec's blocks drop the attention's probabilities and the residual branches' outputs with one probability, imported as `dropout={r}` for both (edit it to choose)"
+            ));
+        }
+        Ok(if r > 0.0 { format!(", dropout={r}") } else { String::new() })
+    }
+
     fn flag_or(&mut self, key: &str, default: bool) -> Result<bool, String> {
         match self.take(key) {
             Some(v) => v.as_bool().ok_or_else(|| format!("`{key}` must be true or false, found {v}")),
@@ -549,9 +574,10 @@ fn gpt2(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
     } else {
         (format!(", eps={}", number(eps)), format!("layernorm(eps={})", number(eps)))
     };
-    for k in ["attn_pdrop", "resid_pdrop", "embd_pdrop"] {
-        c.require(k, |_| true, "")?;
-    }
+    // transformers' GPT2Config: 0.1 each
+    let dropout = c.block_dropout("attn_pdrop", "resid_pdrop", 0.1)?;
+    let embd_pdrop = c.probability_or("embd_pdrop", 0.1)?;
+    let embedding_dropout = if embd_pdrop > 0.0 { format!("\x20   - dropout({embd_pdrop})\n") } else { String::new() };
     c.require("tie_word_embeddings", |v| v.as_bool() != Some(false), "GPT-2's output layer is the embedding")?;
     c.require("scale_attn_weights", |v| v.as_bool() == Some(true), "pipec scales attention scores by 1/√head size")?;
     c.require(
@@ -562,12 +588,12 @@ fn gpt2(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
     c.require("add_cross_attention", |v| v.as_bool() == Some(false), "cross-attention is an encoder-decoder's")?;
     let seq = window(positions, seq)?;
     Ok(format!(
-        "# GPT-2: {layers} blocks of d = {d} with {heads} heads, a tied {vocab}-token vocabulary. Dropout\n\
-         # (attn/resid/embd_pdrop) is not applied inside pipec's blocks.\n\
+        "# GPT-2: {layers} blocks of d = {d} with {heads} heads, a tied {vocab}-token vocabulary.\n\
          model:\n  input: [{seq}]\n  layers:\n\
          \x20   - embedding({vocab}, {d}) as wte\n\
          \x20   - pos_embedding({positions}) as wpe\n\
-         \x20   - repeat {layers}: transformer_block(d={d}, heads={heads}, ff={ff}, causal=true, mlp={mlp}{block_eps})\n\
+         {embedding_dropout}\
+         \x20   - repeat {layers}: transformer_block(d={d}, heads={heads}, ff={ff}, causal=true, mlp={mlp}{block_eps}{dropout})\n\
          \x20   - {final_norm}\n\
          \x20   - linear({d}, {vocab}, bias=false, tie=wte)\n\
          \x20 loss: cross_entropy\n"
@@ -1011,24 +1037,10 @@ fn bert(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
         Some(v) => return Err(format!("`id2label` must map class ids to names, found {v}")),
     };
     c.used.insert("num_labels".into());
-    let probability = |c: &mut Config, key: &str| -> Result<f64, String> {
-        match c.take(key) {
-            None => Ok(0.0),
-            Some(v) => v
-                .as_f64()
-                .filter(|p| (0.0..1.0).contains(p))
-                .ok_or_else(|| format!("`{key}` must be a probability in [0, 1), found {v}")),
-        }
-    };
-    let hidden_dropout = probability(c, "hidden_dropout_prob")?;
-    let classifier_dropout = match c.fields.get("classifier_dropout").filter(|v| !v.is_null()) {
-        Some(_) => probability(c, "classifier_dropout")?,
-        None => {
-            c.used.insert("classifier_dropout".into());
-            hidden_dropout
-        }
-    };
-    c.require("attention_probs_dropout_prob", |_| true, "")?;
+    // transformers' BertConfig: 0.1 each; the classifier's is the hidden one unless given
+    let block_dropout = c.block_dropout("attention_probs_dropout_prob", "hidden_dropout_prob", 0.1)?;
+    let hidden_dropout = c.probability_or("hidden_dropout_prob", 0.1)?;
+    let classifier_dropout = c.probability_or("classifier_dropout", hidden_dropout)?;
     c.require(
         "position_embedding_type",
         |v| v.as_str() == Some("absolute"),
@@ -1058,14 +1070,13 @@ fn bert(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
     };
     Ok(format!(
         "# BERT: {layers} post-norm blocks of d = {d} with {heads} heads, a {vocab}-token vocabulary, as a\n\
-         # sequence classifier over {labels} classes (the [CLS] position through the pooler). Dropout\n\
-         # inside the blocks (hidden and attention) is not applied.{sep_note}\n\
+         # sequence classifier over {labels} classes (the [CLS] position through the pooler).{sep_note}\n\
          model:\n  input: [{seq}]\n  layers:\n\
          \x20   - embedding({vocab}, {d}, types={types}{sep})\n\
          \x20   - pos_embedding({positions})\n\
          \x20   - layernorm(eps={e})\n\
          {}\
-         \x20   - repeat {layers}: transformer_block(d={d}, heads={heads}, ff={ff}{mlp}, post_norm=true, eps={e})\n\
+         \x20   - repeat {layers}: transformer_block(d={d}, heads={heads}, ff={ff}{mlp}, post_norm=true, eps={e}{block_dropout})\n\
          \x20   - seq_pool(first)\n\
          \x20   - linear({d}, {d}) as pooler\n\
          \x20   - tanh\n\
@@ -1150,6 +1161,46 @@ mod tests {
         assert_eq!(number(500000.0), "500000");
         assert_eq!(number(1e-6), "1e-6");
         assert_eq!(number(1e-5), "1e-5");
+    }
+
+    /// GPT-2's and BERT's dropouts: the blocks' `dropout=` (the attention's probabilities
+    /// and the residual branches), GPT-2's embedding dropout after the positions, each at
+    /// transformers' 0.1 when the config has none; differing attention and residual
+    /// probabilities take the residual one, with a note.
+    #[test]
+    fn gpt2_and_bert_configs_give_blocks_their_dropout() {
+        let gpt2 =
+            r#"{"model_type": "gpt2", "vocab_size": 100, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}"#;
+        let imported = import(gpt2, "x", None, &Target::default()).expect("gpt2");
+        let spec = imported.spec;
+        assert!(spec.contains("as wpe\n    - dropout(0.1)\n    - repeat 2: transformer_block("), "{spec}");
+        assert!(spec.contains("mlp=gelu_tanh, dropout=0.1)"), "{spec}");
+        assert!(imported.notes.is_empty(), "{:?}", imported.notes);
+        let none = gpt2.replace(
+            r#""n_positions": 64"#,
+            r#""n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0"#,
+        );
+        let spec = import(&none, "x", None, &Target::default()).expect("gpt2").spec;
+        assert!(!spec.contains("dropout"), "{spec}");
+        let differ =
+            gpt2.replace(r#""n_positions": 64"#, r#""n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.2"#);
+        let imported = import(&differ, "x", None, &Target::default()).expect("gpt2");
+        assert!(imported.spec.contains("dropout=0.2)"), "{}", imported.spec);
+        assert!(
+            imported.notes.iter().any(|n| n.contains("`attn_pdrop: 0` differs from `resid_pdrop: 0.2`")),
+            "{:?}",
+            imported.notes
+        );
+        let bad = gpt2.replace(r#""n_positions": 64"#, r#""n_positions": 64, "resid_pdrop": 1.5"#);
+        let Err(e) = import(&bad, "x", None, &Target::default()) else { panic!("a probability of 1.5 is refused") };
+        assert!(e.contains("`resid_pdrop` must be a probability"), "{e}");
+        let bert = r#"{"model_type": "bert", "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64}"#;
+        let spec = import(bert, "x", None, &Target::default()).expect("bert").spec;
+        assert!(spec.contains("post_norm=true, eps=1e-12, dropout=0.1)"), "{spec}");
+        assert_eq!(spec.matches("- dropout(0.1)").count(), 2, "the embeddings' and the classifier's: {spec}");
+        let checked = crate::check_source(&spec);
+        assert!(!checked.has_errors(), "{:?}", checked.diagnostics);
     }
 
     #[test]

@@ -7,15 +7,17 @@ use crate::backend::attention::MaskPositions;
 
 type B = crate::backend::CpuBackend;
 
-/// Attention's core recomputed in the backward gives the values and the q, k, v
-/// gradients of the core kept (Burn's own autodiff through the same forward), causal or
-/// not, to 1e-5 of the largest value, and passes a gradient to what is tracked.
 /// The causal mask of `s` queries over the same `s` keys.
 fn causal_mask(s: usize) -> crate::backend::attention::Causal {
     let p: Vec<usize> = (0..s).collect();
     Some(std::sync::Arc::new(MaskPositions { queries: p.clone(), keys: p, window: 0 }))
 }
 
+/// Attention's core recomputed in the backward gives the values and the q, k, v
+/// gradients of the core kept (Burn's own autodiff through the same forward), causal or
+/// not, with sinks or not, with the probabilities' dropout or not (the kept core
+/// multiplies by the mask's factors in Burn's operations; the recomputed one draws the
+/// mask again), to 1e-5 of the largest value, and passes a gradient to what is tracked.
 #[test]
 fn the_attention_core_recomputed_in_the_backward_has_the_kept_cores_gradients() {
     let dev = Default::default();
@@ -36,19 +38,30 @@ fn the_attention_core_recomputed_in_the_backward_has_the_kept_cores_gradients() 
     };
     // and each with sinks (a logit per head of the 3, of both signs)
     let with_sinks = [None, Some(vec![0.5f32, -1.0, 2.0])];
-    for (causal, sinks) in [None, causal_mask(5), member(0), member(4)]
+    // and each with dropout: a third of the probabilities of heads 1..4 of 5 and positions
+    // 2..7 of 8 dropped
+    let picks = vec![vec![0, 1], vec![1, 2, 3], vec![2, 3, 4, 5, 6], vec![3, 4, 5, 6, 7]];
+    let dropout = crate::backend::dropout::DropMask::new(1.0 / 3.0, &[7], vec![2, 5, 8, 8], picks);
+    let with_dropout = [None, Some(std::sync::Arc::new(dropout))];
+    for ((causal, sinks), drop) in [None, causal_mask(5), member(0), member(4)]
         .into_iter()
         .flat_map(|c| with_sinks.iter().map(move |s| (c.clone(), s.clone())))
+        .flat_map(|cs| with_dropout.iter().map(move |d| (cs.clone(), d.clone())))
     {
         let weights = rand(9);
         let run = |recomputed: bool| {
             let (q, k, v) = (rand(1).require_grad(), rand(2).require_grad(), rand(3).require_grad());
             let s = sinks.clone().map(|s| Tensor::<B, 1>::from_data(TensorData::new(s, [3]), &dev).require_grad());
             let out = if recomputed {
-                B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal.clone(), s.clone())
+                B::attention_recomputed(q.clone(), k.clone(), v.clone(), 4, causal.clone(), s.clone(), &drop)
             } else {
                 let mask = causal.as_ref().map(|m| m.mask());
-                attention_weights(q.clone(), k.clone(), 4, mask, s.clone()).matmul(v.clone())
+                let p = attention_weights(q.clone(), k.clone(), 4, mask, s.clone());
+                let p = match &drop {
+                    Some(d) => p * d.tensor::<B>(&dev).reshape([2, 3, 5, 5]),
+                    None => p,
+                };
+                p.matmul(v.clone())
             };
             let grads = (out.clone() * weights.clone()).sum().backward();
             let g = |t: &Tensor<B, 4>| t.grad(&grads).expect("a gradient").into_data();
@@ -66,9 +79,26 @@ fn the_attention_core_recomputed_in_the_backward_has_the_kept_cores_gradients() 
     }
     // only v tracked: v gets its gradient, and nothing is asked of q and k
     let v = rand(3).require_grad();
-    let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, causal_mask(5), None);
+    let out = B::attention_recomputed(rand(1), rand(2), v.clone(), 4, causal_mask(5), None, &None);
     let grads = out.sum().backward();
     assert!(v.grad(&grads).is_some());
+}
+
+/// Dropout whose backward draws its mask again has Burn's gradient of the product with the
+/// mask's factors, and drops about p of the values.
+#[test]
+fn dropout_drawn_again_in_the_backward_has_the_kept_masks_gradient() {
+    let dev = Default::default();
+    let x = random([6, 50], 4).reshape([300]).require_grad();
+    let mask = std::sync::Arc::new(crate::backend::dropout::DropMask::whole(0.3, &[1, 2], vec![6, 50]));
+    let w = random([6, 50], 5).reshape([300]);
+    let ours = (B::dropout(x.clone(), mask.clone()) * w.clone()).sum().backward();
+    let burns = (x.clone() * mask.tensor::<B>(&dev) * w).sum().backward();
+    let g = |grads| x.grad(&grads).expect("a gradient").into_data();
+    let (a, b) = (g(ours), g(burns));
+    assert_eq!(a, b);
+    let dropped = a.to_vec::<f32>().expect("f32").iter().filter(|&&v| v == 0.0).count();
+    assert!((60..120).contains(&dropped), "{dropped} of 300 dropped at p = 0.3");
 }
 
 fn random(shape: [usize; 2], seed: u64) -> Tensor<B, 2> {

@@ -188,7 +188,9 @@ pub fn attention_passes<B: crate::backend::kernels::ExecBackend>(
             for rep in 0..2 + reps.max(3) {
                 let x = qkv.clone().require_grad();
                 let t0 = Instant::now();
-                let y = block.attend(x.clone(), None).map_err(|e| format!("attention {b}·{s}·{heads}·{dh}: {e}"))?;
+                let y = block
+                    .attend(x.clone(), &crate::nn::parts::Collected::default())
+                    .map_err(|e| format!("attention {b}·{s}·{heads}·{dh}: {e}"))?;
                 let total = y.sum();
                 let _ = B::sync(device);
                 let t1 = Instant::now();
