@@ -1130,12 +1130,14 @@ fn the_loss_torchtitan_compiles_is_priced_emitted_and_read_back() {
     let blocks = with("{ name: torchtitan, compile: [model] }", 1);
     let whole = with("{ name: torchtitan, compile: true }", 1);
     assert_eq!(memory(&eager), memory(&blocks), "compiled blocks leave the eager loss as it is");
-    assert_eq!(memory(&eager).1, 8 * logits, "two fp32 gradients beside the log-probabilities");
+    // and the bf16 logits' freed block, which the caching allocator keeps reserved
+    assert_eq!(memory(&eager).1, 10 * logits, "two fp32 gradients beside the log-probabilities");
     assert_eq!(memory(&whole).1, 2 * logits, "the gradient at the logits' precision");
     assert_eq!(memory(&eager).0 - memory(&whole).0, 2 * logits, "bf16 logits kept, not fp32 log-probabilities");
-    // the vocabulary split over 2 ranks: loss parallel's three fp32 tensors
+    // the vocabulary split over 2 ranks: loss parallel's three fp32 tensors, and the logits'
+    // reserved block
     let split = with("{ name: torchtitan, compile: [model] }", 2);
-    assert_eq!(memory(&split).1, 12 * logits / 2);
+    assert_eq!(memory(&split).1, 14 * logits / 2);
     // emitted as planned, and read back
     let emitted = |plan: &Plan| -> String {
         let files = pipec_plan::engine::emit::emit(plan, &EngineTarget::newest(Engine::Torchtitan)).expect("emits");

@@ -85,13 +85,15 @@ pub enum CrossEntropy {
     /// compiling it was turned off): `log_softmax` keeps its fp32 output; the forward holds
     /// the logits and their fp32 copy beside it (the loop frees the logits only after the
     /// loss, `del pred`); the backward, `nll_loss`'s gradient (a dense fp32 tensor) and
-    /// `log_softmax`'s beside the kept output.
+    /// `log_softmax`'s beside the kept output, and the logits' freed block, which the
+    /// caching allocator keeps reserved ([`LossBytes`]).
     Eager,
     /// PyTorch's loss parallel over a vocabulary split by tensor parallelism (torchtitan's
     /// default under `tp`; torch/distributed/tensor/parallel/loss.py): `_log_softmax`
     /// makes the shifted logits and the result as separate fp32 tensors, and the backward
     /// (`_nll_loss_and_log_softmax_backward`) a zero tensor, `exp(x)`, their sum and the
-    /// product, three of them live at once beside the kept result.
+    /// product, three of them live at once beside the kept result and the logits' freed
+    /// block, reserved.
     LossParallel,
     /// `torch.compile`d (torchtitan's `[compile] components` with `loss`): Inductor saves
     /// the logits and each row's log-sum-exp, and its backward writes the gradient at the
@@ -112,7 +114,11 @@ pub enum CrossEntropy {
 
 /// Bytes per logit (one vocabulary entry of one token, on this rank) that a cross-entropy
 /// holds: `kept` from its forward to its backward, `transient` beside them at its widest
-/// point (forward or backward; it runs before any layer's backward).
+/// point (forward or backward; it runs before any layer's backward) — with the blocks that
+/// PyTorch's caching allocator keeps reserved there and cannot use: a block freed in the
+/// forward stays reserved (the allocator returns no segment to the device) and serves only
+/// a request no larger than itself, so the lower-precision logits freed before the
+/// backward (`del pred` in torchtitan's loop) sit beside the backward's fp32 gradients.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LossBytes {
     pub kept: f64,
@@ -127,12 +133,16 @@ impl CrossEntropy {
         let (p, f) = (precision, precision.max(4.0));
         // the fp32 copy `.float()` makes of lower-precision logits
         let copy = if p < 4.0 { f } else { 0.0 };
+        // the logits' block, freed before the backward, too small for its fp32 gradients
+        let reserved = if p < f { p } else { 0.0 };
         let (kept, transient) = match self {
             CrossEntropy::Pipec => (f, f + p),
-            // forward: the logits and their copy; backward: two fp32 gradients
-            CrossEntropy::Eager => (f, (p + copy).max(2.0 * f)),
-            // forward: the logits, the copy and the shifted logits; backward: three
-            CrossEntropy::LossParallel => (f, (p + copy + f).max(3.0 * f)),
+            // forward: the logits and their copy; backward: two fp32 gradients beside the
+            // logits' reserved block
+            CrossEntropy::Eager => (f, (p + copy).max(2.0 * f + reserved)),
+            // forward: the logits, the copy and the shifted logits; backward: three beside
+            // the logits' reserved block (the forward's three fp32 blocks serve them)
+            CrossEntropy::LossParallel => (f, (p + copy + f).max(3.0 * f + reserved)),
             CrossEntropy::Compiled => (p, p),
             // the logits beside their upcast in the forward, the gradient's cast in the
             // backward; under fp32 the softmax is made in the logits themselves
@@ -839,8 +849,9 @@ mod tests {
         };
         // bf16 logits: 2 bytes; their fp32 copy, the log-probabilities, the gradients: 4
         assert_eq!(at(CrossEntropy::Pipec, 2.0), (4.0, 6.0));
-        assert_eq!(at(CrossEntropy::Eager, 2.0), (4.0, 8.0), "the two fp32 gradients");
-        assert_eq!(at(CrossEntropy::LossParallel, 2.0), (4.0, 12.0), "three fp32 tensors in the backward");
+        // the bf16 logits' block stays reserved beside the backward's fp32 gradients
+        assert_eq!(at(CrossEntropy::Eager, 2.0), (4.0, 10.0), "the two fp32 gradients and the logits' block");
+        assert_eq!(at(CrossEntropy::LossParallel, 2.0), (4.0, 14.0), "three fp32 tensors and the logits' block");
         assert_eq!(at(CrossEntropy::Compiled, 2.0), (2.0, 2.0), "the logits, and their gradient");
         assert_eq!(at(CrossEntropy::Megatron, 2.0), (4.0, 2.0), "the softmax in place, the gradient's cast");
         assert_eq!(at(CrossEntropy::Transformers, 2.0), (6.0, 8.0), "the output's logits kept too");
