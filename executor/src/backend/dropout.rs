@@ -81,6 +81,33 @@ impl DropMask {
     }
 }
 
+/// Where a dropout is, each site drawing its own masks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Site {
+    /// A `dropout` layer.
+    Layer,
+    /// A transformer block's attention probabilities.
+    AttentionProbabilities,
+    /// A transformer block's attention output, before its residual sum.
+    AttentionOutput,
+    /// A transformer block's MLP (or experts') output, before its residual sum.
+    MlpOutput,
+}
+
+impl Site {
+    /// The key of this site's mask in layer `layer` for a microbatch's dropout key (the
+    /// run's seed, the step, the microbatch's number in it).
+    pub fn key(self, (seed, step, microbatch): (u64, u64, u64), layer: usize) -> [u64; 5] {
+        let site = match self {
+            Site::Layer => 20,
+            Site::AttentionProbabilities => 21,
+            Site::AttentionOutput => 22,
+            Site::MlpOutput => 23,
+        };
+        [seed, site, step, microbatch, layer as u64]
+    }
+}
+
 /// A dropout a pass applies, if any.
 pub type Dropped = Option<std::sync::Arc<DropMask>>;
 

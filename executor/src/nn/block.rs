@@ -13,7 +13,7 @@ use pipec_plan::model::{
 };
 
 use crate::backend::attention::{repeat_heads, Causal, MaskPositions};
-use crate::backend::dropout::{DropMask, Dropped};
+use crate::backend::dropout::{DropMask, Dropped, Site};
 use crate::backend::kernels::attention_weights;
 use crate::backend::kernels::Kernels;
 use crate::error::{ExecError, Result};
@@ -117,11 +117,6 @@ pub struct Block<B: Backend> {
     pub head_range: (usize, usize),
 }
 
-/// The dropout sites of a block, each drawing its own mask.
-const ATTENTION_PROBABILITIES: u64 = 21;
-const ATTENTION_OUTPUT: u64 = 22;
-const MLP_OUTPUT: u64 = 23;
-
 /// One MLP of a block: the up projection (gated: [d, 2·ff], the gate's columns then the
 /// up's) and the down projection.
 #[derive(Module, Debug)]
@@ -182,28 +177,24 @@ impl<B: Kernels> Block<B> {
         }
     }
 
-    /// The dropout mask of `site` on the part `picks` of a tensor of dimensions `whole`
-    /// (per dimension, the indices held), drawn from the pass's key; None while evaluating
-    /// or without dropout.
-    fn mask(&self, side: &Collected<B>, site: u64, whole: Vec<usize>, picks: Vec<Vec<usize>>) -> Dropped {
+    /// The dropout mask of `site`, drawn from the pass's key on the part of a tensor that
+    /// `cut` gives (the whole tensor's dimensions, and per dimension the indices held);
+    /// None while evaluating or without dropout.
+    fn mask(&self, side: &Collected<B>, site: Site, cut: impl FnOnce() -> (Vec<usize>, Vec<Vec<usize>>)) -> Dropped {
         let key = side.mask_key.filter(|_| self.dropout > 0.0)?;
-        let key = [key.0, site, key.1, key.2, self.index as u64];
-        Some(std::sync::Arc::new(DropMask::new(self.dropout, &key, whole, picks)))
+        let (whole, picks) = cut();
+        Some(std::sync::Arc::new(DropMask::new(self.dropout, &site.key(key, self.index), whole, picks)))
     }
 
     /// A half's output [batch, seq, d] (whole on every tensor-parallel rank) after its
     /// dropout: the whole sequence's mask at this context-parallel member's positions.
     pub(crate) fn branch_dropout(&self, half: Half, f: Tensor<B, 3>, side: &Collected<B>) -> Tensor<B, 3> {
-        if side.mask_key.is_none() || self.dropout == 0.0 {
-            return f;
-        }
-        let [b, s, d] = f.dims();
-        let (seq, at) = side.context.as_ref().map_or_else(|| (s, (0..s).collect()), |c| (s * c.cp, c.positions(s)));
+        let dims = f.dims();
         let site = match half {
-            Half::Attention => ATTENTION_OUTPUT,
-            Half::Mlp => MLP_OUTPUT,
+            Half::Attention => Site::AttentionOutput,
+            Half::Mlp => Site::MlpOutput,
         };
-        let mask = self.mask(side, site, vec![b, seq, d], vec![(0..b).collect(), at, (0..d).collect()]);
+        let mask = self.mask(side, site, || crate::nn::context::Context::sequence_cut(side.context.as_ref(), dims));
         crate::backend::kernels::dropped(f, &mask)
     }
 
@@ -282,10 +273,11 @@ impl<B: Kernels> Block<B> {
         }
         // the probabilities' dropout: the whole block's [batch, heads, seq, seq] mask at this
         // rank's heads, this member's queries and the keys' positions
-        let (first, whole_heads) = self.head_range;
-        let seq = context.map_or(s, |c| s * c.cp);
-        let picks = vec![(0..b).collect(), (first..first + h).collect(), at.clone(), keys.clone()];
-        let drop = self.mask(side, ATTENTION_PROBABILITIES, vec![b, whole_heads, seq, seq], picks);
+        let drop = self.mask(side, Site::AttentionProbabilities, || {
+            let ((first, whole_heads), seq) = (self.head_range, context.map_or(s, |c| s * c.cp));
+            let picks = vec![(0..b).collect(), (first..first + h).collect(), at.clone(), keys.clone()];
+            (vec![b, whole_heads, seq, seq], picks)
+        });
         // the causal mask (in the sliding window) at the true positions
         let causal: Causal =
             self.causal.then(|| std::sync::Arc::new(MaskPositions { queries: at, keys, window: self.window }));
@@ -642,10 +634,7 @@ impl<B: Kernels> Block<B> {
             rope_scaling: k.rope_scaling,
             post_norm: k.post_norm,
             recompute_core: false,
-            dropout: match op {
-                Op::TransformerBlock { dropout, .. } => *dropout,
-                _ => 0.0,
-            },
+            dropout: k.dropout,
             head_range: (rank * (k.heads / tp), k.heads),
         })
     }

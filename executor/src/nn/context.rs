@@ -43,6 +43,14 @@ impl Context {
         pipec_plan::plan::context_positions(local * self.cp, self.cp, self.group.position)
     }
 
+    /// Where a [batch, seq, d] activation of this member sits in the whole microbatch's,
+    /// for a dropout mask ([`crate::backend::dropout::DropMask`]): the whole's dimensions
+    /// (every member's positions) and the indices held (this member's positions).
+    pub fn sequence_cut(context: Option<&Context>, [b, s, d]: [usize; 3]) -> (Vec<usize>, Vec<Vec<usize>>) {
+        let (seq, at) = context.map_or_else(|| (s, (0..s).collect()), |c| (s * c.cp, c.positions(s)));
+        (vec![b, seq, d], vec![(0..b).collect(), at, (0..d).collect()])
+    }
+
     /// Every member's positions, member after member.
     fn members_positions(&self, local: usize) -> Vec<Vec<usize>> {
         (0..self.cp).map(|c| pipec_plan::plan::context_positions(local * self.cp, self.cp, c)).collect()

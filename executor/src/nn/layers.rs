@@ -435,13 +435,12 @@ pub(crate) fn stateless<B: Kernels>(op: &Op, index: usize, x: Act<B>, side: &Col
         Op::Sigmoid => elementwise(x, activation::sigmoid),
         Op::Dropout { p } => {
             let Some(key) = side.mask_key.filter(|_| p > 0.0) else { return Ok(x) };
-            let key = [key.0, 20, key.1, key.2, index as u64];
+            let key = crate::backend::dropout::Site::Layer.key(key, index);
             // context parallelism: the mask of the whole sequence at this member's positions
-            let mask = match (&x, &side.context) {
-                (Act::D3(t), Some(c)) => {
-                    let [b, s, d] = t.dims();
-                    let picks = vec![(0..b).collect(), c.positions(s), (0..d).collect()];
-                    crate::backend::dropout::DropMask::new(p, &key, vec![b, s * c.cp, d], picks)
+            let mask = match &x {
+                Act::D3(t) => {
+                    let (whole, picks) = crate::nn::context::Context::sequence_cut(side.context.as_ref(), t.dims());
+                    crate::backend::dropout::DropMask::new(p, &key, whole, picks)
                 }
                 _ => crate::backend::dropout::DropMask::whole(p, &key, x.dims()),
             };
