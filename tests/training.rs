@@ -1872,6 +1872,41 @@ fn expert_parallel_groups_with_tensor_parallel_experts_train_equal_to_one_device
     }
 }
 
+/// The load-balancing loss beside tensor-parallel experts: every rank makes the whole loss
+/// (the router is whole), whose gradient the group sums with the router's partial ones and
+/// the block input's, so each rank seeds its share; with the experts recomputed by module
+/// (the half run again makes its loss again) and beside expert parallelism, one device's
+/// losses, balancing losses and tokens per expert.
+#[test]
+fn the_load_balancing_loss_beside_tensor_parallel_experts_trains_to_one_devices_numbers() {
+    let layers = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, causal=true, experts=4, top_k=2, shared_experts=1, bias=false, aux_loss=0.05)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
+    let job = |devices, stages, recompute| Job {
+        devices,
+        stages,
+        schedule: "1f1b",
+        recompute,
+        optimizer: ADAM,
+        layers,
+        ..Job::default()
+    };
+    let reference = train(&plan(&job(1, "\"1\"", "false")));
+    for (devices, stages, recompute) in [
+        (2, "\"1\"\n  tp: 2", "false"),
+        (4, "\"1-1\"\n  tp: 2", "{ modules: [moe] }"),
+        (4, "\"2\"\n  tp: 2\n  ep: 2", "false"),
+    ] {
+        let got = train(&plan(&job(devices, stages, recompute)));
+        assert_eq!(reference.steps.len(), got.steps.len());
+        for (a, b) in reference.steps.iter().zip(&got.steps) {
+            let near = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-6);
+            assert!(near(a.loss, b.loss), "{stages} step {}: {} vs {}", a.step, a.loss, b.loss);
+            let (x, y) = (a.aux_loss.expect("a balancing loss"), b.aux_loss.expect("a balancing loss"));
+            assert!(near(x, y), "{stages} step {}: balancing loss {x} vs {y}", a.step);
+            assert_eq!(a.expert_tokens, b.expert_tokens, "{stages} step {}", a.step);
+        }
+    }
+}
+
 #[test]
 fn expert_blocks_the_executor_cannot_train_are_refused_by_name() {
     let refused = |devices, stages, block: &str| {

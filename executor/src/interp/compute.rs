@@ -146,9 +146,9 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
             });
             let segments =
                 crate::parallel::tensor_parallel::forward(model, x, training, &mut sum, &mut side, rerun.as_ref())?;
-            if side.aux.is_some() {
-                return Err(ExecError::Plan("a tensor-parallel stage cannot train a load-balancing loss".into()));
-            }
+            // the load-balancing losses' value, reported by one rank (each segment's graph
+            // seeds its own backward)
+            let aux = side.aux.take().filter(|_| tp.rank == 0);
             let stats = side.stats;
             let out = segments.last().map(|s| s.out.clone()).ok_or(ExecError::Missing("the stage has no layers"))?;
             if !is_last {
@@ -158,7 +158,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     loss: None,
                     stats,
                     scores: None,
-                    aux: None,
+                    aux,
                     // every rank routes alike: one reports
                     expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
                 });
@@ -194,7 +194,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                 loss: reported,
                 stats,
                 scores,
-                aux: None,
+                aux,
                 expert_tokens: if tp.rank == 0 { side.expert_tokens } else { Vec::new() },
             });
         }
@@ -439,7 +439,7 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let mut flat: FlatGrads<B> = Vec::new();
         for (k, seg) in segments.iter().enumerate().rev() {
             // a block's half run again (recompute inside the blocks), its all-reduce again too
-            let out = match seg.rerun {
+            let (out, aux) = match seg.rerun {
                 Some((layer, half)) => {
                     let (Some(crate::nn::layers::Layer::ParallelBlock(b)), Act::D3(t)) =
                         (used.layers.get(layer), seg.leaf.clone())
@@ -450,11 +450,19 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
                     let comm = &self.comm;
                     let mut sum =
                         |v: Vec<f32>| -> Result<Vec<f32>> { Ok(comm.in_pass_all_reduce(&tp.members, v, reduce)?) };
-                    Act::D3(crate::parallel::tensor_parallel::run_half(b, half, t, &mut sum, &mut side)?)
+                    let out = crate::parallel::tensor_parallel::run_half(b, half, t, &mut sum, &mut side)?;
+                    (Act::D3(out), side.aux.take())
                 }
-                None => seg.out.clone(),
+                None => (seg.out.clone(), seg.aux.clone()),
             };
-            let mut grads = dot_with::<B>(&out, &grad_out, &self.dev)?.backward();
+            // every rank makes the whole load-balancing loss, whose gradient the group sums
+            // (the router's, partial, and the segment input's): each seeds 1/size of it
+            let target = dot_with::<B>(&out, &grad_out, &self.dev)?;
+            let target = match aux {
+                Some(a) => target + self.backward_seed(a / f64::from(size), n_mb),
+                None => target,
+            };
+            let mut grads = target.backward();
             accumulate::<B>(&mut flat, collect_grads(&used, &mut grads));
             if k == 0 && stage.0 == 0 {
                 break;

@@ -325,6 +325,9 @@ pub struct Segment<B: Backend> {
     /// the forward and again in the backward (recompute inside the blocks): `out` holds no
     /// graph.
     pub rerun: Option<(usize, Half)>,
+    /// The load-balancing loss a mixture of experts' half made in the segment's graph (its
+    /// backward adds it to the target; a half run again makes it again).
+    pub aux: Option<Tensor<B, 1>>,
 }
 
 /// Recompute inside the blocks of a tensor-parallel stage: what each layer (a position in
@@ -459,7 +462,7 @@ fn post_norm_segment<B: ExecBackend>(
         return Err(ExecError::Shape("a transformer block's residual sum must be [batch, seq, d]".into()));
     };
     let out = Act::D3(norm.forward(t));
-    segments.push(Segment { leaf, out: out.clone(), boundary: Boundary::Complete, rerun: None });
+    segments.push(Segment { leaf, out: out.clone(), boundary: Boundary::Complete, rerun: None, aux: None });
     Ok(fresh(&out))
 }
 
@@ -496,6 +499,8 @@ pub fn forward<B: ExecBackend>(
     let mut leaf = x.clone();
     let mut cur = x;
     let mut applied = 0usize; // layers applied since `leaf`
+                              // the stage's load-balancing losses, summed and detached, left in `side.aux`
+    let mut reported: Option<Tensor<B, 1>> = None;
     let mut boundary = Boundary::Complete;
     let cut = |segments: &mut Vec<Segment<B>>,
                leaf: &mut Act<B>,
@@ -504,7 +509,13 @@ pub fn forward<B: ExecBackend>(
                boundary: &mut Boundary,
                next: Boundary| {
         if *applied > 0 {
-            segments.push(Segment { leaf: leaf.clone(), out: cur.clone(), boundary: *boundary, rerun: None });
+            segments.push(Segment {
+                leaf: leaf.clone(),
+                out: cur.clone(),
+                boundary: *boundary,
+                rerun: None,
+                aux: None,
+            });
             *leaf = fresh(cur);
             *cur = leaf.clone();
         }
@@ -549,6 +560,7 @@ pub fn forward<B: ExecBackend>(
                     out: h.clone(),
                     boundary,
                     rerun: again.then_some((k, Half::Attention)),
+                    aux: None,
                 });
                 leaf = fresh(&h);
                 // post-norm: the norm of the residual sum is its own segment, replicated,
@@ -566,6 +578,13 @@ pub fn forward<B: ExecBackend>(
                     false => (mlp_half(b, t, reduce, false, side)?, false),
                 };
                 let y = Act::D3(y);
+                // the experts' load-balancing loss: its value for the report, its graph for
+                // the segment's backward (a half run again makes it again there)
+                let made = side.aux.take();
+                if let Some(a) = &made {
+                    let a = a.clone().detach();
+                    reported = Some(reported.map_or(a.clone(), |r| r + a));
+                }
                 // The residual correction needs the gradient at the block's own output, so
                 // the segment ends there; what follows starts from a leaf whose gradient is
                 // already complete (the block output is replicated).
@@ -574,6 +593,7 @@ pub fn forward<B: ExecBackend>(
                     out: y.clone(),
                     boundary: Boundary::SumResidual,
                     rerun: again.then_some((k, Half::Mlp)),
+                    aux: made.filter(|_| !again),
                 });
                 leaf = fresh(&y);
                 if b.post_norm {
@@ -589,7 +609,8 @@ pub fn forward<B: ExecBackend>(
         }
         applied += 1;
     }
-    segments.push(Segment { leaf, out: cur, boundary, rerun: None });
+    segments.push(Segment { leaf, out: cur, boundary, rerun: None, aux: None });
+    side.aux = reported;
     Ok(segments)
 }
 
@@ -670,13 +691,13 @@ pub fn forward_segments<B: ExecBackend>(
     let (mut leaf, mut cur) = (x.clone(), x);
     for (k, layer) in model.layers.iter().enumerate() {
         if cuts.contains(&k) {
-            segments.push(Segment { leaf, out: cur.clone(), boundary: Boundary::Complete, rerun: None });
+            segments.push(Segment { leaf, out: cur.clone(), boundary: Boundary::Complete, rerun: None, aux: None });
             leaf = fresh(&cur);
             cur = leaf.clone();
         }
         cur = layer.forward(cur, training, side)?;
     }
-    segments.push(Segment { leaf, out: cur, boundary: Boundary::Complete, rerun: None });
+    segments.push(Segment { leaf, out: cur, boundary: Boundary::Complete, rerun: None, aux: None });
     Ok(segments)
 }
 

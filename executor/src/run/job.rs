@@ -530,10 +530,9 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     for l in &plan.layers {
         let Some((b, m)) = l.op.block_dims().and_then(|b| b.moe.map(|m| (b, m))) else { continue };
         let refuse = |why: String| Err(RunError::setup(format!("layer {} (a mixture of experts): {why}", l.index)));
-        if tensor_parallel && (m.aux_loss != 0.0 || b.bias) {
+        if tensor_parallel && b.bias {
             return refuse(
-                "the executor splits experts over tensor-parallel ranks only without biases (bias=false) and without the load-balancing loss (aux_loss=0) yet"
-                    .into(),
+                "the executor splits experts over tensor-parallel ranks only without biases (bias=false) yet".into(),
             );
         }
         if m.experts + m.shared > pipec_plan::checkpoint::MAX_EXPERTS {
