@@ -1872,15 +1872,17 @@ fn expert_parallel_groups_with_tensor_parallel_experts_train_equal_to_one_device
     }
 }
 
-/// The load-balancing loss beside tensor-parallel experts: every rank makes the whole loss
-/// (the router is whole), whose gradient the group sums with the router's partial ones and
-/// the block input's, so each rank seeds its share; with the experts recomputed by module
-/// (the half run again makes its loss again) and beside expert parallelism, one device's
-/// losses, balancing losses and tokens per expert.
+/// The load-balancing loss and biases beside tensor-parallel experts: every rank makes the
+/// whole loss (the router is whole), whose gradient the group sums with the router's partial
+/// ones and the block input's, so each rank seeds its share; rank 0 alone adds each expert's
+/// down projection's bias to its partial output, whose gradient the group sums. With the
+/// experts recomputed by module (the half run again makes its loss again) and beside expert
+/// parallelism: one device's losses, balancing losses and tokens per expert.
 #[test]
-fn the_load_balancing_loss_beside_tensor_parallel_experts_trains_to_one_devices_numbers() {
-    let layers = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, causal=true, experts=4, top_k=2, shared_experts=1, bias=false, aux_loss=0.05)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
-    let job = |devices, stages, recompute| Job {
+fn the_load_balancing_loss_and_biases_beside_tensor_parallel_experts_train_to_one_devices_numbers() {
+    let biased = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, causal=true, experts=4, top_k=2, shared_experts=1, aux_loss=0.05)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
+    let unbiased = biased.replace("aux_loss=0.05", "aux_loss=0.05, bias=false");
+    let job = |devices, stages, recompute, layers| Job {
         devices,
         stages,
         schedule: "1f1b",
@@ -1889,13 +1891,14 @@ fn the_load_balancing_loss_beside_tensor_parallel_experts_trains_to_one_devices_
         layers,
         ..Job::default()
     };
-    let reference = train(&plan(&job(1, "\"1\"", "false")));
-    for (devices, stages, recompute) in [
-        (2, "\"1\"\n  tp: 2", "false"),
-        (4, "\"1-1\"\n  tp: 2", "{ modules: [moe] }"),
-        (4, "\"2\"\n  tp: 2\n  ep: 2", "false"),
+    for (devices, stages, recompute, layers) in [
+        (2, "\"1\"\n  tp: 2", "false", biased),
+        (4, "\"1-1\"\n  tp: 2", "{ modules: [moe] }", biased),
+        // beside expert parallelism, experts without biases (with them: refused, below)
+        (4, "\"2\"\n  tp: 2\n  ep: 2", "false", unbiased.as_str()),
     ] {
-        let got = train(&plan(&job(devices, stages, recompute)));
+        let reference = train(&plan(&job(1, "\"1\"", "false", layers)));
+        let got = train(&plan(&job(devices, stages, recompute, layers)));
         assert_eq!(reference.steps.len(), got.steps.len());
         for (a, b) in reference.steps.iter().zip(&got.steps) {
             let near = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-6);
@@ -1918,10 +1921,9 @@ fn expert_blocks_the_executor_cannot_train_are_refused_by_name() {
             Err(e) => e.to_string(),
         }
     };
-    // experts with biases split by tensor parallelism (their weighted biases would be
-    // counted once per rank)
-    let e = refused(2, "\"1\"\n  tp: 2", "transformer_block(d=16, heads=4, ff=32, experts=4, top_k=2)");
-    assert!(e.contains("only without biases (bias=false)"), "{e}");
+    // experts with biases beside tensor and expert parallelism
+    let e = refused(4, "\"2\"\n  tp: 2\n  ep: 2", "transformer_block(d=16, heads=4, ff=32, experts=4, top_k=2)");
+    assert!(e.contains("only without expert parallelism (`ep`)"), "{e}");
     // more experts than a block's parameter slots hold
     let e = refused(1, "\"1\"", "transformer_block(d=16, heads=4, ff=8, experts=61, top_k=1, bias=false)");
     assert!(e.contains("at most 60 experts per block"), "{e}");

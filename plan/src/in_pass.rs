@@ -731,8 +731,10 @@ fn pass_events(
 /// The parameters of the stage holding layers `range` of `ops` whose gradients are partial
 /// on each of `tp` ranks and are summed over the group before they are read whole: the
 /// norms feeding a block's column-parallel projections (gain and, for a layer norm, bias)
-/// and a mixture of experts' router, which weighs the rank's partial expert outputs (a
-/// post-norm block's norms follow its all-reduces instead: their gradients are whole).
+/// and a mixture of experts' router, which weighs the rank's partial expert outputs, and
+/// with biases each expert's down projection's bias, which rank 0 alone adds to its partial
+/// output (a post-norm block's norms follow its all-reduces instead: their gradients are
+/// whole).
 /// Each as its checkpoint id (layer << 8 | slot), in the layers' order.
 pub fn tp_partial_ids(ops: &[Op], range: std::ops::Range<usize>, loss: Loss, tp: usize) -> Result<Vec<u64>, String> {
     Ok(tp_partial_parameters(ops, range, loss, tp)?.into_iter().map(|(id, _)| id).collect())
@@ -767,6 +769,10 @@ pub fn tp_partial_parameters(
             // every rank, each rank's heads' share of their gradients
             let down = b.latent().map(|w| (l | crate::model::LATENT_DOWN_SLOT, w.down[0] * w.down[1]));
             let norms = b.latent().map(|w| (l | crate::model::LATENT_NORMS_SLOT, w.norms));
+            // each expert's down projection's bias (routed and shared): rank 0 adds it to its
+            // partial output, so its gradient is there alone
+            let biased = b.moe.filter(|_| b.bias).map_or(0, |m| m.experts + m.shared);
+            let expert_biases = (0..biased).map(move |e| (l | (crate::checkpoint::expert_slot(e) + 3), b.d));
             [
                 Some((l, b.d)),
                 bias.then_some((l | 1, b.d)),
@@ -780,6 +786,7 @@ pub fn tp_partial_parameters(
             ]
             .into_iter()
             .flatten()
+            .chain(expert_biases)
         })
         .collect())
 }

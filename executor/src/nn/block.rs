@@ -111,10 +111,11 @@ pub struct Block<B: Backend> {
     /// and `resid_pdrop`, BERT's attention and hidden dropouts).
     #[module(skip)]
     pub dropout: f64,
-    /// This rank's first query head and the whole block's heads (tensor parallelism gives
-    /// each rank a run of them), where the probabilities' dropout mask is cut.
+    /// Tensor parallelism: this rank and the group's size ((0, 1): the whole block). Each
+    /// rank holds a run of the heads (where the probabilities' dropout mask is cut) and each
+    /// MLP's rows of its down projection, whose bias rank 0 alone adds.
     #[module(skip)]
-    pub head_range: (usize, usize),
+    pub tensor_parallel: (usize, usize),
 }
 
 /// One MLP of a block: the up projection (gated: [d, 2·ff], the gate's columns then the
@@ -274,7 +275,8 @@ impl<B: Kernels> Block<B> {
         // the probabilities' dropout: the whole block's [batch, heads, seq, seq] mask at this
         // rank's heads, this member's queries and the keys' positions
         let drop = self.mask(side, Site::AttentionProbabilities, || {
-            let ((first, whole_heads), seq) = (self.head_range, context.map_or(s, |c| s * c.cp));
+            let (rank, size) = self.tensor_parallel;
+            let (first, whole_heads, seq) = (rank * h, size * h, context.map_or(s, |c| s * c.cp));
             let picks = vec![(0..b).collect(), (first..first + h).collect(), at.clone(), keys.clone()];
             (vec![b, whole_heads, seq, seq], picks)
         });
@@ -340,9 +342,19 @@ impl<B: Kernels> Block<B> {
     }
 
     /// One MLP on [rows, d].
+    /// One MLP on [rows, d]; under tensor parallelism this rank's part of its output, which
+    /// the group's sum completes: rank 0 adds the down projection's bias, once, the others
+    /// add it times 0, so that every rank that ran the MLP holds a gradient of it (zeros
+    /// there) for the group's sum (`pipec_plan::in_pass::tp_partial_ids`).
     pub(crate) fn mlp(&self, m: &Mlp<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
         let [rows, d] = x.dims();
-        m.fc2.forward3(self.activate(m.fc1.forward3(x.reshape([1, rows, d])))).reshape([rows, d])
+        let h = self.activate(m.fc1.forward3(x.reshape([1, rows, d]))).reshape([rows, m.fc2.weight.dims()[0]]);
+        let y = B::dense(h, m.fc2.weight.val());
+        match &m.fc2.bias {
+            Some(b) if self.tensor_parallel.0 > 0 => y + b.val().unsqueeze::<2>() * 0.0,
+            Some(b) => y + b.val().unsqueeze::<2>(),
+            None => y,
+        }
     }
 
     /// The block's MLP part on the normalised [batch, seq, d]: its one MLP, or a mixture of
@@ -635,7 +647,7 @@ impl<B: Kernels> Block<B> {
             post_norm: k.post_norm,
             recompute_core: false,
             dropout: k.dropout,
-            head_range: (rank * (k.heads / tp), k.heads),
+            tensor_parallel: (rank, tp),
         })
     }
 }
