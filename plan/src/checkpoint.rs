@@ -453,11 +453,8 @@ pub fn param_id(layer: usize, slot: u64) -> u64 {
 /// A mixture-of-experts block's router's parameter slot (`model::ROUTER_SLOT`).
 pub use crate::model::ROUTER_SLOT;
 
-/// The first parameter slot of a mixture-of-experts block's MLP `e` (its routed experts,
-/// then its shared ones; four slots each: up weight and bias, down weight and bias).
-pub fn expert_slot(e: usize) -> u64 {
-    16 + 4 * e as u64
-}
+/// The first parameter slot of a mixture-of-experts block's MLP `e` (`model::expert_slot`).
+pub use crate::model::expert_slot;
 
 /// The most experts (routed and shared) a block's 256 parameter slots hold.
 pub const MAX_EXPERTS: usize = 60;

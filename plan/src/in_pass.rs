@@ -772,7 +772,7 @@ pub fn tp_partial_parameters(
             // each expert's down projection's bias (routed and shared): rank 0 adds it to its
             // partial output, so its gradient is there alone
             let biased = b.moe.filter(|_| b.bias).map_or(0, |m| m.experts + m.shared);
-            let expert_biases = (0..biased).map(move |e| (l | (crate::checkpoint::expert_slot(e) + 3), b.d));
+            let expert_biases = (0..biased).map(move |e| (l | (crate::model::expert_slot(e) + 3), b.d));
             [
                 Some((l, b.d)),
                 bias.then_some((l | 1, b.d)),

@@ -12,6 +12,12 @@ pub use crate::vocab::{MlpKind, NormKind, Pooling, Router};
 /// parameter's id is layer << 8 | slot, `checkpoint::param_id`).
 pub const ROUTER_SLOT: u64 = 12;
 
+/// The first parameter slot of a mixture-of-experts block's MLP `e` (its routed experts,
+/// then its shared ones; four slots each: up weight and bias, down weight and bias).
+pub fn expert_slot(e: usize) -> u64 {
+    16 + 4 * e as u64
+}
+
 /// A block's query norm's and key norm's gain slots (`qk_norm=true`: an RMSNorm over each
 /// head's features), after the router's.
 pub const Q_NORM_SLOT: u64 = 13;

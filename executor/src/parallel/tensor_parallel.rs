@@ -330,6 +330,13 @@ pub struct Segment<B: Backend> {
     pub aux: Option<Tensor<B, 1>>,
 }
 
+impl<B: Backend> Segment<B> {
+    /// A segment run once, making no load-balancing loss.
+    fn plain(leaf: Act<B>, out: Act<B>, boundary: Boundary) -> Self {
+        Segment { leaf, out, boundary, rerun: None, aux: None }
+    }
+}
+
 /// Recompute inside the blocks of a tensor-parallel stage: what each layer (a position in
 /// the stage) runs again (`BlockRecompute::run_again`), the stage's weights untracked for
 /// the forward of those, and what releases Burn's hold on an untracked half.
@@ -462,7 +469,7 @@ fn post_norm_segment<B: ExecBackend>(
         return Err(ExecError::Shape("a transformer block's residual sum must be [batch, seq, d]".into()));
     };
     let out = Act::D3(norm.forward(t));
-    segments.push(Segment { leaf, out: out.clone(), boundary: Boundary::Complete, rerun: None, aux: None });
+    segments.push(Segment::plain(leaf, out.clone(), Boundary::Complete));
     Ok(fresh(&out))
 }
 
@@ -495,12 +502,12 @@ pub fn forward<B: ExecBackend>(
     side: &mut crate::nn::layers::Collected<B>,
     rerun: Option<&Rerun<'_, B>>,
 ) -> Result<Vec<Segment<B>>> {
+    // the stage's load-balancing losses, summed and detached, left in `side.aux`
+    let mut reported: Option<Tensor<B, 1>> = None;
     let mut segments = Vec::new();
     let mut leaf = x.clone();
     let mut cur = x;
     let mut applied = 0usize; // layers applied since `leaf`
-                              // the stage's load-balancing losses, summed and detached, left in `side.aux`
-    let mut reported: Option<Tensor<B, 1>> = None;
     let mut boundary = Boundary::Complete;
     let cut = |segments: &mut Vec<Segment<B>>,
                leaf: &mut Act<B>,
@@ -509,13 +516,7 @@ pub fn forward<B: ExecBackend>(
                boundary: &mut Boundary,
                next: Boundary| {
         if *applied > 0 {
-            segments.push(Segment {
-                leaf: leaf.clone(),
-                out: cur.clone(),
-                boundary: *boundary,
-                rerun: None,
-                aux: None,
-            });
+            segments.push(Segment::plain(leaf.clone(), cur.clone(), *boundary));
             *leaf = fresh(cur);
             *cur = leaf.clone();
         }
@@ -609,68 +610,9 @@ pub fn forward<B: ExecBackend>(
         }
         applied += 1;
     }
-    segments.push(Segment { leaf, out: cur, boundary, rerun: None, aux: None });
+    segments.push(Segment::plain(leaf, cur, boundary));
     side.aux = reported;
     Ok(segments)
-}
-
-/// Megatron-LM's vocabulary-parallel cross-entropy: the mean over every row of `logits`
-/// (this rank's columns `first..` of the scores; [batch, seq, part] or [batch, part]) of
-/// the cross-entropy with `classes`, computed without gathering the scores. Each rank
-/// exchanges three per-row figures (its maximum, its sum of exponentials, the target's
-/// score where it holds the target); every rank gets the whole loss, and the gradient of
-/// its own scores: softmax minus the one-hot target, over the row count.
-pub fn vocab_parallel_loss<B: ExecBackend>(
-    logits: Act<B>,
-    classes: &[i64],
-    first: usize,
-    rank: usize,
-    tp: usize,
-    reduce: &mut dyn FnMut(Vec<f32>) -> Result<Vec<f32>>,
-) -> Result<Tensor<B, 1>> {
-    let logits: Tensor<B, 2> = match logits {
-        Act::D3(t) => {
-            let [n, s, v] = t.dims();
-            t.reshape([n * s, v])
-        }
-        Act::D2(t) => t,
-        other => {
-            return Err(ExecError::Shape(format!("the loss needs [batch, outputs] scores, got {:?}", other.dims())))
-        }
-    };
-    let [rows, part] = logits.dims();
-    if classes.len() != rows {
-        return Err(ExecError::Data(format!("{} targets for {rows} rows of scores", classes.len())));
-    }
-    let device = logits.device();
-    let column = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [rows, 1]), &device);
-    // the row's maximum over every rank: each in its own slot, summed, then the largest
-    let local_max = host_f32(logits.clone().detach().max_dim(1).into_data())?;
-    let mut slots = vec![0.0f32; rows * tp];
-    for (i, m) in local_max.iter().enumerate() {
-        slots[i * tp + rank] = *m;
-    }
-    let slots = reduce(slots)?;
-    let max: Vec<f32> = slots.chunks(tp.max(1)).map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
-    let shifted = logits - column(max);
-    // the sum of exponentials over the whole row: the value summed over the ranks, the
-    // gradient of this rank's own terms
-    let local_sum = shifted.clone().exp().sum_dim(1);
-    let total = column(reduce(host_f32(local_sum.clone().detach().into_data())?)?);
-    let sum = local_sum.clone() + (total - local_sum.detach());
-    // the target's shifted score, on the rank whose columns hold it
-    let (mut index, mut held) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
-    for &c in classes {
-        let local = c - first as i64;
-        let inside = local >= 0 && (local as usize) < part;
-        index.push(if inside { local } else { 0 });
-        held.push(if inside { 1.0f32 } else { 0.0 });
-    }
-    let index = Tensor::<B, 2, Int>::from_data(TensorData::new(index, [rows, 1]), &device);
-    let local_target = shifted.gather(1, index) * column(held);
-    let target_total = column(reduce(host_f32(local_target.clone().detach().into_data())?)?);
-    let target = local_target.clone() + (target_total - local_target.detach());
-    Ok((sum.log() - target).mean())
 }
 
 /// The forward of a chain of layers cut before each layer in `cuts` (positions in
@@ -691,15 +633,18 @@ pub fn forward_segments<B: ExecBackend>(
     let (mut leaf, mut cur) = (x.clone(), x);
     for (k, layer) in model.layers.iter().enumerate() {
         if cuts.contains(&k) {
-            segments.push(Segment { leaf, out: cur.clone(), boundary: Boundary::Complete, rerun: None, aux: None });
+            segments.push(Segment::plain(leaf, cur.clone(), Boundary::Complete));
             leaf = fresh(&cur);
             cur = leaf.clone();
         }
         cur = layer.forward(cur, training, side)?;
     }
-    segments.push(Segment { leaf, out: cur, boundary: Boundary::Complete, rerun: None, aux: None });
+    segments.push(Segment::plain(leaf, cur, Boundary::Complete));
     Ok(segments)
 }
+
+mod vocab_loss;
+pub use vocab_loss::vocab_parallel_loss;
 
 #[cfg(test)]
 mod tests;
