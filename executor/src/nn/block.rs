@@ -348,8 +348,10 @@ impl<B: Kernels> Block<B> {
     /// there) for the group's sum (`pipec_plan::in_pass::tp_partial_ids`).
     pub(crate) fn mlp(&self, m: &Mlp<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
         let [rows, d] = x.dims();
-        let h = self.activate(m.fc1.forward3(x.reshape([1, rows, d]))).reshape([rows, m.fc2.weight.dims()[0]]);
-        let y = B::dense(h, m.fc2.weight.val());
+        let h = self.activate(m.fc1.forward3(x.reshape([1, rows, d])));
+        // (a weight gathered per product is a one-value stand-in here: the width is h's)
+        let width = h.dims()[2];
+        let y = B::dense(h.reshape([rows, width]), m.fc2.weight.val());
         match &m.fc2.bias {
             Some(b) if self.tensor_parallel.0 > 0 => y + b.val().unsqueeze::<2>() * 0.0,
             Some(b) => y + b.val().unsqueeze::<2>(),
