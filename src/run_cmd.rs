@@ -1069,8 +1069,7 @@ pub fn time_by_kind(plan: &Plan, report: &pipec_executor::RunReport) -> Vec<(&'s
 /// training it here would train something else.
 fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
     use pipec_plan::features::{used, Feature};
-    // the ring's online softmax has no sink and never holds the probabilities a block's
-    // dropout would drop (crate::backend::ring)
+    // the ring's online softmax has no sink (crate::backend::ring)
     let ring = plan.training.context_parallel > 1 && plan.schedule.cp_comm == pipec_plan::vocab::CpComm::Ring;
     let refused: Vec<String> = used(plan)
         .into_iter()
@@ -1081,9 +1080,9 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
             // sinks run (GPT-OSS's attention core in transformers: the gpt-oss-attention
             // fixture), but not around context parallelism's ring
             Feature::AttentionSinks => ring,
-            // a block's dropout runs, its masks drawn by position as one device's
-            // (tests/training.rs), but not around context parallelism's ring
-            Feature::BlockDropout => ring,
+            // a block's dropout runs, its masks drawn by position as one device's, around
+            // context parallelism's ring too (tests/training.rs)
+            Feature::BlockDropout => false,
             // multi-head latent attention runs (the deepseek-v3 fixture against transformers)
             Feature::LatentAttention => false,
             // recompute by layers, module or operation runs (tests/training.rs); the layouts
@@ -1117,7 +1116,7 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
         })
         .map(|(f, layer)| {
             let under = match f {
-                Feature::AttentionSinks | Feature::BlockDropout => " under `cp_comm: ring` (gathered keys run them)",
+                Feature::AttentionSinks => " under `cp_comm: ring` (gathered keys run them)",
                 _ => "",
             };
             match layer {

@@ -19,6 +19,10 @@
 //! block's key and value gradients sent to their member and summed there — the all-gather
 //! and reduce-scatter the plan prices for the ring's backward (`LayerCost::core_s`).
 //!
+//! With a block's dropout ([`RingDropout`]) each block's probabilities are dropped after
+//! their share of the denominator is summed, by the whole mask's part at this member's
+//! queries and the block's keys, drawn again in the backward.
+//!
 //! Every step of it computes what the all-gather's attention computes, block by block, so
 //! the two give the same numbers up to float rounding (tested against one device).
 
@@ -50,6 +54,21 @@ pub struct Ring {
     /// Query heads per key/value head (grouped-query attention: each key and value head
     /// serves this many query heads).
     pub group_size: usize,
+    /// The probabilities' dropout, if any (a block's `dropout=`, in training).
+    pub dropout: Option<RingDropout>,
+}
+
+/// A ring's dropout on the attention probabilities: the whole microbatch's [batch, heads,
+/// seq, seq] mask ([`crate::backend::dropout::DropMask`]) cut to this member's queries
+/// against each block's keys. The softmax's denominator is made of the probabilities
+/// before it, as one device makes them.
+#[derive(Clone, Debug)]
+pub struct RingDropout {
+    pub p: f64,
+    pub key: [u64; 5],
+    /// This rank's query heads (tensor parallelism gives each rank a run of them) and the
+    /// whole block's count.
+    pub heads: (std::ops::Range<usize>, usize),
 }
 
 impl Ring {
@@ -122,6 +141,23 @@ impl Ring {
             window: self.window,
         };
         crate::backend::attention::additive_mask::<B>(mask, dev)
+    }
+
+    /// The dropout's factors [b, h, q, k] (`dims`) of this member's queries `qr` against
+    /// member `m`'s keys `kr`, if the ring drops.
+    fn dropout<B: Backend>(
+        &self,
+        dims: [usize; 4],
+        (qr, m, kr): (&std::ops::Range<usize>, usize, &std::ops::Range<usize>),
+        dev: &B::Device,
+    ) -> Option<Tensor<B, 4>> {
+        let d = self.dropout.as_ref()?;
+        let seq = self.positions.iter().map(Vec::len).sum();
+        let queries = self.positions[self.position()][qr.clone()].to_vec();
+        let picks =
+            vec![(0..dims[0]).collect(), d.heads.0.clone().collect(), queries, self.positions[m][kr.clone()].to_vec()];
+        let mask = crate::backend::dropout::DropMask::new(d.p, &d.key, vec![dims[0], d.heads.1, seq, seq], picks);
+        Some(mask.tensor::<B>(dev).reshape(dims))
     }
 
     /// Keys or values [b, kv, s, dh] repeated to the query heads [b, h, s, dh].
@@ -225,6 +261,11 @@ impl Ring {
                 let m_j = s.clone().max_dim(3);
                 let p = (s - m_j.clone()).exp();
                 let l_j = p.clone().sum_dim(3);
+                // the dropout after the denominator: the kept weights' share of it
+                let p = match self.dropout::<B>(p.dims(), (qr, m_id, &kr), &dev) {
+                    Some(f) => p * f,
+                    None => p,
+                };
                 let o_j = crate::backend::amp::matmul(p, narrow(&v_blk));
                 *st = Some(match st.take() {
                     None => (m_j, l_j, o_j),
@@ -304,8 +345,15 @@ impl Ring {
                 let (q_p, d_out_p) = (narrow(&q, qr), narrow(&d_out, qr));
                 let s = self.scores(&q_p, k_r.clone(), (qr, m_id, &kr, masked));
                 let p = (s - narrow(&lse, qr)).exp();
-                let dv_r = crate::backend::amp::matmul(p.clone().swap_dims(2, 3), d_out_p.clone());
-                let dp = crate::backend::amp::matmul(d_out_p, v_r.swap_dims(2, 3));
+                // with dropout (factors F): dV from P ⊙ F, dP = F ⊙ dO·vᵀ, and rowsum(dO ⊙ O)
+                // is still rowsum(P ⊙ dP)
+                let factors = self.dropout::<B>(p.dims(), (qr, m_id, &kr), &dev);
+                let dropped = |t: Tensor<B, 4>| match &factors {
+                    Some(f) => t * f.clone(),
+                    None => t,
+                };
+                let dv_r = crate::backend::amp::matmul(dropped(p.clone()).swap_dims(2, 3), d_out_p.clone());
+                let dp = dropped(crate::backend::amp::matmul(d_out_p, v_r.swap_dims(2, 3)));
                 let ds = p * (dp - narrow(&delta, qr)) / (dh as f64).sqrt();
                 *dq_part = dq_part.clone() + crate::backend::amp::matmul(ds.clone(), k_r);
                 let dk_r = crate::backend::amp::matmul(ds.swap_dims(2, 3), q_p);

@@ -16,6 +16,7 @@ use crate::backend::attention::{repeat_heads, Causal, MaskPositions};
 use crate::backend::dropout::{DropMask, Dropped, Site};
 use crate::backend::kernels::attention_weights;
 use crate::backend::kernels::Kernels;
+use crate::backend::ring::RingDropout;
 use crate::error::{ExecError, Result};
 
 use crate::nn::latent::Latent;
@@ -250,13 +251,13 @@ impl<B: Kernels> Block<B> {
                     "attention sinks (`sinks=true`) do not run under `cp_comm: ring` yet: the ring's online softmax has no sink (use `cp_comm: all_gather`)".into(),
                 ));
             }
-            if self.dropout > 0.0 {
-                return Err(ExecError::Setup(
-                    "a block's dropout (`dropout=`) does not run under `cp_comm: ring` yet: the ring's online softmax never holds the probabilities it would drop (use `cp_comm: all_gather`)".into(),
-                ));
-            }
             // around the ring: only this member's keys and values are kept (crate::backend::ring)
-            let ring = c.ring(s, self.causal, self.window, h / kv);
+            let mut ring = c.ring(s, self.causal, self.window, h / kv);
+            if let Some(key) = side.mask_key.filter(|_| self.dropout > 0.0) {
+                let (rank, size) = self.tensor_parallel;
+                let key = Site::AttentionProbabilities.key(key, self.index);
+                ring.dropout = Some(RingDropout { p: self.dropout, key, heads: (rank * h..(rank + 1) * h, size * h) });
+            }
             let out = B::ring_attention(q, k, v, &ring)?;
             return Ok(out.swap_dims(1, 2).reshape([b, s, h * vh]));
         }

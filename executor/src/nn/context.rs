@@ -66,7 +66,7 @@ impl Context {
     /// key/value head).
     pub fn ring(&self, local: usize, causal: bool, window: usize, group_size: usize) -> crate::backend::ring::Ring {
         let positions = self.members_positions(local);
-        crate::backend::ring::Ring { group: self.group.clone(), positions, causal, window, group_size }
+        crate::backend::ring::Ring { group: self.group.clone(), positions, causal, window, group_size, dropout: None }
     }
 
     /// Every member's keys (or values) [batch, heads, local, dh] gathered into
