@@ -1115,10 +1115,7 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
             }
         })
         .map(|(f, layer)| {
-            let under = match f {
-                Feature::AttentionSinks => " under `cp_comm: ring` (gathered keys run them)",
-                _ => "",
-            };
+            let under = if f == Feature::AttentionSinks { " under `cp_comm: ring` (gathered keys run them)" } else { "" };
             match layer {
                 Some(l) => format!("{f} at layer {l}{under}"),
                 None => format!("{f}{under}"),

@@ -108,6 +108,28 @@ impl Site {
     }
 }
 
+/// A block's dropout of its attention probabilities: the whole microbatch's [batch, heads,
+/// seq, seq] mask, cut to this rank's heads and to the queries and keys a pass holds (the
+/// gathered keys, or a ring's block of them).
+#[derive(Clone, Debug)]
+pub struct AttentionDropout {
+    pub p: f64,
+    /// The mask's key ([`Site::AttentionProbabilities`]).
+    pub key: [u64; 5],
+    /// This rank's query heads (tensor parallelism gives each rank a run of them) and the
+    /// whole block's count.
+    pub heads: (std::ops::Range<usize>, usize),
+}
+
+impl AttentionDropout {
+    /// The mask of queries at positions `queries` against keys at `keys`, of a sequence of
+    /// `seq` positions, for `batch` samples.
+    pub fn mask(&self, batch: usize, seq: usize, queries: Vec<usize>, keys: Vec<usize>) -> DropMask {
+        let picks = vec![(0..batch).collect(), self.heads.0.clone().collect(), queries, keys];
+        DropMask::new(self.p, &self.key, vec![batch, self.heads.1, seq, seq], picks)
+    }
+}
+
 /// A dropout a pass applies, if any.
 pub type Dropped = Option<std::sync::Arc<DropMask>>;
 

@@ -19,7 +19,7 @@
 //! block's key and value gradients sent to their member and summed there — the all-gather
 //! and reduce-scatter the plan prices for the ring's backward (`LayerCost::core_s`).
 //!
-//! With a block's dropout ([`RingDropout`]) each block's probabilities are dropped after
+//! With a block's dropout ([`AttentionDropout`]) each block's probabilities are dropped after
 //! their share of the denominator is summed, by the whole mask's part at this member's
 //! queries and the block's keys, drawn again in the backward.
 //!
@@ -29,6 +29,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use crate::backend::dropout::AttentionDropout;
 use crate::backend::port::{mismatch, PeerGroup};
 use crate::comm::exchanger::Ticket;
 use crate::error::ExecError;
@@ -54,21 +55,10 @@ pub struct Ring {
     /// Query heads per key/value head (grouped-query attention: each key and value head
     /// serves this many query heads).
     pub group_size: usize,
-    /// The probabilities' dropout, if any (a block's `dropout=`, in training).
-    pub dropout: Option<RingDropout>,
-}
-
-/// A ring's dropout on the attention probabilities: the whole microbatch's [batch, heads,
-/// seq, seq] mask ([`crate::backend::dropout::DropMask`]) cut to this member's queries
-/// against each block's keys. The softmax's denominator is made of the probabilities
-/// before it, as one device makes them.
-#[derive(Clone, Debug)]
-pub struct RingDropout {
-    pub p: f64,
-    pub key: [u64; 5],
-    /// This rank's query heads (tensor parallelism gives each rank a run of them) and the
-    /// whole block's count.
-    pub heads: (std::ops::Range<usize>, usize),
+    /// The probabilities' dropout, if any (a block's `dropout=`, in training), cut to this
+    /// member's queries against each block's keys; the softmax's denominator is made of the
+    /// probabilities before it, as one device makes them.
+    pub dropout: Option<AttentionDropout>,
 }
 
 impl Ring {
@@ -154,9 +144,7 @@ impl Ring {
         let d = self.dropout.as_ref()?;
         let seq = self.positions.iter().map(Vec::len).sum();
         let queries = self.positions[self.position()][qr.clone()].to_vec();
-        let picks =
-            vec![(0..dims[0]).collect(), d.heads.0.clone().collect(), queries, self.positions[m][kr.clone()].to_vec()];
-        let mask = crate::backend::dropout::DropMask::new(d.p, &d.key, vec![dims[0], d.heads.1, seq, seq], picks);
+        let mask = d.mask(dims[0], seq, queries, self.positions[m][kr.clone()].to_vec());
         Some(mask.tensor::<B>(dev).reshape(dims))
     }
 

@@ -13,10 +13,9 @@ use pipec_plan::model::{
 };
 
 use crate::backend::attention::{repeat_heads, Causal, MaskPositions};
-use crate::backend::dropout::{DropMask, Dropped, Site};
+use crate::backend::dropout::{AttentionDropout, DropMask, Site};
 use crate::backend::kernels::attention_weights;
 use crate::backend::kernels::Kernels;
-use crate::backend::ring::RingDropout;
 use crate::error::{ExecError, Result};
 
 use crate::nn::latent::Latent;
@@ -179,25 +178,26 @@ impl<B: Kernels> Block<B> {
         }
     }
 
-    /// The dropout mask of `site`, drawn from the pass's key on the part of a tensor that
-    /// `cut` gives (the whole tensor's dimensions, and per dimension the indices held);
-    /// None while evaluating or without dropout.
-    fn mask(&self, side: &Collected<B>, site: Site, cut: impl FnOnce() -> (Vec<usize>, Vec<Vec<usize>>)) -> Dropped {
+    /// The attention probabilities' dropout of a pass whose rank holds `h` query heads; None
+    /// while evaluating or without dropout.
+    fn attention_dropout(&self, side: &Collected<B>, h: usize) -> Option<AttentionDropout> {
         let key = side.mask_key.filter(|_| self.dropout > 0.0)?;
-        let (whole, picks) = cut();
-        Some(std::sync::Arc::new(DropMask::new(self.dropout, &site.key(key, self.index), whole, picks)))
+        let (rank, size) = self.tensor_parallel;
+        let key = Site::AttentionProbabilities.key(key, self.index);
+        Some(AttentionDropout { p: self.dropout, key, heads: (rank * h..(rank + 1) * h, size * h) })
     }
 
     /// A half's output [batch, seq, d] (whole on every tensor-parallel rank) after its
     /// dropout: the whole sequence's mask at this context-parallel member's positions.
     pub(crate) fn branch_dropout(&self, half: Half, f: Tensor<B, 3>, side: &Collected<B>) -> Tensor<B, 3> {
-        let dims = f.dims();
+        let Some(key) = side.mask_key.filter(|_| self.dropout > 0.0) else { return f };
         let site = match half {
             Half::Attention => Site::AttentionOutput,
             Half::Mlp => Site::MlpOutput,
         };
-        let mask = self.mask(side, site, || crate::nn::context::Context::sequence_cut(side.context.as_ref(), dims));
-        crate::backend::kernels::dropped(f, &mask)
+        let (whole, picks) = crate::nn::context::Context::sequence_cut(side.context.as_ref(), f.dims());
+        let mask = DropMask::new(self.dropout, &site.key(key, self.index), whole, picks);
+        crate::backend::kernels::dropped(f, &Some(std::sync::Arc::new(mask)))
     }
 
     /// The attention's context [batch, seq, heads·v_head] from the queries, keys and values
@@ -253,11 +253,7 @@ impl<B: Kernels> Block<B> {
             }
             // around the ring: only this member's keys and values are kept (crate::backend::ring)
             let mut ring = c.ring(s, self.causal, self.window, h / kv);
-            if let Some(key) = side.mask_key.filter(|_| self.dropout > 0.0) {
-                let (rank, size) = self.tensor_parallel;
-                let key = Site::AttentionProbabilities.key(key, self.index);
-                ring.dropout = Some(RingDropout { p: self.dropout, key, heads: (rank * h..(rank + 1) * h, size * h) });
-            }
+            ring.dropout = self.attention_dropout(side, h);
             let out = B::ring_attention(q, k, v, &ring)?;
             return Ok(out.swap_dims(1, 2).reshape([b, s, h * vh]));
         }
@@ -273,14 +269,10 @@ impl<B: Kernels> Block<B> {
             k = repeat_heads(k, h / kv);
             v = repeat_heads(v, h / kv);
         }
-        // the probabilities' dropout: the whole block's [batch, heads, seq, seq] mask at this
-        // rank's heads, this member's queries and the keys' positions
-        let drop = self.mask(side, Site::AttentionProbabilities, || {
-            let (rank, size) = self.tensor_parallel;
-            let (first, whole_heads, seq) = (rank * h, size * h, context.map_or(s, |c| s * c.cp));
-            let picks = vec![(0..b).collect(), (first..first + h).collect(), at.clone(), keys.clone()];
-            (vec![b, whole_heads, seq, seq], picks)
-        });
+        // the probabilities' dropout at this member's queries and the keys' positions
+        let seq = context.map_or(s, |c| s * c.cp);
+        let drop =
+            self.attention_dropout(side, h).map(|d| std::sync::Arc::new(d.mask(b, seq, at.clone(), keys.clone())));
         // the causal mask (in the sliding window) at the true positions
         let causal: Causal =
             self.causal.then(|| std::sync::Arc::new(MaskPositions { queries: at, keys, window: self.window }));

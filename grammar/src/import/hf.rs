@@ -275,15 +275,15 @@ impl Config {
     /// A block's `dropout=` from the config's dropout of the attention's probabilities and
     /// of the residual branches (each `default`, transformers' own, when absent): pipec's
     /// blocks drop both with one probability, so where they differ the residual one is
-    /// taken, and a note says so.
-    fn block_dropout(&mut self, attention: &str, residual: &str, default: f64) -> Result<String, String> {
+    /// taken, and a note says so. The residual probability.
+    fn block_dropout(&mut self, attention: &str, residual: &str, default: f64) -> Result<f64, String> {
         let (a, r) = (self.probability_or(attention, default)?, self.probability_or(residual, default)?);
         if a != r {
             self.notes.push(format!(
                 "`{attention}: {a}` differs from `{residual}: {r}`: pipec's blocks drop the attention's probabilities and the residual branches' outputs with one probability, imported as `dropout={r}` for both (edit it to choose)"
             ));
         }
-        Ok(if r > 0.0 { format!(", dropout={r}") } else { String::new() })
+        Ok(r)
     }
 
     fn flag_or(&mut self, key: &str, default: bool) -> Result<bool, String> {
@@ -575,7 +575,7 @@ fn gpt2(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
         (format!(", eps={}", number(eps)), format!("layernorm(eps={})", number(eps)))
     };
     // transformers' GPT2Config: 0.1 each
-    let dropout = c.block_dropout("attn_pdrop", "resid_pdrop", 0.1)?;
+    let dropout = dropout_argument(c.block_dropout("attn_pdrop", "resid_pdrop", 0.1)?);
     let embd_pdrop = c.probability_or("embd_pdrop", 0.1)?;
     let embedding_dropout = if embd_pdrop > 0.0 { format!("\x20   - dropout({embd_pdrop})\n") } else { String::new() };
     c.require("tie_word_embeddings", |v| v.as_bool() != Some(false), "GPT-2's output layer is the embedding")?;
@@ -1038,8 +1038,8 @@ fn bert(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
     };
     c.used.insert("num_labels".into());
     // transformers' BertConfig: 0.1 each; the classifier's is the hidden one unless given
-    let block_dropout = c.block_dropout("attention_probs_dropout_prob", "hidden_dropout_prob", 0.1)?;
-    let hidden_dropout = c.probability_or("hidden_dropout_prob", 0.1)?;
+    let hidden_dropout = c.block_dropout("attention_probs_dropout_prob", "hidden_dropout_prob", 0.1)?;
+    let block_dropout = dropout_argument(hidden_dropout);
     let classifier_dropout = c.probability_or("classifier_dropout", hidden_dropout)?;
     c.require(
         "position_embedding_type",
@@ -1086,6 +1086,15 @@ fn bert(c: &mut Config, seq: Option<usize>) -> Result<String, String> {
         dropout(hidden_dropout),
         dropout(classifier_dropout),
     ))
+}
+
+/// A block's `, dropout=p` argument (nothing for 0).
+fn dropout_argument(p: f64) -> String {
+    if p > 0.0 {
+        format!(", dropout={p}")
+    } else {
+        String::new()
+    }
 }
 
 /// A number as a spec writes it: integers without a fraction, others in Rust's shortest form.
