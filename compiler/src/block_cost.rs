@@ -13,6 +13,7 @@
 //! recompute, `activations::Made::Product`).
 
 use pipec_plan::device::Function;
+use pipec_plan::engine::performance::AttentionPass;
 use pipec_plan::model::{BlockDims, MlpKind, Projection, ProjectionRole, ProjectionSplit, Router};
 use pipec_plan::vocab::{Attention, RecomputeModule};
 
@@ -194,10 +195,11 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     // its fitted passes over this rank's heads replace the kernels
     let measured = cx.device.attention;
     let bh = samples * a / t;
+    let fused = [AttentionPass::Forward, AttentionPass::Backward].map(|pass| cx.attention_share(pass, b.causal, s));
     fwd.part(Part::Core, |k| match (cx.attention_kernel(), measured) {
         (Attention::Standard, Some(m)) => k.seconds += m.forward.seconds(bh, s, qk),
         (Attention::Standard, None) => core(k),
-        (Attention::Flash, _) => k.fused_attention(flash_flops, flash_values, cx.fused_attention),
+        (Attention::Flash, _) => k.fused_attention(flash_flops, flash_values, fused[0]),
     });
     let core_forward = fwd.parts[Part::Core as usize];
     for pr in projections.iter().filter(|p| p.role == ProjectionRole::Output) {
@@ -234,7 +236,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
         }
         // the fused backward recomputes the scores: 2.5× the forward's products (Dao et al.
         // 2022)
-        (Attention::Flash, _) => bwd.fused_attention(2.5 * flash_flops, 2.0 * flash_values, cx.fused_attention),
+        (Attention::Flash, _) => bwd.fused_attention(2.5 * flash_flops, 2.0 * flash_values, fused[1]),
     }
     let core_backward = bwd.seconds - before;
     bwd.vector(8.0 * el, 3.0 * el, 0.0);

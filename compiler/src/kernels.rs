@@ -4,7 +4,9 @@
 //! `vector_time`).
 
 use pipec_plan::device::{DeviceModel, Function};
-use pipec_plan::engine::performance::{CrossEntropy, Fp8Casts, KernelFamily, OverlapSteps, SequenceCollectives};
+use pipec_plan::engine::performance::{
+    AttentionKernel, AttentionPass, CrossEntropy, Fp8Casts, KernelFamily, OverlapSteps, SequenceCollectives,
+};
 use pipec_plan::plan::Fp8Plan;
 use pipec_plan::vocab::{Attention, CpComm, Fp8Recipe, Fp8Storage, Loss, OptimizerKind, Precision};
 
@@ -45,10 +47,10 @@ pub struct CostContext<'a> {
     pub overhead: f64,
     /// FP8 training: the blocks' products in FP8 (None without).
     pub fp8: Option<Fp8Plan>,
-    /// The share of the matrix rate the engine's fused attention kernel sustains
+    /// The engine's fused attention kernel's published rates
     /// (`pipec_plan::engine::performance::AttentionKernel`); None: FlashAttention priced as
     /// the device's matrix products.
-    pub fused_attention: Option<f64>,
+    pub fused_attention: Option<AttentionKernel>,
     /// A mixture of experts' routed experts run as one grouped kernel per projection
     /// (torchtitan's `torch._grouped_mm`), not one kernel per expert
     /// (`pipec_plan::engine::performance::KernelFamily::grouped_expert_gemm`).
@@ -165,6 +167,13 @@ impl CostContext<'_> {
         } else {
             self.attention
         }
+    }
+
+    /// The share of the matrix rate the engine's fused attention kernel sustains in `pass`
+    /// over `sequence` positions, with the causal mask or not (its published figures,
+    /// `AttentionKernel::share`); None where the engine has none on this device.
+    pub fn attention_share(&self, pass: AttentionPass, causal: bool, sequence: f64) -> Option<f64> {
+        self.fused_attention.map(|k| k.share(pass, causal, sequence))
     }
 }
 

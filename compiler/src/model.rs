@@ -103,7 +103,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         cp_comm: spec.strategy.cp_comm,
         overhead: spec.cluster.overhead,
         fp8: spec.training.fp8,
-        fused_attention: spec.engine.family().attention(&cluster.device).map(|a| a.share),
+        fused_attention: spec.engine.family().attention(&cluster.device),
         grouped_experts: spec.engine.family().grouped_expert_gemm(),
         experts_efficiency: spec.engine.performance.as_ref().map_or(1.0, |p| p.experts),
         keeps: Keeps::of(spec.engine.family()),

@@ -154,27 +154,85 @@ impl CrossEntropy {
     }
 }
 
-/// The fused attention kernel an engine runs on a Hopper GPU, as a share of the device's
-/// dense bf16 matrix rate: published kernel throughputs, not fitted.
+/// The fused attention kernel an engine runs on a Hopper GPU: its published throughput by
+/// pass, causal mask and sequence length, not fitted. The figures are Shah et al. 2024's
+/// (FlashAttention-3, arXiv 2407.08608) on an H100 SXM5 at head dimension 128, 16k tokens a
+/// batch (batch × sequence), bf16: Figure 5's forward without and with the causal mask,
+/// Figure 6's backward (the paper's only backward figure, without the mask; causal blocks'
+/// backward is priced at it). The paper counts a causal kernel's FLOPs as half the full
+/// one's, as `BlockDims::computed_keys` does.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionKernel {
-    /// The kernel's sustained FLOP/s over the device's dense bf16 peak (989.4 TFLOP/s on an
-    /// H100 SXM).
-    pub share: f64,
+    /// TFLOP/s at each of [`ATTENTION_SEQUENCES`]: the forward without the causal mask.
+    pub forward: [f64; 6],
+    /// The forward with the causal mask.
+    pub forward_causal: [f64; 6],
+    /// The backward (the published figure, without the mask), its FLOPs 2.5× the forward's.
+    pub backward: [f64; 6],
     pub source: &'static str,
 }
 
+/// The sequence lengths the published attention figures are measured at.
+pub const ATTENTION_SEQUENCES: [f64; 6] = [512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0];
+
+/// The H100 SXM's dense bf16 matrix rate the published attention figures are shares of
+/// (TFLOP/s; `crate::device`'s preset).
+const H100_DENSE_BF16_TFLOPS: f64 = 989.4;
+
+/// A pass of an attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionPass {
+    Forward,
+    Backward,
+}
+
+impl AttentionKernel {
+    /// The kernel's sustained rate over the device's dense bf16 peak for `pass` over
+    /// `sequence` positions: the published figures interpolated in log₂ of the sequence,
+    /// held at the nearest end outside 512–16k.
+    pub fn share(&self, pass: AttentionPass, causal: bool, sequence: f64) -> f64 {
+        let figures = match (pass, causal) {
+            (AttentionPass::Forward, false) => &self.forward,
+            (AttentionPass::Forward, true) => &self.forward_causal,
+            (AttentionPass::Backward, _) => &self.backward,
+        };
+        interpolate_log2(&ATTENTION_SEQUENCES, figures, sequence) / H100_DENSE_BF16_TFLOPS
+    }
+}
+
+/// `ys` at `x`, linear in log₂ x between the points `xs` (ascending), the end values outside.
+fn interpolate_log2(xs: &[f64; 6], ys: &[f64; 6], x: f64) -> f64 {
+    let x = x.max(1.0).log2();
+    let at = |i: usize| xs[i].log2();
+    if x <= at(0) {
+        return ys[0];
+    }
+    for i in 1..xs.len() {
+        if x <= at(i) {
+            let f = (x - at(i - 1)) / (at(i) - at(i - 1));
+            return ys[i - 1] + f * (ys[i] - ys[i - 1]);
+        }
+    }
+    ys[ys.len() - 1]
+}
+
 /// FlashAttention-2, which PyTorch's `scaled_dot_product_attention` runs on Hopper: 370
-/// TFLOP/s of 989.4 (forward, head dimension 128, 8k tokens on an H100 SXM5).
+/// TFLOP/s forward at 8k without the mask, 333 with it, 318 backward.
 pub const FLASH_ATTENTION_2: AttentionKernel = AttentionKernel {
-    share: 370.0 / 989.4,
-    source: "Shah et al. 2024, FlashAttention-3 (arXiv 2407.08608), Figure 5: FlashAttention-2's forward at 370 TFLOP/s, head dimension 128, sequence 8k, H100 SXM5",
+    forward: [309.0, 350.0, 362.0, 368.0, 370.0, 370.0],
+    forward_causal: [191.0, 260.0, 298.0, 319.0, 333.0, 335.0],
+    backward: [214.0, 260.0, 291.0, 310.0, 318.0, 322.0],
+    source: "Shah et al. 2024, FlashAttention-3 (arXiv 2407.08608), Figures 5 and 6: FlashAttention-2, head dimension 128, H100 SXM5",
 };
 
-/// cuDNN's fused attention, which Transformer Engine runs on Hopper: 600 TFLOP/s of 989.4.
+/// cuDNN's fused attention, which Transformer Engine runs on Hopper: 600 TFLOP/s forward at
+/// 8k without the mask, 529 with it, 518 backward.
 pub const CUDNN_ATTENTION: AttentionKernel = AttentionKernel {
-    share: 600.0 / 989.4,
-    source: "Shah et al. 2024, FlashAttention-3 (arXiv 2407.08608), Figure 5: cuDNN's forward at 600 TFLOP/s, head dimension 128, sequence 8k, H100 SXM5",
+    forward: [497.0, 574.0, 617.0, 609.0, 600.0, 595.0],
+    forward_causal: [315.0, 410.0, 484.0, 518.0, 529.0, 539.0],
+    backward: [305.0, 408.0, 465.0, 499.0, 518.0, 516.0],
+    source:
+        "Shah et al. 2024, FlashAttention-3 (arXiv 2407.08608), Figures 5 and 6: cuDNN, head dimension 128, H100 SXM5",
 };
 
 /// The presets of Hopper GPUs, where the published attention kernels' figures hold.
@@ -503,16 +561,16 @@ pub const CALIBRATED: &[Calibrated] = &[
         family: KernelFamily::MegatronTe,
         device: "h100-sxm",
         power: None,
-        efficiency: 0.8388,
+        efficiency: 0.8702,
         source: "fitted on steps.csv's dense calibration row mb2511-h100-llama38b-fp8cs-8g (Megatron-Bridge's published H100 tables)",
-        experts: 0.6697,
+        experts: 0.6569,
         experts_source: "fitted on steps.csv's mixture-of-experts calibration rows mb260201-h100-qwen330ba3b-fp8-16g, mb2606-h100-qwen330ba3b-fp8-16g, the dense constant held (Megatron-Bridge's published H100 tables)",
     },
     Calibrated {
         family: KernelFamily::TorchCompiled,
         device: "h100-sxm",
         power: Some(500.0),
-        efficiency: 0.6069,
+        efficiency: 0.6410,
         source: "fitted on steps.csv's calibration rows tt24-t1-8b-8g-bf16-compile, tt24-t2-8b-fsdp8-cp1, tt24-t3-8b-128g-fp8-compile (torchtitan's December 2024 H100 benchmark, 500 W)",
         experts: 1.0,
         experts_source: "",
@@ -521,7 +579,7 @@ pub const CALIBRATED: &[Calibrated] = &[
         family: KernelFamily::TorchCompiled,
         device: "h200",
         power: None,
-        efficiency: 0.6937,
+        efficiency: 0.7263,
         source: "fitted on steps.csv's calibration row tt25-trainy-h200-8b-32g (torchtitan's June 2025 H200 benchmark)",
         experts: 1.0,
         experts_source: "",
@@ -530,7 +588,7 @@ pub const CALIBRATED: &[Calibrated] = &[
         family: KernelFamily::TorchEager,
         device: "h100-sxm",
         power: Some(500.0),
-        efficiency: 0.5768,
+        efficiency: 0.5900,
         source: "fitted on steps.csv's calibration row tt24-t1-8b-8g-bf16-eager (torchtitan's December 2024 H100 benchmark, 500 W)",
         experts: 1.0,
         experts_source: "",
@@ -816,6 +874,41 @@ impl CalibrationFile {
 mod tests {
     use super::*;
     use crate::device::preset;
+
+    /// The attention kernels' rates are the published figures at the measured sequences,
+    /// between them in log₂ of the sequence, and the end figures outside; a pass and a
+    /// mask read their own figure.
+    #[test]
+    fn attention_kernels_sustain_their_published_rate_at_each_sequence() {
+        use AttentionPass::{Backward, Forward};
+        let tflops = |k: &AttentionKernel, pass, causal, s: f64| k.share(pass, causal, s) * 989.4;
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let fa2 = FLASH_ATTENTION_2;
+        assert!(close(tflops(&fa2, Forward, false, 8192.0), 370.0));
+        assert!(close(tflops(&fa2, Forward, true, 8192.0), 333.0));
+        assert!(close(tflops(&fa2, Backward, true, 8192.0), 318.0));
+        assert!(close(tflops(&fa2, Backward, false, 4096.0), 310.0));
+        // halfway between 4k and 8k in log₂: halfway between their figures
+        assert!(close(tflops(&fa2, Forward, true, 4096.0 * 2f64.sqrt()), (319.0 + 333.0) / 2.0));
+        // outside the figures: the nearest end's
+        assert!(close(tflops(&fa2, Forward, true, 32768.0), 335.0));
+        assert!(close(tflops(&fa2, Forward, true, 128.0), 191.0));
+        let cudnn = CUDNN_ATTENTION;
+        assert!(close(tflops(&cudnn, Forward, false, 8192.0), 600.0));
+        assert!(close(tflops(&cudnn, Forward, true, 4096.0), 518.0));
+        assert!(close(tflops(&cudnn, Backward, true, 4096.0), 499.0));
+        // the masked forward is the slower, and cuDNN the faster kernel, at every sequence
+        for s in ATTENTION_SEQUENCES {
+            assert!(tflops(&fa2, Forward, true, s) < tflops(&fa2, Forward, false, s));
+            assert!(tflops(&cudnn, Backward, false, s) > tflops(&fa2, Backward, false, s));
+        }
+        // only Hopper presets have them, and pipec's own executor none
+        let h100 = preset("h100-sxm").expect("preset").model();
+        assert_eq!(KernelFamily::MegatronTe.attention(&h100), Some(CUDNN_ATTENTION));
+        assert_eq!(KernelFamily::TorchCompiled.attention(&h100), Some(FLASH_ATTENTION_2));
+        assert_eq!(KernelFamily::Pipec.attention(&h100), None);
+        assert_eq!(KernelFamily::MegatronTe.attention(&preset("a100-80gb").expect("preset").model()), None);
+    }
 
     /// Each engine's cross-entropy, counted tensor by tensor from its code (the variants'
     /// docs): bytes per logit kept and held beside them, under bf16 and fp32 training.
