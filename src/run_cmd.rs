@@ -1069,17 +1069,14 @@ pub fn time_by_kind(plan: &Plan, report: &pipec_executor::RunReport) -> Vec<(&'s
 /// training it here would train something else.
 fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
     use pipec_plan::features::{used, Feature};
-    // the ring's online softmax has no sink (crate::backend::ring)
-    let ring = plan.training.context_parallel > 1 && plan.schedule.cp_comm == pipec_plan::vocab::CpComm::Ring;
     let refused: Vec<String> = used(plan)
         .into_iter()
         .filter(|(f, _)| match f {
             // a head size other than d/heads, query/key norms and sliding windows run
-            // (tests/training.rs; the qwen3 and mistral fixtures against transformers)
-            Feature::HeadSize | Feature::QkNorm | Feature::SlidingWindow => false,
-            // sinks run (GPT-OSS's attention core in transformers: the gpt-oss-attention
-            // fixture), but not around context parallelism's ring
-            Feature::AttentionSinks => ring,
+            // (tests/training.rs; the qwen3 and mistral fixtures against transformers), and
+            // so do sinks (GPT-OSS's attention core in transformers: the gpt-oss-attention
+            // fixture), around context parallelism's ring too
+            Feature::HeadSize | Feature::QkNorm | Feature::SlidingWindow | Feature::AttentionSinks => false,
             // a block's dropout runs, its masks drawn by position as one device's, around
             // context parallelism's ring too (tests/training.rs)
             Feature::BlockDropout => false,
@@ -1114,12 +1111,9 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
                 false
             }
         })
-        .map(|(f, layer)| {
-            let under = if f == Feature::AttentionSinks { " under `cp_comm: ring` (gathered keys run them)" } else { "" };
-            match layer {
-                Some(l) => format!("{f} at layer {l}{under}"),
-                None => format!("{f}{under}"),
-            }
+        .map(|(f, layer)| match layer {
+            Some(l) => format!("{f} at layer {l}"),
+            None => format!("{f}"),
         })
         .collect();
     if refused.is_empty() {

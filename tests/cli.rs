@@ -2436,7 +2436,7 @@ fn compile_states_each_context_parallel_members_positions() {
 fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
     let dir = tempfile::tempdir().expect("temp dir");
     let spec = dir.path().join("qwen-like.yaml");
-    let text = "model:\n  input: [16]\n  layers:\n    - embedding(50, 32)\n    - transformer_block(32, 4, 64, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, head_dim=16, qk_norm=true, window=8, sinks=true)\n    - transformer_block(32, 4, 64, causal=true, kv_lora=16, rope_dim=4, rope=10000, dropout=0.1)\n    - transformer_block(32, 4, 64, causal=true, experts=4, top_k=2, router=sigmoid, route_scale=2, route_groups=2, route_group_top=1, expert_bias=true)\n    - rmsnorm\n    - linear(32, 50, bias=false)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: { memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 5us }\nstrategy:\n  stages: \"1\"\n  cp: 2\n  cp_comm: ring\n  schedule: gpipe\n  microbatches: 1\n  recompute: { modules: [mlp], layers: 1 }\ntraining:\n  batch_size: 4\n  steps: 1\n  precision: bf16\n  optimizer: { kind: sgd, lr: 0.1, master_weights: false }\n  data: synthetic\n";
+    let text = "model:\n  input: [16]\n  layers:\n    - embedding(50, 32)\n    - transformer_block(32, 4, 64, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, head_dim=16, qk_norm=true, window=8, sinks=true)\n    - transformer_block(32, 4, 64, causal=true, kv_lora=16, rope_dim=4, rope=10000, dropout=0.1)\n    - transformer_block(32, 4, 64, causal=true, experts=4, top_k=2, router=sigmoid, route_scale=2, route_groups=2, route_group_top=1, expert_bias=true)\n    - rmsnorm\n    - linear(32, 50, bias=false)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: { memory: 1GiB, throughput: 1GFLOP/s }\n  links:\n    intra_node: { bandwidth: 1GB/s, latency: 5us }\nstrategy:\n  stages: \"1\"\n  cp: 2\n  cp_comm: ring\n  schedule: gpipe\n  microbatches: 1\n  recompute: { modules: [mlp], layers: 1, offload: true }\ntraining:\n  batch_size: 4\n  steps: 1\n  precision: bf16\n  optimizer: { kind: sgd, lr: 0.1, master_weights: false }\n  data: synthetic\n";
     std::fs::write(&spec, text).expect("spec");
     let out = dir.path().join("plan");
     let compiled = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")]);
@@ -2444,7 +2444,7 @@ fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
     let run = pipec(&["run", spec.to_str().expect("utf-8"), "-o", dir.path().join("run").to_str().expect("utf-8")]);
     let said = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(1), "{said}");
-    assert!(said.contains("`sinks=true`) at layer 1 under `cp_comm: ring`"), "{said}");
+    assert!(said.contains("activation offload (`recompute: { offload: true }`)"), "{said}");
     // weights without a master copy run, rounded after each update, and the run says how
     let refused = said.lines().find(|l| l.contains("does not run")).unwrap_or_default();
     assert!(!refused.contains("master_weights"), "{said}");
@@ -2454,12 +2454,13 @@ fn run_refuses_what_the_executor_does_not_run_and_compile_plans_it() {
     );
     // a head size of its own, query/key norms, sliding windows and multi-head latent
     // attention run (tests/training.rs; the qwen3, mistral and deepseek-v3 fixtures), and so
-    // do sinks without the ring (attention_sinks_...), and DeepSeek's group-limited routing
+    // do sinks, around the ring too (attention_sinks_...), and DeepSeek's group-limited routing
     // and scaled weights (the deepseek-v3-moe fixture) and its expert bias
     // (a_deepseek_expert_bias_...), and so does recompute by layers, module or operation
     // (recompute_by_... in tests/training.rs)
     for runs in [
         "`dropout=`",
+        "`sinks=true`",
         "`expert_bias=true`",
         "`head_dim=`",
         "`qk_norm=true`",

@@ -1294,11 +1294,12 @@ fn a_sliding_window_trains_to_one_devices_numbers() {
 
 /// Attention sinks (a logit per head in every softmax, GPT-OSS's) in a sliding window:
 /// tensor-parallel (each rank its heads' sinks), pipelined, ZeRO-3, context-parallel
-/// (gathered keys) and selectively recomputed layouts train to one device's numbers.
+/// (gathered keys, and around the ring, where each row's sink joins its denominator after
+/// the last block) and selectively recomputed layouts train to one device's numbers.
 #[test]
 fn attention_sinks_train_to_one_devices_numbers() {
     let block = "transformer_block(d=16, heads=4, ff=24, causal=true, kv_heads=2, norm=rmsnorm, mlp=swiglu, rope=10000, bias=false, window=3, sinks=true)";
-    attention_layouts_equal_one_device(&cp_lm(block), false);
+    attention_layouts_equal_one_device(&cp_lm(block), true);
 }
 
 /// Multi-head latent attention (DeepSeek's), with a query latent and without: tensor-parallel

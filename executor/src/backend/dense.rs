@@ -133,22 +133,10 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
+        sinks: Option<Tensor<Self, 1>>,
         ring: &crate::backend::ring::Ring,
     ) -> crate::error::Result<Tensor<Self, 4>> {
-        // validation's forwards pass detached keys and values (as `Context::gather`)
-        let (q, k, v) = if ring.group.tracked { (q, k, v) } else { (q.detach(), k.detach(), v.detach()) };
-        let (q, k, v) = (q.into_primitive().tensor(), k.into_primitive().tensor(), v.into_primitive().tensor());
-        let (out, lse) = ring.forward(inner::<I>(&q.primitive), inner(&k.primitive), inner(&v.primitive))?;
-        let (out, lse) = (out.into_primitive().tensor(), lse.into_primitive().tensor());
-        let state = || RingState {
-            q: q.primitive.clone(),
-            k: k.primitive.clone(),
-            v: v.primitive.clone(),
-            out: out.clone(),
-            lse,
-            ring: ring.clone(),
-        };
-        Ok(wrapped(tracked::<I, C, _, 3>(RingBackward, [&q, &k, &v], state, out.clone())))
+        ring_backward::ring_attention(q, k, v, sinks, ring)
     }
 
     fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
@@ -417,48 +405,6 @@ impl<I: Kernels> Backward<I, 1> for ExchangeBackward {
     }
 }
 
-/// What [`Kernels::ring_attention`]'s backward keeps: the queries, this member's keys and
-/// values, the output and its rows' log-sum-exp (never another member's keys or values).
-#[derive(Debug, Clone)]
-struct RingState<I: Backend> {
-    q: FloatTensor<I>,
-    k: FloatTensor<I>,
-    v: FloatTensor<I>,
-    out: FloatTensor<I>,
-    lse: FloatTensor<I>,
-    ring: crate::backend::ring::Ring,
-}
-
-/// The backward of [`Kernels::ring_attention`] ([`crate::backend::ring::Ring::backward`]); an
-/// exchange that fails is recorded for the worker (a backward cannot return an error) and
-/// the gradients are zeros.
-#[derive(Debug)]
-struct RingBackward;
-
-impl<I: Kernels> Backward<I, 3> for RingBackward {
-    type State = RingState<I>;
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
-        let RingState { q, k, v, out, lse, ring } = ops.state;
-        let d_out = t(grads.consume::<I>(&ops.node));
-        let (q, k, v) = (t(q), t(k), t(v));
-        let zeros = (q.zeros_like(), k.zeros_like(), v.zeros_like());
-        let (dq, dk, dv) = ring.backward(q, k, v, t(out), t(lse), d_out).unwrap_or_else(|e| {
-            if let Ok(mut failed) = ring.group.failed.lock() {
-                failed.get_or_insert(e);
-            }
-            zeros
-        });
-        let [to_q, to_k, to_v] = ops.parents;
-        for (node, g) in [(to_q, dq), (to_k, dk), (to_v, dv)] {
-            if let Some(node) = node {
-                grads.register::<I>(node.id, g.into_primitive().tensor());
-            }
-        }
-    }
-}
-
 /// The step's running weight-gradient sums, keyed by weight ([`Kernels::sum_key`]).
 pub(crate) type Sums<I> = HashMap<NodeId, Option<FloatTensor<I>>>;
 
@@ -685,5 +631,6 @@ fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) 
     None
 }
 
+mod ring_backward;
 #[cfg(test)]
 mod tests;

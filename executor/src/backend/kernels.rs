@@ -107,16 +107,18 @@ pub trait Kernels: Backend {
     }
 
     /// Context parallelism's ring attention ([`crate::backend::ring`]): this member's queries
-    /// [b, h, s, dh] over the group's keys and values, its own `k`, `v` [b, kv, s, dh]
-    /// passed around the ring; an autodiff backend keeps only q, its own k and v, the output
-    /// and the rows' log-sum-exp. Without autodiff, the forward alone.
+    /// [b, h, s, dh] over the group's keys and values (with `sinks`, a logit per head [h]
+    /// in every softmax), its own `k`, `v` [b, kv, s, dh] passed around the ring; an
+    /// autodiff backend keeps only q, its own k and v, the sinks, the output and the rows'
+    /// log-sum-exp. Without autodiff, the forward alone.
     fn ring_attention(
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
+        sinks: Option<Tensor<Self, 1>>,
         ring: &crate::backend::ring::Ring,
     ) -> crate::error::Result<Tensor<Self, 4>> {
-        ring.forward(q, k, v).map(|(out, _)| out)
+        ring.forward(q, k, v, sinks).map(|(out, _)| out)
     }
 
     /// Attention's core, softmax(q·kᵀ/√dh + the causal mask)·v on [batch, heads, seq, dh]

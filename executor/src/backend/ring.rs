@@ -23,6 +23,12 @@
 //! their share of the denominator is summed, by the whole mask's part at this member's
 //! queries and the block's keys, drawn again in the backward.
 //!
+//! With attention sinks (a logit per head in every row's softmax, with no value: GPT-OSS's)
+//! the sink joins each row's denominator once, after the last block: the running maximum
+//! rises to it where it is larger and the output is rescaled, as one more block of one key
+//! would be. The kept log-sum-exp includes it, so the backward's probabilities are the
+//! one device's; the sink's gradient is −Σ p_sink · rowsum(dO ⊙ O) over this member's rows.
+//!
 //! Every step of it computes what the all-gather's attention computes, block by block, so
 //! the two give the same numbers up to float rounding (tested against one device).
 
@@ -38,8 +44,9 @@ use crate::error::ExecError;
 /// its denominator and its unnormalised output.
 type Online<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
 
-/// The gradients of a member's queries, keys and values.
-pub type Grads<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
+/// The gradients of a member's queries, keys and values, and of the sinks where the
+/// attention has them.
+pub type Grads<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, Option<Tensor<B, 1>>);
 
 /// What a member's ring attention needs beside its tensors.
 #[derive(Clone, Debug)]
@@ -215,13 +222,14 @@ impl Ring {
     }
 
     /// The forward: the attention output [b, h, s, dh] of queries `q` [b, h, s, dh] over
-    /// the group's keys and values, and each row's log-sum-exp [b, h, s, 1]; `k`, `v`
-    /// [b, kv, s, dh] are this member's.
+    /// the group's keys and values (and the heads' `sinks` [h], if any), and each row's
+    /// log-sum-exp [b, h, s, 1]; `k`, `v` [b, kv, s, dh] are this member's.
     pub fn forward<B: Backend>(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
+        sinks: Option<Tensor<B, 1>>,
     ) -> Result<(Tensor<B, 4>, Tensor<B, 4>), ExecError> {
         let dev = q.device();
         // keys and values of their own sizes (multi-head latent attention's value heads)
@@ -283,19 +291,31 @@ impl Ring {
         for st in state {
             let (m, l, o) =
                 st.ok_or_else(|| mismatch("a part of a context-parallel member's queries met no key".into()))?;
+            let (m, l, o) = match &sinks {
+                Some(sinks) => {
+                    let sink = per_row(sinks.clone(), m.dims());
+                    let m_new = m.clone().max_pair(sink.clone());
+                    let a = (m - m_new.clone()).exp();
+                    (m_new.clone(), l * a.clone() + (sink - m_new).exp(), o * a)
+                }
+                None => (m, l, o),
+            };
             outs.push(o / l.clone());
             lses.push(m + l.log());
         }
         Ok((Tensor::cat(outs, 2), Tensor::cat(lses, 2)))
     }
 
-    /// The backward: the gradients of `q`, `k` and `v` (this member's) from the output's
-    /// gradient `d_out`, given the forward's output `out` and log-sum-exp `lse`.
+    /// The backward: the gradients of `q`, `k` and `v` (this member's) and of the `sinks`
+    /// from the output's gradient `d_out`, given the forward's output `out` and
+    /// log-sum-exp `lse`.
+    #[allow(clippy::too_many_arguments)]
     pub fn backward<B: Backend>(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
+        sinks: Option<Tensor<B, 1>>,
         out: Tensor<B, 4>,
         lse: Tensor<B, 4>,
         d_out: Tensor<B, 4>,
@@ -309,6 +329,12 @@ impl Ring {
         let all = self.all_gather(values)?;
         // rowsum(dO ⊙ O): the softmax's backward term
         let delta = (d_out.clone() * out).sum_dim(3);
+        // a sink's probability has no value: its gradient is p_sink · (0 − rowsum(dO ⊙ O))
+        let d_sinks = sinks.map(|s| {
+            let h = s.dims()[0];
+            let p_sink = (per_row(s, delta.dims()) - lse.clone()).exp();
+            (p_sink * delta.clone()).sum_dim(0).sum_dim(2).reshape([h]).neg()
+        });
         let parts = self.halves(q.dims()[2]);
         let mut dq: Vec<Tensor<B, 4>> =
             parts.iter().map(|qr| q.clone().narrow(2, qr.start, qr.len()).zeros_like()).collect();
@@ -361,8 +387,15 @@ impl Ring {
             Tensor::cat(dq, 2),
             Tensor::from_data(TensorData::new(dk.to_vec(), k_shape), &dev),
             Tensor::from_data(TensorData::new(dv.to_vec(), v_shape), &dev),
+            d_sinks,
         ))
     }
+}
+
+/// Each head's sink [h] at every row of a [b, h, s, 1] tensor of that `shape`.
+fn per_row<B: Backend>(sinks: Tensor<B, 1>, shape: [usize; 4]) -> Tensor<B, 4> {
+    let [_, h, _, _] = shape;
+    sinks.reshape([1, h, 1, 1]).expand(shape)
 }
 
 /// The slice of a [b, h, s, d] tensor that takes rows `rows` of its third dimension whole

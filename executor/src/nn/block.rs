@@ -246,15 +246,10 @@ impl<B: Kernels> Block<B> {
         }
         let sinks = self.sinks.as_ref().map(|s| s.val());
         if let Some(c) = context.filter(|c| c.ring) {
-            if sinks.is_some() {
-                return Err(ExecError::Setup(
-                    "attention sinks (`sinks=true`) do not run under `cp_comm: ring` yet: the ring's online softmax has no sink (use `cp_comm: all_gather`)".into(),
-                ));
-            }
             // around the ring: only this member's keys and values are kept (crate::backend::ring)
             let mut ring = c.ring(s, self.causal, self.window, h / kv);
             ring.dropout = self.attention_dropout(side, h);
-            let out = B::ring_attention(q, k, v, &ring)?;
+            let out = B::ring_attention(q, k, v, sinks, &ring)?;
             return Ok(out.swap_dims(1, 2).reshape([b, s, h * vh]));
         }
         let keys = match context {
