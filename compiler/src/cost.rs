@@ -1035,6 +1035,32 @@ mod tests {
         assert!(slow.forward > fast.forward && slow.backward > fast.backward);
     }
 
+    /// An engine's fused attention runs at its published rate for the queries a call
+    /// computes: a context-parallel member's 1/cp of the sequence, so a member of cp 4 over
+    /// 8192 positions sustains the kernel's rate at 2048, and its core costs more than a
+    /// quarter of the whole sequence's.
+    #[test]
+    fn a_context_parallel_members_attention_runs_at_its_queries_rate() {
+        use pipec_plan::engine::performance::{AttentionPass, CUDNN_ATTENTION};
+        let device = DeviceModel::uniform("x", 1e12, 1e12);
+        let cx = |cp: usize| CostContext {
+            precision: Precision::Bf16,
+            microbatch: 4,
+            cp,
+            attention: Attention::Flash,
+            fused_attention: Some(CUDNN_ATTENTION),
+            ..context(&device)
+        };
+        for pass in [AttentionPass::Forward, AttentionPass::Backward] {
+            assert_eq!(cx(4).attention_share(pass, true, 8192.0), Some(CUDNN_ATTENTION.share(pass, true, 2048.0)));
+            assert_eq!(cx(1).attention_share(pass, true, 8192.0), Some(CUDNN_ATTENTION.share(pass, true, 8192.0)));
+        }
+        let n = node(Op::llama_block(4096, 32, 8, 14336), vec![8192, 4096]);
+        let (whole, member) =
+            (price(&n, TpSplit::Replicated, (false, false), &cx(1)), price(&n, TpSplit::Replicated, (false, false), &cx(4)));
+        assert!(member.core[0] > whole.core[0] / 4.0 * 1.05, "{:?} against {:?}", member.core, whole.core);
+    }
+
     #[test]
     fn context_parallelism_prices_a_members_positions_and_gathers_keys_and_values() {
         // Llama's block (grouped keys and values: 8 of 32 heads), 8192 positions, bf16, on

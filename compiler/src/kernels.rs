@@ -170,10 +170,12 @@ impl CostContext<'_> {
     }
 
     /// The share of the matrix rate the engine's fused attention kernel sustains in `pass`
-    /// over `sequence` positions, with the causal mask or not (its published figures,
-    /// `AttentionKernel::share`); None where the engine has none on this device.
+    /// over a block's `sequence` positions, with the causal mask or not (its published
+    /// figures, `AttentionKernel::share`); None where the engine has none on this device.
+    /// Under context parallelism each member's kernel runs over its 1/cp of the queries
+    /// (the ring's blocks, or the queries against the gathered keys), at that length's rate.
     pub fn attention_share(&self, pass: AttentionPass, causal: bool, sequence: f64) -> Option<f64> {
-        self.fused_attention.map(|k| k.share(pass, causal, sequence))
+        self.fused_attention.map(|k| k.share(pass, causal, sequence / self.cp.max(1) as f64))
     }
 }
 
