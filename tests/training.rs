@@ -1876,9 +1876,11 @@ fn expert_parallel_groups_with_tensor_parallel_experts_train_equal_to_one_device
 /// The load-balancing loss and biases beside tensor-parallel experts: every rank makes the
 /// whole loss (the router is whole), whose gradient the group sums with the router's partial
 /// ones and the block input's, so each rank seeds its share; rank 0 alone adds each expert's
-/// down projection's bias to its partial output, whose gradient the group sums. With the
-/// experts recomputed by module (the half run again makes its loss again) and beside expert
-/// parallelism: one device's losses, balancing losses and tokens per expert.
+/// down projection's bias to its partial output, whose gradient the group sums (beside
+/// expert parallelism, the biases of the experts the group holds, in its one sum of partial
+/// gradients). With the experts recomputed by module (the half run again makes its loss
+/// again) and beside expert parallelism: one device's losses, balancing losses and tokens
+/// per expert.
 #[test]
 fn the_load_balancing_loss_and_biases_beside_tensor_parallel_experts_train_to_one_devices_numbers() {
     let biased = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, causal=true, experts=4, top_k=2, shared_experts=1, aux_loss=0.05)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
@@ -1895,7 +1897,8 @@ fn the_load_balancing_loss_and_biases_beside_tensor_parallel_experts_train_to_on
     for (devices, stages, recompute, layers) in [
         (2, "\"1\"\n  tp: 2", "false", biased),
         (4, "\"1-1\"\n  tp: 2", "{ modules: [moe] }", biased),
-        // beside expert parallelism, experts without biases (with them: refused, below)
+        // beside expert parallelism, experts with biases and without
+        (4, "\"2\"\n  tp: 2\n  ep: 2", "false", biased),
         (4, "\"2\"\n  tp: 2\n  ep: 2", "false", unbiased.as_str()),
     ] {
         let reference = train(&plan(&job(1, "\"1\"", "false", layers)));
@@ -1922,9 +1925,6 @@ fn expert_blocks_the_executor_cannot_train_are_refused_by_name() {
             Err(e) => e.to_string(),
         }
     };
-    // experts with biases beside tensor and expert parallelism
-    let e = refused(4, "\"2\"\n  tp: 2\n  ep: 2", "transformer_block(d=16, heads=4, ff=32, experts=4, top_k=2)");
-    assert!(e.contains("only without expert parallelism (`ep`)"), "{e}");
     // more experts than a block's parameter slots hold
     let e = refused(1, "\"1\"", "transformer_block(d=16, heads=4, ff=8, experts=61, top_k=1, bias=false)");
     assert!(e.contains("at most 60 experts per block"), "{e}");
@@ -3274,7 +3274,8 @@ fn tensor_parallel_sums_at_the_update_are_declared_verified_and_held_to() {
         ("every contribution's reduce-scatter", plan(&job(4, "\"2\"\n  tp: 2\n  zero: 2")), PassKind::GradientShard),
     ];
     for (what, p, kind) in cases {
-        // each block's two layer norms: gain and bias each, summed once, at `kind`
+        // each block's two layer norms' gains and biases, summed once in one all-reduce per
+        // stage (declared at its first layer), at `kind`
         let lists: Vec<(&pipec_plan::in_pass::PassList, &Vec<pipec_plan::in_pass::InPass>)> = p
             .in_pass
             .devices
@@ -3285,19 +3286,16 @@ fn tensor_parallel_sums_at_the_update_are_declared_verified_and_held_to() {
             .collect();
         assert!(!lists.is_empty() && lists.iter().all(|(e, _)| e.pass == kind), "{what}: {lists:?}");
         for d in &p.devices {
-            let blocks: Vec<u32> = d
-                .stages
-                .iter()
-                .flat_map(|s| p.stages[s.0 as usize].layers[0]..p.stages[s.0 as usize].layers[1])
-                .filter(|&i| p.layers[i].op.block_dims().is_some())
-                .map(|i| i as u32)
-                .collect();
+            let with_blocks = |s: &pipec_plan::StageId| {
+                let [a, b] = p.stages[s.0 as usize].layers;
+                (a..b).any(|i| p.layers[i].op.block_dims().is_some()).then_some(a as u32)
+            };
+            let want: Vec<u32> = d.stages.iter().filter_map(with_blocks).collect();
             let mine: Vec<u32> = p.in_pass.devices[&d.id]
                 .iter()
                 .filter(|e| !e.pass.is_pass())
                 .flat_map(|e| p.in_pass.lists[e.list as usize].iter().map(|x| x.layer))
                 .collect();
-            let want: Vec<u32> = blocks.iter().flat_map(|&b| [b; 4]).collect();
             assert_eq!(mine, want, "{what}: {}", d.id);
         }
         assert!(pipec_compiler::verification::verify_plan(&p).is_empty(), "{what}");

@@ -1056,8 +1056,10 @@ mod tests {
             assert_eq!(cx(1).attention_share(pass, true, 8192.0), Some(CUDNN_ATTENTION.share(pass, true, 8192.0)));
         }
         let n = node(Op::llama_block(4096, 32, 8, 14336), vec![8192, 4096]);
-        let (whole, member) =
-            (price(&n, TpSplit::Replicated, (false, false), &cx(1)), price(&n, TpSplit::Replicated, (false, false), &cx(4)));
+        let (whole, member) = (
+            price(&n, TpSplit::Replicated, (false, false), &cx(1)),
+            price(&n, TpSplit::Replicated, (false, false), &cx(4)),
+        );
         assert!(member.core[0] > whole.core[0] / 4.0 * 1.05, "{:?} against {:?}", member.core, whole.core);
     }
 

@@ -56,12 +56,11 @@ pub(crate) struct StageFigures {
     /// with tensor or expert parallelism, else those its products do not gather themselves.
     /// 0 without ZeRO-3 and for the other engines, whose gathers are priced layer by layer.
     pub(crate) stage_gathers: Vec<f64>,
-    /// Per stage, on pipec's executor, the seconds of each sum over the tensor-parallel
-    /// group of a gradient that is partial on each rank (`pipec_plan::in_pass::
-    /// tp_partial_parameters`, in its order: one all-reduce of the parameter's fp32 values,
-    /// as the executor sums them); empty for the other engines and without tensor
-    /// parallelism. The simulator prices each where the plan declares it
-    /// (`PlanCost::with_update_sums`).
+    /// Per stage, on pipec's executor, the seconds of its sum over the tensor-parallel
+    /// group of the gradients that are partial on each rank (`pipec_plan::in_pass::
+    /// tp_partial_values`: one all-reduce of their fp32 values, as the executor sums them);
+    /// empty for the other engines and without tensor parallelism. The simulator prices it
+    /// where the plan declares it (`PlanCost::with_update_sums`).
     pub(crate) update_sums: Vec<Vec<f64>>,
     /// On pipec's executor with tensor parallelism, the seconds of the sum of a stage's
     /// squared gradient norm over its group (one fp32 value; 0 otherwise).
@@ -468,18 +467,18 @@ fn pipec_in_line(
     let (costs, graph) = (&model.costs, &model.graph);
     let (tp, ep) = (spec.strategy.tp.max(1), spec.strategy.ep_replicas());
     let chunks = spec.strategy.schedule.kind.chunk_placement();
-    // pipec's executor sums each partial gradient of a tensor-parallel stage (its norms',
-    // its routers') at the update's side, one all-reduce of fp32 values each
+    // pipec's executor sums a tensor-parallel stage's partial gradients (its norms', its
+    // routers') at the update's side in one all-reduce of their fp32 values
     let pipec = spec.engine.family() == pipec_plan::engine::performance::KernelFamily::Pipec;
     let pipec_sums = tp > 1 && pipec;
     let update_sums: Vec<Vec<f64>> = if pipec_sums {
-        let sum = |&(_, n): &(u64, usize)| ring_time(CollectiveKind::AllReduce, tp_link, tp, 4.0 * n as f64);
+        let sum = |n: usize| ring_time(CollectiveKind::AllReduce, tp_link, tp, 4.0 * n as f64);
         layout
             .ranges
             .iter()
             // (a `tp` that does not divide a block is refused with the costs, E0405)
-            .map(|r| model.tp_partials(r.clone(), spec.model.loss, tp))
-            .map(|partial| partial.map(|p| p.iter().map(sum).collect()).unwrap_or_default())
+            .map(|r| model.tp_partial_values(r.clone(), spec.model.loss, (tp, ep)))
+            .map(|values| values.filter(|&n| n > 0).map(|n| vec![sum(n)]).unwrap_or_default())
             .collect()
     } else {
         vec![Vec::new(); layout.ranges.len()]

@@ -106,9 +106,11 @@ pub(crate) fn in_pass_table(
             if partial.contains_key(&stage) {
                 continue;
             }
+            // one all-reduce of the stage's partial gradients, at its first layer
             let range = ranges.get(stage.0 as usize).cloned().unwrap_or_default();
+            let first = range.start as u32;
             let ids = pipec_plan::in_pass::tp_partial_ids(ops, range, spec.model.loss, tp).map_err(at_updates)?;
-            partial.insert(stage, ids.into_iter().map(|id| (id >> 8) as u32).collect::<Vec<u32>>());
+            partial.insert(stage, if ids.is_empty() { Vec::new() } else { vec![first] });
         }
         let first_layer = |s: StageId| ranges.get(s.0 as usize).map_or(0, |r| r.start as u32);
         let clip_each_update = clip_each_update(spec, lowered);

@@ -22,31 +22,26 @@ pub(crate) struct ModelCosts {
     pub(crate) microbatch_size: usize,
     /// Optimizer-state bytes per parameter.
     pub(crate) optimizer_bytes_per_parameter: f64,
-    /// Per stage's layers, the tensor-parallel partial gradients pipec's executor sums at
-    /// the update (`in_pass::tp_partial_parameters`; None where `tp` does not divide a
-    /// block): the same for every candidate of a search that cuts the stage so.
-    tp_partials: std::cell::RefCell<rustc_hash::FxHashMap<(usize, usize), Option<Partials>>>,
+    /// Per stage's layers, the values of the tensor-parallel partial gradients pipec's
+    /// executor sums at the update (`in_pass::tp_partial_values`; None where `tp` does not
+    /// divide a block): the same for every candidate of a search that cuts the stage so.
+    tp_partials: std::cell::RefCell<rustc_hash::FxHashMap<(usize, usize), Option<usize>>>,
 }
 
-/// A stage's tensor-parallel partial gradients: (parameter id, values) each.
-type Partials = std::rc::Rc<[(u64, usize)]>;
-
 impl ModelCosts {
-    /// The partial gradients of layers `r` split `tp` ways (`in_pass::tp_partial_parameters`),
-    /// computed once per range.
-    pub(crate) fn tp_partials(
+    /// The values of the partial gradients of layers `r` split `tp` ways beside expert
+    /// parallelism `ep` (`in_pass::tp_partial_values`), computed once per range.
+    pub(crate) fn tp_partial_values(
         &self,
         r: std::ops::Range<usize>,
         loss: pipec_plan::model::Loss,
-        tp: usize,
-    ) -> Option<Partials> {
-        self.tp_partials
+        (tp, ep): (usize, usize),
+    ) -> Option<usize> {
+        *self
+            .tp_partials
             .borrow_mut()
             .entry((r.start, r.end))
-            .or_insert_with(|| {
-                pipec_plan::in_pass::tp_partial_parameters(self.graph.op_list(), r, loss, tp).ok().map(Into::into)
-            })
-            .clone()
+            .or_insert_with(|| pipec_plan::in_pass::tp_partial_values(self.graph.op_list(), r, loss, (tp, ep)).ok())
     }
 }
 

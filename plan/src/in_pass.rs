@@ -737,21 +737,47 @@ fn pass_events(
 /// whole).
 /// Each as its checkpoint id (layer << 8 | slot), in the layers' order.
 pub fn tp_partial_ids(ops: &[Op], range: std::ops::Range<usize>, loss: Loss, tp: usize) -> Result<Vec<u64>, String> {
-    Ok(tp_partial_parameters(ops, range, loss, tp)?.into_iter().map(|(id, _)| id).collect())
+    Ok(partial_parameters(ops, range, loss, tp)?.into_iter().map(|p| p.id).collect())
 }
 
-/// [`tp_partial_ids`] with each parameter's number of values (a norm's gain or bias: the
-/// block's width; a router: width × experts): what each sum carries.
-pub fn tp_partial_parameters(
+/// The values one member of a tensor-parallel group sums at the update's side, in the one
+/// all-reduce pipec's executor makes of a stage's [`tp_partial_ids`]: each parameter's
+/// values (a norm's gain or bias: the block's width; a router: width × experts; an expert's
+/// bias: the width), a routed expert's bias only where the member holds the expert — 1/`ep`
+/// of them under expert parallelism, the same number at every position of the group.
+pub fn tp_partial_values(
+    ops: &[Op],
+    range: std::ops::Range<usize>,
+    loss: Loss,
+    (tp, ep): (usize, usize),
+) -> Result<usize, String> {
+    let partial = partial_parameters(ops, range, loss, tp)?;
+    let (routed, other): (Vec<_>, Vec<_>) = partial.into_iter().partition(|p| p.routed_expert);
+    let held = routed.iter().map(|p| p.values).sum::<usize>() / ep.max(1);
+    Ok(other.iter().map(|p| p.values).sum::<usize>() + held)
+}
+
+/// One gradient that is partial on each tensor-parallel rank ([`tp_partial_ids`]).
+struct PartialParameter {
+    /// Its checkpoint id (layer << 8 | slot).
+    id: u64,
+    /// Its number of values.
+    values: usize,
+    /// A routed expert's down projection's bias, which only the expert's holders have.
+    routed_expert: bool,
+}
+
+fn partial_parameters(
     ops: &[Op],
     range: std::ops::Range<usize>,
     loss: Loss,
     tp: usize,
-) -> Result<Vec<(u64, usize)>, String> {
+) -> Result<Vec<PartialParameter>, String> {
     if tp <= 1 {
         return Ok(Vec::new());
     }
     let splits = crate::model::stage_tp_splits(ops, range.clone(), loss, tp)?;
+    let whole = |(id, values): (u64, usize)| PartialParameter { id, values, routed_expert: false };
     Ok(splits
         .iter()
         .enumerate()
@@ -771,8 +797,12 @@ pub fn tp_partial_parameters(
             let norms = b.latent().map(|w| (l | crate::model::LATENT_NORMS_SLOT, w.norms));
             // each expert's down projection's bias (routed and shared): rank 0 adds it to its
             // partial output, so its gradient is there alone
-            let biased = b.moe.filter(|_| b.bias).map_or(0, |m| m.experts + m.shared);
-            let expert_biases = (0..biased).map(move |e| (l | (crate::model::expert_slot(e) + 3), b.d));
+            let (routed, shared) = b.moe.filter(|_| b.bias).map_or((0, 0), |m| (m.experts, m.shared));
+            let expert_biases = (0..routed + shared).map(move |e| PartialParameter {
+                id: l | (crate::model::expert_slot(e) + 3),
+                values: b.d,
+                routed_expert: e < routed,
+            });
             [
                 Some((l, b.d)),
                 bias.then_some((l | 1, b.d)),
@@ -786,6 +816,7 @@ pub fn tp_partial_parameters(
             ]
             .into_iter()
             .flatten()
+            .map(whole)
             .chain(expert_biases)
         })
         .collect())
@@ -796,7 +827,9 @@ pub fn tp_partial_parameters(
 /// first instruction to read a stage's accumulated gradients whole — the `grad_norm`
 /// all-reduce (every stage the device holds, in stage order), ZeRO's `gradient_shard`
 /// reduce-scatter, or the optimizer step — sums its partial ones (`partial`: a
-/// tensor-parallel stage's, each one's layer), once until the update or the reduce-scatter
+/// tensor-parallel stage's sums, each one's layer: pipec's executor sums a stage's
+/// [`tp_partial_ids`] in one all-reduce, declared at the stage's first layer), once until
+/// the update or the reduce-scatter
 /// (ZeRO-2 and 3 scatter every contribution) takes them; with `clip_each_update` (gradient
 /// clipping by the stage's own norm, under a schedule that does not sum the global one)
 /// each update of a tensor-parallel stage sums its squared norm too.
@@ -904,6 +937,29 @@ fn mlp(out: &mut Vec<Event>, op: &Op, layer: u32, layout: Layout, forward: bool)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stage's partial gradients under tensor parallelism: per pre-norm block its two
+    /// norms' gains, a router, and with biases each expert's; a member of an expert group
+    /// sums the biases of the 1/ep of the routed experts it holds, and every shared one's.
+    #[test]
+    fn a_members_partial_gradients_count_the_experts_it_holds() {
+        let mut block = Op::llama_block(16, 4, 2, 24);
+        if let Op::TransformerBlock { moe, bias, .. } = &mut block {
+            *moe = Some(crate::model::Moe { shared: 1, ..crate::model::Moe::new(4, 2) });
+            *bias = true;
+        }
+        let ops = vec![block.clone(), block];
+        let ids = tp_partial_ids(&ops, 0..2, Loss::CrossEntropy, 2).expect("ids");
+        // two gains, a router and five experts' biases a block
+        assert_eq!(ids.len(), 2 * 8);
+        let values = |ep| tp_partial_values(&ops, 0..2, Loss::CrossEntropy, (2, ep)).expect("values");
+        let (gains, router, bias) = (2 * 16, 16 * 4, 16);
+        assert_eq!(values(1), 2 * (gains + router + 5 * bias));
+        assert_eq!(values(2), 2 * (gains + router + (2 + 1) * bias));
+        assert_eq!(values(4), 2 * (gains + router + (1 + 1) * bias));
+        // no tensor parallelism: nothing partial
+        assert_eq!(tp_partial_values(&ops, 0..2, Loss::CrossEntropy, (1, 2)), Ok(0));
+    }
 
     #[test]
     fn an_entry_reads_back_as_written_and_a_bad_one_is_refused() {

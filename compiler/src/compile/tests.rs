@@ -209,12 +209,11 @@ fn the_declared_whole_stage_gathers_are_priced_in_the_pass_that_waits() {
     }
 }
 
-/// The tensor-parallel sums pipec's executor runs at the update's side are priced at the
-/// instruction the plan declares them at: each a ring all-reduce over the group of the
-/// partial gradient's fp32 values (`tp_partial_parameters`, in the declaration's order),
-/// the optimizer step waiting for them without gradient clipping, the `grad_norm`
-/// all-reduce with it (the device sums before it starts the norm's). Llama-tiny on one
-/// stage with TP 2: its 2 blocks' two RMSNorm gains each.
+/// The tensor-parallel sum pipec's executor runs at the update's side is priced at the
+/// instruction the plan declares it at: one ring all-reduce over the group of the partial
+/// gradients' fp32 values (`tp_partial_values`), the optimizer step waiting for it without
+/// gradient clipping, the `grad_norm` all-reduce with it (the device sums before it starts
+/// the norm's). Llama-tiny on one stage with TP 2: its 2 blocks' two RMSNorm gains each.
 #[test]
 fn the_update_sums_are_priced_where_they_are_declared() {
     let layout = ("stages: \"1-1\"", "stages: \"1\"\n  tp: 2");
@@ -228,12 +227,12 @@ fn the_update_sums_are_priced_where_they_are_declared() {
         let ops: Vec<pipec_plan::model::Op> = model.graph.ops().map(|(_, n)| n.op.clone()).collect();
         let st = &plan.stages[0];
         let range = st.layers[0]..st.layers[1];
-        let partial = pipec_plan::in_pass::tp_partial_parameters(&ops, range.clone(), spec.model.loss, 2).expect("ids");
+        let partial = pipec_plan::in_pass::tp_partial_ids(&ops, range.clone(), spec.model.loss, 2).expect("ids");
         assert_eq!(partial.len(), 4, "two norms a block");
-        let sums: f64 = partial
-            .iter()
-            .map(|&(_, n)| crate::cluster::ring_time(CollectiveKind::AllReduce, model.cluster.intra, 2, 4.0 * n as f64))
-            .sum();
+        let values =
+            pipec_plan::in_pass::tp_partial_values(&ops, range.clone(), spec.model.loss, (2, 1)).expect("values");
+        assert_eq!(values, 4 * 64, "four gains of the blocks' width");
+        let sums = crate::cluster::ring_time(CollectiveKind::AllReduce, model.cluster.intra, 2, 4.0 * values as f64);
         let update: f64 = model.costs[range].iter().map(|c| c.update_s).sum();
         for (d, stream) in &plan.streams {
             let at: Vec<usize> = (0..stream.len())
@@ -248,7 +247,7 @@ fn the_update_sums_are_priced_where_they_are_declared() {
             assert_eq!(at.len(), 1, "{d}: one instruction sums, once a step");
             let i = at[0];
             let declared = plan.in_pass.of(*d, stream[i].stage(), PassKind::of(&stream[i]).expect("a kind"), false);
-            assert_eq!(declared.len(), partial.len(), "{d}");
+            assert_eq!(declared.len(), 1, "{d}: one sum of the stage's partial gradients");
             let took: Vec<f64> = timeline
                 .events
                 .iter()

@@ -321,7 +321,10 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         Ok((sum, Landing::TiedGradient { held }))
     }
 
-    /// Sums, over the tensor-parallel group, the gradients that are partial on each rank.
+    /// Sums, over the tensor-parallel group, the gradients that are partial on each rank,
+    /// in one all-reduce of the ones this rank holds (an expert's bias only where it holds
+    /// the expert: the same on every rank of the group, which shares its experts), in the
+    /// parameters' order.
     pub(crate) fn sum_partial_gradients(&mut self, stage: StageId) -> Result<()> {
         let Some(tp) = self.state(stage)?.tp.clone() else { return Ok(()) };
         if tp.partial_ids.is_empty() {
@@ -331,15 +334,23 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let dev = self.dev.clone();
         let st = self.stages.get_mut(&stage).ok_or(ExecError::Missing("no stage"))?;
         let ids = layout::<B, _>(st.model()?);
+        let (mut held, mut values) = (Vec::new(), Vec::new());
         for (i, (id, _)) in ids.iter().enumerate() {
             if !tp.partial_ids.contains(id) {
                 continue;
             }
             let Some(Some(t)) = st.acc.get(i) else { continue };
-            let n = t.dims()[0];
-            let v = host_f32(t.clone().into_data())?;
-            let v = self.comm.in_pass_all_reduce(&tp.members, v, reduce)?;
-            st.acc[i] = Some(Tensor::from_data(TensorData::new(v, [n]), &dev));
+            held.push((i, t.dims()[0]));
+            values.extend(host_f32(t.clone().into_data())?);
+        }
+        let summed = self.comm.in_pass_all_reduce(&tp.members, values, reduce)?;
+        let mut at = 0;
+        for (i, n) in held {
+            let part = summed.get(at..at + n).ok_or_else(|| {
+                ExecError::Plan("the tensor-parallel sum of partial gradients came back short".into())
+            })?;
+            st.acc[i] = Some(Tensor::from_data(TensorData::new(part.to_vec(), [n]), &dev));
+            at += n;
         }
         Ok(())
     }

@@ -526,18 +526,9 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
     if let Some(problem) = plan.check().into_iter().next() {
         return Err(ExecError::Plan(format!("the plan is malformed: {problem}")).into());
     }
-    // expert biases beside tensor parallelism: rank 0 adds them, and the group sums the
-    // gradients of the ones a member holds, which the plan counts for every expert
-    let split_experts =
-        plan.stages.iter().any(|s| s.expert_parallel > 1 && s.tensor_parallel.iter().any(|g| g.len() > 1));
     for l in &plan.layers {
-        let Some((b, m)) = l.op.block_dims().and_then(|b| b.moe.map(|m| (b, m))) else { continue };
+        let Some(m) = l.op.block_dims().and_then(|b| b.moe) else { continue };
         let refuse = |why: String| Err(RunError::setup(format!("layer {} (a mixture of experts): {why}", l.index)));
-        if split_experts && b.bias {
-            return refuse(
-                "the executor runs experts with biases beside tensor parallelism only without expert parallelism (`ep`) yet".into(),
-            );
-        }
         if m.experts + m.shared > pipec_plan::checkpoint::MAX_EXPERTS {
             return refuse(format!(
                 "the executor holds at most {} experts per block (routed and shared), this one has {}",
