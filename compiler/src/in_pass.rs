@@ -101,6 +101,7 @@ pub(crate) fn in_pass_table(
         // the update's side: the tensor-parallel sums of partial gradients (and norms)
         let at_updates = |e: String| internal(format!("the tensor-parallel sums at {device}'s updates: {e}"));
         let tp = strategy.tp.max(1);
+        let first_layer = |s: StageId| ranges.get(s.0 as usize).map_or(0, |r| r.start as u32);
         let mut partial = std::collections::BTreeMap::new();
         for stage in stream.iter().map(Instr::stage).filter(|_| tp > 1) {
             if partial.contains_key(&stage) {
@@ -108,11 +109,9 @@ pub(crate) fn in_pass_table(
             }
             // one all-reduce of the stage's partial gradients, at its first layer
             let range = ranges.get(stage.0 as usize).cloned().unwrap_or_default();
-            let first = range.start as u32;
             let ids = pipec_plan::in_pass::tp_partial_ids(ops, range, spec.model.loss, tp).map_err(at_updates)?;
-            partial.insert(stage, if ids.is_empty() { Vec::new() } else { vec![first] });
+            partial.insert(stage, if ids.is_empty() { Vec::new() } else { vec![first_layer(stage)] });
         }
-        let first_layer = |s: StageId| ranges.get(s.0 as usize).map_or(0, |r| r.start as u32);
         let clip_each_update = clip_each_update(spec, lowered);
         let mut lists: Vec<((StageId, PassKind), Vec<pipec_plan::in_pass::InPass>)> = Vec::new();
         for (i, list) in update_sums(stream, &partial, &first_layer, clip_each_update) {
