@@ -155,8 +155,11 @@ fn load_run_plan(args: &RunArgs) -> Result<(Plan, Option<String>), u8> {
         args.backend == Backend::Cpu && args.transport == Transport::Threads && !crate::this_cpu::switched_off();
     let mut device = None;
     let mut adjust = |spec: &mut pipec_grammar::spec::Spec| {
+        // a plan the executor refuses is refused before this machine is measured (minutes
+        // the first time), with the spec's own figures
+        let measure = on_this_cpu && crate::this_cpu::written_inline(&spec.cluster.device) && executor_would_run(spec);
         let cluster = &mut spec.cluster;
-        if on_this_cpu && crate::this_cpu::written_inline(&cluster.device) {
+        if measure {
             match crate::this_cpu::this_cpu(cluster.device_count(), cluster.memory) {
                 Ok(found) => {
                     eprintln!("{}", found.note());
@@ -1064,56 +1067,41 @@ pub fn time_by_kind(plan: &Plan, report: &pipec_executor::RunReport) -> Vec<(&'s
         .collect()
 }
 
+/// Whether pipec's executor runs the plan of `spec` as written (its features, and
+/// `pipec_executor::validate`); true for a spec that does not compile, whose compile reports
+/// why.
+fn executor_would_run(spec: &pipec_grammar::spec::Spec) -> bool {
+    match pipec_compiler::compile(spec, &pipec_compiler::CompileOptions::default()).into_compiled() {
+        Ok(c) => {
+            pipec_plan::features::used(&c.plan).iter().all(|(f, _)| !refused(*f))
+                && pipec_executor::validate(&c.plan).is_ok()
+        }
+        Err(_) => true,
+    }
+}
+
 /// Refuses a plan that uses a feature pipec's executor does not run
 /// (`pipec_plan::features`): the plan was made for another engine, or to be priced, and
 /// training it here would train something else.
 fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
     use pipec_plan::features::{used, Feature};
-    let refused: Vec<String> = used(plan)
+    let features = used(plan);
+    for (f, _) in &features {
+        if let Some(note) = feature_note(*f, plan) {
+            eprintln!("{note}");
+        }
+    }
+    let refused: Vec<String> = features
         .into_iter()
-        .filter(|(f, _)| match f {
-            // a head size other than d/heads, query/key norms and sliding windows run
-            // (tests/training.rs; the qwen3 and mistral fixtures against transformers), and
-            // so do sinks (GPT-OSS's attention core in transformers: the gpt-oss-attention
-            // fixture), around context parallelism's ring too
-            Feature::HeadSize | Feature::QkNorm | Feature::SlidingWindow | Feature::AttentionSinks => false,
-            // a block's dropout runs, its masks drawn by position as one device's, around
-            // context parallelism's ring too (tests/training.rs)
-            Feature::BlockDropout => false,
-            // multi-head latent attention runs (the deepseek-v3 fixture against transformers)
-            Feature::LatentAttention => false,
-            // recompute by layers, module or operation runs (tests/training.rs); the layouts
-            // it does not run beside are refused by `pipec_executor::validate`
-            Feature::LayerRecompute | Feature::ModuleRecompute => false,
-            // weights without a master copy, optimizer state below fp32: each update's
-            // results rounded to their precision (the executor's optimizer storage), held
-            // as f32
-            Feature::OptimizerStatePrecision | Feature::NoMasterWeights => {
-                eprintln!(
-                    "note: {}: pipec's executor rounds them to their precision after each update and holds them as f32, so its numbers are that precision's and its memory for them twice the plan's",
-                    f.written()
-                );
-                false
+        .filter(|(f, _)| refused(*f))
+        .map(|(f, layer)| match (f, layer) {
+            (_, Some(l)) => format!("{f} at layer {l}"),
+            // the same experts a device holds, each split over the tensor-parallel ranks
+            (Feature::WholeExperts, None) => {
+                let replicas = plan.stages.iter().map(|s| s.expert_parallel).max().unwrap_or(1);
+                format!("{f} (`ep: {replicas}` without `etp` holds the same experts per device, each split over the tensor-parallel ranks, which it runs)")
             }
-            // the fixed expert bias runs (choice only; kept in checkpoints, read from and
-            // written to DeepSeek-V3's `e_score_correction_bias`)
-            Feature::ExpertBias => false,
-            Feature::ActivationOffload
-            | Feature::WholeExperts
-            | Feature::MultiTokenPrediction => true,
-            // the plan's precision is bf16 around the FP8 products: the executor trains
-            // everything in bf16 and says so
-            Feature::Fp8 => {
-                eprintln!(
-                    "warning: the plan's blocks multiply in FP8 ({} scaling), but pipec's executor has no FP8 products: it trains them in bf16, so its steps and memory differ from the plan's",
-                    plan.training.fp8.map_or("", |f| f.recipe.name())
-                );
-                false
-            }
-        })
-        .map(|(f, layer)| match layer {
-            Some(l) => format!("{f} at layer {l}"),
-            None => format!("{f}"),
+            (_, None) => format!("{f}"),
         })
         .collect();
     if refused.is_empty() {
@@ -1123,4 +1111,62 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
         "pipec's executor does not run {} yet; the plan's figures are for an engine that does (compile it with `pipec compile` to see them)",
         refused.join(", ")
     ))
+}
+
+/// Whether pipec's executor refuses a plan using `f`.
+fn refused(f: pipec_plan::features::Feature) -> bool {
+    use pipec_plan::features::Feature;
+    match f {
+        // a head size other than d/heads, query/key norms and sliding windows run
+        // (tests/training.rs; the qwen3 and mistral fixtures against transformers), and so
+        // do sinks (GPT-OSS's attention core in transformers: the gpt-oss-attention
+        // fixture), around context parallelism's ring too
+        Feature::HeadSize | Feature::QkNorm | Feature::SlidingWindow | Feature::AttentionSinks => false,
+        // a block's dropout runs, its masks drawn by position as one device's, around
+        // context parallelism's ring too (tests/training.rs)
+        Feature::BlockDropout => false,
+        // multi-head latent attention runs (the deepseek-v3 fixture against transformers)
+        Feature::LatentAttention => false,
+        // recompute by layers, module or operation runs (tests/training.rs); the layouts it
+        // does not run beside are refused by `pipec_executor::validate`
+        Feature::LayerRecompute | Feature::ModuleRecompute => false,
+        // weights without a master copy and optimizer state below fp32 run, and FP8 trains
+        // in bf16 ([`feature_note`] says how)
+        Feature::OptimizerStatePrecision | Feature::NoMasterWeights | Feature::Fp8 => false,
+        // the fixed expert bias runs (choice only; kept in checkpoints, read from and
+        // written to DeepSeek-V3's `e_score_correction_bias`)
+        Feature::ExpertBias => false,
+        Feature::ActivationOffload | Feature::WholeExperts | Feature::MultiTokenPrediction => true,
+    }
+}
+
+/// What `pipec run` says of a feature the executor runs otherwise than the plan prices it.
+fn feature_note(f: pipec_plan::features::Feature, plan: &Plan) -> Option<String> {
+    use pipec_plan::features::Feature;
+    match f {
+        // each update's results rounded to their precision (the executor's optimizer
+        // storage), held as f32
+        Feature::OptimizerStatePrecision | Feature::NoMasterWeights => Some(format!(
+            "note: {}: pipec's executor rounds them to their precision after each update and holds them as f32, so its numbers are that precision's and its memory for them twice the plan's",
+            f.written()
+        )),
+        // the plan's precision is bf16 around the FP8 products: the executor trains
+        // everything in bf16 and says so
+        Feature::Fp8 => Some(format!(
+            "warning: the plan's blocks multiply in FP8 ({} scaling), but pipec's executor has no FP8 products: it trains them in bf16, so its steps and memory differ from the plan's",
+            plan.training.fp8.map_or("", |f| f.recipe.name())
+        )),
+        Feature::HeadSize
+        | Feature::QkNorm
+        | Feature::SlidingWindow
+        | Feature::AttentionSinks
+        | Feature::LatentAttention
+        | Feature::BlockDropout
+        | Feature::ExpertBias
+        | Feature::ModuleRecompute
+        | Feature::LayerRecompute
+        | Feature::ActivationOffload
+        | Feature::WholeExperts
+        | Feature::MultiTokenPrediction => None,
+    }
 }
