@@ -155,9 +155,11 @@ fn load_run_plan(args: &RunArgs) -> Result<(Plan, Option<String>), u8> {
         args.backend == Backend::Cpu && args.transport == Transport::Threads && !crate::this_cpu::switched_off();
     let mut device = None;
     let mut adjust = |spec: &mut pipec_grammar::spec::Spec| {
-        // a plan the executor refuses is refused before this machine is measured (minutes
-        // the first time), with the spec's own figures
-        let measure = on_this_cpu && crate::this_cpu::written_inline(&spec.cluster.device) && executor_would_run(spec);
+        // a plan the executor refuses is refused before this machine is measured (minutes,
+        // where the cache does not hold it), with the spec's own figures
+        let measure = on_this_cpu
+            && crate::this_cpu::written_inline(&spec.cluster.device)
+            && (crate::this_cpu::in_cache(spec.cluster.device_count()) || executor_would_run(spec));
         let cluster = &mut spec.cluster;
         if measure {
             match crate::this_cpu::this_cpu(cluster.device_count(), cluster.memory) {

@@ -90,7 +90,7 @@ pub fn this_cpu_with(
     measure: impl FnOnce() -> Result<(DeviceModel, f64), String>,
 ) -> Result<ThisCpu, String> {
     let cache = pipec_executor::calibrate::cache_file(dir, cpu, workers);
-    if let Some(c) = std::fs::read_to_string(&cache).ok().and_then(|t| serde_json::from_str::<Cached>(&t).ok()) {
+    if let Some(c) = read_cached(&cache) {
         return Ok(ThisCpu { device: c.device, overhead: c.overhead_s, cache, measured_s: None });
     }
     let start = Instant::now();
@@ -101,6 +101,20 @@ pub fn this_cpu_with(
     let text = serde_json::to_string_pretty(&cached).map_err(|e| e.to_string())? + "\n";
     pipec_plan::output::write_atomic(&cache, text.as_bytes())?;
     Ok(ThisCpu { device: cached.device, overhead, cache, measured_s: Some(measured_s) })
+}
+
+/// A cache file's measurement, if it reads as one.
+fn read_cached(cache: &Path) -> Option<Cached> {
+    std::fs::read_to_string(cache).ok().and_then(|t| serde_json::from_str::<Cached>(&t).ok())
+}
+
+/// Whether this machine's CPU for `workers` workers is in the cache already: [`this_cpu`]
+/// then reads it and measures nothing.
+pub fn in_cache(workers: usize) -> bool {
+    cache_dir().is_some_and(|dir| {
+        read_cached(&pipec_executor::calibrate::cache_file(&dir, &pipec_executor::calibrate::cpu_name(), workers))
+            .is_some()
+    })
 }
 
 /// [`this_cpu_with`] on this machine, measured as `pipec calibrate --concurrent workers`

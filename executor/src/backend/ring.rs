@@ -265,11 +265,7 @@ impl Ring {
                 let o_j = crate::backend::amp::matmul(p, narrow(&v_blk));
                 *st = Some(match st.take() {
                     None => (m_j, l_j, o_j),
-                    Some((m, l, o)) => {
-                        let m_new = m.clone().max_pair(m_j.clone());
-                        let (a, b) = ((m - m_new.clone()).exp(), (m_j - m_new.clone()).exp());
-                        (m_new, l * a.clone() + l_j * b.clone(), o * a + o_j * b)
-                    }
+                    Some(before) => merged(before, (m_j, l_j, Some(o_j))),
                 });
             }
             if let Some(ticket) = passing {
@@ -291,12 +287,11 @@ impl Ring {
         for st in state {
             let (m, l, o) =
                 st.ok_or_else(|| mismatch("a part of a context-parallel member's queries met no key".into()))?;
+            // a sink: one more block of one key at the sink's score, with no value
             let (m, l, o) = match &sinks {
                 Some(sinks) => {
                     let sink = per_row(sinks.clone(), m.dims());
-                    let m_new = m.clone().max_pair(sink.clone());
-                    let a = (m - m_new.clone()).exp();
-                    (m_new.clone(), l * a.clone() + (sink - m_new).exp(), o * a)
+                    merged((m, l, o), (sink.clone(), sink.ones_like(), None))
                 }
                 None => (m, l, o),
             };
@@ -390,6 +385,23 @@ impl Ring {
             d_sinks,
         ))
     }
+}
+
+/// The online softmax's state `before` with one more block merged: its rows' maxima `m_j`,
+/// denominators `l_j` (each row's sum of exp(score − m_j)) and unnormalised output `o_j`
+/// (None: a block without values, a sink's), both rescaled to the larger maximum.
+fn merged<B: Backend>(
+    before: Online<B>,
+    (m_j, l_j, o_j): (Tensor<B, 4>, Tensor<B, 4>, Option<Tensor<B, 4>>),
+) -> Online<B> {
+    let (m, l, o) = before;
+    let m_new = m.clone().max_pair(m_j.clone());
+    let (a, b) = ((m - m_new.clone()).exp(), (m_j - m_new.clone()).exp());
+    let o = match o_j {
+        Some(o_j) => o * a.clone() + o_j * b.clone(),
+        None => o * a.clone(),
+    };
+    (m_new, l * a + l_j * b, o)
 }
 
 /// Each head's sink [h] at every row of a [b, h, s, 1] tensor of that `shape`.
