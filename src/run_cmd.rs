@@ -177,11 +177,11 @@ fn load_run_plan(args: &RunArgs) -> Result<(Plan, Option<String>), u8> {
                             *inter = link;
                         }
                     }
-                    cluster.device = found.device;
                     // the executor's own work per layer pass, unless the spec says
                     if cluster.overhead == 0.0 {
-                        cluster.overhead = found.overhead;
+                        cluster.overhead = found.overhead();
                     }
+                    cluster.device = found.device;
                 }
                 Err(e) => {
                     eprintln!(

@@ -8,7 +8,8 @@
 //!
 //! Beside the kernels, the measurement fits the executor's own work per layer pass that
 //! the kernels do not show (the spec's `overhead`), from a short training run of an
-//! embedded pipeline that is not the spec's ([`layer_overhead`]).
+//! embedded pipeline that is not the spec's (`crate::calibrate_cmd::layer_overhead`). The
+//! cache file is the device file `pipec calibrate --concurrent N` writes.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -23,16 +24,21 @@ const REPS: usize = 15;
 
 /// This machine's CPU as a device, and where it came from.
 pub struct ThisCpu {
+    /// The device as `pipec calibrate --concurrent N` measures it, the executor's own work
+    /// per layer pass (`layer_pass`) among its figures.
     pub device: DeviceModel,
-    /// Seconds of the executor's work per layer forward (twice per backward) beyond the
-    /// kernels: the spec's `overhead`.
-    pub overhead: f64,
     pub cache: PathBuf,
     /// Seconds the measurement took; None when it came from the cache.
     pub measured_s: Option<f64>,
 }
 
 impl ThisCpu {
+    /// Seconds of the executor's work per layer forward (twice per backward) beyond the
+    /// kernels: the spec's `overhead`.
+    pub fn overhead(&self) -> f64 {
+        self.device.layer_pass.unwrap_or(0.0)
+    }
+
     /// The line `pipec run` prints about it.
     pub fn note(&self) -> String {
         let how = match self.measured_s {
@@ -42,7 +48,7 @@ impl ThisCpu {
         format!(
             "note: the spec's CPU device is written inline, so this run is planned and predicted for this machine's CPU ({:.2} GFLOP/s fp32 products, {:.1} µs of the executor's work a layer pass, {how}); {SWITCH}=off keeps the spec's figures",
             self.device.matrix.fp32 / 1e9,
-            self.overhead * 1e6
+            self.overhead() * 1e6
         )
     }
 }
@@ -72,40 +78,32 @@ pub fn cache_dir() -> Option<PathBuf> {
         .or_else(|| var("HOME").map(|h| h.join(".cache/pipec")))
 }
 
-/// What the cache keeps of a measurement.
-#[derive(serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Cached {
-    device: DeviceModel,
-    overhead_s: f64,
-}
-
 /// This machine's CPU for a run of `workers` workers: from the cache, or measured by
-/// `measure` (the device, then the overhead per layer pass on it) and cached (a cache file
-/// that does not read as one is measured again and replaced).
+/// `measure` (a device file with the executor's work per layer pass) and cached (a cache
+/// file that does not read as one is measured again and replaced).
 pub fn this_cpu_with(
     workers: usize,
     dir: &Path,
     cpu: &str,
-    measure: impl FnOnce() -> Result<(DeviceModel, f64), String>,
+    measure: impl FnOnce() -> Result<DeviceModel, String>,
 ) -> Result<ThisCpu, String> {
     let cache = pipec_executor::calibrate::cache_file(dir, cpu, workers);
-    if let Some(c) = read_cached(&cache) {
-        return Ok(ThisCpu { device: c.device, overhead: c.overhead_s, cache, measured_s: None });
+    if let Some(device) = read_cached(&cache) {
+        return Ok(ThisCpu { device, cache, measured_s: None });
     }
     let start = Instant::now();
-    let (device, overhead) = measure()?;
+    let device = measure()?;
     let measured_s = start.elapsed().as_secs_f64();
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot make the cache folder `{}`: {e}", dir.display()))?;
-    let cached = Cached { device, overhead_s: overhead };
-    let text = serde_json::to_string_pretty(&cached).map_err(|e| e.to_string())? + "\n";
+    let text = serde_json::to_string_pretty(&device).map_err(|e| e.to_string())? + "\n";
     pipec_plan::output::write_atomic(&cache, text.as_bytes())?;
-    Ok(ThisCpu { device: cached.device, overhead, cache, measured_s: Some(measured_s) })
+    Ok(ThisCpu { device, cache, measured_s: Some(measured_s) })
 }
 
-/// A cache file's measurement, if it reads as one.
-fn read_cached(cache: &Path) -> Option<Cached> {
-    std::fs::read_to_string(cache).ok().and_then(|t| serde_json::from_str::<Cached>(&t).ok())
+/// A cache file's measurement: a device file with the executor's work per layer pass.
+fn read_cached(cache: &Path) -> Option<DeviceModel> {
+    let text = std::fs::read_to_string(cache).ok()?;
+    DeviceModel::from_json(&text).ok().filter(|d| d.layer_pass.is_some())
 }
 
 /// Whether this machine's CPU for `workers` workers is in the cache already: [`this_cpu`]
@@ -118,127 +116,64 @@ pub fn in_cache(workers: usize) -> bool {
 }
 
 /// [`this_cpu_with`] on this machine, measured as `pipec calibrate --concurrent workers`
-/// measures (its links too, for two workers or more), then [`layer_overhead`] on it;
-/// `memory` the spec's.
+/// measures it (`crate::calibrate_cmd::measure_cpu`); `memory` the spec's.
 pub fn this_cpu(workers: usize, memory: f64) -> Result<ThisCpu, String> {
     let dir = cache_dir().ok_or("no cache folder (set PIPEC_CACHE_DIR)")?;
     let mut found = this_cpu_with(workers, &dir, &pipec_executor::calibrate::cpu_name(), || {
         eprintln!("measuring this machine's CPU for {workers} worker(s), once (cached for later runs) ...");
-        let mut c = pipec_executor::calibrate::calibrate_cpu_concurrent(memory, REPS, workers)?;
-        if workers > 1 {
-            c.device.link = Some(pipec_executor::calibrate::calibrate_links(workers, REPS).link);
-        }
-        // the kernels are measured either way: a failed fit plans with no overhead, saying so
-        let overhead = layer_overhead(&c.device, workers).unwrap_or_else(|e| {
-            eprintln!("warning: the executor's work per layer pass could not be measured ({e}): planned without it");
-            0.0
-        });
-        Ok((c.device, overhead))
+        let mut device = crate::calibrate_cmd::measure_cpu(memory, REPS, workers)?.0.device;
+        // the kernels are measured either way: a failed fit plans with no overhead, as said
+        device.layer_pass = device.layer_pass.or(Some(0.0));
+        Ok(device)
     })?;
     found.device.memory = memory;
     Ok(found)
 }
 
-/// The executor's work per layer pass beyond its kernels on `device` (the spec's
-/// `overhead`: per layer forward, twice per backward). An embedded pipeline — one stage per
-/// worker, 1F1B, widths and depth unlike README's example, which it is checked against —
-/// is planned for `device` with no overhead and trained for [`STEPS`] steps on `workers`
-/// threads; its forward and backward passes after the first two steps took the measured
-/// time, their plan predicts the kernels': the median over the passes of each one's excess
-/// per layer pass it ran (a forward one per layer, a backward two) is the overhead (never
-/// below zero).
-pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<f64, String> {
-    use pipec_plan::Instr;
-    let workers = workers.max(1);
-    let stages = vec!["1"; workers].join("-");
-    let source = format!(
-        "name: overhead\nmodel:\n  input: [48]\n  layers:\n    - linear(48, 96) -> relu\n    - repeat {}: linear(96, 96) -> relu\n    - linear(96, 6)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {workers}\n  device: {{ kind: cpu, memory: 1GiB, throughput: 1TFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: \"{stages}\"\n  schedule: {}\n  microbatches: 6\ntraining:\n  batch_size: 48\n  steps: {STEPS}\n  optimizer: {{ kind: sgd, lr: 0.01 }}\n  seed: 11\n  data: {{ kind: synthetic, task: classification, samples: 480 }}\n",
-        2 * workers - 1,
-        if workers > 1 { "1f1b" } else { "gpipe" },
-    );
-    let checked = pipec_grammar::check::check_source(&source);
-    let mut spec =
-        checked.spec.ok_or_else(|| format!("the overhead spec does not check: {:?}", checked.diagnostics))?;
-    spec.cluster.device = DeviceModel { memory: spec.cluster.device.memory, ..device.clone() };
-    spec.cluster.overhead = 0.0;
-    let compiled = pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())
-        .into_compiled()
-        .map_err(|d| format!("the overhead spec does not compile: {d:?}"))?;
-    let plan = compiled.plan;
-    let report = pipec_executor::run(&plan, &pipec_executor::RunOptions::default(), &mut |_| {})
-        .map_err(|e| format!("the overhead run failed: {e}"))?;
-    // each pass's excess per layer pass it ran; their median (a pass the machine paused in
-    // the middle of moves it no more than any other)
-    let mut excess: Vec<f64> = Vec::new();
-    for &(dev, step, index, start, end) in &report.timeline {
-        let Some(ins) = plan.instruction(dev, index).filter(|_| step >= 2) else { continue };
-        let (per_layer, predicted) = match *ins {
-            Instr::Forward { stage, .. } => (1.0, plan.stage(stage).map(|s| s.forward_s)),
-            Instr::Backward { stage, .. } => (2.0, plan.stage(stage).map(|s| s.backward_s)),
-            _ => continue,
-        };
-        let (Some(predicted), Some(st)) = (predicted, plan.stage(ins.stage())) else { continue };
-        excess.push(((end - start) - predicted) / (per_layer * (st.layers[1] - st.layers[0]).max(1) as f64));
-    }
-    if excess.is_empty() {
-        return Err("the overhead run timed no passes".into());
-    }
-    excess.sort_by(f64::total_cmp);
-    Ok(excess[excess.len() / 2].max(0.0))
-}
-
-/// Steps of [`layer_overhead`]'s run (the first two are not timed).
-const STEPS: usize = 12;
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn device(rate: f64) -> DeviceModel {
+    fn device(rate: f64, layer_pass: f64) -> DeviceModel {
         let mut d = DeviceModel::uniform("cpu", 1e9, rate);
         d.memory_bandwidth = 1e10;
+        d.layer_pass = Some(layer_pass);
         d
     }
 
     #[test]
     fn a_cpu_is_measured_once_per_worker_count_and_read_back_after() {
         let dir = tempfile::tempdir().expect("tmp");
-        let first = this_cpu_with(2, dir.path(), "cpu a", || Ok((device(3e9), 2e-6))).expect("measured");
+        let first = this_cpu_with(2, dir.path(), "cpu a", || Ok(device(3e9, 2e-6))).expect("measured");
         assert!(first.measured_s.is_some() && first.cache.is_file());
         // the second run reads it; the measurement is not called
         let again = this_cpu_with(2, dir.path(), "cpu a", || Err("measured twice".into())).expect("cached");
-        assert_eq!((again.measured_s, again.device.matrix.fp32, again.overhead), (None, 3e9, 2e-6));
+        assert_eq!((again.measured_s, again.device.matrix.fp32, again.overhead()), (None, 3e9, 2e-6));
         assert_eq!(again.cache, first.cache);
         // another worker count or CPU is measured anew
-        let four = this_cpu_with(4, dir.path(), "cpu a", || Ok((device(5e9), 0.0))).expect("measured");
+        let four = this_cpu_with(4, dir.path(), "cpu a", || Ok(device(5e9, 0.0))).expect("measured");
         assert!(four.measured_s.is_some() && four.cache != first.cache);
-        let other = this_cpu_with(2, dir.path(), "cpu b", || Ok((device(7e9), 0.0))).expect("measured");
+        let other = this_cpu_with(2, dir.path(), "cpu b", || Ok(device(7e9, 0.0))).expect("measured");
         assert_eq!(other.device.matrix.fp32, 7e9);
-        // a cache of the format before the overhead (a bare device file) is measured again
-        std::fs::write(&first.cache, serde_json::to_string(&device(3e9)).expect("json")).expect("write");
-        let refit = this_cpu_with(2, dir.path(), "cpu a", || Ok((device(4e9), 1e-6))).expect("measured");
-        assert_eq!((refit.measured_s.is_some(), refit.device.matrix.fp32, refit.overhead), (true, 4e9, 1e-6));
+        // a device file without the executor's work per layer pass is measured again
+        let bare = DeviceModel { layer_pass: None, ..device(3e9, 0.0) };
+        std::fs::write(&first.cache, serde_json::to_string(&bare).expect("json")).expect("write");
+        let refit = this_cpu_with(2, dir.path(), "cpu a", || Ok(device(4e9, 1e-6))).expect("measured");
+        assert_eq!((refit.measured_s.is_some(), refit.device.matrix.fp32, refit.overhead()), (true, 4e9, 1e-6));
+        // and so is the format before it was one (the device beside the overhead)
+        let before = serde_json::json!({ "device": device(3e9, 0.0), "overhead_s": 2e-6 }).to_string();
+        std::fs::write(&first.cache, before).expect("write");
+        let again = this_cpu_with(2, dir.path(), "cpu a", || Ok(device(6e9, 3e-6))).expect("measured");
+        assert_eq!((again.measured_s.is_some(), again.overhead()), (true, 3e-6));
         // a cache file that is not a device file is measured again and replaced
         std::fs::write(&first.cache, "{ not json").expect("write");
-        let mended = this_cpu_with(2, dir.path(), "cpu a", || Ok((device(9e9), 0.0))).expect("measured");
+        let mended = this_cpu_with(2, dir.path(), "cpu a", || Ok(device(9e9, 0.0))).expect("measured");
         assert!(mended.measured_s.is_some());
-        assert!(serde_json::from_str::<Cached>(&std::fs::read_to_string(&first.cache).expect("read")).is_ok());
+        assert!(read_cached(&first.cache).is_some(), "a device file a spec can name");
         // a failed measurement writes nothing
         let failed = this_cpu_with(8, dir.path(), "cpu a", || Err("no".into()));
         assert!(failed.is_err());
         assert!(!pipec_executor::calibrate::cache_file(dir.path(), "cpu a", 8).exists());
-    }
-
-    #[test]
-    fn the_overhead_is_the_executors_time_beyond_the_kernels_predicted() {
-        // kernels predicted at a petaFLOP/s with no launch: nearly all the measured time is
-        // the executor's own, some microseconds a layer pass even in a debug build
-        let fast = DeviceModel { memory_bandwidth: 1e15, ..DeviceModel::uniform("cpu", 1e9, 1e15) };
-        let overhead = layer_overhead(&fast, 2).expect("measured");
-        assert!(overhead > 1e-6 && overhead < 1e-2, "{overhead}");
-        // kernels predicted at a kiloFLOP/s: slower than anything measured, so no overhead
-        let slow = DeviceModel { memory_bandwidth: 1e3, ..DeviceModel::uniform("cpu", 1e9, 1e3) };
-        assert_eq!(layer_overhead(&slow, 1).expect("measured"), 0.0);
     }
 
     #[test]

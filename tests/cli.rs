@@ -405,6 +405,34 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
     std::fs::write(&spec, text.replace(&line, "  device: { file: cpu.json }")).expect("write spec");
     let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("out").to_str().expect("utf-8")]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    // with the executor's own work per layer pass, which a spec on the file plans with
+    // unless it writes its own `overhead`: set to 1 ms here, every layer's forward is 1 ms
+    // longer than with `overhead: 0s`, its backward 2 ms
+    let pass = device["layer_pass"].as_f64();
+    assert!(pass.is_some_and(|s| s.is_finite() && s >= 0.0), "{device}");
+    assert!(stderr.contains("the executor's own work per layer pass"), "{stderr}");
+    let mut set = device.clone();
+    set["layer_pass"] = serde_json::json!(1e-3);
+    std::fs::write(dir.path().join("set.json"), set.to_string()).expect("write");
+    let stage0 = |device_line: &str| -> (f64, f64, f64) {
+        std::fs::write(&spec, text.replace(&line, device_line)).expect("write spec");
+        let out_dir = dir.path().join("passes");
+        let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", out_dir.to_str().expect("utf-8")]);
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let plan: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out_dir.join("plan.json")).expect("plan")).expect("json");
+        let s = &plan["stages"][0];
+        let layers = s["layers"][1].as_f64().unwrap_or(0.0) - s["layers"][0].as_f64().unwrap_or(0.0);
+        (s["forward_s"].as_f64().unwrap_or(f64::NAN), s["backward_s"].as_f64().unwrap_or(f64::NAN), layers)
+    };
+    let (fwd, bwd, layers) = stage0("  device: { file: set.json }");
+    let (fwd0, bwd0, _) = stage0("  device: { file: set.json, overhead: 0s }");
+    assert!(layers >= 1.0, "{layers}");
+    assert!((fwd - fwd0 - 1e-3 * layers).abs() < 1e-9, "{fwd} against {fwd0} over {layers} layers");
+    assert!((bwd - bwd0 - 2e-3 * layers).abs() < 1e-9, "{bwd} against {bwd0}");
+    // the spec's own figure wins
+    let (fwd5, _, _) = stage0("  device: { file: set.json, overhead: 5ms }");
+    assert!((fwd5 - fwd0 - 5e-3 * layers).abs() < 1e-9, "{fwd5} against {fwd0}");
     // measured two at a time, as a plan of two devices shares this machine: named so
     let two = dir.path().join("two.json");
     let out = pipec(&["calibrate", "-o", two.to_str().expect("utf-8"), "--reps", "3", "--concurrent", "2"]);
@@ -2750,7 +2778,10 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     device.link = Some(pipec_plan::device::MeasuredLink { bandwidth: 2e9, latency: 40e-6, efficiency: 0.5 });
     let file = pipec_executor::calibrate::cache_file(&cache, &pipec_executor::calibrate::cpu_name(), 2);
     // with the executor's work per layer pass measured as 30 µs
-    let cached = |overhead: f64| serde_json::json!({ "device": device, "overhead_s": overhead }).to_string();
+    let cached = |overhead: f64| {
+        let d = pipec_plan::device::DeviceModel { layer_pass: Some(overhead), ..device.clone() };
+        serde_json::to_string(&d).expect("json")
+    };
     std::fs::write(&file, cached(30e-6)).expect("cache");
     let run = |spec: &str, switch: Option<&str>, out: &str| -> (String, serde_json::Value) {
         let mut c = Command::new(env!("CARGO_BIN_EXE_pipec"));

@@ -746,7 +746,7 @@ fn lower_device(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(pipec_plan
     let vector = quantity(cx, "vector", Dimension::FlopRate, false);
     let bandwidth = quantity(cx, "memory_bandwidth", Dimension::Bandwidth, false);
     let launch = quantity(cx, "launch", Dimension::Time, true);
-    let overhead = quantity(cx, "overhead", Dimension::Time, true).unwrap_or(0.0);
+    let overhead = quantity(cx, "overhead", Dimension::Time, true);
     let mut device = match base {
         Some(d) => d,
         None => {
@@ -785,6 +785,8 @@ fn lower_device(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(pipec_plan
         device.launch = l;
     }
     let span = df.get("memory").or(df.get("preset")).or(df.get("file")).map_or(n.span, |m| m.span);
+    // the spec's own overhead, else the one `pipec calibrate` measured for a device file
+    let overhead = overhead.or(device.layer_pass).unwrap_or(0.0);
     Some((device, span, overhead))
 }
 

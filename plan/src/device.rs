@@ -173,6 +173,12 @@ pub struct DeviceModel {
     /// constant is for (`crate::engine::performance`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub power: Option<f64>,
+    /// Seconds of pipec's executor's own work per layer forward (twice per backward) that
+    /// its kernels do not show, as `pipec calibrate` fitted it on the CPU
+    /// (`this_cpu::layer_overhead`); None on the presets. A spec on this device without an
+    /// `overhead` of its own plans with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_pass: Option<f64>,
 }
 
 /// Attention's forward and backward as `pipec calibrate` fits them over a sweep of shapes.
@@ -294,6 +300,7 @@ impl DeviceModel {
             product_traffic: None,
             attention: None,
             power: None,
+            layer_pass: None,
         }
     }
 
@@ -354,6 +361,12 @@ impl DeviceModel {
             if !(a.forward.is_valid() && a.backward.is_valid()) {
                 return Err(format!("the attention's figures must be finite and not negative, found {a:?}"));
             }
+        }
+        if d.layer_pass.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
+            return Err(format!(
+                "the executor's work per layer pass must be finite and not negative, found {:?}",
+                d.layer_pass
+            ));
         }
         if let Some(o) = d.optimizer {
             if [o.sgd, o.momentum, o.adam].iter().any(|r| {
@@ -821,6 +834,25 @@ mod tests {
         bad.optimizer = Some(OptimizerRates { sgd: rate(-1.0, 0.0), momentum: rate(0.0, 0.0), adam: rate(0.0, 0.0) });
         let text = serde_json::to_string(&bad).expect("json");
         assert!(DeviceModel::from_json(&text).is_err_and(|e| e.contains("optimizer")));
+    }
+
+    #[test]
+    fn a_device_files_work_per_layer_pass_reads_back_and_a_bad_one_is_refused() {
+        let mut d = DeviceModel::uniform("cpu (pipec calibrate)", 1e9, 1e11);
+        d.memory_bandwidth = 1e10;
+        d.layer_pass = Some(4e-6);
+        let back = DeviceModel::from_json(&serde_json::to_string(&d).expect("json")).expect("reads");
+        assert_eq!(back.layer_pass, Some(4e-6));
+        // a file written before it was measured has none
+        let none = DeviceModel { layer_pass: None, ..d.clone() };
+        let text = serde_json::to_string(&none).expect("json");
+        assert!(!text.contains("layer_pass"), "{text}");
+        assert_eq!(DeviceModel::from_json(&text).expect("reads").layer_pass, None);
+        let text = serde_json::to_string(&DeviceModel { layer_pass: Some(-1e-6), ..d.clone() }).expect("json");
+        assert!(DeviceModel::from_json(&text).is_err_and(|e| e.contains("layer pass")), "{text}");
+        // JSON has no infinity: out of range, not a device file
+        let text = serde_json::to_string(&d).expect("json").replace("4e-6", "1e999");
+        assert!(text.contains("1e999") && DeviceModel::from_json(&text).is_err(), "{text}");
     }
 
     use super::*;
