@@ -213,8 +213,15 @@ pub fn run(spec: &Path, step: Option<&str>, log: Option<&Path>, out: Option<Path
     let efficiency = match fitted {
         Ok(e) => e,
         Err(e) => {
+            // a device file `pipec calibrate` measured holds this machine's rates at their
+            // peak already: a faster run means the file was measured slow
+            let hint = if checked.device().measured() && measured.step_s < before {
+                "; the device file's kernels run at most a third faster than `pipec calibrate` measured them on this machine, and this run was faster still: measure the device again (`pipec calibrate`, while the machine is otherwise idle)"
+            } else {
+                "; is the step of this spec's layout and batch?"
+            };
             eprintln!(
-                "error: the measured step of {:.4} s cannot be matched by this engine's kernel efficiency ({e}): pipec predicts {before:.4} s at its current figures; is the step of this spec's layout and batch? nothing written",
+                "error: the measured step of {:.4} s cannot be matched by this engine's kernel efficiency ({e}): pipec predicts {before:.4} s at its current figures{hint}; nothing written",
                 measured.step_s
             );
             return EXIT_DIAGNOSTICS;

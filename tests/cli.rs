@@ -2643,7 +2643,35 @@ fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
         let out = pipec(&all);
         assert!(!out.status.success(), "{args:?}");
         assert!(!bad.exists(), "{args:?}: nothing written");
+        if args[1] == "0.001" {
+            let said = String::from_utf8_lossy(&out.stderr);
+            assert!(said.contains("is the step of this spec's layout and batch?"), "{said}");
+        }
     }
+    // on a device file `pipec calibrate` measured (its kernels at their measured rates), a
+    // run faster than any efficiency reaches says to measure the device again
+    let mut cpu = pipec_plan::device::DeviceModel::uniform("cpu (pipec calibrate)", 4e9, 1e11);
+    cpu.memory_bandwidth = 1e10;
+    cpu.product_traffic = Some(pipec_plan::device::ProductTraffic { cached: 1e6, bandwidth: 1e10 });
+    std::fs::write(dir.path().join("cpu.json"), serde_json::to_string(&cpu).expect("json")).expect("write");
+    let readme = std::fs::read_to_string("specs/mlp-1f1b.yaml").expect("spec");
+    let line = readme.lines().find(|l| l.trim_start().starts_with("device:")).expect("a device line");
+    let on_file = dir.path().join("on-file.yaml");
+    std::fs::write(&on_file, readme.replace(line, "  device: { file: cpu.json }")).expect("write");
+    let bad = dir.path().join("bad.json");
+    let out = pipec(&[
+        "calibrate",
+        "--measured",
+        on_file.to_str().expect("utf-8"),
+        "--step",
+        "1ns",
+        "-o",
+        bad.to_str().expect("utf-8"),
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("measure the device again (`pipec calibrate`"), "{said}");
+    assert!(!bad.exists());
 }
 
 /// The llama-tiny spec with `edit` applied, its data paths made absolute, written into `dir`.

@@ -276,9 +276,11 @@ impl StepSpec {
     }
 
     /// The highest efficiency [`step`](Self::step) takes: where a matrix product reaches the
-    /// device's peak.
+    /// highest peak the device allows (`pipec_plan::engine::performance::peak_cap`).
     pub fn max_efficiency(&self) -> f64 {
-        self.performance.efficiency / self.spec.cluster.device.matrix_efficiency.peak.max(1e-9)
+        let device = &self.spec.cluster.device;
+        self.performance.efficiency * pipec_plan::engine::performance::peak_cap(device)
+            / device.matrix_efficiency.peak.max(1e-9)
     }
 
     /// The constant the spec is priced with: its table's, or a calibration file's.
@@ -302,7 +304,7 @@ impl StepSpec {
         if let Some(e) = efficiency {
             // the device's peaks were scaled by the table's constant: rescale them to `e`
             let wanted = spec.cluster.device.matrix_efficiency.peak * e / self.performance.efficiency;
-            if wanted > 1.0 {
+            if wanted > pipec_plan::engine::performance::peak_cap(&spec.cluster.device) * (1.0 + 1e-12) {
                 return Err(format!("an efficiency of {e} puts matrix products past the device's peak"));
             }
             pipec_plan::engine::performance::scale_peaks(&mut spec.cluster.device, e / self.performance.efficiency);

@@ -282,6 +282,12 @@ pub fn names_a_cpu(name: &str) -> bool {
 }
 
 impl DeviceModel {
+    /// Whether its figures are a machine's own as `pipec calibrate` measured them on the
+    /// CPU (a device file with the products' measured operand traffic), not a datasheet's.
+    pub fn measured(&self) -> bool {
+        names_a_cpu(&self.name) && self.product_traffic.is_some()
+    }
+
     /// A device known only by one throughput: every kernel's FLOPs at that rate, no memory
     /// bound, no size effect, no launch cost (what a spec's `throughput` alone says).
     pub fn uniform(name: &str, memory: f64, throughput: f64) -> Self {
