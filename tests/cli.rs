@@ -2568,16 +2568,15 @@ fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
     let dir = tempfile::tempdir().expect("tmp");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/specs/published-2025");
     let spec = root.join("tt24-t1-8b-8g-bf16-eager.yaml");
+    // `pipec calibrate --measured SPEC ARGS -o OUT`
+    let calibrate = |spec: &Path, args: &[&str], out: &Path| {
+        let mut all =
+            vec!["calibrate", "--measured", spec.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8")];
+        all.extend_from_slice(args);
+        pipec(&all)
+    };
     let file = dir.path().join("eager.json");
-    let out = pipec(&[
-        "calibrate",
-        "--measured",
-        spec.to_str().expect("utf-8"),
-        "--step",
-        "3.1s",
-        "-o",
-        file.to_str().expect("utf-8"),
-    ]);
+    let out = calibrate(&spec, &["--step", "3.1s"], &file);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let written: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).expect("written")).expect("json");
     assert_eq!(written["format"], "pipec-engine-calibration-1");
@@ -2607,15 +2606,7 @@ fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
     )
     .expect("log");
     let from_log = dir.path().join("log.json");
-    let out = pipec(&[
-        "calibrate",
-        "--measured",
-        spec.to_str().expect("utf-8"),
-        "--log",
-        log.to_str().expect("utf-8"),
-        "-o",
-        from_log.to_str().expect("utf-8"),
-    ]);
+    let out = calibrate(&spec, &["--log", log.to_str().expect("utf-8")], &from_log);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let read: serde_json::Value = serde_json::from_slice(&std::fs::read(&from_log).expect("written")).expect("json");
     let measured = read["measured"]["step_s"].as_f64().expect("step");
@@ -2637,10 +2628,7 @@ fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
     // nothing to fit from: no step, an unreadable log, a step no efficiency reaches
     for args in [vec!["--step", "-2"], vec!["--log", "/nonexistent/log"], vec!["--step", "0.001"]] {
         let bad = dir.path().join("bad.json");
-        let mut all =
-            vec!["calibrate", "--measured", spec.to_str().expect("utf-8"), "-o", bad.to_str().expect("utf-8")];
-        all.extend(args.iter().copied());
-        let out = pipec(&all);
+        let out = calibrate(&spec, &args, &bad);
         assert!(!out.status.success(), "{args:?}");
         assert!(!bad.exists(), "{args:?}: nothing written");
         if args[1] == "0.001" {
@@ -2659,15 +2647,7 @@ fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
     let on_file = dir.path().join("on-file.yaml");
     std::fs::write(&on_file, readme.replace(line, "  device: { file: cpu.json }")).expect("write");
     let bad = dir.path().join("bad.json");
-    let out = pipec(&[
-        "calibrate",
-        "--measured",
-        on_file.to_str().expect("utf-8"),
-        "--step",
-        "1ns",
-        "-o",
-        bad.to_str().expect("utf-8"),
-    ]);
+    let out = calibrate(&on_file, &["--step", "1ns"], &bad);
     let said = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{said}");
     assert!(said.contains("measure the device again (`pipec calibrate`"), "{said}");
