@@ -5,9 +5,6 @@ use std::path::PathBuf;
 
 use pipec_grammar::dsl::Dimension;
 
-use pipec_executor::calibrate::{Calibration, LinkCalibration};
-use pipec_plan::device::DeviceModel;
-
 use crate::output::write_atomic;
 use crate::plan_profile_cmd::quantity;
 use crate::run_cmd::Backend;
@@ -26,7 +23,7 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         }
     };
     let (measured, links) = match backend {
-        Backend::Cpu => match measure_cpu(memory, reps, concurrent) {
+        Backend::Cpu => match crate::this_cpu::measure_cpu(memory, reps, concurrent) {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("error: {e}; nothing written");
@@ -151,90 +148,4 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         eprintln!("and for the links between its workers: `intra_node: {{ file: {} }}`", out.display());
     }
     EXIT_OK
-}
-
-/// What `pipec calibrate` measures on the CPU for `workers` workers at once: the kernels;
-/// the transport between the workers, where there are two or more (the in-process channels
-/// `pipec run` uses), as the device's link; and the executor's own work per layer pass
-/// ([`layer_overhead`]; none where it could not be fitted, said on stderr).
-pub fn measure_cpu(memory: f64, reps: usize, workers: usize) -> Result<(Calibration, Option<LinkCalibration>), String> {
-    let mut measured = pipec_executor::calibrate::calibrate_cpu_concurrent(memory, reps, workers)?;
-    let links = (workers > 1).then(|| pipec_executor::calibrate::calibrate_links(workers, reps));
-    measured.device.link = links.as_ref().map(|c| c.link);
-    measured.device.layer_pass = match layer_overhead(&measured.device, workers) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            eprintln!("warning: the executor's work per layer pass could not be measured ({e})");
-            None
-        }
-    };
-    Ok((measured, links))
-}
-
-/// The executor's work per layer pass beyond its kernels on `device` (the spec's
-/// `overhead`: per layer forward, twice per backward). An embedded pipeline — one stage per
-/// worker, 1F1B, widths and depth unlike README's example, which it is checked against —
-/// is planned for `device` with no overhead and trained for [`STEPS`] steps on `workers`
-/// threads; its forward and backward passes after the first two steps took the measured
-/// time, their plan predicts the kernels': the median over the passes of each one's excess
-/// per layer pass it ran (a forward one per layer, a backward two) is the overhead (never
-/// below zero).
-pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<f64, String> {
-    use pipec_plan::Instr;
-    let workers = workers.max(1);
-    let stages = vec!["1"; workers].join("-");
-    let source = format!(
-        "name: overhead\nmodel:\n  input: [48]\n  layers:\n    - linear(48, 96) -> relu\n    - repeat {}: linear(96, 96) -> relu\n    - linear(96, 6)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {workers}\n  device: {{ kind: cpu, memory: 1GiB, throughput: 1TFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: \"{stages}\"\n  schedule: {}\n  microbatches: 6\ntraining:\n  batch_size: 48\n  steps: {STEPS}\n  optimizer: {{ kind: sgd, lr: 0.01 }}\n  seed: 11\n  data: {{ kind: synthetic, task: classification, samples: 480 }}\n",
-        2 * workers - 1,
-        if workers > 1 { "1f1b" } else { "gpipe" },
-    );
-    let checked = pipec_grammar::check::check_source(&source);
-    let mut spec =
-        checked.spec.ok_or_else(|| format!("the overhead spec does not check: {:?}", checked.diagnostics))?;
-    spec.cluster.device = DeviceModel { memory: spec.cluster.device.memory, ..device.clone() };
-    spec.cluster.overhead = 0.0;
-    let compiled = pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())
-        .into_compiled()
-        .map_err(|d| format!("the overhead spec does not compile: {d:?}"))?;
-    let plan = compiled.plan;
-    let report = pipec_executor::run(&plan, &pipec_executor::RunOptions::default(), &mut |_| {})
-        .map_err(|e| format!("the overhead run failed: {e}"))?;
-    // each pass's excess per layer pass it ran; their median (a pass the machine paused in
-    // the middle of moves it no more than any other)
-    let mut excess: Vec<f64> = Vec::new();
-    for &(dev, step, index, start, end) in &report.timeline {
-        let Some(ins) = plan.instruction(dev, index).filter(|_| step >= 2) else { continue };
-        let (per_layer, predicted) = match *ins {
-            Instr::Forward { stage, .. } => (1.0, plan.stage(stage).map(|s| s.forward_s)),
-            Instr::Backward { stage, .. } => (2.0, plan.stage(stage).map(|s| s.backward_s)),
-            _ => continue,
-        };
-        let (Some(predicted), Some(st)) = (predicted, plan.stage(ins.stage())) else { continue };
-        excess.push(((end - start) - predicted) / (per_layer * (st.layers[1] - st.layers[0]).max(1) as f64));
-    }
-    if excess.is_empty() {
-        return Err("the overhead run timed no passes".into());
-    }
-    excess.sort_by(f64::total_cmp);
-    Ok(excess[excess.len() / 2].max(0.0))
-}
-
-/// Steps of [`layer_overhead`]'s run (the first two are not timed).
-const STEPS: usize = 12;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_overhead_is_the_executors_time_beyond_the_kernels_predicted() {
-        // kernels predicted at a petaFLOP/s with no launch: nearly all the measured time is
-        // the executor's own, some microseconds a layer pass even in a debug build
-        let fast = DeviceModel { memory_bandwidth: 1e15, ..DeviceModel::uniform("cpu", 1e9, 1e15) };
-        let overhead = layer_overhead(&fast, 2).expect("measured");
-        assert!(overhead > 1e-6 && overhead < 1e-2, "{overhead}");
-        // kernels predicted at a kiloFLOP/s: slower than anything measured, so no overhead
-        let slow = DeviceModel { memory_bandwidth: 1e3, ..DeviceModel::uniform("cpu", 1e9, 1e3) };
-        assert_eq!(layer_overhead(&slow, 1).expect("measured"), 0.0);
-    }
 }

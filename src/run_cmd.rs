@@ -1086,7 +1086,7 @@ fn executor_would_run(spec: &pipec_grammar::spec::Spec) -> bool {
 /// (`pipec_plan::features`): the plan was made for another engine, or to be priced, and
 /// training it here would train something else.
 fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
-    use pipec_plan::features::{used, Feature};
+    use pipec_plan::features::used;
     let features = used(plan);
     for (f, _) in &features {
         if let Some(note) = feature_note(*f, plan) {
@@ -1096,14 +1096,9 @@ fn executor_runs_its_features(plan: &Plan) -> Result<(), String> {
     let refused: Vec<String> = features
         .into_iter()
         .filter(|(f, _)| refused(*f))
-        .map(|(f, layer)| match (f, layer) {
-            (_, Some(l)) => format!("{f} at layer {l}"),
-            // the same experts a device holds, each split over the tensor-parallel ranks
-            (Feature::WholeExperts, None) => {
-                let replicas = plan.stages.iter().map(|s| s.expert_parallel).max().unwrap_or(1);
-                format!("{f} (`ep: {replicas}` without `etp` holds the same experts per device, each split over the tensor-parallel ranks, which it runs)")
-            }
-            (_, None) => format!("{f}"),
+        .map(|(f, layer)| match layer {
+            Some(l) => format!("{f} at layer {l}"),
+            None => format!("{f}"),
         })
         .collect();
     if refused.is_empty() {
@@ -1138,7 +1133,11 @@ fn refused(f: pipec_plan::features::Feature) -> bool {
         // the fixed expert bias runs (choice only; kept in checkpoints, read from and
         // written to DeepSeek-V3's `e_score_correction_bias`)
         Feature::ExpertBias => false,
-        Feature::ActivationOffload | Feature::WholeExperts | Feature::MultiTokenPrediction => true,
+        // whole experts beside tensor parallelism run (tests/training.rs), each rank
+        // dispatching its share of the rows over the replicas' ranks; beside ZeRO they are
+        // refused by `pipec_executor::validate`
+        Feature::WholeExperts => false,
+        Feature::ActivationOffload | Feature::MultiTokenPrediction => true,
     }
 }
 

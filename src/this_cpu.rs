@@ -8,12 +8,14 @@
 //!
 //! Beside the kernels, the measurement fits the executor's own work per layer pass that
 //! the kernels do not show (the spec's `overhead`), from a short training run of an
-//! embedded pipeline that is not the spec's (`crate::calibrate_cmd::layer_overhead`). The
-//! cache file is the device file `pipec calibrate --concurrent N` writes.
+//! embedded pipeline that is not the spec's ([`layer_overhead`]). Both are
+//! [`measure_cpu`], what `pipec calibrate` measures on the CPU too: the cache file is the
+//! device file `pipec calibrate --concurrent N` writes.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use pipec_executor::calibrate::{Calibration, LinkCalibration};
 use pipec_plan::device::DeviceModel;
 
 /// The environment variable that turns the calibration off (`off`).
@@ -116,12 +118,12 @@ pub fn in_cache(workers: usize) -> bool {
 }
 
 /// [`this_cpu_with`] on this machine, measured as `pipec calibrate --concurrent workers`
-/// measures it (`crate::calibrate_cmd::measure_cpu`); `memory` the spec's.
+/// measures it ([`measure_cpu`]); `memory` the spec's.
 pub fn this_cpu(workers: usize, memory: f64) -> Result<ThisCpu, String> {
     let dir = cache_dir().ok_or("no cache folder (set PIPEC_CACHE_DIR)")?;
     let mut found = this_cpu_with(workers, &dir, &pipec_executor::calibrate::cpu_name(), || {
         eprintln!("measuring this machine's CPU for {workers} worker(s), once (cached for later runs) ...");
-        let mut device = crate::calibrate_cmd::measure_cpu(memory, REPS, workers)?.0.device;
+        let mut device = measure_cpu(memory, REPS, workers)?.0.device;
         // the kernels are measured either way: a failed fit plans with no overhead, as said
         device.layer_pass = device.layer_pass.or(Some(0.0));
         Ok(device)
@@ -129,6 +131,75 @@ pub fn this_cpu(workers: usize, memory: f64) -> Result<ThisCpu, String> {
     found.device.memory = memory;
     Ok(found)
 }
+
+/// What `pipec calibrate` measures on the CPU for `workers` workers at once: the kernels;
+/// the transport between the workers, where there are two or more (the in-process channels
+/// `pipec run` uses), as the device's link; and the executor's own work per layer pass
+/// ([`layer_overhead`]; none where it could not be fitted, said on stderr).
+pub fn measure_cpu(memory: f64, reps: usize, workers: usize) -> Result<(Calibration, Option<LinkCalibration>), String> {
+    let mut measured = pipec_executor::calibrate::calibrate_cpu_concurrent(memory, reps, workers)?;
+    let links = (workers > 1).then(|| pipec_executor::calibrate::calibrate_links(workers, reps));
+    measured.device.link = links.as_ref().map(|c| c.link);
+    measured.device.layer_pass = match layer_overhead(&measured.device, workers) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            eprintln!("warning: the executor's work per layer pass could not be measured ({e})");
+            None
+        }
+    };
+    Ok((measured, links))
+}
+
+/// The executor's work per layer pass beyond its kernels on `device` (the spec's
+/// `overhead`: per layer forward, twice per backward). An embedded pipeline — one stage per
+/// worker, 1F1B, widths and depth unlike README's example, which it is checked against —
+/// is planned for `device` with no overhead and trained for [`STEPS`] steps on `workers`
+/// threads; its forward and backward passes after the first two steps took the measured
+/// time, their plan predicts the kernels': the median over the passes of each one's excess
+/// per layer pass it ran (a forward one per layer, a backward two) is the overhead (never
+/// below zero).
+pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<f64, String> {
+    use pipec_plan::Instr;
+    let workers = workers.max(1);
+    let stages = vec!["1"; workers].join("-");
+    let source = format!(
+        "name: overhead\nmodel:\n  input: [48]\n  layers:\n    - linear(48, 96) -> relu\n    - repeat {}: linear(96, 96) -> relu\n    - linear(96, 6)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: {workers}\n  device: {{ kind: cpu, memory: 1GiB, throughput: 1TFLOP/s }}\n  links:\n    intra_node: {{ bandwidth: 10GB/s, latency: 5us }}\nstrategy:\n  stages: \"{stages}\"\n  schedule: {}\n  microbatches: 6\ntraining:\n  batch_size: 48\n  steps: {STEPS}\n  optimizer: {{ kind: sgd, lr: 0.01 }}\n  seed: 11\n  data: {{ kind: synthetic, task: classification, samples: 480 }}\n",
+        2 * workers - 1,
+        if workers > 1 { "1f1b" } else { "gpipe" },
+    );
+    let checked = pipec_grammar::check::check_source(&source);
+    let mut spec =
+        checked.spec.ok_or_else(|| format!("the overhead spec does not check: {:?}", checked.diagnostics))?;
+    spec.cluster.device = DeviceModel { memory: spec.cluster.device.memory, ..device.clone() };
+    spec.cluster.overhead = 0.0;
+    let compiled = pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())
+        .into_compiled()
+        .map_err(|d| format!("the overhead spec does not compile: {d:?}"))?;
+    let plan = compiled.plan;
+    let report = pipec_executor::run(&plan, &pipec_executor::RunOptions::default(), &mut |_| {})
+        .map_err(|e| format!("the overhead run failed: {e}"))?;
+    // each pass's excess per layer pass it ran; their median (a pass the machine paused in
+    // the middle of moves it no more than any other)
+    let mut excess: Vec<f64> = Vec::new();
+    for &(dev, step, index, start, end) in &report.timeline {
+        let Some(ins) = plan.instruction(dev, index).filter(|_| step >= 2) else { continue };
+        let (per_layer, predicted) = match *ins {
+            Instr::Forward { stage, .. } => (1.0, plan.stage(stage).map(|s| s.forward_s)),
+            Instr::Backward { stage, .. } => (2.0, plan.stage(stage).map(|s| s.backward_s)),
+            _ => continue,
+        };
+        let (Some(predicted), Some(st)) = (predicted, plan.stage(ins.stage())) else { continue };
+        excess.push(((end - start) - predicted) / (per_layer * (st.layers[1] - st.layers[0]).max(1) as f64));
+    }
+    if excess.is_empty() {
+        return Err("the overhead run timed no passes".into());
+    }
+    excess.sort_by(f64::total_cmp);
+    Ok(excess[excess.len() / 2].max(0.0))
+}
+
+/// Steps of [`layer_overhead`]'s run (the first two are not timed).
+const STEPS: usize = 12;
 
 #[cfg(test)]
 mod tests {
@@ -185,5 +256,17 @@ mod tests {
         // a preset renamed by `kind: cpu` is still a preset
         h100.name = "cpu".into();
         assert!(!written_inline(&h100));
+    }
+
+    #[test]
+    fn the_overhead_is_the_executors_time_beyond_the_kernels_predicted() {
+        // kernels predicted at a petaFLOP/s with no launch: nearly all the measured time is
+        // the executor's own, some microseconds a layer pass even in a debug build
+        let fast = DeviceModel { memory_bandwidth: 1e15, ..DeviceModel::uniform("cpu", 1e9, 1e15) };
+        let overhead = layer_overhead(&fast, 2).expect("measured");
+        assert!(overhead > 1e-6 && overhead < 1e-2, "{overhead}");
+        // kernels predicted at a kiloFLOP/s: slower than anything measured, so no overhead
+        let slow = DeviceModel { memory_bandwidth: 1e3, ..DeviceModel::uniform("cpu", 1e9, 1e3) };
+        assert_eq!(layer_overhead(&slow, 1).expect("measured"), 0.0);
     }
 }

@@ -1873,6 +1873,19 @@ fn expert_parallel_groups_with_tensor_parallel_experts_train_equal_to_one_device
     }
 }
 
+/// `got` trained to `reference`'s losses and balancing losses (within 1e-5) and its tokens
+/// per expert, step by step.
+fn assert_same_balancing(reference: &pipec_executor::RunReport, got: &pipec_executor::RunReport, what: &str) {
+    assert_eq!(reference.steps.len(), got.steps.len());
+    for (a, b) in reference.steps.iter().zip(&got.steps) {
+        let near = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-6);
+        assert!(near(a.loss, b.loss), "{what} step {}: {} vs {}", a.step, a.loss, b.loss);
+        let (x, y) = (a.aux_loss.expect("a balancing loss"), b.aux_loss.expect("a balancing loss"));
+        assert!(near(x, y), "{what} step {}: balancing loss {x} vs {y}", a.step);
+        assert_eq!(a.expert_tokens, b.expert_tokens, "{what} step {}", a.step);
+    }
+}
+
 /// The load-balancing loss and biases beside tensor-parallel experts: every rank makes the
 /// whole loss (the router is whole), whose gradient the group sums with the router's partial
 /// ones and the block input's, so each rank seeds its share; rank 0 alone adds each expert's
@@ -1903,14 +1916,46 @@ fn the_load_balancing_loss_and_biases_beside_tensor_parallel_experts_train_to_on
     ] {
         let reference = train(&plan(&job(1, "\"1\"", "false", layers)));
         let got = train(&plan(&job(devices, stages, recompute, layers)));
-        assert_eq!(reference.steps.len(), got.steps.len());
-        for (a, b) in reference.steps.iter().zip(&got.steps) {
-            let near = |x: f64, y: f64| (x - y).abs() <= 1e-5 * x.abs().max(1e-6);
-            assert!(near(a.loss, b.loss), "{stages} step {}: {} vs {}", a.step, a.loss, b.loss);
-            let (x, y) = (a.aux_loss.expect("a balancing loss"), b.aux_loss.expect("a balancing loss"));
-            assert!(near(x, y), "{stages} step {}: balancing loss {x} vs {y}", a.step);
-            assert_eq!(a.expert_tokens, b.expert_tokens, "{stages} step {}", a.step);
-        }
+        assert_same_balancing(&reference, &got, stages);
+    }
+}
+
+/// Whole experts beside tensor parallelism (`etp: 1`, Megatron-LM's expert tensor
+/// parallelism 1): each routed expert whole on one device of an expert group made of its
+/// replicas' tensor-parallel ranks, each rank sending its run of the microbatch's rows and
+/// the block's all-reduce summing the ranks' rows back. With the balancing loss and biases
+/// (every rank adds its own experts' biases), clipped by the global norm (each expert
+/// counted once, on its rank): one device's losses, balancing losses and tokens per expert;
+/// a checkpoint resumes on one device and back. Beside ZeRO it is refused by name.
+#[test]
+fn whole_experts_beside_tensor_parallelism_train_to_one_devices_numbers() {
+    const WHOLE: &str = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, causal=true, experts=4, top_k=2, shared_experts=1, aux_loss=0.05)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
+    let job =
+        |devices, stages, schedule| Job { devices, stages, schedule, optimizer: ADAM, layers: WHOLE, ..Job::default() };
+    let clipped = |j: Job<'_>| {
+        let text = spec(&j).replace("  seed: 5\n", "  seed: 5\n  clip_grad_norm: 0.5\n");
+        let s = pipec_grammar::check_source(&text).spec.unwrap_or_else(|| panic!("bad spec\n{text}"));
+        compile(&s, &CompileOptions::default()).into_compiled().expect("compiles").plan
+    };
+    let reference = train(&clipped(job(1, "\"1\"", "gpipe")));
+    for (devices, stages, schedule) in [
+        (4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true", "gpipe"),
+        (8, "\"4\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true", "1f1b"),
+        (8, "\"2-2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true", "1f1b"),
+    ] {
+        let p = clipped(job(devices, stages, schedule));
+        assert!(p.schedule.whole_experts, "{stages}");
+        let got = train(&p);
+        assert_same_balancing(&reference, &got, stages);
+    }
+    resumes_both_ways(
+        job(4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true", "gpipe"),
+        job(1, "\"1\"", "gpipe"),
+    );
+    let sharded = plan(&job(4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 1", "gpipe"));
+    match pipec_executor::run(&sharded, &RunOptions::default(), &mut |_| {}) {
+        Ok(_) => panic!("whole experts beside ZeRO trained"),
+        Err(e) => assert!(e.to_string().contains("only without ZeRO yet"), "{e}"),
     }
 }
 

@@ -477,7 +477,7 @@ fn pipec_in_line(
             .ranges
             .iter()
             // (a `tp` that does not divide a block is refused with the costs, E0405)
-            .map(|r| model.tp_partial_values(r.clone(), spec.model.loss, (tp, ep)))
+            .map(|r| model.tp_partial_values(r.clone(), spec.model.loss, (tp, ep), spec.strategy.experts_whole()))
             .map(|values| values.filter(|&n| n > 0).map(|n| vec![sum(n)]).unwrap_or_default())
             .collect()
     } else {

@@ -101,6 +101,7 @@ pub(crate) fn in_pass_table(
         // the update's side: the tensor-parallel sums of partial gradients (and norms)
         let at_updates = |e: String| internal(format!("the tensor-parallel sums at {device}'s updates: {e}"));
         let tp = strategy.tp.max(1);
+        let whole_experts = strategy.experts_whole() && strategy.ep > 1;
         let first_layer = |s: StageId| ranges.get(s.0 as usize).map_or(0, |r| r.start as u32);
         let mut partial = std::collections::BTreeMap::new();
         for stage in stream.iter().map(Instr::stage).filter(|_| tp > 1) {
@@ -109,7 +110,8 @@ pub(crate) fn in_pass_table(
             }
             // one all-reduce of the stage's partial gradients, at its first layer
             let range = ranges.get(stage.0 as usize).cloned().unwrap_or_default();
-            let ids = pipec_plan::in_pass::tp_partial_ids(ops, range, spec.model.loss, tp).map_err(at_updates)?;
+            let ids = pipec_plan::in_pass::tp_partial_ids(ops, range, spec.model.loss, tp, whole_experts)
+                .map_err(at_updates)?;
             partial.insert(stage, if ids.is_empty() { Vec::new() } else { vec![first_layer(stage)] });
         }
         let clip_each_update = clip_each_update(spec, lowered);

@@ -30,18 +30,18 @@ pub(crate) struct ModelCosts {
 
 impl ModelCosts {
     /// The values of the partial gradients of layers `r` split `tp` ways beside expert
-    /// parallelism `ep` (`in_pass::tp_partial_values`), computed once per range.
+    /// parallelism `ep` (`in_pass::tp_partial_values`; `whole_experts`: `etp: 1`), computed
+    /// once per range.
     pub(crate) fn tp_partial_values(
         &self,
         r: std::ops::Range<usize>,
         loss: pipec_plan::model::Loss,
         (tp, ep): (usize, usize),
+        whole_experts: bool,
     ) -> Option<usize> {
-        *self
-            .tp_partials
-            .borrow_mut()
-            .entry((r.start, r.end))
-            .or_insert_with(|| pipec_plan::in_pass::tp_partial_values(self.graph.op_list(), r, loss, (tp, ep)).ok())
+        *self.tp_partials.borrow_mut().entry((r.start, r.end)).or_insert_with(|| {
+            pipec_plan::in_pass::tp_partial_values(self.graph.op_list(), r, loss, (tp, ep), whole_experts).ok()
+        })
     }
 }
 

@@ -220,6 +220,7 @@ mod tests {
             stateful: true,
             stage_layers: vec![[0, 1], [1, 2]],
             stage_devices: vec![vec![0], vec![1]],
+            whole_experts: false,
         }
     }
 
@@ -504,6 +505,9 @@ pub struct Identity {
     /// The devices holding each stage (replicas and tensor-parallel members), by stage
     /// index; empty when the checkpoint does not say.
     pub stage_devices: Vec<Vec<u32>>,
+    /// Each routed expert saved whole by every tensor-parallel rank (`etp: 1`), not split
+    /// like the block (`experts_whole` in state.json; absent: false).
+    pub whole_experts: bool,
 }
 
 /// Layers whose devices a resume changes: the weights and optimizer state to move.
@@ -582,6 +586,7 @@ impl Identity {
                     d
                 })
                 .collect(),
+            whole_experts: plan.schedule.whole_experts,
         }
     }
 }
@@ -695,6 +700,9 @@ pub fn write(
         "tensor_parallel": tensor_parallel,
         "files": sums,
     });
+    if identity.whole_experts {
+        state["experts_whole"] = serde_json::Value::Bool(true);
+    }
     if !zero.is_empty() {
         let replicas: serde_json::Map<String, serde_json::Value> = zero_replicas
             .iter()
@@ -980,6 +988,10 @@ pub fn read_from(source: &Source<'_>) -> Result<Loaded, String> {
                 None => Vec::new(),
                 Some(v) => serde_json::from_value::<Vec<Vec<u32>>>(v.clone())
                     .map_err(|_| "state.json: `stage_devices` must be a list of device-id lists")?,
+            },
+            whole_experts: match state.get("experts_whole") {
+                None => false,
+                Some(v) => v.as_bool().ok_or("state.json: `experts_whole` must be true or false")?,
             },
         };
         let sums = state.get("files").and_then(serde_json::Value::as_object).ok_or("state.json has no `files`")?;

@@ -734,10 +734,17 @@ fn pass_events(
 /// and a mixture of experts' router, which weighs the rank's partial expert outputs, and
 /// with biases each expert's down projection's bias, which rank 0 alone adds to its partial
 /// output (a post-norm block's norms follow its all-reduces instead: their gradients are
-/// whole).
+/// whole; with `whole_experts`, `etp: 1`, a routed expert runs whole on one rank, its
+/// bias's gradient whole there).
 /// Each as its checkpoint id (layer << 8 | slot), in the layers' order.
-pub fn tp_partial_ids(ops: &[Op], range: std::ops::Range<usize>, loss: Loss, tp: usize) -> Result<Vec<u64>, String> {
-    Ok(partial_parameters(ops, range, loss, tp)?.into_iter().map(|p| p.id).collect())
+pub fn tp_partial_ids(
+    ops: &[Op],
+    range: std::ops::Range<usize>,
+    loss: Loss,
+    tp: usize,
+    whole_experts: bool,
+) -> Result<Vec<u64>, String> {
+    Ok(partial_parameters(ops, range, loss, tp, whole_experts)?.into_iter().map(|p| p.id).collect())
 }
 
 /// The values one member of a tensor-parallel group sums at the update's side, in the one
@@ -750,8 +757,9 @@ pub fn tp_partial_values(
     range: std::ops::Range<usize>,
     loss: Loss,
     (tp, ep): (usize, usize),
+    whole_experts: bool,
 ) -> Result<usize, String> {
-    let partial = partial_parameters(ops, range, loss, tp)?;
+    let partial = partial_parameters(ops, range, loss, tp, whole_experts)?;
     let (routed, other): (Vec<_>, Vec<_>) = partial.into_iter().partition(|p| p.routed_expert);
     let held = routed.iter().map(|p| p.values).sum::<usize>() / ep.max(1);
     Ok(other.iter().map(|p| p.values).sum::<usize>() + held)
@@ -772,6 +780,7 @@ fn partial_parameters(
     range: std::ops::Range<usize>,
     loss: Loss,
     tp: usize,
+    whole_experts: bool,
 ) -> Result<Vec<PartialParameter>, String> {
     if tp <= 1 {
         return Ok(Vec::new());
@@ -798,10 +807,8 @@ fn partial_parameters(
             // each expert's down projection's bias (routed and shared): rank 0 adds it to its
             // partial output, so its gradient is there alone
             let (routed, shared) = b.moe.filter(|_| b.bias).map_or((0, 0), |m| (m.experts, m.shared));
-            let expert_biases = (0..routed + shared).map(move |e| PartialParameter {
-                id: l | (crate::model::expert_slot(e) + 3),
-                values: b.d,
-                routed_expert: e < routed,
+            let expert_biases = (0..routed + shared).filter(move |&e| !(whole_experts && e < routed)).map(move |e| {
+                PartialParameter { id: l | (crate::model::expert_slot(e) + 3), values: b.d, routed_expert: e < routed }
             });
             [
                 Some((l, b.d)),
@@ -949,16 +956,22 @@ mod tests {
             *bias = true;
         }
         let ops = vec![block.clone(), block];
-        let ids = tp_partial_ids(&ops, 0..2, Loss::CrossEntropy, 2).expect("ids");
+        let ids = tp_partial_ids(&ops, 0..2, Loss::CrossEntropy, 2, false).expect("ids");
         // two gains, a router and five experts' biases a block
         assert_eq!(ids.len(), 2 * 8);
-        let values = |ep| tp_partial_values(&ops, 0..2, Loss::CrossEntropy, (2, ep)).expect("values");
+        let values = |ep| tp_partial_values(&ops, 0..2, Loss::CrossEntropy, (2, ep), false).expect("values");
         let (gains, router, bias) = (2 * 16, 16 * 4, 16);
         assert_eq!(values(1), 2 * (gains + router + 5 * bias));
         assert_eq!(values(2), 2 * (gains + router + (2 + 1) * bias));
         assert_eq!(values(4), 2 * (gains + router + (1 + 1) * bias));
         // no tensor parallelism: nothing partial
-        assert_eq!(tp_partial_values(&ops, 0..2, Loss::CrossEntropy, (1, 2)), Ok(0));
+        assert_eq!(tp_partial_values(&ops, 0..2, Loss::CrossEntropy, (1, 2), false), Ok(0));
+        // routed experts whole on one rank (`etp: 1`): their biases' gradients are whole
+        // there; the shared expert's stays split
+        let whole = tp_partial_ids(&ops, 0..2, Loss::CrossEntropy, 2, true).expect("ids");
+        assert_eq!(whole.len(), 2 * 4, "{whole:?}");
+        let whole_values = tp_partial_values(&ops, 0..2, Loss::CrossEntropy, (2, 2), true).expect("values");
+        assert_eq!(whole_values, 2 * (gains + router + bias));
     }
 
     #[test]

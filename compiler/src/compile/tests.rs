@@ -227,10 +227,10 @@ fn the_update_sums_are_priced_where_they_are_declared() {
         let ops: Vec<pipec_plan::model::Op> = model.graph.ops().map(|(_, n)| n.op.clone()).collect();
         let st = &plan.stages[0];
         let range = st.layers[0]..st.layers[1];
-        let partial = pipec_plan::in_pass::tp_partial_ids(&ops, range.clone(), spec.model.loss, 2).expect("ids");
+        let partial = pipec_plan::in_pass::tp_partial_ids(&ops, range.clone(), spec.model.loss, 2, false).expect("ids");
         assert_eq!(partial.len(), 4, "two norms a block");
-        let values =
-            pipec_plan::in_pass::tp_partial_values(&ops, range.clone(), spec.model.loss, (2, 1)).expect("values");
+        let values = pipec_plan::in_pass::tp_partial_values(&ops, range.clone(), spec.model.loss, (2, 1), false)
+            .expect("values");
         assert_eq!(values, 4 * 64, "four gains of the blocks' width");
         let sums = crate::cluster::ring_time(CollectiveKind::AllReduce, model.cluster.intra, 2, 4.0 * values as f64);
         let update: f64 = model.costs[range].iter().map(|c| c.update_s).sum();

@@ -57,10 +57,24 @@ pub struct Made {
 impl PeerGroup {
     /// The group of `device` for `stage` of `plan`, if the stage is expert-parallel: the
     /// replicas `ChunkPlacement::expert_group` puts it with (their tensor-parallel ranks of
-    /// the same rank).
+    /// the same rank; with whole experts, `etp: 1`, every rank of them, replica by replica,
+    /// this device at its replica's position times the ranks plus its rank).
     pub fn of(plan: &Plan, stage: StageId, device: DeviceId, exchanger: &Exchanger) -> Option<PeerGroup> {
-        let ep = plan.stage(stage)?.expert_parallel as usize;
-        PeerGroup::sized(plan, stage, device, exchanger, ep, PeerDim::Expert)
+        let s = plan.stage(stage)?;
+        let ep = s.expert_parallel as usize;
+        let mut group = PeerGroup::sized(plan, stage, device, exchanger, ep, PeerDim::Expert)?;
+        let (i, rank) = replica_of(s, device)?;
+        let tp = s.tensor_parallel.get(i).map_or(1, Vec::len);
+        if plan.schedule.whole_experts && tp > 1 {
+            let (replicas, position) = plan.schedule.kind.chunk_placement().expert_group(i, ep);
+            group.members = replicas
+                .into_iter()
+                .flat_map(|j| (0..tp).map(move |r| (j, r)))
+                .map(|(j, r)| device_at(s, j, r))
+                .collect::<Option<_>>()?;
+            group.position = position * tp + rank;
+        }
+        Some(group)
     }
 
     /// The group of `size` replicas of `stage` that `device` is one of (None for a size of

@@ -28,6 +28,7 @@ pub(crate) fn build_stages<B: ExecBackend>(
             all: &all,
             range: s.layers[0]..s.layers[1],
             loss: plan.model.loss,
+            whole_experts: plan.schedule.whole_experts,
         };
         let ops = layers.ops();
         let (model, tp) = match s.tensor_parallel.iter().find(|g| g.contains(&device)) {

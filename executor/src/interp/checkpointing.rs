@@ -29,8 +29,12 @@ pub(crate) fn load_checkpoint<B: ExecBackend>(
         let (tp_rank, tp_size) = st.tp_shard();
         let stage = plan.stages.get(id.0 as usize).ok_or_else(|| ExecError::Plan(format!("the plan has no {id}")))?;
         let all = plan.model_ops();
-        let layers =
-            tensor_parallel::StageLayers { all: &all, range: stage.layers[0]..stage.layers[1], loss: plan.model.loss };
+        let layers = tensor_parallel::StageLayers {
+            all: &all,
+            range: stage.layers[0]..stage.layers[1],
+            loss: plan.model.loss,
+            whole_experts: plan.schedule.whole_experts,
+        };
         let split = tensor_parallel::shardings(&layers, tp_size as usize)?;
         let to = |pid: u64| split.get(&pid).copied().unwrap_or(tensor_parallel::Sharding::Whole);
         let mut values: HashMap<u64, Vec<f32>> = HashMap::new();

@@ -47,7 +47,12 @@ pub(crate) fn squared_norm<B: ExecBackend>(
     let (rank, tp) = st.tp_shard();
     let split = if tp > 1 {
         let all = plan.model_ops();
-        let layers = crate::parallel::tensor_parallel::StageLayers { all: &all, range, loss: plan.model.loss };
+        let layers = crate::parallel::tensor_parallel::StageLayers {
+            all: &all,
+            range,
+            loss: plan.model.loss,
+            whole_experts: plan.schedule.whole_experts,
+        };
         crate::parallel::tensor_parallel::shardings(&layers, tp as usize)?
     } else {
         Default::default()
@@ -68,15 +73,19 @@ pub(crate) fn squared_norm<B: ExecBackend>(
     };
     let experts: std::collections::HashMap<u64, Kept> =
         alone.map(|h| ids.iter().copied().zip(h.kept.iter().copied()).collect()).unwrap_or_default();
+    // (a routed expert this member keeps is counted on its rank: split over the ranks, or
+    // whole on this one with `etp: 1`)
     let counts = |id: u64| {
-        let counted = match experts.get(&id) {
-            None | Some(Kept::Everywhere) => first,
-            Some(Kept::Here) => counts_experts,
-            Some(Kept::Elsewhere) => false,
+        let (counted, here) = match experts.get(&id) {
+            None | Some(Kept::Everywhere) => (first, false),
+            Some(Kept::Here) => (counts_experts, true),
+            Some(Kept::Elsewhere) => (false, false),
         };
         counted
             && !tied.contains(&id)
-            && (rank == 0 || split.get(&id).is_some_and(|s| *s != crate::parallel::tensor_parallel::Sharding::Whole))
+            && (rank == 0
+                || here
+                || split.get(&id).is_some_and(|s| *s != crate::parallel::tensor_parallel::Sharding::Whole))
     };
     // the accumulated sums are of per-microbatch means scaled by 1/N: an update made from
     // fewer microbatches scales up to their mean (as the update itself does)

@@ -9,4 +9,5 @@ pub mod latent;
 pub mod layers;
 pub(crate) mod params;
 pub mod parts;
+pub(crate) mod routed;
 pub mod routing;

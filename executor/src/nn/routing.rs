@@ -2,6 +2,8 @@
 
 use pipec_plan::model::Moe;
 
+use crate::error::{ExecError, Result};
+
 /// Each token's `top_k` experts from the router's `scores` (a row of `moe.experts` per
 /// token), token after token: by the scores, plus `bias` where the block has one
 /// (`expert_bias`, for the choice only; empty: none).
@@ -55,6 +57,29 @@ fn choose(row: &[f32], moe: &Moe, order: &mut Vec<usize>, chosen: &mut [usize]) 
     chosen[..k].copy_from_slice(&order[..k]);
 }
 
+/// Whole experts beside tensor parallelism (`etp: 1`): of each expert's (token, choice)
+/// pairs of a microbatch's `t` tokens, which every rank of `(rank, tp)` routed alike, those
+/// whose token is in this rank's run of the rows — rank r's `r·t/tp .. (r+1)·t/tp` — so that
+/// the ranks of an expert group together send each pair once, and the block's all-reduce
+/// of its MLP half sums the ranks' rows back into every token's.
+pub(crate) fn rank_rows(
+    by_expert: &[Vec<(usize, usize)>],
+    t: usize,
+    (rank, tp): (usize, usize),
+) -> Result<Vec<Vec<(usize, usize)>>> {
+    let tp = tp.max(1);
+    if t < tp {
+        return Err(ExecError::Shape(format!(
+            "a microbatch of {t} tokens cannot give each of {tp} tensor-parallel ranks rows to send its whole experts"
+        )));
+    }
+    let rows = rank * t / tp..(rank + 1) * t / tp;
+    Ok(by_expert
+        .iter()
+        .map(|pairs| pairs.iter().copied().filter(|(token, _)| rows.contains(token)).collect())
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -83,5 +108,24 @@ mod tests {
         assert_eq!(chosen(&row, &routing(4, 1, 1)), [0, 4, 6, 7]);
         // 2 choices from 1 group scored by its 2 best: group 3 (1.4)
         assert_eq!(chosen(&row, &routing(2, 4, 1)), [6, 7]);
+    }
+
+    /// Whole experts: the ranks' runs of rows split every expert's pairs between them, each
+    /// pair on exactly one rank, in token order; fewer tokens than ranks is an error.
+    #[test]
+    fn each_pair_goes_out_from_exactly_one_rank() {
+        // 5 tokens, top 2 of 3 experts
+        let by_expert =
+            vec![vec![(0, 0), (2, 1), (4, 0)], vec![(0, 1), (1, 0), (3, 1)], vec![(1, 1), (2, 0), (3, 0), (4, 1)]];
+        let ranks: Vec<Vec<Vec<(usize, usize)>>> =
+            (0..2).map(|r| rank_rows(&by_expert, 5, (r, 2)).expect("rows")).collect();
+        // rank 0 sends tokens 0 and 1 (0..5/2), rank 1 tokens 2 to 4
+        assert_eq!(ranks[0], vec![vec![(0, 0)], vec![(0, 1), (1, 0)], vec![(1, 1)]]);
+        for (e, pairs) in by_expert.iter().enumerate() {
+            let mut joined = ranks[0][e].clone();
+            joined.extend(&ranks[1][e]);
+            assert_eq!(&joined, pairs, "expert {e}");
+        }
+        assert!(rank_rows(&by_expert, 1, (0, 2)).is_err());
     }
 }

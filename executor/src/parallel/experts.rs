@@ -84,10 +84,14 @@ impl Holding {
         let sharded = crate::parallel::groups::shard_group(plan, stage, device).is_some();
         let (i, rank) = replica_of(s, device)?;
         let placement = plan.schedule.kind.chunk_placement();
-        let position = placement.expert_position(i, ep);
+        // whole experts (`etp: 1`): the group's positions are its replicas' ranks
+        let tp = s.tensor_parallel.get(i).map_or(1, Vec::len);
+        let folded = if plan.schedule.whole_experts && tp > 1 { tp } else { 1 };
+        let position = placement.expert_position(i, ep) * folded + rank % folded;
         let n = s.tensor_parallel.len().max(s.replicas.len());
         let holders: Vec<DeviceId> =
             placement.same_experts(i, n, ep).into_iter().map(|j| device_at(s, j, rank)).collect::<Option<_>>()?;
+        let ep = ep * folded;
         let kept = params
             .iter()
             .map(|(id, _)| match routed_expert(plan, *id) {

@@ -40,8 +40,12 @@ impl<'a> SavedLayout<'a> {
         let all = plan.model_ops();
         for (s, [a, b]) in identity.stage_layers.iter().enumerate() {
             let degree = loaded.tp_size(s as u32);
-            let layers =
-                crate::parallel::tensor_parallel::StageLayers { all: &all, range: *a..*b, loss: plan.model.loss };
+            let layers = crate::parallel::tensor_parallel::StageLayers {
+                all: &all,
+                range: *a..*b,
+                loss: plan.model.loss,
+                whole_experts: identity.whole_experts,
+            };
             let split = shardings(&layers, degree as usize).map_err(|e| {
                 ExecError::Checkpoint(format!(
                     "the checkpoint's stage {s} (layers {a}..{b}) cannot be split {degree} ways: {e}"

@@ -37,6 +37,9 @@ pub struct StageLayers<'a> {
     pub all: &'a [Op],
     pub range: std::ops::Range<usize>,
     pub loss: Loss,
+    /// Each routed expert whole on one rank (`etp: 1`, `ScheduleInfo::whole_experts`), not
+    /// split like the block: its parameters are whole, and only its holder has them.
+    pub whole_experts: bool,
 }
 
 impl<'a> StageLayers<'a> {
@@ -209,7 +212,8 @@ pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections
                 } else {
                     (Sharding::Columns { rows: b.d, cols: b.ff }, Sharding::Columns { rows: 1, cols: b.ff })
                 };
-                // a dense block's one MLP, or each expert's (no biases: `lib::validate`)
+                // a dense block's one MLP, or each expert's (its up projection's bias split
+                // like the projection, its down projection's whole)
                 match b.moe {
                     None => {
                         out.insert(id(k, 8), up);
@@ -217,9 +221,12 @@ pub fn shardings(layers: &StageLayers<'_>, tp: usize) -> Result<std::collections
                         out.insert(id(k, 10), Sharding::Rows);
                     }
                     Some(m) => {
-                        for e in 0..m.experts + m.shared {
+                        // (whole routed experts: their parameters whole, like a norm's)
+                        let first = if layers.whole_experts { m.experts } else { 0 };
+                        for e in first..m.experts + m.shared {
                             let slot = pipec_plan::checkpoint::expert_slot(e);
                             out.insert(id(k, slot), up);
+                            out.insert(id(k, slot + 1), up_bias);
                             out.insert(id(k, slot + 2), Sharding::Rows);
                         }
                     }
@@ -239,9 +246,11 @@ pub fn build_stage<B: Kernels>(
     rank: usize,
     tp: usize,
 ) -> Result<StageModel<B>> {
-    let (ops, first) = (layers.ops(), layers.range.start);
+    let (ops, first, whole_experts) = (layers.ops(), layers.range.start, layers.whole_experts);
     let splits = layers.splits(tp)?;
-    let layout = shardings(layers, tp)?;
+    // (whole experts are built split like the block, then replaced whole:
+    // `Block::with_whole_experts`)
+    let layout = shardings(&StageLayers { whole_experts: false, ..layers.clone() }, tp)?;
     let at =
         |index: usize, slot: u64| layout.get(&crate::nn::layers::pid(index, slot)).copied().unwrap_or(Sharding::Whole);
     let mut layers = Vec::with_capacity(ops.len());
@@ -286,6 +295,7 @@ pub fn build_stage<B: Kernels>(
             (Split::Block, Op::TransformerBlock { .. }) => {
                 let slice = |slot: u64, w: Vec<f32>| shard(&w, at(index, slot), tp, rank);
                 match Block::build(index, op, seed, device, slice, (tp, rank)) {
+                    Some(b) if whole_experts => Layer::ParallelBlock(b.with_whole_experts(index, op, seed, device)),
                     Some(b) => Layer::ParallelBlock(b),
                     None => Layer::new(index, op, seed, device),
                 }
@@ -301,7 +311,8 @@ pub fn build_stage<B: Kernels>(
 /// summed over the group (`pipec_plan::in_pass::tp_partial_ids`, the rule the plan's
 /// declaration of those sums reads too).
 pub fn partial_parameter_ids(layers: &StageLayers<'_>, tp: usize) -> Result<Vec<u64>> {
-    pipec_plan::in_pass::tp_partial_ids(layers.all, layers.range.clone(), layers.loss, tp).map_err(ExecError::Plan)
+    pipec_plan::in_pass::tp_partial_ids(layers.all, layers.range.clone(), layers.loss, tp, layers.whole_experts)
+        .map_err(ExecError::Plan)
 }
 
 /// How a segment's input gradient is completed.

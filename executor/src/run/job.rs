@@ -538,6 +538,14 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
         }
     }
     block_recompute_runs_here(plan)?;
+    // whole experts (`etp: 1`) beside ZeRO: the shards' division of a member's experts is
+    // made for experts split like the block
+    if plan.schedule.whole_experts && plan.schedule.sharding != pipec_plan::vocab::Sharding::None {
+        return Err(RunError::setup(format!(
+            "the executor runs experts whole beside tensor parallelism (`etp: 1`) only without ZeRO yet (this plan has `zero: {}`)",
+            plan.schedule.sharding.level()
+        )));
+    }
     // batch normalisation needs a variance per channel in every microbatch
     for l in &plan.layers {
         if let (Op::BatchNorm2d { .. }, [_, h, w]) = (&l.op, l.input_shape.as_slice()) {
