@@ -73,18 +73,20 @@ pub(crate) fn squared_norm<B: ExecBackend>(
     };
     let experts: std::collections::HashMap<u64, Kept> =
         alone.map(|h| ids.iter().copied().zip(h.kept.iter().copied()).collect()).unwrap_or_default();
-    // (a routed expert this member keeps is counted on its rank: split over the ranks, or
-    // whole on this one with `etp: 1`)
+    // a routed expert whole on one rank (`etp: 1`) is counted on that rank, as a split
+    // parameter's part is on each (beside ZeRO this rank's chunks hold its experts only)
+    let whole_expert =
+        |id: u64| plan.schedule.whole_experts && crate::parallel::experts::routed_expert(plan, id).is_some();
     let counts = |id: u64| {
-        let (counted, here) = match experts.get(&id) {
-            None | Some(Kept::Everywhere) => (first, false),
-            Some(Kept::Here) => (counts_experts, true),
-            Some(Kept::Elsewhere) => (false, false),
+        let counted = match experts.get(&id) {
+            None | Some(Kept::Everywhere) => first,
+            Some(Kept::Here) => counts_experts,
+            Some(Kept::Elsewhere) => false,
         };
         counted
             && !tied.contains(&id)
             && (rank == 0
-                || here
+                || whole_expert(id)
                 || split.get(&id).is_some_and(|s| *s != crate::parallel::tensor_parallel::Sharding::Whole))
     };
     // the accumulated sums are of per-microbatch means scaled by 1/N: an update made from
