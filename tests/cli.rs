@@ -2874,7 +2874,20 @@ fn the_compile_report_counts_each_devices_experts_whole_or_split() {
                 c.output().expect("pipec runs")
             };
             let trained = run(&spec, Some("off"));
-            assert_eq!(trained.status.code(), Some(0), "{}", both_streams(&trained));
+            let said = both_streams(&trained);
+            assert_eq!(trained.status.code(), Some(0), "{said}");
+            // each device holds the model state the plan says (its routers whole on each
+            // rank, its one whole expert of every block)
+            for d in 0..8 {
+                let prefix = format!("d{d} ");
+                let line = said.lines().map(str::trim).find(|l| l.starts_with(&format!("{prefix}weights "))).expect("held");
+                // "weights A (B)", "gradients A (B)", "optimizer A (B)": measured A, the plan's B
+                for part in line[prefix.len()..].split("  ") {
+                    let (_, figures) = part.split_once(' ').expect("a name and its figures");
+                    let (measured, plan) = figures.split_once(" (").expect("measured (plan)");
+                    assert_eq!(measured, plan.trim_end_matches(')'), "{line}");
+                }
+            }
             // beside ZeRO: refused before this machine's CPU is measured for the spec's
             // inline CPU device (minutes, the first time: here an empty cache)
             let sharded = dir.path().join("sharded.yaml");

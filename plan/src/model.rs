@@ -779,7 +779,9 @@ impl BlockDims {
 
     /// Parameters that tensor parallelism keeps whole on every rank: the norms' gains (and
     /// shifts), the row-split products' biases, the query/key norms' gains, multi-head
-    /// latent attention's down projections and latent norms.
+    /// latent attention's down projections and latent norms, and a mixture of experts'
+    /// router (Megatron-LM's `TopKRouter` weight is not split; pipec's executor keeps it
+    /// whole on every rank too).
     pub fn unsplit_parameters(&self) -> usize {
         let biases = if self.bias { 2 * self.d } else { 0 };
         let qk = if self.qk_norm { 2 * self.qk_head } else { 0 };
@@ -790,7 +792,8 @@ impl BlockDims {
             .map(|p| p.input.saturating_mul(p.output))
             .sum();
         let latents = self.mla.map_or(0, |m| m.q_lora + m.kv_lora);
-        2 * self.norm_parameters() + biases + qk + duplicated + latents
+        let router = self.moe.map_or(0, |m| self.d.saturating_mul(m.experts));
+        2 * self.norm_parameters() + biases + qk + duplicated + latents + router
     }
 
     /// Parameters of the attention besides its projections: query/key norms' gains, the
