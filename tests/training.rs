@@ -1952,10 +1952,15 @@ fn whole_experts_beside_tensor_parallelism_train_to_one_devices_numbers() {
         job(4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true", "gpipe"),
         job(1, "\"1\"", "gpipe"),
     );
-    let sharded = plan(&job(4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 1", "gpipe"));
-    match pipec_executor::run(&sharded, &RunOptions::default(), &mut |_| {}) {
-        Ok(_) => panic!("whole experts beside ZeRO trained"),
-        Err(e) => assert!(e.to_string().contains("only without ZeRO yet"), "{e}"),
+    // refused: beside ZeRO, and over one replica's ranks (`ep` equal to `tp`)
+    for (devices, stages, said) in [
+        (4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 1", "only without ZeRO yet"),
+        (2, "\"1\"\n  tp: 2\n  ep: 2\n  etp: 1\n  sequence_parallel: true", "groups of two replicas or more"),
+    ] {
+        match pipec_executor::run(&plan(&job(devices, stages, "gpipe")), &RunOptions::default(), &mut |_| {}) {
+            Ok(_) => panic!("{stages} trained"),
+            Err(e) => assert!(e.to_string().contains(said), "{e}"),
+        }
     }
 }
 

@@ -546,6 +546,13 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
             plan.schedule.sharding.level()
         )));
     }
+    // (`ep` equal to `tp`: one replica's ranks, an expert group the plan does not make)
+    let split = |s: &pipec_plan::plan::StagePlan| s.tensor_parallel.iter().any(|g| g.len() > 1);
+    if plan.schedule.whole_experts && plan.stages.iter().any(|s| split(s) && s.expert_parallel <= 1) {
+        return Err(RunError::setup(
+            "the executor runs experts whole beside tensor parallelism (`etp: 1`) over expert groups of two replicas or more (`ep` at least twice `tp`) yet".to_string(),
+        ));
+    }
     // batch normalisation needs a variance per channel in every microbatch
     for l in &plan.layers {
         if let (Op::BatchNorm2d { .. }, [_, h, w]) = (&l.op, l.input_shape.as_slice()) {

@@ -249,7 +249,7 @@ pub const CAPABILITIES: &[Row<Capability>] = &[
     row(PC, C::ContextParallel(CpComm::Ring), "cp_comm: ring", PIPEC_SOURCE),
     row(PC, C::ExpertParallel, "ep", PIPEC_SOURCE),
     row(PC, C::SplitExperts, "ep beside tp (each expert split like the block)", PIPEC_SOURCE),
-    row(PC, C::WholeExperts, "etp: 1 (`pipec run` runs it without ZeRO and refuses it beside ZeRO)", PIPEC_SOURCE),
+    row(PC, C::WholeExperts, "etp: 1 (`pipec run` runs it with `ep` at least twice `tp`, without ZeRO, and refuses it otherwise)", PIPEC_SOURCE),
     row(PC, C::DeepEpDispatch, "moe_dispatch: deepep (priced; run as an all-to-all)", PIPEC_SOURCE),
     row(PC, C::EpOverlap, "ep_overlap (the combined 1F1B order; a pair's passes run one after the other)", PIPEC_SOURCE),
     row(PC, C::Recompute(RecomputeKind::Full), "recompute: true", PIPEC_SOURCE),
