@@ -64,15 +64,15 @@ impl PeerGroup {
         let ep = s.expert_parallel as usize;
         let mut group = PeerGroup::sized(plan, stage, device, exchanger, ep, PeerDim::Expert)?;
         let (i, rank) = replica_of(s, device)?;
-        let tp = s.tensor_parallel.get(i).map_or(1, Vec::len);
-        if plan.schedule.whole_experts && tp > 1 {
+        let ranks = expert_ranks(plan, s, i);
+        if ranks > 1 {
             let (replicas, position) = plan.schedule.kind.chunk_placement().expert_group(i, ep);
             group.members = replicas
                 .into_iter()
-                .flat_map(|j| (0..tp).map(move |r| (j, r)))
+                .flat_map(|j| (0..ranks).map(move |r| (j, r)))
                 .map(|(j, r)| device_at(s, j, r))
                 .collect::<Option<_>>()?;
-            group.position = position * tp + rank;
+            group.position = position * ranks + rank;
         }
         Some(group)
     }
@@ -167,6 +167,17 @@ pub(crate) fn replica_of(s: &StagePlan, device: DeviceId) -> Option<(usize, usiz
         None => {
             s.tensor_parallel.iter().enumerate().find_map(|(i, g)| g.iter().position(|d| *d == device).map(|r| (i, r)))
         }
+    }
+}
+
+/// The tensor-parallel ranks replica `i` of stage `s` brings to its expert group: all of
+/// them with whole experts (`etp: 1`), else one (the group's members share a rank).
+pub(crate) fn expert_ranks(plan: &Plan, s: &StagePlan, i: usize) -> usize {
+    let tp = s.tensor_parallel.get(i).map_or(1, Vec::len);
+    if plan.schedule.whole_experts && tp > 1 {
+        tp
+    } else {
+        1
     }
 }
 

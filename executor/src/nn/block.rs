@@ -116,7 +116,8 @@ pub struct Block<B: Backend> {
     /// MLP's rows of its down projection, whose bias rank 0 alone adds.
     #[module(skip)]
     pub tensor_parallel: (usize, usize),
-    /// `etp: 1`: the routed experts whole on one rank each ([`Block::with_whole_experts`]).
+    /// `etp: 1`: the routed experts whole, each on one rank of the expert group, this rank
+    /// sending its run of the rows ([`Block::routed_over_group`]).
     #[module(skip)]
     pub whole_experts: bool,
 }
@@ -474,7 +475,8 @@ impl<B: Kernels> Block<B> {
     }
 
     /// Layer `index`'s block `op` — whole, or with `tp` > 1 rank `rank`'s shard of it: each
-    /// weight is `slice(slot, the whole deterministic initial values)`, the rank's part.
+    /// weight is `slice(slot, the whole deterministic initial values)`, the rank's part
+    /// (with `whole_experts`, `etp: 1`, the routed experts' whole).
     pub(crate) fn build(
         index: usize,
         op: &Op,
@@ -482,6 +484,7 @@ impl<B: Kernels> Block<B> {
         device: &B::Device,
         slice: impl Fn(u64, Vec<f32>) -> Vec<f32>,
         (tp, rank): (usize, usize),
+        whole_experts: bool,
     ) -> Option<Self> {
         let k = op.block_dims()?;
         let tp = tp.max(1);
@@ -534,9 +537,14 @@ impl<B: Kernels> Block<B> {
                     fc2: dense(10, f, d, [f / tp, d], k.bias.then_some(d), 1.0),
                 }],
                 Some(m) => (0..m.experts + m.shared)
-                    .map(|e| Mlp {
-                        fc1: dense(expert_slot(e), d, k.up_width, [d, up_w], k.bias.then_some(up_w), he),
-                        fc2: dense(expert_slot(e) + 2, f, d, [f / tp, d], k.bias.then_some(d), 1.0),
+                    .map(|e| {
+                        // a routed expert whole on this rank (`etp: 1`), or split like the block
+                        let t = if whole_experts && e < m.experts { 1 } else { tp };
+                        let up = k.up_width / t;
+                        Mlp {
+                            fc1: dense(expert_slot(e), d, k.up_width, [d, up], k.bias.then_some(up), he),
+                            fc2: dense(expert_slot(e) + 2, f, d, [f / t, d], k.bias.then_some(d), 1.0),
+                        }
                     })
                     .collect(),
             },
@@ -558,7 +566,7 @@ impl<B: Kernels> Block<B> {
             recompute_core: false,
             dropout: k.dropout,
             tensor_parallel: (rank, tp),
-            whole_experts: false,
+            whole_experts,
         })
     }
 }
@@ -579,7 +587,7 @@ mod tests {
         if let Op::TransformerBlock { moe, .. } = &mut op {
             *moe = Some(Moe { router: Router::Sigmoid, expert_bias: true, ..Moe::new(8, 2) });
         }
-        let mut block = Block::<T>::build(1, &op, 3, &dev, |_, v| v, (1, 0)).expect("a block");
+        let mut block = Block::<T>::build(1, &op, 3, &dev, |_, v| v, (1, 0), false).expect("a block");
         assert_eq!(block.expert_bias, vec![0.0; 8], "zeros until a checkpoint says otherwise");
         let values: Vec<f32> = (0..5 * 8).map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0).collect();
         let x = Tensor::<T, 3>::from_data(TensorData::new(values, [1, 5, 8]), &dev);

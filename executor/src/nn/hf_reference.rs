@@ -343,7 +343,7 @@ fn gpt_oss_attention_sinks_compute_what_transformers_does_forward_and_backward()
         assert!(worst <= 1e-5 * scale, "{what}: differs by {worst} (largest {scale})");
     };
     let run = |recompute: bool, sinks: Vec<f32>| {
-        let mut block = super::block::Block::<A>::build(0, &op, 0, &dev, |_, w| w, (1, 0)).expect("a block");
+        let mut block = super::block::Block::<A>::build(0, &op, 0, &dev, |_, w| w, (1, 0), false).expect("a block");
         block.recompute_core = recompute;
         let id = pipec_plan::checkpoint::param_id(0, pipec_plan::model::SINKS_SLOT);
         block.sinks = Some(crate::nn::parts::param(id, sinks, [h], &dev));

@@ -326,7 +326,7 @@ impl<B: Kernels> Layer<B> {
                 Layer::PosEmbedding(Embed { weight: param(pid(index, 0), table, [max_len, dim], device), types: None })
             }
             Op::Lstm { input, hidden } => Layer::Lstm(Lstm::new(index, seed, input, hidden, device)),
-            Op::TransformerBlock { .. } => match Block::build(index, op, seed, device, |_, w| w, (1, 0)) {
+            Op::TransformerBlock { .. } => match Block::build(index, op, seed, device, |_, w| w, (1, 0), false) {
                 Some(b) => Layer::Block(b),
                 None => Layer::Stateless(Stateless { op: op.clone(), index }),
             },

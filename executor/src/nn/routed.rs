@@ -1,6 +1,6 @@
 //! A mixture of experts' routed experts over an expert-parallel group: the tokens' rows sent
-//! to the members computing their experts and back ([`Block::routed_over_group`]), and the
-//! experts built whole beside tensor parallelism (`etp: 1`).
+//! to the members computing their experts and back ([`Block::routed_over_group`]); beside
+//! tensor parallelism with whole experts (`etp: 1`), each rank's run of the rows.
 
 use burn::prelude::*;
 use burn::tensor::IndexingUpdateOp;
@@ -11,25 +11,6 @@ use crate::nn::block::Block;
 use crate::nn::routing::rank_rows;
 
 impl<B: Kernels> Block<B> {
-    /// This block with its routed experts whole (`etp: 1`): each built as one device builds
-    /// it, its deterministic initial values unsplit; the shared experts stay split.
-    pub(crate) fn with_whole_experts(
-        mut self,
-        index: usize,
-        op: &pipec_plan::model::Op,
-        seed: u64,
-        device: &B::Device,
-    ) -> Self {
-        let routed = self.moe.map_or(0, |m| m.experts);
-        if let Some(whole) = Block::<B>::build(index, op, seed, device, |_, w| w, (1, 0)) {
-            for (mine, w) in self.mlps.iter_mut().zip(whole.mlps).take(routed) {
-                *mine = w;
-            }
-            self.whole_experts = true;
-        }
-        self
-    }
-
     /// Expert parallelism: the routed experts' outputs, weighted, at their tokens — each
     /// pair's input sent to the member of `group` computing its expert (this member's
     /// experts computed on the rows every member sent), and the outputs sent back. The

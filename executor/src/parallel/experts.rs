@@ -17,7 +17,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use pipec_plan::{DeviceId, Plan, StageId};
 
-use crate::backend::port::{device_at, replica_of, PeerGroup};
+use crate::backend::port::{device_at, expert_ranks, replica_of, PeerGroup};
 
 /// Who keeps a parameter of an expert-parallel stage (see [`Holding`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,8 +85,7 @@ impl Holding {
         let (i, rank) = replica_of(s, device)?;
         let placement = plan.schedule.kind.chunk_placement();
         // whole experts (`etp: 1`): the group's positions are its replicas' ranks
-        let tp = s.tensor_parallel.get(i).map_or(1, Vec::len);
-        let folded = if plan.schedule.whole_experts && tp > 1 { tp } else { 1 };
+        let folded = expert_ranks(plan, s, i);
         let position = placement.expert_position(i, ep) * folded + rank % folded;
         let n = s.tensor_parallel.len().max(s.replicas.len());
         let holders: Vec<DeviceId> =

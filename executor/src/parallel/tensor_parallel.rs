@@ -248,9 +248,7 @@ pub fn build_stage<B: Kernels>(
 ) -> Result<StageModel<B>> {
     let (ops, first, whole_experts) = (layers.ops(), layers.range.start, layers.whole_experts);
     let splits = layers.splits(tp)?;
-    // (whole experts are built split like the block, then replaced whole:
-    // `Block::with_whole_experts`)
-    let layout = shardings(&StageLayers { whole_experts: false, ..layers.clone() }, tp)?;
+    let layout = shardings(layers, tp)?;
     let at =
         |index: usize, slot: u64| layout.get(&crate::nn::layers::pid(index, slot)).copied().unwrap_or(Sharding::Whole);
     let mut layers = Vec::with_capacity(ops.len());
@@ -294,8 +292,7 @@ pub fn build_stage<B: Kernels>(
             }
             (Split::Block, Op::TransformerBlock { .. }) => {
                 let slice = |slot: u64, w: Vec<f32>| shard(&w, at(index, slot), tp, rank);
-                match Block::build(index, op, seed, device, slice, (tp, rank)) {
-                    Some(b) if whole_experts => Layer::ParallelBlock(b.with_whole_experts(index, op, seed, device)),
+                match Block::build(index, op, seed, device, slice, (tp, rank), whole_experts) {
                     Some(b) => Layer::ParallelBlock(b),
                     None => Layer::new(index, op, seed, device),
                 }
