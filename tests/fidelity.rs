@@ -42,11 +42,23 @@ fn published_iteration_times_and_memory_are_predicted_within_bounds() {
     }
 }
 
+/// A published peak with its unit, `71.9 GiB` or `58.8 GB` (10⁹ bytes), in GiB.
+fn gib(cell: &str) -> f64 {
+    let (value, unit) = cell.split_once(' ').unwrap_or_else(|| panic!("`{cell}`: a figure and its unit"));
+    let value: f64 = value.parse().unwrap_or_else(|_| panic!("`{cell}`: a figure"));
+    match unit {
+        "GiB" => value,
+        "GB" => value * 1e9 / (1u64 << 30) as f64,
+        other => panic!("`{other}`: GiB or GB"),
+    }
+}
+
 /// One row of bench/specs/published-2025/runs.csv.
 struct Run {
     spec: String,
     moe: bool,
     fp8: bool,
+    /// The published peak, in GiB (a figure in decimal GB converted).
     peak_gib: Option<f64>,
     fits: bool,
     memory_held: Option<bool>,
@@ -54,7 +66,7 @@ struct Run {
 
 fn read_runs(text: &str) -> Vec<Run> {
     let mut lines = text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty());
-    assert_eq!(lines.next(), Some("spec,run,moe,fp8,peak_gib,fit,memory"), "the table's header");
+    assert_eq!(lines.next(), Some("spec,run,moe,fp8,peak,fit,memory"), "the table's header");
     let flag = |v: &str| match v {
         "yes" => true,
         "no" | "open" => false,
@@ -68,7 +80,7 @@ fn read_runs(text: &str) -> Vec<Run> {
                 spec: cells[0].to_string(),
                 moe: flag(cells[2]),
                 fp8: flag(cells[3]),
-                peak_gib: (!cells[4].is_empty()).then(|| cells[4].parse().expect("a peak in GiB")),
+                peak_gib: (!cells[4].is_empty()).then(|| gib(cells[4])),
                 fits: flag(cells[5]),
                 memory_held: match cells[6] {
                     "" => None,
