@@ -425,3 +425,35 @@ fn sequence_parallel_gathers_are_priced_as_each_engine_runs_them() {
         );
     }
 }
+
+/// Full recompute checkpoints each block alone, as the engines do: the layers after the
+/// last block (the final norm, the output layer) keep their inputs beside the checkpoints.
+/// Under sequence parallelism the final norm keeps its rank's share of the sequence, and the
+/// output layer its share too where the engine gathers its input again in the backward
+/// (Megatron-LM), the whole gathered input where it keeps it (torchtitan).
+#[test]
+fn full_recompute_keeps_the_layers_after_the_last_block_split_as_the_engine_splits_them() {
+    let plan = |engine: &str, norm: bool, recompute: bool| {
+        let norm = if norm { "    - rmsnorm\n" } else { "" };
+        let text = format!(
+            "name: tail\nengine: {engine}\nmodel:\n  input: [4096]\n  layers:\n    - embedding(1024, 1024)\n    - repeat 2: transformer_block(d=1024, heads=8, ff=4096, causal=true, norm=rmsnorm, mlp=swiglu, bias=false)\n{norm}    - linear(1024, 1024, bias=false)\n  loss: cross_entropy\n  attention: flash\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: h100-sxm\n  links: dgx-h100\nstrategy:\n  dp: 1\n  pp: 1\n  tp: 2\n  sequence_parallel: true\n  schedule: 1f1b\n  microbatches: 1\n  recompute: {recompute}\ntraining:\n  batch_size: 1\n  steps: 1\n  optimizer: {{ kind: adamw, lr: 0.001 }}\n  precision: bf16\n"
+        );
+        compile_text(&text).into_compiled().expect("compiles").plan
+    };
+    // one sample of 4096 positions × 1024 values in bf16, over the 2 ranks
+    let share = 4096 * 1024 * 2 / 2;
+    // (Megatron-LM and torchtitan train only models with a final norm; pipec's executor
+    // runs sequence parallelism on whole activations, so its norm keeps the whole input)
+    let with = plan("pipec", true, true).devices[0].memory.activations;
+    let without = plan("pipec", false, true).devices[0].memory.activations;
+    assert_eq!(with - without, 2 * share, "the final norm keeps its input under full recompute");
+    let kept = |engine: &str, from_last: usize| {
+        let p = plan(engine, true, false);
+        p.layers[p.layers.len() - from_last].activation_bytes_per_sample
+    };
+    for engine in ["megatron", "torchtitan"] {
+        assert_eq!(kept(engine, 2), share, "{engine}: the final norm keeps its share of the sequence");
+    }
+    assert_eq!(kept("megatron", 1), share, "Megatron-LM keeps its share and gathers again");
+    assert_eq!(kept("torchtitan", 1), 2 * share, "torchtitan keeps the gathered input");
+}

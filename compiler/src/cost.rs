@@ -687,11 +687,14 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
         cx.state_precision,
         cx.master_weights,
     );
+    let streamed = sequence_stream(&splits, cx.sequence_parallel);
     let mut costs: Vec<LayerCost> = graph
         .ops()
         .zip(&splits)
         .enumerate()
-        .map(|(i, ((_, node), &split))| layer_cost(node, split, (i == 0, i + 1 == count), (p, update_bytes), cx))
+        .map(|(i, ((_, node), &split))| {
+            layer_cost(node, (split, streamed[i]), (i == 0, i + 1 == count), (p, update_bytes), cx)
+        })
         .collect();
     // multi-token prediction runs after the output layer's forward, on its stage, and shares
     // its weights: its modules are priced as part of that layer
@@ -705,7 +708,7 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
                 _ => TpSplit::Replicated,
             };
             let scores = matches!(node.op, Op::Linear { .. }) && !own;
-            let mut c = layer_cost(&node, split, (false, scores), (p, update_bytes), cx);
+            let mut c = layer_cost(&node, (split, false), (false, scores), (p, update_bytes), cx);
             if !own {
                 c.own_nothing();
             }
@@ -715,16 +718,49 @@ pub fn analytic_costs(graph: &Graph, cx: &CostContext<'_>) -> Result<Vec<LayerCo
     Ok(costs)
 }
 
-/// One layer's costs on one rank: `node` split `split`, (`first`, `last`) its place in
-/// the model, `p` bytes a value, `update_bytes` an update's bytes per parameter.
+/// Which layers run on each rank's share of the sequence under sequence parallelism: the
+/// replicated layers between the blocks and the output layer (a language model's final
+/// norm), whose input and output the engines keep split along the sequence (Megatron-LM's
+/// `final_layernorm` on the scattered hidden states, torchtitan's `SequenceParallel` norm).
+fn sequence_stream(splits: &[TpSplit], sequence_parallel: bool) -> Vec<bool> {
+    (0..splits.len())
+        .map(|i| {
+            sequence_parallel
+                && splits[i] == TpSplit::Replicated
+                && splits[..i].contains(&TpSplit::Block)
+                && splits[i + 1..]
+                    .iter()
+                    .find(|&&s| s != TpSplit::Replicated)
+                    .is_some_and(|&s| matches!(s, TpSplit::Block | TpSplit::Vocab))
+        })
+        .collect()
+}
+
+/// One layer's costs on one rank: `node` split `split` (`streamed`: on the rank's share of
+/// the sequence, [`sequence_stream`]), (`first`, `last`) its place in the model, `p` bytes a
+/// value, `update_bytes` an update's bytes per parameter.
 fn layer_cost(
     node: &OpNode,
-    split: TpSplit,
+    (split, streamed): (TpSplit, bool),
     (first, last): (bool, bool),
     (p, update_bytes): (usize, f64),
     cx: &CostContext<'_>,
 ) -> LayerCost {
-    let priced = price(node, split, (first, last), cx);
+    let mut priced = price(node, split, (first, last), cx);
+    // the share of its rows a rank keeps of the layer's input: its sequence share in the
+    // sequence-parallel stream, and of the output layer's input under sequence parallelism
+    // unless the engine keeps the gathered input for the weight gradient (Megatron-LM keeps
+    // its share and gathers again in the backward; torchtitan keeps the gathered input)
+    let gathered_input = split == TpSplit::Vocab
+        && matches!(node.op, Op::Linear { .. })
+        && cx.sequence_parallel
+        && !cx.sequence_collectives.keeps_gathered;
+    let rows = if streamed || gathered_input { cx.tp.max(1) as f64 } else { 1.0 };
+    if streamed {
+        priced.forward /= rows;
+        priced.backward /= rows;
+        priced.selective /= rows;
+    }
     let (tp_forward, tp_backward) = tp_collectives(node, split, cx);
     let t = if split == TpSplit::Replicated { 1 } else { cx.tp };
     let sp = cx.sequence_parallel && split == TpSplit::Block;
@@ -742,10 +778,11 @@ fn layer_cost(
     };
     let cp = cx.cp.max(1) as f64;
     // a context-parallel member keeps 1/cp of every tensor (its positions)
-    let list: Vec<Kept> = kept_list(node, &kept_cx).into_iter().map(|k| Kept { bytes: k.bytes / cp, ..k }).collect();
+    let list: Vec<Kept> =
+        kept_list(node, &kept_cx).into_iter().map(|k| Kept { bytes: k.bytes / cp / rows, ..k }).collect();
     let (kept, core) = kept_bytes(node, &kept_cx);
     let (cp_forward, cp_backward) = cp_collectives(node, t, cx);
-    let (kept, gathered) = context_kept(kept, node, p as f64, t, cx);
+    let (kept, gathered) = context_kept(kept / rows, node, p as f64, t, cx);
     let core = core / cp;
     let update_s = cx.device.update_time(cx.optimizer, node.op.parameter_tensors(), shard as f64, update_bytes);
     // the last layer's outputs on this rank (split over the vocabulary, or whole), and what

@@ -811,8 +811,15 @@ fn stage_bytes(
     // activation recompute checkpoints the input of every recompute unit — the stage input,
     // and each transformer block's or LSTM's input (Megatron-LM's full recompute, one block
     // at a time) — and rebuilds one unit's activations at a time
-    let starts: Vec<usize> =
-        r.clone().filter(|&i| i == r.start || graph.node(graph.op_at(i)).op.recompute_unit()).collect();
+    let unit = |i: usize| graph.node(graph.op_at(i)).op.recompute_unit();
+    // the layers after the stage's last block (a language model's final norm and output
+    // layer) are in no checkpoint: the engines wrap each block alone (Megatron-LM's
+    // `TransformerBlock` checkpoints its layers and runs `final_layernorm` after them;
+    // torchtitan's and DeepSpeed's checkpoint wrappers take the blocks), so those layers keep
+    // what they keep without recompute, beside the checkpoints until the backward
+    let tail = r.clone().rev().find(|&i| unit(i)).map_or(r.end, |u| u + 1);
+    let starts: Vec<usize> = (r.start..tail).filter(|&i| i == r.start || unit(i)).collect();
+    let tail_kept = (tail..r.end).fold(0u64, |a, j| a.saturating_add(kept(j))).saturating_mul(mb);
     let checkpoint: u64 = starts
         .iter()
         .map(|&i| {
@@ -825,12 +832,13 @@ fn stage_bytes(
                 (cut_bytes(i) / if split { tp as u64 } else { 1 }).saturating_mul(mb)
             }
         })
-        .fold(0u64, u64::saturating_add);
+        .fold(0u64, u64::saturating_add)
+        .saturating_add(tail_kept);
     let unit_peak = starts
         .iter()
         .enumerate()
         .map(|(k, &i)| {
-            let end = starts.get(k + 1).copied().unwrap_or(r.end);
+            let end = starts.get(k + 1).copied().unwrap_or(tail);
             (i..end).fold(0u64, |a, j| a.saturating_add(kept(j))).saturating_mul(mb)
         })
         .max()

@@ -85,8 +85,9 @@ pub struct StageBytes {
     /// Bytes kept per microbatch for the backward.
     pub activations_per_microbatch: u64,
     /// With recompute: what each microbatch in flight keeps (the input of every recompute
-    /// unit: the stage input, each transformer block's or LSTM's input; and the loss's
-    /// input on the last stage).
+    /// unit: the stage input, each transformer block's or LSTM's input; what the layers
+    /// after the stage's last block keep, which no engine recomputes; and the loss's input
+    /// on the last stage).
     pub checkpoint_per_microbatch: u64,
     /// With recompute: the largest unit's activations for one microbatch, live while it is
     /// recomputed and its backward runs.
