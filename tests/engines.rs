@@ -564,6 +564,22 @@ fn fp8_is_emitted_as_each_engine_switches_it_on_and_imported_back() {
     assert!(e.contains("no FP8"), "{e}");
     let e = emitted(&with_fp8("1", "{ recipe: rowwise }"), Engine::Megatron, "args.txt").expect_err("refused");
     assert!(e.contains("rowwise recipe") && e.contains("tensorwise"), "{e}");
+    // what an engine's configuration cannot say of the FP8 storage is named in NOTES.md:
+    // Megatron-LM keeps Transformer Engine's weight copies (no switch for
+    // `disable_parameter_transpose_cache`) and FP8 inputs; torchao keeps neither
+    let not_said = |plan: &Plan, engine: Engine| {
+        let notes = emitted(plan, engine, "NOTES.md").expect("emitted");
+        notes.split("## Not carried over from the plan").nth(1).expect("the section").to_string()
+    };
+    let lost = not_said(&with_fp8("1", "{ recipe: tensorwise }"), Engine::Megatron);
+    assert!(!lost.contains("fp8."), "{lost}");
+    let lost =
+        not_said(&with_fp8("1", "{ recipe: tensorwise, activations: bf16, weight_copies: false }"), Engine::Megatron);
+    assert!(lost.contains("`fp8.weight_copies: false`") && lost.contains("`fp8.activations: bf16`"), "{lost}");
+    assert!(!not_said(&back, Engine::Torchtitan).contains("fp8."), "the imported 405B run says what torchao keeps");
+    let mut cached = back.clone();
+    cached.training.fp8 = cached.training.fp8.map(|f| pipec_plan::plan::Fp8Plan { weight_copies: true, ..f });
+    assert!(not_said(&cached, Engine::Torchtitan).contains("`fp8.weight_copies: true`"));
 }
 
 /// Gradients reduced in bf16 and Adam's moments in bf16 are emitted as Megatron-LM switches

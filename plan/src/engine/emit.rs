@@ -221,6 +221,7 @@ fn notes(run: &Run<'_>, engine: &EngineTarget) -> String {
     if run.plan.training.recipe.lr_schedule.is_some() {
         lost.push("the spec's learning-rate schedule (a constant rate is written)".into());
     }
+    lost.extend(fp8_not_said(run.plan.training.fp8, engine.name));
     if lost.is_empty() {
         lost.push("nothing of the layout, batch, model shape, precision or optimizer".into());
     }
@@ -228,6 +229,32 @@ fn notes(run: &Run<'_>, engine: &EngineTarget) -> String {
         let _ = writeln!(out, "- {l}");
     }
     out
+}
+
+/// What of FP8 training's storage (`training.fp8`) the engine's configuration cannot say:
+/// each engine's FP8 keeps what its kernels keep. Megatron-LM's Transformer Engine layers
+/// keep the FP8 copies of their inputs and, between a step's microbatches, FP8 copies of the
+/// weights (its arguments have no switch for Megatron-Core's
+/// `disable_parameter_transpose_cache`, which Megatron-Bridge sets in its configuration);
+/// torchao's `Float8Linear` under torchtitan keeps the bf16 input and casts the weights
+/// every pass.
+fn fp8_not_said(fp8: Option<crate::plan::Fp8Plan>, engine: Engine) -> Vec<String> {
+    use crate::vocab::Fp8Storage;
+    let Some(f) = fp8 else { return Vec::new() };
+    let (activations, copies) = match engine {
+        Engine::Megatron => (
+            (f.activations == Fp8Storage::Bf16)
+                .then_some("`fp8.activations: bf16`: Transformer Engine's linear layers keep the FP8 copies of their inputs"),
+            (!f.weight_copies).then_some("`fp8.weight_copies: false`: Megatron-LM's arguments have no switch for Megatron-Core's `disable_parameter_transpose_cache` (Megatron-Bridge sets it in its configuration), so Transformer Engine keeps FP8 copies of the weights between microbatches"),
+        ),
+        Engine::Torchtitan => (
+            (f.activations == Fp8Storage::Fp8)
+                .then_some("`fp8.activations: fp8`: torchao's Float8Linear keeps its bf16 input for the weight gradient"),
+            f.weight_copies.then_some("`fp8.weight_copies: true`: torchao casts the weights every pass and keeps no FP8 copies"),
+        ),
+        Engine::Deepspeed | Engine::Pipec => (None, None),
+    };
+    [activations, copies].into_iter().flatten().map(str::to_string).collect()
 }
 
 /// A flag and its value (None: a switch).
